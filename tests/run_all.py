@@ -1,0 +1,36 @@
+"""The whole test suite in one command (`make test`): library tests, then the notebooks.
+
+pytest's exit code 5 (no tests collected) is a failure here, never a silent pass.
+"""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args: list[str]) -> int:
+    print("+", " ".join(args), flush=True)
+    return subprocess.call(args, cwd=ROOT)
+
+
+def main() -> int:
+    py = sys.executable
+    steps = [[py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-n", "2",
+              "--timeout", "600"]]
+    nbs = sorted(os.path.join("notebooks", f) for f in os.listdir(os.path.join(ROOT, "notebooks"))
+                 if f.endswith(".ipynb")) if os.path.isdir(os.path.join(ROOT, "notebooks")) else []
+    if nbs:
+        steps.append([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                      "--nbval-current-env", "--nbval-sanitize-with", "notebooks/sanitize.cfg",
+                      "-n", "2", *nbs])
+    for s in steps:
+        rc = run(s)
+        if rc != 0:
+            print(f"FAILED (exit code {rc}{', no tests collected' if rc == 5 else ''})", flush=True)
+            return rc or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

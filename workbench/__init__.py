@@ -1,0 +1,26 @@
+"""workbench: learn how large models are trained across many devices.
+
+    import workbench as wb
+    mesh = wb.Mesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    x = wb.shard_tensor(torch.randn(8, 6), mesh, [wb.Shard(0), wb.Replicate()])
+    with wb.trace(profile="ascend-910b") as tr:
+        y = wb.reshard(x, mesh, [wb.Replicate(), wb.Shard(1)])
+    print(wb.plan_reshard(x, mesh, ["R", "S(1)"]))
+
+See the course in notebooks/ and the map in README.md.
+"""
+import os as _os
+
+# torch_npu auto-loads on `import torch` (torch >= 2.5) and breaks it when the CANN
+# toolkit is missing; workbench.npu imports torch_npu itself, guarded.
+_os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from .sim_mesh import Mesh, Trace, Event, trace, current_trace, get_profile, list_profiles  # noqa: E402
+from .sim_mesh import collectives  # noqa: E402
+from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorSpec,  # noqa: E402
+                       shard_tensor, from_local, plan_reshard, reshard, Plan, Step)
+
+__version__ = "0.1.0"
+__all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
+           "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
+           "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step"]

@@ -1,0 +1,339 @@
+"""DistTensor: a logical (global) tensor laid out over a mesh by placements.
+
+    >>> mesh = Mesh.grid((2, 2), ("dp", "tp"))
+    >>> t = shard_tensor(torch.randn(8, 6), mesh, [Shard(0), Shard(1)])
+    >>> t                                   # the notation of "How to Scale Your Model"
+    DistTensor f32[I_dp, J_tp] shape=(8, 6) on Mesh(dp=2, tp=2; ranks [0, 1, 2, 3])
+    >>> t.local(3).shape
+    torch.Size([4, 3])
+
+Every rank's local shard is held in one stacked tensor ``t._local`` with one
+leading axis per mesh dimension (size 1 where the tensor is replicated), or, when
+shard shapes differ (uneven ``torch.chunk`` splits), in :class:`Cells`, one tensor
+per rank.  See :mod:`workbench.sim_mesh.collectives`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..sim_mesh.collectives import Cells
+from ..sim_mesh.mesh import Mesh
+from . import layout
+from .placement import Partial, Placement, Replicate, Shard, normalize_placements
+
+__all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
+
+_SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
+                torch.bool: "bool", torch.int8: "i8", torch.uint8: "u8"}
+_LETTERS = "IJKLMNOPQRST"
+
+
+class TensorSpec:
+    """Shape, mesh and placements of a tensor: what SPMD rules and plans look at."""
+    __slots__ = ("shape", "mesh", "placements", "dtype")
+
+    def __init__(self, shape: Sequence[int], mesh: Mesh, placements, dtype=torch.float32):
+        self.shape = torch.Size(shape)
+        self.mesh = mesh
+        self.placements = normalize_placements(placements, mesh, len(self.shape))
+        self.dtype = dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return layout.local_shape(self.shape, self.mesh, self.placements, rank)
+
+    def __repr__(self) -> str:
+        return (f"TensorSpec({tuple(self.shape)}, {notation(self.shape, self.mesh, self.placements, self.dtype)})")
+
+    def __eq__(self, other):
+        return (isinstance(other, TensorSpec) and self.shape == other.shape and
+                self.mesh == other.mesh and self.placements == other.placements)
+
+    def __hash__(self):
+        return hash((tuple(self.shape), self.mesh, self.placements))
+
+
+def notation(shape, mesh, placements, dtype=torch.float32, names: str | None = None) -> str:
+    """``f32[I_dp, J_tp]{U_pp}``: dims subscripted by the mesh dims that shard them,
+    ``{U_x}`` for unreduced (Partial) over x."""
+    names = names or _LETTERS
+    subs: list[list[str]] = [[] for _ in shape]
+    unreduced = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            subs[p.dim].append(mesh.dim_names[i])
+        elif isinstance(p, Partial):
+            op = "" if p.reduce_op == "sum" else f"({p.reduce_op})"
+            unreduced.append(mesh.dim_names[i] + op)
+    dims = []
+    for d in range(len(shape)):
+        n = names[d] if d < len(names) else f"D{d}"
+        dims.append(n + ("_" + (subs[d][0] if len(subs[d]) == 1 else "{" + ",".join(subs[d]) + "}")
+                         if subs[d] else ""))
+    s = f"{_SHORT_DTYPE.get(dtype, str(dtype).replace('torch.', ''))}[{', '.join(dims)}]"
+    if unreduced:
+        s += "{U_" + ",".join(unreduced) + "}"
+    return s
+
+
+class DistTensor:
+    """A global tensor of ``shape`` laid out on ``mesh`` by ``placements``.
+
+    Build one with :func:`shard_tensor` or :func:`from_local`; move it with
+    :func:`workbench.reshard`.  Torch functions and operators on DistTensors go
+    through the SPMD rules (:mod:`workbench.parallel.dispatch`).
+    """
+    __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "__weakref__")
+
+    def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        self.shape = torch.Size(shape)
+        self._local = local
+        self.dtype = dtype if dtype is not None else local.dtype
+        self.names = names
+
+    # ---- facts -----------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int | None = None):
+        return self.shape if d is None else self.shape[d]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.shape, self.mesh, self.placements, self.dtype)
+
+    @property
+    def is_even(self) -> bool:
+        return not isinstance(self._local, Cells)
+
+    @property
+    def device(self):
+        return (self._local.items[0] if isinstance(self._local, Cells) else self._local).device
+
+    # ---- shards ----------------------------------------------------------------------
+    def local(self, rank: int) -> torch.Tensor:
+        """The local shard that ``rank`` holds."""
+        c = self.mesh.coordinate(rank)
+        if isinstance(self._local, Cells):
+            return self._local[c]
+        idx = tuple(ci if n > 1 else 0 for ci, n in zip(c, self._local.shape[:self.mesh.ndim]))
+        return self._local[idx]
+
+    def locals(self) -> list[torch.Tensor]:
+        """Every rank's local shard, in mesh (row-major) order."""
+        return [self.local(r) for r in self.mesh.ranks]
+
+    def full(self) -> torch.Tensor:
+        """The global tensor, gathered by a (traced) reshard to Replicate."""
+        from .reshard import reshard
+        t = self
+        if any(not p.is_replicate() for p in self.placements):
+            t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+        return t.local(self.mesh.ranks[0])
+
+    def cells(self) -> Cells:
+        """The local shards as Cells (a grid of tensors), whatever the layout."""
+        if isinstance(self._local, Cells):
+            return self._local
+        nd = self.mesh.ndim
+        lead = tuple(self._local.shape[:nd])
+        flat = self._local.reshape((-1,) + tuple(self._local.shape[nd:])) if lead else self._local
+        return Cells(lead, list(flat.unbind(0)))
+
+    # ---- autograd ----------------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        loc = self._local
+        return loc.requires_grad() if isinstance(loc, Cells) else loc.requires_grad
+
+    @property
+    def is_leaf(self) -> bool:
+        loc = self._local
+        ts = loc.items if isinstance(loc, Cells) else [loc]
+        return all(t.is_leaf for t in ts)
+
+    def requires_grad_(self, flag: bool = True) -> "DistTensor":
+        """Make this DistTensor a leaf of autograd: its ``.grad`` becomes a DistTensor."""
+        if not self.dtype.is_floating_point and flag:
+            raise TypeError(f"requires_grad_() on a {self.dtype} DistTensor: only floating "
+                            "point tensors can require gradients")
+        loc = self._local
+        if isinstance(loc, Cells):
+            self._local = Cells(loc.lead, [t.detach().requires_grad_(flag) for t in loc.items])
+        else:
+            self._local = loc if (loc.is_leaf and not flag) else loc.detach().requires_grad_(flag)
+            if not flag:
+                self._local = self._local.detach()
+        return self
+
+    @property
+    def grad(self) -> "DistTensor | None":
+        loc = self._local
+        if isinstance(loc, Cells):
+            gs = [t.grad for t in loc.items]
+            if all(g is None for g in gs):
+                return None
+            gs = [torch.zeros_like(t) if g is None else g for g, t in zip(gs, loc.items)]
+            return DistTensor(Cells(loc.lead, gs), self.mesh, self._grad_placements(), self.shape)
+        if loc.grad is None:
+            return None
+        return DistTensor(loc.grad, self.mesh, self._grad_placements(), self.shape)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if value is not None:
+            raise ValueError("set .grad to None (zero_grad); assign gradients through backward()")
+        loc = self._local
+        for t in (loc.items if isinstance(loc, Cells) else [loc]):
+            t.grad = None
+
+    def _grad_placements(self):
+        # The gradient of a Partial value is the same on every rank: Replicate.
+        return tuple(Replicate() if p.is_partial() else p for p in self.placements)
+
+    def detach(self) -> "DistTensor":
+        loc = self._local
+        loc = Cells(loc.lead, [t.detach() for t in loc.items]) if isinstance(loc, Cells) else loc.detach()
+        return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+
+    def backward(self, gradient=None) -> None:
+        """Backpropagate from a scalar DistTensor (a Partial scalar is reduced first)."""
+        if self.numel() != 1 and gradient is None:
+            raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
+                               "grad can be implicitly created only for scalars; pass gradient=")
+        t = self
+        if any(p.is_partial() for p in self.placements):
+            from .reshard import reshard
+            t = reshard(self, self.mesh, self._grad_placements())
+        if gradient is None:
+            loc = t._local
+            if isinstance(loc, Cells):
+                loc.items[0].sum().backward()
+            else:
+                # replicated axes are compact (size 1): this is the one global value
+                torch.autograd.backward(loc.reshape(-1)[:1].sum())
+            return
+        g = gradient._local if isinstance(gradient, DistTensor) else gradient
+        if isinstance(t._local, Cells) or isinstance(g, Cells):
+            raise NotImplementedError("backward(gradient=...) on uneven DistTensors: "
+                                      "reshard to an even layout first")
+        torch.autograd.backward(t._local, g.expand_as(t._local) if g.dim() == t._local.dim() else g)
+
+    # ---- printing --------------------------------------------------------------------
+    def notation(self) -> str:
+        return notation(self.shape, self.mesh, self.placements, self.dtype, self.names)
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad" if self.requires_grad else ""
+        return (f"DistTensor {self.notation()} shape={tuple(self.shape)} on {self.mesh}{grad}")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __bool__(self):
+        raise RuntimeError("the truth value of a DistTensor is ambiguous; use .full()")
+
+    def __hash__(self):
+        return id(self)
+
+
+# ---- construction -------------------------------------------------------------------------
+
+def _stack_cells(cells: Cells, nd: int) -> torch.Tensor:
+    st = torch.stack(cells.items)
+    return st.reshape(tuple(cells.lead) + tuple(st.shape[1:]))
+
+
+def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = None) -> DistTensor:
+    """Lay the global tensor ``x`` out on ``mesh``: each rank keeps its shard.
+
+    ``Partial("sum")`` keeps the value on the first rank of each group and zeros
+    elsewhere (so the sum is exact); other Partial ops keep the value everywhere."""
+    from .reshard import _local_step
+    if isinstance(x, DistTensor):
+        raise TypeError("shard_tensor(x=DistTensor): x is already distributed; use reshard()")
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh, e.g. Mesh.grid((2, 2))")
+    ps = normalize_placements(placements, mesh, x.dim())
+    nd = mesh.ndim
+    cur = tuple(Replicate() for _ in range(nd))
+    t = DistTensor(x.reshape((1,) * nd + tuple(x.shape)), mesh, cur, x.shape, x.dtype, names)
+    for i, p in enumerate(ps):          # left to right, as DTensor nests shards
+        if not p.is_replicate():
+            nxt = cur[:i] + (p,) + cur[i + 1:]
+            t = _local_step(t, i, nxt)
+            cur = nxt
+    return t
+
+
+def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,
+               check_replicas: bool = True) -> DistTensor:
+    """Build a DistTensor from every rank's local tensor (a list in mesh rank order).
+
+    E.g. a Partial tensor whose ranks hold unequal parts, as after a row-parallel
+    matmul.  The global shape is inferred from the shards unless ``shape`` is given;
+    shards that do not fit it, or Replicate copies that differ, are errors."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
+    locals_ = [torch.as_tensor(t) for t in locals_]
+    if len(locals_) != mesh.size:
+        raise ValueError(f"locals has {len(locals_)} tensors for a mesh of {mesh.size} ranks; "
+                         "give one local tensor per rank, in mesh order")
+    nd0 = locals_[0].dim()
+    if any(t.dim() != nd0 for t in locals_):
+        raise ValueError(f"local tensors have different numbers of dims "
+                         f"{[t.dim() for t in locals_]}; every shard has the global tensor's rank")
+    if any(t.dtype != locals_[0].dtype for t in locals_):
+        raise TypeError(f"local tensors have different dtypes {sorted({str(t.dtype) for t in locals_})}")
+    ps = normalize_placements(placements, mesh, nd0)
+    if shape is None:
+        shape = list(locals_[0].shape)
+        for d in range(nd0):
+            axes = [i for i, p in enumerate(ps) if p.is_shard(d)]
+            if axes:
+                first = [r for r in mesh.ranks
+                         if all(c == 0 for i, c in enumerate(mesh.coordinate(r)) if i not in axes)]
+                shape[d] = sum(locals_[mesh.index(r)].shape[d] for r in first)
+    shape = torch.Size(shape)
+    for r, t in zip(mesh.ranks, locals_):
+        want = layout.local_shape(shape, mesh, ps, r)
+        if tuple(t.shape) != want:
+            raise ValueError(f"rank {r}'s local tensor has shape {tuple(t.shape)}, but "
+                             f"{[str(p) for p in ps]} of a global {tuple(shape)} gives it {want} "
+                             "(torch.chunk sizes); fix the shard or pass shape=")
+    lead = tuple(1 if p.is_replicate() else n for p, n in zip(ps, mesh.shape))
+    cells = {}
+    for r, t in zip(mesh.ranks, locals_):
+        c = tuple(ci if n > 1 else 0 for ci, n in zip(mesh.coordinate(r), lead))
+        if c in cells:
+            if check_replicas and not torch.equal(cells[c], t):
+                axes = [mesh.dim_names[i] for i, p in enumerate(ps) if p.is_replicate()]
+                raise ValueError(f"rank {r} holds a different tensor than its replica along "
+                                 f"{axes} under Replicate(); use Partial() if the locals are "
+                                 "parts of a sum")
+            continue
+        cells[c] = t
+    import itertools
+    items = [cells[c] for c in itertools.product(*[range(n) for n in lead])]
+    cl = Cells(lead, items)
+    if layout.is_even(shape, mesh, ps):
+        return DistTensor(_stack_cells(cl, mesh.ndim), mesh, ps, shape)
+    return DistTensor(cl, mesh, ps, shape, locals_[0].dtype)

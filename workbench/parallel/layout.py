@@ -1,0 +1,79 @@
+"""Where each rank's shard lies in the global tensor (the runtime's offset function).
+
+Shards follow ``torch.chunk`` sizes, as in PyTorch DTensor: 10 rows on 4 ranks
+are 3, 3, 3, 1 (and 5 rows on 4 ranks are 2, 2, 1, 0).  A tensor dimension
+sharded by several mesh dimensions is split left to right: first by the
+leftmost mesh dimension, then each piece by the next one.
+
+Everything here is computed from (shape, mesh, placements) alone, so the
+visualizers can draw what has not been computed.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+from ..sim_mesh.collectives import chunk_bounds
+from .placement import Placement, Shard
+
+__all__ = ["chunk_bounds", "shard_bounds", "local_shape", "is_even", "stacked_shape",
+           "max_local_shape", "local_numel_max"]
+
+
+@lru_cache(maxsize=4096)
+def _bounds(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple):
+    start = [0] * len(shape)
+    size = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim
+            s, n = chunk_bounds(size[d], mesh_shape[i], coord[i])
+            start[d] += s
+            size[d] = n
+    return tuple(zip(start, size))
+
+
+def shard_bounds(shape: Sequence[int], mesh, placements: Sequence[Placement],
+                 rank: int) -> tuple[tuple[int, int], ...]:
+    """Per tensor dim, (start, size) of ``rank``'s shard in the global tensor."""
+    return _bounds(tuple(shape), mesh.shape, tuple(placements), mesh.coordinate(rank))
+
+
+def local_shape(shape, mesh, placements, rank) -> tuple[int, ...]:
+    return tuple(n for _, n in shard_bounds(shape, mesh, placements, rank))
+
+
+@lru_cache(maxsize=4096)
+def _is_even(shape: tuple, mesh_shape: tuple, placements: tuple) -> bool:
+    split = [1] * len(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            split[p.dim] *= mesh_shape[i]
+    return all(n % s == 0 for n, s in zip(shape, split))
+
+
+def is_even(shape, mesh, placements) -> bool:
+    """True when every rank's shard has the same shape (the fast stacked layout)."""
+    return _is_even(tuple(shape), mesh.shape, tuple(placements))
+
+
+def max_local_shape(shape, mesh, placements) -> tuple[int, ...]:
+    """The largest shard (rank 0's, since torch.chunk gives the first chunks the most)."""
+    out = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            out[p.dim] = -(-out[p.dim] // mesh.shape[i]) if out[p.dim] else 0
+    return tuple(out)
+
+
+def local_numel_max(shape, mesh, placements) -> int:
+    return math.prod(max_local_shape(shape, mesh, placements))
+
+
+def stacked_shape(shape, mesh, placements) -> tuple[int, ...]:
+    """Shape of the stacked local tensor of an even layout: one leading axis per
+    mesh dim (size 1 where the tensor is replicated: copies are not stored),
+    then the local shard's shape."""
+    lead = tuple(1 if p.is_replicate() else n for p, n in zip(placements, mesh.shape))
+    return lead + max_local_shape(shape, mesh, placements)

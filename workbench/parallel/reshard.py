@@ -1,0 +1,405 @@
+"""Reshard: turn one layout into another with the cheapest plan of collectives.
+
+A plan is plain data: a list of :class:`Step` (collective, mesh dim, bytes each
+rank sends, modeled time) that can be printed, priced, drawn and executed.
+One step changes the placement of one mesh dimension; each edit is a
+collective of the scaling book:
+
+    S(d) -> R      all_gather        removes a subscript
+    P    -> R      all_reduce        removes {U}
+    P    -> S(d)   reduce_scatter    turns {U} into a subscript
+    S(a) -> S(b)   all_to_all        moves a subscript
+    R    -> S(d)   local slice       no traffic
+    R    -> P      local             no traffic (first rank keeps the value)
+    S(d) -> P      local zero-pad    no traffic
+
+Multi-dimensional changes are searched (Dijkstra over placements, priced on the
+hardware profile) so the plan is the cheapest valid order.  A move on mesh dim i
+that touches tensor dim d is only valid while no mesh dim to its right also
+shards d (the nesting of DTensor's left-to-right order).  Across meshes the
+data moves by send/recv.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sim_mesh import collectives as C
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.collectives import Cells
+from ..sim_mesh.mesh import Mesh
+from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.trace import current_trace
+from . import layout
+from .placement import Partial, Replicate, Shard, fmt_placements, normalize_placements
+
+__all__ = ["Step", "Plan", "plan_reshard", "reshard"]
+
+_LOCAL = ("local_slice", "local_partial", "local_pad")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a reshard plan."""
+    kind: str                       # all_gather | all_reduce | reduce_scatter | all_to_all |
+                                    # send_recv | local_slice | local_partial | local_pad
+    mesh_dim: int | None            # the mesh dim it runs along (None for send/recv)
+    mesh_dim_name: str
+    src: tuple                      # placements before
+    dst: tuple                      # placements after
+    bytes: int                      # bytes each rank sends (0 for local steps)
+    time: float                     # modeled seconds on the plan's profile
+    buffer_bytes: int = 0           # the collective's buffer (cost-model convention)
+    groups: int = 0                 # how many groups run it at once
+    note: str = ""
+
+    def __str__(self) -> str:
+        where = f"on {self.mesh_dim_name}" if self.mesh_dim_name else ""
+        move = f"{fmt_placements(self.src)} -> {fmt_placements(self.dst)}"
+        return (f"{self.kind:<15}{where:<10}{move:<28}{self.bytes:>12,d} B"
+                f"{self.time * 1e6:>10.2f} us  {self.note}").rstrip()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A reshard plan: steps plus what they connect."""
+    shape: tuple
+    dtype: torch.dtype
+    src_mesh: Mesh
+    src: tuple
+    dst_mesh: Mesh
+    dst: tuple
+    steps: tuple
+    profile: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def total_time(self) -> float:
+        return sum(s.time for s in self.steps)
+
+    def collectives(self) -> list[str]:
+        return [s.kind for s in self.steps if s.kind not in _LOCAL]
+
+    def __str__(self) -> str:
+        head = (f"reshard {tuple(self.shape)} {fmt_placements(self.src)} -> "
+                f"{fmt_placements(self.dst)}"
+                + ("" if self.src_mesh == self.dst_mesh else
+                   f" (mesh {list(self.src_mesh.ranks)} -> {list(self.dst_mesh.ranks)})")
+                + f" on {self.profile}")
+        if not self.steps:
+            return head + "\n  (nothing to do)"
+        body = "\n".join("  " + str(s) for s in self.steps)
+        return (f"{head}\n{body}\n  total {self.total_bytes:,d} B sent per rank, "
+                f"{self.total_time * 1e6:.2f} us")
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{s.kind}</td><td>{s.mesh_dim_name}</td><td>{fmt_placements(s.src)}</td>"
+            f"<td>{fmt_placements(s.dst)}</td><td>{s.bytes:,d}</td><td>{s.time * 1e6:.2f}</td></tr>"
+            for s in self.steps)
+        return ("<table><tr><th>step</th><th>mesh dim</th><th>from</th><th>to</th>"
+                f"<th>bytes/rank</th><th>us</th></tr>{rows}</table>")
+
+
+# ---- planning ----------------------------------------------------------------------------
+
+def _elem(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(shape, mesh, ps, dtype) -> int:
+    return layout.local_numel_max(shape, mesh, ps) * _elem(dtype)
+
+
+def _blocked(ps, i, dims) -> bool:
+    """True if a mesh dim right of i shards any of ``dims`` (nesting forbids the move)."""
+    return any(isinstance(p, Shard) and p.dim in dims for p in ps[i + 1:])
+
+
+def _moves(shape, mesh, ps, dtype, profile):
+    """Every single-mesh-dim move from placements ``ps``: (kind, i, new_ps, nbytes)."""
+    ndim = len(shape)
+    for i, p in enumerate(ps):
+        cands = [Replicate()] + [Shard(d) for d in range(ndim)]
+        for new in cands + [Partial(op) for op in ("sum", "avg", "max", "min")]:
+            if new == p:
+                continue
+            nxt = ps[:i] + (new,) + ps[i + 1:]
+            if isinstance(p, Replicate):
+                if isinstance(new, Shard):
+                    if _blocked(ps, i, {new.dim}):
+                        continue
+                    yield "local_slice", i, nxt, 0
+                else:
+                    yield "local_partial", i, nxt, 0
+            elif isinstance(p, Shard):
+                if _blocked(ps, i, {p.dim} | ({new.dim} if isinstance(new, Shard) else set())):
+                    continue
+                if isinstance(new, Replicate):
+                    yield "all_gather", i, nxt, _nbytes(shape, mesh, nxt, dtype)
+                elif isinstance(new, Shard):
+                    yield "all_to_all", i, nxt, _nbytes(shape, mesh, ps, dtype)
+                elif new.reduce_op == "sum":
+                    yield "local_pad", i, nxt, 0
+            else:  # Partial
+                if isinstance(new, Replicate):
+                    yield "all_reduce", i, nxt, _nbytes(shape, mesh, ps, dtype)
+                elif isinstance(new, Shard):
+                    if _blocked(ps, i, {new.dim}):
+                        continue
+                    yield "reduce_scatter", i, nxt, _nbytes(shape, mesh, ps, dtype)
+
+
+def _price_step(kind, i, nbytes, mesh, profile) -> tuple[int, float, int]:
+    if kind in _LOCAL:
+        return 0, 0.0, 0
+    groups = mesh.groups(i)
+    p = mesh.shape[i]
+    t = max(_cost.price(kind, nbytes, g, profile) for g in groups)
+    return _cost.wire_bytes(kind, nbytes, p), t, len(groups)
+
+
+def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
+    if src == dst:
+        return []
+    start = tuple(src)
+    best = {start: (0.0, 0, 0, 0)}
+    heap = [((0.0, 0, 0, 0), 0, start, [])]
+    counter = 1
+    while heap:
+        cost, _, ps, path = heapq.heappop(heap)
+        if ps == dst:
+            return path
+        if best.get(ps, cost) < cost:
+            continue
+        for kind, i, nxt, nb in _moves(shape, mesh, ps, dtype, profile):
+            wire, t, ng = _price_step(kind, i, nb, mesh, profile)
+            # cheapest time, then fewest bytes, then no zero-padding detours, then fewest steps
+            c = (cost[0] + t, cost[1] + wire, cost[2] + (kind == "local_pad"), cost[3] + 1)
+            if nxt not in best or c < best[nxt]:
+                best[nxt] = c
+                step = Step(kind, i, mesh.dim_names[i], ps, nxt, wire, t, nb, ng)
+                heapq.heappush(heap, (c, counter, nxt, path + [step]))
+                counter += 1
+    raise ValueError(f"no reshard plan from {fmt_placements(src)} to {fmt_placements(dst)}")
+
+
+def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> Plan:
+    """The cheapest plan that moves ``t`` (a DistTensor or TensorSpec) to
+    ``placements`` on ``mesh`` (default: its own mesh), priced on ``profile``
+    (default: the current trace's, else the default profile)."""
+    if mesh is None:
+        mesh = t.mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
+    if placements is None:
+        raise ValueError("placements=None: give the target placements, e.g. [Replicate()]")
+    if profile is None:
+        tr = current_trace()
+        profile = tr.profile if tr is not None else None
+    prof = get_profile(profile)
+    shape = tuple(t.shape)
+    dst = normalize_placements(placements, mesh, len(shape))
+    src = tuple(t.placements)
+    if mesh == t.mesh:
+        steps = _plan_same_mesh(shape, t.dtype, mesh, src, dst, prof)
+    else:
+        steps = _plan_cross_mesh(shape, t.dtype, t.mesh, src, mesh, dst, prof)
+    return Plan(shape, t.dtype, t.mesh, src, mesh, dst, tuple(steps), prof.name)
+
+
+def _plan_cross_mesh(shape, dtype, smesh, src, dmesh, dst, prof) -> list[Step]:
+    """Same mesh shape: reshard on the source mesh, then rank i sends to rank i.
+    Other shapes: replicate on the source mesh, then each target rank receives its
+    shard from one source rank (round robin)."""
+    if smesh.shape == dmesh.shape:
+        steps = _plan_same_mesh(shape, dtype, smesh, src, dst, prof)
+        nb = _nbytes(shape, dmesh, dst, dtype)
+        pairs = [(a, b) for a, b in zip(smesh.ranks, dmesh.ranks) if a != b]
+        t = max((_cost.price("send_recv", nb, pr, prof) for pr in pairs), default=0.0)
+        steps.append(Step("send_recv", None, "", dst, dst, nb if pairs else 0, t, nb, len(pairs),
+                          note=f"{len(pairs)} pairs"))
+        return steps
+    rep = tuple(Replicate() for _ in smesh.shape)
+    steps = _plan_same_mesh(shape, dtype, smesh, src, rep, prof)
+    nb = _nbytes(shape, dmesh, dst, dtype)
+    pairs = _cross_pairs(smesh, dmesh)
+    t = max((_cost.price("send_recv", nb, pr, prof) for pr in pairs if pr[0] != pr[1]), default=0.0)
+    moved = sum(1 for a, b in pairs if a != b)
+    steps.append(Step("send_recv", None, "", rep, dst, nb if moved else 0, t, nb, moved,
+                      note=f"{moved} pairs"))
+    return steps
+
+
+def _cross_pairs(smesh, dmesh):
+    """Which source rank serves each target rank: itself if it is in both, else
+    round robin over the source ranks."""
+    out = []
+    k = 0
+    for b in dmesh.ranks:
+        if b in smesh:
+            out.append((b, b))
+        else:
+            out.append((smesh.ranks[k % smesh.size], b))
+            k += 1
+    return out
+
+
+# ---- execution -------------------------------------------------------------------------------
+
+def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expanded=()):
+    """Execute :func:`plan_reshard`'s plan; every step is recorded in the trace.
+
+    On error nothing is changed: ``t`` is never modified (reshard returns a new
+    DistTensor).  ``expanded`` (mesh dims) asks that replicated results along
+    those dims be given per rank (used by the SPMD dispatcher)."""
+    from .dist_tensor import DistTensor
+    if not isinstance(t, DistTensor):
+        raise TypeError(f"reshard(t={type(t).__name__}): expected a DistTensor; "
+                        "use shard_tensor() for a plain tensor")
+    mesh = t.mesh if mesh is None else mesh
+    plan = plan_reshard(t, mesh, placements, profile=profile)
+    return execute(plan, t)
+
+
+def execute(plan: Plan, t):
+    """Run a plan's steps on ``t`` and return the new DistTensor."""
+    from .dist_tensor import DistTensor
+    if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
+        raise ValueError("execute(plan, t): the plan was made for another tensor layout "
+                         f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
+    for s in plan.steps:
+        if s.kind == "send_recv":
+            t = _send(t, plan.dst_mesh, s.dst)
+        elif s.kind in _LOCAL:
+            t = _local_step(t, s.mesh_dim, s.dst)
+        else:
+            t = _collective_step(t, s)
+    return t
+
+
+def _layout_for(t, new_ps):
+    """The local data of t in the representation both layouts can use."""
+    even = layout.is_even(t.shape, t.mesh, t.placements) and \
+        layout.is_even(t.shape, t.mesh, new_ps)
+    if even and isinstance(t._local, Cells):
+        from .dist_tensor import _stack_cells
+        return _stack_cells(t._local, t.mesh.ndim)
+    if not even and not isinstance(t._local, Cells):
+        return t.cells()
+    return t._local
+
+
+def _finish(t, x, new_ps):
+    from .dist_tensor import DistTensor, _stack_cells
+    if isinstance(x, Cells) and layout.is_even(t.shape, t.mesh, new_ps):
+        x = _stack_cells(x, t.mesh.ndim)
+    return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
+
+
+def _collective_step(t, s: Step):
+    x = _layout_for(t, s.dst)
+    i, old, new = s.mesh_dim, s.src[s.mesh_dim], s.dst[s.mesh_dim]
+    label = f"{old}->{new} on {t.mesh.dim_names[i]}"
+    if s.kind == "all_gather":
+        y = C.all_gather(x, t.mesh, i, old.dim, label=label)
+    elif s.kind == "all_reduce":
+        y = C.all_reduce(x, t.mesh, i, old.reduce_op, label=label)
+    elif s.kind == "reduce_scatter":
+        y = C.reduce_scatter(x, t.mesh, i, new.dim, old.reduce_op, label=label)
+    elif s.kind == "all_to_all":
+        y = C.all_to_all(x, t.mesh, i, new.dim, old.dim, label=label)
+    else:
+        raise ValueError(f"unknown step {s.kind!r}")
+    return _finish(t, y, s.dst)
+
+
+def _local_step(t, i: int, new_ps):
+    """R -> S (slice), R -> P (first rank keeps the value) or S -> P(sum) (zero pad)."""
+    mesh, nd = t.mesh, t.mesh.ndim
+    old, new = t.placements[i], new_ps[i]
+    n = mesh.shape[i]
+    x = _layout_for(t, new_ps)
+    label = f"{old}->{new} on {mesh.dim_names[i]}"
+    if isinstance(old, Replicate) and isinstance(new, Shard):
+        d = new.dim
+        if isinstance(x, Cells):
+            src = x
+            y = x.with_axis(i, n, lambda c: C._chunks(src[c], d, n)[c[i]])
+            return _finish(t, C._on_backward(y, "all_gather", mesh, i, C.nbytes_of(src), label),
+                           new_ps)
+        L = x.shape[nd + d]
+        y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
+        nb = (x.numel() // max(1, _lead_numel(x, nd))) * x.element_size()
+        return _finish(t, C._on_backward(y, "all_gather", mesh, i, nb, label), new_ps)
+    if isinstance(old, Replicate) and isinstance(new, Partial):
+        keep_all = new.reduce_op != "sum"
+        if isinstance(x, Cells):
+            src = x
+            y = x.with_axis(i, n, lambda c: src[c] if (keep_all or c[i] == 0)
+                            else torch.zeros_like(src[c]))
+            return _finish(t, y, new_ps)
+        if keep_all:
+            y = C._expand_axis(x, i, n)
+        else:
+            zshape = list(x.shape)
+            zshape[i] = n - 1
+            y = torch.cat([x, x.new_zeros(zshape)], dim=i) if n > 1 else x
+        return _finish(t, y, new_ps)
+    if isinstance(old, Shard) and isinstance(new, Partial) and new.reduce_op == "sum":
+        d = old.dim
+        if isinstance(x, Cells):
+            # zero-pad each shard to the length its group gathers
+            padded = {}
+            for cs, ts in x.lines(i):
+                total = sum(tt.shape[d] for tt in ts)
+                off = 0
+                for c, tt in zip(cs, ts):
+                    pads = [0, 0] * (tt.dim() - 1 - d) + [off, total - off - tt.shape[d]]
+                    padded[c] = torch.nn.functional.pad(tt, pads)
+                    off += tt.shape[d]
+            y = Cells(x.lead, [padded[c] for c in x.coords()])
+            return _finish(t, y, new_ps)
+        L = x.shape[nd + d]
+        xe = x.unsqueeze(nd + d).expand(*x.shape[:nd + d], n, *x.shape[nd + d:])
+        shape = [1] * xe.dim()
+        shape[i] = n
+        shape[nd + d] = n
+        eye = torch.eye(n, dtype=torch.bool, device=x.device).reshape(shape)
+        y = torch.where(eye, xe, torch.zeros((), dtype=x.dtype, device=x.device))
+        y = y.flatten(nd + d, nd + d + 1)
+        return _finish(t, y, new_ps)
+    raise ValueError(f"no local step from {old} to {new}")
+
+
+def _lead_numel(x, nd):
+    n = 1
+    for s in x.shape[:nd]:
+        n *= s
+    return n
+
+
+def _send(t, dmesh, dst_ps):
+    """Move data from t's mesh to ``dmesh`` (see _plan_cross_mesh)."""
+    from .dist_tensor import DistTensor, shard_tensor
+    if t.mesh.shape == dmesh.shape:
+        y = C.send_recv(t._local, t.mesh, dmesh, label=f"{t.mesh.ranks} -> {dmesh.ranks}")
+        return DistTensor(y, dmesh, dst_ps, t.shape, t.dtype, t.names)
+    # t is replicated on its mesh: each target rank gets its shard from one source rank
+    glob = t._local if not isinstance(t._local, Cells) else t._local.items[0]
+    glob = glob.reshape(tuple(t.shape))
+    out = shard_tensor(glob, dmesh, dst_ps, names=t.names)
+    tr = current_trace()
+    if tr is not None:
+        for a, b in _cross_pairs(t.mesh, dmesh):
+            if a == b:
+                continue
+            nb = layout.local_numel_max(t.shape, dmesh, dst_ps) * _elem(t.dtype)
+            tr.record_collective((a, b), "send_recv", _cost.price("send_recv", nb, (a, b), tr.profile),
+                                 bytes=nb, label=f"{a} -> {b}", args={"src": a, "dst": b})
+    return out

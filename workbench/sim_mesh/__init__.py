@@ -1,0 +1,8 @@
+"""The simulated mesh: devices, collectives, cost model, hardware profiles, trace."""
+from .mesh import Mesh
+from .trace import Event, Trace, trace, current_trace
+from .profiles import Profile, Link, get_profile, list_profiles, load_profile
+from . import collectives, cost, estimates
+
+__all__ = ["Mesh", "Event", "Trace", "trace", "current_trace", "Profile", "Link",
+           "get_profile", "list_profiles", "load_profile", "collectives", "cost", "estimates"]

@@ -1,0 +1,256 @@
+"""The alpha-beta cost model: what a collective or a kernel costs on a profile.
+
+A message of n bytes over a link costs ``alpha + n * beta``: alpha is the link's
+latency, beta = 1 / bandwidth (see ``profiles.Link``). A collective over p ranks
+is a sequence of such steps; its time is the sum over steps (Hockney 1994;
+Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+operations in MPICH", 2005; Chan et al. 2007). Formulas (n bytes, p ranks):
+
+    kind            "ring"                               "tree"
+    all_reduce      2(p-1) a + 2 (p-1)/p n b             2 L a + 2 (p-1)/p n b
+                                                         (recursive halving + doubling,
+                                                          Rabenseifner: reduce-scatter then
+                                                          all-gather, each "tree" below)
+    all_gather      (p-1) a + (p-1)/p n b                L a + (p-1)/p n b (recursive doubling)
+    reduce_scatter  (p-1) a + (p-1)/p n b                L a + (p-1)/p n b (recursive halving)
+    all_to_all      (p-1) a + (p-1)/p n b  (pairwise)    L a + L n/2 b     (Bruck)
+    broadcast       a + n b  (pipelined chain, fill      L (a + n b)       (binomial tree)
+                    time neglected)
+    send_recv       a + n b                              a + n b
+
+with L = ceil(log2 p). The "tree" rows are exact for powers of two and the usual
+approximations otherwise. The all-reduce "tree" row is Rabenseifner's algorithm
+(Thakur et al. 2005), which is never slower in this model than a reduce-scatter
+followed by an all-gather, so a reshard planner never finds it cheaper to split an
+all-reduce in two. (NCCL's double binary tree, 2 L a + 2 n b, is dominated by it
+in the alpha-beta model and is not listed.)
+
+Size convention: ``nbytes`` is the full buffer per rank: the tensor being
+all-reduced; the gathered OUTPUT of all_gather; the INPUT of reduce_scatter; the
+bytes each rank holds (sends and receives) in all_to_all; the message of
+broadcast and send_recv. This is also nccl-tests' "size", so ``bus_bandwidth``
+reads the same numbers. p == 1 or nbytes == 0 costs 0.0 (nothing moves).
+
+A group of ranks is priced on a profile by where its ranks sit (node = rank //
+devices_per_node): inside one node on the intra-node link, one rank per node on
+the inter-node link, several ranks on each of several nodes hierarchically
+(intra reduce-scatter, inter all-reduce of n / p_local, intra all-gather).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from .profiles import Link, Profile, get_profile
+
+__all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
+           "link_for", "price", "compute_time", "alg_bandwidth", "bus_bandwidth"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+ALGORITHMS = ("ring", "tree")
+
+
+def _check(kind, nbytes, p):
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not a collective; use one of {list(KINDS)}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) \
+            or not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"nbytes={nbytes!r} must be a number of bytes >= 0")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p={p!r} must be the number of ranks, an int >= 1")
+
+
+def _log2(p: int) -> int:
+    return (p - 1).bit_length()  # ceil(log2 p) for p >= 1
+
+
+def wire_bytes(kind: str, nbytes: int, p: int) -> int:
+    """Bytes each rank sends, the "bytes moved" a plan reports (ring algorithms).
+
+    all_reduce 2(p-1)/p n; all_gather, reduce_scatter, all_to_all (p-1)/p n;
+    broadcast and send_recv n (the root / sender); 0 when p == 1. When p does not
+    divide n the shards are uneven (``torch.chunk``) and ranks send different
+    amounts; the formula is then their mean, rounded down to whole bytes (exact
+    integers whenever p divides n).
+    """
+    _check(kind, nbytes, p)
+    n = int(nbytes)
+    if p == 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (p - 1) * n // p
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) * n // p
+    return n  # broadcast, send_recv
+
+
+def collective_time(kind: str, nbytes: float, p: int, link: Link,
+                    algorithm: str = "ring") -> float:
+    """Seconds for one collective over p ranks on one link (formulas in the module
+    docstring). ``algorithm`` is "ring" or "tree"."""
+    _check(kind, nbytes, p)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: use one of {list(ALGORITHMS)} "
+                         f"(price() also takes 'auto' and 'hierarchical')")
+    if not isinstance(link, Link):
+        raise ValueError(f"link={link!r} must be a profiles.Link "
+                         f"(e.g. get_profile('a100').intra_node)")
+    if p == 1 or nbytes == 0:
+        return 0.0
+    a, b, n, L = link.latency, 1.0 / link.bandwidth, float(nbytes), _log2(p)
+    share = (p - 1) / p * n
+    if kind == "send_recv":
+        return a + n * b
+    if algorithm == "ring":
+        if kind == "all_reduce":
+            return 2 * (p - 1) * a + 2 * share * b
+        if kind == "broadcast":
+            return a + n * b
+        return (p - 1) * a + share * b  # all_gather, reduce_scatter, all_to_all
+    if kind == "all_reduce":
+        return 2 * L * a + 2 * share * b
+    if kind == "broadcast":
+        return L * (a + n * b)
+    if kind == "all_to_all":
+        return L * a + L * (n / 2) * b
+    return L * a + share * b  # all_gather, reduce_scatter
+
+
+def hierarchical_time(kind: str, nbytes: float, p_local: int, p_nodes: int,
+                      intra: Link, inter: Link, algorithm: str = "ring") -> float:
+    """Seconds for a collective over p_local ranks on each of p_nodes nodes, done in
+    phases (each phase with ``algorithm``; the p_local inter-node phases run in
+    parallel, one per device and its own NIC):
+
+    - all_reduce: intra reduce-scatter(n), inter all-reduce(n / p_local), intra
+      all-gather(n) (as NCCL/Horovod hierarchical all-reduce).
+    - all_gather: inter all-gather(n / p_local), then intra all-gather(n).
+    - reduce_scatter: intra reduce-scatter(n), then inter reduce-scatter(n / p_local).
+    - all_to_all: intra all-to-all(n) grouping data by destination node, then
+      inter all-to-all(n) (2-D hierarchical all-to-all, as in Tutel / DeepSpeed-MoE).
+    - broadcast: inter broadcast(n) among one rank per node, then intra broadcast(n).
+
+    The bytes each rank sends add up to ``wire_bytes`` for all_gather,
+    reduce_scatter and all_reduce: the decomposition moves no extra data, it just
+    puts most of it on the fast link.
+    """
+    if kind == "send_recv":
+        raise ValueError("kind='send_recv' is point-to-point, it has no hierarchical "
+                         "form; use collective_time('send_recv', n, 2, link)")
+    for name, v in (("p_local", p_local), ("p_nodes", p_nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    _check(kind, nbytes, p_local * p_nodes)
+
+    def t(k, n, p, link):
+        return collective_time(k, n, p, link, algorithm)
+
+    n, pl, pg = nbytes, p_local, p_nodes
+    if kind == "all_reduce":
+        return (t("reduce_scatter", n, pl, intra) + t("all_reduce", n / pl, pg, inter)
+                + t("all_gather", n, pl, intra))
+    if kind == "all_gather":
+        return t("all_gather", n / pl, pg, inter) + t("all_gather", n, pl, intra)
+    if kind == "reduce_scatter":
+        return t("reduce_scatter", n, pl, intra) + t("reduce_scatter", n / pl, pg, inter)
+    if kind == "all_to_all":
+        return t("all_to_all", n, pl, intra) + t("all_to_all", n, pg, inter)
+    return t("broadcast", n, pg, inter) + t("broadcast", n, pl, intra)
+
+
+def _ranks(ranks) -> list[int]:
+    out = list(ranks)
+    if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
+        raise ValueError(f"ranks={ranks!r} must be a non-empty list of ints >= 0")
+    if len(set(out)) != len(out):
+        raise ValueError(f"ranks={ranks!r} holds a rank twice; list each rank once")
+    return out
+
+
+def _layout(ranks, profile: Profile) -> list[int]:
+    """Ranks per node, for the nodes the group touches."""
+    return list(Counter(r // profile.devices_per_node for r in _ranks(ranks)).values())
+
+
+def link_for(ranks, profile) -> Link:
+    """The link a group's traffic is limited by: the intra-node link when all
+    ranks share a node (node = rank // devices_per_node), else the inter-node one."""
+    profile = get_profile(profile)
+    return profile.intra_node if len(_layout(ranks, profile)) == 1 else profile.inter_node
+
+
+def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> float:
+    """Seconds for a collective over ``ranks`` on ``profile``.
+
+    ``algorithm``: "ring" or "tree" run flat over ``link_for(ranks)``;
+    "hierarchical" uses ``hierarchical_time`` with ring phases (needs the same
+    number of ranks on every node); "auto" takes the cheapest applicable of
+    these, ties going to the earlier of ring, tree, hierarchical ring,
+    hierarchical tree. A group inside one node is priced on the intra link, one
+    rank per node on the inter link; several ranks on each of several nodes
+    also try the hierarchical forms (uneven groups only the flat ones).
+    """
+    profile = get_profile(profile)
+    per_node = _layout(ranks, profile)
+    p = sum(per_node)
+    _check(kind, nbytes, p)
+    choices = ("auto", "hierarchical") + ALGORITHMS
+    if algorithm not in choices:
+        raise ValueError(f"algorithm={algorithm!r}: use one of {list(choices)}")
+    if p == 1 or nbytes == 0:
+        return 0.0
+    link = link_for(ranks, profile)
+    flat = {a: collective_time(kind, nbytes, p, link, a) for a in ALGORITHMS}
+    if algorithm in ALGORITHMS:
+        return flat[algorithm]
+    even = len(set(per_node)) == 1
+    nested = len(per_node) > 1 and per_node[0] > 1 and even and kind != "send_recv"
+    if algorithm == "hierarchical":
+        if not even or kind == "send_recv":
+            raise ValueError(f"algorithm='hierarchical' needs a collective (not send_recv) "
+                             f"with the same number of ranks on every node; ranks per "
+                             f"node are {per_node}: use 'ring', 'tree' or 'auto'")
+        return hierarchical_time(kind, nbytes, per_node[0], len(per_node),
+                                 profile.intra_node, profile.inter_node)
+    options = list(flat.values())
+    if nested:
+        options += [hierarchical_time(kind, nbytes, per_node[0], len(per_node),
+                                      profile.intra_node, profile.inter_node, a)
+                    for a in ALGORITHMS]
+    return min(options)  # min keeps the first of equal values: deterministic ties
+
+
+def compute_time(flops: float, bytes_moved: float, profile, dtype) -> float:
+    """Roofline time of a kernel (Williams, Waterman & Patterson 2009):
+    max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
+    ``dtype`` is a torch dtype or a name ("bfloat16", "bf16", "fp32", ...)."""
+    for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be a number >= 0")
+    profile = get_profile(profile)
+    return max(flops / profile.peak(dtype), bytes_moved / profile.memory_bandwidth)
+
+
+_BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,
+               "all_gather": lambda p: (p - 1) / p,
+               "reduce_scatter": lambda p: (p - 1) / p,
+               "all_to_all": lambda p: (p - 1) / p,
+               "broadcast": lambda p: 1.0,
+               "send_recv": lambda p: 1.0}
+
+
+def alg_bandwidth(nbytes: float, seconds: float) -> float:
+    """nccl-tests' "algbw": size / time, bytes/s (size per the module's convention)."""
+    if not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"seconds={seconds!r} must be > 0")
+    return nbytes / seconds
+
+
+def bus_bandwidth(kind: str, nbytes: float, p: int, seconds: float) -> float:
+    """nccl-tests' "busbw" (nccl-tests doc/PERFORMANCE.md): algbw x 2(p-1)/p for
+    all_reduce, x (p-1)/p for all_gather, reduce_scatter, all_to_all, x 1 for
+    broadcast and send_recv. A ring collective reaches busbw == link bandwidth
+    when latency is negligible, whatever p is."""
+    _check(kind, nbytes, p)
+    return alg_bandwidth(nbytes, seconds) * _BUS_FACTOR[kind](p)

@@ -1,0 +1,248 @@
+"""The trace: every collective and every op that runs records one event.
+
+Events are plain data (:class:`Event`); a :class:`Trace` keeps them together
+with a modeled clock per rank and stream ("compute" and "comm").  The one
+documented piece of global state in the library is the *current trace*::
+
+    with workbench.trace(profile="a100") as tr:
+        y = reshard(x, mesh, [Replicate()])
+    print(tr.summary())
+    tr.to_chrome_trace("step.json")   # open in chrome://tracing or Perfetto
+
+Outside a ``with trace()`` block nothing is recorded (and nothing is slowed).
+
+Clock semantics (the modeled clock, in seconds on the chosen profile):
+
+* a compute op on rank r starts at r's compute clock;
+* a *blocking* collective starts when every rank of its group is free on both
+  streams, and leaves all of them at its end (what a synchronous NCCL/HCCL
+  call looks like from the host);
+* an *async* collective (``overlap=True``) starts when the group is free on the
+  comm stream and the data is ready (the issuing rank's compute clock); it
+  advances only the comm stream.  :meth:`Trace.wait` makes the compute stream
+  wait for it, which is where communication hides behind computation.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["Event", "Trace", "trace", "current_trace"]
+
+STREAMS = ("compute", "comm")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing that happened on the modeled clock.
+
+    ``ranks`` lists every rank taking part (one for a compute op, the whole group
+    for a collective); ``bytes`` is what each rank sends for a collective (or
+    reads and writes for an op); ``flops`` is per rank.
+    """
+    name: str                      # "all_reduce", "matmul", "F", ...
+    stream: str                    # "compute" | "comm"
+    start: float                   # seconds on the modeled clock
+    duration: float                # seconds
+    ranks: tuple[int, ...]
+    bytes: int = 0
+    flops: int = 0
+    label: str = ""                # free text, e.g. "reshard S(0)->R on dp"
+    args: Mapping = field(default_factory=dict)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """What an async collective returns: wait on it to use its result."""
+    ranks: tuple[int, ...]
+    end: float
+
+
+class Trace:
+    """Events plus a modeled clock per (rank, stream).
+
+    Args:
+        profile: the hardware profile (name or object) used to price events that
+            the recording code does not price itself.
+    """
+
+    def __init__(self, profile=None):
+        from .profiles import get_profile
+        self.profile = get_profile(profile)
+        self.events: list[Event] = []
+        self._clock: dict[tuple[int, str], float] = defaultdict(float)
+
+    # ---- the clock -------------------------------------------------------------
+    def now(self, rank: int, stream: str = "compute") -> float:
+        return self._clock[(rank, stream)]
+
+    def time(self) -> float:
+        """The modeled makespan: the latest clock of any rank and stream."""
+        return max(self._clock.values(), default=0.0)
+
+    def record_compute(self, ranks: Iterable[int], name: str, duration: float,
+                       flops: int = 0, bytes: int = 0, label: str = "", args=None) -> Event:
+        """An op that each of ``ranks`` runs at once, each on its own compute stream.
+
+        Recorded as one event; its start is the latest compute clock of the ranks
+        (simulated ranks run the op in lockstep)."""
+        ranks = tuple(ranks)
+        start = max(self._clock[(r, "compute")] for r in ranks)
+        for r in ranks:
+            self._clock[(r, "compute")] = start + duration
+        ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args or {})
+        self.events.append(ev)
+        return ev
+
+    def record_collective(self, ranks: Sequence[int], name: str, duration: float,
+                          bytes: int = 0, label: str = "", args=None,
+                          overlap: bool = False) -> Handle:
+        """A collective over ``ranks``; blocking unless ``overlap=True``."""
+        ranks = tuple(ranks)
+        c = self._clock
+        if overlap:
+            start = max(max(c[(r, "comm")], c[(r, "compute")]) for r in ranks)
+            end = start + duration
+            for r in ranks:
+                c[(r, "comm")] = end
+        else:
+            start = max(max(c[(r, "comm")], c[(r, "compute")]) for r in ranks)
+            end = start + duration
+            for r in ranks:
+                c[(r, "comm")] = end
+                c[(r, "compute")] = end
+        self.events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label, args or {}))
+        return Handle(ranks, end)
+
+    def wait(self, handle: Handle) -> None:
+        """Make the compute stream of the handle's ranks wait for the collective."""
+        for r in handle.ranks:
+            key = (r, "compute")
+            if self._clock[key] < handle.end:
+                self._clock[key] = handle.end
+
+    def barrier(self, ranks: Iterable[int]) -> None:
+        ranks = tuple(ranks)
+        t = max(max(self._clock[(r, s)] for s in STREAMS) for r in ranks)
+        for r in ranks:
+            for s in STREAMS:
+                self._clock[(r, s)] = t
+
+    # ---- reading ------------------------------------------------------------------
+    def collectives(self) -> list[Event]:
+        return [e for e in self.events if e.stream == "comm"]
+
+    def counts(self) -> Counter:
+        """How many collectives of each kind were recorded."""
+        return Counter(e.name for e in self.collectives())
+
+    def total_bytes(self, name: str | None = None) -> int:
+        """Bytes sent per rank, summed over the recorded collectives (of ``name``)."""
+        return sum(e.bytes for e in self.collectives() if name is None or e.name == name)
+
+    def busy(self, rank: int, stream: str) -> float:
+        return sum(e.duration for e in self.events if e.stream == stream and rank in e.ranks)
+
+    def summary(self) -> str:
+        lines = [f"{len(self.events)} events, modeled time {_fmt_s(self.time())} "
+                 f"on {self.profile.name}"]
+        by = defaultdict(lambda: [0, 0, 0.0])
+        for e in self.collectives():
+            row = by[e.name]
+            row[0] += 1
+            row[1] += e.bytes
+            row[2] += e.duration
+        for name, (n, b, t) in sorted(by.items()):
+            lines.append(f"  {name:<15} x{n:<4} {_fmt_bytes(b):>10}  {_fmt_s(t)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self.events)} events, {_fmt_s(self.time())}, {self.profile.name})"
+
+    # ---- export ---------------------------------------------------------------------
+    def to_chrome_trace(self, path=None) -> dict:
+        """Chrome trace-event JSON: one process per rank, one thread per stream.
+
+        Opens in chrome://tracing and https://ui.perfetto.dev.  Returns the dict and
+        writes it to ``path`` when given."""
+        out = []
+        ranks = sorted({r for e in self.events for r in e.ranks})
+        for r in ranks:
+            out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                        "args": {"name": f"rank {r}"}})
+            for tid, s in enumerate(STREAMS):
+                out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                            "args": {"name": s}})
+        for e in self.events:
+            args = {"bytes": e.bytes, "flops": e.flops, "ranks": list(e.ranks)}
+            if e.label:
+                args["label"] = e.label
+            args.update({k: _jsonable(v) for k, v in e.args.items()})
+            for r in e.ranks:
+                out.append({"ph": "X", "name": e.name, "cat": e.stream, "pid": r,
+                            "tid": STREAMS.index(e.stream) if e.stream in STREAMS else 2,
+                            "ts": e.start * 1e6, "dur": e.duration * 1e6, "args": args})
+        doc = {"traceEvents": out, "displayTimeUnit": "ns",
+               "otherData": {"profile": self.profile.name, "clock": "modeled"}}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+
+def _jsonable(v):
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return str(v)
+
+
+def _fmt_s(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t * 1e6:.2f} us"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("workbench_trace", default=None)
+
+
+def current_trace() -> Trace | None:
+    """The trace being recorded, or None outside ``with workbench.trace()``."""
+    return _current.get()
+
+
+class trace:
+    """``with workbench.trace(profile="ascend-910b") as tr: ...`` records a Trace.
+
+    Nested blocks record into their own, fresh trace."""
+
+    def __init__(self, profile=None):
+        self._profile = profile
+        self._token = None
+        self.trace: Trace | None = None
+
+    def __enter__(self) -> Trace:
+        self.trace = Trace(self._profile)
+        self._token = _current.set(self.trace)
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        _current.reset(self._token)
