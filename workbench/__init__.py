@@ -18,9 +18,12 @@ _os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 from .sim_mesh import Mesh, Trace, Event, trace, current_trace, get_profile, list_profiles  # noqa: E402
 from .sim_mesh import collectives  # noqa: E402
 from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorSpec,  # noqa: E402
-                       shard_tensor, from_local, plan_reshard, reshard, Plan, Step)
+                       shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
+                       register_rule, allow_replicate_fallback)
+from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
            "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
-           "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step"]
+           "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
+           "register_rule", "allow_replicate_fallback", "spmd"]

@@ -2,6 +2,14 @@
 from .placement import Placement, Replicate, Shard, Partial
 from .dist_tensor import DistTensor, TensorSpec, shard_tensor, from_local
 from .reshard import Step, Plan, plan_reshard, reshard
+from . import rules
+from .rules import register_rule, Strategy, Decision, NoRuleError, infer
+from .dispatch import allow_replicate_fallback
+from . import op_table as _op_table
+
+_op_table.install(DistTensor)
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSpec",
-           "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard"]
+           "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",
+           "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
+           "allow_replicate_fallback"]

@@ -22,6 +22,7 @@ data moves by send/recv.
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from dataclasses import dataclass, field
 
 import torch
@@ -403,3 +404,16 @@ def _send(t, dmesh, dst_ps):
             tr.record_collective((a, b), "send_recv", _cost.price("send_recv", nb, (a, b), tr.profile),
                                  bytes=nb, label=f"{a} -> {b}", args={"src": a, "dst": b})
     return out
+
+
+@lru_cache(maxsize=16384)
+def _plan_cached(shape, dtype, mesh, src, dst, profile) -> Plan:
+    prof = get_profile(profile)
+    steps = _plan_same_mesh(shape, dtype, mesh, src, dst, prof)
+    return Plan(shape, dtype, mesh, src, mesh, dst, tuple(steps), prof.name)
+
+
+def plan_reshard_cached(spec, placements, profile: str) -> Plan:
+    """plan_reshard on the same mesh, memoized (the SPMD chooser prices many candidates)."""
+    dst = normalize_placements(placements, spec.mesh, len(spec.shape))
+    return _plan_cached(tuple(spec.shape), spec.dtype, spec.mesh, tuple(spec.placements), dst, profile)

@@ -1,0 +1,319 @@
+"""Running ordinary PyTorch code on DistTensors: rule, reshard, local op, wrap.
+
+``DistTensor.__torch_function__`` sends every torch function, tensor method and
+operator here.  For one call:
+
+1. the op's parser splits the arguments into tensor inputs and attributes;
+2. the op's SPMD rule (``rules/``) returns its decision (cached per input
+   layout), choosing the cheapest valid strategy on the current profile;
+3. each input is resharded to what the strategy requires (the inserted
+   collectives are recorded in the trace);
+4. replicated inputs that meet per-rank computation are given per-rank views
+   (:func:`collectives.expand_replicas`; their backward is the gradient
+   all-reduce, traced);
+5. the local op runs once on the stacked local tensors of all ranks (or per
+   rank when shards are uneven) and the result is wrapped with the announced
+   output placements.
+
+Autograd records on the local tensors, so ``loss.backward()`` gives every shard
+its gradient and the backward communication is each collective's backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..sim_mesh import collectives as C
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.collectives import Cells
+from ..sim_mesh.trace import current_trace
+from . import layout
+from .dist_tensor import DistTensor, TensorSpec, _stack_cells
+from .placement import Partial, Replicate, Shard, fmt_placements
+from .reshard import execute
+from .rules.registry import NoRuleError, infer
+
+__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks"]
+
+
+@dataclass
+class OpDef:
+    """How to run one torch function on DistTensors.
+
+    parse(args, kwargs) -> (inputs, attrs): the tensor-or-constant inputs (in the
+    order the rule sees them) and hashable attributes for the rule;
+    local(nd, ctx, *local_inputs, **attrs) -> stacked local output(s).
+    """
+    name: str
+    parse: Callable
+    local: Callable
+    n_out: int = 1
+
+
+OPS: dict[Any, OpDef] = {}
+_FALLBACK = [False]
+_HOOKS: list = []          # explain() listens here
+
+
+def register_op(funcs, opdef: OpDef) -> OpDef:
+    for f in funcs:
+        OPS[f] = opdef
+    return opdef
+
+
+@contextlib.contextmanager
+def allow_replicate_fallback():
+    """Ops with no rule run on gathered (replicated) inputs, recorded in the trace."""
+    _FALLBACK.append(True)
+    try:
+        yield
+    finally:
+        _FALLBACK.pop()
+
+
+@contextlib.contextmanager
+def explain_hooks(fn):
+    _HOOKS.append(fn)
+    try:
+        yield
+    finally:
+        _HOOKS.remove(fn)
+
+
+class Ctx:
+    """What a local function may need beyond its tensors: the mesh, the layouts, and
+    (for rank-dependent ops such as vocabulary-parallel embedding) shard offsets."""
+    __slots__ = ("mesh", "in_specs", "out_placements", "out_shape", "coord")
+
+    def __init__(self, mesh, in_specs, out_placements, out_shape, coord=None):
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_placements = out_placements
+        self.out_shape = out_shape
+        self.coord = coord              # set when running per rank (uneven shards)
+
+    def offsets(self, spec: TensorSpec, dim: int, like: torch.Tensor) -> torch.Tensor:
+        """Per-rank start of ``spec``'s shard along ``dim``, shaped to broadcast against
+        the stacked local tensors (lead dims, then ones)."""
+        mesh, nd = self.mesh, self.mesh.ndim
+        if self.coord is not None:
+            r = mesh.rank_at(self.coord)
+            start = layout.shard_bounds(spec.shape, mesh, spec.placements, r)[dim][0]
+            return torch.full((1,) * like.dim(), start, dtype=torch.long)
+        lead = tuple(like.shape[:nd])
+        vals = []
+        import itertools
+        for c in itertools.product(*[range(n) for n in lead]):
+            full = tuple(ci for ci in c)
+            r = mesh.rank_at(tuple(ci if n > 1 else 0 for ci, n in zip(full, lead)))
+            vals.append(layout.shard_bounds(spec.shape, mesh, spec.placements, r)[dim][0])
+        return torch.tensor(vals, dtype=torch.long).reshape(lead + (1,) * (like.dim() - nd))
+
+
+def _spec_of(x, mesh):
+    if isinstance(x, DistTensor):
+        return x.spec
+    if isinstance(x, torch.Tensor):
+        return TensorSpec(x.shape, mesh, [Replicate()] * mesh.ndim, x.dtype)
+    return None
+
+
+def _as_dist(x, mesh) -> DistTensor:
+    if isinstance(x, DistTensor):
+        return x
+    return DistTensor(x.reshape((1,) * mesh.ndim + tuple(x.shape)), mesh,
+                      (Replicate(),) * mesh.ndim, x.shape, x.dtype)
+
+
+def _meta(x):
+    if isinstance(x, (DistTensor, TensorSpec)):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def dispatch(func, args, kwargs):
+    kwargs = kwargs or {}
+    opdef = OPS.get(func)
+    if opdef is None:
+        name = getattr(func, "__name__", str(func))
+        if _FALLBACK[-1]:
+            return _fallback(func, args, kwargs)
+        raise NoRuleError(
+            f"{name}() has no SPMD rule for DistTensors. Register one (see "
+            "workbench.register_rule and notebook 04), or run it inside "
+            "`with workbench.allow_replicate_fallback():` to gather its inputs and "
+            "run it replicated (recorded in the trace)")
+    inputs, attrs = opdef.parse(*args, **kwargs)
+    mesh = next(x.mesh for x in inputs if isinstance(x, DistTensor))
+    for x in inputs:
+        if isinstance(x, DistTensor) and x.mesh != mesh:
+            raise ValueError(f"{opdef.name}: inputs live on different meshes "
+                             f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
+                             "onto the other's mesh first")
+    specs = tuple(_spec_of(x, mesh) for x in inputs)
+    try:
+        dec = infer(opdef.name, *specs, **attrs)
+    except NoRuleError:
+        if _FALLBACK[-1]:
+            return _fallback(func, args, kwargs)
+        raise
+    return run_decision(opdef, dec, inputs, specs, attrs, mesh)
+
+
+def run_decision(opdef, dec, inputs, specs, attrs, mesh):
+    cand = dec.chosen
+    st = cand.strategy
+    tensors = []
+    for x, spec, plan in zip(inputs, specs, cand.plans):
+        if spec is None:
+            tensors.append(x)
+            continue
+        t = _as_dist(x, mesh)
+        if plan is not None and plan.steps:
+            t = execute(plan, t)
+        tensors.append(t)
+    outs_ps = st.outputs
+    out_shapes = _out_shapes(opdef, dec, inputs, attrs)
+    even = all(layout.is_even(t.shape, mesh, t.placements) for t in tensors
+               if isinstance(t, DistTensor)) and \
+        all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, outs_ps))
+    # replicated inputs meeting per-rank computation get per-rank views (traced backward)
+    diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in outs_ps)]
+    locs = []
+    for t in tensors:
+        if not isinstance(t, DistTensor):
+            locs.append(t)
+            continue
+        loc = t._local if even or not t.is_even else t.cells()
+        if even and isinstance(loc, Cells):
+            loc = _stack_cells(loc, mesh.ndim)
+        axes = [i for i in diverge if t.placements[i].is_replicate()]
+        if axes:
+            loc = C.expand_replicas(loc, mesh, axes, label=f"{opdef.name} input")
+        locs.append(loc)
+    ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
+              outs_ps, out_shapes)
+    nd = mesh.ndim
+    if even:
+        out = opdef.local(nd, ctx, *locs, **attrs)
+    else:
+        out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
+    _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
+    outs = out if opdef.n_out > 1 else (out,)
+    wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
+    for h in _HOOKS:
+        h(dec, specs, wrapped)
+    return wrapped if opdef.n_out > 1 else wrapped[0]
+
+
+def _out_shapes(opdef, dec, inputs, attrs):
+    key = ("shape", opdef.name, dec.specs, tuple(sorted(attrs.items())) if attrs else ())
+    hit = _SHAPES.get(key)
+    if hit is None:
+        metas = [_meta(x) for x in inputs]
+        out = opdef.local(0, None, *metas, **attrs)
+        outs = out if opdef.n_out > 1 else (out,)
+        hit = tuple(torch.Size(o.shape) for o in outs)
+        if len(_SHAPES) > 20000:
+            _SHAPES.clear()
+        _SHAPES[key] = hit
+    return hit
+
+
+_SHAPES: dict = {}
+
+
+def _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh):
+    nd = mesh.ndim
+    lead = tuple(1 if all(ps[i].is_replicate() for ps in outs_ps) else mesh.shape[i]
+                 for i in range(nd))
+    import itertools
+    results = []
+    for c in itertools.product(*[range(n) for n in lead]):
+        args = []
+        for x in locs:
+            if isinstance(x, Cells):
+                args.append(x[c].reshape((1,) * nd + tuple(x[c].shape)))
+            elif isinstance(x, torch.Tensor) and x.dim() >= nd and x is not None:
+                idx = tuple(ci if x.shape[i] > 1 else 0 for i, ci in enumerate(c))
+                args.append(x[idx].reshape((1,) * nd + tuple(x.shape[nd:])))
+            else:
+                args.append(x)
+        cctx = Ctx(ctx.mesh, ctx.in_specs, ctx.out_placements, ctx.out_shape, coord=c)
+        r = opdef.local(nd, cctx, *args, **attrs)
+        rs = r if opdef.n_out > 1 else (r,)
+        results.append(tuple(o.reshape(o.shape[nd:]) for o in rs))
+    outs = tuple(Cells(lead, [r[j] for r in results]) for j in range(opdef.n_out))
+    return outs if opdef.n_out > 1 else outs[0]
+
+
+def _wrap(o, mesh, ps, shape):
+    if isinstance(o, Cells) and layout.is_even(shape, mesh, ps):
+        o = _stack_cells(o, mesh.ndim)
+    if not isinstance(o, Cells):
+        # an output replicated along a mesh dim must be stored once (compact)
+        for i, p in enumerate(ps):
+            if p.is_replicate() and o.shape[i] != 1:
+                o = o.narrow(i, 0, 1)
+    return DistTensor(o, mesh, ps, shape, o.dtype)
+
+
+def _record_compute(opdef, mesh, tensors, out_shapes, outs_ps):
+    tr = current_trace()
+    if tr is None:
+        return
+    flops = 0
+    nbytes = 0
+    for t in tensors:
+        if isinstance(t, DistTensor):
+            nbytes += layout.local_numel_max(t.shape, mesh, t.placements) * \
+                torch.empty((), dtype=t.dtype).element_size()
+    for s, ps in zip(out_shapes, outs_ps):
+        n = layout.local_numel_max(s, mesh, ps)
+        nbytes += n * 4
+        flops += n
+    if opdef.name in ("matmul", "mm", "bmm", "linear", "einsum"):
+        a = next(t for t in tensors if isinstance(t, DistTensor))
+        k = layout.max_local_shape(a.shape, mesh, a.placements)[-1]
+        flops = 2 * k * layout.local_numel_max(out_shapes[0], mesh, outs_ps[0])
+    dtype = next(t.dtype for t in tensors if isinstance(t, DistTensor))
+    dur = _cost.compute_time(flops, nbytes, tr.profile, dtype if dtype.is_floating_point
+                             else torch.float32)
+    tr.record_compute(mesh.ranks, opdef.name, dur, flops=flops, bytes=nbytes)
+
+
+def _fallback(func, args, kwargs):
+    """Gather every DistTensor input, run ``func`` on the global tensors, and return
+    replicated DistTensors (recorded in the trace as the gathers it needed)."""
+    from .reshard import reshard
+    mesh = None
+
+    def conv(x):
+        nonlocal mesh
+        if isinstance(x, DistTensor):
+            mesh = x.mesh
+            return reshard(x, x.mesh, [Replicate()] * x.mesh.ndim)._local.reshape(x.shape)
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(y) for y in x)
+        return x
+    a = conv(args)
+    k = {n: conv(v) for n, v in kwargs.items()}
+    out = func(*a, **k)
+    tr = current_trace()
+    if tr is not None:
+        tr.record_compute(mesh.ranks, f"fallback:{getattr(func, '__name__', func)}", 0.0,
+                          label="replicate fallback: every input gathered")
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor):
+            return _as_dist(o, mesh)
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(y) for y in o)
+        return o
+    return wrap(out)

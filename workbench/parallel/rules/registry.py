@@ -1,0 +1,220 @@
+"""SPMD rules: for one operator, which placements work and what comes out.
+
+A rule looks at the input specs (shape, mesh, placements) and the attributes and
+returns the *strategies* that are valid: for each input the placements it must
+have, and the placements of each output.  The chooser prices every strategy with
+the reshard planner on the current hardware profile (the communication needed to
+bring each input to what the strategy requires) and picks the cheapest; ties go
+to the first strategy in the rule's own order, so the choice is deterministic.
+
+    @register_rule("my_relu")
+    def my_relu_rule(x, **attrs):           # one TensorSpec per tensor input
+        yield from per_mesh_dim(x.mesh, [
+            Strategy([x.placements_with(i, R)], [R]) ...])
+
+Most rules are written per mesh dimension (``options`` below): a list of
+(input placements, output placement) choices for one mesh dim, combined over the
+mesh dims by :func:`combine`.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Iterable, Sequence
+
+from ...sim_mesh.profiles import get_profile
+from ...sim_mesh.trace import current_trace
+from ..placement import Placement, Replicate, fmt_placements
+
+__all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
+           "combine", "RULES", "NoRuleError", "describe"]
+
+R = Replicate()
+
+
+class NoRuleError(NotImplementedError):
+    """An op has no SPMD rule."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Required placements per tensor input (None: not a tensor) and per output."""
+    inputs: tuple
+    outputs: tuple
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    plans: tuple            # one reshard Plan (or None) per input
+    time: float             # modeled seconds of the inserted communication
+    bytes: int              # bytes each rank sends for it
+
+    @property
+    def collectives(self) -> list[str]:
+        return [k for p in self.plans if p is not None for k in p.collectives()]
+
+    def __str__(self) -> str:
+        ins = ", ".join(fmt_placements(p) if p is not None else "-" for p in self.strategy.inputs)
+        outs = ", ".join(fmt_placements(p) for p in self.strategy.outputs)
+        comm = ", ".join(self.collectives) or "no communication"
+        return f"({ins}) -> ({outs}): {comm}, {self.bytes:,d} B, {self.time * 1e6:.2f} us"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a rule decided for one call, and why."""
+    op: str
+    specs: tuple            # the input TensorSpecs (None for non-tensors)
+    candidates: tuple       # every valid candidate, cheapest first
+    reason: str
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def inputs(self) -> tuple:
+        return self.chosen.strategy.inputs
+
+    @property
+    def outputs(self) -> tuple:
+        return self.chosen.strategy.outputs
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.reason}"]
+        for i, c in enumerate(self.candidates[:8]):
+            lines.append(f"  {'*' if i == 0 else ' '} {c}")
+        if len(self.candidates) > 8:
+            lines.append(f"    ... {len(self.candidates) - 8} more")
+        return "\n".join(lines)
+
+
+RULES: dict[str, Callable] = {}
+
+
+def register_rule(*names: str, override: bool = False):
+    """Register ``fn(*specs, **attrs) -> Iterable[Strategy]`` as the rule of ``names``."""
+    def deco(fn):
+        for n in names:
+            if n in RULES and not override:
+                raise ValueError(f"a rule for {n!r} exists; pass override=True to replace it")
+            RULES[n] = fn
+            _infer_cached.cache_clear()
+        return fn
+    return deco
+
+
+def get_rule(op: str):
+    try:
+        return RULES[op]
+    except KeyError:
+        raise NoRuleError(
+            f"no SPMD rule for {op!r}. Register one with "
+            f"@workbench.register_rule({op!r}) (see notebook 04), or opt in to the "
+            "replicate fallback with `with workbench.allow_replicate_fallback():` "
+            "(it gathers every input, runs the op on one device's copy, and is "
+            "recorded in the trace)") from None
+
+
+def combine(mesh_ndim: int, per_dim: Sequence[Sequence[tuple]], n_inputs: int,
+            n_outputs: int = 1, limit: int = 512) -> list[Strategy]:
+    """Combine per-mesh-dim options into strategies.
+
+    ``per_dim[i]`` lists options for mesh dim i, each
+    ``(input placements (one per input, None for non-tensors), output placements
+    (one per output), note)``."""
+    out = []
+    sizes = [len(o) for o in per_dim]
+    if math.prod(sizes) > limit:
+        per_dim = [o[:max(1, int(limit ** (1 / mesh_ndim)))] for o in per_dim]
+    for combo in itertools.product(*per_dim):
+        ins = []
+        for k in range(n_inputs):
+            if combo[0][0][k] is None:
+                ins.append(None)
+            else:
+                ins.append(tuple(c[0][k] for c in combo))
+        outs = tuple(tuple(c[1][j] for c in combo) for j in range(n_outputs))
+        notes = [c[2] for c in combo if len(c) > 2 and c[2]]
+        out.append(Strategy(tuple(ins), outs, "; ".join(notes)))
+    return out
+
+
+# ---- choosing ----------------------------------------------------------------------------
+
+def _profile_name():
+    tr = current_trace()
+    return tr.profile.name if tr is not None else get_profile(None).name
+
+
+def infer(op: str, *specs, **attrs) -> Decision:
+    """Decide placements for ``op`` on inputs ``specs`` (TensorSpec, or None for
+    non-tensor arguments), without running anything."""
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
+    return _infer_cached(op, tuple(specs), frozen, _profile_name())
+
+
+def _freeze(v):
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+@lru_cache(maxsize=8192)
+def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
+    from ..reshard import plan_reshard_cached
+    rule = get_rule(op)
+    attrs = dict(frozen_attrs)
+    strategies = list(rule(*specs, **attrs))
+    if not strategies:
+        raise ValueError(f"{op}: the rule found no valid placement for inputs "
+                         f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
+    cands = []
+    for order, st in enumerate(strategies):
+        plans, t, b = [], 0.0, 0
+        for spec, req in zip(specs, st.inputs):
+            if spec is None or req is None:
+                plans.append(None)
+                continue
+            p = plan_reshard_cached(spec, req, profile)
+            plans.append(p)
+            t += p.total_time
+            b += p.total_bytes
+        cands.append((t, b, order, Candidate(st, tuple(plans), t, b)))
+    cands.sort(key=lambda c: c[:3])
+    ranked = tuple(c[3] for c in cands)
+    return Decision(op, specs, ranked, _reason(op, specs, ranked))
+
+
+def _reason(op, specs, cands) -> str:
+    best = cands[0]
+    st = best.strategy
+    moved = [i for i, (s, r) in enumerate(zip(specs, st.inputs))
+             if s is not None and r is not None and tuple(s.placements) != tuple(r)]
+    why = st.note or "valid for this op"
+    if not moved:
+        head = "inputs used as they are"
+    else:
+        parts = []
+        for i in moved:
+            p = best.plans[i]
+            parts.append(f"input {i} {fmt_placements(specs[i].placements)} -> "
+                         f"{fmt_placements(st.inputs[i])} by "
+                         f"{', '.join(p.collectives()) or 'a local slice'}")
+        head = "; ".join(parts)
+    alt = ""
+    if len(cands) > 1:
+        alt = (f"; cheapest of {len(cands)} candidates "
+               f"(next: {cands[1].bytes:,d} B, {cands[1].time * 1e6:.2f} us)")
+    return f"{head}; output {', '.join(fmt_placements(o) for o in st.outputs)} ({why}){alt}"
+
+
+def describe(op: str) -> str:
+    fn = RULES.get(op)
+    return (fn.__doc__ or "").strip() if fn else f"no rule for {op!r}"
