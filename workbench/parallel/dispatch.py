@@ -56,6 +56,7 @@ class OpDef:
 
 OPS: dict[Any, OpDef] = {}
 _FALLBACK = [False]
+VALIDATE = [False]         # tests: check that "replicated" outputs really are identical
 _HOOKS: list = []          # explain() listens here
 
 
@@ -260,6 +261,13 @@ def _wrap(o, mesh, ps, shape):
         # an output replicated along a mesh dim must be stored once (compact)
         for i, p in enumerate(ps):
             if p.is_replicate() and o.shape[i] != 1:
+                if VALIDATE[-1]:
+                    first = o.narrow(i, 0, 1)
+                    if not torch.allclose(o, first.expand_as(o), rtol=1e-4, atol=1e-5,
+                                          equal_nan=True):
+                        raise AssertionError(
+                            f"rule bug: output announced Replicate on mesh dim "
+                            f"{mesh.dim_names[i]!r} but ranks along it computed different values")
                 o = o.narrow(i, 0, 1)
     return DistTensor(o, mesh, ps, shape, o.dtype)
 

@@ -60,6 +60,7 @@ def _pointwise(name, fn, swap=False):
 _BIN = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
         "maximum": torch.maximum, "minimum": torch.minimum, "eq": torch.eq, "ne": torch.ne,
         "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
+# (no __eq__ / __ne__ on DistTensor: they would break hashing and `in`; use torch.eq)
 for _n, _f in _BIN.items():
     _od = _pointwise(_n, _f)
     register_op([_f, getattr(T, _n), getattr(T, f"__{_n}__", None) or getattr(T, _n)], _od)
@@ -164,6 +165,9 @@ def _reduction(kind):
                       ([dim] if isinstance(dim, int) else dim)):
                 n *= spec.shape[d % ln]
             return x.sum(dims, keepdim=keepdim) / n
+        if any(x.shape[d] == 0 for d in dims):       # an empty shard: max's identity
+            shape = x.sum(dims, keepdim=keepdim).shape
+            return x.new_full(shape, float("-inf") if kind == "amax" else float("inf"))
         if kind == "amax":
             return x.amax(dims, keepdim=keepdim)
         return x.amin(dims, keepdim=keepdim)
@@ -194,7 +198,7 @@ register_op([torch.log_softmax, T.log_softmax, F.log_softmax],
 
 _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
             "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__",
-            "__abs__")
+            "__abs__", "__gt__", "__lt__", "__ge__", "__le__")
 
 
 def install(cls):

@@ -125,9 +125,12 @@ def _blocked(ps, i, dims) -> bool:
 def _moves(shape, mesh, ps, dtype, profile):
     """Every single-mesh-dim move from placements ``ps``: (kind, i, new_ps, nbytes)."""
     ndim = len(shape)
+    # partial values only for numbers that add up (no bool; no avg of ints)
+    pops = (("sum", "avg", "max", "min") if dtype.is_floating_point or dtype.is_complex else
+            () if dtype == torch.bool else ("sum", "max", "min"))
     for i, p in enumerate(ps):
         cands = [Replicate()] + [Shard(d) for d in range(ndim)]
-        for new in cands + [Partial(op) for op in ("sum", "avg", "max", "min")]:
+        for new in cands + [Partial(op) for op in pops]:
             if new == p:
                 continue
             nxt = ps[:i] + (new,) + ps[i + 1:]
@@ -156,6 +159,7 @@ def _moves(shape, mesh, ps, dtype, profile):
                     yield "reduce_scatter", i, nxt, _nbytes(shape, mesh, ps, dtype)
 
 
+@lru_cache(maxsize=65536)
 def _price_step(kind, i, nbytes, mesh, profile) -> tuple[int, float, int]:
     if kind in _LOCAL:
         return 0, 0.0, 0
@@ -208,7 +212,7 @@ def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> 
     dst = normalize_placements(placements, mesh, len(shape))
     src = tuple(t.placements)
     if mesh == t.mesh:
-        steps = _plan_same_mesh(shape, t.dtype, mesh, src, dst, prof)
+        return _plan_cached(shape, t.dtype, mesh, src, dst, prof.name)
     else:
         steps = _plan_cross_mesh(shape, t.dtype, t.mesh, src, mesh, dst, prof)
     return Plan(shape, t.dtype, t.mesh, src, mesh, dst, tuple(steps), prof.name)
@@ -415,5 +419,5 @@ def _plan_cached(shape, dtype, mesh, src, dst, profile) -> Plan:
 
 def plan_reshard_cached(spec, placements, profile: str) -> Plan:
     """plan_reshard on the same mesh, memoized (the SPMD chooser prices many candidates)."""
-    dst = normalize_placements(placements, spec.mesh, len(spec.shape))
+    dst = tuple(placements)
     return _plan_cached(tuple(spec.shape), spec.dtype, spec.mesh, tuple(spec.placements), dst, profile)

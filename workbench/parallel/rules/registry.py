@@ -176,7 +176,12 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
     cands = []
+    seen = set()
     for order, st in enumerate(strategies):
+        key = (st.inputs, st.outputs)
+        if key in seen:
+            continue
+        seen.add(key)
         plans, t, b = [], 0.0, 0
         for spec, req in zip(specs, st.inputs):
             if spec is None or req is None:

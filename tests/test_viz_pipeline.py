@@ -1,0 +1,176 @@
+"""The pipeline visualizer draws what the simulator measured: checked through the artists."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
+
+from workbench.parallel.schedules import (gpipe, interleaved_1f1b, one_f_one_b,  # noqa: E402
+                                          simulate, zb_h1)
+from workbench.viz import pipeline as V  # noqa: E402
+
+
+def artists(fig, gid):
+    ax = fig.axes[0]
+    return [a for a in ax.get_children() if a.get_gid() == gid]
+
+
+def rects(collection):
+    """Per path of the collection, its rectangles as (x0, x1, y_center), 5 vertices each."""
+    out = []
+    for path in collection.get_paths():
+        v = path.vertices.reshape(-1, 5, 2)
+        assert (path.codes.reshape(-1, 5) == [1, 2, 2, 2, 79]).all()   # MOVETO ... CLOSEPOLY
+        out.append([(xs.min(), xs.max(), (ys.min() + ys.max()) / 2)
+                    for xs, ys in zip(v[:, :4, 0], v[:, :4, 1])])
+    return out
+
+
+def count(collection):
+    return sum(len(p) for p in rects(collection))
+
+
+def test_blocks_sit_where_the_simulator_put_them():
+    r = simulate(one_f_one_b(4, 8))
+    fig = V.draw_pipeline(r)
+    (blocks,) = artists(fig, "blocks")
+    per_path = rects(blocks)
+    assert len(per_path) == 2                                   # one path per kind (one chunk)
+    drawn = sorted(x for path in per_path for x in path)
+    assert len(drawn) == 2 * 4 * 8
+    bl = r.blocks
+    expected = sorted(zip(bl.start.tolist(), (bl.start + bl.duration).tolist(),
+                          bl.rank.astype(float).tolist()))
+    assert np.allclose(drawn, expected)
+    # fixed colour per kind: every rectangle of a path is one kind, drawn in its colour
+    kind_at = {(t, float(rk)): k for t, rk, k in zip(bl.start.tolist(), bl.rank.tolist(),
+                                                     bl.kind.tolist())}
+    for path, face in zip(per_path, blocks.get_facecolors()):
+        kinds = {kind_at[(x0, y)] for x0, x1, y in path}
+        assert len(kinds) == 1
+        assert np.allclose(face[:3], to_rgba(V.KIND_COLORS["FBW"[kinds.pop()]])[:3])
+
+
+def test_micro_batch_labels_and_their_cutoff():
+    r = simulate(one_f_one_b(2, 3))
+    fig = V.draw_pipeline(r)
+    labels = artists(fig, "labels")
+    assert sorted(t.get_text() for t in labels) == sorted(str(m) for m in r.blocks.mb.tolist())
+    first = min(labels, key=lambda t: (t.get_position()[1], t.get_position()[0]))
+    assert first.get_position() == (0.5, 0) and first.get_text() == "0"   # F0 on rank 0
+    assert artists(V.draw_pipeline(r, max_labels=5), "labels") == []
+
+
+def test_bubbles_shaded_match_idle_time():
+    r = simulate(gpipe(3, 4))
+    fig = V.draw_pipeline(r)
+    (bub,) = artists(fig, "bubbles")
+    (drawn,) = rects(bub)
+    # rank 0 idles mid-step; rank 1 before, mid and after; the last rank before and after
+    assert [len(b) for b in r.bubbles()] == [1, 3, 2] and len(drawn) == 6
+    for rank in range(3):
+        width = sum(x1 - x0 for x0, x1, y in drawn if y == rank)
+        assert width == pytest.approx(r.bubble_time[rank])
+    assert np.allclose(bub.get_facecolors()[0], to_rgba(V.BUBBLE_COLOR))
+
+
+def test_caption_prints_measured_next_to_formula():
+    fig = V.draw_pipeline(simulate(one_f_one_b(4, 8)))
+    (cap,) = artists(fig, "caption")
+    assert cap.get_text() == "bubble: measured 27.27% | formula (p-1)/(m+p-1) = 27.27%"
+    zb = V.draw_pipeline(simulate(zb_h1(4, 8), w=1))
+    assert "measured 11.11% | formula (p-1)(f+b-w)" in artists(zb, "caption")[0].get_text()
+    hand = simulate(one_f_one_b(2, 2), f=[1, 2])
+    assert "no closed-form formula" in V.bubble_caption(hand)
+
+
+def test_chunks_are_shaded_lighter_and_split_backward_shows_w():
+    r = simulate(interleaved_1f1b(2, 4, 2))
+    (blocks,) = artists(V.draw_pipeline(r), "blocks")
+    assert [len(p) for p in rects(blocks)] == [8, 8, 8, 8]        # F c0, F c1, B c0, B c1
+    f0, f1, b0, b1 = blocks.get_facecolors()[:, :3]
+    assert np.allclose(f0, to_rgba(V.KIND_COLORS["F"])[:3])
+    assert f1.sum() > f0.sum() and b1.sum() > b0.sum()           # later chunk: lighter
+    fused = simulate(one_f_one_b(2, 2), w=1)                      # B then W per backward
+    fig = V.draw_pipeline(fused)
+    assert count(artists(fig, "blocks")[0]) == 2 * 2 * 3
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["F", "B", "W", "bubble"]
+
+
+def test_memory_panel_draws_one_step_line_per_rank_up_to_the_peak():
+    r = simulate(one_f_one_b(4, 8))
+    fig = V.draw_pipeline(r)
+    mem = fig.axes[1]
+    lines = [ln for ln in mem.get_lines() if str(ln.get_gid()).startswith("memory-")]
+    assert len(lines) == 4
+    assert [max(ln.get_ydata()) for ln in lines] == [4, 3, 2, 1]
+    assert len(V.draw_pipeline(r, memory=False).axes) == 1
+
+
+def test_draw_accepts_a_schedule_and_is_deterministic():
+    a = V.draw_pipeline(one_f_one_b(3, 4), f=1, b=2)
+    b = V.draw_pipeline(simulate(one_f_one_b(3, 4), f=1, b=2))
+    assert a._repr_png_() == b._repr_png_()
+    assert a._repr_png_()[:4] == b"\x89PNG"
+    with pytest.raises(TypeError, match="SimulationResult or a Schedule"):
+        V.draw_pipeline([1, 2])
+
+
+def test_no_pyplot_state_is_touched():
+    import matplotlib.pyplot as plt
+    before = plt.get_fignums()
+    V.draw_pipeline(simulate(one_f_one_b(2, 2)))
+    assert plt.get_fignums() == before
+
+
+def test_render_text_one_char_per_time_unit():
+    assert V.render_text(simulate(one_f_one_b(2, 2))) == (
+        "1f1b p=2 m=2 v=1   (1 char = 1 time unit; . = idle)\n"
+        "rank 0 |FF.B.B|\n"
+        "rank 1 |.FBFB.|\n"
+        "bubble: measured 33.33% | formula (p-1)/(m+p-1) = 33.33%")
+    il = V.render_text(simulate(interleaved_1f1b(2, 4, 2))).splitlines()
+    assert il[1] == "rank 0 |FFffFbFbfBfB.b.bBB|"               # lower case: chunk 1
+    half = V.render_text(simulate(one_f_one_b(2, 2), f=1, b=2.5)).splitlines()
+    assert "0.5 time units" in half[0] and half[1].count("F") == 4
+    big = V.render_text(simulate(one_f_one_b(16, 64)), width=40).splitlines()
+    assert len(big) == 18 and all(len(row) == len(big[1]) for row in big[1:17])
+    assert "#" in big[1] and "# = mixed" in big[0]
+    with pytest.raises(ValueError, match=r"render_text\(unit=0\)"):
+        V.render_text(simulate(one_f_one_b(2, 2)), unit=0)
+
+
+def test_widget_redraws_and_still_shows_a_static_figure_headless():
+    pytest.importorskip("ipywidgets")
+    w = V.pipeline_widget(p=3, m=6, v=2, schedule="1F1B")
+    bundle = w._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle and "image/png" in bundle
+    n = count(artists(w.figure, "blocks")[0])
+    assert n == 3 * 6 * 3                                  # F, B, W per micro-batch and rank
+    w.controls["schedule"].value = "Interleaved 1F1B"
+    assert count(artists(w.figure, "blocks")[0]) == 2 * n
+    w.controls["m"].value = 5                              # 5 % 3 != 0: the error, not a crash
+    assert w.figure is None and "multiple" in w.message
+    assert [o["output_type"] for o in w.output.outputs] == ["stream"]
+    assert "multiple" in w._repr_mimebundle_()["text/plain"]
+    w.controls["m"].value = 6
+    assert [o["output_type"] for o in w.output.outputs] == ["display_data"]
+    with pytest.raises(ValueError, match=r"schedule='2F2B'"):
+        V.pipeline_widget(schedule="2F2B")
+
+
+def test_large_schedule_draws_without_labels():
+    r = simulate(one_f_one_b(64, 1024))
+    fig = V.draw_pipeline(r)
+    assert count(artists(fig, "blocks")[0]) == 2 * 64 * 1024
+    assert artists(fig, "labels") == []
+
+
+def test_module_examples_run():
+    import doctest
+    assert doctest.testmod(V).failed == 0

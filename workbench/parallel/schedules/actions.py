@@ -1,0 +1,209 @@
+"""Pipeline schedules as plain data: what each rank runs, in which order.
+
+A schedule lists, for every rank (pipeline device), the ordered actions it runs:
+
+* ``F``  forward of one micro-batch through one model chunk;
+* ``B``  backward.  In a schedule with ``split_backward=False`` it is the whole
+  backward; with ``split_backward=True`` it is only the input gradient, and
+* ``W``  is the weight gradient, split off so it can be deferred (Qi et al. 2024,
+  "Zero Bubble Pipeline Parallelism").
+
+Rank ``r`` holds ``v`` model chunks; chunk ``c`` of rank ``r`` is layer-stage
+``c * p + r`` (Megatron's virtual pipeline, Narayanan et al. SC21), so the model
+runs stage 0, 1, ..., p*v - 1.  The send/recv between stages is not stored: it is
+derived (:func:`transfers`), since F of stage ``s`` always feeds F of ``s + 1`` and
+B of ``s`` feeds B of ``s - 1``.
+
+Text form, one row per rank (write ``F3c1`` for micro-batch 3 on chunk 1)::
+
+    >>> s = Schedule.from_text(["F0 F1 B0 B1",
+    ...                         "F0 B0 F1 B1"])
+    >>> print(s)
+    custom: p=2 m=2 v=1
+    rank 0: F0 F1 B0 B1
+    rank 1: F0 B0 F1 B1
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["Action", "Schedule", "Transfer", "transfers", "KINDS"]
+
+KINDS = ("F", "B", "W")
+_TOKEN = re.compile(r"^([FBW])(\d+)(?:c(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``Action("F", 3)`` is the forward of micro-batch 3.
+
+    ``str`` is the compact token used in the text form (``F3``, ``B3c1``)."""
+    kind: str          # "F" | "B" | "W"
+    mb: int            # micro-batch index, 0 <= mb < m
+    chunk: int = 0     # model chunk on this rank, 0 <= chunk < v
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind={self.kind!r}: must be one of 'F' (forward), "
+                             f"'B' (backward or input gradient), 'W' (weight gradient)")
+        for arg in ("mb", "chunk"):
+            val = getattr(self, arg)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"Action {arg}={val!r}: must be an int >= 0")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
+
+    def __repr__(self) -> str:
+        chunk = f", chunk={self.chunk}" if self.chunk else ""
+        return f"Action({self.kind!r}, {self.mb}{chunk})"
+
+    @classmethod
+    def parse(cls, token) -> "Action":
+        """``"F3"``, ``"B2c1"``, an Action, or a tuple ``("F", 3)`` / ``("F", 3, 1)``."""
+        if isinstance(token, Action):
+            return token
+        if isinstance(token, (tuple, list)):
+            return cls(*token)
+        mt = _TOKEN.match(str(token).strip())
+        if not mt:
+            raise ValueError(f"action {token!r}: write a kind F, B or W, then the micro-batch, "
+                             f"and optionally c<chunk>, e.g. 'F3', 'B0', 'W2c1'")
+        return cls(mt.group(1), int(mt.group(2)), int(mt.group(3) or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One point-to-point message between stages, derived from a schedule.
+
+    An ``activation`` goes from F(mb) on stage s to F(mb) on stage s + 1; a
+    ``gradient`` goes from B(mb) on stage s to B(mb) on stage s - 1."""
+    kind: str          # "activation" | "gradient"
+    mb: int
+    src: int           # sending rank
+    dst: int           # receiving rank
+    src_chunk: int
+    dst_chunk: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered actions of one training step (one global batch).
+
+    ``actions[r]`` is the order in which rank ``r`` runs its actions.  A schedule
+    need not be valid to exist (so that a broken hand-written one can be built
+    and shown); :func:`validate` says what is wrong with it.
+    """
+    p: int                                   # ranks (pipeline devices)
+    m: int                                   # micro-batches per step
+    v: int                                   # model chunks per rank (1 = no interleaving)
+    actions: tuple[tuple[Action, ...], ...]  # actions[rank] in run order
+    name: str = "custom"
+    split_backward: bool = False             # True: backward is B (input grad) + W (weight grad)
+    _index: dict = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        for arg in ("p", "m", "v"):
+            val = getattr(self, arg)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"Schedule {arg}={val!r}: must be an int >= 1")
+        rows = tuple(tuple(Action.parse(a) for a in row) for row in self.actions)
+        if len(rows) != self.p:
+            raise ValueError(f"Schedule p={self.p} but actions has {len(rows)} rows: "
+                             f"give one row of actions per rank")
+        object.__setattr__(self, "actions", rows)
+
+    # ---- building by hand ----------------------------------------------------------
+    @classmethod
+    def from_text(cls, rows, *, m: int | None = None, v: int | None = None,
+                  split_backward: bool | None = None, name: str = "custom") -> "Schedule":
+        """Build a schedule from one row per rank.
+
+        ``rows`` is a list of strings (``"F0 F1 B0 B1"``; a leading ``"rank 0:"``
+        is ignored), one multi-line string, or a list of lists of tokens, Actions
+        or tuples.  ``m``, ``v`` and ``split_backward`` default to what the actions
+        use (the largest micro-batch + 1, the largest chunk + 1, any W present).
+        """
+        if isinstance(rows, str):
+            rows = [ln for ln in rows.strip().splitlines() if ln.strip()]
+        parsed = []
+        for row in rows:
+            if isinstance(row, str):
+                row = row.split(":", 1)[1] if ":" in row else row
+                row = row.split()
+            parsed.append(tuple(Action.parse(t) for t in row))
+        if not parsed:
+            raise ValueError("Schedule.from_text(rows=[]): give one row of actions per rank")
+        every = [a for row in parsed for a in row]
+        m = m if m is not None else 1 + max((a.mb for a in every), default=0)
+        v = v if v is not None else 1 + max((a.chunk for a in every), default=0)
+        if split_backward is None:
+            split_backward = any(a.kind == "W" for a in every)
+        return cls(len(parsed), m, v, tuple(parsed), name, split_backward)
+
+    # ---- reading -------------------------------------------------------------------
+    @property
+    def stages(self) -> int:
+        """Layer-stages of the model: p * v."""
+        return self.p * self.v
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """The layer-stage that chunk ``chunk`` of rank ``rank`` holds: chunk * p + rank."""
+        return chunk * self.p + rank
+
+    def placement(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding layer-stage ``stage``."""
+        return stage % self.p, stage // self.p
+
+    def position(self, rank: int, action: Action) -> int | None:
+        """Index of ``action`` in rank ``rank``'s row (None if absent; first if repeated)."""
+        if self._index is None:
+            idx = [{} for _ in range(self.p)]
+            for r, row in enumerate(self.actions):
+                for i, a in enumerate(row):
+                    idx[r].setdefault(a, i)
+            object.__setattr__(self, "_index", idx)
+        return self._index[rank].get(action)
+
+    def __len__(self) -> int:
+        return sum(len(row) for row in self.actions)
+
+    def to_text(self) -> list[str]:
+        """One line per rank, ``"rank r: F0 F1 B0 ..."``; :meth:`from_text` reads it back."""
+        width = len(str(self.p - 1))
+        return [f"rank {r:>{width}}: " + " ".join(map(str, row))
+                for r, row in enumerate(self.actions)]
+
+    def __str__(self) -> str:
+        head = f"{self.name}: p={self.p} m={self.m} v={self.v}"
+        if self.split_backward:
+            head += " (backward split into B and W)"
+        return "\n".join([head] + self.to_text())
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, p={self.p}, m={self.m}, v={self.v}, "
+                f"split_backward={self.split_backward}, {len(self)} actions)")
+
+
+def transfers(schedule: Schedule) -> list[Transfer]:
+    """The send/recv messages a schedule implies, in each sender's run order.
+
+    Derived, not stored: F on stage s sends its activation to stage s + 1, and B
+    on stage s sends its input gradient to stage s - 1 (when the two stages sit on
+    different ranks, which they always do for p > 1)."""
+    p, last = schedule.p, schedule.stages - 1
+    out = []
+    for r, row in enumerate(schedule.actions):
+        for a in row:
+            s = a.chunk * p + r
+            if a.kind == "F" and s < last:
+                dst, dst_chunk = (s + 1) % p, (s + 1) // p
+                if dst != r:
+                    out.append(Transfer("activation", a.mb, r, dst, a.chunk, dst_chunk))
+            elif a.kind == "B" and s > 0:
+                dst, dst_chunk = (s - 1) % p, (s - 1) // p
+                if dst != r:
+                    out.append(Transfer("gradient", a.mb, r, dst, a.chunk, dst_chunk))
+    return out
+

@@ -1,0 +1,94 @@
+"""Closed-form bubbles from the papers, to print beside what the simulator counts.
+
+All assume every stage costs the same and messages are free (p2p = 0):
+
+==================  ===========================  ===================================
+schedule            bubble time per rank         source
+==================  ===========================  ===================================
+GPipe, 1F1B         (p-1)(t_f + t_b)             Huang et al. 2019; Narayanan et al.
+interleaved 1F1B    (p-1)(t_f + t_b), per chunk  Narayanan et al. SC21 (1/v of 1F1B)
+ZB-H1               (p-1)(t_F + t_B - t_W)       Qi et al. 2024 (m >= p, t_W <= t_F, t_B)
+==================  ===========================  ===================================
+
+With t_b the whole backward (t_B + t_W when ``w`` is given to a schedule that does
+not split it).  As a fraction of the step, bubble / (bubble + busy), where busy is
+m(t_f + t_b) per rank (m v chunk actions for interleaved).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from .actions import Schedule
+from .gpipe import gpipe
+from .interleaved import interleaved_1f1b
+from .one_f_one_b import one_f_one_b
+from .zero_bubble import zb_h1
+
+__all__ = ["BubbleFormula", "formula_bubble"]
+
+
+@dataclass(frozen=True)
+class BubbleFormula:
+    """A published bubble formula evaluated for one schedule and its costs."""
+    expression: str        # bubble fraction of the step, e.g. "(p-1)/(m+p-1)"
+    value: float           # that fraction for this p, m, v and these costs
+    bubble_time: float     # idle time per rank
+    time_expression: str   # e.g. "(p-1)(f+b)"
+    source: str            # the paper
+
+    def __str__(self) -> str:
+        return f"{self.expression} = {self.value:.2%}"
+
+
+_SOURCES = {
+    "gpipe": "Huang et al. 2019 (GPipe)",
+    "1f1b": "Narayanan et al. 2021 (PipeDream-Flush / 1F1B)",
+    "interleaved_1f1b": "Narayanan et al. SC21 (interleaved 1F1B)",
+    "zb_h1": "Qi et al. 2024 (ZB-H1)",
+}
+
+
+def _generated(s: Schedule) -> bool:
+    """True when ``s`` is exactly what its named generator builds (hand edits lose the formula)."""
+    try:
+        ref = {"gpipe": lambda: gpipe(s.p, s.m), "1f1b": lambda: one_f_one_b(s.p, s.m),
+               "interleaved_1f1b": lambda: interleaved_1f1b(s.p, s.m, s.v),
+               "zb_h1": lambda: zb_h1(s.p, s.m)}[s.name]()
+    except (KeyError, ValueError):
+        return False
+    return ref.actions == s.actions
+
+
+def formula_bubble(schedule: Schedule, f=1.0, b=1.0, w=None, p2p=0.0) -> BubbleFormula | None:
+    """The published bubble for ``schedule`` with uniform costs, or None where none applies.
+
+    None for hand-written schedules, per-stage or callable costs, p2p > 0, and
+    ZB-H1 outside the setting its formula holds in: m >= p micro-batches and
+    t_W <= min(t_F, t_B), since a W longer than the F or B slot it fills cannot
+    hide there (the simulator then measures (p-1)(t_F + t_B - min(t_F, t_B, t_W)))."""
+    s = schedule
+    nums = [x for x in (f, b, w, p2p) if x is not None]
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in nums):
+        return None
+    if p2p or not _generated(s):
+        return None
+    p, m, v = s.p, s.m, s.v
+    if s.name == "zb_h1":
+        if w is None or w > min(f, b) or m < p:     # outside the paper's setting
+            return None
+        bubble, busy = (p - 1) * (f + b - w), m * (f + b + w)
+        expr, texpr = "(p-1)(f+b-w) / ((p-1)(f+b-w) + m(f+b+w))", "(p-1)(f+b-w)"
+    else:
+        bw = b + (w or 0.0)
+        tb = "(f+b+w)" if w is not None else "(f+b)"
+        bubble = (p - 1) * (f + bw)
+        if s.name == "interleaved_1f1b" and v > 1:
+            busy = v * m * (f + bw)
+            expr, texpr = "(p-1)/(v·m+p-1)", f"(p-1){tb} per chunk action"
+        else:
+            busy = m * (f + bw)
+            expr, texpr = "(p-1)/(m+p-1)", f"(p-1){tb}"
+    total = bubble + busy
+    return BubbleFormula(expr, bubble / total if total else 0.0, float(bubble), texpr,
+                         _SOURCES[s.name])

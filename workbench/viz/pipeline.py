@@ -1,0 +1,308 @@
+"""Draw pipeline schedules: a Gantt chart per rank, memory over time, text, a widget.
+
+Renders data only: the timings, bubbles and memory come from
+:func:`workbench.parallel.schedules.simulate`, the closed-form bubble from
+:func:`~workbench.parallel.schedules.formula_bubble`; nothing here computes
+schedule semantics.
+
+    >>> from workbench.parallel.schedules import one_f_one_b, simulate
+    >>> fig = draw_pipeline(simulate(one_f_one_b(4, 8)))      # a matplotlib Figure
+    >>> print(render_text(simulate(one_f_one_b(2, 2))))       # doctest: +NORMALIZE_WHITESPACE
+    1f1b p=2 m=2 v=1   (1 char = 1 time unit; . = idle)
+    rank 0 |FF.B.B|
+    rank 1 |.FBFB.|
+    bubble: measured 33.33% | formula (p-1)/(m+p-1) = 33.33%
+
+Figures are deterministic: fixed colours (one per action kind, lighter for later
+model chunks), fixed sizes and fonts, no pyplot state (``matplotlib.figure.Figure``).
+"""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+from matplotlib.collections import PathCollection
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.path import Path
+
+from ..parallel.schedules import (KINDS, SCHEDULES, Schedule, SimulationResult, formula_bubble,
+                                  simulate)
+
+__all__ = ["KIND_COLORS", "BUBBLE_COLOR", "PipelineFigure", "draw_pipeline", "render_text",
+           "bubble_caption", "pipeline_widget", "PipelineExplorer"]
+
+KIND_COLORS = {"F": "#3a78b5",     # forward
+               "B": "#e8862a",     # backward (input gradient when split)
+               "W": "#4a9b45"}     # weight gradient
+BUBBLE_COLOR = "#f3c6c6"           # idle time
+FONT = {"family": "DejaVu Sans", "size": 9}
+MAX_LABELS = 400          # above this many blocks, micro-batch numbers are not written
+
+
+class PipelineFigure(Figure):
+    """A Figure that shows itself in a notebook without pyplot (through ``_repr_png_``)."""
+
+    def _repr_png_(self) -> bytes:
+        return _png(self)
+
+
+def _png(fig: Figure) -> bytes:
+    """The figure as PNG bytes, rendered with Agg (deterministic, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
+def _result(data, f, b, w, p2p) -> SimulationResult:
+    if isinstance(data, SimulationResult):
+        return data
+    if isinstance(data, Schedule):
+        return simulate(data, f=f, b=b, w=w, p2p=p2p)
+    raise TypeError(f"draw a SimulationResult or a Schedule, got {type(data).__name__}: "
+                    f"e.g. draw_pipeline(simulate(one_f_one_b(4, 8)))")
+
+
+def bubble_caption(result: SimulationResult) -> str:
+    """'bubble: measured 27.27% | formula (p-1)/(m+p-1) = 27.27%' (formula where one applies)."""
+    c = result.costs
+    fb = formula_bubble(result.schedule, c.get("f", 1.0), c.get("b", 1.0), c.get("w"),
+                        c.get("p2p", 0.0))
+    formula = f"formula {fb}" if fb is not None else "no closed-form formula for this case"
+    return f"bubble: measured {result.bubble_fraction:.2%} | {formula}"
+
+
+def _shade(kind: int, chunk: int, v: int) -> tuple:
+    """Kind colour mixed with white by chunk: chunk 0 full colour, later chunks lighter."""
+    mix = chunk / max(v, 2) * 0.6
+    return tuple(x * (1 - mix) + mix for x in to_rgb(KIND_COLORS[KINDS[kind]]))
+
+
+def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
+                  max_labels: int = MAX_LABELS, dpi: int = 100) -> PipelineFigure:
+    """Gantt chart of ``data`` (a SimulationResult, or a Schedule simulated with f, b, w, p2p).
+
+    Top: one row per rank (rank 0 on top); F, B, W blocks in fixed colours with the
+    micro-batch written inside (up to ``max_labels`` blocks), lighter shades for
+    later model chunks, idle time shaded, and the measured bubble next to the
+    published formula.  Bottom (``memory=True``): activations in flight per rank.
+    Artists carry gids for tests and tools: "blocks" (a collection with one
+    compound path of rectangles per kind and chunk), "bubbles", "labels", "caption".
+    """
+    res = _result(data, f, b, w, p2p)
+    s, bl = res.schedule, res.blocks
+    height = 1.6 + min(0.32 * s.p, 6.0)
+    fig = PipelineFigure(figsize=(10, height + (2.2 if memory else 0)), dpi=dpi)
+    ax, axm = (fig.subplots(2, 1, sharex=True, height_ratios=[height, 2.2]) if memory
+               else (fig.subplots(1, 1), None))
+
+    # bubbles first, so the blocks sit on top; one compound path per colour keeps
+    # 100k+ blocks fast to build and to render
+    gaps = [(r, lo, hi) for r, row in enumerate(res.bubbles()) for lo, hi in row]
+    g = np.array(gaps, float).reshape(-1, 3)
+    ax.add_collection(PathCollection([_rects(g[:, 0], g[:, 1], g[:, 2] - g[:, 1], 0.9)],
+                                     facecolors=BUBBLE_COLOR, edgecolors="none", gid="bubbles"),
+                      autolim=False)
+    paths, colors = [], []
+    for k in range(len(KINDS)):                       # one path per (kind, chunk): its colour
+        for c in range(s.v):
+            sel = (bl.kind == k) & (bl.chunk == c)
+            if sel.any():
+                paths.append(_rects(bl.rank[sel], bl.start[sel], bl.duration[sel], 0.8))
+                colors.append(_shade(k, c, s.v))
+    ax.add_collection(PathCollection(paths, facecolors=colors, linewidths=0.5, gid="blocks",
+                                     edgecolors="white" if len(bl) <= 2000 else "none"),
+                      autolim=False)
+    if len(bl) <= max_labels:
+        for r, t, d, mb, c in zip(bl.rank.tolist(), bl.start.tolist(), bl.duration.tolist(),
+                                  bl.mb.tolist(), bl.chunk.tolist()):
+            ax.text(t + d / 2, r, str(mb), ha="center", va="center", fontsize=7,
+                    color="white" if c == 0 else "black", gid="labels")
+
+    ax.set_xlim(0, res.makespan or 1.0)
+    ax.set_ylim(s.p - 0.5, -0.5)                                    # rank 0 on top
+    step = max(1, s.p // 16)
+    ax.set_yticks(range(0, s.p, step), [f"rank {r}" for r in range(0, s.p, step)], **FONT)
+    ax.set_title(f"{s.name}   p={s.p}  m={s.m}  v={s.v}", loc="left", fontdict=FONT)
+    ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right", va="bottom",
+            gid="caption", **FONT)
+    handles = [Patch(color=KIND_COLORS[k], label=k) for i, k in enumerate(KINDS)
+               if (bl.kind == i).any()] + [Patch(color=BUBBLE_COLOR, label="bubble")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False, prop=FONT)
+    (axm or ax).set_xlabel("time (modeled)", **FONT)
+    if axm is not None:
+        _draw_memory(axm, res)
+    fig.subplots_adjust(left=0.08, right=0.9, top=0.92 if memory else 0.85, bottom=0.1)
+    return fig
+
+
+def _rects(rank, start, duration, h) -> Path:
+    """One compound path of rectangles: time along x, rank along y, height ``h``.
+
+    Five vertices per rectangle (MOVETO, 3 x LINETO, CLOSEPOLY)."""
+    x0, x1 = start, start + duration
+    y0, y1 = rank - h / 2, rank + h / 2
+    verts = np.stack([np.stack(xy, -1) for xy in ((x0, y0), (x1, y0), (x1, y1), (x0, y1),
+                                                  (x0, y0))], 1)          # (N, 5, 2)
+    codes = np.tile([Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY],
+                    len(verts))
+    return Path(verts.reshape(-1, 2), codes.astype(Path.code_type))
+
+
+def _draw_memory(ax, res: SimulationResult) -> None:
+    """Step lines of activations in flight, one per rank (fixed colours from viridis)."""
+    from matplotlib import colormaps
+    p = res.schedule.p
+    cmap = colormaps["viridis"]
+    for r, (times, counts) in enumerate(res.memory):
+        t = np.append(times, res.makespan)
+        c = np.append(counts, counts[-1])
+        ax.step(t, c, where="post", color=cmap(r / max(p - 1, 1)), linewidth=1.0,
+                label=f"rank {r}" if p <= 8 else None, gid=f"memory-{r}")
+    peak = max(res.peak_inflight)
+    ax.axhline(peak, color="#555555", linestyle="--", linewidth=0.8, gid="peak")
+    ax.text(0.0, peak, f" peak {peak}", va="bottom", ha="left", **FONT)
+    ax.set_ylim(0, peak * 1.25 + 0.5)
+    ax.set_ylabel("activations\nin flight", **FONT)
+    if p <= 8:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, prop=FONT)
+
+
+def render_text(data, *, width: int = 120, unit: float | None = None, f=1.0, b=1.0, w=None,
+                p2p=0.0) -> str:
+    """The timeline in plain text: one row per rank, one character per ``unit`` of time.
+
+    A character is the kind busy for most of its cell (F, B, W; lower case for
+    odd model chunks) or '#' when several kinds share it; ':' when the rank is
+    idle for a quarter to three quarters of the cell, '.' when idle for more.
+    ``unit`` defaults to the largest time step that every block starts and ends
+    on (the shortest block, or a half, third, quarter of it), widened so that a
+    row fits in ``width`` characters."""
+    res = _result(data, f, b, w, p2p)
+    s, bl = res.schedule, res.blocks
+    if unit is None:
+        unit = _default_unit(bl, res.makespan, width)
+    if not unit > 0:
+        raise ValueError(f"render_text(unit={unit!r}): give a positive time per character")
+    cells = int(np.ceil(res.makespan / unit - 1e-9))
+    edges = np.minimum(np.arange(cells + 1) * unit, res.makespan)
+    size = np.diff(edges)
+    group = bl.kind * 2 + bl.chunk % 2                 # (kind, chunk parity): 6 letters
+    letters = np.array([c for k in KINDS for c in (k, k.lower())] + ["#", ":", "."])
+    rows = []
+    for r in range(s.p):
+        busy = np.zeros((6, cells))
+        for g in range(6):
+            sel = (bl.rank == r) & (group == g)
+            if sel.any():
+                busy[g] = np.diff(_busy_until(bl.start[sel], bl.duration[sel], edges))
+        total = busy.sum(0)
+        code = np.where(busy.max(0) >= 0.75 * total, busy.argmax(0), 6)
+        code = np.where(total < 0.75 * size, 7, code)
+        code = np.where(total < 0.25 * size, 8, code)
+        rows.append("".join(letters[code]))
+    keys = [x for x in (". = idle", ": = partly idle", "# = mixed") if any(x[0] in y for y in rows)]
+    head = f"{s.name} p={s.p} m={s.m} v={s.v}   (1 char = {unit:g} time unit{'s' * (unit != 1)}"
+    pad = len(str(s.p - 1))
+    return "\n".join([head + "".join("; " + k for k in keys) + ")"]
+                     + [f"rank {r:>{pad}} |{row}|" for r, row in enumerate(rows)]
+                     + [bubble_caption(res)])
+
+
+def _default_unit(bl, makespan: float, width: int) -> float:
+    """The shortest block or a half, third, quarter of it, if every block edge is on that grid."""
+    pos = bl.duration[bl.duration > 0]
+    if not len(pos):
+        return 1.0
+    times = np.concatenate([bl.start, bl.start + bl.duration])
+    for k in (1, 2, 3, 4):
+        unit = float(pos.min()) / k
+        steps = times / unit
+        if makespan / unit > width:
+            break
+        if np.allclose(steps, np.round(steps), rtol=0, atol=1e-6):
+            return unit
+    return max(float(pos.min()), makespan / width)
+
+
+def _busy_until(start, duration, t) -> np.ndarray:
+    """Time spent inside the (sorted, disjoint) blocks before each time in ``t``."""
+    end = start + duration
+    done = np.concatenate([[0.0], np.cumsum(duration)])
+    i = np.searchsorted(end, t, side="right")          # blocks finished by t
+    nxt = np.minimum(i, len(start) - 1)
+    partial = np.where(i < len(start), np.clip(t - start[nxt], 0, duration[nxt]), 0.0)
+    return done[i] + partial
+
+
+class PipelineExplorer:
+    """Sliders for p, m, v and a dropdown of schedules, redrawing the Gantt chart.
+
+    Displayed in a live notebook it is an ipywidgets box; where no widget front
+    end runs (nbval, nbconvert, a static viewer) its display data also carries a
+    PNG of the current figure, so the static figure for the defaults still shows.
+    """
+
+    def __init__(self, p=4, m=8, v=2, schedule="1F1B", f=1.0, b=1.0, w=1.0, dpi=80):
+        try:
+            import ipywidgets as widgets
+        except ImportError:
+            raise ImportError("pipeline_widget needs ipywidgets (pip install 'workbench[course]'); "
+                              "draw_pipeline(simulate(...)) draws the static figure") from None
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_widget(schedule={schedule!r}): choose one of "
+                             f"{list(SCHEDULES)}")
+        self.costs, self.dpi = dict(f=f, b=b, w=w), dpi
+        style = dict(continuous_update=False)
+        self.controls = {
+            "schedule": widgets.Dropdown(options=list(SCHEDULES), value=schedule,
+                                         description="schedule"),
+            "p": widgets.IntSlider(value=p, min=1, max=16, description="stages p", **style),
+            "m": widgets.IntSlider(value=m, min=1, max=64, description="micro-batches m", **style),
+            "v": widgets.IntSlider(value=v, min=1, max=4, description="chunks v", **style),
+        }
+        self.output = widgets.Output()
+        self.box = widgets.VBox([widgets.HBox([self.controls["schedule"], self.controls["p"]]),
+                                 widgets.HBox([self.controls["m"], self.controls["v"]]),
+                                 self.output])
+        self.figure, self.message = None, ""
+        for c in self.controls.values():
+            c.observe(lambda change: self.redraw(), names="value")
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Rebuild the schedule from the controls, simulate it and draw it into the output."""
+        from IPython.display import Image
+        c = {k: w.value for k, w in self.controls.items()}
+        try:
+            sched = SCHEDULES[c["schedule"]](c["p"], c["m"], c["v"])
+            self.figure = draw_pipeline(simulate(sched, **self.costs), dpi=self.dpi)
+            self.message = ""
+        except ValueError as err:          # e.g. interleaved with m % p != 0: say how to fix
+            self.figure, self.message = None, str(err)
+        self.output.outputs = ()           # clear_output() needs a kernel; this works headless too
+        if self.figure is not None:
+            self.output.append_display_data(Image(data=_png(self.figure), format="png"))
+        else:
+            self.output.append_stdout(self.message + "\n")
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
+        bundle = dict(self.box._repr_mimebundle_(**kwargs))
+        if self.figure is not None:
+            bundle["image/png"] = base64.b64encode(_png(self.figure)).decode("ascii")
+        else:
+            bundle["text/plain"] = self.message
+        return bundle
+
+
+def pipeline_widget(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1F1B",
+                    f=1.0, b=1.0, w=1.0) -> PipelineExplorer:
+    """An explorer of :data:`~workbench.parallel.schedules.SCHEDULES` (needs ipywidgets).
+
+    ``v`` applies to interleaved 1F1B only.  Costs are per action: with ``w`` given,
+    every backward is drawn as B then W, so 1F1B and ZB-H1 compare like for like."""
+    return PipelineExplorer(p=p, m=m, v=v, schedule=schedule, f=f, b=b, w=w)
