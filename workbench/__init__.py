@@ -19,7 +19,8 @@ from .sim_mesh import Mesh, Trace, Event, trace, current_trace, get_profile, lis
 from .sim_mesh import collectives  # noqa: E402
 from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorSpec,  # noqa: E402
                        shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
-                       register_rule, allow_replicate_fallback)
+                       register_rule, allow_replicate_fallback, explain, parallelize,
+                       dist_parameters)
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
 
@@ -27,4 +28,5 @@ __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
            "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
            "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
-           "register_rule", "allow_replicate_fallback", "spmd", "schedules"]
+           "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
+           "parallelize", "dist_parameters"]

@@ -5,6 +5,8 @@ from .reshard import Step, Plan, plan_reshard, reshard
 from . import rules
 from .rules import register_rule, Strategy, Decision, NoRuleError, infer
 from .dispatch import allow_replicate_fallback
+from .explain import explain, Explanation
+from .module import parallelize, dist_parameters
 from . import op_table as _op_table
 
 _op_table.install(DistTensor)
@@ -12,4 +14,5 @@ _op_table.install(DistTensor)
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSpec",
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",
            "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
-           "allow_replicate_fallback"]
+           "allow_replicate_fallback", "explain", "Explanation", "parallelize",
+           "dist_parameters"]

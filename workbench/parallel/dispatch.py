@@ -158,59 +158,93 @@ def dispatch(func, args, kwargs):
                              f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
                              "onto the other's mesh first")
     specs = tuple(_spec_of(x, mesh) for x in inputs)
-    try:
-        dec = infer(opdef.name, *specs, **attrs)
-    except NoRuleError:
-        if _FALLBACK[-1]:
-            return _fallback(func, args, kwargs)
-        raise
-    return run_decision(opdef, dec, inputs, specs, attrs, mesh)
+    key = (opdef.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name())
+    prep = _PREPARED.get(key)
+    if prep is None:
+        try:
+            dec = infer(opdef.name, *specs, **attrs)
+        except NoRuleError:
+            if _FALLBACK[-1]:
+                return _fallback(func, args, kwargs)
+            raise
+        prep = _prepare(opdef, dec, inputs, specs, attrs, mesh)
+        if len(_PREPARED) > 20000:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
+    return run_prepared(opdef, prep, inputs, specs, attrs, mesh)
 
 
-def run_decision(opdef, dec, inputs, specs, attrs, mesh):
+_PREPARED: dict = {}
+
+
+@dataclass
+class _Prepared:
+    dec: Any
+    out_shapes: tuple
+    even: bool
+    expand: tuple          # per input: mesh axes to expand (replicated meeting per-rank work)
+
+
+def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
+    st = dec.chosen.strategy
+    out_shapes = _out_shapes(opdef, dec, inputs, attrs)
+    even = all(layout.is_even(s.shape, mesh, req) for s, req in zip(specs, st.inputs)
+               if s is not None and req is not None) and \
+        all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, st.outputs))
+    diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
+    expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
+                   for req in st.inputs)
+    return _Prepared(dec, out_shapes, even, expand)
+
+
+def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
+    dec = prep.dec
     cand = dec.chosen
-    st = cand.strategy
+    outs_ps = cand.strategy.outputs
+    even = prep.even
+    locs = []
     tensors = []
-    for x, spec, plan in zip(inputs, specs, cand.plans):
+    for x, spec, plan, axes in zip(inputs, specs, cand.plans, prep.expand):
         if spec is None:
             tensors.append(x)
+            locs.append(x)
             continue
         t = _as_dist(x, mesh)
         if plan is not None and plan.steps:
             t = execute(plan, t)
         tensors.append(t)
-    outs_ps = st.outputs
-    out_shapes = _out_shapes(opdef, dec, inputs, attrs)
-    even = all(layout.is_even(t.shape, mesh, t.placements) for t in tensors
-               if isinstance(t, DistTensor)) and \
-        all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, outs_ps))
-    # replicated inputs meeting per-rank computation get per-rank views (traced backward)
-    diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in outs_ps)]
-    locs = []
-    for t in tensors:
-        if not isinstance(t, DistTensor):
-            locs.append(t)
-            continue
-        loc = t._local if even or not t.is_even else t.cells()
+        loc = t._local
         if even and isinstance(loc, Cells):
             loc = _stack_cells(loc, mesh.ndim)
-        axes = [i for i in diverge if t.placements[i].is_replicate()]
+        elif not even and not isinstance(loc, Cells):
+            loc = t.cells()
         if axes:
             loc = C.expand_replicas(loc, mesh, axes, label=f"{opdef.name} input")
         locs.append(loc)
-    ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
-              outs_ps, out_shapes)
-    nd = mesh.ndim
+    out_shapes = prep.out_shapes
     if even:
-        out = opdef.local(nd, ctx, *locs, **attrs)
+        ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
+                  outs_ps, out_shapes)
+        out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
     else:
+        ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
+                  outs_ps, out_shapes)
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
-    _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
+    if current_trace() is not None:
+        _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
     outs = out if opdef.n_out > 1 else (out,)
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
         h(dec, specs, wrapped)
     return wrapped if opdef.n_out > 1 else wrapped[0]
+
+
+def _profile_name():
+    tr = current_trace()
+    return tr.profile.name if tr is not None else _DEFAULT_PROFILE
+
+
+from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E402
 
 
 def _out_shapes(opdef, dec, inputs, attrs):

@@ -34,13 +34,16 @@ _LETTERS = "IJKLMNOPQRST"
 
 class TensorSpec:
     """Shape, mesh and placements of a tensor: what SPMD rules and plans look at."""
-    __slots__ = ("shape", "mesh", "placements", "dtype")
+    __slots__ = ("shape", "mesh", "placements", "dtype", "_hash")
 
-    def __init__(self, shape: Sequence[int], mesh: Mesh, placements, dtype=torch.float32):
+    def __init__(self, shape: Sequence[int], mesh: Mesh, placements, dtype=torch.float32,
+                 _trusted: bool = False):
         self.shape = torch.Size(shape)
         self.mesh = mesh
-        self.placements = normalize_placements(placements, mesh, len(self.shape))
+        self.placements = tuple(placements) if _trusted else \
+            normalize_placements(placements, mesh, len(self.shape))
         self.dtype = dtype
+        self._hash = hash((tuple(self.shape), self.mesh, self.placements, self.dtype))
 
     @property
     def ndim(self) -> int:
@@ -53,11 +56,12 @@ class TensorSpec:
         return (f"TensorSpec({tuple(self.shape)}, {notation(self.shape, self.mesh, self.placements, self.dtype)})")
 
     def __eq__(self, other):
-        return (isinstance(other, TensorSpec) and self.shape == other.shape and
-                self.mesh == other.mesh and self.placements == other.placements)
+        return (isinstance(other, TensorSpec) and self._hash == other._hash and
+                self.shape == other.shape and self.mesh == other.mesh and
+                self.placements == other.placements and self.dtype == other.dtype)
 
     def __hash__(self):
-        return hash((tuple(self.shape), self.mesh, self.placements))
+        return self._hash
 
 
 def notation(shape, mesh, placements, dtype=torch.float32, names: str | None = None) -> str:
@@ -90,7 +94,8 @@ class DistTensor:
     :func:`workbench.reshard`.  Torch functions and operators on DistTensors go
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
-    __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "__weakref__")
+    __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
+                 "__weakref__")
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -99,6 +104,7 @@ class DistTensor:
         self._local = local
         self.dtype = dtype if dtype is not None else local.dtype
         self.names = names
+        self._spec = None
 
     # ---- facts -----------------------------------------------------------------------
     @property
@@ -116,7 +122,10 @@ class DistTensor:
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.mesh, self.placements, self.dtype)
+        if self._spec is None:
+            self._spec = TensorSpec(self.shape, self.mesh, self.placements, self.dtype,
+                                    _trusted=True)
+        return self._spec
 
     @property
     def is_even(self) -> bool:

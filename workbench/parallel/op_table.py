@@ -51,6 +51,10 @@ def _pointwise(name, fn, swap=False):
         return fn(*xs, **kw)
 
     def parse(*args, **kwargs):
+        if kwargs.pop("inplace", False):
+            raise NotImplementedError(
+                f"{name}(inplace=True) on a DistTensor: in-place ops are not supported; "
+                "use the out-of-place form (inplace=False)")
         if swap:
             args = (args[1], args[0]) + tuple(args[2:])
         return tuple(args), dict(kwargs)

@@ -208,8 +208,15 @@ def get_profile(p: "str | Profile | None" = None) -> Profile:
     if not isinstance(p, str):
         raise TypeError(f"profile={p!r}: give a profile name, a Profile or None")
     name = p.strip().lower()
+    hit = _BY_NAME.get(name)
+    if hit is not None:
+        return hit
     known = list_profiles()
     if name not in known:
         raise ValueError(f"profile={p!r} is not known; the built-in profiles are {known} "
                          f"(or load your own with load_profile(path))")
-    return _builtin(name)
+    _BY_NAME[name] = prof = _builtin(name)
+    return prof
+
+
+_BY_NAME: dict = {}

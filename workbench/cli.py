@@ -1,0 +1,56 @@
+"""Command line: ``python -m workbench doctor | train | course``.
+
+    python -m workbench doctor                 what devices and backends were found, and why
+    python -m workbench course student --out student/
+                                               student notebooks with the solutions removed
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _doctor(args) -> int:
+    from .npu.doctor import main_doctor
+    return main_doctor()
+
+
+def _course(args) -> int:
+    if args.what == "student":
+        from .exercises.student import make_student_versions
+        out = make_student_versions(args.notebooks, args.out)
+        for p in out:
+            print(p)
+        return 0
+    print(f"unknown course command {args.what!r}: use 'student'", file=sys.stderr)
+    return 2
+
+
+def _train(args) -> int:
+    from .train import main_train
+    return main_train(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m workbench",
+                                description="the distributed-training workbench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="report devices, torch_npu, CUDA and the distributed backend")
+    d.set_defaults(fn=_doctor)
+    c = sub.add_parser("course", help="course tools")
+    c.add_argument("what", choices=["student"], help="student: write student versions")
+    c.add_argument("--notebooks", default="notebooks", help="folder of instructor notebooks")
+    c.add_argument("--out", default="student", help="folder to write student notebooks to")
+    c.set_defaults(fn=_course)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
