@@ -121,6 +121,20 @@ class Trace:
         self.events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label, args or {}))
         return Handle(ranks, end)
 
+    def record_send(self, src: int, dst: int, name: str, duration: float, ready: float,
+                    bytes: int = 0, label: str = "", args=None) -> Handle:
+        """An asynchronous point-to-point send (isend/irecv): it starts once the data is
+        ``ready`` and the sender's comm stream is free; the receiver waits on the handle
+        before it uses the data.  The sender's compute stream does not wait."""
+        c = self._clock
+        start = max(ready, c[(src, "comm")])
+        end = start + duration
+        c[(src, "comm")] = end
+        c[(dst, "comm")] = max(c[(dst, "comm")], end)
+        self.events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
+                                 args or {}))
+        return Handle((dst,), end)
+
     def wait(self, handle: Handle) -> None:
         """Make the compute stream of the handle's ranks wait for the collective."""
         for r in handle.ranks:
@@ -227,6 +241,16 @@ _current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("workben
 def current_trace() -> Trace | None:
     """The trace being recorded, or None outside ``with workbench.trace()``."""
     return _current.get()
+
+
+class suspend:
+    """``with suspend():`` runs code without recording (the caller records by hand)."""
+
+    def __enter__(self):
+        self._token = _current.set(None)
+
+    def __exit__(self, *exc):
+        _current.reset(self._token)
 
 
 class trace:

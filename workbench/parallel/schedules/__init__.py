@@ -17,6 +17,7 @@ from .one_f_one_b import one_f_one_b
 from .simulate import Blocks, SimulationResult, simulate
 from .validate import ScheduleError, validate
 from .zero_bubble import zb_h1
+from .execute import PipelineRun, run_pipeline
 
 SCHEDULES = {
     "GPipe": lambda p, m, v=1: gpipe(p, m),
@@ -28,4 +29,5 @@ SCHEDULES = {
 
 __all__ = ["KINDS", "Action", "Schedule", "Transfer", "transfers", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zb_h1", "validate", "ScheduleError", "simulate",
-           "SimulationResult", "Blocks", "formula_bubble", "BubbleFormula", "SCHEDULES"]
+           "SimulationResult", "Blocks", "formula_bubble", "BubbleFormula", "SCHEDULES",
+           "run_pipeline", "PipelineRun"]

@@ -1,0 +1,217 @@
+"""Run a real model, split into pipeline stages on simulated ranks, in a schedule's order.
+
+Each stage lives on its own mesh (a 1-rank mesh for plain pipeline parallelism, or
+e.g. ``[[0, 1], [2, 3]]`` when every stage is itself data x tensor parallel).  For
+every action of the schedule:
+
+* ``F`` (stage s, micro-batch i): receive the activation from stage s-1 (an async
+  send/recv across meshes, recorded in the trace), run stage s, keep its output;
+  the last stage computes the loss of micro-batch i, scaled by 1/m;
+* ``B``: receive the output gradient from stage s+1 and backpropagate through stage
+  s; with a split backward (zero bubble), ``B`` computes only the input gradient
+  and ``W`` later the weight gradients.
+
+Gradients accumulate over the micro-batches, so after :func:`run_pipeline` every
+parameter holds the gradient of the mean loss: the same as one device running
+the whole batch.  Actions run in the order of the schedule's own simulation
+(a valid global order); the modeled clock of each rank advances with the ops
+the rank really ran, so the trace shows the schedule's bubbles as they happen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ...sim_mesh.collectives import Cells
+from ...sim_mesh import cost as _cost
+from ...sim_mesh.trace import current_trace, suspend
+from ..dist_tensor import DistTensor
+from ..reshard import reshard
+from .actions import Action, Schedule
+from .simulate import simulate
+from .validate import validate
+
+__all__ = ["run_pipeline", "PipelineRun"]
+
+
+@dataclass
+class PipelineRun:
+    """What a pipeline run produced: the loss per micro-batch and the order it ran."""
+    losses: list            # per micro-batch loss (floats), unscaled
+    order: list             # (rank, Action) in execution order
+
+    @property
+    def loss(self) -> float:
+        return sum(self.losses) / len(self.losses)
+
+
+def _detach_leaf(t):
+    if isinstance(t, DistTensor):
+        return t.detach().requires_grad_()
+    return t.detach().requires_grad_()
+
+
+def _send(t, dst_mesh, placements, label):
+    """Move DistTensor t onto dst_mesh; record async sends in the trace."""
+    tr = current_trace()
+    with suspend():
+        out = reshard(t, dst_mesh, placements)
+    if tr is not None:
+        nb = _local_bytes(t)
+        for a, b in zip(t.mesh.ranks, dst_mesh.ranks):
+            if a == b:
+                continue
+            dur = _cost.price("send_recv", nb, (a, b), tr.profile)
+            h = tr.record_send(a, b, "send_recv", dur, ready=tr.now(a), bytes=nb, label=label)
+            tr.wait(h)
+    return out
+
+
+def _local_bytes(t) -> int:
+    loc = t._local
+    if isinstance(loc, Cells):
+        return max(x.numel() for x in loc.items) * loc.items[0].element_size()
+    nd = t.mesh.ndim
+    n = 1
+    for s in loc.shape[nd:]:
+        n *= s
+    return n * loc.element_size()
+
+
+def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
+                 inputs: Sequence, loss_fn: Callable, *, params: Sequence | None = None,
+                 costs: dict | None = None) -> PipelineRun:
+    """Run ``schedule`` over model stages.
+
+    Args:
+        stages: ``p * v`` callables; stage ``s`` maps the previous stage's output to
+            its own (stage 0 takes ``inputs[i]``).
+        meshes: the mesh of each rank (``p`` of them; chunk c of rank r runs on
+            ``meshes[r]``).
+        inputs: ``m`` micro-batches for stage 0, each a DistTensor on ``meshes[0]``
+            (or whatever stage 0 accepts).
+        loss_fn: ``loss_fn(output, i)`` -> scalar DistTensor for micro-batch i.
+        params: per stage, its parameters (DistTensors or tensors); needed only for
+            a split backward (``W`` computes exactly these gradients).
+        costs: f/b/w costs for ordering (the schedule's simulation), default 1.
+    """
+    validate(schedule)
+    p, m, v = schedule.p, schedule.m, schedule.v
+    if len(stages) != p * v:
+        raise ValueError(f"stages has {len(stages)} callables; schedule {schedule.name} with "
+                         f"p={p}, v={v} needs p*v={p * v}")
+    if len(meshes) != p:
+        raise ValueError(f"meshes has {len(meshes)} entries; give one mesh per rank (p={p})")
+    if len(inputs) != m:
+        raise ValueError(f"inputs has {len(inputs)} micro-batches; the schedule has m={m}")
+    if schedule.split_backward and (params is None or len(params) != p * v):
+        raise ValueError(f"schedule {schedule.name} splits the backward into B and W: pass "
+                         f"params=[parameters of each of the {p * v} stages]")
+    costs = dict(costs or {})
+    if schedule.split_backward:
+        costs.setdefault("w", costs.get("b", 1.0))
+    sim = simulate(schedule, **costs)
+    order = sorted(((sim.starts[r][i], r, i) for r in range(p)
+                    for i in range(len(schedule.actions[r]))))
+    stage_in: dict = {}          # (stage, mb) -> input leaf (detached) of that stage
+    stage_out: dict = {}         # (stage, mb) -> output of that stage
+    grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
+    losses = [0.0] * m
+    done = []
+    last = p * v - 1
+    for _, r, i in order:
+        a: Action = schedule.actions[r][i]
+        s = a.chunk * p + r
+        key = (s, a.mb)
+        if a.kind == "F":
+            if s == 0:
+                x = inputs[a.mb]
+            else:
+                prev = stage_out[(s - 1, a.mb)]
+                x = _send(prev.detach(), meshes[r], prev.placements,
+                          f"F{a.mb} stage {s - 1}->{s}")
+                x = _detach_leaf(x)
+            stage_in[key] = x
+            out = stages[s](x)
+            if s == last:
+                loss = loss_fn(out, a.mb)
+                if isinstance(loss, DistTensor) and any(q.is_partial() for q in loss.placements):
+                    loss = reshard(loss, loss.mesh, loss._grad_placements())
+                losses[a.mb] = float(_value(loss))
+                out = loss * (1.0 / m)
+            stage_out[key] = out
+        else:
+            out = stage_out[key]
+            split_b = a.kind == "B" and schedule.split_backward
+            if s == last:
+                g = None
+            else:
+                g = grad_in[key] if split_b else grad_in.pop(key)
+            x = stage_in[key]
+            needs_input_grad = s > 0
+            if a.kind == "B" and schedule.split_backward:
+                if needs_input_grad:
+                    _backward(out, g, inputs=[x], retain=True)
+            elif a.kind == "W":
+                _backward(out, g, weights=params[s], retain=False)
+                stage_out.pop(key, None)
+            else:
+                _backward(out, g, retain=False)
+                stage_out.pop(key, None)
+            if needs_input_grad and a.kind == "B":
+                gx = _grad_of(x)
+                dst_mesh = meshes[(s - 1) % p]
+                gx_moved = _send(gx, dst_mesh, gx.placements, f"B{a.mb} stage {s}->{s - 1}")
+                grad_in[(s - 1, a.mb)] = gx_moved
+        done.append((r, a))
+    return PipelineRun(losses, done)
+
+
+def _value(loss):
+    if isinstance(loss, DistTensor):
+        return loss.full().detach()
+    return loss.detach()
+
+
+def _grad_of(x):
+    if isinstance(x, DistTensor):
+        g = x.grad
+        x.grad = None
+        return g
+    g = x.grad
+    x.grad = None
+    return g
+
+
+def _backward(out, grad, inputs=None, retain=False, weights=None):
+    """Backward from ``out`` with ``grad``; only into ``inputs`` when given (the input
+    gradient of a split backward); only into ``weights`` when given (W)."""
+    if isinstance(out, DistTensor):
+        o = out._local
+        if grad is not None:
+            g = grad._local
+        else:
+            g = torch.ones_like(o) if o.numel() == 1 else None
+        if isinstance(o, Cells):
+            raise NotImplementedError("pipeline backward of uneven stage outputs: use a batch "
+                                      "that divides the mesh")
+    else:
+        o, g = out, grad
+        if g is None:
+            g = torch.ones_like(o)
+    if inputs is not None:
+        leaves = [x._local if isinstance(x, DistTensor) else x for x in inputs]
+        grads = torch.autograd.grad(o, leaves, g, retain_graph=True, allow_unused=True)
+        for x, gr in zip(inputs, grads):
+            if gr is None:
+                continue
+            leaf = x._local if isinstance(x, DistTensor) else x
+            leaf.grad = gr if leaf.grad is None else leaf.grad + gr
+        return
+    if weights is not None:
+        leaves = [w._local if isinstance(w, DistTensor) else w for w in weights]
+        torch.autograd.backward(o, g, retain_graph=retain, inputs=leaves)
+        return
+    torch.autograd.backward(o, g, retain_graph=retain)
