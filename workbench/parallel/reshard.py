@@ -34,11 +34,14 @@ from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
 from . import layout
+from .dist_tensor import DistTensor, _stack_cells, shard_tensor
 from .placement import Partial, Replicate, Shard, fmt_placements, normalize_placements
 
 __all__ = ["Step", "Plan", "plan_reshard", "reshard"]
 
 _LOCAL = ("local_slice", "local_partial", "local_pad")
+# bytes each rank sends, as a multiple of (p-1)/p of the buffer (ring algorithms)
+_EXACT = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,10 @@ def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
             continue
         for kind, i, nxt, nb in _moves(shape, mesh, ps, dtype, profile):
             wire, t, ng = _price_step(kind, i, nb, mesh, profile)
-            # cheapest time, then fewest bytes, then no zero-padding detours, then fewest steps
-            c = (cost[0] + t, cost[1] + wire, cost[2] + (kind == "local_pad"), cost[3] + 1)
+            exact = _EXACT.get(kind, 0.0) * nb * (mesh.shape[i] - 1) / mesh.shape[i]
+            # cheapest time, then fewest bytes (unrounded), then no zero-padding detours,
+            # then fewest steps
+            c = (cost[0] + t, cost[1] + exact, cost[2] + (kind == "local_pad"), cost[3] + 1)
             if nxt not in best or c < best[nxt]:
                 best[nxt] = c
                 step = Step(kind, i, mesh.dim_names[i], ps, nxt, wire, t, nb, ng)
@@ -263,7 +268,6 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     On error nothing is changed: ``t`` is never modified (reshard returns a new
     DistTensor).  ``expanded`` (mesh dims) asks that replicated results along
     those dims be given per rank (used by the SPMD dispatcher)."""
-    from .dist_tensor import DistTensor
     if not isinstance(t, DistTensor):
         raise TypeError(f"reshard(t={type(t).__name__}): expected a DistTensor; "
                         "use shard_tensor() for a plain tensor")
@@ -274,7 +278,6 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
 
 def execute(plan: Plan, t):
     """Run a plan's steps on ``t`` and return the new DistTensor."""
-    from .dist_tensor import DistTensor
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
@@ -293,7 +296,6 @@ def _layout_for(t, new_ps):
     even = layout.is_even(t.shape, t.mesh, t.placements) and \
         layout.is_even(t.shape, t.mesh, new_ps)
     if even and isinstance(t._local, Cells):
-        from .dist_tensor import _stack_cells
         return _stack_cells(t._local, t.mesh.ndim)
     if not even and not isinstance(t._local, Cells):
         return t.cells()
@@ -301,7 +303,6 @@ def _layout_for(t, new_ps):
 
 
 def _finish(t, x, new_ps):
-    from .dist_tensor import DistTensor, _stack_cells
     if isinstance(x, Cells) and layout.is_even(t.shape, t.mesh, new_ps):
         x = _stack_cells(x, t.mesh.ndim)
     return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
@@ -310,7 +311,7 @@ def _finish(t, x, new_ps):
 def _collective_step(t, s: Step):
     x = _layout_for(t, s.dst)
     i, old, new = s.mesh_dim, s.src[s.mesh_dim], s.dst[s.mesh_dim]
-    label = f"{old}->{new} on {t.mesh.dim_names[i]}"
+    label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
     if s.kind == "all_gather":
         y = C.all_gather(x, t.mesh, i, old.dim, label=label)
     elif s.kind == "all_reduce":
@@ -330,7 +331,7 @@ def _local_step(t, i: int, new_ps):
     old, new = t.placements[i], new_ps[i]
     n = mesh.shape[i]
     x = _layout_for(t, new_ps)
-    label = f"{old}->{new} on {mesh.dim_names[i]}"
+    label = f"{old}->{new} on {mesh.dim_names[i]}" if current_trace() is not None else ""
     if isinstance(old, Replicate) and isinstance(new, Shard):
         d = new.dim
         if isinstance(x, Cells):
@@ -391,7 +392,6 @@ def _lead_numel(x, nd):
 
 def _send(t, dmesh, dst_ps):
     """Move data from t's mesh to ``dmesh`` (see _plan_cross_mesh)."""
-    from .dist_tensor import DistTensor, shard_tensor
     if t.mesh.shape == dmesh.shape:
         y = C.send_recv(t._local, t.mesh, dmesh, label=f"{t.mesh.ranks} -> {dmesh.ranks}")
         return DistTensor(y, dmesh, dst_ps, t.shape, t.dtype, t.names)
