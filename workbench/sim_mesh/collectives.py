@@ -305,14 +305,16 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
     for a in axes:
         n = mesh.shape[a]
         if isinstance(x, Cells):
+            if x.lead[a] != 1:
+                continue                  # already one copy per rank: nothing to expand
             nb = nbytes_of(x)
-            if x.lead[a] == 1:
-                src = x
-                x = x.with_axis(a, n, lambda c, a=a, src=src: src[c[:a] + (0,) + c[a + 1:]])
+            src = x
+            x = x.with_axis(a, n, lambda c, a=a, src=src: src[c[:a] + (0,) + c[a + 1:]])
         else:
+            if x.shape[a] != 1:
+                continue
             nb = (x.numel() // math.prod(x.shape[:mesh.ndim])) * x.element_size()
-            if x.shape[a] == 1:
-                x = _expand_axis(x, a, n)
+            x = _expand_axis(x, a, n)
         x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
     return x
 
