@@ -15,6 +15,9 @@ def run(args: list[str]) -> int:
 
 
 def main() -> int:
+    # 2 cores shared by 2 test workers: one thread each (torch's default of one thread
+    # per core makes every worker spin against the other)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     py = sys.executable
     steps = [[py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-n", "2",
               "--timeout", "600"]]
@@ -23,7 +26,7 @@ def main() -> int:
     if nbs:
         steps.append([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
                       "--nbval-current-env", "--nbval-sanitize-with", "notebooks/sanitize.cfg",
-                      "-n", "2", *nbs])
+                      "-n", "2", "--dist", "loadfile", *nbs])
     for s in steps:
         rc = run(s)
         if rc != 0:

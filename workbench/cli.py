@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--notebooks", default="notebooks", help="folder of instructor notebooks")
     c.add_argument("--out", default="student", help="folder to write student notebooks to")
     c.set_defaults(fn=_course)
+    from .train import add_train_arguments
+    t = sub.add_parser("train", help="train the course's Llama; one JSON line per step")
+    add_train_arguments(t)
+    t.set_defaults(fn=_train)
     return p
 
 

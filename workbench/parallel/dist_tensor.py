@@ -52,6 +52,9 @@ class TensorSpec:
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return layout.local_shape(self.shape, self.mesh, self.placements, rank)
 
+    def notation(self, names: str | None = None) -> str:
+        return notation(self.shape, self.mesh, self.placements, self.dtype, names)
+
     def __repr__(self) -> str:
         return (f"TensorSpec({tuple(self.shape)}, {notation(self.shape, self.mesh, self.placements, self.dtype)})")
 

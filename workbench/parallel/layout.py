@@ -37,7 +37,11 @@ def _bounds(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple):
 def shard_bounds(shape: Sequence[int], mesh, placements: Sequence[Placement],
                  rank: int) -> tuple[tuple[int, int], ...]:
     """Per tensor dim, (start, size) of ``rank``'s shard in the global tensor."""
-    return _bounds(tuple(shape), mesh.shape, tuple(placements), mesh.coordinate(rank))
+    placements = tuple(placements)
+    if not all(isinstance(p, Placement) for p in placements):
+        from .placement import normalize_placements
+        placements = normalize_placements(placements, mesh, len(shape))
+    return _bounds(tuple(shape), mesh.shape, placements, mesh.coordinate(rank))
 
 
 def local_shape(shape, mesh, placements, rank) -> tuple[int, ...]:

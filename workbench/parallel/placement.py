@@ -74,7 +74,7 @@ class Partial(Placement):
 
 PlacementLike = Union[Placement, str]
 _PAT = re.compile(r"^\s*(?:(R|Replicate)\(?\)?|(?:S|Shard)\((?:dim=)?(-?\d+)\)|"
-                  r"(?:P|Partial)\((?:reduce_op=)?['\"]?(\w*)['\"]?\))\s*$")
+                  r"(?:P|Partial)(?:\((?:reduce_op=)?['\"]?(\w*)['\"]?\))?)\s*$")
 
 
 def _parse_one(p: PlacementLike) -> Placement:

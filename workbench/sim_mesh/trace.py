@@ -158,23 +158,39 @@ class Trace:
         return Counter(e.name for e in self.collectives())
 
     def total_bytes(self, name: str | None = None) -> int:
-        """Bytes sent per rank, summed over the recorded collectives (of ``name``)."""
+        """Bytes sent, summed over every recorded collective event (of ``name``): groups
+        that ran at once count once each.  For what one rank sent, see
+        :meth:`bytes_per_rank`."""
         return sum(e.bytes for e in self.collectives() if name is None or e.name == name)
+
+    def bytes_per_rank(self, name: str | None = None) -> dict[int, int]:
+        """Bytes each rank sent in the recorded collectives (of ``name``)."""
+        out: dict[int, int] = defaultdict(int)
+        for e in self.collectives():
+            if name is None or e.name == name:
+                if e.name == "send_recv" and "src" in e.args:
+                    out[e.args["src"]] += e.bytes
+                    continue
+                for r in e.ranks:
+                    out[r] += e.bytes
+        return dict(out)
 
     def busy(self, rank: int, stream: str) -> float:
         return sum(e.duration for e in self.events if e.stream == stream and rank in e.ranks)
 
     def summary(self) -> str:
+        """One line per collective kind: events, bytes sent by the busiest rank, and the
+        summed duration of the events."""
         lines = [f"{len(self.events)} events, modeled time {_fmt_s(self.time())} "
                  f"on {self.profile.name}"]
-        by = defaultdict(lambda: [0, 0, 0.0])
+        by = defaultdict(lambda: [0, 0.0])
         for e in self.collectives():
             row = by[e.name]
             row[0] += 1
-            row[1] += e.bytes
-            row[2] += e.duration
-        for name, (n, b, t) in sorted(by.items()):
-            lines.append(f"  {name:<15} x{n:<4} {_fmt_bytes(b):>10}  {_fmt_s(t)}")
+            row[1] += e.duration
+        for name, (n, t) in sorted(by.items()):
+            per_rank = max(self.bytes_per_rank(name).values(), default=0)
+            lines.append(f"  {name:<15} x{n:<4} {_fmt_bytes(per_rank):>10} per rank  {_fmt_s(t)}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,0 +1,161 @@
+"""The exercise checks: right answers pass, wrong answers are told what is wrong."""
+import re
+
+import pytest
+
+import workbench as wb
+from workbench.exercises import checks as ex
+from workbench.sim_mesh import cost, estimates
+
+
+def fails(match, fn, *args, **kw):
+    with pytest.raises(ex.CheckError, match=match):
+        fn(*args, **kw)
+
+
+def passes(capsys, fn, *args, **kw):
+    fn(*args, **kw)
+    out = capsys.readouterr().out
+    assert out.startswith("Correct: ") and out.count("\n") == 1
+    return out
+
+
+def test_check_error_is_an_assertion_error():
+    assert issubclass(ex.CheckError, AssertionError)
+
+
+# ---- 00 welcome -------------------------------------------------------------------------------
+
+def test_welcome_mesh(capsys):
+    passes(capsys, ex.check_welcome_mesh, wb.Mesh.grid((2, 4), ["dp", "tp"]))
+    fails("not a Mesh", ex.check_welcome_mesh, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    fails(r"shape \(4, 2\).*dp must come first", ex.check_welcome_mesh,
+          wb.Mesh.grid((4, 2), ["dp", "tp"]))
+    fails("dim_names", ex.check_welcome_mesh, wb.Mesh.grid((2, 4)))
+    fails("neighbours", ex.check_welcome_mesh,
+          wb.Mesh([[0, 2, 4, 6], [1, 3, 5, 7]], ["dp", "tp"]))
+
+
+def test_tp_group(capsys):
+    passes(capsys, ex.check_tp_group, (4, 5, 6, 7))
+    passes(capsys, ex.check_tp_group, [4, 5, 6, 7])
+    fails(r"\(1, 5\) is rank 5's dp group", ex.check_tp_group, (1, 5))
+    fails("wrong order", ex.check_tp_group, (7, 6, 5, 4))
+    fails("same dp coordinate", ex.check_tp_group, (0, 1, 2, 3))
+    fails("sequence of ranks", ex.check_tp_group, 5)
+
+
+# ---- 01 why distribute ---------------------------------------------------------------------------
+
+DAYS = estimates.training_days(6 * 7e9 * 2e12, 1024, 313e12, 0.4)
+
+
+def test_training_days(capsys):
+    assert DAYS == pytest.approx(7.583, rel=1e-3)
+    out = passes(capsys, ex.check_training_days, DAYS)
+    assert "8.4e+22 FLOPs" in out
+    fails("only the forward pass", ex.check_training_days, DAYS / 3)
+    fails("forget the utilisation", ex.check_training_days, DAYS * 0.4)
+    fails("seconds", ex.check_training_days, DAYS * 86400)
+    fails("hours", ex.check_training_days, DAYS * 24)
+    fails("float32 peak", ex.check_training_days, DAYS * 4)
+    fails("expected 7.583 days", ex.check_training_days, 11.0)
+    fails("should be a number", ex.check_training_days, "7.6")
+
+
+def test_zero2_memory(capsys):
+    gb = estimates.zero_model_state_bytes(7e9, 8, 2) / 1e9
+    assert gb == pytest.approx(26.25)
+    passes(capsys, ex.check_zero2_memory_gb, 26.25)
+    fails("stage 0 .*16 bytes per parameter", ex.check_zero2_memory_gb, 112)
+    fails("stage 1", ex.check_zero2_memory_gb, 38.5)
+    fails("stage 3", ex.check_zero2_memory_gb, 14.0)
+    fails("bytes: divide by 1e9", ex.check_zero2_memory_gb, 26.25e9)
+    fails("GiB", ex.check_zero2_memory_gb, 26.25e9 / 2**30)
+
+
+def test_zero2_memory_weights_only():
+    # 2 psi = 14 GB is also stage 3's answer (16 psi / 8): the stage hint comes first
+    fails("stage 3", ex.check_zero2_memory_gb, 14.0)
+    fails("only the bf16 weights", ex.check_zero2_memory_gb, 14.0, n_d=4)
+
+
+def test_allreduce_seconds(capsys):
+    link = wb.get_profile("ascend-910b").intra_node
+    t = 2 * 7 * link.latency + 2 * 7 / 8 * 14e9 / link.bandwidth
+    passes(capsys, ex.check_allreduce_seconds, t)
+    passes(capsys, ex.check_allreduce_seconds, 2 * 7 / 8 * 14e9 / link.bandwidth)  # latency tiny
+    fails("half of it", ex.check_allreduce_seconds, t / 2)
+    fails(r"\(p-1\)/p", ex.check_allreduce_seconds, 2 * 7 * link.latency + 2 * 14e9 / link.bandwidth)
+    fails("392 GB/s", ex.check_allreduce_seconds, t / 2)
+    fails("bf16, 2 bytes", ex.check_allreduce_seconds, 2 * t)
+    fails("inter-node link", ex.check_allreduce_seconds, 2 * 7 * 10e-6 + 2 * 7 / 8 * 14e9 / 25e9)
+
+
+# ---- 02 meshes and placements ------------------------------------------------------------------
+
+def test_rank1_layout(capsys):
+    out = passes(capsys, ex.check_rank1_layout, [wb.Shard(1), wb.Shard(0)])
+    assert "f32[I_tp, J_dp]" in out
+    passes(capsys, ex.check_rank1_layout, ["S(1)", "S(0)"])
+    fails(r"with \[S\(0\), S\(1\)\] rank 1 \(coordinate \(0, 1\)\) holds rows 0:4, cols 3:6; "
+          r"it should hold rows 4:8, cols 0:3", ex.check_rank1_layout, ["S(0)", "S(1)"])
+    fails("rank 1", ex.check_rank1_layout, ["R", "S(0)"])
+    fails("one placement per mesh dimension", ex.check_rank1_layout, ["S(0)"])
+
+
+def test_notation(capsys):
+    passes(capsys, ex.check_notation, "bf16[I, J_tp]{U_dp}")
+    passes(capsys, ex.check_notation, "bf16[I, J_tp] {U_dp}")
+    fails(r"\{U_dp\} after the brackets", ex.check_notation, "bf16[I, J_tp]")
+    fails("dtype comes first", ex.check_notation, "f32[I, J_tp]{U_dp}")
+    fails("J_tp", ex.check_notation, "bf16[I_tp, J]{U_dp}")
+    fails("plain I", ex.check_notation, "bf16[I_dp, J_tp]{U_dp}")
+    fails("as a string", ex.check_notation, None)
+
+
+def test_nested_rows(capsys):
+    passes(capsys, ex.check_nested_rows, [3, 2, 3, 2])
+    fails("4 ways at once.*dp first \\(5, 5\\)", ex.check_nested_rows, [3, 3, 3, 1])
+    fails("add up to 12", ex.check_nested_rows, [3, 3, 3, 3])
+    fails("wrong order", ex.check_nested_rows, [3, 3, 2, 2])
+    fails("list of 4 ints", ex.check_nested_rows, 10)
+
+
+# ---- 03 collectives and reshard --------------------------------------------------------------------
+
+def test_cheapest_path(capsys):
+    P, S, R = wb.Partial(), wb.Shard, wb.Replicate()
+    passes(capsys, ex.check_cheapest_path, [[P, S(1)], [S(0), S(1)], [S(0), R]])
+    passes(capsys, ex.check_cheapest_path, [["P(sum)", "S(1)"], ["S(0)", "S(1)"], ["S(0)", "R"]])
+    naive = [[P, S(1)], [R, S(1)], [S(0), S(1)], [S(0), R]]
+    with pytest.raises(ex.CheckError) as e:
+        ex.check_cheapest_path(naive)
+    msg = str(e.value)
+    assert re.search(r"moves 192 B per rank \(all_reduce 128 B, local_slice 0 B, all_gather "
+                     r"64 B\); the cheapest moves 128 B: try reduce_scatter", msg), msg
+    fails("changes 2 mesh dims", ex.check_cheapest_path, [[P, S(1)], [S(0), R]])
+    fails("must start at", ex.check_cheapest_path, [[R, S(1)], [S(0), S(1)], [S(0), R]])
+    fails("not understood", ex.check_cheapest_path, [["X"], ["S(0)", "R"]])
+
+
+def test_allgather_times(capsys):
+    n = 64 * 2**20
+    t = {k: cost.collective_time("all_gather", n, 8, wb.get_profile(k).intra_node)
+         for k in ("ascend-910b", "a100")}
+    out = passes(capsys, ex.check_allgather_times, t["ascend-910b"], t["a100"])
+    assert "ratio 1.48" in out
+    fails("swapped", ex.check_allgather_times, t["a100"], t["ascend-910b"])
+    fails("all-reduce formula", ex.check_allgather_times, 2 * t["ascend-910b"], t["a100"])
+    fails(r"a100 time.*\(p-1\)/p", ex.check_allgather_times, t["ascend-910b"],
+          7 * 3e-6 + n / 300e9)
+    fails("MiB", ex.check_allgather_times, t["ascend-910b"],
+          7 * 3e-6 + 7 / 8 * 64e6 / 300e9)
+
+
+def test_uneven_receive(capsys):
+    passes(capsys, ex.check_uneven_receive, [112, 112, 112, 144])
+    fails("the plan's figure.*mean", ex.check_uneven_receive, [120] * 4)
+    fails("elements", ex.check_uneven_receive, [28, 28, 28, 36])
+    fails("bytes each rank holds", ex.check_uneven_receive, [48, 48, 48, 16])
+    fails("its rows are \\[3, 3, 3, 1\\]", ex.check_uneven_receive, [1, 2, 3, 4])

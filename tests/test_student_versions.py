@@ -1,0 +1,113 @@
+"""Student versions: solutions stripped (nbgrader's markers and stubs), and each
+generated notebook runs up to its first exercise, where it stops with the
+NotImplementedError of the stub and nowhere before."""
+from pathlib import Path
+
+import pytest
+
+from workbench.exercises.student import (BEGIN, END, make_student_versions, strip_solutions,
+                                         student_notebook)
+
+nbformat = pytest.importorskip("nbformat")
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+# ---- the transformation ---------------------------------------------------------------------
+
+def test_strip_keeps_code_around_and_indentation():
+    src = "x = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\ncheck(y)"
+    assert strip_solutions(src) == (
+        "x = 1\n# YOUR CODE HERE\nraise NotImplementedError()\ncheck(y)", 1)
+    src = "def f(a):\n    ### BEGIN SOLUTION\n    return a\n    ### END SOLUTION\n"
+    out, n = strip_solutions(src)
+    assert n == 1 and out == "def f(a):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+
+
+def test_strip_several_regions_and_none():
+    src = f"{BEGIN}\na\n{END}\nb\n{BEGIN}\nc\n{END}"
+    out, n = strip_solutions(src)
+    assert n == 2 and out.count("raise NotImplementedError()") == 2 and "\nb\n" in out
+    assert strip_solutions("print(1)") == ("print(1)", 0)
+
+
+@pytest.mark.parametrize("src, match", [
+    (f"{BEGIN}\nx", "never closed"),
+    (f"x\n{END}", "line 2.*without"),
+    (f"{BEGIN}\n{BEGIN}\n{END}", "line 2.*inside a solution region"),
+])
+def test_strip_rejects_unbalanced_markers(src, match):
+    with pytest.raises(ValueError, match=match):
+        strip_solutions(src, where="nb.ipynb, cell 3")
+
+
+def test_student_notebook_clears_outputs_and_markdown_answers():
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+    nb = new_notebook(cells=[
+        new_markdown_cell(f"Why?\n{BEGIN}\nBecause.\n{END}"),
+        new_code_cell(f"{BEGIN}\nx = 1\n{END}\nprint(x)", execution_count=3,
+                      outputs=[new_output("stream", name="stdout", text="1\n")]),
+    ])
+    out = student_notebook(nb)
+    assert out.cells[0].source == "Why?\nYOUR ANSWER HERE"
+    assert out.cells[1].source == "# YOUR CODE HERE\nraise NotImplementedError()\nprint(x)"
+    assert out.cells[1].outputs == [] and out.cells[1].execution_count is None
+    assert nb.cells[1].outputs            # the instructor notebook is untouched
+
+
+def test_make_student_versions_refuses_to_overwrite_the_source(tmp_path):
+    with pytest.raises(ValueError, match="overwritten"):
+        make_student_versions(ROOT / "notebooks", ROOT / "notebooks")
+    with pytest.raises(ValueError, match="no notebooks match"):
+        make_student_versions(tmp_path, tmp_path / "out")
+
+
+# ---- the course's notebooks -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("student")
+    written = make_student_versions(ROOT / "notebooks", out)
+    assert [p.name for p in written] == [p.name for p in NOTEBOOKS]
+    return out
+
+
+def test_course_has_notebooks():
+    assert len(NOTEBOOKS) >= 4
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_exercise_has_a_solution_and_a_check(path):
+    nb = nbformat.read(path, as_version=4)
+    solved = [c for c in nb.cells if c.cell_type == "code" and BEGIN in c.source]
+    assert 2 <= len(solved) <= 3, f"{path.name}: {len(solved)} exercises"
+    for c in solved:
+        assert "wb.exercises.check_" in c.source.split(END)[-1], c.source
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
+    """Every cell before the first exercise runs; the first exercise cell stops with
+    the stub's NotImplementedError."""
+    nbclient = pytest.importorskip("nbclient")
+    from nbclient.exceptions import CellExecutionError
+    nb = nbformat.read(student_dir / path.name, as_version=4)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    assert not [ln for i in code for ln in nb.cells[i].source.splitlines()
+                if ln.strip() in (BEGIN, END)]
+    stubs = [i for i in code if "# YOUR CODE HERE" in nb.cells[i].source]
+    assert stubs, f"{path.name} has no exercise (no {BEGIN!r} region in a code cell)"
+    first = stubs[0]
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+                                     resources={"metadata": {"path": str(student_dir)}})
+    failed = None
+    with client.setup_kernel():
+        for i in code:
+            try:
+                client.execute_cell(nb.cells[i], i)
+            except CellExecutionError as err:
+                failed = (i, err.ename, str(err).splitlines()[-1] if str(err) else "")
+                break
+    assert failed is not None and failed[:2] == (first, "NotImplementedError"), (
+        f"{path.name}: expected the first failure in cell {first} (the first exercise) to be "
+        f"NotImplementedError, got {failed}")

@@ -1,0 +1,168 @@
+"""Model configuration: one dataclass, a table of named presets, parameter counts.
+
+    from workbench.models.config import ModelConfig, PRESETS, get_config, param_count
+    cfg = get_config("tiny")                     # trains a step in milliseconds on a CPU
+    big = get_config("gpt3-175b")                # for estimates, built on the meta device
+    print(param_count(big).explain())            # module count beside Megatron's eq. 2
+
+The architecture is Llama's (Touvron et al. 2023): RMSNorm without bias, rotary
+positions (no position table), SwiGLU MLP with three matrices, no biases,
+optionally grouped-query attention (Ainslie et al. 2023).  Megatron's closed
+form (Narayanan et al. 2021, eq. 2) counts a GPT instead: LayerNorm with bias,
+biases on every linear, a 2-matrix MLP of width 4h, learned positions and a
+tied lm head.  :func:`param_count` counts the real module and lists, term by
+term, why the two numbers differ; nothing is fudged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+__all__ = ["ModelConfig", "PRESETS", "get_config", "param_count", "ParamCount", "DTYPES",
+           "RECOMPUTE"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-style transformer.  Frozen: change it with ``cfg.replace(...)``."""
+    vocab_size: int = 75            # tokens in the vocabulary (the character set of models.data)
+    seq_len: int = 64               # longest context T; rotary tables are built for it
+    n_layer: int = 2                # transformer blocks
+    n_head: int = 4                 # query heads; head dim = d_model / n_head
+    n_kv_head: int | None = None    # key/value heads (GQA); None = n_head (MHA), 1 = MQA
+    d_model: int = 64               # hidden size h (the residual stream width)
+    d_ff: int | None = None         # SwiGLU hidden size; None = 8/3 d_model rounded up to 64
+    norm_eps: float = 1e-5          # RMSNorm epsilon (Llama 2 uses 1e-5)
+    rope_theta: float = 10000.0     # RoPE base: pair i turns at theta^(-2i/hd) rad per position
+    dropout: float = 0.0            # on embeddings, attention weights and residual branches
+    tie_embeddings: bool = False    # lm head shares the embedding matrix (GPT-2/3); Llama: no
+    dtype: str = "float32"          # parameters and activations: float32 | bfloat16 | float16
+    recompute: str = "none"         # per block: none | full (whole block) | selective (attention)
+    init_std: float = 0.02          # normal init std; residual outputs get / sqrt(2 n_layer)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            _positive_int(name, getattr(self, name))
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64))
+        _positive_int("n_kv_head", self.n_kv_head)
+        _positive_int("d_ff", self.d_ff)
+        if self.d_model % self.n_head:
+            divisors = [n for n in range(1, self.d_model + 1) if self.d_model % n == 0]
+            raise ValueError(f"ModelConfig: n_head={self.n_head} must divide d_model="
+                             f"{self.d_model} (head dim = d_model / n_head); choose n_head in "
+                             f"{divisors[:12]}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head dim d_model / n_head = {self.head_dim} is odd; "
+                             "rotary embedding rotates pairs of features, so it must be even")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"ModelConfig: n_kv_head={self.n_kv_head} must divide n_head="
+                             f"{self.n_head} (each key/value head serves n_head / n_kv_head "
+                             "query heads)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig: dropout={self.dropout!r} must be in [0, 1)")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ModelConfig: {name}={v!r} must be a number > 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig: dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"ModelConfig: recompute={self.recompute!r}; use one of {RECOMPUTE}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive_int(name, v):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"ModelConfig: {name}={v!r} must be an int >= 1")
+
+
+# Named presets.  tiny: the course's model (vocab = the 75 characters of models.data);
+# small: nanoGPT's "baby GPT" shape for Shakespeare-char, with GQA; gpt3-175b: GPT-3's
+# shape (Brown et al. 2020, Table 2.1) as a Llama, for estimates on the meta device.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=75, seq_len=64, n_layer=2, n_head=4, d_model=64, d_ff=192),
+    "small": dict(vocab_size=75, seq_len=256, n_layer=6, n_head=8, n_kv_head=4, d_model=384,
+                  d_ff=1024, dropout=0.1),
+    # d_ff = 8/3 h = 32768 makes SwiGLU's 3 h d_ff equal GPT's 2 h (4h) = 8 h^2 per layer.
+    "gpt3-175b": dict(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, d_model=12288,
+                      d_ff=32768, tie_embeddings=True, dtype="bfloat16"),
+}
+
+
+def get_config(preset: str = "tiny", **overrides) -> ModelConfig:
+    """The named preset, with ``overrides`` (e.g. ``n_layer=4``) applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; use one of {list(PRESETS)}")
+    return ModelConfig(**{**PRESETS[preset], **overrides})
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of ``Llama(cfg)``: counted on the module, by formula, and by Megatron."""
+    module: int                     # sum(p.numel()) over the real module built on "meta"
+    terms: dict                     # our closed form, term by term (sums to ``module``)
+    megatron: int                   # Narayanan et al. 2021 eq. 2 with the same l, h, V, s
+    differences: dict               # why module - megatron is what it is (sums to it)
+
+    def explain(self) -> str:
+        lines = [f"module (meta device)   {self.module:>18,}",
+                 f"Megatron eq. 2 (GPT)   {self.megatron:>18,}"]
+        lines += [f"  {k:<36}{v:>+18,}" for k, v in self.differences.items() if v]
+        return "\n".join(lines)
+
+
+def param_count(cfg: ModelConfig | str) -> ParamCount:
+    """Count ``Llama(cfg)``'s parameters three ways: the module itself (built on the meta
+    device, so 175B parameters cost no memory), our closed form, and Megatron's
+    eq. 2 for a GPT of the same shape, with the difference explained term by term."""
+    import torch
+
+    from ..sim_mesh.estimates import megatron_params
+    from .llama import Llama
+
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    with torch.device("meta"):
+        model = Llama(cfg)
+    module = sum(p.numel() for p in model.parameters())        # shared (tied) tensors once
+
+    l, h, V, s, f = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.d_ff
+    kv = cfg.n_kv_head * cfg.head_dim
+    terms = {
+        "embedding (V h)": V * h,
+        "attention (l (2 h^2 + 2 h kv))": l * (2 * h * h + 2 * h * kv),   # q, o; k, v
+        "SwiGLU MLP (l 3 h d_ff)": l * 3 * h * f,                          # w1, w3, w2
+        "RMSNorm weights (l 2 h + h)": l * 2 * h + h,                      # 2 per block, final
+        "lm head (V h, untied)": 0 if cfg.tie_embeddings else V * h,
+    }
+    megatron = round(megatron_params(l, h, V, s))
+    differences = {
+        "attention: GQA k, v of width kv < h": l * 2 * h * (kv - h),
+        "MLP: SwiGLU 3 h d_ff vs GPT 8 h^2": l * (3 * h * f - 8 * h * h),
+        "no biases; RMSNorm has no bias: -11 l h": -11 * l * h,       # 13 l h -> 2 l h
+        "final RMSNorm (eq. 2 omits it): +h": h,
+        "no position table (RoPE): -s h": -s * h,
+        "untied lm head: +V h": 0 if cfg.tie_embeddings else V * h,
+    }
+    return ParamCount(module=module, terms=terms, megatron=megatron, differences=differences)

@@ -1,0 +1,233 @@
+"""A small Llama-style decoder-only transformer, built from ``workbench.ops``.
+
+    from workbench.models import Llama, get_config
+    model = Llama(get_config("tiny"), seed=0)
+    logits, loss = model(idx, targets)           # idx, targets: (B, S) token ids
+
+Per block (pre-norm, residual stream of width h = d_model):
+
+    x = x + Attention(RMSNorm(x))      q, k, v, o: four bias-free linears; RoPE on q, k;
+                                       causal attention through wb.ops.flash_attention
+    x = x + MLP(RMSNorm(x))            SwiGLU: w2(silu(w1 x) * w3 x)
+
+Written to run unchanged on DistTensors under tensor parallelism: q, k, v and
+gate/up are separate ``nn.Linear`` layers, so sharding each "colwise" splits the
+heads / the hidden features cleanly, and o, down "rowwise" produce partial sums
+(Megatron-LM's f/g pattern; :data:`TP_PLAN`).  Only ops with SPMD rules appear
+here: linear, embedding, view/reshape/transpose, element-wise ops, silu,
+dropout, cross_entropy and the wb.ops kernels.  Shapes use B batch, S sequence,
+h d_model, nh query heads, nkv key/value heads, hd head dim, V vocabulary.
+
+``recompute`` (per block, :attr:`Block.recompute`):
+  "none"      keep every activation for backward;
+  "full"      checkpoint the whole block: keep its input only (2 sbh bytes in
+              16 bit), recompute the block in backward (Chen et al. 2016);
+  "selective" checkpoint only the attention core, softmax(q k^T) v with its
+              dropout, the part with the most activation per FLOP (Korthikanti
+              et al. 2022, sec. 4.2).  With a fused FlashAttention kernel that core
+              keeps only O(S) statistics anyway, so the saving shows most on the
+              "unfused" ops backend.
+
+References: Touvron et al. 2023 (Llama); Su et al. 2021 (RoPE); Zhang & Sennrich
+2019 (RMSNorm); Shazeer 2020 (SwiGLU); Ainslie et al. 2023 (GQA); Shoeybi et
+al. 2019 (Megatron-LM tensor parallelism); Karpathy, nanoGPT (structure).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
+from .config import RECOMPUTE, ModelConfig
+
+__all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
+
+# Megatron-style tensor parallelism for ``wb.parallelize(model, mesh, TP_PLAN)``:
+# column-parallel q, k, v and gate/up (each rank owns whole heads / hidden features),
+# row-parallel o and down (partial sums, reduced once per sublayer).
+TP_PLAN = {
+    "layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise", "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+}
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, no bias, no re-centring (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def attention_core(q, k, v, dropout_p: float = 0.0):
+    """softmax(q k^T / sqrt(hd)) v, causal: the part "selective" recompute recomputes."""
+    return flash_attention(q, k, v, causal=True, dropout_p=dropout_p)   # (B, nh, S, hd)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped-query heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hd, dt = cfg.d_model, cfg.head_dim, cfg.torch_dtype
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(h, cfg.n_head * hd, bias=False, dtype=dt)
+        self.wk = nn.Linear(h, cfg.n_kv_head * hd, bias=False, dtype=dt)
+        self.wv = nn.Linear(h, cfg.n_kv_head * hd, bias=False, dtype=dt)
+        self.wo = nn.Linear(cfg.n_head * hd, h, bias=False, dtype=dt)
+
+    def forward(self, x, cos, sin, recompute_core: bool = False):
+        B, S, _ = x.shape                                                   # (B, S, h)
+        q = self.wq(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, S, hd)
+        k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.wv(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        q = rotary_embedding(q, cos, sin)                                   # cos, sin: (S, hd)
+        k = rotary_embedding(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        if recompute_core and torch.is_grad_enabled():
+            y = checkpoint(attention_core, q, k, v, p, use_reentrant=False)  # (B, nh, S, hd)
+        else:
+            y = attention_core(q, k, v, p)                                  # (B, nh, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
+        return F.dropout(self.wo(y), p, self.training)                      # (B, S, h)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) * w3 x), d_ff hidden features."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f, dt = cfg.d_model, cfg.d_ff, cfg.torch_dtype
+        self.dropout = cfg.dropout
+        self.w1 = nn.Linear(h, f, bias=False, dtype=dt)    # gate
+        self.w3 = nn.Linear(h, f, bias=False, dtype=dt)    # up
+        self.w2 = nn.Linear(f, h, bias=False, dtype=dt)    # down
+
+    def forward(self, x):
+        # Two separate linears, not wb.ops.swiglu on one concatenated (gate | up) output:
+        # under column-parallel sharding a rank would hold a slice of the concatenation,
+        # not matching halves of gate and up; separate linears keep them on one rank.
+        hidden = F.silu(self.w1(x)) * self.w3(x)                            # (B, S, d_ff)
+        return F.dropout(self.w2(hidden), self.dropout, self.training)      # (B, S, h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``recompute`` is "none", "full" or "selective"."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.recompute = cfg.recompute
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.torch_dtype)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.torch_dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin,                      # (B, S, h)
+                          recompute_core=self.recompute == "selective")
+        return x + self.mlp(self.mlp_norm(x))                               # (B, S, h)
+
+
+class Llama(nn.Module):
+    """Token embedding, ``n_layer`` blocks, final RMSNorm, lm head.  Deterministic init
+    from ``seed`` (a private generator: the global RNG is neither read nor advanced)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        dt = cfg.torch_dtype
+        with torch.random.fork_rng(devices=[]):    # torch's default init draws; ours replaces it
+            # _weight given: skip nn.Embedding's normal_ init, which on "meta" imports
+            # torch's compiler stack (seconds); reset_parameters below fills it
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                        _weight=torch.empty(cfg.vocab_size, cfg.d_model, dtype=dt))
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight       # one (V, h) matrix, used twice
+        # computed on the CPU, then moved: on "meta" the float64 formula would pull in
+        # torch's Python decompositions (seconds of import for a shape-only model)
+        cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, base=cfg.rope_theta, dtype=dt,
+                                device="cpu")
+        device = self.tok_emb.weight.device
+        cos, sin = cos.to(device), sin.to(device)
+        self.register_buffer("rope_cos", cos, persistent=False)             # (seq_len, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)             # (seq_len, hd)
+        self.reset_parameters(seed)
+
+    def set_recompute(self, mode: str, layers=None) -> None:
+        """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute={mode!r}; use one of {RECOMPUTE}")
+        for i, block in enumerate(self.layers):
+            if layers is None or i in layers:
+                block.recompute = mode
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """N(0, init_std) for embeddings and linears, init_std / sqrt(2 n_layer) for the
+        residual outputs o and w2 (GPT-2), ones for RMSNorm.  Drawn in float32 on the
+        CPU in ``named_parameters`` order, so every device and dtype gets the same model."""
+        g = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue                                    # shape-only model: nothing to fill
+            if p.dim() == 1:                                # RMSNorm weights
+                p.fill_(1.0)
+                continue
+            s = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo.weight", "w2.weight")) \
+                else std
+            p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, idx, targets=None):
+        """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
+        cross-entropy of ``targets`` (B, S)."""
+        B, S = idx.shape
+        if S > self.cfg.seq_len:
+            raise ValueError(f"Llama: sequence of {S} tokens is longer than seq_len="
+                             f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+        p = self.cfg.dropout if self.training else 0.0
+        x = F.dropout(self.tok_emb(idx), p, self.training)                  # (B, S, h)
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]                     # (S, hd)
+        for block in self.layers:
+            x = block(x, cos, sin)                                          # (B, S, h)
+        logits = self.lm_head(self.norm(x))                                 # (B, S, V)
+        if targets is None:
+            return logits, None
+        flat = logits.reshape(B * S, self.cfg.vocab_size)                   # (B*S, V)
+        if flat.dtype != torch.float32:
+            flat = flat.float()                                             # loss in fp32
+        return logits, F.cross_entropy(flat, targets.reshape(B * S))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
+                 generator: torch.Generator | None = None):
+        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len:])
+            last = logits[:, -1, :].float()                                 # (B, V)
+            if temperature == 0:
+                nxt = last.argmax(-1, keepdim=True)                         # (B, 1)
+            else:
+                probs = torch.softmax(last / temperature, -1)
+                nxt = torch.multinomial(probs, 1, generator=generator)     # (B, 1)
+            idx = torch.cat((idx, nxt), 1)
+        return idx

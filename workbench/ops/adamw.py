@@ -1,0 +1,201 @@
+"""AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization",
+Algorithm 2), as one in-place step over lists of tensors:
+
+    p   <- p * (1 - lr * weight_decay)                 # decoupled decay
+    m   <- beta1 * m + (1 - beta1) * g                 # first moment
+    v   <- beta2 * v + (1 - beta2) * g^2               # second moment
+    p   <- p - lr * m_hat / (sqrt(v_hat) + eps)     # m_hat = m / (1 - beta1^t),
+                                                    # v_hat = v / (1 - beta2^t)
+
+``step`` is t, counted from 1 (the step being taken).  The fused kernel reads
+p, g, m, v and writes p, m, v once per element; the unfused composition below
+runs nine element-wise kernels.  Not differentiable: an optimizer step runs
+under ``torch.no_grad``.  :class:`AdamW` wraps the functional step as a
+``torch.optim.Optimizer``.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..npu.guard import check_dtype
+from .cost import OpCost
+from .registry import dispatch, register, register_cost
+
+__all__ = ["adamw", "AdamW"]
+
+_OP = "adamw"
+_FUSED_DEVICES = ("cpu", "cuda")    # where torch._fused_adamw_ has kernels
+
+
+def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+          exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], step: int, *,
+          lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 0.01) -> None:
+    """One AdamW step, in place on ``params``, ``exp_avgs`` and ``exp_avg_sqs``."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    tensors = tuple(t for seq in lists for t in seq)
+    if has_torch_function(tensors):
+        return handle_torch_function(adamw, tensors, params, grads, exp_avgs, exp_avg_sqs, step,
+                                     lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                     weight_decay=weight_decay)
+    _check(lists, step, lr, beta1, beta2, eps, weight_decay)
+    with torch.no_grad():
+        dispatch(_OP, tensors)(*(list(s) for s in lists), int(step), float(lr), float(beta1),
+                               float(beta2), float(eps), float(weight_decay))
+
+
+def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+    lengths = {n: len(s) for n, s in zip(names, lists)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{_OP}: the four lists must have one entry per parameter, got {lengths}")
+    for i, group in enumerate(zip(*lists)):
+        for n, t in zip(names, group):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{_OP}: {n}[{i}] must be a floating-point tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.shape != group[0].shape:
+                raise ValueError(f"{_OP}: {n}[{i}].shape={tuple(t.shape)} differs from "
+                                 f"params[{i}].shape={tuple(group[0].shape)}")
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
+    for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
+                                ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
+                                ("weight_decay", weight_decay, 0, math.inf)):
+        if not lo <= value < hi:
+            raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
+
+
+@register(_OP, "reference")
+def _reference(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
+    """Algorithm 2 line by line, one parameter at a time, in float32 (the fused
+    kernels' math type for float16/bfloat16 parameters), written back in place."""
+    bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        ct = torch.promote_types(p.dtype, torch.float32)
+        pf, gf, mf, vf = (t.to(ct) for t in (p, g, m, v))
+        pf = pf * (1 - lr * wd)                          # decoupled weight decay
+        mf = beta1 * mf + (1 - beta1) * gf
+        vf = beta2 * vf + (1 - beta2) * gf * gf
+        m_hat, v_hat = mf / bias1, vf / bias2            # bias correction
+        pf = pf - lr * m_hat / (v_hat.sqrt() + eps)
+        p.copy_(pf), m.copy_(mf), v.copy_(vf)
+
+
+@register(_OP, "unfused")
+def _unfused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
+    """Nine separate element-wise kernels per parameter, in the parameter's dtype."""
+    bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p.mul_(1 - lr * wd)
+        m.mul_(beta1)
+        m.add_(g, alpha=1 - beta1)
+        v.mul_(beta2)
+        v.addcmul_(g, g, value=1 - beta2)
+        denom = v.sqrt()
+        denom.div_(math.sqrt(bias2))
+        denom.add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bias1)
+
+
+def _foreach(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
+    """Multi-tensor kernels: each line is one launch over every parameter."""
+    bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(bias2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
+
+
+@register(_OP, "native")
+def _native(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
+    """``torch._fused_adamw_`` (one kernel per device and dtype) on CPU/CUDA for contiguous
+    tensors, else the multi-tensor (foreach) kernels."""
+    groups = defaultdict(list)                       # fused kernels take one device and dtype
+    for i, p in enumerate(params):
+        groups[(p.device, p.dtype)].append(i)
+    for (device, _), idx in groups.items():
+        sub = [[seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs)]
+        if device.type in _FUSED_DEVICES and hasattr(torch, "_fused_adamw_") and _same_layout(sub):
+            steps = [torch.tensor(float(step), device=device)] * len(idx)
+            torch._fused_adamw_(*sub, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+        else:
+            _foreach(*sub, step, lr, beta1, beta2, eps, wd)
+
+
+def _same_layout(lists) -> bool:
+    """The fused kernel walks p, g, m, v as flat memory: all must be contiguous."""
+    return all(t.is_contiguous() for seq in lists for t in seq)
+
+
+@register(_OP, "npu")
+def _npu(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
+    """Multi-tensor (foreach) kernels, which torch_npu implements on the NPU.
+
+    ``torch_npu.npu_apply_adam_w`` is not used: its bias-correction convention is
+    unconfirmed (torch_npu.md).  For a whole model on Ascend,
+    ``torch_npu.optim.NpuFusedAdamW`` flattens the parameters into one buffer.
+    """
+    for p in params:
+        check_dtype(p, "wb.ops.adamw")
+    _foreach(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd)
+
+
+@register_cost(_OP)
+def _cost(params, grads, exp_avgs, exp_avg_sqs, step=1, **_hyper) -> OpCost:
+    n = sum(p.numel() for p in params)
+    e = sum(p.numel() * p.element_size() for p in params) // max(n, 1)
+    # unfused reads / writes per element, kernel by kernel as in _unfused:
+    # mul p (1/1), mul m (1/1), add g (2/1), mul v (1/1), addcmul g (2/1),
+    # sqrt (1/1), div (1/1), add eps (1/1), addcdiv (3/1)
+    return OpCost(_OP, flops=14 * n, backward_flops=0,
+                  bytes_fused=7 * n * e,             # read p, g, m, v; write p, m, v
+                  bytes_unfused=(13 + 9) * n * e,
+                  saved_bytes_fused=0, saved_bytes_unfused=0)
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` running :func:`adamw` (so ``wb.ops.use`` picks its path)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_step = defaultdict(lambda: ([], [], [], []))  # parameters at the same step
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW: sparse gradients are not supported")
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                lists = by_step[state["step"]]
+                for seq, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    seq.append(t)
+            beta1, beta2 = group["betas"]
+            for t, lists in by_step.items():
+                adamw(*lists, t, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+        return loss

@@ -1,0 +1,221 @@
+"""Attention: ``flash_attention(q, k, v, *, causal, mask, dropout_p, scale)``.
+
+softmax(Q K^T * scale) V on (batch, heads, seq, head_dim) tensors, with the
+signature of PyTorch's ``scaled_dot_product_attention``.  Backends:
+
+* reference - FlashAttention-2 (Dao 2023) tile by tile: flash_reference.py;
+* unfused   - the textbook formula (Vaswani et al. 2017): S x S scores in memory;
+* native    - ``torch.nn.functional.scaled_dot_product_attention``;
+* npu       - ``torch_npu.npu_fusion_attention`` (contracts in
+  /work/shared/reference/torch_npu.md: scale always passed, mask inverted,
+  keep_prob = 1 - dropout_p, called positionally).
+
+k and v may have fewer heads than q (grouped-query attention: Hq % Hkv == 0,
+query head h uses K/V head h // (Hq // Hkv), as ``repeat_interleave``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..npu.device import torch_npu_module
+from ..npu.guard import check_dtype
+from . import _checks
+from .cost import OpCost, nbytes
+from .flash_reference import FlashAttention2, TileStats
+from .masks import AttentionMask, build_mask
+from .registry import dispatch, register, register_cost
+
+__all__ = ["flash_attention", "TILE_Q", "TILE_K"]
+
+TILE_Q, TILE_K = 128, 128   # reference tiles, as FA2 at head_dim 64: few, large matmuls
+_OP = "flash_attention"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The checked arguments every backend receives."""
+    mask: AttentionMask | None   # causal + mask, combined; None = attend everywhere
+    dropout_p: float
+    scale: float
+    tile_q: int
+    tile_k: int
+    stats: TileStats | None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    mask=None, dropout_p: float = 0.0, scale: float | None = None,
+                    tile_q: int | None = None, tile_k: int | None = None,
+                    tile_stats: TileStats | None = None) -> torch.Tensor:
+    """Attention over q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv).
+
+    causal: query i sees keys j <= i (top-left aligned, as PyTorch's ``is_causal``).
+    mask: None, a bool tensor broadcastable to (B, Hq, Sq, Sk) with True = may attend
+        (PyTorch's convention), or a :class:`~workbench.ops.masks.MaskPattern`
+        (``SlidingWindow``, ``BlockDiagonal``) whose empty tiles the reference skips.
+        ANDed with ``causal``.  A query row with no key gets output 0.
+    dropout_p: probability of dropping an attention weight (applied whenever > 0,
+        as in ``scaled_dot_product_attention``); the kernels keep with 1 - dropout_p.
+    scale: default 1/sqrt(D).
+    tile_q, tile_k, tile_stats: the reference backend's tile sizes and a
+        :class:`TileStats` it fills with the tiles it computed and skipped.
+    """
+    relevant = (q, k, v, mask)      # any of them may be a tensor-like (a DistTensor) or mask
+    if has_torch_function(relevant):
+        return handle_torch_function(
+            flash_attention, relevant, q, k, v, causal=causal, mask=mask, dropout_p=dropout_p,
+            scale=scale, tile_q=tile_q, tile_k=tile_k, tile_stats=tile_stats)
+    call = _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, tile_stats)
+    impl = dispatch(_OP, (q, k, v))
+    if tile_stats is not None and impl is not _reference:
+        raise ValueError("flash_attention(tile_stats=...): only the reference backend counts "
+                         "tiles (fused kernels do not report them); wrap the call in "
+                         "`with wb.ops.use('reference'):`")
+    return impl(q, k, v, call)
+
+
+def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _checks.floating(_OP, name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)}; expected 4-d (batch, heads, "
+                             f"seq, head_dim). Fix: add a heads dim with {name}.unsqueeze(1)")
+    _checks.same_dtype(_OP, q=q, k=k, v=v)
+    _checks.same_device(_OP, q=q, k=k, v=v)
+    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
+    if k.shape[:3] != v.shape[:3] or Bk != B:
+        raise ValueError(f"{_OP}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must "
+                         f"share (batch, heads, seq), and batch with q.shape={tuple(q.shape)}")
+    if Dk != D:
+        raise ValueError(f"{_OP}: q head_dim {D} != k head_dim {Dk} (q.shape={tuple(q.shape)}, "
+                         f"k.shape={tuple(k.shape)})")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{_OP}: q has {Hq} heads, k and v have {Hkv}; grouped-query attention "
+                         f"needs q heads to be a multiple of k/v heads")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{_OP}: dropout_p={dropout_p}; it must be in [0, 1)")
+    for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    built = build_mask(Sq, Sk, Hq, Hkv, B, bool(causal), mask, q.device)
+    return AttentionCall(built, float(dropout_p), scale, tile_q or TILE_Q, tile_k or TILE_K, stats)
+
+
+@register(_OP, "reference")
+def _reference(q, k, v, c: AttentionCall):
+    seed = int(torch.randint(0, 2**62, ())) if c.dropout_p > 0 else 0   # from torch's RNG
+    return FlashAttention2.apply(q, k, v, c.mask, c.scale, 1.0 - c.dropout_p, seed,
+                                 c.tile_q, c.tile_k, c.stats)
+
+
+@register(_OP, "native")
+def _native(q, k, v, c: AttentionCall):
+    """PyTorch's fused attention kernels (flash / memory-efficient / math, its choice)."""
+    causal_only = c.mask is not None and c.mask.causal_only
+    dense = (None if c.mask is None or causal_only
+             else c.mask.dense4(q.shape[2], k.shape[2], q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=c.dropout_p,
+                                          is_causal=causal_only, scale=c.scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+@register(_OP, "unfused")
+def _unfused(q, k, v, c: AttentionCall):
+    """Textbook attention: every S x S intermediate goes to memory; P is kept for backward."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:                                   # GQA by copying K/V to every query head
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = (q @ k.transpose(-2, -1)) * c.scale          # (B, Hq, Sq, Sk) scores
+    if c.mask is not None:
+        keep = c.mask.dense4(q.shape[2], k.shape[2], q.device)
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)                     # (B, Hq, Sq, Sk) probabilities
+    if c.mask is not None:
+        has_key = keep.any(-1, keepdim=True)         # softmax of an all -inf row is NaN
+        if not bool(has_key.all()):
+            p = p.masked_fill(~has_key, 0.0)         # ... the fused kernels output 0 there
+    if c.dropout_p > 0:                              # dropout: an S x S bool mask in memory
+        kept = torch.rand_like(p) >= c.dropout_p
+        p = p * kept / (1.0 - c.dropout_p)
+    return p @ v                                     # (B, Hq, Sq, Dv)
+
+
+_NPU_FULL_BAND = 2147483647      # pre_tockens / next_tockens: "no band limit"
+_NPU_CAUSAL_SIDE = 2048          # sparse_mode 2 takes a compressed 2048 x 2048 causal mask
+
+
+@register(_OP, "npu")
+def _npu(q, k, v, c: AttentionCall):
+    """``torch_npu.npu_fusion_attention`` in the BNSD layout, every argument positional."""
+    npu = torch_npu_module()
+    for t in (q, k, v):
+        check_dtype(t, "wb.ops.flash_attention")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{_OP} on the NPU: q.dtype is {q.dtype}; npu_fusion_attention takes "
+                        "float16, bfloat16 or float32 (q.float())")
+    B, Hq, Sq, _ = q.shape
+    if c.mask is None:
+        atten_mask, sparse_mode = None, 0
+    elif c.mask.causal_only:                         # left-up causal == PyTorch's is_causal
+        atten_mask = torch.ones(_NPU_CAUSAL_SIDE, _NPU_CAUSAL_SIDE, dtype=torch.bool,
+                                device=q.device).triu_(1)
+        sparse_mode = 2
+    else:                                            # full mask; torch_npu: True = masked OUT
+        keep = c.mask.dense4(Sq, k.shape[2], q.device)      # (b, h, Sq, Sk)
+        if keep.shape[0] == 1 and keep.shape[1] > 1:        # 1NSS is not a layout it takes
+            keep = keep.expand(B, -1, -1, -1)
+        atten_mask, sparse_mode = (~keep).contiguous(), 0
+    out = npu.npu_fusion_attention(
+        q, k, v, Hq, "BNSD",
+        None, None, atten_mask,                      # pse, padding_mask, atten_mask
+        c.scale, 1.0 - c.dropout_p,                  # scale (default there is 1.0!), keep_prob
+        _NPU_FULL_BAND, _NPU_FULL_BAND,              # pre_tockens, next_tockens
+        0, None, None, None,                         # inner_precise, prefix, actual_seq_q/kvlen
+        sparse_mode)
+    return out[0]
+
+
+@register_cost(_OP)
+def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_tiles) -> OpCost:
+    """FLOPs count the matmuls over the (query, key) pairs actually attended; the unfused
+    bytes follow ``_unfused`` kernel by kernel."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    e, S = q.element_size(), B * Hq * Sq * Sk              # S: elements of one score matrix
+    built = build_mask(Sq, Sk, Hq, Hkv, B, bool(causal), mask)
+    keep = None if built is None else built.dense4(Sq, Sk, "cpu")      # (b, h, Sq, Sk)
+    pairs = S if keep is None else int(keep.sum()) * (B * Hq // (keep.shape[0] * keep.shape[1]))
+    m = 0 if keep is None else keep.numel()                # bytes of the bool mask, built
+    m_read = 0 if built is None or built.dense is None else built.dense.numel()  # ... or given
+    empty_rows = keep is not None and not bool(keep.any(-1).all())
+    inputs = nbytes(q) + nbytes(k) + nbytes(v)
+    out = B * Hq * Sq * Dv * e
+    lse = B * Hq * Sq * max(4, e)                          # float32 log-sum-exp per row
+    groups = Hq // Hkv
+    kv = (nbytes(k) + nbytes(v)) * groups                  # K/V as the unfused matmuls read them
+
+    unfused = [                                            # (bytes read, bytes written)
+        (nbytes(k) + nbytes(v), kv) if groups > 1 else (0, 0),   # repeat_interleave for GQA
+        (nbytes(q) + nbytes(k) * groups, S * e),           # S = Q K^T
+        (S * e, S * e),                                    # * scale
+        (m + S * e, m + S * e) if keep is not None else (0, 0),  # ~keep, masked_fill
+        (m, 0) if keep is not None else (0, 0),            # keep.any(-1): rows with a key
+        (S * e, S * e),                                    # softmax
+        (S * e, S * e) if empty_rows else (0, 0),          # zero the rows with no key
+        *([(0, S * e), (S * e, S), (S * e + S, S * e), (S * e, S * e)] if dropout_p > 0
+          else []),                                        # rand, >=, * kept, / keep_prob
+        (S * e + nbytes(v) * groups, out),                 # O = P V
+    ]
+    saved_unfused = (nbytes(q) + kv + S * e + m            # q, k, v; P; the mask
+                     + (S * e + m // Sk if empty_rows else 0)
+                     + (S + S * e if dropout_p > 0 else 0))   # the kept mask, P after it
+    return OpCost(_OP, flops=2 * pairs * (D + Dv), backward_flops=2 * pairs * (3 * D + 2 * Dv),
+                  bytes_fused=inputs + out + lse + m_read,   # patterns: from positions
+                  bytes_unfused=sum(r + w for r, w in unfused),
+                  saved_bytes_fused=inputs + out + lse,
+                  saved_bytes_unfused=saved_unfused)

@@ -1,0 +1,100 @@
+"""Linear: ``y = x @ weight.T + bias`` (x (..., in), weight (out, in), bias (out,)).
+
+The fused form adds the bias in the matmul's epilogue (one GEMM, ``addmm``);
+unfused, the matmul writes y to memory and a second kernel reads it back to add
+the bias.  Backward (the two GEMMs of every linear layer):
+    dx = dy @ weight,   dweight = dy^T x (over all leading dims),   dbias = sum dy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..npu.guard import check_dtype
+from . import _checks
+from .cost import OpCost, nbytes
+from .registry import dispatch, register, register_cost
+
+__all__ = ["linear"]
+
+_OP = "linear"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with x (..., in), weight (out, in), bias (out,) or None."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if has_torch_function(tensors):
+        return handle_torch_function(linear, tensors, x, weight, bias)
+    _checks.floating(_OP, "x", x)
+    _checks.floating(_OP, "weight", weight)
+    if bias is not None:
+        _checks.floating(_OP, "bias", bias)
+    _checks.same_dtype(_OP, x=x, weight=weight, bias=bias)
+    _checks.same_device(_OP, x=x, weight=weight, bias=bias)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{_OP}: x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}; "
+                         "need weight (out, in) with in == x.shape[-1]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)}; expected ({weight.shape[0]},)")
+    return dispatch(_OP, tensors)(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = x @ weight.transpose(0, 1)                  # (..., out)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight                                # (..., in)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dweight = dy2.transpose(0, 1) @ x2              # (out, in): sum over every row
+        dbias = dy2.sum(0) if ctx.has_bias else None
+        return dx, dweight, dbias
+
+
+@register(_OP, "reference")
+def _reference(x, weight, bias):
+    return _Linear.apply(x, weight, bias)
+
+
+@register(_OP, "unfused")
+def _unfused(x, weight, bias):
+    y = x @ weight.T                                    # the GEMM writes y ...
+    return y + bias if bias is not None else y         # ... and the add reads it back
+
+
+@register(_OP, "native")
+def _native(x, weight, bias):
+    """``F.linear``: addmm, the bias fused into the GEMM."""
+    return F.linear(x, weight, bias)
+
+
+@register(_OP, "npu")
+def _npu(x, weight, bias):
+    """``F.linear`` on NPU tensors runs torch_npu's MatMul kernel with the bias fused."""
+    check_dtype(x, "wb.ops.linear")
+    return F.linear(x, weight, bias)
+
+
+@register_cost(_OP)
+def _cost(x, weight, bias=None) -> OpCost:
+    rows = x.numel() // x.shape[-1]
+    out, inp = weight.shape
+    e = x.element_size()
+    Y = rows * out * e
+    B = 0 if bias is None else nbytes(bias)
+    io = nbytes(x) + nbytes(weight)
+    return OpCost(_OP, flops=2 * rows * inp * out + (rows * out if bias is not None else 0),
+                  backward_flops=4 * rows * inp * out + (rows * out if bias is not None else 0),
+                  bytes_fused=io + B + Y,
+                  bytes_unfused=io + Y + ((Y + B + Y) if bias is not None else 0),
+                  saved_bytes_fused=io,
+                  saved_bytes_unfused=io)

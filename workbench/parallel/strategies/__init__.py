@@ -1,0 +1,5 @@
+"""Parallel strategies built on DistTensor, the collectives and the modeled clock:
+data parallel, ZeRO, tensor and sequence parallel, pipeline, recompute, and
+compute/communication overlap (``overlap.py``: decomposed collectives;
+``overlap_multicopy.py``: MindSpore's multi-copy layer).
+"""

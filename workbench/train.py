@@ -1,0 +1,219 @@
+"""Training the course's Llama: a loop, a strategy seam, and the ``train`` command.
+
+    from workbench.train import train
+    records = train("tiny", steps=50, seed=0)          # [{"step": 0, "loss": 4.33, ...}, ...]
+
+    python -m workbench train --preset tiny --steps 5 --seed 0   # one JSON line per step
+
+The loop is deliberately plain: draw batch ``step`` (workbench.models.data),
+forward + backward, optimizer step, record.  Everything that depends on how the
+work is spread over devices goes through a :class:`Strategy`:
+
+    strategy.build_model(cfg, seed)              where the parameters live (sharded or not)
+    strategy.build_optimizer(model, lr, wd)      which optimizer state each rank keeps (ZeRO)
+    strategy.forward_backward(model, x, y)       micro-batches, pipeline schedule, gradient
+                                                 reduction (DP); returns the global mean loss
+    strategy.optimizer_step(optimizer)           step and zero the gradients
+
+:class:`SingleDevice` is the one strategy so far; data, tensor, sequence and
+pipeline parallelism subclass it (the ``--dp --tp --pp --sp --zero --schedule``
+flags are declared already and refuse anything but their default until then).
+The global batch and the loss are the same for every strategy, so a
+parallel run can be checked against the single-device run step by step.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import ops
+from .models.config import PRESETS, RECOMPUTE, ModelConfig, get_config
+from .models.data import get_batch
+from .models.llama import Llama
+
+__all__ = ["train", "Strategy", "SingleDevice", "add_train_arguments", "main_train",
+           "DEFAULT_LR"]
+
+DEFAULT_LR = 3e-3       # AdamW learning rate that makes "tiny" learn in ~50 steps
+
+
+class Strategy:
+    """How a training step is spread over devices.  This base class is the
+    single-device strategy; parallel strategies override the four methods."""
+
+    name = "single"
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+
+    def build_model(self, cfg: ModelConfig, seed: int) -> nn.Module:
+        """The model, initialised from ``seed`` (every rank draws the same full model,
+        then keeps its shard), placed on the device(s), in training mode."""
+        return Llama(cfg, seed=seed).to(self.device).train()
+
+    def build_optimizer(self, model: nn.Module, lr: float, weight_decay: float):
+        return ops.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def forward_backward(self, model: nn.Module, inputs: torch.Tensor,
+                         targets: torch.Tensor) -> torch.Tensor:
+        """Run forward and backward on the global batch (B, S); return the mean loss,
+        detached.  Gradients are left in ``.grad`` for :meth:`optimizer_step`."""
+        _, loss = model(inputs.to(self.device), targets.to(self.device))
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+class SingleDevice(Strategy):
+    """The whole model and the whole batch on one device."""
+
+
+def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
+          batch_size: int = 8, lr: float = DEFAULT_LR, weight_decay: float = 0.01,
+          recompute: str | None = None, strategy: Strategy | None = None,
+          ops_backend: str | None = None, timing: bool = True,
+          on_step: Callable[[dict], None] | None = None, **overrides) -> list[dict]:
+    """Train ``preset`` (a name from PRESETS or a ModelConfig) for ``steps`` steps.
+
+    Returns one record per step: ``{"step", "loss", "tokens", "lr"}`` plus ``"ms"``
+    (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far.
+    The losses are a pure function of the arguments: same seed, same losses.
+    ``recompute`` ("none" | "full" | "selective") and ``overrides`` (e.g. n_layer=4)
+    change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
+    "unfused", "native", "npu") for the run; ``on_step`` sees each record as it is made.
+    """
+    cfg = preset if isinstance(preset, ModelConfig) else get_config(preset)
+    if recompute is not None:
+        overrides["recompute"] = recompute
+    cfg = cfg.replace(**overrides) if overrides else cfg
+    for name, v in (("steps", steps), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
+            raise ValueError(f"train: {name}={v!r} must be an int >= {int(name != 'steps')}")
+    if not lr > 0:
+        raise ValueError(f"train: lr={lr!r} must be > 0 (e.g. {DEFAULT_LR})")
+    strategy = strategy or SingleDevice()
+    records = []
+    # dropout draws from torch's RNG: seed it, and give the caller's state back afterwards
+    with ops.use(ops_backend or ops.current_backend()), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = strategy.build_model(cfg, seed)
+        optimizer = strategy.build_optimizer(model, lr, weight_decay)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
+            loss = strategy.forward_backward(model, inputs, targets)
+            strategy.optimizer_step(optimizer)
+            rec = {"step": step, "loss": float(loss), "tokens": (step + 1) * inputs.numel(),
+                   "lr": lr}
+            if timing:
+                rec["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            records.append(rec)
+            if on_step is not None:
+                on_step(rec)
+    return records
+
+
+# ---- command line -------------------------------------------------------------------------
+
+# Flags declared now, implemented by the parallel strategies later: (flag, default).
+_NOT_YET = (("dp", 1), ("tp", 1), ("pp", 1), ("sp", False), ("zero", 0),
+            ("schedule", "1f1b"), ("backend", "sim"))
+
+
+def add_train_arguments(parser) -> None:
+    """Declare the ``train`` subcommand's flags on an argparse parser."""
+    p = parser
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model preset")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                   help="activation recompute per block: none | full | selective")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, npu (torch_npu), or auto: the best one found")
+    p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],
+                   help="wb.ops backend for the fused operators")
+    g = p.add_argument_group("parallelism (not yet supported: defaults only)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+                   help="pipeline schedule (with --pp)")
+    g.add_argument("--backend", default="sim", choices=["sim", "distributed"],
+                   help="sim: all ranks in this process; distributed: torchrun, one per rank")
+
+
+def strategy_from_args(args) -> Strategy:
+    """The strategy the flags ask for; a clear error for what is not built yet."""
+    for name, default in _NOT_YET:
+        value = getattr(args, name, default)
+        if value != default:
+            flag = f"--{name}" if isinstance(default, bool) else f"--{name} {value}"
+            raise NotImplementedError(f"train: {flag} is not yet supported; for now training "
+                                      f"runs on one device (leave --{name} at its default, "
+                                      f"{default!r})")
+    device = getattr(args, "device", "cpu")
+    if device == "auto":
+        from .npu.device import device as best_device
+        device = best_device()
+    return SingleDevice(device)
+
+
+def main_train(args) -> int:
+    """``python -m workbench train ...``: one JSON line per step on stdout; a progress
+    bar on stderr when stderr is a terminal.  Returns the exit status."""
+    try:
+        strategy = strategy_from_args(args)
+    except (NotImplementedError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar = _ProgressBar(args.steps) if sys.stderr.isatty() else None
+
+    def emit(rec):
+        if bar is not None:
+            bar.clear()                        # stdout may be the same terminal
+        print(json.dumps(rec), flush=True)
+        if bar is not None:
+            bar.update(rec)
+
+    train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+          lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
+          recompute=getattr(args, "recompute", "none"), strategy=strategy,
+          ops_backend=getattr(args, "ops", "auto"), on_step=emit)
+    if bar is not None:
+        bar.close()
+    return 0
+
+
+class _ProgressBar:
+    """``step 3/5 [#########.........] loss 3.2104`` rewritten in place on stderr."""
+
+    def __init__(self, total: int, width: int = 24):
+        self.total, self.width = max(total, 1), width
+
+    def update(self, rec: dict) -> None:
+        done = rec["step"] + 1
+        fill = self.width * done // self.total
+        sys.stderr.write(f"\rstep {done}/{self.total} [{'#' * fill}{'.' * (self.width - fill)}] "
+                         f"loss {rec['loss']:.4f}")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
