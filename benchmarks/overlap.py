@@ -1,0 +1,47 @@
+"""Benchmark (modeled): how much communication the decomposed collectives and multi-copy hide.
+
+    python benchmarks/overlap.py [--tp 8] [--ks 1 2 4 8 16]
+
+Everything runs on meta tensors, so the sizes are real-model sizes at no cost; the
+times are the modeled clock on each profile (ascend-910b, a100), not this CPU's.
+Prints, per decomposed op, the hidden share against k for two matmul sizes (the
+compute/communication ratio C/M changes with the size and the profile), next to
+the two-stage-pipeline formula (1 - 1/k) min(1, C/M) evaluated on the chunks'
+own totals, then the multi-copy layer's forward and backward hidden shares.
+"""
+from __future__ import annotations
+
+import argparse
+
+import workbench as wb
+from workbench.parallel.strategies.overlap import OPS
+from workbench.parallel.strategies.overlap_sweep import overlap_sweep
+from workbench.parallel.strategies.overlap_multicopy import multi_copy_estimate
+
+PROFILES = ["ascend-910b", "a100"]
+SHAPES = [(4096, 4096, 4096), (16384, 8192, 8192)]       # global (M, K, N)
+LAYER = dict(batch=2, seq=2048, hidden=4096, heads=32, ffn=16384)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (one node)")
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = ap.parse_args()
+    mesh = wb.Mesh.grid(args.tp, ("tp",))
+    for name in OPS:
+        print(overlap_sweep(name, SHAPES, mesh, "tp", args.ks, PROFILES))
+        print()
+    print(f"multi-copy layer {LAYER}, tp={args.tp}, bf16")
+    print(f"{'profile':<13}{'copies':>7}{'fwd ms':>9}{'fwd hidden':>11}"
+          f"{'bwd ms':>9}{'bwd hidden':>11}")
+    for prof in PROFILES:
+        for copies in (1, 2):
+            r = multi_copy_estimate(**LAYER, mesh=mesh, axis="tp", copies=copies, profile=prof)
+            print(f"{prof:<13}{copies:>7}{r.forward.total * 1e3:>9.3f}"
+                  f"{r.forward.hidden_share:>11.1%}{r.backward.total * 1e3:>9.3f}"
+                  f"{r.backward.hidden_share:>11.1%}")
+
+
+if __name__ == "__main__":
+    main()

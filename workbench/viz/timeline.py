@@ -1,0 +1,189 @@
+"""Draw the modeled clock: a compute and a comm stream per rank, exposed communication marked.
+
+Renders data only: events come from a :class:`~workbench.sim_mesh.trace.Trace`,
+an :class:`~workbench.parallel.strategies.overlap.OverlapReport` (or anything
+with ``.events``) or a list of Events; hidden and exposed times are measured by
+``OverlapReport.from_events`` and ``exposed_intervals``, nothing here computes them.
+
+    >>> y, rep = matmul_all_reduce(x, w, mesh, "tp", chunks=4, profile="ascend-910b")
+    >>> fig = draw_timeline(rep)            # a matplotlib Figure (no pyplot state)
+    >>> print(render_text(rep, width=40))   # the same picture for a terminal
+
+Figures are deterministic: fixed colours (one per stream, red for exposed
+communication), fixed sizes and fonts.
+"""
+from __future__ import annotations
+
+import io
+from typing import Iterable
+
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from ..parallel.strategies.overlap import OverlapReport, exposed_intervals
+from ..sim_mesh.trace import Event
+
+__all__ = ["STREAM_COLORS", "EXPOSED_COLOR", "TimelineFigure", "draw_timeline", "render_text",
+           "caption", "time_unit", "as_report"]
+
+STREAM_COLORS = {"compute": "#3a78b5",    # compute stream
+                 "comm": "#e8862a"}       # communication stream
+EXPOSED_COLOR = "#d62728"                 # communication the compute stream waits for
+FONT = {"family": "DejaVu Sans", "size": 9}
+MAX_LABELS = 80                           # above this many bars, no text inside them
+FIG_WIDTH, LEFT, RIGHT = 10.0, 0.14, 0.83  # inches; the axes' share of the width
+
+
+class TimelineFigure(Figure):
+    """A Figure that shows itself in a notebook without pyplot (through ``_repr_png_``)."""
+
+    def _repr_png_(self) -> bytes:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        buf = io.BytesIO()
+        FigureCanvasAgg(self).print_png(buf)
+        return buf.getvalue()
+
+
+def as_report(data) -> OverlapReport:
+    """An OverlapReport for a report (as is), a Trace, an object with ``.events``, or Events."""
+    if isinstance(data, OverlapReport):
+        return data
+    events = getattr(data, "events", data)
+    try:
+        events = tuple(events)
+    except TypeError:
+        events = None
+    if events is None or not all(isinstance(e, Event) for e in events):
+        raise TypeError(f"draw a Trace, an OverlapReport or a list of Events, got "
+                        f"{type(data).__name__}: e.g. draw_timeline(report)")
+    prof = getattr(getattr(data, "profile", None), "name", "")
+    return OverlapReport.from_events(events, "trace", 1, prof)
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """('us', 1e6) below 0.1 ms, ('ms', 1e3) below 1 s, else ('s', 1.0)."""
+    if seconds < 1e-4:
+        return "us", 1e6
+    if seconds < 1:
+        return "ms", 1e3
+    return "s", 1.0
+
+
+def caption(report: OverlapReport) -> str:
+    """'comm hidden 75.0% (0.510 of 0.680 ms) | exposed 0.170 ms | total 1.190 ms'."""
+    u, s = time_unit(report.total or report.comm)
+    return (f"comm hidden {report.hidden_share:.1%} ({report.hidden * s:.3f} of "
+            f"{report.comm * s:.3f} {u}) | exposed {report.exposed * s:.3f} {u} | "
+            f"total {report.total * s:.3f} {u}")
+
+
+def _ranks(events: Iterable[Event], ranks) -> list[int]:
+    seen = sorted({r for e in events for r in e.ranks})
+    if ranks is None:
+        return seen
+    missing = [r for r in ranks if r not in seen]
+    if missing:
+        raise ValueError(f"ranks={list(ranks)}: {missing} recorded no events; the events "
+                         f"cover ranks {seen}")
+    return list(ranks)
+
+
+def _rect(x0, x1, y, h):
+    return [(x0, y - h / 2), (x1, y - h / 2), (x1, y + h / 2), (x0, y + h / 2)]
+
+
+def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = True,
+                  dpi: int = 100) -> TimelineFigure:
+    """Bars on the modeled clock: per rank a compute row above a comm row.
+
+    Comm time during which that rank's compute stream idles is overlaid in red
+    (exposed); the caption gives the hidden share.  Artists carry gids for tests and
+    tools: "compute", "comm", "exposed" (PolyCollections, one rectangle per event
+    and rank), "labels" (texts in bars, up to ``MAX_LABELS`` bars), "caption"."""
+    rep = as_report(data)
+    events = rep.events
+    rows = _ranks(events, ranks)
+    t0 = min((e.start for e in events), default=0.0)
+    unit, scale = time_unit(rep.total or 1.0)
+    height = 1.3 + 0.55 * len(rows)                                # inches
+    fig = TimelineFigure(figsize=(FIG_WIDTH, height), dpi=dpi)
+    ax = fig.subplots()
+    bars = {"compute": [], "comm": []}
+    texts = []
+    for i, r in enumerate(rows):
+        for e in events:
+            if r in e.ranks and e.stream in bars:
+                y = 2 * i + (e.stream == "comm")
+                x0, x1 = (e.start - t0) * scale, (e.end - t0) * scale
+                bars[e.stream].append(_rect(x0, x1, y, 0.8))
+                texts.append(((x0 + x1) / 2, y, e.label or e.name, x1 - x0))
+    exposed = [_rect((s - t0) * scale, (e - t0) * scale, 2 * i + 1, 0.8)
+               for i, r in enumerate(rows) for s, e in exposed_intervals(events, r)]
+    for gid, verts, color in (("compute", bars["compute"], STREAM_COLORS["compute"]),
+                              ("comm", bars["comm"], STREAM_COLORS["comm"]),
+                              ("exposed", exposed, EXPOSED_COLOR)):
+        ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors="white",
+                                         linewidths=0.5, gid=gid), autolim=False)
+    if labels and len(texts) <= MAX_LABELS:
+        # a label is written only where it fits its bar (7 pt text, about 4.2 pt a character)
+        pt_per_unit = FIG_WIDTH * (RIGHT - LEFT) * 72 / (rep.total * scale or 1.0)
+        for x, y, s, w in texts:
+            if w * pt_per_unit >= 4.2 * len(s) + 4:
+                ax.text(x, y, s, ha="center", va="center", fontsize=7, color="white",
+                        gid="labels")
+    ax.set_xlim(0, rep.total * scale or 1.0)
+    ax.set_ylim(2 * len(rows) - 0.5, -0.5)                        # rank 0 on top
+    ax.set_yticks(range(2 * len(rows)),
+                  [f"rank {r} {s}" for r in rows for s in ("compute", "comm")], **FONT)
+    ax.set_xlabel(f"time ({unit}, modeled on {rep.profile or 'the trace profile'})", **FONT)
+    head = title if title is not None else (
+        f"{rep.kind}  k={rep.k}" if rep.kind and rep.kind != "trace" else "timeline")
+    ax.set_title(head, loc="left", fontdict=FONT)
+    ax.text(1.0, 1.01, caption(rep), transform=ax.transAxes, ha="right", va="bottom",
+            gid="caption", **FONT)
+    handles = [Patch(color=STREAM_COLORS["compute"], label="compute"),
+               Patch(color=STREAM_COLORS["comm"], label="comm (hidden)"),
+               Patch(color=EXPOSED_COLOR, label="comm (exposed)")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False,
+              prop=FONT)
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.4 / height, bottom=0.6 / height)
+    return fig
+
+
+def _covered(intervals, lo, hi) -> float:
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+
+
+def render_text(data, *, ranks=None, width: int = 80) -> str:
+    """The timeline in plain text, ``width`` characters of time per row.
+
+    Compute rows: '#' busy, '.' idle.  Comm rows: '=' communicating while compute
+    runs (hidden), '!' communicating while compute idles (exposed), '.' idle.  A
+    character shows what fills at least half of its cell."""
+    rep = as_report(data)
+    events = rep.events
+    rows = _ranks(events, ranks)
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"render_text(width={width!r}): give a positive number of characters")
+    t0 = min((e.start for e in events), default=0.0)
+    cell = (rep.total or 1.0) / width
+    unit, scale = time_unit(rep.total or 1.0)
+    pad = len(str(max(rows, default=0)))
+    head = f"{rep.kind} k={rep.k}" if rep.kind not in ("", "trace") else "trace"
+    lines = [f"{head} on {rep.profile or '?'}   (1 char = "
+             f"{cell * scale:.4g} {unit}; # compute, = comm hidden, ! comm exposed, . idle)"]
+    for r in rows:
+        comp = [(e.start, e.end) for e in events if e.stream == "compute" and r in e.ranks]
+        comm = [(e.start, e.end) for e in events if e.stream == "comm" and r in e.ranks]
+        expo = exposed_intervals(events, r)
+        crow, mrow = [], []
+        for j in range(width):
+            lo, hi = t0 + j * cell, t0 + (j + 1) * cell
+            crow.append("#" if _covered(comp, lo, hi) >= cell / 2 else ".")
+            busy, bad = _covered(comm, lo, hi), _covered(expo, lo, hi)
+            mrow.append("." if busy < cell / 2 else "!" if bad >= busy / 2 else "=")
+        lines.append(f"rank {r:>{pad}} compute |{''.join(crow)}|")
+        lines.append(f"rank {r:>{pad}} comm    |{''.join(mrow)}|")
+    lines.append(caption(rep))
+    return "\n".join(lines)
