@@ -156,6 +156,8 @@ def _reduction(kind):
         dims = tuple(range(nd, x.dim())) if dim is None else _shift(dim, ln, nd)
         if isinstance(dims, int):
             dims = (dims,)
+        if not dims:                  # a 0-d tensor: reducing it is the identity
+            return x
         if kind == "sum":
             return x.sum(dims, keepdim=keepdim)
         if kind == "mean":

@@ -1,0 +1,91 @@
+"""Dropout whose sharded result equals one device's, bit for bit.
+
+Dropout (Srivastava et al. 2014) multiplies by a random mask scaled by 1/(1-p).
+ATen's CPU kernel draws the mask for the whole tensor from the global generator:
+
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)      # then x * noise
+
+(``torch.manual_seed(s); F.dropout(x, p)`` equals this bitwise; tests check it).
+So the sharded op draws the mask for the GLOBAL shape in the same way, once,
+and each rank keeps the slice of it that matches its shard: the mask enters the
+op as one more replicated input that the rule slices like ``x`` (a local slice,
+no traffic).  The generator advances exactly as on one device, so the random
+numbers of later ops match too.  (On real devices each rank would draw the
+global mask from the same seed and keep its slice, as Megatron's "tensor-model-
+parallel RNG tracker" does for the parts it wants identical across ranks.)
+
+Per mesh dim (x, mask -> y), with the mask fixed, dropout is x * mask:
+
+    R,      R    -> R        every rank draws and applies the same mask
+    S(d),   S(d) -> S(d)     elementwise: each shard meets its slice of the mask
+    P(sum), R    -> P(sum)   linear in x for a fixed mask:
+                             sum_i(x_i) * m = sum_i(x_i * m)     (and the same for avg)
+    P(max), R    -> not valid, reduced first: m >= 0 keeps the order, but a rank that
+                             holds max's identity -inf gives -inf * 0 = nan where dropped
+
+``training=False`` or ``p == 0`` is the identity: every placement passes
+unchanged and no random number is drawn (as in ATen).  ``p == 1`` gives
+``x * 0`` without drawing (as in ATen).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import OpDef, register_op
+from ..op_table import _align
+from ..placement import Partial, Replicate, Shard
+from .registry import combine, register_rule
+
+R = Replicate()
+
+
+@register_rule("dropout")
+def dropout_rule(x, mask=None, **_):
+    """dropout: the mask (drawn for the global shape) is sliced like x; P(sum) passes."""
+    if mask is None:                                   # identity: every placement passes
+        return combine(x.mesh.ndim, [[((p, None), (p,), "identity (no dropout)")]
+                                     for p in x.placements], 2)
+    opts = [((R, R), (R,), "replicated: the same mask everywhere")]
+    for d in range(x.ndim):
+        if x.shape[d] > 1:
+            opts.append(((Shard(d), Shard(d)), (Shard(d),),
+                         f"elementwise: dim {d} sharded, each shard keeps its slice of the mask"))
+    for op in ("sum", "avg"):
+        opts.append(((Partial(op), R), (Partial(op),),
+                     f"linear in x for a fixed mask: P({op}) passes"))
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
+
+
+def draw_mask(shape, p: float, dtype=torch.float32) -> torch.Tensor:
+    """The mask ATen's CPU dropout draws for a tensor of ``shape`` (scaled by 1/(1-p))."""
+    if p >= 1:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+
+
+def _dropout_local(nd, ctx, x, mask=None):
+    if mask is None:
+        return x
+    x, mask = _align(nd, x, mask)
+    return x * mask
+
+
+def _parse(x, p=0.5, training=True, inplace=False):
+    if inplace:
+        raise NotImplementedError("dropout(inplace=True) on a DistTensor: DistTensors are "
+                                  "not modified in place; use inplace=False")
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout: p={p}; it must be in [0, 1]")
+    if not training or p == 0 or x.numel() == 0:
+        return (x, None), {}
+    # drawn here, once per call, for the global shape (never per rank)
+    return (x, draw_mask(tuple(x.shape), float(p), x.dtype)), {}
+
+
+def _torch_dropout_parse(x, p, train):
+    return _parse(x, p, train)
+
+
+register_op([F.dropout], OpDef("dropout", _parse, _dropout_local))
+register_op([torch.dropout], OpDef("dropout", _torch_dropout_parse, _dropout_local))

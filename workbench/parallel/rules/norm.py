@@ -1,0 +1,172 @@
+"""Normalization layers: layer_norm and rms_norm (torch's and ``workbench.ops``').
+
+LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019) normalize each
+row over its trailing ``normalized_shape`` dims, then scale by ``weight`` (and
+shift by ``bias``):
+
+    layer_norm: y = (x - mean(x)) / sqrt(var(x) + eps) * w + b
+    rms_norm:   y = x / sqrt(mean(x^2) + eps) * w
+
+Per mesh dim (x, weight, bias -> y):
+
+    R,    R, R -> R       every rank computes the same thing
+    S(d), R, R -> S(d)    d a leading (not normalized) dim: the statistics of a row
+                          use only that row, so each shard normalizes alone
+                          (sequence parallelism's LayerNorm, Megatron-SP)
+    S(d), R, R            d a normalized dim: not valid, mean(x) = sum_i(...) needs
+                          every shard: the rule asks for the dim whole (all-gather)
+    P(sum)                not valid: norm(a + b) != norm(a) + norm(b); the planner
+                          reduces first (all-reduce, or reduce-scatter to S(d))
+    weight, bias          kept Replicate: each rank's rows meet the whole weight.
+                          Their gradient, summed over the rows of every shard, is
+                          the all-reduce of sequence/data parallelism (traced by
+                          the dispatcher's replicated-input views).
+
+``workbench.ops.rms_norm(x, weight, eps)`` (the fused op, if that package is
+importable) is registered under the same rule as ``F.rms_norm``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import OpDef, register_op
+from ..op_table import _align
+from ..placement import Replicate, Shard
+from .registry import combine, register_rule
+
+R = Replicate()
+
+
+def norm_options(x, k: int, n_params: int) -> list[tuple]:
+    """Per-mesh-dim options for a norm over the trailing ``k`` dims of ``x``, with
+    ``n_params`` parameter inputs (None in the specs where absent)."""
+    params = (R,) * n_params
+    opts = [((R,) + params, (R,), "replicated")]
+    for d in range(x.ndim - k):
+        if x.shape[d] > 1:
+            opts.append(((Shard(d),) + params, (Shard(d),),
+                         f"dim {d} is not normalized: each shard normalizes its own rows"))
+    return opts
+
+
+def _with_none(opts, specs):
+    """Put None where an input is not a tensor (weight=None, bias=None)."""
+    out = []
+    for ins, outs, note in opts:
+        out.append((tuple(None if s is None else p for s, p in zip(specs, ins)), outs, note))
+    return out
+
+
+def _check_k(op, x, normalized_shape):
+    k = len(normalized_shape)
+    if k == 0 or k > x.ndim or tuple(x.shape[x.ndim - k:]) != tuple(normalized_shape):
+        raise ValueError(f"{op}: normalized_shape={tuple(normalized_shape)} must equal the "
+                         f"trailing dims of the input's shape {tuple(x.shape)}")
+    return k
+
+
+@register_rule("layer_norm")
+def layer_norm_rule(x, weight=None, bias=None, *, normalized_shape, eps=1e-5, **_):
+    """layer_norm: normalized dims whole on every rank, other dims may stay sharded;
+    Partial inputs are reduced first; weight and bias replicated."""
+    k = _check_k("layer_norm", x, normalized_shape)
+    specs = (x, weight, bias)
+    opts = _with_none(norm_options(x, k, 2), specs)
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
+
+
+@register_rule("rms_norm")
+def rms_norm_rule(x, weight=None, *, normalized_shape, eps=None, impl="torch", **_):
+    """rms_norm: normalized dims whole on every rank, other dims may stay sharded;
+    Partial inputs are reduced first; weight replicated."""
+    k = _check_k("rms_norm", x, normalized_shape)
+    specs = (x, weight)
+    opts = _with_none(norm_options(x, k, 1), specs)
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
+
+
+# ---- local functions on stacked tensors -----------------------------------------------------
+
+def _compact(p, nd, shape):
+    """A replicated parameter stored once (lead dims all 1) -> its plain tensor, else None
+    (it was given per-rank views because the output is sharded: keep them, so that the
+    gradient sum over ranks stays a traced all-reduce)."""
+    if p is None:
+        return None
+    if all(n == 1 for n in p.shape[:nd]):
+        return p.reshape(tuple(shape))
+    return None
+
+
+def _scale_shift(nd, y, w, b):
+    if w is not None:
+        y, w = _align(nd, y, w)
+        y = y * w
+    if b is not None:
+        y, b = _align(nd, y, b)
+        y = y + b
+    return y
+
+
+def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
+    ns = tuple(normalized_shape)
+    wc, bc = _compact(w, nd, ns), _compact(b, nd, ns)
+    if (w is None or wc is not None) and (b is None or bc is not None):
+        return F.layer_norm(x, ns, wc, bc, eps)                 # fused: one rank's view
+    return _scale_shift(nd, F.layer_norm(x, ns, None, None, eps), w, b)
+
+
+def _rms_norm_local(nd, ctx, x, w=None, *, normalized_shape, eps, impl):
+    ns = tuple(normalized_shape)
+    wc = _compact(w, nd, ns)
+    if impl == "workbench":
+        from ... import ops
+        if wc is not None:
+            return ops.rms_norm(x, wc, eps=eps)                  # the fused op
+        # per-rank weight views: the same formula as ops.rms_norm (fp32 statistics)
+        ct = torch.promote_types(x.dtype, torch.float32)
+        dims = tuple(range(-len(ns), 0))
+        xf = x.to(ct)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+        y, w = _align(nd, y, w.to(ct))
+        return (y * w).to(x.dtype)
+    if w is None or wc is not None:
+        return F.rms_norm(x, ns, wc, eps)
+    return _scale_shift(nd, F.rms_norm(x, ns, None, eps), w, None)
+
+
+# ---- parsing and registration ---------------------------------------------------------------
+
+def _ns(normalized_shape):
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(int(n) for n in normalized_shape)
+
+
+def _layer_norm_parse(x, normalized_shape, weight=None, bias=None, eps=1e-5, *_, **__):
+    return (x, weight, bias), {"normalized_shape": _ns(normalized_shape), "eps": float(eps)}
+
+
+def _rms_norm_parse(x, normalized_shape, weight=None, eps=None):
+    return (x, weight), {"normalized_shape": _ns(normalized_shape),
+                         "eps": None if eps is None else float(eps), "impl": "torch"}
+
+
+def _ops_rms_norm_parse(x, weight, eps=1e-6):
+    return (x, weight), {"normalized_shape": tuple(weight.shape), "eps": float(eps),
+                         "impl": "workbench"}
+
+
+LAYER_NORM = OpDef("layer_norm", _layer_norm_parse, _layer_norm_local)
+register_op([F.layer_norm, torch.layer_norm], LAYER_NORM)
+RMS_NORM = OpDef("rms_norm", _rms_norm_parse, _rms_norm_local)
+register_op([f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
+             if f is not None], RMS_NORM)
+
+try:                                   # the fused op lives in workbench.ops (optional here)
+    from ...ops import rms_norm as _ops_rms_norm
+except ImportError:                    # pragma: no cover - ops not built yet
+    _ops_rms_norm = None
+if _ops_rms_norm is not None:
+    register_op([_ops_rms_norm], OpDef("rms_norm", _ops_rms_norm_parse, _rms_norm_local))
