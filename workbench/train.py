@@ -100,6 +100,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     if not lr > 0:
         raise ValueError(f"train: lr={lr!r} must be > 0 (e.g. {DEFAULT_LR})")
     strategy = strategy or SingleDevice()
+    check = getattr(strategy, "check", None)
+    if check is not None:
+        check(cfg, batch_size)          # a layout that does not fit: error before anything runs
     records = []
     # dropout draws from torch's RNG: seed it, and give the caller's state back afterwards
     with ops.use(ops_backend or ops.current_backend()), torch.random.fork_rng(devices=[]):
@@ -109,16 +112,35 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         for step in range(steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
-            loss = strategy.forward_backward(model, inputs, targets)
-            strategy.optimizer_step(optimizer)
+            with _step_trace(strategy) as tr:
+                loss = strategy.forward_backward(model, inputs, targets)
+                strategy.optimizer_step(optimizer)
             rec = {"step": step, "loss": float(loss), "tokens": (step + 1) * inputs.numel(),
                    "lr": lr}
+            if tr is not None:
+                rec.update(strategy.step_report(tr, optimizer))
             if timing:
                 rec["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             records.append(rec)
             if on_step is not None:
                 on_step(rec)
     return records
+
+
+class _NoTrace:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _step_trace(strategy):
+    """Parallel strategies run each step in a trace (modeled time, bytes); one device doesn't."""
+    if hasattr(strategy, "step_report"):
+        from .sim_mesh.trace import trace
+        return trace(getattr(strategy, "profile", None))
+    return _NoTrace()
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -143,7 +165,7 @@ def add_train_arguments(parser) -> None:
                    help="cpu, cuda, npu (torch_npu), or auto: the best one found")
     p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],
                    help="wb.ops backend for the fused operators")
-    g = p.add_argument_group("parallelism (not yet supported: defaults only)")
+    g = p.add_argument_group("parallelism (simulated ranks; --backend distributed not yet)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -157,13 +179,14 @@ def add_train_arguments(parser) -> None:
 
 def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
-    for name, default in _NOT_YET:
-        value = getattr(args, name, default)
-        if value != default:
-            flag = f"--{name}" if isinstance(default, bool) else f"--{name} {value}"
-            raise NotImplementedError(f"train: {flag} is not yet supported; for now training "
-                                      f"runs on one device (leave --{name} at its default, "
-                                      f"{default!r})")
+    if getattr(args, "backend", "sim") != "sim":
+        raise NotImplementedError("train: --backend distributed (torchrun, one process per "
+                                  "rank) is not built yet; --backend sim runs every rank here")
+    parallel = {n: getattr(args, n, d) for n, d in _NOT_YET if n != "backend"}
+    if any(parallel[n] != d for n, d in _NOT_YET if n != "backend"):
+        from .parallel.strategies.hybrid import Hybrid
+        return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
+                      zero=parallel["zero"], schedule=parallel["schedule"])
     device = getattr(args, "device", "cpu")
     if device == "auto":
         from .npu.device import device as best_device
@@ -176,6 +199,9 @@ def main_train(args) -> int:
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     try:
         strategy = strategy_from_args(args)
+        check = getattr(strategy, "check", None)
+        if check is not None:
+            check(get_config(args.preset), args.batch_size)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

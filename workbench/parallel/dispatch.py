@@ -52,6 +52,7 @@ class OpDef:
     parse: Callable
     local: Callable
     n_out: int = 1
+    multi: bool = False     # returns a tuple of outputs (any number, e.g. split)
 
 
 OPS: dict[Any, OpDef] = {}
@@ -232,11 +233,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
     if current_trace() is not None:
         _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
-    outs = out if opdef.n_out > 1 else (out,)
+    outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
         h(dec, specs, wrapped)
-    return wrapped if opdef.n_out > 1 else wrapped[0]
+    return wrapped if (opdef.multi or opdef.n_out > 1) else wrapped[0]
 
 
 def _profile_name():
@@ -253,7 +254,7 @@ def _out_shapes(opdef, dec, inputs, attrs):
     if hit is None:
         metas = [_meta(x) for x in inputs]
         out = opdef.local(0, None, *metas, **attrs)
-        outs = out if opdef.n_out > 1 else (out,)
+        outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
         hit = tuple(torch.Size(o.shape) for o in outs)
         if len(_SHAPES) > 20000:
             _SHAPES.clear()
@@ -282,10 +283,10 @@ def _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh):
                 args.append(x)
         cctx = Ctx(ctx.mesh, ctx.in_specs, ctx.out_placements, ctx.out_shape, coord=c)
         r = opdef.local(nd, cctx, *args, **attrs)
-        rs = r if opdef.n_out > 1 else (r,)
+        rs = r if (opdef.multi or opdef.n_out > 1) else (r,)
         results.append(tuple(o.reshape(o.shape[nd:]) for o in rs))
-    outs = tuple(Cells(lead, [r[j] for r in results]) for j in range(opdef.n_out))
-    return outs if opdef.n_out > 1 else outs[0]
+    outs = tuple(Cells(lead, [r[j] for r in results]) for j in range(len(outs_ps)))
+    return outs if (opdef.multi or opdef.n_out > 1) else outs[0]
 
 
 def _wrap(o, mesh, ps, shape):

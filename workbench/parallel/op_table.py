@@ -204,7 +204,7 @@ register_op([torch.log_softmax, T.log_softmax, F.log_softmax],
 
 _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
             "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__",
-            "__abs__", "__gt__", "__lt__", "__ge__", "__le__")
+            "__abs__", "__gt__", "__lt__", "__ge__", "__le__", "__getitem__")
 
 
 def install(cls):
@@ -226,10 +226,13 @@ def install(cls):
 
     def __getattr__(self, name):
         f = getattr(T, name, None)
-        if f is None or name.startswith("_"):
+        if f is None or name.startswith("_") or not callable(f):
             raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
 
         def method(*args, **kwargs):
             return dispatch(f, (self,) + args, kwargs)
         return method
     cls.__getattr__ = __getattr__
+    cls.T = property(lambda self: dispatch(T.permute, (self, tuple(reversed(range(self.ndim)))),
+                                           None))
+    cls.mT = property(lambda self: dispatch(T.transpose, (self, -2, -1), None))

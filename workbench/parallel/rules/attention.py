@@ -1,0 +1,254 @@
+"""Attention and the fused ops around it: scaled_dot_product_attention,
+``workbench.ops.flash_attention``, ``swiglu`` and ``rotary_embedding``.
+
+Attention ``out = softmax(q k^T * scale + mask) v`` on q (B, Hq, Sq, D),
+k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv). Per mesh dim:
+
+    q, k, v S(0)            -> S(0)   batch: every sequence is attended alone
+    q, k, v S(1)            -> S(1)   heads: every head is attended alone (Megatron
+                                      attention TP). GQA (Hq = g * Hkv): query head h
+                                      reads K/V head h // g, so the two head splits
+                                      line up only if Hq == Hkv, Hkv == 1 (K/V kept
+                                      whole), or Hkv divides evenly over the ranks
+    q S(2), k R, v R        -> S(2)   query rows are independent: each rank attends its
+                                      rows to ALL keys (gather K/V, the first step of
+                                      context parallelism); causal and positional masks
+                                      are rebuilt from the rank's global row offset
+    q R, k R, v S(3)        -> S(3)   each rank computes its columns of the output (no
+                                      dropout: the column blocks would drop differently)
+    q R, k R, v P(sum)      -> P(sum) linear in v: sum_r P v_r = P sum_r v_r (no dropout)
+    S on Sk (keys) or on D of q/k: softmax needs every score of a row, and a score
+    needs all of D: they must be whole (ring attention's online-softmax merge is
+    another algorithm, not a placement of this one).
+
+A mask tensor (broadcastable to (B, Hq, Sq, Sk)) follows q along the dim it aligns
+with, and is otherwise replicated.
+
+swiglu(x, dim) = silu(a) * b with a, b = x.chunk(2, dim): S(d) passes for d != dim;
+S(dim) must be whole, since a torch.chunk shard of dim holds gate rows OR up rows,
+not a matching pair (Megatron reorders the fused weight so each rank holds both;
+that is a different layout, not S(dim)). Not linear: no Partial.
+
+rotary_embedding(x, cos, sin) = x * cos + rotate(x) * sin, elementwise along every
+dim but the last (rotate pairs features of D): S(d) passes for d < last when
+cos/sin are split the same way along their aligned dim (or replicated where they
+broadcast); D whole; linear in x: P(sum) x with replicated cos, sin -> P(sum).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import OpDef, register_op
+from ..dist_tensor import DistTensor
+from ..op_table import _align, _shift
+from ..placement import Replicate, Shard
+from .pointwise import pointwise_options
+from .registry import combine, register_rule
+
+try:
+    from ... import ops as _ops
+except ModuleNotFoundError as _e:          # workbench.ops absent: rules only
+    if not (_e.name or "").endswith("workbench.ops"):
+        raise
+    _ops = None
+
+__all__ = ["attention_options"]
+
+R = Replicate()
+
+
+def _mask_dim(mask, j):
+    """The mask dim that meets attention dim j of (B, H, Sq, Sk), or None (broadcast)."""
+    if mask is None:
+        return None
+    d = j - (4 - mask.ndim)
+    return d if d >= 0 and mask.shape[d] > 1 else None
+
+
+def _shard_or_r(d):
+    return Shard(d) if d is not None else R
+
+
+def attention_options(q, k, v, mask, placements_v, dropout_p) -> list[tuple]:
+    """Per-mesh-dim options ((q, k, v, mask), (out,), note); ``placements_v`` is v's
+    placement on this mesh dim (a Partial v may stay Partial)."""
+    m = None if mask is None else R
+    opts = [((R, R, R, m), (R,), "replicated")]
+    if q.shape[0] > 1:
+        mb = None if mask is None else _shard_or_r(_mask_dim(mask, 0))
+        opts.append(((Shard(0), Shard(0), Shard(0), mb), (Shard(0),),
+                     "batch sharded: every sequence attends alone"))
+    if q.shape[1] > 1:
+        kv = Shard(1) if k.shape[1] > 1 else R
+        mh = None if mask is None else _shard_or_r(_mask_dim(mask, 1))
+        opts.append(((Shard(1), kv, kv, mh), (Shard(1),),
+                     "heads sharded: every head attends alone"))
+    if q.shape[2] > 1:
+        ms = None if mask is None else _shard_or_r(_mask_dim(mask, 2))
+        opts.append(((Shard(2), R, R, ms), (Shard(2),),
+                     "query rows sharded, keys/values whole: rows attend independently"))
+    if v.shape[3] > 1 and dropout_p == 0:          # dropout: one mask for all columns
+        opts.append(((R, R, Shard(3), m), (Shard(3),),
+                     "value columns sharded: each rank computes its output columns"))
+    if dropout_p == 0 and placements_v.is_partial() and placements_v.reduce_op in ("sum", "avg"):
+        p = placements_v
+        opts.append(((R, R, p, m), (p,), f"linear in v: {p} stays {p}"))
+    return opts
+
+
+def _heads_line_up(q, k, st) -> bool:
+    """GQA: q's and k's head shards must pair query head h with K/V head h // g."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq == hkv or hkv == 1:
+        return True
+    n = math.prod(q.mesh.shape[i] for i, p in enumerate(st.inputs[1]) if p.is_shard(1))
+    return hkv % n == 0
+
+
+@register_rule("scaled_dot_product_attention", "flash_attention")
+def attention_rule(q, k, v, mask=None, *, dropout_p=0.0, **_):
+    """Attention: batch, heads, query rows or value columns may be sharded; keys and
+    the q/k head_dim must be whole; a Partial v stays Partial (linear, no dropout)."""
+    per_dim = [attention_options(q, k, v, mask, v.placements[i], dropout_p)
+               for i in range(q.mesh.ndim)]
+    sts = combine(q.mesh.ndim, per_dim, 4)
+    return [s for s in sts if _heads_line_up(q, k, s)]
+
+
+def _causal_keep(rows, cols):
+    return rows[:, None] >= cols[None, :]           # top-left aligned, as is_causal
+
+
+def _row_keep(nd, ctx, q, lead, patterns, sq, sk):
+    """(L, Sq_local, Sk) keep-masks of query-row-sharded ranks from their global rows."""
+    off = ctx.offsets(ctx.in_specs[0], 2, q)
+    offs = off.expand(tuple(lead) + off.shape[nd:]).reshape(-1).tolist()
+    cols = torch.arange(sk, device=q.device)
+    keeps = []
+    for o in offs:
+        rows = torch.arange(o, o + sq, device=q.device)
+        keep = None
+        for p in patterns:
+            kp = p(rows, cols)
+            keep = kp if keep is None else keep & kp
+        keeps.append(keep)
+    return torch.stack(keeps)
+
+
+def _attention_local(nd, ctx, q, k, v, mask, *, kernel, causal=False, pattern=None,
+                     dropout_p=0.0, scale=None, tile_q=None, tile_k=None):
+    if ctx is None:                                      # global output shape only
+        return torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta")
+    lead = torch.broadcast_shapes(*(t.shape[:nd] for t in (q, k, v, mask) if t is not None))
+    B, hq, sq, _ = q.shape[nd:]
+    sk = k.shape[-2]
+    lb = math.prod(lead) * B                              # device axes and batch, flattened
+    q4, k4, v4 = (t.expand(tuple(lead) + tuple(t.shape[nd:]))
+                  .reshape((lb,) + tuple(t.shape[nd + 1:])) for t in (q, k, v))   # (L*B, H, S, D)
+    dense = None
+    if mask is not None:
+        m = mask.reshape(tuple(mask.shape[:nd]) + (1,) * (4 - (mask.dim() - nd)) +
+                         tuple(mask.shape[nd:]))
+        m = m.expand(tuple(lead) + (B,) + tuple(m.shape[nd + 1:]))
+        dense = m.reshape((lb,) + tuple(m.shape[nd + 1:]))
+    patterns = ([_causal_keep] if causal else []) + ([pattern.keep] if pattern is not None else [])
+    if patterns and any(p.is_shard(2) for p in ctx.in_specs[0].placements):
+        keep = _row_keep(nd, ctx, q, lead, patterns, sq, sk)          # (L, Sq, Sk)
+        keep = keep[:, None, None].expand(-1, B, 1, sq, sk).reshape(lb, 1, sq, sk)
+        if dense is None:
+            dense = keep
+        elif dense.dtype == torch.bool:
+            dense = dense & keep
+        else:                                            # an additive float mask
+            dense = dense + torch.zeros_like(keep, dtype=dense.dtype).masked_fill(~keep, -math.inf)
+        causal, pattern = False, None
+    if kernel == "sdpa":
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=dense, dropout_p=dropout_p,
+                                             is_causal=causal, scale=scale,
+                                             enable_gqa=q4.shape[1] != k4.shape[1])
+    else:
+        out = _ops.flash_attention(q4, k4, v4, causal=causal,
+                                   mask=dense if dense is not None else pattern,
+                                   dropout_p=dropout_p, scale=scale, tile_q=tile_q, tile_k=tile_k)
+    return out.reshape(tuple(lead) + (B, hq, sq, v.shape[-1]))
+
+
+def _check_4d(op, **named):
+    for name, t in named.items():
+        if t.ndim != 4:
+            raise ValueError(f"{op} on DistTensors: {name}.shape={tuple(t.shape)}; expected 4-d "
+                             f"(batch, heads, seq, head_dim). Fix: {name}.unsqueeze(1)")
+
+
+def _sdpa_parse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    _check_4d("scaled_dot_product_attention", query=query, key=key, value=value)
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(f"scaled_dot_product_attention: q has {query.shape[1]} heads and k "
+                         f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    return (query, key, value, attn_mask), {
+        "kernel": "sdpa", "causal": bool(is_causal), "dropout_p": float(dropout_p),
+        "scale": scale}
+
+
+register_op([F.scaled_dot_product_attention],
+            OpDef("scaled_dot_product_attention", _sdpa_parse, _attention_local))
+
+
+def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, tile_q=None,
+                 tile_k=None, tile_stats=None):
+    if tile_stats is not None:
+        raise ValueError("flash_attention(tile_stats=...) on DistTensors: every rank runs its "
+                         "own tiles; count them on a single-device call")
+    tensor_mask = mask if isinstance(mask, (torch.Tensor, DistTensor)) else None
+    pattern = None if tensor_mask is not None else mask
+    return (q, k, v, tensor_mask), {
+        "kernel": "flash", "causal": bool(causal), "pattern": pattern,
+        "dropout_p": float(dropout_p), "scale": scale, "tile_q": tile_q, "tile_k": tile_k}
+
+
+# ---- swiglu, rotary -------------------------------------------------------------------------
+
+@register_rule("swiglu")
+def swiglu_rule(x, dim, **_):
+    """swiglu(dim): other dims pass; dim (gate | up halves) must be whole."""
+    opts = [((R,), (R,), "replicated")]
+    for d in range(x.ndim):
+        if d != dim and x.shape[d] > 1:
+            opts.append(((Shard(d),), (Shard(d),), f"dim {d} sharded passes (halves on {dim})"))
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
+
+
+def _swiglu_local(nd, ctx, x, dim):
+    if ctx is None:
+        shape = list(x.shape)
+        shape[dim] //= 2
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+    return _ops.swiglu(x, dim=_shift(dim, x.dim() - nd, nd))
+
+
+@register_rule("rotary_embedding")
+def rotary_rule(x, cos, sin, **_):
+    """rotary: elementwise on every dim but the last (D whole); linear in x."""
+    last = x.ndim - 1
+    opts = [o for o in pointwise_options([x, cos, sin], "first")
+            if not (o[1][0].is_shard() and o[1][0].dim == last)]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
+
+
+def _rotary_local(nd, ctx, x, cos, sin, mode):
+    if ctx is None:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return _ops.rotary_embedding(*_align(nd, x, cos, sin), mode=mode)
+
+
+if _ops is not None:
+    register_op([_ops.flash_attention], OpDef("flash_attention", _flash_parse, _attention_local))
+    register_op([_ops.swiglu], OpDef(
+        "swiglu", lambda x, dim=-1: ((x,), {"dim": dim % x.ndim}), _swiglu_local))
+    register_op([_ops.rotary_embedding], OpDef(
+        "rotary_embedding", lambda x, cos, sin, mode="half": ((x, cos, sin), {"mode": mode}),
+        _rotary_local))

@@ -1,0 +1,414 @@
+"""Shape ops: permute / transpose, reshape / view / flatten / (un)squeeze, cat / stack,
+split / chunk / unbind, and basic indexing ``x[...]``.
+
+None of them computes anything, so every one is linear: ``P(op) -> P(op)``
+(``reshape(sum a_i) = sum reshape(a_i)``, the same for max/min/avg). Per mesh dim:
+
+    permute(dims)        S(d) -> S(j) where dims[j] == d        a relabeling of dims
+    cat / stack(dim)     S(d) -> S(d'), d != dim                 every input split alike
+                         S(dim): the cat dim must be whole       pieces would interleave
+    split / chunk(dim)   S(d) -> S(d) on every piece, d != dim;  S(dim): whole
+    x[idx]               S(d) passes when idx takes all of d (``:``); a partial slice
+                         or an int on d needs d whole (the ranks' blocks would not
+                         line up); an int elsewhere drops its dim, None adds one
+    reshape / view       see :func:`view_groups` and :func:`reshape_keeps`
+
+Reshape. Row-major order groups the dims: ``(B, S, H) -> (B*S, H)`` has the groups
+``{B, S} -> {B*S}`` and ``{H} -> {H}``; ``(B, S, H) -> (B, S, nh, hd)`` has
+``{H} -> {nh, hd}``. Inside a group, a rank's block of the LEADING dim with the
+later dims whole is one contiguous run of the flattened group, so it can become a
+block of the leading output dim; a block of a later dim is strided and cannot (a
+shard on S of ``{B, S}`` must be moved: all-to-all to S(0) or S(H), or gathered).
+The exact condition (torch.chunk sizes on both sides): with ``R_in`` / ``R_out`` the
+product of the group's later input / output dims, every rank's (start, size) along
+the leading input dim times ``R_in`` must equal its (start, size) along the leading
+output dim times ``R_out``. For one mesh dim of m ranks this is
+
+    ceil(N_in / m) * R_in == ceil(N_out / m) * R_out
+
+which holds whenever m divides both leading sizes (e.g. S(2) of (B, S, H) keeps
+S(2) on nh in (B, S, nh, hd) when m | nh) and can fail when it does not: (5, 6)
+-> (30,) on 4 ranks: rows 2,2,1,0 give runs of 12,12,6,0 but chunk(30, 4) is
+8,8,8,6. Nested shards (one dim split by several mesh dims) are checked rank by
+rank with the runtime's own offsets (:func:`layout.shard_bounds`).
+
+Local ops run on stacked shards (``nd`` leading device axes), so user dims shift by
+``nd``; view() is run as reshape() locally because stacked replicas are stride-0
+views that a real view() may refuse.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import layout
+from ..dispatch import OpDef, register_op
+from ..placement import Replicate, Shard
+from .registry import combine, register_rule
+
+__all__ = ["view_groups", "reshape_keeps", "normalize_index"]
+
+T = torch.Tensor
+R = Replicate()
+
+
+def _options(specs, n_out, shard_map, note):
+    """Per mesh dim: R; each ``(input dims, output dim)`` of ``shard_map``; and the
+    Partial of the first input that is partial on that mesh dim."""
+    mesh = next(s for s in specs if s is not None).mesh
+    per_dim = []
+    for i in range(mesh.ndim):
+        opts = [(tuple(None if s is None else R for s in specs), (R,) * n_out, "replicated")]
+        for ins, out in shard_map:
+            opts.append((tuple(None if s is None else (Shard(d) if d is not None else R)
+                               for s, d in zip(specs, ins)), (Shard(out),) * n_out,
+                         note.format(d=next(d for d in ins if d is not None), o=out)))
+        ps = [s.placements[i] for s in specs if s is not None and s.placements[i].is_partial()]
+        if ps:
+            p = ps[0]
+            opts.append((tuple(None if s is None else p for s in specs), (p,) * n_out,
+                         f"linear: {p} passes through"))
+        per_dim.append(opts)
+    return per_dim
+
+
+def _local_out_shape(ctx, j=0):
+    """This rank's (or, when even, every rank's) shard shape of output ``j``."""
+    shape, ps = ctx.out_shape[j], ctx.out_placements[j]
+    if ctx.coord is None:
+        return layout.max_local_shape(shape, ctx.mesh, ps)
+    return layout.local_shape(shape, ctx.mesh, ps, ctx.mesh.rank_at(ctx.coord))
+
+
+def _meta(x):
+    return torch.empty(tuple(x.shape), device="meta")
+
+
+# dispatch.OpDef(multi=True): the local returns a tuple of any length (see the report)
+_MULTI = "multi" in getattr(OpDef, "__dataclass_fields__", {})
+
+
+def _var_out_opdef(name, parse, local):
+    """An OpDef whose number of outputs depends on the call (split, chunk, unbind)."""
+    if _MULTI:
+        return OpDef(name, lambda *a, **k: parse(*a, **k)[:2], local, multi=True)
+    od = OpDef(name, None, local, n_out=2)
+
+    def parse_and_count(*a, **k):
+        # dispatch.OpDef has a fixed n_out: set it for this call (single-threaded
+        # dispatch parses and runs back to back). A 1-piece split returns a bare tensor.
+        inputs, attrs, n = parse(*a, **k)
+        od.n_out = n
+        return inputs, attrs
+    od.parse = parse_and_count
+    return od
+
+
+# ---- permute / transpose ----------------------------------------------------------------
+
+@register_rule("permute", "transpose")
+def permute_rule(x, dims, **_):
+    """permute(dims): S(dims[j]) -> S(j); P passes (a relabeling of dims)."""
+    smap = [((d,), j) for j, d in enumerate(dims) if x.shape[d] > 1]
+    return combine(x.mesh.ndim, _options([x], 1, smap, "dim {d} sharded moves to dim {o}"), 1)
+
+
+def _permute_local(nd, ctx, x, dims):
+    return x.permute(tuple(range(nd)) + tuple(d + nd for d in dims))
+
+
+def _perm_parse(x, *dims):
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
+        dims = tuple(dims[0])
+    return (x,), {"dims": tuple(int(d) % x.ndim for d in dims)}
+
+
+def _transpose_parse(x, dim0=None, dim1=None):
+    if dim0 is None:                                 # .t(): 0-d, 1-d unchanged; 2-d swapped
+        dim0, dim1 = (0, 1) if x.ndim == 2 else (0, 0)
+    perm = list(range(x.ndim))
+    a, b = dim0 % x.ndim, dim1 % x.ndim
+    perm[a], perm[b] = perm[b], perm[a]
+    return (x,), {"dims": tuple(perm)}
+
+
+def _movedim_parse(x, source, destination):
+    # a meta tensor of sizes 1..n shows where each dim went
+    moved = torch.empty(tuple(range(1, x.ndim + 1)), device="meta").movedim(source, destination)
+    return (x,), {"dims": tuple(n - 1 for n in moved.shape)}
+
+
+register_op([torch.permute, T.permute], OpDef("permute", _perm_parse, _permute_local))
+register_op([torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims,
+             T.swapdims, torch.t, T.t], OpDef("transpose", _transpose_parse, _permute_local))
+register_op([torch.movedim, T.movedim, torch.moveaxis, T.moveaxis],
+            OpDef("permute", _movedim_parse, _permute_local))
+
+
+# ---- reshape family -----------------------------------------------------------------------
+
+def view_groups(in_shape, out_shape):
+    """Pair the dims of a reshape into groups of equal product (row-major order):
+    [(input dims, output dims)], size-1 dims left out. ``(2, 3, 4) -> (6, 4)``:
+    [((0, 1), (0,)), ((2,), (1,))]."""
+    if 0 in tuple(in_shape) or 0 in tuple(out_shape):
+        return []
+    ins = [d for d, n in enumerate(in_shape) if n != 1]
+    outs = [d for d, n in enumerate(out_shape) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(ins) and j < len(outs):
+        gi, go = [ins[i]], [outs[j]]
+        pi, po = in_shape[ins[i]], out_shape[outs[j]]
+        i, j = i + 1, j + 1
+        while pi != po:
+            if pi < po:
+                gi.append(ins[i])
+                pi *= in_shape[ins[i]]
+                i += 1
+            else:
+                go.append(outs[j])
+                po *= out_shape[outs[j]]
+                j += 1
+        groups.append((tuple(gi), tuple(go)))
+    return groups
+
+
+def reshape_keeps(in_shape, out_shape, mesh, in_ps, out_ps) -> bool:
+    """True when every rank's input shard, reshaped locally, is exactly its output
+    shard (the condition in the module docstring, checked rank by rank)."""
+    for gi, go in view_groups(in_shape, out_shape):
+        a, b = gi[0], go[0]
+        if not any(p.is_shard(a) for p in in_ps):
+            continue
+        r_in = math.prod(in_shape[d] for d in gi[1:])
+        r_out = math.prod(out_shape[d] for d in go[1:])
+        for r in mesh.ranks:
+            s_in, n_in = layout.shard_bounds(in_shape, mesh, in_ps, r)[a]
+            s_out, n_out = layout.shard_bounds(out_shape, mesh, out_ps, r)[b]
+            if (s_in * r_in, n_in * r_in) != (s_out * r_out, n_out * r_out):
+                return False
+    return True
+
+
+@register_rule("reshape", "view", "flatten", "unflatten", "unsqueeze", "squeeze")
+def reshape_rule(x, shape, **_):
+    """reshape(shape): a shard of a group's leading dim passes to the group's leading
+    output dim when the ranks' blocks line up (torch.chunk sizes); P passes."""
+    shape = tuple(shape)
+    smap = [((gi[0],), go[0]) for gi, go in view_groups(tuple(x.shape), shape)]
+    note = "leading dim {d} of its group sharded: its blocks are the blocks of dim {o}"
+    sts = combine(x.mesh.ndim, _options([x], 1, smap, note), 1)
+    return [s for s in sts if reshape_keeps(tuple(x.shape), shape, x.mesh,
+                                            s.inputs[0], s.outputs[0])]
+
+
+def _reshape_local(nd, ctx, x, shape):
+    if ctx is None:
+        return x.reshape(shape)
+    return x.reshape(tuple(x.shape[:nd]) + tuple(_local_out_shape(ctx)))
+
+
+def _shape_attr(x, fn):
+    return (x,), {"shape": tuple(fn(_meta(x)).shape)}
+
+
+def _reshape_parse(x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if shape and isinstance(shape[0], torch.dtype):
+        raise TypeError(f"view(dtype={shape[0]}) on a DistTensor: reinterpreting bytes is not "
+                        "supported; use .to(dtype) for a conversion")
+    return _shape_attr(x, lambda m: m.reshape(tuple(int(s) for s in shape)))
+
+
+def _flatten_parse(x, start_dim=0, end_dim=-1):
+    return _shape_attr(x, lambda m: m.flatten(start_dim, end_dim))
+
+
+def _unflatten_parse(x, dim, sizes):
+    return _shape_attr(x, lambda m: m.unflatten(dim, tuple(sizes)))
+
+
+def _unsqueeze_parse(x, dim):
+    return _shape_attr(x, lambda m: m.unsqueeze(dim))
+
+
+def _squeeze_parse(x, dim=None):
+    if isinstance(dim, list):
+        dim = tuple(dim)
+    return _shape_attr(x, lambda m: m.squeeze() if dim is None else m.squeeze(dim))
+
+
+def _as_parse(x, other):
+    return (x,), {"shape": tuple(other.shape)}
+
+
+for _name, _parse, _fns in (
+        ("reshape", _reshape_parse, [torch.reshape, T.reshape]),
+        ("view", _reshape_parse, [T.view]),
+        ("reshape", _as_parse, [T.reshape_as]),
+        ("view", _as_parse, [T.view_as]),
+        ("flatten", _flatten_parse, [torch.flatten, T.flatten]),
+        ("unflatten", _unflatten_parse, [torch.unflatten, T.unflatten]),
+        ("unsqueeze", _unsqueeze_parse, [torch.unsqueeze, T.unsqueeze]),
+        ("squeeze", _squeeze_parse, [torch.squeeze, T.squeeze])):
+    register_op(_fns, OpDef(_name, _parse, _reshape_local))
+
+
+# ---- cat / stack ----------------------------------------------------------------------------
+
+@register_rule("cat")
+def cat_rule(*xs, dim, **_):
+    """cat(dim): a shard on another dim passes (all inputs split alike); dim whole."""
+    smap = [((d,) * len(xs), d) for d in range(xs[0].ndim)
+            if d != dim and xs[0].shape[d] > 1]
+    return combine(xs[0].mesh.ndim, _options(xs, 1, smap, "dim {d} sharded passes"), len(xs))
+
+
+@register_rule("stack")
+def stack_rule(*xs, dim, **_):
+    """stack(dim): S(d) -> S(d if d < dim else d + 1); the new dim is whole."""
+    smap = [((d,) * len(xs), d if d < dim else d + 1) for d in range(xs[0].ndim)
+            if xs[0].shape[d] > 1]
+    return combine(xs[0].mesh.ndim, _options(xs, 1, smap, "dim {d} sharded -> dim {o}"), len(xs))
+
+
+def _seq_parse(tensors, dim=0, *, out=None, extra=0):
+    if out is not None:
+        raise TypeError("cat/stack(out=...) on DistTensors is not supported; assign the result")
+    tensors = tuple(tensors)
+    return tensors, {"dim": int(dim) % (tensors[0].ndim + extra)}
+
+
+def _cat_local(nd, ctx, *xs, dim):
+    return torch.cat(xs, dim + nd)
+
+
+def _stack_local(nd, ctx, *xs, dim):
+    return torch.stack(xs, dim + nd)
+
+
+register_op([torch.cat, torch.concat, torch.concatenate], OpDef("cat", _seq_parse, _cat_local))
+register_op([torch.stack], OpDef("stack", lambda t, dim=0, *, out=None:
+                                 _seq_parse(t, dim, out=out, extra=1), _stack_local))
+
+
+# ---- split / chunk / unbind -----------------------------------------------------------------
+
+@register_rule("split", "chunk")
+def split_rule(x, sizes, dim, **_):
+    """split(sizes, dim): every piece keeps a shard on another dim; dim must be whole."""
+    smap = [((d,), d) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    return combine(x.mesh.ndim, _options([x], len(sizes), smap, "dim {d} sharded passes"), 1,
+                   n_outputs=len(sizes))
+
+
+@register_rule("unbind")
+def unbind_rule(x, dim, **_):
+    """unbind(dim): S(d) -> S(d if d < dim else d - 1) on every piece; dim whole."""
+    smap = [((d,), d if d < dim else d - 1) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    return combine(x.mesh.ndim, _options([x], x.shape[dim], smap, "dim {d} sharded -> {o}"), 1,
+                   n_outputs=x.shape[dim])
+
+
+def _split_parse(x, split_size_or_sections, dim=0):
+    dim = dim % x.ndim
+    pieces = _meta(x).split(split_size_or_sections, dim)
+    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}, len(pieces)
+
+
+def _chunk_parse(x, chunks, dim=0):
+    dim = dim % x.ndim
+    pieces = _meta(x).chunk(chunks, dim)
+    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}, len(pieces)
+
+
+def _unbind_parse(x, dim=0):
+    dim = dim % x.ndim
+    return (x,), {"dim": dim}, x.shape[dim]
+
+
+def _pieces(out):
+    return out if _MULTI or len(out) > 1 else out[0]
+
+
+def _split_local(nd, ctx, x, sizes, dim):
+    return _pieces(torch.split(x, list(sizes), dim + nd))
+
+
+def _unbind_local(nd, ctx, x, dim):
+    return _pieces(torch.unbind(x, dim + nd))
+
+
+register_op([torch.split, T.split], _var_out_opdef("split", _split_parse, _split_local))
+register_op([torch.chunk, T.chunk], _var_out_opdef("chunk", _chunk_parse, _split_local))
+register_op([torch.unbind, T.unbind], _var_out_opdef("unbind", _unbind_parse, _unbind_local))
+
+
+# ---- basic indexing x[idx] ---------------------------------------------------------------
+
+def normalize_index(shape, idx) -> tuple:
+    """``x[idx]`` as a hashable tuple, one entry per input dim plus Nones:
+    ``("all",)`` take the whole dim, ``("slice", start, stop, step)``, ``("int", i)``,
+    ``("new",)`` for None. Ellipsis is expanded; advanced indexing is refused."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    used = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    if sum(1 for i in idx if i is Ellipsis) > 1:
+        raise IndexError("x[...]: an index can only have a single Ellipsis")
+    if used > len(shape):
+        raise IndexError(f"x[{idx}]: too many indices for a tensor of {len(shape)} dims")
+    out, d = [], 0
+    for i in idx:
+        if i is Ellipsis:
+            out += [("all",)] * (len(shape) - used)
+            d += len(shape) - used
+        elif i is None:
+            out.append(("new",))
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(shape[d])
+            if step <= 0:
+                raise ValueError(f"x[{idx}]: step must be positive (torch does not support "
+                                 "negative steps); use torch.flip")
+            whole = start == 0 and stop >= shape[d] and step == 1
+            out.append(("all",) if whole else ("slice", start, stop, step))
+            d += 1
+        elif isinstance(i, int) and not isinstance(i, bool):
+            if not -shape[d] <= i < shape[d]:
+                raise IndexError(f"x[{idx}]: index {i} is out of bounds for dim {d} of "
+                                 f"size {shape[d]}")
+            out.append(("int", i % shape[d]))
+            d += 1
+        else:
+            raise NotImplementedError(
+                f"x[{idx!r}]: DistTensor indexing takes ints, slices, None and Ellipsis; "
+                f"for {type(i).__name__} indices (advanced indexing) use torch.index_select "
+                "or torch.gather, or gather first with .full()")
+    out += [("all",)] * (len(shape) - d)
+    return tuple(out)
+
+
+@register_rule("getitem")
+def getitem_rule(x, index, **_):
+    """x[idx]: S(d) passes where idx takes all of d; a slice or int of d needs d whole."""
+    smap, d, o = [], 0, 0
+    for item in index:
+        if item[0] == "new":
+            o += 1
+            continue
+        if item[0] == "all" and x.shape[d] > 1:
+            smap.append(((d,), o))
+        o += item[0] != "int"
+        d += 1
+    return combine(x.mesh.ndim, _options([x], 1, smap, "dim {d} taken whole -> dim {o}"), 1)
+
+
+def _getitem_local(nd, ctx, x, index):
+    conv = {"all": lambda it: slice(None), "new": lambda it: None,
+            "int": lambda it: it[1], "slice": lambda it: slice(*it[1:])}
+    return x[(slice(None),) * nd + tuple(conv[it[0]](it) for it in index)]
+
+
+register_op([T.__getitem__], OpDef("getitem", lambda x, idx: ((x,), {
+    "index": normalize_index(tuple(x.shape), idx)}), _getitem_local))

@@ -1,0 +1,212 @@
+"""DP x TP x PP (x SP) training of the course's Llama on simulated ranks.
+
+The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
+
+    stage 0: Mesh([[0, 1], [2, 3]], ["dp", "tp"])     stage 1: Mesh([[4, 5], [6, 7]], ...)
+
+* tensor parallel (Megatron-LM): q, k, v, gate and up projections column-parallel,
+  o and down projections row-parallel (``Llama`` ``TP_PLAN``); the embedding
+  vocabulary-parallel and the lm head column-parallel (vocabulary-sharded logits,
+  vocabulary-parallel cross-entropy) when the vocabulary divides by tp;
+* sequence parallel: the residual stream is sharded on the sequence dim over tp
+  (one reshard after the embedding; the SPMD rules then insert Megatron-SP's
+  all-gather before each column-parallel linear and reduce-scatter after each
+  row-parallel one, because those are the cheapest plans);
+* data parallel / ZeRO over dp (:mod:`.data_parallel`, :mod:`.zero3`);
+* pipeline parallel: the layers split into ``pp * v`` stages on the stage meshes,
+  run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order.
+
+Every configuration trains the same global batch with the same loss as one device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...models.llama import TP_PLAN, Llama
+from ...sim_mesh.mesh import Mesh
+from .. import schedules as S
+from ..dist_tensor import DistTensor, shard_tensor
+from ..module import dist_parameters, parallelize
+from ..placement import Replicate, Shard
+from ..reshard import reshard
+from .data_parallel import DataParallel
+from .zero3 import Zero3
+
+__all__ = ["Hybrid", "stage_meshes"]
+
+SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
+             "zb-h1": S.zb_h1}
+
+
+def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
+    """One (dp, tp) mesh per pipeline stage over consecutive ranks."""
+    n = dp * tp
+    return [Mesh([[s * n + i * tp + j for j in range(tp)] for i in range(dp)], ["dp", "tp"])
+            for s in range(pp)]
+
+
+class Hybrid:
+    """A training strategy (see :mod:`workbench.train`) for any dp x tp x pp layout."""
+
+    name = "hybrid"
+
+    def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
+                 microbatches=None, virtual=None):
+        for n, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n}={v!r}: must be an int >= 1")
+        if sp and tp == 1:
+            raise ValueError("sp=True needs tp > 1: sequence parallelism shards the "
+                             "tensor-parallel region's norms and dropouts over tp")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: use one of {list(SCHEDULES)}")
+        self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
+        self.schedule_name = schedule
+        self.v = virtual or (2 if schedule == "interleaved" else 1)
+        self._m = microbatches
+        self.m = microbatches or (2 * pp if pp > 1 else 1)
+        self.meshes = stage_meshes(dp, tp, pp)
+        self.device = torch.device("cpu")
+        self.profile = None            # the trace's default hardware profile
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check(self, cfg, batch_size: int) -> None:
+        """A clear error before anything runs when the layout does not fit the model."""
+        tp, pp, v = self.tp, self.pp, self.v
+        if self._m is None and pp > 1:      # 2p micro-batches if the batch allows, else p
+            self.m = 2 * pp if batch_size % (self.dp * 2 * pp) == 0 else pp
+        for name, val in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
+                          ("d_ff", cfg.d_ff)):
+            if val % tp:
+                raise ValueError(f"tp={tp} does not divide {name}={val}: tensor parallelism "
+                                 "splits heads and hidden features evenly")
+        if cfg.n_layer % (pp * v):
+            raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
+                             f"n_layer={cfg.n_layer}")
+        if batch_size % (self.dp * self.m):
+            raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
+                             f"{self.m} micro-batches")
+        if self.sp and cfg.seq_len % tp:
+            raise ValueError(f"sp: seq_len={cfg.seq_len} does not divide by tp={tp}")
+        if self.schedule_name == "interleaved" and self.m % pp:
+            raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
+                             f"of pp={pp}")
+
+    # ---- the strategy seam -------------------------------------------------------------------
+    def build_model(self, cfg, seed: int) -> nn.Module:
+        model = Llama(cfg, seed=seed).train()
+        self.cfg = cfg
+        n_stages = self.pp * self.v
+        per = cfg.n_layer // n_stages
+        self.stage_layers = [list(range(s * per, (s + 1) * per)) for s in range(n_stages)]
+        vocab_parallel = self.tp > 1 and cfg.vocab_size % self.tp == 0
+        # TP_PLAN names parameters from the model's root ("layers.*.attn.wq"); per block:
+        block_plan = {k.split("layers.*.", 1)[1]: v for k, v in TP_PLAN.items()
+                      if k.startswith("layers.*.")} if self.tp > 1 else {}
+        for s in range(n_stages):
+            mesh = self.meshes[s % self.pp]
+            for i in self.stage_layers[s]:
+                parallelize(model.layers[i], mesh, block_plan, mesh_dim="tp")
+            if s == 0:
+                parallelize(model.tok_emb, mesh, {"": "rowwise"} if vocab_parallel else {},
+                            mesh_dim="tp")
+            if s == n_stages - 1:
+                parallelize(model.norm, mesh, {}, mesh_dim="tp")
+                parallelize(model.lm_head, mesh, {"": "colwise"} if vocab_parallel else {},
+                            mesh_dim="tp")
+        return model
+
+    def _stage_params(self, model, s):
+        mods = [model.layers[i] for i in self.stage_layers[s]]
+        if s == 0:
+            mods.append(model.tok_emb)
+        if s == len(self.stage_layers) - 1:
+            mods += [model.norm, model.lm_head]
+        return [p for m in mods for _, p in dist_parameters(m)]
+
+    def build_optimizer(self, model, lr: float, weight_decay: float):
+        opts = []
+        for s in range(len(self.stage_layers)):
+            mesh = self.meshes[s % self.pp]
+            if self.zero == 3:
+                holder = nn.ModuleList([model.layers[i] for i in self.stage_layers[s]] +
+                                       ([model.tok_emb] if s == 0 else []) +
+                                       ([model.norm, model.lm_head]
+                                        if s == len(self.stage_layers) - 1 else []))
+                opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
+            else:
+                opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
+                                         lr=lr, weight_decay=weight_decay))
+        return opts
+
+    def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
+        return shard_tensor(t, mesh, [Shard(0), Replicate()])
+
+    def _embed(self, model, idx):
+        x = F.dropout(model.tok_emb(idx), model.cfg.dropout, model.training)   # (B, S, h)
+        if self.sp:                     # the residual stream: sequence-sharded over tp
+            x = reshard(x, x.mesh, [Shard(0), Shard(1)])
+        return x
+
+    def _blocks(self, model, s, x):
+        S_ = x.shape[1]
+        cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
+        for i in self.stage_layers[s]:
+            x = model.layers[i](x, cos, sin)
+        return x
+
+    def _head(self, model, x):
+        return model.lm_head(model.norm(x))                                 # (B, S, V)
+
+    def _loss(self, logits, targets):
+        B, S_, V = logits.shape
+        return F.cross_entropy(logits.reshape(B * S_, V), targets.reshape(B * S_))
+
+    def forward_backward(self, model, inputs, targets):
+        self.check(model.cfg, inputs.shape[0])
+        n_stages = len(self.stage_layers)
+        if n_stages == 1:
+            mesh = self.meshes[0]
+            x = self._blocks(model, 0, self._embed(model, self._batch(inputs, mesh)))
+            loss = self._loss(self._head(model, x), self._batch(targets, mesh))
+            loss.backward()
+            return loss.full().detach()
+        stages = []
+        for s in range(n_stages):
+            def stage(x, s=s):
+                if s == 0:
+                    x = self._embed(model, x)
+                x = self._blocks(model, s, x)
+                return self._head(model, x) if s == n_stages - 1 else x
+            stages.append(stage)
+        m = self.m
+        first, last = self.meshes[0], self.meshes[(n_stages - 1) % self.pp]
+        xs = [self._batch(c, first) for c in inputs.chunk(m)]
+        ts = [self._batch(c, last) for c in targets.chunk(m)]
+        sched = self._schedule(m)
+        params = [self._stage_params(model, s) for s in range(n_stages)] \
+            if sched.split_backward else None
+        run = S.run_pipeline(sched, stages, self.meshes, xs,
+                             lambda out, i: self._loss(out, ts[i]), params=params)
+        return torch.tensor(run.loss)
+
+    def _schedule(self, m):
+        if self.schedule_name == "interleaved":
+            return S.interleaved_1f1b(self.pp, m, self.v)
+        return SCHEDULES[self.schedule_name](self.pp, m)
+
+    def optimizer_step(self, optimizers) -> None:
+        for o in optimizers:
+            o.step()
+
+    def step_report(self, tr, optimizers) -> dict:
+        """What one step cost on the modeled clock: time, bytes each rank sent (the
+        busiest rank), and model-state bytes per rank (parameters, gradients, Adam
+        states; activations are not counted here)."""
+        per_rank = tr.bytes_per_rank()
+        states = [o.memory() for o in optimizers]
+        return {"modeled_ms": round(tr.time() * 1e3, 6),
+                "comm_bytes": max(per_rank.values(), default=0),
+                "state_bytes": max(m.total for m in states) if states else 0}
