@@ -240,7 +240,13 @@ def run_case(oracle, mesh_shape, shape, src, dst, seed=0, comm=False):
             # is one value for all ranks and its collectives go to the no-op fake group
             # (R -> P -> R would silently come back divided by the group size)
             xl = LocalTensor({r: x.clone() for r in range(world)})
-            d = distribute_tensor(xl, dmesh, dsrc)
+            try:
+                d = distribute_tensor(xl, dmesh, dsrc)
+            except AssertionError:
+                # DTensor's own scatter asserts when nested shards leave a rank with an
+                # empty chunk (e.g. (3, 1) as [S(0), S(1), S(0)] on 2x2x2): no oracle here
+                from hypothesis import reject
+                reject()
         src_theirs = per_rank(d.to_local(), world)
         if comm:
             with cdm, rec:

@@ -104,3 +104,39 @@ def test_layout_errors_before_anything_runs():
         Hybrid(sp=True)
     with pytest.raises(ValueError, match="batch_size=6 does not divide"):
         Hybrid(dp=4).check(cfg, 6)
+
+
+def _step_trace(strategy, cfg):
+    import workbench as wb
+    x, y = get_batch(cfg, BATCH, 0, 0)
+    strategy.check(cfg, BATCH)
+    model = strategy.build_model(cfg, 0)
+    with wb.trace() as tr:
+        strategy.forward_backward(model, x, y)
+    return tr
+
+
+def test_tensor_parallel_moves_megatrons_four_all_reduces_per_layer():
+    """Megatron-LM: per layer and step, 2 all-reduces of b*s*h forward (g after the
+    attention and MLP blocks) and 2 backward (f before them)."""
+    cfg = get_config("tiny", dropout=0.0)
+    tr = _step_trace(Hybrid(tp=2), cfg)
+    bsh = BATCH * cfg.seq_len * cfg.d_model * 4
+    big = [e for e in tr.collectives() if e.args["buffer_bytes"] == bsh]
+    assert len(big) == 4 * cfg.n_layer and {e.name for e in big} == {"all_reduce"}
+    assert all(e.bytes == bsh for e in big)              # 2 (p-1)/p n with p = 2
+
+
+def test_sequence_parallel_swaps_each_all_reduce_for_gather_and_scatter():
+    """Korthikanti et al. 2022: with sequence parallelism each all-reduce becomes an
+    all-gather plus a reduce-scatter of the same total volume."""
+    cfg = get_config("tiny", dropout=0.0)
+    tr = _step_trace(Hybrid(tp=2, sp=True), cfg)
+    bsh = BATCH * cfg.seq_len * cfg.d_model * 4
+    big = [e for e in tr.collectives() if e.args["buffer_bytes"] == bsh and
+           ("f:" in e.label or "on tp" in e.label and "P(sum)" in e.label)]
+    kinds = sorted(e.name for e in big)
+    assert kinds.count("all_gather") == 4 * cfg.n_layer
+    assert kinds.count("reduce_scatter") == 4 * cfg.n_layer
+    assert "all_reduce" not in kinds
+    assert sum(e.bytes for e in big) == 4 * cfg.n_layer * bsh   # = the TP all-reduces' bytes

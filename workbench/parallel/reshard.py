@@ -39,7 +39,7 @@ from .placement import Partial, Replicate, Shard, fmt_placements, normalize_plac
 
 __all__ = ["Step", "Plan", "plan_reshard", "reshard"]
 
-_LOCAL = ("local_slice", "local_partial", "local_pad")
+_LOCAL = ("local_slice", "local_partial", "local_pad", "local_relabel")
 # bytes each rank sends, as a multiple of (p-1)/p of the buffer (ring algorithms)
 _EXACT = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
@@ -137,6 +137,12 @@ def _moves(shape, mesh, ps, dtype, profile):
             if new == p:
                 continue
             nxt = ps[:i] + (new,) + ps[i + 1:]
+            if mesh.shape[i] == 1:
+                # one rank along this dim: every placement is the same data
+                if not (isinstance(new, Shard) and _blocked(ps, i, {new.dim})) and \
+                        not (isinstance(p, Shard) and _blocked(ps, i, {p.dim})):
+                    yield "local_relabel", i, nxt, 0
+                continue
             if isinstance(p, Replicate):
                 if isinstance(new, Shard):
                     if _blocked(ps, i, {new.dim}):
@@ -284,6 +290,8 @@ def execute(plan: Plan, t):
     for s in plan.steps:
         if s.kind == "send_recv":
             t = _send(t, plan.dst_mesh, s.dst)
+        elif s.kind == "local_relabel":
+            t = DistTensor(t._local, t.mesh, s.dst, t.shape, t.dtype, t.names)
         elif s.kind in _LOCAL:
             t = _local_step(t, s.mesh_dim, s.dst)
         else:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...models.llama import TP_PLAN, Llama
+from ...sim_mesh import collectives as C
 from ...sim_mesh.mesh import Mesh
 from .. import schedules as S
 from ..dist_tensor import DistTensor, shard_tensor
@@ -109,6 +110,9 @@ class Hybrid:
             mesh = self.meshes[s % self.pp]
             for i in self.stage_layers[s]:
                 parallelize(model.layers[i], mesh, block_plan, mesh_dim="tp")
+                if self.tp > 1:
+                    for sub in (model.layers[i].attn, model.layers[i].mlp):
+                        self._megatron_f_g(sub, mesh)
             if s == 0:
                 parallelize(model.tok_emb, mesh, {"": "rowwise"} if vocab_parallel else {},
                             mesh_dim="tp")
@@ -117,6 +121,31 @@ class Hybrid:
                 parallelize(model.lm_head, mesh, {"": "colwise"} if vocab_parallel else {},
                             mesh_dim="tp")
         return model
+
+    # ---- Megatron's f and g around each tensor-parallel region ---------------------------------
+    def _megatron_f_g(self, module, mesh):
+        """f before the region: give each tp rank its copy of the input (tensor parallel:
+        no traffic, all-reduce in backward; sequence parallel: all-gather the sequence,
+        reduce-scatter in backward).  g after it: sum the row-parallel partial outputs
+        (all-reduce; with sequence parallelism reduce-scatter onto the sequence dim,
+        all-gather in backward).  Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022."""
+        tp_axis = mesh.dim("tp")
+        out_ps = [Shard(0), Shard(1) if self.sp else Replicate()]
+
+        def f(mod, args):
+            x, *rest = args
+            loc = x._local
+            if self.sp:          # S(1) on tp -> every rank the whole sequence
+                loc = C.all_gather(loc, mesh, tp_axis, 1, expanded=True, label="f: all-gather")
+            else:
+                loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+            full = DistTensor(loc, mesh, [x.placements[0], Replicate()], x.shape, x.dtype)
+            return (full, *rest)
+
+        def g(mod, args, out):
+            return reshard(out, mesh, out_ps)
+        module.register_forward_pre_hook(f)
+        module.register_forward_hook(g)
 
     def _stage_params(self, model, s):
         mods = [model.layers[i] for i in self.stage_layers[s]]
@@ -145,10 +174,10 @@ class Hybrid:
         return shard_tensor(t, mesh, [Shard(0), Replicate()])
 
     def _embed(self, model, idx):
-        x = F.dropout(model.tok_emb(idx), model.cfg.dropout, model.training)   # (B, S, h)
-        if self.sp:                     # the residual stream: sequence-sharded over tp
-            x = reshard(x, x.mesh, [Shard(0), Shard(1)])
-        return x
+        x = model.tok_emb(idx)                                              # (B, S, h)
+        if self.tp > 1:                 # the residual stream: replicated, or with sequence
+            x = reshard(x, x.mesh, [Shard(0), Shard(1) if self.sp else Replicate()])
+        return F.dropout(x, model.cfg.dropout, model.training)
 
     def _blocks(self, model, s, x):
         S_ = x.shape[1]
