@@ -116,7 +116,28 @@ register_op([torch.bmm, T.bmm], OpDef("bmm", lambda a, b: ((a, b), {}), _matmul_
 register_op([T.__rmatmul__], OpDef("matmul", lambda a, b: ((b, a), {}), _matmul_local))
 
 
+def _same_on_every_rank(x, nd) -> bool:
+    """The stacked x holds one tensor for all ranks (lead dims of size 1 or stride 0)."""
+    return all(x.shape[i] == 1 or x.stride(i) == 0 for i in range(nd))
+
+
 def _linear_local(nd, ctx, x, w, b=None):
+    if nd and _same_on_every_rank(x, nd) and not _same_on_every_rank(w, nd) and x.dim() > nd:
+        # Column-parallel with a replicated input: every rank multiplies the same x by its
+        # slice of the weight. One GEMM with all the slices side by side does exactly that
+        # arithmetic at single-device speed; autograd still sends the input gradient through
+        # x's per-rank views (their traced all-reduce).
+        x0 = x[(slice(0, 1),) * nd].reshape(x.shape[nd:])                   # (*batch, k)
+        lead = tuple(w.shape[:nd])
+        n, k = w.shape[-2], w.shape[-1]
+        y = x0 @ w.reshape(-1, k).transpose(0, 1)                           # (*batch, L*n)
+        nb = y.dim() - 1
+        y = y.unflatten(-1, lead + (n,))                                    # (*batch, *lead, n)
+        y = y.movedim(tuple(range(nb, nb + nd)), tuple(range(nd)))          # (*lead, *batch, n)
+        if b is not None:
+            y, b = _align(nd, y, b)
+            y = y + b
+        return y
     x, w2 = _align(nd, x, w.transpose(-1, -2))
     y = torch.matmul(x, w2)
     if b is not None:
