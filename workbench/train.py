@@ -127,6 +127,11 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     return records
 
 
+def _dist_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 class _NoTrace:
     def __enter__(self):
         return None
@@ -174,19 +179,22 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule (with --pp)")
     g.add_argument("--backend", default="sim", choices=["sim", "distributed"],
-                   help="sim: all ranks in this process; distributed: torchrun, one per rank")
+                   help="sim: all ranks in this process; distributed: one rank per process on "
+                        "torch.distributed (launch with torchrun; gloo/hccl/nccl)")
 
 
 def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
-    if getattr(args, "backend", "sim") != "sim":
-        raise NotImplementedError("train: --backend distributed (torchrun, one process per "
-                                  "rank) is not built yet; --backend sim runs every rank here")
+    distributed = getattr(args, "backend", "sim") == "distributed"
     parallel = {n: getattr(args, n, d) for n, d in _NOT_YET if n != "backend"}
-    if any(parallel[n] != d for n, d in _NOT_YET if n != "backend"):
+    if distributed or any(parallel[n] != d for n, d in _NOT_YET if n != "backend"):
         from .parallel.strategies.hybrid import Hybrid
+        if distributed:
+            from .sim_mesh import backends
+            backends.init()
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
-                      zero=parallel["zero"], schedule=parallel["schedule"])
+                      zero=parallel["zero"], schedule=parallel["schedule"],
+                      distributed=distributed)
     device = getattr(args, "device", "cpu")
     if device == "auto":
         from .npu.device import device as best_device
@@ -206,18 +214,28 @@ def main_train(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     bar = _ProgressBar(args.steps) if sys.stderr.isatty() else None
+    leader = not getattr(strategy, "distributed", False) or _dist_rank() == 0
 
     def emit(rec):
+        if not leader:                         # on torch.distributed, rank 0 prints
+            return
         if bar is not None:
             bar.clear()                        # stdout may be the same terminal
         print(json.dumps(rec), flush=True)
         if bar is not None:
             bar.update(rec)
 
-    train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-          lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
-          recompute=getattr(args, "recompute", "none"), strategy=strategy,
-          ops_backend=getattr(args, "ops", "auto"), on_step=emit)
+    try:
+        train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+              lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
+              recompute=getattr(args, "recompute", "none"), strategy=strategy,
+              ops_backend=getattr(args, "ops", "auto"), on_step=emit)
+    finally:
+        if getattr(strategy, "distributed", False):
+            from .sim_mesh import backends
+            import torch.distributed as dist
+            dist.barrier()            # every rank done before the groups go away
+            backends.shutdown()
     if bar is not None:
         bar.close()
     return 0

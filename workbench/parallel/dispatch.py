@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.collectives import Cells
@@ -146,6 +147,13 @@ def dispatch(func, args, kwargs):
         name = getattr(func, "__name__", str(func))
         if _FALLBACK[-1]:
             return _fallback(func, args, kwargs)
+        from .rules.registry import RULES
+        if name in RULES:
+            raise NoRuleError(
+                f"a rule for {name!r} is registered, but {name}() has no entry in the op "
+                "table that says how to run it on local shards: add one with "
+                "workbench.parallel.dispatch.register_op([torch." + name + "], OpDef(...)) "
+                "(see workbench/parallel/op_table.py), or use wb.spmd.infer to study the rule")
         raise NoRuleError(
             f"{name}() has no SPMD rule for DistTensors. Register one (see "
             "workbench.register_rule and notebook 04), or run it inside "
@@ -202,7 +210,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     dec = prep.dec
     cand = dec.chosen
     outs_ps = cand.strategy.outputs
-    even = prep.even
+    dist_mode = _B.is_distributed(mesh)
+    even = prep.even or dist_mode
+    if dist_mode and not prep.even:
+        raise NotImplementedError(f"{opdef.name} on uneven shards over torch.distributed: "
+                                  "pad the tensors so every mesh dim divides them")
     locs = []
     tensors = []
     for x, spec, plan, axes in zip(inputs, specs, cand.plans, prep.expand):
@@ -225,7 +237,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     out_shapes = prep.out_shapes
     if even:
         ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
-                  outs_ps, out_shapes)
+                  outs_ps, out_shapes, coord=_B.coordinate(mesh) if dist_mode else None)
         out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
     else:
         ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
@@ -234,10 +246,30 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     if current_trace() is not None:
         _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
     outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
+    if dist_mode:
+        outs = _dist_replicated_outputs(outs, outs_ps, locs, mesh)
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
         h(dec, specs, wrapped)
     return wrapped if (opdef.multi or opdef.n_out > 1) else wrapped[0]
+
+
+def _dist_replicated_outputs(outs, outs_ps, locs, mesh):
+    """On torch.distributed: a replicated output computed from per-rank copies keeps one
+    copy's gradient path (as the simulator keeps the first copy of such a result)."""
+    tagged = set()
+    for x in locs:
+        tagged |= set(getattr(x, "_wb_replica_axes", ()))
+    if not tagged:
+        return outs
+    coord = _B.coordinate(mesh)
+    res = []
+    for o, ps in zip(outs, outs_ps):
+        for a in sorted(tagged):
+            if ps[a].is_replicate() and o.requires_grad:
+                o = _B.GradOnFirst.apply(o, coord[a])
+        res.append(o)
+    return tuple(res)
 
 
 def _profile_name():

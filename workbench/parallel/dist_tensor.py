@@ -139,8 +139,18 @@ class DistTensor:
         return (self._local.items[0] if isinstance(self._local, Cells) else self._local).device
 
     # ---- shards ----------------------------------------------------------------------
-    def local(self, rank: int) -> torch.Tensor:
-        """The local shard that ``rank`` holds."""
+    def local(self, rank: int | None = None) -> torch.Tensor:
+        """The local shard that ``rank`` holds (on torch.distributed: this process's,
+        ``rank`` may be omitted)."""
+        from ..sim_mesh import backends as _B
+        if _B.is_distributed(self.mesh):
+            me = _B.rank()
+            if rank is not None and rank != me:
+                raise ValueError(f"local(rank={rank}) in process {me}: on torch.distributed "
+                                 "each process holds only its own shard")
+            return self._local.reshape(self._local.shape[self.mesh.ndim:])
+        if rank is None:
+            raise ValueError("local(rank=None): give the rank whose shard you want")
         c = self.mesh.coordinate(rank)
         if isinstance(self._local, Cells):
             return self._local[c]
@@ -148,8 +158,12 @@ class DistTensor:
         return self._local[idx]
 
     def locals(self) -> list[torch.Tensor]:
-        """Every rank's local shard, in mesh (row-major) order."""
+        """Every rank's local shard, in mesh (row-major) order (simulation only)."""
         return [self.local(r) for r in self.mesh.ranks]
+
+    def to_local(self) -> torch.Tensor:
+        """This process's shard (torch.distributed), as DTensor.to_local."""
+        return self.local()
 
     def full(self) -> torch.Tensor:
         """The global tensor, gathered by a (traced) reshard to Replicate."""
@@ -157,7 +171,8 @@ class DistTensor:
         t = self
         if any(not p.is_replicate() for p in self.placements):
             t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
-        return t.local(self.mesh.ranks[0])
+        from ..sim_mesh import backends as _B
+        return t.local(None if _B.is_distributed(self.mesh) else self.mesh.ranks[0])
 
     def cells(self) -> Cells:
         """The local shards as Cells (a grid of tensors), whatever the layout."""
@@ -305,6 +320,19 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     shards that do not fit it, or Replicate copies that differ, are errors."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
+    from ..sim_mesh import backends as _B
+    if _B.is_distributed(mesh):
+        if isinstance(locals_, (list, tuple)):
+            raise TypeError("from_local on torch.distributed takes this process's local tensor, "
+                            "not a list of every rank's")
+        t = torch.as_tensor(locals_)
+        ps = normalize_placements(placements, mesh, t.dim())
+        if shape is None:           # even shards: the global size is the local times the split
+            shape = list(t.shape)
+            for i, p in enumerate(ps):
+                if p.is_shard():
+                    shape[p.dim] *= mesh.shape[i]
+        return DistTensor(t.reshape((1,) * mesh.ndim + tuple(t.shape)), mesh, ps, shape, t.dtype)
     locals_ = [torch.as_tensor(t) for t in locals_]
     if len(locals_) != mesh.size:
         raise ValueError(f"locals has {len(locals_)} tensors for a mesh of {mesh.size} ranks; "

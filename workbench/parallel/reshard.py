@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.collectives import Cells
@@ -199,7 +200,8 @@ def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
             c = (cost[0] + t, cost[1] + exact, cost[2] + (kind == "local_pad"), cost[3] + 1)
             if nxt not in best or c < best[nxt]:
                 best[nxt] = c
-                step = Step(kind, i, mesh.dim_names[i], ps, nxt, wire, t, nb, ng)
+                buf = _nbytes(shape, mesh, nxt, dtype) if kind == "local_pad" else nb
+                step = Step(kind, i, mesh.dim_names[i], ps, nxt, wire, t, buf, ng)
                 heapq.heappush(heap, (c, counter, nxt, path + [step]))
                 counter += 1
     raise ValueError(f"no reshard plan from {fmt_placements(src)} to {fmt_placements(dst)}")
@@ -301,6 +303,8 @@ def execute(plan: Plan, t):
 
 def _layout_for(t, new_ps):
     """The local data of t in the representation both layouts can use."""
+    if _B.is_distributed(t.mesh):
+        return t._local
     even = layout.is_even(t.shape, t.mesh, t.placements) and \
         layout.is_even(t.shape, t.mesh, new_ps)
     if even and isinstance(t._local, Cells):
@@ -311,6 +315,8 @@ def _layout_for(t, new_ps):
 
 
 def _finish(t, x, new_ps):
+    if _B.is_distributed(t.mesh):
+        return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
     if isinstance(x, Cells) and layout.is_even(t.shape, t.mesh, new_ps):
         x = _stack_cells(x, t.mesh.ndim)
     return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
@@ -338,6 +344,8 @@ def _local_step(t, i: int, new_ps):
     mesh, nd = t.mesh, t.mesh.ndim
     old, new = t.placements[i], new_ps[i]
     n = mesh.shape[i]
+    if _B.is_distributed(mesh):
+        return _local_step_dist(t, i, old, new, new_ps)
     x = _layout_for(t, new_ps)
     label = f"{old}->{new} on {mesh.dim_names[i]}" if current_trace() is not None else ""
     if isinstance(old, Replicate) and isinstance(new, Shard):
@@ -389,6 +397,29 @@ def _local_step(t, i: int, new_ps):
         y = y.flatten(nd + d, nd + d + 1)
         return _finish(t, y, new_ps)
     raise ValueError(f"no local step from {old} to {new}")
+
+
+def _local_step_dist(t, i, old, new, new_ps):
+    """The local steps on torch.distributed: this process keeps its own part."""
+    mesh, nd = t.mesh, t.mesh.ndim
+    x = t._local
+    pg, group = _B.group(mesh, i)
+    n, k = len(group), group.index(_B.rank())
+    lead = tuple(x.shape[:nd])
+    loc = x.reshape(x.shape[nd:])
+    if isinstance(old, Replicate) and isinstance(new, Shard):
+        y = _B.SliceOwn.apply(loc, pg, n, k, new.dim)
+        nb = loc.numel() * loc.element_size()
+        y = C._on_backward(y, "all_gather", mesh, i, nb, f"{old}->{new}", groups=[group])
+    elif isinstance(old, Replicate) and isinstance(new, Partial):
+        y = _B.KeepOnFirst.apply(loc, k) if new.reduce_op == "sum" else loc
+    elif isinstance(old, Shard) and isinstance(new, Partial) and new.reduce_op == "sum":
+        d, L = old.dim, loc.shape[old.dim]
+        pads = [0, 0] * (loc.dim() - 1 - d) + [k * L, (n - 1 - k) * L]
+        y = torch.nn.functional.pad(loc, pads)
+    else:
+        raise ValueError(f"no local step from {old} to {new}")
+    return DistTensor(y.reshape(lead + tuple(y.shape)), mesh, new_ps, t.shape, t.dtype, t.names)
 
 
 def _lead_numel(x, nd):

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from . import backends as _B
 from . import cost as _cost
 from .trace import current_trace
 
@@ -185,6 +186,11 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
     """Every rank gets ``op`` over its group's tensors (P -> R)."""
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
+    if _B.is_distributed(mesh):
+        y = _dist("all_reduce", x, mesh, axis, label,
+                  lambda l, pg, n, k: _B.AllReduce.apply(l, pg, n, op, expanded),
+                  bwd=expanded)
+        return _B.tag(y, (axis,)) if expanded else y
     _check_axis(x, mesh, axis, True, "all_reduce")
     n = mesh.shape[axis]
     nb = nbytes_of(x) if isinstance(x, Cells) else \
@@ -208,6 +214,11 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
 
 def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: str = ""):
     """Concatenate the group's shards along local ``dim`` (S(dim) -> R)."""
+    if _B.is_distributed(mesh):
+        y = _dist("all_gather", x, mesh, axis, label,
+                  lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded),
+                  out_bytes=True, bwd=expanded)
+        return _B.tag(y, (axis,)) if expanded else y
     _check_axis(x, mesh, axis, True, "all_gather")
     nd, n = mesh.ndim, mesh.shape[axis]
     if isinstance(x, Cells):
@@ -232,6 +243,9 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     """Reduce over the group, then rank k keeps chunk k of local ``dim`` (P -> S(dim))."""
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
+    if _B.is_distributed(mesh):
+        return _dist("reduce_scatter", x, mesh, axis, label,
+                     lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op))
     _check_axis(x, mesh, axis, True, "reduce_scatter")
     nd, n = mesh.ndim, mesh.shape[axis]
     if isinstance(x, Cells):
@@ -257,6 +271,9 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
 def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = ""):
     """Rank k splits local ``split_dim`` in n, sends piece j to rank j, and concatenates
     what it receives along ``concat_dim`` (S(concat_dim) -> S(split_dim))."""
+    if _B.is_distributed(mesh):
+        return _dist("all_to_all", x, mesh, axis, label,
+                     lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim))
     _check_axis(x, mesh, axis, True, "all_to_all")
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = nbytes_of(x) if isinstance(x, Cells) else \
@@ -302,6 +319,18 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
     gradients: an all-reduce per axis, recorded in the trace.  This is the
     explicit form of what autograd would otherwise do silently when a
     replicated tensor meets per-rank computation (Megatron's ``f``)."""
+    if _B.is_distributed(mesh):
+        for a in axes:
+            had = getattr(x, "_wb_replica_axes", ())
+            if a in had:
+                continue                  # one copy per rank already (f, or data parallel)
+            nb = x.numel() * x.element_size()
+            x = _dist("expand_replicas", x, mesh, a, label,
+                      lambda l, pg, n, k: _B.ExpandReplicas.apply(l, pg), record=False)
+            x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor",
+                             groups=[_B.group(mesh, a)[1]])
+            _B.tag(x, had + (a,))
+        return x
     for a in axes:
         n = mesh.shape[a]
         if isinstance(x, Cells):
@@ -317,6 +346,30 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
             x = _expand_axis(x, a, n)
         x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
     return x
+
+
+_BWD = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+        "all_reduce": "all_reduce"}
+
+
+def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True):
+    """Run a collective on torch.distributed: x is this process's stacked local
+    (every leading axis of size 1)."""
+    if isinstance(x, Cells):
+        raise NotImplementedError(f"{kind} on uneven shards over torch.distributed: pad the "
+                                  "tensor so every mesh dim divides it")
+    nd = mesh.ndim
+    lead = tuple(x.shape[:nd])
+    pg, g = _B.group(mesh, axis)
+    k = g.index(_B.rank())
+    y = fn(x.reshape(x.shape[nd:]), pg, len(g), k)
+    y = y.reshape(lead + tuple(y.shape))
+    if record:
+        nb = (y if out_bytes else x).numel() * x.element_size()
+        record_collective(kind, mesh, axis, nb, label, groups=[g])
+        if bwd and kind in _BWD:
+            y = _on_backward(y, _BWD[kind], mesh, axis, nb, label, groups=[g])
+    return y
 
 
 def send_recv(x, src_mesh, dst_mesh, *, label: str = ""):

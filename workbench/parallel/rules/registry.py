@@ -29,7 +29,7 @@ from ...sim_mesh.trace import current_trace
 from ..placement import Placement, Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
-           "combine", "RULES", "NoRuleError", "describe"]
+           "combine", "RULES", "NoRuleError", "describe", "strategy_cost"]
 
 R = Replicate()
 
@@ -52,6 +52,13 @@ class Candidate:
     plans: tuple            # one reshard Plan (or None) per input
     time: float             # modeled seconds of the inserted communication
     bytes: int              # bytes each rank sends for it
+    deferred_time: float = 0.0   # what a zero-padded partial will cost to reduce later
+    deferred_bytes: int = 0
+
+    @property
+    def rank_key(self) -> tuple:
+        """What the chooser minimizes: (time + deferred, bytes + deferred)."""
+        return (self.time + self.deferred_time, self.bytes + self.deferred_bytes)
 
     @property
     def collectives(self) -> list[str]:
@@ -61,7 +68,10 @@ class Candidate:
         ins = ", ".join(fmt_placements(p) if p is not None else "-" for p in self.strategy.inputs)
         outs = ", ".join(fmt_placements(p) for p in self.strategy.outputs)
         comm = ", ".join(self.collectives) or "no communication"
-        return f"({ins}) -> ({outs}): {comm}, {self.bytes:,d} B, {self.time * 1e6:.2f} us"
+        later = (f" (zero-padded into a partial sum: ranked as the reduce-scatter it defers, "
+                 f"{self.deferred_bytes:,d} B, {self.deferred_time * 1e6:.2f} us)"
+                 if self.deferred_bytes or self.deferred_time else "")
+        return f"({ins}) -> ({outs}): {comm}, {self.bytes:,d} B, {self.time * 1e6:.2f} us{later}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +178,6 @@ def _freeze(v):
 
 @lru_cache(maxsize=8192)
 def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
-    from ..reshard import plan_reshard_cached
     rule = get_rule(op)
     attrs = dict(frozen_attrs)
     strategies = list(rule(*specs, **attrs))
@@ -182,19 +191,36 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
         if key in seen:
             continue
         seen.add(key)
-        plans, t, b = [], 0.0, 0
-        for spec, req in zip(specs, st.inputs):
-            if spec is None or req is None:
-                plans.append(None)
-                continue
-            p = plan_reshard_cached(spec, req, profile)
-            plans.append(p)
-            t += p.total_time
-            b += p.total_bytes
-        cands.append((t, b, order, Candidate(st, tuple(plans), t, b)))
+        plans, t, b, dt, db = strategy_cost(specs, st, profile)
+        cands.append((t + dt, b + db, order, Candidate(st, tuple(plans), t, b, dt, db)))
     cands.sort(key=lambda c: c[:3])
     ranked = tuple(c[3] for c in cands)
     return Decision(op, specs, ranked, _reason(op, specs, ranked))
+
+
+def strategy_cost(specs, st: Strategy, profile: str):
+    """(plans, time, bytes, deferred time, deferred bytes) of bringing ``specs`` to what
+    strategy ``st`` requires.  Zero-padding a shard into a partial sum moves nothing now,
+    but the padded partial must be reduced later: it is ranked as the reduce-scatter it
+    defers (the deferred part), so a free-looking detour does not win by accident."""
+    from ..reshard import plan_reshard_cached
+    from ...sim_mesh import cost as _cost
+    prof = get_profile(profile)
+    plans, t, b, dt, db = [], 0.0, 0, 0.0, 0
+    for spec, req in zip(specs, st.inputs):
+        if spec is None or req is None:
+            plans.append(None)
+            continue
+        p = plan_reshard_cached(spec, req, profile)
+        plans.append(p)
+        t += p.total_time
+        b += p.total_bytes
+        for s_ in p.steps:
+            if s_.kind == "local_pad":
+                g = spec.mesh.groups(s_.mesh_dim)
+                dt += max(_cost.price("reduce_scatter", s_.buffer_bytes, grp, prof) for grp in g)
+                db += _cost.wire_bytes("reduce_scatter", s_.buffer_bytes, len(g[0]))
+    return plans, t, b, dt, db
 
 
 def _reason(op, specs, cands) -> str:
@@ -209,9 +235,12 @@ def _reason(op, specs, cands) -> str:
         parts = []
         for i in moved:
             p = best.plans[i]
+            how = ", ".join(p.collectives()) or " + ".join(
+                {"local_slice": "a local slice", "local_partial": "keeping it on one rank",
+                 "local_pad": "zero-padding each shard", "local_relabel": "a relabel"}[s_.kind]
+                for s_ in p.steps) or "nothing"
             parts.append(f"input {i} {fmt_placements(specs[i].placements)} -> "
-                         f"{fmt_placements(st.inputs[i])} by "
-                         f"{', '.join(p.collectives()) or 'a local slice'}")
+                         f"{fmt_placements(st.inputs[i])} by {how}")
         head = "; ".join(parts)
     alt = ""
     if len(cands) > 1:

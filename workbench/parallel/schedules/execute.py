@@ -64,7 +64,8 @@ def _send(t, dst_mesh, placements, label):
             if a == b:
                 continue
             dur = _cost.price("send_recv", nb, (a, b), tr.profile)
-            h = tr.record_send(a, b, "send_recv", dur, ready=tr.now(a), bytes=nb, label=label)
+            h = tr.record_send(a, b, "send_recv", dur, ready=tr.now(a), bytes=nb, label=label,
+                               args={"src": a, "dst": b})
             tr.wait(h)
     return out
 

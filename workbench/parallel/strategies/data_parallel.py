@@ -78,15 +78,21 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
+        from ...sim_mesh import backends as _B
+        self.distributed = _B.is_distributed(mesh)
         for p in self.params:
             if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
                 raise ValueError("DataParallel needs evenly sharded DistTensor parameters")
             if not p.placements[self.axis].is_replicate():
                 raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
                                  "dim; parameters must be replicated there")
-            # one replica per data-parallel rank (the dp axis becomes real storage)
+            # one replica per data-parallel rank (the dp axis becomes real storage; on
+            # torch.distributed every process already is one replica)
             loc = p._local.detach()
-            if loc.shape[self.axis] == 1:
+            if self.distributed:
+                loc = loc.clone().requires_grad_()
+                loc._wb_replica_axes = (self.axis,)
+            elif loc.shape[self.axis] == 1:
                 shape = list(loc.shape)
                 shape[self.axis] = self.n
                 loc = loc.expand(shape).clone()
@@ -155,7 +161,7 @@ class DataParallel:
                 bucket.append(i)
                 size += per_rank(grads[i])
             if bucket and (i is None or size >= self.bucket_bytes):
-                lead = tuple(mesh.shape)
+                lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
                 flat = torch.cat([grads[j].expand(lead + tuple(grads[j].shape[mesh.ndim:]))
                                   .reshape(lead + (-1,)) for j in bucket], dim=-1)
                 red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
@@ -183,7 +189,11 @@ class DataParallel:
             gs = C.reduce_scatter(self._flat(g), mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
             # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
             ps = self._flat(loc.detach()).unflatten(-1, (self.n, -1))
-            ps = torch.diagonal(ps, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
+            if self.distributed:
+                from ...sim_mesh import backends as _B
+                ps = ps.select(-2, _B.local_index(mesh, ax)).contiguous()
+            else:
+                ps = torch.diagonal(ps, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
             _adamw([ps], [gs.contiguous()], [m], [v], self.step_count, lr=self.lr,
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
             full = C.all_gather(ps, mesh, ax, 0, expanded=True, label=f"zero-{self.zero} params")

@@ -54,7 +54,7 @@ class Hybrid:
     name = "hybrid"
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
-                 microbatches=None, virtual=None):
+                 microbatches=None, virtual=None, distributed: bool = False):
         for n, v in (("dp", dp), ("tp", tp), ("pp", pp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{n}={v!r}: must be an int >= 1")
@@ -69,6 +69,18 @@ class Hybrid:
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
+        self.distributed = distributed
+        if distributed:                 # one rank per process on torch.distributed
+            from ...sim_mesh import backends as _B
+            if pp > 1:
+                raise NotImplementedError("pp > 1 on torch.distributed is not built yet (the "
+                                          "pipeline executor runs simulated stages); use "
+                                          "--backend sim for pipelines")
+            if _B.world_size() != dp * tp * pp:
+                raise ValueError(f"{_B.world_size()} processes for dp x tp x pp = "
+                                 f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
+                                 f"{dp * tp * pp}")
+            self.meshes = [_B.register(m) for m in self.meshes]
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
 

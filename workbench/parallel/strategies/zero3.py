@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...ops import adamw as _adamw
+from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
@@ -48,7 +49,12 @@ class Zero3:
                 pad = (-flat.shape[-1]) % self.n
                 flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
                 # rank k of dp keeps chunk k: the dp axis becomes the shard index
-                chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis).movedim(nd - 1, self.axis)
+                if _B.is_distributed(mesh):
+                    k = _B.local_index(mesh, self.axis)
+                    chunks = flat.unflatten(-1, (self.n, -1)).select(-2, k)
+                else:
+                    chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
+                        .movedim(nd - 1, self.axis)
                 shard = chunks.contiguous().requires_grad_()
                 self.entries.append((mod, name, p, shard))
         self.m = [torch.zeros_like(e[3]) for e in self.entries]

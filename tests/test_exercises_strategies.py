@@ -1,0 +1,220 @@
+"""The checks of notebooks 05, 06 and 08: right answers pass, wrong answers are told what is
+wrong."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_strategies as ex
+from workbench.exercises.checks import CheckError
+from workbench.sim_mesh import estimates
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def fails(match, fn, *args, **kw):
+    with pytest.raises(CheckError, match=match):
+        fn(*args, **kw)
+
+
+def passes(capsys, fn, *args, **kw):
+    fn(*args, **kw)
+    out = capsys.readouterr().out
+    assert out.startswith("Correct: ") and out.count("\n") == 1
+    return out
+
+
+def test_every_check_is_exported_and_raises_the_course_error():
+    assert set(ex.__all__) == {
+        "check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
+        "check_tp_sp_layer_bytes", "check_sp_f_g", "check_sp_max_microbatch",
+        "check_hybrid_groups", "check_hybrid_state_bytes", "check_best_layout"}
+    assert issubclass(CheckError, AssertionError)
+
+
+# ---- 05 data parallel and ZeRO ---------------------------------------------------------------
+
+# the MLP of notebook 05: W1 (1024x256), b1, W2 (1024x1024), b2, W3 (256x1024), b3; fp32
+W1, B1, W2, B2, W3, B3 = 1048576, 4096, 4194304, 4096, 1048576, 1024
+BUCKETS = [B3 + W3 + B2 + W2, B1 + W1]                  # 2 MiB buckets, backward order
+
+
+def test_bucket_sizes(capsys):
+    assert BUCKETS == [5248000, 1052672]
+    out = passes(capsys, ex.check_bucket_sizes, BUCKETS)
+    assert "2 all-reduces" in out and "instead of 6" in out
+    passes(capsys, ex.check_bucket_sizes, [sum(BUCKETS)], bucket_bytes=25 * 2**20)
+    fails("wrong order: backward produces the last layer's gradients first",
+          ex.check_bucket_sizes, BUCKETS[::-1])
+    fails("numbers of values", ex.check_bucket_sizes, [b // 4 for b in BUCKETS])
+    fails("biases are missing", ex.check_bucket_sizes, [W3 + W2, W1])
+    fails("every gradient goes in exactly one bucket", ex.check_bucket_sizes, [5248000])
+    fails("forward \\(registration\\) order", ex.check_bucket_sizes,
+          [W1 + B1 + W2, B2 + W3 + B3])
+    fails("never splits a gradient", ex.check_bucket_sizes,
+          [2 * 2**20, 2 * 2**20, sum(BUCKETS) - 4 * 2**20])
+    fails("one bucket would hold all", ex.check_bucket_sizes, [sum(BUCKETS)])
+    fails("list of bucket sizes", ex.check_bucket_sizes, 2)
+    fails("list of bucket sizes", ex.check_bucket_sizes, [5248000.0, 1052672.0])
+
+
+def test_bucket_sizes_leave_the_global_random_state_alone():
+    torch.manual_seed(123)
+    a = torch.rand(1)
+    torch.manual_seed(123)
+    ex.check_bucket_sizes(BUCKETS)
+    assert torch.equal(torch.rand(1), a)
+
+
+MEM = 64e9
+PSI = [MEM / 16, MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 64)]
+
+
+def test_zero_max_params(capsys):
+    out = passes(capsys, ex.check_zero_max_params, PSI)
+    assert "stage 0 4e9" in out and "stage 3 256e9" in out
+    passes(capsys, ex.check_zero_max_params, tuple(PSI))
+    fails("stage 1 limit.*that is stage 2's limit", ex.check_zero_max_params,
+          [PSI[0], PSI[2], PSI[2], PSI[3]])
+    fails("64 GiB", ex.check_zero_max_params, [p * 2**30 / 1e9 for p in PSI])
+    fails("stage 3.*dividing the memory by N_d goes the wrong way", ex.check_zero_max_params,
+          PSI[:3] + [MEM / 16 / 64])
+    fails("not billions", ex.check_zero_max_params, [PSI[0] / 1e9] + PSI[1:])
+    fails("one per ZeRO stage", ex.check_zero_max_params, PSI[:3])
+    fails("list of 4 numbers", ex.check_zero_max_params, 5)
+    fails("should be a number", ex.check_zero_max_params, PSI[:3] + ["big"])
+
+
+def test_zero3_traffic(capsys):
+    n = 7.5e9 * 2
+    dp, z3 = 2 * 63 / 64 * n, 3 * 63 / 64 * n
+    out = passes(capsys, ex.check_zero3_traffic, dp, z3)
+    assert "1.5x" in out
+    fails("DP bytes.*drop \\(N-1\\)/N", ex.check_zero3_traffic, 2 * n, z3)
+    fails("DP bytes.*all-gather's share", ex.check_zero3_traffic, 63 / 64 * n, z3)
+    fails("DP bytes.*bf16", ex.check_zero3_traffic, 2 * dp, z3)
+    fails("ZeRO-3 bytes.*three \\(N-1\\)/N n pieces", ex.check_zero3_traffic, dp, 2 * dp)
+    fails("ZeRO-3 bytes.*what ZeRO-1 and 2 send", ex.check_zero3_traffic, dp, dp)
+    fails("ZeRO-3 bytes.*drop \\(N-1\\)/N", ex.check_zero3_traffic, dp, 3 * n)
+    fails("should be a number", ex.check_zero3_traffic, "30 GB", z3)
+
+
+# ---- 06 tensor and sequence parallel -----------------------------------------------------------
+
+N6 = 2048 * 12288 * 2
+
+
+def test_tp_sp_layer_bytes(capsys):
+    tp, sp = 4 * 2 * 7 / 8 * N6, 8 * 7 / 8 * N6
+    out = passes(capsys, ex.check_tp_sp_layer_bytes, tp, sp)
+    assert "336 MiB" in out
+    fails("TP bytes.*half of it", ex.check_tp_sp_layer_bytes, tp / 2, sp)
+    fails("TP bytes.*drop \\(t-1\\)/t", ex.check_tp_sp_layer_bytes, 8 * N6, sp)
+    fails("TP bytes.*bf16", ex.check_tp_sp_layer_bytes, 2 * tp, sp)
+    fails("TP bytes.*one all-reduce", ex.check_tp_sp_layer_bytes, tp / 4, sp)
+    fails("TP\\+SP bytes.*4 all-gathers AND 4", ex.check_tp_sp_layer_bytes, tp, sp / 2)
+    fails("TP\\+SP bytes.*not of a 1/t slice", ex.check_tp_sp_layer_bytes, tp, sp / 8)
+    fails("TP\\+SP bytes.*half an all-reduce", ex.check_tp_sp_layer_bytes, tp, 2 * sp)
+
+
+def _f(x):
+    return wb.reshard(x, x.mesh, [wb.Replicate()])
+
+
+def _g(y):
+    return wb.reshard(y, y.mesh, [wb.Shard(1)])
+
+
+def test_sp_f_g(capsys):
+    out = passes(capsys, ex.check_sp_f_g, _f, _g)
+    assert "768 + 768 B per rank" in out and "1,536 B" in out
+    fails("g returns \\[R\\]: that is tensor parallelism's g", ex.check_sp_f_g, _f, _f)
+    fails("Shard\\(0\\) splits the batch", ex.check_sp_f_g, _f,
+          lambda y: wb.reshard(y, y.mesh, [wb.Shard(0)]))
+    fails("Shard\\(2\\) splits the hidden dim", ex.check_sp_f_g, _f,
+          lambda y: wb.reshard(y, y.mesh, [wb.Shard(2)]))
+    fails("g returns \\[P\\(sum\\)\\]: still partial sums", ex.check_sp_f_g, _f, lambda y: y)
+    fails("f returns \\[S\\(1\\)\\].*whole sequence", ex.check_sp_f_g, lambda x: x, _g)
+    fails("f returned a Tensor", ex.check_sp_f_g, lambda x: x.full(), _g)
+    fails("f's result is not the input gathered", ex.check_sp_f_g,
+          lambda x: wb.reshard(x * 2, x.mesh, [wb.Replicate()]), _g)
+    fails("g's result is not the sum", ex.check_sp_f_g, _f,
+          lambda y: wb.reshard(y * 2, y.mesh, [wb.Shard(1)]))
+    fails("f raised ZeroDivisionError", ex.check_sp_f_g, lambda x: 1 / 0, _g)
+    fails("pass two functions", ex.check_sp_f_g, _f, None)
+
+
+def test_sp_f_g_gathered_by_hand_is_refused():
+    def f(x):                      # the right values, put together from every rank's shard
+        whole = torch.cat([x.local(r) for r in x.mesh.ranks], dim=1)
+        return wb.shard_tensor(whole, x.mesh, [wb.Replicate()])
+    fails("recorded no communication", ex.check_sp_f_g, f, _g)
+
+
+def test_sp_max_microbatch(capsys):
+    per = 12 * estimates.activation_bytes_per_layer(2048, 1, 12288, 96, 8, "tp+sp+selective")
+    want = int(20e9 // per)
+    assert want == 15
+    out = passes(capsys, ex.check_sp_max_microbatch, 15)
+    assert "b = 15" in out and "b = 16 would need" in out
+    fails("round down", ex.check_sp_max_microbatch, 16)
+    fails("fits ONE layer", ex.check_sp_max_microbatch, int(20e9 // (per / 12)))
+    fails("without SP", ex.check_sp_max_microbatch, 5)
+    fails("keeps the attention scores", ex.check_sp_max_microbatch, 4)
+    fails("34 s h / t", ex.check_sp_max_microbatch, 100)
+    fails("should be an int", ex.check_sp_max_microbatch, 15.0)
+
+
+# ---- 08 hybrid ---------------------------------------------------------------------------------
+
+def test_hybrid_groups(capsys):
+    out = passes(capsys, ex.check_hybrid_groups, (4, 6), (6, 7), 2)
+    assert "pipeline peer 2" in out
+    passes(capsys, ex.check_hybrid_groups, [4, 6], [6, 7], 2)
+    passes(capsys, ex.check_hybrid_groups, (0, 2), (0, 1), 4, rank=0)
+    fails("dp and tp are swapped", ex.check_hybrid_groups, (6, 7), (4, 6), 2)
+    fails("wrong order", ex.check_hybrid_groups, (6, 4), (6, 7), 2)
+    fails("your tp group is \\(2, 3\\)", ex.check_hybrid_groups, (4, 6), (2, 3), 2)
+    fails("peer is 7 \\(that is a rank of the same stage\\)", ex.check_hybrid_groups,
+          (4, 6), (6, 7), 7)
+    fails("peer is 3:", ex.check_hybrid_groups, (4, 6), (6, 7), 3)
+    fails("one rank", ex.check_hybrid_groups, (4, 6), (6, 7), (2,))
+    fails("list of ranks", ex.check_hybrid_groups, 4, (6, 7), 2)
+
+
+# stage 0 of Hybrid(2, 2, 2) on "tiny": each rank holds 31,552 values (its tp shard of layer 0
+# and copies of the embedding and the norms)
+V0 = 31552
+
+
+def test_hybrid_state_bytes(capsys):
+    want = V0 * 4 + V0 * 4 // 2 + V0 * 8 // 2
+    out = passes(capsys, ex.check_hybrid_state_bytes, want)
+    assert "315,520 B" in out and "rank 0" in out
+    passes(capsys, ex.check_hybrid_state_bytes, V0 * (8 + 4), stage=0, zero=1)
+    fails("without ZeRO", ex.check_hybrid_state_bytes, 16 * V0)
+    fails("of ZeRO-1", ex.check_hybrid_state_bytes, 12 * V0)
+    fails("of ZeRO-3", ex.check_hybrid_state_bytes, 8 * V0)
+    fails("mixed-precision count", ex.check_hybrid_state_bytes, V0 * (2 + 1 + 6))
+    fails("that is stage 1", ex.check_hybrid_state_bytes, 31616 * 10)
+    fails("counts the whole stage", ex.check_hybrid_state_bytes, 58176 * 10)
+    fails("count the values a rank of stage 0 holds", ex.check_hybrid_state_bytes, 1234)
+    fails("should be a number", ex.check_hybrid_state_bytes, "300 kB")
+
+
+def test_best_layout(capsys):
+    from workbench.parallel.strategies.hybrid import Hybrid
+    out = passes(capsys, ex.check_best_layout, (4, 1, 2))
+    assert out.startswith("Correct: (4, 1, 2)") and "(8, 1, 1)" in out
+    passes(capsys, ex.check_best_layout, Hybrid(dp=4, tp=1, pp=2))
+    fails("another layout of 8 ranks takes", ex.check_best_layout, (8, 1, 1))
+    fails("does not fit the model: tp=8 does not divide n_head=4", ex.check_best_layout,
+          (1, 8, 1))
+    fails("must use all 8 ranks", ex.check_best_layout, (2, 2, 1))
+    fails("as \\(dp, tp, pp\\)", ex.check_best_layout, (4, 2))
+    fails("as \\(dp, tp, pp\\)", ex.check_best_layout, "fast")

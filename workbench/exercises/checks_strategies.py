@@ -1,0 +1,521 @@
+"""Checks for the exercises of notebooks 05 (data parallel and ZeRO), 06 (tensor and
+sequence parallel) and 08 (hybrid parallel).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line; a wrong one raises
+:class:`~.checks.CheckError` saying what is wrong, e.g.
+
+    your buckets are [1052672, 5248000]; expected 2 bucket(s): right sizes, wrong order:
+    backward produces the last layer's gradients first, and the buckets fill (and are
+    sent) in that order
+
+Expected values come from the library itself (``DataParallel`` run in a trace,
+``estimates``, ``cost.wire_bytes``, ``Hybrid`` and ``train``), so a check cannot disagree
+with what the notebook shows.  The exercise's numbers are the keyword defaults.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+from ..parallel.dist_tensor import DistTensor, from_local, shard_tensor
+from ..parallel.module import dist_parameters, parallelize
+from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
+from ..sim_mesh import cost as _cost
+from ..sim_mesh import estimates as _est
+from ..sim_mesh.mesh import Mesh
+from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.trace import trace
+from .checks import CheckError, _hint, _number, _ok
+
+__all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
+           "check_tp_sp_layer_bytes", "check_sp_f_g", "check_sp_max_microbatch",
+           "check_hybrid_groups", "check_hybrid_state_bytes", "check_best_layout"]
+
+
+def _int(name, value, what="an int") -> int:
+    """``value`` as an int (Python or numpy integers; not bools, not floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CheckError(f"{name} should be {what}, got {value!r}")
+    return int(value)
+
+
+def _ints(name, value, what="ints") -> list[int]:
+    try:
+        items = list(value)
+    except TypeError:
+        raise CheckError(f"{name} should be a list of {what}, got {value!r}") from None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items):
+        raise CheckError(f"{name} should be a list of {what}, got {value!r}")
+    return [int(v) for v in items]
+
+
+# ---- 05 data parallel: gradient buckets --------------------------------------------------------
+
+def _mlp(widths) -> nn.Sequential:
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        if i:
+            layers.append(nn.GELU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def _fill(sizes, limit) -> list[int]:
+    """Buckets in the order ``sizes`` come: close one once it holds >= limit bytes."""
+    out, cur = [], 0
+    for s in sizes:
+        cur += s
+        if cur >= limit:
+            out.append(cur)
+            cur = 0
+    return out + ([cur] if cur else [])
+
+
+def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
+                       widths=(256, 1024, 1024, 256)) -> None:
+    """The bytes of each gradient bucket bucketed DP all-reduces, in the order sent, for
+    the MLP of ``widths`` (Linear layers with biases, fp32) and ``bucket_bytes``."""
+    from ..parallel.strategies.data_parallel import DataParallel
+    got = _ints("sizes", sizes, "bucket sizes in bytes")
+    mesh = Mesh.grid(2, ["dp"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _mlp(widths)
+        X = torch.randn(2, widths[0])
+    grads_fwd = [p.numel() * 4 for p in model.parameters()]     # registration order
+    parallelize(model, mesh, {})
+    dp = DataParallel(list(dist_parameters(model)), mesh, "dp", bucket_bytes=bucket_bytes)
+    with trace() as tr:
+        model(shard_tensor(X, mesh, [Shard(0)])).sum().backward()
+        dp.step()
+    want = [e.args["buffer_bytes"] for e in tr.collectives() if e.label == "dp bucket"]
+    total = sum(grads_fwd)
+    names = [f"{'W' if k % 2 == 0 else 'b'}{k // 2 + 1}" for k in range(len(grads_fwd))]
+    if got == want:
+        _ok(f"{len(want)} all-reduces of {', '.join(f'{b:,d}' for b in want)} B per step "
+            f"(backward order {', '.join(reversed(names))}), instead of {len(grads_fwd)} "
+            "without buckets")
+        return
+    if got == want[::-1]:
+        msg = ("right sizes, wrong order: backward produces the last layer's gradients "
+               "first, and the buckets fill (and are sent) in that order")
+    elif sum(got) == total // 4:
+        msg = "those are numbers of values: a fp32 gradient takes 4 bytes per value"
+    elif sum(got) == total - 4 * sum(widths[1:]):
+        msg = "the biases are missing: every parameter has a gradient to reduce"
+    elif sum(got) != total:
+        msg = (f"your buckets hold {sum(got):,d} B in all; the gradients are {total:,d} B "
+               f"(fp32, biases included): every gradient goes in exactly one bucket")
+    elif got == _fill(grads_fwd, bucket_bytes):
+        msg = ("those are the buckets of the forward (registration) order; backward "
+               "produces the gradients last layer first, and the buckets fill in that order")
+    elif len(got) == 1:
+        msg = (f"one bucket would hold all {total:,d} B; with bucket_bytes = "
+               f"{bucket_bytes:,d} a bucket is sent as soon as it holds that much")
+    elif all(b == bucket_bytes for b in got[:-1]):
+        msg = ("a bucket never splits a gradient: it takes whole gradients and closes "
+               "after the one that brings it to bucket_bytes or more")
+    else:
+        msg = (f"fill a bucket with whole gradients in backward order "
+               f"({', '.join(reversed(names))}) and close it as soon as it holds at least "
+               f"bucket_bytes = {bucket_bytes:,d} B; what remains at the end is the last "
+               "bucket")
+    raise CheckError(f"your buckets are {got}; expected {len(want)} bucket(s): {msg}")
+
+
+# ---- 05 ZeRO: the largest model whose states fit ------------------------------------------------
+
+_STAGE_PARTS = {0: "nothing is partitioned: 16 B per parameter on every device",
+                1: "stage 1 keeps 4 B of bf16 weights and gradients whole, 12 B of "
+                   "optimizer states split: 4 + 12 / N_d B per parameter",
+                2: "stage 2 keeps 2 B of bf16 weights whole, 14 B split: 2 + 14 / N_d",
+                3: "stage 3 splits all 16 B: 16 / N_d B per parameter"}
+
+
+def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> None:
+    """The most parameters whose mixed-precision Adam model states fit in one device's
+    memory under ZeRO stages 0, 1, 2, 3 with ``n_d`` data-parallel ranks (activations
+    and buffers ignored)."""
+    try:
+        got = [float(_number(f"psi[{s}]", v)) for s, v in enumerate(psi)]
+    except TypeError:
+        raise CheckError(f"psi should be a list of 4 numbers, stages 0 to 3; got {psi!r}") \
+            from None
+    if len(got) != 4:
+        raise CheckError(f"psi has {len(got)} entries; give one per ZeRO stage 0, 1, 2, 3")
+    mem = get_profile(profile).memory_bytes
+    per = {s: _est.zero_model_state_bytes(1, n_d, s) for s in range(4)}
+    want = [mem / per[s] for s in range(4)]
+    for s in range(4):
+        if math.isclose(got[s], want[s], rel_tol=0.01):
+            continue
+        wrong = [(want[t], f"that is stage {t}'s limit; {_STAGE_PARTS[s]}")
+                 for t in range(4) if t != s and not math.isclose(want[t], want[s])]
+        wrong += [(want[s] * 2**30 / 1e9, f"did you take 64 GiB? The profile's memory is "
+                   f"{mem:,.0f} bytes (64 GB)"),
+                  (want[s] * 1e9 / 2**30, "did you convert to GiB? Keep bytes: "
+                   f"{mem:,.0f}"),
+                  (want[s] / 1e9, "give a number of parameters, not billions"),
+                  (mem * per[s], "multiply? psi = memory / bytes per parameter"),
+                  (mem / 16 / n_d, "dividing the memory by N_d goes the wrong way: ZeRO "
+                   "divides the bytes per parameter, so the model can grow; "
+                   + _STAGE_PARTS[s])]
+        raise CheckError(f"your stage {s} limit is {got[s]:.4g} parameters; expected "
+                         f"{want[s]:.4g}: " + _hint(got[s], want[s], wrong))
+    _ok(f"on {n_d} devices of {mem / 1e9:g} GB: " + ", ".join(
+        f"stage {s} {w / 1e9:.3g}e9" for s, w in enumerate(want)) + " parameters")
+
+
+# ---- 05 ZeRO-3: 1.5x the traffic --------------------------------------------------------------
+
+def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int = 64,
+                        elem: int = 2) -> None:
+    """Bytes each rank sends per step, ring algorithms, ``elem``-byte values: plain DP
+    (all-reduce of the gradients) and ZeRO-3 (all-gather the parameters for forward and
+    again for backward, reduce-scatter the gradients)."""
+    n = int(params * elem)
+    want_dp = _cost.wire_bytes("all_reduce", n, n_d)
+    want_z3 = 2 * _cost.wire_bytes("all_gather", n, n_d) + _cost.wire_bytes("reduce_scatter",
+                                                                               n, n_d)
+    a, b = _number("dp_bytes", dp_bytes), _number("zero3_bytes", zero3_bytes)
+    share = (n_d - 1) / n_d
+    if not math.isclose(a, want_dp, rel_tol=1e-4):
+        raise CheckError(f"your DP bytes are {a:.4g}; expected {want_dp:.4g}: " + _hint(
+            a, want_dp, [(2 * n, f"did you drop (N-1)/N? Each rank sends {n_d - 1} of "
+                          f"{n_d} chunks, twice (reduce-scatter, then all-gather)"),
+                         (share * n, "that is an all-gather's share, (N-1)/N n; an "
+                          "all-reduce sends it twice: 2 (N-1)/N n"),
+                         (2 * want_dp, f"the gradients are {elem} bytes each (bf16), "
+                          f"{n:,d} bytes in all"),
+                         (want_dp / n_d, "each rank sends 2 (N-1)/N of the WHOLE gradient, "
+                          "not of its shard")], rel=1e-4))
+    if not math.isclose(b, want_z3, rel_tol=1e-4):
+        raise CheckError(f"your ZeRO-3 bytes are {b:.4g}; expected {want_z3:.4g}: " + _hint(
+            b, want_z3, [(2 * want_dp, "2x DP counts an all-reduce's worth twice; ZeRO-3 "
+                          "sends three (N-1)/N n pieces: all-gather (forward), all-gather "
+                          "(backward), reduce-scatter"),
+                         (want_dp, "that is what ZeRO-1 and 2 send (reduce-scatter + "
+                          "all-gather = one all-reduce); ZeRO-3 gathers the parameters "
+                          "again before backward, having freed them after forward"),
+                         (3 * n, "did you drop (N-1)/N? Each collective sends (N-1)/N n"),
+                         (2 * want_z3, f"the values are {elem} bytes each (bf16)")],
+            rel=1e-4))
+    _ok(f"DP {want_dp / 1e9:.2f} GB, ZeRO-3 {want_z3 / 1e9:.2f} GB per rank per step: "
+        f"{want_z3 / want_dp:.1f}x")
+
+
+# ---- 06 tensor and sequence parallel: bytes per layer -------------------------------------------
+
+def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
+                            hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
+    """Bytes each rank sends per transformer layer per training step: tensor parallel
+    (Megatron's 4 all-reduces of b s h) and tensor + sequence parallel (4 all-gathers and
+    4 reduce-scatters of b s h), ``elem``-byte activations, ring algorithms."""
+    n = batch * seq * hidden * elem
+    want_tp = 4 * _cost.wire_bytes("all_reduce", n, tp)
+    want_sp = 4 * (_cost.wire_bytes("all_gather", n, tp) +
+                   _cost.wire_bytes("reduce_scatter", n, tp))
+    a, b = _number("tp_bytes", tp_bytes), _number("sp_bytes", sp_bytes)
+    t = tp
+    if not math.isclose(a, want_tp, rel_tol=1e-4):
+        raise CheckError(f"your TP bytes are {a:.4g}; expected {want_tp:.4g}: " + _hint(
+            a, want_tp, [(want_tp / 2, "half of it: either only the forward's 2 all-reduces "
+                          "(g after attention and after the MLP; backward has 2 more, f's), or "
+                          "(t-1)/t n per all-reduce, an all-gather's share: an all-reduce "
+                          "sends 2 (t-1)/t n"),
+                         (8 * n, f"did you drop (t-1)/t? Each all-reduce sends 2 (t-1)/t n = "
+                          f"{2 * (t - 1) / t:g} n per rank"),
+                         (2 * want_tp, f"the activations are {elem} bytes each (bf16)"),
+                         (want_tp / 4, "that is one all-reduce; a layer has 4 per step: 2 "
+                          "forward (g), 2 backward (f)"),
+                         (want_tp / t, "each all-reduce moves the whole b s h activation, "
+                          "not a 1/t slice")], rel=1e-4))
+    if not math.isclose(b, want_sp, rel_tol=1e-4):
+        raise CheckError(f"your TP+SP bytes are {b:.4g}; expected {want_sp:.4g}: " + _hint(
+            b, want_sp, [(want_sp / 2, "half of it: SP has 4 all-gathers AND 4 "
+                          "reduce-scatters per layer per step, each (t-1)/t n"),
+                         (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
+                          "the whole b s h, not of a 1/t slice"),
+                         (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
+                          "sends (t-1)/t n, half an all-reduce")], rel=1e-4))
+    _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways: sequence parallelism "
+        "replaces each all-reduce by an all-gather + a reduce-scatter of the same total")
+
+
+# ---- 06 sequence parallel: f and g ----------------------------------------------------------
+
+def _run(fn, x, what):
+    with trace() as tr:
+        try:
+            out = fn(x)
+        except Exception as e:          # the student's code: any error is an answer
+            raise CheckError(f"your {what} raised {type(e).__name__}: {e}") from None
+    return out, [(e.name, e.bytes, e.args.get("buffer_bytes")) for e in tr.collectives()]
+
+
+def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
+    """Megatron-SP's f (sequence-sharded [Shard(1)] -> whole [Replicate()] before the
+    column-parallel linear) and g (partial sums [Partial()] -> [Shard(1)] after the
+    row-parallel one), each one collective of (t-1)/t n bytes per rank."""
+    if not callable(f) or not callable(g):
+        raise CheckError("pass two functions, f(x) and g(y), each taking and returning a "
+                         "DistTensor")
+    mesh = Mesh.grid(tp, ["tp"])
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(shape, generator=gen)
+    parts = [torch.randn(shape, generator=gen) for _ in range(tp)]
+    Y = sum(parts)
+    n = math.prod(shape) * 4
+    share = _cost.wire_bytes("all_gather", n, tp)
+    # f
+    x = shard_tensor(X, mesh, [Shard(1)])
+    out, colls = _run(f, x, "f")
+    if not isinstance(out, DistTensor):
+        raise CheckError(f"f returned a {type(out).__name__}; return a DistTensor, e.g. "
+                         "wb.reshard(x, x.mesh, [...])")
+    if out.placements != (Replicate(),):
+        raise CheckError(f"f returns {fmt_placements(out.placements)}; the column-parallel "
+                         "linear multiplies every token by its weight columns, so every rank "
+                         "needs the whole sequence: [Replicate()]")
+    if not torch.equal(out.full(), X):
+        raise CheckError("f's result is not the input gathered: keep the values, change only "
+                         "the layout")
+    if not colls:
+        raise CheckError("f recorded no communication: a device holds only its shard, so "
+                         "the other pieces must be sent to it; wb.reshard moves them (and the "
+                         "trace counts it)")
+    if [c[0] for c in colls] != ["all_gather"]:
+        raise CheckError(f"f sends {', '.join(c[0] for c in colls)}; S(1) -> R is one "
+                         "all-gather of (t-1)/t n bytes per rank")
+    # g
+    y = from_local(parts, mesh, [Partial("sum")])
+    out, colls_g = _run(g, y, "g")
+    if not isinstance(out, DistTensor):
+        raise CheckError(f"g returned a {type(out).__name__}; return a DistTensor")
+    ps = out.placements
+    if ps != (Shard(1),):
+        hint = {(Replicate(),): "that is tensor parallelism's g, an all-reduce (2 (t-1)/t n "
+                                "per rank); with SP the result stays sharded over the sequence: "
+                                "a reduce-scatter, half the bytes, and the norm and dropout "
+                                "after it work on 1/t of the tokens",
+                (Shard(0),): "Shard(0) splits the batch; sequence parallelism splits the "
+                             "sequence, dim 1 of (batch, sequence, hidden)",
+                (Shard(2),): "Shard(2) splits the hidden dim, but RMSNorm and the residual "
+                             "need each token's whole hidden vector: split the sequence "
+                             "(dim 1)",
+                (Partial("sum"),): "still partial sums: reduce them"}.get(
+            tuple(ps), "the residual stream is sequence-sharded: [Shard(1)]")
+        raise CheckError(f"g returns {fmt_placements(ps)}: {hint}")
+    if not torch.allclose(out.full(), Y, atol=1e-5):
+        raise CheckError("g's result is not the sum of the partial results: keep the value, "
+                         "change only the layout")
+    if [c[0] for c in colls_g] != ["reduce_scatter"]:
+        raise CheckError(f"g sends {', '.join(c[0] for c in colls_g) or 'nothing'}; "
+                         "P(sum) -> S(1) is one reduce-scatter of (t-1)/t n bytes per rank")
+    _ok(f"f all-gathers, g reduce-scatters: {share:,d} + {share:,d} B per rank, what TP's "
+        f"one all-reduce sends ({_cost.wire_bytes('all_reduce', n, tp):,d} B)")
+
+
+# ---- 06 activation memory: the largest micro-batch -----------------------------------------------
+
+def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq: int = 2048,
+                            hidden: int = 12288, heads: int = 96, tp: int = 8,
+                            case: str = "tp+sp+selective") -> None:
+    """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
+    ``case``) for ``layers`` layers fit in ``budget_bytes``."""
+    b = _int("b", b, "an int (a number of sequences)")
+    per = lambda c: _est.activation_bytes_per_layer(seq, 1, hidden, heads, tp, c)  # noqa: E731
+    stage = layers * per(case)
+    want = int(budget_bytes // stage)
+    if b == want:
+        _ok(f"b = {want}: {want * stage / 1e9:.1f} GB of {budget_bytes / 1e9:g} GB "
+            f"({per(case) / 1e6:.1f} MB per layer per sequence); b = {want + 1} would need "
+            f"{(want + 1) * stage / 1e9:.1f} GB")
+        return
+    others = {c: int(budget_bytes // (layers * per(c))) for c in
+              ("tp+selective", "tp+sp", "tp", "none", "full")}
+    if b == want + 1:
+        msg = (f"round down: b = {b} needs {b * stage / 1e9:.2f} GB, more than "
+               f"{budget_bytes / 1e9:g} GB")
+    elif b == int(budget_bytes // per(case)):
+        msg = f"that fits ONE layer; the stage holds {layers}"
+    elif b == int(budget_bytes * 2**30 / 1e9 // stage):
+        msg = f"the budget is {budget_bytes / 1e9:g} GB = {budget_bytes:.3g} bytes, not GiB"
+    elif b == others["tp+selective"]:
+        msg = ("that is tensor parallelism with selective recompute but without SP: 10 sbh "
+               "of the 34 (norms, dropouts, residuals) stays whole on every rank; SP splits "
+               "it too: 34 sbh / t")
+    elif b == others["tp+sp"]:
+        msg = ("that keeps the attention scores (5as/(ht) sbh); selective recompute "
+               "recomputes them in backward: 34 sbh / t")
+    elif b in (others["tp"], others["none"]):
+        msg = "use the formula for TP + SP + selective recompute: 34 sbh / t per layer"
+    else:
+        msg = (f"per layer and sequence: 34 s h / t = {per(case) / 1e6:.1f} MB; times "
+               f"{layers} layers, how many sequences fit in {budget_bytes / 1e9:g} GB?")
+    raise CheckError(f"your b is {b}; expected {want}: {msg}")
+
+
+# ---- 08 hybrid: a rank's groups ----------------------------------------------------------------
+
+def check_hybrid_groups(dp_group, tp_group, pp_peer, rank: int = 6) -> None:
+    """In Hybrid(dp=2, tp=2, pp=2): ``rank``'s data-parallel group, tensor-parallel group
+    (in mesh order) and the rank holding the same (dp, tp) position on the other stage."""
+    from ..parallel.strategies.hybrid import stage_meshes
+    meshes = stage_meshes(2, 2, 2)
+    stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
+    mesh, other = meshes[stage], meshes[1 - stage]
+    want_dp, want_tp = mesh.group_of(rank, "dp"), mesh.group_of(rank, "tp")
+    want_peer = other.tolist()[mesh.coordinate(rank)[0]][mesh.coordinate(rank)[1]]
+    got_dp = tuple(_ints("dp_group", dp_group, "ranks"))
+    got_tp = tuple(_ints("tp_group", tp_group, "ranks"))
+    where = (f"rank {rank} is on stage {stage}, Mesh({mesh.tolist()}, ['dp', 'tp']), at "
+             f"coordinate {mesh.coordinate(rank)}")
+    if (got_dp, got_tp) == (want_tp, want_dp):
+        raise CheckError(f"dp and tp are swapped: {where}; dp groups are the columns of the "
+                         "stage mesh (mesh dim 0), tp groups its rows (mesh dim 1)")
+    for name, got, want in (("dp", got_dp, want_dp), ("tp", got_tp, want_tp)):
+        if got == want:
+            continue
+        if sorted(got) == sorted(want):
+            raise CheckError(f"your {name} group {got} has the right ranks in the wrong "
+                             f"order; give them in mesh order {want}")
+        raise CheckError(f"your {name} group is {got}: {where}; its {name} group is the "
+                         f"ranks of that stage mesh along mesh dim '{name}'")
+    pp_peer = _int("pp_peer", pp_peer, "one rank (an int)")
+    if pp_peer != want_peer:
+        hint = (" (that is a rank of the same stage)" if pp_peer in mesh.ranks else "")
+        raise CheckError(f"your pipeline peer is {pp_peer}{hint}: {where}; its peer holds the "
+                         f"same coordinate on the other stage's mesh {other.tolist()}")
+    _ok(f"rank {rank}: dp group {want_dp} (gradients), tp group {want_tp} (activations), "
+        f"pipeline peer {want_peer} (activations and their gradients between stages)")
+
+
+# ---- 08 hybrid: model-state bytes per rank ----------------------------------------------------
+
+def _state_bytes(dp, tp, pp, zero, stage, preset, mixed=False):
+    from ..models.config import get_config
+    from ..parallel.strategies.hybrid import Hybrid
+    st = Hybrid(dp=dp, tp=tp, pp=pp, zero=zero)
+    cfg = get_config(preset)
+    with torch.random.fork_rng(devices=[]):
+        model = st.build_model(cfg, 0)
+    opts = st.build_optimizer(model, 1e-3, 0.0)
+    return opts[stage].memory(mixed_precision=mixed).total, model, st
+
+
+_SPLITS = {0: "nothing is split over dp (plain data parallelism)",
+           1: "ZeRO-1 splits Adam's m and v (8 B per value) over the dp ranks",
+           2: "ZeRO-2 splits Adam's m and v and the gradients over the dp ranks",
+           3: "ZeRO-3 splits weights, gradients and Adam's m and v over the dp ranks"}
+
+
+def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2, tp: int = 2,
+                             pp: int = 2, preset: str = "tiny") -> None:
+    """Model-state bytes (fp32 weights, gradients, Adam m and v) each rank of pipeline
+    ``stage`` holds in Hybrid(dp, tp, pp, zero), as ``memory()`` counts them."""
+    got = _number("nbytes", nbytes)
+    want, model, st = _state_bytes(dp, tp, pp, zero, stage, preset)
+    if got == want:
+        rank = st.meshes[stage].ranks[0]
+        _ok(f"{want:,d} B on each rank of stage {stage} (rank {rank}: its tp shard of the "
+            f"parameters; {_SPLITS[zero]})")
+        return
+    wrong = [(_state_bytes(dp, tp, pp, z, stage, preset)[0],
+              f"that is the count {'without ZeRO' if z == 0 else f'of ZeRO-{z}'}: "
+              f"{_SPLITS[z]}; here {_SPLITS[zero]}")
+             for z in range(4) if z != zero]
+    wrong.append((_state_bytes(dp, tp, pp, zero, stage, preset, mixed=True)[0],
+                  "that is the mixed-precision count (2 + 2 + 12 B); this run is fp32: 4 B "
+                  "weight, 4 B gradient, 8 B Adam m and v"))
+    if pp > 1:
+        wrong.append((_state_bytes(dp, tp, pp, zero, 1 - stage, preset)[0],
+                      f"that is stage {1 - stage}; stage {stage} holds "
+                      + ("the last block, the final norm and the LM head" if stage else
+                         "the embedding and the first block")))
+    rank = st.meshes[stage].ranks[0]
+    held = sum(p.local(rank).numel() for _, p in dist_parameters(model)
+               if rank in p.mesh.ranks)
+    whole = sum(p.numel() for _, p in dist_parameters(model) if rank in p.mesh.ranks)
+    per_value = want / held
+    wrong.append((whole * per_value, "that counts the whole stage; each rank holds only its "
+                  f"tp shard (1/{tp}) of the attention and MLP weights, and copies of the "
+                  "rest"))
+    for value, text in wrong:
+        if math.isclose(got, value, rel_tol=1e-6):
+            raise CheckError(f"your count is {got:,.0f} B; expected {want:,d} B: {text}")
+    raise CheckError(f"your count is {got:,.0f} B; expected {want:,d} B: count the values a "
+                     f"rank of stage {stage} holds (p.local(rank).numel() for its parameters), "
+                     f"then 4 B weight + 4 B gradient + 8 B Adam per value; {_SPLITS[zero]} "
+                     f"(dp={dp})")
+
+
+# ---- 08 hybrid: the fastest layout ---------------------------------------------------------------
+
+_LAYOUT_TIMES: dict = {}
+
+
+def _layouts(world, cfg, batch):
+    from ..parallel.strategies.hybrid import Hybrid
+    out = []
+    for dp in range(1, world + 1):
+        for tp in range(1, world // dp + 1):
+            if world % (dp * tp):
+                continue
+            pp = world // (dp * tp)
+            try:
+                Hybrid(dp=dp, tp=tp, pp=pp).check(cfg, batch)
+            except ValueError:
+                continue
+            out.append((dp, tp, pp))
+    return out
+
+
+def _layout_ms(layout, preset, batch, profile) -> float:
+    key = (layout, preset, batch, profile)
+    if key not in _LAYOUT_TIMES:
+        from ..parallel.strategies.hybrid import Hybrid
+        from ..train import train
+        st = Hybrid(*layout)
+        st.profile = profile
+        _LAYOUT_TIMES[key] = train(preset, steps=1, seed=0, batch_size=batch, strategy=st,
+                                   timing=False)[0]["modeled_ms"]
+    return _LAYOUT_TIMES[key]
+
+
+def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
+                      profile: str = "ascend-910b", world: int = 8) -> None:
+    """The (dp, tp, pp) layout of ``world`` ranks (no SP, no ZeRO) with the shortest
+    modeled training step of ``preset`` on ``profile``."""
+    from ..models.config import get_config
+    from ..parallel.strategies.hybrid import Hybrid
+    if isinstance(layout, Hybrid):
+        layout = (layout.dp, layout.tp, layout.pp)
+    try:
+        got = tuple(int(v) for v in layout)
+    except (TypeError, ValueError):
+        raise CheckError(f"give the layout as (dp, tp, pp), got {layout!r}") from None
+    if len(got) != 3:
+        raise CheckError(f"give the layout as (dp, tp, pp), got {layout!r}")
+    cfg = get_config(preset)
+    if math.prod(got) != world:
+        raise CheckError(f"dp x tp x pp = {math.prod(got)}; the layout must use all "
+                         f"{world} ranks")
+    try:
+        Hybrid(*got).check(cfg, batch)
+    except ValueError as e:
+        raise CheckError(f"Hybrid(dp={got[0]}, tp={got[1]}, pp={got[2]}) does not fit the "
+                         f"model: {e}") from None
+    times = {lay: _layout_ms(lay, preset, batch, profile) for lay in _layouts(world, cfg, batch)}
+    best = min(times, key=times.get)
+    if times[got] > times[best] * (1 + 1e-9):
+        raise CheckError(f"{got} takes {times[got]:.3f} ms per step on {profile}; another "
+                         f"layout of {world} ranks takes {times[best]:.3f} ms. Time every "
+                         f"layout that fits ({len(times)} of them): at this size each message "
+                         "costs mostly latency, so count messages, not bytes")
+    order = sorted(times, key=times.get)
+    _ok(f"{best} = (dp, tp, pp): {times[best]:.3f} ms; then " + ", ".join(
+        f"{lay} {times[lay]:.3f}" for lay in order[1:]) + " ms")

@@ -1,0 +1,263 @@
+"""The real engine: the same collectives on torch.distributed, one rank per process.
+
+    # torchrun --nproc-per-node 4 my_script.py
+    import workbench as wb
+    wb.distributed.init()                                   # gloo on CPU, hccl / nccl on devices
+    mesh = wb.distributed.mesh((2, 2), ("dp", "tp"))        # every process builds the same meshes
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0), wb.Replicate()])   # this process keeps its shard
+
+A mesh built by :func:`mesh` is *distributed*: its DistTensors hold only this
+process's local shard (the stacked layout with every leading axis of size 1), and
+the collectives of :mod:`workbench.sim_mesh.collectives` run on torch.distributed
+process groups, one per group along each mesh dim.  The autograd contract is the
+simulator's: the backward of an all-gather to a per-rank use is a reduce-scatter,
+of a compact (replicated) all-reduce the identity (Megatron's g), of
+``expand_replicas`` an all-reduce (Megatron's f), and so on.
+
+This module keeps one piece of process-wide state, as torch.distributed itself
+does: which meshes are distributed, and their process groups.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group"]
+
+_GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
+_MESHES: set = set()
+
+
+def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
+    """Join the job torchrun started (env:// rendezvous).  ``backend`` defaults to the
+    device's: hccl on Ascend, nccl on CUDA, gloo on CPU.  A failing rank makes the
+    others stop after ``timeout_s`` with an error instead of hanging."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("workbench.distributed.init(): no RANK / WORLD_SIZE in the "
+                           "environment; launch with `torchrun --nproc-per-node N script.py`")
+    if backend is None:
+        from ..npu.device import dist_backend
+        backend = dist_backend()
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUPS.clear()
+    _MESHES.clear()
+
+
+def mesh(shape, dim_names=None, start: int = 0):
+    """A distributed mesh over ranks ``start ..`` (row-major), with its process groups.
+
+    Every process must build the same meshes in the same order (new_group is collective)."""
+    from .mesh import Mesh
+    m = Mesh.grid(shape, dim_names, start=start)
+    return register(m)
+
+
+def register(m):
+    """Make an existing Mesh distributed (create a process group per group along each dim)."""
+    if not dist.is_initialized():
+        raise RuntimeError("workbench.distributed: call wb.distributed.init() first")
+    if max(m.ranks) >= dist.get_world_size():
+        raise ValueError(f"mesh ranks {list(m.ranks)} need {max(m.ranks) + 1} processes; this "
+                         f"job has {dist.get_world_size()}: launch torchrun --nproc-per-node "
+                         f"{max(m.ranks) + 1}")
+    if m in _MESHES:
+        return m
+    for axis in range(m.ndim):
+        for g in m.groups(axis):
+            _GROUPS[(m, axis, g)] = dist.new_group(list(g))
+    _MESHES.add(m)
+    return m
+
+
+def is_distributed(m) -> bool:
+    return m in _MESHES
+
+
+def group(m, axis: int):
+    """(process group, ranks) of this process's group along mesh dim ``axis``."""
+    g = m.group_of(dist.get_rank(), axis)
+    return _GROUPS[(m, axis, g)], g
+
+
+def coordinate(m):
+    return m.coordinate(dist.get_rank())
+
+
+def local_index(m, axis: int) -> int:
+    return coordinate(m)[axis]
+
+
+# ---- the collectives ----------------------------------------------------------------------
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
+
+
+def _all_reduce(t, pg, op="sum"):
+    t = t.contiguous().clone()
+    dist.all_reduce(t, op=_OPS[op], group=pg)
+    return t
+
+
+def _all_gather(t, pg, n, dim):
+    t = t.contiguous()
+    out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.reshape(-1), group=pg)
+    return torch.cat(list(out.reshape((n,) + tuple(t.shape)).unbind(0)), dim)
+
+
+def _reduce_scatter(t, pg, n, dim, op="sum"):
+    pieces = torch.stack([c.contiguous() for c in t.chunk(n, dim)])      # (n, *chunk)
+    out = torch.empty(pieces[0].numel(), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, pieces.reshape(-1), op=_OPS[op], group=pg)
+    return out.reshape(pieces.shape[1:])
+
+
+class AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, n, op, expanded):
+        ctx.pg, ctx.n, ctx.op, ctx.expanded = pg, n, op, expanded
+        y = _all_reduce(x, pg, op)
+        if op == "avg":
+            y = y / n
+        if op in ("max", "min"):
+            ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.expanded:                  # each rank used its copy differently: sum them
+            g = _all_reduce(g, ctx.pg, "sum")
+        if ctx.op == "avg":
+            g = g / ctx.n
+        elif ctx.op in ("max", "min"):
+            x, y = ctx.saved_tensors
+            hit = (x == y).to(g.dtype)
+            g = g * hit / _all_reduce(hit, ctx.pg, "sum")
+        return g, None, None, None, None
+
+
+class AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, n, dim, k, expanded):
+        ctx.pg, ctx.n, ctx.dim, ctx.k, ctx.expanded = pg, n, dim, k, expanded
+        return _all_gather(x, pg, n, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.expanded:                  # per-rank uses: reduce-scatter the gradients
+            return _reduce_scatter(g, ctx.pg, ctx.n, ctx.dim), None, None, None, None, None
+        return g.chunk(ctx.n, ctx.dim)[ctx.k].contiguous(), None, None, None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, n, dim, op):
+        ctx.pg, ctx.n, ctx.dim = pg, n, dim
+        return _reduce_scatter(x, pg, n, dim, op)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.pg, ctx.n, ctx.dim), None, None, None, None
+
+
+class AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, n, split_dim, concat_dim):
+        ctx.pg, ctx.n, ctx.split, ctx.concat = pg, n, split_dim, concat_dim
+        return _all_to_all(x, pg, n, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.pg, ctx.n, ctx.concat, ctx.split), None, None, None, None
+
+
+def _all_to_all(x, pg, n, split_dim, concat_dim):
+    send = torch.stack([c.contiguous() for c in x.chunk(n, split_dim)]).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    return torch.cat(list(recv.unbind(0)), concat_dim)
+
+
+class ExpandReplicas(torch.autograd.Function):
+    """Identity forward; the backward sums the ranks' gradients (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.pg, "sum"), None
+
+
+class SliceOwn(torch.autograd.Function):
+    """R -> S(dim): keep this rank's chunk; the backward all-gathers the gradient (R)."""
+
+    @staticmethod
+    def forward(ctx, x, pg, n, k, dim):
+        ctx.pg, ctx.n, ctx.dim = pg, n, dim
+        return x.chunk(n, dim)[k].contiguous() if x.shape[dim] % n == 0 else \
+            _uneven(x, n, k, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.pg, ctx.n, ctx.dim), None, None, None, None
+
+
+def _uneven(x, n, k, dim):
+    raise NotImplementedError(f"a dim of {x.shape[dim]} split over {n} processes: uneven "
+                              "shards are not supported on torch.distributed yet; pad the "
+                              "tensor so the mesh divides it")
+
+
+class KeepOnFirst(torch.autograd.Function):
+    """R -> P(sum): the first rank of the group keeps the value, the others hold zeros.
+    The gradient of a partial value is the same on every rank: the identity."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        return x.clone() if k == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class GradOnFirst(torch.autograd.Function):
+    """A replicated result computed from per-rank copies: one copy stands for it in
+    backward (the simulator keeps the first copy of such a result), so the copies'
+    gradients are not counted once per rank."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.k == 0 else torch.zeros_like(g)), None
+
+
+def tag(t, axes):
+    """Mark ``t`` as holding one copy per rank along ``axes`` (an expanded replica)."""
+    t._wb_replica_axes = tuple(sorted(set(getattr(t, "_wb_replica_axes", ())) | set(axes)))
+    return t
