@@ -8,16 +8,7 @@ from workbench.exercises import checks as ex
 from workbench.sim_mesh import cost, estimates
 
 
-def fails(match, fn, *args, **kw):
-    with pytest.raises(ex.CheckError, match=match):
-        fn(*args, **kw)
-
-
-def passes(capsys, fn, *args, **kw):
-    fn(*args, **kw)
-    out = capsys.readouterr().out
-    assert out.startswith("Correct: ") and out.count("\n") == 1
-    return out
+from tests.exercise_helpers import fails, passes  # noqa: E402
 
 
 def test_check_error_is_an_assertion_error():

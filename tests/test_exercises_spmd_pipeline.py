@@ -11,16 +11,7 @@ S = wb.schedules
 R, Sh, P = wb.Replicate(), wb.Shard, wb.Partial()
 
 
-def fails(match, fn, *args, **kw):
-    with pytest.raises(CheckError, match=match):
-        fn(*args, **kw)
-
-
-def passes(capsys, fn, *args, **kw):
-    fn(*args, **kw)
-    out = capsys.readouterr().out
-    assert out.startswith("Correct: ") and out.count("\n") == 1
-    return out
+from tests.exercise_helpers import fails, passes  # noqa: E402
 
 
 def test_every_check_is_exported_and_raises_the_course_error():

@@ -9,24 +9,9 @@ from workbench.exercises.checks import CheckError
 from workbench.sim_mesh import estimates
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
-def fails(match, fn, *args, **kw):
-    with pytest.raises(CheckError, match=match):
-        fn(*args, **kw)
-
-
-def passes(capsys, fn, *args, **kw):
-    fn(*args, **kw)
-    out = capsys.readouterr().out
-    assert out.startswith("Correct: ") and out.count("\n") == 1
-    return out
+from tests.exercise_helpers import fails, passes  # noqa: E402
 
 
 def test_every_check_is_exported_and_raises_the_course_error():

@@ -13,16 +13,6 @@ from workbench.sim_mesh.estimates import megatron_params
 from workbench.train import add_train_arguments, main_train, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A toy model gains nothing from threads, and two spinning OpenMP threads per
-    process on a shared 2-core machine run ~7x slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- config -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, words", [

@@ -26,13 +26,6 @@ S, R, P = wb.Shard, wb.Replicate(), wb.Partial()
 M2, M4, M22 = MESHES
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # CPU SDPA on tiny tensors is ~1000x slower with 2 threads on a loaded 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def getitem(x, idx):

@@ -16,12 +16,6 @@ from workbench.train import SingleDevice
 STEPS, BATCH, LR = 5, 8, 3e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run(strategy, cfg):

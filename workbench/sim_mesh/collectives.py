@@ -263,9 +263,14 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     nb = (x.numel() // math.prod(x.shape[:nd])) * x.element_size()
     record_collective("reduce_scatter", mesh, axis, nb, label)
     y = _reduce(x, axis, op)                                   # (..., 1, ..., L)
-    L = y.shape[nd + dim]
-    y = y.squeeze(axis).unflatten(nd - 1 + dim, (n, L // n)).movedim(nd - 1 + dim, axis)
-    return _on_backward(y, "all_gather", mesh, axis, nb, label)
+    shape = y.shape
+    L = shape[nd + dim]
+    if axis == nd - 1 and dim == 0:
+        # the chunk index lands where the mesh axis was: one view does it
+        y = y.view(shape[:axis] + (n, L // n) + shape[nd + 1:])
+    else:
+        y = y.squeeze(axis).unflatten(nd - 1 + dim, (n, L // n)).movedim(nd - 1 + dim, axis)
+    return _on_backward(y, "all_gather", mesh, axis, nb, label) if y.requires_grad else y
 
 
 def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = ""):
