@@ -156,8 +156,8 @@ def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
 
 
 def _check_axis(x, mesh, axis, full: bool, what: str):
-    lead = x.lead if isinstance(x, Cells) else tuple(x.shape[:mesh.ndim])
-    if full and lead[axis] != mesh.shape[axis]:
+    n = x.lead[axis] if isinstance(x, Cells) else x.shape[axis]
+    if full and n != mesh.shape[axis]:
         raise ValueError(f"{what}: the input is the same on every rank along mesh dim "
                          f"{mesh.dim_names[axis]!r} (a replicated copy); nothing to {what}")
 
@@ -260,9 +260,12 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
                 red[c] = chunks[k]
         out = Cells(x.lead, [red[c] for c in x.coords()])
         return _on_backward(out, "all_gather", mesh, axis, nb, label)
-    nb = (x.numel() // math.prod(x.shape[:nd])) * x.element_size()
-    record_collective("reduce_scatter", mesh, axis, nb, label)
-    y = _reduce(x, axis, op)                                   # (..., 1, ..., L)
+    tracing = current_trace() is not None
+    nb = (x.numel() // math.prod(x.shape[:nd])) * x.element_size() \
+        if tracing or x.requires_grad else 0
+    if tracing:
+        record_collective("reduce_scatter", mesh, axis, nb, label)
+    y = x.sum(axis, keepdim=True) if op == "sum" else _reduce(x, axis, op)   # (.., 1, .., L)
     shape = y.shape
     L = shape[nd + dim]
     if axis == nd - 1 and dim == 0:
