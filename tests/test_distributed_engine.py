@@ -38,3 +38,13 @@ def test_wrong_process_count_is_a_clear_error():
     out = torchrun(2, "--steps", "1", "--dp", "2", "--tp", "2")
     assert out.returncode != 0
     assert "launch torchrun --nproc-per-node 4" in out.stderr
+
+
+def test_dtensor_interop_on_the_real_process_group():
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts",
+                          "interop_check.py")
+    out = subprocess.run(TORCHRUN + ["--nproc-per-node=4", script], capture_output=True,
+                         text=True, timeout=240, env=ENV,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "interop ok" in out.stdout
