@@ -16,7 +16,8 @@ from .device import Probe, device, device_count, dist_backend, is_available, pro
 from .doctor import Report, main_doctor, report
 from .guard import NpuDtypeWarning, check_dtype, dtype_problem
 from .profiler import Profile, profile
+from .course import course_device
 
 __all__ = ["Probe", "probe", "torch_npu_module", "is_available", "device_count", "device",
            "dist_backend", "Report", "report", "main_doctor", "NpuDtypeWarning", "check_dtype",
-           "dtype_problem", "Profile", "profile"]
+           "dtype_problem", "Profile", "profile", "course_device"]
