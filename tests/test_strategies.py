@@ -134,3 +134,26 @@ def test_sequence_parallel_swaps_each_all_reduce_for_gather_and_scatter():
     assert kinds.count("reduce_scatter") == 4 * cfg.n_layer
     assert "all_reduce" not in kinds
     assert sum(e.bytes for e in big) == 4 * cfg.n_layer * bsh   # = the TP all-reduces' bytes
+
+
+def test_step_report_counts_activations_per_rank():
+    """Sequence parallelism splits the activations between the blocks over tp; data
+    parallelism splits every activation over dp (each rank holds its micro-batch)."""
+    import workbench as wb
+    cfg = get_config("tiny", dropout=0.0)
+
+    def activations(strategy):
+        x, y = get_batch(cfg, BATCH, 0, 0)
+        strategy.check(cfg, BATCH)
+        model = strategy.build_model(cfg, 0)
+        opt = strategy.build_optimizer(model, LR, 0.0)
+        with wb.trace() as tr:
+            strategy.forward_backward(model, x, y)
+        return strategy.step_report(tr, opt)["activation_bytes"]
+
+    tp, sp = activations(Hybrid(tp=2)), activations(Hybrid(tp=2, sp=True))
+    one, dp8 = activations(Hybrid(dp=1)), activations(Hybrid(dp=8))
+    assert sp < tp < one
+    # each rank holds 1/8 of what scales with the batch; tables that do not (rotary
+    # cos/sin, per-rank copies of small replicated values) keep the ratio within 10%
+    assert dp8 * 8 == pytest.approx(one, rel=0.1)

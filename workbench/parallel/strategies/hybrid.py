@@ -33,6 +33,7 @@ from ..module import dist_parameters, parallelize
 from ..placement import Replicate, Shard
 from ..reshard import reshard
 from .data_parallel import DataParallel
+from .memory import saved_activation_bytes
 from .zero3 import Zero3
 
 __all__ = ["Hybrid", "stage_meshes"]
@@ -210,8 +211,13 @@ class Hybrid:
         n_stages = len(self.stage_layers)
         if n_stages == 1:
             mesh = self.meshes[0]
-            x = self._blocks(model, 0, self._embed(model, self._batch(inputs, mesh)))
-            loss = self._loss(self._head(model, x), self._batch(targets, mesh))
+
+            def forward():
+                x = self._blocks(model, 0, self._embed(model, self._batch(inputs, mesh)))
+                return self._loss(self._head(model, x), self._batch(targets, mesh))
+            params = [p for _, p in dist_parameters(model)]
+            loss, saved = saved_activation_bytes(forward, params=params, lead_dims=mesh.ndim)
+            self.last_activation_bytes = saved.bytes      # what one rank keeps for backward
             loss.backward()
             return loss.full().detach()
         stages = []
@@ -244,10 +250,15 @@ class Hybrid:
 
     def step_report(self, tr, optimizers) -> dict:
         """What one step cost on the modeled clock: time, bytes each rank sent (the
-        busiest rank), and model-state bytes per rank (parameters, gradients, Adam
-        states; activations are not counted here)."""
+        busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
+        and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
         states = [o.memory() for o in optimizers]
-        return {"modeled_ms": round(tr.time() * 1e3, 6),
-                "comm_bytes": max(per_rank.values(), default=0),
-                "state_bytes": max(m.total for m in states) if states else 0}
+        rec = {"modeled_ms": round(tr.time() * 1e3, 6),
+               "comm_bytes": max(per_rank.values(), default=0),
+               "state_bytes": max(m.total for m in states) if states else 0}
+        if len(self.stage_layers) == 1:
+            # activations autograd kept for backward, per rank (counted without pipelining;
+            # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)
+            rec["activation_bytes"] = self.last_activation_bytes
+        return rec
