@@ -114,6 +114,8 @@ def record_collective(kind: str, mesh, axis: int | None, nbytes: int, label: str
     handles = []
     for g in groups:
         p = len(g)
+        if p == 1:
+            continue                  # one rank: nothing moves, nothing to record
         dur = _cost.price(kind, nbytes, g, tr.profile)
         handles.append(tr.record_collective(
             g, kind, dur, bytes=_cost.wire_bytes(kind, nbytes, p), label=label,
