@@ -16,7 +16,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 def torchrun(n, *args, timeout=240):
     cmd = TORCHRUN + [f"--nproc-per-node={n}", "-m", "workbench", "train", "--preset", "tiny",
-                      "--seed", "0", "--backend", "distributed", *args]
+                      "--seed", "0", "--backend", "torch", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -188,7 +188,7 @@ def test_parallel_flags_train_the_same_losses(capsys):
 
 @pytest.mark.parametrize("argv, msg", [(["--tp", "3"], "tp=3 does not divide n_head=4"),
                                        (["--sp"], "sp=True needs tp > 1"),
-                                       (["--backend", "distributed"], "launch with `torchrun")])
+                                       (["--backend", "torch"], "launch with `torchrun")])
 def test_bad_layouts_fail_before_running(capsys, argv, msg):
     assert main_train(_args(*argv)) == 2
     out, err = capsys.readouterr()

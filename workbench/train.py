@@ -170,7 +170,7 @@ def add_train_arguments(parser) -> None:
                    help="cpu, cuda, npu (torch_npu), or auto: the best one found")
     p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],
                    help="wb.ops backend for the fused operators")
-    g = p.add_argument_group("parallelism (simulated ranks; --backend distributed not yet)")
+    g = p.add_argument_group("parallelism (simulated ranks, or torch.distributed with --backend torch)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -178,14 +178,14 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule (with --pp)")
-    g.add_argument("--backend", default="sim", choices=["sim", "distributed"],
-                   help="sim: all ranks in this process; distributed: one rank per process on "
+    g.add_argument("--backend", default="sim", choices=["sim", "torch"],
+                   help="sim: all ranks in this process; torch: one rank per process on "
                         "torch.distributed (launch with torchrun; gloo/hccl/nccl)")
 
 
 def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
-    distributed = getattr(args, "backend", "sim") == "distributed"
+    distributed = getattr(args, "backend", "sim") == "torch"
     parallel = {n: getattr(args, n, d) for n, d in _NOT_YET if n != "backend"}
     if distributed or any(parallel[n] != d for n, d in _NOT_YET if n != "backend"):
         from .parallel.strategies.hybrid import Hybrid
