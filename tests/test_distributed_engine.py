@@ -21,14 +21,21 @@ def torchrun(n, *args, timeout=240):
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("flags", [["--dp", "2", "--tp", "2", "--sp"],
-                                   ["--dp", "4", "--zero", "3"]])
-def test_torchrun_four_processes_print_the_simulations_losses(flags):
-    out = torchrun(4, "--steps", "3", *flags)
+CASES = [  # (processes, flags, the same layout in the simulator)
+    (4, ["--dp", "2", "--tp", "2", "--sp"], dict(dp=2, tp=2, sp=True)),
+    (4, ["--dp", "4", "--zero", "3"], dict(dp=4, zero=3)),
+    (4, ["--tp", "2", "--pp", "2", "--schedule", "zb-h1"], dict(tp=2, pp=2, schedule="zb-h1")),
+    # PaddlePaddle's 8-device example: two stage meshes, dp x tp inside each
+    (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--sp"], dict(dp=2, tp=2, pp=2, sp=True)),
+]
+
+
+@pytest.mark.parametrize("n,flags,kw", CASES, ids=[" ".join(c[1]) for c in CASES])
+def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
+    out = torchrun(n, "--steps", "3", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
-    kw = {"dp": 2, "tp": 2, "sp": True} if "--sp" in flags else {"dp": 4, "zero": 3}
     sim = [r["loss"] for r in train("tiny", steps=3, seed=0, timing=False,
                                     strategy=Hybrid(**kw))]
     assert [r["loss"] for r in lines] == pytest.approx(sim, rel=1e-5)

@@ -192,23 +192,37 @@ class _Prepared:
     out_shapes: tuple
     even: bool
     expand: tuple          # per input: mesh axes to expand (replicated meeting per-rank work)
+    cand: Any = None       # the candidate that runs (the decision's, or an even one)
+
+
+def _is_even(cand, specs, out_shapes, mesh) -> bool:
+    st = cand.strategy
+    return all(layout.is_even(s.shape, mesh, req) for s, req in zip(specs, st.inputs)
+               if s is not None and req is not None) and \
+        all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, st.outputs))
 
 
 def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
-    st = dec.chosen.strategy
     out_shapes = _out_shapes(opdef, dec, inputs, attrs)
-    even = all(layout.is_even(s.shape, mesh, req) for s, req in zip(specs, st.inputs)
-               if s is not None and req is not None) and \
-        all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, st.outputs))
+    cand = dec.chosen
+    even = _is_even(cand, specs, out_shapes, mesh)
+    if not even and _B.is_distributed(mesh):
+        # one process per rank holds one shard: take the cheapest candidate with even
+        # shards (uneven ones would need padded collectives)
+        for c in dec.candidates:
+            if _is_even(c, specs, out_shapes, mesh):
+                cand, even = c, True
+                break
+    st = cand.strategy
     diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
                    for req in st.inputs)
-    return _Prepared(dec, out_shapes, even, expand)
+    return _Prepared(dec, out_shapes, even, expand, cand)
 
 
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     dec = prep.dec
-    cand = dec.chosen
+    cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
     dist_mode = _B.is_distributed(mesh)
     even = prep.even or dist_mode

@@ -99,6 +99,10 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         costs: f/b/w costs for ordering (the schedule's simulation), default 1.
     """
     validate(schedule)
+    from ...sim_mesh import backends as _B
+    if _B.is_distributed(meshes[0]):
+        from .execute_dist import run_pipeline_dist
+        return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, params=params)
     p, m, v = schedule.p, schedule.m, schedule.v
     if len(stages) != p * v:
         raise ValueError(f"stages has {len(stages)} callables; schedule {schedule.name} with "

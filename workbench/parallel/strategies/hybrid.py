@@ -73,10 +73,6 @@ class Hybrid:
         self.distributed = distributed
         if distributed:                 # one rank per process on torch.distributed
             from ...sim_mesh import backends as _B
-            if pp > 1:
-                raise NotImplementedError("pp > 1 on torch.distributed is not built yet (the "
-                                          "pipeline executor runs simulated stages); use "
-                                          "--backend sim for pipelines")
             if _B.world_size() != dp * tp * pp:
                 raise ValueError(f"{_B.world_size()} processes for dp x tp x pp = "
                                  f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
@@ -121,6 +117,8 @@ class Hybrid:
                       if k.startswith("layers.*.")} if self.tp > 1 else {}
         for s in range(n_stages):
             mesh = self.meshes[s % self.pp]
+            if not self._own(mesh):
+                continue                 # torch.distributed: another process's stage
             for i in self.stage_layers[s]:
                 parallelize(model.layers[i], mesh, block_plan, mesh_dim="tp")
                 if self.tp > 1:
@@ -160,6 +158,13 @@ class Hybrid:
         module.register_forward_pre_hook(f)
         module.register_forward_hook(g)
 
+    def _own(self, mesh) -> bool:
+        """Does this process run ``mesh``'s stage? (always, in the simulator)"""
+        if not self.distributed:
+            return True
+        from ...sim_mesh import backends as _B
+        return _B.rank() in mesh
+
     def _stage_params(self, model, s):
         mods = [model.layers[i] for i in self.stage_layers[s]]
         if s == 0:
@@ -172,6 +177,8 @@ class Hybrid:
         opts = []
         for s in range(len(self.stage_layers)):
             mesh = self.meshes[s % self.pp]
+            if not self._own(mesh):
+                continue
             if self.zero == 3:
                 holder = nn.ModuleList([model.layers[i] for i in self.stage_layers[s]] +
                                        ([model.tok_emb] if s == 0 else []) +
@@ -230,11 +237,11 @@ class Hybrid:
             stages.append(stage)
         m = self.m
         first, last = self.meshes[0], self.meshes[(n_stages - 1) % self.pp]
-        xs = [self._batch(c, first) for c in inputs.chunk(m)]
-        ts = [self._batch(c, last) for c in targets.chunk(m)]
+        xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
+        ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
-        params = [self._stage_params(model, s) for s in range(n_stages)] \
-            if sched.split_backward else None
+        params = [self._stage_params(model, s) if self._own(self.meshes[s % self.pp]) else []
+                  for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
                              lambda out, i: self._loss(out, ts[i]), params=params)
         return torch.tensor(run.loss)

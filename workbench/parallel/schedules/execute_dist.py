@@ -1,0 +1,139 @@
+"""The pipeline executor on torch.distributed: each process runs its own rank's actions.
+
+Same contract as :func:`~.execute.run_pipeline`, but every stage mesh is distributed
+(``wb.distributed.mesh`` / ``register``) and each process belongs to one of them.
+A process walks its rank's action list in order; activations go forward and
+gradients backward by point-to-point messages between the processes at the same
+coordinate of neighbouring stage meshes.  Sends are asynchronous (isend), receives
+block, so the schedule's order cannot deadlock on a send (1F1B's rank 0 may send
+F1 while rank 1 sends back the gradient of micro-batch 0).  Each message is a small
+header (global shape, local shape, placements) followed by the data.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...sim_mesh import backends as _B
+from ...sim_mesh import cost as _cost
+from ...sim_mesh.trace import current_trace
+from ..dist_tensor import DistTensor
+from ..placement import Partial, Replicate, Shard
+from ..reshard import reshard
+
+__all__ = ["run_pipeline_dist"]
+
+_HEADER = 40          # int64 slots: ndim, global shape, local shape, placement codes
+
+
+def _encode(t: DistTensor) -> torch.Tensor:
+    h = torch.zeros(_HEADER, dtype=torch.long)
+    loc = t.local()
+    nd = len(t.shape)
+    h[0] = nd
+    h[1:1 + nd] = torch.tensor(tuple(t.shape))
+    h[9:9 + nd] = torch.tensor(tuple(loc.shape))
+    codes = [-1 if p.is_replicate() else (p.dim if p.is_shard() else -2) for p in t.placements]
+    h[17] = len(codes)
+    h[18:18 + len(codes)] = torch.tensor(codes)
+    return h
+
+
+def _decode(h: torch.Tensor):
+    nd = int(h[0])
+    shape = tuple(int(v) for v in h[1:1 + nd])
+    local = tuple(int(v) for v in h[9:9 + nd])
+    ps = [Replicate() if c == -1 else (Partial("sum") if c == -2 else Shard(int(c)))
+          for c in h[18:18 + int(h[17])].tolist()]
+    return shape, local, ps
+
+
+def _tag(kind: int, stage: int, mb: int) -> int:
+    return (kind * 1000 + stage) * 1000 + mb
+
+
+def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
+                      dtype=torch.float32):
+    """Run ``schedule``; ``inputs`` are used only on the first stage's processes.
+    Returns a PipelineRun whose losses are broadcast to every process."""
+    from .execute import PipelineRun, _backward, _grad_of
+    me = _B.rank()
+    p, m, v = schedule.p, schedule.m, schedule.v
+    mine = [r for r in range(p) if me in meshes[r]]
+    if len(mine) != 1:
+        raise ValueError(f"process {me} is in {len(mine)} stage meshes; each process must "
+                         "belong to exactly one")
+    r = mine[0]
+    mesh = meshes[r]
+    coord = mesh.coordinate(me)
+    partner = lambda q: meshes[q].rank_at(coord)          # noqa: E731  same coordinate
+    last = p * v - 1
+    pending, losses = [], torch.zeros(m)
+    stage_in, stage_out = {}, {}
+    tr = current_trace()
+
+    def send(t: DistTensor, q: int, tag: int):
+        dst = partner(q)
+        head, data = _encode(t), t.local().detach().contiguous()
+        pending.append(dist.isend(head, dst, tag=tag))
+        pending.append(dist.isend(data, dst, tag=tag + 1))
+        if tr is not None:
+            nb = data.numel() * data.element_size()
+            tr.record_send(me, dst, "send_recv", _cost.price("send_recv", nb, (me, dst),
+                           tr.profile), ready=tr.now(me), bytes=nb, args={"src": me, "dst": dst})
+
+    def recv(q: int, tag: int) -> DistTensor:
+        src = partner(q)
+        head = torch.empty(_HEADER, dtype=torch.long)
+        dist.recv(head, src, tag=tag)
+        shape, local, ps = _decode(head)
+        data = torch.empty(local, dtype=dtype)
+        dist.recv(data, src, tag=tag + 1)
+        return DistTensor(data.reshape((1,) * mesh.ndim + local), mesh, ps, shape, dtype)
+
+    for a in schedule.actions[r]:
+        s = a.chunk * p + r
+        key = (s, a.mb)
+        if a.kind == "F":
+            if s == 0:
+                x = inputs[a.mb]
+            else:
+                x = recv((s - 1) % p, _tag(1, s, a.mb)).detach().requires_grad_()
+            stage_in[key] = x
+            out = stages[s](x)
+            if s == last:
+                loss = loss_fn(out, a.mb)
+                if any(q.is_partial() for q in loss.placements):
+                    loss = reshard(loss, loss.mesh, loss._grad_placements())
+                losses[a.mb] = float(loss.full().detach())
+                out = loss * (1.0 / m)
+            else:
+                send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
+            stage_out[key] = out
+            continue
+        out = stage_out[key]
+        split_b = a.kind == "B" and schedule.split_backward
+        if s == last:
+            g = None
+        elif a.kind == "W":
+            g = stage_out.pop(("g",) + key)
+        else:
+            g = recv((s + 1) % p, _tag(2, s, a.mb))
+            if split_b:
+                stage_out[("g",) + key] = g
+        x = stage_in[key]
+        if split_b:
+            if s > 0:
+                _backward(out, g, inputs=[x], retain=True)
+        elif a.kind == "W":
+            _backward(out, g, weights=params[s], retain=False)
+            stage_out.pop(key, None)
+        else:
+            _backward(out, g, retain=False)
+            stage_out.pop(key, None)
+        if s > 0 and a.kind == "B":
+            send(_grad_of(x), (s - 1) % p, _tag(2, s - 1, a.mb))
+    for w in pending:
+        w.wait()
+    dist.broadcast(losses, src=meshes[last % p].ranks[0])
+    return PipelineRun([float(v) for v in losses], [(r, a) for a in schedule.actions[r]])
