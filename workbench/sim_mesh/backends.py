@@ -215,8 +215,9 @@ class SliceOwn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg, n, k, dim):
         ctx.pg, ctx.n, ctx.dim = pg, n, dim
-        return x.chunk(n, dim)[k].contiguous() if x.shape[dim] % n == 0 else \
-            _uneven(x, n, k, dim)
+        # a copy, not a view: a rank holds its shard, not the whole tensor behind it
+        return x.chunk(n, dim)[k].clone(memory_format=torch.contiguous_format) \
+            if x.shape[dim] % n == 0 else _uneven(x, n, k, dim)
 
     @staticmethod
     def backward(ctx, g):

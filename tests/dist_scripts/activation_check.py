@@ -1,0 +1,54 @@
+"""Run under torchrun (2 processes): the activation bytes ONE rank keeps for backward in
+the paper's GPT layer under tensor parallelism and under sequence parallelism, counted
+exactly (each process holds only its own shards), against Korthikanti et al. Table 2."""
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.models.gpt import GPTLayer, TP_PLAN
+from workbench.parallel.strategies.memory import saved_activation_bytes
+from workbench.sim_mesh import collectives as C
+from workbench.sim_mesh.estimates import activation_bytes_per_layer
+
+wb.distributed.init()
+t = wb.distributed.world_size()
+mesh = wb.distributed.mesh((t,), ("tp",))
+s, b, h, a = 64, 2, 64, 4
+results = {}
+for sp in (False, True):
+    layer = GPTLayer(h, a)
+    wb.parallelize(layer, mesh, TP_PLAN)
+
+    def f(mod, args):            # Megatron's f (sequence-first layout: the sequence is dim 0)
+        x = args[0]
+        loc = (C.all_gather(x._local, mesh, 0, 0, expanded=True) if sp else
+               C.expand_replicas(x._local, mesh, [0]))
+        return (wb.DistTensor(loc, mesh, [wb.Replicate()], x.shape, x.dtype),)
+
+    def g(mod, args, out):       # Megatron's g
+        return wb.reshard(out, mesh, [wb.Shard(0) if sp else wb.Replicate()])
+    for m in (layer.attn, layer.mlp):
+        m.register_forward_pre_hook(f)
+        m.register_forward_hook(g)
+    X = torch.randn(s, b, h, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0) if sp else wb.Replicate()]).requires_grad_()
+    params = [p for _, p in wb.dist_parameters(layer)] + [x]
+    out, rep = saved_activation_bytes(layer, x, params=params)   # one process = one rank
+    case = "tp+sp" if sp else "tp"
+    formula = activation_bytes_per_layer(s, b, h, a, tp=t, case=case)
+    split = t if sp else 1                          # what lives between the blocks
+    # the layer's input is a model input here (not saved by the layer), but Table 2
+    # counts the first LayerNorm's input: add it back (2 sbh, split under SP)
+    counted = rep.bytes + 2 * s * b * h // split
+    masks = a * s * s * b // t + 2 * s * b * h // split     # 2-byte dropout noise, 1 byte more
+    stats = 2 * 2 * s * b * 2 // split                       # LayerNorm mean and 1/std
+    # Megatron-SP keeps the SHARD of each column-parallel linear's input and all-gathers it
+    # again in backward; our f keeps the gathered input (2 of them, 2 sbh each) instead
+    gathered = 2 * (2 * s * b * h - 2 * s * b * h // t) if sp else 0
+    results[case] = (counted, formula, masks + stats + gathered)
+if wb.distributed.rank() == 0:
+    for case, (counted, formula, extra) in results.items():
+        print(f"{case} counted {counted} formula {formula:.0f} extra {extra} "
+              f"equal {counted == formula + extra}", flush=True)
+torch.distributed.barrier()
+wb.distributed.shutdown()
