@@ -1,6 +1,11 @@
-"""Run under torchrun (2 processes): the activation bytes ONE rank keeps for backward in
-the paper's GPT layer under tensor parallelism and under sequence parallelism, counted
-exactly (each process holds only its own shards), against Korthikanti et al. Table 2."""
+"""The activation bytes ONE rank keeps for backward in the GPT layer of Korthikanti et
+al. 2022, under tensor parallelism and under sequence parallelism, counted exactly (on
+torch.distributed each process holds only its own shards), against their Table 2:
+
+    torchrun --nproc-per-node 2 -m workbench.models.activation_check
+
+Prints one line per case: counted, formula, the explained extra, and whether
+counted == formula + extra."""
 import torch
 import torch.nn.functional as F
 
