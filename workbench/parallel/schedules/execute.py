@@ -156,15 +156,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 g = grad_in[key] if split_b else grad_in.pop(key)
             x = stage_in[key]
             needs_input_grad = s > 0
-            if a.kind == "B" and schedule.split_backward:
-                if needs_input_grad:
-                    _backward(out, g, inputs=[x], retain=True)
-            elif a.kind == "W":
-                _backward(out, g, weights=params[s], retain=False)
-                stage_out.pop(key, None)
-            else:
-                _backward(out, g, retain=False)
-                stage_out.pop(key, None)
+            backward_action(a, schedule, out, g, x, s, params, stage_out, key)
             if needs_input_grad and a.kind == "B":
                 gx = _grad_of(x)
                 dst_mesh = meshes[(s - 1) % p]
@@ -188,6 +180,20 @@ def _grad_of(x):
     g = x.grad
     x.grad = None
     return g
+
+
+def backward_action(a, schedule, out, g, x, s, params, stage_out, key) -> None:
+    """B (the whole backward, or only the input gradient when the schedule splits it)
+    or W (the weight gradients) of stage ``s`` for one micro-batch."""
+    if a.kind == "B" and schedule.split_backward:
+        if s > 0:
+            _backward(out, g, inputs=[x], retain=True)
+    elif a.kind == "W":
+        _backward(out, g, weights=params[s], retain=False)
+        stage_out.pop(key, None)
+    else:
+        _backward(out, g, retain=False)
+        stage_out.pop(key, None)
 
 
 def _backward(out, grad, inputs=None, retain=False, weights=None):

@@ -56,7 +56,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
                       dtype=torch.float32):
     """Run ``schedule``; ``inputs`` are used only on the first stage's processes.
     Returns a PipelineRun whose losses are broadcast to every process."""
-    from .execute import PipelineRun, _backward, _grad_of
+    from .execute import PipelineRun, _grad_of, backward_action
     me = _B.rank()
     p, m, v = schedule.p, schedule.m, schedule.v
     mine = [r for r in range(p) if me in meshes[r]]
@@ -122,15 +122,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             if split_b:
                 stage_out[("g",) + key] = g
         x = stage_in[key]
-        if split_b:
-            if s > 0:
-                _backward(out, g, inputs=[x], retain=True)
-        elif a.kind == "W":
-            _backward(out, g, weights=params[s], retain=False)
-            stage_out.pop(key, None)
-        else:
-            _backward(out, g, retain=False)
-            stage_out.pop(key, None)
+        backward_action(a, schedule, out, g, x, s, params, stage_out, key)
         if s > 0 and a.kind == "B":
             send(_grad_of(x), (s - 1) % p, _tag(2, s - 1, a.mb))
     for w in pending:
