@@ -159,7 +159,10 @@ def test_widget_redraws_and_still_shows_a_static_figure_headless():
     assert [o["output_type"] for o in w.output.outputs] == ["stream"]
     assert "multiple" in w._repr_mimebundle_()["text/plain"]
     w.controls["m"].value = 6
-    assert [o["output_type"] for o in w.output.outputs] == ["display_data"]
+    # the figure, then the measured bubble beside its formula as text
+    assert [o["output_type"] for o in w.output.outputs] == ["display_data", "stream"]
+    assert w.output.outputs[1]["text"] == V.bubble_caption(
+        simulate(interleaved_1f1b(3, 6, 2), f=1.0, b=1.0, w=1.0)) + "\n"
     with pytest.raises(ValueError, match=r"schedule='2F2B'"):
         V.pipeline_widget(schedule="2F2B")
 

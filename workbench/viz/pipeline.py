@@ -279,15 +279,15 @@ class PipelineExplorer:
         c = {k: w.value for k, w in self.controls.items()}
         try:
             sched = SCHEDULES[c["schedule"]](c["p"], c["m"], c["v"])
-            self.figure = draw_pipeline(simulate(sched, **self.costs), dpi=self.dpi)
-            self.message = ""
+            result = simulate(sched, **self.costs)
+            self.figure = draw_pipeline(result, dpi=self.dpi)
+            self.message = bubble_caption(result)    # measured beside the formula
         except ValueError as err:          # e.g. interleaved with m % p != 0: say how to fix
             self.figure, self.message = None, str(err)
         self.output.outputs = ()           # clear_output() needs a kernel; this works headless too
         if self.figure is not None:
             self.output.append_display_data(Image(data=_png(self.figure), format="png"))
-        else:
-            self.output.append_stdout(self.message + "\n")
+        self.output.append_stdout(self.message + "\n")
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
