@@ -15,8 +15,7 @@ import itertools
 import torch
 
 import workbench as wb
-from workbench.parallel import dispatch, infer
-from workbench.parallel.dispatch import OPS
+from workbench.parallel import dispatch
 
 MESHES = [wb.Mesh.grid(2, ["a"]), wb.Mesh.grid(4, ["a"]), wb.Mesh.grid((2, 2), ["a", "b"])]
 

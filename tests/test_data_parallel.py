@@ -54,7 +54,6 @@ def test_five_steps_match_single_device(zero, bucket):
         # every data-parallel replica stays identical
         assert all(torch.equal(p.local(r), p.local(0 if r % 2 == 0 else 1))
                    for r in mesh.ranks)
-    counts = tr.counts()
     big = [e for e in tr.collectives() if e.label.startswith(("dp grad", "dp bucket", "zero-"))]
     if zero == 0 and bucket is None:
         assert sum(1 for e in big if e.name == "all_reduce") == 5 * 4 * 2   # 4 params x 2 tp groups

@@ -72,7 +72,6 @@ another test left one initialized, the module is skipped rather than broken.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -85,15 +84,14 @@ import workbench as wb
 from workbench.parallel.placement import fmt_placements
 from workbench.sim_mesh import cost as wb_cost
 
-from tests.dtensor_support import (CommDebugMode, DeviceMesh, DPartial, DReplicate,  # noqa: E402
-                                   DShard, DTensor, FakeStore, LocalTensor, LocalTensorMode,
-                                   TorchDispatchMode, distribute_tensor)
+from tests.dtensor_support import (  # noqa: E402
+    CommDebugMode, DReplicate, DTensor, LocalTensor, LocalTensorMode, TorchDispatchMode, distribute_tensor)
 
 R, S, P = wb.Replicate, wb.Shard, wb.Partial
 PROFILE = "a100"
 
 
-from tests.dtensor_support import Oracle, oracle  # noqa: E402,F401  (the fixture)
+from tests.dtensor_support import oracle  # noqa: E402,F401  (the fixture)
 
 # ---- recording DTensor's collectives ----------------------------------------------------
 

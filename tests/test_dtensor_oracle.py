@@ -34,7 +34,6 @@ another test left one initialized, the module is skipped rather than broken.
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -46,15 +45,14 @@ import workbench as wb
 from workbench.parallel.placement import normalize_placements
 from workbench.sim_mesh import cost as wb_cost
 
-from tests.dtensor_support import (CommDebugMode, DeviceMesh, DPartial, DReplicate,  # noqa: E402
-                                   DShard, DTensor, FakeStore, LocalTensor, LocalTensorMode,
-                                   Redistribute, TorchDispatchMode, distribute_tensor)
+from tests.dtensor_support import (  # noqa: E402
+    CommDebugMode, DTensor, LocalTensor, LocalTensorMode, Redistribute, TorchDispatchMode, distribute_tensor)
 
 R, S, P = wb.Replicate, wb.Shard, wb.Partial
 MESHES = [(2,), (3,), (4,), (2, 2), (2, 3), (2, 2, 2)]
 
 
-from tests.dtensor_support import Oracle, oracle  # noqa: E402,F401  (the fixture)
+from tests.dtensor_support import oracle  # noqa: E402,F401  (the fixture)
 
 # ---- helpers -----------------------------------------------------------------------------
 

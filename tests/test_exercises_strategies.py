@@ -1,6 +1,5 @@
 """The checks of notebooks 05, 06 and 08: right answers pass, wrong answers are told what is
 wrong."""
-import pytest
 import torch
 
 import workbench as wb

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from workbench.sim_mesh import cost, estimates
-from workbench.sim_mesh.profiles import (Link, Profile, get_profile, list_profiles,
+from workbench.sim_mesh.profiles import (Link, get_profile, list_profiles,
                                          load_profile)
 
 LINK = Link("test", bandwidth=1e9, latency=1e-6)  # beta = 1 ns/byte, alpha = 1 us

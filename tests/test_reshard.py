@@ -1,12 +1,10 @@
 """Reshard: exact round trips, torch.chunk shards, plan bytes = collective formulas."""
-import math
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 import workbench as wb
-from workbench.parallel import layout
 from workbench.sim_mesh import cost
 from tests.strategies import meshes, placements, shapes
 

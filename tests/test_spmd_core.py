@@ -91,7 +91,7 @@ def test_op_without_rule_is_a_clear_error_and_fallback_is_opt_in():
 
 
 def test_user_rule_with_one_decorator():
-    from workbench.parallel.rules import Strategy, combine
+    from workbench.parallel.rules import combine
     R, S = wb.Replicate(), wb.Shard
 
     @wb.register_rule("my_double", override=True)

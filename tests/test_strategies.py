@@ -5,7 +5,6 @@ import torch
 
 from workbench.models.config import get_config
 from workbench.models.data import get_batch
-from workbench.parallel.module import dist_parameters
 from workbench.parallel.strategies.hybrid import Hybrid
 from workbench.parallel.strategies.zero3 import Zero3
 from workbench.train import SingleDevice
@@ -69,8 +68,6 @@ def test_strategy_matches_single_device(name):
     model, opt, losses = run(strategy, cfg)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     got = params_of(model, opt)
-    ref = {(id(m), n): p for m in ref_model.modules() for n, p in m._parameters.items()
-           if p is not None}
     # match modules by position: both models are built the same way
     ref_mods = list(ref_model.modules())
     mods = list(model.modules())

@@ -150,8 +150,8 @@ def _step_trace(strategy):
 
 # ---- command line -------------------------------------------------------------------------
 
-# Flags declared now, implemented by the parallel strategies later: (flag, default).
-_NOT_YET = (("dp", 1), ("tp", 1), ("pp", 1), ("sp", False), ("zero", 0),
+# The parallelism flags and their defaults (one device, the simulator).
+_PARALLEL_FLAGS = (("dp", 1), ("tp", 1), ("pp", 1), ("sp", False), ("zero", 0),
             ("schedule", "1f1b"), ("backend", "sim"))
 
 
@@ -186,8 +186,8 @@ def add_train_arguments(parser) -> None:
 def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
     distributed = getattr(args, "backend", "sim") == "torch"
-    parallel = {n: getattr(args, n, d) for n, d in _NOT_YET if n != "backend"}
-    if distributed or any(parallel[n] != d for n, d in _NOT_YET if n != "backend"):
+    parallel = {n: getattr(args, n, d) for n, d in _PARALLEL_FLAGS if n != "backend"}
+    if distributed or any(parallel[n] != d for n, d in _PARALLEL_FLAGS if n != "backend"):
         from .parallel.strategies.hybrid import Hybrid
         if distributed:
             from .sim_mesh import backends

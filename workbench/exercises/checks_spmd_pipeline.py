@@ -23,7 +23,6 @@ from ..parallel.dist_tensor import TensorSpec, from_local, shard_tensor
 from ..parallel.explain import explain
 from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
-from ..parallel.reshard import plan_reshard_cached
 from ..parallel.rules.registry import RULES, combine, infer
 from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one_f_one_b,
                                   simulate, validate)

@@ -7,7 +7,6 @@ torch.distributed each process holds only its own shards), against their Table 2
 Prints one line per case: counted, formula, the explained extra, and whether
 counted == formula + extra."""
 import torch
-import torch.nn.functional as F
 
 import workbench as wb
 from workbench.models.gpt import GPTLayer, TP_PLAN

@@ -21,8 +21,7 @@ its gradient and the backward communication is each collective's backward.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,7 +33,7 @@ from ..sim_mesh.collectives import Cells
 from ..sim_mesh.trace import current_trace
 from . import layout
 from .dist_tensor import DistTensor, TensorSpec, _stack_cells
-from .placement import Partial, Replicate, Shard, fmt_placements
+from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
 

@@ -22,7 +22,7 @@ import torch
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
 from . import layout
-from .placement import Partial, Placement, Replicate, Shard, normalize_placements
+from .placement import Partial, Replicate, Shard, normalize_placements
 
 __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import fnmatch
 
-import torch
 from torch import nn
 
 from ..sim_mesh.mesh import Mesh
-from .dist_tensor import DistTensor, shard_tensor
+from .dist_tensor import shard_tensor
 from .placement import Replicate, Shard, parse_placements
 
 __all__ = ["parallelize", "dist_parameters", "STYLES"]
@@ -95,17 +94,3 @@ def dist_parameters(module: nn.Module):
         for pname in getattr(mod, "_wb_dist_params", {}):
             yield (f"{mname}.{pname}" if mname else pname), getattr(mod, pname)
 
-
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad on every DistTensor's local shards (an exercise-sized optimizer)."""
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        loc, gl = p._local, g._local
-        if isinstance(loc, torch.Tensor):
-            loc.sub_(lr * gl)
-        else:
-            for a, b in zip(loc.items, gl.items):
-                a.sub_(lr * b)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from functools import lru_cache
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -58,12 +58,11 @@ def einsum_options(eq: str, specs) -> list[tuple]:
 
 def matmul_equation(a_shape, b_shape) -> str:
     """The einsum equation of torch.matmul for these shapes (broadcast batch dims)."""
-    letters = iter(string.ascii_lowercase)
-    m, k, n = "m", "k", "n"
+    letters = iter(string.ascii_lowercase)          # batch letters; m, k, n are taken
     if len(a_shape) == 1 and len(b_shape) == 1:
         return "k,k->"
     if len(a_shape) == 1:
-        bb = "".join(next(letters) for _ in range(len(b_shape) - 2)).replace("k", "q")
+        bb = "".join(_take(letters, len(b_shape) - 2))
         return f"k,{bb}kn->{bb}n"
     if len(b_shape) == 1:
         ab = "".join(_take(letters, len(a_shape) - 2))

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
-from ..placement import Placement, Replicate, fmt_placements
+from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
            "combine", "RULES", "NoRuleError", "describe", "strategy_cost"]

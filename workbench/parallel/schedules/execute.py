@@ -141,11 +141,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
             stage_in[key] = x
             out = stages[s](x)
             if s == last:
-                loss = loss_fn(out, a.mb)
-                if isinstance(loss, DistTensor) and any(q.is_partial() for q in loss.placements):
-                    loss = reshard(loss, loss.mesh, loss._grad_placements())
-                losses[a.mb] = float(_value(loss))
-                out = loss * (1.0 / m)
+                out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             stage_out[key] = out
         else:
             out = stage_out[key]
@@ -180,6 +176,15 @@ def _grad_of(x):
     g = x.grad
     x.grad = None
     return g
+
+
+def last_stage_loss(loss_fn, out, mb: int, m: int):
+    """The last stage's loss of micro-batch ``mb``: (loss / m to backpropagate, its value).
+    A partial loss is reduced first, so every rank seeds the same gradient."""
+    loss = loss_fn(out, mb)
+    if isinstance(loss, DistTensor) and any(q.is_partial() for q in loss.placements):
+        loss = reshard(loss, loss.mesh, loss._grad_placements())
+    return loss * (1.0 / m), float(_value(loss))
 
 
 def backward_action(a, schedule, out, g, x, s, params, stage_out, key) -> None:

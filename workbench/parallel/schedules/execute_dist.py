@@ -19,7 +19,6 @@ from ...sim_mesh import cost as _cost
 from ...sim_mesh.trace import current_trace
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from ..reshard import reshard
 
 __all__ = ["run_pipeline_dist"]
 
@@ -56,7 +55,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
                       dtype=torch.float32):
     """Run ``schedule``; ``inputs`` are used only on the first stage's processes.
     Returns a PipelineRun whose losses are broadcast to every process."""
-    from .execute import PipelineRun, _grad_of, backward_action
+    from .execute import PipelineRun, _grad_of, backward_action, last_stage_loss
     me = _B.rank()
     p, m, v = schedule.p, schedule.m, schedule.v
     mine = [r for r in range(p) if me in meshes[r]]
@@ -102,11 +101,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             stage_in[key] = x
             out = stages[s](x)
             if s == last:
-                loss = loss_fn(out, a.mb)
-                if any(q.is_partial() for q in loss.placements):
-                    loss = reshard(loss, loss.mesh, loss._grad_placements())
-                losses[a.mb] = float(loss.full().detach())
-                out = loss * (1.0 / m)
+                out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             else:
                 send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
             stage_out[key] = out

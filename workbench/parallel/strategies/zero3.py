@@ -31,7 +31,6 @@ class Zero3:
 
     def __init__(self, module: nn.Module, mesh, dp="dp", lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0):
-        from ..module import dist_parameters
         self.module, self.mesh = module, mesh
         self.axis = mesh.dim(dp)
         self.n = mesh.shape[self.axis]
