@@ -95,3 +95,21 @@ def ref_local(x, mesh_shape, placements, coord):
             pieces += [t.narrow(d, t.shape[d], 0)] * (n - len(pieces))
             t = pieces[coord[i]]
     return t
+
+
+def partial_locals(x, mesh_shape, placements):
+    """Unequal integer parts that sum to x's shard exactly over the Partial mesh dims:
+    part k = shard * (k + 1) + k for all but the last, the last the remainder."""
+    pdims = [i for i, p in enumerate(placements) if isinstance(p, wb.Partial)]
+    n = math.prod(mesh_shape[i] for i in pdims)
+    as_rep = [wb.Replicate() if isinstance(p, wb.Partial) else p for p in placements]
+    out = []
+    for c in coords(mesh_shape):
+        k = 0
+        for i in pdims:
+            k = k * mesh_shape[i] + c[i]
+        base = ref_local(x, mesh_shape, as_rep, c)
+        others = [base * (j + 1) + j for j in range(n - 1)]
+        out.append((others[k] if k < n - 1 else base - sum(others, torch.zeros_like(base)))
+                   .contiguous())
+    return out

@@ -132,25 +132,7 @@ class CommRecorder(TorchDispatchMode):
 
 # ---- inputs -----------------------------------------------------------------------------
 
-from tests.dtensor_support import coords, ref_local, to_dt  # noqa: E402
-
-
-def partial_locals(x, mesh_shape, placements):
-    """Unequal integer parts that sum to x's shard exactly over the Partial mesh dims:
-    part k = shard * (k + 1) + k for all but the last, the last the remainder."""
-    pdims = [i for i, p in enumerate(placements) if isinstance(p, wb.Partial)]
-    n = math.prod(mesh_shape[i] for i in pdims)
-    as_rep = [R() if isinstance(p, wb.Partial) else p for p in placements]
-    out = []
-    for c in coords(mesh_shape):
-        k = 0
-        for i in pdims:
-            k = k * mesh_shape[i] + c[i]
-        base = ref_local(x, mesh_shape, as_rep, c)
-        others = [base * (j + 1) + j for j in range(n - 1)]
-        out.append((others[k] if k < n - 1 else base - sum(others, torch.zeros_like(base)))
-                   .contiguous())
-    return out
+from tests.dtensor_support import coords, partial_locals, ref_local, to_dt  # noqa: E402
 
 
 def has_partial(ps):

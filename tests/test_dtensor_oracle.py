@@ -56,22 +56,7 @@ from tests.dtensor_support import oracle  # noqa: E402,F401  (the fixture)
 
 # ---- helpers -----------------------------------------------------------------------------
 
-from tests.dtensor_support import coords, ref_local, to_dt  # noqa: E402
-
-
-def partial_locals(x, mesh_shape, placements):
-    """Unequal per-rank parts: the shard of x (Partial read as Replicate), scaled and
-    shifted by the rank's index along the Partial mesh dims (equal along Replicate)."""
-    pdims = [i for i, p in enumerate(placements) if isinstance(p, wb.Partial)]
-    as_rep = [R() if isinstance(p, wb.Partial) else p for p in placements]
-    out = []
-    for c in coords(mesh_shape):
-        k = 0
-        for i in pdims:
-            k = k * mesh_shape[i] + c[i]
-        base = ref_local(x, mesh_shape, as_rep, c)
-        out.append((base * (k + 1) + k).contiguous())
-    return out
+from tests.dtensor_support import coords, partial_locals, ref_local, to_dt  # noqa: E402
 
 
 def bits(t):
