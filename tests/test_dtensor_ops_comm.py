@@ -132,7 +132,7 @@ class CommRecorder(TorchDispatchMode):
 
 # ---- inputs -----------------------------------------------------------------------------
 
-from tests.dtensor_support import coords, partial_locals, ref_local, to_dt  # noqa: E402
+from tests.dtensor_support import partial_locals, to_dt  # noqa: E402
 
 
 def has_partial(ps):
