@@ -7,22 +7,26 @@
     >>> t.local(3).shape
     torch.Size([4, 3])
 
-Every rank's local shard is held in one stacked tensor ``t._local`` with one
+Every rank's local shard is held in ``t._local``: one stacked tensor with one
 leading axis per mesh dimension (size 1 where the tensor is replicated), or, when
-shard shapes differ (uneven ``torch.chunk`` splits), in :class:`Cells`, one tensor
-per rank.  See :mod:`workbench.sim_mesh.collectives`.
+shard shapes differ (uneven ``torch.chunk`` splits), :class:`Cells`, one tensor per
+rank; on torch.distributed, this process's shard.  :mod:`workbench.parallel.storage`
+owns these forms; this module never asks which one it holds.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Sequence
 
 import torch
 
+from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
-from . import layout
-from .placement import Partial, Replicate, Shard, normalize_placements
+from . import layout, storage
+from .placement import Partial, Replicate, Shard, check_partial_dtype, normalize_placements
 
 __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
 
@@ -38,6 +42,13 @@ class TensorSpec:
 
     def __init__(self, shape: Sequence[int], mesh: Mesh, placements, dtype=torch.float32,
                  _trusted: bool = False):
+        if not _trusted:
+            shape = _check_shape(shape)
+            if not isinstance(mesh, Mesh):
+                raise TypeError(f"TensorSpec(mesh={mesh!r:.60}): expected a workbench Mesh")
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"TensorSpec(dtype={dtype!r}): expected a torch.dtype, "
+                                "e.g. torch.float32")
         self.shape = torch.Size(shape)
         self.mesh = mesh
         self.placements = tuple(placements) if _trusted else \
@@ -65,6 +76,27 @@ class TensorSpec:
 
     def __hash__(self):
         return self._hash
+
+
+def _check_shape(shape) -> tuple:
+    """A shape as a tuple of non-negative ints, or an error naming the bad size."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        sizes = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape={shape!r}: expected a sequence of ints, e.g. (8, 4)") from None
+    out = []
+    for n in sizes:
+        try:
+            k = -1 if isinstance(n, bool) else operator.index(n)
+        except TypeError:
+            k = -1
+        if k < 0:
+            raise ValueError(f"shape={sizes}: size {n!r} is not a non-negative int; "
+                             "every size must be an int >= 0")
+        out.append(k)
+    return tuple(out)
 
 
 def notation(shape, mesh, placements, dtype=torch.float32, names: str | None = None) -> str:
@@ -136,26 +168,25 @@ class DistTensor:
 
     @property
     def device(self):
-        return (self._local.items[0] if isinstance(self._local, Cells) else self._local).device
+        return storage.device(self._local)
 
     # ---- shards ----------------------------------------------------------------------
     def local(self, rank: int | None = None) -> torch.Tensor:
         """The local shard that ``rank`` holds (on torch.distributed: this process's,
         ``rank`` may be omitted)."""
-        from ..sim_mesh import backends as _B
         if _B.is_distributed(self.mesh):
             me = _B.rank()
             if rank is not None and rank != me:
                 raise ValueError(f"local(rank={rank}) in process {me}: on torch.distributed "
                                  "each process holds only its own shard")
-            return self._local.reshape(self._local.shape[self.mesh.ndim:])
+            return storage.own(self._local, self.mesh)
         if rank is None:
-            raise ValueError("local(rank=None): give the rank whose shard you want")
-        c = self.mesh.coordinate(rank)
-        if isinstance(self._local, Cells):
-            return self._local[c]
-        idx = tuple(ci if n > 1 else 0 for ci, n in zip(c, self._local.shape[:self.mesh.ndim]))
-        return self._local[idx]
+            raise ValueError("local(rank=None): give the rank whose shard you want, one of "
+                             f"{list(self.mesh.ranks)}")
+        if rank not in self.mesh:
+            raise ValueError(f"local(rank={rank!r}): not a rank of this mesh; use one of "
+                             f"{list(self.mesh.ranks)}")
+        return storage.rank_view(self._local, self.mesh, rank)
 
     def locals(self) -> list[torch.Tensor]:
         """Every rank's local shard, in mesh (row-major) order (simulation only)."""
@@ -171,63 +202,44 @@ class DistTensor:
         t = self
         if any(not p.is_replicate() for p in self.placements):
             t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
-        from ..sim_mesh import backends as _B
         return t.local(None if _B.is_distributed(self.mesh) else self.mesh.ranks[0])
 
     def cells(self) -> Cells:
         """The local shards as Cells (a grid of tensors), whatever the layout."""
-        if isinstance(self._local, Cells):
-            return self._local
-        nd = self.mesh.ndim
-        lead = tuple(self._local.shape[:nd])
-        flat = self._local.reshape((-1,) + tuple(self._local.shape[nd:])) if lead else self._local
-        return Cells(lead, list(flat.unbind(0)))
+        return storage.to_cells(self._local, self.mesh.ndim)
 
     # ---- autograd ----------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        loc = self._local
-        return loc.requires_grad() if isinstance(loc, Cells) else loc.requires_grad
+        return any(t.requires_grad for t in storage.tensors(self._local))
 
     @property
     def is_leaf(self) -> bool:
-        loc = self._local
-        ts = loc.items if isinstance(loc, Cells) else [loc]
-        return all(t.is_leaf for t in ts)
+        return all(t.is_leaf for t in storage.tensors(self._local))
 
     def requires_grad_(self, flag: bool = True) -> "DistTensor":
         """Make this DistTensor a leaf of autograd: its ``.grad`` becomes a DistTensor."""
         if not self.dtype.is_floating_point and flag:
             raise TypeError(f"requires_grad_() on a {self.dtype} DistTensor: only floating "
                             "point tensors can require gradients")
-        loc = self._local
-        if isinstance(loc, Cells):
-            self._local = Cells(loc.lead, [t.detach().requires_grad_(flag) for t in loc.items])
-        else:
-            self._local = loc if (loc.is_leaf and not flag) else loc.detach().requires_grad_(flag)
-            if not flag:
-                self._local = self._local.detach()
+        self._local = storage.map_tensors(self._local,
+                                          lambda t: t.detach().requires_grad_(flag))
         return self
 
     @property
     def grad(self) -> "DistTensor | None":
-        loc = self._local
-        if isinstance(loc, Cells):
-            gs = [t.grad for t in loc.items]
-            if all(g is None for g in gs):
-                return None
-            gs = [torch.zeros_like(t) if g is None else g for g, t in zip(gs, loc.items)]
-            return DistTensor(Cells(loc.lead, gs), self.mesh, self._grad_placements(), self.shape)
-        if loc.grad is None:
+        ts = storage.tensors(self._local)
+        if all(t.grad is None for t in ts):
             return None
-        return DistTensor(loc.grad, self.mesh, self._grad_placements(), self.shape)
+        g = storage.map_tensors(self._local,
+                                lambda t: torch.zeros_like(t) if t.grad is None else t.grad)
+        return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
 
     @grad.setter
     def grad(self, value) -> None:
         if value is not None:
             raise ValueError("set .grad to None (zero_grad); assign gradients through backward()")
-        loc = self._local
-        for t in (loc.items if isinstance(loc, Cells) else [loc]):
+        for t in storage.tensors(self._local):
             t.grad = None
 
     def _grad_placements(self):
@@ -235,8 +247,7 @@ class DistTensor:
         return tuple(Replicate() if p.is_partial() else p for p in self.placements)
 
     def detach(self) -> "DistTensor":
-        loc = self._local
-        loc = Cells(loc.lead, [t.detach() for t in loc.items]) if isinstance(loc, Cells) else loc.detach()
+        loc = storage.map_tensors(self._local, lambda t: t.detach())
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
     def backward(self, gradient=None) -> None:
@@ -249,15 +260,11 @@ class DistTensor:
             from .reshard import reshard
             t = reshard(self, self.mesh, self._grad_placements())
         if gradient is None:
-            loc = t._local
-            if isinstance(loc, Cells):
-                loc.items[0].sum().backward()
-            else:
-                # replicated axes are compact (size 1): this is the one global value
-                torch.autograd.backward(loc.reshape(-1)[:1].sum())
+            # replicated axes are compact (size 1): the first element is the one value
+            torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
             return
         g = gradient._local if isinstance(gradient, DistTensor) else gradient
-        if isinstance(t._local, Cells) or isinstance(g, Cells):
+        if not t.is_even or isinstance(g, Cells):
             raise NotImplementedError("backward(gradient=...) on uneven DistTensors: "
                                       "reshard to an even layout first")
         torch.autograd.backward(t._local, g.expand_as(t._local) if g.dim() == t._local.dim() else g)
@@ -283,32 +290,51 @@ class DistTensor:
 # ---- construction -------------------------------------------------------------------------
 
 def _stack_cells(cells: Cells, nd: int) -> torch.Tensor:
-    st = torch.stack(cells.items)
-    return st.reshape(tuple(cells.lead) + tuple(st.shape[1:]))
+    """Cells of equal shapes as one stack (kept for callers; see storage.to_stacked)."""
+    return storage.to_stacked(cells)
+
+
+def _as_tensor(x, arg: str, fn: str) -> torch.Tensor:
+    """A tensor from a tensor, a number or a nested list of numbers; anything else is
+    an error naming the argument."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, DistTensor):
+        raise TypeError(f"{fn}({arg}=DistTensor): it is already distributed; use reshard()")
+    ok = isinstance(x, (int, float, complex, bool, list, tuple)) or hasattr(x, "__array__")
+    if ok:
+        try:
+            return torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{fn}({arg}={x!r:.60}): cannot make a tensor of it ({e}); "
+                            "give a torch.Tensor") from None
+    raise TypeError(f"{fn}({arg}={x!r:.60}): a {type(x).__name__} is not a tensor; "
+                    "give a torch.Tensor (or numbers)")
 
 
 def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = None) -> DistTensor:
     """Lay the global tensor ``x`` out on ``mesh``: each rank keeps its shard.
 
     ``Partial("sum")`` keeps the value on the first rank of each group and zeros
-    elsewhere (so the sum is exact); other Partial ops keep the value everywhere."""
-    from .reshard import _local_step
+    elsewhere (so the sum is exact); other Partial ops keep the value everywhere.
+    The DistTensor holds a copy: later in-place edits of ``x`` do not change it."""
     if isinstance(x, DistTensor):
         raise TypeError("shard_tensor(x=DistTensor): x is already distributed; use reshard()")
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+    x = _as_tensor(x, "x", "shard_tensor")
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh, e.g. Mesh.grid((2, 2))")
+        raise TypeError(f"shard_tensor(mesh={mesh!r:.60}): expected a workbench Mesh, "
+                        "e.g. Mesh.grid((2, 2))")
     ps = normalize_placements(placements, mesh, x.dim())
+    check_partial_dtype(ps, x.dtype)
     nd = mesh.ndim
     cur = tuple(Replicate() for _ in range(nd))
-    t = DistTensor(x.reshape((1,) * nd + tuple(x.shape)), mesh, cur, x.shape, x.dtype, names)
+    loc = storage.from_global(x, mesh)
     for i, p in enumerate(ps):          # left to right, as DTensor nests shards
         if not p.is_replicate():
             nxt = cur[:i] + (p,) + cur[i + 1:]
-            t = _local_step(t, i, nxt)
+            loc = storage.local_step(loc, x.shape, mesh, cur, nxt, i)
             cur = nxt
-    return t
+    return DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
 
 
 def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,
@@ -319,21 +345,24 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     matmul.  The global shape is inferred from the shards unless ``shape`` is given;
     shards that do not fit it, or Replicate copies that differ, are errors."""
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
-    from ..sim_mesh import backends as _B
+        raise TypeError(f"from_local(mesh={mesh!r:.60}): expected a workbench Mesh")
     if _B.is_distributed(mesh):
         if isinstance(locals_, (list, tuple)):
             raise TypeError("from_local on torch.distributed takes this process's local tensor, "
                             "not a list of every rank's")
-        t = torch.as_tensor(locals_)
+        t = _as_tensor(locals_, "locals_", "from_local")
         ps = normalize_placements(placements, mesh, t.dim())
+        check_partial_dtype(ps, t.dtype)
         if shape is None:           # even shards: the global size is the local times the split
             shape = list(t.shape)
             for i, p in enumerate(ps):
                 if p.is_shard():
                     shape[p.dim] *= mesh.shape[i]
         return DistTensor(t.reshape((1,) * mesh.ndim + tuple(t.shape)), mesh, ps, shape, t.dtype)
-    locals_ = [torch.as_tensor(t) for t in locals_]
+    if not isinstance(locals_, (list, tuple)):
+        raise TypeError(f"from_local(locals_={type(locals_).__name__}): give a list of "
+                        f"{mesh.size} tensors, one per rank in mesh order")
+    locals_ = [_as_tensor(t, f"locals_[{k}]", "from_local") for k, t in enumerate(locals_)]
     if len(locals_) != mesh.size:
         raise ValueError(f"locals has {len(locals_)} tensors for a mesh of {mesh.size} ranks; "
                          "give one local tensor per rank, in mesh order")
@@ -344,6 +373,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     if any(t.dtype != locals_[0].dtype for t in locals_):
         raise TypeError(f"local tensors have different dtypes {sorted({str(t.dtype) for t in locals_})}")
     ps = normalize_placements(placements, mesh, nd0)
+    check_partial_dtype(ps, locals_[0].dtype)
     if shape is None:
         shape = list(locals_[0].shape)
         for d in range(nd0):
@@ -352,7 +382,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                 first = [r for r in mesh.ranks
                          if all(c == 0 for i, c in enumerate(mesh.coordinate(r)) if i not in axes)]
                 shape[d] = sum(locals_[mesh.index(r)].shape[d] for r in first)
-    shape = torch.Size(shape)
+    shape = TensorSpec(shape, mesh, ps).shape
     for r, t in zip(mesh.ranks, locals_):
         want = layout.local_shape(shape, mesh, ps, r)
         if tuple(t.shape) != want:
@@ -371,9 +401,5 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                                  "parts of a sum")
             continue
         cells[c] = t
-    import itertools
-    items = [cells[c] for c in itertools.product(*[range(n) for n in lead])]
-    cl = Cells(lead, items)
-    if layout.is_even(shape, mesh, ps):
-        return DistTensor(_stack_cells(cl, mesh.ndim), mesh, ps, shape)
-    return DistTensor(cl, mesh, ps, shape, locals_[0].dtype)
+    cl = Cells(lead, [cells[c] for c in itertools.product(*[range(n) for n in lead])])
+    return DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)

@@ -18,8 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+import torch
+
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "parse_placements",
-           "normalize_placements", "PARTIAL_OPS"]
+           "normalize_placements", "check_partial_dtype", "PARTIAL_OPS"]
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 
@@ -96,6 +98,9 @@ def parse_placements(placements) -> tuple[Placement, ...]:
     """Accept a sequence of placements or short strings (``["S(0)", "R"]``)."""
     if isinstance(placements, (Placement, str)):
         placements = [placements]
+    if isinstance(placements, (dict, set, bytes)) or not hasattr(placements, "__iter__"):
+        raise TypeError(f"placements={placements!r:.60}: expected a list with one placement "
+                        "per mesh dim, e.g. [Shard(0), Replicate()]")
     return tuple(_parse_one(p) for p in placements)
 
 
@@ -119,7 +124,32 @@ def normalize_placements(placements, mesh, ndim: int, arg: str = "placements") -
                     f"Shard({p.dim}) on a 0-d tensor: a scalar cannot be sharded; use Replicate()")
             p = Shard(p.dim % ndim)
         out.append(p)
+    ops = sorted({p.reduce_op for p in out if isinstance(p, Partial)})
+    if len(ops) > 1:
+        # sum over one mesh dim and max over another do not commute: the value would
+        # depend on the order of the reductions (PyTorch DTensor refuses it too)
+        raise ValueError(f"{arg}={[str(p) for p in out]} mixes Partial ops {ops}: the value "
+                         "would depend on which mesh dim is reduced first; use one reduce op "
+                         "for every Partial, or reduce one of them first (reshard)")
     return tuple(out)
+
+
+def check_partial_dtype(placements, dtype, arg: str = "placements") -> None:
+    """Refuse a Partial that no reduction in ``dtype`` computes exactly.
+
+    Reductions keep the tensor's dtype, as torch.distributed's do.  A bool has no sum
+    (a sum of bools is a count, not a bool) and no average; an integer average rounds.
+    ``Partial("max")`` / ``Partial("min")`` of bools are logical or / and."""
+    for p in placements:
+        if not isinstance(p, Partial):
+            continue
+        if dtype == torch.bool and p.reduce_op in ("sum", "avg"):
+            raise ValueError(f"{arg}: {p} on a torch.bool tensor: a {p.reduce_op} of bools "
+                             "is not a bool; use Partial('max') (logical or) or "
+                             "Partial('min') (logical and), or cast to an integer dtype first")
+        if p.reduce_op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"{arg}: {p} on a {dtype} tensor: an integer average rounds; "
+                             "cast to a floating-point dtype first, or use Partial('sum')")
 
 
 def fmt_placements(ps: Sequence[Placement]) -> str:

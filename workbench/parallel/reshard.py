@@ -27,16 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
-from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
-from . import layout
-from .dist_tensor import DistTensor, _stack_cells, shard_tensor
-from .placement import Partial, Replicate, Shard, fmt_placements, normalize_placements
+from . import layout, storage
+from .dist_tensor import DistTensor, shard_tensor
+from .placement import (Partial, Replicate, Shard, check_partial_dtype, fmt_placements,
+                        normalize_placements)
 
 __all__ = ["Step", "Plan", "plan_reshard", "reshard"]
 
@@ -211,10 +210,13 @@ def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> 
     """The cheapest plan that moves ``t`` (a DistTensor or TensorSpec) to
     ``placements`` on ``mesh`` (default: its own mesh), priced on ``profile``
     (default: the current trace's, else the default profile)."""
+    if not (hasattr(t, "placements") and hasattr(t, "mesh") and hasattr(t, "dtype")):
+        raise TypeError(f"plan_reshard(t={type(t).__name__}): expected a DistTensor or a "
+                        "TensorSpec")
     if mesh is None:
         mesh = t.mesh
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
+        raise TypeError(f"plan_reshard(mesh={mesh!r:.60}): expected a workbench Mesh")
     if placements is None:
         raise ValueError("placements=None: give the target placements, e.g. [Replicate()]")
     if profile is None:
@@ -223,6 +225,7 @@ def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> 
     prof = get_profile(profile)
     shape = tuple(t.shape)
     dst = normalize_placements(placements, mesh, len(shape))
+    check_partial_dtype(dst, t.dtype)
     src = tuple(t.placements)
     if mesh == t.mesh:
         return _plan_cached(shape, t.dtype, mesh, src, dst, prof.name)
@@ -235,23 +238,33 @@ def _plan_cross_mesh(shape, dtype, smesh, src, dmesh, dst, prof) -> list[Step]:
     """Same mesh shape: reshard on the source mesh, then rank i sends to rank i.
     Other shapes: replicate on the source mesh, then each target rank receives its
     shard from one source rank (round robin)."""
+    nb = _nbytes(shape, dmesh, dst, dtype)
     if smesh.shape == dmesh.shape:
         steps = _plan_same_mesh(shape, dtype, smesh, src, dst, prof)
-        nb = _nbytes(shape, dmesh, dst, dtype)
-        pairs = [(a, b) for a, b in zip(smesh.ranks, dmesh.ranks) if a != b]
-        t = max((_cost.price("send_recv", nb, pr, prof) for pr in pairs), default=0.0)
-        steps.append(Step("send_recv", None, "", dst, dst, nb if pairs else 0, t, nb, len(pairs),
-                          note=f"{len(pairs)} pairs"))
-        return steps
-    rep = tuple(Replicate() for _ in smesh.shape)
-    steps = _plan_same_mesh(shape, dtype, smesh, src, rep, prof)
-    nb = _nbytes(shape, dmesh, dst, dtype)
-    pairs = _cross_pairs(smesh, dmesh)
-    t = max((_cost.price("send_recv", nb, pr, prof) for pr in pairs if pr[0] != pr[1]), default=0.0)
-    moved = sum(1 for a, b in pairs if a != b)
-    steps.append(Step("send_recv", None, "", rep, dst, nb if moved else 0, t, nb, moved,
-                      note=f"{moved} pairs"))
+        pairs = list(zip(smesh.ranks, dmesh.ranks))
+        before = dst
+    else:
+        before = tuple(Replicate() for _ in smesh.shape)
+        steps = _plan_same_mesh(shape, dtype, smesh, src, before, prof)
+        pairs = _cross_pairs(smesh, dmesh)
+    pairs = [(a, b) for a, b in pairs if a != b]
+    t, sent = _sends(pairs, nb, prof)
+    steps.append(Step("send_recv", None, "", before, dst, sent, t, nb, len(pairs),
+                      note=f"{len(pairs)} pairs"))
     return steps
+
+
+def _sends(pairs, nb, prof) -> tuple[float, int]:
+    """(modeled time, bytes the busiest rank sends) of the point-to-point sends
+    ``pairs``, run in order as the trace runs them: a send starts once both its ranks
+    are free, so a rank that feeds several targets sends one after the other."""
+    clock: dict[int, float] = {}
+    sent: dict[int, int] = {}
+    for a, b in pairs:
+        start = max(clock.get(a, 0.0), clock.get(b, 0.0))
+        clock[a] = clock[b] = start + _cost.price("send_recv", nb, (a, b), prof)
+        sent[a] = sent.get(a, 0) + nb
+    return max(clock.values(), default=0.0), max(sent.values(), default=0)
 
 
 def _cross_pairs(smesh, dmesh):
@@ -301,29 +314,8 @@ def execute(plan: Plan, t):
     return t
 
 
-def _layout_for(t, new_ps):
-    """The local data of t in the representation both layouts can use."""
-    if _B.is_distributed(t.mesh):
-        return t._local
-    even = layout.is_even(t.shape, t.mesh, t.placements) and \
-        layout.is_even(t.shape, t.mesh, new_ps)
-    if even and isinstance(t._local, Cells):
-        return _stack_cells(t._local, t.mesh.ndim)
-    if not even and not isinstance(t._local, Cells):
-        return t.cells()
-    return t._local
-
-
-def _finish(t, x, new_ps):
-    if _B.is_distributed(t.mesh):
-        return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
-    if isinstance(x, Cells) and layout.is_even(t.shape, t.mesh, new_ps):
-        x = _stack_cells(x, t.mesh.ndim)
-    return DistTensor(x, t.mesh, new_ps, t.shape, t.dtype, t.names)
-
-
 def _collective_step(t, s: Step):
-    x = _layout_for(t, s.dst)
+    x = storage.for_layout(t._local, t.shape, t.mesh, t.placements, s.dst)
     i, old, new = s.mesh_dim, s.src[s.mesh_dim], s.dst[s.mesh_dim]
     label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
     if s.kind == "all_gather":
@@ -336,97 +328,17 @@ def _collective_step(t, s: Step):
         y = C.all_to_all(x, t.mesh, i, new.dim, old.dim, label=label)
     else:
         raise ValueError(f"unknown step {s.kind!r}")
-    return _finish(t, y, s.dst)
+    y = storage.settle(y, t.shape, t.mesh, s.dst)
+    return DistTensor(y, t.mesh, s.dst, t.shape, t.dtype, t.names)
 
 
 def _local_step(t, i: int, new_ps):
-    """R -> S (slice), R -> P (first rank keeps the value) or S -> P(sum) (zero pad)."""
-    mesh, nd = t.mesh, t.mesh.ndim
+    """R -> S (slice), R -> P (first rank keeps the value) or S -> P(sum) (zero pad):
+    see :func:`workbench.parallel.storage.local_step`."""
     old, new = t.placements[i], new_ps[i]
-    n = mesh.shape[i]
-    if _B.is_distributed(mesh):
-        return _local_step_dist(t, i, old, new, new_ps)
-    x = _layout_for(t, new_ps)
-    label = f"{old}->{new} on {mesh.dim_names[i]}" if current_trace() is not None else ""
-    if isinstance(old, Replicate) and isinstance(new, Shard):
-        d = new.dim
-        if isinstance(x, Cells):
-            src = x
-            y = x.with_axis(i, n, lambda c: C._chunks(src[c], d, n)[c[i]])
-            return _finish(t, C._on_backward(y, "all_gather", mesh, i, C.nbytes_of(src), label),
-                           new_ps)
-        L = x.shape[nd + d]
-        y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
-        nb = (x.numel() // max(1, _lead_numel(x, nd))) * x.element_size()
-        return _finish(t, C._on_backward(y, "all_gather", mesh, i, nb, label), new_ps)
-    if isinstance(old, Replicate) and isinstance(new, Partial):
-        keep_all = new.reduce_op != "sum"
-        if isinstance(x, Cells):
-            src = x
-            y = x.with_axis(i, n, lambda c: src[c] if (keep_all or c[i] == 0)
-                            else torch.zeros_like(src[c]))
-            return _finish(t, y, new_ps)
-        if keep_all:
-            y = C._expand_axis(x, i, n)
-        else:
-            zshape = list(x.shape)
-            zshape[i] = n - 1
-            y = torch.cat([x, x.new_zeros(zshape)], dim=i) if n > 1 else x
-        return _finish(t, y, new_ps)
-    if isinstance(old, Shard) and isinstance(new, Partial) and new.reduce_op == "sum":
-        d = old.dim
-        if isinstance(x, Cells):
-            # zero-pad each shard to the length its group gathers
-            padded = {}
-            for cs, ts in x.lines(i):
-                total = sum(tt.shape[d] for tt in ts)
-                off = 0
-                for c, tt in zip(cs, ts):
-                    pads = [0, 0] * (tt.dim() - 1 - d) + [off, total - off - tt.shape[d]]
-                    padded[c] = torch.nn.functional.pad(tt, pads)
-                    off += tt.shape[d]
-            y = Cells(x.lead, [padded[c] for c in x.coords()])
-            return _finish(t, y, new_ps)
-        L = x.shape[nd + d]
-        xe = x.unsqueeze(nd + d).expand(*x.shape[:nd + d], n, *x.shape[nd + d:])
-        shape = [1] * xe.dim()
-        shape[i] = n
-        shape[nd + d] = n
-        eye = torch.eye(n, dtype=torch.bool, device=x.device).reshape(shape)
-        y = torch.where(eye, xe, torch.zeros((), dtype=x.dtype, device=x.device))
-        y = y.flatten(nd + d, nd + d + 1)
-        return _finish(t, y, new_ps)
-    raise ValueError(f"no local step from {old} to {new}")
-
-
-def _local_step_dist(t, i, old, new, new_ps):
-    """The local steps on torch.distributed: this process keeps its own part."""
-    mesh, nd = t.mesh, t.mesh.ndim
-    x = t._local
-    pg, group = _B.group(mesh, i)
-    n, k = len(group), group.index(_B.rank())
-    lead = tuple(x.shape[:nd])
-    loc = x.reshape(x.shape[nd:])
-    if isinstance(old, Replicate) and isinstance(new, Shard):
-        y = _B.SliceOwn.apply(loc, pg, n, k, new.dim)
-        nb = loc.numel() * loc.element_size()
-        y = C._on_backward(y, "all_gather", mesh, i, nb, f"{old}->{new}", groups=[group])
-    elif isinstance(old, Replicate) and isinstance(new, Partial):
-        y = _B.KeepOnFirst.apply(loc, k) if new.reduce_op == "sum" else loc
-    elif isinstance(old, Shard) and isinstance(new, Partial) and new.reduce_op == "sum":
-        d, L = old.dim, loc.shape[old.dim]
-        pads = [0, 0] * (loc.dim() - 1 - d) + [k * L, (n - 1 - k) * L]
-        y = torch.nn.functional.pad(loc, pads)
-    else:
-        raise ValueError(f"no local step from {old} to {new}")
-    return DistTensor(y.reshape(lead + tuple(y.shape)), mesh, new_ps, t.shape, t.dtype, t.names)
-
-
-def _lead_numel(x, nd):
-    n = 1
-    for s in x.shape[:nd]:
-        n *= s
-    return n
+    label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
+    y = storage.local_step(t._local, t.shape, t.mesh, t.placements, tuple(new_ps), i, label)
+    return DistTensor(y, t.mesh, new_ps, t.shape, t.dtype, t.names)
 
 
 def _send(t, dmesh, dst_ps):
@@ -435,17 +347,16 @@ def _send(t, dmesh, dst_ps):
         y = C.send_recv(t._local, t.mesh, dmesh, label=f"{t.mesh.ranks} -> {dmesh.ranks}")
         return DistTensor(y, dmesh, dst_ps, t.shape, t.dtype, t.names)
     # t is replicated on its mesh: each target rank gets its shard from one source rank
-    glob = t._local if not isinstance(t._local, Cells) else t._local.items[0]
-    glob = glob.reshape(tuple(t.shape))
+    glob = storage.rank_view(t._local, t.mesh, t.mesh.ranks[0])
     out = shard_tensor(glob, dmesh, dst_ps, names=t.names)
     tr = current_trace()
     if tr is not None:
+        nb = layout.local_numel_max(t.shape, dmesh, dst_ps) * _elem(t.dtype)
         for a, b in _cross_pairs(t.mesh, dmesh):
-            if a == b:
-                continue
-            nb = layout.local_numel_max(t.shape, dmesh, dst_ps) * _elem(t.dtype)
-            tr.record_collective((a, b), "send_recv", _cost.price("send_recv", nb, (a, b), tr.profile),
-                                 bytes=nb, label=f"{a} -> {b}", args={"src": a, "dst": b})
+            if a != b:
+                tr.record_collective((a, b), "send_recv",
+                                     _cost.price("send_recv", nb, (a, b), tr.profile),
+                                     bytes=nb, label=f"{a} -> {b}", args={"src": a, "dst": b})
     return out
 
 

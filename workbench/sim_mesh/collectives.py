@@ -94,6 +94,14 @@ def nbytes_of(x) -> int:
     return x.numel() * x.element_size()
 
 
+def _rank_bytes(x, nd: int) -> int:
+    """Bytes of one rank's (largest) local tensor in a stack with ``nd`` leading axes,
+    or in Cells."""
+    if isinstance(x, Cells):
+        return nbytes_of(x)
+    return (x.numel() // max(1, math.prod(x.shape[:nd]))) * x.element_size()
+
+
 def _needs_grad(x) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -165,8 +173,12 @@ def _check_axis(x, mesh, axis, full: bool, what: str):
 
 
 def _reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor:
+    """``op`` over ``dim`` in the tensor's own dtype, as torch.distributed reduces
+    (torch.sum would turn int32 into int64)."""
     if op == "sum":
-        return stack.sum(dim, keepdim=keepdim)
+        if stack.is_floating_point() or stack.is_complex():
+            return stack.sum(dim, keepdim=keepdim)
+        return stack.sum(dim, keepdim=keepdim, dtype=stack.dtype)
     if op == "avg":
         return stack.mean(dim, keepdim=keepdim)
     if op == "max":
@@ -195,8 +207,7 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
         return _B.tag(y, (axis,)) if expanded else y
     _check_axis(x, mesh, axis, True, "all_reduce")
     n = mesh.shape[axis]
-    nb = nbytes_of(x) if isinstance(x, Cells) else \
-        (x.numel() // math.prod(x.shape[:mesh.ndim])) * x.element_size()
+    nb = _rank_bytes(x, mesh.ndim)
     record_collective("all_reduce", mesh, axis, nb, label)
     if isinstance(x, Cells):
         out = x.with_axis(axis, 1, lambda c: None)
@@ -234,7 +245,7 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
         return out
     y = x.movedim(axis, nd - 1 + dim)
     y = y.flatten(nd - 1 + dim, nd + dim).unsqueeze(axis)
-    nb = (y.numel() // math.prod(y.shape[:nd])) * y.element_size()
+    nb = _rank_bytes(y, nd)
     record_collective("all_gather", mesh, axis, nb, label)
     if expanded:
         return _on_backward(_expand_axis(y, axis, n), "reduce_scatter", mesh, axis, nb, label)
@@ -263,11 +274,11 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
         out = Cells(x.lead, [red[c] for c in x.coords()])
         return _on_backward(out, "all_gather", mesh, axis, nb, label)
     tracing = current_trace() is not None
-    nb = (x.numel() // math.prod(x.shape[:nd])) * x.element_size() \
+    nb = _rank_bytes(x, nd) \
         if tracing or x.requires_grad else 0
     if tracing:
         record_collective("reduce_scatter", mesh, axis, nb, label)
-    y = x.sum(axis, keepdim=True) if op == "sum" else _reduce(x, axis, op)   # (.., 1, .., L)
+    y = _reduce(x, axis, op)                                         # (.., 1, .., L)
     shape = y.shape
     L = shape[nd + dim]
     if axis == nd - 1 and dim == 0:
@@ -286,8 +297,7 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
                      lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim))
     _check_axis(x, mesh, axis, True, "all_to_all")
     nd, n = mesh.ndim, mesh.shape[axis]
-    nb = nbytes_of(x) if isinstance(x, Cells) else \
-        (x.numel() // math.prod(x.shape[:nd])) * x.element_size()
+    nb = _rank_bytes(x, nd)
     record_collective("all_to_all", mesh, axis, nb, label)
     if isinstance(x, Cells):
         res = {}
@@ -313,8 +323,7 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
 def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
     """Every rank of the group gets the tensor of the group's ``root``-th rank."""
     _check_axis(x, mesh, axis, True, "broadcast")
-    nb = nbytes_of(x) if isinstance(x, Cells) else \
-        (x.numel() // math.prod(x.shape[:mesh.ndim])) * x.element_size()
+    nb = _rank_bytes(x, mesh.ndim)
     record_collective("broadcast", mesh, axis, nb, label)
     if isinstance(x, Cells):
         return Cells(x.with_axis(axis, 1, lambda c: None).lead,
@@ -352,7 +361,7 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
         else:
             if x.shape[a] != 1:
                 continue
-            nb = (x.numel() // math.prod(x.shape[:mesh.ndim])) * x.element_size()
+            nb = _rank_bytes(x, mesh.ndim)
             x = _expand_axis(x, a, n)
         x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
     return x
@@ -389,8 +398,7 @@ def send_recv(x, src_mesh, dst_mesh, *, label: str = ""):
     if src_mesh.shape != dst_mesh.shape:
         raise ValueError(f"send_recv: mesh shapes differ ({src_mesh.shape} vs "
                          f"{dst_mesh.shape}); reshape the plan so the meshes match")
-    nb = nbytes_of(x) if isinstance(x, Cells) else \
-        (x.numel() // math.prod(x.shape[:src_mesh.ndim])) * x.element_size()
+    nb = _rank_bytes(x, src_mesh.ndim)
     pairs = [(a, b) for a, b in zip(src_mesh.ranks, dst_mesh.ranks) if a != b]
     tr = current_trace()
     if tr is not None:

@@ -1,0 +1,214 @@
+"""Storage: the local data of a DistTensor, whatever form it takes, behind one interface.
+
+A DistTensor's ``_local`` takes one of three forms:
+
+* **stacked** (the fast path): one tensor ``(*lead, *local)`` with one leading axis per
+  mesh dim, of size ``mesh.shape[i]`` where the shards differ along mesh dim i and of
+  size 1 where every rank holds the same data (a replicated copy is not stored);
+* **cells**: uneven shards (``torch.chunk`` sizes differ), a :class:`Cells` grid of the
+  same leading shape holding one tensor per cell;
+* **own**: on torch.distributed, this process's shard only, stacked with every leading
+  axis of size 1.
+
+Only this module asks which form it holds.  ``dist_tensor.py`` and ``reshard.py`` call
+the functions below: make a stack from a global tensor (:func:`from_global`), a rank's
+view (:func:`rank_view`), the form a layout needs (:func:`for_layout`, :func:`settle`),
+the tensors behind it (:func:`tensors`, :func:`map_tensors`), and the three local
+transitions of a reshard (:func:`local_step`): slice a shard (R -> S), keep a part
+(R -> P) and zero-pad into a partial sum (S -> P(sum)).  Each transition is written
+once per rank (used by cells and by the own shard) plus one vectorized form for the
+stack.  Collectives live below, in :mod:`workbench.sim_mesh.collectives`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sim_mesh import backends as _B
+from ..sim_mesh import collectives as C
+from ..sim_mesh.collectives import Cells
+from . import layout
+from .placement import Partial, Replicate, Shard
+
+__all__ = ["Cells", "form", "from_global", "rank_view", "own", "to_cells", "to_stacked",
+           "for_layout", "settle", "tensors", "map_tensors", "local_step", "device"]
+
+
+def form(loc, mesh) -> str:
+    """``"own"`` (torch.distributed), ``"cells"`` (uneven) or ``"stacked"``."""
+    if _B.is_distributed(mesh):
+        return "own"
+    return "cells" if isinstance(loc, Cells) else "stacked"
+
+
+# ---- building and viewing -------------------------------------------------------------
+
+def from_global(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The replicated layout of the global tensor ``x``: a stack with every leading axis
+    of size 1.  A copy: later in-place edits of ``x`` do not reach the DistTensor."""
+    return x.clone().reshape((1,) * mesh.ndim + tuple(x.shape))
+
+
+def _lead(loc, nd: int) -> tuple:
+    return loc.lead if isinstance(loc, Cells) else tuple(loc.shape[:nd])
+
+
+def rank_view(loc, mesh, rank: int) -> torch.Tensor:
+    """The local shard ``rank`` holds (a view; no copy)."""
+    c = mesh.coordinate(rank)
+    if isinstance(loc, Cells):
+        return loc[c]
+    lead = loc.shape[:mesh.ndim]
+    return loc[tuple(ci if n > 1 else 0 for ci, n in zip(c, lead))]
+
+
+def own(loc, mesh) -> torch.Tensor:
+    """This process's shard on torch.distributed (the stack without its size-1 lead)."""
+    return loc.reshape(loc.shape[mesh.ndim:])
+
+
+def to_cells(loc, nd: int) -> Cells:
+    """The local data as Cells (one tensor per cell of the leading grid)."""
+    if isinstance(loc, Cells):
+        return loc
+    lead = tuple(loc.shape[:nd])
+    # an explicit leading size (not -1): a zero-size shard has no size to infer
+    flat = loc.reshape((math.prod(lead),) + tuple(loc.shape[nd:]))
+    return Cells(lead, list(flat.unbind(0)))
+
+
+def to_stacked(cells) -> torch.Tensor:
+    """Cells whose tensors have one shape, as one stack (the fast layout)."""
+    if not isinstance(cells, Cells):
+        return cells
+    st = torch.stack(cells.items)
+    return st.reshape(tuple(cells.lead) + tuple(st.shape[1:]))
+
+
+def for_layout(loc, shape, mesh, *placements):
+    """The form in which every layout of ``placements`` can be held: stacked when all
+    are even, cells otherwise (the own shard stays as it is)."""
+    if _B.is_distributed(mesh):
+        return loc
+    even = all(layout.is_even(shape, mesh, ps) for ps in placements)
+    return to_stacked(loc) if even else to_cells(loc, mesh.ndim)
+
+
+def settle(loc, shape, mesh, placements):
+    """Cells that a now even layout ``placements`` allows are stacked again."""
+    if isinstance(loc, Cells) and layout.is_even(shape, mesh, placements):
+        return to_stacked(loc)
+    return loc
+
+
+def tensors(loc) -> list[torch.Tensor]:
+    """The tensors that hold the data (one per cell, or the one stack)."""
+    return list(loc.items) if isinstance(loc, Cells) else [loc]
+
+
+def map_tensors(loc, fn):
+    """The same form with ``fn`` applied to each tensor behind it."""
+    if isinstance(loc, Cells):
+        return Cells(loc.lead, [fn(t) for t in loc.items])
+    return fn(loc)
+
+
+def device(loc) -> torch.device:
+    return tensors(loc)[0].device
+
+
+# ---- the local transitions of a reshard (no communication) -----------------------------
+
+def local_step(loc, shape, mesh, old_ps, new_ps, i: int, label: str = ""):
+    """Change mesh dim ``i`` from ``old_ps[i]`` to ``new_ps[i]`` without moving data:
+    R -> S(d) keeps this rank's chunk, R -> P keeps the value on the group's first rank
+    (zeros elsewhere; every rank for max, min and avg), S(d) -> P(sum) zero-pads each
+    shard to its group's length.  Returns the local data of the new layout."""
+    old, new = old_ps[i], new_ps[i]
+    if isinstance(old, Replicate) and isinstance(new, Shard):
+        kind = "slice"
+    elif isinstance(old, Replicate) and isinstance(new, Partial):
+        kind = "partial"
+    elif isinstance(old, Shard) and isinstance(new, Partial) and new.reduce_op == "sum":
+        kind = "pad"
+    else:
+        raise ValueError(f"no local step from {old} to {new}: it needs communication")
+    x = for_layout(loc, shape, mesh, old_ps, new_ps)
+    if isinstance(x, Cells) or _B.is_distributed(mesh):
+        y = _per_rank(kind, x, shape, mesh, old_ps, i, new, label)
+    else:
+        y = _STACKED[kind](x, shape, mesh, old_ps, i, new, label)
+    return settle(y, shape, mesh, new_ps)
+
+
+def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
+    """One rank's transition, applied to every cell, or to this process's shard."""
+    n = mesh.shape[i]
+    if _B.is_distributed(mesh):
+        coord = _B.coordinate(mesh)
+        pg, group = _B.group(mesh, i)
+        t = own(x, mesh)
+        if kind == "slice":             # the backward gathers the gradient across processes
+            y = _B.SliceOwn.apply(t, pg, n, coord[i], new.dim)
+            y = C._on_backward(y, "all_gather", mesh, i, t.numel() * t.element_size(),
+                               label, groups=[group])
+        elif kind == "partial":          # every process keeps the gradient of its copy
+            y = _B.KeepOnFirst.apply(t, coord[i]) if new.reduce_op == "sum" else t
+        else:
+            y = _pad_one(t, shape, mesh, old_ps, i, coord)
+        return y.reshape((1,) * mesh.ndim + tuple(y.shape))
+    src = x
+    if kind == "slice":
+        y = x.with_axis(i, n, lambda c: C._chunks(src[c], new.dim, n)[c[i]])
+        return C._on_backward(y, "all_gather", mesh, i, C.nbytes_of(src), label)
+    if kind == "partial":
+        keep_all = new.reduce_op != "sum"
+        return x.with_axis(i, n, lambda c: src[c] if keep_all or c[i] == 0
+                           else torch.zeros_like(src[c]))
+    return Cells(x.lead, [_pad_one(x[c], shape, mesh, old_ps, i, c) for c in x.coords()])
+
+
+def _pad_one(t, shape, mesh, old_ps, i, coord):
+    """S(d) -> P(sum) for the rank at ``coord``: place its shard at its offset within
+    the block its group along mesh dim ``i`` holds, zeros elsewhere."""
+    d = old_ps[i].dim
+    whole = old_ps[:i] + (Replicate(),) + old_ps[i + 1:]
+    coord = tuple(coord)
+    start, size = layout._bounds(tuple(shape), mesh.shape, tuple(old_ps), coord)[d]
+    g_start, g_size = layout._bounds(tuple(shape), mesh.shape, whole, coord)[d]
+    off = start - g_start
+    pads = [0, 0] * (t.dim() - 1 - d) + [off, g_size - off - size]
+    return torch.nn.functional.pad(t, pads)
+
+
+def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
+    nd, n, d = mesh.ndim, mesh.shape[i], new.dim
+    L = x.shape[nd + d]
+    y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
+    nb = (x.numel() // max(1, math.prod(x.shape[:nd]))) * x.element_size()
+    return C._on_backward(y, "all_gather", mesh, i, nb, label)
+
+
+def _partial_stacked(x, shape, mesh, old_ps, i, new, label):
+    n = mesh.shape[i]
+    if new.reduce_op != "sum":
+        return C._expand_axis(x, i, n)
+    zshape = list(x.shape)
+    zshape[i] = n - 1
+    return torch.cat([x, x.new_zeros(zshape)], dim=i) if n > 1 else x
+
+
+def _pad_stacked(x, shape, mesh, old_ps, i, new, label):
+    nd, n, d = mesh.ndim, mesh.shape[i], old_ps[i].dim
+    # rank k of the group puts its block at position k of n: a block-diagonal expand
+    xe = x.unsqueeze(nd + d).expand(*x.shape[:nd + d], n, *x.shape[nd + d:])
+    sel = [1] * xe.dim()
+    sel[i] = n
+    sel[nd + d] = n
+    eye = torch.eye(n, dtype=torch.bool, device=x.device).reshape(sel)
+    y = torch.where(eye, xe, torch.zeros((), dtype=x.dtype, device=x.device))
+    return y.flatten(nd + d, nd + d + 1)
+
+
+_STACKED = {"slice": _slice_stacked, "partial": _partial_stacked, "pad": _pad_stacked}
