@@ -67,6 +67,9 @@ class Mesh:
             dim_names = tuple(f"d{i}" for i in range(len(shape)))
         if isinstance(dim_names, str):
             dim_names = (dim_names,)
+        if not isinstance(dim_names, (list, tuple)):
+            raise TypeError(f"dim_names={dim_names!r}: expected a list of names, "
+                            "e.g. ['dp', 'tp']")
         dim_names = tuple(dim_names)
         if len(dim_names) != len(shape):
             raise ValueError(
@@ -95,8 +98,11 @@ class Mesh:
         """A mesh over ranks ``start .. start+prod(shape)-1`` in row-major order."""
         if isinstance(shape, int):
             shape = (shape,)
+        if not isinstance(shape, (list, tuple)):
+            raise TypeError(f"shape={shape!r}: expected an int or a list of ints, e.g. (2, 4)")
         shape = tuple(shape)
-        if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
+        if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
+                            for s in shape):
             raise ValueError(f"shape={shape}: every mesh dimension must be a positive int")
         flat = list(range(start, start + math.prod(shape)))
         return cls(_nest(flat, shape), dim_names)
@@ -132,7 +138,7 @@ class Mesh:
             if d not in self._names:
                 raise ValueError(f"mesh dim {d!r} not in dim_names {list(self._names)}")
             return self._names.index(d)
-        if not isinstance(d, int) or not -self.ndim <= d < self.ndim:
+        if not isinstance(d, int) or isinstance(d, bool) or not -self.ndim <= d < self.ndim:
             raise ValueError(f"mesh dim {d!r} out of range for a {self.ndim}-d mesh: "
                              f"use an int in [{-self.ndim}, {self.ndim - 1}] or a name "
                              f"in {list(self._names)}")
@@ -155,7 +161,8 @@ class Mesh:
 
     def rank_at(self, coord: Sequence[int]) -> int:
         coord = tuple(coord)
-        if len(coord) != self.ndim or any(not 0 <= c < s for c, s in zip(coord, self._shape)):
+        if len(coord) != self.ndim or any(not isinstance(c, int) or isinstance(c, bool) or
+                                          not 0 <= c < s for c, s in zip(coord, self._shape)):
             raise ValueError(f"coordinate {coord} out of range for mesh shape {self._shape}")
         return self._ranks[sum(c * st for c, st in zip(coord, self._strides))]
 
@@ -188,6 +195,13 @@ class Mesh:
         ``mesh[0]`` / ``mesh[1:]``: index the first dimension like a nested list."""
         if isinstance(key, str):
             return self.submesh(key)
+        if isinstance(key, bool) or not isinstance(key, (int, slice)):
+            raise TypeError(f"mesh[{key!r}]: index with a dim name, an int or a slice")
+        if isinstance(key, int) and not -self._shape[0] <= key < self._shape[0]:
+            # an IndexError (the indexing contract), with the range
+            raise IndexError(f"mesh[{key}]: the first mesh dim "
+                             f"{self._names[0]!r} has size {self._shape[0]}; use an index "
+                             f"in [{-self._shape[0]}, {self._shape[0] - 1}]")
         nested = self.tolist()
         sub = nested[key]
         if isinstance(key, int):
