@@ -128,9 +128,10 @@ def _blocked(ps, i, dims) -> bool:
 def _moves(shape, mesh, ps, dtype, profile):
     """Every single-mesh-dim move from placements ``ps``: (kind, i, new_ps, nbytes)."""
     ndim = len(shape)
-    # partial values only for numbers that add up (no bool; no avg of ints)
+    # the Partial ops the dtype has (placement.check_partial_dtype): no sum or avg of
+    # bools (max / min are logical or / and), no avg of integers
     pops = (("sum", "avg", "max", "min") if dtype.is_floating_point or dtype.is_complex else
-            () if dtype == torch.bool else ("sum", "max", "min"))
+            ("max", "min") if dtype == torch.bool else ("sum", "max", "min"))
     for i, p in enumerate(ps):
         cands = [Replicate()] + [Shard(d) for d in range(ndim)]
         for new in cands + [Partial(op) for op in pops]:
