@@ -25,10 +25,14 @@ def meshes(draw, max_ranks=16, max_dims=3):
 
 
 def placements(ndim_tensor, mesh_ndim, partial=True):
-    opts = [st.just(wb.Replicate())] + [st.just(wb.Shard(d)) for d in range(ndim_tensor)]
-    if partial:
-        opts.append(st.sampled_from([wb.Partial("sum"), wb.Partial("max"), wb.Partial("avg")]))
-    return st.tuples(*[st.one_of(*opts) for _ in range(mesh_ndim)])
+    """One placement per mesh dim; the Partials of one layout share one reduce op
+    (a mix such as [P(sum), P(max)] is refused)."""
+    opts = [wb.Replicate()] + [wb.Shard(d) for d in range(ndim_tensor)]
+
+    def draw(op):
+        choice = opts + ([wb.Partial(op)] if partial else [])
+        return st.tuples(*[st.sampled_from(choice) for _ in range(mesh_ndim)])
+    return st.sampled_from(["sum", "max", "avg"]).flatmap(draw)
 
 
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
