@@ -164,7 +164,7 @@ class DistTensor:
 
     @property
     def is_even(self) -> bool:
-        return not isinstance(self._local, Cells)
+        return not storage.is_cells(self._local)
 
     @property
     def device(self):
@@ -174,7 +174,7 @@ class DistTensor:
     def local(self, rank: int | None = None) -> torch.Tensor:
         """The local shard that ``rank`` holds (on torch.distributed: this process's,
         ``rank`` may be omitted)."""
-        if _B.is_distributed(self.mesh):
+        if storage.holds_own(self.mesh):
             me = _B.rank()
             if rank is not None and rank != me:
                 raise ValueError(f"local(rank={rank}) in process {me}: on torch.distributed "
@@ -202,7 +202,7 @@ class DistTensor:
         t = self
         if any(not p.is_replicate() for p in self.placements):
             t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
-        return t.local(None if _B.is_distributed(self.mesh) else self.mesh.ranks[0])
+        return t.local(None if storage.holds_own(self.mesh) else self.mesh.ranks[0])
 
     def cells(self) -> Cells:
         """The local shards as Cells (a grid of tensors), whatever the layout."""
@@ -264,7 +264,7 @@ class DistTensor:
             torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
             return
         g = gradient._local if isinstance(gradient, DistTensor) else gradient
-        if not t.is_even or isinstance(g, Cells):
+        if not t.is_even or storage.is_cells(g):
             raise NotImplementedError("backward(gradient=...) on uneven DistTensors: "
                                       "reshard to an even layout first")
         torch.autograd.backward(t._local, g.expand_as(t._local) if g.dim() == t._local.dim() else g)
@@ -346,7 +346,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     shards that do not fit it, or Replicate copies that differ, are errors."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"from_local(mesh={mesh!r:.60}): expected a workbench Mesh")
-    if _B.is_distributed(mesh):
+    if storage.holds_own(mesh):
         if isinstance(locals_, (list, tuple)):
             raise TypeError("from_local on torch.distributed takes this process's local tensor, "
                             "not a list of every rank's")

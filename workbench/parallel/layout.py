@@ -14,7 +14,7 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
-from ..sim_mesh.collectives import chunk_bounds
+from ..sim_mesh.grid import chunk_bounds
 from .placement import Placement, Shard
 
 __all__ = ["chunk_bounds", "shard_bounds", "local_shape", "is_even", "stacked_shape",

@@ -27,11 +27,12 @@ import torch
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
-from ..sim_mesh.collectives import Cells
+from ..sim_mesh import grid
+from ..sim_mesh.grid import Cells
 from . import layout
 from .placement import Partial, Replicate, Shard
 
-__all__ = ["Cells", "form", "from_global", "rank_view", "own", "to_cells", "to_stacked",
+__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own", "to_cells", "to_stacked",
            "for_layout", "settle", "tensors", "map_tensors", "local_step", "device"]
 
 
@@ -40,6 +41,16 @@ def form(loc, mesh) -> str:
     if _B.is_distributed(mesh):
         return "own"
     return "cells" if isinstance(loc, Cells) else "stacked"
+
+
+def holds_own(mesh) -> bool:
+    """True on torch.distributed: a DistTensor on ``mesh`` holds this process's shard."""
+    return _B.is_distributed(mesh)
+
+
+def is_cells(loc) -> bool:
+    """True for uneven shards held one tensor per cell."""
+    return isinstance(loc, Cells)
 
 
 # ---- building and viewing -------------------------------------------------------------
@@ -160,8 +171,9 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
         return y.reshape((1,) * mesh.ndim + tuple(y.shape))
     src = x
     if kind == "slice":
-        y = x.with_axis(i, n, lambda c: C._chunks(src[c], new.dim, n)[c[i]])
-        return C._on_backward(y, "all_gather", mesh, i, C.nbytes_of(src), label)
+        y = x.with_axis(i, n, lambda c: grid.chunks(src[c], new.dim, n)[c[i]])
+        nb = grid.CellGrid.rank_bytes(src, mesh.ndim)
+        return C._on_backward(y, "all_gather", mesh, i, nb, label)
     if kind == "partial":
         keep_all = new.reduce_op != "sum"
         return x.with_axis(i, n, lambda c: src[c] if keep_all or c[i] == 0
@@ -186,14 +198,14 @@ def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
     nd, n, d = mesh.ndim, mesh.shape[i], new.dim
     L = x.shape[nd + d]
     y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
-    nb = (x.numel() // max(1, math.prod(x.shape[:nd]))) * x.element_size()
+    nb = grid.Stacked.rank_bytes(x, nd)
     return C._on_backward(y, "all_gather", mesh, i, nb, label)
 
 
 def _partial_stacked(x, shape, mesh, old_ps, i, new, label):
     n = mesh.shape[i]
     if new.reduce_op != "sum":
-        return C._expand_axis(x, i, n)
+        return grid.Stacked.expand(x, i, n)
     zshape = list(x.shape)
     zshape[i] = n - 1
     return torch.cat([x, x.new_zeros(zshape)], dim=i) if n > 1 else x

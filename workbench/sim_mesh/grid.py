@@ -1,0 +1,229 @@
+"""The math of the collectives on the two simulated forms of a grid of local tensors.
+
+Every simulated rank's local tensor lives in a grid with one leading axis per mesh
+dimension (size 1 along a mesh dim where every rank holds the same values):
+
+* :class:`Stacked`: one tensor ``x[i, j, ...]``; a collective is one tensor operation
+  over a leading axis (all-reduce is ``x.sum(axis, keepdim=True)``), so 64 ranks cost
+  about what the same arithmetic costs on one tensor;
+* :class:`CellGrid`: :class:`Cells`, one tensor per rank, when shard shapes differ
+  (uneven ``torch.chunk`` splits); the same operations run one line of the grid at a
+  time.
+
+Both offer the same operations with the same meaning; :func:`ops_for` picks one, so
+:mod:`workbench.sim_mesh.collectives` writes each collective once.  Reductions keep
+the tensor's dtype, as torch.distributed's do.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["Cells", "Stacked", "CellGrid", "ops_for", "reduce", "chunk_bounds", "chunks",
+           "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Cells:
+    """A grid (shape ``lead``) of per-rank local tensors whose shapes may differ."""
+    __slots__ = ("lead", "items")
+
+    def __init__(self, lead: Sequence[int], items: Sequence[torch.Tensor]):
+        self.lead = tuple(lead)
+        self.items = list(items)
+        if len(self.items) != math.prod(self.lead):
+            raise ValueError(f"Cells: {len(self.items)} tensors for a grid of shape {self.lead}")
+
+    def index(self, coord) -> int:
+        i = 0
+        for c, n in zip(coord, self.lead):
+            i = i * n + (c if n > 1 else 0)
+        return i
+
+    def __getitem__(self, coord) -> torch.Tensor:
+        return self.items[self.index(coord)]
+
+    def coords(self):
+        return itertools.product(*[range(n) for n in self.lead])
+
+    @property
+    def dtype(self):
+        return self.items[0].dtype
+
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.items)
+
+    def lines(self, axis: int):
+        """Yield (coords of the line, tensors along ``axis``) for every line."""
+        n = self.lead[axis]
+        base = list(self.lead)
+        base[axis] = 1
+        for c in itertools.product(*[range(k) for k in base]):
+            cs = [c[:axis] + (k,) + c[axis + 1:] for k in range(n)]
+            yield cs, [self[x] for x in cs]
+
+    def with_axis(self, axis: int, n: int, fill) -> "Cells":
+        """A new grid whose ``axis`` has size n; ``fill(coord)`` gives each cell."""
+        lead = list(self.lead)
+        lead[axis] = n
+        items = [fill(c) for c in itertools.product(*[range(k) for k in lead])]
+        return Cells(lead, items)
+
+
+def reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor:
+    """``op`` over ``dim`` in the tensor's own dtype, as torch.distributed reduces
+    (``torch.sum`` alone would turn int32 into int64)."""
+    if op == "sum":
+        if stack.is_floating_point() or stack.is_complex():
+            return stack.sum(dim, keepdim=keepdim)
+        return stack.sum(dim, keepdim=keepdim, dtype=stack.dtype)
+    if op == "avg":
+        return stack.mean(dim, keepdim=keepdim)
+    if op == "max":
+        return stack.amax(dim, keepdim=keepdim)
+    if op == "min":
+        return stack.amin(dim, keepdim=keepdim)
+    raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
+
+
+def chunk_bounds(length: int, n: int, k: int) -> tuple[int, int]:
+    """(start, size) of chunk ``k`` when ``length`` is split in ``n`` by torch.chunk
+    (10 on 4: 3, 3, 3, 1; 5 on 4: 2, 2, 1, 0)."""
+    cs = -(-length // n) if length else 0          # ceil(length / n)
+    start = min(k * cs, length)
+    return start, max(0, min(cs, length - start))
+
+
+def chunks(t: torch.Tensor, dim: int, n: int) -> list[torch.Tensor]:
+    """torch.chunk, padded with empty tensors to exactly n pieces."""
+    return [t.narrow(dim, *chunk_bounds(t.shape[dim], n, k)) for k in range(n)]
+
+
+class Stacked:
+    """The grid as one tensor ``(*lead, *local)``: every shard has one shape."""
+
+    @staticmethod
+    def lead(x, nd: int) -> tuple:
+        return tuple(x.shape[:nd])
+
+    @staticmethod
+    def rank_bytes(x, nd: int) -> int:
+        return (x.numel() // max(1, math.prod(x.shape[:nd]))) * x.element_size()
+
+    @staticmethod
+    def tensors(x) -> list:
+        return [x]
+
+    @staticmethod
+    def rebuild(x, items):
+        return items[0]
+
+    @staticmethod
+    def all_reduce(x, nd, axis, op, n):
+        return reduce(x, axis, op)
+
+    @staticmethod
+    def all_gather(x, nd, axis, dim, n):
+        y = x.movedim(axis, nd - 1 + dim)
+        return y.flatten(nd - 1 + dim, nd + dim).unsqueeze(axis)
+
+    @staticmethod
+    def reduce_scatter(x, nd, axis, dim, op, n):
+        y = reduce(x, axis, op)                                      # (.., 1, .., L)
+        shape = y.shape
+        L = shape[nd + dim]
+        if axis == nd - 1 and dim == 0:
+            # the chunk index lands where the mesh axis was: one view does it
+            return y.view(shape[:axis] + (n, L // n) + shape[nd + 1:])
+        return y.squeeze(axis).unflatten(nd - 1 + dim, (n, L // n)).movedim(nd - 1 + dim, axis)
+
+    @staticmethod
+    def all_to_all(x, nd, axis, split_dim, concat_dim, n):
+        L = x.shape[nd + split_dim]
+        y = x.unflatten(nd + split_dim, (n, L // n))            # new axis at nd+split_dim
+        y = y.movedim(nd + split_dim, nd)                        # (..A.., n_dst, *L')
+        # now axis `axis` is the source rank; swap source and destination
+        y = y.movedim(axis, nd)                                  # (..A\axis.., n_dst, n_src, *L')
+        y = y.movedim(nd - 1, axis)                              # destination back at `axis`
+        # y: (..., n_dst at axis, ..., n_src at nd, *L'); concat n_src into concat_dim
+        return y.movedim(nd, nd + concat_dim).flatten(nd + concat_dim, nd + concat_dim + 1)
+
+    @staticmethod
+    def expand(x, axis, n):
+        """Every rank along ``axis`` sees the one copy (a stride-0 view)."""
+        shape = list(x.shape)
+        shape[axis] = n
+        return x.expand(shape)
+
+    @staticmethod
+    def pick(x, axis, root):
+        return x.narrow(axis, root, 1)
+
+
+class CellGrid:
+    """The grid as :class:`Cells`: the same operations, one line of the grid at a time."""
+
+    @staticmethod
+    def lead(x, nd: int) -> tuple:
+        return x.lead
+
+    @staticmethod
+    def rank_bytes(x, nd: int) -> int:
+        return max(t.numel() for t in x.items) * x.items[0].element_size()
+
+    @staticmethod
+    def tensors(x) -> list:
+        return x.items
+
+    @staticmethod
+    def rebuild(x, items):
+        return Cells(x.lead, items)
+
+    @staticmethod
+    def _collapse(x, axis, items):
+        lead = list(x.lead)
+        lead[axis] = 1
+        return Cells(lead, items)
+
+    @staticmethod
+    def all_reduce(x, nd, axis, op, n):
+        return CellGrid._collapse(x, axis, [reduce(torch.stack(ts), 0, op, keepdim=False)
+                                            for _, ts in x.lines(axis)])
+
+    @staticmethod
+    def all_gather(x, nd, axis, dim, n):
+        return CellGrid._collapse(x, axis, [torch.cat(ts, dim) for _, ts in x.lines(axis)])
+
+    @staticmethod
+    def reduce_scatter(x, nd, axis, dim, op, n):
+        out = {}
+        for cs, ts in x.lines(axis):
+            for c, piece in zip(cs, chunks(reduce(torch.stack(ts), 0, op, keepdim=False), dim, n)):
+                out[c] = piece
+        return Cells(x.lead, [out[c] for c in x.coords()])
+
+    @staticmethod
+    def all_to_all(x, nd, axis, split_dim, concat_dim, n):
+        out = {}
+        for cs, ts in x.lines(axis):
+            pieces = [chunks(t, split_dim, n) for t in ts]
+            for j, c in enumerate(cs):
+                out[c] = torch.cat([pieces[k][j] for k in range(n)], concat_dim)
+        return Cells(x.lead, [out[c] for c in x.coords()])
+
+    @staticmethod
+    def expand(x, axis, n):
+        return x.with_axis(axis, n, lambda c: x[c[:axis] + (0,) + c[axis + 1:]])
+
+    @staticmethod
+    def pick(x, axis, root):
+        return CellGrid._collapse(x, axis, [ts[root] for _, ts in x.lines(axis)])
+
+
+def ops_for(x):
+    """The operations for the form ``x`` takes."""
+    return CellGrid if isinstance(x, Cells) else Stacked
