@@ -9,7 +9,9 @@ from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
 from . import interop
 from . import op_table as _op_table
+from . import ops_table
 
+ops_table.load()
 _op_table.install(DistTensor)
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSpec",

@@ -28,11 +28,12 @@ import torch
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
-from ..sim_mesh import cost as _cost
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.trace import current_trace
 from . import layout
 from .dist_tensor import DistTensor, TensorSpec, _stack_cells
+from .ops_table import checks, pricing
+from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
 from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
@@ -42,12 +43,9 @@ __all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback"
 
 @dataclass
 class OpDef:
-    """How to run one torch function on DistTensors.
-
-    parse(args, kwargs) -> (inputs, attrs): the tensor-or-constant inputs (in the
-    order the rule sees them) and hashable attributes for the rule;
-    local(nd, ctx, *local_inputs, **attrs) -> stacked local output(s).
-    """
+    """The older form of a registration (parse and local only); :func:`register_op`
+    puts it in the op table. New ops use ``ops_table.table.register`` (one call with
+    the rule and the cost)."""
     name: str
     parse: Callable
     local: Callable
@@ -55,16 +53,33 @@ class OpDef:
     multi: bool = False     # returns a tuple of outputs (any number, e.g. split)
 
 
-OPS: dict[Any, OpDef] = {}
+OPS = BY_FUNC               # callable -> (op table entry, parse)
 _FALLBACK = [False]
 VALIDATE = [False]         # tests: check that "replicated" outputs really are identical
 _HOOKS: list = []          # explain() listens here
 
 
-def register_op(funcs, opdef: OpDef) -> OpDef:
-    for f in funcs:
-        OPS[f] = opdef
+def register_op(funcs, opdef: OpDef, *, cost=None, op_class=None) -> OpDef:
+    """Put ``opdef`` in the op table under ``opdef.name`` (its rule: ``register_rule``).
+    A second OpDef of the same name adds its callables with its own parse."""
+    e = TABLE.get(opdef.name)
+    if e is not None and e.runs:
+        add_funcs(opdef.name, funcs, opdef.parse)
+        return opdef
+    if cost is None and opdef.name in _KNOWN_COSTS:
+        cost, op_class = _KNOWN_COSTS[opdef.name]
+    register(opdef.name, funcs, parse=opdef.parse, local=opdef.local, cost=cost,
+             op_class=op_class, n_out=opdef.n_out, multi=opdef.multi)
     return opdef
+
+
+def _known_costs():
+    from .ops_table import costs
+    # dropout = x * mask, the mask drawn once for the global shape (an input): 1 FLOP/element
+    return {"dropout": (costs.elementwise(1), "elementwise")}
+
+
+_KNOWN_COSTS = _known_costs()
 
 
 @contextlib.contextmanager
@@ -139,50 +154,65 @@ def _meta(x):
     return x
 
 
+def _no_rule(func, args, kwargs, name):
+    if _FALLBACK[-1]:
+        return _fallback(func, args, kwargs)
+    e = TABLE.get(name)
+    if e is not None and e.rule is None and e.runs:
+        raise NoRuleError(
+            f"{name}() is in the op table but its SPMD rule was removed: register one with "
+            f"@workbench.register_rule({name!r}) (see notebook 04)")
+    raise NoRuleError(
+        f"{name}() has no SPMD rule for DistTensors. Register one (see "
+        "workbench.register_rule and notebook 04), or run it inside "
+        "`with workbench.allow_replicate_fallback():` to gather its inputs and "
+        "run it replicated (recorded in the trace)")
+
+
 def dispatch(func, args, kwargs):
     kwargs = kwargs or {}
-    opdef = OPS.get(func)
-    if opdef is None:
-        name = getattr(func, "__name__", str(func))
-        if _FALLBACK[-1]:
-            return _fallback(func, args, kwargs)
-        from .rules.registry import RULES
-        if name in RULES:
-            raise NoRuleError(
-                f"a rule for {name!r} is registered, but {name}() has no entry in the op "
-                "table that says how to run it on local shards: add one with "
-                "workbench.parallel.dispatch.register_op([torch." + name + "], OpDef(...)) "
-                "(see workbench/parallel/op_table.py), or use wb.spmd.infer to study the rule")
-        raise NoRuleError(
-            f"{name}() has no SPMD rule for DistTensors. Register one (see "
-            "workbench.register_rule and notebook 04), or run it inside "
-            "`with workbench.allow_replicate_fallback():` to gather its inputs and "
-            "run it replicated (recorded in the trace)")
-    inputs, attrs = opdef.parse(*args, **kwargs)
-    mesh = next(x.mesh for x in inputs if isinstance(x, DistTensor))
+    hit = BY_FUNC.get(func)
+    if hit is None:
+        return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+    entry, parse = hit
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign the "
+                        "result instead")
+    inputs, attrs = parse(*args, **kwargs)
+    mesh = None
     for x in inputs:
-        if isinstance(x, DistTensor) and x.mesh != mesh:
-            raise ValueError(f"{opdef.name}: inputs live on different meshes "
-                             f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
-                             "onto the other's mesh first")
+        if isinstance(x, DistTensor):
+            if mesh is None:
+                mesh = x.mesh
+            elif x.mesh != mesh:
+                raise ValueError(f"{entry.name}: inputs live on different meshes "
+                                 f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
+                                 "onto the other's mesh first")
     specs = tuple(_spec_of(x, mesh) for x in inputs)
-    key = (opdef.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name())
+    key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
+           tuple(type(x) for x, s in zip(inputs, specs) if s is None))
     prep = _PREPARED.get(key)
     if prep is None:
+        if entry.rule is None:
+            return _no_rule(func, args, kwargs, entry.name)
+        theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
         try:
-            dec = infer(opdef.name, *specs, **attrs)
+            dec = infer(entry.name, *specs, **attrs)
         except NoRuleError:
             if _FALLBACK[-1]:
                 return _fallback(func, args, kwargs)
             raise
-        prep = _prepare(opdef, dec, inputs, specs, attrs, mesh)
+        prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
+        if theirs is not None:
+            checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
         if len(_PREPARED) > 20000:
             _PREPARED.clear()
         _PREPARED[key] = prep
-    return run_prepared(opdef, prep, inputs, specs, attrs, mesh)
+    return run_prepared(entry, prep, inputs, specs, attrs, mesh)
 
 
 _PREPARED: dict = {}
+on_change(_PREPARED.clear)
 
 
 @dataclass
@@ -192,6 +222,8 @@ class _Prepared:
     even: bool
     expand: tuple          # per input: mesh axes to expand (replicated meeting per-rank work)
     cand: Any = None       # the candidate that runs (the decision's, or an even one)
+    out_dtypes: tuple = ()
+    cost: Any = None       # the op's cost on the busiest rank (computed when first traced)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -202,7 +234,7 @@ def _is_even(cand, specs, out_shapes, mesh) -> bool:
 
 
 def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
-    out_shapes = _out_shapes(opdef, dec, inputs, attrs)
+    out_shapes, out_dtypes = _out_shapes(opdef, dec, inputs, attrs)
     cand = dec.chosen
     even = _is_even(cand, specs, out_shapes, mesh)
     if not even and _B.is_distributed(mesh):
@@ -216,7 +248,14 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
     diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
                    for req in st.inputs)
-    return _Prepared(dec, out_shapes, even, expand, cand)
+    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes)
+
+
+def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
+    if prep.cost is None:
+        prep.cost = pricing.local_cost(opdef, mesh, specs, inputs, prep.cand or prep.dec.chosen,
+                                       prep.out_shapes, prep.out_dtypes, attrs)
+    return prep.cost
 
 
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
@@ -256,15 +295,26 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
                   outs_ps, out_shapes)
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
-    if current_trace() is not None:
-        _record_compute(opdef, mesh, tensors, out_shapes, outs_ps)
-    outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
+    many = opdef.multi or opdef.n_out > 1
+    outs = out if many else (out,)
+    tr = current_trace()
+    cost = None
+    if tr is not None or _HOOKS:
+        cost = _cost_of(opdef, prep, inputs, specs, attrs, mesh)
+    if tr is not None:
+        dtype = pricing.pricing_dtype(specs, prep.out_dtypes)
+        pricing.record_forward(tr, opdef, mesh, cost, dtype)
+        if torch.is_grad_enabled():
+            outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
     if dist_mode:
         outs = _dist_replicated_outputs(outs, outs_ps, locs, mesh)
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
-        h(dec, specs, wrapped)
-    return wrapped if (opdef.multi or opdef.n_out > 1) else wrapped[0]
+        h(dec, specs, wrapped, cost)
+    if not many:
+        return wrapped[0]
+    result_type = opdef.extra.get("result_type") if hasattr(opdef, "extra") else None
+    return result_type(wrapped) if result_type is not None else wrapped
 
 
 def _dist_replicated_outputs(outs, outs_ps, locs, mesh):
@@ -294,20 +344,10 @@ from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E40
 
 
 def _out_shapes(opdef, dec, inputs, attrs):
-    key = ("shape", opdef.name, dec.specs, tuple(sorted(attrs.items())) if attrs else ())
-    hit = _SHAPES.get(key)
-    if hit is None:
-        metas = [_meta(x) for x in inputs]
-        out = opdef.local(0, None, *metas, **attrs)
-        outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
-        hit = tuple(torch.Size(o.shape) for o in outs)
-        if len(_SHAPES) > 20000:
-            _SHAPES.clear()
-        _SHAPES[key] = hit
-    return hit
-
-
-_SHAPES: dict = {}
+    metas = [_meta(x) for x in inputs]
+    out = opdef.local(0, None, *metas, **attrs)
+    outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
+    return tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)
 
 
 def _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh):
@@ -350,30 +390,6 @@ def _wrap(o, mesh, ps, shape):
                             f"{mesh.dim_names[i]!r} but ranks along it computed different values")
                 o = o.narrow(i, 0, 1)
     return DistTensor(o, mesh, ps, shape, o.dtype)
-
-
-def _record_compute(opdef, mesh, tensors, out_shapes, outs_ps):
-    tr = current_trace()
-    if tr is None:
-        return
-    flops = 0
-    nbytes = 0
-    for t in tensors:
-        if isinstance(t, DistTensor):
-            nbytes += layout.local_numel_max(t.shape, mesh, t.placements) * \
-                torch.empty((), dtype=t.dtype).element_size()
-    for s, ps in zip(out_shapes, outs_ps):
-        n = layout.local_numel_max(s, mesh, ps)
-        nbytes += n * 4
-        flops += n
-    if opdef.name in ("matmul", "mm", "bmm", "linear", "einsum"):
-        a = next(t for t in tensors if isinstance(t, DistTensor))
-        k = layout.max_local_shape(a.shape, mesh, a.placements)[-1]
-        flops = 2 * k * layout.local_numel_max(out_shapes[0], mesh, outs_ps[0])
-    dtype = next(t.dtype for t in tensors if isinstance(t, DistTensor))
-    dur = _cost.compute_time(flops, nbytes, tr.profile, dtype if dtype.is_floating_point
-                             else torch.float32)
-    tr.record_compute(mesh.ranks, opdef.name, dur, flops=flops, bytes=nbytes)
 
 
 def _fallback(func, args, kwargs):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..sim_mesh.trace import current_trace, trace
 from .dispatch import explain_hooks
+from .ops_table.table import TABLE
 from .placement import fmt_placements
 
 __all__ = ["explain", "Explanation", "ExplainRow"]
@@ -33,6 +34,9 @@ class ExplainRow:
     time: float             # modeled seconds of that communication
     reason: str
     candidates: int         # how many valid strategies the rule weighed
+    op_class: str = ""      # the op table's class of the op ("matmul", "elementwise", ...)
+    flops: int = 0          # forward FLOPs on the busiest rank (the op table's cost)
+    backward_flops: int = 0
 
 
 class Explanation:
@@ -86,6 +90,11 @@ class Explanation:
         return str(self)
 
 
+def _op_class(op: str) -> str:
+    e = TABLE.get(op)
+    return (e.op_class or "") if e is not None else ""
+
+
 def explain(fn, *args, profile=None, **kwargs) -> Explanation:
     """Run ``fn(*args, **kwargs)`` and explain every SPMD decision it made.
 
@@ -97,7 +106,7 @@ def explain(fn, *args, profile=None, **kwargs) -> Explanation:
     tr = ctx.__enter__() if ctx is not None else outer
     mark = [len(tr.events)]
 
-    def hook(dec, specs, outputs):
+    def hook(dec, specs, outputs, cost=None):
         evs = [e for e in tr.events[mark[0]:] if e.stream == "comm"]
         seen, colls, nbytes, t = set(), [], 0, 0.0
         for e in evs:              # one event per group: count each collective once
@@ -112,7 +121,8 @@ def explain(fn, *args, profile=None, **kwargs) -> Explanation:
         rows.append(ExplainRow(
             dec.op, tuple(None if s is None else tuple(s.placements) for s in specs),
             dec.inputs, dec.outputs, tuple(colls), nbytes, t, dec.reason,
-            len(dec.candidates)))
+            len(dec.candidates), _op_class(dec.op), 0 if cost is None else cost.flops,
+            0 if cost is None else cost.backward_flops))
     try:
         with explain_hooks(hook):
             result = fn(*args, **kwargs)

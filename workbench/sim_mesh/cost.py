@@ -220,7 +220,7 @@ def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> 
     return min(options)  # min keeps the first of equal values: deterministic ties
 
 
-def compute_time(flops: float, bytes_moved: float, profile, dtype) -> float:
+def compute_time(flops: float, bytes_moved: float, profile, dtype, op_class=None) -> float:
     """Roofline time of a kernel (Williams, Waterman & Patterson 2009):
     max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
     ``dtype`` is a torch dtype or a name ("bfloat16", "bf16", "fp32", ...)."""

@@ -41,12 +41,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import OpDef, register_op
 from ..dist_tensor import DistTensor
-from ..op_table import _align, _shift
+from ..ops_table import costs
+from ..ops_table._util import align as _align, check_number, shift as _shift, wrap_dim
+from ..ops_table.table import register
 from ..placement import Replicate, Shard
 from .pointwise import pointwise_options
-from .registry import combine, register_rule
+from .registry import combine
 
 try:
     from ... import ops as _ops
@@ -108,7 +109,6 @@ def _heads_line_up(q, k, st) -> bool:
     return hkv % n == 0
 
 
-@register_rule("scaled_dot_product_attention", "flash_attention")
 def attention_rule(q, k, v, mask=None, *, dropout_p=0.0, **_):
     """Attention: batch, heads, query rows or value columns may be sharded; keys and
     the q/k head_dim must be whole; a Partial v stays Partial (linear, no dropout)."""
@@ -179,8 +179,10 @@ def _attention_local(nd, ctx, q, k, v, mask, *, kernel, causal=False, pattern=No
 def _check_4d(op, **named):
     for name, t in named.items():
         if t.ndim != 4:
+            fix = (f"{name}.unsqueeze(1) for one head" if t.ndim == 3 else
+                   f"{name}.reshape(batch, heads, seq, head_dim)")
             raise ValueError(f"{op} on DistTensors: {name}.shape={tuple(t.shape)}; expected 4-d "
-                             f"(batch, heads, seq, head_dim). Fix: {name}.unsqueeze(1)")
+                             f"(batch, heads, seq, head_dim). Fix: {fix}")
 
 
 def _sdpa_parse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -190,16 +192,37 @@ def _sdpa_parse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         raise ValueError(f"scaled_dot_product_attention: q has {query.shape[1]} heads and k "
                          f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
     return (query, key, value, attn_mask), {
-        "kernel": "sdpa", "causal": bool(is_causal), "dropout_p": float(dropout_p),
-        "scale": scale}
+        "kernel": "sdpa", "causal": bool(is_causal),
+        "dropout_p": check_number("scaled_dot_product_attention", "dropout_p", dropout_p, False),
+        "scale": check_number("scaled_dot_product_attention", "scale", scale)}
 
 
-register_op([F.scaled_dot_product_attention],
-            OpDef("scaled_dot_product_attention", _sdpa_parse, _attention_local))
+def _attention_cost_args(ins, outs, causal=False, pattern=None, dropout_p=0.0, **_):
+    """``workbench.ops.cost("flash_attention")`` on this rank's q, k, v: the (query, key)
+    pairs attended (causal or a mask pattern counted exactly for a rank holding the first
+    query rows; a tensor mask is read, every pair computed)."""
+    q, k, v, mask = ins
+    return (q, k, v), {"causal": causal, "mask": pattern, "dropout_p": dropout_p}
+
+
+_ATTENTION_COST = costs.from_ops("flash_attention", _attention_cost_args)
+
+
+def _attention_cost(ins, outs, **attrs):
+    c = _ATTENTION_COST(ins, outs, **attrs)
+    m = costs.nbytes(ins[3])                          # a tensor mask, read once
+    return costs.Cost(c.flops, c.bytes + m, c.backward_flops, c.backward_bytes + m)
+
+
+register("scaled_dot_product_attention", [F.scaled_dot_product_attention], parse=_sdpa_parse,
+         rule=attention_rule, local=_attention_local, cost=_attention_cost, op_class="attention")
 
 
 def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, tile_q=None,
                  tile_k=None, tile_stats=None):
+    _check_4d("flash_attention", q=q, k=k, v=v)
+    scale = check_number("flash_attention", "scale", scale)
+    dropout_p = check_number("flash_attention", "dropout_p", dropout_p, False)
     if tile_stats is not None:
         raise ValueError("flash_attention(tile_stats=...) on DistTensors: every rank runs its "
                          "own tiles; count them on a single-device call")
@@ -212,7 +235,6 @@ def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None,
 
 # ---- swiglu, rotary -------------------------------------------------------------------------
 
-@register_rule("swiglu")
 def swiglu_rule(x, dim, **_):
     """swiglu(dim): other dims pass; dim (gate | up halves) must be whole."""
     opts = [((R,), (R,), "replicated")]
@@ -230,7 +252,6 @@ def _swiglu_local(nd, ctx, x, dim):
     return _ops.swiglu(x, dim=_shift(dim, x.dim() - nd, nd))
 
 
-@register_rule("rotary_embedding")
 def rotary_rule(x, cos, sin, **_):
     """rotary: elementwise on every dim but the last (D whole); linear in x."""
     last = x.ndim - 1
@@ -246,9 +267,15 @@ def _rotary_local(nd, ctx, x, cos, sin, mode):
 
 
 if _ops is not None:
-    register_op([_ops.flash_attention], OpDef("flash_attention", _flash_parse, _attention_local))
-    register_op([_ops.swiglu], OpDef(
-        "swiglu", lambda x, dim=-1: ((x,), {"dim": dim % x.ndim}), _swiglu_local))
-    register_op([_ops.rotary_embedding], OpDef(
-        "rotary_embedding", lambda x, cos, sin, mode="half": ((x, cos, sin), {"mode": mode}),
-        _rotary_local))
+    register("flash_attention", [_ops.flash_attention], parse=_flash_parse, rule=attention_rule,
+             local=_attention_local, cost=_attention_cost, op_class="attention",
+             meta_check=False)
+    register("swiglu", [_ops.swiglu], parse=lambda x, dim=-1: ((x,), {"dim": wrap_dim(dim, x.ndim)}),
+             rule=swiglu_rule, local=_swiglu_local,
+             cost=costs.from_ops("swiglu", lambda ins, outs, dim: (ins, {"dim": dim})),
+             op_class="elementwise", meta_check=False)
+    register("rotary_embedding", [_ops.rotary_embedding],
+             parse=lambda x, cos, sin, mode="half": ((x, cos, sin), {"mode": mode}),
+             rule=rotary_rule, local=_rotary_local,
+             cost=costs.from_ops("rotary_embedding", lambda ins, outs, mode: (ins, {"mode": mode})),
+             op_class="elementwise", meta_check=False)

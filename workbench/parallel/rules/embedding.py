@@ -45,9 +45,10 @@ from torch.nn import _reduction as _legacy
 
 from ...sim_mesh import collectives as C
 from .. import layout
-from ..dispatch import OpDef, register_op
+from ..ops_table import costs
+from ..ops_table.table import register
 from ..placement import Partial, Replicate, Shard
-from .registry import combine, register_rule
+from .registry import combine
 
 R = Replicate()
 P = Partial("sum")
@@ -55,7 +56,6 @@ P = Partial("sum")
 
 # ---- embedding --------------------------------------------------------------------------------
 
-@register_rule("embedding")
 def embedding_rule(ids, weight, **_):
     """embedding: ids sharded -> out sharded; W S(1) -> out S(-1); W S(0) -> P(sum)."""
     opts = [((R, R), (R,), "replicated")]
@@ -84,6 +84,10 @@ def _embedding_local(nd, ctx, ids, w, *, padding_idx=None):
     if ctx is None:                                                     # output shapes only
         return F.embedding(ids, w)
     wspec = ctx.in_specs[1]
+    v = wspec.shape[0]
+    if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
+        raise IndexError(f"embedding: index out of range in self: ids must be in [0, {v}) "
+                         f"for a table of {v} rows; got {int(ids[(ids < 0) | (ids >= v)][0])}")
     out_lead = torch.broadcast_shapes(ids.shape[:nd], w.shape[:nd])
     if any(p.is_shard(0) for p in wspec.placements):                   # vocabulary parallel
         v_loc = w.shape[nd]
@@ -116,7 +120,18 @@ def _embedding_parse(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0
     return (ids, weight), {"padding_idx": padding_idx}
 
 
-register_op([F.embedding], OpDef("embedding", _embedding_parse, _embedding_local))
+def _embedding_cost(ins, outs, **_):
+    """A lookup: read the ids and the rows they select, write the output; backward adds
+    each output-gradient row into the table gradient (one add per element, Megatron's
+    embedding backward is an index_add)."""
+    ids, w = ins
+    n = outs[0].numel()
+    return costs.Cost(0, costs.nbytes(ids) + 2 * costs.nbytes(outs[0]), n,
+                      costs.nbytes(ids) + costs.nbytes(outs[0]) + costs.nbytes(w))
+
+
+register("embedding", [F.embedding], parse=_embedding_parse, rule=embedding_rule,
+         local=_embedding_local, cost=_embedding_cost, op_class="embedding")
 
 
 # ---- cross-entropy ------------------------------------------------------------------------------
@@ -163,7 +178,6 @@ def _rows_split_alike(xs, ts, cdim) -> bool:
     return True
 
 
-@register_rule("cross_entropy")
 def cross_entropy_rule(x, t, *, reduction="mean", **_):
     """cross_entropy: rows sharded -> S / P(sum); classes sharded -> vocabulary parallel."""
     mesh, cdim = x.mesh, _cdim(x.ndim)
@@ -299,4 +313,7 @@ def _cross_entropy_parse(x, t, weight=None, size_average=None, ignore_index=-100
                     "label_smoothing": float(label_smoothing)}
 
 
-register_op([F.cross_entropy], OpDef("cross_entropy", _cross_entropy_parse, _cross_entropy_local))
+# log_softmax (5 FLOPs per logit, see ops_table/reductions.py) then the pick of the target;
+# backward 2 x forward (the convention of ops_table/costs.py)
+register("cross_entropy", [F.cross_entropy], parse=_cross_entropy_parse, rule=cross_entropy_rule,
+         local=_cross_entropy_local, cost=costs.reduction(5), op_class="loss")

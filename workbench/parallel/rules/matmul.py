@@ -17,7 +17,7 @@ from __future__ import annotations
 import string
 
 from ..placement import Partial, Replicate, Shard
-from .registry import combine, register_rule
+from .registry import combine
 
 R = Replicate()
 P = Partial("sum")
@@ -95,20 +95,17 @@ def _take(it, n):
     return out
 
 
-@register_rule("einsum")
 def einsum_rule(*specs, equation: str):
     """Any two-operand contraction written as an einsum string."""
     opts = einsum_options(equation, specs)
     return combine(specs[0].mesh.ndim, [opts] * specs[0].mesh.ndim, len(specs))
 
 
-@register_rule("matmul", "mm", "bmm")
 def matmul_rule(a, b):
     """torch.matmul / mm / bmm: the einsum rule of ``matmul_equation``."""
     return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
 
 
-@register_rule("linear")
 def linear_rule(x, w, b=None):
     """F.linear(x, w, b) = x @ w.T + b: "...k,nk->...n"; the bias follows the output
     (sharded with n, partial only with the weight's first operand... replicated

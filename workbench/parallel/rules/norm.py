@@ -27,13 +27,16 @@ importable) is registered under the same rule as ``F.rms_norm``.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import OpDef, register_op
-from ..op_table import _align
+from ..ops_table import costs
+from ..ops_table._util import align as _align, check_number
+from ..ops_table.table import add_funcs, register
 from ..placement import Replicate, Shard
-from .registry import combine, register_rule
+from .registry import combine
 
 R = Replicate()
 
@@ -66,7 +69,6 @@ def _check_k(op, x, normalized_shape):
     return k
 
 
-@register_rule("layer_norm")
 def layer_norm_rule(x, weight=None, bias=None, *, normalized_shape, eps=1e-5, **_):
     """layer_norm: normalized dims whole on every rank, other dims may stay sharded;
     Partial inputs are reduced first; weight and bias replicated."""
@@ -76,7 +78,6 @@ def layer_norm_rule(x, weight=None, bias=None, *, normalized_shape, eps=1e-5, **
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
 
 
-@register_rule("rms_norm")
 def rms_norm_rule(x, weight=None, *, normalized_shape, eps=None, impl="torch", **_):
     """rms_norm: normalized dims whole on every rank, other dims may stay sharded;
     Partial inputs are reduced first; weight replicated."""
@@ -145,28 +146,48 @@ def _ns(normalized_shape):
 
 
 def _layer_norm_parse(x, normalized_shape, weight=None, bias=None, eps=1e-5, *_, **__):
-    return (x, weight, bias), {"normalized_shape": _ns(normalized_shape), "eps": float(eps)}
+    return (x, weight, bias), {"normalized_shape": _ns(normalized_shape),
+                               "eps": check_number("layer_norm", "eps", eps, False)}
 
 
 def _rms_norm_parse(x, normalized_shape, weight=None, eps=None):
     return (x, weight), {"normalized_shape": _ns(normalized_shape),
-                         "eps": None if eps is None else float(eps), "impl": "torch"}
+                         "eps": check_number("rms_norm", "eps", eps), "impl": "torch"}
 
 
 def _ops_rms_norm_parse(x, weight, eps=1e-6):
-    return (x, weight), {"normalized_shape": tuple(weight.shape), "eps": float(eps),
-                         "impl": "workbench"}
+    return (x, weight), {"normalized_shape": tuple(weight.shape),
+                         "eps": check_number("rms_norm", "eps", eps, False), "impl": "workbench"}
 
 
-LAYER_NORM = OpDef("layer_norm", _layer_norm_parse, _layer_norm_local)
-register_op([F.layer_norm, torch.layer_norm], LAYER_NORM)
-RMS_NORM = OpDef("rms_norm", _rms_norm_parse, _rms_norm_local)
-register_op([f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
-             if f is not None], RMS_NORM)
+def _layer_norm_cost(ins, outs, normalized_shape, **_):
+    """mean (1), subtract (1), square (1), mean (1), multiply by the row's rstd (1), * w (1),
+    + b (1): 7 FLOPs per element (the per-row eps and rsqrt not counted); backward keeps
+    x, w and the per-row mean and rstd (float32)."""
+    x = ins[0]
+    rows = x.numel() // max(1, math.prod(normalized_shape))
+    saved = sum(costs.nbytes(t) for t in ins if t is not None) + 2 * rows * 4
+    return costs.Cost(7 * x.numel(), sum(costs.nbytes(t) for t in ins if t is not None) +
+                      costs.nbytes(outs[0]), 14 * x.numel(),
+                      costs.backward_bytes(ins, outs, saved))
+
+
+def _rms_cost_args(ins, outs, normalized_shape, eps=None, **_):
+    x, w = ins
+    if w is None:                      # ops.cost counts the weight: an all-ones stand-in
+        w = torch.empty(normalized_shape, dtype=x.dtype, device="meta")
+    return (x, w), {}
+
+
+register("layer_norm", [F.layer_norm, torch.layer_norm], parse=_layer_norm_parse,
+         rule=layer_norm_rule, local=_layer_norm_local, cost=_layer_norm_cost, op_class="norm")
+register("rms_norm", [getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)],
+         parse=_rms_norm_parse, rule=rms_norm_rule, local=_rms_norm_local,
+         cost=costs.from_ops("rms_norm", _rms_cost_args), op_class="norm")
 
 try:                                   # the fused op lives in workbench.ops (optional here)
     from ...ops import rms_norm as _ops_rms_norm
 except ImportError:                    # pragma: no cover - ops not built yet
     _ops_rms_norm = None
 if _ops_rms_norm is not None:
-    register_op([_ops_rms_norm], OpDef("rms_norm", _ops_rms_norm_parse, _rms_norm_local))
+    add_funcs("rms_norm", [_ops_rms_norm], _ops_rms_norm_parse)

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
+from ..ops_table.table import RULES, on_change
 from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
@@ -40,10 +41,15 @@ class NoRuleError(NotImplementedError):
 
 @dataclass(frozen=True)
 class Strategy:
-    """Required placements per tensor input (None: not a tensor) and per output."""
+    """Required placements per tensor input (None: not a tensor) and per output.
+
+    ``deferred``: ((mesh dim, bytes), ...) reductions the strategy's partial output
+    defers beyond its inputs' (a partial input broadcast to a bigger output); ranked as
+    the reduce-scatter of those bytes, as a zero-padded partial is."""
     inputs: tuple
     outputs: tuple
     note: str = ""
+    deferred: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,9 @@ class Candidate:
         ins = ", ".join(fmt_placements(p) if p is not None else "-" for p in self.strategy.inputs)
         outs = ", ".join(fmt_placements(p) for p in self.strategy.outputs)
         comm = ", ".join(self.collectives) or "no communication"
-        later = (f" (zero-padded into a partial sum: ranked as the reduce-scatter it defers, "
+        why = ("a partial input broadcast to a bigger partial output" if self.strategy.deferred
+               else "zero-padded into a partial sum")
+        later = (f" ({why}: ranked as the reduce-scatter it defers, "
                  f"{self.deferred_bytes:,d} B, {self.deferred_time * 1e6:.2f} us)"
                  if self.deferred_bytes or self.deferred_time else "")
         return f"({ins}) -> ({outs}): {comm}, {self.bytes:,d} B, {self.time * 1e6:.2f} us{later}"
@@ -103,17 +111,14 @@ class Decision:
         return "\n".join(lines)
 
 
-RULES: dict[str, Callable] = {}
-
-
 def register_rule(*names: str, override: bool = False):
-    """Register ``fn(*specs, **attrs) -> Iterable[Strategy]`` as the rule of ``names``."""
+    """Register ``fn(*specs, **attrs) -> Iterable[Strategy]`` as the rule of ``names``
+    (in the op table: an op that runs keeps its callables, local and cost)."""
     def deco(fn):
         for n in names:
             if n in RULES and not override:
                 raise ValueError(f"a rule for {n!r} exists; pass override=True to replace it")
             RULES[n] = fn
-            _infer_cached.cache_clear()
         return fn
     return deco
 
@@ -220,6 +225,11 @@ def strategy_cost(specs, st: Strategy, profile: str):
                 g = spec.mesh.groups(s_.mesh_dim)
                 dt += max(_cost.price("reduce_scatter", s_.buffer_bytes, grp, prof) for grp in g)
                 db += _cost.wire_bytes("reduce_scatter", s_.buffer_bytes, len(g[0]))
+    mesh = next(s for s in specs if s is not None).mesh
+    for i, nb in getattr(st, "deferred", ()):
+        g = mesh.groups(i)
+        dt += max(_cost.price("reduce_scatter", nb, grp, prof) for grp in g)
+        db += _cost.wire_bytes("reduce_scatter", nb, len(g[0]))
     return plans, t, b, dt, db
 
 
@@ -252,3 +262,6 @@ def _reason(op, specs, cands) -> str:
 def describe(op: str) -> str:
     fn = RULES.get(op)
     return (fn.__doc__ or "").strip() if fn else f"no rule for {op!r}"
+
+
+on_change(lambda: _infer_cached.cache_clear())

@@ -43,9 +43,11 @@ import math
 import torch
 
 from .. import layout
-from ..dispatch import OpDef, register_op
+from ..ops_table import costs
+from ..ops_table._util import wrap_dim
+from ..ops_table.table import add_funcs, register
 from ..placement import Replicate, Shard
-from .registry import combine, register_rule
+from .registry import combine
 
 __all__ = ["view_groups", "reshape_keeps", "normalize_index"]
 
@@ -85,29 +87,12 @@ def _meta(x):
     return torch.empty(tuple(x.shape), device="meta")
 
 
-# dispatch.OpDef(multi=True): the local returns a tuple of any length (see the report)
-_MULTI = "multi" in getattr(OpDef, "__dataclass_fields__", {})
-
-
-def _var_out_opdef(name, parse, local):
-    """An OpDef whose number of outputs depends on the call (split, chunk, unbind)."""
-    if _MULTI:
-        return OpDef(name, lambda *a, **k: parse(*a, **k)[:2], local, multi=True)
-    od = OpDef(name, None, local, n_out=2)
-
-    def parse_and_count(*a, **k):
-        # dispatch.OpDef has a fixed n_out: set it for this call (single-threaded
-        # dispatch parses and runs back to back). A 1-piece split returns a bare tensor.
-        inputs, attrs, n = parse(*a, **k)
-        od.n_out = n
-        return inputs, attrs
-    od.parse = parse_and_count
-    return od
+VIEW = dict(cost=costs.view, op_class="view")          # no kernel runs
+COPY = dict(cost=costs.movement, op_class="data_movement")
 
 
 # ---- permute / transpose ----------------------------------------------------------------
 
-@register_rule("permute", "transpose")
 def permute_rule(x, dims, **_):
     """permute(dims): S(dims[j]) -> S(j); P passes (a relabeling of dims)."""
     smap = [((d,), j) for j, d in enumerate(dims) if x.shape[d] > 1]
@@ -121,14 +106,16 @@ def _permute_local(nd, ctx, x, dims):
 def _perm_parse(x, *dims):
     if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
         dims = tuple(dims[0])
-    return (x,), {"dims": tuple(int(d) % x.ndim for d in dims)}
+    return (x,), {"dims": tuple(wrap_dim(int(d), x.ndim) for d in dims)}
 
 
 def _transpose_parse(x, dim0=None, dim1=None):
     if dim0 is None:                                 # .t(): 0-d, 1-d unchanged; 2-d swapped
         dim0, dim1 = (0, 1) if x.ndim == 2 else (0, 0)
     perm = list(range(x.ndim))
-    a, b = dim0 % x.ndim, dim1 % x.ndim
+    a, b = wrap_dim(dim0, x.ndim), wrap_dim(dim1, x.ndim)
+    if x.ndim == 0:
+        return (x,), {"dims": ()}
     perm[a], perm[b] = perm[b], perm[a]
     return (x,), {"dims": tuple(perm)}
 
@@ -139,11 +126,12 @@ def _movedim_parse(x, source, destination):
     return (x,), {"dims": tuple(n - 1 for n in moved.shape)}
 
 
-register_op([torch.permute, T.permute], OpDef("permute", _perm_parse, _permute_local))
-register_op([torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims,
-             T.swapdims, torch.t, T.t], OpDef("transpose", _transpose_parse, _permute_local))
-register_op([torch.movedim, T.movedim, torch.moveaxis, T.moveaxis],
-            OpDef("permute", _movedim_parse, _permute_local))
+register("permute", [torch.permute, T.permute], parse=_perm_parse, rule=permute_rule,
+         local=_permute_local, **VIEW)
+add_funcs("permute", [torch.movedim, T.movedim, torch.moveaxis, T.moveaxis], _movedim_parse)
+register("transpose", [torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims,
+                       T.swapdims, torch.t, T.t], parse=_transpose_parse, rule=permute_rule,
+         local=_permute_local, **VIEW)
 
 
 # ---- reshape family -----------------------------------------------------------------------
@@ -191,7 +179,6 @@ def reshape_keeps(in_shape, out_shape, mesh, in_ps, out_ps) -> bool:
     return True
 
 
-@register_rule("reshape", "view", "flatten", "unflatten", "unsqueeze", "squeeze")
 def reshape_rule(x, shape, **_):
     """reshape(shape): a shard of a group's leading dim passes to the group's leading
     output dim when the ranks' blocks line up (torch.chunk sizes); P passes."""
@@ -247,18 +234,17 @@ def _as_parse(x, other):
 for _name, _parse, _fns in (
         ("reshape", _reshape_parse, [torch.reshape, T.reshape]),
         ("view", _reshape_parse, [T.view]),
-        ("reshape", _as_parse, [T.reshape_as]),
-        ("view", _as_parse, [T.view_as]),
         ("flatten", _flatten_parse, [torch.flatten, T.flatten]),
         ("unflatten", _unflatten_parse, [torch.unflatten, T.unflatten]),
         ("unsqueeze", _unsqueeze_parse, [torch.unsqueeze, T.unsqueeze]),
         ("squeeze", _squeeze_parse, [torch.squeeze, T.squeeze])):
-    register_op(_fns, OpDef(_name, _parse, _reshape_local))
+    register(_name, _fns, parse=_parse, rule=reshape_rule, local=_reshape_local, **VIEW)
+add_funcs("reshape", [T.reshape_as], _as_parse)
+add_funcs("view", [T.view_as], _as_parse)
 
 
 # ---- cat / stack ----------------------------------------------------------------------------
 
-@register_rule("cat")
 def cat_rule(*xs, dim, **_):
     """cat(dim): a shard on another dim passes (all inputs split alike); dim whole."""
     smap = [((d,) * len(xs), d) for d in range(xs[0].ndim)
@@ -266,7 +252,6 @@ def cat_rule(*xs, dim, **_):
     return combine(xs[0].mesh.ndim, _options(xs, 1, smap, "dim {d} sharded passes"), len(xs))
 
 
-@register_rule("stack")
 def stack_rule(*xs, dim, **_):
     """stack(dim): S(d) -> S(d if d < dim else d + 1); the new dim is whole."""
     smap = [((d,) * len(xs), d if d < dim else d + 1) for d in range(xs[0].ndim)
@@ -278,7 +263,9 @@ def _seq_parse(tensors, dim=0, *, out=None, extra=0):
     if out is not None:
         raise TypeError("cat/stack(out=...) on DistTensors is not supported; assign the result")
     tensors = tuple(tensors)
-    return tensors, {"dim": int(dim) % (tensors[0].ndim + extra)}
+    if not tensors:
+        raise ValueError("cat/stack: expected a non-empty list of tensors")
+    return tensors, {"dim": wrap_dim(dim, tensors[0].ndim + extra)}
 
 
 def _cat_local(nd, ctx, *xs, dim):
@@ -289,14 +276,14 @@ def _stack_local(nd, ctx, *xs, dim):
     return torch.stack(xs, dim + nd)
 
 
-register_op([torch.cat, torch.concat, torch.concatenate], OpDef("cat", _seq_parse, _cat_local))
-register_op([torch.stack], OpDef("stack", lambda t, dim=0, *, out=None:
-                                 _seq_parse(t, dim, out=out, extra=1), _stack_local))
+register("cat", [torch.cat, torch.concat, torch.concatenate], parse=_seq_parse, rule=cat_rule,
+         local=_cat_local, **COPY)
+register("stack", [torch.stack], parse=lambda t, dim=0, *, out=None:
+         _seq_parse(t, dim, out=out, extra=1), rule=stack_rule, local=_stack_local, **COPY)
 
 
 # ---- split / chunk / unbind -----------------------------------------------------------------
 
-@register_rule("split", "chunk")
 def split_rule(x, sizes, dim, **_):
     """split(sizes, dim): every piece keeps a shard on another dim; dim must be whole."""
     smap = [((d,), d) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
@@ -304,7 +291,6 @@ def split_rule(x, sizes, dim, **_):
                    n_outputs=len(sizes))
 
 
-@register_rule("unbind")
 def unbind_rule(x, dim, **_):
     """unbind(dim): S(d) -> S(d if d < dim else d - 1) on every piece; dim whole."""
     smap = [((d,), d if d < dim else d - 1) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
@@ -313,37 +299,35 @@ def unbind_rule(x, dim, **_):
 
 
 def _split_parse(x, split_size_or_sections, dim=0):
-    dim = dim % x.ndim
+    dim = wrap_dim(dim, x.ndim)
     pieces = _meta(x).split(split_size_or_sections, dim)
-    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}, len(pieces)
+    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}
 
 
 def _chunk_parse(x, chunks, dim=0):
-    dim = dim % x.ndim
+    dim = wrap_dim(dim, x.ndim)
     pieces = _meta(x).chunk(chunks, dim)
-    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}, len(pieces)
+    return (x,), {"sizes": tuple(p.shape[dim] for p in pieces), "dim": dim}
 
 
 def _unbind_parse(x, dim=0):
-    dim = dim % x.ndim
-    return (x,), {"dim": dim}, x.shape[dim]
-
-
-def _pieces(out):
-    return out if _MULTI or len(out) > 1 else out[0]
+    dim = wrap_dim(dim, x.ndim)
+    return (x,), {"dim": dim}
 
 
 def _split_local(nd, ctx, x, sizes, dim):
-    return _pieces(torch.split(x, list(sizes), dim + nd))
+    return tuple(torch.split(x, list(sizes), dim + nd))
 
 
 def _unbind_local(nd, ctx, x, dim):
-    return _pieces(torch.unbind(x, dim + nd))
+    return tuple(torch.unbind(x, dim + nd))
 
 
-register_op([torch.split, T.split], _var_out_opdef("split", _split_parse, _split_local))
-register_op([torch.chunk, T.chunk], _var_out_opdef("chunk", _chunk_parse, _split_local))
-register_op([torch.unbind, T.unbind], _var_out_opdef("unbind", _unbind_parse, _unbind_local))
+for _n, _fs, _parse, _local, _rule in (
+        ("split", [torch.split, T.split], _split_parse, _split_local, split_rule),
+        ("chunk", [torch.chunk, T.chunk], _chunk_parse, _split_local, split_rule),
+        ("unbind", [torch.unbind, T.unbind], _unbind_parse, _unbind_local, unbind_rule)):
+    register(_n, _fs, parse=_parse, rule=_rule, local=_local, multi=True, **VIEW)
 
 
 # ---- basic indexing x[idx] ---------------------------------------------------------------
@@ -389,7 +373,6 @@ def normalize_index(shape, idx) -> tuple:
     return tuple(out)
 
 
-@register_rule("getitem")
 def getitem_rule(x, index, **_):
     """x[idx]: S(d) passes where idx takes all of d; a slice or int of d needs d whole."""
     smap, d, o = [], 0, 0
@@ -410,5 +393,6 @@ def _getitem_local(nd, ctx, x, index):
     return x[(slice(None),) * nd + tuple(conv[it[0]](it) for it in index)]
 
 
-register_op([T.__getitem__], OpDef("getitem", lambda x, idx: ((x,), {
-    "index": normalize_index(tuple(x.shape), idx)}), _getitem_local))
+register("getitem", [T.__getitem__], parse=lambda x, idx: ((x,), {
+    "index": normalize_index(tuple(x.shape), idx)}), rule=getitem_rule, local=_getitem_local,
+    **VIEW)
