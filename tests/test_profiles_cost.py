@@ -179,19 +179,23 @@ def test_link_for_and_price_mapping():
     assert cost.link_for([0, 8], a) is a.inter_node
     assert cost.link_for([8, 15], a) is a.intra_node
     n = 2**28
+    # collectives run at the links' effective rate (line rate x NCCL's efficiency)
+    intra, inter = (Link(l.name, l.effective_bandwidth, l.latency) for l in
+                    (a.intra_node, a.inter_node))
+    assert intra.bandwidth == pytest.approx(300e9 * 0.822) and inter.bandwidth == 24e9
     assert cost.price("all_reduce", n, range(8), a, "ring") == cost.collective_time(
-        "all_reduce", n, 8, a.intra_node)
+        "all_reduce", n, 8, intra)
     assert cost.price("all_reduce", n, [0, 8, 16], a, "ring") == cost.collective_time(
-        "all_reduce", n, 3, a.inter_node)
-    assert cost.price("all_reduce", n, range(16), a, "hierarchical") == cost.hierarchical_time(
-        "all_reduce", n, 8, 2, a.intra_node, a.inter_node)
-    # NCCL runs a flat ring over both nodes: 8 rails of 25 GB/s carry it at 200 GB/s,
-    # faster than the hierarchical phases (which put only n/8 on one 25 GB/s NIC each)
+        "all_reduce", n, 3, inter)
+    assert cost.price("all_reduce", n, range(16), a, "hierarchical") == pytest.approx(
+        cost.hierarchical_time("all_reduce", n, 8, 2, intra, inter))
+    # NCCL runs a flat ring over both nodes: 8 rails of 24 GB/s carry it at 192 GB/s,
+    # faster than the hierarchical phases (which put only n/8 on one NIC each)
     auto = cost.price("all_reduce", n, range(16), a)
     ring = cost.price("all_reduce", n, range(16), a, "ring")
-    assert ring == pytest.approx(2 * 15 * 8e-6 + 2 * 15 / 16 * n / 200e9)
+    assert ring == pytest.approx(2 * 15 * 8e-6 + 2 * 15 / 16 * n / 192e9)  # 8 x 24 GB/s
     tree = cost.price("all_reduce", n, range(16), a, "tree")  # 2 nodes: depth 1, chain of 8
-    assert tree == pytest.approx(2 * (8e-6 + 7 * 3e-6) + 2 * n / 200e9)
+    assert tree == pytest.approx(2 * (8e-6 + 7 * 3e-6) + 2 * n / 192e9)
     assert auto == min(ring, tree)
     assert auto < cost.price("all_reduce", n, range(16), a, "hierarchical")
     assert cost.price("all_reduce", n, [3], a) == cost.price("all_reduce", 0, range(8), a) == 0.0

@@ -25,8 +25,10 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   "memory_bandwidth", "launch_overhead"}``.
 - ``Link.bandwidth``: bytes/s one device can send in one direction over that
   level (NVIDIA's "600 GB/s NVLink" is 300 GB/s each way), all of its links
-  together. 1/bandwidth is the beta of the alpha-beta model; ``Link.latency`` is
-  its alpha, in seconds. A full mesh splits ``intra_node.bandwidth`` over
+  together: the line rate, 1/bandwidth the beta of the textbook alpha-beta
+  model (``cost.collective_time``); ``Link.latency`` is its alpha, in seconds;
+  ``Link.efficiency`` the share of the line rate the vendor library reaches
+  (protocol overhead), applied by ``topology.py``. A full mesh splits ``intra_node.bandwidth`` over
   ``topology.intra_links`` links.
 - Node of a rank: ``rank // devices_per_node``.
 
@@ -104,18 +106,26 @@ def _count(owner: str, name: str, value) -> None:
 class Link:
     """One level of interconnect, as the alpha-beta model sees it."""
     name: str          # e.g. "NVLink 3 via NVSwitch"
-    bandwidth: float   # bytes/s, one direction, per device (beta = 1 / bandwidth)
+    bandwidth: float   # bytes/s, one direction, per device: the line rate
     latency: float     # seconds per message (alpha)
+    efficiency: float = 1.0  # share of the line rate a collective library reaches
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """bandwidth x efficiency: what ``topology.py`` prices collectives at."""
+        return self.bandwidth * self.efficiency
 
     def __post_init__(self):
         _positive(f"Link {self.name!r}", "bandwidth", self.bandwidth)
+        _fraction(f"Link {self.name!r}", "efficiency", self.efficiency)
         if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
                 or not math.isfinite(self.latency) or self.latency < 0:
             raise ValueError(f"Link {self.name!r}: latency={self.latency!r} must be "
                              f"a finite number of seconds >= 0")
 
     def __str__(self):
-        return f"{self.name}: {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
+        eff = f" (x{self.efficiency:g})" if self.efficiency != 1 else ""
+        return f"{self.name}: {self.bandwidth / 1e9:g} GB/s{eff}, {self.latency * 1e6:g} us"
 
 
 @dataclass(frozen=True)
@@ -243,7 +253,8 @@ class Profile:
     def to_dict(self) -> dict:
         """Plain data, the layout of the JSON files (``from_dict`` reads it back)."""
         def link(l):
-            return {"name": l.name, "bandwidth": l.bandwidth, "latency": l.latency}
+            return {"name": l.name, "bandwidth": l.bandwidth, "latency": l.latency,
+                    "efficiency": l.efficiency}
         t = self.topology
         return {"name": self.name, "description": self.description,
                 "peak_flops": dict(self.peak_flops),

@@ -1,5 +1,6 @@
 """Collectives priced on the real topology, with the algorithm the vendor's library uses.
 
+Links run at ``Link.effective_bandwidth`` (line rate x the library's efficiency).
 A group of ranks is seen by where its ranks sit (node = rank // devices_per_node):
 ``k`` ranks on each of ``m`` nodes. The node's fabric (``profiles.Topology``) decides
 what one rank can push:
@@ -112,10 +113,10 @@ def group_of(ranks, profile: Profile) -> Group:
 def _rates(profile: Profile, g: Group):
     """(ring rate inside a node, mesh link rate, NIC rate per rank)."""
     t = profile.topology
-    port = profile.intra_node.bandwidth
+    port = profile.intra_node.effective_bandwidth
     link = port / t.intra_links
     ring_intra = link if t.intra_fabric == "full_mesh" else port
-    nic = profile.inter_node.bandwidth * t.nics_per_node / profile.devices_per_node
+    nic = profile.inter_node.effective_bandwidth * t.nics_per_node / profile.devices_per_node
     return ring_intra, link, nic
 
 
@@ -145,7 +146,7 @@ def _intra(kind, n, k, profile):
         return 0.0
     if profile.topology.intra_fabric == "full_mesh":
         return _mesh(kind, n, k, profile)
-    return collective_time(kind, n, k, profile.intra_node, "ring")
+    return collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
 
 
 def _inter(kind, n, m, profile):
