@@ -123,6 +123,19 @@ def test_integer_dtypes_are_priced_by_bandwidth(dtype):
     assert t == pytest.approx(2 * size * n / (a.memory_bandwidth * a.memory_efficiency))
 
 
+def test_explain_compute_names_the_bound():
+    a = get_profile("a100")
+    gemm = cost.explain_compute(2 * 8192 ** 3, 3 * 2 * 8192 ** 2, a, "bf16", "matmul")
+    assert gemm["bound"] == "compute" and gemm["engine"] == "main"
+    add = cost.explain_compute(2 ** 26, 3 * 2 * 2 ** 26, a, "bf16")
+    assert add["bound"] == "memory"
+    tiny = cost.explain_compute(8, 48, a, "bf16")
+    assert tiny["bound"] == "launch" and tiny["seconds"] == pytest.approx(
+        tiny["memory"] + tiny["launch"])
+    f64 = cost.explain_compute(2 ** 20, 3 * 8 * 2 ** 20, "ascend-910b", "float64")
+    assert f64["engine"] == "AI CPU"
+
+
 def test_dtype_names():
     assert dtype_name(torch.float64) == dtype_name("double") == "float64"
     assert dtype_name(torch.int64) == dtype_name("long") == "int64"

@@ -45,7 +45,7 @@ from . import topology as _topo
 from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
-           "link_for", "choose", "price", "compute_time", "alg_bandwidth", "bus_bandwidth"]
+           "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth", "bus_bandwidth"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")
@@ -224,6 +224,22 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
         peak *= profile.efficiency.get(op_class, 1.0)
         bandwidth *= profile.memory_efficiency
     return max(flops / peak, bytes_moved / bandwidth) + launches * launch
+
+
+def explain_compute(flops: float, bytes_moved: float, profile, dtype,
+                    op_class: str = "elementwise", launches: int = 1) -> dict:
+    """``compute_time``'s terms as plain data, for the course: the compute, memory
+    and launch seconds, the engine, and what bounds the kernel."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches)
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = profile.compute_path(dtype)
+    if engine == "main":
+        peak *= profile.efficiency.get(op_class, 1.0)
+        bandwidth *= profile.memory_efficiency
+    terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
+             "launch": launches * launch}
+    return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
+            "bound": max(terms, key=terms.get)}
 
 
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,
