@@ -132,7 +132,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute):
                                 e * (M * N + M * K) + fp32_grad(K, N), 1)
     bda = lambda n: [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
                      (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
-    ln = lambda n: [(n + "_grad", "norm", 10 * Tn * h, 3 * e * Tn * h + 8 * Tn, 2),
+    # Megatron's fused LayerNorm backward (apex's HostLayerNormGradient): a partial
+    # gamma/beta kernel reads x and dy, a small one sums the parts, a third reads x and
+    # dy again and writes dx
+    ln = lambda n: [(n + "_grad", "norm", 10 * Tn * h, 5 * e * Tn * h + 16 * Tn, 3),
                     (n + "_residual_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
     ag = ("all_gather", T * h * e)
     out_grad = [("sp_grad_all_gather", *ag, "")] if sp else []   # backward of reduce-scatter
@@ -159,6 +162,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute):
             ("scale_mask_softmax_grad", "norm", 4 * S, 3 * e * S, 1),
             ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
             ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
             ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
     comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
     return ops + gemms + comm + ln("layernorm_1")
