@@ -200,7 +200,7 @@ def test_latency_and_weight_rereads_give_an_optimal_k():
     assert speed[-1] < max(speed)                 # too many chunks: latency wins back
     for r in sw.rows:                             # the formula holds for equal chunks
         assert r.hidden_share == pytest.approx(r.expected)
-        assert r.hidden_share <= min(1.0, r.ratio) + 1e-9
+        assert r.hidden_share <= min(1.0, r.compute / r.comm) + 1e-9  # chunks' own C/M
     text = str(sw)
     assert text.splitlines()[0].split()[:3] == ["op", "profile", "M"]
     assert len(text.splitlines()) == 1 + len(sw.rows)
@@ -213,8 +213,9 @@ def test_sweep_over_profiles_and_sizes_varies_the_ratio():
     assert len(sw.rows) == 2 * 2 * 2
     ratios = {(r.profile, r.shape): r.ratio for r in sw.rows}
     assert len(set(ratios.values())) == 4
-    big = [r for r in sw.rows if r.shape == (8192, 8192, 8192) and r.k == 8]
-    small = [r for r in sw.rows if r.shape == (2048, 4096, 4096) and r.k == 8]
+    # k = 2: at k = 8 the launch cost of 8 small chunks inflates the small shape's compute
+    big = [r for r in sw.rows if r.shape == (8192, 8192, 8192) and r.k == 2]
+    small = [r for r in sw.rows if r.shape == (2048, 4096, 4096) and r.k == 2]
     for b, s in zip(big, small):                  # more compute per byte hides more
         assert b.ratio > s.ratio and b.hidden_share > s.hidden_share
 

@@ -31,20 +31,21 @@ bytes each rank holds (sends and receives) in all_to_all; the message of
 broadcast and send_recv. This is also nccl-tests' "size", so ``bus_bandwidth``
 reads the same numbers. p == 1 or nbytes == 0 costs 0.0 (nothing moves).
 
-A group of ranks is priced on a profile by where its ranks sit (node = rank //
-devices_per_node): inside one node on the intra-node link, one rank per node on
-the inter-node link, several ranks on each of several nodes hierarchically
-(intra reduce-scatter, inter all-reduce of n / p_local, intra all-gather).
+``collective_time`` prices one algorithm on one link; ``price`` prices a group of
+ranks on a profile's topology with the algorithm NCCL or HCCL actually runs
+(``topology.py``: NVSwitch, HCCS full mesh, one NIC per device between nodes;
+ring / tree / mesh / halving-doubling / pairwise / hierarchical / pipelined), and
+``choose`` says which algorithm and why. ``compute_time`` prices a kernel on the
+profile's roofline with its efficiency per op class and launch cost.
 """
 from __future__ import annotations
 
 import math
-from collections import Counter
-
-from .profiles import Link, Profile, get_profile
+from . import topology as _topo
+from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
-           "link_for", "price", "compute_time", "alg_bandwidth", "bus_bandwidth"]
+           "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth", "bus_bandwidth"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")
@@ -91,7 +92,7 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link,
     _check(kind, nbytes, p)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: use one of {list(ALGORITHMS)} "
-                         f"(price() also takes 'auto' and 'hierarchical')")
+                         f"(price() also takes 'auto' and the topology's algorithms, e.g. 'mesh')")
     if not isinstance(link, Link):
         raise ValueError(f"link={link!r} must be a profiles.Link "
                          f"(e.g. get_profile('a100').intra_node)")
@@ -158,18 +159,9 @@ def hierarchical_time(kind: str, nbytes: float, p_local: int, p_nodes: int,
     return t("broadcast", n, pg, inter) + t("broadcast", n, pl, intra)
 
 
-def _ranks(ranks) -> list[int]:
-    out = list(ranks)
-    if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
-        raise ValueError(f"ranks={ranks!r} must be a non-empty list of ints >= 0")
-    if len(set(out)) != len(out):
-        raise ValueError(f"ranks={ranks!r} holds a rank twice; list each rank once")
-    return out
-
-
 def _layout(ranks, profile: Profile) -> list[int]:
     """Ranks per node, for the nodes the group touches."""
-    return list(Counter(r // profile.devices_per_node for r in _ranks(ranks)).values())
+    return list(_topo.group_of(ranks, profile).per_node)
 
 
 def link_for(ranks, profile) -> Link:
@@ -179,57 +171,75 @@ def link_for(ranks, profile) -> Link:
     return profile.intra_node if len(_layout(ranks, profile)) == 1 else profile.inter_node
 
 
-def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> float:
-    """Seconds for a collective over ``ranks`` on ``profile``.
+def choose(kind: str, nbytes: float, ranks, profile) -> "_topo.Choice":
+    """Which algorithm the profile's library (NCCL or HCCL) runs for this collective,
+    its time, why, and the times of the options it chose from (``topology.py``)."""
+    profile = get_profile(profile)
+    g = _topo.group_of(ranks, profile)
+    _check(kind, nbytes, g.p)
+    return _topo.choose(kind, nbytes, g, profile)
 
-    ``algorithm``: "ring" or "tree" run flat over ``link_for(ranks)``;
-    "hierarchical" uses ``hierarchical_time`` with ring phases (needs the same
-    number of ranks on every node); "auto" takes the cheapest applicable of
-    these, ties going to the earlier of ring, tree, hierarchical ring,
-    hierarchical tree. A group inside one node is priced on the intra link, one
-    rank per node on the inter link; several ranks on each of several nodes
-    also try the hierarchical forms (uneven groups only the flat ones).
+
+def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> float:
+    """Seconds for a collective over ``ranks`` on ``profile``'s topology.
+
+    ``algorithm="auto"`` prices what the vendor library runs (``choose``); a name
+    from ``topology.PRICE_ALGORITHMS`` ("ring", "tree", "halving_doubling",
+    "mesh", "pairwise", "hierarchical", "pipelined") prices that algorithm, or
+    says why it does not apply to this group. p == 1 or nbytes == 0 costs 0.0.
     """
     profile = get_profile(profile)
-    per_node = _layout(ranks, profile)
-    p = sum(per_node)
-    _check(kind, nbytes, p)
-    choices = ("auto", "hierarchical") + ALGORITHMS
-    if algorithm not in choices:
-        raise ValueError(f"algorithm={algorithm!r}: use one of {list(choices)}")
-    if p == 1 or nbytes == 0:
-        return 0.0
-    link = link_for(ranks, profile)
-    flat = {a: collective_time(kind, nbytes, p, link, a) for a in ALGORITHMS}
-    if algorithm in ALGORITHMS:
-        return flat[algorithm]
-    even = len(set(per_node)) == 1
-    nested = len(per_node) > 1 and per_node[0] > 1 and even and kind != "send_recv"
-    if algorithm == "hierarchical":
-        if not even or kind == "send_recv":
-            raise ValueError(f"algorithm='hierarchical' needs a collective (not send_recv) "
-                             f"with the same number of ranks on every node; ranks per "
-                             f"node are {per_node}: use 'ring', 'tree' or 'auto'")
-        return hierarchical_time(kind, nbytes, per_node[0], len(per_node),
-                                 profile.intra_node, profile.inter_node)
-    options = list(flat.values())
-    if nested:
-        options += [hierarchical_time(kind, nbytes, per_node[0], len(per_node),
-                                      profile.intra_node, profile.inter_node, a)
-                    for a in ALGORITHMS]
-    return min(options)  # min keeps the first of equal values: deterministic ties
+    g = _topo.group_of(ranks, profile)
+    _check(kind, nbytes, g.p)
+    if algorithm == "auto":
+        return _topo.choose(kind, nbytes, g, profile).seconds
+    return _topo.algorithm_time(kind, nbytes, g, profile, algorithm)
 
 
-def compute_time(flops: float, bytes_moved: float, profile, dtype, op_class=None) -> float:
-    """Roofline time of a kernel (Williams, Waterman & Patterson 2009):
-    max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
-    ``dtype`` is a torch dtype or a name ("bfloat16", "bf16", "fp32", ...)."""
+def compute_time(flops: float, bytes_moved: float, profile, dtype,
+                 op_class: str = "elementwise", launches: int = 1) -> float:
+    """Seconds for ``launches`` kernels doing ``flops`` and moving ``bytes_moved``:
+    a roofline (Williams, Waterman & Patterson 2009) with measured efficiencies,
+
+        max(flops / (peak[dtype] x efficiency[op_class]),
+            bytes_moved / (memory_bandwidth x memory_efficiency)) + launches x launch_overhead
+
+    ``dtype`` is a torch dtype or a name ("bfloat16", "fp32", "float64", "int64"...);
+    a dtype with a slow path on the profile (the 910B runs float64 on its AI CPU)
+    is priced on that engine's rates and launch cost. ``op_class`` is one of
+    ``profiles.OP_CLASSES``. ``launches=0`` prices work fused into another kernel.
+    """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
                 or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name}={v!r} must be a number >= 0")
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"op_class={op_class!r} is not an op class the clock knows; use "
+                         f"one of {list(OP_CLASSES)}")
+    if isinstance(launches, bool) or not isinstance(launches, int) or launches < 0:
+        raise ValueError(f"launches={launches!r} must be the number of kernels, an int >= 0")
     profile = get_profile(profile)
-    return max(flops / profile.peak(dtype), bytes_moved / profile.memory_bandwidth)
+    engine, peak, bandwidth, launch = profile.compute_path(dtype)
+    if engine == "main":
+        peak *= profile.efficiency.get(op_class, 1.0)
+        bandwidth *= profile.memory_efficiency
+    return max(flops / peak, bytes_moved / bandwidth) + launches * launch
+
+
+def explain_compute(flops: float, bytes_moved: float, profile, dtype,
+                    op_class: str = "elementwise", launches: int = 1) -> dict:
+    """``compute_time``'s terms as plain data, for the course: the compute, memory
+    and launch seconds, the engine, and what bounds the kernel."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches)
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = profile.compute_path(dtype)
+    if engine == "main":
+        peak *= profile.efficiency.get(op_class, 1.0)
+        bandwidth *= profile.memory_efficiency
+    terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
+             "launch": launches * launch}
+    return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
+            "bound": max(terms, key=terms.get)}
 
 
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,

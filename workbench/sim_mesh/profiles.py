@@ -1,22 +1,35 @@
 """Hardware profiles: what the modeled clock prices work on.
 
 A profile holds a device's dense peak FLOP/s per dtype, its memory bandwidth and
-size, how many devices share a node, and two links: the one between devices of
-a node (NVLink, HCCS) and the one between nodes (InfiniBand, RoCE). The built-in
-profiles are JSON data files in ``profiles/`` beside this module, each carrying
-its sources and what is uncertain about it::
+size, how many devices share a node, two links (between devices of a node:
+NVLink, HCCS; between nodes: InfiniBand, RoCE), how kernels really run (launch
+cost, efficiency per op class) and the node's topology (``Topology``: which
+collective library, a switch or a full mesh inside the node, NICs per node). The
+built-in profiles are JSON data files in ``profiles/`` beside this module; each
+number there names its source in ``citations`` (key = the number's path)::
 
     >>> p = get_profile("a100")
     >>> p.peak("bfloat16") / 1e12, p.intra_node.bandwidth / 1e9
     (312.0, 300.0)
 
-Conventions (used by ``cost.py``):
+Conventions (used by ``cost.py`` and ``topology.py``):
 
 - ``peak_flops``: dense (no structured sparsity) FLOP/s, keyed by dtype name
-  ("float32", "tf32" where the hardware has it, "bfloat16", "float16").
+  ("float64", "float32", "tf32" where the hardware has it, "bfloat16", "float16").
+- ``efficiency[op_class]``: the fraction of peak FLOP/s a kernel of that class
+  reaches when compute-bound; ``memory_efficiency``: the fraction of memory
+  bandwidth a memory-bound kernel reaches; ``launch_overhead``: seconds each
+  kernel adds. Defaults (1.0, 1.0, 0.0) give the ideal roofline.
+- ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
+  another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
+  "memory_bandwidth", "launch_overhead"}``.
 - ``Link.bandwidth``: bytes/s one device can send in one direction over that
-  level (NVIDIA's "600 GB/s NVLink" is 300 GB/s each way). 1/bandwidth is the
-  beta of the alpha-beta model; ``Link.latency`` is its alpha, in seconds.
+  level (NVIDIA's "600 GB/s NVLink" is 300 GB/s each way), all of its links
+  together: the line rate, 1/bandwidth the beta of the textbook alpha-beta
+  model (``cost.collective_time``); ``Link.latency`` is its alpha, in seconds;
+  ``Link.efficiency`` the share of the line rate the vendor library reaches
+  (protocol overhead), applied by ``topology.py``. A full mesh splits ``intra_node.bandwidth`` over
+  ``topology.intra_links`` links.
 - Node of a rank: ``rank // devices_per_node``.
 
 Your own hardware: copy one of the JSON files, edit it, ``load_profile(path)``.
@@ -30,33 +43,20 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Optional
 
-__all__ = ["Link", "Profile", "get_profile", "list_profiles", "load_profile",
-           "dtype_name", "DEFAULT_PROFILE"]
+from .dtypes import INTEGER_DTYPES as _INTEGER
+from .dtypes import dtype_name, is_integer_dtype
+
+__all__ = ["Link", "Topology", "Profile", "get_profile", "list_profiles", "load_profile",
+           "dtype_name", "is_integer_dtype", "OP_CLASSES", "DEFAULT_PROFILE"]
 
 DEFAULT_PROFILE = "a100"
 REQUIRED_DTYPES = ("float32", "bfloat16", "float16")
-
-# Spellings accepted for a dtype; torch dtypes arrive as "torch.float16" etc.
-_DTYPE_ALIASES = {
-    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
-    "tf32": "tf32", "tensorfloat32": "tf32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
-}
-
-
-def dtype_name(dtype) -> str:
-    """Canonical dtype key ("float32", "tf32", "bfloat16", "float16") for a torch
-    dtype or a string such as "bf16" / "torch.half"."""
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPE_ALIASES:
-        raise ValueError(f"dtype={dtype!r} is not a known floating-point dtype; "
-                         f"use one of {sorted(set(_DTYPE_ALIASES.values()))} "
-                         f"(or a torch dtype such as torch.bfloat16)")
-    return _DTYPE_ALIASES[key]
-
+# Kinds of kernel the clock prices differently (compute_time's op_class).
+OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "reduction", "data_movement")
+LIBRARIES = ("nccl", "hccl")
+FABRICS = ("switch", "full_mesh")
 
 def _positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -64,22 +64,61 @@ def _positive(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: {name}={value!r} must be a finite number > 0")
 
 
+def _fraction(owner: str, name: str, value) -> None:
+    _positive(owner, name, value)
+    if value > 1:
+        raise ValueError(f"{owner}: {name}={value!r} is a fraction of peak, in (0, 1]")
+
+
+def _count(owner: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {name}={value!r} must be an int >= 1")
+
+
 @dataclass(frozen=True)
 class Link:
     """One level of interconnect, as the alpha-beta model sees it."""
     name: str          # e.g. "NVLink 3 via NVSwitch"
-    bandwidth: float   # bytes/s, one direction, per device (beta = 1 / bandwidth)
+    bandwidth: float   # bytes/s, one direction, per device: the line rate
     latency: float     # seconds per message (alpha)
+    efficiency: float = 1.0  # share of the line rate a collective library reaches
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """bandwidth x efficiency: what ``topology.py`` prices collectives at."""
+        return self.bandwidth * self.efficiency
 
     def __post_init__(self):
         _positive(f"Link {self.name!r}", "bandwidth", self.bandwidth)
+        _fraction(f"Link {self.name!r}", "efficiency", self.efficiency)
         if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
                 or not math.isfinite(self.latency) or self.latency < 0:
             raise ValueError(f"Link {self.name!r}: latency={self.latency!r} must be "
                              f"a finite number of seconds >= 0")
 
     def __str__(self):
-        return f"{self.name}: {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
+        eff = f" (x{self.efficiency:g})" if self.efficiency != 1 else ""
+        return f"{self.name}: {self.bandwidth / 1e9:g} GB/s{eff}, {self.latency * 1e6:g} us"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the devices of a node are wired and which library drives them
+    (``topology.py`` turns this into collective algorithms)."""
+    library: str = "nccl"          # "nccl" (NVIDIA) or "hccl" (Ascend)
+    intra_fabric: str = "switch"   # "switch" (NVSwitch) or "full_mesh" (HCCS)
+    intra_links: int = 1           # links per device inside the node (full mesh: d - 1)
+    nics_per_node: Optional[int] = None  # NICs per node, one per device when None
+
+    def __post_init__(self):
+        if self.library not in LIBRARIES:
+            raise ValueError(f"Topology: library={self.library!r}: use one of {list(LIBRARIES)}")
+        if self.intra_fabric not in FABRICS:
+            raise ValueError(f"Topology: intra_fabric={self.intra_fabric!r}: use one of "
+                             f"{list(FABRICS)}")
+        _count("Topology", "intra_links", self.intra_links)
+        if self.nics_per_node is not None:
+            _count("Topology", "nics_per_node", self.nics_per_node)
 
 
 @dataclass(frozen=True)
@@ -95,6 +134,12 @@ class Profile:
     inter_node: Link                  # between nodes, per device
     sources: tuple[str, ...] = ()     # datasheets / papers the numbers come from
     notes: str = ""                   # assumptions and uncertainties
+    launch_overhead: float = 0.0      # seconds per kernel
+    efficiency: Mapping[str, float] = field(default_factory=dict, hash=False)
+    memory_efficiency: float = 1.0
+    slow_paths: Mapping[str, Mapping] = field(default_factory=dict, hash=False)
+    topology: Topology = field(default_factory=Topology)
+    citations: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -107,24 +152,72 @@ class Profile:
             _positive(owner, f"peak_flops[{k!r}]", v)
         _positive(owner, "memory_bandwidth", self.memory_bandwidth)
         _positive(owner, "memory_bytes", self.memory_bytes)
-        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
-                or self.devices_per_node < 1:
-            raise ValueError(f"{owner}: devices_per_node={self.devices_per_node!r} "
-                             f"must be an int >= 1")
+        _count(owner, "devices_per_node", self.devices_per_node)
         for attr in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, attr), Link):
                 raise ValueError(f"{owner}: {attr} must be a Link, "
                                  f"got {type(getattr(self, attr)).__name__}")
+        if isinstance(self.launch_overhead, bool) or not isinstance(
+                self.launch_overhead, (int, float)) or not 0 <= self.launch_overhead < 1:
+            raise ValueError(f"{owner}: launch_overhead={self.launch_overhead!r} must be "
+                             f"seconds per kernel, >= 0 (e.g. 1e-6)")
+        eff = dict(self.efficiency)
+        for k, v in eff.items():
+            if k not in OP_CLASSES:
+                raise ValueError(f"{owner}: efficiency has op class {k!r}; the classes "
+                                 f"are {list(OP_CLASSES)}")
+            _fraction(owner, f"efficiency[{k!r}]", v)
+        _fraction(owner, "memory_efficiency", self.memory_efficiency)
+        slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
+        for k, v in slow.items():
+            if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
+                raise ValueError(f"{owner}: slow_paths[{k!r}] needs exactly engine, "
+                                 f"peak_flops, memory_bandwidth, launch_overhead; got {sorted(v)}")
+            _positive(owner, f"slow_paths[{k!r}].peak_flops", v["peak_flops"])
+            _positive(owner, f"slow_paths[{k!r}].memory_bandwidth", v["memory_bandwidth"])
+            _positive(owner, f"slow_paths[{k!r}].launch_overhead", v["launch_overhead"])
+        if not isinstance(self.topology, Topology):
+            raise ValueError(f"{owner}: topology must be a Topology, "
+                             f"got {type(self.topology).__name__}")
+        t = self.topology
+        if t.intra_fabric == "full_mesh" and t.intra_links != self.devices_per_node - 1:
+            raise ValueError(f"{owner}: a full mesh of {self.devices_per_node} devices has "
+                             f"{self.devices_per_node - 1} links per device, not "
+                             f"intra_links={t.intra_links}")
+        if t.nics_per_node is None:
+            object.__setattr__(self, "topology", Topology(
+                t.library, t.intra_fabric, t.intra_links, self.devices_per_node))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
+        object.__setattr__(self, "efficiency", MappingProxyType(eff))
+        object.__setattr__(self, "slow_paths", MappingProxyType(
+            {k: MappingProxyType(v) for k, v in slow.items()}))
+        object.__setattr__(self, "citations", MappingProxyType(dict(self.citations)))
         object.__setattr__(self, "sources", tuple(self.sources))
 
     def peak(self, dtype) -> float:
-        """Dense peak FLOP/s for ``dtype`` (torch dtype or string)."""
+        """Dense peak FLOP/s for ``dtype`` (torch dtype or string) on the main
+        compute units; raises when the profile gives none."""
         key = dtype_name(dtype)
         if key not in self.peak_flops:
             raise ValueError(f"profile {self.name!r} has no peak for dtype={key!r}; "
                              f"it knows {sorted(self.peak_flops)}")
         return self.peak_flops[key]
+
+    def compute_path(self, dtype) -> tuple[str, float, float, float]:
+        """(engine, FLOP/s, bytes/s, seconds per launch) that ``dtype`` runs at:
+        its slow path if it has one, else the main units. Integer and bool work
+        runs on the vector units at the float32 rate (A100 whitepaper: INT32
+        19.5 TOPS = FP32 19.5 TFLOP/s); it is bandwidth-bound in practice."""
+        key = dtype_name(dtype)
+        if key in self.slow_paths:
+            s = self.slow_paths[key]
+            return s["engine"], s["peak_flops"], s["memory_bandwidth"], s["launch_overhead"]
+        if key in _INTEGER and key not in self.peak_flops:
+            key = "float32"
+        if key not in self.peak_flops:
+            raise ValueError(f"profile {self.name!r} cannot price dtype={key!r}: add "
+                             f"peak_flops[{key!r}] or slow_paths[{key!r}] to the profile")
+        return "main", self.peak_flops[key], self.memory_bandwidth, self.launch_overhead
 
     def node_of(self, rank: int) -> int:
         """The node holding ``rank`` (ranks are packed node by node)."""
@@ -133,13 +226,21 @@ class Profile:
     def to_dict(self) -> dict:
         """Plain data, the layout of the JSON files (``from_dict`` reads it back)."""
         def link(l):
-            return {"name": l.name, "bandwidth": l.bandwidth, "latency": l.latency}
+            return {"name": l.name, "bandwidth": l.bandwidth, "latency": l.latency,
+                    "efficiency": l.efficiency}
+        t = self.topology
         return {"name": self.name, "description": self.description,
                 "peak_flops": dict(self.peak_flops),
                 "memory_bandwidth": self.memory_bandwidth, "memory_bytes": self.memory_bytes,
                 "devices_per_node": self.devices_per_node,
                 "intra_node": link(self.intra_node), "inter_node": link(self.inter_node),
-                "sources": list(self.sources), "notes": self.notes}
+                "launch_overhead": self.launch_overhead, "efficiency": dict(self.efficiency),
+                "memory_efficiency": self.memory_efficiency,
+                "slow_paths": {k: dict(v) for k, v in self.slow_paths.items()},
+                "topology": {"library": t.library, "intra_fabric": t.intra_fabric,
+                             "intra_links": t.intra_links, "nics_per_node": t.nics_per_node},
+                "sources": list(self.sources), "notes": self.notes,
+                "citations": dict(self.citations)}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Profile":
@@ -154,9 +255,13 @@ class Profile:
                 raise ValueError(f"profile data lacks {attr!r}: give "
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
-        missing = sorted(known - set(kw) - {"sources", "notes"})
+        optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
+                    "slow_paths", "topology", "citations"}
+        missing = sorted(known - set(kw) - optional)
         if missing:
             raise ValueError(f"profile data lacks keys {missing}")
+        if "topology" in kw:
+            kw["topology"] = Topology(**kw["topology"])
         if isinstance(kw["memory_bytes"], float) and kw["memory_bytes"].is_integer():
             kw["memory_bytes"] = int(kw["memory_bytes"])
         kw["sources"] = tuple(kw.get("sources", ()))
@@ -165,7 +270,8 @@ class Profile:
     def __str__(self):
         return (f"{self.name}: {self.peak('bfloat16') / 1e12:g} TFLOP/s bf16, "
                 f"{self.memory_bandwidth / 1e12:g} TB/s, {self.memory_bytes / 1e9:g} GB, "
-                f"{self.devices_per_node}/node, intra {self.intra_node}, "
+                f"{self.devices_per_node}/node ({self.topology.library}, "
+                f"{self.topology.intra_fabric}), intra {self.intra_node}, "
                 f"inter {self.inter_node}")
 
 

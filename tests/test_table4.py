@@ -1,0 +1,124 @@
+"""One layer of the 22B GPT on DGX A100 against Korthikanti et al. 2022, Table 4.
+
+h=6144, a=64, s=2048, micro-batch 4, TP 8, fp16 (Megatron on A100, 312 TFLOP/s).
+The layer model (workbench/plan/layer_cost.py) uses the A100 profile as it is:
+matmul at the measured MAMF fraction (0.859), memory-bound kernels at the measured
+0.88 of HBM bandwidth, 1 us per launch, NVLink at NCCL's effective 0.822 x 300 GB/s.
+Nothing is fitted to Table 4.
+
+Result: the shape of the table is reproduced (every figure relative to the
+baseline's combined time within 6%), the absolute times are low: forward 13-14%,
+backward 15-19%, combined 14-18%. The model is optimistic. Likely causes, none
+modeled because no independent figure was found: GEMMs of these shapes (K = 768
+for the projection) below the best-shape MAMF, memory-bound PyTorch kernels below
+88% of HBM, and NCCL kernels taking SMs from the GEMMs they overlap in backward.
+"""
+import pytest
+
+from workbench.plan.layer_cost import layer_ops, layer_times
+from workbench.sim_mesh import cost
+
+LAYER = dict(h=6144, a=64, s=2048, b=4, tp=8, dtype="float16", profile="a100")
+TABLE4 = {  # (sp, recompute): forward, backward, combined, ms
+    (False, "none"): (7.7, 11.9, 19.6),
+    (True, "none"): (7.2, 11.8, 19.0),
+    (False, "full"): (7.7, 19.5, 27.2),
+    (False, "selective"): (7.7, 13.2, 20.9),
+    (True, "selective"): (7.2, 13.1, 20.3),
+}
+
+
+def _ms(sp, recompute):
+    r = layer_times(sp=sp, recompute=recompute, **LAYER)
+    return r.forward * 1e3, r.backward * 1e3, r.combined * 1e3
+
+
+@pytest.mark.parametrize("row", list(TABLE4))
+def test_rows_relative_to_the_baseline(row):
+    base = _ms(False, "none")[2]
+    for got, want in zip(_ms(*row), TABLE4[row]):
+        assert got / base == pytest.approx(want / 19.6, rel=0.06), (row, got, want)
+
+
+@pytest.mark.parametrize("row", list(TABLE4))
+def test_rows_absolute_within_25_percent_and_optimistic(row):
+    # the known gap (module docstring): every figure 10-25% below the published one
+    for got, want in zip(_ms(*row), TABLE4[row]):
+        assert 0.75 * want < got < 0.90 * want, (row, got, want)
+
+
+@pytest.mark.xfail(strict=True, reason="absolute times are 13-19% low (module docstring); "
+                   "the issue's target is 10%")
+def test_rows_absolute_within_10_percent():
+    for row, want in TABLE4.items():
+        for g, w in zip(_ms(*row), want):
+            assert g == pytest.approx(w, rel=0.10), (row, g, w)
+
+
+def test_what_each_technique_changes():
+    base, sp = layer_times(**LAYER), layer_times(sp=True, **LAYER)
+    full, sel = layer_times(recompute="full", **LAYER), layer_times(recompute="selective", **LAYER)
+    # full recompute runs the whole forward again before the backward
+    assert full.backward == pytest.approx(base.backward + base.forward)
+    # selective recompute runs the attention core again: QK^T, softmax, dropout, PV, permute
+    core = {"qk_baddbmm", "scale_mask_softmax", "attention_dropout", "pv_bmm", "context_permute"}
+    redo = [o for o in sel.ops if o["phase"] == "recompute"]
+    assert {o["name"] for o in redo} == core
+    fwd_core = sum(o["seconds"] for o in base.ops if o["phase"] == "forward" and o["name"] in core)
+    assert sel.backward == pytest.approx(base.backward + fwd_core)
+    # sequence parallelism: same bytes on the wire, norm and dropout on s/t tokens
+    def wire(r, phase):
+        return sum(cost.wire_bytes(o["op_class"], o["bytes"], 8) for o in r.ops
+                   if o["phase"] == phase and o["op_class"] in cost.KINDS)
+    assert wire(sp, "forward") == wire(base, "forward") > 0
+    ln = [o["seconds"] for r in (base, sp) for o in r.ops if o["name"] == "layernorm_1"]
+    assert ln[1] < ln[0] / 4 and sp.forward < base.forward
+
+
+def test_breakdown_is_plain_data_that_adds_up():
+    r = layer_times(sp=True, recompute="selective", **LAYER)
+    assert all(type(o) is dict for o in r.ops)
+    assert r.forward == pytest.approx(sum(o["exposed"] for o in r.ops if o["phase"] == "forward"))
+    assert r.combined == pytest.approx(sum(o["exposed"] for o in r.ops))
+    hidden = [o for o in r.ops if o["overlaps"]]
+    assert hidden and all(o["exposed"] <= o["seconds"] for o in hidden)
+    names = {o["name"] for o in r.ops}
+    assert all(o["overlaps"] in names for o in hidden)
+    comm = [o for o in r.ops if o["algorithm"]]
+    assert {o["algorithm"] for o in comm} == {"ring"}  # NCCL inside a DGX A100
+
+
+def test_gemm_flops_are_exact():
+    ops = layer_ops(**LAYER)
+    h, s, b, t = 6144, 2048, 4, 8
+    gemm = sum(o.flops for o in ops if o.phase == "forward" and o.name.endswith("_gemm"))
+    assert gemm == 24 * b * s * h * h // t            # 24 B s h^2 per layer (Narayanan eq. 3)
+    attn = sum(o.flops for o in ops if o.phase == "forward" and o.name in ("qk_baddbmm", "pv_bmm"))
+    assert attn == 4 * b * s * s * h // t
+    bwd = sum(o.flops for o in ops if o.phase == "backward" and o.op_class == "matmul")
+    assert bwd == 2 * (gemm + attn)
+
+
+def test_tp_across_nodes_is_slower():
+    # one GPU per node: each all-reduce crosses InfiniBand on one 24 GB/s NIC instead
+    # of NVLink at 0.822 x 300 GB/s, about 10x slower
+    def comm(r):
+        return sum(o["seconds"] for o in r.ops if o["op_class"] == "all_reduce")
+    inside = layer_times(**LAYER)
+    across = layer_times(tp_ranks=[0, 8, 16, 24, 32, 40, 48, 56], **LAYER)
+    assert comm(across) / comm(inside) == pytest.approx(0.822 * 300 / 24, rel=0.05)
+    assert across.forward > 2 * inside.forward
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(h=6000), r"h=6000 is not divisible by a=64"),
+    (dict(tp=3), r"a=64 is not divisible by tp=3"),
+    (dict(recompute="block"), r"recompute='block'.*none.*selective.*full"),
+    (dict(tp_ranks=[0, 1]), r"tp_ranks=\[0, 1\] must list tp=8"),
+    (dict(b=0), r"b=0 must be an int >= 1"),
+    (dict(dtype="int64"), r"dtype='int64'"),
+    (dict(profile="tpu"), r"profile='tpu'"),
+])
+def test_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match):
+        layer_times(**{**LAYER, **kw})

@@ -1,0 +1,1 @@
+"""Planning a cluster layout: analytic cost models (``layer_cost``: one GPT layer, op by op)."""

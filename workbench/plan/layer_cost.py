@@ -1,0 +1,222 @@
+"""One Megatron GPT layer, op by op, priced on a hardware profile.
+
+The layer is Megatron-LM's ``ParallelTransformerLayer`` as Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models") ran it: pre-norm
+LayerNorm with bias, a column-parallel QKV GEMM whose bias is added by a separate
+kernel, the unfused attention core (``baddbmm`` for Q K^T with the 1/sqrt(d) scale
+folded in, Megatron's fused scale-mask-softmax kernel, ``torch`` dropout writing a
+one-byte mask, ``bmm`` for P V, the context permuted back to [s, b, h/t]), a
+row-parallel projection whose bias goes to the fused bias-dropout-add kernel, then
+the MLP: column-parallel h -> ffn GEMM, fused bias-GeLU, row-parallel ffn -> h
+GEMM, bias-dropout-add. Tensor parallelism (Megatron-LM, Shoeybi et al. 2019)
+adds an all-reduce after each row-parallel GEMM in forward and one after each
+column-parallel GEMM's input gradient in backward; sequence parallelism
+(Korthikanti et al. sec. 4.2.2) replaces them by an all-gather before and a
+reduce-scatter after, and runs LayerNorm and dropout on s/t tokens.
+
+What overlaps (Megatron-LM 2022, ``LinearWithGradAccumulationAndAsyncCommunication``):
+the backward all-reduce (or SP reduce-scatter) of a column-parallel layer's input
+gradient runs beside its weight-gradient GEMM, and SP's re-gathering of that
+layer's input runs beside its input-gradient GEMM: such a pair costs
+max(GEMM, collective). Every other collective is on the critical path.
+
+Recompute: "selective" re-runs the attention core (Q K^T, softmax, dropout, P V,
+permute: Megatron's checkpointed ``CoreAttention``) before its backward; "full"
+re-runs the whole layer forward, collectives included, before the backward.
+
+Every op carries its FLOPs and bytes (by dtype), its op class and launches, and is
+priced with ``cost.compute_time``; collectives with ``cost.price`` on the TP group.
+FLOPs of GEMMs are exact (2 M N K); FLOPs of memory-bound kernels are approximate
+per-element counts (they never bind: these kernels are priced by their bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.profiles import dtype_name, get_profile
+
+__all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One kernel or collective of the layer, priced."""
+    name: str
+    phase: str          # "forward", "recompute" or "backward"
+    op_class: str       # compute: an op class; collective: its kind ("all_reduce"...)
+    flops: float
+    bytes: float        # compute: bytes read + written; collective: the buffer (cost.py)
+    launches: int
+    seconds: float      # the op's own time
+    exposed: float      # the part on the critical path
+    algorithm: str = ""  # collectives: what the library runs
+    overlaps: str = ""   # collectives: the GEMM it runs beside
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one layer's forward and backward (recompute included)."""
+    forward: float
+    backward: float
+    combined: float
+    ops: tuple          # one plain dict per OpCost, in execution order
+
+
+def _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks):
+    for name, v in (("h", h), ("a", a), ("s", s), ("b", b), ("tp", tp), ("ffn", ffn)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"layer_times: {name}={v!r} must be an int >= 1")
+    if h % a:
+        raise ValueError(f"layer_times: h={h} is not divisible by a={a} heads")
+    for name, v in (("a", a), ("h", h), ("ffn", ffn)):
+        if v % tp:
+            raise ValueError(f"layer_times: {name}={v} is not divisible by tp={tp}; "
+                             f"tensor parallelism splits it over the tp ranks")
+    if sp and s * b % tp:
+        raise ValueError(f"layer_times: sp=True splits s*b={s * b} tokens over tp={tp} "
+                         f"ranks; it must divide")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"layer_times: recompute={recompute!r}: use one of {list(RECOMPUTE)}")
+    if tp_ranks is not None and len(list(tp_ranks)) != tp:
+        raise ValueError(f"layer_times: tp_ranks={tp_ranks!r} must list tp={tp} ranks")
+
+
+def _forward(h, a, s, b, t, sp, f, e):
+    """Forward kernels and collectives, as (name, class, flops, bytes, launches)."""
+    T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
+    ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
+    gemm = lambda n, M, K, N: (n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1)
+    ln = lambda n: (n, "norm", 8 * Tn * h, 2 * e * Tn * h + 2 * e * h + 8 * Tn, 1)
+    bda = lambda n: (n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h, 1)
+    comm_in = ("all_gather", T * h * e) if sp else None
+    comm_out = ("reduce_scatter" if sp else "all_reduce", T * h * e)
+    ops = [ln("layernorm_1")]
+    if comm_in:
+        ops.append(("sp_all_gather_1", *comm_in))
+    ops += [gemm("qkv_gemm", T, h, hq),
+            ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
+    ops += _core(b, ah, s, d, t, T, h, e)
+    ops += [gemm("proj_gemm", T, h // t, h), ("tp_out_1", *comm_out), bda("bias_dropout_add_1"),
+            ln("layernorm_2")]
+    if comm_in:
+        ops.append(("sp_all_gather_2", *comm_in))
+    ops += [gemm("fc1_gemm", T, h, f // t),
+            ("bias_gelu", "elementwise", 8 * T * f // t, e * (2 * T * f // t + f // t), 1),
+            gemm("fc2_gemm", T, f // t, h), ("tp_out_2", *comm_out), bda("bias_dropout_add_2")]
+    return ops
+
+
+def _core(b, ah, s, d, t, T, h, e):
+    """The attention core Megatron's selective recompute re-runs."""
+    S = b * ah * s * s                             # attention score elements per rank
+    return [("qk_baddbmm", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1),
+            ("scale_mask_softmax", "norm", 5 * S, 2 * e * S, 1),
+            ("attention_dropout", "elementwise", 2 * S, 2 * e * S + S, 1),
+            ("pv_bmm", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
+
+
+def _backward(h, a, s, b, t, sp, f, e, recompute):
+    """Backward kernels and collectives in execution order; a collective tuple's
+    sixth field names the GEMM it overlaps ("" = on the critical path)."""
+    T, Tn = s * b, (s * b // t if sp else s * b)
+    ah, d, hq = a // t, h // a, 3 * h // t
+    S = b * ah * s * s
+    fp32_grad = lambda K, N: 8 * K * N   # fp32 main_grad read + write (fused accumulation)
+    dgrad = lambda n, M, K, N: (n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1)
+    wgrad = lambda n, M, K, N: (n, "matmul", 2 * M * K * N,
+                                e * (M * N + M * K) + fp32_grad(K, N), 1)
+    bda = lambda n: [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
+                     (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
+    # Megatron's fused LayerNorm backward (apex's HostLayerNormGradient): a partial
+    # gamma/beta kernel reads x and dy, a small one sums the parts, a third reads x and
+    # dy again and writes dx
+    ln = lambda n: [(n + "_grad", "norm", 10 * Tn * h, 5 * e * Tn * h + 16 * Tn, 3),
+                    (n + "_residual_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+    ag = ("all_gather", T * h * e)
+    out_grad = [("sp_grad_all_gather", *ag, "")] if sp else []   # backward of reduce-scatter
+
+    def column(n, N, dgrad_name, wgrad_name):
+        comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp else []
+        comm += [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
+                  wgrad_name)]
+        return comm, [dgrad(dgrad_name, T, h, N), wgrad(wgrad_name, T, h, N)]
+
+    ops = bda("bias_dropout_add_2") + out_grad
+    ops += [dgrad("fc2_dgrad", T, f // t, h), wgrad("fc2_wgrad", T, f // t, h)]
+    ops += [("bias_gelu_grad", "elementwise", 8 * T * f // t, 3 * e * T * f // t, 1),
+            ("fc1_bias_grad", "reduction", T * f // t, e * T * f // t, 1)]
+    comm, gemms = column("fc1", f // t, "fc1_dgrad", "fc1_wgrad")
+    ops += gemms + comm + ln("layernorm_2") + bda("bias_dropout_add_1") + out_grad
+    ops += [dgrad("proj_dgrad", T, h // t, h), wgrad("proj_wgrad", T, h // t, h)]
+    if recompute == "selective":
+        ops += [("recompute:" + o[0],) + o[1:] for o in _core(b, ah, s, d, t, T, h, e)]
+    ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
+            ("pv_bmm_grad_probs", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1),
+            ("pv_bmm_grad_value", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("attention_dropout_grad", "elementwise", S, 2 * e * S + S, 1),
+            ("scale_mask_softmax_grad", "norm", 4 * S, 3 * e * S, 1),
+            ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
+            ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+    comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
+    return ops + gemms + comm + ln("layernorm_1")
+
+
+def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
+              recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
+              profile="a100", tp_ranks=None) -> list:
+    """Every op of one layer on one TP rank, priced: a list of ``OpCost``."""
+    ffn = 4 * h if ffn is None else ffn
+    _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks)
+    prof = get_profile(profile)
+    dt = dtype_name(dtype)
+    if dt not in _ITEMSIZE:
+        raise ValueError(f"layer_times: dtype={dtype!r}: use a floating-point dtype "
+                         f"{list(_ITEMSIZE)}")
+    e = _ITEMSIZE[dt]
+    ranks = list(range(tp)) if tp_ranks is None else list(tp_ranks)
+    fwd = _forward(h, a, s, b, tp, sp, ffn, e)
+    phases = [("forward", fwd)]
+    if recompute == "full":
+        phases.append(("recompute", fwd))
+    phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute)))
+    out = []
+    for phase, ops in phases:
+        seconds = {}
+        for op in ops:
+            if op[1] in _cost.KINDS:
+                name, kind, nbytes = op[:3]
+                beside = op[3] if len(op) > 3 else ""
+                pick = _cost.choose(kind, nbytes, ranks, prof)
+                hidden = seconds.get(beside, 0.0)
+                out.append(OpCost(name, phase, kind, 0.0, nbytes, 0, pick.seconds,
+                                  max(0.0, pick.seconds - hidden), pick.algorithm, beside))
+            else:
+                name, cls, flops, nbytes, launches = op
+                if name.startswith("recompute:"):
+                    name, ph = name[len("recompute:"):], "recompute"
+                else:
+                    ph = phase
+                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches)
+                seconds[name] = t
+                out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
+    return out
+
+
+def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
+                recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
+                profile="a100", tp_ranks=None) -> LayerTimes:
+    """Forward, backward (recompute included) and combined seconds of one GPT layer
+    with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
+    ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
+    ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h)."""
+    ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks)
+    fwd = sum(o.exposed for o in ops if o.phase == "forward")
+    bwd = sum(o.exposed for o in ops if o.phase != "forward")
+    return LayerTimes(fwd, bwd, fwd + bwd, tuple(asdict(o) for o in ops))

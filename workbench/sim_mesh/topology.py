@@ -1,0 +1,269 @@
+"""Collectives priced on the real topology, with the algorithm the vendor's library uses.
+
+Links run at ``Link.effective_bandwidth`` (line rate x the library's efficiency).
+A group of ranks is seen by where its ranks sit (node = rank // devices_per_node):
+``k`` ranks on each of ``m`` nodes. The node's fabric (``profiles.Topology``) decides
+what one rank can push:
+
+- NVSwitch (A100, H100): each GPU has one port of ``intra_node.bandwidth`` into the
+  switches; any pattern of traffic between GPUs of a node runs at that rate.
+- HCCS full mesh (Atlas 800T A2): each NPU has ``intra_links`` = 7 direct links of
+  ``intra_node.bandwidth / 7`` each. A ring uses one link per direction (1/7 of the
+  NPU's bandwidth); HCCL's Mesh algorithm sends to all peers at once over all links
+  (HCCL user guide, "Mesh": ReduceScatter and AllGather each alpha + n/p beta,
+  AllReduce 2 alpha + 2 n/p beta, beta per link).
+- Between nodes, each device has its own NIC (rail-optimized: DGX A100 8 x HDR,
+  DGX H100 8 x NDR, Atlas 800T A2 8 x 200GE RoCE), so ``k`` ranks of a node drive
+  ``k`` NICs at once: a flat ring across nodes (NCCL) crosses each node boundary on
+  k rails, bounded by min(intra rate, k x NIC).
+
+Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the links):
+
+- "ring": (p-1) or 2(p-1) steps at the group's bottleneck rate (``cost.collective_time``).
+- "tree": NCCL's double binary tree for all_reduce (Sanders et al. 2009; NCCL
+  2.4): across m nodes a tree of depth ceil(log2 m), inside a node a chain of k:
+  2 (log2 m alpha_inter + (k-1) alpha_intra) + 2 n / rate. all_reduce only.
+- "halving_doubling": recursive halving / doubling (Thakur et al. 2005; Rabenseifner's
+  all-reduce), HCCL's "H-D_R": the "tree" rows of ``cost.collective_time``.
+- "mesh": HCCL's full-mesh algorithm inside one server (formulas above).
+- "pairwise": all_to_all as p-1 exchanges, the intra-node and inter-node shares
+  running at the same time on their own links.
+- "hierarchical": intra-node reduce-scatter, inter-node all-reduce of n/k among the
+  ranks with the same local index (each on its own NIC), intra-node all-gather; the
+  intra phases use the library's intra-node algorithm (NCCL: ring, HCCL: mesh).
+- "pipelined": the same phases cut into c chunks that flow through them at once, the
+  intra phases on the node's links while the inter phase uses the NICs (HCCL's
+  "pipeline" algorithm: "uses intra-server and inter-server links concurrently",
+  CANN HCCL_ALGO reference; SDMA inside, RDMA between servers). With per-chunk phase
+  times x, y, z (z on the same links as x): (x + y + z) + (c-1) max(x + z, y),
+  minimized over c in 1, 2, 4, ... 64; c = 1 is "hierarchical", so pipelined never
+  costs more.
+
+What the libraries choose ("auto"; ``choose`` says which and why):
+
+- NCCL (NCCL_ALGO in the NCCL user guide; its tuning model picks the fastest
+  predicted algorithm per call): all_reduce ring, or tree when the group spans
+  nodes; all_gather, reduce_scatter, broadcast ring; all_to_all pairwise
+  (grouped send/recv). NVLS / CollNet (switch reductions) are not modeled.
+- HCCL (CANN HCCL_ALGO: level0 = intra-server, fixed by the hardware; level1 =
+  inter-server ring | H-D_R | NHR | NB | pipeline | pairwise, chosen adaptively):
+  one server: mesh; one rank per server: ring or halving_doubling; several ranks
+  on each of several servers: hierarchical or pipelined (all_to_all: pairwise or
+  hierarchical). NHR and NB are not modeled separately (ring / H-D stand in).
+
+The cheapest of the library's candidates is taken; ties go to the earlier one.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .profiles import Link, Profile
+
+__all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose"]
+
+PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
+                    "hierarchical", "pipelined")
+_CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where a group's ranks sit: ranks per node, for the nodes it touches."""
+    per_node: tuple[int, ...]
+
+    @property
+    def p(self) -> int:
+        return sum(self.per_node)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.per_node)
+
+    @property
+    def local(self) -> int:
+        return min(self.per_node)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.per_node)) == 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The algorithm a library runs for one collective, its time, and why."""
+    algorithm: str
+    seconds: float
+    library: str
+    reason: str
+    candidates: dict = field(hash=False)  # algorithm -> seconds, the library's options
+
+
+def group_of(ranks, profile: Profile) -> Group:
+    out = list(ranks)
+    if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
+        raise ValueError(f"ranks={ranks!r} must be a non-empty list of ints >= 0")
+    if len(set(out)) != len(out):
+        raise ValueError(f"ranks={ranks!r} holds a rank twice; list each rank once")
+    counts = Counter(r // profile.devices_per_node for r in out)
+    return Group(tuple(counts[n] for n in sorted(counts)))
+
+
+def _rates(profile: Profile, g: Group):
+    """(ring rate inside a node, mesh link rate, NIC rate per rank)."""
+    t = profile.topology
+    port = profile.intra_node.effective_bandwidth
+    link = port / t.intra_links
+    ring_intra = link if t.intra_fabric == "full_mesh" else port
+    nic = profile.inter_node.effective_bandwidth * t.nics_per_node / profile.devices_per_node
+    return ring_intra, link, nic
+
+
+def _flat_link(profile: Profile, g: Group) -> Link:
+    """The one link a flat (ring, halving-doubling) algorithm is bounded by."""
+    ring_intra, _, nic = _rates(profile, g)
+    if g.nodes == 1:
+        return Link("intra", ring_intra, profile.intra_node.latency)
+    return Link("flat", min(ring_intra, g.local * nic), profile.inter_node.latency)
+
+
+def _mesh(kind, n, k, profile):
+    """HCCL Mesh inside one full-mesh server (HCCL user guide, "Mesh")."""
+    _, link, _ = _rates(profile, Group((k,)))
+    a, b = profile.intra_node.latency, 1.0 / link
+    if kind in ("all_reduce", "broadcast"):
+        return 2 * a + 2 * n / k * b
+    if kind == "send_recv":
+        return a + n * b
+    return a + n / k * b  # reduce_scatter, all_gather, all_to_all
+
+
+def _intra(kind, n, k, profile):
+    """The library's intra-node algorithm for one phase of k ranks."""
+    from .cost import collective_time
+    if k == 1 or n == 0:
+        return 0.0
+    if profile.topology.intra_fabric == "full_mesh":
+        return _mesh(kind, n, k, profile)
+    return collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
+
+
+def _inter(kind, n, m, profile):
+    """The inter-node phase among m ranks, one per node, each on its own NIC."""
+    from .cost import collective_time
+    if m == 1 or n == 0:
+        return 0.0
+    link = Link("nic", _rates(profile, Group((1,) * m))[2], profile.inter_node.latency)
+    if profile.topology.library == "nccl":
+        return collective_time(kind, n, m, link, "ring")
+    return min(collective_time(kind, n, m, link, a) for a in ("ring", "tree"))
+
+
+def _phases(kind, n, g, profile, c=1):
+    """Per-chunk phase times (x, y, z): z runs on the same links as x."""
+    k, m, nc = g.local, g.nodes, n / c
+    if kind == "all_reduce":
+        return (_intra("reduce_scatter", nc, k, profile), _inter("all_reduce", nc / k, m, profile),
+                _intra("all_gather", nc, k, profile))
+    if kind == "all_gather":
+        return _inter("all_gather", nc / k, m, profile), _intra("all_gather", nc, k, profile), 0.0
+    if kind == "reduce_scatter":
+        return _intra("reduce_scatter", nc, k, profile), _inter("reduce_scatter", nc / k, m, profile), 0.0
+    if kind == "all_to_all":
+        return _intra("all_to_all", nc, k, profile), _inter("all_to_all", nc, m, profile), 0.0
+    return _inter("broadcast", nc, m, profile), _intra("broadcast", nc, k, profile), 0.0
+
+
+def _pipelined(kind, n, g, profile):
+    best = math.inf
+    for c in _CHUNKS:
+        x, y, z = _phases(kind, n, g, profile, c)
+        best = min(best, (x + y + z) + (c - 1) * max(x + z, y))
+    return best
+
+
+def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: str) -> float:
+    """Seconds for one collective with a named algorithm (module docstring)."""
+    from .cost import collective_time
+    if algorithm not in PRICE_ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: use one of {['auto', *PRICE_ALGORITHMS]}")
+    if g.p == 1 or n == 0:
+        return 0.0
+    if kind == "send_recv":
+        return collective_time("send_recv", n, 2, _flat_link(profile, g))
+    if algorithm == "ring":
+        return collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+    if algorithm == "halving_doubling":
+        return collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
+    if algorithm == "tree":
+        if kind != "all_reduce":
+            raise ValueError(f"algorithm='tree' (NCCL's double binary tree) exists for "
+                             f"all_reduce only, not kind={kind!r}: use 'ring' or "
+                             f"'halving_doubling'")
+        ai, ae = profile.intra_node.latency, profile.inter_node.latency
+        depth = (g.nodes - 1).bit_length()
+        rate = _flat_link(profile, g).bandwidth
+        return 2 * (depth * ae + (g.local - 1) * ai) + 2 * n / rate
+    if algorithm == "mesh":
+        if profile.topology.intra_fabric != "full_mesh" or g.nodes != 1:
+            raise ValueError(f"algorithm='mesh' needs a group inside one full-mesh node; "
+                             f"profile {profile.name!r} has a {profile.topology.intra_fabric} "
+                             f"and the group spans {g.nodes} node(s): use 'auto' or 'ring'")
+        return _mesh(kind, n, g.p, profile)
+    if algorithm == "pairwise":
+        if kind != "all_to_all":
+            raise ValueError(f"algorithm='pairwise' is an all_to_all algorithm, not for "
+                             f"kind={kind!r}")
+        ring_intra, _, nic = _rates(profile, g)
+        a = profile.inter_node.latency if g.nodes > 1 else profile.intra_node.latency
+        inside = (g.local - 1) / g.p * n / ring_intra
+        outside = (g.p - g.local) / g.p * n / nic
+        return (g.p - 1) * a + max(inside, outside)
+    if not g.even:
+        raise ValueError(f"algorithm={algorithm!r} needs the same number of ranks on every "
+                         f"node; ranks per node are {list(g.per_node)}: use 'ring', "
+                         f"'halving_doubling' or 'auto'")
+    if algorithm == "hierarchical":
+        return sum(_phases(kind, n, g, profile))
+    return _pipelined(kind, n, g, profile)
+
+
+def _candidates(kind: str, g: Group, profile: Profile):
+    """(algorithms the library picks from, why) for this group."""
+    lib, fabric = profile.topology.library, profile.topology.intra_fabric
+    where = (f"{g.p} ranks in one node" if g.nodes == 1 else
+             f"{g.nodes} nodes x {g.local} rank(s)" if g.even else
+             f"{g.nodes} nodes, uneven {list(g.per_node)}")
+    if kind == "send_recv":
+        return ("ring",), f"{lib.upper()} point-to-point over the link between the two ranks"
+    if lib == "nccl":
+        if kind == "all_to_all":
+            return ("pairwise",), f"NCCL all_to_all is grouped send/recv to every peer ({where})"
+        if kind == "all_reduce" and g.nodes > 1:
+            return ("ring", "tree"), (f"NCCL all_reduce across nodes: ring or double binary "
+                                      f"tree, whichever its tuning model predicts faster ({where})")
+        return ("ring",), (f"NCCL {kind} uses ring" + (" inside a node (tree spans nodes)"
+                           if kind == "all_reduce" else "") + f" ({where})")
+    if g.nodes == 1:
+        if fabric == "full_mesh":
+            return ("mesh",), (f"HCCL inside a server: Mesh over all {profile.topology.intra_links} "
+                               f"HCCS links at once (level0, fixed by the hardware) ({where})")
+        return ("ring",), f"HCCL inside a switched node: ring ({where})"
+    if g.local == 1 or not g.even:
+        opts = ("pairwise",) if kind == "all_to_all" else ("ring", "halving_doubling")
+        return opts, f"HCCL level1 between servers: {' or '.join(opts)} ({where})"
+    if kind == "all_to_all":
+        return ("pairwise", "hierarchical"), f"HCCL all_to_all across servers ({where})"
+    if kind == "broadcast":
+        return ("hierarchical",), f"HCCL broadcast: between servers, then inside ({where})"
+    return ("hierarchical", "pipelined"), (f"HCCL across servers: level0 mesh + level1, "
+                                           f"or the pipeline algorithm overlapping them ({where})")
+
+
+def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
+    """The algorithm ``profile``'s library runs for this collective, its time and why."""
+    names, why = _candidates(kind, g, profile)
+    times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
+    best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
+    return Choice(best, times[best], profile.topology.library, why, times)
