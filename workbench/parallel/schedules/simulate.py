@@ -36,6 +36,7 @@ for messages.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -130,8 +131,9 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=None, p2p: float = 0.0) -> Simu
     if schedule.split_backward and w is None:
         raise ValueError(f"simulate(w=None) but schedule {schedule.name!r} splits the backward "
                          f"into B and W: pass w=, the weight-gradient cost (e.g. w=b)")
-    if not isinstance(p2p, numbers.Real) or p2p < 0:
-        raise ValueError(f"simulate(p2p={p2p!r}): the message latency must be a number >= 0")
+    if isinstance(p2p, bool) or not isinstance(p2p, numbers.Real) or not 0 <= p2p < math.inf:
+        raise ValueError(f"simulate(p2p={p2p!r}): the message latency must be a finite "
+                         "number of seconds >= 0 (e.g. p2p=0.0 for free messages)")
     check_structure(schedule)
     cost = {"F": _cost("f", f, schedule), "B": _cost("b", b, schedule)}
     fused_w = w is not None and not schedule.split_backward   # B then W in one backward
@@ -218,17 +220,38 @@ def _comm_events(s: Schedule, ends, p2p: float) -> list[Event]:
     return events
 
 
+def _bad_cost(x) -> bool:
+    """True unless ``x`` is a finite real number >= 0 (NaN, inf, negatives and
+    non-numbers would make a NaN or too-short makespan)."""
+    return (isinstance(x, bool) or not isinstance(x, numbers.Real) or
+            not 0 <= float(x) < math.inf)
+
+
+def _checked(arg: str, fn):
+    """Wrap a cost callable so that every value it returns is checked."""
+    def cost(a, r):
+        x = fn(a, r)
+        if _bad_cost(x):
+            raise ValueError(
+                f"simulate({arg}=<callable>): the cost of action {a} on rank {r} is {x!r}; a "
+                "cost must be a finite number of seconds >= 0: fix the cost function (e.g. "
+                "return 0.0 for an action that costs nothing)")
+        return float(x)
+    return cost
+
+
 def _cost(arg: str, value, s: Schedule):
-    """Normalise a cost to ``fn(action, rank) -> seconds``."""
+    """Normalise a cost to ``fn(action, rank) -> seconds`` (every value checked)."""
     if callable(value):
         try:
             one_arg = len(inspect.signature(value).parameters) == 1
         except (TypeError, ValueError):              # a builtin without a signature
             one_arg = False
-        return (lambda a, r: value(a)) if one_arg else value
+        return _checked(arg, (lambda a, r: value(a)) if one_arg else value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"simulate({arg}={value!r}): a cost must be >= 0 seconds")
+        if _bad_cost(value):
+            raise ValueError(f"simulate({arg}={value!r}): a cost must be a finite number of "
+                             f"seconds >= 0, e.g. {arg}=1.0")
         v = float(value)
         return lambda a, r: v
     try:
@@ -237,8 +260,10 @@ def _cost(arg: str, value, s: Schedule):
         raise ValueError(f"simulate({arg}={value!r}): give a number, a list of p={s.p} numbers "
                          f"(one per rank) or p*v={s.stages} (one per layer-stage), or a "
                          f"callable cost(action, rank)") from None
-    if any(x < 0 for x in vals):
-        raise ValueError(f"simulate({arg}={value!r}): every cost must be >= 0 seconds")
+    bad = [i for i, x in enumerate(vals) if _bad_cost(x)]
+    if bad:
+        raise ValueError(f"simulate({arg}={value!r}): entry {bad[0]} is {vals[bad[0]]!r}; every "
+                         "cost must be a finite number of seconds >= 0")
     if len(vals) == s.p:
         return lambda a, r: vals[r]
     if len(vals) == s.stages:
