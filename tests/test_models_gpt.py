@@ -97,3 +97,26 @@ def test_arch_errors_and_default_stays_llama():
         GPT(get_config("tiny"))
     with pytest.raises(ValueError, match="seq_len=64"):
         GPT(get_config("gpt-tiny"))(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_llama_refuses_a_gpt_config():
+    with pytest.raises(ValueError, match="arch='gpt'"):
+        Llama(get_config("gpt-tiny"))
+
+
+def test_gpt_tensor_parallel_matches_one_device():
+    import workbench as wb
+    from workbench.models import GPT_TP_PLAN
+    cfg = get_config("gpt-tiny")
+    x, y = get_batch(cfg, 2, seed=0)
+    ref = GPT(cfg, seed=0)
+    _, loss0 = ref(x, y)
+    loss0.backward()
+    model = GPT(cfg, seed=0)
+    wb.parallelize(model, wb.Mesh([0, 1], dim_names=["tp"]), GPT_TP_PLAN)
+    _, loss = model(x, y)
+    loss.backward()
+    assert torch.allclose(loss.full(), loss0, atol=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full() if hasattr(p.grad, "full") else p.grad
+        assert torch.allclose(g, q.grad, atol=1e-5), n
