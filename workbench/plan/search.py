@@ -62,9 +62,10 @@ class Ranking(list):
     """``[(Layout, Estimate), ...]``, fastest first, with how the search went
     (``tried``, ``fitting``, ``seconds``) and :meth:`explain`."""
 
-    def __init__(self, items, tried=0, fitting=0, seconds=0.0, cluster=None):
+    def __init__(self, items, tried=0, fitting=0, seconds=0.0, cluster=None, least=None):
         super().__init__(items)
         self.tried, self.fitting, self.seconds, self.cluster = tried, fitting, seconds, cluster
+        self.least = least          # (bytes, Layout): the smallest busiest rank tried
 
     def table(self) -> str:
         head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'schedule':<18} {'sp':<3} {'zero':>4} "
@@ -107,8 +108,13 @@ class Ranking(list):
     def __str__(self):
         cl = f" on {self.cluster}" if self.cluster else ""
         lines = [f"{self.fitting} of {self.tried} layouts fit{cl}; searched in "
-                 f"{self.seconds:.1f} s", self.table(), *self.explain()]
-        return "\n".join(lines)
+                 f"{self.seconds:.1f} s"]
+        if not self and self.least:
+            need, lay = self.least
+            return lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on the "
+                               f"busiest rank, is {lay.short()}; add devices or shrink the "
+                               f"global batch or model")
+        return "\n".join(lines + [self.table(), *self.explain()])
 
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
@@ -127,12 +133,15 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     t0 = time.perf_counter()
     limit = cluster.memory_bytes
     results: list[tuple[Layout, Estimate]] = []
-    tried = 0
+    tried, least = 0, None
     for lay in candidate_layouts(model, cluster, global_batch, max_micro_batch):
         tried += 1
         last = lay.pp - 1
-        if any(stage_memory(model, lay, s, attention)["total"] > limit
-               for s in {0, last, min(1, last)}):
+        need = max(stage_memory(model, lay, s, attention)["total"]
+                   for s in {0, last, min(1, last)})
+        if least is None or need < least[0]:
+            least = (need, lay)
+        if need > limit:
             continue
         results.append((lay, estimate(model, lay, cluster, attention)))
     if tried == 0:
@@ -142,4 +151,4 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
                          f"of the device count")
     results.sort(key=lambda r: (r[1].step_time, r[1].memory["total"]))
     return Ranking(results[:top], tried=tried, fitting=len(results),
-                   seconds=time.perf_counter() - t0, cluster=cluster)
+                   seconds=time.perf_counter() - t0, cluster=cluster, least=least)
