@@ -202,6 +202,13 @@ def test_bad_input_names_argument_value_and_fix(make, words):
         assert w in str(e.value), str(e.value)
 
 
+def test_schedule_names_as_the_course_writes_them():
+    assert _lay(schedule="1F1B").schedule == "1f1b"
+    assert _lay(schedule="GPipe").schedule == "gpipe"
+    assert _lay(schedule="Interleaved 1F1B", v=2).schedule == "interleaved_1f1b"
+    assert _lay(schedule="interleaved", v=3).schedule == "interleaved_1f1b"
+
+
 def test_cli_plan(capsys):
     from workbench.cli import main
     assert main(["plan", "--model", "gpt-22b", "--devices", "64", "--global-batch", "64",

@@ -24,6 +24,7 @@ __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model"]
 # "interleaved_1f1b" needs v >= 2 model chunks per device; the others v == 1.
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 _RECOMPUTE = ("none", "selective", "full")
+_ALIASES = {"interleaved": "interleaved_1f1b", "one_f_one_b": "1f1b"}
 
 
 def _int(owner, name, v, lo=1):
@@ -98,6 +99,9 @@ class Layout:
                              f"gradients, which pipeline gradient accumulation needs whole "
                              f"(DeepSpeed allows only ZeRO-0/1 with pipelines); use zero<=1 "
                              f"or pp=1")
+        if isinstance(self.schedule, str):     # "1F1B", "GPipe", "Interleaved 1F1B" too
+            key = self.schedule.strip().lower().replace(" ", "_").replace("-", "_")
+            object.__setattr__(self, "schedule", _ALIASES.get(key, key))
         if self.recompute not in _RECOMPUTE:
             raise ValueError(f"Layout: recompute={self.recompute!r}; use one of {_RECOMPUTE}")
         if self.schedule not in SCHEDULES:
