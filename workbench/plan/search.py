@@ -83,26 +83,30 @@ class Ranking(list):
         return "\n".join(rows)
 
     def explain(self) -> list[str]:
-        """Why each layout beats the next: the layout fields that differ and the
-        breakdown term (compute, communication, bubble) that saves the most."""
+        """Why each layout beats the next: the layout fields that differ and, term by
+        term (compute, communication, bubble), what #i saves and what it pays."""
         out = []
         for i in range(len(self) - 1):
             (la, ea), (lb, eb) = self[i], self[i + 1]
             diff = [f"{f} {getattr(lb, f)} -> {getattr(la, f)}" for f in _FIELDS
                     if getattr(la, f) != getattr(lb, f)]
-            delta = {k: eb.breakdown[k] - ea.breakdown[k] for k in ea.breakdown}
-            main = max(delta, key=delta.get)
+            delta = {k: ea.breakdown[k] - eb.breakdown[k] for k in ea.breakdown}
+            saves = [k for k in delta if delta[k] < 0]
+            pays = [k for k in delta if delta[k] > 0]
+            terms = ", ".join(f"{k} {delta[k]:+.3f} s" for k in delta if delta[k])
             gap = eb.step_time - ea.step_time
-            terms = ", ".join(f"{k} {ea.breakdown[k]:.3f} vs {eb.breakdown[k]:.3f} s"
-                              for k in ea.breakdown)
+            head = f"#{i + 1} beats #{i + 2}"
             if gap <= 0:
-                why = (f"the same step time; #{i + 1} needs less memory "
-                       f"({ea.memory['total'] / 1e9:.1f} vs {eb.memory['total'] / 1e9:.1f} GB)")
+                why = (f"the same step time, less memory ({ea.memory['total'] / 1e9:.1f} vs "
+                       f"{eb.memory['total'] / 1e9:.1f} GB)")
             else:
-                why = (f"{gap:.3f} s/step faster ({gap / eb.step_time:.1%}), mostly {main} "
-                       f"({delta[main]:+.3f} s saved)")
-            out.append(f"#{i + 1} beats #{i + 2}: {why}; changes from #{i + 2}: "
-                       f"{', '.join(diff) or 'none'}; {terms}")
+                why = f"{gap:.3f} s/step ({gap / eb.step_time:.1%})"
+                if saves:
+                    main = min(saves, key=delta.get)
+                    why += (f": its lower {main} outweighs its higher {' and '.join(pays)}"
+                             if pays else f": mostly lower {main}")
+            out.append(f"{head} by {why}; changes from #{i + 2}: {', '.join(diff) or 'none'}"
+                       f" ({terms or 'no term differs'})")
         return out
 
     def __str__(self):
