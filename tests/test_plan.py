@@ -145,6 +145,18 @@ def test_pipeline_time_matches_the_schedule_simulator(schedule, v):
     assert ours == pytest.approx(sim.makespan, rel=1e-9)
 
 
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("gpipe", 8, 8, 1),
+                                           ("interleaved_1f1b", 4, 8, 2)])
+def test_equal_stages_give_the_published_bubble(name, p, m, v):
+    from workbench.parallel.schedules import formula_bubble
+    from workbench.plan.estimate import pipeline_bubble
+    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(name)
+    sched = build(p, m) if build else interleaved_1f1b(p, m, v)
+    f, b = 0.01, 0.02                                    # per chunk action
+    want = formula_bubble(sched, f, b).bubble_time        # (p-1)(f+b), f, b per chunk
+    assert pipeline_bubble([v * (f + b)] * p, v) == pytest.approx(want, rel=1e-12)
+
+
 def test_dp_sync_is_priced_on_the_dp_group():
     est = P.estimate(GPT3, _lay(), A100)
     lay = est.layout

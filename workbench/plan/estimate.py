@@ -44,7 +44,7 @@ from . import costs as C
 from .layout import Cluster, Layout, check_layout
 from .memory import stage_memory, stage_params
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ class Estimate:
                 f"memory {self.memory['total'] / 1e9:.1f} GB"
                 f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
                 f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
+
+
+def pipeline_bubble(stage_times, v: int = 1) -> float:
+    """Idle time of a 1F1B / GPipe pipeline (interleaved: ``v`` chunks per device) whose
+    stage s takes ``stage_times[s]`` per micro-batch (forward + backward):
+    (sum - max) / v (Alpa, Zheng et al. 2022 sec. 5.2; equal stages give the published
+    (p - 1)(t_f + t_b) / v).  The step is m max(stage_times) + this."""
+    times = list(stage_times)
+    return (sum(times) - max(times)) / v
 
 
 def _stage_kinds(pp: int) -> list[tuple[str, int, int]]:
@@ -149,8 +158,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                             memory=stage_memory(cfg, lay, s, attention))
 
     slow = max(stages.values(), key=lambda d: d["time"])
-    t_sum = sum(d["time"] * d["count"] for d in stages.values())
-    bubble = (t_sum - slow["time"]) / v
+    bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
     m = lay.m
     tied = 0.0
     if pp > 1 and cfg.tie_embeddings:
