@@ -236,3 +236,19 @@ def test_search_says_when_nothing_fits():
     assert len(none) == 0 and none.tried > 0 and none.fitting == 0
     need, lay = none.least
     assert need > 80e9 and "none fits" in str(none) and lay.short() in str(none)
+
+
+def test_zero3_overlap_hides_only_what_compute_covers():
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
+    lay = P.Layout(dp=8, tp=8, zero=3, recompute="selective", micro_batch=1, global_batch=16)
+    hidden, exposed = (P.estimate(cfg, lay, cl, overlap=o) for o in (True, False))
+    assert exposed.comm_bytes == hidden.comm_bytes
+    assert hidden.details["dp_sync"] < exposed.details["dp_sync"]
+    layer, L = hidden.details["layer"], cfg.n_layer
+    g = 2 * stage_params(cfg, 8, 1, 0) / L
+    ranks = lay.dp_ranks()
+    ag, rs = (price(k, g, ranks, "a100") for k in ("all_gather", "reduce_scatter"))
+    assert exposed.details["dp_sync"] == pytest.approx(lay.m * (L * (2 * ag + rs) + ag))
+    want = lay.m * (L * (max(ag - layer.fwd_compute, 0) + max(ag + rs - layer.bwd_compute, 0))
+                    + ag)
+    assert hidden.details["dp_sync"] == pytest.approx(want)

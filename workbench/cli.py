@@ -42,7 +42,7 @@ def _plan(args) -> int:
         cfg = get_config(args.model)
         ranking = search(cfg, Cluster(profile=args.profile, devices=args.devices),
                          global_batch=args.global_batch, top=args.top,
-                         max_micro_batch=args.max_micro_batch)
+                         max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, default=1536, help="sequences per step")
     pl.add_argument("--top", type=int, default=5, help="layouts to print")
     pl.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch tried")
+    pl.add_argument("--no-overlap", action="store_true",
+                    help="ZeRO-2/3 collectives do not overlap compute")
     pl.set_defaults(fn=_plan)
     return p
 

@@ -19,10 +19,11 @@ data-parallel synchronisation + the optimizer step, where
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
   volume, ZeRO sec. 7.2.1); ZeRO-2 (pp = 1): reduce-scatter each micro-batch's
   gradients during its backward (DeepSpeed's overlap_comm), only the excess over the
-  backward exposed, then the all-gather; ZeRO-3: all-gather the weights before each
-  micro-batch's forward and backward and reduce-scatter its gradients (1.5x the
-  volume, ZeRO sec. 7.2.2), prefetched, so only the excess over that micro-batch's
-  compute is exposed.  Tied embeddings: an all-reduce of the word-embedding gradient
+  backward exposed, then the all-gather; ZeRO-3: all-gather each layer's weights
+  before its forward and its backward and reduce-scatter its gradients, every
+  micro-batch (1.5x the volume, ZeRO sec. 7.2.2), prefetched one layer ahead
+  (DeepSpeed), so a layer exposes only its collectives' excess over its compute, plus
+  the first gather.  Tied embeddings: an all-reduce of the word-embedding gradient
   between the first and last stage (Megatron-LM).  Each priced with
   ``sim_mesh.cost.price`` on the group's ranks (rank order in ``layout``);
 - optimizer: AdamW on the rank's (ZeRO-partitioned) parameters, memory bound: 28 bytes
@@ -99,32 +100,45 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     return t, sent
 
 
-def _dp_sync(psi, lay: Layout, prof, stage: int, compute_per_mb: float, bwd_per_mb: float):
-    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage."""
+def _dp_sync(psi, lay: Layout, prof, stage: int, layer: C.LayerCost, n_layers: int,
+             bwd_per_mb: float, overlap: bool = True):
+    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage;
+    ``overlap=False`` exposes ZeRO-2/3's per-micro-batch collectives whole."""
+    if not overlap:
+        layer = C.LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        bwd_per_mb = 0.0
     if lay.dp == 1:
         return 0.0, 0.0
-    g, ranks, dp = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp
+    g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
 
-    def p(kind):
-        return C.group_price(kind, g, ranks, prof)
+    def p(kind, nbytes=g):
+        return C.group_price(kind, nbytes, ranks, prof)
 
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
     rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather"), rs + ag
-    m = lay.m
     if lay.zero == 2:
         return m * max(p("reduce_scatter") - bwd_per_mb, 0.0) + p("all_gather"), m * rs + ag
-    per_mb = 2 * p("all_gather") + p("reduce_scatter")
-    return m * max(per_mb - compute_per_mb, 0.0), m * (2 * ag + rs)
+    # ZeRO-3, layer by layer: the next layer's weights are gathered while this layer
+    # computes (forward: one gather; backward: one gather and one reduce-scatter), so a
+    # layer exposes only what its collectives take beyond its compute; the first
+    # gather of a micro-batch is never hidden.
+    g_l = g / n_layers
+    ag_l, rs_l = p("all_gather", g_l), p("reduce_scatter", g_l)
+    per_mb = n_layers * (max(ag_l - layer.fwd_compute, 0.0)
+                         + max(ag_l + rs_l - layer.bwd_compute, 0.0)) + ag_l
+    return m * per_mb, m * (2 * ag + rs)
 
 
-def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized"
-             ) -> Estimate:
+def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
+             overlap: bool = True) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
-    attention kernel's activations instead of Table 2's materialized softmax."""
+    attention kernel's activations instead of Table 2's materialized softmax;
+    ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
+    compute (DeepSpeed's ``overlap_comm`` off)."""
     check_layout(model, layout, cluster)
     if attention not in ("materialized", "flash"):
         raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
@@ -150,7 +164,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                 + head.bwd_comm
             sent, bwd = sent + head.comm_bytes, bwd + head.bwd_compute
         psi = stage_params(cfg, tp, pp, s)
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, comp, bwd)
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, layer, n_layers, bwd, overlap)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,

@@ -117,11 +117,14 @@ class Layout:
             raise ValueError("Layout: schedule='interleaved_1f1b' needs pp > 1 stages")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
-            raise ValueError(
-                f"Layout: global_batch={self.global_batch} is not divisible by micro_batch x "
-                f"dp = {self.micro_batch} x {self.dp} = {per_step}; use a global_batch that "
-                f"is a multiple of {per_step}, or a micro_batch dividing "
-                f"{self.global_batch // self.dp if self.global_batch % self.dp == 0 else 'it'}")
+            gb, dp = self.global_batch, self.dp
+            fix = (f"use a micro_batch dividing global_batch / dp = {gb // dp} (one of "
+                   f"{[d for d in range(1, gb // dp + 1) if (gb // dp) % d == 0][:8]}...)"
+                   if gb % dp == 0 else
+                   f"dp={dp} does not divide it: use a global_batch that is a multiple of "
+                   f"{per_step}, or a dp dividing {gb}")
+            raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
+                             f"{self.micro_batch} x {dp} = {per_step}; {fix}")
         if self.schedule == "interleaved_1f1b" and self.m % self.pp:
             raise ValueError(f"Layout: schedule='interleaved_1f1b' needs the number of "
                              f"micro-batches m={self.m} to be a multiple of pp={self.pp} "
