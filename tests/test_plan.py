@@ -252,3 +252,31 @@ def test_zero3_overlap_hides_only_what_compute_covers():
     want = lay.m * (L * (max(ag - layer.fwd_compute, 0) + max(ag + rs - layer.bwd_compute, 0))
                     + ag)
     assert hidden.details["dp_sync"] == pytest.approx(want)
+
+
+def test_calibrated_layer_times_are_used_when_present(monkeypatch):
+    """The clock's ``layer_cost.layer_times`` replaces the roofline (interface of issue 11)."""
+    from collections import namedtuple
+
+    from workbench.plan import costs
+    LT = namedtuple("LayerTimes", "forward backward combined breakdown")
+    seen = {}
+
+    def fake(h, a, s, b, tp, sp=False, recompute="none", ffn=None, dtype="bfloat16",
+             profile="a100", tp_ranks=None):
+        seen.update(h=h, a=a, s=s, b=b, tp=tp, sp=sp, recompute=recompute, ffn=ffn,
+                    tp_ranks=tp_ranks)
+        return LT(7.7e-3, 11.9e-3, 19.6e-3, {})
+    monkeypatch.setattr(costs, "_layer_times", fake)
+    costs.layer_cost.cache_clear()
+    try:
+        cfg = get_config("gpt-22b")
+        c = costs.layer_cost(cfg, 4, 8, False, "none", A100.profile)
+    finally:
+        costs.layer_cost.cache_clear()
+    assert seen == dict(h=6144, a=64, s=2048, b=4, tp=8, sp=False, recompute="none",
+                        ffn=4 * 6144, tp_ranks=list(range(8)))
+    assert c.fwd_compute + c.fwd_comm == pytest.approx(7.7e-3)
+    assert c.bwd_compute + c.bwd_comm == pytest.approx(11.9e-3)
+    assert c.fwd_comm > 0 and c.fwd_comm == costs._tp_comm(2 * 2048 * 4 * 6144, 8, False,
+                                                           A100.profile)[0]
