@@ -136,11 +136,10 @@ def test_pipeline_time_matches_the_schedule_simulator(schedule, v):
     est = P.estimate(cfg, lay, P.Cluster("a100", 64))
     st = est.details["stages"]
     per_rank = [st["first"]["time"]] + [st["middle"]["time"]] * 2 + [st["last"]["time"]]
-    build = {"1f1b": lambda: one_f_one_b(4, lay.m), "gpipe": lambda: gpipe(4, lay.m),
-             "interleaved_1f1b": lambda: interleaved_1f1b(4, lay.m, v)}[schedule]
-    # one cost per action: a chunk is 1/v of the stage; forward 1/3, backward 2/3 of it
-    # (only their sum enters the model)
-    sim = simulate(build(), f=[t / 3 / v for t in per_rank], b=[2 * t / 3 / v for t in per_rank])
+    assert st["last"]["time"] > st["middle"]["time"]          # the head: unequal stages
+    sim = est.pipeline()                                      # simulate(), from the estimate
+    assert sim.schedule.name == schedule and sim.schedule.p == 4 and sim.schedule.m == lay.m
+    assert list(sim.busy) == pytest.approx([lay.m * t for t in per_rank], rel=1e-12)
     ours = lay.m * max(per_rank) + est.breakdown["bubble"]
     assert ours == pytest.approx(sim.makespan, rel=1e-9)
 

@@ -62,6 +62,21 @@ class Estimate:
     breakdown: dict                  # seconds: compute, communication, bubble (sum: step)
     details: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def pipeline(self):
+        """The pipeline of one step as the schedule simulator runs it
+        (``parallel.schedules.simulate``), each rank's forward and backward per
+        micro-batch (per chunk when interleaved) taken from this estimate: a
+        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from."""
+        from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
+        lay, st = self.layout, self.details["stages"]
+        kind = {0: "first", lay.pp - 1: "last"}
+        rows = [st["only"] if lay.pp == 1 else st[kind.get(r, "middle")]
+                for r in range(lay.pp)]
+        build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
+        sched = build(lay.pp, lay.m) if build else interleaved_1f1b(lay.pp, lay.m, lay.v)
+        return simulate(sched, f=[d["forward"] / lay.v for d in rows],
+                        b=[(d["time"] - d["forward"]) / lay.v for d in rows])
+
     def __str__(self):
         b = self.breakdown
         return (f"{self.layout.short()}: {self.step_time:.3f} s/step, "
@@ -157,17 +172,20 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
         sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
         bwd = n_layers * layer.bwd_compute
+        fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if s == 0:
-            comm, sent = comm + emb_t, sent + emb_sent
+            comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm
             sent, bwd = sent + head.comm_bytes, bwd + head.bwd_compute
+            fwd += head.fwd_compute + head.fwd_comm
         psi = stage_params(cfg, tp, pp, s)
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, layer, n_layers, bwd, overlap)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
+                            forward=fwd,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             memory=stage_memory(cfg, lay, s, attention))
 
