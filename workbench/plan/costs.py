@@ -5,7 +5,7 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
 - FLOPs (Narayanan et al. 2021, the derivation of eq. 3): forward 2 b s (4 h^2 + 2 h f)
   for the q, k, v, o and MLP matrices plus 4 b s^2 h for q k^T and softmax(.) v, over t;
   backward twice the forward; full recompute repeats the forward in backward, selective
-  recompute the 4 b s^2 h attention core (Korthikanti et al. 2022, sec. 4.2).  With
+  recompute the 4 b s^2 h attention core (Korthikanti et al. 2022, sec. 5).  With
   f = 4h, 3 x (24 b s h^2 + 4 b s^2 h) per layer plus 6 b s h V for the head is eq. 7.
 - Time: ``workbench.plan.layer_cost.layer_times`` (the calibrated per-layer clock,
   Korthikanti Table 4) when it is present; else a roofline of those FLOPs and of the

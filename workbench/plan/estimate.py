@@ -10,7 +10,8 @@ data-parallel synchronisation + the optimizer step, where
   2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
   inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
   parallelism the activation is already split, so no all-gather);
-- bubble (stages of unequal time T_i; Zheng et al. 2022, Alpa, sec. 5.2):
+- bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
+  Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
   (``parallel.schedules.formulas``; Narayanan et al. 2021);
@@ -89,7 +90,7 @@ class Estimate:
 def pipeline_bubble(stage_times, v: int = 1) -> float:
     """Idle time of a 1F1B / GPipe pipeline (interleaved: ``v`` chunks per device) whose
     stage s takes ``stage_times[s]`` per micro-batch (forward + backward):
-    (sum - max) / v (Alpa, Zheng et al. 2022 sec. 5.2; equal stages give the published
+    (sum - max) / v (Zheng et al. 2022, Alpa's pipeline latency; equal stages give the published
     (p - 1)(t_f + t_b) / v).  The step is m max(stage_times) + this."""
     times = list(stage_times)
     return (sum(times) - max(times)) / v
