@@ -279,3 +279,14 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
     assert c.bwd_compute + c.bwd_comm == pytest.approx(11.9e-3)
     assert c.fwd_comm > 0 and c.fwd_comm == costs._tp_comm(2 * 2048 * 4 * 6144, 8, False,
                                                            A100.profile)[0]
+
+
+def test_zero3_counts_its_working_copies():
+    from workbench.plan.memory import layer_params
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
+    lay = P.Layout(dp=8, tp=8, zero=3, recompute="full", micro_batch=1, global_batch=16)
+    mem = P.estimate(cfg, lay, cl).memory
+    psi, one = stage_params(cfg, 8, 1, 0), layer_params(cfg, 8)
+    assert mem["params"] == pytest.approx(2 * psi / 8 + 4 * one)
+    assert mem["grads"] == pytest.approx(2 * psi / 8 + 2 * one)
+    assert mem["optimizer"] == pytest.approx(12 * psi / 8)

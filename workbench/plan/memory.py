@@ -5,8 +5,9 @@ keeps 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer s
 (fp32 master weights, momentum, variance) per parameter; ZeRO stage 1 splits the
 optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
-(4 + K) psi / N_d.  Here psi is the parameters a rank holds after tensor and pipeline
-parallelism (Megatron's split: column-parallel matrices and their biases / t,
+(4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
+of two layers and the gradient of one).  Here psi is the parameters a rank holds after
+tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their biases / t,
 row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
 on the first stage, learned positions s h whole; the tied head's copy of the word
 embedding, V h / t, on the last stage when pp > 1, as Megatron-LM does).
@@ -125,6 +126,13 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     lay = layout
     psi = stage_params(cfg, lay.tp, lay.pp, stage)
     mem = model_state_bytes(psi, lay.dp, lay.zero)
+    if lay.zero == 3 and lay.dp > 1:
+        # working copies ZeRO-3 gathers: the whole 16-bit weights of the layer computing
+        # and of the next one (prefetched), and the layer's whole 16-bit gradient before
+        # its reduce-scatter
+        one = layer_params(cfg, lay.tp)
+        mem["params"] += 2 * 2 * one
+        mem["grads"] += 2 * one
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
