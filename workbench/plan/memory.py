@@ -7,8 +7,8 @@ optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, st
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
 (4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
 of two layers and the gradient of one).  Here psi is the parameters a rank holds after
-tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their biases / t,
-row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
+tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their
+biases / t, row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
 on the first stage, learned positions s h whole; the tied head's copy of the word
 embedding, V h / t, on the last stage when pp > 1, as Megatron-LM does).
 
