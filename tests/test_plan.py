@@ -156,6 +156,14 @@ def test_equal_stages_give_the_published_bubble(name, p, m, v):
     assert pipeline_bubble([v * (f + b)] * p, v) == pytest.approx(want, rel=1e-12)
 
 
+def test_explain_shows_the_terms():
+    est = P.estimate(GPT3, _lay(), A100)
+    text = est.explain()
+    b = est.breakdown
+    assert f"{est.step_time:.3f} s = compute {b['compute']:.3f}" in text
+    assert f"x m = {est.layout.m}" in text and "fits" in text and "MFU" in text
+
+
 def test_dp_sync_is_priced_on_the_dp_group():
     est = P.estimate(GPT3, _lay(), A100)
     lay = est.layout

@@ -78,6 +78,35 @@ class Estimate:
         return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                         b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
+    def explain(self) -> str:
+        """How the step time and the memory were put together, term by term."""
+        d, lay, b = self.details, self.layout, self.breakdown
+        st = d["stages"]
+        slow = next(v for v in st.values() if v["stage"] == d["slowest_stage"])
+        busy = next(v for v in st.values() if v["stage"] == d["busiest_stage"])
+        ly, ms = d["layer"], 1e3
+        rc = " with recompute" if lay.recompute != "none" else ""
+        gb = {k: v / 1e9 for k, v in self.memory.items()}
+        return "\n".join([
+            f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
+            f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
+            f"  one layer, one micro-batch: forward {ly.fwd_compute * ms:.2f} ms compute + "
+            f"{ly.fwd_comm * ms:.2f} ms TP comm, backward{rc} "
+            f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
+            f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
+            f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
+            f"which p2p {2 * lay.v * d['p2p'] * ms:.2f}) x m = {d['micro_batches']}",
+            f"  bubble (sum of stage times - slowest) / v = {b['bubble']:.3f} s; DP sync "
+            f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
+            f"optimizer {d['optimizer']:.3f} s",
+            f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
+            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f} + activations "
+            f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
+            f" ({'fits' if self.fits else 'does NOT fit'})",
+            f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
+            f"{self.tflops_per_device:.0f} TFLOP/s per device, "
+            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step"])
+
     def __str__(self):
         b = self.breakdown
         return (f"{self.layout.short()}: {self.step_time:.3f} s/step, "
