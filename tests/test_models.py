@@ -55,7 +55,7 @@ def test_param_counts_match_closed_forms():
 
 
 def test_gpt3_175b_on_meta_vs_megatron():
-    cfg = get_config("gpt3-175b")
+    cfg = get_config("gpt3-175b", arch="llama")           # GPT-3's shape as a Llama
     pc = param_count(cfg)
     l, h, V, s = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len
     assert pc.megatron == round(megatron_params(l, h, V, s))

@@ -24,6 +24,7 @@ from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorS
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
 from . import ops, npu, exercises  # noqa: E402
+from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
 
 __version__ = "0.1.0"
@@ -31,4 +32,5 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
            "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
            "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
-           "parallelize", "dist_parameters", "ops", "npu", "exercises", "distributed"]
+           "parallelize", "dist_parameters", "ops", "npu", "exercises", "distributed", "models",
+           "plan"]

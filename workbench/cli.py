@@ -1,8 +1,10 @@
-"""Command line: ``python -m workbench doctor | train | course``.
+"""Command line: ``python -m workbench doctor | train | course | plan``.
 
     python -m workbench doctor                 what devices and backends were found, and why
     python -m workbench course student --out student/
                                                student notebooks with the solutions removed
+    python -m workbench plan --model gpt3-175b --devices 1024 --profile a100 --global-batch 1536
+                                               the fastest layouts that fit, and why
 """
 from __future__ import annotations
 
@@ -33,6 +35,23 @@ def _train(args) -> int:
     return main_train(args)
 
 
+def _plan(args) -> int:
+    from .models.config import get_config
+    from .plan import Cluster, search
+    try:
+        cfg = get_config(args.model)
+        ranking = search(cfg, Cluster(profile=args.profile, devices=args.devices),
+                         global_batch=args.global_batch, top=args.top,
+                         max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.model} ({cfg.n_layer} layers, h={cfg.d_model}, {cfg.n_head} heads, "
+          f"s={cfg.seq_len}), global batch {args.global_batch}")
+    print(ranking)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench",
                                 description="the distributed-training workbench")
@@ -48,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the course's Llama; one JSON line per step")
     add_train_arguments(t)
     t.set_defaults(fn=_train)
+    pl = sub.add_parser("plan", help="the fastest layouts of a model on a cluster (analytic)")
+    pl.add_argument("--model", default="gpt3-175b", help="a preset with arch='gpt'")
+    pl.add_argument("--devices", type=int, default=1024, help="devices in the cluster")
+    pl.add_argument("--profile", default="a100", help="hardware profile (list_profiles())")
+    pl.add_argument("--global-batch", type=int, default=1536, help="sequences per step")
+    pl.add_argument("--top", type=int, default=5, help="layouts to print")
+    pl.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch tried")
+    pl.add_argument("--no-overlap", action="store_true",
+                    help="ZeRO-2/3 collectives do not overlap compute")
+    pl.set_defaults(fn=_plan)
     return p
 
 

@@ -5,13 +5,19 @@
     big = get_config("gpt3-175b")                # for estimates, built on the meta device
     print(param_count(big).explain())            # module count beside Megatron's eq. 2
 
-The architecture is Llama's (Touvron et al. 2023): RMSNorm without bias, rotary
-positions (no position table), SwiGLU MLP with three matrices, no biases,
-optionally grouped-query attention (Ainslie et al. 2023).  Megatron's closed
-form (Narayanan et al. 2021, eq. 2) counts a GPT instead: LayerNorm with bias,
-biases on every linear, a 2-matrix MLP of width 4h, learned positions and a
-tied lm head.  :func:`param_count` counts the real module and lists, term by
-term, why the two numbers differ; nothing is fudged.
+Two architectures (``arch``):
+
+- "llama" (the default; Touvron et al. 2023): RMSNorm without bias, rotary
+  positions (no position table), SwiGLU MLP with three matrices, no biases,
+  optionally grouped-query attention (Ainslie et al. 2023);
+- "gpt" (Megatron-LM's GPT, Shoeybi et al. 2019; Radford et al. 2019): LayerNorm
+  with bias, biases on every linear, a GeLU MLP of width d_ff = 4h, learned
+  position embeddings, lm head tied to the token embedding (``tie_embeddings``).
+
+Megatron's closed form (Narayanan et al. 2021, eq. 2) counts the GPT.
+:func:`param_count` counts the real module and lists, term by term, why it
+differs from eq. 2 (for "gpt": only the final LayerNorm, which eq. 2 omits);
+nothing is fudged.
 """
 from __future__ import annotations
 
@@ -20,22 +26,25 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["ModelConfig", "PRESETS", "get_config", "param_count", "ParamCount", "DTYPES",
-           "RECOMPUTE"]
+           "RECOMPUTE", "ARCHS", "build_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+ARCHS = ("llama", "gpt")
 RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-style transformer.  Frozen: change it with ``cfg.replace(...)``."""
+    """A decoder-only transformer, Llama or GPT (``arch``).  Frozen: change it with
+    ``cfg.replace(...)``."""
     vocab_size: int = 75            # tokens in the vocabulary (the character set of models.data)
     seq_len: int = 64               # longest context T; rotary tables are built for it
     n_layer: int = 2                # transformer blocks
     n_head: int = 4                 # query heads; head dim = d_model / n_head
     n_kv_head: int | None = None    # key/value heads (GQA); None = n_head (MHA), 1 = MQA
     d_model: int = 64               # hidden size h (the residual stream width)
-    d_ff: int | None = None         # SwiGLU hidden size; None = 8/3 d_model rounded up to 64
+    d_ff: int | None = None         # MLP hidden size; None: llama 8/3 d_model rounded up to
+                                    # 64 (SwiGLU), gpt 4 d_model (GeLU)
     norm_eps: float = 1e-5          # RMSNorm epsilon (Llama 2 uses 1e-5)
     rope_theta: float = 10000.0     # RoPE base: pair i turns at theta^(-2i/hd) rad per position
     dropout: float = 0.0            # on embeddings, attention weights and residual branches
@@ -43,14 +52,18 @@ class ModelConfig:
     dtype: str = "float32"          # parameters and activations: float32 | bfloat16 | float16
     recompute: str = "none"         # per block: none | full (whole block) | selective (attention)
     init_std: float = 0.02          # normal init std; residual outputs get / sqrt(2 n_layer)
+    arch: str = "llama"             # "llama" | "gpt" (module docstring)
 
     def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig: arch={self.arch!r}; use one of {ARCHS}")
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             _positive_int(name, getattr(self, name))
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64))
+            object.__setattr__(self, "d_ff", 4 * self.d_model if self.arch == "gpt"
+                               else 64 * math.ceil(8 * self.d_model / 3 / 64))
         _positive_int("n_kv_head", self.n_kv_head)
         _positive_int("d_ff", self.d_ff)
         if self.d_model % self.n_head:
@@ -58,7 +71,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: n_head={self.n_head} must divide d_model="
                              f"{self.d_model} (head dim = d_model / n_head); choose n_head in "
                              f"{divisors[:12]}")
-        if self.head_dim % 2:
+        if self.arch == "gpt" and self.n_kv_head != self.n_head:
+            raise ValueError(f"ModelConfig: arch='gpt' has multi-head attention, so "
+                             f"n_kv_head={self.n_kv_head} must equal n_head={self.n_head}; "
+                             f"leave n_kv_head=None (grouped-query heads are arch='llama')")
+        if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"ModelConfig: head dim d_model / n_head = {self.head_dim} is odd; "
                              "rotary embedding rotates pairs of features, so it must be even")
         if self.n_head % self.n_kv_head:
@@ -99,15 +116,24 @@ def _positive_int(name, v):
 
 
 # Named presets.  tiny: the course's model (vocab = the 75 characters of models.data);
-# small: nanoGPT's "baby GPT" shape for Shakespeare-char, with GQA; gpt3-175b: GPT-3's
-# shape (Brown et al. 2020, Table 2.1) as a Llama, for estimates on the meta device.
+# small: nanoGPT's "baby GPT" shape for Shakespeare-char, with GQA; gpt-tiny: tiny's
+# shape as Megatron's GPT.  The large GPTs are the shapes of Korthikanti et al. 2022,
+# Table 3 (22B, 175B = GPT-3, Brown et al. 2020 Table 2.1; 530B, 1T), with Megatron-LM's
+# default dropout 0.1 on attention and hidden states (megatron/training/arguments.py,
+# --attention-dropout / --hidden-dropout), which Table 2's activation counts assume;
+# built on the meta device for estimates and the planner.
+_GPT_BIG = dict(arch="gpt", vocab_size=51200, seq_len=2048, tie_embeddings=True,
+                dtype="bfloat16", dropout=0.1)
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=75, seq_len=64, n_layer=2, n_head=4, d_model=64, d_ff=192),
     "small": dict(vocab_size=75, seq_len=256, n_layer=6, n_head=8, n_kv_head=4, d_model=384,
                   d_ff=1024, dropout=0.1),
-    # d_ff = 8/3 h = 32768 makes SwiGLU's 3 h d_ff equal GPT's 2 h (4h) = 8 h^2 per layer.
-    "gpt3-175b": dict(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, d_model=12288,
-                      d_ff=32768, tie_embeddings=True, dtype="bfloat16"),
+    "gpt-tiny": dict(arch="gpt", vocab_size=75, seq_len=64, n_layer=2, n_head=4, d_model=64,
+                     tie_embeddings=True),
+    "gpt-22b": dict(_GPT_BIG, n_layer=48, n_head=64, d_model=6144),
+    "gpt3-175b": dict(_GPT_BIG, n_layer=96, n_head=96, d_model=12288),
+    "gpt-530b": dict(_GPT_BIG, n_layer=105, n_head=128, d_model=20480),
+    "gpt-1t": dict(_GPT_BIG, n_layer=128, n_head=160, d_model=25600),
 }
 
 
@@ -118,9 +144,20 @@ def get_config(preset: str = "tiny", **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[preset], **overrides})
 
 
+def build_model(cfg: "ModelConfig | str", seed: int = 0):
+    """The module for ``cfg.arch``: ``Llama(cfg, seed)`` or ``GPT(cfg, seed)`` (same call
+    signature: ``model(idx, targets) -> (logits, loss)``)."""
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    if cfg.arch == "gpt":
+        from .gpt import GPT
+        return GPT(cfg, seed=seed)
+    from .llama import Llama
+    return Llama(cfg, seed=seed)
+
+
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of ``Llama(cfg)``: counted on the module, by formula, and by Megatron."""
+    """Parameters of ``build_model(cfg)``: counted on the module, by formula, and by Megatron."""
     module: int                     # sum(p.numel()) over the real module built on "meta"
     terms: dict                     # our closed form, term by term (sums to ``module``)
     megatron: int                   # Narayanan et al. 2021 eq. 2 with the same l, h, V, s
@@ -134,35 +171,50 @@ class ParamCount:
 
 
 def param_count(cfg: ModelConfig | str) -> ParamCount:
-    """Count ``Llama(cfg)``'s parameters three ways: the module itself (built on the meta
-    device, so 175B parameters cost no memory), our closed form, and Megatron's
+    """Count ``build_model(cfg)``'s parameters three ways: the module itself (built on
+    the meta device, so 175B parameters cost no memory), our closed form, and Megatron's
     eq. 2 for a GPT of the same shape, with the difference explained term by term."""
     import torch
 
     from ..sim_mesh.estimates import megatron_params
-    from .llama import Llama
 
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = build_model(cfg)
     module = sum(p.numel() for p in model.parameters())        # shared (tied) tensors once
 
     l, h, V, s, f = cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.d_ff
+    megatron = round(megatron_params(l, h, V, s))
+    untied = 0 if cfg.tie_embeddings else V * h
+    if cfg.arch == "gpt":
+        terms = {
+            "embeddings (V h + s h)": V * h + s * h,
+            "attention (l (4 h^2 + 4 h)), q k v o with biases": l * (4 * h * h + 4 * h),
+            "GeLU MLP (l (2 h d_ff + d_ff + h))": l * (2 * h * f + f + h),
+            "LayerNorms (l 4 h + 2 h)": l * 4 * h + 2 * h,
+            "lm head (V h, untied)": untied,
+        }
+        differences = {
+            "MLP: d_ff != 4h: l (2 h + 1)(d_ff - 4 h)": l * (2 * h + 1) * (f - 4 * h),
+            "final LayerNorm (eq. 2 omits it): +2 h": 2 * h,
+            "untied lm head: +V h": untied,
+        }
+        return ParamCount(module=module, terms=terms, megatron=megatron,
+                          differences=differences)
     kv = cfg.n_kv_head * cfg.head_dim
     terms = {
         "embedding (V h)": V * h,
         "attention (l (2 h^2 + 2 h kv))": l * (2 * h * h + 2 * h * kv),   # q, o; k, v
         "SwiGLU MLP (l 3 h d_ff)": l * 3 * h * f,                          # w1, w3, w2
         "RMSNorm weights (l 2 h + h)": l * 2 * h + h,                      # 2 per block, final
-        "lm head (V h, untied)": 0 if cfg.tie_embeddings else V * h,
+        "lm head (V h, untied)": untied,
     }
-    megatron = round(megatron_params(l, h, V, s))
     differences = {
         "attention: GQA k, v of width kv < h": l * 2 * h * (kv - h),
         "MLP: SwiGLU 3 h d_ff vs GPT 8 h^2": l * (3 * h * f - 8 * h * h),
         "no biases; RMSNorm has no bias: -11 l h": -11 * l * h,       # 13 l h -> 2 l h
         "final RMSNorm (eq. 2 omits it): +h": h,
         "no position table (RoPE): -s h": -s * h,
-        "untied lm head: +V h": 0 if cfg.tie_embeddings else V * h,
+        "untied lm head: +V h": untied,
     }
     return ParamCount(module=module, terms=terms, megatron=megatron, differences=differences)

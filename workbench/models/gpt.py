@@ -1,10 +1,25 @@
-"""The transformer layer of Korthikanti et al. 2022 ("Reducing Activation Recomputation
-in Large Transformer Models"), written so that what autograd saves is what their
-Table 2 counts: LayerNorm, a QKV projection, attention with a materialized softmax and
-its dropout, the output projection, a GeLU MLP of 4h, and dropouts on both residual
-branches.  Used to hold the activation-memory formulas to a measurement.
+"""Megatron-LM's GPT (Shoeybi et al. 2019; Radford et al. 2019), two ways.
 
-    x (s, b, h) -> y (s, b, h)                (the paper's sequence-first layout)
+:class:`GPTLayer` is the transformer layer of Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models"), written so that what autograd
+saves is what their Table 2 counts: LayerNorm, a QKV projection, attention with a
+materialized softmax and its dropout, the output projection, a GeLU MLP of 4h, and
+dropouts on both residual branches.  Used to hold the activation-memory formulas to a
+measurement.  x (s, b, h) -> y (s, b, h) (the paper's sequence-first layout).
+
+:class:`GPT` is the whole model for ``ModelConfig(arch="gpt")``, with the call
+signature of :class:`~workbench.models.llama.Llama` (``model(idx, targets) ->
+(logits, loss)``, ``generate``, ``set_recompute``) so a trainer takes either.  Per
+block (pre-norm, Megatron's GPT):
+
+    x = x + drop(o(attn(q, k, v of LayerNorm(x))))     q, k, v, o: linears with bias
+    x = x + drop(fc2(gelu(fc1(LayerNorm(x)))))         fc1: h -> d_ff (4h), fc2: back
+
+with learned position embeddings, a final LayerNorm and an lm head tied to the token
+embedding.  q, k and v are three linears rather than Megatron's one fused QKV matrix
+(the same parameters and FLOPs): sharded "colwise" each gives a rank whole heads, as in
+Llama's :data:`~workbench.models.llama.TP_PLAN`.  Attention goes through
+``wb.ops.flash_attention`` (causal), like the Llama's.
 """
 from __future__ import annotations
 
@@ -13,8 +28,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTLayer", "TP_PLAN"]
+from ..ops import flash_attention
+from .config import RECOMPUTE, ModelConfig
+
+__all__ = ["GPTLayer", "TP_PLAN", "GPT", "GPT_TP_PLAN"]
 
 # Megatron's split: heads (q, k, v side by side per head) and the MLP's hidden features
 TP_PLAN = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise",
@@ -77,3 +96,158 @@ class GPTLayer(nn.Module):
     def forward(self, x):
         x = x + F.dropout(self.attn(self.ln1(x)), self.p, self.training)
         return x + F.dropout(self.mlp(self.ln2(x)), self.p, self.training)
+
+
+# ---- the whole model ------------------------------------------------------------------------
+
+# Megatron's tensor parallelism for ``wb.parallelize(gpt, mesh, GPT_TP_PLAN)``
+GPT_TP_PLAN = {
+    "layers.*.attn.wq": "colwise", "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise", "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise",
+}
+
+
+def _core(q, k, v, dropout_p: float = 0.0):
+    """softmax(q k^T / sqrt(hd)) v, causal: what "selective" recompute recomputes."""
+    return flash_attention(q, k, v, causal=True, dropout_p=dropout_p)      # (B, a, S, hd)
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, dt = cfg.d_model, cfg.torch_dtype
+        self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.head_dim, cfg.dropout
+        self.wq = nn.Linear(h, h, dtype=dt)
+        self.wk = nn.Linear(h, h, dtype=dt)
+        self.wv = nn.Linear(h, h, dtype=dt)
+        self.wo = nn.Linear(h, h, dtype=dt)
+
+    def forward(self, x, recompute_core: bool = False):
+        B, S, _ = x.shape                                                   # (B, S, h)
+        q, k, v = (w(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))                    # (B, a, S, hd)
+        p = self.dropout if self.training else 0.0
+        if recompute_core and torch.is_grad_enabled():
+            y = checkpoint(_core, q, k, v, p, use_reentrant=False)
+        else:
+            y = _core(q, k, v, p)                                           # (B, a, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
+        return F.dropout(self.wo(y), p, self.training)
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f, dt = cfg.d_model, cfg.d_ff, cfg.torch_dtype
+        self.dropout = cfg.dropout
+        self.fc1 = nn.Linear(h, f, dtype=dt)
+        self.fc2 = nn.Linear(f, h, dtype=dt)
+
+    def forward(self, x):
+        return F.dropout(self.fc2(F.gelu(self.fc1(x))), self.dropout, self.training)
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm GPT block; ``recompute`` is "none", "full" or "selective"."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.recompute = cfg.recompute
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
+        self.attn = GPTAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
+        self.mlp = GPTMLP(cfg)
+
+    def forward(self, x):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
+        x = x + self.attn(self.ln1(x), recompute_core=self.recompute == "selective")
+        return x + self.mlp(self.ln2(x))                                    # (B, S, h)
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``n_layer`` blocks, final LayerNorm, lm head
+    (tied to the token embedding when ``cfg.tie_embeddings``, as Megatron's GPT; no
+    bias).  Deterministic init from ``seed`` without touching the global RNG."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        if cfg.arch != "gpt":
+            raise ValueError(f"GPT: cfg.arch={cfg.arch!r}; build it with "
+                             f"workbench.models.build_model(cfg), or set arch='gpt'")
+        self.cfg = cfg
+        dt = cfg.torch_dtype
+        with torch.random.fork_rng(devices=[]):
+            # _weight given: skip nn.Embedding's own init (see Llama.__init__)
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                        _weight=torch.empty(cfg.vocab_size, cfg.d_model, dtype=dt))
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model,
+                                        _weight=torch.empty(cfg.seq_len, cfg.d_model, dtype=dt))
+            self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
+            self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters(seed)
+
+    def set_recompute(self, mode: str, layers=None) -> None:
+        """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute={mode!r}; use one of {RECOMPUTE}")
+        for i, block in enumerate(self.layers):
+            if layers is None or i in layers:
+                block.recompute = mode
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Megatron's init (Shoeybi et al. 2019, sec. 3): weights N(0, init_std), the
+        residual outputs wo and fc2 N(0, init_std / sqrt(2 n_layer)), biases 0,
+        LayerNorm weight 1 and bias 0; drawn in float32 on the CPU in
+        ``named_parameters`` order."""
+        g = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)   # LayerNorm weight
+                continue
+            s = std / math.sqrt(2 * self.cfg.n_layer) \
+                if name.endswith(("wo.weight", "fc2.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, idx, targets=None):
+        """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
+        cross-entropy of ``targets`` (B, S), computed in float32."""
+        B, S = idx.shape
+        if S > self.cfg.seq_len:
+            raise ValueError(f"GPT: sequence of {S} tokens is longer than seq_len="
+                             f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+        p = self.cfg.dropout if self.training else 0.0
+        pos = torch.arange(S, device=idx.device)
+        x = F.dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training)   # (B, S, h)
+        for block in self.layers:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))                                 # (B, S, V)
+        if targets is None:
+            return logits, None
+        flat = logits.reshape(B * S, self.cfg.vocab_size)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        return logits, F.cross_entropy(flat, targets.reshape(B * S))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
+                 generator: torch.Generator | None = None):
+        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len:])
+            last = logits[:, -1, :].float()
+            nxt = last.argmax(-1, keepdim=True) if temperature == 0 else \
+                torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), 1)
+        return idx

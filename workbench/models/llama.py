@@ -150,6 +150,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
+        if cfg.arch != "llama":
+            raise ValueError(f"Llama: cfg.arch={cfg.arch!r}; build it with "
+                             f"workbench.models.build_model(cfg), or set arch='llama'")
         self.cfg = cfg
         dt = cfg.torch_dtype
         with torch.random.fork_rng(devices=[]):    # torch's default init draws; ours replaces it

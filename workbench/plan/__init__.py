@@ -1,1 +1,22 @@
-"""Planning a cluster layout: analytic cost models (``layer_cost``: one GPT layer, op by op)."""
+"""Plan a cluster: will a layout fit, how fast is it, and which layout is best.
+
+    import workbench as wb
+    cfg = wb.models.get_config("gpt3-175b")                # Megatron's GPT, GPT-3's shape
+    cl  = wb.plan.Cluster(profile="a100", devices=1024)
+    lay = wb.plan.Layout(dp=16, tp=8, pp=8, recompute="full", micro_batch=1,
+                         global_batch=1536)
+    est = wb.plan.estimate(cfg, lay, cl)                   # analytic, about a millisecond
+    print(est, est.memory, est.breakdown)
+    best = wb.plan.search(cfg, cl, global_batch=1536, top=5)
+    print(best)                                            # a table, and why #1 beats #2
+
+Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
+``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU).
+"""
+from .layout import Cluster, Layout, SCHEDULES, check_layout
+from .estimate import Estimate, estimate
+from .search import Ranking, search
+from . import memory, costs
+
+__all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
+           "Ranking", "memory", "costs"]

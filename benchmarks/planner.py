@@ -1,0 +1,69 @@
+"""How long does the planner take?  Search time for GPT-3 175B on 1,024 devices, and the
+time of one ``estimate`` per layout.
+
+    python benchmarks/planner.py [--profile a100] [--devices 1024] [--global-batch 1536]
+
+Target (issue 11): the search in under 60 s on a 2-core machine.  The search is timed
+cold (empty caches, first call) and warm; ``estimate`` is timed over the layouts the
+search kept, cold caches cleared before each timing round, as the median of 5 rounds.
+Prints what it measured and the top layouts with the planner's explanation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from workbench.models.config import get_config  # noqa: E402
+from workbench.plan import Cluster, costs, estimate, search  # noqa: E402
+
+
+def _clear():
+    for fn in (costs.group_price, costs.layer_cost, costs.head_cost):
+        fn.cache_clear()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt3-175b")
+    ap.add_argument("--profile", default="a100")
+    ap.add_argument("--devices", type=int, default=1024)
+    ap.add_argument("--global-batch", type=int, default=1536)
+    args = ap.parse_args(argv)
+    cfg, cl = get_config(args.model), Cluster(args.profile, args.devices)
+
+    _clear()
+    t0 = time.perf_counter()
+    ranking = search(cfg, cl, global_batch=args.global_batch, top=5)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    search(cfg, cl, global_batch=args.global_batch, top=5)
+    warm = time.perf_counter() - t0
+    print(f"search {args.model} on {cl}: {ranking.tried} layouts tried, {ranking.fitting} fit; "
+          f"{cold:.2f} s cold, {warm:.2f} s warm (target < 60 s)")
+
+    layouts = [lay for lay, _ in ranking]
+    rounds_cold, rounds_warm = [], []
+    for _ in range(5):
+        _clear()
+        t0 = time.perf_counter()
+        for lay in layouts:
+            estimate(cfg, lay, cl)
+        rounds_cold.append((time.perf_counter() - t0) / len(layouts))
+        t0 = time.perf_counter()
+        for lay in layouts:
+            estimate(cfg, lay, cl)
+        rounds_warm.append((time.perf_counter() - t0) / len(layouts))
+    print(f"estimate per layout: {statistics.median(rounds_cold) * 1e3:.2f} ms cold caches, "
+          f"{statistics.median(rounds_warm) * 1e3:.3f} ms warm (median of 5 rounds over the "
+          f"top {len(layouts)})")
+    print(f"layer times from: {costs.LAYER_TIME_SOURCE}")
+    print(ranking)
+
+
+if __name__ == "__main__":
+    main()

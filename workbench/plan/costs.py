@@ -1,0 +1,150 @@
+"""Seconds and FLOPs of the pieces of a GPT training step on one rank.
+
+Per transformer layer and micro-batch of b sequences, on one of t tensor-parallel ranks:
+
+- FLOPs (Narayanan et al. 2021, the derivation of eq. 3): forward 2 b s (4 h^2 + 2 h f)
+  for the q, k, v, o and MLP matrices plus 4 b s^2 h for q k^T and softmax(.) v, over t;
+  backward twice the forward; full recompute repeats the forward in backward, selective
+  recompute the 4 b s^2 h attention core (Korthikanti et al. 2022, sec. 5).  With
+  f = 4h, 3 x (24 b s h^2 + 4 b s^2 h) per layer plus 6 b s h V for the head is eq. 7.
+- Time: ``workbench.plan.layer_cost.layer_times`` (the calibrated per-layer clock,
+  Korthikanti Table 4) when it is present; else a roofline of those FLOPs and of the
+  weights plus saved activations (``sim_mesh.cost.compute_time``: max(FLOPs / peak,
+  bytes / memory bandwidth)), which is a lower bound on the time.
+- Tensor-parallel communication (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2):
+  per layer two all-reduces of 2 s b h bytes forward and two backward; with sequence
+  parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
+  recompute repeats the forward's in backward.  Priced with ``sim_mesh.cost.price`` on
+  the TP group's ranks (consecutive: see ``layout``).  Not overlapped with compute
+  (Megatron-LM 2021-22 issues them synchronously).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..sim_mesh.cost import compute_time, price, wire_bytes
+from .memory import layer_activation_bytes, layer_params
+
+try:                                            # the calibrated clock, when merged
+    from .layer_cost import layer_times as _layer_times
+except ImportError:                             # pragma: no cover - depends on the branch
+    _layer_times = None
+
+__all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
+           "group_price", "LAYER_TIME_SOURCE"]
+
+LAYER_TIME_SOURCE = ("layer_cost.layer_times (calibrated, Korthikanti Table 4)"
+                     if _layer_times else "roofline of FLOPs and bytes (lower bound)")
+
+
+@lru_cache(maxsize=None)
+def group_price(kind: str, nbytes: float, ranks: tuple, profile) -> float:
+    """``price`` of a collective over ``ranks`` (cached: the planner asks it often)."""
+    return price(kind, nbytes, list(ranks), profile)
+
+
+def layer_flops(cfg, b: int) -> tuple[float, float]:
+    """(matrix FLOPs, attention-core FLOPs) of one layer's forward for b sequences."""
+    s, h, f = cfg.seq_len, cfg.d_model, cfg.d_ff
+    return 2 * b * s * (4 * h * h + 2 * h * f), 4 * b * s * s * h
+
+
+def model_and_hardware_flops(cfg, batch: int, recompute: str) -> tuple[float, float]:
+    """Model FLOPs of one step of ``batch`` sequences (eq. 7 generalised to d_ff = f; no
+    recompute) and hardware FLOPs (with the recomputed forward, for HFU)."""
+    mat, core = layer_flops(cfg, batch)
+    head = 2 * batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
+    model = 3 * (cfg.n_layer * (mat + core) + head)
+    extra = {"none": 0.0, "selective": core, "full": mat + core}[recompute]
+    return model, model + cfg.n_layer * extra
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one micro-batch, one TP rank: seconds and bytes sent."""
+    fwd_compute: float
+    fwd_comm: float
+    bwd_compute: float          # backward, with its recompute
+    bwd_comm: float
+    comm_bytes: float           # bytes this rank sends, forward + backward
+
+    @property
+    def total(self) -> float:
+        return self.fwd_compute + self.fwd_comm + self.bwd_compute + self.bwd_comm
+
+
+def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
+    """(seconds, bytes sent) of one layer's forward TP collectives."""
+    ranks = tuple(range(tp))
+    if tp == 1:
+        return 0.0, 0.0
+    if sp:
+        kinds = ("all_gather", "reduce_scatter")
+        t = 2 * sum(group_price(k, nbytes, ranks, profile) for k in kinds)
+        return t, 2 * sum(wire_bytes(k, nbytes, tp) for k in kinds)
+    return (2 * group_price("all_reduce", nbytes, ranks, profile),
+            2 * wire_bytes("all_reduce", nbytes, tp))
+
+
+@lru_cache(maxsize=None)
+def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile) -> LayerCost:
+    """Cost of one transformer layer for one micro-batch (module docstring)."""
+    s, h = cfg.seq_len, cfg.d_model
+    comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
+    comm_b = comm_f * (2 if recompute == "full" else 1)
+    sent = sent_f * (3 if recompute == "full" else 2)
+    if _layer_times is not None:
+        lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
+                          dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)))
+        return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),
+                         max(lt.backward - comm_b, 0.0), min(comm_b, lt.backward), sent)
+    mat, core = (x / tp for x in layer_flops(cfg, b))
+    moved = 2 * layer_params(cfg, tp) + layer_activation_bytes(cfg, b, tp, sp, "none")
+    fwd = compute_time(mat + core, moved, profile, cfg.dtype)
+    bwd = compute_time(2 * (mat + core), 2 * moved, profile, cfg.dtype)
+    if recompute == "full":
+        bwd += fwd
+    elif recompute == "selective":
+        core_bytes = (5 if cfg.dropout > 0 else 2) * cfg.n_head * s * s * b / tp
+        bwd += compute_time(core, core_bytes, profile, cfg.dtype)
+    return LayerCost(fwd, comm_f, bwd, comm_b, sent)
+
+
+@lru_cache(maxsize=None)
+def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
+    """The lm head and loss for one micro-batch on the last stage, with the first
+    stage's embedding collective folded in by the caller.  Head: 2 b s h V / t FLOPs
+    forward, twice that backward (vocabulary-parallel, Megatron); communication: the
+    head input's all-reduce in backward (all-gather forward and reduce-scatter backward
+    with sequence parallelism) and vocab-parallel cross-entropy's three all-reduces of
+    s b fp32 values (max, sum of exp, target logit; Megatron's
+    ``vocab_parallel_cross_entropy``)."""
+    s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
+    flops = 2 * b * s * h * V / tp
+    moved = 2 * V * h / tp + 2 * s * b * V / tp              # weights read, logits written
+    fwd = compute_time(flops, moved, profile, cfg.dtype)
+    bwd = compute_time(2 * flops, 2 * moved, profile, cfg.dtype)
+    ranks, n = tuple(range(tp)), 2 * s * b * h
+    ce = 3 * group_price("all_reduce", 4 * s * b, ranks, profile)
+    ce_sent = 3 * (wire_bytes("all_reduce", 4 * s * b, tp) if tp > 1 else 0)
+    if tp == 1:
+        return LayerCost(fwd, 0.0, bwd, 0.0, 0.0)
+    if sp:
+        f_c = group_price("all_gather", n, ranks, profile)
+        b_c = group_price("reduce_scatter", n, ranks, profile)
+        sent = wire_bytes("all_gather", n, tp) + wire_bytes("reduce_scatter", n, tp)
+    else:
+        f_c, b_c = 0.0, group_price("all_reduce", n, ranks, profile)
+        sent = wire_bytes("all_reduce", n, tp)
+    return LayerCost(fwd, f_c + ce, bwd, b_c, sent + ce_sent)
+
+
+def embedding_comm(cfg, b: int, tp: int, sp: bool, profile) -> tuple[float, float]:
+    """(seconds, bytes sent) of the vocabulary-parallel embedding's forward collective:
+    an all-reduce of its 2 s b h output (a reduce-scatter with sequence parallelism)."""
+    if tp == 1:
+        return 0.0, 0.0
+    kind = "reduce_scatter" if sp else "all_reduce"
+    n = 2 * cfg.seq_len * b * cfg.d_model
+    return group_price(kind, n, tuple(range(tp)), profile), wire_bytes(kind, n, tp)

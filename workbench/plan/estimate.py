@@ -1,0 +1,250 @@
+"""``estimate(model, layout, cluster)``: step time, memory and utilisation, analytically.
+
+Step time = m x the slowest stage's time per micro-batch + the pipeline bubble + the
+data-parallel synchronisation + the optimizer step, where
+
+- a stage's time per micro-batch is its layers' forward and backward (with recompute and
+  their TP collectives: ``costs``), the head on the last stage, the embedding's
+  collective on the first, and the point-to-point sends of a 1F1B pipeline: one
+  activation forward and one gradient backward per chunk (v per micro-batch), of
+  2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
+  inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
+  parallelism the activation is already split, so no all-gather);
+- bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
+  Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
+  (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
+  1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
+  (``parallel.schedules.formulas``; Narayanan et al. 2021);
+- data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
+  al. 2021 does not overlap it): an all-reduce of the rank's 16-bit gradients; ZeRO-1:
+  a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
+  volume, ZeRO sec. 7.2.1); ZeRO-2 (pp = 1): reduce-scatter each micro-batch's
+  gradients during its backward (DeepSpeed's overlap_comm), only the excess over the
+  backward exposed, then the all-gather; ZeRO-3: all-gather each layer's weights
+  before its forward and its backward and reduce-scatter its gradients, every
+  micro-batch (1.5x the volume, ZeRO sec. 7.2.2), prefetched one layer ahead
+  (DeepSpeed), so a layer exposes only its collectives' excess over its compute, plus
+  the first gather.  Tied embeddings: an all-reduce of the word-embedding gradient
+  between the first and last stage (Megatron-LM).  Each priced with
+  ``sim_mesh.cost.price`` on the group's ranks (rank order in ``layout``);
+- optimizer: AdamW on the rank's (ZeRO-partitioned) parameters, memory bound: 28 bytes
+  per parameter (read 16-bit gradient 2, read and write fp32 master, m, v 24, write
+  16-bit weight 2), priced by the roofline.
+
+MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x peak x
+devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
+per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
+recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
+the busiest is reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sim_mesh.cost import compute_time, wire_bytes
+from . import costs as C
+from .layout import Cluster, Layout, check_layout
+from .memory import stage_memory, stage_params
+
+__all__ = ["Estimate", "estimate", "pipeline_bubble"]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` predicts for one layout (see the module docstring)."""
+    layout: Layout
+    step_time: float                 # seconds per optimizer step
+    memory: dict                     # bytes on the busiest rank
+    fits: bool                       # memory["total"] <= device memory
+    tflops_per_device: float         # hardware TFLOP/s per device (with recompute)
+    mfu: float
+    hfu: float
+    comm_bytes: float                # bytes one rank (of the slowest stage) sends per step
+    breakdown: dict                  # seconds: compute, communication, bubble (sum: step)
+    details: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def pipeline(self):
+        """The pipeline of one step as the schedule simulator runs it
+        (``parallel.schedules.simulate``), each rank's forward and backward per
+        micro-batch (per chunk when interleaved) taken from this estimate: a
+        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from."""
+        from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
+        lay, st = self.layout, self.details["stages"]
+        kind = {0: "first", lay.pp - 1: "last"}
+        rows = [st["only"] if lay.pp == 1 else st[kind.get(r, "middle")]
+                for r in range(lay.pp)]
+        build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
+        sched = build(lay.pp, lay.m) if build else interleaved_1f1b(lay.pp, lay.m, lay.v)
+        return simulate(sched, f=[d["forward"] / lay.v for d in rows],
+                        b=[(d["time"] - d["forward"]) / lay.v for d in rows])
+
+    def explain(self) -> str:
+        """How the step time and the memory were put together, term by term."""
+        d, lay, b = self.details, self.layout, self.breakdown
+        st = d["stages"]
+        slow = next(v for v in st.values() if v["stage"] == d["slowest_stage"])
+        busy = next(v for v in st.values() if v["stage"] == d["busiest_stage"])
+        ly, ms = d["layer"], 1e3
+        rc = " with recompute" if lay.recompute != "none" else ""
+        gb = {k: v / 1e9 for k, v in self.memory.items()}
+        return "\n".join([
+            f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
+            f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
+            f"  one layer, one micro-batch: forward {ly.fwd_compute * ms:.2f} ms compute + "
+            f"{ly.fwd_comm * ms:.2f} ms TP comm, backward{rc} "
+            f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
+            f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
+            f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
+            f"which p2p {2 * lay.v * d['p2p'] * ms:.2f}) x m = {d['micro_batches']}",
+            f"  bubble (sum of stage times - slowest) / v = {b['bubble']:.3f} s; DP sync "
+            f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
+            f"optimizer {d['optimizer']:.3f} s",
+            f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
+            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f} + activations "
+            f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
+            f" ({'fits' if self.fits else 'does NOT fit'})",
+            f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
+            f"{self.tflops_per_device:.0f} TFLOP/s per device, "
+            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step"])
+
+    def __str__(self):
+        b = self.breakdown
+        return (f"{self.layout.short()}: {self.step_time:.3f} s/step, "
+                f"{self.tflops_per_device:.0f} TFLOP/s/device, MFU {self.mfu:.1%}, "
+                f"memory {self.memory['total'] / 1e9:.1f} GB"
+                f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
+                f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
+
+
+def pipeline_bubble(stage_times, v: int = 1) -> float:
+    """Idle time of a 1F1B / GPipe pipeline (interleaved: ``v`` chunks per device) whose
+    stage s takes ``stage_times[s]`` per micro-batch (forward + backward):
+    (sum - max) / v (Zheng et al. 2022, Alpa's pipeline latency; equal stages give the published
+    (p - 1)(t_f + t_b) / v).  The step is m max(stage_times) + this."""
+    times = list(stage_times)
+    return (sum(times) - max(times)) / v
+
+
+def _stage_kinds(pp: int) -> list[tuple[str, int, int]]:
+    """(name, a representative stage, how many stages are like it)."""
+    if pp == 1:
+        return [("only", 0, 1)]
+    out = [("first", 0, 1), ("last", pp - 1, 1)]
+    return out + ([("middle", 1, pp - 2)] if pp > 2 else [])
+
+
+def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
+    """(seconds, bytes) of one activation (or gradient) crossing one stage boundary."""
+    n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
+    pair = (lay.rank(0, 0, 0), lay.rank(0, 0, 1))
+    t = C.group_price("send_recv", n / lay.tp, pair, prof)
+    sent = n / lay.tp
+    if lay.tp > 1 and not lay.sp:
+        t += C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
+        sent += wire_bytes("all_gather", n, lay.tp)
+    return t, sent
+
+
+def _dp_sync(psi, lay: Layout, prof, stage: int, layer: C.LayerCost, n_layers: int,
+             bwd_per_mb: float, overlap: bool = True):
+    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage;
+    ``overlap=False`` exposes ZeRO-2/3's per-micro-batch collectives whole."""
+    if not overlap:
+        layer = C.LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        bwd_per_mb = 0.0
+    if lay.dp == 1:
+        return 0.0, 0.0
+    g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
+
+    def p(kind, nbytes=g):
+        return C.group_price(kind, nbytes, ranks, prof)
+
+    if lay.zero == 0:
+        return p("all_reduce"), wire_bytes("all_reduce", g, dp)
+    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
+    if lay.zero == 1:
+        return p("reduce_scatter") + p("all_gather"), rs + ag
+    if lay.zero == 2:
+        return m * max(p("reduce_scatter") - bwd_per_mb, 0.0) + p("all_gather"), m * rs + ag
+    # ZeRO-3, layer by layer: the next layer's weights are gathered while this layer
+    # computes (forward: one gather; backward: one gather and one reduce-scatter), so a
+    # layer exposes only what its collectives take beyond its compute; the first
+    # gather of a micro-batch is never hidden.
+    g_l = g / n_layers
+    ag_l, rs_l = p("all_gather", g_l), p("reduce_scatter", g_l)
+    per_mb = n_layers * (max(ag_l - layer.fwd_compute, 0.0)
+                         + max(ag_l + rs_l - layer.bwd_compute, 0.0)) + ag_l
+    return m * per_mb, m * (2 * ag + rs)
+
+
+def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
+             overlap: bool = True) -> Estimate:
+    """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
+    ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
+    attention kernel's activations instead of Table 2's materialized softmax;
+    ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
+    compute (DeepSpeed's ``overlap_comm`` off)."""
+    check_layout(model, layout, cluster)
+    if attention not in ("materialized", "flash"):
+        raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
+                         f"or 'flash'")
+    cfg, lay, prof = model, layout, cluster.profile
+    b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
+    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof)
+    head = C.head_cost(cfg, b, tp, sp, prof)
+    emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
+    p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
+    n_layers = cfg.n_layer // pp
+
+    stages = {}
+    for name, s, count in _stage_kinds(pp):
+        comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
+        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
+        sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
+        bwd = n_layers * layer.bwd_compute
+        fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
+        if s == 0:
+            comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
+        if s == pp - 1:
+            comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
+                + head.bwd_comm
+            sent, bwd = sent + head.comm_bytes, bwd + head.bwd_compute
+            fwd += head.fwd_compute + head.fwd_comm
+        psi = stage_params(cfg, tp, pp, s)
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, layer, n_layers, bwd, overlap)
+        updated = psi / (lay.dp if lay.zero >= 1 else 1)
+        opt = compute_time(0.0, 28 * updated, prof, "float32")
+        stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
+                            forward=fwd,
+                            sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
+                            memory=stage_memory(cfg, lay, s, attention))
+
+    slow = max(stages.values(), key=lambda d: d["time"])
+    bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
+    m = lay.m
+    tied = 0.0
+    if pp > 1 and cfg.tie_embeddings:
+        tied = C.group_price("all_reduce", 2 * cfg.vocab_size * cfg.d_model / tp,
+                             (lay.rank(0, 0, 0), lay.rank(0, 0, pp - 1)), prof)
+    sync = max(d["dp"] for d in stages.values()) + tied
+    opt = max(d["optimizer"] for d in stages.values())
+    breakdown = {"compute": m * slow["compute"] + opt, "communication": m * slow["comm"] + sync,
+                 "bubble": bubble}
+    step = sum(breakdown.values())
+    busiest = max(stages.values(), key=lambda d: d["memory"]["total"])
+    model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
+    peak, n = prof.peak(cfg.dtype), cluster.devices
+    details = {
+        "layer_time_source": C.LAYER_TIME_SOURCE, "layer": layer, "head": head,
+        "p2p": p2p_t, "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
+        "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
+        "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
+        "tokens_per_second": lay.global_batch * cfg.seq_len / step,
+        "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
+    }
+    return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
+                    fits=busiest["memory"]["total"] <= prof.memory_bytes,
+                    tflops_per_device=hw_f / (step * n) / 1e12, mfu=model_f / (step * peak * n),
+                    hfu=hw_f / (step * peak * n),
+                    comm_bytes=m * slow["sent"] + slow["dp_sent"], breakdown=breakdown,
+                    details=details)

@@ -1,0 +1,200 @@
+"""What the planner plans for: a :class:`Cluster` and a :class:`Layout` on it.
+
+    cl  = Cluster(profile="a100", devices=1024)      # 128 nodes of 8 (the profile's node)
+    lay = Layout(dp=16, tp=8, pp=8, sp=False, zero=0, recompute="full",
+                 micro_batch=1, global_batch=1536, schedule="1f1b", v=1)
+
+Rank order (Megatron-LM's default, ``megatron/core/parallel_state.py``): tensor
+parallel innermost, then data parallel, then pipeline parallel outermost,
+
+    rank = t + tp * (d + dp * s)       t < tp, d < dp, s < pp,
+
+so a TP group is ``tp`` consecutive ranks (one node when tp <= devices per node), a
+DP group strides by ``tp`` and a pipeline's neighbours are ``tp * dp`` ranks apart.
+Nodes are packed: rank r sits on node r // devices_per_node (as ``sim_mesh.cost``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..sim_mesh.profiles import Profile, get_profile
+
+__all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model"]
+
+# "interleaved_1f1b" needs v >= 2 model chunks per device; the others v == 1.
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+_RECOMPUTE = ("none", "selective", "full")
+_ALIASES = {"interleaved": "interleaved_1f1b", "one_f_one_b": "1f1b"}
+
+
+def _int(owner, name, v, lo=1):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{owner}: {name}={v!r} must be an int >= {lo}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``devices`` devices of one hardware ``profile``, in nodes of the profile's
+    ``devices_per_node`` (the last node may be partly filled)."""
+    profile: str | Profile = "a100"
+    devices: int = 8
+
+    def __post_init__(self):
+        try:
+            prof = get_profile(self.profile)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"Cluster: {e}") from None
+        object.__setattr__(self, "profile", prof)
+        _int("Cluster", "devices", self.devices)
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.devices // self.profile.devices_per_node)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.profile.memory_bytes
+
+    def __str__(self):
+        return (f"{self.devices} x {self.profile.name} ({self.nodes} nodes of "
+                f"{self.profile.devices_per_node}, {self.memory_bytes / 1e9:g} GB each)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread: data (``dp``), tensor (``tp``, with sequence
+    parallelism ``sp``) and pipeline (``pp``, ``schedule``, ``v`` chunks per device)
+    parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
+    ("none", "selective", "full"), and ``global_batch`` sequences per optimizer step
+    split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1
+    global_batch: int | None = None
+    schedule: str = "1f1b"
+    v: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "micro_batch", "v"):
+            _int("Layout", name, getattr(self, name))
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", self.dp * self.micro_batch)
+        _int("Layout", "global_batch", self.global_batch)
+        if not isinstance(self.sp, bool):
+            raise ValueError(f"Layout: sp={self.sp!r} must be True or False")
+        if self.sp and self.tp == 1:
+            raise ValueError("Layout: sp=True splits the sequence over the tensor-parallel "
+                             "group, but tp=1; set tp > 1 or sp=False")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"Layout: zero={self.zero!r}; ZeRO stages are 0 (off), 1 "
+                             f"(optimizer states), 2 (+ gradients), 3 (+ parameters)")
+        if self.zero >= 2 and self.pp > 1:
+            # DeepSpeed refuses ZeRO-2/3 with its pipeline engine: gradients accumulate
+            # over micro-batches on every stage, which partitioned gradients cannot hold.
+            raise ValueError(f"Layout: zero={self.zero} with pp={self.pp}: ZeRO-2/3 partition "
+                             f"gradients, which pipeline gradient accumulation needs whole "
+                             f"(DeepSpeed allows only ZeRO-0/1 with pipelines); use zero<=1 "
+                             f"or pp=1")
+        if isinstance(self.schedule, str):     # "1F1B", "GPipe", "Interleaved 1F1B" too
+            key = self.schedule.strip().lower().replace(" ", "_").replace("-", "_")
+            object.__setattr__(self, "schedule", _ALIASES.get(key, key))
+        if self.recompute not in _RECOMPUTE:
+            raise ValueError(f"Layout: recompute={self.recompute!r}; use one of {_RECOMPUTE}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Layout: schedule={self.schedule!r} is not known; use one of "
+                             f"{SCHEDULES}")
+        if self.schedule == "interleaved_1f1b" and self.v < 2:
+            raise ValueError(f"Layout: schedule='interleaved_1f1b' with v={self.v}: give "
+                             f"v >= 2 model chunks per device (v=1 is schedule='1f1b')")
+        if self.schedule != "interleaved_1f1b" and self.v != 1:
+            raise ValueError(f"Layout: v={self.v} chunks per device needs "
+                             f"schedule='interleaved_1f1b' (got {self.schedule!r})")
+        if self.schedule == "interleaved_1f1b" and self.pp == 1:
+            raise ValueError("Layout: schedule='interleaved_1f1b' needs pp > 1 stages")
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            gb, dp = self.global_batch, self.dp
+            fix = (f"use a micro_batch dividing global_batch / dp = {gb // dp} (one of "
+                   f"{[d for d in range(1, gb // dp + 1) if (gb // dp) % d == 0][:8]}...)"
+                   if gb % dp == 0 else
+                   f"dp={dp} does not divide it: use a global_batch that is a multiple of "
+                   f"{per_step}, or a dp dividing {gb}")
+            raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
+                             f"{self.micro_batch} x {dp} = {per_step}; {fix}")
+        if self.schedule == "interleaved_1f1b" and self.m % self.pp:
+            raise ValueError(f"Layout: schedule='interleaved_1f1b' needs the number of "
+                             f"micro-batches m={self.m} to be a multiple of pp={self.pp} "
+                             f"(Megatron-LM's rule); change global_batch or micro_batch")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def m(self) -> int:
+        """Micro-batches per optimizer step on each pipeline."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    def rank(self, t: int = 0, d: int = 0, s: int = 0) -> int:
+        """Global rank of TP rank t, DP rank d, pipeline stage s (module docstring)."""
+        return t + self.tp * (d + self.dp * s)
+
+    def tp_ranks(self, d=0, s=0) -> list[int]:
+        return [self.rank(t, d, s) for t in range(self.tp)]
+
+    def dp_ranks(self, t=0, s=0) -> list[int]:
+        return [self.rank(t, d, s) for d in range(self.dp)]
+
+    def replace(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def short(self) -> str:
+        """One line: ``dp16 tp8 pp8 1f1b mb1 full`` (+ ``sp``, ``zero1``, ``v2``)."""
+        out = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        out += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
+        out += f" mb{self.micro_batch} rc:{self.recompute}"
+        out += " sp" if self.sp else ""
+        return out + (f" zero{self.zero}" if self.zero else "")
+
+
+def check_model(model) -> None:
+    """Raise ValueError unless ``model`` is a 16-bit ``ModelConfig(arch="gpt")``."""
+    if getattr(model, "arch", None) != "gpt":
+        raise ValueError(
+            f"model arch={getattr(model, 'arch', None)!r}: the planner's formulas (Korthikanti "
+            f"et al. 2022 Table 2, eq. 7) are Megatron's GPT; give ModelConfig(arch='gpt', "
+            f"...) or get_config('gpt3-175b')")
+    if model.dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"model dtype={model.dtype!r}: the planner models mixed-precision "
+                         f"training (16-bit weights and activations, fp32 optimizer "
+                         f"states); use model.replace(dtype='bfloat16')")
+
+
+def check_layout(model, layout: Layout, cluster: Cluster) -> None:
+    """Raise ValueError when ``layout`` does not fit ``cluster`` or ``model``."""
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout={layout!r} must be a workbench.plan.Layout")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster={cluster!r} must be a workbench.plan.Cluster")
+    check_model(model)
+    lay = layout
+    if lay.world != cluster.devices:
+        raise ValueError(f"Layout dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.world} "
+                         f"but the cluster has devices={cluster.devices}; choose dp = "
+                         f"{cluster.devices} / (tp x pp) so the layout uses every device")
+    if model.n_head % lay.tp:
+        raise ValueError(f"Layout: tp={lay.tp} does not divide n_head={model.n_head} (each "
+                         f"tensor-parallel rank owns whole heads); use a tp dividing "
+                         f"{model.n_head}")
+    if model.n_layer % (lay.pp * lay.v):
+        raise ValueError(f"Layout: pp x v = {lay.pp} x {lay.v} does not divide n_layer="
+                         f"{model.n_layer} (each stage chunk holds whole layers); use pp x v "
+                         f"dividing {model.n_layer}")
+    if model.d_ff % lay.tp or model.vocab_size % lay.tp:
+        raise ValueError(f"Layout: tp={lay.tp} must divide d_ff={model.d_ff} and vocab_size="
+                         f"{model.vocab_size} (column-parallel MLP, vocabulary-parallel "
+                         f"embedding); choose another tp")

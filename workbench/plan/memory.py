@@ -1,0 +1,144 @@
+"""Bytes on each rank of a layout: model states by ZeRO stage, activations by case.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", sec. 3.1 and 5): mixed-precision Adam
+keeps 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state
+(fp32 master weights, momentum, variance) per parameter; ZeRO stage 1 splits the
+optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3
+also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
+(4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
+of two layers and the gradient of one).  Here psi is the parameters a rank holds after
+tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their
+biases / t, row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
+on the first stage, learned positions s h whole; the tied head's copy of the word
+embedding, V h / t, on the last stage when pp > 1, as Megatron-LM does).
+
+Activations per layer (Korthikanti et al. 2022, Table 2, 16-bit values, derived in
+their sec. 4.1): sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with
+tensor parallelism; sbh(34/t + 5as/(ht)) with sequence parallelism too; selective
+recompute drops the 5as/h term; full recompute keeps the layer input, 2 sbh
+(2 sbh / t with sequence parallelism, whose layer input is sequence-sharded).  The same
+accounting with d_ff = f instead of 4h (the MLP's 19 sbh is 3 sbh + 4 sbf) and
+without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
+5as^2b -> 2as^2b) gives :func:`layer_activation_bytes`.  Times the micro-batches a
+stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
+mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
+for the loss (4 s b V / t), counted the same way.
+"""
+from __future__ import annotations
+
+__all__ = ["model_state_bytes", "stage_params", "layer_activation_bytes", "in_flight",
+           "stage_memory", "K_ADAM"]
+
+K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
+
+
+def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
+    """{"params", "grads", "optimizer"} bytes per rank for ``psi`` parameters under ZeRO
+    ``zero`` over ``dp`` ranks (ZeRO Figure 1: psi=7.5e9, N_d=64 -> 120, 31.4, 16.6,
+    1.875 GB for stages 0-3)."""
+    return {"params": 2 * psi / (dp if zero >= 3 else 1),
+            "grads": 2 * psi / (dp if zero >= 2 else 1),
+            "optimizer": k * psi / (dp if zero >= 1 else 1)}
+
+
+def layer_params(cfg, tp: int) -> float:
+    """Parameters of one GPT layer on one tensor-parallel rank."""
+    h, f = cfg.d_model, cfg.d_ff
+    sharded = 4 * h * h + 2 * h * f + 3 * h + f      # q,k,v,o; fc1, fc2; q,k,v and fc1 bias
+    return sharded / tp + 6 * h                       # o and fc2 bias, 2 LayerNorms (w, b)
+
+
+def stage_params(cfg, tp: int, pp: int, stage: int) -> float:
+    """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers,
+    plus the embeddings on the first stage and the final LayerNorm and head on the last."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    n = cfg.n_layer // pp * layer_params(cfg, tp)
+    if stage == 0:
+        n += V * h / tp + s * h
+    if stage == pp - 1:
+        n += 2 * h
+        if pp > 1 or not cfg.tie_embeddings:
+            n += V * h / tp                            # tied copy (pp > 1) or untied head
+    return n
+
+
+def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
+                           attention: str = "materialized") -> float:
+    """Activation bytes one layer keeps for backward on one rank (module docstring).
+    ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
+    log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b."""
+    s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.d_ff
+    drop = cfg.dropout > 0
+    t = tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    # Table 2's pieces (f = 4h): inside the TP region: Q, K 4sbh, V 2sbh, the output
+    # projection's input 2sbh, the MLP's GeLU input and fc2 input 4sbf; outside: the
+    # QKV and fc1 inputs 2sbh each, two LayerNorm inputs 4sbh, two dropout masks sbh each.
+    inside = 8 * s * b * h + 4 * s * b * f
+    outside = (8 + (2 if drop else 0)) * s * b * h
+    if recompute == "selective":
+        core = 0.0
+    elif attention == "flash":
+        core = 4 * a * s * b
+    else:
+        core = (5 if drop else 2) * a * s * s * b     # softmax out, dropout mask + out
+    return (inside + core) / t + outside / (t if sp else 1)
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
+    """Micro-batches of a stage's activations held at once, in units of one micro-batch
+    through all of the stage's n_layer / pp layers.
+
+    GPipe: m (Huang et al. 2019).  1F1B: min(pp - stage, m) (Narayanan et al. 2021, sec.
+    2.2.1: stage s warms up with pp - s - 1 forwards, then runs one more before its first
+    backward).  Interleaved with v chunks (Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``): 2 (pp - stage - 1) + (v - 1) pp
+    warm-up chunk forwards plus one, at most the m v there are (all of them when m ==
+    pp), each chunk 1/v of the stage's layers; on the first stage that is pp + (pp - 1)
+    / v micro-batches, Korthikanti et al. 2022 sec. 4.2.3's L (1 + (p - 1) / (p v))
+    layers of activations."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        chunks = m * v if m == pp else min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    return float(min(pp - stage, m))
+
+
+def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
+                           held: float, head_held: int) -> float:
+    s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
+    t_sp = tp if sp else 1
+    out = 0.0
+    if stage == 0 and cfg.dropout > 0:
+        out += s * b * h / t_sp * held                 # embedding dropout mask, 1 byte
+    if stage == pp - 1:
+        # final-LN input, head input, fp32 logits, for each micro-batch between its
+        # forward and backward through the head: 1 with 1F1B schedules, m with GPipe
+        out += (4 * s * b * h / t_sp + 4 * s * b * V / tp) * head_held
+    return out
+
+
+def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> dict:
+    """{"params", "grads", "optimizer", "activations", "total"} bytes on a rank of
+    ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`)."""
+    lay = layout
+    psi = stage_params(cfg, lay.tp, lay.pp, stage)
+    mem = model_state_bytes(psi, lay.dp, lay.zero)
+    if lay.zero == 3 and lay.dp > 1:
+        # working copies ZeRO-3 gathers: the whole 16-bit weights of the layer computing
+        # and of the next one (prefetched), and the layer's whole 16-bit gradient before
+        # its reduce-scatter
+        one = layer_params(cfg, lay.tp)
+        mem["params"] += 2 * 2 * one
+        mem["grads"] += 2 * one
+    held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
+    per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
+                                       attention)
+    act = per_layer * (cfg.n_layer // lay.pp) * held
+    act += _edge_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
+                                  lay.m if lay.schedule == "gpipe" else 1)
+    mem["activations"] = act
+    mem["total"] = sum(mem.values())
+    return mem

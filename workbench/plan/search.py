@@ -1,0 +1,160 @@
+"""``search(model, cluster, global_batch)``: every layout that fits, fastest first.
+
+Enumerates tensor parallelism t (dividing the devices, the heads, d_ff and the
+vocabulary), pipeline parallelism p (dividing the devices left and the layers), data
+parallelism d = devices / (t p) (dividing the global batch), the micro-batch (dividing
+global_batch / d, up to ``max_micro_batch``), the schedule (1F1B, GPipe, interleaved
+1F1B with every v dividing the layers per stage, where m is a multiple of p), sequence
+parallelism (when t > 1), the ZeRO stage (0-1 with pipelines, 0-3 without) and the
+recompute mode.  Layouts whose busiest rank does not fit the device memory are dropped
+before their step time is estimated.  Ranked by step time (ties: less memory first).
+"""
+from __future__ import annotations
+
+import time
+
+from .estimate import Estimate, estimate
+from .layout import Cluster, Layout, check_model
+from .memory import stage_memory
+
+__all__ = ["search", "Ranking", "candidate_layouts"]
+
+_FIELDS = ("dp", "tp", "pp", "schedule", "v", "sp", "zero", "recompute", "micro_batch")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batch: int = 16):
+    """Every layout :func:`search` considers (a generator of :class:`Layout`)."""
+    n = cluster.devices
+    for tp in _divisors(n):
+        if model.n_head % tp or model.d_ff % tp or model.vocab_size % tp:
+            continue
+        for pp in _divisors(n // tp):
+            if model.n_layer % pp:
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            for b in _divisors(global_batch // dp):
+                if b > max_micro_batch:
+                    break
+                m = global_batch // (dp * b)
+                scheds = [("1f1b", 1)]
+                if pp > 1:
+                    scheds.append(("gpipe", 1))
+                    if m % pp == 0:
+                        scheds += [("interleaved_1f1b", v)
+                                   for v in _divisors(model.n_layer // pp)[1:]]
+                for schedule, v in scheds:
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                            for rc in ("none", "selective", "full"):
+                                yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero,
+                                             recompute=rc, micro_batch=b,
+                                             global_batch=global_batch, schedule=schedule,
+                                             v=v)
+
+
+class Ranking(list):
+    """``[(Layout, Estimate), ...]``, fastest first, with how the search went
+    (``tried``, ``fitting``, ``seconds``) and :meth:`explain`."""
+
+    def __init__(self, items, tried=0, fitting=0, seconds=0.0, cluster=None, least=None):
+        super().__init__(items)
+        self.tried, self.fitting, self.seconds, self.cluster = tried, fitting, seconds, cluster
+        self.least = least          # (bytes, Layout): the smallest busiest rank tried
+
+    def table(self) -> str:
+        head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'schedule':<18} {'sp':<3} {'zero':>4} "
+                f"{'recompute':<9} {'mb':>3} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} "
+                f"{'mem GB':>7} {'compute':>8} {'comm':>7} {'bubble':>7}")
+        rows = [head]
+        for i, (lay, e) in enumerate(self, 1):
+            sched = lay.schedule + (f" v={lay.v}" if lay.v > 1 else "")
+            b = e.breakdown
+            rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {sched:<18} "
+                        f"{'yes' if lay.sp else 'no':<3} {lay.zero:>4} {lay.recompute:<9} "
+                        f"{lay.micro_batch:>3} {e.step_time:>8.3f} {e.tflops_per_device:>8.1f} "
+                        f"{e.mfu:>6.1%} {e.memory['total'] / 1e9:>7.1f} {b['compute']:>8.3f} "
+                        f"{b['communication']:>7.3f} {b['bubble']:>7.3f}")
+        return "\n".join(rows)
+
+    def explain(self) -> list[str]:
+        """Why each layout beats the next: the layout fields that differ and, term by
+        term (compute, communication, bubble), what #i saves and what it pays."""
+        out = []
+        for i in range(len(self) - 1):
+            (la, ea), (lb, eb) = self[i], self[i + 1]
+            diff = [f"{f} {getattr(lb, f)} -> {getattr(la, f)}" for f in _FIELDS
+                    if getattr(la, f) != getattr(lb, f)]
+            delta = {k: ea.breakdown[k] - eb.breakdown[k] for k in ea.breakdown}
+            saves = [k for k in delta if delta[k] < 0]
+            pays = [k for k in delta if delta[k] > 0]
+            terms = ", ".join(f"{k} {delta[k]:+.3f} s" for k in delta if delta[k])
+            gap = eb.step_time - ea.step_time
+            head = f"#{i + 1} beats #{i + 2}"
+            if gap <= 0:
+                why = (f"the same step time, less memory ({ea.memory['total'] / 1e9:.1f} vs "
+                       f"{eb.memory['total'] / 1e9:.1f} GB)")
+            else:
+                why = f"{gap:.3f} s/step ({gap / eb.step_time:.1%})"
+                if saves:
+                    main = min(saves, key=delta.get)
+                    why += (f": its lower {main} outweighs its higher {' and '.join(pays)}"
+                             if pays else f": mostly lower {main}")
+            out.append(f"{head} by {why}; changes from #{i + 2}: {', '.join(diff) or 'none'}"
+                       f" ({terms or 'no term differs'})")
+        return out
+
+    def __str__(self):
+        cl = f" on {self.cluster}" if self.cluster else ""
+        lines = [f"{self.fitting} of {self.tried} layouts fit{cl}; searched in "
+                 f"{self.seconds:.1f} s"]
+        if not self and self.least:
+            need, lay = self.least
+            return lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on the "
+                               f"busiest rank, is {lay.short()}; add devices or shrink the "
+                               f"global batch or model")
+        return "\n".join(lines + [self.table(), *self.explain()])
+
+
+def search(model, cluster: Cluster, global_batch: int, top: int = 5,
+           max_micro_batch: int = 16, attention: str = "materialized",
+           overlap: bool = True) -> Ranking:
+    """The ``top`` fastest layouts of ``model`` on ``cluster`` that fit in device memory,
+    as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``
+    and ``overlap`` as in :func:`~workbench.plan.estimate.estimate`)."""
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster={cluster!r} must be a workbench.plan.Cluster")
+    for name, v in (("global_batch", global_batch), ("top", top),
+                    ("max_micro_batch", max_micro_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"search: {name}={v!r} must be an int >= 1")
+    check_model(model)
+    if attention not in ("materialized", "flash"):
+        raise ValueError(f"attention={attention!r}; use 'materialized' or 'flash'")
+    t0 = time.perf_counter()
+    limit = cluster.memory_bytes
+    results: list[tuple[Layout, Estimate]] = []
+    tried, least = 0, None
+    for lay in candidate_layouts(model, cluster, global_batch, max_micro_batch):
+        tried += 1
+        last = lay.pp - 1
+        need = max(stage_memory(model, lay, s, attention)["total"]
+                   for s in {0, last, min(1, last)})
+        if least is None or need < least[0]:
+            least = (need, lay)
+        if need > limit:
+            continue
+        results.append((lay, estimate(model, lay, cluster, attention, overlap)))
+    if tried == 0:
+        raise ValueError(f"search: no layout of {cluster.devices} devices divides the model "
+                         f"(n_head={model.n_head}, n_layer={model.n_layer}) and "
+                         f"global_batch={global_batch}; try a global_batch that is a multiple "
+                         f"of the device count")
+    results.sort(key=lambda r: (r[1].step_time, r[1].memory["total"]))
+    return Ranking(results[:top], tried=tried, fitting=len(results),
+                   seconds=time.perf_counter() - t0, cluster=cluster, least=least)
