@@ -89,5 +89,5 @@ def wrapped(kind, opt_name, mesh=None, compute_dtype=None, bucket_bytes=None, st
 
 CASES = [("ddp", "sgd", None, None), ("ddp", "adamw", None, 64), ("fsdp", "sgd", None, None),
          ("fsdp", "adamw", None, None), ("fsdp", "adamw", "bfloat16", None),
-         ("fsdp", "sgd", "float16", None), ("zero", "sgd", None, None),
+         ("fsdp", "adamw", "float16", None), ("zero", "sgd", None, None),
          ("zero", "adamw", None, 128)]
