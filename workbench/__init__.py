@@ -21,6 +21,9 @@ from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorS
                        shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
                        register_rule, allow_replicate_fallback, explain, parallelize,
                        dist_parameters)
+from .parallel.strategies.ddp import DistributedDataParallel  # noqa: E402
+from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
+from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
 from . import ops, npu, exercises  # noqa: E402
@@ -32,5 +35,6 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
            "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
            "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
-           "parallelize", "dist_parameters", "ops", "npu", "exercises", "distributed", "models",
-           "plan"]
+           "parallelize", "dist_parameters", "DistributedDataParallel",
+           "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
+           "distributed", "models", "plan"]

@@ -24,6 +24,7 @@ parallel run can be checked against the single-device run step by step.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Callable
@@ -97,8 +98,12 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     for name, v in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
             raise ValueError(f"train: {name}={v!r} must be an int >= {int(name != 'steps')}")
-    if not lr > 0:
-        raise ValueError(f"train: lr={lr!r} must be > 0 (e.g. {DEFAULT_LR})")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ValueError(f"train: lr={lr!r} must be a finite number > 0 (e.g. {DEFAULT_LR})")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or \
+            not 0 <= weight_decay < math.inf:
+        raise ValueError(f"train: weight_decay={weight_decay!r} must be a finite number >= 0 "
+                         "(e.g. 0.01)")
     strategy = strategy or SingleDevice()
     check = getattr(strategy, "check", None)
     if check is not None:
@@ -202,10 +207,30 @@ def strategy_from_args(args) -> Strategy:
     return SingleDevice(device)
 
 
+def check_args(args) -> None:
+    """Refuse flag values no run can take, before anything is built (``error:``, exit 2)."""
+    for flag, lo in (("steps", 0), ("batch_size", 1), ("dp", 1), ("tp", 1), ("pp", 1)):
+        v = getattr(args, flag, lo)
+        if v < lo:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= {lo}")
+    lr = getattr(args, "lr", DEFAULT_LR)
+    if not 0 < lr < math.inf:
+        raise ValueError(f"--lr {lr}: must be a finite number > 0 (e.g. {DEFAULT_LR})")
+    wd = getattr(args, "weight_decay", 0.01)
+    if not 0 <= wd < math.inf:
+        raise ValueError(f"--weight-decay {wd}: must be a finite number >= 0 (e.g. 0.01)")
+    parallel = any(getattr(args, n, d) != d for n, d in _PARALLEL_FLAGS)
+    if parallel and getattr(args, "device", "cpu") != "cpu":
+        raise ValueError(f"--device {args.device} with parallel flags: simulated ranks run on "
+                         "the CPU, and under --backend torch each process uses its backend's "
+                         "device; leave --device at cpu")
+
+
 def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     try:
+        check_args(args)
         strategy = strategy_from_args(args)
         check = getattr(strategy, "check", None)
         if check is not None:

@@ -50,7 +50,7 @@ class AttentionCall:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     mask=None, dropout_p: float = 0.0, scale: float | None = None,
                     tile_q: int | None = None, tile_k: int | None = None,
-                    tile_stats: TileStats | None = None) -> torch.Tensor:
+                    tile_stats: TileStats | None = None, return_lse: bool = False):
     """Attention over q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv).
 
     causal: query i sees keys j <= i (top-left aligned, as PyTorch's ``is_causal``).
@@ -63,8 +63,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scale: default 1/sqrt(D).
     tile_q, tile_k, tile_stats: the reference backend's tile sizes and a
         :class:`TileStats` it fills with the tiles it computed and skipped.
+    return_lse: also return the log-sum-exp of each query row's scaled, masked scores,
+        (B, Hq, Sq) in float32, -inf for a row with no key (what FlashAttention keeps
+        for backward, and what ring / context-parallel attention needs to merge the
+        partial outputs of key blocks).  It is recomputed here with differentiable
+        torch ops (one extra Sq x Sk pass), whatever the backend, before dropout.
     """
     relevant = (q, k, v, mask)      # any of them may be a tensor-like (a DistTensor) or mask
+    if return_lse and has_torch_function(relevant):
+        raise NotImplementedError("flash_attention(return_lse=True) on DistTensors: not "
+                                  "supported by the SPMD rule; call it on local tensors")
     if has_torch_function(relevant):
         return handle_torch_function(
             flash_attention, relevant, q, k, v, causal=causal, mask=mask, dropout_p=dropout_p,
@@ -75,7 +83,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         raise ValueError("flash_attention(tile_stats=...): only the reference backend counts "
                          "tiles (fused kernels do not report them); wrap the call in "
                          "`with wb.ops.use('reference'):`")
-    return impl(q, k, v, call)
+    out = impl(q, k, v, call)
+    return (out, _lse(q, k, call)) if return_lse else out
+
+
+def _lse(q, k, c: AttentionCall) -> torch.Tensor:
+    """logsumexp_j(scale * q_i . k_j) over the keys row i may attend: (B, Hq, Sq), fp32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, 1)
+    s = (q.float() @ k.float().transpose(-2, -1)) * c.scale      # (B, Hq, Sq, Sk)
+    if c.mask is not None:
+        s = s.masked_fill(~c.mask.dense4(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return torch.logsumexp(s, dim=-1)
 
 
 def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:

@@ -29,12 +29,15 @@ __all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "
 
 _GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
 _MESHES: set = set()
+_TIMEOUT: list = [None]     # init()'s timeout, given to every subgroup too
 
 
 def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
     """Join the job torchrun started (env:// rendezvous).  ``backend`` defaults to the
     device's: hccl on Ascend, nccl on CUDA, gloo on CPU.  A failing rank makes the
     others stop after ``timeout_s`` with an error instead of hanging."""
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s={timeout_s!r}: give a positive number of seconds")
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -43,7 +46,8 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
     if backend is None:
         from ..npu.device import dist_backend
         backend = dist_backend()
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    _TIMEOUT[0] = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=_TIMEOUT[0])
 
 
 def rank() -> int:
@@ -82,7 +86,8 @@ def register(m):
         return m
     for axis in range(m.ndim):
         for g in m.groups(axis):
-            _GROUPS[(m, axis, g)] = dist.new_group(list(g))
+            # new_group's own default is 30 minutes: a frozen peer would hang the job
+            _GROUPS[(m, axis, g)] = dist.new_group(list(g), timeout=_TIMEOUT[0])
     _MESHES.add(m)
     return m
 
@@ -119,14 +124,14 @@ def _all_reduce(t, pg, op="sum"):
 def _all_gather(t, pg, n, dim):
     t = t.contiguous()
     out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.reshape(-1), group=pg)
+    dist.all_gather_single(out, t.reshape(-1), group=pg)   # all_gather_into_tensor: deprecated
     return torch.cat(list(out.reshape((n,) + tuple(t.shape)).unbind(0)), dim)
 
 
 def _reduce_scatter(t, pg, n, dim, op="sum"):
     pieces = torch.stack([c.contiguous() for c in t.chunk(n, dim)])      # (n, *chunk)
     out = torch.empty(pieces[0].numel(), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, pieces.reshape(-1), op=_OPS[op], group=pg)
+    dist.reduce_scatter_single(out, pieces.reshape(-1), op=_OPS[op], group=pg)  # not _tensor
     return out.reshape(pieces.shape[1:])
 
 

@@ -166,6 +166,8 @@ class Hybrid:
         return _B.rank() in mesh
 
     def _stage_params(self, model, s):
+        if self.zero == 3:              # the leaves autograd reaches are the dp shards
+            return self._shards[s]
         mods = [model.layers[i] for i in self.stage_layers[s]]
         if s == 0:
             mods.append(model.tok_emb)
@@ -175,6 +177,7 @@ class Hybrid:
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
         opts = []
+        self._shards = {}
         for s in range(len(self.stage_layers)):
             mesh = self.meshes[s % self.pp]
             if not self._own(mesh):
@@ -185,6 +188,7 @@ class Hybrid:
                                        ([model.norm, model.lm_head]
                                         if s == len(self.stage_layers) - 1 else []))
                 opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
+                self._shards[s] = [e[3] for e in opts[-1].entries]
             else:
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
                                          lr=lr, weight_decay=weight_decay))

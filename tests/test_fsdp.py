@@ -1,0 +1,111 @@
+"""FullyShardedDataParallel on simulated ranks: the shard is the nn.Parameter the
+optimizer steps; fp32 equals DDP bitwise, bf16/fp16 compute equals one device
+computing in that dtype within 1e-4; the collectives are FSDP's."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from tests.dist_scripts.wrappers_model import data, loss_fn, make, one_device, wrapped
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_fp32_equals_ddp_bitwise_and_one_device(n, opt):
+    mesh = wb.Mesh.grid(n, ["dp"])
+    got = wrapped("fsdp", opt, mesh)
+    ddp = wrapped("ddp", opt, mesh)
+    ref = one_device(opt)
+    for name in ref:
+        assert torch.equal(got[name], ddp[name]), name
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert torch.equal(got["frozen"], ref["frozen"]) and torch.equal(got["unused"], ref["unused"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [2, 4])
+def test_low_precision_compute_within_1e_4_of_one_device(n, dtype):
+    got = wrapped("fsdp", "adamw", wb.Mesh.grid(n, ["dp"]), compute_dtype=dtype)
+    ref = one_device("adamw", dtype)
+    for name in ref:
+        assert got[name].dtype == torch.float32                    # master weights stay fp32
+        assert (got[name] - ref[name]).abs().max() < 1e-4, name
+
+
+def test_the_shards_are_the_parameters_and_hold_fp32_grads():
+    mesh = wb.Mesh.grid(4, ["dp"])
+    fsdp = wb.FullyShardedDataParallel(make(), mesh, compute_dtype=torch.bfloat16)
+    shapes = {n: tuple(p.shape) for n, p in fsdp.named_parameters()}
+    # 12*8 = 96 -> 4 rows of 24; hid.bias 8 -> 4 x 2; unused 3 -> padded to 4 -> 4 x 1
+    assert shapes == {"frozen": (4, 2), "unused": (4, 1), "emb.weight": (4, 24),
+                      "hid.weight": (4, 16), "hid.bias": (4, 2)}
+    ids, y = data(1)[0]
+    loss_fn(fsdp(wb.shard_tensor(ids, mesh, ["S(0)"])), wb.shard_tensor(y, mesh, ["S(0)"])) \
+        .backward()
+    assert fsdp.module.hid.weight.grad.dtype == torch.float32
+    assert fsdp.module.unused.grad is None and fsdp.module.frozen.grad is None
+    opt = torch.optim.AdamW(fsdp.parameters())
+    opt.step()
+    assert opt.state[fsdp.module.hid.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_collectives_gather_forward_regather_backward_reduce_scatter():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    fsdp = wb.FullyShardedDataParallel(make(), mesh, compute_dtype=torch.bfloat16)
+    ids, y = data(1)[0]
+    with wb.trace() as tr:
+        out = fsdp(wb.shard_tensor(ids, mesh, ["S(0)"]))
+        fwd = [e.label for e in tr.collectives()]
+        loss_fn(out, wb.shard_tensor(y, mesh, ["S(0)"])).backward()
+    ev = [e for e in tr.collectives() if e.label.startswith("fsdp")]
+    # forward: one all-gather per parameter, in bf16 (2 bytes): emb 96 elements
+    assert sorted(x for x in fwd if x.startswith("fsdp")) == sorted(
+        f"fsdp params {n}" for n in ["frozen", "unused", "emb.weight", "hid.weight", "hid.bias"])
+    emb = [e for e in ev if e.label == "fsdp params emb.weight"][0]
+    assert emb.args["buffer_bytes"] == 96 * 2
+    # backward: the weights that linear saved are gathered again (once each) ...
+    assert sorted(e.label for e in ev if "re-gather" in e.label) == \
+        ["fsdp re-gather emb.weight", "fsdp re-gather hid.weight"]
+    # ... and the gradients of the trainable, used parameters reduce-scattered
+    assert sorted(e.label for e in ev if e.name == "reduce_scatter") == \
+        ["fsdp grad emb.weight", "fsdp grad hid.bias", "fsdp grad hid.weight"]
+
+
+def test_full_state_dict_round_trips_the_initial_weights():
+    m = make()
+    want = {n: t.clone() for n, t in m.state_dict().items()}
+    fsdp = wb.FullyShardedDataParallel(m, wb.Mesh.grid(4, ["dp"]))
+    got = fsdp.full_state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+class Indexing(nn.Module):
+    """A module that uses its weight by indexing and a transposed matmul only."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 6))
+
+    def forward(self, ids):
+        h = self.table[ids]                      # (B, 6)
+        return h @ self.table.T                  # (B, 10)
+
+
+def test_any_module_that_indexes_its_weights():
+    torch.manual_seed(0)
+    m, ref = Indexing(), Indexing()
+    ref.load_state_dict(m.state_dict())
+    mesh = wb.Mesh.grid(2, ["dp"])
+    fsdp = wb.FullyShardedDataParallel(m, mesh)
+    ids = torch.tensor([1, 2, 3, 9])
+    out = fsdp(wb.shard_tensor(ids, mesh, ["S(0)"]))
+    torch.testing.assert_close(out.full(), ref(ids))
+    out.sum().backward()
+    ref(ids).sum().backward()
+    torch.testing.assert_close(m.table.grad.reshape(-1)[:60].view(10, 6), ref.table.grad)
+
+
+def test_bad_compute_dtype_is_named():
+    with pytest.raises(ValueError, match="compute_dtype=torch.int8"):
+        wb.FullyShardedDataParallel(make(), wb.Mesh.grid(2, ["dp"]), compute_dtype=torch.int8)

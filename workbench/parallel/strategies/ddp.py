@@ -1,0 +1,231 @@
+"""``DistributedDataParallel``: PyTorch DDP's contract, on simulated ranks or processes.
+
+    ddp = wb.DistributedDataParallel(model, mesh)        # or mesh=None under torchrun
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)   # the module's own parameters
+    loss = F.cross_entropy(ddp(x), y)                     # x: a DistTensor sharded on "dp"
+    loss.backward()                                       # gradients all-reduced as they come
+    ddp.finish_gradient_synchronization()
+    opt.step()
+
+What it does (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
+
+* at construction every rank receives rank ``broadcast_from``'s parameters and
+  buffers (a broadcast), so the replicas start equal;
+* during backward, a post-accumulate-grad hook on each parameter marks it ready;
+  when every parameter of a bucket is ready, its gradients are all-reduced
+  *asynchronously* (the trace records the all-reduce with ``overlap=True``,
+  on the comm stream, while backward goes on); ``bucket_bytes=None`` gives one
+  all-reduce per parameter (the naive version), otherwise buckets of at least
+  ``bucket_bytes`` bytes filled in reverse parameter order (the order backward
+  produces gradients);
+* :meth:`finish_gradient_synchronization` launches the buckets still open
+  (parameters that received no gradient are skipped), waits for every
+  all-reduce and leaves each gradient the *average* over ranks
+  (``ReduceOp.AVG``).  It also runs by itself at the end of backward.
+
+Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
+parameter used nowhere keeps ``grad=None`` (no rank all-reduces it, the
+optimizer skips it as on one device); tied weights are one parameter, reduced once.
+
+On simulated ranks the loss is the loss of the global batch (a DistTensor), so
+each rank's gradient already carries the 1/N of the mean; the all-reduce sums
+them, which is exactly the average of the ranks' local-loss gradients that a
+torchrun process computes.  On torch.distributed the all-reduce sums and divides
+by N (gloo has no AVG op).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ranks import RankGroup, check_module, replace_parameter, run_per_rank
+
+__all__ = ["DistributedDataParallel"]
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallel training of ``module`` over the ranks along ``dim`` of ``mesh``
+    (``mesh=None``: the default torch.distributed process group).
+
+    The module's parameters stay its own ``nn.Parameter``s under their own names
+    (no ``module.`` prefix): ``ddp.parameters()`` is ``module.parameters()``.  On a
+    simulated mesh each parameter holds one row per rank (shape ``(N, *shape)``);
+    :meth:`full_state_dict` gives the plain tensors back.
+    """
+
+    def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
+                 broadcast_from: int = 0):
+        super().__init__()
+        check_module(module, "DistributedDataParallel")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                         not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a positive number of bytes "
+                             "(e.g. 25 * 2**20, PyTorch's default) or None for one all-reduce "
+                             "per parameter")
+        g = RankGroup(mesh, dim, "DistributedDataParallel")
+        if not isinstance(broadcast_from, int) or not 0 <= broadcast_from < g.n:
+            raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index in "
+                             f"[0, {g.n - 1}] of the data-parallel group")
+        object.__setattr__(self, "module", module)    # not a submodule: names keep no prefix
+        self.group, self.broadcast_from = g, broadcast_from
+        self._sync_enabled = True
+        self._broadcast_state()
+        params = list(module.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        self._buckets = _buckets(trainable, bucket_bytes, g)
+        self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._reset()
+        module._wb_wrapped = "DistributedDataParallel"
+
+    # ---- construction ----------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_state(self):
+        g, m = self.group, self.module
+        tensors = list(m.parameters()) + list(m.buffers())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        g.record("broadcast", nbytes, "ddp broadcast")
+        if g.distributed:
+            for t in tensors:
+                dist.broadcast(t.data, src=g.global_rank(self.broadcast_from), group=g.pg)
+            return
+        for p in list(m.parameters()):         # one row per simulated rank (real storage)
+            rows = nn.Parameter(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
+                                requires_grad=p.requires_grad)
+            rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
+            replace_parameter(m, p, rows)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        g = self.group
+        if g.distributed:
+            return self.module(*args, **kwargs)
+        named = dict(self.module.named_parameters())
+        params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]
+        return run_per_rank(g, self.module, params, args, kwargs)
+
+    # ---- gradient synchronization ---------------------------------------------------------
+    def _reset(self):
+        self._ready = [0] * len(self._buckets)
+        self._launched = [False] * len(self._buckets)
+        self._pending = []          # (bucket index, work or None, flat or None, trace handles)
+        self._callback_queued = False
+        self._done = True
+
+    def _on_grad(self, p):
+        if not self._sync_enabled:
+            return
+        if not self._callback_queued:       # finish by itself at the end of this backward
+            self._callback_queued, self._done = True, False
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.finish_gradient_synchronization)
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        if self._ready[b] == len(self._buckets[b]):
+            self._launch(b)
+
+    @torch.no_grad()
+    def _launch(self, b):
+        self._launched[b] = True
+        ps = [p for p in self._buckets[b] if p.grad is not None]
+        if not ps:
+            return
+        g = self.group
+        per_rank = [p.grad[0] if not g.distributed else p.grad for p in ps]
+        nbytes = sum(t.numel() * t.element_size() for t in per_rank)
+        label = "ddp grad" if len(self._buckets[b]) == 1 else "ddp bucket"
+        handles = g.record("all_reduce", nbytes, label, overlap=True)
+        if not g.distributed:
+            # the ranks' rows summed (each row already holds 1/N of the global mean)
+            for p in ps:
+                p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
+            self._pending.append((b, None, None, handles))
+            return
+        flat = ps[0].grad if len(ps) == 1 else torch.cat([p.grad.reshape(-1) for p in ps])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)
+        self._pending.append((b, work, flat, handles))
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets still open, wait for every all-reduce, and leave each
+        gradient the average over the data-parallel ranks."""
+        if self._done:
+            return                  # nothing to synchronize (or done at the end of backward)
+        for b in range(len(self._buckets)):
+            if not self._launched[b]:
+                self._launch(b)     # buckets with unused parameters: their used ones
+        for b, work, flat, handles in self._pending:
+            self.group.wait(handles)
+            if work is None:
+                continue
+            work.wait()
+            flat.div_(self.group.n)
+            ps = [p for p in self._buckets[b] if p.grad is not None]
+            if len(ps) > 1:
+                off = 0
+                for p in ps:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                    off += n
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no all-reduce) inside the block; the first
+        backward after it reduces the sum (``DistributedDataParallel.no_sync``)."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    # ---- the module's own names -------------------------------------------------------------
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse=True):
+        return self.module.parameters(recurse)
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """{the module's own name: the full tensor} (rank ``broadcast_from``'s copy)."""
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            rows = isinstance(t, nn.Parameter) and not self.group.distributed
+            out[name] = (t[self.broadcast_from] if rows else t).detach().clone()
+        return out
+
+    def extra_repr(self) -> str:
+        g = self.group
+        where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
+        return f"{type(self.module).__name__}, {where}, {len(self._buckets)} buckets"
+
+
+def _buckets(params, bucket_bytes, g):
+    """Buckets of parameters in reverse order (the order backward produces them)."""
+    if bucket_bytes is None:
+        return [[p] for p in reversed(params)]
+    out, cur, size = [], [], 0
+    for p in reversed(params):
+        cur.append(p)
+        size += (p[0] if not g.distributed else p).numel() * p.element_size()
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out

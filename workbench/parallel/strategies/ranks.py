@@ -1,0 +1,185 @@
+"""The data-parallel group a wrapper runs on: simulated ranks or torch.distributed.
+
+:class:`RankGroup` hides which of the two executors runs the data-parallel
+wrappers (:mod:`.ddp`, :mod:`.fsdp`, :mod:`.zero_optimizer`):
+
+* ``mesh=None``: the default torch.distributed process group (one rank per
+  process, plain local tensors), as ``torch.nn.parallel.DistributedDataParallel``;
+* a mesh built by ``wb.distributed.mesh``: the process group of this process
+  along ``dim``;
+* a simulated :class:`~workbench.Mesh`: the ranks along ``dim`` live in this
+  process.  A wrapped parameter then holds one row per rank (a leading axis of
+  size N: each rank's copy, or each rank's shard), so any elementwise
+  ``torch.optim`` optimizer steps every rank's copy exactly as that rank would.
+  The module's own forward runs once per rank on the rank's rows
+  (``torch.func.functional_call``): the same arithmetic as each process of a
+  torchrun job, so simulated and real runs agree bitwise.
+
+Collectives are recorded in the current trace (:func:`workbench.trace`) on the
+groups along ``dim``; the math of the simulated ones is a reduction over the
+leading rank axis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from ...sim_mesh import backends as _B
+from ...sim_mesh import collectives as C
+from ...sim_mesh.mesh import Mesh
+from ...sim_mesh.trace import current_trace
+from ..dist_tensor import DistTensor
+from ..placement import Partial, Replicate, Shard
+
+__all__ = ["RankGroup"]
+
+
+class RankGroup:
+    """N data-parallel ranks: simulated (``distributed`` False) or processes."""
+
+    def __init__(self, mesh, dim="dp", who: str = "wrapper"):
+        self.mesh = mesh
+        if mesh is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"{who}(mesh=None) uses the default torch.distributed process group, "
+                    "but torch.distributed is not initialized: call wb.distributed.init() "
+                    "under torchrun, or pass a simulated mesh, e.g. "
+                    "mesh=wb.Mesh.grid(2, ['dp'])")
+            self.distributed, self.axis, self.pg = True, None, None
+            self.n, self.k = dist.get_world_size(), dist.get_rank()
+            self.ranks = tuple(range(self.n))
+            return
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{who}(mesh={mesh!r}): expected None (torch.distributed's "
+                            "default group) or a workbench Mesh")
+        self.axis = mesh.dim(dim)
+        self.distributed = _B.is_distributed(mesh)
+        if self.distributed:
+            self.pg, g = _B.group(mesh, self.axis)
+            self.ranks, self.n, self.k = tuple(g), len(g), g.index(dist.get_rank())
+        else:
+            self.pg, self.k = None, None
+            self.n = mesh.shape[self.axis]
+            self.ranks = mesh.groups(self.axis)[0]
+
+    # ---- torch.distributed ------------------------------------------------------------
+    def global_rank(self, k: int) -> int:
+        """The global rank of the group's k-th rank (what dist.broadcast's src wants)."""
+        return self.ranks[k]
+
+    # ---- the trace ------------------------------------------------------------------------
+    def record(self, kind: str, nbytes: int, label: str, overlap: bool = False):
+        """Record ``kind`` over the group(s) in the current trace; returns the handles."""
+        if current_trace() is None:
+            return []
+        if self.mesh is None:
+            return C.record_collective(kind, None, None, nbytes, label, groups=[self.ranks],
+                                       overlap=overlap)
+        groups = [self.ranks] if self.distributed else None
+        return C.record_collective(kind, self.mesh, self.axis, nbytes, label, groups=groups,
+                                   overlap=overlap)
+
+    @staticmethod
+    def wait(handles) -> None:
+        tr = current_trace()
+        if tr is not None:
+            for h in handles:
+                tr.wait(h)
+
+    # ---- simulated ranks: inputs in, outputs out --------------------------------------------
+    def split(self, args, kwargs):
+        """Per-rank (args, kwargs) from DistTensor inputs (each rank's local shard) and
+        plain values (the same on every rank); also the batch dim the inputs shard."""
+        dims = set()
+
+        def per_rank(x, k):
+            if not isinstance(x, DistTensor):
+                return x
+            if x.mesh != self.mesh:
+                raise ValueError(f"an input lives on {x.mesh}; the wrapper runs on {self.mesh}")
+            idx = []
+            for a, p in enumerate(x.placements):
+                if a == self.axis:
+                    if p.is_partial():
+                        raise ValueError(f"an input is {p} on the data-parallel dim; give "
+                                         "inputs sharded (Shard) or replicated there")
+                    if p.is_shard():
+                        dims.add(p.dim)
+                    n = x._local.lead[a] if not x.is_even else x._local.shape[a]
+                    idx.append(k if n > 1 else 0)
+                else:
+                    if not p.is_replicate():
+                        raise ValueError(f"an input is {p} on mesh dim "
+                                         f"{self.mesh.dim_names[a]!r}: the data-parallel "
+                                         "wrappers shard inputs on their own dim only")
+                    idx.append(0)
+            return x._local[tuple(idx)]
+
+        out = [pytree.tree_map(lambda x, k=k: per_rank(x, k), (args, kwargs))
+               for k in range(self.n)]
+        if len(dims) > 1:
+            raise ValueError(f"inputs are sharded on different dims {sorted(dims)}")
+        return out, (dims.pop() if dims else None)
+
+    def join(self, outs, dim):
+        """One DistTensor per output position from every rank's outputs: Shard(dim)
+        on the data-parallel dim (a scalar per rank, e.g. a loss, is the mean of
+        the ranks' values: Partial('avg')); Replicate when no input was sharded."""
+        flat = [pytree.tree_flatten(o) for o in outs]
+        spec = flat[0][1]
+        leaves = []
+        for i, first in enumerate(flat[0][0]):
+            items = [f[0][i] for f in flat]
+            leaves.append(self._join_one(items, dim) if isinstance(first, torch.Tensor)
+                          else first)
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _join_one(self, items, dim):
+        nd, ax = self.mesh.ndim, self.axis
+        shapes = {tuple(t.shape) for t in items}
+        ps = [Replicate()] * nd
+        shape = list(items[0].shape)
+        if dim is not None and items[0].dim() > dim:
+            ps[ax] = Shard(dim)
+            shape[dim] = sum(t.shape[dim] for t in items)
+        elif dim is not None:
+            if len(shapes) > 1:
+                raise ValueError("ranks returned outputs of different shapes")
+            ps[ax] = Partial("avg")
+        if len(shapes) > 1:
+            lead = [1] * nd
+            lead[ax] = self.n
+            return DistTensor(C.Cells(lead, items), self.mesh, ps, shape, items[0].dtype)
+        st = torch.stack(items)
+        lead = [1] * nd
+        lead[ax] = self.n
+        return DistTensor(st.reshape(tuple(lead) + tuple(st.shape[1:])), self.mesh, ps, shape)
+
+
+def check_module(module, who):
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{who}(module={type(module).__name__}): expected an nn.Module")
+    if getattr(module, "_wb_wrapped", None):
+        raise ValueError(f"{who}: this module is already wrapped by {module._wb_wrapped}; "
+                         "wrap a fresh module")
+
+
+def replace_parameter(module, old, new) -> None:
+    """Put ``new`` wherever ``module`` (or a submodule) holds ``old`` (tied weights too)."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is old:
+                sub._parameters[name] = new
+
+
+def run_per_rank(group, module, params, args, kwargs):
+    """Run ``module`` once per simulated rank with ``params[k]`` (name -> tensor) and
+    that rank's inputs; join the outputs into DistTensors."""
+    per, dim = group.split(args, kwargs)
+    outs = []
+    for k, (a, kw) in enumerate(per):
+        outs.append(torch.func.functional_call(module, params[k], a, kw, tie_weights=True,
+                                               strict=False))
+    return group.join(outs, dim)
