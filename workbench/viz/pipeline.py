@@ -129,13 +129,18 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     ax.set_title(f"{s.name}   p={s.p}  m={s.m}  v={s.v}", loc="left", fontdict=FONT)
     ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right", va="bottom",
             gid="caption", **FONT)
-    handles = [Patch(color=KIND_COLORS[k], label=k) for i, k in enumerate(KINDS)
-               if (bl.kind == i).any()] + [Patch(color=BUBBLE_COLOR, label="bubble")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False, prop=FONT)
+    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else f"{k} chunk {c}")
+               for i, k in enumerate(KINDS) if (bl.kind == i).any()
+               for c in range(s.v) if ((bl.kind == i) & (bl.chunk == c)).any()]
+    handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
+    fig.legend(handles=handles, loc="lower center", ncols=min(len(handles), 7), frameon=False,
+               prop=FONT)
     (axm or ax).set_xlabel("time (modeled)", **FONT)
     if axm is not None:
         _draw_memory(axm, res)
-    fig.subplots_adjust(left=0.08, right=0.9, top=0.92 if memory else 0.85, bottom=0.1)
+    inches = height + (2.2 if memory else 0)
+    fig.subplots_adjust(left=0.08, right=0.9, top=1 - 0.45 / inches,
+                        bottom=(0.85 if memory else 0.75) / inches)
     return fig
 
 
@@ -241,10 +246,15 @@ def _busy_until(start, duration, t) -> np.ndarray:
 class PipelineExplorer:
     """Sliders for p, m, v and a dropdown of schedules, redrawing the Gantt chart.
 
-    Displayed in a live notebook it is an ipywidgets box; where no widget front
-    end runs (nbval, nbconvert, a static viewer) its display data also carries a
-    PNG of the current figure, so the static figure for the defaults still shows.
+    The figure is an image widget whose PNG is replaced in place on every change (the
+    page does not jump); the measured bubble beside its formula is the figure's own
+    caption; a line of text below says only what is wrong when a choice cannot be
+    built.  The v slider is enabled only for the schedule that uses it.  Displayed
+    where no widget front end runs (nbval, nbconvert, a static viewer) its display
+    data also carries a PNG of the current figure.
     """
+
+    USES_V = ("Interleaved 1F1B",)
 
     def __init__(self, p=4, m=8, v=2, schedule="1F1B", f=1.0, b=1.0, w=1.0, dpi=80):
         try:
@@ -256,27 +266,31 @@ class PipelineExplorer:
             raise ValueError(f"pipeline_widget(schedule={schedule!r}): choose one of "
                              f"{list(SCHEDULES)}")
         self.costs, self.dpi = dict(f=f, b=b, w=w), dpi
-        style = dict(continuous_update=False)
+        style = dict(continuous_update=False, style={"description_width": "initial"},
+                     layout=widgets.Layout(width="320px"))
         self.controls = {
             "schedule": widgets.Dropdown(options=list(SCHEDULES), value=schedule,
-                                         description="schedule"),
+                                         description="schedule",
+                                         style={"description_width": "initial"}),
             "p": widgets.IntSlider(value=p, min=1, max=16, description="stages p", **style),
             "m": widgets.IntSlider(value=m, min=1, max=64, description="micro-batches m", **style),
             "v": widgets.IntSlider(value=v, min=1, max=4, description="chunks v", **style),
         }
-        self.output = widgets.Output()
+        self.image = widgets.Image(format="png")
+        self.status = widgets.HTML()
         self.box = widgets.VBox([widgets.HBox([self.controls["schedule"], self.controls["p"]]),
                                  widgets.HBox([self.controls["m"], self.controls["v"]]),
-                                 self.output])
+                                 self.image, self.status])
         self.figure, self.message = None, ""
         for c in self.controls.values():
             c.observe(lambda change: self.redraw(), names="value")
         self.redraw()
 
     def redraw(self) -> None:
-        """Rebuild the schedule from the controls, simulate it and draw it into the output."""
-        from IPython.display import Image
+        """Rebuild the schedule from the controls, simulate it, and replace the image."""
+        import html
         c = {k: w.value for k, w in self.controls.items()}
+        self.controls["v"].disabled = c["schedule"] not in self.USES_V
         try:
             sched = SCHEDULES[c["schedule"]](c["p"], c["m"], c["v"])
             result = simulate(sched, **self.costs)
@@ -284,10 +298,13 @@ class PipelineExplorer:
             self.message = bubble_caption(result)    # measured beside the formula
         except ValueError as err:          # e.g. interleaved with m % p != 0: say how to fix
             self.figure, self.message = None, str(err)
-        self.output.outputs = ()           # clear_output() needs a kernel; this works headless too
         if self.figure is not None:
-            self.output.append_display_data(Image(data=_png(self.figure), format="png"))
-        self.output.append_stdout(self.message + "\n")
+            self.image.value = _png(self.figure)      # in place: the figure carries the caption
+            self.image.layout.visibility = "visible"
+            self.status.value = ""
+        else:
+            self.image.layout.visibility = "hidden"
+            self.status.value = f"<pre>{html.escape(self.message)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
