@@ -1,11 +1,13 @@
 """Helpers for the tests of the course's exercise checks."""
 import pytest
 
-from workbench.exercises.checks import CheckError
+from workbench.exercises.feedback import CheckError, reset_tries
 
 
 def fails(match, fn, *args, **kw):
-    """``fn`` rejects the answer with a CheckError whose message matches ``match``."""
+    """``fn`` rejects the answer with a CheckError whose message matches ``match`` (a first
+    try: the counts of earlier tries are reset)."""
+    reset_tries()
     with pytest.raises(CheckError, match=match):
         fn(*args, **kw)
 

@@ -3,8 +3,11 @@
 JupyterLab serves the repository's notebooks; Chromium opens the pipeline notebook (07),
 runs it (Run > Run All Cells), then moves the "micro-batches m" slider of the pipeline
 explorer and checks that the live kernel redrew: the figure (its image's ``src``) and the
-printed bubble fraction change to what the simulator gives for the new m.  nbval cannot
-test this: without a front end, widget callbacks never fire.
+printed bubble fraction change to what the simulator gives for the new m, and the figure
+was replaced in place (its image never left the page, so the page does not jump).  The
+same for a placement picker (02).  In 00, a wrong exercise answer shows a short message,
+not a traceback through the checker.  nbval cannot test this: without a front end,
+widget callbacks never fire.
 
 Needs Chromium from the system (``apt-get install chromium``; Playwright never downloads
 one here) and the ``playwright`` Python package.  Where either is missing the test is
@@ -174,6 +177,7 @@ RUN_STATE = """() => {
     const cells = w.content.widgets.filter(c => c.model.type === 'code');
     const errors = [];
     for (const c of cells) {
+        if ((c.model.getMetadata('tags') || []).includes('raises-exception')) continue;
         for (let i = 0; i < c.model.outputs.length; i++) {
             const o = c.model.outputs.get(i);
             if (o.type === 'error') {
@@ -190,7 +194,8 @@ RUN_STATE = """() => {
 
 
 def _run_all(page) -> None:
-    """Run > Run All Cells, and wait until every code cell has run (or one failed)."""
+    """Run > Run All Cells, and wait until every code cell has run (or one failed that
+    is not tagged raises-exception)."""
     page.wait_for_function(KERNEL_READY, timeout=60_000)
     # clear the stored execution counts first, so that "ran" means ran now
     page.evaluate("""() => window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')""")
@@ -208,6 +213,38 @@ def _run_all(page) -> None:
             pytest.fail(f"Run All did not finish within {TIMEOUT_S} s: {state['ran']} of "
                         f"{state['total']} code cells ran")
         time.sleep(0.5)
+
+
+WATCH = """(el) => {
+    el.__removed = 0;
+    new MutationObserver(ms => ms.forEach(m => m.removedNodes.forEach(n => {
+        if (n.nodeType === 1 && (n.matches('img, pre') || n.querySelector('img, pre')))
+            el.__removed++;
+    }))).observe(el, {childList: true, subtree: true});
+}"""
+
+
+def _watch_removals(widget) -> None:
+    """Count, from now on, every image or text block removed from ``widget``'s subtree."""
+    widget.evaluate(WATCH)
+
+
+def _removals(widget) -> int:
+    return widget.evaluate("(el) => el.__removed")
+
+
+def _open(browser, base, token, notebook):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30_000)
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    return page
+
+
+def _cell_index(notebook, text) -> int:
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    return next(i for i, c in enumerate(cells)
+                if c["cell_type"] == "code" and text in "".join(c["source"]))
 
 
 def _expected_caption(**controls) -> str:
@@ -240,10 +277,11 @@ def test_pipeline_widget_redraws_through_the_live_kernel(chromium, lab):
 
             expect(page.locator(".jp-Notebook .jp-Cell")).to_have_count(len(cells))
             cell = page.locator(".jp-Notebook .jp-Cell").nth(widget_cell)
-            explorer = cell.locator(".widget-vbox")
-            figure = explorer.locator(".widget-output img")
-            printed = explorer.locator(".widget-output pre")
+            explorer = cell.locator(".widget-vbox").first
+            figure = explorer.locator("img.widget-image")
+            printed = explorer.locator(".widget-html pre")
             expect(figure).to_have_count(1)
+            _watch_removals(explorer)
             src0 = figure.get_attribute("src")
             assert src0.startswith("data:image/png;base64,")
             defaults = dict(schedule="1F1B", p=4, m=8, v=2)
@@ -266,9 +304,54 @@ def test_pipeline_widget_redraws_through_the_live_kernel(chromium, lab):
             expect(printed).to_have_text(_expected_caption(**dict(defaults, m=9,
                                                                   schedule="ZB-H1")))
             expect(figure).not_to_have_attribute("src", src1)
+            assert _removals(explorer) == 0, "the explorer emptied its output to redraw"
         finally:
             browser.close()
     assert hashlib.sha256(nb_path.read_bytes()).hexdigest() == before, \
         "the browser session wrote the stored notebook"
     assert not (NOTEBOOKS / ".ipynb_checkpoints" / NOTEBOOK.replace(".ipynb", "-checkpoint.ipynb")
                 ).exists() or had_checkpoint, "the browser session left a checkpoint in notebooks/"
+
+
+def test_wrong_answer_and_placement_picker_in_the_browser(chromium, lab):
+    """00: the on-purpose wrong answer shows a short message (no traceback through the
+    checker's source).  02: changing a placement picker's dropdown redraws its figure in
+    place and prints the new notation."""
+    from playwright.sync_api import expect, sync_playwright
+    expect.set_options(timeout=30_000)
+    base, token = lab
+    stored = {n: hashlib.sha256((NOTEBOOKS / n).read_bytes()).hexdigest()
+              for n in ("00_welcome.ipynb", "02_meshes_and_placements.ipynb")}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = _open(browser, base, token, "00_welcome.ipynb")
+            _run_all(page)
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(
+                _cell_index("00_welcome.ipynb", "check_tp_group((1, 5))"))
+            error = cell.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
+            expect(error).to_contain_text("Not yet:")
+            text = error.inner_text().strip()
+            assert len(text.splitlines()) <= 3, text             # the message, not a traceback
+            assert "Traceback" not in text and "checks.py" not in text and "raise " not in text
+            assert "dp group" in text and "(4, 5, 6, 7)" not in text   # a hint, not the answer
+            page.close()
+
+            page = _open(browser, base, token, "02_meshes_and_placements.ipynb")
+            _run_all(page)
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(
+                _cell_index("02_meshes_and_placements.ipynb", "placement_picker("))
+            picker = cell.locator(".widget-vbox").first
+            figure = picker.locator("img.widget-image")
+            printed = picker.locator(".widget-html pre")
+            expect(printed).to_have_text("f32[I_x, J_y]")
+            src0 = figure.get_attribute("src")
+            _watch_removals(picker)
+            picker.locator(".widget-dropdown select").nth(1).select_option("R")
+            expect(printed).to_have_text("f32[I_x, J]")
+            expect(figure).not_to_have_attribute("src", src0)
+            assert _removals(picker) == 0, "the picker emptied its output to redraw"
+        finally:
+            browser.close()
+    for n, digest in stored.items():
+        assert hashlib.sha256((NOTEBOOKS / n).read_bytes()).hexdigest() == digest, n

@@ -50,7 +50,8 @@ def test_training_days(capsys):
     fails("seconds", ex.check_training_days, DAYS * 86400)
     fails("hours", ex.check_training_days, DAYS * 24)
     fails("float32 peak", ex.check_training_days, DAYS * 4)
-    fails("expected 7.583 days", ex.check_training_days, 11.0)
+    fails("too high", ex.check_training_days, 11.0)
+    fails("8ND", ex.check_training_days, DAYS * 4 / 3)
     fails("should be a number", ex.check_training_days, "7.6")
 
 
@@ -72,22 +73,30 @@ def test_zero2_memory_weights_only():
 
 
 def test_allreduce_seconds(capsys):
-    link = wb.get_profile("ascend-910b").intra_node
-    t = 2 * 7 * link.latency + 2 * 7 / 8 * 14e9 / link.bandwidth
+    # a ring on ONE of the 7 HCCS links (28 GB/s each way), alpha 3 us
+    t = 2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 28e9
+    assert t == pytest.approx(0.875042)
     passes(capsys, ex.check_allreduce_seconds, t)
-    passes(capsys, ex.check_allreduce_seconds, 2 * 7 / 8 * 14e9 / link.bandwidth)  # latency tiny
+    passes(capsys, ex.check_allreduce_seconds, 2 * 7 / 8 * 14e9 / 28e9)     # latency tiny
+    fails("7 HCCS links added together", ex.check_allreduce_seconds,
+          2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 196e9)
     fails("half of it", ex.check_allreduce_seconds, t / 2)
-    fails(r"\(p-1\)/p", ex.check_allreduce_seconds, 2 * 7 * link.latency + 2 * 14e9 / link.bandwidth)
-    fails("392 GB/s", ex.check_allreduce_seconds, t / 2)
+    fails(r"\(p-1\)/p", ex.check_allreduce_seconds, 2 * 7 * 3e-6 + 2 * 14e9 / 28e9)
     fails("bf16, 2 bytes", ex.check_allreduce_seconds, 2 * t)
-    fails("inter-node link", ex.check_allreduce_seconds, 2 * 7 * 10e-6 + 2 * 7 / 8 * 14e9 / 25e9)
+
+
+def test_allreduce_formula_agrees_with_the_cost_model():
+    from workbench.sim_mesh.profiles import Link
+    link = Link(name='one HCCS link', bandwidth=28e9, latency=3e-6)
+    t = cost.collective_time("all_reduce", 14e9, 8, link, "ring")
+    assert t == pytest.approx(2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 28e9, rel=1e-12)
 
 
 # ---- 02 meshes and placements ------------------------------------------------------------------
 
 def test_rank1_layout(capsys):
     out = passes(capsys, ex.check_rank1_layout, [wb.Shard(1), wb.Shard(0)])
-    assert "f32[I_tp, J_dp]" in out
+    assert "rows split over tp" in out
     passes(capsys, ex.check_rank1_layout, ["S(1)", "S(0)"])
     fails(r"with \[S\(0\), S\(1\)\] rank 1 \(coordinate \(0, 1\)\) holds rows 0:4, cols 3:6; "
           r"it should hold rows 4:8, cols 0:3", ex.check_rank1_layout, ["S(0)", "S(1)"])
@@ -124,7 +133,8 @@ def test_cheapest_path(capsys):
         ex.check_cheapest_path(naive)
     msg = str(e.value)
     assert re.search(r"moves 192 B per rank \(all_reduce 128 B, local_slice 0 B, all_gather "
-                     r"64 B\); the cheapest moves 128 B: try reduce_scatter", msg), msg
+                     r"64 B\): try reduce_scatter", msg), msg
+    assert "128 B" not in msg.split("):")[-1]           # the best is not given on a first try
     fails("changes 2 mesh dims", ex.check_cheapest_path, [[P, S(1)], [S(0), R]])
     fails("must start at", ex.check_cheapest_path, [[R, S(1)], [S(0), S(1)], [S(0), R]])
     fails("not understood", ex.check_cheapest_path, [["X"], ["S(0)", "R"]])
@@ -132,16 +142,15 @@ def test_cheapest_path(capsys):
 
 def test_allgather_times(capsys):
     n = 64 * 2**20
-    t = {k: cost.collective_time("all_gather", n, 8, wb.get_profile(k).intra_node)
-         for k in ("ascend-910b", "a100")}
-    out = passes(capsys, ex.check_allgather_times, t["ascend-910b"], t["a100"])
-    assert "ratio 1.48" in out
-    fails("swapped", ex.check_allgather_times, t["a100"], t["ascend-910b"])
-    fails("all-reduce formula", ex.check_allgather_times, 2 * t["ascend-910b"], t["a100"])
-    fails(r"a100 time.*\(p-1\)/p", ex.check_allgather_times, t["ascend-910b"],
-          7 * 3e-6 + n / 300e9)
-    fails("MiB", ex.check_allgather_times, t["ascend-910b"],
-          7 * 3e-6 + 7 / 8 * 64e6 / 300e9)
+    t = {"910b": 7 * 3e-6 + 7 / 8 * n / 28e9, "a100": 7 * 3e-6 + 7 / 8 * n / 300e9}
+    out = passes(capsys, ex.check_allgather_times, t["910b"], t["a100"])
+    assert "ratio 9.8" in out
+    fails("swapped", ex.check_allgather_times, t["a100"], t["910b"])
+    fails("7 HCCS links added together", ex.check_allgather_times,
+          7 * 3e-6 + 7 / 8 * n / 196e9, t["a100"])
+    fails("all-reduce formula", ex.check_allgather_times, 2 * t["910b"], t["a100"])
+    fails(r"A100 time.*\(p-1\)/p", ex.check_allgather_times, t["910b"], 7 * 3e-6 + n / 300e9)
+    fails("MiB", ex.check_allgather_times, t["910b"], 7 * 3e-6 + 7 / 8 * 64e6 / 300e9)
 
 
 def test_uneven_receive(capsys):

@@ -142,7 +142,7 @@ BEST = ["F0 F1 B0 F2 B1 B2", "F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
 def test_hand_schedule(capsys):
     out = passes(capsys, ex.check_hand_schedule, S.Schedule.from_text(BEST))
     assert "12 time units" in out and "at most 2" in out and "1F1B: 10 units" in out
-    fails("takes 18 time units.*best within 2 activations takes 12", ex.check_hand_schedule,
+    fails("takes 18 time units.*a faster one exists within 2 activations", ex.check_hand_schedule,
           S.Schedule.from_text(["F0 B0 F1 B1 F2 B2"] * 3))
     fails("holds too much: rank 0 holds 3", ex.check_hand_schedule, S.one_f_one_b(3, 3))
     fails(r"cannot run: B0 on rank 0 needs B0 from rank 1.*deadlock", ex.check_hand_schedule,
@@ -191,5 +191,5 @@ def test_zb_bubble(capsys):
     fails("leaves W out", ex.check_zb_bubble, 12)
     fails("ZB-H2", ex.check_zb_bubble, 6)
     fails("share of the step", ex.check_zb_bubble, 9 / 49)
-    fails(r"expected 9 = \(p-1\)\(f\+b-w\)", ex.check_zb_bubble, 5)
+    fails(r"ZB-H1 idles \(p-1\)\(f\+b-w\) per rank, with p=4", ex.check_zb_bubble, 5)
     fails("should be a number", ex.check_zb_bubble, "9")

@@ -142,16 +142,24 @@ def test_sp_f_g_gathered_by_hand_is_refused():
 
 def test_sp_max_microbatch(capsys):
     per = 12 * estimates.activation_bytes_per_layer(2048, 1, 12288, 96, 8, "tp+sp+selective")
-    want = int(20e9 // per)
-    assert want == 15
-    out = passes(capsys, ex.check_sp_max_microbatch, 15)
-    assert "b = 15" in out and "b = 16 would need" in out
-    fails("round down", ex.check_sp_max_microbatch, 16)
-    fails("fits ONE layer", ex.check_sp_max_microbatch, int(20e9 // (per / 12)))
-    fails("without SP", ex.check_sp_max_microbatch, 5)
-    fails("keeps the attention scores", ex.check_sp_max_microbatch, 4)
+    assert int(20e9 // (8 * per)) == 1       # 1F1B: the first of 8 stages holds 8 in flight
+    out = passes(capsys, ex.check_sp_max_microbatch, 1)
+    assert "b = 1" in out and "b = 2 would need 20.5 GB" in out
+    fails("ONE micro-batch's activations.*8 micro-batches in flight",
+          ex.check_sp_max_microbatch, 15)
+    fails("round down", ex.check_sp_max_microbatch, 2)
+    fails("fits ONE layer", ex.check_sp_max_microbatch, int(20e9 // (8 * per / 12)))
     fails("34 s h / t", ex.check_sp_max_microbatch, 100)
-    fails("should be an int", ex.check_sp_max_microbatch, 15.0)
+    fails("should be an int", ex.check_sp_max_microbatch, 1.0)
+
+
+def test_sp_max_microbatch_one_in_flight(capsys):
+    per = 12 * estimates.activation_bytes_per_layer(2048, 1, 12288, 96, 8, "tp+sp+selective")
+    assert int(20e9 // per) == 15
+    passes(capsys, ex.check_sp_max_microbatch, 15, in_flight=1)
+    fails("round down", ex.check_sp_max_microbatch, 16, in_flight=1)
+    fails("without SP", ex.check_sp_max_microbatch, 5, in_flight=1)
+    fails("keeps the attention scores", ex.check_sp_max_microbatch, 4, in_flight=1)
 
 
 # ---- 08 hybrid ---------------------------------------------------------------------------------
@@ -196,7 +204,7 @@ def test_best_layout(capsys):
     out = passes(capsys, ex.check_best_layout, (4, 1, 2))
     assert out.startswith("Correct: (4, 1, 2)") and "(8, 1, 1)" in out
     passes(capsys, ex.check_best_layout, Hybrid(dp=4, tp=1, pp=2))
-    fails("another layout of 8 ranks takes", ex.check_best_layout, (8, 1, 1))
+    fails("another layout of 8 ranks is faster", ex.check_best_layout, (8, 1, 1))
     fails("does not fit the model: tp=8 does not divide n_head=4", ex.check_best_layout,
           (1, 8, 1))
     fails("must use all 8 ranks", ex.check_best_layout, (2, 2, 1))

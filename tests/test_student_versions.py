@@ -1,6 +1,7 @@
 """Student versions: solutions stripped (nbgrader's markers and stubs), and each
 generated notebook runs up to its first exercise, where it stops with the
 NotImplementedError of the stub and nowhere before."""
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,61 @@ def test_course_has_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_every_exercise_has_a_solution_and_a_check(path):
+def test_every_exercise_has_a_solution_and_a_locked_check(path):
+    """nbgrader's conventions: each answer cell is a solution cell, followed by a locked,
+    graded test cell calling its check; grade ids unique."""
     nb = nbformat.read(path, as_version=4)
-    solved = [c for c in nb.cells if c.cell_type == "code" and BEGIN in c.source]
+    cells = nb.cells
+    solved = [i for i, c in enumerate(cells) if c.cell_type == "code" and BEGIN in c.source]
     assert 2 <= len(solved) <= 3, f"{path.name}: {len(solved)} exercises"
-    for c in solved:
-        assert "wb.exercises.check_" in c.source.split(END)[-1], c.source
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
+    assert len(ids) == len(set(ids)), ids
+    for i in solved:
+        meta = cells[i].metadata.get("nbgrader", {})
+        assert meta.get("solution") is True and meta.get("grade") is False, cells[i].source
+        assert "exercises.check_" not in cells[i].source
+        test = cells[i + 1]
+        tmeta = test.metadata.get("nbgrader", {})
+        assert "wb.exercises.check_" in test.source and BEGIN not in test.source
+        assert tmeta.get("grade") is True and tmeta.get("locked") is True and \
+            tmeta.get("points", 0) > 0 and tmeta.get("solution") is False, test.metadata
+    checks = [c for c in cells if c.cell_type == "code" and "exercises.check_" in c.source
+              and "raises-exception" not in c.metadata.get("tags", [])]
+    assert all(c.metadata.get("nbgrader", {}).get("grade") for c in checks)
+
+
+@pytest.fixture(scope="module")
+def nbgrader_release(tmp_path_factory):
+    """The course run through nbgrader's own ``generate_assignment`` (no database)."""
+    import shutil
+    import subprocess
+    import sys
+    if importlib.util.find_spec("nbgrader") is None:
+        pytest.skip("nbgrader is not installed (pip install -r requirements.txt adds it): "
+                    "the nbgrader conventions are checked above, generate_assignment is not run")
+    root = tmp_path_factory.mktemp("course")
+    (root / "source" / "course").mkdir(parents=True)
+    for p in NOTEBOOKS:
+        shutil.copy(p, root / "source" / "course" / p.name)
+    run = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", "course",
+                          "--no-db", "--force", f"--CourseDirectory.root={root}"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return root / "release" / "course"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_nbgrader_generate_assignment_agrees(nbgrader_release, student_dir, path):
+    """nbgrader's release of a notebook and ours have the same code, stubs where the
+    solutions were, and the check cells locked."""
+    theirs = nbformat.read(nbgrader_release / path.name, as_version=4)
+    ours = nbformat.read(student_dir / path.name, as_version=4)
+    code = lambda nb: [c.source.strip() for c in nb.cells if c.cell_type == "code"]  # noqa: E731
+    assert code(theirs) == code(ours)
+    locked = [c for c in theirs.cells if c.metadata.get("nbgrader", {}).get("locked")]
+    assert locked and all("exercises.check_" in c.source for c in locked
+                          if c.cell_type == "code")
+    assert sum("raise NotImplementedError()" in s for s in code(theirs)) >= 2
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -111,3 +161,36 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
     assert failed is not None and failed[:2] == (first, "NotImplementedError"), (
         f"{path.name}: expected the first failure in cell {first} (the first exercise) to be "
         f"NotImplementedError, got {failed}")
+
+
+# ---- make course: a working copy, as root too --------------------------------------------------
+
+def test_work_copy_never_overwrites(tmp_path):
+    from workbench.exercises.student import make_work_copy
+    out = tmp_path / "work"
+    first = make_work_copy(ROOT / "notebooks", out)
+    assert [p.name for p, new in first] == [p.name for p in NOTEBOOKS] and all(n for _, n in first)
+    mine = out / NOTEBOOKS[0].name
+    mine.write_text("my edited notebook")
+    again = make_work_copy(ROOT / "notebooks", out)
+    assert not any(new for _, new in again) and mine.read_text() == "my edited notebook"
+    with pytest.raises(ValueError, match="autosave would write"):
+        make_work_copy(ROOT / "notebooks", ROOT / "notebooks")
+
+
+def test_make_course_opens_the_working_copy(tmp_path):
+    """`make course` (dry run): JupyterLab opens the copy, never notebooks/, and gets
+    --allow-root exactly when run as root."""
+    import os
+    import shutil
+    import subprocess
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    stamp = tmp_path / "stamp"
+    stamp.write_text("")
+    run = subprocess.run(["make", "-n", "course", f"STAMP={stamp}", "WORK=mywork"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "course workcopy --notebooks notebooks --out mywork" in run.stdout
+    assert "--notebook-dir=mywork" in run.stdout and "--notebook-dir=notebooks" not in run.stdout
+    assert ("--allow-root" in run.stdout) == (os.getuid() == 0)

@@ -98,7 +98,7 @@ def test_chunks_are_shaded_lighter_and_split_backward_shows_w():
     fused = simulate(one_f_one_b(2, 2), w=1)                      # B then W per backward
     fig = V.draw_pipeline(fused)
     assert count(artists(fig, "blocks")[0]) == 2 * 2 * 3
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["F", "B", "W", "bubble"]
 
 
@@ -155,16 +155,36 @@ def test_widget_redraws_and_still_shows_a_static_figure_headless():
     w.controls["schedule"].value = "Interleaved 1F1B"
     assert count(artists(w.figure, "blocks")[0]) == 2 * n
     w.controls["m"].value = 5                              # 5 % 3 != 0: the error, not a crash
-    assert w.figure is None and "multiple" in w.message
-    assert [o["output_type"] for o in w.output.outputs] == ["stream"]
+    assert w.figure is None and "multiple" in w.message and "multiple" in w.status.value
+    assert w.image.layout.visibility == "hidden"
     assert "multiple" in w._repr_mimebundle_()["text/plain"]
+    image = w.image
     w.controls["m"].value = 6
-    # the figure, then the measured bubble beside its formula as text
-    assert [o["output_type"] for o in w.output.outputs] == ["display_data", "stream"]
-    assert w.output.outputs[1]["text"] == V.bubble_caption(
-        simulate(interleaved_1f1b(3, 6, 2), f=1.0, b=1.0, w=1.0)) + "\n"
+    # the same image widget, its PNG replaced in place; the caption printed once, below it
+    assert w.image is image and w.image.value == V._png(w.figure)
+    assert w.message == V.bubble_caption(simulate(interleaved_1f1b(3, 6, 2), f=1.0, b=1.0, w=1.0))
+    assert w.status.value == f"<pre>{w.message}</pre>" and artists(w.figure, "caption") == []
     with pytest.raises(ValueError, match=r"schedule='2F2B'"):
         V.pipeline_widget(schedule="2F2B")
+
+
+def test_v_slider_is_enabled_only_where_used_and_labels_fit():
+    pytest.importorskip("ipywidgets")
+    w = V.pipeline_widget(p=4, m=8, v=2, schedule="1F1B")
+    assert w.controls["v"].disabled
+    w.controls["schedule"].value = "Interleaved 1F1B"
+    assert not w.controls["v"].disabled
+    w.controls["schedule"].value = "ZB-H1"
+    assert w.controls["v"].disabled
+    assert all(c.style.description_width == "initial" for c in w.controls.values())
+
+
+def test_legend_names_the_chunk_shades():
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(2, 4, 2)))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["F chunk 0", "F chunk 1", "B chunk 0", "B chunk 1", "bubble"]
+    fig = V.draw_pipeline(simulate(one_f_one_b(2, 4)))
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["F", "B", "bubble"]
 
 
 def test_large_schedule_draws_without_labels():

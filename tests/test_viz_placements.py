@@ -141,26 +141,41 @@ def test_figure_uneven_shards_at_true_size():
     assert ax.get_ylim() == (10, 0)               # row 0 on top
 
 
-def test_figure_partial_is_hatched_and_striped():
+def test_figure_partial_is_hatched_white_with_a_dot_per_part():
     mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
     fig = vp.draw_placements((4, 4), mesh, [wb.Partial(), wb.Shard(1)])
     blocks = found(fig, "block")
     assert len(blocks) == 2 and all(b.get_hatch() == vp.HATCH for b in blocks)
-    assert sorted(texts(fig)) == ["0+2", "1+3"]
-    copies = found(fig, "copy")                  # one stripe per holding rank
-    assert len(copies) == 4
-    assert sorted(r.get_width() for r in copies) == [1, 1, 1, 1]
+    assert {matplotlib.colors.to_hex(b.get_facecolor()) for b in blocks} == {vp.PARTIAL_FACE}
+    assert sorted(texts(fig)) == ["sum\n0+2", "sum\n1+3"]
+    dots = found(fig, "copy")                    # one dot per holding rank
+    assert sorted(matplotlib.colors.to_hex(d.get_markerfacecolor()) for d in dots) == \
+        sorted(vp.rank_color(r) for r in range(4))
     assert "(Partial)" in texts(fig, "legend")[0]
 
 
-def test_figure_replicate_stripes_cover_the_block():
+def test_figure_replicate_is_one_grey_block_listing_the_copies():
+    """Replicate must not look like Shard(1): no rank-coloured stripes, one grey block,
+    the copies listed and one fixed-size dot per copy."""
     fig = vp.draw_placements((6,), MESH4, ["R"])
     (block,) = found(fig, "block")
     assert (block.get_x(), block.get_width(), block.get_height()) == (0, 6, 1)
-    stripes = found(fig, "copy")
-    assert [matplotlib.colors.to_hex(s.get_facecolor()) for s in stripes] == \
+    assert matplotlib.colors.to_hex(block.get_facecolor()) == vp.COPY_FACE and not block.get_hatch()
+    assert texts(fig) == ["copies\n0,1,2,3"]
+    dots = found(fig, "copy")
+    assert [matplotlib.colors.to_hex(d.get_markerfacecolor()) for d in dots] == \
         [vp.rank_color(r) for r in range(4)]
-    assert sum(s.get_width() for s in stripes) == pytest.approx(6)
+    assert all(d.get_markersize() == 7 for d in dots)          # points, not data widths
+    from matplotlib.patches import Rectangle
+    assert [a for a in fig.findobj(Rectangle) if a.get_gid() == "copy"] == []
+
+
+def test_all_text_is_at_least_9pt():
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    plan = wb.plan_reshard(wb.TensorSpec((8, 8), mesh, ["P(sum)", "S(1)"]), mesh, ["S(0)", "R"])
+    for fig in (vp.draw_reshard(plan), vp.draw_placements((4, 4), mesh, ["P(sum)", "R"])):
+        for gid in ("label", "step", "legend", "total"):
+            assert all(t.get_fontsize() >= 9 for t in found(fig, gid)), gid
 
 
 def test_figure_3d_mesh_and_4d_tensor_facets():
@@ -192,9 +207,13 @@ def test_reshard_figure_shows_plan_steps_and_bytes():
         assert text.startswith(f"{plan.steps.index(s) + 1}. {s.kind} on {s.mesh_dim_name}")
         assert f"{s.bytes:,d} B/rank" in text
     assert steps[0].splitlines()[2] == "f32[I_x, J_y] -> f32[I, J_y]"   # the notation edit
-    assert texts(fig, "total") == [f"total {plan.total_bytes:,d} B sent per rank\n"
+    assert texts(fig, "total") == [f"total {plan.total_bytes:,d} B sent per rank, "
                                    f"{plan.total_time * 1e6:.2f} us on ascend-910b"]
-    assert len(found(fig, "block")) == 6 + 1     # 6 shards before, 1 replicated block after
+    # 6 shards before, 3 column blocks after the first step (the intermediate layout), 1 after
+    assert len(found(fig, "block")) == 6 + 3 + 1
+    titles = [t.get_text().splitlines()[0] for t in fig.findobj(matplotlib.text.Text)
+              if t.get_text().startswith(("before", "after"))]
+    assert titles == ["before", "after step 1", "after"]
 
 
 def test_reshard_cross_mesh_figure_and_text():
@@ -202,8 +221,9 @@ def test_reshard_cross_mesh_figure_and_text():
     plan = wb.plan_reshard(wb.TensorSpec((4, 2), a, ["R"]), b, ["S(0)"])
     fig = vp.draw_reshard(plan)
     assert texts(fig, "step")[-1].startswith("2. send_recv (2 pairs)")
-    assert texts(fig) == ["0,1", "2", "3"]       # before on ranks 0, 1; after on 2 and 3
-    assert len(found(fig, "mesh-rank")) == 4
+    # before: copies on 0, 1; after the local slice: 0 and 1; after send/recv: 2 and 3
+    assert texts(fig) == ["copies\n0,1", "0", "1", "2", "3"]
+    assert len(found(fig, "mesh-rank")) == 4     # the mesh drawn where it changes
     out = vp.render_reshard_text(plan)
     assert out.startswith("before: f32[I, J]") and "send_recv" in out and "after:  f32[I_x, J]" in out
 

@@ -13,9 +13,11 @@ def test_placement_picker_redraws_and_degrades_to_png():
     assert p.text == "f32[I_dp, J_tp]"
     bundle = p._repr_mimebundle_()
     assert bundle["image/png"] and bundle["text/plain"] == "f32[I_dp, J_tp]"
-    first = p.figure
+    first, image = p.figure, p.image
     p.controls[1].value = "R"
     assert p.text == "f32[I_dp, J]" and p.figure is not first
+    assert p.image is image and p.image.value[:4] == b"\x89PNG"      # replaced in place
+    assert "f32[I_dp, J]" in p.textbox.value
     assert p.placements == (wb.Shard(0), wb.Replicate())
 
 

@@ -5,6 +5,8 @@
                                                student notebooks with the solutions removed
     python -m workbench plan --model gpt3-175b --devices 1024 --profile a100 --global-batch 1536
                                                the fastest layouts that fit, and why
+    python -m workbench course workcopy --out work/
+                                               copy the notebooks a learner opens (make course)
 """
 from __future__ import annotations
 
@@ -22,11 +24,16 @@ def _doctor(args) -> int:
 def _course(args) -> int:
     if args.what == "student":
         from .exercises.student import make_student_versions
-        out = make_student_versions(args.notebooks, args.out)
+        out = make_student_versions(args.notebooks, args.out or "student")
         for p in out:
             print(p)
         return 0
-    print(f"unknown course command {args.what!r}: use 'student'", file=sys.stderr)
+    if args.what == "workcopy":
+        from .exercises.student import make_work_copy
+        for path, new in make_work_copy(args.notebooks, args.out or "work"):
+            print(f"{'copied' if new else 'kept  '} {path}")
+        return 0
+    print(f"unknown course command {args.what!r}: use 'student' or 'workcopy'", file=sys.stderr)
     return 2
 
 
@@ -59,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="report devices, torch_npu, CUDA and the distributed backend")
     d.set_defaults(fn=_doctor)
     c = sub.add_parser("course", help="course tools")
-    c.add_argument("what", choices=["student"], help="student: write student versions")
+    c.add_argument("what", choices=["student", "workcopy"],
+                   help="student: write student versions; workcopy: copy the notebooks a "
+                        "learner opens, never overwriting a copy already there")
     c.add_argument("--notebooks", default="notebooks", help="folder of instructor notebooks")
-    c.add_argument("--out", default="student", help="folder to write student notebooks to")
+    c.add_argument("--out", default=None,
+                   help="folder to write to (default: student/ or work/)")
     c.set_defaults(fn=_course)
     from .train import add_train_arguments
     t = sub.add_parser("train", help="train the course's Llama; one JSON line per step")

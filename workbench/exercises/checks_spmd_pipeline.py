@@ -7,8 +7,12 @@ As in :mod:`.checks`: a right answer prints one "Correct: ..." line; a wrong one
     dim 1: each rank scans only its own piece, so rank 1's values miss the sums of
     rank 0's piece ...
 
-Expected values come from the library itself (``infer``, ``plan_reshard``, ``explain``,
-``validate``, ``simulate``), so a check cannot disagree with what the notebook shows.
+Expected values are derived here, not by the code under test: the MLP plan's output is
+compared with one device's; cumsum strategies with ``torch.cumsum``; the best hand
+schedule by an exhaustive search priced with this module's own list scheduler
+(:func:`_makespan`); the micro-batch counts and the zero-bubble idle time from the
+published formulas.  The student's own answer is interpreted with the library
+(``explain``, ``validate``, ``simulate``), as a notebook would.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one
                                   simulate, validate)
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
-from .checks import CheckError
+from .feedback import CheckError, exercise
 
 __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
            "check_min_microbatches", "check_zb_bubble"]
@@ -57,6 +61,7 @@ _MLP_HINTS = {
 }
 
 
+@exercise
 def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
                    profile: str = "ascend-910b") -> None:
     """A ``parallelize`` plan for nn.Sequential(Linear(d, hidden), ReLU(), Linear(hidden, d))
@@ -211,6 +216,7 @@ def _cumsum_cases():
     yield m22, (4, 4, 6), 1
 
 
+@exercise
 def check_cumsum_rule(rule, op: str = "cumsum") -> None:
     """Your rule for ``torch.cumsum(x, dim)``: registered with one decorator, every strategy
     it offers computes the right values, and it offers the cheapest one for every input."""
@@ -292,6 +298,28 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
 
 # ---- 07 pipelines: a schedule by hand -----------------------------------------------------------
 
+def _makespan(rows) -> float:
+    """Makespan of a schedule (rows of "F<i>"/"B<i>" per rank, f = b = 1, no p2p cost), by
+    list scheduling: F<i> on rank r waits for F<i> on rank r-1, B<i> for B<i> on rank
+    r+1; each rank runs its row in order.  inf when the rows deadlock."""
+    p = len(rows)
+    done, clock, nxt = {}, [0.0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while nxt[r] < len(rows[r]):
+                act = rows[r][nxt[r]]
+                dep = (act[0], int(act[1:]), r - 1 if act[0] == "F" else r + 1)
+                if 0 <= dep[2] < p and dep not in done:
+                    break
+                start = max(clock[r], done.get(dep, 0.0))
+                clock[r] = done[(act[0], int(act[1:]), r)] = start + 1.0
+                nxt[r] += 1
+                progress = True
+    return max(clock) if all(n == len(row) for n, row in zip(nxt, rows)) else math.inf
+
+
 def _best_makespan(p: int, m: int, memory_limit: int) -> float:
     """The shortest makespan (f = b = 1) of any schedule whose rows run F's and B's in
     micro-batch order, within ``memory_limit`` activations per rank (exhaustive)."""
@@ -309,18 +337,12 @@ def _best_makespan(p: int, m: int, memory_limit: int) -> float:
                 if held > memory_limit:
                     ok = False; break
             if ok:
-                out.append(" ".join(row))
+                out.append(row)
         return out
-    best = math.inf
-    for combo in itertools.product(rows(), repeat=p):
-        s = Schedule.from_text(list(combo))
-        try:
-            best = min(best, simulate(s).makespan)
-        except ScheduleError:
-            continue
-    return best
+    return min(_makespan(list(combo)) for combo in itertools.product(rows(), repeat=p))
 
 
+@exercise
 def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2) -> None:
     """A hand-written schedule for p ranks and m micro-batches that runs, holds at most
     ``memory_limit`` micro-batch activations on every rank, and is as fast as possible."""
@@ -347,9 +369,10 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
     ref = simulate(one_f_one_b(p, m))
     if got.makespan > best + 1e-9:
         raise CheckError(f"your schedule runs and fits in memory, but takes {got.makespan:g} "
-                         f"time units (bubble {got.bubble_fraction:.0%}); the best within "
-                         f"{memory_limit} activations takes {best:g}: start each backward as "
-                         "soon as its gradient can arrive, and let later ranks run ahead")
+                         f"time units (bubble {got.bubble_fraction:.0%}); a faster one exists "
+                         f"within {memory_limit} activations: start each backward as soon as "
+                         "its gradient can arrive, and let later ranks run ahead",
+                         expected=f"{best:g} time units")
     _ok(f"{got.makespan:g} time units, bubble {got.bubble_fraction:.2%}, at most "
         f"{max(got.peak_inflight)} activations per rank (1F1B: {ref.makespan:g} units, "
         f"bubble {ref.bubble_fraction:.2%}, {max(ref.peak_inflight)} on rank 0)")
@@ -363,6 +386,7 @@ def _int(name, value) -> int:
     return value
 
 
+@exercise
 def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
                            target: float = 0.10) -> None:
     """The fewest micro-batches for which 1F1B (and interleaved 1F1B with v chunks, m a
@@ -390,7 +414,7 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
             hint = f"with m={got} the bubble is exactly {target:.0%}; below means less than"
         else:
             hint = f"with m={got} the simulator measures {frac:.2%}, not below {target:.0%}"
-        raise CheckError(f"{name}: your m is {got}; expected {want}: {hint}")
+        raise CheckError(f"{name}: your m is {got}: {hint}", expected=f"{name} m={want}")
     _ok(f"1F1B needs m={want_a} ({(p - 1) / (want_a + p - 1):.2%}); interleaved with v={v} "
         f"m={want_b} ({(p - 1) / (v * want_b + p - 1):.2%}): {want_a / want_b:.1f}x fewer "
         "micro-batches per step, for v times more messages")
@@ -398,6 +422,7 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
 
 # ---- 07 pipelines: the zero-bubble saving --------------------------------------------------------
 
+@exercise
 def check_zb_bubble(bubble, p: int = 4, m: int = 8, f: float = 2.0, b: float = 2.0,
                     w: float = 1.0) -> None:
     """ZB-H1's idle time per rank with per-micro-batch costs f (forward), b (input
@@ -406,23 +431,22 @@ def check_zb_bubble(bubble, p: int = 4, m: int = 8, f: float = 2.0, b: float = 2
     if isinstance(bubble, bool) or not isinstance(bubble, (int, float)) or \
             not math.isfinite(bubble):
         raise CheckError(f"bubble should be a number of time units, got {bubble!r}")
-    sim = simulate(zb_h1(p, m), f=f, b=b, w=w)
-    want = sim.bubble_time[0]
+    want = (p - 1) * (f + b - w)            # Qi et al. 2024, sec. 3.1 (w <= f, b)
     if math.isclose(bubble, want, rel_tol=1e-6):
-        ob = simulate(one_f_one_b(p, m), f=f, b=b, w=w).bubble_time[0]
-        _ok(f"(p-1)(f+b-w) = {want:g} time units per rank, as simulated; 1F1B idles "
-            f"(p-1)(f+b+w) = {ob:g}")
+        sim = simulate(zb_h1(p, m), f=f, b=b, w=w)
+        _ok(f"(p-1)(f+b-w) = {want:g} time units per rank; the simulator measures "
+            f"{sim.bubble_time[0]:g}; 1F1B idles (p-1)(f+b+w) = {(p - 1) * (f + b + w):g}")
         return
     wrong = [((p - 1) * (f + b + w), "that is 1F1B's bubble, (p-1)(f+b+w): ZB-H1 moves the "
               "W's into it"),
              ((p - 1) * (f + b), "(p-1)(f+b) leaves W out; ZB-H1's deferred W's also fill "
               "part of the warm-up's idle time: subtract w"),
-             (sim.bubble_fraction, "that is the bubble's share of the step; give the idle time "
-              "per rank, in the units of f, b, w"),
+             (want / (m * (f + b + w) + want), "that is the bubble's share of the step; give "
+              "the idle time per rank, in the units of f, b, w"),
              ((p - 1) * (f + b - 2 * w), "that is ZB-H2's, (p-1)(f+b-2w), at the price of "
               "2p-1 activations in flight")]
     for value, text in wrong:
         if math.isclose(bubble, value, rel_tol=1e-6):
-            raise CheckError(f"your bubble is {bubble:g}; expected {want:g}: {text}")
-    raise CheckError(f"your bubble is {bubble:g}; expected {want:g} = (p-1)(f+b-w) with "
-                     f"p={p}, f={f:g}, b={b:g}, w={w:g}")
+            raise CheckError(f"your bubble is {bubble:g}: {text}", expected=f"{want:g}")
+    raise CheckError(f"your bubble is {bubble:g}: ZB-H1 idles (p-1)(f+b-w) per rank, with "
+                     f"p={p}, f={f:g}, b={b:g}, w={w:g}", expected=f"{want:g} = (p-1)(f+b-w)")

@@ -8,9 +8,12 @@ As in :mod:`.checks`: a right answer prints one "Correct: ..." line; a wrong one
     backward produces the last layer's gradients first, and the buckets fill (and are
     sent) in that order
 
-Expected values come from the library itself (``DataParallel`` run in a trace,
-``estimates``, ``cost.wire_bytes``, ``Hybrid`` and ``train``), so a check cannot disagree
-with what the notebook shows.  The exercise's numbers are the keyword defaults.
+Expected values are derived here, independently of the code under test: bucket sizes
+by filling whole gradients in backward order by hand, bytes and memory from the
+published formulas (ring collectives, ZeRO, Korthikanti et al.), a rank's groups from
+its coordinates, model-state bytes from the values a rank holds.  The one exception is
+:func:`check_best_layout`, whose exercise is to ask the simulator.  The exercise's
+numbers are the keyword defaults.
 """
 from __future__ import annotations
 
@@ -23,12 +26,11 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor, from_local, shard_tensor
 from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
-from ..sim_mesh import cost as _cost
-from ..sim_mesh import estimates as _est
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
-from .checks import CheckError, _hint, _number, _ok
+from .checks import _chunks, _hint, _number, _ok, _zero_bytes
+from .feedback import CheckError, exercise
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
            "check_tp_sp_layer_bytes", "check_sp_f_g", "check_sp_max_microbatch",
@@ -74,24 +76,16 @@ def _fill(sizes, limit) -> list[int]:
     return out + ([cur] if cur else [])
 
 
+@exercise
 def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                        widths=(256, 1024, 1024, 256)) -> None:
     """The bytes of each gradient bucket bucketed DP all-reduces, in the order sent, for
     the MLP of ``widths`` (Linear layers with biases, fp32) and ``bucket_bytes``."""
-    from ..parallel.strategies.data_parallel import DataParallel
     got = _ints("sizes", sizes, "bucket sizes in bytes")
-    mesh = Mesh.grid(2, ["dp"])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = _mlp(widths)
-        X = torch.randn(2, widths[0])
-    grads_fwd = [p.numel() * 4 for p in model.parameters()]     # registration order
-    parallelize(model, mesh, {})
-    dp = DataParallel(list(dist_parameters(model)), mesh, "dp", bucket_bytes=bucket_bytes)
-    with trace() as tr:
-        model(shard_tensor(X, mesh, [Shard(0)])).sum().backward()
-        dp.step()
-    want = [e.args["buffer_bytes"] for e in tr.collectives() if e.label == "dp bucket"]
+    grads_fwd = []                                              # registration order, by hand
+    for a, b in zip(widths, widths[1:]):
+        grads_fwd += [a * b * 4, b * 4]                         # fp32 weight, bias
+    want = _fill(grads_fwd[::-1], bucket_bytes)                 # backward: last layer first
     total = sum(grads_fwd)
     names = [f"{'W' if k % 2 == 0 else 'b'}{k // 2 + 1}" for k in range(len(grads_fwd))]
     if got == want:
@@ -123,7 +117,7 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                f"({', '.join(reversed(names))}) and close it as soon as it holds at least "
                f"bucket_bytes = {bucket_bytes:,d} B; what remains at the end is the last "
                "bucket")
-    raise CheckError(f"your buckets are {got}; expected {len(want)} bucket(s): {msg}")
+    raise CheckError(f"your buckets are {got}: {msg}", expected=str(want))
 
 
 # ---- 05 ZeRO: the largest model whose states fit ------------------------------------------------
@@ -135,6 +129,7 @@ _STAGE_PARTS = {0: "nothing is partitioned: 16 B per parameter on every device",
                 3: "stage 3 splits all 16 B: 16 / N_d B per parameter"}
 
 
+@exercise
 def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> None:
     """The most parameters whose mixed-precision Adam model states fit in one device's
     memory under ZeRO stages 0, 1, 2, 3 with ``n_d`` data-parallel ranks (activations
@@ -147,7 +142,7 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
     if len(got) != 4:
         raise CheckError(f"psi has {len(got)} entries; give one per ZeRO stage 0, 1, 2, 3")
     mem = get_profile(profile).memory_bytes
-    per = {s: _est.zero_model_state_bytes(1, n_d, s) for s in range(4)}
+    per = {s: _zero_bytes(1, n_d, s) for s in range(4)}
     want = [mem / per[s] for s in range(4)]
     for s in range(4):
         if math.isclose(got[s], want[s], rel_tol=0.01):
@@ -163,27 +158,27 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
                   (mem / 16 / n_d, "dividing the memory by N_d goes the wrong way: ZeRO "
                    "divides the bytes per parameter, so the model can grow; "
                    + _STAGE_PARTS[s])]
-        raise CheckError(f"your stage {s} limit is {got[s]:.4g} parameters; expected "
-                         f"{want[s]:.4g}: " + _hint(got[s], want[s], wrong))
+        raise CheckError(f"your stage {s} limit is {got[s]:.4g} parameters: "
+                         + _hint(got[s], want[s], wrong), expected=f"{want[s]:.4g} for stage {s}")
     _ok(f"on {n_d} devices of {mem / 1e9:g} GB: " + ", ".join(
         f"stage {s} {w / 1e9:.3g}e9" for s, w in enumerate(want)) + " parameters")
 
 
 # ---- 05 ZeRO-3: 1.5x the traffic --------------------------------------------------------------
 
+@exercise
 def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int = 64,
                         elem: int = 2) -> None:
     """Bytes each rank sends per step, ring algorithms, ``elem``-byte values: plain DP
     (all-reduce of the gradients) and ZeRO-3 (all-gather the parameters for forward and
     again for backward, reduce-scatter the gradients)."""
     n = int(params * elem)
-    want_dp = _cost.wire_bytes("all_reduce", n, n_d)
-    want_z3 = 2 * _cost.wire_bytes("all_gather", n, n_d) + _cost.wire_bytes("reduce_scatter",
-                                                                               n, n_d)
+    want_dp = 2 * (n_d - 1) * n // n_d                          # ring all-reduce
+    want_z3 = 3 * ((n_d - 1) * n // n_d)                        # 2 all-gathers + reduce-scatter
     a, b = _number("dp_bytes", dp_bytes), _number("zero3_bytes", zero3_bytes)
     share = (n_d - 1) / n_d
     if not math.isclose(a, want_dp, rel_tol=1e-4):
-        raise CheckError(f"your DP bytes are {a:.4g}; expected {want_dp:.4g}: " + _hint(
+        raise CheckError(f"your DP bytes are {a:.4g}: " + _hint(
             a, want_dp, [(2 * n, f"did you drop (N-1)/N? Each rank sends {n_d - 1} of "
                           f"{n_d} chunks, twice (reduce-scatter, then all-gather)"),
                          (share * n, "that is an all-gather's share, (N-1)/N n; an "
@@ -191,9 +186,9 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                          (2 * want_dp, f"the gradients are {elem} bytes each (bf16), "
                           f"{n:,d} bytes in all"),
                          (want_dp / n_d, "each rank sends 2 (N-1)/N of the WHOLE gradient, "
-                          "not of its shard")], rel=1e-4))
+                          "not of its shard")], rel=1e-4), expected=f"DP {want_dp:.4g} B")
     if not math.isclose(b, want_z3, rel_tol=1e-4):
-        raise CheckError(f"your ZeRO-3 bytes are {b:.4g}; expected {want_z3:.4g}: " + _hint(
+        raise CheckError(f"your ZeRO-3 bytes are {b:.4g}: " + _hint(
             b, want_z3, [(2 * want_dp, "2x DP counts an all-reduce's worth twice; ZeRO-3 "
                           "sends three (N-1)/N n pieces: all-gather (forward), all-gather "
                           "(backward), reduce-scatter"),
@@ -202,26 +197,26 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                           "again before backward, having freed them after forward"),
                          (3 * n, "did you drop (N-1)/N? Each collective sends (N-1)/N n"),
                          (2 * want_z3, f"the values are {elem} bytes each (bf16)")],
-            rel=1e-4))
+            rel=1e-4), expected=f"ZeRO-3 {want_z3:.4g} B")
     _ok(f"DP {want_dp / 1e9:.2f} GB, ZeRO-3 {want_z3 / 1e9:.2f} GB per rank per step: "
         f"{want_z3 / want_dp:.1f}x")
 
 
 # ---- 06 tensor and sequence parallel: bytes per layer -------------------------------------------
 
+@exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                             hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
     """Bytes each rank sends per transformer layer per training step: tensor parallel
     (Megatron's 4 all-reduces of b s h) and tensor + sequence parallel (4 all-gathers and
     4 reduce-scatters of b s h), ``elem``-byte activations, ring algorithms."""
     n = batch * seq * hidden * elem
-    want_tp = 4 * _cost.wire_bytes("all_reduce", n, tp)
-    want_sp = 4 * (_cost.wire_bytes("all_gather", n, tp) +
-                   _cost.wire_bytes("reduce_scatter", n, tp))
+    want_tp = 4 * (2 * (tp - 1) * n // tp)                      # 4 ring all-reduces
+    want_sp = 4 * 2 * ((tp - 1) * n // tp)                      # 4 all-gathers + 4 r-scatters
     a, b = _number("tp_bytes", tp_bytes), _number("sp_bytes", sp_bytes)
     t = tp
     if not math.isclose(a, want_tp, rel_tol=1e-4):
-        raise CheckError(f"your TP bytes are {a:.4g}; expected {want_tp:.4g}: " + _hint(
+        raise CheckError(f"your TP bytes are {a:.4g}: " + _hint(
             a, want_tp, [(want_tp / 2, "half of it: either only the forward's 2 all-reduces "
                           "(g after attention and after the MLP; backward has 2 more, f's), or "
                           "(t-1)/t n per all-reduce, an all-gather's share: an all-reduce "
@@ -232,15 +227,16 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                          (want_tp / 4, "that is one all-reduce; a layer has 4 per step: 2 "
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
-                          "not a 1/t slice")], rel=1e-4))
+                          "not a 1/t slice")], rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
-        raise CheckError(f"your TP+SP bytes are {b:.4g}; expected {want_sp:.4g}: " + _hint(
+        raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
             b, want_sp, [(want_sp / 2, "half of it: SP has 4 all-gathers AND 4 "
                           "reduce-scatters per layer per step, each (t-1)/t n"),
                          (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
                           "the whole b s h, not of a 1/t slice"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
-                          "sends (t-1)/t n, half an all-reduce")], rel=1e-4))
+                          "sends (t-1)/t n, half an all-reduce")], rel=1e-4),
+                         expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways: sequence parallelism "
         "replaces each all-reduce by an all-gather + a reduce-scatter of the same total")
 
@@ -256,6 +252,7 @@ def _run(fn, x, what):
     return out, [(e.name, e.bytes, e.args.get("buffer_bytes")) for e in tr.collectives()]
 
 
+@exercise
 def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
     """Megatron-SP's f (sequence-sharded [Shard(1)] -> whole [Replicate()] before the
     column-parallel linear) and g (partial sums [Partial()] -> [Shard(1)] after the
@@ -269,7 +266,7 @@ def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
     parts = [torch.randn(shape, generator=gen) for _ in range(tp)]
     Y = sum(parts)
     n = math.prod(shape) * 4
-    share = _cost.wire_bytes("all_gather", n, tp)
+    share = (tp - 1) * n // tp
     # f
     x = shard_tensor(X, mesh, [Shard(1)])
     out, colls = _run(f, x, "f")
@@ -316,31 +313,46 @@ def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
         raise CheckError(f"g sends {', '.join(c[0] for c in colls_g) or 'nothing'}; "
                          "P(sum) -> S(1) is one reduce-scatter of (t-1)/t n bytes per rank")
     _ok(f"f all-gathers, g reduce-scatters: {share:,d} + {share:,d} B per rank, what TP's "
-        f"one all-reduce sends ({_cost.wire_bytes('all_reduce', n, tp):,d} B)")
+        f"one all-reduce sends ({2 * share:,d} B)")
 
 
 # ---- 06 activation memory: the largest micro-batch -----------------------------------------------
 
+def _activation_bytes(seq, hidden, heads, tp, case) -> float:
+    """Korthikanti et al. 2022, Table 2: bytes one layer keeps per sequence (16-bit)."""
+    sbh, att = seq * hidden, 5 * heads * seq / hidden
+    return sbh * {"none": 34 + att, "tp": 10 + 24 / tp + att / tp, "tp+sp": (34 + att) / tp,
+                  "tp+selective": 10 + 24 / tp, "tp+sp+selective": 34 / tp, "full": 2}[case]
+
+
+@exercise
 def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq: int = 2048,
                             hidden: int = 12288, heads: int = 96, tp: int = 8,
-                            case: str = "tp+sp+selective") -> None:
+                            case: str = "tp+sp+selective", in_flight: int = 8) -> None:
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
-    ``case``) for ``layers`` layers fit in ``budget_bytes``."""
+    ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
+    which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
     b = _int("b", b, "an int (a number of sequences)")
-    per = lambda c: _est.activation_bytes_per_layer(seq, 1, hidden, heads, tp, c)  # noqa: E731
-    stage = layers * per(case)
+    per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
+    stage = layers * per(case) * in_flight
     want = int(budget_bytes // stage)
     if b == want:
-        _ok(f"b = {want}: {want * stage / 1e9:.1f} GB of {budget_bytes / 1e9:g} GB "
-            f"({per(case) / 1e6:.1f} MB per layer per sequence); b = {want + 1} would need "
+        _ok(f"b = {want}: {in_flight} micro-batches in flight x {layers} layers x "
+            f"{per(case) / 1e6:.1f} MB x b = {want * stage / 1e9:.1f} GB of "
+            f"{budget_bytes / 1e9:g} GB; b = {want + 1} would need "
             f"{(want + 1) * stage / 1e9:.1f} GB")
         return
-    others = {c: int(budget_bytes // (layers * per(c))) for c in
+    one = layers * per(case)
+    others = {c: int(budget_bytes // (layers * per(c) * in_flight)) for c in
               ("tp+selective", "tp+sp", "tp", "none", "full")}
-    if b == want + 1:
+    if b == int(budget_bytes // one):
+        msg = (f"that fits ONE micro-batch's activations; under 1F1B the first stage "
+               f"keeps {in_flight} micro-batches in flight (the warm-up sends p forwards "
+               "before the first backward; notebook 7)")
+    elif b == want + 1:
         msg = (f"round down: b = {b} needs {b * stage / 1e9:.2f} GB, more than "
                f"{budget_bytes / 1e9:g} GB")
-    elif b == int(budget_bytes // per(case)):
+    elif b == int(budget_bytes // (per(case) * in_flight)):
         msg = f"that fits ONE layer; the stage holds {layers}"
     elif b == int(budget_bytes * 2**30 / 1e9 // stage):
         msg = f"the budget is {budget_bytes / 1e9:g} GB = {budget_bytes:.3g} bytes, not GiB"
@@ -355,56 +367,80 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
         msg = "use the formula for TP + SP + selective recompute: 34 sbh / t per layer"
     else:
         msg = (f"per layer and sequence: 34 s h / t = {per(case) / 1e6:.1f} MB; times "
-               f"{layers} layers, how many sequences fit in {budget_bytes / 1e9:g} GB?")
-    raise CheckError(f"your b is {b}; expected {want}: {msg}")
+               f"{layers} layers and {in_flight} micro-batches in flight, how many sequences "
+               f"fit in {budget_bytes / 1e9:g} GB?")
+    raise CheckError(f"your b is {b}: {msg}", expected=str(want))
 
 
 # ---- 08 hybrid: a rank's groups ----------------------------------------------------------------
 
+@exercise
 def check_hybrid_groups(dp_group, tp_group, pp_peer, rank: int = 6) -> None:
     """In Hybrid(dp=2, tp=2, pp=2): ``rank``'s data-parallel group, tensor-parallel group
     (in mesh order) and the rank holding the same (dp, tp) position on the other stage."""
-    from ..parallel.strategies.hybrid import stage_meshes
-    meshes = stage_meshes(2, 2, 2)
-    stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
-    mesh, other = meshes[stage], meshes[1 - stage]
-    want_dp, want_tp = mesh.group_of(rank, "dp"), mesh.group_of(rank, "tp")
-    want_peer = other.tolist()[mesh.coordinate(rank)[0]][mesh.coordinate(rank)[1]]
+    # by hand: stage s holds ranks 4s..4s+3 as a 2 x 2 (dp, tp) mesh in row-major order
+    stage, local = divmod(rank, 4)
+    i, j = divmod(local, 2)
+    mesh = Mesh([[4 * stage, 4 * stage + 1], [4 * stage + 2, 4 * stage + 3]], ["dp", "tp"])
+    other = Mesh([[4 * (1 - stage) + k for k in (0, 1)], [4 * (1 - stage) + k for k in (2, 3)]],
+                 ["dp", "tp"])
+    want_dp = (4 * stage + j, 4 * stage + 2 + j)                 # same tp coordinate
+    want_tp = (4 * stage + 2 * i, 4 * stage + 2 * i + 1)         # same dp coordinate
+    want_peer = 4 * (1 - stage) + local
     got_dp = tuple(_ints("dp_group", dp_group, "ranks"))
     got_tp = tuple(_ints("tp_group", tp_group, "ranks"))
     where = (f"rank {rank} is on stage {stage}, Mesh({mesh.tolist()}, ['dp', 'tp']), at "
-             f"coordinate {mesh.coordinate(rank)}")
+             f"coordinate {(i, j)}")
+    shown = f"dp {want_dp}, tp {want_tp}, peer {want_peer}"
     if (got_dp, got_tp) == (want_tp, want_dp):
         raise CheckError(f"dp and tp are swapped: {where}; dp groups are the columns of the "
-                         "stage mesh (mesh dim 0), tp groups its rows (mesh dim 1)")
+                         "stage mesh (mesh dim 0), tp groups its rows (mesh dim 1)",
+                         expected=shown)
     for name, got, want in (("dp", got_dp, want_dp), ("tp", got_tp, want_tp)):
         if got == want:
             continue
         if sorted(got) == sorted(want):
             raise CheckError(f"your {name} group {got} has the right ranks in the wrong "
-                             f"order; give them in mesh order {want}")
+                             f"order; give them in mesh order", expected=shown)
         raise CheckError(f"your {name} group is {got}: {where}; its {name} group is the "
-                         f"ranks of that stage mesh along mesh dim '{name}'")
+                         f"ranks of that stage mesh along mesh dim '{name}'", expected=shown)
     pp_peer = _int("pp_peer", pp_peer, "one rank (an int)")
     if pp_peer != want_peer:
         hint = (" (that is a rank of the same stage)" if pp_peer in mesh.ranks else "")
         raise CheckError(f"your pipeline peer is {pp_peer}{hint}: {where}; its peer holds the "
-                         f"same coordinate on the other stage's mesh {other.tolist()}")
+                         f"same coordinate on the other stage's mesh {other.tolist()}",
+                         expected=shown)
     _ok(f"rank {rank}: dp group {want_dp} (gradients), tp group {want_tp} (activations), "
         f"pipeline peer {want_peer} (activations and their gradients between stages)")
 
 
 # ---- 08 hybrid: model-state bytes per rank ----------------------------------------------------
 
-def _state_bytes(dp, tp, pp, zero, stage, preset, mixed=False):
+def _stage_model(dp, tp, pp, preset):
     from ..models.config import get_config
     from ..parallel.strategies.hybrid import Hybrid
-    st = Hybrid(dp=dp, tp=tp, pp=pp, zero=zero)
-    cfg = get_config(preset)
+    st = Hybrid(dp=dp, tp=tp, pp=pp)
     with torch.random.fork_rng(devices=[]):
-        model = st.build_model(cfg, 0)
-    opts = st.build_optimizer(model, 1e-3, 0.0)
-    return opts[stage].memory(mixed_precision=mixed).total, model, st
+        model = st.build_model(get_config(preset), 0)
+    return model, st
+
+
+def _state_bytes(dp, tp, pp, zero, stage, preset, mixed=False):
+    """By hand: the values the stage's first rank holds (its tp shards), times 4 B weight
+    + 4 B gradient + 8 B Adam m, v (fp32; mixed: 2 + 2 + 12), the ZeRO-split parts cut
+    by torch.chunk over dp (Rajbhandari et al. 2020); this rank is dp coordinate 0."""
+    model, st = _stage_model(dp, tp, pp, preset)
+    rank = st.meshes[stage].ranks[0]
+    w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
+    total = 0
+    for _, p in dist_parameters(model):
+        if rank not in p.mesh.ranks:
+            continue
+        n = p.local(rank).numel()
+        share = _chunks(n, dp)[0]
+        total += (w * (share if zero >= 3 else n) + g * (share if zero >= 2 else n)
+                  + opt * (share if zero >= 1 else n))
+    return total, model, st
 
 
 _SPLITS = {0: "nothing is split over dp (plain data parallelism)",
@@ -413,6 +449,7 @@ _SPLITS = {0: "nothing is split over dp (plain data parallelism)",
            3: "ZeRO-3 splits weights, gradients and Adam's m and v over the dp ranks"}
 
 
+@exercise
 def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2, tp: int = 2,
                              pp: int = 2, preset: str = "tiny") -> None:
     """Model-state bytes (fp32 weights, gradients, Adam m and v) each rank of pipeline
@@ -446,11 +483,11 @@ def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2,
                   "rest"))
     for value, text in wrong:
         if math.isclose(got, value, rel_tol=1e-6):
-            raise CheckError(f"your count is {got:,.0f} B; expected {want:,d} B: {text}")
-    raise CheckError(f"your count is {got:,.0f} B; expected {want:,d} B: count the values a "
+            raise CheckError(f"your count is {got:,.0f} B: {text}", expected=f"{want:,d} B")
+    raise CheckError(f"your count is {got:,.0f} B: count the values a "
                      f"rank of stage {stage} holds (p.local(rank).numel() for its parameters), "
                      f"then 4 B weight + 4 B gradient + 8 B Adam per value; {_SPLITS[zero]} "
-                     f"(dp={dp})")
+                     f"(dp={dp})", expected=f"{want:,d} B")
 
 
 # ---- 08 hybrid: the fastest layout ---------------------------------------------------------------
@@ -486,6 +523,7 @@ def _layout_ms(layout, preset, batch, profile) -> float:
     return _LAYOUT_TIMES[key]
 
 
+@exercise
 def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
                       profile: str = "ascend-910b", world: int = 8) -> None:
     """The (dp, tp, pp) layout of ``world`` ranks (no SP, no ZeRO) with the shortest
@@ -513,9 +551,10 @@ def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
     best = min(times, key=times.get)
     if times[got] > times[best] * (1 + 1e-9):
         raise CheckError(f"{got} takes {times[got]:.3f} ms per step on {profile}; another "
-                         f"layout of {world} ranks takes {times[best]:.3f} ms. Time every "
+                         f"layout of {world} ranks is faster. Time every "
                          f"layout that fits ({len(times)} of them): at this size each message "
-                         "costs mostly latency, so count messages, not bytes")
+                         "costs mostly latency, so count messages, not bytes",
+                         expected=f"{best}: {times[best]:.3f} ms")
     order = sorted(times, key=times.get)
     _ok(f"{best} = (dp, tp, pp): {times[best]:.3f} ms; then " + ", ".join(
         f"{lay} {times[lay]:.3f}" for lay in order[1:]) + " ms")

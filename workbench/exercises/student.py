@@ -10,12 +10,16 @@ and a markdown cell holding such a region becomes "YOUR ANSWER HERE".  Outputs
 and execution counts are cleared.
 
 These are nbgrader's own markers and stubs (its ``ClearSolutions`` preprocessor),
-so the notebooks stay ready for nbgrader should the course ever adopt it.  We do
-not depend on it: nbgrader brings a course-directory layout, a database and
-server extensions, and of all that we need only this one transformation, which
-is a few lines here and tested in ``tests/test_student_versions.py``.
+and the notebooks carry nbgrader's cell metadata (solution cells; locked, graded
+test cells with points), so ``nbgrader generate_assignment`` releases the same
+student cells; ``tests/test_student_versions.py`` runs both and compares.  This
+module needs no nbgrader: of its course directory, database and server
+extensions, a student version needs only this one transformation.
 
     >>> make_student_versions("notebooks", "student")    # python -m workbench course student
+
+:func:`make_work_copy` copies the notebooks a learner opens (``make course``), so that
+JupyterLab's autosave never writes executed outputs into the course's own files.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import copy
 from pathlib import Path
 
 __all__ = ["BEGIN", "END", "CODE_STUB", "TEXT_STUB", "strip_solutions", "student_notebook",
-           "make_student_versions"]
+           "make_student_versions", "make_work_copy"]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -98,3 +102,29 @@ def make_student_versions(src_dir="notebooks", out_dir="student",
         nbformat.write(student_notebook(nb, p.name), dest)
         written.append(dest)
     return written
+
+
+def make_work_copy(src_dir="notebooks", out_dir="work",
+                   pattern: str = "[0-9][0-9]_*.ipynb") -> list[tuple[Path, bool]]:
+    """Copy every notebook ``src_dir/pattern`` into ``out_dir`` unless a copy is already
+    there (a learner's work is never overwritten); returns (path, copied) pairs, sorted.
+    Refuses ``out_dir`` = ``src_dir``: the point is to keep the course's files clean."""
+    import shutil
+    src, out = Path(src_dir), Path(out_dir)
+    if not src.is_dir():
+        raise ValueError(f"src_dir={str(src)!r} is not a directory of notebooks")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"out_dir={str(out)!r} is the source directory: autosave would write "
+                         "into the course's notebooks; choose another directory")
+    paths = sorted(src.glob(pattern))
+    if not paths:
+        raise ValueError(f"no notebooks match {pattern!r} in {str(src)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for p in paths:
+        dest = out / p.name
+        new = not dest.exists()
+        if new:
+            shutil.copyfile(p, dest)
+        done.append((dest, new))
+    return done

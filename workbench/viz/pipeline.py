@@ -82,13 +82,15 @@ def _shade(kind: int, chunk: int, v: int) -> tuple:
 
 
 def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
-                  max_labels: int = MAX_LABELS, dpi: int = 100) -> PipelineFigure:
+                  max_labels: int = MAX_LABELS, dpi: int = 100,
+                  caption: bool = True) -> PipelineFigure:
     """Gantt chart of ``data`` (a SimulationResult, or a Schedule simulated with f, b, w, p2p).
 
     Top: one row per rank (rank 0 on top); F, B, W blocks in fixed colours with the
     micro-batch written inside (up to ``max_labels`` blocks), lighter shades for
     later model chunks, idle time shaded, and the measured bubble next to the
-    published formula.  Bottom (``memory=True``): activations in flight per rank.
+    published formula (``caption=False`` leaves it to the caller, e.g. a widget that
+    prints it).  Bottom (``memory=True``): activations in flight per rank.
     Artists carry gids for tests and tools: "blocks" (a collection with one
     compound path of rectangles per kind and chunk), "bubbles", "labels", "caption".
     """
@@ -127,15 +129,21 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     step = max(1, s.p // 16)
     ax.set_yticks(range(0, s.p, step), [f"rank {r}" for r in range(0, s.p, step)], **FONT)
     ax.set_title(f"{s.name}   p={s.p}  m={s.m}  v={s.v}", loc="left", fontdict=FONT)
-    ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right", va="bottom",
-            gid="caption", **FONT)
-    handles = [Patch(color=KIND_COLORS[k], label=k) for i, k in enumerate(KINDS)
-               if (bl.kind == i).any()] + [Patch(color=BUBBLE_COLOR, label="bubble")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False, prop=FONT)
+    if caption:
+        ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right",
+                va="bottom", gid="caption", **FONT)
+    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else f"{k} chunk {c}")
+               for i, k in enumerate(KINDS) if (bl.kind == i).any()
+               for c in range(s.v) if ((bl.kind == i) & (bl.chunk == c)).any()]
+    handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
+    fig.legend(handles=handles, loc="lower center", ncols=min(len(handles), 7), frameon=False,
+               prop=FONT)
     (axm or ax).set_xlabel("time (modeled)", **FONT)
     if axm is not None:
         _draw_memory(axm, res)
-    fig.subplots_adjust(left=0.08, right=0.9, top=0.92 if memory else 0.85, bottom=0.1)
+    inches = height + (2.2 if memory else 0)
+    fig.subplots_adjust(left=0.08, right=0.9, top=1 - 0.45 / inches,
+                        bottom=(0.85 if memory else 0.75) / inches)
     return fig
 
 
@@ -241,10 +249,16 @@ def _busy_until(start, duration, t) -> np.ndarray:
 class PipelineExplorer:
     """Sliders for p, m, v and a dropdown of schedules, redrawing the Gantt chart.
 
-    Displayed in a live notebook it is an ipywidgets box; where no widget front
-    end runs (nbval, nbconvert, a static viewer) its display data also carries a
-    PNG of the current figure, so the static figure for the defaults still shows.
+    The figure is an image widget whose PNG is replaced in place on every change (the
+    page does not jump); the line of text below it gives the measured bubble beside
+    its formula, or what is wrong when a choice cannot be built (printed once: the
+    live figure carries no caption).  The v slider is enabled only for the schedule
+    that uses it.  Displayed where no widget front end runs (nbval, nbconvert, a
+    static viewer) its display data also carries a PNG of the current figure, with
+    the caption drawn in.
     """
+
+    USES_V = ("Interleaved 1F1B",)
 
     def __init__(self, p=4, m=8, v=2, schedule="1F1B", f=1.0, b=1.0, w=1.0, dpi=80):
         try:
@@ -256,44 +270,49 @@ class PipelineExplorer:
             raise ValueError(f"pipeline_widget(schedule={schedule!r}): choose one of "
                              f"{list(SCHEDULES)}")
         self.costs, self.dpi = dict(f=f, b=b, w=w), dpi
-        style = dict(continuous_update=False)
+        style = dict(continuous_update=False, style={"description_width": "initial"},
+                     layout=widgets.Layout(width="320px"))
         self.controls = {
             "schedule": widgets.Dropdown(options=list(SCHEDULES), value=schedule,
-                                         description="schedule"),
+                                         description="schedule",
+                                         style={"description_width": "initial"}),
             "p": widgets.IntSlider(value=p, min=1, max=16, description="stages p", **style),
             "m": widgets.IntSlider(value=m, min=1, max=64, description="micro-batches m", **style),
             "v": widgets.IntSlider(value=v, min=1, max=4, description="chunks v", **style),
         }
-        self.output = widgets.Output()
+        self.image = widgets.Image(format="png")
+        self.status = widgets.HTML()
         self.box = widgets.VBox([widgets.HBox([self.controls["schedule"], self.controls["p"]]),
                                  widgets.HBox([self.controls["m"], self.controls["v"]]),
-                                 self.output])
-        self.figure, self.message = None, ""
+                                 self.image, self.status])
+        self.figure, self.result, self.message = None, None, ""
         for c in self.controls.values():
             c.observe(lambda change: self.redraw(), names="value")
         self.redraw()
 
     def redraw(self) -> None:
-        """Rebuild the schedule from the controls, simulate it and draw it into the output."""
-        from IPython.display import Image
+        """Rebuild the schedule from the controls, simulate it, and replace the image."""
+        import html
         c = {k: w.value for k, w in self.controls.items()}
+        self.controls["v"].disabled = c["schedule"] not in self.USES_V
         try:
             sched = SCHEDULES[c["schedule"]](c["p"], c["m"], c["v"])
-            result = simulate(sched, **self.costs)
-            self.figure = draw_pipeline(result, dpi=self.dpi)
-            self.message = bubble_caption(result)    # measured beside the formula
+            self.result = simulate(sched, **self.costs)
+            self.figure = draw_pipeline(self.result, dpi=self.dpi, caption=False)
+            self.message = bubble_caption(self.result)    # measured beside the formula
         except ValueError as err:          # e.g. interleaved with m % p != 0: say how to fix
-            self.figure, self.message = None, str(err)
-        self.output.outputs = ()           # clear_output() needs a kernel; this works headless too
+            self.figure, self.result, self.message = None, None, str(err)
         if self.figure is not None:
-            self.output.append_display_data(Image(data=_png(self.figure), format="png"))
-        self.output.append_stdout(self.message + "\n")
+            self.image.value = _png(self.figure)          # in place: no emptied output
+        self.image.layout.visibility = "visible" if self.figure is not None else "hidden"
+        self.status.value = f"<pre>{html.escape(self.message)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
         bundle = dict(self.box._repr_mimebundle_(**kwargs))
-        if self.figure is not None:
-            bundle["image/png"] = base64.b64encode(_png(self.figure)).decode("ascii")
+        if self.result is not None:
+            static = draw_pipeline(self.result, dpi=self.dpi)        # the caption drawn in
+            bundle["image/png"] = base64.b64encode(_png(static)).decode("ascii")
         else:
             bundle["text/plain"] = self.message
         return bundle

@@ -15,14 +15,16 @@ computed::
     >>> fig = draw_placements(TensorSpec((10, 4), Mesh.grid(4), ["S(0)"]))   # uneven 3,3,3,1
     >>> show(fig)        # in a notebook: PNG only, no text  # doctest: +SKIP
 
-How a block reads: ``3`` one rank holds it; ``0,1`` copies (Replicate) on ranks 0
-and 1; ``0+2`` parts of one value (Partial: the tensor is their sum), drawn hatched.
+How a block reads: ``3`` one rank holds it, in its colour; ``copies: 0,1`` copies
+(Replicate) on ranks 0 and 1, the whole block grey with a dot per copy; ``sum 0+2``
+parts of one value (Partial: the tensor is their sum), white and hatched.  (The text
+rendering writes ``0,1`` and ``0+2``.)
 Tensors of rank > 2 are drawn as facets, one per block of their leading dims.
 
 Figures are deterministic: one fixed colour per rank, fixed fonts and sizes, no
 pyplot state (``matplotlib.figure.Figure``).  Artists carry gids for tests and
 tools: "block" (one rectangle per block, at its true position and size), "copy"
-(one stripe per holding rank), "label", "mesh-rank", "step", "total".
+(one dot per holding rank of a shared block), "label", "mesh-rank", "step", "total".
 """
 from __future__ import annotations
 
@@ -46,7 +48,10 @@ RANK_COLORS = ("#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69",
 RC = {"font.family": "DejaVu Sans", "font.size": 9, "hatch.linewidth": 0.8,
       "svg.hashsalt": "workbench"}
 HATCH = "///"
+COPY_FACE = "#e6e6e6"       # Replicate: one grey block, the copies listed and dotted
+PARTIAL_FACE = "#ffffff"    # Partial: white, hatched
 MAX_LABEL_GROUPS = 6
+MAX_DOTS = 16
 
 
 def rank_color(rank: int) -> str:
@@ -182,10 +187,10 @@ def _header(lay: Layout) -> str:
 def _legend(lay: Layout) -> list:
     out = []
     if any(len(b.groups) > 1 for b in lay.blocks):
-        out.append("a,b: copies (Replicate)")
+        out.append("copies a,b: same values on a and b (Replicate)")
     if lay.blocks and lay.blocks[0].partial:
-        out.append(f"a+b: parts of one value, reduced over {', '.join(lay.blocks[0].partial)} "
-                   "(Partial)")
+        out.append(f"sum a+b: parts of one value, reduced over {', '.join(lay.blocks[0].partial)}"
+                   " (Partial)")
     if lay.empty_ranks:
         out.append(f"empty shard: rank{'s' if len(lay.empty_ranks) > 1 else ''} "
                    f"{', '.join(map(str, lay.empty_ranks))} (torch.chunk ran out)")
@@ -241,22 +246,41 @@ def _check_facets(n, max_facets):
 
 # ---- figures ------------------------------------------------------------------------------
 
+def _block_text(b: Block) -> str:
+    """The label drawn in a block: the rank, "copies: 0,1" (Replicate), "sum 0+2" (Partial)."""
+    if b.partial:
+        return "sum\n" + b.label
+    if len(b.groups) > 1:
+        return "copies\n" + b.label
+    return b.label
+
+
 def _draw_blocks(ax, lay: Layout, blocks, title: str) -> None:
+    """One rectangle per block.  One rank: its colour.  Copies (Replicate): the whole block
+    light grey, a double edge, "copies: 0,1,..." and one rank-coloured dot per copy.
+    Partial: white, hatched, "sum 0+2", dots likewise.  Dots have a fixed size in points,
+    so they never read as stripes (which would look like a Shard)."""
     from matplotlib.patches import Rectangle
     rcuts, ccuts = _grid_cuts(lay)
     nrows, ncols = rcuts[-1] or 1, ccuts[-1] or 1
     for b in blocks:
         r0, rh, c0, cw = _grid(lay, b.bounds)
         ranks = b.ranks
-        if len(ranks) > 1:                      # one stripe per holding rank
-            for k, r in enumerate(ranks):
-                ax.add_patch(Rectangle((c0 + k * cw / len(ranks), r0), cw / len(ranks), rh,
-                                       facecolor=rank_color(r), edgecolor="none", gid="copy"))
-        ax.add_patch(Rectangle((c0, r0), cw, rh, gid="block", linewidth=1.2, edgecolor="black",
-                               facecolor=rank_color(ranks[0]) if len(ranks) == 1 else "none",
+        many = len(ranks) > 1
+        face = rank_color(ranks[0]) if not many else (PARTIAL_FACE if b.partial else COPY_FACE)
+        ax.add_patch(Rectangle((c0, r0), cw, rh, gid="block", linewidth=2.4 if many else 1.2,
+                               edgecolor="black", facecolor=face,
                                hatch=HATCH if b.partial else None))
-        ax.text(c0 + cw / 2, r0 + rh / 2, b.label, ha="center", va="center", gid="label",
-                fontsize=9 if len(b.label) <= 8 else 7,
+        if many:
+            ax.add_patch(Rectangle((c0, r0), cw, rh, fill=False, edgecolor="white",
+                                   linewidth=0.8, gid="edge"))
+            shown = ranks[:MAX_DOTS]
+            for k, r in enumerate(shown):
+                ax.plot([c0 + cw * (k + 1) / (len(shown) + 1)], [r0 + rh * 0.78], "o",
+                        markersize=7, markerfacecolor=rank_color(r), markeredgecolor="black",
+                        markeredgewidth=0.6, gid="copy")
+        ax.text(c0 + cw / 2, r0 + rh * (0.4 if many else 0.5), _block_text(b), ha="center",
+                va="center", gid="label", fontsize=9, wrap=True,
                 bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none",
                           alpha=0.85))
     ax.set_xlim(0, ncols)
@@ -265,13 +289,13 @@ def _draw_blocks(ax, lay: Layout, blocks, title: str) -> None:
     ax.set_xticks(ccuts if len(ccuts) <= 17 else [0, ncols])
     ax.set_yticks(rcuts if len(lay.shape) >= 2 and len(rcuts) <= 17 else
                   ([0, nrows] if len(lay.shape) >= 2 else []))
-    ax.tick_params(labelsize=7, length=2)
+    ax.tick_params(labelsize=8, length=2)
     nd = len(lay.shape)
-    ax.set_xlabel(f"dim {nd - 1}" if nd else "scalar", fontsize=8)
+    ax.set_xlabel(f"dim {nd - 1}" if nd else "scalar", fontsize=9)
     if nd >= 2:
-        ax.set_ylabel(f"dim {nd - 2}", fontsize=8)
+        ax.set_ylabel(f"dim {nd - 2}", fontsize=9)
     if title:
-        ax.set_title(title, fontsize=8)
+        ax.set_title(title, fontsize=9)
 
 
 def _draw_mesh(ax, mesh) -> None:
@@ -290,7 +314,7 @@ def _draw_mesh(ax, mesh) -> None:
         x = panel * (cols + 0.5) + c[-1]
         ax.add_patch(Rectangle((x + 0.05, row + 0.05), 0.9, 0.9, facecolor=rank_color(r),
                                edgecolor="black", linewidth=0.8, gid="mesh-rank"))
-        ax.text(x + 0.5, row + 0.5, str(r), ha="center", va="center", fontsize=8)
+        ax.text(x + 0.5, row + 0.5, str(r), ha="center", va="center", fontsize=9)
     width = panels * (cols + 0.5) - 0.5
     ax.set_xlim(-0.1, width + 0.1)
     ax.set_ylim(rows + 0.1, -0.1)
@@ -301,10 +325,10 @@ def _draw_mesh(ax, mesh) -> None:
         s.set_visible(False)
     names = mesh.dim_names
     ax.set_xlabel(names[-1] + (f" (panels: {', '.join(names[:-2])})" if len(names) > 2 else ""),
-                  fontsize=8)
+                  fontsize=9)
     if len(names) >= 2:
-        ax.set_ylabel(names[-2], fontsize=8)
-    ax.set_title("mesh", fontsize=8)
+        ax.set_ylabel(names[-2], fontsize=9)
+    ax.set_title("mesh", fontsize=9)
 
 
 def _draw_layout(fig, lay: Layout, title: str, max_facets: int, mesh_panel: bool = True) -> None:
@@ -321,7 +345,8 @@ def _draw_layout(fig, lay: Layout, title: str, max_facets: int, mesh_panel: bool
     fig.suptitle(title or _header(lay), fontsize=9)
     legend = _legend(lay)
     if legend:
-        fig.supxlabel("\n".join(legend), fontsize=8, gid="legend")
+        import textwrap
+        fig.supxlabel("\n".join(textwrap.fill(x, 44) for x in legend), fontsize=9, gid="legend")
 
 
 def _figure(width, height, dpi):
@@ -373,37 +398,52 @@ def render_reshard_text(plan) -> str:
     return "\n".join(["before: " + render_text(before), *mid, "after:  " + render_text(after)])
 
 
-def draw_reshard(plan, *, facet_size: float = 2.2, dpi: int = 100, max_facets: int = 8):
-    """A Figure of a reshard Plan: the layout before (left) and after (right), with the
-    plan's collectives, notation edits, bytes and modeled time between them."""
-    import matplotlib
+def _stages(plan) -> list:
+    """[(title, Layout)]: the layout before, then after each step of the plan."""
     before = placement_layout(plan.shape, plan.src_mesh, plan.src, plan.dtype)
-    after = placement_layout(plan.shape, plan.dst_mesh, plan.dst, plan.dtype)
-    nb, na = len(before.facets()), len(after.facets())
-    cb, ca = min(nb, 4), min(na, 4)
-    rows = max(-(-nb // cb), -(-na // ca))
+    out = [("before", before)]
+    for k, s in enumerate(plan.steps, 1):
+        mesh = plan.dst_mesh if s.kind == "send_recv" else plan.src_mesh
+        last = k == len(plan.steps)
+        out.append(("after" if last else f"after step {k}",
+                    placement_layout(plan.shape, mesh, s.dst, plan.dtype)))
+    if not plan.steps:
+        out.append(("after", placement_layout(plan.shape, plan.dst_mesh, plan.dst, plan.dtype)))
+    return out
+
+
+def draw_reshard(plan, *, facet_size: float = 2.2, dpi: int = 100, max_facets: int = 8):
+    """A Figure of a reshard Plan, left to right: the layout before, each step (its
+    collective, the placement and notation edit, bytes and modeled time) and the layout
+    it leaves, up to the layout after; the total below."""
+    import matplotlib
+    stages = _stages(plan)
     lines = _step_lines(plan)
+    steps, total = lines[:-1], lines[-1]
+    cols = [min(len(lay.facets()), 4) for _, lay in stages]
+    rows = max(-(-len(lay.facets()) // c) for (_, lay), c in zip(stages, cols))
+    meshes = [i == 0 or lay.mesh != stages[i - 1][1].mesh for i, (_, lay) in enumerate(stages)]
+    widths = []
+    for i, c in enumerate(cols):
+        if i:
+            widths.append(1.5)                                   # the step between
+        widths.append(c + (0.8 if meshes[i] else 0.1))
     with matplotlib.rc_context(RC):
-        fig = _figure(facet_size * (cb + ca + 1.6) + 3.2,
-                      max(facet_size * rows + 1.2, 0.75 * len(lines) + 0.6), dpi)
-        left, mid, right = fig.subfigures(1, 3, width_ratios=[cb + 0.8, 1.6, ca + 0.8])
-        _draw_layout(left, before, "before\n" + before.notation + "\n" +
-                     fmt_placements(before.placements), max_facets)
-        _draw_layout(right, after, "after\n" + after.notation + "\n" +
-                     fmt_placements(after.placements), max_facets)
-        ax = mid.add_subplot(1, 1, 1)
-        ax.set_axis_off()
-        n = len(lines)
-        for k, (text, gid) in enumerate(lines):
-            y = 1 - (k + 0.5) / n
-            ax.text(0.5, y, text, ha="center", va="center", fontsize=8, gid=gid,
-                    fontweight="bold" if gid == "total" else "normal")
-            if gid == "step" and k + 1 < n:
-                ax.annotate("", xy=(0.5, 1 - (k + 1.0) / n + 0.01), xytext=(0.5, 1 - (k + 1.0) / n
-                                                                             + 0.05),
-                            arrowprops=dict(arrowstyle="->", color="#555555"))
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
+        fig = _figure(facet_size * sum(widths) + 0.6, facet_size * rows + 1.9, dpi)
+        subs = fig.subfigures(1, len(widths), width_ratios=widths)
+        for i, (name, lay) in enumerate(stages):
+            _draw_layout(subs[2 * i], lay, f"{name}\n{lay.notation}\n"
+                         f"{fmt_placements(lay.placements)}", max_facets, mesh_panel=meshes[i])
+        for i, (text, gid) in enumerate(steps):
+            ax = subs[2 * i + 1].add_subplot(1, 1, 1)
+            ax.set_axis_off()
+            ax.set_xlim(0, 1)
+            ax.set_ylim(0, 1)
+            ax.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5),
+                        arrowprops=dict(arrowstyle="-|>", color="#555555", linewidth=1.5))
+            ax.text(0.5, 0.56, text, ha="center", va="bottom", fontsize=9, gid=gid,
+                    wrap=True)
+        fig.suptitle(total[0].replace("\n", ", "), fontsize=10, fontweight="bold", gid="total")
     return fig
 
 

@@ -27,7 +27,8 @@ def _options(ndim: int) -> list[str]:
 
 
 class _Picker:
-    """Shared plumbing: dropdowns, an output area, a PNG for static front ends."""
+    """Shared plumbing: dropdowns, an image and a text updated in place, a PNG for static
+    front ends."""
 
     def _widgets(self):
         try:
@@ -38,15 +39,24 @@ class _Picker:
         return widgets
 
     def _dropdowns(self, widgets, mesh, ndim, values, label):
-        return [widgets.Dropdown(options=_options(ndim), value=str(v), description=f"{label}{n}")
+        return [widgets.Dropdown(options=_options(ndim), value=str(v), description=f"{label}{n}",
+                                 style={"description_width": "initial"})
                 for n, v in zip(mesh.dim_names, values)]
 
+    def _area(self, widgets):
+        """The image and the text below it, replaced in place on every change (emptying an
+        Output area instead would make the page jump)."""
+        self.image, self.textbox = widgets.Image(format="png"), widgets.HTML()
+        return [self.image, self.textbox]
+
     def _show(self, text: str) -> None:
-        from IPython.display import Image
-        self.output.outputs = ()        # clear_output() needs a kernel; this works headless too
+        import html
         if self.figure is not None:
-            self.output.append_display_data(Image(data=to_png(self.figure), format="png"))
-        self.output.append_stdout(text + "\n")
+            self.image.value = to_png(self.figure)
+            self.image.layout.visibility = "visible"
+        else:
+            self.image.layout.visibility = "hidden"
+        self.textbox.value = f"<pre>{html.escape(text)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = dict(self.box._repr_mimebundle_(**kwargs))
@@ -64,8 +74,7 @@ class PlacementPicker(_Picker):
         self.shape, self.mesh, self.dpi = tuple(shape), mesh, dpi
         placements = parse_placements(placements or ["R"] * mesh.ndim)
         self.controls = self._dropdowns(widgets, mesh, len(self.shape), placements, "")
-        self.output = widgets.Output()
-        self.box = widgets.VBox([widgets.HBox(self.controls), self.output])
+        self.box = widgets.VBox([widgets.HBox(self.controls), *self._area(widgets)])
         self.figure, self.text = None, ""
         for c in self.controls:
             c.observe(lambda change: self.redraw(), names="value")
@@ -96,8 +105,8 @@ class ReshardPicker(_Picker):
         n = len(self.shape)
         self.src = self._dropdowns(widgets, mesh, n, src, "from ")
         self.dst = self._dropdowns(widgets, mesh, n, dst, "to ")
-        self.output = widgets.Output()
-        self.box = widgets.VBox([widgets.HBox(self.src), widgets.HBox(self.dst), self.output])
+        self.box = widgets.VBox([widgets.HBox(self.src), widgets.HBox(self.dst),
+                                 *self._area(widgets)])
         self.figure, self.text, self.plan = None, "", None
         for c in self.src + self.dst:
             c.observe(lambda change: self.redraw(), names="value")

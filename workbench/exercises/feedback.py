@@ -1,0 +1,90 @@
+"""How a check talks to a student: a short message, a hint first, the value on request.
+
+A wrong answer raises :class:`CheckError`.  In a notebook IPython shows only its
+message (``_render_traceback_``), not a traceback through the checker's source; the
+cell still fails.  A check decorated with :func:`exercise` counts the wrong tries of
+its exercise: the first ``REVEAL_AFTER - 1`` messages give the diagnosis and a hint
+only; from try ``REVEAL_AFTER`` on (or at once with :func:`reveal`) the expected
+value is shown too, so that the value is not the first thing a student reads::
+
+    >>> wb.exercises.check_training_days(11.0)          # doctest: +SKIP
+    Not yet: your training time is 11 days, too high: ... (try 1; ...)
+    >>> wb.exercises.reveal("check_training_days")      # doctest: +SKIP
+    check_training_days expects 7.583 days
+"""
+from __future__ import annotations
+
+import functools
+
+__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "reveal", "reset_tries"]
+
+REVEAL_AFTER = 3            # the wrong try from which the expected value is shown
+_tries: dict = {}           # check name -> wrong tries since its last right answer
+_expected: dict = {}        # check name -> the expected value of its last wrong try
+
+
+class CheckError(AssertionError):
+    """An exercise answer is not right yet; the message says what is wrong.
+
+    ``expected`` (text) is the right value, shown only after repeated tries or on
+    request; None where the message needs no value (a wrong type, a wrong shape)."""
+
+    def __init__(self, message: str, expected: str | None = None):
+        super().__init__(message)
+        self.expected = expected
+
+    def _render_traceback_(self) -> list:
+        """What IPython prints instead of a traceback: the message alone."""
+        return [f"\x1b[1;31mNot yet:\x1b[0m {self}"]
+
+
+def _name(check) -> str:
+    name = check if isinstance(check, str) else getattr(check, "__name__", None)
+    if not isinstance(name, str) or not name.startswith("check_"):
+        raise ValueError(f"reveal(check={check!r}): give a check function or its name, e.g. "
+                         "wb.exercises.reveal(wb.exercises.check_training_days)")
+    return name
+
+
+def exercise(fn):
+    """Count the wrong tries of check ``fn``; add the expected value to its message from
+    try ``REVEAL_AFTER`` on.  A right answer resets the count."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def check(*args, **kwargs):
+        try:
+            out = fn(*args, **kwargs)
+        except CheckError as err:
+            n = _tries[name] = _tries.get(name, 0) + 1
+            if err.expected is not None:
+                _expected[name] = err.expected
+                if n >= REVEAL_AFTER:
+                    err.args = (f"{err.args[0]} (expected {err.expected})",)
+                else:
+                    err.args = (f"{err.args[0]} (try {n}; the expected value shows from try "
+                                f"{REVEAL_AFTER} on, or now with "
+                                f"wb.exercises.reveal({name!r}))",)
+            raise
+        _tries.pop(name, None)
+        return out
+    return check
+
+
+def reveal(check) -> str:
+    """Print (and return) the expected value of ``check``'s exercise, as its last wrong
+    try computed it."""
+    name = _name(check)
+    if name not in _expected:
+        text = (f"{name} has no wrong try yet: run it once with your answer, then "
+                f"reveal({name!r}) shows what it expects")
+    else:
+        text = f"{name} expects {_expected[name]}"
+    print(text)
+    return text
+
+
+def reset_tries() -> None:
+    """Forget every count and expected value (a fresh start, e.g. between tests)."""
+    _tries.clear()
+    _expected.clear()

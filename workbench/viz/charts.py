@@ -1,0 +1,154 @@
+"""Small charts for the notebooks: bars, lines and the roofline.  They draw numbers the
+caller computed (formulas, the cost model, a trace) and compute none themselves, except
+the roofline's two lines, which are the profile's own peak and bandwidth.
+
+    >>> fig = lines([1, 2, 4], {"ring": [1.0, 2.0, 3.0]}, xlabel="p", ylabel="us")
+    >>> show(fig)                     # PNG only in a notebook  # doctest: +SKIP
+
+Deterministic, as the other figures: fixed colours and sizes, no pyplot state.  Artists
+carry gids for tests: "bar", "line", "hline", "point", "roof".
+"""
+from __future__ import annotations
+
+import math
+
+from .placements import RC, show, to_png
+
+__all__ = ["SERIES_COLORS", "bars", "lines", "roofline", "show", "to_png"]
+
+# matplotlib's tab10, in its order: a series keeps its colour across charts
+SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                 "#7f7f7f", "#bcbd22", "#17becf")
+
+
+def _figure(width, height, dpi):
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+
+
+def _finite(name, values):
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}: every value must be a finite number, got {v!r}")
+
+
+def bars(groups: dict, *, unit: str = "", title: str = "", hline=None, log: bool = False,
+         width: float = 7.5, dpi: int = 100):
+    """Horizontal bars, one panel row per group: ``groups`` maps a group title to
+    {label: value}.  ``hline`` = (value, label) draws a reference line (e.g. a device's
+    memory); ``log`` a log axis.  Each bar is labelled with its value."""
+    import matplotlib
+    if not groups:
+        raise ValueError("bars(groups={}): give at least one group {title: {label: value}}")
+    rows = [(g, k, v) for g, d in groups.items() for k, v in d.items()]
+    _finite("bars", [v for _, _, v in rows])
+    if log and any(v <= 0 for _, _, v in rows):
+        raise ValueError("bars(log=True): every value must be > 0 on a log axis")
+    with matplotlib.rc_context(RC):
+        fig = _figure(width, 0.8 + 0.32 * len(rows) + 0.3 * len(groups), dpi)
+        ax = fig.add_subplot(1, 1, 1)
+        y, ticks, labels = 0.0, [], []
+        for gi, (g, d) in enumerate(groups.items()):
+            color = SERIES_COLORS[gi % len(SERIES_COLORS)]
+            for k, v in d.items():
+                ax.barh(y, v, color=color, height=0.7, gid="bar",
+                        label=g if k == next(iter(d)) else None)
+                ax.text(v, y, f" {v:,.0f} {unit}" if abs(v) >= 100 else f" {v:.3g} {unit}", va="center", ha="left", fontsize=9)
+                ticks.append(y)
+                labels.append(k)
+                y += 1
+            y += 0.5
+        ax.set_yticks(ticks, labels, fontsize=9)
+        ax.set_ylim(y - 0.5, -0.8)
+        if log:
+            ax.set_xscale("log")
+        if hline is not None:
+            value, text = hline
+            ax.axvline(value, color="#333333", linestyle="--", linewidth=1.0, gid="hline")
+            ax.text(value, -0.7, f" {text}", ha="left", va="top", fontsize=9)
+        hi = max(v for _, _, v in rows + [("", "", hline[0] if hline else 0)])
+        ax.set_xlim(right=hi * (8 if log else 1.3))
+        ax.set_xlabel(unit, fontsize=9)
+        ax.legend(loc="lower right", fontsize=9, frameon=False)
+        if title:
+            ax.set_title(title, fontsize=10)
+    return fig
+
+
+def lines(x, series: dict, *, xlabel: str = "", ylabel: str = "", title: str = "",
+          logx: bool = False, logy: bool = False, hlines=(), markers: bool = True,
+          width: float = 7.0, height: float = 3.6, dpi: int = 100):
+    """One line per entry of ``series`` ({label: y values}, same length as ``x``);
+    ``hlines``: (value, label) reference lines."""
+    import matplotlib
+    x = list(x)
+    _finite("lines x", x)
+    for k, ys in series.items():
+        if len(ys) != len(x):
+            raise ValueError(f"lines: series {k!r} has {len(ys)} values for {len(x)} x values")
+        _finite(f"lines series {k!r}", ys)
+    with matplotlib.rc_context(RC):
+        fig = _figure(width, height, dpi)
+        ax = fig.add_subplot(1, 1, 1)
+        for i, (k, ys) in enumerate(series.items()):
+            ax.plot(x, ys, marker="o" if markers else None, markersize=3.5, linewidth=1.5,
+                    color=SERIES_COLORS[i % len(SERIES_COLORS)], label=k, gid="line")
+        for j, (value, text) in enumerate(hlines):
+            ax.axhline(value, color="#555555", linestyle="--", linewidth=0.9, gid="hline")
+            ax.text(x[0], value, f" {text}", va="bottom", ha="left", fontsize=9)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.tick_params(labelsize=9)
+        ax.grid(True, linewidth=0.4, alpha=0.5)
+        if series:
+            ax.legend(fontsize=9, frameon=False)
+        if title:
+            ax.set_title(title, fontsize=10)
+    return fig
+
+
+def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 7.0,
+             height: float = 3.8, dpi: int = 100):
+    """The roofline of each profile, attainable FLOP/s = min(peak, intensity x memory
+    bandwidth), with ``points`` ({label: {"flops": F, "bytes_moved": B}}) placed at their
+    arithmetic intensity F / B on every profile's roof."""
+    import matplotlib
+    import numpy as np
+    if not points:
+        raise ValueError("roofline(points={}): give {label: {'flops': F, 'bytes_moved': B}}")
+    for k, w in points.items():
+        if not (w.get("flops", 0) > 0 and w.get("bytes_moved", 0) > 0):
+            raise ValueError(f"roofline: point {k!r} needs flops > 0 and bytes_moved > 0, "
+                             f"got {w!r}")
+    inten = {k: w["flops"] / w["bytes_moved"] for k, w in points.items()}
+    lo, hi = min(inten.values()) / 4, max(inten.values()) * 4
+    xs = np.geomspace(min(lo, 1.0), max(hi, 1e3), 200)
+    with matplotlib.rc_context(RC):
+        fig = _figure(width, height, dpi)
+        ax = fig.add_subplot(1, 1, 1)
+        for i, prof in enumerate(profiles):
+            peak, bw = prof.peak(dtype), prof.memory_bandwidth
+            c = SERIES_COLORS[i % len(SERIES_COLORS)]
+            ax.plot(xs, np.minimum(peak, xs * bw) / 1e12, color=c, linewidth=1.5,
+                    label=f"{prof.name}: {peak / 1e12:g} TFLOP/s, {bw / 1e12:g} TB/s", gid="roof")
+            for k, x in inten.items():
+                ax.plot([x], [min(peak, x * bw) / 1e12], "o", color=c, markersize=5,
+                        gid="point")
+        for k, x in inten.items():
+            ax.axvline(x, color="#999999", linewidth=0.7, linestyle=":")
+            ax.text(x, 0.02, f" {k}\n {x:,.0f} FLOP/B",
+                    transform=ax.get_xaxis_transform(), fontsize=9, va="bottom")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)", fontsize=9)
+        ax.set_ylabel(f"attainable TFLOP/s ({dtype})", fontsize=9)
+        ax.tick_params(labelsize=9)
+        ax.grid(True, which="major", linewidth=0.4, alpha=0.5)
+        ax.legend(fontsize=8.5, frameon=False, loc="upper left")
+        ax.set_title("roofline: below the slope memory-bound, on the flat roof compute-bound",
+                     fontsize=10)
+    return fig
