@@ -46,8 +46,15 @@ def pricing_dtype(specs, out_dtypes):
     return torch.float32
 
 
+# The table's classes that the clock prices as one of its own kernel classes
+# (``profiles.OP_CLASSES``): a cross-entropy is a softmax-like reduction over the vocabulary,
+# an embedding lookup is a gather (bandwidth bound), a view runs no kernel (never priced).
+_CLOCK_CLASS = {"loss": "reduction", "embedding": "data_movement", "view": "data_movement"}
+
+
 def _time(flops, nbytes, profile, dtype, op_class):
-    return _cost.compute_time(flops, nbytes, profile, dtype, op_class=op_class)
+    return _cost.compute_time(flops, nbytes, profile, dtype,
+                              op_class=_CLOCK_CLASS.get(op_class, op_class))
 
 
 def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
