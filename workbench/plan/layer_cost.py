@@ -31,7 +31,8 @@ per-element counts (they never bind: these kernels are priced by their bytes).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import dtype_name, get_profile
@@ -174,13 +175,18 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``."""
     ffn = 4 * h if ffn is None else ffn
     _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks)
-    prof = get_profile(profile)
     dt = dtype_name(dtype)
     if dt not in _ITEMSIZE:
         raise ValueError(f"layer_times: dtype={dtype!r}: use a floating-point dtype "
                          f"{list(_ITEMSIZE)}")
+    ranks = tuple(range(tp)) if tp_ranks is None else tuple(tp_ranks)
+    return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, get_profile(profile),
+                        ranks))
+
+
+@lru_cache(maxsize=4096)
+def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
     e = _ITEMSIZE[dt]
-    ranks = list(range(tp)) if tp_ranks is None else list(tp_ranks)
     fwd = _forward(h, a, s, b, tp, sp, ffn, e)
     phases = [("forward", fwd)]
     if recompute == "full":
@@ -206,7 +212,10 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches)
                 seconds[name] = t
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
-    return out
+    return tuple(out)
+
+
+_FIELDS = tuple(f.name for f in fields(OpCost))
 
 
 def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
@@ -215,8 +224,11 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
-    ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h)."""
+    ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
+    Priced ops are cached per (shape, layout, dtype, profile): a planner may call
+    this for thousands of layouts."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
-    return LayerTimes(fwd, bwd, fwd + bwd, tuple(asdict(o) for o in ops))
+    return LayerTimes(fwd, bwd, fwd + bwd,
+                      tuple({f: getattr(o, f) for f in _FIELDS} for o in ops))

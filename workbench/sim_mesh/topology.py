@@ -58,7 +58,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
 
+from . import cost as _cost  # cost imports this module too: use it at call time only
 from .profiles import Link, Profile
 
 __all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose"]
@@ -97,7 +100,7 @@ class Choice:
     seconds: float
     library: str
     reason: str
-    candidates: dict = field(hash=False)  # algorithm -> seconds, the library's options
+    candidates: MappingProxyType = field(hash=False)  # algorithm -> seconds, read-only
 
 
 def group_of(ranks, profile: Profile) -> Group:
@@ -141,23 +144,21 @@ def _mesh(kind, n, k, profile):
 
 def _intra(kind, n, k, profile):
     """The library's intra-node algorithm for one phase of k ranks."""
-    from .cost import collective_time
     if k == 1 or n == 0:
         return 0.0
     if profile.topology.intra_fabric == "full_mesh":
         return _mesh(kind, n, k, profile)
-    return collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
+    return _cost.collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
 
 
 def _inter(kind, n, m, profile):
     """The inter-node phase among m ranks, one per node, each on its own NIC."""
-    from .cost import collective_time
     if m == 1 or n == 0:
         return 0.0
     link = Link("nic", _rates(profile, Group((1,) * m))[2], profile.inter_node.latency)
     if profile.topology.library == "nccl":
-        return collective_time(kind, n, m, link, "ring")
-    return min(collective_time(kind, n, m, link, a) for a in ("ring", "tree"))
+        return _cost.collective_time(kind, n, m, link, "ring")
+    return min(_cost.collective_time(kind, n, m, link, a) for a in ("ring", "tree"))
 
 
 def _phases(kind, n, g, profile, c=1):
@@ -185,17 +186,16 @@ def _pipelined(kind, n, g, profile):
 
 def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: str) -> float:
     """Seconds for one collective with a named algorithm (module docstring)."""
-    from .cost import collective_time
     if algorithm not in PRICE_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: use one of {['auto', *PRICE_ALGORITHMS]}")
     if g.p == 1 or n == 0:
         return 0.0
     if kind == "send_recv":
-        return collective_time("send_recv", n, 2, _flat_link(profile, g))
+        return _cost.collective_time("send_recv", n, 2, _flat_link(profile, g))
     if algorithm == "ring":
-        return collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
     if algorithm == "halving_doubling":
-        return collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
+        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
     if algorithm == "tree":
         if kind != "all_reduce":
             raise ValueError(f"algorithm='tree' (NCCL's double binary tree) exists for "
@@ -261,9 +261,12 @@ def _candidates(kind: str, g: Group, profile: Profile):
                                            f"or the pipeline algorithm overlapping them ({where})")
 
 
+@lru_cache(maxsize=65536)
 def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
-    """The algorithm ``profile``'s library runs for this collective, its time and why."""
+    """The algorithm ``profile``'s library runs for this collective, its time and why
+    (cached: planners price the same collective many times)."""
     names, why = _candidates(kind, g, profile)
     times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
     best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
-    return Choice(best, times[best], profile.topology.library, why, times)
+    return Choice(best, times[best], profile.topology.library, why,
+                  MappingProxyType(times))
