@@ -47,9 +47,10 @@ What the libraries choose ("auto"; ``choose`` says which and why):
   (grouped send/recv). NVLS / CollNet (switch reductions) are not modeled.
 - HCCL (CANN HCCL_ALGO: level0 = intra-server, fixed by the hardware; level1 =
   inter-server ring | H-D_R | NHR | NB | pipeline | pairwise, chosen adaptively):
-  one server: mesh; one rank per server: ring or halving_doubling; several ranks
-  on each of several servers: hierarchical or pipelined (all_to_all: pairwise or
-  hierarchical). NHR and NB are not modeled separately (ring / H-D stand in).
+  one server: mesh; one rank per server, or an uneven group: ring or
+  halving_doubling (all_to_all: pairwise); several ranks on each of several
+  servers: hierarchical or pipelined (broadcast: hierarchical; all_to_all:
+  pairwise or hierarchical). NHR and NB are not modeled (ring / H-D stand in).
 
 The cheapest of the library's candidates is taken; ties go to the earlier one.
 """
