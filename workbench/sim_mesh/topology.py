@@ -171,7 +171,8 @@ def _phases(kind, n, g, profile, c=1):
     if kind == "all_gather":
         return _inter("all_gather", nc / k, m, profile), _intra("all_gather", nc, k, profile), 0.0
     if kind == "reduce_scatter":
-        return _intra("reduce_scatter", nc, k, profile), _inter("reduce_scatter", nc / k, m, profile), 0.0
+        return (_intra("reduce_scatter", nc, k, profile),
+                _inter("reduce_scatter", nc / k, m, profile), 0.0)
     if kind == "all_to_all":
         return _intra("all_to_all", nc, k, profile), _inter("all_to_all", nc, m, profile), 0.0
     return _inter("broadcast", nc, m, profile), _intra("broadcast", nc, k, profile), 0.0
@@ -248,8 +249,9 @@ def _candidates(kind: str, g: Group, profile: Profile):
                            if kind == "all_reduce" else "") + f" ({where})")
     if g.nodes == 1:
         if fabric == "full_mesh":
-            return ("mesh",), (f"HCCL inside a server: Mesh over all {profile.topology.intra_links} "
-                               f"HCCS links at once (level0, fixed by the hardware) ({where})")
+            links = profile.topology.intra_links
+            return ("mesh",), (f"HCCL inside a server: Mesh over all {links} HCCS links "
+                               f"at once (level0, fixed by the hardware) ({where})")
         return ("ring",), f"HCCL inside a switched node: ring ({where})"
     if g.local == 1 or not g.even:
         opts = ("pairwise",) if kind == "all_to_all" else ("ring", "halving_doubling")
