@@ -211,6 +211,8 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
         seconds = {}
         for op in ops:
             if op[1] in _cost.KINDS:
+                if len(ranks) == 1:    # Megatron issues no collective when tp == 1
+                    continue
                 name, kind, nbytes = op[:3]
                 beside = op[3] if len(op) > 3 else ""
                 pick = _cost.choose(kind, nbytes, ranks, prof)
