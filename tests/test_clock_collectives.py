@@ -108,7 +108,8 @@ def test_hccl_between_servers_one_npu_each():
 def test_default_topology_for_a_custom_profile():
     p = dataclasses.replace(A100, name="custom", topology=Topology())
     assert p.topology.nics_per_node == p.devices_per_node
-    assert cost.price("all_reduce", GiB, range(8), p) == cost.price("all_reduce", GiB, range(8), A100)
+    assert cost.price("all_reduce", GiB, range(8), p) == cost.price("all_reduce", GiB, range(8),
+                                                                    A100)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -99,6 +99,13 @@ def test_gemm_flops_are_exact():
     assert bwd == 2 * (gemm + attn)
 
 
+def test_tp_1_has_no_collectives_and_all_the_work():
+    one, eight = layer_times(**{**LAYER, "tp": 1}), layer_times(**LAYER)
+    assert not [o for o in one.ops if o["algorithm"]]
+    gemm = [sum(o["flops"] for o in r.ops if o["op_class"] == "matmul") for r in (one, eight)]
+    assert gemm[0] == 8 * gemm[1]
+
+
 def test_tp_across_nodes_is_slower():
     # one GPU per node: each all-reduce crosses InfiniBand on one 24 GB/s NIC instead
     # of NVLink at 0.822 x 300 GB/s, about 10x slower

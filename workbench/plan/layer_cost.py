@@ -31,7 +31,8 @@ per-element counts (they never bind: these kernels are priced by their bytes).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import dtype_name, get_profile
@@ -89,9 +90,16 @@ def _forward(h, a, s, b, t, sp, f, e):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches)."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
-    gemm = lambda n, M, K, N: (n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1)
-    ln = lambda n: (n, "norm", 8 * Tn * h, 2 * e * Tn * h + 2 * e * h + 8 * Tn, 1)
-    bda = lambda n: (n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h, 1)
+
+    def gemm(n, M, K, N):      # [M, K] @ [K, N]: read both, write [M, N]
+        return n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1
+
+    def ln(n):                 # read x, write y, write fp32 mean and rstd
+        return n, "norm", 8 * Tn * h, 2 * e * Tn * h + 2 * e * h + 8 * Tn, 1
+
+    def bda(n):                # read x, bias, residual; write y and a one-byte mask
+        return n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h, 1
+
     comm_in = ("all_gather", T * h * e) if sp else None
     comm_out = ("reduce_scatter" if sp else "all_reduce", T * h * e)
     ops = [ln("layernorm_1")]
@@ -121,22 +129,29 @@ def _core(b, ah, s, d, t, T, h, e):
 
 
 def _backward(h, a, s, b, t, sp, f, e, recompute):
-    """Backward kernels and collectives in execution order; a collective tuple's
-    sixth field names the GEMM it overlaps ("" = on the critical path)."""
+    """Backward kernels and collectives in execution order; a collective's last
+    field names the GEMM it runs beside ("" = on the critical path)."""
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
     S = b * ah * s * s
-    fp32_grad = lambda K, N: 8 * K * N   # fp32 main_grad read + write (fused accumulation)
-    dgrad = lambda n, M, K, N: (n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1)
-    wgrad = lambda n, M, K, N: (n, "matmul", 2 * M * K * N,
-                                e * (M * N + M * K) + fp32_grad(K, N), 1)
-    bda = lambda n: [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
-                     (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
-    # Megatron's fused LayerNorm backward (apex's HostLayerNormGradient): a partial
-    # gamma/beta kernel reads x and dy, a small one sums the parts, a third reads x and
-    # dy again and writes dx
-    ln = lambda n: [(n + "_grad", "norm", 10 * Tn * h, 5 * e * Tn * h + 16 * Tn, 3),
-                    (n + "_residual_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+
+    def dgrad(n, M, K, N):     # dx[M, K] = dy[M, N] @ w[K, N]^T
+        return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1
+
+    def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, accumulated into fp32 main_grad (read + write)
+        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1
+
+    def bda(n):                # dropout backward (grad, mask), then the bias gradient
+        return [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
+                (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
+
+    def ln(n):
+        # Megatron's fused LayerNorm backward (apex's HostLayerNormGradient): a partial
+        # gamma/beta kernel reads x and dy, a small one sums the parts, a third reads x
+        # and dy again and writes dx; then the residual branch's gradient is added
+        return [(n + "_grad", "norm", 10 * Tn * h, 5 * e * Tn * h + 16 * Tn, 3),
+                (n + "_residual_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+
     ag = ("all_gather", T * h * e)
     out_grad = [("sp_grad_all_gather", *ag, "")] if sp else []   # backward of reduce-scatter
 
@@ -174,13 +189,18 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``."""
     ffn = 4 * h if ffn is None else ffn
     _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks)
-    prof = get_profile(profile)
     dt = dtype_name(dtype)
     if dt not in _ITEMSIZE:
         raise ValueError(f"layer_times: dtype={dtype!r}: use a floating-point dtype "
                          f"{list(_ITEMSIZE)}")
+    ranks = tuple(range(tp)) if tp_ranks is None else tuple(tp_ranks)
+    return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, get_profile(profile),
+                        ranks))
+
+
+@lru_cache(maxsize=4096)
+def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
     e = _ITEMSIZE[dt]
-    ranks = list(range(tp)) if tp_ranks is None else list(tp_ranks)
     fwd = _forward(h, a, s, b, tp, sp, ffn, e)
     phases = [("forward", fwd)]
     if recompute == "full":
@@ -191,6 +211,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
         seconds = {}
         for op in ops:
             if op[1] in _cost.KINDS:
+                if len(ranks) == 1:    # Megatron issues no collective when tp == 1
+                    continue
                 name, kind, nbytes = op[:3]
                 beside = op[3] if len(op) > 3 else ""
                 pick = _cost.choose(kind, nbytes, ranks, prof)
@@ -206,7 +228,10 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches)
                 seconds[name] = t
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
-    return out
+    return tuple(out)
+
+
+_FIELDS = tuple(f.name for f in fields(OpCost))
 
 
 def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
@@ -215,8 +240,11 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
-    ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h)."""
+    ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
+    Priced ops are cached per (shape, layout, dtype, profile): a planner may call
+    this for thousands of layouts."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
-    return LayerTimes(fwd, bwd, fwd + bwd, tuple(asdict(o) for o in ops))
+    return LayerTimes(fwd, bwd, fwd + bwd,
+                      tuple({f: getattr(o, f) for f in _FIELDS} for o in ops))

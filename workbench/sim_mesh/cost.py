@@ -23,7 +23,7 @@ approximations otherwise. The all-reduce "tree" row is Rabenseifner's algorithm
 (Thakur et al. 2005), which is never slower in this model than a reduce-scatter
 followed by an all-gather, so a reshard planner never finds it cheaper to split an
 all-reduce in two. (NCCL's double binary tree, 2 L a + 2 n b, is dominated by it
-in the alpha-beta model and is not listed.)
+in the alpha-beta model; ``price(..., "tree")`` prices it on the topology.)
 
 Size convention: ``nbytes`` is the full buffer per rank: the tensor being
 all-reduced; the gathered OUTPUT of all_gather; the INPUT of reduce_scatter; the
@@ -41,11 +41,13 @@ profile's roofline with its efficiency per op class and launch cost.
 from __future__ import annotations
 
 import math
+
 from . import topology as _topo
 from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
-           "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth", "bus_bandwidth"]
+           "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
+           "bus_bandwidth"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")

@@ -47,9 +47,10 @@ What the libraries choose ("auto"; ``choose`` says which and why):
   (grouped send/recv). NVLS / CollNet (switch reductions) are not modeled.
 - HCCL (CANN HCCL_ALGO: level0 = intra-server, fixed by the hardware; level1 =
   inter-server ring | H-D_R | NHR | NB | pipeline | pairwise, chosen adaptively):
-  one server: mesh; one rank per server: ring or halving_doubling; several ranks
-  on each of several servers: hierarchical or pipelined (all_to_all: pairwise or
-  hierarchical). NHR and NB are not modeled separately (ring / H-D stand in).
+  one server: mesh; one rank per server, or an uneven group: ring or
+  halving_doubling (all_to_all: pairwise); several ranks on each of several
+  servers: hierarchical or pipelined (broadcast: hierarchical; all_to_all:
+  pairwise or hierarchical). NHR and NB are not modeled (ring / H-D stand in).
 
 The cheapest of the library's candidates is taken; ties go to the earlier one.
 """
@@ -58,7 +59,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
 
+from . import cost as _cost  # cost imports this module too: use it at call time only
 from .profiles import Link, Profile
 
 __all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose"]
@@ -97,7 +101,7 @@ class Choice:
     seconds: float
     library: str
     reason: str
-    candidates: dict = field(hash=False)  # algorithm -> seconds, the library's options
+    candidates: MappingProxyType = field(hash=False)  # algorithm -> seconds, read-only
 
 
 def group_of(ranks, profile: Profile) -> Group:
@@ -141,23 +145,21 @@ def _mesh(kind, n, k, profile):
 
 def _intra(kind, n, k, profile):
     """The library's intra-node algorithm for one phase of k ranks."""
-    from .cost import collective_time
     if k == 1 or n == 0:
         return 0.0
     if profile.topology.intra_fabric == "full_mesh":
         return _mesh(kind, n, k, profile)
-    return collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
+    return _cost.collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
 
 
 def _inter(kind, n, m, profile):
     """The inter-node phase among m ranks, one per node, each on its own NIC."""
-    from .cost import collective_time
     if m == 1 or n == 0:
         return 0.0
     link = Link("nic", _rates(profile, Group((1,) * m))[2], profile.inter_node.latency)
     if profile.topology.library == "nccl":
-        return collective_time(kind, n, m, link, "ring")
-    return min(collective_time(kind, n, m, link, a) for a in ("ring", "tree"))
+        return _cost.collective_time(kind, n, m, link, "ring")
+    return min(_cost.collective_time(kind, n, m, link, a) for a in ("ring", "tree"))
 
 
 def _phases(kind, n, g, profile, c=1):
@@ -169,7 +171,8 @@ def _phases(kind, n, g, profile, c=1):
     if kind == "all_gather":
         return _inter("all_gather", nc / k, m, profile), _intra("all_gather", nc, k, profile), 0.0
     if kind == "reduce_scatter":
-        return _intra("reduce_scatter", nc, k, profile), _inter("reduce_scatter", nc / k, m, profile), 0.0
+        return (_intra("reduce_scatter", nc, k, profile),
+                _inter("reduce_scatter", nc / k, m, profile), 0.0)
     if kind == "all_to_all":
         return _intra("all_to_all", nc, k, profile), _inter("all_to_all", nc, m, profile), 0.0
     return _inter("broadcast", nc, m, profile), _intra("broadcast", nc, k, profile), 0.0
@@ -185,17 +188,16 @@ def _pipelined(kind, n, g, profile):
 
 def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: str) -> float:
     """Seconds for one collective with a named algorithm (module docstring)."""
-    from .cost import collective_time
     if algorithm not in PRICE_ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: use one of {['auto', *PRICE_ALGORITHMS]}")
     if g.p == 1 or n == 0:
         return 0.0
     if kind == "send_recv":
-        return collective_time("send_recv", n, 2, _flat_link(profile, g))
+        return _cost.collective_time("send_recv", n, 2, _flat_link(profile, g))
     if algorithm == "ring":
-        return collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
     if algorithm == "halving_doubling":
-        return collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
+        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
     if algorithm == "tree":
         if kind != "all_reduce":
             raise ValueError(f"algorithm='tree' (NCCL's double binary tree) exists for "
@@ -247,8 +249,9 @@ def _candidates(kind: str, g: Group, profile: Profile):
                            if kind == "all_reduce" else "") + f" ({where})")
     if g.nodes == 1:
         if fabric == "full_mesh":
-            return ("mesh",), (f"HCCL inside a server: Mesh over all {profile.topology.intra_links} "
-                               f"HCCS links at once (level0, fixed by the hardware) ({where})")
+            links = profile.topology.intra_links
+            return ("mesh",), (f"HCCL inside a server: Mesh over all {links} HCCS links "
+                               f"at once (level0, fixed by the hardware) ({where})")
         return ("ring",), f"HCCL inside a switched node: ring ({where})"
     if g.local == 1 or not g.even:
         opts = ("pairwise",) if kind == "all_to_all" else ("ring", "halving_doubling")
@@ -261,9 +264,12 @@ def _candidates(kind: str, g: Group, profile: Profile):
                                            f"or the pipeline algorithm overlapping them ({where})")
 
 
+@lru_cache(maxsize=65536)
 def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
-    """The algorithm ``profile``'s library runs for this collective, its time and why."""
+    """The algorithm ``profile``'s library runs for this collective, its time and why
+    (cached: planners price the same collective many times)."""
     names, why = _candidates(kind, g, profile)
     times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
     best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
-    return Choice(best, times[best], profile.topology.library, why, times)
+    return Choice(best, times[best], profile.topology.library, why,
+                  MappingProxyType(times))
