@@ -12,11 +12,14 @@ own totals, then the multi-copy layer's forward and backward hidden shares.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-import workbench as wb
-from workbench.parallel.strategies.overlap import OPS
-from workbench.parallel.strategies.overlap_sweep import overlap_sweep
-from workbench.parallel.strategies.overlap_multicopy import multi_copy_estimate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+import workbench as wb  # noqa: E402
+from workbench.parallel.strategies.overlap import OPS  # noqa: E402
+from workbench.parallel.strategies.overlap_sweep import overlap_sweep  # noqa: E402
+from workbench.parallel.strategies.overlap_multicopy import multi_copy_estimate  # noqa: E402
 
 PROFILES = ["ascend-910b", "a100"]
 SHAPES = [(4096, 4096, 4096), (16384, 8192, 8192)]       # global (M, K, N)
