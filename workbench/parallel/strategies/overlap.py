@@ -23,7 +23,7 @@ so the exposed communication is m + (k-1) max(0, m - c) and
     hidden share = (k-1) min(c, m) / (k m) = (1 - 1/k) min(1, C/M)
 
 (:func:`expected_hidden_share`).  More chunks hide more, up to the bound C/M;
-on a real profile each chunk also pays the link latency and re-reads the weight,
+on a real profile each chunk also pays a launch, the link latency and re-reads the weight,
 so past some k the extra cost outweighs what is hidden (``overlap_sweep.py``).
 """
 from __future__ import annotations
