@@ -119,3 +119,17 @@ def test_text_rendering():
     assert all(len(ln.split("|")[1]) == 40 for ln in out.splitlines()[1:5])
     with pytest.raises(ValueError, match="width=0"):
         T.render_text(rep, width=0)
+
+
+@pytest.mark.parametrize("ranks", [[0], [0, 1, 2, 3]])
+def test_a_long_title_never_runs_into_the_caption(ranks):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = T.draw_timeline(report(), ranks=ranks,
+                          title="a long title: multi-copy forward, 2 copies, ascend-910b, tp 8")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    title = fig.axes[0]._left_title                      # the Text that set_title(loc="left") set
+    assert title.get_text().startswith("a long title")
+    (cap,) = artists(fig, "caption")
+    a, b = title.get_window_extent(renderer), cap.get_window_extent(renderer)
+    assert a.y0 >= b.y1 - 0.5                            # the title sits above the caption
+    assert a.y1 <= fig.bbox.height                       # and inside the figure

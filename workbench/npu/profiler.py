@@ -8,9 +8,14 @@ Either way the result is one Chrome-trace JSON file: open it in
     with wb.npu.profile("step.json") as prof:
         loss = model(x).sum(); loss.backward()
     print(prof.summary())         # the top ops by self time
+
+The same Chrome-trace format is what the simulator writes (``Trace.to_chrome_trace``), so
+:func:`complete_events`, :func:`top_ops` and :func:`idle_gaps` read a real profile and a
+modeled one alike: the ops that take the time, and where a stream sits idle.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -23,7 +28,7 @@ import torch
 
 from .device import _best_device, device_type, torch_npu_module
 
-__all__ = ["Profile", "profile"]
+__all__ = ["Profile", "profile", "complete_events", "top_ops", "idle_gaps"]
 
 
 @dataclass
@@ -103,3 +108,60 @@ def _without_profiler_chatter():
                     if not line.startswith(_CHATTER)]
             if kept:
                 sys.stderr.write("".join(kept))
+
+
+# ---- reading a Chrome trace (a real profile or the simulator's) ---------------------------
+
+def complete_events(source) -> list[dict]:
+    """The complete ("ph": "X") events of a Chrome trace: ``source`` is a path to its JSON,
+    the loaded dict (e.g. ``Trace.to_chrome_trace()``) or a :class:`Profile`. Times are
+    microseconds (the format's unit)."""
+    if isinstance(source, Profile):
+        source = source.path
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.exists():
+            raise ValueError(f"complete_events: {str(path)!r} does not exist; profile a block "
+                             f"first (with wb.npu.profile({str(path)!r}): ...)")
+        source = json.loads(path.read_text())
+    if not isinstance(source, dict) or not isinstance(source.get("traceEvents"), list):
+        raise ValueError(f"complete_events: give a Chrome trace (a dict with 'traceEvents', a "
+                         f"path to its JSON, or a Profile); got {type(source).__name__}")
+    return [e for e in source["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def top_ops(source, n: int = 10, *, cat: str | None = None) -> list[tuple[str, float, int]]:
+    """(name, total microseconds, calls) of the ``n`` names with the most time, most first
+    (ties by name). ``cat`` keeps one category only (the simulator's "compute" or "comm";
+    torch's "cpu_op", "kernel"...). Times are inclusive: in a real profile an op's time
+    contains the ops it calls (``aten::linear`` contains its ``aten::addmm``); the
+    profiler's own table (``Profile.summary``) gives self times."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"top_ops: n={n!r} must be an int >= 1 (how many names to list)")
+    total: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in complete_events(source):
+        if cat is not None and e.get("cat") != cat:
+            continue
+        total[e["name"]] = total.get(e["name"], 0.0) + float(e["dur"])
+        calls[e["name"]] = calls.get(e["name"], 0) + 1
+    order = sorted(total, key=lambda k: (-total[k], k))[:n]
+    return [(k, total[k], calls[k]) for k in order]
+
+
+def idle_gaps(source, pid, tid, *, min_us: float = 0.0) -> list[tuple[float, float]]:
+    """(start, end) microseconds when thread ``tid`` of process ``pid`` runs nothing,
+    between its first event's start and its last event's end; gaps shorter than
+    ``min_us`` are dropped. In the simulator's trace pid is the rank and tid 0 its
+    compute stream, 1 its comm stream."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                   for e in complete_events(source) if e.get("pid") == pid and e.get("tid") == tid)
+    if not spans:
+        raise ValueError(f"idle_gaps: no events on pid={pid!r}, tid={tid!r}; look up the "
+                         f"pids and tids in complete_events(source)")
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end and s - end >= min_us:
+            gaps.append((end, s))
+        end = max(end, e)
+    return gaps

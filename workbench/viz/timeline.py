@@ -33,6 +33,7 @@ EXPOSED_COLOR = "#d62728"                 # communication the compute stream wai
 FONT = {"family": "DejaVu Sans", "size": 9}
 MAX_LABELS = 80                           # above this many bars, no text inside them
 FIG_WIDTH, LEFT, RIGHT = 10.0, 0.14, 0.83  # inches; the axes' share of the width
+TOP, TITLE_PAD = 0.6, 16                  # inches above the axes; points between title and axes
 
 
 class TimelineFigure(Figure):
@@ -106,7 +107,7 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
     rows = _ranks(events, ranks)
     t0 = min((e.start for e in events), default=0.0)
     unit, scale = time_unit(rep.total or 1.0)
-    height = 1.3 + 0.55 * len(rows)                                # inches
+    height = 1.3 + TOP - 0.4 + 0.55 * len(rows)                    # inches
     fig = TimelineFigure(figsize=(FIG_WIDTH, height), dpi=dpi)
     ax = fig.subplots()
     bars = {"compute": [], "comm": []}
@@ -139,7 +140,8 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
     ax.set_xlabel(f"time ({unit}, modeled on {rep.profile or 'the trace profile'})", **FONT)
     head = title if title is not None else (
         f"{rep.kind}  k={rep.k}" if rep.kind and rep.kind != "trace" else "timeline")
-    ax.set_title(head, loc="left", fontdict=FONT)
+    # the title on its own line above the caption: a long title never runs into it
+    ax.set_title(head, loc="left", fontdict=FONT, pad=TITLE_PAD)
     ax.text(1.0, 1.01, caption(rep), transform=ax.transAxes, ha="right", va="bottom",
             gid="caption", **FONT)
     handles = [Patch(color=STREAM_COLORS["compute"], label="compute"),
@@ -147,7 +149,7 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
                Patch(color=EXPOSED_COLOR, label="comm (exposed)")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False,
               prop=FONT)
-    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.4 / height, bottom=0.6 / height)
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - TOP / height, bottom=0.6 / height)
     return fig
 
 

@@ -23,7 +23,7 @@ so the exposed communication is m + (k-1) max(0, m - c) and
     hidden share = (k-1) min(c, m) / (k m) = (1 - 1/k) min(1, C/M)
 
 (:func:`expected_hidden_share`).  More chunks hide more, up to the bound C/M;
-on a real profile each chunk also pays the link latency and re-reads the weight,
+on a real profile each chunk also pays a launch, the link latency and re-reads the weight,
 so past some k the extra cost outweighs what is hidden (``overlap_sweep.py``).
 """
 from __future__ import annotations
@@ -180,13 +180,15 @@ def _local_numel(t: torch.Tensor, nd: int) -> int:
 
 
 def _record_matmul(tr, mesh, name, a, b, out, label=""):
-    """A per-rank matmul a[m, k] @ b[k, n] on the compute stream, priced by the roofline."""
+    """A per-rank matmul a[m, k] @ b[k, n] on the compute stream: one GEMM kernel,
+    priced by the roofline at the profile's matmul efficiency plus one launch."""
     nd, e = mesh.ndim, a.element_size()
     m, kk, n = a.shape[-2], a.shape[-1], b.shape[-1]
     flops = 2 * m * kk * n
     nbytes = (_local_numel(a, nd) + _local_numel(b, nd) + _local_numel(out, nd)) * e
-    tr.record_compute(mesh.ranks, name, _cost.compute_time(flops, nbytes, tr.profile, a.dtype),
-                      flops=flops, bytes=nbytes, label=label)
+    dur = _cost.compute_time(flops, nbytes, tr.profile, a.dtype, op_class="matmul", launches=1)
+    tr.record_compute(mesh.ranks, name, dur, flops=flops, bytes=nbytes, label=label,
+                      args={"op_class": "matmul", "phase": "forward"})
 
 
 def _check(what, x, w, mesh, axis, chunks, rows):

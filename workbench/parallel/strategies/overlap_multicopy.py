@@ -26,7 +26,8 @@ bit for bit.  Weight gradients are the sum of the copies' gradients, a
 different order of summing the batch than one matmul over it: equal up to
 floating-point rounding.
 
-Modeled costs (per rank, per copy; roofline of each kernel, summed): matmuls
+Modeled costs (per rank, per copy; ``cost.compute_time`` of each kernel with its op
+class and one launch, summed): matmuls
 2mkn FLOPs reading inputs and writing outputs once; attention scores are
 computed in full (S x S, masked causally, as written here; a causal
 FlashAttention kernel would skip half); softmax and GeLU count their memory
@@ -133,29 +134,39 @@ def tp_layer(x, params: LayerParams, mesh, axis):
 # ---- modeled costs -----------------------------------------------------------------------
 
 def _mm(m, k, n, e):
-    return 2 * m * k * n, (m * k + k * n + m * n) * e
+    return 2 * m * k * n, (m * k + k * n + m * n) * e, "matmul"
 
 
-def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int]]]:
-    """(flops, bytes) of each kernel, per rank and copy; a = local heads, Fl = F/p."""
+def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int, str]]]:
+    """(flops, bytes, op class) of each kernel, per rank and copy; a = local heads,
+    Fl = F/p. The attention core runs unfused (as written in ``_attention_partial``):
+    two batched GEMMs (class "matmul") around a softmax (class "norm", as the op
+    table classes it); GeLU is "elementwise"."""
     T, Hl, SS = b * S, a * d, b * a * S * S
-    core = (2 * SS * d, (2 * T * Hl + SS) * e)                    # q k^T or p v (bmm)
+    core = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul")          # q k^T or p v (bmm)
     return {
-        "attention": [_mm(T, H, 3 * Hl, e), core, (5 * SS, 2 * SS * e), core, _mm(T, Hl, H, e)],
-        "ffn": [_mm(T, H, Fl, e), (8 * T * Fl, 2 * T * Fl * e), _mm(T, Fl, H, e)],
-        "attention dX": [_mm(T, H, Hl, e), core, core, (5 * SS, 3 * SS * e), core, core,
+        "attention": [_mm(T, H, 3 * Hl, e), core, (5 * SS, 2 * SS * e, "norm"), core,
+                      _mm(T, Hl, H, e)],
+        "ffn": [_mm(T, H, Fl, e), (8 * T * Fl, 2 * T * Fl * e, "elementwise"), _mm(T, Fl, H, e)],
+        "attention dX": [_mm(T, H, Hl, e), core, core, (5 * SS, 3 * SS * e, "norm"), core, core,
                          _mm(T, 3 * Hl, H, e)],
         "attention dW": [_mm(Hl, T, H, e), _mm(H, T, 3 * Hl, e)],
-        "ffn dX": [_mm(T, H, Fl, e), (10 * T * Fl, 3 * T * Fl * e), _mm(T, Fl, H, e)],
+        "ffn dX": [_mm(T, H, Fl, e), (10 * T * Fl, 3 * T * Fl * e, "elementwise"),
+                   _mm(T, Fl, H, e)],
         "ffn dW": [_mm(Fl, T, H, e), _mm(H, T, Fl, e)],
     }
 
 
 def _compute(tr, mesh, what, kernels, dtype, label):
+    """One compute event per block phase: the sum of its kernels, each priced on the
+    roofline at its class's efficiency plus one launch."""
     ks = kernels[what]
-    dur = sum(_cost.compute_time(f, b, tr.profile, dtype) for f, b in ks)
-    tr.record_compute(mesh.ranks, what, dur, flops=sum(f for f, _ in ks),
-                      bytes=sum(b for _, b in ks), label=label)
+    dur = sum(_cost.compute_time(f, b, tr.profile, dtype, op_class=c, launches=1)
+              for f, b, c in ks)
+    phase = "backward" if what.endswith(("dX", "dW")) else "forward"
+    tr.record_compute(mesh.ranks, what, dur, flops=sum(k[0] for k in ks),
+                      bytes=sum(k[1] for k in ks), label=label,
+                      args={"phase": phase, "kernels": len(ks)})
 
 
 def _all_reduce_async(tr, mesh, ax, t, label):
@@ -191,8 +202,12 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
                          f"{tuple(x.shape)}")
     B, S, H = x.shape[nd:]
     if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= B:
+        hint = ("; a micro-batch of 1 sample cannot be cut in copies (attention mixes the "
+                "tokens of a sample): use copies=1, a micro-batch >= 2, or hide the "
+                "all-reduce by chunking the tokens of the row-parallel matmul "
+                "(overlap.matmul_all_reduce(..., chunks=k))") if B == 1 else ""
         raise ValueError(f"multi_copy_layer: copies={copies!r} must be an int in [1, {B}] "
-                         f"(each copy needs at least one sample of the micro-batch)")
+                         f"(each copy needs at least one sample of the micro-batch){hint}")
     grad_out = torch.ones_like(x) if grad_out is None else grad_out
     rep_shape = list(x.shape)
     rep_shape[ax] = p

@@ -1,0 +1,94 @@
+"""The checks of notebooks 10 and 12: right answers pass, common mistakes get their hint,
+and the checks' hand formulas agree with the library (which they must not call)."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_overlap_profiling as C
+from workbench.exercises.feedback import CheckError, reset_tries
+from workbench.parallel.strategies.overlap import expected_hidden_share
+from workbench.parallel.strategies.overlap_multicopy import multi_copy_estimate
+from workbench.sim_mesh import cost
+from workbench.sim_mesh.profiles import Link, Profile
+from workbench.sim_mesh.trace import trace
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    yield
+    reset_tries()
+
+
+def fails(fn, *args, match, **kw):
+    with pytest.raises(CheckError, match=match):
+        fn(*args, **kw)
+
+
+def test_hidden_share():
+    C.check_hidden_share(0.45)
+    fails(C.check_hidden_share, 0.75, match="at most C/M")
+    fails(C.check_hidden_share, 0.6, match=r"multiply by \(1 - 1/k\)")
+    fails(C.check_hidden_share, "x", match="should be a number")
+    for c, m, k in [(1.2, 2.0, 4), (3.0, 1.0, 8), (1.0, 1.0, 1)]:
+        want = expected_hidden_share(c, m, k)
+        C.check_hidden_share(want, compute_ms=c, comm_ms=m, k=k)
+
+
+def test_multi_copy_forward():
+    C.check_multi_copy_forward_ms(8.0)
+    fails(C.check_multi_copy_forward_ms, 12.0, match="one copy of the whole batch")
+    fails(C.check_multi_copy_forward_ms, 7.5, match="here one is longer")
+
+
+@pytest.mark.parametrize("link", [2e10, 1e11, 1e12])
+def test_hand_schedule_equals_the_clock(link):
+    """On a flat profile the library's two-copy forward takes the hand schedule's time."""
+    prof = Profile(name="flat", description="test", peak_flops={"float32": 1e14, "bfloat16": 1e14, "float16": 1e14},
+                   memory_bandwidth=1e18, memory_bytes=10 ** 12, devices_per_node=64,
+                   intra_node=Link("l", link, 0.0), inter_node=Link("l", link, 0.0))
+    r = multi_copy_estimate(2, 256, 512, 8, 2048, wb.Mesh.grid(4, ("tp",)), "tp",
+                            profile=prof, dtype=torch.float32)
+    d = {(e.stream, e.label): e.duration for e in r.forward.events}
+    a, f, m = d["compute", "attention A"], d["compute", "ffn A"], d["comm", "attention A"]
+    assert d["comm", "ffn B"] == pytest.approx(m)
+    assert r.forward.total == pytest.approx(C._two_copy_schedule(a, f, m))
+
+
+def test_best_chunks():
+    C.check_best_chunks(4)
+    fails(C.check_best_chunks, 32, match="pays the link latency again")
+    fails(C.check_best_chunks, 1, match="more chunks would still hide")
+    fails(C.check_best_chunks, 3, match="not one of the candidates")
+    C.check_best_chunks(32, latency_us=0.0, launch_us=0.0)   # no overhead: more is better
+
+
+def test_fusion_agrees_with_the_clock():
+    n, nbytes = 1000, 4096
+    unfused = cost.compute_time(0, nbytes, "ascend-910b", "bfloat16") * n * 1e6
+    fused = cost.compute_time(0, n * nbytes, "ascend-910b", "bfloat16") * 1e6
+    C.check_fusion_us(unfused, fused)
+    fails(C.check_fusion_us, fused, fused, match="n launches")
+    fails(C.check_fusion_us, unfused, unfused, match="launches once")
+
+
+def _trace():
+    with trace("a100") as tr:
+        tr.record_compute([0, 1], "mm", 3e-6)
+        tr.record_compute([0, 1], "add", 1e-6)
+        tr.record_compute([0, 1], "add", 1e-6)
+        tr.record_compute([0, 1], "add", 1e-6)
+        tr.record_collective([0, 1], "all_reduce", 4e-6)
+        tr.record_compute([0], "mm", 1e-6)
+    return tr
+
+
+def test_top_op_and_idle_share():
+    tr = _trace()
+    C.check_top_op("mm", tr)
+    fails(C.check_top_op, "add", tr, match="most FREQUENT")
+    fails(C.check_top_op, "gelu", tr, match="no compute event")
+    C.check_idle_share(4 / 11, tr, rank=0)         # busy 7 of 11 us
+    C.check_idle_share(1 - tr.busy(0, "compute") / tr.time(), tr)
+    fails(C.check_idle_share, 7 / 11, tr, match="BUSY share")
+    fails(C.check_top_op, "mm", [1], match="pass the Trace")

@@ -1,0 +1,184 @@
+"""Checks for the exercises of notebooks 10 (overlap) and 12 (profiling).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
+:class:`~.feedback.CheckError` (IPython shows its message alone), the hint first and the
+expected value from the third wrong try on or with ``wb.exercises.reveal(...)``.
+Expected values come from the formula or a hand schedule written out here, never from
+the library code the exercise is about (``overlap.py``, ``cost.compute_time``,
+``Trace.busy``): a bug there must not become the right answer. The profile is read for
+its numbers only (data with cited sources), as a student reads it.
+"""
+from __future__ import annotations
+
+from ..sim_mesh.profiles import get_profile
+from .checks import _check_number, _number, _ok
+from .feedback import CheckError, exercise
+
+__all__ = ["check_hidden_share", "check_multi_copy_forward_ms", "check_best_chunks",
+           "check_fusion_us", "check_top_op", "check_idle_share"]
+
+
+# ---- 10 overlap ----------------------------------------------------------------------------
+
+@exercise
+def check_hidden_share(share, compute_ms: float = 1.2, comm_ms: float = 2.0,
+                       k: int = 4) -> None:
+    """Share of the communication hidden when an op with compute C and communication M
+    is cut into k chunks that pipeline: (1 - 1/k) min(1, C/M) (latency ignored)."""
+    want = (1 - 1 / k) * min(1.0, compute_ms / comm_ms)
+    ratio = compute_ms / comm_ms
+    _check_number("hidden share", share, want, "of M", [
+        ((1 - 1 / k), "that is the share when compute covers all the communication; here "
+                      "C < M, so at most C/M of it can hide"),
+        (min(1.0, ratio), "that is the limit for infinitely many chunks; the first chunk's "
+                          "compute and the last chunk's communication never overlap: "
+                          "multiply by (1 - 1/k)"),
+        ((1 - 1 / k) / ratio, "you used M/C; the compute that covers the communication is "
+                              "C, so the ratio is C/M"),
+        (1 / k, "1/k is the share of the LAST chunk, the one that stays exposed"),
+        (1 - ratio, "that is the part of M that is longer than C, not the hidden share"),
+    ], rel=1e-3)
+
+
+def _two_copy_schedule(a: float, f: float, m: float) -> float:
+    """Forward of a layer in two copies A, B (attention a, FFN f, all-reduce m, per copy),
+    by hand: one compute stream (A.attn, B.attn, A.ffn, B.ffn) and one comm stream
+    (A.ar1, B.ar1, A.ar2, B.ar2), each FIFO; a block waits for its copy's all-reduce."""
+    c_a1 = a
+    c_b1 = c_a1 + a
+    r_a1 = c_a1 + m
+    r_b1 = max(r_a1, c_b1) + m
+    c_a2 = max(c_b1, r_a1) + f
+    r_a2 = max(r_b1, c_a2) + m
+    c_b2 = max(c_a2, r_b1) + f
+    return max(r_a2, c_b2) + m
+
+
+@exercise
+def check_multi_copy_forward_ms(total_ms, attention_ms: float = 1.0, ffn_ms: float = 2.0,
+                                all_reduce_ms: float = 1.5) -> None:
+    """Forward time of the two-copy layer, each copy's attention ``attention_ms``, FFN
+    ``ffn_ms`` and each all-reduce ``all_reduce_ms`` (per copy)."""
+    a, f, m = attention_ms, ffn_ms, all_reduce_ms
+    want = _two_copy_schedule(a, f, m)
+    _check_number("forward time", total_ms, want, "ms", [
+        (2 * a + 2 * f + m, "only the last all-reduce is exposed when every all-reduce is "
+                            "shorter than the block after it; here one is longer"),
+        (2 * a + 2 * f, "the last all-reduce (B's FFN) has nothing left to hide behind"),
+        (2 * a + 2 * f + 4 * m, "that is one copy of the whole batch, where every "
+                                "all-reduce blocks; with two, one copy's all-reduce runs "
+                                "while the other copy computes"),
+    ], rel=1e-3)
+
+
+@exercise
+def check_best_chunks(k, compute_ms: float = 1.0, comm_ms: float = 2.0,
+                      launch_us: float = 5.0, latency_us: float = 40.0,
+                      ks=(1, 2, 4, 8, 16, 32)) -> None:
+    """The k in ``ks`` that minimises c + m + (k-1) max(c, m), with per-chunk compute
+    c = C/k + launch and communication m = M/k + latency (each chunk pays its own)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise CheckError(f"k should be one of {list(ks)}, an int; got {k!r}")
+    if k not in ks:
+        raise CheckError(f"k={k} is not one of the candidates {list(ks)}")
+
+    def total(j):
+        c = compute_ms / j + launch_us / 1e3
+        m = comm_ms / j + latency_us / 1e3
+        return c + m + (j - 1) * max(c, m)
+    want = min(ks, key=total)
+    if k == want:
+        _ok(f"k = {k}: {total(k):.3f} ms, against {total(1):.3f} ms unsplit")
+        return
+    if k > want:
+        hint = ("past the best k every chunk pays the link latency again, more than the "
+                "chunking hides: compare the totals of your k and a smaller one")
+    else:
+        hint = "more chunks would still hide more than their extra latency costs"
+    raise CheckError(f"k = {k} gives {total(k):.3f} ms: {hint}", expected=f"k = {want}")
+
+
+# ---- 12 profiling --------------------------------------------------------------------------
+
+@exercise
+def check_fusion_us(unfused_us, fused_us, n: int = 1000, nbytes: int = 4096,
+                    profile: str = "ascend-910b") -> None:
+    """Modeled microseconds of ``n`` elementwise kernels each moving ``nbytes`` (one launch
+    each) and of one fused kernel moving all of it (one launch), on the roofline:
+    bytes / (memory bandwidth x memory efficiency) + launches x launch overhead."""
+    prof = get_profile(profile)
+    bw = prof.memory_bandwidth * prof.memory_efficiency
+    launch = prof.launch_overhead
+    want_u = n * (nbytes / bw + launch) * 1e6
+    want_f = (n * nbytes / bw + launch) * 1e6
+    move = n * nbytes / bw * 1e6
+    _check_number("unfused time", unfused_us, want_u, "us", [
+        (move, "that is the memory traffic only: each of the n kernels also pays a launch"),
+        (want_f, "that is the fused kernel: one launch; the unfused ops pay n launches"),
+        (n * nbytes / prof.memory_bandwidth * 1e6 + n * launch * 1e6,
+         "use the memory bandwidth a kernel reaches: x memory_efficiency"),
+    ], rel=1e-3)
+    _check_number("fused time", fused_us, want_f, "us", [
+        (move, "the fused kernel is still one launch: add launch_overhead once"),
+        (want_u, "one fused kernel launches once, not n times"),
+        (n * nbytes / prof.memory_bandwidth * 1e6 + launch * 1e6,
+         "use the memory bandwidth a kernel reaches: x memory_efficiency"),
+    ], rel=1e-3)
+
+
+def _compute_events(tr):
+    events = getattr(tr, "events", None)
+    if events is None:
+        raise CheckError(f"pass the Trace of the step (wb.trace(...) as tr), got "
+                         f"{type(tr).__name__}")
+    return [e for e in events if e.stream == "compute"]
+
+
+@exercise
+def check_top_op(name, tr) -> None:
+    """The op name with the most modeled compute time in trace ``tr`` (all its events,
+    each counted once however many ranks ran it)."""
+    if not isinstance(name, str):
+        raise CheckError(f"name should be an op name (a str, e.g. 'mm'), got {name!r}")
+    per = {}
+    count = {}
+    for e in _compute_events(tr):
+        per[e.name] = per.get(e.name, 0.0) + e.duration
+        count[e.name] = count.get(e.name, 0) + 1
+    if not per:
+        raise CheckError("that trace has no compute events: record a step in it first")
+    want = max(per, key=per.get)
+    if name == want:
+        _ok(f"{name}: {per[name] * 1e6:.1f} us of compute in {count[name]} events")
+        return
+    if name not in per:
+        raise CheckError(f"no compute event in the trace is called {name!r}; the names are "
+                         f"the events' .name", expected=repr(want))
+    most = max(count, key=count.get)
+    hint = (" it is the most FREQUENT op; sum the durations, not the counts"
+            if name == most and most != want else " sum each name's durations")
+    raise CheckError(f"{name!r} has {per[name] * 1e6:.1f} us of compute:{hint}",
+                     expected=repr(want))
+
+
+@exercise
+def check_idle_share(share, tr, rank: int = 0) -> None:
+    """The share of the step (first event's start to last event's end, all ranks) during
+    which ``rank``'s compute stream is idle."""
+    got = _number("idle share", share)
+    events = getattr(tr, "events", None)
+    if not events:
+        raise CheckError("pass the Trace of the step, with its events")
+    t0, t1 = min(e.start for e in events), max(e.end for e in events)
+    busy, end = 0.0, t0                  # merge the rank's compute intervals, by hand
+    for s, e in sorted((e.start, e.end) for e in events
+                       if e.stream == "compute" and rank in e.ranks):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    want = 1 - busy / (t1 - t0)
+    summed = sum(e.duration for e in events if e.stream == "compute" and rank in e.ranks)
+    _check_number("idle share", got, want, "of the step", [
+        (1 - want, "that is the BUSY share; idle is 1 - busy / step"),
+        (1 - summed / (t1 - t0), "close: merge overlapping compute intervals first"),
+    ], rel=1e-3)
