@@ -170,15 +170,18 @@ def _no_rule(func, args, kwargs, name):
 
 
 def dispatch(func, args, kwargs):
-    kwargs = kwargs or {}
     hit = BY_FUNC.get(func)
     if hit is None:
-        return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+        return _no_rule(func, args, kwargs or {}, getattr(func, "__name__", str(func)))
     entry, parse = hit
-    if kwargs.get("out") is not None:
-        raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign the "
-                        "result instead")
-    inputs, attrs = parse(*args, **kwargs)
+    if kwargs:
+        if kwargs.get("out") is not None:
+            raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign "
+                            "the result instead")
+        inputs, attrs = parse(*args, **kwargs)
+    else:
+        kwargs = {}
+        inputs, attrs = parse(*args)
     mesh = None
     for x in inputs:
         if isinstance(x, DistTensor):
@@ -188,9 +191,16 @@ def dispatch(func, args, kwargs):
                 raise ValueError(f"{entry.name}: inputs live on different meshes "
                                  f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
                                  "onto the other's mesh first")
-    specs = tuple(_spec_of(x, mesh) for x in inputs)
+    specs = []
+    consts = ()                    # the types of constant inputs (type promotion differs)
+    for x in inputs:
+        s = x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
+        if s is None:
+            consts += (type(x),)
+        specs.append(s)
+    specs = tuple(specs)
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
-           tuple(type(x) for x, s in zip(inputs, specs) if s is None))
+           consts)
     prep = _PREPARED.get(key)
     if prep is None:
         if entry.rule is None:
