@@ -101,3 +101,13 @@ def test_float64_under_a_trace_is_priced_never_refused():
     with wb.trace() as tr:
         y = torch.exp(x).sum()
     assert compute(tr, "exp")[0].duration > 0 and y.dtype == torch.float64
+
+
+def test_causal_attention_priced_on_the_busiest_rank_when_rows_are_sharded():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with wb.trace() as tr:
+        F.scaled_dot_product_attention(wb.shard_tensor(q, M2, [S(2)]), wb.shard_tensor(k, M2, [R]),
+                                       wb.shard_tensor(v, M2, [R]), is_causal=True)
+    (ev,) = compute(tr, "scaled_dot_product_attention")
+    pairs = sum(r + 1 for r in range(4, 8))           # rank 1 holds rows 4..7 of 8: 26 pairs
+    assert ev.flops == 2 * 1 * 2 * pairs * (4 + 4)    # 2 pairs (D + Dv) per (batch, head)
