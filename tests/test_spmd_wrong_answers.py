@@ -173,3 +173,16 @@ def test_parallelize_unknown_style_names_key_value_and_styles():
     with pytest.raises(ValueError, match=r"plan\['0'\] = 'colwize'.*'colwise', 'rowwise'"):
         wb.parallelize(model, M2, {"0": "colwize"})
     assert isinstance(model[0].weight, nn.Parameter)                  # nothing changed
+
+
+# ---- type promotion with 0-d tensors ---------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [torch.mul, torch.add, lambda a, b: b - a, torch.lt,
+                                lambda a, b: torch.where(a > 0, a, b)],
+                         ids=["mul", "add", "rsub", "lt", "where"])
+def test_zero_dim_operand_promotes_like_torch(fn):
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    for s in (torch.tensor(1.3), torch.tensor(3, dtype=torch.int64)):
+        ref = fn(x, s)
+        got = fn(wb.shard_tensor(x, M2, [S(0)]), wb.shard_tensor(s, M2, [R]))
+        assert got.dtype == ref.dtype and torch.equal(got.full(), ref)
