@@ -149,3 +149,18 @@ def test_op_records_its_compute(name):
     else:
         assert evs and all(e.bytes > 0 and e.duration > 0 for e in evs), name
         assert evs[0].args["op_class"] == TABLE[name].op_class
+
+
+def test_every_candidate_can_be_forced_and_is_right():
+    """The validator's hook: each candidate the rule offers runs, and equals one device."""
+    from workbench.parallel.dispatch import force_candidate
+    A, B = torch.randn(5, 6), torch.randn(6, 3)
+    a, b = wb.shard_tensor(A, M2, [wb.Shard(0)]), wb.shard_tensor(B, M2, [wb.Shard(0)])
+    dec = wb.spmd.infer("matmul", a.spec, b.spec)
+    assert len(dec.candidates) > 2
+    for c in dec.candidates:
+        with force_candidate(lambda d, c=c: next(x for x in d.candidates
+                                                 if x.strategy == c.strategy)):
+            out = a @ b
+        assert out.placements == c.strategy.outputs[0]
+        torch.testing.assert_close(out.full(), A @ B)

@@ -186,3 +186,10 @@ def test_zero_dim_operand_promotes_like_torch(fn):
         ref = fn(x, s)
         got = fn(wb.shard_tensor(x, M2, [S(0)]), wb.shard_tensor(s, M2, [R]))
         assert got.dtype == ref.dtype and torch.equal(got.full(), ref)
+
+
+def test_zero_dim_times_scalar_keeps_its_layout():
+    loss = wb.shard_tensor(torch.tensor(2.5), M2, [R])
+    assert (loss * 0.5).full().item() == 1.25
+    p = partial(torch.tensor(2.5))
+    assert (p * 0.5).placements == (P,) and (p * 0.5).full().item() == 1.25

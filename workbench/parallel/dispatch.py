@@ -38,7 +38,8 @@ from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
 
-__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks"]
+__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks",
+           "force_candidate"]
 
 
 @dataclass
@@ -90,6 +91,31 @@ def allow_replicate_fallback():
         yield
     finally:
         _FALLBACK.pop()
+
+
+_FORCE: list = []           # the validator: which candidate to run (see force_candidate)
+
+
+@contextlib.contextmanager
+def force_candidate(pick):
+    """Run the candidate ``pick(decision)`` returns instead of the cheapest (a per-candidate
+    validator forces each in turn); nothing is cached meanwhile."""
+    _FORCE.append(pick)
+    try:
+        yield
+    finally:
+        _FORCE.remove(pick)
+
+
+def _forced(entry, prep, inputs, specs, attrs, mesh):
+    cand = _FORCE[-1](prep.dec)
+    if cand is None or cand is prep.cand:
+        return prep
+    forced = _prepare(entry, prep.dec, inputs, specs, attrs, mesh, cand=cand)
+    if not forced.even and _B.is_distributed(mesh):
+        raise ValueError(f"{entry.name}: the forced candidate has uneven shards, which "
+                         "torch.distributed cannot run; force an even one")
+    return forced
 
 
 @contextlib.contextmanager
@@ -201,7 +227,7 @@ def dispatch(func, args, kwargs):
     specs = tuple(specs)
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
            consts)
-    prep = _PREPARED.get(key)
+    prep = _PREPARED.get(key) if not _FORCE else None
     if prep is None:
         if entry.rule is None:
             return _no_rule(func, args, kwargs, entry.name)
@@ -215,9 +241,12 @@ def dispatch(func, args, kwargs):
         prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
         if theirs is not None:
             checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
-        if len(_PREPARED) > 20000:
-            _PREPARED.clear()
-        _PREPARED[key] = prep
+        if _FORCE:
+            prep = _forced(entry, prep, inputs, specs, attrs, mesh)
+        else:
+            if len(_PREPARED) > 20000:
+                _PREPARED.clear()
+            _PREPARED[key] = prep
     return run_prepared(entry, prep, inputs, specs, attrs, mesh)
 
 
@@ -243,11 +272,11 @@ def _is_even(cand, specs, out_shapes, mesh) -> bool:
         all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, st.outputs))
 
 
-def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
+def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     out_shapes, out_dtypes = _out_shapes(opdef, dec, inputs, attrs)
-    cand = dec.chosen
+    forced, cand = cand is not None, cand or dec.chosen
     even = _is_even(cand, specs, out_shapes, mesh)
-    if not even and _B.is_distributed(mesh):
+    if not even and not forced and _B.is_distributed(mesh):
         # one process per rank holds one shard: take the cheapest candidate with even
         # shards (uneven ones would need padded collectives)
         for c in dec.candidates:

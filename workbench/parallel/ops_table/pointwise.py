@@ -34,6 +34,8 @@ def _zero_dims(nd, ctx, xs):
     device axes. A 0-d input that is the same on every rank is given to torch as the 0-d
     tensor it is, so the op promotes (and rounds) exactly as on one device. A 0-d input
     that differs per rank (a partial) is cast to the common dtype torch computes in."""
+    if not any(s is not None and s.ndim > 0 for s in ctx.in_specs):
+        return xs                  # only 0-d tensors: nothing to promote differently
     out = None
     for k, s in enumerate(ctx.in_specs):
         x = xs[k]
