@@ -282,10 +282,6 @@ def test_normalize_index_errors():
 
 
 def test_split_returns_a_tuple():
-    from workbench.parallel.rules import shape
-    if not shape._MULTI:
-        pytest.xfail("dispatch.OpDef has no multi=True yet: a 1-piece split returns a bare "
-                     "DistTensor")
     x = wb.shard_tensor(torch.randn(4, 6), M2, [S(0)])
     assert isinstance(x.split(6, 1), tuple) and len(x.split(6, 1)) == 1
 

@@ -38,7 +38,8 @@ from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
 
-__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks"]
+__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks",
+           "force_candidate"]
 
 
 @dataclass
@@ -90,6 +91,31 @@ def allow_replicate_fallback():
         yield
     finally:
         _FALLBACK.pop()
+
+
+_FORCE: list = []           # the validator: which candidate to run (see force_candidate)
+
+
+@contextlib.contextmanager
+def force_candidate(pick):
+    """Run the candidate ``pick(decision)`` returns instead of the cheapest (a per-candidate
+    validator forces each in turn); nothing is cached meanwhile."""
+    _FORCE.append(pick)
+    try:
+        yield
+    finally:
+        _FORCE.remove(pick)
+
+
+def _forced(entry, prep, inputs, specs, attrs, mesh):
+    cand = _FORCE[-1](prep.dec)
+    if cand is None or cand is prep.cand:
+        return prep
+    forced = _prepare(entry, prep.dec, inputs, specs, attrs, mesh, cand=cand)
+    if not forced.even and _B.is_distributed(mesh):
+        raise ValueError(f"{entry.name}: the forced candidate has uneven shards, which "
+                         "torch.distributed cannot run; force an even one")
+    return forced
 
 
 @contextlib.contextmanager
@@ -170,15 +196,18 @@ def _no_rule(func, args, kwargs, name):
 
 
 def dispatch(func, args, kwargs):
-    kwargs = kwargs or {}
     hit = BY_FUNC.get(func)
     if hit is None:
-        return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+        return _no_rule(func, args, kwargs or {}, getattr(func, "__name__", str(func)))
     entry, parse = hit
-    if kwargs.get("out") is not None:
-        raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign the "
-                        "result instead")
-    inputs, attrs = parse(*args, **kwargs)
+    if kwargs:
+        if kwargs.get("out") is not None:
+            raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign "
+                            "the result instead")
+        inputs, attrs = parse(*args, **kwargs)
+    else:
+        kwargs = {}
+        inputs, attrs = parse(*args)
     mesh = None
     for x in inputs:
         if isinstance(x, DistTensor):
@@ -188,10 +217,17 @@ def dispatch(func, args, kwargs):
                 raise ValueError(f"{entry.name}: inputs live on different meshes "
                                  f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
                                  "onto the other's mesh first")
-    specs = tuple(_spec_of(x, mesh) for x in inputs)
+    specs = []
+    consts = ()                    # the types of constant inputs (type promotion differs)
+    for x in inputs:
+        s = x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
+        if s is None:
+            consts += (type(x),)
+        specs.append(s)
+    specs = tuple(specs)
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
-           tuple(type(x) for x, s in zip(inputs, specs) if s is None))
-    prep = _PREPARED.get(key)
+           consts)
+    prep = _PREPARED.get(key) if not _FORCE else None
     if prep is None:
         if entry.rule is None:
             return _no_rule(func, args, kwargs, entry.name)
@@ -205,9 +241,12 @@ def dispatch(func, args, kwargs):
         prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
         if theirs is not None:
             checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
-        if len(_PREPARED) > 20000:
-            _PREPARED.clear()
-        _PREPARED[key] = prep
+        if _FORCE:
+            prep = _forced(entry, prep, inputs, specs, attrs, mesh)
+        else:
+            if len(_PREPARED) > 20000:
+                _PREPARED.clear()
+            _PREPARED[key] = prep
     return run_prepared(entry, prep, inputs, specs, attrs, mesh)
 
 
@@ -233,11 +272,11 @@ def _is_even(cand, specs, out_shapes, mesh) -> bool:
         all(layout.is_even(s, mesh, ps) for s, ps in zip(out_shapes, st.outputs))
 
 
-def _prepare(opdef, dec, inputs, specs, attrs, mesh) -> _Prepared:
+def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     out_shapes, out_dtypes = _out_shapes(opdef, dec, inputs, attrs)
-    cand = dec.chosen
+    forced, cand = cand is not None, cand or dec.chosen
     even = _is_even(cand, specs, out_shapes, mesh)
-    if not even and _B.is_distributed(mesh):
+    if not even and not forced and _B.is_distributed(mesh):
         # one process per rank holds one shard: take the cheapest candidate with even
         # shards (uneven ones would need padded collectives)
         for c in dec.candidates:

@@ -44,6 +44,18 @@ def _style_placements(style: str, mod: nn.Module, pname: str, mesh_dim: int, ndi
                      "to nn.Linear and nn.Embedding; give explicit placements instead")
 
 
+def _check_plan_value(key, val) -> None:
+    """A style name, or placements such as ``["R", "S(0)"]``: a clear error otherwise."""
+    if isinstance(val, str) and val in STYLES:
+        return
+    try:
+        parse_placements(val)
+    except (ValueError, TypeError):
+        raise ValueError(f"plan[{key!r}] = {val!r}: not a style nor placements; use one of "
+                         f"{', '.join(repr(s) for s in STYLES)}, or placements such as "
+                         "['S(0)'] for one parameter") from None
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 mesh_dim: int | str = -1) -> nn.Module:
     """Shard ``module``'s parameters in place by ``plan`` along ``mesh_dim`` (the
@@ -51,6 +63,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
     plan = dict(plan or {})
+    for key, val in plan.items():
+        _check_plan_value(key, val)
     md = mesh.dim(mesh_dim)
     used = set()
     for mname, mod in module.named_modules():

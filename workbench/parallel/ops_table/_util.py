@@ -60,13 +60,15 @@ def shift(d, ndim_local, nd):
 def align(nd, *xs):
     """Insert size-1 dims after the lead so all local tensors have the same rank
     (broadcasting then lines up the local dims, not the device axes)."""
+    if nd == 0:                    # plain tensors: broadcasting aligns them already
+        return xs
     ts = [x for x in xs if isinstance(x, torch.Tensor)]
     if not ts:
         return xs
     target = max(t.dim() for t in ts)
     out = []
-    for x in xs:
-        if isinstance(x, torch.Tensor) and x.dim() < target:
+    for x in xs:                   # (a true 0-d tensor broadcasts as it is)
+        if isinstance(x, torch.Tensor) and 0 < x.dim() < target:
             x = x.reshape(tuple(x.shape[:nd]) + (1,) * (target - x.dim()) + tuple(x.shape[nd:]))
         out.append(x)
     return out

@@ -45,7 +45,7 @@ def _matmul_local(nd, ctx, a, b):
     if lb == 1:
         y = y.squeeze(-1)
     if la == 1:
-        y = y.squeeze(-2)
+        y = y.squeeze(-1 if lb == 1 else -2)
     return y
 
 

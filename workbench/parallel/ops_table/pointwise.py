@@ -28,8 +28,38 @@ def _swapped(*args, **kwargs):           # Tensor.__rsub__(x, c) is sub(c, x)
     return _parse(args[1], args[0], *args[2:], **kwargs)
 
 
+def _zero_dims(nd, ctx, xs):
+    """Type promotion: a 0-d tensor does not promote a dimensioned one of the same
+    category (bf16 tensor * f32 0-d tensor is bf16), but stacked, every local tensor has
+    device axes. A 0-d input that is the same on every rank is given to torch as the 0-d
+    tensor it is, so the op promotes (and rounds) exactly as on one device. A 0-d input
+    that differs per rank (a partial) is cast to the common dtype torch computes in."""
+    if not any(s is not None and s.ndim > 0 for s in ctx.in_specs):
+        return xs                  # only 0-d tensors: nothing to promote differently
+    out = None
+    for k, s in enumerate(ctx.in_specs):
+        x = xs[k]
+        if s is None or s.ndim != 0 or not isinstance(x, torch.Tensor) or x.dim() == 0:
+            continue
+        out = out or list(xs)
+        if all(x.shape[i] == 1 or x.stride(i) == 0 for i in range(nd)):
+            out[k] = x[(0,) * nd]
+        else:
+            wide = [t.dtype for t in ctx.in_specs if t is not None and t.ndim > 0]
+            if wide:
+                dim_dtype = wide[0]
+                for d in wide[1:]:
+                    dim_dtype = torch.promote_types(dim_dtype, d)
+                out[k] = x.to(torch.result_type(
+                    torch.empty(1, dtype=dim_dtype, device="meta"),
+                    torch.empty((), dtype=s.dtype, device="meta")))
+    return out or xs
+
+
 def _local(fn):
     def local(nd, ctx, *xs, **kw):
+        if ctx is not None and len(xs) > 1:
+            xs = _zero_dims(nd, ctx, xs)
         return fn(*align(nd, *xs), **kw)
     return local
 

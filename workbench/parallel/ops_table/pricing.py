@@ -36,6 +36,8 @@ def local_cost(entry, mesh, specs, inputs, cand, out_shapes, out_dtypes, attrs) 
             ins.append(_meta(layout.max_local_shape(spec.shape, mesh, req), spec.dtype))
     outs = [_meta(layout.max_local_shape(s, mesh, ps), dt)
             for s, ps, dt in zip(out_shapes, cand.strategy.outputs, out_dtypes)]
+    if getattr(entry.cost, "wants_layout", False):      # e.g. attention's busiest rank
+        return entry.cost(ins, outs, layout=(mesh, specs, cand.strategy), **attrs)
     return entry.cost(ins, outs, **attrs)
 
 

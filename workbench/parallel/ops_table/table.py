@@ -129,7 +129,9 @@ class _Rules(MutableMapping):
         if not callable(rule):
             raise TypeError(f"RULES[{name!r}] = {rule!r}: a rule is a function "
                             "rule(*specs, **attrs) -> strategies")
-        entry(name).rule = rule
+        if name not in TABLE:
+            entry(name).extra["user"] = True         # a rule to study; not a built-in op
+        TABLE[name].rule = rule
         _changed()
 
     def __delitem__(self, name):

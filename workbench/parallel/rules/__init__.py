@@ -3,6 +3,7 @@
 cost; ``RULES`` is the table's view name -> rule."""
 from .registry import (RULES, Candidate, Decision, NoRuleError, Strategy, combine,  # noqa: F401
                        describe, get_rule, infer, register_rule)
+from ..ops_table.table import TABLE  # noqa: F401  (wb.spmd.TABLE: every op, its rule and cost)
 from . import matmul, pointwise, reduction, indexing  # noqa: F401
 
 # Families that register their ops beside their rules.

@@ -208,10 +208,45 @@ def _attention_cost_args(ins, outs, causal=False, pattern=None, dropout_p=0.0, *
 _ATTENTION_COST = costs.from_ops("flash_attention", _attention_cost_args)
 
 
-def _attention_cost(ins, outs, **attrs):
+def _busiest_pairs(layout_, q, sk, causal, pattern):
+    """(query, key) pairs of the busiest rank when query rows are sharded under a causal
+    mask or a pattern (the last rows see the most keys), and of a rank holding the
+    first rows (what the local shapes alone count); None when rows are whole."""
+    mesh, specs, st = layout_
+    qspec, req = specs[0], st.inputs[0]
+    if not any(p.is_shard(2) for p in req) or not (causal or pattern is not None):
+        return None
+    from .. import layout as L
+    cols = torch.arange(sk)
+
+    def pairs(start, n):
+        rows = torch.arange(start, start + n)
+        keep = torch.ones(n, sk, dtype=torch.bool)
+        if causal:
+            keep &= _causal_keep(rows, cols)
+        if pattern is not None:
+            keep &= pattern.keep(rows, cols)
+        return int(keep.sum())
+    ranges = {L.shard_bounds(qspec.shape, mesh, req, r)[2] for r in mesh.ranks}
+    n = max(m for _, m in ranges)
+    return max(pairs(s0, m) for s0, m in ranges), pairs(0, n)
+
+
+def _attention_cost(ins, outs, layout=None, **attrs):
+    """``workbench.ops.cost("flash_attention")`` on this rank's q, k, v; FLOPs are linear
+    in the pairs attended, so a row-sharded causal (or patterned) rank is scaled to the
+    busiest rank's pairs."""
     c = _ATTENTION_COST(ins, outs, **attrs)
     m = costs.nbytes(ins[3])                          # a tensor mask, read once
-    return costs.Cost(c.flops, c.bytes + m, c.backward_flops, c.backward_bytes + m)
+    flops, bflops = c.flops, c.backward_flops
+    busy = None if layout is None else _busiest_pairs(layout, ins[0], ins[1].shape[2],
+                                                      attrs.get("causal"), attrs.get("pattern"))
+    if busy is not None and busy[1]:
+        flops, bflops = flops * busy[0] // busy[1], bflops * busy[0] // busy[1]
+    return costs.Cost(flops, c.bytes + m, bflops, c.backward_bytes + m)
+
+
+_attention_cost.wants_layout = True
 
 
 register("scaled_dot_product_attention", [F.scaled_dot_product_attention], parse=_sdpa_parse,

@@ -19,8 +19,10 @@ partial output as big as y: valid, but the reduction it defers is that big. Such
 strategy carries the deferred reduce-scatter in its ranking (``Strategy.deferred``),
 so reducing the small input first wins when it is cheaper.
 
-Casts (``to``, ``float``, ...): R and S pass; P(sum) / P(avg) pass between floating
-dtypes only (a cast to int truncates each part: int(0.5) + int(0.5) != int(1.0)).
+Casts (``to``, ``float``, ...): R and S pass; P(max) / P(min) pass between floating
+dtypes (rounding is non-decreasing); P(sum) / P(avg) only through widening float casts
+(a cast to int truncates each part: int(0.5) + int(0.5) != int(1.0); a narrowing float
+cast rounds each part, with errors as large as the parts).
 """
 from __future__ import annotations
 
@@ -148,12 +150,29 @@ def div_rule(*specs, rounding_mode=None, **attrs):
     return (_div_first if rounding_mode is None else nonlinear_rule)(*specs)
 
 
+def _widening():
+    import torch
+    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    return {(f16, f32), (f16, f64), (bf16, f32), (bf16, f64), (f32, f64)}
+
+
+_WIDENING = _widening()
+
+
 def cast_rule(x, *, dtype, **_):
-    """dtype casts: R and S pass; P(sum/avg/max/min) pass between floating dtypes."""
+    """dtype casts: R and S pass; P(max/min) pass between floating dtypes, P(sum/avg)
+    through widening float casts only."""
     opts = pointwise_options([x], "none")
     if x.dtype.is_floating_point and dtype.is_floating_point:
+        # rounding is non-decreasing: max_i round(a_i) = round(max_i a_i), exactly
         opts += [((Partial(op),), (Partial(op),), f"a float cast of P({op}) is P({op})")
-                 for op in ("sum", "avg", "max", "min")]
+                 for op in ("max", "min")]
+        if (x.dtype, dtype) in _WIDENING or x.dtype == dtype:
+            # every part is exact in the wider dtype: sum_i wide(a_i) = wide(sum_i a_i)
+            # up to the narrow sum's own rounding (a narrowing cast of parts would round
+            # each part, errors as large as the parts)
+            opts += [((Partial(op),), (Partial(op),), f"a widening cast of P({op}) is P({op})")
+                     for op in ("sum", "avg")]
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
 
 

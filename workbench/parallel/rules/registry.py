@@ -193,7 +193,7 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
     seen = set()
     for order, st in enumerate(strategies):
         key = (st.inputs, st.outputs)
-        if key in seen:
+        if key in seen or not _bool_ok(specs, st):
             continue
         seen.add(key)
         plans, t, b, dt, db = strategy_cost(specs, st, profile)
@@ -201,6 +201,18 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
     cands.sort(key=lambda c: c[:3])
     ranked = tuple(c[3] for c in cands)
     return Decision(op, specs, ranked, _reason(op, specs, ranked))
+
+
+def _bool_ok(specs, st) -> bool:
+    """A bool tensor cannot be made a partial sum (the sum of bools is not a bool): a
+    strategy that asks for one is not offered."""
+    import torch
+    for spec, req in zip(specs, st.inputs):
+        if spec is not None and req is not None and spec.dtype == torch.bool and any(
+                p.is_partial() and p.reduce_op in ("sum", "avg") and p not in spec.placements
+                for p in req):
+            return False
+    return True
 
 
 def strategy_cost(specs, st: Strategy, profile: str):
