@@ -108,12 +108,27 @@ def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
     return F.rebuild(x, items)
 
 
-def _check_axis(x, mesh, axis, what: str):
+def _check(x, mesh, axis, what: str, dims=()):
+    """The grid operations for ``x``, and ``axis`` as an index, once the arguments are
+    known good; ``dims`` are (argument name, local tensor dim) pairs to check."""
+    if not isinstance(x, (torch.Tensor, Cells)):
+        raise TypeError(f"{what}(x={type(x).__name__}): expected the stacked local tensor "
+                        "(one leading axis per mesh dim) or Cells")
+    axis = mesh.dim(axis)
     F = ops_for(x)
-    if F.lead(x, mesh.ndim)[axis] != mesh.shape[axis]:
+    nd = mesh.ndim
+    local_ndim = x.items[0].dim() if isinstance(x, Cells) else x.dim() - nd
+    if local_ndim < 0 or len(F.lead(x, nd)) != nd:
+        raise ValueError(f"{what}: x has shape {tuple(x.shape)}, but a {nd}-d mesh needs one "
+                         f"leading axis per mesh dim {mesh.dim_names} before the local shape")
+    for arg, d in dims:
+        if not isinstance(d, int) or not -local_ndim <= d < max(local_ndim, 1) or local_ndim == 0:
+            raise IndexError(f"{what}({arg}={d!r}): the local tensor has {local_ndim} dims; "
+                             f"use a dim in [{-local_ndim}, {local_ndim - 1}]")
+    if F.lead(x, nd)[axis] != mesh.shape[axis]:
         raise ValueError(f"{what}: the input is the same on every rank along mesh dim "
                          f"{mesh.dim_names[axis]!r} (a replicated copy); nothing to {what}")
-    return F
+    return F, axis, tuple(d % local_ndim for _, d in dims)
 
 
 def _check_op(op):
@@ -135,7 +150,7 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
                   lambda l, pg, n, k: _B.AllReduce.apply(l, pg, n, op, expanded),
                   bwd=expanded)
         return _B.tag(y, (axis,)) if expanded else y
-    F = _check_axis(x, mesh, axis, "all_reduce")
+    F, axis, _ = _check(x, mesh, axis, "all_reduce")
     n = mesh.shape[axis]
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("all_reduce", mesh, axis, nb, label)
@@ -152,7 +167,7 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
                   lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded),
                   out_bytes=True, bwd=expanded)
         return _B.tag(y, (axis,)) if expanded else y
-    F = _check_axis(x, mesh, axis, "all_gather")
+    F, axis, (dim,) = _check(x, mesh, axis, "all_gather", [("dim", dim)])
     nd, n = mesh.ndim, mesh.shape[axis]
     y = F.all_gather(x, nd, axis, dim, n)
     nb = F.rank_bytes(y, nd)                 # the cost model's buffer: the gathered tensor
@@ -168,7 +183,7 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     if _B.is_distributed(mesh):
         return _dist("reduce_scatter", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op))
-    F = _check_axis(x, mesh, axis, "reduce_scatter")
+    F, axis, (dim,) = _check(x, mesh, axis, "reduce_scatter", [("dim", dim)])
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
     record_collective("reduce_scatter", mesh, axis, nb, label)
@@ -182,7 +197,9 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
     if _B.is_distributed(mesh):
         return _dist("all_to_all", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim))
-    F = _check_axis(x, mesh, axis, "all_to_all")
+    F, axis, (split_dim, concat_dim) = _check(x, mesh, axis, "all_to_all",
+                                              [("split_dim", split_dim),
+                                               ("concat_dim", concat_dim)])
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
     record_collective("all_to_all", mesh, axis, nb, label)
@@ -192,7 +209,11 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
 
 def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
     """Every rank of the group gets the tensor of the group's ``root``-th rank."""
-    F = _check_axis(x, mesh, axis, "broadcast")
+    F, axis, _ = _check(x, mesh, axis, "broadcast")
+    if not isinstance(root, int) or not 0 <= root < mesh.shape[axis]:
+        raise ValueError(f"broadcast(root={root!r}): the group along "
+                         f"{mesh.dim_names[axis]!r} has {mesh.shape[axis]} ranks; use a root "
+                         f"in [0, {mesh.shape[axis] - 1}]")
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("broadcast", mesh, axis, nb, label)
     return F.pick(x, axis, root)
@@ -219,6 +240,7 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
         return x
     F = ops_for(x)
     for a in axes:
+        a = mesh.dim(a)
         if F.lead(x, mesh.ndim)[a] != 1:
             continue                      # already one copy per rank: nothing to expand
         nb = F.rank_bytes(x, mesh.ndim)
