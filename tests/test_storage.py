@@ -176,3 +176,19 @@ def test_numbers_and_lists_still_make_tensors():
                        torch.tensor([1., 2.]))
     assert wb.shard_tensor(3.0, wb.Mesh.grid(2), ["R"]).full().item() == 3.0
     assert TensorSpec(torch.Size([2, 0]), M4, ["R"]).shape == (2, 0)
+
+
+@pytest.mark.parametrize("ps", [["S(0)", "R"], ["S(0)", "S(1)"], ["R", "S(1)"], ["P", "R"]])
+@pytest.mark.parametrize("rows", [4, 3])
+def test_backward_with_a_gradient_matches_one_device(ps, rows):
+    # a gradient given as a DistTensor of another layout, or a plain global tensor,
+    # gives every shard the gradient one device computes (uneven shards included)
+    x = torch.randn(rows, 6)
+    g = torch.randn(rows, 6)
+    for grad in (g, wb.shard_tensor(g, M22, ["R", "S(0)"])):
+        t = wb.shard_tensor(x, M22, ps).requires_grad_()
+        y = wb.reshard(t, M22, ["S(1)", "R"])
+        y.backward(grad)
+        torch.testing.assert_close(t.grad.full(), g)
+    with pytest.raises(ValueError, match=r"gradient of shape \(2,\).*global shape"):
+        wb.shard_tensor(x, M22, ps).requires_grad_().backward(torch.ones(2))

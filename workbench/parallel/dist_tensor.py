@@ -251,23 +251,37 @@ class DistTensor:
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
     def backward(self, gradient=None) -> None:
-        """Backpropagate from a scalar DistTensor (a Partial scalar is reduced first)."""
+        """Backpropagate from this DistTensor (a Partial value is reduced first).
+
+        ``gradient``: the gradient of the global tensor, as a DistTensor of the same
+        shape on the same mesh (resharded to this layout if needed) or a plain tensor of
+        the global shape; it may be left out for a one-element tensor."""
         if self.numel() != 1 and gradient is None:
             raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
                                "grad can be implicitly created only for scalars; pass gradient=")
         t = self
+        from .reshard import reshard
         if any(p.is_partial() for p in self.placements):
-            from .reshard import reshard
             t = reshard(self, self.mesh, self._grad_placements())
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
             torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
             return
-        g = gradient._local if isinstance(gradient, DistTensor) else gradient
-        if not t.is_even or storage.is_cells(g):
-            raise NotImplementedError("backward(gradient=...) on uneven DistTensors: "
-                                      "reshard to an even layout first")
-        torch.autograd.backward(t._local, g.expand_as(t._local) if g.dim() == t._local.dim() else g)
+        if isinstance(gradient, DistTensor):
+            if gradient.mesh != t.mesh or gradient.shape != t.shape:
+                raise ValueError(f"backward(gradient={gradient!r}): expected the shape "
+                                 f"{tuple(t.shape)} on {t.mesh}; reshard or give a plain tensor")
+            g = gradient if gradient.placements == t.placements else \
+                reshard(gradient, t.mesh, t.placements)
+        else:
+            gt = _as_tensor(gradient, "gradient", "backward")
+            if gt.shape != t.shape:
+                raise ValueError(f"backward(gradient of shape {tuple(gt.shape)}): expected the "
+                                 f"global shape {tuple(t.shape)}")
+            g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
+        # one copy stands for a replicated value: the gradient goes to the first copy
+        gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
+        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl))
 
     # ---- printing --------------------------------------------------------------------
     def notation(self) -> str:
