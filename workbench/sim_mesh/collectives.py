@@ -31,8 +31,6 @@ import torch
 from . import backends as _B
 from . import cost as _cost
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
-from .grid import chunks as _chunks
-from .grid import reduce as _reduce
 from .trace import current_trace
 
 __all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
@@ -143,10 +141,6 @@ def _dim(x, nd: int, d, what: str, arg: str) -> int:
 def _check_op(op):
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
-
-
-def _expand_axis(x: torch.Tensor, axis: int, n: int) -> torch.Tensor:
-    return ops_for(x).expand(x, axis, n)
 
 
 # ---- the collectives ------------------------------------------------------------------
