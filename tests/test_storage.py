@@ -150,6 +150,19 @@ def test_shard_tensor_does_not_share_memory(ps):
 
 # ---- bad input: the argument, the value and the fix --------------------------------------
 
+def reshard_module():
+    import importlib
+    return importlib.import_module("workbench.parallel.reshard")
+
+
+def test_layout_reads_short_strings():
+    # was: is_even((3, 4), mesh, ["S(0)", "R"]) read the strings as no shards: True
+    from workbench.parallel import layout
+    assert layout.is_even((3, 4), M22, ["S(0)", "R"]) is False
+    assert layout.stacked_shape((4, 4), M22, ["S(0)", "R"]) == (2, 1, 2, 4)
+    assert layout.shard_bounds((4, 4), M22, ["S(0)", "R"], 3) == ((2, 2), (0, 4))
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: wb.shard_tensor("abc", M4, ["R"]), TypeError, r"shard_tensor\(x='abc'\).*torch.Tensor"),
     (lambda: wb.shard_tensor(None, M4, ["R"]), TypeError, r"x=None.*torch.Tensor"),
@@ -165,6 +178,13 @@ def test_shard_tensor_does_not_share_memory(ps):
     (lambda: wb.Mesh([0, 1], dim_names=5), TypeError, r"dim_names=5"),
     (lambda: wb.Mesh.grid(None), TypeError, r"shape=None"),
     (lambda: M22.rank_at(("a", 0)), ValueError, r"coordinate"),
+    (lambda: wb.shard_tensor(torch.ones(2, 3), M4, ["R"]).size(2), IndexError, r"size\(2\).*\[-2, 1\]"),
+    (lambda: wb.shard_tensor(torch.tensor(1.), M4, ["R"]).size(0), IndexError, r"size\(0\).*0-d"),
+    (lambda: len(wb.shard_tensor(torch.tensor(1.), M4, ["R"])), TypeError, r"len\(\) of a 0-d"),
+    (lambda: wb.shard_tensor(torch.ones(2), M4, ["R"], names=5), TypeError, r"names=5"),
+    (lambda: reshard_module().execute(wb.plan_reshard(wb.shard_tensor(torch.ones(2), M4, ["R"]),
+                                                      M4, ["S(0)"]), torch.ones(2)),
+     TypeError, r"execute\(plan=Plan, t=Tensor\)"),
 ])
 def test_bad_input_names_argument_value_and_fix(call, exc, match):
     with pytest.raises(exc, match=match):

@@ -58,7 +58,13 @@ class DistTensor:
         return len(self.shape)
 
     def size(self, d: int | None = None):
-        return self.shape if d is None else self.shape[d]
+        if d is None:
+            return self.shape
+        n = len(self.shape)
+        if type(d) is not int or not -n <= d < n:
+            raise IndexError(f"size({d!r}): dimension out of range for a {n}-d DistTensor"
+                             + (f" (expected a dim in [{-n}, {n - 1}])" if n else ""))
+        return self.shape[d]
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -200,6 +206,8 @@ class DistTensor:
         return (f"DistTensor {self.notation()} shape={tuple(self.shape)} on {self.mesh}{grad}")
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DistTensor")          # as torch: len() of a 0-d tensor
         return self.shape[0]
 
     def __bool__(self):
@@ -248,6 +256,9 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
                         "e.g. Mesh.grid((2, 2))")
     ps = normalize_placements(placements, mesh, x.dim())
     check_partial_dtype(ps, x.dtype)
+    if names is not None and not isinstance(names, str):
+        raise TypeError(f"shard_tensor(names={names!r}): expected a string of one letter per "
+                        "dim for the notation, e.g. 'BSH', or None")
     nd = mesh.ndim
     cur = tuple(Replicate() for _ in range(nd))
     loc = storage.from_global(x, mesh)

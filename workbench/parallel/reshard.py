@@ -300,6 +300,9 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
 
 def execute(plan: Plan, t):
     """Run a plan's steps on ``t`` and return the new DistTensor."""
+    if not isinstance(plan, Plan) or not isinstance(t, DistTensor):
+        raise TypeError(f"execute(plan={type(plan).__name__}, t={type(t).__name__}): expected "
+                        "a Plan from plan_reshard and the DistTensor it was made for")
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
