@@ -125,7 +125,7 @@ class DistTensor:
     # ---- autograd ----------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in storage.tensors(self._local))
+        return storage.requires_grad(self._local)
 
     @property
     def is_leaf(self) -> bool:

@@ -36,8 +36,12 @@ def _bounds(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple):
 
 def _placements(placements, mesh, ndim: int) -> tuple:
     """Placements as a tuple of Placement (short strings such as "S(0)" are parsed)."""
-    if isinstance(placements, tuple) and all(isinstance(p, Placement) for p in placements):
-        return placements
+    if type(placements) is tuple:
+        for p in placements:
+            if not isinstance(p, Placement):
+                break
+        else:
+            return placements
     if not isinstance(placements, str) and hasattr(placements, "__iter__"):
         ps = tuple(placements)
         if all(isinstance(p, Placement) for p in ps):

@@ -34,6 +34,7 @@ from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, shard_tensor
+from .spec import TensorSpec
 from .placement import (Partial, Replicate, Shard, check_partial_dtype, fmt_placements,
                         normalize_placements)
 
@@ -211,7 +212,7 @@ def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> 
     """The cheapest plan that moves ``t`` (a DistTensor or TensorSpec) to
     ``placements`` on ``mesh`` (default: its own mesh), priced on ``profile``
     (default: the current trace's, else the default profile)."""
-    if not (hasattr(t, "placements") and hasattr(t, "mesh") and hasattr(t, "dtype")):
+    if not isinstance(t, (DistTensor, TensorSpec)):
         raise TypeError(f"plan_reshard(t={type(t).__name__}): expected a DistTensor or a "
                         "TensorSpec")
     if mesh is None:

@@ -34,7 +34,7 @@ from . import layout
 from .placement import Partial, Replicate, Shard
 
 __all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own", "to_cells", "to_stacked",
-           "for_layout", "settle", "tensors", "map_tensors", "local_step", "device",
+           "for_layout", "settle", "tensors", "requires_grad", "map_tensors", "local_step", "device",
            "first_copy_like"]
 
 
@@ -118,6 +118,13 @@ def settle(loc, shape, mesh, placements):
 def tensors(loc) -> list[torch.Tensor]:
     """The tensors that hold the data (one per cell, or the one stack)."""
     return list(loc.items) if isinstance(loc, Cells) else [loc]
+
+
+def requires_grad(loc) -> bool:
+    """True if any tensor behind ``loc`` takes part in autograd."""
+    if isinstance(loc, Cells):
+        return any(t.requires_grad for t in loc.items)
+    return loc.requires_grad
 
 
 def map_tensors(loc, fn):

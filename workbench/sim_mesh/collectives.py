@@ -110,15 +110,15 @@ def _check(x, mesh, axis, what: str):
     """The grid operations for ``x`` and ``axis`` as an index, once both are known good
     (a fast path for the common case; the slow one names what is wrong)."""
     shape = mesh.shape
-    if type(axis) is int and 0 <= axis < len(shape) and isinstance(x, torch.Tensor) \
-            and x.dim() >= len(shape) and x.shape[axis] == shape[axis]:
+    nd = len(shape)
+    if type(axis) is int and 0 <= axis < nd and isinstance(x, torch.Tensor) \
+            and x.dim() >= nd and x.shape[axis] == shape[axis]:
         return Stacked, axis
     if not isinstance(x, (torch.Tensor, Cells)):
         raise TypeError(f"{what}(x={type(x).__name__}): expected the stacked local tensor "
                         "(one leading axis per mesh dim) or Cells")
     axis = mesh.dim(axis)
     F = ops_for(x)
-    nd = mesh.ndim
     if len(F.lead(x, nd)) != nd:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}, but a {nd}-d mesh needs one "
                          f"leading axis per mesh dim {mesh.dim_names} before the local shape")
