@@ -117,3 +117,36 @@ def test_errors_name_the_problem():
         C.all_reduce(x, MESH, AX)
     with pytest.raises(ValueError, match="unknown reduction"):
         C.all_reduce(torch.randn(2, 3, 4), MESH, AX, "prod")
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: C.all_reduce(torch.randn(2, 3, 4), MESH, 5), ValueError, r"mesh dim 5 out of range.*'tp'"),
+    (lambda: C.all_gather(torch.randn(2, 3, 4), MESH, AX, 3), IndexError,
+     r"all_gather\(dim=3\): the local tensor has 1 dims.*\[-1, 0\]"),
+    (lambda: C.all_to_all(torch.randn(2, 3, 4, 6), MESH, AX, 0, -3), IndexError, r"concat_dim=-3"),
+    (lambda: C.reduce_scatter(torch.randn(3), MESH, AX, 0), ValueError, r"shape \(3,\).*leading axis"),
+    (lambda: C.all_reduce([1.0], MESH, AX), TypeError, r"all_reduce\(x=list\)"),
+    (lambda: C.broadcast(torch.randn(2, 3, 4), MESH, AX, root=3), ValueError, r"root=3.*\[0, 2\]"),
+    (lambda: C.reduce_scatter(torch.randn(2, 3, 4), MESH, AX, 0), ValueError, r"4 does not split.*Cells"),
+])
+def test_bad_arguments_name_argument_value_and_fix(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_axis_by_name_and_negative_dims():
+    x = torch.randn(2, 3, 4, 6)
+    torch.testing.assert_close(C.all_gather(x, MESH, "tp", -1), C.all_gather(x, MESH, AX, 1))
+    torch.testing.assert_close(C.all_reduce(x, MESH, "tp"), x.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_integer_reductions_keep_dtype(dtype, uneven):
+    # torch.sum turns int32 into int64; torch.distributed's all-reduce keeps int32
+    x = torch.arange(2 * 3 * 6, dtype=dtype).reshape(2, 3, 6)
+    if uneven:
+        x = C.Cells((2, 3), [t[:k] for t, k in zip(x.reshape(6, 6).unbind(0), [6, 6, 6, 4, 4, 4])])
+    for y in (C.all_reduce(x, MESH, AX), C.reduce_scatter(x, MESH, AX, 0)):
+        ts = y.items if uneven else [y]
+        assert all(t.dtype == dtype for t in ts)

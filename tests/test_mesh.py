@@ -61,3 +61,16 @@ def test_bad_names_and_dims():
         m.groups("dp")
     with pytest.raises(ValueError, match="not in this mesh"):
         m.coordinate(9)
+
+
+def test_indexing_errors_name_the_range():
+    m = Mesh.grid((2, 3), ("dp", "tp"))
+    with pytest.raises(IndexError, match=r"mesh\[5\].*'dp' has size 2.*\[-2, 1\]"):
+        m[5]
+    assert m[-1] == Mesh([3, 4, 5], dim_names=["tp"])
+    with pytest.raises(TypeError, match=r"mesh\[True\]"):
+        m[True]
+    with pytest.raises(ValueError, match="out of range"):
+        m.dim(True)
+    with pytest.raises(ValueError, match="positive int"):
+        Mesh.grid((2, True))

@@ -150,6 +150,19 @@ def test_shard_tensor_does_not_share_memory(ps):
 
 # ---- bad input: the argument, the value and the fix --------------------------------------
 
+def reshard_module():
+    import importlib
+    return importlib.import_module("workbench.parallel.reshard")
+
+
+def test_layout_reads_short_strings():
+    # was: is_even((3, 4), mesh, ["S(0)", "R"]) read the strings as no shards: True
+    from workbench.parallel import layout
+    assert layout.is_even((3, 4), M22, ["S(0)", "R"]) is False
+    assert layout.stacked_shape((4, 4), M22, ["S(0)", "R"]) == (2, 1, 2, 4)
+    assert layout.shard_bounds((4, 4), M22, ["S(0)", "R"], 3) == ((2, 2), (0, 4))
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: wb.shard_tensor("abc", M4, ["R"]), TypeError, r"shard_tensor\(x='abc'\).*torch.Tensor"),
     (lambda: wb.shard_tensor(None, M4, ["R"]), TypeError, r"x=None.*torch.Tensor"),
@@ -165,6 +178,13 @@ def test_shard_tensor_does_not_share_memory(ps):
     (lambda: wb.Mesh([0, 1], dim_names=5), TypeError, r"dim_names=5"),
     (lambda: wb.Mesh.grid(None), TypeError, r"shape=None"),
     (lambda: M22.rank_at(("a", 0)), ValueError, r"coordinate"),
+    (lambda: wb.shard_tensor(torch.ones(2, 3), M4, ["R"]).size(2), IndexError, r"size\(2\).*\[-2, 1\]"),
+    (lambda: wb.shard_tensor(torch.tensor(1.), M4, ["R"]).size(0), IndexError, r"size\(0\).*0-d"),
+    (lambda: len(wb.shard_tensor(torch.tensor(1.), M4, ["R"])), TypeError, r"len\(\) of a 0-d"),
+    (lambda: wb.shard_tensor(torch.ones(2), M4, ["R"], names=5), TypeError, r"names=5"),
+    (lambda: reshard_module().execute(wb.plan_reshard(wb.shard_tensor(torch.ones(2), M4, ["R"]),
+                                                      M4, ["S(0)"]), torch.ones(2)),
+     TypeError, r"execute\(plan=Plan, t=Tensor\)"),
 ])
 def test_bad_input_names_argument_value_and_fix(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -176,3 +196,19 @@ def test_numbers_and_lists_still_make_tensors():
                        torch.tensor([1., 2.]))
     assert wb.shard_tensor(3.0, wb.Mesh.grid(2), ["R"]).full().item() == 3.0
     assert TensorSpec(torch.Size([2, 0]), M4, ["R"]).shape == (2, 0)
+
+
+@pytest.mark.parametrize("ps", [["S(0)", "R"], ["S(0)", "S(1)"], ["R", "S(1)"], ["P", "R"]])
+@pytest.mark.parametrize("rows", [4, 3])
+def test_backward_with_a_gradient_matches_one_device(ps, rows):
+    # a gradient given as a DistTensor of another layout, or a plain global tensor,
+    # gives every shard the gradient one device computes (uneven shards included)
+    x = torch.randn(rows, 6)
+    g = torch.randn(rows, 6)
+    for grad in (g, wb.shard_tensor(g, M22, ["R", "S(0)"])):
+        t = wb.shard_tensor(x, M22, ps).requires_grad_()
+        y = wb.reshard(t, M22, ["S(1)", "R"])
+        y.backward(grad)
+        torch.testing.assert_close(t.grad.full(), g)
+    with pytest.raises(ValueError, match=r"gradient of shape \(2,\).*global shape"):
+        wb.shard_tensor(x, M22, ps).requires_grad_().backward(torch.ones(2))

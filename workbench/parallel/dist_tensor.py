@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from typing import Sequence
 
 import torch
@@ -26,101 +25,10 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
 from . import layout, storage
-from .placement import Partial, Replicate, Shard, check_partial_dtype, normalize_placements
+from .placement import Replicate, check_partial_dtype, normalize_placements
+from .spec import TensorSpec, notation
 
 __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
-
-_SHORT_DTYPE = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
-                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
-                torch.bool: "bool", torch.int8: "i8", torch.uint8: "u8"}
-_LETTERS = "IJKLMNOPQRST"
-
-
-class TensorSpec:
-    """Shape, mesh and placements of a tensor: what SPMD rules and plans look at."""
-    __slots__ = ("shape", "mesh", "placements", "dtype", "_hash")
-
-    def __init__(self, shape: Sequence[int], mesh: Mesh, placements, dtype=torch.float32,
-                 _trusted: bool = False):
-        if not _trusted:
-            shape = _check_shape(shape)
-            if not isinstance(mesh, Mesh):
-                raise TypeError(f"TensorSpec(mesh={mesh!r:.60}): expected a workbench Mesh")
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"TensorSpec(dtype={dtype!r}): expected a torch.dtype, "
-                                "e.g. torch.float32")
-        self.shape = torch.Size(shape)
-        self.mesh = mesh
-        self.placements = tuple(placements) if _trusted else \
-            normalize_placements(placements, mesh, len(self.shape))
-        self.dtype = dtype
-        self._hash = hash((tuple(self.shape), self.mesh, self.placements, self.dtype))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def local_shape(self, rank: int) -> tuple[int, ...]:
-        return layout.local_shape(self.shape, self.mesh, self.placements, rank)
-
-    def notation(self, names: str | None = None) -> str:
-        return notation(self.shape, self.mesh, self.placements, self.dtype, names)
-
-    def __repr__(self) -> str:
-        return (f"TensorSpec({tuple(self.shape)}, {notation(self.shape, self.mesh, self.placements, self.dtype)})")
-
-    def __eq__(self, other):
-        return (isinstance(other, TensorSpec) and self._hash == other._hash and
-                self.shape == other.shape and self.mesh == other.mesh and
-                self.placements == other.placements and self.dtype == other.dtype)
-
-    def __hash__(self):
-        return self._hash
-
-
-def _check_shape(shape) -> tuple:
-    """A shape as a tuple of non-negative ints, or an error naming the bad size."""
-    if isinstance(shape, int):
-        shape = (shape,)
-    try:
-        sizes = tuple(shape)
-    except TypeError:
-        raise TypeError(f"shape={shape!r}: expected a sequence of ints, e.g. (8, 4)") from None
-    out = []
-    for n in sizes:
-        try:
-            k = -1 if isinstance(n, bool) else operator.index(n)
-        except TypeError:
-            k = -1
-        if k < 0:
-            raise ValueError(f"shape={sizes}: size {n!r} is not a non-negative int; "
-                             "every size must be an int >= 0")
-        out.append(k)
-    return tuple(out)
-
-
-def notation(shape, mesh, placements, dtype=torch.float32, names: str | None = None) -> str:
-    """``f32[I_dp, J_tp]{U_pp}``: dims subscripted by the mesh dims that shard them,
-    ``{U_x}`` for unreduced (Partial) over x."""
-    names = names or _LETTERS
-    subs: list[list[str]] = [[] for _ in shape]
-    unreduced = []
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            subs[p.dim].append(mesh.dim_names[i])
-        elif isinstance(p, Partial):
-            op = "" if p.reduce_op == "sum" else f"({p.reduce_op})"
-            unreduced.append(mesh.dim_names[i] + op)
-    dims = []
-    for d in range(len(shape)):
-        n = names[d] if d < len(names) else f"D{d}"
-        dims.append(n + ("_" + (subs[d][0] if len(subs[d]) == 1 else "{" + ",".join(subs[d]) + "}")
-                         if subs[d] else ""))
-    s = f"{_SHORT_DTYPE.get(dtype, str(dtype).replace('torch.', ''))}[{', '.join(dims)}]"
-    if unreduced:
-        s += "{U_" + ",".join(unreduced) + "}"
-    return s
-
 
 class DistTensor:
     """A global tensor of ``shape`` laid out on ``mesh`` by ``placements``.
@@ -150,7 +58,13 @@ class DistTensor:
         return len(self.shape)
 
     def size(self, d: int | None = None):
-        return self.shape if d is None else self.shape[d]
+        if d is None:
+            return self.shape
+        n = len(self.shape)
+        if type(d) is not int or not -n <= d < n:
+            raise IndexError(f"size({d!r}): dimension out of range for a {n}-d DistTensor"
+                             + (f" (expected a dim in [{-n}, {n - 1}])" if n else ""))
+        return self.shape[d]
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -211,7 +125,7 @@ class DistTensor:
     # ---- autograd ----------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in storage.tensors(self._local))
+        return storage.requires_grad(self._local)
 
     @property
     def is_leaf(self) -> bool:
@@ -251,23 +165,37 @@ class DistTensor:
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
     def backward(self, gradient=None) -> None:
-        """Backpropagate from a scalar DistTensor (a Partial scalar is reduced first)."""
+        """Backpropagate from this DistTensor (a Partial value is reduced first).
+
+        ``gradient``: the gradient of the global tensor, as a DistTensor of the same
+        shape on the same mesh (resharded to this layout if needed) or a plain tensor of
+        the global shape; it may be left out for a one-element tensor."""
         if self.numel() != 1 and gradient is None:
             raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
                                "grad can be implicitly created only for scalars; pass gradient=")
         t = self
+        from .reshard import reshard
         if any(p.is_partial() for p in self.placements):
-            from .reshard import reshard
             t = reshard(self, self.mesh, self._grad_placements())
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
             torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
             return
-        g = gradient._local if isinstance(gradient, DistTensor) else gradient
-        if not t.is_even or storage.is_cells(g):
-            raise NotImplementedError("backward(gradient=...) on uneven DistTensors: "
-                                      "reshard to an even layout first")
-        torch.autograd.backward(t._local, g.expand_as(t._local) if g.dim() == t._local.dim() else g)
+        if isinstance(gradient, DistTensor):
+            if gradient.mesh != t.mesh or gradient.shape != t.shape:
+                raise ValueError(f"backward(gradient={gradient!r}): expected the shape "
+                                 f"{tuple(t.shape)} on {t.mesh}; reshard or give a plain tensor")
+            g = gradient if gradient.placements == t.placements else \
+                reshard(gradient, t.mesh, t.placements)
+        else:
+            gt = _as_tensor(gradient, "gradient", "backward")
+            if gt.shape != t.shape:
+                raise ValueError(f"backward(gradient of shape {tuple(gt.shape)}): expected the "
+                                 f"global shape {tuple(t.shape)}")
+            g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
+        # one copy stands for a replicated value: the gradient goes to the first copy
+        gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
+        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl))
 
     # ---- printing --------------------------------------------------------------------
     def notation(self) -> str:
@@ -278,6 +206,8 @@ class DistTensor:
         return (f"DistTensor {self.notation()} shape={tuple(self.shape)} on {self.mesh}{grad}")
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DistTensor")          # as torch: len() of a 0-d tensor
         return self.shape[0]
 
     def __bool__(self):
@@ -326,6 +256,9 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
                         "e.g. Mesh.grid((2, 2))")
     ps = normalize_placements(placements, mesh, x.dim())
     check_partial_dtype(ps, x.dtype)
+    if names is not None and not isinstance(names, str):
+        raise TypeError(f"shard_tensor(names={names!r}): expected a string of one letter per "
+                        "dim for the notation, e.g. 'BSH', or None")
     nd = mesh.ndim
     cur = tuple(Replicate() for _ in range(nd))
     loc = storage.from_global(x, mesh)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sim_mesh import backends as _B
 from ..sim_mesh.mesh import Mesh
+from . import storage
 from .dist_tensor import DistTensor, from_local
 from .placement import Partial, Replicate, Shard
 
@@ -68,6 +68,8 @@ def to_device_mesh(mesh: Mesh, device_type: str = "cpu"):
     the real one under torchrun, or a fake one of mesh.size ranks in the simulator)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"to_device_mesh(mesh={mesh!r:.60}): expected a workbench Mesh")
     if not dist.is_initialized():
         raise RuntimeError("to_device_mesh: no process group; under torchrun call "
                            "wb.distributed.init(), in the simulator init_process_group('fake', "
@@ -83,10 +85,13 @@ def from_device_mesh(device_mesh) -> Mesh:
 
 def to_dtensor(x: DistTensor, device_mesh=None):
     """The same tensor as a DTensor on ``device_mesh`` (default: built from x.mesh)."""
+    if not isinstance(x, DistTensor):
+        raise TypeError(f"to_dtensor(x={type(x).__name__}): expected a DistTensor; make one "
+                        "with shard_tensor()")
     t = _dt()
     dmesh = device_mesh if device_mesh is not None else to_device_mesh(x.mesh)
     ps = to_dtensor_placements(x.placements)
-    if _B.is_distributed(x.mesh):
+    if storage.holds_own(x.mesh):
         return t.DTensor.from_local(x.local(), dmesh, ps, shape=x.shape,
                                     stride=_contiguous_stride(x.shape))
     from torch.distributed._local_tensor import LocalTensor
@@ -100,7 +105,7 @@ def from_dtensor(d, mesh: Mesh | None = None) -> DistTensor:
     mesh = mesh if mesh is not None else from_device_mesh(d.device_mesh)
     ps = from_dtensor_placements(d.placements)
     local = d.to_local()
-    if _B.is_distributed(mesh):
+    if storage.holds_own(mesh):
         return from_local(local.detach(), mesh, ps, shape=d.shape)
     tensors = getattr(local, "_local_tensors", None)
     if tensors is None:

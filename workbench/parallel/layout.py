@@ -34,13 +34,26 @@ def _bounds(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple):
     return tuple(zip(start, size))
 
 
+def _placements(placements, mesh, ndim: int) -> tuple:
+    """Placements as a tuple of Placement (short strings such as "S(0)" are parsed)."""
+    if type(placements) is tuple:
+        for p in placements:
+            if not isinstance(p, Placement):
+                break
+        else:
+            return placements
+    if not isinstance(placements, str) and hasattr(placements, "__iter__"):
+        ps = tuple(placements)
+        if all(isinstance(p, Placement) for p in ps):
+            return ps
+    from .placement import normalize_placements
+    return normalize_placements(placements, mesh, ndim)
+
+
 def shard_bounds(shape: Sequence[int], mesh, placements: Sequence[Placement],
                  rank: int) -> tuple[tuple[int, int], ...]:
     """Per tensor dim, (start, size) of ``rank``'s shard in the global tensor."""
-    placements = tuple(placements)
-    if not all(isinstance(p, Placement) for p in placements):
-        from .placement import normalize_placements
-        placements = normalize_placements(placements, mesh, len(shape))
+    placements = _placements(placements, mesh, len(shape))
     return _bounds(tuple(shape), mesh.shape, placements, mesh.coordinate(rank))
 
 
@@ -59,13 +72,13 @@ def _is_even(shape: tuple, mesh_shape: tuple, placements: tuple) -> bool:
 
 def is_even(shape, mesh, placements) -> bool:
     """True when every rank's shard has the same shape (the fast stacked layout)."""
-    return _is_even(tuple(shape), mesh.shape, tuple(placements))
+    return _is_even(tuple(shape), mesh.shape, _placements(placements, mesh, len(shape)))
 
 
 def max_local_shape(shape, mesh, placements) -> tuple[int, ...]:
     """The largest shard (rank 0's, since torch.chunk gives the first chunks the most)."""
     out = list(shape)
-    for i, p in enumerate(placements):
+    for i, p in enumerate(_placements(placements, mesh, len(out))):
         if isinstance(p, Shard):
             out[p.dim] = -(-out[p.dim] // mesh.shape[i]) if out[p.dim] else 0
     return tuple(out)
@@ -79,5 +92,6 @@ def stacked_shape(shape, mesh, placements) -> tuple[int, ...]:
     """Shape of the stacked local tensor of an even layout: one leading axis per
     mesh dim (size 1 where the tensor is replicated: copies are not stored),
     then the local shard's shape."""
+    placements = _placements(placements, mesh, len(shape))
     lead = tuple(1 if p.is_replicate() else n for p, n in zip(placements, mesh.shape))
     return lead + max_local_shape(shape, mesh, placements)

@@ -124,7 +124,8 @@ def normalize_placements(placements, mesh, ndim: int, arg: str = "placements") -
                     f"Shard({p.dim}) on a 0-d tensor: a scalar cannot be sharded; use Replicate()")
             p = Shard(p.dim % ndim)
         out.append(p)
-    ops = sorted({p.reduce_op for p in out if isinstance(p, Partial)})
+    partials = [p for p in out if isinstance(p, Partial)]
+    ops = sorted({p.reduce_op for p in partials}) if len(partials) > 1 else ()
     if len(ops) > 1:
         # sum over one mesh dim and max over another do not commute: the value would
         # depend on the order of the reductions (PyTorch DTensor refuses it too)

@@ -34,6 +34,7 @@ from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, shard_tensor
+from .spec import TensorSpec
 from .placement import (Partial, Replicate, Shard, check_partial_dtype, fmt_placements,
                         normalize_placements)
 
@@ -211,7 +212,7 @@ def plan_reshard(t, mesh: Mesh | None = None, placements=None, profile=None) -> 
     """The cheapest plan that moves ``t`` (a DistTensor or TensorSpec) to
     ``placements`` on ``mesh`` (default: its own mesh), priced on ``profile``
     (default: the current trace's, else the default profile)."""
-    if not (hasattr(t, "placements") and hasattr(t, "mesh") and hasattr(t, "dtype")):
+    if not isinstance(t, (DistTensor, TensorSpec)):
         raise TypeError(f"plan_reshard(t={type(t).__name__}): expected a DistTensor or a "
                         "TensorSpec")
     if mesh is None:
@@ -300,6 +301,9 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
 
 def execute(plan: Plan, t):
     """Run a plan's steps on ``t`` and return the new DistTensor."""
+    if not isinstance(plan, Plan) or not isinstance(t, DistTensor):
+        raise TypeError(f"execute(plan={type(plan).__name__}, t={type(t).__name__}): expected "
+                        "a Plan from plan_reshard and the DistTensor it was made for")
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")

@@ -21,6 +21,7 @@ stack.  Collectives live below, in :mod:`workbench.sim_mesh.collectives`.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -33,7 +34,8 @@ from . import layout
 from .placement import Partial, Replicate, Shard
 
 __all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own", "to_cells", "to_stacked",
-           "for_layout", "settle", "tensors", "map_tensors", "local_step", "device"]
+           "for_layout", "settle", "tensors", "requires_grad", "map_tensors", "local_step", "device",
+           "first_copy_like"]
 
 
 def form(loc, mesh) -> str:
@@ -118,6 +120,13 @@ def tensors(loc) -> list[torch.Tensor]:
     return list(loc.items) if isinstance(loc, Cells) else [loc]
 
 
+def requires_grad(loc) -> bool:
+    """True if any tensor behind ``loc`` takes part in autograd."""
+    if isinstance(loc, Cells):
+        return any(t.requires_grad for t in loc.items)
+    return loc.requires_grad
+
+
 def map_tensors(loc, fn):
     """The same form with ``fn`` applied to each tensor behind it."""
     if isinstance(loc, Cells):
@@ -127,6 +136,30 @@ def map_tensors(loc, fn):
 
 def device(loc) -> torch.device:
     return tensors(loc)[0].device
+
+
+def first_copy_like(g, like, nd: int):
+    """``g`` (same layout as ``like``, replicated axes compact) arranged as ``like``:
+    along an axis where ``like`` holds one copy per rank and ``g`` one copy in all, the
+    first rank gets ``g`` and the others zeros (one copy stands for a replicated value,
+    as in backward of a scalar)."""
+    if isinstance(like, Cells) or isinstance(g, Cells):
+        g = to_cells(g, nd)
+        src = g
+        lead = _lead(like, nd)
+        if g.lead == lead:
+            return g
+        grown = [i for i in range(nd) if src.lead[i] < lead[i]]
+        coords = itertools.product(*[range(n) for n in lead])
+        return Cells(lead, [src[c] if all(c[i] == 0 for i in grown) else torch.zeros_like(src[c])
+                            for c in coords])
+    for i in range(nd):
+        n = like.shape[i]
+        if g.shape[i] == 1 and n > 1:
+            zshape = list(g.shape)
+            zshape[i] = n - 1
+            g = torch.cat([g, g.new_zeros(zshape)], dim=i)
+    return g
 
 
 # ---- the local transitions of a reshard (no communication) -----------------------------

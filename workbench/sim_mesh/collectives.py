@@ -30,9 +30,7 @@ import torch
 
 from . import backends as _B
 from . import cost as _cost
-from .grid import REDUCE_OPS, Cells, chunk_bounds, ops_for
-from .grid import chunks as _chunks
-from .grid import reduce as _reduce
+from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
 from .trace import current_trace
 
 __all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
@@ -108,21 +106,41 @@ def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
     return F.rebuild(x, items)
 
 
-def _check_axis(x, mesh, axis, what: str):
+def _check(x, mesh, axis, what: str):
+    """The grid operations for ``x`` and ``axis`` as an index, once both are known good
+    (a fast path for the common case; the slow one names what is wrong)."""
+    shape = mesh.shape
+    nd = len(shape)
+    if type(axis) is int and 0 <= axis < nd and isinstance(x, torch.Tensor) \
+            and x.dim() >= nd and x.shape[axis] == shape[axis]:
+        return Stacked, axis
+    if not isinstance(x, (torch.Tensor, Cells)):
+        raise TypeError(f"{what}(x={type(x).__name__}): expected the stacked local tensor "
+                        "(one leading axis per mesh dim) or Cells")
+    axis = mesh.dim(axis)
     F = ops_for(x)
-    if F.lead(x, mesh.ndim)[axis] != mesh.shape[axis]:
+    if len(F.lead(x, nd)) != nd:
+        raise ValueError(f"{what}: x has shape {tuple(x.shape)}, but a {nd}-d mesh needs one "
+                         f"leading axis per mesh dim {mesh.dim_names} before the local shape")
+    if F.lead(x, nd)[axis] != mesh.shape[axis]:
         raise ValueError(f"{what}: the input is the same on every rank along mesh dim "
                          f"{mesh.dim_names[axis]!r} (a replicated copy); nothing to {what}")
-    return F
+    return F, axis
+
+
+def _dim(x, nd: int, d, what: str, arg: str) -> int:
+    """Local tensor dim ``d`` of ``x`` (a stack with ``nd`` leading axes, or Cells) as a
+    non-negative index, or an IndexError naming it."""
+    local_ndim = x.items[0].dim() if isinstance(x, Cells) else x.dim() - nd
+    if type(d) is int and -local_ndim <= d < local_ndim:
+        return d % local_ndim
+    raise IndexError(f"{what}({arg}={d!r}): the local tensor has {local_ndim} dims; "
+                     f"use a dim in [{-local_ndim}, {local_ndim - 1}]")
 
 
 def _check_op(op):
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
-
-
-def _expand_axis(x: torch.Tensor, axis: int, n: int) -> torch.Tensor:
-    return ops_for(x).expand(x, axis, n)
 
 
 # ---- the collectives ------------------------------------------------------------------
@@ -135,7 +153,7 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
                   lambda l, pg, n, k: _B.AllReduce.apply(l, pg, n, op, expanded),
                   bwd=expanded)
         return _B.tag(y, (axis,)) if expanded else y
-    F = _check_axis(x, mesh, axis, "all_reduce")
+    F, axis = _check(x, mesh, axis, "all_reduce")
     n = mesh.shape[axis]
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("all_reduce", mesh, axis, nb, label)
@@ -152,7 +170,8 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
                   lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded),
                   out_bytes=True, bwd=expanded)
         return _B.tag(y, (axis,)) if expanded else y
-    F = _check_axis(x, mesh, axis, "all_gather")
+    F, axis = _check(x, mesh, axis, "all_gather")
+    dim = _dim(x, mesh.ndim, dim, "all_gather", "dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     y = F.all_gather(x, nd, axis, dim, n)
     nb = F.rank_bytes(y, nd)                 # the cost model's buffer: the gathered tensor
@@ -168,7 +187,8 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     if _B.is_distributed(mesh):
         return _dist("reduce_scatter", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op))
-    F = _check_axis(x, mesh, axis, "reduce_scatter")
+    F, axis = _check(x, mesh, axis, "reduce_scatter")
+    dim = _dim(x, mesh.ndim, dim, "reduce_scatter", "dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
     record_collective("reduce_scatter", mesh, axis, nb, label)
@@ -182,7 +202,9 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
     if _B.is_distributed(mesh):
         return _dist("all_to_all", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim))
-    F = _check_axis(x, mesh, axis, "all_to_all")
+    F, axis = _check(x, mesh, axis, "all_to_all")
+    split_dim = _dim(x, mesh.ndim, split_dim, "all_to_all", "split_dim")
+    concat_dim = _dim(x, mesh.ndim, concat_dim, "all_to_all", "concat_dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
     record_collective("all_to_all", mesh, axis, nb, label)
@@ -192,7 +214,11 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
 
 def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
     """Every rank of the group gets the tensor of the group's ``root``-th rank."""
-    F = _check_axis(x, mesh, axis, "broadcast")
+    F, axis = _check(x, mesh, axis, "broadcast")
+    if not isinstance(root, int) or not 0 <= root < mesh.shape[axis]:
+        raise ValueError(f"broadcast(root={root!r}): the group along "
+                         f"{mesh.dim_names[axis]!r} has {mesh.shape[axis]} ranks; use a root "
+                         f"in [0, {mesh.shape[axis] - 1}]")
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("broadcast", mesh, axis, nb, label)
     return F.pick(x, axis, root)
@@ -219,6 +245,7 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
         return x
     F = ops_for(x)
     for a in axes:
+        a = mesh.dim(a)
         if F.lead(x, mesh.ndim)[a] != 1:
             continue                      # already one copy per rank: nothing to expand
         nb = F.rank_bytes(x, mesh.ndim)

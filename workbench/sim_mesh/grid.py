@@ -103,6 +103,12 @@ def chunks(t: torch.Tensor, dim: int, n: int) -> list[torch.Tensor]:
     return [t.narrow(dim, *chunk_bounds(t.shape[dim], n, k)) for k in range(n)]
 
 
+def _divides(length: int, n: int, what: str) -> None:
+    if length % n:
+        raise ValueError(f"{what}: a local dim of {length} does not split evenly over {n} "
+                         "ranks, so the shards cannot be stacked; pass Cells (uneven shards)")
+
+
 class Stacked:
     """The grid as one tensor ``(*lead, *local)``: every shard has one shape."""
 
@@ -133,6 +139,7 @@ class Stacked:
 
     @staticmethod
     def reduce_scatter(x, nd, axis, dim, op, n):
+        _divides(x.shape[nd + dim], n, "reduce_scatter")
         y = reduce(x, axis, op)                                      # (.., 1, .., L)
         shape = y.shape
         L = shape[nd + dim]
@@ -144,6 +151,7 @@ class Stacked:
     @staticmethod
     def all_to_all(x, nd, axis, split_dim, concat_dim, n):
         L = x.shape[nd + split_dim]
+        _divides(L, n, "all_to_all")
         y = x.unflatten(nd + split_dim, (n, L // n))            # new axis at nd+split_dim
         y = y.movedim(nd + split_dim, nd)                        # (..A.., n_dst, *L')
         # now axis `axis` is the source rank; swap source and destination
