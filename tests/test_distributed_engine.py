@@ -11,7 +11,9 @@ from workbench.parallel.strategies.hybrid import Hybrid
 from workbench.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# PYTHONPATH: the processes import this checkout's workbench, not the installed (editable) one
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
 
 
 def torchrun(n, *args, timeout=240):
