@@ -65,7 +65,7 @@ def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     script explains (2-byte dropout noise, LayerNorm statistics, and under SP the
     gathered linear inputs Megatron-SP re-gathers in backward instead of keeping)."""
     out = subprocess.run(TORCHRUN + ["--nproc-per-node=2", "-m",
-                                     "workbench.models.activation_check"], capture_output=True,
+                                     "workbench.tools.activation_check"], capture_output=True,
                          text=True, timeout=240, env=ENV,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -2,7 +2,7 @@
 al. 2022, under tensor parallelism and under sequence parallelism, counted exactly (on
 torch.distributed each process holds only its own shards), against their Table 2:
 
-    torchrun --nproc-per-node 2 -m workbench.models.activation_check
+    torchrun --nproc-per-node 2 -m workbench.tools.activation_check
 
 Prints one line per case: counted, formula, the explained extra, and whether
 counted == formula + extra."""
