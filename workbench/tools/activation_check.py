@@ -12,7 +12,6 @@ import workbench as wb
 from workbench.models.gpt import GPTLayer, TP_PLAN
 from workbench.parallel.strategies.memory import saved_activation_bytes
 from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
-from workbench.sim_mesh import collectives as C
 from workbench.sim_mesh.estimates import activation_bytes_per_layer
 
 wb.distributed.init()
