@@ -36,6 +36,7 @@ from . import ops
 from .models.config import PRESETS, RECOMPUTE, ModelConfig, get_config
 from .models.data import get_batch
 from .models.llama import Llama
+from .sim_mesh import rng
 
 __all__ = ["train", "Strategy", "SingleDevice", "add_train_arguments", "main_train",
            "DEFAULT_LR"]
@@ -117,7 +118,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         for step in range(steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
-            with _step_trace(strategy) as tr:
+            # dropout masks keyed by (this step, the call): the same for every layout
+            key = int(torch.randint(0, 2**62, ()))
+            with _step_trace(strategy) as tr, rng.keyed(key):
                 loss = strategy.forward_backward(model, inputs, targets)
                 strategy.optimizer_step(optimizer)
             rec = {"step": step, "loss": float(loss), "tokens": (step + 1) * inputs.numel(),
