@@ -19,7 +19,8 @@ work is spread over devices goes through a :class:`Strategy`:
 pipeline parallelism subclass it (the ``--dp --tp --pp --sp --zero --schedule``
 flags are declared already and refuse anything but their default until then).
 The global batch and the loss are the same for every strategy, so a
-parallel run can be checked against the single-device run step by step.
+parallel run can be checked against the single-device run step by step; dropout
+masks are keyed by (step, call) (:mod:`workbench.sim_mesh.rng`), so they are too.
 """
 from __future__ import annotations
 

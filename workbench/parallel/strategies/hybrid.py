@@ -4,10 +4,15 @@ The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 
     stage 0: Mesh([[0, 1], [2, 3]], ["dp", "tp"])     stage 1: Mesh([[4, 5], [6, 7]], ...)
 
-* tensor parallel (Megatron-LM): q, k, v, gate and up projections column-parallel,
-  o and down projections row-parallel (``Llama`` ``TP_PLAN``); the embedding
-  vocabulary-parallel and the lm head column-parallel (vocabulary-sharded logits,
-  vocabulary-parallel cross-entropy) when the vocabulary divides by tp;
+The recipe reads what it needs from the model itself: its tensor-parallel plan
+(``model.tp_plan(tp)``), the regions that take Megatron's f and g
+(``model.tp_regions(layers)``, :mod:`.tensor_parallel`), its pipeline stages
+(``model.pipeline_stages(n)``) and how to run one (``model.stage_forward``):
+
+* tensor parallel (Megatron-LM): for the Llama, q, k, v, gate and up projections
+  column-parallel, o and down row-parallel; the embedding vocabulary-parallel and
+  the lm head column-parallel (vocabulary-sharded logits, vocabulary-parallel
+  cross-entropy) when the vocabulary divides by tp;
 * sequence parallel: the residual stream is sharded on the sequence dim over tp
   (one reshard after the embedding; the SPMD rules then insert Megatron-SP's
   all-gather before each column-parallel linear and reduce-scatter after each
@@ -16,7 +21,8 @@ The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 * pipeline parallel: the layers split into ``pp * v`` stages on the stage meshes,
   run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order.
 
-Every configuration trains the same global batch with the same loss as one device.
+Every configuration trains the same global batch with the same loss as one device,
+dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).
 """
 from __future__ import annotations
 
