@@ -111,3 +111,12 @@ def test_a_module_is_wrapped_once():
     wb.DistributedDataParallel(m, wb.Mesh.grid(2, ["dp"]))
     with pytest.raises(ValueError, match="already wrapped"):
         wb.FullyShardedDataParallel(m, wb.Mesh.grid(2, ["dp"]))
+
+
+def test_check_replicas_finds_a_rank_that_drifted():
+    ddp = wb.DistributedDataParallel(make(), wb.Mesh.grid(2, ["dp"]))
+    ddp.check_replicas()
+    with torch.no_grad():
+        ddp.module.hid.bias[1, 0] += 1.0          # rank 1's copy only
+    with pytest.raises(RuntimeError, match="'hid.bias' differ"):
+        ddp.check_replicas()

@@ -11,7 +11,9 @@ from workbench.parallel.strategies.hybrid import Hybrid
 from workbench.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# PYTHONPATH: the processes import this checkout's workbench, not the installed (editable) one
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
 
 
 def torchrun(n, *args, timeout=240):
@@ -63,7 +65,7 @@ def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     script explains (2-byte dropout noise, LayerNorm statistics, and under SP the
     gathered linear inputs Megatron-SP re-gathers in backward instead of keeping)."""
     out = subprocess.run(TORCHRUN + ["--nproc-per-node=2", "-m",
-                                     "workbench.models.activation_check"], capture_output=True,
+                                     "workbench.tools.activation_check"], capture_output=True,
                          text=True, timeout=240, env=ENV,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -109,3 +109,33 @@ def test_any_module_that_indexes_its_weights():
 def test_bad_compute_dtype_is_named():
     with pytest.raises(ValueError, match="compute_dtype=torch.int8"):
         wb.FullyShardedDataParallel(make(), wb.Mesh.grid(2, ["dp"]), compute_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "FullyShardedDataParallel"])
+def test_on_a_2d_mesh_along_its_second_dim(wrapper):
+    """dp is the mesh's second dim; the module is replicated along the first."""
+    mesh = wb.Mesh.grid((2, 2), ("tp", "dp"))
+    w = getattr(wb, wrapper)(make(), mesh, dim="dp")
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-3, weight_decay=0.1)
+    ps = [wb.Replicate(), wb.Shard(0)]
+    with wb.trace() as tr:
+        for ids, y in data(5):
+            opt.zero_grad()
+            loss_fn(w(wb.shard_tensor(ids, mesh, ps)), wb.shard_tensor(y, mesh, ps)).backward()
+            opt.step()
+    got, ref = w.full_state_dict(), one_device("adamw")
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)
+    # every collective runs on the groups along dp: ranks (0, 1) and (2, 3)
+    assert {e.ranks for e in tr.collectives() if e.label.startswith(("ddp", "fsdp"))} == \
+        {(0, 1), (2, 3)} == set(mesh.groups("dp"))
+
+
+def test_inputs_sharded_on_another_mesh_dim_are_refused():
+    mesh = wb.Mesh.grid((2, 2), ("tp", "dp"))
+    w = wb.FullyShardedDataParallel(make(), mesh, dim="dp")
+    ids = data(1)[0][0]
+    with pytest.raises(ValueError, match="on mesh dim 'tp'"):
+        w(wb.shard_tensor(ids, mesh, [wb.Shard(1), wb.Shard(0)]))
+    with pytest.raises(ValueError, match="lives on"):
+        w(wb.shard_tensor(ids, wb.Mesh.grid(4, ["dp"]), ["S(0)"]))

@@ -19,7 +19,8 @@ work is spread over devices goes through a :class:`Strategy`:
 pipeline parallelism subclass it (the ``--dp --tp --pp --sp --zero --schedule``
 flags are declared already and refuse anything but their default until then).
 The global batch and the loss are the same for every strategy, so a
-parallel run can be checked against the single-device run step by step.
+parallel run can be checked against the single-device run step by step; dropout
+masks are keyed by (step, call) (:mod:`workbench.sim_mesh.rng`), so they are too.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from . import ops
 from .models.config import PRESETS, RECOMPUTE, ModelConfig, get_config
 from .models.data import get_batch
 from .models.llama import Llama
+from .sim_mesh import rng
 
 __all__ = ["train", "Strategy", "SingleDevice", "add_train_arguments", "main_train",
            "DEFAULT_LR"]
@@ -117,7 +119,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         for step in range(steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
-            with _step_trace(strategy) as tr:
+            # dropout masks keyed by (this step, the call): the same for every layout
+            key = int(torch.randint(0, 2**62, ()))
+            with _step_trace(strategy) as tr, rng.keyed(key):
                 loss = strategy.forward_backward(model, inputs, targets)
                 strategy.optimizer_step(optimizer)
             rec = {"step": step, "loss": float(loss), "tokens": (step + 1) * inputs.numel(),

@@ -30,6 +30,19 @@ def main():
                               "frozen_kept": torch.equal(got["frozen"], ref["frozen"]),
                               "unused_kept": torch.equal(got["unused"], ref["unused"])}),
                   flush=True)
+    # the replica check: equal after construction; a drifted rank is found
+    m = wb.DistributedDataParallel(__import__("wrappers_model").make())
+    m.check_replicas()
+    if rank == n - 1:
+        with torch.no_grad():
+            m.module.hid.bias[0] += 1.0
+    try:
+        m.check_replicas()
+        found = False
+    except RuntimeError:
+        found = True
+    if rank == 0:
+        print(json.dumps({"drift_found": found}), flush=True)
     wb.distributed.shutdown()
 
 

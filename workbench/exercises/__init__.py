@@ -8,8 +8,10 @@ from .checks_strategies import *  # noqa: F401,F403
 from .checks_strategies import __all__ as _strategies_all
 from .checks_overlap_profiling import *  # noqa: F401,F403
 from .checks_overlap_profiling import __all__ as _overlap_profiling_all
+from .checks_own_model import *  # noqa: F401,F403
+from .checks_own_model import __all__ as _own_model_all
 from .feedback import REVEAL_AFTER, reset_tries, reveal
 from .student import make_student_versions
 
 __all__ = [*_checks_all, *_spmd_pipeline_all, *_strategies_all, *_overlap_profiling_all,
-           "reveal", "reset_tries", "REVEAL_AFTER", "make_student_versions"]
+           *_own_model_all, "reveal", "reset_tries", "REVEAL_AFTER", "make_student_versions"]

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
+from ..sim_mesh import rng
 from .config import RECOMPUTE, ModelConfig
 
 __all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
@@ -69,9 +70,34 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def attention_core(q, k, v, dropout_p: float = 0.0):
-    """softmax(q k^T / sqrt(hd)) v, causal: the part "selective" recompute recomputes."""
-    return flash_attention(q, k, v, causal=True, dropout_p=dropout_p)   # (B, nh, S, hd)
+def dropout(x, p: float, training: bool, site: int):
+    """``F.dropout``; under keyed masks (:mod:`workbench.sim_mesh.rng`, as ``train`` runs
+    it) the mask of call number ``site``, the same whatever the layout."""
+    if not training or p == 0 or not rng.is_keyed():
+        return F.dropout(x, p, training)
+    with rng.site(site):
+        if isinstance(x, torch.Tensor):          # one device: the mask the rule would draw
+            return x * rng.draw_mask(tuple(x.shape), p, x.dtype)
+        return F.dropout(x, p, training)         # a DistTensor: the rule draws and slices
+
+
+def attention_core(q, k, v, dropout_p: float = 0.0, site: int = 0, ctx=None):
+    """softmax(q k^T / sqrt(hd)) v, causal: the part "selective" recompute recomputes.
+
+    With attention dropout under keyed masks (``ctx``: :func:`rng.context` when the
+    forward ran) the weights are computed explicitly, so their dropout is an op of
+    its own whose mask every layout slices from one device's; otherwise the fused
+    kernel."""
+    if dropout_p == 0 or ctx is None or ctx[0] is None:
+        return flash_attention(q, k, v, causal=True, dropout_p=dropout_p)   # (B, nh, S, hd)
+    with rng.restore(ctx):
+        B, nh, S, hd = q.shape
+        nkv = k.shape[1]
+        q5 = q.view(B, nkv, nh // nkv, S, hd)                               # (B, nkv, G, S, hd)
+        s = (q5 @ k.unsqueeze(2).transpose(-2, -1)) * hd ** -0.5            # (B, nkv, G, S, S)
+        s = s + torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1)    # causal
+        w = dropout(torch.softmax(s, -1), dropout_p, True, site)
+        return (w @ v.unsqueeze(2)).reshape(B, nh, S, hd)                   # (B, nh, S, hd)
 
 
 class Attention(nn.Module):
@@ -82,6 +108,7 @@ class Attention(nn.Module):
         h, hd, dt = cfg.d_model, cfg.head_dim, cfg.torch_dtype
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
         self.dropout = cfg.dropout
+        self.index = 0                  # the block's number (Llama sets it): dropout sites
         self.wq = nn.Linear(h, cfg.n_head * hd, bias=False, dtype=dt)
         self.wk = nn.Linear(h, cfg.n_kv_head * hd, bias=False, dtype=dt)
         self.wv = nn.Linear(h, cfg.n_kv_head * hd, bias=False, dtype=dt)
@@ -95,12 +122,14 @@ class Attention(nn.Module):
         q = rotary_embedding(q, cos, sin)                                   # cos, sin: (S, hd)
         k = rotary_embedding(k, cos, sin)
         p = self.dropout if self.training else 0.0
+        site, ctx = 1 + 3 * self.index, rng.context()   # keyed dropout: call numbers
         if recompute_core and torch.is_grad_enabled():
-            y = checkpoint(attention_core, q, k, v, p, use_reentrant=False)  # (B, nh, S, hd)
+            y = checkpoint(attention_core, q, k, v, p, site, ctx,
+                           use_reentrant=False)                             # (B, nh, S, hd)
         else:
-            y = attention_core(q, k, v, p)                                  # (B, nh, S, hd)
+            y = attention_core(q, k, v, p, site, ctx)                       # (B, nh, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
-        return F.dropout(self.wo(y), p, self.training)                      # (B, S, h)
+        return dropout(self.wo(y), p, self.training, site + 1)              # (B, S, h)
 
 
 class MLP(nn.Module):
@@ -110,6 +139,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f, dt = cfg.d_model, cfg.d_ff, cfg.torch_dtype
         self.dropout = cfg.dropout
+        self.index = 0                  # the block's number (Llama sets it): dropout sites
         self.w1 = nn.Linear(h, f, bias=False, dtype=dt)    # gate
         self.w3 = nn.Linear(h, f, bias=False, dtype=dt)    # up
         self.w2 = nn.Linear(f, h, bias=False, dtype=dt)    # down
@@ -119,7 +149,8 @@ class MLP(nn.Module):
         # under column-parallel sharding a rank would hold a slice of the concatenation,
         # not matching halves of gate and up; separate linears keep them on one rank.
         hidden = F.silu(self.w1(x)) * self.w3(x)                            # (B, S, d_ff)
-        return F.dropout(self.w2(hidden), self.dropout, self.training)      # (B, S, h)
+        return dropout(self.w2(hidden), self.dropout, self.training,
+                       3 + 3 * self.index)                                  # (B, S, h)
 
 
 class Block(nn.Module):
@@ -135,10 +166,13 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin):
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._forward, x, cos, sin, rng.context(), use_reentrant=False)
         return self._forward(x, cos, sin)
 
-    def _forward(self, x, cos, sin):
+    def _forward(self, x, cos, sin, ctx=None):
+        if ctx is not None:             # recomputed in backward: the forward's dropout keys
+            with rng.restore(ctx):
+                return self._forward(x, cos, sin)
         x = x + self.attn(self.attn_norm(x), cos, sin,                      # (B, S, h)
                           recompute_core=self.recompute == "selective")
         return x + self.mlp(self.mlp_norm(x))                               # (B, S, h)
@@ -165,6 +199,8 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight       # one (V, h) matrix, used twice
+        for i, block in enumerate(self.layers):             # numbers the dropout calls
+            block.attn.index = block.mlp.index = i
         # computed on the CPU, then moved: on "meta" the float64 formula would pull in
         # torch's Python decompositions (seconds of import for a shape-only model)
         cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, base=cfg.rope_theta, dtype=dt,
@@ -174,6 +210,52 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)             # (seq_len, hd)
         self.register_buffer("rope_sin", sin, persistent=False)             # (seq_len, hd)
         self.reset_parameters(seed)
+
+    # ---- how the model splits: what parallel recipes read ---------------------------------
+    def tp_plan(self, tp: int) -> dict:
+        """Megatron's tensor-parallel plan over ``tp`` ranks, by module path (for
+        ``wb.parallelize``): :data:`TP_PLAN` in the blocks, and, when the vocabulary
+        divides by tp, the embedding vocabulary-parallel and the head column-parallel
+        (vocabulary-sharded logits)."""
+        plan = dict(TP_PLAN) if tp > 1 else {}
+        if tp > 1 and self.cfg.vocab_size % tp == 0:
+            plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
+        return plan
+
+    def tp_regions(self, layers) -> list[str]:
+        """The modules that take Megatron's f before and g after (attention and MLP)."""
+        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
+
+    def pipeline_stages(self, n_stages: int) -> list[dict]:
+        """The model cut in ``n_stages`` consecutive stages of equal layer counts:
+        per stage, its layer indices and the top-level modules it owns (the first
+        adds the embedding, the last the final norm and the head)."""
+        L = self.cfg.n_layer
+        if not isinstance(n_stages, int) or n_stages < 1 or L % n_stages:
+            raise ValueError(f"{n_stages} stages do not divide n_layer={L}")
+        per = L // n_stages
+        out = []
+        for s in range(n_stages):
+            layers = list(range(s * per, (s + 1) * per))
+            names = (["tok_emb"] if s == 0 else []) + [f"layers.{i}" for i in layers] + \
+                (["norm", "lm_head"] if s == n_stages - 1 else [])
+            out.append({"layers": layers, "modules": names})
+        return out
+
+    def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
+        """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
+        h) on the first, (B, S, h) -> logits (B, S, V) on the last.  ``layout`` (a
+        function) places the residual stream right after the embedding."""
+        if first:
+            x = self.tok_emb(x)                                             # (B, S, h)
+            if layout is not None:
+                x = layout(x)
+            x = dropout(x, self.cfg.dropout, self.training, 0)
+        S = x.shape[1]
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]                     # (S, hd)
+        for i in stage["layers"]:
+            x = self.layers[i](x, cos, sin)                                 # (B, S, h)
+        return self.lm_head(self.norm(x)) if last else x                   # (B, S, V)
 
     def set_recompute(self, mode: str, layers=None) -> None:
         """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
@@ -208,7 +290,7 @@ class Llama(nn.Module):
             raise ValueError(f"Llama: sequence of {S} tokens is longer than seq_len="
                              f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
         p = self.cfg.dropout if self.training else 0.0
-        x = F.dropout(self.tok_emb(idx), p, self.training)                  # (B, S, h)
+        x = dropout(self.tok_emb(idx), p, self.training, 0)                 # (B, S, h)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]                     # (S, hd)
         for block in self.layers:
             x = block(x, cos, sin)                                          # (B, S, h)

@@ -25,7 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group"]
+__all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group",
+           "broadcast_"]
 
 _GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
 _MESHES: set = set()
@@ -108,6 +109,15 @@ def coordinate(m):
 
 def local_index(m, axis: int) -> int:
     return coordinate(m)[axis]
+
+
+def broadcast_(t, m, axis: int, root: int = 0):
+    """In place: this process's ``t`` becomes the one of the ``root``-th rank of its group
+    along mesh dim ``axis`` (replicas made equal; no autograd)."""
+    pg, g = group(m, axis)
+    with torch.no_grad():
+        dist.broadcast(t, src=g[root], group=pg)
+    return t
 
 
 # ---- the collectives ----------------------------------------------------------------------

@@ -23,6 +23,15 @@ Per mesh dim (x, mask -> y), with the mask fixed, dropout is x * mask:
     P(max), R    -> not valid, reduced first: m >= 0 keeps the order, but a rank that
                              holds max's identity -inf gives -inf * 0 = nan where dropped
 
+Keyed masks (:func:`workbench.sim_mesh.rng.keyed`): inside ``with keyed(seed)`` and ``with site(k)``, a
+call draws its mask from its own generator, seeded by (seed, k), for the *whole*
+batch, and keeps the rows it holds (``with rows(offset, total)``: a pipeline
+micro-batch).  So a mask no longer depends on the order in which the calls run:
+a pipeline that runs micro-batch 3 of layer 5 before micro-batch 0 of layer 1
+draws the same masks as one device running the whole batch layer by layer
+(what Megatron's model-parallel RNG tracker does with per-region seeds).
+:func:`~workbench.sim_mesh.rng.context` captures the keys so that recomputation in backward redraws them.
+
 ``training=False`` or ``p == 0`` is the identity: every placement passes
 unchanged and no random number is drawn (as in ATen).  ``p == 1`` gives
 ``x * 0`` without drawing (as in ATen).
@@ -34,6 +43,7 @@ import torch.nn.functional as F
 
 from ..dispatch import OpDef, register_op
 from ..op_table import _align
+from ...sim_mesh.rng import draw_mask
 from ..placement import Partial, Replicate, Shard
 from .registry import combine, register_rule
 
@@ -55,13 +65,6 @@ def dropout_rule(x, mask=None, **_):
         opts.append(((Partial(op), R), (Partial(op),),
                      f"linear in x for a fixed mask: P({op}) passes"))
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
-
-
-def draw_mask(shape, p: float, dtype=torch.float32) -> torch.Tensor:
-    """The mask ATen's CPU dropout draws for a tensor of ``shape`` (scaled by 1/(1-p))."""
-    if p >= 1:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
 
 
 def _dropout_local(nd, ctx, x, mask=None):

@@ -26,6 +26,7 @@ import torch
 
 from ...sim_mesh.collectives import Cells
 from ...sim_mesh import cost as _cost
+from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace, suspend
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
@@ -139,7 +140,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                           f"F{a.mb} stage {s - 1}->{s}")
                 x = _detach_leaf(x)
             stage_in[key] = x
-            out = stages[s](x)
+            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+                out = stages[s](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             stage_out[key] = out

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import cost as _cost
+from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
@@ -99,7 +100,8 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             else:
                 x = recv((s - 1) % p, _tag(1, s, a.mb)).detach().requires_grad_()
             stage_in[key] = x
-            out = stages[s](x)
+            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+                out = stages[s](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             else:

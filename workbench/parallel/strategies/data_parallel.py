@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ops import adamw as _adamw
+from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
@@ -78,7 +79,6 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
-        from ...sim_mesh import backends as _B
         self.distributed = _B.is_distributed(mesh)
         for p in self.params:
             if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
@@ -88,15 +88,19 @@ class DataParallel:
                                  "dim; parameters must be replicated there")
             # one replica per data-parallel rank (the dp axis becomes real storage; on
             # torch.distributed every process already is one replica)
+            trainable = p.requires_grad          # frozen parameters stay frozen
             loc = p._local.detach()
             if self.distributed:
-                loc = loc.clone().requires_grad_()
+                loc = loc.clone()
+                # the replicas start from dp rank 0's values (torch.distributed's
+                # from_local/shard_tensor do not check that processes agree)
+                _B.broadcast_(loc, mesh, self.axis, 0)
                 loc._wb_replica_axes = (self.axis,)
             elif loc.shape[self.axis] == 1:
                 shape = list(loc.shape)
                 shape[self.axis] = self.n
                 loc = loc.expand(shape).clone()
-            p._local = loc.requires_grad_()
+            p._local = loc.requires_grad_(trainable)
         # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
         self.m = [torch.zeros(self._state_shape(p)) for p in self.params]
         self.v = [torch.zeros(self._state_shape(p)) for p in self.params]
@@ -130,20 +134,24 @@ class DataParallel:
     @torch.no_grad()
     def step(self) -> None:
         """Reduce the gradients over dp and take one AdamW step (in place)."""
+        # as torch.optim: a parameter without a gradient (frozen, or unused) is skipped
+        live = [i for i, p in enumerate(self.params) if p._local.grad is not None]
+        if not live:
+            raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
+                               "loss.backward() first")
         self.step_count += 1
-        grads = [p._local.grad for p in self.params]
-        if any(g is None for g in grads):
-            raise RuntimeError("DataParallel.step(): some parameter has no gradient; "
-                               "call loss.backward() first")
+        params = [self.params[i] for i in live]
+        grads = [p._local.grad for p in params]
+        m, v = [self.m[i] for i in live], [self.v[i] for i in live]
         if self.zero == 0:
             grads = self._all_reduce(grads)
-            locs = [p._local for p in self.params]
-            _adamw(locs, grads, self.m, self.v, self.step_count, lr=self.lr,
+            locs = [p._local for p in params]
+            _adamw(locs, grads, m, v, self.step_count, lr=self.lr,
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                    weight_decay=self.wd)
         else:
-            self._zero_step(grads)
-        for p in self.params:
+            self._zero_step(params, grads, m, v)
+        for p in params:
             p._local.grad = None
 
     def _all_reduce(self, grads):
@@ -181,16 +189,15 @@ class DataParallel:
     def _flat_nopad(self, t):
         return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
 
-    def _zero_step(self, grads):
+    def _zero_step(self, params, grads, ms, vs):
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
-        for p, g, m, v in zip(self.params, grads, self.m, self.v):
+        for p, g, m, v in zip(params, grads, ms, vs):
             loc = p._local
             numel = math.prod(loc.shape[nd:])
             gs = C.reduce_scatter(self._flat(g), mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
             # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
             ps = self._flat(loc.detach()).unflatten(-1, (self.n, -1))
             if self.distributed:
-                from ...sim_mesh import backends as _B
                 ps = ps.select(-2, _B.local_index(mesh, ax)).contiguous()
             else:
                 ps = torch.diagonal(ps, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()

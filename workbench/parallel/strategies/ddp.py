@@ -173,6 +173,24 @@ class DistributedDataParallel(nn.Module):
                     off += n
         self._reset()
 
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Debug: raise if any parameter differs between the ranks' replicas (on
+        torch.distributed: an all-reduce of its max and of its min per parameter)."""
+        g = self.group
+        for name, p in self.module.named_parameters():
+            if g.distributed:
+                hi, lo = p.detach().clone(), p.detach().clone()
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g.pg)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g.pg)
+                same = torch.equal(hi, lo)
+            else:
+                same = bool((p == p[:1]).all())
+            if not same:
+                raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
+                                   "between ranks; did something update one rank's copy "
+                                   "outside the optimizer step?")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no all-reduce) inside the block; the first

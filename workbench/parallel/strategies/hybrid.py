@@ -4,10 +4,15 @@ The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 
     stage 0: Mesh([[0, 1], [2, 3]], ["dp", "tp"])     stage 1: Mesh([[4, 5], [6, 7]], ...)
 
-* tensor parallel (Megatron-LM): q, k, v, gate and up projections column-parallel,
-  o and down projections row-parallel (``Llama`` ``TP_PLAN``); the embedding
-  vocabulary-parallel and the lm head column-parallel (vocabulary-sharded logits,
-  vocabulary-parallel cross-entropy) when the vocabulary divides by tp;
+The recipe reads what it needs from the model itself: its tensor-parallel plan
+(``model.tp_plan(tp)``), the regions that take Megatron's f and g
+(``model.tp_regions(layers)``, :mod:`.tensor_parallel`), its pipeline stages
+(``model.pipeline_stages(n)``) and how to run one (``model.stage_forward``):
+
+* tensor parallel (Megatron-LM): for the Llama, q, k, v, gate and up projections
+  column-parallel, o and down row-parallel; the embedding vocabulary-parallel and
+  the lm head column-parallel (vocabulary-sharded logits, vocabulary-parallel
+  cross-entropy) when the vocabulary divides by tp;
 * sequence parallel: the residual stream is sharded on the sequence dim over tp
   (one reshard after the embedding; the SPMD rules then insert Megatron-SP's
   all-gather before each column-parallel linear and reduce-scatter after each
@@ -16,16 +21,18 @@ The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 * pipeline parallel: the layers split into ``pp * v`` stages on the stage meshes,
   run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order.
 
-Every configuration trains the same global batch with the same loss as one device.
+Every configuration trains the same global batch with the same loss as one device,
+dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).
 """
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.llama import TP_PLAN, Llama
-from ...sim_mesh import collectives as C
+from ...models.llama import Llama
 from ...sim_mesh.mesh import Mesh
 from .. import schedules as S
 from ..dist_tensor import DistTensor, shard_tensor
@@ -34,9 +41,22 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from .data_parallel import DataParallel
 from .memory import saved_activation_bytes
+from .tensor_parallel import tensor_parallel_region
 from .zero3 import Zero3
 
 __all__ = ["Hybrid", "stage_meshes"]
+
+
+def _relative(plan: dict, name: str) -> dict:
+    """The entries of a root-level plan that fall inside module ``name``, keyed from it
+    ("layers.*.attn.wq" inside "layers.3" is "attn.wq"; "tok_emb" inside itself is "")."""
+    depth = len(name.split("."))
+    out = {}
+    for key, val in plan.items():
+        parts = key.split(".")
+        if fnmatch.fnmatchcase(name, ".".join(parts[:depth])):
+            out[".".join(parts[depth:])] = val
+    return out
 
 SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
              "zb-h1": S.zb_h1}
@@ -106,57 +126,26 @@ class Hybrid:
 
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
+        """The model, split and sharded by what it says of itself: its pipeline stages
+        (``pipeline_stages``), its tensor-parallel plan (``tp_plan``) and the regions
+        that take Megatron's f and g (``tp_regions``)."""
         model = Llama(cfg, seed=seed).train()
         self.cfg = cfg
-        n_stages = self.pp * self.v
-        per = cfg.n_layer // n_stages
-        self.stage_layers = [list(range(s * per, (s + 1) * per)) for s in range(n_stages)]
-        vocab_parallel = self.tp > 1 and cfg.vocab_size % self.tp == 0
-        # TP_PLAN names parameters from the model's root ("layers.*.attn.wq"); per block:
-        block_plan = {k.split("layers.*.", 1)[1]: v for k, v in TP_PLAN.items()
-                      if k.startswith("layers.*.")} if self.tp > 1 else {}
-        for s in range(n_stages):
+        self.stages = model.pipeline_stages(self.pp * self.v)
+        self.stage_layers = [st["layers"] for st in self.stages]
+        plan = model.tp_plan(self.tp)
+        for s, stage in enumerate(self.stages):
             mesh = self.meshes[s % self.pp]
             if not self._own(mesh):
                 continue                 # torch.distributed: another process's stage
-            for i in self.stage_layers[s]:
-                parallelize(model.layers[i], mesh, block_plan, mesh_dim="tp")
-                if self.tp > 1:
-                    for sub in (model.layers[i].attn, model.layers[i].mlp):
-                        self._megatron_f_g(sub, mesh)
-            if s == 0:
-                parallelize(model.tok_emb, mesh, {"": "rowwise"} if vocab_parallel else {},
+            for name in stage["modules"]:
+                parallelize(model.get_submodule(name), mesh, _relative(plan, name),
                             mesh_dim="tp")
-            if s == n_stages - 1:
-                parallelize(model.norm, mesh, {}, mesh_dim="tp")
-                parallelize(model.lm_head, mesh, {"": "colwise"} if vocab_parallel else {},
-                            mesh_dim="tp")
+            if self.tp > 1:
+                for name in model.tp_regions(stage["layers"]):
+                    tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
+                                           seq_dim=1)
         return model
-
-    # ---- Megatron's f and g around each tensor-parallel region ---------------------------------
-    def _megatron_f_g(self, module, mesh):
-        """f before the region: give each tp rank its copy of the input (tensor parallel:
-        no traffic, all-reduce in backward; sequence parallel: all-gather the sequence,
-        reduce-scatter in backward).  g after it: sum the row-parallel partial outputs
-        (all-reduce; with sequence parallelism reduce-scatter onto the sequence dim,
-        all-gather in backward).  Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022."""
-        tp_axis = mesh.dim("tp")
-        out_ps = [Shard(0), Shard(1) if self.sp else Replicate()]
-
-        def f(mod, args):
-            x, *rest = args
-            loc = x._local
-            if self.sp:          # S(1) on tp -> every rank the whole sequence
-                loc = C.all_gather(loc, mesh, tp_axis, 1, expanded=True, label="f: all-gather")
-            else:
-                loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
-            full = DistTensor(loc, mesh, [x.placements[0], Replicate()], x.shape, x.dtype)
-            return (full, *rest)
-
-        def g(mod, args, out):
-            return reshard(out, mesh, out_ps)
-        module.register_forward_pre_hook(f)
-        module.register_forward_hook(g)
 
     def _own(self, mesh) -> bool:
         """Does this process run ``mesh``'s stage? (always, in the simulator)"""
@@ -168,12 +157,8 @@ class Hybrid:
     def _stage_params(self, model, s):
         if self.zero == 3:              # the leaves autograd reaches are the dp shards
             return self._shards[s]
-        mods = [model.layers[i] for i in self.stage_layers[s]]
-        if s == 0:
-            mods.append(model.tok_emb)
-        if s == len(self.stage_layers) - 1:
-            mods += [model.norm, model.lm_head]
-        return [p for m in mods for _, p in dist_parameters(m)]
+        return [p for name in self.stages[s]["modules"]
+                for _, p in dist_parameters(model.get_submodule(name))]
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
         opts = []
@@ -183,10 +168,8 @@ class Hybrid:
             if not self._own(mesh):
                 continue
             if self.zero == 3:
-                holder = nn.ModuleList([model.layers[i] for i in self.stage_layers[s]] +
-                                       ([model.tok_emb] if s == 0 else []) +
-                                       ([model.norm, model.lm_head]
-                                        if s == len(self.stage_layers) - 1 else []))
+                holder = nn.ModuleList([model.get_submodule(n)
+                                        for n in self.stages[s]["modules"]])
                 opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
                 self._shards[s] = [e[3] for e in opts[-1].entries]
             else:
@@ -197,21 +180,16 @@ class Hybrid:
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
         return shard_tensor(t, mesh, [Shard(0), Replicate()])
 
-    def _embed(self, model, idx):
-        x = model.tok_emb(idx)                                              # (B, S, h)
-        if self.tp > 1:                 # the residual stream: replicated, or with sequence
-            x = reshard(x, x.mesh, [Shard(0), Shard(1) if self.sp else Replicate()])
-        return F.dropout(x, model.cfg.dropout, model.training)
+    def _layout(self, x):
+        """The residual stream after the embedding: replicated on tp, or sharded on the
+        sequence (sequence parallelism)."""
+        if self.tp == 1:
+            return x
+        return reshard(x, x.mesh, [Shard(0), Shard(1) if self.sp else Replicate()])
 
-    def _blocks(self, model, s, x):
-        S_ = x.shape[1]
-        cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
-        for i in self.stage_layers[s]:
-            x = model.layers[i](x, cos, sin)
-        return x
-
-    def _head(self, model, x):
-        return model.lm_head(model.norm(x))                                 # (B, S, V)
+    def _stage(self, model, s, x):
+        n = len(self.stages)
+        return model.stage_forward(self.stages[s], x, s == 0, s == n - 1, self._layout)
 
     def _loss(self, logits, targets):
         B, S_, V = logits.shape
@@ -224,21 +202,14 @@ class Hybrid:
             mesh = self.meshes[0]
 
             def forward():
-                x = self._blocks(model, 0, self._embed(model, self._batch(inputs, mesh)))
-                return self._loss(self._head(model, x), self._batch(targets, mesh))
+                logits = self._stage(model, 0, self._batch(inputs, mesh))
+                return self._loss(logits, self._batch(targets, mesh))
             params = [p for _, p in dist_parameters(model)]
             loss, saved = saved_activation_bytes(forward, params=params, lead_dims=mesh.ndim)
             self.last_activation_bytes = saved.bytes      # what one rank keeps for backward
             loss.backward()
             return loss.full().detach()
-        stages = []
-        for s in range(n_stages):
-            def stage(x, s=s):
-                if s == 0:
-                    x = self._embed(model, x)
-                x = self._blocks(model, s, x)
-                return self._head(model, x) if s == n_stages - 1 else x
-            stages.append(stage)
+        stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
         m = self.m
         first, last = self.meshes[0], self.meshes[(n_stages - 1) % self.pp]
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]

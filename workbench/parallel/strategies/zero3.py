@@ -37,13 +37,16 @@ class Zero3:
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
         self.entries = []           # (module, name, template DistTensor, shard leaf)
+        self.names = []             # the qualified name of each entry's parameter
         nd = mesh.ndim
-        for mod in module.modules():
+        for mname, mod in module.named_modules():
             for name, p in list(getattr(mod, "_wb_dist_params", {}).items()):
                 if not p.placements[self.axis].is_replicate():
                     raise ValueError(f"{name} is {p.placements[self.axis]} on the dp dim; "
                                      "ZeRO-3 shards replicated parameters")
                 loc = p._local.detach()
+                if _B.is_distributed(mesh):     # the replicas start from dp rank 0's values
+                    loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
                 flat = loc.reshape(tuple(loc.shape[:nd]) + (-1,))
                 pad = (-flat.shape[-1]) % self.n
                 flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
@@ -54,8 +57,9 @@ class Zero3:
                 else:
                     chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
                         .movedim(nd - 1, self.axis)
-                shard = chunks.contiguous().requires_grad_()
+                shard = chunks.contiguous().requires_grad_(p.requires_grad)   # frozen stays
                 self.entries.append((mod, name, p, shard))
+                self.names.append(f"{mname}.{name}" if mname else name)
         self.m = [torch.zeros_like(e[3]) for e in self.entries]
         self.v = [torch.zeros_like(e[3]) for e in self.entries]
         self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod))
@@ -82,23 +86,26 @@ class Zero3:
 
     @torch.no_grad()
     def step(self) -> None:
+        # as torch.optim: a shard without a gradient (frozen, or unused) is skipped
+        live = [i for i, e in enumerate(self.entries) if e[3].grad is not None]
+        if not live:
+            raise RuntimeError("Zero3.step(): no parameter shard has a gradient; call "
+                               "loss.backward() first")
         self.step_count += 1
-        shards = [e[3] for e in self.entries]
+        shards = [self.entries[i][3] for i in live]
         grads = [s.grad for s in shards]
-        if any(g is None for g in grads):
-            raise RuntimeError("Zero3.step(): a parameter shard has no gradient; call "
-                               "loss.backward() first (every parameter must be used)")
-        _adamw(shards, grads, self.m, self.v, self.step_count, lr=self.lr,
+        m, v = [self.m[i] for i in live], [self.v[i] for i in live]
+        _adamw(shards, grads, m, v, self.step_count, lr=self.lr,
                beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
         for s in shards:
             s.grad = None
 
     def full_parameters(self):
-        """(name, global tensor) of every parameter, gathered (for checking)."""
+        """(qualified name, global tensor) of every parameter, gathered (for checking)."""
         from ...sim_mesh.trace import suspend
         with suspend(), torch.no_grad():
-            for (m, name, tmpl, shard) in self.entries:
-                yield name, self._gather(tmpl, shard).full()
+            for qname, (m, name, tmpl, shard) in zip(self.names, self.entries):
+                yield qname, self._gather(tmpl, shard).full()
 
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
         nd = self.mesh.ndim

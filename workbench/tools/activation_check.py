@@ -2,7 +2,7 @@
 al. 2022, under tensor parallelism and under sequence parallelism, counted exactly (on
 torch.distributed each process holds only its own shards), against their Table 2:
 
-    torchrun --nproc-per-node 2 -m workbench.models.activation_check
+    torchrun --nproc-per-node 2 -m workbench.tools.activation_check
 
 Prints one line per case: counted, formula, the explained extra, and whether
 counted == formula + extra."""
@@ -11,7 +11,7 @@ import torch
 import workbench as wb
 from workbench.models.gpt import GPTLayer, TP_PLAN
 from workbench.parallel.strategies.memory import saved_activation_bytes
-from workbench.sim_mesh import collectives as C
+from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
 from workbench.sim_mesh.estimates import activation_bytes_per_layer
 
 wb.distributed.init()
@@ -23,17 +23,8 @@ for sp in (False, True):
     layer = GPTLayer(h, a)
     wb.parallelize(layer, mesh, TP_PLAN)
 
-    def f(mod, args):            # Megatron's f (sequence-first layout: the sequence is dim 0)
-        x = args[0]
-        loc = (C.all_gather(x._local, mesh, 0, 0, expanded=True) if sp else
-               C.expand_replicas(x._local, mesh, [0]))
-        return (wb.DistTensor(loc, mesh, [wb.Replicate()], x.shape, x.dtype),)
-
-    def g(mod, args, out):       # Megatron's g
-        return wb.reshard(out, mesh, [wb.Shard(0) if sp else wb.Replicate()])
-    for m in (layer.attn, layer.mlp):
-        m.register_forward_pre_hook(f)
-        m.register_forward_hook(g)
+    for m in (layer.attn, layer.mlp):  # Megatron's f and g (sequence-first: the sequence is dim 0)
+        tensor_parallel_region(m, mesh, "tp", sp, seq_dim=0)
     X = torch.randn(s, b, h, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     x = wb.shard_tensor(X, mesh, [wb.Shard(0) if sp else wb.Replicate()]).requires_grad_()
     params = [p for _, p in wb.dist_parameters(layer)] + [x]

@@ -1,0 +1,53 @@
+"""Dropout under every layout draws one device's mask for its slice: `train` keys each
+mask by (step, call), so TP, SP, PP (any schedule), DP and ZeRO give one device's
+losses with dropout on, recompute included."""
+import pytest
+import torch
+
+from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.sim_mesh import rng
+from workbench.train import train
+
+KW = dict(n_layer=4, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return [r["loss"] for r in train("tiny", steps=2, seed=0, timing=False, **KW)]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(tp=2, sp=True),
+                                    dict(dp=2, tp=2, pp=2),
+                                    dict(dp=2, pp=2, zero=3, schedule="zb-h1"),
+                                    dict(tp=2, pp=2, schedule="interleaved")],
+                         ids=lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
+def test_every_layout_gives_one_devices_losses_with_dropout(layout, one_device):
+    got = [r["loss"] for r in train("tiny", steps=2, seed=0, timing=False,
+                                    strategy=Hybrid(**layout), **KW)]
+    assert got == pytest.approx(one_device, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_redraws_the_same_masks(mode, one_device):
+    got = [r["loss"] for r in train("tiny", steps=2, seed=0, timing=False, recompute=mode,
+                                    strategy=Hybrid(tp=2, pp=2), **KW)]
+    assert got == pytest.approx(one_device, rel=1e-6)
+
+
+def test_a_keyed_mask_is_the_whole_batchs_rows():
+    with rng.keyed(7), rng.site(3):
+        whole = rng.draw_mask((8, 5), 0.5)
+        with rng.rows(4, 8):
+            part = rng.draw_mask((2, 5), 0.5)
+    assert torch.equal(part, whole[4:6])
+    with rng.keyed(7), rng.site(4):
+        assert not torch.equal(rng.draw_mask((8, 5), 0.5), whole)      # another call
+    state = torch.get_rng_state()
+    with rng.keyed(7), rng.site(3):
+        rng.draw_mask((8, 5), 0.5)
+    assert torch.equal(torch.get_rng_state(), state)                    # global RNG untouched
+
+
+def test_a_keyed_call_without_a_site_is_an_error():
+    with rng.keyed(1), pytest.raises(RuntimeError, match="site"):
+        rng.draw_mask((2, 2), 0.5)

@@ -1,0 +1,55 @@
+"""The checks of notebook 13: right answers pass, wrong answers are told what is wrong."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from workbench.exercises.checks import CheckError
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Parameter(torch.randn(32, 8) * 0.1)
+        self.pos = nn.Parameter(torch.randn(16, 8), requires_grad=False)
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        x = self.tok[ids] + self.pos[: ids.shape[1]]
+        return F.gelu(self.up(x)) @ self.tok.T
+
+
+RIGHT = 4 * (32 * 8 + 8 * 8 + 8)
+
+
+def test_ddp_bytes_right(capsys):
+    wb.exercises.check_ddp_bytes(RIGHT, Tiny)
+    assert capsys.readouterr().out.startswith("Correct: ")
+
+
+@pytest.mark.parametrize("wrong,msg", [(RIGHT + 4 * 16 * 8, "frozen"), (RIGHT + 123, "x the")])
+def test_ddp_bytes_wrong(wrong, msg):
+    with pytest.raises(CheckError, match=msg):
+        wb.exercises.check_ddp_bytes(wrong, Tiny)
+
+
+def test_like_one_device_passes_a_good_model_and_refuses_one_without_frozen(capsys):
+    wb.exercises.check_like_one_device(Tiny)
+    assert "Correct: Tiny" in capsys.readouterr().out
+
+    def unfrozen():
+        m = Tiny()
+        m.pos.requires_grad_(True)
+        return m
+    with pytest.raises(CheckError, match="frozen"):
+        wb.exercises.check_like_one_device(unfrozen)
+
+
+def test_like_one_device_catches_a_model_that_differs_per_rank():
+    class Noisy(Tiny):
+        def forward(self, ids):
+            return super().forward(ids) + torch.rand(())      # a fresh draw on every rank
+    with pytest.raises(CheckError, match="differs from one device"):
+        wb.exercises.check_like_one_device(Noisy)

@@ -1,0 +1,86 @@
+"""Checks for the exercises of notebook 13 (your own model under DDP, FSDP and ZeRO).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line; a wrong one raises
+:class:`~.checks.CheckError` saying what is wrong.  Expected values come from the
+library itself (a DistributedDataParallel step recorded in a trace; one device's
+training run), never from the student's code.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.dist_tensor import shard_tensor
+from ..parallel.strategies.ddp import DistributedDataParallel
+from ..parallel.strategies.fsdp import FullyShardedDataParallel
+from ..sim_mesh.mesh import Mesh
+from ..sim_mesh.trace import trace
+from .checks import CheckError, _hint, _number, _ok
+
+__all__ = ["check_ddp_bytes", "check_like_one_device"]
+
+
+def _ids(vocab, batch, context, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, context), generator=g)
+
+
+def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context: int = 16):
+    """Exercise 1: the bytes of gradients DDP all-reduces per step (buffer bytes, fp32)."""
+    got = _number("answer", answer)
+    with torch.random.fork_rng(devices=[]):
+        model = make_model()
+        every = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)) * 4
+        unique = sum(p.numel() for p in model.parameters()) * 4
+        mesh = Mesh.grid(ranks, ["dp"])
+        ddp = DistributedDataParallel(model, mesh)
+        ids = shard_tensor(_ids(vocab, 2 * ranks, context, 0), mesh, ["S(0)"])
+        with trace() as tr:
+            out = ddp(ids)
+            out.sum().backward()
+    want = sum(e.args["buffer_bytes"] for e in tr.collectives() if e.label.startswith("ddp"))
+    if got == want:
+        _ok(f"{want:,} B of fp32 gradients all-reduced per step, in "
+            f"{sum(1 for e in tr.collectives() if e.label.startswith('ddp'))} all-reduces")
+        return
+    raise CheckError(f"your answer is {got:,.0f} B; " + _hint(got, want, [
+        (unique, "that counts the frozen parameter too: it has no gradient, DDP skips it"),
+        (every, "that counts the tied weight twice (and the frozen one): a tied weight is "
+                "one parameter, reduced once")], rel=1e-9))
+
+
+def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int = 32,
+                          context: int = 16):
+    """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, ends
+    with one device's parameters after ``steps`` AdamW steps."""
+    with torch.random.fork_rng(devices=[]):
+        model = make_model()
+        if not isinstance(model, nn.Module):
+            raise CheckError(f"make_model() returned a {type(model).__name__}, not an nn.Module")
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if not frozen:
+            raise CheckError("give your model a frozen parameter (requires_grad=False)")
+        batches = [_ids(vocab, 2 * ranks, context, s) for s in range(steps)]
+        results = {}
+        for kind in ("one device", "DDP", "FSDP"):
+            m = make_model()
+            mesh = Mesh.grid(ranks, ["dp"])
+            w = m if kind == "one device" else (DistributedDataParallel if kind == "DDP"
+                                               else FullyShardedDataParallel)(m, mesh)
+            opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+            for ids in batches:
+                opt.zero_grad()
+                x = ids if kind == "one device" else shard_tensor(ids, mesh, ["S(0)"])
+                out = w(x)
+                (out.float() ** 2).mean().backward()
+                opt.step()
+            results[kind] = {n: t.detach().clone() for n, t in m.state_dict().items()} \
+                if kind == "one device" else w.full_state_dict()
+    ref = results["one device"]
+    for kind in ("DDP", "FSDP"):
+        for name, want in ref.items():
+            if not torch.allclose(results[kind][name], want, rtol=1e-5, atol=1e-6):
+                raise CheckError(f"under {kind}, {name} differs from one device's after "
+                                 f"{steps} steps; is your forward deterministic (no dropout)?")
+    _ok(f"{type(model).__name__} under DDP and FSDP on {ranks} ranks: one device's "
+        f"parameters after {steps} AdamW steps; frozen {frozen} unchanged")
