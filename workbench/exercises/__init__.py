@@ -6,8 +6,10 @@ from .checks_spmd_pipeline import *  # noqa: F401,F403
 from .checks_spmd_pipeline import __all__ as _spmd_pipeline_all
 from .checks_strategies import *  # noqa: F401,F403
 from .checks_strategies import __all__ as _strategies_all
+from .checks_fused import *  # noqa: F401,F403
+from .checks_fused import __all__ as _fused_all
 from .feedback import REVEAL_AFTER, reset_tries, reveal
 from .student import make_student_versions
 
-__all__ = [*_checks_all, *_spmd_pipeline_all, *_strategies_all, "reveal", "reset_tries",
+__all__ = [*_checks_all, *_spmd_pipeline_all, *_strategies_all, *_fused_all, "reveal", "reset_tries",
            "REVEAL_AFTER", "make_student_versions"]
