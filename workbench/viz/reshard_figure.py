@@ -65,7 +65,7 @@ def draw_reshard(plan, *, facet_size: float = 2.2, dpi: int = 100, max_facets: i
     widths = []
     for i, c in enumerate(cols):
         if i:
-            widths.append(1.5)                                   # the step between
+            widths.append(1.15)                                  # the step between
         widths.append(c + (0.8 if meshes[i] else 0.1))
     with matplotlib.rc_context(RC):
         fig = _figure(facet_size * sum(widths) + 0.6, facet_size * rows + 1.9, dpi)
