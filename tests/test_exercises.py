@@ -4,7 +4,7 @@ import re
 import pytest
 
 import workbench as wb
-from workbench.exercises import checks as ex
+import workbench.exercises as ex
 from workbench.sim_mesh import cost, estimates
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.exercises import checks as ex
+import workbench.exercises as ex
+from workbench.exercises import checks as exc
 from workbench.exercises import checks_spmd_pipeline as exp
 from workbench.exercises import checks_strategies as exs
 from workbench.exercises import feedback as fb
@@ -65,14 +66,14 @@ def test_type_errors_carry_no_value():
 
 def test_zero_bytes_agree():
     for stage in range(4):
-        assert ex._zero_bytes(7.5e9, 64, stage) == pytest.approx(
+        assert exc._zero_bytes(7.5e9, 64, stage) == pytest.approx(
             estimates.zero_model_state_bytes(7.5e9, 64, stage), rel=1e-12)
 
 
 def test_chunks_agree_with_torch():
     for n in range(0, 13):
         for k in range(1, 6):
-            assert ex._chunks(n, k) == [len(c) for c in torch.arange(n).chunk(k)] + \
+            assert exc._chunks(n, k) == [len(c) for c in torch.arange(n).chunk(k)] + \
                 [0] * (k - len(torch.arange(n).chunk(k)))
 
 

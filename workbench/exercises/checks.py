@@ -1,4 +1,5 @@
-"""Checks for the course's exercises: each says WHAT is wrong, not only that something is.
+"""Checks for the course's exercises of notebooks 00 and 01, and the helpers every check
+module shares: each check says WHAT is wrong, not only that something is.
 
 A check prints one "Correct: ..." line when the answer is right and raises
 :class:`CheckError` (an AssertionError) with a diagnosis otherwise, e.g.
@@ -17,18 +18,12 @@ from __future__ import annotations
 
 import math
 
-from ..parallel import layout as _layout
-from ..parallel.dist_tensor import TensorSpec
-from ..parallel.placement import Placement, fmt_placements, normalize_placements
-from ..parallel.reshard import plan_reshard
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from .feedback import CheckError, exercise
 
 __all__ = ["CheckError", "check_welcome_mesh", "check_tp_group", "check_training_days",
-           "check_zero2_memory_gb", "check_allreduce_seconds", "check_rank1_layout",
-           "check_notation", "check_nested_rows", "check_cheapest_path",
-           "check_allgather_times", "check_uneven_receive"]
+           "check_zero2_memory_gb", "check_allreduce_seconds"]
 
 SECONDS_PER_DAY = 86_400
 # Ascend 910B (Atlas 800T A2) server: HCCS full mesh, 7 links per NPU, 196 GB/s each way
@@ -36,9 +31,6 @@ SECONDS_PER_DAY = 86_400
 # a ring sends to one neighbour, so it uses ONE link per direction.  alpha = 3 us, the
 # figure the ascend-910b profile takes for HCCS.
 HCCS_LINKS, HCCS_TOTAL, HCCS_ALPHA = 7, 196e9, 3e-6
-# A100 (DGX A100): NVLink 3 through NVSwitch, 600 GB/s bidirectional = 300 GB/s each way
-# per GPU, all of it usable by a ring (NVIDIA A100 datasheet); alpha = 3 us as above.
-NVLINK_A100, NVLINK_ALPHA = 300e9, 3e-6
 
 
 def _ok(msg: str) -> None:
@@ -201,187 +193,3 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
          f"did you drop the (p-1)/p factor? Each rank sends {p - 1} of {p} chunks, twice"),
         (2 * want, "twice too much: the gradients are bf16, 2 bytes each (14e9 bytes for 7e9)"),
     ])
-
-
-# ---- 02 meshes and placements ---------------------------------------------------------------------
-
-def _rows_cols(bounds) -> str:
-    (r0, rn), (c0, cn) = bounds
-    return f"rows {r0}:{r0 + rn}, cols {c0}:{c0 + cn}"
-
-
-@exercise
-def check_rank1_layout(placements, shape=(8, 6)) -> None:
-    """Rank 1 of the 2 x 2 (dp, tp) mesh holds rows 4:8, cols 0:3; rank 2 rows 0:4, cols 3:6."""
-    mesh = Mesh([[0, 1], [2, 3]], ["dp", "tp"])
-    try:
-        ps = normalize_placements(placements, mesh, len(shape))
-    except (ValueError, TypeError) as e:
-        raise CheckError(str(e)) from None
-    want = {1: ((4, 4), (0, 3)), 2: ((0, 4), (3, 3))}          # by hand, from the exercise
-    for rank, w in want.items():
-        got = _layout.shard_bounds(shape, mesh, ps, rank)      # what YOUR placements give
-        if got != w:
-            raise CheckError(f"with {fmt_placements(ps)} rank {rank} (coordinate "
-                             f"{mesh.coordinate(rank)}) holds {_rows_cols(got)}; it should hold "
-                             f"{_rows_cols(w)}: which mesh dim must split the rows, and which "
-                             "the columns?", expected="[Shard(1), Shard(0)]")
-    _ok(f"{fmt_placements(ps)}: rows split over tp, columns over dp")
-
-
-@exercise
-def check_notation(text) -> None:
-    """The scaling-book notation of a bf16 (16, 64) tensor on (dp, tp) with [P(sum), S(1)]:
-    dtype, then the dims with the mesh dims that shard them as subscripts, then {U_...}
-    for the mesh dims it is partial over."""
-    want = "bf16[I, J_tp]{U_dp}"                                # by hand
-    if not isinstance(text, str):
-        raise CheckError(f"give the notation as a string, e.g. 'f32[I_dp, J]', got {text!r}")
-    got = text.replace(" ", "")
-    if got == want.replace(" ", ""):
-        _ok(want)
-        return
-    if "{U_" not in got:
-        msg = "Partial over dp is written {U_dp} after the brackets (unreduced over dp)"
-    elif not got.startswith("bf16["):
-        msg = "the dtype comes first, short: bf16 for torch.bfloat16"
-    elif "J_tp" not in got:
-        msg = "Shard(1) on tp subscripts the second dim: J_tp"
-    elif "I_" in got:
-        msg = "dim 0 is not sharded: plain I (Partial is not a subscript)"
-    else:
-        msg = "compare each part: dtype, [dims with subscripts], {U_...}"
-    raise CheckError(f"your notation is {text!r}: {msg}", expected=repr(want))
-
-
-@exercise
-def check_nested_rows(sizes, rows: int = 10) -> None:
-    """Rows each rank of the 2 x 2 mesh holds under [Shard(0), Shard(0)], in rank order:
-    torch.chunk over dp first, then each piece over tp."""
-    want = [n for piece in _chunks(rows, 2) for n in _chunks(piece, 2)]   # rank r = (r//2, r%2)
-    try:
-        got = [int(n) for n in sizes]
-    except TypeError:
-        raise CheckError(f"sizes should be a list of 4 ints, got {sizes!r}") from None
-    if got == want:
-        _ok(f"{want}: dp splits {rows} rows first, then tp splits each piece (torch.chunk)")
-        return
-    if got == _chunks(rows, 4):
-        msg = (f"that splits {rows} rows 4 ways at once; with two mesh dims the rows are split "
-               f"by dp first {tuple(_chunks(rows, 2))}, then each piece by tp")
-    elif sum(got) != rows:
-        msg = f"your sizes add up to {sum(got)}, not {rows}: every row lives on exactly one rank"
-    elif sorted(got) == sorted(want):
-        msg = "right sizes, wrong order: rank r sits at coordinate (r // 2, r % 2)"
-    else:
-        msg = ("torch.chunk gives each piece ceil(n / k) rows until the rows run out, "
-               "not an even split")
-    raise CheckError(f"your sizes are {got}: {msg}", expected=str(want))
-
-
-# ---- 03 collectives and reshard -------------------------------------------------------------------
-
-@exercise
-def check_cheapest_path(path, shape=(8, 8), profile: str = "a100") -> None:
-    """A path of placements from [P(sum), S(1)] to [S(0), R] on the 2 x 2 (dp, tp) mesh,
-    one mesh dim changed per hop, that moves as few bytes per rank as possible."""
-    mesh = Mesh([[0, 1], [2, 3]], ["dp", "tp"])
-    elem, (rows, cols) = 4, shape                               # f32
-    # by hand: reduce-scatter the (rows, cols/2) partial sums over dp, (p-1)/p of them,
-    # then all-gather the (rows/2, cols) row block over tp, (p-1)/p of it
-    best = (rows * cols // 2 * elem) // 2 + (rows // 2 * cols * elem) // 2
-    try:
-        hops = [normalize_placements(list(p) if not isinstance(p, (str, Placement)) else [p],
-                                     mesh, len(shape), "path entry") for p in path]
-    except (ValueError, TypeError) as e:
-        raise CheckError(f"path entry not understood: {e}") from None
-    s0, t0 = (normalize_placements(x, mesh, 2) for x in (["P(sum)", "S(1)"], ["S(0)", "R"]))
-    if len(hops) < 2 or hops[0] != s0 or hops[-1] != t0:
-        raise CheckError(f"the path must start at {fmt_placements(s0)} and end at "
-                         f"{fmt_placements(t0)}; yours goes from "
-                         f"{fmt_placements(hops[0]) if hops else '(nothing)'} to "
-                         f"{fmt_placements(hops[-1]) if hops else '(nothing)'}")
-    total, parts = 0, []
-    for k, (a, b) in enumerate(zip(hops, hops[1:]), 1):
-        changed = [mesh.dim_names[i] for i in range(mesh.ndim) if a[i] != b[i]]
-        if len(changed) != 1:
-            raise CheckError(f"hop {k} {fmt_placements(a)} -> {fmt_placements(b)} changes "
-                             f"{len(changed)} mesh dims {changed}: one collective edits one "
-                             "mesh dim; split the hop")
-        plan = plan_reshard(TensorSpec(shape, mesh, a), mesh, b, profile=profile)
-        total += plan.total_bytes
-        parts += [f"{s.kind} {s.bytes} B" for s in plan.steps]
-    route = " -> ".join(fmt_placements(h) for h in hops)
-    if total <= best:
-        _ok(f"{route} moves {total} B per rank, the fewest possible")
-        return
-    hint = ("try reduce_scatter: it sums AND splits in one step, half an all-reduce's bytes"
-            if "reduce_scatter" not in " ".join(parts) else
-            "use the same collectives in another order: reduce first, while the pieces are small")
-    raise CheckError(f"your path {route} moves {total} B per rank ({', '.join(parts)}): {hint}",
-                     expected=f"{best} B per rank, [P(sum), S(1)] -> [S(0), S(1)] -> [S(0), R]")
-
-
-@exercise
-def check_allgather_times(t_910b, t_a100, nbytes: int = 64 * 2**20, p: int = 8) -> None:
-    """Ring all-gather of ``nbytes`` (gathered output) over the p devices of one server:
-    (p-1) a + (p-1)/p n / B, with B one HCCS link on the 910B (a ring uses one link per
-    direction) and NVLink's 300 GB/s on the A100 (through NVSwitch a ring gets all of it)."""
-    links = {"910B": (HCCS_ALPHA, HCCS_TOTAL / HCCS_LINKS), "A100": (NVLINK_ALPHA, NVLINK_A100)}
-    want = {k: (p - 1) * a + (p - 1) / p * nbytes / bw for k, (a, bw) in links.items()}
-    got = {"910B": _number("t_910b", t_910b), "A100": _number("t_a100", t_a100)}
-    shown = ", ".join(f"{k} {w * 1e6:.1f} us" for k, w in want.items())
-    if math.isclose(got["910B"], want["A100"], rel_tol=0.01) and \
-            math.isclose(got["A100"], want["910B"], rel_tol=0.01):
-        raise CheckError("your two times are swapped: the 910B's ring runs on one HCCS link "
-                         f"({HCCS_TOTAL / HCCS_LINKS / 1e9:g} GB/s each way), the A100's on "
-                         f"NVLink ({NVLINK_A100 / 1e9:g} GB/s)", expected=shown)
-    for name, w in want.items():
-        if math.isclose(got[name], w, rel_tol=0.01):
-            continue
-        a, bw = links[name]
-        hint = _hint(got[name], w, [
-            ((p - 1) * a + (p - 1) / p * nbytes / HCCS_TOTAL, f"that uses "
-             f"{HCCS_TOTAL / 1e9:g} GB/s, the {HCCS_LINKS} HCCS links added together; a ring "
-             f"sends to one neighbour, so it uses one link per direction ("
-             f"{HCCS_TOTAL / HCCS_LINKS / 1e9:g} GB/s). Only a mesh algorithm reaches the sum"),
-            (2 * (p - 1) * a + 2 * (p - 1) / p * nbytes / bw, "twice too much: that is the "
-             "all-reduce formula; an all-gather sends each chunk once"),
-            ((p - 1) * a + nbytes / bw, f"did you drop the (p-1)/p factor? Each rank "
-             f"receives {p - 1} of {p} chunks"),
-            ((p - 1) * a + (p - 1) / p * nbytes * 1e6 / 2**20 / bw,
-             "did you use MB (1e6 bytes) for MiB (2**20 bytes)?"),
-            ((p - 1) * a, "that is the latency term alone; add (p-1)/p n / B"),
-            ((p - 1) / p * nbytes / bw, "right, less the latency term: add (p-1) alpha"),
-        ], rel=0.002)
-        raise CheckError(f"your {name} time is {got[name]:.4g} s: {hint}", expected=shown)
-    _ok(f"{shown} (ratio {want['910B'] / want['A100']:.1f}): a ring on one HCCS link is slow; "
-        "HCCL's mesh algorithm uses all seven")
-
-
-@exercise
-def check_uneven_receive(bytes_per_rank, shape=(10, 4), p: int = 4, elem: int = 4) -> None:
-    """Bytes each rank receives when a (10, 4) f32 tensor sharded S(0) on 4 ranks is
-    all-gathered: the rows it does not hold."""
-    rows = _chunks(shape[0], p)                                 # torch.chunk, by hand
-    row_bytes = math.prod(shape[1:]) * elem
-    want = [(shape[0] - n) * row_bytes for n in rows]
-    mean = (p - 1) * shape[0] * row_bytes // p                  # (p-1)/p n
-    try:
-        got = [int(b) for b in bytes_per_rank]
-    except TypeError:
-        raise CheckError(f"give a list of {p} byte counts, got {bytes_per_rank!r}") from None
-    if got == want:
-        _ok(f"{want}: the ranks with fewer rows receive more; the plan reports their "
-            f"mean, (p-1)/p n = {mean} B")
-        return
-    if got == [mean] * p:
-        msg = (f"{mean} B is the plan's figure, (p-1)/p n: the mean over ranks. With uneven "
-               f"shards ({rows} rows) each rank receives the rows it lacks")
-    elif got == [w // elem for w in want]:
-        msg = f"those are elements: multiply by {elem} bytes per f32"
-    elif got == [n * row_bytes for n in rows]:
-        msg = "those are the bytes each rank holds (and sends); it receives the other rows"
-    else:
-        msg = f"rank r receives (10 - its rows) x {row_bytes} B; its rows are {rows}"
-    raise CheckError(f"your bytes are {got}: {msg}", expected=str(want))

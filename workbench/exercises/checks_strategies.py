@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..parallel.dist_tensor import DistTensor, from_local, shard_tensor
-from ..parallel.module import dist_parameters, parallelize
+from ..parallel.module import dist_parameters
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile

@@ -14,11 +14,16 @@ import math
 
 from .placements import RC, show, to_png
 
-__all__ = ["SERIES_COLORS", "bars", "lines", "roofline", "show", "to_png"]
+__all__ = ["SERIES_COLORS", "TILE_COLORS", "bars", "lines", "roofline", "tile_grid", "show",
+           "to_png"]
 
 # matplotlib's tab10, in its order: a series keeps its colour across charts
 SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f", "#bcbd22", "#17becf")
+
+
+# a tile plan's kinds: computed whole, computed with the element-wise mask, skipped
+TILE_COLORS = {"full": "#3a78b5", "partial": "#9ecae1", "skip": "#f0f0f0"}
 
 
 def _figure(width, height, dpi):
@@ -138,9 +143,9 @@ def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 
             for k, x in inten.items():
                 ax.plot([x], [min(peak, x * bw) / 1e12], "o", color=c, markersize=5,
                         gid="point")
-        for k, x in inten.items():
+        for n, (k, x) in enumerate(sorted(inten.items(), key=lambda kv: kv[1])):
             ax.axvline(x, color="#999999", linewidth=0.7, linestyle=":")
-            ax.text(x, 0.02, f" {k}\n {x:,.0f} FLOP/B",
+            ax.text(x, 0.02 + 0.14 * (n % 3), f" {k}\n {x:,.3g} FLOP/B",     # staggered
                     transform=ax.get_xaxis_transform(), fontsize=9, va="bottom")
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -151,4 +156,37 @@ def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 
         ax.legend(fontsize=8.5, frameon=False, loc="upper left")
         ax.set_title("roofline: below the slope memory-bound, on the flat roof compute-bound",
                      fontsize=10)
+    return fig
+
+
+def tile_grid(plans: dict, *, size: float = 2.6, dpi: int = 100):
+    """Side by side, the tile plan of each entry of ``plans`` ({title: TilePlan}): query
+    tiles down, key tiles across, each square coloured by its kind (``plan.kinds``:
+    "full", "partial", "skip"), with the counts in the title."""
+    import matplotlib
+    from matplotlib.patches import Patch, Rectangle
+    if not plans:
+        raise ValueError("tile_grid(plans={}): give {title: TilePlan}")
+    with matplotlib.rc_context(RC):
+        fig = _figure(size * len(plans) + 0.4, size + 0.9, dpi)
+        axes = fig.subplots(1, len(plans), squeeze=False)[0]
+        for ax, (title, plan) in zip(axes, plans.items()):
+            for i, row in enumerate(plan.kinds):
+                for j, kind in enumerate(row):
+                    if kind not in TILE_COLORS:
+                        raise ValueError(f"tile_grid: unknown tile kind {kind!r}")
+                    ax.add_patch(Rectangle((j, i), 1, 1, facecolor=TILE_COLORS[kind],
+                                           edgecolor="white", linewidth=1.0, gid="tile"))
+            nq, nk = len(plan.kinds), len(plan.kinds[0]) if plan.kinds else 0
+            ax.set_xlim(0, nk)
+            ax.set_ylim(nq, 0)
+            ax.set_aspect("equal")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_xlabel("key tiles", fontsize=9)
+            ax.set_ylabel("query tiles", fontsize=9)
+            done = sum(k != "skip" for row in plan.kinds for k in row)
+            ax.set_title(f"{title}\n{done} of {nq * nk} tiles computed", fontsize=9)
+        fig.legend(handles=[Patch(color=c, label=k) for k, c in TILE_COLORS.items()],
+                   loc="lower center", ncols=3, frameon=False, fontsize=9)
     return fig

@@ -1,0 +1,55 @@
+"""Notebook 09's checks: the online-softmax update and the sliding-window tile count."""
+import math
+
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_fused as ex
+from tests.exercise_helpers import fails, passes
+
+
+def right(m, l, acc, s, v):
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    r = torch.exp(m - safe)
+    p = torch.exp(s - safe)
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def no_rescale(m, l, acc, s, v):
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    p = torch.exp(s - m_new)
+    return m_new, l + p.sum(-1, keepdim=True), acc + p @ v
+
+
+def nan_on_empty(m, l, acc, s, v):
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    r, p = torch.exp(m - m_new), torch.exp(s - m_new)
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def test_online_softmax(capsys):
+    passes(capsys, ex.check_online_softmax, right)
+    fails("rescale", ex.check_online_softmax, no_rescale)
+    fails("nan or inf", ex.check_online_softmax, nan_on_empty)
+    fails("tuple", ex.check_online_softmax, lambda m, l, acc, s, v: acc)
+    fails("raised ZeroDivisionError", ex.check_online_softmax, lambda *a: 1 / 0)
+    fails("update", ex.check_online_softmax, 3)
+
+
+def test_window_tiles(capsys):
+    assert ex._window_tiles_by_hand(1024, 256, 128) == 21
+    plan = wb.ops.attention_tiles(1024, mask=wb.ops.SlidingWindow(256), tile_q=128, tile_k=128)
+    assert plan.computed == 21                       # the library agrees with the hand count
+    passes(capsys, ex.check_window_tiles, 21)
+    fails("causal mask alone", ex.check_window_tiles, 36)
+    fails("every tile", ex.check_window_tiles, 64)
+    fails("not aligned", ex.check_window_tiles, 16)
+    fails("an int", ex.check_window_tiles, 21.0)
+
+
+def test_cases_reach_the_edge_cases():
+    cases = list(ex._cases())
+    assert any(math.isinf(s.min().item()) for s, _, _ in cases)
+    assert any(bool(torch.isinf(s[:, 8:]).all()) for s, _, _ in cases)
+    assert any(bool(torch.isinf(s[:, :4]).all()) for s, _, _ in cases)

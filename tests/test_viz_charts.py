@@ -1,0 +1,54 @@
+"""The notebooks' charts draw what they are given: bars, lines, the roofline, tile grids."""
+import matplotlib
+import pytest
+
+import workbench as wb
+from workbench.viz import charts as C
+
+
+def found(fig, gid):
+    return fig.findobj(lambda a: a.get_gid() == gid)
+
+
+def test_bars_one_per_value_and_reference_line():
+    fig = C.bars({"a": {"x": 1.0, "y": 2.0}, "b": {"z": 3.0}}, unit="GB", hline=(2.5, "limit"))
+    widths = sorted(p.get_width() for p in found(fig, "bar"))
+    assert widths == [1.0, 2.0, 3.0] and len(found(fig, "hline")) == 1
+    with pytest.raises(ValueError, match="finite"):
+        C.bars({"a": {"x": float("nan")}})
+    with pytest.raises(ValueError, match="log axis"):
+        C.bars({"a": {"x": 0.0}}, log=True)
+
+
+def test_lines_keep_their_data():
+    fig = C.lines([1, 2, 4], {"s": [3.0, 2.0, 1.0]}, hlines=[(0.5, "half")])
+    (line,) = found(fig, "line")
+    assert list(line.get_xdata()) == [1, 2, 4] and list(line.get_ydata()) == [3.0, 2.0, 1.0]
+    with pytest.raises(ValueError, match="3 x values"):
+        C.lines([1, 2, 4], {"s": [1.0]})
+
+
+def test_roofline_points_sit_on_each_profile_roof():
+    npu = wb.get_profile("ascend-910b")
+    work = {"k": dict(flops=1e9, bytes_moved=1e8)}                       # intensity 10
+    fig = C.roofline([npu], work)
+    (pt,) = found(fig, "point")
+    assert pt.get_xdata()[0] == pytest.approx(10)
+    assert pt.get_ydata()[0] == pytest.approx(min(npu.peak("bfloat16"), 10 * npu.memory_bandwidth) / 1e12)
+    with pytest.raises(ValueError, match="flops > 0"):
+        C.roofline([npu], {"bad": dict(flops=0, bytes_moved=1)})
+
+
+def test_tile_grid_colours_each_tile_by_its_kind():
+    plan = wb.ops.attention_tiles(512, causal=True, tile_q=128, tile_k=128)
+    fig = C.tile_grid({"causal": plan})
+    tiles = found(fig, "tile")
+    assert len(tiles) == 16
+    colours = [matplotlib.colors.to_hex(t.get_facecolor()) for t in tiles]
+    assert colours.count(C.TILE_COLORS["skip"]) == plan.skipped
+    assert "10 of 16 tiles computed" in fig.axes[0].get_title()
+
+
+def test_deterministic_png():
+    make = lambda: C.lines([1, 2], {"a": [1.0, 2.0]})   # noqa: E731
+    assert C.to_png(make()) == C.to_png(make())

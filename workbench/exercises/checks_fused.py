@@ -1,0 +1,153 @@
+"""Checks for the exercises of notebook 09 (fused operators).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line; a wrong one raises
+:class:`~.feedback.CheckError` with a hint, the expected value only after repeated tries.
+The expected values are derived here, not by the code under test: the online-softmax
+update is held to a plain ``torch.softmax`` over all the scores at once, and tile counts
+to a count by hand over the tile grid, element by element.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .feedback import CheckError, exercise
+
+__all__ = ["check_online_softmax", "check_window_tiles"]
+
+
+def _ok(msg: str) -> None:
+    print("Correct: " + msg)
+
+
+def _cases():
+    """(scores (rows, n), values (n, d), tile widths): random, one tile raising the max
+    late, one with a -inf (masked) column, a fully masked tile after finite ones, and a
+    fully masked FIRST tile (m is still -inf after it: exp(-inf - (-inf)) is nan)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 12, generator=g, dtype=torch.float64)
+    v = torch.randn(12, 5, generator=g, dtype=torch.float64)
+    yield s, v, 4
+    late = s.clone()
+    late[:, 10] += 30.0                   # the max arrives in the last tile: rescale needed
+    yield late, v, 4
+    masked = s.clone()
+    masked[:, 5] = -math.inf              # a masked key inside a tile
+    yield masked, v, 3
+    empty = s.clone()
+    empty[:, 8:] = -math.inf              # a whole tile masked after finite ones
+    yield empty, v, 4
+    first = s.clone()
+    first[:, :4] = -math.inf              # a whole tile masked before any finite score
+    yield first, v, 4
+
+
+def _run(update, scores, values, width):
+    rows, d = scores.shape[0], values.shape[1]
+    m = torch.full((rows, 1), -math.inf, dtype=scores.dtype)
+    l = torch.zeros(rows, 1, dtype=scores.dtype)
+    acc = torch.zeros(rows, d, dtype=scores.dtype)
+    for j in range(0, scores.shape[1], width):
+        out = update(m, l, acc, scores[:, j:j + width], values[j:j + width])
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise CheckError(f"update must return the tuple (m, l, acc), got "
+                             f"{type(out).__name__}")
+        m, l, acc = out
+        for name, t, shape in (("m", m, (rows, 1)), ("l", l, (rows, 1)), ("acc", acc, (rows, d))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise CheckError(f"your update returned {name} of shape "
+                                 f"{tuple(getattr(t, 'shape', ()))}; it keeps the shape "
+                                 f"{shape} (one value per query row)")
+    return m, l, acc
+
+
+def _without_rescale(scores, values, width):
+    """The common mistake, for the hint: each tile's terms taken against the new max,
+    but the earlier sums never rescaled."""
+    m = torch.full((scores.shape[0], 1), -math.inf, dtype=scores.dtype)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(scores.shape[0], values.shape[1], dtype=scores.dtype)
+    for j in range(0, scores.shape[1], width):
+        s, v = scores[:, j:j + width], values[j:j + width]
+        m = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        l, acc = l + p.sum(-1, keepdim=True), acc + p @ v
+    return acc / l
+
+
+@exercise
+def check_online_softmax(update) -> None:
+    """``update(m, l, acc, s, v) -> (m, l, acc)``: one step of the online softmax
+    (Milakov & Gimelshein 2018; FlashAttention-2, Dao 2023, Algorithm 1) over a tile of
+    scores ``s`` (rows, t) and values ``v`` (t, d); acc / l after the last tile must equal
+    softmax(all scores) @ V."""
+    if not callable(update):
+        raise CheckError(f"pass your function update(m, l, acc, s, v), got {update!r}")
+    for k, (s, v, width) in enumerate(_cases()):
+        want = torch.softmax(s, dim=-1) @ v                  # all scores at once
+        try:
+            m, l, acc = _run(update, s, v, width)
+        except CheckError:
+            raise
+        except Exception as e:                               # the student's code
+            raise CheckError(f"your update raised {type(e).__name__}: {e}") from None
+        got = acc / l
+        if not torch.isfinite(got).all():
+            raise CheckError("your output has nan or inf: with m = -inf at the start (or a "
+                             "fully masked tile), exp(m_old - m_new) is exp(-inf - x) = 0, but "
+                             "exp(-inf - (-inf)) is nan; take the new max first and use it")
+        err = (got - want).abs().max().item()
+        if err > 1e-9:
+            if torch.allclose(got, _without_rescale(s, v, width), atol=1e-9, equal_nan=True):
+                hint = ("the max rose in a later tile and your earlier terms were not "
+                        "rescaled: multiply l and acc by exp(m_old - m_new) before adding the "
+                        "new tile's terms")
+            elif torch.allclose(acc, want, atol=1e-9):
+                hint = ("acc must stay unnormalised (a sum of exp(s - m) v); divide by l only "
+                        "once, at the end (FlashAttention-2's change to the first version)")
+            else:
+                hint = ("the new max is max(m_old, rowmax(s)); then l = l exp(m_old - m_new) + "
+                        "rowsum(exp(s - m_new)), acc = acc exp(m_old - m_new) + exp(s - m_new) v")
+            raise CheckError(f"after the last tile acc / l differs from softmax(S) V by up to "
+                             f"{err:.3g}: {hint}", expected="acc / l == torch.softmax(S, -1) @ V")
+    _ok("acc / l equals softmax(S) V on all five cases (a late max, masked keys, masked "
+        "tiles, first and later), without ever holding a whole row of scores")
+
+
+def _window_tiles_by_hand(seq: int, window: int, tile: int) -> int:
+    """Tiles with at least one kept (query i, key j): j <= i and i - j < window."""
+    n = -(-seq // tile)
+    count = 0
+    for a in range(n):
+        for b in range(n):
+            rows = range(a * tile, min((a + 1) * tile, seq))
+            cols = range(b * tile, min((b + 1) * tile, seq))
+            if any(0 <= i - j < window for i in rows for j in cols):
+                count += 1
+    return count
+
+
+@exercise
+def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int = 128) -> None:
+    """How many of the (seq/tile)^2 tiles a tiled attention computes under a causal
+    sliding window of ``window`` keys (query i sees keys i-window+1..i)."""
+    if isinstance(computed, bool) or not isinstance(computed, int):
+        raise CheckError(f"give a number of tiles (an int), got {computed!r}")
+    want = _window_tiles_by_hand(seq, window, tile)
+    n = -(-seq // tile)
+    if computed == want:
+        _ok(f"{want} of {n * n} tiles ({want / (n * n):.0%}); a causal mask alone computes "
+            f"{n * (n + 1) // 2}: the work grows with seq x window, not seq^2")
+        return
+    if computed == n * (n + 1) // 2:
+        hint = "that is the causal mask alone; the window also skips the tiles far left"
+    elif computed == n * n:
+        hint = "that is every tile; a tile is skipped when no (query, key) in it is kept"
+    elif computed == n * (window // tile):
+        hint = ("the window's band is not aligned with the tiles: a query tile reaches one "
+                "key tile more than window / tile, partially")
+    else:
+        hint = (f"draw the {n} x {n} grid: in query tile a, which key tiles hold a key j with "
+                "0 <= i - j < window for some query i of the tile?")
+    raise CheckError(f"your count is {computed}: {hint}", expected=f"{want} tiles")
