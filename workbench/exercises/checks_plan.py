@@ -48,12 +48,13 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 64) 
 
 
 def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: int = 16,
-                        dp: int = 8, zero: int = 0) -> float:
+                        dp: int = 8, zero: int = 0, global_batch: int = 1536) -> float:
     """GB on a first-stage rank of GPT-3 with 1F1B, no sequence parallelism, the
     exercise's simplification: parameters (L/p) 12 h^2 / t + V h / t + s h (biases and
     LayerNorms left out), ZeRO model states; activations per layer from Korthikanti
     Table 2 (with TP: sbh (10 + 24/t + 5as/(ht)); selective recompute drops the 5as/(ht)
-    term; full keeps the layer input 2sbh), (L/p) layers, p micro-batches in flight."""
+    term; full keeps the layer input 2sbh), (L/p) layers, min(p, m) micro-batches in
+    flight (1F1B's first stage, m = global_batch / (dp b) micro-batches per step)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}; use one of {RECOMPUTE}")
     L, h, a, s, V = (GPT3[k] for k in ("L", "h", "a", "s", "V"))
@@ -62,7 +63,8 @@ def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: i
     sbh = s * b * h
     per_layer = {"none": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
                  "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
-    return (_zero_states(psi, dp, zero) + per_layer * (L / p) * p) / 1e9
+    m = global_batch // (dp * b)
+    return (_zero_states(psi, dp, zero) + per_layer * (L / p) * min(p, m)) / 1e9
 
 
 @exercise
@@ -92,7 +94,7 @@ def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int =
 
 
 @exercise
-def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "full",
+def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "selective",
                               tp: int = 8, pp: int = 16, dp: int = 8, zero: int = 1,
                               global_batch: int = 1536) -> None:
     """The largest micro-batch dividing global_batch / dp with which GPT-3's first stage
@@ -104,18 +106,18 @@ def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "full
         raise CheckError(f"b={b} does not divide global_batch / dp = {per_dp}: each pipeline "
                          f"gets {per_dp} sequences per step, in m = {per_dp} / b micro-batches")
     ok = [d for d in range(1, per_dp + 1) if per_dp % d == 0
-          and gpt3_first_stage_gb(recompute, d, tp, pp, dp, zero) <= memory_gb]
+          and gpt3_first_stage_gb(recompute, d, tp, pp, dp, zero, global_batch) <= memory_gb]
     if not ok:
         raise CheckError("no micro-batch fits: the exercise's numbers were changed; "
                          "restore them")
     want = max(ok)
-    got_gb = gpt3_first_stage_gb(recompute, b, tp, pp, dp, zero)
+    got_gb = gpt3_first_stage_gb(recompute, b, tp, pp, dp, zero, global_batch)
     if b == want:
         _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:g} GB")
         return
     if got_gb > memory_gb:
         hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "
-                f"with b; activations do, p micro-batches of them on the first stage")
+                f"with b; activations do, min(p, m) micro-batches of them on the first stage")
     else:
         hint = (f"b = {b} fits (about {got_gb:.0f} GB); a bigger divisor of {per_dp} fits "
                 f"too: activations grow linearly in b")
