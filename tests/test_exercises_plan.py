@@ -1,0 +1,103 @@
+"""The checks of notebooks 11 and 17: right answers pass, common mistakes get their hint,
+the value shows only from the third try, and the checks' hand formulas (which must not
+call workbench.plan) agree with the planner."""
+import pytest
+
+import workbench as wb
+from workbench.exercises import checks_plan as C
+from workbench.exercises.feedback import CheckError, REVEAL_AFTER, reset_tries
+from workbench.plan.memory import model_state_bytes, stage_memory
+from workbench.sim_mesh.profiles import get_profile
+
+from .exercise_helpers import fails, passes
+
+GPT3 = wb.models.get_config("gpt3-175b")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    yield
+    reset_tries()
+
+
+def test_zero_states_paper_figure(capsys):
+    # ZeRO Figure 1: 7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.9 GB
+    for stage, gb in enumerate((120.0, 31.40625, 16.640625, 1.875)):
+        passes(capsys, C.check_zero_states_gb, gb, stage=stage)
+    fails("that is ZeRO stage 1", C.check_zero_states_gb, 31.4)
+    fails("GB = 1e9", C.check_zero_states_gb, 16.640625e9 / 2**30)
+    fails("too", C.check_zero_states_gb, 50.0)
+
+
+def test_value_only_from_the_third_try():
+    for n in range(1, REVEAL_AFTER + 1):
+        with pytest.raises(CheckError) as err:
+            C.check_least_recompute("none")
+        assert ("expected 'selective'" in str(err.value)) == (n >= REVEAL_AFTER)
+    assert "selective" in wb.exercises.reveal("check_least_recompute")
+
+
+def test_least_recompute(capsys):
+    passes(capsys, C.check_least_recompute, "selective")
+    fails("p micro-batches in flight", C.check_least_recompute, "none")
+    fails("cheaper recompute fits", C.check_least_recompute, "full")
+    fails("one of", C.check_least_recompute, "some")
+    passes(capsys, C.check_least_recompute, "none", memory_gb=80.0)   # 79 GB fits 80
+
+
+def test_biggest_micro_batch(capsys):
+    passes(capsys, C.check_biggest_micro_batch, 2)
+    fails("too big", C.check_biggest_micro_batch, 3)
+    fails("too big", C.check_biggest_micro_batch, 192)        # one micro-batch of 192
+    fails("a bigger divisor", C.check_biggest_micro_batch, 1)
+    fails("does not divide", C.check_biggest_micro_batch, 5)
+    # full recompute: from b = 12 on, m = 192 / b <= p and the first stage holds all 192
+    # sequences whatever b: the largest divisor, 192, fits as well as 12
+    passes(capsys, C.check_biggest_micro_batch, 192, recompute="full")
+
+
+@pytest.mark.parametrize("rc", ["none", "selective", "full"])
+@pytest.mark.parametrize("b,zero", [(1, 0), (4, 1), (12, 1), (16, 1), (64, 0)])
+def test_hand_formula_agrees_with_the_planner(rc, b, zero):
+    """The exercise leaves out biases, LayerNorms and the embedding's 1-byte dropout mask
+    (s b h per micro-batch in flight, p of them): with the mask added back, the hand
+    formula is within 0.5% of the planner's first stage."""
+    lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute=rc, micro_batch=b, zero=zero,
+                         global_batch=1536)
+    planner = stage_memory(GPT3, lay, 0)["total"] / 1e9
+    mask = 2048 * b * 12288 * min(16, 192 // b) / 1e9
+    assert C.gpt3_first_stage_gb(rc, b, zero=zero) + mask == pytest.approx(planner, rel=5e-3)
+
+
+def test_zero_formula_agrees_with_the_planner():
+    for stage in range(4):
+        want = C._zero_states(7.5e9, 64, stage)
+        assert sum(model_state_bytes(7.5e9, 64, stage).values()) == pytest.approx(want)
+
+
+def test_mfu(capsys):
+    t = 20.0
+    want = C._gpt3_model_flops(1536) / (t * 1024 * 312e12)
+    passes(capsys, C.check_mfu, want, t)
+    fails("HFU", C.check_mfu, want * 4 / 3, t)
+    fails("6ND", C.check_mfu, 6 * C._gpt3_params() * 1536 * 2048 / (t * 1024 * 312e12), t)
+    fails("fraction", C.check_mfu, 100 * want, t)
+    fails("> 0", C.check_mfu, 0.4, 0.0)
+    # the planner's MFU uses the same eq. 7
+    lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="full", micro_batch=1, global_batch=1536)
+    est = wb.plan.estimate(GPT3, lay, wb.plan.Cluster("a100", 1024))
+    passes(capsys, C.check_mfu, est.mfu, est.step_time)
+
+
+def test_tp_all_reduce(capsys):
+    p = get_profile("a100")
+    n = 2 * 2048 * 12288
+    t8 = 2 * 7 / 8 * n / (p.intra_node.bandwidth * p.intra_node.efficiency) * 1e3
+    t16 = 2 * 15 / 16 * n / (p.inter_node.bandwidth * p.inter_node.efficiency) * 1e3
+    passes(capsys, C.check_tp_all_reduce_ms, t8, t16)
+    fails("efficiency", C.check_tp_all_reduce_ms, 2 * 7 / 8 * n / p.intra_node.bandwidth * 1e3,
+          t16)
+    fails("inter-node", C.check_tp_all_reduce_ms, t8,
+          2 * 15 / 16 * n / (p.intra_node.bandwidth * p.intra_node.efficiency) * 1e3)
+    assert t16 / t8 > 8                       # the lesson: TP stays inside the node

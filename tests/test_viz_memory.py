@@ -1,0 +1,65 @@
+"""Memory bars and the memory widget: they draw the planner's numbers, redraw in place,
+say why a choice is not a layout, and carry a PNG for static front ends."""
+import pytest
+
+import workbench as wb
+from workbench.plan.memory import model_state_bytes, stage_memory
+from workbench.viz.memory import PARTS, memory_bars, memory_widget, stage_rows
+
+GPT3 = wb.models.get_config("gpt3-175b")
+
+
+def _gids(fig, gid):
+    return [a for ax in fig.axes for a in ax.get_children() if a.get_gid() == gid]
+
+
+def test_bars_stack_the_parts_and_mark_the_limit():
+    rows = {f"ZeRO-{z}": model_state_bytes(7.5e9, 64, z) for z in range(4)}
+    fig = memory_bars(rows, limit=80e9)
+    segs = _gids(fig, "segment")
+    assert len(segs) == 3 * 4                # 3 parts > 0 in each row; no activations
+    one = memory_bars({"a": {"params": 1e9, "grads": 0.0, "activations": 2e9}})
+    assert [s.get_width() for s in _gids(one, "segment")] == [1.0, 2.0]   # empty parts skipped
+    widths = sorted(round(s.get_width(), 6) for s in segs)
+    assert max(widths) == pytest.approx(90.0)          # 12 x 7.5e9 bytes of Adam, in GB
+    totals = [t.get_text().strip() for t in _gids(fig, "total")]
+    assert totals == ["120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"]
+    assert [t.get_color() for t in _gids(fig, "total")][:2] == ["#c00000", "#222222"]
+    assert len(_gids(fig, "limit")) == 1
+
+
+def test_bars_reject_bad_rows():
+    with pytest.raises(ValueError, match="give"):
+        memory_bars({})
+    with pytest.raises(ValueError, match="params=-1"):
+        memory_bars({"x": {"params": -1}})
+    with pytest.raises(ValueError, match="limit"):
+        memory_bars({"x": {"params": 1.0}}, limit=0)
+
+
+def test_stage_rows_are_the_planners():
+    lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="selective", global_batch=1536)
+    rows = stage_rows(GPT3, lay)
+    assert list(rows) == ["stage 0 (first)", "stage 1 (middle)", "stage 15 (last)"]
+    assert rows["stage 1 (middle)"] == stage_memory(GPT3, lay, 1)
+    assert list(stage_rows(GPT3, lay.replace(pp=1, dp=128))) == ["stage 0 (only)"]
+
+
+def test_widget_redraws_in_place_and_explains_errors():
+    pytest.importorskip("ipywidgets")
+    w = memory_widget(GPT3, 1024, "ascend-910b", tp=8, pp=16)
+    assert "does NOT fit" in w.message and w.rows["stage 0 (first)"]["total"] > 64e9
+    image, first = w.image, w.figure
+    w.controls["recompute"].value = "selective"
+    assert "fits" in w.message and "NOT" not in w.message
+    assert w.image is image and w.figure is not first and image.value[:4] == b"\x89PNG"
+    w.controls["zero"].value = 2                         # ZeRO-2 with a pipeline
+    assert w.figure is None and "zero<=1 or pp=1" in w.message
+    assert image.layout.visibility == "hidden" and "zero" in w.status.value
+    w.controls["zero"].value = 1
+    w.controls["tp"].value = 1024                          # 1024 x 16 > devices
+    assert w.figure is None and "does not divide" in w.message
+    w.controls["tp"].value = 8
+    bundle = w._repr_mimebundle_()
+    assert bundle["image/png"] and "dp8 tp8 pp16" in bundle["text/plain"]
+    assert set(PARTS) <= set(w.rows["stage 0 (first)"])

@@ -1,0 +1,191 @@
+"""Checks for the exercises of notebooks 11 (memory and recompute) and 17 (plan a cluster).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
+:class:`~.feedback.CheckError` (IPython shows its message alone), the hint first and the
+expected value from the third wrong try on or with ``wb.exercises.reveal(...)``.
+Expected values come from the published formulas written out here (ZeRO sec. 3.1 and
+5; Korthikanti et al. 2022 Table 2 and eq. 7; the ring all-reduce), never from
+``workbench.plan``: a bug there must not become the right answer.  A profile is read
+for its numbers only (data with cited sources), as a student reads it.
+"""
+from __future__ import annotations
+
+import math
+
+from ..sim_mesh.profiles import get_profile
+from .checks import _check_number, _hint, _number, _ok
+from .feedback import CheckError, exercise
+
+__all__ = ["check_zero_states_gb", "check_least_recompute", "check_biggest_micro_batch",
+           "check_mfu", "check_tp_all_reduce_ms", "gpt3_first_stage_gb"]
+
+# GPT-3 175B (Brown et al. 2020, Table 2.1): layers, hidden, heads, sequence, vocabulary
+GPT3 = dict(L=96, h=12288, a=96, s=2048, V=51200)
+K = 12                      # bytes of Adam state per parameter (ZeRO sec. 3.1)
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _zero_states(psi: float, n_d: int, stage: int) -> float:
+    """Bytes of model states per GPU (ZeRO Figure 1): (2 + 2 + K) psi, then the optimizer,
+    the gradients and the weights split over the N_d data-parallel GPUs stage by stage."""
+    return [(2 + 2 + K) * psi, (2 + 2) * psi + K * psi / n_d,
+            2 * psi + (2 + K) * psi / n_d, (2 + 2 + K) * psi / n_d][stage]
+
+
+@exercise
+def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 64) -> None:
+    """Model states per GPU, in GB, of ``psi`` parameters at ZeRO ``stage`` on ``n_d``
+    data-parallel GPUs (mixed-precision Adam, K = 12)."""
+    want = _zero_states(psi, n_d, stage) / 1e9
+    wrong = [(_zero_states(psi, n_d, s) / 1e9, f"that is ZeRO stage {s}; stage {stage} splits "
+              f"{['nothing', 'the optimizer states', 'the optimizer states and the gradients', 'everything'][stage]}")
+             for s in range(4) if s != stage]
+    wrong += [(16 * psi / n_d / 1e9 if stage != 3 else 16 * psi / 1e9,
+               "check which of weights (2 psi), gradients (2 psi) and optimizer states "
+               "(K psi) this stage divides by N_d"),
+              (want * 1e9 / 2**30, "use GB = 1e9 bytes, as the ZeRO paper does")]
+    _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=0.01)
+
+
+def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: int = 16,
+                        dp: int = 8, zero: int = 0, global_batch: int = 1536) -> float:
+    """GB on a first-stage rank of GPT-3 with 1F1B, no sequence parallelism, the
+    exercise's simplification: parameters (L/p) 12 h^2 / t + V h / t + s h (biases and
+    LayerNorms left out), ZeRO model states; activations per layer from Korthikanti
+    Table 2 (with TP: sbh (10 + 24/t + 5as/(ht)); selective recompute drops the 5as/(ht)
+    term; full keeps the layer input 2sbh), (L/p) layers, min(p, m) micro-batches in
+    flight (1F1B's first stage, m = global_batch / (dp b) micro-batches per step)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; use one of {RECOMPUTE}")
+    L, h, a, s, V = (GPT3[k] for k in ("L", "h", "a", "s", "V"))
+    t, p, b = tp, pp, micro_batch
+    psi = L / p * 12 * h * h / t + V * h / t + s * h
+    sbh = s * b * h
+    per_layer = {"none": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+                 "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
+    m = global_batch // (dp * b)
+    return (_zero_states(psi, dp, zero) + per_layer * (L / p) * min(p, m)) / 1e9
+
+
+@exercise
+def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int = 1,
+                          tp: int = 8, pp: int = 16, dp: int = 8, zero: int = 0) -> None:
+    """The least recompute ("none" < "selective" < "full") with which GPT-3's first
+    stage fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`)."""
+    if recompute not in RECOMPUTE:
+        raise CheckError(f"recompute should be one of {RECOMPUTE}, got {recompute!r}")
+    need = {r: gpt3_first_stage_gb(r, micro_batch, tp, pp, dp, zero) for r in RECOMPUTE}
+    fits = [r for r in RECOMPUTE if need[r] <= memory_gb]
+    if not fits:
+        raise CheckError(f"none of the three fits in {memory_gb:g} GB with this layout; "
+                         f"the exercise's numbers were changed: restore them")
+    want = fits[0]
+    if recompute == want:
+        _ok(f"recompute={recompute!r}: about {need[recompute]:.0f} GB of {memory_gb:g} GB "
+            f"(without it {need[RECOMPUTE[RECOMPUTE.index(want) - 1]]:.0f} GB)"
+            if want != "none" else f"recompute='none' already fits: {need['none']:.0f} GB")
+        return
+    if RECOMPUTE.index(recompute) < RECOMPUTE.index(want):
+        raise CheckError(f"with recompute={recompute!r} the first stage needs more than "
+                         f"{memory_gb:g} GB: remember it holds p micro-batches in flight, each "
+                         f"through its L/p layers", expected=repr(want))
+    raise CheckError(f"recompute={recompute!r} fits, but a cheaper recompute fits too: "
+                     f"try the one that recomputes only the attention core", expected=repr(want))
+
+
+@exercise
+def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "selective",
+                              tp: int = 8, pp: int = 16, dp: int = 8, zero: int = 1,
+                              global_batch: int = 1536) -> None:
+    """The largest micro-batch dividing global_batch / dp with which GPT-3's first stage
+    fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`)."""
+    per_dp = global_batch // dp
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise CheckError(f"the micro-batch should be an int >= 1, got {b!r}")
+    if per_dp % b:
+        raise CheckError(f"b={b} does not divide global_batch / dp = {per_dp}: each pipeline "
+                         f"gets {per_dp} sequences per step, in m = {per_dp} / b micro-batches")
+    ok = [d for d in range(1, per_dp + 1) if per_dp % d == 0
+          and gpt3_first_stage_gb(recompute, d, tp, pp, dp, zero, global_batch) <= memory_gb]
+    if not ok:
+        raise CheckError("no micro-batch fits: the exercise's numbers were changed; "
+                         "restore them")
+    want = max(ok)
+    got_gb = gpt3_first_stage_gb(recompute, b, tp, pp, dp, zero, global_batch)
+    if b == want:
+        _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:g} GB")
+        return
+    if got_gb > memory_gb:
+        hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "
+                f"with b; activations do, min(p, m) micro-batches of them on the first stage")
+    else:
+        hint = (f"b = {b} fits (about {got_gb:.0f} GB); a bigger divisor of {per_dp} fits "
+                f"too: activations grow linearly in b")
+    raise CheckError(hint, expected=f"b = {want}")
+
+
+def _gpt3_model_flops(batch: int) -> float:
+    """Korthikanti et al. 2022 eq. 7 (no recompute): 72 B s L h^2 (1 + s/(6h) + V/(12Lh))."""
+    L, h, s, V = (GPT3[k] for k in ("L", "h", "s", "V"))
+    return 72 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def _gpt3_params() -> float:
+    """12 L h^2 + V h: the layers' matrices and the word embedding (174.6e9)."""
+    return 12 * GPT3["L"] * GPT3["h"] ** 2 + GPT3["V"] * GPT3["h"]
+
+
+@exercise
+def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 312.0,
+              global_batch: int = 1536) -> None:
+    """Model FLOPs utilisation of one GPT-3 step of ``global_batch`` sequences taking
+    ``step_time`` seconds on ``devices`` devices of ``peak_tflops``: eq. 7's FLOPs /
+    (step time x devices x peak)."""
+    t = _number("step_time", step_time)
+    if t <= 0:
+        raise CheckError(f"step_time={step_time!r} must be > 0 seconds")
+    flops = _gpt3_model_flops(global_batch)
+    peak = devices * peak_tflops * 1e12 * t
+    want = flops / peak
+    got = _number("MFU", mfu)
+    wrong = [(4 / 3 * want, "that counts the recomputed forward: that is HFU; MFU counts the "
+                            "model's FLOPs only (3 passes: forward and a backward twice as long)"),
+             (6 * _gpt3_params() * global_batch * GPT3["s"] / peak,
+              "6ND leaves out attention's s^2 terms and the head: use eq. 7, "
+              "72 B s L h^2 (1 + s/(6h) + V/(12 L h))"),
+             (100 * want, "give a fraction (0.45), not a percent")]
+    _check_number("MFU", got, want, "", wrong, rel=0.01)
+
+
+def _ring_ms(nbytes: float, t: int, link) -> float:
+    return 2 * (t - 1) / t * nbytes / (link.bandwidth * link.efficiency) * 1e3
+
+
+@exercise
+def check_tp_all_reduce_ms(t8_ms, t16_ms, profile: str = "a100", micro_batch: int = 1) -> None:
+    """One TP all-reduce of a GPT-3 layer's output (2 s b h bytes, 16-bit) by the ring
+    formula 2 (t-1)/t n / B (latency left out): t = 8 in one node (B: the intra-node
+    link), t = 16 over two nodes (B: the slowest link of the ring, the inter-node one);
+    B is the line rate x the efficiency the library reaches (the profile's numbers)."""
+    prof = get_profile(profile)
+    n = 2 * GPT3["s"] * micro_batch * GPT3["h"]
+    want8 = _ring_ms(n, 8, prof.intra_node)
+    want16 = _ring_ms(n, 16, prof.inter_node)
+    raw8 = 2 * 7 / 8 * n / prof.intra_node.bandwidth * 1e3
+    raw16 = 2 * 15 / 16 * n / prof.inter_node.bandwidth * 1e3
+    w8 = [(raw8, "multiply the line rate by the efficiency NCCL reaches (the Link's efficiency)"),
+          (want8 / 2, "a ring all-reduce is a reduce-scatter and an all-gather: 2 (t-1)/t n"),
+          (n / (prof.intra_node.bandwidth * prof.intra_node.efficiency) * 1e3,
+           "the ring sends 2 (t-1)/t of the bytes, not n"),
+          (2 * want8, "n is 2 s b h bytes: 16-bit values, 2 bytes each")]
+    w16 = [(raw16, "multiply the line rate by the efficiency the library reaches"),
+           (_ring_ms(n, 16, prof.intra_node), "the ring over 16 devices crosses the node "
+                                              "boundary: its slowest link is the inter-node one"),
+           (want16 / 2, "a ring all-reduce is a reduce-scatter and an all-gather: 2 (t-1)/t n")]
+    for name, got, want, wrong in (("tp = 8", t8_ms, want8, w8), ("tp = 16", t16_ms, want16, w16)):
+        got = _number(f"{name} time", got)
+        if not math.isclose(got, want, rel_tol=0.02):
+            raise CheckError(f"your {name} all-reduce is {got:.4g} ms: "
+                             + _hint(got, want, wrong), expected=f"{want:.4g} ms")
+    _ok(f"{t8_ms:.3g} ms inside a node, {t16_ms:.3g} ms across two: "
+        f"{want16 / want8:.0f}x slower, every layer, four times per micro-batch")

@@ -1,0 +1,195 @@
+"""Draw memory per rank as stacked bars, and a widget that redraws them for a layout.
+
+Renders numbers only: the bytes come from :mod:`workbench.plan.memory` (ZeRO's model
+states, Korthikanti et al. 2022 Table 2 activations, the schedule's in-flight
+micro-batches); nothing here computes memory itself.
+
+    >>> from workbench.plan.memory import model_state_bytes
+    >>> rows = {f"ZeRO-{z}": model_state_bytes(7.5e9, 64, z) for z in range(4)}
+    >>> fig = memory_bars(rows, limit=80e9, title="7.5B on 64 GPUs")    # a Figure
+    >>> show(fig)                                                        # doctest: +SKIP
+
+Figures are deterministic (fixed colours and sizes, no pyplot state).  Artists carry
+gids for tests: "segment" (one per part of a bar), "limit", "total".
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+
+from .placements import RC, show, to_png
+
+__all__ = ["PARTS", "PART_COLORS", "memory_bars", "stage_rows", "memory_widget",
+           "MemoryExplorer", "show"]
+
+PARTS = ("params", "grads", "optimizer", "activations")
+PART_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c",
+               "activations": "#9467bd"}
+_LABELS = {"params": "16-bit weights", "grads": "16-bit gradients",
+           "optimizer": "optimizer states (fp32 weights, m, v)", "activations": "activations"}
+
+
+def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "device memory",
+                title: str = "", unit: float = 1e9, unit_name: str = "GB",
+                width: float = 7.5, dpi: int = 100):
+    """Horizontal stacked bars: ``rows`` maps a bar's label to a dict of bytes with some
+    of the keys of :data:`PARTS` (others, e.g. "total", are ignored).  ``limit`` (bytes)
+    draws the device's memory as a dashed line; a bar past it has its total in red."""
+    import matplotlib
+    from matplotlib.figure import Figure
+    if not rows:
+        raise ValueError("memory_bars(rows={}): give {label: {'params': bytes, ...}}")
+    for label, parts in rows.items():
+        if not isinstance(parts, dict) or not any(p in parts for p in PARTS):
+            raise ValueError(f"memory_bars: row {label!r} must be a dict with some of {PARTS}, "
+                             f"got {parts!r}")
+        for p in PARTS:
+            v = parts.get(p, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise ValueError(f"memory_bars: row {label!r} {p}={v!r} must be bytes >= 0")
+    if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
+        raise ValueError(f"memory_bars: limit={limit!r} must be a number of bytes > 0 or None")
+    totals = {k: sum(d.get(p, 0.0) for p in PARTS) for k, d in rows.items()}
+    with matplotlib.rc_context(RC):
+        fig = Figure(figsize=(width, 1.6 + 0.42 * len(rows)), dpi=dpi, layout="constrained")
+        ax = fig.add_subplot(1, 1, 1)
+        used = [p for p in PARTS if any(d.get(p, 0.0) > 0 for d in rows.values())]
+        for y, (label, parts) in enumerate(rows.items()):
+            left = 0.0
+            for p in PARTS:
+                v = parts.get(p, 0.0) / unit
+                if v > 0:
+                    ax.barh(y, v, left=left, height=0.65, color=PART_COLORS[p], gid="segment",
+                            label=_LABELS[p] if y == _first_row(rows, p) else None)
+                    left += v
+            over = limit is not None and totals[label] > limit
+            ax.text(left, y, f" {totals[label] / unit:,.1f} {unit_name}", va="center",
+                    ha="left", fontsize=9, color="#c00000" if over else "#222222",
+                    fontweight="bold" if over else "normal", gid="total")
+        ax.set_yticks(range(len(rows)), list(rows), fontsize=9)
+        ax.set_ylim(len(rows) - 0.4, -0.9)
+        hi = max(list(totals.values()) + [limit or 0.0]) / unit
+        if limit is not None:
+            ax.axvline(limit / unit, color="#333333", linestyle="--", linewidth=1.0, gid="limit")
+            ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name}",
+                    ha="left", va="center", fontsize=9)
+        ax.set_xlim(0, hi * 1.28 or 1.0)
+        ax.set_xlabel(unit_name, fontsize=9)
+        ax.tick_params(labelsize=9)
+        fig.legend(loc="outside lower center", fontsize=8.5, frameon=False, ncols=len(used))
+        if title:
+            ax.set_title(title, fontsize=10, loc="left")
+    return fig
+
+
+def _first_row(rows, part):
+    return next(i for i, d in enumerate(rows.values()) if d.get(part, 0.0) > 0)
+
+
+def stage_rows(model, layout, attention: str = "materialized") -> dict:
+    """{"stage s (first)": bytes dict, ...}: ``workbench.plan.memory.stage_memory`` of the
+    first, a middle and the last pipeline stage of ``layout`` (one row when pp == 1)."""
+    from ..plan.memory import stage_memory
+    pp = layout.pp
+    stages = {0: "first", 1: "middle", pp - 1: "last"} if pp > 2 else \
+        ({0: "first", 1: "last"} if pp == 2 else {0: "only"})
+    return {f"stage {s} ({name})": stage_memory(model, layout, s, attention)
+            for s, name in stages.items()}
+
+
+class MemoryExplorer:
+    """Sliders for TP, PP, micro-batch, recompute and ZeRO (and a schedule, SP) of
+    ``model`` on ``devices`` devices of ``profile``; redraws the stacked bars of the
+    first, a middle and the last stage against the device memory.
+
+    The bars are an image widget replaced in place on every change; the text below says
+    the layout, the busiest rank and whether it fits, or why a choice is not a layout.
+    Where no widget front end runs (nbval, nbconvert) its display data carries a PNG."""
+
+    def __init__(self, model, devices=1024, profile="a100", global_batch=1536, tp=8, pp=16,
+                 micro_batch=1, recompute="none", zero=0, sp=False, schedule="1f1b",
+                 dpi: int = 80):
+        try:
+            import ipywidgets as widgets
+        except ImportError:
+            raise ImportError("memory_widget needs ipywidgets (pip install 'workbench[course]'); "
+                              "memory_bars(stage_rows(...)) draws the static figure") from None
+        from ..plan.layout import Cluster
+        self.model, self.cluster, self.dpi = model, Cluster(profile, devices), dpi
+        self.global_batch = global_batch
+        pow2 = [2 ** i for i in range(11) if 2 ** i <= devices]
+        style = dict(continuous_update=False, style={"description_width": "initial"},
+                     layout=widgets.Layout(width="300px"))
+        self.controls = {
+            "tp": widgets.SelectionSlider(options=pow2, value=tp, description="TP", **style),
+            "pp": widgets.SelectionSlider(options=pow2, value=pp, description="PP", **style),
+            "micro_batch": widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=micro_batch,
+                                                   description="micro-batch", **style),
+            "recompute": widgets.SelectionSlider(options=["none", "selective", "full"],
+                                                 value=recompute, description="recompute",
+                                                 **style),
+            "zero": widgets.IntSlider(value=zero, min=0, max=3, description="ZeRO", **style),
+            "schedule": widgets.Dropdown(options=["1f1b", "gpipe"], value=schedule,
+                                         description="schedule",
+                                         style={"description_width": "initial"}),
+            "sp": widgets.Checkbox(value=sp, description="sequence parallel"),
+        }
+        c = self.controls
+        self.image, self.status = widgets.Image(format="png"), widgets.HTML()
+        self.box = widgets.VBox([widgets.HBox([c["tp"], c["pp"]]),
+                                 widgets.HBox([c["micro_batch"], c["recompute"]]),
+                                 widgets.HBox([c["zero"], c["schedule"], c["sp"]]),
+                                 self.image, self.status])
+        self.figure, self.rows, self.message = None, None, ""
+        for w in c.values():
+            w.observe(lambda change: self.redraw(), names="value")
+        self.redraw()
+
+    def layout(self):
+        """The :class:`~workbench.plan.Layout` the controls describe (ValueError if none)."""
+        from ..plan.layout import Layout, check_layout
+        c = {k: w.value for k, w in self.controls.items()}
+        n = self.cluster.devices
+        if n % (c["tp"] * c["pp"]):
+            raise ValueError(f"TP x PP = {c['tp'] * c['pp']} does not divide the {n} devices")
+        lay = Layout(dp=n // (c["tp"] * c["pp"]), tp=c["tp"], pp=c["pp"], sp=c["sp"] and
+                     c["tp"] > 1, zero=c["zero"], recompute=c["recompute"],
+                     micro_batch=c["micro_batch"], global_batch=self.global_batch,
+                     schedule=c["schedule"])
+        check_layout(self.model, lay, self.cluster)
+        return lay
+
+    def redraw(self) -> None:
+        """Read the controls, ask the planner for each stage's bytes, replace the image."""
+        limit = self.cluster.memory_bytes
+        try:
+            lay = self.layout()
+            self.rows = stage_rows(self.model, lay)
+            busiest = max(self.rows, key=lambda k: self.rows[k]["total"])
+            total = self.rows[busiest]["total"]
+            self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}, "
+                            f"{total / 1e9:.1f} GB of {limit / 1e9:g} GB: "
+                            f"{'fits' if total <= limit else 'does NOT fit'}")
+            self.figure = memory_bars(self.rows, limit=limit, dpi=self.dpi,
+                                      title=f"{self.cluster.profile.name}: {lay.short()}")
+        except ValueError as err:        # not a layout of this model: say why, keep the page
+            self.figure, self.rows, self.message = None, None, str(err)
+        if self.figure is not None:
+            self.image.value = to_png(self.figure)
+        self.image.layout.visibility = "visible" if self.figure is not None else "hidden"
+        self.status.value = f"<pre>{html.escape(self.message)}</pre>"
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = dict(self.box._repr_mimebundle_(**kwargs))
+        if self.figure is not None:
+            bundle["image/png"] = base64.b64encode(to_png(self.figure)).decode("ascii")
+        bundle["text/plain"] = self.message
+        return bundle
+
+
+def memory_widget(model, devices=1024, profile="a100", global_batch=1536, **start):
+    """A :class:`MemoryExplorer` (needs ipywidgets); ``start``: tp, pp, micro_batch,
+    recompute, zero, sp, schedule to begin with."""
+    return MemoryExplorer(model, devices, profile, global_batch, **start)
