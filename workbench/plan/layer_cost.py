@@ -17,7 +17,9 @@ reduce-scatter after, and runs LayerNorm and dropout on s/t tokens.
 What overlaps (Megatron-LM 2022, ``LinearWithGradAccumulationAndAsyncCommunication``):
 the backward all-reduce (or SP reduce-scatter) of a column-parallel layer's input
 gradient runs beside its weight-gradient GEMM, and SP's re-gathering of that
-layer's input runs beside its input-gradient GEMM: such a pair costs
+layer's input runs beside its input-gradient GEMM. While they overlap, the
+collective's kernel holds some of the SMs (``cost.overlap``: NCCL's 16 of the
+A100's 108), so the GEMM is stretched and the pair costs more than
 max(GEMM, collective). Every other collective is on the critical path.
 
 Recompute: "selective" re-runs the attention core (Q K^T, softmax, dropout, P V,
@@ -31,7 +33,7 @@ per-element counts (they never bind: these kernels are priced by their bytes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from ..sim_mesh import cost as _cost
@@ -208,7 +210,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
     phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute)))
     out = []
     for phase, ops in phases:
-        seconds = {}
+        where = {}   # name -> index in out, this phase
         for op in ops:
             if op[1] in _cost.KINDS:
                 if len(ranks) == 1:    # Megatron issues no collective when tp == 1
@@ -216,9 +218,13 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
                 name, kind, nbytes = op[:3]
                 beside = op[3] if len(op) > 3 else ""
                 pick = _cost.choose(kind, nbytes, ranks, prof)
-                hidden = seconds.get(beside, 0.0)
+                exposed = pick.seconds
+                if beside:   # the GEMM runs on the SMs the collective leaves it
+                    i = where[beside]
+                    gemm, exposed = _cost.overlap(out[i].seconds, pick.seconds, prof)
+                    out[i] = replace(out[i], seconds=gemm, exposed=gemm)
                 out.append(OpCost(name, phase, kind, 0.0, nbytes, 0, pick.seconds,
-                                  max(0.0, pick.seconds - hidden), pick.algorithm, beside))
+                                  exposed, pick.algorithm, beside))
             else:
                 name, cls, flops, nbytes, launches = op
                 if name.startswith("recompute:"):
@@ -226,7 +232,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
                 else:
                     ph = phase
                 t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches)
-                seconds[name] = t
+                where[name] = len(out)
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
     return tuple(out)
 

@@ -47,7 +47,7 @@ from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
            "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
-           "bus_bandwidth"]
+           "bus_bandwidth", "overlap"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")
@@ -242,6 +242,33 @@ def explain_compute(flops: float, bytes_moved: float, profile, dtype,
              "launch": launches * launch}
     return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
             "bound": max(terms, key=terms.get)}
+
+
+def overlap(compute_seconds: float, comm_seconds: float, profile) -> tuple[float, float]:
+    """A kernel and a collective running at the same time: (the kernel's stretched
+    seconds, the collective's exposed seconds after the kernel ends).
+
+    The collective's kernel holds ``topology.collective_sms`` of the device's
+    ``topology.sm_count`` SMs while it runs (NCCL: one SM per channel, not shared
+    with compute kernels, NVIDIA/nccl #689), so the kernel progresses at
+    r = (sm_count - collective_sms) / sm_count meanwhile (it is assumed to scale
+    with SMs: a large GEMM does). With G the kernel alone and C the collective:
+    r C >= G: the kernel ends at G / r, the collective shows C - G / r;
+    else the kernel ends at G + (1 - r) C and hides the collective. A profile
+    with no SM figures (r = 1) gives (G, max(0, C - G)). Competition for HBM
+    bandwidth (NCCL's traffic crosses memory two or three times) is not modeled.
+    """
+    for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be seconds >= 0")
+    t = get_profile(profile).topology
+    r = 1.0 if not t.sm_count or comm_seconds == 0 else \
+        (t.sm_count - t.collective_sms) / t.sm_count
+    g, c = float(compute_seconds), float(comm_seconds)
+    if r * c >= g:
+        return g / r, c - g / r
+    return g + (1 - r) * c, 0.0
 
 
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,
