@@ -199,7 +199,8 @@ def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> 
 
 
 def compute_time(flops: float, bytes_moved: float, profile, dtype,
-                 op_class: str = "elementwise", launches: int = 1) -> float:
+                 op_class: str = "elementwise", launches: int = 1,
+                 kernel: "str | None" = None) -> float:
     """Seconds for ``launches`` kernels doing ``flops`` and moving ``bytes_moved``:
     a roofline (Williams, Waterman & Patterson 2009) with measured efficiencies,
 
@@ -210,6 +211,10 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     a dtype with a slow path on the profile (the 910B runs float64 on its AI CPU)
     is priced on that engine's rates and launch cost. ``op_class`` is one of
     ``profiles.OP_CLASSES``. ``launches=0`` prices work fused into another kernel.
+    ``kernel`` names a kernel whose achieved bandwidth the profile measured
+    (``profile.kernel_bandwidth``): its bytes then move at that rate instead of
+    memory_bandwidth x memory_efficiency (a name the profile lacks falls back to
+    those, so profiles without the measurement price as before).
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -220,24 +225,33 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
                          f"one of {list(OP_CLASSES)}")
     if isinstance(launches, bool) or not isinstance(launches, int) or launches < 0:
         raise ValueError(f"launches={launches!r} must be the number of kernels, an int >= 0")
+    if kernel is not None and (not isinstance(kernel, str) or not kernel):
+        raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
     profile = get_profile(profile)
-    engine, peak, bandwidth, launch = profile.compute_path(dtype)
-    if engine == "main":
-        peak *= profile.efficiency.get(op_class, 1.0)
-        bandwidth *= profile.memory_efficiency
+    peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)[1:]
     return max(flops / peak, bytes_moved / bandwidth) + launches * launch
 
 
-def explain_compute(flops: float, bytes_moved: float, profile, dtype,
-                    op_class: str = "elementwise", launches: int = 1) -> dict:
-    """``compute_time``'s terms as plain data, for the course: the compute, memory
-    and launch seconds, the engine, and what bounds the kernel."""
-    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches)
-    profile = get_profile(profile)
+def _rates(profile, dtype, op_class, kernel=None):
+    """(engine, FLOP/s, bytes/s, seconds per launch) a kernel runs at."""
     engine, peak, bandwidth, launch = profile.compute_path(dtype)
     if engine == "main":
         peak *= profile.efficiency.get(op_class, 1.0)
-        bandwidth *= profile.memory_efficiency
+        if kernel in profile.kernel_bandwidth:
+            bandwidth = profile.kernel_bandwidth[kernel]
+        else:
+            bandwidth *= profile.memory_efficiency
+    return engine, peak, bandwidth, launch
+
+
+def explain_compute(flops: float, bytes_moved: float, profile, dtype,
+                    op_class: str = "elementwise", launches: int = 1,
+                    kernel: "str | None" = None) -> dict:
+    """``compute_time``'s terms as plain data, for the course: the compute, memory
+    and launch seconds, the engine, and what bounds the kernel."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel)
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
     terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
              "launch": launches * launch}
     return {**terms, "seconds": total, "engine": engine, "op_class": op_class,

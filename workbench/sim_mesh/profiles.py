@@ -20,6 +20,9 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   reaches when compute-bound; ``memory_efficiency``: the fraction of memory
   bandwidth a memory-bound kernel reaches; ``launch_overhead``: seconds each
   kernel adds. Defaults (1.0, 1.0, 0.0) give the ideal roofline.
+  ``kernel_bandwidth[name]``: a named kernel's measured bytes/s (bytes counted as
+  its measurement counts them), used instead of the memory term's
+  bandwidth x memory_efficiency when ``compute_time`` is given ``kernel=name``.
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -169,6 +172,9 @@ class Profile:
     slow_paths: Mapping[str, Mapping] = field(default_factory=dict, hash=False)
     topology: Topology = field(default_factory=Topology)
     citations: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # measured bytes/s of named kernels (``compute_time(..., kernel=name)``), bytes
+    # counted as the measurement counts them; replaces bandwidth x memory_efficiency
+    kernel_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -197,6 +203,16 @@ class Profile:
                                  f"are {list(OP_CLASSES)}")
             _fraction(owner, f"efficiency[{k!r}]", v)
         _fraction(owner, "memory_efficiency", self.memory_efficiency)
+        kbw = {}
+        for k, v in dict(self.kernel_bandwidth).items():
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"{owner}: kernel_bandwidth key {k!r} must be a kernel name")
+            _positive(owner, f"kernel_bandwidth[{k!r}]", v)
+            if v > self.memory_bandwidth:
+                raise ValueError(f"{owner}: kernel_bandwidth[{k!r}]={v!r} exceeds "
+                                 f"memory_bandwidth={self.memory_bandwidth!r}")
+            kbw[k] = float(v)
+        object.__setattr__(self, "kernel_bandwidth", MappingProxyType(kbw))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -272,6 +288,7 @@ class Profile:
                              "protocols": {k: dict(v) for k, v in t.protocols.items()},
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms},
                 "sources": list(self.sources), "notes": self.notes,
+                "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -288,6 +305,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
+                    "kernel_bandwidth",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:
