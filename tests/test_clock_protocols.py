@@ -50,12 +50,23 @@ def test_bus_bandwidth_grows_with_size_below_the_cap():
     assert cost.bus_bandwidth("all_reduce", n, 8, t) == pytest.approx(0.93 * BUS, rel=0.01)
 
 
-def test_profiles_without_protocols_keep_the_alpha_beta_ring():
-    h100 = get_profile("h100")
-    n = 2 ** 28
-    link = h100.intra_node
-    assert not h100.topology.protocols
+def test_h100_protocols_from_the_current_tuning_model():
+    # NCCL master's constants: LL 6.6 + 0.6 us/step, capped at 141 GB/s on Hopper
+    h100, bus = get_profile("h100"), 0.822 * 450e9
+    n = 2 ** 10
     assert cost.price("all_reduce", n, range(8), h100) == pytest.approx(
+        6.6e-6 + 14 * 0.6e-6 + 14 / 8 * n / (bus * 0.381))
+    n = 2 ** 30
+    assert cost.price("all_reduce", n, range(8), h100) == pytest.approx(
+        8.4e-6 + 14 * 3.4e-6 + 14 / 8 * n / bus)
+
+
+def test_profiles_without_protocols_keep_the_alpha_beta_ring():
+    bare = dataclasses.replace(A100, name="bare", topology=Topology())
+    n = 2 ** 28
+    link = bare.intra_node
+    assert not bare.topology.protocols
+    assert cost.price("all_reduce", n, range(8), bare) == pytest.approx(
         14 * link.latency + 14 / 8 * n / link.effective_bandwidth)
     # across nodes the protocols are not modeled: NCCL's rails as before
     assert topo.protocol_of("all_reduce", n, topo.group_of(range(16), A100), A100) == ""
