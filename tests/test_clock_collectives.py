@@ -61,14 +61,15 @@ def test_nccl_all_reduce_ring_or_tree_across_nodes():
 
 def test_rails_between_nodes():
     # 2 DGX A100: a flat ring crosses the node boundary on 8 rails of 200 Gb/s, each
-    # at NCCL's 24 GB/s, still slower than NVLink at NCCL's 0.822 x 300 GB/s
+    # at NCCL's 24 GB/s, still slower than NVLink at NCCL's 0.783 x 300 GB/s
     n = GiB
     two_nodes = cost.price("all_gather", n, range(16), A100, "ring")
     assert two_nodes == pytest.approx(15 * 8e-6 + 15 / 16 * n / (8 * 24e9))
     one_per_node = cost.price("all_gather", n, [0, 8], A100, "ring")
     assert one_per_node == pytest.approx(8e-6 + n / 2 / 24e9)  # one NIC
     inside = cost.price("all_gather", n, range(8), A100, "ring")
-    assert inside == pytest.approx(7 * 3e-6 + 7 / 8 * n / (0.822 * 300e9))
+    # inside a node: NCCL's Simple protocol (tuning.cc: 8.4 us + 3.4 us per ring step)
+    assert inside == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 7 / 8 * n / (0.783 * 300e9))
 
 
 @FEW
@@ -106,10 +107,17 @@ def test_hccl_between_servers_one_npu_each():
 
 
 def test_default_topology_for_a_custom_profile():
-    p = dataclasses.replace(A100, name="custom", topology=Topology())
+    t = A100.topology
+    p = dataclasses.replace(A100, name="custom", topology=Topology(
+        protocols=t.protocols, sm_count=t.sm_count, collective_sms=t.collective_sms))
     assert p.topology.nics_per_node == p.devices_per_node
     assert cost.price("all_reduce", GiB, range(8), p) == cost.price("all_reduce", GiB, range(8),
                                                                     A100)
+    # a bare Topology lists no protocols: the ring is the alpha-beta ring of the link
+    bare = dataclasses.replace(A100, name="bare", topology=Topology())
+    assert not bare.topology.protocols and bare.topology.sm_count == 0
+    assert cost.price("all_reduce", GiB, range(8), bare) == pytest.approx(
+        14 * 3e-6 + 14 / 8 * GiB / (0.783 * 300e9))
 
 
 @pytest.mark.parametrize("call, match", [

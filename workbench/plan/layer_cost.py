@@ -17,7 +17,9 @@ reduce-scatter after, and runs LayerNorm and dropout on s/t tokens.
 What overlaps (Megatron-LM 2022, ``LinearWithGradAccumulationAndAsyncCommunication``):
 the backward all-reduce (or SP reduce-scatter) of a column-parallel layer's input
 gradient runs beside its weight-gradient GEMM, and SP's re-gathering of that
-layer's input runs beside its input-gradient GEMM: such a pair costs
+layer's input runs beside its input-gradient GEMM. While they overlap, the
+collective's kernel holds some of the SMs (``cost.overlap``: NCCL's 16 of the
+A100's 108), so the GEMM is stretched and the pair costs more than
 max(GEMM, collective). Every other collective is on the critical path.
 
 Recompute: "selective" re-runs the attention core (Q K^T, softmax, dropout, P V,
@@ -31,7 +33,7 @@ per-element counts (they never bind: these kernels are priced by their bytes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from ..sim_mesh import cost as _cost
@@ -87,15 +89,18 @@ def _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks):
 
 
 def _forward(h, a, s, b, t, sp, f, e):
-    """Forward kernels and collectives, as (name, class, flops, bytes, launches)."""
+    """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
+    kernel]) with ``kernel`` naming a kernel whose bandwidth a profile measured."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
 
     def gemm(n, M, K, N):      # [M, K] @ [K, N]: read both, write [M, N]
         return n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1
 
-    def ln(n):                 # read x, write y, write fp32 mean and rstd
-        return n, "norm", 8 * Tn * h, 2 * e * Tn * h + 2 * e * h + 8 * Tn, 1
+    def ln(n):                 # Megatron's persistent LayerNorm (apex FastLayerNorm) for
+        # the hidden sizes it supports: read x, write y, the bytes its measured rate
+        # counts (profile kernel_bandwidth "layer_norm_forward"; without it the copy rate)
+        return n, "norm", 8 * Tn * h, 2 * e * Tn * h, 1, "layer_norm_forward"
 
     def bda(n):                # read x, bias, residual; write y and a one-byte mask
         return n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h, 1
@@ -146,10 +151,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute):
                 (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
 
     def ln(n):
-        # Megatron's fused LayerNorm backward (apex's HostLayerNormGradient): a partial
-        # gamma/beta kernel reads x and dy, a small one sums the parts, a third reads x
-        # and dy again and writes dx; then the residual branch's gradient is added
-        return [(n + "_grad", "norm", 10 * Tn * h, 5 * e * Tn * h + 16 * Tn, 3),
+        # apex FastLayerNorm backward: one kernel reads x and dy once and writes dx and
+        # partial dgamma/dbeta, a second finalizes them (apex PR #1037; the bytes its
+        # measured rate counts); then the residual branch's gradient is added
+        return [(n + "_grad", "norm", 10 * Tn * h, 3 * e * Tn * h, 2, "layer_norm_backward"),
                 (n + "_residual_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
 
     ag = ("all_gather", T * h * e)
@@ -208,7 +213,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
     phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute)))
     out = []
     for phase, ops in phases:
-        seconds = {}
+        where = {}   # name -> index in out, this phase
         for op in ops:
             if op[1] in _cost.KINDS:
                 if len(ranks) == 1:    # Megatron issues no collective when tp == 1
@@ -216,17 +221,22 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
                 name, kind, nbytes = op[:3]
                 beside = op[3] if len(op) > 3 else ""
                 pick = _cost.choose(kind, nbytes, ranks, prof)
-                hidden = seconds.get(beside, 0.0)
+                exposed = pick.seconds
+                if beside:   # the GEMM runs on the SMs the collective leaves it
+                    i = where[beside]
+                    gemm, exposed = _cost.overlap(out[i].seconds, pick.seconds, prof)
+                    out[i] = replace(out[i], seconds=gemm, exposed=gemm)
                 out.append(OpCost(name, phase, kind, 0.0, nbytes, 0, pick.seconds,
-                                  max(0.0, pick.seconds - hidden), pick.algorithm, beside))
+                                  exposed, pick.algorithm, beside))
             else:
-                name, cls, flops, nbytes, launches = op
+                name, cls, flops, nbytes, launches = op[:5]
+                kernel = op[5] if len(op) > 5 else None   # a measured kernel's name
                 if name.startswith("recompute:"):
                     name, ph = name[len("recompute:"):], "recompute"
                 else:
                     ph = phase
-                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches)
-                seconds[name] = t
+                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches, kernel)
+                where[name] = len(out)
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
     return tuple(out)
 

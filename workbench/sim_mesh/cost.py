@@ -47,7 +47,7 @@ from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
            "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
-           "bus_bandwidth"]
+           "bus_bandwidth", "overlap"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")
@@ -199,7 +199,8 @@ def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> 
 
 
 def compute_time(flops: float, bytes_moved: float, profile, dtype,
-                 op_class: str = "elementwise", launches: int = 1) -> float:
+                 op_class: str = "elementwise", launches: int = 1,
+                 kernel: "str | None" = None) -> float:
     """Seconds for ``launches`` kernels doing ``flops`` and moving ``bytes_moved``:
     a roofline (Williams, Waterman & Patterson 2009) with measured efficiencies,
 
@@ -210,6 +211,10 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     a dtype with a slow path on the profile (the 910B runs float64 on its AI CPU)
     is priced on that engine's rates and launch cost. ``op_class`` is one of
     ``profiles.OP_CLASSES``. ``launches=0`` prices work fused into another kernel.
+    ``kernel`` names a kernel whose achieved bandwidth the profile measured
+    (``profile.kernel_bandwidth``): its bytes then move at that rate instead of
+    memory_bandwidth x memory_efficiency (a name the profile lacks falls back to
+    those, so profiles without the measurement price as before).
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -220,28 +225,64 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
                          f"one of {list(OP_CLASSES)}")
     if isinstance(launches, bool) or not isinstance(launches, int) or launches < 0:
         raise ValueError(f"launches={launches!r} must be the number of kernels, an int >= 0")
+    if kernel is not None and (not isinstance(kernel, str) or not kernel):
+        raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
     profile = get_profile(profile)
-    engine, peak, bandwidth, launch = profile.compute_path(dtype)
-    if engine == "main":
-        peak *= profile.efficiency.get(op_class, 1.0)
-        bandwidth *= profile.memory_efficiency
+    peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)[1:]
     return max(flops / peak, bytes_moved / bandwidth) + launches * launch
 
 
-def explain_compute(flops: float, bytes_moved: float, profile, dtype,
-                    op_class: str = "elementwise", launches: int = 1) -> dict:
-    """``compute_time``'s terms as plain data, for the course: the compute, memory
-    and launch seconds, the engine, and what bounds the kernel."""
-    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches)
-    profile = get_profile(profile)
+def _rates(profile, dtype, op_class, kernel=None):
+    """(engine, FLOP/s, bytes/s, seconds per launch) a kernel runs at."""
     engine, peak, bandwidth, launch = profile.compute_path(dtype)
     if engine == "main":
         peak *= profile.efficiency.get(op_class, 1.0)
-        bandwidth *= profile.memory_efficiency
+        if kernel in profile.kernel_bandwidth:
+            bandwidth = profile.kernel_bandwidth[kernel]
+        else:
+            bandwidth *= profile.memory_efficiency
+    return engine, peak, bandwidth, launch
+
+
+def explain_compute(flops: float, bytes_moved: float, profile, dtype,
+                    op_class: str = "elementwise", launches: int = 1,
+                    kernel: "str | None" = None) -> dict:
+    """``compute_time``'s terms as plain data, for the course: the compute, memory
+    and launch seconds, the engine, and what bounds the kernel."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel)
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
     terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
              "launch": launches * launch}
     return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
             "bound": max(terms, key=terms.get)}
+
+
+def overlap(compute_seconds: float, comm_seconds: float, profile) -> tuple[float, float]:
+    """A kernel and a collective running at the same time: (the kernel's stretched
+    seconds, the collective's exposed seconds after the kernel ends).
+
+    The collective's kernel holds ``topology.collective_sms`` of the device's
+    ``topology.sm_count`` SMs while it runs (NCCL: one SM per channel, not shared
+    with compute kernels, NVIDIA/nccl #689), so the kernel progresses at
+    r = (sm_count - collective_sms) / sm_count meanwhile (it is assumed to scale
+    with SMs: a large GEMM does). With G the kernel alone and C the collective:
+    r C >= G: the kernel ends at G / r, the collective shows C - G / r;
+    else the kernel ends at G + (1 - r) C and hides the collective. A profile
+    with no SM figures (r = 1) gives (G, max(0, C - G)). Competition for HBM
+    bandwidth (NCCL's traffic crosses memory two or three times) is not modeled.
+    """
+    for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be seconds >= 0")
+    t = get_profile(profile).topology
+    r = 1.0 if not t.sm_count or comm_seconds == 0 else \
+        (t.sm_count - t.collective_sms) / t.sm_count
+    g, c = float(compute_seconds), float(comm_seconds)
+    if r * c >= g:
+        return g / r, c - g / r
+    return g + (1 - r) * c, 0.0
 
 
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,

@@ -20,6 +20,9 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   reaches when compute-bound; ``memory_efficiency``: the fraction of memory
   bandwidth a memory-bound kernel reaches; ``launch_overhead``: seconds each
   kernel adds. Defaults (1.0, 1.0, 0.0) give the ideal roofline.
+  ``kernel_bandwidth[name]``: a named kernel's measured bytes/s (bytes counted as
+  its measurement counts them), used instead of the memory term's
+  bandwidth x memory_efficiency when ``compute_time`` is given ``kernel=name``.
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -57,6 +60,8 @@ REQUIRED_DTYPES = ("float32", "bfloat16", "float16")
 OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "reduction", "data_movement")
 LIBRARIES = ("nccl", "hccl")
 FABRICS = ("switch", "full_mesh")
+PROTOCOL_KEYS = ("base_latency", "step_latency", "bandwidth_factor",
+                 "all_reduce_bandwidth_factor")
 
 def _positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -109,6 +114,12 @@ class Topology:
     intra_fabric: str = "switch"   # "switch" (NVSwitch) or "full_mesh" (HCCS)
     intra_links: int = 1           # links per device inside the node (full mesh: d - 1)
     nics_per_node: Optional[int] = None  # NICs per node, one per device when None
+    # the library's protocols for rings inside a node (``topology.py``): name ->
+    # {"base_latency", "step_latency" (s), "bandwidth_factor",
+    #  "all_reduce_bandwidth_factor"}; empty: one alpha-beta link (intra_node.latency)
+    protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
+    sm_count: int = 0         # streaming multiprocessors per device (0: not modeled)
+    collective_sms: int = 0   # SMs a collective kernel holds while it runs
 
     def __post_init__(self):
         if self.library not in LIBRARIES:
@@ -119,6 +130,27 @@ class Topology:
         _count("Topology", "intra_links", self.intra_links)
         if self.nics_per_node is not None:
             _count("Topology", "nics_per_node", self.nics_per_node)
+        protos = {}
+        for name, v in dict(self.protocols).items():
+            if not isinstance(v, Mapping) or set(v) != set(PROTOCOL_KEYS):
+                raise ValueError(f"Topology: protocols[{name!r}] must hold exactly "
+                                 f"{list(PROTOCOL_KEYS)}; got {v!r}")
+            for k in ("base_latency", "step_latency"):
+                if isinstance(v[k], bool) or not isinstance(v[k], (int, float)) \
+                        or not 0 <= v[k] < 1:
+                    raise ValueError(f"Topology: protocols[{name!r}][{k!r}]={v[k]!r} must "
+                                     f"be seconds in [0, 1)")
+            for k in ("bandwidth_factor", "all_reduce_bandwidth_factor"):
+                _fraction("Topology", f"protocols[{name!r}][{k!r}]", v[k])
+            protos[name] = MappingProxyType(dict(v))
+        object.__setattr__(self, "protocols", MappingProxyType(protos))
+        for k in ("sm_count", "collective_sms"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Topology: {k}={v!r} must be an int >= 0")
+        if self.collective_sms and not self.collective_sms < self.sm_count:
+            raise ValueError(f"Topology: collective_sms={self.collective_sms} must be fewer "
+                             f"than sm_count={self.sm_count} (give the device's SM count)")
 
 
 @dataclass(frozen=True)
@@ -140,6 +172,9 @@ class Profile:
     slow_paths: Mapping[str, Mapping] = field(default_factory=dict, hash=False)
     topology: Topology = field(default_factory=Topology)
     citations: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # measured bytes/s of named kernels (``compute_time(..., kernel=name)``), bytes
+    # counted as the measurement counts them; replaces bandwidth x memory_efficiency
+    kernel_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -168,6 +203,16 @@ class Profile:
                                  f"are {list(OP_CLASSES)}")
             _fraction(owner, f"efficiency[{k!r}]", v)
         _fraction(owner, "memory_efficiency", self.memory_efficiency)
+        kbw = {}
+        for k, v in dict(self.kernel_bandwidth).items():
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"{owner}: kernel_bandwidth key {k!r} must be a kernel name")
+            _positive(owner, f"kernel_bandwidth[{k!r}]", v)
+            if v > self.memory_bandwidth:
+                raise ValueError(f"{owner}: kernel_bandwidth[{k!r}]={v!r} exceeds "
+                                 f"memory_bandwidth={self.memory_bandwidth!r}")
+            kbw[k] = float(v)
+        object.__setattr__(self, "kernel_bandwidth", MappingProxyType(kbw))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -186,7 +231,8 @@ class Profile:
                              f"intra_links={t.intra_links}")
         if t.nics_per_node is None:
             object.__setattr__(self, "topology", Topology(
-                t.library, t.intra_fabric, t.intra_links, self.devices_per_node))
+                t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
+                t.protocols, t.sm_count, t.collective_sms))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -238,8 +284,11 @@ class Profile:
                 "memory_efficiency": self.memory_efficiency,
                 "slow_paths": {k: dict(v) for k, v in self.slow_paths.items()},
                 "topology": {"library": t.library, "intra_fabric": t.intra_fabric,
-                             "intra_links": t.intra_links, "nics_per_node": t.nics_per_node},
+                             "intra_links": t.intra_links, "nics_per_node": t.nics_per_node,
+                             "protocols": {k: dict(v) for k, v in t.protocols.items()},
+                             "sm_count": t.sm_count, "collective_sms": t.collective_sms},
                 "sources": list(self.sources), "notes": self.notes,
+                "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -256,6 +305,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
+                    "kernel_bandwidth",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:

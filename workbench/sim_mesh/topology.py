@@ -20,6 +20,11 @@ what one rank can push:
 Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the links):
 
 - "ring": (p-1) or 2(p-1) steps at the group's bottleneck rate (``cost.collective_time``).
+  Inside one node, when the profile lists the library's protocols
+  (``Topology.protocols``: NCCL's LL, LL128, Simple), each protocol costs
+  base + steps x step latency + bytes sent / (rate x its bandwidth factor), as in
+  NCCL's tuning model (src/graph/tuning.cc), and the fastest is taken: LL for
+  small messages, LL128 in between, Simple for large ones (``protocol_of``).
 - "tree": NCCL's double binary tree for all_reduce (Sanders et al. 2009; NCCL
   2.4): across m nodes a tree of depth ceil(log2 m), inside a node a chain of k:
   2 (log2 m alpha_inter + (k-1) alpha_intra) + 2 n / rate. all_reduce only.
@@ -65,7 +70,8 @@ from types import MappingProxyType
 from . import cost as _cost  # cost imports this module too: use it at call time only
 from .profiles import Link, Profile
 
-__all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose"]
+__all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose",
+           "protocol_of"]
 
 PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
                     "hierarchical", "pipelined")
@@ -132,6 +138,43 @@ def _flat_link(profile: Profile, g: Group) -> Link:
     return Link("flat", min(ring_intra, g.local * nic), profile.inter_node.latency)
 
 
+_RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1,
+               "reduce_scatter": lambda p: p - 1, "broadcast": lambda p: 1}
+
+
+def _ring_protocols(kind, n, p, profile):
+    """{protocol: seconds} for a ring of p ranks inside one node, by NCCL's tuning
+    model (src/graph/tuning.cc): base + steps x step latency + bytes / (busbw x
+    factor); busbw is the port's effective rate, steps 2(p-1) for all_reduce, p-1
+    for all_gather / reduce_scatter, one pipelined step for broadcast (chain).
+    The library runs the fastest (NCCL picks per call from the same model)."""
+    port = _rates(profile, Group((p,)))[0]
+    out = {}
+    for name, v in profile.topology.protocols.items():
+        f = v["all_reduce_bandwidth_factor"] if kind == "all_reduce" else v["bandwidth_factor"]
+        wire = _cost._BUS_FACTOR[kind](p) * n   # bytes each rank sends: nsteps / p x n
+        out[name] = (v["base_latency"] + _RING_STEPS[kind](p) * v["step_latency"]
+                     + wire / (port * f))
+    return out
+
+
+def _ring(kind, n, g, profile):
+    """A ring over the group: with the library's protocols inside one node when the
+    profile gives them, else the alpha-beta ring on the bottleneck link."""
+    if g.nodes == 1 and profile.topology.protocols and kind in _RING_STEPS:
+        return min(_ring_protocols(kind, n, g.p, profile).values())
+    return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+
+
+def protocol_of(kind: str, n: float, g: Group, profile: Profile) -> str:
+    """The protocol a ring inside one node runs ("" when the profile models none)."""
+    if g.nodes != 1 or not profile.topology.protocols or kind not in _RING_STEPS \
+            or g.p == 1 or n == 0:
+        return ""
+    times = _ring_protocols(kind, n, g.p, profile)
+    return min(times, key=times.get)
+
+
 def _mesh(kind, n, k, profile):
     """HCCL Mesh inside one full-mesh server (HCCL user guide, "Mesh")."""
     _, link, _ = _rates(profile, Group((k,)))
@@ -149,7 +192,7 @@ def _intra(kind, n, k, profile):
         return 0.0
     if profile.topology.intra_fabric == "full_mesh":
         return _mesh(kind, n, k, profile)
-    return _cost.collective_time(kind, n, k, _flat_link(profile, Group((k,))), "ring")
+    return _ring(kind, n, Group((k,)), profile)
 
 
 def _inter(kind, n, m, profile):
@@ -195,7 +238,7 @@ def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: s
     if kind == "send_recv":
         return _cost.collective_time("send_recv", n, 2, _flat_link(profile, g))
     if algorithm == "ring":
-        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+        return _ring(kind, n, g, profile)
     if algorithm == "halving_doubling":
         return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
     if algorithm == "tree":
@@ -271,5 +314,8 @@ def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
     names, why = _candidates(kind, g, profile)
     times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
     best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
+    proto = protocol_of(kind, n, g, profile) if best == "ring" else ""
+    if proto:
+        why += f"; protocol {proto} (the fastest by the library's tuning model)"
     return Choice(best, times[best], profile.topology.library, why,
                   MappingProxyType(times))

@@ -1,0 +1,119 @@
+"""NCCL's protocols inside a node and the SMs a collective takes from an overlapped
+GEMM (sim_mesh/topology.py, cost.overlap), held to the cited figures."""
+import dataclasses
+
+import pytest
+
+from workbench.plan.layer_cost import layer_ops
+from workbench.sim_mesh import cost
+from workbench.sim_mesh import topology as topo
+from workbench.sim_mesh.profiles import Topology, get_profile
+
+A100 = get_profile("a100")
+BUS = 0.783 * 300e9  # NCCL tuning.cc: sm80 bus bandwidth capped at 235 GB/s
+
+
+def _nccl(kind, n, base, step, factor, p=8):
+    """NCCL tuning.cc: base + nsteps x step + n x nsteps / p / (busbw x factor)."""
+    steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+    return base + steps * step + n * steps / p / (BUS * factor)
+
+
+@pytest.mark.parametrize("n, proto, base, step, factor", [
+    (2 ** 10, "LL", 3.6e-6, 0.47e-6, 0.25),
+    (2 ** 23, "LL128", 10.0e-6, 1.9e-6, 0.92),
+    (2 ** 28, "Simple", 8.4e-6, 3.4e-6, 1.0),
+])
+def test_all_reduce_protocol_by_size(n, proto, base, step, factor):
+    pick = cost.choose("all_reduce", n, range(8), A100)
+    assert pick.algorithm == "ring" and f"protocol {proto}" in pick.reason
+    assert topo.protocol_of("all_reduce", n, topo.group_of(range(8), A100), A100) == proto
+    assert pick.seconds == pytest.approx(_nccl("all_reduce", n, base, step, factor))
+
+
+def test_all_gather_uses_its_own_ll_factor():
+    # LL carries 1/3 of the bus bandwidth for all_gather, 1/4 for all_reduce (tuning.cc)
+    n = 2 ** 12
+    assert cost.price("all_gather", n, range(8), A100) == pytest.approx(
+        _nccl("all_gather", n, 3.6e-6, 0.47e-6, 0.333))   # 1/3 to 3 digits
+
+
+def test_bus_bandwidth_grows_with_size_below_the_cap():
+    sizes = [2 ** k for k in range(10, 33, 2)]
+    busbw = [cost.bus_bandwidth("all_reduce", n, 8, cost.price("all_reduce", n, range(8), A100))
+             for n in sizes]
+    assert all(a < b for a, b in zip(busbw, busbw[1:]))
+    assert busbw[-1] < BUS and busbw[-1] > 0.99 * BUS   # 4 GiB: within 1% of 235 GB/s
+    # 100 MB (Megatron's TP all-reduce of Table 4) is still 7% below it: latency counts
+    n = 2048 * 4 * 6144 * 2
+    t = cost.price("all_reduce", n, range(8), A100)
+    assert cost.bus_bandwidth("all_reduce", n, 8, t) == pytest.approx(0.93 * BUS, rel=0.01)
+
+
+def test_h100_protocols_from_the_current_tuning_model():
+    # NCCL master's constants: LL 6.6 + 0.6 us/step, capped at 141 GB/s on Hopper
+    h100, bus = get_profile("h100"), 0.822 * 450e9
+    n = 2 ** 10
+    assert cost.price("all_reduce", n, range(8), h100) == pytest.approx(
+        6.6e-6 + 14 * 0.6e-6 + 14 / 8 * n / (bus * 0.381))
+    n = 2 ** 30
+    assert cost.price("all_reduce", n, range(8), h100) == pytest.approx(
+        8.4e-6 + 14 * 3.4e-6 + 14 / 8 * n / bus)
+
+
+def test_profiles_without_protocols_keep_the_alpha_beta_ring():
+    bare = dataclasses.replace(A100, name="bare", topology=Topology())
+    n = 2 ** 28
+    link = bare.intra_node
+    assert not bare.topology.protocols
+    assert cost.price("all_reduce", n, range(8), bare) == pytest.approx(
+        14 * link.latency + 14 / 8 * n / link.effective_bandwidth)
+    # across nodes the protocols are not modeled: NCCL's rails as before
+    assert topo.protocol_of("all_reduce", n, topo.group_of(range(16), A100), A100) == ""
+
+
+def test_overlap_takes_the_collectives_sms():
+    r = (108 - 16) / 108                       # NCCL's 16 SMs of the A100's 108
+    g, c = 1e-3, 0.5e-3                        # GEMM longer than the collective
+    assert cost.overlap(g, c, A100) == pytest.approx((g + (1 - r) * c, 0.0))
+    g, c = 0.2e-3, 1e-3                        # collective longer: the GEMM ends at g / r
+    assert cost.overlap(g, c, A100) == pytest.approx((g / r, c - g / r))
+    assert cost.overlap(g, 0.0, A100) == (g, 0.0)
+    # no SM figures (H100, 910B: not cited): the plain max
+    assert cost.overlap(1e-3, 0.4e-3, "h100") == (1e-3, 0.0)
+    assert cost.overlap(1e-3, 1.5e-3, "ascend-910b") == pytest.approx((1e-3, 0.5e-3))
+
+
+def test_layer_gemms_beside_collectives_are_stretched():
+    kw = dict(h=6144, a=64, s=2048, b=4, tp=8, dtype="float16", profile="a100")
+    ops = {(o.phase, o.name): o for o in layer_ops(**kw)}
+    for gemm, comm in (("fc1_wgrad", "tp_grad_fc1"), ("qkv_wgrad", "tp_grad_qkv")):
+        g, c = ops["backward", gemm], ops["backward", comm]
+        alone = cost.compute_time(g.flops, g.bytes, A100, "float16", "matmul")
+        assert (g.seconds, c.exposed) == pytest.approx(cost.overlap(alone, c.seconds, A100))
+        assert g.seconds > alone
+    fwd = ops["forward", "fc1_gemm"]
+    assert fwd.seconds == cost.compute_time(fwd.flops, fwd.bytes, A100, "float16", "matmul")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(protocols={"LL": {"base_latency": 1e-6}}), r"protocols\['LL'\] must hold exactly"),
+    (dict(protocols={"LL": {"base_latency": 2.0, "step_latency": 0, "bandwidth_factor": 1,
+                            "all_reduce_bandwidth_factor": 1}}), r"base_latency'\]=2.0"),
+    (dict(protocols={"LL": {"base_latency": 0, "step_latency": 0, "bandwidth_factor": 1.5,
+                            "all_reduce_bandwidth_factor": 1}}), r"bandwidth_factor'\]=1.5"),
+    (dict(sm_count=108, collective_sms=108), r"collective_sms=108 must be fewer"),
+    (dict(sm_count=-1), r"sm_count=-1"),
+])
+def test_topology_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kw)
+
+
+def test_overlap_errors_and_round_trip():
+    with pytest.raises(ValueError, match=r"comm_seconds=-1"):
+        cost.overlap(1.0, -1, A100)
+    back = type(A100).from_dict(A100.to_dict())
+    assert back.topology == A100.topology and dict(back.topology.protocols) == dict(
+        A100.topology.protocols)
+    assert dataclasses.replace(A100).topology.sm_count == 108
