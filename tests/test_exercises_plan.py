@@ -27,6 +27,8 @@ def test_zero_states_paper_figure(capsys):
     fails("that is ZeRO stage 1", C.check_zero_states_gb, 31.4)
     fails("GB = 1e9", C.check_zero_states_gb, 16.640625e9 / 2**30)
     fails("too", C.check_zero_states_gb, 50.0)
+    with pytest.raises(ValueError, match="stage=4"):
+        C.check_zero_states_gb(1.0, stage=4)
 
 
 def test_value_only_from_the_third_try():

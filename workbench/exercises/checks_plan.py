@@ -35,10 +35,13 @@ def _zero_states(psi: float, n_d: int, stage: int) -> float:
 def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 64) -> None:
     """Model states per GPU, in GB, of ``psi`` parameters at ZeRO ``stage`` on ``n_d``
     data-parallel GPUs (mixed-precision Adam, K = 12)."""
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"check_zero_states_gb: stage={stage!r}; ZeRO stages are 0, 1, 2, 3")
     want = _zero_states(psi, n_d, stage) / 1e9
+    splits = ("nothing", "the optimizer states", "the optimizer states and the gradients",
+              "everything")[stage]
     wrong = [(_zero_states(psi, n_d, s) / 1e9, f"that is ZeRO stage {s}; stage {stage} splits "
-              f"{['nothing', 'the optimizer states', 'the optimizer states and the gradients', 'everything'][stage]}")
-             for s in range(4) if s != stage]
+              f"{splits}") for s in range(4) if s != stage]
     wrong += [(16 * psi / n_d / 1e9 if stage != 3 else 16 * psi / 1e9,
                "check which of weights (2 psi), gradients (2 psi) and optimizer states "
                "(K psi) this stage divides by N_d"),
