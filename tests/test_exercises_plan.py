@@ -20,6 +20,12 @@ def _fresh():
     reset_tries()
 
 
+def test_every_check_is_exported():
+    assert set(C.__all__) == {"check_zero_states_gb", "check_least_recompute",
+                              "check_biggest_micro_batch", "check_mfu", "check_tp_comm_ms"}
+    assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
+
+
 def test_zero_states_paper_figure(capsys):
     # ZeRO Figure 1: 7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.9 GB
     for stage, gb in enumerate((120.0, 31.40625, 16.640625, 1.875)):

@@ -16,7 +16,7 @@ from .checks import _check_number, _hint, _number, _ok
 from .feedback import CheckError, exercise
 
 __all__ = ["check_zero_states_gb", "check_least_recompute", "check_biggest_micro_batch",
-           "check_mfu", "check_tp_comm_ms", "gpt3_first_stage_gb"]
+           "check_mfu", "check_tp_comm_ms"]
 
 # GPT-3 175B (Brown et al. 2020, Table 2.1): layers, hidden, heads, sequence, vocabulary
 GPT3 = dict(L=96, h=12288, a=96, s=2048, V=51200)
