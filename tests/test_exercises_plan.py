@@ -7,7 +7,6 @@ import workbench as wb
 from workbench.exercises import checks_plan as C
 from workbench.exercises.feedback import CheckError, REVEAL_AFTER, reset_tries
 from workbench.plan.memory import model_state_bytes, stage_memory
-from workbench.sim_mesh.profiles import get_profile
 
 from .exercise_helpers import fails, passes
 
@@ -21,6 +20,12 @@ def _fresh():
     reset_tries()
 
 
+def test_every_check_is_exported():
+    assert set(C.__all__) == {"check_zero_states_gb", "check_least_recompute",
+                              "check_biggest_micro_batch", "check_mfu", "check_tp_comm_ms"}
+    assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
+
+
 def test_zero_states_paper_figure(capsys):
     # ZeRO Figure 1: 7.5B parameters on 64 GPUs: 120, 31.4, 16.6, 1.9 GB
     for stage, gb in enumerate((120.0, 31.40625, 16.640625, 1.875)):
@@ -28,6 +33,8 @@ def test_zero_states_paper_figure(capsys):
     fails("that is ZeRO stage 1", C.check_zero_states_gb, 31.4)
     fails("GB = 1e9", C.check_zero_states_gb, 16.640625e9 / 2**30)
     fails("too", C.check_zero_states_gb, 50.0)
+    with pytest.raises(ValueError, match="stage=4"):
+        C.check_zero_states_gb(1.0, stage=4)
 
 
 def test_value_only_from_the_third_try():
@@ -90,14 +97,27 @@ def test_mfu(capsys):
     passes(capsys, C.check_mfu, est.mfu, est.step_time)
 
 
-def test_tp_all_reduce(capsys):
-    p = get_profile("a100")
-    n = 2 * 2048 * 12288
-    t8 = 2 * 7 / 8 * n / (p.intra_node.bandwidth * p.intra_node.efficiency) * 1e3
-    t16 = 2 * 15 / 16 * n / (p.inter_node.bandwidth * p.inter_node.efficiency) * 1e3
-    passes(capsys, C.check_tp_all_reduce_ms, t8, t16)
-    fails("efficiency", C.check_tp_all_reduce_ms, 2 * 7 / 8 * n / p.intra_node.bandwidth * 1e3,
-          t16)
-    fails("inter-node", C.check_tp_all_reduce_ms, t8,
-          2 * 15 / 16 * n / (p.intra_node.bandwidth * p.intra_node.efficiency) * 1e3)
-    assert t16 / t8 > 8                       # the lesson: TP stays inside the node
+def test_tp_comm(capsys):
+    t8, t16 = 0.4, 0.58
+    a, b = 6 * 6 * t8, 12 * 6 * t16
+    passes(capsys, C.check_tp_comm_ms, a, b, "A", t8, t16)
+    fails("recompute", C.check_tp_comm_ms, 6 * 4 * t8, b, "A", t8, t16)
+    fails("12 layers per stage", C.check_tp_comm_ms, a, 6 * 6 * t16, "A", t8, t16)
+    fails("L / p", C.check_tp_comm_ms, a, 96 * 6 * t16, "A", t8, t16)
+    fails("less\ncommunication|less communication", C.check_tp_comm_ms, a, b, "B", t8, t16)
+    fails("'A' or 'B'", C.check_tp_comm_ms, a, b, "tp8", t8, t16)
+    # if 16 ranks were nearly free, B would win: the answer follows the inputs
+    passes(capsys, C.check_tp_comm_ms, a, 12 * 6 * 0.1, "B", t8, 0.1)
+
+
+def test_tp_comm_counts_agree_with_the_planner():
+    """The check's count (L/p layers x 6 all-reduces with full recompute) is what the
+    planner charges per micro-batch for TP, from its own price of one all-reduce."""
+    from workbench.plan import costs
+    cl = wb.plan.Cluster("a100", 1024)
+    for tp, pp in ((8, 16), (16, 8)):
+        lay = wb.plan.Layout(dp=8, tp=tp, pp=pp, recompute="full", global_batch=1536)
+        one = costs.group_price("all_reduce", 2 * 2048 * 12288, tuple(lay.tp_ranks()),
+                                cl.profile)
+        layer = costs.layer_cost(GPT3, 1, tp, False, "full", cl.profile)
+        assert (layer.fwd_comm + layer.bwd_comm) == pytest.approx(6 * one, rel=1e-6)

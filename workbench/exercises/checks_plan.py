@@ -4,20 +4,19 @@ As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one
 :class:`~.feedback.CheckError` (IPython shows its message alone), the hint first and the
 expected value from the third wrong try on or with ``wb.exercises.reveal(...)``.
 Expected values come from the published formulas written out here (ZeRO sec. 3.1 and
-5; Korthikanti et al. 2022 Table 2 and eq. 7; the ring all-reduce), never from
-``workbench.plan``: a bug there must not become the right answer.  A profile is read
-for its numbers only (data with cited sources), as a student reads it.
+5; Korthikanti et al. 2022 Table 2 and eq. 7; Megatron's all-reduce count), never from
+``workbench.plan``: a bug there must not become the right answer.  Measured inputs an
+exercise starts from (a step time, one collective's time) are arguments of the check.
 """
 from __future__ import annotations
 
 import math
 
-from ..sim_mesh.profiles import get_profile
 from .checks import _check_number, _hint, _number, _ok
 from .feedback import CheckError, exercise
 
 __all__ = ["check_zero_states_gb", "check_least_recompute", "check_biggest_micro_batch",
-           "check_mfu", "check_tp_all_reduce_ms", "gpt3_first_stage_gb"]
+           "check_mfu", "check_tp_comm_ms"]
 
 # GPT-3 175B (Brown et al. 2020, Table 2.1): layers, hidden, heads, sequence, vocabulary
 GPT3 = dict(L=96, h=12288, a=96, s=2048, V=51200)
@@ -36,10 +35,13 @@ def _zero_states(psi: float, n_d: int, stage: int) -> float:
 def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 64) -> None:
     """Model states per GPU, in GB, of ``psi`` parameters at ZeRO ``stage`` on ``n_d``
     data-parallel GPUs (mixed-precision Adam, K = 12)."""
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"check_zero_states_gb: stage={stage!r}; ZeRO stages are 0, 1, 2, 3")
     want = _zero_states(psi, n_d, stage) / 1e9
+    splits = ("nothing", "the optimizer states", "the optimizer states and the gradients",
+              "everything")[stage]
     wrong = [(_zero_states(psi, n_d, s) / 1e9, f"that is ZeRO stage {s}; stage {stage} splits "
-              f"{['nothing', 'the optimizer states', 'the optimizer states and the gradients', 'everything'][stage]}")
-             for s in range(4) if s != stage]
+              f"{splits}") for s in range(4) if s != stage]
     wrong += [(16 * psi / n_d / 1e9 if stage != 3 else 16 * psi / 1e9,
                "check which of weights (2 psi), gradients (2 psi) and optimizer states "
                "(K psi) this stage divides by N_d"),
@@ -157,35 +159,39 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
     _check_number("MFU", got, want, "", wrong, rel=0.01)
 
 
-def _ring_ms(nbytes: float, t: int, link) -> float:
-    return 2 * (t - 1) / t * nbytes / (link.bandwidth * link.efficiency) * 1e3
-
-
 @exercise
-def check_tp_all_reduce_ms(t8_ms, t16_ms, profile: str = "a100", micro_batch: int = 1) -> None:
-    """One TP all-reduce of a GPT-3 layer's output (2 s b h bytes, 16-bit) by the ring
-    formula 2 (t-1)/t n / B (latency left out): t = 8 in one node (B: the intra-node
-    link), t = 16 over two nodes (B: the slowest link of the ring, the inter-node one);
-    B is the line rate x the efficiency the library reaches (the profile's numbers)."""
-    prof = get_profile(profile)
-    n = 2 * GPT3["s"] * micro_batch * GPT3["h"]
-    want8 = _ring_ms(n, 8, prof.intra_node)
-    want16 = _ring_ms(n, 16, prof.inter_node)
-    raw8 = 2 * 7 / 8 * n / prof.intra_node.bandwidth * 1e3
-    raw16 = 2 * 15 / 16 * n / prof.inter_node.bandwidth * 1e3
-    w8 = [(raw8, "multiply the line rate by the efficiency NCCL reaches (the Link's efficiency)"),
-          (want8 / 2, "a ring all-reduce is a reduce-scatter and an all-gather: 2 (t-1)/t n"),
-          (n / (prof.intra_node.bandwidth * prof.intra_node.efficiency) * 1e3,
-           "the ring sends 2 (t-1)/t of the bytes, not n"),
-          (2 * want8, "n is 2 s b h bytes: 16-bit values, 2 bytes each")]
-    w16 = [(raw16, "multiply the line rate by the efficiency the library reaches"),
-           (_ring_ms(n, 16, prof.intra_node), "the ring over 16 devices crosses the node "
-                                              "boundary: its slowest link is the inter-node one"),
-           (want16 / 2, "a ring all-reduce is a reduce-scatter and an all-gather: 2 (t-1)/t n")]
-    for name, got, want, wrong in (("tp = 8", t8_ms, want8, w8), ("tp = 16", t16_ms, want16, w16)):
-        got = _number(f"{name} time", got)
-        if not math.isclose(got, want, rel_tol=0.02):
-            raise CheckError(f"your {name} all-reduce is {got:.4g} ms: "
-                             + _hint(got, want, wrong), expected=f"{want:.4g} ms")
-    _ok(f"{t8_ms:.3g} ms inside a node, {t16_ms:.3g} ms across two: "
-        f"{want16 / want8:.0f}x slower, every layer, four times per micro-batch")
+def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
+                     recompute: str = "full") -> None:
+    """Tensor-parallel communication per micro-batch on one device of GPT-3 layouts
+    A = tp 8, pp 16 and B = tp 16, pp 8: (L / p) layers, each with two all-reduces in
+    the forward and two in the backward (Shoeybi et al. 2019), two more when full
+    recompute repeats the forward; one all-reduce takes ``t8_ms`` over 8 ranks and
+    ``t16_ms`` over 16.  Compute per device is the same in both (L / (t p) layers' worth),
+    so the layout with less communication is faster."""
+    if recompute not in RECOMPUTE:
+        raise CheckError(f"recompute should be one of {RECOMPUTE}, got {recompute!r}")
+    per_layer = 6 if recompute == "full" else 4
+    L = GPT3["L"]
+    want_a, want_b = L / 16 * per_layer * t8_ms, L / 8 * per_layer * t16_ms
+    for name, got, want, t_ms, layers in (("A", a_ms, want_a, t8_ms, L // 16),
+                                          ("B", b_ms, want_b, t16_ms, L // 8)):
+        got = _number(f"{name}'s communication", got)
+        if math.isclose(got, want, rel_tol=0.01):
+            continue
+        wrong = [(layers * 4 * t_ms, "full recompute runs the forward again in the backward, "
+                                     "with its two all-reduces"),
+                 (L // (16 if name == "B" else 8) * per_layer * t_ms,
+                  f"layout {name} has {layers} layers per stage (L / p)"),
+                 (L * per_layer * t_ms, "a device runs only its stage's L / p layers"),
+                 (layers * 2 * t_ms, "count the backward's all-reduces too")]
+        raise CheckError(f"your TP communication for layout {name} is {got:.4g} ms: "
+                         + _hint(got, want, wrong), expected=f"{want:.4g} ms")
+    want_f = "A" if want_a < want_b else "B"
+    if faster not in ("A", "B"):
+        raise CheckError(f"faster should be 'A' or 'B', got {faster!r}")
+    if faster != want_f:
+        raise CheckError(f"both layouts compute the same per device, so the one with less "
+                         f"communication wins: compare your two numbers", expected=repr(want_f))
+    _ok(f"A {want_a:.1f} ms, B {want_b:.1f} ms of TP all-reduces per micro-batch: {want_f} is "
+        f"faster. Doubling t halves each device's compute per layer but not the bytes "
+        f"its all-reduces move, and B's stages hold twice the layers")
