@@ -117,3 +117,15 @@ def test_overlap_errors_and_round_trip():
     assert back.topology == A100.topology and dict(back.topology.protocols) == dict(
         A100.topology.protocols)
     assert dataclasses.replace(A100).topology.sm_count == 108
+
+
+def test_all_to_all_inside_a_node_pays_protocol_steps():
+    # ASSUMPTION (topology.py): p - 1 steps like all_gather, on (p-1)/p of the bytes,
+    # so it never costs more than the all_gather of the same buffer
+    for n in (2 ** 8, 2 ** 20, 2 ** 28):
+        a2a = cost.choose("all_to_all", n, range(8), A100)
+        assert a2a.algorithm == "pairwise" and "protocol" in a2a.reason
+        assert a2a.seconds == pytest.approx(cost.price("all_gather", n, range(8), A100))
+    n = 2 ** 28
+    assert cost.price("all_to_all", n, range(8), A100) == pytest.approx(
+        _nccl("all_gather", n, 8.4e-6, 3.4e-6, 1.0))

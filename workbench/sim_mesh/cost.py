@@ -34,9 +34,12 @@ reads the same numbers. p == 1 or nbytes == 0 costs 0.0 (nothing moves).
 ``collective_time`` prices one algorithm on one link; ``price`` prices a group of
 ranks on a profile's topology with the algorithm NCCL or HCCL actually runs
 (``topology.py``: NVSwitch, HCCS full mesh, one NIC per device between nodes;
-ring / tree / mesh / halving-doubling / pairwise / hierarchical / pipelined), and
+ring / tree / mesh / halving-doubling / pairwise / hierarchical / pipelined; NCCL's
+LL / LL128 / Simple protocols inside a node where the profile lists them), and
 ``choose`` says which algorithm and why. ``compute_time`` prices a kernel on the
-profile's roofline with its efficiency per op class and launch cost.
+profile's roofline with its efficiency per op class and launch cost (or a named
+kernel's measured bandwidth); ``overlap`` stretches a kernel that shares the SMs
+with a collective.
 """
 from __future__ import annotations
 

@@ -32,7 +32,9 @@ Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the li
   all-reduce), HCCL's "H-D_R": the "tree" rows of ``cost.collective_time``.
 - "mesh": HCCL's full-mesh algorithm inside one server (formulas above).
 - "pairwise": all_to_all as p-1 exchanges, the intra-node and inter-node shares
-  running at the same time on their own links.
+  running at the same time on their own links; inside one node with protocols,
+  p-1 protocol steps like all_gather (an assumption: NCCL's tuning model has no
+  all_to_all).
 - "hierarchical": intra-node reduce-scatter, inter-node all-reduce of n/k among the
   ranks with the same local index (each on its own NIC), intra-node all-gather; the
   intra phases use the library's intra-node algorithm (NCCL: ring, HCCL: mesh).
@@ -139,7 +141,9 @@ def _flat_link(profile: Profile, g: Group) -> Link:
 
 
 _RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1,
-               "reduce_scatter": lambda p: p - 1, "broadcast": lambda p: 1}
+               "reduce_scatter": lambda p: p - 1, "broadcast": lambda p: 1,
+               "all_to_all": lambda p: p - 1}   # ASSUMPTION: tuning.cc has no
+# all_to_all (grouped send/recv); priced as p - 1 protocol steps, like all_gather
 
 
 def _ring_protocols(kind, n, p, profile):
@@ -260,6 +264,8 @@ def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: s
         if kind != "all_to_all":
             raise ValueError(f"algorithm='pairwise' is an all_to_all algorithm, not for "
                              f"kind={kind!r}")
+        if g.nodes == 1 and profile.topology.protocols:
+            return _ring(kind, n, g, profile)   # inside a node: the protocols' steps
         ring_intra, _, nic = _rates(profile, g)
         a = profile.inter_node.latency if g.nodes > 1 else profile.intra_node.latency
         inside = (g.local - 1) / g.p * n / ring_intra
@@ -314,7 +320,7 @@ def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
     names, why = _candidates(kind, g, profile)
     times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
     best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
-    proto = protocol_of(kind, n, g, profile) if best == "ring" else ""
+    proto = protocol_of(kind, n, g, profile) if best in ("ring", "pairwise") else ""
     if proto:
         why += f"; protocol {proto} (the fastest by the library's tuning model)"
     return Choice(best, times[best], profile.topology.library, why,
