@@ -51,3 +51,13 @@ def test_a_keyed_mask_is_the_whole_batchs_rows():
 def test_a_keyed_call_without_a_site_is_an_error():
     with rng.keyed(1), pytest.raises(RuntimeError, match="site"):
         rng.draw_mask((2, 2), 0.5)
+
+
+@pytest.mark.slow
+def test_on_torch_distributed_too(one_device):
+    from tests.test_ddp_torchrun import torchrun
+    import json
+    out = torchrun(4, "dropout_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == pytest.approx(one_device, rel=1e-6)

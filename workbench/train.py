@@ -15,9 +15,9 @@ work is spread over devices goes through a :class:`Strategy`:
                                                  reduction (DP); returns the global mean loss
     strategy.optimizer_step(optimizer)           step and zero the gradients
 
-:class:`SingleDevice` is the one strategy so far; data, tensor, sequence and
-pipeline parallelism subclass it (the ``--dp --tp --pp --sp --zero --schedule``
-flags are declared already and refuse anything but their default until then).
+:class:`SingleDevice` runs everything on one device; the ``--dp --tp --pp --sp
+--zero --schedule`` flags select the :class:`~workbench.parallel.strategies.hybrid.
+Hybrid` recipe, and :func:`check_args` refuses values no run can take.
 The global batch and the loss are the same for every strategy, so a
 parallel run can be checked against the single-device run step by step; dropout
 masks are keyed by (step, call) (:mod:`workbench.sim_mesh.rng`), so they are too.
