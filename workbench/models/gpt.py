@@ -133,7 +133,7 @@ class GPTAttention(nn.Module):
         else:
             y = _core(q, k, v, p)                                           # (B, a, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
-        return F.dropout(self.wo(y), p, self.training)
+        return self.wo(y)                      # its dropout: in GPTBlock, after TP's g
 
 
 class GPTMLP(nn.Module):
@@ -145,7 +145,7 @@ class GPTMLP(nn.Module):
         self.fc2 = nn.Linear(f, h, dtype=dt)
 
     def forward(self, x):
-        return F.dropout(self.fc2(F.gelu(self.fc1(x))), self.dropout, self.training)
+        return self.fc2(F.gelu(self.fc1(x)))   # its dropout: in GPTBlock, after TP's g
 
 
 class GPTBlock(nn.Module):
@@ -165,8 +165,13 @@ class GPTBlock(nn.Module):
         return self._forward(x)
 
     def _forward(self, x):
-        x = x + self.attn(self.ln1(x), recompute_core=self.recompute == "selective")
-        return x + self.mlp(self.ln2(x))                                    # (B, S, h)
+        # the residual branches' dropouts outside attn and mlp, so that with tensor (and
+        # sequence) parallelism they run after the row-parallel sum, as Megatron's
+        # bias-dropout-add does (on s/t tokens with sequence parallelism)
+        p = self.attn.dropout if self.training else 0.0
+        x = x + F.dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective"),
+                          p, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), p, self.training)      # (B, S, h)
 
 
 class GPT(nn.Module):

@@ -57,11 +57,12 @@ def dropout_rule(x, mask=None, **_):
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
 
 
-def draw_mask(shape, p: float, dtype=torch.float32) -> torch.Tensor:
-    """The mask ATen's CPU dropout draws for a tensor of ``shape`` (scaled by 1/(1-p))."""
+def draw_mask(shape, p: float, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The mask ATen's CPU dropout draws for a tensor of ``shape`` (scaled by 1/(1-p));
+    on the meta device (a dry run) only its shape."""
     if p >= 1:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p).div_(1 - p)
 
 
 def _dropout_local(nd, ctx, x, mask=None):
@@ -80,7 +81,8 @@ def _parse(x, p=0.5, training=True, inplace=False):
     if not training or p == 0 or x.numel() == 0:
         return (x, None), {}
     # drawn here, once per call, for the global shape (never per rank)
-    return (x, draw_mask(tuple(x.shape), float(p), x.dtype)), {}
+    meta = x.device.type == "meta"                    # a dry run: shapes, no data
+    return (x, draw_mask(tuple(x.shape), float(p), x.dtype, "meta" if meta else None)), {}
 
 
 def _torch_dropout_parse(x, p, train):

@@ -85,7 +85,7 @@ def _embedding_local(nd, ctx, ids, w, *, padding_idx=None):
         return F.embedding(ids, w)
     wspec = ctx.in_specs[1]
     v = wspec.shape[0]
-    if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
+    if ids.numel() and not ids.is_meta and bool(((ids < 0) | (ids >= v)).any()):
         raise IndexError(f"embedding: index out of range in self: ids must be in [0, {v}) "
                          f"for a table of {v} rows; got {int(ids[(ids < 0) | (ids >= v)][0])}")
     out_lead = torch.broadcast_shapes(ids.shape[:nd], w.shape[:nd])
@@ -274,7 +274,7 @@ def _cross_entropy_local(nd, ctx, x, t, *, reduction, ignore_index, label_smooth
     cdim = _cdim(xspec.ndim)
     v = xspec.shape[cdim]
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
-    if bool(bad.any()):
+    if not t.is_meta and bool(bad.any()):
         raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
                          f"{v} classes (and not ignore_index={ignore_index})")
     given = t

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.llama import TP_PLAN, Llama
+from ...models.config import build_model as _build
+from ...models.gpt import GPT_TP_PLAN
+from ...models.llama import TP_PLAN
 from ...sim_mesh import collectives as C
 from ...sim_mesh.mesh import Mesh
 from .. import schedules as S
@@ -106,14 +108,16 @@ class Hybrid:
 
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
-        model = Llama(cfg, seed=seed).train()
+        with self.device:               # "meta" for a dry run (workbench.plan.dryrun)
+            model = _build(cfg, seed=seed).train()
+        tp_plan = GPT_TP_PLAN if cfg.arch == "gpt" else TP_PLAN
         self.cfg = cfg
         n_stages = self.pp * self.v
         per = cfg.n_layer // n_stages
         self.stage_layers = [list(range(s * per, (s + 1) * per)) for s in range(n_stages)]
         vocab_parallel = self.tp > 1 and cfg.vocab_size % self.tp == 0
         # TP_PLAN names parameters from the model's root ("layers.*.attn.wq"); per block:
-        block_plan = {k.split("layers.*.", 1)[1]: v for k, v in TP_PLAN.items()
+        block_plan = {k.split("layers.*.", 1)[1]: v for k, v in tp_plan.items()
                       if k.startswith("layers.*.")} if self.tp > 1 else {}
         for s in range(n_stages):
             mesh = self.meshes[s % self.pp]
@@ -127,10 +131,17 @@ class Hybrid:
             if s == 0:
                 parallelize(model.tok_emb, mesh, {"": "rowwise"} if vocab_parallel else {},
                             mesh_dim="tp")
+                if hasattr(model, "pos_emb"):       # GPT's learned positions: replicated
+                    parallelize(model.pos_emb, mesh, {}, mesh_dim="tp")
             if s == n_stages - 1:
                 parallelize(model.norm, mesh, {}, mesh_dim="tp")
-                parallelize(model.lm_head, mesh, {"": "colwise"} if vocab_parallel else {},
-                            mesh_dim="tp")
+                if cfg.tie_embeddings and n_stages == 1:
+                    # one table: the head reads the (vocabulary-parallel) embedding's shard
+                    del model.lm_head._parameters["weight"]
+                    model.lm_head.weight = model.tok_emb.weight
+                else:
+                    parallelize(model.lm_head, mesh, {"": "colwise"} if vocab_parallel else {},
+                                mesh_dim="tp")
         return model
 
     # ---- Megatron's f and g around each tensor-parallel region ---------------------------------
@@ -173,7 +184,10 @@ class Hybrid:
             mods.append(model.tok_emb)
         if s == len(self.stage_layers) - 1:
             mods += [model.norm, model.lm_head]
-        return [p for m in mods for _, p in dist_parameters(m)]
+        if s == 0 and hasattr(model, "pos_emb"):
+            mods.append(model.pos_emb)
+        out = {id(p): p for m in mods for _, p in dist_parameters(m)}   # a tied table once
+        return list(out.values())
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
         opts = []
@@ -185,6 +199,8 @@ class Hybrid:
             if self.zero == 3:
                 holder = nn.ModuleList([model.layers[i] for i in self.stage_layers[s]] +
                                        ([model.tok_emb] if s == 0 else []) +
+                                       ([model.pos_emb] if s == 0 and
+                                        hasattr(model, "pos_emb") else []) +
                                        ([model.norm, model.lm_head]
                                         if s == len(self.stage_layers) - 1 else []))
                 opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
@@ -199,15 +215,17 @@ class Hybrid:
 
     def _embed(self, model, idx):
         x = model.tok_emb(idx)                                              # (B, S, h)
+        if hasattr(model, "pos_emb"):   # GPT: learned positions
+            x = x + model.pos_emb(torch.arange(idx.shape[1], device=x.device))
         if self.tp > 1:                 # the residual stream: replicated, or with sequence
             x = reshard(x, x.mesh, [Shard(0), Shard(1) if self.sp else Replicate()])
         return F.dropout(x, model.cfg.dropout, model.training)
 
     def _blocks(self, model, s, x):
         S_ = x.shape[1]
-        cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
+        rope = (model.rope_cos[:S_], model.rope_sin[:S_]) if hasattr(model, "rope_cos") else ()
         for i in self.stage_layers[s]:
-            x = model.layers[i](x, cos, sin)
+            x = model.layers[i](x, *rope)
         return x
 
     def _head(self, model, x):
