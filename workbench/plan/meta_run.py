@@ -25,6 +25,7 @@ import contextlib
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.placement import Replicate, Shard
@@ -35,25 +36,83 @@ __all__ = ["SavedCounter", "run_stage"]
 _CHECKPOINTING_MODULES = ("workbench.models.gpt", "workbench.models.llama")
 
 
-class SavedCounter:
-    """Per-rank bytes of what a forward keeps for backward (module docstring)."""
+_COPIES = {"clone", "_unsafe_view", "expand_copy", "_to_copy", "copy", "contiguous"}
 
-    def __init__(self, params=(), lead_dims: int = 0):
-        self.nd = lead_dims
+
+class _Provenance(TorchDispatchMode):
+    """Which storage each new storage copies (``clone``, ``_unsafe_view``, a same-dtype
+    ``_to_copy``): the simulator materializes broadcast copies of a stacked tensor
+    (``torch.matmul`` expands a replicated input before its batched GEMM), which a
+    device, holding one rank's tensor, never makes; a copy is counted as its source."""
+
+    def __init__(self):
+        super().__init__()
+        self.parent: dict[int, int] = {}
+        self.first: dict[int, torch.Tensor] = {}
+        self.made: dict[int, str] = {}           # storage id -> the op that made it
+
+    def root(self, key: int) -> int:
+        while key in self.parent:
+            key = self.parent[key]
+        return key
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        name = func.overloadpacket.__name__
+        copy = src is not None and name in _COPIES and isinstance(out, torch.Tensor) \
+            and out.dtype == src.dtype
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage()._cdata
+            if copy and key != src.untyped_storage()._cdata:
+                self.parent.setdefault(key, self.root(src.untyped_storage()._cdata))
+            self.first.setdefault(key, t)
+            self.made.setdefault(key, name)
+        return out
+
+
+class SavedCounter:
+    """Per-rank bytes of what a forward keeps for backward (module docstring).
+
+    A stacked tensor of shape (*mesh, *local) holds ``numel(local)`` elements per rank
+    on the lead dims that vary (stride-0 or size-1 ones are a copy every rank holds
+    whole); a tensor whose lead dims do not match the mesh (a local kernel that
+    flattened them, (L * B, ...)) holds mesh-size ranks' worth."""
+
+    def __init__(self, mesh, params=()):
+        self.shape = tuple(mesh.shape)
+        self.size = math.prod(self.shape)
         self.skip = {getattr(p, "_local", p).untyped_storage()._cdata for p in params}
-        self.seen: dict[int, tuple] = {}     # storage id -> (bytes per rank, tensor)
+        self.seen: dict[int, tuple] = {}     # root storage id -> (bytes per rank, tensor)
+        self.items: list[tuple] = []         # (bytes per rank, shape, dtype, op that made it)
+        self.prov = _Provenance()
+
+    def _per_rank(self, t) -> int | None:
+        nd = len(self.shape)
+        if t.dim() < nd or any(t.shape[i] not in (1, n) and t.stride(i) != 0
+                               for i, n in enumerate(self.shape)):
+            return None
+        ranks = math.prod(n for n, s in zip(t.shape[:nd], t.stride()[:nd]) if s != 0)
+        return t.untyped_storage().nbytes() // max(1, ranks)
 
     def add(self, t) -> None:
         t = getattr(t, "_local", t)
         if not isinstance(t, torch.Tensor):
             return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.skip or key in self.seen or st.nbytes() == 0:
+        key = t.untyped_storage()._cdata
+        root = self.prov.root(key)
+        if {key, root} & self.skip or root in self.seen or t.untyped_storage().nbytes() == 0:
             return
-        k = min(self.nd, t.dim())
-        ranks = math.prod(n for n, s in zip(t.shape[:k], t.stride()[:k]) if s != 0)
-        self.seen[key] = (st.nbytes() // max(1, ranks), t)   # t held: the id stays unique
+        src = self.prov.first.get(root, t)
+        per = self._per_rank(t)
+        if per is None or root != key:
+            per = self._per_rank(src) if self._per_rank(src) is not None else per
+        if per is None:
+            per = src.untyped_storage().nbytes() // self.size
+        self.seen[root] = (per, t)           # t held: the id stays unique
+        self.items.append((per, tuple(src.shape), src.dtype, self.prov.made.get(root, "input")))
 
     @property
     def bytes(self) -> int:
@@ -77,7 +136,7 @@ class SavedCounter:
         try:
             for m in mods:
                 m.checkpoint = keep_inputs
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with self.prov, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
         finally:
             for m, f in zip(mods, originals):
@@ -97,7 +156,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
     B, S = micro_batch * h.dp, cfg.seq_len
     ranks = mesh.ranks
     t0 = _clock(tr, ranks)
-    counter = SavedCounter(params, lead_dims=mesh.ndim)
+    counter = SavedCounter(mesh, params)
     if s == 0:
         x = h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh)
     else:                          # the layout a stage output arrives in (Hybrid's g)
