@@ -35,9 +35,9 @@ What is composed from those measurements (not run op by op):
   pp > 1 and tied embeddings, Megatron's all-reduce of the word-embedding gradient
   between the first and last stage (priced on their ranks);
 - memory per pipeline rank: model states from the real sharded parameters (sizes of
-  the meta shards the optimizer holds, ``DataParallel.memory(mixed_precision=True)``:
-  2-byte weights and gradients, 12 bytes of fp32 master weights and Adam states per
-  parameter held) + the measured activation bytes of one micro-batch of each chunk the
+  the meta shards the optimizer holds, ``DataParallel.memory(mixed_precision=True)``
+  for a 16-bit model: 2-byte weights and gradients, 12 bytes of fp32 master weights and
+  Adam states per parameter held; a float32 model: 4, 4 and 8) + the measured activation bytes of one micro-batch of each chunk the
   rank holds, times how many of them the schedule keeps in flight at its peak (+ on a
   forward, - when its backward ends, walked in the rank's schedule order);
   ``timeline`` is that count over the simulated step, per pipeline rank.
@@ -53,10 +53,11 @@ from ..parallel.strategies.hybrid import Hybrid
 from ..sim_mesh.cost import compute_time, price
 from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout
-from .meta_run import run_stage
+from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
 
+_MIXED = ("bfloat16", "float16")          # mixed precision: fp32 master weights and Adam
 _SCHEDULE = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
 
 
@@ -73,6 +74,7 @@ class DryRun:
     per_rank: list = field(repr=False)     # memory dict per pipeline rank
     breakdown: dict = field(repr=False)    # seconds: pipeline, dp_sync, optimizer, tied
     pipeline: object = field(repr=False)   # the schedule simulator's result
+    comm_bytes: int = 0                    # bytes the busiest rank sends per step
 
     def __str__(self):
         gb = self.memory["total"] / 1e9
@@ -81,7 +83,7 @@ class DryRun:
 
 
 def _check(model, lay: Layout, cl: Cluster):
-    if getattr(model, "arch", None) == "gpt":
+    if getattr(model, "arch", None) == "gpt" and model.dtype in _MIXED:
         check_layout(model, lay, cl)           # the planner's checks: same errors
     else:
         if not isinstance(lay, Layout) or not isinstance(cl, Cluster):
@@ -134,6 +136,10 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
     with torch.random.fork_rng(devices=[]):
         mdl = h.build_model(cfg, seed)
         opts = h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0)
+    if not is_meta(mdl):
+        raise RuntimeError("dry_run: a parameter of the built model is not on the meta "
+                           "device; the dry run would allocate it (a bug in the model's "
+                           "construction under `with torch.device('meta')`)")
     n = len(h.stage_layers)
     rep = _distinct(n)
     measured, opt_t = {}, {}
@@ -141,16 +147,19 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
         for s in sorted(set(rep.values())):
             measured[s] = run_stage(h, mdl, s, cfg, lay.micro_batch, tr,
                                     h._stage_params(mdl, s))
+        per_mb = tr.bytes_per_rank()              # one micro-batch of each stage run
         for s in sorted(set(rep.values())):
             ranks = h.meshes[s % lay.pp].ranks
             t0 = max(tr.now(r, "comm") for r in ranks)
             t0 = max(t0, max(tr.now(r) for r in ranks))
             opts[s].step()                   # the DP / ZeRO collectives, as issued
             t1 = max(max(tr.now(r), tr.now(r, "comm")) for r in ranks)
-            mem = opts[s].memory(mixed_precision=True)
-            upd = mem.optimizer / 12          # parameters this rank updates
+            mixed = cfg.dtype in _MIXED
+            mem = opts[s].memory(mixed_precision=mixed)
+            upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
             opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
                         "states": mem}
+    per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
     f = [d["forward"] + d["send"] for d in st]
@@ -180,11 +189,18 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
     busiest = max(per_rank, key=lambda m: m["total"])
+    comm = max(sum(lay.m * _stage_max(per_mb, h, rep[c]) for c in _chunks(r, lay.pp, n))
+               + max(_stage_max(per_step, h, rep[c]) for c in _chunks(r, lay.pp, n))
+               for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
                   fits=busiest["total"] <= prof.memory_bytes, trace=tr, timeline=timeline,
                   stages=measured, per_rank=per_rank, pipeline=sim,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
-                             "tied_embedding_sync": tied})
+                             "tied_embedding_sync": tied}, comm_bytes=int(comm))
+
+
+def _stage_max(per_rank: dict, h, s: int) -> int:
+    return max(per_rank.get(r, 0) for r in h.meshes[s % h.pp].ranks)
 
 
 def _chunks(r: int, pp: int, n: int) -> list[int]:
