@@ -181,7 +181,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
              overlap: bool = True) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
-    attention kernel's activations instead of Table 2's materialized softmax;
+    attention kernel's activations and time instead of Table 2's materialized softmax
+    (``workbench.models.GPT`` runs ``wb.ops.flash_attention``: compare it so);
     ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
     compute (DeepSpeed's ``overlap_comm`` off)."""
     check_layout(model, layout, cluster)
@@ -190,7 +191,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                          f"or 'flash'")
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
-    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof)
+    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention)
     head = C.head_cost(cfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
