@@ -233,7 +233,10 @@ class Hybrid:
 
     def _loss(self, logits, targets):
         B, S_, V = logits.shape
-        return F.cross_entropy(logits.reshape(B * S_, V), targets.reshape(B * S_))
+        flat = logits.reshape(B * S_, V)
+        if flat.dtype != torch.float32:         # in float32, as the models' own forward
+            flat = flat.float()
+        return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
         self.check(model.cfg, inputs.shape[0])
