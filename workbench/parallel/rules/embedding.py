@@ -222,6 +222,25 @@ def _own_rows(nd, ctx, x, t, cdim):
     return t
 
 
+class _GatherKeepIndex(torch.autograd.Function):
+    """x.gather(dim, idx) whose backward keeps only idx and x's shape (ATen's gather saves
+    x itself): the target logits of Megatron's vocab-parallel cross-entropy, which keeps
+    just the softmax for backward.  The gradient is ATen's gather_backward: a
+    scatter_add of the output gradient into zeros."""
+
+    @staticmethod
+    def forward(ctx, x, dim, idx):
+        ctx.save_for_backward(idx)
+        ctx.dim, ctx.shape, ctx.dtype = dim, x.shape, x.dtype
+        return x.gather(dim, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return out.scatter_add(ctx.dim, idx, grad), None, None
+
+
 def _vocab_parallel_losses(nd, ctx, x, t, axes, cdim, ignore_index, label_smoothing):
     """Megatron's vocab_parallel_cross_entropy on stacked shards: per-row losses."""
     mesh, xspec = ctx.mesh, ctx.in_specs[0]
@@ -237,7 +256,7 @@ def _vocab_parallel_losses(nd, ctx, x, t, axes, cdim, ignore_index, label_smooth
     loc = t - off
     mine = (loc >= 0) & (loc < v_loc) & (t != ignore_index)
     xb, idx = _bcast(nd, x, torch.where(mine, loc, 0))
-    z = xb.gather(c, idx.unsqueeze(c)).squeeze(c)
+    z = _GatherKeepIndex.apply(xb, c, idx.unsqueeze(c)).squeeze(c)
     z = torch.where(mine, z, z.new_zeros(()))              # only the owner contributes
     for a in axes:
         z = C.all_reduce(z, mesh, a, "sum", label="cross_entropy: target logit")
