@@ -100,6 +100,13 @@ class Hybrid:
         if batch_size % (self.dp * self.m):
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
                              f"{self.m} micro-batches")
+        if cfg.tie_embeddings and pp * v > 1 and self.device.type != "meta":
+            # Megatron keeps a copy of the word embedding on the last stage and all-reduces
+            # the two copies' gradients every step; without that the copies drift apart
+            raise NotImplementedError(
+                "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
+                "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
+                "cfg.replace(tie_embeddings=False), or --dry-run (which prices it)")
         if self.sp and cfg.seq_len % tp:
             raise ValueError(f"sp: seq_len={cfg.seq_len} does not divide by tp={tp}")
         if self.schedule_name == "interleaved" and self.m % pp:
