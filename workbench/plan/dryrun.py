@@ -37,10 +37,20 @@ What is composed from those measurements (not run op by op):
 - memory per pipeline rank: model states from the real sharded parameters (sizes of
   the meta shards the optimizer holds, ``DataParallel.memory(mixed_precision=True)``
   for a 16-bit model: 2-byte weights and gradients, 12 bytes of fp32 master weights and
-  Adam states per parameter held; a float32 model: 4, 4 and 8) + the measured activation bytes of one micro-batch of each chunk the
-  rank holds, times how many of them the schedule keeps in flight at its peak (+ on a
-  forward, - when its backward ends, walked in the rank's schedule order);
-  ``timeline`` is that count over the simulated step, per pipeline rank.
+  Adam states per parameter held; a float32 model: 4, 4 and 8) + the measured
+  activation bytes of one micro-batch of each chunk the rank holds, times how many of
+  them the schedule keeps in flight at its peak (+ on a forward, - when its backward
+  ends, walked in the rank's schedule order); ``timeline`` is those bytes over the
+  simulated step, per pipeline rank.
+
+Against ``plan.estimate(..., attention="flash")`` (tests/test_dryrun.py): memory agrees
+within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO-1); step time
+within 10% without tensor parallelism.  With tp > 1 the dry run is 10-25% slower, and
+it is the code, not either model, that differs from Megatron-LM: the recipe's backward
+all-reduce of a column-parallel input gradient blocks (Megatron overlaps it with the
+weight-gradient GEMM), its data-parallel gradients are all-reduced one tensor at a time
+(Megatron: one contiguous buffer), and the op table prices an add's and a dropout's
+backward as kernels of their own (Megatron fuses bias-dropout-add).
 """
 from __future__ import annotations
 
