@@ -152,3 +152,12 @@ def test_meta_attention_keeps_what_flash_attention_keeps():
         wb.ops.flash_attention(q, k, v, causal=True, dropout_p=0.1)
     got = sorted((str(dt), b) for b, _, dt, _ in c.items)
     assert got == sorted([("torch.bfloat16", 128)] * 4 + [("torch.float32", 64)])
+
+
+def test_dry_run_flags_refused_without_dry_run(capsys):
+    from workbench.cli import main
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--micro-batch", "2"]) == 2
+    assert "--micro-batch applies to --dry-run only" in capsys.readouterr().err
+    assert main(["train", "--preset", "gpt-tiny", "--dry-run", "--dp", "3",
+                 "--batch-size", "8"]) == 2
+    assert "--batch-size 8 does not divide into dp=3" in capsys.readouterr().err

@@ -186,8 +186,8 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--dry-run", action="store_true",
                    help="run one step of the real code on meta tensors (no data) and print "
                         "its modeled time and peak memory per rank (workbench.plan.dryrun)")
-    g.add_argument("--profile", default="a100",
-                   help="hardware profile of the --dry-run (e.g. a100, h100, ascend-910b)")
+    g.add_argument("--profile", default=None,
+                   help="--dry-run: hardware profile (a100 by default; h100, ascend-910b)")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="--dry-run: sequences per micro-batch per dp rank")
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
@@ -239,6 +239,11 @@ def main_train(args) -> int:
     if getattr(args, "dry_run", False):
         from .plan.dryrun_cli import main_dry_run
         return main_dry_run(args)
+    for flag in ("profile", "micro_batch"):
+        if getattr(args, flag, None) is not None:
+            print(f"error: --{flag.replace('_', '-')} applies to --dry-run only; add --dry-run "
+                  f"or leave it out", file=sys.stderr)
+            return 2
     try:
         check_args(args)
         strategy = strategy_from_args(args)
