@@ -28,11 +28,13 @@ LAYOUTS = [
     Layout(dp=2, tp=1, pp=2, global_batch=8, recompute="full", zero=1),
     Layout(dp=1, tp=1, pp=2, global_batch=8, schedule="gpipe"),
 ]
-MEMORY_ONLY = [    # tensor parallel: step time not compared (module docstring of dryrun)
+MEMORY_ONLY = [    # step time not compared: why in workbench/plan/dryrun.py's docstring
     Layout(dp=2, tp=2, pp=1, global_batch=4),
     Layout(dp=1, tp=4, pp=1, global_batch=2, sp=True),
     Layout(dp=1, tp=2, pp=2, global_batch=8, schedule="interleaved_1f1b", v=2,
            recompute="full"),
+    Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2),
+    Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3),
 ]
 
 

@@ -41,19 +41,25 @@ What is composed from those measurements (not run op by op):
   activation bytes of one micro-batch of each chunk the rank holds, times how many of
   them the schedule keeps in flight at its peak (+ on a forward, - when its backward
   ends, walked in the rank's schedule order); ``timeline`` is those bytes over the
-  simulated step, per pipeline rank.
+  simulated step, per pipeline rank; with ZeRO-3, the working copies it gathers (two
+  layers' 16-bit weights, one layer's gradient: DeepSpeed's prefetch, as
+  ``plan.memory``), sized from the real layer's shards.
 
 Against ``plan.estimate(..., attention="flash")`` (tests/test_dryrun.py): memory agrees
-within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO-1); step time
-within 10% without tensor parallelism.  With tp > 1 the dry run is 10-25% slower, and
-it is the code, not either model, that differs from Megatron-LM: the recipe's backward
-all-reduce of a column-parallel input gradient blocks (Megatron overlaps it with the
-weight-gradient GEMM), its data-parallel gradients are all-reduced one tensor at a time
-(Megatron: one contiguous buffer), and the op table prices an add's and a dropout's
-backward as kernels of their own (Megatron fuses bias-dropout-add).
+within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO 1-3); step
+time within 10% without tensor parallelism or ZeRO-2/3.  Elsewhere the dry run is up to
+15% slower (SP and ZeRO-3: 30-50%), and it is the code, not either model, that differs
+from Megatron-LM / DeepSpeed: the recipe's backward all-reduce of a column-parallel
+input gradient blocks (Megatron overlaps it with the weight-gradient GEMM), sequence
+parallelism all-reduces each LayerNorm's weight gradient every micro-batch (Megatron:
+once per step), data-parallel gradients are all-reduced one tensor at a time (Megatron:
+one contiguous buffer), ZeRO's collectives do not overlap compute, and the op table
+prices an add's and a dropout's backward as kernels of their own (Megatron fuses
+bias-dropout-add).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +151,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
     h.check(cfg, lay.global_batch)
     with torch.random.fork_rng(devices=[]):
         mdl = h.build_model(cfg, seed)
+        layer_numel = _layer_numel(mdl, h)              # per rank, before any ZeRO split
         opts = h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0)
     if not is_meta(mdl):
         raise RuntimeError("dry_run: a parameter of the built model is not on the meta "
@@ -195,6 +202,14 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
             mem["params"] += ms.params
             mem["grads"] += ms.grads
             mem["optimizer"] += ms.optimizer
+        if lay.zero == 3 and lay.dp > 1:
+            # ZeRO-3's working copies (not optimizer state, not saved for backward): the
+            # gathered 16-bit weights of the layer computing and of the one prefetched,
+            # and one layer's whole gradient before its reduce-scatter (DeepSpeed's
+            # prefetch; as plan.memory), sized from the real layers' shards
+            item = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
+            mem["params"] += 2 * item * layer_numel
+            mem["grads"] += item * layer_numel
         mem["activations"] = peaks[r]
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
@@ -207,6 +222,17 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
                   stages=measured, per_rank=per_rank, pipeline=sim,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
                              "tied_embedding_sync": tied}, comm_bytes=int(comm))
+
+
+def _layer_numel(model, h) -> int:
+    """Elements one rank holds of the largest transformer layer (tensor-parallel shards)."""
+    from ..parallel.module import dist_parameters
+    best = 0
+    for i in {ls[0] for ls in h.stage_layers}:
+        nd = h.meshes[0].ndim
+        best = max(best, sum(math.prod(p._local.shape[nd:])
+                             for _, p in dist_parameters(model.layers[i])))
+    return best
 
 
 def _stage_max(per_rank: dict, h, s: int) -> int:
