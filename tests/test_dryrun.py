@@ -15,7 +15,7 @@ import torch
 import workbench as wb
 from workbench.models.config import get_config
 from workbench.plan import Cluster, Layout, estimate
-from workbench.plan.dryrun import dry_run
+from workbench.plan import dry_run
 
 # small enough to dry-run in about a second: two layers, but shapes where the roofline
 # is in its bandwidth- and FLOP-bound regimes as at scale (h = 1024, s = 1024)

@@ -23,7 +23,7 @@ __all__ = ["layout_from_args", "main_dry_run"]
 _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b"}
 
 
-def layout_from_args(args, cfg):
+def layout_from_args(args):
     """The ``wb.plan.Layout`` the train flags describe (ValueError naming the flag)."""
     from .layout import Layout
     dp, tp, pp, batch = args.dp, args.tp, args.pp, args.batch_size
@@ -54,7 +54,7 @@ def main_dry_run(args) -> int:
             raise ValueError("--dry-run simulates every rank in this process; leave "
                              "--backend at sim")
         cfg = get_config(args.preset)
-        lay = layout_from_args(args, cfg)
+        lay = layout_from_args(args)
         cl = Cluster(profile=getattr(args, "profile", None) or "a100", devices=lay.world)
         dr = dry_run(cfg, lay, cl, seed=args.seed)
     except ValueError as e:

@@ -188,10 +188,6 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}
 
 
-def stage_ranks(h, s: int) -> list[int]:
-    return list(h.meshes[s % h.pp].ranks)
-
-
 def is_meta(model) -> bool:
     """Every parameter (and its DistTensor shards) lives on the meta device."""
     for p in model.parameters():
