@@ -187,6 +187,13 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule (with --pp)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="run one step of the real code on meta tensors (no data) and print "
+                        "its modeled time and peak memory per rank (workbench.plan.dryrun)")
+    g.add_argument("--profile", default=None,
+                   help="--dry-run: hardware profile (a100 by default; h100, ascend-910b)")
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="--dry-run: sequences per micro-batch per dp rank")
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
                    help="sim: all ranks in this process; torch: one rank per process on "
                         "torch.distributed (launch with torchrun; gloo/hccl/nccl)")
@@ -233,6 +240,14 @@ def check_args(args) -> None:
 def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
+    if getattr(args, "dry_run", False):
+        from .plan.dryrun_cli import main_dry_run
+        return main_dry_run(args)
+    for flag in ("profile", "micro_batch"):
+        if getattr(args, flag, None) is not None:
+            print(f"error: --{flag.replace('_', '-')} applies to --dry-run only; add --dry-run "
+                  f"or leave it out", file=sys.stderr)
+            return 2
     try:
         check_args(args)
         strategy = strategy_from_args(args)

@@ -133,7 +133,7 @@ class GPTAttention(nn.Module):
         else:
             y = _core(q, k, v, p)                                           # (B, a, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
-        return F.dropout(self.wo(y), p, self.training)
+        return self.wo(y)                      # its dropout: in GPTBlock, after TP's g
 
 
 class GPTMLP(nn.Module):
@@ -145,7 +145,7 @@ class GPTMLP(nn.Module):
         self.fc2 = nn.Linear(f, h, dtype=dt)
 
     def forward(self, x):
-        return F.dropout(self.fc2(F.gelu(self.fc1(x))), self.dropout, self.training)
+        return self.fc2(F.gelu(self.fc1(x)))   # its dropout: in GPTBlock, after TP's g
 
 
 class GPTBlock(nn.Module):
@@ -165,8 +165,13 @@ class GPTBlock(nn.Module):
         return self._forward(x)
 
     def _forward(self, x):
-        x = x + self.attn(self.ln1(x), recompute_core=self.recompute == "selective")
-        return x + self.mlp(self.ln2(x))                                    # (B, S, h)
+        # the residual branches' dropouts outside attn and mlp, so that with tensor (and
+        # sequence) parallelism they run after the row-parallel sum, as Megatron's
+        # bias-dropout-add does (on s/t tokens with sequence parallelism)
+        p = self.attn.dropout if self.training else 0.0
+        x = x + F.dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective"),
+                          p, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), p, self.training)      # (B, S, h)
 
 
 class GPT(nn.Module):
@@ -193,6 +198,59 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
+
+    # ---- what a parallel recipe needs to know (as ``Llama``: see parallel/strategies/hybrid.py)
+    def tp_plan(self, tp: int) -> dict:
+        """Megatron's tensor-parallel plan over ``tp`` ranks, by module path: attention
+        and MLP (:data:`GPT_TP_PLAN`), and, when the vocabulary divides by tp, the word
+        embedding vocabulary-parallel and the head column-parallel (Megatron's
+        ``VocabParallelEmbedding``; the learned positions stay replicated)."""
+        plan = dict(GPT_TP_PLAN) if tp > 1 else {}
+        if tp > 1 and self.cfg.vocab_size % tp == 0:
+            plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
+        return plan
+
+    def tp_regions(self, layers) -> list[str]:
+        """The modules that take Megatron's f before and g after (attention and MLP)."""
+        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
+
+    def pipeline_stages(self, n_stages: int) -> list[dict]:
+        """The model cut in ``n_stages`` stages of equal layer counts: the first owns the
+        embeddings, the last the final norm and the head (with tied embeddings on one
+        stage the head reads the word embedding: no module of its own)."""
+        L = self.cfg.n_layer
+        if not isinstance(n_stages, int) or n_stages < 1 or L % n_stages:
+            raise ValueError(f"{n_stages} stages do not divide n_layer={L}")
+        per = L // n_stages
+        tied_here = self.cfg.tie_embeddings and n_stages == 1
+        out = []
+        for s in range(n_stages):
+            layers = list(range(s * per, (s + 1) * per))
+            names = (["tok_emb", "pos_emb"] if s == 0 else []) + \
+                [f"layers.{i}" for i in layers] + \
+                ((["norm"] if tied_here else ["norm", "lm_head"]) if s == n_stages - 1 else [])
+            out.append({"layers": layers, "modules": names})
+        return out
+
+    def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
+        """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
+        h) on the first, (B, S, h) -> logits (B, S, V) on the last.  ``layout`` places
+        the residual stream right after the embeddings."""
+        if first:
+            S = x.shape[1]
+            pos = torch.arange(S, device=self.pos_emb.weight.device)
+            x = self.tok_emb(x) + self.pos_emb(pos)                         # (B, S, h)
+            if layout is not None:
+                x = layout(x)
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        for i in stage["layers"]:
+            x = self.layers[i](x)                                           # (B, S, h)
+        if not last:
+            return x
+        x = self.norm(x)
+        if "lm_head" not in stage["modules"]:          # tied, one stage: the embedding's table
+            return F.linear(x, self.tok_emb.weight)                         # (B, S, V)
+        return self.lm_head(x)                                              # (B, S, V)
 
     def set_recompute(self, mode: str, layers=None) -> None:
         """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""

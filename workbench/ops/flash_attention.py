@@ -78,6 +78,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             flash_attention, relevant, q, k, v, causal=causal, mask=mask, dropout_p=dropout_p,
             scale=scale, tile_q=tile_q, tile_k=tile_k, tile_stats=tile_stats)
     call = _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, tile_stats)
+    if q.is_meta and not return_lse:    # a dry run: shapes, and what a fused kernel keeps
+        return _MetaFused.apply(q, k, v)
     impl = dispatch(_OP, (q, k, v))
     if tile_stats is not None and impl is not _reference:
         raise ValueError("flash_attention(tile_stats=...): only the reference backend counts "
@@ -85,6 +87,24 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                          "`with wb.ops.use('reference'):`")
     out = impl(q, k, v, call)
     return (out, _lse(q, k, call)) if return_lse else out
+
+
+class _MetaFused(torch.autograd.Function):
+    """Attention on the meta device (``workbench.plan.dryrun``): the output's shape, and
+    for backward exactly what FlashAttention-2 keeps (Dao 2023, Algorithm 1: Q, K, V, O
+    and the row log-sum-exp L in fp32), so the dry run counts a fused kernel's memory."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o = q.new_empty(q.shape[:3] + (v.shape[3],))                   # (B, Hq, Sq, Dv)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)   # (B, Hq, Sq)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _lse(q, k, c: AttentionCall) -> torch.Tensor:

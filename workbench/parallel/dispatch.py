@@ -146,7 +146,7 @@ class Ctx:
         if self.coord is not None:
             r = mesh.rank_at(self.coord)
             start = layout.shard_bounds(spec.shape, mesh, spec.placements, r)[dim][0]
-            return torch.full((1,) * like.dim(), start, dtype=torch.long)
+            return torch.full((1,) * like.dim(), start, dtype=torch.long, device=like.device)
         lead = tuple(like.shape[:nd])
         vals = []
         import itertools
@@ -154,7 +154,8 @@ class Ctx:
             full = tuple(ci for ci in c)
             r = mesh.rank_at(tuple(ci if n > 1 else 0 for ci, n in zip(full, lead)))
             vals.append(layout.shard_bounds(spec.shape, mesh, spec.placements, r)[dim][0])
-        return torch.tensor(vals, dtype=torch.long).reshape(lead + (1,) * (like.dim() - nd))
+        return torch.tensor(vals, dtype=torch.long, device=like.device).reshape(
+            lead + (1,) * (like.dim() - nd))
 
 
 def _spec_of(x, mesh):

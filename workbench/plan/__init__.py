@@ -9,6 +9,7 @@
     print(est, est.memory, est.breakdown)
     best = wb.plan.search(cfg, cl, global_batch=1536, top=5)
     print(best)                                            # a table, and why #1 beats #2
+    dr  = wb.plan.dry_run(cfg, lay, cl)    # the real model on meta tensors (``dryrun``)
 
 Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
 ``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU).
@@ -16,7 +17,8 @@ Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
 from .layout import Cluster, Layout, SCHEDULES, check_layout
 from .estimate import Estimate, estimate
 from .search import Ranking, search
+from .dryrun import DryRun, dry_run
 from . import memory, costs
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
-           "Ranking", "memory", "costs"]
+           "Ranking", "memory", "costs", "DryRun", "dry_run"]

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from ..sim_mesh.cost import compute_time, wire_bytes
 from . import costs as C
 from .layout import Cluster, Layout, check_layout
+from .edge_cost import edge_times
 from .memory import stage_memory, stage_params
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
@@ -181,7 +182,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
              overlap: bool = True) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
-    attention kernel's activations instead of Table 2's materialized softmax;
+    attention kernel's activations and time instead of Table 2's materialized softmax
+    (``workbench.models.GPT`` runs ``wb.ops.flash_attention``: compare it so);
     ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
     compute (DeepSpeed's ``overlap_comm`` off)."""
     check_layout(model, layout, cluster)
@@ -190,11 +192,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                          f"or 'flash'")
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
-    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof)
+    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention)
     head = C.head_cost(cfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
     n_layers = cfg.n_layer // pp
+    edge = edge_times(cfg, b, tp, sp, prof)        # embeddings; final norm, fp32 cast, loss
 
     stages = {}
     for name, s, count in _stage_kinds(pp):
@@ -205,11 +208,15 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
+            comp, fwd, bwd = comp + sum(edge["first"]), fwd + edge["first"][0], \
+                bwd + edge["first"][1]
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm
             sent, bwd = sent + head.comm_bytes, bwd + head.bwd_compute
             fwd += head.fwd_compute + head.fwd_comm
+            comp, fwd, bwd = comp + sum(edge["last"]), fwd + edge["last"][0], \
+                bwd + edge["last"][1]
         psi = stage_params(cfg, tp, pp, s)
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, layer, n_layers, bwd, overlap)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)

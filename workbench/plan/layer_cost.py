@@ -88,7 +88,30 @@ def _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks):
         raise ValueError(f"layer_times: tp_ranks={tp_ranks!r} must list tp={tp} ranks")
 
 
-def _forward(h, a, s, b, t, sp, f, e):
+def _flash(b, ah, s, d, e):
+    """FlashAttention (causal, fused) on one rank, priced as the op table prices
+    ``wb.ops.flash_attention``: (forward FLOPs, forward bytes, backward FLOPs, backward
+    bytes), from ``wb.ops.cost`` (the pairs attended; Q, K, V, O and the fp32
+    log-sum-exp kept, Dao 2023)."""
+    import torch
+    from ..ops import cost as _ops_cost
+    dt = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[e]
+    q = torch.empty(b, ah, s, d, dtype=dt, device="meta")
+    c = _ops_cost("flash_attention", q, q, q, causal=True)
+    io = 4 * b * ah * s * d * e                      # q, k, v read and dQ, dK, dV written
+    return c.flops, c.bytes_fused, c.backward_flops, io + b * ah * s * d * e + \
+        c.saved_bytes_fused
+
+
+def _attention(b, ah, s, d, t, T, h, e, attention):
+    if attention == "materialized":
+        return _core(b, ah, s, d, t, T, h, e)
+    ff, fb, _, _ = _flash(b, ah, s, d, e)
+    return [("flash_attention", "attention", ff, fb, 1),
+            ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
+
+
+def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
     kernel]) with ``kernel`` naming a kernel whose bandwidth a profile measured."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
@@ -112,7 +135,7 @@ def _forward(h, a, s, b, t, sp, f, e):
         ops.append(("sp_all_gather_1", *comm_in))
     ops += [gemm("qkv_gemm", T, h, hq),
             ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
-    ops += _core(b, ah, s, d, t, T, h, e)
+    ops += _attention(b, ah, s, d, t, T, h, e, attention)
     ops += [gemm("proj_gemm", T, h // t, h), ("tp_out_1", *comm_out), bda("bias_dropout_add_1"),
             ln("layernorm_2")]
     if comm_in:
@@ -133,9 +156,9 @@ def _core(b, ah, s, d, t, T, h, e):
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
-def _backward(h, a, s, b, t, sp, f, e, recompute):
-    """Backward kernels and collectives in execution order; a collective's last
-    field names the GEMM it runs beside ("" = on the critical path)."""
+def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
+    """Backward kernels and collectives in execution order; a collective tuple's
+    sixth field names the GEMM it overlaps ("" = on the critical path)."""
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
     S = b * ah * s * s
@@ -174,7 +197,16 @@ def _backward(h, a, s, b, t, sp, f, e, recompute):
     ops += gemms + comm + ln("layernorm_2") + bda("bias_dropout_add_1") + out_grad
     ops += [dgrad("proj_dgrad", T, h // t, h), wgrad("proj_wgrad", T, h // t, h)]
     if recompute == "selective":
-        ops += [("recompute:" + o[0],) + o[1:] for o in _core(b, ah, s, d, t, T, h, e)]
+        ops += [("recompute:" + o[0],) + o[1:]
+                for o in _attention(b, ah, s, d, t, T, h, e, attention)]
+    if attention == "flash":
+        _, _, bf, bb = _flash(b, ah, s, d, e)
+        ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
+                ("flash_attention_grad", "attention", bf, bb, 1),
+                ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),
+                ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+        comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
+        return ops + gemms + comm + ln("layernorm_1")
     ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
             ("pv_bmm_grad_probs", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1),
             ("pv_bmm_grad_value", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
@@ -190,8 +222,12 @@ def _backward(h, a, s, b, t, sp, f, e, recompute):
 
 def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
-              profile="a100", tp_ranks=None) -> list:
-    """Every op of one layer on one TP rank, priced: a list of ``OpCost``."""
+              profile="a100", tp_ranks=None, attention: str = "materialized") -> list:
+    """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
+    ``attention="flash"``: the fused kernel instead of Megatron's unfused core."""
+    if attention not in ("materialized", "flash"):
+        raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
+                         f"(Megatron's unfused core) or 'flash'")
     ffn = 4 * h if ffn is None else ffn
     _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks)
     dt = dtype_name(dtype)
@@ -200,17 +236,17 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"{list(_ITEMSIZE)}")
     ranks = tuple(range(tp)) if tp_ranks is None else tuple(tp_ranks)
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, get_profile(profile),
-                        ranks))
+                        ranks, attention))
 
 
 @lru_cache(maxsize=4096)
-def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks) -> tuple:
+def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> tuple:
     e = _ITEMSIZE[dt]
-    fwd = _forward(h, a, s, b, tp, sp, ffn, e)
+    fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
     phases = [("forward", fwd)]
     if recompute == "full":
         phases.append(("recompute", fwd))
-    phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute)))
+    phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)))
     out = []
     for phase, ops in phases:
         where = {}   # name -> index in out, this phase
@@ -246,14 +282,14 @@ _FIELDS = tuple(f.name for f in fields(OpCost))
 
 def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
-                profile="a100", tp_ranks=None) -> LayerTimes:
+                profile="a100", tp_ranks=None, attention: str = "materialized") -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
     ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
     this for thousands of layouts."""
-    ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks)
+    ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

@@ -66,11 +66,14 @@ def is_keyed() -> bool:
     return _KEY.get() is not None
 
 
-def draw_mask(shape, p: float, dtype=torch.float32) -> torch.Tensor:
+def draw_mask(shape, p: float, dtype=torch.float32, device=None) -> torch.Tensor:
     """The mask ATen's CPU dropout draws for a tensor of ``shape`` (scaled by 1/(1-p));
-    keyed (see :func:`keyed`): the rows of the whole batch's mask this call holds."""
+    keyed (see :func:`keyed`): the rows of the whole batch's mask this call holds.
+    On the meta device (a dry run) only its shape."""
     if p >= 1:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if device is not None and torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
     key = _KEY.get()
     if key is None:
         return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)

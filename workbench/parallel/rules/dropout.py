@@ -67,11 +67,33 @@ def dropout_rule(x, mask=None, **_):
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
 
 
-def _dropout_local(nd, ctx, x, mask=None):
+class _KeepMask(torch.autograd.Function):
+    """x * mask, keeping for backward only which elements were kept: a one-byte bool
+    tensor, as ATen's ``native_dropout`` (and Megatron, Korthikanti et al. 2022 Table 2's
+    "dropout mask, sbh") keep, not the scaled mask in x's dtype.  The gradient is
+    grad * mask, bit for bit: the kept value is 1 / (1 - p) rounded like the mask's."""
+
+    @staticmethod
+    def forward(ctx, x, mask, p):
+        ctx.save_for_backward(mask != 0)
+        ctx.scale = torch.ones((), dtype=mask.dtype).div_(1 - p)    # as draw_mask rounds it
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        scale = ctx.scale.to(keep.device)
+        return torch.where(keep, scale, torch.zeros((), dtype=scale.dtype,
+                                                   device=keep.device)) * grad, None, None
+
+
+def _dropout_local(nd, ctx, x, mask=None, p=None):
     if mask is None:
         return x
     x, mask = _align(nd, x, mask)
-    return x * mask
+    if p is None or p >= 1 or not torch.is_grad_enabled() or not x.requires_grad:
+        return x * mask
+    return _KeepMask.apply(x, mask, p)
 
 
 def _parse(x, p=0.5, training=True, inplace=False):
@@ -83,7 +105,9 @@ def _parse(x, p=0.5, training=True, inplace=False):
     if not training or p == 0 or x.numel() == 0:
         return (x, None), {}
     # drawn here, once per call, for the global shape (never per rank)
-    return (x, draw_mask(tuple(x.shape), float(p), x.dtype)), {}
+    meta = x.device.type == "meta"                    # a dry run: shapes, no data
+    return (x, draw_mask(tuple(x.shape), float(p), x.dtype, "meta" if meta else None)), \
+        {"p": float(p)}
 
 
 def _torch_dropout_parse(x, p, train):

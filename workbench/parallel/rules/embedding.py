@@ -85,7 +85,7 @@ def _embedding_local(nd, ctx, ids, w, *, padding_idx=None):
         return F.embedding(ids, w)
     wspec = ctx.in_specs[1]
     v = wspec.shape[0]
-    if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
+    if ids.numel() and not ids.is_meta and bool(((ids < 0) | (ids >= v)).any()):
         raise IndexError(f"embedding: index out of range in self: ids must be in [0, {v}) "
                          f"for a table of {v} rows; got {int(ids[(ids < 0) | (ids >= v)][0])}")
     out_lead = torch.broadcast_shapes(ids.shape[:nd], w.shape[:nd])
@@ -222,6 +222,25 @@ def _own_rows(nd, ctx, x, t, cdim):
     return t
 
 
+class _GatherKeepIndex(torch.autograd.Function):
+    """x.gather(dim, idx) whose backward keeps only idx and x's shape (ATen's gather saves
+    x itself): the target logits of Megatron's vocab-parallel cross-entropy, which keeps
+    just the softmax for backward.  The gradient is ATen's gather_backward: a
+    scatter_add of the output gradient into zeros."""
+
+    @staticmethod
+    def forward(ctx, x, dim, idx):
+        ctx.save_for_backward(idx)
+        ctx.dim, ctx.shape, ctx.dtype = dim, x.shape, x.dtype
+        return x.gather(dim, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return out.scatter_add(ctx.dim, idx, grad), None, None
+
+
 def _vocab_parallel_losses(nd, ctx, x, t, axes, cdim, ignore_index, label_smoothing):
     """Megatron's vocab_parallel_cross_entropy on stacked shards: per-row losses."""
     mesh, xspec = ctx.mesh, ctx.in_specs[0]
@@ -237,7 +256,7 @@ def _vocab_parallel_losses(nd, ctx, x, t, axes, cdim, ignore_index, label_smooth
     loc = t - off
     mine = (loc >= 0) & (loc < v_loc) & (t != ignore_index)
     xb, idx = _bcast(nd, x, torch.where(mine, loc, 0))
-    z = xb.gather(c, idx.unsqueeze(c)).squeeze(c)
+    z = _GatherKeepIndex.apply(xb, c, idx.unsqueeze(c)).squeeze(c)
     z = torch.where(mine, z, z.new_zeros(()))              # only the owner contributes
     for a in axes:
         z = C.all_reduce(z, mesh, a, "sum", label="cross_entropy: target logit")
@@ -274,7 +293,7 @@ def _cross_entropy_local(nd, ctx, x, t, *, reduction, ignore_index, label_smooth
     cdim = _cdim(xspec.ndim)
     v = xspec.shape[cdim]
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
-    if bool(bad.any()):
+    if not t.is_meta and bool(bad.any()):
         raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
                          f"{v} classes (and not ignore_index={ignore_index})")
     given = t

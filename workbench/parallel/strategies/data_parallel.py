@@ -102,8 +102,10 @@ class DataParallel:
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
         # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
-        self.m = [torch.zeros(self._state_shape(p)) for p in self.params]
-        self.v = [torch.zeros(self._state_shape(p)) for p in self.params]
+        # on the parameter's device ("meta" in a dry run) and dtype (as torch.optim.AdamW)
+        like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
+        self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
+        self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
 
     # ---- shapes ---------------------------------------------------------------------------
     def _flat(self, t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.llama import Llama
+from ...models.config import build_model as _build
 from ...sim_mesh.mesh import Mesh
 from .. import schedules as S
 from ..dist_tensor import DistTensor, shard_tensor
@@ -118,6 +118,13 @@ class Hybrid:
         if batch_size % (self.dp * self.m):
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
                              f"{self.m} micro-batches")
+        if getattr(cfg, "tie_embeddings", False) and pp * v > 1 and self.device.type != "meta":
+            # Megatron keeps a copy of the word embedding on the last stage and all-reduces
+            # the two copies' gradients every step; without that the copies drift apart
+            raise NotImplementedError(
+                "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
+                "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
+                "cfg.replace(tie_embeddings=False), or --dry-run (which prices it)")
         if self.sp and cfg.seq_len % tp:
             raise ValueError(f"sp: seq_len={cfg.seq_len} does not divide by tp={tp}")
         if self.schedule_name == "interleaved" and self.m % pp:
@@ -129,7 +136,8 @@ class Hybrid:
         """The model, split and sharded by what it says of itself: its pipeline stages
         (``pipeline_stages``), its tensor-parallel plan (``tp_plan``) and the regions
         that take Megatron's f and g (``tp_regions``)."""
-        model = Llama(cfg, seed=seed).train()
+        with self.device:               # "meta" for a dry run (workbench.plan.dryrun)
+            model = _build(cfg, seed=seed).train()
         self.cfg = cfg
         self.stages = model.pipeline_stages(self.pp * self.v)
         self.stage_layers = [st["layers"] for st in self.stages]
@@ -193,7 +201,10 @@ class Hybrid:
 
     def _loss(self, logits, targets):
         B, S_, V = logits.shape
-        return F.cross_entropy(logits.reshape(B * S_, V), targets.reshape(B * S_))
+        flat = logits.reshape(B * S_, V)
+        if flat.dtype != torch.float32:         # in float32, as the models' own forward
+            flat = flat.float()
+        return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
         self.check(model.cfg, inputs.shape[0])

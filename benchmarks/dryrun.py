@@ -1,0 +1,75 @@
+"""How long does a dry run take, and how far is it from the planner?
+
+    python benchmarks/dryrun.py [--profile a100] [--cli]
+
+Times ``wb.plan.dry_run`` (the real GPT under the Hybrid recipe, on meta tensors) for
+GPT-3 175B on 1,024 ranks (dp 8 x tp 8 x pp 16, micro-batch 1, global batch 1536, full
+recompute: the issue's command) and for a 16-layer model on the same mesh, each in a
+fresh process' first call (cold caches) and a second call (warm), and prints the dry
+run's step time and peak memory beside ``wb.plan.estimate``'s (attention="flash", the
+kernel the model runs).  ``--cli`` also times ``python -m workbench train --dry-run``
+end to end (interpreter start and imports included).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from workbench.models.config import get_config  # noqa: E402
+from workbench.plan import Cluster, Layout, estimate  # noqa: E402
+from workbench.plan.dryrun import dry_run  # noqa: E402
+
+CASES = [
+    ("gpt3-175b", {}, Layout(dp=8, tp=8, pp=16, micro_batch=1, global_batch=1536,
+                              recompute="full")),
+    ("gpt3-175b", dict(n_layer=16, d_model=256, n_head=8, seq_len=256, vocab_size=1024),
+     Layout(dp=8, tp=8, pp=16, global_batch=256)),
+]
+
+
+def _one(name, over, lay, profile):
+    cfg = get_config(name, **over)
+    cl = Cluster(profile, lay.world)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        dr = dry_run(cfg, lay, cl)
+        times.append(time.perf_counter() - t0)
+    est = estimate(cfg, lay, cl, attention="flash")
+    label = name + (f" (n_layer={over['n_layer']}, h={over['d_model']})" if over else "")
+    print(f"{label}, {lay.short()} on {cl}:")
+    print(f"  dry run wall time: first call {times[0]:.1f} s, second {times[1]:.1f} s "
+          f"(3 distinct stages run, {len(dr.trace.events)} trace events)")
+    print(f"  step time: dry run {dr.step_time:.3f} s, estimate {est.step_time:.3f} s "
+          f"({dr.step_time / est.step_time - 1:+.1%})")
+    gb = 1e9
+    print(f"  peak memory per rank: dry run {dr.memory['total'] / gb:.2f} GB, estimate "
+          f"{est.memory['total'] / gb:.2f} GB ({dr.memory['total'] / est.memory['total'] - 1:+.1%})"
+          f"; fits {cl.memory_bytes / gb:g} GB: {dr.fits}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="a100")
+    ap.add_argument("--cli", action="store_true", help="also time the train --dry-run command")
+    args = ap.parse_args(argv)
+    for case in CASES:
+        _one(*case, args.profile)
+    if args.cli:
+        cmd = [sys.executable, "-m", "workbench", "train", "--preset", "gpt3-175b",
+               "--dry-run", "--dp", "8", "--tp", "8", "--pp", "16", "--batch-size", "1536",
+               "--micro-batch", "1", "--recompute", "full", "--profile", args.profile]
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+        print(f"train --dry-run (gpt3-175b, 1,024 ranks): {time.perf_counter() - t0:.1f} s "
+              f"end to end\n  {out.stdout.strip()}")
+
+
+if __name__ == "__main__":
+    main()

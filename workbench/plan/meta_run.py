@@ -1,0 +1,200 @@
+"""One micro-batch of one pipeline stage, run for real on the meta device.
+
+:func:`run_stage` takes a model built and parallelized by the library's ``Hybrid``
+recipe on meta tensors (shapes, dtypes and placements, no data), feeds one
+micro-batch into pipeline stage ``s`` exactly as ``run_pipeline`` would (a token batch
+on the first stage, the previous stage's activation layout elsewhere), runs the
+stage's forward (and the loss on the last stage) and its backward under the caller's
+trace, and reports:
+
+- the stage's forward and backward time on the modeled clock (every op the real code
+  dispatches, priced forward and backward from the op table; every collective the
+  recipe issues, priced on the topology): the latest clock of the stage's ranks;
+- the bytes ONE rank keeps for backward (:class:`SavedCounter`): every tensor autograd
+  saves, each storage once, parameters left out, split over the device axes that
+  really vary (as ``parallel.strategies.memory.saved_activation_bytes``, which skips
+  meta tensors), plus the inputs that ``torch.utils.checkpoint`` keeps for its
+  recompute (non-reentrant checkpointing holds them in a closure, not as saved tensors:
+  full recompute keeps each block's input, selective the attention core's q, k, v);
+- the time to send the stage's output to the next stage (``schedules.execute._send``,
+  the function the pipeline executor uses) and its gradient back (the same size).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..parallel.dist_tensor import DistTensor, shard_tensor
+from ..parallel.placement import Replicate, Shard
+from ..parallel.schedules.execute import _detach_leaf, _send
+
+__all__ = ["SavedCounter", "run_stage"]
+
+_CHECKPOINTING_MODULES = ("workbench.models.gpt", "workbench.models.llama")
+
+
+_COPIES = {"clone", "_unsafe_view", "expand_copy", "_to_copy", "copy", "contiguous"}
+
+
+class _Provenance(TorchDispatchMode):
+    """Which storage each new storage copies (``clone``, ``_unsafe_view``, a same-dtype
+    ``_to_copy``): the simulator materializes broadcast copies of a stacked tensor
+    (``torch.matmul`` expands a replicated input before its batched GEMM), which a
+    device, holding one rank's tensor, never makes; a copy is counted as its source."""
+
+    def __init__(self):
+        super().__init__()
+        self.parent: dict[int, int] = {}
+        self.first: dict[int, torch.Tensor] = {}
+        self.made: dict[int, str] = {}           # storage id -> the op that made it
+
+    def root(self, key: int) -> int:
+        while key in self.parent:
+            key = self.parent[key]
+        return key
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        name = func.overloadpacket.__name__
+        copy = src is not None and name in _COPIES and isinstance(out, torch.Tensor) \
+            and out.dtype == src.dtype
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage()._cdata
+            if copy and key != src.untyped_storage()._cdata:
+                self.parent.setdefault(key, self.root(src.untyped_storage()._cdata))
+            self.first.setdefault(key, t)
+            self.made.setdefault(key, name)
+        return out
+
+
+class SavedCounter:
+    """Per-rank bytes of what a forward keeps for backward (module docstring).
+
+    A stacked tensor of shape (*mesh, *local) holds ``numel(local)`` elements per rank
+    on the lead dims that vary (stride-0 or size-1 ones are a copy every rank holds
+    whole); a tensor whose lead dims do not match the mesh (a local kernel that
+    flattened them, (L * B, ...)) holds mesh-size ranks' worth."""
+
+    def __init__(self, mesh, params=()):
+        self.shape = tuple(mesh.shape)
+        self.size = math.prod(self.shape)
+        self.skip = {getattr(p, "_local", p).untyped_storage()._cdata for p in params}
+        self.seen: dict[int, tuple] = {}     # root storage id -> (bytes per rank, tensor)
+        self.items: list[tuple] = []         # (bytes per rank, shape, dtype, op that made it)
+        self.prov = _Provenance()
+
+    def _per_rank(self, t) -> int | None:
+        nd = len(self.shape)
+        if t.dim() < nd or any(t.shape[i] not in (1, n) and t.stride(i) != 0
+                               for i, n in enumerate(self.shape)):
+            return None
+        ranks = math.prod(n for n, s in zip(t.shape[:nd], t.stride()[:nd]) if s != 0)
+        return t.untyped_storage().nbytes() // max(1, ranks)
+
+    def add(self, t) -> None:
+        t = getattr(t, "_local", t)
+        if not isinstance(t, torch.Tensor):
+            return
+        key = t.untyped_storage()._cdata
+        root = self.prov.root(key)
+        if {key, root} & self.skip or root in self.seen or t.untyped_storage().nbytes() == 0:
+            return
+        src = self.prov.first.get(root, t)
+        per = self._per_rank(t)
+        if per is None or root != key:
+            per = self._per_rank(src) if self._per_rank(src) is not None else per
+        if per is None:
+            per = src.untyped_storage().nbytes() // self.size
+        self.seen[root] = (per, t)           # t held: the id stays unique
+        self.items.append((per, tuple(src.shape), src.dtype, self.prov.made.get(root, "input")))
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for b, _ in self.seen.values())
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count saved tensors and checkpointed regions' inputs inside the block."""
+        import importlib
+        mods = [importlib.import_module(m) for m in _CHECKPOINTING_MODULES]
+        originals = [m.checkpoint for m in mods]
+
+        def keep_inputs(fn, *args, **kwargs):
+            for a in args:
+                self.add(a)
+            return originals[0](fn, *args, **kwargs)
+
+        def pack(t):
+            self.add(t)
+            return t
+        try:
+            for m in mods:
+                m.checkpoint = keep_inputs
+            with self.prov, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            for m, f in zip(mods, originals):
+                m.checkpoint = f
+
+
+def _clock(tr, ranks) -> float:
+    return max(max(tr.now(r, "compute"), tr.now(r, "comm")) for r in ranks)
+
+
+def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
+    """Run one micro-batch of ``micro_batch`` sequences per data-parallel rank through
+    stage ``s`` of the ``Hybrid`` strategy ``h`` (model on meta) under trace ``tr``.
+    ``params``: the stage's parameters (left out of the activation count)."""
+    n_stages = len(h.stage_layers)
+    mesh = h.meshes[s % h.pp]
+    B, S = micro_batch * h.dp, cfg.seq_len
+    ranks = mesh.ranks
+    t0 = _clock(tr, ranks)
+    counter = SavedCounter(mesh, params)
+    if s == 0:
+        x = h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh)
+    else:                          # the layout a stage output arrives in (Hybrid's g)
+        ps = [Shard(0), Shard(1) if h.sp else Replicate()]
+        x = _detach_leaf(shard_tensor(torch.empty(B, S, cfg.d_model, dtype=cfg.torch_dtype,
+                                                  device="meta"), mesh, ps))
+    with counter.counting():
+        y = x
+        if s == 0:
+            y = h._embed(model, y)
+        y = h._blocks(model, s, y)
+        if s == n_stages - 1:
+            y = h._loss(h._head(model, y),
+                        h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh))
+    t_fwd = _clock(tr, ranks)
+    send = 0.0
+    if s < n_stages - 1:           # the activation to the next stage (and its gradient back)
+        dst = h.meshes[(s + 1) % h.pp]
+        c0 = max(_clock(tr, ranks), _clock(tr, dst.ranks))
+        _send(y.detach(), dst, list(y.placements), f"stage {s} -> {s + 1}")
+        send = max(_clock(tr, ranks), _clock(tr, dst.ranks)) - c0
+    t1 = _clock(tr, ranks)
+    if s == n_stages - 1:
+        y.backward()
+    else:
+        torch.autograd.backward([y._local], [torch.empty_like(y._local)])
+    t_bwd = _clock(tr, ranks)
+    return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
+            "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}
+
+
+def is_meta(model) -> bool:
+    """Every parameter (and its DistTensor shards) lives on the meta device."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return False
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, DistTensor) and v._local.device.type != "meta":
+                return False
+    return True
