@@ -164,13 +164,9 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         x = _detach_leaf(shard_tensor(torch.empty(B, S, cfg.d_model, dtype=cfg.torch_dtype,
                                                   device="meta"), mesh, ps))
     with counter.counting():
-        y = x
-        if s == 0:
-            y = h._embed(model, y)
-        y = h._blocks(model, s, y)
+        y = h._stage(model, s, x)           # the recipe's own stage: the model's stage_forward
         if s == n_stages - 1:
-            y = h._loss(h._head(model, y),
-                        h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh))
+            y = h._loss(y, h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh))
     t_fwd = _clock(tr, ranks)
     send = 0.0
     if s < n_stages - 1:           # the activation to the next stage (and its gradient back)
