@@ -1,11 +1,14 @@
 """Running ordinary PyTorch code on DistTensors: rule, reshard, local op, wrap.
 
 ``DistTensor.__torch_function__`` sends every torch function, tensor method and
-operator here.  For one call:
+operator here.  For one call, reading the op's entry in the op table
+(``ops_table/``: one registration per op):
 
-1. the op's parser splits the arguments into tensor inputs and attributes;
-2. the op's SPMD rule (``rules/``) returns its decision (cached per input
-   layout), choosing the cheapest valid strategy on the current profile;
+1. the entry's parser splits the arguments into tensor inputs and attributes;
+2. on the first call for an input layout, the real torch callable runs on meta
+   tensors of the global shapes (PyTorch's own errors; output shapes and dtypes
+   checked against the local implementation's), then the op's SPMD rule returns
+   its decision, choosing the cheapest valid strategy on the current profile;
 3. each input is resharded to what the strategy requires (the inserted
    collectives are recorded in the trace);
 4. replicated inputs that meet per-rank computation are given per-rank views
@@ -13,7 +16,9 @@ operator here.  For one call:
    all-reduce, traced);
 5. the local op runs once on the stacked local tensors of all ranks (or per
    rank when shards are uneven) and the result is wrapped with the announced
-   output placements.
+   output placements; under a trace, the entry's cost on the busiest rank is
+   recorded as a forward compute event, and as a backward one when the
+   gradient passes (``ops_table/pricing.py``).
 
 Autograd records on the local tensors, so ``loss.backward()`` gives every shard
 its gradient and the backward communication is each collective's backward.
