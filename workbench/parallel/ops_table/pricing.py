@@ -68,23 +68,28 @@ def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
 
 
 class _BackwardCompute(torch.autograd.Function):
-    """Identity whose backward records the op's backward compute on the trace."""
+    """Identity on its tensors; ``when_backward()`` runs when their gradient passes."""
 
     @staticmethod
-    def forward(ctx, info, *xs):
-        ctx.info = info
-        return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
+    def forward(ctx, when_backward, *xs):
+        ctx.when_backward = when_backward
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        name, op_class, ranks, cost, dtype = ctx.info
+        ctx.when_backward()
+        return (None,) + grads
+
+
+def _record_backward(name, op_class, ranks, cost, dtype):
+    def record():
         tr = current_trace()
         if tr is not None and (cost.backward_flops or cost.backward_bytes):
             dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class)
             tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
                               bytes=cost.backward_bytes, label="backward",
                               args={"op_class": op_class, "phase": "backward"})
-        return (None,) + grads
+    return record
 
 
 def on_backward(outs, entry, mesh, cost: Cost, dtype):
@@ -99,9 +104,8 @@ def on_backward(outs, entry, mesh, cost: Cost, dtype):
                 slots.append((j, k, t))
     if not slots:
         return outs
-    info = (entry.name, entry.op_class, mesh.ranks, cost, dtype)
-    res = _BackwardCompute.apply(info, *[t for _, _, t in slots])
-    res = res if isinstance(res, tuple) else (res,)
+    record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype)
+    res = _BackwardCompute.apply(record, *[t for _, _, t in slots])
     outs = list(outs)
     for (j, k, _), r in zip(slots, res):
         if isinstance(outs[j], Cells):

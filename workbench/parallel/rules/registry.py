@@ -22,7 +22,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
