@@ -115,6 +115,8 @@ def normalize_placements(placements, mesh, ndim: int, arg: str = "placements") -
             f"{arg}={[str(p) for p in ps]} has {len(ps)} entries for a {mesh.ndim}-d mesh "
             f"{mesh.dim_names}: give exactly one placement per mesh dimension")
     out = []
+    op = None
+    mixed = False
     for p in ps:
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim or ndim == 0:
@@ -122,11 +124,14 @@ def normalize_placements(placements, mesh, ndim: int, arg: str = "placements") -
                     f"Shard({p.dim}) on a {ndim}-d tensor: dim must be in "
                     f"[{-ndim}, {ndim - 1}]" if ndim else
                     f"Shard({p.dim}) on a 0-d tensor: a scalar cannot be sharded; use Replicate()")
-            p = Shard(p.dim % ndim)
+            if p.dim < 0:
+                p = Shard(p.dim % ndim)
+        elif isinstance(p, Partial):
+            mixed |= op is not None and p.reduce_op != op
+            op = p.reduce_op
         out.append(p)
-    partials = [p for p in out if isinstance(p, Partial)]
-    ops = sorted({p.reduce_op for p in partials}) if len(partials) > 1 else ()
-    if len(ops) > 1:
+    if mixed:
+        ops = sorted({p.reduce_op for p in out if isinstance(p, Partial)})
         # sum over one mesh dim and max over another do not commute: the value would
         # depend on the order of the reductions (PyTorch DTensor refuses it too)
         raise ValueError(f"{arg}={[str(p) for p in out]} mixes Partial ops {ops}: the value "

@@ -33,9 +33,9 @@ from ..sim_mesh.grid import Cells
 from . import layout
 from .placement import Partial, Replicate, Shard
 
-__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own", "to_cells", "to_stacked",
-           "for_layout", "settle", "tensors", "requires_grad", "map_tensors", "local_step", "device",
-           "first_copy_like"]
+__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own",
+           "to_cells", "to_stacked", "for_layout", "settle", "tensors", "requires_grad",
+           "map_tensors", "device", "first_copy_like", "local_step"]
 
 
 def form(loc, mesh) -> str:
@@ -104,8 +104,10 @@ def for_layout(loc, shape, mesh, *placements):
     are even, cells otherwise (the own shard stays as it is)."""
     if _B.is_distributed(mesh):
         return loc
-    even = all(layout.is_even(shape, mesh, ps) for ps in placements)
-    return to_stacked(loc) if even else to_cells(loc, mesh.ndim)
+    for ps in placements:
+        if not layout.is_even(shape, mesh, ps):
+            return to_cells(loc, mesh.ndim)
+    return to_stacked(loc)
 
 
 def settle(loc, shape, mesh, placements):

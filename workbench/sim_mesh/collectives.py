@@ -90,6 +90,10 @@ class _BackwardEvent(torch.autograd.Function):
 
 def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
     """Attach a backward event to x (a tensor or Cells) if it takes part in autograd."""
+    if isinstance(x, torch.Tensor):            # the stacked form: one tensor
+        if x.requires_grad and torch.is_grad_enabled():
+            return _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups), x)
+        return x
     if not torch.is_grad_enabled():
         return x
     F = ops_for(x)
@@ -133,7 +137,7 @@ def _dim(x, nd: int, d, what: str, arg: str) -> int:
     non-negative index, or an IndexError naming it."""
     local_ndim = x.items[0].dim() if isinstance(x, Cells) else x.dim() - nd
     if type(d) is int and -local_ndim <= d < local_ndim:
-        return d % local_ndim
+        return d if d >= 0 else d + local_ndim
     raise IndexError(f"{what}({arg}={d!r}): the local tensor has {local_ndim} dims; "
                      f"use a dim in [{-local_ndim}, {local_ndim - 1}]")
 
@@ -188,11 +192,13 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
         return _dist("reduce_scatter", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op))
     F, axis = _check(x, mesh, axis, "reduce_scatter")
-    dim = _dim(x, mesh.ndim, dim, "reduce_scatter", "dim")
     nd, n = mesh.ndim, mesh.shape[axis]
+    dim = _dim(x, nd, dim, "reduce_scatter", "dim")
+    y = F.reduce_scatter(x, nd, axis, dim, op, n)
+    if current_trace() is None and not F.requires_grad(y):
+        return y                          # nothing to record now or in backward
     nb = F.rank_bytes(x, nd)
     record_collective("reduce_scatter", mesh, axis, nb, label)
-    y = F.reduce_scatter(x, nd, axis, dim, op, n)
     return _on_backward(y, "all_gather", mesh, axis, nb, label)
 
 

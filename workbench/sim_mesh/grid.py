@@ -78,7 +78,7 @@ def reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor
     """``op`` over ``dim`` in the tensor's own dtype, as torch.distributed reduces
     (``torch.sum`` alone would turn int32 into int64)."""
     if op == "sum":
-        if stack.is_floating_point() or stack.is_complex():
+        if stack.is_floating_point():
             return stack.sum(dim, keepdim=keepdim)
         return stack.sum(dim, keepdim=keepdim, dtype=stack.dtype)
     if op == "avg":
@@ -123,6 +123,10 @@ class Stacked:
     @staticmethod
     def tensors(x) -> list:
         return [x]
+
+    @staticmethod
+    def requires_grad(x) -> bool:
+        return x.requires_grad
 
     @staticmethod
     def rebuild(x, items):
@@ -186,6 +190,10 @@ class CellGrid:
     @staticmethod
     def tensors(x) -> list:
         return x.items
+
+    @staticmethod
+    def requires_grad(x) -> bool:
+        return any(t.requires_grad for t in x.items)
 
     @staticmethod
     def rebuild(x, items):
