@@ -28,6 +28,10 @@ from workbench.parallel.validate import distribute
 # known bugs the property test keeps off until they are fixed (issue 10):
 KNOWN = ("partial_scalar",   # P(sum) + 1 adds the scalar on every rank
          "zero_size")        # a zero-size tensor split unevenly crashes ("cannot reshape")
+# not a wrong answer but a cost: choosing a binary op's strategy on a 3-d mesh plans each
+# of its 125-343 candidates (10-15 s for one add on a (2, 2, 2) mesh): kept off by default
+SLOW = ("slow_planning",)
+BINARY = ("add", "sub", "mul", "div", "maximum", "matmul", "cat", "stack")
 
 CLEAR = (ValueError, NotImplementedError)      # refusals with a message: not raw
 
@@ -122,6 +126,8 @@ def _op(p: _Prog, cur):
     rng = p.rng
     nm, d, r = cur
     k = rng.choice(OPS)
+    if k in BINARY and p.mesh.ndim >= 3 and "slow_planning" in p.avoid:
+        return None
     shape, nd = tuple(r.shape), r.dim()
     partial = any(q.is_partial() for q in d.placements)
     if k in ("neg", "relu", "exp", "tanh", "sigmoid", "abs"):
@@ -195,8 +201,11 @@ def _op(p: _Prog, cur):
             return f"{nm}.split({size}, {dim})[{i}]", lambda t: t.split(size, dim)[i]
     if k == "slice" and nd:
         dim = _dim(rng, r)
-        a = rng.randint(0, shape[dim])
-        b = rng.randint(a, shape[dim])
+        lo = 1 if "zero_size" in p.avoid else 0
+        if shape[dim] < lo:
+            return None
+        a = rng.randint(0, shape[dim] - lo)
+        b = rng.randint(a + lo, shape[dim])
         idx = (slice(None),) * dim + (slice(a, b),)
         return f"{nm}[{', '.join([':'] * dim + [f'{a}:{b}'])}]", lambda t: t[idx]
     return None
@@ -226,7 +235,7 @@ def _where(e) -> str:
     return f"{f.filename.split('/workbench/')[-1]}:{f.lineno}"
 
 
-def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN) -> Outcome:
+def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW) -> Outcome:
     """Draw and run one program (see the module doc)."""
     p = _Prog(rng, avoid)
     p.mesh = _mesh(rng)

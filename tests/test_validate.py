@@ -138,3 +138,23 @@ def test_partial_plus_scalar_has_no_wrong_candidate():
 @pytest.mark.parametrize("op", ["log", "sqrt"])
 def test_monotone_rules_outside_the_domain(op):
     assert validate([op], meshes=((2,),), missing=False).wrong == []
+
+
+@pytest.mark.xfail(strict=True, reason="found by the validator: amin of an int64 tensor whose "
+                   "reduced dim has an empty shard (3 columns on S(1), S(1) of a 2x2 mesh) fills "
+                   "the empty shard with inf: RuntimeError 'value cannot be converted to int64'")
+def test_int_amin_with_an_empty_shard():
+    x = torch.arange(21).reshape(7, 3) % 5
+    rep = validate(["amin"], meshes=((2, 2),), max_layouts=1, missing=False,
+                   table={"amin": [Sample(torch.amin, (x, 1))]})
+    assert rep.wrong == [], rep.format()
+
+
+@pytest.mark.xfail(strict=True, reason="found by the validator: the attention rule offers heads "
+                   "sharded S(1) when 3 ranks share 2 heads; flash_attention then raises on the "
+                   "rank with 0 heads")
+def test_flash_attention_heads_split_unevenly():
+    q, k = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 7, 4)
+    rep = validate(["flash_attention"], meshes=((3,),), max_layouts=1, missing=False,
+                   table={"flash_attention": [Sample(wb.ops.flash_attention, (q, k, k))]})
+    assert rep.wrong == [], rep.format()

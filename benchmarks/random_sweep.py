@@ -1,0 +1,68 @@
+"""2,000 random SPMD programs against one device: every silent wrong answer and every raw
+library exception, grouped by kind.
+
+    python benchmarks/random_sweep.py [--cases 2000] [--start 0] [--avoid slow_planning]
+
+Program ``i`` is ``tests.random_programs.run_program(random.Random(start + i))``, the
+generator of the property test (tests/test_random_programs.py), here with none of the
+known bugs kept off (``--avoid`` names generator guards to keep, e.g. ``slow_planning``:
+no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  Outcomes:
+
+* wrong: the result or a gradient differs from one device, and nothing was raised;
+* raised: an exception other than ValueError / NotImplementedError (a raw IndexError,
+  TypeError, RuntimeError... from inside workbench, where a clear error is due);
+* refused: a ValueError / NotImplementedError (listed, not counted as bugs).
+
+Prints the counts, then one reproducer (seed and program) per group
+(kind, exception type, innermost workbench frame), and the time taken.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=2000)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--avoid", default="", help="comma-separated generator guards to keep")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(a.threads)
+    from tests.random_programs import run_program
+    warnings.filterwarnings("ignore", category=UserWarning)
+    avoid = tuple(x for x in a.avoid.split(",") if x)
+    counts = collections.Counter()
+    groups: dict = {}
+    t0 = time.perf_counter()
+    for i in range(a.start, a.start + a.cases):
+        out = run_program(random.Random(i), avoid=avoid)
+        counts[out.status] += 1
+        if out.status != "ok":
+            key = (out.status, out.kind, out.where,
+                   out.detail.split(":")[0] if out.status == "wrong" else "")
+            groups.setdefault(key, []).append((i, out))
+        if (i - a.start + 1) % 100 == 0:
+            print(f"{i - a.start + 1} cases: {dict(counts)} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    print(f"{a.cases} random programs (seeds {a.start}..{a.start + a.cases - 1}, avoid "
+          f"{list(avoid)}): {dict(counts)} in {wall:.0f} s")
+    for (status, kind, where, what), cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        seed, out = cases[0]
+        print(f"\n== {status} {kind} {where} {what}: {len(cases)} cases "
+              f"(seeds {[s for s, _ in cases[:8]]})\n{out.detail}\n{out.text[:1500]}")
+    return 1 if counts["wrong"] or counts["raised"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
