@@ -247,8 +247,10 @@ CASES = [
     # -- op + reshard to Replicate (both sides end in the same layout) ----------------------
     Case("matmul-4-S1.S0+R", (4,), "matmul", ((A, [S(1)]), (B, [S(0)])), True, 576, 576),
     # ours: reduce_scatter, all_reduce, all_gather; DTensor: two all_reduces
+    # two all-reduces, as DTensor: NCCL's LL protocol makes a 384 B all-reduce on 2 ranks
+    # cheaper than the reduce-scatter + all-gather (576 B) the old latency model tied with it
     Case("matmul-2x2-S1S1.S0S0+R", (2, 2), "matmul", ((A, [S(1), S(1)]), (B, [S(0), S(0)])),
-         True, 576, 768),
+         True, 768, 768),
     Case("relu-4-P+R", (4,), "relu", ((X, [P()]),), True, 768, 768),
     Case("add-4-P+R+R", (4,), "add", ((X, [P()]), (X, [R()])), True, 768, 768),
     Case("sum1-2x2-S1S0+R", (2, 2), "sum1", ((X, [S(1), S(0)]),), True, 32, 48),
@@ -302,7 +304,12 @@ def run_ours(case, inputs):
     nbytes = max(tr.bytes_per_rank().values(), default=0)
     assert ex.total_bytes == op_bytes, \
         f"{case.id}: explain counts {ex.total_bytes} B, the trace {op_bytes} B\n{ex}"
-    return out, nbytes, ex
+    comm = {}
+    for e in tr.events:                       # the busiest rank's communication time
+        if e.stream == "comm":
+            for r in e.ranks:
+                comm[r] = comm.get(r, 0.0) + e.duration
+    return out, nbytes, ex, max(comm.values(), default=0.0)
 
 
 def run_dtensor(oracle, case, inputs):
@@ -343,7 +350,7 @@ def run_dtensor(oracle, case, inputs):
 def test_ops_move_no_more_bytes_than_dtensor(oracle, case):
     inputs = make_inputs(case, seed=len(case.id))
     ref = OPS[case.op](*[x for x, _ in inputs])
-    out, ours, ex = run_ours(case, inputs)
+    out, ours, ex, ours_time = run_ours(case, inputs)
     theirs_full, theirs, log, dplace = run_dtensor(oracle, case, inputs)
     torch.testing.assert_close(out.full(), ref, msg=lambda m: f"{case.id}: ours\n{m}")
     torch.testing.assert_close(theirs_full, ref, msg=lambda m: f"{case.id}: DTensor\n{m}")
@@ -352,8 +359,13 @@ def test_ops_move_no_more_bytes_than_dtensor(oracle, case):
             f"{[(k, p, buf) for k, p, buf, _ in log]}")
     if case.xfail:      # the reason quotes our bytes: keep it exact
         assert ours == case.ours, f"ours changed ({ours} B, reason says {case.ours}): {what}"
-    if ours > theirs:
+    # the planner minimises modeled time and breaks ties by bytes: more bytes than DTensor
+    # (or than documented) only where they buy time on the same clock
+    theirs_time = sum(wb_cost.price(k, buf, tuple(range(p)), PROFILE) for k, p, buf, _ in log)
+    faster = ours_time < theirs_time * (1 - 1e-9)
+    what += f"\nours {ours_time * 1e6:.3f} us, DTensor {theirs_time * 1e6:.3f} us on {PROFILE}"
+    if ours > theirs and not faster:
         raise MovesMoreBytes(what)
     # the documented counts: only an increase on our side is a regression (DTensor's
     # belong to the installed torch and may change with it)
-    assert ours <= case.ours, f"ours grew from {case.ours} B: {what}"
+    assert ours <= case.ours or faster, f"ours grew from {case.ours} B: {what}"
