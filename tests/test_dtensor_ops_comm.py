@@ -246,7 +246,6 @@ CASES = [
     Case("reshape-2-S1", (2,), "reshape_8x2x8", ((X, [S(1)]),), False, 0, 0),
     # -- op + reshard to Replicate (both sides end in the same layout) ----------------------
     Case("matmul-4-S1.S0+R", (4,), "matmul", ((A, [S(1)]), (B, [S(0)])), True, 576, 576),
-    # ours: reduce_scatter, all_reduce, all_gather; DTensor: two all_reduces
     # two all-reduces, as DTensor: NCCL's LL protocol makes a 384 B all-reduce on 2 ranks
     # cheaper than the reduce-scatter + all-gather (576 B) the old latency model tied with it
     Case("matmul-2x2-S1S1.S0S0+R", (2, 2), "matmul", ((A, [S(1), S(1)]), (B, [S(0), S(0)])),
