@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from . import ops
-from .models.config import PRESETS, RECOMPUTE, ModelConfig, get_config
+from .models.config import PRESETS, RECOMPUTE, ModelConfig, build_model, get_config
 from .models.data import get_batch
-from .models.llama import Llama
 from .sim_mesh import rng
 
 __all__ = ["train", "Strategy", "SingleDevice", "add_train_arguments", "main_train",
@@ -57,7 +56,7 @@ class Strategy:
     def build_model(self, cfg: ModelConfig, seed: int) -> nn.Module:
         """The model, initialised from ``seed`` (every rank draws the same full model,
         then keeps its shard), placed on the device(s), in training mode."""
-        return Llama(cfg, seed=seed).to(self.device).train()
+        return build_model(cfg, seed=seed).to(self.device).train()   # Llama or GPT (cfg.arch)
 
     def build_optimizer(self, model: nn.Module, lr: float, weight_decay: float):
         return ops.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
