@@ -219,7 +219,11 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
 
 
 def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
-    """Every rank of the group gets the tensor of the group's ``root``-th rank."""
+    """Every rank of the group gets the tensor of the group's ``root``-th rank
+    (simulation only: no reshard plan broadcasts)."""
+    if _B.is_distributed(mesh):
+        raise NotImplementedError("broadcast on a torch.distributed mesh: use "
+                                  "torch.distributed.broadcast on the group's process group")
     F, axis = _check(x, mesh, axis, "broadcast")
     if not isinstance(root, int) or not 0 <= root < mesh.shape[axis]:
         raise ValueError(f"broadcast(root={root!r}): the group along "
