@@ -29,10 +29,25 @@ def test_ddp_bytes_right(capsys):
     assert capsys.readouterr().out.startswith("Correct: ")
 
 
-@pytest.mark.parametrize("wrong,msg", [(RIGHT + 4 * 16 * 8, "frozen"), (RIGHT + 123, "x the")])
+@pytest.mark.parametrize("wrong,msg", [(RIGHT + 4 * 16 * 8, "frozen"),
+                                       (RIGHT + 123, "too high")])
 def test_ddp_bytes_wrong(wrong, msg):
+    wb.exercises.reset_tries()
     with pytest.raises(CheckError, match=msg):
         wb.exercises.check_ddp_bytes(wrong, Tiny)
+
+
+def test_ddp_bytes_formula_equals_what_ddp_all_reduces():
+    """The check counts by hand; DDP's own trace must record the same buffer bytes."""
+    from workbench.sim_mesh.trace import trace
+    mesh = wb.Mesh.grid(4, ["dp"])
+    ddp = wb.DistributedDataParallel(Tiny(), mesh)
+    ids = wb.shard_tensor(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(0)),
+                          mesh, ["S(0)"])
+    with trace() as tr:
+        ddp(ids).sum().backward()
+    assert sum(e.args["buffer_bytes"] for e in tr.collectives() if e.label.startswith("ddp")) \
+        == RIGHT
 
 
 def test_like_one_device_passes_a_good_model_and_refuses_one_without_frozen(capsys):
