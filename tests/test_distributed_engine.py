@@ -62,7 +62,7 @@ def test_dtensor_interop_on_the_real_process_group():
 def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     """One process is one rank, so what autograd saves in a process is exactly one rank's
     activations: equal to Korthikanti Table 2's TP and TP+SP rows plus the terms the
-    script explains (2-byte dropout noise, LayerNorm statistics, and under SP the
+    script explains (LayerNorm statistics, and under SP the
     gathered linear inputs Megatron-SP re-gathers in backward instead of keeping)."""
     out = subprocess.run(TORCHRUN + ["--nproc-per-node=2", "-m",
                                      "workbench.tools.activation_check"], capture_output=True,

@@ -35,12 +35,13 @@ for sp in (False, True):
     # the layer's input is a model input here (not saved by the layer), but Table 2
     # counts the first LayerNorm's input: add it back (2 sbh, split under SP)
     counted = rep.bytes + 2 * s * b * h // split
-    masks = a * s * s * b // t + 2 * s * b * h // split     # 2-byte dropout noise, 1 byte more
+    # dropout keeps a one-byte mask (rules/dropout.py, as ATen's native_dropout), exactly
+    # Table 2's "dropout mask" terms: nothing extra
     stats = 2 * 2 * s * b * 2 // split                       # LayerNorm mean and 1/std
     # Megatron-SP keeps the SHARD of each column-parallel linear's input and all-gathers it
     # again in backward; our f keeps the gathered input (2 of them, 2 sbh each) instead
     gathered = 2 * (2 * s * b * h - 2 * s * b * h // t) if sp else 0
-    results[case] = (counted, formula, masks + stats + gathered)
+    results[case] = (counted, formula, stats + gathered)
 if wb.distributed.rank() == 0:
     for case, (counted, formula, extra) in results.items():
         print(f"{case} counted {counted} formula {formula:.0f} extra {extra} "
