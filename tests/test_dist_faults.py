@@ -2,6 +2,7 @@
 subgroups carry init()'s timeout (new_group's own default is 30 minutes), and no
 process is left behind."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,8 +40,8 @@ def test_a_dead_or_frozen_rank_ends_the_job(sig, limit):
         while len(pids) < 4:
             line = p.stdout.readline()
             assert line, "the job ended before every rank was ready"
-            if line.startswith("ready"):
-                _, r, pid = line.split()
+            # four processes share the pipe: lines may interleave
+            for r, pid in re.findall(r"ready (\d+) (\d+)", line):
                 pids[int(r)] = int(pid)
         t0 = time.monotonic()
         os.kill(pids[3], sig)
