@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import flash_attention
 from .config import RECOMPUTE, ModelConfig
+from .split import Splittable
 
 __all__ = ["GPTLayer", "TP_PLAN", "GPT", "GPT_TP_PLAN"]
 
@@ -174,7 +175,7 @@ class GPTBlock(nn.Module):
         return x + F.dropout(self.mlp(self.ln2(x)), p, self.training)      # (B, S, h)
 
 
-class GPT(nn.Module):
+class GPT(Splittable, nn.Module):
     """Token and position embeddings, ``n_layer`` blocks, final LayerNorm, lm head
     (tied to the token embedding when ``cfg.tie_embeddings``, as Megatron's GPT; no
     bias).  Deterministic init from ``seed`` without touching the global RNG."""
@@ -199,38 +200,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
 
-    # ---- what a parallel recipe needs to know (as ``Llama``: see parallel/strategies/hybrid.py)
-    def tp_plan(self, tp: int) -> dict:
-        """Megatron's tensor-parallel plan over ``tp`` ranks, by module path: attention
-        and MLP (:data:`GPT_TP_PLAN`), and, when the vocabulary divides by tp, the word
-        embedding vocabulary-parallel and the head column-parallel (Megatron's
-        ``VocabParallelEmbedding``; the learned positions stay replicated)."""
-        plan = dict(GPT_TP_PLAN) if tp > 1 else {}
-        if tp > 1 and self.cfg.vocab_size % tp == 0:
-            plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
-        return plan
-
-    def tp_regions(self, layers) -> list[str]:
-        """The modules that take Megatron's f before and g after (attention and MLP)."""
-        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
-
-    def pipeline_stages(self, n_stages: int) -> list[dict]:
-        """The model cut in ``n_stages`` stages of equal layer counts: the first owns the
-        embeddings, the last the final norm and the head (with tied embeddings on one
-        stage the head reads the word embedding: no module of its own)."""
-        L = self.cfg.n_layer
-        if not isinstance(n_stages, int) or n_stages < 1 or L % n_stages:
-            raise ValueError(f"{n_stages} stages do not divide n_layer={L}")
-        per = L // n_stages
-        tied_here = self.cfg.tie_embeddings and n_stages == 1
-        out = []
-        for s in range(n_stages):
-            layers = list(range(s * per, (s + 1) * per))
-            names = (["tok_emb", "pos_emb"] if s == 0 else []) + \
-                [f"layers.{i}" for i in layers] + \
-                ((["norm"] if tied_here else ["norm", "lm_head"]) if s == n_stages - 1 else [])
-            out.append({"layers": layers, "modules": names})
-        return out
+    # ---- how the model splits (models/split.py) --------------------------------------------
+    TP_BLOCK_PLAN = GPT_TP_PLAN
+    FIRST_MODULES = ("tok_emb", "pos_emb")
 
     def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
@@ -245,12 +217,7 @@ class GPT(nn.Module):
             x = F.dropout(x, self.cfg.dropout, self.training)
         for i in stage["layers"]:
             x = self.layers[i](x)                                           # (B, S, h)
-        if not last:
-            return x
-        x = self.norm(x)
-        if "lm_head" not in stage["modules"]:          # tied, one stage: the embedding's table
-            return F.linear(x, self.tok_emb.weight)                         # (B, S, V)
-        return self.lm_head(x)                                              # (B, S, V)
+        return self.head(x, stage) if last else x                          # (B, S, V)
 
     def set_recompute(self, mode: str, layers=None) -> None:
         """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""

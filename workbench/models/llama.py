@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
 from ..sim_mesh import rng
 from .config import RECOMPUTE, ModelConfig
+from .split import Splittable
 
 __all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
 
@@ -178,7 +179,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))                               # (B, S, h)
 
 
-class Llama(nn.Module):
+class Llama(Splittable, nn.Module):
     """Token embedding, ``n_layer`` blocks, final RMSNorm, lm head.  Deterministic init
     from ``seed`` (a private generator: the global RNG is neither read nor advanced)."""
 
@@ -211,36 +212,8 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)             # (seq_len, hd)
         self.reset_parameters(seed)
 
-    # ---- how the model splits: what parallel recipes read ---------------------------------
-    def tp_plan(self, tp: int) -> dict:
-        """Megatron's tensor-parallel plan over ``tp`` ranks, by module path (for
-        ``wb.parallelize``): :data:`TP_PLAN` in the blocks, and, when the vocabulary
-        divides by tp, the embedding vocabulary-parallel and the head column-parallel
-        (vocabulary-sharded logits)."""
-        plan = dict(TP_PLAN) if tp > 1 else {}
-        if tp > 1 and self.cfg.vocab_size % tp == 0:
-            plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
-        return plan
-
-    def tp_regions(self, layers) -> list[str]:
-        """The modules that take Megatron's f before and g after (attention and MLP)."""
-        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
-
-    def pipeline_stages(self, n_stages: int) -> list[dict]:
-        """The model cut in ``n_stages`` consecutive stages of equal layer counts:
-        per stage, its layer indices and the top-level modules it owns (the first
-        adds the embedding, the last the final norm and the head)."""
-        L = self.cfg.n_layer
-        if not isinstance(n_stages, int) or n_stages < 1 or L % n_stages:
-            raise ValueError(f"{n_stages} stages do not divide n_layer={L}")
-        per = L // n_stages
-        out = []
-        for s in range(n_stages):
-            layers = list(range(s * per, (s + 1) * per))
-            names = (["tok_emb"] if s == 0 else []) + [f"layers.{i}" for i in layers] + \
-                (["norm", "lm_head"] if s == n_stages - 1 else [])
-            out.append({"layers": layers, "modules": names})
-        return out
+    # ---- how the model splits (models/split.py) --------------------------------------------
+    TP_BLOCK_PLAN = TP_PLAN
 
     def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
@@ -255,7 +228,7 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]                     # (S, hd)
         for i in stage["layers"]:
             x = self.layers[i](x, cos, sin)                                 # (B, S, h)
-        return self.lm_head(self.norm(x)) if last else x                   # (B, S, V)
+        return self.head(x, stage) if last else x                          # (B, S, V)
 
     def set_recompute(self, mode: str, layers=None) -> None:
         """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""

@@ -1,0 +1,68 @@
+"""How a decoder-only model splits, for the parallel recipes above it.
+
+A recipe (``workbench.parallel.strategies.hybrid``) knows nothing of a model's parts:
+it asks the model.  Both course models (``Llama``, ``GPT``) answer with this mixin:
+
+    model.tp_plan(tp)            Megatron's tensor-parallel plan, by module path
+    model.tp_regions(layers)     the modules that take Megatron's f before and g after
+    model.pipeline_stages(n)     n stages of equal layer counts and the modules each owns
+    model.head(x, stage)         final norm and lm head (or the tied embedding's table)
+
+A model sets ``TP_BLOCK_PLAN`` (the plan inside its blocks, keys from the model's root
+such as ``"layers.*.attn.wq"``) and ``FIRST_MODULES`` (what the first stage adds before
+the blocks: the embeddings).
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+__all__ = ["Splittable"]
+
+
+class Splittable:
+    """Mixin for a model with ``cfg``, ``layers``, ``norm``, ``lm_head`` and ``tok_emb``."""
+
+    TP_BLOCK_PLAN: dict = {}
+    FIRST_MODULES: tuple = ("tok_emb",)
+
+    def tp_plan(self, tp: int) -> dict:
+        """Megatron's tensor-parallel plan over ``tp`` ranks, by module path (for
+        ``wb.parallelize``): the blocks' plan, and, when the vocabulary divides by tp,
+        the word embedding vocabulary-parallel (Megatron's ``VocabParallelEmbedding``)
+        and the head column-parallel (vocabulary-sharded logits)."""
+        plan = dict(self.TP_BLOCK_PLAN) if tp > 1 else {}
+        if tp > 1 and self.cfg.vocab_size % tp == 0:
+            plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
+        return plan
+
+    def tp_regions(self, layers) -> list[str]:
+        """The modules that take Megatron's f before and g after (attention and MLP)."""
+        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
+
+    def pipeline_stages(self, n_stages: int) -> list[dict]:
+        """The model cut in ``n_stages`` consecutive stages of equal layer counts: per
+        stage its layer indices and the top-level modules it owns (the first adds the
+        embeddings, the last the final norm and the head; with tied embeddings on one
+        stage the head reads the word embedding's table and owns no module)."""
+        L = self.cfg.n_layer
+        if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1 \
+                or L % n_stages:
+            raise ValueError(f"n_stages={n_stages!r} does not divide n_layer={L}: use a "
+                             f"divisor of {L}")
+        per = L // n_stages
+        tied_here = self.cfg.tie_embeddings and n_stages == 1
+        out = []
+        for s in range(n_stages):
+            layers = list(range(s * per, (s + 1) * per))
+            last = (["norm"] if tied_here else ["norm", "lm_head"]) if s == n_stages - 1 else []
+            names = (list(self.FIRST_MODULES) if s == 0 else []) + \
+                [f"layers.{i}" for i in layers] + last
+            out.append({"layers": layers, "modules": names})
+        return out
+
+    def head(self, x, stage: dict):
+        """Final norm and lm head of the last stage: (B, S, h) -> logits (B, S, V)."""
+        x = self.norm(x)
+        if "lm_head" not in stage["modules"]:         # tied, one stage: the embedding's table
+            return F.linear(x, self.tok_emb.weight)
+        return self.lm_head(x)
