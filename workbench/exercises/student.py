@@ -79,22 +79,30 @@ def student_notebook(nb, name: str = "notebook"):
     return nb
 
 
+def _course_notebooks(src_dir, out_dir, pattern: str, why: str) -> tuple[list[Path], Path]:
+    """The notebooks ``src_dir/pattern`` (sorted) and the created ``out_dir``; refuses
+    ``out_dir`` = ``src_dir`` (``why`` says what that would destroy)."""
+    src, out = Path(src_dir), Path(out_dir)
+    if not src.is_dir():
+        raise ValueError(f"src_dir={str(src)!r} is not a directory of notebooks")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"out_dir={str(out)!r} is the source directory: {why}; choose "
+                         "another directory")
+    paths = sorted(src.glob(pattern))
+    if not paths:
+        raise ValueError(f"no notebooks match {pattern!r} in {str(src)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    return paths, out
+
+
 def make_student_versions(src_dir="notebooks", out_dir="student",
                           pattern: str = "[0-9][0-9]_*.ipynb") -> list[Path]:
     """Write a student version of every notebook ``src_dir/pattern`` into ``out_dir``
     (created if needed); returns the written paths, sorted.  Refuses to write into
     ``src_dir`` itself, which would destroy the instructor versions."""
     import nbformat
-    src, out = Path(src_dir), Path(out_dir)
-    if not src.is_dir():
-        raise ValueError(f"src_dir={str(src)!r} is not a directory of notebooks")
-    if out.resolve() == src.resolve():
-        raise ValueError(f"out_dir={str(out)!r} is the source directory: the instructor "
-                         "notebooks would be overwritten; choose another directory")
-    paths = sorted(src.glob(pattern))
-    if not paths:
-        raise ValueError(f"no notebooks match {pattern!r} in {str(src)!r}")
-    out.mkdir(parents=True, exist_ok=True)
+    paths, out = _course_notebooks(src_dir, out_dir, pattern,
+                                   "the instructor notebooks would be overwritten")
     written = []
     for p in paths:
         nb = nbformat.read(p, as_version=4)
@@ -110,16 +118,8 @@ def make_work_copy(src_dir="notebooks", out_dir="work",
     there (a learner's work is never overwritten); returns (path, copied) pairs, sorted.
     Refuses ``out_dir`` = ``src_dir``: the point is to keep the course's files clean."""
     import shutil
-    src, out = Path(src_dir), Path(out_dir)
-    if not src.is_dir():
-        raise ValueError(f"src_dir={str(src)!r} is not a directory of notebooks")
-    if out.resolve() == src.resolve():
-        raise ValueError(f"out_dir={str(out)!r} is the source directory: autosave would write "
-                         "into the course's notebooks; choose another directory")
-    paths = sorted(src.glob(pattern))
-    if not paths:
-        raise ValueError(f"no notebooks match {pattern!r} in {str(src)!r}")
-    out.mkdir(parents=True, exist_ok=True)
+    paths, out = _course_notebooks(src_dir, out_dir, pattern,
+                                   "autosave would write into the course's notebooks")
     done = []
     for p in paths:
         dest = out / p.name
