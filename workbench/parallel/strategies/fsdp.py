@@ -270,6 +270,10 @@ class FullyShardedDataParallel(nn.Module):
                 dist.reduce_scatter_single(r, gr.contiguous(), op=dist.ReduceOp.SUM, group=g.pg)
                 out.append(r.div_(g.n))
             return tuple(out)
+        for name, gr, need in zip(names, grads, needs):     # recorded at the first rank's
+            if need and gr is not None and ("grad", name) not in call.recorded:   # arrival
+                call.recorded.add(("grad", name))
+                g.record("reduce_scatter", gr.numel() * gr.element_size(), f"fsdp grad {name}")
         call.grads[k] = grads
         call.left -= 1
         if call.left:                    # the last rank's backward brings the sum
@@ -282,7 +286,6 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             like = next(r for r in rows if r is not None)
             rows = [torch.zeros_like(like) if r is None else r for r in rows]
-            g.record("reduce_scatter", like.numel() * like.element_size(), f"fsdp grad {name}")
             out.append(torch.stack(rows).sum(0).view(g.n, -1))
         call.grads.clear()
         return tuple(out)
