@@ -29,7 +29,7 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert rows[-1] == {"drift_found": True}
     rows = rows[:-1]
-    assert len(rows) == 8
+    assert len(rows) == 10
     for r in rows:
         kind, opt, dtype, bucket = r["case"]
         low = dtype != "None"
