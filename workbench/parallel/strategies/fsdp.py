@@ -40,35 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fsdp_units import GatheredBytes, Regather, UnitCall, plan_units
+from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
+                         plan_units, tree_cast)
 from .ranks import RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
-
-
-class _GatherUnit(torch.autograd.Function):
-    """All-gather of a unit's shards for rank k (forward); its gradients reduce-scattered
-    (backward).  Simulated: a shard is (N, chunk), rank k's copy a fresh (N*chunk,)."""
-
-    @staticmethod
-    def forward(ctx, fsdp, call, k, pre, *shards):
-        ctx.fsdp, ctx.call, ctx.k = fsdp, call, k
-        ctx.set_materialize_grads(False)
-        outs = pre or tuple(fsdp._all_gather(call, k, i, s) for i, s in enumerate(shards))
-        ctx.mark_non_differentiable(*[o for o, need in zip(outs, ctx.needs_input_grad[4:])
-                                      if not need])
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None,) * 4 + ctx.fsdp._reduce_scatter(ctx.call, ctx.k, grads,
-                                                       ctx.needs_input_grad[4:])
-
-
-def _all_gather(x, g):
-    out = torch.empty(x.numel() * g.n, dtype=x.dtype)
-    dist.all_gather_single(out, x.contiguous(), group=g.pg)
-    return out
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -129,7 +105,7 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         g, cd = self.group, self.compute_dtype
         if cd is not None:
-            args, kwargs = _tree_cast(args, cd), _tree_cast(kwargs, cd)
+            args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
@@ -199,7 +175,7 @@ class FullyShardedDataParallel(nn.Module):
         del self._next[(unit.index, k)]
         if not unit.params:
             return call, []
-        flats = _GatherUnit.apply(self, call, k, pre,
+        flats = GatherUnit.apply(self, call, k, pre,
                                   *[self._cast(s) for _, s, _ in unit.params])
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
@@ -219,7 +195,7 @@ class FullyShardedDataParallel(nn.Module):
         if g.distributed or (what, i) not in call.recorded:
             call.recorded.add((what, i))
             g.record("all_gather", nb, f"fsdp {what} {name}")
-        flat = _all_gather(shard, g) if g.distributed else shard.reshape(-1).clone()
+        flat = all_gather(shard, g) if g.distributed else shard.reshape(-1).clone()
         self.gathered.add(flat)
         return flat
 
@@ -313,7 +289,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) in self._meta:
                 shape, numel = self._meta[id(t)]
-                flat = _all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
+                flat = all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
                 out[name] = flat[:numel].view(shape).clone()
             else:
                 out[name] = t.detach().clone()
@@ -324,16 +300,3 @@ class FullyShardedDataParallel(nn.Module):
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
         return (f"{type(self.module).__name__}, {where}, compute_dtype={self.compute_dtype}, "
                 f"{len(self.units)} units, prefetch={self.prefetch}")
-
-
-def _tree_cast(tree, dtype):
-    """Floating-point tensors and DistTensors of ``tree`` cast to ``dtype``."""
-    from torch.utils import _pytree as pytree
-
-    from ..dist_tensor import DistTensor
-
-    def one(x):
-        if isinstance(x, (torch.Tensor, DistTensor)) and x.dtype.is_floating_point:
-            return x.to(dtype)
-        return x
-    return pytree.tree_map(one, tree)

@@ -17,10 +17,13 @@ what the code meant to free.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["Unit", "UnitCall", "Regather", "plan_units", "GatheredBytes"]
+__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "plan_units",
+           "GatheredBytes", "tree_cast"]
 
 
 class Unit:
@@ -134,3 +137,41 @@ class Regather:
     def __init__(self, call, k, i, t):
         self.call, self.k, self.i = call, k, i
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+class GatherUnit(torch.autograd.Function):
+    """All-gather of a unit's shards for rank k (forward); its gradients reduce-scattered
+    (backward).  Simulated: a shard is (N, chunk), rank k's copy a fresh (N*chunk,)."""
+
+    @staticmethod
+    def forward(ctx, fsdp, call, k, pre, *shards):
+        ctx.fsdp, ctx.call, ctx.k = fsdp, call, k
+        ctx.set_materialize_grads(False)
+        outs = pre or tuple(fsdp._all_gather(call, k, i, s) for i, s in enumerate(shards))
+        ctx.mark_non_differentiable(*[o for o, need in zip(outs, ctx.needs_input_grad[4:])
+                                      if not need])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * 4 + ctx.fsdp._reduce_scatter(ctx.call, ctx.k, grads,
+                                                       ctx.needs_input_grad[4:])
+
+
+def all_gather(x, g):
+    out = torch.empty(x.numel() * g.n, dtype=x.dtype)
+    dist.all_gather_single(out, x.contiguous(), group=g.pg)
+    return out
+
+
+def tree_cast(tree, dtype):
+    """Floating-point tensors and DistTensors of ``tree`` cast to ``dtype``."""
+    from torch.utils import _pytree as pytree
+
+    from ..dist_tensor import DistTensor
+
+    def one(x):
+        if isinstance(x, (torch.Tensor, DistTensor)) and x.dtype.is_floating_point:
+            return x.to(dtype)
+        return x
+    return pytree.tree_map(one, tree)
