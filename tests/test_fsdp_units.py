@@ -149,3 +149,45 @@ def test_a_unit_called_on_its_own_is_refused():
     f = wb.FullyShardedDataParallel(Net(), wb.Mesh.grid(2, ["dp"]), units={Block})
     with pytest.raises(RuntimeError, match="call the wrapper"):
         f.module.blocks[0](torch.randn(2, 16))
+
+
+class Twice(nn.Module):
+    """One block applied twice (its weights gathered, re-gathered and reduced twice)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(12, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 12, bias=False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(self.emb(ids))))))
+
+
+def test_a_unit_used_twice_per_forward_trains_as_one_device():
+    ref = Twice()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for ids, y in data(5):
+        opt.zero_grad()
+        loss_fn(ref(ids), y).backward()
+        opt.step()
+    _, got = train({nn.Linear}, "sgd", prefetch=True, n=4, model=Twice)
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(got[name], t, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class Fails(Net):
+    def forward(self, ids):
+        super().forward(ids)
+        raise RuntimeError("boom")
+
+
+def test_a_failed_forward_leaves_the_shards_as_the_parameters():
+    f = wb.FullyShardedDataParallel(Fails(), wb.Mesh.grid(2, ["dp"]), units={Block})
+    before = list(f.parameters())
+    with pytest.raises(RuntimeError, match="boom"):
+        f(wb.shard_tensor(torch.zeros(2, 3, dtype=torch.long), f.group.mesh, ["S(0)"]))
+    assert all(a is b for a, b in zip(f.parameters(), before))
+    assert isinstance(f.module.blocks[0].lin.weight, nn.Parameter)
+    assert f.gathered.alive() == 0
