@@ -28,8 +28,12 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert rows[-1] == {"drift_found": True}
-    rows = rows[:-1]
-    assert len(rows) == 8
+    # FSDP with one unit per block: per process, root (emb + head) plus one block forward,
+    # the head's and one block's weight in backward (what they saved); all freed after
+    pad = (-16 * 16) % n + 16 * 16, (-10 * 16) % n + 10 * 16
+    assert rows[-2] == {"memory": [4 * (2 * pad[1] + pad[0]), 4 * (pad[1] + pad[0]), 0]}
+    rows = rows[:-2]
+    assert len(rows) == 10
     for r in rows:
         kind, opt, dtype, bucket = r["case"]
         low = dtype != "None"
@@ -42,3 +46,38 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
         assert r["simulated"] <= (0.0 if exact else 1e-5 if low else 1e-6), r
         assert r["frozen_kept"] and r["unused_kept"], r
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
+
+
+@pytest.mark.slow
+def test_shard_tensor_broadcasts_and_from_local_checks_replicas_on_gloo():
+    out = torchrun(2, "replicas_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = sorted((json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")),
+                  key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1]
+    zeros, ones = [[0.0] * 3] * 2, [[1.0] * 3] * 2      # rank k's own x is full of k
+    for k, r in enumerate(rows):
+        assert r["replicate"] == zeros and r["shard"] == [[0.0] * 3]   # rank 0's x
+        assert r["src1"] == ones                                       # src_data_rank=1
+        assert r["own"] == (zeros if k == 0 else ones)                 # None: no broadcast
+        assert r["x_untouched"] and r["grad"] == [[3.0] * 3] * 2
+        assert "src_data_rank=2" in r["bad_src"]
+        assert "different shapes" in r["bad_shape"] and f"rank {k}: ({2 + k},)" in r["bad_shape"]
+        assert r["equal_ok"] == [1.0] * 3
+        # every process raises (none hangs in a later collective), naming rank 1
+        assert r["differ"].startswith("from_local(check_replicas=True): rank 1 holds")
+        assert "different shapes" in r["differ_shape"]
+        assert r["unchecked"] == (zeros if k == 0 else ones)
+        assert r["partial"] == ones and r["sharded"] == zeros + ones
+
+
+def test_bad_src_data_rank_is_named_on_simulated_ranks_too():
+    import torch
+
+    import workbench as wb
+    mesh = wb.Mesh.grid((2, 3), ("dp", "tp"))
+    for bad in (2, -1, True, 0.0):
+        with pytest.raises(ValueError, match=f"src_data_rank={bad!r}"):
+            wb.shard_tensor(torch.ones(4), mesh, ["R", "R"], src_data_rank=bad)
+    x = torch.arange(6.0)
+    assert torch.equal(wb.shard_tensor(x, mesh, ["S(0)", "R"], src_data_rank=None).full(), x)

@@ -30,6 +30,18 @@ def main():
                               "frozen_kept": torch.equal(got["frozen"], ref["frozen"]),
                               "unused_kept": torch.equal(got["unused"], ref["unused"])}),
                   flush=True)
+    # FSDP units on processes: the gathered weights alive at once, per process
+    from tests.test_fsdp_units import Block, Net
+    torch.manual_seed(0)
+    f = wb.FullyShardedDataParallel(Net(), units={Block})
+    ids = torch.randint(0, 10, (4, 3))
+    f.gathered.reset_peak()
+    loss = f(ids).sum()
+    fwd = f.gathered.peak
+    f.gathered.reset_peak()
+    loss.backward()
+    if rank == 0:
+        print(json.dumps({"memory": [fwd, f.gathered.peak, f.gathered.alive()]}), flush=True)
     # the replica check: equal after construction; a drifted rank is found
     m = wb.DistributedDataParallel(__import__("wrappers_model").make())
     m.check_replicas()

@@ -65,6 +65,9 @@ def wrapped(kind, opt_name, mesh=None, compute_dtype=None, bucket_bytes=None, st
     m = make()
     if kind == "fsdp":
         w = wb.FullyShardedDataParallel(m, mesh, compute_dtype=compute_dtype)
+    elif kind == "fsdp_units":        # hid its own unit, prefetched; head tied to the root's
+        w = wb.FullyShardedDataParallel(m, mesh, compute_dtype=compute_dtype,
+                                        units={nn.Linear}, prefetch=True)
     else:
         w = wb.DistributedDataParallel(m, mesh, bucket_bytes=bucket_bytes)
     if kind == "zero":
@@ -90,4 +93,5 @@ def wrapped(kind, opt_name, mesh=None, compute_dtype=None, bucket_bytes=None, st
 CASES = [("ddp", "sgd", None, None), ("ddp", "adamw", None, 64), ("fsdp", "sgd", None, None),
          ("fsdp", "adamw", None, None), ("fsdp", "adamw", "bfloat16", None),
          ("fsdp", "adamw", "float16", None), ("zero", "sgd", None, None),
-         ("zero", "adamw", None, 128)]
+         ("zero", "adamw", None, 128), ("fsdp_units", "sgd", None, None),
+         ("fsdp_units", "adamw", "bfloat16", None)]

@@ -24,7 +24,7 @@ import torch
 from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
-from . import layout, storage
+from . import layout, replicas, storage
 from .placement import Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
 
@@ -242,12 +242,16 @@ def _as_tensor(x, arg: str, fn: str) -> torch.Tensor:
                     "give a torch.Tensor (or numbers)")
 
 
-def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = None) -> DistTensor:
+def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = None,
+                 src_data_rank: int | None = 0) -> DistTensor:
     """Lay the global tensor ``x`` out on ``mesh``: each rank keeps its shard.
 
     ``Partial("sum")`` keeps the value on the first rank of each group and zeros
     elsewhere (so the sum is exact); other Partial ops keep the value everywhere.
-    The DistTensor holds a copy: later in-place edits of ``x`` do not change it."""
+    The DistTensor holds a copy: later in-place edits of ``x`` do not change it.
+    On torch.distributed every process's ``x`` is first replaced by the one at index
+    ``src_data_rank`` on every mesh dim (a broadcast; ``None``: each keeps its own, as
+    DTensor's ``distribute_tensor``)."""
     if isinstance(x, DistTensor):
         raise TypeError("shard_tensor(x=DistTensor): x is already distributed; use reshard()")
     x = _as_tensor(x, "x", "shard_tensor")
@@ -259,6 +263,12 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
     if names is not None and not isinstance(names, str):
         raise TypeError(f"shard_tensor(names={names!r}): expected a string of one letter per "
                         "dim for the notation, e.g. 'BSH', or None")
+    ok = type(src_data_rank) is int and 0 <= src_data_rank < min(mesh.shape)
+    if src_data_rank is not None and not ok:
+        raise ValueError(f"shard_tensor(src_data_rank={src_data_rank!r}): give an index below "
+                         f"every mesh dim's size {tuple(mesh.shape)}, or None (no broadcast)")
+    if storage.holds_own(mesh) and src_data_rank is not None:
+        x = replicas.broadcast_global(x, mesh, src_data_rank)
     nd = mesh.ndim
     cur = tuple(Replicate() for _ in range(nd))
     loc = storage.from_global(x, mesh)
@@ -276,7 +286,9 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
 
     E.g. a Partial tensor whose ranks hold unequal parts, as after a row-parallel
     matmul.  The global shape is inferred from the shards unless ``shape`` is given;
-    shards that do not fit it, or Replicate copies that differ, are errors."""
+    shards that do not fit it, or Replicate copies that differ, are errors (on
+    torch.distributed: each process's copy is compared with its group's first rank's, a
+    collective every process runs; ``check_replicas=False`` skips it)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"from_local(mesh={mesh!r:.60}): expected a workbench Mesh")
     if storage.holds_own(mesh):
@@ -286,6 +298,8 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
         t = _as_tensor(locals_, "locals_", "from_local")
         ps = normalize_placements(placements, mesh, t.dim())
         check_partial_dtype(ps, t.dtype)
+        if check_replicas:          # a collective: every process passes the same flag
+            replicas.check_replicas(t, mesh, ps)
         if shape is None:           # even shards: the global size is the local times the split
             shape = list(t.shape)
             for i, p in enumerate(ps):

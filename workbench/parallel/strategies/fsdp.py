@@ -1,6 +1,7 @@
 """``FullyShardedDataParallel``: every parameter sharded over the data-parallel ranks.
 
-    fsdp = wb.FullyShardedDataParallel(model, mesh, compute_dtype=torch.bfloat16)
+    fsdp = wb.FullyShardedDataParallel(model, mesh, compute_dtype=torch.bfloat16,
+                                       units={Block}, prefetch=True)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)   # steps the fp32 shards
     loss = F.cross_entropy(fsdp(x), y); loss.backward(); opt.step()
 
@@ -11,10 +12,16 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
 * each parameter is flattened, padded to a multiple of N and split in N chunks;
   rank k keeps chunk k, and that chunk *is* the ``nn.Parameter`` the optimizer
   steps (its gradient and optimizer states are sharded with it);
-* before forward every rank all-gathers the parameters (one unit: the whole
-  module); the gathered copies are not kept for backward: a saved-tensor hook
-  drops them after forward and all-gathers them again when backward needs them;
-* backward reduce-scatters the gradients (the average over ranks) onto the shards;
+* ``units`` (module classes or submodules, FSDP's ``ModuleWrapPolicy`` / FSDP2's
+  ``fully_shard`` per block; :mod:`.fsdp_units`): a unit all-gathers its parameters
+  just before its own forward and frees them right after; a saved-tensor hook keeps
+  only their geometry for backward and all-gathers them again when backward first
+  needs them; when the unit's backward ends its gradients are reduce-scattered (the
+  average over ranks) onto the shards and the re-gathered weights freed.  The
+  parameters of no unit (the root) are gathered for the whole forward.  Gathered
+  weights alive at once: the root's plus one unit's (``prefetch=True``: plus the next
+  unit's, gathered one unit early in forward and in backward); :attr:`gathered` counts
+  them.  Without ``units`` the whole module is one unit;
 * ``compute_dtype`` (e.g. ``torch.bfloat16``): the shards are cast before the
   all-gather, so forward, backward and both collectives run in it, while the
   shards (master weights), their gradients and the optimizer states stay fp32
@@ -22,8 +29,10 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   floating-point inputs are cast to it too (``cast_forward_inputs``).
 
 Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the
-all-reduce volume of DDP.  The module may use its weights any way it likes
+all-reduce volume of DDP; one collective per parameter (FSDP batches a unit's into
+one flat buffer: the same bytes).  The module may use its weights any way it likes
 (``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered tensors.
+On simulated ranks the module runs once per rank, each rank on its own gathered copy.
 """
 from __future__ import annotations
 
@@ -31,44 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import RankGroup, check_module, replace_parameter, run_per_rank
+from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
+                         plan_units, tree_cast)
+from .ranks import RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather of the flat shards (forward), reduce-scatter of the gradient (backward).
-
-    Simulated: ``x`` is (N, chunk), the output (N, N*chunk) (each rank's gathered
-    copy, a view), the backward sums the ranks' rows and gives chunk k to rank k.
-    torch.distributed: ``x`` is this rank's chunk, the output the whole flat tensor."""
-
-    @staticmethod
-    def forward(ctx, x, fsdp, label):
-        ctx.fsdp, ctx.label = fsdp, label
-        g = fsdp.group
-        if not g.distributed:
-            n, c = x.shape
-            g.record("all_gather", n * c * x.element_size(), f"fsdp params {label}")
-            return x.reshape(1, n * c).expand(n, n * c)
-        return _all_gather(x, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = ctx.fsdp.group
-        nb = grad.shape[-1] * grad.element_size()
-        g.record("reduce_scatter", nb, f"fsdp grad {ctx.label}")
-        if not g.distributed:
-            return grad.sum(0).view(g.n, -1), None, None
-        out = torch.empty(grad.numel() // g.n, dtype=grad.dtype)
-        dist.reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=g.pg)
-        return out.div_(g.n), None, None
-
-
-def _all_gather(x, g):
-    out = torch.empty(x.numel() * g.n, dtype=x.dtype)
-    dist.all_gather_single(out, x.contiguous(), group=g.pg)
-    return out
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -78,9 +54,14 @@ class FullyShardedDataParallel(nn.Module):
     ``fsdp.parameters()`` are the module's own parameters under their own names,
     each now its flat shard: shape ``(chunk,)`` on torch.distributed, ``(N, chunk)``
     (one row per rank) on a simulated mesh.  :meth:`full_state_dict` gathers them.
+    ``units``: None (one unit), module classes or submodules (one unit each);
+    ``prefetch``: gather the next unit one unit early.  ``fsdp.units`` lists them and
+    ``fsdp.gathered`` (``.alive()``, ``.peak``, ``.reset_peak()``) counts the bytes of
+    gathered weights alive (summed over simulated ranks).
     """
 
-    def __init__(self, module: nn.Module, mesh=None, dim="dp", compute_dtype=None):
+    def __init__(self, module: nn.Module, mesh=None, dim="dp", compute_dtype=None,
+                 units=None, prefetch: bool = False):
         super().__init__()
         check_module(module, "FullyShardedDataParallel")
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and
@@ -88,81 +69,202 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"compute_dtype={compute_dtype!r}: give a floating-point torch "
                              "dtype (torch.bfloat16, torch.float16) or None (the parameters' "
                              "own dtype)")
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"FullyShardedDataParallel(prefetch={prefetch!r}): give True or False")
         g = RankGroup(mesh, dim, "FullyShardedDataParallel")
         object.__setattr__(self, "module", module)
-        self.group, self.compute_dtype = g, compute_dtype
+        self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self._meta = {}                  # id(shard) -> (shape, numel)
         with torch.no_grad():
-            for name, p in list(module.named_parameters()):
-                if g.distributed:        # every rank starts from rank 0's values
-                    dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
-                flat = p.detach().reshape(-1)
-                pad = (-flat.numel()) % g.n
-                flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
-                rows = flat.view(g.n, -1)
-                shard = rows[g.k] if g.distributed else rows
-                shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
-                self._meta[id(shard)] = (tuple(p.shape), p.numel())
-                replace_parameter(module, p, shard)
+            self.units = plan_units(module, units, self._shard)
+        for u in self.units[1:]:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._enter(u))
+            u.module.register_forward_hook(lambda m, a, o, u=u: self._exit(u))
+        object.__setattr__(self, "gathered", GatheredBytes())
+        self._k, self._order, self._prefetched, self._owners = None, [], {}, {}
         module._wb_wrapped = "FullyShardedDataParallel"
 
-    # ---- forward -------------------------------------------------------------------------
+    def _shard(self, name, p):
+        g = self.group
+        if g.distributed:                # every rank starts from rank 0's values
+            dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
+        flat = p.detach().reshape(-1)
+        pad = (-flat.numel()) % g.n
+        flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+        rows = flat.view(g.n, -1)
+        shard = rows[g.k] if g.distributed else rows
+        shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
+        self._meta[id(shard)] = (tuple(p.shape), p.numel())
+        return shard
+
     def _cast(self, shard):
         cd = self.compute_dtype
         return shard.to(cd) if cd is not None and shard.dtype != cd else shard
 
-    def _gathered(self, name, shard):
-        """Rank-wise full parameters from a shard, cast to the compute dtype."""
-        shape, numel = self._meta[id(shard)]
-        full = _Gather.apply(self._cast(shard), self, name)
-        if self.group.distributed:
-            return [full[:numel].view(shape)]
-        return [row[:numel].view(shape) for row in full.unbind(0)]
-
+    # ---- forward: a unit gathers on entry, frees on exit ------------------------------------
     def forward(self, *args, **kwargs):
         g, cd = self.group, self.compute_dtype
         if cd is not None:
-            args, kwargs = _tree_cast(args, cd), _tree_cast(kwargs, cd)
-        named = dict(self.module.named_parameters())
-        full = {n: self._gathered(n, s) for n, s in named.items()}
-        with torch.autograd.graph.saved_tensors_hooks(*self._regather_hooks(full)):
-            if g.distributed:
-                return torch.func.functional_call(self.module, {n: f[0] for n, f in full.items()},
-                                                  args, kwargs, tie_weights=True, strict=False)
-            params = [{n: f[k] for n, f in full.items()} for k in range(g.n)]
-            return run_per_rank(g, self.module, params, args, kwargs)
+            args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
+        per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
+        ks = [g.k] if g.distributed else range(g.n)
+        self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
+        order, outs = [], []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                for k, (a, kw) in zip(ks, per):
+                    self._k, self._seen = k, order if k == ks[0] else []
+                    self._enter(self.units[0])
+                    outs.append(self.module(*a, **kw))
+                    self._exit(self.units[0])
+        finally:
+            self._k = None
+            for u in self.units:         # on error too: the shards are the parameters again
+                for _, shard, places in u.params:
+                    for m, attr in places:
+                        m._parameters[attr] = shard
+            self._owners.clear()
+            self._prefetched.clear()
+        self._order = order
+        return outs[0] if g.distributed else g.join(outs, dim)
 
-    def _regather_hooks(self, full):
-        """Saved-tensor hooks: a gathered parameter saved for backward is dropped (only
-        its shard and view geometry are kept) and all-gathered again on use."""
-        named = dict(self.module.named_parameters())
-        owners = {}
-        for n, views in full.items():
-            owners[views[0].untyped_storage().data_ptr()] = n
+    def _enter(self, unit):
+        k = self._k
+        if k is None:
+            raise RuntimeError(f"unit {unit.name!r} of a FullyShardedDataParallel ran on its "
+                               "own: call the wrapper (fsdp(x)), which gathers its weights")
+        call, views = self._gather(unit, k, self._prefetched.pop((unit.index, k), None))
+        self._active.setdefault((unit.index, k), []).append(call)
+        for (_, _, places), v in zip(unit.params, views):
+            for m, attr in places:
+                m._parameters[attr] = v
+        if unit.index not in self._seen:
+            self._seen.append(unit.index)
+        if self.prefetch and unit.index in self._order:
+            at = self._order.index(unit.index) + 1
+            if at < len(self._order) and (self._order[at], k) not in self._prefetched:
+                nxt = self.units[self._order[at]]     # gathered now, its node made on entry
+                with torch.no_grad():
+                    self._prefetched[(nxt.index, k)] = tuple(
+                        self._all_gather(self._call(nxt, k), k, i, self._cast(s))
+                        for i, (_, s, _) in enumerate(nxt.params))
+
+    def _exit(self, unit):
+        k = self._k
+        call = self._active[(unit.index, k)].pop()
+        for _, shard, places in unit.params:
+            for m, attr in places:
+                m._parameters[attr] = shard
+        for ptr in call.ptrs.get(k, ()):
+            self._owners.pop(ptr, None)
+
+    def _call(self, unit, k):
+        """The next entry of ``unit`` on rank k (made once; a prefetch makes it early)."""
+        if (unit.index, k) not in self._next:
+            j = self._counts.get((unit.index, k), 0)
+            self._counts[(unit.index, k)] = j + 1
+            call = self._calls.setdefault((unit.index, j), UnitCall(unit))
+            call.left += 1
+            self._by_rank.setdefault(k, []).append(call)
+            call.by_rank[k] = self._by_rank[k]
+            self._next[(unit.index, k)] = call
+        return self._next[(unit.index, k)]
+
+    def _gather(self, unit, k, pre=None):
+        call = self._call(unit, k)
+        del self._next[(unit.index, k)]
+        if not unit.params:
+            return call, []
+        flats = GatherUnit.apply(self, call, k, pre,
+                                  *[self._cast(s) for _, s, _ in unit.params])
+        views, ptrs = [], []
+        for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
+            shape, numel = self._meta[id(s)]
+            if f.numel():
+                ptrs.append(f.untyped_storage().data_ptr())
+                self._owners[ptrs[-1]] = (call, k, i)
+            views.append(f[:numel].view(shape))
+        call.ptrs[k] = ptrs
+        return call, views
+
+    def _all_gather(self, call, k, i, shard, what="params"):
+        """Rank k's gathered flat copy of parameter i of ``call``'s unit, counted."""
         g = self.group
-        cache = {}                  # one re-gather per parameter per backward
+        name = call.unit.params[i][0]
+        nb = shard.numel() * shard.element_size() * (g.n if g.distributed else 1)
+        if g.distributed or (what, i) not in call.recorded:
+            call.recorded.add((what, i))
+            g.record("all_gather", nb, f"fsdp {what} {name}")
+        flat = all_gather(shard, g) if g.distributed else shard.reshape(-1).clone()
+        self.gathered.add(flat)
+        return flat
 
-        def pack(t):
-            key = t.untyped_storage().data_ptr()
-            if key in owners:
-                return ("fsdp-regather", owners[key], t.shape, t.stride(), t.storage_offset())
+    # ---- backward: re-gather on first use, reduce-scatter when the unit is done -----------
+    def _pack(self, t):
+        if not self._owners or t.layout != torch.strided:
             return t
+        hit = self._owners.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        call, k, i = hit
+        call.packed.setdefault(k, set()).add(i)
+        return Regather(call, k, i, t)
 
-        def unpack(s):
-            if not (isinstance(s, tuple) and s and s[0] == "fsdp-regather"):
-                return s
-            _, name, shape, stride, offset = s
-            if name in cache:
-                return cache[name].as_strided(shape, stride, offset)
-            shard = self._cast(named[name].detach())
-            nb = shard[0].numel() * g.n * shard.element_size() if not g.distributed else \
-                shard.numel() * g.n * shard.element_size()
-            g.record("all_gather", nb, f"fsdp re-gather {name}")
-            flat = _all_gather(shard, g) if g.distributed else shard.reshape(-1)
-            cache[name] = flat
-            return flat.as_strided(shape, stride, offset)
+    def _unpack(self, s):
+        if not isinstance(s, Regather):
+            return s
+        flats = self._regather(s.call, s.k)
+        if self.prefetch:                # the unit before it in forward, if not done yet
+            calls = s.call.by_rank[s.k]
+            at = next((x for x, c in enumerate(calls) if c is s.call), 0)
+            if at > 0 and s.k not in calls[at - 1].done:
+                self._regather(calls[at - 1], s.k)
+        return flats[s.i].as_strided(s.shape, s.stride, s.offset)
 
-        return pack, unpack
+    def _regather(self, call, k):
+        flats = call.cache.setdefault(k, {})
+        for i in sorted(call.packed.get(k, ())):
+            if i not in flats:
+                flats[i] = self._all_gather(call, k, i, self._cast(call.unit.params[i][1].detach()),
+                                            "re-gather")
+        return flats
+
+    def _reduce_scatter(self, call, k, grads, needs):
+        """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
+        g = self.group
+        call.cache.pop(k, None)
+        call.done.add(k)
+        names = [p[0] for p in call.unit.params]
+        if g.distributed:
+            out = []
+            for name, gr, need in zip(names, grads, needs):
+                if not need or gr is None:
+                    out.append(None)
+                    continue
+                g.record("reduce_scatter", gr.numel() * gr.element_size(), f"fsdp grad {name}")
+                r = torch.empty(gr.numel() // g.n, dtype=gr.dtype)
+                dist.reduce_scatter_single(r, gr.contiguous(), op=dist.ReduceOp.SUM, group=g.pg)
+                out.append(r.div_(g.n))
+            return tuple(out)
+        for name, gr, need in zip(names, grads, needs):     # recorded at the first rank's
+            if need and gr is not None and ("grad", name) not in call.recorded:   # arrival
+                call.recorded.add(("grad", name))
+                g.record("reduce_scatter", gr.numel() * gr.element_size(), f"fsdp grad {name}")
+        call.grads[k] = grads
+        call.left -= 1
+        if call.left:                    # the last rank's backward brings the sum
+            return (None,) * len(grads)
+        out = []
+        for i, (name, need) in enumerate(zip(names, needs)):
+            rows = [call.grads[r][i] for r in sorted(call.grads)]
+            if not need or all(r is None for r in rows):
+                out.append(None)
+                continue
+            like = next(r for r in rows if r is not None)
+            rows = [torch.zeros_like(like) if r is None else r for r in rows]
+            out.append(torch.stack(rows).sum(0).view(g.n, -1))
+        call.grads.clear()
+        return tuple(out)
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
@@ -187,7 +289,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) in self._meta:
                 shape, numel = self._meta[id(t)]
-                flat = _all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
+                flat = all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
                 out[name] = flat[:numel].view(shape).clone()
             else:
                 out[name] = t.detach().clone()
@@ -196,17 +298,5 @@ class FullyShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         g = self.group
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
-        return f"{type(self.module).__name__}, {where}, compute_dtype={self.compute_dtype}"
-
-
-def _tree_cast(tree, dtype):
-    """Floating-point tensors and DistTensors of ``tree`` cast to ``dtype``."""
-    from torch.utils import _pytree as pytree
-
-    from ..dist_tensor import DistTensor
-
-    def one(x):
-        if isinstance(x, (torch.Tensor, DistTensor)) and x.dtype.is_floating_point:
-            return x.to(dtype)
-        return x
-    return pytree.tree_map(one, tree)
+        return (f"{type(self.module).__name__}, {where}, compute_dtype={self.compute_dtype}, "
+                f"{len(self.units)} units, prefetch={self.prefetch}")

@@ -1,0 +1,177 @@
+"""FSDP's units: which parameters are gathered together, and how many gathered bytes live.
+
+A *unit* is a submodule whose parameters are all-gathered just before its own forward
+and freed right after it, gathered again when its backward needs them, and whose
+gradients are reduce-scattered when its backward ends (PyTorch FSDP's
+``auto_wrap_policy=ModuleWrapPolicy({Block})`` / FSDP2's ``fully_shard(block)`` on each
+block; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
+Parallel", VLDB, which splits a model into such "FSDP units").  The parameters no unit holds form the root unit (the
+wrapped module itself), gathered for the whole forward.  With one unit per block the
+gathered weights alive at once are the root unit's plus one block's (plus the next
+block's with prefetch), not the whole model's.
+
+:class:`GatheredBytes` counts it: it keeps a weak reference to the storage of every
+gathered tensor and sums the bytes of those still alive (a storage is freed only when
+no tensor, view or autograd graph holds it), so the figure is what memory holds, not
+what the code meant to free.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "plan_units",
+           "GatheredBytes", "tree_cast"]
+
+
+class Unit:
+    """One unit: its module (the wrapped module for the root), its qualified name
+    (``""`` for the root) and its parameters: (own name, shard, [(submodule, attr)])."""
+
+    def __init__(self, index, name, module):
+        self.index, self.name, self.module = index, name, module
+        self.params = []
+
+    def __repr__(self):
+        return f"Unit({self.name or '<root>'}, {len(self.params)} parameters)"
+
+
+def _resolve(module, units):
+    """The unit submodules, in ``module.named_modules()`` order, from ``units``: None,
+    module classes (every submodule of one), or submodules of ``module``."""
+    if units is None:
+        return []
+    if isinstance(units, (nn.Module, type)):
+        units = [units]
+    try:
+        units = list(units)
+    except TypeError:
+        raise TypeError(f"FullyShardedDataParallel(units={units!r}): give None (one unit), "
+                        "module classes (e.g. {Block}) or submodules of the module") from None
+    classes = [u for u in units if isinstance(u, type)]
+    bad = [u for u in units if not (isinstance(u, nn.Module) or
+                                    (isinstance(u, type) and issubclass(u, nn.Module)))]
+    if bad:
+        raise TypeError(f"FullyShardedDataParallel(units=...): {bad[0]!r} is neither an "
+                        "nn.Module class nor a submodule")
+    mods = {id(u) for u in units if isinstance(u, nn.Module)}
+    named = list(module.named_modules())
+    found = {id(m) for _, m in named[1:]}
+    if id(module) in mods:
+        raise ValueError("FullyShardedDataParallel(units=...): the wrapped module itself is "
+                         "always the root unit; list its submodules (e.g. its blocks)")
+    missing = mods - found
+    if missing:
+        raise ValueError("FullyShardedDataParallel(units=...): a listed module is not a "
+                         "submodule of the wrapped module; give its own submodules")
+    return [(n, m) for n, m in named[1:] if id(m) in mods or
+            (classes and isinstance(m, tuple(classes)))]
+
+
+def plan_units(module, units, shards_of):
+    """[root, unit 1, ...] with each parameter in the innermost unit that holds every
+    use of it; a parameter held by two units (tied weights across blocks) goes to the
+    root.  ``shards_of(name, p)`` makes the shard that replaces ``p``."""
+    subs = _resolve(module, units)
+    out = [Unit(0, "", module)] + [Unit(i + 1, n, m) for i, (n, m) in enumerate(subs)]
+    owner = {}                                  # id(submodule) -> innermost unit
+    for u in sorted(out[1:], key=lambda u: -len(list(u.module.modules()))):
+        for m in u.module.modules():            # deeper units are visited later and win
+            owner[id(m)] = u
+    where = {}                                  # id(param) -> [(submodule, attr, unit)]
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((m, attr, owner.get(id(m), out[0])))
+    for name, p in list(module.named_parameters()):
+        locs = where[id(p)]
+        homes = {id(u) for _, _, u in locs}
+        unit = locs[0][2] if len(homes) == 1 else out[0]
+        shard = shards_of(name, p)
+        places = [(m, attr) for m, attr, _ in locs]
+        for m, attr in places:
+            m._parameters[attr] = shard
+        unit.params.append((name, shard, places))
+    return out
+
+
+class GatheredBytes:
+    """Bytes of gathered parameters alive now, and the most alive at once (``peak``)."""
+
+    def __init__(self):
+        self._refs = []
+        self.peak = 0
+
+    def add(self, t) -> None:
+        """Count ``t`` (a fresh gathered tensor) while its storage lives; update the peak
+        (alive bytes only grow here, so sampling here finds the true maximum)."""
+        s = t.untyped_storage()
+        self._refs.append((StorageWeakRef(s), s.nbytes()))
+        self.peak = max(self.peak, self.alive())
+
+    def alive(self) -> int:
+        self._refs = [(r, nb) for r, nb in self._refs if not r.expired()]
+        return sum(nb for _, nb in self._refs)
+
+    def reset_peak(self) -> None:
+        self.peak = self.alive()
+
+
+class UnitCall:
+    """One entry of a unit in a forward, shared by the ranks (simulated: the j-th
+    entry of every rank): the per-rank gradients waiting for the reduce-scatter and
+    the weights re-gathered for backward."""
+
+    def __init__(self, unit):
+        self.unit, self.left, self.grads = unit, 0, {}
+        self.cache, self.packed, self.ptrs, self.recorded, self.done = {}, {}, {}, set(), set()
+        self.by_rank = {}               # rank -> its entries in forward order (prefetch)
+
+
+class Regather:
+    """What a saved gathered weight becomes: where to find it again."""
+    __slots__ = ("call", "k", "i", "shape", "stride", "offset")
+
+    def __init__(self, call, k, i, t):
+        self.call, self.k, self.i = call, k, i
+        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+class GatherUnit(torch.autograd.Function):
+    """All-gather of a unit's shards for rank k (forward); its gradients reduce-scattered
+    (backward).  Simulated: a shard is (N, chunk), rank k's copy a fresh (N*chunk,)."""
+
+    @staticmethod
+    def forward(ctx, fsdp, call, k, pre, *shards):
+        ctx.fsdp, ctx.call, ctx.k = fsdp, call, k
+        ctx.set_materialize_grads(False)
+        outs = pre or tuple(fsdp._all_gather(call, k, i, s) for i, s in enumerate(shards))
+        ctx.mark_non_differentiable(*[o for o, need in zip(outs, ctx.needs_input_grad[4:])
+                                      if not need])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * 4 + ctx.fsdp._reduce_scatter(ctx.call, ctx.k, grads,
+                                                       ctx.needs_input_grad[4:])
+
+
+def all_gather(x, g):
+    out = torch.empty(x.numel() * g.n, dtype=x.dtype)
+    dist.all_gather_single(out, x.contiguous(), group=g.pg)
+    return out
+
+
+def tree_cast(tree, dtype):
+    """Floating-point tensors and DistTensors of ``tree`` cast to ``dtype``."""
+    from torch.utils import _pytree as pytree
+
+    from ..dist_tensor import DistTensor
+
+    def one(x):
+        if isinstance(x, (torch.Tensor, DistTensor)) and x.dtype.is_floating_point:
+            return x.to(dtype)
+        return x
+    return pytree.tree_map(one, tree)
