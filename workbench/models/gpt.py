@@ -219,14 +219,6 @@ class GPT(Splittable, nn.Module):
             x = self.layers[i](x)                                           # (B, S, h)
         return self.head(x, stage) if last else x                          # (B, S, V)
 
-    def set_recompute(self, mode: str, layers=None) -> None:
-        """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
-        if mode not in RECOMPUTE:
-            raise ValueError(f"recompute={mode!r}; use one of {RECOMPUTE}")
-        for i, block in enumerate(self.layers):
-            if layers is None or i in layers:
-                block.recompute = mode
-
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Megatron's init (Shoeybi et al. 2019, sec. 3): weights N(0, init_std), the

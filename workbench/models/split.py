@@ -7,6 +7,7 @@ it asks the model.  Both course models (``Llama``, ``GPT``) answer with this mix
     model.tp_regions(layers)     the modules that take Megatron's f before and g after
     model.pipeline_stages(n)     n stages of equal layer counts and the modules each owns
     model.head(x, stage)         final norm and lm head (or the tied embedding's table)
+    model.set_recompute(mode)    none | selective | full, per block
 
 A model sets ``TP_BLOCK_PLAN`` (the plan inside its blocks, keys from the model's root
 such as ``"layers.*.attn.wq"``) and ``FIRST_MODULES`` (what the first stage adds before
@@ -15,6 +16,8 @@ the blocks: the embeddings).
 from __future__ import annotations
 
 import torch.nn.functional as F
+
+from .config import RECOMPUTE
 
 __all__ = ["Splittable"]
 
@@ -66,3 +69,11 @@ class Splittable:
         if "lm_head" not in stage["modules"]:         # tied, one stage: the embedding's table
             return F.linear(x, self.tok_emb.weight)
         return self.lm_head(x)
+
+    def set_recompute(self, mode: str, layers=None) -> None:
+        """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute={mode!r}; use one of {RECOMPUTE}")
+        for i, block in enumerate(self.layers):
+            if layers is None or i in layers:
+                block.recompute = mode

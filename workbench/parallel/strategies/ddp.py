@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import RankGroup, check_module, replace_parameter, run_per_rank
+from .ranks import ModuleWrapper, RankGroup, check_module, replace_parameter, run_per_rank
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(ModuleWrapper):
     """Data parallel training of ``module`` over the ranks along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -202,21 +202,11 @@ class DistributedDataParallel(nn.Module):
             self._sync_enabled = old
 
     # ---- the module's own names -------------------------------------------------------------
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def parameters(self, recurse=True):
-        return self.module.parameters(recurse)
-
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return super().train(mode)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

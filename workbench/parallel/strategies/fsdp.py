@@ -42,12 +42,12 @@ from torch import nn
 
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, tree_cast)
-from .ranks import RankGroup, check_module
+from .ranks import ModuleWrapper, RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -271,16 +271,6 @@ class FullyShardedDataParallel(nn.Module):
         their averaged gradients once ``backward()`` returns; kept for DDP's API."""
 
     # ---- the module's own names ------------------------------------------------------------
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def parameters(self, recurse=True):
-        return self.module.parameters(recurse)
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return super().train(mode)
-
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """{the module's own name: the full fp32 tensor} (parameters gathered)."""

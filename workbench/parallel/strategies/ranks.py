@@ -183,3 +183,20 @@ def run_per_rank(group, module, params, args, kwargs):
         outs.append(torch.func.functional_call(module, params[k], a, kw, tie_weights=True,
                                                strict=False))
     return group.join(outs, dim)
+
+
+class ModuleWrapper(torch.nn.Module):
+    """What the data-parallel wrappers share: they keep the wrapped ``module`` and
+    answer with its own names (no ``module.`` prefix), so any ``torch.optim``
+    optimizer built on ``wrapper.parameters()`` steps the module's parameters."""
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse=True):
+        return self.module.parameters(recurse)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
