@@ -190,7 +190,7 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
     if faster not in ("A", "B"):
         raise CheckError(f"faster should be 'A' or 'B', got {faster!r}")
     if faster != want_f:
-        raise CheckError(f"both layouts compute the same per device, so the one with less "
+        raise CheckError("both layouts compute the same per device, so the one with less "
                          f"communication wins: compare your two numbers", expected=repr(want_f))
     _ok(f"A {want_a:.1f} ms, B {want_b:.1f} ms of TP all-reduces per micro-batch: {want_f} is "
         f"faster. Doubling t halves each device's compute per layer but not the bytes "

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import flash_attention
-from .config import RECOMPUTE, ModelConfig
+from .config import ModelConfig
 from .split import Splittable
 
 __all__ = ["GPTLayer", "TP_PLAN", "GPT", "GPT_TP_PLAN"]

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
 from ..sim_mesh import rng
-from .config import RECOMPUTE, ModelConfig
+from .config import ModelConfig
 from .split import Splittable
 
 __all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
