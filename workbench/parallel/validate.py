@@ -47,14 +47,23 @@ MESHES = ((2,), (3,), (2, 2))     # mesh shapes: 3 ranks makes 5 or 4 rows uneve
 
 # ---- coupling to the dispatcher (adapt here when the op table changes) ------------------------
 
+class _Op:
+    """An op-table entry seen through one of its callables (that callable's parse)."""
+    __slots__ = ("entry", "parse", "name")
+
+    def __init__(self, entry, parse):
+        self.entry, self.parse, self.name = entry, parse, entry.name
+
+
 def _opdef(fn):
-    from .dispatch import OPS
-    return OPS.get(fn)
+    from .ops_table.table import BY_FUNC
+    hit = BY_FUNC.get(fn)
+    return None if hit is None else _Op(*hit)
 
 
 def _implemented() -> set:
-    from .dispatch import OPS
-    return {od.name for od in OPS.values()}
+    from .ops_table.table import TABLE
+    return {name for name, e in TABLE.items() if e.runs and e.rule is not None}
 
 
 def _decide(opdef, args, kwargs):
@@ -70,9 +79,8 @@ def _decide(opdef, args, kwargs):
 def _run(opdef, dec, cand, inputs, specs, attrs, mesh) -> tuple:
     """Run ``cand`` (whether or not it is the cheapest) as dispatch() runs its choice."""
     from .dispatch import _prepare, run_prepared
-    forced = dataclasses.replace(dec, candidates=(cand,))
-    prep = _prepare(opdef, forced, inputs, specs, attrs, mesh)
-    out = run_prepared(opdef, prep, inputs, specs, attrs, mesh)
+    prep = _prepare(opdef.entry, dec, inputs, specs, attrs, mesh, cand=cand)
+    out = run_prepared(opdef.entry, prep, inputs, specs, attrs, mesh)
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -188,7 +196,7 @@ def _compare(outs, refs, cand_outs, mesh) -> tuple[bool, float, str]:
 def _attempt(opdef, dist_args, dist_kwargs, refs, cand_fn):
     """Decide, then run the candidates ``cand_fn(decision)`` picks; yields
     (candidate, exact, max error, detail)."""
-    from .dispatch import VALIDATE
+    from .dispatch_local import VALIDATE
     inputs, attrs, specs, mesh, dec = _decide(opdef, dist_args, dist_kwargs)
     for cand in cand_fn(dec, specs):
         VALIDATE.append(True)        # "replicated" outputs must be equal on every rank

@@ -49,7 +49,14 @@ def _reduction(kind):
             return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
         if any(x.shape[d] == 0 for d in dims):       # an empty shard: max's identity
             shape = x.sum(dims, keepdim=keepdim).shape
-            return x.new_full(shape, float("-inf") if kind == "amax" else float("inf"))
+            if x.dtype == torch.bool:
+                ident = kind == "amin"                # or: False; and: True
+            elif x.dtype.is_floating_point or x.dtype.is_complex:
+                ident = float("-inf") if kind == "amax" else float("inf")
+            else:                                      # integers have no inf: their extremes
+                info = torch.iinfo(x.dtype)
+                ident = info.min if kind == "amax" else info.max
+            return torch.full(shape, ident, dtype=x.dtype, device=x.device)
         if kind == "amax":
             return x.amax(dims, keepdim=keepdim)
         return x.amin(dims, keepdim=keepdim)

@@ -101,11 +101,15 @@ def attention_options(q, k, v, mask, placements_v, dropout_p) -> list[tuple]:
 
 
 def _heads_line_up(q, k, st) -> bool:
-    """GQA: q's and k's head shards must pair query head h with K/V head h // g."""
+    """Every rank keeps at least one head (a rank with none has no attention to run), and
+    under GQA q's and k's head shards pair query head h with K/V head h // g."""
     hq, hkv = q.shape[1], k.shape[1]
+    nq = math.prod(q.mesh.shape[i] for i, p in enumerate(st.inputs[0]) if p.is_shard(1))
+    n = math.prod(q.mesh.shape[i] for i, p in enumerate(st.inputs[1]) if p.is_shard(1))
+    if hq < nq or (n > 1 and hkv < n):
+        return False
     if hq == hkv or hkv == 1:
         return True
-    n = math.prod(q.mesh.shape[i] for i, p in enumerate(st.inputs[1]) if p.is_shard(1))
     return hkv % n == 0
 
 
