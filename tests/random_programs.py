@@ -26,8 +26,9 @@ from workbench.parallel.placement import PARTIAL_OPS, Partial, Replicate, Shard
 from workbench.parallel.validate import distribute
 
 # known bugs the property test keeps off until they are fixed (issue 10):
-KNOWN = ("partial_scalar",   # P(sum) + 1 adds the scalar on every rank
-         "zero_size")        # a zero-size tensor split unevenly crashes ("cannot reshape")
+# the known bugs the generator once kept off (P(sum) + 1 on every rank; zero-size uneven
+# splits crashing) are fixed: nothing is kept off for correctness any more
+KNOWN = ()
 # not a wrong answer but a cost: choosing a binary op's strategy on a 3-d mesh plans each
 # of its 125-343 candidates (10-15 s for one add on a (2, 2, 2) mesh): kept off by default
 SLOW = ("slow_planning",)

@@ -1,8 +1,8 @@
 """Random SPMD programs (tests/random_programs.py) equal one device, forward and backward:
 random meshes (1-3 dims, up to 8 ranks, random rank order), tensors (0-4 dims), nested
 shards and Partial of every reduce op, chains of 33 op kinds.  The generator keeps off
-the known bugs of issue 10 (random_programs.KNOWN); each of them is reproduced below as
-a strict xfail, so that it flips when fixed.  benchmarks/random_sweep.py runs 2,000 of
+nothing for correctness (the bugs of issue 10 it once avoided are fixed and each is
+reproduced below).  benchmarks/random_sweep.py runs 2,000 of
 these programs with nothing kept off."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_at_least_twenty_op_kinds():
     assert len(OPS) >= 20
 
 
-# ---- known bugs (issue 10), each in its smallest form ------------------------------------
+# ---- the bugs of issue 10, fixed, each kept as a test in its smallest form ----------------
 
 MESH = wb.Mesh.grid(2)
 
@@ -38,20 +38,16 @@ def _x():
     return wb.shard_tensor(torch.randn(3, 4), MESH, [Shard(0)])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: P(sum) + scalar adds the scalar on every rank")
 def test_partial_plus_scalar():
     t = distribute(torch.zeros(2), MESH, [Partial("sum")])
     torch.testing.assert_close((t + 1).full(), torch.ones(2))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: P(sum) rsub: 1 - x adds 1 on every rank")
 def test_scalar_minus_partial():
     t = distribute(torch.zeros(2), MESH, [Partial("sum")])
     torch.testing.assert_close((1 - t).full(), torch.ones(2))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 10: out-of-range dims wrap instead of raising IndexError")
 @pytest.mark.parametrize("call", [lambda d: torch.softmax(d, 5), lambda d: d.sum(7),
                                   lambda d: d.transpose(0, 4), lambda d: torch.cat([d, d], 5)],
                          ids=["softmax", "sum", "transpose", "cat"])
@@ -65,19 +61,15 @@ def test_out_of_range_dim_raises_index_error(call):
     raise AssertionError("the DistTensor call returned a result")   # ...so must we
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: an int32 P(sum) comes back int64")
 def test_int_partial_keeps_its_dtype():
     t = distribute(torch.arange(6, dtype=torch.int32), MESH, [Partial("sum")])
     assert t.full().dtype == torch.int32
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: sum(dim, dtype=) ignores dtype")
 def test_sum_dtype():
     assert _x().sum(0, dtype=torch.float64).dtype == torch.float64
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="issue 10: a zero-size tensor "
-                   "split unevenly crashes ('cannot reshape tensor of 0 elements')")
 def test_zero_size_uneven_shard():
     t = wb.shard_tensor(torch.zeros(3, 0), MESH, [Shard(0)])
     assert t.full().shape == (3, 0)
