@@ -22,6 +22,7 @@ import argparse
 import collections
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -38,30 +39,44 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
     torch.set_num_threads(a.threads)
-    from tests.random_programs import run_program
     warnings.filterwarnings("ignore", category=UserWarning)
     avoid = tuple(x for x in a.avoid.split(",") if x)
     counts = collections.Counter()
     groups: dict = {}
     t0 = time.perf_counter()
-    for i in range(a.start, a.start + a.cases):
-        out = run_program(random.Random(i), avoid=avoid)
-        counts[out.status] += 1
-        if out.status != "ok":
-            key = (out.status, out.kind, out.where,
-                   out.detail.split(":")[0] if out.status == "wrong" else "")
-            groups.setdefault(key, []).append((i, out))
-        if (i - a.start + 1) % 100 == 0:
-            print(f"{i - a.start + 1} cases: {dict(counts)} "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, _stop)      # stopped early: report the cases run so far
+    done = 0
+    try:
+        for i in range(a.start, a.start + a.cases):
+            _one(i, avoid, counts, groups)
+            done += 1
+            if done % 100 == 0:
+                print(f"{done} cases: {dict(counts)} ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print(f"stopped after {done} cases", file=sys.stderr)
     wall = time.perf_counter() - t0
-    print(f"{a.cases} random programs (seeds {a.start}..{a.start + a.cases - 1}, avoid "
+    print(f"{done} random programs (seeds {a.start}..{a.start + done - 1}, avoid "
           f"{list(avoid)}): {dict(counts)} in {wall:.0f} s")
     for (status, kind, where, what), cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         seed, out = cases[0]
         print(f"\n== {status} {kind} {where} {what}: {len(cases)} cases "
               f"(seeds {[s for s, _ in cases[:8]]})\n{out.detail}\n{out.text[:1500]}")
     return 1 if counts["wrong"] or counts["raised"] else 0
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _one(i, avoid, counts, groups):
+    from tests.random_programs import run_program
+    out = run_program(random.Random(i), avoid=avoid)
+    counts[out.status] += 1
+    if out.status != "ok":
+        key = (out.status, out.kind, out.where,
+               out.detail.split(": ")[1].split(" (")[0] if out.status == "wrong" else "")
+        groups.setdefault(key, []).append((i, out))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class Outcome:
     status: str             # "ok" | "wrong" | "raised" | "refused"
     text: str               # the program, as Python
     detail: str = ""
-    kind: str = ""          # the exception type (raised / refused)
+    kind: str = ""          # the exception type (raised / refused), the op (wrong)
     where: str = ""         # file:line of the innermost workbench frame
 
 
@@ -65,7 +65,7 @@ def _mesh(rng):
 class _Prog:
     def __init__(self, rng, avoid):
         self.rng, self.avoid = rng, set(avoid)
-        self.lines, self.leaves, self.n = [], [], 0
+        self.lines, self.leaves, self.n, self.kind = [], [], 0, ""
 
     def name(self):
         self.n += 1
@@ -126,7 +126,7 @@ def _op(p: _Prog, cur):
     """Draw one op for ``cur`` = (name, dist, ref): (text, f(dist) , f(ref)) or None."""
     rng = p.rng
     nm, d, r = cur
-    k = rng.choice(OPS)
+    k = p.kind = rng.choice(OPS)
     if k in BINARY and p.mesh.ndim >= 3 and "slow_planning" in p.avoid:
         return None
     shape, nd = tuple(r.shape), r.dim()
@@ -262,6 +262,7 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
         if r.requires_grad and r.is_floating_point():
             g = torch.randn(r.shape, generator=torch.Generator().manual_seed(7), dtype=r.dtype)
             p.lines.append(f"({nm} * g).sum().backward()")
+            p.kind = "backward"
             (d * g).sum().backward()
             (r * g).sum().backward()
             for ln, ld, lr, ps in p.leaves:
@@ -272,7 +273,7 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
                 got = ld.grad.full() if ld.grad is not None else torch.zeros_like(lr)
                 _close(got, want, f"{ln}.grad")
     except _Wrong as e:
-        return Outcome("wrong", "\n".join(p.lines), str(e))
+        return Outcome("wrong", "\n".join(p.lines), str(e), kind=p.kind)
     except Exception as e:  # noqa: BLE001 - classified for the report
         status = "refused" if isinstance(e, CLEAR) else "raised"
         return Outcome(status, "\n".join(p.lines), f"{type(e).__name__}: {e}"[:300],
