@@ -59,7 +59,8 @@ class DataParallel:
         mesh: their mesh; ``dp`` names its data-parallel dimension.
         zero: 0 (plain DP), 1, 2 or 3.
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
-            (None: one all-reduce per gradient).
+            (None: one all-reduce per gradient; ``math.inf``: every gradient in one
+            contiguous buffer, Megatron-LM's default without overlap).
     """
 
     def __init__(self, params, mesh, dp="dp", zero: int = 0, bucket_bytes: int | None = None,
@@ -76,6 +77,9 @@ class DataParallel:
         self.axis = mesh.dim(dp)
         self.n = mesh.shape[self.axis]
         self.zero = zero
+        if bucket_bytes is not None and not bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
+                             "math.inf for one bucket, or None for one all-reduce per gradient")
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0

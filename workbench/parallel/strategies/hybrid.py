@@ -27,6 +27,7 @@ dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ from .tensor_parallel import tensor_parallel_region
 from .zero3 import Zero3
 
 __all__ = ["Hybrid", "stage_meshes"]
+
+ONE_BUFFER = math.inf      # DataParallel's bucket_bytes: every gradient in one bucket
 
 
 def _relative(plan: dict, name: str) -> dict:
@@ -181,8 +184,14 @@ class Hybrid:
                 opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
                 self._shards[s] = [e[3] for e in opts[-1].entries]
             else:
+                # Megatron-LM keeps a stage's gradients in one contiguous buffer and, with
+                # its default overlap_grad_reduce=False, all-reduces it as ONE bucket after
+                # the pipeline flush (megatron/core/distributed/
+                # distributed_data_parallel_config.py: bucket_size None when not
+                # overlapping): one collective per stage, not one per tensor
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
-                                         lr=lr, weight_decay=weight_decay))
+                                         bucket_bytes=ONE_BUFFER, lr=lr,
+                                         weight_decay=weight_decay))
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
