@@ -126,3 +126,25 @@ def test_zero3_memory_equals_formula():
     z = Zero3(m, mesh, "dp")
     psi = sum(p.numel() for p in nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)).parameters())
     assert z.memory(mixed_precision=True).total == estimates.zero_model_state_bytes(psi, DP, 3)
+
+
+def test_zero2_reduce_scatters_during_backward():
+    """ZeRO-2 launches each gradient's reduce-scatter as backward produces it, on the comm
+    stream (async), and step() waits for them: backward computes on while the first one
+    runs, and the gradients are freed (only the shard is kept)."""
+    mesh = wb.Mesh.grid((DP, 1), ("dp", "tp"))
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    wb.parallelize(m, mesh, {}, mesh_dim="tp")
+    dp = DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=2, lr=1e-2)
+    x = dp.shard_batch(torch.randn(16, 64))
+    with wb.trace() as tr:
+        m(x).sum().backward()
+        rs = [e for e in tr.collectives() if e.name == "reduce_scatter"]
+        bwd = [e for e in tr.events if e.args.get("phase") == "backward"]
+        assert len(rs) == 8 and all(e.label == "zero-2 grad (async)" for e in rs)
+        assert any(rs[0].start <= e.start < rs[0].end for e in bwd)    # not blocked by it
+        assert all(p._local.grad is None for _, p in wb.dist_parameters(m))
+        dp.step()
+    assert all(tr.now(r) >= rs[-1].end for r in mesh.ranks)    # step waited for them
+    assert [e.name for e in tr.collectives()][-1] == "all_gather"   # one buffer
+    assert sum(e.name == "all_gather" for e in tr.collectives()) == 1

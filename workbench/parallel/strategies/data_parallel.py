@@ -110,6 +110,15 @@ class DataParallel:
         like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
         self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
         self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
+        # ZeRO-2 reduce-scatters each gradient from a post-accumulate-grad hook, during
+        # backward (async on the simulated clock); on torch.distributed the collectives
+        # are blocking calls, so there the reduce-scatter stays in step()
+        self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
+        self._pending: list = []                       # (trace, handle) to wait for in step
+        if zero == 2 and not self.distributed:
+            for i, p in enumerate(self.params):
+                if p._local.requires_grad:
+                    p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
 
     # ---- shapes ---------------------------------------------------------------------------
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +150,8 @@ class DataParallel:
     def step(self) -> None:
         """Reduce the gradients over dp and take one AdamW step (in place)."""
         # as torch.optim: a parameter without a gradient (frozen, or unused) is skipped
-        live = [i for i, p in enumerate(self.params) if p._local.grad is not None]
+        live = [i for i, p in enumerate(self.params)
+                if p._local.grad is not None or i in self._gshard]
         if not live:
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
@@ -156,7 +166,7 @@ class DataParallel:
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                    weight_decay=self.wd)
         else:
-            self._zero_step(params, grads, m, v)
+            self._zero_step(params, grads, m, v, live)
         for p in params:
             p._local.grad = None
 
@@ -195,22 +205,93 @@ class DataParallel:
     def _flat_nopad(self, t):
         return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
 
-    def _zero_step(self, params, grads, ms, vs):
+    # ---- ZeRO: one buffer, and ZeRO-2's reduce-scatter during backward ------------------------
+    def _lead(self, t):
+        """``t`` with every mesh axis at full size (one copy per rank), so tensors of
+        different placements can share one buffer (torch.distributed: one rank, all 1)."""
+        lead = (1,) * self.mesh.ndim if self.distributed else tuple(self.mesh.shape)
+        return t.expand(lead + tuple(t.shape[self.mesh.ndim:]))
+
+    def _pack(self, flats):
+        """Padded flat tensors (lead, N_d * c_i) -> one buffer (lead, N_d * sum c_i) laid
+        out rank-major (chunk k of every tensor, then chunk k + 1...): a reduce-scatter of
+        it leaves rank k exactly its chunk k of each (Megatron's distributed optimizer
+        shards one contiguous gradient buffer the same way)."""
+        return torch.cat([self._lead(f).unflatten(-1, (self.n, -1)) for f in flats],
+                         dim=-1).flatten(-2)
+
+    def _unpack(self, buf, like):
+        """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
+        lead axes of ``like[i]`` (a replicated axis back to one copy)."""
+        out, off, nd = [], 0, self.mesh.ndim
+        for t in like:
+            c = t.shape[-1]
+            piece = buf[..., off:off + c]
+            for a in range(nd):
+                if t.shape[a] == 1 and piece.shape[a] != 1:
+                    piece = piece.narrow(a, 0, 1)
+            out.append(piece)
+            off += c
+        return out
+
+    def _reduce_scatter_hook(self, i):
+        """ZeRO-2 (DeepSpeed's overlap_comm): as soon as backward has accumulated a
+        parameter's gradient, launch its reduce-scatter on the comm stream and keep only
+        this rank's shard (the full gradient is freed); ``step`` waits for it."""
+        def hook(leaf):
+            from ...sim_mesh.trace import current_trace, suspend
+            g = leaf.grad
+            with suspend(), torch.no_grad():     # the math; recorded below as async
+                gs = C.reduce_scatter(self._flat(g), self.mesh, self.axis, 0, "sum")
+            gs = self._unpack(gs, [self.m[i]])[0]
+            self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
+            nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
+            tr = current_trace()
+            self._pending += [(tr, h) for h in C.record_collective(
+                "reduce_scatter", self.mesh, self.axis, nb, "zero-2 grad (async)",
+                overlap=True)]
+            leaf.grad = None
+        return hook
+
+    def _zero_step(self, params, grads, ms, vs, live):
+        from ...sim_mesh.trace import current_trace
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
-        for p, g, m, v in zip(params, grads, ms, vs):
-            loc = p._local
-            numel = math.prod(loc.shape[nd:])
-            gs = C.reduce_scatter(self._flat(g), mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
-            # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
-            ps = self._flat(loc.detach()).unflatten(-1, (self.n, -1))
+        tr = current_trace()
+        for t, h in self._pending:          # ZeRO-2: the reduce-scatters launched in backward
+            if t is tr and tr is not None:
+                tr.wait(h)
+        self._pending = []
+        shards = [self._gshard.pop(i, None) for i in live]
+        todo = [j for j, g in enumerate(grads) if g is not None]
+        if todo:     # gradients not reduced in backward: one reduce-scatter of one buffer
+            buf = self._pack([self._flat(grads[j]) for j in todo])
+            red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
+            for j, gs in zip(todo, self._unpack(red, [ms[j] for j in todo])):
+                shards[j] = gs if shards[j] is None else shards[j] + gs
+        # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
+        ps = []
+        for p in params:
+            chunks = self._flat(p._local.detach()).unflatten(-1, (self.n, -1))
             if self.distributed:
-                ps = ps.select(-2, _B.local_index(mesh, ax)).contiguous()
+                ps.append(chunks.select(-2, _B.local_index(mesh, ax)).contiguous())
             else:
-                ps = torch.diagonal(ps, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
-            _adamw([ps], [gs.contiguous()], [m], [v], self.step_count, lr=self.lr,
-                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
-            full = C.all_gather(ps, mesh, ax, 0, expanded=True, label=f"zero-{self.zero} params")
-            loc.copy_(full[..., :numel].reshape(loc.shape))
+                ps.append(torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous())
+        _adamw(ps, [g.contiguous() for g in shards], ms, vs, self.step_count, lr=self.lr,
+               beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
+        # the updated shards, gathered back in one buffer
+        full = C.all_gather(torch.cat([self._lead(s) for s in ps], dim=-1), mesh, ax, 0,
+                            expanded=True, label=f"zero-{self.zero} params")
+        full = full.unflatten(-1, (self.n, -1))
+        off = 0
+        for p, s in zip(params, ps):
+            loc, c = p._local, s.shape[-1]
+            numel = math.prod(loc.shape[nd:])
+            piece = full[..., off:off + c].flatten(-2)[..., :numel]
+            off += c
+            for a in range(nd):
+                if loc.shape[a] == 1 and piece.shape[a] != 1:
+                    piece = piece.narrow(a, 0, 1)
+            loc.copy_(piece.reshape(loc.shape))
 
     # ---- accounting ------------------------------------------------------------------------
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
