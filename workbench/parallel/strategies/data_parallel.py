@@ -61,11 +61,15 @@ class DataParallel:
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
             (None: one all-reduce per gradient; ``math.inf``: every gradient in one
             contiguous buffer, Megatron-LM's default without overlap).
+        partial_grads: parameters (of ``params``) whose gradients are each rank's
+            partial sum over mesh dim ``partial_dim`` (sequence-parallel norms:
+            :func:`.tensor_parallel.sequence_parallel_norms`); ``step`` all-reduces
+            them over that dim in one buffer, once, before the data-parallel reduce.
     """
 
     def __init__(self, params, mesh, dp="dp", zero: int = 0, bucket_bytes: int | None = None,
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, partial_grads=(), partial_dim="tp"):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero!r}: use 0 (plain data parallel), 1, 2 or 3")
         if zero == 3:
@@ -75,6 +79,11 @@ class DataParallel:
             else list(params)
         self.mesh = mesh
         self.axis = mesh.dim(dp)
+        ids = {id(p) for p in self.params}
+        if any(id(p) not in ids for p in partial_grads):
+            raise ValueError("partial_grads: every one must be one of params")
+        self._partial = {id(p) for p in partial_grads}
+        self.partial_axis = mesh.dim(partial_dim) if self._partial else None
         self.n = mesh.shape[self.axis]
         self.zero = zero
         if bucket_bytes is not None and not bucket_bytes > 0:
@@ -116,8 +125,8 @@ class DataParallel:
         self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
         self._pending: list = []                       # (trace, handle) to wait for in step
         if zero == 2 and not self.distributed:
-            for i, p in enumerate(self.params):
-                if p._local.requires_grad:
+            for i, p in enumerate(self.params):       # (partial ones: summed at step)
+                if p._local.requires_grad and id(p) not in self._partial:
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
 
     # ---- shapes ---------------------------------------------------------------------------
@@ -157,6 +166,7 @@ class DataParallel:
                                "loss.backward() first")
         self.step_count += 1
         params = [self.params[i] for i in live]
+        self._sum_partials(params)
         grads = [p._local.grad for p in params]
         m, v = [self.m[i] for i in live], [self.v[i] for i in live]
         if self.zero == 0:
@@ -169,6 +179,23 @@ class DataParallel:
             self._zero_step(params, grads, m, v, live)
         for p in params:
             p._local.grad = None
+
+    def _sum_partials(self, params) -> None:
+        """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
+        part = [p for p in params if id(p) in self._partial and p._local.grad is not None]
+        if not part:
+            return
+        nd = self.mesh.ndim
+        buf = torch.cat([self._lead(p._local.grad).reshape(
+            tuple(self._lead(p._local.grad).shape[:nd]) + (-1,)) for p in part], dim=-1)
+        red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
+                           label="sequence-parallel norm grads")
+        off = 0
+        for p in part:
+            g = p._local.grad
+            n = math.prod(g.shape[nd:])
+            p._local.grad = red[..., off:off + n].reshape(self._lead(g).shape).contiguous()
+            off += n
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh

@@ -42,7 +42,7 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from .data_parallel import DataParallel
 from .memory import saved_activation_bytes
-from .tensor_parallel import tensor_parallel_region
+from .tensor_parallel import sequence_parallel_norms, tensor_parallel_region
 from .zero3 import Zero3
 
 __all__ = ["Hybrid", "stage_meshes"]
@@ -145,6 +145,7 @@ class Hybrid:
         self.stages = model.pipeline_stages(self.pp * self.v)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
+        self._sp_norms = {}
         for s, stage in enumerate(self.stages):
             mesh = self.meshes[s % self.pp]
             if not self._own(mesh):
@@ -156,6 +157,11 @@ class Hybrid:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                            seq_dim=1)
+            # SP: norm gradients summed over tp once per step, as Megatron-LM does
+            # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
+            self._sp_norms[s] = [p for name in stage["modules"] for p in
+                                 sequence_parallel_norms(model.get_submodule(name), mesh)] \
+                if self.sp and self.zero != 3 else []
         return model
 
     def _own(self, mesh) -> bool:
@@ -191,7 +197,8 @@ class Hybrid:
                 # overlapping): one collective per stage, not one per tensor
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
                                          bucket_bytes=ONE_BUFFER, lr=lr,
-                                         weight_decay=weight_decay))
+                                         weight_decay=weight_decay,
+                                         partial_grads=self._sp_norms.get(s, ())))
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
