@@ -16,7 +16,8 @@ After backward each rank holds the gradient of its shard; then:
   reduce-scattered: 1.5x the data-parallel volume.
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
-sharded stages.  The optimizer is AdamW (``workbench.ops.adamw``); memory is
+sharded stages, whose messages go as one buffer (ZeRO-2's reduce-scatter async during
+backward: :mod:`.zero_step`).  The optimizer is AdamW (``workbench.ops.adamw``); memory is
 counted per rank from what each rank actually holds (:meth:`memory`).
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..placement import Replicate
+from .zero_step import ZeroStep
 
 __all__ = ["DataParallel", "MemoryReport"]
 
@@ -51,7 +53,7 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer
 
 
-class DataParallel:
+class DataParallel(ZeroStep):
     """Data parallel training of ``params`` (DistTensor leaves, replicated on ``dp``).
 
     Args:
@@ -231,94 +233,6 @@ class DataParallel:
 
     def _flat_nopad(self, t):
         return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
-
-    # ---- ZeRO: one buffer, and ZeRO-2's reduce-scatter during backward ------------------------
-    def _lead(self, t):
-        """``t`` with every mesh axis at full size (one copy per rank), so tensors of
-        different placements can share one buffer (torch.distributed: one rank, all 1)."""
-        lead = (1,) * self.mesh.ndim if self.distributed else tuple(self.mesh.shape)
-        return t.expand(lead + tuple(t.shape[self.mesh.ndim:]))
-
-    def _pack(self, flats):
-        """Padded flat tensors (lead, N_d * c_i) -> one buffer (lead, N_d * sum c_i) laid
-        out rank-major (chunk k of every tensor, then chunk k + 1...): a reduce-scatter of
-        it leaves rank k exactly its chunk k of each (Megatron's distributed optimizer
-        shards one contiguous gradient buffer the same way)."""
-        return torch.cat([self._lead(f).unflatten(-1, (self.n, -1)) for f in flats],
-                         dim=-1).flatten(-2)
-
-    def _unpack(self, buf, like):
-        """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
-        lead axes of ``like[i]`` (a replicated axis back to one copy)."""
-        out, off, nd = [], 0, self.mesh.ndim
-        for t in like:
-            c = t.shape[-1]
-            piece = buf[..., off:off + c]
-            for a in range(nd):
-                if t.shape[a] == 1 and piece.shape[a] != 1:
-                    piece = piece.narrow(a, 0, 1)
-            out.append(piece)
-            off += c
-        return out
-
-    def _reduce_scatter_hook(self, i):
-        """ZeRO-2 (DeepSpeed's overlap_comm): as soon as backward has accumulated a
-        parameter's gradient, launch its reduce-scatter on the comm stream and keep only
-        this rank's shard (the full gradient is freed); ``step`` waits for it."""
-        def hook(leaf):
-            from ...sim_mesh.trace import current_trace, suspend
-            g = leaf.grad
-            with suspend(), torch.no_grad():     # the math; recorded below as async
-                gs = C.reduce_scatter(self._flat(g), self.mesh, self.axis, 0, "sum")
-            gs = self._unpack(gs, [self.m[i]])[0]
-            self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
-            nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
-            tr = current_trace()
-            self._pending += [(tr, h) for h in C.record_collective(
-                "reduce_scatter", self.mesh, self.axis, nb, "zero-2 grad (async)",
-                overlap=True)]
-            leaf.grad = None
-        return hook
-
-    def _zero_step(self, params, grads, ms, vs, live):
-        from ...sim_mesh.trace import current_trace
-        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
-        tr = current_trace()
-        for t, h in self._pending:          # ZeRO-2: the reduce-scatters launched in backward
-            if t is tr and tr is not None:
-                tr.wait(h)
-        self._pending = []
-        shards = [self._gshard.pop(i, None) for i in live]
-        todo = [j for j, g in enumerate(grads) if g is not None]
-        if todo:     # gradients not reduced in backward: one reduce-scatter of one buffer
-            buf = self._pack([self._flat(grads[j]) for j in todo])
-            red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
-            for j, gs in zip(todo, self._unpack(red, [ms[j] for j in todo])):
-                shards[j] = gs if shards[j] is None else shards[j] + gs
-        # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
-        ps = []
-        for p in params:
-            chunks = self._flat(p._local.detach()).unflatten(-1, (self.n, -1))
-            if self.distributed:
-                ps.append(chunks.select(-2, _B.local_index(mesh, ax)).contiguous())
-            else:
-                ps.append(torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous())
-        _adamw(ps, [g.contiguous() for g in shards], ms, vs, self.step_count, lr=self.lr,
-               beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
-        # the updated shards, gathered back in one buffer
-        full = C.all_gather(torch.cat([self._lead(s) for s in ps], dim=-1), mesh, ax, 0,
-                            expanded=True, label=f"zero-{self.zero} params")
-        full = full.unflatten(-1, (self.n, -1))
-        off = 0
-        for p, s in zip(params, ps):
-            loc, c = p._local, s.shape[-1]
-            numel = math.prod(loc.shape[nd:])
-            piece = full[..., off:off + c].flatten(-2)[..., :numel]
-            off += c
-            for a in range(nd):
-                if loc.shape[a] == 1 and piece.shape[a] != 1:
-                    piece = piece.narrow(a, 0, 1)
-            loc.copy_(piece.reshape(loc.shape))
 
     # ---- accounting ------------------------------------------------------------------------
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
