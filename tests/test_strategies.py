@@ -154,3 +154,27 @@ def test_step_report_counts_activations_per_rank():
     # each rank holds 1/8 of what scales with the batch; tables that do not (rotary
     # cos/sin, per-rank copies of small replicated values) keep the ratio within 10%
     assert dp8 * 8 == pytest.approx(one, rel=0.1)
+
+
+def test_sequence_parallel_sums_norm_gradients_once_per_step():
+    """Megatron-LM (finalize_model_grads): under SP the norms' weight gradients are
+    all-reduced over tp once per step, after the pipeline flush, not every micro-batch:
+    with 4 micro-batches, no norm all-reduce in backward and one in the step."""
+    import workbench as wb
+    cfg = get_config("tiny", dropout=0.0)
+    h = Hybrid(tp=2, pp=2, sp=True, microbatches=4)
+    x, y = get_batch(cfg, BATCH, 0, 0)
+    h.check(cfg, BATCH)
+    model = h.build_model(cfg, 0)
+    opts = h.build_optimizer(model, LR, 0.0)
+    with wb.trace() as tr:
+        h.forward_backward(model, x, y)
+        before = len(tr.collectives())
+        assert not [e for e in tr.collectives() if "norm" in e.label]
+        h.optimizer_step(opts)
+    step = [e for e in tr.collectives()[before:] if e.name == "all_reduce"]
+    assert [e.label for e in step] == ["sequence-parallel norm grads"] * 2   # one per stage
+    # each stage sums all its norms' weights in that one message (fp32)
+    n_norm = {0: cfg.n_layer // 2 * 2, 1: cfg.n_layer // 2 * 2 + 1}
+    assert sorted(e.args["buffer_bytes"] for e in step) == sorted(
+        4 * cfg.d_model * n for n in n_norm.values())

@@ -16,7 +16,8 @@ After backward each rank holds the gradient of its shard; then:
   reduce-scattered: 1.5x the data-parallel volume.
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
-sharded stages.  The optimizer is AdamW (``workbench.ops.adamw``); memory is
+sharded stages, whose messages go as one buffer (ZeRO-2's reduce-scatter async during
+backward: :mod:`.zero_step`).  The optimizer is AdamW (``workbench.ops.adamw``); memory is
 counted per rank from what each rank actually holds (:meth:`memory`).
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..placement import Replicate
+from .zero_step import ZeroStep
 
 __all__ = ["DataParallel", "MemoryReport"]
 
@@ -51,7 +53,7 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer
 
 
-class DataParallel:
+class DataParallel(ZeroStep):
     """Data parallel training of ``params`` (DistTensor leaves, replicated on ``dp``).
 
     Args:
@@ -59,12 +61,17 @@ class DataParallel:
         mesh: their mesh; ``dp`` names its data-parallel dimension.
         zero: 0 (plain DP), 1, 2 or 3.
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
-            (None: one all-reduce per gradient).
+            (None: one all-reduce per gradient; ``math.inf``: every gradient in one
+            contiguous buffer, Megatron-LM's default without overlap).
+        partial_grads: parameters (of ``params``) whose gradients are each rank's
+            partial sum over mesh dim ``partial_dim`` (sequence-parallel norms:
+            :func:`.tensor_parallel.sequence_parallel_norms`); ``step`` all-reduces
+            them over that dim in one buffer, once, before the data-parallel reduce.
     """
 
     def __init__(self, params, mesh, dp="dp", zero: int = 0, bucket_bytes: int | None = None,
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, partial_grads=(), partial_dim="tp"):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero!r}: use 0 (plain data parallel), 1, 2 or 3")
         if zero == 3:
@@ -74,8 +81,16 @@ class DataParallel:
             else list(params)
         self.mesh = mesh
         self.axis = mesh.dim(dp)
+        ids = {id(p) for p in self.params}
+        if any(id(p) not in ids for p in partial_grads):
+            raise ValueError("partial_grads: every one must be one of params")
+        self._partial = {id(p) for p in partial_grads}
+        self.partial_axis = mesh.dim(partial_dim) if self._partial else None
         self.n = mesh.shape[self.axis]
         self.zero = zero
+        if bucket_bytes is not None and not bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
+                             "math.inf for one bucket, or None for one all-reduce per gradient")
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
@@ -106,6 +121,15 @@ class DataParallel:
         like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
         self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
         self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
+        # ZeRO-2 reduce-scatters each gradient from a post-accumulate-grad hook, during
+        # backward (async on the simulated clock); on torch.distributed the collectives
+        # are blocking calls, so there the reduce-scatter stays in step()
+        self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
+        self._pending: list = []                       # (trace, handle) to wait for in step
+        if zero == 2 and not self.distributed:
+            for i, p in enumerate(self.params):       # (partial ones: summed at step)
+                if p._local.requires_grad and id(p) not in self._partial:
+                    p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
 
     # ---- shapes ---------------------------------------------------------------------------
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
@@ -137,12 +161,14 @@ class DataParallel:
     def step(self) -> None:
         """Reduce the gradients over dp and take one AdamW step (in place)."""
         # as torch.optim: a parameter without a gradient (frozen, or unused) is skipped
-        live = [i for i, p in enumerate(self.params) if p._local.grad is not None]
+        live = [i for i, p in enumerate(self.params)
+                if p._local.grad is not None or i in self._gshard]
         if not live:
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
         self.step_count += 1
         params = [self.params[i] for i in live]
+        self._sum_partials(params)
         grads = [p._local.grad for p in params]
         m, v = [self.m[i] for i in live], [self.v[i] for i in live]
         if self.zero == 0:
@@ -152,9 +178,26 @@ class DataParallel:
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                    weight_decay=self.wd)
         else:
-            self._zero_step(params, grads, m, v)
+            self._zero_step(params, grads, m, v, live)
         for p in params:
             p._local.grad = None
+
+    def _sum_partials(self, params) -> None:
+        """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
+        part = [p for p in params if id(p) in self._partial and p._local.grad is not None]
+        if not part:
+            return
+        nd = self.mesh.ndim
+        buf = torch.cat([self._lead(p._local.grad).reshape(
+            tuple(self._lead(p._local.grad).shape[:nd]) + (-1,)) for p in part], dim=-1)
+        red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
+                           label="sequence-parallel norm grads")
+        off = 0
+        for p in part:
+            g = p._local.grad
+            n = math.prod(g.shape[nd:])
+            p._local.grad = red[..., off:off + n].reshape(self._lead(g).shape).contiguous()
+            off += n
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh
@@ -190,23 +233,6 @@ class DataParallel:
 
     def _flat_nopad(self, t):
         return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
-
-    def _zero_step(self, params, grads, ms, vs):
-        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
-        for p, g, m, v in zip(params, grads, ms, vs):
-            loc = p._local
-            numel = math.prod(loc.shape[nd:])
-            gs = C.reduce_scatter(self._flat(g), mesh, ax, 0, "sum", label=f"zero-{self.zero} grad")
-            # my shard of the parameters (rank k of dp keeps chunk k of the flat tensor)
-            ps = self._flat(loc.detach()).unflatten(-1, (self.n, -1))
-            if self.distributed:
-                ps = ps.select(-2, _B.local_index(mesh, ax)).contiguous()
-            else:
-                ps = torch.diagonal(ps, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
-            _adamw([ps], [gs.contiguous()], [m], [v], self.step_count, lr=self.lr,
-                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
-            full = C.all_gather(ps, mesh, ax, 0, expanded=True, label=f"zero-{self.zero} params")
-            loc.copy_(full[..., :numel].reshape(loc.shape))
 
     # ---- accounting ------------------------------------------------------------------------
     def memory(self, mixed_precision: bool = False) -> MemoryReport:

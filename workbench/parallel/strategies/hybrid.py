@@ -27,6 +27,7 @@ dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +42,12 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from .data_parallel import DataParallel
 from .memory import saved_activation_bytes
-from .tensor_parallel import tensor_parallel_region
+from .tensor_parallel import sequence_parallel_norms, tensor_parallel_region
 from .zero3 import Zero3
 
 __all__ = ["Hybrid", "stage_meshes"]
+
+ONE_BUFFER = math.inf      # DataParallel's bucket_bytes: every gradient in one bucket
 
 
 def _relative(plan: dict, name: str) -> dict:
@@ -142,6 +145,7 @@ class Hybrid:
         self.stages = model.pipeline_stages(self.pp * self.v)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
+        self._sp_norms = {}
         for s, stage in enumerate(self.stages):
             mesh = self.meshes[s % self.pp]
             if not self._own(mesh):
@@ -153,6 +157,11 @@ class Hybrid:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                            seq_dim=1)
+            # SP: norm gradients summed over tp once per step, as Megatron-LM does
+            # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
+            self._sp_norms[s] = [p for name in stage["modules"] for p in
+                                 sequence_parallel_norms(model.get_submodule(name), mesh)] \
+                if self.sp and self.zero != 3 else []
         return model
 
     def _own(self, mesh) -> bool:
@@ -181,8 +190,15 @@ class Hybrid:
                 opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
                 self._shards[s] = [e[3] for e in opts[-1].entries]
             else:
+                # Megatron-LM keeps a stage's gradients in one contiguous buffer and, with
+                # its default overlap_grad_reduce=False, all-reduces it as ONE bucket after
+                # the pipeline flush (megatron/core/distributed/
+                # distributed_data_parallel_config.py: bucket_size None when not
+                # overlapping): one collective per stage, not one per tensor
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
-                                         lr=lr, weight_decay=weight_decay))
+                                         bucket_bytes=ONE_BUFFER, lr=lr,
+                                         weight_decay=weight_decay,
+                                         partial_grads=self._sp_norms.get(s, ())))
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:

@@ -17,12 +17,15 @@ and the torchrun activation check.
 """
 from __future__ import annotations
 
+from torch import nn
+
+from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
 
-__all__ = ["megatron_f", "megatron_g", "tensor_parallel_region"]
+__all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_parallel_norms"]
 
 
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
@@ -55,3 +58,36 @@ def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int
     def g(mod, args, out):
         return megatron_g(out, ax, sp, seq_dim)
     return module.register_forward_pre_hook(f), module.register_forward_hook(g)
+
+
+def _is_norm(mod) -> bool:
+    from ...models.llama import RMSNorm
+    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm, RMSNorm))
+
+
+def sequence_parallel_norms(module, mesh, tp="tp") -> list:
+    """Under sequence parallelism each norm runs on the rank's slice of the sequence, so
+    its weight's (and bias's) gradient is a partial sum over tp.  Megatron-LM marks these
+    parameters ``sequence_parallel`` and all-reduces their gradients over tp ONCE per
+    step, after the pipeline flush (``finalize_model_grads``: ``_allreduce_layernorm_grads``
+    in megatron/core/distributed/finalize_model_grads.py), not every micro-batch.  Here
+    each such parameter gets one copy per tp rank (so no per-micro-batch all-reduce is
+    inserted and each rank keeps its partial gradient); the optimizer sums them
+    (``DataParallel(partial_grads=...)``).  Returns those DistTensors (none on
+    torch.distributed, where the per-micro-batch all-reduce stays)."""
+    if _B.is_distributed(mesh):
+        return []
+    ax, n = mesh.dim(tp), mesh.shape[mesh.dim(tp)]
+    out = []
+    for mod in module.modules():
+        if not _is_norm(mod):
+            continue
+        for p in getattr(mod, "_wb_dist_params", {}).values():
+            if not p.placements[ax].is_replicate() or p._local.shape[ax] != 1:
+                continue
+            loc = p._local.detach()
+            shape = list(loc.shape)
+            shape[ax] = n
+            p._local = loc.expand(shape).clone().requires_grad_(p._local.requires_grad)
+            out.append(p)
+    return out

@@ -8,6 +8,17 @@ forward; here the gathered copy autograd saved stands in for it, and the re-gath
 is recorded in the trace) and the gradients are reduce-scattered back to the
 shards.  Per step: all-gather forward + all-gather backward + reduce-scatter =
 1.5x the all-reduce of plain data parallelism.
+
+Overlap on the simulated clock (DeepSpeed's ZeRO-3: parameters prefetched ahead of
+use up to ``stage3_prefetch_bucket_size`` elements, default 5e7, and gradients
+reduce-scattered as they are produced, ``overlap_comm``): the gathers are async
+collectives on the comm stream issued ahead in execution order (forward: the modules
+after the one starting, in the order the last forward ran them, registration order
+before the first; backward: the modules before), and a module's compute waits for
+its own gather; each shard's reduce-scatter is launched when backward accumulates its
+gradient and ``step`` waits for them (a recompute in backward gathers each module
+as it reruns, without prefetch, and its backward reuses that copy).  On torch.distributed the collectives are
+blocking calls and this stays blocking.
 """
 from __future__ import annotations
 
@@ -22,7 +33,11 @@ from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
 
-__all__ = ["Zero3"]
+__all__ = ["Zero3", "PREFETCH_NUMEL"]
+
+# DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py:
+# 5e7 elements): how far ahead parameters are gathered
+PREFETCH_NUMEL = 50_000_000
 
 
 class Zero3:
@@ -30,7 +45,11 @@ class Zero3:
     :func:`workbench.parallelize` (its DistTensor parameters replicated on dp)."""
 
     def __init__(self, module: nn.Module, mesh, dp="dp", lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0):
+                 eps=1e-8, weight_decay=0.0, prefetch_numel: int = PREFETCH_NUMEL):
+        if not isinstance(prefetch_numel, int) or prefetch_numel < 0:
+            raise ValueError(f"prefetch_numel={prefetch_numel!r}: give the elements to "
+                             "gather ahead, an int >= 0 (0: no prefetch)")
+        self.prefetch_numel = prefetch_numel
         self.module, self.mesh = module, mesh
         self.axis = mesh.dim(dp)
         self.n = mesh.shape[self.axis]
@@ -62,11 +81,104 @@ class Zero3:
                 self.names.append(f"{mname}.{name}" if mname else name)
         self.m = [torch.zeros_like(e[3]) for e in self.entries]
         self.v = [torch.zeros_like(e[3]) for e in self.entries]
-        self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod))
-                       for mod in {id(e[0]): e[0] for e in self.entries}.values()]
+        mods = list({id(e[0]): e[0] for e in self.entries}.values())
+        self.order = mods                   # execution order (registration until seen)
+        self._seen: list = []               # the order this forward runs them in
+        self._numel = {id(m): sum(math.prod(e[3].shape[nd:]) * self.n for e in self.entries
+                                  if e[0] is m) for m in mods}
+        self._inflight: dict = {}           # (phase, id(module)) -> [(trace, handles)]
+        self._pending: list = []            # (trace, handle) of gradient reduce-scatters
+        self._reduced: set = set()          # entries whose reduce-scatter was recorded
+        self._have_b: set = set()           # modules gathered for a recompute in backward
+        self.async_ = not _B.is_distributed(mesh)
+        self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod)) for mod in mods]
+        if self.async_:
+            self._hooks += [mod.register_forward_hook(self._backward_hook(mod)) for mod in mods]
+            for i, e in enumerate(self.entries):
+                if e[3].requires_grad:      # fires on each gradient computed for it (a
+                    e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
+
+    # ---- the clock: async gathers ahead of use, reduce-scatters as gradients come -----------
+    def _issue(self, phase: str, mod) -> None:
+        from ...sim_mesh.trace import current_trace
+        key = (phase, id(mod))
+        if key in self._inflight:
+            return
+        label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
+        nb = self._numel[id(mod)] * next(e[3].element_size() for e in self.entries
+                                         if e[0] is mod)
+        self._inflight[key] = [(current_trace(), C.record_collective(
+            "all_gather", self.mesh, self.axis, nb, label, overlap=True))]
+
+    def _wait(self, phase: str, mod, ahead: bool = True) -> None:
+        """``mod`` is about to compute: wait for its gather, then gather ahead."""
+        from ...sim_mesh.trace import current_trace
+        self._issue(phase, mod)
+        for tr, hs in self._inflight.pop((phase, id(mod))):
+            if tr is current_trace() and tr is not None:
+                for h in hs:
+                    tr.wait(h)
+        if not ahead:
+            return
+        order = self.order if phase == "F" else self.order[::-1]
+        ahead = 0
+        for nxt in order[order.index(mod) + 1:] if mod in order else []:
+            if ahead >= self.prefetch_numel:
+                break
+            self._issue(phase, nxt)
+            ahead += self._numel[id(nxt)]
+
+    def _backward_hook(self, mod):
+        zero3 = self
+
+        class _BeforeBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.gathered = False
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                if ctx.gathered:              # a second pass (a split backward's W)
+                    return g
+                ctx.gathered = True
+                if id(mod) in zero3._have_b:      # gathered for its recompute already
+                    zero3._have_b.discard(id(mod))
+                else:
+                    zero3._wait("B", mod)   # its re-gather, before its backward computes
+                return g
+
+        def hook(module, args, out):
+            if torch.is_grad_enabled() and isinstance(out, DistTensor) \
+                    and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
+                return DistTensor(_BeforeBackward.apply(out._local), out.mesh,
+                                  out.placements, out.shape, out.dtype)
+            return out
+        return hook
+
+    def _reduce_scatter_hook(self, i):
+        def hook(grad):
+            from ...sim_mesh.trace import current_trace
+            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
+            self._reduced.add(i)
+            tr = current_trace()
+            self._pending += [(tr, h) for h in C.record_collective(
+                "reduce_scatter", self.mesh, self.axis, nb, "zero-3 params", overlap=True)]
+        return hook
 
     def _gather_hook(self, mod):
         def hook(module, args):
+            if self.async_:
+                if torch._C._current_graph_task_id() != -1:     # a recompute in backward:
+                    self._wait("B", mod, ahead=False)           # gathered as it runs
+                    self._have_b.add(id(mod))
+                else:
+                    if mod in self._seen:
+                        self._seen = []                         # a new forward
+                    self._seen.append(mod)
+                    if len(self._seen) == len(self.order):
+                        self.order = list(self._seen)           # the order forward ran
+                    self._wait("F", mod)
             for (m, name, tmpl, shard) in self.entries:
                 if m is module:
                     object.__setattr__(m, name, self._gather(tmpl, shard))
@@ -74,6 +186,8 @@ class Zero3:
 
     def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
         nd, mesh = self.mesh.ndim, self.mesh
+        if self.async_:
+            return self._gather_math(tmpl, shard)
         full = C.all_gather(shard, mesh, self.axis, 0, expanded=True, label="zero-3 params")
         local = tuple(tmpl._local.shape[nd:])
         numel = math.prod(local)
@@ -84,6 +198,21 @@ class Zero3:
         full = C._on_backward(full, "all_gather", mesh, self.axis, nb, "zero-3 re-gather")
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
 
+    def _gather_math(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
+        """The gathered parameter, one copy per dp rank, with no collective recorded (the
+        hooks record them on the clock): its backward, the sum over the copies of each
+        rank's chunk, is the reduce-scatter's math."""
+        from ...sim_mesh.trace import suspend
+        nd, mesh, ax = self.mesh.ndim, self.mesh, self.axis
+        with suspend():
+            full = C.all_gather(shard, mesh, ax, 0)          # compact: one copy on dp
+        local = tuple(tmpl._local.shape[nd:])
+        lead = list(full.shape[:nd])
+        full = full[..., :math.prod(local)].reshape(tuple(lead) + local)
+        lead[ax] = self.n
+        return DistTensor(full.expand(tuple(lead) + local), mesh, tmpl.placements,
+                          tmpl.shape, tmpl.dtype)
+
     @torch.no_grad()
     def step(self) -> None:
         # as torch.optim: a shard without a gradient (frozen, or unused) is skipped
@@ -91,6 +220,16 @@ class Zero3:
         if not live:
             raise RuntimeError("Zero3.step(): no parameter shard has a gradient; call "
                                "loss.backward() first")
+        from ...sim_mesh.trace import current_trace
+        tr = current_trace()
+        for i in live:        # a gradient set without backward's hook (a split backward)
+            if self.async_ and i not in self._reduced:
+                self._reduce_scatter_hook(i)(self.entries[i][3])
+        for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
+            if t is tr and tr is not None:
+                for h1 in (h if isinstance(h, list) else [h]):
+                    tr.wait(h1)
+        self._pending, self._inflight, self._reduced = [], {}, set()
         self.step_count += 1
         shards = [self.entries[i][3] for i in live]
         grads = [s.grad for s in shards]
