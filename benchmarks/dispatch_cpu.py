@@ -4,7 +4,8 @@ shared machine is too noisy to compare two versions of the dispatcher).
 Three chains on 8 simulated ranks, forward and backward, beside one device:
 
 * even: the toy tensor-parallel MLP of ``sim_overhead.py`` (T=32, H=64);
-* uneven: the same with 30 tokens sharded over 8 ranks (the per-cell path);
+* uneven: an elementwise chain (tanh, mul, add, sum) on 30 rows sharded over 8 ranks
+  (the per-cell path: one local call per rank);
 * traced: the even chain under a trace (pricing and the backward compute event).
 
     python benchmarks/dispatch_cpu.py [calls]
@@ -60,6 +61,26 @@ def simulated(X, W1, W2, x_ps, traced=False):
     return traced_step
 
 
+def one_device_chain(X):
+    x = X.clone().requires_grad_()
+
+    def step():
+        x.grad = None
+        (torch.tanh(x) * 3 + x).sum().backward()
+    return step
+
+
+def uneven_chain(X):
+    mesh = wb.Mesh.grid(TP, ["tp"])
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0)]).requires_grad_()
+    assert not x.is_even
+
+    def step():
+        x.grad = None
+        (torch.tanh(x) * 3 + x).sum().backward()
+    return step
+
+
 def main() -> int:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     torch.manual_seed(0)
@@ -67,13 +88,15 @@ def main() -> int:
     W1, W2 = torch.randn(4 * H, H) / H ** 0.5, torch.randn(H, 4 * H) / H ** 0.5
     X, Xu = torch.randn(32, H), torch.randn(30, H)
     t1 = cpu_per_call(one_device(X, W1, W2), calls)
-    print(f"one device        {t1 * 1e6:8.0f} us CPU/step")
-    for name, fn in [("even (TP MLP)", simulated(X, W1, W2, [wb.Replicate()])),
-                     ("uneven (30 rows)", simulated(Xu, W1, W2, [wb.Shard(0)])),
-                     ("even, traced", simulated(X, W1, W2, [wb.Replicate()], traced=True))]:
+    tu = cpu_per_call(one_device_chain(Xu), calls)
+    print(f"one device        {t1 * 1e6:8.0f} us CPU/step (MLP), {tu * 1e6:.0f} us (chain)")
+    for name, fn, ref in [("even (TP MLP)", simulated(X, W1, W2, [wb.Replicate()]), t1),
+                          ("uneven (30 rows)", uneven_chain(Xu), tu),
+                          ("even, traced", simulated(X, W1, W2, [wb.Replicate()], traced=True),
+                           t1)]:
         t = cpu_per_call(fn, calls)
         print(f"{name:<18}{t * 1e6:8.0f} us CPU/step  {t / OPS_PER_STEP * 1e6:6.0f} us/op  "
-              f"{t / t1:5.2f}x one device")
+              f"{t / ref:5.2f}x one device")
     return 0
 
 
