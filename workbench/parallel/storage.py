@@ -36,7 +36,7 @@ from .placement import Partial, Replicate, Shard
 __all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
-           "map_tensors", "device", "first_copy_like", "local_step", "per_cell", "run_per_cell",
+           "map_tensors", "device", "first_copy_like", "local_step", "run_per_cell",
            "keep_first_replica"]
 
 
