@@ -38,7 +38,7 @@ from .dist_tensor import DistTensor, TensorSpec
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
-                             run_cells as _run_cells, settle_outputs, wrap as _wrap)
+                             run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
@@ -310,7 +310,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         pricing.record_forward(tr, opdef, mesh, cost, dtype)
         if torch.is_grad_enabled():
             outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
-    outs = settle_outputs(outs, outs_ps, out_shapes, locs, mesh)
+    # cells of an even layout stacked again; a replicated output computed per rank kept
+    # once (under VALIDATE, ranks that computed different copies raise)
+    outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
+                                      check=VALIDATE[-1])
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)

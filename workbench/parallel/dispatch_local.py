@@ -10,7 +10,7 @@ from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .placement import Replicate
 
-__all__ = ["Ctx", "run_cells", "settle_outputs", "wrap", "fallback", "VALIDATE"]
+__all__ = ["Ctx", "run_cells", "wrap", "fallback", "VALIDATE"]
 
 VALIDATE = [False]         # tests: check that "replicated" outputs really are identical
 
@@ -60,12 +60,6 @@ def run_cells(opdef, ctx, locs, attrs, outs_ps, mesh):
         return r if many else (r,)
     outs = storage.run_per_cell(one, locs, lead, len(outs_ps))
     return outs if many else outs[0]
-
-
-def settle_outputs(outs, outs_ps, shapes, locs, mesh):
-    """The outputs in the form their layouts are held in (see storage.keep_first_replica);
-    under VALIDATE, a "replicated" output whose ranks differ raises."""
-    return storage.keep_first_replica(outs, outs_ps, shapes, locs, mesh, check=VALIDATE[-1])
 
 
 def wrap(o, mesh, ps, shape):

@@ -252,13 +252,15 @@ def keep_first_replica(outs, outs_ps, shapes, locs, mesh, check: bool = False) -
                     o = _B.GradOnFirst.apply(o, coord[a])
             res.append(o)
         return tuple(res)
-    return tuple(_first_copy(settle(o, shape, mesh, ps), mesh, ps, check)
-                 for o, ps, shape in zip(outs, outs_ps, shapes))
+    res = []
+    for o, ps, shape in zip(outs, outs_ps, shapes):
+        if isinstance(o, Cells):
+            o = settle(o, shape, mesh, ps)
+        res.append(o if isinstance(o, Cells) else _first_copy(o, mesh, ps, check))
+    return tuple(res)
 
 
 def _first_copy(o, mesh, placements, check):
-    if isinstance(o, Cells):
-        return o
     for i, p in enumerate(placements):
         if p.is_replicate() and o.shape[i] != 1:
             first = o.narrow(i, 0, 1)
