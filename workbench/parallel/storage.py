@@ -216,20 +216,27 @@ def run_per_cell(fn, locs, lead: tuple, n_out: int) -> tuple:
     its piece at ``coord`` with a size-1 leading axis per mesh dim (non-tensors as they
     are); ``fn`` returns a tuple of ``n_out`` such outputs, gathered into ``n_out`` Cells."""
     nd = len(lead)
+    coords = list(itertools.product(*[range(n) for n in lead]))
+    pieces = [_pieces(x, coords, nd) for x in locs]
     results = []
-    for c in itertools.product(*[range(n) for n in lead]):
-        rs = fn(c, [_piece(x, c, nd) for x in locs])
+    for k, c in enumerate(coords):
+        rs = fn(c, [p[k] for p in pieces])
         results.append(tuple(o.reshape(o.shape[nd:]) for o in rs))
     return tuple(Cells(lead, [r[j] for r in results]) for j in range(n_out))
 
 
-def _piece(x, c, nd):
+def _pieces(x, coords, nd):
+    """``x``'s piece at each of ``coords`` (a size-1 axis of a stack or of cells is
+    shared by every coordinate along it)."""
+    one = (1,) * nd
     if isinstance(x, Cells):
-        return x[c].reshape((1,) * nd + tuple(x[c].shape))
+        ts = [x[c] for c in coords]
+        return [t.reshape(one + tuple(t.shape)) for t in ts]
     if isinstance(x, torch.Tensor) and x.dim() >= nd:
-        idx = tuple(ci if x.shape[i] > 1 else 0 for i, ci in enumerate(c))
-        return x[idx].reshape((1,) * nd + tuple(x.shape[nd:]))
-    return x
+        lead, rest = x.shape[:nd], tuple(x.shape[nd:])
+        return [x[tuple(ci if n > 1 else 0 for ci, n in zip(c, lead))].reshape(one + rest)
+                for c in coords]
+    return [x] * len(coords)
 
 
 def keep_first_replica(outs, outs_ps, shapes, locs, mesh, check: bool = False) -> tuple:
