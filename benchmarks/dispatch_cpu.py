@@ -8,7 +8,10 @@ Three chains on 8 simulated ranks, forward and backward, beside one device:
   (the per-cell path: one local call per rank);
 * traced: the even chain under a trace (pricing and the backward compute event).
 
-    python benchmarks/dispatch_cpu.py [calls]
+    PYTHONPATH=. python benchmarks/dispatch_cpu.py [calls]
+
+(``PYTHONPATH=.``: a script run by path otherwise imports the installed ``workbench``,
+not the checkout it sits in.)
 """
 from __future__ import annotations
 
