@@ -31,16 +31,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
-from ..sim_mesh.collectives import Cells
 from ..sim_mesh.trace import current_trace
-from . import layout
-from .dist_tensor import DistTensor, TensorSpec, _stack_cells
+from . import layout, storage
+from .dist_tensor import DistTensor, TensorSpec
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
-from .dispatch_local import (VALIDATE, Ctx, as_dist, dist_replicated_outputs,  # noqa: F401
-                             fallback as _fallback, run_cells as _run_cells, wrap as _wrap)
+from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
+                             run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from .reshard import execute
 from .rules.registry import NoRuleError, infer
@@ -118,7 +116,7 @@ def _forced(entry, prep, inputs, specs, attrs, mesh):
     if cand is None or cand is prep.cand:
         return prep
     forced = _prepare(entry, prep.dec, inputs, specs, attrs, mesh, cand=cand)
-    if not forced.even and _B.is_distributed(mesh):
+    if not forced.even and not storage.holds_uneven(mesh):
         raise ValueError(f"{entry.name}: the forced candidate has uneven shards, which "
                          "torch.distributed cannot run; force an even one")
     return forced
@@ -248,7 +246,7 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     out_shapes, out_dtypes = _out_shapes(opdef, dec, inputs, attrs)
     forced, cand = cand is not None, cand or dec.chosen
     even = _is_even(cand, specs, out_shapes, mesh)
-    if not even and not forced and _B.is_distributed(mesh):
+    if not even and not forced and not storage.holds_uneven(mesh):
         # one process per rank holds one shard: take the cheapest candidate with even
         # shards (uneven ones would need padded collectives)
         for c in dec.candidates:
@@ -273,9 +271,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
-    dist_mode = _B.is_distributed(mesh)
-    even = prep.even or dist_mode
-    if dist_mode and not prep.even:
+    even = prep.even
+    if not even and not storage.holds_uneven(mesh):
         raise NotImplementedError(f"{opdef.name} on uneven shards over torch.distributed: "
                                   "pad the tensors so every mesh dim divides them")
     locs = []
@@ -289,18 +286,14 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         if plan is not None and plan.steps:
             t = execute(plan, t)
         tensors.append(t)
-        loc = t._local
-        if even and isinstance(loc, Cells):
-            loc = _stack_cells(loc, mesh.ndim)
-        elif not even and not isinstance(loc, Cells):
-            loc = t.cells()
+        loc = storage.for_run(t._local, mesh, even)
         if axes:
             loc = C.expand_replicas(loc, mesh, axes, label=f"{opdef.name} input")
         locs.append(loc)
     out_shapes = prep.out_shapes
     if even:
         ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
-                  outs_ps, out_shapes, coord=_B.coordinate(mesh) if dist_mode else None)
+                  outs_ps, out_shapes, coord=storage.own_coord(mesh))
         out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
     else:
         ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
@@ -317,8 +310,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         pricing.record_forward(tr, opdef, mesh, cost, dtype)
         if torch.is_grad_enabled():
             outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
-    if dist_mode:
-        outs = dist_replicated_outputs(outs, outs_ps, locs, mesh)
+    # cells of an even layout stacked again; a replicated output computed per rank kept
+    # once (under VALIDATE, ranks that computed different copies raise)
+    outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
+                                      check=VALIDATE[-1])
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)

@@ -1,18 +1,16 @@
 """The local side of dispatch: the context a local implementation receives, running
-per rank when shards are uneven (:class:`Cells`), wrapping local results as DistTensors,
-and the opt-in replicate fallback."""
+per cell when shards are uneven, wrapping local results as DistTensors, and the opt-in
+replicate fallback.  The forms of the local data are :mod:`.storage`'s business."""
 from __future__ import annotations
 
 import torch
 
-from ..sim_mesh import backends as _B
-from ..sim_mesh.collectives import Cells
 from ..sim_mesh.trace import current_trace
-from . import layout
-from .dist_tensor import DistTensor, TensorSpec, _stack_cells
+from . import layout, storage
+from .dist_tensor import DistTensor, TensorSpec
 from .placement import Replicate
 
-__all__ = ["Ctx", "run_cells", "wrap", "dist_replicated_outputs", "fallback", "VALIDATE"]
+__all__ = ["Ctx", "run_cells", "wrap", "fallback", "VALIDATE"]
 
 VALIDATE = [False]         # tests: check that "replicated" outputs really are identical
 
@@ -48,77 +46,36 @@ class Ctx:
             lead + (1,) * (like.dim() - nd))
 
 
-def dist_replicated_outputs(outs, outs_ps, locs, mesh):
-    """On torch.distributed: a replicated output computed from per-rank copies keeps one
-    copy's gradient path (as the simulator keeps the first copy of such a result)."""
-    tagged = set()
-    for x in locs:
-        tagged |= set(getattr(x, "_wb_replica_axes", ()))
-    if not tagged:
-        return outs
-    coord = _B.coordinate(mesh)
-    res = []
-    for o, ps in zip(outs, outs_ps):
-        for a in sorted(tagged):
-            if ps[a].is_replicate() and o.requires_grad:
-                o = _B.GradOnFirst.apply(o, coord[a])
-        res.append(o)
-    return tuple(res)
-
-
 def run_cells(opdef, ctx, locs, attrs, outs_ps, mesh):
+    """Run the local op once per cell (uneven shards); an output replicated along a mesh
+    dim is computed once there."""
     nd = mesh.ndim
     lead = tuple(1 if all(ps[i].is_replicate() for ps in outs_ps) else mesh.shape[i]
                  for i in range(nd))
-    import itertools
-    results = []
-    for c in itertools.product(*[range(n) for n in lead]):
-        args = []
-        for x in locs:
-            if isinstance(x, Cells):
-                args.append(x[c].reshape((1,) * nd + tuple(x[c].shape)))
-            elif isinstance(x, torch.Tensor) and x.dim() >= nd and x is not None:
-                idx = tuple(ci if x.shape[i] > 1 else 0 for i, ci in enumerate(c))
-                args.append(x[idx].reshape((1,) * nd + tuple(x.shape[nd:])))
-            else:
-                args.append(x)
+    many = opdef.multi or opdef.n_out > 1
+
+    def one(c, args):
         cctx = Ctx(ctx.mesh, ctx.in_specs, ctx.out_placements, ctx.out_shape, coord=c)
         r = opdef.local(nd, cctx, *args, **attrs)
-        rs = r if (opdef.multi or opdef.n_out > 1) else (r,)
-        results.append(tuple(o.reshape(o.shape[nd:]) for o in rs))
-    outs = tuple(Cells(lead, [r[j] for r in results]) for j in range(len(outs_ps)))
-    return outs if (opdef.multi or opdef.n_out > 1) else outs[0]
+        return r if many else (r,)
+    outs = storage.run_per_cell(one, locs, lead, len(outs_ps))
+    return outs if many else outs[0]
 
 
 def wrap(o, mesh, ps, shape):
-    if isinstance(o, Cells) and layout.is_even(shape, mesh, ps):
-        o = _stack_cells(o, mesh.ndim)
-    if not isinstance(o, Cells):
-        # an output replicated along a mesh dim must be stored once (compact)
-        for i, p in enumerate(ps):
-            if p.is_replicate() and o.shape[i] != 1:
-                if VALIDATE[-1]:
-                    first = o.narrow(i, 0, 1)
-                    if not torch.allclose(o, first.expand_as(o), rtol=1e-4, atol=1e-5,
-                                          equal_nan=True):
-                        raise AssertionError(
-                            f"rule bug: output announced Replicate on mesh dim "
-                            f"{mesh.dim_names[i]!r} but ranks along it computed different values")
-                o = o.narrow(i, 0, 1)
     return DistTensor(o, mesh, ps, shape, o.dtype)
 
 
 def fallback(func, args, kwargs):
     """Gather every DistTensor input, run ``func`` on the global tensors, and return
     replicated DistTensors (recorded in the trace as the gathers it needed)."""
-    from .reshard import reshard
     mesh = None
 
     def conv(x):
         nonlocal mesh
         if isinstance(x, DistTensor):
             mesh = x.mesh
-            return reshard(x, x.mesh, [Replicate()] * x.mesh.ndim)._local.reshape(x.shape)
+            return x.full()
         if isinstance(x, (list, tuple)):
             return type(x)(conv(y) for y in x)
         return x
@@ -143,5 +100,5 @@ def as_dist(x, mesh) -> DistTensor:
     """A plain tensor as a replicated DistTensor (stored once)."""
     if isinstance(x, DistTensor):
         return x
-    return DistTensor(x.reshape((1,) * mesh.ndim + tuple(x.shape)), mesh,
-                      (Replicate(),) * mesh.ndim, x.shape, x.dtype)
+    return DistTensor(storage.replicated(x, mesh), mesh, (Replicate(),) * mesh.ndim,
+                      x.shape, x.dtype)

@@ -33,9 +33,11 @@ from ..sim_mesh.grid import Cells
 from . import layout
 from .placement import Partial, Replicate, Shard
 
-__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "rank_view", "own",
-           "to_cells", "to_stacked", "for_layout", "settle", "tensors", "requires_grad",
-           "map_tensors", "device", "first_copy_like", "local_step"]
+__all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
+           "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
+           "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
+           "map_tensors", "device", "first_copy_like", "local_step", "run_per_cell",
+           "keep_first_replica"]
 
 
 def form(loc, mesh) -> str:
@@ -50,6 +52,18 @@ def holds_own(mesh) -> bool:
     return _B.is_distributed(mesh)
 
 
+def holds_uneven(mesh) -> bool:
+    """True where uneven shards can be held (as cells): everywhere but torch.distributed,
+    where one process holds one shard and collectives need equal sizes."""
+    return not _B.is_distributed(mesh)
+
+
+def own_coord(mesh):
+    """This process's mesh coordinate on torch.distributed; None in the simulator (the
+    stack holds every rank)."""
+    return _B.coordinate(mesh) if _B.is_distributed(mesh) else None
+
+
 def is_cells(loc) -> bool:
     """True for uneven shards held one tensor per cell."""
     return isinstance(loc, Cells)
@@ -61,6 +75,21 @@ def from_global(x: torch.Tensor, mesh) -> torch.Tensor:
     """The replicated layout of the global tensor ``x``: a stack with every leading axis
     of size 1.  A copy: later in-place edits of ``x`` do not reach the DistTensor."""
     return x.clone().reshape((1,) * mesh.ndim + tuple(x.shape))
+
+
+def replicated(x: torch.Tensor, mesh) -> torch.Tensor:
+    """A plain tensor met by an op, as a replicated stack (a view: no copy)."""
+    return x.reshape((1,) * mesh.ndim + tuple(x.shape))
+
+
+def from_own(t: torch.Tensor, mesh) -> torch.Tensor:
+    """This process's shard (torch.distributed) as the local data of a DistTensor."""
+    return t.reshape((1,) * mesh.ndim + tuple(t.shape))
+
+
+def rank_bytes(loc, nd: int) -> int:
+    """Bytes of the largest shard one rank holds."""
+    return grid.ops_for(loc).rank_bytes(loc, nd)
 
 
 def _lead(loc, nd: int) -> tuple:
@@ -110,6 +139,14 @@ def for_layout(loc, shape, mesh, *placements):
     return to_stacked(loc)
 
 
+def for_run(loc, mesh, even: bool):
+    """The form a local op runs on: the stack when the op's layouts are all even (once
+    per op for every rank), cells otherwise (once per cell)."""
+    if even:
+        return to_stacked(loc) if isinstance(loc, Cells) else loc
+    return to_cells(loc, mesh.ndim)
+
+
 def settle(loc, shape, mesh, placements):
     """Cells that a now even layout ``placements`` allows are stacked again."""
     if isinstance(loc, Cells) and layout.is_even(shape, mesh, placements):
@@ -127,6 +164,14 @@ def requires_grad(loc) -> bool:
     if isinstance(loc, Cells):
         return any(t.requires_grad for t in loc.items)
     return loc.requires_grad
+
+
+def with_tensors(loc, ts):
+    """The same form holding ``ts`` (as many as :func:`tensors` gave) instead."""
+    if isinstance(loc, Cells):
+        return Cells(loc.lead, list(ts))
+    (t,) = ts
+    return t
 
 
 def map_tensors(loc, fn):
@@ -162,6 +207,77 @@ def first_copy_like(g, like, nd: int):
             zshape[i] = n - 1
             g = torch.cat([g, g.new_zeros(zshape)], dim=i)
     return g
+
+
+# ---- running a local op on uneven shards, and its replicated outputs -------------------
+
+def run_per_cell(fn, locs, lead: tuple, n_out: int) -> tuple:
+    """Run ``fn(coord, args)`` once per cell of the grid ``lead``, each input given as
+    its piece at ``coord`` with a size-1 leading axis per mesh dim (non-tensors as they
+    are); ``fn`` returns a tuple of ``n_out`` such outputs, gathered into ``n_out`` Cells."""
+    nd = len(lead)
+    coords = list(itertools.product(*[range(n) for n in lead]))
+    pieces = [_pieces(x, coords, nd) for x in locs]
+    results = []
+    for k, c in enumerate(coords):
+        rs = fn(c, [p[k] for p in pieces])
+        results.append(tuple(o.reshape(o.shape[nd:]) for o in rs))
+    return tuple(Cells(lead, [r[j] for r in results]) for j in range(n_out))
+
+
+def _pieces(x, coords, nd):
+    """``x``'s piece at each of ``coords`` (a size-1 axis of a stack or of cells is
+    shared by every coordinate along it)."""
+    one = (1,) * nd
+    if isinstance(x, Cells):
+        ts = [x[c] for c in coords]
+        return [t.reshape(one + tuple(t.shape)) for t in ts]
+    if isinstance(x, torch.Tensor) and x.dim() >= nd:
+        lead, rest = x.shape[:nd], tuple(x.shape[nd:])
+        return [x[tuple(ci if n > 1 else 0 for ci, n in zip(c, lead))].reshape(one + rest)
+                for c in coords]
+    return [x] * len(coords)
+
+
+def keep_first_replica(outs, outs_ps, shapes, locs, mesh, check: bool = False) -> tuple:
+    """An op's outputs, each in the form its layout is held in.  Cells of a now even
+    layout are stacked; an output announced replicated along a mesh dim but computed once
+    per rank there keeps the first rank's copy (a stack stores a replicated value once;
+    on torch.distributed only the first rank's copy carries the gradient).  ``check``
+    (tests) raises if the ranks' copies differ: the op's rule announced a wrong layout."""
+    if _B.is_distributed(mesh):
+        tagged = set()
+        for x in locs:          # the axes C.expand_replicas gave per-rank copies
+            tagged |= set(getattr(x, "_wb_replica_axes", ()))
+        if not tagged:
+            return outs
+        coord = _B.coordinate(mesh)
+        res = []
+        for o, ps in zip(outs, outs_ps):
+            for a in sorted(tagged):
+                if ps[a].is_replicate() and o.requires_grad:
+                    o = _B.GradOnFirst.apply(o, coord[a])
+            res.append(o)
+        return tuple(res)
+    res = []
+    for o, ps, shape in zip(outs, outs_ps, shapes):
+        if isinstance(o, Cells):
+            o = settle(o, shape, mesh, ps)
+        res.append(o if isinstance(o, Cells) else _first_copy(o, mesh, ps, check))
+    return tuple(res)
+
+
+def _first_copy(o, mesh, placements, check):
+    for i, p in enumerate(placements):
+        if p.is_replicate() and o.shape[i] != 1:
+            first = o.narrow(i, 0, 1)
+            if check and not torch.allclose(o, first.expand_as(o), rtol=1e-4, atol=1e-5,
+                                            equal_nan=True):
+                raise AssertionError(
+                    f"rule bug: output announced Replicate on mesh dim "
+                    f"{mesh.dim_names[i]!r} but ranks along it computed different values")
+            o = first
+    return o
 
 
 # ---- the local transitions of a reshard (no communication) -----------------------------

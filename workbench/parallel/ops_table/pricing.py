@@ -15,7 +15,7 @@ import torch
 
 from ...sim_mesh import cost as _cost
 from ...sim_mesh.trace import current_trace
-from .. import layout
+from .. import layout, storage
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype"]
@@ -94,24 +94,15 @@ def _record_backward(name, op_class, ranks, cost, dtype):
 
 def on_backward(outs, entry, mesh, cost: Cost, dtype):
     """Attach the backward event to the outputs that take part in autograd (one node for
-    all of them, so it is recorded once); ``outs`` is a tuple of tensors or Cells."""
-    from ...sim_mesh.collectives import Cells
-    slots = []
-    for j, o in enumerate(outs):
-        items = o.items if isinstance(o, Cells) else [o]
-        for k, t in enumerate(items):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                slots.append((j, k, t))
+    all of them, so it is recorded once); ``outs`` is a tuple of local data (any form
+    :mod:`..storage` holds)."""
+    held = [storage.tensors(o) for o in outs]
+    slots = [(j, k, t) for j, ts in enumerate(held) for k, t in enumerate(ts)
+             if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
         return outs
     record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype)
     res = _BackwardCompute.apply(record, *[t for _, _, t in slots])
-    outs = list(outs)
     for (j, k, _), r in zip(slots, res):
-        if isinstance(outs[j], Cells):
-            items = list(outs[j].items)
-            items[k] = r
-            outs[j] = Cells(outs[j].lead, items)
-        else:
-            outs[j] = r
-    return tuple(outs)
+        held[j][k] = r
+    return tuple(storage.with_tensors(o, ts) for o, ts in zip(outs, held))

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...sim_mesh.collectives import Cells
 from ...sim_mesh import cost as _cost
 from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace, suspend
+from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
@@ -60,7 +60,7 @@ def _send(t, dst_mesh, placements, label):
     with suspend():
         out = reshard(t, dst_mesh, placements)
     if tr is not None:
-        nb = _local_bytes(t)
+        nb = storage.rank_bytes(t._local, t.mesh.ndim)
         for a, b in zip(t.mesh.ranks, dst_mesh.ranks):
             if a == b:
                 continue
@@ -69,17 +69,6 @@ def _send(t, dst_mesh, placements, label):
                                args={"src": a, "dst": b})
             tr.wait(h)
     return out
-
-
-def _local_bytes(t) -> int:
-    loc = t._local
-    if isinstance(loc, Cells):
-        return max(x.numel() for x in loc.items) * loc.items[0].element_size()
-    nd = t.mesh.ndim
-    n = 1
-    for s in loc.shape[nd:]:
-        n *= s
-    return n * loc.element_size()
 
 
 def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
@@ -100,8 +89,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         costs: f/b/w costs for ordering (the schedule's simulation), default 1.
     """
     validate(schedule)
-    from ...sim_mesh import backends as _B
-    if _B.is_distributed(meshes[0]):
+    if storage.holds_own(meshes[0]):          # each process runs its own rank's actions
         from .execute_dist import run_pipeline_dist
         return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, params=params)
     p, m, v = schedule.p, schedule.m, schedule.v
@@ -203,33 +191,36 @@ def backward_action(a, schedule, out, g, x, s, params, stage_out, key) -> None:
         stage_out.pop(key, None)
 
 
+def _leaves(xs) -> list:
+    """The tensors autograd sees behind DistTensors (or the tensors themselves)."""
+    return [t for x in xs for t in (storage.tensors(x._local) if isinstance(x, DistTensor)
+                                    else [x])]
+
+
 def _backward(out, grad, inputs=None, retain=False, weights=None):
     """Backward from ``out`` with ``grad``; only into ``inputs`` when given (the input
     gradient of a split backward); only into ``weights`` when given (W)."""
     if isinstance(out, DistTensor):
+        if not out.is_even:
+            raise NotImplementedError("pipeline backward of uneven stage outputs: use a batch "
+                                      "that divides the mesh")
         o = out._local
         if grad is not None:
             g = grad._local
         else:
             g = torch.ones_like(o) if o.numel() == 1 else None
-        if isinstance(o, Cells):
-            raise NotImplementedError("pipeline backward of uneven stage outputs: use a batch "
-                                      "that divides the mesh")
     else:
         o, g = out, grad
         if g is None:
             g = torch.ones_like(o)
     if inputs is not None:
-        leaves = [x._local if isinstance(x, DistTensor) else x for x in inputs]
+        leaves = _leaves(inputs)
         grads = torch.autograd.grad(o, leaves, g, retain_graph=True, allow_unused=True)
-        for x, gr in zip(inputs, grads):
-            if gr is None:
-                continue
-            leaf = x._local if isinstance(x, DistTensor) else x
-            leaf.grad = gr if leaf.grad is None else leaf.grad + gr
+        for leaf, gr in zip(leaves, grads):
+            if gr is not None:
+                leaf.grad = gr if leaf.grad is None else leaf.grad + gr
         return
     if weights is not None:
-        leaves = [w._local if isinstance(w, DistTensor) else w for w in weights]
-        torch.autograd.backward(o, g, retain_graph=retain, inputs=leaves)
+        torch.autograd.backward(o, g, retain_graph=retain, inputs=_leaves(weights))
         return
     torch.autograd.backward(o, g, retain_graph=retain)

@@ -18,6 +18,7 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import cost as _cost
 from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace
+from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
 
@@ -89,7 +90,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
         shape, local, ps = _decode(head)
         data = torch.empty(local, dtype=dtype)
         dist.recv(data, src, tag=tag + 1)
-        return DistTensor(data.reshape((1,) * mesh.ndim + local), mesh, ps, shape, dtype)
+        return DistTensor(storage.from_own(data, mesh), mesh, ps, shape, dtype)
 
     for a in schedule.actions[r]:
         s = a.chunk * p + r
