@@ -15,6 +15,17 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
+
+def json_rows(text: str) -> list:
+    """Every JSON object the processes printed: several processes share one pipe, so two
+    rows may land on one line."""
+    dec, rows, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        row, end = dec.raw_decode(text, i)
+        rows.append(row)
+        i = text.find("{", end)
+    return rows
+
 def torchrun(n, script, *args, timeout=240):
     return subprocess.run(TORCHRUN + [f"--nproc-per-node={n}", os.path.join(SCRIPTS, script),
                                       *args], capture_output=True, text=True, timeout=timeout,
@@ -26,7 +37,7 @@ def torchrun(n, script, *args, timeout=240):
 def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
     out = torchrun(n, "wrappers_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    rows = json_rows(out.stdout)
     assert rows[-1] == {"drift_found": True}
     # FSDP with one unit per block: per process, root (emb + head) plus one block forward,
     # the head's and one block's weight in backward (what they saved); all freed after
@@ -52,8 +63,7 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
 def test_shard_tensor_broadcasts_and_from_local_checks_replicas_on_gloo():
     out = torchrun(2, "replicas_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted((json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")),
-                  key=lambda r: r["rank"])
+    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1]
     zeros, ones = [[0.0] * 3] * 2, [[1.0] * 3] * 2      # rank k's own x is full of k
     for k, r in enumerate(rows):
