@@ -256,15 +256,3 @@ class GPT(Splittable, nn.Module):
         if flat.dtype != torch.float32:
             flat = flat.float()
         return logits, F.cross_entropy(flat, targets.reshape(B * S))
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
-                 generator: torch.Generator | None = None):
-        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.seq_len:])
-            last = logits[:, -1, :].float()
-            nxt = last.argmax(-1, keepdim=True) if temperature == 0 else \
-                torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)
-            idx = torch.cat((idx, nxt), 1)
-        return idx

@@ -266,18 +266,3 @@ class Llama(Splittable, nn.Module):
         if flat.dtype != torch.float32:
             flat = flat.float()                                             # loss in fp32
         return logits, F.cross_entropy(flat, targets.reshape(B * S))
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
-                 generator: torch.Generator | None = None):
-        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.seq_len:])
-            last = logits[:, -1, :].float()                                 # (B, V)
-            if temperature == 0:
-                nxt = last.argmax(-1, keepdim=True)                         # (B, 1)
-            else:
-                probs = torch.softmax(last / temperature, -1)
-                nxt = torch.multinomial(probs, 1, generator=generator)     # (B, 1)
-            idx = torch.cat((idx, nxt), 1)
-        return idx

@@ -8,6 +8,7 @@ it asks the model.  Both course models (``Llama``, ``GPT``) answer with this mix
     model.pipeline_stages(n)     n stages of equal layer counts and the modules each owns
     model.head(x, stage)         final norm and lm head (or the tied embedding's table)
     model.set_recompute(mode)    none | selective | full, per block
+    model.generate(idx, n)       sampling, as nanoGPT's
 
 A model sets ``TP_BLOCK_PLAN`` (the plan inside its blocks, keys from the model's root
 such as ``"layers.*.attn.wq"``) and ``FIRST_MODULES`` (what the first stage adds before
@@ -15,6 +16,7 @@ the blocks: the embeddings).
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from .config import RECOMPUTE
@@ -77,3 +79,18 @@ class Splittable:
         for i, block in enumerate(self.layers):
             if layers is None or i in layers:
                 block.recompute = mode
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
+                 generator: torch.Generator | None = None):
+        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len:])
+            last = logits[:, -1, :].float()                                 # (B, V)
+            if temperature == 0:
+                nxt = last.argmax(-1, keepdim=True)                         # (B, 1)
+            else:
+                probs = torch.softmax(last / temperature, -1)
+                nxt = torch.multinomial(probs, 1, generator=generator)     # (B, 1)
+            idx = torch.cat((idx, nxt), 1)
+        return idx
