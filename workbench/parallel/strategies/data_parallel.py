@@ -33,6 +33,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..placement import Replicate
+from .ranks import bucket_order
 from .zero_step import ZeroStep
 
 __all__ = ["DataParallel", "MemoryReport"]
@@ -204,31 +205,25 @@ class DataParallel(ZeroStep):
         if not self.bucket_bytes:
             return [C.all_reduce(g, mesh, ax, "sum", expanded=True, label="dp grad")
                     .contiguous() for g in grads]
-        # buckets in reverse order of registration (the order backward produces them)
+        # buckets in reverse order of registration (the order backward produces them),
+        # as DistributedDataParallel fills them (ranks.bucket_order)
         out = [None] * len(grads)
-        order = list(range(len(grads)))[::-1]
-        bucket, size = [], 0
-        per_rank = lambda g: g[(0,) * mesh.ndim].numel() * g.element_size()  # noqa: E731
-        for i in order + [None]:
-            if i is not None:
-                bucket.append(i)
-                size += per_rank(grads[i])
-            if bucket and (i is None or size >= self.bucket_bytes):
-                lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
-                flat = torch.cat([grads[j].expand(lead + tuple(grads[j].shape[mesh.ndim:]))
-                                  .reshape(lead + (-1,)) for j in bucket], dim=-1)
-                red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
-                off = 0
-                for j in bucket:
-                    local = tuple(grads[j].shape[mesh.ndim:])
-                    n = math.prod(local)
-                    piece = red[..., off:off + n].reshape(lead + local)
-                    for a in range(mesh.ndim):      # replicated axes back to one copy
-                        if grads[j].shape[a] == 1:
-                            piece = piece.narrow(a, 0, 1)
-                    out[j] = piece
-                    off += n
-                bucket, size = [], 0
+        sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
+        lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
+        for bucket in bucket_order(sizes, self.bucket_bytes):
+            flat = torch.cat([grads[j].expand(lead + tuple(grads[j].shape[mesh.ndim:]))
+                              .reshape(lead + (-1,)) for j in bucket], dim=-1)
+            red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
+            off = 0
+            for j in bucket:
+                local = tuple(grads[j].shape[mesh.ndim:])
+                n = math.prod(local)
+                piece = red[..., off:off + n].reshape(lead + local)
+                for a in range(mesh.ndim):      # replicated axes back to one copy
+                    if grads[j].shape[a] == 1:
+                        piece = piece.narrow(a, 0, 1)
+                out[j] = piece
+                off += n
         return out
 
     def _flat_nopad(self, t):

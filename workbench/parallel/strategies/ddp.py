@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import ModuleWrapper, RankGroup, check_module, replace_parameter, run_per_rank
+from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
+                    run_per_rank)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -225,15 +226,5 @@ class DistributedDataParallel(ModuleWrapper):
 
 def _buckets(params, bucket_bytes, g):
     """Buckets of parameters in reverse order (the order backward produces them)."""
-    if bucket_bytes is None:
-        return [[p] for p in reversed(params)]
-    out, cur, size = [], [], 0
-    for p in reversed(params):
-        cur.append(p)
-        size += (p[0] if not g.distributed else p).numel() * p.element_size()
-        if size >= bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
+    sizes = [(p[0] if not g.distributed else p).numel() * p.element_size() for p in params]
+    return [[params[i] for i in b] for b in bucket_order(sizes, bucket_bytes)]

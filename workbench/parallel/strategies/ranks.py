@@ -200,3 +200,23 @@ class ModuleWrapper(torch.nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
+
+def bucket_order(sizes, bucket_bytes) -> list[list[int]]:
+    """Indices of tensors of ``sizes`` bytes grouped into buckets, in reverse order (the
+    order backward produces gradients), each bucket closed once it holds at least
+    ``bucket_bytes`` (PyTorch DDP's ``bucket_cap_mb``); ``bucket_bytes=None``: one tensor a
+    bucket.  Shared by ``DistributedDataParallel`` and the library's ``DataParallel``."""
+    order = list(range(len(sizes)))[::-1]
+    if bucket_bytes is None:
+        return [[i] for i in order]
+    out, cur, size = [], [], 0
+    for i in order:
+        cur.append(i)
+        size += sizes[i]
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
