@@ -15,6 +15,7 @@ import itertools
 import torch
 
 import workbench as wb
+from workbench.parallel.validate_inputs import partial_slot
 from workbench.parallel import dispatch
 
 MESHES = [wb.Mesh.grid(2, ["a"]), wb.Mesh.grid(4, ["a"]), wb.Mesh.grid((2, 2), ["a", "b"])]
@@ -43,18 +44,10 @@ def distribute(x, mesh, ps, seed=0):
     # build on R for the partial dims, then split the value unequally along them
     base = [wb.Replicate() if p.is_partial() else p for p in ps]
     t = wb.shard_tensor(x, mesh, base)
-    pdims = [i for i, p in enumerate(ps) if p.is_partial()]
-    n = 1
-    for i in pdims:
-        n *= mesh.shape[i]
     locals_ = []
     for r in mesh.ranks:
-        c = mesh.coordinate(r)
-        k = 0
-        for i in pdims:
-            k = k * mesh.shape[i] + c[i]
-        loc = t.local(r)
-        locals_.append(unequal_parts(loc, n, seed)[k])
+        k, n = partial_slot(mesh, ps, r)
+        locals_.append(unequal_parts(t.local(r), n, seed)[k])
     return wb.from_local(locals_, mesh, ps, shape=x.shape)
 
 

@@ -27,6 +27,7 @@ from ..parallel.dist_tensor import TensorSpec, from_local, shard_tensor
 from ..parallel.explain import explain
 from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
+from ..parallel.validate_inputs import partial_slot
 from ..parallel.rules.registry import RULES, combine, infer
 from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one_f_one_b,
                                   simulate, validate)
@@ -139,13 +140,9 @@ def _distribute(X, mesh, ps, seed=0):
     if len(ops) > 1:
         return None                       # mixed partial ops: not a layout we test
     op = ops.pop()
-    n = math.prod(mesh.shape[i] for i in pdims)
     out = []
     for r in mesh.ranks:
-        c = mesh.coordinate(r)
-        k = 0
-        for i in pdims:
-            k = k * mesh.shape[i] + c[i]
+        k, n = partial_slot(mesh, ps, r)
         out.append(_parts(t.local(r), n, op, seed)[k])
     return out
 

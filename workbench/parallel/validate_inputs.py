@@ -4,12 +4,16 @@ DistTensors where a sample call has tensors."""
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sim_mesh.mesh import Mesh
 from .dist_tensor import DistTensor, from_local, shard_tensor
 from .placement import PARTIAL_OPS, Partial, Replicate, Shard
+
+if TYPE_CHECKING:                     # validate_samples imports this module
+    from .validate_samples import Sample
 
 def _parts(x: torch.Tensor, op: str, n: int, seed: int) -> list[torch.Tensor]:
     """n tensors whose ``op`` is x, deliberately unequal (never x / n)."""
@@ -34,6 +38,17 @@ def _parts(x: torch.Tensor, op: str, n: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def partial_slot(mesh: Mesh, ps, rank: int) -> tuple[int, int]:
+    """(k, n): which of the n parts of a Partial value ``rank`` holds, n being the number of
+    ranks over the Partial mesh dims of ``ps`` (k counts them row-major)."""
+    k, n = 0, 1
+    c = mesh.coordinate(rank)
+    for i, p in enumerate(ps):
+        if p.is_partial():
+            k, n = k * mesh.shape[i] + c[i], n * mesh.shape[i]
+    return k, n
+
+
 def distribute(x: torch.Tensor, mesh: Mesh, ps, seed: int = 0) -> DistTensor:
     """``x`` laid out as ``ps`` on ``mesh``; Partial placements from unequal parts (one
     reduce op per tensor: a mix is not a well-defined value)."""
@@ -42,16 +57,9 @@ def distribute(x: torch.Tensor, mesh: Mesh, ps, seed: int = 0) -> DistTensor:
         return shard_tensor(x, mesh, ps)
     (op,) = ops
     base = shard_tensor(x, mesh, [Replicate() if p.is_partial() else p for p in ps])
-    pdims = [i for i, p in enumerate(ps) if p.is_partial()]
-    n = 1
-    for i in pdims:
-        n *= mesh.shape[i]
     locs = []
     for r in mesh.ranks:
-        c = mesh.coordinate(r)
-        k = 0
-        for i in pdims:
-            k = k * mesh.shape[i] + c[i]
+        k, n = partial_slot(mesh, ps, r)
         locs.append(_parts(base.local(r), op, n, seed)[k])
     return from_local(locs, mesh, ps, shape=x.shape)
 
