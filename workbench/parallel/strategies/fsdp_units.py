@@ -161,7 +161,10 @@ class GatherUnit(torch.autograd.Function):
 def all_gather(x, g):
     out = torch.empty(x.numel() * g.n, dtype=x.dtype)
     dist.all_gather_single(out, x.contiguous(), group=g.pg)
-    return out
+    # gloo's worker thread may still hold ``out`` for a moment after the call returns, so
+    # its lifetime would depend on thread timing: hand back a copy only this program holds,
+    # whose liveness (GatheredBytes) is the program's own
+    return out.clone()
 
 
 def tree_cast(tree, dtype):
