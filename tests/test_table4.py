@@ -3,22 +3,25 @@
 h=6144, a=64, s=2048, micro-batch 4, TP 8, fp16 (Megatron on A100, 312 TFLOP/s).
 The layer model (workbench/plan/layer_cost.py) uses the A100 profile as it is, every
 number from an independent source (profiles/a100.json citations), none fitted to
-Table 4: GEMMs at the measured MAMF fraction (0.859); LayerNorm at apex's measured
-persistent-kernel rates (1258 / 1163 GB/s, apex PR #1037); other memory-bound kernels
-at the measured 0.88 of HBM; 1 us per launch; NCCL rings inside the node by NCCL's
-own tuning model (LL / LL128 / Simple, 8.4 us + 3.4 us per step for Simple, bus
-bandwidth capped at 235 GB/s on sm80); NCCL's 16 SMs (of 108) taken from the GEMMs
-that overlap a backward collective.
+Table 4: GEMMs at the measured MAMF fraction (0.859) divided by their tile and wave
+quantization (256x128 tiles, one per SM, waves of 108: NVIDIA's Matrix Multiplication
+Background guide; the fc1 GEMM's 768 tiles fill 8 waves to 89%); LayerNorm at apex's
+measured persistent-kernel rates (1258 / 1163 GB/s, apex PR #1037); other memory-bound
+kernels at the measured 0.88 of HBM; 1 us per launch; NCCL rings inside the node by
+NCCL's own tuning model (LL / LL128 / Simple, 8.4 us + 3.4 us per step for Simple, bus
+bandwidth capped at 235 GB/s on sm80); NCCL's 16 SMs (of 108) taken from the GEMMs that
+overlap a backward collective, whose tiles then run in more waves.
 
-Result (ms, predicted / published): baseline 6.91 / 7.7, 10.11 / 11.9, 17.02 / 19.6;
-sequence parallel 6.31 / 7.2, 9.83 / 11.8, 16.14 / 19.0; full recompute 6.91 / 7.7,
-17.02 / 19.5, 23.93 / 27.2; selective 6.91 / 7.7, 11.13 / 13.2, 18.04 / 20.9;
-selective + SP 6.31 / 7.2, 10.85 / 13.1, 17.16 / 20.3. The shape of the table is
+Result (ms, predicted / published): baseline 7.25 / 7.7, 10.87 / 11.9, 18.11 / 19.6;
+sequence parallel 6.64 / 7.2, 10.55 / 11.8, 17.19 / 19.0; full recompute 7.25 / 7.7,
+18.11 / 19.5, 25.36 / 27.2; selective 7.25 / 7.7, 11.89 / 13.2, 19.13 / 20.9;
+selective + SP 6.64 / 7.2, 11.57 / 13.1, 18.21 / 20.3. The shape of the table is
 reproduced (every figure relative to the baseline's combined time within 6%); the
-absolute times are low: forward 10-12%, backward 13-17%, combined 12-16%. Not
-modeled for want of an independent A100 figure: softmax and dropout (Philox RNG)
-kernels below the copy-kernel rate, GEMM efficiency by shape (no published A100
-table covers these shapes), HBM traffic of NCCL slowing the kernels it overlaps.
+absolute times are low by 6-12%: the baseline and full-recompute rows within 10%, the
+backward of the SP and selective rows 10.0-11.7% low. Not modeled for want of an
+independent A100 figure: softmax and dropout (Philox RNG) kernels below the copy-kernel
+rate, HBM traffic of NCCL slowing the kernels it overlaps, cuBLAS's choice of smaller
+tiles.
 """
 import pytest
 
@@ -48,15 +51,20 @@ def test_rows_relative_to_the_baseline(row):
 
 
 @pytest.mark.parametrize("row", list(TABLE4))
-def test_rows_absolute_within_25_percent_and_optimistic(row):
-    # the known gap (module docstring): every figure 10-25% below the published one
-    # (the forward of the baseline is 10.2% low: it stays outside the 10% band)
+def test_rows_absolute_within_12_percent_and_optimistic(row):
+    # the known gap (module docstring): every figure 0-12% below the published one
     for got, want in zip(_ms(*row), TABLE4[row]):
-        assert 0.75 * want < got < 0.90 * want, (row, got, want)
+        assert 0.88 * want < got < want, (row, got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="absolute times are 10-17% low (module docstring); "
-                   "the issue's target is 10%")
+@pytest.mark.parametrize("row", [(False, "none"), (False, "full")])
+def test_baseline_and_full_recompute_rows_within_10_percent(row):
+    for got, want in zip(_ms(*row), TABLE4[row]):
+        assert got == pytest.approx(want, rel=0.10), (row, got, want)
+
+
+@pytest.mark.xfail(strict=True, reason="the backward of the SP and selective rows is "
+                   "10.0-11.7% low (module docstring); the issue's target is 10%")
 def test_rows_absolute_within_10_percent():
     for row, want in TABLE4.items():
         for g, w in zip(_ms(*row), want):

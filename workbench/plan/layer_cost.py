@@ -113,12 +113,14 @@ def _attention(b, ah, s, d, t, T, h, e, attention):
 
 def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
-    kernel]) with ``kernel`` naming a kernel whose bandwidth a profile measured."""
+    kernel | gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
+    and ``gemm`` a matmul's output (batch, rows, columns) for tile and wave
+    quantization (``cost.gemm_efficiency``)."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
 
     def gemm(n, M, K, N):      # [M, K] @ [K, N]: read both, write [M, N]
-        return n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1
+        return n, "matmul", 2 * M * K * N, e * (M * K + K * N + M * N), 1, (1, M, N)
 
     def ln(n):                 # Megatron's persistent LayerNorm (apex FastLayerNorm) for
         # the hidden sizes it supports: read x, write y, the bytes its measured rate
@@ -149,10 +151,11 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
 def _core(b, ah, s, d, t, T, h, e):
     """The attention core Megatron's selective recompute re-runs."""
     S = b * ah * s * s                             # attention score elements per rank
-    return [("qk_baddbmm", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1),
+    return [("qk_baddbmm", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1,
+             (b * ah, s, s)),
             ("scale_mask_softmax", "norm", 5 * S, 2 * e * S, 1),
             ("attention_dropout", "elementwise", 2 * S, 2 * e * S + S, 1),
-            ("pv_bmm", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("pv_bmm", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1, (b * ah, s, d)),
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
@@ -164,10 +167,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
     S = b * ah * s * s
 
     def dgrad(n, M, K, N):     # dx[M, K] = dy[M, N] @ w[K, N]^T
-        return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1
+        return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1, (1, M, K)
 
     def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, accumulated into fp32 main_grad (read + write)
-        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1
+        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1, (1, K, N)
 
     def bda(n):                # dropout backward (grad, mask), then the bias gradient
         return [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
@@ -208,12 +211,16 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
         return ops + gemms + comm + ln("layernorm_1")
     ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
-            ("pv_bmm_grad_probs", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1),
-            ("pv_bmm_grad_value", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("pv_bmm_grad_probs", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1,
+             (b * ah, s, s)),
+            ("pv_bmm_grad_value", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
+             (b * ah, s, d)),
             ("attention_dropout_grad", "elementwise", S, 2 * e * S + S, 1),
             ("scale_mask_softmax_grad", "norm", 4 * S, 3 * e * S, 1),
-            ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
-            ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1),
+            ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
+             (b * ah, s, d)),
+            ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
+             (b * ah, s, d)),
             ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
             ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
     comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
@@ -249,7 +256,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> t
     phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)))
     out = []
     for phase, ops in phases:
-        where = {}   # name -> index in out, this phase
+        where, shapes = {}, {}   # name -> index in out, this phase; -> GEMM output
         for op in ops:
             if op[1] in _cost.KINDS:
                 if len(ranks) == 1:    # Megatron issues no collective when tp == 1
@@ -260,18 +267,22 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> t
                 exposed = pick.seconds
                 if beside:   # the GEMM runs on the SMs the collective leaves it
                     i = where[beside]
-                    gemm, exposed = _cost.overlap(out[i].seconds, pick.seconds, prof)
+                    gemm, exposed = _cost.overlap(out[i].seconds, pick.seconds, prof,
+                                                  shapes[beside])
                     out[i] = replace(out[i], seconds=gemm, exposed=gemm)
                 out.append(OpCost(name, phase, kind, 0.0, nbytes, 0, pick.seconds,
                                   exposed, pick.algorithm, beside))
             else:
                 name, cls, flops, nbytes, launches = op[:5]
-                kernel = op[5] if len(op) > 5 else None   # a measured kernel's name
+                extra = op[5] if len(op) > 5 else None
+                kernel = extra if isinstance(extra, str) else None  # a measured kernel
+                shape = extra if isinstance(extra, tuple) else None  # a GEMM's output
                 if name.startswith("recompute:"):
                     name, ph = name[len("recompute:"):], "recompute"
                 else:
                     ph = phase
-                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches, kernel)
+                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches, kernel, shape)
+                shapes[name] = shape
                 where[name] = len(out)
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
     return tuple(out)

@@ -50,7 +50,7 @@ from .profiles import OP_CLASSES, Link, Profile, get_profile
 
 __all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
            "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
-           "bus_bandwidth", "overlap"]
+           "bus_bandwidth", "overlap", "gemm_efficiency"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")
@@ -201,9 +201,67 @@ def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> 
     return _topo.algorithm_time(kind, nbytes, g, profile, algorithm)
 
 
+def _gemm_shape(gemm):
+    if gemm is None:
+        return None
+    if not isinstance(gemm, (tuple, list)) or len(gemm) != 3 or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in gemm):
+        raise ValueError(f"gemm={gemm!r} must be the output's (batch, rows, columns), "
+                         f"three ints >= 0, or None")
+    return tuple(gemm)
+
+
+def gemm_efficiency(gemm, profile, sms: "int | None" = None) -> float:
+    """The fraction of the matmul rate a GEMM whose output is ``gemm = (batch, rows,
+    columns)`` keeps after tile and wave quantization, on ``sms`` of the device's SMs
+    (default all).
+
+    NVIDIA, "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023),
+    sec. 3: the output is cut into tiles of the profile's ``gemm_tile`` (m x n), one
+    thread block each; ``per_sm`` of them run at once on each SM, so tiles run in
+    waves of ``sms x per_sm`` and a partly filled last wave, or a tile partly
+    outside the matrix, takes as long as a full one. With W = sm_count x per_sm
+    (a full wave on the whole device) and w = sms x per_sm:
+
+        efficiency = batch x rows x columns / (ceil(tiles / w) x W x m x n),
+        tiles = batch x ceil(rows / m) x ceil(columns / n)
+
+    (1.0 when the tiles exactly fill waves of the whole device; the better of the
+    tile's two orientations, m x n or n x m). The profile's matmul
+    efficiency is the best shape's measured rate, which fills its waves; this factor
+    is what other shapes lose. A GEMM of fewer tiles than one wave on the whole device
+    is small: cuBLAS picks smaller tiles for it (the guide, sec. 2.3), which this
+    model does not follow: it keeps the unquantized rate, scaled by sms / sm_count.
+    A profile without ``gemm_tile`` (or without ``topology.sm_count``) gives
+    sms / sm_count (1.0 when all SMs run it)."""
+    profile = get_profile(profile)
+    b, rows, cols = _gemm_shape(gemm)
+    t = profile.topology
+    total = t.sm_count
+    if not total and sms is None:
+        return 1.0
+    sms = total if sms is None else sms
+    if isinstance(sms, bool) or not isinstance(sms, int) or not 0 < sms <= max(total, 1):
+        raise ValueError(f"sms={sms!r} must be an int in [1, {total}] (the device's SMs)")
+    share = sms / total if total else 1.0
+    tile = profile.gemm_tile
+    if not tile or b * rows * cols == 0:
+        return share
+    tm, tn, per = tile["m"], tile["n"], tile["per_sm"]
+    full = total * per
+    best = 0.0
+    for m, n in ((tm, tn), (tn, tm)):     # cuBLAS has the tile both ways round
+        tiles = b * -(-rows // m) * -(-cols // n)
+        if tiles < full:
+            return share
+        waves = -(-tiles // (sms * per))
+        best = max(best, b * rows * cols / (waves * full * m * n))
+    return best
+
+
 def compute_time(flops: float, bytes_moved: float, profile, dtype,
                  op_class: str = "elementwise", launches: int = 1,
-                 kernel: "str | None" = None) -> float:
+                 kernel: "str | None" = None, gemm=None) -> float:
     """Seconds for ``launches`` kernels doing ``flops`` and moving ``bytes_moved``:
     a roofline (Williams, Waterman & Patterson 2009) with measured efficiencies,
 
@@ -218,6 +276,8 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     (``profile.kernel_bandwidth``): its bytes then move at that rate instead of
     memory_bandwidth x memory_efficiency (a name the profile lacks falls back to
     those, so profiles without the measurement price as before).
+    ``gemm``: a matmul's output shape ``(batch, rows, columns)``; its compute term is
+    then divided by ``gemm_efficiency`` (tile and wave quantization).
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -231,7 +291,9 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     if kernel is not None and (not isinstance(kernel, str) or not kernel):
         raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
     profile = get_profile(profile)
-    peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)[1:]
+    engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
+    if _gemm_shape(gemm) is not None and op_class == "matmul" and engine == "main":
+        peak *= gemm_efficiency(gemm, profile)
     return max(flops / peak, bytes_moved / bandwidth) + launches * launch
 
 
@@ -261,7 +323,8 @@ def explain_compute(flops: float, bytes_moved: float, profile, dtype,
             "bound": max(terms, key=terms.get)}
 
 
-def overlap(compute_seconds: float, comm_seconds: float, profile) -> tuple[float, float]:
+def overlap(compute_seconds: float, comm_seconds: float, profile,
+            gemm=None) -> tuple[float, float]:
     """A kernel and a collective running at the same time: (the kernel's stretched
     seconds, the collective's exposed seconds after the kernel ends).
 
@@ -272,16 +335,27 @@ def overlap(compute_seconds: float, comm_seconds: float, profile) -> tuple[float
     with SMs: a large GEMM does). With G the kernel alone and C the collective:
     r C >= G: the kernel ends at G / r, the collective shows C - G / r;
     else the kernel ends at G + (1 - r) C and hides the collective. A profile
-    with no SM figures (r = 1) gives (G, max(0, C - G)). Competition for HBM
-    bandwidth (NCCL's traffic crosses memory two or three times) is not modeled.
+    with no SM figures (r = 1) gives (G, max(0, C - G)). For a GEMM given by its
+    output ``gemm = (batch, rows, columns)``, r is the ratio of ``gemm_efficiency``
+    on the SMs left to that on all of them: its tiles then run in more, partly
+    filled waves (the tail effect of a GEMM beside an NCCL kernel, NVIDIA Developer
+    Forums, "Compute-Communication Overlap Causes Severe GEMM Performance
+    Degradation because of Tail Effect", 2025). Competition for HBM bandwidth
+    (NCCL's traffic crosses memory two or three times) is not modeled.
     """
     for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
                 or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name}={v!r} must be seconds >= 0")
-    t = get_profile(profile).topology
-    r = 1.0 if not t.sm_count or comm_seconds == 0 else \
-        (t.sm_count - t.collective_sms) / t.sm_count
+    prof = get_profile(profile)
+    t = prof.topology
+    if not t.sm_count or not t.collective_sms or comm_seconds == 0:
+        r = 1.0
+    elif _gemm_shape(gemm) is None:
+        r = (t.sm_count - t.collective_sms) / t.sm_count
+    else:
+        r = gemm_efficiency(gemm, prof, t.sm_count - t.collective_sms) / \
+            gemm_efficiency(gemm, prof)
     g, c = float(compute_seconds), float(comm_seconds)
     if r * c >= g:
         return g / r, c - g / r

@@ -20,7 +20,10 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   reaches when compute-bound; ``memory_efficiency``: the fraction of memory
   bandwidth a memory-bound kernel reaches; ``launch_overhead``: seconds each
   kernel adds. Defaults (1.0, 1.0, 0.0) give the ideal roofline.
-  ``kernel_bandwidth[name]``: a named kernel's measured bytes/s (bytes counted as
+  ``gemm_tile``: the thread-block tile a large GEMM runs in, ``{"m", "n", "per_sm"}``
+  (output rows x columns per tile, tiles resident per SM), for wave and tile
+  quantization (``cost.gemm_efficiency``; needs ``topology.sm_count``); empty: not
+  modeled. ``kernel_bandwidth[name]``: a named kernel's measured bytes/s (bytes counted as
   its measurement counts them), used instead of the memory term's
   bandwidth x memory_efficiency when ``compute_time`` is given ``kernel=name``.
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
@@ -175,6 +178,8 @@ class Profile:
     # measured bytes/s of named kernels (``compute_time(..., kernel=name)``), bytes
     # counted as the measurement counts them; replaces bandwidth x memory_efficiency
     kernel_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # the tile large GEMMs run in (``cost.gemm_efficiency``): {"m", "n", "per_sm"}
+    gemm_tile: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -213,6 +218,17 @@ class Profile:
                                  f"memory_bandwidth={self.memory_bandwidth!r}")
             kbw[k] = float(v)
         object.__setattr__(self, "kernel_bandwidth", MappingProxyType(kbw))
+        tile = dict(self.gemm_tile)
+        if tile:
+            if set(tile) != {"m", "n", "per_sm"}:
+                raise ValueError(f"{owner}: gemm_tile needs exactly m, n, per_sm (the tile's "
+                                 f"rows, columns and tiles per SM); got {sorted(tile)}")
+            for k, v in tile.items():
+                _count(owner, f"gemm_tile[{k!r}]", v)
+            if not self.topology.sm_count:
+                raise ValueError(f"{owner}: gemm_tile needs topology.sm_count (the tiles "
+                                 f"are spread over the SMs in waves)")
+        object.__setattr__(self, "gemm_tile", MappingProxyType(tile))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -289,6 +305,7 @@ class Profile:
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms},
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
+                "gemm_tile": dict(self.gemm_tile),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -305,7 +322,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
-                    "kernel_bandwidth",
+                    "kernel_bandwidth", "gemm_tile",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:
