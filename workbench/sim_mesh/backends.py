@@ -35,6 +35,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import peers
+
 __all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group",
            "broadcast_"]
 
@@ -61,7 +63,6 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
     _TIMEOUT[0] = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, timeout=_TIMEOUT[0])
     # the store init_process_group rendezvoused on (torch has no public getter for it)
-    from . import peers
     peers.start(dist.distributed_c10d._get_default_store(), dist.get_rank(),
                 dist.get_world_size(), timeout_s)
 
@@ -75,7 +76,6 @@ def world_size() -> int:
 
 
 def shutdown() -> None:
-    from . import peers
     peers.stop()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -78,8 +78,6 @@ def _same(peer: Peer):
 def end_frozen(peer: Peer, why: str) -> bool:
     """Send SIGTERM then SIGCONT to ``peer`` if it is still the same process (checked
     through a pidfd, so a pid reused in between cannot be hit).  True if sent."""
-    log.error("workbench.distributed: rank %d (pid %d on %s) %s: sending it SIGTERM and "
-              "SIGCONT so the job ends", peer.rank, peer.pid, socket.gethostname(), why)
     try:
         fd = os.pidfd_open(peer.pid)
     except ProcessLookupError:
@@ -87,6 +85,8 @@ def end_frozen(peer: Peer, why: str) -> bool:
     try:
         if _same(peer) is None:                   # the pid now names another process
             return False
+        log.error("workbench.distributed: rank %d (pid %d on %s) %s: sending it SIGTERM "
+                  "and SIGCONT so the job ends", peer.rank, peer.pid, socket.gethostname(), why)
         for sig in (signal.SIGTERM, signal.SIGCONT):
             signal.pidfd_send_signal(fd, sig)
         return True
@@ -97,58 +97,52 @@ def end_frozen(peer: Peer, why: str) -> bool:
 
 
 class _Watch:
-    """The host's peers and since when each has been seen stopped."""
+    """The host's peers, since when each has been seen stopped, and which were ended."""
 
     def __init__(self, me: Peer, peers: list, timeout_s: float):
         self.me, self.peers, self.timeout_s = me, peers, timeout_s
         self.poll_s = min(0.5, timeout_s / 10)     # how often /proc is read
         self.since: dict = {}                     # rank -> monotonic time first seen stopped
         self.ended: set = set()
-        self.done = threading.Event()
+        self.done = threading.Event()             # the thread stops
+        self.lock = threading.Lock()              # the thread and the exit hook share state
 
-    def look(self) -> dict:
-        """{rank: state letter or None} of the peers; updates ``since``."""
-        now, states = time.monotonic(), {}
-        for p in self.peers:
-            states[p.rank] = s = _same(p)
-            if s == "T":
-                self.since.setdefault(p.rank, now)
-            else:
-                self.since.pop(p.rank, None)
-        return states
+    def step(self, wait_s: float, why: str, act=lambda states: True) -> list:
+        """Read the peers' states; end those stopped for ``wait_s`` (if ``act(states)``).
+        Returns the peers still stopped and not ended."""
+        with self.lock:
+            now, states = time.monotonic(), {}
+            for p in self.peers:
+                states[p.rank] = s = _same(p)
+                if s == "T":
+                    self.since.setdefault(p.rank, now)
+                else:
+                    self.since.pop(p.rank, None)
+            stopped = [p for p in self.peers if p.rank in self.since and p.rank not in self.ended]
+            if act(states):
+                for p in stopped:
+                    if now - self.since[p.rank] >= wait_s:
+                        self.ended.add(p.rank)
+                        end_frozen(p, why)
+            return [p for p in stopped if p.rank not in self.ended]
 
-    def frozen(self, states, wait_s: float):
-        now = time.monotonic()
-        return [p for p in self.peers if p.rank not in self.ended and states[p.rank] == "T"
-                and now - self.since[p.rank] >= wait_s]
-
-    def end(self, peers, why):
-        for p in peers:
-            self.ended.add(p.rank)
-            end_frozen(p, why)
+    def _lowest_running(self, states) -> bool:
+        return all(self.me.rank < p.rank for p in self.peers if states[p.rank] not in (None, "T"))
 
     def run(self):
         while not self.done.wait(self.poll_s):
-            states = self.look()
-            running = [p.rank for p in self.peers if states[p.rank] not in (None, "T")]
-            if all(self.me.rank < r for r in running):        # the host's lowest running rank
-                self.end(self.frozen(states, self.timeout_s),
-                         f"has been stopped for over timeout_s={self.timeout_s:g} s")
+            self.step(self.timeout_s, f"has been stopped for over timeout_s={self.timeout_s:g} s",
+                      self._lowest_running)
 
     def at_exit(self):
         self.done.set()
-        states = self.look()
         if getattr(sys, "last_value", None) is not None:     # an uncaught exception
-            self.end(self.frozen(states, 0.0), f"is stopped while rank {self.me.rank} fails")
+            self.step(0.0, f"is stopped while rank {self.me.rank} fails")
             return
-        while True:            # a normal exit: each stopped peer resumes or counts as frozen
-            stopped = [p for p in self.peers if states[p.rank] == "T" and p.rank not in self.ended]
-            frozen = self.frozen(states, self.timeout_s)
-            self.end(frozen, f"has been stopped for over timeout_s={self.timeout_s:g} s")
-            if len(frozen) == len(stopped):
-                return
+        # a normal exit: wait until each stopped peer resumes or counts as frozen
+        while self.step(self.timeout_s, f"has been stopped for over timeout_s="
+                        f"{self.timeout_s:g} s, and rank {self.me.rank} has finished"):
             time.sleep(self.poll_s)
-            states = self.look()
 
 
 _WATCH: list = [None]
