@@ -25,8 +25,13 @@ any other worker does (its own SIGTERM handler, if any, runs).  Who sends:
 - a normal exit waits until each stopped peer resumes or counts as frozen.
 
 Only ``T`` counts: a process stopped by a debugger is in state ``t`` and is left alone.
-Only peers on this host can be signalled; a host whose every worker is stopped needs
-its launcher (torchrun's ``--shutdown-timeout``).
+Limits: only peers on this host can be signalled, so a host whose every worker is
+stopped is out of reach.  NCCL's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` tears a
+timed-out process down from its own watchdog thread (PyTorch's "ProcessGroupNCCL
+Environment Variables" page): no exit hook runs, and the thread of the other ranks acts
+only if it reaches ``timeout_s`` before torchrun ends them; ``TORCH_NCCL_BLOCKING_WAIT=1``
+raises the timeout in Python instead (documented there; not tried here: no multi-GPU
+machine).
 """
 from __future__ import annotations
 
