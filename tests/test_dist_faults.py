@@ -21,8 +21,18 @@ TIMEOUT_S = 10
 MARGIN_S = 5     # torchrun noticing the failure and ending the others (measured ~1 s)
 
 
+def _state(pid):
+    """The state letter from /proc/<pid>/status (read apart from the code under test);
+    None for no process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(ln.split()[1] for ln in f if ln.startswith("State:"))
+    except FileNotFoundError:
+        return None
+
+
 def _alive(pid) -> bool:
-    return peers.proc_stat(pid) is not None      # a zombie counts as gone
+    return _state(pid) not in (None, "Z")        # a zombie has ended
 
 
 @pytest.mark.slow
@@ -70,7 +80,7 @@ def stopped():
     child = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        while peers.proc_stat(child.pid)[0] != "T":
+        while _state(child.pid) != "T":
             time.sleep(0.01)
         yield child, peers.Peer(1, child.pid, peers.proc_stat(child.pid)[1])
     finally:
@@ -109,7 +119,7 @@ def test_only_the_lowest_running_rank_acts(stopped):
         threading.Thread(target=w.run, daemon=True).start()
         time.sleep(0.8)
         w.done.set()
-        assert peers.proc_stat(child.pid)[0] == "T" and child.poll() is None
+        assert _state(child.pid) == "T" and child.poll() is None
     finally:
         lower.kill()
         lower.wait()
@@ -135,8 +145,25 @@ def test_a_reused_pid_is_never_signalled(stopped):
     child, peer = stopped
     assert not peers.end_frozen(peer._replace(start=peer.start + 1), "test")
     time.sleep(0.1)
-    assert peers.proc_stat(child.pid)[0] == "T"       # untouched: still stopped
+    assert _state(child.pid) == "T"                   # untouched: still stopped
     gone = subprocess.Popen(["true"])
     gone.wait()
-    assert peers.proc_stat(gone.pid) is None
+    assert peers.proc_stat(gone.pid) is None and _state(gone.pid) is None
     assert not peers.end_frozen(peers.Peer(2, gone.pid, 0), "test")
+
+
+def test_proc_stat_reads_state_and_start_time_even_with_a_strange_command_name(tmp_path):
+    exe = tmp_path / "a b) c"                      # field 2 of /proc/<pid>/stat: "(a b) c)"
+    exe.write_bytes(open("/bin/sleep", "rb").read())
+    exe.chmod(0o755)
+    child = subprocess.Popen([str(exe), "60"])
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        state, start = peers.proc_stat(child.pid)
+        assert state in ("R", "S")                 # running, or asleep in sleep(1)
+        # started just now: its start time (clock ticks after boot) is the uptime
+        assert abs(start / os.sysconf("SC_CLK_TCK") - uptime) < 1.0
+    finally:
+        child.kill()
+        child.wait()
