@@ -1,6 +1,9 @@
-"""Run under torchrun: init with a short timeout, then all-reduce on a subgroup (a
-mesh dim) forever.  Each rank prints "ready <rank> <pid>"; the test kills or stops one
-and expects the job to end, non-zero, within the timeout."""
+"""Run under torchrun: init with a short timeout, then loop forever, all-reducing on a
+subgroup (a mesh dim) or, with ``idle``, only sleeping (no collective pending when a
+rank freezes).  Each rank prints "ready <rank> <pid>"; the test kills or stops one and
+expects the job to end, non-zero, within the timeout.
+
+    torchrun --nproc-per-node 4 fault_check.py TIMEOUT_S [collectives|idle]"""
 import os
 import sys
 import time
@@ -10,9 +13,11 @@ import torch
 import workbench as wb
 
 wb.distributed.init(timeout_s=float(sys.argv[1]))
+mode = sys.argv[2] if len(sys.argv) > 2 else "collectives"
 mesh = wb.distributed.mesh((2, wb.distributed.world_size() // 2), ("dp", "tp"))
 x = wb.shard_tensor(torch.ones(4, 4), mesh, [wb.Shard(0), wb.Replicate()])
 print(f"ready {wb.distributed.rank()} {os.getpid()}", flush=True)
-while True:                                  # all-reduces on the "dp" subgroups
-    wb.collectives.all_reduce(x._local, mesh, 0)
+while True:
+    if mode == "collectives":                # all-reduces on the "dp" subgroups
+        wb.collectives.all_reduce(x._local, mesh, 0)
     time.sleep(0.01)

@@ -14,6 +14,16 @@ simulator's: the backward of an all-gather to a per-rank use is a reduce-scatter
 of a compact (replicated) all-reduce the identity (Megatron's g), of
 ``expand_replicas`` an all-reduce (Megatron's f), and so on.
 
+A dead or frozen rank ends the job within ``timeout_s`` (plus a few seconds): every
+process group, subgroups included, carries init()'s timeout (``new_group``'s own default
+is 30 minutes), so the peers of a dead rank fail; a rank stopped by SIGSTOP is ended by
+its peers on the same host (:mod:`workbench.sim_mesh.peers`), since torchrun's SIGTERM
+cannot reach a stopped process and its SIGKILL comes only after ``--shutdown-timeout``
+(30 s by default; torch/distributed/run.py, launcher/api.py ``shutdown_timeout``).  That
+launcher option, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, shortens the grace of *every*
+worker and must be given by whoever launches; torch.distributed.elastic's own watch
+(``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``) covers only uninterruptible sleep.
+
 This module keeps one piece of process-wide state, as torch.distributed itself
 does: which meshes are distributed, and their process groups.
 """
@@ -24,6 +34,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import peers
 
 __all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group",
            "broadcast_"]
@@ -36,7 +48,8 @@ _TIMEOUT: list = [None]     # init()'s timeout, given to every subgroup too
 def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
     """Join the job torchrun started (env:// rendezvous).  ``backend`` defaults to the
     device's: hccl on Ascend, nccl on CUDA, gloo on CPU.  A failing rank makes the
-    others stop after ``timeout_s`` with an error instead of hanging."""
+    others stop after ``timeout_s`` with an error instead of hanging; a rank stopped
+    for ``timeout_s`` is ended by its peers on its host (see the module docstring)."""
     if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
         raise ValueError(f"timeout_s={timeout_s!r}: give a positive number of seconds")
     if dist.is_initialized():
@@ -49,6 +62,9 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
         backend = dist_backend()
     _TIMEOUT[0] = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, timeout=_TIMEOUT[0])
+    # the store init_process_group rendezvoused on (torch has no public getter for it)
+    peers.start(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                dist.get_world_size(), timeout_s)
 
 
 def rank() -> int:
@@ -60,6 +76,7 @@ def world_size() -> int:
 
 
 def shutdown() -> None:
+    peers.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _GROUPS.clear()
