@@ -3,10 +3,11 @@ by torchrun): one device's parameters, the simulation's parameters, no deprecati
 warnings; a dead or frozen rank ends the job within the timeout."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.torchrun_support import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
@@ -26,20 +27,9 @@ def json_rows(text: str) -> list:
         i = text.find("{", end)
     return rows
 
-# A gloo worker thread that still holds finished async work when the interpreter tears
-# down can abort the process ("terminate called without an active exception": the race
-# pytorch/pytorch#179291 describes). It is rare (seen once under a loaded CI machine, after
-# every row was printed); a job that ends that way is run once more, never twice.
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def torchrun(n, script, *args, timeout=240):
     cmd = TORCHRUN + [f"--nproc-per-node={n}", os.path.join(SCRIPTS, script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
-    if out.returncode != 0 and TEARDOWN_ABORT in out.stderr:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
-                             cwd=ROOT)
-    return out
+    return run_job(cmd, timeout=timeout, env=ENV, cwd=ROOT)
 
 
 @pytest.mark.slow

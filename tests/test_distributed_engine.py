@@ -2,25 +2,24 @@
 launched by torchrun) prints the same losses as the simulation."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.torchrun_support import run_job
 from workbench.parallel.strategies.hybrid import Hybrid
 from workbench.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # PYTHONPATH: the processes import this checkout's workbench, not the installed (editable) one
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
 def torchrun(n, *args, timeout=240):
     cmd = TORCHRUN + [f"--nproc-per-node={n}", "-m", "workbench", "train", "--preset", "tiny",
                       "--seed", "0", "--backend", "torch", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return run_job(cmd, timeout=timeout, env=ENV, cwd=ROOT)
 
 
 CASES = [  # (processes, flags, the same layout in the simulator)
@@ -36,6 +35,7 @@ CASES = [  # (processes, flags, the same layout in the simulator)
 def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
     out = torchrun(n, "--steps", "3", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
     lines = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
     sim = [r["loss"] for r in train("tiny", steps=3, seed=0, timing=False,
@@ -52,9 +52,7 @@ def test_wrong_process_count_is_a_clear_error():
 def test_dtensor_interop_on_the_real_process_group():
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts",
                           "interop_check.py")
-    out = subprocess.run(TORCHRUN + ["--nproc-per-node=4", script], capture_output=True,
-                         text=True, timeout=240, env=ENV,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = run_job(TORCHRUN + ["--nproc-per-node=4", script], timeout=240, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "interop ok" in out.stdout
 
@@ -64,10 +62,8 @@ def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     activations: equal to Korthikanti Table 2's TP and TP+SP rows plus the terms the
     script explains (LayerNorm statistics, and under SP the
     gathered linear inputs Megatron-SP re-gathers in backward instead of keeping)."""
-    out = subprocess.run(TORCHRUN + ["--nproc-per-node=2", "-m",
-                                     "workbench.tools.activation_check"], capture_output=True,
-                         text=True, timeout=240, env=ENV,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = run_job(TORCHRUN + ["--nproc-per-node=2", "-m", "workbench.tools.activation_check"],
+                  timeout=240, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [s for s in out.stdout.splitlines() if " counted " in s]
     assert len(lines) == 2 and all(s.endswith("equal True") for s in lines), out.stdout
