@@ -1,0 +1,149 @@
+"""Zero3's shards are nn.Parameters any torch.optim optimizer steps, under the module's own
+qualified names; tied weights stay one tensor (parallelize, DataParallel, Zero3), frozen
+ones stay frozen, unused ones untouched: the same parameters as one device."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from workbench.parallel.strategies.data_parallel import DataParallel
+from workbench.parallel.strategies.zero3 import Zero3
+
+V, H, B, S = 16, 8, 8, 4
+
+
+class Tied(nn.Module):
+    """A tied head, a frozen bias that is used, and a module never used in forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H)
+        self.mid = nn.Linear(H, H)
+        self.mid.bias.requires_grad_(False)
+        self.spare = nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def loss_of(logits, targets):
+    return F.cross_entropy(logits.reshape(B * S, V), targets.reshape(B * S))
+
+
+def data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+}
+
+
+def one_device(make_opt, steps=5):
+    m = Tied()
+    opt = make_opt(m.parameters())
+    for step in range(steps):
+        ids, tgt = data(step)
+        opt.zero_grad()
+        loss_of(m(ids), tgt).backward()
+        opt.step()
+    return m
+
+
+def sharded(mesh, make_opt=None, steps=5):
+    m = Tied()
+    wb.parallelize(m, mesh, {})
+    z = Zero3(m, mesh, "dp", lr=1e-2, weight_decay=0.1)
+    opt = make_opt(z.parameters()) if make_opt else None
+    for step in range(steps):
+        ids, tgt = data(step)
+        dp = ["S(0)" if n == "dp" else "R" for n in mesh.dim_names]
+        loss_of(m(wb.shard_tensor(ids, mesh, dp)), wb.shard_tensor(tgt, mesh, dp)).backward()
+        if opt is None:
+            z.step()
+        else:
+            z.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+    return z
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("grid", [(2,), (4,), (2, 2)])
+def test_torch_optim_steps_the_shards_like_one_device(opt, grid):
+    ref = one_device(OPTIMIZERS[opt])
+    mesh = wb.Mesh.grid(grid, ["dp", "tp"][:len(grid)])
+    z = sharded(mesh, OPTIMIZERS[opt])
+    got = dict(z.full_parameters())
+    want = dict(ref.named_parameters())
+    assert list(got) == list(want)                        # qualified, complete, tied once
+    for n, q in want.items():
+        torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    fresh = Tied()
+    for n in ("mid.bias", "spare.weight", "spare.bias"):  # frozen / unused: untouched
+        assert torch.equal(got[n], getattr(fresh, n.split(".")[0]).get_parameter(
+            n.split(".")[1]).detach()), n
+
+
+def test_named_parameters_are_the_modules_own_names():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = Tied()
+    names = [n for n, _ in m.named_parameters()]
+    wb.parallelize(m, mesh, {})
+    assert m.emb.weight is m.head.weight                  # parallelize keeps the tie
+    assert [n for n, _ in wb.dist_parameters(m)] == names
+    z = Zero3(m, mesh, "dp")
+    assert [n for n, _ in z.named_parameters()] == names
+    both = [n for n, _ in z.named_parameters(remove_duplicate=False)]
+    assert sorted(both) == sorted(names + ["head.weight"])
+    shards = dict(z.named_parameters())
+    assert all(isinstance(p, nn.Parameter) for p in shards.values())
+    assert not shards["mid.bias"].requires_grad and shards["mid.weight"].requires_grad
+    assert list(z.parameters()) == list(shards.values())
+    sd = z.full_state_dict()
+    ref = Tied().state_dict()
+    assert sorted(sd) == sorted(ref)                      # every name of the tied weight
+    for n, t in ref.items():
+        assert torch.equal(sd[n], t), n
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_library_adamw_with_tied_frozen_unused(zero):
+    """DataParallel (ZeRO 0-2) and Zero3.step() with their own AdamW: one device's
+    torch.optim.AdamW parameters, the tied weight updated once per step."""
+    ref = one_device(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    mesh = wb.Mesh.grid(2, ["dp"])
+    if zero == 3:
+        got = dict(sharded(mesh).full_parameters())
+    else:
+        m = Tied()
+        wb.parallelize(m, mesh, {})
+        opt = DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=zero, lr=1e-2,
+                           weight_decay=0.1)
+        for step in range(5):
+            ids, tgt = data(step)
+            x, y = wb.shard_tensor(ids, mesh, ["S(0)"]), wb.shard_tensor(tgt, mesh, ["S(0)"])
+            loss_of(m(x), y).backward()
+            opt.step()
+        got = {n: p.full() for n, p in wb.dist_parameters(m)}
+    want = dict(ref.named_parameters())
+    assert list(got) == list(want)
+    for n, q in want.items():
+        torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_step_delegates_to_a_torch_optim_adamw_bitwise():
+    """Zero3.step() is its ``optimizer`` (wb.ops.AdamW over the shards) plus the
+    waits: the same bits as that optimizer driven by hand."""
+    mesh = wb.Mesh.grid(4, ["dp"])
+    a = sharded(mesh, steps=3)
+    b = sharded(mesh, lambda ps: wb.ops.AdamW(ps, lr=1e-2, weight_decay=0.1), steps=3)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert isinstance(a.optimizer, torch.optim.Optimizer)
