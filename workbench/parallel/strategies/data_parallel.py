@@ -33,6 +33,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..placement import Replicate
+from .flat_shards import flat_padded, pack, unpack
 from .ranks import bucket_order
 from .zero_step import ZeroStep
 
@@ -78,8 +79,10 @@ class DataParallel(ZeroStep):
         if zero == 3:
             raise NotImplementedError("zero=3 (sharded parameters gathered per layer) is not "
                                       "built yet; use zero=1 or 2")
-        self.params = [p for _, p in params] if params and isinstance(params[0], tuple) \
+        params = [p for _, p in params] if params and isinstance(params[0], tuple) \
             else list(params)
+        # a tensor listed twice (a tied weight from two modules) is one parameter
+        self.params = list({id(p): p for p in params}.values())
         self.mesh = mesh
         self.axis = mesh.dim(dp)
         ids = {id(p) for p in self.params}
@@ -135,10 +138,7 @@ class DataParallel(ZeroStep):
     # ---- shapes ---------------------------------------------------------------------------
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         """(lead..., *local) -> (lead..., numel padded to a multiple of N_d)."""
-        nd = self.mesh.ndim
-        flat = t.reshape(tuple(t.shape[:nd]) + (-1,))
-        pad = (-flat.shape[-1]) % self.n
-        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+        return flat_padded(t, self.n, self.mesh.ndim)
 
     def _state_shape(self, p):
         loc = p._local
@@ -189,16 +189,11 @@ class DataParallel(ZeroStep):
         if not part:
             return
         nd = self.mesh.ndim
-        buf = torch.cat([self._lead(p._local.grad).reshape(
-            tuple(self._lead(p._local.grad).shape[:nd]) + (-1,)) for p in part], dim=-1)
+        buf = pack([self._lead(p._local.grad) for p in part], nd)
         red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
                            label="sequence-parallel norm grads")
-        off = 0
-        for p in part:
-            g = p._local.grad
-            n = math.prod(g.shape[nd:])
-            p._local.grad = red[..., off:off + n].reshape(self._lead(g).shape).contiguous()
-            off += n
+        for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
+            p._local.grad = piece.contiguous()
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh
@@ -210,20 +205,15 @@ class DataParallel(ZeroStep):
         out = [None] * len(grads)
         sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
         lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
+        nd = mesh.ndim
         for bucket in bucket_order(sizes, self.bucket_bytes):
-            flat = torch.cat([grads[j].expand(lead + tuple(grads[j].shape[mesh.ndim:]))
-                              .reshape(lead + (-1,)) for j in bucket], dim=-1)
+            flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
             red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
-            off = 0
-            for j in bucket:
-                local = tuple(grads[j].shape[mesh.ndim:])
-                n = math.prod(local)
-                piece = red[..., off:off + n].reshape(lead + local)
-                for a in range(mesh.ndim):      # replicated axes back to one copy
+            for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
+                for a in range(nd):             # replicated axes back to one copy
                     if grads[j].shape[a] == 1:
                         piece = piece.narrow(a, 0, 1)
                 out[j] = piece
-                off += n
         return out
 
     def _flat_nopad(self, t):

@@ -6,7 +6,10 @@ FSDP's ``FlatParameter``): flatten it, pad it with zeros to a multiple of N and 
 rank k the k-th of N equal chunks; gathering the chunks back and dropping the padding
 gives the tensor again.  :func:`flat_padded` and :func:`unflat` are those two steps, on
 tensors that may carry ``lead`` leading axes (one per mesh dim, for the strategies that
-store every rank's copy along them).
+store every rank's copy along them).  :func:`pack` and :func:`unpack` put several
+tensors in one flat buffer and take them out again: the gradient buckets of
+``DistributedDataParallel`` and of ``DataParallel`` (PyTorch DDP's ``Reducer`` copies
+gradients into one flat bucket the same way; Li et al. 2020, Sec. 3.2.3).
 
 :func:`tensor_places` finds every place a module holds a tensor (a tied weight is one
 tensor in two submodules), so a wrapper makes one shard per tensor and puts its gathered
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["flat_padded", "unflat", "tensor_places"]
+__all__ = ["flat_padded", "unflat", "pack", "unpack", "tensor_places"]
 
 
 def flat_padded(t: torch.Tensor, n: int, lead: int = 0) -> torch.Tensor:
@@ -35,6 +38,23 @@ def unflat(flat: torch.Tensor, shape, lead: int = 0) -> torch.Tensor:
     ``prod(shape)`` elements (the padding dropped) viewed as ``(*lead axes, *shape)``."""
     numel = math.prod(shape)
     return flat[..., :numel].reshape(tuple(flat.shape[:lead]) + tuple(shape))
+
+
+def pack(tensors, lead: int = 0) -> torch.Tensor:
+    """One buffer ``(*lead axes, sum of numels)``: the tensors flattened after their
+    ``lead`` axes (which must agree), one after the other."""
+    return torch.cat([t.reshape(tuple(t.shape[:lead]) + (-1,)) for t in tensors], dim=-1)
+
+
+def unpack(buf: torch.Tensor, shapes, lead: int = 0) -> list:
+    """The inverse of :func:`pack`: views of ``buf`` shaped ``(*lead axes, *shape)``, one
+    per shape, in order."""
+    out, off, head = [], 0, tuple(buf.shape[:lead])
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(buf[..., off:off + n].reshape(head + tuple(shape)))
+        off += n
+    return out
 
 
 def tensor_places(module, tensors_of=lambda m: m._parameters):

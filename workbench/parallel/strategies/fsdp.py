@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .flat_shards import flat_padded, unflat
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, tree_cast)
 from .ranks import ModuleWrapper, RankGroup, check_module
@@ -88,10 +89,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         g = self.group
         if g.distributed:                # every rank starts from rank 0's values
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
-        flat = p.detach().reshape(-1)
-        pad = (-flat.numel()) % g.n
-        flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
-        rows = flat.view(g.n, -1)
+        rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
         shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
@@ -179,11 +177,11 @@ class FullyShardedDataParallel(ModuleWrapper):
                                   *[self._cast(s) for _, s, _ in unit.params])
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
-            shape, numel = self._meta[id(s)]
+            shape, _ = self._meta[id(s)]
             if f.numel():
                 ptrs.append(f.untyped_storage().data_ptr())
                 self._owners[ptrs[-1]] = (call, k, i)
-            views.append(f[:numel].view(shape))
+            views.append(unflat(f, shape))
         call.ptrs[k] = ptrs
         return call, views
 
@@ -278,9 +276,9 @@ class FullyShardedDataParallel(ModuleWrapper):
         g = self.group
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) in self._meta:
-                shape, numel = self._meta[id(t)]
+                shape, _ = self._meta[id(t)]
                 flat = all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
-                out[name] = flat[:numel].view(shape).clone()
+                out[name] = unflat(flat, shape).clone()
             else:
                 out[name] = t.detach().clone()
         return out

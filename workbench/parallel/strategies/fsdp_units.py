@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .flat_shards import tensor_places
+
 __all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "plan_units",
            "GatheredBytes", "tree_cast"]
 
@@ -80,17 +82,10 @@ def plan_units(module, units, shards_of):
     for u in sorted(out[1:], key=lambda u: -len(list(u.module.modules()))):
         for m in u.module.modules():            # deeper units are visited later and win
             owner[id(m)] = u
-    where = {}                                  # id(param) -> [(submodule, attr, unit)]
-    for m in module.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                where.setdefault(id(p), []).append((m, attr, owner.get(id(m), out[0])))
-    for name, p in list(module.named_parameters()):
-        locs = where[id(p)]
-        homes = {id(u) for _, _, u in locs}
-        unit = locs[0][2] if len(homes) == 1 else out[0]
+    for name, p, places in tensor_places(module):       # a tied weight: one, every place
+        homes = {id(owner.get(id(m), out[0])) for m, _ in places}
+        unit = owner.get(id(places[0][0]), out[0]) if len(homes) == 1 else out[0]
         shard = shards_of(name, p)
-        places = [(m, attr) for m, attr, _ in locs]
         for m, attr in places:
             m._parameters[attr] = shard
         unit.params.append((name, shard, places))

@@ -21,6 +21,7 @@ import torch
 from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from .flat_shards import unflat, unpack
 
 __all__ = ["ZeroStep"]
 
@@ -45,15 +46,12 @@ class ZeroStep:
     def _unpack(self, buf, like):
         """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
         lead axes of ``like[i]`` (a replicated axis back to one copy)."""
-        out, off, nd = [], 0, self.mesh.ndim
-        for t in like:
-            c = t.shape[-1]
-            piece = buf[..., off:off + c]
+        out, nd = [], self.mesh.ndim
+        for t, piece in zip(like, unpack(buf, [t.shape[-1:] for t in like], nd)):
             for a in range(nd):
                 if t.shape[a] == 1 and piece.shape[a] != 1:
                     piece = piece.narrow(a, 0, 1)
             out.append(piece)
-            off += c
         return out
 
     def _reduce_scatter_hook(self, i):
@@ -105,12 +103,11 @@ class ZeroStep:
                             expanded=True, label=f"zero-{self.zero} params")
         full = full.unflatten(-1, (self.n, -1))
         off = 0
-        for p, s in zip(params, ps):
+        for p, s in zip(params, ps):        # rank-major: chunk k of each, back whole
             loc, c = p._local, s.shape[-1]
-            numel = math.prod(loc.shape[nd:])
-            piece = full[..., off:off + c].flatten(-2)[..., :numel]
+            piece = unflat(full[..., off:off + c].flatten(-2), loc.shape[nd:], nd)
             off += c
             for a in range(nd):
                 if loc.shape[a] == 1 and piece.shape[a] != 1:
                     piece = piece.narrow(a, 0, 1)
-            loc.copy_(piece.reshape(loc.shape))
+            loc.copy_(piece)
