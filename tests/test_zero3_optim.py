@@ -147,3 +147,44 @@ def test_step_delegates_to_a_torch_optim_adamw_bitwise():
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
     assert isinstance(a.optimizer, torch.optim.Optimizer)
+
+
+class Sometimes(nn.Module):
+    """``extra`` is used on some steps only: torch.optim.AdamW advances its step count
+    (its bias correction) only on the steps that give it a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.extra(h) if use_extra else h)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_parameter_unused_on_some_steps_counts_its_own_steps(zero):
+    uses = [False, True, False, True, True]
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    ref = Sometimes()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for use in uses:
+        opt.zero_grad()
+        ((ref(X, use) - Y) ** 2).mean().backward()
+        opt.step()
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = Sometimes()
+    wb.parallelize(m, mesh, {})
+    dp = Zero3(m, mesh, "dp", lr=1e-2, weight_decay=0.1) if zero == 3 else \
+        DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=zero, lr=1e-2,
+                     weight_decay=0.1)
+    x, y = wb.shard_tensor(X, mesh, ["S(0)"]), wb.shard_tensor(Y, mesh, ["S(0)"])
+    for use in uses:
+        ((m(x, use) - y) ** 2).mean().backward()
+        dp.step()
+    got = dict(dp.full_parameters()) if zero == 3 else \
+        {n: p.full() for n, p in wb.dist_parameters(m)}
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
@@ -97,7 +96,7 @@ class DataParallel(ZeroStep):
                              "math.inf for one bucket, or None for one all-reduce per gradient")
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
-        self.step_count = 0
+        self.step_count = 0             # step() calls
         self.distributed = _B.is_distributed(mesh)
         for p in self.params:
             if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
@@ -122,6 +121,7 @@ class DataParallel(ZeroStep):
             p._local = loc.requires_grad_(trainable)
         # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
         # on the parameter's device ("meta" in a dry run) and dtype (as torch.optim.AdamW)
+        self._steps = [0] * len(self.params)    # AdamW steps each parameter has taken
         like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
         self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
         self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
@@ -168,6 +168,8 @@ class DataParallel(ZeroStep):
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
         self.step_count += 1
+        for i in live:       # as torch.optim's AdamW: a step count per parameter
+            self._steps[i] += 1
         params = [self.params[i] for i in live]
         self._sum_partials(params)
         grads = [p._local.grad for p in params]
@@ -175,9 +177,7 @@ class DataParallel(ZeroStep):
         if self.zero == 0:
             grads = self._all_reduce(grads)
             locs = [p._local for p in params]
-            _adamw(locs, grads, m, v, self.step_count, lr=self.lr,
-                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                   weight_decay=self.wd)
+            self._adamw(locs, grads, m, v, live)
         else:
             self._zero_step(params, grads, m, v, live)
         for p in params:

@@ -54,6 +54,19 @@ class ZeroStep:
             out.append(piece)
         return out
 
+    def _adamw(self, ps, gs, ms, vs, live) -> None:
+        """One AdamW call per step count (parameter ``live[j]`` has taken
+        ``self._steps[live[j]]`` steps, as torch.optim.AdamW counts them: a parameter
+        left without a gradient does not advance); every parameter in one call when all
+        agree, the usual case."""
+        by_step: dict = {}
+        for j, i in enumerate(live):
+            by_step.setdefault(self._steps[i], []).append(j)
+        for t, js in by_step.items():
+            _adamw(*([seq[j] for j in js] for seq in (ps, gs, ms, vs)), t, lr=self.lr,
+                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                   weight_decay=self.wd)
+
     def _reduce_scatter_hook(self, i):
         """ZeRO-2 (DeepSpeed's overlap_comm): as soon as backward has accumulated a
         parameter's gradient, launch its reduce-scatter on the comm stream and keep only
@@ -96,8 +109,7 @@ class ZeroStep:
                 ps.append(chunks.select(-2, _B.local_index(mesh, ax)).contiguous())
             else:
                 ps.append(torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous())
-        _adamw(ps, [g.contiguous() for g in shards], ms, vs, self.step_count, lr=self.lr,
-               beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
+        self._adamw(ps, [g.contiguous() for g in shards], ms, vs, live)
         # the updated shards, gathered back in one buffer
         full = C.all_gather(torch.cat([self._lead(s) for s in ps], dim=-1), mesh, ax, 0,
                             expanded=True, label=f"zero-{self.zero} params")
