@@ -17,8 +17,19 @@ after the one starting, in the order the last forward ran them, registration ord
 before the first; backward: the modules before), and a module's compute waits for
 its own gather; each shard's reduce-scatter is launched when backward accumulates its
 gradient and ``step`` waits for them (a recompute in backward gathers each module
-as it reruns, without prefetch, and its backward reuses that copy).  On torch.distributed the collectives are
-blocking calls and this stays blocking.
+as it reruns, without prefetch, and its backward reuses that copy).  On
+torch.distributed the collectives are blocking calls and this stays blocking.
+
+The shards are ``nn.Parameter``s under the module's own qualified names
+(:meth:`Zero3.named_parameters`, a tied weight one shard), laid out as
+``FullyShardedDataParallel``'s (:mod:`.flat_shards`), so any ``torch.optim`` optimizer
+steps them (elementwise ones exactly as on one device)::
+
+    z = Zero3(model, mesh, "dp")
+    opt = torch.optim.SGD(z.parameters(), lr=0.1)
+    loss.backward(); z.finish_gradient_synchronization(); opt.step(); opt.zero_grad()
+
+``Zero3.step()`` is that with its own ``optimizer``, a ``wb.ops.AdamW`` over the shards.
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
-from .flat_shards import flat_padded, tensor_places, unflat
+from .flat_shards import flat_padded, qualified_name, tensor_places, unflat
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -223,7 +234,7 @@ class Zero3:
         ``module.named_parameters()`` names them (a tied weight once, unless
         ``remove_duplicate=False``): what any ``torch.optim`` optimizer steps."""
         for qname, places, e in zip(self.names, self._places, self.entries):
-            names = [qname] if remove_duplicate else [_qualified(self.module, m, a)
+            names = [qname] if remove_duplicate else [qualified_name(self.module, m, a)
                                                       for m, a in places]
             for n in names:
                 yield prefix + n, e[3]
@@ -277,7 +288,7 @@ class Zero3:
             for places, (_, _, tmpl, shard) in zip(self._places, self.entries):
                 full = self._gather(tmpl, shard.detach()).full()
                 for m, a in places:
-                    out[_qualified(self.module, m, a)] = full.clone()
+                    out[qualified_name(self.module, m, a)] = full.clone()
         return out
 
     def full_parameters(self):
@@ -294,10 +305,3 @@ class Zero3:
         n_params = sum(math.prod(e[2].shape) for e in self.entries)
         return MemoryReport(shard * wb_, shard * gb, shard * ob, n_params, self.n, 3)
 
-
-def _qualified(root, module, attr) -> str:
-    """``attr`` of ``module`` named from ``root`` (``named_modules``'s first name)."""
-    for name, m in root.named_modules():
-        if m is module:
-            return f"{name}.{attr}" if name else attr
-    raise ValueError(f"{type(module).__name__} is not a submodule of the wrapped module")
