@@ -304,4 +304,3 @@ class Zero3:
         shard = sum(math.prod(e[3].shape[nd:]) for e in self.entries)
         n_params = sum(math.prod(e[2].shape) for e in self.entries)
         return MemoryReport(shard * wb_, shard * gb, shard * ob, n_params, self.n, 3)
-
