@@ -22,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["flat_padded", "unflat", "pack", "unpack", "tensor_places", "qualified_name"]
+__all__ = ["flat_padded", "unflat", "pack", "pack_rank_major", "unpack", "tensor_places", "qualified_name"]
 
 
 def flat_padded(t: torch.Tensor, n: int, lead: int = 0) -> torch.Tensor:
@@ -44,6 +44,16 @@ def pack(tensors, lead: int = 0) -> torch.Tensor:
     """One buffer ``(*lead axes, sum of numels)``: the tensors flattened after their
     ``lead`` axes (which must agree), one after the other."""
     return torch.cat([t.reshape(tuple(t.shape[:lead]) + (-1,)) for t in tensors], dim=-1)
+
+
+def pack_rank_major(tensors, n: int, lead: int = 0) -> torch.Tensor:
+    """One buffer ``(*lead axes, sum of numels)`` holding chunk 0 of every tensor (of
+    ``n`` equal chunks each, along its last axis), then chunk 1 of every tensor...: a
+    reduce-scatter of it leaves rank k exactly its chunk k of each (Megatron-LM's
+    distributed optimizer shards one contiguous gradient buffer the same way,
+    ``megatron/core/distributed/param_and_grad_buffer.py``)."""
+    return torch.cat([t.reshape(tuple(t.shape[:lead]) + (-1,)).unflatten(-1, (n, -1))
+                      for t in tensors], dim=-1).flatten(-2)
 
 
 def unpack(buf: torch.Tensor, shapes, lead: int = 0) -> list:

@@ -21,7 +21,7 @@ import torch
 from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
-from .flat_shards import unflat, unpack
+from .flat_shards import pack_rank_major, unflat, unpack
 
 __all__ = ["ZeroStep"]
 
@@ -40,8 +40,7 @@ class ZeroStep:
         out rank-major (chunk k of every tensor, then chunk k + 1...): a reduce-scatter of
         it leaves rank k exactly its chunk k of each (Megatron's distributed optimizer
         shards one contiguous gradient buffer the same way)."""
-        return torch.cat([self._lead(f).unflatten(-1, (self.n, -1)) for f in flats],
-                         dim=-1).flatten(-2)
+        return pack_rank_major([self._lead(f) for f in flats], self.n, self.mesh.ndim)
 
     def _unpack(self, buf, like):
         """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
