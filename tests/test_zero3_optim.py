@@ -1,6 +1,8 @@
 """Zero3's shards are nn.Parameters any torch.optim optimizer steps, under the module's own
 qualified names; tied weights stay one tensor (parallelize, DataParallel, Zero3), frozen
 ones stay frozen, unused ones untouched: the same parameters as one device."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,3 +190,37 @@ def test_a_parameter_unused_on_some_steps_counts_its_own_steps(zero):
         {n: p.full() for n, p in wb.dist_parameters(m)}
     for n, q in ref.named_parameters():
         torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 256, math.inf])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_plain_data_parallel_under_torch_optim(opt, bucket_bytes):
+    """DataParallel(zero=0): finish_gradient_synchronization() leaves each replica the
+    global gradient, and any torch.optim optimizer over parameters() trains like one
+    device (tied weight once, frozen and unused untouched)."""
+    ref = one_device(OPTIMIZERS[opt])
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = Tied()
+    wb.parallelize(m, mesh, {"mid": "colwise"}, mesh_dim="tp")
+    dp = DataParallel(list(wb.dist_parameters(m)), mesh, "dp", bucket_bytes=bucket_bytes)
+    o = OPTIMIZERS[opt](dp.parameters())
+    for step in range(5):
+        ids, tgt = data(step)
+        x, y = (wb.shard_tensor(t, mesh, ["S(0)", "R"]) for t in (ids, tgt))
+        loss_of(m(x), y).backward()
+        dp.finish_gradient_synchronization()
+        o.step()
+        o.zero_grad()
+    got = {n: p.full() for n, p in wb.dist_parameters(m)}
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert torch.equal(got["spare.weight"], Tied().spare.weight.detach())
+
+
+def test_sharded_states_refuse_a_torch_optim_optimizer():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = Tied()
+    wb.parallelize(m, mesh, {})
+    dp = DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=1)
+    with pytest.raises(ValueError, match=r"zero=1\).parameters\(\).*use zero=0"):
+        dp.parameters()

@@ -171,17 +171,42 @@ class DataParallel(ZeroStep):
         for i in live:       # as torch.optim's AdamW: a step count per parameter
             self._steps[i] += 1
         params = [self.params[i] for i in live]
-        self._sum_partials(params)
-        grads = [p._local.grad for p in params]
         m, v = [self.m[i] for i in live], [self.v[i] for i in live]
         if self.zero == 0:
-            grads = self._all_reduce(grads)
-            locs = [p._local for p in params]
-            self._adamw(locs, grads, m, v, live)
+            self._reduce(params)
+            self._adamw([p._local for p in params], [p._local.grad for p in params], m, v,
+                        live)
         else:
-            self._zero_step(params, grads, m, v, live)
+            self._sum_partials(params)
+            self._zero_step(params, [p._local.grad for p in params], m, v, live)
         for p in params:
             p._local.grad = None
+
+    # ---- any torch.optim optimizer (plain data parallel) ----------------------------------
+    def parameters(self):
+        """The replicas (each parameter's local leaf, one copy per dp rank) for a
+        ``torch.optim`` optimizer; call :meth:`finish_gradient_synchronization` after
+        backward, then its ``step()``.  ZeRO 1-2 shard the optimizer states, which a
+        plain torch.optim optimizer does not: there use :meth:`step`."""
+        if self.zero:
+            raise ValueError(f"DataParallel(zero={self.zero}).parameters(): ZeRO shards the "
+                             "optimizer states, so step with DataParallel.step(); for any "
+                             "torch.optim optimizer use zero=0 (or wb.ZeroRedundancyOptimizer "
+                             "with wb.DistributedDataParallel)")
+        return (p._local for p in self.params)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """ZeRO 0: every gradient summed over dp (the global loss's gradient: each rank's
+        already carries its 1/N of the mean), written back as each replica's ``.grad``."""
+        if self.zero:
+            self.parameters()                       # the same clear error
+        self._reduce([p for p in self.params if p._local.grad is not None])
+
+    def _reduce(self, params) -> None:
+        self._sum_partials(params)
+        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
+            p._local.grad = g
 
     def _sum_partials(self, params) -> None:
         """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
