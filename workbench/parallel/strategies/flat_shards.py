@@ -22,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["flat_padded", "unflat", "pack", "pack_rank_major", "unpack", "tensor_places", "qualified_name"]
+__all__ = ["flat_padded", "unflat", "pack", "pack_rank_major", "unpack", "tensor_places"]
 
 
 def flat_padded(t: torch.Tensor, n: int, lead: int = 0) -> torch.Tensor:
@@ -83,10 +83,3 @@ def tensor_places(module, tensors_of=lambda m: m._parameters):
             out[seen[id(t)]][2].append((m, attr))
     return out
 
-
-def qualified_name(root, module, attr) -> str:
-    """``attr`` of ``module`` named from ``root`` (by ``root.named_modules()``'s name)."""
-    for name, m in root.named_modules():
-        if m is module:
-            return f"{name}.{attr}" if name else attr
-    raise ValueError(f"{type(module).__name__} is not a submodule of the wrapped module")

@@ -43,7 +43,7 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
-from .flat_shards import flat_padded, qualified_name, tensor_places, unflat
+from .flat_shards import flat_padded, tensor_places, unflat
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -233,11 +233,19 @@ class Zero3:
         """(the module's own qualified name, its shard ``nn.Parameter``), as
         ``module.named_parameters()`` names them (a tied weight once, unless
         ``remove_duplicate=False``): what any ``torch.optim`` optimizer steps."""
-        for qname, places, e in zip(self.names, self._places, self.entries):
-            names = [qname] if remove_duplicate else [qualified_name(self.module, m, a)
-                                                      for m, a in places]
-            for n in names:
-                yield prefix + n, e[3]
+        if remove_duplicate:
+            for qname, e in zip(self.names, self.entries):
+                yield prefix + qname, e[3]
+        else:
+            for qname, i in self._named_places():
+                yield prefix + qname, self.entries[i][3]
+
+    def _named_places(self):
+        """(qualified name, entry index) of every place, in the module's order."""
+        index = {id(e[2]): i for i, e in enumerate(self.entries)}
+        for mname, m in self.module.named_modules():
+            for attr, t in getattr(m, "_wb_dist_params", {}).items():
+                yield (f"{mname}.{attr}" if mname else attr), index[id(t)]
 
     def parameters(self):
         """The shards (``torch.optim.SGD(zero3.parameters(), lr=...)`` steps them)."""
@@ -283,12 +291,13 @@ class Zero3:
         """{the module's own qualified name: the full tensor}, every name of a tied weight
         included (as ``FullyShardedDataParallel.full_state_dict``), shards gathered."""
         from ...sim_mesh.trace import suspend
-        out = {}
+        out, full = {}, {}
         with suspend():
-            for places, (_, _, tmpl, shard) in zip(self._places, self.entries):
-                full = self._gather(tmpl, shard.detach()).full()
-                for m, a in places:
-                    out[qualified_name(self.module, m, a)] = full.clone()
+            for qname, i in self._named_places():
+                if i not in full:
+                    _, _, tmpl, shard = self.entries[i]
+                    full[i] = self._gather(tmpl, shard.detach()).full()
+                out[qname] = full[i].clone()
         return out
 
     def full_parameters(self):
