@@ -16,9 +16,12 @@ After backward each rank holds the gradient of its shard; then:
   reduce-scattered: 1.5x the data-parallel volume.
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
-sharded stages, whose messages go as one buffer (ZeRO-2's reduce-scatter async during
-backward: :mod:`.zero_step`).  The optimizer is AdamW (``workbench.ops.adamw``); memory is
-counted per rank from what each rank actually holds (:meth:`memory`).
+sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too), whose
+messages go as one buffer (ZeRO-2's reduce-scatter async during backward:
+:mod:`.zero_step`).  ``step`` runs AdamW (``workbench.ops.adamw``, a step count per
+parameter as ``torch.optim.AdamW``); plain DP also takes any ``torch.optim`` optimizer
+over :meth:`DataParallel.parameters` after :meth:`finish_gradient_synchronization`.
+Memory is counted per rank from what each rank actually holds (:meth:`memory`).
 """
 from __future__ import annotations
 

@@ -44,6 +44,7 @@ from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
 from .flat_shards import flat_padded, tensor_places, unflat
+from .ranks import RankGroup
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -63,8 +64,10 @@ class Zero3:
                              "gather ahead, an int >= 0 (0: no prefetch)")
         self.prefetch_numel = prefetch_numel
         self.module, self.mesh = module, mesh
-        self.axis = mesh.dim(dp)
-        self.n = mesh.shape[self.axis]
+        # the data-parallel group the wrappers use (ranks.RankGroup): its size, its axis
+        # and the recording of the collectives on the simulated clock
+        self.group = RankGroup(mesh, dp, "Zero3")
+        self.axis, self.n = self.group.axis, self.group.n
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
         self.entries = []           # (module, name, template DistTensor, shard Parameter)
@@ -125,8 +128,8 @@ class Zero3:
             return
         label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
         nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
-        self._inflight[key] = [(current_trace(), C.record_collective(
-            "all_gather", self.mesh, self.axis, nb, label, overlap=True))]
+        self._inflight[key] = [(current_trace(), self.group.record(
+            "all_gather", nb, label, overlap=True))]
 
     def _wait(self, phase: str, mod, ahead: bool = True) -> None:
         """``mod`` is about to compute: wait for its gather, then gather ahead."""
@@ -180,8 +183,8 @@ class Zero3:
             nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
             self._reduced.add(i)
             tr = current_trace()
-            self._pending += [(tr, h) for h in C.record_collective(
-                "reduce_scatter", self.mesh, self.axis, nb, "zero-3 params", overlap=True)]
+            self._pending += [(tr, h) for h in self.group.record(
+                "reduce_scatter", nb, "zero-3 params", overlap=True)]
         return hook
 
     def _gather_hook(self, mod):
