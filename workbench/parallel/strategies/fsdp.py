@@ -28,16 +28,18 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   (FSDP's ``MixedPrecisionPolicy(param_dtype=reduce_dtype=compute_dtype)``);
   floating-point inputs are cast to it too (``cast_forward_inputs``).
 
-Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the
-all-reduce volume of DDP; one collective per unit and phase, labelled
-``fsdp params|re-gather|grad <unit>`` (``root`` for the root unit): the unit's shards
-are copied into one buffer, all-gathered and copied out per parameter (FSDP2's
-``foreach_all_gather`` / ``foreach_all_gather_copy_out``; its gradients likewise, laid
-out rank-major for the reduce-scatter, ``foreach_reduce``: torch 2.13,
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), the re-gather holding only the parameters autograd saved.  The
-module may use its weights any way it likes (``weight[ids]``, ``x @ w.T``...): it runs
-its own forward on the gathered tensors.  On simulated ranks the module runs once
-per rank, each rank on its own gathered copy.
+Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the all-reduce
+volume of DDP; one collective per unit and phase, labelled ``fsdp params|re-gather|grad
+<unit>`` (``root`` for the root unit): the unit's shards are copied into one buffer,
+all-gathered and copied out per parameter (FSDP2's ``foreach_all_gather`` /
+``foreach_all_gather_copy_out``; its gradients likewise, laid out rank-major for the
+reduce-scatter, ``foreach_reduce``: torch 2.13,
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); the re-gather holds only
+the parameters autograd saved (FSDP2 re-gathers the whole unit: a bias that no backward
+formula reads is sent again there, not here).  The module may use its weights any way it
+likes (``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered
+tensors.  On simulated ranks the module runs once per rank, each rank on its own
+gathered copy.
 """
 from __future__ import annotations
 
