@@ -58,17 +58,20 @@ def test_collectives_gather_forward_regather_backward_reduce_scatter():
         fwd = [e.label for e in tr.collectives()]
         loss_fn(out, wb.shard_tensor(y, mesh, ["S(0)"])).backward()
     ev = [e for e in tr.collectives() if e.label.startswith("fsdp")]
-    # forward: one all-gather per parameter, in bf16 (2 bytes): emb 96 elements
-    assert sorted(x for x in fwd if x.startswith("fsdp")) == sorted(
-        f"fsdp params {n}" for n in ["frozen", "unused", "emb.weight", "hid.weight", "hid.bias"])
-    emb = [e for e in ev if e.label == "fsdp params emb.weight"][0]
-    assert emb.args["buffer_bytes"] == 96 * 2
-    # backward: the weights that linear saved are gathered again (once each) ...
-    assert sorted(e.label for e in ev if "re-gather" in e.label) == \
-        ["fsdp re-gather emb.weight", "fsdp re-gather hid.weight"]
-    # ... and the gradients of the trainable, used parameters reduce-scattered
-    assert sorted(e.label for e in ev if e.name == "reduce_scatter") == \
-        ["fsdp grad emb.weight", "fsdp grad hid.bias", "fsdp grad hid.weight"]
+    # one collective per unit (here the root, the whole module), in bf16 (2 bytes), over
+    # the padded flat parameters: frozen 8, unused 4, emb 96, hid.weight 64, hid.bias 8
+    padded = {n: p.numel() for n, p in fsdp.named_parameters()}
+    assert [x for x in fwd if x.startswith("fsdp")] == ["fsdp params root"]
+    assert ev[0].args["buffer_bytes"] == 2 * sum(padded.values()) == 2 * 180
+    # backward: the weights that linear saved are gathered again, in one collective ...
+    regather = [e for e in ev if "re-gather" in e.label]
+    assert [e.label for e in regather] == ["fsdp re-gather root"]
+    assert regather[0].args["buffer_bytes"] == 2 * (padded["emb.weight"] + padded["hid.weight"])
+    # ... and the gradients of the trainable, used parameters reduce-scattered in one
+    rs = [e for e in ev if e.name == "reduce_scatter"]
+    assert [e.label for e in rs] == ["fsdp grad root"]
+    assert rs[0].args["buffer_bytes"] == 2 * sum(padded[n] for n in ["emb.weight", "hid.weight",
+                                                                     "hid.bias"])
 
 
 def test_full_state_dict_round_trips_the_initial_weights():

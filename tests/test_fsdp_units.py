@@ -121,15 +121,18 @@ def test_collectives_follow_the_units():
     got = [(e.name, e.label.split(" ", 2)[1:]) for e in tr.collectives()
            if e.label.startswith("fsdp")]
     ag, rs = "all_gather", "reduce_scatter"
-    assert got == [
-        (ag, ["params", "emb.weight"]), (ag, ["params", "head.weight"]),       # root
-        (ag, ["params", "blocks.0.lin.weight"]), (ag, ["params", "blocks.1.lin.weight"]),
-        (ag, ["re-gather", "head.weight"]),                  # backward: last use first
-        (ag, ["re-gather", "blocks.1.lin.weight"]),
-        (rs, ["grad", "blocks.1.lin.weight"]),               # block 1 done before block 0
-        (ag, ["re-gather", "blocks.0.lin.weight"]),
-        (rs, ["grad", "blocks.0.lin.weight"]),
-        (rs, ["grad", "emb.weight"]), (rs, ["grad", "head.weight"])]
+    assert got == [                                          # one collective per unit
+        (ag, ["params", "root"]), (ag, ["params", "blocks.0"]), (ag, ["params", "blocks.1"]),
+        (ag, ["re-gather", "root"]),                         # backward: the head's weight
+        (ag, ["re-gather", "blocks.1"]),
+        (rs, ["grad", "blocks.1"]),                          # block 1 done before block 0
+        (ag, ["re-gather", "blocks.0"]),
+        (rs, ["grad", "blocks.0"]),
+        (rs, ["grad", "root"])]                              # emb and head together
+    root = [e for e in tr.collectives() if e.label == "fsdp params root"][0]
+    # the root's shards, (N, chunk) each: one rank's gathered copy of both, fp32
+    assert root.args["buffer_bytes"] == 4 * (f.module.emb.weight.numel() +
+                                             f.module.head.weight.numel()) == 4 * 2 * 160
 
 
 def test_bad_units_are_named():

@@ -88,9 +88,14 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 break
             if ps is None:
                 ps = [Replicate()] * mesh.ndim
-            dt = shard_tensor(param.detach(), mesh, ps)
-            if param.requires_grad:
-                dt.requires_grad_()
+            # a tied weight (one nn.Parameter in two modules, met again here or in another
+            # call) stays one DistTensor when it gets the same placements
+            dt = getattr(param, "_wb_dist", None)
+            if dt is None or dt.mesh != mesh or list(dt.placements) != list(ps):
+                dt = shard_tensor(param.detach(), mesh, ps)
+                if param.requires_grad:
+                    dt.requires_grad_()
+                param._wb_dist = dt
             del mod._parameters[pname]
             object.__setattr__(mod, pname, dt)
             mod.__dict__.setdefault("_wb_dist_params", {})[pname] = dt
@@ -103,8 +108,13 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
 
 
 def dist_parameters(module: nn.Module):
-    """(qualified name, DistTensor) for every parameter ``parallelize`` sharded."""
+    """(qualified name, DistTensor) for every parameter ``parallelize`` sharded, a tied
+    one once (under its first name, as ``named_parameters``)."""
+    seen = set()
     for mname, mod in module.named_modules():
         for pname in getattr(mod, "_wb_dist_params", {}):
-            yield (f"{mname}.{pname}" if mname else pname), getattr(mod, pname)
+            p = getattr(mod, pname)
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield (f"{mname}.{pname}" if mname else pname), p
 

@@ -16,9 +16,12 @@ After backward each rank holds the gradient of its shard; then:
   reduce-scattered: 1.5x the data-parallel volume.
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
-sharded stages, whose messages go as one buffer (ZeRO-2's reduce-scatter async during
-backward: :mod:`.zero_step`).  The optimizer is AdamW (``workbench.ops.adamw``); memory is
-counted per rank from what each rank actually holds (:meth:`memory`).
+sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too), whose
+messages go as one buffer (ZeRO-2's reduce-scatter async during backward:
+:mod:`.zero_step`).  ``step`` runs AdamW (``workbench.ops.adamw``, a step count per
+parameter as ``torch.optim.AdamW``); plain DP also takes any ``torch.optim`` optimizer
+over :meth:`DataParallel.parameters` after :meth:`finish_gradient_synchronization`.
+Memory is counted per rank from what each rank actually holds (:meth:`memory`).
 """
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..placement import Replicate
+from .flat_shards import flat_padded, pack, unpack
 from .ranks import bucket_order
 from .zero_step import ZeroStep
 
@@ -78,8 +81,10 @@ class DataParallel(ZeroStep):
         if zero == 3:
             raise NotImplementedError("zero=3 (sharded parameters gathered per layer) is not "
                                       "built yet; use zero=1 or 2")
-        self.params = [p for _, p in params] if params and isinstance(params[0], tuple) \
+        params = [p for _, p in params] if params and isinstance(params[0], tuple) \
             else list(params)
+        # a tensor listed twice (a tied weight from two modules) is one parameter
+        self.params = list({id(p): p for p in params}.values())
         self.mesh = mesh
         self.axis = mesh.dim(dp)
         ids = {id(p) for p in self.params}
@@ -94,7 +99,7 @@ class DataParallel(ZeroStep):
                              "math.inf for one bucket, or None for one all-reduce per gradient")
         self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
-        self.step_count = 0
+        self.step_count = 0             # step() calls
         self.distributed = _B.is_distributed(mesh)
         for p in self.params:
             if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
@@ -119,6 +124,7 @@ class DataParallel(ZeroStep):
             p._local = loc.requires_grad_(trainable)
         # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
         # on the parameter's device ("meta" in a dry run) and dtype (as torch.optim.AdamW)
+        self._steps = [0] * len(self.params)    # AdamW steps each parameter has taken
         like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
         self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
         self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
@@ -135,10 +141,7 @@ class DataParallel(ZeroStep):
     # ---- shapes ---------------------------------------------------------------------------
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         """(lead..., *local) -> (lead..., numel padded to a multiple of N_d)."""
-        nd = self.mesh.ndim
-        flat = t.reshape(tuple(t.shape[:nd]) + (-1,))
-        pad = (-flat.shape[-1]) % self.n
-        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+        return flat_padded(t, self.n, self.mesh.ndim)
 
     def _state_shape(self, p):
         loc = p._local
@@ -168,20 +171,45 @@ class DataParallel(ZeroStep):
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
         self.step_count += 1
+        for i in live:       # as torch.optim's AdamW: a step count per parameter
+            self._steps[i] += 1
         params = [self.params[i] for i in live]
-        self._sum_partials(params)
-        grads = [p._local.grad for p in params]
         m, v = [self.m[i] for i in live], [self.v[i] for i in live]
         if self.zero == 0:
-            grads = self._all_reduce(grads)
-            locs = [p._local for p in params]
-            _adamw(locs, grads, m, v, self.step_count, lr=self.lr,
-                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                   weight_decay=self.wd)
+            self._reduce(params)
+            self._adamw([p._local for p in params], [p._local.grad for p in params], m, v,
+                        live)
         else:
-            self._zero_step(params, grads, m, v, live)
+            self._sum_partials(params)
+            self._zero_step(params, [p._local.grad for p in params], m, v, live)
         for p in params:
             p._local.grad = None
+
+    # ---- any torch.optim optimizer (plain data parallel) ----------------------------------
+    def parameters(self):
+        """The replicas (each parameter's local leaf, one copy per dp rank) for a
+        ``torch.optim`` optimizer; call :meth:`finish_gradient_synchronization` after
+        backward, then its ``step()``.  ZeRO 1-2 shard the optimizer states, which a
+        plain torch.optim optimizer does not: there use :meth:`step`."""
+        if self.zero:
+            raise ValueError(f"DataParallel(zero={self.zero}).parameters(): ZeRO shards the "
+                             "optimizer states, so step with DataParallel.step(); for any "
+                             "torch.optim optimizer use zero=0 (or wb.ZeroRedundancyOptimizer "
+                             "with wb.DistributedDataParallel)")
+        return (p._local for p in self.params)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """ZeRO 0: every gradient summed over dp (the global loss's gradient: each rank's
+        already carries its 1/N of the mean), written back as each replica's ``.grad``."""
+        if self.zero:
+            self.parameters()                       # the same clear error
+        self._reduce([p for p in self.params if p._local.grad is not None])
+
+    def _reduce(self, params) -> None:
+        self._sum_partials(params)
+        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
+            p._local.grad = g
 
     def _sum_partials(self, params) -> None:
         """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
@@ -189,16 +217,11 @@ class DataParallel(ZeroStep):
         if not part:
             return
         nd = self.mesh.ndim
-        buf = torch.cat([self._lead(p._local.grad).reshape(
-            tuple(self._lead(p._local.grad).shape[:nd]) + (-1,)) for p in part], dim=-1)
+        buf = pack([self._lead(p._local.grad) for p in part], nd)
         red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
                            label="sequence-parallel norm grads")
-        off = 0
-        for p in part:
-            g = p._local.grad
-            n = math.prod(g.shape[nd:])
-            p._local.grad = red[..., off:off + n].reshape(self._lead(g).shape).contiguous()
-            off += n
+        for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
+            p._local.grad = piece.contiguous()
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh
@@ -210,20 +233,15 @@ class DataParallel(ZeroStep):
         out = [None] * len(grads)
         sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
         lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
+        nd = mesh.ndim
         for bucket in bucket_order(sizes, self.bucket_bytes):
-            flat = torch.cat([grads[j].expand(lead + tuple(grads[j].shape[mesh.ndim:]))
-                              .reshape(lead + (-1,)) for j in bucket], dim=-1)
+            flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
             red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
-            off = 0
-            for j in bucket:
-                local = tuple(grads[j].shape[mesh.ndim:])
-                n = math.prod(local)
-                piece = red[..., off:off + n].reshape(lead + local)
-                for a in range(mesh.ndim):      # replicated axes back to one copy
+            for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
+                for a in range(nd):             # replicated axes back to one copy
                     if grads[j].shape[a] == 1:
                         piece = piece.narrow(a, 0, 1)
                 out[j] = piece
-                off += n
         return out
 
     def _flat_nopad(self, t):

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .flat_shards import pack, unpack
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
                     run_per_rank)
 
@@ -146,7 +147,7 @@ class DistributedDataParallel(ModuleWrapper):
                 p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
             self._pending.append((b, None, None, handles))
             return
-        flat = ps[0].grad if len(ps) == 1 else torch.cat([p.grad.reshape(-1) for p in ps])
+        flat = ps[0].grad if len(ps) == 1 else pack([p.grad for p in ps])
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)
         self._pending.append((b, work, flat, handles))
 
@@ -167,11 +168,8 @@ class DistributedDataParallel(ModuleWrapper):
             flat.div_(self.group.n)
             ps = [p for p in self._buckets[b] if p.grad is not None]
             if len(ps) > 1:
-                off = 0
-                for p in ps:
-                    n = p.grad.numel()
-                    p.grad.copy_(flat[off:off + n].view_as(p.grad))
-                    off += n
+                for p, piece in zip(ps, unpack(flat, [p.grad.shape for p in ps])):
+                    p.grad.copy_(piece)
         self._reset()
 
     @torch.no_grad()

@@ -28,11 +28,18 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   (FSDP's ``MixedPrecisionPolicy(param_dtype=reduce_dtype=compute_dtype)``);
   floating-point inputs are cast to it too (``cast_forward_inputs``).
 
-Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the
-all-reduce volume of DDP; one collective per parameter (FSDP batches a unit's into
-one flat buffer: the same bytes).  The module may use its weights any way it likes
-(``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered tensors.
-On simulated ranks the module runs once per rank, each rank on its own gathered copy.
+Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the all-reduce
+volume of DDP; one collective per unit and phase, labelled ``fsdp params|re-gather|grad
+<unit>`` (``root`` for the root unit): the unit's shards are copied into one buffer,
+all-gathered and copied out per parameter (FSDP2's ``foreach_all_gather`` /
+``foreach_all_gather_copy_out``; its gradients likewise, laid out rank-major for the
+reduce-scatter, ``foreach_reduce``: torch 2.13,
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); the re-gather holds only
+the parameters autograd saved (FSDP2 re-gathers the whole unit: a bias that no backward
+formula reads is sent again there, not here).  The module may use its weights any way it
+likes (``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered
+tensors.  On simulated ranks the module runs once per rank, each rank on its own
+gathered copy.
 """
 from __future__ import annotations
 
@@ -40,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .flat_shards import flat_padded, unflat
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
-                         plan_units, tree_cast)
+                         plan_units, reduce_scatter, tree_cast)
 from .ranks import ModuleWrapper, RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
@@ -88,10 +96,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         g = self.group
         if g.distributed:                # every rank starts from rank 0's values
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
-        flat = p.detach().reshape(-1)
-        pad = (-flat.numel()) % g.n
-        flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
-        rows = flat.view(g.n, -1)
+        rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
         shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
@@ -145,9 +150,8 @@ class FullyShardedDataParallel(ModuleWrapper):
             if at < len(self._order) and (self._order[at], k) not in self._prefetched:
                 nxt = self.units[self._order[at]]     # gathered now, its node made on entry
                 with torch.no_grad():
-                    self._prefetched[(nxt.index, k)] = tuple(
-                        self._all_gather(self._call(nxt, k), k, i, self._cast(s))
-                        for i, (_, s, _) in enumerate(nxt.params))
+                    self._prefetched[(nxt.index, k)] = self._all_gather(
+                        self._call(nxt, k), k, [self._cast(s) for _, s, _ in nxt.params])
 
     def _exit(self, unit):
         k = self._k
@@ -179,25 +183,29 @@ class FullyShardedDataParallel(ModuleWrapper):
                                   *[self._cast(s) for _, s, _ in unit.params])
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
-            shape, numel = self._meta[id(s)]
+            shape, _ = self._meta[id(s)]
             if f.numel():
                 ptrs.append(f.untyped_storage().data_ptr())
                 self._owners[ptrs[-1]] = (call, k, i)
-            views.append(f[:numel].view(shape))
+            views.append(unflat(f, shape))
         call.ptrs[k] = ptrs
         return call, views
 
-    def _all_gather(self, call, k, i, shard, what="params"):
-        """Rank k's gathered flat copy of parameter i of ``call``'s unit, counted."""
+    def _all_gather(self, call, k, shards, what="params"):
+        """Rank k's gathered flat copies of ``shards`` (parameters of ``call``'s unit), in
+        one collective for the unit (FSDP2's copy-in / all-gather / copy-out), counted."""
+        if not shards:
+            return ()
         g = self.group
-        name = call.unit.params[i][0]
-        nb = shard.numel() * shard.element_size() * (g.n if g.distributed else 1)
-        if g.distributed or (what, i) not in call.recorded:
-            call.recorded.add((what, i))
-            g.record("all_gather", nb, f"fsdp {what} {name}")
-        flat = all_gather(shard, g) if g.distributed else shard.reshape(-1).clone()
-        self.gathered.add(flat)
-        return flat
+        nb = sum(s.numel() * s.element_size() for s in shards) * (g.n if g.distributed else 1)
+        if g.distributed or what not in call.recorded:
+            call.recorded.add(what)
+            g.record("all_gather", nb, f"fsdp {what} {call.unit.name or 'root'}")
+        flats = all_gather(shards, g) if g.distributed else \
+            tuple(s.reshape(-1).clone() for s in shards)
+        for f in flats:
+            self.gathered.add(f)
+        return flats
 
     # ---- backward: re-gather on first use, reduce-scatter when the unit is done -----------
     def _pack(self, t):
@@ -223,10 +231,9 @@ class FullyShardedDataParallel(ModuleWrapper):
 
     def _regather(self, call, k):
         flats = call.cache.setdefault(k, {})
-        for i in sorted(call.packed.get(k, ())):
-            if i not in flats:
-                flats[i] = self._all_gather(call, k, i, self._cast(call.unit.params[i][1].detach()),
-                                            "re-gather")
+        todo = [i for i in sorted(call.packed.get(k, ())) if i not in flats]
+        shards = [self._cast(call.unit.params[i][1].detach()) for i in todo]
+        flats.update(zip(todo, self._all_gather(call, k, shards, "re-gather")))
         return flats
 
     def _reduce_scatter(self, call, k, grads, needs):
@@ -234,28 +241,25 @@ class FullyShardedDataParallel(ModuleWrapper):
         g = self.group
         call.cache.pop(k, None)
         call.done.add(k)
-        names = [p[0] for p in call.unit.params]
-        if g.distributed:
-            out = []
-            for name, gr, need in zip(names, grads, needs):
-                if not need or gr is None:
-                    out.append(None)
-                    continue
-                g.record("reduce_scatter", gr.numel() * gr.element_size(), f"fsdp grad {name}")
-                r = torch.empty(gr.numel() // g.n, dtype=gr.dtype)
-                dist.reduce_scatter_single(r, gr.contiguous(), op=dist.ReduceOp.SUM, group=g.pg)
-                out.append(r.div_(g.n))
+        todo = [i for i, (gr, need) in enumerate(zip(grads, needs)) if need and gr is not None]
+        nb = sum(grads[i].numel() * grads[i].element_size() for i in todo)
+        label = f"fsdp grad {call.unit.name or 'root'}"
+        if g.distributed:                # one reduce-scatter for the unit's gradients
+            out = [None] * len(grads)
+            if todo:
+                g.record("reduce_scatter", nb, label)
+                for i, r in zip(todo, reduce_scatter([grads[i] for i in todo], g)):
+                    out[i] = r.div(g.n)     # its own tensor, as each gradient was
             return tuple(out)
-        for name, gr, need in zip(names, grads, needs):     # recorded at the first rank's
-            if need and gr is not None and ("grad", name) not in call.recorded:   # arrival
-                call.recorded.add(("grad", name))
-                g.record("reduce_scatter", gr.numel() * gr.element_size(), f"fsdp grad {name}")
+        if todo and "grad" not in call.recorded:    # recorded at the first rank's arrival
+            call.recorded.add("grad")
+            g.record("reduce_scatter", nb, label)
         call.grads[k] = grads
         call.left -= 1
         if call.left:                    # the last rank's backward brings the sum
             return (None,) * len(grads)
         out = []
-        for i, (name, need) in enumerate(zip(names, needs)):
+        for i, need in enumerate(needs):
             rows = [call.grads[r][i] for r in sorted(call.grads)]
             if not need or all(r is None for r in rows):
                 out.append(None)
@@ -278,9 +282,9 @@ class FullyShardedDataParallel(ModuleWrapper):
         g = self.group
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) in self._meta:
-                shape, numel = self._meta[id(t)]
-                flat = all_gather(t.detach(), g) if g.distributed else t.detach().reshape(-1)
-                out[name] = flat[:numel].view(shape).clone()
+                shape, _ = self._meta[id(t)]
+                flat = all_gather([t.detach()], g)[0] if g.distributed else t.detach().reshape(-1)
+                out[name] = unflat(flat, shape).clone()
             else:
                 out[name] = t.detach().clone()
         return out

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "plan_units",
-           "GatheredBytes", "tree_cast"]
+from .flat_shards import pack, pack_rank_major, tensor_places, unpack
+
+__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "reduce_scatter",
+           "plan_units", "GatheredBytes", "tree_cast"]
 
 
 class Unit:
@@ -80,17 +82,10 @@ def plan_units(module, units, shards_of):
     for u in sorted(out[1:], key=lambda u: -len(list(u.module.modules()))):
         for m in u.module.modules():            # deeper units are visited later and win
             owner[id(m)] = u
-    where = {}                                  # id(param) -> [(submodule, attr, unit)]
-    for m in module.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                where.setdefault(id(p), []).append((m, attr, owner.get(id(m), out[0])))
-    for name, p in list(module.named_parameters()):
-        locs = where[id(p)]
-        homes = {id(u) for _, _, u in locs}
-        unit = locs[0][2] if len(homes) == 1 else out[0]
+    for name, p, places in tensor_places(module):       # a tied weight: one, every place
+        homes = {id(owner.get(id(m), out[0])) for m, _ in places}
+        unit = owner.get(id(places[0][0]), out[0]) if len(homes) == 1 else out[0]
         shard = shards_of(name, p)
-        places = [(m, attr) for m, attr, _ in locs]
         for m, attr in places:
             m._parameters[attr] = shard
         unit.params.append((name, shard, places))
@@ -147,7 +142,7 @@ class GatherUnit(torch.autograd.Function):
     def forward(ctx, fsdp, call, k, pre, *shards):
         ctx.fsdp, ctx.call, ctx.k = fsdp, call, k
         ctx.set_materialize_grads(False)
-        outs = pre or tuple(fsdp._all_gather(call, k, i, s) for i, s in enumerate(shards))
+        outs = pre or fsdp._all_gather(call, k, shards)
         ctx.mark_non_differentiable(*[o for o, need in zip(outs, ctx.needs_input_grad[4:])
                                       if not need])
         return outs
@@ -158,13 +153,28 @@ class GatherUnit(torch.autograd.Function):
                                                        ctx.needs_input_grad[4:])
 
 
-def all_gather(x, g):
-    out = torch.empty(x.numel() * g.n, dtype=x.dtype)
-    dist.all_gather_single(out, x.contiguous(), group=g.pg)
-    # gloo's worker thread may still hold ``out`` for a moment after the call returns, so
-    # its lifetime would depend on thread timing: hand back a copy only this program holds,
-    # whose liveness (GatheredBytes) is the program's own
-    return out.clone()
+def all_gather(shards, g):
+    """Every rank's ``shards`` (1-D, this rank's chunk of each tensor) gathered in one
+    collective: copied into one buffer, all-gathered, copied out into one flat tensor
+    per shard (PyTorch FSDP2's ``foreach_all_gather`` and its copy-out)."""
+    buf = pack(shards) if len(shards) > 1 else shards[0].contiguous()
+    out = torch.empty(buf.numel() * g.n, dtype=buf.dtype)
+    dist.all_gather_single(out, buf, group=g.pg)
+    # the copy-out gives tensors only this program holds (gloo's worker thread may still
+    # hold ``out`` for a moment after the call returns), so their liveness
+    # (GatheredBytes) does not depend on thread timing
+    rows = out.view(g.n, -1)
+    return tuple(r.reshape(-1).clone() for r in unpack(rows, [s.shape for s in shards], 1))
+
+
+def reduce_scatter(grads, g):
+    """Each rank's chunk of the sums of ``grads`` (1-D, N chunks each) over the ranks, in
+    one collective: laid out rank-major (chunk k of every gradient together, so the
+    reduce-scatter leaves rank k its chunk of each), then split."""
+    buf = pack_rank_major(grads, g.n)
+    out = torch.empty(buf.numel() // g.n, dtype=buf.dtype)
+    dist.reduce_scatter_single(out, buf, op=dist.ReduceOp.SUM, group=g.pg)
+    return unpack(out, [(gr.numel() // g.n,) for gr in grads])
 
 
 def tree_cast(tree, dtype):

@@ -17,8 +17,19 @@ after the one starting, in the order the last forward ran them, registration ord
 before the first; backward: the modules before), and a module's compute waits for
 its own gather; each shard's reduce-scatter is launched when backward accumulates its
 gradient and ``step`` waits for them (a recompute in backward gathers each module
-as it reruns, without prefetch, and its backward reuses that copy).  On torch.distributed the collectives are
-blocking calls and this stays blocking.
+as it reruns, without prefetch, and its backward reuses that copy).  On
+torch.distributed the collectives are blocking calls and this stays blocking.
+
+The shards are ``nn.Parameter``s under the module's own qualified names
+(:meth:`Zero3.named_parameters`, a tied weight one shard), laid out as
+``FullyShardedDataParallel``'s (:mod:`.flat_shards`), so any ``torch.optim`` optimizer
+steps them (elementwise ones exactly as on one device)::
+
+    z = Zero3(model, mesh, "dp")
+    opt = torch.optim.SGD(z.parameters(), lr=0.1)
+    loss.backward(); z.finish_gradient_synchronization(); opt.step(); opt.zero_grad()
+
+``Zero3.step()`` is that with its own ``optimizer``, a ``wb.ops.AdamW`` over the shards.
 """
 from __future__ import annotations
 
@@ -27,11 +38,13 @@ import math
 import torch
 from torch import nn
 
-from ...ops import adamw as _adamw
+from ...ops.adamw import AdamW as _AdamW
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
+from .flat_shards import flat_padded, tensor_places, unflat
+from .ranks import RankGroup
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -51,41 +64,50 @@ class Zero3:
                              "gather ahead, an int >= 0 (0: no prefetch)")
         self.prefetch_numel = prefetch_numel
         self.module, self.mesh = module, mesh
-        self.axis = mesh.dim(dp)
-        self.n = mesh.shape[self.axis]
+        # the data-parallel group the wrappers use (ranks.RankGroup): its size, its axis
+        # and the recording of the collectives on the simulated clock
+        self.group = RankGroup(mesh, dp, "Zero3")
+        self.axis, self.n = self.group.axis, self.group.n
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
-        self.entries = []           # (module, name, template DistTensor, shard leaf)
+        self.entries = []           # (module, name, template DistTensor, shard Parameter)
         self.names = []             # the qualified name of each entry's parameter
+        self._places = []           # every (module, attr) holding it (tied weights: several)
         nd = mesh.ndim
-        for mname, mod in module.named_modules():
-            for name, p in list(getattr(mod, "_wb_dist_params", {}).items()):
-                if not p.placements[self.axis].is_replicate():
-                    raise ValueError(f"{name} is {p.placements[self.axis]} on the dp dim; "
-                                     "ZeRO-3 shards replicated parameters")
-                loc = p._local.detach()
-                if _B.is_distributed(mesh):     # the replicas start from dp rank 0's values
-                    loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
-                flat = loc.reshape(tuple(loc.shape[:nd]) + (-1,))
-                pad = (-flat.shape[-1]) % self.n
-                flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
-                # rank k of dp keeps chunk k: the dp axis becomes the shard index
-                if _B.is_distributed(mesh):
-                    k = _B.local_index(mesh, self.axis)
-                    chunks = flat.unflatten(-1, (self.n, -1)).select(-2, k)
-                else:
-                    chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
-                        .movedim(nd - 1, self.axis)
-                shard = chunks.contiguous().requires_grad_(p.requires_grad)   # frozen stays
-                self.entries.append((mod, name, p, shard))
-                self.names.append(f"{mname}.{name}" if mname else name)
-        self.m = [torch.zeros_like(e[3]) for e in self.entries]
-        self.v = [torch.zeros_like(e[3]) for e in self.entries]
-        mods = list({id(e[0]): e[0] for e in self.entries}.values())
+        for qname, p, places in tensor_places(module, lambda m: getattr(m, "_wb_dist_params",
+                                                                         {})):
+            if not p.placements[self.axis].is_replicate():
+                raise ValueError(f"{qname} is {p.placements[self.axis]} on the dp dim; "
+                                 "ZeRO-3 shards replicated parameters")
+            loc = p._local.detach()
+            if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
+                loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
+            flat = flat_padded(loc, self.n, nd)
+            # rank k of dp keeps chunk k: the dp axis becomes the shard index
+            if _B.is_distributed(mesh):
+                k = _B.local_index(mesh, self.axis)
+                chunks = flat.unflatten(-1, (self.n, -1)).select(-2, k)
+            else:
+                chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
+                    .movedim(nd - 1, self.axis)
+            # the shard is the leaf an optimizer steps (frozen stays frozen)
+            shard = nn.Parameter(chunks.contiguous(), requires_grad=p.requires_grad)
+            self.entries.append((places[0][0], places[0][1], p, shard))
+            self.names.append(qname)
+            self._places.append(places)
+        self._by_mod: dict = {}     # id(module) -> [(attr, entry index)]
+        for i, places in enumerate(self._places):
+            for mod, attr in places:
+                self._by_mod.setdefault(id(mod), []).append((attr, i))
+        # AdamW (wb.ops.adamw, as Zero3 always ran) as a torch.optim optimizer over the
+        # shards; any other torch.optim optimizer over parameters() steps them the same way
+        self.optimizer = _AdamW(self.parameters(), lr=lr, betas=betas, eps=eps,
+                                weight_decay=weight_decay) if self.entries else None
+        mods = [m for m in module.modules() if id(m) in self._by_mod]
         self.order = mods                   # execution order (registration until seen)
         self._seen: list = []               # the order this forward runs them in
-        self._numel = {id(m): sum(math.prod(e[3].shape[nd:]) * self.n for e in self.entries
-                                  if e[0] is m) for m in mods}
+        self._numel = {id(m): sum(math.prod(self.entries[i][3].shape[nd:]) * self.n
+                                  for _, i in self._by_mod[id(m)]) for m in mods}
         self._inflight: dict = {}           # (phase, id(module)) -> [(trace, handles)]
         self._pending: list = []            # (trace, handle) of gradient reduce-scatters
         self._reduced: set = set()          # entries whose reduce-scatter was recorded
@@ -105,10 +127,9 @@ class Zero3:
         if key in self._inflight:
             return
         label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
-        nb = self._numel[id(mod)] * next(e[3].element_size() for e in self.entries
-                                         if e[0] is mod)
-        self._inflight[key] = [(current_trace(), C.record_collective(
-            "all_gather", self.mesh, self.axis, nb, label, overlap=True))]
+        nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
+        self._inflight[key] = [(current_trace(), self.group.record(
+            "all_gather", nb, label, overlap=True))]
 
     def _wait(self, phase: str, mod, ahead: bool = True) -> None:
         """``mod`` is about to compute: wait for its gather, then gather ahead."""
@@ -162,8 +183,8 @@ class Zero3:
             nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
             self._reduced.add(i)
             tr = current_trace()
-            self._pending += [(tr, h) for h in C.record_collective(
-                "reduce_scatter", self.mesh, self.axis, nb, "zero-3 params", overlap=True)]
+            self._pending += [(tr, h) for h in self.group.record(
+                "reduce_scatter", nb, "zero-3 params", overlap=True)]
         return hook
 
     def _gather_hook(self, mod):
@@ -179,9 +200,9 @@ class Zero3:
                     if len(self._seen) == len(self.order):
                         self.order = list(self._seen)           # the order forward ran
                     self._wait("F", mod)
-            for (m, name, tmpl, shard) in self.entries:
-                if m is module:
-                    object.__setattr__(m, name, self._gather(tmpl, shard))
+            for attr, i in self._by_mod[id(module)]:
+                _, _, tmpl, shard = self.entries[i]
+                object.__setattr__(module, attr, self._gather(tmpl, shard))
         return hook
 
     def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
@@ -189,10 +210,7 @@ class Zero3:
         if self.async_:
             return self._gather_math(tmpl, shard)
         full = C.all_gather(shard, mesh, self.axis, 0, expanded=True, label="zero-3 params")
-        local = tuple(tmpl._local.shape[nd:])
-        numel = math.prod(local)
-        lead = tuple(full.shape[:nd])
-        full = full[..., :numel].reshape(lead + local)
+        full = unflat(full, tmpl._local.shape[nd:], nd)
         nb = shard[(0,) * nd].numel() * shard.element_size() * self.n
         # the re-gather ZeRO-3 does before the layer's backward (the saved copy stands in)
         full = C._on_backward(full, "all_gather", mesh, self.axis, nb, "zero-3 re-gather")
@@ -207,44 +225,90 @@ class Zero3:
         with suspend():
             full = C.all_gather(shard, mesh, ax, 0)          # compact: one copy on dp
         local = tuple(tmpl._local.shape[nd:])
+        full = unflat(full, local, nd)
         lead = list(full.shape[:nd])
-        full = full[..., :math.prod(local)].reshape(tuple(lead) + local)
         lead[ax] = self.n
         return DistTensor(full.expand(tuple(lead) + local), mesh, tmpl.placements,
                           tmpl.shape, tmpl.dtype)
 
-    @torch.no_grad()
-    def step(self) -> None:
-        # as torch.optim: a shard without a gradient (frozen, or unused) is skipped
-        live = [i for i, e in enumerate(self.entries) if e[3].grad is not None]
-        if not live:
-            raise RuntimeError("Zero3.step(): no parameter shard has a gradient; call "
-                               "loss.backward() first")
+    # ---- the optimizer: the shards are the parameters --------------------------------------
+    def named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
+        """(the module's own qualified name, its shard ``nn.Parameter``), as
+        ``module.named_parameters()`` names them (a tied weight once, unless
+        ``remove_duplicate=False``): what any ``torch.optim`` optimizer steps."""
+        if remove_duplicate:
+            for qname, e in zip(self.names, self.entries):
+                yield prefix + qname, e[3]
+        else:
+            for qname, i in self._named_places():
+                yield prefix + qname, self.entries[i][3]
+
+    def _named_places(self):
+        """(qualified name, entry index) of every place, in the module's order."""
+        index = {id(e[2]): i for i, e in enumerate(self.entries)}
+        for mname, m in self.module.named_modules():
+            for attr, t in getattr(m, "_wb_dist_params", {}).items():
+                yield (f"{mname}.{attr}" if mname else attr), index[id(t)]
+
+    def parameters(self):
+        """The shards (``torch.optim.SGD(zero3.parameters(), lr=...)`` steps them)."""
+        return (e[3] for e in self.entries)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for e in self.entries:
+            if e[3].grad is not None:
+                e[3].grad = None if set_to_none else e[3].grad.zero_()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait (on the simulated clock) for every gradient reduce-scatter launched in
+        backward, recording those of gradients set without backward's hook (a split
+        backward's W pass).  The shards already hold the reduced gradients (the math
+        runs in autograd); call it before a torch.optim optimizer's ``step()``, as
+        ``Zero3.step()`` does, so the clock counts the reduce-scatters as waited for."""
         from ...sim_mesh.trace import current_trace
         tr = current_trace()
-        for i in live:        # a gradient set without backward's hook (a split backward)
-            if self.async_ and i not in self._reduced:
-                self._reduce_scatter_hook(i)(self.entries[i][3])
+        for i, e in enumerate(self.entries):
+            if e[3].grad is not None and self.async_ and i not in self._reduced:
+                self._reduce_scatter_hook(i)(e[3])
         for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
             if t is tr and tr is not None:
                 for h1 in (h if isinstance(h, list) else [h]):
                     tr.wait(h1)
         self._pending, self._inflight, self._reduced = [], {}, set()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Wait for the reduce-scatters and take one AdamW step on the shards (the
+        ``optimizer``, a ``wb.ops.AdamW``); the gradients are then cleared."""
+        # as torch.optim: a shard without a gradient (frozen, or unused) is skipped
+        if all(e[3].grad is None for e in self.entries):
+            raise RuntimeError("Zero3.step(): no parameter shard has a gradient; call "
+                               "loss.backward() first")
+        self.finish_gradient_synchronization()
         self.step_count += 1
-        shards = [self.entries[i][3] for i in live]
-        grads = [s.grad for s in shards]
-        m, v = [self.m[i] for i in live], [self.v[i] for i in live]
-        _adamw(shards, grads, m, v, self.step_count, lr=self.lr,
-               beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
-        for s in shards:
-            s.grad = None
+        self.optimizer.step()
+        self.zero_grad()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """{the module's own qualified name: the full tensor}, every name of a tied weight
+        included (as ``FullyShardedDataParallel.full_state_dict``), shards gathered."""
+        from ...sim_mesh.trace import suspend
+        out, full = {}, {}
+        with suspend():
+            for qname, i in self._named_places():
+                if i not in full:
+                    _, _, tmpl, shard = self.entries[i]
+                    full[i] = self._gather(tmpl, shard.detach()).full()
+                out[qname] = full[i].clone()
+        return out
 
     def full_parameters(self):
-        """(qualified name, global tensor) of every parameter, gathered (for checking)."""
-        from ...sim_mesh.trace import suspend
-        with suspend(), torch.no_grad():
-            for qname, (m, name, tmpl, shard) in zip(self.names, self.entries):
-                yield qname, self._gather(tmpl, shard).full()
+        """(qualified name, global tensor) of every parameter, as ``named_parameters``
+        names them (a tied weight once), from :meth:`full_state_dict`."""
+        full = self.full_state_dict()
+        for qname in self.names:
+            yield qname, full[qname]
 
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
         nd = self.mesh.ndim

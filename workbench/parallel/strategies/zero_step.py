@@ -21,6 +21,7 @@ import torch
 from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from .flat_shards import pack_rank_major, unflat, unpack
 
 __all__ = ["ZeroStep"]
 
@@ -39,22 +40,31 @@ class ZeroStep:
         out rank-major (chunk k of every tensor, then chunk k + 1...): a reduce-scatter of
         it leaves rank k exactly its chunk k of each (Megatron's distributed optimizer
         shards one contiguous gradient buffer the same way)."""
-        return torch.cat([self._lead(f).unflatten(-1, (self.n, -1)) for f in flats],
-                         dim=-1).flatten(-2)
+        return pack_rank_major([self._lead(f) for f in flats], self.n, self.mesh.ndim)
 
     def _unpack(self, buf, like):
         """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
         lead axes of ``like[i]`` (a replicated axis back to one copy)."""
-        out, off, nd = [], 0, self.mesh.ndim
-        for t in like:
-            c = t.shape[-1]
-            piece = buf[..., off:off + c]
+        out, nd = [], self.mesh.ndim
+        for t, piece in zip(like, unpack(buf, [t.shape[-1:] for t in like], nd)):
             for a in range(nd):
                 if t.shape[a] == 1 and piece.shape[a] != 1:
                     piece = piece.narrow(a, 0, 1)
             out.append(piece)
-            off += c
         return out
+
+    def _adamw(self, ps, gs, ms, vs, live) -> None:
+        """One AdamW call per step count (parameter ``live[j]`` has taken
+        ``self._steps[live[j]]`` steps, as torch.optim.AdamW counts them: a parameter
+        left without a gradient does not advance); every parameter in one call when all
+        agree, the usual case."""
+        by_step: dict = {}
+        for j, i in enumerate(live):
+            by_step.setdefault(self._steps[i], []).append(j)
+        for t, js in by_step.items():
+            _adamw(*([seq[j] for j in js] for seq in (ps, gs, ms, vs)), t, lr=self.lr,
+                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                   weight_decay=self.wd)
 
     def _reduce_scatter_hook(self, i):
         """ZeRO-2 (DeepSpeed's overlap_comm): as soon as backward has accumulated a
@@ -98,19 +108,17 @@ class ZeroStep:
                 ps.append(chunks.select(-2, _B.local_index(mesh, ax)).contiguous())
             else:
                 ps.append(torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous())
-        _adamw(ps, [g.contiguous() for g in shards], ms, vs, self.step_count, lr=self.lr,
-               beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.wd)
+        self._adamw(ps, [g.contiguous() for g in shards], ms, vs, live)
         # the updated shards, gathered back in one buffer
         full = C.all_gather(torch.cat([self._lead(s) for s in ps], dim=-1), mesh, ax, 0,
                             expanded=True, label=f"zero-{self.zero} params")
         full = full.unflatten(-1, (self.n, -1))
         off = 0
-        for p, s in zip(params, ps):
+        for p, s in zip(params, ps):        # rank-major: chunk k of each, back whole
             loc, c = p._local, s.shape[-1]
-            numel = math.prod(loc.shape[nd:])
-            piece = full[..., off:off + c].flatten(-2)[..., :numel]
+            piece = unflat(full[..., off:off + c].flatten(-2), loc.shape[nd:], nd)
             off += c
             for a in range(nd):
                 if loc.shape[a] == 1 and piece.shape[a] != 1:
                     piece = piece.narrow(a, 0, 1)
-            loc.copy_(piece.reshape(loc.shape))
+            loc.copy_(piece)
