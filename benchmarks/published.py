@@ -57,7 +57,8 @@ KORTHIKANTI = ("Korthikanti et al. 2022 (arXiv 2205.05198), MFU table of NVIDIA/
                "README (2e90a342f5), data parallel size one")
 _K_ASSUME = ("layout recalled from Korthikanti Table 3 (text not found): tp 8, pp {pp}, "
              "{gpus} GPUs, global batch {gbs}, micro-batch {mbs}; 1F1B schedule assumed")
-_N_ASSUME = "fp16 as --fp16; full recompute as --checkpoint-activations; dropout 0.1 (Megatron's default)"
+_N_ASSUME = ("fp16 as --fp16; full recompute as --checkpoint-activations; dropout 0.1 "
+             "(Megatron's default)")
 _N_DDP = "; pp=1 ran torch DDP, which overlaps the gradient all-reduce (the planner exposes it)"
 
 # Table 1 as printed (README image): name, hidden size, layers, parameters (billion),
