@@ -35,8 +35,22 @@ is here only when its number was read from the source itself:
   the attention core's forward AND backward again, while ``Estimate.hfu`` counts the
   one recomputed forward.
 
+- ``megatron_h100``: NVIDIA/Megatron-LM README (commit f2e5db402c, 2024-07-15, "New
+  scaling figures on H100 GPUs"): images/model_table.png (heads, hidden size, layers,
+  tensor / pipeline / data-parallel size, GPUs, batch, per-GPU teraFLOP/s, MFU) and its
+  text: GPT models, vocabulary 131,072, sequence 4096, up to 6,144 H100, end-to-end,
+  ``--overlap-grad-reduce --overlap-param-gather`` (which needs Megatron's distributed
+  optimizer: ``zero=1``) and ``--tp-comm-overlap`` (which needs sequence parallelism:
+  ``sp=True`` where tp > 1).  The per-GPU teraFLOP/s are model FLOPs (MFU x 989, the
+  H100's dense BF16 peak, in every row).  ASSUMED (not stated): bf16, micro-batch 1,
+  no recompute, a fused (flash) attention kernel, no interleaving, untied embeddings
+  (the parameter counts in the model-size column need them), learned positions,
+  dropout 0.1.  The planner exposes the TP and DP communication Megatron overlaps here.
+
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
-on 2,240 GPUs of its abstract (global batch not stated), MLPerf, NeMo, Ascend tables.
+on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
+figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
+(its layout at measurement time is not recorded), MLPerf, Ascend tables.
 """
 from __future__ import annotations
 
@@ -93,6 +107,22 @@ README_MFU = [
     ("1T", 25600, 128, 160, 64, 512, 512, 1, 56.3, 57.0),
 ]
 
+# Megatron-LM README 2024 (model_table.png): name, heads, hidden, layers, tp, pp, dp,
+# GPUs, batch, per-GPU (model) teraFLOP/s, MFU %, aggregate petaFLOP/s.
+TABLE_H100 = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
+    ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 47, 44.7),
+    ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 49, 93.9),
+    ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 46, 176.5),
+    ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 42, 322.3),
+    ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 43, 645.9),
+    ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 44, 997.2),
+    ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 48, 1457.4),
+    ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 47, 2825.6),
+]
+H100_CITE = ("NVIDIA/Megatron-LM README images/model_table.png (f2e5db402c, 2024-07-15), "
+             "GPT, vocabulary 131,072, sequence 4096")
+
 
 def _narayanan_rows():
     for name, h, l, _, _, gpus, gbs, tflops, _, _ in TABLE_1:
@@ -119,10 +149,26 @@ def _korthikanti_rows():
                    + "; bf16 (fp16 has the same A100 peak); dropout 0.1")
 
 
-ROWS = [*_narayanan_rows(), *_korthikanti_rows()]
+def _h100_rows():
+    for name, a, h, l, tp, pp, dp, gpus, gbs, tflops, _, _ in TABLE_H100:
+        yield dict(source="megatron_h100", name=f"GPT {name}", profile="h100", devices=gpus,
+                   model=dict(d_model=h, n_layer=l, n_head=a, dtype="bfloat16",
+                              vocab_size=131072, seq_len=4096, tie_embeddings=False),
+                   layout=dict(dp=dp, tp=tp, pp=pp, sp=tp > 1, zero=1, recompute="none",
+                               micro_batch=1, global_batch=gbs, schedule="1f1b", v=1),
+                   attention="flash", metric="model_tflops_per_device",
+                   published=float(tflops), published_hfu=None, cite=H100_CITE,
+                   assume="bf16, micro-batch 1, no recompute, flash attention, 1F1B assumed")
+
+
+ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows()]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
-                        "assumed; bf16; dropout 0.1"}
+                        "assumed; bf16; dropout 0.1",
+         "megatron_h100": "sp and zero=1 implied by the README's overlap flags; bf16, "
+                          "micro-batch 1, no recompute, flash attention, 1F1B, untied "
+                          "embeddings ASSUMED; Megatron overlapped the TP/DP communication "
+                          "the planner exposes"}
 
 
 def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:
@@ -135,19 +181,23 @@ def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:
 
 
 def build(row):
-    """(ModelConfig, Layout, Cluster) of one row: Megatron's GPT, vocabulary 51,200,
-    sequence 2048, tied embeddings (both sources)."""
-    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=51200, seq_len=2048,
-                                tie_embeddings=True, dropout=0.1, **row["model"])
+    """(ModelConfig, Layout, Cluster) of one row: Megatron's GPT; vocabulary 51,200,
+    sequence 2048 and tied embeddings unless the row says otherwise."""
+    cfg = wb.models.ModelConfig(**{**dict(arch="gpt", vocab_size=51200, seq_len=2048,
+                                          tie_embeddings=True, dropout=0.1), **row["model"]})
     return cfg, wb.plan.Layout(**row["layout"]), wb.plan.Cluster(row["profile"], row["devices"])
 
 
 def predict(row) -> dict:
     """The planner's estimate of ``row`` and the ratio predicted / published of the
-    published metric (``tflops_per_device`` or ``mfu``)."""
+    published metric: ``tflops_per_device`` (hardware FLOPs), ``mfu``, or
+    ``model_tflops_per_device`` (MFU x peak)."""
     cfg, lay, cl = build(row)
-    est = wb.plan.estimate(cfg, lay, cl)
-    pred = getattr(est, row["metric"])
+    est = wb.plan.estimate(cfg, lay, cl, attention=row.get("attention", "materialized"))
+    if row["metric"] == "model_tflops_per_device":
+        pred = est.mfu * cl.profile.peak(cfg.dtype) / 1e12
+    else:
+        pred = getattr(est, row["metric"])
     return dict(row=row, estimate=est, predicted=pred, ratio=pred / row["published"])
 
 
@@ -157,7 +207,7 @@ def summary(ratios) -> dict:
 
 
 def _fmt(metric, x):
-    return f"{x:7.1f}" if metric == "tflops_per_device" else f"{100 * x:6.1f}%"
+    return f"{100 * x:6.1f}%" if metric == "mfu" else f"{x:7.1f}"
 
 
 def main():
@@ -165,7 +215,8 @@ def main():
     results = [predict(row) for row in ROWS]
     elapsed = time.perf_counter() - t0
     for source, label in (("narayanan", "achieved TFLOP/s per GPU (with recompute)"),
-                          ("korthikanti", "MFU (eq. 7; SP + selective recompute)")):
+                          ("korthikanti", "MFU (eq. 7; SP + selective recompute)"),
+                          ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)")):
         rows = [r for r in results if r["row"]["source"] == source]
         print(f"\n{rows[0]['row']['cite']}\n  metric: {label}")
         print(f"  {'model':<9}{'GPUs':>6}  {'layout':<44}{'published':>10}{'predicted':>10}"
