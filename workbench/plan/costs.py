@@ -118,16 +118,25 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
 def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
     """The lm head and loss for one micro-batch on the last stage, with the first
     stage's embedding collective folded in by the caller.  Head: 2 b s h V / t FLOPs
-    forward, twice that backward (vocabulary-parallel, Megatron); communication: the
+    forward, twice that backward (vocabulary-parallel, Megatron), priced as matmuls
+    (op class "matmul", ``cost.compute_time``'s tile and wave quantization); the loss
+    kernels are the edge costs' (``edge_cost.py``); communication: the
     head input's all-reduce in backward (all-gather forward and reduce-scatter backward
     with sequence parallelism) and vocab-parallel cross-entropy's three all-reduces of
     s b fp32 values (max, sum of exp, target logit; Megatron's
     ``vocab_parallel_cross_entropy``)."""
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
-    flops = 2 * b * s * h * V / tp
-    moved = 2 * V * h / tp + 2 * s * b * V / tp              # weights read, logits written
-    fwd = compute_time(flops, moved, profile, cfg.dtype)
-    bwd = compute_time(2 * flops, 2 * moved, profile, cfg.dtype)
+    T, Vt = s * b, V // tp
+    flops = 2 * T * h * Vt
+    e = 2                                                      # bytes of a 16-bit element
+    # GEMMs priced as the layer's are (op class "matmul", tile and wave quantization):
+    # logits [T, V/t] = x [T, h] @ w^T; backward dx [T, h] = dlogits @ w, dw [V/t, h]
+    fwd = compute_time(flops, e * (T * h + Vt * h + T * Vt), profile, cfg.dtype, "matmul",
+                       gemm=(1, T, Vt))
+    bwd = compute_time(flops, e * (T * Vt + Vt * h + T * h), profile, cfg.dtype, "matmul",
+                       gemm=(1, T, h)) + \
+        compute_time(flops, e * (T * Vt + T * h + Vt * h), profile, cfg.dtype, "matmul",
+                     gemm=(1, Vt, h))
     ranks, n = tuple(range(tp)), 2 * s * b * h
     ce = 3 * group_price("all_reduce", 4 * s * b, ranks, profile)
     ce_sent = 3 * (wire_bytes("all_reduce", 4 * s * b, tp) if tp > 1 else 0)
