@@ -12,15 +12,28 @@ row-parallel one needs one operator before the region and one after it:
   (backward: all-gather).
 
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
-module's own forward is untouched.  This is the one copy used by the hybrid recipe
+module's own forward is untouched.
+
+f's backward all-reduce is asynchronous on the simulated clock, as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` issues it (``async_op=True`` on the
+input gradient, then the weight-gradient GEMM, then the wait): the region's first
+linear records its backward as dgrad then wgrad (``ops_table.pricing``), and the
+all-reduce starts on the comm stream when the dgrad ended, beside the wgrad; the
+compute stream waits for it after the wgrad.  Hidden: min(all-reduce, wgrad) when the
+comm stream is free.  Anything else recorded between them on the ranks' compute
+(or torch.distributed, whose collectives block) leaves it blocking.  This is the one copy used by the hybrid recipe
 and the torchrun activation check.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
+from ...sim_mesh.grid import Stacked, ops_for
+from ...sim_mesh.trace import current_trace
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
@@ -33,11 +46,60 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) 
     mesh, loc = x.mesh, x._local
     if sp:          # S(seq_dim) on tp -> every rank the whole sequence
         loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True, label="f: all-gather")
-    else:
+    elif _B.is_distributed(mesh) or ops_for(loc) is not Stacked:
         loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+    else:
+        loc = _expand_async(loc, mesh, mesh.dim(tp_axis))
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
+
+
+class _AsyncGradAllReduce(torch.autograd.Function):
+    """Identity; its backward records the gradient's all-reduce over ``axis``, async
+    beside the wgrad just recorded (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, info, x):
+        ctx.info = info
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _record_grad_all_reduce(*ctx.info)
+        return None, g
+
+
+def _record_grad_all_reduce(mesh, axis: int, nbytes: int, label: str) -> None:
+    from ..ops_table.pricing import wgrad_overlap
+    tr = current_trace()
+    if tr is None:
+        return
+    for g in mesh.groups(axis):
+        if len(g) == 1:
+            continue
+        ready = wgrad_overlap(tr, g)
+        h = tr.record_collective(
+            g, "all_reduce", _cost.price("all_reduce", nbytes, g, tr.profile),
+            bytes=_cost.wire_bytes("all_reduce", nbytes, len(g)), label=label,
+            args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes),
+                  "overlaps": "wgrad" if ready is not None else ""},
+            overlap=ready is not None, ready=ready)
+        if ready is not None:
+            tr.wait(h)
+
+
+def _expand_async(x, mesh, axis: int):
+    """``collectives.expand_replicas`` over one axis of a stacked tensor, with the
+    backward all-reduce recorded by :class:`_AsyncGradAllReduce`."""
+    F = ops_for(x)
+    if F.lead(x, mesh.ndim)[axis] != 1:
+        return x                          # one copy per rank already: nothing to expand
+    nb = F.rank_bytes(x, mesh.ndim)
+    x = F.expand(x, axis, mesh.shape[axis])
+    if x.requires_grad and torch.is_grad_enabled():
+        x = _AsyncGradAllReduce.apply((mesh, axis, nb, "f: grad all-reduce"), x)
+    return x
 
 
 def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:

@@ -1,0 +1,127 @@
+"""Megatron's f all-reduces the input gradient asynchronously, beside the column-parallel
+linear's weight-gradient GEMM (``LinearWithGradAccumulationAndAsyncCommunication``):
+on the simulated clock the all-reduce starts when the dgrad ends and the wgrad hides
+min(all-reduce, wgrad) of it; the compute is the same as one backward event per op."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.parallel.ops_table.costs import backward_bytes
+from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+from workbench.sim_mesh import cost as sim_cost
+
+H, T = 512, 512                            # hidden size, tokens (b = 4, s = 128)
+BF16 = torch.bfloat16
+
+
+class Block(nn.Module):
+    """Megatron's MLP: column-parallel fc1, row-parallel fc2, f before and g after."""
+
+    def __init__(self, first=None):
+        super().__init__()
+        self.first = first
+        self.fc1 = nn.Linear(H, 4 * H, dtype=BF16)
+        self.fc2 = nn.Linear(4 * H, H, dtype=BF16)
+
+    def forward(self, x):
+        if self.first is not None:
+            x = self.first(x)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _run(first=None, dp=1):
+    mesh = wb.Mesh.grid((dp, 2), ["dp", "tp"]) if dp > 1 else wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    m = Block(first)
+    wb.parallelize(m, mesh, {"fc1": "colwise", "fc2": "rowwise"}, mesh_dim="tp")
+    tensor_parallel_region(m, mesh, "tp")
+    if dp > 1:          # each dp rank its own replica (gradients reduced in step())
+        from workbench.parallel.strategies.data_parallel import DataParallel
+        DataParallel(list(wb.dist_parameters(m)), mesh, "dp")
+    x = torch.randn(dp * 4, 128, H, dtype=BF16)
+    place = [wb.Shard(0), wb.Replicate()] if dp > 1 else [wb.Replicate()]
+    xs = wb.shard_tensor(x, mesh, place).requires_grad_()
+    with wb.trace("a100") as tr:
+        m(xs).sum().backward()
+    return tr, m, xs
+
+
+def _f_all_reduce(tr):
+    (ar,) = [e for e in tr.events if e.label == "f: grad all-reduce" and 0 in e.ranks]
+    return ar
+
+
+def _fc1_backward(tr):
+    lin = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
+           and 0 in e.ranks]
+    return lin[-2], lin[-1]              # fc1's: the last linear backward recorded
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_f_all_reduce_hidden_by_the_wgrad(dp):
+    tr, _, _ = _run(dp=dp)
+    dgrad, wgrad = _fc1_backward(tr)
+    ar = _f_all_reduce(tr)
+    assert (dgrad.args["part"], wgrad.args["part"]) == ("dgrad", "wgrad")
+    assert ar.start == dgrad.end == wgrad.start             # beside the wgrad
+    assert ar.args["overlaps"] == "wgrad"
+    want = sim_cost.price("all_reduce", T * H * 2, list(range(2)), "a100")
+    assert ar.duration == pytest.approx(want, rel=1e-12)
+    hidden = min(ar.end, wgrad.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(ar.duration, wgrad.duration), rel=1e-12)
+    # the step ends when both have: the compute stream waited for the all-reduce
+    for r in (0, 1):
+        assert tr.now(r) == max(ar.end, wgrad.end)
+
+
+def test_compute_is_each_ops_backward_cost():
+    """Each linear's dgrad + wgrad: its backward FLOPs, bytes and roofline seconds as one
+    event would have them (``wb.ops.cost("linear")`` on one rank's shards)."""
+    tr, m, _ = _run()
+    prof = tr.profile
+    x, h1 = torch.empty(T, H, dtype=BF16), torch.empty(T, 2 * H, dtype=BF16)
+    shapes = {"fc1": (x, torch.empty(2 * H, H, dtype=BF16), torch.empty(2 * H, dtype=BF16),
+                      h1),
+              "fc2": (h1, torch.empty(H, 2 * H, dtype=BF16), torch.empty(H, dtype=BF16),
+                      torch.empty(T, H, dtype=BF16))}
+    bwd = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
+           and 0 in e.ranks]
+    assert len(bwd) == 4                                     # fc2 then fc1, two events each
+    for (d, w), name in zip((bwd[:2], bwd[2:]), ("fc2", "fc1")):
+        xi, wi, bi, out = shapes[name]
+        c = wb.ops.cost("linear", xi, wi, bi)
+        nbytes = backward_bytes([xi, wi, bi], [out], c.saved_bytes_fused)
+        assert d.flops + w.flops == c.backward_flops
+        assert d.bytes + w.bytes == nbytes
+        assert d.duration + w.duration == pytest.approx(
+            sim_cost.compute_time(c.backward_flops, nbytes, prof, BF16, "matmul"), rel=1e-12)
+
+
+def test_blocking_when_something_runs_between_dgrad_and_the_all_reduce():
+    """f's input feeds a GELU before fc1 (not the linear): its backward runs after fc1's
+    wgrad, so the input gradient is ready only then and the all-reduce blocks."""
+    tr, _, _ = _run(first=nn.GELU())
+    ar = _f_all_reduce(tr)
+    (gelu,) = [e for e in tr.events if e.name == "gelu" and e.args.get("phase") == "backward"
+               and 0 in e.ranks]
+    assert ar.args["overlaps"] == "" and ar.start >= gelu.end
+
+
+def test_input_gradient_is_the_single_device_one():
+    """The math of f is unchanged: the input gradient summed over tp (float32, small)."""
+    mesh = wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+    ref = nn.Sequential(fc1, nn.ReLU(), fc2)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    ref(x).sum().backward()
+    par = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    par.load_state_dict(ref.state_dict())
+    wb.parallelize(par, mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    tensor_parallel_region(par, mesh, "tp")
+    xs = wb.shard_tensor(x.detach(), mesh, [wb.Replicate()]).requires_grad_()
+    with wb.trace("a100") as tr:
+        par(xs).sum().backward()
+    assert _f_all_reduce(tr).args["overlaps"] == "wgrad"
+    torch.testing.assert_close(xs.grad.full(), x.grad)
