@@ -210,7 +210,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s)
-        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge, emb_t) \
+        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
             if lay.zero >= 2 and lay.dp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)

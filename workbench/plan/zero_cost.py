@@ -114,22 +114,23 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 
-def stage_blocks(cfg, lay, stage: int, layer, head, edge, emb_comm: float) -> list[Block]:
+def stage_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
     the embeddings (word V h / t and positions s h) on the first stage, its layers
     (``costs.layer_cost``), the final norm and the head on the last (the head's own
     V h / t unless tied to the embedding on one stage); their parameters sum to
-    ``memory.stage_params``."""
+    ``memory.stage_params``.  Their seconds are compute only: the tensor-parallel
+    collectives take the same comm stream as ZeRO's (as on the simulated clock), so
+    nothing of ZeRO's hides behind them."""
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
     if stage == 0:
-        out.append(Block(V * h / tp + s * h, edge["first"][0] + emb_comm, edge["first"][1]))
-    one = Block(layer_params(cfg, tp), layer.fwd_compute + layer.fwd_comm,
-                layer.bwd_compute + layer.bwd_comm)
-    out += [one] * (cfg.n_layer // pp)
+        out.append(Block(V * h / tp + s * h, edge["first"][0], edge["first"][1]))
+    out += [Block(layer_params(cfg, tp), layer.fwd_compute, layer.bwd_compute)] \
+        * (cfg.n_layer // pp)
     if stage == pp - 1:
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
-        out.append(Block(2 * h + own, head.fwd_compute + head.fwd_comm + edge["last"][0],
-                         head.bwd_compute + head.bwd_comm + edge["last"][1]))
+        out.append(Block(2 * h + own, head.fwd_compute + edge["last"][0],
+                         head.bwd_compute + edge["last"][1]))
     return out
