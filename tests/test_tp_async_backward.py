@@ -76,10 +76,10 @@ def test_f_all_reduce_hidden_by_the_wgrad(dp):
 
 
 def test_compute_is_each_ops_backward_cost():
-    """Each linear's dgrad + wgrad: its backward FLOPs, bytes and roofline seconds as one
-    event would have them (``wb.ops.cost("linear")`` on one rank's shards)."""
-    tr, m, _ = _run()
-    prof = tr.profile
+    """Each linear's dgrad + wgrad: its backward FLOPs and bytes (``wb.ops.cost("linear")``
+    on one rank's shards), split by hand: dgrad reads dY and W and writes dX, wgrad
+    reads X and writes dW and the bias's gradient; each a kernel on its roofline."""
+    tr, _, _ = _run()
     x, h1 = torch.empty(T, H, dtype=BF16), torch.empty(T, 2 * H, dtype=BF16)
     shapes = {"fc1": (x, torch.empty(2 * H, H, dtype=BF16), torch.empty(2 * H, dtype=BF16),
                       h1),
@@ -90,12 +90,15 @@ def test_compute_is_each_ops_backward_cost():
     assert len(bwd) == 4                                     # fc2 then fc1, two events each
     for (d, w), name in zip((bwd[:2], bwd[2:]), ("fc2", "fc1")):
         xi, wi, bi, out = shapes[name]
+        (M, K), N = xi.shape, wi.shape[0]
         c = wb.ops.cost("linear", xi, wi, bi)
-        nbytes = backward_bytes([xi, wi, bi], [out], c.saved_bytes_fused)
+        assert (d.flops, w.flops) == (2 * M * K * N, 2 * M * K * N + M * N)
         assert d.flops + w.flops == c.backward_flops
-        assert d.bytes + w.bytes == nbytes
-        assert d.duration + w.duration == pytest.approx(
-            sim_cost.compute_time(c.backward_flops, nbytes, prof, BF16, "matmul"), rel=1e-12)
+        assert (d.bytes, w.bytes) == (2 * (M * N + N * K + M * K), 2 * (M * K + N * K + N))
+        assert d.bytes + w.bytes == backward_bytes([xi, wi, bi], [out], c.saved_bytes_fused)
+        for ev in (d, w):
+            assert ev.duration == sim_cost.compute_time(ev.flops, ev.bytes, tr.profile, BF16,
+                                                        "matmul")
 
 
 def test_blocking_when_something_runs_between_dgrad_and_the_all_reduce():

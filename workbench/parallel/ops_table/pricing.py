@@ -13,11 +13,12 @@ A matmul's backward is two GEMMs, as in PyTorch's and Megatron-LM's autograd: fi
 input gradient ("dgrad", dA = dC B^T: the forward's multiply-adds again; it reads dC and
 B and writes dA), then the weight gradient ("wgrad", dB = A^T dC, plus a bias's
 gradient: the rest of the op's backward FLOPs and bytes, reading A and writing dB).  The
-two events partition the op's backward cost exactly (:class:`SplitCost`) and share its
-roofline time in proportion to each half's own roofline, so the backward's total is
-unchanged; recorded one after the other, the wgrad last, so that a collective on the
-input gradient can run beside it (:func:`wgrad_overlap`, Megatron-LM's
-``LinearWithGradAccumulationAndAsyncCommunication``: ``strategies.tensor_parallel``).
+two events partition the op's backward FLOPs and bytes exactly (:class:`SplitCost`);
+each is a kernel priced on its own roofline with its launch (two GEMM launches, as
+``plan.layer_cost`` prices them), recorded one after the other, the wgrad last, so
+that a collective on the input gradient can run beside it (:func:`wgrad_overlap`;
+Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
+``strategies.tensor_parallel``).
 """
 from __future__ import annotations
 
@@ -149,21 +150,20 @@ def _record_backward(name, op_class, ranks, cost, dtype):
         tr = current_trace()
         if tr is None or not (cost.backward_flops or cost.backward_bytes):
             return
-        dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class)
         if not isinstance(cost, SplitCost):
+            dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class)
             tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
                               bytes=cost.backward_bytes, label="backward",
                               args={"op_class": op_class, "phase": "backward"})
             return
-        # the op's backward time, shared by the two GEMMs as their own rooflines are
-        t_d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class)
-        t_w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class)
-        d = dur * t_d / (t_d + t_w) if t_d + t_w > 0 else 0.0
+        # two kernels, each on its own roofline with its launch (as plan.layer_cost)
+        d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class)
+        w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class)
         ev_d = tr.record_compute(ranks, name, d, flops=cost.dgrad_flops,
                                  bytes=cost.dgrad_bytes, label="backward",
                                  args={"op_class": op_class, "phase": "backward",
                                        "part": "dgrad"})
-        ev_w = tr.record_compute(ranks, name, dur - d, flops=cost.wgrad_flops,
+        ev_w = tr.record_compute(ranks, name, w, flops=cost.wgrad_flops,
                                  bytes=cost.wgrad_bytes, label="backward",
                                  args={"op_class": op_class, "phase": "backward",
                                        "part": "wgrad"})
