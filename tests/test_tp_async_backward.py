@@ -30,25 +30,27 @@ class Block(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _run(first=None, dp=1):
+def _run(first=None, dp=1, sp=False):
     mesh = wb.Mesh.grid((dp, 2), ["dp", "tp"]) if dp > 1 else wb.Mesh.grid(2, ["tp"])
     torch.manual_seed(0)
     m = Block(first)
     wb.parallelize(m, mesh, {"fc1": "colwise", "fc2": "rowwise"}, mesh_dim="tp")
-    tensor_parallel_region(m, mesh, "tp")
+    tensor_parallel_region(m, mesh, "tp", sp=sp)
     if dp > 1:          # each dp rank its own replica (gradients reduced in step())
         from workbench.parallel.strategies.data_parallel import DataParallel
         DataParallel(list(wb.dist_parameters(m)), mesh, "dp")
     x = torch.randn(dp * 4, 128, H, dtype=BF16)
-    place = [wb.Shard(0), wb.Replicate()] if dp > 1 else [wb.Replicate()]
+    tp_place = wb.Shard(1) if sp else wb.Replicate()          # sp: the sequence split
+    place = [wb.Shard(0), tp_place] if dp > 1 else [tp_place]
     xs = wb.shard_tensor(x, mesh, place).requires_grad_()
     with wb.trace("a100") as tr:
         m(xs).sum().backward()
     return tr, m, xs
 
 
-def _f_all_reduce(tr):
-    (ar,) = [e for e in tr.events if e.label == "f: grad all-reduce" and 0 in e.ranks]
+def _f_all_reduce(tr, kind="all_reduce"):
+    (ar,) = [e for e in tr.events if e.name == kind and e.label.startswith("f: ")
+             and 0 in e.ranks]
     return ar
 
 
@@ -66,13 +68,26 @@ def test_f_all_reduce_hidden_by_the_wgrad(dp):
     assert (dgrad.args["part"], wgrad.args["part"]) == ("dgrad", "wgrad")
     assert ar.start == dgrad.end == wgrad.start             # beside the wgrad
     assert ar.args["overlaps"] == "wgrad"
-    want = sim_cost.price("all_reduce", T * H * 2, list(range(2)), "a100")
+    want = sim_cost.price("all_reduce", T * H * 2, [0, 1], "a100")
     assert ar.duration == pytest.approx(want, rel=1e-12)
     hidden = min(ar.end, wgrad.end) - wgrad.start
     assert hidden > 0 and hidden == pytest.approx(min(ar.duration, wgrad.duration), rel=1e-12)
     # the step ends when both have: the compute stream waited for the all-reduce
     for r in (0, 1):
         assert tr.now(r) == max(ar.end, wgrad.end)
+
+
+def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
+    """Sequence parallel: f all-gathers the sequence forward; its backward reduce-scatter
+    of the input gradient (Korthikanti et al. sec. 4.2.2) runs beside the wgrad too."""
+    tr, _, _ = _run(sp=True)
+    dgrad, wgrad = _fc1_backward(tr)
+    rs = _f_all_reduce(tr, "reduce_scatter")
+    assert rs.start == dgrad.end and rs.args["overlaps"] == "wgrad"
+    assert rs.duration == pytest.approx(
+        sim_cost.price("reduce_scatter", T * H * 2, [0, 1], "a100"), rel=1e-12)
+    hidden = min(rs.end, wgrad.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(rs.duration, wgrad.duration), rel=1e-12)
 
 
 def test_compute_is_each_ops_backward_cost():
@@ -111,20 +126,24 @@ def test_blocking_when_something_runs_between_dgrad_and_the_all_reduce():
     assert ar.args["overlaps"] == "" and ar.start >= gelu.end
 
 
-def test_input_gradient_is_the_single_device_one():
-    """The math of f is unchanged: the input gradient summed over tp (float32, small)."""
+@pytest.mark.parametrize("sp,seq", [(False, 6), (True, 6), (True, 5)])
+def test_input_gradient_is_the_single_device_one(sp, seq):
+    """The math of f is unchanged: the input gradient summed over tp (float32, small);
+    a sequence that does not split evenly (uneven shards) keeps the blocking path."""
     mesh = wb.Mesh.grid(2, ["tp"])
     torch.manual_seed(0)
     fc1, fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
     ref = nn.Sequential(fc1, nn.ReLU(), fc2)
-    x = torch.randn(3, 5, 16, requires_grad=True)
+    x = torch.randn(3, seq, 16, requires_grad=True)
     ref(x).sum().backward()
     par = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     par.load_state_dict(ref.state_dict())
     wb.parallelize(par, mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
-    tensor_parallel_region(par, mesh, "tp")
-    xs = wb.shard_tensor(x.detach(), mesh, [wb.Replicate()]).requires_grad_()
+    tensor_parallel_region(par, mesh, "tp", sp=sp)
+    place = [wb.Shard(1) if sp else wb.Replicate()]
+    xs = wb.shard_tensor(x.detach(), mesh, place).requires_grad_()
     with wb.trace("a100") as tr:
         par(xs).sum().backward()
-    assert _f_all_reduce(tr).args["overlaps"] == "wgrad"
+    kind = "reduce_scatter" if sp else "all_reduce"
+    assert _f_all_reduce(tr, kind).args.get("overlaps") == ("wgrad" if seq % 2 == 0 else None)
     torch.testing.assert_close(xs.grad.full(), x.grad)

@@ -54,10 +54,10 @@ after the tied head's, where DeepSpeed's root-module hook starts it with the bac
 ZeRO-2/3 as DeepSpeed runs them (``plan.zero_cost``): gradients reduce-scattered every
 micro-batch and waited for at its end, so the tied word embedding's gradient, complete
 only after the embedding's backward, is an exposed tail of every micro-batch.
-As in Megatron-LM, a column-parallel linear's input-gradient all-reduce runs beside its
-weight-gradient GEMM (``strategies.tensor_parallel``: the op table records a matmul's
-backward as dgrad then wgrad), as ``plan.layer_cost`` prices it; sequence parallelism's
-reduce-scatter there still blocks (the planner overlaps it).
+As in Megatron-LM, a column-parallel linear's input-gradient all-reduce (sequence
+parallel: reduce-scatter) runs beside its weight-gradient GEMM
+(``strategies.tensor_parallel``: the op table records a matmul's backward as dgrad then
+wgrad), as ``plan.layer_cost`` prices it.
 """
 from __future__ import annotations
 

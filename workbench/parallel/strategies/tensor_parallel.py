@@ -14,12 +14,12 @@ row-parallel one needs one operator before the region and one after it:
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
 module's own forward is untouched.
 
-f's backward all-reduce is asynchronous on the simulated clock, as Megatron-LM's
-``LinearWithGradAccumulationAndAsyncCommunication`` issues it (``async_op=True`` on the
-input gradient, then the weight-gradient GEMM, then the wait): the region's first
-linear records its backward as dgrad then wgrad (``ops_table.pricing``), and the
-all-reduce starts on the comm stream when the dgrad ended, beside the wgrad; the
-compute stream waits for it after the wgrad.  Hidden: min(all-reduce, wgrad) when the
+f's backward all-reduce (sequence parallel: reduce-scatter) is asynchronous on the
+simulated clock, as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
+issues it (``async_op=True`` on the input gradient, then the weight-gradient GEMM, then
+the wait): the region's first linear records its backward as dgrad then wgrad
+(``ops_table.pricing``), and the collective starts on the comm stream when the dgrad
+ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden: min(all-reduce, wgrad) when the
 comm stream is free.  Anything else recorded between them on the ranks' compute
 (or torch.distributed, whose collectives block) leaves it blocking.  This is the one copy used by the hybrid recipe
 and the torchrun activation check.
@@ -44,20 +44,26 @@ __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_paral
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
     """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence)."""
     mesh, loc = x.mesh, x._local
-    if sp:          # S(seq_dim) on tp -> every rank the whole sequence
-        loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True, label="f: all-gather")
-    elif _B.is_distributed(mesh) or ops_for(loc) is not Stacked:
-        loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+    if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
+        if sp:      # S(seq_dim) on tp -> every rank the whole sequence
+            loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
+                               label="f: all-gather")
+        else:
+            loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+    elif sp:
+        ax = mesh.dim(tp_axis)
+        loc = C.all_gather(loc, mesh, ax, seq_dim, label="f: all-gather")
+        loc = _expand_async(loc, mesh, ax, "reduce_scatter", "f: all-gather")
     else:
-        loc = _expand_async(loc, mesh, mesh.dim(tp_axis))
+        loc = _expand_async(loc, mesh, mesh.dim(tp_axis), "all_reduce", "f: grad all-reduce")
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
 
 
-class _AsyncGradAllReduce(torch.autograd.Function):
-    """Identity; its backward records the gradient's all-reduce over ``axis``, async
-    beside the wgrad just recorded (module docstring)."""
+class _AsyncGradCollective(torch.autograd.Function):
+    """Identity; its backward records the gradient's all-reduce (sp: reduce-scatter)
+    over ``axis``, async beside the wgrad just recorded (module docstring)."""
 
     @staticmethod
     def forward(ctx, info, x):
@@ -66,11 +72,11 @@ class _AsyncGradAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        _record_grad_all_reduce(*ctx.info)
+        _record_grad_collective(*ctx.info)
         return None, g
 
 
-def _record_grad_all_reduce(mesh, axis: int, nbytes: int, label: str) -> None:
+def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str) -> None:
     from ..ops_table.pricing import wgrad_overlap
     tr = current_trace()
     if tr is None:
@@ -80,8 +86,8 @@ def _record_grad_all_reduce(mesh, axis: int, nbytes: int, label: str) -> None:
             continue
         ready = wgrad_overlap(tr, g)
         h = tr.record_collective(
-            g, "all_reduce", _cost.price("all_reduce", nbytes, g, tr.profile),
-            bytes=_cost.wire_bytes("all_reduce", nbytes, len(g)), label=label,
+            g, kind, _cost.price(kind, nbytes, g, tr.profile),
+            bytes=_cost.wire_bytes(kind, nbytes, len(g)), label=label,
             args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes),
                   "overlaps": "wgrad" if ready is not None else ""},
             overlap=ready is not None, ready=ready)
@@ -89,16 +95,18 @@ def _record_grad_all_reduce(mesh, axis: int, nbytes: int, label: str) -> None:
             tr.wait(h)
 
 
-def _expand_async(x, mesh, axis: int):
-    """``collectives.expand_replicas`` over one axis of a stacked tensor, with the
-    backward all-reduce recorded by :class:`_AsyncGradAllReduce`."""
+def _expand_async(x, mesh, axis: int, kind: str, label: str):
+    """One copy of ``x`` (a stacked tensor) per rank along ``axis``, as
+    ``collectives.expand_replicas`` (all_reduce) or the expanded ``all_gather``
+    (reduce_scatter) give it, with the backward collective recorded by
+    :class:`_AsyncGradCollective` (``kind`` of the tensor's bytes)."""
     F = ops_for(x)
     if F.lead(x, mesh.ndim)[axis] != 1:
         return x                          # one copy per rank already: nothing to expand
     nb = F.rank_bytes(x, mesh.ndim)
     x = F.expand(x, axis, mesh.shape[axis])
     if x.requires_grad and torch.is_grad_enabled():
-        x = _AsyncGradAllReduce.apply((mesh, axis, nb, "f: grad all-reduce"), x)
+        x = _AsyncGradCollective.apply((kind, mesh, axis, nb, label), x)
     return x
 
 
