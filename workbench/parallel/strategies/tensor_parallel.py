@@ -12,17 +12,18 @@ row-parallel one needs one operator before the region and one after it:
   (backward: all-gather).
 
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
-module's own forward is untouched.
+module's own forward is untouched.  This is the one copy used by the hybrid recipe
+and the torchrun activation check.
 
 f's backward all-reduce (sequence parallel: reduce-scatter) is asynchronous on the
 simulated clock, as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
 issues it (``async_op=True`` on the input gradient, then the weight-gradient GEMM, then
 the wait): the region's first linear records its backward as dgrad then wgrad
 (``ops_table.pricing``), and the collective starts on the comm stream when the dgrad
-ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden: min(all-reduce, wgrad) when the
-comm stream is free.  Anything else recorded between them on the ranks' compute
-(or torch.distributed, whose collectives block) leaves it blocking.  This is the one copy used by the hybrid recipe
-and the torchrun activation check.
+ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden:
+min(collective, wgrad) when the comm stream is free.  Anything else recorded between
+them on the ranks' compute streams, uneven shards, or torch.distributed (whose
+collectives block) leave it blocking.
 """
 from __future__ import annotations
 
