@@ -24,7 +24,7 @@ What DeepSpeed does (``deepspeed/runtime/engine.py``, ``runtime/zero/stage_1_and
   parallelism's volume (ZeRO sec. 7.2.2).
 
 The model: the stage's modules in forward order (the embeddings, each layer, the final
-norm with the head and loss), each with its parameters, forward and backward time; one
+norm with the head and loss), each with its parameters, forward and backward compute; one
 comm stream per rank (as ``sim_mesh.trace``): a collective starts when the stream is
 free and its data is ready (a gather when issued, a reduce-scatter when the gradient is
 complete), in issue order, and a module computes once its gather has ended.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed"]
+__all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed", "stage_blocks"]
 
 # DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py):
 # elements gathered ahead of the module computing
@@ -43,7 +43,7 @@ PREFETCH_NUMEL = 50_000_000
 @dataclass(frozen=True)
 class Block:
     """A module of the stage: ``numel`` parameters on this rank before ZeRO's split,
-    seconds of forward and backward (with recompute and its TP collectives)."""
+    seconds of forward and backward compute (backward with its recompute)."""
     numel: float
     fwd: float
     bwd: float
