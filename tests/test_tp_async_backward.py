@@ -147,3 +147,19 @@ def test_input_gradient_is_the_single_device_one(sp, seq):
     kind = "reduce_scatter" if sp else "all_reduce"
     assert _f_all_reduce(tr, kind).args.get("overlaps") == ("wgrad" if seq % 2 == 0 else None)
     torch.testing.assert_close(xs.grad.full(), x.grad)
+
+
+def test_async_collective_starts_when_its_data_is_ready():
+    """``Trace.record_collective(ready=)``: an async collective whose data was produced
+    before the compute clock starts then (or when the comm stream frees), not after."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    tr.record_compute([0, 1], "dgrad", 2.0)
+    tr.record_compute([0, 1], "wgrad", 3.0)
+    h = tr.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    assert tr.events[-1].start == 2.0 and h.end == 6.0
+    assert tr.now(0) == 5.0 and tr.now(0, "comm") == 6.0
+    tr.wait(h)
+    assert tr.now(0) == 6.0                      # hidden: min(4, 3) = 3 of the 4
+    tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True, ready=0.0)
+    assert tr.events[-1].start == 6.0            # after the stream's previous collective
