@@ -33,14 +33,16 @@ LAYOUTS = [
     Layout(dp=1, tp=4, pp=1, global_batch=2, sp=True),
     Layout(dp=1, tp=2, pp=2, global_batch=8, schedule="interleaved_1f1b", v=2,
            recompute="full"),
-]
-MEMORY_ONLY = [    # step time not compared: the dry run is 12% (ZeRO-2) and 18% (ZeRO-3)
-    # slower; the tied word embedding (2/3 of this model's parameters) is gathered first
-    # and reduce-scattered last, so its collectives cannot hide (the estimate spreads it
-    # over the layers), and the dry run counts that tail once per micro-batch
+    # ZeRO-2 as DeepSpeed: reduce-scatter every micro-batch, waited for at the end of each
+    # backward; the tied word embedding's gradient completes last and is that wait
     Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2),
-    Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3),
+    Layout(dp=2, tp=1, pp=1, global_batch=8, zero=2, recompute="full"),
 ]
+# ZeRO-3: the estimate prefetches the backward's gathers from its start (DeepSpeed's root
+# pre-backward hook); the recipe (strategies/zero3.py) issues them only when the first
+# module owning parameters starts its backward, after the tied head's: 12% slower
+ZERO3 = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3)
+MEMORY_ONLY = [ZERO3]
 
 
 def _pair(lay):
@@ -63,6 +65,13 @@ def test_memory_agrees_with_estimate(lay):
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: l.short())
 def test_step_time_agrees_with_estimate(lay):
     dr, est = _pair(lay)
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason="recipe: ZeRO-3's backward prefetch starts after "
+                   "the tied head's backward (strategies/zero3.py), DeepSpeed's before it")
+def test_zero3_step_time_agrees_with_estimate():
+    dr, est = _pair(ZERO3)
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
 
 

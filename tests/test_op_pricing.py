@@ -67,6 +67,8 @@ def test_elementwise_counts_its_formula_not_one_flop():
 
 
 def test_backward_compute_recorded_when_the_gradient_passes():
+    """A linear's backward is its dgrad then its wgrad, two kernels after the forward:
+    together the op's backward FLOPs and bytes, each priced on its own roofline."""
     X, W = torch.randn(6, 8), torch.randn(4, 8)
     x = wb.shard_tensor(X, M2, [R])
     w = wb.shard_tensor(W, M2, [S(0)]).requires_grad_()
@@ -75,11 +77,19 @@ def test_backward_compute_recorded_when_the_gradient_passes():
         assert not compute(tr, "linear", "backward")
         y.sum().backward()
     (fwd,) = compute(tr, "linear")
-    (bwd,) = compute(tr, "linear", "backward")
+    dgrad, wgrad = compute(tr, "linear", "backward")
+    assert (dgrad.args["part"], wgrad.args["part"]) == ("dgrad", "wgrad")
     want = wb.ops.cost("linear", X, W[:2])                        # the busiest rank's slice
-    assert fwd.flops == want.flops and bwd.flops == want.backward_flops
+    assert fwd.flops == want.flops and dgrad.flops + wgrad.flops == want.backward_flops
+    assert dgrad.flops == 2 * 6 * 8 * 2                           # dX = dY W: 2 M K N
+    assert dgrad.bytes == 4 * (6 * 2 + 2 * 8 + 6 * 8)             # read dY, W; write dX
+    assert wgrad.bytes == 4 * (6 * 8 + 2 * 8)                     # read X; write dW
+    assert dgrad.bytes + wgrad.bytes == 4 * (6 * 2 + 2 * (6 * 8 + 2 * 8))   # the op's
+    for ev in (dgrad, wgrad):
+        assert ev.duration == sim_cost.compute_time(ev.flops, ev.bytes, tr.profile,
+                                                    torch.float32, op_class="matmul")
     assert compute(tr, "relu", "backward")[0].flops == 2 * compute(tr, "relu")[0].flops
-    assert bwd.start >= fwd.start + fwd.duration
+    assert dgrad.start >= fwd.start + fwd.duration and wgrad.start == dgrad.end
 
 
 def test_no_backward_node_without_a_trace():

@@ -47,15 +47,17 @@ What is composed from those measurements (not run op by op):
 
 Against ``plan.estimate(..., attention="flash")`` (tests/test_dryrun.py): memory agrees
 within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO 1-3); step
-time within 10% without tensor parallelism or ZeRO-2/3.  Elsewhere the dry run is up to
-15% slower (SP and ZeRO-3: 30-50%), and it is the code, not either model, that differs
-from Megatron-LM / DeepSpeed: the recipe's backward all-reduce of a column-parallel
-input gradient blocks (Megatron overlaps it with the weight-gradient GEMM), sequence
-parallelism all-reduces each LayerNorm's weight gradient every micro-batch (Megatron:
-once per step), data-parallel gradients are all-reduced one tensor at a time (Megatron:
-one contiguous buffer), ZeRO's collectives do not overlap compute, and the op table
-prices an add's and a dropout's backward as kernels of their own (Megatron fuses
-bias-dropout-add).
+time within 10% on each of them but ZeRO-3, where the dry run is 12% slower and it is
+the recipe, not the estimate, that differs from DeepSpeed: ``strategies.zero3`` starts
+the backward's prefetch when the first module owning parameters starts its backward,
+after the tied head's, where DeepSpeed's root-module hook starts it with the backward.
+ZeRO-2/3 as DeepSpeed runs them (``plan.zero_cost``): gradients reduce-scattered every
+micro-batch and waited for at its end, so the tied word embedding's gradient, complete
+only after the embedding's backward, is an exposed tail of every micro-batch.
+As in Megatron-LM, a column-parallel linear's input-gradient all-reduce (sequence
+parallel: reduce-scatter) runs beside its weight-gradient GEMM
+(``strategies.tensor_parallel``: the op table records a matmul's backward as dgrad then
+wgrad), as ``plan.layer_cost`` prices it.
 """
 from __future__ import annotations
 

@@ -18,15 +18,16 @@ data-parallel synchronisation + the optimizer step, where
 - data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
   al. 2021 does not overlap it): an all-reduce of the rank's 16-bit gradients; ZeRO-1:
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
-  volume, ZeRO sec. 7.2.1); ZeRO-2 (pp = 1): reduce-scatter each micro-batch's
-  gradients during its backward (DeepSpeed's overlap_comm), only the excess over the
-  backward exposed, then the all-gather; ZeRO-3: all-gather each layer's weights
-  before its forward and its backward and reduce-scatter its gradients, every
-  micro-batch (1.5x the volume, ZeRO sec. 7.2.2), prefetched one layer ahead
-  (DeepSpeed), so a layer exposes only its collectives' excess over its compute, plus
-  the first gather.  Tied embeddings: an all-reduce of the word-embedding gradient
-  between the first and last stage (Megatron-LM).  Each priced with
-  ``sim_mesh.cost.price`` on the group's ranks (rank order in ``layout``);
+  volume, ZeRO sec. 7.2.1); ZeRO-2 and ZeRO-3 (pp = 1), DeepSpeed's: every
+  micro-batch, each module's gradient reduce-scattered once backward has completed it
+  (ZeRO-3 also gathers each module's weights before its forward and its backward,
+  prefetched; 1.5x the volume, ZeRO sec. 7.2.2), waited for at the end of each backward,
+  on one comm stream against the stage's modules (``zero_cost``): the embedding's
+  gather comes first and its gradient (tied to the head's) last, so neither hides;
+  ZeRO-2 then all-gathers the updated weights once.  Tied embeddings: an all-reduce
+  of the word-embedding gradient between the first and last stage (Megatron-LM).
+  Each priced with ``sim_mesh.cost.price`` on the group's ranks (rank order in
+  ``layout``);
 - optimizer: AdamW on the rank's (ZeRO-partitioned) parameters, memory bound: 28 bytes
   per parameter (read 16-bit gradient 2, read and write fp32 master, m, v 24, write
   16-bit weight 2), priced by the roofline.
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 from ..sim_mesh.cost import compute_time, wire_bytes
 from . import costs as C
+from . import zero_cost as Z
 from .layout import Cluster, Layout, check_layout
 from .edge_cost import edge_times
 from .memory import stage_memory, stage_params
@@ -146,13 +148,10 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     return t, sent
 
 
-def _dp_sync(psi, lay: Layout, prof, stage: int, layer: C.LayerCost, n_layers: int,
-             bwd_per_mb: float, overlap: bool = True):
-    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage;
-    ``overlap=False`` exposes ZeRO-2/3's per-micro-batch collectives whole."""
-    if not overlap:
-        layer = C.LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        bwd_per_mb = 0.0
+def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True):
+    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
+    (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
+    ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole."""
     if lay.dp == 1:
         return 0.0, 0.0
     g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
@@ -165,17 +164,13 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, layer: C.LayerCost, n_layers: i
     rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather"), rs + ag
-    if lay.zero == 2:
-        return m * max(p("reduce_scatter") - bwd_per_mb, 0.0) + p("all_gather"), m * rs + ag
-    # ZeRO-3, layer by layer: the next layer's weights are gathered while this layer
-    # computes (forward: one gather; backward: one gather and one reduce-scatter), so a
-    # layer exposes only what its collectives take beyond its compute; the first
-    # gather of a micro-batch is never hidden.
-    g_l = g / n_layers
-    ag_l, rs_l = p("all_gather", g_l), p("reduce_scatter", g_l)
-    per_mb = n_layers * (max(ag_l - layer.fwd_compute, 0.0)
-                         + max(ag_l + rs_l - layer.bwd_compute, 0.0)) + ag_l
-    return m * per_mb, m * (2 * ag + rs)
+    if not overlap:
+        blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
+    fwd, bwd = Z.zero_exposed(blocks, lay.zero, lambda n: p("all_gather", 2 * n),
+                              lambda n: p("reduce_scatter", 2 * n))
+    if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
+        return m * bwd + p("all_gather"), m * rs + ag
+    return m * (fwd + bwd), m * (2 * ag + rs)
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
@@ -204,21 +199,20 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
         sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
-        bwd = n_layers * layer.bwd_compute
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
-            comp, fwd, bwd = comp + sum(edge["first"]), fwd + edge["first"][0], \
-                bwd + edge["first"][1]
+            comp, fwd = comp + sum(edge["first"]), fwd + edge["first"][0]
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm
-            sent, bwd = sent + head.comm_bytes, bwd + head.bwd_compute
+            sent = sent + head.comm_bytes
             fwd += head.fwd_compute + head.fwd_comm
-            comp, fwd, bwd = comp + sum(edge["last"]), fwd + edge["last"][0], \
-                bwd + edge["last"][1]
+            comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s)
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, layer, n_layers, bwd, overlap)
+        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
+            if lay.zero >= 2 and lay.dp > 1 else None
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,

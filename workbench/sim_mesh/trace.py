@@ -103,12 +103,15 @@ class Trace:
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
                           bytes: int = 0, label: str = "", args=None,
-                          overlap: bool = False) -> Handle:
-        """A collective over ``ranks``; blocking unless ``overlap=True``."""
+                          overlap: bool = False, ready: "float | None" = None) -> Handle:
+        """A collective over ``ranks``; blocking unless ``overlap=True``.  ``ready``
+        (async only): when its data was produced, if before the ranks' compute clock
+        (an input gradient whose weight-gradient GEMM was recorded after it)."""
         ranks = tuple(ranks)
         c = self._clock
         if overlap:
-            start = max(max(c[(r, "comm")], c[(r, "compute")]) for r in ranks)
+            start = max(max(c[(r, "comm")], c[(r, "compute")] if ready is None else ready)
+                        for r in ranks)
             end = start + duration
             for r in ranks:
                 c[(r, "comm")] = end

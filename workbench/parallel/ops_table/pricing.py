@@ -8,8 +8,22 @@ dtype, op_class=...)``. The dtype priced is the op's floating-point dtype (its f
 floating input, else output). An op with no floating tensor at all (integer compares,
 index arithmetic) has no peak of its own in the profiles: it is priced at the float32
 peak, with its bytes at their real element size.
+
+A matmul's backward is two GEMMs, as in PyTorch's and Megatron-LM's autograd: first the
+input gradient ("dgrad", dA = dC B^T: the forward's multiply-adds again; it reads dC and
+B and writes dA), then the weight gradient ("wgrad", dB = A^T dC, plus a bias's
+gradient: the rest of the op's backward FLOPs and bytes, reading A and writing dB).  The
+two events partition the op's backward FLOPs and bytes exactly (:class:`SplitCost`);
+each is a kernel priced on its own roofline with its launch (two GEMM launches, as
+``plan.layer_cost`` prices them), recorded one after the other, the wgrad last, so
+that a collective on the input gradient can run beside it (:func:`wgrad_overlap`;
+Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
+``strategies.tensor_parallel``).
 """
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +32,42 @@ from ...sim_mesh.trace import current_trace
 from .. import layout, storage
 from .costs import Cost
 
-__all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype"]
+__all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
+           "wgrad_overlap"]
+
+
+@dataclass(frozen=True)
+class SplitCost(Cost):
+    """A matmul's :class:`Cost` with the share of its backward that is the input
+    gradient (module docstring); the weight gradient is the rest."""
+    dgrad_flops: int = 0
+    dgrad_bytes: int = 0
+
+    @property
+    def wgrad_flops(self) -> int:
+        return self.backward_flops - self.dgrad_flops
+
+    @property
+    def wgrad_bytes(self) -> int:
+        return self.backward_bytes - self.dgrad_bytes
+
+
+def _split(entry, cost: Cost, ins, outs) -> Cost:
+    """``cost`` as a :class:`SplitCost` for a two-operand matmul (``entry.op_class``
+    "matmul"): dgrad = the forward's FLOPs without a bias's (backward - forward FLOPs:
+    the contractions count 2 x forward backward, ``linear`` 4 M N K + the bias's M N),
+    bytes read dC and B, written dA."""
+    from .costs import nbytes
+    if entry.op_class != "matmul" or len(ins) < 2 or not all(
+            isinstance(t, torch.Tensor) for t in ins[:2]) or not outs:
+        return cost
+    a, b = ins[0], ins[1]
+    d_flops = cost.backward_flops - cost.flops
+    d_bytes = nbytes(outs[0]) + nbytes(b) + (nbytes(a) if a.dtype.is_floating_point else 0)
+    if not (0 <= d_flops <= cost.backward_flops and 0 <= d_bytes <= cost.backward_bytes):
+        return cost                  # not the shape of a GEMM's backward: one event
+    return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
+                     d_flops, d_bytes)
 
 
 def _meta(shape, dtype):
@@ -38,7 +87,7 @@ def local_cost(entry, mesh, specs, inputs, cand, out_shapes, out_dtypes, attrs) 
             for s, ps, dt in zip(out_shapes, cand.strategy.outputs, out_dtypes)]
     if getattr(entry.cost, "wants_layout", False):      # e.g. attention's busiest rank
         return entry.cost(ins, outs, layout=(mesh, specs, cand.strategy), **attrs)
-    return entry.cost(ins, outs, **attrs)
+    return _split(entry, entry.cost(ins, outs, **attrs), ins, outs)
 
 
 def pricing_dtype(specs, out_dtypes):
@@ -81,14 +130,46 @@ class _BackwardCompute(torch.autograd.Function):
         return (None,) + grads
 
 
+# per trace, per rank: (end of the dgrad, end of the wgrad) of the last split backward
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def wgrad_overlap(tr, ranks) -> "float | None":
+    """When the last compute on every rank of ``ranks`` is a matmul's wgrad (nothing
+    recorded on their compute streams since), the time its dgrad ended: the input
+    gradient is ready then, and a collective on it can run beside the wgrad. Else None."""
+    seen = _SPLITS.get(tr, {})
+    ends = [seen.get(r) for r in ranks]
+    if any(e is None or tr.now(r) != e[1] for r, e in zip(ranks, ends)):
+        return None
+    return max(e[0] for e in ends)
+
+
 def _record_backward(name, op_class, ranks, cost, dtype):
     def record():
         tr = current_trace()
-        if tr is not None and (cost.backward_flops or cost.backward_bytes):
+        if tr is None or not (cost.backward_flops or cost.backward_bytes):
+            return
+        if not isinstance(cost, SplitCost):
             dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class)
             tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
                               bytes=cost.backward_bytes, label="backward",
                               args={"op_class": op_class, "phase": "backward"})
+            return
+        # two kernels, each on its own roofline with its launch (as plan.layer_cost)
+        d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class)
+        w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class)
+        ev_d = tr.record_compute(ranks, name, d, flops=cost.dgrad_flops,
+                                 bytes=cost.dgrad_bytes, label="backward",
+                                 args={"op_class": op_class, "phase": "backward",
+                                       "part": "dgrad"})
+        ev_w = tr.record_compute(ranks, name, w, flops=cost.wgrad_flops,
+                                 bytes=cost.wgrad_bytes, label="backward",
+                                 args={"op_class": op_class, "phase": "backward",
+                                       "part": "wgrad"})
+        seen = _SPLITS.setdefault(tr, {})
+        for r in ranks:
+            seen[r] = (ev_d.end, ev_w.end)
     return record
 
 

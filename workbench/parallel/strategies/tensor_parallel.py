@@ -14,13 +14,27 @@ row-parallel one needs one operator before the region and one after it:
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
 module's own forward is untouched.  This is the one copy used by the hybrid recipe
 and the torchrun activation check.
+
+f's backward all-reduce (sequence parallel: reduce-scatter) is asynchronous on the
+simulated clock, as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
+issues it (``async_op=True`` on the input gradient, then the weight-gradient GEMM, then
+the wait): the region's first linear records its backward as dgrad then wgrad
+(``ops_table.pricing``), and the collective starts on the comm stream when the dgrad
+ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden:
+min(collective, wgrad) when the comm stream is free.  Anything else recorded between
+them on the ranks' compute streams, uneven shards, or torch.distributed (whose
+collectives block) leave it blocking.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
+from ...sim_mesh.grid import Stacked, ops_for
+from ...sim_mesh.trace import current_trace
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
@@ -31,13 +45,70 @@ __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_paral
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
     """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence)."""
     mesh, loc = x.mesh, x._local
-    if sp:          # S(seq_dim) on tp -> every rank the whole sequence
-        loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True, label="f: all-gather")
+    if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
+        if sp:      # S(seq_dim) on tp -> every rank the whole sequence
+            loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
+                               label="f: all-gather")
+        else:
+            loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+    elif sp:
+        ax = mesh.dim(tp_axis)
+        loc = C.all_gather(loc, mesh, ax, seq_dim, label="f: all-gather")
+        loc = _expand_async(loc, mesh, ax, "reduce_scatter", "f: all-gather")
     else:
-        loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
+        loc = _expand_async(loc, mesh, mesh.dim(tp_axis), "all_reduce", "f: grad all-reduce")
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
+
+
+class _AsyncGradCollective(torch.autograd.Function):
+    """Identity; its backward records the gradient's all-reduce (sp: reduce-scatter)
+    over ``axis``, async beside the wgrad just recorded (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, info, x):
+        ctx.info = info
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _record_grad_collective(*ctx.info)
+        return None, g
+
+
+def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str) -> None:
+    from ..ops_table.pricing import wgrad_overlap
+    tr = current_trace()
+    if tr is None:
+        return
+    for g in mesh.groups(axis):
+        if len(g) == 1:
+            continue
+        ready = wgrad_overlap(tr, g)
+        h = tr.record_collective(
+            g, kind, _cost.price(kind, nbytes, g, tr.profile),
+            bytes=_cost.wire_bytes(kind, nbytes, len(g)), label=label,
+            args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes),
+                  "overlaps": "wgrad" if ready is not None else ""},
+            overlap=ready is not None, ready=ready)
+        if ready is not None:
+            tr.wait(h)
+
+
+def _expand_async(x, mesh, axis: int, kind: str, label: str):
+    """One copy of ``x`` (a stacked tensor) per rank along ``axis``, as
+    ``collectives.expand_replicas`` (all_reduce) or the expanded ``all_gather``
+    (reduce_scatter) give it, with the backward collective recorded by
+    :class:`_AsyncGradCollective` (``kind`` of the tensor's bytes)."""
+    F = ops_for(x)
+    if F.lead(x, mesh.ndim)[axis] != 1:
+        return x                          # one copy per rank already: nothing to expand
+    nb = F.rank_bytes(x, mesh.ndim)
+    x = F.expand(x, axis, mesh.shape[axis])
+    if x.requires_grad and torch.is_grad_enabled():
+        x = _AsyncGradCollective.apply((kind, mesh, axis, nb, label), x)
+    return x
 
 
 def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:

@@ -1,0 +1,165 @@
+"""Megatron's f all-reduces the input gradient asynchronously, beside the column-parallel
+linear's weight-gradient GEMM (``LinearWithGradAccumulationAndAsyncCommunication``):
+on the simulated clock the all-reduce starts when the dgrad ends and the wgrad hides
+min(all-reduce, wgrad) of it; the compute is the same as one backward event per op."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.parallel.ops_table.costs import backward_bytes
+from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+from workbench.sim_mesh import cost as sim_cost
+
+H, T = 512, 512                            # hidden size, tokens (b = 4, s = 128)
+BF16 = torch.bfloat16
+
+
+class Block(nn.Module):
+    """Megatron's MLP: column-parallel fc1, row-parallel fc2, f before and g after."""
+
+    def __init__(self, first=None):
+        super().__init__()
+        self.first = first
+        self.fc1 = nn.Linear(H, 4 * H, dtype=BF16)
+        self.fc2 = nn.Linear(4 * H, H, dtype=BF16)
+
+    def forward(self, x):
+        if self.first is not None:
+            x = self.first(x)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _run(first=None, dp=1, sp=False):
+    mesh = wb.Mesh.grid((dp, 2), ["dp", "tp"]) if dp > 1 else wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    m = Block(first)
+    wb.parallelize(m, mesh, {"fc1": "colwise", "fc2": "rowwise"}, mesh_dim="tp")
+    tensor_parallel_region(m, mesh, "tp", sp=sp)
+    if dp > 1:          # each dp rank its own replica (gradients reduced in step())
+        from workbench.parallel.strategies.data_parallel import DataParallel
+        DataParallel(list(wb.dist_parameters(m)), mesh, "dp")
+    x = torch.randn(dp * 4, 128, H, dtype=BF16)
+    tp_place = wb.Shard(1) if sp else wb.Replicate()          # sp: the sequence split
+    place = [wb.Shard(0), tp_place] if dp > 1 else [tp_place]
+    xs = wb.shard_tensor(x, mesh, place).requires_grad_()
+    with wb.trace("a100") as tr:
+        m(xs).sum().backward()
+    return tr, m, xs
+
+
+def _f_all_reduce(tr, kind="all_reduce"):
+    (ar,) = [e for e in tr.events if e.name == kind and e.label.startswith("f: ")
+             and 0 in e.ranks]
+    return ar
+
+
+def _fc1_backward(tr):
+    lin = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
+           and 0 in e.ranks]
+    return lin[-2], lin[-1]              # fc1's: the last linear backward recorded
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_f_all_reduce_hidden_by_the_wgrad(dp):
+    tr, _, _ = _run(dp=dp)
+    dgrad, wgrad = _fc1_backward(tr)
+    ar = _f_all_reduce(tr)
+    assert (dgrad.args["part"], wgrad.args["part"]) == ("dgrad", "wgrad")
+    assert ar.start == dgrad.end == wgrad.start             # beside the wgrad
+    assert ar.args["overlaps"] == "wgrad"
+    want = sim_cost.price("all_reduce", T * H * 2, [0, 1], "a100")
+    assert ar.duration == pytest.approx(want, rel=1e-12)
+    hidden = min(ar.end, wgrad.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(ar.duration, wgrad.duration), rel=1e-12)
+    # the step ends when both have: the compute stream waited for the all-reduce
+    for r in (0, 1):
+        assert tr.now(r) == max(ar.end, wgrad.end)
+
+
+def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
+    """Sequence parallel: f all-gathers the sequence forward; its backward reduce-scatter
+    of the input gradient (Korthikanti et al. sec. 4.2.2) runs beside the wgrad too."""
+    tr, _, _ = _run(sp=True)
+    dgrad, wgrad = _fc1_backward(tr)
+    rs = _f_all_reduce(tr, "reduce_scatter")
+    assert rs.start == dgrad.end and rs.args["overlaps"] == "wgrad"
+    assert rs.duration == pytest.approx(
+        sim_cost.price("reduce_scatter", T * H * 2, [0, 1], "a100"), rel=1e-12)
+    hidden = min(rs.end, wgrad.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(rs.duration, wgrad.duration), rel=1e-12)
+
+
+def test_compute_is_each_ops_backward_cost():
+    """Each linear's dgrad + wgrad: its backward FLOPs and bytes (``wb.ops.cost("linear")``
+    on one rank's shards), split by hand: dgrad reads dY and W and writes dX, wgrad
+    reads X and writes dW and the bias's gradient; each a kernel on its roofline."""
+    tr, _, _ = _run()
+    x, h1 = torch.empty(T, H, dtype=BF16), torch.empty(T, 2 * H, dtype=BF16)
+    shapes = {"fc1": (x, torch.empty(2 * H, H, dtype=BF16), torch.empty(2 * H, dtype=BF16),
+                      h1),
+              "fc2": (h1, torch.empty(H, 2 * H, dtype=BF16), torch.empty(H, dtype=BF16),
+                      torch.empty(T, H, dtype=BF16))}
+    bwd = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
+           and 0 in e.ranks]
+    assert len(bwd) == 4                                     # fc2 then fc1, two events each
+    for (d, w), name in zip((bwd[:2], bwd[2:]), ("fc2", "fc1")):
+        xi, wi, bi, out = shapes[name]
+        (M, K), N = xi.shape, wi.shape[0]
+        c = wb.ops.cost("linear", xi, wi, bi)
+        assert (d.flops, w.flops) == (2 * M * K * N, 2 * M * K * N + M * N)
+        assert d.flops + w.flops == c.backward_flops
+        assert (d.bytes, w.bytes) == (2 * (M * N + N * K + M * K), 2 * (M * K + N * K + N))
+        assert d.bytes + w.bytes == backward_bytes([xi, wi, bi], [out], c.saved_bytes_fused)
+        for ev in (d, w):
+            assert ev.duration == sim_cost.compute_time(ev.flops, ev.bytes, tr.profile, BF16,
+                                                        "matmul")
+
+
+def test_blocking_when_something_runs_between_dgrad_and_the_all_reduce():
+    """f's input feeds a GELU before fc1 (not the linear): its backward runs after fc1's
+    wgrad, so the input gradient is ready only then and the all-reduce blocks."""
+    tr, _, _ = _run(first=nn.GELU())
+    ar = _f_all_reduce(tr)
+    (gelu,) = [e for e in tr.events if e.name == "gelu" and e.args.get("phase") == "backward"
+               and 0 in e.ranks]
+    assert ar.args["overlaps"] == "" and ar.start >= gelu.end
+
+
+@pytest.mark.parametrize("sp,seq", [(False, 6), (True, 6), (True, 5)])
+def test_input_gradient_is_the_single_device_one(sp, seq):
+    """The math of f is unchanged: the input gradient summed over tp (float32, small);
+    a sequence that does not split evenly (uneven shards) keeps the blocking path."""
+    mesh = wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+    ref = nn.Sequential(fc1, nn.ReLU(), fc2)
+    x = torch.randn(3, seq, 16, requires_grad=True)
+    ref(x).sum().backward()
+    par = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    par.load_state_dict(ref.state_dict())
+    wb.parallelize(par, mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    tensor_parallel_region(par, mesh, "tp", sp=sp)
+    place = [wb.Shard(1) if sp else wb.Replicate()]
+    xs = wb.shard_tensor(x.detach(), mesh, place).requires_grad_()
+    with wb.trace("a100") as tr:
+        par(xs).sum().backward()
+    kind = "reduce_scatter" if sp else "all_reduce"
+    assert _f_all_reduce(tr, kind).args.get("overlaps") == ("wgrad" if seq % 2 == 0 else None)
+    torch.testing.assert_close(xs.grad.full(), x.grad)
+
+
+def test_async_collective_starts_when_its_data_is_ready():
+    """``Trace.record_collective(ready=)``: an async collective whose data was produced
+    before the compute clock starts then (or when the comm stream frees), not after."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    tr.record_compute([0, 1], "dgrad", 2.0)
+    tr.record_compute([0, 1], "wgrad", 3.0)
+    h = tr.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    assert tr.events[-1].start == 2.0 and h.end == 6.0
+    assert tr.now(0) == 5.0 and tr.now(0, "comm") == 6.0
+    tr.wait(h)
+    assert tr.now(0) == 6.0                      # hidden: min(4, 3) = 3 of the 4
+    tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True, ready=0.0)
+    assert tr.events[-1].start == 6.0            # after the stream's previous collective

@@ -1,0 +1,63 @@
+"""The planner's ZeRO-2/3 clock (``wb.plan.zero_cost``): one comm stream against the
+modules of a micro-batch, held to hand-worked timelines and to the GPT's own terms."""
+import pytest
+
+from workbench.models.config import get_config
+from workbench.plan import Cluster, Layout, estimate
+from workbench.plan.memory import stage_params
+from workbench.plan.zero_cost import Block, zero_exposed
+from workbench.sim_mesh.cost import price
+
+
+def _half(n):          # a collective of n elements takes n / 2 seconds
+    return n / 2
+
+
+# forward order: embedding (4 elements), two layers (1 each), head without parameters
+BLOCKS = [Block(4, 1.0, 1.0), Block(1, 2.0, 2.0), Block(1, 2.0, 2.0), Block(0, 3.0, 3.0)]
+
+
+def test_zero2_exposes_the_gradient_completed_last():
+    """Backward: head 0-3; layer 3-5 (its reduce-scatter 5-5.5); layer 5-7 (7-7.5);
+    embedding 7-8, whose reduce-scatter 8-10 overlaps nothing: 2 s exposed."""
+    assert zero_exposed(BLOCKS, 2, _half, _half) == (0.0, 2.0)
+
+
+def test_zero3_first_gather_and_prefetch_by_hand():
+    """Prefetch 1 element (one module ahead).  Forward: gather emb 0-2, compute 2-3
+    (layer 1's gather issued at 2: 2-2.5); layer 1 computes 3-5 (layer 2's gather 3-3.5),
+    layer 2 5-7, head 7-10: 2 s past the 8 s of compute.  Backward from 0: the head
+    needs nothing, layer 2's gather is prefetched at 0 (0-0.5) and head computes 0-3;
+    layer 2 3-5 (prefetches layer 1: 3-3.5; its gradient 5-5.5), layer 1 5-7 (prefetches
+    emb: 5.5-7.5; gradient 7.5-8), emb waits for its gather until 7.5, computes 7.5-8.5,
+    its gradient 8.5-10.5: 2.5 s past the 8 s of compute."""
+    assert zero_exposed(BLOCKS, 3, _half, _half, prefetch_numel=1) == (2.0, 2.5)
+
+
+def test_without_compute_every_collective_is_exposed():
+    bare = [Block(b.numel, 0.0, 0.0) for b in BLOCKS]
+    total = sum(b.numel for b in BLOCKS) / 2
+    assert zero_exposed(bare, 2, _half, _half) == (0.0, total)
+    assert zero_exposed(bare, 3, _half, _half) == (total, 2 * total)
+
+
+def test_zero_stage_must_be_2_or_3():
+    with pytest.raises(ValueError, match="zero=1"):
+        zero_exposed(BLOCKS, 1, _half, _half)
+
+
+def test_gpt_zero2_tail_is_the_tied_embedding_once_per_micro_batch():
+    """The dry run's GPT shape: layers' reduce-scatters hide behind the backward, the
+    tied word embedding's (with the positions') is the exposed tail of every micro-batch
+    (DeepSpeed waits for the reduction stream at the end of each backward); then the
+    updated weights are gathered once."""
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
+    lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2)
+    cl = Cluster("a100", 2)
+    est = estimate(cfg, lay, cl, attention="flash")
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    ranks = lay.dp_ranks()
+    tail = price("reduce_scatter", 2 * (V * h + s * h), ranks, "a100")
+    gather = price("all_gather", 2 * stage_params(cfg, 1, 1, 0), ranks, "a100")
+    assert lay.m == 2
+    assert est.details["dp_sync"] == pytest.approx(lay.m * tail + gather, rel=1e-12)

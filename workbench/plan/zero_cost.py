@@ -1,0 +1,136 @@
+"""ZeRO-2/3's collectives against one micro-batch's compute, on one comm stream.
+
+What DeepSpeed does (``deepspeed/runtime/engine.py``, ``runtime/zero/stage_1_and_2.py``,
+``runtime/zero/stage3.py``; ZeRO-2/3 run without pipelines, ``plan.layout``):
+
+- gradients are reduced every micro-batch, not once per step: ``engine.backward`` calls
+  ``allreduce_gradients`` after each backward, which for stages >= 2 runs
+  ``overlapping_partition_gradients_reduce_epilogue`` ("ZeRO stage >= 2 communicates
+  during non gradient accumulation boundaries as well"); that epilogue reduces the last
+  bucket and synchronizes the reduction stream (``independent_gradient_partition_
+  epilogue``), so whatever is still in flight when a backward ends is exposed, once per
+  micro-batch;
+- a gradient is reduced when autograd has accumulated it (a hook on the parameter's
+  ``AccumulateGrad``, with ``overlap_comm``): the tied word embedding's gradient (the
+  head's contribution plus the lookup's) and the learned positions' are complete only
+  after the embedding's backward, the last of the step, so their reduce-scatter
+  overlaps nothing: with a large vocabulary that tail is most of the exposed time;
+- ZeRO-3 gathers a module's parameters before its forward and again before its backward,
+  prefetching the next modules, in the order the last step ran them, up to
+  ``stage3_prefetch_bucket_size`` elements (default 5e7, ``runtime/zero/config.py``);
+  the embedding runs first, so its gather is exposed; in backward the prefetch starts
+  at the root module's pre-backward hook (the loss's gradient), before the head's
+  backward.  Per step: gather forward + gather backward + reduce-scatter, 1.5x data
+  parallelism's volume (ZeRO sec. 7.2.2).
+
+The model: the stage's modules in forward order (the embeddings, each layer, the final
+norm with the head and loss), each with its parameters, forward and backward compute; one
+comm stream per rank (as ``sim_mesh.trace``): a collective starts when the stream is
+free and its data is ready (a gather when issued, a reduce-scatter when the gradient is
+complete), in issue order, and a module computes once its gather has ended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed", "stage_blocks"]
+
+# DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py):
+# elements gathered ahead of the module computing
+PREFETCH_NUMEL = 50_000_000
+
+
+@dataclass(frozen=True)
+class Block:
+    """A module of the stage: ``numel`` parameters on this rank before ZeRO's split,
+    seconds of forward and backward compute (backward with its recompute)."""
+    numel: float
+    fwd: float
+    bwd: float
+
+
+class _Stream:
+    """One rank's comm stream: collectives in issue order; a key ``("rs", i)`` is the
+    reduce-scatter of module i's gradient, a key ``i`` the gather of its parameters."""
+
+    def __init__(self, all_gather, reduce_scatter):
+        self.ag, self.rs, self.free, self.ends = all_gather, reduce_scatter, 0.0, {}
+
+    def issue(self, key, numel: float, ready: float) -> None:
+        if key in self.ends or numel <= 0:
+            return
+        cost = self.rs if isinstance(key, tuple) else self.ag
+        self.free = max(self.free, ready) + cost(numel)
+        self.ends[key] = self.free
+
+
+def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> None:
+    """Issue the gathers of the modules after position ``pos`` of ``order``, up to
+    ``budget`` elements (at least one: DeepSpeed's coordinator, ``Zero3._wait``)."""
+    ahead = 0.0
+    for j in order[pos + 1:]:
+        if ahead >= budget:
+            break
+        stream.issue(j, blocks[j].numel, now)
+        ahead += blocks[j].numel
+
+
+def _run(stream, blocks, order, backward: bool, gather: bool, budget: float) -> float:
+    """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
+    ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
+    each module's gradient is reduce-scattered once it has run, and the prefetch starts
+    with the backward (the root module's pre-backward hook)."""
+    t = 0.0
+    if gather and backward:
+        _prefetch(stream, blocks, order, -1, t, budget)
+    for pos, i in enumerate(order):
+        if gather:
+            stream.issue(i, blocks[i].numel, t)
+            t = max(t, stream.ends.get(i, 0.0))
+            _prefetch(stream, blocks, order, pos, t, budget)
+        t += blocks[i].bwd if backward else blocks[i].fwd
+        if backward:
+            stream.issue(("rs", i), blocks[i].numel, t)
+    return t
+
+
+def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
+                 prefetch_numel: float = PREFETCH_NUMEL) -> tuple[float, float]:
+    """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
+    to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
+    forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
+    collective on ``numel`` parameters' 16-bit values over the data-parallel group."""
+    if zero not in (2, 3):
+        raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
+                         "and ZeRO-3's; use 2 or 3")
+    order = list(range(len(blocks)))
+    fwd = 0.0
+    if zero == 3:
+        s = _Stream(all_gather, reduce_scatter)
+        end = _run(s, blocks, order, False, True, prefetch_numel)
+        fwd = end - sum(b.fwd for b in blocks)
+    s = _Stream(all_gather, reduce_scatter)
+    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel)
+    return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
+
+
+def stage_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
+    """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
+    the embeddings (word V h / t and positions s h) on the first stage, its layers
+    (``costs.layer_cost``), the final norm and the head on the last (the head's own
+    V h / t unless tied to the embedding on one stage); their parameters sum to
+    ``memory.stage_params``.  Their seconds are compute only: the tensor-parallel
+    collectives take the same comm stream as ZeRO's (as on the simulated clock), so
+    nothing of ZeRO's hides behind them."""
+    from .memory import layer_params
+    h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
+    out = []
+    if stage == 0:
+        out.append(Block(V * h / tp + s * h, edge["first"][0], edge["first"][1]))
+    out += [Block(layer_params(cfg, tp), layer.fwd_compute, layer.bwd_compute)] \
+        * (cfg.n_layer // pp)
+    if stage == pp - 1:
+        own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
+        out.append(Block(2 * h + own, head.fwd_compute + edge["last"][0],
+                         head.bwd_compute + edge["last"][1]))
+    return out
