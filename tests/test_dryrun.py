@@ -68,8 +68,6 @@ def test_step_time_agrees_with_estimate(lay):
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="recipe: ZeRO-3's backward prefetch starts after "
-                   "the tied head's backward (strategies/zero3.py), DeepSpeed's before it")
 def test_zero3_step_time_agrees_with_estimate():
     dr, est = _pair(ZERO3)
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)

@@ -121,3 +121,23 @@ def test_causal_attention_priced_on_the_busiest_rank_when_rows_are_sharded():
     (ev,) = compute(tr, "scaled_dot_product_attention")
     pairs = sum(r + 1 for r in range(4, 8))           # rank 1 holds rows 4..7 of 8: 26 pairs
     assert ev.flops == 2 * 1 * 2 * pairs * (4 + 4)    # 2 pairs (D + Dv) per (batch, head)
+
+
+def test_gemms_on_the_trace_carry_their_tile_and_wave_quantization():
+    """A linear big enough to fill waves of 256x128 tiles on the A100 (meta tensors: no
+    data): forward, dgrad and wgrad priced with their output shapes, as plan.layer_cost
+    prices the same GEMMs (cost.gemm_efficiency)."""
+    T, K, N = 8192, 6144, 3072 * 2                 # tp 2 splits N: 3072 columns per rank
+    x = wb.shard_tensor(torch.empty(T, K, device="meta", dtype=torch.bfloat16), M2, [R])
+    w = wb.shard_tensor(torch.empty(N, K, device="meta", dtype=torch.bfloat16), M2,
+                        [S(0)]).requires_grad_()
+    with wb.trace(profile="a100") as tr:
+        F.linear(x, w).sum().backward()
+    (fwd,) = compute(tr, "linear")
+    dgrad, wgrad = compute(tr, "linear", "backward")
+    for ev, out in ((fwd, (1, T, N // 2)), (dgrad, (1, T, K)), (wgrad, (1, N // 2, K))):
+        eff = sim_cost.gemm_efficiency(out, "a100")
+        assert ev.duration == sim_cost.compute_time(ev.flops, ev.bytes, "a100",
+                                                    torch.bfloat16, "matmul", gemm=out)
+        assert eff < 1 or out == (1, N // 2, K)
+    assert sim_cost.gemm_efficiency((1, T, N // 2), "a100") == pytest.approx(768 / 864)

@@ -22,10 +22,11 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   kernel adds. Defaults (1.0, 1.0, 0.0) give the ideal roofline.
   ``gemm_tile``: the thread-block tile a large GEMM runs in, ``{"m", "n", "per_sm"}``
   (output rows x columns per tile, tiles resident per SM), for wave and tile
-  quantization (``cost.gemm_efficiency``; needs ``topology.sm_count``); empty: not
-  modeled. ``kernel_bandwidth[name]``: a named kernel's measured bytes/s (bytes counted as
-  its measurement counts them), used instead of the memory term's
-  bandwidth x memory_efficiency when ``compute_time`` is given ``kernel=name``.
+  quantization (``cost.gemm_efficiency``; without ``topology.sm_count`` or with an
+  empty ``gemm_tile``, not modeled). ``kernel_bandwidth[name]``: a named kernel's
+  measured bytes/s (bytes counted as its measurement counts them), used instead of
+  the memory term's bandwidth x memory_efficiency when ``compute_time`` is given
+  ``kernel=name``.
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -225,9 +226,6 @@ class Profile:
                                  f"rows, columns and tiles per SM); got {sorted(tile)}")
             for k, v in tile.items():
                 _count(owner, f"gemm_tile[{k!r}]", v)
-            if not self.topology.sm_count:
-                raise ValueError(f"{owner}: gemm_tile needs topology.sm_count (the tiles "
-                                 f"are spread over the SMs in waves)")
         object.__setattr__(self, "gemm_tile", MappingProxyType(tile))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():

@@ -7,7 +7,9 @@ The roofline time is ``workbench.sim_mesh.cost.compute_time(flops, bytes, profil
 dtype, op_class=...)``. The dtype priced is the op's floating-point dtype (its first
 floating input, else output). An op with no floating tensor at all (integer compares,
 index arithmetic) has no peak of its own in the profiles: it is priced at the float32
-peak, with its bytes at their real element size.
+peak, with its bytes at their real element size. A matmul's GEMMs carry their output
+shapes, so that the clock prices their tile and wave quantization as ``plan.layer_cost``
+does (``cost.gemm_efficiency``).
 
 A matmul's backward is two GEMMs, as in PyTorch's and Megatron-LM's autograd: first the
 input gradient ("dgrad", dA = dC B^T: the forward's multiply-adds again; it reads dC and
@@ -42,6 +44,11 @@ class SplitCost(Cost):
     gradient (module docstring); the weight gradient is the rest."""
     dgrad_flops: int = 0
     dgrad_bytes: int = 0
+    # the GEMMs' outputs as (batch, rows, columns), for tile and wave quantization
+    # (``cost.gemm_efficiency``): forward C, dgrad dA, wgrad dB; None: not a plain GEMM
+    gemm: "tuple | None" = None
+    dgrad_gemm: "tuple | None" = None
+    wgrad_gemm: "tuple | None" = None
 
     @property
     def wgrad_flops(self) -> int:
@@ -66,8 +73,22 @@ def _split(entry, cost: Cost, ins, outs) -> Cost:
     d_bytes = nbytes(outs[0]) + nbytes(b) + (nbytes(a) if a.dtype.is_floating_point else 0)
     if not (0 <= d_flops <= cost.backward_flops and 0 <= d_bytes <= cost.backward_bytes):
         return cost                  # not the shape of a GEMM's backward: one event
+    fold = b.dim() == 2              # a 2-d right operand (a weight): cuBLAS runs one GEMM
     return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
-                     d_flops, d_bytes)
+                     d_flops, d_bytes, _gemm(outs[0], fold), _gemm(a, fold), _gemm(b, fold))
+
+
+def _gemm(t, fold: bool) -> "tuple | None":
+    """(batch, rows, columns) of a GEMM writing ``t``: leading dims are a batch of GEMMs,
+    or folded into the rows when the other operand is one matrix (torch.matmul and
+    F.linear run one GEMM over the flattened rows then). None for a 0-d or 1-d ``t``."""
+    if t.dim() < 2:
+        return None
+    lead = 1
+    for n in t.shape[:-2]:
+        lead *= n
+    rows, cols = t.shape[-2], t.shape[-1]
+    return (1, lead * rows, cols) if fold else (lead, rows, cols)
 
 
 def _meta(shape, dtype):
@@ -103,15 +124,16 @@ def pricing_dtype(specs, out_dtypes):
 _CLOCK_CLASS = {"loss": "reduction", "embedding": "data_movement", "view": "data_movement"}
 
 
-def _time(flops, nbytes, profile, dtype, op_class):
+def _time(flops, nbytes, profile, dtype, op_class, gemm=None):
     return _cost.compute_time(flops, nbytes, profile, dtype,
-                              op_class=_CLOCK_CLASS.get(op_class, op_class))
+                              op_class=_CLOCK_CLASS.get(op_class, op_class), gemm=gemm)
 
 
 def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
     if cost.flops == 0 and cost.bytes == 0:          # a view: no kernel runs
         return
-    dur = _time(cost.flops, cost.bytes, tr.profile, dtype, entry.op_class)
+    dur = _time(cost.flops, cost.bytes, tr.profile, dtype, entry.op_class,
+                getattr(cost, "gemm", None))
     tr.record_compute(mesh.ranks, entry.name, dur, flops=cost.flops, bytes=cost.bytes,
                       label="forward", args={"op_class": entry.op_class, "phase": "forward"})
 
@@ -157,8 +179,10 @@ def _record_backward(name, op_class, ranks, cost, dtype):
                               args={"op_class": op_class, "phase": "backward"})
             return
         # two kernels, each on its own roofline with its launch (as plan.layer_cost)
-        d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class)
-        w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class)
+        d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class,
+                  cost.dgrad_gemm)
+        w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class,
+                  cost.wgrad_gemm)
         ev_d = tr.record_compute(ranks, name, d, flops=cost.dgrad_flops,
                                  bytes=cost.dgrad_bytes, label="backward",
                                  args={"op_class": op_class, "phase": "backward",
