@@ -12,13 +12,20 @@ shards.  Per step: all-gather forward + all-gather backward + reduce-scatter =
 Overlap on the simulated clock (DeepSpeed's ZeRO-3: parameters prefetched ahead of
 use up to ``stage3_prefetch_bucket_size`` elements, default 5e7, and gradients
 reduce-scattered as they are produced, ``overlap_comm``): the gathers are async
-collectives on the comm stream issued ahead in execution order (forward: the modules
-after the one starting, in the order the last forward ran them, registration order
-before the first; backward: the modules before), and a module's compute waits for
-its own gather; each shard's reduce-scatter is launched when backward accumulates its
-gradient and ``step`` waits for them (a recompute in backward gathers each module
-as it reruns, without prefetch, and its backward reuses that copy).  On
-torch.distributed the collectives are blocking calls and this stays blocking.
+collectives on the comm stream issued ahead in execution order, and a module's compute
+waits for its own gather.  Forward: the modules after the one starting, in the order the
+last forward ran them (registration order before the first).  Backward: the forward's
+order reversed (DeepSpeed traces the forward and replays it backwards); its first
+gathers are issued when the forward's last module ends, the module that ran last
+first, up to the prefetch budget, so they run beside the loss and the tied head's
+backward instead of after them (DeepSpeed starts them at the root module's
+pre-backward hook, ``plan.zero_cost``); each module starting its backward then gathers
+ahead of itself.  Each shard's reduce-scatter is launched when backward accumulates its
+gradient and ``step`` waits for them (a recompute in backward gathers each module as it
+reruns, without prefetch, and its backward reuses that copy).  The gathered copies one
+rank holds, prefetched ones included, are counted over the clock in ``live``
+(:mod:`.zero3_live`).  On torch.distributed the collectives are blocking calls and this
+stays blocking.
 
 The shards are ``nn.Parameter``s under the module's own qualified names
 (:meth:`Zero3.named_parameters`, a tied weight one shard), laid out as
@@ -45,6 +52,7 @@ from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
 from .flat_shards import flat_padded, tensor_places, unflat
 from .ranks import RankGroup
+from .zero3_live import GatheredLedger
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -112,6 +120,16 @@ class Zero3:
         self._pending: list = []            # (trace, handle) of gradient reduce-scatters
         self._reduced: set = set()          # entries whose reduce-scatter was recorded
         self._have_b: set = set()           # modules gathered for a recompute in backward
+        # the gathered copies a rank holds: freed after a module's forward, and after its
+        # backward (its trainable parameters' gradients produced; a module with none
+        # when the next module's backward starts)
+        self.live = GatheredLedger(self.group.ranks[0])
+        self._owners: dict = {}             # entry index -> ids of the modules holding it
+        for m in mods:
+            for _, i in self._by_mod[id(m)]:
+                self._owners.setdefault(i, []).append(id(m))
+        self._grads_left: dict = {}         # id(module) -> entries whose gradient is due
+        self._frozen_b: list = []           # backward copies of modules with no gradient
         self.async_ = not _B.is_distributed(mesh)
         self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod)) for mod in mods]
         if self.async_:
@@ -130,6 +148,33 @@ class Zero3:
         nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
         self._inflight[key] = [(current_trace(), self.group.record(
             "all_gather", nb, label, overlap=True))]
+        self.live.hold(key, nb)             # the receive buffer exists from the issue on
+
+    def _prefetch_backward(self) -> None:
+        """The forward's last module has run: gather for the backward, in the forward's
+        order reversed (the module that ran last first), up to ``prefetch_numel``."""
+        ahead = 0
+        for mod in self.order[::-1]:
+            if ahead >= self.prefetch_numel:
+                break
+            self._issue("B", mod)
+            ahead += self._numel[id(mod)]
+
+    def _begin_backward(self, mod) -> None:
+        """``mod``'s backward starts: its gather waited for (unless a recompute gathered
+        it), the copies of modules with no gradient whose backward came before freed."""
+        for key in self._frozen_b:
+            self.live.free(key)
+        self._frozen_b = []
+        if id(mod) in self._have_b:          # gathered for its recompute already
+            self._have_b.discard(id(mod))
+        else:
+            self._wait("B", mod)             # its re-gather, before its backward computes
+        due = {i for _, i in self._by_mod[id(mod)] if self.entries[i][3].requires_grad}
+        if due:                              # (frozen now or not: read at each backward)
+            self._grads_left[id(mod)] = due
+        else:
+            self._frozen_b.append(("B", id(mod)))
 
     def _wait(self, phase: str, mod, ahead: bool = True) -> None:
         """``mod`` is about to compute: wait for its gather, then gather ahead."""
@@ -163,13 +208,15 @@ class Zero3:
                 if ctx.gathered:              # a second pass (a split backward's W)
                     return g
                 ctx.gathered = True
-                if id(mod) in zero3._have_b:      # gathered for its recompute already
-                    zero3._have_b.discard(id(mod))
-                else:
-                    zero3._wait("B", mod)   # its re-gather, before its backward computes
+                zero3._begin_backward(mod)
                 return g
 
         def hook(module, args, out):
+            if torch._C._current_graph_task_id() == -1:     # a forward (not a recompute)
+                zero3.live.free(("F", id(mod)))             # ZeRO frees it after forward
+                if torch.is_grad_enabled() and len(zero3._seen) == len(zero3.order) \
+                        and mod is zero3._seen[-1]:
+                    zero3._prefetch_backward()              # the forward's last module
             if torch.is_grad_enabled() and isinstance(out, DistTensor) \
                     and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
                 return DistTensor(_BeforeBackward.apply(out._local), out.mesh,
@@ -182,6 +229,13 @@ class Zero3:
             from ...sim_mesh.trace import current_trace
             nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
             self._reduced.add(i)
+            for m in self._owners.get(i, ()):              # a module's backward is done
+                left = self._grads_left.get(m)             # when its last gradient is
+                if left is not None:
+                    left.discard(i)
+                    if not left:
+                        del self._grads_left[m]
+                        self.live.free(("B", m))
             tr = current_trace()
             self._pending += [(tr, h) for h in self.group.record(
                 "reduce_scatter", nb, "zero-3 params", overlap=True)]
@@ -275,6 +329,8 @@ class Zero3:
                 for h1 in (h if isinstance(h, list) else [h]):
                     tr.wait(h1)
         self._pending, self._inflight, self._reduced = [], {}, set()
+        self._grads_left, self._frozen_b = {}, []
+        self.live.free_all()
 
     @torch.no_grad()
     def step(self) -> None:
