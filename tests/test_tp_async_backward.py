@@ -30,7 +30,7 @@ class Block(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _run(first=None, dp=1, sp=False):
+def _run(first=None, dp=1, sp=False, zero=0):
     mesh = wb.Mesh.grid((dp, 2), ["dp", "tp"]) if dp > 1 else wb.Mesh.grid(2, ["tp"])
     torch.manual_seed(0)
     m = Block(first)
@@ -38,7 +38,7 @@ def _run(first=None, dp=1, sp=False):
     tensor_parallel_region(m, mesh, "tp", sp=sp)
     if dp > 1:          # each dp rank its own replica (gradients reduced in step())
         from workbench.parallel.strategies.data_parallel import DataParallel
-        DataParallel(list(wb.dist_parameters(m)), mesh, "dp")
+        DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=zero)
     x = torch.randn(dp * 4, 128, H, dtype=BF16)
     tp_place = wb.Shard(1) if sp else wb.Replicate()          # sp: the sequence split
     place = [wb.Shard(0), tp_place] if dp > 1 else [tp_place]
@@ -163,3 +163,55 @@ def test_async_collective_starts_when_its_data_is_ready():
     assert tr.now(0) == 6.0                      # hidden: min(4, 3) = 3 of the 4
     tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True, ready=0.0)
     assert tr.events[-1].start == 6.0            # after the stream's previous collective
+
+
+def test_zero2_reduce_scatter_after_the_input_gradients_all_reduce():
+    """ZeRO-2 with TP: fc1's weight gradient exists only after the wgrad, so its
+    reduce-scatter is issued after f's all-reduce of the input gradient (Megatron launches
+    that one before the wgrad GEMM), though autograd runs the gradient's hook first: the
+    all-reduce still starts when the dgrad ends and the compute waits for it alone."""
+    tr, _, _ = _run(dp=2, zero=2)
+    dgrad, wgrad = _fc1_backward(tr)
+    ar = _f_all_reduce(tr)
+    comm0 = [e for e in tr.collectives() if 0 in e.ranks]
+    rs = [e for e in comm0 if e.label == "zero-2 grad (async)" and e.start >= wgrad.end]
+    assert len(rs) == 2                                     # fc1's weight and bias
+    assert ar.args["overlaps"] == "wgrad"
+    i = comm0.index(ar)
+    assert i < min(comm0.index(e) for e in rs)
+    # it starts when the dgrad ended or the comm stream freed (fc2's reduce-scatters)
+    assert ar.start == max(dgrad.end, comm0[i - 1].end)
+    assert all(e.start >= ar.end for e in rs)               # one comm stream, in order
+    for r in (0, 1):
+        assert tr.now(r) == max(ar.end, wgrad.end)          # nothing else waited for
+
+
+def test_deferred_collectives_take_the_stream_in_the_order_their_data_came():
+    """``Trace.defer``: recorded before the next event, except an async collective whose
+    data was ready earlier, which goes first."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    tr.record_compute([0, 1], "dgrad", 2.0)
+    tr.record_compute([0, 1], "wgrad", 3.0)
+    got = []
+    tr.defer(5.0, lambda: got.append(tr.record_collective([0, 1], "reduce_scatter", 1.0,
+                                                          overlap=True, ready=5.0)))
+    assert got == [] and tr.now(0) == 5.0                   # the compute clock: not yet
+    h = tr.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    assert [e.name for e in tr._events] == ["dgrad", "wgrad", "all_reduce"]
+    tr.wait(h)                                              # the next event: recorded now
+    assert [e.name for e in tr.events][-1] == "reduce_scatter"
+    assert tr.events[-1].start == 6.0 and got[0].end == 7.0     # after the all-reduce
+    # before anything else: a compute event, a blocking collective, a read of the clock
+    for nxt in (lambda: tr.record_compute([0, 1], "x", 1.0),
+                lambda: tr.record_collective([0, 1], "all_reduce", 1.0),
+                lambda: tr.now(0, "comm"), lambda: tr.time()):
+        n = len(tr._events)
+        tr.defer(tr.now(0), lambda: tr.record_collective([0, 1], "reduce_scatter", 1.0,
+                                                         overlap=True))
+        nxt()
+        assert tr._events[n].name == "reduce_scatter" and not tr._deferred
+    # deferred ones go in the order their data was ready, whatever order they came in
+    tr.defer(9.0, lambda: tr.record_collective([0, 1], "b", 1.0, overlap=True, ready=9.0))
+    tr.defer(8.0, lambda: tr.record_collective([0, 1], "a", 1.0, overlap=True, ready=8.0))
+    assert [e.name for e in tr.events][-2:] == ["a", "b"]

@@ -20,7 +20,15 @@ Clock semantics (the modeled clock, in seconds on the chosen profile):
 * an *async* collective (``overlap=True``) starts when the group is free on the
   comm stream and the data is ready (the issuing rank's compute clock); it
   advances only the comm stream.  :meth:`Trace.wait` makes the compute stream
-  wait for it, which is where communication hides behind computation.
+  wait for it, which is where communication hides behind computation;
+* a *deferred* async collective (:meth:`Trace.defer`, from a gradient hook) is
+  recorded just before the next event, unless that event is an async collective
+  whose data was ready earlier (``ready=``): the comm stream takes them in the order
+  their data was produced.  Autograd runs a parameter's gradient hook (its
+  ``AccumulateGrad``, scheduled first) before the node that consumes the same
+  backward's input gradient, while on a device the input gradient's collective was
+  launched first, between the dgrad and wgrad GEMMs (Megatron-LM's
+  ``LinearWithGradAccumulationAndAsyncCommunication``).
 """
 from __future__ import annotations
 
@@ -76,15 +84,43 @@ class Trace:
     def __init__(self, profile=None):
         from .profiles import get_profile
         self.profile = get_profile(profile)
-        self.events: list[Event] = []
+        self._events: list[Event] = []
         self._clock: dict[tuple[int, str], float] = defaultdict(float)
+        self._deferred: list = []      # (ready, record) of deferred async collectives
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event recorded (deferred collectives recorded first)."""
+        self.flush()
+        return self._events
+
+    # ---- deferred async collectives (module docstring) -----------------------------------
+    def defer(self, ready: float, record) -> None:
+        """``record()`` records an async collective whose data was ready at ``ready``
+        (a gradient hook's): run it just before the next event, unless that event is an
+        async collective whose data was ready earlier (it goes first)."""
+        self._deferred.append((ready, record))
+
+    def flush(self, upto: float = float("inf")) -> None:
+        """Record the deferred collectives whose data was ready at or before ``upto``,
+        in the order their data was ready."""
+        while self._deferred:
+            now = [d for d in self._deferred if d[0] <= upto]
+            if not now:
+                return
+            first = min(now, key=lambda d: d[0])
+            self._deferred.remove(first)
+            first[1]()
 
     # ---- the clock -------------------------------------------------------------
     def now(self, rank: int, stream: str = "compute") -> float:
+        if stream != "compute":         # deferred collectives advance the comm streams
+            self.flush()
         return self._clock[(rank, stream)]
 
     def time(self) -> float:
         """The modeled makespan: the latest clock of any rank and stream."""
+        self.flush()
         return max(self._clock.values(), default=0.0)
 
     def record_compute(self, ranks: Iterable[int], name: str, duration: float,
@@ -93,12 +129,13 @@ class Trace:
 
         Recorded as one event; its start is the latest compute clock of the ranks
         (simulated ranks run the op in lockstep)."""
+        self.flush()
         ranks = tuple(ranks)
         start = max(self._clock[(r, "compute")] for r in ranks)
         for r in ranks:
             self._clock[(r, "compute")] = start + duration
         ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args or {})
-        self.events.append(ev)
+        self._events.append(ev)
         return ev
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
@@ -107,6 +144,8 @@ class Trace:
         """A collective over ``ranks``; blocking unless ``overlap=True``.  ``ready``
         (async only): when its data was produced, if before the ranks' compute clock
         (an input gradient whose weight-gradient GEMM was recorded after it)."""
+        # deferred ones first, but those whose data came later than this one's after it
+        self.flush(ready if overlap and ready is not None else float("inf"))
         ranks = tuple(ranks)
         c = self._clock
         if overlap:
@@ -121,7 +160,8 @@ class Trace:
             for r in ranks:
                 c[(r, "comm")] = end
                 c[(r, "compute")] = end
-        self.events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label, args or {}))
+        self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
+                                  args or {}))
         return Handle(ranks, end)
 
     def record_send(self, src: int, dst: int, name: str, duration: float, ready: float,
@@ -129,23 +169,26 @@ class Trace:
         """An asynchronous point-to-point send (isend/irecv): it starts once the data is
         ``ready`` and the sender's comm stream is free; the receiver waits on the handle
         before it uses the data.  The sender's compute stream does not wait."""
+        self.flush()
         c = self._clock
         start = max(ready, c[(src, "comm")])
         end = start + duration
         c[(src, "comm")] = end
         c[(dst, "comm")] = max(c[(dst, "comm")], end)
-        self.events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
-                                 args or {}))
+        self._events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
+                                  args or {}))
         return Handle((dst,), end)
 
     def wait(self, handle: Handle) -> None:
         """Make the compute stream of the handle's ranks wait for the collective."""
+        self.flush()
         for r in handle.ranks:
             key = (r, "compute")
             if self._clock[key] < handle.end:
                 self._clock[key] = handle.end
 
     def barrier(self, ranks: Iterable[int]) -> None:
+        self.flush()
         ranks = tuple(ranks)
         t = max(max(self._clock[(r, s)] for s in STREAMS) for r in ranks)
         for r in ranks:
@@ -288,4 +331,5 @@ class trace:
         return self.trace
 
     def __exit__(self, *exc) -> None:
+        self.trace.flush()
         _current.reset(self._token)

@@ -82,6 +82,7 @@ def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str)
     tr = current_trace()
     if tr is None:
         return
+    waits = []                  # every group's collective issued, then waited for
     for g in mesh.groups(axis):
         if len(g) == 1:
             continue
@@ -93,7 +94,9 @@ def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str)
                   "overlaps": "wgrad" if ready is not None else ""},
             overlap=ready is not None, ready=ready)
         if ready is not None:
-            tr.wait(h)
+            waits.append(h)
+    for h in waits:
+        tr.wait(h)
 
 
 def _expand_async(x, mesh, axis: int, kind: str, label: str):

@@ -21,6 +21,7 @@ import torch
 from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
 from .flat_shards import pack_rank_major, unflat, unpack
 
 __all__ = ["ZeroStep"]
@@ -79,16 +80,32 @@ class ZeroStep:
             self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
             tr = current_trace()
-            self._pending += [(tr, h) for h in C.record_collective(
-                "reduce_scatter", self.mesh, self.axis, nb, "zero-2 grad (async)",
-                overlap=True)]
             leaf.grad = None
+            if tr is None:
+                return
+            # issued now, recorded before the next event unless that is the collective of
+            # this backward's input gradient (Megatron launches it before the wgrad GEMM
+            # that made this gradient: it goes first; Trace.defer)
+            ready = max(tr.now(r) for r in self.mesh.ranks)
+            tr.defer(ready, lambda: self._record_rs(tr, nb, ready))
         return hook
+
+    def _record_rs(self, tr, nb: int, ready: float) -> None:
+        for g in self.mesh.groups(self.axis):
+            if len(g) > 1:
+                self._pending.append((tr, tr.record_collective(
+                    g, "reduce_scatter", _cost.price("reduce_scatter", nb, g, tr.profile),
+                    bytes=_cost.wire_bytes("reduce_scatter", nb, len(g)),
+                    label="zero-2 grad (async)",
+                    args={"mesh_dim": self.mesh.dim_names[self.axis], "buffer_bytes": int(nb)},
+                    overlap=True, ready=ready)))
 
     def _zero_step(self, params, grads, ms, vs, live):
         from ...sim_mesh.trace import current_trace
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
         tr = current_trace()
+        if tr is not None:
+            tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
         for t, h in self._pending:          # ZeRO-2: the reduce-scatters launched in backward
             if t is tr and tr is not None:
                 tr.wait(h)
