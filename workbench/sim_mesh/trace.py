@@ -21,13 +21,10 @@ Clock semantics (the modeled clock, in seconds on the chosen profile):
   comm stream and the data is ready (the issuing rank's compute clock); it
   advances only the comm stream.  :meth:`Trace.wait` makes the compute stream
   wait for it, which is where communication hides behind computation;
-* a *deferred* async collective (:meth:`Trace.defer`, from a gradient hook) is
-  recorded just before the next event, unless that event is an async collective
-  whose data was ready earlier (``ready=``): the comm stream takes them in the order
-  their data was produced.  Autograd runs a parameter's gradient hook (its
-  ``AccumulateGrad``, scheduled first) before the node that consumes the same
-  backward's input gradient, while on a device the input gradient's collective was
-  launched first, between the dgrad and wgrad GEMMs (Megatron-LM's
+* a *deferred* async collective (:meth:`Trace.defer`) is recorded before the next
+  event, unless that is an async collective whose data was ready earlier: autograd
+  runs a gradient's hook before the node consuming the same backward's input gradient,
+  whose collective a device launched first, between the dgrad and the wgrad (Megatron-LM's
   ``LinearWithGradAccumulationAndAsyncCommunication``).
 """
 from __future__ import annotations
@@ -90,25 +87,18 @@ class Trace:
 
     @property
     def events(self) -> list[Event]:
-        """Every event recorded (deferred collectives recorded first)."""
         self.flush()
         return self._events
 
-    # ---- deferred async collectives (module docstring) -----------------------------------
     def defer(self, ready: float, record) -> None:
-        """``record()`` records an async collective whose data was ready at ``ready``
-        (a gradient hook's): run it just before the next event, unless that event is an
-        async collective whose data was ready earlier (it goes first)."""
+        """``record()`` records an async collective whose data was ready at ``ready``:
+        run before the next event but an async collective ready earlier (module doc)."""
         self._deferred.append((ready, record))
 
     def flush(self, upto: float = float("inf")) -> None:
-        """Record the deferred collectives whose data was ready at or before ``upto``,
-        in the order their data was ready."""
-        while self._deferred:
-            now = [d for d in self._deferred if d[0] <= upto]
-            if not now:
-                return
-            first = min(now, key=lambda d: d[0])
+        """Record the deferred collectives ready by ``upto``, earliest data first."""
+        while any(d[0] <= upto for d in self._deferred):
+            first = min(self._deferred, key=lambda d: d[0])
             self._deferred.remove(first)
             first[1]()
 
