@@ -36,7 +36,10 @@ def _run(first=None, dp=1, sp=False, zero=0):
     m = Block(first)
     wb.parallelize(m, mesh, {"fc1": "colwise", "fc2": "rowwise"}, mesh_dim="tp")
     tensor_parallel_region(m, mesh, "tp", sp=sp)
-    if dp > 1:          # each dp rank its own replica (gradients reduced in step())
+    if dp > 1 and zero == 3:        # parameters sharded over dp, gathered by hooks
+        from workbench.parallel.strategies.zero3 import Zero3
+        Zero3(m, mesh, "dp")
+    elif dp > 1:        # each dp rank its own replica (gradients reduced in step())
         from workbench.parallel.strategies.data_parallel import DataParallel
         DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=zero)
     x = torch.randn(dp * 4, 128, H, dtype=BF16)
@@ -165,17 +168,18 @@ def test_async_collective_starts_when_its_data_is_ready():
     assert tr.events[-1].start == 6.0            # after the stream's previous collective
 
 
-def test_zero2_reduce_scatter_after_the_input_gradients_all_reduce():
-    """ZeRO-2 with TP: fc1's weight gradient exists only after the wgrad, so its
+@pytest.mark.parametrize("zero, label", [(2, "zero-2 grad (async)"), (3, "zero-3 params")])
+def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
+    """ZeRO-2/3 with TP: fc1's weight gradient exists only after the wgrad, so its
     reduce-scatter is issued after f's all-reduce of the input gradient (Megatron launches
     that one before the wgrad GEMM), though autograd runs the gradient's hook first: the
     all-reduce still starts when the dgrad ends and the compute waits for it alone."""
-    tr, _, _ = _run(dp=2, zero=2)
+    tr, _, _ = _run(dp=2, zero=zero)
     dgrad, wgrad = _fc1_backward(tr)
     ar = _f_all_reduce(tr)
     comm0 = [e for e in tr.collectives() if 0 in e.ranks]
-    rs = [e for e in comm0 if e.label == "zero-2 grad (async)" and e.start >= wgrad.end]
-    assert len(rs) == 2                                     # fc1's weight and bias
+    rs = [e for e in comm0 if e.name == "reduce_scatter" and e.label == label][-2:]
+    assert all(e.start >= wgrad.end for e in rs)            # fc1's weight and bias
     assert ar.args["overlaps"] == "wgrad"
     i = comm0.index(ar)
     assert i < min(comm0.index(e) for e in rs)

@@ -191,6 +191,8 @@ class Zero3(Zero3Clock):
         for i, e in enumerate(self.entries):
             if e[3].grad is not None and self.async_ and i not in self._reduced:
                 self._reduce_scatter_hook(i)(e[3])
+        if tr is not None:
+            tr.flush()                    # the reduce-scatters deferred in backward
         for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
             if t is tr and tr is not None:
                 for h1 in (h if isinstance(h, list) else [h]):

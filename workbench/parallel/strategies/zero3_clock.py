@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..dist_tensor import DistTensor
+from .zero_step import defer_reduce_scatter
 
 __all__ = ["GatheredLedger", "Zero3Clock"]
 
@@ -103,15 +104,20 @@ class Zero3Clock:
             "all_gather", nb, label, overlap=True))]
         self.live.hold(key, nb)             # the receive buffer exists from the issue on
 
+    def _gather_ahead(self, phase: str, mods) -> None:
+        """Issue the gathers of ``mods`` in turn while fewer than ``prefetch_numel``
+        elements are issued (so at least one when it is > 0, as DeepSpeed's coordinator)."""
+        ahead = 0
+        for mod in mods:
+            if ahead >= self.prefetch_numel:
+                break
+            self._issue(phase, mod)
+            ahead += self._numel[id(mod)]
+
     def _prefetch_backward(self) -> None:
         """The forward's last module has run: gather for the backward, in the forward's
         order reversed (the module that ran last first), up to ``prefetch_numel``."""
-        ahead = 0
-        for mod in self.order[::-1]:
-            if ahead >= self.prefetch_numel:
-                break
-            self._issue("B", mod)
-            ahead += self._numel[id(mod)]
+        self._gather_ahead("B", self.order[::-1])
 
     def _begin_backward(self, mod) -> None:
         """``mod``'s backward starts: its gather waited for (unless a recompute gathered
@@ -140,12 +146,8 @@ class Zero3Clock:
         if not ahead:
             return
         order = self.order if phase == "F" else self.order[::-1]
-        ahead = 0
-        for nxt in order[order.index(mod) + 1:] if mod in order else []:
-            if ahead >= self.prefetch_numel:
-                break
-            self._issue(phase, nxt)
-            ahead += self._numel[id(nxt)]
+        if mod in order:
+            self._gather_ahead(phase, order[order.index(mod) + 1:])
 
     def _backward_hook(self, mod):
         zero3 = self
@@ -190,8 +192,9 @@ class Zero3Clock:
                         del self._grads_left[m]
                         self.live.free(("B", m))
             tr = current_trace()
-            self._pending += [(tr, h) for h in self.group.record(
-                "reduce_scatter", nb, "zero-3 params", overlap=True)]
+            if tr is not None:        # after the input gradient's collective (zero_step)
+                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
+                                     self._pending)
         return hook
 
     def _gather_hook(self, mod):

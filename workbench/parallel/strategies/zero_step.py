@@ -26,7 +26,26 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
 from .flat_shards import pack_rank_major, unflat, unpack
 
-__all__ = ["ZeroStep"]
+__all__ = ["ZeroStep", "defer_reduce_scatter"]
+
+
+def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
+    """A gradient's async reduce-scatter over ``axis``, issued now (its data ready at the
+    ranks' compute clock) from a gradient hook: recorded before the next event unless
+    that is the collective of the same backward's input gradient, which Megatron-LM
+    launches before the wgrad GEMM that made this gradient (``Trace.defer``); its
+    handles go to ``pending`` as ``(trace, handle)``."""
+    ready = max(tr.now(r) for r in mesh.ranks)
+
+    def record():
+        for g in mesh.groups(axis):
+            if len(g) > 1:
+                pending.append((tr, tr.record_collective(
+                    g, "reduce_scatter", _cost.price("reduce_scatter", nbytes, g, tr.profile),
+                    bytes=_cost.wire_bytes("reduce_scatter", nbytes, len(g)), label=label,
+                    args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes)},
+                    overlap=True, ready=ready)))
+    tr.defer(ready, record)
 
 
 class ZeroStep:
@@ -83,24 +102,10 @@ class ZeroStep:
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
             tr = current_trace()
             leaf.grad = None
-            if tr is None:
-                return
-            # issued now, recorded before the next event unless that is the collective of
-            # this backward's input gradient (Megatron launches it before the wgrad GEMM
-            # that made this gradient: it goes first; Trace.defer)
-            ready = max(tr.now(r) for r in self.mesh.ranks)
-            tr.defer(ready, lambda: self._record_rs(tr, nb, ready))
+            if tr is not None:
+                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-2 grad (async)",
+                                 self._pending)
         return hook
-
-    def _record_rs(self, tr, nb: int, ready: float) -> None:
-        for g in self.mesh.groups(self.axis):
-            if len(g) > 1:
-                self._pending.append((tr, tr.record_collective(
-                    g, "reduce_scatter", _cost.price("reduce_scatter", nb, g, tr.profile),
-                    bytes=_cost.wire_bytes("reduce_scatter", nb, len(g)),
-                    label="zero-2 grad (async)",
-                    args={"mesh_dim": self.mesh.dim_names[self.axis], "buffer_bytes": int(nb)},
-                    overlap=True, ready=ready)))
 
     def _zero_step(self, params, grads, ms, vs, live):
         from ...sim_mesh.trace import current_trace
