@@ -65,11 +65,6 @@ class GatheredLedger:
         for key in list(self.live):
             self.free(key)
 
-    def reset(self) -> None:
-        """Forget the peak and the timeline (the copies still live stay counted)."""
-        self.peak = self.bytes
-        self.timeline = [(self._now(), self.bytes)]
-
 
 class Zero3Clock:
     """:class:`~.zero3.Zero3`'s hooks on the modeled clock: async gathers issued ahead of
