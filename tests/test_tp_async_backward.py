@@ -172,8 +172,8 @@ def test_async_collective_starts_when_its_data_is_ready():
 def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
     """ZeRO-2/3 with TP: fc1's weight gradient exists only after the wgrad, so its
     reduce-scatter is issued after f's all-reduce of the input gradient (Megatron launches
-    that one before the wgrad GEMM), though autograd runs the gradient's hook first: the
-    all-reduce still starts when the dgrad ends and the compute waits for it alone."""
+    that one before the wgrad GEMM), though autograd runs the gradient's hook first; the
+    all-reduce starts when the dgrad ends and the compute waits for it alone."""
     tr, _, _ = _run(dp=2, zero=zero)
     dgrad, wgrad = _fc1_backward(tr)
     ar = _f_all_reduce(tr)
@@ -181,11 +181,11 @@ def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
     rs = [e for e in comm0 if e.name == "reduce_scatter" and e.label == label][-2:]
     assert all(e.start >= wgrad.end for e in rs)            # fc1's weight and bias
     assert ar.args["overlaps"] == "wgrad"
-    i = comm0.index(ar)
-    assert i < min(comm0.index(e) for e in rs)
-    # it starts when the dgrad ended or the comm stream freed (fc2's reduce-scatters)
-    assert ar.start == max(dgrad.end, comm0[i - 1].end)
-    assert all(e.start >= ar.end for e in rs)               # one comm stream, in order
+    assert comm0.index(ar) < min(comm0.index(e) for e in rs)      # issued first
+    # on the tp group's stream, free when the dgrad ends (the dp group's reduce-scatters,
+    # fc2's still running, on their own stream)
+    assert ar.start == dgrad.end
+    assert all(e.start >= wgrad.end for e in rs)
     for r in (0, 1):
         assert tr.now(r) == max(ar.end, wgrad.end)          # nothing else waited for
 
@@ -219,3 +219,25 @@ def test_deferred_collectives_take_the_stream_in_the_order_their_data_came():
     tr.defer(9.0, lambda: tr.record_collective([0, 1], "b", 1.0, overlap=True, ready=9.0))
     tr.defer(8.0, lambda: tr.record_collective([0, 1], "a", 1.0, overlap=True, ready=8.0))
     assert [e.name for e in tr.events][-2:] == ["a", "b"]
+
+
+def test_each_group_has_its_own_comm_stream():
+    """One comm stream per group of ranks (ProcessGroupNCCL: a stream per process group,
+    per point-to-point pair): a group's collectives in order, two groups side by side; a
+    blocking collective waits for its own group's stream only; "comm" reads the latest."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    dp = tr.record_collective([0, 2], "reduce_scatter", 5.0, overlap=True)
+    tp = tr.record_collective([0, 1], "all_reduce", 2.0, overlap=True)
+    assert tr.events[-1].start == 0.0 and tp.end == 2.0     # beside the dp one
+    tr.record_collective([0, 2], "all_gather", 1.0, overlap=True)
+    assert tr.events[-1].start == dp.end == 5.0             # behind the dp one
+    assert tr.now(0, "comm") == 6.0 and tr.now(1, "comm") == 2.0
+    tr.record_collective([0, 1], "all_reduce", 1.0)             # blocking, on tp
+    assert tr.events[-1].start == 2.0 and tr.now(0) == tr.now(1) == 3.0
+    tr.record_send(0, 4, "send_recv", 1.0, ready=tr.now(0))    # its own pair's stream
+    assert tr.events[-1].start == 3.0 and tr.now(4, "comm") == 4.0
+    tr.barrier([0, 1, 2])
+    assert {tr.now(r, s) for r in (0, 1, 2) for s in ("compute", "comm")} == {6.0}
+    tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True)
+    assert tr.events[-1].start == 6.0                        # the barrier held every stream

@@ -14,13 +14,18 @@ Outside a ``with trace()`` block nothing is recorded (and nothing is slowed).
 Clock semantics (the modeled clock, in seconds on the chosen profile):
 
 * a compute op on rank r starts at r's compute clock;
-* a *blocking* collective starts when every rank of its group is free on both
-  streams, and leaves all of them at its end (what a synchronous NCCL/HCCL
-  call looks like from the host);
-* an *async* collective (``overlap=True``) starts when the group is free on the
-  comm stream and the data is ready (the issuing rank's compute clock); it
-  advances only the comm stream.  :meth:`Trace.wait` makes the compute stream
-  wait for it, which is where communication hides behind computation;
+* each group of ranks has its own comm stream on each of its ranks, as each process
+  group of PyTorch's ``ProcessGroupNCCL`` runs its collectives on its own NCCL
+  stream (a point-to-point pair too): collectives of one group run in order,
+  those of different groups (tensor- and data-parallel) side by side; a rank's
+  "comm" clock is the latest of its streams;
+* a *blocking* collective starts when every rank of its group is free on the
+  compute stream and on the group's comm stream, and leaves both at its end (what a
+  synchronous NCCL/HCCL call looks like from the host);
+* an *async* collective (``overlap=True``) starts when the group's comm stream is
+  free and the data is ready (the issuing rank's compute clock); it advances only
+  that stream.  :meth:`Trace.wait` makes the compute stream wait for it, which is
+  where communication hides behind computation;
 * a *deferred* async collective (:meth:`Trace.defer`) is recorded before the next
   event, unless that is an async collective whose data was ready earlier: autograd
   runs a gradient's hook before the node consuming the same backward's input gradient,
@@ -83,6 +88,7 @@ class Trace:
         self.profile = get_profile(profile)
         self._events: list[Event] = []
         self._clock: dict[tuple[int, str], float] = defaultdict(float)
+        self._chan: dict[tuple[int, tuple], float] = defaultdict(float)  # (rank, group)
         self._deferred: list = []      # (ready, record) of deferred async collectives
 
     @property
@@ -137,18 +143,13 @@ class Trace:
         # deferred ones first, but those whose data came later than this one's after it
         self.flush(ready if overlap and ready is not None else float("inf"))
         ranks = tuple(ranks)
-        c = self._clock
-        if overlap:
-            start = max(max(c[(r, "comm")], c[(r, "compute")] if ready is None else ready)
-                        for r in ranks)
-            end = start + duration
-            for r in ranks:
-                c[(r, "comm")] = end
-        else:
-            start = max(max(c[(r, "comm")], c[(r, "compute")]) for r in ranks)
-            end = start + duration
-            for r in ranks:
-                c[(r, "comm")] = end
+        c, g = self._clock, tuple(sorted(ranks))
+        start = max(max(self._chan[(r, g)], c[(r, "compute")] if ready is None or not overlap
+                        else ready) for r in ranks)
+        end = start + duration
+        for r in ranks:
+            self._stream_end(r, g, end)
+            if not overlap:
                 c[(r, "compute")] = end
         self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
                                   args or {}))
@@ -160,14 +161,19 @@ class Trace:
         ``ready`` and the sender's comm stream is free; the receiver waits on the handle
         before it uses the data.  The sender's compute stream does not wait."""
         self.flush()
-        c = self._clock
-        start = max(ready, c[(src, "comm")])
+        g = tuple(sorted((src, dst)))
+        start = max(ready, self._chan[(src, g)])
         end = start + duration
-        c[(src, "comm")] = end
-        c[(dst, "comm")] = max(c[(dst, "comm")], end)
+        self._stream_end(src, g, end)
+        self._stream_end(dst, g, max(self._chan[(dst, g)], end))
         self._events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
                                   args or {}))
         return Handle((dst,), end)
+
+    def _stream_end(self, rank: int, group: tuple, end: float) -> None:
+        self._chan[(rank, group)] = end
+        if self._clock[(rank, "comm")] < end:
+            self._clock[(rank, "comm")] = end
 
     def wait(self, handle: Handle) -> None:
         """Make the compute stream of the handle's ranks wait for the collective."""
@@ -184,6 +190,9 @@ class Trace:
         for r in ranks:
             for s in STREAMS:
                 self._clock[(r, s)] = t
+        for key in self._chan:
+            if key[0] in ranks:
+                self._chan[key] = t
 
     # ---- reading ------------------------------------------------------------------
     def collectives(self) -> list[Event]:

@@ -19,9 +19,11 @@ f's backward all-reduce (sequence parallel: reduce-scatter) is asynchronous on t
 simulated clock, as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
 issues it (``async_op=True`` on the input gradient, then the weight-gradient GEMM, then
 the wait): the region's first linear records its backward as dgrad then wgrad
-(``ops_table.pricing``), and the collective starts on the comm stream when the dgrad
-ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden:
-min(collective, wgrad) when the comm stream is free.  Anything else recorded between
+(``ops_table.pricing``), and the collective starts on the tp group's comm stream when
+the dgrad ended, beside the wgrad; the compute stream waits for it after the wgrad.
+Hidden: min(collective, wgrad) when that stream is free (the data-parallel group's
+gradient reduce-scatters run on their own stream, ``sim_mesh.trace``; issued after this
+one, as Megatron-LM issues them).  Anything else recorded between
 them on the ranks' compute streams, uneven shards, or torch.distributed (whose
 collectives block) leave it blocking.
 """

@@ -8,11 +8,11 @@ states, with the gradients and parameters moved in one buffer each.
   updated shards come back in one all-gather;
 * ZeRO-2 (DeepSpeed's ``overlap_comm``): each gradient's reduce-scatter is launched
   from a post-accumulate-grad hook as soon as backward has produced it, async on the
-  simulated clock (the comm stream), and only the shard is kept; ``step`` waits for
-  them.  A gradient a wgrad produced goes on the stream after the collective of the
+  simulated clock (the dp group's comm stream), and only the shard is kept; ``step``
+  waits for them.  A gradient a wgrad produced is issued after the collective of the
   same backward's input gradient (tensor parallelism's f), which Megatron-LM launches
-  before the wgrad GEMM (``Trace.defer``).  On torch.distributed the collectives are blocking calls, so there the
-  reduce-scatter stays in ``step``.
+  before the wgrad GEMM (``Trace.defer``).  On torch.distributed the collectives are
+  blocking calls, so there the reduce-scatter stays in ``step``.
 """
 from __future__ import annotations
 
