@@ -37,12 +37,20 @@ LAYOUTS = [
     # backward; the tied word embedding's gradient completes last and is that wait
     Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2),
     Layout(dp=2, tp=1, pp=1, global_batch=8, zero=2, recompute="full"),
+    # ZeRO-3: the backward's gathers prefetched from the end of the forward, the forward's
+    # order reversed (strategies/zero3.py), as the estimate does from the backward's start
+    # (DeepSpeed); they started after the tied head's backward and the run was 12% slower
+    Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3),
+    # ZeRO-2 with TP: a weight gradient's reduce-scatter after the all-reduce of its
+    # layer's input gradient, as Megatron issues them (it was recorded first and delayed
+    # that all-reduce, which the compute waits for: 8.8% slower, the ZeRO effect 6% off)
+    Layout(dp=2, tp=2, pp=1, global_batch=4, zero=2),
+    # ZeRO with TP: the tp and dp groups' collectives each on their own comm stream (as
+    # ProcessGroupNCCL), so ZeRO-3's prefetch queue does not hold up the tp all-reduces
+    # (13% slower when they shared one; ZeRO-2 + SP 5.8%)
+    Layout(dp=2, tp=2, pp=1, global_batch=4, zero=3),
+    Layout(dp=2, tp=2, pp=1, global_batch=4, zero=2, sp=True),
 ]
-# ZeRO-3: the estimate prefetches the backward's gathers from its start (DeepSpeed's root
-# pre-backward hook); the recipe (strategies/zero3.py) issues them only when the first
-# module owning parameters starts its backward, after the tied head's: 12% slower
-ZERO3 = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3)
-MEMORY_ONLY = [ZERO3]
 
 
 def _pair(lay):
@@ -51,7 +59,7 @@ def _pair(lay):
     return dry_run(cfg, lay, cl), estimate(cfg, lay, cl, attention="flash")
 
 
-@pytest.mark.parametrize("lay", LAYOUTS + MEMORY_ONLY, ids=lambda l: l.short())
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: l.short())
 def test_memory_agrees_with_estimate(lay):
     dr, est = _pair(lay)
     assert set(dr.memory) == set(est.memory) == {"params", "grads", "optimizer",
@@ -65,11 +73,6 @@ def test_memory_agrees_with_estimate(lay):
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: l.short())
 def test_step_time_agrees_with_estimate(lay):
     dr, est = _pair(lay)
-    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
-
-
-def test_zero3_step_time_agrees_with_estimate():
-    dr, est = _pair(ZERO3)
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
 
 
@@ -175,3 +178,24 @@ def test_dry_run_flags_refused_without_dry_run(capsys):
     assert main(["train", "--preset", "gpt-tiny", "--dry-run", "--dp", "3",
                  "--batch-size", "8"]) == 2
     assert "--batch-size 8 does not divide into dp=3" in capsys.readouterr().err
+
+
+# what ZeRO's per-micro-batch collectives change in the step (ZeRO-k minus the same layout
+# with ZeRO-0), dry run against estimate: the overlap of the recipe's collectives held to
+# DeepSpeed's (plan.zero_cost) apart from how compute is priced; within 2% of the step
+# (ZeRO-3 was 6.4% off when its backward prefetch started after the tied head's backward,
+# ZeRO-2 with TP 6.1% when its reduce-scatters went before the TP all-reduces)
+ZERO_EFFECT = [Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2),
+               Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3),
+               Layout(dp=2, tp=2, pp=1, global_batch=4, zero=2),
+               Layout(dp=2, tp=2, pp=1, global_batch=4, zero=3),
+               Layout(dp=2, tp=2, pp=1, global_batch=4, zero=2, sp=True)]
+
+
+@pytest.mark.parametrize("lay", ZERO_EFFECT, ids=lambda l: l.short())
+def test_zero_changes_the_step_as_the_estimate_says(lay):
+    import dataclasses
+    dr, est = _pair(lay)
+    dr0, est0 = _pair(dataclasses.replace(lay, zero=0))
+    assert dr.step_time - dr0.step_time == pytest.approx(est.step_time - est0.step_time,
+                                                         abs=0.02 * est0.step_time)

@@ -30,15 +30,18 @@ class Block(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _run(first=None, dp=1, sp=False):
+def _run(first=None, dp=1, sp=False, zero=0):
     mesh = wb.Mesh.grid((dp, 2), ["dp", "tp"]) if dp > 1 else wb.Mesh.grid(2, ["tp"])
     torch.manual_seed(0)
     m = Block(first)
     wb.parallelize(m, mesh, {"fc1": "colwise", "fc2": "rowwise"}, mesh_dim="tp")
     tensor_parallel_region(m, mesh, "tp", sp=sp)
-    if dp > 1:          # each dp rank its own replica (gradients reduced in step())
+    if dp > 1 and zero == 3:        # parameters sharded over dp, gathered by hooks
+        from workbench.parallel.strategies.zero3 import Zero3
+        Zero3(m, mesh, "dp")
+    elif dp > 1:        # each dp rank its own replica (gradients reduced in step())
         from workbench.parallel.strategies.data_parallel import DataParallel
-        DataParallel(list(wb.dist_parameters(m)), mesh, "dp")
+        DataParallel(list(wb.dist_parameters(m)), mesh, "dp", zero=zero)
     x = torch.randn(dp * 4, 128, H, dtype=BF16)
     tp_place = wb.Shard(1) if sp else wb.Replicate()          # sp: the sequence split
     place = [wb.Shard(0), tp_place] if dp > 1 else [tp_place]
@@ -163,3 +166,78 @@ def test_async_collective_starts_when_its_data_is_ready():
     assert tr.now(0) == 6.0                      # hidden: min(4, 3) = 3 of the 4
     tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True, ready=0.0)
     assert tr.events[-1].start == 6.0            # after the stream's previous collective
+
+
+@pytest.mark.parametrize("zero, label", [(2, "zero-2 grad (async)"), (3, "zero-3 params")])
+def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
+    """ZeRO-2/3 with TP: fc1's weight gradient exists only after the wgrad, so its
+    reduce-scatter is issued after f's all-reduce of the input gradient (Megatron launches
+    that one before the wgrad GEMM), though autograd runs the gradient's hook first; the
+    all-reduce starts when the dgrad ends and the compute waits for it alone."""
+    tr, _, _ = _run(dp=2, zero=zero)
+    dgrad, wgrad = _fc1_backward(tr)
+    ar = _f_all_reduce(tr)
+    comm0 = [e for e in tr.collectives() if 0 in e.ranks]
+    rs = [e for e in comm0 if e.name == "reduce_scatter" and e.label == label][-2:]
+    assert all(e.start >= wgrad.end for e in rs)            # fc1's weight and bias
+    assert ar.args["overlaps"] == "wgrad"
+    assert comm0.index(ar) < min(comm0.index(e) for e in rs)      # issued first
+    # on the tp group's stream, free when the dgrad ends (the dp group's reduce-scatters,
+    # fc2's still running, on their own stream)
+    assert ar.start == dgrad.end
+    assert all(e.start >= wgrad.end for e in rs)
+    for r in (0, 1):
+        assert tr.now(r) == max(ar.end, wgrad.end)          # nothing else waited for
+
+
+def test_deferred_collectives_take_the_stream_in_the_order_their_data_came():
+    """``Trace.defer``: recorded before the next event, except an async collective whose
+    data was ready earlier, which goes first."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    tr.record_compute([0, 1], "dgrad", 2.0)
+    tr.record_compute([0, 1], "wgrad", 3.0)
+    got = []
+    tr.defer(5.0, lambda: got.append(tr.record_collective([0, 1], "reduce_scatter", 1.0,
+                                                          overlap=True, ready=5.0)))
+    assert got == [] and tr.now(0) == 5.0                   # the compute clock: not yet
+    h = tr.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    assert [e.name for e in tr._events] == ["dgrad", "wgrad", "all_reduce"]
+    tr.wait(h)                                              # the next event: recorded now
+    assert [e.name for e in tr.events][-1] == "reduce_scatter"
+    assert tr.events[-1].start == 6.0 and got[0].end == 7.0     # after the all-reduce
+    # before anything else: a compute event, a blocking collective, a read of the clock
+    for nxt in (lambda: tr.record_compute([0, 1], "x", 1.0),
+                lambda: tr.record_collective([0, 1], "all_reduce", 1.0),
+                lambda: tr.now(0, "comm"), lambda: tr.time()):
+        n = len(tr._events)
+        tr.defer(tr.now(0), lambda: tr.record_collective([0, 1], "reduce_scatter", 1.0,
+                                                         overlap=True))
+        nxt()
+        assert tr._events[n].name == "reduce_scatter" and not tr._deferred
+    # deferred ones go in the order their data was ready, whatever order they came in
+    tr.defer(9.0, lambda: tr.record_collective([0, 1], "b", 1.0, overlap=True, ready=9.0))
+    tr.defer(8.0, lambda: tr.record_collective([0, 1], "a", 1.0, overlap=True, ready=8.0))
+    assert [e.name for e in tr.events][-2:] == ["a", "b"]
+
+
+def test_each_group_has_its_own_comm_stream():
+    """One comm stream per group of ranks (ProcessGroupNCCL: a stream per process group,
+    per point-to-point pair): a group's collectives in order, two groups side by side; a
+    blocking collective waits for its own group's stream only; "comm" reads the latest."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    dp = tr.record_collective([0, 2], "reduce_scatter", 5.0, overlap=True)
+    tp = tr.record_collective([0, 1], "all_reduce", 2.0, overlap=True)
+    assert tr.events[-1].start == 0.0 and tp.end == 2.0     # beside the dp one
+    tr.record_collective([0, 2], "all_gather", 1.0, overlap=True)
+    assert tr.events[-1].start == dp.end == 5.0             # behind the dp one
+    assert tr.now(0, "comm") == 6.0 and tr.now(1, "comm") == 2.0
+    tr.record_collective([0, 1], "all_reduce", 1.0)             # blocking, on tp
+    assert tr.events[-1].start == 2.0 and tr.now(0) == tr.now(1) == 3.0
+    tr.record_send(0, 4, "send_recv", 1.0, ready=tr.now(0))    # its own pair's stream
+    assert tr.events[-1].start == 3.0 and tr.now(4, "comm") == 4.0
+    tr.barrier([0, 1, 2])
+    assert {tr.now(r, s) for r in (0, 1, 2) for s in ("compute", "comm")} == {6.0}
+    tr.record_collective([0, 1], "all_reduce", 1.0, overlap=True)
+    assert tr.events[-1].start == 6.0                        # the barrier held every stream

@@ -14,13 +14,23 @@ Outside a ``with trace()`` block nothing is recorded (and nothing is slowed).
 Clock semantics (the modeled clock, in seconds on the chosen profile):
 
 * a compute op on rank r starts at r's compute clock;
-* a *blocking* collective starts when every rank of its group is free on both
-  streams, and leaves all of them at its end (what a synchronous NCCL/HCCL
-  call looks like from the host);
-* an *async* collective (``overlap=True``) starts when the group is free on the
-  comm stream and the data is ready (the issuing rank's compute clock); it
-  advances only the comm stream.  :meth:`Trace.wait` makes the compute stream
-  wait for it, which is where communication hides behind computation.
+* each group of ranks has its own comm stream on each of its ranks, as each process
+  group of PyTorch's ``ProcessGroupNCCL`` runs its collectives on its own NCCL
+  stream (a point-to-point pair too): collectives of one group run in order,
+  those of different groups (tensor- and data-parallel) side by side; a rank's
+  "comm" clock is the latest of its streams;
+* a *blocking* collective starts when every rank of its group is free on the
+  compute stream and on the group's comm stream, and leaves both at its end (what a
+  synchronous NCCL/HCCL call looks like from the host);
+* an *async* collective (``overlap=True``) starts when the group's comm stream is
+  free and the data is ready (the issuing rank's compute clock); it advances only
+  that stream.  :meth:`Trace.wait` makes the compute stream wait for it, which is
+  where communication hides behind computation;
+* a *deferred* async collective (:meth:`Trace.defer`) is recorded before the next
+  event, unless that is an async collective whose data was ready earlier: autograd
+  runs a gradient's hook before the node consuming the same backward's input gradient,
+  whose collective a device launched first, between the dgrad and the wgrad (Megatron-LM's
+  ``LinearWithGradAccumulationAndAsyncCommunication``).
 """
 from __future__ import annotations
 
@@ -76,15 +86,37 @@ class Trace:
     def __init__(self, profile=None):
         from .profiles import get_profile
         self.profile = get_profile(profile)
-        self.events: list[Event] = []
+        self._events: list[Event] = []
         self._clock: dict[tuple[int, str], float] = defaultdict(float)
+        self._chan: dict[tuple[int, tuple], float] = defaultdict(float)  # (rank, group)
+        self._deferred: list = []      # (ready, record) of deferred async collectives
+
+    @property
+    def events(self) -> list[Event]:
+        self.flush()
+        return self._events
+
+    def defer(self, ready: float, record) -> None:
+        """``record()`` records an async collective whose data was ready at ``ready``:
+        run before the next event but an async collective ready earlier (module doc)."""
+        self._deferred.append((ready, record))
+
+    def flush(self, upto: float = float("inf")) -> None:
+        """Record the deferred collectives ready by ``upto``, earliest data first."""
+        while any(d[0] <= upto for d in self._deferred):
+            first = min(self._deferred, key=lambda d: d[0])
+            self._deferred.remove(first)
+            first[1]()
 
     # ---- the clock -------------------------------------------------------------
     def now(self, rank: int, stream: str = "compute") -> float:
+        if stream != "compute":         # deferred collectives advance the comm streams
+            self.flush()
         return self._clock[(rank, stream)]
 
     def time(self) -> float:
         """The modeled makespan: the latest clock of any rank and stream."""
+        self.flush()
         return max(self._clock.values(), default=0.0)
 
     def record_compute(self, ranks: Iterable[int], name: str, duration: float,
@@ -93,12 +125,13 @@ class Trace:
 
         Recorded as one event; its start is the latest compute clock of the ranks
         (simulated ranks run the op in lockstep)."""
+        self.flush()
         ranks = tuple(ranks)
         start = max(self._clock[(r, "compute")] for r in ranks)
         for r in ranks:
             self._clock[(r, "compute")] = start + duration
         ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args or {})
-        self.events.append(ev)
+        self._events.append(ev)
         return ev
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
@@ -107,21 +140,19 @@ class Trace:
         """A collective over ``ranks``; blocking unless ``overlap=True``.  ``ready``
         (async only): when its data was produced, if before the ranks' compute clock
         (an input gradient whose weight-gradient GEMM was recorded after it)."""
+        # deferred ones first, but those whose data came later than this one's after it
+        self.flush(ready if overlap and ready is not None else float("inf"))
         ranks = tuple(ranks)
-        c = self._clock
-        if overlap:
-            start = max(max(c[(r, "comm")], c[(r, "compute")] if ready is None else ready)
-                        for r in ranks)
-            end = start + duration
-            for r in ranks:
-                c[(r, "comm")] = end
-        else:
-            start = max(max(c[(r, "comm")], c[(r, "compute")]) for r in ranks)
-            end = start + duration
-            for r in ranks:
-                c[(r, "comm")] = end
+        c, g = self._clock, tuple(sorted(ranks))
+        start = max(max(self._chan[(r, g)], c[(r, "compute")] if ready is None or not overlap
+                        else ready) for r in ranks)
+        end = start + duration
+        for r in ranks:
+            self._stream_end(r, g, end)
+            if not overlap:
                 c[(r, "compute")] = end
-        self.events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label, args or {}))
+        self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
+                                  args or {}))
         return Handle(ranks, end)
 
     def record_send(self, src: int, dst: int, name: str, duration: float, ready: float,
@@ -129,28 +160,39 @@ class Trace:
         """An asynchronous point-to-point send (isend/irecv): it starts once the data is
         ``ready`` and the sender's comm stream is free; the receiver waits on the handle
         before it uses the data.  The sender's compute stream does not wait."""
-        c = self._clock
-        start = max(ready, c[(src, "comm")])
+        self.flush()
+        g = tuple(sorted((src, dst)))
+        start = max(ready, self._chan[(src, g)])
         end = start + duration
-        c[(src, "comm")] = end
-        c[(dst, "comm")] = max(c[(dst, "comm")], end)
-        self.events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
-                                 args or {}))
+        self._stream_end(src, g, end)
+        self._stream_end(dst, g, max(self._chan[(dst, g)], end))
+        self._events.append(Event(name, "comm", start, duration, (src, dst), bytes, 0, label,
+                                  args or {}))
         return Handle((dst,), end)
+
+    def _stream_end(self, rank: int, group: tuple, end: float) -> None:
+        self._chan[(rank, group)] = end
+        if self._clock[(rank, "comm")] < end:
+            self._clock[(rank, "comm")] = end
 
     def wait(self, handle: Handle) -> None:
         """Make the compute stream of the handle's ranks wait for the collective."""
+        self.flush()
         for r in handle.ranks:
             key = (r, "compute")
             if self._clock[key] < handle.end:
                 self._clock[key] = handle.end
 
     def barrier(self, ranks: Iterable[int]) -> None:
+        self.flush()
         ranks = tuple(ranks)
         t = max(max(self._clock[(r, s)] for s in STREAMS) for r in ranks)
         for r in ranks:
             for s in STREAMS:
                 self._clock[(r, s)] = t
+        for key in self._chan:
+            if key[0] in ranks:
+                self._chan[key] = t
 
     # ---- reading ------------------------------------------------------------------
     def collectives(self) -> list[Event]:
@@ -288,4 +330,5 @@ class trace:
         return self.trace
 
     def __exit__(self, *exc) -> None:
+        self.trace.flush()
         _current.reset(self._token)

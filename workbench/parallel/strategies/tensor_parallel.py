@@ -19,9 +19,11 @@ f's backward all-reduce (sequence parallel: reduce-scatter) is asynchronous on t
 simulated clock, as Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
 issues it (``async_op=True`` on the input gradient, then the weight-gradient GEMM, then
 the wait): the region's first linear records its backward as dgrad then wgrad
-(``ops_table.pricing``), and the collective starts on the comm stream when the dgrad
-ended, beside the wgrad; the compute stream waits for it after the wgrad.  Hidden:
-min(collective, wgrad) when the comm stream is free.  Anything else recorded between
+(``ops_table.pricing``), and the collective starts on the tp group's comm stream when
+the dgrad ended, beside the wgrad; the compute stream waits for it after the wgrad.
+Hidden: min(collective, wgrad) when that stream is free (the data-parallel group's
+gradient reduce-scatters run on their own stream, ``sim_mesh.trace``; issued after this
+one, as Megatron-LM issues them).  Anything else recorded between
 them on the ranks' compute streams, uneven shards, or torch.distributed (whose
 collectives block) leave it blocking.
 """
@@ -82,6 +84,7 @@ def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str)
     tr = current_trace()
     if tr is None:
         return
+    waits = []                  # every group's collective issued, then waited for
     for g in mesh.groups(axis):
         if len(g) == 1:
             continue
@@ -93,7 +96,9 @@ def _record_grad_collective(kind: str, mesh, axis: int, nbytes: int, label: str)
                   "overlaps": "wgrad" if ready is not None else ""},
             overlap=ready is not None, ready=ready)
         if ready is not None:
-            tr.wait(h)
+            waits.append(h)
+    for h in waits:
+        tr.wait(h)
 
 
 def _expand_async(x, mesh, axis: int, kind: str, label: str):

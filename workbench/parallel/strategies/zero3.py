@@ -12,13 +12,21 @@ shards.  Per step: all-gather forward + all-gather backward + reduce-scatter =
 Overlap on the simulated clock (DeepSpeed's ZeRO-3: parameters prefetched ahead of
 use up to ``stage3_prefetch_bucket_size`` elements, default 5e7, and gradients
 reduce-scattered as they are produced, ``overlap_comm``): the gathers are async
-collectives on the comm stream issued ahead in execution order (forward: the modules
-after the one starting, in the order the last forward ran them, registration order
-before the first; backward: the modules before), and a module's compute waits for
-its own gather; each shard's reduce-scatter is launched when backward accumulates its
-gradient and ``step`` waits for them (a recompute in backward gathers each module
-as it reruns, without prefetch, and its backward reuses that copy).  On
-torch.distributed the collectives are blocking calls and this stays blocking.
+collectives on the comm stream issued ahead in execution order, and a module's compute
+waits for its own gather.  Forward: the modules after the one starting, in the order the
+last forward ran them (registration order before the first).  Backward: the forward's
+order reversed (DeepSpeed's coordinator records the order modules are fetched over a
+forward and backward, ``partitioned_param_coordinator.ZeRoTraceMode``, and prefetches
+along it).  The backward's first gathers are issued when the forward's last module
+ends, the module that ran last first, up to the prefetch budget, so they run beside the
+loss and the tied head's backward instead of after them (DeepSpeed starts them at the
+root module's pre-backward hook, ``plan.zero_cost``); each module starting its backward
+then gathers ahead of itself.  Each shard's reduce-scatter is launched when backward
+accumulates its gradient and ``step`` waits for them (a recompute in backward gathers
+each module as it reruns, without prefetch, and its backward reuses that copy).  The
+gathered copies one rank holds, prefetched ones included, are counted over the clock in
+``live`` (:mod:`.zero3_clock`).  On torch.distributed the collectives are blocking calls
+and this stays blocking.
 
 The shards are ``nn.Parameter``s under the module's own qualified names
 (:meth:`Zero3.named_parameters`, a tied weight one shard), laid out as
@@ -45,6 +53,7 @@ from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
 from .flat_shards import flat_padded, tensor_places, unflat
 from .ranks import RankGroup
+from .zero3_clock import Zero3Clock
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
@@ -53,7 +62,7 @@ __all__ = ["Zero3", "PREFETCH_NUMEL"]
 PREFETCH_NUMEL = 50_000_000
 
 
-class Zero3:
+class Zero3(Zero3Clock):
     """ZeRO-3 over the ``dp`` dim of ``mesh`` for a module parallelized with
     :func:`workbench.parallelize` (its DistTensor parameters replicated on dp)."""
 
@@ -108,10 +117,7 @@ class Zero3:
         self._seen: list = []               # the order this forward runs them in
         self._numel = {id(m): sum(math.prod(self.entries[i][3].shape[nd:]) * self.n
                                   for _, i in self._by_mod[id(m)]) for m in mods}
-        self._inflight: dict = {}           # (phase, id(module)) -> [(trace, handles)]
-        self._pending: list = []            # (trace, handle) of gradient reduce-scatters
-        self._reduced: set = set()          # entries whose reduce-scatter was recorded
-        self._have_b: set = set()           # modules gathered for a recompute in backward
+        self._init_clock(mods)
         self.async_ = not _B.is_distributed(mesh)
         self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod)) for mod in mods]
         if self.async_:
@@ -119,91 +125,6 @@ class Zero3:
             for i, e in enumerate(self.entries):
                 if e[3].requires_grad:      # fires on each gradient computed for it (a
                     e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
-
-    # ---- the clock: async gathers ahead of use, reduce-scatters as gradients come -----------
-    def _issue(self, phase: str, mod) -> None:
-        from ...sim_mesh.trace import current_trace
-        key = (phase, id(mod))
-        if key in self._inflight:
-            return
-        label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
-        nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
-        self._inflight[key] = [(current_trace(), self.group.record(
-            "all_gather", nb, label, overlap=True))]
-
-    def _wait(self, phase: str, mod, ahead: bool = True) -> None:
-        """``mod`` is about to compute: wait for its gather, then gather ahead."""
-        from ...sim_mesh.trace import current_trace
-        self._issue(phase, mod)
-        for tr, hs in self._inflight.pop((phase, id(mod))):
-            if tr is current_trace() and tr is not None:
-                for h in hs:
-                    tr.wait(h)
-        if not ahead:
-            return
-        order = self.order if phase == "F" else self.order[::-1]
-        ahead = 0
-        for nxt in order[order.index(mod) + 1:] if mod in order else []:
-            if ahead >= self.prefetch_numel:
-                break
-            self._issue(phase, nxt)
-            ahead += self._numel[id(nxt)]
-
-    def _backward_hook(self, mod):
-        zero3 = self
-
-        class _BeforeBackward(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.gathered = False
-                return x.view_as(x)
-
-            @staticmethod
-            def backward(ctx, g):
-                if ctx.gathered:              # a second pass (a split backward's W)
-                    return g
-                ctx.gathered = True
-                if id(mod) in zero3._have_b:      # gathered for its recompute already
-                    zero3._have_b.discard(id(mod))
-                else:
-                    zero3._wait("B", mod)   # its re-gather, before its backward computes
-                return g
-
-        def hook(module, args, out):
-            if torch.is_grad_enabled() and isinstance(out, DistTensor) \
-                    and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
-                return DistTensor(_BeforeBackward.apply(out._local), out.mesh,
-                                  out.placements, out.shape, out.dtype)
-            return out
-        return hook
-
-    def _reduce_scatter_hook(self, i):
-        def hook(grad):
-            from ...sim_mesh.trace import current_trace
-            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
-            self._reduced.add(i)
-            tr = current_trace()
-            self._pending += [(tr, h) for h in self.group.record(
-                "reduce_scatter", nb, "zero-3 params", overlap=True)]
-        return hook
-
-    def _gather_hook(self, mod):
-        def hook(module, args):
-            if self.async_:
-                if torch._C._current_graph_task_id() != -1:     # a recompute in backward:
-                    self._wait("B", mod, ahead=False)           # gathered as it runs
-                    self._have_b.add(id(mod))
-                else:
-                    if mod in self._seen:
-                        self._seen = []                         # a new forward
-                    self._seen.append(mod)
-                    if len(self._seen) == len(self.order):
-                        self.order = list(self._seen)           # the order forward ran
-                    self._wait("F", mod)
-            for attr, i in self._by_mod[id(module)]:
-                _, _, tmpl, shard = self.entries[i]
-                object.__setattr__(module, attr, self._gather(tmpl, shard))
-        return hook
 
     def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
         nd, mesh = self.mesh.ndim, self.mesh
@@ -270,11 +191,15 @@ class Zero3:
         for i, e in enumerate(self.entries):
             if e[3].grad is not None and self.async_ and i not in self._reduced:
                 self._reduce_scatter_hook(i)(e[3])
+        if tr is not None:
+            tr.flush()                    # the reduce-scatters deferred in backward
         for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
             if t is tr and tr is not None:
                 for h1 in (h if isinstance(h, list) else [h]):
                     tr.wait(h1)
         self._pending, self._inflight, self._reduced = [], {}, set()
+        self._grads_left, self._frozen_b = {}, []
+        self.live.free_all()
 
     @torch.no_grad()
     def step(self) -> None:

@@ -8,9 +8,11 @@ states, with the gradients and parameters moved in one buffer each.
   updated shards come back in one all-gather;
 * ZeRO-2 (DeepSpeed's ``overlap_comm``): each gradient's reduce-scatter is launched
   from a post-accumulate-grad hook as soon as backward has produced it, async on the
-  simulated clock (the comm stream), and only the shard is kept; ``step`` waits for
-  them.  On torch.distributed the collectives are blocking calls, so there the
-  reduce-scatter stays in ``step``.
+  simulated clock (the dp group's comm stream), and only the shard is kept; ``step``
+  waits for them.  A gradient a wgrad produced is issued after the collective of the
+  same backward's input gradient (tensor parallelism's f), which Megatron-LM launches
+  before the wgrad GEMM (``Trace.defer``).  On torch.distributed the collectives are
+  blocking calls, so there the reduce-scatter stays in ``step``.
 """
 from __future__ import annotations
 
@@ -21,9 +23,29 @@ import torch
 from ...ops import adamw as _adamw
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
 from .flat_shards import pack_rank_major, unflat, unpack
 
-__all__ = ["ZeroStep"]
+__all__ = ["ZeroStep", "defer_reduce_scatter"]
+
+
+def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
+    """A gradient's async reduce-scatter over ``axis``, issued now (its data ready at the
+    ranks' compute clock) from a gradient hook: recorded before the next event unless
+    that is the collective of the same backward's input gradient, which Megatron-LM
+    launches before the wgrad GEMM that made this gradient (``Trace.defer``); its
+    handles go to ``pending`` as ``(trace, handle)``."""
+    ready = max(tr.now(r) for r in mesh.ranks)
+
+    def record():
+        for g in mesh.groups(axis):
+            if len(g) > 1:
+                pending.append((tr, tr.record_collective(
+                    g, "reduce_scatter", _cost.price("reduce_scatter", nbytes, g, tr.profile),
+                    bytes=_cost.wire_bytes("reduce_scatter", nbytes, len(g)), label=label,
+                    args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes)},
+                    overlap=True, ready=ready)))
+    tr.defer(ready, record)
 
 
 class ZeroStep:
@@ -79,16 +101,18 @@ class ZeroStep:
             self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
             tr = current_trace()
-            self._pending += [(tr, h) for h in C.record_collective(
-                "reduce_scatter", self.mesh, self.axis, nb, "zero-2 grad (async)",
-                overlap=True)]
             leaf.grad = None
+            if tr is not None:
+                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-2 grad (async)",
+                                 self._pending)
         return hook
 
     def _zero_step(self, params, grads, ms, vs, live):
         from ...sim_mesh.trace import current_trace
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
         tr = current_trace()
+        if tr is not None:
+            tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
         for t, h in self._pending:          # ZeRO-2: the reduce-scatters launched in backward
             if t is tr and tr is not None:
                 tr.wait(h)
