@@ -1,4 +1,4 @@
-"""ZeRO-2/3's collectives against one micro-batch's compute, on one comm stream.
+"""ZeRO-2/3's collectives against one micro-batch's compute, on the dp group's comm stream.
 
 What DeepSpeed does (``deepspeed/runtime/engine.py``, ``runtime/zero/stage_1_and_2.py``,
 ``runtime/zero/stage3.py``; ZeRO-2/3 run without pipelines, ``plan.layout``):
@@ -25,9 +25,10 @@ What DeepSpeed does (``deepspeed/runtime/engine.py``, ``runtime/zero/stage_1_and
 
 The model: the stage's modules in forward order (the embeddings, each layer, the final
 norm with the head and loss), each with its parameters, forward and backward compute; one
-comm stream per rank (as ``sim_mesh.trace``): a collective starts when the stream is
-free and its data is ready (a gather when issued, a reduce-scatter when the gradient is
-complete), in issue order, and a module computes once its gather has ended.
+comm stream for the rank's dp group (as ``sim_mesh.trace``, one per process group): a
+collective starts when the stream is free and its data is ready (a gather when issued, a
+reduce-scatter when the gradient is complete), in issue order, and a module computes once
+its gather has ended.
 """
 from __future__ import annotations
 
@@ -119,9 +120,11 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
     the embeddings (word V h / t and positions s h) on the first stage, its layers
     (``costs.layer_cost``), the final norm and the head on the last (the head's own
     V h / t unless tied to the embedding on one stage); their parameters sum to
-    ``memory.stage_params``.  Their seconds are compute only: the tensor-parallel
-    collectives take the same comm stream as ZeRO's (as on the simulated clock), so
-    nothing of ZeRO's hides behind them."""
+    ``memory.stage_params``.  Their seconds are compute only, and only compute hides
+    ZeRO's collectives here; on the simulated clock the tensor-parallel collectives run
+    on their own group's stream (``sim_mesh.trace``), so a ZeRO collective may also run
+    beside one of them there, which this model does not count (the dry run and the
+    estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP)."""
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
