@@ -7,10 +7,8 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   backward twice the forward; full recompute repeats the forward in backward, selective
   recompute the 4 b s^2 h attention core (Korthikanti et al. 2022, sec. 5).  With
   f = 4h, 3 x (24 b s h^2 + 4 b s^2 h) per layer plus 6 b s h V for the head is eq. 7.
-- Time: ``workbench.plan.layer_cost.layer_times`` (the calibrated per-layer clock,
-  Korthikanti Table 4) when it is present; else a roofline of those FLOPs and of the
-  weights plus saved activations (``sim_mesh.cost.compute_time``: max(FLOPs / peak,
-  bytes / memory bandwidth)), which is a lower bound on the time.
+- Time: ``workbench.plan.layer_cost.layer_times``, the layer op by op on the profile
+  (checked against Korthikanti et al.'s Table 4, not fitted to it).
 - Tensor-parallel communication (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2):
   per layer two all-reduces of 2 s b h bytes forward and two backward; with sequence
   parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
@@ -24,18 +22,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..sim_mesh.cost import compute_time, price, wire_bytes
-from .memory import layer_activation_bytes, layer_params
 
-try:                                            # the calibrated clock, when merged
-    from .layer_cost import layer_times as _layer_times
-except ImportError:                             # pragma: no cover - depends on the branch
-    _layer_times = None
+from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
            "group_price", "LAYER_TIME_SOURCE"]
 
-LAYER_TIME_SOURCE = ("layer_cost.layer_times (calibrated, Korthikanti Table 4)"
-                     if _layer_times else "roofline of FLOPs and bytes (lower bound)")
+LAYER_TIME_SOURCE = "layer_cost.layer_times (op by op; checked against Korthikanti Table 4)"
 
 
 @lru_cache(maxsize=None)
@@ -96,22 +89,11 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     comm_b = comm_f * (2 if recompute == "full" else 1)
     sent = sent_f * (3 if recompute == "full" else 2)
-    if _layer_times is not None:
-        extra = {} if attention == "materialized" else {"attention": attention}
-        lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
-                          dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
-        return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),
-                         max(lt.backward - comm_b, 0.0), min(comm_b, lt.backward), sent)
-    mat, core = (x / tp for x in layer_flops(cfg, b))
-    moved = 2 * layer_params(cfg, tp) + layer_activation_bytes(cfg, b, tp, sp, "none")
-    fwd = compute_time(mat + core, moved, profile, cfg.dtype)
-    bwd = compute_time(2 * (mat + core), 2 * moved, profile, cfg.dtype)
-    if recompute == "full":
-        bwd += fwd
-    elif recompute == "selective":
-        core_bytes = (5 if cfg.dropout > 0 else 2) * cfg.n_head * s * s * b / tp
-        bwd += compute_time(core, core_bytes, profile, cfg.dtype)
-    return LayerCost(fwd, comm_f, bwd, comm_b, sent)
+    extra = {} if attention == "materialized" else {"attention": attention}
+    lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
+                      dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
+    return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),
+                     max(lt.backward - comm_b, 0.0), min(comm_b, lt.backward), sent)
 
 
 @lru_cache(maxsize=None)
