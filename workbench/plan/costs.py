@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..sim_mesh.cost import compute_time, price, wire_bytes
-
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
