@@ -1,0 +1,174 @@
+"""What a kernel costs on a profile: the roofline of ``compute_time`` with the profile's
+efficiency per op class, launch cost and measured kernel bandwidths; the tile and wave
+quantization of GEMMs (``gemm_efficiency``); and a kernel sharing the SMs with a
+collective (``overlap``).  ``sim_mesh.cost`` re-exports these names: the clock's one
+place for prices is that module, this file holds its compute half.
+"""
+from __future__ import annotations
+
+import math
+
+from .profiles import OP_CLASSES, get_profile
+
+__all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap"]
+
+
+def _gemm_shape(gemm):
+    if gemm is None:
+        return None
+    if not isinstance(gemm, (tuple, list)) or len(gemm) != 3 or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in gemm):
+        raise ValueError(f"gemm={gemm!r} must be the output's (batch, rows, columns), "
+                         f"three ints >= 0, or None")
+    return tuple(gemm)
+
+
+def gemm_efficiency(gemm, profile, sms: "int | None" = None) -> float:
+    """The fraction of the matmul rate a GEMM whose output is ``gemm = (batch, rows,
+    columns)`` keeps after tile and wave quantization, on ``sms`` of the device's SMs
+    (default all).
+
+    NVIDIA, "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023),
+    sec. 3: the output is cut into tiles of the profile's ``gemm_tile`` (m x n), one
+    thread block each; ``per_sm`` of them run at once on each SM, so tiles run in
+    waves of ``sms x per_sm`` and a partly filled last wave, or a tile partly
+    outside the matrix, takes as long as a full one. With W = sm_count x per_sm
+    (a full wave on the whole device) and w = sms x per_sm:
+
+        efficiency = batch x rows x columns / (ceil(tiles / w) x W x m x n),
+        tiles = batch x ceil(rows / m) x ceil(columns / n)
+
+    (1.0 when the tiles exactly fill waves of the whole device; the better of the
+    tile's two orientations, m x n or n x m). The profile's matmul
+    efficiency is the best shape's measured rate, which fills its waves; this factor
+    is what other shapes lose. A GEMM of fewer tiles than one wave on the whole device
+    is small: cuBLAS picks smaller tiles for it (the guide, sec. 2.3), which this
+    model does not follow: it keeps the unquantized rate, scaled by sms / sm_count.
+    A profile without ``gemm_tile`` (or without ``topology.sm_count``) gives
+    sms / sm_count (1.0 when all SMs run it)."""
+    profile = get_profile(profile)
+    b, rows, cols = _gemm_shape(gemm)
+    t = profile.topology
+    total = t.sm_count
+    if not total and sms is None:
+        return 1.0
+    sms = total if sms is None else sms
+    if isinstance(sms, bool) or not isinstance(sms, int) or not 0 < sms <= max(total, 1):
+        raise ValueError(f"sms={sms!r} must be an int in [1, {total}] (the device's SMs)")
+    share = sms / total if total else 1.0
+    tile = profile.gemm_tile
+    if not tile or b * rows * cols == 0:
+        return share
+    tm, tn, per = tile["m"], tile["n"], tile["per_sm"]
+    full = total * per
+    best = 0.0
+    for m, n in ((tm, tn), (tn, tm)):     # cuBLAS has the tile both ways round
+        tiles = b * -(-rows // m) * -(-cols // n)
+        if tiles < full:
+            return share
+        waves = -(-tiles // (sms * per))
+        best = max(best, b * rows * cols / (waves * full * m * n))
+    return best
+
+
+def compute_time(flops: float, bytes_moved: float, profile, dtype,
+                 op_class: str = "elementwise", launches: int = 1,
+                 kernel: "str | None" = None, gemm=None) -> float:
+    """Seconds for ``launches`` kernels doing ``flops`` and moving ``bytes_moved``:
+    a roofline (Williams, Waterman & Patterson 2009) with measured efficiencies,
+
+        max(flops / (peak[dtype] x efficiency[op_class]),
+            bytes_moved / (memory_bandwidth x memory_efficiency)) + launches x launch_overhead
+
+    ``dtype`` is a torch dtype or a name ("bfloat16", "fp32", "float64", "int64"...);
+    a dtype with a slow path on the profile (the 910B runs float64 on its AI CPU)
+    is priced on that engine's rates and launch cost. ``op_class`` is one of
+    ``profiles.OP_CLASSES``. ``launches=0`` prices work fused into another kernel.
+    ``kernel`` names a kernel whose achieved bandwidth the profile measured
+    (``profile.kernel_bandwidth``): its bytes then move at that rate instead of
+    memory_bandwidth x memory_efficiency (a name the profile lacks falls back to
+    those, so profiles without the measurement price as before).
+    ``gemm``: a matmul's output shape ``(batch, rows, columns)``; its compute term is
+    then divided by ``gemm_efficiency`` (tile and wave quantization).
+    """
+    for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be a number >= 0")
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"op_class={op_class!r} is not an op class the clock knows; use "
+                         f"one of {list(OP_CLASSES)}")
+    if isinstance(launches, bool) or not isinstance(launches, int) or launches < 0:
+        raise ValueError(f"launches={launches!r} must be the number of kernels, an int >= 0")
+    if kernel is not None and (not isinstance(kernel, str) or not kernel):
+        raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
+    if _gemm_shape(gemm) is not None and op_class == "matmul" and engine == "main":
+        peak *= gemm_efficiency(gemm, profile)
+    return max(flops / peak, bytes_moved / bandwidth) + launches * launch
+
+
+def _rates(profile, dtype, op_class, kernel=None):
+    """(engine, FLOP/s, bytes/s, seconds per launch) a kernel runs at."""
+    engine, peak, bandwidth, launch = profile.compute_path(dtype)
+    if engine == "main":
+        peak *= profile.efficiency.get(op_class, 1.0)
+        if kernel in profile.kernel_bandwidth:
+            bandwidth = profile.kernel_bandwidth[kernel]
+        else:
+            bandwidth *= profile.memory_efficiency
+    return engine, peak, bandwidth, launch
+
+
+def explain_compute(flops: float, bytes_moved: float, profile, dtype,
+                    op_class: str = "elementwise", launches: int = 1,
+                    kernel: "str | None" = None) -> dict:
+    """``compute_time``'s terms as plain data, for the course: the compute, memory
+    and launch seconds, the engine, and what bounds the kernel."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel)
+    profile = get_profile(profile)
+    engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
+    terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
+             "launch": launches * launch}
+    return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
+            "bound": max(terms, key=terms.get)}
+
+
+def overlap(compute_seconds: float, comm_seconds: float, profile,
+            gemm=None) -> tuple[float, float]:
+    """A kernel and a collective running at the same time: (the kernel's stretched
+    seconds, the collective's exposed seconds after the kernel ends).
+
+    The collective's kernel holds ``topology.collective_sms`` of the device's
+    ``topology.sm_count`` SMs while it runs (NCCL: one SM per channel, not shared
+    with compute kernels, NVIDIA/nccl #689), so the kernel progresses at
+    r = (sm_count - collective_sms) / sm_count meanwhile (it is assumed to scale
+    with SMs: a large GEMM does). With G the kernel alone and C the collective:
+    r C >= G: the kernel ends at G / r, the collective shows C - G / r;
+    else the kernel ends at G + (1 - r) C and hides the collective. A profile
+    with no SM figures (r = 1) gives (G, max(0, C - G)). For a GEMM given by its
+    output ``gemm = (batch, rows, columns)``, r is the ratio of ``gemm_efficiency``
+    on the SMs left to that on all of them: its tiles then run in more, partly
+    filled waves (the tail effect of a GEMM beside an NCCL kernel, NVIDIA Developer
+    Forums, "Compute-Communication Overlap Causes Severe GEMM Performance
+    Degradation because of Tail Effect", 2025). Competition for HBM bandwidth
+    (NCCL's traffic crosses memory two or three times) is not modeled.
+    """
+    for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}={v!r} must be seconds >= 0")
+    prof = get_profile(profile)
+    t = prof.topology
+    if not t.sm_count or not t.collective_sms or comm_seconds == 0:
+        r = 1.0
+    elif _gemm_shape(gemm) is None:
+        r = (t.sm_count - t.collective_sms) / t.sm_count
+    else:
+        r = gemm_efficiency(gemm, prof, t.sm_count - t.collective_sms) / \
+            gemm_efficiency(gemm, prof)
+    g, c = float(compute_seconds), float(comm_seconds)
+    if r * c >= g:
+        return g / r, c - g / r
+    return g + (1 - r) * c, 0.0
