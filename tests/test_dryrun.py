@@ -199,3 +199,29 @@ def test_zero_changes_the_step_as_the_estimate_says(lay):
     dr0, est0 = _pair(dataclasses.replace(lay, zero=0))
     assert dr.step_time - dr0.step_time == pytest.approx(est.step_time - est0.step_time,
                                                          abs=0.02 * est0.step_time)
+
+
+def test_zero3_working_copies_are_the_ledgers_peak(monkeypatch):
+    """ZeRO-3's gathered copies in the dry run are what the recipe's own ledger measured
+    (Zero3.live), and the planner's rule gives the same: on this small GPT every module at
+    once (the rest is under one prefetch of 5e7 elements after the tied embedding)."""
+    import workbench.plan.dryrun as D
+    from workbench.plan.memory import zero3_gathered_numel, zero3_modules
+    got, orig = [], D.Hybrid.build_optimizer
+    monkeypatch.setattr(D.Hybrid, "build_optimizer",
+                        lambda self, *a, **k: got.append(orig(self, *a, **k)) or got[-1])
+    lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=3)
+    dr = dry_run(CFG, lay, Cluster("a100", 2))
+    zero3 = got[0][0]
+    assert dr.gathered == {0: zero3.live}
+    ledger = zero3.live
+    assert ledger.peak == max(b for _, b in ledger.timeline) > 0
+    assert ledger.timeline[-1][1] == 0                 # every copy released by the end
+    h, V, s, f = CFG.d_model, CFG.vocab_size, CFG.seq_len, CFG.d_ff
+    layer = 2 * 2 * h + 4 * (h * h + h) + (h * f + f) + (f * h + h)
+    assert ledger.peak == 2 * (V * h + s * h + CFG.n_layer * layer + 2 * h)
+    # the dry run's params: the shards' 16-bit weights plus the ledger's peak
+    shards = zero3.memory(mixed_precision=True).params
+    assert dr.memory["params"] == shards + ledger.peak
+    assert 2 * zero3_gathered_numel(zero3_modules(CFG, 1, 1, 0, 2), 50_000_000) \
+        == ledger.peak

@@ -294,11 +294,18 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
 
 
 def test_zero3_counts_its_working_copies():
+    """The gathered 16-bit weights at their peak: the word embedding computing, and the
+    position embedding and the first layer's modules prefetched up to fc1 (where 5e7
+    elements ahead is first reached, DeepSpeed's stage3_prefetch_bucket_size)."""
     from workbench.plan.memory import layer_params
     cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
     lay = P.Layout(dp=8, tp=8, zero=3, recompute="full", micro_batch=1, global_batch=16)
     mem = P.estimate(cfg, lay, cl).memory
     psi, one = stage_params(cfg, 8, 1, 0), layer_params(cfg, 8)
-    assert mem["params"] == pytest.approx(2 * psi / 8 + 4 * one)
+    h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
+    ahead = s * h + 2 * h + 3 * (h * h // 8 + h // 8) + (h * h // 8 + h) + 2 * h
+    ahead += h * f // 8 + f // 8                      # fc1 takes it past 5e7
+    assert ahead >= 5e7 > ahead - (h * f // 8 + f // 8)
+    assert mem["params"] == pytest.approx(2 * psi / 8 + 2 * (V * h // 8 + ahead))
     assert mem["grads"] == pytest.approx(2 * psi / 8 + 2 * one)
     assert mem["optimizer"] == pytest.approx(12 * psi / 8)

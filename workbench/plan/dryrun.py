@@ -41,13 +41,15 @@ What is composed from those measurements (not run op by op):
   activation bytes of one micro-batch of each chunk the rank holds, times how many of
   them the schedule keeps in flight at its peak (+ on a forward, - when its backward
   ends, walked in the rank's schedule order); ``timeline`` is those bytes over the
-  simulated step, per pipeline rank; with ZeRO-3, the working copies it gathers (two
-  layers' 16-bit weights, one layer's gradient: DeepSpeed's prefetch, as
-  ``plan.memory``), sized from the real layer's shards. That count is the planner's
-  assumption, not a measurement: the recipe's own ledger (``Zero3.live``) holds module
-  by module within ``prefetch_numel`` (on the small GPT of tests/test_dryrun.py its
-  peak is the tied embedding's 105 MB and more; at GPT-3's layer shape on tp 8, 302 MB
-  against the assumed 906 MB).
+  simulated step, per pipeline rank; with ZeRO-3 (pp = 1 only), the working copies the
+  recipe gathered, as its own ledger (``Zero3.live``, :mod:`..parallel.strategies.
+  zero3_clock`) measured them over the stage's forward and backward: its peak is added
+  to ``params`` and the ledger is kept in ``gathered`` (its ``timeline`` on the modeled
+  clock), plus one layer's whole 16-bit gradient before its reduce-scatter (not in the
+  ledger: an assumption, as ``plan.memory``).  On the small GPT of tests/test_dryrun.py
+  the peak is every module at once (157 MB: the tied embedding's 105 MB and the rest,
+  within one prefetch of 5e7 elements); at GPT-3's layer shape on tp 8, fc1 and fc2
+  (302 MB).
 
 Against ``plan.estimate(..., attention="flash")`` (tests/test_dryrun.py): memory agrees
 within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO 1-3); step
@@ -95,6 +97,7 @@ class DryRun:
     breakdown: dict = field(repr=False)    # seconds: pipeline, dp_sync, optimizer, tied
     pipeline: object = field(repr=False)   # the schedule simulator's result
     comm_bytes: int = 0                    # bytes the busiest rank sends per step
+    gathered: dict = field(default_factory=dict, repr=False)  # ZeRO-3: stage -> its ledger
 
     def __str__(self):
         gb = self.memory["total"] / 1e9
@@ -179,7 +182,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
             mem = opts[s].memory(mixed_precision=mixed)
             upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
             opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
-                        "states": mem}
+                        "states": mem,
+                        "ledger": getattr(opts[s], "live", None)}
     per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
@@ -208,11 +212,11 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
             mem["optimizer"] += ms.optimizer
         if lay.zero == 3 and lay.dp > 1:
             # ZeRO-3's working copies (not optimizer state, not saved for backward): the
-            # gathered 16-bit weights of the layer computing and of the one prefetched,
-            # and one layer's whole gradient before its reduce-scatter (DeepSpeed's
-            # prefetch; as plan.memory), sized from the real layers' shards
+            # gathered weights the recipe's ledger (Zero3.live) measured at its peak over
+            # the stage's forward and backward; plus one layer's whole 16-bit gradient
+            # before its reduce-scatter (an assumption, as plan.memory: not in the ledger)
             item = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
-            mem["params"] += 2 * item * layer_numel
+            mem["params"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
             mem["grads"] += item * layer_numel
         mem["activations"] = peaks[r]
         mem["total"] = sum(mem.values())
@@ -225,7 +229,9 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
                   fits=busiest["total"] <= prof.memory_bytes, trace=tr, timeline=timeline,
                   stages=measured, per_rank=per_rank, pipeline=sim,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
-                             "tied_embedding_sync": tied}, comm_bytes=int(comm))
+                             "tied_embedding_sync": tied}, comm_bytes=int(comm),
+                  gathered={s: d["ledger"] for s, d in opt_t.items()
+                            if lay.zero == 3 and d["ledger"] is not None})
 
 
 def _layer_numel(model, h) -> int:

@@ -6,7 +6,8 @@ keeps 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer s
 optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
 (4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
-of two layers and the gradient of one).  Here psi is the parameters a rank holds after
+of the module computing and of those prefetched after it, :func:`zero3_gathered_numel`,
+and the 16-bit gradient of one layer, an assumption not measured).  Here psi is the parameters a rank holds after
 tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their
 biases / t, row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
 on the first stage, learned positions s h whole; the tied head's copy of the word
@@ -26,7 +27,7 @@ for the loss (4 s b V / t), counted the same way.
 """
 from __future__ import annotations
 
-__all__ = ["model_state_bytes", "stage_params", "layer_activation_bytes", "in_flight",
+__all__ = ["model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
@@ -46,6 +47,48 @@ def layer_params(cfg, tp: int) -> float:
     h, f = cfg.d_model, cfg.d_ff
     sharded = 4 * h * h + 2 * h * f + 3 * h + f      # q,k,v,o; fc1, fc2; q,k,v and fc1 bias
     return sharded / tp + 6 * h                       # o and fc2 bias, 2 LayerNorms (w, b)
+
+
+def zero3_gathered_numel(numels, prefetch: int) -> int:
+    """Peak elements of gathered parameters ZeRO-3 holds over one forward and backward
+    of modules of ``numels`` elements (forward order): the module computing and the ones
+    after it (before it, in backward) whose gathers were issued while fewer than
+    ``prefetch`` elements were ahead: DeepSpeed's ``PartitionedParameterCoordinator.
+    fetch_sub_module`` (deepspeed/runtime/zero/partitioned_param_coordinator.py) pops
+    its trace's parameter queue while ``numel_prefetching`` < min(stage3_max_live_
+    parameters - available, ``stage3_prefetch_bucket_size``), the latter 5e7 elements by
+    default (deepspeed/runtime/zero/config.py); as ``strategies.zero3``'s ledger counts.
+    The tied embedding counts wherever it is gathered."""
+    best = 0
+    for seq in (list(numels), list(numels)[::-1]):
+        for i, n in enumerate(seq):
+            tot, ahead = n, 0
+            for m in seq[i + 1:]:
+                if ahead >= prefetch:
+                    break
+                tot += m
+                ahead += m
+            best = max(best, tot)
+    return best
+
+
+def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
+    """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
+    word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
+    head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
+    h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
+    qkv = h * h // tp + h // tp
+    layer = [2 * h, qkv, qkv, qkv, h * h // tp + h, 2 * h, h * f // tp + f // tp,
+             f * h // tp + h]
+    mods = []
+    if stage == 0:
+        mods += [V * h // tp, s * h]
+    mods += layer * (cfg.n_layer // pp)
+    if stage == pp - 1:
+        mods.append(2 * h)
+        if pp > 1 or not cfg.tie_embeddings:
+            mods.append(V * h // tp)
+    return [-(-n // dp) * dp for n in mods]
 
 
 def stage_params(cfg, tp: int, pp: int, stage: int) -> float:
@@ -127,12 +170,13 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     psi = stage_params(cfg, lay.tp, lay.pp, stage)
     mem = model_state_bytes(psi, lay.dp, lay.zero)
     if lay.zero == 3 and lay.dp > 1:
-        # working copies ZeRO-3 gathers: the whole 16-bit weights of the layer computing
-        # and of the next one (prefetched), and the layer's whole 16-bit gradient before
-        # its reduce-scatter
-        one = layer_params(cfg, lay.tp)
-        mem["params"] += 2 * 2 * one
-        mem["grads"] += 2 * one
+        # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
+        # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
+        # follows), and one layer's whole 16-bit gradient before its reduce-scatter
+        from ..parallel.strategies.zero3 import PREFETCH_NUMEL
+        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp)
+        mem["params"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL)
+        mem["grads"] += 2 * layer_params(cfg, lay.tp)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
