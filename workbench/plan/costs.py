@@ -109,7 +109,7 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     T, Vt = s * b, V // tp
     flops = 2 * T * h * Vt
-    e = 2                                                      # bytes of a 16-bit element
+    e = cfg.torch_dtype.itemsize                               # bytes per element
     # GEMMs priced as the layer's are (op class "matmul", tile and wave quantization):
     # logits [T, V/t] = x [T, h] @ w^T; backward dx [T, h] = dlogits @ w, dw [V/t, h]
     fwd = compute_time(flops, e * (T * h + Vt * h + T * Vt), profile, cfg.dtype, "matmul",

@@ -73,9 +73,16 @@ def _split(entry, cost: Cost, ins, outs) -> Cost:
     d_bytes = nbytes(outs[0]) + nbytes(b) + (nbytes(a) if a.dtype.is_floating_point else 0)
     if not (0 <= d_flops <= cost.backward_flops and 0 <= d_bytes <= cost.backward_bytes):
         return cost                  # not the shape of a GEMM's backward: one event
+    if entry.name not in _GEMMS:     # an einsum need not be a GEMM: no shapes
+        return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
+                         d_flops, d_bytes)
     fold = b.dim() == 2              # a 2-d right operand (a weight): cuBLAS runs one GEMM
     return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
                      d_flops, d_bytes, _gemm(outs[0], fold), _gemm(a, fold), _gemm(b, fold))
+
+
+# the table's ops that run as cuBLAS GEMMs on (batched) matrices, A @ B or x @ W^T
+_GEMMS = ("matmul", "mm", "bmm", "linear")
 
 
 def _gemm(t, fold: bool) -> "tuple | None":
