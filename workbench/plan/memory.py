@@ -7,11 +7,12 @@ optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, st
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
 (4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
 of the module computing and of those prefetched after it, :func:`zero3_gathered_numel`,
-and the 16-bit gradient of one layer, an assumption not measured).  Here psi is the parameters a rank holds after
-tensor and pipeline parallelism (Megatron's split: column-parallel matrices and their
-biases / t, row-parallel biases and LayerNorms replicated; vocabulary-parallel embedding V h / t
-on the first stage, learned positions s h whole; the tied head's copy of the word
-embedding, V h / t, on the last stage when pp > 1, as Megatron-LM does).
+and the 16-bit gradient of one layer, an assumption not measured).  Here psi is the
+parameters a rank holds after tensor and pipeline parallelism (Megatron's split:
+column-parallel matrices and their biases / t, row-parallel biases and LayerNorms
+replicated; vocabulary-parallel embedding V h / t on the first stage, learned positions
+s h whole; the tied head's copy of the word embedding, V h / t, on the last stage when
+pp > 1, as Megatron-LM does).
 
 Activations per layer (Korthikanti et al. 2022, Table 2, 16-bit values, derived in
 their sec. 4.1): sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with
@@ -27,8 +28,8 @@ for the loss (4 s b V / t), counted the same way.
 """
 from __future__ import annotations
 
-__all__ = ["model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
-           "stage_memory", "K_ADAM"]
+__all__ = ["model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
+           "layer_activation_bytes", "in_flight", "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
 

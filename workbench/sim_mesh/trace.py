@@ -296,7 +296,8 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-_current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("workbench_trace", default=None)
+_current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("workbench_trace",
+                                                                      default=None)
 
 
 def current_trace() -> Trace | None:
