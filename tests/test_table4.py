@@ -6,23 +6,23 @@ number from an independent source (profiles/a100.json citations), none fitted to
 Table 4: GEMMs at the measured MAMF fraction (0.859) divided by their tile and wave
 quantization (256x128 tiles, one per SM, waves of 108: NVIDIA's Matrix Multiplication
 Background guide; the fc1 GEMM's 768 tiles fill 8 waves to 89%); LayerNorm at apex's
-measured persistent-kernel rates (1258 / 1163 GB/s, apex PR #1037); other memory-bound
-kernels at the measured 0.88 of HBM; 1 us per launch; NCCL rings inside the node by
-NCCL's own tuning model (LL / LL128 / Simple, 8.4 us + 3.4 us per step for Simple, bus
-bandwidth capped at 235 GB/s on sm80); NCCL's 16 SMs (of 108) taken from the GEMMs that
-overlap a backward collective, whose tiles then run in more waves.
+measured persistent-kernel rates (1258 / 1163 GB/s, apex PR #1037); Megatron's unfused
+attention core (batched GEMMs, softmax) and torch's dropout at the rates FlashAttention's
+benchmark measured for them on an A100 (Dao et al. 2022, Appendix E.6; derivation checked
+in tests/test_attention_kernels.py); other memory-bound kernels at the measured 0.88 of
+HBM; 1 us per launch; NCCL rings inside the node by NCCL's own tuning model (LL / LL128 /
+Simple, 8.4 us + 3.4 us per step for Simple, bus bandwidth capped at 235 GB/s on sm80);
+NCCL's 16 SMs (of 108) taken from the GEMMs that overlap a backward collective, whose
+tiles then run in more waves.
 
-Result (ms, predicted / published): baseline 7.25 / 7.7, 10.87 / 11.9, 18.11 / 19.6;
-sequence parallel 6.64 / 7.2, 10.55 / 11.8, 17.19 / 19.0; full recompute 7.25 / 7.7,
-18.11 / 19.5, 25.36 / 27.2; selective 7.25 / 7.7, 11.89 / 13.2, 19.13 / 20.9;
-selective + SP 6.64 / 7.2, 11.57 / 13.1, 18.21 / 20.3. The shape of the table is
-reproduced (every figure relative to the baseline's combined time within 6%); the
-absolute times are low by 6-12%: 12 of the 15 figures within 10%; the backward with
-sequence parallelism is 10.6% low (selective + SP: 11.7%, its combined time 10.3%), and
-the selective row's backward 9.95%. Not modeled for want of an
-independent A100 figure: softmax and dropout (Philox RNG) kernels below the copy-kernel
-rate, HBM traffic of NCCL slowing the kernels it overlaps, cuBLAS's choice of smaller
-tiles.
+Result (ms, predicted / published): baseline 7.51 / 7.7, 11.48 / 11.9, 18.98 / 19.6;
+sequence parallel 6.90 / 7.2, 11.16 / 11.8, 18.06 / 19.0; full recompute 7.51 / 7.7,
+18.98 / 19.5, 26.49 / 27.2; selective 7.51 / 7.7, 12.76 / 13.2, 20.26 / 20.9;
+selective + SP 6.90 / 7.2, 12.44 / 13.1, 19.34 / 20.3: every figure 2.5-5.4% low.
+(Before the attention core was priced at its measured rates, at the copy rate: 6-12% low,
+three figures beyond 10%.) Not modeled for want of an independent A100 figure: HBM
+traffic of NCCL slowing the kernels it overlaps, cuBLAS's choice of smaller tiles, the
+RNG in Megatron's fused bias-dropout-add.
 """
 import pytest
 
@@ -45,31 +45,24 @@ def _ms(sp, recompute):
 
 
 @pytest.mark.parametrize("row", list(TABLE4))
-def test_rows_relative_to_the_baseline(row):
-    base = _ms(False, "none")[2]
-    for got, want in zip(_ms(*row), TABLE4[row]):
-        assert got / base == pytest.approx(want / 19.6, rel=0.06), (row, got, want)
-
-
-@pytest.mark.parametrize("row", list(TABLE4))
-def test_rows_absolute_within_12_percent_and_optimistic(row):
-    # the known gap (module docstring): every figure 0-12% below the published one
-    for got, want in zip(_ms(*row), TABLE4[row]):
-        assert 0.88 * want < got < want, (row, got, want)
-
-
-@pytest.mark.parametrize("row", [(False, "none"), (False, "full")])
-def test_baseline_and_full_recompute_rows_within_10_percent(row):
+def test_rows_absolute_within_10_percent(row):
+    # the issue's target: forward, backward and combined of every row within 10%
     for got, want in zip(_ms(*row), TABLE4[row]):
         assert got == pytest.approx(want, rel=0.10), (row, got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="the backward with sequence parallelism is 10.6-11.7% "
-                   "low (module docstring); the issue's target is 10%")
-def test_rows_absolute_within_10_percent():
+@pytest.mark.parametrize("row", list(TABLE4))
+def test_rows_relative_to_the_baseline(row):
+    base = _ms(False, "none")[2]
+    for got, want in zip(_ms(*row), TABLE4[row]):
+        assert got / base == pytest.approx(want / 19.6, rel=0.04), (row, got, want)
+
+
+def test_the_model_is_not_pessimistic():
+    # what is left unmodeled (docstring) only adds time: no figure above the published
     for row, want in TABLE4.items():
-        for g, w in zip(_ms(*row), want):
-            assert g == pytest.approx(w, rel=0.10), (row, g, w)
+        for got, w in zip(_ms(*row), want):
+            assert got < w, (row, got, w)
 
 
 def test_what_each_technique_changes():

@@ -113,7 +113,7 @@ def _attention(b, ah, s, d, t, T, h, e, attention):
 
 def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
-    kernel | gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
+    kernel][, gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
     and ``gemm`` a matmul's output (batch, rows, columns) for tile and wave
     quantization (``cost.gemm_efficiency``)."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
@@ -149,13 +149,18 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
 
 
 def _core(b, ah, s, d, t, T, h, e):
-    """The attention core Megatron's selective recompute re-runs."""
+    """The attention core Megatron's selective recompute re-runs. Its batched GEMMs
+    and softmax move their bytes at the rate measured for Megatron's unfused core
+    (profile kernel_bandwidth "attention_core_forward"), torch's dropout at its own
+    ("dropout_forward"): FlashAttention's benchmark of it on the A100 (profile)."""
     S = b * ah * s * s                             # attention score elements per rank
+    core = "attention_core_forward"
     return [("qk_baddbmm", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1,
-             (b * ah, s, s)),
-            ("scale_mask_softmax", "norm", 5 * S, 2 * e * S, 1),
-            ("attention_dropout", "elementwise", 2 * S, 2 * e * S + S, 1),
-            ("pv_bmm", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1, (b * ah, s, d)),
+             core, (b * ah, s, s)),
+            ("scale_mask_softmax", "norm", 5 * S, 2 * e * S, 1, core),
+            ("attention_dropout", "elementwise", 2 * S, 2 * e * S + S, 1, "dropout_forward"),
+            ("pv_bmm", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1, core,
+             (b * ah, s, d)),
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
@@ -210,17 +215,18 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
                 ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
         return ops + gemms + comm + ln("layernorm_1")
+    core = "attention_core_backward"   # the measured rate of these kernels (_core)
     ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
             ("pv_bmm_grad_probs", "matmul", 2 * S * d, e * (2 * b * ah * s * d + S), 1,
-             (b * ah, s, s)),
+             core, (b * ah, s, s)),
             ("pv_bmm_grad_value", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
-             (b * ah, s, d)),
-            ("attention_dropout_grad", "elementwise", S, 2 * e * S + S, 1),
-            ("scale_mask_softmax_grad", "norm", 4 * S, 3 * e * S, 1),
+             core, (b * ah, s, d)),
+            ("attention_dropout_grad", "elementwise", S, 2 * e * S + S, 1, "dropout_backward"),
+            ("scale_mask_softmax_grad", "norm", 4 * S, 3 * e * S, 1, core),
             ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
-             (b * ah, s, d)),
+             core, (b * ah, s, d)),
             ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
-             (b * ah, s, d)),
+             core, (b * ah, s, d)),
             ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
             ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
     comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
@@ -274,9 +280,9 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> t
                                   exposed, pick.algorithm, beside))
             else:
                 name, cls, flops, nbytes, launches = op[:5]
-                extra = op[5] if len(op) > 5 else None
-                kernel = extra if isinstance(extra, str) else None  # a measured kernel
-                shape = extra if isinstance(extra, tuple) else None  # a GEMM's output
+                extra = op[5:]   # a measured kernel's name and / or a GEMM's output
+                kernel = next((x for x in extra if isinstance(x, str)), None)
+                shape = next((x for x in extra if isinstance(x, tuple)), None)
                 if name.startswith("recompute:"):
                     name, ph = name[len("recompute:"):], "recompute"
                 else:
