@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sim_mesh.cost import compute_time, wire_bytes
+from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
 from . import zero_cost as Z
 from .layout import Cluster, Layout, check_layout
@@ -167,7 +167,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True):
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, lambda n: p("all_gather", 2 * n),
-                              lambda n: p("reduce_scatter", 2 * n))
+                              lambda n: p("reduce_scatter", 2 * n),
+                              rate=overlap_rate(prof) if overlap else 1.0)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather"), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)

@@ -28,7 +28,10 @@ norm with the head and loss), each with its parameters, forward and backward com
 comm stream for the rank's dp group (as ``sim_mesh.trace``, one per process group): a
 collective starts when the stream is free and its data is ready (a gather when issued, a
 reduce-scatter when the gradient is complete), in issue order, and a module computes once
-its gather has ended.
+its gather has ended.  While a collective is in flight a module computes at ``rate``
+(``sim_mesh.cost.overlap_rate``: NCCL's kernels hold 16 of the A100's 108 SMs, as
+``layer_cost`` prices the tensor-parallel overlap), so hiding a collective still costs
+compute time.
 """
 from __future__ import annotations
 
@@ -56,13 +59,34 @@ class _Stream:
 
     def __init__(self, all_gather, reduce_scatter):
         self.ag, self.rs, self.free, self.ends = all_gather, reduce_scatter, 0.0, {}
+        self.busy = []          # (start, end) of each collective, in time order
 
     def issue(self, key, numel: float, ready: float) -> None:
         if key in self.ends or numel <= 0:
             return
         cost = self.rs if isinstance(key, tuple) else self.ag
-        self.free = max(self.free, ready) + cost(numel)
+        start = max(self.free, ready)
+        self.free = start + cost(numel)
         self.ends[key] = self.free
+        if self.free > start:
+            self.busy.append((start, self.free))
+
+    def compute(self, t: float, work: float, rate: float) -> float:
+        """When ``work`` seconds of compute started at ``t`` end: at full speed while
+        the stream is idle, at ``rate`` while a collective is in flight."""
+        if rate == 1.0:
+            return t + work
+        for start, end in self.busy:
+            if end <= t:
+                continue
+            if start > t:                      # idle until this collective starts
+                if t + work <= start:
+                    return t + work
+                work, t = work - (start - t), start
+            if t + work / rate <= end:          # ends while the collective runs
+                return t + work / rate
+            work, t = work - (end - t) * rate, end
+        return t + work
 
 
 def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> None:
@@ -76,7 +100,8 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
         ahead += blocks[j].numel
 
 
-def _run(stream, blocks, order, backward: bool, gather: bool, budget: float) -> float:
+def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
+         rate: float = 1.0) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run, and the prefetch starts
@@ -89,29 +114,34 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float) -> 
             stream.issue(i, blocks[i].numel, t)
             t = max(t, stream.ends.get(i, 0.0))
             _prefetch(stream, blocks, order, pos, t, budget)
-        t += blocks[i].bwd if backward else blocks[i].fwd
+        t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
         if backward:
             stream.issue(("rs", i), blocks[i].numel, t)
     return t
 
 
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
-                 prefetch_numel: float = PREFETCH_NUMEL) -> tuple[float, float]:
+                 prefetch_numel: float = PREFETCH_NUMEL,
+                 rate: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
-    collective on ``numel`` parameters' 16-bit values over the data-parallel group."""
+    collective on ``numel`` parameters' 16-bit values over the data-parallel group;
+    ``rate``: how fast compute runs beside a collective (1: as alone)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+        raise ValueError(f"rate={rate!r} must be in (0, 1]: the speed of compute beside "
+                         "a collective, 1 when it runs as alone")
     order = list(range(len(blocks)))
     fwd = 0.0
     if zero == 3:
         s = _Stream(all_gather, reduce_scatter)
-        end = _run(s, blocks, order, False, True, prefetch_numel)
+        end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
         fwd = end - sum(b.fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
-    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel)
+    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate))
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 

@@ -10,7 +10,7 @@ import math
 
 from .profiles import OP_CLASSES, get_profile
 
-__all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap"]
+__all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate"]
 
 
 def _gemm_shape(gemm):
@@ -135,6 +135,16 @@ def explain_compute(flops: float, bytes_moved: float, profile, dtype,
             "bound": max(terms, key=terms.get)}
 
 
+def overlap_rate(profile) -> float:
+    """The rate (1 = alone) at which compute kernels progress while a collective runs
+    beside them: (sm_count - collective_sms) / sm_count (NCCL's CTAs hold their SMs,
+    NVIDIA/nccl #689; ``overlap``); 1 for a profile without SM figures."""
+    t = get_profile(profile).topology
+    if not t.sm_count or not t.collective_sms:
+        return 1.0
+    return (t.sm_count - t.collective_sms) / t.sm_count
+
+
 def overlap(compute_seconds: float, comm_seconds: float, profile,
             gemm=None) -> tuple[float, float]:
     """A kernel and a collective running at the same time: (the kernel's stretched
@@ -164,7 +174,7 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
     if not t.sm_count or not t.collective_sms or comm_seconds == 0:
         r = 1.0
     elif _gemm_shape(gemm) is None:
-        r = (t.sm_count - t.collective_sms) / t.sm_count
+        r = overlap_rate(prof)
     else:
         r = gemm_efficiency(gemm, prof, t.sm_count - t.collective_sms) / \
             gemm_efficiency(gemm, prof)

@@ -26,6 +26,12 @@ Clock semantics (the modeled clock, in seconds on the chosen profile):
   free and the data is ready (the issuing rank's compute clock); it advances only
   that stream.  :meth:`Trace.wait` makes the compute stream wait for it, which is
   where communication hides behind computation;
+* a compute op that runs while async collectives of its rank are in flight progresses
+  at ``cost.overlap_rate`` (NCCL's kernels hold some SMs: 16 of the A100's 108), so its
+  event lasts longer than the op alone (``args["alone"]``: the seconds it takes alone),
+  also when the collective is recorded after the op (an input gradient's, whose data
+  was ``ready`` before the wgrad recorded beside it, as ``plan.layer_cost`` prices
+  Megatron's async TP backward); blocking collectives stall compute;
 * a *deferred* async collective (:meth:`Trace.defer`) is recorded before the next
   event, unless that is an async collective whose data was ready earlier: autograd
   runs a gradient's hook before the node consuming the same backward's input gradient,
@@ -90,6 +96,10 @@ class Trace:
         self._clock: dict[tuple[int, str], float] = defaultdict(float)
         self._chan: dict[tuple[int, tuple], float] = defaultdict(float)  # (rank, group)
         self._deferred: list = []      # (ready, record) of deferred async collectives
+        self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end) in flight
+        self._last: dict[int, int] = {}       # rank -> index of its last compute event
+        from .kernel_cost import overlap_rate
+        self._rate = overlap_rate(self.profile)
 
     @property
     def events(self) -> list[Event]:
@@ -128,11 +138,58 @@ class Trace:
         self.flush()
         ranks = tuple(ranks)
         start = max(self._clock[(r, "compute")] for r in ranks)
+        end = max(self._beside(r, start, duration) for r in ranks)
+        args = dict(args or {})
+        if end > start + duration:           # stretched by collectives beside it
+            args["alone"] = duration
+            duration = end - start
         for r in ranks:
             self._clock[(r, "compute")] = start + duration
-        ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args or {})
+            self._last[r] = len(self._events)
+        ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args)
         self._events.append(ev)
         return ev
+
+    def last_compute(self, rank: int) -> "tuple[int, Event] | None":
+        """(index, event) of the last compute event of ``rank``, as it stands now."""
+        i = self._last.get(rank)
+        return None if i is None else (i, self._events[i])
+
+    def _restretch(self, ranks) -> None:
+        """An async collective recorded after the compute op it runs beside: that op,
+        the last on these ranks, is stretched as if the collective had come first."""
+        for i in {self._last[r] for r in ranks if r in self._last}:
+            ev = self._events[i]
+            if any(self._clock[(r, "compute")] != ev.end or self._last.get(r) != i
+                   for r in ev.ranks):
+                continue                      # something ran or waited after it
+            alone = ev.args.get("alone", ev.duration)
+            end = max(self._beside(r, ev.start, alone) for r in ev.ranks)
+            if end > ev.end:
+                self._events[i] = Event(ev.name, ev.stream, ev.start, end - ev.start,
+                                        ev.ranks, ev.bytes, ev.flops, ev.label,
+                                        {**ev.args, "alone": alone})
+                for r in ev.ranks:
+                    self._clock[(r, "compute")] = end
+
+    def _beside(self, rank: int, t: float, work: float) -> float:
+        """When ``work`` seconds of compute started at ``t`` on ``rank`` end, at
+        ``self._rate`` while the rank's async collectives are in flight (module doc)."""
+        live = [iv for iv in self._async.get(rank, ()) if iv[1] > t]
+        if rank in self._async:
+            self._async[rank] = live              # the compute clock only moves on
+        if self._rate == 1.0 or not live or work <= 0:
+            return t + work
+        for start, end in _union(live):
+            if start > t:
+                if t + work <= start:
+                    return t + work
+                work, t = work - (start - t), start
+            start = max(start, t)
+            if t + work / self._rate <= end:
+                return t + work / self._rate
+            work, t = work - (end - t) * self._rate, end
+        return t + work
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
                           bytes: int = 0, label: str = "", args=None,
@@ -151,6 +208,10 @@ class Trace:
             self._stream_end(r, g, end)
             if not overlap:
                 c[(r, "compute")] = end
+            elif end > start:
+                self._async[r].append((start, end))
+        if overlap and ready is not None and self._rate < 1.0:
+            self._restretch(ranks)
         self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
                                   args or {}))
         return Handle(ranks, end)
@@ -270,6 +331,17 @@ class Trace:
             with open(path, "w") as f:
                 json.dump(doc, f)
         return doc
+
+
+def _union(intervals) -> list:
+    """Overlapping (start, end) intervals merged, in time order."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _jsonable(v):

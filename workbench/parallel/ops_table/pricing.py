@@ -159,19 +159,22 @@ class _BackwardCompute(torch.autograd.Function):
         return (None,) + grads
 
 
-# per trace, per rank: (end of the dgrad, end of the wgrad) of the last split backward
+# per trace, per rank: (end of the dgrad, the wgrad's event index) of the last split
+# backward
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def wgrad_overlap(tr, ranks) -> "float | None":
     """When the last compute on every rank of ``ranks`` is a matmul's wgrad (nothing
-    recorded on their compute streams since), the time its dgrad ended: the input
-    gradient is ready then, and a collective on it can run beside the wgrad. Else None."""
+    recorded on their compute streams since, no wait), the time its dgrad ended: the
+    input gradient is ready then, and a collective on it can run beside the wgrad (the
+    trace stretches the wgrad for it). Else None."""
     seen = _SPLITS.get(tr, {})
-    ends = [seen.get(r) for r in ranks]
-    if any(e is None or tr.now(r) != e[1] for r, e in zip(ranks, ends)):
-        return None
-    return max(e[0] for e in ends)
+    for r in ranks:
+        e, last = seen.get(r), tr.last_compute(r)
+        if e is None or last is None or last[0] != e[1] or tr.now(r) != last[1].end:
+            return None
+    return max(seen[r][0] for r in ranks)
 
 
 def _record_backward(name, op_class, ranks, cost, dtype):
@@ -194,13 +197,12 @@ def _record_backward(name, op_class, ranks, cost, dtype):
                                  bytes=cost.dgrad_bytes, label="backward",
                                  args={"op_class": op_class, "phase": "backward",
                                        "part": "dgrad"})
-        ev_w = tr.record_compute(ranks, name, w, flops=cost.wgrad_flops,
-                                 bytes=cost.wgrad_bytes, label="backward",
-                                 args={"op_class": op_class, "phase": "backward",
-                                       "part": "wgrad"})
+        tr.record_compute(ranks, name, w, flops=cost.wgrad_flops, bytes=cost.wgrad_bytes,
+                          label="backward", args={"op_class": op_class, "phase": "backward",
+                                                  "part": "wgrad"})
         seen = _SPLITS.setdefault(tr, {})
         for r in ranks:
-            seen[r] = (ev_d.end, ev_w.end)
+            seen[r] = (ev_d.end, tr.last_compute(r)[0])
     return record
 
 
