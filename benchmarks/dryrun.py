@@ -10,12 +10,15 @@ run's step time and peak memory beside ``wb.plan.estimate``'s (attention="flash"
 kernel the model runs).  ``--cli`` also times ``python -m workbench train --dry-run``
 end to end (interpreter start and imports included).
 
-Measured on the 2-core development machine (shared, 2026-11-23; a100 profile):
-GPT-3 175B, dp8 tp8 pp16 mb1, global batch 1536, full recompute: dry run 17.0 s first
-call, 6.7 s second (4,160 trace events); step 24.04 s vs the estimate's 22.58 s
-(+6.5%); peak 28.65 GB per rank vs 28.65 GB (+0.0%), fits 80 GB.  16-layer h=256 model
-on the same 1,024 ranks: 5.9 s / 0.9 s.  ``train --dry-run`` for GPT-3 on 1,024 ranks:
-27.5 s end to end.
+Measured on the 2-core development machine (quiet, 2026-11-23, OMP_NUM_THREADS=1; a100
+profile): GPT-3 175B, dp8 tp8 pp16 mb1, global batch 1536, full recompute: dry run 2.7 s
+first call, 0.9 s second (1,949 trace events); step 25.02 s vs the estimate's 24.85 s
+(+0.7%); peak 28.65 GB per rank vs 28.65 GB (+0.0%), fits 80 GB.  16-layer h=256 model on
+the same 1,024 ranks: 1.1 s / 0.2 s; step 10.0 ms vs 7.9 ms (+26%): at this toy size
+every kernel and collective is a few microseconds and the real code's extra blocking
+collectives weigh (the position embedding's output gradient all-reduced over dp every
+micro-batch, where Megatron reduces that weight's gradient once per step).
+``train --dry-run`` for GPT-3 on 1,024 ranks: 4.2 s end to end.
 """
 from __future__ import annotations
 
