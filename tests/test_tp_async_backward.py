@@ -78,6 +78,12 @@ def test_f_all_reduce_hidden_by_the_wgrad(dp):
     # the step ends when both have: the compute stream waited for the all-reduce
     for r in (0, 1):
         assert tr.now(r) == max(ar.end, wgrad.end)
+    # every tp group's (dp 2: two) runs beside the wgrad, which runs on the SMs NCCL leaves
+    fs = [e for e in tr.events if e.label.startswith("f: ")]
+    assert len(fs) == dp and all(e.args["overlaps"] == "wgrad" for e in fs)
+    assert wgrad.duration == pytest.approx(
+        min(ar.duration, wgrad.args["alone"] * 108 / 92)
+        + max(0.0, wgrad.args["alone"] - ar.duration * 92 / 108), rel=1e-12)
 
 
 def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sim_mesh.cost import finish_beside
+
 __all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed", "stage_blocks"]
 
 # DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py):
@@ -74,19 +76,7 @@ class _Stream:
     def compute(self, t: float, work: float, rate: float) -> float:
         """When ``work`` seconds of compute started at ``t`` end: at full speed while
         the stream is idle, at ``rate`` while a collective is in flight."""
-        if rate == 1.0:
-            return t + work
-        for start, end in self.busy:
-            if end <= t:
-                continue
-            if start > t:                      # idle until this collective starts
-                if t + work <= start:
-                    return t + work
-                work, t = work - (start - t), start
-            if t + work / rate <= end:          # ends while the collective runs
-                return t + work / rate
-            work, t = work - (end - t) * rate, end
-        return t + work
+        return finish_beside(t, work, rate, self.busy)
 
 
 def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> None:

@@ -10,7 +10,8 @@ import math
 
 from .profiles import OP_CLASSES, get_profile
 
-__all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate"]
+__all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate",
+           "finish_beside"]
 
 
 def _gemm_shape(gemm):
@@ -143,6 +144,29 @@ def overlap_rate(profile) -> float:
     if not t.sm_count or not t.collective_sms:
         return 1.0
     return (t.sm_count - t.collective_sms) / t.sm_count
+
+
+def finish_beside(t: float, work: float, rate: float, busy) -> float:
+    """When ``work`` seconds of compute started at ``t`` end, running at full speed
+    except inside the ``busy`` intervals ((start, end) pairs, any order, overlapping
+    allowed: collectives in flight), where it runs at ``rate`` (``overlap_rate``)."""
+    if rate == 1.0 or work <= 0:
+        return t + work
+    merged = []
+    for a, b in sorted(iv for iv in busy if iv[1] > t):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    for start, end in merged:
+        if start > t:                          # idle until this collective starts
+            if t + work <= start:
+                return t + work
+            work, t = work - (start - t), start
+        if t + work / rate <= end:             # ends while the collective runs
+            return t + work / rate
+        work, t = work - (end - t) * rate, end
+    return t + work
 
 
 def overlap(compute_seconds: float, comm_seconds: float, profile,

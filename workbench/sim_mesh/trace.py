@@ -41,10 +41,12 @@ Clock semantics (the modeled clock, in seconds on the chosen profile):
 from __future__ import annotations
 
 import contextvars
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
+
+from . import trace_export
+from .kernel_cost import finish_beside, overlap_rate
 
 __all__ = ["Event", "Trace", "trace", "current_trace"]
 
@@ -98,7 +100,6 @@ class Trace:
         self._deferred: list = []      # (ready, record) of deferred async collectives
         self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end) in flight
         self._last: dict[int, int] = {}       # rank -> index of its last compute event
-        from .kernel_cost import overlap_rate
         self._rate = overlap_rate(self.profile)
 
     @property
@@ -166,30 +167,19 @@ class Trace:
             alone = ev.args.get("alone", ev.duration)
             end = max(self._beside(r, ev.start, alone) for r in ev.ranks)
             if end > ev.end:
-                self._events[i] = Event(ev.name, ev.stream, ev.start, end - ev.start,
-                                        ev.ranks, ev.bytes, ev.flops, ev.label,
-                                        {**ev.args, "alone": alone})
-                for r in ev.ranks:
-                    self._clock[(r, "compute")] = end
+                new = self._events[i] = Event(ev.name, ev.stream, ev.start, end - ev.start,
+                                              ev.ranks, ev.bytes, ev.flops, ev.label,
+                                              {**ev.args, "alone": alone})
+                for r in ev.ranks:       # the event's own end, to the last bit
+                    self._clock[(r, "compute")] = new.end
 
     def _beside(self, rank: int, t: float, work: float) -> float:
         """When ``work`` seconds of compute started at ``t`` on ``rank`` end, at
         ``self._rate`` while the rank's async collectives are in flight (module doc)."""
-        live = [iv for iv in self._async.get(rank, ()) if iv[1] > t]
-        if rank in self._async:
-            self._async[rank] = live              # the compute clock only moves on
-        if self._rate == 1.0 or not live or work <= 0:
+        if rank not in self._async:
             return t + work
-        for start, end in _union(live):
-            if start > t:
-                if t + work <= start:
-                    return t + work
-                work, t = work - (start - t), start
-            start = max(start, t)
-            if t + work / self._rate <= end:
-                return t + work / self._rate
-            work, t = work - (end - t) * self._rate, end
-        return t + work
+        live = self._async[rank] = [iv for iv in self._async[rank] if iv[1] > t]
+        return finish_beside(t, work, self._rate, live)
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
                           bytes: int = 0, label: str = "", args=None,
@@ -287,85 +277,18 @@ class Trace:
     def summary(self) -> str:
         """One line per collective kind: events, bytes sent by the busiest rank, and the
         summed duration of the events."""
-        lines = [f"{len(self.events)} events, modeled time {_fmt_s(self.time())} "
-                 f"on {self.profile.name}"]
-        by = defaultdict(lambda: [0, 0.0])
-        for e in self.collectives():
-            row = by[e.name]
-            row[0] += 1
-            row[1] += e.duration
-        for name, (n, t) in sorted(by.items()):
-            per_rank = max(self.bytes_per_rank(name).values(), default=0)
-            lines.append(f"  {name:<15} x{n:<4} {_fmt_bytes(per_rank):>10} per rank  {_fmt_s(t)}")
-        return "\n".join(lines)
+        return trace_export.summary(self)
 
     def __repr__(self) -> str:
-        return f"Trace({len(self.events)} events, {_fmt_s(self.time())}, {self.profile.name})"
+        return (f"Trace({len(self.events)} events, {trace_export.fmt_s(self.time())}, "
+                f"{self.profile.name})")
 
-    # ---- export ---------------------------------------------------------------------
     def to_chrome_trace(self, path=None) -> dict:
         """Chrome trace-event JSON: one process per rank, one thread per stream.
 
         Opens in chrome://tracing and https://ui.perfetto.dev.  Returns the dict and
         writes it to ``path`` when given."""
-        out = []
-        ranks = sorted({r for e in self.events for r in e.ranks})
-        for r in ranks:
-            out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
-                        "args": {"name": f"rank {r}"}})
-            for tid, s in enumerate(STREAMS):
-                out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
-                            "args": {"name": s}})
-        for e in self.events:
-            args = {"bytes": e.bytes, "flops": e.flops, "ranks": list(e.ranks)}
-            if e.label:
-                args["label"] = e.label
-            args.update({k: _jsonable(v) for k, v in e.args.items()})
-            for r in e.ranks:
-                out.append({"ph": "X", "name": e.name, "cat": e.stream, "pid": r,
-                            "tid": STREAMS.index(e.stream) if e.stream in STREAMS else 2,
-                            "ts": e.start * 1e6, "dur": e.duration * 1e6, "args": args})
-        doc = {"traceEvents": out, "displayTimeUnit": "ns",
-               "otherData": {"profile": self.profile.name, "clock": "modeled"}}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(doc, f)
-        return doc
-
-
-def _union(intervals) -> list:
-    """Overlapping (start, end) intervals merged, in time order."""
-    out = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _jsonable(v):
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return str(v)
-
-
-def _fmt_s(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3f} ms"
-    return f"{t * 1e6:.2f} us"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+        return trace_export.chrome_trace(self, path)
 
 
 _current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("workbench_trace",
