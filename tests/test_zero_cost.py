@@ -83,3 +83,45 @@ def test_gpt_zero2_tail_is_the_tied_embedding_once_per_micro_batch():
         cl.profile.topology, collective_sms=0))
     est1 = estimate(cfg, lay, Cluster(no_sms, 2), attention="flash")
     assert est1.details["dp_sync"] == pytest.approx(lay.m * tail + gather, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero, kind", [(0, "all_reduce"), (1, "reduce_scatter")])
+def test_overlap_grad_reduce_leaves_the_embedding_tail(zero, kind):
+    """Megatron's --overlap-grad-reduce (ZeRO-0/1): the gradients reduced module by module
+    during the last micro-batch's backward; the layers' reductions hide behind the
+    backward, the tied embedding's (completed last) shows once per step, not per
+    micro-batch (after what is left of the first layer's, issued just before it).  ZeRO-1's
+    updated weights are gathered beside the next forward (--overlap-param-gather): the
+    embedding's, needed first, shows.  With the SMs NCCL takes, a little more."""
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
+    lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=zero)
+    a100 = Cluster("a100", 2).profile
+    bare = dataclasses.replace(a100, topology=dataclasses.replace(a100.topology,
+                                                                   collective_sms=0))
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    ranks = lay.dp_ranks()
+    tail = price(kind, 2 * (V * h + s * h), ranks, "a100")
+    if zero == 1:
+        tail += price("all_gather", 2 * (V * h + s * h), ranks, "a100")
+    layer = price(kind, 2 * layer_params(cfg, 1), ranks, "a100")
+    got = {}
+    for name, prof in (("bare", bare), ("a100", a100)):
+        cl = Cluster(prof, 2)
+        plain = estimate(cfg, lay, cl, attention="flash")
+        over = estimate(cfg, lay, cl, attention="flash", overlap_grad_reduce=True)
+        got[name] = over.details["dp_sync"]
+        assert got[name] < plain.details["dp_sync"]
+        assert over.memory == plain.memory and over.comm_bytes == plain.comm_bytes
+    assert tail <= got["bare"] <= tail + layer
+    assert got["bare"] < got["a100"] < 1.2 * got["bare"]
+
+
+def test_overlap_grad_reduce_is_a_bool_and_leaves_zero_2_and_3_alone():
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
+    cl = Cluster("a100", 2)
+    for zero in (2, 3):
+        lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=zero)
+        assert estimate(cfg, lay, cl, overlap_grad_reduce=True).step_time == \
+            estimate(cfg, lay, cl).step_time
+    with pytest.raises(ValueError, match="overlap_grad_reduce='yes'"):
+        estimate(cfg, Layout(dp=2, tp=1, pp=1, global_batch=4), cl, overlap_grad_reduce="yes")

@@ -148,10 +148,15 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     return t, sent
 
 
-def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True):
+def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
+             overlap_grad_reduce: bool = False):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
-    ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole."""
+    ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
+    ``overlap_grad_reduce`` (ZeRO-0/1, Megatron-LM's --overlap-grad-reduce and
+    --overlap-param-gather): the gradients reduced module by module during the last
+    micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
+    first forward (all gathers issued at once), on the same stream model."""
     if lay.dp == 1:
         return 0.0, 0.0
     g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
@@ -159,14 +164,26 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True):
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
 
+    def gather(n):
+        return p("all_gather", 2 * n)
+
+    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
+    if lay.zero <= 1 and overlap_grad_reduce:
+        kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+        r = overlap_rate(prof)
+        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, 2 * n), rate=r)
+        if lay.zero == 0:
+            return bwd, wire_bytes("all_reduce", g, dp)
+        fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
+                                prefetch_numel=float("inf"), rate=r)
+        return bwd + fwd, rs + ag
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
-    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather"), rs + ag
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
-    fwd, bwd = Z.zero_exposed(blocks, lay.zero, lambda n: p("all_gather", 2 * n),
+    fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", 2 * n),
                               rate=overlap_rate(prof) if overlap else 1.0)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
@@ -175,14 +192,20 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True):
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
-             overlap: bool = True) -> Estimate:
+             overlap: bool = True, overlap_grad_reduce: bool = False) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
     attention kernel's activations and time instead of Table 2's materialized softmax
     (``workbench.models.GPT`` runs ``wb.ops.flash_attention``: compare it so);
     ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
-    compute (DeepSpeed's ``overlap_comm`` off)."""
+    compute (DeepSpeed's ``overlap_comm`` off).  ``overlap_grad_reduce=True``: ZeRO-0/1's
+    data-parallel sync overlaps compute as Megatron-LM's ``--overlap-grad-reduce`` (and,
+    with ZeRO-1, ``--overlap-param-gather``) and torch DDP's buckets do: gradients reduced
+    during the last micro-batch's backward, module by module (``_dp_sync``); the default
+    is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush."""
     check_layout(model, layout, cluster)
+    if not isinstance(overlap_grad_reduce, bool):
+        raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     if attention not in ("materialized", "flash"):
         raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
                          f"or 'flash'")
@@ -212,8 +235,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
-            if lay.zero >= 2 and lay.dp > 1 else None
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap)
+            if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,

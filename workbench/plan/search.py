@@ -123,10 +123,10 @@ class Ranking(list):
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
            max_micro_batch: int = 16, attention: str = "materialized",
-           overlap: bool = True) -> Ranking:
+           overlap: bool = True, overlap_grad_reduce: bool = False) -> Ranking:
     """The ``top`` fastest layouts of ``model`` on ``cluster`` that fit in device memory,
-    as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``
-    and ``overlap`` as in :func:`~workbench.plan.estimate.estimate`)."""
+    as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``,
+    ``overlap`` and ``overlap_grad_reduce`` as in :func:`~workbench.plan.estimate.estimate`)."""
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster={cluster!r} must be a workbench.plan.Cluster")
     for name, v in (("global_batch", global_batch), ("top", top),
@@ -149,7 +149,8 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
             least = (need, lay)
         if need > limit:
             continue
-        results.append((lay, estimate(model, lay, cluster, attention, overlap)))
+        results.append((lay, estimate(model, lay, cluster, attention, overlap,
+                                             overlap_grad_reduce)))
     if tried == 0:
         raise ValueError(f"search: no layout of {cluster.devices} devices divides the model "
                          f"(n_head={model.n_head}, n_layer={model.n_layer}) and "
