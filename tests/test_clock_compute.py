@@ -171,3 +171,27 @@ def test_profile_data_errors():
                                               if k != "float64"})
     with pytest.raises(ValueError, match=r"cannot price dtype='float64'.*slow_paths"):
         cost.compute_time(1, 1, bare, torch.float64)
+
+
+_interval = st.tuples(st.floats(0, 10), st.floats(0, 5)).map(lambda p: (p[0], p[0] + p[1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=st.floats(0, 10), work=st.floats(0, 10), rate=st.floats(0.05, 1.0),
+       busy=st.lists(_interval, max_size=6))
+def test_compute_beside_collectives_is_bounded_and_exact(t, work, rate, busy):
+    """``cost.finish_beside``: compute slows to ``rate`` inside the busy intervals only,
+    so it ends between alone (t + work) and all of it slowed (t + work / rate), and
+    what it did (full speed outside the intervals, ``rate`` inside) adds up to ``work``."""
+    end = cost.finish_beside(t, work, rate, busy)
+    assert t + work - 1e-9 <= end <= t + work / rate + 1e-9
+    # integrate the speed over [t, end] on a fine partition of the interval edges
+    edges = sorted({t, end, *(min(max(x, t), end) for iv in busy for x in iv)})
+    done = 0.0
+    for a, b in zip(edges, edges[1:]):
+        mid = (a + b) / 2
+        inside = any(s <= mid < e for s, e in busy)
+        done += (b - a) * (rate if inside else 1.0)
+    assert done == pytest.approx(work, abs=1e-7)
+    if not any(e > t and s < t + work for s, e in busy):
+        assert end == t + work                       # nothing beside it: as alone
