@@ -90,3 +90,16 @@ def test_profile_tile_is_validated():
         type(A100).from_dict(d)
     d["gemm_tile"] = {"m": 256, "n": 128, "per_sm": 1}
     assert type(A100).from_dict(d) == A100
+
+
+def test_explain_compute_gives_compute_times_terms_for_a_gemm():
+    # fc1 of Table 4's layer on one tp rank: 768 tiles in 8 waves of 108 (89% full)
+    flops, nbytes, shape = 2 * 8192 * 6144 * 3072, 2 * (8192 * 6144 + 6144 * 3072
+                                                         + 8192 * 3072), (1, 8192, 3072)
+    terms = cost.explain_compute(flops, nbytes, "a100", "float16", "matmul", gemm=shape)
+    assert terms["seconds"] == cost.compute_time(flops, nbytes, "a100", "float16", "matmul",
+                                                 gemm=shape)
+    assert terms["seconds"] == pytest.approx(terms["compute"] + terms["launch"])
+    plain = cost.explain_compute(flops, nbytes, "a100", "float16", "matmul")
+    assert terms["compute"] == pytest.approx(
+        plain["compute"] / cost.gemm_efficiency(shape, "a100"))

@@ -18,7 +18,10 @@ data-parallel synchronisation + the optimizer step, where
 - data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
   al. 2021 does not overlap it): an all-reduce of the rank's 16-bit gradients; ZeRO-1:
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
-  volume, ZeRO sec. 7.2.1); ZeRO-2 and ZeRO-3 (pp = 1), DeepSpeed's: every
+  volume, ZeRO sec. 7.2.1); with ``overlap_grad_reduce=True`` (later Megatron-LM's
+  ``--overlap-grad-reduce`` / ``--overlap-param-gather``, torch DDP) those run module by
+  module beside the last micro-batch's backward and, ZeRO-1's gather, the next forward,
+  on the stream model below; ZeRO-2 and ZeRO-3 (pp = 1), DeepSpeed's: every
   micro-batch, each module's gradient reduce-scattered once backward has completed it
   (ZeRO-3 also gathers each module's weights before its forward and its backward,
   prefetched; 1.5x the volume, ZeRO sec. 7.2.2), waited for at the end of each backward,

@@ -174,7 +174,7 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
-        from ..parallel.strategies.zero3 import PREFETCH_NUMEL
+        from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp)
         mem["params"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL)
         mem["grads"] += 2 * layer_params(cfg, lay.tp)

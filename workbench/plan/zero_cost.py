@@ -37,13 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.strategies.zero3 import PREFETCH_NUMEL   # DeepSpeed's default, cited there
 from ..sim_mesh.cost import finish_beside
 
 __all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed", "stage_blocks"]
-
-# DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py):
-# elements gathered ahead of the module computing
-PREFETCH_NUMEL = 50_000_000
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,15 @@ def _rates(profile, dtype, op_class, kernel=None):
 
 def explain_compute(flops: float, bytes_moved: float, profile, dtype,
                     op_class: str = "elementwise", launches: int = 1,
-                    kernel: "str | None" = None) -> dict:
+                    kernel: "str | None" = None, gemm=None) -> dict:
     """``compute_time``'s terms as plain data, for the course: the compute, memory
-    and launch seconds, the engine, and what bounds the kernel."""
-    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel)
+    and launch seconds, the engine, and what bounds the kernel (a GEMM's compute term
+    after its tile and wave quantization, as ``compute_time``)."""
+    total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel, gemm)
     profile = get_profile(profile)
     engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
+    if _gemm_shape(gemm) is not None and op_class == "matmul" and engine == "main":
+        peak *= gemm_efficiency(gemm, profile)
     terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
              "launch": launches * launch}
     return {**terms, "seconds": total, "engine": engine, "op_class": op_class,
