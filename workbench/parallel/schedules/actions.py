@@ -108,6 +108,7 @@ class Schedule:
             val = getattr(self, arg)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"Schedule {arg}={val!r}: must be an int >= 1")
+        _check_rows("Schedule(actions=...)", self.actions)
         rows = tuple(tuple(Action.parse(a) for a in row) for row in self.actions)
         if len(rows) != self.p:
             raise ValueError(f"Schedule p={self.p} but actions has {len(rows)} rows: "
@@ -127,6 +128,7 @@ class Schedule:
         """
         if isinstance(rows, str):
             rows = [ln for ln in rows.strip().splitlines() if ln.strip()]
+        _check_rows("Schedule.from_text(rows=...)", rows, text=True)
         parsed = []
         for row in rows:
             if isinstance(row, str):
@@ -184,6 +186,17 @@ class Schedule:
     def __repr__(self) -> str:
         return (f"Schedule({self.name!r}, p={self.p}, m={self.m}, v={self.v}, "
                 f"split_backward={self.split_backward}, {len(self)} actions)")
+
+
+def _check_rows(fn: str, rows, text: bool = False) -> None:
+    """A clear TypeError unless ``rows`` is a list of rows, each a list of actions
+    (or, with ``text``, a string such as ``"F0 F1 B0 B1"``)."""
+    ok = isinstance(rows, (list, tuple)) and all(
+        isinstance(row, (list, tuple)) or (text and isinstance(row, str)) for row in rows)
+    if not ok:
+        raise TypeError(f"{fn[:-4]}{rows!r:.60}): give one row per rank, each a list of actions "
+                        f"such as ['F0', 'B0'] or (\"F\", 0)" +
+                        (", or a string 'F0 F1 B0 B1'" if text else ""))
 
 
 def transfers(schedule: Schedule) -> list[Transfer]:

@@ -16,7 +16,9 @@ m(t_f + t_b) per rank (m v chunk actions for interleaved).
 """
 from __future__ import annotations
 
+import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 from .actions import Schedule
@@ -66,11 +68,26 @@ def formula_bubble(schedule: Schedule, f=1.0, b=1.0, w=None, p2p=0.0) -> BubbleF
     None for hand-written schedules, per-stage or callable costs, p2p > 0, and
     ZB-H1 outside the setting its formula holds in: m >= p micro-batches and
     t_W <= min(t_F, t_B), since a W longer than the F or B slot it fills cannot
-    hide there (the simulator then measures (p-1)(t_F + t_B - min(t_F, t_B, t_W)))."""
+    hide there (the simulator then measures (p-1)(t_F + t_B - min(t_F, t_B, t_W))).
+    A NaN, infinite or negative cost raises ValueError, as in :func:`~.simulate.simulate`."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"formula_bubble(schedule={type(schedule).__name__}): pass a Schedule, "
+                        "e.g. one_f_one_b(4, 8)")
     s = schedule
-    nums = [x for x in (f, b, w, p2p) if x is not None]
-    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in nums):
-        return None
+    given = {"f": f, "b": b, "w": w, "p2p": p2p}
+    for arg, x in given.items():
+        if x is None and arg == "w":
+            continue
+        if isinstance(x, numbers.Real) and not isinstance(x, bool):
+            if not 0 <= x < math.inf:        # NaN fails this too
+                raise ValueError(f"formula_bubble({arg}={x!r}): a cost must be a finite number "
+                                 f"of seconds >= 0, e.g. {arg}=1.0")
+        elif not (callable(x) or isinstance(x, (list, tuple)) or hasattr(x, "__array__")):
+            raise TypeError(f"formula_bubble({arg}={x!r:.60}): give a number of seconds (or, as "
+                            "for simulate, a per-stage list or a callable, which have no "
+                            "closed form: the answer is then None)")
+    if not all(isinstance(x, numbers.Real) for x in given.values() if x is not None):
+        return None                          # per-stage or callable costs: no closed form
     if p2p or not _generated(s):
         return None
     p, m, v = s.p, s.m, s.v
@@ -90,5 +107,10 @@ def formula_bubble(schedule: Schedule, f=1.0, b=1.0, w=None, p2p=0.0) -> BubbleF
             busy = m * (f + bw)
             expr, texpr = "(p-1)/(m+p-1)", f"(p-1){tb}"
     total = bubble + busy
+    if not math.isfinite(total):
+        raise ValueError(f"formula_bubble(f={f!r}, b={b!r}, w={w!r}): the step's time "
+                         f"(bubble {texpr} plus busy time) overflows a float "
+                         f"(> {sys.float_info.max:.3g} s); "
+                         "give the costs in a larger unit, or relative costs (f=1, b=2)")
     return BubbleFormula(expr, bubble / total if total else 0.0, float(bubble), texpr,
                          _SOURCES[s.name])

@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -147,6 +148,7 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=None, p2p: float = 0.0) -> Simu
             d = [x + y for x, y in zip(d, wp)]
             w_parts.append(wp)
         durations.append(d)
+    _check_total(schedule, durations, float(p2p), dict(f=f, b=b, w=w, p2p=p2p))
     out = run(schedule, durations, float(p2p))
     if out.blocked:
         raise ScheduleError(deadlock_message(schedule, out.pos, out.blocked))
@@ -218,6 +220,27 @@ def _comm_events(s: Schedule, ends, p2p: float) -> list[Event]:
                                     label=f"{what} of {a} {r}->{dst}",
                                     args={"mb": a.mb, "chunk": a.chunk, "kind": what}))
     return events
+
+
+def _check_total(s: Schedule, durations, p2p: float, costs: dict) -> None:
+    """Refuse finite costs whose step overflows a float: the makespan is at most every
+    action's cost plus one message per action, and the bubble fraction divides by p
+    times that; past ``sys.float_info.max`` they would come out inf and NaN."""
+    bound = s.p * (sum(sum(row) for row in durations) + p2p * len(s))    # inf past the max
+    if not math.isfinite(bound):
+        given = ", ".join(f"{k}={_short(v)}" for k, v in costs.items() if v is not None)
+        raise ValueError(f"simulate({given}): the step's {len(s)} actions on p={s.p} ranks add "
+                         f"up to more than the largest float ({sys.float_info.max:.3g} s), so "
+                         "the makespan and bubble fraction would be inf and NaN; give the costs "
+                         "in a larger unit, or relative costs (e.g. f=1, b=2)")
+
+
+def _short(x) -> str:
+    if callable(x):
+        return "<callable>"
+    if isinstance(x, numbers.Real):
+        return repr(x)
+    return f"<{type(x).__name__} of {len(x)}>" if hasattr(x, "__len__") else repr(x)
 
 
 def _bad_cost(x) -> bool:

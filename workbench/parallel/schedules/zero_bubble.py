@@ -33,7 +33,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     rank 0: F0 F1 B0 W0 F2 B1 W1 B2 W2
     rank 1: F0 B0 F1 B1 W0 F2 B2 W1 W2
     """
-    check_pm("zb_h1", p, m)
+    check_pm("zb_h1", p, m, per=3)                 # F, B and W per micro-batch
     F = [Action("F", i) for i in range(m)]
     B = [Action("B", i) for i in range(m)]
     W = [Action("W", i) for i in range(m)]
