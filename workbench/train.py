@@ -36,6 +36,7 @@ from torch import nn
 from . import ops
 from .models.config import PRESETS, RECOMPUTE, ModelConfig, build_model, get_config
 from .models.data import get_batch
+from . import train_checks as _checks
 from .sim_mesh import rng
 
 __all__ = ["train", "Strategy", "SingleDevice", "add_train_arguments", "main_train",
@@ -96,6 +97,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     if recompute is not None:
         overrides["recompute"] = recompute
     cfg = cfg.replace(**overrides) if overrides else cfg
+    _checks.check_seed(seed, "train: seed=")
     for name, v in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
             raise ValueError(f"train: {name}={v!r} must be an int >= {int(name != 'steps')}")
@@ -158,9 +160,7 @@ def _step_trace(strategy):
 
 # ---- command line -------------------------------------------------------------------------
 
-# The parallelism flags and their defaults (one device, the simulator).
-_PARALLEL_FLAGS = (("dp", 1), ("tp", 1), ("pp", 1), ("sp", False), ("zero", 0),
-            ("schedule", "1f1b"), ("backend", "sim"))
+_PARALLEL_FLAGS = _checks.PARALLEL_FLAGS       # the parallelism flags and their defaults
 
 
 def add_train_arguments(parser) -> None:
@@ -168,7 +168,8 @@ def add_train_arguments(parser) -> None:
     p = parser
     p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model preset")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the init and the batches, 0 .. 2**32 - 1")
     p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
@@ -196,6 +197,10 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
                    help="sim: all ranks in this process; torch: one rank per process on "
                         "torch.distributed (launch with torchrun; gloo/hccl/nccl)")
+    g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="--backend torch: a collective that waits this long fails, and a "
+                        "stopped rank is ended by its peers (default 60; "
+                        "wb.distributed.init's timeout_s)")
 
 
 def strategy_from_args(args) -> Strategy:
@@ -206,7 +211,8 @@ def strategy_from_args(args) -> Strategy:
         from .parallel.strategies.hybrid import Hybrid
         if distributed:
             from .sim_mesh import backends
-            backends.init()
+            timeout = getattr(args, "timeout", None)
+            backends.init(**({} if timeout is None else {"timeout_s": timeout}))
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
                       zero=parallel["zero"], schedule=parallel["schedule"],
                       distributed=distributed)
@@ -218,28 +224,20 @@ def strategy_from_args(args) -> Strategy:
 
 
 def check_args(args) -> None:
-    """Refuse flag values no run can take, before anything is built (``error:``, exit 2)."""
-    for flag, lo in (("steps", 0), ("batch_size", 1), ("dp", 1), ("tp", 1), ("pp", 1)):
-        v = getattr(args, flag, lo)
-        if v < lo:
-            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= {lo}")
-    lr = getattr(args, "lr", DEFAULT_LR)
-    if not 0 < lr < math.inf:
-        raise ValueError(f"--lr {lr}: must be a finite number > 0 (e.g. {DEFAULT_LR})")
-    wd = getattr(args, "weight_decay", 0.01)
-    if not 0 <= wd < math.inf:
-        raise ValueError(f"--weight-decay {wd}: must be a finite number >= 0 (e.g. 0.01)")
-    parallel = any(getattr(args, n, d) != d for n, d in _PARALLEL_FLAGS)
-    if parallel and getattr(args, "device", "cpu") != "cpu":
-        raise ValueError(f"--device {args.device} with parallel flags: simulated ranks run on "
-                         "the CPU, and under --backend torch each process uses its backend's "
-                         "device; leave --device at cpu")
+    """Refuse flag values no run can take, before anything is built (``error:``, exit 2);
+    the checks and their reasons are in :mod:`workbench.train_checks`."""
+    _checks.check_args(args, DEFAULT_LR)
 
 
 def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     if getattr(args, "dry_run", False):
+        try:
+            check_args(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         from .plan.dryrun_cli import main_dry_run
         return main_dry_run(args)
     for flag in ("profile", "micro_batch"):

