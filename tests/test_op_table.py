@@ -2,6 +2,8 @@
 device (value, shape, dtype) under every input placement on 2 ranks (Partial inputs
 from unequal parts); every op that runs has a rule, a cost and an op class; every op
 that is not a view records a compute event on the trace."""
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,9 +117,13 @@ def test_op_runs_on_every_placement_like_one_device(name):
     refs = ref if isinstance(ref, tuple) else (ref,)
     skip = None
     if len([x for x in inputs if x.is_floating_point()]) >= 3:         # attention: a sample
-        skip = lambda mesh, combo: hash(str(combo)) % 7 != 0 and "S(1)" not in str(combo)  # noqa: E731
-    assert check_op(fn, inputs, meshes=[M2], skip=skip or (lambda m, c: False),
-                    rtol=1e-3 if name in ("half", "bfloat16") else 1e-4) > 0
+        # a seventh of the combinations, chosen by crc32 (str's hash() is salted per
+        # process), and every input sharded on dim 1 (attention's heads)
+        skip = lambda mesh, combo: (zlib.crc32(str(combo).encode()) % 7 != 0 and  # noqa: E731
+                                    any(ps != (wb.Shard(1),) * mesh.ndim for ps in combo))
+    checked = check_op(fn, inputs, meshes=[M2], skip=skip or (lambda m, c: False),
+                       rtol=1e-3 if name in ("half", "bfloat16") else 1e-4)
+    assert checked >= 3, (name, checked)     # 5 of 36 for layer_norm, 29 of 216 for attention
     dist = [wb.shard_tensor(x, M2, [wb.Shard(0)]) for x in inputs]
     outs = fn(*dist)
     outs = outs if isinstance(outs, tuple) else (outs,)
