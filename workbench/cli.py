@@ -22,6 +22,11 @@ def _doctor(args) -> int:
 
 
 def _course(args) -> int:
+    import os
+    if not os.path.isdir(args.notebooks):
+        print(f"error: --notebooks {args.notebooks}: no such folder; give the folder of "
+              "instructor notebooks (notebooks/ in the repository)", file=sys.stderr)
+        return 2
     if args.what == "student":
         from .exercises.student import make_student_versions
         out = make_student_versions(args.notebooks, args.out or "student")
@@ -42,9 +47,38 @@ def _train(args) -> int:
     return main_train(args)
 
 
+# The largest sizes ``plan`` takes.  The search enumerates layouts over the devices and
+# the batch's divisors: 131,072 devices took 0.4 s, 2**20 sequences 3.3 s (gpt3-175b, on
+# this project's 2-core machine); 10**12 of either ran for minutes.  Published runs stay
+# far below: 16,384 GPUs for Llama 3 405B (Meta 2024, Table 4), 1,536 sequences per step
+# for GPT-3 175B (Brown et al. 2020, Table 2.1: 3.2M tokens of 2,048).
+PLAN_MAX = {"devices": 2 ** 17, "global_batch": 2 ** 20}
+
+
+def _plan_sizes(args) -> str | None:
+    """The first plan flag outside its range, as an error message (None if all fit)."""
+    why = {"devices": "the search enumerates layouts over the devices' divisors, and the "
+                      "largest published run used 16,384 GPUs (Llama 3 405B)",
+           "global_batch": "the search enumerates the batch's divisors, and GPT-3 175B "
+                           "trained on 1,536 sequences per step",
+           "max_micro_batch": "a micro-batch is a part of the global batch"}
+    for flag in ("devices", "global_batch", "top", "max_micro_batch"):
+        v, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        most = PLAN_MAX.get(flag, PLAN_MAX["global_batch"] if flag in why else None)
+        if v < 1 or (most is not None and v > most):
+            if most is None:
+                return f"{name} {v}: give an int >= 1"
+            return f"{name} {v}: give an int in [1, {most:,}] ({why[flag]})"
+    return None
+
+
 def _plan(args) -> int:
     from .models.config import get_config
     from .plan import Cluster, search
+    bad = _plan_sizes(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:
         cfg = get_config(args.model)
         ranking = search(cfg, Cluster(profile=args.profile, devices=args.devices),

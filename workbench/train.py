@@ -108,6 +108,10 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         raise ValueError(f"train: weight_decay={weight_decay!r} must be a finite number >= 0 "
                          "(e.g. 0.01)")
     strategy = strategy or SingleDevice()
+    world = getattr(strategy, "dp", 1) * getattr(strategy, "tp", 1) * getattr(strategy, "pp", 1) \
+        if getattr(strategy, "distributed", False) else 1
+    _checks.check_memory(cfg, batch_size, world, f"train(batch_size={batch_size})",
+                         "use a smaller batch_size or model")
     check = getattr(strategy, "check", None)
     if check is not None:
         check(cfg, batch_size)          # a layout that does not fit: error before anything runs

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["check_args", "check_seed", "check_device", "SEED_LIMIT"]
+__all__ = ["check_args", "check_seed", "check_device", "check_memory", "min_bytes",
+           "SEED_LIMIT"]
 
 SEED_LIMIT = 2 ** 32
 """Seeds are 0 .. 2**32 - 1: torch's CPU generator (mt19937) keeps 32 bits of a seed."""
@@ -155,18 +156,25 @@ def min_bytes(cfg, batch_size: int) -> int:
 
 
 def _check_memory(args, cfg) -> None:
-    ram = _ram_bytes()
-    if ram is None:
-        return
-    need = min_bytes(cfg, args.batch_size)
     world = 1
     if getattr(args, "backend", "sim") == "torch":       # each process at least 1/world
         world = args.dp * args.tp * args.pp
-    if need / world > ram:
-        where = "this process (it simulates every rank)" if world == 1 else \
-            f"each of the {world} processes"
-        raise ValueError(f"--preset {args.preset} --batch-size {args.batch_size}: one step "
-                         f"needs at least {need / world / 1e9:.3g} GB in {where}, more than "
-                         f"this machine's {ram / 1e9:.3g} GB of RAM (parameters, gradients and "
-                         "AdamW state, each layer's input and the logits); use a smaller "
-                         "--batch-size or --preset, or --dry-run to price it without memory")
+    check_memory(cfg, args.batch_size, world,
+                 f"--preset {args.preset} --batch-size {args.batch_size}",
+                 "use a smaller --batch-size or --preset, or --dry-run to price it without "
+                 "memory")
+
+
+def check_memory(cfg, batch_size: int, world: int, given: str, fix: str) -> None:
+    """Refuse a step that cannot fit this machine's RAM: at least :func:`min_bytes`, of
+    which each of ``world`` processes holds at least 1/world (the simulator: all)."""
+    ram = _ram_bytes()
+    if ram is None:
+        return
+    need = min_bytes(cfg, batch_size) / world
+    if need > ram:
+        where = "this process" if world == 1 else f"each of the {world} processes"
+        raise ValueError(f"{given}: one step needs at least {need / 1e9:.3g} GB in {where}, "
+                         f"more than this machine's {ram / 1e9:.3g} GB of RAM (parameters, "
+                         f"gradients and AdamW state, each layer's input and the logits); "
+                         f"{fix}")
