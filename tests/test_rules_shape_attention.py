@@ -1,4 +1,5 @@
-"""Shape ops (rules/shape.py) and attention-family ops (rules/attention.py).
+"""Shape ops (ops_table/shape.py, reshape.py) and attention-family ops
+(ops_table/attention.py, fused.py).
 
 Forward: every input placement combination on meshes of 2, 4 and 2x2 ranks (uneven
 sizes included, Partial from unequal parts) against one device (tests/spmd_harness.py);
@@ -19,7 +20,8 @@ import workbench as wb
 from tests.spmd_harness import MESHES, check_op
 from workbench.parallel import DistTensor, layout
 from workbench.parallel.dispatch import OpDef, dispatch
-from workbench.parallel.rules.shape import normalize_index, reshape_keeps, view_groups
+from workbench.parallel.ops_table.reshape import reshape_keeps, view_groups
+from workbench.parallel.ops_table.shape import normalize_index
 
 T = torch.Tensor
 S, R, P = wb.Shard, wb.Replicate(), wb.Partial()

@@ -9,9 +9,9 @@ import torch
 import workbench as wb
 from workbench.parallel.dispatch import OPS, OpDef, register_op
 from workbench.parallel.placement import Partial, Replicate, Shard
-from workbench.parallel.rules.registry import RULES, _infer_cached, combine, register_rule
+from workbench.parallel.ops_table.strategy import RULES, _infer_cached, combine, register_rule
 from workbench.parallel.validate import Sample, distribute, validate
-from workbench.parallel.validate_samples import samples
+from workbench.parallel.ops_table.samples import samples
 
 # one or two ops of each rule family (benchmarks/validate_rules.py runs them all)
 SAMPLE_OPS = ["relu", "neg", "add", "mul", "div", "gt", "where", "sum", "amax", "softmax",

@@ -41,7 +41,7 @@ from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # n
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from .reshard import execute
-from .rules.registry import NoRuleError, infer
+from .ops_table.strategy import NoRuleError, infer
 
 __all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks",
            "force_candidate"]

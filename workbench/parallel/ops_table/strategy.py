@@ -26,7 +26,7 @@ from typing import Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
-from ..ops_table.table import RULES, on_change
+from .table import RULES, on_change
 from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
