@@ -94,6 +94,10 @@ def register(name: str, funcs=(), *, parse=None, rule=None, local=None, cost=Non
     validator sample. One call per op; ``override=True`` replaces a registration."""
     if op_class is not None and op_class not in OP_CLASSES:
         raise ValueError(f"register({name!r}): op_class={op_class!r}; use one of {OP_CLASSES}")
+    if sample is not None and not (callable(sample) or isinstance(sample, str)):
+        raise TypeError(f"register({name!r}): sample={sample!r:.60}; give a function "
+                        "g -> [Sample] (see samples.py), a str saying why the op cannot be "
+                        "validated, or None")
     old = TABLE.get(name)
     if old is not None and old.runs and not override:
         raise ValueError(f"op {name!r} is registered already; pass override=True to replace it")
