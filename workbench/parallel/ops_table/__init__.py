@@ -13,10 +13,22 @@ Op families, each op's callables, parse, rule, local implementation, cost and va
 sample side by side (adding an op touches one of them and its test): ``pointwise``,
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``.
-:func:`load` imports them all."""
+:func:`load` imports them all.
+
+Adding an op is one ``register`` call in the module of its family, beside its rule::
+
+    register("relu", [torch.relu, F.relu, Tensor.relu],
+             parse=lambda x: ((x,), {}),                  # (inputs, attributes)
+             rule=relu_rule,                              # strategy.py: what it returns
+             local=lambda nd, ctx, x: torch.relu(x),      # on the stacked local tensors
+             cost=costs.elementwise(1), op_class="elementwise",
+             sample=lambda g: [Sample(torch.relu, (g.rn(5, 6),))])   # for the validator
+
+and a test (``tests/test_op_toy.py`` adds one from a module of its own)."""
 from .table import (BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register,  # noqa: F401
                     unregister)
 
+# the op families' modules, in registration order (a new family is added here)
 FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape", "attention",
             "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction")
 
