@@ -4,8 +4,8 @@
                                         [--known-bugs/--no-known-bugs]
 
 Runs :func:`workbench.parallel.validate.validate` on every op with a rule and a sample
-call (``workbench/parallel/validate_samples.py``), on meshes of 2 and 3 ranks and
-2x2 (uneven sizes; Partial inputs of unequal parts, every reduce op), forcing each
+call (registered with the op in its family's module, ``workbench/parallel/ops_table/``),
+on meshes of 2 and 3 ranks and 2x2 (uneven sizes; Partial inputs of unequal parts, every reduce op), forcing each
 candidate the rule offers; then searches 1-d meshes for exact layouts the rules do
 not offer.  Prints the report (every wrong candidate, up to 3 missing layouts per
 op unless ``--all-missing``) and the time it took.  On the 2x2 mesh at most
@@ -36,9 +36,9 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(a.threads)
     from workbench.parallel.validate import MESHES, validate
-    from workbench.parallel.validate_samples import samples
+    from workbench.parallel.ops_table.samples import samples
     warnings.filterwarnings("ignore", category=UserWarning)
-    from workbench.parallel.rules.registry import RULES
+    from workbench.parallel.rules import RULES
     ops = a.ops.split(",") if a.ops else sorted(RULES)
     t0 = time.perf_counter()
     rep = None

@@ -5,7 +5,7 @@ import workbench as wb
 from workbench.exercises import checks_spmd_pipeline as ex
 from workbench.exercises.checks import CheckError
 from workbench.parallel.rules import RULES, combine
-from workbench.parallel.rules import registry
+from workbench.parallel.ops_table import strategy
 
 S = wb.schedules
 R, Sh, P = wb.Replicate(), wb.Shard, wb.Partial()
@@ -60,7 +60,7 @@ def cumsum_slot():
         RULES.pop("cumsum", None)
     else:
         RULES["cumsum"] = before
-    registry._infer_cached.cache_clear()
+    strategy._infer_cached.cache_clear()
 
 
 def rule_from(options):

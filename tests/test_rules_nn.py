@@ -1,5 +1,5 @@
 """SPMD rules of the layers around a transformer block: layer_norm, rms_norm, embedding,
-cross_entropy, dropout (workbench/parallel/rules/{norm,embedding,dropout}.py).
+cross_entropy, dropout (workbench/parallel/ops_table/{norm,embedding,cross_entropy,dropout}.py).
 
 Reference first (one device), then placements (every combination, tests/spmd_harness.py),
 then gradients, then the communication counted against Megatron-LM's."""

@@ -1,4 +1,5 @@
-"""Shape ops (rules/shape.py) and attention-family ops (rules/attention.py).
+"""Shape ops (ops_table/shape.py, reshape.py) and attention-family ops
+(ops_table/attention.py, fused.py).
 
 Forward: every input placement combination on meshes of 2, 4 and 2x2 ranks (uneven
 sizes included, Partial from unequal parts) against one device (tests/spmd_harness.py);
@@ -18,8 +19,10 @@ import torch.nn.functional as F
 import workbench as wb
 from tests.spmd_harness import MESHES, check_op
 from workbench.parallel import DistTensor, layout
-from workbench.parallel.dispatch import OpDef, dispatch
-from workbench.parallel.rules.shape import normalize_index, reshape_keeps, view_groups
+from workbench.parallel.dispatch import dispatch
+from workbench.parallel.ops_table import TABLE
+from workbench.parallel.ops_table.reshape import reshape_keeps, view_groups
+from workbench.parallel.ops_table.shape import normalize_index
 
 T = torch.Tensor
 S, R, P = wb.Shard, wb.Replicate(), wb.Partial()
@@ -410,9 +413,9 @@ def test_backward_matches_single_device(name, fn, inputs, mesh, placements):
     check_grad(fn, inputs, mesh, placements)
 
 
-def test_opdef_multi_field_or_fallback():
-    """split/chunk/unbind work with either dispatch: OpDef(multi=True) or a fixed n_out."""
+def test_split_family_returns_any_number_of_pieces():
+    """split/chunk/unbind are registered ``multi=True``: a tuple of as many pieces as torch."""
     x = wb.shard_tensor(X, M2, [S(0)])
     pieces = x.chunk(3, 1)
-    assert isinstance(pieces, tuple) and len(pieces) == 3
-    assert "n_out" in OpDef.__dataclass_fields__
+    assert isinstance(pieces, tuple) and len(pieces) == len(X.chunk(3, 1)) == 3
+    assert all(TABLE[n].multi for n in ("split", "chunk", "unbind"))

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.parallel.dispatch import OPS, OpDef, register_op
+from workbench.parallel.ops_table.samples import samples
+from workbench.parallel.ops_table.strategy import RULES, _infer_cached, combine, register_rule
+from workbench.parallel.ops_table.table import register, unregister
 from workbench.parallel.placement import Partial, Replicate, Shard
-from workbench.parallel.rules.registry import RULES, _infer_cached, combine, register_rule
 from workbench.parallel.validate import Sample, distribute, validate
-from workbench.parallel.validate_samples import samples
 
 # one or two ops of each rule family (benchmarks/validate_rules.py runs them all)
 SAMPLE_OPS = ["relu", "neg", "add", "mul", "div", "gt", "where", "sum", "amax", "softmax",
@@ -58,8 +58,8 @@ def _private_op(name, rule):
     def fn(x):
         return torch.relu(x)
     fn.__name__ = name
-    register_op([fn], OpDef(name, lambda x: ((x,), {}), lambda nd, ctx, x: torch.relu(x)))
-    register_rule(name)(rule)
+    register(name, [fn], parse=lambda x: ((x,), {}), rule=rule,
+             local=lambda nd, ctx, x: torch.relu(x))
     return fn
 
 
@@ -73,8 +73,7 @@ def private_ops():
         return fn
     yield make
     for name, fn in made:
-        OPS.pop(fn, None)
-        RULES.pop(name, None)
+        unregister(name)
     _infer_cached.cache_clear()
 
 

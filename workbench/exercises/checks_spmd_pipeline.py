@@ -28,7 +28,7 @@ from ..parallel.explain import explain
 from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..parallel.validate_inputs import partial_slot
-from ..parallel.rules.registry import RULES, combine, infer
+from ..parallel.rules import RULES, combine, infer
 from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one_f_one_b,
                                   simulate, validate)
 from ..sim_mesh.mesh import Mesh
@@ -196,7 +196,7 @@ def _strategy_error(st, mesh, shape, dim) -> str | None:
 
 def _cheapest(strategies, spec, profile):
     """The reference's best strategy, ranked as the chooser ranks (deferred costs included)."""
-    from ..parallel.rules.registry import strategy_cost
+    from ..parallel.rules import strategy_cost
     best = None
     for st in strategies:
         plans, t, b, dt, db = strategy_cost((spec,), st, profile)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -36,55 +36,18 @@ from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .ops_table import checks, pricing
-from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
+from .ops_table.table import BY_FUNC, TABLE, on_change
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from .reshard import execute
-from .rules.registry import NoRuleError, infer
+from .ops_table.strategy import NoRuleError, infer
 
-__all__ = ["OpDef", "OPS", "register_op", "dispatch", "allow_replicate_fallback", "explain_hooks",
-           "force_candidate"]
-
-
-@dataclass
-class OpDef:
-    """The older form of a registration (parse and local only); :func:`register_op`
-    puts it in the op table. New ops use ``ops_table.table.register`` (one call with
-    the rule and the cost)."""
-    name: str
-    parse: Callable
-    local: Callable
-    n_out: int = 1
-    multi: bool = False     # returns a tuple of outputs (any number, e.g. split)
+__all__ = ["dispatch", "allow_replicate_fallback", "explain_hooks", "force_candidate"]
 
 
-OPS = BY_FUNC               # callable -> (op table entry, parse)
 _FALLBACK = [False]
 _HOOKS: list = []          # explain() listens here
-
-
-def register_op(funcs, opdef: OpDef, *, cost=None, op_class=None) -> OpDef:
-    """Put ``opdef`` in the op table under ``opdef.name`` (its rule: ``register_rule``).
-    A second OpDef of the same name adds its callables with its own parse."""
-    e = TABLE.get(opdef.name)
-    if e is not None and e.runs:
-        add_funcs(opdef.name, funcs, opdef.parse)
-        return opdef
-    if cost is None and opdef.name in _KNOWN_COSTS:
-        cost, op_class = _KNOWN_COSTS[opdef.name]
-    register(opdef.name, funcs, parse=opdef.parse, local=opdef.local, cost=cost,
-             op_class=op_class, n_out=opdef.n_out, multi=opdef.multi)
-    return opdef
-
-
-def _known_costs():
-    from .ops_table import costs
-    # dropout = x * mask, the mask drawn once for the global shape (an input): 1 FLOP/element
-    return {"dropout": (costs.elementwise(1), "elementwise")}
-
-
-_KNOWN_COSTS = _known_costs()
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 
 The dispatcher runs only the candidate the chooser picks, so a wrong but costlier
 candidate stays hidden until another hardware profile makes it the cheapest.  Here,
-for every op of the op table with a sample call (:func:`validate_samples.samples`), every input
+for every op of the op table with a sample call (its registration's, :func:`ops_table.samples.samples`), every input
 layout on 1-d and 2-d meshes (uneven sizes; Partial inputs made of deliberately
 unequal parts, for every reduce op), EACH candidate the rule offers is forced in
 turn, run, and its gathered result held to one device's:
@@ -36,9 +36,9 @@ from ..sim_mesh.mesh import Mesh
 from . import layout
 from .dist_tensor import DistTensor
 from .placement import PARTIAL_OPS, Partial, Replicate, Shard, fmt_placements
-from .rules.registry import RULES, Candidate, Strategy
+from .ops_table.strategy import RULES, Candidate, Strategy
 from .validate_inputs import _get, _leaves, _neg, _options, _substitute, distribute
-from .validate_samples import SKIP, Sample, samples
+from .ops_table.samples import Sample, samples, unchecked
 
 __all__ = ["Finding", "Report", "Sample", "validate", "distribute", "MESHES"]
 
@@ -69,7 +69,7 @@ def _implemented() -> set:
 def _decide(opdef, args, kwargs):
     """(inputs, attrs, specs, mesh, decision) for one call, as dispatch() computes them."""
     from .dispatch import _spec_of
-    from .rules.registry import infer
+    from .ops_table.strategy import infer
     inputs, attrs = opdef.parse(*args, **kwargs)
     mesh = next(x.mesh for x in inputs if isinstance(x, DistTensor))
     specs = tuple(_spec_of(x, mesh) for x in inputs)
@@ -238,7 +238,7 @@ def validate(ops=None, meshes=MESHES, *, missing: bool = True, max_layouts: int 
     ops: op names to check (default: every op with a rule); meshes: mesh shapes;
     missing: also search 1-d meshes for layouts the rules miss; max_layouts: check at
     most this many input layouts per sample and mesh (a fixed-seed choice);
-    table: {op name: [Sample]} instead of :func:`validate_samples.samples`."""
+    table: {op name: [Sample]} instead of the registered ones (:func:`ops_table.samples.samples`)."""
     t0 = time.perf_counter()
     table = samples() if table is None else table
     names = sorted(RULES) if ops is None else list(ops)
@@ -247,8 +247,8 @@ def validate(ops=None, meshes=MESHES, *, missing: bool = True, max_layouts: int 
     for name in names:
         if name not in implemented:
             rep.skipped[name] = "no local implementation"
-        elif name in SKIP:
-            rep.skipped[name] = SKIP[name]
+        elif unchecked(name):
+            rep.skipped[name] = unchecked(name)
         elif not table.get(name):
             rep.skipped[name] = "no sample call"
         else:

@@ -12,8 +12,8 @@ from ..sim_mesh.mesh import Mesh
 from .dist_tensor import DistTensor, from_local, shard_tensor
 from .placement import PARTIAL_OPS, Partial, Replicate, Shard
 
-if TYPE_CHECKING:                     # validate_samples imports this module
-    from .validate_samples import Sample
+if TYPE_CHECKING:
+    from .ops_table.samples import Sample
 
 def _parts(x: torch.Tensor, op: str, n: int, seed: int) -> list[torch.Tensor]:
     """n tensors whose ``op`` is x, deliberately unequal (never x / n)."""

@@ -35,7 +35,7 @@ for sp in (False, True):
     # the layer's input is a model input here (not saved by the layer), but Table 2
     # counts the first LayerNorm's input: add it back (2 sbh, split under SP)
     counted = rep.bytes + 2 * s * b * h // split
-    # dropout keeps a one-byte mask (rules/dropout.py, as ATen's native_dropout), exactly
+    # dropout keeps a one-byte mask (ops_table/dropout.py, as ATen's native_dropout), exactly
     # Table 2's "dropout mask" terms: nothing extra
     stats = 2 * 2 * s * b * 2 // split                       # LayerNorm mean and 1/std
     # Megatron-SP keeps the SHARD of each column-parallel linear's input and all-gathers it

@@ -1,12 +1,40 @@
-"""The op table: one registration per op (callables, parse, SPMD rule, local
-implementation, cost). ``table.py`` holds the table; the other modules register the
-ops (shape, norm, attention and embedding ops register beside their rules, in
-``rules/``). :func:`load` imports them all."""
-from .table import BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register  # noqa: F401
+"""The op table: one registration per op, in the module of its op family.
+
+Shared machinery:
+
+    table.py     the table (``register``, ``TABLE``, ``RULES``, ``BY_FUNC``)
+    strategy.py  what a rule returns and how the cheapest strategy is chosen
+                 (``Strategy``, ``combine``, ``infer``, ``register_rule``)
+    costs.py     FLOPs and bytes helpers; pricing.py: compute events on the trace
+    samples.py   the validator's sample calls; checks.py: torch as the judge on meta
+    _util.py     dims and stacked-tensor helpers of the local implementations
+
+Op families, each op's callables, parse, rule, local implementation, cost and validator
+sample side by side (adding an op touches one of them and its test): ``pointwise``,
+``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
+``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``.
+:func:`load` imports them all.
+
+Adding an op is one ``register`` call in the module of its family, beside its rule::
+
+    register("relu", [torch.relu, F.relu, Tensor.relu],
+             parse=lambda x: ((x,), {}),                  # (inputs, attributes)
+             rule=relu_rule,                              # strategy.py: what it returns
+             local=lambda nd, ctx, x: torch.relu(x),      # on the stacked local tensors
+             cost=costs.elementwise(1), op_class="elementwise",
+             sample=lambda g: [Sample(torch.relu, (g.rn(5, 6),))])   # for the validator
+
+and a test (``tests/test_op_toy.py`` adds one from a module of its own)."""
+from .table import (BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register,  # noqa: F401
+                    unregister)
+
+# the op families' modules, in registration order (a new family is added here)
+FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape", "attention",
+            "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction")
 
 
 def load():
-    """Import every module that registers ops (idempotent)."""
-    from .. import rules  # noqa: F401  (shape, norm, attention, embedding, dropout)
-    from . import contractions, indexing, pointwise, reductions  # noqa: F401
-    TABLE["topk"].extra["result_type"] = reductions.TOPK_RESULT
+    """Import every op family's module (idempotent)."""
+    import importlib
+    for name in FAMILIES:
+        importlib.import_module(f"{__name__}.{name}")

@@ -1,18 +1,161 @@
-"""Element-wise ops: unary, binary, comparisons, casts, clamp, where, masked_fill,
-triu / tril. Rules: ``rules/pointwise.py``; FLOPs per element beside each name (the
-formula as PyTorch documents it, see ``costs.py`` for the convention)."""
+"""Elementwise ops with broadcasting: unary, binary, comparisons.
+
+Which placements pass through an elementwise op, per mesh dim (the identity each
+row relies on is the comment):
+
+    R    -> R        every rank computes the same thing
+    S(d) -> S(d)     elementwise ops act on each shard alone; an input whose dim d is
+                     broadcast (size 1, or absent) meets every shard whole: R
+    P(sum) -> P(sum) only for ops linear in that input:
+        neg, mul/div by a replicated factor   # sum(a_i) * c = sum(a_i * c)
+        add/sub of two TENSOR partials         # sum(a_i) + sum(b_i) = sum(a_i + b_i)
+    P + 1, relu(P), exp(P), P * P            not linear: reduce first (a constant added
+                                             on every rank would be added p times)
+    P(max) -> P(max), P(min) -> P(min) for non-decreasing ops of one input (relu, exp,
+                     clamp...)                 # max_i f(a_i) = f(max_i a_i)
+
+A partial input broadcast to a bigger output (x (1, 32, 1) P * y (16, 32, 64)) gives a
+partial output as big as y: valid, but the reduction it defers is that big. Such a
+strategy carries the deferred reduce-scatter in its ranking (``Strategy.deferred``),
+so reducing the small input first wins when it is cheaper.
+
+Unary and binary ops here; casts in ``casts.py``; clamp, where, masked_fill, triu and
+tril in ``select.py`` (all with :func:`pointwise_options`). FLOPs per element beside
+each name: the formula as PyTorch documents it (``costs.py`` states the convention).
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from ..rules import pointwise as rp
+from .. import layout
+from ..placement import Partial, Replicate, Shard
 from . import costs
 from ._util import align, is_tensor
+from .samples import Sample
+from .strategy import Strategy, combine
 from .table import register
 
-T = torch.Tensor
+__all__ = ["pointwise_options", "pointwise_rule", "add_rule", "mul_rule", "div_rule",
+           "nonlinear_rule", "monotone_rule", "with_deferred", "pointwise_local"]
 
+T = torch.Tensor
+R = Replicate()
+P = Partial("sum")
+
+
+def _aligned_dim(out_ndim: int, in_shape, d_out: int):
+    """Which dim of an input (right-aligned broadcasting) meets output dim d_out, or None."""
+    d = d_out - (out_ndim - len(in_shape))
+    if d < 0 or in_shape[d] == 1:
+        return None
+    return d
+
+
+def _broadcast_shape(specs):
+    nd = max(len(s.shape) for s in specs if s is not None)
+    out = [1] * nd
+    for s in specs:
+        if s is None:
+            continue
+        for i, n in enumerate(s.shape):
+            j = nd - len(s.shape) + i
+            out[j] = n if out[j] == 1 else out[j]
+    return tuple(out)
+
+
+def pointwise_options(specs, partial_inputs: str = "none", monotone=False):
+    """Per-mesh-dim options for an elementwise op.
+
+    partial_inputs: "all" (linear in all inputs jointly: add/sub; only when every input
+    is a tensor), "one" (linear in each input separately: mul by a replicated factor),
+    "first" (linear in the first input only: div), "none". ``monotone``: P(max) and
+    P(min) of the first input pass (the others replicated)."""
+    shape = _broadcast_shape(specs)
+    n = len(specs)
+    opts = [(tuple(None if s is None else R for s in specs), (R,), "replicated")]
+    for d in range(len(shape)):
+        if shape[d] <= 1:
+            continue
+        req = tuple(None if s is None else
+                    (Shard(_aligned_dim(len(shape), s.shape, d))
+                     if _aligned_dim(len(shape), s.shape, d) is not None else R)
+                    for s in specs)
+        opts.append((req, (Shard(d),), f"elementwise: dim {d} sharded passes through"))
+    if partial_inputs == "all" and all(s is not None for s in specs):
+        opts.append((tuple(P for _ in specs), (P,), "linear: P(sum) + P(sum) -> P(sum)"))
+    elif partial_inputs in ("one", "first"):
+        for k in range(n if partial_inputs == "one" else 1):
+            if specs[k] is None:
+                continue
+            req = tuple(None if s is None else (P if j == k else R) for j, s in enumerate(specs))
+            opts.append((req, (P,), f"linear in input {k}: P(sum) * R -> P(sum)"))
+    if monotone and specs[0] is not None:
+        for op in ("max", "min"):
+            req = tuple(None if s is None else (Partial(op) if j == 0 else R)
+                        for j, s in enumerate(specs))
+            opts.append((req, (Partial(op),), f"non-decreasing: f(P({op})) = P({op}) of f"))
+    return opts
+
+
+def with_deferred(specs, strategies):
+    """Attach to each strategy the reductions its partial output defers beyond those of
+    its partial inputs: a partial input broadcast to a bigger output (see the module
+    docstring). Bytes: the output's local size on the busiest rank."""
+    real = [s for s in specs if s is not None]
+    mesh = real[0].mesh
+    shape = _broadcast_shape(specs)
+    numel = math.prod(shape)
+    esize = max(_esize(s.dtype) for s in real)
+    out = []
+    for st in strategies:
+        o = st.outputs[0]
+        dims = []
+        for i, p in enumerate(o):
+            if not p.is_partial():
+                continue
+            grown = [s for s, req in zip(specs, st.inputs)
+                     if s is not None and req is not None and req[i].is_partial()
+                     and math.prod(s.shape) < numel]
+            if grown:
+                local = layout.local_numel_max(shape, mesh, tuple(
+                    R if q.is_partial() else q for q in o))
+                dims.append((i, local * esize))
+        out.append(Strategy(st.inputs, st.outputs, st.note, tuple(dims)) if dims else st)
+    return out
+
+
+def _esize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pointwise_rule(partial_inputs="none", monotone=False):
+    def rule(*specs, **attrs):
+        real = [s for s in specs if s is not None]
+        mesh = real[0].mesh
+        opts = pointwise_options(specs, partial_inputs, monotone)
+        sts = combine(mesh.ndim, [opts] * mesh.ndim, len(specs))
+        return with_deferred(specs, sts) if partial_inputs != "none" else sts
+    rule.__doc__ = (f"elementwise: S passes; P(sum) passes {partial_inputs!s} linear inputs"
+                    + ("; P(max/min) pass (non-decreasing)" if monotone else ""))
+    return rule
+
+
+add_rule = pointwise_rule("all")
+mul_rule = pointwise_rule("one")
+nonlinear_rule = pointwise_rule("none")
+monotone_rule = pointwise_rule("none", monotone=True)
+_div_first = pointwise_rule("first")
+
+
+def div_rule(*specs, rounding_mode=None, **attrs):
+    """div: linear in the dividend (P(sum) / R -> P(sum)) unless it rounds."""
+    return (_div_first if rounding_mode is None else nonlinear_rule)(*specs)
+
+
+# ---- parse, local implementation, registration ----------------------------------------
 
 def _parse(*args, **kwargs):
     if kwargs.pop("inplace", False):
@@ -70,160 +213,98 @@ def _register(name, funcs, rule, flops, op_class="elementwise", swapped=(), **kw
              parse=_parse, rule=rule, local=_local(funcs[0]), cost=cost, op_class=op_class, **kw)
 
 
-# ---- unary: name -> (callables, FLOPs per element, rule) ------------------------------------
+pointwise_local = _local          # the local implementation of an elementwise torch function
+
+
+# ---- validator samples (``samples.py``): input makers of a unary op's first callable --------
+X = lambda g: [(g.rn(5, 6),)]                                            # noqa: E731
+POS = lambda g: [(g.pos(5, 6),)]                     # log, sqrt, 1/x     # noqa: E731
+
+
+def _ties(f):
+    """``f(a, b)`` on values of a 1/16 grid equal in about half the places (comparisons)."""
+    def sample(g):
+        a = g.grid(5, 6)
+        return [Sample(f, (a, g.ties(a, g.grid(5, 6))))]
+    return sample
+
+
+# ---- unary: name -> (callables, FLOPs per element, rule, sample inputs) ---------------------
 # non-decreasing (P(max), P(min) pass): relu, exp, sigmoid, tanh, erf, softplus, hardtanh,
 # floor, ceil, round, sign; log/sqrt are not over parts that may be negative (nan).
 UNARY = {
-    "relu": ((torch.relu, F.relu, T.relu), 1, rp.monotone_rule),              # max(x, 0)
-    "gelu": ((F.gelu,), 5, rp.nonlinear_rule),          # x/2 (1 + erf(x/sqrt2)); tanh form 9
-    "silu": ((F.silu,), 4, rp.nonlinear_rule),          # x / (1 + exp(-x))
-    "sigmoid": ((torch.sigmoid, T.sigmoid, F.sigmoid), 3, rp.monotone_rule),  # 1/(1+exp(-x))
-    "tanh": ((torch.tanh, T.tanh, F.tanh), 1, rp.monotone_rule),
-    "exp": ((torch.exp, T.exp), 1, rp.monotone_rule),
-    "log": ((torch.log, T.log), 1, rp.nonlinear_rule),
-    "sqrt": ((torch.sqrt, T.sqrt), 1, rp.nonlinear_rule),
-    "rsqrt": ((torch.rsqrt, T.rsqrt), 1, rp.nonlinear_rule),
-    "abs": ((torch.abs, T.abs, T.__abs__), 1, rp.nonlinear_rule),
-    "neg": ((torch.neg, T.neg, T.__neg__), 1, rp.mul_rule),                    # linear
-    "square": ((torch.square, T.square), 1, rp.nonlinear_rule),
-    "sin": ((torch.sin, T.sin), 1, rp.nonlinear_rule),
-    "cos": ((torch.cos, T.cos), 1, rp.nonlinear_rule),
-    "erf": ((torch.erf, T.erf), 1, rp.monotone_rule),
-    "reciprocal": ((torch.reciprocal, T.reciprocal), 1, rp.nonlinear_rule),
-    "softplus": ((F.softplus,), 6, rp.monotone_rule),   # log(1 + exp(b x)) / b; x b > threshold
-    "leaky_relu": ((F.leaky_relu,), 2, rp.nonlinear_rule),    # compare, multiply
-    "elu": ((F.elu,), 4, rp.nonlinear_rule),                  # x > 0 ? x : a (exp(x) - 1)
-    "mish": ((F.mish,), 5, rp.nonlinear_rule),                # x tanh(log(1 + exp(x)))
-    "hardtanh": ((F.hardtanh,), 2, rp.monotone_rule),         # clamp(x, lo, hi)
-    "floor": ((torch.floor, T.floor), 1, rp.monotone_rule),
-    "ceil": ((torch.ceil, T.ceil), 1, rp.monotone_rule),
-    "round": ((torch.round, T.round), 1, rp.monotone_rule),
-    "sign": ((torch.sign, T.sign), 1, rp.monotone_rule),
-    "isnan": ((torch.isnan, T.isnan), 1, rp.nonlinear_rule),
-    "isfinite": ((torch.isfinite, T.isfinite), 1, rp.nonlinear_rule),
-    "logical_not": ((torch.logical_not, T.logical_not), 1, rp.nonlinear_rule),
-    "clone": ((torch.clone, T.clone), None, rp.mul_rule),                      # a copy
-    "contiguous": ((T.contiguous,), None, rp.mul_rule),
+    "relu": ((torch.relu, F.relu, T.relu), 1, monotone_rule, X),              # max(x, 0)
+    "gelu": ((F.gelu,), 5, nonlinear_rule, X),       # x/2 (1 + erf(x/sqrt2)); tanh form 9
+    "silu": ((F.silu,), 4, nonlinear_rule, X),       # x / (1 + exp(-x))
+    "sigmoid": ((torch.sigmoid, T.sigmoid, F.sigmoid), 3, monotone_rule, X),  # 1/(1+exp(-x))
+    "tanh": ((torch.tanh, T.tanh, F.tanh), 1, monotone_rule, X),
+    "exp": ((torch.exp, T.exp), 1, monotone_rule, X),
+    "log": ((torch.log, T.log), 1, nonlinear_rule, POS),
+    "sqrt": ((torch.sqrt, T.sqrt), 1, nonlinear_rule, POS),
+    "rsqrt": ((torch.rsqrt, T.rsqrt), 1, nonlinear_rule, POS),
+    "abs": ((torch.abs, T.abs, T.__abs__), 1, nonlinear_rule, X),
+    "neg": ((torch.neg, T.neg, T.__neg__), 1, mul_rule,                       # linear
+            lambda g: [(g.rn(5, 6),), (g.ints(7, 2),)]),
+    "square": ((torch.square, T.square), 1, nonlinear_rule, X),
+    "sin": ((torch.sin, T.sin), 1, nonlinear_rule, X),
+    "cos": ((torch.cos, T.cos), 1, nonlinear_rule, X),
+    "erf": ((torch.erf, T.erf), 1, monotone_rule, X),
+    "reciprocal": ((torch.reciprocal, T.reciprocal), 1, nonlinear_rule, POS),
+    "softplus": ((F.softplus,), 6, monotone_rule, None),  # log(1 + exp(b x)) / b; x b > threshold
+    "leaky_relu": ((F.leaky_relu,), 2, nonlinear_rule, None),   # compare, multiply
+    "elu": ((F.elu,), 4, nonlinear_rule, None),                 # x > 0 ? x : a (exp(x) - 1)
+    "mish": ((F.mish,), 5, nonlinear_rule, None),               # x tanh(log(1 + exp(x)))
+    "hardtanh": ((F.hardtanh,), 2, monotone_rule, None),        # clamp(x, lo, hi)
+    "floor": ((torch.floor, T.floor), 1, monotone_rule, None),
+    "ceil": ((torch.ceil, T.ceil), 1, monotone_rule, None),
+    "round": ((torch.round, T.round), 1, monotone_rule, None),
+    "sign": ((torch.sign, T.sign), 1, monotone_rule, None),
+    "isnan": ((torch.isnan, T.isnan), 1, nonlinear_rule, None),
+    "isfinite": ((torch.isfinite, T.isfinite), 1, nonlinear_rule, None),
+    "logical_not": ((torch.logical_not, T.logical_not), 1, nonlinear_rule, None),
+    "clone": ((torch.clone, T.clone), None, mul_rule,                         # a copy
+              lambda g: [(g.rn(7, 3, dtype=torch.float64),)]),
+    "contiguous": ((T.contiguous,), None, mul_rule, X),
 }
-for _n, (_fs, _fl, _rule) in UNARY.items():
-    _register(_n, _fs, _rule, _fl, op_class="data_movement" if _fl is None else "elementwise")
+for _n, (_fs, _fl, _rule, _args) in UNARY.items():
+    _register(_n, _fs, _rule, _fl, op_class="data_movement" if _fl is None else "elementwise",
+              sample=_args and (lambda g, f=_fs[0], a=_args: [Sample(f, x) for x in a(g)]))
 
-register("positive", [torch.positive, T.positive], parse=_parse, rule=rp.mul_rule,
+register("positive", [torch.positive, T.positive], parse=_parse, rule=mul_rule,
          local=_local(torch.positive), cost=costs.view, op_class="view")
 
-# ---- binary: name -> (callables, reversed dunder, FLOPs per element, rule) ------------------
+# ---- binary: name -> (callables, reversed dunder, FLOPs per element, rule, sample) ----------
+_BUG10 = "issue 10: P(sum) + scalar adds the scalar on every rank"
 BINARY = {
-    "add": ((torch.add, T.add, T.__add__), T.__radd__, 1, rp.add_rule),
-    "sub": ((torch.sub, T.sub, T.__sub__), T.__rsub__, 1, rp.add_rule),
-    "mul": ((torch.mul, T.mul, T.__mul__), T.__rmul__, 1, rp.mul_rule),
-    "div": ((torch.div, T.div, T.__truediv__), T.__rtruediv__, 1, rp.div_rule),
-    "pow": ((torch.pow, T.pow, T.__pow__), T.__rpow__, 1, rp.nonlinear_rule),
-    "maximum": ((torch.maximum, T.maximum), None, 1, rp.nonlinear_rule),
-    "minimum": ((torch.minimum, T.minimum), None, 1, rp.nonlinear_rule),
-    "atan2": ((torch.atan2, T.atan2), None, 1, rp.nonlinear_rule),
-    "remainder": ((torch.remainder, T.remainder, T.__mod__), None, 4, rp.nonlinear_rule),
-    "fmod": ((torch.fmod, T.fmod), None, 4, rp.nonlinear_rule),   # x - trunc(x / y) y
-    "logical_and": ((torch.logical_and, T.logical_and), None, 1, rp.nonlinear_rule),
-    "logical_or": ((torch.logical_or, T.logical_or), None, 1, rp.nonlinear_rule),
+    "add": ((torch.add, T.add, T.__add__), T.__radd__, 1, add_rule, lambda g: [
+        Sample(torch.add, (g.rn(5, 6), g.rn(5, 6))), Sample(torch.add, (g.rn(5, 6), g.rn(6))),
+        Sample(torch.add, (g.ints(7, 3), g.ints(3))),
+        Sample(T.__add__, (g.rn(5, 6), 1.5), known_bug=_BUG10),
+        Sample(T.__radd__, (g.rn(6), 2), known_bug=_BUG10)]),
+    "sub": ((torch.sub, T.sub, T.__sub__), T.__rsub__, 1, add_rule, lambda g: [
+        Sample(torch.sub, (g.rn(5, 6), g.rn(1, 6))), Sample(torch.sub, (g.rn(6), g.rn(5, 6))),
+        Sample(T.__sub__, (g.rn(5, 6), 0.5), known_bug=_BUG10),
+        Sample(T.__rsub__, (g.rn(5, 6), 1.0), known_bug=_BUG10)]),
+    "mul": ((torch.mul, T.mul, T.__mul__), T.__rmul__, 1, mul_rule, lambda g: [
+        Sample(torch.mul, (g.rn(5, 6), g.rn(5, 6))), Sample(torch.mul, (g.rn(5, 1), g.rn(6))),
+        Sample(T.__mul__, (g.rn(5, 6), 2.5))]),
+    "div": ((torch.div, T.div, T.__truediv__), T.__rtruediv__, 1, div_rule, lambda g: [
+        Sample(torch.div, (g.rn(5, 6), g.pos(5, 6))), Sample(torch.div, (g.rn(5, 6), g.pos(6)))]),
+    "pow": ((torch.pow, T.pow, T.__pow__), T.__rpow__, 1, nonlinear_rule, lambda g: [
+        Sample(torch.pow, (g.rn(5, 6), 2)), Sample(torch.pow, (g.pos(5, 6), 0.5))]),
+    "maximum": ((torch.maximum, T.maximum), None, 1, nonlinear_rule, _ties(torch.maximum)),
+    "minimum": ((torch.minimum, T.minimum), None, 1, nonlinear_rule,
+                lambda g: [Sample(torch.minimum, (g.rn(5, 6), g.rn(6)))]),
+    "atan2": ((torch.atan2, T.atan2), None, 1, nonlinear_rule, None),
+    "remainder": ((torch.remainder, T.remainder, T.__mod__), None, 4, nonlinear_rule, None),
+    "fmod": ((torch.fmod, T.fmod), None, 4, nonlinear_rule, None),   # x - trunc(x / y) y
+    "logical_and": ((torch.logical_and, T.logical_and), None, 1, nonlinear_rule, None),
+    "logical_or": ((torch.logical_or, T.logical_or), None, 1, nonlinear_rule, None),
 }
 for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
     # (no __eq__ / __ne__ on DistTensor: they would break hashing and `in`; use torch.eq)
     _d = getattr(T, f"__{_c}__") if _c not in ("eq", "ne") else None
-    BINARY[_c] = ((getattr(torch, _c), getattr(T, _c), _d), None, 1, rp.nonlinear_rule)
-for _n, (_fs, _rev, _fl, _rule) in BINARY.items():
-    _register(_n, [f for f in _fs if f is not None], _rule, _fl, swapped=(_rev,))
-
-
-# ---- casts ---------------------------------------------------------------------------------
-
-def _to_parse(x, *args, **kwargs):
-    dtype = kwargs.pop("dtype", None)
-    device = kwargs.pop("device", None)
-    kwargs.pop("non_blocking", None)
-    kwargs.pop("copy", None)
-    if kwargs:
-        raise TypeError(f"to(): arguments {sorted(kwargs)} are not supported on a DistTensor")
-    for a in args:
-        if isinstance(a, torch.dtype):
-            dtype = a
-        elif is_tensor(a):
-            dtype = a.dtype
-        elif isinstance(a, (str, torch.device)):
-            device = a
-        else:
-            raise TypeError(f"to({a!r}): give a dtype, a device or a tensor")
-    if device is not None and torch.device(device).type != x.device.type:
-        raise NotImplementedError(
-            f"to(device={device!r}) on a DistTensor on {x.device}: every simulated rank "
-            "lives on one device; build the DistTensor from tensors on that device")
-    return (x,), {"dtype": x.dtype if dtype is None else dtype}
-
-
-def _cast_local(nd, ctx, x, dtype):
-    return x.to(dtype)
-
-
-def _fixed(dtype):
-    return lambda x, memory_format=None: ((x,), {"dtype": dtype})
-
-
-register("to", [T.to], parse=_to_parse, rule=rp.cast_rule, local=_cast_local,
-         cost=costs.movement, op_class="elementwise", meta_check=False)
-register("type_as", [T.type_as], parse=lambda x, other: ((x,), {"dtype": other.dtype}),
-         rule=rp.cast_rule, local=_cast_local, cost=costs.movement, op_class="elementwise")
-for _n, _dt in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
-                ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
-                ("bool", torch.bool)):
-    register(_n, [getattr(T, _n)], parse=_fixed(_dt), rule=rp.cast_rule, local=_cast_local,
-             cost=costs.movement, op_class="elementwise")
-
-
-# ---- clamp, where, masked_fill, triu / tril -----------------------------------------------
-
-def _clamp_parse(x, min=None, max=None):
-    return (x, min, max), {}
-
-
-def _clamp_local(nd, ctx, x, lo, hi):
-    x, lo, hi = align(nd, x, lo, hi)
-    return torch.clamp(x, lo, hi)
-
-
-register("clamp", [torch.clamp, T.clamp, torch.clip, T.clip], parse=_clamp_parse,
-         rule=rp.monotone_rule, local=_clamp_local, cost=costs.elementwise(2),
-         op_class="elementwise")                                    # min(max(x, lo), hi)
-
-register("where", [torch.where, T.where], parse=lambda c, x, y: ((c, x, y), {}),
-         rule=rp.where_rule, local=_local(torch.where), cost=costs.elementwise(1),
-         op_class="elementwise")
-
-
-def _masked_fill_parse(x, mask, value):
-    if is_tensor(value):
-        return (x, mask, value), {"fill": None}
-    return (x, mask, None), {"fill": value}
-
-
-def _masked_fill_local(nd, ctx, x, mask, value, fill):
-    x, mask, value = align(nd, x, mask, value)
-    if value is None:
-        return x.masked_fill(mask, fill)
-    return torch.where(mask, value.to(x.dtype), x)       # a 0-d value, one per rank
-
-
-register("masked_fill", [torch.masked_fill, T.masked_fill], parse=_masked_fill_parse,
-         rule=rp.masked_fill_rule, local=_masked_fill_local, cost=costs.elementwise(1),
-         op_class="elementwise")
-
-
-def _triangle(fn):
-    def local(nd, ctx, x, diagonal=0):
-        return fn(x, diagonal)
-    return local
-
-
-for _n, _fn in (("triu", torch.triu), ("tril", torch.tril)):
-    register(_n, [_fn, getattr(T, _n)],
-             parse=lambda x, diagonal=0: ((x,), {"diagonal": int(diagonal)}),
-             rule=rp.triangle_rule, local=_triangle(_fn), cost=costs.elementwise(1),
-             op_class="elementwise")
+    BINARY[_c] = ((getattr(torch, _c), getattr(T, _c), _d), None, 1, nonlinear_rule,
+                  _ties(getattr(torch, _c)))
+for _n, (_fs, _rev, _fl, _rule, _sample) in BINARY.items():
+    _register(_n, [f for f in _fs if f is not None], _rule, _fl, swapped=(_rev,), sample=_sample)

@@ -1,7 +1,12 @@
 """The one op table: everything the library knows about an op, in one registration.
 
-    register("relu", [torch.relu, F.relu, Tensor.relu],
-             parse=..., rule=..., local=..., cost=..., op_class="elementwise")
+    register("relu", [torch.relu, F.relu, Tensor.relu], parse=..., rule=..., local=...,
+             cost=..., op_class="elementwise", sample=...)
+
+Each op family registers its ops in its own module of this package (``pointwise.py``,
+``matmul.py``, ``norm.py``...), every registration beside the rule, parse, local
+implementation, cost and validator sample it names; :func:`load` in ``__init__.py``
+imports them all.
 
 One :class:`OpEntry` per op name holds
 
@@ -9,13 +14,16 @@ One :class:`OpEntry` per op name holds
   operator dunders); the dispatcher looks them up in :data:`BY_FUNC`;
 * ``parse(*args, **kwargs) -> (inputs, attrs)``: the tensor-or-constant inputs in the
   order the rule sees them, and hashable attributes;
-* ``rule(*specs, **attrs) -> [Strategy]``: the SPMD rule (``rules/*.py``);
+* ``rule(*specs, **attrs) -> [Strategy]``: the SPMD rule (``strategy.py``: what a
+  strategy is, how the cheapest is chosen);
 * ``local(nd, ctx, *locals, **attrs)``: the op on stacked local tensors (``nd``
   leading device axes; ``nd == 0`` and ``ctx is None`` on the meta device);
 * ``cost(ins, outs, **attrs) -> Cost``: FLOPs and bytes, forward and backward, from
-  the per-rank (local) meta tensors (``ops_table/costs.py``);
+  the per-rank (local) meta tensors (``costs.py``);
 * ``op_class``: "matmul", "attention", "elementwise", "norm", "reduction",
-  "data_movement", "view" (no kernel), "loss", "embedding".
+  "data_movement", "view" (no kernel), "loss", "embedding";
+* ``sample(g) -> [Sample]``: the validator's calls of the op on data drawn from ``g``
+  (``samples.py``), or a str saying why the op cannot be validated.
 
 ``RULES`` (``wb.spmd``), ``wb.register_rule``, the dispatcher, ``explain`` and the
 validator all read this table.
@@ -26,8 +34,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["OpEntry", "TABLE", "BY_FUNC", "RULES", "OP_CLASSES", "register", "entry",
-           "on_change"]
+__all__ = ["OpEntry", "TABLE", "BY_FUNC", "RULES", "OP_CLASSES", "register", "unregister",
+           "entry", "on_change"]
 
 OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "reduction", "data_movement",
               "view", "loss", "embedding")
@@ -46,6 +54,7 @@ class OpEntry:
     n_out: int = 1
     multi: bool = False      # returns a tuple of outputs (any number, e.g. split)
     meta_check: bool = True  # run the torch callable on meta tensors to check shape/dtype/errors
+    sample: Callable | str | None = None   # the validator's calls (or why there are none)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -79,12 +88,16 @@ def entry(name: str) -> OpEntry:
 
 
 def register(name: str, funcs=(), *, parse=None, rule=None, local=None, cost=None,
-             op_class=None, n_out=1, multi=False, meta_check=True, override=False) -> OpEntry:
-    """Register op ``name``: its callables, parse, rule, local implementation and cost.
-
-    One call per op; ``override=True`` replaces an existing registration."""
+             op_class=None, n_out=1, multi=False, meta_check=True, sample=None,
+             override=False) -> OpEntry:
+    """Register op ``name``: its callables, parse, rule, local implementation, cost and
+    validator sample. One call per op; ``override=True`` replaces a registration."""
     if op_class is not None and op_class not in OP_CLASSES:
         raise ValueError(f"register({name!r}): op_class={op_class!r}; use one of {OP_CLASSES}")
+    if sample is not None and not (callable(sample) or isinstance(sample, str)):
+        raise TypeError(f"register({name!r}): sample={sample!r:.60}; give a function "
+                        "g -> [Sample] (see samples.py), a str saying why the op cannot be "
+                        "validated, or None")
     old = TABLE.get(name)
     if old is not None and old.runs and not override:
         raise ValueError(f"op {name!r} is registered already; pass override=True to replace it")
@@ -92,10 +105,21 @@ def register(name: str, funcs=(), *, parse=None, rule=None, local=None, cost=Non
     e.funcs = ()
     e.parse, e.local, e.cost, e.op_class = parse, local, cost, op_class
     e.rule = rule if rule is not None else e.rule
-    e.n_out, e.multi, e.meta_check = n_out, multi, meta_check
+    e.n_out, e.multi, e.meta_check, e.sample = n_out, multi, meta_check, sample
     add_funcs(name, funcs)
     _changed()
     return e
+
+
+def unregister(name: str) -> None:
+    """Remove op ``name``: its entry, rule and callables (a toy op in a test)."""
+    e = TABLE.pop(name, None)
+    if e is None:
+        raise KeyError(f"unregister({name!r}): no op of that name in the table")
+    for f in e.funcs:
+        if BY_FUNC.get(f, (None,))[0] is e:
+            del BY_FUNC[f]
+    _changed()
 
 
 def add_funcs(name: str, funcs, parse=None) -> None:

@@ -1,5 +1,5 @@
-"""Attention and the fused ops around it: scaled_dot_product_attention,
-``workbench.ops.flash_attention``, ``swiglu`` and ``rotary_embedding``.
+"""Attention: scaled_dot_product_attention and ``workbench.ops.flash_attention`` (the
+fused ops around it, swiglu and rotary_embedding: ``fused.py``).
 
 Attention ``out = softmax(q k^T * scale + mask) v`` on q (B, Hq, Sq, D),
 k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv). Per mesh dim:
@@ -23,16 +23,6 @@ k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv). Per mesh dim:
 
 A mask tensor (broadcastable to (B, Hq, Sq, Sk)) follows q along the dim it aligns
 with, and is otherwise replicated.
-
-swiglu(x, dim) = silu(a) * b with a, b = x.chunk(2, dim): S(d) passes for d != dim;
-S(dim) must be whole, since a torch.chunk shard of dim holds gate rows OR up rows,
-not a matching pair (Megatron reorders the fused weight so each rank holds both;
-that is a different layout, not S(dim)). Not linear: no Partial.
-
-rotary_embedding(x, cos, sin) = x * cos + rotate(x) * sin, elementwise along every
-dim but the last (rotate pairs features of D): S(d) passes for d < last when
-cos/sin are split the same way along their aligned dim (or replicated where they
-broadcast); D whole; linear in x: P(sum) x with replicated cos, sin -> P(sum).
 """
 from __future__ import annotations
 
@@ -42,12 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from ..dist_tensor import DistTensor
-from ..ops_table import costs
-from ..ops_table._util import align as _align, check_number, shift as _shift, wrap_dim
-from ..ops_table.table import register
 from ..placement import Replicate, Shard
-from .pointwise import pointwise_options
-from .registry import combine
+from . import costs
+from ._util import check_number
+from .samples import Sample
+from .strategy import combine
+from .table import register
 
 try:
     from ... import ops as _ops
@@ -253,8 +243,15 @@ def _attention_cost(ins, outs, layout=None, **attrs):
 _attention_cost.wants_layout = True
 
 
+def _sdpa_sample(g):
+    q, k, v = g.rn(2, 2, 5, 4), g.rn(2, 2, 7, 4), g.rn(2, 2, 7, 4)
+    return [Sample(F.scaled_dot_product_attention, (q, k, v)),
+            Sample(F.scaled_dot_product_attention, (q, q, q), {"is_causal": True})]
+
+
 register("scaled_dot_product_attention", [F.scaled_dot_product_attention], parse=_sdpa_parse,
-         rule=attention_rule, local=_attention_local, cost=_attention_cost, op_class="attention")
+         rule=attention_rule, local=_attention_local, cost=_attention_cost, op_class="attention",
+         sample=_sdpa_sample)
 
 
 def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, tile_q=None,
@@ -272,49 +269,8 @@ def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None,
         "dropout_p": float(dropout_p), "scale": scale, "tile_q": tile_q, "tile_k": tile_k}
 
 
-# ---- swiglu, rotary -------------------------------------------------------------------------
-
-def swiglu_rule(x, dim, **_):
-    """swiglu(dim): other dims pass; dim (gate | up halves) must be whole."""
-    opts = [((R,), (R,), "replicated")]
-    for d in range(x.ndim):
-        if d != dim and x.shape[d] > 1:
-            opts.append(((Shard(d),), (Shard(d),), f"dim {d} sharded passes (halves on {dim})"))
-    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
-
-
-def _swiglu_local(nd, ctx, x, dim):
-    if ctx is None:
-        shape = list(x.shape)
-        shape[dim] //= 2
-        return torch.empty(shape, dtype=x.dtype, device="meta")
-    return _ops.swiglu(x, dim=_shift(dim, x.dim() - nd, nd))
-
-
-def rotary_rule(x, cos, sin, **_):
-    """rotary: elementwise on every dim but the last (D whole); linear in x."""
-    last = x.ndim - 1
-    opts = [o for o in pointwise_options([x, cos, sin], "first")
-            if not (o[1][0].is_shard() and o[1][0].dim == last)]
-    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
-
-
-def _rotary_local(nd, ctx, x, cos, sin, mode):
-    if ctx is None:
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
-    return _ops.rotary_embedding(*_align(nd, x, cos, sin), mode=mode)
-
-
 if _ops is not None:
     register("flash_attention", [_ops.flash_attention], parse=_flash_parse, rule=attention_rule,
              local=_attention_local, cost=_attention_cost, op_class="attention",
-             meta_check=False)
-    register("swiglu", [_ops.swiglu], parse=lambda x, dim=-1: ((x,), {"dim": wrap_dim(dim, x.ndim)}),
-             rule=swiglu_rule, local=_swiglu_local,
-             cost=costs.from_ops("swiglu", lambda ins, outs, dim: (ins, {"dim": dim})),
-             op_class="elementwise", meta_check=False)
-    register("rotary_embedding", [_ops.rotary_embedding],
-             parse=lambda x, cos, sin, mode="half": ((x, cos, sin), {"mode": mode}),
-             rule=rotary_rule, local=_rotary_local,
-             cost=costs.from_ops("rotary_embedding", lambda ins, outs, mode: (ins, {"mode": mode})),
-             op_class="elementwise", meta_check=False)
+             meta_check=False, sample=lambda g: [Sample(_ops.flash_attention, (
+                 g.rn(2, 2, 5, 4), g.rn(2, 2, 7, 4), g.rn(2, 2, 7, 4)))])

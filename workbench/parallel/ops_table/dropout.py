@@ -41,16 +41,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import OpDef, register_op
-from ..op_table import _align
 from ...sim_mesh.rng import draw_mask
 from ..placement import Partial, Replicate, Shard
-from .registry import combine, register_rule
+from . import costs
+from ._util import align as _align
+from .strategy import combine
+from .table import add_funcs, register
 
 R = Replicate()
 
 
-@register_rule("dropout")
 def dropout_rule(x, mask=None, **_):
     """dropout: the mask (drawn for the global shape) is sliced like x; P(sum) passes."""
     if mask is None:                                   # identity: every placement passes
@@ -114,5 +114,8 @@ def _torch_dropout_parse(x, p, train):
     return _parse(x, p, train)
 
 
-register_op([F.dropout], OpDef("dropout", _parse, _dropout_local))
-register_op([torch.dropout], OpDef("dropout", _torch_dropout_parse, _dropout_local))
+# dropout = x * mask, the mask drawn once for the global shape (an input): 1 FLOP per element
+register("dropout", [F.dropout], parse=_parse, rule=dropout_rule, local=_dropout_local,
+         cost=costs.elementwise(1), op_class="elementwise",
+         sample="random (the validator compares deterministic ops)")
+add_funcs("dropout", [torch.dropout], _torch_dropout_parse)

@@ -7,14 +7,16 @@ the reshard planner on the current hardware profile (the communication needed to
 bring each input to what the strategy requires) and picks the cheapest; ties go
 to the first strategy in the rule's own order, so the choice is deterministic.
 
-    @register_rule("my_relu")
-    def my_relu_rule(x, **attrs):           # one TensorSpec per tensor input
-        yield from per_mesh_dim(x.mesh, [
-            Strategy([x.placements_with(i, R)], [R]) ...])
+    def relu_rule(x, **attrs):              # one TensorSpec per tensor input
+        opts = [((R,), (R,), "replicated")] + [
+            ((Shard(d),), (Shard(d),), f"dim {d} sharded passes") for d in range(x.ndim)]
+        return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
 
-Most rules are written per mesh dimension (``options`` below): a list of
-(input placements, output placement) choices for one mesh dim, combined over the
-mesh dims by :func:`combine`.
+Most rules are written per mesh dimension like this one: a list of (input placements,
+output placements, note) choices for one mesh dim, combined over the mesh dims by
+:func:`combine`. A built-in op's rule is registered with the op, by ``register(...,
+rule=relu_rule, ...)`` in its family's module; ``@register_rule(name)`` (``wb.register_rule``)
+replaces the rule of an op, or adds a rule to study with :func:`infer` (notebook 04).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
-from ..ops_table.table import RULES, on_change
+from .table import RULES, on_change
 from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",

@@ -1,5 +1,5 @@
-"""Shape ops: permute / transpose, reshape / view / flatten / (un)squeeze, cat / stack,
-split / chunk / unbind, and basic indexing ``x[...]``.
+"""Shape ops: permute / transpose, cat / stack, split / chunk / unbind, and basic
+indexing ``x[...]`` (reshape / view / flatten / (un)squeeze: ``reshape.py``).
 
 None of them computes anything, so every one is linear: ``P(op) -> P(op)``
 (``reshape(sum a_i) = sum reshape(a_i)``, the same for max/min/avg). Per mesh dim:
@@ -11,51 +11,30 @@ None of them computes anything, so every one is linear: ``P(op) -> P(op)``
     x[idx]               S(d) passes when idx takes all of d (``:``); a partial slice
                          or an int on d needs d whole (the ranks' blocks would not
                          line up); an int elsewhere drops its dim, None adds one
-    reshape / view       see :func:`view_groups` and :func:`reshape_keeps`
-
-Reshape. Row-major order groups the dims: ``(B, S, H) -> (B*S, H)`` has the groups
-``{B, S} -> {B*S}`` and ``{H} -> {H}``; ``(B, S, H) -> (B, S, nh, hd)`` has
-``{H} -> {nh, hd}``. Inside a group, a rank's block of the LEADING dim with the
-later dims whole is one contiguous run of the flattened group, so it can become a
-block of the leading output dim; a block of a later dim is strided and cannot (a
-shard on S of ``{B, S}`` must be moved: all-to-all to S(0) or S(H), or gathered).
-The exact condition (torch.chunk sizes on both sides): with ``R_in`` / ``R_out`` the
-product of the group's later input / output dims, every rank's (start, size) along
-the leading input dim times ``R_in`` must equal its (start, size) along the leading
-output dim times ``R_out``. For one mesh dim of m ranks this is
-
-    ceil(N_in / m) * R_in == ceil(N_out / m) * R_out
-
-which holds whenever m divides both leading sizes (e.g. S(2) of (B, S, H) keeps
-S(2) on nh in (B, S, nh, hd) when m | nh) and can fail when it does not: (5, 6)
--> (30,) on 4 ranks: rows 2,2,1,0 give runs of 12,12,6,0 but chunk(30, 4) is
-8,8,8,6. Nested shards (one dim split by several mesh dims) are checked rank by
-rank with the runtime's own offsets (:func:`layout.shard_bounds`).
+    reshape / view       ``reshape.py``
 
 Local ops run on stacked shards (``nd`` leading device axes), so user dims shift by
-``nd``; view() is run as reshape() locally because stacked replicas are stride-0
-views that a real view() may refuse.
+``nd``.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from .. import layout
-from ..ops_table import costs
-from ..ops_table._util import wrap_dim
-from ..ops_table.table import add_funcs, register
 from ..placement import Replicate, Shard
-from .registry import combine
+from . import costs
+from ._util import wrap_dim
+from .samples import Sample
+from .strategy import combine
+from .table import add_funcs, register
 
-__all__ = ["view_groups", "reshape_keeps", "normalize_index"]
+__all__ = ["shape_options", "local_out_shape", "normalize_index", "VIEW", "COPY"]
 
 T = torch.Tensor
 R = Replicate()
 
 
-def _options(specs, n_out, shard_map, note):
+def shape_options(specs, n_out, shard_map, note):
     """Per mesh dim: R; each ``(input dims, output dim)`` of ``shard_map``; and the
     Partial of the first input that is partial on that mesh dim."""
     mesh = next(s for s in specs if s is not None).mesh
@@ -75,7 +54,7 @@ def _options(specs, n_out, shard_map, note):
     return per_dim
 
 
-def _local_out_shape(ctx, j=0):
+def local_out_shape(ctx, j=0):
     """This rank's (or, when even, every rank's) shard shape of output ``j``."""
     shape, ps = ctx.out_shape[j], ctx.out_placements[j]
     if ctx.coord is None:
@@ -96,7 +75,7 @@ COPY = dict(cost=costs.movement, op_class="data_movement")
 def permute_rule(x, dims, **_):
     """permute(dims): S(dims[j]) -> S(j); P passes (a relabeling of dims)."""
     smap = [((d,), j) for j, d in enumerate(dims) if x.shape[d] > 1]
-    return combine(x.mesh.ndim, _options([x], 1, smap, "dim {d} sharded moves to dim {o}"), 1)
+    return combine(x.mesh.ndim, shape_options([x], 1, smap, "dim {d} sharded moves to dim {o}"), 1)
 
 
 def _permute_local(nd, ctx, x, dims):
@@ -127,120 +106,14 @@ def _movedim_parse(x, source, destination):
 
 
 register("permute", [torch.permute, T.permute], parse=_perm_parse, rule=permute_rule,
-         local=_permute_local, **VIEW)
+         local=_permute_local, **VIEW, sample=lambda g: [
+             Sample(torch.permute, (g.rn(5, 3, 4), (2, 0, 1))),
+             Sample(torch.movedim, (g.rn(5, 3, 4), 0, -1))])
 add_funcs("permute", [torch.movedim, T.movedim, torch.moveaxis, T.moveaxis], _movedim_parse)
 register("transpose", [torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims,
                        T.swapdims, torch.t, T.t], parse=_transpose_parse, rule=permute_rule,
-         local=_permute_local, **VIEW)
-
-
-# ---- reshape family -----------------------------------------------------------------------
-
-def view_groups(in_shape, out_shape):
-    """Pair the dims of a reshape into groups of equal product (row-major order):
-    [(input dims, output dims)], size-1 dims left out. ``(2, 3, 4) -> (6, 4)``:
-    [((0, 1), (0,)), ((2,), (1,))]."""
-    if 0 in tuple(in_shape) or 0 in tuple(out_shape):
-        return []
-    ins = [d for d, n in enumerate(in_shape) if n != 1]
-    outs = [d for d, n in enumerate(out_shape) if n != 1]
-    groups, i, j = [], 0, 0
-    while i < len(ins) and j < len(outs):
-        gi, go = [ins[i]], [outs[j]]
-        pi, po = in_shape[ins[i]], out_shape[outs[j]]
-        i, j = i + 1, j + 1
-        while pi != po:
-            if pi < po:
-                gi.append(ins[i])
-                pi *= in_shape[ins[i]]
-                i += 1
-            else:
-                go.append(outs[j])
-                po *= out_shape[outs[j]]
-                j += 1
-        groups.append((tuple(gi), tuple(go)))
-    return groups
-
-
-def reshape_keeps(in_shape, out_shape, mesh, in_ps, out_ps) -> bool:
-    """True when every rank's input shard, reshaped locally, is exactly its output
-    shard (the condition in the module docstring, checked rank by rank)."""
-    for gi, go in view_groups(in_shape, out_shape):
-        a, b = gi[0], go[0]
-        if not any(p.is_shard(a) for p in in_ps):
-            continue
-        r_in = math.prod(in_shape[d] for d in gi[1:])
-        r_out = math.prod(out_shape[d] for d in go[1:])
-        for r in mesh.ranks:
-            s_in, n_in = layout.shard_bounds(in_shape, mesh, in_ps, r)[a]
-            s_out, n_out = layout.shard_bounds(out_shape, mesh, out_ps, r)[b]
-            if (s_in * r_in, n_in * r_in) != (s_out * r_out, n_out * r_out):
-                return False
-    return True
-
-
-def reshape_rule(x, shape, **_):
-    """reshape(shape): a shard of a group's leading dim passes to the group's leading
-    output dim when the ranks' blocks line up (torch.chunk sizes); P passes."""
-    shape = tuple(shape)
-    smap = [((gi[0],), go[0]) for gi, go in view_groups(tuple(x.shape), shape)]
-    note = "leading dim {d} of its group sharded: its blocks are the blocks of dim {o}"
-    sts = combine(x.mesh.ndim, _options([x], 1, smap, note), 1)
-    return [s for s in sts if reshape_keeps(tuple(x.shape), shape, x.mesh,
-                                            s.inputs[0], s.outputs[0])]
-
-
-def _reshape_local(nd, ctx, x, shape):
-    if ctx is None:
-        return x.reshape(shape)
-    return x.reshape(tuple(x.shape[:nd]) + tuple(_local_out_shape(ctx)))
-
-
-def _shape_attr(x, fn):
-    return (x,), {"shape": tuple(fn(_meta(x)).shape)}
-
-
-def _reshape_parse(x, *shape):
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-        shape = tuple(shape[0])
-    if shape and isinstance(shape[0], torch.dtype):
-        raise TypeError(f"view(dtype={shape[0]}) on a DistTensor: reinterpreting bytes is not "
-                        "supported; use .to(dtype) for a conversion")
-    return _shape_attr(x, lambda m: m.reshape(tuple(int(s) for s in shape)))
-
-
-def _flatten_parse(x, start_dim=0, end_dim=-1):
-    return _shape_attr(x, lambda m: m.flatten(start_dim, end_dim))
-
-
-def _unflatten_parse(x, dim, sizes):
-    return _shape_attr(x, lambda m: m.unflatten(dim, tuple(sizes)))
-
-
-def _unsqueeze_parse(x, dim):
-    return _shape_attr(x, lambda m: m.unsqueeze(dim))
-
-
-def _squeeze_parse(x, dim=None):
-    if isinstance(dim, list):
-        dim = tuple(dim)
-    return _shape_attr(x, lambda m: m.squeeze() if dim is None else m.squeeze(dim))
-
-
-def _as_parse(x, other):
-    return (x,), {"shape": tuple(other.shape)}
-
-
-for _name, _parse, _fns in (
-        ("reshape", _reshape_parse, [torch.reshape, T.reshape]),
-        ("view", _reshape_parse, [T.view]),
-        ("flatten", _flatten_parse, [torch.flatten, T.flatten]),
-        ("unflatten", _unflatten_parse, [torch.unflatten, T.unflatten]),
-        ("unsqueeze", _unsqueeze_parse, [torch.unsqueeze, T.unsqueeze]),
-        ("squeeze", _squeeze_parse, [torch.squeeze, T.squeeze])):
-    register(_name, _fns, parse=_parse, rule=reshape_rule, local=_reshape_local, **VIEW)
-add_funcs("reshape", [T.reshape_as], _as_parse)
-add_funcs("view", [T.view_as], _as_parse)
+         local=_permute_local, **VIEW, sample=lambda g: [
+             Sample(torch.transpose, (g.rn(5, 3, 4), 0, 1)), Sample(torch.t, (g.rn(5, 6),))])
 
 
 # ---- cat / stack ----------------------------------------------------------------------------
@@ -249,14 +122,16 @@ def cat_rule(*xs, dim, **_):
     """cat(dim): a shard on another dim passes (all inputs split alike); dim whole."""
     smap = [((d,) * len(xs), d) for d in range(xs[0].ndim)
             if d != dim and xs[0].shape[d] > 1]
-    return combine(xs[0].mesh.ndim, _options(xs, 1, smap, "dim {d} sharded passes"), len(xs))
+    return combine(xs[0].mesh.ndim, shape_options(xs, 1, smap, "dim {d} sharded passes"),
+                   len(xs))
 
 
 def stack_rule(*xs, dim, **_):
     """stack(dim): S(d) -> S(d if d < dim else d + 1); the new dim is whole."""
     smap = [((d,) * len(xs), d if d < dim else d + 1) for d in range(xs[0].ndim)
             if xs[0].shape[d] > 1]
-    return combine(xs[0].mesh.ndim, _options(xs, 1, smap, "dim {d} sharded -> dim {o}"), len(xs))
+    return combine(xs[0].mesh.ndim, shape_options(xs, 1, smap, "dim {d} sharded -> dim {o}"),
+                   len(xs))
 
 
 def _seq_parse(tensors, dim=0, *, out=None, extra=0):
@@ -277,9 +152,12 @@ def _stack_local(nd, ctx, *xs, dim):
 
 
 register("cat", [torch.cat, torch.concat, torch.concatenate], parse=_seq_parse, rule=cat_rule,
-         local=_cat_local, **COPY)
+         local=_cat_local, **COPY, sample=lambda g: [
+             Sample(torch.cat, ([g.rn(5, 6), g.rn(5, 6)], 0)),
+             Sample(torch.cat, ([g.rn(5, 6), g.rn(5, 2)], 1))])
 register("stack", [torch.stack], parse=lambda t, dim=0, *, out=None:
-         _seq_parse(t, dim, out=out, extra=1), rule=stack_rule, local=_stack_local, **COPY)
+         _seq_parse(t, dim, out=out, extra=1), rule=stack_rule, local=_stack_local, **COPY,
+         sample=lambda g: [Sample(torch.stack, ([g.rn(5, 6), g.rn(5, 6)], 1))])
 
 
 # ---- split / chunk / unbind -----------------------------------------------------------------
@@ -287,14 +165,14 @@ register("stack", [torch.stack], parse=lambda t, dim=0, *, out=None:
 def split_rule(x, sizes, dim, **_):
     """split(sizes, dim): every piece keeps a shard on another dim; dim must be whole."""
     smap = [((d,), d) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
-    return combine(x.mesh.ndim, _options([x], len(sizes), smap, "dim {d} sharded passes"), 1,
+    return combine(x.mesh.ndim, shape_options([x], len(sizes), smap, "dim {d} sharded passes"), 1,
                    n_outputs=len(sizes))
 
 
 def unbind_rule(x, dim, **_):
     """unbind(dim): S(d) -> S(d if d < dim else d - 1) on every piece; dim whole."""
     smap = [((d,), d if d < dim else d - 1) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
-    return combine(x.mesh.ndim, _options([x], x.shape[dim], smap, "dim {d} sharded -> {o}"), 1,
+    return combine(x.mesh.ndim, shape_options([x], x.shape[dim], smap, "dim {d} sharded -> {o}"), 1,
                    n_outputs=x.shape[dim])
 
 
@@ -323,11 +201,15 @@ def _unbind_local(nd, ctx, x, dim):
     return tuple(torch.unbind(x, dim + nd))
 
 
-for _n, _fs, _parse, _local, _rule in (
-        ("split", [torch.split, T.split], _split_parse, _split_local, split_rule),
-        ("chunk", [torch.chunk, T.chunk], _chunk_parse, _split_local, split_rule),
-        ("unbind", [torch.unbind, T.unbind], _unbind_parse, _unbind_local, unbind_rule)):
-    register(_n, _fs, parse=_parse, rule=_rule, local=_local, multi=True, **VIEW)
+for _n, _fs, _parse, _local, _rule, _sample in (
+        ("split", [torch.split, T.split], _split_parse, _split_local, split_rule,
+         lambda g: [Sample(torch.split, (g.rn(7, 4), 3, 0)),
+                    Sample(torch.split, (g.rn(5, 6), [2, 4], 1))]),
+        ("chunk", [torch.chunk, T.chunk], _chunk_parse, _split_local, split_rule,
+         lambda g: [Sample(torch.chunk, (g.rn(5, 6), 2, 1))]),
+        ("unbind", [torch.unbind, T.unbind], _unbind_parse, _unbind_local, unbind_rule,
+         lambda g: [Sample(torch.unbind, (g.rn(3, 5), 0))])):
+    register(_n, _fs, parse=_parse, rule=_rule, local=_local, multi=True, **VIEW, sample=_sample)
 
 
 # ---- basic indexing x[idx] ---------------------------------------------------------------
@@ -384,7 +266,7 @@ def getitem_rule(x, index, **_):
             smap.append(((d,), o))
         o += item[0] != "int"
         d += 1
-    return combine(x.mesh.ndim, _options([x], 1, smap, "dim {d} taken whole -> dim {o}"), 1)
+    return combine(x.mesh.ndim, shape_options([x], 1, smap, "dim {d} taken whole -> dim {o}"), 1)
 
 
 def _getitem_local(nd, ctx, x, index):
@@ -395,4 +277,7 @@ def _getitem_local(nd, ctx, x, index):
 
 register("getitem", [T.__getitem__], parse=lambda x, idx: ((x,), {
     "index": normalize_index(tuple(x.shape), idx)}), rule=getitem_rule, local=_getitem_local,
-    **VIEW)
+    **VIEW, sample=lambda g: [
+        Sample(T.__getitem__, (g.rn(5, 6), (slice(1, 4),))),
+        Sample(T.__getitem__, (g.rn(5, 6), (slice(None), 2))),
+        Sample(T.__getitem__, (g.rn(5, 3, 4), (None, Ellipsis, slice(0, 4, 2))))])

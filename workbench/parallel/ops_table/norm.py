@@ -32,11 +32,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..ops_table import costs
-from ..ops_table._util import align as _align, check_number
-from ..ops_table.table import add_funcs, register
 from ..placement import Replicate, Shard
-from .registry import combine
+from . import costs
+from ._util import align as _align, check_number
+from .samples import Sample
+from .strategy import combine
+from .table import add_funcs, register
 
 R = Replicate()
 
@@ -182,10 +183,12 @@ def _rms_cost_args(ins, outs, normalized_shape, eps=None, **_):
 
 
 register("layer_norm", [F.layer_norm, torch.layer_norm], parse=_layer_norm_parse,
-         rule=layer_norm_rule, local=_layer_norm_local, cost=_layer_norm_cost, op_class="norm")
+         rule=layer_norm_rule, local=_layer_norm_local, cost=_layer_norm_cost, op_class="norm",
+         sample=lambda g: [Sample(F.layer_norm, (g.rn(3, 5, 6), (6,), g.rn(6), g.rn(6)))])
 register("rms_norm", [getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)],
          parse=_rms_norm_parse, rule=rms_norm_rule, local=_rms_norm_local,
-         cost=costs.from_ops("rms_norm", _rms_cost_args), op_class="norm")
+         cost=costs.from_ops("rms_norm", _rms_cost_args), op_class="norm",
+         sample=lambda g: [Sample(F.rms_norm, (g.rn(3, 5, 6), (6,), g.rn(6), 1e-6))])
 
 try:                                   # the fused op lives in workbench.ops (optional here)
     from ...ops import rms_norm as _ops_rms_norm

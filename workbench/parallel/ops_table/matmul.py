@@ -1,0 +1,267 @@
+"""Contractions generated from einsum strings: matmul, mm, bmm, linear, einsum.
+All are priced by one formula (:func:`costs.einsum_flops`, 2 FLOPs per multiply-add)
+except ``F.linear``, priced by ``workbench.ops.cost("linear")`` (the same 2MNK plus the
+bias).
+
+For ``"mk,kn->mn"`` and one mesh dim, the valid layouts are (the scaling book's
+numbered cases):
+
+    A[M_x, K] . B[K, N]   -> C[M_x, N]      shard a free dim of one operand
+    A[M, K] . B[K, N_x]   -> C[M, N_x]
+    A[B_x..] . B[B_x..]   -> C[B_x..]       shard a batch dim of both
+    A[M, K_x] . B[K_x, N] -> C[M, N]{U_x}   shard the contraction: a partial sum
+    A{U_x} . B            -> C{U_x}         linear in each operand
+    A . B                 -> C              replicate
+
+Rules for every mesh dim are combined (:func:`strategy.combine`).
+"""
+from __future__ import annotations
+
+import string
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import Partial, Replicate, Shard
+from . import costs
+from ._util import align
+from .samples import Sample
+from .strategy import combine
+from .table import add_funcs, register
+
+T = torch.Tensor
+R = Replicate()
+P = Partial("sum")
+
+
+def einsum_options(eq: str, specs) -> list[tuple]:
+    """Per-mesh-dim options for an einsum ``eq`` over ``specs`` (one per operand)."""
+    lhs, out = eq.replace(" ", "").split("->")
+    ins = lhs.split(",")
+    sizes = {}
+    for term, s in zip(ins, specs):
+        for ch, n in zip(term, s.shape):
+            sizes[ch] = max(sizes.get(ch, 1), n)
+    opts = [(tuple(R for _ in ins), (R,), "replicated")]
+    for ch in out:                                   # batch or free dims: shard them
+        if sizes.get(ch, 1) <= 1:
+            continue
+        req = []
+        for term, s in zip(ins, specs):
+            if ch in term and s.shape[term.index(ch)] > 1:
+                req.append(Shard(term.index(ch)))
+            else:
+                req.append(R)
+        kind = "batch" if sum(ch in t for t in ins) > 1 else "free"
+        opts.append((tuple(req), (Shard(out.index(ch)),), f"{kind} dim {ch!r} sharded"))
+    for ch in sizes:                                 # contracted dims: partial sums
+        if ch in out or sizes[ch] <= 1:
+            continue
+        req = tuple(Shard(t.index(ch)) if ch in t else R for t in ins)
+        if any(ch in t and s.shape[t.index(ch)] <= 1 for t, s in zip(ins, specs)):
+            continue
+        opts.append((req, (P,), f"contraction dim {ch!r} sharded: partial sums"))
+    for k in range(len(ins)):                        # linearity in each operand
+        req = tuple(P if j == k else R for j in range(len(ins)))
+        opts.append((req, (P,), f"linear in operand {k}: partial stays partial"))
+    return opts
+
+
+def matmul_equation(a_shape, b_shape) -> str:
+    """The einsum equation of torch.matmul for these shapes (broadcast batch dims)."""
+    letters = iter(string.ascii_lowercase)          # batch letters; m, k, n are taken
+    if len(a_shape) == 1 and len(b_shape) == 1:
+        return "k,k->"
+    if len(a_shape) == 1:
+        bb = "".join(_take(letters, len(b_shape) - 2))
+        return f"k,{bb}kn->{bb}n"
+    if len(b_shape) == 1:
+        ab = "".join(_take(letters, len(a_shape) - 2))
+        return f"{ab}mk,k->{ab}m"
+    na, nb = len(a_shape) - 2, len(b_shape) - 2
+    nbatch = max(na, nb)
+    batch = _take(letters, nbatch)
+    ab, bb = [], []
+    for i in range(nbatch):
+        ia, ib = i - (nbatch - na), i - (nbatch - nb)
+        sa = a_shape[ia] if ia >= 0 else None
+        sb = b_shape[ib] if ib >= 0 else None
+        if sa is not None and sb is not None and sa == sb:
+            ab.append(batch[i]); bb.append(batch[i])
+        else:           # broadcast: only the operand that really has it may shard it
+            if sa is not None:
+                ab.append(batch[i] if (sb is None or sb == 1) else batch[i].upper())
+            if sb is not None:
+                bb.append(batch[i] if (sa is None or sa == 1) and sb != 1 else batch[i].upper())
+    outb = batch
+    return f"{''.join(ab)}mk,{''.join(bb)}kn->{''.join(outb)}mn"
+
+
+def _take(it, n):
+    out = []
+    while len(out) < n:
+        ch = next(it)
+        if ch not in "mkn":
+            out.append(ch)
+    return out
+
+
+# ---- matmul, mm, bmm -----------------------------------------------------------------
+
+def matmul_rule(a, b):
+    """torch.matmul / mm / bmm: the einsum rule of ``matmul_equation``."""
+    return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
+
+
+def _matmul_parse(a, b):
+    if a.dim() == 0 or b.dim() == 0:
+        raise RuntimeError(f"both arguments to matmul need to be at least 1D, but they are "
+                           f"{a.dim()}D and {b.dim()}D. Fix: use * (torch.mul) to scale by a "
+                           "0-d tensor")
+    return (a, b), {}
+
+
+def _mm_parse(name, ndim):
+    def parse(a, b):
+        if a.dim() != ndim or b.dim() != ndim:
+            raise RuntimeError(f"{name}: expected {ndim}-D tensors, got {a.dim()}-D and "
+                               f"{b.dim()}-D; torch.matmul broadcasts any shapes")
+        return (a, b), {}
+    return parse
+
+
+def _matmul_local(nd, ctx, a, b):
+    """torch.matmul on stacked tensors: a 1-d operand gets a size-1 dim that is dropped
+    afterwards, as torch.matmul does (so (3,1,1) @ (1,) is (3, 1), (4,) @ (2,4,3) is (2, 3))."""
+    la, lb = a.dim() - nd, b.dim() - nd
+    if la == 1:
+        a = a.unsqueeze(nd)                       # (lead, 1, k)
+    if lb == 1:
+        b = b.unsqueeze(-1)                       # (lead, k, 1)
+    y = torch.matmul(*align(nd, a, b))
+    if lb == 1:
+        y = y.squeeze(-1)
+    if la == 1:
+        y = y.squeeze(-1 if lb == 1 else -2)
+    return y
+
+
+def _matmul_eq(ins, attrs):
+    return matmul_equation(tuple(ins[0].shape), tuple(ins[1].shape))
+
+
+_MM_COST = costs.contraction(_matmul_eq)
+register("matmul", [torch.matmul, T.matmul, T.__matmul__], parse=_matmul_parse,
+         rule=matmul_rule, local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         sample=lambda g: [Sample(torch.matmul, (g.rn(5, 6), g.rn(6, 3))),
+                           Sample(torch.matmul, (g.rn(2, 5, 3), g.rn(3, 4))),
+                           Sample(torch.matmul, (g.rn(5, 6), g.rn(6))),
+                           Sample(torch.matmul, (g.rn(5), g.rn(5, 3)))])
+add_funcs("matmul", [(T.__rmatmul__, lambda a, b: _matmul_parse(b, a))])
+register("mm", [torch.mm, T.mm], parse=_mm_parse("mm", 2), rule=matmul_rule,
+         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         sample=lambda g: [Sample(torch.mm, (g.rn(5, 6), g.rn(6, 3)))])
+register("bmm", [torch.bmm, T.bmm], parse=_mm_parse("bmm", 3), rule=matmul_rule,
+         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         sample=lambda g: [Sample(torch.bmm, (g.rn(2, 5, 3), g.rn(2, 3, 4)))])
+
+
+# ---- linear: x @ w.T + b -------------------------------------------------------------
+
+def linear_rule(x, w, b=None):
+    """F.linear(x, w, b) = x @ w.T + b: "...k,nk->...n"; the bias follows the output
+    (sharded with n, partial only with the weight's first operand... replicated
+    otherwise: adding a replicated bias to a partial sum would add it n times)."""
+    batch = "".join(_take(iter(string.ascii_lowercase), x.ndim - 1))
+    eq = f"{batch}k,nk->{batch}n"
+    opts = einsum_options(eq, (x, w))
+    out = []
+    for ins, outs, note in opts:
+        o = outs[0]
+        if b is None:
+            out.append((ins + (None,), outs, note))
+            continue
+        if isinstance(o, Shard) and o.dim == x.ndim - 1:
+            bias = Shard(0)
+        elif isinstance(o, Partial):
+            # x @ w.T is partial: the bias must be added on one rank only (a partial bias)
+            bias = Partial("sum")
+        else:
+            bias = R
+        out.append((ins + (bias,), outs, note))
+    return combine(x.mesh.ndim, [out] * x.mesh.ndim, 3)
+
+
+def _same_on_every_rank(x, nd) -> bool:
+    """The stacked x holds one tensor for all ranks (lead dims of size 1 or stride 0)."""
+    return all(x.shape[i] == 1 or x.stride(i) == 0 for i in range(nd))
+
+
+def _linear_local(nd, ctx, x, w, b=None):
+    if nd and _same_on_every_rank(x, nd) and not _same_on_every_rank(w, nd) and x.dim() > nd:
+        # Column-parallel with a replicated input: every rank multiplies the same x by its
+        # slice of the weight. One GEMM with all the slices side by side does exactly that
+        # arithmetic at single-device speed; autograd still sends the input gradient through
+        # x's per-rank views (their traced all-reduce).
+        x0 = x[(slice(0, 1),) * nd].reshape(x.shape[nd:])                   # (*batch, k)
+        lead = tuple(w.shape[:nd])
+        n, k = w.shape[-2], w.shape[-1]
+        y = x0 @ w.reshape(-1, k).transpose(0, 1)                           # (*batch, L*n)
+        nb = y.dim() - 1
+        y = y.unflatten(-1, lead + (n,))                                    # (*batch, *lead, n)
+        y = y.movedim(tuple(range(nb, nb + nd)), tuple(range(nd)))          # (*lead, *batch, n)
+        if b is not None:
+            y, b = align(nd, y, b)
+            y = y + b
+        return y
+    x, w2 = align(nd, x, w.transpose(-1, -2))
+    y = torch.matmul(x, w2)
+    if b is not None:
+        y, b = align(nd, y, b)
+        y = y + b
+    return y
+
+
+def _linear_parse(x, w, b=None):
+    if w.dim() != 2 or x.dim() == 0:
+        raise RuntimeError(f"linear: weight must be 2-D (out, in) and input at least 1-D; "
+                           f"got input {tuple(x.shape)}, weight {tuple(w.shape)}")
+    return (x, w, b), {}
+
+
+register("linear", [F.linear], parse=_linear_parse, rule=linear_rule, local=_linear_local,
+         cost=costs.from_ops("linear", lambda ins, outs: (ins, {})), op_class="matmul",
+         sample=lambda g: [Sample(F.linear, (g.rn(3, 5, 6), g.rn(4, 6), g.rn(4))),
+                           Sample(F.linear, (g.rn(5, 6), g.rn(3, 6)))])
+
+
+# ---- einsum --------------------------------------------------------------------------
+
+def einsum_rule(*specs, equation: str):
+    """Any two-operand contraction written as an einsum string."""
+    opts = einsum_options(equation, specs)
+    return combine(specs[0].mesh.ndim, [opts] * specs[0].mesh.ndim, len(specs))
+
+
+def _einsum_parse(eq, *ops):
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if len(ops) != 2:
+        raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
+                                  "two-operand einsums (the rule is for contractions of two)")
+    eq = eq.replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        raise NotImplementedError(f"einsum({eq!r}) on DistTensors: write the output explicitly "
+                                  "and name every dim (no '...'), e.g. 'bij,bjk->bik'")
+    return tuple(ops), {"equation": eq}
+
+
+def _einsum_local(nd, ctx, *ops, equation):
+    lhs, rhs = equation.split("->")
+    return torch.einsum(",".join("..." + t for t in lhs.split(",")) + "->..." + rhs, *ops)
+
+
+register("einsum", [torch.einsum], parse=_einsum_parse, rule=einsum_rule,
+         local=_einsum_local, cost=costs.contraction(lambda ins, a: a["equation"]),
+         op_class="matmul",
+         sample=lambda g: [Sample(torch.einsum, ("bij,bjk->bik", g.rn(2, 3, 5), g.rn(2, 5, 3)))])

@@ -1,0 +1,263 @@
+"""Reductions (sum, mean, amax, amin, argmax, argmin), scans (cumsum), topk, and
+softmax / log_softmax.
+
+Per mesh dim:
+
+    S(d), d kept      -> S(d')      each shard reduces its own rows
+    S(d), d reduced   -> P(sum)     sum, mean: partial sums   # sum(x) = sum_i sum(x_i)
+                      -> P(max)     amax                      # max(x) = max_i max(x_i)
+    P(sum)            -> P(sum)     sum, mean are linear
+    softmax, cumsum, argmax, topk over dim: dim whole on every rank (S(dim) -> R first);
+    other dims pass; P(sum) passes cumsum (linear), not softmax/argmax/topk.
+
+Dims are wrapped by the parsers (an out-of-range dim is PyTorch's IndexError, never a
+wrap), so they reach the rules non-negative.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import Partial, Replicate, Shard
+from . import costs
+from ._util import shift, wrap_dim, wrap_dims
+from .samples import Sample
+from .strategy import combine
+from .table import register
+
+T = torch.Tensor
+R = Replicate()
+
+
+# ---- sum, mean, amax, amin -----------------------------------------------------------
+
+def _norm_dims(dim, ndim):
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        dim = (dim,)
+    return tuple(sorted(dim))
+
+
+def reduction_options(x, dim, keepdim, kind):
+    dims = _norm_dims(dim, x.ndim)
+    opts = [((R,), (R,), "replicated")]
+    for d in range(x.ndim):
+        if x.shape[d] <= 1:
+            continue
+        if d in dims:
+            part = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min"}[kind]
+            opts.append(((Shard(d),), (Partial(part),),
+                         f"reduced dim {d} sharded: each rank reduces its shard, P({part})"))
+        else:
+            nd = d if keepdim else d - sum(1 for r in dims if r < d)
+            opts.append(((Shard(d),), (Shard(nd),), f"kept dim {d} sharded passes through"))
+    if kind in ("sum", "mean"):
+        opts.append(((Partial("sum"),), (Partial("sum"),), "linear: P(sum) stays P(sum)"))
+    elif kind in ("amax", "amin"):
+        p = "max" if kind == "amax" else "min"
+        opts.append(((Partial(p),), (Partial(p),), f"P({p}) of a {kind} stays P({p})"))
+    return opts
+
+
+def _reduction_rule(kind):
+    def rule(x, dim=None, keepdim=False, **_):
+        return combine(x.mesh.ndim, [reduction_options(x, dim, keepdim, kind)] * x.mesh.ndim, 1)
+    rule.__doc__ = f"{kind} over dims: sharded reduced dims give partial results."
+    return rule
+
+
+sum_rule, mean_rule, amax_rule, amin_rule = (_reduction_rule(k)
+                                             for k in ("sum", "mean", "amax", "amin"))
+
+
+def _dims(dim, ndim):
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return None
+    return tuple(sorted(wrap_dims(dim, ndim)))
+
+
+def _sum_parse(x, dim=None, keepdim=False, *, dtype=None):
+    return (x,), {"dim": _dims(dim, x.ndim), "keepdim": bool(keepdim), "dtype": dtype}
+
+
+def _minmax_parse(x, dim=(), keepdim=False):
+    return (x,), {"dim": _dims(dim, x.ndim), "keepdim": bool(keepdim), "dtype": None}
+
+
+def _reduction(kind):
+    def local(nd, ctx, x, dim=None, keepdim=False, dtype=None):
+        ln = x.dim() - nd
+        dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
+        if not dims:                  # a 0-d tensor: reducing it is the identity (and cast)
+            if kind == "sum" and dtype is None and not x.dtype.is_floating_point:
+                return x.to(torch.int64)
+            return x if dtype is None else x.to(dtype)
+        if kind == "sum":
+            return x.sum(dims, keepdim=keepdim, dtype=dtype)
+        if kind == "mean":
+            # divide by the GLOBAL count: a shard's sum / N is a correct partial mean,
+            # even for uneven shards
+            if ctx is None:
+                return x.mean(dims, keepdim=keepdim, dtype=dtype)
+            shape = ctx.in_specs[0].shape
+            n = math.prod(shape[d] for d in (range(ln) if dim is None else dim))
+            return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
+        if any(x.shape[d] == 0 for d in dims):       # an empty shard: max's identity
+            shape = x.sum(dims, keepdim=keepdim).shape
+            if x.dtype == torch.bool:
+                ident = kind == "amin"                # or: False; and: True
+            elif x.dtype.is_floating_point or x.dtype.is_complex:
+                ident = float("-inf") if kind == "amax" else float("inf")
+            else:                                      # integers have no inf: their extremes
+                info = torch.iinfo(x.dtype)
+                ident = info.min if kind == "amax" else info.max
+            return torch.full(shape, ident, dtype=x.dtype, device=x.device)
+        if kind == "amax":
+            return x.amax(dims, keepdim=keepdim)
+        return x.amin(dims, keepdim=keepdim)
+    return local
+
+
+_SAMPLES = {
+    "sum": lambda g: [Sample(torch.sum, (g.rn(5, 6), 1)), Sample(torch.sum, (g.rn(5, 6),)),
+                      Sample(torch.sum, (g.rn(5, 6), 0), {"keepdim": True}),
+                      Sample(torch.sum, (g.ints(7, 3), 0))],
+    "mean": lambda g: [Sample(torch.mean, (g.rn(5, 6), 0)),
+                       Sample(torch.mean, (g.rn(5, 3, 2), (0, 2)))],
+    "amax": lambda g: [Sample(torch.amax, (g.rn(5, 6), 1)),
+                       Sample(torch.amax, (g.rn(5, 6), (0, 1)))],
+    "amin": lambda g: [Sample(torch.amin, (g.rn(5, 6), 0)), Sample(torch.amin, (g.ints(7, 3), 1))],
+}
+for _k, _fs, _parse, _rule in (("sum", (torch.sum, T.sum), _sum_parse, sum_rule),
+                               ("mean", (torch.mean, T.mean), _sum_parse, mean_rule),
+                               ("amax", (torch.amax, T.amax), _minmax_parse, amax_rule),
+                               ("amin", (torch.amin, T.amin), _minmax_parse, amin_rule)):
+    register(_k, _fs, parse=_parse, rule=_rule, local=_reduction(_k),
+             cost=costs.reduction(1), op_class="reduction",           # one add / compare each
+             sample=_SAMPLES[_k])
+
+
+# ---- softmax, log_softmax: along one dim ---------------------------------------------
+
+def along_dim_options(x, dim, keepdim=True, linear=False):
+    """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear."""
+    opts = [((R,), (R,), "replicated")]
+    for d in range(x.ndim):
+        if (dim is None or d != dim) and x.shape[d] > 1 and dim is not None:
+            o = d if keepdim or d < dim else d - 1
+            opts.append(((Shard(d),), (Shard(o),), f"dim {d} sharded passes (op over {dim})"))
+    if linear:
+        opts.append(((Partial("sum"),), (Partial("sum"),), "linear: P(sum) stays P(sum)"))
+    return opts
+
+
+def softmax_rule(x, dim, **_):
+    """softmax(dim): dim whole on every rank; other dims may stay sharded."""
+    return combine(x.mesh.ndim, [along_dim_options(x, dim)] * x.mesh.ndim, 1)
+
+
+def _softmax_parse(x, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        raise TypeError("softmax(dim=None) on a DistTensor: give the dim to normalize, "
+                        "e.g. softmax(x, dim=-1)")
+    return (x,), {"dim": wrap_dim(dim, x.ndim), "dtype": dtype}
+
+
+def _softmax_local(fn):
+    def local(nd, ctx, x, dim, dtype=None):
+        return fn(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
+    return local
+
+
+# softmax: max, subtract, exp, sum, divide: 5 FLOPs per element (log_softmax: max,
+# subtract, exp, sum, log per row, subtract: 5)
+for _n, _fs in (("softmax", (torch.softmax, T.softmax, F.softmax)),
+                ("log_softmax", (torch.log_softmax, T.log_softmax, F.log_softmax))):
+    register(_n, _fs, parse=_softmax_parse, rule=softmax_rule,
+             local=_softmax_local(getattr(torch, _n)), cost=costs.elementwise(5),
+             op_class="norm", sample={
+                 "softmax": lambda g: [Sample(torch.softmax, (g.rn(5, 6), -1))],
+                 "log_softmax": lambda g: [Sample(F.log_softmax, (g.rn(5, 6), 0))]}[_n])
+
+
+# ---- cumsum --------------------------------------------------------------------------
+
+def cumsum_rule(x, dim, **_):
+    """cumsum(dim): dim whole (a scan crosses shards); other dims pass; linear."""
+    return combine(x.mesh.ndim, [along_dim_options(x, dim, linear=True)] * x.mesh.ndim, 1)
+
+
+def _cumsum_parse(x, dim, *, dtype=None):
+    return (x,), {"dim": wrap_dim(dim, x.ndim), "dtype": dtype}
+
+
+def _cumsum_local(nd, ctx, x, dim, dtype=None):
+    return torch.cumsum(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
+
+
+register("cumsum", [torch.cumsum, T.cumsum], parse=_cumsum_parse, rule=cumsum_rule,
+         local=_cumsum_local, cost=costs.reduction(1), op_class="reduction")   # one add each
+
+
+# ---- argmax, argmin ------------------------------------------------------------------
+
+def arg_rule(x, dim=None, keepdim=False, **_):
+    """argmax / argmin(dim): dim whole (indices are global); other dims pass; dim=None
+    (over the flattened tensor): replicated."""
+    if dim is None:
+        return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    return combine(x.mesh.ndim, [along_dim_options(x, dim, keepdim)] * x.mesh.ndim, 1)
+
+
+def _arg_parse(x, dim=None, keepdim=False):
+    return (x,), {"dim": None if dim is None else wrap_dim(dim, x.ndim), "keepdim": bool(keepdim)}
+
+
+def _arg_local(fn):
+    def local(nd, ctx, x, dim=None, keepdim=False):
+        if dim is None:               # over the flattened local tensor (replicated only)
+            flat = x.reshape(tuple(x.shape[:nd]) + (-1,))
+            out = fn(flat, nd)
+            return out.reshape(tuple(x.shape[:nd]) + (1,) * (x.dim() - nd)) if keepdim else out
+        return fn(x, shift(dim, x.dim() - nd, nd), keepdim=keepdim)
+    return local
+
+
+for _n in ("argmax", "argmin"):
+    register(_n, [getattr(torch, _n), getattr(T, _n)], parse=_arg_parse, rule=arg_rule,
+             local=_arg_local(getattr(torch, _n)), cost=costs.reduction(1),
+             op_class="reduction")                                      # one compare each
+
+
+# ---- topk ----------------------------------------------------------------------------
+
+def topk_rule(x, k, dim, **_):
+    """topk(k, dim): dim whole; other dims pass to both outputs (values, indices)."""
+    opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim)]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1, n_outputs=2)
+
+
+def _topk_parse(x, k, dim=-1, largest=True, sorted=True):
+    return (x,), {"k": int(k), "dim": wrap_dim(dim, x.ndim), "largest": bool(largest),
+                  "sorted": bool(sorted)}
+
+
+def _topk_local(nd, ctx, x, k, dim, largest, sorted):
+    return tuple(torch.topk(x, k, shift(dim, x.dim() - nd, nd), largest, sorted))
+
+
+def _topk_cost(ins, outs, k, **_):
+    """A heap selection: each element compared with the heap root and, when it enters,
+    sifted down log2(k) levels (Knuth, TAOCP vol. 3, 5.2.3): n ceil(log2(k + 1))."""
+    n = ins[0].numel()
+    f = n * max(1, math.ceil(math.log2(k + 1)))
+    return costs.Cost(f, costs.nbytes(ins[0]) + sum(costs.nbytes(o) for o in outs), 0,
+                      costs.backward_bytes(ins, outs[:1], costs.nbytes(outs[1])))
+
+
+_TOPK = register("topk", [torch.topk, T.topk], parse=_topk_parse, rule=topk_rule,
+                 local=_topk_local, cost=_topk_cost, op_class="reduction", n_out=2)
+_TOPK.extra["result_type"] = torch.return_types.topk        # (values, indices), named

@@ -1,0 +1,160 @@
+"""Reshape family: reshape / view / flatten / unflatten / unsqueeze / squeeze (and
+``reshape_as`` / ``view_as``). None computes anything: every one is linear,
+``P(op) -> P(op)``.
+
+Reshape. Row-major order groups the dims: ``(B, S, H) -> (B*S, H)`` has the groups
+``{B, S} -> {B*S}`` and ``{H} -> {H}``; ``(B, S, H) -> (B, S, nh, hd)`` has
+``{H} -> {nh, hd}``. Inside a group, a rank's block of the LEADING dim with the
+later dims whole is one contiguous run of the flattened group, so it can become a
+block of the leading output dim; a block of a later dim is strided and cannot (a
+shard on S of ``{B, S}`` must be moved: all-to-all to S(0) or S(H), or gathered).
+The exact condition (torch.chunk sizes on both sides): with ``R_in`` / ``R_out`` the
+product of the group's later input / output dims, every rank's (start, size) along
+the leading input dim times ``R_in`` must equal its (start, size) along the leading
+output dim times ``R_out``. For one mesh dim of m ranks this is
+
+    ceil(N_in / m) * R_in == ceil(N_out / m) * R_out
+
+which holds whenever m divides both leading sizes (e.g. S(2) of (B, S, H) keeps
+S(2) on nh in (B, S, nh, hd) when m | nh) and can fail when it does not: (5, 6)
+-> (30,) on 4 ranks: rows 2,2,1,0 give runs of 12,12,6,0 but chunk(30, 4) is
+8,8,8,6. Nested shards (one dim split by several mesh dims) are checked rank by
+rank with the runtime's own offsets (:func:`layout.shard_bounds`).
+
+view() is run as reshape() locally because stacked replicas are stride-0 views that a
+real view() may refuse.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import layout
+from .samples import Sample
+from .shape import VIEW, local_out_shape, shape_options
+from .strategy import combine
+from .table import add_funcs, register
+
+__all__ = ["view_groups", "reshape_keeps", "reshape_rule"]
+
+T = torch.Tensor
+
+
+def _meta(x):
+    return torch.empty(tuple(x.shape), device="meta")
+
+
+def view_groups(in_shape, out_shape):
+    """Pair the dims of a reshape into groups of equal product (row-major order):
+    [(input dims, output dims)], size-1 dims left out. ``(2, 3, 4) -> (6, 4)``:
+    [((0, 1), (0,)), ((2,), (1,))]."""
+    if 0 in tuple(in_shape) or 0 in tuple(out_shape):
+        return []
+    ins = [d for d, n in enumerate(in_shape) if n != 1]
+    outs = [d for d, n in enumerate(out_shape) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(ins) and j < len(outs):
+        gi, go = [ins[i]], [outs[j]]
+        pi, po = in_shape[ins[i]], out_shape[outs[j]]
+        i, j = i + 1, j + 1
+        while pi != po:
+            if pi < po:
+                gi.append(ins[i])
+                pi *= in_shape[ins[i]]
+                i += 1
+            else:
+                go.append(outs[j])
+                po *= out_shape[outs[j]]
+                j += 1
+        groups.append((tuple(gi), tuple(go)))
+    return groups
+
+
+def reshape_keeps(in_shape, out_shape, mesh, in_ps, out_ps) -> bool:
+    """True when every rank's input shard, reshaped locally, is exactly its output
+    shard (the condition in the module docstring, checked rank by rank)."""
+    for gi, go in view_groups(in_shape, out_shape):
+        a, b = gi[0], go[0]
+        if not any(p.is_shard(a) for p in in_ps):
+            continue
+        r_in = math.prod(in_shape[d] for d in gi[1:])
+        r_out = math.prod(out_shape[d] for d in go[1:])
+        for r in mesh.ranks:
+            s_in, n_in = layout.shard_bounds(in_shape, mesh, in_ps, r)[a]
+            s_out, n_out = layout.shard_bounds(out_shape, mesh, out_ps, r)[b]
+            if (s_in * r_in, n_in * r_in) != (s_out * r_out, n_out * r_out):
+                return False
+    return True
+
+
+def reshape_rule(x, shape, **_):
+    """reshape(shape): a shard of a group's leading dim passes to the group's leading
+    output dim when the ranks' blocks line up (torch.chunk sizes); P passes."""
+    shape = tuple(shape)
+    smap = [((gi[0],), go[0]) for gi, go in view_groups(tuple(x.shape), shape)]
+    note = "leading dim {d} of its group sharded: its blocks are the blocks of dim {o}"
+    sts = combine(x.mesh.ndim, shape_options([x], 1, smap, note), 1)
+    return [s for s in sts if reshape_keeps(tuple(x.shape), shape, x.mesh,
+                                            s.inputs[0], s.outputs[0])]
+
+
+def _reshape_local(nd, ctx, x, shape):
+    if ctx is None:
+        return x.reshape(shape)
+    return x.reshape(tuple(x.shape[:nd]) + tuple(local_out_shape(ctx)))
+
+
+def _shape_attr(x, fn):
+    return (x,), {"shape": tuple(fn(_meta(x)).shape)}
+
+
+def _reshape_parse(x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if shape and isinstance(shape[0], torch.dtype):
+        raise TypeError(f"view(dtype={shape[0]}) on a DistTensor: reinterpreting bytes is not "
+                        "supported; use .to(dtype) for a conversion")
+    return _shape_attr(x, lambda m: m.reshape(tuple(int(s) for s in shape)))
+
+
+def _flatten_parse(x, start_dim=0, end_dim=-1):
+    return _shape_attr(x, lambda m: m.flatten(start_dim, end_dim))
+
+
+def _unflatten_parse(x, dim, sizes):
+    return _shape_attr(x, lambda m: m.unflatten(dim, tuple(sizes)))
+
+
+def _unsqueeze_parse(x, dim):
+    return _shape_attr(x, lambda m: m.unsqueeze(dim))
+
+
+def _squeeze_parse(x, dim=None):
+    if isinstance(dim, list):
+        dim = tuple(dim)
+    return _shape_attr(x, lambda m: m.squeeze() if dim is None else m.squeeze(dim))
+
+
+def _as_parse(x, other):
+    return (x,), {"shape": tuple(other.shape)}
+
+
+for _name, _parse, _fns, _sample in (
+        ("reshape", _reshape_parse, [torch.reshape, T.reshape], lambda g: [
+            Sample(torch.reshape, (g.rn(5, 6), (30,))),
+            Sample(torch.reshape, (g.rn(4, 6), (4, 2, 3))),
+            Sample(torch.reshape, (g.rn(5, 3, 4), (5, 12)))]),
+        ("view", _reshape_parse, [T.view], lambda g: [Sample(T.view, (g.rn(4, 6), 2, 12))]),
+        ("flatten", _flatten_parse, [torch.flatten, T.flatten],
+         lambda g: [Sample(torch.flatten, (g.rn(5, 3, 4), 1))]),
+        ("unflatten", _unflatten_parse, [torch.unflatten, T.unflatten],
+         lambda g: [Sample(torch.unflatten, (g.rn(5, 6), 1, (2, 3)))]),
+        ("unsqueeze", _unsqueeze_parse, [torch.unsqueeze, T.unsqueeze],
+         lambda g: [Sample(torch.unsqueeze, (g.rn(5, 6), 1))]),
+        ("squeeze", _squeeze_parse, [torch.squeeze, T.squeeze],
+         lambda g: [Sample(torch.squeeze, (g.rn(5, 1, 6), 1))])):
+    register(_name, _fns, parse=_parse, rule=reshape_rule, local=_reshape_local, **VIEW,
+             sample=_sample)
+add_funcs("reshape", [T.reshape_as], _as_parse)
+add_funcs("view", [T.view_as], _as_parse)
