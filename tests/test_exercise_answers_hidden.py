@@ -225,10 +225,6 @@ def _sp_max_mb(nb):
     return [rf"\bb = {b}\b", rf"\bmicro-batch(es)? of {b}\b fits"]
 
 
-def _hand_schedule(nb):
-    return []            # the answer is a schedule the student writes
-
-
 def _min_microbatches(nb):
     a = expected_of(E.check_min_microbatches, 1, 8)
     b = expected_of(E.check_min_microbatches, int(a.split("m=")[1]), 8)
@@ -241,7 +237,11 @@ def _zb_bubble(nb):
 
 
 def _hybrid_groups(nb):
-    return []            # mesh coordinates: the lesson prints the mesh the groups are read from
+    text = expected_of(E.check_hybrid_groups, (0, 1), (0, 1), 0)   # "dp (4, 6), tp (6, 7), ..."
+    dp, tp = re.findall(r"\(\d+, \d+\)", text)
+    # the lesson lists every stage's groups to read the answer from ("let the meshes tell
+    # you"); what must not show is rank 6's own groups named as rank 6's
+    return [rf"rank 6\b[^\n]{{0,40}}{re.escape(g)}" for g in (dp, tp)]
 
 
 def _hybrid_state(nb):
@@ -255,7 +255,8 @@ def _best_layout(nb):
 
 
 def _window_tiles(nb):
-    want = checks_fused._window_tiles_by_hand(1024, 256, 128)
+    want = int(floats(expected_of(E.check_window_tiles, 0))[0])
+    assert want == checks_fused._window_tiles_by_hand(1024, 256, 128)   # the exercise's text
     return [rf"(?<![\d.]){want}\s+(computed|tiles|of 64)", rf"computed[:=]?\s+{want}\b"]
 
 
