@@ -15,8 +15,8 @@ they are written and have no needle here; the table says so for each.
 """
 from __future__ import annotations
 
+import inspect
 import json
-import math
 import re
 from pathlib import Path
 
@@ -287,7 +287,7 @@ def _zero_states(nb):
 
 
 def _least_recompute(nb):
-    want = None
+    want = None                                  # the answer: what a wrong guess is told
     for guess in ("none", "full"):               # one of the two is wrong, or both are
         reset_tries()
         try:
@@ -296,7 +296,6 @@ def _least_recompute(nb):
             want = err.expected.strip("'")
             break
     reset_tries()
-    import inspect
     defaults = {k: v.default for k, v in
                 inspect.signature(E.check_least_recompute).parameters.items()
                 if v.default is not inspect.Parameter.empty}
