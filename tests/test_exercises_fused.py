@@ -53,3 +53,12 @@ def test_cases_reach_the_edge_cases():
     assert any(math.isinf(s.min().item()) for s, _, _ in cases)
     assert any(bool(torch.isinf(s[:, 8:]).all()) for s, _, _ in cases)
     assert any(bool(torch.isinf(s[:, :4]).all()) for s, _, _ in cases)
+
+
+def test_online_softmax_noop_is_told_it_changes_nothing():
+    """An update that returns its inputs leaves l = 0, so acc / l is nan; the diagnosis is
+    the missing update, not a nan from exp(-inf - (-inf))."""
+    with_msg = "returns m, l and acc unchanged"
+    fails(with_msg, ex.check_online_softmax, lambda m, l, acc, s, v: (m, l, acc))
+    fails(with_msg, ex.check_online_softmax, lambda m, l, acc, s, v: (m.clone(), l.clone(),
+                                                                      acc.clone()))

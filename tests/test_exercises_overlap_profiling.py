@@ -41,6 +41,14 @@ def test_multi_copy_forward():
     fails(C.check_multi_copy_forward_ms, 7.5, match="here one is longer")
 
 
+def test_multi_copy_forward_without_a_formula_says_how_to_schedule():
+    """Exercise 2 is a schedule drawn by hand: a wrong time no mistake explains is told
+    how to walk the two streams, not to "compare each factor with the formula"."""
+    with pytest.raises(CheckError, match="walk the two streams") as err:
+        C.check_multi_copy_forward_ms(9.3)
+    assert "formula" not in str(err.value)
+
+
 @pytest.mark.parametrize("link", [2e10, 1e11, 1e12])
 def test_hand_schedule_equals_the_clock(link):
     """On a flat profile the library's two-copy forward takes the hand schedule's time."""
@@ -61,6 +69,20 @@ def test_best_chunks():
     fails(C.check_best_chunks, 1, match="more chunks would still hide")
     fails(C.check_best_chunks, 3, match="not one of the candidates")
     C.check_best_chunks(32, latency_us=0.0, launch_us=0.0)   # no overhead: more is better
+
+
+def test_fusion_needs_the_memory_efficiency():
+    """Leaving out memory_efficiency moves the unfused time by 1e-4 of it (5002.6 vs
+    5003.0 us): it is rejected and named; a rounded right answer still passes."""
+    p = wb.get_profile("ascend-910b")
+    bw = p.memory_bandwidth * p.memory_efficiency
+    right_u = 1000 * (4096 / bw + p.launch_overhead) * 1e6
+    right_f = (1000 * 4096 / bw + p.launch_overhead) * 1e6
+    no_eff = 1000 * (4096 / p.memory_bandwidth + p.launch_overhead) * 1e6
+    assert round(no_eff, 1) == 5002.6 and round(right_u, 1) == 5003.0
+    fails(C.check_fusion_us, no_eff, right_f, match="x memory_efficiency")
+    C.check_fusion_us(round(right_u, 1), right_f)
+    C.check_fusion_us(round(right_u), right_f)
 
 
 def test_fusion_agrees_with_the_clock():
@@ -92,3 +114,24 @@ def test_top_op_and_idle_share():
     C.check_idle_share(1 - tr.busy(0, "compute") / tr.time(), tr)
     fails(C.check_idle_share, 7 / 11, tr, match="BUSY share")
     fails(C.check_top_op, "mm", [1], match="pass the Trace")
+
+
+def test_idle_share_from_idle_gaps_is_told_about_the_tail():
+    """idle_gaps counts the gaps between a rank's kernels; the step also idles after the
+    last kernel (the gradient all-reduce): that answer gets that diagnosis, and a wrong
+    answer no mistake explains is told the method, not "the formula"."""
+    from workbench.npu.profiler import idle_gaps
+    with trace("a100") as tr:
+        tr.record_compute([0, 1], "mm", 2e-6)
+        tr.record_collective([0, 1], "all_reduce", 3e-6)
+        tr.record_compute([0, 1], "mm", 2e-6)
+        tr.record_collective([0, 1], "all_reduce", 4e-6)
+    assert tr.time() == pytest.approx(11e-6)
+    C.check_idle_share(7 / 11, tr)                             # busy 4 of 11 us
+    gaps = idle_gaps(tr.to_chrome_trace(), 0, 0)
+    from_gaps = sum(e - s for s, e in gaps) / (tr.time() * 1e6)
+    assert from_gaps == pytest.approx(3 / 11)
+    fails(C.check_idle_share, from_gaps, tr, match="4.0 us after its last kernel")
+    with pytest.raises(CheckError, match="merge rank 0's compute intervals") as err:
+        C.check_idle_share(0.55, tr)
+    assert "formula" not in str(err.value)

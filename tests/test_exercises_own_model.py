@@ -68,3 +68,28 @@ def test_like_one_device_catches_a_model_that_differs_per_rank():
             return super().forward(ids) + torch.rand(())      # a fresh draw on every rank
     with pytest.raises(CheckError, match="differs from one device"):
         wb.exercises.check_like_one_device(Noisy)
+
+
+def test_ddp_bytes_without_a_formula_says_how_to_count():
+    """Exercise 1 counts parameters; a wrong count that matches no known mistake is told
+    how to count, not to "compare each factor with the formula"."""
+    for wrong, msg in [(RIGHT + 123, "count 4 bytes per value of each distinct parameter"),
+                       (RIGHT // 4, "number of values"), (RIGHT // 2, "not 2")]:
+        wb.exercises.reset_tries()
+        with pytest.raises(CheckError, match=msg) as err:
+            wb.exercises.check_ddp_bytes(wrong, Tiny)
+        assert "formula" not in str(err.value)
+
+
+def test_like_one_device_tells_an_unseeded_model_to_seed():
+    """A make_model() without a seed builds other weights on every call: the diagnosis is
+    the seed, not dropout."""
+    class Unseeded(Tiny):
+        def __init__(self):
+            nn.Module.__init__(self)                    # Tiny's layers, without its seed
+            self.tok = nn.Parameter(torch.randn(32, 8) * 0.1)
+            self.pos = nn.Parameter(torch.randn(16, 8), requires_grad=False)
+            self.up = nn.Linear(8, 8)
+    with pytest.raises(CheckError, match="seed it inside") as err:
+        wb.exercises.check_like_one_device(Unseeded)
+    assert "dropout" not in str(err.value)

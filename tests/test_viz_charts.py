@@ -28,6 +28,28 @@ def test_lines_keep_their_data():
         C.lines([1, 2, 4], {"s": [1.0]})
 
 
+def test_lines_reference_pairs_share_a_colour_and_lie_beneath():
+    """A measurement on its formula stays visible: the formula dashed, beneath, in the
+    measurement's colour; one colour per pair (notebook 10's overlap figure)."""
+    x = [1, 2, 4]
+    fig = C.lines(x, {"a": [0.0, 0.5, 0.7], "b": [0.0, 0.2, 0.3]},
+                  reference={"a": ("formula a", [0.0, 0.5, 0.7]),
+                             "b": ("formula b", [0.0, 0.25, 0.4])})
+    solid, dashed = found(fig, "line"), found(fig, "reference")
+    assert [l.get_label() for l in solid] == ["a", "b"]
+    assert [l.get_label() for l in dashed] == ["formula a", "formula b"]
+    for s, d in zip(solid, dashed):
+        assert s.get_color() == d.get_color()
+        assert d.get_linestyle() == "--" and s.get_linestyle() == "-"
+        assert d.get_zorder() < s.get_zorder() and s.get_marker() == "o"
+    assert solid[0].get_color() != solid[1].get_color()
+    assert list(dashed[1].get_ydata()) == [0.0, 0.25, 0.4]
+    with pytest.raises(ValueError, match="names no series"):
+        C.lines(x, {"a": [0.0, 1.0, 2.0]}, reference={"c": ("f", [0.0, 1.0, 2.0])})
+    with pytest.raises(ValueError, match="2 values for 3"):
+        C.lines(x, {"a": [0.0, 1.0, 2.0]}, reference={"a": ("f", [0.0, 1.0])})
+
+
 def test_roofline_points_sit_on_each_profile_roof():
     npu = wb.get_profile("ascend-910b")
     work = {"k": dict(flops=1e9, bytes_moved=1e8)}                       # intensity 10

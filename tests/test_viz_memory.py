@@ -40,8 +40,10 @@ def test_bars_reject_bad_rows():
 def test_stage_rows_are_the_planners():
     lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="selective", global_batch=1536)
     rows = stage_rows(GPT3, lay)
-    assert list(rows) == ["stage 0 (first)", "stage 1 (middle)", "stage 15 (last)"]
-    assert rows["stage 1 (middle)"] == stage_memory(GPT3, lay, 1)
+    assert list(rows) == ["stage 0 (first)", "stage 8 (middle)", "stage 15 (last)"]
+    assert rows["stage 8 (middle)"] == stage_memory(GPT3, lay, 8)
+    assert list(stage_rows(GPT3, lay.replace(pp=4, dp=32))) == [
+        "stage 0 (first)", "stage 2 (middle)", "stage 3 (last)"]
     assert list(stage_rows(GPT3, lay.replace(pp=1, dp=128))) == ["stage 0 (only)"]
 
 
@@ -58,8 +60,23 @@ def test_widget_redraws_in_place_and_explains_errors():
     assert image.layout.visibility == "hidden" and "zero" in w.status.value
     w.controls["zero"].value = 1
     w.controls["tp"].value = 1024                          # 1024 x 16 > devices
-    assert w.figure is None and "does not divide" in w.message
+    assert w.figure is None and "16384 is more than the 1024 devices" in w.message
+    assert "divide" not in w.message
     w.controls["tp"].value = 8
     bundle = w._repr_mimebundle_()
     assert bundle["image/png"] and "dp8 tp8 pp16" in bundle["text/plain"]
     assert set(PARTS) <= set(w.rows["stage 0 (first)"])
+
+
+def test_limit_label_stays_inside_the_figure():
+    """The device-memory label sits beside its line inside the plot, never past its right
+    edge (where the figure clips it), whether the bars end left of the limit or right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    for total in (55.2e9, 20e9, 200e9):
+        fig = memory_bars({"a": {"params": total}}, limit=64e9,
+                          limit_label="Ascend 910B (Atlas 800T A2), device memory")
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        (text,) = fig.findobj(lambda a: a.get_gid() == "limit_label")
+        box, edge = text.get_window_extent(canvas.get_renderer()), fig.axes[0].bbox
+        assert edge.x0 <= box.x0 and box.x1 <= edge.x1, (total, box, edge)

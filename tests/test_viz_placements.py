@@ -242,3 +242,17 @@ def test_deterministic_png_and_show(monkeypatch):
     vp.show(make())
     (obj, raw), = shown
     assert raw and list(obj) == ["image/png"] and obj["image/png"][:4] == b"\x89PNG"
+
+
+def test_legend_names_the_axis_of_the_copies():
+    """[P(sum), R] on (x, y): parts of a sum over x, and each sum copied along y; the
+    legend says both (notebook 02's picture)."""
+    from workbench.viz.placements import render_text
+    mesh = wb.Mesh.grid((2, 3), ["x", "y"])
+    text = render_text(wb.TensorSpec((4, 3), mesh, ["P(sum)", "R"]))
+    assert "0+3,1+4,2+5" in text
+    assert "copies a,b: same values on a and b, along y (Replicate)" in text
+    assert "reduced over x (Partial); the sums are copies along y" in text
+    text = render_text(wb.TensorSpec((4, 3), mesh, ["P(sum)", "S(1)"]))
+    assert "copies" not in text and "reduced over x (Partial)" in text
+    assert "along x, y" in render_text(wb.TensorSpec((4, 3), mesh, ["R", "R"]))

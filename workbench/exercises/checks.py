@@ -43,24 +43,32 @@ def _number(name: str, value) -> float:
     return float(value)
 
 
-def _hint(got: float, want: float, wrong, rel: float = 0.02) -> str:
+FORMULA = "compare each factor with the formula"
+
+
+def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FORMULA) -> str:
     """The text of the first common mistake whose value matches ``got``: ``wrong`` holds
-    (value that mistake gives, what to say).  Otherwise only the direction: the ratio
-    would give the expected value away."""
+    (value that mistake gives, what to say).  Otherwise only the direction, and
+    ``fallback``, what to redo (an exercise without a formula names its own method):
+    the ratio would give the expected value away."""
     for value, text in wrong:
         if math.isclose(got, value, rel_tol=rel):
             return text
     if not want:
         return "it should be 0"
-    return ("too high" if got > want else "too low") + ": compare each factor with the formula"
+    return ("too high" if got > want else "too low") + ": " + fallback
 
 
-def _check_number(name, got, want, unit, wrong, rel=0.01, what=""):
+def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02,
+                  fallback=FORMULA):
+    """Accept ``got`` within ``rel`` of ``want``; otherwise name the mistake among
+    ``wrong`` it matches within ``hint_rel`` (no wider than the mistakes lie apart)."""
     got = _number(name, got)
     if math.isclose(got, want, rel_tol=rel):
         _ok(f"{name} = {got:.4g} {unit}{what}")
         return
-    raise CheckError(f"your {name} is {got:.4g} {unit}: " + _hint(got, want, wrong),
+    raise CheckError(f"your {name} is {got:.4g} {unit}: "
+                     + _hint(got, want, wrong, hint_rel, fallback),
                      expected=f"{want:.4g} {unit}")
 
 

@@ -44,11 +44,14 @@ def _cases():
 
 
 def _run(update, scores, values, width):
+    """Stream the tiles through ``update``; also say whether it ever changed its state."""
     rows, d = scores.shape[0], values.shape[1]
     m = torch.full((rows, 1), -math.inf, dtype=scores.dtype)
     l = torch.zeros(rows, 1, dtype=scores.dtype)
     acc = torch.zeros(rows, d, dtype=scores.dtype)
+    changed = False
     for j in range(0, scores.shape[1], width):
+        before = (m, l, acc)
         out = update(m, l, acc, scores[:, j:j + width], values[j:j + width])
         if not (isinstance(out, tuple) and len(out) == 3):
             raise CheckError(f"update must return the tuple (m, l, acc), got "
@@ -59,7 +62,8 @@ def _run(update, scores, values, width):
                 raise CheckError(f"your update returned {name} of shape "
                                  f"{tuple(getattr(t, 'shape', ()))}; it keeps the shape "
                                  f"{shape} (one value per query row)")
-    return m, l, acc
+        changed = changed or not all(torch.equal(a, b) for a, b in zip(before, (m, l, acc)))
+    return m, l, acc, changed
 
 
 def _without_rescale(scores, values, width):
@@ -87,11 +91,16 @@ def check_online_softmax(update) -> None:
     for k, (s, v, width) in enumerate(_cases()):
         want = torch.softmax(s, dim=-1) @ v                  # all scores at once
         try:
-            m, l, acc = _run(update, s, v, width)
+            m, l, acc, changed = _run(update, s, v, width)
         except CheckError:
             raise
         except Exception as e:                               # the student's code
             raise CheckError(f"your update raised {type(e).__name__}: {e}") from None
+        if not changed:
+            raise CheckError("your update returns m, l and acc unchanged: after the last tile "
+                             "m is still -inf and l still 0. Fold each tile in: the new max "
+                             "max(m, rowmax(s)), then l and acc rescaled by exp(m - m_new) "
+                             "plus the tile's exp(s - m_new) terms")
         got = acc / l
         if not torch.isfinite(got).all():
             raise CheckError("your output has nan or inf: with m = -inf at the start (or a "

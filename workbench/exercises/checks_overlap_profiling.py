@@ -68,7 +68,10 @@ def check_multi_copy_forward_ms(total_ms, attention_ms: float = 1.0, ffn_ms: flo
         (2 * a + 2 * f + 4 * m, "that is one copy of the whole batch, where every "
                                 "all-reduce blocks; with two, one copy's all-reduce runs "
                                 "while the other copy computes"),
-    ], rel=1e-3)
+    ], rel=1e-3, fallback="walk the two streams in order: a block starts when the compute "
+                          "stream is free and (an FFN) its copy's attention all-reduce has "
+                          "ended; an all-reduce when its block has ended and the comm "
+                          "stream is free")
 
 
 @exercise
@@ -112,12 +115,16 @@ def check_fusion_us(unfused_us, fused_us, n: int = 1000, nbytes: int = 4096,
     want_u = n * (nbytes / bw + launch) * 1e6
     want_f = (n * nbytes / bw + launch) * 1e6
     move = n * nbytes / bw * 1e6
+    peak_bw = n * nbytes / prof.memory_bandwidth * 1e6 + n * launch * 1e6
+    # the launches dwarf the bytes: leaving out the memory efficiency moves the answer by
+    # only 1e-4 of it (5002.6 vs 5003.0 us), so accept no more than rounding, and name
+    # that mistake only where it lies
+    tight = 0.2 * abs(peak_bw - want_u) / want_u
     _check_number("unfused time", unfused_us, want_u, "us", [
         (move, "that is the memory traffic only: each of the n kernels also pays a launch"),
         (want_f, "that is the fused kernel: one launch; the unfused ops pay n launches"),
-        (n * nbytes / prof.memory_bandwidth * 1e6 + n * launch * 1e6,
-         "use the memory bandwidth a kernel reaches: x memory_efficiency"),
-    ], rel=1e-3)
+        (peak_bw, "use the memory bandwidth a kernel reaches: x memory_efficiency"),
+    ], rel=min(1e-3, tight), hint_rel=min(0.02, tight))
     _check_number("fused time", fused_us, want_f, "us", [
         (move, "the fused kernel is still one launch: add launch_overhead once"),
         (want_u, "one fused kernel launches once, not n times"),
@@ -170,15 +177,24 @@ def check_idle_share(share, tr, rank: int = 0) -> None:
     if not events:
         raise CheckError("pass the Trace of the step, with its events")
     t0, t1 = min(e.start for e in events), max(e.end for e in events)
+    spans = sorted((e.start, e.end) for e in events if e.stream == "compute" and rank in e.ranks)
     busy, end = 0.0, t0                  # merge the rank's compute intervals, by hand
-    for s, e in sorted((e.start, e.end) for e in events
-                       if e.stream == "compute" and rank in e.ranks):
+    for s, e in spans:
         if e > end:
             busy += e - max(s, end)
             end = e
     want = 1 - busy / (t1 - t0)
     summed = sum(e.duration for e in events if e.stream == "compute" and rank in e.ranks)
+    between = (max(e for _, e in spans) - spans[0][0] - busy) if spans else 0.0  # idle_gaps
+    head, tail = (spans[0][0] - t0, t1 - max(e for _, e in spans)) if spans else (0.0, 0.0)
     _check_number("idle share", got, want, "of the step", [
         (1 - want, "that is the BUSY share; idle is 1 - busy / step"),
         (1 - summed / (t1 - t0), "close: merge overlapping compute intervals first"),
-    ], rel=1e-3)
+        (between / (t1 - t0), f"that counts only the gaps BETWEEN rank {rank}'s kernels (what "
+                              f"idle_gaps returns); the compute stream also idles "
+                              f"{tail * 1e6:.1f} us after its last kernel, while the "
+                              "gradient all-reduce finishes the step"
+                              + (f", and {head * 1e6:.1f} us before its first" if head else "")),
+    ], rel=1e-3, fallback=f"take the step from the first event's start to the last event's "
+                          f"end (all ranks), merge rank {rank}'s compute intervals into its "
+                          "busy time, and idle = 1 - busy / step")

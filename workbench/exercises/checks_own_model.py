@@ -50,10 +50,18 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
         _ok(f"{want:,} B of fp32 gradients all-reduced per step (every distinct parameter "
             "that requires a gradient, once)")
         return
+    tied_twice = every - (unique - want)             # tied counted twice, frozen left out
     raise CheckError(f"your answer is {got:,.0f} B; " + _hint(got, want, [
         (unique, "that counts the frozen parameter too: it has no gradient, DDP skips it"),
         (every, "that counts the tied weight twice (and the frozen one): a tied weight is "
-                "one parameter, reduced once")], rel=1e-9), expected=f"{want:,} B")
+                "one parameter, reduced once"),
+        (tied_twice, "that counts the tied weight twice: a tied weight is one parameter, "
+                     "reduced once"),
+        (want / 4, "that is the number of values: each fp32 gradient value is 4 bytes"),
+        (want / 2, "the gradients are fp32: 4 bytes per value, not 2")], rel=1e-9,
+        fallback="count 4 bytes per value of each distinct parameter (a tied one once) "
+                 "that requires a gradient: model.parameters() yields each once"),
+        expected=f"{want:,} B")
 
 
 def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int = 32,
@@ -64,6 +72,14 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
         model = make_model()
         if not isinstance(model, nn.Module):
             raise CheckError(f"make_model() returned a {type(model).__name__}, not an nn.Module")
+        again = make_model().state_dict()
+        differ = [n for n, t in model.state_dict().items()
+                  if n in again and not torch.equal(t, again[n])]
+        if differ:
+            raise CheckError(f"two calls of make_model() build different weights ({differ[0]} "
+                             "differs): seed it inside (torch.manual_seed(0) before building "
+                             "the model), so that one device, DDP and FSDP start from the "
+                             "same parameters")
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         if not frozen:
             raise CheckError("give your model a frozen parameter (requires_grad=False)")

@@ -32,7 +32,7 @@ def _zero_states(psi: float, n_d: int, stage: int) -> float:
 
 
 @exercise
-def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 64) -> None:
+def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) -> None:
     """Model states per GPU, in GB, of ``psi`` parameters at ZeRO ``stage`` on ``n_d``
     data-parallel GPUs (mixed-precision Adam, K = 12)."""
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
@@ -71,7 +71,7 @@ def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: i
 
 @exercise
 def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int = 1,
-                          tp: int = 8, pp: int = 16, dp: int = 8, zero: int = 0) -> None:
+                          tp: int = 8, pp: int = 8, dp: int = 16, zero: int = 0) -> None:
     """The least recompute ("none" < "selective" < "full") with which GPT-3's first
     stage fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`)."""
     if recompute not in RECOMPUTE:
@@ -88,11 +88,15 @@ def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int =
             if want != "none" else f"recompute='none' already fits: {need['none']:.0f} GB")
         return
     if RECOMPUTE.index(recompute) < RECOMPUTE.index(want):
-        raise CheckError(f"with recompute={recompute!r} the first stage needs more than "
-                         f"{memory_gb:g} GB: remember it holds p micro-batches in flight, each "
-                         f"through its L/p layers", expected=repr(want))
+        raise CheckError(f"with recompute={recompute!r} the first stage needs about "
+                         f"{need[recompute]:.0f} GB, more than {memory_gb:g} GB: it holds "
+                         f"min(p, m) = {min(pp, 1536 // (dp * micro_batch))} micro-batches in "
+                         f"flight, each through its L/p = {GPT3['L'] // pp} layers",
+                         expected=repr(want))
+    cheaper = ("no recompute at all fits" if want == "none" else
+               "the one that recomputes only the attention core fits too")
     raise CheckError(f"recompute={recompute!r} fits, but a cheaper recompute fits too: "
-                     f"try the one that recomputes only the attention core", expected=repr(want))
+                     f"{cheaper}", expected=repr(want))
 
 
 @exercise

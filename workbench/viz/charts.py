@@ -6,7 +6,7 @@ the roofline's two lines, which are the profile's own peak and bandwidth.
     >>> show(fig)                     # PNG only in a notebook  # doctest: +SKIP
 
 Deterministic, as the other figures: fixed colours and sizes, no pyplot state.  Artists
-carry gids for tests: "bar", "line", "hline", "point", "roof".
+carry gids for tests: "bar", "line", "reference", "hline", "point", "roof".
 """
 from __future__ import annotations
 
@@ -82,22 +82,44 @@ def bars(groups: dict, *, unit: str = "", title: str = "", hline=None, log: bool
 
 def lines(x, series: dict, *, xlabel: str = "", ylabel: str = "", title: str = "",
           logx: bool = False, logy: bool = False, hlines=(), markers: bool = True,
-          width: float = 7.0, height: float = 3.6, dpi: int = 100):
+          reference: dict | None = None, width: float = 7.0, height: float = 3.6,
+          dpi: int = 100):
     """One line per entry of ``series`` ({label: y values}, same length as ``x``);
-    ``hlines``: (value, label) reference lines."""
+    ``hlines``: (value, label) reference lines.
+
+    ``reference`` pairs a series with what it is held to ({series label: (label, y
+    values)}, e.g. a formula beside a measurement): drawn dashed, without markers, in its
+    series' colour and beneath it, so that a measured line lying on its formula stays
+    visible (its markers on the dashes) and each pair reads as one colour."""
     import matplotlib
     x = list(x)
+    reference = dict(reference or {})
     _finite("lines x", x)
     for k, ys in series.items():
         if len(ys) != len(x):
             raise ValueError(f"lines: series {k!r} has {len(ys)} values for {len(x)} x values")
         _finite(f"lines series {k!r}", ys)
+    for k, pair in reference.items():
+        if k not in series:
+            raise ValueError(f"lines: reference[{k!r}] names no series; the series are "
+                             f"{list(series)}")
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"lines: reference[{k!r}] must be (label, y values), got {pair!r}")
+        if len(pair[1]) != len(x):
+            raise ValueError(f"lines: reference {pair[0]!r} has {len(pair[1])} values for "
+                             f"{len(x)} x values")
+        _finite(f"lines reference {pair[0]!r}", pair[1])
     with matplotlib.rc_context(RC):
         fig = _figure(width, height, dpi)
         ax = fig.add_subplot(1, 1, 1)
         for i, (k, ys) in enumerate(series.items()):
+            color = SERIES_COLORS[i % len(SERIES_COLORS)]
             ax.plot(x, ys, marker="o" if markers else None, markersize=3.5, linewidth=1.5,
-                    color=SERIES_COLORS[i % len(SERIES_COLORS)], label=k, gid="line")
+                    color=color, label=k, gid="line", zorder=3)
+            if k in reference:
+                label, ref = reference[k]
+                ax.plot(x, ref, linestyle="--", linewidth=2.2, alpha=0.55, color=color,
+                        label=label, gid="reference", zorder=2)
         for j, (value, text) in enumerate(hlines):
             ax.axhline(value, color="#555555", linestyle="--", linewidth=0.9, gid="hline")
             ax.text(x[0], value, f" {text}", va="bottom", ha="left", fontsize=9)

@@ -10,7 +10,8 @@ micro-batches); nothing here computes memory itself.
     >>> show(fig)                                                        # doctest: +SKIP
 
 Figures are deterministic (fixed colours and sizes, no pyplot state).  Artists carry
-gids for tests: "segment" (one per part of a bar), "limit", "total".
+gids for tests: "segment" (one per part of a bar), "limit", "limit_label",
+"total".
 """
 from __future__ import annotations
 
@@ -71,11 +72,15 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
         ax.set_yticks(range(len(rows)), list(rows), fontsize=9)
         ax.set_ylim(len(rows) - 0.4, -0.9)
         hi = max(list(totals.values()) + [limit or 0.0]) / unit
+        right = hi * 1.28 or 1.0
+        ax.set_xlim(0, right)
         if limit is not None:
             ax.axvline(limit / unit, color="#333333", linestyle="--", linewidth=1.0, gid="limit")
-            ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name}",
-                    ha="left", va="center", fontsize=9)
-        ax.set_xlim(0, hi * 1.28 or 1.0)
+            # right of the line where there is room, else left of it: never past the edge
+            room = limit / unit < 0.55 * right
+            ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name} "
+                    if room else f"{limit_label} {limit / unit:g} {unit_name} ",
+                    ha="left" if room else "right", va="center", fontsize=9, gid="limit_label")
         ax.set_xlabel(unit_name, fontsize=9)
         ax.tick_params(labelsize=9)
         fig.legend(loc="outside lower center", fontsize=8.5, frameon=False, ncols=len(used))
@@ -90,10 +95,11 @@ def _first_row(rows, part):
 
 def stage_rows(model, layout, attention: str = "materialized") -> dict:
     """{"stage s (first)": bytes dict, ...}: ``workbench.plan.memory.stage_memory`` of the
-    first, a middle and the last pipeline stage of ``layout`` (one row when pp == 1)."""
+    first, the middle (pp // 2) and the last pipeline stage of ``layout`` (one row when
+    pp == 1)."""
     from ..plan.memory import stage_memory
     pp = layout.pp
-    stages = {0: "first", 1: "middle", pp - 1: "last"} if pp > 2 else \
+    stages = {0: "first", pp // 2: "middle", pp - 1: "last"} if pp > 2 else \
         ({0: "first", 1: "last"} if pp == 2 else {0: "only"})
     return {f"stage {s} ({name})": stage_memory(model, layout, s, attention)
             for s, name in stages.items()}
@@ -102,7 +108,7 @@ def stage_rows(model, layout, attention: str = "materialized") -> dict:
 class MemoryExplorer:
     """Sliders for TP, PP, micro-batch, recompute and ZeRO (and a schedule, SP) of
     ``model`` on ``devices`` devices of ``profile``; redraws the stacked bars of the
-    first, a middle and the last stage against the device memory.
+    first, the middle and the last stage against the device memory.
 
     The bars are an image widget replaced in place on every change; the text below says
     the layout, the busiest rank and whether it fits, or why a choice is not a layout.
@@ -121,7 +127,7 @@ class MemoryExplorer:
         self.global_batch = global_batch
         pow2 = [2 ** i for i in range(11) if 2 ** i <= devices]
         style = dict(continuous_update=False, style={"description_width": "initial"},
-                     layout=widgets.Layout(width="300px"))
+                     layout=widgets.Layout(width="340px"))   # room for "selective", "1024"
         self.controls = {
             "tp": widgets.SelectionSlider(options=pow2, value=tp, description="TP", **style),
             "pp": widgets.SelectionSlider(options=pow2, value=pp, description="PP", **style),
@@ -152,6 +158,9 @@ class MemoryExplorer:
         from ..plan.layout import Layout, check_layout
         c = {k: w.value for k, w in self.controls.items()}
         n = self.cluster.devices
+        if c["tp"] * c["pp"] > n:
+            raise ValueError(f"TP x PP = {c['tp']} x {c['pp']} = {c['tp'] * c['pp']} is more "
+                             f"than the {n} devices: lower TP or PP")
         if n % (c["tp"] * c["pp"]):
             raise ValueError(f"TP x PP = {c['tp'] * c['pp']} does not divide the {n} devices")
         lay = Layout(dp=n // (c["tp"] * c["pp"]), tp=c["tp"], pp=c["pp"], sp=c["sp"] and

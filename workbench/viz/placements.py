@@ -186,11 +186,14 @@ def _header(lay: Layout) -> str:
 
 def _legend(lay: Layout) -> list:
     out = []
+    along = ", ".join(n for n, p in zip(lay.mesh.dim_names, lay.placements) if p.is_replicate())
+    partial = lay.blocks[0].partial if lay.blocks else ()
     if any(len(b.groups) > 1 for b in lay.blocks):
-        out.append("copies a,b: same values on a and b (Replicate)")
-    if lay.blocks and lay.blocks[0].partial:
-        out.append(f"sum a+b: parts of one value, reduced over {', '.join(lay.blocks[0].partial)}"
-                   " (Partial)")
+        out.append("copies a,b: same values on a and b" + (f", along {along}" if along else "")
+                   + " (Replicate)")
+    if partial:
+        out.append(f"sum a+b: parts of one value, reduced over {', '.join(partial)} (Partial)"
+                   + (f"; the sums are copies along {along}" if along else ""))
     if lay.empty_ranks:
         out.append(f"empty shard: rank{'s' if len(lay.empty_ranks) > 1 else ''} "
                    f"{', '.join(map(str, lay.empty_ranks))} (torch.chunk ran out)")
