@@ -6,7 +6,9 @@ After backward each rank holds the gradient of its shard; then:
 
 * naive DP: all-reduce every gradient (PyTorch DDP without buckets);
 * bucketed DP: flatten gradients into buckets of ``bucket_bytes`` and all-reduce
-  each bucket (fewer, larger messages: DDP's gradient buckets);
+  each bucket (fewer, larger messages: DDP's gradient buckets).  Both are
+  ``DistributedDataParallel``'s DistTensor mode (:mod:`.ddp_dist`): the replicas
+  and their reduction are its :class:`~.ddp_dist.GradReplicas`;
 * ZeRO-1 (optimizer states sharded, Rajbhandari et al. 2020, P_os): reduce-scatter
   the gradients, each rank updates its 1/N_d of the parameters with its 1/N_d of
   the Adam states, then all-gather the parameters;
@@ -30,13 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sim_mesh import backends as _B
-from ...sim_mesh import collectives as C
-from ...sim_mesh.collectives import Cells
-from ..dist_tensor import DistTensor
 from ..placement import Replicate
-from .flat_shards import flat_padded, pack, unpack
-from .ranks import bucket_order
+from .ddp_dist import GradReplicas
+from .flat_shards import flat_padded
 from .zero_step import ZeroStep
 
 __all__ = ["DataParallel", "MemoryReport"]
@@ -81,47 +79,17 @@ class DataParallel(ZeroStep):
         if zero == 3:
             raise NotImplementedError("zero=3 (sharded parameters gathered per layer) is not "
                                       "built yet; use zero=1 or 2")
-        params = [p for _, p in params] if params and isinstance(params[0], tuple) \
-            else list(params)
-        # a tensor listed twice (a tied weight from two modules) is one parameter
-        self.params = list({id(p): p for p in params}.values())
-        self.mesh = mesh
-        self.axis = mesh.dim(dp)
-        ids = {id(p) for p in self.params}
-        if any(id(p) not in ids for p in partial_grads):
-            raise ValueError("partial_grads: every one must be one of params")
-        self._partial = {id(p) for p in partial_grads}
-        self.partial_axis = mesh.dim(partial_dim) if self._partial else None
-        self.n = mesh.shape[self.axis]
+        # the replicas and their gradients' reduction: DistributedDataParallel's
+        # DistTensor mode (ddp_dist.GradReplicas), the one copy of that code
+        self.replicas = GradReplicas(params, mesh, dp, bucket_bytes, partial_grads,
+                                     partial_dim, "DataParallel")
+        r = self.replicas
+        self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
+        self.partial_axis, self.bucket_bytes, self.distributed = \
+            r.partial_axis, r.bucket_bytes, r.distributed
         self.zero = zero
-        if bucket_bytes is not None and not bucket_bytes > 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
-                             "math.inf for one bucket, or None for one all-reduce per gradient")
-        self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0             # step() calls
-        self.distributed = _B.is_distributed(mesh)
-        for p in self.params:
-            if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
-                raise ValueError("DataParallel needs evenly sharded DistTensor parameters")
-            if not p.placements[self.axis].is_replicate():
-                raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
-                                 "dim; parameters must be replicated there")
-            # one replica per data-parallel rank (the dp axis becomes real storage; on
-            # torch.distributed every process already is one replica)
-            trainable = p.requires_grad          # frozen parameters stay frozen
-            loc = p._local.detach()
-            if self.distributed:
-                loc = loc.clone()
-                # the replicas start from dp rank 0's values (torch.distributed's
-                # from_local/shard_tensor do not check that processes agree)
-                _B.broadcast_(loc, mesh, self.axis, 0)
-                loc._wb_replica_axes = (self.axis,)
-            elif loc.shape[self.axis] == 1:
-                shape = list(loc.shape)
-                shape[self.axis] = self.n
-                loc = loc.expand(shape).clone()
-            p._local = loc.requires_grad_(trainable)
         # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
         # on the parameter's device ("meta" in a dry run) and dtype (as torch.optim.AdamW)
         self._steps = [0] * len(self.params)    # AdamW steps each parameter has taken
@@ -135,7 +103,7 @@ class DataParallel(ZeroStep):
         self._pending: list = []                       # (trace, handle) to wait for in step
         if zero == 2 and not self.distributed:
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
-                if p._local.requires_grad and id(p) not in self._partial:
+                if p._local.requires_grad and not r.is_partial(p):
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
 
     # ---- shapes ---------------------------------------------------------------------------
@@ -207,42 +175,10 @@ class DataParallel(ZeroStep):
         self._reduce([p for p in self.params if p._local.grad is not None])
 
     def _reduce(self, params) -> None:
-        self._sum_partials(params)
-        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
-            p._local.grad = g
+        self.replicas.reduce(params)
 
     def _sum_partials(self, params) -> None:
-        """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
-        part = [p for p in params if id(p) in self._partial and p._local.grad is not None]
-        if not part:
-            return
-        nd = self.mesh.ndim
-        buf = pack([self._lead(p._local.grad) for p in part], nd)
-        red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
-                           label="sequence-parallel norm grads")
-        for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
-            p._local.grad = piece.contiguous()
-
-    def _all_reduce(self, grads):
-        ax, mesh = self.axis, self.mesh
-        if not self.bucket_bytes:
-            return [C.all_reduce(g, mesh, ax, "sum", expanded=True, label="dp grad")
-                    .contiguous() for g in grads]
-        # buckets in reverse order of registration (the order backward produces them),
-        # as DistributedDataParallel fills them (ranks.bucket_order)
-        out = [None] * len(grads)
-        sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
-        lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
-        nd = mesh.ndim
-        for bucket in bucket_order(sizes, self.bucket_bytes):
-            flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
-            red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
-            for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
-                for a in range(nd):             # replicated axes back to one copy
-                    if grads[j].shape[a] == 1:
-                        piece = piece.narrow(a, 0, 1)
-                out[j] = piece
-        return out
+        self.replicas.sum_partials(params)
 
     def _flat_nopad(self, t):
         return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
