@@ -141,3 +141,65 @@ def test_bad_arguments_name_the_fix():
     ddp = wb.DistributedDataParallel(wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp"), mesh)
     with pytest.raises(NotImplementedError, match="full_state_dict"):
         ddp.state_dict()
+
+
+# ---- FullyShardedDataParallel over DistTensor parameters (ZeRO-3 over dp x TP over tp) ----
+
+def fsdp_dp_tp(steps, prefetch=False):
+    mesh = mesh2d()
+    model = wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
+    fsdp = wb.FullyShardedDataParallel(model, mesh, "dp", prefetch=prefetch)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    x, y = batch()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])
+    yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with wb.trace() as tr:
+            loss = ((fsdp(xd) - yd) ** 2).mean()
+            loss.backward()
+            fsdp.finish_gradient_synchronization()
+        opt.step()
+        losses.append(loss.full().item())
+    return losses, fsdp, tr
+
+
+def test_fsdp_over_tp_gives_one_devices_losses_and_parameters():
+    from workbench.parallel.strategies.fsdp_dist import DistTensorFSDP
+    from workbench.parallel.strategies.zero3 import Zero3
+    ref_losses, ref = one_device(3)
+    losses, fsdp, tr = fsdp_dp_tp(3)
+    assert isinstance(fsdp, wb.FullyShardedDataParallel) and isinstance(fsdp, DistTensorFSDP)
+    assert issubclass(Zero3, wb.FullyShardedDataParallel)      # the course's name for it
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)
+    got = fsdp.full_state_dict()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    # each rank keeps chunk k of its tp shard: (dp, tp, 16*32/2/2) for the first weight
+    assert dict(fsdp.named_parameters())["0.weight"].shape == (2, 2, 128)
+    # ZeRO-3 per step on each of the 2 dp groups: one all-gather per module in forward and
+    # in backward, one reduce-scatter per gradient: 3 x (p-1)/p of the tp shard's bytes
+    ev = [e for e in tr.collectives() if e.label.startswith("zero-3") and e.ranks == (0, 2)]
+    kinds = sorted(e.name for e in ev)
+    assert kinds == ["all_gather"] * 4 + ["reduce_scatter"] * 4
+    shard_bytes = 4 * (256 + 16 + 256 + 16)                    # one tp rank's parameters
+    assert sum(e.bytes for e in ev) == 3 * shard_bytes // 2
+
+
+def test_fsdp_over_distensors_refuses_what_it_does_not_build():
+    mesh = mesh2d()
+    make = lambda: wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")   # noqa: E731
+    with pytest.raises(NotImplementedError, match="compute_dtype"):
+        wb.FullyShardedDataParallel(make(), mesh, compute_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=False"):
+        wb.FullyShardedDataParallel(make(), mesh, reshard_after_forward=False)
+    with pytest.raises(ValueError, match="pass that mesh"):
+        wb.FullyShardedDataParallel(make(), wb.Mesh.grid(4, ["dp"]))
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        wb.FullyShardedDataParallel(make(), mesh, prefetch=-1)
+    fsdp = wb.FullyShardedDataParallel(make(), mesh)
+    for call in (fsdp.state_dict, lambda: fsdp.to(torch.float64)):
+        with pytest.raises(NotImplementedError):
+            call()

@@ -235,6 +235,11 @@ class DistTensorDDP(DistributedDataParallel):
                                   "parameters is not built; load into the module before "
                                   "wb.parallelize")
 
+    def _apply(self, fn, recurse=True):
+        raise NotImplementedError("DistributedDataParallel over DistTensor parameters: "
+                                  ".to() / .float() / .cuda() would miss the replicas; move "
+                                  "or cast the module before wb.parallelize")
+
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """{the module's own name: the full tensor} (dp rank 0's replica), buffers too."""
