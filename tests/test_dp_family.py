@@ -1,7 +1,8 @@
-"""DistributedDataParallel over DistTensor parameters (DDP over dp beside tensor parallelism
-over tp, as PyTorch's 2-D layout): one device's losses and parameters with any torch.optim
-optimizer, the gradient all-reduces counted on the dp groups, and DataParallel running on
-the same engine."""
+"""One data-parallel family: the three wrappers over DistTensor parameters (dp beside tensor
+parallelism over tp, PyTorch's 2-D layout): DistributedDataParallel, FullyShardedDataParallel
+(ZeRO-3) and ZeroRedundancyOptimizer(partition="chunks") (ZeRO-1/2) each give one device's
+losses and parameters with a torch.optim optimizer on (2, 2) ranks, their collectives counted
+on the dp groups; DataParallel and Zero3 run on them."""
 import math
 
 import pytest
@@ -203,3 +204,60 @@ def test_fsdp_over_distensors_refuses_what_it_does_not_build():
     for call in (fsdp.state_dict, lambda: fsdp.to(torch.float64)):
         with pytest.raises(NotImplementedError):
             call()
+
+
+# ---- ZeroRedundancyOptimizer(partition="chunks"): ZeRO-1/2 over dp x TP over tp ---------------
+
+def zero_dp_tp(steps, overlap_comm):
+    from workbench.parallel.strategies.zero_optimizer_dist import ChunkedZeroOptimizer
+    mesh = mesh2d()
+    model = wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
+    opt = wb.ZeroRedundancyOptimizer(wb.dist_parameters(model), torch.optim.AdamW, mesh, "dp",
+                                     partition="chunks", overlap_comm=overlap_comm, lr=1e-2)
+    assert isinstance(opt, ChunkedZeroOptimizer) and isinstance(opt, wb.ZeroRedundancyOptimizer)
+    x, y = batch()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])
+    yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with wb.trace() as tr:
+            loss = ((model(xd) - yd) ** 2).mean()
+            loss.backward()
+            opt.step()
+        losses.append(loss.full().item())
+    return losses, model, opt, tr
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+def test_zero_chunks_over_tp_gives_one_devices_losses_and_sends_dps_bytes(overlap_comm):
+    ref_losses, ref = one_device(3)
+    losses, model, opt, tr = zero_dp_tp(3, overlap_comm)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)
+    for name, p in wb.dist_parameters(model):
+        torch.testing.assert_close(p.full(), ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    # each rank holds the optimizer states of its chunk only: (dp, tp, chunk)
+    assert opt.shards[0].shape == (2, 2, 128)
+    assert opt.optimizer.state[opt.shards[0]]["exp_avg"].shape == (2, 2, 128)
+    stage = 2 if overlap_comm else 1
+    ev = [e for e in tr.collectives() if e.label.startswith(f"zero-{stage}")
+          and e.ranks == (0, 2)]
+    kinds = sorted(e.name for e in ev)
+    # ZeRO-1: one reduce-scatter of one buffer; ZeRO-2: one per gradient, async in backward
+    assert kinds == ["all_gather"] + ["reduce_scatter"] * (4 if overlap_comm else 1)
+    # ZeRO-2's are launched from backward's hooks (async), ZeRO-1's by step()
+    assert all(e.label.endswith("(async)") for e in ev if e.name == "reduce_scatter") \
+        == overlap_comm
+    shard_bytes = 4 * (256 + 16 + 256 + 16)          # one tp rank's parameters, all divide
+    assert sum(e.bytes for e in ev) == 2 * shard_bytes // 2      # = DP's all-reduce
+
+
+def test_zero_partition_is_checked():
+    mesh = mesh2d()
+    with pytest.raises(ValueError, match="partition='rows'"):
+        wb.ZeroRedundancyOptimizer(mlp().parameters(), torch.optim.SGD, None, partition="rows",
+                                   lr=0.1)
+    with pytest.raises(ValueError, match="DistTensor parameters"):
+        wb.ZeroRedundancyOptimizer(list(mlp().parameters()), torch.optim.SGD, mesh,
+                                   partition="chunks", lr=0.1)

@@ -200,9 +200,11 @@ class Hybrid:
                 # its default overlap_grad_reduce=False, all-reduces it as ONE bucket after
                 # the pipeline flush (megatron/core/distributed/
                 # distributed_data_parallel_config.py: bucket_size None when not
-                # overlapping): one collective per stage, not one per tensor
+                # overlapping): one collective per stage, not one per tensor (ZeRO-1/2
+                # reduce-scatter every gradient in one buffer anyway)
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
-                                         bucket_bytes=ONE_BUFFER, lr=lr,
+                                         bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
+                                         lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
         return opts

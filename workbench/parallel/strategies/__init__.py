@@ -4,8 +4,9 @@ One data-parallel family, PyTorch's three wrappers, each over a plain module (on
 simulated rank, the module run once per rank: :mod:`.ddp`, :mod:`.fsdp`,
 :mod:`.zero_optimizer`) or over a module whose parameters are DistTensors
 (``wb.parallelize``, beside tensor parallelism on another mesh dim: :mod:`.ddp_dist`,
-:mod:`.fsdp_dist`).  The course's names run on them: ``DataParallel`` (plain DP and ZeRO-1/2,
-:mod:`.data_parallel`, :mod:`.zero_step`) on DDP's DistTensor engine, ``Zero3``
+:mod:`.fsdp_dist`, :mod:`.zero_optimizer_dist` with ``partition="chunks"``).  The course's names run on them: ``DataParallel`` (plain DP and ZeRO-1/2,
+:mod:`.data_parallel`) on DDP's DistTensor engine and ``ZeroRedundancyOptimizer``'s
+per-chunk mode (:mod:`.zero_optimizer_dist`), ``Zero3``
 (:mod:`.zero3`) is FSDP over DistTensors with its own AdamW.
 
 Also: tensor and sequence parallel (:mod:`.tensor_parallel`), activation counting
