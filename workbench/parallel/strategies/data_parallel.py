@@ -17,7 +17,8 @@ After backward each rank holds the gradient of its shard; then:
   ``overlap_comm`` for stage 2) with ``wb.ops.AdamW``;
 * ZeRO-3 (P_os+g+p): parameters stay sharded; each layer all-gathers its
   parameters before forward and again before backward, and gradients are
-  reduce-scattered: 1.5x the data-parallel volume.
+  reduce-scattered: 1.5x the data-parallel volume.  That is :class:`.zero3.Zero3`,
+  ``FullyShardedDataParallel`` over DistTensor parameters (:mod:`.fsdp_dist`).
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
 sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too), whose
