@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.torchrun_support import run_job
-from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

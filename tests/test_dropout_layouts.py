@@ -4,7 +4,7 @@ losses with dropout on, recompute included."""
 import pytest
 import torch
 
-from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.recipes.hybrid import Hybrid
 from workbench.sim_mesh import rng
 from workbench.train import train
 

@@ -113,7 +113,7 @@ def test_bucket_fill_agrees_with_data_parallel():
 
 
 def test_hybrid_groups_agree_with_stage_meshes(capsys):
-    from workbench.parallel.strategies.hybrid import stage_meshes
+    from workbench.recipes.hybrid import stage_meshes
     meshes = stage_meshes(2, 2, 2)
     for rank in range(8):
         s = rank // 4
@@ -125,7 +125,7 @@ def test_hybrid_groups_agree_with_stage_meshes(capsys):
 
 def test_state_bytes_agree_with_memory():
     from workbench.models.config import get_config
-    from workbench.parallel.strategies.hybrid import Hybrid
+    from workbench.recipes.hybrid import Hybrid
     for zero in range(4):
         st = Hybrid(dp=2, tp=2, pp=2, zero=zero)
         opts = st.build_optimizer(st.build_model(get_config("tiny"), 0), 1e-3, 0.0)

@@ -200,7 +200,7 @@ def test_hybrid_state_bytes(capsys):
 
 
 def test_best_layout(capsys):
-    from workbench.parallel.strategies.hybrid import Hybrid
+    from workbench.recipes.hybrid import Hybrid
     # on the 910B's HCCS full mesh an all-reduce of the tiny model's gradients takes two
     # latency steps (HCCL's mesh algorithm), so pure data parallelism wins: every other
     # layout adds per-layer TP all-reduces or pipeline sends of the same latency

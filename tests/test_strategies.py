@@ -5,7 +5,7 @@ import torch
 
 from workbench.models.config import get_config
 from workbench.models.data import get_batch
-from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.recipes.hybrid import Hybrid
 from workbench.parallel.strategies.zero3 import Zero3
 from workbench.train import SingleDevice
 

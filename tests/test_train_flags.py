@@ -3,7 +3,7 @@
 import pytest
 
 from workbench.cli import main
-from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
 

@@ -28,6 +28,7 @@ from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **a
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
 from . import ops, npu, exercises  # noqa: E402
 from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
+from . import recipes  # noqa: E402  wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
 
 __version__ = "0.1.0"
@@ -37,4 +38,4 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
            "parallelize", "dist_parameters", "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan"]
+           "distributed", "models", "plan", "recipes"]

@@ -16,7 +16,7 @@ work is spread over devices goes through a :class:`Strategy`:
     strategy.optimizer_step(optimizer)           step and zero the gradients
 
 :class:`SingleDevice` runs everything on one device; the ``--dp --tp --pp --sp
---zero --schedule`` flags select the :class:`~workbench.parallel.strategies.hybrid.
+--zero --schedule`` flags select the :class:`~workbench.recipes.hybrid.
 Hybrid` recipe, and :func:`check_args` refuses values no run can take.
 The global batch and the loss are the same for every strategy, so a
 parallel run can be checked against the single-device run step by step; dropout
@@ -212,7 +212,7 @@ def strategy_from_args(args) -> Strategy:
     distributed = getattr(args, "backend", "sim") == "torch"
     parallel = {n: getattr(args, n, d) for n, d in _PARALLEL_FLAGS if n != "backend"}
     if distributed or any(parallel[n] != d for n, d in _PARALLEL_FLAGS if n != "backend"):
-        from .parallel.strategies.hybrid import Hybrid
+        from .recipes.hybrid import Hybrid
         if distributed:
             from .sim_mesh import backends
             timeout = getattr(args, "timeout", None)

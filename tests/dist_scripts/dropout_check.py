@@ -5,7 +5,7 @@ import json
 import torch
 
 import workbench as wb
-from workbench.parallel.strategies.hybrid import Hybrid
+from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
 wb.distributed.init(timeout_s=60)

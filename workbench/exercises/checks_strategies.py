@@ -418,7 +418,7 @@ def check_hybrid_groups(dp_group, tp_group, pp_peer, rank: int = 6) -> None:
 
 def _stage_model(dp, tp, pp, preset):
     from ..models.config import get_config
-    from ..parallel.strategies.hybrid import Hybrid
+    from ..recipes.hybrid import Hybrid
     st = Hybrid(dp=dp, tp=tp, pp=pp)
     with torch.random.fork_rng(devices=[]):
         model = st.build_model(get_config(preset), 0)
@@ -496,7 +496,7 @@ _LAYOUT_TIMES: dict = {}
 
 
 def _layouts(world, cfg, batch):
-    from ..parallel.strategies.hybrid import Hybrid
+    from ..recipes.hybrid import Hybrid
     out = []
     for dp in range(1, world + 1):
         for tp in range(1, world // dp + 1):
@@ -514,7 +514,7 @@ def _layouts(world, cfg, batch):
 def _layout_ms(layout, preset, batch, profile) -> float:
     key = (layout, preset, batch, profile)
     if key not in _LAYOUT_TIMES:
-        from ..parallel.strategies.hybrid import Hybrid
+        from ..recipes.hybrid import Hybrid
         from ..train import train
         st = Hybrid(*layout)
         st.profile = profile
@@ -529,7 +529,7 @@ def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
     """The (dp, tp, pp) layout of ``world`` ranks (no SP, no ZeRO) with the shortest
     modeled training step of ``preset`` on ``profile``."""
     from ..models.config import get_config
-    from ..parallel.strategies.hybrid import Hybrid
+    from ..recipes.hybrid import Hybrid
     if isinstance(layout, Hybrid):
         layout = (layout.dp, layout.tp, layout.pp)
     try:

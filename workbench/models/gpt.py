@@ -203,6 +203,7 @@ class GPT(Splittable, nn.Module):
     # ---- how the model splits (models/split.py) --------------------------------------------
     TP_BLOCK_PLAN = GPT_TP_PLAN
     FIRST_MODULES = ("tok_emb", "pos_emb")
+    NORM_CLASSES = (nn.LayerNorm,)
 
     def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,

@@ -214,6 +214,7 @@ class Llama(Splittable, nn.Module):
 
     # ---- how the model splits (models/split.py) --------------------------------------------
     TP_BLOCK_PLAN = TP_PLAN
+    NORM_CLASSES = (RMSNorm,)
 
     def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,

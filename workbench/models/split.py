@@ -1,23 +1,29 @@
 """How a decoder-only model splits, for the parallel recipes above it.
 
-A recipe (``workbench.parallel.strategies.hybrid``) knows nothing of a model's parts:
-it asks the model.  Both course models (``Llama``, ``GPT``) answer with this mixin:
+A recipe (``workbench.recipes.hybrid``) knows nothing of a model's parts: it asks the
+model.  Both course models (``Llama``, ``GPT``) answer with this mixin:
 
     model.tp_plan(tp)            Megatron's tensor-parallel plan, by module path
     model.tp_regions(layers)     the modules that take Megatron's f before and g after
+    model.norm_classes()         the model's norm layers (sequence parallelism splits
+                                 their input on the sequence, so their gradients are
+                                 partial sums over tp)
     model.pipeline_stages(n)     n stages of equal layer counts and the modules each owns
     model.head(x, stage)         final norm and lm head (or the tied embedding's table)
     model.set_recompute(mode)    none | selective | full, per block
     model.generate(idx, n)       sampling, as nanoGPT's
 
 A model sets ``TP_BLOCK_PLAN`` (the plan inside its blocks, keys from the model's root
-such as ``"layers.*.attn.wq"``) and ``FIRST_MODULES`` (what the first stage adds before
-the blocks: the embeddings).
+such as ``"layers.*.attn.wq"``), ``FIRST_MODULES`` (what the first stage adds before
+the blocks: the embeddings) and ``NORM_CLASSES`` (its norm layers' classes; torch's
+``LayerNorm`` and ``RMSNorm`` unless it says otherwise).  ``workbench.parallel`` never
+imports a model: the recipe hands these answers down to the strategies.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .config import RECOMPUTE
 
@@ -29,6 +35,12 @@ class Splittable:
 
     TP_BLOCK_PLAN: dict = {}
     FIRST_MODULES: tuple = ("tok_emb",)
+    NORM_CLASSES: tuple = (nn.LayerNorm, nn.RMSNorm)
+
+    def norm_classes(self) -> tuple:
+        """The classes of the model's norm layers (for
+        ``workbench.parallel.strategies.tensor_parallel.sequence_parallel_norms``)."""
+        return tuple(self.NORM_CLASSES)
 
     def tp_plan(self, tp: int) -> dict:
         """Megatron's tensor-parallel plan over ``tp`` ranks, by module path (for

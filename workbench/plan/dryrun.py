@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel import schedules as S
-from ..parallel.strategies.hybrid import Hybrid
+from ..recipes.hybrid import Hybrid
 from ..sim_mesh.cost import compute_time, price
 from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout

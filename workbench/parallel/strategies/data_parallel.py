@@ -6,21 +6,26 @@ After backward each rank holds the gradient of its shard; then:
 
 * naive DP: all-reduce every gradient (PyTorch DDP without buckets);
 * bucketed DP: flatten gradients into buckets of ``bucket_bytes`` and all-reduce
-  each bucket (fewer, larger messages: DDP's gradient buckets);
+  each bucket (fewer, larger messages: DDP's gradient buckets).  Both are
+  ``DistributedDataParallel``'s DistTensor mode (:mod:`.ddp_dist`): the replicas
+  and their reduction are its :class:`~.ddp_dist.GradReplicas`;
 * ZeRO-1 (optimizer states sharded, Rajbhandari et al. 2020, P_os): reduce-scatter
   the gradients, each rank updates its 1/N_d of the parameters with its 1/N_d of
   the Adam states, then all-gather the parameters;
-* ZeRO-2 (P_os+g): the same messages; each rank keeps only its gradient shard;
+* ZeRO-2 (P_os+g): the same messages; each rank keeps only its gradient shard.
+  Both are ``ZeroRedundancyOptimizer(partition="chunks")`` (:mod:`.zero_optimizer_dist`,
+  ``overlap_comm`` for stage 2) with ``wb.ops.AdamW``;
 * ZeRO-3 (P_os+g+p): parameters stay sharded; each layer all-gathers its
   parameters before forward and again before backward, and gradients are
-  reduce-scattered: 1.5x the data-parallel volume.
+  reduce-scattered: 1.5x the data-parallel volume.  That is :class:`.zero3.Zero3`,
+  ``FullyShardedDataParallel`` over DistTensor parameters (:mod:`.fsdp_dist`).
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
 sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too), whose
-messages go as one buffer (ZeRO-2's reduce-scatter async during backward:
-:mod:`.zero_step`).  ``step`` runs AdamW (``workbench.ops.adamw``, a step count per
-parameter as ``torch.optim.AdamW``); plain DP also takes any ``torch.optim`` optimizer
-over :meth:`DataParallel.parameters` after :meth:`finish_gradient_synchronization`.
+messages go as one buffer (ZeRO-2's reduce-scatter async during backward).  ``step``
+runs AdamW (``wb.ops.AdamW``, a step count per parameter as ``torch.optim.AdamW``);
+plain DP also takes any ``torch.optim`` optimizer over :meth:`DataParallel.parameters`
+after :meth:`finish_gradient_synchronization`.
 Memory is counted per rank from what each rank actually holds (:meth:`memory`).
 """
 from __future__ import annotations
@@ -30,14 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sim_mesh import backends as _B
-from ...sim_mesh import collectives as C
-from ...sim_mesh.collectives import Cells
-from ..dist_tensor import DistTensor
+from ...ops.adamw import AdamW as _AdamW
 from ..placement import Replicate
-from .flat_shards import flat_padded, pack, unpack
-from .ranks import bucket_order
-from .zero_step import ZeroStep
+from .ddp_dist import GradReplicas
+from .zero_optimizer_dist import ChunkedZeroOptimizer
 
 __all__ = ["DataParallel", "MemoryReport"]
 
@@ -57,13 +58,15 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer
 
 
-class DataParallel(ZeroStep):
-    """Data parallel training of ``params`` (DistTensor leaves, replicated on ``dp``).
+class DataParallel:
+    """Data parallel training of ``params`` (DistTensor leaves, replicated on ``dp``): the
+    course's optimizer-style name over the data-parallel wrappers' DistTensor engines.
 
     Args:
         params: the model's DistTensor parameters (e.g. ``wb.dist_parameters(model)``).
         mesh: their mesh; ``dp`` names its data-parallel dimension.
-        zero: 0 (plain DP), 1, 2 or 3.
+        zero: 0 (plain DP: ``DistributedDataParallel``'s engine, :mod:`.ddp_dist`), 1 or 2
+            (``ZeroRedundancyOptimizer(partition="chunks")``); ZeRO-3 is :class:`.zero3.Zero3`.
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
             (None: one all-reduce per gradient; ``math.inf``: every gradient in one
             contiguous buffer, Megatron-LM's default without overlap).
@@ -79,80 +82,31 @@ class DataParallel(ZeroStep):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero!r}: use 0 (plain data parallel), 1, 2 or 3")
         if zero == 3:
-            raise NotImplementedError("zero=3 (sharded parameters gathered per layer) is not "
-                                      "built yet; use zero=1 or 2")
-        params = [p for _, p in params] if params and isinstance(params[0], tuple) \
-            else list(params)
-        # a tensor listed twice (a tied weight from two modules) is one parameter
-        self.params = list({id(p): p for p in params}.values())
-        self.mesh = mesh
-        self.axis = mesh.dim(dp)
-        ids = {id(p) for p in self.params}
-        if any(id(p) not in ids for p in partial_grads):
-            raise ValueError("partial_grads: every one must be one of params")
-        self._partial = {id(p) for p in partial_grads}
-        self.partial_axis = mesh.dim(partial_dim) if self._partial else None
-        self.n = mesh.shape[self.axis]
+            raise NotImplementedError("DataParallel(zero=3): ZeRO-3 is Zero3(module, mesh, "
+                                      "'dp') (FullyShardedDataParallel over DistTensors)")
         self.zero = zero
-        if bucket_bytes is not None and not bucket_bytes > 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
-                             "math.inf for one bucket, or None for one all-reduce per gradient")
-        self.bucket_bytes = bucket_bytes
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0             # step() calls
-        self.distributed = _B.is_distributed(mesh)
-        for p in self.params:
-            if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
-                raise ValueError("DataParallel needs evenly sharded DistTensor parameters")
-            if not p.placements[self.axis].is_replicate():
-                raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
-                                 "dim; parameters must be replicated there")
-            # one replica per data-parallel rank (the dp axis becomes real storage; on
-            # torch.distributed every process already is one replica)
-            trainable = p.requires_grad          # frozen parameters stay frozen
-            loc = p._local.detach()
-            if self.distributed:
-                loc = loc.clone()
-                # the replicas start from dp rank 0's values (torch.distributed's
-                # from_local/shard_tensor do not check that processes agree)
-                _B.broadcast_(loc, mesh, self.axis, 0)
-                loc._wb_replica_axes = (self.axis,)
-            elif loc.shape[self.axis] == 1:
-                shape = list(loc.shape)
-                shape[self.axis] = self.n
-                loc = loc.expand(shape).clone()
-            p._local = loc.requires_grad_(trainable)
-        # optimizer states: full per rank (stage 0) or a 1/N_d shard of the flat tensor
-        # on the parameter's device ("meta" in a dry run) and dtype (as torch.optim.AdamW)
-        self._steps = [0] * len(self.params)    # AdamW steps each parameter has taken
-        like = [dict(device=p._local.device, dtype=p._local.dtype) for p in self.params]
-        self.m = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
-        self.v = [torch.zeros(self._state_shape(p), **k) for p, k in zip(self.params, like)]
-        # ZeRO-2 reduce-scatters each gradient from a post-accumulate-grad hook, during
-        # backward (async on the simulated clock); on torch.distributed the collectives
-        # are blocking calls, so there the reduce-scatter stays in step()
-        self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
-        self._pending: list = []                       # (trace, handle) to wait for in step
-        if zero == 2 and not self.distributed:
-            for i, p in enumerate(self.params):       # (partial ones: summed at step)
-                if p._local.requires_grad and id(p) not in self._partial:
-                    p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
+        adamw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if zero == 0:
+            # the replicas and their gradients' reduction: DistributedDataParallel's
+            # DistTensor engine; AdamW over the replicas, as any torch.optim optimizer
+            self.replicas = GradReplicas(params, mesh, dp, bucket_bytes, partial_grads,
+                                         partial_dim, "DataParallel")
+            self.optimizer = _AdamW([p._local for p in self.replicas.params], **adamw) \
+                if self.replicas.params else None
+        else:
+            if bucket_bytes is not None:
+                raise ValueError(f"bucket_bytes={bucket_bytes!r} with zero={zero}: ZeRO "
+                                 "reduce-scatters every gradient in one buffer; leave it None")
+            self.optimizer = ChunkedZeroOptimizer(
+                params, _AdamW, mesh, dp, overlap_comm=zero == 2, partial_grads=partial_grads,
+                partial_dim=partial_dim, **adamw)
+            self.replicas = self.optimizer.replicas
+        r = self.replicas
+        self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
+        self.bucket_bytes, self.distributed = r.bucket_bytes, r.distributed
 
-    # ---- shapes ---------------------------------------------------------------------------
-    def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        """(lead..., *local) -> (lead..., numel padded to a multiple of N_d)."""
-        return flat_padded(t, self.n, self.mesh.ndim)
-
-    def _state_shape(self, p):
-        loc = p._local
-        nd = self.mesh.ndim
-        if self.zero == 0:
-            return tuple(loc.shape)
-        numel = math.prod(loc.shape[nd:])
-        padded = numel + (-numel) % self.n
-        return tuple(loc.shape[:nd]) + (padded // self.n,)
-
-    # ---- the step ---------------------------------------------------------------------------
     def shard_batch(self, x: torch.Tensor, dim: int = 0):
         """A global batch split over the data-parallel ranks (replicated elsewhere)."""
         from ..dist_tensor import shard_tensor
@@ -161,27 +115,23 @@ class DataParallel(ZeroStep):
         ps[self.axis] = Shard(dim)
         return shard_tensor(x, self.mesh, ps)
 
+    # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
         """Reduce the gradients over dp and take one AdamW step (in place)."""
         # as torch.optim: a parameter without a gradient (frozen, or unused) is skipped
-        live = [i for i, p in enumerate(self.params)
-                if p._local.grad is not None or i in self._gshard]
+        live = self.optimizer.live() if self.zero else \
+            [i for i, p in enumerate(self.params) if p._local.grad is not None]
         if not live:
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
         self.step_count += 1
-        for i in live:       # as torch.optim's AdamW: a step count per parameter
-            self._steps[i] += 1
+        if self.zero:
+            self.optimizer.step()
+            return
         params = [self.params[i] for i in live]
-        m, v = [self.m[i] for i in live], [self.v[i] for i in live]
-        if self.zero == 0:
-            self._reduce(params)
-            self._adamw([p._local for p in params], [p._local.grad for p in params], m, v,
-                        live)
-        else:
-            self._sum_partials(params)
-            self._zero_step(params, [p._local.grad for p in params], m, v, live)
+        self.replicas.reduce(params)
+        self.optimizer.step()
         for p in params:
             p._local.grad = None
 
@@ -204,48 +154,7 @@ class DataParallel(ZeroStep):
         already carries its 1/N of the mean), written back as each replica's ``.grad``."""
         if self.zero:
             self.parameters()                       # the same clear error
-        self._reduce([p for p in self.params if p._local.grad is not None])
-
-    def _reduce(self, params) -> None:
-        self._sum_partials(params)
-        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
-            p._local.grad = g
-
-    def _sum_partials(self, params) -> None:
-        """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
-        part = [p for p in params if id(p) in self._partial and p._local.grad is not None]
-        if not part:
-            return
-        nd = self.mesh.ndim
-        buf = pack([self._lead(p._local.grad) for p in part], nd)
-        red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
-                           label="sequence-parallel norm grads")
-        for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
-            p._local.grad = piece.contiguous()
-
-    def _all_reduce(self, grads):
-        ax, mesh = self.axis, self.mesh
-        if not self.bucket_bytes:
-            return [C.all_reduce(g, mesh, ax, "sum", expanded=True, label="dp grad")
-                    .contiguous() for g in grads]
-        # buckets in reverse order of registration (the order backward produces them),
-        # as DistributedDataParallel fills them (ranks.bucket_order)
-        out = [None] * len(grads)
-        sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
-        lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
-        nd = mesh.ndim
-        for bucket in bucket_order(sizes, self.bucket_bytes):
-            flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
-            red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
-            for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
-                for a in range(nd):             # replicated axes back to one copy
-                    if grads[j].shape[a] == 1:
-                        piece = piece.narrow(a, 0, 1)
-                out[j] = piece
-        return out
-
-    def _flat_nopad(self, t):
-        return t.reshape(tuple(t.shape[:self.mesh.ndim]) + (-1,))
+        self.replicas.reduce()
 
     # ---- accounting ------------------------------------------------------------------------
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
@@ -257,15 +166,15 @@ class DataParallel(ZeroStep):
         state (fp32 master weights, m, v), so it equals the paper's formulas when
         every parameter divides by N_d (no padding)."""
         nd = self.mesh.ndim
-        elems = lambda shape: math.prod(shape[nd:])  # noqa: E731
         wb_, gb, ob = (2, 2, 12) if mixed_precision else (4, 4, 8)
         params = grads = opt = 0
         n_params = 0
-        for p, m in zip(self.params, self.m):
-            full = elems(p._local.shape)
-            shard = elems(m.shape) if self.zero else full
+        shards = self.optimizer.shard_numel() if self.zero else [None] * len(self.params)
+        for p, sh in zip(self.params, shards):
+            full = math.prod(p._local.shape[nd:])
+            shard = sh if self.zero else full
             n_params += math.prod(p.shape)
-            params += (shard if self.zero == 3 else full) * wb_
+            params += full * wb_
             grads += (shard if self.zero >= 2 else full) * gb
             opt += shard * ob
         return MemoryReport(params, grads, opt, n_params, self.n, self.zero)

@@ -28,6 +28,10 @@ Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
 parameter used nowhere keeps ``grad=None`` (no rank all-reduces it, the
 optimizer skips it as on one device); tied weights are one parameter, reduced once.
 
+A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor parallel on
+another mesh dim) runs in DDP's DistTensor mode (:mod:`.ddp_dist`): one forward over the
+DistTensors, the gradients reduced in :meth:`finish_gradient_synchronization`.
+
 On simulated ranks the loss is the loss of the global batch (a DistTensor), so
 each rank's gradient already carries the 1/N of the mean; the all-reduce sums
 them, which is exactly the average of the ranks' local-loss gradients that a
@@ -58,6 +62,15 @@ class DistributedDataParallel(ModuleWrapper):
     simulated mesh each parameter holds one row per rank (shape ``(N, *shape)``);
     :meth:`full_state_dict` gives the plain tensors back.
     """
+
+    def __new__(cls, module=None, *args, **kwargs):
+        # a module with DistTensor parameters (wb.parallelize: DDP beside tensor
+        # parallelism) gets the DistTensor mode, :class:`.ddp_dist.DistTensorDDP`
+        if cls is DistributedDataParallel:
+            from .ddp_dist import DistTensorDDP, has_dist_parameters
+            if has_dist_parameters(module):
+                cls = DistTensorDDP
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
                  broadcast_from: int = 0):

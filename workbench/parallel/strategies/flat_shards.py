@@ -1,6 +1,6 @@
 """The layout every sharded data-parallel scheme here shares, and where a parameter lives.
 
-ZeRO-1/2 (:mod:`.zero_step`), ZeRO-3 (:mod:`.zero3`) and ``FullyShardedDataParallel``
+ZeRO-1/2 (:mod:`.zero_optimizer_dist`), ZeRO-3 (:mod:`.zero3`) and ``FullyShardedDataParallel``
 (:mod:`.fsdp`) shard a tensor the same way (Rajbhandari et al. 2020, Sec. 5; PyTorch
 FSDP's ``FlatParameter``): flatten it, pad it with zeros to a multiple of N and give
 rank k the k-th of N equal chunks; gathering the chunks back and dropping the padding

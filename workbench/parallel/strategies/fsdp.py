@@ -40,6 +40,11 @@ formula reads is sent again there, not here).  The module may use its weights an
 likes (``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered
 tensors.  On simulated ranks the module runs once per rank, each rank on its own
 gathered copy.
+
+A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor parallel on
+another mesh dim: FSDP2's 2-D layout) gets the DistTensor mode (:mod:`.fsdp_dist`, which
+``Zero3`` and the hybrid recipe run on): one forward over the DistTensors, each module
+holding parameters its own unit, gathers prefetched on the modeled clock.
 """
 from __future__ import annotations
 
@@ -67,6 +72,16 @@ class FullyShardedDataParallel(ModuleWrapper):
     ``fsdp.gathered`` (``.alive()``, ``.peak``, ``.reset_peak()``) counts the bytes of
     gathered weights alive (summed over simulated ranks).
     """
+
+    def __new__(cls, module=None, *args, **kwargs):
+        # a module with DistTensor parameters (wb.parallelize: FSDP over dp beside tensor
+        # parallelism) gets the DistTensor mode, :class:`.fsdp_dist.DistTensorFSDP` (ZeRO-3)
+        if cls is FullyShardedDataParallel:
+            from .ddp_dist import has_dist_parameters
+            if has_dist_parameters(module):
+                from .fsdp_dist import DistTensorFSDP
+                cls = DistTensorFSDP
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", compute_dtype=None,
                  units=None, prefetch: bool = False):

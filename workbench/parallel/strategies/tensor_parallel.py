@@ -136,12 +136,7 @@ def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int
     return module.register_forward_pre_hook(f), module.register_forward_hook(g)
 
 
-def _is_norm(mod) -> bool:
-    from ...models.llama import RMSNorm
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm, RMSNorm))
-
-
-def sequence_parallel_norms(module, mesh, tp="tp") -> list:
+def sequence_parallel_norms(module, mesh, norm_classes, tp="tp") -> list:
     """Under sequence parallelism each norm runs on the rank's slice of the sequence, so
     its weight's (and bias's) gradient is a partial sum over tp.  Megatron-LM marks these
     parameters ``sequence_parallel`` and all-reduces their gradients over tp ONCE per
@@ -149,14 +144,23 @@ def sequence_parallel_norms(module, mesh, tp="tp") -> list:
     in megatron/core/distributed/finalize_model_grads.py), not every micro-batch.  Here
     each such parameter gets one copy per tp rank (so no per-micro-batch all-reduce is
     inserted and each rank keeps its partial gradient); the optimizer sums them
-    (``DataParallel(partial_grads=...)``).  Returns those DistTensors (none on
-    torch.distributed, where the per-micro-batch all-reduce stays)."""
+    (``DataParallel(partial_grads=...)``).  ``norm_classes``: the module classes that are
+    norms (a model says which: ``model.norm_classes()``, ``workbench/models/split.py``;
+    this layer knows no model).  Returns those DistTensors (none on torch.distributed,
+    where the per-micro-batch all-reduce stays)."""
+    given = norm_classes
+    norm_classes = (given,) if isinstance(given, type) else \
+        tuple(given) if isinstance(given, (tuple, list, set, frozenset)) else ()
+    if not norm_classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
+                                   for c in norm_classes):
+        raise TypeError(f"norm_classes={given!r}: give the model's norm layer classes "
+                        "(nn.Module subclasses), e.g. model.norm_classes()")
     if _B.is_distributed(mesh):
         return []
     ax, n = mesh.dim(tp), mesh.shape[mesh.dim(tp)]
     out = []
     for mod in module.modules():
-        if not _is_norm(mod):
+        if not isinstance(mod, norm_classes):
             continue
         for p in getattr(mod, "_wb_dist_params", {}).values():
             if not p.placements[ax].is_replicate() or p._local.shape[ax] != 1:

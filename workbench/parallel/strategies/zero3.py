@@ -1,43 +1,19 @@
-"""ZeRO stage 3 (Rajbhandari et al. 2020, P_os+g+p): parameters sharded over dp.
+"""ZeRO stage 3 (Rajbhandari et al. 2020, P_os+g+p): parameters sharded over dp, the
+course's name for ``FullyShardedDataParallel`` over DistTensor parameters with its own AdamW.
 
-Each data-parallel rank keeps only 1/N_d of every (flattened, padded) parameter,
-with its gradient shard and Adam states.  Right before a module runs forward, a
-pre-hook all-gathers that module's parameters (one copy per rank, as the layer
-needs them); in backward the parameters are gathered again (ZeRO frees them after
-forward; here the gathered copy autograd saved stands in for it, and the re-gather
-is recorded in the trace) and the gradients are reduce-scattered back to the
-shards.  Per step: all-gather forward + all-gather backward + reduce-scatter =
-1.5x the all-reduce of plain data parallelism.
+    z = Zero3(model, mesh, "dp", lr=1e-3)       # model: wb.parallelize'd (any tp plan)
+    loss.backward(); z.step()                   # = z.finish_gradient_synchronization()
+                                                #   + an AdamW step on the shards
 
-Overlap on the simulated clock (DeepSpeed's ZeRO-3: parameters prefetched ahead of
-use up to ``stage3_prefetch_bucket_size`` elements, default 5e7, and gradients
-reduce-scattered as they are produced, ``overlap_comm``): the gathers are async
-collectives on the comm stream issued ahead in execution order, and a module's compute
-waits for its own gather.  Forward: the modules after the one starting, in the order the
-last forward ran them (registration order before the first).  Backward: the forward's
-order reversed (DeepSpeed's coordinator records the order modules are fetched over a
-forward and backward, ``partitioned_param_coordinator.ZeRoTraceMode``, and prefetches
-along it).  The backward's first gathers are issued when the forward's last module
-ends, the module that ran last first, up to the prefetch budget, so they run beside the
-loss and the tied head's backward instead of after them (DeepSpeed starts them at the
-root module's pre-backward hook, ``plan.zero_cost``); each module starting its backward
-then gathers ahead of itself.  Each shard's reduce-scatter is launched when backward
-accumulates its gradient and ``step`` waits for them (a recompute in backward gathers
-each module as it reruns, without prefetch, and its backward reuses that copy).  The
-gathered copies one rank holds, prefetched ones included, are counted over the clock in
-``live`` (:mod:`.zero3_clock`).  On torch.distributed the collectives are blocking calls
-and this stays blocking.
+``Zero3`` *is* the wrapper (:class:`.fsdp_dist.DistTensorFSDP`: gathers before each
+module's forward and again before its backward, prefetched on the modeled clock, the
+reduce-scatters launched as backward produces each gradient, the gathered copies counted
+in ``live``), with ``optimizer``, a ``wb.ops.AdamW`` over the shards, and :meth:`memory`,
+the model-state bytes each rank holds.  Any ``torch.optim`` optimizer over
+``z.parameters()`` steps the same shards::
 
-The shards are ``nn.Parameter``s under the module's own qualified names
-(:meth:`Zero3.named_parameters`, a tied weight one shard), laid out as
-``FullyShardedDataParallel``'s (:mod:`.flat_shards`), so any ``torch.optim`` optimizer
-steps them (elementwise ones exactly as on one device)::
-
-    z = Zero3(model, mesh, "dp")
     opt = torch.optim.SGD(z.parameters(), lr=0.1)
     loss.backward(); z.finish_gradient_synchronization(); opt.step(); opt.zero_grad()
-
-``Zero3.step()`` is that with its own ``optimizer``, a ``wb.ops.AdamW`` over the shards.
 """
 from __future__ import annotations
 
@@ -47,159 +23,30 @@ import torch
 from torch import nn
 
 from ...ops.adamw import AdamW as _AdamW
-from ...sim_mesh import backends as _B
-from ...sim_mesh import collectives as C
-from ..dist_tensor import DistTensor
 from .data_parallel import MemoryReport
-from .flat_shards import flat_padded, tensor_places, unflat
-from .ranks import RankGroup
-from .zero3_clock import Zero3Clock
+from .fsdp_dist import PREFETCH_NUMEL, DistTensorFSDP
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
-# DeepSpeed's stage3_prefetch_bucket_size default (deepspeed/runtime/zero/config.py:
-# 5e7 elements): how far ahead parameters are gathered
-PREFETCH_NUMEL = 50_000_000
 
-
-class Zero3(Zero3Clock):
+class Zero3(DistTensorFSDP):
     """ZeRO-3 over the ``dp`` dim of ``mesh`` for a module parallelized with
-    :func:`workbench.parallelize` (its DistTensor parameters replicated on dp)."""
+    :func:`workbench.parallelize` (its DistTensor parameters replicated on dp);
+    ``prefetch_numel``: elements gathered ahead (DeepSpeed's default; 0: none)."""
 
     def __init__(self, module: nn.Module, mesh, dp="dp", lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0, prefetch_numel: int = PREFETCH_NUMEL):
-        if not isinstance(prefetch_numel, int) or prefetch_numel < 0:
+        if isinstance(prefetch_numel, bool) or not isinstance(prefetch_numel, int) \
+                or prefetch_numel < 0:
             raise ValueError(f"prefetch_numel={prefetch_numel!r}: give the elements to "
                              "gather ahead, an int >= 0 (0: no prefetch)")
-        self.prefetch_numel = prefetch_numel
-        self.module, self.mesh = module, mesh
-        # the data-parallel group the wrappers use (ranks.RankGroup): its size, its axis
-        # and the recording of the collectives on the simulated clock
-        self.group = RankGroup(mesh, dp, "Zero3")
-        self.axis, self.n = self.group.axis, self.group.n
+        super().__init__(module, mesh, dp, prefetch=prefetch_numel)
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0
-        self.entries = []           # (module, name, template DistTensor, shard Parameter)
-        self.names = []             # the qualified name of each entry's parameter
-        self._places = []           # every (module, attr) holding it (tied weights: several)
-        nd = mesh.ndim
-        for qname, p, places in tensor_places(module, lambda m: getattr(m, "_wb_dist_params",
-                                                                         {})):
-            if not p.placements[self.axis].is_replicate():
-                raise ValueError(f"{qname} is {p.placements[self.axis]} on the dp dim; "
-                                 "ZeRO-3 shards replicated parameters")
-            loc = p._local.detach()
-            if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
-                loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
-            flat = flat_padded(loc, self.n, nd)
-            # rank k of dp keeps chunk k: the dp axis becomes the shard index
-            if _B.is_distributed(mesh):
-                k = _B.local_index(mesh, self.axis)
-                chunks = flat.unflatten(-1, (self.n, -1)).select(-2, k)
-            else:
-                chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
-                    .movedim(nd - 1, self.axis)
-            # the shard is the leaf an optimizer steps (frozen stays frozen)
-            shard = nn.Parameter(chunks.contiguous(), requires_grad=p.requires_grad)
-            self.entries.append((places[0][0], places[0][1], p, shard))
-            self.names.append(qname)
-            self._places.append(places)
-        self._by_mod: dict = {}     # id(module) -> [(attr, entry index)]
-        for i, places in enumerate(self._places):
-            for mod, attr in places:
-                self._by_mod.setdefault(id(mod), []).append((attr, i))
         # AdamW (wb.ops.adamw, as Zero3 always ran) as a torch.optim optimizer over the
         # shards; any other torch.optim optimizer over parameters() steps them the same way
         self.optimizer = _AdamW(self.parameters(), lr=lr, betas=betas, eps=eps,
-                                weight_decay=weight_decay) if self.entries else None
-        mods = [m for m in module.modules() if id(m) in self._by_mod]
-        self.order = mods                   # execution order (registration until seen)
-        self._seen: list = []               # the order this forward runs them in
-        self._numel = {id(m): sum(math.prod(self.entries[i][3].shape[nd:]) * self.n
-                                  for _, i in self._by_mod[id(m)]) for m in mods}
-        self._init_clock(mods)
-        self.async_ = not _B.is_distributed(mesh)
-        self._hooks = [mod.register_forward_pre_hook(self._gather_hook(mod)) for mod in mods]
-        if self.async_:
-            self._hooks += [mod.register_forward_hook(self._backward_hook(mod)) for mod in mods]
-            for i, e in enumerate(self.entries):
-                if e[3].requires_grad:      # fires on each gradient computed for it (a
-                    e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
-
-    def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
-        nd, mesh = self.mesh.ndim, self.mesh
-        if self.async_:
-            return self._gather_math(tmpl, shard)
-        full = C.all_gather(shard, mesh, self.axis, 0, expanded=True, label="zero-3 params")
-        full = unflat(full, tmpl._local.shape[nd:], nd)
-        nb = shard[(0,) * nd].numel() * shard.element_size() * self.n
-        # the re-gather ZeRO-3 does before the layer's backward (the saved copy stands in)
-        full = C._on_backward(full, "all_gather", mesh, self.axis, nb, "zero-3 re-gather")
-        return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
-
-    def _gather_math(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
-        """The gathered parameter, one copy per dp rank, with no collective recorded (the
-        hooks record them on the clock): its backward, the sum over the copies of each
-        rank's chunk, is the reduce-scatter's math."""
-        from ...sim_mesh.trace import suspend
-        nd, mesh, ax = self.mesh.ndim, self.mesh, self.axis
-        with suspend():
-            full = C.all_gather(shard, mesh, ax, 0)          # compact: one copy on dp
-        local = tuple(tmpl._local.shape[nd:])
-        full = unflat(full, local, nd)
-        lead = list(full.shape[:nd])
-        lead[ax] = self.n
-        return DistTensor(full.expand(tuple(lead) + local), mesh, tmpl.placements,
-                          tmpl.shape, tmpl.dtype)
-
-    # ---- the optimizer: the shards are the parameters --------------------------------------
-    def named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
-        """(the module's own qualified name, its shard ``nn.Parameter``), as
-        ``module.named_parameters()`` names them (a tied weight once, unless
-        ``remove_duplicate=False``): what any ``torch.optim`` optimizer steps."""
-        if remove_duplicate:
-            for qname, e in zip(self.names, self.entries):
-                yield prefix + qname, e[3]
-        else:
-            for qname, i in self._named_places():
-                yield prefix + qname, self.entries[i][3]
-
-    def _named_places(self):
-        """(qualified name, entry index) of every place, in the module's order."""
-        index = {id(e[2]): i for i, e in enumerate(self.entries)}
-        for mname, m in self.module.named_modules():
-            for attr, t in getattr(m, "_wb_dist_params", {}).items():
-                yield (f"{mname}.{attr}" if mname else attr), index[id(t)]
-
-    def parameters(self):
-        """The shards (``torch.optim.SGD(zero3.parameters(), lr=...)`` steps them)."""
-        return (e[3] for e in self.entries)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for e in self.entries:
-            if e[3].grad is not None:
-                e[3].grad = None if set_to_none else e[3].grad.zero_()
-
-    def finish_gradient_synchronization(self) -> None:
-        """Wait (on the simulated clock) for every gradient reduce-scatter launched in
-        backward, recording those of gradients set without backward's hook (a split
-        backward's W pass).  The shards already hold the reduced gradients (the math
-        runs in autograd); call it before a torch.optim optimizer's ``step()``, as
-        ``Zero3.step()`` does, so the clock counts the reduce-scatters as waited for."""
-        from ...sim_mesh.trace import current_trace
-        tr = current_trace()
-        for i, e in enumerate(self.entries):
-            if e[3].grad is not None and self.async_ and i not in self._reduced:
-                self._reduce_scatter_hook(i)(e[3])
-        if tr is not None:
-            tr.flush()                    # the reduce-scatters deferred in backward
-        for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
-            if t is tr and tr is not None:
-                for h1 in (h if isinstance(h, list) else [h]):
-                    tr.wait(h1)
-        self._pending, self._inflight, self._reduced = [], {}, set()
-        self._grads_left, self._frozen_b = {}, []
-        self.live.free_all()
+                                weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -213,27 +60,6 @@ class Zero3(Zero3Clock):
         self.step_count += 1
         self.optimizer.step()
         self.zero_grad()
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """{the module's own qualified name: the full tensor}, every name of a tied weight
-        included (as ``FullyShardedDataParallel.full_state_dict``), shards gathered."""
-        from ...sim_mesh.trace import suspend
-        out, full = {}, {}
-        with suspend():
-            for qname, i in self._named_places():
-                if i not in full:
-                    _, _, tmpl, shard = self.entries[i]
-                    full[i] = self._gather(tmpl, shard.detach()).full()
-                out[qname] = full[i].clone()
-        return out
-
-    def full_parameters(self):
-        """(qualified name, global tensor) of every parameter, as ``named_parameters``
-        names them (a tied weight once), from :meth:`full_state_dict`."""
-        full = self.full_state_dict()
-        for qname in self.names:
-            yield qname, full[qname]
 
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
         nd = self.mesh.ndim

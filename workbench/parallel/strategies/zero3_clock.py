@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..dist_tensor import DistTensor
-from .zero_step import defer_reduce_scatter
+from .zero_optimizer_dist import defer_reduce_scatter
 
 __all__ = ["GatheredLedger", "Zero3Clock"]
 
@@ -187,7 +187,7 @@ class Zero3Clock:
                         del self._grads_left[m]
                         self.live.free(("B", m))
             tr = current_trace()
-            if tr is not None:        # after the input gradient's collective (zero_step)
+            if tr is not None:        # after the input gradient's collective (zero_optimizer_dist)
                 defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
                                      self._pending)
         return hook

@@ -19,6 +19,11 @@ torch 2.13 CPU) for SGD, Adam and AdamW on the single-tensor, ``foreach=True`` a
 ``fused=True`` paths.  An optimizer whose update couples tensors (e.g. one that
 clips by the global norm inside ``step``) would see only the owner's share.
 
+``partition="chunks"`` builds the ZeRO paper's algorithm instead, over DistTensor
+parameters (:mod:`.zero_optimizer_dist`: each tensor cut in N chunks, the gradients
+reduce-scattered in place of DDP's all-reduce, the shards all-gathered back: the bytes of
+one all-reduce); ``DataParallel(zero=1|2)`` runs on it.
+
 On a simulated mesh a parameter wrapped by :class:`~.ddp.DistributedDataParallel`
 holds one row per rank; rank k's optimizer steps row k of the parameters k owns.
 """
@@ -38,7 +43,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     ``dim`` of ``mesh`` (``mesh=None``: torch.distributed's default group) keeps
     the states of its share of ``params`` only."""
 
-    def __init__(self, params, optimizer_class, mesh=None, dim="dp", **kwargs):
+    def __new__(cls, *args, partition: str = "owners", **kwargs):
+        # partition="chunks": the ZeRO paper's per-chunk sharding over DistTensor
+        # parameters, :class:`.zero_optimizer_dist.ChunkedZeroOptimizer`
+        if cls is ZeroRedundancyOptimizer and partition == "chunks":
+            from .zero_optimizer_dist import ChunkedZeroOptimizer
+            cls = ChunkedZeroOptimizer
+        return super().__new__(cls)
+
+    def __init__(self, params, optimizer_class, mesh=None, dim="dp", partition: str = "owners",
+                 **kwargs):
+        if partition != "owners":
+            raise ValueError(f"partition={partition!r}: 'owners' (PyTorch's: whole tensors, "
+                             "after DDP's all-reduce) or 'chunks' (the ZeRO paper's, over "
+                             "DistTensor parameters)")
         if not (isinstance(optimizer_class, type) and
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class={optimizer_class!r}: give a torch.optim.Optimizer "

@@ -1,4 +1,7 @@
-"""DP x TP x PP (x SP) training of the course's Llama on simulated ranks.
+"""The hybrid recipe: DP x TP x PP (x SP) training of the course's models on simulated ranks.
+
+A recipe joins models and strategies: it lives above ``workbench.parallel`` (which knows no
+model) beside ``train`` and ``plan``.
 
 The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 
@@ -6,7 +9,8 @@ The mesh layout (PaddlePaddle 3's 8-device example when dp = tp = pp = 2)::
 
 The recipe reads what it needs from the model itself: its tensor-parallel plan
 (``model.tp_plan(tp)``), the regions that take Megatron's f and g
-(``model.tp_regions(layers)``, :mod:`.tensor_parallel`), its pipeline stages
+(``model.tp_regions(layers)``, :mod:`workbench.parallel.strategies.tensor_parallel`),
+its norm classes (``model.norm_classes()``, for sequence parallelism), its pipeline stages
 (``model.pipeline_stages(n)``) and how to run one (``model.stage_forward``):
 
 * tensor parallel (Megatron-LM): for the Llama, q, k, v, gate and up projections
@@ -17,7 +21,8 @@ The recipe reads what it needs from the model itself: its tensor-parallel plan
   (one reshard after the embedding; the SPMD rules then insert Megatron-SP's
   all-gather before each column-parallel linear and reduce-scatter after each
   row-parallel one, because those are the cheapest plans);
-* data parallel / ZeRO over dp (:mod:`.data_parallel`, :mod:`.zero3`);
+* data parallel / ZeRO over dp (:mod:`workbench.parallel.strategies.data_parallel`,
+  :mod:`workbench.parallel.strategies.zero3`);
 * pipeline parallel: the layers split into ``pp * v`` stages on the stage meshes,
   run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order.
 
@@ -33,17 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.config import build_model as _build
-from ...sim_mesh.mesh import Mesh
-from .. import schedules as S
-from ..dist_tensor import DistTensor, shard_tensor
-from ..module import dist_parameters, parallelize
-from ..placement import Replicate, Shard
-from ..reshard import reshard
-from .data_parallel import DataParallel
-from .memory import saved_activation_bytes
-from .tensor_parallel import sequence_parallel_norms, tensor_parallel_region
-from .zero3 import Zero3
+from ..models.config import build_model as _build
+from ..parallel import schedules as S
+from ..parallel.dist_tensor import DistTensor, shard_tensor
+from ..parallel.module import dist_parameters, parallelize
+from ..parallel.placement import Replicate, Shard
+from ..parallel.reshard import reshard
+from ..parallel.strategies.data_parallel import DataParallel
+from ..parallel.strategies.memory import saved_activation_bytes
+from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tensor_parallel_region
+from ..parallel.strategies.zero3 import Zero3
+from ..sim_mesh.mesh import Mesh
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -95,7 +100,7 @@ class Hybrid:
         self.meshes = stage_meshes(dp, tp, pp)
         self.distributed = distributed
         if distributed:                 # one rank per process on torch.distributed
-            from ...sim_mesh import backends as _B
+            from ..sim_mesh import backends as _B
             if _B.world_size() != dp * tp * pp:
                 raise ValueError(f"{_B.world_size()} processes for dp x tp x pp = "
                                  f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
@@ -160,7 +165,8 @@ class Hybrid:
             # SP: norm gradients summed over tp once per step, as Megatron-LM does
             # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
             self._sp_norms[s] = [p for name in stage["modules"] for p in
-                                 sequence_parallel_norms(model.get_submodule(name), mesh)] \
+                                 sequence_parallel_norms(model.get_submodule(name), mesh,
+                                                         model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
         return model
 
@@ -168,7 +174,7 @@ class Hybrid:
         """Does this process run ``mesh``'s stage? (always, in the simulator)"""
         if not self.distributed:
             return True
-        from ...sim_mesh import backends as _B
+        from ..sim_mesh import backends as _B
         return _B.rank() in mesh
 
     def _stage_params(self, model, s):
@@ -194,9 +200,11 @@ class Hybrid:
                 # its default overlap_grad_reduce=False, all-reduces it as ONE bucket after
                 # the pipeline flush (megatron/core/distributed/
                 # distributed_data_parallel_config.py: bucket_size None when not
-                # overlapping): one collective per stage, not one per tensor
+                # overlapping): one collective per stage, not one per tensor (ZeRO-1/2
+                # reduce-scatter every gradient in one buffer anyway)
                 opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
-                                         bucket_bytes=ONE_BUFFER, lr=lr,
+                                         bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
+                                         lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
         return opts

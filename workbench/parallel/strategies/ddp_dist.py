@@ -1,0 +1,257 @@
+"""``DistributedDataParallel`` over DistTensor parameters: DDP beside tensor parallelism.
+
+    wb.parallelize(model, mesh, tp_plan, mesh_dim="tp")      # mesh dims ("dp", "tp")
+    ddp = wb.DistributedDataParallel(model, mesh, "dp", bucket_bytes=25 * 2**20)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)       # every rank's replica
+    loss = ddp(x).mean(); loss.backward()                    # x: Shard(0) on "dp"
+    ddp.finish_gradient_synchronization(); opt.step()
+
+A module whose parameters are DistTensors (``wb.parallelize``: PyTorch's 2-D layout, DDP
+over the dp dim of a mesh whose other dims shard the parameters) runs its own forward
+once on the DistTensors; no per-rank loop.  Every parameter must be replicated on the
+data-parallel dim; that dim becomes real storage (one replica per rank, each keeping the
+gradient of its own examples), and :class:`GradReplicas` sums the replicas' gradients:
+one all-reduce per gradient (``bucket_bytes=None``) or buckets filled in the order backward
+produces them (:func:`.ranks.bucket_order`, DDP's ``bucket_cap_mb``; ``math.inf``: one
+contiguous buffer, Megatron-LM's ``DistributedDataParallel`` without overlap).
+
+The reduction runs when :meth:`DistTensorDDP.finish_gradient_synchronization` is called,
+after every backward of the step: Megatron-LM's ``overlap_grad_reduce=False``, which a
+pipeline needs (its micro-batches' backwards all accumulate first; Megatron then reduces in
+``finalize_model_grads``).  Launching buckets during backward (PyTorch DDP's overlap) is
+built for plain modules (:mod:`.ddp`) only: ``overlap_grad_reduce=True`` raises here.
+
+:class:`GradReplicas` is the one copy of this reduction: ``DataParallel`` (the course's
+optimizer-style name, :mod:`.data_parallel`) and the hybrid recipe run on it.  Sequence
+parallelism's norm gradients, partial sums over tp (``partial_grads``), are all-reduced
+over that dim in one buffer first, as Megatron-LM's ``_allreduce_layernorm_grads``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ...sim_mesh import backends as _B
+from ...sim_mesh import collectives as C
+from ...sim_mesh.collectives import Cells
+from ..dist_tensor import DistTensor
+from ..module import dist_parameters
+from .ddp import DistributedDataParallel
+from .flat_shards import pack, unpack
+from .ranks import bucket_order, check_module
+
+__all__ = ["GradReplicas", "DistTensorDDP"]
+
+
+class GradReplicas:
+    """The replicas of DistTensor ``params`` along ``dim`` of ``mesh``, and the sum of
+    their gradients (module docstring).  ``who`` names the caller in errors."""
+
+    def __init__(self, params, mesh, dim="dp", bucket_bytes=None, partial_grads=(),
+                 partial_dim="tp", who: str = "DistributedDataParallel"):
+        params = [p for _, p in params] if params and isinstance(params[0], tuple) \
+            else list(params)
+        # a tensor listed twice (a tied weight from two modules) is one parameter
+        self.params = list({id(p): p for p in params}.values())
+        self.mesh = mesh
+        self.axis = mesh.dim(dim)
+        ids = {id(p) for p in self.params}
+        if any(id(p) not in ids for p in partial_grads):
+            raise ValueError("partial_grads: every one must be one of params")
+        self._partial = {id(p) for p in partial_grads}
+        self.partial_axis = mesh.dim(partial_dim) if self._partial else None
+        self.n = mesh.shape[self.axis]
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                         not bucket_bytes > 0):
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
+                             "math.inf for one bucket, or None for one all-reduce per gradient")
+        self.bucket_bytes = bucket_bytes
+        self.distributed = _B.is_distributed(mesh)
+        for p in self.params:
+            if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
+                raise ValueError(f"{who} needs evenly sharded DistTensor parameters")
+            if not p.placements[self.axis].is_replicate():
+                raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
+                                 "dim; parameters must be replicated there")
+        for p in self.params:
+            # one replica per data-parallel rank (the dp axis becomes real storage; on
+            # torch.distributed every process already is one replica)
+            trainable = p.requires_grad          # frozen parameters stay frozen
+            loc = p._local.detach()
+            if self.distributed:
+                loc = loc.clone()
+                # the replicas start from dp rank 0's values (torch.distributed's
+                # from_local/shard_tensor do not check that processes agree)
+                _B.broadcast_(loc, mesh, self.axis, 0)
+                loc._wb_replica_axes = (self.axis,)
+            elif loc.shape[self.axis] == 1:
+                shape = list(loc.shape)
+                shape[self.axis] = self.n
+                loc = loc.expand(shape).clone()
+            p._local = loc.requires_grad_(trainable)
+
+    def is_partial(self, p) -> bool:
+        return id(p) in self._partial
+
+    def lead(self, t):
+        """``t`` with every mesh axis at full size (one copy per rank), so tensors of
+        different placements can share one buffer (torch.distributed: one rank, all 1)."""
+        lead = (1,) * self.mesh.ndim if self.distributed else tuple(self.mesh.shape)
+        return t.expand(lead + tuple(t.shape[self.mesh.ndim:]))
+
+    @torch.no_grad()
+    def reduce(self, params=None) -> None:
+        """Every gradient of ``params`` (default: all that have one) summed over dp (the
+        global loss's gradient: each rank's already carries its 1/N of the mean), written
+        back as each replica's ``.grad``; partial ones first summed over their dim."""
+        params = [p for p in (self.params if params is None else params)
+                  if p._local.grad is not None]
+        self.sum_partials(params)
+        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
+            p._local.grad = g
+
+    @torch.no_grad()
+    def sum_partials(self, params) -> None:
+        """Partial gradients (``partial_grads``) summed over their dim, one buffer."""
+        part = [p for p in params if id(p) in self._partial and p._local.grad is not None]
+        if not part:
+            return
+        nd = self.mesh.ndim
+        buf = pack([self.lead(p._local.grad) for p in part], nd)
+        red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
+                           label="sequence-parallel norm grads")
+        for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
+            p._local.grad = piece.contiguous()
+
+    def _all_reduce(self, grads):
+        ax, mesh = self.axis, self.mesh
+        if not self.bucket_bytes:
+            return [C.all_reduce(g, mesh, ax, "sum", expanded=True, label="dp grad")
+                    .contiguous() for g in grads]
+        # buckets in reverse order of registration (the order backward produces them),
+        # as DistributedDataParallel fills them (ranks.bucket_order)
+        out = [None] * len(grads)
+        sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
+        lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
+        nd = mesh.ndim
+        for bucket in bucket_order(sizes, self.bucket_bytes):
+            flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
+            red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
+            for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
+                for a in range(nd):             # replicated axes back to one copy
+                    if grads[j].shape[a] == 1:
+                        piece = piece.narrow(a, 0, 1)
+                out[j] = piece
+        return out
+
+
+def has_dist_parameters(module) -> bool:
+    """Does ``module`` hold DistTensor parameters (``wb.parallelize`` made them)?"""
+    return isinstance(module, nn.Module) and next(dist_parameters(module), None) is not None
+
+
+class DistTensorDDP(DistributedDataParallel):
+    """``DistributedDataParallel`` of a module with DistTensor parameters (module
+    docstring); ``wb.DistributedDataParallel(module, ...)`` builds one for such a module.
+
+    ``parameters()`` are the replicas (each parameter's local leaf, one copy per rank
+    along every mesh dim it is replicated on) for any ``torch.optim`` optimizer.
+    """
+
+    def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes=None,
+                 broadcast_from: int = 0, overlap_grad_reduce: bool = False,
+                 partial_grads=(), partial_dim="tp"):
+        nn.Module.__init__(self)
+        check_module(module, "DistributedDataParallel")
+        params = list(dist_parameters(module))
+        mesh0 = params[0][1].mesh
+        if mesh is None or mesh != mesh0:
+            raise ValueError(f"DistributedDataParallel(mesh={mesh!r}): the module's DistTensor "
+                             f"parameters live on {mesh0}; pass that mesh")
+        if overlap_grad_reduce:
+            raise NotImplementedError(
+                "DistributedDataParallel(overlap_grad_reduce=True) over DistTensor parameters: "
+                "gradients are reduced in finish_gradient_synchronization() after backward "
+                "(Megatron-LM's overlap_grad_reduce=False); leave it False")
+        if broadcast_from != 0:
+            raise NotImplementedError(f"broadcast_from={broadcast_from!r} over DistTensor "
+                                      "parameters: the replicas start from dp rank 0's copy")
+        object.__setattr__(self, "module", module)
+        self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
+                                     partial_dim, "DistributedDataParallel")
+        self._names = [name for name, _ in params]
+        self.broadcast_from, self._sync_enabled = 0, True
+        module._wb_wrapped = "DistributedDataParallel"
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- what an optimizer steps ------------------------------------------------------------
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        for name, p in zip(self._names, self.replicas.params):
+            yield prefix + name, p._local
+
+    def parameters(self, recurse=True):
+        return (p for _, p in self.named_parameters())
+
+    # ---- gradient synchronization ---------------------------------------------------------
+    def finish_gradient_synchronization(self) -> None:
+        """Sum every gradient over the data-parallel ranks (in buckets), in place."""
+        if self._sync_enabled:
+            self.replicas.reduce()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside the block :meth:`finish_gradient_synchronization` reduces nothing; the
+        gradients accumulate locally and the next call after it reduces their sum."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Debug: raise if any parameter differs between the ranks' replicas."""
+        ax = self.replicas.axis
+        for name, p in zip(self._names, self.replicas.params):
+            loc = p._local
+            if self.replicas.distributed:
+                continue                  # one replica per process: nothing to compare here
+            if not bool((loc == loc.narrow(ax, 0, 1)).all()):
+                raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
+                                   "between ranks; did something update one rank's copy "
+                                   "outside the optimizer step?")
+
+    # ---- the module's own names -------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        raise NotImplementedError("DistributedDataParallel.state_dict() over DistTensor "
+                                  "parameters: use full_state_dict() (the full tensors)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("DistributedDataParallel.load_state_dict() over DistTensor "
+                                  "parameters is not built; load into the module before "
+                                  "wb.parallelize")
+
+    def _apply(self, fn, recurse=True):
+        raise NotImplementedError("DistributedDataParallel over DistTensor parameters: "
+                                  ".to() / .float() / .cuda() would miss the replicas; move "
+                                  "or cast the module before wb.parallelize")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """{the module's own name: the full tensor} (dp rank 0's replica), buffers too."""
+        from ...sim_mesh.trace import suspend
+        with suspend():                 # a tp-sharded one is gathered: not the step's traffic
+            out = {name: p.full().detach().clone() for name, p in
+                   zip(self._names, self.replicas.params)}
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().clone()
+        return out
+
+    def extra_repr(self) -> str:
+        r = self.replicas
+        return (f"{type(self.module).__name__}, DistTensor parameters on {r.mesh}, "
+                f"dp={r.n}, bucket_bytes={r.bucket_bytes}")

@@ -1,0 +1,238 @@
+"""``ZeroRedundancyOptimizer(partition="chunks")``: ZeRO stages 1 and 2 over DistTensor
+parameters, as the ZeRO paper and Megatron-LM's distributed optimizer shard them.
+
+    wb.parallelize(model, mesh, tp_plan, mesh_dim="tp")     # any tp plan, dims (dp, tp)
+    opt = wb.ZeroRedundancyOptimizer(wb.dist_parameters(model), wb.ops.AdamW, mesh, "dp",
+                                     partition="chunks", lr=1e-3)
+    loss.backward(); opt.step()                             # reduce-scatter, step, all-gather
+
+Rajbhandari et al. 2020 (P_os, P_os+g): every parameter is flattened, padded to a multiple
+of N_d and cut in N_d chunks (:mod:`.flat_shards`); rank k keeps chunk k of each as an
+``nn.Parameter`` (``shards``) that ``optimizer_class`` (any ``torch.optim`` optimizer)
+steps, so each rank holds 1/N_d of the optimizer states.  The replicas' gradients are
+*not* all-reduced first (no DDP all-reduce: this replaces it):
+
+* one buffer: every gradient (flattened, padded) is laid out rank-major in one contiguous
+  buffer, so one reduce-scatter leaves rank k its chunk k of each (Megatron-LM's
+  distributed optimizer shards one contiguous gradient buffer the same way,
+  ``megatron/core/distributed/param_and_grad_buffer.py``); after the step the updated
+  shards come back to every replica in one all-gather.  Same bytes as DP's all-reduce.
+* ``overlap_comm=True`` (ZeRO-2, DeepSpeed's ``overlap_comm``): each gradient's
+  reduce-scatter is launched from a post-accumulate-grad hook as soon as backward has
+  produced it, async on the simulated clock (the dp group's comm stream), and only the
+  shard is kept; ``step`` waits for them.  A gradient a wgrad produced is issued after
+  the collective of the same backward's input gradient (tensor parallelism's f), which
+  Megatron-LM launches before the wgrad GEMM (``Trace.defer``).  On torch.distributed the
+  collectives are blocking calls, so there the reduce-scatter stays in ``step``.
+
+PyTorch's own ``ZeroRedundancyOptimizer`` (:mod:`.zero_optimizer`, ``partition="owners"``,
+plain modules) partitions whole tensors among owners after DDP's all-reduce and
+broadcasts them back: 1.5x the bytes of this one.  The replicas are made real on dp by
+DDP's DistTensor engine (:class:`.ddp_dist.GradReplicas`), which also sums sequence
+parallelism's partial norm gradients (``partial_grads``) first.  ``DataParallel(zero=1|2)``
+is this optimizer with ``wb.ops.AdamW``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ...sim_mesh import backends as _B
+from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
+from .ddp_dist import GradReplicas
+from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
+from .zero_optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter"]
+
+
+def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
+    """A gradient's async reduce-scatter over ``axis``, issued now (its data ready at the
+    ranks' compute clock) from a gradient hook: recorded before the next event unless
+    that is the collective of the same backward's input gradient, which Megatron-LM
+    launches before the wgrad GEMM that made this gradient (``Trace.defer``); its
+    handles go to ``pending`` as ``(trace, handle)``."""
+    ready = max(tr.now(r) for r in mesh.ranks)
+
+    def record():
+        for g in mesh.groups(axis):
+            if len(g) > 1:
+                pending.append((tr, tr.record_collective(
+                    g, "reduce_scatter", _cost.price("reduce_scatter", nbytes, g, tr.profile),
+                    bytes=_cost.wire_bytes("reduce_scatter", nbytes, len(g)), label=label,
+                    args={"mesh_dim": mesh.dim_names[axis], "buffer_bytes": int(nbytes)},
+                    overlap=True, ready=ready)))
+    tr.defer(ready, record)
+
+
+class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
+    """ZeRO-1 (``overlap_comm=False``) or ZeRO-2 (``True``) over the ``dim`` dim of
+    ``mesh`` for DistTensor ``params`` replicated there (module docstring); ``stage``
+    says which (1 or 2), ``replicas`` the :class:`.ddp_dist.GradReplicas` it runs on."""
+
+    def __init__(self, params, optimizer_class, mesh=None, dim="dp", partition="chunks",
+                 overlap_comm: bool = False, partial_grads=(), partial_dim="tp", **kwargs):
+        if partition != "chunks":
+            raise ValueError(f"partition={partition!r}: this is the 'chunks' partition")
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class={optimizer_class!r}: give a torch.optim.Optimizer "
+                            "subclass, e.g. wb.ops.AdamW")
+        if not isinstance(overlap_comm, bool):
+            raise TypeError(f"overlap_comm={overlap_comm!r}: give True (ZeRO-2) or False")
+        if mesh is None:
+            raise ValueError("ZeroRedundancyOptimizer(partition='chunks', mesh=None): pass the "
+                             "mesh the DistTensor parameters live on")
+        self.replicas = r = GradReplicas(list(params), mesh, dim, None, partial_grads,
+                                         partial_dim, "ZeroRedundancyOptimizer")
+        self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
+        self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
+        nd = mesh.ndim
+        # rank k's chunk k of each flat padded replica: the leaves the optimizer steps
+        self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
+                                    requires_grad=p.requires_grad) for p in self.params]
+        torch.optim.Optimizer.__init__(self, self.shards, dict(kwargs))
+        self.optimizer_class = optimizer_class
+        self._inner = optimizer_class(self.shards, **kwargs)
+        self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
+        self._pending: list = []                       # (trace, handle) to wait for in step
+        if overlap_comm and not self.distributed:
+            for i, p in enumerate(self.params):       # (partial ones: summed at step)
+                if p._local.requires_grad and not r.is_partial(p):
+                    p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
+
+    @property
+    def optimizer(self):
+        """The ``optimizer_class`` instance over :attr:`shards` (every rank's at once)."""
+        return self._inner
+
+    # ---- shapes ----------------------------------------------------------------------------
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        """(lead..., *local) -> (lead..., numel padded to a multiple of N_d)."""
+        return flat_padded(t, self.n, self.mesh.ndim)
+
+    def _my_chunk(self, loc):
+        """Each rank's chunk of ``loc`` (rank k of dp keeps chunk k of the flat tensor)."""
+        chunks = self._flat(loc).unflatten(-1, (self.n, -1))
+        ax, nd = self.axis, self.mesh.ndim
+        if self.distributed:
+            return chunks.select(-2, _B.local_index(self.mesh, ax)).contiguous()
+        return torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
+
+    def _pack(self, flats):
+        """Padded flat tensors (lead, N_d * c_i) -> one buffer laid out rank-major (chunk k
+        of every tensor, then chunk k + 1...): a reduce-scatter of it leaves rank k exactly
+        its chunk k of each."""
+        return pack_rank_major([self.replicas.lead(f) for f in flats], self.n, self.mesh.ndim)
+
+    def _unpack(self, buf, like):
+        """A buffer of shards (lead, sum c_i) -> one shard per tensor, each with the
+        lead axes of ``like[i]`` (a replicated axis back to one copy)."""
+        out, nd = [], self.mesh.ndim
+        for t, piece in zip(like, unpack(buf, [t.shape[-1:] for t in like], nd)):
+            for a in range(nd):
+                if t.shape[a] == 1 and piece.shape[a] != 1:
+                    piece = piece.narrow(a, 0, 1)
+            out.append(piece)
+        return out
+
+    # ---- ZeRO-2: reduce-scatter as backward produces each gradient -----------------------------
+    def _reduce_scatter_hook(self, i):
+        """As soon as backward has accumulated a parameter's gradient, launch its
+        reduce-scatter on the comm stream and keep only this rank's shard (the full
+        gradient is freed); ``step`` waits for it."""
+        def hook(leaf):
+            from ...sim_mesh.trace import current_trace, suspend
+            g = leaf.grad
+            with suspend(), torch.no_grad():     # the math; recorded below as async
+                gs = C.reduce_scatter(self._flat(g), self.mesh, self.axis, 0, "sum")
+            gs = self._unpack(gs, [self.shards[i]])[0]
+            self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
+            nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
+            tr = current_trace()
+            leaf.grad = None
+            if tr is not None:
+                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-2 grad (async)",
+                                     self._pending)
+        return hook
+
+    # ---- the step --------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        """Indices of the parameters with a gradient (in ``.grad`` or reduced in backward)."""
+        return [i for i, p in enumerate(self.params)
+                if p._local.grad is not None or i in self._gshard]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce-scatter the gradients (ZeRO-2: wait for those launched in backward),
+        step the shards with ``optimizer``, all-gather them back into every replica; the
+        replicas' gradients are then cleared."""
+        if closure is not None:
+            raise NotImplementedError("ZeroRedundancyOptimizer.step(closure=...): call "
+                                      "step() without one")
+        from ...sim_mesh.trace import current_trace
+        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
+        live = self.live()
+        params = [self.params[i] for i in live]
+        self.replicas.sum_partials(params)
+        tr = current_trace()
+        if tr is not None:
+            tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
+        for t, h in self._pending:          # ZeRO-2: the reduce-scatters launched in backward
+            if t is tr and tr is not None:
+                tr.wait(h)
+        self._pending = []
+        grads = [self.params[i]._local.grad for i in live]
+        shards = [self._gshard.pop(i, None) for i in live]
+        todo = [j for j, g in enumerate(grads) if g is not None]
+        if todo:     # gradients not reduced in backward: one reduce-scatter of one buffer
+            buf = self._pack([self._flat(grads[j]) for j in todo])
+            red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=f"zero-{self.stage} grad")
+            for j, gs in zip(todo, self._unpack(red, [self.shards[live[j]] for j in todo])):
+                shards[j] = gs if shards[j] is None else shards[j] + gs
+        # my shard of the parameters, from the replica (the replicas are the truth: an
+        # in-place change to them between steps is what the shards step from)
+        for j, i in enumerate(live):
+            s = self.shards[i]
+            s.copy_(self._my_chunk(self.params[i]._local.detach()))
+            s.grad = shards[j].contiguous()
+        for grp, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({o: v for o, v in grp.items() if o != "params"})   # lr schedules
+        self.optimizer.step()
+        # the updated shards, gathered back in one buffer
+        ps = [self.shards[i] for i in live]
+        full = C.all_gather(torch.cat([self.replicas.lead(s) for s in ps], dim=-1), mesh, ax,
+                            0, expanded=True, label=f"zero-{self.stage} params")
+        full = full.unflatten(-1, (self.n, -1))
+        off = 0
+        for p, s in zip(params, ps):        # rank-major: chunk k of each, back whole
+            loc, c = p._local, s.shape[-1]
+            piece = unflat(full[..., off:off + c].flatten(-2), loc.shape[nd:], nd)
+            off += c
+            for a in range(nd):
+                if loc.shape[a] == 1 and piece.shape[a] != 1:
+                    piece = piece.narrow(a, 0, 1)
+            loc.copy_(piece)
+        for p, s in zip(params, ps):
+            p._local.grad = None
+            s.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p._local.grad = None
+        self._gshard.clear()
+        for s in self.shards:
+            s.grad = None
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def shard_numel(self) -> list[int]:
+        """Elements of each parameter's shard per rank (padded numel / N_d)."""
+        return [s.shape[-1] for s in self.shards]
