@@ -101,6 +101,12 @@ def test_mesh_grid_refuses_more_ranks_than_the_limit(monkeypatch):
         wb.Mesh.grid((3, 3))
 
 
+def test_mesh_grid_refuses_more_dims_than_the_limit():
+    with pytest.raises(ValueError, match=r"Mesh.grid\(shape=<5000 dims>\): at most 64"):
+        wb.Mesh.grid((1,) * 5000)
+    assert wb.Mesh.grid((1,) * 64).ndim == 64
+
+
 @pytest.mark.parametrize("start", [True, 2.0, -1, "0"])
 def test_mesh_grid_refuses_a_bad_start(start):
     with pytest.raises(ValueError, match=rf"Mesh.grid\(start={start!r}\)"):
