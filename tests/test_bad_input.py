@@ -101,6 +101,12 @@ def test_mesh_grid_refuses_more_ranks_than_the_limit(monkeypatch):
         wb.Mesh.grid((3, 3))
 
 
+def test_mesh_grid_refuses_more_dims_than_the_limit():
+    with pytest.raises(ValueError, match=r"Mesh.grid\(shape=<5000 dims>\): at most 64"):
+        wb.Mesh.grid((1,) * 5000)
+    assert wb.Mesh.grid((1,) * 64).ndim == 64
+
+
 @pytest.mark.parametrize("start", [True, 2.0, -1, "0"])
 def test_mesh_grid_refuses_a_bad_start(start):
     with pytest.raises(ValueError, match=rf"Mesh.grid\(start={start!r}\)"):
@@ -124,9 +130,32 @@ def test_train_refuses_a_seed_outside_32_bits(seed):
         train("tiny", seed=seed, timing=False)
 
 
-def test_train_refuses_a_batch_no_machine_holds():
-    with pytest.raises(ValueError, match=r"train\(batch_size=1000000000\).*GB of RAM"):
-        train("tiny", batch_size=10**9, timing=False)
+@pytest.mark.parametrize("kw,given", [
+    (dict(batch_size=10**9), "train('tiny', batch_size=1000000000)"),
+    (dict(n_layer=10**9), "train('tiny', batch_size=8, n_layer=1000000000)"),
+    (dict(seq_len=10**9), "train('tiny', batch_size=8, seq_len=1000000000)"),
+    (dict(d_model=10**9), "train('tiny', batch_size=8, d_model=1000000000)")])
+def test_train_refuses_a_step_no_machine_holds(kw, given):
+    """A closed-form lower bound (no model is built): n_layer=10**9 used to hang."""
+    with pytest.raises(ValueError, match="GB of RAM") as e:
+        train("tiny", timing=False, **kw)
+    assert str(e.value).startswith(given + ": one step needs at least")
+
+
+def test_min_bytes_is_a_lower_bound_on_the_parameters():
+    from workbench.models.config import get_config, param_count
+    from workbench.train_checks import min_bytes
+    for name in ("tiny", "small", "gpt-tiny", "gpt3-175b"):
+        cfg = get_config(name)
+        item = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        assert 0.6 < min_bytes(cfg, 0) / (4 * item * param_count(cfg).module) <= 1, name
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(strategy="x"), "train(strategy='x'): give a Strategy"),
+                                    (dict(on_step=5), "train(on_step=5): give a function")])
+def test_train_refuses_a_strategy_or_callback_of_the_wrong_type(kw, msg):
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        train("tiny", steps=1, timing=False, **kw)
 
 
 # ---- the command line ---------------------------------------------------------------------

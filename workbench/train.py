@@ -108,9 +108,18 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         raise ValueError(f"train: weight_decay={weight_decay!r} must be a finite number >= 0 "
                          "(e.g. 0.01)")
     strategy = strategy or SingleDevice()
+    if not all(callable(getattr(strategy, m, None)) for m in
+               ("build_model", "build_optimizer", "forward_backward", "optimizer_step")):
+        raise TypeError(f"train(strategy={strategy!r:.60}): give a Strategy, e.g. "
+                        "SingleDevice() or Hybrid(dp=2), or None for one device")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"train(on_step={on_step!r:.60}): give a function of one record, or "
+                        "None")
     world = getattr(strategy, "dp", 1) * getattr(strategy, "tp", 1) * getattr(strategy, "pp", 1) \
         if getattr(strategy, "distributed", False) else 1
-    _checks.check_memory(cfg, batch_size, world, f"train(batch_size={batch_size})",
+    given = ", ".join([repr(preset) if isinstance(preset, str) else "<ModelConfig>",
+                       f"batch_size={batch_size}", *(f"{k}={v!r}" for k, v in overrides.items())])
+    _checks.check_memory(cfg, batch_size, world, f"train({given})",
                          "use a smaller batch_size or model")
     check = getattr(strategy, "check", None)
     if check is not None:

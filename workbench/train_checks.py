@@ -3,9 +3,8 @@
 ``python -m workbench train`` calls :func:`check_args` first; every refusal is a
 ValueError whose message names the flag, its value and the fix, printed as
 ``error: ...`` with exit status 2 (:func:`workbench.train.main_train`).  The checks
-take milliseconds (the memory bound counts the parameters on the meta device: 0.4 s
-for gpt3-175b, 20 ms for tiny), so a typo such as ``--dp 1000000000`` fails at once
-instead of building a billion-rank mesh.
+take microseconds (the memory bound is a closed form), so a typo such as ``--dp
+1000000000`` fails at once instead of building a billion-rank mesh.
 
 Bounds and why:
 
@@ -143,16 +142,18 @@ def _ram_bytes() -> int | None:
 
 
 def min_bytes(cfg, batch_size: int) -> int:
-    """A lower bound on what one step holds on one device: parameters, gradients and
-    AdamW's two moments (4 copies), and per token each layer's input (kept for the
-    backward even with full recompute) and the logits."""
+    """A lower bound on what one step holds on one device, in closed form (microseconds,
+    whatever the sizes): parameters, gradients and AdamW's two moments (4 copies), and per
+    token each layer's input (kept for the backward even with full recompute) and the
+    logits.  Parameters are counted low: per layer the h x h query and output projections
+    and two h x d_ff MLP matrices (Llama has three, GPT two: models/llama.py, gpt.py), plus
+    the V x h embedding; norms, biases, k/v and the head are left out."""
     import torch
-
-    from .models.config import param_count
     item = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    h, L = cfg.d_model, cfg.n_layer
+    params = L * (2 * h * h + 2 * h * cfg.d_ff) + cfg.vocab_size * h
     tokens = batch_size * cfg.seq_len
-    return item * (4 * param_count(cfg).module          # counted on the meta device
-                   + tokens * (cfg.n_layer * cfg.d_model + cfg.vocab_size))
+    return item * (4 * params + tokens * (L * h + cfg.vocab_size))
 
 
 def _check_memory(args, cfg) -> None:

@@ -18,7 +18,12 @@ import math
 from collections import Counter
 from typing import Iterable, Sequence
 
-__all__ = ["Mesh", "MAX_RANKS"]
+__all__ = ["Mesh", "MAX_RANKS", "MAX_DIMS"]
+
+MAX_DIMS = 64
+"""The most dims :meth:`Mesh.grid` builds: its nested rank lists recurse once per dim
+(5000 dims overflowed Python's stack), and past 17 dims of size >= 2 a mesh is over
+:data:`MAX_RANKS` anyway, so only size-1 dims could add more."""
 
 MAX_RANKS = 2 ** 17
 """The most ranks :meth:`Mesh.grid` builds: 131,072, eight times the 16,384 H100s of
@@ -109,6 +114,10 @@ class Mesh:
         if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
                             for s in shape):
             raise ValueError(f"shape={shape}: every mesh dimension must be a positive int")
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"Mesh.grid(shape=<{len(shape)} dims>): at most {MAX_DIMS} mesh "
+                             "dims (the nested rank lists recurse once per dim: 5000 dims "
+                             "overflowed Python's stack; 4-D parallelism uses dp, pp, cp, tp)")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"Mesh.grid(start={start!r}): the first rank must be an int >= 0")
         n = math.prod(shape)
