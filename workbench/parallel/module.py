@@ -14,7 +14,14 @@ Plan values, per module name or parameter name (``fnmatch`` patterns):
 * ``"replicate"``; or an explicit placements list for one parameter.
 
 Parameters no key matches are replicated.  Every parameter becomes a DistTensor
-leaf (``requires_grad``); :func:`dist_parameters` lists them for an optimizer.
+leaf (``requires_grad``) in the module's ``_parameters``, where FSDP2 keeps its DTensor
+parameters: ``named_parameters()``, ``state_dict()`` (DistTensors; ``load_state_dict``
+takes them or full tensors), ``zero_grad()``, ``requires_grad_()`` and ``.to(dtype)`` /
+``.double()`` work as on one device (:mod:`.module_state`); :func:`dist_parameters`
+lists them for an optimizer.  A DistTensor is not a ``torch.Tensor``, so
+``torch.nn.utils.clip_grad_norm_`` cannot read it (torch raises a TypeError naming
+DistTensor): :func:`workbench.clip_grad_norm_` and :func:`workbench.clip_grad_value_`
+take the same arguments and give one device's answer.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from torch import nn
 
 from ..sim_mesh.mesh import Mesh
 from .dist_tensor import shard_tensor
+from .module_state import adopt
 from .placement import Replicate, Shard, parse_placements
 
 __all__ = ["parallelize", "dist_parameters", "STYLES"]
@@ -96,9 +104,9 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 if param.requires_grad:
                     dt.requires_grad_()
                 param._wb_dist = dt
-            del mod._parameters[pname]
-            object.__setattr__(mod, pname, dt)
+            mod._parameters[pname] = dt     # where torch looks: state_dict, zero_grad...
             mod.__dict__.setdefault("_wb_dist_params", {})[pname] = dt
+    adopt(module)
     unused = set(plan) - used
     if unused:
         raise ValueError(f"plan keys {sorted(unused)} match no module or parameter of "

@@ -43,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import pack, unpack
+from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank)
+                    run_per_rank, state_dict_check)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -119,6 +120,8 @@ class DistributedDataParallel(ModuleWrapper):
         self._done = True
 
     def _on_grad(self, p):
+        if not self.group.distributed:     # torch's clip_grad_norm_ reads one row's norm
+            p.grad = as_rank_rows(p.grad)
         if not self._sync_enabled:
             return
         if not self._callback_queued:       # finish by itself at the end of this backward
@@ -204,8 +207,47 @@ class DistributedDataParallel(ModuleWrapper):
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+    def requires_grad_(self, requires_grad: bool = True):
+        hooked = {id(p) for ps in self._buckets for p in ps}
+        late = [n for n, p in self.module.named_parameters() if id(p) not in hooked]
+        if requires_grad and late:
+            raise ValueError(f"DistributedDataParallel.requires_grad_(True): {late[:3]} were "
+                             "frozen when the wrapper was built, so their gradients would "
+                             "not be averaged; set requires_grad before wrapping the module")
+        return super().requires_grad_(requires_grad)
+
+    # ---- state dicts: torch DDP's keys ("module." + the module's own name) ------------------
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """{``prefix + "module." +`` the module's own name: tensor}, as torch DDP (whose
+        module is its child); each tensor the one a rank holds (on simulated ranks, rank
+        ``broadcast_from``'s row, a view)."""
+        out = {} if destination is None else destination
+        rows = not self.group.distributed
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if rows and isinstance(t, nn.Parameter):
+                t = t[self.broadcast_from]
+            out[prefix + "module." + name] = t if keep_vars else t.detach()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load ``state_dict()``'s keys (``module.`` + the module's own names): full
+        tensors, copied into every rank's copy.  Keys and shapes are checked first, as
+        torch does with ``strict`` (nothing is copied when they do not match).  A state
+        dict of the plain module (no ``module.`` prefix) loads with
+        ``ddp.module``'s names: ``ddp.load_state_dict({"module." + k: v ...})``."""
+        if assign:
+            raise NotImplementedError("DistributedDataParallel.load_state_dict(assign=True): "
+                                      "the parameters are hooked and bucketed; load with "
+                                      "assign=False (copies into them)")
+        mine = self.state_dict(keep_vars=True)
+        missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
+                                               strict)
+        own = dict(self.module.state_dict(keep_vars=True))
+        for key, v in state_dict.items():
+            if key in mine:
+                own[key[len("module."):]].copy_(torch.as_tensor(v).detach().clone())
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

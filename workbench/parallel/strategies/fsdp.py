@@ -50,12 +50,14 @@ from torch import nn
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
+from .fsdp_state import FSDPStateDict
+from .rank_grads import as_shard_grad
 from .ranks import ModuleWrapper, RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(ModuleWrapper):
+class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -100,6 +102,9 @@ class FullyShardedDataParallel(ModuleWrapper):
         shard = rows[g.k] if g.distributed else rows
         shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
+        if g.distributed and shard.requires_grad:   # torch's clip_grad_norm_: the true norm
+            shard.register_post_accumulate_grad_hook(
+                lambda s: setattr(s, "grad", as_shard_grad(s.grad, g.pg)))
         return shard
 
     def _cast(self, shard):
@@ -273,21 +278,6 @@ class FullyShardedDataParallel(ModuleWrapper):
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
         their averaged gradients once ``backward()`` returns; kept for DDP's API."""
-
-    # ---- the module's own names ------------------------------------------------------------
-    @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """{the module's own name: the full fp32 tensor} (parameters gathered)."""
-        out = {}
-        g = self.group
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in self._meta:
-                shape, _ = self._meta[id(t)]
-                flat = all_gather([t.detach()], g)[0] if g.distributed else t.detach().reshape(-1)
-                out[name] = unflat(flat, shape).clone()
-            else:
-                out[name] = t.detach().clone()
-        return out
 
     def extra_repr(self) -> str:
         g = self.group
