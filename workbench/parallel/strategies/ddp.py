@@ -28,11 +28,29 @@ Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
 parameter used nowhere keeps ``grad=None`` (no rank all-reduces it, the
 optimizer skips it as on one device); tied weights are one parameter, reduced once.
 
-On simulated ranks the loss is the loss of the global batch (a DistTensor), so
-each rank's gradient already carries the 1/N of the mean; the all-reduce sums
-them, which is exactly the average of the ranks' local-loss gradients that a
-torchrun process computes.  On torch.distributed the all-reduce sums and divides
-by N (gloo has no AVG op).
+torch DDP *averages* the gradients over the ranks: each rank backpropagates its own
+loss and every parameter ends with the mean of the ranks' gradients, so a loss that
+sums over the local batch gives 1/N of the summed global batch's gradient, and one that
+averages gives the global mean's.  The simulation keeps those semantics:
+
+* a loss the module returns (one scalar per rank) is joined as the ranks' mean
+  (``Partial('avg')``), so backward gives each rank 1/N of its own loss's gradient and
+  the all-reduce sums the rows: the average, whatever the loss sums or averages;
+* a loss computed outside the module on the joined output is the loss of the global
+  batch (a DistTensor, as DTensor computes it).  With a loss that averages over the
+  batch (``cross_entropy``'s default) each rank's row already carries the 1/N of the
+  mean and the summed rows are the average a torchrun process computes.  A loss that
+  *sums* over the global batch is N times the average torch DDP takes: divide it by N
+  (or return it from the module) to train as torchrun does.
+
+On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
+
+State dicts follow torch DDP: ``state_dict()`` keys are ``"module." +`` the module's own
+names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the module's
+own shape), ``load_state_dict`` takes them (full tensors, copied into every rank's
+copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
+clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
+the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.
 """
 from __future__ import annotations
 
@@ -57,7 +75,8 @@ class DistributedDataParallel(ModuleWrapper):
     The module's parameters stay its own ``nn.Parameter``s under their own names
     (no ``module.`` prefix): ``ddp.parameters()`` is ``module.parameters()``.  On a
     simulated mesh each parameter holds one row per rank (shape ``(N, *shape)``);
-    :meth:`full_state_dict` gives the plain tensors back.
+    :meth:`state_dict` gives one rank's tensors under torch DDP's keys (``module.``
+    prefix), :meth:`full_state_dict` under the module's own names.
     """
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,

@@ -4,7 +4,10 @@
   in place, so no prefix); each parameter a DistTensor of its own shape placed
   ``Shard(0)`` on the data-parallel dim (FSDP2's ``state_dict()`` returns DTensors
   ``Shard(0)``: torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``);
-  ``.full()`` gathers one.  Our shards are chunks of the flattened tensor (FSDP1's
+  ``.full()`` gathers one.  A parameter whose first dim the N ranks do not divide
+  (or a 0-d one) is ``Replicate`` instead (uneven shards are not supported on
+  torch.distributed yet; simulated ranks do the same, so both give one layout).
+  Our shards are chunks of the flattened tensor (FSDP1's
   ``FlatParameter`` layout, :mod:`.flat_shards`), so making the dim-0 shards costs one
   all-gather per parameter; buffers are plain tensors, as in FSDP2.
 * :meth:`~FSDPStateDict.load_state_dict`: that dict, or full tensors (a plain model's
@@ -47,12 +50,14 @@ class FSDPStateDict:
 
     def _dist_mesh(self):
         """The mesh the DistTensors of ``state_dict()`` live on (mesh=None: a 1-d mesh
-        over the default group, made once; every rank makes it, in the same order)."""
+        over the default group named "world", made once; every rank makes it, in the
+        same order; registering it makes every equal Mesh distributed in this process,
+        hence a name a simulated mesh is unlikely to have)."""
         g = self.group
         if g.mesh is not None:
             return g.mesh, g.axis
         if getattr(self, "_sd_mesh", None) is None:
-            object.__setattr__(self, "_sd_mesh", _B.mesh(g.n, ["dp"]))
+            object.__setattr__(self, "_sd_mesh", _B.mesh(g.n, ["world"]))
         return self._sd_mesh, 0
 
     @torch.no_grad()
@@ -68,8 +73,8 @@ class FSDPStateDict:
                 continue
             full = self._full(t)
             ps = [Replicate()] * mesh.ndim
-            if full.dim() > 0:
-                ps[ax] = Shard(0)
+            if full.dim() > 0 and full.shape[0] % self.group.n == 0:
+                ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
             out[prefix + name] = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
         return out

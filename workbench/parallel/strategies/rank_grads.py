@@ -82,8 +82,8 @@ def _row_norm(t, ord_, dtype):
         return torch.linalg.vector_norm(t[0], ord_, dtype=dtype)
 
 
-def as_rank_rows(t: torch.Tensor) -> torch.Tensor:
-    return t if isinstance(t, RankRows) else t.as_subclass(RankRows)
+def as_rank_rows(t):
+    return t if t is None or isinstance(t, RankRows) else t.as_subclass(RankRows)
 
 
 class ShardGrad(torch.Tensor):
@@ -118,7 +118,9 @@ def _mixed():
         "wrapper's parameters on their own (fsdp.parameters())")
 
 
-def as_shard_grad(t: torch.Tensor, pg) -> torch.Tensor:
+def as_shard_grad(t, pg):
+    if t is None:
+        return None
     out = t if isinstance(t, ShardGrad) else t.as_subclass(ShardGrad)
     out._wb_pg = pg
     return out
