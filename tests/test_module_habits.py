@@ -344,3 +344,42 @@ def test_fsdp_double_and_requires_grad():
     f.requires_grad_(False)
     ids, _ = data(1)[0]
     assert not f(wb.shard_tensor(ids, mesh, ["S(0)"])).requires_grad
+
+
+# ---- ZeroRedundancyOptimizer's state dict ------------------------------------------------------
+def opt_diff(a, b):
+    """The largest difference between two optimizers' state dicts (same format)."""
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+    assert sorted(a["state"]) == sorted(b["state"])
+    return max((a["state"][i][n].float() - b["state"][i][n].float()).abs().max().item()
+               for i in b["state"] for n in b["state"][i])
+
+
+def test_zero_state_dict_is_the_unsharded_optimizers_and_loads_back():
+    mesh, ddp, ref = ddp_setup()
+    opt = wb.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, mesh, lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(i, o, ro):
+        o.zero_grad()
+        ro.zero_grad()
+        backward_both(ddp, ref, mesh, i)
+        o.step()
+        ro.step()
+
+    for i in range(2):
+        step(i, opt, ropt)
+    sd = opt.state_dict()
+    assert opt_diff(sd, ropt.state_dict()) < 1e-6
+    # a fresh ZeRO over the same parameters takes it (each rank its own share), and the
+    # next step is one device's next step
+    opt2 = wb.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, mesh, lr=0.5)
+    opt2.load_state_dict(copy.deepcopy(sd))
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    step(2, opt2, ropt)
+    got = ddp.full_state_dict()
+    for k, v in ref.state_dict().items():
+        close(got[k], v)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt2.load_state_dict({"state": {}, "param_groups": []})

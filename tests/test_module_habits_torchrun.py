@@ -20,6 +20,10 @@ def test_clip_grad_norm_state_dicts_and_sum_losses_on_gloo():
         for got, want in r["norms"]:                    # every step, every rank
             assert abs(got - want) <= 1e-6 * want, r
         assert r["params"] < 1e-6, r
+        if r["case"][0] == "zero" and r["rank"] == 0:      # consolidated on rank 0
+            assert r["opt_state"] < 1e-6, r
+        else:
+            assert r["opt_state"] is None, r
         if "keys" in r:
             kind = r["case"][0]
             assert r["keys"][0] == ("module.emb.weight" if kind == "ddp" else "emb.weight")

@@ -44,7 +44,14 @@ def clipped_training(kind, norm_type, n, k):
         norms.append([got.item(), want.item()])
         opt.step()
         ropt.step()
+    if kind == "zero":                  # the optimizer's states, consolidated on rank 0
+        opt.consolidate_state_dict(0)
+        if k == 0:
+            a, b = opt.state_dict(), ropt.state_dict()
+            ropt.opt_state = max((a["state"][i][nm] - b["state"][i][nm]).abs().max().item()
+                                 for i in b["state"] for nm in b["state"][i])
     full = w.full_state_dict()
+    ref.opt_state = getattr(ropt, "opt_state", None)
     return w, ref, norms, max((full[n_] - v).abs().max().item()
                               for n_, v in ref.state_dict().items())
 
@@ -96,7 +103,8 @@ def main():
     for kind in ("ddp", "zero", "fsdp", "fsdp_units"):
         for norm_type in (2.0, math.inf):
             w, ref, norms, diff = clipped_training(kind, norm_type, n, k)
-            row = {"rank": k, "case": [kind, norm_type], "norms": norms, "params": diff}
+            row = {"rank": k, "case": [kind, norm_type], "norms": norms, "params": diff,
+                   "opt_state": ref.opt_state}
             if norm_type == 2.0 and kind != "zero":
                 row.update(state_dicts(w, ref))
             print(json.dumps(row), flush=True)

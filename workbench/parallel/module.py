@@ -30,7 +30,7 @@ import fnmatch
 from torch import nn
 
 from ..sim_mesh.mesh import Mesh
-from .dist_tensor import shard_tensor
+from .dist_tensor import DistTensor, shard_tensor
 from .module_state import adopt
 from .placement import Replicate, Shard, parse_placements
 
@@ -77,7 +77,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
     used = set()
     for mname, mod in module.named_modules():
         for pname, param in list(mod._parameters.items()):
-            if param is None:
+            if param is None or isinstance(param, DistTensor):     # sharded by an earlier call
                 continue
             full = f"{mname}.{pname}" if mname else pname
             ps = None
