@@ -383,3 +383,36 @@ def test_zero_state_dict_is_the_unsharded_optimizers_and_loads_back():
         close(got[k], v)
     with pytest.raises(ValueError, match="different number of parameter groups"):
         opt2.load_state_dict({"state": {}, "param_groups": []})
+
+
+@pytest.mark.parametrize("first_no_sync", [False, True])
+def test_ddp_accumulates_gradients_over_backwards_as_torch_ddp(first_no_sync):
+    """Two backwards without zero_grad: the sum of the two steps' averaged gradients,
+    whether the first was averaged already or accumulated inside no_sync()."""
+    mesh, ddp, ref = ddp_setup()
+    if first_no_sync:
+        with ddp.no_sync():
+            backward_both(ddp, ref, mesh, 0)
+    else:
+        backward_both(ddp, ref, mesh, 0)
+    backward_both(ddp, ref, mesh, 1)
+    for (n, p), q in zip(ddp.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            for k in range(4):
+                close(p.grad[k], q.grad)
+    close(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0),
+          torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+
+
+def test_zero_steps_after_double():
+    mesh, ddp, ref = ddp_setup()
+    opt = wb.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, mesh, lr=0.1)
+    ddp.double()
+    ref.double()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    backward_both(ddp, ref, mesh)
+    opt.step()
+    ropt.step()
+    got = ddp.full_state_dict()
+    for k, v in ref.state_dict().items():
+        close(got[k], v, 1e-12)

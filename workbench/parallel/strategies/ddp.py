@@ -101,6 +101,10 @@ class DistributedDataParallel(ModuleWrapper):
         self._buckets = _buckets(trainable, bucket_bytes, g)
         self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._synced = set()                # simulated: ids of parameters whose rows are averaged
+        if not g.distributed:
+            self._hooks += [p.register_hook(lambda grad, p=p: self._before_grad(p))
+                            for p in trainable]
         self._reset()
         module._wb_wrapped = "DistributedDataParallel"
 
@@ -138,6 +142,17 @@ class DistributedDataParallel(ModuleWrapper):
         self._callback_queued = False
         self._done = True
 
+    @torch.no_grad()
+    def _before_grad(self, p):
+        """Simulated ranks, before a backward adds to a gradient already averaged (every
+        row the average G): keep G in row 0 only, so that the rows' sum (the all-reduce)
+        gives G plus the ranks' new gradients, as torch DDP's average of G + each rank's
+        does.  Rows not yet averaged (inside no_sync) are summed as they are."""
+        if id(p) in self._synced:
+            self._synced.discard(id(p))
+            if p.grad is not None:
+                p.grad[1:].zero_()
+
     def _on_grad(self, p):
         if not self.group.distributed:     # torch's clip_grad_norm_ reads one row's norm
             p.grad = as_rank_rows(p.grad)
@@ -167,6 +182,7 @@ class DistributedDataParallel(ModuleWrapper):
             # the ranks' rows summed (each row already holds 1/N of the global mean)
             for p in ps:
                 p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
+                self._synced.add(id(p))
             self._pending.append((b, None, None, handles))
             return
         flat = ps[0].grad if len(ps) == 1 else pack([p.grad for p in ps])

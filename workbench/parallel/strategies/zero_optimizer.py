@@ -101,6 +101,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for p in grp["params"]:
                     if self.owner[id(p)] == k and self.rows[id(p)]:
                         v = self._view(p, k)
+                        v.data = p.data[k]      # row k again (after p.double(), a new tensor)
                         v.grad = None if p.grad is None else p.grad[k]
             opt.step()
         # every parameter from its owner: a broadcast per parameter
