@@ -3,7 +3,7 @@ gloo): torch's own clip_grad_norm_ over DDP's, ZeroRedundancyOptimizer's and FSD
 parameters gives one device's norm on every rank (FSDP's shards: the total norm, not
 each shard's), then the step gives one device's parameters; state dicts round trip and
 a plain model's loads; a summed loss the module returns is averaged as on simulated
-ranks."""
+ranks; a parallelized module clips with wb.clip_grad_norm_, loads and converts."""
 import pytest
 
 from tests.test_ddp_torchrun import json_rows, torchrun
@@ -35,3 +35,10 @@ def test_clip_grad_norm_state_dicts_and_sum_losses_on_gloo():
         assert a == b, kind
     sums = [r["sum_loss"] for r in rows if "sum_loss" in r]
     assert sums == [0.0, 0.0]                           # torchrun == simulated, bitwise
+    # a parallelized MLP on a 2-process tp mesh: wb.clip_grad_norm_, state dict, .double()
+    tps = [r for r in rows if "tp_norm" in r]
+    assert len(tps) == 2 and tps[0]["tp_norm"] == tps[1]["tp_norm"]
+    for r in tps:
+        got, want = r["tp_norm"]
+        assert abs(got - want) <= 1e-6 * want and r["tp_grads"] < 1e-6, r
+        assert r["tp_loaded"] and r["tp_double"] < 1e-12, r

@@ -97,6 +97,34 @@ def sum_loss_grads(mesh, n, k):
     return {nm: p.grad[k] for nm, p in w.named_parameters() if p.grad is not None}
 
 
+def tensor_parallel(n, k):
+    """A parallelized MLP on a 2-process tp mesh: wb.clip_grad_norm_ against one device,
+    its state dict round trip, a plain model's loaded, .double()."""
+    mesh = wb.distributed.mesh(n, ["tp"])
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    m, ref = wb.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}), mlp()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    m(wb.shard_tensor(x, mesh, ["R"])).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    got = wb.clip_grad_norm_(m.parameters(), 0.5).item()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+    grads = max((p.grad.full() - q.grad).abs().max().item()
+                for p, q in zip(m.parameters(), ref.parameters()))
+    sd = m.state_dict()
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    m.load_state_dict(other.state_dict())
+    loaded = all(torch.equal(m.state_dict()[nm].full(), v)
+                 for nm, v in other.state_dict().items())
+    m.load_state_dict(sd)
+    m.double()
+    y = m(wb.shard_tensor(x.double(), mesh, ["R"])).full()
+    return {"rank": k, "tp_norm": [got, want], "tp_grads": grads, "tp_loaded": loaded,
+            "tp_double": (y - other.double()(x.double())).abs().max().item()}
+
+
 def main():
     wb.distributed.init(timeout_s=60)
     n, k = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -112,6 +140,7 @@ def main():
     sim = sum_loss_grads(wb.Mesh.grid(n, ["dp"]), n, k)
     print(json.dumps({"rank": k, "sum_loss": max((got[nm] - sim[nm]).abs().max().item()
                                                  for nm in sim)}), flush=True)
+    print(json.dumps(tensor_parallel(n, k)), flush=True)
     wb.distributed.shutdown()
 
 
