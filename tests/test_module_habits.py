@@ -416,3 +416,14 @@ def test_zero_steps_after_double():
     got = ddp.full_state_dict()
     for k, v in ref.state_dict().items():
         close(got[k], v, 1e-12)
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_refused_not_left_unaveraged():
+    mesh, ddp, ref = ddp_setup()
+    ddp.module.frozen.requires_grad_(True)            # DDP built no hook for it
+    with pytest.raises(RuntimeError, match=r"\['frozen'\] received gradients"):
+        backward_both(ddp, ref, mesh)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    opt = wb.ZeroRedundancyOptimizer(make().parameters(), torch.optim.SGD, mesh, lr=0.1)
+    with pytest.raises(NotImplementedError, match="build a new ZeroRedundancyOptimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})

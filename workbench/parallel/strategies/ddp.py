@@ -195,6 +195,13 @@ class DistributedDataParallel(ModuleWrapper):
         gradient the average over the data-parallel ranks."""
         if self._done:
             return                  # nothing to synchronize (or done at the end of backward)
+        hooked = self._bucket_of
+        late = [n for n, p in self.module.named_parameters()
+                if p.grad is not None and id(p) not in hooked]
+        if late:
+            raise RuntimeError(f"DistributedDataParallel: {late[:3]} received gradients but "
+                               "were frozen when the wrapper was built, so no rank averages "
+                               "them; set requires_grad before wrapping the module")
         for b in range(len(self._buckets)):
             if not self._launched[b]:
                 self._launch(b)     # buckets with unused parameters: their used ones

@@ -85,6 +85,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self._meta = {}                  # id(shard) -> (shape, numel)
+        self._hooked = set()             # ids of shards whose gradients become ShardGrads
         with torch.no_grad():
             self.units = plan_units(module, units, self._shard)
         for u in self.units[1:]:
@@ -102,10 +103,19 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         shard = rows[g.k] if g.distributed else rows
         shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
-        if g.distributed and shard.requires_grad:   # torch's clip_grad_norm_: the true norm
-            shard.register_post_accumulate_grad_hook(
-                lambda s: setattr(s, "grad", as_shard_grad(s.grad, g.pg)))
         return shard
+
+    def _hook_shards(self):
+        """torch.distributed: each trainable shard's gradient becomes a ShardGrad once
+        accumulated, so torch's clip_grad_norm_ takes the norm over every rank's shard
+        (hooked at each forward: a shard unfrozen after construction too)."""
+        pg = self.group.pg
+        for u in self.units:
+            for _, s, _ in u.params:
+                if s.requires_grad and id(s) not in self._hooked:
+                    self._hooked.add(id(s))
+                    s.register_post_accumulate_grad_hook(
+                        lambda s: setattr(s, "grad", as_shard_grad(s.grad, pg)))
 
     def _cast(self, shard):
         cd = self.compute_dtype
@@ -118,6 +128,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
+        if g.distributed:
+            self._hook_shards()
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
         try:

@@ -59,6 +59,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._views = {}                 # (id(p), k) -> the leaf rank k's optimizer steps
         ranks = [g.k] if g.distributed else range(g.n)
         self.optimizers = {k: self._build(k) for k in ranks}
+        self._built = True
+
+    def add_param_group(self, param_group) -> None:
+        if getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it first
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.add_param_group: the parameters were partitioned "
+                "over the ranks when it was built; build a new ZeroRedundancyOptimizer with "
+                "every group (a group added here would never be stepped)")
+        super().add_param_group(param_group)
 
     def _numel(self, p):
         return p[0].numel() if self.rows[id(p)] else p.numel()
