@@ -40,6 +40,13 @@ formula reads is sent again there, not here).  The module may use its weights an
 likes (``weight[ids]``, ``x @ w.T``...): it runs its own forward on the gathered
 tensors.  On simulated ranks the module runs once per rank, each rank on its own
 gathered copy.
+
+The habits of one device hold: ``state_dict()`` gives FSDP2's ``Shard(0)`` DistTensors and
+``load_state_dict`` takes them or full tensors (:mod:`.fsdp_state`);
+``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)`` gives the total norm (on
+simulated ranks the rows hold every shard; on torch.distributed each shard's gradient is
+a :class:`~.rank_grads.ShardGrad`, whose norms torch reduces over the ranks, as FSDP2's
+DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.
 """
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 __all__ = ["RankRows", "ShardGrad", "PartialNorm", "as_rank_rows", "as_shard_grad"]
 
-_NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm,
-          torch.linalg.norm)
+_NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
 
 def _plain(func, args, kwargs):
@@ -49,9 +48,9 @@ def _norm_args(func, args, kwargs):
     if func is torch._foreach_norm:
         ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
         return x, ord_, kwargs.get("dtype")
-    if len(args) > 2 or kwargs.get("dim") is not None or ord_ in ("fro", "nuc"):
+    if len(args) > 2 or kwargs.get("dim") is not None or ord_ == "nuc":
         return None
-    return x, (2.0 if ord_ is None else ord_), kwargs.get("dtype")
+    return x, (2.0 if ord_ in (None, "fro") else ord_), kwargs.get("dtype")
 
 
 class RankRows(torch.Tensor):

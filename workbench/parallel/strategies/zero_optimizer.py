@@ -21,6 +21,12 @@ clips by the global norm inside ``step``) would see only the owner's share.
 
 On a simulated mesh a parameter wrapped by :class:`~.ddp.DistributedDataParallel`
 holds one row per rank; rank k's optimizer steps row k of the parameters k owns.
+
+State dicts as torch's: :meth:`consolidate_state_dict` gathers the owners' states on one
+rank, :meth:`state_dict` returns them there in the unsharded optimizer's format (on
+simulated ranks it consolidates by itself), :meth:`load_state_dict` takes such a dict and
+gives each rank its share.  Clip with ``torch.nn.utils.clip_grad_norm_`` over the
+wrapper's parameters before :meth:`step` (the gradients are whole on every rank).
 """
 from __future__ import annotations
 
