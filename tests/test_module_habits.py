@@ -47,7 +47,8 @@ def test_parallelized_state_dict_holds_distensors_and_loads_a_full_one(tp):
     sd = m.state_dict()
     assert list(sd) == list(ref.state_dict())
     assert all(isinstance(v, wb.DistTensor) for v in sd.values())
-    assert str(sd["0.weight"].placements[1]) == "S(0)" and str(sd["2.weight"].placements[1]) == "S(1)"
+    assert str(sd["0.weight"].placements[1]) == "S(0)"
+    assert str(sd["2.weight"].placements[1]) == "S(1)"
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k].full(), v)
     other = mlp(seed=1)
