@@ -140,6 +140,9 @@ def test_parallelized_clip_grad_value_and_torchs_own_clip_error(tp):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
     with pytest.raises(TypeError, match=r"\(name, parameter\) pair"):
         wb.clip_grad_norm_(wb.dist_parameters(m), 1.0)
+    with pytest.raises(AttributeError, match=r"call wb.clip_grad_norm_\(model.parameters"):
+        torch.nn.utils.clip_grad_norm_(wb.dist_parameters(m), 1.0)
+    assert dict(wb.dist_parameters(m))["0.weight"] is m[0].weight     # still pairs
 
 
 # ---- DistributedDataParallel (+ ZeroRedundancyOptimizer) ------------------------------------

@@ -115,6 +115,19 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
     return module
 
 
+class _Named(tuple):
+    """A (name, DistTensor) pair that says what to do when read as a parameter (torch's
+    clip_grad_norm_ reads ``p.grad`` of each item it is given)."""
+    __slots__ = ()
+
+    @property
+    def grad(self):
+        raise AttributeError(
+            "wb.dist_parameters(model) yields (name, DistTensor) pairs, not parameters; "
+            "torch.nn.utils.clip_grad_norm_ cannot read DistTensors either: call "
+            "wb.clip_grad_norm_(model.parameters(), max_norm)")
+
+
 def dist_parameters(module: nn.Module):
     """(qualified name, DistTensor) for every parameter ``parallelize`` sharded, a tied
     one once (under its first name, as ``named_parameters``)."""
@@ -124,5 +137,5 @@ def dist_parameters(module: nn.Module):
             p = getattr(mod, pname)
             if id(p) not in seen:
                 seen.add(id(p))
-                yield (f"{mname}.{pname}" if mname else pname), p
+                yield _Named(((f"{mname}.{pname}" if mname else pname), p))
 
