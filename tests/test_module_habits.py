@@ -81,8 +81,12 @@ def test_parallelized_zero_grad_and_requires_grad_reach_the_sharded_weights(tp):
     assert all(float(p.grad.full().abs().sum()) == 0.0 for p in m.parameters())
     m.zero_grad()
     assert all(p.grad is None for p in m.parameters())
+    tp_step(m, mesh, x).backward()
+    w = m[0].weight
     m.requires_grad_(False)
     assert not any(p.requires_grad for p in m.parameters())
+    assert m[0].weight is w and w.grad is not None         # torch keeps the gradient
+    m.zero_grad()
     assert not tp_step(m, mesh, x).requires_grad
     m.requires_grad_(True)
     tp_step(m, mesh, x).backward()

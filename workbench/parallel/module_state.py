@@ -63,6 +63,16 @@ def _restore(held):
             m._parameters[k] = v if isinstance(v, DistTensor) else cur.get(k, v)
 
 
+def _unique(held):
+    """The distinct DistTensors :func:`_hidden` took out (a tied weight once)."""
+    seen = set()
+    for _, saved in held:
+        for v in saved.values():
+            if isinstance(v, DistTensor) and id(v) not in seen:
+                seen.add(id(v))
+                yield v
+
+
 class ParallelModule:
     """Mixed into the class of a module that ``parallelize`` sharded."""
 
@@ -83,12 +93,24 @@ class ParallelModule:
             super()._apply(fn, recurse)
         finally:
             _restore(held)
-        done = set()
-        for _, saved in held:
-            for v in saved.values():
-                if isinstance(v, DistTensor) and id(v) not in done:
-                    done.add(id(v))             # a tied weight: converted once
-                    _convert(v, fn)
+        for v in _unique(held):                 # a tied weight: converted once
+            _convert(v, fn)
+        return self
+
+    # ---- requires_grad_: in place on each shard, its gradient kept (as torch) -----------
+    def requires_grad_(self, requires_grad: bool = True):
+        held = _hidden(self.modules())
+        try:
+            super().requires_grad_(requires_grad)
+        finally:
+            _restore(held)
+        for v in _unique(held):
+            ts = storage.tensors(v._local)
+            if all(t.is_leaf for t in ts):
+                for t in ts:
+                    t.requires_grad_(requires_grad)
+            else:
+                v.requires_grad_(requires_grad)
         return self
 
     # ---- zero_grad: every DistTensor's gradient too -----------------------------------
@@ -98,18 +120,14 @@ class ParallelModule:
             super().zero_grad(set_to_none)
         finally:
             _restore(held)
-        seen = set()
-        for _, saved in held:
-            for v in saved.values():
-                if isinstance(v, DistTensor) and id(v) not in seen:
-                    seen.add(id(v))
-                    for t in storage.tensors(v._local):
-                        if t.grad is None:
-                            continue
-                        if set_to_none:
-                            t.grad = None
-                        else:
-                            t.grad.detach_().zero_()
+        for v in _unique(held):
+            for t in storage.tensors(v._local):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_().zero_()
 
     # ---- load_state_dict: DistTensors or full tensors, checked before any copy ----------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
