@@ -20,7 +20,7 @@ from .sim_mesh import collectives  # noqa: E402
 from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorSpec,  # noqa: E402
                        shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
                        register_rule, allow_replicate_fallback, explain, parallelize,
-                       dist_parameters)
+                       dist_parameters, clip_grad_norm_, clip_grad_value_)
 from .parallel.strategies.ddp import DistributedDataParallel  # noqa: E402
 from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
@@ -36,6 +36,7 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "collectives", "Placement", "Replicate", "Shard", "Partial", "DistTensor",
            "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
            "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
-           "parallelize", "dist_parameters", "DistributedDataParallel",
+           "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
+           "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
            "distributed", "models", "plan", "recipes"]

@@ -7,6 +7,7 @@ from .rules import register_rule, Strategy, Decision, NoRuleError, infer
 from .dispatch import allow_replicate_fallback
 from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
+from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from . import interop
 from . import op_table as _op_table
 from . import ops_table
@@ -18,4 +19,4 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",
            "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
            "allow_replicate_fallback", "explain", "Explanation", "parallelize",
-           "dist_parameters", "interop"]
+           "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm"]

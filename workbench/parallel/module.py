@@ -14,7 +14,14 @@ Plan values, per module name or parameter name (``fnmatch`` patterns):
 * ``"replicate"``; or an explicit placements list for one parameter.
 
 Parameters no key matches are replicated.  Every parameter becomes a DistTensor
-leaf (``requires_grad``); :func:`dist_parameters` lists them for an optimizer.
+leaf (``requires_grad``) in the module's ``_parameters``, where FSDP2 keeps its DTensor
+parameters: ``named_parameters()``, ``state_dict()`` (DistTensors; ``load_state_dict``
+takes them or full tensors), ``zero_grad()``, ``requires_grad_()`` and ``.to(dtype)`` /
+``.double()`` work as on one device (:mod:`.module_state`); :func:`dist_parameters`
+lists them for an optimizer.  A DistTensor is not a ``torch.Tensor``, so
+``torch.nn.utils.clip_grad_norm_`` cannot read it (torch raises a TypeError naming
+DistTensor): :func:`workbench.clip_grad_norm_` and :func:`workbench.clip_grad_value_`
+take the same arguments and give one device's answer.
 """
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ import fnmatch
 from torch import nn
 
 from ..sim_mesh.mesh import Mesh
-from .dist_tensor import shard_tensor
+from .dist_tensor import DistTensor, shard_tensor
+from .module_state import adopt
 from .placement import Replicate, Shard, parse_placements
 
 __all__ = ["parallelize", "dist_parameters", "STYLES"]
@@ -69,7 +77,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
     used = set()
     for mname, mod in module.named_modules():
         for pname, param in list(mod._parameters.items()):
-            if param is None:
+            if param is None or isinstance(param, DistTensor):     # sharded by an earlier call
                 continue
             full = f"{mname}.{pname}" if mname else pname
             ps = None
@@ -96,15 +104,28 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 if param.requires_grad:
                     dt.requires_grad_()
                 param._wb_dist = dt
-            del mod._parameters[pname]
-            object.__setattr__(mod, pname, dt)
+            mod._parameters[pname] = dt     # where torch looks: state_dict, zero_grad...
             mod.__dict__.setdefault("_wb_dist_params", {})[pname] = dt
+    adopt(module)
     unused = set(plan) - used
     if unused:
         raise ValueError(f"plan keys {sorted(unused)} match no module or parameter of "
                          f"{type(module).__name__}; names are like "
                          f"{[n for n, _ in module.named_modules() if n][:5]}")
     return module
+
+
+class _Named(tuple):
+    """A (name, DistTensor) pair that says what to do when read as a parameter (torch's
+    clip_grad_norm_ reads ``p.grad`` of each item it is given)."""
+    __slots__ = ()
+
+    @property
+    def grad(self):
+        raise AttributeError(
+            "wb.dist_parameters(model) yields (name, DistTensor) pairs, not parameters; "
+            "torch.nn.utils.clip_grad_norm_ cannot read DistTensors either: call "
+            "wb.clip_grad_norm_(model.parameters(), max_norm)")
 
 
 def dist_parameters(module: nn.Module):
@@ -116,5 +137,5 @@ def dist_parameters(module: nn.Module):
             p = getattr(mod, pname)
             if id(p) not in seen:
                 seen.add(id(p))
-                yield (f"{mname}.{pname}" if mname else pname), p
+                yield _Named(((f"{mname}.{pname}" if mname else pname), p))
 

@@ -32,11 +32,29 @@ A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor paral
 another mesh dim) runs in DDP's DistTensor mode (:mod:`.ddp_dist`): one forward over the
 DistTensors, the gradients reduced in :meth:`finish_gradient_synchronization`.
 
-On simulated ranks the loss is the loss of the global batch (a DistTensor), so
-each rank's gradient already carries the 1/N of the mean; the all-reduce sums
-them, which is exactly the average of the ranks' local-loss gradients that a
-torchrun process computes.  On torch.distributed the all-reduce sums and divides
-by N (gloo has no AVG op).
+torch DDP *averages* the gradients over the ranks: each rank backpropagates its own
+loss and every parameter ends with the mean of the ranks' gradients, so a loss that
+sums over the local batch gives 1/N of the summed global batch's gradient, and one that
+averages gives the global mean's.  The simulation keeps those semantics:
+
+* a loss the module returns (one scalar per rank) is joined as the ranks' mean
+  (``Partial('avg')``), so backward gives each rank 1/N of its own loss's gradient and
+  the all-reduce sums the rows: the average, whatever the loss sums or averages;
+* a loss computed outside the module on the joined output is the loss of the global
+  batch (a DistTensor, as DTensor computes it).  With a loss that averages over the
+  batch (``cross_entropy``'s default) each rank's row already carries the 1/N of the
+  mean and the summed rows are the average a torchrun process computes.  A loss that
+  *sums* over the global batch is N times the average torch DDP takes: divide it by N
+  (or return it from the module) to train as torchrun does.
+
+On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
+
+State dicts follow torch DDP: ``state_dict()`` keys are ``"module." +`` the module's own
+names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the module's
+own shape), ``load_state_dict`` takes them (full tensors, copied into every rank's
+copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
+clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
+the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.
 """
 from __future__ import annotations
 
@@ -47,8 +65,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import pack, unpack
+from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank)
+                    run_per_rank, state_dict_check)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -60,7 +79,8 @@ class DistributedDataParallel(ModuleWrapper):
     The module's parameters stay its own ``nn.Parameter``s under their own names
     (no ``module.`` prefix): ``ddp.parameters()`` is ``module.parameters()``.  On a
     simulated mesh each parameter holds one row per rank (shape ``(N, *shape)``);
-    :meth:`full_state_dict` gives the plain tensors back.
+    :meth:`state_dict` gives one rank's tensors under torch DDP's keys (``module.``
+    prefix), :meth:`full_state_dict` under the module's own names.
     """
 
     def __new__(cls, module=None, *args, **kwargs):
@@ -94,6 +114,10 @@ class DistributedDataParallel(ModuleWrapper):
         self._buckets = _buckets(trainable, bucket_bytes, g)
         self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._synced = set()                # simulated: ids of parameters whose rows are averaged
+        if not g.distributed:
+            self._hooks += [p.register_hook(lambda grad, p=p: self._before_grad(p))
+                            for p in trainable]
         self._reset()
         module._wb_wrapped = "DistributedDataParallel"
 
@@ -131,7 +155,20 @@ class DistributedDataParallel(ModuleWrapper):
         self._callback_queued = False
         self._done = True
 
+    @torch.no_grad()
+    def _before_grad(self, p):
+        """Simulated ranks, before a backward adds to a gradient already averaged (every
+        row the average G): keep G in row 0 only, so that the rows' sum (the all-reduce)
+        gives G plus the ranks' new gradients, as torch DDP's average of G + each rank's
+        does.  Rows not yet averaged (inside no_sync) are summed as they are."""
+        if id(p) in self._synced:
+            self._synced.discard(id(p))
+            if p.grad is not None:
+                p.grad[1:].zero_()
+
     def _on_grad(self, p):
+        if not self.group.distributed:     # torch's clip_grad_norm_ reads one row's norm
+            p.grad = as_rank_rows(p.grad)
         if not self._sync_enabled:
             return
         if not self._callback_queued:       # finish by itself at the end of this backward
@@ -158,6 +195,7 @@ class DistributedDataParallel(ModuleWrapper):
             # the ranks' rows summed (each row already holds 1/N of the global mean)
             for p in ps:
                 p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
+                self._synced.add(id(p))
             self._pending.append((b, None, None, handles))
             return
         flat = ps[0].grad if len(ps) == 1 else pack([p.grad for p in ps])
@@ -170,6 +208,13 @@ class DistributedDataParallel(ModuleWrapper):
         gradient the average over the data-parallel ranks."""
         if self._done:
             return                  # nothing to synchronize (or done at the end of backward)
+        hooked = self._bucket_of
+        late = [n for n, p in self.module.named_parameters()
+                if p.grad is not None and id(p) not in hooked]
+        if late:
+            raise RuntimeError(f"DistributedDataParallel: {late[:3]} received gradients but "
+                               "were frozen when the wrapper was built, so no rank averages "
+                               "them; set requires_grad before wrapping the module")
         for b in range(len(self._buckets)):
             if not self._launched[b]:
                 self._launch(b)     # buckets with unused parameters: their used ones
@@ -217,8 +262,47 @@ class DistributedDataParallel(ModuleWrapper):
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+    def requires_grad_(self, requires_grad: bool = True):
+        hooked = {id(p) for ps in self._buckets for p in ps}
+        late = [n for n, p in self.module.named_parameters() if id(p) not in hooked]
+        if requires_grad and late:
+            raise ValueError(f"DistributedDataParallel.requires_grad_(True): {late[:3]} were "
+                             "frozen when the wrapper was built, so their gradients would "
+                             "not be averaged; set requires_grad before wrapping the module")
+        return super().requires_grad_(requires_grad)
+
+    # ---- state dicts: torch DDP's keys ("module." + the module's own name) ------------------
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """{``prefix + "module." +`` the module's own name: tensor}, as torch DDP (whose
+        module is its child); each tensor the one a rank holds (on simulated ranks, rank
+        ``broadcast_from``'s row, a view)."""
+        out = {} if destination is None else destination
+        rows = not self.group.distributed
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if rows and isinstance(t, nn.Parameter):
+                t = t[self.broadcast_from]
+            out[prefix + "module." + name] = t if keep_vars else t.detach()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load ``state_dict()``'s keys (``module.`` + the module's own names): full
+        tensors, copied into every rank's copy.  Keys and shapes are checked first, as
+        torch does with ``strict`` (nothing is copied when they do not match).  A state
+        dict of the plain module (no ``module.`` prefix) loads with
+        ``ddp.module``'s names: ``ddp.load_state_dict({"module." + k: v ...})``."""
+        if assign:
+            raise NotImplementedError("DistributedDataParallel.load_state_dict(assign=True): "
+                                      "the parameters are hooked and bucketed; load with "
+                                      "assign=False (copies into them)")
+        mine = self.state_dict(keep_vars=True)
+        missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
+                                               strict)
+        own = dict(self.module.state_dict(keep_vars=True))
+        for key, v in state_dict.items():
+            if key in mine:
+                own[key[len("module."):]].copy_(torch.as_tensor(v).detach().clone())
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

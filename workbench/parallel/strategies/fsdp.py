@@ -45,6 +45,13 @@ A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor paral
 another mesh dim: FSDP2's 2-D layout) gets the DistTensor mode (:mod:`.fsdp_dist`, which
 ``Zero3`` and the hybrid recipe run on): one forward over the DistTensors, each module
 holding parameters its own unit, gathers prefetched on the modeled clock.
+
+The habits of one device hold: ``state_dict()`` gives FSDP2's ``Shard(0)`` DistTensors and
+``load_state_dict`` takes them or full tensors (:mod:`.fsdp_state`);
+``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)`` gives the total norm (on
+simulated ranks the rows hold every shard; on torch.distributed each shard's gradient is
+a :class:`~.rank_grads.ShardGrad`, whose norms torch reduces over the ranks, as FSDP2's
+DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.
 """
 from __future__ import annotations
 
@@ -55,12 +62,14 @@ from torch import nn
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
+from .fsdp_state import FSDPStateDict
+from .rank_grads import as_shard_grad
 from .ranks import ModuleWrapper, RankGroup, check_module
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(ModuleWrapper):
+class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -98,6 +107,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self._meta = {}                  # id(shard) -> (shape, numel)
+        self._hooked = set()             # ids of shards whose gradients become ShardGrads
         with torch.no_grad():
             self.units = plan_units(module, units, self._shard)
         for u in self.units[1:]:
@@ -117,6 +127,18 @@ class FullyShardedDataParallel(ModuleWrapper):
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
         return shard
 
+    def _hook_shards(self):
+        """torch.distributed: each trainable shard's gradient becomes a ShardGrad once
+        accumulated, so torch's clip_grad_norm_ takes the norm over every rank's shard
+        (hooked at each forward: a shard unfrozen after construction too)."""
+        pg = self.group.pg
+        for u in self.units:
+            for _, s, _ in u.params:
+                if s.requires_grad and id(s) not in self._hooked:
+                    self._hooked.add(id(s))
+                    s.register_post_accumulate_grad_hook(
+                        lambda s: setattr(s, "grad", as_shard_grad(s.grad, pg)))
+
     def _cast(self, shard):
         cd = self.compute_dtype
         return shard.to(cd) if cd is not None and shard.dtype != cd else shard
@@ -128,6 +150,8 @@ class FullyShardedDataParallel(ModuleWrapper):
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
+        if g.distributed:
+            self._hook_shards()
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
         try:
@@ -288,21 +312,6 @@ class FullyShardedDataParallel(ModuleWrapper):
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
         their averaged gradients once ``backward()`` returns; kept for DDP's API."""
-
-    # ---- the module's own names ------------------------------------------------------------
-    @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """{the module's own name: the full fp32 tensor} (parameters gathered)."""
-        out = {}
-        g = self.group
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in self._meta:
-                shape, _ = self._meta[id(t)]
-                flat = all_gather([t.detach()], g)[0] if g.distributed else t.detach().reshape(-1)
-                out[name] = unflat(flat, shape).clone()
-            else:
-                out[name] = t.detach().clone()
-        return out
 
     def extra_repr(self) -> str:
         g = self.group

@@ -200,6 +200,22 @@ class ModuleWrapper(torch.nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.double()``, ``.half()``...: the module's parameters (its
+        rows or shards) converted in place, as torch converts a module's (the same
+        ``nn.Parameter`` objects, so optimizers and hooks still hold them)."""
+        self.module._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+
+def state_dict_check(owner, mine: dict, given, strict: bool):
+    """(missing, unexpected) keys of ``given`` against the wrapper's ``mine`` (key ->
+    tensor); raises torch's ``load_state_dict`` error first when ``strict`` and a key
+    differs, or when a shape does (before anything is copied)."""
+    from ..module_state import check_state_dict
+    check_state_dict(owner, {k: tuple(v.shape) for k, v in mine.items()}, given, strict)
+    return [k for k in mine if k not in given], [k for k in given.keys() if k not in mine]
+
 
 def bucket_order(sizes, bucket_bytes) -> list[list[int]]:
     """Indices of tensors of ``sizes`` bytes grouped into buckets, in reverse order (the

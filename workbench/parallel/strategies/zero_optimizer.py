@@ -26,6 +26,12 @@ one all-reduce); ``DataParallel(zero=1|2)`` runs on it.
 
 On a simulated mesh a parameter wrapped by :class:`~.ddp.DistributedDataParallel`
 holds one row per rank; rank k's optimizer steps row k of the parameters k owns.
+
+State dicts as torch's: :meth:`consolidate_state_dict` gathers the owners' states on one
+rank, :meth:`state_dict` returns them there in the unsharded optimizer's format (on
+simulated ranks it consolidates by itself), :meth:`load_state_dict` takes such a dict and
+gives each rank its share.  Clip with ``torch.nn.utils.clip_grad_norm_`` over the
+wrapper's parameters before :meth:`step` (the gradients are whole on every rank).
 """
 from __future__ import annotations
 
@@ -77,6 +83,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._views = {}                 # (id(p), k) -> the leaf rank k's optimizer steps
         ranks = [g.k] if g.distributed else range(g.n)
         self.optimizers = {k: self._build(k) for k in ranks}
+        self._built = True
+
+    def add_param_group(self, param_group) -> None:
+        if getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it first
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.add_param_group: the parameters were partitioned "
+                "over the ranks when it was built; build a new ZeroRedundancyOptimizer with "
+                "every group (a group added here would never be stepped)")
+        super().add_param_group(param_group)
 
     def _numel(self, p):
         return p[0].numel() if self.rows[id(p)] else p.numel()
@@ -119,6 +134,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for p in grp["params"]:
                     if self.owner[id(p)] == k and self.rows[id(p)]:
                         v = self._view(p, k)
+                        v.data = p.data[k]      # row k again (after p.double(), a new tensor)
                         v.grad = None if p.grad is None else p.grad[k]
             opt.step()
         # every parameter from its owner: a broadcast per parameter
@@ -131,6 +147,92 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 elif self.rows[id(p)]:
                     p.data.copy_(p.data[k:k + 1].expand_as(p))
 
-    def state_dict(self):
-        raise NotImplementedError("ZeroRedundancyOptimizer.state_dict(): the states live on "
-                                  "their owners; read optimizers[k].state_dict() per rank")
+    # ---- state dicts: the unsharded optimizer's format (torch's consolidate_state_dict) ------
+    def _flat_params(self):
+        return [p for grp in self.param_groups for p in grp["params"]]
+
+    def _local_state(self, k) -> dict:
+        """Rank k's optimizer states under the global parameter index."""
+        opt = self.optimizers.get(k)
+        if opt is None:
+            return {}
+        where = {id(self._view(p, k)): i for i, p in enumerate(self._flat_params())
+                 if self.owner[id(p)] == k}
+        return {where[id(v)]: {n: t.detach().clone() if isinstance(t, torch.Tensor) else t
+                               for n, t in st.items()} for v, st in opt.state.items()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collect every rank's optimizer states on rank ``to`` of the group (a gather of
+        Python objects on torch.distributed; all ranks must call it), so that
+        :meth:`state_dict` can return them there, as torch's ZeroRedundancyOptimizer."""
+        g = self.group
+        if not isinstance(to, int) or not 0 <= to < g.n:
+            raise ValueError(f"consolidate_state_dict(to={to!r}): give a rank index in "
+                             f"[0, {g.n - 1}] of the group")
+        if not g.distributed:
+            merged = {}
+            for k in self.optimizers:
+                merged.update(self._local_state(k))
+            self._consolidated = (to, merged)
+            return
+        parts = [None] * g.n if g.k == to else None
+        dist.gather_object(self._local_state(g.k), parts, dst=g.global_rank(to), group=g.pg)
+        merged = {}
+        for part in parts or []:
+            merged.update(part)
+        self._consolidated = (to, merged) if g.k == to else None
+
+    def state_dict(self) -> dict:
+        """The state dict of the unsharded ``optimizer_class`` over the same parameters
+        ({"state": {index: states}, "param_groups": [...]}; on simulated ranks a
+        parameter's states are one rank's, of its own shape).  On torch.distributed call
+        :meth:`consolidate_state_dict` first on every rank; the dict is on rank ``to``."""
+        g = self.group
+        if not g.distributed:
+            self.consolidate_state_dict(0)
+        if getattr(self, "_consolidated", None) is None:
+            raise RuntimeError("ZeroRedundancyOptimizer.state_dict(): the states live on "
+                               "their owners; call consolidate_state_dict(to) on every rank "
+                               "first, then state_dict() on rank `to`")
+        inner = next((o for o in self.optimizers.values() if o is not None), None)
+        groups, start = [], 0
+        for i, grp in enumerate(self.param_groups):
+            hyper = {o: v for o, v in grp.items() if o != "params"}
+            if inner is not None:
+                hyper = {**{o: v for o, v in inner.param_groups[i].items() if o != "params"},
+                         **hyper}
+            groups.append({**hyper, "params": list(range(start, start + len(grp["params"])))})
+            start += len(grp["params"])
+        return {"state": dict(sorted(self._consolidated[1].items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load an unsharded optimizer's state dict (e.g. :meth:`state_dict`'s, or that of
+        ``optimizer_class`` over one device's same parameters): each rank takes the
+        states of the parameters it owns."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        ids = [i for g in groups for i in g["params"]]
+        flat = self._flat_params()
+        index = {id(p): i for p, i in zip(flat, ids)}
+        for grp, saved in zip(self.param_groups, groups):
+            grp.update({o: v for o, v in saved.items() if o != "params"})
+        for k, opt in self.optimizers.items():
+            if opt is None:
+                continue
+            mine, inner_groups, j = {}, [], 0
+            for grp, saved, own in zip(self.param_groups, groups, opt.param_groups):
+                owned = [p for p in grp["params"] if self.owner[id(p)] == k]
+                params = []
+                for p in owned:
+                    if index[id(p)] in state_dict["state"]:
+                        mine[j] = state_dict["state"][index[id(p)]]
+                    params.append(j)
+                    j += 1
+                inner_groups.append({**{o: v for o, v in saved.items() if o != "params"},
+                                     "params": params})
+            opt.load_state_dict({"state": mine, "param_groups": inner_groups})
+        self._consolidated = None

@@ -1,0 +1,235 @@
+"""A ``parallelize``d module keeps PyTorch's module habits.
+
+:func:`~workbench.parallel.module.parallelize` puts each DistTensor where the module
+held its ``nn.Parameter`` (``module._parameters``), as ``fully_shard`` puts DTensor
+parameters there (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``,
+``_setattr_on_modules``).  So ``named_parameters()``, ``parameters()``, ``state_dict()``
+(DistTensors, as FSDP2 returns DTensors), ``zero_grad()`` and ``requires_grad_()`` see
+them through torch's own module code.  Where that code calls functions that only take a
+``torch.Tensor`` (loading a state dict, ``.to(dtype)`` / ``.double()``), each module that
+holds a DistTensor gets a class that handles its DistTensors itself and leaves the rest
+to torch: FSDP2 swaps the class of the module it shards the same way (``FSDPModule``
+subclasses, ``_fully_shard.py``).  The class keeps its name (``repr`` is unchanged).
+
+:func:`check_state_dict` checks keys and shapes before anything is copied, with the
+messages ``nn.Module.load_state_dict`` writes, so that a failed load leaves the module
+untouched (torch copies what it can before it raises).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import storage
+from .dist_tensor import DistTensor, shard_tensor
+
+__all__ = ["adopt", "check_state_dict", "load_dist_"]
+
+_CLASSES: dict = {}
+
+
+def adopt(module: nn.Module) -> None:
+    """Give ``module`` and each submodule the class that handles DistTensor parameters
+    (once; idempotent)."""
+    for m in module.modules():
+        cls = type(m)
+        if issubclass(cls, ParallelModule):
+            continue
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(cls.__name__, (ParallelModule, cls),
+                                 {"__module__": cls.__module__, "_wb_base": cls})
+        m.__class__ = _CLASSES[cls]
+
+
+def _hidden(mods):
+    """Take the DistTensors out of each module's ``_parameters`` (so torch's code that
+    wants tensors skips them); returns what to put back."""
+    held = []
+    for m in mods:
+        if any(isinstance(v, DistTensor) for v in m._parameters.values()):
+            saved = dict(m._parameters)
+            held.append((m, saved))
+            for k, v in saved.items():
+                if isinstance(v, DistTensor):
+                    del m._parameters[k]
+    return held
+
+
+def _restore(held):
+    for m, saved in held:
+        cur = dict(m._parameters)
+        m._parameters.clear()
+        for k, v in saved.items():        # in the module's own order
+            m._parameters[k] = v if isinstance(v, DistTensor) else cur.get(k, v)
+
+
+def _unique(held):
+    """The distinct DistTensors :func:`_hidden` took out (a tied weight once)."""
+    seen = set()
+    for _, saved in held:
+        for v in saved.values():
+            if isinstance(v, DistTensor) and id(v) not in seen:
+                seen.add(id(v))
+                yield v
+
+
+class ParallelModule:
+    """Mixed into the class of a module that ``parallelize`` sharded."""
+
+    def _get_name(self):
+        return self._wb_base.__name__
+
+    def __setattr__(self, name, value):
+        if isinstance(value, DistTensor) and name in self.__dict__.get("_parameters", {}):
+            self._parameters[name] = value      # a DistTensor parameter replaced by another
+            self.__dict__.setdefault("_wb_dist_params", {})[name] = value
+            return
+        super().__setattr__(name, value)
+
+    # ---- .to(dtype), .double(), .half(), .float(), .cpu(): each local shard as torch would
+    def _apply(self, fn, recurse=True):
+        held = _hidden(self.modules() if recurse else [self])
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            _restore(held)
+        for v in _unique(held):                 # a tied weight: converted once
+            _convert(v, fn)
+        return self
+
+    # ---- requires_grad_: in place on each shard, its gradient kept (as torch) -----------
+    def requires_grad_(self, requires_grad: bool = True):
+        held = _hidden(self.modules())
+        try:
+            super().requires_grad_(requires_grad)
+        finally:
+            _restore(held)
+        for v in _unique(held):
+            ts = storage.tensors(v._local)
+            if all(t.is_leaf for t in ts):
+                for t in ts:
+                    t.requires_grad_(requires_grad)
+            else:
+                v.requires_grad_(requires_grad)
+        return self
+
+    # ---- zero_grad: every DistTensor's gradient too -----------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        held = _hidden(self.modules())
+        try:
+            super().zero_grad(set_to_none)
+        finally:
+            _restore(held)
+        for v in _unique(held):
+            for t in storage.tensors(v._local):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_().zero_()
+
+    # ---- load_state_dict: DistTensors or full tensors, checked before any copy ----------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True) on a parallelized module: "
+                                      "its parameters are DistTensors laid out by the plan; "
+                                      "load with assign=False (copies into them)")
+        expected = {k: tuple(v.shape) for k, v in self.state_dict(keep_vars=True).items()}
+        check_state_dict(self._get_name(), expected, state_dict, strict)
+        return super().load_state_dict(state_dict, strict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        dts = {k: v for k, v in self._parameters.items() if isinstance(v, DistTensor)}
+        held = _hidden([self])
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            _restore(held)
+        for name, dt in dts.items():
+            key = prefix + name
+            while key in unexpected_keys:       # hidden above, so torch called it unexpected
+                unexpected_keys.remove(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            msg = load_dist_(dt, state_dict[key], key)
+            if msg:
+                error_msgs.append(msg)
+
+
+@torch.no_grad()
+def _convert(dt: DistTensor, fn) -> None:
+    """``fn`` (torch's per-tensor conversion in ``Module._apply``) on every local shard of
+    ``dt`` and of its gradient; ``dt`` stays the same object (torch keeps the Parameter)."""
+    ts = storage.tensors(dt._local)
+    new = {}
+    for t in ts:
+        if id(t) in new:
+            continue
+        out = fn(t)
+        if out is not t:
+            out = out.detach().requires_grad_(t.requires_grad)
+            if t.grad is not None:
+                out.grad = fn(t.grad)
+        new[id(t)] = out
+    loc = storage.with_tensors(dt._local, [new[id(t)] for t in ts])
+    dt._local = loc
+    dt.dtype = storage.tensors(loc)[0].dtype
+    dt._spec = None
+
+
+@torch.no_grad()
+def load_dist_(dt: DistTensor, value, key: str):
+    """Copy ``value`` (a DistTensor of the same global shape, or a full tensor) into the
+    DistTensor parameter ``dt`` in place; returns an error message or None."""
+    if isinstance(value, DistTensor):
+        if value.mesh != dt.mesh:
+            return (f"While copying the parameter named {key!r}: the DistTensor lives on "
+                    f"{value.mesh}, the module's on {dt.mesh}; load its .full() instead")
+        value = value.full()
+    if not isinstance(value, torch.Tensor):
+        return (f"While copying the parameter named {key!r}, expected torch.Tensor or "
+                f"DistTensor from checkpoint but received {type(value)}")
+    if tuple(value.shape) != tuple(dt.shape):
+        return (f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {dt.shape}.")
+    src = shard_tensor(value.detach().to(dt.dtype), dt.mesh, dt.placements)
+    mine, theirs = storage.tensors(dt._local), storage.tensors(src._local)
+    if len(mine) == len(theirs) and all(a.shape == b.shape for a, b in zip(mine, theirs)):
+        for a, b in zip(mine, theirs):
+            a.copy_(b)
+    else:                                   # another storage form (e.g. one copy per rank)
+        rg = dt.requires_grad
+        dt._local = storage.map_tensors(src._local, lambda t: t.detach().requires_grad_(rg))
+    return None
+
+
+def check_state_dict(owner: str, expected: dict, given, strict: bool) -> None:
+    """Raise torch's ``load_state_dict`` error before anything is copied: missing and
+    unexpected keys (``strict``), and size mismatches (always, as torch).  ``expected``:
+    key -> the shape the module holds."""
+    if not hasattr(given, "keys"):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(given)}.")
+    errors = []
+    if strict:
+        unexpected = [k for k in given.keys() if k not in expected]
+        missing = [k for k in expected if k not in given]
+        if missing:
+            errors.append("Missing key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in missing) + ". ")
+        if unexpected:
+            errors.append("Unexpected key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    for k, shape in expected.items():
+        v = given.get(k) if hasattr(given, "get") else None
+        if v is not None and hasattr(v, "shape") and tuple(v.shape) != tuple(shape):
+            if not (len(shape) == 0 and tuple(v.shape) == (1,)):
+                errors.append(f"size mismatch for {k}: copying a param with shape "
+                              f"{tuple(v.shape)} from checkpoint, the shape in current model "
+                              f"is {tuple(shape)}.")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {owner}:\n\t"
+                           + "\n\t".join(errors))

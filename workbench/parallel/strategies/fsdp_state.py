@@ -1,0 +1,110 @@
+"""``FullyShardedDataParallel``'s state dicts, as FSDP2 gives them.
+
+* :meth:`~FSDPStateDict.state_dict`: the module's own names (FSDP2 shards the module
+  in place, so no prefix); each parameter a DistTensor of its own shape placed
+  ``Shard(0)`` on the data-parallel dim (FSDP2's ``state_dict()`` returns DTensors
+  ``Shard(0)``: torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``);
+  ``.full()`` gathers one.  A parameter whose first dim the N ranks do not divide
+  (or a 0-d one) is ``Replicate`` instead (uneven shards are not supported on
+  torch.distributed yet; simulated ranks do the same, so both give one layout).
+  Our shards are chunks of the flattened tensor (FSDP1's
+  ``FlatParameter`` layout, :mod:`.flat_shards`), so making the dim-0 shards costs one
+  all-gather per parameter; buffers are plain tensors, as in FSDP2.
+* :meth:`~FSDPStateDict.load_state_dict`: that dict, or full tensors (a plain model's
+  ``state_dict()``): keys and shapes checked first as torch does with ``strict``, then
+  each rank's chunk copied into its shard in place (the optimizer keeps its leaves).
+* :meth:`~FSDPStateDict.full_state_dict`: plain full tensors (FSDP1's
+  ``FULL_STATE_DICT``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...sim_mesh import backends as _B
+from ..dist_tensor import DistTensor, shard_tensor
+from ..placement import Replicate, Shard
+from .flat_shards import flat_padded, unflat
+from .fsdp_units import all_gather
+from .ranks import state_dict_check
+
+__all__ = ["FSDPStateDict"]
+
+
+class FSDPStateDict:
+    """Mixed into FullyShardedDataParallel (``self.group``, ``self._meta``)."""
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """{the module's own name: the full fp32 tensor} (parameters gathered)."""
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            out[name] = self._full(t).clone() if id(t) in self._meta else t.detach().clone()
+        return out
+
+    def _full(self, shard):
+        g = self.group
+        shape, _ = self._meta[id(shard)]
+        flat = all_gather([shard.detach()], g)[0] if g.distributed else shard.detach().reshape(-1)
+        return unflat(flat, shape)
+
+    def _dist_mesh(self):
+        """The mesh the DistTensors of ``state_dict()`` live on (mesh=None: a 1-d mesh
+        over the default group named "world", made once; every rank makes it, in the
+        same order; registering it makes every equal Mesh distributed in this process,
+        hence a name a simulated mesh is unlikely to have)."""
+        g = self.group
+        if g.mesh is not None:
+            return g.mesh, g.axis
+        if getattr(self, "_sd_mesh", None) is None:
+            object.__setattr__(self, "_sd_mesh", _B.mesh(g.n, ["world"]))
+        return self._sd_mesh, 0
+
+    @torch.no_grad()
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
+        for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
+        The DistTensors are copies, also with ``keep_vars``."""
+        out = {} if destination is None else destination
+        mesh, ax = self._dist_mesh()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in self._meta:
+                out[prefix + name] = t if keep_vars else t.detach()
+                continue
+            full = self._full(t)
+            ps = [Replicate()] * mesh.ndim
+            if full.dim() > 0 and full.shape[0] % self.group.n == 0:
+                ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
+            # every rank holds the full tensor here: no broadcast (src_data_rank=None)
+            out[prefix + name] = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load :meth:`state_dict`'s DistTensors or full tensors (the module's own names)
+        into the shards in place; checked first (``strict`` as torch)."""
+        if assign:
+            raise NotImplementedError("FullyShardedDataParallel.load_state_dict(assign=True):"
+                                      " the parameters are the shards; load with assign=False"
+                                      " (copies each rank's chunk into them)")
+        mine = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            mine[name] = torch.empty(self._meta[id(t)][0], device="meta") \
+                if id(t) in self._meta else t
+        missing, unexpected = state_dict_check("FullyShardedDataParallel", mine, state_dict,
+                                               strict)
+        g = self.group
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if name not in state_dict:
+                continue
+            v = state_dict[name]
+            if isinstance(v, DistTensor):
+                v = v.full()
+            v = torch.as_tensor(v).detach()
+            if id(t) not in self._meta:
+                t.copy_(v.clone())
+                continue
+            rows = flat_padded(v.to(t.dtype), g.n).view(g.n, -1)
+            t.copy_(rows[g.k] if g.distributed else rows)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+

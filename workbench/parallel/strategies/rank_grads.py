@@ -1,0 +1,194 @@
+"""Gradients that ``torch.nn.utils.clip_grad_norm_`` reads as one device would.
+
+A user clips with torch's own function over the wrapper's parameters.  Two layouts of
+the data-parallel wrappers would give it a wrong norm silently:
+
+* simulated ``DistributedDataParallel``: a gradient holds one row per rank, all equal
+  once averaged; the norm over the rows is ``sqrt(N)`` times one rank's;
+* ``FullyShardedDataParallel`` on torch.distributed: a gradient is this rank's shard; its
+  norm is the shard's, so every rank would clip by another number.
+
+torch's functions take each gradient's norm with ``torch.linalg.vector_norm`` (or
+``torch._foreach_norm`` with ``foreach=True``), ``torch.stack`` the norms and take the
+norm of that (torch 2.13, ``torch/nn/utils/clip_grad.py``).  The wrappers hand out their
+gradients as the tensor subclasses below, whose ``__torch_function__`` answers those
+norms as the ranks of a torchrun job read them and passes every other function through
+unchanged (the same storage, plain results; the optimizer's math is untouched):
+
+* :class:`RankRows`: the norm of one row (the rows must be equal, i.e. averaged; inside
+  ``no_sync()`` they differ and the norm raises, naming what to do);
+* :class:`ShardGrad`: the shard's norm as a :class:`PartialNorm`, reduced over the ranks
+  when torch takes the norm of the stacked norms (a scalar all-reduce of the p-th powers,
+  as FSDP2's per-shard norms come back ``_NormPartial`` and are reduced on use: torch
+  2.13, ``torch/distributed/tensor/_ops/_math_ops.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankRows", "ShardGrad", "PartialNorm", "as_rank_rows", "as_shard_grad"]
+
+_NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
+
+
+def _plain(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
+def _norm_args(func, args, kwargs):
+    """(tensor or tensors, ord, dtype) of a whole-tensor norm call; None when the call
+    names dims (a norm along dims reads the rows as the caller laid them out)."""
+    kwargs = dict(kwargs or {})
+    x = args[0]
+    ord_ = args[1] if len(args) > 1 else kwargs.pop("ord", kwargs.pop("p", 2.0))
+    if func is torch._foreach_norm:
+        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
+        return x, ord_, kwargs.get("dtype")
+    if len(args) > 2 or kwargs.get("dim") is not None or ord_ == "nuc":
+        return None
+    return x, (2.0 if ord_ in (None, "fro") else ord_), kwargs.get("dtype")
+
+
+class RankRows(torch.Tensor):
+    """A simulated DDP gradient: row k is rank k's (equal after averaging)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            parsed = _norm_args(func, args, kwargs)
+            if parsed is not None:
+                x, ord_, dtype = parsed
+                if func is torch._foreach_norm:
+                    return [_row_norm(t, ord_, dtype) if isinstance(t, RankRows) else
+                            _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
+                            for t in x]
+                return _row_norm(x, ord_, dtype)
+        return _plain(func, args, kwargs)
+
+
+def _row_norm(t, ord_, dtype):
+    with torch._C.DisableTorchFunctionSubclass():
+        if not bool((t == t[:1]).all()):
+            raise RuntimeError(
+                "a norm of a simulated DistributedDataParallel gradient whose ranks' rows "
+                "differ (not averaged yet, e.g. inside no_sync()): on torch.distributed each "
+                "rank would clip by its own norm.  Clip after the backward that synchronizes "
+                "(ddp.finish_gradient_synchronization() has run)")
+        return torch.linalg.vector_norm(t[0], ord_, dtype=dtype)
+
+
+def as_rank_rows(t):
+    return t if t is None or isinstance(t, RankRows) else t.as_subclass(RankRows)
+
+
+class ShardGrad(torch.Tensor):
+    """An FSDP gradient on torch.distributed: this rank's shard (``_wb_pg``: the group)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            parsed = _norm_args(func, args, kwargs)
+            if parsed is not None:
+                x, ord_, dtype = parsed
+                if func is torch._foreach_norm:
+                    if not all(isinstance(t, ShardGrad) for t in x):
+                        raise _mixed()
+                    return [_shard_norm(t, ord_, dtype) for t in x]
+                return _shard_norm(x, ord_, dtype)
+        return _plain(func, args, kwargs)
+
+
+def _shard_norm(t, ord_, dtype):
+    with torch._C.DisableTorchFunctionSubclass():
+        n = torch.linalg.vector_norm(t, ord_, dtype=dtype)
+    out = n.as_subclass(PartialNorm)
+    out._wb_pg, out._wb_ord = t._wb_pg, float(ord_)
+    return out
+
+
+def _mixed():
+    return RuntimeError(
+        "clip_grad_norm_ over FullyShardedDataParallel's shards together with other "
+        "tensors: a shard's norm is a partial norm, the others' are whole; clip the "
+        "wrapper's parameters on their own (fsdp.parameters())")
+
+
+def as_shard_grad(t, pg):
+    if t is None:
+        return None
+    out = t if isinstance(t, ShardGrad) else t.as_subclass(ShardGrad)
+    out._wb_pg = pg
+    return out
+
+
+class PartialNorm(torch.Tensor):
+    """This rank's part of a norm (of its shards): ``.to`` and ``torch.stack`` keep it
+    partial; ``torch.linalg.vector_norm`` of it combines the ranks' parts (the p-th
+    powers summed, or the max / min for p = +-inf; one all-reduce) into the true norm, a
+    plain tensor equal on every rank.  Any other use reduces it first."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:         # torch moves each norm to the first's device
+            return _keep(_plain(func, args, kwargs), args[0])
+        if func is torch.stack:
+            ts = args[0]
+            if not all(isinstance(t, PartialNorm) for t in ts):
+                raise _mixed()
+            return _keep(_plain(func, args, kwargs), ts[0])
+        if func is torch.linalg.vector_norm and len(args) >= 1 and \
+                isinstance(args[0], PartialNorm) and kwargs.get("dim") is None:
+            x = args[0]
+            ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
+            if ord_ != x._wb_ord:
+                raise ValueError(f"the norm of order {ord_} of partial norms of order "
+                                 f"{x._wb_ord}: take both of the same order")
+            return _reduce(x.as_subclass(torch.Tensor), ord_, x._wb_pg)
+        # any other use: the full norms first (each element reduced on its own)
+        args = [_full(a) if isinstance(a, PartialNorm) else a for a in args]
+        return _plain(func, args, kwargs)
+
+
+def _keep(out, like):
+    out = out.as_subclass(PartialNorm)
+    out._wb_pg, out._wb_ord = like._wb_pg, like._wb_ord
+    return out
+
+
+def _reduce(x, ord_, pg):
+    """The norm of order ``ord_`` of the vector whose pieces' norms on the ranks are ``x``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        x = x.detach().reshape(-1)
+        if ord_ == math.inf:
+            v = x.amax() if x.numel() else torch.tensor(0.0)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=pg)
+            return v
+        if ord_ == -math.inf:
+            v = x.amin() if x.numel() else torch.tensor(math.inf)
+            dist.all_reduce(v, op=dist.ReduceOp.MIN, group=pg)
+            return v
+        v = x.sum() if ord_ == 0 else x.pow(ord_).sum()
+        dist.all_reduce(v, op=dist.ReduceOp.SUM, group=pg)
+        return v if ord_ == 0 else v.pow(1.0 / ord_)
+
+
+def _full(x):
+    """Each element of the partial norms ``x`` reduced over the ranks (one all-reduce)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        ord_, pg = x._wb_ord, x._wb_pg
+        v = x.detach().clone()
+        if ord_ == math.inf:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=pg)
+            return v
+        if ord_ == -math.inf:
+            dist.all_reduce(v, op=dist.ReduceOp.MIN, group=pg)
+            return v
+        if ord_ != 0:
+            v = v.pow(ord_)
+        dist.all_reduce(v, op=dist.ReduceOp.SUM, group=pg)
+        return v if ord_ == 0 else v.pow(1.0 / ord_)
