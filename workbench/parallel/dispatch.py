@@ -165,15 +165,34 @@ def _no_rule(func, args, kwargs, name):
         "run it replicated (recorded in the trace)")
 
 
+def _writes(func, args, kwargs):
+    """Torch functions that write into a DistTensor (:mod:`.inplace`)."""
+    from . import inplace
+    if isinstance(kwargs.get("out"), DistTensor):
+        return inplace.out_call(func, args, kwargs)
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{getattr(func, '__name__', func)}(out={type(kwargs['out']).__name__})"
+                        " with DistTensor inputs: give a DistTensor out, or assign the result")
+    if getattr(func, "__module__", None) == "torch.nn.init":
+        return inplace.init(func, args, kwargs)
+    if args and isinstance(args[0], DistTensor):
+        if kwargs.get("inplace") is True:
+            return inplace.inplace_kwarg(func, args, kwargs)
+        return inplace.method(args[0], func.__name__, args[1:], kwargs)
+    return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+
+
 def dispatch(func, args, kwargs):
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
+        return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)
     if hit is None:
-        return _no_rule(func, args, kwargs or {}, getattr(func, "__name__", str(func)))
+        name = getattr(func, "__name__", str(func))
+        if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_
+            return _writes(func, args, kwargs or {})
+        return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
     if kwargs:
-        if kwargs.get("out") is not None:
-            raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign "
-                            "the result instead")
         inputs, attrs = parse(*args, **kwargs)
     else:
         kwargs = {}

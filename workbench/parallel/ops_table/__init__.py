@@ -8,5 +8,5 @@ from .table import BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register  # noqa:
 def load():
     """Import every module that registers ops (idempotent)."""
     from .. import rules  # noqa: F401  (shape, norm, attention, embedding, dropout)
-    from . import contractions, indexing, pointwise, reductions  # noqa: F401
+    from . import contractions, indexing, pointwise, reductions, tensor_habits  # noqa: F401
     TABLE["topk"].extra["result_type"] = reductions.TOPK_RESULT

@@ -108,9 +108,9 @@ register("linear", [F.linear], parse=_linear_parse, rule=rm.linear_rule, local=_
 def _einsum_parse(eq, *ops):
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = tuple(ops[0])
-    if len(ops) != 2:
+    if len(ops) not in (1, 2):
         raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
-                                  "two-operand einsums (the rule is for contractions of two)")
+                                  "two-operand einsums (the rule is for one operand or two)")
     eq = eq.replace(" ", "")
     if "..." in eq or "->" not in eq:
         raise NotImplementedError(f"einsum({eq!r}) on DistTensors: write the output explicitly "

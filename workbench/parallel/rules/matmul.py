@@ -32,8 +32,10 @@ def einsum_options(eq: str, specs) -> list[tuple]:
         for ch, n in zip(term, s.shape):
             sizes[ch] = max(sizes.get(ch, 1), n)
     opts = [(tuple(R for _ in ins), (R,), "replicated")]
+    # a letter twice in one operand ("ii->i", a diagonal) pairs two dims: never sharded
+    diag = {ch for t in ins for ch in t if t.count(ch) > 1}
     for ch in out:                                   # batch or free dims: shard them
-        if sizes.get(ch, 1) <= 1:
+        if sizes.get(ch, 1) <= 1 or ch in diag:
             continue
         req = []
         for term, s in zip(ins, specs):
@@ -44,7 +46,7 @@ def einsum_options(eq: str, specs) -> list[tuple]:
         kind = "batch" if sum(ch in t for t in ins) > 1 else "free"
         opts.append((tuple(req), (Shard(out.index(ch)),), f"{kind} dim {ch!r} sharded"))
     for ch in sizes:                                 # contracted dims: partial sums
-        if ch in out or sizes[ch] <= 1:
+        if ch in out or sizes[ch] <= 1 or ch in diag:
             continue
         req = tuple(Shard(t.index(ch)) if ch in t else R for t in ins)
         if any(ch in t and s.shape[t.index(ch)] <= 1 for t, s in zip(ins, specs)):
@@ -96,7 +98,7 @@ def _take(it, n):
 
 
 def einsum_rule(*specs, equation: str):
-    """Any two-operand contraction written as an einsum string."""
+    """Any one- or two-operand einsum (a permutation, diagonal or sum of one operand)."""
     opts = einsum_options(equation, specs)
     return combine(specs[0].mesh.ndim, [opts] * specs[0].mesh.ndim, len(specs))
 
