@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import workbench as wb
 from workbench.parallel import NoRuleError
+from workbench.parallel.placement import check_partial_dtype
 from tests.strategies import meshes
 from tests.test_dist_tensor_property import layouts, make
 
@@ -82,10 +83,16 @@ INPLACE = {      # name -> (on a DistTensor d (and a DistTensor y), on a plain t
     "masked_fill_zero": (lambda d, y: d.masked_fill_(_mask(d.shape), 0.0),
                          lambda x, y: x.masked_fill_(_mask(x.shape), 0.0)),
     "setitem_row": (lambda d, y: d.__setitem__(0, 5.0), lambda x, y: x.__setitem__(0, 5.0)),
-    "setitem_slice": (lambda d, y: d.__setitem__((slice(1, None, 2), -1), -4.0),
-                      lambda x, y: x.__setitem__((slice(1, None, 2), -1), -4.0)),
+    "setitem_slice": (lambda d, y: d.__setitem__((..., slice(1, None, 2)), -4.0),
+                      lambda x, y: x.__setitem__((..., slice(1, None, 2)), -4.0)),
+    "setitem_2d": (lambda d, y: d.__setitem__((slice(1, None, 2), -1), -4.0),
+                   lambda x, y: x.__setitem__((slice(1, None, 2), -1), -4.0)),
     "setitem_value": (lambda d, y: d.__setitem__(slice(None), y),
                       lambda x, y: x.__setitem__(slice(None), y)),
+    "clamp_min_": (lambda d, y: d.clamp_min_(0.5), lambda x, y: x.clamp_min_(0.5)),
+    "lerp_": (lambda d, y: d.lerp_(y, 0.25), lambda x, y: x.lerp_(y, 0.25)),
+    "row_view_zero_": (lambda d, y: d[1:].zero_(), lambda x, y: x[1:].zero_()),
+    "col_view_fill_": (lambda d, y: d[..., -1].fill_(3.0), lambda x, y: x[..., -1].fill_(3.0)),
     "index_put_": (lambda d, y: d.index_put_((torch.tensor([0, 0]),), torch.tensor(3.0),
                                              accumulate=True),
                    lambda x, y: x.index_put_((torch.tensor([0, 0]),), torch.tensor(3.0),
@@ -106,11 +113,19 @@ def test_inplace_ops_equal_one_device_on_random_layouts(data):
     ysnap = snapshot(y)
     on_dist, on_plain = INPLACE[name]
     ref = x.clone()
-    on_plain(ref, yv.clone())
+    try:
+        on_plain(ref, yv.clone())
+    except (IndexError, RuntimeError) as e:     # torch refuses (e.g. a 2-d index on 1-d) ...
+        snap = snapshot(d)
+        with pytest.raises(type(e)):
+            on_dist(d, y)
+        assert same_as(d, snap) and same_as(y, ysnap)          # ... and so do we: untouched
+        return
     before = id(d)
     with wb.allow_replicate_fallback():         # index_put_ has no rule: gathered, traced
         out = on_dist(d, y)
-    assert out is None or out is d             # the same object, as torch returns self
+    if "view" not in name:
+        assert out is None or out is d         # the same object, as torch returns self
     assert id(d) == before and d.placements == tuple(ps), (d.placements, ps)
     assert d.dtype == ref.dtype and d.shape == ref.shape
     torch.testing.assert_close(d.full(), ref, rtol=0, atol=1e-6)
@@ -219,6 +234,11 @@ INITS = {
     "init.kaiming_uniform_": lambda t, g: torch.nn.init.kaiming_uniform_(t, a=0.1, generator=g),
     "init.kaiming_normal_": lambda t, g: torch.nn.init.kaiming_normal_(
         t, mode="fan_out", generator=g),
+    "init.trunc_normal_": lambda t, g: torch.nn.init.trunc_normal_(t, generator=g),
+    "init.trunc_normal_narrow": lambda t, g: torch.nn.init.trunc_normal_(t, a=-0.1, b=0.4,
+                                                                          generator=g),
+    "init.eye_": lambda t, g: torch.nn.init.eye_(t),
+    "init.sparse_": lambda t, g: torch.nn.init.sparse_(t, 0.4, generator=g),
 }
 
 
@@ -227,10 +247,12 @@ INITS = {
 def test_random_init_is_one_devices_draw_and_keeps_the_leaf(name, mesh, ps):
     """The full tensor is what one device draws with the same generator state."""
     ref = torch.full((5, 4), 9.0, requires_grad=True)
+    torch.manual_seed(0)                        # sparse_ draws its rows from the global one
     INITS[name](ref, torch.Generator().manual_seed(5)) if name.startswith("init.") else \
         torch.no_grad()(lambda: INITS[name](ref, torch.Generator().manual_seed(5)))()
     d = dist(torch.full((5, 4), 9.0), mesh, ps).requires_grad_()
     before = id(d)
+    torch.manual_seed(0)
     with torch.no_grad() if not name.startswith("init.") else torch.enable_grad():
         out = INITS[name](d, torch.Generator().manual_seed(5))
     assert out is d and id(d) == before and d.placements == tuple(ps)
@@ -415,3 +437,125 @@ def test_scalar_conversions_iteration_and_numpy():
     c.add_(1)
     torch.testing.assert_close(d.full(), x)
     torch.testing.assert_close(c.full(), x + 1)
+
+
+def test_orthogonal_init_under_the_replicate_fallback():
+    """orthogonal_ runs a QR (no SPMD rule: it raises, or runs gathered under the fallback)."""
+    ref = torch.empty(5, 4)
+    torch.nn.init.orthogonal_(ref, generator=torch.Generator().manual_seed(1))
+    for mesh, ps in LAYOUTS[:6]:
+        d = dist(torch.zeros(5, 4), mesh, ps).requires_grad_()
+        with pytest.raises(NoRuleError, match="linalg_qr"):
+            torch.nn.init.orthogonal_(d)
+        assert torch.equal(d.full(), torch.zeros(5, 4))
+        with wb.allow_replicate_fallback():
+            torch.nn.init.orthogonal_(d, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(d.full(), ref, rtol=0, atol=1e-6)
+        assert d.is_leaf and d.requires_grad and d.placements == tuple(ps)
+
+
+def test_dirac_init_writes_through_setitem():
+    ref = torch.zeros(4, 3, 3)
+    torch.nn.init.dirac_(ref)
+    for mesh, ps in LAYOUTS[:6]:
+        d = dist(torch.ones(4, 3, 3), mesh, ps)
+        torch.nn.init.dirac_(d)
+        assert torch.equal(d.full(), ref)
+
+
+# ---- views: a write into x[i] reaches x (torch's view semantics), or raises ---------------
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_writes_through_views_reach_the_base_or_raise(mesh, ps):
+    x = ints((5, 4), 1)
+    d, ref = dist(x, mesh, ps), x.clone()
+    for f in (lambda t: t[1:].zero_(), lambda t: t[:, 2].fill_(7.0), lambda t: t.T.mul_(2),
+              lambda t: t[3][1].fill_(-1.0), lambda t: t[2:4].__setitem__(0, 9.0)):
+        f(d)
+        f(ref)
+        assert torch.equal(d.full(), ref) and d.placements == tuple(ps)
+    snap = snapshot(d)
+    try:
+        d.view(20).add_(1)                      # a view op that must move data: raises ...
+        ref.view(20).add_(1)
+    except NotImplementedError as e:
+        assert "view of a DistTensor" in str(e) and "base" in str(e)
+        assert same_as(d, snap)                 # ... untouched
+    assert torch.equal(d.full(), ref)
+    e = dist(ints((1, 4)), mesh, [R] * mesh.ndim)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        e.expand(3, 4).add_(1)                  # as torch
+
+
+@pytest.mark.parametrize("mesh,ps", [lp for _, lp in SUM_LAYOUTS], ids=[i for i, _ in SUM_LAYOUTS])
+def test_writes_through_views_are_recorded_by_autograd(mesh, ps):
+    x, w = ints((5, 4), 1), ints((5, 4), 2)
+    xr = x.clone().requires_grad_()
+    h = xr * 2
+    h[1:].mul_(3)
+    h[:, 1].add_(xr[:, 0])
+    (h * w).sum().backward()
+    xd = dist(x, mesh, ps).requires_grad_()
+    hd = xd * 2
+    hd[1:].mul_(3)
+    hd[:, 1].add_(xd[:, 0])
+    (hd * w).sum().backward()
+    assert torch.equal(hd.full(), h.detach()) and torch.equal(xd.grad.full(), xr.grad)
+    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+        xd[0].zero_()
+    assert torch.equal(xd.full(), x)
+
+
+# ---- facts, factories, any / all -----------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_facts_and_like_factories_follow_torch(mesh, ps):
+    x = ints((5, 4), 1)
+    d = dist(x, mesh, ps)
+    for name in ("is_floating_point", "is_complex", "is_signed", "element_size", "nelement",
+                 "ndimension", "get_device"):
+        assert getattr(d, name)() == getattr(x, name)(), name
+    for name in ("is_cuda", "is_cpu", "is_meta", "is_sparse", "layout", "itemsize", "nbytes"):
+        assert getattr(d, name) == getattr(x, name), name
+    assert d.cpu() is d and np.array_equal(d.numpy(), x.numpy())
+    with pytest.raises(RuntimeError, match="detach"):
+        d.detach().requires_grad_().numpy()
+    for f in (torch.zeros_like, torch.ones_like, lambda t: torch.full_like(t, 3.5),
+              lambda t: torch.zeros_like(t, dtype=torch.bool),
+              lambda t: torch.randn_like(t) if torch.manual_seed(4) else None,
+              lambda t: t.new_ones((2, 3)), lambda t: t.new_tensor([1, 2]),
+              lambda t: t.new_full((3,), 2.0, dtype=torch.float64)):
+        got, ref = f(d), f(x)
+        assert isinstance(got, wb.DistTensor) and got.mesh == mesh
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert torch.equal(got.full(), ref)
+    z = torch.ones_like(d, requires_grad=True)
+    assert z.requires_grad and z.is_leaf and z.placements == tuple(ps)
+
+
+ANY_ALL = {"any": lambda t: t.any(), "all": lambda t: t.all(), "any(0)": lambda t: t.any(0),
+           "all(1, keepdim)": lambda t: torch.all(t, 1, keepdim=True),
+           "any(dim=())": lambda t: t.any(dim=()), "all((-1, 0))": lambda t: t.all(dim=(-1, 0))}
+
+
+def _holds(ps, dtype) -> bool:
+    try:
+        check_partial_dtype(ps, dtype)          # e.g. P(sum) of bools is not a layout
+        return True
+    except ValueError:
+        return False
+
+
+ANY_CASES = [(m, ps, dt) for m, ps in LAYOUTS for dt in (torch.float32, torch.bool, torch.int64)
+             if _holds(ps, dt)]
+
+
+@pytest.mark.parametrize("mesh,ps,dtype", ANY_CASES,
+                         ids=[f"{m.shape}-{[str(p) for p in ps]}-{dt}" for m, ps, dt in ANY_CASES])
+def test_any_all(mesh, ps, dtype):
+    x = ints((5, 4), 1, -1, 2).to(dtype)
+    d = dist(x, mesh, ps)
+    for name, f in ANY_ALL.items():
+        got, ref = f(d), f(x)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert torch.equal(got.full(), ref), name

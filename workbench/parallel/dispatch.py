@@ -35,6 +35,8 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
+from .habits import FACTORIES
+from .inplace import note_views
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
@@ -190,6 +192,8 @@ def dispatch(func, args, kwargs):
         name = getattr(func, "__name__", str(func))
         if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_
             return _writes(func, args, kwargs or {})
+        if func in FACTORIES:                                   # zeros_like, new_zeros...
+            return FACTORIES[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
     if kwargs:
@@ -334,6 +338,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
                                       check=VALIDATE[-1])
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
+    if opdef.op_class == "view" and isinstance(inputs[0], DistTensor):
+        note_views(opdef.name, inputs[0], wrapped, attrs)    # x[0].zero_() reaches x
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)
     if not many:

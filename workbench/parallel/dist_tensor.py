@@ -38,7 +38,7 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "__weakref__")
+                 "_view", "__weakref__")
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -48,6 +48,7 @@ class DistTensor:
         self.dtype = dtype if dtype is not None else local.dtype
         self.names = names
         self._spec = None
+        self._view = None       # (base, index or None, aliased): see parallel/inplace.py
 
     # ---- facts -----------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ import torch
 from . import storage
 from .dist_tensor import DistTensor
 
-__all__ = ["install"]
+__all__ = ["install", "FACTORIES"]
 
 T = torch.Tensor
 
@@ -102,7 +102,97 @@ def _set_requires_grad(self, flag) -> None:
     self.requires_grad_(bool(flag))
 
 
+# ---- facts PyTorch keeps on a tensor (no data read) -------------------------------------
+
+def _numpy(self, *, force=False):
+    if self.requires_grad and not force:
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return self.full().detach().cpu().numpy()
+
+
+def _cpu(self, memory_format=None):
+    if self.device.type != "cpu":
+        raise NotImplementedError(f"cpu() on a DistTensor on {self.device}: every simulated "
+                                  "rank lives on one device; gather with .full().cpu()")
+    return self
+
+
+_FACTS = {
+    "is_floating_point": lambda self: self.dtype.is_floating_point,
+    "is_complex": lambda self: self.dtype.is_complex,
+    "is_signed": lambda self: self.dtype.is_signed,
+    "element_size": lambda self: torch.empty((), dtype=self.dtype).element_size(),
+    "nelement": lambda self: self.numel(),
+    "ndimension": lambda self: self.ndim,
+    "get_device": lambda self: self.device.index if self.device.type != "cpu" else -1,
+    "numpy": _numpy,
+    "cpu": _cpu,
+}
+_PROPS = {
+    "is_cuda": lambda self: self.device.type == "cuda",
+    "is_cpu": lambda self: self.device.type == "cpu",
+    "is_meta": lambda self: self.device.type == "meta",
+    "is_sparse": lambda self: False,
+    "layout": lambda self: torch.strided,
+    "itemsize": lambda self: torch.empty((), dtype=self.dtype).element_size(),
+    "nbytes": lambda self: self.numel() * torch.empty((), dtype=self.dtype).element_size(),
+}
+
+
+# ---- new tensors shaped like a DistTensor ----------------------------------------------------
+
+def _placements_for(d, dtype):
+    """``d``'s placements, or Replicate where a Partial cannot hold ``dtype``."""
+    from .placement import Replicate, check_partial_dtype
+    try:
+        check_partial_dtype(d.placements, dtype)
+        return d.placements
+    except (TypeError, ValueError):
+        return tuple(Replicate() if p.is_partial() else p for p in d.placements)
+
+
+def _like(fn):
+    """``torch.zeros_like(d)``, ``torch.randn_like(d)``...: the tensor torch makes for the
+    global shape (one device's draw for the random ones), laid out as ``d`` (no
+    communication: a Partial(sum) holds it on the first rank of its group)."""
+    def like(d, *args, **kwargs):
+        from .dist_tensor import shard_tensor
+        rg = kwargs.pop("requires_grad", False)
+        kwargs.pop("memory_format", None)
+        kwargs.setdefault("dtype", d.dtype)
+        g = fn(torch.empty(tuple(d.shape), dtype=d.dtype, device=d.device), *args, **kwargs)
+        out = shard_tensor(g, d.mesh, _placements_for(d, g.dtype), src_data_rank=None)
+        return out.requires_grad_() if rg else out
+    return like
+
+
+def _new(fn):
+    """``d.new_zeros(size)``...: a replicated DistTensor on ``d``'s mesh, of ``d``'s dtype
+    unless given (as DTensor's new_* factories, which replicate)."""
+    def new(d, *args, **kwargs):
+        from .dispatch_local import as_dist
+        rg = kwargs.pop("requires_grad", False)
+        kwargs.setdefault("dtype", d.dtype)
+        kwargs.setdefault("device", d.device)
+        t = fn(torch.empty((), dtype=d.dtype, device=d.device), *args, **kwargs)
+        out = as_dist(t.clone(), d.mesh)
+        return out.requires_grad_() if rg else out
+    return new
+
+
+FACTORIES = {f: _like(f) for f in (torch.zeros_like, torch.ones_like, torch.full_like,
+                                   torch.empty_like, torch.rand_like, torch.randn_like,
+                                   torch.randint_like)}
+FACTORIES.update({f: _new(f) for f in (T.new_zeros, T.new_ones, T.new_full, T.new_empty,
+                                        T.new_tensor)})
+
+
 def install(cls) -> None:
+    for name, f in _FACTS.items():
+        setattr(cls, name, f)
+    for name, f in _PROPS.items():
+        setattr(cls, name, property(f))
     cls.__contains__ = _contains
     cls.__bool__ = lambda self: bool(_one(self, "bool()").item())
     cls.__float__ = lambda self: float(_one(self, "float()").item())

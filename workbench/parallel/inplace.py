@@ -11,7 +11,8 @@ One recipe, as PyTorch defines an in-place op (the out-of-place result, written 
 2. the out-of-place op runs through the SPMD rules (``x.relu_()`` is ``x.relu()``), and
    its result is laid out as ``x`` is (a reshard, traced: a Partial ``x`` after a
    non-linear op is reduced and laid out Partial again);
-3. the result is written into ``x``: the same Python object keeps its mesh, shape,
+3. the result is written into ``x`` (and, for a view of another DistTensor, into that
+   base, as torch writes through a view): the same Python object keeps its mesh, shape,
    dtype and placements (as DTensor keeps self's placements). The values go into
    ``x``'s own local tensors, so views of ``x`` (``x[0]``, ``x.data``, ``x.view(..)``),
    optimizers and hooks that hold them see the new values. Where autograd records the
@@ -32,8 +33,8 @@ import torch
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 
-__all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
-           "RANDOM"]
+__all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "note_views",
+           "IDUNDERS", "RANDOM"]
 
 T = torch.Tensor
 
@@ -80,6 +81,59 @@ def _judge(call) -> None:
         pass
 
 
+# ---- views: a write into x[i] reaches x --------------------------------------------------
+
+def _torch_index(index) -> tuple:
+    """getitem's normalized index (``rules/shape.normalize_index``) as a torch index."""
+    conv = {"all": lambda e: slice(None), "slice": lambda e: slice(*e[1:]),
+            "int": lambda e: e[1], "new": lambda e: None}
+    return tuple(conv[e[0]](e) for e in index)
+
+
+def note_views(name, base, outs, attrs) -> None:
+    """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
+    its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
+    that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
+    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
+    index = _torch_index(attrs["index"]) if name == "getitem" else None
+    for o in outs:
+        ts = [t for t in storage.tensors(o._local) if t.numel()]
+        aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
+        o._view = (base, index, aliased)
+
+
+def _root(x):
+    while x._view is not None:
+        x = x._view[0]
+    return x
+
+
+def _through_view(x, y, op) -> bool:
+    """Before ``y`` is written into the view ``x``: torch's rule for a view of a leaf, and
+    the write into the base where ``x`` does not share its memory (or autograd records
+    the op). Returns True if ``x`` must get memory of its own (no longer an alias)."""
+    base, index, aliased = x._view
+    root = _root(x)
+    if torch.is_grad_enabled() and root.requires_grad and root.is_leaf:
+        raise RuntimeError("a view of a leaf Variable that requires grad is being used in an "
+                           f"in-place operation ({op}); wrap it in torch.no_grad()")
+    tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    if aliased and not tracked:
+        if not _writable(x._local):
+            raise RuntimeError(f"{op}: unsupported operation: more than one element of the "
+                               "written-to tensor refers to a single memory location. Please "
+                               "clone() the tensor before performing the operation.")
+        return False
+    if index is None:
+        raise NotImplementedError(
+            f"{op}() on a view of a DistTensor {base.notation()} that the view op could not "
+            f"keep in its memory ({'autograd records the write' if aliased else 'its layout moved data'}"
+            "): the write would not reach the base. Write into the base instead (base[i] = v, "
+            "base.copy_(...)), or clone() the view first if the base must not change")
+    setitem(base, index, y)
+    return True
+
+
 # ---- writing a result into x ----------------------------------------------------------
 
 def _storages(*xs) -> set:
@@ -95,19 +149,19 @@ def _storages(*xs) -> set:
 def _writable(loc) -> bool:
     """True if every element of ``loc`` has its own memory (no stride-0 copies, no two
     cells over the same elements): a write cannot land twice."""
-    ts = storage.tensors(loc)
-    if any(torch._debug_has_internal_overlap(t) != 0 for t in ts):
+    ts = [t for t in storage.tensors(loc) if t.numel()]
+    status = [torch._debug_has_internal_overlap(t) for t in ts]    # 0 no, 1 yes, 2 unknown
+    if 1 in status:
         return False
     groups: dict = {}
-    for t in ts:
-        if t.numel():
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for t, st in zip(ts, status):
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append((t, st))
     for grp in groups.values():
-        if len(grp) > 1:
-            n = grp[0].untyped_storage().nbytes() // grp[0].element_size()
-            pos = torch.arange(n)
+        if len(grp) > 1 or grp[0][1] != 0:          # count the elements' memory exactly
+            t0 = grp[0][0]
+            pos = torch.arange(t0.untyped_storage().nbytes() // t0.element_size())
             offs = torch.cat([pos.as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
-                              for t in grp])
+                              for t, _ in grp])
             if offs.unique().numel() != offs.numel():
                 return False
     return True
@@ -147,12 +201,16 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     if y.placements != x.placements:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
+    if x._view is not None and _through_view(x, y, op):
+        x._view = x._view[:2] + (False,)        # written through base[index] from now on
     mine = _storages(x)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
         x._local = y._local
+        if x._view is not None:
+            x._view = x._view[:2] + (False,)
         return x
     ys = _like(y._local, x._local, nd)
     if _storages(y) & mine:             # e.g. x.copy_(x.flip(0)) with a view: read first

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..rules import pointwise as rp
+from ..rules import reduction as rr
+from ..rules.registry import combine
 from . import costs
-from ._util import align
+from ._util import align, wrap_dims
 from .pointwise import _parse, _swapped, _zero_dims
 from .table import add_funcs, register
 
@@ -61,3 +63,54 @@ add_funcs("eq", [T.__eq__])
 add_funcs("ne", [T.__ne__])
 # c % x is remainder(c, x)
 add_funcs("remainder", [(T.__rmod__, _swapped)])
+
+# x.clamp_min(lo), x.clamp_max(hi): clamp with one bound
+add_funcs("clamp", [(torch.clamp_min, lambda x, min: ((x, min, None), {})),
+                    (T.clamp_min, lambda x, min: ((x, min, None), {})),
+                    (torch.clamp_max, lambda x, max: ((x, None, max), {})),
+                    (T.clamp_max, lambda x, max: ((x, None, max), {}))])
+
+
+# ---- lerp: an exponential moving average's step (ema.lerp_(p, 1 - decay)) ----------------
+
+def _lerp_local(nd, ctx, x, end, weight):
+    if ctx is not None:
+        x, end, weight = _zero_dims(nd, ctx, (x, end, weight))
+    return torch.lerp(*align(nd, x, end, weight))
+
+
+register("lerp", [torch.lerp, T.lerp], parse=lambda x, end, weight: ((x, end, weight), {}),
+         rule=rp.nonlinear_rule, local=_lerp_local,
+         cost=costs.elementwise(3), op_class="elementwise")   # start + weight (end - start)
+
+
+# ---- any, all: or / and over dims ---------------------------------------------------------
+# S(d) with d reduced -> P(max) (any) / P(min) (all) of bools: or / and of each shard's;
+# P(max) / P(min) pass for bool inputs only (any(x1 or x2) = any(x1) or any(x2)); a
+# number's parts do not (-1 and 0 are each nonzero or not, their max is not).
+
+def _logical_rule(kind):
+    def rule(x, dim=None, keepdim=False, **_):
+        opts = rr.reduction_options(x, dim, keepdim, kind)
+        if x.dtype != torch.bool:
+            opts = [o for o in opts if not o[0][0].is_partial()]
+        return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
+    return rule
+
+
+def _logical_parse(x, dim=None, keepdim=False):
+    # dim=() reduces nothing (torch: an elementwise test), unlike dim=None
+    dims = None if dim is None else tuple(sorted(wrap_dims(dim, x.ndim)))
+    return (x,), {"dim": dims, "keepdim": bool(keepdim)}
+
+
+def _logical_local(fn):
+    def local(nd, ctx, x, dim=None, keepdim=False):
+        dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
+        return fn(x, dims, keepdim=keepdim)
+    return local
+
+
+for _n, _fn, _kind in (("any", torch.any, "amax"), ("all", torch.all, "amin")):
+    register(_n, [_fn, getattr(T, _n)], parse=_logical_parse, rule=_logical_rule(_kind),
+             local=_logical_local(_fn), cost=costs.reduction(1), op_class="reduction")
