@@ -559,3 +559,12 @@ def test_any_all(mesh, ps, dtype):
         got, ref = f(d), f(x)
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert torch.equal(got.full(), ref), name
+
+
+def test_new_rules_have_no_wrong_candidate():
+    """The validator forces every candidate of the new rules (uneven splits, unequal
+    Partial parts) against one device."""
+    from workbench.parallel.validate import validate
+    rep = validate(["floor_divide", "bitwise_xor", "bitwise_not", "lerp", "any", "all",
+                    "einsum"], meshes=((3,), (2, 2)), max_layouts=1, missing=False)
+    assert rep.wrong == [] and not rep.skipped and rep.runs > 50, rep

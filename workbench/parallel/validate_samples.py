@@ -83,12 +83,25 @@ def _tables():
     for n in ("eq", "ne", "lt", "le", "gt", "ge"):
         tab[n] = [_s(getattr(torch, n), xq, near)]
     tab["where"] = [_s(torch.where, x > 0, x, y)]
+    # ops_table/tensor_habits.py: //, bitwise ops, lerp, any / all
+    tab["floor_divide"] = [_s(torch.floor_divide, x, pos(5, 6)), _s(T.__rfloordiv__, pos(5, 6), 7.5)]
+    i1, i2, sh = ints(5, 6, lo=-20, hi=21), ints(5, 6), ints(6, lo=0, hi=4)
+    for n in ("bitwise_and", "bitwise_or", "bitwise_xor"):
+        tab[n] = [_s(getattr(torch, n), i1, i2), _s(getattr(torch, n), i1 > 0, i2 > 0)]
+    tab["bitwise_not"] = [_s(torch.bitwise_not, i1), _s(torch.bitwise_not, i1 > 0)]
+    tab["bitwise_left_shift"] = [_s(torch.bitwise_left_shift, i1, sh)]
+    tab["bitwise_right_shift"] = [_s(torch.bitwise_right_shift, i1, sh)]
+    tab["lerp"] = [_s(torch.lerp, x, y, 0.25), _s(torch.lerp, x, v, pos(5, 6))]
+    tab["any"] = [_s(torch.any, i1 > 3, 1), _s(torch.any, x)]
+    tab["all"] = [_s(torch.all, i1 > -15, 0), _s(torch.all, i1)]
     tab["matmul"] = [_s(torch.matmul, x, rn(6, 3)), _s(torch.matmul, rn(2, 5, 3), rn(3, 4)),
                      _s(torch.matmul, x, v), _s(torch.matmul, rn(5), rn(5, 3))]
     tab["mm"] = [_s(torch.mm, x, rn(6, 3))]
     tab["bmm"] = [_s(torch.bmm, rn(2, 5, 3), rn(2, 3, 4))]
     tab["linear"] = [_s(F.linear, rn(3, 5, 6), rn(4, 6), rn(4)), _s(F.linear, x, rn(3, 6))]
-    tab["einsum"] = [_s(torch.einsum, "bij,bjk->bik", rn(2, 3, 5), rn(2, 5, 3))]
+    tab["einsum"] = [_s(torch.einsum, "bij,bjk->bik", rn(2, 3, 5), rn(2, 5, 3)),
+                     _s(torch.einsum, "ij->ji", x), _s(torch.einsum, "ii->i", rn(5, 5)),
+                     _s(torch.einsum, "bij->b", rn(3, 5, 2))]
     tab["sum"] = [_s(torch.sum, x, 1), _s(torch.sum, x), _s(torch.sum, x, 0, keepdim=True),
                   _s(torch.sum, ints(7, 3), 0)]
     tab["mean"] = [_s(torch.mean, x, 0), _s(torch.mean, rn(5, 3, 2), (0, 2))]
