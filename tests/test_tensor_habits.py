@@ -568,3 +568,22 @@ def test_new_rules_have_no_wrong_candidate():
     rep = validate(["floor_divide", "bitwise_xor", "bitwise_not", "lerp", "any", "all",
                     "einsum"], meshes=((3,), (2, 2)), max_layouts=1, missing=False)
     assert rep.wrong == [] and not rep.skipped and rep.runs > 50, rep
+
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_masks_given_as_dist_tensors_and_gradients_written_in_place(mesh, ps):
+    x = ints((5, 4), 1)
+    d, ref = dist(x, mesh, ps), x.clone()
+    d[d > 0] = 0.0                               # a DistTensor mask (gathered, traced)
+    ref[ref > 0] = 0
+    assert torch.equal(d.full(), ref)
+    d.masked_fill_(d < -3, 1.5)
+    assert torch.equal(d.full(), ref.masked_fill(ref < -3, 1.5))
+    if (mesh, ps) not in [lp for _, lp in SUM_LAYOUTS]:
+        return
+    w = dist(x, mesh, ps).requires_grad_()
+    (w * w).sum().backward()
+    w.grad.mul_(0.5)                             # clip_grad_norm_'s scaling, zero_grad(False)
+    assert torch.equal(w.grad.full(), x)
+    w.grad.zero_()
+    assert torch.equal(w.grad.full(), torch.zeros(5, 4))
