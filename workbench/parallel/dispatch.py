@@ -36,7 +36,7 @@ from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import FACTORIES
-from .inplace import note_views
+from .views import note_views
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, add_funcs, on_change, register
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401

@@ -32,9 +32,10 @@ import torch
 
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
+from .views import through_view
 
-__all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "note_views",
-           "IDUNDERS", "RANDOM"]
+__all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
+           "RANDOM"]
 
 T = torch.Tensor
 
@@ -79,59 +80,6 @@ def _judge(call) -> None:
         call()
     except NotImplementedError:
         pass
-
-
-# ---- views: a write into x[i] reaches x --------------------------------------------------
-
-def _torch_index(index) -> tuple:
-    """getitem's normalized index (``rules/shape.normalize_index``) as a torch index."""
-    conv = {"all": lambda e: slice(None), "slice": lambda e: slice(*e[1:]),
-            "int": lambda e: e[1], "new": lambda e: None}
-    return tuple(conv[e[0]](e) for e in index)
-
-
-def note_views(name, base, outs, attrs) -> None:
-    """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
-    its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
-    that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
-    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
-    index = _torch_index(attrs["index"]) if name == "getitem" else None
-    for o in outs:
-        ts = [t for t in storage.tensors(o._local) if t.numel()]
-        aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
-        o._view = (base, index, aliased)
-
-
-def _root(x):
-    while x._view is not None:
-        x = x._view[0]
-    return x
-
-
-def _through_view(x, y, op) -> bool:
-    """Before ``y`` is written into the view ``x``: torch's rule for a view of a leaf, and
-    the write into the base where ``x`` does not share its memory (or autograd records
-    the op). Returns True if ``x`` must get memory of its own (no longer an alias)."""
-    base, index, aliased = x._view
-    root = _root(x)
-    if torch.is_grad_enabled() and root.requires_grad and root.is_leaf:
-        raise RuntimeError("a view of a leaf Variable that requires grad is being used in an "
-                           f"in-place operation ({op}); wrap it in torch.no_grad()")
-    tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
-    if aliased and not tracked:
-        if not _writable(x._local):
-            raise RuntimeError(f"{op}: unsupported operation: more than one element of the "
-                               "written-to tensor refers to a single memory location. Please "
-                               "clone() the tensor before performing the operation.")
-        return False
-    if index is None:
-        raise NotImplementedError(
-            f"{op}() on a view of a DistTensor {base.notation()} that the view op could not "
-            f"keep in its memory ({'autograd records the write' if aliased else 'its layout moved data'}"
-            "): the write would not reach the base. Write into the base instead (base[i] = v, "
-            "base.copy_(...)), or clone() the view first if the base must not change")
-    setitem(base, index, y)
-    return True
 
 
 # ---- writing a result into x ----------------------------------------------------------
@@ -201,7 +149,7 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     if y.placements != x.placements:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
-    if x._view is not None and _through_view(x, y, op):
+    if x._view is not None and through_view(x, y, op):
         x._view = x._view[:2] + (False,)        # written through base[index] from now on
     mine = _storages(x)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
@@ -259,6 +207,8 @@ def _view_inplace(x, op, args, kwargs):
     _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
     y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
     x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
+    if x._view is not None:            # a view of a view: base[index] no longer matches x
+        x._view = (x._view[0], None, x._view[2])
     return x
 
 
