@@ -177,8 +177,12 @@ def test_dropout_gradient_and_errors():
     x = torch.randn(6, 5)
     for ps in (["S(0)"], ["S(1)"], ["R"]):
         _grad_check(_seeded(_squares(lambda t: F.dropout(t, 0.4))), [x], [ps], MESH4)
-    with pytest.raises(NotImplementedError, match="inplace"):
-        F.dropout(wb.shard_tensor(x, MESH4, ["S(0)"]), 0.5, inplace=True)
+    d = wb.shard_tensor(x, MESH4, ["S(0)"])        # in place: the same object, one device's mask
+    torch.manual_seed(2)
+    ref = F.dropout(x, 0.5)
+    torch.manual_seed(2)
+    assert F.dropout(d, 0.5, inplace=True) is d and d.placements == (wb.Shard(0),)
+    torch.testing.assert_close(d.full(), ref)
     with pytest.raises(ValueError, match="p=1.5"):
         F.dropout(wb.shard_tensor(x, MESH4, ["S(0)"]), 1.5)
 

@@ -35,6 +35,8 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
+from .habits import FACTORIES
+from .views import note_views
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, on_change
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
@@ -128,15 +130,36 @@ def _no_rule(func, args, kwargs, name):
         "run it replicated (recorded in the trace)")
 
 
+def _writes(func, args, kwargs):
+    """Torch functions that write into a DistTensor (:mod:`.inplace`)."""
+    from . import inplace
+    if isinstance(kwargs.get("out"), DistTensor):
+        return inplace.out_call(func, args, kwargs)
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{getattr(func, '__name__', func)}(out={type(kwargs['out']).__name__})"
+                        " with DistTensor inputs: give a DistTensor out, or assign the result")
+    if getattr(func, "__module__", None) == "torch.nn.init":
+        return inplace.init(func, args, kwargs)
+    if args and isinstance(args[0], DistTensor):
+        if kwargs.get("inplace") is True:
+            return inplace.inplace_kwarg(func, args, kwargs)
+        return inplace.method(args[0], func.__name__, args[1:], kwargs)
+    return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+
+
 def dispatch(func, args, kwargs):
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
+        return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)
     if hit is None:
-        return _no_rule(func, args, kwargs or {}, getattr(func, "__name__", str(func)))
+        name = getattr(func, "__name__", str(func))
+        if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_
+            return _writes(func, args, kwargs or {})
+        if func in FACTORIES:                                   # zeros_like, new_zeros...
+            return FACTORIES[func](*args, **(kwargs or {}))
+        return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
     if kwargs:
-        if kwargs.get("out") is not None:
-            raise TypeError(f"{entry.name}(out=...) on DistTensors is not supported; assign "
-                            "the result instead")
         inputs, attrs = parse(*args, **kwargs)
     else:
         kwargs = {}
@@ -278,6 +301,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
                                       check=VALIDATE[-1])
     wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
+    if opdef.op_class == "view" and isinstance(inputs[0], DistTensor):
+        note_views(opdef.name, inputs[0], wrapped, attrs)    # x[0].zero_() reaches x
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)
     if not many:

@@ -12,6 +12,11 @@ leading axis per mesh dimension (size 1 where the tensor is replicated), or, whe
 shard shapes differ (uneven ``torch.chunk`` splits), :class:`Cells`, one tensor per
 rank; on torch.distributed, this process's shard.  :mod:`workbench.parallel.storage`
 owns these forms; this module never asks which one it holds.
+
+A DistTensor keeps torch.Tensor's habits: operators and methods go through the SPMD
+rules (``op_table.install``), in-place ops (``x.add_``, ``x[i] = v``, ``nn.init``) write
+into the same object (:mod:`.inplace`), ``==`` is elementwise and ``x in d``, ``bool``,
+``item`` read the full tensor (:mod:`.habits`).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "__weakref__")
+                 "_view", "__weakref__")
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -48,6 +53,7 @@ class DistTensor:
         self.dtype = dtype if dtype is not None else local.dtype
         self.names = names
         self._spec = None
+        self._view = None       # (base, index or None, aliased): see parallel/inplace.py
 
     # ---- facts -----------------------------------------------------------------------
     @property

@@ -11,31 +11,51 @@ T = torch.Tensor
 
 _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
             "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__",
-            "__rpow__", "__mod__", "__abs__", "__gt__", "__lt__", "__ge__", "__le__",
-            "__getitem__")
+            "__rpow__", "__mod__", "__rmod__", "__abs__", "__pos__", "__gt__", "__lt__", "__ge__",
+            "__le__", "__eq__", "__ne__", "__getitem__", "__floordiv__", "__rfloordiv__",
+            "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__",
+            "__lshift__", "__rlshift__", "__rshift__", "__rrshift__")
+_NUMBERS = (int, float, complex, bool)
 
 
 def install(cls):
     """Give ``cls`` (DistTensor) torch-function dispatch, operators and tensor methods."""
+    from . import habits, inplace
     from .dispatch import dispatch
+    from .dist_tensor import DistTensor
 
     @classmethod
     def __torch_function__(c, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs)
     cls.__torch_function__ = __torch_function__
 
-    def make(f):
+    def make(f, name):
         def op(self, *args, **kwargs):
+            if args and not isinstance(args[0], (T, DistTensor, *_NUMBERS)) and \
+                    name != "__getitem__":
+                return NotImplemented       # as torch: `d == None` is False, `d + "a"` raises
             return dispatch(f, (self,) + args, kwargs)
-        op.__name__ = f.__name__
+        op.__name__ = name
         return op
     for name in _DUNDERS:
-        setattr(cls, name, make(getattr(T, name)))
+        setattr(cls, name, make(getattr(T, name), name))
+
+    def make_inplace(op):
+        def iop(self, other):
+            return inplace.method(self, op, (other,))
+        iop.__name__ = op
+        return iop
+    for name, op in inplace.IDUNDERS.items():       # x += y is x.add_(y), in place
+        setattr(cls, name, make_inplace(op))
+    cls.__setitem__ = lambda self, index, value: inplace.setitem(self, index, value)
+    habits.install(cls)
 
     def __getattr__(self, name):
         f = getattr(T, name, None)
         if f is None or name.startswith("_") or not callable(f):
             raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+        if name.endswith("_"):                      # in place: written into self
+            return lambda *args, **kwargs: inplace.method(self, name, args, kwargs)
 
         def method(*args, **kwargs):
             return dispatch(f, (self,) + args, kwargs)

@@ -296,7 +296,17 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
                         "use shard_tensor() for a plain tensor")
     mesh = t.mesh if mesh is None else mesh
     plan = plan_reshard(t, mesh, placements, profile=profile)
-    return execute(plan, t)
+    out = execute(plan, t)
+    if out is not t and _shares_memory(out, t):
+        # local steps slice or expand t's memory; the result gets its own (as DTensor's
+        # Shard._replicate_to_shard clones), so that writing into it leaves t alone
+        out._local = storage.map_tensors(out._local, torch.clone)
+    return out
+
+
+def _shares_memory(a, b) -> bool:
+    ptrs = {x.untyped_storage().data_ptr() for x in storage.tensors(b._local)}
+    return any(x.untyped_storage().data_ptr() in ptrs for x in storage.tensors(a._local))
 
 
 def execute(plan: Plan, t):

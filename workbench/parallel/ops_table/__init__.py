@@ -30,7 +30,8 @@ from .table import (BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register,  # noq
 
 # the op families' modules, in registration order (a new family is added here)
 FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape", "attention",
-            "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction")
+            "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction",
+            "tensor_habits")
 
 
 def load():

@@ -113,6 +113,9 @@ def contraction(equation_of):
     """A matmul-like op: ``equation_of(ins, attrs)`` gives the einsum of the local call.
     Backward: two contractions of the same size (dA and dB), reading dC, A and B."""
     def cost(ins, outs, **attrs):
+        if len(ins) == 1:       # one operand: a permutation or diagonal (a copy), or a sum
+            lhs, rhs = equation_of(ins, attrs).split("->")
+            return reduction(1)(ins, outs) if set(lhs) - set(rhs) else movement(ins, outs)
         a, b = ins[0], ins[1]
         f = einsum_flops(equation_of(ins, attrs), (tuple(a.shape), tuple(b.shape)))
         return _make(f, ins, outs, nbytes(a) + nbytes(b), bwd_flops=2 * f)

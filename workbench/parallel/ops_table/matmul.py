@@ -43,8 +43,10 @@ def einsum_options(eq: str, specs) -> list[tuple]:
         for ch, n in zip(term, s.shape):
             sizes[ch] = max(sizes.get(ch, 1), n)
     opts = [(tuple(R for _ in ins), (R,), "replicated")]
+    # a letter twice in one operand ("ii->i", a diagonal) pairs two dims: never sharded
+    diag = {ch for t in ins for ch in t if t.count(ch) > 1}
     for ch in out:                                   # batch or free dims: shard them
-        if sizes.get(ch, 1) <= 1:
+        if sizes.get(ch, 1) <= 1 or ch in diag:
             continue
         req = []
         for term, s in zip(ins, specs):
@@ -55,7 +57,7 @@ def einsum_options(eq: str, specs) -> list[tuple]:
         kind = "batch" if sum(ch in t for t in ins) > 1 else "free"
         opts.append((tuple(req), (Shard(out.index(ch)),), f"{kind} dim {ch!r} sharded"))
     for ch in sizes:                                 # contracted dims: partial sums
-        if ch in out or sizes[ch] <= 1:
+        if ch in out or sizes[ch] <= 1 or ch in diag:
             continue
         req = tuple(Shard(t.index(ch)) if ch in t else R for t in ins)
         if any(ch in t and s.shape[t.index(ch)] <= 1 for t, s in zip(ins, specs)):
@@ -238,7 +240,7 @@ register("linear", [F.linear], parse=_linear_parse, rule=linear_rule, local=_lin
 # ---- einsum --------------------------------------------------------------------------
 
 def einsum_rule(*specs, equation: str):
-    """Any two-operand contraction written as an einsum string."""
+    """Any one- or two-operand einsum (a permutation, diagonal or sum of one operand)."""
     opts = einsum_options(equation, specs)
     return combine(specs[0].mesh.ndim, [opts] * specs[0].mesh.ndim, len(specs))
 
@@ -246,9 +248,9 @@ def einsum_rule(*specs, equation: str):
 def _einsum_parse(eq, *ops):
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = tuple(ops[0])
-    if len(ops) != 2:
+    if len(ops) not in (1, 2):
         raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
-                                  "two-operand einsums (the rule is for contractions of two)")
+                                  "two-operand einsums (the rule is for one operand or two)")
     eq = eq.replace(" ", "")
     if "..." in eq or "->" not in eq:
         raise NotImplementedError(f"einsum({eq!r}) on DistTensors: write the output explicitly "
@@ -264,4 +266,7 @@ def _einsum_local(nd, ctx, *ops, equation):
 register("einsum", [torch.einsum], parse=_einsum_parse, rule=einsum_rule,
          local=_einsum_local, cost=costs.contraction(lambda ins, a: a["equation"]),
          op_class="matmul",
-         sample=lambda g: [Sample(torch.einsum, ("bij,bjk->bik", g.rn(2, 3, 5), g.rn(2, 5, 3)))])
+         sample=lambda g: [Sample(torch.einsum, ("bij,bjk->bik", g.rn(2, 3, 5), g.rn(2, 5, 3))),
+                           Sample(torch.einsum, ("ij->ji", g.rn(5, 6))),
+                           Sample(torch.einsum, ("ii->i", g.rn(5, 5))),
+                           Sample(torch.einsum, ("bij->b", g.rn(3, 5, 2)))])

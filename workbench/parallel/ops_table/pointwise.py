@@ -302,7 +302,7 @@ BINARY = {
     "logical_or": ((torch.logical_or, T.logical_or), None, 1, nonlinear_rule, None),
 }
 for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
-    # (no __eq__ / __ne__ on DistTensor: they would break hashing and `in`; use torch.eq)
+    # (__eq__ / __ne__ are added in tensor_habits.py; a DistTensor hashes by id)
     _d = getattr(T, f"__{_c}__") if _c not in ("eq", "ne") else None
     BINARY[_c] = ((getattr(torch, _c), getattr(T, _c), _d), None, 1, nonlinear_rule,
                   _ties(getattr(torch, _c)))

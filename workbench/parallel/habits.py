@@ -1,0 +1,208 @@
+"""What a torch.Tensor user expects of a DistTensor beyond its ops: ``x in d``,
+``bool(d)``, ``float(d)``, ``d.item()``, ``d.tolist()``, ``f"{d:.3f}"``, iteration,
+``numpy.asarray(d)``, ``d.data`` and ``d.requires_grad = ...``. Each gives PyTorch's
+answer for the full tensor (a value read out of a DistTensor is gathered first: a
+traced all-gather / all-reduce), or PyTorch's error.
+
+``==`` / ``!=`` are ops (``ops_table/tensor_habits.py``): a DistTensor of bools, so a
+DistTensor hashes by identity, as a torch.Tensor does.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import storage
+from .dist_tensor import DistTensor
+
+__all__ = ["install", "FACTORIES"]
+
+T = torch.Tensor
+
+
+def _contains(self, element) -> bool:
+    """``element in d``: torch's ``(element == t).any()`` on the full tensor."""
+    if not isinstance(element, (torch.Tensor, DistTensor, numbers.Number, torch.SymInt,
+                                torch.SymFloat, torch.SymBool)):
+        raise RuntimeError(f"Tensor.__contains__ only supports Tensor or scalar, but you "
+                           f"passed in a {type(element)}.")
+    from .dispatch import dispatch
+    eq = dispatch(T.eq, (self, element), None)
+    return bool(eq.full().any().item())
+
+
+def _one(self, what: str) -> torch.Tensor:
+    if self.numel() != 1:
+        raise RuntimeError(f"{what} of a DistTensor with {self.numel()} elements is ambiguous "
+                           "(as for a tensor: only one element converts); use .full() or a "
+                           "reduction such as .any() / .all()")
+    return self.full()
+
+
+def _item(self):
+    if self.numel() != 1:
+        raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to "
+                           "Scalar (item() of a DistTensor reads one element; use .full())")
+    return self.full().item()
+
+
+def _format(self, spec: str) -> str:
+    if self.ndim == 0:
+        return self.full().item().__format__(spec)
+    return object.__format__(self, spec)
+
+
+def _iter(self):
+    if self.ndim == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return (self[i] for i in range(self.shape[0]))
+
+
+def _array(self, dtype=None, copy=None):
+    a = self.full().detach().cpu().numpy()
+    return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def _get_data(self) -> DistTensor:
+    """A detached alias (as ``Tensor.data``): writes into it reach ``self``."""
+    from .inplace import _writable
+    if not _writable(self._local):
+        # several elements share one memory location (a stride-0 copy): give self its
+        # own memory first, so that the alias can be written
+        keep_leaf = self.requires_grad and self.is_leaf
+        loc = storage.map_tensors(self._local, lambda t: t.clone())
+        if keep_leaf:
+            loc = storage.map_tensors(loc, lambda t: t.detach().requires_grad_())
+        self._local = loc
+    loc = storage.map_tensors(self._local, lambda t: t.detach())
+    return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+
+
+def _set_data(self, value) -> None:
+    """``d.data = other``: ``d`` takes ``other``'s data (its mesh, layout, shape and
+    dtype; an alias, as torch), keeping its own ``requires_grad``."""
+    if not isinstance(value, DistTensor):
+        raise TypeError(f"DistTensor.data = {type(value).__name__}: give a DistTensor (its data "
+                        "is laid out over ranks), e.g. d.data = wb.shard_tensor(t, d.mesh, "
+                        "d.placements), or write values with d.copy_(t)")
+    keep = self.requires_grad
+    loc = storage.map_tensors(value._local, lambda t: t.detach())
+    if keep:
+        loc = storage.map_tensors(loc, lambda t: t.requires_grad_())
+    self._local, self.mesh, self.placements = loc, value.mesh, value.placements
+    self.shape, self.dtype, self.names, self._spec = value.shape, value.dtype, value.names, None
+
+
+def _set_requires_grad(self, flag) -> None:
+    if not self.is_leaf:
+        raise RuntimeError("you can only change requires_grad flags of leaf variables. If you "
+                           "want to use a computed variable in a subgraph that doesn't require "
+                           "differentiation use var_no_grad = var.detach().")
+    self.requires_grad_(bool(flag))
+
+
+# ---- facts PyTorch keeps on a tensor (no data read) -------------------------------------
+
+def _numpy(self, *, force=False):
+    if self.requires_grad and not force:
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return self.full().detach().cpu().numpy()
+
+
+def _cpu(self, memory_format=None):
+    if self.device.type != "cpu":
+        raise NotImplementedError(f"cpu() on a DistTensor on {self.device}: every simulated "
+                                  "rank lives on one device; gather with .full().cpu()")
+    return self
+
+
+_FACTS = {
+    "is_floating_point": lambda self: self.dtype.is_floating_point,
+    "is_complex": lambda self: self.dtype.is_complex,
+    "is_signed": lambda self: self.dtype.is_signed,
+    "element_size": lambda self: torch.empty((), dtype=self.dtype).element_size(),
+    "nelement": lambda self: self.numel(),
+    "ndimension": lambda self: self.ndim,
+    "get_device": lambda self: self.device.index if self.device.type != "cpu" else -1,
+    "numpy": _numpy,
+    "cpu": _cpu,
+}
+_PROPS = {
+    "is_cuda": lambda self: self.device.type == "cuda",
+    "is_cpu": lambda self: self.device.type == "cpu",
+    "is_meta": lambda self: self.device.type == "meta",
+    "is_sparse": lambda self: False,
+    "layout": lambda self: torch.strided,
+    "itemsize": lambda self: torch.empty((), dtype=self.dtype).element_size(),
+    "nbytes": lambda self: self.numel() * torch.empty((), dtype=self.dtype).element_size(),
+}
+
+
+# ---- new tensors shaped like a DistTensor ----------------------------------------------------
+
+def _placements_for(d, dtype):
+    """``d``'s placements, or Replicate where a Partial cannot hold ``dtype``."""
+    from .placement import Replicate, check_partial_dtype
+    try:
+        check_partial_dtype(d.placements, dtype)
+        return d.placements
+    except (TypeError, ValueError):
+        return tuple(Replicate() if p.is_partial() else p for p in d.placements)
+
+
+def _like(fn):
+    """``torch.zeros_like(d)``, ``torch.randn_like(d)``...: the tensor torch makes for the
+    global shape (one device's draw for the random ones), laid out as ``d`` (no
+    communication: a Partial(sum) holds it on the first rank of its group)."""
+    def like(d, *args, **kwargs):
+        from .dist_tensor import shard_tensor
+        rg = kwargs.pop("requires_grad", False)
+        kwargs.pop("memory_format", None)
+        kwargs.setdefault("dtype", d.dtype)
+        g = fn(torch.empty(tuple(d.shape), dtype=d.dtype, device=d.device), *args, **kwargs)
+        out = shard_tensor(g, d.mesh, _placements_for(d, g.dtype), src_data_rank=None)
+        return out.requires_grad_() if rg else out
+    return like
+
+
+def _new(fn):
+    """``d.new_zeros(size)``...: a replicated DistTensor on ``d``'s mesh, of ``d``'s dtype
+    unless given (as DTensor's new_* factories, which replicate)."""
+    def new(d, *args, **kwargs):
+        from .dispatch_local import as_dist
+        rg = kwargs.pop("requires_grad", False)
+        kwargs.setdefault("dtype", d.dtype)
+        kwargs.setdefault("device", d.device)
+        t = fn(torch.empty((), dtype=d.dtype, device=d.device), *args, **kwargs)
+        out = as_dist(t.clone(), d.mesh)
+        return out.requires_grad_() if rg else out
+    return new
+
+
+FACTORIES = {f: _like(f) for f in (torch.zeros_like, torch.ones_like, torch.full_like,
+                                   torch.empty_like, torch.rand_like, torch.randn_like,
+                                   torch.randint_like)}
+FACTORIES.update({f: _new(f) for f in (T.new_zeros, T.new_ones, T.new_full, T.new_empty,
+                                        T.new_tensor)})
+
+
+def install(cls) -> None:
+    for name, f in _FACTS.items():
+        setattr(cls, name, f)
+    for name, f in _PROPS.items():
+        setattr(cls, name, property(f))
+    cls.__contains__ = _contains
+    cls.__bool__ = lambda self: bool(_one(self, "bool()").item())
+    cls.__float__ = lambda self: float(_one(self, "float()").item())
+    cls.__int__ = lambda self: int(_one(self, "int()").item())
+    cls.__complex__ = lambda self: complex(_one(self, "complex()").item())
+    cls.__index__ = lambda self: _one(self, "index").__index__()
+    cls.__format__ = _format
+    cls.__iter__ = _iter
+    cls.__array__ = _array
+    cls.item = _item
+    cls.tolist = lambda self: self.full().tolist()
+    cls.data = property(_get_data, _set_data)
+    cls.requires_grad = property(cls.requires_grad.fget, _set_requires_grad)

@@ -1,0 +1,333 @@
+"""In-place ops on DistTensors: ``x.add_(y)``, ``x += y``, ``x[i] = v``, ``x.copy_(src)``,
+``x.zero_()``, ``nn.init.normal_(x)``, ``F.relu(x, inplace=True)``, ``torch.add(a, b, out=x)``.
+
+One recipe, as PyTorch defines an in-place op (the out-of-place result, written into
+``x``):
+
+1. PyTorch judges the call first on meta tensors of the global shapes: its own errors
+   (a result that broadcasts to a bigger shape, a float result cast into an int tensor,
+   an in-place op on a leaf that requires grad while grad mode is on) come before
+   anything is changed;
+2. the out-of-place op runs through the SPMD rules (``x.relu_()`` is ``x.relu()``), and
+   its result is laid out as ``x`` is (a reshard, traced: a Partial ``x`` after a
+   non-linear op is reduced and laid out Partial again);
+3. the result is written into ``x`` (and, for a view of another DistTensor, into that
+   base, as torch writes through a view): the same Python object keeps its mesh, shape,
+   dtype and placements (as DTensor keeps self's placements). The values go into
+   ``x``'s own local tensors, so views of ``x`` (``x[0]``, ``x.data``, ``x.view(..)``),
+   optimizers and hooks that hold them see the new values. Where autograd records the
+   op (grad mode on and a tensor that requires grad), ``x`` takes the result's history
+   instead (torch rebases ``x``'s history the same way); local tensors that cannot be
+   written elementwise (one memory location for several elements) are replaced.
+
+Random fills (``normal_``, ``uniform_``, ``bernoulli_``..., and ``torch.nn.init``): the
+full tensor is what one device would draw for the global shape with the same generator
+state, whatever the layout (as :mod:`workbench.sim_mesh.rng` does for dropout masks);
+each rank keeps its part. On torch.distributed every process draws the global tensor
+from its own generator: seed them alike (``torch.manual_seed``), as torchrun scripts do.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import storage
+from .dist_tensor import DistTensor, shard_tensor
+from .views import through_view
+
+__all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
+           "RANDOM"]
+
+T = torch.Tensor
+
+RANDOM = ("normal_", "uniform_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
+          "cauchy_", "random_")
+_VIEWS = ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_")
+_UNSUPPORTED = ("resize_", "resize_as_", "set_", "as_strided_", "share_memory_", "map_",
+                "apply_", "map2_", "record_stream")
+# x += y is x.add_(y), as torch.Tensor's in-place operators
+IDUNDERS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_",
+            "__ifloordiv__": "floor_divide_", "__imod__": "remainder_", "__ipow__": "pow_",
+            "__iand__": "bitwise_and_", "__ior__": "bitwise_or_", "__ixor__": "bitwise_xor_",
+            "__ilshift__": "bitwise_left_shift_", "__irshift__": "bitwise_right_shift_"}
+
+
+# ---- PyTorch's verdict first ----------------------------------------------------------
+
+def _meta(v):
+    if isinstance(v, (DistTensor, torch.Tensor)):
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_meta(u) for u in v)
+    return v
+
+
+def _meta_self(x: DistTensor) -> torch.Tensor:
+    """``x`` on the meta device with its autograd standing (a leaf that requires grad,
+    or a non-leaf), so that torch raises what it raises for ``x``."""
+    m = torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    if x.requires_grad:
+        m.requires_grad_()
+        if not x.is_leaf:
+            with torch.enable_grad():
+                m = m.clone()
+    return m
+
+
+def _judge(call) -> None:
+    """Run ``call`` on meta tensors: torch's own errors propagate; an op meta tensors
+    cannot run (data-dependent) is judged by the real run instead."""
+    try:
+        call()
+    except NotImplementedError:
+        pass
+
+
+# ---- writing a result into x ----------------------------------------------------------
+
+def _storages(*xs) -> set:
+    out = set()
+    for x in xs:
+        if isinstance(x, DistTensor):
+            out |= {t.untyped_storage().data_ptr() for t in storage.tensors(x._local)}
+        elif isinstance(x, torch.Tensor):
+            out.add(x.untyped_storage().data_ptr())
+    return out
+
+
+def _writable(loc) -> bool:
+    """True if every element of ``loc`` has its own memory (no stride-0 copies, no two
+    cells over the same elements): a write cannot land twice."""
+    ts = [t for t in storage.tensors(loc) if t.numel()]
+    status = [torch._debug_has_internal_overlap(t) for t in ts]    # 0 no, 1 yes, 2 unknown
+    if 1 in status:
+        return False
+    groups: dict = {}
+    for t, st in zip(ts, status):
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append((t, st))
+    for grp in groups.values():
+        if len(grp) > 1 or grp[0][1] != 0:          # count the elements' memory exactly
+            t0 = grp[0][0]
+            pos = torch.arange(t0.untyped_storage().nbytes() // t0.element_size())
+            offs = torch.cat([pos.as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
+                              for t, _ in grp])
+            if offs.unique().numel() != offs.numel():
+                return False
+    return True
+
+
+def _like(y_loc, x_loc, nd: int):
+    """``y``'s local tensors arranged as ``x``'s (same layout; a replicated axis may be
+    held once by one and per rank by the other)."""
+    if storage.is_cells(x_loc):
+        yc = storage.to_cells(y_loc, nd)
+        return [yc[tuple(ci if n > 1 else 0 for ci, n in zip(c, yc.lead))]
+                for c in x_loc.coords()]
+    y = storage.to_stacked(y_loc)
+    for i in range(nd):
+        if x_loc.shape[i] == 1 and y.shape[i] > 1:
+            y = y.narrow(i, 0, 1)          # a replicated axis: one copy stands for all
+    return [y]
+
+
+def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
+    """Write ``y`` (a DistTensor on x's mesh, or a plain global tensor) into ``x``: values
+    cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
+    (``x``'s new data must not alias them). Returns ``x``."""
+    from .dispatch import dispatch
+    from .reshard import reshard
+    if not isinstance(y, DistTensor):
+        y = torch.as_tensor(y, device=x.device)
+        y = shard_tensor(y.expand(x.shape).to(x.dtype), x.mesh, x.placements,
+                         src_data_rank=None)
+    if y.mesh != x.mesh:
+        raise ValueError(f"{op}: the value lives on {y.mesh}, the DistTensor on {x.mesh}; "
+                         "reshard the value onto the DistTensor's mesh first")
+    if y.shape != x.shape:
+        y = dispatch(T.expand, (y, tuple(x.shape)), None)
+    if y.dtype != x.dtype:
+        y = dispatch(T.to, (y, x.dtype), None)
+    if y.placements != x.placements:
+        y = reshard(y, x.mesh, x.placements)
+    nd = x.mesh.ndim
+    if x._view is not None and through_view(x, y, op):
+        x._view = x._view[:2] + (False,)        # written through base[index] from now on
+    mine = _storages(x)
+    if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+        # autograd records the op: x takes the result's history (its own memory)
+        if y is x or _storages(y) & (mine | _storages(*sources)):
+            y = dispatch(T.clone, (y,), None)
+        x._local = y._local
+        if x._view is not None:
+            x._view = x._view[:2] + (False,)
+        return x
+    ys = _like(y._local, x._local, nd)
+    if _storages(y) & mine:             # e.g. x.copy_(x.flip(0)) with a view: read first
+        ys = [t.clone() for t in ys]
+    xs = storage.tensors(x._local)
+    if _writable(x._local) and len(xs) == len(ys) and \
+            all(torch.broadcast_shapes(a.shape, b.shape) == a.shape for a, b in zip(xs, ys)):
+        with torch.no_grad():
+            for a, b in zip(xs, ys):
+                a.copy_(b)
+        return x
+    keep = x.requires_grad           # a leaf under no_grad (nn.init): stays a leaf
+    new = storage.map_tensors(y._local, lambda t: t.detach().clone())
+    x._local = storage.map_tensors(new, lambda t: t.requires_grad_()) if keep else new
+    return x
+
+
+# ---- x.op_(...) -----------------------------------------------------------------------
+
+def _unsupported(op: str, why: str):
+    raise NotImplementedError(f"{op}() on a DistTensor: {why}")
+
+
+def _full_args(v):
+    if isinstance(v, DistTensor):
+        return v.full()
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_full_args(u) for u in v)
+    return v
+
+
+def _random(x, op, args, kwargs):
+    """One device's draw for the global shape; each rank keeps its part."""
+    _judge(lambda: getattr(_meta_self(x), op)(*_meta(args), **{k: _meta(v) for k, v in
+                                                                   kwargs.items()
+                                                                   if k != "generator"}))
+    g = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    getattr(g, op)(*_full_args(args), **{k: _full_args(v) for k, v in kwargs.items()})
+    return g
+
+
+def _view_inplace(x, op, args, kwargs):
+    """squeeze_, t_, transpose_...: ``x`` becomes the view (same data, new shape and
+    placements, as DTensor re-labels self)."""
+    from .dispatch import dispatch
+    _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
+    y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
+    x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
+    if x._view is not None:            # a view of a view: base[index] no longer matches x
+        x._view = (x._view[0], None, x._view[2])
+    return x
+
+
+def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
+    """``x.op(*args, **kwargs)`` for an in-place method name ``op`` (ending in ``_``)."""
+    from .dispatch import dispatch
+    from .rules import NoRuleError
+    kwargs = dict(kwargs or {})
+    if op in _UNSUPPORTED:
+        _unsupported(op, "it changes the storage itself, which a layout over ranks does not "
+                         "have; build a new DistTensor (shard_tensor / reshard) instead")
+    if op == "detach_":
+        x._local = storage.map_tensors(x._local, lambda t: t.detach())
+        return x
+    if op in _VIEWS:
+        return _view_inplace(x, op, args, kwargs)
+    _judge(lambda: getattr(_meta_self(x), op)(*_meta(tuple(args)),
+                                               **{k: _meta(v) for k, v in kwargs.items()}))
+    if op in RANDOM:
+        return assign(x, _random(x, op, args, kwargs), op)
+    if op == "zero_":
+        return assign(x, torch.zeros((), dtype=x.dtype, device=x.device), op)
+    if op == "fill_":
+        (value,) = args or (kwargs["value"],)
+        value = value.full() if isinstance(value, DistTensor) else value
+        return assign(x, torch.as_tensor(value, device=x.device), op)
+    if op == "copy_":
+        src = args[0] if args else kwargs["src"]
+        if not isinstance(src, DistTensor):
+            src = torch.as_tensor(src, device=x.device)
+        return assign(x, src, op, sources=(src,))
+    base = getattr(T, op[:-1], None)
+    if base is None or not callable(base):
+        _unsupported(op, f"PyTorch has no out-of-place {op[:-1]}() to compute it from; "
+                         "write the result with x.copy_(...)")
+    try:
+        y = dispatch(base, (x,) + tuple(args), kwargs)
+    except NoRuleError as e:
+        raise NoRuleError(f"{op}() on a DistTensor {x.notation()}: {e}") from None
+    if not isinstance(y, DistTensor):
+        _unsupported(op, f"{op[:-1]}() gives a {type(y).__name__}, not a tensor")
+    return assign(x, y, op, sources=(x,) + tuple(args) + tuple(kwargs.values()))
+
+
+# ---- x[index] = value -----------------------------------------------------------------
+
+def setitem(x: DistTensor, index, value) -> None:
+    """``x[index] = value``: torch's indexing on the global shape (basic or advanced
+    indices), written by ``where(mask, values, x)`` laid out as ``x``: no communication
+    for Replicate and Shard, nor for Partial(sum) (the values sit on the group's first
+    rank, zeros elsewhere: ``where`` is linear in (values, x) for a replicated mask)."""
+    from .dispatch import dispatch
+    from .placement import Replicate
+    idx = _full_args(index if isinstance(index, tuple) else (index,))
+    val = value.full() if isinstance(value, DistTensor) else value
+
+    def judge():
+        m = _meta_self(x)
+        m[_meta(idx)] = _meta(val) if isinstance(val, torch.Tensor) else val
+    _judge(judge)
+    mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
+    mask[idx] = True                                    # torch checks the index here
+    vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    vals[idx] = val                                     # ... and the value's shape
+    ps_mask = [Replicate() if p.is_partial() else p for p in x.placements]
+    m = shard_tensor(mask, x.mesh, ps_mask, src_data_rank=None)
+    v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
+    y = dispatch(torch.where, (m, v, x), None)
+    assign(x, y, "__setitem__", sources=(x,))
+
+
+# ---- torch functions that write: nn.init, out=, inplace=True, torch.relu_ ---------------
+
+def init(func, args, kwargs):
+    """``torch.nn.init.<fn>(x, ...)``: ``fn`` fills a plain tensor of the global shape (one
+    device's draw), and the result is written into ``x`` (under no_grad, as nn.init)."""
+    kwargs = dict(kwargs or {})
+    if "tensor" in kwargs:
+        x, rest = kwargs.pop("tensor"), tuple(args[1:])
+    else:
+        x, rest = args[0], tuple(args[1:])
+    g = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        func(g, *rest, **kwargs)
+        return assign(x, g, func.__name__)
+
+
+def out_call(func, args, kwargs):
+    """``func(..., out=x)``: the result computed as without ``out``, written into ``x``
+    (its shape must be the result's: a DistTensor is not resized)."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    name = getattr(func, "__name__", str(func))
+    if torch.is_grad_enabled() and any(
+            isinstance(a, (DistTensor, torch.Tensor)) and a.requires_grad
+            for a in tuple(args) + tuple(kwargs.values()) + (out,)):
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
+                           "automatic differentiation, but one of the arguments requires "
+                           "grad; assign the result instead (y = op(...))")
+    res = func(*args, **kwargs)
+    if not isinstance(res, (DistTensor, torch.Tensor)):
+        raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
+                        "into a DistTensor; assign the result instead")
+    if tuple(res.shape) != tuple(out.shape):
+        raise RuntimeError(f"{name}(out=...): the result has shape {tuple(res.shape)} but out "
+                           f"has {tuple(out.shape)}; a DistTensor is not resized, give an out "
+                           "of the result's shape or assign the result")
+    if not torch.can_cast(res.dtype, out.dtype):
+        raise RuntimeError(f"{name}(out=...): result type {res.dtype} can't be cast to the "
+                           f"desired output type {out.dtype}")
+    return assign(out, res, name)
+
+
+def inplace_kwarg(func, args, kwargs):
+    """``F.relu(x, inplace=True)``, ``F.dropout(x, inplace=True)``...: the op without
+    ``inplace``, written into its first argument."""
+    from .dispatch import dispatch
+    x = args[0]
+    _judge(lambda: func(_meta_self(x), *_meta(tuple(args[1:])),
+                        **{k: _meta(v) for k, v in kwargs.items()}))
+    y = dispatch(func, args, {**kwargs, "inplace": False})
+    return assign(x, y, getattr(func, "__name__", "op"), sources=args)

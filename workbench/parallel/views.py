@@ -1,0 +1,72 @@
+"""Views of DistTensors, as torch's: ``x[1:]``, ``x.T``, ``x.view(...)`` share ``x``'s memory,
+so that a write into the view reaches ``x`` (``x[0].zero_()``, ``w[:, :k].copy_(...)``).
+
+The dispatcher tells :func:`note_views` of every output of a view op (op class
+"view"). Most share the base's local memory: a write into them lands in the base
+(:mod:`.inplace` writes into local tensors). Where the op had to move data (an uneven
+shard re-cut, a reshape that gathers), the output is a copy: a write into a getitem
+view then also goes into the base as ``base[index] = value``; into any other such view
+it raises (the write could not reach the base), as does a write into an expanded view
+(several elements in one memory location, as torch). ``x._view`` holds
+``(base, index or None, aliased)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import storage
+
+__all__ = ["note_views", "through_view"]
+
+
+def _torch_index(index) -> tuple:
+    """getitem's normalized index (``rules/shape.normalize_index``) as a torch index."""
+    conv = {"all": lambda e: slice(None), "slice": lambda e: slice(*e[1:]),
+            "int": lambda e: e[1], "new": lambda e: None}
+    return tuple(conv[e[0]](e) for e in index)
+
+
+def note_views(name, base, outs, attrs) -> None:
+    """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
+    its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
+    that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
+    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
+    index = _torch_index(attrs["index"]) if name == "getitem" else None
+    for o in outs:
+        ts = [t for t in storage.tensors(o._local) if t.numel()]
+        aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
+        o._view = (base, index, aliased)
+
+
+def _root(x):
+    while x._view is not None:
+        x = x._view[0]
+    return x
+
+
+def through_view(x, y, op) -> bool:
+    """Before ``y`` is written into the view ``x``: torch's rule for a view of a leaf, and
+    the write into the base where ``x`` does not share its memory (or autograd records
+    the op). Returns True if ``x`` must get memory of its own (no longer an alias)."""
+    from .inplace import _writable, setitem
+    base, index, aliased = x._view
+    root = _root(x)
+    if torch.is_grad_enabled() and root.requires_grad and root.is_leaf:
+        raise RuntimeError("a view of a leaf Variable that requires grad is being used in an "
+                           f"in-place operation ({op}); wrap it in torch.no_grad()")
+    tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    if aliased and not tracked:
+        if not _writable(x._local):
+            raise RuntimeError(f"{op}: unsupported operation: more than one element of the "
+                               "written-to tensor refers to a single memory location. Please "
+                               "clone() the tensor before performing the operation.")
+        return False
+    if index is None:
+        why = "autograd records the write" if aliased else "its layout moved data"
+        raise NotImplementedError(
+            f"{op}() on a view of a DistTensor {base.notation()} that the view op could not "
+            f"keep in its memory ({why}): the write would not reach the base. Write into the "
+            "base instead (base[i] = v, base.copy_(...)), or clone() the view first if the "
+            "base must not change")
+    setitem(base, index, y)
+    return True
