@@ -307,16 +307,50 @@ def execute(plan: Plan, t):
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
-    for s in plan.steps:
+    steps = plan.steps
+    k = 0
+    while k < len(steps):
+        s = steps[k]
+        k += 1
         if s.kind == "send_recv":
             t = _send(t, plan.dst_mesh, s.dst)
         elif s.kind == "local_relabel":
             t = DistTensor(t._local, t.mesh, s.dst, t.shape, t.dtype, t.names)
+        elif s.kind == "local_pad" and k < len(steps) and _pads_for(s, steps[k]):
+            y = _padded_all_reduce(t, s, steps[k])
+            if y is None:
+                t = _local_step(t, s.mesh_dim, s.dst)
+            else:
+                t, k = y, k + 1
         elif s.kind in _LOCAL:
             t = _local_step(t, s.mesh_dim, s.dst)
         else:
             t = _collective_step(t, s)
     return t
+
+
+def _pads_for(pad: Step, nxt: Step) -> bool:
+    """A zero-pad S(d) -> P(sum) that the next step all-reduces on the same mesh dim:
+    together an all-gather of the shards (the planner may choose the pair where the
+    profile prices the all-reduce below the all-gather)."""
+    i = pad.mesh_dim
+    return nxt.kind == "all_reduce" and nxt.mesh_dim == i and nxt.src == pad.dst
+
+
+def _padded_all_reduce(t, pad: Step, ar: Step):
+    """Both steps at once on stacked shards (the same values and the same trace event as
+    running them one after the other, without the padded buffer, n times the data);
+    None where they must run one by one (uneven shards, torch.distributed)."""
+    if storage.holds_own(t.mesh):
+        return None
+    x = storage.for_layout(t._local, t.shape, t.mesh, t.placements, pad.dst, ar.dst)
+    if storage.is_cells(x):
+        return None
+    i = pad.mesh_dim
+    label = (f"{ar.src[i]}->{ar.dst[i]} on {t.mesh.dim_names[i]}"
+             if current_trace() is not None else "")
+    y = C.padded_all_reduce(x, t.mesh, i, pad.src[i].dim, label=label)
+    return DistTensor(y, t.mesh, ar.dst, t.shape, t.dtype, t.names)
 
 
 def _collective_step(t, s: Step):
