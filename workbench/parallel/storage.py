@@ -30,6 +30,7 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import grid
 from ..sim_mesh.grid import Cells
+from ..sim_mesh.trace import current_trace
 from . import layout
 from .placement import Partial, Replicate, Shard
 
@@ -37,7 +38,7 @@ __all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_globa
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
            "map_tensors", "device", "first_copy_like", "local_step", "run_per_cell",
-           "keep_first_replica"]
+           "keep_first_replica", "backward_scalar"]
 
 
 def form(loc, mesh) -> str:
@@ -179,6 +180,29 @@ def map_tensors(loc, fn):
     if isinstance(loc, Cells):
         return Cells(loc.lead, [fn(t) for t in loc.items])
     return fn(loc)
+
+
+def backward_scalar(loc, mesh, placements) -> bool:
+    """``backward()`` from a one-element value held stacked, where it needs no recorded
+    communication: replicated (compact), or a Partial sum outside a trace, whose
+    all-reduce's gradient is 1 on every rank (the reduced value itself is not needed).
+    True if done; False for the caller's general path (other forms, a traced or
+    non-sum Partial, non-real dtypes)."""
+    if isinstance(loc, Cells) or _B.is_distributed(mesh) or not loc.is_floating_point() \
+            or loc.numel() != math.prod(loc.shape[:mesh.ndim]):
+        return False
+    partial = False
+    for p, n, k in zip(placements, mesh.shape, loc.shape):
+        if isinstance(p, Partial):
+            if p.reduce_op != "sum" or k != n:
+                return False
+            partial = True
+        elif k != 1:
+            return False
+    if partial and current_trace() is not None:
+        return False
+    torch.autograd.backward(loc, torch.ones_like(loc))
+    return True
 
 
 def device(loc) -> torch.device:
