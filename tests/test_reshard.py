@@ -236,3 +236,32 @@ def test_zero_pad_then_all_reduce_runs_as_one_gather(lead, ps):
     assert torch.equal(y1, x + 0) and not y1[0, 0].signbit()
     assert torch.equal(g1, g2) and torch.equal(g1.signbit(), g2.signbit())
     assert e1 == e2 and [e[0] for e in e1] == ["all_reduce"] * (len(e1))
+
+
+def test_reshard_plans_once_per_layout_and_profile():
+    """reshard() keeps its plan per (layout, placements, profile): the same events as when
+    planned afresh, re-planned for another profile, placements given as a list, a tuple
+    or strings."""
+    import sys
+    R = sys.modules["workbench.parallel.reshard"]
+    mesh = wb.Mesh.grid((2, 4), ["dp", "tp"])
+    t = wb.DistTensor(torch.randn(2, 4, 16), mesh, (wb.Partial(), wb.Shard(0)), (16,))
+
+    def events(dst, prof):
+        with wb.trace(prof) as tr:
+            y = wb.reshard(t, mesh, dst)
+        torch.testing.assert_close(y.full(), t.full())
+        return y.placements, [(e.name, e.ranks, e.start, e.duration, e.bytes) for e in tr.events]
+
+    for dst in ([wb.Replicate(), wb.Replicate()], (wb.Shard(0), wb.Replicate()), ["R", "S(0)"]):
+        seen = []
+        for prof in ("a100", "ascend-910b"):
+            R._PLANS.clear()
+            first = events(dst, prof)
+            assert R._plan_key(t, dst, prof) in R._PLANS
+            assert events(dst, prof) == first             # from the kept plan
+            assert first[0] == wb.plan_reshard(t, mesh, dst, profile=prof).dst
+            seen.append(first[1])
+        assert seen[0] != seen[1]                         # each profile prices its own
+    with pytest.raises(ValueError, match="placements=None"):
+        wb.reshard(t, mesh, None)

@@ -30,7 +30,7 @@ import torch
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.mesh import Mesh
-from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.profiles import DEFAULT_PROFILE, get_profile
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, shard_tensor
@@ -294,9 +294,42 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     if not isinstance(t, DistTensor):
         raise TypeError(f"reshard(t={type(t).__name__}): expected a DistTensor; "
                         "use shard_tensor() for a plain tensor")
-    mesh = t.mesh if mesh is None else mesh
+    if mesh is None or mesh is t.mesh:
+        key = _plan_key(t, placements, profile)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is None:
+            plan = plan_reshard(t, t.mesh, placements, profile=profile)
+            if key is not None:
+                if len(_PLANS) > 4096:
+                    _PLANS.clear()
+                _PLANS[key] = plan
+        return _run(plan, t)
     plan = plan_reshard(t, mesh, placements, profile=profile)
     return execute(plan, t)
+
+
+_PLANS: dict = {}    # (t.spec, placements as given, profile name) -> plan on t's own mesh
+
+
+def _plan_key(t, placements, profile):
+    """What plan_reshard's plan on t's own mesh depends on (it plans by the profile's
+    name), or None where a key would cost more than planning (unhashable placements,
+    a Profile object)."""
+    if type(placements) is list or type(placements) is tuple:
+        placements = tuple(placements)
+    elif not isinstance(placements, str):
+        return None
+    if profile is None:
+        tr = current_trace()
+        profile = tr.profile.name if tr is not None else DEFAULT_PROFILE
+    elif not isinstance(profile, str):
+        return None
+    key = (t.spec, placements, profile)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def execute(plan: Plan, t):
@@ -307,6 +340,11 @@ def execute(plan: Plan, t):
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
+    return _run(plan, t)
+
+
+def _run(plan: Plan, t):
+    """execute's steps, for a plan known to be made for t's layout."""
     steps = plan.steps
     k = 0
     while k < len(steps):

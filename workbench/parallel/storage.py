@@ -292,8 +292,9 @@ def keep_first_replica(outs, outs_ps, shapes, locs, mesh, check: bool = False) -
 
 
 def _first_copy(o, mesh, placements, check):
+    shape = o.shape
     for i, p in enumerate(placements):
-        if p.is_replicate() and o.shape[i] != 1:
+        if shape[i] != 1 and isinstance(p, Replicate):
             first = o.narrow(i, 0, 1)
             if check and not torch.allclose(o, first.expand_as(o), rtol=1e-4, atol=1e-5,
                                             equal_nan=True):

@@ -286,11 +286,13 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
             _B.tag(x, had + (a,))
         return x
     F = ops_for(x)
+    nd = mesh.ndim
     for a in axes:
-        a = mesh.dim(a)
-        if F.lead(x, mesh.ndim)[a] != 1:
+        if type(a) is not int or not 0 <= a < nd:
+            a = mesh.dim(a)
+        if F.lead(x, nd)[a] != 1:
             continue                      # already one copy per rank: nothing to expand
-        nb = F.rank_bytes(x, mesh.ndim)
+        nb = F.rank_bytes(x, nd)
         x = F.expand(x, a, mesh.shape[a])
         x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
     return x
