@@ -135,9 +135,26 @@ def for_layout(loc, shape, mesh, *placements):
     if _B.is_distributed(mesh):
         return loc
     for ps in placements:
-        if not layout.is_even(shape, mesh, ps):
+        if not _is_even(shape, mesh, ps):
             return to_cells(loc, mesh.ndim)
     return to_stacked(loc)
+
+
+_EVEN: dict = {}     # id(placements) -> (placements, shape, mesh, layout.is_even)
+
+
+def _is_even(shape, mesh, ps) -> bool:
+    """layout.is_even, remembered per placements object (a plan's steps and a DistTensor
+    keep theirs: no placement is hashed again on the hot path)."""
+    hit = _EVEN.get(id(ps))
+    if hit is not None and hit[0] is ps and hit[2] is mesh and hit[1] == shape:
+        return hit[3]
+    even = layout.is_even(shape, mesh, ps)
+    if type(ps) is tuple:
+        if len(_EVEN) > 4096:
+            _EVEN.clear()
+        _EVEN[id(ps)] = (ps, shape, mesh, even)       # holds ps: its id stays its own
+    return even
 
 
 def for_run(loc, mesh, even: bool):
