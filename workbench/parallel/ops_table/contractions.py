@@ -95,12 +95,12 @@ def _linear_local(nd, ctx, x, w, b=None):
         # slice of the weight. One GEMM with all the slices side by side does exactly that
         # arithmetic at single-device speed; autograd still sends the input gradient through
         # x's per-rank views (their traced all-reduce).
-        x0 = x[(slice(0, 1),) * nd].reshape(x.shape[nd:])                   # (*batch, k)
+        x0 = x[(0,) * nd]                                                    # (*batch, k)
         lead = tuple(w.shape[:nd])
         n, k = w.shape[-2], w.shape[-1]
         y = x0 @ w.reshape(-1, k).transpose(0, 1)                           # (*batch, L*n)
         nb = y.dim() - 1
-        y = y.unflatten(-1, lead + (n,))                                    # (*batch, *lead, n)
+        y = y.view(y.shape[:-1] + lead + (n,))                              # (*batch, *lead, n)
         y = y.movedim(tuple(range(nb, nb + nd)), tuple(range(nd)))          # (*lead, *batch, n)
         if b is not None:
             y, b = align(nd, y, b)
