@@ -389,8 +389,7 @@ def _pad_one(t, shape, mesh, old_ps, i, coord):
 
 def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
     nd, n, d = mesh.ndim, mesh.shape[i], new.dim
-    L = x.shape[nd + d]
-    y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
+    y = grid.split_axis(x.squeeze(i), nd - 1 + d, n).movedim(nd - 1 + d, i)
     nb = grid.Stacked.rank_bytes(x, nd)
     return C._on_backward(y, "all_gather", mesh, i, nb, label)
 
