@@ -389,7 +389,13 @@ def _pad_one(t, shape, mesh, old_ps, i, coord):
 
 def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
     nd, n, d = mesh.ndim, mesh.shape[i], new.dim
-    y = grid.split_axis(x.squeeze(i), nd - 1 + d, n).movedim(nd - 1 + d, i)
+    if i == nd - 1 and d == 0:            # the chunk index lands where the mesh axis was
+        s = x.shape
+        y = x.view(s[:i] + (n, s[nd] // n) + s[nd + 1:])
+    else:
+        y = grid.split_axis(x.squeeze(i), nd - 1 + d, n).movedim(nd - 1 + d, i)
+    if not y.requires_grad:
+        return y                          # no backward to record
     nb = grid.Stacked.rank_bytes(x, nd)
     return C._on_backward(y, "all_gather", mesh, i, nb, label)
 
