@@ -159,6 +159,8 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
         return _B.tag(y, (axis,)) if expanded else y
     F, axis = _check(x, mesh, axis, "all_reduce")
     n = mesh.shape[axis]
+    if not expanded and current_trace() is None:
+        return F.all_reduce(x, mesh.ndim, axis, op, n)      # nothing to record
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("all_reduce", mesh, axis, nb, label)
     y = F.all_reduce(x, mesh.ndim, axis, op, n)
@@ -178,6 +180,8 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
     dim = _dim(x, mesh.ndim, dim, "all_gather", "dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     y = F.all_gather(x, nd, axis, dim, n)
+    if not expanded and current_trace() is None:
+        return y                             # nothing to record
     nb = F.rank_bytes(y, nd)                 # the cost model's buffer: the gathered tensor
     record_collective("all_gather", mesh, axis, nb, label)
     if expanded:
@@ -211,7 +215,8 @@ def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
     nd, n = mesh.ndim, mesh.shape[axis]
     dim = _dim(x, nd, dim, "all_reduce", "dim")
     y = F.all_gather(x, nd, axis, dim, n)                # a view: the shards side by side
-    record_collective("all_reduce", mesh, axis, F.rank_bytes(y, nd), label)
+    if current_trace() is not None:
+        record_collective("all_reduce", mesh, axis, F.rank_bytes(y, nd), label)
     if y.requires_grad and torch.is_grad_enabled():
         return _PlusZero.apply(y)
     return y + 0
