@@ -32,7 +32,8 @@ puts both sides under the same load).  The ratio printed is the median over roun
 each round's ratio; the times are the medians over rounds.  Run with
 ``OMP_NUM_THREADS=1`` (one intra-op thread on both sides) and note the load
 (``uptime``) beside the figures; on a loaded machine ``--timer cpu`` times this
-process's CPU time (``time.process_time``) instead of the wall clock.  Exit status 1 if a target is missed.
+process's CPU time (``time.process_time``) instead of the wall clock.  Exit status 1
+if a target is missed.
 """
 from __future__ import annotations
 
