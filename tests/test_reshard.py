@@ -190,3 +190,78 @@ def test_failed_reshard_leaves_input_untouched():
         wb.reshard(t, wb.Mesh.grid(2), [wb.Replicate(), wb.Replicate()])
     assert t.placements == (wb.Shard(0),)
     assert all(torch.equal(a, b) for a, b in zip(before, t.locals()))
+
+
+@pytest.mark.parametrize("lead, ps", [((8,), [wb.Shard(0)]),
+                                      ((2, 4), [wb.Shard(0), wb.Shard(1)]),
+                                      ((4, 2), [wb.Replicate(), wb.Shard(0)])])
+def test_zero_pad_then_all_reduce_runs_as_one_gather(lead, ps):
+    """A plan's local_pad S(d) -> P(sum) followed by an all_reduce on the same mesh dim runs
+    without the padded buffer (reshard.execute pairs them): the same values (a -0.0 turns
+    +0.0, as in the sum with zeros), the same gradient, the same trace events as running
+    the two steps one after the other."""
+    import sys
+    R = sys.modules["workbench.parallel.reshard"]
+    mesh = wb.Mesh.grid(lead, ["a", "b"][:len(lead)])
+    i = len(lead) - 1
+    x = torch.randn(8, 12)
+    x[0, 0] = -0.0
+    x[3, 5] = float("inf")
+    g = torch.randn(8, 12)
+    g[0, 0] = g[7, 11] = -0.0
+    mid = tuple(ps[:i]) + (wb.Partial(),)
+    dst = tuple(ps[:i]) + (wb.Replicate(),)
+    results = []
+    for fused in (True, False):
+        t = wb.shard_tensor(x, mesh, ps).requires_grad_()
+        spec = t.spec
+        pad = R.plan_reshard(t, mesh, mid)
+        assert pad.collectives() == [] and pad.steps[-1].kind == "local_pad"
+        ar = R.plan_reshard(wb.TensorSpec(spec.shape, mesh, mid), mesh, dst)
+        assert ar.collectives() == ["all_reduce"]
+        with wb.trace() as tr:
+            if fused:
+                both = R.Plan(spec.shape, spec.dtype, mesh, tuple(ps), mesh, dst,
+                              pad.steps + ar.steps, pad.profile)
+                y = R.execute(both, t)
+            else:
+                y = R.execute(ar, R.execute(pad, t))
+            y.backward(g)
+        assert y.placements == dst
+        results.append((y.full().detach(), t.grad.full(),
+                        [(e.name, e.ranks, e.start, e.duration, e.bytes, e.label)
+                         for e in tr.events]))
+    (y1, g1, e1), (y2, g2, e2) = results
+    assert torch.equal(y1, y2) and torch.equal(y1.signbit(), y2.signbit())
+    assert torch.equal(y1, x + 0) and not y1[0, 0].signbit()
+    assert torch.equal(g1, g2) and torch.equal(g1.signbit(), g2.signbit())
+    assert e1 == e2 and [e[0] for e in e1] == ["all_reduce"] * (len(e1))
+
+
+def test_reshard_plans_once_per_layout_and_profile():
+    """reshard() keeps its plan per (layout, placements, profile): the same events as when
+    planned afresh, re-planned for another profile, placements given as a list, a tuple
+    or strings."""
+    import sys
+    R = sys.modules["workbench.parallel.reshard"]
+    mesh = wb.Mesh.grid((2, 4), ["dp", "tp"])
+    t = wb.DistTensor(torch.randn(2, 4, 16), mesh, (wb.Partial(), wb.Shard(0)), (16,))
+
+    def events(dst, prof):
+        with wb.trace(prof) as tr:
+            y = wb.reshard(t, mesh, dst)
+        torch.testing.assert_close(y.full(), t.full())
+        return y.placements, [(e.name, e.ranks, e.start, e.duration, e.bytes) for e in tr.events]
+
+    for dst in ([wb.Replicate(), wb.Replicate()], (wb.Shard(0), wb.Replicate()), ["R", "S(0)"]):
+        seen = []
+        for prof in ("a100", "ascend-910b"):
+            R._PLANS.clear()
+            first = events(dst, prof)
+            assert R._plan_key(t, dst, prof) in R._PLANS
+            assert events(dst, prof) == first             # from the kept plan
+            assert first[0] == wb.plan_reshard(t, mesh, dst, profile=prof).dst
+            seen.append(first[1])
+        assert seen[0] != seen[1]                         # each profile prices its own
+    with pytest.raises(ValueError, match="placements=None"):
+        wb.reshard(t, mesh, None)

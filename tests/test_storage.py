@@ -212,3 +212,43 @@ def test_backward_with_a_gradient_matches_one_device(ps, rows):
         torch.testing.assert_close(t.grad.full(), g)
     with pytest.raises(ValueError, match=r"gradient of shape \(2,\).*global shape"):
         wb.shard_tensor(x, M22, ps).requires_grad_().backward(torch.ones(2))
+
+
+@pytest.mark.parametrize("mesh, ps", [(M4, [wb.Partial()]), (M22, [wb.Partial(), wb.Partial()]),
+                                      (M22, [wb.Replicate(), wb.Partial()]),
+                                      (M4, [wb.Replicate()]), (M4, [wb.Partial("avg")])])
+def test_scalar_backward_without_the_all_reduce_matches_the_traced_one(mesh, ps):
+    """backward() of a one-element Partial(sum) outside a trace skips the all-reduce whose
+    value it does not need (storage.backward_scalar): every rank's gradient is the one the
+    traced path (all-reduce recorded, then backward) gives, and one device's."""
+    x = torch.randn(6, 4)
+    w = torch.randn(4)
+    w[1] = -0.0
+    grads = []
+    for traced in (False, True):
+        t = wb.shard_tensor(x, mesh, [wb.Shard(0) if p.is_partial() else p for p in ps])
+        ws = wb.shard_tensor(w, mesh, [wb.Replicate()] * mesh.ndim).requires_grad_()
+        loss = (t * ws).sum()                          # a local sum: Partial where t is sharded
+        if any(p.is_partial() for p in ps):
+            assert any(p.is_partial() for p in loss.placements)
+        if traced:
+            with wb.trace() as tr:
+                loss.backward()
+            if any(p.is_partial() for p in loss.placements):
+                assert "all_reduce" in tr.counts()
+        else:
+            loss.backward()
+        grads.append(ws.grad.full())
+    ref = w.clone().requires_grad_()
+    (x * ref).sum().backward()
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0].signbit(), grads[1].signbit())
+    torch.testing.assert_close(grads[0], ref.grad)
+
+
+def test_scalar_backward_of_a_tensor_without_grad_raises_as_torch():
+    t = wb.shard_tensor(torch.randn(8), M4, [wb.Shard(0)]).sum()
+    assert t.placements[0].is_partial()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        t.backward()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.randn(8).sum().backward()

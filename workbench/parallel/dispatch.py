@@ -165,22 +165,28 @@ def dispatch(func, args, kwargs):
         kwargs = {}
         inputs, attrs = parse(*args)
     mesh = None
+    plain = False                  # a plain tensor or a constant among the inputs
     for x in inputs:
         if isinstance(x, DistTensor):
             if mesh is None:
                 mesh = x.mesh
-            elif x.mesh != mesh:
+            elif x.mesh is not mesh and x.mesh != mesh:
                 raise ValueError(f"{entry.name}: inputs live on different meshes "
                                  f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
                                  "onto the other's mesh first")
-    specs = []
+        else:
+            plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
-    for x in inputs:
-        s = x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
-        if s is None:
-            consts += (type(x),)
-        specs.append(s)
-    specs = tuple(specs)
+    if plain:
+        specs = []
+        for x in inputs:
+            s = x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
+            if s is None:
+                consts += (type(x),)
+            specs.append(s)
+        specs = tuple(specs)
+    else:
+        specs = tuple([x.spec for x in inputs])
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
            consts)
     prep = _PREPARED.get(key) if not _FORCE else None
@@ -219,6 +225,7 @@ class _Prepared:
     cand: Any = None       # the candidate that runs (the decision's, or an even one)
     out_dtypes: tuple = ()
     cost: Any = None       # the op's cost on the busiest rank (computed when first traced)
+    ctx: Any = None        # the local implementation's Ctx (made on the first run)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -262,28 +269,34 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         raise NotImplementedError(f"{opdef.name} on uneven shards over torch.distributed: "
                                   "pad the tensors so every mesh dim divides them")
     locs = []
-    tensors = []
     for x, spec, plan, axes in zip(inputs, specs, cand.plans, prep.expand):
         if spec is None:
-            tensors.append(x)
             locs.append(x)
             continue
-        t = _as_dist(x, mesh)
+        t = x if type(x) is DistTensor else _as_dist(x, mesh)
         if plan is not None and plan.steps:
             t = execute(plan, t)
-        tensors.append(t)
-        loc = storage.for_run(t._local, mesh, even)
+        loc = t._local
+        if not even or type(loc) is not torch.Tensor:
+            loc = storage.for_run(loc, mesh, even)
         if axes:
             loc = C.expand_replicas(loc, mesh, axes, label=f"{opdef.name} input")
         locs.append(loc)
     out_shapes = prep.out_shapes
+    ctx = prep.ctx
+    if ctx is None:
+        # the input layouts after the plans: the same for every call of this prepared op
+        in_specs = tuple(None if spec is None else
+                         spec if plan is None or not plan.steps else
+                         TensorSpec(spec.shape, mesh, plan.dst, spec.dtype, _trusted=True)
+                         for spec, plan in zip(specs, cand.plans))
+        ctx = Ctx(mesh, in_specs, outs_ps, out_shapes,
+                  coord=storage.own_coord(mesh) if even else None)
+        if not _FORCE:
+            prep.ctx = ctx
     if even:
-        ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
-                  outs_ps, out_shapes, coord=storage.own_coord(mesh))
         out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
     else:
-        ctx = Ctx(mesh, tuple(t.spec if isinstance(t, DistTensor) else None for t in tensors),
-                  outs_ps, out_shapes)
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
@@ -300,7 +313,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
     # once (under VALIDATE, ranks that computed different copies raise)
     outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
                                       check=VALIDATE[-1])
-    wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
+    if not many:
+        o = outs[0]
+        wrapped = (DistTensor(o, mesh, outs_ps[0], out_shapes[0], o.dtype),)
+    else:
+        wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
     if opdef.op_class == "view" and isinstance(inputs[0], DistTensor):
         note_views(opdef.name, inputs[0], wrapped, attrs)    # x[0].zero_() reaches x
     for h in _HOOKS:

@@ -181,6 +181,8 @@ class DistTensor:
                                "grad can be implicitly created only for scalars; pass gradient=")
         t = self
         from .reshard import reshard
+        if gradient is None and storage.backward_scalar(self._local, self.mesh, self.placements):
+            return
         if any(p.is_partial() for p in self.placements):
             t = reshard(self, self.mesh, self._grad_placements())
         if gradient is None:

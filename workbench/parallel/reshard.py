@@ -30,7 +30,7 @@ import torch
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.mesh import Mesh
-from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.profiles import DEFAULT_PROFILE, get_profile
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, shard_tensor
@@ -294,9 +294,19 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     if not isinstance(t, DistTensor):
         raise TypeError(f"reshard(t={type(t).__name__}): expected a DistTensor; "
                         "use shard_tensor() for a plain tensor")
-    mesh = t.mesh if mesh is None else mesh
-    plan = plan_reshard(t, mesh, placements, profile=profile)
-    out = execute(plan, t)
+    if mesh is None or mesh is t.mesh:
+        key = _plan_key(t, placements, profile)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is None:
+            plan = plan_reshard(t, t.mesh, placements, profile=profile)
+            if key is not None:
+                if len(_PLANS) > 4096:
+                    _PLANS.clear()
+                _PLANS[key] = plan
+        out = _run(plan, t)
+    else:
+        plan = plan_reshard(t, mesh, placements, profile=profile)
+        out = execute(plan, t)
     if out is not t and _shares_memory(out, t):
         # local steps slice or expand t's memory; the result gets its own (as DTensor's
         # Shard._replicate_to_shard clones), so that writing into it leaves t alone
@@ -309,6 +319,30 @@ def _shares_memory(a, b) -> bool:
     return any(x.untyped_storage().data_ptr() in ptrs for x in storage.tensors(a._local))
 
 
+_PLANS: dict = {}    # (t.spec, placements as given, profile name) -> plan on t's own mesh
+
+
+def _plan_key(t, placements, profile):
+    """What plan_reshard's plan on t's own mesh depends on (it plans by the profile's
+    name), or None where a key would cost more than planning (unhashable placements,
+    a Profile object)."""
+    if type(placements) is list or type(placements) is tuple:
+        placements = tuple(placements)
+    elif not isinstance(placements, str):
+        return None
+    if profile is None:
+        tr = current_trace()
+        profile = tr.profile.name if tr is not None else DEFAULT_PROFILE
+    elif not isinstance(profile, str):
+        return None
+    key = (t.spec, placements, profile)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def execute(plan: Plan, t):
     """Run a plan's steps on ``t`` and return the new DistTensor."""
     if not isinstance(plan, Plan) or not isinstance(t, DistTensor):
@@ -317,16 +351,55 @@ def execute(plan: Plan, t):
     if tuple(t.placements) != plan.src or t.mesh != plan.src_mesh or tuple(t.shape) != plan.shape:
         raise ValueError("execute(plan, t): the plan was made for another tensor layout "
                          f"({fmt_placements(plan.src)} of {plan.shape}); plan again")
-    for s in plan.steps:
+    return _run(plan, t)
+
+
+def _run(plan: Plan, t):
+    """execute's steps, for a plan known to be made for t's layout."""
+    steps = plan.steps
+    k = 0
+    while k < len(steps):
+        s = steps[k]
+        k += 1
         if s.kind == "send_recv":
             t = _send(t, plan.dst_mesh, s.dst)
         elif s.kind == "local_relabel":
             t = DistTensor(t._local, t.mesh, s.dst, t.shape, t.dtype, t.names)
+        elif s.kind == "local_pad" and k < len(steps) and _pads_for(s, steps[k]):
+            y = _padded_all_reduce(t, s, steps[k])
+            if y is None:
+                t = _local_step(t, s.mesh_dim, s.dst)
+            else:
+                t, k = y, k + 1
         elif s.kind in _LOCAL:
             t = _local_step(t, s.mesh_dim, s.dst)
         else:
             t = _collective_step(t, s)
     return t
+
+
+def _pads_for(pad: Step, nxt: Step) -> bool:
+    """A zero-pad S(d) -> P(sum) that the next step all-reduces on the same mesh dim:
+    together an all-gather of the shards (the planner may choose the pair where the
+    profile prices the all-reduce below the all-gather)."""
+    i = pad.mesh_dim
+    return nxt.kind == "all_reduce" and nxt.mesh_dim == i and nxt.src == pad.dst
+
+
+def _padded_all_reduce(t, pad: Step, ar: Step):
+    """Both steps at once on stacked shards (the same values and the same trace event as
+    running them one after the other, without the padded buffer, n times the data);
+    None where they must run one by one (uneven shards, torch.distributed)."""
+    if storage.holds_own(t.mesh):
+        return None
+    x = storage.for_layout(t._local, t.shape, t.mesh, t.placements, pad.dst, ar.dst)
+    if storage.is_cells(x):
+        return None
+    i = pad.mesh_dim
+    label = (f"{ar.src[i]}->{ar.dst[i]} on {t.mesh.dim_names[i]}"
+             if current_trace() is not None else "")
+    y = C.padded_all_reduce(x, t.mesh, i, pad.src[i].dim, label=label)
+    return DistTensor(y, t.mesh, ar.dst, t.shape, t.dtype, t.names)
 
 
 def _collective_step(t, s: Step):

@@ -30,6 +30,7 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import grid
 from ..sim_mesh.grid import Cells
+from ..sim_mesh.trace import current_trace
 from . import layout
 from .placement import Partial, Replicate, Shard
 
@@ -37,7 +38,7 @@ __all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_globa
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
            "map_tensors", "device", "first_copy_like", "local_step", "run_per_cell",
-           "keep_first_replica"]
+           "keep_first_replica", "backward_scalar"]
 
 
 def form(loc, mesh) -> str:
@@ -134,9 +135,26 @@ def for_layout(loc, shape, mesh, *placements):
     if _B.is_distributed(mesh):
         return loc
     for ps in placements:
-        if not layout.is_even(shape, mesh, ps):
+        if not _is_even(shape, mesh, ps):
             return to_cells(loc, mesh.ndim)
     return to_stacked(loc)
+
+
+_EVEN: dict = {}     # id(placements) -> (placements, shape, mesh, layout.is_even)
+
+
+def _is_even(shape, mesh, ps) -> bool:
+    """layout.is_even, remembered per placements object (a plan's steps and a DistTensor
+    keep theirs: no placement is hashed again on the hot path)."""
+    hit = _EVEN.get(id(ps))
+    if hit is not None and hit[0] is ps and hit[2] is mesh and hit[1] == shape:
+        return hit[3]
+    even = layout.is_even(shape, mesh, ps)
+    if type(ps) is tuple:
+        if len(_EVEN) > 4096:
+            _EVEN.clear()
+        _EVEN[id(ps)] = (ps, shape, mesh, even)       # holds ps: its id stays its own
+    return even
 
 
 def for_run(loc, mesh, even: bool):
@@ -179,6 +197,29 @@ def map_tensors(loc, fn):
     if isinstance(loc, Cells):
         return Cells(loc.lead, [fn(t) for t in loc.items])
     return fn(loc)
+
+
+def backward_scalar(loc, mesh, placements) -> bool:
+    """``backward()`` from a one-element value held stacked, where it needs no recorded
+    communication: replicated (compact), or a Partial sum outside a trace, whose
+    all-reduce's gradient is 1 on every rank (the reduced value itself is not needed).
+    True if done; False for the caller's general path (other forms, a traced or
+    non-sum Partial, non-real dtypes)."""
+    if isinstance(loc, Cells) or _B.is_distributed(mesh) or not loc.is_floating_point() \
+            or loc.numel() != math.prod(loc.shape[:mesh.ndim]):
+        return False
+    partial = False
+    for p, n, k in zip(placements, mesh.shape, loc.shape):
+        if isinstance(p, Partial):
+            if p.reduce_op != "sum" or k != n:
+                return False
+            partial = True
+        elif k != 1:
+            return False
+    if partial and current_trace() is not None:
+        return False
+    torch.autograd.backward(loc, torch.ones_like(loc))
+    return True
 
 
 def device(loc) -> torch.device:
@@ -268,8 +309,9 @@ def keep_first_replica(outs, outs_ps, shapes, locs, mesh, check: bool = False) -
 
 
 def _first_copy(o, mesh, placements, check):
+    shape = o.shape
     for i, p in enumerate(placements):
-        if p.is_replicate() and o.shape[i] != 1:
+        if shape[i] != 1 and isinstance(p, Replicate):
             first = o.narrow(i, 0, 1)
             if check and not torch.allclose(o, first.expand_as(o), rtol=1e-4, atol=1e-5,
                                             equal_nan=True):
@@ -347,8 +389,13 @@ def _pad_one(t, shape, mesh, old_ps, i, coord):
 
 def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
     nd, n, d = mesh.ndim, mesh.shape[i], new.dim
-    L = x.shape[nd + d]
-    y = x.squeeze(i).unflatten(nd - 1 + d, (n, L // n)).movedim(nd - 1 + d, i)
+    if i == nd - 1 and d == 0:            # the chunk index lands where the mesh axis was
+        s = x.shape
+        y = x.view(s[:i] + (n, s[nd] // n) + s[nd + 1:])
+    else:
+        y = grid.split_axis(x.squeeze(i), nd - 1 + d, n).movedim(nd - 1 + d, i)
+    if not y.requires_grad:
+        return y                          # no backward to record
     nb = grid.Stacked.rank_bytes(x, nd)
     return C._on_backward(y, "all_gather", mesh, i, nb, label)
 

@@ -33,7 +33,7 @@ from . import cost as _cost
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
 from .trace import current_trace
 
-__all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+__all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "padded_all_reduce",
            "broadcast", "expand_replicas", "send_recv", "record_collective", "nbytes_of",
            "chunk_bounds",
            "REDUCE_OPS"]
@@ -159,6 +159,8 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
         return _B.tag(y, (axis,)) if expanded else y
     F, axis = _check(x, mesh, axis, "all_reduce")
     n = mesh.shape[axis]
+    if not expanded and current_trace() is None:
+        return F.all_reduce(x, mesh.ndim, axis, op, n)      # nothing to record
     nb = F.rank_bytes(x, mesh.ndim)
     record_collective("all_reduce", mesh, axis, nb, label)
     y = F.all_reduce(x, mesh.ndim, axis, op, n)
@@ -178,11 +180,46 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
     dim = _dim(x, mesh.ndim, dim, "all_gather", "dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     y = F.all_gather(x, nd, axis, dim, n)
+    if not expanded and current_trace() is None:
+        return y                             # nothing to record
     nb = F.rank_bytes(y, nd)                 # the cost model's buffer: the gathered tensor
     record_collective("all_gather", mesh, axis, nb, label)
     if expanded:
         return _on_backward(F.expand(y, axis, n), "reduce_scatter", mesh, axis, nb, label)
     return y
+
+
+class _PlusZero(torch.autograd.Function):
+    """``x + 0`` both ways: what a sum with zeros does to a value (exact, but a -0.0
+    becomes +0.0), forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + 0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0
+
+
+def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
+    """What zero-padding each shard of local ``dim`` to its group's length (S(dim) -> P(sum),
+    no traffic) then an all-reduce (P(sum) -> R) computes, without the padded buffer:
+    every rank ends with the group's shards side by side, each value plus the zeros the
+    sum adds (``x + 0``, so exact, and a -0.0 turns +0.0 as in the sum; the gradient
+    likewise).  Recorded as the all-reduce of the padded buffer it stands for; stacked
+    shards on the simulator only (the caller runs the two steps otherwise)."""
+    F, axis = _check(x, mesh, axis, "all_reduce")
+    if F is not Stacked or _B.is_distributed(mesh):
+        raise ValueError("padded_all_reduce: stacked shards on the simulator only")
+    nd, n = mesh.ndim, mesh.shape[axis]
+    dim = _dim(x, nd, dim, "all_reduce", "dim")
+    y = F.all_gather(x, nd, axis, dim, n)                # a view: the shards side by side
+    if current_trace() is not None:
+        record_collective("all_reduce", mesh, axis, F.rank_bytes(y, nd), label)
+    if y.requires_grad and torch.is_grad_enabled():
+        return _PlusZero.apply(y)
+    return y + 0
 
 
 def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str = ""):
@@ -254,11 +291,13 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
             _B.tag(x, had + (a,))
         return x
     F = ops_for(x)
+    nd = mesh.ndim
     for a in axes:
-        a = mesh.dim(a)
-        if F.lead(x, mesh.ndim)[a] != 1:
+        if type(a) is not int or not 0 <= a < nd:
+            a = mesh.dim(a)
+        if F.lead(x, nd)[a] != 1:
             continue                      # already one copy per rank: nothing to expand
-        nb = F.rank_bytes(x, mesh.ndim)
+        nb = F.rank_bytes(x, nd)
         x = F.expand(x, a, mesh.shape[a])
         x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
     return x

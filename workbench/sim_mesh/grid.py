@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["Cells", "Stacked", "CellGrid", "ops_for", "reduce", "chunk_bounds", "chunks",
-           "REDUCE_OPS"]
+           "split_axis", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -109,6 +109,13 @@ def _divides(length: int, n: int, what: str) -> None:
                          "ranks, so the shards cannot be stacked; pass Cells (uneven shards)")
 
 
+def split_axis(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    """``x.unflatten(d, (n, -1))`` as one view (splitting a dim never needs a copy;
+    Tensor.unflatten is a Python wrapper, slower on the hot path)."""
+    s = x.shape
+    return x.view(s[:d] + (n, s[d] // n) + s[d + 1:])
+
+
 class Stacked:
     """The grid as one tensor ``(*lead, *local)``: every shard has one shape."""
 
@@ -150,13 +157,13 @@ class Stacked:
         if axis == nd - 1 and dim == 0:
             # the chunk index lands where the mesh axis was: one view does it
             return y.view(shape[:axis] + (n, L // n) + shape[nd + 1:])
-        return y.squeeze(axis).unflatten(nd - 1 + dim, (n, L // n)).movedim(nd - 1 + dim, axis)
+        return split_axis(y.squeeze(axis), nd - 1 + dim, n).movedim(nd - 1 + dim, axis)
 
     @staticmethod
     def all_to_all(x, nd, axis, split_dim, concat_dim, n):
         L = x.shape[nd + split_dim]
         _divides(L, n, "all_to_all")
-        y = x.unflatten(nd + split_dim, (n, L // n))            # new axis at nd+split_dim
+        y = split_axis(x, nd + split_dim, n)                     # new axis at nd+split_dim
         y = y.movedim(nd + split_dim, nd)                        # (..A.., n_dst, *L')
         # now axis `axis` is the source rank; swap source and destination
         y = y.movedim(axis, nd)                                  # (..A\axis.., n_dst, n_src, *L')
