@@ -40,6 +40,7 @@ from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel
 from .flat_shards import pack, unpack
+from .rank_grads import as_replica_grad
 from .ranks import bucket_order, check_module
 
 __all__ = ["GradReplicas", "DistTensorDDP"]
@@ -91,6 +92,35 @@ class GradReplicas:
                 shape[self.axis] = self.n
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
+            if trainable:
+                p._local.register_post_accumulate_grad_hook(self._grad_hook(p))
+        self.who = who
+        # what torch.nn.utils.clip_grad_norm_ over the replicas says before the sum
+        self.unsynced_hint = (
+            f"torch.nn.utils.clip_grad_norm_ over {who}'s replicas before their gradients "
+            "are summed over the data-parallel ranks (each rank would clip by its own "
+            f"gradient): call {who}.finish_gradient_synchronization() after backward, then "
+            "clip (inside no_sync() nothing is summed)")
+
+    # ---- gradients torch's clip_grad_norm_ reads as one device (rank_grads.ReplicaGrad) ----
+    def _replica_grad(self, p, g, synced: bool):
+        axes = tuple(a for a, pl in enumerate(p.placements) if not pl.is_shard())
+        refuse = None
+        sharded = [self.mesh.dim_names[a] for a, pl in enumerate(p.placements)
+                   if pl.is_shard() and self.mesh.shape[a] > 1]
+        if self.distributed and sharded:
+            refuse = (f"torch.nn.utils.clip_grad_norm_ over {self.who}'s replicas under "
+                      f"torch.distributed: a parameter is sharded on mesh dim {sharded[0]!r}, "
+                      "so this process's gradient is a shard and its norm not the model's; "
+                      "call wb.clip_grad_norm_(model.parameters(), max_norm) (the "
+                      "DistTensors: it combines the shards' norms)")
+        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse)
+
+    def _grad_hook(self, p):
+        def hook(leaf):             # a gradient backward accumulated: not summed over dp
+            if leaf.grad is not None:
+                leaf.grad = self._replica_grad(p, leaf.grad, False)
+        return hook
 
     def is_partial(self, p) -> bool:
         return id(p) in self._partial
@@ -110,7 +140,7 @@ class GradReplicas:
                   if p._local.grad is not None]
         self.sum_partials(params)
         for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
-            p._local.grad = g
+            p._local.grad = self._replica_grad(p, g, True)
 
     @torch.no_grad()
     def sum_partials(self, params) -> None:
@@ -123,7 +153,7 @@ class GradReplicas:
         red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
                            label="sequence-parallel norm grads")
         for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
-            p._local.grad = piece.contiguous()
+            p._local.grad = self._replica_grad(p, piece.contiguous(), False)
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh

@@ -49,6 +49,15 @@ from .zero_optimizer import ZeroRedundancyOptimizer
 __all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter"]
 
 
+_CLIP_REFUSE = (
+    "ZeroRedundancyOptimizer(partition='chunks') (ZeRO-1/2, DataParallel(zero=1|2)) sums the "
+    "gradients over the data-parallel ranks inside step() (one reduce-scatter; ZeRO-2 keeps "
+    "only each rank's shard): before it each replica holds its own rank's gradient, so "
+    "clipping now would not clip the model's.  Gradient clipping is not built for this "
+    "optimizer: use DistributedDataParallel (then wb.clip_grad_norm_ over the model's "
+    "parameters) or Zero3 (torch.nn.utils.clip_grad_norm_ over its parameters())")
+
+
 def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
     """A gradient's async reduce-scatter over ``axis``, issued now (its data ready at the
     ranks' compute clock) from a gradient hook: recorded before the next event unless
@@ -91,6 +100,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
         self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
         nd = mesh.ndim
+        # the replicas' gradients are summed inside step(): a clip before it would read
+        # each rank's own gradient (or none: ZeRO-2 keeps only the shard)
+        r.unsynced_hint = _CLIP_REFUSE
+        for p in self.params:
+            p._local._wb_clip_refuse = _CLIP_REFUSE
         # rank k's chunk k of each flat padded replica: the leaves the optimizer steps
         self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
                                     requires_grad=p.requires_grad) for p in self.params]

@@ -1,0 +1,147 @@
+"""A user's training loop on the data-parallel family's DistTensor modes (dp beside tp on
+(2, 2) ranks): torch's and wb's clip_grad_norm_ give one device's norm or raise, Zero3's
+module habits (state_dict, load_state_dict, zero_grad, requires_grad_, .to) read and write
+its shards, never its stale templates."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.parallel.strategies.data_parallel import DataParallel
+from workbench.parallel.strategies.zero3 import Zero3
+
+PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def one_device_norm(norm_type):
+    m, (x, y) = mlp(), batch()
+    ((m(x) - y) ** 2).mean().backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in m.parameters()], norm_type)
+
+
+def parallel():
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    return mesh, wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
+
+
+def backward(f, mesh):
+    x, y = batch()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])
+    yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
+    ((f(xd) - yd) ** 2).mean().backward()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("kind", ["ddp", "dp0"])
+def test_torch_clip_over_ddp_replicas_is_one_devices_norm(kind, norm_type):
+    mesh, model = parallel()
+    if kind == "ddp":
+        w = wb.DistributedDataParallel(model, mesh, "dp")
+        backward(w, mesh)
+    else:
+        w = DataParallel([p for _, p in wb.dist_parameters(model)], mesh)
+        backward(model, mesh)
+    with pytest.raises(RuntimeError, match="finish_gradient_synchronization"):
+        torch.nn.utils.clip_grad_norm_(w.parameters(), 1.0, norm_type)   # not summed yet
+    with pytest.raises(RuntimeError, match="finish_gradient_synchronization"):
+        wb.clip_grad_norm_(model.parameters(), 1.0, norm_type)
+    w.finish_gradient_synchronization()
+    ref = one_device_norm(norm_type)
+    got = torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9, norm_type)
+    assert torch.allclose(got, ref, rtol=1e-5), (got, ref)      # was sqrt(2) x on dp=2
+    assert torch.allclose(wb.clip_grad_norm_(model.parameters(), 1e9, norm_type), ref,
+                          rtol=1e-5)
+    # clipped to half of it: the model's global norm becomes that (one device's clip)
+    torch.nn.utils.clip_grad_norm_(w.parameters(), ref.item() / 2, norm_type)
+    after = wb.clip_grad_norm_(model.parameters(), 1e9, norm_type)
+    assert torch.allclose(after, ref / 2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_2_clip_raises_naming_why(zero):
+    mesh, model = parallel()
+    DataParallel([p for _, p in wb.dist_parameters(model)], mesh, zero=zero)
+    backward(model, mesh)
+    for fn in (wb.clip_grad_norm_, wb.clip_grad_value_):
+        with pytest.raises(RuntimeError, match=r"inside step\(\)"):
+            fn(model.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("cls", ["fsdp", "zero3"])
+def test_fsdp_dist_clip_is_one_devices_or_raises(cls):
+    mesh, model = parallel()
+    w = Zero3(model, mesh, "dp") if cls == "zero3" else \
+        wb.FullyShardedDataParallel(model, mesh, "dp")
+    backward(w, mesh)
+    w.finish_gradient_synchronization()
+    got = torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9)
+    assert torch.allclose(got, one_device_norm(2.0), rtol=1e-5)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\((zero3|fsdp)\.parameters\(\)"):
+        wb.clip_grad_norm_(model.parameters(), 1.0)      # the templates: no gradient
+
+
+def test_zero3_module_state_dict_tracks_the_trained_shards_and_loads_into_them():
+    mesh, model = parallel()
+    z = Zero3(model, mesh, "dp", lr=1e-2)
+    backward(z, mesh)
+    z.step()
+    full = z.full_state_dict()
+    sd = model.state_dict()
+    assert set(sd) == set(full)
+    for k, v in sd.items():
+        assert isinstance(v, wb.DistTensor) and torch.equal(v.full(), full[k]), k
+    assert set(z.state_dict()) == set(full)
+    # load a one-device state dict (full tensors) into the module: the shards take it
+    ref = mlp().state_dict()
+    model.load_state_dict(ref)
+    for k, v in z.full_state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    # a failed load leaves the shards untouched
+    bad = dict(ref)
+    bad["0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    for k, v in z.full_state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    # the forward reads the loaded values (one device's output)
+    x, _ = batch()
+    out = z(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])).full()
+    assert torch.allclose(out, mlp()(x), atol=1e-6)
+
+
+def test_zero3_module_zero_grad_requires_grad_and_to_reach_the_shards():
+    mesh, model = parallel()
+    z = Zero3(model, mesh, "dp")
+    backward(z, mesh)
+    assert all(p.grad is not None for p in z.parameters())
+    model.zero_grad()
+    assert all(p.grad is None for p in z.parameters())
+    model.requires_grad_(False)
+    assert not any(p.requires_grad for p in z.parameters())
+    model.requires_grad_(True)
+    assert all(p.requires_grad for p in z.parameters())
+    with pytest.raises(NotImplementedError, match="before wrapping"):
+        model.double()
+    assert all(p.dtype == torch.float32 for p in z.parameters())
+
+
+def test_ddp_dist_module_double_keeps_the_optimizers_replicas():
+    mesh, model = parallel()
+    w = wb.DistributedDataParallel(model, mesh, "dp")
+    before = list(w.parameters())
+    model.double()
+    after = list(w.parameters())
+    assert all(a is b for a, b in zip(before, after))       # the optimizer's leaves
+    assert all(p.dtype == torch.float64 for p in after)
