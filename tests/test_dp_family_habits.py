@@ -145,3 +145,57 @@ def test_ddp_dist_module_double_keeps_the_optimizers_replicas():
     after = list(w.parameters())
     assert all(a is b for a, b in zip(before, after))       # the optimizer's leaves
     assert all(p.dtype == torch.float64 for p in after)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "dp0"])
+def test_ddp_replicas_accumulate_over_synced_backwards_and_sync_once(kind):
+    """Two backwards, each followed by finish_gradient_synchronization (called twice the
+    second time), no zero_grad between: one device's accumulated gradient, as torch DDP."""
+    m, (x, y) = mlp(), batch()
+    for _ in range(2):
+        ((m(x) - y) ** 2).mean().backward()
+    ref = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+    mesh, model = parallel()
+    if kind == "ddp":
+        w = f = wb.DistributedDataParallel(model, mesh, "dp")
+    else:
+        w, f = DataParallel([p for _, p in wb.dist_parameters(model)], mesh), model
+    backward(f, mesh)
+    w.finish_gradient_synchronization()
+    backward(f, mesh)
+    w.finish_gradient_synchronization()
+    w.finish_gradient_synchronization()              # idempotent: summed once
+    got = torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9)
+    assert torch.allclose(got, ref, rtol=1e-5), (got, ref)
+    full = {n: p.grad.full() for n, p in wb.dist_parameters(model)}
+    for n, p in m.named_parameters():
+        assert torch.allclose(full[n], p.grad, atol=1e-6), n
+
+
+def test_ddp_dist_state_dict_zero_grad_requires_grad_and_double():
+    mesh, model = parallel()
+    w = wb.DistributedDataParallel(model, mesh, "dp")
+    leaves = list(w.parameters())
+    sd = w.state_dict()
+    assert set(sd) == {"module." + k for k in mlp().state_dict()}
+    assert all(isinstance(v, wb.DistTensor) for v in sd.values())
+    ref = {k: v + 1.0 for k, v in mlp().state_dict().items()}       # one device's values
+    w.load_state_dict({"module." + k: v for k, v in ref.items()})
+    assert all(a is b for a, b in zip(leaves, w.parameters()))      # in place: the optimizer's
+    w.check_replicas()                                              # every replica loaded
+    for k, v in w.full_state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    with pytest.raises(RuntimeError, match="Missing key"):
+        w.load_state_dict({k: v for k, v in ref.items()})           # no "module." prefix
+    for k, v in w.full_state_dict().items():
+        assert torch.equal(v, ref[k]), k                            # untouched
+    backward(w, mesh)
+    w.finish_gradient_synchronization()
+    w.zero_grad()
+    assert all(p.grad is None for p in w.parameters())
+    w.requires_grad_(False)
+    assert not any(p.requires_grad for p in w.parameters())
+    w.requires_grad_(True)
+    w.double()
+    assert all(a is b and a.dtype == torch.float64 for a, b in zip(leaves, w.parameters()))
+    assert all(v.dtype == torch.float64 for v in w.full_state_dict().values())

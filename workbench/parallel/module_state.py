@@ -225,13 +225,18 @@ def load_dist_(dt: DistTensor, value, key: str):
                 f"checkpoint, the shape in current model is {dt.shape}.")
     src = shard_tensor(value.detach().to(dt.dtype), dt.mesh, dt.placements)
     mine, theirs = storage.tensors(dt._local), storage.tensors(src._local)
-    if len(mine) == len(theirs) and all(a.shape == b.shape for a, b in zip(mine, theirs)):
-        for a, b in zip(mine, theirs):
-            a.copy_(b)
+    if len(mine) == len(theirs) and all(_fits(b, a) for a, b in zip(mine, theirs)):
+        for a, b in zip(mine, theirs):      # in place: one copy per rank where ``a`` has
+            a.copy_(b.expand_as(a))         # them (DDP's replicas), the optimizer's tensors
     else:                                   # another storage form (e.g. one copy per rank)
         rg = dt.requires_grad
         dt._local = storage.map_tensors(src._local, lambda t: t.detach().requires_grad_(rg))
     return None
+
+
+def _fits(b, a) -> bool:
+    """Does ``b`` fill ``a`` (the same shape, or size 1 where ``a`` holds copies)?"""
+    return b.dim() == a.dim() and all(x == y or x == 1 for x, y in zip(b.shape, a.shape))
 
 
 def check_state_dict(owner: str, expected: dict, given, strict: bool) -> None:
