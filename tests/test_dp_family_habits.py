@@ -199,3 +199,40 @@ def test_ddp_dist_state_dict_zero_grad_requires_grad_and_double():
     w.double()
     assert all(a is b and a.dtype == torch.float64 for a, b in zip(leaves, w.parameters()))
     assert all(v.dtype == torch.float64 for v in w.full_state_dict().values())
+
+
+# ---- in-place init after wrapping (plain modules' rows and shards, DistTensor shards) ------
+def _wrapped_linears():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    torch.manual_seed(0)
+    ddp = wb.DistributedDataParallel(nn.Linear(6, 4), mesh)
+    torch.manual_seed(0)
+    fsdp = wb.FullyShardedDataParallel(nn.Linear(6, 4), mesh)
+    m2, model = parallel()
+    z = Zero3(model, m2, "dp")
+    return [(ddp.module, ddp), (fsdp.module, fsdp), (model[0], z)]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("init", [
+    lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), nn.init.xavier_normal_,
+    lambda t: nn.init.trunc_normal_(t, std=0.02), lambda t: t.normal_(0.0, 0.02)])
+def test_random_init_after_wrapping_raises_and_leaves_the_values(which, init):
+    lin, w = _wrapped_linears()[which]
+    params = list(w.parameters())
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="Initialize the module before wrapping"):
+        with torch.no_grad():
+            init(params[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, w.parameters()))
+    if which < 2:                           # the module's own reset_parameters too
+        with pytest.raises(RuntimeError, match="before wrapping"):
+            lin.reset_parameters()
+
+
+def test_constant_init_after_wrapping_is_one_devices():
+    for lin, w in _wrapped_linears()[:2]:
+        for p in w.parameters():
+            nn.init.zeros_(p)
+        sd = w.full_state_dict()
+        assert all(torch.equal(v, torch.zeros_like(v)) for v in sd.values())

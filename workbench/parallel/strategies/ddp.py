@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import pack, unpack
+from .laid_out import laid_out
 from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
                     run_per_rank, state_dict_check)
@@ -133,8 +134,9 @@ class DistributedDataParallel(ModuleWrapper):
                 dist.broadcast(t.data, src=g.global_rank(self.broadcast_from), group=g.pg)
             return
         for p in list(m.parameters()):         # one row per simulated rank (real storage)
-            rows = nn.Parameter(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
-                                requires_grad=p.requires_grad)
+            rows = laid_out(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
+                            p.requires_grad, f"on {g.n} simulated ranks it holds one row per "
+                            f"rank (shape {(g.n,) + tuple(p.shape)})")
             rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
             replace_parameter(m, p, rows)
 

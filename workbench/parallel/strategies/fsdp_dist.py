@@ -59,6 +59,7 @@ from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
 from .fsdp_dist_habits import install_habits
+from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
 from .ranks import RankGroup, check_module
 from .zero3_clock import Zero3Clock
@@ -129,7 +130,9 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
                 loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
             # the shard is the leaf an optimizer steps (frozen stays frozen)
-            shard = nn.Parameter(self.chunk_of(loc), requires_grad=p.requires_grad)
+            shard = laid_out(self.chunk_of(loc), p.requires_grad,
+                             f"it holds each dp rank's flat chunk of {qname}'s local shards "
+                             f"(the {tuple(p.shape)} DistTensor)")
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)
             self._places.append(places)
