@@ -236,3 +236,28 @@ def test_constant_init_after_wrapping_is_one_devices():
             nn.init.zeros_(p)
         sd = w.full_state_dict()
         assert all(torch.equal(v, torch.zeros_like(v)) for v in sd.values())
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_data_parallel_clip_then_step_is_one_devices(zero):
+    """DataParallel(zero).clip_grad_norm_ (ZeRO-1/2: the optimizer's, after its
+    reduce-scatter) returns one device's norm and the step is one device's clipped step."""
+    m, (x, y) = mlp(), batch()
+    ((m(x) - y) ** 2).mean().backward()
+    ref = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), ref.item() / 2)
+    torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0).step()
+    mesh, model = parallel()
+    dp = DataParallel([p for _, p in wb.dist_parameters(model)], mesh, zero=zero, lr=1e-2)
+    backward(model, mesh)
+    with wb.trace() as tr:
+        got = dp.clip_grad_norm_(ref.item() / 2)
+    assert torch.allclose(got, ref, rtol=1e-5), (got, ref)
+    if zero:    # ZeRO-1: its reduce-scatter (ZeRO-2: in backward), the norm parts (scalars)
+        ev = tr.collectives()
+        assert "all_reduce" in {e.name for e in ev} <= {"reduce_scatter", "all_reduce"}
+        assert all(e.label == "clip_grad norm" for e in ev if e.name == "all_reduce")
+    dp.step()
+    for n, p in m.named_parameters():
+        got = dict(wb.dist_parameters(model))[n].full()
+        assert torch.allclose(got, p.detach(), atol=1e-6), n
