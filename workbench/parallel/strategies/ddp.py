@@ -54,7 +54,9 @@ names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the m
 own shape), ``load_state_dict`` takes them (full tensors, copied into every rank's
 copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
-the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.
+the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
+ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
+rank's row would get its own draw, the fan-in read from the rows): initialize before.
 """
 from __future__ import annotations
 

@@ -25,6 +25,15 @@ built for plain modules (:mod:`.ddp`) only: ``overlap_grad_reduce=True`` raises 
 optimizer-style name, :mod:`.data_parallel`) and the hybrid recipe run on it.  Sequence
 parallelism's norm gradients, partial sums over tp (``partial_grads``), are all-reduced
 over that dim in one buffer first, as Megatron-LM's ``_allreduce_layernorm_grads``.
+
+The habits of one device hold: each replica's gradient is a
+:class:`~.rank_grads.ReplicaGrad`, so ``torch.nn.utils.clip_grad_norm_(ddp.parameters(),
+...)`` reads one copy (one device's norm, not ``sqrt(N_dp)`` times it) once the gradients
+are summed and raises before; a backward after the sum accumulates as torch DDP's (the
+sum kept in one copy) and a second sum is skipped; ``state_dict()`` gives torch DDP's keys
+(DistTensors over the replicas), ``load_state_dict`` copies into every replica in place,
+``requires_grad_`` and ``.to(dtype)`` convert the replicas in place (the optimizer keeps
+its tensors).
 """
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ stale templates silently, so :func:`install_habits` makes:
 * ``module.zero_grad()`` / ``requires_grad_()``: the shards' gradients and flags
   (:class:`~workbench.parallel.module_state.ParallelModule` reads ``_wb_shards``);
   ``module.to(dtype)`` raises (the shards would stay as they are);
+* each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
+  the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
+  shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
 * ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (the
   templates have no gradient: the clip would be a silent no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
@@ -62,9 +65,14 @@ def gathered(fsdp, i: int) -> DistTensor:
 
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
+    stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
+             "into flat shards (its value at wrapping); a write to it would not reach the "
+             "shards the forward reads: initialize before wrapping, or load values with "
+             "module.load_state_dict (it cuts them into the shards)")
     for _, _, tmpl, shard in fsdp.entries:
         for t in storage.tensors(tmpl._local):
             t._wb_clip_refuse = msg
+            t._wb_stale = stale         # for DistTensor's in-place writes to refuse
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
     for m in fsdp.module.modules():
