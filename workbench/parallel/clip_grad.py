@@ -99,6 +99,21 @@ def _norm_of(g, p: float) -> torch.Tensor:
     return torch.linalg.vector_norm(g, p)
 
 
+def _check_readable(params, fn: str) -> None:
+    """Raise where a DistTensor's gradient is not the model's: its storage marked by a
+    wrapper (``_wb_clip_refuse``: Zero3's templates, ZeRO-1/2's replicas), or a replica's
+    gradient not yet summed over the data-parallel ranks (``_wb_synced`` False)."""
+    for p in params:
+        if not isinstance(p, DistTensor):
+            continue
+        for t in storage.tensors(p._local):
+            msg = getattr(t, "_wb_clip_refuse", None)
+            if msg:
+                raise RuntimeError(f"wb.{fn}: {msg}")
+            if t.grad is not None and getattr(t.grad, "_wb_synced", True) is False:
+                raise RuntimeError(f"wb.{fn}: {t.grad._wb_hint}")
+
+
 def _grads(params):
     return [p.grad for p in params if p.grad is not None]
 
@@ -142,6 +157,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     """``torch.nn.utils.clip_grad_norm_`` over tensors and DistTensors: returns the total
     norm of the gradients, which are scaled in place so it is at most ``max_norm``."""
     params = _as_list(parameters, "clip_grad_norm_")
+    _check_readable(params, "clip_grad_norm_")
     if not any(isinstance(p, DistTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                               foreach)
@@ -157,6 +173,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     """``torch.nn.utils.clip_grad_value_`` over tensors and DistTensors: every gradient
     element clamped to ``[-clip_value, clip_value]`` in place."""
     params = _as_list(parameters, "clip_grad_value_")
+    _check_readable(params, "clip_grad_value_")
     if not any(isinstance(p, DistTensor) for p in params):
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
     v = float(clip_value)

@@ -73,6 +73,12 @@ def _unique(held):
                 yield v
 
 
+def _shards(m) -> dict:
+    """{attr: shard} of a module whose parameters FullyShardedDataParallel's DistTensor
+    mode moved into flat shards (:mod:`.strategies.fsdp_dist_habits`); else empty."""
+    return m.__dict__.get("_wb_shards", {})
+
+
 class ParallelModule:
     """Mixed into the class of a module that ``parallelize`` sharded."""
 
@@ -88,6 +94,12 @@ class ParallelModule:
 
     # ---- .to(dtype), .double(), .half(), .float(), .cpu(): each local shard as torch would
     def _apply(self, fn, recurse=True):
+        sharded = [m for m in (self.modules() if recurse else [self]) if _shards(m)]
+        if sharded:
+            raise NotImplementedError(
+                f"{self._get_name()}.to() / .double() / .half() ...: its parameters live in "
+                "FullyShardedDataParallel's (Zero3's) shards, which a conversion of the "
+                "module would miss; convert the module before wrapping it")
         held = _hidden(self.modules() if recurse else [self])
         try:
             super()._apply(fn, recurse)
@@ -111,6 +123,9 @@ class ParallelModule:
                     t.requires_grad_(requires_grad)
             else:
                 v.requires_grad_(requires_grad)
+        for m in self.modules():        # wrapped by FullyShardedDataParallel: its shards
+            for t in _shards(m).values():
+                t.requires_grad_(requires_grad)
         return self
 
     # ---- zero_grad: every DistTensor's gradient too -----------------------------------
@@ -128,6 +143,10 @@ class ParallelModule:
                     t.grad = None
                 else:
                     t.grad.detach_().zero_()
+        for m in self.modules():        # wrapped by FullyShardedDataParallel: its shards
+            for t in _shards(m).values():
+                if t.grad is not None:
+                    t.grad = None if set_to_none else t.grad.detach_().zero_()
 
     # ---- load_state_dict: DistTensors or full tensors, checked before any copy ----------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -170,7 +189,15 @@ def _convert(dt: DistTensor, fn) -> None:
         if id(t) in new:
             continue
         out = fn(t)
-        if out is not t:
+        if out is not t and t.is_leaf:
+            # the same leaf converted in place, as torch's Module._apply sets param.data:
+            # an optimizer over the local leaves (DDP's replicas) still holds it
+            grad = t.grad
+            t.data = out
+            if grad is not None:
+                t.grad = fn(grad)
+            out = t
+        elif out is not t:
             out = out.detach().requires_grad_(t.requires_grad)
             if t.grad is not None:
                 out.grad = fn(t.grad)
@@ -198,13 +225,18 @@ def load_dist_(dt: DistTensor, value, key: str):
                 f"checkpoint, the shape in current model is {dt.shape}.")
     src = shard_tensor(value.detach().to(dt.dtype), dt.mesh, dt.placements)
     mine, theirs = storage.tensors(dt._local), storage.tensors(src._local)
-    if len(mine) == len(theirs) and all(a.shape == b.shape for a, b in zip(mine, theirs)):
-        for a, b in zip(mine, theirs):
-            a.copy_(b)
+    if len(mine) == len(theirs) and all(_fits(b, a) for a, b in zip(mine, theirs)):
+        for a, b in zip(mine, theirs):      # in place: one copy per rank where ``a`` has
+            a.copy_(b.expand_as(a))         # them (DDP's replicas), the optimizer's tensors
     else:                                   # another storage form (e.g. one copy per rank)
         rg = dt.requires_grad
         dt._local = storage.map_tensors(src._local, lambda t: t.detach().requires_grad_(rg))
     return None
+
+
+def _fits(b, a) -> bool:
+    """Does ``b`` fill ``a`` (the same shape, or size 1 where ``a`` holds copies)?"""
+    return b.dim() == a.dim() and all(x == y or x == 1 for x, y in zip(b.shape, a.shape))
 
 
 def check_state_dict(owner: str, expected: dict, given, strict: bool) -> None:

@@ -156,6 +156,17 @@ class DataParallel:
             self.parameters()                       # the same clear error
         self.replicas.reduce()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their total norm as one device's
+        ``torch.nn.utils.clip_grad_norm_``; returns that norm.  Call it after backward,
+        before :meth:`step`.  ZeRO 0: the gradients are summed over dp first
+        (:meth:`finish_gradient_synchronization`, which ``step`` then does not repeat);
+        ZeRO 1-2: :meth:`.zero_optimizer_dist.ChunkedZeroOptimizer.clip_grad_norm_`."""
+        if self.zero:
+            return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+        self.finish_gradient_synchronization()
+        return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
     # ---- accounting ------------------------------------------------------------------------
     def memory(self, mixed_precision: bool = False) -> MemoryReport:
         """Model-state bytes each rank holds.

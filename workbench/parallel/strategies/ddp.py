@@ -54,7 +54,9 @@ names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the m
 own shape), ``load_state_dict`` takes them (full tensors, copied into every rank's
 copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
-the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.
+the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
+ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
+rank's row would get its own draw, the fan-in read from the rows): initialize before.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import pack, unpack
+from .laid_out import laid_out
 from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
                     run_per_rank, state_dict_check)
@@ -133,8 +136,9 @@ class DistributedDataParallel(ModuleWrapper):
                 dist.broadcast(t.data, src=g.global_rank(self.broadcast_from), group=g.pg)
             return
         for p in list(m.parameters()):         # one row per simulated rank (real storage)
-            rows = nn.Parameter(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
-                                requires_grad=p.requires_grad)
+            rows = laid_out(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
+                            p.requires_grad, f"on {g.n} simulated ranks it holds one row per "
+                            f"rank (shape {(g.n,) + tuple(p.shape)})")
             rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
             replace_parameter(m, p, rows)
 

@@ -25,6 +25,15 @@ built for plain modules (:mod:`.ddp`) only: ``overlap_grad_reduce=True`` raises 
 optimizer-style name, :mod:`.data_parallel`) and the hybrid recipe run on it.  Sequence
 parallelism's norm gradients, partial sums over tp (``partial_grads``), are all-reduced
 over that dim in one buffer first, as Megatron-LM's ``_allreduce_layernorm_grads``.
+
+The habits of one device hold: each replica's gradient is a
+:class:`~.rank_grads.ReplicaGrad`, so ``torch.nn.utils.clip_grad_norm_(ddp.parameters(),
+...)`` reads one copy (one device's norm, not ``sqrt(N_dp)`` times it) once the gradients
+are summed and raises before; a backward after the sum accumulates as torch DDP's (the
+sum kept in one copy) and a second sum is skipped; ``state_dict()`` gives torch DDP's keys
+(DistTensors over the replicas), ``load_state_dict`` copies into every replica in place,
+``requires_grad_`` and ``.to(dtype)`` convert the replicas in place (the optimizer keeps
+its tensors).
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel
 from .flat_shards import pack, unpack
+from .rank_grads import as_replica_grad
 from .ranks import bucket_order, check_module
 
 __all__ = ["GradReplicas", "DistTensorDDP"]
@@ -75,6 +85,7 @@ class GradReplicas:
             if not p.placements[self.axis].is_replicate():
                 raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
                                  "dim; parameters must be replicated there")
+        self.hooked: set = set()            # ids of the parameters trainable when wrapped
         for p in self.params:
             # one replica per data-parallel rank (the dp axis becomes real storage; on
             # torch.distributed every process already is one replica)
@@ -91,6 +102,61 @@ class GradReplicas:
                 shape[self.axis] = self.n
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
+            if trainable:
+                self.hooked.add(id(p))
+                p._local.register_hook(self._before_grad(p))
+                p._local.register_post_accumulate_grad_hook(self._grad_hook(p))
+        self.who = who
+        # what torch.nn.utils.clip_grad_norm_ over the replicas says before the sum
+        self.unsynced_hint = (
+            f"torch.nn.utils.clip_grad_norm_ over {who}'s replicas before their gradients "
+            "are summed over the data-parallel ranks (each rank would clip by its own "
+            f"gradient): call {who}.finish_gradient_synchronization() after backward, then "
+            "clip (inside no_sync() nothing is summed)")
+
+    # ---- gradients torch's clip_grad_norm_ reads as one device (rank_grads.ReplicaGrad) ----
+    def _replica_grad(self, p, g, synced: bool):
+        axes = tuple(a for a, pl in enumerate(p.placements) if not pl.is_shard())
+        refuse = None
+        sharded = [self.mesh.dim_names[a] for a, pl in enumerate(p.placements)
+                   if pl.is_shard() and self.mesh.shape[a] > 1]
+        if self.distributed and sharded:
+            refuse = (f"torch.nn.utils.clip_grad_norm_ over {self.who}'s replicas under "
+                      f"torch.distributed: a parameter is sharded on mesh dim {sharded[0]!r}, "
+                      "so this process's gradient is a shard and its norm not the model's; "
+                      "call wb.clip_grad_norm_(model.parameters(), max_norm) (the "
+                      "DistTensors: it combines the shards' norms)")
+        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse)
+
+    def _before_grad(self, p):
+        """Before backward adds to a gradient already summed (every copy the sum G): keep
+        G in one copy (dp rank 0's; for a partial one, tp rank 0's too), so the next sum
+        gives G plus the ranks' new gradients, as torch DDP's average of G + each rank's."""
+        @torch.no_grad()
+        def hook(grad):
+            g = p._local.grad
+            if g is None or not getattr(g, "_wb_synced", False):
+                return None
+            axes = [self.axis] + ([self.partial_axis] if id(p) in self._partial else [])
+            if self.distributed:
+                if any(_B.local_index(self.mesh, a) != 0 for a in axes):
+                    g.zero_()
+            else:
+                keep = torch.zeros_like(g, dtype=torch.bool)
+                idx = [slice(None)] * g.dim()
+                for a in axes:
+                    idx[a] = slice(0, 1)
+                keep[tuple(idx)] = True
+                g.masked_fill_(~keep, 0)
+            g._wb_synced = False
+            return None
+        return hook
+
+    def _grad_hook(self, p):
+        def hook(leaf):             # a gradient backward accumulated: not summed over dp
+            if leaf.grad is not None:
+                leaf.grad = self._replica_grad(p, leaf.grad, False)
+        return hook
 
     def is_partial(self, p) -> bool:
         return id(p) in self._partial
@@ -106,11 +172,14 @@ class GradReplicas:
         """Every gradient of ``params`` (default: all that have one) summed over dp (the
         global loss's gradient: each rank's already carries its 1/N of the mean), written
         back as each replica's ``.grad``; partial ones first summed over their dim."""
+        # a gradient already summed (finish_gradient_synchronization called twice, or
+        # DataParallel.step after it) is not summed again
         params = [p for p in (self.params if params is None else params)
-                  if p._local.grad is not None]
+                  if p._local.grad is not None and
+                  not getattr(p._local.grad, "_wb_synced", False)]
         self.sum_partials(params)
         for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
-            p._local.grad = g
+            p._local.grad = self._replica_grad(p, g, True)
 
     @torch.no_grad()
     def sum_partials(self, params) -> None:
@@ -123,7 +192,7 @@ class GradReplicas:
         red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
                            label="sequence-parallel norm grads")
         for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
-            p._local.grad = piece.contiguous()
+            p._local.grad = self._replica_grad(p, piece.contiguous(), False)
 
     def _all_reduce(self, grads):
         ax, mesh = self.axis, self.mesh
@@ -226,19 +295,39 @@ class DistTensorDDP(DistributedDataParallel):
                                    "outside the optimizer step?")
 
     # ---- the module's own names -------------------------------------------------------------
-    def state_dict(self, *args, **kwargs):
-        raise NotImplementedError("DistributedDataParallel.state_dict() over DistTensor "
-                                  "parameters: use full_state_dict() (the full tensors)")
+    def requires_grad_(self, requires_grad: bool = True):
+        late = [n for n, p in zip(self._names, self.replicas.params)
+                if id(p) not in self.replicas.hooked]
+        if requires_grad and late:
+            raise ValueError(f"DistributedDataParallel.requires_grad_(True): {late[:3]} were "
+                             "frozen when the wrapper was built, so their gradients are not "
+                             "tracked as replicas; set requires_grad before wrapping the module")
+        for p in self.replicas.params:
+            p._local.requires_grad_(requires_grad)
+        return self
 
-    def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("DistributedDataParallel.load_state_dict() over DistTensor "
-                                  "parameters is not built; load into the module before "
-                                  "wb.parallelize")
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """torch DDP's keys (``prefix + "module." +`` the module's own name); each value the
+        module's DistTensor (its storage the replicas), buffers as they are."""
+        out = {} if destination is None else destination
+        for name, t in self.module.state_dict(keep_vars=keep_vars).items():
+            out[prefix + "module." + name] = t
+        return out
 
-    def _apply(self, fn, recurse=True):
-        raise NotImplementedError("DistributedDataParallel over DistTensor parameters: "
-                                  ".to() / .float() / .cuda() would miss the replicas; move "
-                                  "or cast the module before wb.parallelize")
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """:meth:`state_dict`'s keys; DistTensors or full tensors, copied into every
+        replica in place (keys and shapes checked first, nothing copied on a mismatch)."""
+        from .ranks import state_dict_check
+        if assign:
+            raise NotImplementedError("DistributedDataParallel.load_state_dict(assign=True): "
+                                      "the replicas are the optimizer's tensors; load with "
+                                      "assign=False (copies into them)")
+        mine = self.state_dict(keep_vars=True)
+        missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
+                                               strict)
+        own = {k[len("module."):]: v for k, v in state_dict.items() if k in mine}
+        self.module.load_state_dict(own, strict=False)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import flat_padded, unflat
+from .laid_out import laid_out
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
@@ -123,7 +124,9 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
         rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
-        shard = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
+        shard = laid_out(shard.clone(), p.requires_grad,
+                         f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
+                         f"(shape {tuple(shard.shape)})")
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
         return shard
 

@@ -58,6 +58,8 @@ from ...sim_mesh import collectives as C
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
+from .fsdp_dist_habits import install_habits
+from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
 from .ranks import RankGroup, check_module
 from .zero3_clock import Zero3Clock
@@ -127,16 +129,10 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             loc = p._local.detach()
             if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
                 loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
-            flat = flat_padded(loc, self.n, nd)
-            # rank k of dp keeps chunk k: the dp axis becomes the shard index
-            if _B.is_distributed(mesh):
-                k = _B.local_index(mesh, self.axis)
-                chunks = flat.unflatten(-1, (self.n, -1)).select(-2, k)
-            else:
-                chunks = flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
-                    .movedim(nd - 1, self.axis)
             # the shard is the leaf an optimizer steps (frozen stays frozen)
-            shard = nn.Parameter(chunks.contiguous(), requires_grad=p.requires_grad)
+            shard = laid_out(self.chunk_of(loc), p.requires_grad,
+                             f"it holds each dp rank's flat chunk of {qname}'s local shards "
+                             f"(the {tuple(p.shape)} DistTensor)")
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)
             self._places.append(places)
@@ -158,6 +154,20 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                 if e[3].requires_grad:      # fires on each gradient computed for it (a
                     e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
         module._wb_wrapped = "FullyShardedDataParallel"
+        install_habits(self)
+
+    def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:
+        """Each dp rank's chunk of a template's local storage ``loc`` (flattened, padded;
+        rank k of dp keeps chunk k: the dp axis becomes the shard index)."""
+        nd = self.mesh.ndim
+        flat = flat_padded(loc, self.n, nd)
+        if _B.is_distributed(self.mesh):
+            k = _B.local_index(self.mesh, self.axis)
+            return flat.unflatten(-1, (self.n, -1)).select(-2, k).contiguous()
+        if flat.shape[self.axis] != 1:          # one copy per dp rank: rank 0's
+            flat = flat.narrow(self.axis, 0, 1)
+        return flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
+            .movedim(nd - 1, self.axis).contiguous()
 
     def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
         nd, mesh = self.mesh.ndim, self.mesh
@@ -252,14 +262,16 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                 out[qname] = full[i].clone()
         return out
 
-    def state_dict(self, *args, **kwargs):
-        raise NotImplementedError("FullyShardedDataParallel.state_dict() over DistTensor "
-                                  "parameters: use full_state_dict() (the full tensors)")
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """The module's ``state_dict()``: its own names, each parameter a DistTensor of
+        the template's placements gathered from the shards (:mod:`.fsdp_dist_habits`)."""
+        return self.module.state_dict(destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
 
-    def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("FullyShardedDataParallel.load_state_dict() over DistTensor "
-                                  "parameters is not built; load into the module before "
-                                  "wb.parallelize")
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The module's ``load_state_dict`` (DistTensors or full tensors): the loaded
+        values are cut into the shards."""
+        return self.module.load_state_dict(state_dict, strict, assign)
 
     def _apply(self, fn, recurse=True):
         raise NotImplementedError("FullyShardedDataParallel over DistTensor parameters: "

@@ -17,6 +17,11 @@ unchanged (the same storage, plain results; the optimizer's math is untouched):
 
 * :class:`RankRows`: the norm of one row (the rows must be equal, i.e. averaged; inside
   ``no_sync()`` they differ and the norm raises, naming what to do);
+* :class:`ReplicaGrad`: a DistTensor replica's gradient (DDP's DistTensor mode,
+  ``DataParallel(zero=0)``, ZeRO-1/2's replicas): the local storage of a DistTensor whose
+  data-parallel dim (and any other replicated dim) holds one copy per rank; its norm reads
+  one copy of each, once the copies are summed (``finish_gradient_synchronization``), and
+  raises before that (each rank would clip by its own gradient);
 * :class:`ShardGrad`: the shard's norm as a :class:`PartialNorm`, reduced over the ranks
   when torch takes the norm of the stacked norms (a scalar all-reduce of the p-th powers,
   as FSDP2's per-shard norms come back ``_NormPartial`` and are reduced on use: torch
@@ -29,7 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankRows", "ShardGrad", "PartialNorm", "as_rank_rows", "as_shard_grad"]
+__all__ = ["RankRows", "ReplicaGrad", "ShardGrad", "PartialNorm", "as_rank_rows",
+           "as_replica_grad", "as_shard_grad"]
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
@@ -83,6 +89,49 @@ def _row_norm(t, ord_, dtype):
 
 def as_rank_rows(t):
     return t if t is None or isinstance(t, RankRows) else t.as_subclass(RankRows)
+
+
+class ReplicaGrad(torch.Tensor):
+    """The gradient of a DistTensor replica's local storage (lead mesh axes, then the
+    local shape).  ``_wb_axes``: the replicated axes holding one copy per rank (one copy
+    is read); ``_wb_synced``: the copies were summed over the data-parallel ranks;
+    ``_wb_hint``: what to do when they were not; ``_wb_refuse``: why no norm is built
+    (torch.distributed with a sharded dim: the local norm is a shard's)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            parsed = _norm_args(func, args, kwargs)
+            if parsed is not None:
+                x, ord_, dtype = parsed
+                if func is torch._foreach_norm:
+                    return [_replica_norm(t, ord_, dtype) if isinstance(t, ReplicaGrad) else
+                            _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
+                            for t in x]
+                return _replica_norm(x, ord_, dtype)
+        return _plain(func, args, kwargs)
+
+
+def _replica_norm(t, ord_, dtype):
+    if getattr(t, "_wb_refuse", None):
+        raise RuntimeError(t._wb_refuse)
+    if not getattr(t, "_wb_synced", False):
+        raise RuntimeError(getattr(t, "_wb_hint", None) or
+                           "a norm of a replica's gradient before the replicas' gradients "
+                           "are summed: call finish_gradient_synchronization() first")
+    with torch._C.DisableTorchFunctionSubclass():
+        for a in getattr(t, "_wb_axes", ()):
+            t = t.narrow(a, 0, 1)
+        return torch.linalg.vector_norm(t, ord_, dtype=dtype)
+
+
+def as_replica_grad(t, axes, synced: bool, hint: str, refuse: str | None = None):
+    """``t`` (a replica's gradient) as a :class:`ReplicaGrad` (the same storage)."""
+    if t is None:
+        return None
+    out = t if isinstance(t, ReplicaGrad) else t.as_subclass(ReplicaGrad)
+    out._wb_axes, out._wb_synced, out._wb_hint, out._wb_refuse = axes, synced, hint, refuse
+    return out
 
 
 class ShardGrad(torch.Tensor):

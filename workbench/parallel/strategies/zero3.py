@@ -14,6 +14,12 @@ the model-state bytes each rank holds.  Any ``torch.optim`` optimizer over
 
     opt = torch.optim.SGD(z.parameters(), lr=0.1)
     loss.backward(); z.finish_gradient_synchronization(); opt.step(); opt.zero_grad()
+
+The module's habits read the shards (:mod:`.fsdp_dist_habits`): ``model.state_dict()``
+gathers them, ``model.load_state_dict`` cuts into them, ``model.zero_grad()`` /
+``requires_grad_`` reach them; ``torch.nn.utils.clip_grad_norm_(z.parameters(), ...)``
+gives one device's norm; ``wb.clip_grad_norm_(model.parameters())`` and ``model.to()``
+raise (the module's DistTensors are templates).
 """
 from __future__ import annotations
 

@@ -49,6 +49,15 @@ from .zero_optimizer import ZeroRedundancyOptimizer
 __all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter"]
 
 
+_CLIP_REFUSE = (
+    "ZeroRedundancyOptimizer(partition='chunks') (ZeRO-1/2, DataParallel(zero=1|2)) sums the "
+    "gradients over the data-parallel ranks inside step() (one reduce-scatter; ZeRO-2 keeps "
+    "only each rank's shard): before it each replica holds its own rank's gradient, so "
+    "clipping now would not clip the model's.  Clip with the optimizer: "
+    "opt.clip_grad_norm_(max_norm) (DataParallel: dp.clip_grad_norm_(max_norm)) after "
+    "backward, before step()")
+
+
 def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
     """A gradient's async reduce-scatter over ``axis``, issued now (its data ready at the
     ranks' compute clock) from a gradient hook: recorded before the next event unless
@@ -91,6 +100,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
         self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
         nd = mesh.ndim
+        # the replicas' gradients are summed inside step(): a clip before it would read
+        # each rank's own gradient (or none: ZeRO-2 keeps only the shard)
+        r.unsynced_hint = _CLIP_REFUSE
+        for p in self.params:
+            p._local._wb_clip_refuse = _CLIP_REFUSE
         # rank k's chunk k of each flat padded replica: the leaves the optimizer steps
         self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
                                     requires_grad=p.requires_grad) for p in self.params]
@@ -166,18 +180,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 if p._local.grad is not None or i in self._gshard]
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """Reduce-scatter the gradients (ZeRO-2: wait for those launched in backward),
-        step the shards with ``optimizer``, all-gather them back into every replica; the
-        replicas' gradients are then cleared."""
-        if closure is not None:
-            raise NotImplementedError("ZeroRedundancyOptimizer.step(closure=...): call "
-                                      "step() without one")
+    def _reduce_grads(self, live) -> list:
+        """Each live parameter's gradient shard, summed over dp: ZeRO-2's (reduce-scattered
+        in backward, waited for now), then one reduce-scatter of the rest in one buffer."""
         from ...sim_mesh.trace import current_trace
-        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
-        live = self.live()
-        params = [self.params[i] for i in live]
-        self.replicas.sum_partials(params)
+        mesh, ax = self.mesh, self.axis
+        self.replicas.sum_partials([self.params[i] for i in live])
         tr = current_trace()
         if tr is not None:
             tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
@@ -193,6 +201,59 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=f"zero-{self.stage} grad")
             for j, gs in zip(todo, self._unpack(red, [self.shards[live[j]] for j in todo])):
                 shards[j] = gs if shards[j] is None else shards[j] + gs
+        return shards
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the model's gradients by their total norm, as one device's
+        ``torch.nn.utils.clip_grad_norm_`` over the model's parameters; returns that norm.
+
+        ZeRO sums the gradients inside :meth:`step`, so clipping is the optimizer's (FSDP1's
+        ``FullyShardedDataParallel.clip_grad_norm_``, DeepSpeed's ``gradient_clipping``):
+        the gradients are reduce-scattered now (what ``step`` would do), each rank takes its
+        shards' part of the norm, a scalar all-reduce over the mesh combines the parts, and
+        the shards are scaled by ``min(max_norm / (total + 1e-6), 1)``; ``step`` then steps
+        them.  Call it after the backward(s) of the step, before ``step``."""
+        p = float(norm_type)
+        if self.distributed:
+            raise NotImplementedError("ZeroRedundancyOptimizer(partition='chunks')."
+                                      "clip_grad_norm_ under torch.distributed is not built; "
+                                      "clip on a simulated mesh")
+        if p in (0.0, -math.inf):
+            raise ValueError(f"norm_type={norm_type!r}: the padded shards hold zeros that "
+                             "this norm would count; use a p-norm p > 0 or inf")
+        live = self.live()
+        shards = self._reduce_grads(live)
+        norms = []
+        for i, gs in zip(live, shards):
+            self._gshard[i] = gs                # step() takes them from here
+            self.params[i]._local.grad = None
+            for a, pl in enumerate(self.params[i].placements):
+                if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
+                    gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
+            norms.append(torch.linalg.vector_norm(gs, p))
+        for a in range(self.mesh.ndim):         # the ranks' parts combined: a scalar each
+            if self.mesh.shape[a] > 1:
+                C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
+        total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
+            torch.tensor(0.0)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for i in live:
+            self._gshard[i].mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce-scatter the gradients (ZeRO-2: wait for those launched in backward),
+        step the shards with ``optimizer``, all-gather them back into every replica; the
+        replicas' gradients are then cleared."""
+        if closure is not None:
+            raise NotImplementedError("ZeroRedundancyOptimizer.step(closure=...): call "
+                                      "step() without one")
+        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
+        live = self.live()
+        params = [self.params[i] for i in live]
+        shards = self._reduce_grads(live)
         # my shard of the parameters, from the replica (the replicas are the truth: an
         # in-place change to them between steps is what the shards step from)
         for j, i in enumerate(live):

@@ -1,0 +1,130 @@
+"""The wrapped module's own habits under ``FullyShardedDataParallel``'s DistTensor mode.
+
+:class:`.fsdp_dist.DistTensorFSDP` (and ``Zero3``) moves each DistTensor parameter into
+flat shards (the ``nn.Parameter`` s an optimizer steps); the module's ``_parameters`` keep
+the DistTensors ``wb.parallelize`` made, as templates (placements, shapes) that stop
+tracking the trained values.  What a user calls on the module itself must not read those
+stale templates silently, so :func:`install_habits` makes:
+
+* ``module.state_dict()`` (and ``fsdp.state_dict()``): each parameter a DistTensor of the
+  template's placements gathered from the shards now (FSDP2's ``state_dict()`` gives its
+  sharded DTensors; here the DistTensor holds the parameter's own layout), from a
+  state-dict hook on each module holding parameters;
+* ``module.load_state_dict(...)``: the loaded values (DistTensors or full tensors) cut
+  into the shards, from a load post-hook;
+* ``module.zero_grad()`` / ``requires_grad_()``: the shards' gradients and flags
+  (:class:`~workbench.parallel.module_state.ParallelModule` reads ``_wb_shards``);
+  ``module.to(dtype)`` raises (the shards would stay as they are);
+* each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
+  the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
+  shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
+* ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (the
+  templates have no gradient: the clip would be a silent no-op); torch's own
+  ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
+  on simulated ranks (each shard once); under torch.distributed a shard's norm is partial,
+  so it raises there.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...sim_mesh import collectives as C
+from .. import storage
+from ..dist_tensor import DistTensor
+from .flat_shards import unflat
+from .rank_grads import as_replica_grad
+
+__all__ = ["install_habits", "gathered"]
+
+
+def _clip_message(fsdp) -> str:
+    who = "Zero3" if type(fsdp).__name__ == "Zero3" else "FullyShardedDataParallel"
+    var = "zero3" if who == "Zero3" else "fsdp"
+    return (f"{who} keeps this parameter's values and gradient in its flat shards; the "
+            "module's DistTensor is only its layout (its value at wrapping, no gradient), "
+            "so clipping it would do nothing.  Clip the shards: "
+            f"torch.nn.utils.clip_grad_norm_({var}.parameters(), max_norm)")
+
+
+@torch.no_grad()
+def gathered(fsdp, i: int) -> DistTensor:
+    """Entry ``i``'s parameter now: a DistTensor of the template's placements whose
+    storage is gathered from the shards (one copy on the dp dim; not traced)."""
+    from ...sim_mesh.trace import suspend
+    _, _, tmpl, shard = fsdp.entries[i]
+    with suspend():
+        if not fsdp.async_:                  # torch.distributed: the blocking gather
+            d = fsdp._gather(tmpl, shard.detach())
+            return DistTensor(d._local.detach().clone(), fsdp.mesh, tmpl.placements,
+                              tmpl.shape, shard.dtype)
+        nd = fsdp.mesh.ndim
+        full = C.all_gather(shard.detach(), fsdp.mesh, fsdp.axis, 0)   # one copy on dp
+        full = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
+    return DistTensor(full, fsdp.mesh, tmpl.placements, tmpl.shape, shard.dtype)
+
+
+def install_habits(fsdp) -> None:
+    msg = _clip_message(fsdp)
+    stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
+             "into flat shards (its value at wrapping); a write to it would not reach the "
+             "shards the forward reads: initialize before wrapping, or load values with "
+             "module.load_state_dict (it cuts them into the shards)")
+    for _, _, tmpl, shard in fsdp.entries:
+        for t in storage.tensors(tmpl._local):
+            t._wb_clip_refuse = msg
+            t._wb_stale = stale         # for DistTensor's in-place writes to refuse
+        if not fsdp.async_ and shard.requires_grad:
+            shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
+    for m in fsdp.module.modules():
+        items = fsdp._by_mod.get(id(m))
+        if not items:
+            continue
+        m.__dict__["_wb_shards"] = {attr: fsdp.entries[i][3] for attr, i in items}
+        m._register_state_dict_hook(_state_dict_hook(fsdp, items))
+        pre, post = _load_hooks(fsdp, items)
+        m._register_load_state_dict_pre_hook(pre, with_module=True)
+        m.register_load_state_dict_post_hook(post)
+
+
+def _refuse_norm(fsdp):
+    names = fsdp.mesh.dim_names
+    msg = (f"torch.nn.utils.clip_grad_norm_ over {type(fsdp).__name__}'s shards under "
+           f"torch.distributed: this process holds 1/{fsdp.n} of each parameter on "
+           f"{names[fsdp.axis]!r} (and its tensor-parallel shard), so its norm is a part; "
+           "the combined norm over DistTensor shards is not built for this mode: clip on "
+           "simulated ranks, or use wb.FullyShardedDataParallel on a plain module "
+           "(its shards' norms are reduced over the ranks)")
+
+    def hook(shard):
+        shard.grad = as_replica_grad(shard.grad, (), True, "", msg)
+    return hook
+
+
+def _state_dict_hook(fsdp, items):
+    def hook(module, state_dict, prefix, local_metadata):
+        for attr, i in items:
+            key = prefix + attr
+            if key in state_dict:
+                state_dict[key] = gathered(fsdp, i)
+    return hook
+
+
+def _load_hooks(fsdp, items):
+    """Before the module loads: each template its parameter's value now (so a key that
+    fails to load leaves it as it was); after: the templates cut into the shards."""
+    from ..module_state import load_dist_
+    todo = []
+
+    @torch.no_grad()
+    def pre(module, state_dict, prefix, *_):
+        todo[:] = [(attr, i) for attr, i in items if prefix + attr in state_dict]
+        for _, i in todo:
+            load_dist_(fsdp.entries[i][2], gathered(fsdp, i), "")
+
+    @torch.no_grad()
+    def post(module, incompatible_keys):
+        for _, i in todo:
+            tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
+            shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
+        todo.clear()
+    return pre, post
