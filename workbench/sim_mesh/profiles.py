@@ -66,6 +66,17 @@ LIBRARIES = ("nccl", "hccl")
 FABRICS = ("switch", "full_mesh")
 PROTOCOL_KEYS = ("base_latency", "step_latency", "bandwidth_factor",
                  "all_reduce_bandwidth_factor")
+# NCCL's tuning model across nodes, per protocol (``topology.py``; src/graph/tuning.cc):
+# a ring's step latency inside a node and across one (with one rank per node: its own
+# figure), its bus-bandwidth factor (one rank per node: its own), a cap on the bus
+# bandwidth in bytes/s (0: none), and the double binary tree's base, intra-node and
+# inter-node step latencies and bandwidth factor
+NET_PROTOCOL_KEYS = ("intra_step_latency", "inter_step_latency",
+                     "inter_step_latency_one_per_node", "bandwidth_factor",
+                     "bandwidth_factor_one_per_node", "max_bandwidth", "tree_base_latency",
+                     "tree_intra_latency", "tree_inter_latency", "tree_bandwidth_factor")
+_NET_SECONDS = ("intra_step_latency", "inter_step_latency", "inter_step_latency_one_per_node",
+                "tree_base_latency", "tree_intra_latency", "tree_inter_latency")
 
 def _positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -124,6 +135,10 @@ class Topology:
     protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
     sm_count: int = 0         # streaming multiprocessors per device (0: not modeled)
     collective_sms: int = 0   # SMs a collective kernel holds while it runs
+    # NCCL's protocols for rings and trees across nodes (``NET_PROTOCOL_KEYS``; the same
+    # protocol names as ``protocols``, whose base_latency the ring shares); empty: the
+    # alpha-beta ring and tree on the inter-node link
+    net_protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.library not in LIBRARIES:
@@ -148,6 +163,30 @@ class Topology:
                 _fraction("Topology", f"protocols[{name!r}][{k!r}]", v[k])
             protos[name] = MappingProxyType(dict(v))
         object.__setattr__(self, "protocols", MappingProxyType(protos))
+        net = {}
+        for name, v in dict(self.net_protocols).items():
+            if name not in protos:
+                raise ValueError(f"Topology: net_protocols[{name!r}] names a protocol that "
+                                 f"protocols lacks; give both (the ring's base latency is "
+                                 f"protocols[{name!r}]['base_latency'])")
+            if not isinstance(v, Mapping) or set(v) != set(NET_PROTOCOL_KEYS):
+                raise ValueError(f"Topology: net_protocols[{name!r}] must hold exactly "
+                                 f"{list(NET_PROTOCOL_KEYS)}; got {v!r}")
+            for k in _NET_SECONDS:
+                if isinstance(v[k], bool) or not isinstance(v[k], (int, float)) \
+                        or not 0 <= v[k] < 1:
+                    raise ValueError(f"Topology: net_protocols[{name!r}][{k!r}]={v[k]!r} "
+                                     f"must be seconds in [0, 1)")
+            for k in ("bandwidth_factor", "bandwidth_factor_one_per_node",
+                      "tree_bandwidth_factor"):
+                _fraction("Topology", f"net_protocols[{name!r}][{k!r}]", v[k])
+            cap = v["max_bandwidth"]
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) \
+                    or not math.isfinite(cap) or cap < 0:
+                raise ValueError(f"Topology: net_protocols[{name!r}]['max_bandwidth']={cap!r} "
+                                 f"must be bytes/s >= 0 (0: no cap)")
+            net[name] = MappingProxyType(dict(v))
+        object.__setattr__(self, "net_protocols", MappingProxyType(net))
         for k in ("sm_count", "collective_sms"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -246,7 +285,7 @@ class Profile:
         if t.nics_per_node is None:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
-                t.protocols, t.sm_count, t.collective_sms))
+                t.protocols, t.sm_count, t.collective_sms, t.net_protocols))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -300,7 +339,9 @@ class Profile:
                 "topology": {"library": t.library, "intra_fabric": t.intra_fabric,
                              "intra_links": t.intra_links, "nics_per_node": t.nics_per_node,
                              "protocols": {k: dict(v) for k, v in t.protocols.items()},
-                             "sm_count": t.sm_count, "collective_sms": t.collective_sms},
+                             "sm_count": t.sm_count, "collective_sms": t.collective_sms,
+                             "net_protocols": {k: dict(v)
+                                               for k, v in t.net_protocols.items()}},
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),
