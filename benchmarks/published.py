@@ -167,10 +167,13 @@ def _h100_rows():
 ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows()]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
-                        "assumed; bf16; dropout 0.1",
+                        "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
+                        "0.1",
          "megatron_h100": "sp and zero=1 implied by the README's overlap flags; bf16, "
                           "micro-batch 1, no recompute, flash attention, 1F1B, untied "
-                          "embeddings ASSUMED; the DP sync overlapped as the README's "
+                          "embeddings ASSUMED; gradients reduced in fp32 as Megatron-LM "
+                          "forces for bf16 (--grad-reduce-in-bf16 not given: ASSUMED); "
+                          "the DP sync overlapped as the README's "
                           "--overlap-grad-reduce --overlap-param-gather (estimate's "
                           "overlap_grad_reduce); --tp-comm-overlap's TP overlap beyond the "
                           "async backward is not modeled"}

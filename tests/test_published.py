@@ -9,7 +9,8 @@ robust properties only, never a fit.
   the Korthikanti MFU) 1.091 .. 1.251 (1.056 .. 1.219 since the attention core and dropout
   are priced at their measured A100 rates), band 0.85 .. 1.50; H100 rows (Megatron-LM's 2024
   table, many assumptions: see benchmarks/published.py) 0.835 .. 1.560 (0.899 .. 1.605 since
-  their DP sync overlaps as the README's flags say), band 0.60 ..
+  their DP sync overlaps as the README's flags say; 0.754 .. 1.599 since Megatron-LM
+  reduces bf16 gradients in fp32, plan.frameworks), band 0.60 ..
   1.85: each the measured spread widened by about 0.25 either side.  It catches a clock
   that loses or doubles a term (backward unpriced: ratio ~2; recompute counted twice:
   ~0.75), not a few percent.

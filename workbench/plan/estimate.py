@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
+from . import frameworks as F
 from . import zero_cost as Z
 from .layout import Cluster, Layout, check_layout
 from .edge_cost import edge_times
@@ -106,7 +107,9 @@ class Estimate:
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
             f"optimizer {d['optimizer']:.3f} s",
             f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
-            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f} + activations "
+            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f}"
+            + (f" + buffers {gb['buffers']:.1f}" if self.memory.get("buffers") else "")
+            + f" + activations "
             f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
             f" ({'fits' if self.fits else 'does NOT fit'})",
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
@@ -152,17 +155,19 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
-             overlap_grad_reduce: bool = False):
+             overlap_grad_reduce: bool = False, grad_bytes: int = 2):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
     ``overlap_grad_reduce`` (ZeRO-0/1, Megatron-LM's --overlap-grad-reduce and
     --overlap-param-gather): the gradients reduced module by module during the last
     micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
-    first forward (all gathers issued at once), on the same stream model."""
+    first forward (all gathers issued at once), on the same stream model.
+    ``grad_bytes``: bytes per gradient element reduced (``frameworks.grad_reduce_bytes``:
+    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit."""
     if lay.dp == 1:
         return 0.0, 0.0
-    g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
+    g, ranks, dp, m = grad_bytes * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
 
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
@@ -170,11 +175,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     def gather(n):
         return p("all_gather", 2 * n)
 
-    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
+    w = 2 * psi                                   # the 16-bit weights
+    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", w, dp)
     if lay.zero <= 1 and overlap_grad_reduce:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         r = overlap_rate(prof)
-        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, 2 * n), rate=r)
+        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
         if lay.zero == 0:
             return bwd, wire_bytes("all_reduce", g, dp)
         fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
@@ -183,14 +189,14 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
     if lay.zero == 1:
-        return p("reduce_scatter") + p("all_gather"), rs + ag
+        return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", 2 * n),
                               rate=overlap_rate(prof) if overlap else 1.0)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
-        return m * bwd + p("all_gather"), m * rs + ag
+        return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
 
 
@@ -239,7 +245,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         psi = stage_params(cfg, tp, pp, s)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce)
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
+                                 F.grad_reduce_bytes(lay.engine, cfg.dtype))
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
@@ -269,6 +276,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
+        "framework": lay.engine,
+        "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
                     fits=busiest["memory"]["total"] <= prof.memory_bytes,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..sim_mesh.profiles import Profile, get_profile
+from .frameworks import resolve as _resolve_framework
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model"]
 
@@ -66,7 +67,10 @@ class Layout:
     parallelism ``sp``) and pipeline (``pp``, ``schedule``, ``v`` chunks per device)
     parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
     ("none", "selective", "full"), and ``global_batch`` sequences per optimizer step
-    split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch)."""
+    split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch),
+    run by ``framework`` ("megatron", "deepspeed", "workbench": ``plan.frameworks``;
+    None: Megatron-LM for ZeRO 0-1, DeepSpeed for ZeRO 2-3, read back as
+    :attr:`engine`)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -77,6 +81,7 @@ class Layout:
     global_batch: int | None = None
     schedule: str = "1f1b"
     v: int = 1
+    framework: str | None = None
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "v"):
@@ -125,6 +130,7 @@ class Layout:
                    f"{per_step}, or a dp dividing {gb}")
             raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
                              f"{self.micro_batch} x {dp} = {per_step}; {fix}")
+        _resolve_framework(self.framework, self.zero)
         if self.schedule == "interleaved_1f1b" and self.m % self.pp:
             raise ValueError(f"Layout: schedule='interleaved_1f1b' needs the number of "
                              f"micro-batches m={self.m} to be a multiple of pp={self.pp} "
@@ -133,6 +139,11 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def engine(self) -> str:
+        """The framework this layout runs (``framework``, or its ZeRO stage's default)."""
+        return _resolve_framework(self.framework, self.zero)
 
     @property
     def m(self) -> int:
@@ -158,7 +169,8 @@ class Layout:
         out += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
         out += f" mb{self.micro_batch} rc:{self.recompute}"
         out += " sp" if self.sp else ""
-        return out + (f" zero{self.zero}" if self.zero else "")
+        out += f" zero{self.zero}" if self.zero else ""
+        return out + (f" {self.framework}" if self.framework is not None else "")
 
 
 def check_model(model) -> None:

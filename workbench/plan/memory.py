@@ -5,9 +5,13 @@ keeps 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer s
 (fp32 master weights, momentum, variance) per parameter; ZeRO stage 1 splits the
 optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
-(4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
-of the module computing and of those prefetched after it, :func:`zero3_gathered_numel`,
-and the 16-bit gradient of one layer, an assumption not measured).  Here psi is the
+(4 + K) psi / N_d: ``params``, ``grads`` and ``optimizer`` are exactly these (ZeRO
+Table 1).  What a framework holds beyond them is ``buffers``: at stage 3 the working
+copies (the gathered 16-bit weights of the module computing and of those prefetched
+after it, :func:`zero3_gathered_numel`, and the 16-bit gradient of one layer before
+its reduce-scatter, an assumption not measured); Megatron-LM's fp32 gradient buffer
+for bf16 models, 2 bytes per parameter beyond ZeRO's 16-bit gradients
+(``frameworks.grad_buffer_extra_bytes``).  Here psi is the
 parameters a rank holds after tensor and pipeline parallelism (Megatron's split:
 column-parallel matrices and their biases / t, row-parallel biases and LayerNorms
 replicated; vocabulary-parallel embedding V h / t on the first stage, learned positions
@@ -165,19 +169,24 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
 
 
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> dict:
-    """{"params", "grads", "optimizer", "activations", "total"} bytes on a rank of
-    ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`)."""
+    """{"params", "grads", "optimizer", "buffers", "activations", "total"} bytes on a
+    rank of ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`): the
+    first three ZeRO's partitioned model states, ``buffers`` the framework's working
+    copies beyond them (module docstring)."""
+    from .frameworks import grad_buffer_extra_bytes
     lay = layout
     psi = stage_params(cfg, lay.tp, lay.pp, stage)
     mem = model_state_bytes(psi, lay.dp, lay.zero)
+    # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
+    mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
     if lay.zero == 3 and lay.dp > 1:
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
         from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp)
-        mem["params"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL)
-        mem["grads"] += 2 * layer_params(cfg, lay.tp)
+        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) \
+            + 2 * layer_params(cfg, lay.tp)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
