@@ -192,9 +192,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
+    bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
-                              lambda n: p("reduce_scatter", 2 * n),
-                              rate=overlap_rate(prof) if overlap else 1.0)
+                              lambda n: p("reduce_scatter", grad_bytes * n),
+                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
@@ -243,7 +244,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s)
-        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
+        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
+                                per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype))
