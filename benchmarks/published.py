@@ -246,6 +246,17 @@ def main():
         print(f"  ratio predicted / published: median {s['median']:.3f}, range "
               f"{s['min']:.3f} .. {s['max']:.3f} over {s['n']} rows")
         print(f"  assumptions: {NOTES[source]}")
+    print("\nbias (ratio predicted / published; > 1: optimistic) by")
+    for label, key in (("source", lambda r: r["row"]["source"]),
+                       ("GPU", lambda r: r["row"]["profile"]),
+                       ("framework", lambda r: r["estimate"].layout.engine)):
+        groups = {}
+        for r in results:
+            groups.setdefault(key(r), []).append(r["ratio"])
+        print(f"  {label:<10}" + "; ".join(
+            f"{k}: median {summary(v)['median']:.3f} ({summary(v)['min']:.3f} .. "
+            f"{summary(v)['max']:.3f}, {len(v)} rows, {sum(x > 1 for x in v)} optimistic)"
+            for k, v in sorted(groups.items())))
     s = summary(r["ratio"] for r in results)
     bad = [r["row"]["name"] for r in results
            if not (math.isfinite(r["predicted"]) and r["predicted"] > 0 and r["estimate"].fits)]

@@ -105,7 +105,7 @@ def test_memory_orders_and_fits():
     z1 = P.estimate(GPT3, _lay(zero=1), A100)
     assert z1.memory["optimizer"] == pytest.approx(full.memory["optimizer"] / 8)
     for e in (base, sel, full, sp, z1):
-        assert e.fits == (e.memory["total"] <= 80e9)
+        assert e.fits == (e.memory["total"] <= 80e9 * 0.95 - 0.78e9)   # usable memory
         parts = ("params", "grads", "optimizer", "buffers", "activations")
         assert e.memory["total"] == pytest.approx(sum(e.memory[k] for k in parts))
 

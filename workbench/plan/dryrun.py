@@ -90,7 +90,7 @@ class DryRun:
     layout: Layout
     step_time: float              # seconds per optimizer step
     memory: dict                  # bytes on the busiest rank, keys as Estimate.memory
-    fits: bool                    # memory["total"] <= the profile's device memory
+    fits: bool                    # memory["total"] <= the profile's usable memory
     trace: object = field(repr=False)      # the Trace of the real runs (step 2 and 3)
     timeline: dict = field(repr=False)     # per pipeline rank: times, bytes (module doc)
     stages: dict = field(repr=False)       # per distinct stage: what was measured
@@ -232,7 +232,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
                + max(_stage_max(per_step, h, rep[c]) for c in _chunks(r, lay.pp, n))
                for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
-                  fits=busiest["total"] <= prof.memory_bytes, trace=tr, timeline=timeline,
+                  fits=busiest["total"] <= prof.usable_memory(), trace=tr, timeline=timeline,
                   stages=measured, per_rank=per_rank, pipeline=sim,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
                              "tied_embedding_sync": tied}, comm_bytes=int(comm),

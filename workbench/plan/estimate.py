@@ -62,7 +62,7 @@ class Estimate:
     layout: Layout
     step_time: float                 # seconds per optimizer step
     memory: dict                     # bytes on the busiest rank
-    fits: bool                       # memory["total"] <= device memory
+    fits: bool                       # memory["total"] <= the profile's usable memory
     tflops_per_device: float         # hardware TFLOP/s per device (with recompute)
     mfu: float
     hfu: float
@@ -111,7 +111,8 @@ class Estimate:
             + (f" + buffers {gb['buffers']:.1f}" if self.memory.get("buffers") else "")
             + f" + activations "
             f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
-            f" ({'fits' if self.fits else 'does NOT fit'})",
+            f" ({'fits' if self.fits else 'does NOT fit'} in {d['usable_memory'] / 1e9:.1f} GB "
+            f"usable: {d['memory_margin']})",
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step"])
@@ -123,6 +124,16 @@ class Estimate:
                 f"memory {self.memory['total'] / 1e9:.1f} GB"
                 f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
                 f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
+
+
+def _margin(prof) -> str:
+    """What ``Profile.usable_memory`` keeps back, in words (both are assumptions, cited
+    in the profile)."""
+    rt = prof.runtime_memory
+    if not rt:
+        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
+    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
+            f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")
 
 
 def pipeline_bubble(stage_times, v: int = 1) -> float:
@@ -279,10 +290,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
         "framework": lay.engine,
+        "usable_memory": prof.usable_memory(),
+        "memory_margin": _margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
-                    fits=busiest["memory"]["total"] <= prof.memory_bytes,
+                    fits=busiest["memory"]["total"] <= prof.usable_memory(),
                     tflops_per_device=hw_f / (step * n) / 1e12, mfu=model_f / (step * peak * n),
                     hfu=hw_f / (step * peak * n),
                     comm_bytes=m * slow["sent"] + slow["dp_sent"], breakdown=breakdown,

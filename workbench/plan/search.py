@@ -137,7 +137,7 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     if attention not in ("materialized", "flash"):
         raise ValueError(f"attention={attention!r}; use 'materialized' or 'flash'")
     t0 = time.perf_counter()
-    limit = cluster.memory_bytes
+    limit = cluster.profile.usable_memory()     # less the context and fragmentation
     results: list[tuple[Layout, Estimate]] = []
     tried, least = 0, None
     for lay in candidate_layouts(model, cluster, global_batch, max_micro_batch):

@@ -220,6 +220,10 @@ class Profile:
     kernel_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
     # the tile large GEMMs run in (``cost.gemm_efficiency``): {"m", "n", "per_sm"}
     gemm_tile: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # device memory a training process cannot use for tensors (``usable_memory``):
+    # {"context_bytes": the runtime's context (CUDA / CANN), "fragmentation": the share
+    # of device memory the allocator loses}; empty: none
+    runtime_memory: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -266,6 +270,20 @@ class Profile:
             for k, v in tile.items():
                 _count(owner, f"gemm_tile[{k!r}]", v)
         object.__setattr__(self, "gemm_tile", MappingProxyType(tile))
+        rt = dict(self.runtime_memory)
+        if rt:
+            if set(rt) != {"context_bytes", "fragmentation"}:
+                raise ValueError(f"{owner}: runtime_memory needs exactly context_bytes and "
+                                 f"fragmentation; got {sorted(rt)}")
+            c, f = rt["context_bytes"], rt["fragmentation"]
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c \
+                    < self.memory_bytes:
+                raise ValueError(f"{owner}: runtime_memory['context_bytes']={c!r} must be "
+                                 f"bytes in [0, memory_bytes)")
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+                raise ValueError(f"{owner}: runtime_memory['fragmentation']={f!r} must be "
+                                 f"a share of device memory in [0, 1)")
+        object.__setattr__(self, "runtime_memory", MappingProxyType(rt))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -318,6 +336,15 @@ class Profile:
                              f"peak_flops[{key!r}] or slow_paths[{key!r}] to the profile")
         return "main", self.peak_flops[key], self.memory_bandwidth, self.launch_overhead
 
+    def usable_memory(self) -> float:
+        """Bytes of device memory a training process can hold tensors in: memory_bytes
+        x (1 - fragmentation) - context_bytes (``runtime_memory``; both stated in the
+        profile's citations, assumptions where unmeasured)."""
+        rt = self.runtime_memory
+        if not rt:
+            return float(self.memory_bytes)
+        return self.memory_bytes * (1 - rt["fragmentation"]) - rt["context_bytes"]
+
     def node_of(self, rank: int) -> int:
         """The node holding ``rank`` (ranks are packed node by node)."""
         return rank // self.devices_per_node
@@ -345,6 +372,7 @@ class Profile:
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),
+                "runtime_memory": dict(self.runtime_memory),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -361,7 +389,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
-                    "kernel_bandwidth", "gemm_tile",
+                    "kernel_bandwidth", "gemm_tile", "runtime_memory",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:
