@@ -76,3 +76,35 @@ def test_fits_leaves_the_context_and_fragmentation():
     assert P.estimate(cfg, lay, P.Cluster(bare, 8)).fits
     with pytest.raises(ValueError, match="fragmentation"):
         dataclasses.replace(a100, runtime_memory={"context_bytes": 0.0, "fragmentation": 1.0})
+
+
+def test_estimate_says_what_it_assumed():
+    cl = P.Cluster("a100", 64)
+    cfg = get_config("gpt-22b")
+    lay = P.Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    est = P.estimate(cfg, lay, cl)
+    got = est.assumptions()
+    assert got[0].startswith("Megatron-LM: gradients in a fp32 buffer")
+    assert any("unfused core" in a for a in got)
+    marked = [k for k, v in cl.profile.citations.items() if "ASSUMPTION" in v]
+    assert marked and all(k in got[-1] for k in marked)
+    assert est.explain().splitlines()[-1].startswith("  assumed: Megatron-LM")
+    ds = P.estimate(cfg, lay.replace(zero=3, framework="deepspeed"), cl, attention="flash",
+                    overlap=False)
+    assert ds.assumptions()[0].startswith("DeepSpeed") and \
+        "not overlapped" in " ".join(ds.assumptions())
+
+
+def test_close_step_times_are_a_tie():
+    from workbench.plan.search import TIE, Ranking
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
+    a = P.Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    ea, eb = P.estimate(cfg, a, cl), P.estimate(cfg, a.replace(recompute="full"), cl)
+    assert ea.step_time < eb.step_time
+    far = Ranking([(a, ea), (eb.layout, eb)]).explain()[0]
+    assert far.startswith("#1 beats #2 by") == (eb.step_time - ea.step_time
+                                                >= TIE * eb.step_time)
+    import dataclasses
+    near = dataclasses.replace(eb, step_time=ea.step_time * (1 + TIE / 2))
+    line = Ranking([(a, ea), (eb.layout, near)]).explain()[0]
+    assert line.startswith("#1 and #2 tie: ") and "under the 1%" in line

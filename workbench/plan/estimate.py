@@ -115,7 +115,14 @@ class Estimate:
             f"usable: {d['memory_margin']})",
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
-            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step"])
+            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
+            f"  assumed: {'; '.join(self.assumptions())}"])
+
+    def assumptions(self) -> list[str]:
+        """What this estimate rests on beyond cited measurements: the framework behaviour
+        chosen, the attention kernel, and every profile figure its citation marks as an
+        ASSUMPTION or UNCERTAIN (``profiles/*.json``)."""
+        return list(self.details["assumptions"])
 
     def __str__(self):
         b = self.breakdown
@@ -134,6 +141,32 @@ def _margin(prof) -> str:
         return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
     return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
             f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")
+
+
+_FRAMEWORK_WORDS = {
+    "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
+    "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
+                 "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
+    "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
+                 "gather per layer"}
+
+
+def _assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tuple:
+    """The words of ``Estimate.assumptions``."""
+    when = ("module by module in the last backward (overlap_grad_reduce)"
+            if overlap_grad_reduce else "after the pipeline flush")
+    g = "fp32" if F.grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
+    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
+    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
+                                "Megatron's unfused core (Korthikanti Table 2)"))
+    if lay.zero >= 2 and not overlap:
+        out.append("ZeRO collectives not overlapped (overlap=False)")
+    marked = sorted(k for k, v in prof.citations.items()
+                    if "ASSUMPTION" in v or "UNCERTAIN" in v)
+    if marked:
+        out.append(f"profile {prof.name}'s figures marked ASSUMPTION or UNCERTAIN: "
+                   f"{', '.join(marked)}")
+    return tuple(out)
 
 
 def pipeline_bubble(stage_times, v: int = 1) -> float:
@@ -290,6 +323,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
         "framework": lay.engine,
+        "assumptions": _assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce),
         "usable_memory": prof.usable_memory(),
         "memory_margin": _margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
