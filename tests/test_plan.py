@@ -142,6 +142,13 @@ def test_pipeline_time_matches_the_schedule_simulator(schedule, v):
     assert list(sim.busy) == pytest.approx([lay.m * t for t in per_rank], rel=1e-12)
     ours = lay.m * max(per_rank) + est.breakdown["bubble"]
     assert ours == pytest.approx(sim.makespan, rel=1e-9)
+    # fewer micro-batches for a figure: the same bubble (m >= p)
+    few = est.pipeline(m=lay.pp)
+    assert few.schedule.m == lay.pp
+    assert few.makespan - lay.pp * max(per_rank) == pytest.approx(est.breakdown["bubble"],
+                                                                  rel=1e-9)
+    with pytest.raises(ValueError, match="pipeline"):
+        est.pipeline(m=0)
 
 
 @pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("gpipe", 8, 8, 1),

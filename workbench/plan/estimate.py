@@ -70,18 +70,27 @@ class Estimate:
     breakdown: dict                  # seconds: compute, communication, bubble (sum: step)
     details: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def pipeline(self):
+    def pipeline(self, m: "int | None" = None):
         """The pipeline of one step as the schedule simulator runs it
         (``parallel.schedules.simulate``), each rank's forward and backward per
         micro-batch (per chunk when interleaved) taken from this estimate: a
-        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from."""
+        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from.
+        ``m``: simulate that many micro-batches instead of the step's (a readable
+        figure; the bubble, which does not grow with m once m >= p, stays)."""
         from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
         lay, st = self.layout, self.details["stages"]
+        if m is None:
+            m = lay.m
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (
+                lay.schedule == "interleaved_1f1b" and m % lay.pp):
+            raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
+                             + (f", a multiple of pp={lay.pp} (interleaved)"
+                                if lay.schedule == "interleaved_1f1b" else ""))
         kind = {0: "first", lay.pp - 1: "last"}
         rows = [st["only"] if lay.pp == 1 else st[kind.get(r, "middle")]
                 for r in range(lay.pp)]
         build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
-        sched = build(lay.pp, lay.m) if build else interleaved_1f1b(lay.pp, lay.m, lay.v)
+        sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
         return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                         b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
