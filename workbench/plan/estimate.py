@@ -51,7 +51,7 @@ from . import frameworks as F
 from . import zero_cost as Z
 from .layout import Cluster, Layout, check_layout
 from .edge_cost import edge_times
-from .memory import stage_memory, stage_params
+from .memory import memory_margin, stage_memory, stage_params
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -140,42 +140,6 @@ class Estimate:
                 f"memory {self.memory['total'] / 1e9:.1f} GB"
                 f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
                 f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
-
-
-def _margin(prof) -> str:
-    """What ``Profile.usable_memory`` keeps back, in words (both are assumptions, cited
-    in the profile)."""
-    rt = prof.runtime_memory
-    if not rt:
-        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
-    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
-            f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")
-
-
-_FRAMEWORK_WORDS = {
-    "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
-    "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
-                 "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
-    "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
-                 "gather per layer"}
-
-
-def _assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tuple:
-    """The words of ``Estimate.assumptions``."""
-    when = ("module by module in the last backward (overlap_grad_reduce)"
-            if overlap_grad_reduce else "after the pipeline flush")
-    g = "fp32" if F.grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
-    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
-    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
-                                "Megatron's unfused core (Korthikanti Table 2)"))
-    if lay.zero >= 2 and not overlap:
-        out.append("ZeRO collectives not overlapped (overlap=False)")
-    marked = sorted(k for k, v in prof.citations.items()
-                    if "ASSUMPTION" in v or "UNCERTAIN" in v)
-    if marked:
-        out.append(f"profile {prof.name}'s figures marked ASSUMPTION or UNCERTAIN: "
-                   f"{', '.join(marked)}")
-    return tuple(out)
 
 
 def pipeline_bubble(stage_times, v: int = 1) -> float:
@@ -332,9 +296,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
         "framework": lay.engine,
-        "assumptions": _assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce),
+        "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce),
         "usable_memory": prof.usable_memory(),
-        "memory_margin": _margin(prof),
+        "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),

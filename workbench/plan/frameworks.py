@@ -25,7 +25,8 @@ FSDP (PyTorch ``fully_shard``) is not priced yet: it raises, naming what to use.
 """
 from __future__ import annotations
 
-__all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes"]
+__all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes",
+           "assumptions"]
 
 FRAMEWORKS = ("megatron", "deepspeed", "workbench")
 
@@ -61,3 +62,30 @@ def grad_buffer_extra_bytes(framework: str, dtype: str) -> int:
     gradients ZeRO's accounting counts (Megatron with bf16: an fp32 ``main_grad``, 4
     bytes where ZeRO counts 2)."""
     return grad_reduce_bytes(framework, dtype) - 2
+
+
+_FRAMEWORK_WORDS = {
+    "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
+    "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
+                 "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
+    "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
+                 "gather per layer"}
+
+
+def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tuple:
+    """What ``Estimate.assumptions`` lists: the framework behaviour, the attention kernel,
+    the profile's figures cited as ASSUMPTION or UNCERTAIN."""
+    when = ("module by module in the last backward (overlap_grad_reduce)"
+            if overlap_grad_reduce else "after the pipeline flush")
+    g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
+    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
+    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
+                                "Megatron's unfused core (Korthikanti Table 2)"))
+    if lay.zero >= 2 and not overlap:
+        out.append("ZeRO collectives not overlapped (overlap=False)")
+    marked = sorted(k for k, v in prof.citations.items()
+                    if "ASSUMPTION" in v or "UNCERTAIN" in v)
+    if marked:
+        out.append(f"profile {prof.name}'s figures marked ASSUMPTION or UNCERTAIN: "
+                   f"{', '.join(marked)}")
+    return tuple(out)

@@ -32,7 +32,7 @@ for the loss (4 s b V / t), counted the same way.
 """
 from __future__ import annotations
 
-__all__ = ["model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
+__all__ = ["memory_margin", "model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
            "layer_activation_bytes", "in_flight", "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
@@ -196,3 +196,13 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     mem["activations"] = act
     mem["total"] = sum(mem.values())
     return mem
+
+
+def memory_margin(prof) -> str:
+    """What ``Profile.usable_memory`` keeps back, in words (both are assumptions, cited
+    in the profile)."""
+    rt = prof.runtime_memory
+    if not rt:
+        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
+    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
+            f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")
