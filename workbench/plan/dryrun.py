@@ -107,6 +107,10 @@ class DryRun:
 
 
 def _check(model, lay: Layout, cl: Cluster):
+    if isinstance(lay, Layout) and lay.stages is not None:
+        raise ValueError(f"dry_run: layout stages={list(lay.stages)}: the Hybrid recipe splits "
+                         f"the layers evenly; uneven stages are estimated only "
+                         f"(wb.plan.estimate); give stages=None")
     if isinstance(lay, Layout) and lay.framework not in (None, "workbench"):
         raise ValueError(f"dry_run: layout framework={lay.framework!r}; the dry run runs "
                          f"this library's own Hybrid recipe: give framework='workbench' "

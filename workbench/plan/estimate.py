@@ -86,8 +86,7 @@ class Estimate:
             raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
                              + (f", a multiple of pp={lay.pp} (interleaved)"
                                 if lay.schedule == "interleaved_1f1b" else ""))
-        kind = {0: "first", lay.pp - 1: "last"}
-        rows = [st["only"] if lay.pp == 1 else st[kind.get(r, "middle")]
+        rows = [st[_stage_name(r, lay.pp, lay.stages is not None)]
                 for r in range(lay.pp)]
         build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
         sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
@@ -151,8 +150,20 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _stage_kinds(pp: int) -> list[tuple[str, int, int]]:
-    """(name, a representative stage, how many stages are like it)."""
+def _stage_name(s: int, pp: int, uneven: bool) -> str:
+    """The key of stage ``s`` in ``details["stages"]``."""
+    if pp == 1:
+        return "only"
+    if s in (0, pp - 1):
+        return "first" if s == 0 else "last"
+    return f"stage {s}" if uneven else "middle"
+
+
+def _stage_kinds(pp: int, uneven: bool = False) -> list[tuple[str, int, int]]:
+    """(name, a representative stage, how many stages are like it): uneven stages each
+    their own."""
+    if uneven:
+        return [(_stage_name(s, pp, True), s, 1) for s in range(pp)]
     if pp == 1:
         return [("only", 0, 1)]
     out = [("first", 0, 1), ("last", pp - 1, 1)]
@@ -242,11 +253,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
     head = C.head_cost(cfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
-    n_layers = cfg.n_layer // pp
+    per_stage = lay.stage_layers(cfg.n_layer)
     edge = edge_times(cfg, b, tp, sp, prof)        # embeddings; final norm, fp32 cast, loss
 
     stages = {}
-    for name, s, count in _stage_kinds(pp):
+    for name, s, count in _stage_kinds(pp, lay.stages is not None):
+        n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
         sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
@@ -260,7 +272,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
             sent = sent + head.comm_bytes
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
-        psi = stage_params(cfg, tp, pp, s)
+        psi = stage_params(cfg, tp, pp, s, n_layers)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None

@@ -77,7 +77,8 @@ def zero3_gathered_numel(numels, prefetch: int) -> int:
     return best
 
 
-def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
+def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
+                  layers: "int | None" = None) -> list[int]:
     """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
     word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
     head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
@@ -88,7 +89,7 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
     mods = []
     if stage == 0:
         mods += [V * h // tp, s * h]
-    mods += layer * (cfg.n_layer // pp)
+    mods += layer * (cfg.n_layer // pp if layers is None else layers)
     if stage == pp - 1:
         mods.append(2 * h)
         if pp > 1 or not cfg.tie_embeddings:
@@ -96,11 +97,12 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
     return [-(-n // dp) * dp for n in mods]
 
 
-def stage_params(cfg, tp: int, pp: int, stage: int) -> float:
-    """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers,
-    plus the embeddings on the first stage and the final LayerNorm and head on the last."""
+def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None) -> float:
+    """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers
+    (``layers``: that many), plus the embeddings on the first stage and the final
+    LayerNorm and head on the last."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    n = cfg.n_layer // pp * layer_params(cfg, tp)
+    n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
     if stage == 0:
         n += V * h / tp + s * h
     if stage == pp - 1:
@@ -175,7 +177,8 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     copies beyond them (module docstring)."""
     from .frameworks import grad_buffer_extra_bytes
     lay = layout
-    psi = stage_params(cfg, lay.tp, lay.pp, stage)
+    nl = lay.stage_layers(cfg.n_layer)[stage]
+    psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp, lay.zero)
     # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
     mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
@@ -184,13 +187,13 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
         from .zero_cost import PREFETCH_NUMEL
-        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp)
+        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
         mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) \
             + 2 * layer_params(cfg, lay.tp)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
-    act = per_layer * (cfg.n_layer // lay.pp) * held
+    act = per_layer * nl * held
     act += _edge_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" else 1)
     mem["activations"] = act

@@ -181,10 +181,10 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
         tot = sum(mats)
         one = [Block(w, layer.fwd_compute * w / tot, layer.bwd_compute * w / tot)
                for w in mats]
-        out += one * (cfg.n_layer // pp)
+        out += one * lay.stage_layers(cfg.n_layer)[stage]
     else:
         out += [Block(layer_params(cfg, tp), layer.fwd_compute, layer.bwd_compute)] \
-            * (cfg.n_layer // pp)
+            * lay.stage_layers(cfg.n_layer)[stage]
     if stage == pp - 1:
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
         out.append(Block(2 * h + own, head.fwd_compute + edge["last"][0],
