@@ -230,7 +230,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
-             overlap: bool = True, overlap_grad_reduce: bool = False) -> Estimate:
+             overlap: bool = True, overlap_grad_reduce: bool = False,
+             fp8: bool = False) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
     attention kernel's activations and time instead of Table 2's materialized softmax
@@ -240,8 +241,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
     data-parallel sync overlaps compute as Megatron-LM's ``--overlap-grad-reduce`` (and,
     with ZeRO-1, ``--overlap-param-gather``) and torch DDP's buckets do: gradients reduced
     during the last micro-batch's backward, module by module (``_dp_sync``); the default
-    is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush."""
+    is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush.
+    ``fp8=True``: the layers' GEMMs in FP8 as Transformer Engine runs them (``plan.fp8``;
+    profiles with an FP8 peak: the H100); MFU stays against the 16-bit peak."""
     check_layout(model, layout, cluster)
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     if attention not in ("materialized", "flash"):
@@ -249,7 +254,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                          f"or 'flash'")
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
-    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention)
+    if fp8 and "float8" not in prof.peak_flops:
+        raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
+                         f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
+                         f"Cluster('h100', ...) or fp8=False")
+    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8)
     head = C.head_cost(cfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
@@ -308,7 +317,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
         "framework": lay.engine,
-        "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce),
+        "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce)
+        + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
+            "16-bit peak",) if fp8 else ()),
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
