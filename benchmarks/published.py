@@ -49,6 +49,16 @@ is here only when its number was read from the source itself:
   (``overlap_grad_reduce=True``); the TP communication that ``--tp-comm-overlap`` hides
   beyond the async backward stays exposed.
 
+- ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
+  global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per
+  iteration, "126, 121 and 113 teraFLOP/s per GPU" (read as quoted by cli99/llm-analysis,
+  examples/megatron-turing-nlg/README.md, not from the paper's own text: a secondary
+  source).  Layout from the paper's sec. 2.3 as quoted there: 8-way tensor slicing,
+  35-way pipeline (so data parallelism 8, 10, 12), 105 layers, h 20,480, 128 heads,
+  sequence 2,048.  ASSUMED: fp16, micro-batch 1, full recompute, 1F1B (DeepSpeed's
+  pipeline engine), no ZeRO, vocabulary padded to 51,200.  These rows hold data
+  parallelism growing at a fixed model: the DP sync the issue says is underpriced.
+
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
@@ -164,16 +174,41 @@ def _h100_rows():
                    assume="bf16, micro-batch 1, no recompute, flash attention, 1F1B assumed")
 
 
-ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows()]
+MT_NLG = [(280, 60.1, 126.0), (350, 50.2, 121.0), (420, 44.4, 113.0)]   # nodes, s, TFLOP/s
+MT_NLG_CITE = ("Smith et al. 2022 (MT-NLG 530B) sec. 2.4, as quoted by cli99/llm-analysis "
+               "examples/megatron-turing-nlg/README.md (secondary source)")
+
+
+def _mt_nlg_rows():
+    for nodes, _, tflops in MT_NLG:
+        gpus = 8 * nodes
+        yield dict(source="mt_nlg", name="MT-NLG 530B", profile="a100", devices=gpus,
+                   model=dict(d_model=20480, n_layer=105, n_head=128, dtype="float16"),
+                   layout=dict(dp=gpus // 280, tp=8, pp=35, sp=False, zero=0,
+                               recompute="full", micro_batch=1, global_batch=1920,
+                               schedule="1f1b", v=1, framework="deepspeed"),
+                   metric="tflops_per_device", published=tflops, published_hfu=None,
+                   cite=MT_NLG_CITE,
+                   assume="fp16, micro-batch 1, full recompute, 1F1B, no ZeRO, vocabulary "
+                          "51,200 ASSUMED")
+
+
+ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows()]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
-                        "assumed; bf16; dropout 0.1",
+                        "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
+                        "0.1",
          "megatron_h100": "sp and zero=1 implied by the README's overlap flags; bf16, "
                           "micro-batch 1, no recompute, flash attention, 1F1B, untied "
-                          "embeddings ASSUMED; the DP sync overlapped as the README's "
+                          "embeddings ASSUMED; gradients reduced in fp32 as Megatron-LM "
+                          "forces for bf16 (--grad-reduce-in-bf16 not given: ASSUMED); "
+                          "the DP sync overlapped as the README's "
                           "--overlap-grad-reduce --overlap-param-gather (estimate's "
                           "overlap_grad_reduce); --tp-comm-overlap's TP overlap beyond the "
-                          "async backward is not modeled"}
+                          "async backward is not modeled",
+         "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
+                   "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
+                   "pipeline engine and data parallelism (framework='deepspeed')"}
 
 
 def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:
@@ -222,7 +257,8 @@ def main():
     elapsed = time.perf_counter() - t0
     for source, label in (("narayanan", "achieved TFLOP/s per GPU (with recompute)"),
                           ("korthikanti", "MFU (eq. 7; SP + selective recompute)"),
-                          ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)")):
+                          ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)"),
+                          ("mt_nlg", "TFLOP/s per GPU (with recompute)")):
         rows = [r for r in results if r["row"]["source"] == source]
         print(f"\n{rows[0]['row']['cite']}\n  metric: {label}")
         print(f"  {'model':<9}{'GPUs':>6}  {'layout':<44}{'published':>10}{'predicted':>10}"
@@ -243,6 +279,17 @@ def main():
         print(f"  ratio predicted / published: median {s['median']:.3f}, range "
               f"{s['min']:.3f} .. {s['max']:.3f} over {s['n']} rows")
         print(f"  assumptions: {NOTES[source]}")
+    print("\nbias (ratio predicted / published; > 1: optimistic) by")
+    for label, key in (("source", lambda r: r["row"]["source"]),
+                       ("GPU", lambda r: r["row"]["profile"]),
+                       ("framework", lambda r: r["estimate"].layout.engine)):
+        groups = {}
+        for r in results:
+            groups.setdefault(key(r), []).append(r["ratio"])
+        print(f"  {label:<10}" + "; ".join(
+            f"{k}: median {summary(v)['median']:.3f} ({summary(v)['min']:.3f} .. "
+            f"{summary(v)['max']:.3f}, {len(v)} rows, {sum(x > 1 for x in v)} optimistic)"
+            for k, v in sorted(groups.items())))
     s = summary(r["ratio"] for r in results)
     bad = [r["row"]["name"] for r in results
            if not (math.isfinite(r["predicted"]) and r["predicted"] > 0 and r["estimate"].fits)]

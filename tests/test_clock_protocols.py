@@ -68,8 +68,65 @@ def test_profiles_without_protocols_keep_the_alpha_beta_ring():
     assert not bare.topology.protocols
     assert cost.price("all_reduce", n, range(8), bare) == pytest.approx(
         14 * link.latency + 14 / 8 * n / link.effective_bandwidth)
-    # across nodes the protocols are not modeled: NCCL's rails as before
-    assert topo.protocol_of("all_reduce", n, topo.group_of(range(16), A100), A100) == ""
+    # across nodes: no net protocols, the alpha-beta ring on NCCL's rails
+    assert topo.protocol_of("all_reduce", n, topo.group_of(range(16), bare), bare) == ""
+    rails = 8 * bare.inter_node.effective_bandwidth
+    assert cost.price("all_gather", n, range(16), bare) == pytest.approx(
+        15 * bare.inter_node.latency + 15 / 16 * n / rails)
+
+
+# NCCL 2.12.7's tuning model across nodes (src/graph/tuning.cc, commit 3c223c10), by hand
+_RING_NET = {   # protocol: base, intra step, inter step, factor (ppn >= 2), cap
+    "LL": (3.6e-6, 0.47e-6 * 1.8, 2.7e-6, 0.25, 19.0e9),
+    "LL128": (10e-6, 1.9e-6, 4.0e-6, 0.92, float("inf")),
+    "Simple": (8.4e-6, 3.4e-6, 28e-6, 1.0, float("inf"))}
+
+
+def _ring_net(kind, n, p, nodes, proto, rate):
+    base, intra, inter, f, cap = _RING_NET[proto]
+    steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+    cross = 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
+    share = (2 if kind == "all_reduce" else 1) * (p - 1) / p
+    return base + (steps - cross) * intra + cross * inter + share * n / min(rate * f, cap)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("n, nodes", [(2 ** 12, 4), (2 ** 20, 32), (2 ** 30, 192)])
+def test_ring_across_nodes_by_the_tuning_model(kind, n, nodes):
+    p, rate = 8 * nodes, 8 * 24e9                 # 8 rails of NCCL's 24 GB/s per node
+    want = min(_ring_net(kind, n, p, nodes, proto, rate) for proto in _RING_NET)
+    assert cost.price(kind, n, range(p), A100, "ring") == pytest.approx(want)
+    g = topo.group_of(range(p), A100)
+    times = {pr: _ring_net(kind, n, p, nodes, pr, rate) for pr in _RING_NET}
+    assert topo.protocol_of(kind, n, g, A100) == min(times, key=times.get)
+
+
+def test_ring_latency_grows_with_ranks_at_scale():
+    # 1,536 ranks on 192 DGX A100: a 1 MB all_gather is latency-bound: 1,344 NVLink steps
+    # and 191 network steps of LL (3.6 + 1344 x 0.846 + 191 x 2.7 us = 1.66 ms) against
+    # 1 MB / 19 GB/s (LL's cap) = 55 us of bandwidth
+    t = cost.price("all_gather", 2 ** 20, range(1536), A100)
+    assert t == pytest.approx(3.6e-6 + 1344 * 0.846e-6 + 191 * 2.7e-6
+                              + 1535 / 1536 * 2 ** 20 / 19.0e9)
+    assert cost.choose("all_gather", 2 ** 20, range(1536), A100).reason.endswith(
+        "protocol LL (the fastest by the library's tuning model)")
+    # doubling the ranks doubles it; the bandwidth term stays
+    assert cost.price("all_gather", 2 ** 20, range(3072), A100) > 1.9 * t
+
+
+def test_tree_all_reduce_by_the_tuning_model():
+    # one rank on each of 64 nodes, 4 KiB: LL tree, 4.4 + 2 (0 + 6 x 5.0) us + 2n / bw
+    ranks, n = range(0, 8 * 64, 8), 2 ** 12
+    pick = cost.choose("all_reduce", n, ranks, A100)
+    assert pick.algorithm == "tree" and "protocol LL" in pick.reason
+    bw = min(24e9 * 0.2421, 19.0e9)
+    assert pick.seconds == pytest.approx(4.4e-6 + 2 * 6 * 5.0e-6 + 2 * n / bw)
+    # 8 ranks on each of 16 nodes, 1 GiB: Simple; tree 0 + 2 (7 x 28 + 4 x 28) us + 2n /
+    # (0.92 x 192 GB/s) loses to the ring's 2(p-1)/p n / 192 GB/s
+    n = 2 ** 30
+    tree = cost.price("all_reduce", n, range(128), A100, "tree")
+    assert tree == pytest.approx(2 * (7 + 4) * 28e-6 + 2 * n / (0.92 * 192e9))
+    assert cost.choose("all_reduce", n, range(128), A100).algorithm == "ring"
 
 
 def test_overlap_takes_the_collectives_sms():

@@ -126,7 +126,8 @@ def test_tp_across_nodes_is_slower():
     across = layer_times(tp_ranks=[0, 8, 16, 24, 32, 40, 48, 56], **LAYER)
     n = 2048 * 4 * 6144 * 2
     nvlink = 8.4e-6 + 14 * 3.4e-6 + 14 / 8 * n / (0.783 * 300e9)
-    ring_ib = 14 * 8e-6 + 14 / 8 * n / 24e9
+    # across nodes NCCL's tuning model (2.12.7): Simple, all 14 steps on the network, 28 us
+    ring_ib = 8.4e-6 + 14 * 28e-6 + 14 / 8 * n / 24e9
     assert comm(inside) == pytest.approx(4 * nvlink)
     assert comm(across) == pytest.approx(4 * ring_ib)
     assert across.forward > 2 * inside.forward

@@ -64,7 +64,7 @@ def test_gpt_zero2_tail_is_the_tied_embedding_once_per_micro_batch():
     (DeepSpeed waits for the reduction stream at the end of each backward); then the
     updated weights are gathered once."""
     cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
-    lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2)
+    lay = Layout(dp=2, tp=1, pp=1, global_batch=4, zero=2, framework="workbench")
     cl = Cluster("a100", 2)
     est = estimate(cfg, lay, cl, attention="flash")
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
@@ -100,10 +100,11 @@ def test_overlap_grad_reduce_leaves_the_embedding_tail(zero, kind):
                                                                    collective_sms=0))
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     ranks = lay.dp_ranks()
-    tail = price(kind, 2 * (V * h + s * h), ranks, "a100")
+    # Megatron-LM reduces the bf16 model's gradients in fp32 (4 bytes), gathers 16-bit
+    tail = price(kind, 4 * (V * h + s * h), ranks, "a100")
     if zero == 1:
         tail += price("all_gather", 2 * (V * h + s * h), ranks, "a100")
-    layer = price(kind, 2 * layer_params(cfg, 1), ranks, "a100")
+    layer = price(kind, 4 * layer_params(cfg, 1), ranks, "a100")
     got = {}
     for name, prof in (("bare", bare), ("a100", a100)):
         cl = Cluster(prof, 2)
@@ -125,3 +126,49 @@ def test_overlap_grad_reduce_is_a_bool_and_leaves_zero_2_and_3_alone():
             estimate(cfg, lay, cl).step_time
     with pytest.raises(ValueError, match="overlap_grad_reduce='yes'"):
         estimate(cfg, Layout(dp=2, tp=1, pp=1, global_batch=4), cl, overlap_grad_reduce="yes")
+
+
+def test_reduce_scatter_buckets_wait_for_enough_gradient():
+    """DeepSpeed's reduce_bucket_size (``bucket``, here 3 elements): backward head 0-3,
+    layers 3-5 and 5-7 (2 elements pending, under the bucket), embedding 7-8: the six
+    elements reduce-scattered together 8-11: 3 s exposed (one per block: 2 s)."""
+    assert zero_exposed(BLOCKS, 2, _half, _half, bucket=3) == (0.0, 3.0)
+    assert zero_exposed(BLOCKS, 2, _half, _half, bucket=1) == (0.0, 2.0)
+
+
+def test_deepspeed_zero3_gathers_module_by_module():
+    """DeepSpeed ZeRO-3 (the default framework for zero=3): each layer's four weight
+    matrices gathered on their own (biases and norms under stage3_param_persistence_
+    threshold never), gradients reduce-scattered in buckets of 5e8 elements; without
+    overlap every collective shows: m x (two gathers per module + the buckets)."""
+    from workbench.plan import costs as C
+    from workbench.plan.edge_cost import edge_times
+    from workbench.plan.zero_cost import PERSISTENCE_NUMEL, REDUCE_BUCKET_NUMEL, stage_blocks
+    cfg = get_config("gpt3-175b")
+    cl = Cluster("a100", 1024)
+    lay = Layout(dp=256, tp=4, sp=True, zero=3, recompute="selective", micro_batch=3,
+                 global_batch=1536)
+    assert lay.engine == "deepspeed"
+    layer = C.layer_cost(cfg, 3, 4, True, "selective", cl.profile)
+    head = C.head_cost(cfg, 3, 4, True, cl.profile)
+    edge = edge_times(cfg, 3, 4, True, cl.profile)
+    blocks = stage_blocks(cfg, lay, 0, layer, head, edge, per_module=True)
+    h, f = cfg.d_model, cfg.d_ff
+    assert [b.numel for b in blocks[1:5]] == [3 * h * h / 4, h * h / 4, h * f / 4, f * h / 4]
+    assert len(blocks) == 2 + 4 * cfg.n_layer and PERSISTENCE_NUMEL == 1e5
+    assert sum(b.fwd for b in blocks[1:5]) == pytest.approx(layer.fwd_compute)
+    ranks = lay.dp_ranks()
+    whole, pending = 0.0, 0.0
+    for b in blocks[::-1]:
+        whole += 2 * price("all_gather", 2 * b.numel, ranks, "a100")
+        pending += b.numel
+        if pending >= REDUCE_BUCKET_NUMEL:
+            whole += price("reduce_scatter", 2 * pending, ranks, "a100")
+            pending = 0.0
+    whole += price("reduce_scatter", 2 * pending, ranks, "a100") if pending else 0.0
+    est = estimate(cfg, lay, cl, overlap=False)
+    assert est.details["dp_sync"] == pytest.approx(lay.m * whole, rel=1e-9)
+    # module by module, one module prefetched ahead (5e7 elements): less hides than
+    # with this library's one gather per layer
+    ours = estimate(cfg, lay.replace(framework="workbench"), cl)
+    assert estimate(cfg, lay, cl).details["dp_sync"] > 1.5 * ours.details["dp_sync"]

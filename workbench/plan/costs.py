@@ -81,14 +81,17 @@ def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
 
 @lru_cache(maxsize=None)
 def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
-               attention: str = "materialized") -> LayerCost:
+               attention: str = "materialized", fp8: bool = False) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
-    ``attention="flash"`` prices a fused attention kernel (``layer_cost``)."""
+    ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
+    linears' GEMMs in FP8 (``plan.fp8``)."""
     s, h = cfg.seq_len, cfg.d_model
     comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     comm_b = comm_f * (2 if recompute == "full" else 1)
     sent = sent_f * (3 if recompute == "full" else 2)
     extra = {} if attention == "materialized" else {"attention": attention}
+    if fp8:
+        extra["fp8"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),

@@ -44,7 +44,8 @@ What is composed from those measurements (not run op by op):
   simulated step, per pipeline rank; with ZeRO-3 (pp = 1 only), the working copies the
   recipe gathered, as its own ledger (``Zero3.live``, :mod:`..parallel.strategies.
   zero3_clock`) measured them over the stage's forward and backward: its peak is added
-  to ``params`` and the ledger is kept in ``gathered`` (its ``timeline`` on the modeled
+  to ``buffers`` (the key ``plan.memory`` keeps beside ZeRO's partitioned states) and the
+  ledger is kept in ``gathered`` (its ``timeline`` on the modeled
   clock), plus one layer's whole 16-bit gradient before its reduce-scatter (not in the
   ledger: an assumption, as ``plan.memory``).  On the small GPT of tests/test_dryrun.py
   the peak is every module at once (157 MB: the tied embedding's 105 MB and the rest,
@@ -89,7 +90,7 @@ class DryRun:
     layout: Layout
     step_time: float              # seconds per optimizer step
     memory: dict                  # bytes on the busiest rank, keys as Estimate.memory
-    fits: bool                    # memory["total"] <= the profile's device memory
+    fits: bool                    # memory["total"] <= the profile's usable memory
     trace: object = field(repr=False)      # the Trace of the real runs (step 2 and 3)
     timeline: dict = field(repr=False)     # per pipeline rank: times, bytes (module doc)
     stages: dict = field(repr=False)       # per distinct stage: what was measured
@@ -106,6 +107,15 @@ class DryRun:
 
 
 def _check(model, lay: Layout, cl: Cluster):
+    if isinstance(lay, Layout) and lay.stages is not None:
+        raise ValueError(f"dry_run: layout stages={list(lay.stages)}: the Hybrid recipe splits "
+                         f"the layers evenly; uneven stages are estimated only "
+                         f"(wb.plan.estimate); give stages=None")
+    if isinstance(lay, Layout) and lay.framework not in (None, "workbench"):
+        raise ValueError(f"dry_run: layout framework={lay.framework!r}; the dry run runs "
+                         f"this library's own Hybrid recipe: give framework='workbench' "
+                         f"(or None), and compare it with estimate(..., "
+                         f"layout.replace(framework='workbench'))")
     if getattr(model, "arch", None) == "gpt" and model.dtype in _MIXED:
         check_layout(model, lay, cl)           # the planner's checks: same errors
     else:
@@ -204,7 +214,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
     peaks, timeline = _peak_and_timeline(sched, sim, act)
     per_rank = []
     for r in range(lay.pp):
-        mem = {"params": 0, "grads": 0, "optimizer": 0}
+        mem = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
         for c in _chunks(r, lay.pp, n):
             ms = opt_t[rep[c]]["states"]
             mem["params"] += ms.params
@@ -216,8 +226,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
             # the stage's forward and backward; plus one layer's whole 16-bit gradient
             # before its reduce-scatter (an assumption, as plan.memory: not in the ledger)
             item = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
-            mem["params"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
-            mem["grads"] += item * layer_numel
+            mem["buffers"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
+            mem["buffers"] += item * layer_numel
         mem["activations"] = peaks[r]
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
@@ -226,7 +236,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
                + max(_stage_max(per_step, h, rep[c]) for c in _chunks(r, lay.pp, n))
                for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
-                  fits=busiest["total"] <= prof.memory_bytes, trace=tr, timeline=timeline,
+                  fits=busiest["total"] <= prof.usable_memory(), trace=tr, timeline=timeline,
                   stages=measured, per_rank=per_rank, pipeline=sim,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
                              "tied_embedding_sync": tied}, comm_bytes=int(comm),

@@ -64,9 +64,11 @@ def main_dry_run(args) -> int:
     rec = {"step": 0, "loss": None, "tokens": lay.global_batch * cfg.seq_len, "lr": args.lr,
            "modeled_ms": round(dr.step_time * 1e3, 6), "comm_bytes": dr.comm_bytes,
            "state_bytes": mem["params"] + mem["grads"] + mem["optimizer"],
+           "buffer_bytes": mem["buffers"],
            "activation_bytes": mem["activations"],
            "peak_bytes_per_rank": [m["total"] for m in dr.per_rank],
-           "device_memory_bytes": cl.memory_bytes, "fits": dr.fits,
+           "device_memory_bytes": cl.memory_bytes,
+           "usable_memory_bytes": cl.profile.usable_memory(), "fits": dr.fits,
            "profile": cl.profile.name, "dry_run": True,
            "ms": round((time.perf_counter() - t0) * 1e3, 3)}
     print(json.dumps(rec), flush=True)

@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 
 from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
+from . import frameworks as F
 from . import zero_cost as Z
 from .layout import Cluster, Layout, check_layout
 from .edge_cost import edge_times
-from .memory import stage_memory, stage_params
+from .memory import memory_margin, stage_memory, stage_params
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -61,7 +62,7 @@ class Estimate:
     layout: Layout
     step_time: float                 # seconds per optimizer step
     memory: dict                     # bytes on the busiest rank
-    fits: bool                       # memory["total"] <= device memory
+    fits: bool                       # memory["total"] <= the profile's usable memory
     tflops_per_device: float         # hardware TFLOP/s per device (with recompute)
     mfu: float
     hfu: float
@@ -69,18 +70,26 @@ class Estimate:
     breakdown: dict                  # seconds: compute, communication, bubble (sum: step)
     details: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def pipeline(self):
+    def pipeline(self, m: "int | None" = None):
         """The pipeline of one step as the schedule simulator runs it
         (``parallel.schedules.simulate``), each rank's forward and backward per
         micro-batch (per chunk when interleaved) taken from this estimate: a
-        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from."""
+        ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from.
+        ``m``: simulate that many micro-batches instead of the step's (a readable
+        figure; the bubble, which does not grow with m once m >= p, stays)."""
         from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
         lay, st = self.layout, self.details["stages"]
-        kind = {0: "first", lay.pp - 1: "last"}
-        rows = [st["only"] if lay.pp == 1 else st[kind.get(r, "middle")]
+        if m is None:
+            m = lay.m
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (
+                lay.schedule == "interleaved_1f1b" and m % lay.pp):
+            raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
+                             + (f", a multiple of pp={lay.pp} (interleaved)"
+                                if lay.schedule == "interleaved_1f1b" else ""))
+        rows = [st[_stage_name(r, lay.pp, lay.stages is not None)]
                 for r in range(lay.pp)]
         build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
-        sched = build(lay.pp, lay.m) if build else interleaved_1f1b(lay.pp, lay.m, lay.v)
+        sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
         return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                         b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
@@ -106,12 +115,22 @@ class Estimate:
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
             f"optimizer {d['optimizer']:.3f} s",
             f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
-            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f} + activations "
+            f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f}"
+            + (f" + buffers {gb['buffers']:.1f}" if self.memory.get("buffers") else "")
+            + f" + activations "
             f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
-            f" ({'fits' if self.fits else 'does NOT fit'})",
+            f" ({'fits' if self.fits else 'does NOT fit'} in {d['usable_memory'] / 1e9:.1f} GB "
+            f"usable: {d['memory_margin']})",
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
-            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step"])
+            f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
+            f"  assumed: {'; '.join(self.assumptions())}"])
+
+    def assumptions(self) -> list[str]:
+        """What this estimate rests on beyond cited measurements: the framework behaviour
+        chosen, the attention kernel, and every profile figure its citation marks as an
+        ASSUMPTION or UNCERTAIN (``profiles/*.json``)."""
+        return list(self.details["assumptions"])
 
     def __str__(self):
         b = self.breakdown
@@ -131,8 +150,20 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _stage_kinds(pp: int) -> list[tuple[str, int, int]]:
-    """(name, a representative stage, how many stages are like it)."""
+def _stage_name(s: int, pp: int, uneven: bool) -> str:
+    """The key of stage ``s`` in ``details["stages"]``."""
+    if pp == 1:
+        return "only"
+    if s in (0, pp - 1):
+        return "first" if s == 0 else "last"
+    return f"stage {s}" if uneven else "middle"
+
+
+def _stage_kinds(pp: int, uneven: bool = False) -> list[tuple[str, int, int]]:
+    """(name, a representative stage, how many stages are like it): uneven stages each
+    their own."""
+    if uneven:
+        return [(_stage_name(s, pp, True), s, 1) for s in range(pp)]
     if pp == 1:
         return [("only", 0, 1)]
     out = [("first", 0, 1), ("last", pp - 1, 1)]
@@ -152,17 +183,19 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
-             overlap_grad_reduce: bool = False):
+             overlap_grad_reduce: bool = False, grad_bytes: int = 2):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
     ``overlap_grad_reduce`` (ZeRO-0/1, Megatron-LM's --overlap-grad-reduce and
     --overlap-param-gather): the gradients reduced module by module during the last
     micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
-    first forward (all gathers issued at once), on the same stream model."""
+    first forward (all gathers issued at once), on the same stream model.
+    ``grad_bytes``: bytes per gradient element reduced (``frameworks.grad_reduce_bytes``:
+    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit."""
     if lay.dp == 1:
         return 0.0, 0.0
-    g, ranks, dp, m = 2 * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
+    g, ranks, dp, m = grad_bytes * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
 
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
@@ -170,11 +203,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     def gather(n):
         return p("all_gather", 2 * n)
 
-    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", g, dp)
+    w = 2 * psi                                   # the 16-bit weights
+    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", w, dp)
     if lay.zero <= 1 and overlap_grad_reduce:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         r = overlap_rate(prof)
-        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, 2 * n), rate=r)
+        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
         if lay.zero == 0:
             return bwd, wire_bytes("all_reduce", g, dp)
         fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
@@ -183,19 +217,21 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
     if lay.zero == 1:
-        return p("reduce_scatter") + p("all_gather"), rs + ag
+        return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
+    bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
-                              lambda n: p("reduce_scatter", 2 * n),
-                              rate=overlap_rate(prof) if overlap else 1.0)
+                              lambda n: p("reduce_scatter", grad_bytes * n),
+                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
-        return m * bwd + p("all_gather"), m * rs + ag
+        return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
-             overlap: bool = True, overlap_grad_reduce: bool = False) -> Estimate:
+             overlap: bool = True, overlap_grad_reduce: bool = False,
+             fp8: bool = False) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
     ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
     attention kernel's activations and time instead of Table 2's materialized softmax
@@ -205,8 +241,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
     data-parallel sync overlaps compute as Megatron-LM's ``--overlap-grad-reduce`` (and,
     with ZeRO-1, ``--overlap-param-gather``) and torch DDP's buckets do: gradients reduced
     during the last micro-batch's backward, module by module (``_dp_sync``); the default
-    is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush."""
+    is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush.
+    ``fp8=True``: the layers' GEMMs in FP8 as Transformer Engine runs them (``plan.fp8``;
+    profiles with an FP8 peak: the H100); MFU stays against the 16-bit peak."""
     check_layout(model, layout, cluster)
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     if attention not in ("materialized", "flash"):
@@ -214,15 +254,20 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
                          f"or 'flash'")
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
-    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention)
+    if fp8 and "float8" not in prof.peak_flops:
+        raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
+                         f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
+                         f"Cluster('h100', ...) or fp8=False")
+    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8)
     head = C.head_cost(cfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
-    n_layers = cfg.n_layer // pp
+    per_stage = lay.stage_layers(cfg.n_layer)
     edge = edge_times(cfg, b, tp, sp, prof)        # embeddings; final norm, fp32 cast, loss
 
     stages = {}
-    for name, s, count in _stage_kinds(pp):
+    for name, s, count in _stage_kinds(pp, lay.stages is not None):
+        n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
         sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
@@ -236,10 +281,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
             sent = sent + head.comm_bytes
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
-        psi = stage_params(cfg, tp, pp, s)
-        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge) \
+        psi = stage_params(cfg, tp, pp, s, n_layers)
+        blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
+                                per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce)
+        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
+                                 F.grad_reduce_bytes(lay.engine, cfg.dtype))
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
@@ -269,9 +316,16 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
         "rank_order": "Megatron: rank = t + tp (d + dp s), tp innermost, pp outermost",
+        "framework": lay.engine,
+        "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce)
+        + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
+            "16-bit peak",) if fp8 else ()),
+        "usable_memory": prof.usable_memory(),
+        "memory_margin": memory_margin(prof),
+        "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
-                    fits=busiest["memory"]["total"] <= prof.memory_bytes,
+                    fits=busiest["memory"]["total"] <= prof.usable_memory(),
                     tflops_per_device=hw_f / (step * n) / 1e12, mfu=model_f / (step * peak * n),
                     hfu=hw_f / (step * peak * n),
                     comm_bytes=m * slow["sent"] + slow["dp_sent"], breakdown=breakdown,

@@ -38,6 +38,7 @@ from functools import lru_cache
 
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import dtype_name, get_profile
+from . import fp8 as _fp8
 
 __all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
 
@@ -235,9 +236,11 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
 
 def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
-              profile="a100", tp_ranks=None, attention: str = "materialized") -> list:
+              profile="a100", tp_ranks=None, attention: str = "materialized",
+              fp8: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
-    ``attention="flash"``: the fused kernel instead of Megatron's unfused core."""
+    ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
+    ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``)."""
     if attention not in ("materialized", "flash"):
         raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
                          f"(Megatron's unfused core) or 'flash'")
@@ -248,18 +251,27 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
         raise ValueError(f"layer_times: dtype={dtype!r}: use a floating-point dtype "
                          f"{list(_ITEMSIZE)}")
     ranks = tuple(range(tp)) if tp_ranks is None else tuple(tp_ranks)
-    return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, get_profile(profile),
-                        ranks, attention))
+    prof = get_profile(profile)
+    if fp8 and "float8" not in prof.peak_flops:
+        raise ValueError(f"layer_times: fp8=True on profile {prof.name!r}, which has no FP8 "
+                         f"peak (peak_flops['float8']); FP8 tensor cores are the H100's: "
+                         f"use profile='h100' or fp8=False")
+    return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
+                        ranks, attention, bool(fp8)))
 
 
 @lru_cache(maxsize=4096)
-def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> tuple:
+def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
+            fp8=False) -> tuple:
     e = _ITEMSIZE[dt]
     fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
+    bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)
+    if fp8:
+        fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
     if recompute == "full":
         phases.append(("recompute", fwd))
-    phases.append(("backward", _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)))
+    phases.append(("backward", bwd))
     out = []
     for phase, ops in phases:
         where, shapes = {}, {}   # name -> index in out, this phase; -> GEMM output
@@ -287,7 +299,8 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention) -> t
                     name, ph = name[len("recompute:"):], "recompute"
                 else:
                     ph = phase
-                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches, kernel, shape)
+                odt = _fp8.FP8 if fp8 and _fp8._is_layer_gemm(op) else dt
+                t = _cost.compute_time(flops, nbytes, prof, odt, cls, launches, kernel, shape)
                 shapes[name] = shape
                 where[name] = len(out)
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
@@ -299,14 +312,16 @@ _FIELDS = tuple(f.name for f in fields(OpCost))
 
 def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
-                profile="a100", tp_ranks=None, attention: str = "materialized") -> LayerTimes:
+                profile="a100", tp_ranks=None, attention: str = "materialized",
+                fp8: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
     ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
     this for thousands of layouts."""
-    ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention)
+    ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
+                    fp8)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..sim_mesh.profiles import Profile, get_profile
+from .frameworks import resolve as _resolve_framework
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model"]
 
@@ -66,7 +67,13 @@ class Layout:
     parallelism ``sp``) and pipeline (``pp``, ``schedule``, ``v`` chunks per device)
     parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
     ("none", "selective", "full"), and ``global_batch`` sequences per optimizer step
-    split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch)."""
+    split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch),
+    run by ``framework`` ("megatron", "deepspeed", "workbench": ``plan.frameworks``;
+    None: Megatron-LM for ZeRO 0-1, DeepSpeed for ZeRO 2-3, read back as
+    :attr:`engine`).  ``stages``: the layers of each pipeline stage when they are
+    uneven (Megatron-LM's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers``: fewer layers beside the embedding or the
+    head, which weigh as layers do); 1F1B or GPipe only."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -77,6 +84,8 @@ class Layout:
     global_batch: int | None = None
     schedule: str = "1f1b"
     v: int = 1
+    framework: str | None = None
+    stages: tuple | None = None     # layers per pipeline stage (None: n_layer / pp each)
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "v"):
@@ -125,6 +134,18 @@ class Layout:
                    f"{per_step}, or a dp dividing {gb}")
             raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
                              f"{self.micro_batch} x {dp} = {per_step}; {fix}")
+        _resolve_framework(self.framework, self.zero)
+        if self.stages is not None:
+            st = tuple(self.stages) if isinstance(self.stages, (list, tuple)) else None
+            if st is None or len(st) != self.pp or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in st):
+                raise ValueError(f"Layout: stages={self.stages!r} must list the layers of each "
+                                 f"of the pp={self.pp} pipeline stages, ints >= 0")
+            if self.schedule == "interleaved_1f1b":
+                raise ValueError("Layout: uneven stages (stages=...) with "
+                                 "schedule='interleaved_1f1b' are not modeled; use '1f1b' "
+                                 "or 'gpipe'")
+            object.__setattr__(self, "stages", st)
         if self.schedule == "interleaved_1f1b" and self.m % self.pp:
             raise ValueError(f"Layout: schedule='interleaved_1f1b' needs the number of "
                              f"micro-batches m={self.m} to be a multiple of pp={self.pp} "
@@ -133,6 +154,15 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def stage_layers(self, n_layer: int) -> tuple:
+        """Layers on each pipeline stage: ``stages``, or n_layer / pp each."""
+        return self.stages if self.stages is not None else (n_layer // self.pp,) * self.pp
+
+    @property
+    def engine(self) -> str:
+        """The framework this layout runs (``framework``, or its ZeRO stage's default)."""
+        return _resolve_framework(self.framework, self.zero)
 
     @property
     def m(self) -> int:
@@ -158,7 +188,9 @@ class Layout:
         out += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
         out += f" mb{self.micro_batch} rc:{self.recompute}"
         out += " sp" if self.sp else ""
-        return out + (f" zero{self.zero}" if self.zero else "")
+        out += f" zero{self.zero}" if self.zero else ""
+        out += f" stages{list(self.stages)}" if self.stages is not None else ""
+        return out + (f" {self.framework}" if self.framework is not None else "")
 
 
 def check_model(model) -> None:
@@ -190,7 +222,11 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
         raise ValueError(f"Layout: tp={lay.tp} does not divide n_head={model.n_head} (each "
                          f"tensor-parallel rank owns whole heads); use a tp dividing "
                          f"{model.n_head}")
-    if model.n_layer % (lay.pp * lay.v):
+    if lay.stages is not None:
+        if sum(lay.stages) != model.n_layer:
+            raise ValueError(f"Layout: stages={list(lay.stages)} hold {sum(lay.stages)} layers "
+                             f"but the model has n_layer={model.n_layer}; make them add up")
+    elif model.n_layer % (lay.pp * lay.v):
         raise ValueError(f"Layout: pp x v = {lay.pp} x {lay.v} does not divide n_layer="
                          f"{model.n_layer} (each stage chunk holds whole layers); use pp x v "
                          f"dividing {model.n_layer}")

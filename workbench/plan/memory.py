@@ -5,9 +5,13 @@ keeps 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer s
 (fp32 master weights, momentum, variance) per parameter; ZeRO stage 1 splits the
 optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3
 also the weights:  (4 + K) psi,  4 psi + K psi / N_d,  2 psi + (2 + K) psi / N_d,
-(4 + K) psi / N_d (plus, at stage 3, the working copies: the gathered 16-bit weights
-of the module computing and of those prefetched after it, :func:`zero3_gathered_numel`,
-and the 16-bit gradient of one layer, an assumption not measured).  Here psi is the
+(4 + K) psi / N_d: ``params``, ``grads`` and ``optimizer`` are exactly these (ZeRO
+Table 1).  What a framework holds beyond them is ``buffers``: at stage 3 the working
+copies (the gathered 16-bit weights of the module computing and of those prefetched
+after it, :func:`zero3_gathered_numel`, and the 16-bit gradient of one layer before
+its reduce-scatter, an assumption not measured); Megatron-LM's fp32 gradient buffer
+for bf16 models, 2 bytes per parameter beyond ZeRO's 16-bit gradients
+(``frameworks.grad_buffer_extra_bytes``).  Here psi is the
 parameters a rank holds after tensor and pipeline parallelism (Megatron's split:
 column-parallel matrices and their biases / t, row-parallel biases and LayerNorms
 replicated; vocabulary-parallel embedding V h / t on the first stage, learned positions
@@ -28,7 +32,7 @@ for the loss (4 s b V / t), counted the same way.
 """
 from __future__ import annotations
 
-__all__ = ["model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
+__all__ = ["memory_margin", "model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
            "layer_activation_bytes", "in_flight", "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
@@ -73,7 +77,8 @@ def zero3_gathered_numel(numels, prefetch: int) -> int:
     return best
 
 
-def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
+def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
+                  layers: "int | None" = None) -> list[int]:
     """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
     word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
     head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
@@ -84,7 +89,7 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
     mods = []
     if stage == 0:
         mods += [V * h // tp, s * h]
-    mods += layer * (cfg.n_layer // pp)
+    mods += layer * (cfg.n_layer // pp if layers is None else layers)
     if stage == pp - 1:
         mods.append(2 * h)
         if pp > 1 or not cfg.tie_embeddings:
@@ -92,11 +97,12 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int) -> list[int]:
     return [-(-n // dp) * dp for n in mods]
 
 
-def stage_params(cfg, tp: int, pp: int, stage: int) -> float:
-    """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers,
-    plus the embeddings on the first stage and the final LayerNorm and head on the last."""
+def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None) -> float:
+    """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers
+    (``layers``: that many), plus the embeddings on the first stage and the final
+    LayerNorm and head on the last."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    n = cfg.n_layer // pp * layer_params(cfg, tp)
+    n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
     if stage == 0:
         n += V * h / tp + s * h
     if stage == pp - 1:
@@ -165,25 +171,41 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
 
 
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> dict:
-    """{"params", "grads", "optimizer", "activations", "total"} bytes on a rank of
-    ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`)."""
+    """{"params", "grads", "optimizer", "buffers", "activations", "total"} bytes on a
+    rank of ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`): the
+    first three ZeRO's partitioned model states, ``buffers`` the framework's working
+    copies beyond them (module docstring)."""
+    from .frameworks import grad_buffer_extra_bytes
     lay = layout
-    psi = stage_params(cfg, lay.tp, lay.pp, stage)
+    nl = lay.stage_layers(cfg.n_layer)[stage]
+    psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp, lay.zero)
+    # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
+    mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
     if lay.zero == 3 and lay.dp > 1:
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
         from .zero_cost import PREFETCH_NUMEL
-        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp)
-        mem["params"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL)
-        mem["grads"] += 2 * layer_params(cfg, lay.tp)
+        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
+        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) \
+            + 2 * layer_params(cfg, lay.tp)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
-    act = per_layer * (cfg.n_layer // lay.pp) * held
+    act = per_layer * nl * held
     act += _edge_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" else 1)
     mem["activations"] = act
     mem["total"] = sum(mem.values())
     return mem
+
+
+def memory_margin(prof) -> str:
+    """What ``Profile.usable_memory`` keeps back, in words (both are assumptions, cited
+    in the profile)."""
+    rt = prof.runtime_memory
+    if not rt:
+        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
+    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
+            f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")

@@ -40,7 +40,16 @@ from dataclasses import dataclass
 from ..parallel.strategies.zero3 import PREFETCH_NUMEL   # DeepSpeed's default, cited there
 from ..sim_mesh.cost import finish_beside
 
-__all__ = ["Block", "PREFETCH_NUMEL", "zero_exposed", "stage_blocks"]
+__all__ = ["Block", "PREFETCH_NUMEL", "PERSISTENCE_NUMEL", "REDUCE_BUCKET_NUMEL",
+           "zero_exposed", "stage_blocks"]
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py): a parameter of fewer elements
+# than stage3_param_persistence_threshold (1e5) is not partitioned ("Smaller values use
+# less memory, but can greatly increase communication (especially latency-bound
+# messages)"), so never gathered; gradients are reduced in buckets of reduce_bucket_size
+# (5e8) elements (stage 2: stage_1_and_2.py; stage 3: __reduce_and_partition_ipg_grads)
+PERSISTENCE_NUMEL = 100_000
+REDUCE_BUCKET_NUMEL = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -88,12 +97,14 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 
 
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
-         rate: float = 1.0) -> float:
+         rate: float = 1.0, bucket: "float | None" = None) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
-    each module's gradient is reduce-scattered once it has run, and the prefetch starts
-    with the backward (the root module's pre-backward hook)."""
-    t = 0.0
+    each module's gradient is reduce-scattered once it has run (``bucket``: once the
+    gradients completed since the last reduce-scatter reach ``bucket`` elements, the
+    rest at the end, as DeepSpeed's buckets), and the prefetch starts with the backward
+    (the root module's pre-backward hook)."""
+    t, pending = 0.0, 0.0
     if gather and backward:
         _prefetch(stream, blocks, order, -1, t, budget)
     for pos, i in enumerate(order):
@@ -102,19 +113,27 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
             t = max(t, stream.ends.get(i, 0.0))
             _prefetch(stream, blocks, order, pos, t, budget)
         t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
-        if backward:
+        if backward and bucket is None:
             stream.issue(("rs", i), blocks[i].numel, t)
+        elif backward:
+            pending += blocks[i].numel
+            if pending >= bucket:
+                stream.issue(("rs", i), pending, t)
+                pending = 0.0
+    if pending:
+        stream.issue(("rs", "rest"), pending, t)
     return t
 
 
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
-                 rate: float = 1.0) -> tuple[float, float]:
+                 rate: float = 1.0, bucket: "float | None" = None) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
     collective on ``numel`` parameters' 16-bit values over the data-parallel group;
-    ``rate``: how fast compute runs beside a collective (1: as alone)."""
+    ``rate``: how fast compute runs beside a collective (1: as alone); ``bucket``: the
+    gradient elements one reduce-scatter waits for (None: one per block)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -128,11 +147,12 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
         fwd = end - sum(b.fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
-    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate))
+    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket)
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 
-def stage_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
+def stage_blocks(cfg, lay, stage: int, layer, head, edge,
+                 per_module: bool = False) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
     the embeddings (word V h / t and positions s h) on the first stage, its layers
     (``costs.layer_cost``), the final norm and the head on the last (the head's own
@@ -141,14 +161,30 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
     ZeRO's collectives here; on the simulated clock the tensor-parallel collectives run
     on their own group's stream (``sim_mesh.trace``), so a ZeRO collective may also run
     beside one of them there, which this model does not count (the dry run and the
-    estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP)."""
+    estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP).
+    ``per_module``: DeepSpeed's granularity, each layer's four weight matrices their own
+    blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered)."""
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
     if stage == 0:
         out.append(Block(V * h / tp + s * h, edge["first"][0], edge["first"][1]))
-    out += [Block(layer_params(cfg, tp), layer.fwd_compute, layer.bwd_compute)] \
-        * (cfg.n_layer // pp)
+    if per_module:
+        # DeepSpeed ZeRO-3 gathers module by module (each nn.Linear its own fetch) and
+        # never the parameters under PERSISTENCE_NUMEL (biases, norms: not partitioned);
+        # ASSUMPTION: the layer's compute is shared among its four matrices in
+        # proportion to their weights (their GEMMs' share of its FLOPs; the attention
+        # core and the memory-bound kernels go along)
+        f = cfg.d_ff
+        mats = [w for w in (3 * h * h / tp, h * h / tp, h * f / tp, f * h / tp)
+                if w >= PERSISTENCE_NUMEL]
+        tot = sum(mats)
+        one = [Block(w, layer.fwd_compute * w / tot, layer.bwd_compute * w / tot)
+               for w in mats]
+        out += one * lay.stage_layers(cfg.n_layer)[stage]
+    else:
+        out += [Block(layer_params(cfg, tp), layer.fwd_compute, layer.bwd_compute)] \
+            * lay.stage_layers(cfg.n_layer)[stage]
     if stage == pp - 1:
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
         out.append(Block(2 * h + own, head.fwd_compute + edge["last"][0],

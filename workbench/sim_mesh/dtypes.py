@@ -10,6 +10,8 @@ _DTYPE_ALIASES = {
     "tf32": "tf32", "tensorfloat32": "tf32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
+    # FP8 (either format: the H100 runs E4M3 and E5M2 at one tensor-core rate)
+    "float8": "float8", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
     "int64": "int64", "long": "int64", "int32": "int32", "int": "int32",
     "int16": "int16", "short": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool",
 }
@@ -17,7 +19,7 @@ INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 def dtype_name(dtype) -> str:
-    """Canonical dtype key ("float64", "float32", "tf32", "bfloat16", "float16",
+    """Canonical dtype key ("float64", "float32", "tf32", "bfloat16", "float16", "float8",
     "int64", "int32", "int16", "int8", "uint8", "bool") for a torch dtype or a
     string such as "bf16" / "torch.half"."""
     key = str(dtype).lower().removeprefix("torch.")

@@ -66,6 +66,17 @@ LIBRARIES = ("nccl", "hccl")
 FABRICS = ("switch", "full_mesh")
 PROTOCOL_KEYS = ("base_latency", "step_latency", "bandwidth_factor",
                  "all_reduce_bandwidth_factor")
+# NCCL's tuning model across nodes, per protocol (``topology.py``; src/graph/tuning.cc):
+# a ring's step latency inside a node and across one (with one rank per node: its own
+# figure), its bus-bandwidth factor (one rank per node: its own), a cap on the bus
+# bandwidth in bytes/s (0: none), and the double binary tree's base, intra-node and
+# inter-node step latencies and bandwidth factor
+NET_PROTOCOL_KEYS = ("intra_step_latency", "inter_step_latency",
+                     "inter_step_latency_one_per_node", "bandwidth_factor",
+                     "bandwidth_factor_one_per_node", "max_bandwidth", "tree_base_latency",
+                     "tree_intra_latency", "tree_inter_latency", "tree_bandwidth_factor")
+_NET_SECONDS = ("intra_step_latency", "inter_step_latency", "inter_step_latency_one_per_node",
+                "tree_base_latency", "tree_intra_latency", "tree_inter_latency")
 
 def _positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -124,6 +135,10 @@ class Topology:
     protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
     sm_count: int = 0         # streaming multiprocessors per device (0: not modeled)
     collective_sms: int = 0   # SMs a collective kernel holds while it runs
+    # NCCL's protocols for rings and trees across nodes (``NET_PROTOCOL_KEYS``; the same
+    # protocol names as ``protocols``, whose base_latency the ring shares); empty: the
+    # alpha-beta ring and tree on the inter-node link
+    net_protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.library not in LIBRARIES:
@@ -148,6 +163,30 @@ class Topology:
                 _fraction("Topology", f"protocols[{name!r}][{k!r}]", v[k])
             protos[name] = MappingProxyType(dict(v))
         object.__setattr__(self, "protocols", MappingProxyType(protos))
+        net = {}
+        for name, v in dict(self.net_protocols).items():
+            if name not in protos:
+                raise ValueError(f"Topology: net_protocols[{name!r}] names a protocol that "
+                                 f"protocols lacks; give both (the ring's base latency is "
+                                 f"protocols[{name!r}]['base_latency'])")
+            if not isinstance(v, Mapping) or set(v) != set(NET_PROTOCOL_KEYS):
+                raise ValueError(f"Topology: net_protocols[{name!r}] must hold exactly "
+                                 f"{list(NET_PROTOCOL_KEYS)}; got {v!r}")
+            for k in _NET_SECONDS:
+                if isinstance(v[k], bool) or not isinstance(v[k], (int, float)) \
+                        or not 0 <= v[k] < 1:
+                    raise ValueError(f"Topology: net_protocols[{name!r}][{k!r}]={v[k]!r} "
+                                     f"must be seconds in [0, 1)")
+            for k in ("bandwidth_factor", "bandwidth_factor_one_per_node",
+                      "tree_bandwidth_factor"):
+                _fraction("Topology", f"net_protocols[{name!r}][{k!r}]", v[k])
+            cap = v["max_bandwidth"]
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) \
+                    or not math.isfinite(cap) or cap < 0:
+                raise ValueError(f"Topology: net_protocols[{name!r}]['max_bandwidth']={cap!r} "
+                                 f"must be bytes/s >= 0 (0: no cap)")
+            net[name] = MappingProxyType(dict(v))
+        object.__setattr__(self, "net_protocols", MappingProxyType(net))
         for k in ("sm_count", "collective_sms"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -181,6 +220,10 @@ class Profile:
     kernel_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
     # the tile large GEMMs run in (``cost.gemm_efficiency``): {"m", "n", "per_sm"}
     gemm_tile: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # device memory a training process cannot use for tensors (``usable_memory``):
+    # {"context_bytes": the runtime's context (CUDA / CANN), "fragmentation": the share
+    # of device memory the allocator loses}; empty: none
+    runtime_memory: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -227,6 +270,20 @@ class Profile:
             for k, v in tile.items():
                 _count(owner, f"gemm_tile[{k!r}]", v)
         object.__setattr__(self, "gemm_tile", MappingProxyType(tile))
+        rt = dict(self.runtime_memory)
+        if rt:
+            if set(rt) != {"context_bytes", "fragmentation"}:
+                raise ValueError(f"{owner}: runtime_memory needs exactly context_bytes and "
+                                 f"fragmentation; got {sorted(rt)}")
+            c, f = rt["context_bytes"], rt["fragmentation"]
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c \
+                    < self.memory_bytes:
+                raise ValueError(f"{owner}: runtime_memory['context_bytes']={c!r} must be "
+                                 f"bytes in [0, memory_bytes)")
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+                raise ValueError(f"{owner}: runtime_memory['fragmentation']={f!r} must be "
+                                 f"a share of device memory in [0, 1)")
+        object.__setattr__(self, "runtime_memory", MappingProxyType(rt))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -246,7 +303,7 @@ class Profile:
         if t.nics_per_node is None:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
-                t.protocols, t.sm_count, t.collective_sms))
+                t.protocols, t.sm_count, t.collective_sms, t.net_protocols))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -279,6 +336,15 @@ class Profile:
                              f"peak_flops[{key!r}] or slow_paths[{key!r}] to the profile")
         return "main", self.peak_flops[key], self.memory_bandwidth, self.launch_overhead
 
+    def usable_memory(self) -> float:
+        """Bytes of device memory a training process can hold tensors in: memory_bytes
+        x (1 - fragmentation) - context_bytes (``runtime_memory``; both stated in the
+        profile's citations, assumptions where unmeasured)."""
+        rt = self.runtime_memory
+        if not rt:
+            return float(self.memory_bytes)
+        return self.memory_bytes * (1 - rt["fragmentation"]) - rt["context_bytes"]
+
     def node_of(self, rank: int) -> int:
         """The node holding ``rank`` (ranks are packed node by node)."""
         return rank // self.devices_per_node
@@ -300,10 +366,13 @@ class Profile:
                 "topology": {"library": t.library, "intra_fabric": t.intra_fabric,
                              "intra_links": t.intra_links, "nics_per_node": t.nics_per_node,
                              "protocols": {k: dict(v) for k, v in t.protocols.items()},
-                             "sm_count": t.sm_count, "collective_sms": t.collective_sms},
+                             "sm_count": t.sm_count, "collective_sms": t.collective_sms,
+                             "net_protocols": {k: dict(v)
+                                               for k, v in t.net_protocols.items()}},
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),
+                "runtime_memory": dict(self.runtime_memory),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -320,7 +389,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
-                    "kernel_bandwidth", "gemm_tile",
+                    "kernel_bandwidth", "gemm_tile", "runtime_memory",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:

@@ -25,9 +25,16 @@ Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the li
   base + steps x step latency + bytes sent / (rate x its bandwidth factor), as in
   NCCL's tuning model (src/graph/tuning.cc), and the fastest is taken: LL for
   small messages, LL128 in between, Simple for large ones (``protocol_of``).
+  Across nodes, when the profile lists NCCL's net protocols (``Topology.net_protocols``),
+  all_reduce, all_gather and reduce_scatter rings are priced by the same tuning model
+  with its inter-node figures: every ring step pays a latency, the (N-1) or 2(N-1)
+  steps that cross a node boundary the network's, so a ring over 1,536 ranks pays
+  about 1,535 steps (milliseconds) whatever its message (``_net_protocols``).
 - "tree": NCCL's double binary tree for all_reduce (Sanders et al. 2009; NCCL
   2.4): across m nodes a tree of depth ceil(log2 m), inside a node a chain of k:
-  2 (log2 m alpha_inter + (k-1) alpha_intra) + 2 n / rate. all_reduce only.
+  2 (log2 m alpha_inter + (k-1) alpha_intra) + 2 n / rate; with the net protocols,
+  NCCL's tuning model of it (floor(log2 m) inter-node steps, its own latencies and
+  bandwidth factor 0.92 per protocol). all_reduce only.
 - "halving_doubling": recursive halving / doubling (Thakur et al. 2005; Rabenseifner's
   all-reduce), HCCL's "H-D_R": the "tree" rows of ``cost.collective_time``.
 - "mesh": HCCL's full-mesh algorithm inside one server (formulas above).
@@ -162,20 +169,80 @@ def _ring_protocols(kind, n, p, profile):
     return out
 
 
+_NET_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _net_protocols(kind, n, g, profile, algorithm="ring"):
+    """{protocol: seconds} of NCCL's ring (all_reduce, all_gather, reduce_scatter) or
+    double binary tree (all_reduce) over a group spanning nodes, by NCCL's tuning model
+    (src/graph/tuning.cc, ``ncclTopoTuneModel``; the constants in the profile's
+    ``topology.net_protocols``, each cited there).  With p ranks on N nodes, ppn = p // N:
+
+    - ring: base + (nsteps - nInter) x intra step + nInter x inter step + bytes each
+      rank sends / min(busbw x factor, cap); nsteps 2(p-1) for all_reduce, p-1 for
+      all_gather and reduce_scatter; nInter 2(N-1) and N-1 (NCCL master; 2.12.7 counts
+      2N for all_reduce, two steps more); one rank per node takes its own inter step
+      latency and factor where the profile's NCCL version has them;
+    - tree (all_reduce): base + 2 ((ppn - 1) x intra + floor(log2 N) x inter) +
+      2 n / min(busbw x factor, cap) (tuning.cc converts a tree's bus bandwidth to
+      algorithm bandwidth x 0.5).
+
+    busbw is the flat ring's bottleneck rate (``_flat_link``: NVLink or the node's
+    NICs, each at NCCL's efficiency); the per-channel caps are not modeled."""
+    net, protos = profile.topology.net_protocols, profile.topology.protocols
+    rate = _flat_link(profile, g).bandwidth
+    p, nodes = g.p, g.nodes
+    one = p // nodes == 1
+    out = {}
+    for name, v in net.items():
+        cap = v["max_bandwidth"] or math.inf
+        if algorithm == "ring":
+            steps = _RING_STEPS[kind](p)
+            inter = 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
+            hop = v["inter_step_latency_one_per_node" if one else "inter_step_latency"]
+            f = v["bandwidth_factor_one_per_node" if one else "bandwidth_factor"]
+            lat = protos[name]["base_latency"] + (steps - inter) * v["intra_step_latency"] \
+                + inter * hop
+            out[name] = lat + _cost._BUS_FACTOR[kind](p) * n / min(rate * f, cap)
+        else:
+            lat = v["tree_base_latency"] + 2 * ((p // nodes - 1) * v["tree_intra_latency"]
+                                                + (nodes.bit_length() - 1)
+                                                * v["tree_inter_latency"])
+            out[name] = lat + 2 * n / min(rate * v["tree_bandwidth_factor"], cap)
+    return out
+
+
+def _uses_net_model(kind, g, profile, algorithm="ring") -> bool:
+    return (g.nodes > 1 and bool(profile.topology.net_protocols)
+            and (kind in _NET_KINDS if algorithm == "ring" else kind == "all_reduce"))
+
+
 def _ring(kind, n, g, profile):
     """A ring over the group: with the library's protocols inside one node when the
-    profile gives them, else the alpha-beta ring on the bottleneck link."""
+    profile gives them, across nodes with NCCL's net protocols when it gives those
+    (``_net_protocols``), else the alpha-beta ring on the bottleneck link."""
     if g.nodes == 1 and profile.topology.protocols and kind in _RING_STEPS:
         return min(_ring_protocols(kind, n, g.p, profile).values())
+    if _uses_net_model(kind, g, profile):
+        return min(_net_protocols(kind, n, g, profile).values())
     return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
 
 
-def protocol_of(kind: str, n: float, g: Group, profile: Profile) -> str:
-    """The protocol a ring inside one node runs ("" when the profile models none)."""
-    if g.nodes != 1 or not profile.topology.protocols or kind not in _RING_STEPS \
-            or g.p == 1 or n == 0:
+def protocol_of(kind: str, n: float, g: Group, profile: Profile,
+                algorithm: str = "ring") -> str:
+    """The protocol NCCL's ``algorithm`` ("ring" or, across nodes, "tree") runs for this
+    collective: inside one node by ``topology.protocols``, across nodes by
+    ``topology.net_protocols`` ("" when the profile models none)."""
+    if g.p == 1 or n == 0:
         return ""
-    times = _ring_protocols(kind, n, g.p, profile)
+    if algorithm == "tree" or g.nodes > 1:
+        if not _uses_net_model(kind, g, profile, algorithm):
+            return ""
+        times = _net_protocols(kind, n, g, profile, algorithm)
+    elif not profile.topology.protocols or kind not in _RING_STEPS:
+        return ""
+    else:
+        times = _ring_protocols(kind, n, g.p, profile)
     return min(times, key=times.get)
 
 
@@ -250,6 +317,8 @@ def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: s
             raise ValueError(f"algorithm='tree' (NCCL's double binary tree) exists for "
                              f"all_reduce only, not kind={kind!r}: use 'ring' or "
                              f"'halving_doubling'")
+        if _uses_net_model(kind, g, profile, "tree"):
+            return min(_net_protocols(kind, n, g, profile, "tree").values())
         ai, ae = profile.intra_node.latency, profile.inter_node.latency
         depth = (g.nodes - 1).bit_length()
         rate = _flat_link(profile, g).bandwidth
@@ -320,7 +389,8 @@ def choose(kind: str, n: float, g: Group, profile: Profile) -> Choice:
     names, why = _candidates(kind, g, profile)
     times = {a: algorithm_time(kind, n, g, profile, a) for a in names}
     best = min(names, key=lambda a: times[a])  # min keeps the first of equal times
-    proto = protocol_of(kind, n, g, profile) if best in ("ring", "pairwise") else ""
+    proto = protocol_of(kind, n, g, profile, "tree" if best == "tree" else "ring") \
+        if best in ("ring", "pairwise", "tree") else ""
     if proto:
         why += f"; protocol {proto} (the fastest by the library's tuning model)"
     return Choice(best, times[best], profile.topology.library, why,

@@ -1,0 +1,110 @@
+"""Frameworks as they run (``wb.plan.frameworks``): which one a layout runs, the gradient
+dtype each reduces in, and memory that keeps ZeRO's partitioned states apart from the
+framework's buffers."""
+import pytest
+
+import workbench.plan as P
+from workbench.models.config import get_config
+from workbench.plan.memory import model_state_bytes, stage_params
+from workbench.sim_mesh.cost import price
+
+GPT3 = get_config("gpt3-175b")
+
+
+@pytest.mark.parametrize("zero, want", [(0, "megatron"), (1, "megatron"),
+                                        (2, "deepspeed"), (3, "deepspeed")])
+def test_default_framework_by_zero_stage(zero, want):
+    lay = P.Layout(dp=8, zero=zero)
+    assert lay.framework is None and lay.engine == want
+    assert lay.replace(zero=3).engine == "deepspeed"   # replace keeps framework=None
+    assert "megatron" not in lay.short() and "deepspeed" not in lay.short()
+    assert P.Layout(dp=8, zero=zero, framework="workbench").short().endswith(" workbench")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(zero=3, framework="megatron"), r"framework='megatron' with zero=3.*ZeRO-1"),
+    (dict(framework="fsdp"), r"framework='fsdp' is not priced yet"),
+    (dict(framework="colossal"), r"framework='colossal'; use one of"),
+])
+def test_framework_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        P.Layout(dp=8, **kw)
+
+
+def test_megatron_bf16_reduces_and_holds_fp32_gradients():
+    cl = P.Cluster("a100", 1024)
+    lay = P.Layout(dp=8, tp=8, pp=16, recompute="full", global_batch=1536, zero=1)
+    est = P.estimate(GPT3, lay, cl)
+    psi = stage_params(GPT3, 8, 16, 0)
+    ranks = lay.dp_ranks(0, 0)
+    # distributed optimizer: reduce-scatter the fp32 gradients, all-gather 16-bit weights
+    want = price("reduce_scatter", 4 * psi, ranks, "a100") + \
+        price("all_gather", 2 * psi, ranks, "a100")
+    assert est.details["dp_sync"] == pytest.approx(want, rel=1e-12)
+    # ZeRO-1's states exactly, and the whole fp32 buffer beside them
+    states = model_state_bytes(psi, 8, 1)
+    assert {k: est.memory[k] for k in states} == pytest.approx(states, rel=1e-12)
+    assert est.memory["buffers"] == 2 * psi
+    ds = P.estimate(GPT3, lay.replace(framework="deepspeed"), cl)
+    assert ds.details["dp_sync"] < est.details["dp_sync"] and ds.memory["buffers"] == 0
+    assert "buffers" in est.explain() and "megatron" == est.details["framework"]
+
+
+def test_dry_run_runs_the_library_recipe_only():
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128)
+    with pytest.raises(ValueError, match=r"framework='megatron'.*framework='workbench'"):
+        P.dry_run(cfg, P.Layout(dp=2, framework="megatron"), P.Cluster("a100", 2))
+
+
+def test_fits_leaves_the_context_and_fragmentation():
+    """``fits`` compares with the usable memory: the device's less the runtime's context
+    and the allocator's fragmentation, both ASSUMPTIONS the profile cites and the
+    explanation prints."""
+    import dataclasses
+    from workbench.sim_mesh.profiles import get_profile
+    a100 = get_profile("a100")
+    assert a100.usable_memory() == pytest.approx(80e9 * 0.95 - 0.78e9)
+    assert "ASSUMPTION" in a100.citations["runtime_memory.fragmentation"]
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 8)
+    lay = P.Layout(dp=1, tp=8, sp=True, recompute="selective", micro_batch=4, global_batch=4)
+    est = P.estimate(cfg, lay, cl)
+    assert est.fits and "usable" in est.explain() and "ASSUMED" in est.explain()
+    # a device just larger than the layout's bytes: fits only without the margin
+    tight = dataclasses.replace(a100, name="tight", memory_bytes=int(est.memory["total"]) + 1)
+    bare = dataclasses.replace(tight, name="bare", runtime_memory={})
+    assert not P.estimate(cfg, lay, P.Cluster(tight, 8)).fits
+    assert P.estimate(cfg, lay, P.Cluster(bare, 8)).fits
+    with pytest.raises(ValueError, match="fragmentation"):
+        dataclasses.replace(a100, runtime_memory={"context_bytes": 0.0, "fragmentation": 1.0})
+
+
+def test_estimate_says_what_it_assumed():
+    cl = P.Cluster("a100", 64)
+    cfg = get_config("gpt-22b")
+    lay = P.Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    est = P.estimate(cfg, lay, cl)
+    got = est.assumptions()
+    assert got[0].startswith("Megatron-LM: gradients in a fp32 buffer")
+    assert any("unfused core" in a for a in got)
+    marked = [k for k, v in cl.profile.citations.items() if "ASSUMPTION" in v]
+    assert marked and all(k in got[-1] for k in marked)
+    assert est.explain().splitlines()[-1].startswith("  assumed: Megatron-LM")
+    ds = P.estimate(cfg, lay.replace(zero=3, framework="deepspeed"), cl, attention="flash",
+                    overlap=False)
+    assert ds.assumptions()[0].startswith("DeepSpeed") and \
+        "not overlapped" in " ".join(ds.assumptions())
+
+
+def test_close_step_times_are_a_tie():
+    from workbench.plan.search import TIE, Ranking
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
+    a = P.Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    ea, eb = P.estimate(cfg, a, cl), P.estimate(cfg, a.replace(recompute="full"), cl)
+    assert ea.step_time < eb.step_time
+    far = Ranking([(a, ea), (eb.layout, eb)]).explain()[0]
+    assert far.startswith("#1 beats #2 by") == (eb.step_time - ea.step_time
+                                                >= TIE * eb.step_time)
+    import dataclasses
+    near = dataclasses.replace(eb, step_time=ea.step_time * (1 + TIE / 2))
+    line = Ranking([(a, ea), (eb.layout, near)]).explain()[0]
+    assert line.startswith("#1 and #2 tie: ") and "under the 1%" in line

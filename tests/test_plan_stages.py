@@ -1,0 +1,74 @@
+"""Uneven pipeline stages (``Layout(stages=...)``): the layers of each stage as a list,
+the embedding and the head weighing on the first and last stage as they do."""
+import pytest
+
+import workbench.plan as P
+from workbench.models.config import get_config
+from workbench.plan.memory import stage_params
+
+GPT3 = get_config("gpt3-175b")
+A100 = P.Cluster("a100", 1024)
+BASE = P.Layout(dp=8, tp=8, pp=16, recompute="full", global_batch=1536)
+
+
+def test_even_stages_given_as_a_list_change_nothing():
+    even, listed = (P.estimate(GPT3, lay, A100)
+                    for lay in (BASE, BASE.replace(stages=[6] * 16)))
+    assert listed.step_time == pytest.approx(even.step_time, rel=1e-12)
+    assert listed.memory == pytest.approx(even.memory, rel=1e-12)
+    assert listed.layout.stages == (6,) * 16 and "stages[6," in listed.layout.short()
+
+
+def test_uneven_stages_price_each_stage_and_the_simulator_agrees():
+    lay = BASE.replace(stages=[5] + [6] * 14 + [7])
+    est = P.estimate(GPT3, lay, A100)
+    st = est.details["stages"]
+    assert len(st) == 16 and {"first", "last", "stage 1"} <= set(st)
+    per = {k: v["time"] for k, v in st.items()}
+    one = per["stage 1"]                                  # a middle stage: 6 layers
+    # the first stage lost a layer, the last gained one: one layer's time each
+    layer = est.details["layer"].total
+    even_st = P.estimate(GPT3, BASE, A100).details["stages"]
+    assert per["last"] - even_st["last"]["time"] == pytest.approx(layer, rel=1e-9)
+    assert even_st["first"]["time"] - per["first"] == pytest.approx(layer, rel=1e-9)
+    assert one == pytest.approx(even_st["middle"]["time"], rel=1e-12)
+    assert per["first"] < one < per["last"]
+    sim = est.pipeline()
+    assert lay.m * max(per.values()) + est.breakdown["bubble"] == pytest.approx(
+        sim.makespan, rel=1e-9)
+    # memory: the first stage holds one layer fewer than with even stages
+    even = P.estimate(GPT3, BASE, A100)
+    assert stage_params(GPT3, 8, 16, 0, 5) == stage_params(GPT3, 8, 16, 0) - \
+        (stage_params(GPT3, 8, 16, 1, 6) - stage_params(GPT3, 8, 16, 1, 5))
+    assert est.memory != even.memory
+
+
+def test_a_heavy_head_wants_fewer_layers_on_its_stage():
+    """With a 256k vocabulary the head outweighs a layer: moving a layer off the last
+    stage shortens the slowest stage and the step."""
+    cfg = get_config("gpt-22b").replace(vocab_size=256000)
+    cl = P.Cluster("a100", 32)
+    lay = P.Layout(dp=1, tp=8, pp=4, sp=True, recompute="selective", global_batch=32)
+    n = cfg.n_layer // 4
+    even = P.estimate(cfg, lay, cl)
+    lighter = P.estimate(cfg, lay.replace(stages=[n + 1, n, n, n - 1]), cl)
+    assert lighter.step_time < even.step_time
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stages=[6] * 15), r"stages=.* must list the layers of each of the pp=16"),
+    (dict(stages=[6] * 15 + [-1]), r"ints >= 0"),
+    (dict(stages=[7] * 16), r"hold 112 layers but the model has n_layer=96"),
+])
+def test_stage_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        P.estimate(GPT3, BASE.replace(**kw), A100)
+
+
+def test_uneven_stages_need_a_plain_schedule_and_no_dry_run():
+    with pytest.raises(ValueError, match="interleaved_1f1b.*not modeled"):
+        P.Layout(dp=8, tp=8, pp=16, global_batch=1536, schedule="interleaved_1f1b", v=2,
+                 stages=[6] * 16)
+    small = get_config("gpt3-175b", n_layer=4, d_model=256, n_head=4, seq_len=128)
+    with pytest.raises(ValueError, match="uneven stages are estimated only"):
+        P.dry_run(small, P.Layout(pp=2, global_batch=2, stages=[1, 3]), P.Cluster("a100", 2))

@@ -1,0 +1,91 @@
+"""The training frameworks the planner prices, as their source code runs them.
+
+A :class:`~workbench.plan.layout.Layout` names one (``framework=``); what differs between
+them, and what the estimate and the memory model read from here:
+
+- ``"megatron"`` (NVIDIA Megatron-LM; the default with ZeRO 0 or 1, its distributed
+  optimizer being ZeRO-1): gradients accumulate in a contiguous ``main_grad`` buffer and
+  are all-reduced (distributed optimizer: reduce-scattered) from it; with bf16 that buffer
+  and the reduction are fp32: ``megatron/training/arguments.py`` ("bfloat16 requires
+  gradient accumulation and all-reduce to be done in fp32": ``accumulate_allreduce_grads_
+  in_fp32`` forced on unless ``--grad-reduce-in-bf16``; the same in the 2021-22 releases,
+  ``megatron/arguments.py``), the buffer's dtype ``torch.float`` if so, else the
+  parameters' (``megatron/model/distributed.py``, ``_get_buffer_type``).  fp16 runs keep
+  a 16-bit buffer.  The DP sync runs after the pipeline flush unless
+  ``overlap_grad_reduce`` (``--overlap-grad-reduce``).  ZeRO-2/3 are not Megatron's.
+- ``"deepspeed"`` (Microsoft DeepSpeed; the default with ZeRO 2 or 3): gradients reduced
+  in the model's 16-bit dtype (``communication_data_type`` defaults to it,
+  ``deepspeed/runtime/config.py``), every micro-batch with ZeRO-2/3, overlapped with the
+  backward (``overlap_comm``), ZeRO-3's gathers prefetched (``plan.zero_cost``).
+- ``"workbench"``: this library's own Hybrid recipe (``plan.dry_run`` runs it):
+  gradients reduced in the parameters' dtype after the flush (ZeRO 0/1), ZeRO-2/3 as
+  ``parallel.strategies.zero3`` (DeepSpeed's schedule, one layer per gather).
+
+FSDP (PyTorch ``fully_shard``) is not priced yet: it raises, naming what to use.
+"""
+from __future__ import annotations
+
+__all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes",
+           "assumptions"]
+
+FRAMEWORKS = ("megatron", "deepspeed", "workbench")
+
+
+def resolve(framework, zero: int) -> str:
+    """The framework a layout runs: ``framework`` checked, or the default for its ZeRO
+    stage (Megatron-LM for 0 and 1, DeepSpeed for 2 and 3)."""
+    if framework is None:
+        return "megatron" if zero <= 1 else "deepspeed"
+    if framework == "fsdp":
+        raise ValueError("Layout: framework='fsdp' is not priced yet (FSDP2's unit "
+                         "gathers); use framework='deepspeed' with zero=3 for a fully "
+                         "sharded run, or 'megatron' / 'workbench'")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"Layout: framework={framework!r}; use one of {list(FRAMEWORKS)} "
+                         f"(or None: Megatron-LM for zero<=1, DeepSpeed for zero>=2)")
+    if framework == "megatron" and zero >= 2:
+        raise ValueError(f"Layout: framework='megatron' with zero={zero}: Megatron-LM's "
+                         f"distributed optimizer shards the optimizer states only (ZeRO-1); "
+                         f"use zero<=1, or framework='deepspeed' for ZeRO-{zero}")
+    return framework
+
+
+def grad_reduce_bytes(framework: str, dtype: str) -> int:
+    """Bytes per gradient element the data-parallel reduction moves (module docstring)."""
+    if framework == "megatron" and dtype == "bfloat16":
+        return 4
+    return 2
+
+
+def grad_buffer_extra_bytes(framework: str, dtype: str) -> int:
+    """Bytes per parameter the framework's gradient buffer holds beyond the 16-bit
+    gradients ZeRO's accounting counts (Megatron with bf16: an fp32 ``main_grad``, 4
+    bytes where ZeRO counts 2)."""
+    return grad_reduce_bytes(framework, dtype) - 2
+
+
+_FRAMEWORK_WORDS = {
+    "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
+    "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
+                 "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
+    "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
+                 "gather per layer"}
+
+
+def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tuple:
+    """What ``Estimate.assumptions`` lists: the framework behaviour, the attention kernel,
+    the profile's figures cited as ASSUMPTION or UNCERTAIN."""
+    when = ("module by module in the last backward (overlap_grad_reduce)"
+            if overlap_grad_reduce else "after the pipeline flush")
+    g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
+    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
+    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
+                                "Megatron's unfused core (Korthikanti Table 2)"))
+    if lay.zero >= 2 and not overlap:
+        out.append("ZeRO collectives not overlapped (overlap=False)")
+    marked = sorted(k for k, v in prof.citations.items()
+                    if "ASSUMPTION" in v or "UNCERTAIN" in v)
+    if marked:
+        out.append(f"profile {prof.name}'s figures marked ASSUMPTION or UNCERTAIN: "
+                   f"{', '.join(marked)}")
+    return tuple(out)
