@@ -30,6 +30,7 @@ def test_hidden_share():
     fails(C.check_hidden_share, 0.75, match="at most C/M")
     fails(C.check_hidden_share, 0.6, match=r"multiply by \(1 - 1/k\)")
     fails(C.check_hidden_share, "x", match="should be a number")
+    fails(C.check_hidden_share, 45.0, match="percentage")            # 45% for 0.45
     for c, m, k in [(1.2, 2.0, 4), (3.0, 1.0, 8), (1.0, 1.0, 1)]:
         want = expected_hidden_share(c, m, k)
         C.check_hidden_share(want, compute_ms=c, comm_ms=m, k=k)
@@ -39,6 +40,8 @@ def test_multi_copy_forward():
     C.check_multi_copy_forward_ms(8.0)
     fails(C.check_multi_copy_forward_ms, 12.0, match="one copy of the whole batch")
     fails(C.check_multi_copy_forward_ms, 7.5, match="here one is longer")
+    fails(C.check_multi_copy_forward_ms, 8000.0, match="1,000 times too large: a unit slip")
+    fails(C.check_multi_copy_forward_ms, 0.008, match="1,000 times too small: a unit slip")
 
 
 def test_multi_copy_forward_without_a_formula_says_how_to_schedule():

@@ -56,7 +56,24 @@ def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FOR
             return text
     if not want:
         return "it should be 0"
+    slip = _scale_slip(got, want, rel)
+    if slip:
+        return slip
     return ("too high" if got > want else "too low") + ": " + fallback
+
+
+def _scale_slip(got: float, want: float, rel: float) -> str | None:
+    """The diagnosis when ``got`` is ``want`` in another unit: a percentage given for a
+    share, or off by exactly 10^3, 10^6 or 10^9 (s/ms/us, B/KB/MB/GB)."""
+    ratio = got / want
+    if 0 < want <= 1 and math.isclose(ratio, 100, rel_tol=rel):
+        return "that reads as a percentage: give the share as a fraction between 0 and 1"
+    for factor, words in ((1e3, "1,000"), (1e6, "a million"), (1e9, "a billion")):
+        for r, how in ((factor, "large"), (1 / factor, "small")):
+            if math.isclose(ratio, r, rel_tol=rel):
+                return (f"{words} times too {how}: a unit slip? (s, ms, us; B, KB, MB, GB): "
+                        "give it in the unit the exercise asks for")
+    return None
 
 
 def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02,
