@@ -112,12 +112,16 @@ def test_notation(capsys):
     fails("J_tp", ex.check_notation, "bf16[I_tp, J]{U_dp}")
     fails("plain I", ex.check_notation, "bf16[I_dp, J_tp]{U_dp}")
     fails("as a string", ex.check_notation, None)
+    fails("named dp and tp", ex.check_notation, "bf16[I, J_y]{U_x}")     # the x, y mesh's names
+    fails("first one, on mesh dim dp", ex.check_notation, "bf16[I, J_tp]{U_tp}")
 
 
 def test_nested_rows(capsys):
     passes(capsys, ex.check_nested_rows, [3, 2, 3, 2])
     fails("4 ways at once.*dp first \\(5, 5\\)", ex.check_nested_rows, [3, 3, 3, 1])
     fails("add up to 12", ex.check_nested_rows, [3, 3, 3, 3])
+    fails("a list of 4 ints", ex.check_nested_rows, "3,2,3,2")          # was a ValueError
+    fails("a list of 4 ints", ex.check_nested_rows, "3232")             # was accepted
     fails("wrong order", ex.check_nested_rows, [3, 3, 2, 2])
     fails("list of 4 ints", ex.check_nested_rows, 10)
 
