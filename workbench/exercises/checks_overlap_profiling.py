@@ -124,12 +124,14 @@ def check_fusion_us(unfused_us, fused_us, n: int = 1000, nbytes: int = 4096,
         (move, "that is the memory traffic only: each of the n kernels also pays a launch"),
         (want_f, "that is the fused kernel: one launch; the unfused ops pay n launches"),
         (peak_bw, "use the memory bandwidth a kernel reaches: x memory_efficiency"),
+        (n * launch * 1e6, "that is the launches alone: each kernel also moves its bytes"),
     ], rel=min(1e-3, tight), hint_rel=min(0.02, tight))
     _check_number("fused time", fused_us, want_f, "us", [
         (move, "the fused kernel is still one launch: add launch_overhead once"),
         (want_u, "one fused kernel launches once, not n times"),
         (n * nbytes / prof.memory_bandwidth * 1e6 + launch * 1e6,
          "use the memory bandwidth a kernel reaches: x memory_efficiency"),
+        (launch * 1e6, "that is the launch alone: the fused kernel also moves all the bytes"),
     ], rel=1e-3)
 
 
