@@ -163,3 +163,17 @@ def test_uneven_receive(capsys):
     fails("elements", ex.check_uneven_receive, [28, 28, 28, 36])
     fails("bytes each rank holds", ex.check_uneven_receive, [48, 48, 48, 16])
     fails("its rows are \\[3, 3, 3, 1\\]", ex.check_uneven_receive, [1, 2, 3, 4])
+
+
+def test_unit_slips_are_named_and_a_percentage_only_for_a_share():
+    """A value 1,000 times off is a unit slip; 100 times a share is a percentage, but 100
+    times a time in seconds is only 'too high' (seconds are not a share)."""
+    from workbench.exercises.checks import _hint
+    assert "1,000 times too large: a unit slip" in _hint(2000.0, 2.0, [])
+    assert "a million times too small" in _hint(2e-6, 2.0, [])
+    assert "percentage" in _hint(45.0, 0.45, [], share=True)
+    assert _hint(45.0, 0.45, []).startswith("too high")
+    wb.exercises.reset_tries()
+    with pytest.raises(ex.CheckError) as err:
+        ex.check_allreduce_seconds(100 * 0.875)                  # 0.875 s is the answer
+    assert "percentage" not in str(err.value) and "too high" in str(err.value)
