@@ -140,3 +140,17 @@ def test_idle_share_from_idle_gaps_is_told_about_the_tail():
     with pytest.raises(CheckError, match="merge rank 0's compute intervals") as err:
         C.check_idle_share(0.55, tr)
     assert "formula" not in str(err.value)
+
+
+def test_top_op_says_when_counting_would_have_given_it_too(capsys):
+    """In a launch-bound trace the most frequent op is also the longest: the right answer
+    says so (a student who counted events is told why that worked here)."""
+    with trace("a100") as tr:
+        tr.record_compute([0], "mm", 3e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+    C.check_top_op("add", tr)
+    assert "also the most frequent op" in capsys.readouterr().out
+    C.check_top_op("mm", _trace())
+    assert "most frequent" not in capsys.readouterr().out
