@@ -112,12 +112,16 @@ def test_notation(capsys):
     fails("J_tp", ex.check_notation, "bf16[I_tp, J]{U_dp}")
     fails("plain I", ex.check_notation, "bf16[I_dp, J_tp]{U_dp}")
     fails("as a string", ex.check_notation, None)
+    fails("named dp and tp", ex.check_notation, "bf16[I, J_y]{U_x}")     # the x, y mesh's names
+    fails("first one, on mesh dim dp", ex.check_notation, "bf16[I, J_tp]{U_tp}")
 
 
 def test_nested_rows(capsys):
     passes(capsys, ex.check_nested_rows, [3, 2, 3, 2])
     fails("4 ways at once.*dp first \\(5, 5\\)", ex.check_nested_rows, [3, 3, 3, 1])
     fails("add up to 12", ex.check_nested_rows, [3, 3, 3, 3])
+    fails("a list of 4 ints", ex.check_nested_rows, "3,2,3,2")          # was a ValueError
+    fails("a list of 4 ints", ex.check_nested_rows, "3232")             # was accepted
     fails("wrong order", ex.check_nested_rows, [3, 3, 2, 2])
     fails("list of 4 ints", ex.check_nested_rows, 10)
 
@@ -159,3 +163,17 @@ def test_uneven_receive(capsys):
     fails("elements", ex.check_uneven_receive, [28, 28, 28, 36])
     fails("bytes each rank holds", ex.check_uneven_receive, [48, 48, 48, 16])
     fails("its rows are \\[3, 3, 3, 1\\]", ex.check_uneven_receive, [1, 2, 3, 4])
+
+
+def test_unit_slips_are_named_and_a_percentage_only_for_a_share():
+    """A value 1,000 times off is a unit slip; 100 times a share is a percentage, but 100
+    times a time in seconds is only 'too high' (seconds are not a share)."""
+    from workbench.exercises.checks import _hint
+    assert "1,000 times too large: a unit slip" in _hint(2000.0, 2.0, [])
+    assert "a million times too small" in _hint(2e-6, 2.0, [])
+    assert "percentage" in _hint(45.0, 0.45, [], share=True)
+    assert _hint(45.0, 0.45, []).startswith("too high")
+    wb.exercises.reset_tries()
+    with pytest.raises(ex.CheckError) as err:
+        ex.check_allreduce_seconds(100 * 0.875)                  # 0.875 s is the answer
+    assert "percentage" not in str(err.value) and "too high" in str(err.value)

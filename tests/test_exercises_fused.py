@@ -62,3 +62,18 @@ def test_online_softmax_noop_is_told_it_changes_nothing():
     fails(with_msg, ex.check_online_softmax, lambda m, l, acc, s, v: (m, l, acc))
     fails(with_msg, ex.check_online_softmax, lambda m, l, acc, s, v: (m.clone(), l.clone(),
                                                                       acc.clone()))
+
+
+def no_max(m, l, acc, s, v):
+    """exp(s) without subtracting any max: right for small scores, overflows for large."""
+    p = torch.exp(s)
+    return torch.maximum(m, s.max(dim=-1, keepdim=True).values), \
+        l + p.sum(-1, keepdim=True), acc + p @ v
+
+
+def test_online_softmax_without_the_max_is_told_exp_overflows():
+    fails("exp\\(1000\\) overflows", ex.check_online_softmax, no_max)
+
+
+def test_window_tiles_counted_from_the_last_query_is_told_the_first_reaches_further():
+    fails("first query reaches one key tile further left", ex.check_window_tiles, 8 + 7)

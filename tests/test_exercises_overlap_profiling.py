@@ -30,6 +30,7 @@ def test_hidden_share():
     fails(C.check_hidden_share, 0.75, match="at most C/M")
     fails(C.check_hidden_share, 0.6, match=r"multiply by \(1 - 1/k\)")
     fails(C.check_hidden_share, "x", match="should be a number")
+    fails(C.check_hidden_share, 45.0, match="percentage")            # 45% for 0.45
     for c, m, k in [(1.2, 2.0, 4), (3.0, 1.0, 8), (1.0, 1.0, 1)]:
         want = expected_hidden_share(c, m, k)
         C.check_hidden_share(want, compute_ms=c, comm_ms=m, k=k)
@@ -39,6 +40,8 @@ def test_multi_copy_forward():
     C.check_multi_copy_forward_ms(8.0)
     fails(C.check_multi_copy_forward_ms, 12.0, match="one copy of the whole batch")
     fails(C.check_multi_copy_forward_ms, 7.5, match="here one is longer")
+    fails(C.check_multi_copy_forward_ms, 8000.0, match="1,000 times too large: a unit slip")
+    fails(C.check_multi_copy_forward_ms, 0.008, match="1,000 times too small: a unit slip")
 
 
 def test_multi_copy_forward_without_a_formula_says_how_to_schedule():
@@ -81,6 +84,8 @@ def test_fusion_needs_the_memory_efficiency():
     no_eff = 1000 * (4096 / p.memory_bandwidth + p.launch_overhead) * 1e6
     assert round(no_eff, 1) == 5002.6 and round(right_u, 1) == 5003.0
     fails(C.check_fusion_us, no_eff, right_f, match="x memory_efficiency")
+    fails(C.check_fusion_us, 1000 * p.launch_overhead * 1e6, right_f, match="launches alone")
+    fails(C.check_fusion_us, right_u, p.launch_overhead * 1e6, match="launch alone")
     C.check_fusion_us(round(right_u, 1), right_f)
     C.check_fusion_us(round(right_u), right_f)
 
@@ -135,3 +140,17 @@ def test_idle_share_from_idle_gaps_is_told_about_the_tail():
     with pytest.raises(CheckError, match="merge rank 0's compute intervals") as err:
         C.check_idle_share(0.55, tr)
     assert "formula" not in str(err.value)
+
+
+def test_top_op_says_when_counting_would_have_given_it_too(capsys):
+    """In a launch-bound trace the most frequent op is also the longest: the right answer
+    says so (a student who counted events is told why that worked here)."""
+    with trace("a100") as tr:
+        tr.record_compute([0], "mm", 3e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+        tr.record_compute([0], "add", 1.2e-6)
+    C.check_top_op("add", tr)
+    assert "also the most frequent op" in capsys.readouterr().out
+    C.check_top_op("mm", _trace())
+    assert "most frequent" not in capsys.readouterr().out

@@ -93,3 +93,22 @@ def test_like_one_device_tells_an_unseeded_model_to_seed():
     with pytest.raises(CheckError, match="seed it inside") as err:
         wb.exercises.check_like_one_device(Unseeded)
     assert "dropout" not in str(err.value)
+
+
+@pytest.mark.parametrize("wrong,msg", [(4 * RIGHT, "sum over the 4 ranks"),
+                                       (1.5 * RIGHT, "ring all-reduce SENDS"),
+                                       (RIGHT / 1e3, "1,000 times too small: a unit slip")])
+def test_ddp_bytes_names_ranks_ring_and_unit_slips(wrong, msg):
+    wb.exercises.reset_tries()
+    with pytest.raises(CheckError, match=msg):
+        wb.exercises.check_ddp_bytes(wrong, Tiny)
+
+
+def test_like_one_device_refuses_a_model_instance_or_class_with_a_message():
+    def make_model():
+        torch.manual_seed(0)
+        return Tiny()
+    for arg, msg in ((make_model(), "not make_model\\(\\)"), (lambda: Tiny, "not the class"),
+                     (lambda: 1 / 0, "make_model\\(\\) raised ZeroDivisionError")):
+        with pytest.raises(CheckError, match=msg):
+            wb.exercises.check_like_one_device(arg)

@@ -61,6 +61,20 @@ def test_roofline_points_sit_on_each_profile_roof():
         C.roofline([npu], {"bad": dict(flops=0, bytes_moved=1)})
 
 
+def test_roofline_profiles_with_one_peak_stay_apart():
+    """The 910B's and the A100's roofs nearly coincide (313 and 312 TFLOP/s): each profile
+    has its own line style and marker, the later ones hollow, so neither hides the other."""
+    profs = [wb.get_profile("ascend-910b"), wb.get_profile("a100")]
+    fig = C.roofline(profs, {"k": dict(flops=1e12, bytes_moved=1e9)})   # on both flat roofs
+    roofs, points = found(fig, "roof"), found(fig, "point")
+    assert [r.get_linestyle() for r in roofs] == ["-", "--"]
+    assert [p.get_marker() for p in points] == ["o", "s"]
+    assert points[1].get_markerfacecolor() == "none"
+    assert points[1].get_markersize() > points[0].get_markersize()
+    legend = fig.axes[0].get_legend()
+    assert [h.get_marker() for h in legend.legend_handles] == ["o", "s"]
+
+
 def test_tile_grid_colours_each_tile_by_its_kind():
     plan = wb.ops.attention_tiles(512, causal=True, tile_q=128, tile_k=128)
     fig = C.tile_grid({"causal": plan})

@@ -30,3 +30,15 @@ def test_reshard_picker_shows_the_plan_and_errors():
     r.src[0].value = "P(sum)"
     assert r.plan.collectives() == ["reduce_scatter"]
     assert "image/png" in r._repr_mimebundle_()
+
+
+def test_widget_images_keep_their_own_size():
+    """In a VBox an image is stretched to the full width (the 02 picker's 472 px PNG was
+    shown 968 px wide, blurred): every explorer's image is aligned to the start, at most
+    as wide as its area, and drawn at the static figures' 100 dpi."""
+    from workbench.viz.pipeline import pipeline_widget
+    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
+    for w in (placement_picker((4, 4), mesh, ["S(0)", "R"]),
+              reshard_picker((4, 4), mesh, ["S(0)", "R"], ["R", "R"]), pipeline_widget()):
+        assert w.image.layout.align_self == "flex-start" and w.image.layout.max_width == "100%"
+    assert placement_picker((4, 4), mesh).figure.dpi == 100

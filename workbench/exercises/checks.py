@@ -46,17 +46,36 @@ def _number(name: str, value) -> float:
 FORMULA = "compare each factor with the formula"
 
 
-def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FORMULA) -> str:
+def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FORMULA,
+          share: bool = False) -> str:
     """The text of the first common mistake whose value matches ``got``: ``wrong`` holds
     (value that mistake gives, what to say).  Otherwise only the direction, and
     ``fallback``, what to redo (an exercise without a formula names its own method):
-    the ratio would give the expected value away."""
+    the ratio would give the expected value away.  A unit slip is named (``share``: the
+    answer is a fraction, so 100 times it is a percentage)."""
     for value, text in wrong:
         if math.isclose(got, value, rel_tol=rel):
             return text
     if not want:
         return "it should be 0"
+    slip = _scale_slip(got, want, rel, share)
+    if slip:
+        return slip
     return ("too high" if got > want else "too low") + ": " + fallback
+
+
+def _scale_slip(got: float, want: float, rel: float, share: bool) -> str | None:
+    """The diagnosis when ``got`` is ``want`` in another unit: a percentage given for a
+    share, or off by exactly 10^3, 10^6 or 10^9 (s/ms/us, B/KB/MB/GB)."""
+    ratio = got / want
+    if share and math.isclose(ratio, 100, rel_tol=rel):
+        return "that reads as a percentage: give the share as a fraction between 0 and 1"
+    for factor, words in ((1e3, "1,000"), (1e6, "a million"), (1e9, "a billion")):
+        for r, how in ((factor, "large"), (1 / factor, "small")):
+            if math.isclose(ratio, r, rel_tol=rel):
+                return (f"{words} times too {how}: a unit slip? (s, ms, us; B, KB, MB, GB): "
+                        "give it in the unit the exercise asks for")
+    return None
 
 
 def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02,
@@ -68,7 +87,8 @@ def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02
         _ok(f"{name} = {got:.4g} {unit}{what}")
         return
     raise CheckError(f"your {name} is {got:.4g} {unit}: "
-                     + _hint(got, want, wrong, hint_rel, fallback),
+                     + _hint(got, want, wrong, hint_rel, fallback,
+                             share=unit == "" or unit.startswith("of ")),
                      expected=f"{want:.4g} {unit}")
 
 

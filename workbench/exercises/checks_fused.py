@@ -24,7 +24,8 @@ def _ok(msg: str) -> None:
 def _cases():
     """(scores (rows, n), values (n, d), tile widths): random, one tile raising the max
     late, one with a -inf (masked) column, a fully masked tile after finite ones, and a
-    fully masked FIRST tile (m is still -inf after it: exp(-inf - (-inf)) is nan)."""
+    fully masked FIRST tile (m is still -inf after it: exp(-inf - (-inf)) is nan), and
+    large scores, whose exp() overflows unless the running max is subtracted first."""
     g = torch.Generator().manual_seed(0)
     s = torch.randn(3, 12, generator=g, dtype=torch.float64)
     v = torch.randn(12, 5, generator=g, dtype=torch.float64)
@@ -41,6 +42,10 @@ def _cases():
     first = s.clone()
     first[:, :4] = -math.inf              # a whole tile masked before any finite score
     yield first, v, 4
+    yield s + 1000.0, v, 4                # exp(1000) overflows even float64: needs the max
+
+
+_LARGE = 5                                # the index of the large-scores case in _cases()
 
 
 def _run(update, scores, values, width):
@@ -102,6 +107,10 @@ def check_online_softmax(update) -> None:
                              "max(m, rowmax(s)), then l and acc rescaled by exp(m - m_new) "
                              "plus the tile's exp(s - m_new) terms")
         got = acc / l
+        if not torch.isfinite(got).all() and k == _LARGE:
+            raise CheckError("your output has nan or inf for large scores (all near 1000): "
+                             "exp(1000) overflows; subtract the running max before exp, "
+                             "exp(s - m_new), which is what m is for")
         if not torch.isfinite(got).all():
             raise CheckError("your output has nan or inf: with m = -inf at the start (or a "
                              "fully masked tile), exp(m_old - m_new) is exp(-inf - x) = 0, but "
@@ -120,8 +129,9 @@ def check_online_softmax(update) -> None:
                         "rowsum(exp(s - m_new)), acc = acc exp(m_old - m_new) + exp(s - m_new) v")
             raise CheckError(f"after the last tile acc / l differs from softmax(S) V by up to "
                              f"{err:.3g}: {hint}", expected="acc / l == torch.softmax(S, -1) @ V")
-    _ok("acc / l equals softmax(S) V on all five cases (a late max, masked keys, masked "
-        "tiles, first and later), without ever holding a whole row of scores")
+    _ok("acc / l equals softmax(S) V on all six cases (a late max, masked keys, masked "
+        "tiles, first and later, scores too large for exp), without ever holding a whole "
+        "row of scores")
 
 
 def _window_tiles_by_hand(seq: int, window: int, tile: int) -> int:
@@ -153,6 +163,10 @@ def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int =
         hint = "that is the causal mask alone; the window also skips the tiles far left"
     elif computed == n * n:
         hint = "that is every tile; a tile is skipped when no (query, key) in it is kept"
+    elif computed == sum(n - d for d in range(window // tile)) and window % tile == 0:
+        hint = ("you counted the key tiles that a query tile's LAST query reaches; its "
+                "first query reaches one key tile further left, partially (query i sees "
+                "back to key i - window + 1)")
     elif computed == n * (window // tile):
         hint = ("the window's band is not aligned with the tiles: a query tile reaches one "
                 "key tile more than window / tile, partially")

@@ -61,7 +61,9 @@ def check_notation(text) -> None:
     if got == want.replace(" ", ""):
         _ok(want)
         return
-    if "{U_" not in got:
+    if any(f"_{name}" in got for name in ("x", "y")):
+        msg = "mesh22's dims are named dp and tp (x and y were the other mesh's names)"
+    elif "{U_" not in got:
         msg = "Partial over dp is written {U_dp} after the brackets (unreduced over dp)"
     elif not got.startswith("bf16["):
         msg = "the dtype comes first, short: bf16 for torch.bfloat16"
@@ -69,6 +71,8 @@ def check_notation(text) -> None:
         msg = "Shard(1) on tp subscripts the second dim: J_tp"
     elif "I_" in got:
         msg = "dim 0 is not sharded: plain I (Partial is not a subscript)"
+    elif "{U_dp}" not in got:
+        msg = "the Partial placement is the first one, on mesh dim dp: {U_dp}"
     else:
         msg = "compare each part: dtype, [dims with subscripts], {U_...}"
     raise CheckError(f"your notation is {text!r}: {msg}", expected=repr(want))
@@ -80,9 +84,12 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
     torch.chunk over dp first, then each piece over tp."""
     want = [n for piece in _chunks(rows, 2) for n in _chunks(piece, 2)]   # rank r = (r//2, r%2)
     try:
+        if isinstance(sizes, (str, bytes)):
+            raise TypeError(sizes)
         got = [int(n) for n in sizes]
-    except TypeError:
-        raise CheckError(f"sizes should be a list of 4 ints, got {sizes!r}") from None
+    except (TypeError, ValueError):
+        raise CheckError(f"sizes should be a list of 4 ints, e.g. [1, 2, 3, 4], got "
+                         f"{sizes!r}") from None
     if got == want:
         _ok(f"{want}: dp splits {rows} rows first, then tp splits each piece (torch.chunk)")
         return

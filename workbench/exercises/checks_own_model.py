@@ -25,6 +25,24 @@ def _ids(vocab, batch, context, seed):
     return torch.randint(0, vocab, (batch, context), generator=g)
 
 
+def _build(make_model) -> nn.Module:
+    """``make_model()``, or a CheckError saying what was passed instead of that function."""
+    if isinstance(make_model, nn.Module):
+        raise CheckError(f"pass the function that builds the model (make_model, not "
+                         f"make_model()); got a {type(make_model).__name__} instance")
+    if not callable(make_model):
+        raise CheckError(f"pass the function that builds the model, got {make_model!r}")
+    try:
+        model = make_model()
+    except Exception as e:                                  # the student's code
+        raise CheckError(f"make_model() raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise CheckError(f"make_model() returned a {type(model).__name__}, not an nn.Module"
+                         + (": return an instance (Mine()), not the class"
+                            if isinstance(model, type) else ""))
+    return model
+
+
 @exercise
 def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context: int = 16):
     """Exercise 1: the bytes of gradients DDP all-reduces per step (buffer bytes, fp32).
@@ -34,9 +52,7 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     ``tests/test_exercises_own_model.py`` holds it to what DDP's trace records."""
     got = _number("answer", answer)
     with torch.random.fork_rng(devices=[]):
-        model = make_model()
-    if not isinstance(model, nn.Module):
-        raise CheckError(f"make_model() returned a {type(model).__name__}, not an nn.Module")
+        model = _build(make_model)
     seen, want, every, unique = set(), 0, 0, 0
     for _, p in model.named_parameters(remove_duplicate=False):
         every += 4 * p.numel()                      # tied weights counted each time they appear
@@ -51,14 +67,20 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
             "that requires a gradient, once)")
         return
     tied_twice = every - (unique - want)             # tied counted twice, frozen left out
-    raise CheckError(f"your answer is {got:,.0f} B; " + _hint(got, want, [
+    shown = f"{got:,.0f}" if got == int(got) else f"{got:.4g}"
+    raise CheckError(f"your answer is {shown} B; " + _hint(got, want, [
         (unique, "that counts the frozen parameter too: it has no gradient, DDP skips it"),
         (every, "that counts the tied weight twice (and the frozen one): a tied weight is "
                 "one parameter, reduced once"),
         (tied_twice, "that counts the tied weight twice: a tied weight is one parameter, "
                      "reduced once"),
         (want / 4, "that is the number of values: each fp32 gradient value is 4 bytes"),
-        (want / 2, "the gradients are fp32: 4 bytes per value, not 2")], rel=1e-9,
+        (want / 2, "the gradients are fp32: 4 bytes per value, not 2"),
+        (ranks * want, f"that is the sum over the {ranks} ranks: every rank all-reduces a "
+                       "buffer of the same size; count one"),
+        (2 * (ranks - 1) / ranks * want,
+         f"that is what a ring all-reduce SENDS per rank, 2(N-1)/N of the buffer (N = "
+         f"{ranks}); the question asks for the buffers' bytes")], rel=1e-9,
         fallback="count 4 bytes per value of each distinct parameter (a tied one once) "
                  "that requires a gradient: model.parameters() yields each once"),
         expected=f"{want:,} B")
@@ -69,9 +91,7 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
     """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, ends
     with one device's parameters after ``steps`` AdamW steps."""
     with torch.random.fork_rng(devices=[]):
-        model = make_model()
-        if not isinstance(model, nn.Module):
-            raise CheckError(f"make_model() returned a {type(model).__name__}, not an nn.Module")
+        model = _build(make_model)
         again = make_model().state_dict()
         differ = [n for n, t in model.state_dict().items()
                   if n in again and not torch.equal(t, again[n])]

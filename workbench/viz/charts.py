@@ -22,6 +22,7 @@ SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
                  "#7f7f7f", "#bcbd22", "#17becf")
 
 
+ROOF_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"))   # per profile: line, marker
 # a tile plan's kinds: computed whole, computed with the element-wise mask, skipped
 TILE_COLORS = {"full": "#3a78b5", "partial": "#9ecae1", "skip": "#f0f0f0"}
 
@@ -145,6 +146,7 @@ def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 
     arithmetic intensity F / B on every profile's roof."""
     import matplotlib
     import numpy as np
+    from matplotlib.lines import Line2D
     if not points:
         raise ValueError("roofline(points={}): give {label: {'flops': F, 'bytes_moved': B}}")
     for k, w in points.items():
@@ -157,25 +159,39 @@ def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 
     with matplotlib.rc_context(RC):
         fig = _figure(width, height, dpi)
         ax = fig.add_subplot(1, 1, 1)
+        # profiles with about the same peak (910B 313, A100 312 TFLOP/s) share a roof: a
+        # line style and a marker per profile (the later ones hollow and larger) keep each
+        # roof and each point visible where they coincide
+        handles = []
         for i, prof in enumerate(profiles):
             peak, bw = prof.peak(dtype), prof.memory_bandwidth
             c = SERIES_COLORS[i % len(SERIES_COLORS)]
+            style, marker = ROOF_STYLES[i % len(ROOF_STYLES)]
             ax.plot(xs, np.minimum(peak, xs * bw) / 1e12, color=c, linewidth=1.5,
-                    label=f"{prof.name}: {peak / 1e12:g} TFLOP/s, {bw / 1e12:g} TB/s", gid="roof")
+                    linestyle=style, gid="roof")
+            handles.append(Line2D([], [], color=c, linewidth=1.5, linestyle=style,
+                                  marker=marker, markerfacecolor=c if i == 0 else "none",
+                                  label=f"{prof.name}: {peak / 1e12:g} TFLOP/s, "
+                                        f"{bw / 1e12:g} TB/s"))
             for k, x in inten.items():
-                ax.plot([x], [min(peak, x * bw) / 1e12], "o", color=c, markersize=5,
-                        gid="point")
+                ax.plot([x], [min(peak, x * bw) / 1e12], marker, color=c,
+                        markersize=5 + 2 * i, markerfacecolor=c if i == 0 else "none",
+                        markeredgewidth=1.3, gid="point")
         for n, (k, x) in enumerate(sorted(inten.items(), key=lambda kv: kv[1])):
             ax.axvline(x, color="#999999", linewidth=0.7, linestyle=":")
-            ax.text(x, 0.02 + 0.14 * (n % 3), f" {k}\n {x:,.3g} FLOP/B",     # staggered
-                    transform=ax.get_xaxis_transform(), fontsize=9, va="bottom")
+            value = f"{x:,.0f}" if x >= 100 else f"{x:.3g}"          # 2,730, not 2.73e+03
+            # in the right quarter a label runs left of its line, so the frame never cuts it
+            right = np.log(x / xs[0]) / np.log(xs[-1] / xs[0]) > 0.75
+            text = f"{k} \n{value} FLOP/B " if right else f" {k}\n {value} FLOP/B"
+            ax.text(x, 0.02 + 0.14 * (n % 3), text, ha="right" if right else "left",
+                    transform=ax.get_xaxis_transform(), fontsize=9, va="bottom")  # staggered
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)", fontsize=9)
         ax.set_ylabel(f"attainable TFLOP/s ({dtype})", fontsize=9)
         ax.tick_params(labelsize=9)
         ax.grid(True, which="major", linewidth=0.4, alpha=0.5)
-        ax.legend(fontsize=8.5, frameon=False, loc="upper left")
+        ax.legend(handles=handles, fontsize=8.5, frameon=False, loc="upper left")
         ax.set_title("roofline: below the slope memory-bound, on the flat roof compute-bound",
                      fontsize=10)
     return fig

@@ -118,7 +118,7 @@ class MemoryExplorer:
 
     def __init__(self, model, devices=1024, profile="a100", global_batch=1536, tp=8, pp=16,
                  micro_batch=1, recompute="none", zero=0, sp=False, schedule="1f1b",
-                 dpi: int = 80):
+                 dpi: int = 100):
         try:
             import ipywidgets as widgets
         except ImportError:
@@ -145,7 +145,9 @@ class MemoryExplorer:
             "sp": widgets.Checkbox(value=sp, description="sequence parallel"),
         }
         c = self.controls
-        self.image, self.status = widgets.Image(format="png"), widgets.HTML()
+        self.image = widgets.Image(format="png",                 # at its own size, not stretched
+                                   layout=widgets.Layout(align_self="flex-start", max_width="100%"))
+        self.status = widgets.HTML()
         self.box = widgets.VBox([widgets.HBox([c["tp"], c["pp"]]),
                                  widgets.HBox([c["micro_batch"], c["recompute"]]),
                                  widgets.HBox([c["zero"], c["schedule"], c["sp"]]),

@@ -280,7 +280,8 @@ class PipelineExplorer:
             "m": widgets.IntSlider(value=m, min=1, max=64, description="micro-batches m", **style),
             "v": widgets.IntSlider(value=v, min=1, max=4, description="chunks v", **style),
         }
-        self.image = widgets.Image(format="png")
+        self.image = widgets.Image(format="png",                 # at its own size, not stretched
+                                   layout=widgets.Layout(align_self="flex-start", max_width="100%"))
         self.status = widgets.HTML()
         self.box = widgets.VBox([widgets.HBox([self.controls["schedule"], self.controls["p"]]),
                                  widgets.HBox([self.controls["m"], self.controls["v"]]),

@@ -46,7 +46,10 @@ class _Picker:
     def _area(self, widgets):
         """The image and the text below it, replaced in place on every change (emptying an
         Output area instead would make the page jump)."""
-        self.image, self.textbox = widgets.Image(format="png"), widgets.HTML()
+        # at the PNG's own size (a VBox would stretch it to the full width, blurred)
+        self.image = widgets.Image(format="png", layout=widgets.Layout(align_self="flex-start",
+                                                                       max_width="100%"))
+        self.textbox = widgets.HTML()
         return [self.image, self.textbox]
 
     def _show(self, text: str) -> None:
@@ -69,7 +72,7 @@ class _Picker:
 class PlacementPicker(_Picker):
     """Dropdowns of placements for a tensor of ``shape`` on ``mesh``."""
 
-    def __init__(self, shape, mesh, placements=None, dpi: int = 80):
+    def __init__(self, shape, mesh, placements=None, dpi: int = 100):
         widgets = self._widgets()
         self.shape, self.mesh, self.dpi = tuple(shape), mesh, dpi
         placements = parse_placements(placements or ["R"] * mesh.ndim)
@@ -97,7 +100,7 @@ class PlacementPicker(_Picker):
 class ReshardPicker(_Picker):
     """Source and target placements; shows the cheapest plan between them."""
 
-    def __init__(self, shape, mesh, src=None, dst=None, profile=None, dpi: int = 80):
+    def __init__(self, shape, mesh, src=None, dst=None, profile=None, dpi: int = 100):
         widgets = self._widgets()
         self.shape, self.mesh, self.profile, self.dpi = tuple(shape), mesh, profile, dpi
         src = parse_placements(src or [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
