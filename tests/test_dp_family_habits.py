@@ -261,3 +261,25 @@ def test_data_parallel_clip_then_step_is_one_devices(zero):
     for n, p in m.named_parameters():
         got = dict(wb.dist_parameters(model))[n].full()
         assert torch.allclose(got, p.detach(), atol=1e-6), n
+
+
+@pytest.mark.parametrize("init", ["normal", "zeros", "setitem"])
+def test_writing_a_zero3_template_raises_and_changes_nothing(init):
+    """After Zero3 moved a parameter into flat shards, the module's DistTensor is a stale
+    template the forward never reads: an in-place write to it raises (initialize before
+    wrapping), and neither the template nor the shards change."""
+    mesh, model = parallel()
+    z = Zero3(model, mesh, "dp", lr=1e-2)
+    w = model[0].weight
+    before, shards = w.full().clone(), z.full_state_dict()
+    with pytest.raises(RuntimeError, match="initialize before wrapping"):
+        with torch.no_grad():
+            if init == "normal":
+                torch.nn.init.normal_(w)
+            elif init == "zeros":
+                w.zero_()
+            else:
+                w[0] = 1.0
+    assert torch.equal(w.full(), before)
+    for k, v in z.full_state_dict().items():
+        assert torch.equal(v, shards[k]), k

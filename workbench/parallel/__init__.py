@@ -9,11 +9,11 @@ from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from . import interop
-from . import op_table as _op_table
+from . import tensor_methods as _tensor_methods
 from . import ops_table
 
 ops_table.load()
-_op_table.install(DistTensor)
+_tensor_methods.install(DistTensor)
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSpec",
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",

@@ -14,7 +14,7 @@ rank; on torch.distributed, this process's shard.  :mod:`workbench.parallel.stor
 owns these forms; this module never asks which one it holds.
 
 A DistTensor keeps torch.Tensor's habits: operators and methods go through the SPMD
-rules (``op_table.install``), in-place ops (``x.add_``, ``x[i] = v``, ``nn.init``) write
+rules (``tensor_methods.install``), in-place ops (``x.add_``, ``x[i] = v``, ``nn.init``) write
 into the same object (:mod:`.inplace`), ``==`` is elementwise and ``x in d``, ``bool``,
 ``item`` read the full tensor (:mod:`.habits`).
 """

@@ -135,6 +135,10 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     (``x``'s new data must not alias them). Returns ``x``."""
     from .dispatch import dispatch
     from .reshard import reshard
+    for t in storage.tensors(x._local):
+        stale = getattr(t, "_wb_stale", None)     # a wrapper's template (fsdp_dist_habits)
+        if stale:
+            raise RuntimeError(f"{op}: {stale}")
     if not isinstance(y, DistTensor):
         y = torch.as_tensor(y, device=x.device)
         y = shard_tensor(y.expand(x.shape).to(x.dtype), x.mesh, x.placements,

@@ -1,11 +1,8 @@
-"""Wiring DistTensor to the op table (``ops_table/``): operators and tensor methods go
-to the dispatcher. (``_align`` and ``_shift`` are kept here for modules that import
-them from this older location.)"""
+"""DistTensor's tensor surface: operators (``+``, ``==``, ``//``, ``x[i]`` ...) and tensor
+methods go to the dispatcher, which runs them through the op table (``ops_table/``)."""
 from __future__ import annotations
 
 import torch
-
-from .ops_table._util import align as _align, shift as _shift  # noqa: F401
 
 T = torch.Tensor
 
