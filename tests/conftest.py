@@ -1,9 +1,30 @@
-"""Shared test setup: one torch thread per test worker.
+"""Shared test setup: one torch thread per test worker; every test's random draws seeded.
 
 The suite runs two workers on two cores; with torch's default of one thread per core
-each worker's kernels spin against the other's (tiny ops become ~1000x slower)."""
+each worker's kernels spin against the other's (tiny ops become ~1000x slower).
+
+Determinism (the developers' guide: tests seed every random choice): each test starts
+from the same seeds (torch, Python's ``random``, numpy's global generator), so a test's
+data does not depend on which tests ran before it in its process (test order, xdist's
+split); and hypothesis runs derandomized (examples drawn from a seed derived from the
+test itself, not from the clock or the example database), so the same examples run on
+every machine and every run.  A test that wants other data seeds its own generator.
+"""
+import random
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import settings
+
+# registered and loaded at import, before any test module builds its own ``settings(...)``
+# (those inherit the profile loaded when they are created).  deadline=None: timings on a
+# shared 2-core machine are not a property of the code; print_blob: a failure prints the
+# @reproduce_failure blob that replays it.
+settings.register_profile("workbench", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("workbench")
+
+SEED = 0
 
 
 @pytest.fixture(autouse=True)
@@ -12,3 +33,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """The same seeds before every test (torch's CPU generator, ``random``, numpy)."""
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    yield

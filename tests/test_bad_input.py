@@ -234,3 +234,148 @@ def test_course_without_its_notebooks_folder(capsys, tmp_path):
                     "--out", str(tmp_path / "out")], capsys)
     assert "--notebooks" in err and "no such folder" in err
     assert not (tmp_path / "out").exists()
+
+
+# ---- the recipes' and strategies' constructors --------------------------------------------
+
+from torch import nn  # noqa: E402
+
+from workbench.models.config import get_config  # noqa: E402
+from workbench.ops import AdamW as WbAdamW  # noqa: E402
+from workbench.parallel.strategies.data_parallel import DataParallel  # noqa: E402
+from workbench.parallel.strategies.zero3 import Zero3  # noqa: E402
+from workbench.recipes.hybrid import Hybrid  # noqa: E402
+from workbench.sim_mesh.mesh import MAX_RANKS  # noqa: E402
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(dp=True), ValueError, "Hybrid(dp=True): give an int >= 1"),
+    (dict(tp=2.0), ValueError, "Hybrid(tp=2.0): give an int >= 1"),
+    (dict(pp=0), ValueError, "Hybrid(pp=0): give an int >= 1"),
+    (dict(zero=7), ValueError, "Hybrid(zero=7): give the ZeRO stage, 0"),
+    (dict(zero=True), ValueError, "Hybrid(zero=True): give the ZeRO stage"),
+    (dict(microbatches=0), ValueError, "Hybrid(microbatches=0): give an int >= 1, or None"),
+    (dict(microbatches=True), ValueError, "Hybrid(microbatches=True): give an int >= 1"),
+    (dict(virtual=0), ValueError, "Hybrid(virtual=0): give an int >= 1, or None"),
+    (dict(pp=2, virtual=2), ValueError, "Hybrid(virtual=2) with schedule='1f1b': model "
+                                        "chunks per rank need the interleaved schedule"),
+    (dict(tp=2, sp="yes"), TypeError, "Hybrid(sp='yes'): give True or False"),
+    (dict(sp=True), ValueError, "sp=True needs tp > 1"),
+    (dict(distributed=1), TypeError, "Hybrid(distributed=1): give True or False"),
+    (dict(schedule=["1f1b"]), ValueError, "Hybrid(schedule=['1f1b']): use one of"),
+    (dict(dp=10**9), ValueError, "Hybrid(dp=1000000000, tp=1, pp=1): 1,000,000,000 ranks, "
+                                 "over the limit of 131,072"),
+    (dict(tp=10**9), ValueError, "Hybrid(dp=1, tp=1000000000, pp=1): 1,000,000,000 ranks"),
+    (dict(pp=10**9), ValueError, "Hybrid(dp=1, tp=1, pp=1000000000): 1,000,000,000 ranks"),
+    (dict(dp=2**9, tp=2**9), ValueError, "Hybrid(dp=512, tp=512, pp=1): 262,144 ranks")])
+def test_hybrid_refuses_bad_arguments_before_building_a_mesh(kw, err, msg):
+    """dp=10**9 hung building the meshes; the rest were accepted silently (microbatches=0
+    and virtual=0 fell back to the defaults, zero=7 trained as zero=0)."""
+    with pytest.raises(err, match=re.escape(msg)):
+        Hybrid(**kw)
+
+
+def test_hybrid_takes_the_largest_world_the_mesh_takes(monkeypatch):
+    assert MAX_RANKS == 2**17
+    monkeypatch.setattr(mesh_mod, "MAX_RANKS", 8)      # the bound is read when checked
+    assert sum(m.size for m in Hybrid(dp=2, tp=2, pp=2).meshes) == 8
+    with pytest.raises(ValueError, match=re.escape("Hybrid(dp=3, tp=3, pp=1): 9 ranks, over "
+                                                   "the limit of 8")):
+        Hybrid(dp=3, tp=3)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(dp=16), "dp=16: at most 8 (batch_size=8: every data-parallel rank takes at least "
+                  "one sequence); raise batch_size or lower dp"),
+    (dict(tp=8), "tp=8: at most 4 (4 heads in the model: tensor parallelism splits the heads)"),
+    (dict(pp=4), "pp=4: at most 2 (2 layers in the model"),
+    (dict(dp=2, pp=2, microbatches=8), "microbatches=8: at most batch_size // dp = 4")])
+def test_hybrid_check_bounds_the_sizes_by_the_model_and_batch(kw, msg):
+    """The same bounds as the train command line's (train_checks.check_sizes)."""
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        Hybrid(**kw).check(get_config("tiny"), 8)
+
+
+def test_train_with_a_hybrid_too_wide_for_the_batch_is_refused_before_any_step():
+    seen = []
+    with pytest.raises(ValueError, match=re.escape("dp=16: at most 8")):
+        train("tiny", steps=1, batch_size=8, strategy=Hybrid(dp=16), timing=False,
+              on_step=seen.append)
+    assert seen == []
+
+
+def test_dry_run_refuses_more_ranks_than_a_mesh_holds(capsys):
+    err = _refused(["train", "--preset", "tiny", "--dry-run", "--batch-size", "1000000",
+                    "--dp", "200000"], capsys)
+    assert "--dp 200000 --tp 1 --pp 1: 200,000 ranks, over the limit of 131,072" in err
+
+
+def _dp_mesh():
+    return wb.Mesh.grid((2, 2), ["dp", "tp"])
+
+
+def _tp_linear(mesh):
+    torch.manual_seed(0)
+    return wb.parallelize(nn.Linear(4, 4), mesh, {}, mesh_dim="tp")
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(zero=True), "zero=True: use 0 (plain data parallel), 1, 2 or 3"),
+    (dict(zero=1.0), "zero=1.0: use 0"),
+    (dict(bucket_bytes="8"), "bucket_bytes='8': give a size > 0 in bytes"),
+    (dict(lr=-1.0), "AdamW(lr=-1.0): give a real number finite and >= 0"),
+    (dict(lr=NAN), "AdamW(lr=nan)"), (dict(lr="0.1"), "AdamW(lr='0.1')"),
+    (dict(betas=(1.0, 0.9)), "AdamW(betas[0]=1.0): give a real number in [0, 1)"),
+    (dict(eps=-1e-8), "AdamW(eps=-1e-08)"), (dict(weight_decay=INF), "AdamW(weight_decay=inf)")])
+def test_data_parallel_refuses_bad_arguments(kw, msg):
+    """zero=True and zero=1.0 ran as ZeRO-1 (True == 1.0 == 1); a string bucket size was a
+    bare TypeError from '>'; AdamW's hyper-parameters were taken whatever they were."""
+    mesh = _dp_mesh()
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        DataParallel(list(dict(wb.dist_parameters(_tp_linear(mesh))).values()),
+                     mesh, "dp", **kw)
+
+
+def test_zero3_refuses_bad_adamw_arguments():
+    mesh = _dp_mesh()
+    with pytest.raises(ValueError, match=re.escape("AdamW(weight_decay=nan)")):
+        Zero3(_tp_linear(mesh), mesh, "dp", weight_decay=NAN)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=-1.0), dict(eps=-1.0), dict(weight_decay=-0.1),
+                                dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.5)),
+                                dict(lr=NAN)])
+def test_wb_adamw_refuses_what_torch_adamw_refuses(kw):
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError):
+        torch.optim.AdamW(p, **kw)
+    with pytest.raises(ValueError, match=r"^AdamW\("):
+        WbAdamW(p, **kw)
+
+
+def test_wb_adamw_takes_what_torch_adamw_takes():
+    p = [nn.Parameter(torch.zeros(2))]
+    for kw in (dict(lr=0), dict(lr=torch.tensor(0.1)), dict(betas=(0.0, 0.0)),
+               dict(eps=0.0, weight_decay=0)):
+        torch.optim.AdamW(p, **kw)
+        WbAdamW(p, **kw)
+
+
+@pytest.mark.parametrize("dist_params", [False, True])
+def test_ddp_refuses_a_bool_rank(dist_params):
+    """broadcast_from=True broadcast rank 1's parameters (True == 1)."""
+    mesh = _dp_mesh() if dist_params else wb.Mesh.grid((2,), ["dp"])
+    module = _tp_linear(mesh) if dist_params else nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=re.escape("broadcast_from=True: give a rank index")):
+        wb.DistributedDataParallel(module, mesh, "dp", broadcast_from=True)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(overlap_grad_reduce="no"), TypeError,
+     "DistributedDataParallel(overlap_grad_reduce='no'): give True or False"),
+    (dict(bucket_bytes="8"), ValueError, "bucket_bytes='8': give a size > 0 in bytes"),
+    (dict(broadcast_from=0.0), ValueError, "broadcast_from=0.0: give a rank index")])
+def test_ddp_over_dist_tensors_refuses_bad_arguments(kw, err, msg):
+    mesh = _dp_mesh()
+    with pytest.raises(err, match=re.escape(msg)):
+        wb.DistributedDataParallel(_tp_linear(mesh), mesh, "dp", **kw)

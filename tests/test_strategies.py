@@ -89,7 +89,9 @@ def test_layout_errors_before_anything_runs():
     cfg = get_config("tiny")
     with pytest.raises(ValueError, match="tp=3 does not divide n_head=4"):
         Hybrid(tp=3).check(cfg, 8)
-    with pytest.raises(ValueError, match="do not divide n_layer=2"):
+    with pytest.raises(ValueError, match="do not divide n_layer=3"):
+        Hybrid(pp=2).check(cfg.replace(n_layer=3), 8)
+    with pytest.raises(ValueError, match="pp=4: at most 2 \\(2 layers in the model"):
         Hybrid(pp=4).check(cfg, 8)
     with pytest.raises(ValueError, match="sp=True needs tp > 1"):
         Hybrid(sp=True)

@@ -15,7 +15,9 @@ Bounds and why:
 * ``--dp``, ``--tp``, ``--pp``: every data-parallel rank takes at least one sequence of
   the global batch, tensor parallelism splits the heads, pipeline parallelism the
   layers; so dp <= batch size, tp <= heads, pp <= layers (the exact divisibility is
-  checked by the recipe, ``Hybrid.check``, once the sizes are sane).
+  checked by the recipe, ``Hybrid.check``, once the sizes are sane); and dp x tp x pp
+  at most ``sim_mesh.mesh.MAX_RANKS`` ranks.  The ``Hybrid`` recipe runs the same
+  checks (:func:`check_world` when built, :func:`check_sizes` in ``Hybrid.check``).
 * ``--batch-size`` and ``--preset``: at least what the run must hold (parameters,
   gradients and AdamW's two moments, 4 copies; per token, each layer's input kept for
   the backward and the logits) against this machine's RAM: the simulator holds every
@@ -28,8 +30,8 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["check_args", "check_seed", "check_device", "check_memory", "min_bytes",
-           "SEED_LIMIT"]
+__all__ = ["check_args", "check_seed", "check_device", "check_memory", "check_sizes",
+           "check_world", "min_bytes", "SEED_LIMIT"]
 
 SEED_LIMIT = 2 ** 32
 """Seeds are 0 .. 2**32 - 1: torch's CPU generator (mt19937) keeps 32 bits of a seed."""
@@ -76,20 +78,48 @@ def check_args(args, lr_default: float) -> None:
     _check_memory(args, cfg)
 
 
+def _flag(name: str, value=None) -> str:
+    """``name`` spelled as a command-line flag: ``--batch-size`` or ``--batch-size 8``."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
 def _check_sizes(args, cfg) -> None:
-    """dp <= batch size, tp <= heads, pp <= layers (see the module docstring)."""
-    batch = getattr(args, "batch_size", 1)
-    preset = getattr(args, "preset", "tiny")
-    for flag, most, why, fix in (
-            ("dp", batch, f"--batch-size {batch}: every data-parallel rank takes at least one "
-                          "sequence", "raise --batch-size or lower --dp"),
-            ("tp", cfg.n_head, f"{cfg.n_head} heads in --preset {preset}: tensor parallelism "
-                               "splits the heads", "lower --tp"),
-            ("pp", cfg.n_layer, f"{cfg.n_layer} layers in --preset {preset}: every pipeline "
-                                "stage holds at least one layer", "lower --pp")):
-        v = getattr(args, flag, 1)
+    check_sizes(getattr(args, "dp", 1), getattr(args, "tp", 1), getattr(args, "pp", 1),
+                getattr(args, "batch_size", 1), cfg,
+                f"--preset {getattr(args, 'preset', 'tiny')}", _flag)
+
+
+def check_world(dp: int, tp: int, pp: int, given: str | None = None) -> None:
+    """dp x tp x pp at most :data:`~workbench.sim_mesh.mesh.MAX_RANKS` ranks: the meshes
+    keep every rank in Python tables (``Hybrid(dp=10**9)`` hung building them).
+    ``given`` names the values in the message (default: the flags)."""
+    from .sim_mesh.mesh import MAX_RANKS
+    if dp * tp * pp > MAX_RANKS:
+        given = given or f"--dp {dp} --tp {tp} --pp {pp}"
+        raise ValueError(f"{given}: "
+                         f"{dp * tp * pp:,} ranks, over the limit of {MAX_RANKS:,} (a mesh keeps "
+                         "every rank in tables in this one process; the largest published runs "
+                         "use about 16,384 devices, Llama 3 405B); lower them")
+
+
+def check_sizes(dp: int, tp: int, pp: int, batch: int, cfg, model: str, spell=_flag) -> None:
+    """dp <= batch size, tp <= heads, pp <= layers (see the module docstring), and at most
+    :data:`~workbench.sim_mesh.mesh.MAX_RANKS` ranks.  ``model`` names the model in the
+    message; ``spell(name, value)`` writes an argument (a flag for the command line,
+    ``name=value`` for the ``Hybrid`` recipe)."""
+    for name, v, most, why, fix in (
+            ("dp", dp, batch, f"{spell('batch_size', batch)}: every data-parallel rank takes at "
+                              "least one sequence",
+             f"raise {spell('batch_size')} or lower {spell('dp')}"),
+            ("tp", tp, cfg.n_head, f"{cfg.n_head} heads in {model}: tensor parallelism splits "
+                                   "the heads", f"lower {spell('tp')}"),
+            ("pp", pp, cfg.n_layer, f"{cfg.n_layer} layers in {model}: every pipeline stage "
+                                    "holds at least one layer", f"lower {spell('pp')}")):
         if v > most:
-            raise ValueError(f"--{flag} {v}: at most {most} ({why}); {fix}")
+            raise ValueError(f"{spell(name, v)}: at most {most} ({why}); {fix}")
+    check_world(dp, tp, pp, None if spell is _flag else
+                ", ".join(spell(n, v) for n, v in (("dp", dp), ("tp", tp), ("pp", pp))))
 
 
 def _check_timeout(args) -> None:

@@ -169,6 +169,21 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
+        # torch.optim.AdamW's checks (0 <= lr, eps, weight_decay; 0 <= beta < 1), and the
+        # values finite real numbers: a NaN or infinite one would train to NaN silently
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"AdamW(betas={betas!r}): give two numbers in [0, 1), e.g. "
+                             "(0.9, 0.999)") from None
+        for name, v, hi, eg in (("lr", lr, math.inf, "1e-3"), ("eps", eps, math.inf, "1e-8"),
+                                ("weight_decay", weight_decay, math.inf, "0.01"),
+                                ("betas[0]", b1, 1.0, "0.9"), ("betas[1]", b2, 1.0, "0.999")):
+            ok = not isinstance(v, bool) and (isinstance(v, (int, float)) or (
+                isinstance(v, torch.Tensor) and v.numel() == 1 and v.dtype.is_floating_point))
+            if not ok or not 0 <= float(v) < hi:
+                rng = "in [0, 1)" if hi == 1.0 else "finite and >= 0"
+                raise ValueError(f"AdamW({name}={v!r}): give a real number {rng}, e.g. {eg}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
 

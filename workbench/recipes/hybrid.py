@@ -49,6 +49,7 @@ from ..parallel.strategies.memory import saved_activation_bytes
 from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tensor_parallel_region
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
+from ..train_checks import check_sizes, check_world
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -77,6 +78,43 @@ def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
             for s in range(pp)]
 
 
+def _arg(name: str, value=None) -> str:
+    """An argument as the messages write it: ``dp`` or ``dp=4``."""
+    return name if value is None else f"{name}={value!r}"
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distributed):
+    """Hybrid's arguments, before any mesh is built (microseconds whatever the values)."""
+    for n, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if not _int(v) or v < 1:
+            raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, the number of ranks "
+                             f"along {n} (1: no {n})")
+    check_world(dp, tp, pp, f"Hybrid(dp={dp}, tp={tp}, pp={pp})")
+    for n, v in (("sp", sp), ("distributed", distributed)):
+        if not isinstance(v, bool):
+            raise TypeError(f"Hybrid({n}={v!r}): give True or False")
+    if sp and tp == 1:
+        raise ValueError("Hybrid: sp=True needs tp > 1: sequence parallelism shards the "
+                         "tensor-parallel region's norms and dropouts over tp; add tp=2 or "
+                         "leave sp False")
+    if not _int(zero) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"Hybrid(zero={zero!r}): give the ZeRO stage, 0 (plain data "
+                         "parallel), 1, 2 or 3")
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"Hybrid(schedule={schedule!r}): use one of {list(SCHEDULES)}")
+    for n, v in (("microbatches", microbatches), ("virtual", virtual)):
+        if v is not None and (not _int(v) or v < 1):
+            raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
+    if virtual is not None and virtual > 1 and schedule != "interleaved":
+        raise ValueError(f"Hybrid(virtual={virtual}) with schedule={schedule!r}: model chunks "
+                         "per rank need the interleaved schedule; add schedule='interleaved' "
+                         "or leave virtual None")
+
+
 class Hybrid:
     """A training strategy (see :mod:`workbench.train`) for any dp x tp x pp layout."""
 
@@ -84,14 +122,8 @@ class Hybrid:
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
                  microbatches=None, virtual=None, distributed: bool = False):
-        for n, v in (("dp", dp), ("tp", tp), ("pp", pp)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{n}={v!r}: must be an int >= 1")
-        if sp and tp == 1:
-            raise ValueError("sp=True needs tp > 1: sequence parallelism shards the "
-                             "tensor-parallel region's norms and dropouts over tp")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: use one of {list(SCHEDULES)}")
+        _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
+                    microbatches=microbatches, virtual=virtual, distributed=distributed)
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
         self.v = virtual or (2 if schedule == "interleaved" else 1)
@@ -113,6 +145,12 @@ class Hybrid:
     def check(self, cfg, batch_size: int) -> None:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
+        check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
+        if self._m is not None and self.dp * self._m > batch_size:
+            raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
+                             f"{batch_size // self.dp} (batch_size={batch_size}, dp={self.dp}): "
+                             "every micro-batch holds at least one sequence per dp rank; lower "
+                             "microbatches")
         if self._m is None and pp > 1:      # 2p micro-batches if the batch allows, else p
             self.m = 2 * pp if batch_size % (self.dp * 2 * pp) == 0 else pp
         for name, val in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),

@@ -79,7 +79,7 @@ class DataParallel:
     def __init__(self, params, mesh, dp="dp", zero: int = 0, bucket_bytes: int | None = None,
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, partial_grads=(), partial_dim="tp"):
-        if zero not in (0, 1, 2, 3):
+        if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero!r}: use 0 (plain data parallel), 1, 2 or 3")
         if zero == 3:
             raise NotImplementedError("DataParallel(zero=3): ZeRO-3 is Zero3(module, mesh, "

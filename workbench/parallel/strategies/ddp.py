@@ -105,7 +105,8 @@ class DistributedDataParallel(ModuleWrapper):
                              "(e.g. 25 * 2**20, PyTorch's default) or None for one all-reduce "
                              "per parameter")
         g = RankGroup(mesh, dim, "DistributedDataParallel")
-        if not isinstance(broadcast_from, int) or not 0 <= broadcast_from < g.n:
+        if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int) or \
+                not 0 <= broadcast_from < g.n:
             raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index in "
                              f"[0, {g.n - 1}] of the data-parallel group")
         object.__setattr__(self, "module", module)    # not a submodule: names keep no prefix

@@ -74,6 +74,7 @@ class GradReplicas:
         self.partial_axis = mesh.dim(partial_dim) if self._partial else None
         self.n = mesh.shape[self.axis]
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                         not isinstance(bucket_bytes, (int, float)) or
                                          not bucket_bytes > 0):
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a size > 0 in bytes, "
                              "math.inf for one bucket, or None for one all-reduce per gradient")
@@ -239,11 +240,17 @@ class DistTensorDDP(DistributedDataParallel):
         if mesh is None or mesh != mesh0:
             raise ValueError(f"DistributedDataParallel(mesh={mesh!r}): the module's DistTensor "
                              f"parameters live on {mesh0}; pass that mesh")
+        if not isinstance(overlap_grad_reduce, bool):
+            raise TypeError(f"DistributedDataParallel(overlap_grad_reduce="
+                            f"{overlap_grad_reduce!r}): give True or False")
         if overlap_grad_reduce:
             raise NotImplementedError(
                 "DistributedDataParallel(overlap_grad_reduce=True) over DistTensor parameters: "
                 "gradients are reduced in finish_gradient_synchronization() after backward "
                 "(Megatron-LM's overlap_grad_reduce=False); leave it False")
+        if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int):
+            raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index of the "
+                             "data-parallel group (an int; 0 over DistTensor parameters)")
         if broadcast_from != 0:
             raise NotImplementedError(f"broadcast_from={broadcast_from!r} over DistTensor "
                                       "parameters: the replicas start from dp rank 0's copy")
