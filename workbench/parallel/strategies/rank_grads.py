@@ -59,8 +59,10 @@ def _norm_args(func, args, kwargs):
     return x, (2.0 if ord_ in (None, "fro") else ord_), kwargs.get("dtype")
 
 
-class RankRows(torch.Tensor):
-    """A simulated DDP gradient: row k is rank k's (equal after averaging)."""
+class _NormedGrad(torch.Tensor):
+    """A gradient whose norms (``_NORMS``: what torch's clip and get_total_norm call) are
+    the subclass's ``_norm``; every other op runs on the plain tensor."""
+    MIXED_OK = True     # may a _foreach_norm list hold plain tensors beside these?
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -68,12 +70,22 @@ class RankRows(torch.Tensor):
             parsed = _norm_args(func, args, kwargs)
             if parsed is not None:
                 x, ord_, dtype = parsed
-                if func is torch._foreach_norm:
-                    return [_row_norm(t, ord_, dtype) if isinstance(t, RankRows) else
-                            _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
-                            for t in x]
-                return _row_norm(x, ord_, dtype)
+                if func is not torch._foreach_norm:
+                    return cls._norm(x, ord_, dtype)
+                if not cls.MIXED_OK and not all(isinstance(t, cls) for t in x):
+                    raise _mixed()
+                return [cls._norm(t, ord_, dtype) if isinstance(t, cls) else
+                        _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
+                        for t in x]
         return _plain(func, args, kwargs)
+
+
+class RankRows(_NormedGrad):
+    """A simulated DDP gradient: row k is rank k's (equal after averaging)."""
+
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        return _row_norm(t, ord_, dtype)
 
 
 def _row_norm(t, ord_, dtype):
@@ -91,25 +103,16 @@ def as_rank_rows(t):
     return t if t is None or isinstance(t, RankRows) else t.as_subclass(RankRows)
 
 
-class ReplicaGrad(torch.Tensor):
+class ReplicaGrad(_NormedGrad):
     """The gradient of a DistTensor replica's local storage (lead mesh axes, then the
     local shape).  ``_wb_axes``: the replicated axes holding one copy per rank (one copy
     is read); ``_wb_synced``: the copies were summed over the data-parallel ranks;
     ``_wb_hint``: what to do when they were not; ``_wb_refuse``: why no norm is built
     (torch.distributed with a sharded dim: the local norm is a shard's)."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _NORMS:
-            parsed = _norm_args(func, args, kwargs)
-            if parsed is not None:
-                x, ord_, dtype = parsed
-                if func is torch._foreach_norm:
-                    return [_replica_norm(t, ord_, dtype) if isinstance(t, ReplicaGrad) else
-                            _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
-                            for t in x]
-                return _replica_norm(x, ord_, dtype)
-        return _plain(func, args, kwargs)
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        return _replica_norm(t, ord_, dtype)
 
 
 def _replica_norm(t, ord_, dtype):
@@ -134,21 +137,13 @@ def as_replica_grad(t, axes, synced: bool, hint: str, refuse: str | None = None)
     return out
 
 
-class ShardGrad(torch.Tensor):
+class ShardGrad(_NormedGrad):
     """An FSDP gradient on torch.distributed: this rank's shard (``_wb_pg``: the group)."""
+    MIXED_OK = False
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _NORMS:
-            parsed = _norm_args(func, args, kwargs)
-            if parsed is not None:
-                x, ord_, dtype = parsed
-                if func is torch._foreach_norm:
-                    if not all(isinstance(t, ShardGrad) for t in x):
-                        raise _mixed()
-                    return [_shard_norm(t, ord_, dtype) for t in x]
-                return _shard_norm(x, ord_, dtype)
-        return _plain(func, args, kwargs)
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        return _shard_norm(t, ord_, dtype)
 
 
 def _shard_norm(t, ord_, dtype):
