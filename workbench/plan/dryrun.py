@@ -116,7 +116,7 @@ def _check(model, lay: Layout, cl: Cluster):
                          f"this library's own Hybrid recipe: give framework='workbench' "
                          f"(or None), and compare it with estimate(..., "
                          f"layout.replace(framework='workbench'))")
-    if getattr(model, "arch", None) == "gpt" and model.dtype in _MIXED:
+    if getattr(model, "arch", None) in ("gpt", "llama") and model.dtype in _MIXED:
         check_layout(model, lay, cl)           # the planner's checks: same errors
     else:
         if not isinstance(lay, Layout) or not isinstance(cl, Cluster):

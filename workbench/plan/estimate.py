@@ -49,7 +49,7 @@ from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
 from . import frameworks as F
 from . import zero_cost as Z
-from .layout import Cluster, Layout, check_layout
+from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
 
@@ -229,13 +229,15 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     return m * (fwd + bwd), m * (2 * ag + rs)
 
 
-def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
+def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
              fp8: bool = False) -> Estimate:
-    """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
-    ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
-    attention kernel's activations and time instead of Table 2's materialized softmax
-    (``workbench.models.GPT`` runs ``wb.ops.flash_attention``: compare it so);
+    """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
+    ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
+    ``attention="flash"`` counts a fused attention kernel's activations and time instead
+    of Table 2's materialized softmax (``workbench.models.GPT`` runs
+    ``wb.ops.flash_attention``: compare it so); None: "materialized" for a GPT, "flash"
+    for a Llama (``layout.attention_for``);
     ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
     compute (DeepSpeed's ``overlap_comm`` off).  ``overlap_grad_reduce=True``: ZeRO-0/1's
     data-parallel sync overlaps compute as Megatron-LM's ``--overlap-grad-reduce`` (and,
@@ -249,9 +251,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
-    if attention not in ("materialized", "flash"):
-        raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
-                         f"or 'flash'")
+    attention = attention_for(model, attention)
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
     if fp8 and "float8" not in prof.peak_flops:
