@@ -30,9 +30,11 @@ from ..sim_mesh.cost import compute_time, price, wire_bytes
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
-           "group_price", "LAYER_TIME_SOURCE"]
+           "group_price", "LAYER_TIME_SOURCE", "LLAMA_LAYER_TIME_SOURCE"]
 
 LAYER_TIME_SOURCE = "layer_cost.layer_times (op by op; checked against Korthikanti Table 4)"
+LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by op; held to the "
+                           "dry run of the course's Llama)")
 
 
 @lru_cache(maxsize=None)

@@ -310,7 +310,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
     peak, n = prof.peak(cfg.dtype), cluster.devices
     details = {
-        "layer_time_source": C.LAYER_TIME_SOURCE, "layer": layer, "head": head,
+        "layer_time_source": C.LAYER_TIME_SOURCE if cfg.arch == "gpt" else
+        C.LLAMA_LAYER_TIME_SOURCE, "layer": layer, "head": head,
         "p2p": p2p_t, "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
         "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
