@@ -40,6 +40,10 @@ devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
 recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
 the busiest is reported.
+
+Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
+presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
+run of the course's Llama in tests/test_plan_llama.py.
 """
 from __future__ import annotations
 

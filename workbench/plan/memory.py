@@ -29,6 +29,11 @@ without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
 stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
 mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
 for the loss (4 s b V / t), counted the same way.
+
+A Llama (``arch="llama"``): its block's parameters and activations are
+``llama_layer``'s (GQA's narrower k and v, SwiGLU's three matrices, no biases, RMSNorm
+weights only); no position table on the first stage, a final RMSNorm of h and the
+untied head's V h / t on the last.
 """
 from __future__ import annotations
 
