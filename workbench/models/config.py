@@ -124,6 +124,9 @@ def _positive_int(name, v):
 # built on the meta device for estimates and the planner.
 _GPT_BIG = dict(arch="gpt", vocab_size=51200, seq_len=2048, tie_embeddings=True,
                 dtype="bfloat16", dropout=0.1)
+_LLAMA2 = dict(arch="llama", vocab_size=32000, seq_len=4096, dtype="bfloat16", norm_eps=1e-5)
+_LLAMA3 = dict(arch="llama", vocab_size=128256, seq_len=8192, dtype="bfloat16", norm_eps=1e-5,
+               rope_theta=500000.0)
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=75, seq_len=64, n_layer=2, n_head=4, d_model=64, d_ff=192),
     "small": dict(vocab_size=75, seq_len=256, n_layer=6, n_head=8, n_kv_head=4, d_model=384,
@@ -134,6 +137,22 @@ PRESETS: dict[str, dict] = {
     "gpt3-175b": dict(_GPT_BIG, n_layer=96, n_head=96, d_model=12288),
     "gpt-530b": dict(_GPT_BIG, n_layer=105, n_head=128, d_model=20480),
     "gpt-1t": dict(_GPT_BIG, n_layer=128, n_head=160, d_model=25600),
+    # Llama 2 (Touvron et al. 2023, "Llama 2", Table 1: context 4096, GQA for 70B; shapes
+    # from each model's params.json, meta-llama/llama on GitHub: dim, n_layers, n_heads,
+    # n_kv_heads, vocab 32000, norm_eps 1e-5; the MLP width by llama/model.py's rule,
+    # 256 * ceil(ffn_dim_multiplier * 2/3 * 4 dim / 256), multiplier 1.3 for 70B with
+    # multiple_of 4096: 11008, 13824, 28672, as the Hugging Face configs'
+    # intermediate_size) and Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models",
+    # Table 3: 8B 32 layers, h 4096, FFN 14336, 32 heads, 8 key/value heads; 70B 80
+    # layers, h 8192, FFN 28672, 64 heads, 8 key/value heads; vocabulary 128,000 ->
+    # 128256 with the special tokens, RoPE base 500,000; context 8192 as pre-trained,
+    # meta-llama/Meta-Llama-3-8B config.json).  bf16, no dropout, untied head.
+    "llama2-7b": dict(_LLAMA2, n_layer=32, n_head=32, d_model=4096, d_ff=11008),
+    "llama2-13b": dict(_LLAMA2, n_layer=40, n_head=40, d_model=5120, d_ff=13824),
+    "llama2-70b": dict(_LLAMA2, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672),
+    "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336),
+    "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+                       d_ff=28672),
 }
 
 

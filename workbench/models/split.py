@@ -9,6 +9,7 @@ model.  Both course models (``Llama``, ``GPT``) answer with this mixin:
                                  their input on the sequence, so their gradients are
                                  partial sums over tp)
     model.pipeline_stages(n)     n stages of equal layer counts and the modules each owns
+                                 (``sizes``: the layers of each, uneven)
     model.head(x, stage)         final norm and lm head (or the tied embedding's table)
     model.set_recompute(mode)    none | selective | full, per block
     model.generate(idx, n)       sampling, as nanoGPT's
@@ -56,21 +57,30 @@ class Splittable:
         """The modules that take Megatron's f before and g after (attention and MLP)."""
         return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
 
-    def pipeline_stages(self, n_stages: int) -> list[dict]:
-        """The model cut in ``n_stages`` consecutive stages of equal layer counts: per
-        stage its layer indices and the top-level modules it owns (the first adds the
-        embeddings, the last the final norm and the head; with tied embeddings on one
-        stage the head reads the word embedding's table and owns no module)."""
+    def pipeline_stages(self, n_stages: int, sizes=None) -> list[dict]:
+        """The model cut in ``n_stages`` consecutive stages of equal layer counts (or of
+        ``sizes[s]`` layers each: uneven stages, as Megatron-LM's
+        ``--decoder-first-pipeline-num-layers``): per stage its layer indices and the
+        top-level modules it owns (the first adds the embeddings, the last the final norm
+        and the head; with tied embeddings on one stage the head reads the word
+        embedding's table and owns no module)."""
         L = self.cfg.n_layer
         if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1 \
-                or L % n_stages:
+                or (sizes is None and L % n_stages):
             raise ValueError(f"n_stages={n_stages!r} does not divide n_layer={L}: use a "
-                             f"divisor of {L}")
-        per = L // n_stages
+                             f"divisor of {L}, or give sizes=")
+        if sizes is None:
+            sizes = [L // n_stages] * n_stages
+        sizes = list(sizes)
+        if len(sizes) != n_stages or sum(sizes) != L or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+            raise ValueError(f"sizes={sizes!r}: give n_stages={n_stages} layer counts "
+                             f"(ints >= 0) adding up to n_layer={L}")
         tied_here = self.cfg.tie_embeddings and n_stages == 1
-        out = []
-        for s in range(n_stages):
-            layers = list(range(s * per, (s + 1) * per))
+        out, start = [], 0
+        for s, per in enumerate(sizes):
+            layers = list(range(start, start + per))
+            start += per
             last = (["norm"] if tied_here else ["norm", "lm_head"]) if s == n_stages - 1 else []
             names = (list(self.FIRST_MODULES) if s == 0 else []) + \
                 [f"layers.{i}" for i in layers] + last

@@ -7,6 +7,11 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   backward twice the forward; full recompute repeats the forward in backward, selective
   recompute the 4 b s^2 h attention core (Korthikanti et al. 2022, sec. 5).  With
   f = 4h, 3 x (24 b s h^2 + 4 b s^2 h) per layer plus 6 b s h V for the head is eq. 7.
+  A Llama block (``arch="llama"``, ``plan.llama_layer``): the same count over its own
+  matrices, q and o h^2, k and v h kv (kv = key/value heads x head dim, GQA), and
+  SwiGLU's three h f: forward 2 b s (2 h^2 + 2 h kv + 3 h f) + 4 b s^2 h (the
+  PaLM / Chinchilla convention of 6 N per token plus attention, Chowdhery et al. 2022
+  app. B, which Llama 3's MFU figures follow).
 - Time: ``workbench.plan.layer_cost.layer_times``, the layer op by op on the profile
   (checked against Korthikanti et al.'s Table 4, not fitted to it).
 - Tensor-parallel communication (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2):
@@ -25,9 +30,11 @@ from ..sim_mesh.cost import compute_time, price, wire_bytes
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
-           "group_price", "LAYER_TIME_SOURCE"]
+           "group_price", "LAYER_TIME_SOURCE", "LLAMA_LAYER_TIME_SOURCE"]
 
 LAYER_TIME_SOURCE = "layer_cost.layer_times (op by op; checked against Korthikanti Table 4)"
+LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by op; held to the "
+                           "dry run of the course's Llama)")
 
 
 @lru_cache(maxsize=None)
@@ -39,6 +46,9 @@ def group_price(kind: str, nbytes: float, ranks: tuple, profile) -> float:
 def layer_flops(cfg, b: int) -> tuple[float, float]:
     """(matrix FLOPs, attention-core FLOPs) of one layer's forward for b sequences."""
     s, h, f = cfg.seq_len, cfg.d_model, cfg.d_ff
+    if cfg.arch == "llama":
+        kv = cfg.n_kv_head * cfg.head_dim
+        return 2 * b * s * (2 * h * h + 2 * h * kv + 3 * h * f), 4 * b * s * s * h
     return 2 * b * s * (4 * h * h + 2 * h * f), 4 * b * s * s * h
 
 
@@ -92,6 +102,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     extra = {} if attention == "materialized" else {"attention": attention}
     if fp8:
         extra["fp8"] = True
+    if cfg.arch == "llama":
+        extra.update(kv_heads=cfg.n_kv_head, dropout=cfg.dropout > 0)
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),

@@ -16,7 +16,9 @@ shapes, dtypes and placements exist):
    is built by the same recipe (``DataParallel`` / ZeRO over dp);
 2. ONE micro-batch forward and backward of each DISTINCT pipeline stage (the first,
    one middle stage standing for all the middle ones, which have the same layers and
-   mesh shape, and the last; :mod:`.meta_run`) under one trace: every op the real code
+   mesh shape, and the last; every stage when ``layout.stages`` makes them uneven, which
+   the recipe then splits so: ``Hybrid(stage_sizes=...)``; :mod:`.meta_run`) under
+   one trace: every op the real code
    dispatches priced forward and backward from the op table, every collective it
    issues priced on the profile's topology;  the bytes autograd saves per rank;  the
    stage output's send to the next stage (the pipeline executor's ``_send``);
@@ -107,16 +109,12 @@ class DryRun:
 
 
 def _check(model, lay: Layout, cl: Cluster):
-    if isinstance(lay, Layout) and lay.stages is not None:
-        raise ValueError(f"dry_run: layout stages={list(lay.stages)}: the Hybrid recipe splits "
-                         f"the layers evenly; uneven stages are estimated only "
-                         f"(wb.plan.estimate); give stages=None")
     if isinstance(lay, Layout) and lay.framework not in (None, "workbench"):
         raise ValueError(f"dry_run: layout framework={lay.framework!r}; the dry run runs "
                          f"this library's own Hybrid recipe: give framework='workbench' "
                          f"(or None), and compare it with estimate(..., "
                          f"layout.replace(framework='workbench'))")
-    if getattr(model, "arch", None) == "gpt" and model.dtype in _MIXED:
+    if getattr(model, "arch", None) in ("gpt", "llama") and model.dtype in _MIXED:
         check_layout(model, lay, cl)           # the planner's checks: same errors
     else:
         if not isinstance(lay, Layout) or not isinstance(cl, Cluster):
@@ -127,11 +125,12 @@ def _check(model, lay: Layout, cl: Cluster):
                              f"devices={cl.devices}; make them equal")
 
 
-def _distinct(n: int) -> dict[int, int]:
-    """layer-stage -> the stage that is run for it (first, one middle, last)."""
+def _distinct(n: int, uneven: bool = False) -> dict[int, int]:
+    """layer-stage -> the stage that is run for it (first, one middle, last; uneven
+    stages: each itself)."""
     rep = {0: 0, n - 1: n - 1}
     for s in range(1, n - 1):
-        rep[s] = 1
+        rep[s] = s if uneven else 1
     return rep
 
 
@@ -163,7 +162,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
     cfg = model.replace(recompute=lay.recompute)
     h = Hybrid(dp=lay.dp, tp=lay.tp, pp=lay.pp, sp=lay.sp, zero=lay.zero,
                schedule=_SCHEDULE[lay.schedule], microbatches=lay.m,
-               virtual=lay.v if lay.schedule == "interleaved_1f1b" else None)
+               virtual=lay.v if lay.schedule == "interleaved_1f1b" else None,
+               stage_sizes=lay.stages)
     h.device, h.profile = torch.device("meta"), prof
     h.check(cfg, lay.global_batch)
     with torch.random.fork_rng(devices=[]):
@@ -175,7 +175,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
                            "device; the dry run would allocate it (a bug in the model's "
                            "construction under `with torch.device('meta')`)")
     n = len(h.stage_layers)
-    rep = _distinct(n)
+    rep = _distinct(n, lay.stages is not None)
     measured, opt_t = {}, {}
     with _trace(prof) as tr:
         for s in sorted(set(rep.values())):
@@ -248,7 +248,7 @@ def _layer_numel(model, h) -> int:
     """Elements one rank holds of the largest transformer layer (tensor-parallel shards)."""
     from ..parallel.module import dist_parameters
     best = 0
-    for i in {ls[0] for ls in h.stage_layers}:
+    for i in {ls[0] for ls in h.stage_layers if ls}:     # a stage may hold none
         nd = h.meshes[0].ndim
         best = max(best, sum(math.prod(p._local.shape[nd:])
                              for _, p in dist_parameters(model.layers[i])))

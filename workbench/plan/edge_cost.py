@@ -5,7 +5,8 @@ GEMM; what runs around them was not priced: on the first stage the token and pos
 embedding lookups, their sum and the embedding dropout; on the last stage the final
 LayerNorm, the logits' cast to float32 for the loss (Megatron computes the
 vocabulary-parallel cross-entropy in fp32, as ``models.gpt.GPT`` does) and the
-cross-entropy itself.  Each is priced here with its entry in the op table
+cross-entropy itself.  A Llama (``arch="llama"``) has no position table (RoPE, priced in
+its blocks) and a final RMSNorm.  Each is priced here with its entry in the op table
 (``parallel.ops_table``: the same FLOPs, bytes and op class the dispatcher puts on the
 trace) on one rank's shapes, forward and backward, so the planner and the dry run count
 the same kernels.
@@ -40,18 +41,24 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     dt, f32, i64 = cfg.torch_dtype, torch.float32, torch.int64
     vt = V // tp if V % tp == 0 and tp > 1 else V          # vocabulary-parallel when it divides
     ids, act = _meta(b, s, dtype=i64), _meta(b, s, h, dtype=dt)
+    llama = cfg.arch == "llama"
     tok = _price("embedding", [ids, _meta(vt, h, dtype=dt)], [act], profile, dt)
-    pos = _price("embedding", [_meta(s, dtype=i64), _meta(s, h, dtype=dt)],
-                 [_meta(s, h, dtype=dt)], profile, dt)
-    add = _price("add", [act, _meta(s, h, dtype=dt)], [act], profile, dt)
-    parts = [tok, pos, add]
+    parts = [tok]
+    if not llama:                                       # learned positions, added
+        parts.append(_price("embedding", [_meta(s, dtype=i64), _meta(s, h, dtype=dt)],
+                            [_meta(s, h, dtype=dt)], profile, dt))
+        parts.append(_price("add", [act, _meta(s, h, dtype=dt)], [act], profile, dt))
     if cfg.dropout > 0:
         ts = _meta(b, s // tp if sp else s, h, dtype=dt)
         parts.append(_price("mul", [ts, ts], [ts], profile, dt))      # x * mask
     first = tuple(map(sum, zip(*parts)))
     tn = _meta(b, s // tp if sp else s, h, dtype=dt)                   # norm: s/t tokens with SP
     w = _meta(h, dtype=dt)
-    ln = _price("layer_norm", [tn, w, w], [tn], profile, dt, normalized_shape=(h,))
+    if llama:
+        ln = _price("rms_norm", [tn, w], [tn], profile, dt, normalized_shape=(h,),
+                    eps=cfg.norm_eps)
+    else:
+        ln = _price("layer_norm", [tn, w, w], [tn], profile, dt, normalized_shape=(h,))
     logits = _meta(b * s, vt, dtype=dt)
     logits32 = _meta(b * s, vt, dtype=f32)
     cast = _price("to", [logits], [logits32], profile, f32)

@@ -40,6 +40,10 @@ devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
 recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
 the busiest is reported.
+
+Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
+presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
+run of the course's Llama in tests/test_plan_llama.py.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
 from . import frameworks as F
 from . import zero_cost as Z
-from .layout import Cluster, Layout, check_layout
+from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
 
@@ -229,13 +233,15 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     return m * (fwd + bwd), m * (2 * ag + rs)
 
 
-def estimate(model, layout: Layout, cluster: Cluster, attention: str = "materialized",
+def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
              fp8: bool = False) -> Estimate:
-    """Predict one training step of ``model`` (a ``ModelConfig(arch="gpt")``) with
-    ``layout`` on ``cluster`` (module docstring).  ``attention="flash"`` counts a fused
-    attention kernel's activations and time instead of Table 2's materialized softmax
-    (``workbench.models.GPT`` runs ``wb.ops.flash_attention``: compare it so);
+    """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
+    ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
+    ``attention="flash"`` counts a fused attention kernel's activations and time instead
+    of Table 2's materialized softmax (``workbench.models.GPT`` runs
+    ``wb.ops.flash_attention``: compare it so); None: "materialized" for a GPT, "flash"
+    for a Llama (``layout.attention_for``);
     ``overlap=False`` assumes ZeRO-2/3's per-micro-batch collectives do not overlap
     compute (DeepSpeed's ``overlap_comm`` off).  ``overlap_grad_reduce=True``: ZeRO-0/1's
     data-parallel sync overlaps compute as Megatron-LM's ``--overlap-grad-reduce`` (and,
@@ -249,9 +255,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
         raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
-    if attention not in ("materialized", "flash"):
-        raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
-                         f"or 'flash'")
+    attention = attention_for(model, attention)
     cfg, lay, prof = model, layout, cluster.profile
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
     if fp8 and "float8" not in prof.peak_flops:
@@ -310,7 +314,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: str = "material
     model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
     peak, n = prof.peak(cfg.dtype), cluster.devices
     details = {
-        "layer_time_source": C.LAYER_TIME_SOURCE, "layer": layer, "head": head,
+        "layer_time_source": C.LAYER_TIME_SOURCE if cfg.arch == "gpt" else
+        C.LLAMA_LAYER_TIME_SOURCE, "layer": layer, "head": head,
         "p2p": p2p_t, "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
         "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,

@@ -39,6 +39,7 @@ from functools import lru_cache
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import dtype_name, get_profile
 from . import fp8 as _fp8
+from . import llama_layer as _llama
 
 __all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
 
@@ -237,15 +238,27 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
 def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
               profile="a100", tp_ranks=None, attention: str = "materialized",
-              fp8: bool = False) -> list:
+              fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
-    ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``)."""
+    ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
+    ``kv_heads``: a Llama block (``plan.llama_layer``) with that many key/value heads
+    (fused attention only; ``dropout``: with dropout on its residual branches); None:
+    Megatron's GPT layer."""
     if attention not in ("materialized", "flash"):
         raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
                          f"(Megatron's unfused core) or 'flash'")
     ffn = 4 * h if ffn is None else ffn
     _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks)
+    if kv_heads is not None:
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 \
+                or a % kv_heads or kv_heads % tp:
+            raise ValueError(f"layer_times: kv_heads={kv_heads!r} must be an int dividing "
+                             f"a={a} and divisible by tp={tp} (each rank owns whole "
+                             f"key/value heads)")
+        if attention != "flash":
+            raise ValueError("layer_times: a Llama block (kv_heads given) is priced with "
+                             "the fused attention kernel it runs: give attention='flash'")
     dt = dtype_name(dtype)
     if dt not in _ITEMSIZE:
         raise ValueError(f"layer_times: dtype={dtype!r}: use a floating-point dtype "
@@ -257,15 +270,19 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"peak (peak_flops['float8']); FP8 tensor cores are the H100's: "
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
-                        ranks, attention, bool(fp8)))
+                        ranks, attention, bool(fp8), kv_heads, bool(dropout)))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
-            fp8=False) -> tuple:
+            fp8=False, kv_heads=None, dropout=False) -> tuple:
     e = _ITEMSIZE[dt]
-    fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
-    bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)
+    if kv_heads is not None:
+        fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
+        bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute)
+    else:
+        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
+        bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -313,15 +330,17 @@ _FIELDS = tuple(f.name for f in fields(OpCost))
 def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
                 profile="a100", tp_ranks=None, attention: str = "materialized",
-                fp8: bool = False) -> LayerTimes:
+                fp8: bool = False, kv_heads: "int | None" = None,
+                dropout: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
     ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
-    this for thousands of layouts."""
+    this for thousands of layouts.  ``kv_heads`` (and ``dropout``): a Llama block
+    (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
-                    fp8)
+                    fp8, kv_heads, dropout)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

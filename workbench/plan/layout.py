@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from ..sim_mesh.profiles import Profile, get_profile
 from .frameworks import resolve as _resolve_framework
 
-__all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model"]
+__all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model", "attention_for"]
 
 # "interleaved_1f1b" needs v >= 2 model chunks per device; the others v == 1.
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -194,16 +194,34 @@ class Layout:
 
 
 def check_model(model) -> None:
-    """Raise ValueError unless ``model`` is a 16-bit ``ModelConfig(arch="gpt")``."""
-    if getattr(model, "arch", None) != "gpt":
+    """Raise ValueError unless ``model`` is a 16-bit ``ModelConfig`` of arch "gpt"
+    (Megatron's GPT) or "llama" (``plan.llama_layer``)."""
+    if getattr(model, "arch", None) not in ("gpt", "llama"):
         raise ValueError(
-            f"model arch={getattr(model, 'arch', None)!r}: the planner's formulas (Korthikanti "
-            f"et al. 2022 Table 2, eq. 7) are Megatron's GPT; give ModelConfig(arch='gpt', "
-            f"...) or get_config('gpt3-175b')")
+            f"model={model!r}: the planner models ModelConfig(arch='gpt') (Megatron's GPT, "
+            f"Korthikanti et al. 2022) and ModelConfig(arch='llama'); give one, e.g. "
+            f"get_config('gpt3-175b') or get_config('llama2-7b')")
     if model.dtype not in ("bfloat16", "float16"):
         raise ValueError(f"model dtype={model.dtype!r}: the planner models mixed-precision "
                          f"training (16-bit weights and activations, fp32 optimizer "
                          f"states); use model.replace(dtype='bfloat16')")
+
+
+def attention_for(model, attention) -> str:
+    """The attention kernel an estimate prices: ``attention``, or by default (None)
+    Megatron's unfused core for a GPT (Korthikanti et al. 2022, Table 2) and the fused
+    kernel a Llama runs (the course's ``models.llama``; Megatron-LM's Llama recipes
+    train with ``--use-flash-attn``)."""
+    if attention is None:
+        return "flash" if getattr(model, "arch", None) == "llama" else "materialized"
+    if attention not in ("materialized", "flash"):
+        raise ValueError(f"attention={attention!r}; use 'materialized' (Korthikanti Table 2) "
+                         f"or 'flash'")
+    if attention == "materialized" and getattr(model, "arch", None) == "llama":
+        raise ValueError("attention='materialized' with arch='llama': the Llama block is "
+                         "modeled with the fused attention kernel it runs; give "
+                         "attention='flash' (or leave it None)")
+    return attention
 
 
 def check_layout(model, layout: Layout, cluster: Cluster) -> None:
@@ -230,6 +248,10 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
         raise ValueError(f"Layout: pp x v = {lay.pp} x {lay.v} does not divide n_layer="
                          f"{model.n_layer} (each stage chunk holds whole layers); use pp x v "
                          f"dividing {model.n_layer}")
+    if model.n_kv_head % lay.tp:
+        raise ValueError(f"Layout: tp={lay.tp} does not divide n_kv_head={model.n_kv_head} "
+                         f"(each tensor-parallel rank owns whole key/value heads, as "
+                         f"Megatron-LM requires); use a tp dividing {model.n_kv_head}")
     if model.d_ff % lay.tp or model.vocab_size % lay.tp:
         raise ValueError(f"Layout: tp={lay.tp} must divide d_ff={model.d_ff} and vocab_size="
                          f"{model.vocab_size} (column-parallel MLP, vocabulary-parallel "

@@ -29,6 +29,11 @@ without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
 stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
 mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
 for the loss (4 s b V / t), counted the same way.
+
+A Llama (``arch="llama"``): its block's parameters and activations are
+``llama_layer``'s (GQA's narrower k and v, SwiGLU's three matrices, no biases, RMSNorm
+weights only); no position table on the first stage, a final RMSNorm of h and the
+untied head's V h / t on the last.
 """
 from __future__ import annotations
 
@@ -48,7 +53,10 @@ def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
 
 
 def layer_params(cfg, tp: int) -> float:
-    """Parameters of one GPT layer on one tensor-parallel rank."""
+    """Parameters of one layer on one tensor-parallel rank (Llama: ``llama_layer``)."""
+    if cfg.arch == "llama":
+        from .llama_layer import layer_params as llama_params
+        return llama_params(cfg, tp)
     h, f = cfg.d_model, cfg.d_ff
     sharded = 4 * h * h + 2 * h * f + 3 * h + f      # q,k,v,o; fc1, fc2; q,k,v and fc1 bias
     return sharded / tp + 6 * h                       # o and fc2 bias, 2 LayerNorms (w, b)
@@ -83,15 +91,20 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
     word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
     head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
     h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
+    llama = cfg.arch == "llama"
     qkv = h * h // tp + h // tp
-    layer = [2 * h, qkv, qkv, qkv, h * h // tp + h, 2 * h, h * f // tp + f // tp,
-             f * h // tp + h]
+    if llama:          # Llama: no position table, no biases, RMSNorm weights only
+        from .llama_layer import zero3_layer
+        layer = zero3_layer(cfg, tp)
+    else:
+        layer = [2 * h, qkv, qkv, qkv, h * h // tp + h, 2 * h, h * f // tp + f // tp,
+                 f * h // tp + h]
     mods = []
     if stage == 0:
-        mods += [V * h // tp, s * h]
+        mods += [V * h // tp] + ([] if llama else [s * h])
     mods += layer * (cfg.n_layer // pp if layers is None else layers)
     if stage == pp - 1:
-        mods.append(2 * h)
+        mods.append(h if llama else 2 * h)
         if pp > 1 or not cfg.tie_embeddings:
             mods.append(V * h // tp)
     return [-(-n // dp) * dp for n in mods]
@@ -100,13 +113,14 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
 def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None) -> float:
     """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers
     (``layers``: that many), plus the embeddings on the first stage and the final
-    LayerNorm and head on the last."""
+    LayerNorm and head on the last (Llama: no position table, an RMSNorm of h)."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    llama = cfg.arch == "llama"
     n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
     if stage == 0:
-        n += V * h / tp + s * h
+        n += V * h / tp + (0 if llama else s * h)
     if stage == pp - 1:
-        n += 2 * h
+        n += h if llama else 2 * h
         if pp > 1 or not cfg.tie_embeddings:
             n += V * h / tp                            # tied copy (pp > 1) or untied head
     return n
@@ -117,6 +131,9 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     """Activation bytes one layer keeps for backward on one rank (module docstring).
     ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
     log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b."""
+    if cfg.arch == "llama":
+        from .llama_layer import activation_bytes
+        return activation_bytes(cfg, b, tp, sp, recompute)
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.d_ff
     drop = cfg.dropout > 0
     t = tp

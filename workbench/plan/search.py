@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from .estimate import Estimate, estimate
-from .layout import Cluster, Layout, check_model
+from .layout import Cluster, Layout, attention_for, check_model
 from .memory import stage_memory
 
 __all__ = ["search", "Ranking", "candidate_layouts"]
@@ -35,7 +35,8 @@ def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batc
     """Every layout :func:`search` considers (a generator of :class:`Layout`)."""
     n = cluster.devices
     for tp in _divisors(n):
-        if model.n_head % tp or model.d_ff % tp or model.vocab_size % tp:
+        if model.n_head % tp or model.n_kv_head % tp or model.d_ff % tp or \
+                model.vocab_size % tp:
             continue
         for pp in _divisors(n // tp):
             if model.n_layer % pp:
@@ -133,7 +134,7 @@ class Ranking(list):
 
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
-           max_micro_batch: int = 16, attention: str = "materialized",
+           max_micro_batch: int = 16, attention: "str | None" = None,
            overlap: bool = True, overlap_grad_reduce: bool = False) -> Ranking:
     """The ``top`` fastest layouts of ``model`` on ``cluster`` that fit in device memory,
     as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``,
@@ -145,8 +146,7 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"search: {name}={v!r} must be an int >= 1")
     check_model(model)
-    if attention not in ("materialized", "flash"):
-        raise ValueError(f"attention={attention!r}; use 'materialized' or 'flash'")
+    attention = attention_for(model, attention)
     t0 = time.perf_counter()
     limit = cluster.profile.usable_memory()     # less the context and fragmentation
     results: list[tuple[Layout, Estimate]] = []

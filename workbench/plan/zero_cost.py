@@ -167,8 +167,10 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
-    if stage == 0:
-        out.append(Block(V * h / tp + s * h, edge["first"][0], edge["first"][1]))
+    llama = cfg.arch == "llama"
+    if stage == 0:      # word embedding (and GPT's position table)
+        out.append(Block(V * h / tp + (0 if llama else s * h), edge["first"][0],
+                         edge["first"][1]))
     if per_module:
         # DeepSpeed ZeRO-3 gathers module by module (each nn.Linear its own fetch) and
         # never the parameters under PERSISTENCE_NUMEL (biases, norms: not partitioned);
@@ -176,8 +178,12 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
         # proportion to their weights (their GEMMs' share of its FLOPs; the attention
         # core and the memory-bound kernels go along)
         f = cfg.d_ff
-        mats = [w for w in (3 * h * h / tp, h * h / tp, h * f / tp, f * h / tp)
-                if w >= PERSISTENCE_NUMEL]
+        if llama:      # q, k, v, o, w1, w3, w2 (llama_layer)
+            from .llama_layer import weight_matrices
+            ws = weight_matrices(cfg, tp)
+        else:
+            ws = (3 * h * h / tp, h * h / tp, h * f / tp, f * h / tp)
+        mats = [w for w in ws if w >= PERSISTENCE_NUMEL]
         tot = sum(mats)
         one = [Block(w, layer.fwd_compute * w / tot, layer.bwd_compute * w / tot)
                for w in mats]
@@ -187,6 +193,6 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
             * lay.stage_layers(cfg.n_layer)[stage]
     if stage == pp - 1:
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
-        out.append(Block(2 * h + own, head.fwd_compute + edge["last"][0],
+        out.append(Block((h if llama else 2 * h) + own, head.fwd_compute + edge["last"][0],
                          head.bwd_compute + edge["last"][1]))
     return out

@@ -121,7 +121,8 @@ class Hybrid:
     name = "hybrid"
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
-                 microbatches=None, virtual=None, distributed: bool = False):
+                 microbatches=None, virtual=None, distributed: bool = False,
+                 stage_sizes=None):
         _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=virtual, distributed=distributed)
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
@@ -140,6 +141,11 @@ class Hybrid:
             self.meshes = [_B.register(m) for m in self.meshes]
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
+        # layers per pipeline stage when uneven (None: n_layer / pp each; 1F1B / GPipe)
+        if stage_sizes is not None and (len(stage_sizes) != pp or self.v != 1):
+            raise ValueError(f"stage_sizes={stage_sizes!r}: give the layers of each of the "
+                             f"pp={pp} stages (uneven stages are not interleaved)")
+        self.stage_sizes = None if stage_sizes is None else list(stage_sizes)
 
     # ---- checks ---------------------------------------------------------------------------
     def check(self, cfg, batch_size: int) -> None:
@@ -158,7 +164,11 @@ class Hybrid:
             if val % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={val}: tensor parallelism "
                                  "splits heads and hidden features evenly")
-        if cfg.n_layer % (pp * v):
+        if self.stage_sizes is not None:
+            if sum(self.stage_sizes) != cfg.n_layer:
+                raise ValueError(f"stage_sizes={self.stage_sizes} hold {sum(self.stage_sizes)} "
+                                 f"layers, not n_layer={cfg.n_layer}")
+        elif cfg.n_layer % (pp * v):
             raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
                              f"n_layer={cfg.n_layer}")
         if batch_size % (self.dp * self.m):
@@ -185,7 +195,7 @@ class Hybrid:
         with self.device:               # "meta" for a dry run (workbench.plan.dryrun)
             model = _build(cfg, seed=seed).train()
         self.cfg = cfg
-        self.stages = model.pipeline_stages(self.pp * self.v)
+        self.stages = model.pipeline_stages(self.pp * self.v, self.stage_sizes)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
         self._sp_norms = {}
