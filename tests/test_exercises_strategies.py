@@ -72,6 +72,13 @@ def test_zero_max_params(capsys):
     fails("one per ZeRO stage", ex.check_zero_max_params, PSI[:3])
     fails("list of 4 numbers", ex.check_zero_max_params, 5)
     fails("should be a number", ex.check_zero_max_params, PSI[:3] + ["big"])
+    # the notebook's 8-rank mesh for the exercise's 64; usable memory (60.02 GB) and GiB
+    # (59.6 GB) lie 0.7% apart and are told apart
+    fails("stage 1 limit.*N_d = 8, the notebook's mesh", ex.check_zero_max_params,
+          [MEM / 16, MEM / (4 + 12 / 8), MEM / (2 + 14 / 8), MEM / (16 / 8)])
+    usable = wb.get_profile("ascend-910b").usable_memory()
+    fails("usable memory", ex.check_zero_max_params, [p * usable / MEM for p in PSI])
+    fails("convert to GiB", ex.check_zero_max_params, [p * 1e9 / 2**30 for p in PSI])
 
 
 def test_zero3_traffic(capsys):
@@ -81,6 +88,11 @@ def test_zero3_traffic(capsys):
     assert "1.5x" in out
     fails("DP bytes.*drop \\(N-1\\)/N", ex.check_zero3_traffic, 2 * n, z3)
     fails("DP bytes.*all-gather's share", ex.check_zero3_traffic, 63 / 64 * n, z3)
+    # 7.5e9 taken as the bytes: the same number, named too
+    fails("DP bytes.*an all-reduce of 7,500,000,000 bytes .bf16 takes 2 bytes",
+          ex.check_zero3_traffic, 2 * 63 / 64 * 7.5e9, 3 * 63 / 64 * 7.5e9)
+    fails("DP bytes.*summed over the 64 ranks", ex.check_zero3_traffic, 64 * dp, 64 * z3)
+    fails("ZeRO-3 bytes.*summed over the 64 ranks", ex.check_zero3_traffic, dp, 64 * z3)
     fails("DP bytes.*bf16", ex.check_zero3_traffic, 2 * dp, z3)
     fails("ZeRO-3 bytes.*three \\(N-1\\)/N n pieces", ex.check_zero3_traffic, dp, 2 * dp)
     fails("ZeRO-3 bytes.*what ZeRO-1 and 2 send", ex.check_zero3_traffic, dp, dp)
