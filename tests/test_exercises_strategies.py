@@ -1,5 +1,6 @@
 """The checks of notebooks 05, 06 and 08: right answers pass, wrong answers are told what is
 wrong."""
+import pytest
 import torch
 
 import workbench as wb
@@ -220,6 +221,14 @@ def test_best_layout(capsys):
     assert out.startswith("Correct: (8, 1, 1)") and "(4, 1, 2)" in out
     passes(capsys, ex.check_best_layout, Hybrid(dp=8, tp=1, pp=1))
     fails("another layout of 8 ranks is faster", ex.check_best_layout, (4, 1, 2))
+    # the hint names what the trace shows: launches and latencies, the pipeline's wait,
+    # tp's extra all-reduces; the pipeline is not blamed on a pp = 1 layout
+    fails("a kernel costs mostly its launch.*pipeline makes each stage wait",
+          ex.check_best_layout, (4, 1, 2))
+    with pytest.raises(CheckError) as err:
+        ex.check_best_layout((4, 2, 1))
+    assert "5 us launch, and adds all-reduces" in str(err.value)
+    assert "pipeline" not in str(err.value)
     fails("does not fit the model: tp=8 does not divide n_head=4", ex.check_best_layout,
           (1, 8, 1))
     fails("must use all 8 ranks", ex.check_best_layout, (2, 2, 1))

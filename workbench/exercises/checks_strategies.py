@@ -566,10 +566,21 @@ def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
     times = {lay: _layout_ms(lay, preset, batch, profile) for lay in _layouts(world, cfg, batch)}
     best = min(times, key=times.get)
     if times[got] > times[best] * (1 + 1e-9):
+        # what the trace shows at this size: a kernel costs mostly its launch, a message its
+        # latency; tp and pp add those without shortening a rank's (launch-bound) compute
+        launch_us = get_profile(profile).launch_overhead * 1e6
+        why = []
+        if got[2] > 1:
+            why.append("a pipeline makes each stage wait for the other, and every "
+                       "micro-batch pays each kernel's launch again")
+        if got[1] > 1:
+            why.append(f"tensor parallelism splits a kernel's arithmetic but not its "
+                       f"{launch_us:g} us launch, and adds all-reduces in every block")
         raise CheckError(f"{got} takes {times[got]:.3f} ms per step on {profile}; another "
                          f"layout of {world} ranks is faster. Time every "
-                         f"layout that fits ({len(times)} of them): at this size each message "
-                         "costs mostly latency, so count messages, not bytes",
+                         f"layout that fits ({len(times)} of them): at this size a kernel "
+                         f"costs mostly its launch and a message its latency, not their size"
+                         + "".join(f"; {w}" for w in why),
                          expected=f"{best}: {times[best]:.3f} ms")
     order = sorted(times, key=times.get)
     _ok(f"{best} = (dp, tp, pp): {times[best]:.3f} ms; then " + ", ".join(
