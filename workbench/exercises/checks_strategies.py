@@ -348,7 +348,7 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
     ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
     which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
-    b = _int("b", b, "an int (a number of sequences)")
+    b = _int("b", b, "an int (a number of whole sequences: round down)")
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight
     want = int(budget_bytes // stage)
@@ -372,6 +372,11 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
         msg = f"that fits ONE layer; the stage holds {layers}"
     elif b == int(budget_bytes * 2**30 / 1e9 // stage):
         msg = f"the budget is {budget_bytes / 1e9:g} GB = {budget_bytes:.3g} bytes, not GiB"
+    elif sum(b == others[c] for c in ("tp+selective", "tp+sp", "tp", "none")) > 1:
+        # several slips give this b (0: nothing fits): name them together, not one guess
+        msg = (f"b = {b} is what you get without sequence parallelism or without selective "
+               f"recompute (one sequence of either needs over {budget_bytes / 1e9:g} GB); the "
+               f"exercise has both: 34 sbh / t per layer")
     elif b == others["tp+selective"]:
         msg = ("that is tensor parallelism with selective recompute but without SP: 10 sbh "
                "of the 34 (norms, dropouts, residuals) stays whole on every rank; SP splits "
