@@ -201,7 +201,7 @@ class MemoryExplorer:
             self.rows = stage_rows(self.model, lay)
             busiest = max(self.rows, key=lambda k: self.rows[k]["total"])
             total = self.rows[busiest]["total"]
-            self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}, "
+            self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}\n"
                             f"{total / 1e9:.1f} GB of the {usable / 1e9:.1f} GB usable "
                             f"({limit / 1e9:g} GB device): "
                             f"{'fits' if total <= usable else 'does NOT fit'}")
