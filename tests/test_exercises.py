@@ -155,6 +155,15 @@ def test_allgather_times(capsys):
     fails("all-reduce formula", ex.check_allgather_times, 2 * t["910b"], t["a100"])
     fails(r"A100 time.*\(p-1\)/p", ex.check_allgather_times, t["910b"], 7 * 3e-6 + n / 300e9)
     fails("MiB", ex.check_allgather_times, t["910b"], 7 * 3e-6 + 7 / 8 * 64e6 / 300e9)
+    # the simulator's price where the formula's prediction is asked (notebook 03 prints it
+    # above the formulas), and one rank's shard taken for n
+    from workbench.sim_mesh import cost
+    fails("910B time.*the simulator's price", ex.check_allgather_times,
+          cost.price("all_gather", n, range(8), "ascend-910b"), t["a100"])
+    fails("A100 time.*the simulator's price", ex.check_allgather_times,
+          t["910b"], cost.price("all_gather", n, range(8), "a100"))
+    fails("not one rank's shard", ex.check_allgather_times,
+          7 * 3e-6 + 7 / 8 * n / 8 / 28e9, t["a100"])
 
 
 def test_uneven_receive(capsys):
@@ -162,6 +171,7 @@ def test_uneven_receive(capsys):
     fails("the plan's figure.*mean", ex.check_uneven_receive, [120] * 4)
     fails("elements", ex.check_uneven_receive, [28, 28, 28, 36])
     fails("bytes each rank holds", ex.check_uneven_receive, [48, 48, 48, 16])
+    fails("own rows times the 3 other ranks", ex.check_uneven_receive, [144, 144, 144, 48])
     fails("its rows are \\[3, 3, 3, 1\\]", ex.check_uneven_receive, [1, 2, 3, 4])
 
 

@@ -1,5 +1,6 @@
 """The checks of notebooks 05, 06 and 08: right answers pass, wrong answers are told what is
 wrong."""
+import pytest
 import torch
 
 import workbench as wb
@@ -72,6 +73,13 @@ def test_zero_max_params(capsys):
     fails("one per ZeRO stage", ex.check_zero_max_params, PSI[:3])
     fails("list of 4 numbers", ex.check_zero_max_params, 5)
     fails("should be a number", ex.check_zero_max_params, PSI[:3] + ["big"])
+    # the notebook's 8-rank mesh for the exercise's 64; usable memory (60.02 GB) and GiB
+    # (59.6 GB) lie 0.7% apart and are told apart
+    fails("stage 1 limit.*N_d = 8, the notebook's mesh", ex.check_zero_max_params,
+          [MEM / 16, MEM / (4 + 12 / 8), MEM / (2 + 14 / 8), MEM / (16 / 8)])
+    usable = wb.get_profile("ascend-910b").usable_memory()
+    fails("usable memory", ex.check_zero_max_params, [p * usable / MEM for p in PSI])
+    fails("convert to GiB", ex.check_zero_max_params, [p * 1e9 / 2**30 for p in PSI])
 
 
 def test_zero3_traffic(capsys):
@@ -81,6 +89,11 @@ def test_zero3_traffic(capsys):
     assert "1.5x" in out
     fails("DP bytes.*drop \\(N-1\\)/N", ex.check_zero3_traffic, 2 * n, z3)
     fails("DP bytes.*all-gather's share", ex.check_zero3_traffic, 63 / 64 * n, z3)
+    # 7.5e9 taken as the bytes: the same number, named too
+    fails("DP bytes.*an all-reduce of 7,500,000,000 bytes .bf16 takes 2 bytes",
+          ex.check_zero3_traffic, 2 * 63 / 64 * 7.5e9, 3 * 63 / 64 * 7.5e9)
+    fails("DP bytes.*summed over the 64 ranks", ex.check_zero3_traffic, 64 * dp, 64 * z3)
+    fails("ZeRO-3 bytes.*summed over the 64 ranks", ex.check_zero3_traffic, dp, 64 * z3)
     fails("DP bytes.*bf16", ex.check_zero3_traffic, 2 * dp, z3)
     fails("ZeRO-3 bytes.*three \\(N-1\\)/N n pieces", ex.check_zero3_traffic, dp, 2 * dp)
     fails("ZeRO-3 bytes.*what ZeRO-1 and 2 send", ex.check_zero3_traffic, dp, dp)
@@ -151,6 +164,10 @@ def test_sp_max_microbatch(capsys):
     fails("fits ONE layer", ex.check_sp_max_microbatch, int(20e9 // (8 * per / 12)))
     fails("34 s h / t", ex.check_sp_max_microbatch, 100)
     fails("should be an int", ex.check_sp_max_microbatch, 1.0)
+    # 0 comes from leaving out SP or selective recompute alike: both named, not one guess
+    with pytest.raises(CheckError) as err:
+        ex.check_sp_max_microbatch(0)
+    assert "without sequence parallelism or without selective recompute" in str(err.value)
 
 
 def test_sp_max_microbatch_one_in_flight(capsys):
@@ -208,6 +225,14 @@ def test_best_layout(capsys):
     assert out.startswith("Correct: (8, 1, 1)") and "(4, 1, 2)" in out
     passes(capsys, ex.check_best_layout, Hybrid(dp=8, tp=1, pp=1))
     fails("another layout of 8 ranks is faster", ex.check_best_layout, (4, 1, 2))
+    # the hint names what the trace shows: launches and latencies, the pipeline's wait,
+    # tp's extra all-reduces; the pipeline is not blamed on a pp = 1 layout
+    fails("a kernel costs mostly its launch.*pipeline makes each stage wait",
+          ex.check_best_layout, (4, 1, 2))
+    with pytest.raises(CheckError) as err:
+        ex.check_best_layout((4, 2, 1))
+    assert "5 us launch, and adds all-reduces" in str(err.value)
+    assert "pipeline" not in str(err.value)
     fails(r"does not fit the model: tp=8: at most 4 \(4 heads", ex.check_best_layout,
           (1, 8, 1))
     fails("must use all 8 ranks", ex.check_best_layout, (2, 2, 1))

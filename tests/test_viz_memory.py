@@ -80,3 +80,25 @@ def test_limit_label_stays_inside_the_figure():
         (text,) = fig.findobj(lambda a: a.get_gid() == "limit_label")
         box, edge = text.get_window_extent(canvas.get_renderer()), fig.axes[0].bbox
         assert edge.x0 <= box.x0 and box.x1 <= edge.x1, (total, box, edge)
+
+
+def test_fits_means_under_the_usable_memory():
+    """The planner's fits compares with Profile.usable_memory (the device's memory less the
+    runtime's context and fragmentation); the bars mark it and the widget says it."""
+    fig = memory_bars({"a": {"params": 62e9}}, limit=64e9, usable=60e9)
+    (total,) = fig.findobj(lambda a: a.get_gid() == "total")
+    assert total.get_color() == "#c00000"              # past the usable 60, under the 64
+    assert len(fig.findobj(lambda a: a.get_gid() == "usable")) == 1
+    (label,) = fig.findobj(lambda a: a.get_gid() == "usable_label")
+    assert label.get_text().strip() == "usable 60.0 GB"
+    with pytest.raises(ValueError, match="usable=70000000000.0 must be bytes > 0 and at most"):
+        memory_bars({"a": {"params": 1.0}}, limit=64e9, usable=70e9)
+    pytest.importorskip("ipywidgets")
+    w = memory_widget(GPT3, 1024, "ascend-910b", tp=8, pp=16, recompute="selective")
+    usable = w.cluster.profile.usable_memory()
+    assert f"of the {usable / 1e9:.1f} GB usable (64 GB device)" in w.message
+    for rc in ("none", "selective", "full"):
+        w.controls["recompute"].value = rc
+        lay = w.layout()
+        est = wb.plan.estimate(GPT3, lay, wb.plan.Cluster("ascend-910b", 1024))
+        assert ("does NOT fit" not in w.message) == est.fits, (rc, w.message)

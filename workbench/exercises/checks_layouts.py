@@ -180,10 +180,23 @@ def check_allgather_times(t_910b, t_a100, nbytes: int = 64 * 2**20, p: int = 8) 
              "did you use MB (1e6 bytes) for MiB (2**20 bytes)?"),
             ((p - 1) * a, "that is the latency term alone; add (p-1)/p n / B"),
             ((p - 1) / p * nbytes / bw, "right, less the latency term: add (p-1) alpha"),
+            ((p - 1) * a + (p - 1) / p * nbytes / p / bw, f"n is the gathered output "
+             f"({nbytes:,} B), not one rank's shard of it"),
+            (_simulated(nbytes, p, name), "that is the simulator's price (cost.price: what "
+             "the vendor's library runs, with its own algorithm and efficiency); the "
+             "exercise asks what the ring formula predicts"),
         ], rel=0.002)
         raise CheckError(f"your {name} time is {got[name]:.4g} s: {hint}", expected=shown)
     _ok(f"{shown} (ratio {want['910B'] / want['A100']:.1f}): a ring on one HCCS link is slow; "
         "HCCL's mesh algorithm uses all seven")
+
+
+def _simulated(nbytes: int, p: int, name: str) -> float:
+    """The simulator's all-gather time on the profile behind ``name`` (a student's slip:
+    the measured price where the formula's prediction is asked)."""
+    from ..sim_mesh import cost
+    return cost.price("all_gather", nbytes, range(p),
+                      {"910B": "ascend-910b", "A100": "a100"}[name])
 
 
 @exercise
@@ -208,7 +221,11 @@ def check_uneven_receive(bytes_per_rank, shape=(10, 4), p: int = 4, elem: int = 
     elif got == [w // elem for w in want]:
         msg = f"those are elements: multiply by {elem} bytes per f32"
     elif got == [n * row_bytes for n in rows]:
-        msg = "those are the bytes each rank holds (and sends); it receives the other rows"
+        msg = "those are the bytes each rank holds; it receives the other rows"
+    elif got == [n * row_bytes * (p - 1) for n in rows]:
+        msg = (f"those are each rank's own rows times the {p - 1} other ranks (what it "
+               f"would send them directly); the question is what it receives: the rows it "
+               f"lacks")
     else:
         msg = f"rank r receives (10 - its rows) x {row_bytes} B; its rows are {rows}"
     raise CheckError(f"your bytes are {got}: {msg}", expected=str(want))

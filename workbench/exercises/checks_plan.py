@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from ..sim_mesh.profiles import get_profile
 from .checks import _check_number, _hint, _number, _ok
 from .feedback import CheckError, exercise
 
@@ -24,11 +25,20 @@ K = 12                      # bytes of Adam state per parameter (ZeRO sec. 3.1)
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _zero_states(psi: float, n_d: int, stage: int) -> float:
+def _zero_states(psi: float, n_d: int, stage: int, grad_bytes: int = 2) -> float:
     """Bytes of model states per GPU (ZeRO Figure 1): (2 + 2 + K) psi, then the optimizer,
-    the gradients and the weights split over the N_d data-parallel GPUs stage by stage."""
-    return [(2 + 2 + K) * psi, (2 + 2) * psi + K * psi / n_d,
-            2 * psi + (2 + K) * psi / n_d, (2 + 2 + K) * psi / n_d][stage]
+    the gradients and the weights split over the N_d data-parallel GPUs stage by stage.
+    ``grad_bytes=4``: Megatron-LM's fp32 gradient buffer (a student's slip here)."""
+    g = grad_bytes
+    return [(2 + g + K) * psi, (2 + g) * psi + K * psi / n_d,
+            2 * psi + (g + K) * psi / n_d, (2 + g + K) * psi / n_d][stage]
+
+
+def _usable_gb(profile: str) -> float:
+    """GB a training process can fill on ``profile``'s device: what the planner's ``fits``
+    compares with (``Profile.usable_memory``: the device's memory less the runtime's
+    context and fragmentation, both assumptions cited in the profile)."""
+    return get_profile(profile).usable_memory() / 1e9
 
 
 @exercise
@@ -45,7 +55,20 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) 
     wrong += [(16 * psi / n_d / 1e9 if stage != 3 else 16 * psi / 1e9,
                "check which of weights (2 psi), gradients (2 psi) and optimizer states "
                "(K psi) this stage divides by N_d"),
-              (want * 1e9 / 2**30, "use GB = 1e9 bytes, as the ZeRO paper does")]
+              (want * 1e9 / 2**30, "use GB = 1e9 bytes, as the ZeRO paper does"),
+              (_zero_states(psi, n_d, stage, grad_bytes=4) / 1e9,
+               "that counts 4-byte (fp32) gradients, Megatron-LM's buffer; the exercise "
+               "counts ZeRO's 16-bit gradients, 2 bytes per parameter")]
+    if stage in (1, 2):
+        whole = (4 if stage == 1 else 2) * psi
+        kept = "16-bit weights and gradients (4 psi)" if stage == 1 else "16-bit weights (2 psi)"
+        wrong.append(((_zero_states(psi, n_d, stage) - whole) / 1e9,
+                      f"you left out the {kept}: stage {stage} does not split them, every "
+                      f"GPU holds them whole"))
+    if n_d != 64:
+        wrong.append((_zero_states(psi, 64, stage) / 1e9,
+                      f"that is N_d = 64, the paper's Figure 1 printed above; this cluster "
+                      f"has N_d = {n_d}"))
     _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=0.01)
 
 
@@ -70,27 +93,30 @@ def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: i
 
 
 @exercise
-def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int = 1,
+def check_least_recompute(recompute, memory_gb: float | None = None, micro_batch: int = 1,
                           tp: int = 8, pp: int = 8, dp: int = 16, zero: int = 0) -> None:
     """The least recompute ("none" < "selective" < "full") with which GPT-3's first
-    stage fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`)."""
+    stage fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`; default: an Ascend 910B's
+    usable memory, 60.0 of its 64 GB, as the planner counts it)."""
+    if memory_gb is None:
+        memory_gb = _usable_gb("ascend-910b")
     if recompute not in RECOMPUTE:
         raise CheckError(f"recompute should be one of {RECOMPUTE}, got {recompute!r}")
     need = {r: gpt3_first_stage_gb(r, micro_batch, tp, pp, dp, zero) for r in RECOMPUTE}
     fits = [r for r in RECOMPUTE if need[r] <= memory_gb]
     if not fits:
-        raise CheckError(f"none of the three fits in {memory_gb:g} GB with this layout; "
+        raise CheckError(f"none of the three fits in {memory_gb:.1f} GB with this layout; "
                          f"the exercise's numbers were changed: restore them")
     want = fits[0]
     if recompute == want:
-        _ok(f"recompute={recompute!r}: about {need[recompute]:.0f} GB of {memory_gb:g} GB "
-            f"(without it {need[RECOMPUTE[RECOMPUTE.index(want) - 1]]:.0f} GB)"
+        _ok(f"recompute={recompute!r}: about {need[recompute]:.0f} GB of {memory_gb:.1f} GB "
+            f"usable (without it {need[RECOMPUTE[RECOMPUTE.index(want) - 1]]:.0f} GB)"
             if want != "none" else f"recompute='none' already fits: {need['none']:.0f} GB")
         return
     if RECOMPUTE.index(recompute) < RECOMPUTE.index(want):
         raise CheckError(f"with recompute={recompute!r} the first stage needs about "
-                         f"{need[recompute]:.0f} GB, more than {memory_gb:g} GB: it holds "
-                         f"min(p, m) = {min(pp, 1536 // (dp * micro_batch))} micro-batches in "
+                         f"{need[recompute]:.0f} GB, more than the {memory_gb:.1f} GB usable: "
+                         f"it holds min(p, m) = {min(pp, 1536 // (dp * micro_batch))} micro-batches in "
                          f"flight, each through its L/p = {GPT3['L'] // pp} layers",
                          expected=repr(want))
     cheaper = ("no recompute at all fits" if want == "none" else
@@ -100,11 +126,14 @@ def check_least_recompute(recompute, memory_gb: float = 64.0, micro_batch: int =
 
 
 @exercise
-def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "selective",
+def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str = "selective",
                               tp: int = 8, pp: int = 16, dp: int = 8, zero: int = 1,
                               global_batch: int = 1536) -> None:
     """The largest micro-batch dividing global_batch / dp with which GPT-3's first stage
-    fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`)."""
+    fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`; default: an A100's usable memory,
+    75.2 of its 80 GB, as the planner counts it)."""
+    if memory_gb is None:
+        memory_gb = _usable_gb("a100")
     per_dp = global_batch // dp
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
         raise CheckError(f"the micro-batch should be an int >= 1, got {b!r}")
@@ -119,7 +148,7 @@ def check_biggest_micro_batch(b, memory_gb: float = 80.0, recompute: str = "sele
     want = max(ok)
     got_gb = gpt3_first_stage_gb(recompute, b, tp, pp, dp, zero, global_batch)
     if b == want:
-        _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:g} GB")
+        _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:.1f} GB usable")
         return
     if got_gb > memory_gb:
         hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "

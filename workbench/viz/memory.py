@@ -11,7 +11,7 @@ micro-batches); nothing here computes memory itself.
 
 Figures are deterministic (fixed colours and sizes, no pyplot state).  Artists carry
 gids for tests: "segment" (one per part of a bar), "limit", "limit_label",
-"total".
+"usable", "usable_label", "total".
 """
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ _LABELS = {"params": "16-bit weights", "grads": "16-bit gradients",
 
 def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "device memory",
                 title: str = "", unit: float = 1e9, unit_name: str = "GB",
-                width: float = 7.5, dpi: int = 100):
+                width: float = 7.5, dpi: int = 100, usable: float | None = None):
     """Horizontal stacked bars: ``rows`` maps a bar's label to a dict of bytes with some
     of the keys of :data:`PARTS` (others, e.g. "total", are ignored).  ``limit`` (bytes)
-    draws the device's memory as a dashed line; a bar past it has its total in red."""
+    draws the device's memory as a dashed line; ``usable`` (bytes, at most ``limit``:
+    ``Profile.usable_memory()``, what the planner's ``fits`` compares with) a dotted one.
+    A bar past ``usable`` (else ``limit``) has its total in red."""
     import matplotlib
     from matplotlib.figure import Figure
     if not rows:
@@ -54,6 +56,11 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
                 raise ValueError(f"memory_bars: row {label!r} {p}={v!r} must be bytes >= 0")
     if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
         raise ValueError(f"memory_bars: limit={limit!r} must be a number of bytes > 0 or None")
+    if usable is not None and not (isinstance(usable, (int, float)) and 0 < usable
+                                   and (limit is None or usable <= limit)):
+        raise ValueError(f"memory_bars: usable={usable!r} must be bytes > 0 and at most "
+                         f"limit={limit!r} (the device's memory), or None")
+    cap = usable if usable is not None else limit
     totals = {k: sum(d.get(p, 0.0) for p in PARTS) for k, d in rows.items()}
     with matplotlib.rc_context(RC):
         fig = Figure(figsize=(width, 1.6 + 0.42 * len(rows)), dpi=dpi, layout="constrained")
@@ -67,27 +74,39 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
                     ax.barh(y, v, left=left, height=0.65, color=PART_COLORS[p], gid="segment",
                             label=_LABELS[p] if y == _first_row(rows, p) else None)
                     left += v
-            over = limit is not None and totals[label] > limit
+            over = cap is not None and totals[label] > cap
             ax.text(left, y, f" {totals[label] / unit:,.1f} {unit_name}", va="center",
                     ha="left", fontsize=9, color="#c00000" if over else "#222222",
-                    fontweight="bold" if over else "normal", gid="total")
+                    fontweight="bold" if over else "normal", gid="total",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
         ax.set_yticks(range(len(rows)), list(rows), fontsize=9)
-        ax.set_ylim(len(rows) - 0.4, -0.9)
-        hi = max(list(totals.values()) + [limit or 0.0]) / unit
-        right = hi * 1.28 or 1.0
+        ax.set_ylim(len(rows) - (0.4 if usable is None else 0.05), -0.9)
+        hi = max(list(totals.values()) + [limit or 0.0, usable or 0.0]) / unit
+        right = hi * 1.35 or 1.0        # room for the totals and the limit label
         ax.set_xlim(0, right)
         if limit is not None:
             ax.axvline(limit / unit, color="#333333", linestyle="--", linewidth=1.0, gid="limit")
-            # right of the line where there is room, else left of it: never past the edge
-            room = limit / unit < 0.55 * right
-            ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name} "
-                    if room else f"{limit_label} {limit / unit:g} {unit_name} ",
-                    ha="left" if room else "right", va="center", fontsize=9, gid="limit_label")
+            label = ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name} ",
+                            ha="left", va="center", fontsize=9, gid="limit_label")
+        if usable is not None:
+            ax.axvline(usable / unit, color="#333333", linestyle=":", linewidth=1.2,
+                       gid="usable")
+            ax.text(usable / unit, len(rows) - 0.3, f"usable {usable / unit:.1f} {unit_name} ",
+                    ha="right", va="center", fontsize=8.5, color="#333333", gid="usable_label")
         ax.set_xlabel(unit_name, fontsize=9)
         ax.tick_params(labelsize=9)
-        fig.legend(loc="outside lower center", fontsize=8.5, frameon=False, ncols=len(used))
+        # at most 3 a row: five entries in one row ran past the figure's edges
+        fig.legend(loc="outside lower center", fontsize=8.5, frameon=False,
+                   ncols=min(len(used), 3))
         if title:
             ax.set_title(title, fontsize=10, loc="left")
+        if limit is not None:
+            # right of the line where it fits inside the axes, else left of it: never past
+            # the edge (measured on a layout-only draw, legend and title in place)
+            fig.draw_without_rendering()
+            if label.get_window_extent().x1 > ax.bbox.x1:
+                label.set_text(f"{limit_label} {limit / unit:g} {unit_name} ")
+                label.set_horizontalalignment("right")
     return fig
 
 
@@ -176,16 +195,17 @@ class MemoryExplorer:
 
     def redraw(self) -> None:
         """Read the controls, ask the planner for each stage's bytes, replace the image."""
-        limit = self.cluster.memory_bytes
+        limit, usable = self.cluster.memory_bytes, self.cluster.profile.usable_memory()
         try:
             lay = self.layout()
             self.rows = stage_rows(self.model, lay)
             busiest = max(self.rows, key=lambda k: self.rows[k]["total"])
             total = self.rows[busiest]["total"]
-            self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}, "
-                            f"{total / 1e9:.1f} GB of {limit / 1e9:g} GB: "
-                            f"{'fits' if total <= limit else 'does NOT fit'}")
-            self.figure = memory_bars(self.rows, limit=limit, dpi=self.dpi,
+            self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}\n"
+                            f"{total / 1e9:.1f} GB of the {usable / 1e9:.1f} GB usable "
+                            f"({limit / 1e9:g} GB device): "
+                            f"{'fits' if total <= usable else 'does NOT fit'}")
+            self.figure = memory_bars(self.rows, limit=limit, usable=usable, dpi=self.dpi,
                                       title=f"{self.cluster.profile.name}: {lay.short()}")
         except ValueError as err:        # not a layout of this model: say why, keep the page
             self.figure, self.rows, self.message = None, None, str(err)

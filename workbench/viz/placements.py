@@ -349,7 +349,11 @@ def _draw_layout(fig, lay: Layout, title: str, max_facets: int, mesh_panel: bool
     legend = _legend(lay)
     if legend:
         import textwrap
-        fig.supxlabel("\n".join(textwrap.fill(x, 44) for x in legend), fontsize=9, gid="legend")
+        # lines no wider than the (sub)figure: a narrow panel of a reshard figure clipped
+        # 44 characters ("copies a,b: ... along x, y" lost its end); about 0.6 em a character
+        chars = max(20, min(44, int(fig.bbox.width / fig.dpi * 72 / (9 * 0.6))))
+        fig.supxlabel("\n".join(textwrap.fill(x, chars) for x in legend), fontsize=9,
+                      gid="legend")
 
 
 def _figure(width, height, dpi):
