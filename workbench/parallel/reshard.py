@@ -296,7 +296,10 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
                         "use shard_tensor() for a plain tensor")
     if mesh is None or mesh is t.mesh:
         key = _plan_key(t, placements, profile)
-        plan = _PLANS.get(key) if key is not None else None
+        try:
+            plan = _PLANS.get(key) if key is not None else None
+        except TypeError:           # unhashable placements: plan without the cache
+            key = plan = None
         if plan is None:
             plan = plan_reshard(t, t.mesh, placements, profile=profile)
             if key is not None:
@@ -307,11 +310,25 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     else:
         plan = plan_reshard(t, mesh, placements, profile=profile)
         out = execute(plan, t)
-    if out is not t and _shares_memory(out, t):
+    if out is not t and not _reduces(plan, t) and _shares_memory(out, t):
         # local steps slice or expand t's memory; the result gets its own (as DTensor's
         # Shard._replicate_to_shard clones), so that writing into it leaves t alone
         out._local = storage.map_tensors(out._local, torch.clone)
     return out
+
+
+_REDUCING = ("all_reduce", "reduce_scatter")
+
+
+def _reduces(plan, t) -> bool:
+    """True if a step of the plan reduces on the simulator: its result is new memory, and
+    so is everything after it (the result cannot share t's memory: no check needed)."""
+    if storage.holds_own(t.mesh):
+        return False
+    for s in plan.steps:
+        if s.kind in _REDUCING:
+            return True
+    return False
 
 
 def _shares_memory(a, b) -> bool:
@@ -324,8 +341,8 @@ _PLANS: dict = {}    # (t.spec, placements as given, profile name) -> plan on t'
 
 def _plan_key(t, placements, profile):
     """What plan_reshard's plan on t's own mesh depends on (it plans by the profile's
-    name), or None where a key would cost more than planning (unhashable placements,
-    a Profile object)."""
+    name), or None where a key would cost more than planning (a Profile object; a key
+    holding unhashable placements fails in the lookup: the caller plans uncached)."""
     if type(placements) is list or type(placements) is tuple:
         placements = tuple(placements)
     elif not isinstance(placements, str):
@@ -335,12 +352,7 @@ def _plan_key(t, placements, profile):
         profile = tr.profile.name if tr is not None else DEFAULT_PROFILE
     elif not isinstance(profile, str):
         return None
-    key = (t.spec, placements, profile)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return (t.spec, placements, profile)
 
 
 def execute(plan: Plan, t):
