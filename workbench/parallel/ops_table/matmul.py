@@ -216,6 +216,8 @@ def linear_rule(x, w, b=None):
 
 def _same_on_every_rank(x, nd) -> bool:
     """The stacked x holds one tensor for all ranks (lead dims of size 1 or stride 0)."""
+    if nd == 1:
+        return x.shape[0] == 1 or x.stride(0) == 0
     return all(x.shape[i] == 1 or x.stride(i) == 0 for i in range(nd))
 
 
