@@ -187,8 +187,9 @@ def dispatch(func, args, kwargs):
         specs = tuple(specs)
     else:
         specs = tuple([x.spec for x in inputs])
-    key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
-           consts)
+    tr = current_trace()
+    key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (),
+           tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts)
     prep = _PREPARED.get(key) if not _FORCE else None
     if prep is None:
         if entry.rule is None:
@@ -209,7 +210,7 @@ def dispatch(func, args, kwargs):
             if len(_PREPARED) > 20000:
                 _PREPARED.clear()
             _PREPARED[key] = prep
-    return run_prepared(entry, prep, inputs, specs, attrs, mesh)
+    return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
 
 
 _PREPARED: dict = {}
@@ -266,7 +267,7 @@ def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
     return prep.cost
 
 
-def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
+def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
@@ -306,7 +307,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
-    tr = current_trace()
+    if tr is False:                # (dispatch passes the trace it read)
+        tr = current_trace()
     cost = None
     if tr is not None or _HOOKS:
         cost = _cost_of(opdef, prep, inputs, specs, attrs, mesh)
@@ -343,11 +345,6 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         return wrapped[0]
     result_type = opdef.extra.get("result_type") if hasattr(opdef, "extra") else None
     return result_type(wrapped) if result_type is not None else wrapped
-
-
-def _profile_name():
-    tr = current_trace()
-    return tr.profile.name if tr is not None else _DEFAULT_PROFILE
 
 
 from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E402

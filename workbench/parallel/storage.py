@@ -332,6 +332,11 @@ def local_step(loc, shape, mesh, old_ps, new_ps, i: int, label: str = ""):
     (zeros elsewhere; every rank for max, min and avg), S(d) -> P(sum) zero-pads each
     shard to its group's length.  Returns the local data of the new layout."""
     old, new = old_ps[i], new_ps[i]
+    if type(loc) is torch.Tensor and type(old) is Replicate and type(new) is Shard \
+            and not _B.is_distributed(mesh) and _is_even(shape, mesh, old_ps) \
+            and _is_even(shape, mesh, new_ps):
+        # the common case, stacked and even both sides (for_layout and settle leave it as it is)
+        return _slice_stacked(loc, shape, mesh, old_ps, i, new, label)
     if isinstance(old, Replicate) and isinstance(new, Shard):
         kind = "slice"
     elif isinstance(old, Replicate) and isinstance(new, Partial):
