@@ -243,6 +243,8 @@ class _RankLinear(torch.autograd.Function):
         gx = gw = None
         if g.stride(0) == 0:
             G = g[0]                                                    # (T, n)
+            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+                G = G.contiguous()          # one copy where both GEMMs would copy it
             L, n, k = w.shape
             T = G.shape[0]
             if ctx.needs_input_grad[0]:
