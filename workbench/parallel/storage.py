@@ -220,8 +220,23 @@ def backward_scalar(loc, mesh, placements) -> bool:
         return False
     # one 1 for every rank, held once (stride 0): the gradient is the same on every rank,
     # and the backward of a row-parallel linear sees it (ops_table/matmul._RankLinear)
-    torch.autograd.backward(loc, loc.new_ones(()).expand(loc.shape))
+    ones = loc.new_ones(()).expand(loc.shape)
+    if _ENGINE_RUN is not None and type(loc) is torch.Tensor and \
+            not torch._C._are_functorch_transforms_active():
+        # what torch.autograd.backward runs once it has checked its arguments (a gradient of
+        # the output's shape and dtype, made here): 4 us less per step (toy TP step,
+        # benchmarks/sim_overhead.py)
+        _ENGINE_RUN((loc,), (ones,), False, False, (), allow_unreachable=True,
+                    accumulate_grad=True)
+    else:
+        torch.autograd.backward(loc, ones)
     return True
+
+
+try:        # torch's engine entry point behind torch.autograd.backward (torch >= 2.3)
+    from torch.autograd.graph import _engine_run_backward as _ENGINE_RUN
+except ImportError:  # pragma: no cover - older or newer torch: the public call
+    _ENGINE_RUN = None
 
 
 def device(loc) -> torch.device:
