@@ -129,3 +129,34 @@ def test_split_backward_reaches_uneven_weights():
     for (dw, db), (w, b) in zip(params, ws):
         torch.testing.assert_close(dw.grad.full(), w.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(db.grad.full(), b.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- the row-parallel linear's backward: one GEMM when the gradient is the same ---------
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("loss", ["sum", "weighted"])
+def test_row_parallel_linear_gradients_match_one_device(loss, traced):
+    # "sum": the output gradient is the same on every rank (held once: the single-GEMM
+    # backward; traced, it comes through the all-reduce's backward); "weighted": a product
+    # with a replicated tensor first, whose gradient arrives computed per rank (torch's
+    # bmm backward)
+    g = torch.Generator().manual_seed(3)
+    X, W = torch.randn(6, 8, generator=g), torch.randn(5, 8, generator=g)
+    R = torch.randn(6, 5, generator=g)
+    mesh = wb.Mesh.grid(4, ["tp"])
+    x = wb.shard_tensor(X, mesh, [wb.Shard(1)]).requires_grad_()
+    w = wb.shard_tensor(W, mesh, [wb.Shard(1)]).requires_grad_()
+    a, b = X.clone().requires_grad_(), W.clone().requires_grad_()
+    y, y1 = F.linear(x, w), F.linear(a, b)
+    assert y.placements == (wb.Partial(),)
+    if loss == "weighted":
+        y, y1 = y * wb.shard_tensor(R, mesh, [wb.Replicate()]), y1 * R
+    if traced:
+        with wb.trace():
+            y.sum().backward()
+    else:
+        y.sum().backward()
+    y1.sum().backward()
+    torch.testing.assert_close(x.grad.full(), a.grad)
+    torch.testing.assert_close(w.grad.full(), b.grad)
+    assert x.grad.placements == w.grad.placements == (wb.Shard(1),)

@@ -187,8 +187,9 @@ def dispatch(func, args, kwargs):
         specs = tuple(specs)
     else:
         specs = tuple([x.spec for x in inputs])
-    key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (), _profile_name(),
-           consts)
+    tr = current_trace()
+    key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (),
+           tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts)
     prep = _PREPARED.get(key) if not _FORCE else None
     if prep is None:
         if entry.rule is None:
@@ -209,7 +210,7 @@ def dispatch(func, args, kwargs):
             if len(_PREPARED) > 20000:
                 _PREPARED.clear()
             _PREPARED[key] = prep
-    return run_prepared(entry, prep, inputs, specs, attrs, mesh)
+    return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
 
 
 _PREPARED: dict = {}
@@ -226,6 +227,11 @@ class _Prepared:
     out_dtypes: tuple = ()
     cost: Any = None       # the op's cost on the busiest rank (computed when first traced)
     ctx: Any = None        # the local implementation's Ctx (made on the first run)
+    out_specs: Any = None  # the outputs' TensorSpecs (made on the first run): every call's
+                           # outputs share them, so the next op's cache key hashes and
+                           # compares them by identity, and no spec is built per call
+    keep: bool = True      # keep_first_replica has work: an output replicated on some
+                           # mesh dim, or uneven shards (cells to settle)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -250,7 +256,8 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
                    for req in st.inputs)
-    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes)
+    keep = not even or any(p.is_replicate() for ps in st.outputs for p in ps)
+    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep)
 
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
@@ -260,7 +267,7 @@ def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
     return prep.cost
 
 
-def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
+def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
@@ -300,7 +307,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
-    tr = current_trace()
+    if tr is False:                # (dispatch passes the trace it read)
+        tr = current_trace()
     cost = None
     if tr is not None or _HOOKS:
         cost = _cost_of(opdef, prep, inputs, specs, attrs, mesh)
@@ -310,14 +318,25 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         if torch.is_grad_enabled():
             outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
     # cells of an even layout stacked again; a replicated output computed per rank kept
-    # once (under VALIDATE, ranks that computed different copies raise)
-    outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
-                                      check=VALIDATE[-1])
+    # once (under VALIDATE, ranks that computed different copies raise).  Nothing to do
+    # where every output is sharded or partial on every mesh dim and the shards are even.
+    if prep.keep:
+        outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
+                                          check=VALIDATE[-1])
+    out_specs = prep.out_specs
+    if out_specs is None:
+        out_specs = tuple(TensorSpec(s, mesh, ps, dt, _trusted=True)
+                          for s, ps, dt in zip(out_shapes, outs_ps, prep.out_dtypes))
+        if not _FORCE:
+            prep.out_specs = out_specs
     if not many:
         o = outs[0]
         wrapped = (DistTensor(o, mesh, outs_ps[0], out_shapes[0], o.dtype),)
     else:
         wrapped = tuple(_wrap(o, mesh, ps, s) for o, ps, s in zip(outs, outs_ps, out_shapes))
+    for w, sp in zip(wrapped, out_specs):
+        if w.dtype == sp.dtype:
+            w._spec = sp          # the spec DistTensor.spec would build, shared
     if opdef.op_class == "view" and isinstance(inputs[0], DistTensor):
         note_views(opdef.name, inputs[0], wrapped, attrs)    # x[0].zero_() reaches x
     for h in _HOOKS:
@@ -326,11 +345,6 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh):
         return wrapped[0]
     result_type = opdef.extra.get("result_type") if hasattr(opdef, "extra") else None
     return result_type(wrapped) if result_type is not None else wrapped
-
-
-def _profile_name():
-    tr = current_trace()
-    return tr.profile.name if tr is not None else _DEFAULT_PROFILE
 
 
 from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E402

@@ -296,7 +296,10 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
                         "use shard_tensor() for a plain tensor")
     if mesh is None or mesh is t.mesh:
         key = _plan_key(t, placements, profile)
-        plan = _PLANS.get(key) if key is not None else None
+        try:
+            plan = _PLANS.get(key) if key is not None else None
+        except TypeError:           # unhashable placements: plan without the cache
+            key = plan = None
         if plan is None:
             plan = plan_reshard(t, t.mesh, placements, profile=profile)
             if key is not None:
@@ -307,11 +310,25 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     else:
         plan = plan_reshard(t, mesh, placements, profile=profile)
         out = execute(plan, t)
-    if out is not t and _shares_memory(out, t):
+    if out is not t and not _reduces(plan, t) and _shares_memory(out, t):
         # local steps slice or expand t's memory; the result gets its own (as DTensor's
         # Shard._replicate_to_shard clones), so that writing into it leaves t alone
         out._local = storage.map_tensors(out._local, torch.clone)
     return out
+
+
+_REDUCING = ("all_reduce", "reduce_scatter")
+
+
+def _reduces(plan, t) -> bool:
+    """True if a step of the plan reduces on the simulator: its result is new memory, and
+    so is everything after it (the result cannot share t's memory: no check needed)."""
+    if storage.holds_own(t.mesh):
+        return False
+    for s in plan.steps:
+        if s.kind in _REDUCING:
+            return True
+    return False
 
 
 def _shares_memory(a, b) -> bool:
@@ -324,8 +341,8 @@ _PLANS: dict = {}    # (t.spec, placements as given, profile name) -> plan on t'
 
 def _plan_key(t, placements, profile):
     """What plan_reshard's plan on t's own mesh depends on (it plans by the profile's
-    name), or None where a key would cost more than planning (unhashable placements,
-    a Profile object)."""
+    name), or None where a key would cost more than planning (a Profile object; a key
+    holding unhashable placements fails in the lookup: the caller plans uncached)."""
     if type(placements) is list or type(placements) is tuple:
         placements = tuple(placements)
     elif not isinstance(placements, str):
@@ -335,12 +352,7 @@ def _plan_key(t, placements, profile):
         profile = tr.profile.name if tr is not None else DEFAULT_PROFILE
     elif not isinstance(profile, str):
         return None
-    key = (t.spec, placements, profile)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return (t.spec, placements, profile)
 
 
 def execute(plan: Plan, t):
@@ -371,10 +383,22 @@ def _run(plan: Plan, t):
                 t = _local_step(t, s.mesh_dim, s.dst)
             else:
                 t, k = y, k + 1
-        elif s.kind in _LOCAL:
-            t = _local_step(t, s.mesh_dim, s.dst)
         else:
-            t = _collective_step(t, s)
+            # a run of collective and local steps passes the local data from one to the
+            # next; one DistTensor at its end
+            loc, ps = t._local, t.placements
+            while True:
+                if s.kind in _LOCAL:
+                    loc = _local_loc(loc, t, ps, s.mesh_dim, s.dst)
+                else:
+                    loc = _collective_loc(loc, t, ps, s)
+                ps = s.dst
+                if k == len(steps) or steps[k].kind in ("send_recv", "local_relabel",
+                                                        "local_pad"):
+                    break
+                s = steps[k]
+                k += 1
+            t = DistTensor(loc, t.mesh, ps, t.shape, t.dtype, t.names)
     return t
 
 
@@ -403,7 +427,13 @@ def _padded_all_reduce(t, pad: Step, ar: Step):
 
 
 def _collective_step(t, s: Step):
-    x = storage.for_layout(t._local, t.shape, t.mesh, t.placements, s.dst)
+    y = _collective_loc(t._local, t, t.placements, s)
+    return DistTensor(y, t.mesh, s.dst, t.shape, t.dtype, t.names)
+
+
+def _collective_loc(loc, t, ps, s: Step):
+    """Step ``s`` on local data ``loc`` laid out as ``ps`` (t: its mesh, shape, dtype)."""
+    x = storage.for_layout(loc, t.shape, t.mesh, ps, s.dst)
     i, old, new = s.mesh_dim, s.src[s.mesh_dim], s.dst[s.mesh_dim]
     label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
     if s.kind == "all_gather":
@@ -416,17 +446,20 @@ def _collective_step(t, s: Step):
         y = C.all_to_all(x, t.mesh, i, new.dim, old.dim, label=label)
     else:
         raise ValueError(f"unknown step {s.kind!r}")
-    y = storage.settle(y, t.shape, t.mesh, s.dst)
-    return DistTensor(y, t.mesh, s.dst, t.shape, t.dtype, t.names)
+    return storage.settle(y, t.shape, t.mesh, s.dst)
 
 
 def _local_step(t, i: int, new_ps):
     """R -> S (slice), R -> P (first rank keeps the value) or S -> P(sum) (zero pad):
     see :func:`workbench.parallel.storage.local_step`."""
-    old, new = t.placements[i], new_ps[i]
-    label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
-    y = storage.local_step(t._local, t.shape, t.mesh, t.placements, tuple(new_ps), i, label)
+    y = _local_loc(t._local, t, t.placements, i, new_ps)
     return DistTensor(y, t.mesh, new_ps, t.shape, t.dtype, t.names)
+
+
+def _local_loc(loc, t, ps, i: int, new_ps):
+    old, new = ps[i], new_ps[i]
+    label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
+    return storage.local_step(loc, t.shape, t.mesh, ps, tuple(new_ps), i, label)
 
 
 def _send(t, dmesh, dst_ps):

@@ -218,8 +218,25 @@ def backward_scalar(loc, mesh, placements) -> bool:
             return False
     if partial and current_trace() is not None:
         return False
-    torch.autograd.backward(loc, torch.ones_like(loc))
+    # one 1 for every rank, held once (stride 0): the gradient is the same on every rank,
+    # and the backward of a row-parallel linear sees it (ops_table/matmul._RankLinear)
+    ones = loc.new_ones(()).expand(loc.shape)
+    if _ENGINE_RUN is not None and type(loc) is torch.Tensor and \
+            not torch._C._are_functorch_transforms_active():
+        # what torch.autograd.backward runs once it has checked its arguments (a gradient of
+        # the output's shape and dtype, made here): 4 us less per step (toy TP step,
+        # benchmarks/sim_overhead.py)
+        _ENGINE_RUN((loc,), (ones,), False, False, (), allow_unreachable=True,
+                    accumulate_grad=True)
+    else:
+        torch.autograd.backward(loc, ones)
     return True
+
+
+try:        # torch's engine entry point behind torch.autograd.backward (torch >= 2.3)
+    from torch.autograd.graph import _engine_run_backward as _ENGINE_RUN
+except ImportError:  # pragma: no cover - older or newer torch: the public call
+    _ENGINE_RUN = None
 
 
 def device(loc) -> torch.device:
@@ -330,6 +347,11 @@ def local_step(loc, shape, mesh, old_ps, new_ps, i: int, label: str = ""):
     (zeros elsewhere; every rank for max, min and avg), S(d) -> P(sum) zero-pads each
     shard to its group's length.  Returns the local data of the new layout."""
     old, new = old_ps[i], new_ps[i]
+    if type(loc) is torch.Tensor and type(old) is Replicate and type(new) is Shard \
+            and not _B.is_distributed(mesh) and _is_even(shape, mesh, old_ps) \
+            and _is_even(shape, mesh, new_ps):
+        # the common case, stacked and even both sides (for_layout and settle leave it as it is)
+        return _slice_stacked(loc, shape, mesh, old_ps, i, new, label)
     if isinstance(old, Replicate) and isinstance(new, Shard):
         kind = "slice"
     elif isinstance(old, Replicate) and isinstance(new, Partial):
@@ -364,7 +386,18 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
         return y.reshape((1,) * mesh.ndim + tuple(y.shape))
     src = x
     if kind == "slice":
-        y = x.with_axis(i, n, lambda c: grid.chunks(src[c], new.dim, n)[c[i]])
+        # the cells along mesh dim i share one source cell (R: size 1 there): cut each
+        # source once, not once per rank (that was quadratic in n: 4 rows S(0) over 1024
+        # ranks took 11.9 s)
+        cut: dict = {}
+
+        def piece(c):
+            k = src.index(c)
+            parts = cut.get(k)
+            if parts is None:
+                parts = cut[k] = grid.chunks(src.items[k], new.dim, n)
+            return parts[c[i]]
+        y = x.with_axis(i, n, piece)
         nb = grid.CellGrid.rank_bytes(src, mesh.ndim)
         return C._on_backward(y, "all_gather", mesh, i, nb, label)
     if kind == "partial":

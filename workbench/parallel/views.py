@@ -30,8 +30,23 @@ def note_views(name, base, outs, attrs) -> None:
     """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
     its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
     that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
-    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
     index = _torch_index(attrs["index"]) if name == "getitem" else None
+    b = base._local
+    if type(b) is torch.Tensor:
+        # the common case first: a stacked output that torch made a view of the stacked
+        # base (its _base is the base's root) shares its memory, no storage compared
+        root = b if b._base is None else b._base
+        rest = []
+        for o in outs:
+            t = o._local
+            if type(t) is torch.Tensor and (t is b or t._base is root):
+                o._view = (base, index, True)
+            else:
+                rest.append(o)
+        if not rest:
+            return
+        outs = rest
+    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
     for o in outs:
         ts = [t for t in storage.tensors(o._local) if t.numel()]
         aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)

@@ -295,11 +295,13 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
     for a in axes:
         if type(a) is not int or not 0 <= a < nd:
             a = mesh.dim(a)
-        if F.lead(x, nd)[a] != 1:
+        if (x.lead[a] if F is not Stacked else x.shape[a]) != 1:
             continue                      # already one copy per rank: nothing to expand
-        nb = F.rank_bytes(x, nd)
-        x = F.expand(x, a, mesh.shape[a])
-        x = _on_backward(x, "all_reduce", mesh, a, nb, label or "grad of a replicated tensor")
+        y = F.expand(x, a, mesh.shape[a])
+        if F.requires_grad(x) and torch.is_grad_enabled():      # (the bytes only then)
+            y = _on_backward(y, "all_reduce", mesh, a, F.rank_bytes(x, nd),
+                             label or "grad of a replicated tensor")
+        x = y
     return x
 
 
