@@ -435,3 +435,49 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_not_left_unaveraged():
     opt = wb.ZeroRedundancyOptimizer(make().parameters(), torch.optim.SGD, mesh, lr=0.1)
     with pytest.raises(NotImplementedError, match="build a new ZeroRedundancyOptimizer"):
         opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+
+
+def test_rank_rows_norm_takes_ord_by_keyword_and_passes_nan_on():
+    """torch._foreach_norm(..., ord=1) over simulated DDP rows is one rank's 1-norm (a tuple,
+    as torch's); a NaN gradient gives a NaN norm, as on one device, not a "rows differ"."""
+    from workbench.parallel.strategies.rank_grads import as_rank_rows
+    r = as_rank_rows(torch.tensor([[3., -4.], [3., -4.]]))
+    out = torch._foreach_norm([r], ord=1.0)
+    assert isinstance(out, tuple) and float(out[0]) == 7.0
+    nan = as_rank_rows(torch.tensor([[float("nan"), 1.], [float("nan"), 1.]]))
+    assert torch.isnan(torch.linalg.vector_norm(nan))
+
+
+def test_parallelize_refusing_a_plan_leaves_the_module_as_it_was():
+    mesh = wb.Mesh.grid(2, ["tp"])
+    m = nn.Sequential(nn.Linear(4, 4))
+    cls = type(m)
+    with pytest.raises(ValueError, match="match no module"):
+        wb.parallelize(m, mesh, {"nope": "colwise"})
+    assert type(m) is cls and all(type(p) is nn.Parameter for p in m.parameters())
+    with pytest.raises(ValueError):
+        wb.parallelize(m, mesh, {"0.weight": ["S(2)"]})         # a 2-d weight
+    assert type(m) is cls and all(type(p) is nn.Parameter for p in m.parameters())
+
+
+def test_parallelize_keeps_a_tied_weight_one_or_refuses_two_placements():
+    mesh = wb.Mesh.grid(2, ["tp"])
+
+    def tied():
+        s = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        s[1].weight = s[0].weight
+        return s
+    s = tied()
+    with pytest.raises(ValueError, match="tied"):
+        wb.parallelize(s, mesh, {"0.weight": ["S(0)"], "1.weight": ["S(1)"]})
+    assert type(s[0].weight) is nn.Parameter
+    s = wb.parallelize(tied(), mesh, {"0.weight": ["S(0)"], "1.weight": ["S(0)"]})
+    assert s[0].weight is s[1].weight and len(list(s.parameters())) == 1
+
+
+def test_total_norm_of_bf16_dist_gradients_is_bf16_as_torch():
+    mesh = wb.Mesh.grid(2, ["tp"])
+    g = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
+    d = wb.shard_tensor(g, mesh, [wb.Shard(0)])
+    mine, ref = wb.parallel.get_total_norm([d]), torch.nn.utils.get_total_norm([g])
+    assert mine.dtype == ref.dtype == torch.bfloat16 and torch.equal(mine, ref)

@@ -129,7 +129,9 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
         return torch.tensor(0.0)
     if not any(isinstance(t, DistTensor) for t in ts):
         return torch.nn.utils.get_total_norm(ts, p, error_if_nonfinite, foreach)
-    norms = [_norm_of(t, p) for t in ts]
+    # each tensor's norm in its own dtype (computed in fp32 at least), as torch's
+    # get_total_norm returns a bf16 total for bf16 gradients
+    norms = [_norm_of(t, p).to(t.dtype) for t in ts]
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), p)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "

@@ -94,11 +94,16 @@ def _storages(*xs) -> set:
     return out
 
 
+# torch's own overlap test (private; 2 = "unknown" where a torch lacks it: then the
+# elements' memory is counted exactly below)
+_overlap = getattr(torch, "_debug_has_internal_overlap", lambda t: 2)
+
+
 def _writable(loc) -> bool:
     """True if every element of ``loc`` has its own memory (no stride-0 copies, no two
     cells over the same elements): a write cannot land twice."""
     ts = [t for t in storage.tensors(loc) if t.numel()]
-    status = [torch._debug_has_internal_overlap(t) for t in ts]    # 0 no, 1 yes, 2 unknown
+    status = [_overlap(t) for t in ts]    # 0 no, 1 yes, 2 unknown
     if 1 in status:
         return False
     groups: dict = {}

@@ -75,6 +75,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
         _check_plan_value(key, val)
     md = mesh.dim(mesh_dim)
     used = set()
+    todo = []                      # (module, name, parameter, placements): nothing written yet
     for mname, mod in module.named_modules():
         for pname, param in list(mod._parameters.items()):
             if param is None or isinstance(param, DistTensor):     # sharded by an earlier call
@@ -96,22 +97,37 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 break
             if ps is None:
                 ps = [Replicate()] * mesh.ndim
-            # a tied weight (one nn.Parameter in two modules, met again here or in another
-            # call) stays one DistTensor when it gets the same placements
-            dt = getattr(param, "_wb_dist", None)
-            if dt is None or dt.mesh != mesh or list(dt.placements) != list(ps):
-                dt = shard_tensor(param.detach(), mesh, ps)
-                if param.requires_grad:
-                    dt.requires_grad_()
-                param._wb_dist = dt
-            mod._parameters[pname] = dt     # where torch looks: state_dict, zero_grad...
-            mod.__dict__.setdefault("_wb_dist_params", {})[pname] = dt
-    adopt(module)
+            todo.append((mod, pname, full, param, ps))
     unused = set(plan) - used
     if unused:
         raise ValueError(f"plan keys {sorted(unused)} match no module or parameter of "
                          f"{type(module).__name__}; names are like "
                          f"{[n for n, _ in module.named_modules() if n][:5]}")
+    # a tied weight (one nn.Parameter in two modules) stays one DistTensor: its places
+    # must agree, or the two copies would train apart
+    seen = {}
+    for _, _, full, param, ps in todo:
+        first = seen.setdefault(id(param), (full, ps))
+        if first[1] != ps:
+            raise ValueError(f"plan: {first[0]!r} and {full!r} are one tied parameter but get "
+                             f"placements {first[1]} and {ps}; give both the same placements "
+                             "(or untie them before parallelize)")
+    # every DistTensor first (shard_tensor may refuse a placement), then every write
+    made = {}
+    for _, _, _, param, ps in todo:
+        if id(param) in made:
+            continue
+        dt = getattr(param, "_wb_dist", None)       # tied with a module of an earlier call
+        if dt is None or dt.mesh != mesh or list(dt.placements) != list(ps):
+            dt = shard_tensor(param.detach(), mesh, ps)
+            if param.requires_grad:
+                dt.requires_grad_()
+        made[id(param)] = dt
+    for mod, pname, _, param, _ in todo:
+        dt = param._wb_dist = made[id(param)]
+        mod._parameters[pname] = dt     # where torch looks: state_dict, zero_grad...
+        mod.__dict__.setdefault("_wb_dist_params", {})[pname] = dt
+    adopt(module)
     return module
 
 

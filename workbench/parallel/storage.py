@@ -221,8 +221,8 @@ def backward_scalar(loc, mesh, placements) -> bool:
     # one 1 for every rank, held once (stride 0): the gradient is the same on every rank,
     # and the backward of a row-parallel linear sees it (ops_table/matmul._RankLinear)
     ones = loc.new_ones(()).expand(loc.shape)
-    if _ENGINE_RUN is not None and type(loc) is torch.Tensor and \
-            not torch._C._are_functorch_transforms_active():
+    if _ENGINE_RUN is not None and _FUNCTORCH_ACTIVE is not None and \
+            type(loc) is torch.Tensor and not _FUNCTORCH_ACTIVE():
         # what torch.autograd.backward runs once it has checked its arguments (a gradient of
         # the output's shape and dtype, made here): 4 us less per step (toy TP step,
         # benchmarks/sim_overhead.py)
@@ -237,6 +237,7 @@ try:        # torch's engine entry point behind torch.autograd.backward (torch >
     from torch.autograd.graph import _engine_run_backward as _ENGINE_RUN
 except ImportError:  # pragma: no cover - older or newer torch: the public call
     _ENGINE_RUN = None
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def device(loc) -> torch.device:

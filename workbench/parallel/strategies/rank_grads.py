@@ -52,7 +52,6 @@ def _norm_args(func, args, kwargs):
     x = args[0]
     ord_ = args[1] if len(args) > 1 else kwargs.pop("ord", kwargs.pop("p", 2.0))
     if func is torch._foreach_norm:
-        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
         return x, ord_, kwargs.get("dtype")
     if len(args) > 2 or kwargs.get("dim") is not None or ord_ == "nuc":
         return None
@@ -74,9 +73,9 @@ class _NormedGrad(torch.Tensor):
                     return cls._norm(x, ord_, dtype)
                 if not cls.MIXED_OK and not all(isinstance(t, cls) for t in x):
                     raise _mixed()
-                return [cls._norm(t, ord_, dtype) if isinstance(t, cls) else
-                        _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
-                        for t in x]
+                return tuple(cls._norm(t, ord_, dtype) if isinstance(t, cls) else
+                             _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
+                             for t in x)      # torch._foreach_norm returns a tuple
         return _plain(func, args, kwargs)
 
 
@@ -90,7 +89,9 @@ class RankRows(_NormedGrad):
 
 def _row_norm(t, ord_, dtype):
     with torch._C.DisableTorchFunctionSubclass():
-        if not bool((t == t[:1]).all()):
+        first = t[:1]
+        same = (t == first) | (t.isnan() & first.isnan())     # a NaN is a NaN on every rank
+        if not bool(same.all()):
             raise RuntimeError(
                 "a norm of a simulated DistributedDataParallel gradient whose ranks' rows "
                 "differ (not averaged yet, e.g. inside no_sync()): on torch.distributed each "
