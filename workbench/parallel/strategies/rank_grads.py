@@ -148,6 +148,13 @@ class ShardGrad(_NormedGrad):
 
 
 def _shard_norm(t, ord_, dtype):
+    if float(ord_) in (0.0, -math.inf):
+        # a flat shard holds padding zeros and pieces of several parameters: its count of
+        # nonzeros or its smallest |g| is no part of any parameter's norm
+        raise NotImplementedError(
+            f"a norm of order {float(ord_)} over FullyShardedDataParallel's gradient shards "
+            "on torch.distributed: the shards' padding and flat layout make it wrong; use "
+            "norm_type 2, 1 or inf, or gather the gradients (full_state_dict) first")
     with torch._C.DisableTorchFunctionSubclass():
         n = torch.linalg.vector_norm(t, ord_, dtype=dtype)
     out = n.as_subclass(PartialNorm)
