@@ -32,6 +32,7 @@ import torch
 
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
+from .ops_table.checks import _to_meta
 from .views import through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
@@ -53,13 +54,7 @@ IDUNDERS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itrue
 
 # ---- PyTorch's verdict first ----------------------------------------------------------
 
-def _meta(v):
-    if isinstance(v, (DistTensor, torch.Tensor)):
-        return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
-    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-        return type(v)(_meta(u) for u in v)
-    return v
-
+_meta = _to_meta     # a tensor or DistTensor (or lists of them) on the meta device
 
 def _meta_self(x: DistTensor) -> torch.Tensor:
     """``x`` on the meta device with its autograd standing (a leaf that requires grad,
