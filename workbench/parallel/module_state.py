@@ -17,6 +17,8 @@ untouched (torch copies what it can before it raises).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -63,6 +65,17 @@ def _restore(held):
             m._parameters[k] = v if isinstance(v, DistTensor) else cur.get(k, v)
 
 
+@contextlib.contextmanager
+def _without_dist(mods):
+    """The DistTensors out of ``mods``' ``_parameters`` for the block (torch's module code
+    sees only tensors), put back after it, even on error; yields what was taken out."""
+    held = _hidden(mods)
+    try:
+        yield held
+    finally:
+        _restore(held)
+
+
 def _unique(held):
     """The distinct DistTensors :func:`_hidden` took out (a tied weight once)."""
     seen = set()
@@ -100,22 +113,16 @@ class ParallelModule:
                 f"{self._get_name()}.to() / .double() / .half() ...: its parameters live in "
                 "FullyShardedDataParallel's (Zero3's) shards, which a conversion of the "
                 "module would miss; convert the module before wrapping it")
-        held = _hidden(self.modules() if recurse else [self])
-        try:
+        with _without_dist(self.modules() if recurse else [self]) as held:
             super()._apply(fn, recurse)
-        finally:
-            _restore(held)
         for v in _unique(held):                 # a tied weight: converted once
             _convert(v, fn)
         return self
 
     # ---- requires_grad_: in place on each shard, its gradient kept (as torch) -----------
     def requires_grad_(self, requires_grad: bool = True):
-        held = _hidden(self.modules())
-        try:
+        with _without_dist(self.modules()) as held:
             super().requires_grad_(requires_grad)
-        finally:
-            _restore(held)
         for v in _unique(held):
             ts = storage.tensors(v._local)
             if all(t.is_leaf for t in ts):
@@ -130,11 +137,8 @@ class ParallelModule:
 
     # ---- zero_grad: every DistTensor's gradient too -----------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        held = _hidden(self.modules())
-        try:
+        with _without_dist(self.modules()) as held:
             super().zero_grad(set_to_none)
-        finally:
-            _restore(held)
         for v in _unique(held):
             for t in storage.tensors(v._local):
                 if t.grad is None:
@@ -161,12 +165,9 @@ class ParallelModule:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
         dts = {k: v for k, v in self._parameters.items() if isinstance(v, DistTensor)}
-        held = _hidden([self])
-        try:
+        with _without_dist([self]) as held:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
-        finally:
-            _restore(held)
         for name, dt in dts.items():
             key = prefix + name
             while key in unexpected_keys:       # hidden above, so torch called it unexpected
