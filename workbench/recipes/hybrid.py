@@ -50,6 +50,7 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
+from .moe import scale_aux_losses
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -298,6 +299,7 @@ class Hybrid:
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
         ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
+        scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
         params = [self._stage_params(model, s) if self._own(self.meshes[s % self.pp]) else []
                   for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
