@@ -50,7 +50,8 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
-from .moe import scale_aux_losses
+from .moe import (check_ep, check_moe_layout, expert_meshes, scale_aux_losses, split_params,
+                  wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -123,15 +124,23 @@ class Hybrid:
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
                  microbatches=None, virtual=None, distributed: bool = False,
-                 stage_sizes=None):
+                 stage_sizes=None, ep=1, ep_chunks=1):
         _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=virtual, distributed=distributed)
+        # expert parallelism (recipes/moe.py): ep ranks carved out of dp x ep data-parallel
+        # ranks; self.dp is the dense layers' data-parallel size, self.edp the experts'
+        check_ep(ep, ep_chunks, zero, sp)
+        self.ep, self.ep_chunks, self.edp = ep, ep_chunks, dp
+        dp = dp * ep
+        if ep > 1:
+            check_world(dp, tp, pp, f"Hybrid(dp={self.edp}, ep={ep}, tp={tp}, pp={pp})")
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
         self.v = virtual or (2 if schedule == "interleaved" else 1)
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
+        self.expert_meshes = expert_meshes(self.meshes, ep) if ep > 1 else []
         self.distributed = distributed
         if distributed:                 # one rank per process on torch.distributed
             from ..sim_mesh import backends as _B
@@ -140,6 +149,7 @@ class Hybrid:
                                  f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
                                  f"{dp * tp * pp}")
             self.meshes = [_B.register(m) for m in self.meshes]
+            self.expert_meshes = [_B.register(m) for m in self.expert_meshes]
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
         # layers per pipeline stage when uneven (None: n_layer / pp each; 1F1B / GPipe)
@@ -153,6 +163,7 @@ class Hybrid:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
         check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
+        check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:
             raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
                              f"{batch_size // self.dp} (batch_size={batch_size}, dp={self.dp}): "
@@ -199,6 +210,9 @@ class Hybrid:
         self.stages = model.pipeline_stages(self.pp * self.v, self.stage_sizes)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
+        if self.ep > 1:                 # experts onto the expert meshes first (recipes/moe.py)
+            wire_expert_parallel(model, self.stages, self.meshes, self.expert_meshes, self.pp,
+                                 self.ep_chunks, self._own)
         self._sp_norms = {}
         for s, stage in enumerate(self.stages):
             mesh = self.meshes[s % self.pp]
@@ -251,11 +265,17 @@ class Hybrid:
                 # distributed_data_parallel_config.py: bucket_size None when not
                 # overlapping): one collective per stage, not one per tensor (ZeRO-1/2
                 # reduce-scatter every gradient in one buffer anyway)
-                opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
+                dense, experts = split_params(self._stage_params(model, s), mesh)
+                opts.append(DataParallel(dense, mesh, "dp", zero=self.zero,
                                          bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                                          lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
+                if experts:             # expert parallelism: reduced over edp only
+                    opts.append(DataParallel(experts, self.expert_meshes[s % self.pp], "edp",
+                                             zero=self.zero, bucket_bytes=ONE_BUFFER
+                                             if self.zero == 0 else None, lr=lr,
+                                             weight_decay=weight_decay))
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:

@@ -1,19 +1,88 @@
 """Mixture-of-experts wiring for the hybrid recipe: the MoE layers of a course model
 (``workbench/models/moe.py``) and expert parallelism
-(``workbench/parallel/strategies/expert_parallel.py``), which knows no model.
+(``workbench/parallel/strategies/expert_parallel.py``, which knows no model).
+
+How EP maps onto the mesh (Megatron-LM's convention, ``--expert-model-parallel-size``;
+DeepSpeed-MoE's ``ep_size`` likewise): the EP group is carved out of the data-parallel
+ranks.  ``Hybrid(dp=d, ep=e)`` runs the dense layers data parallel over d x e ranks
+(each its own slice of the batch: Megatron's data-parallel size), and the experts over
+the same ranks seen as an (edp=d, ep=e, tp) mesh: each ep rank owns E / e experts, the
+d ranks of an "expert data parallel" group hold the same experts and reduce their
+gradients among themselves.  So ``--ep 2 --dp 2`` is 4 ranks and ``--ep 2 --tp 2`` is
+4 ranks (dense layers: dp 2 x tp 2; experts: ep 2, replicated over tp, Megatron's expert
+tensor parallel size 1): ``--dp`` counts the expert-data-parallel replicas, as
+Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
 
 * :func:`scale_aux_losses`: a pipeline averages m micro-batch losses, so each layer's
   load-balancing gradient is scaled by 1/m (Megatron-LM's
-  ``MoEAuxLossAutoScaler.set_loss_scale``).
+  ``MoEAuxLossAutoScaler.set_loss_scale``);
+* :func:`check_ep` / :func:`check_moe_layout`: what EP needs, refused with the fix;
+* :func:`wire_expert_parallel`: each stage's MoE layers get their experts sharded over ep
+  and an :class:`~workbench.parallel.strategies.expert_parallel.ExpertParallel`
+  dispatcher; :func:`split_params`: dense parameters (the stage mesh) apart from expert
+  ones (the expert mesh), each reduced over its own data-parallel group.
 """
 from __future__ import annotations
 
 from ..models.moe import moe_layers
+from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
+                                                   expert_parallel)
 
-__all__ = ["scale_aux_losses"]
+__all__ = ["scale_aux_losses", "check_ep", "check_moe_layout", "wire_expert_parallel",
+           "split_params", "expert_meshes"]
 
 
 def scale_aux_losses(model, microbatches: int) -> None:
     """Every MoE layer's aux-loss gradient scaled by 1/``microbatches``."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = 1.0 / microbatches
+
+
+def check_ep(ep, ep_chunks, zero, sp) -> None:
+    """Hybrid's ``ep`` and ``ep_chunks`` arguments, before any mesh is built."""
+    for n, v in (("ep", ep), ("ep_chunks", ep_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1 (ep: the ranks the experts "
+                             "are split over, 1: none; ep_chunks: pieces of the all-to-all "
+                             "overlapped with the experts' compute, 1: none)")
+    if ep > 1 and zero == 3:
+        raise NotImplementedError("Hybrid(ep > 1, zero=3): ZeRO-3 over expert-parallel "
+                                  "experts is not built; use zero=1 or 2 (the optimizer "
+                                  "states are sharded over each data-parallel group)")
+    if ep > 1 and sp:
+        raise NotImplementedError("Hybrid(ep > 1, sp=True): expert parallelism takes the "
+                                  "whole sequence on every tp rank; leave sp False")
+
+
+def check_moe_layout(cfg, ep: int) -> None:
+    """EP needs a MoE model whose experts it divides."""
+    E = getattr(cfg, "moe_experts", 0)
+    if ep > 1 and not E:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model: add --moe-experts E "
+                         f"(ModelConfig(moe_experts=E)) with E a multiple of {ep}, or leave "
+                         "ep at 1")
+    if E:
+        check_expert_parallel(E, ep)
+
+
+def expert_meshes(meshes, ep: int) -> list:
+    """Each stage mesh's (edp, ep, tp) view (its "dp" dim holds edp x ep ranks)."""
+    return [expert_mesh(m, ep) for m in meshes]
+
+
+def wire_expert_parallel(model, stages, meshes, emeshes, pp: int, chunks: int, own) -> None:
+    """Shard each MoE layer's experts over its stage's expert mesh and give the layer an
+    expert-parallel token dispatcher (stages this process does not run are left alone)."""
+    for s, stage in enumerate(stages):
+        if not own(meshes[s % pp]):
+            continue
+        for i in stage["layers"]:
+            for layer in moe_layers(model.layers[i]):
+                layer.token_dispatcher = expert_parallel(layer.experts, emeshes[s % pp],
+                                                         chunks)
+
+
+def split_params(params, mesh) -> tuple[list, list]:
+    """(parameters on ``mesh``, parameters elsewhere: the experts on the expert mesh)."""
+    dense = [p for p in params if p.mesh == mesh]
+    return dense, [p for p in params if p.mesh != mesh]
