@@ -86,3 +86,42 @@ def split_params(params, mesh) -> tuple[list, list]:
     """(parameters on ``mesh``, parameters elsewhere: the experts on the expert mesh)."""
     dense = [p for p in params if p.mesh == mesh]
     return dense, [p for p in params if p.mesh != mesh]
+
+
+# ---- the train command's flags (``python -m workbench train``) -----------------------------
+
+def add_moe_arguments(parser) -> None:
+    """The mixture-of-experts and expert-parallel flags of ``train``."""
+    g = parser.add_argument_group("mixture of experts (models/moe.py) and expert parallelism")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="routed experts per block (0: dense MLP)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="slots per expert = ceil(cf S k / E) per sequence; default: no drops")
+    g.add_argument("--moe-shared-experts", type=int, default=0, help="always-on experts")
+    g.add_argument("--moe-gating", default="softmax", choices=["softmax", "sigmoid"],
+                   help="router gating: softmax (Mixtral) or sigmoid (DeepSeek-V3)")
+    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
+                   help="load-balancing loss coefficient (Switch: 0.01)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size, carved out of the data-parallel ranks: "
+                        "--ep 2 --dp 2 is 4 ranks (Megatron-LM's convention)")
+    g.add_argument("--ep-chunks", type=int, default=1,
+                   help="pieces of the all-to-all overlapped with the experts' compute")
+
+
+MOE_FLAGS = (("moe_experts", 0), ("moe_topk", 2), ("moe_capacity_factor", None),
+             ("moe_shared_experts", 0), ("moe_gating", "softmax"), ("moe_aux_loss_coef", 0.01))
+
+
+def moe_overrides(args) -> dict:
+    """The ModelConfig fields the MoE flags set (none when --moe-experts is 0; a MoE flag
+    without it is refused rather than ignored)."""
+    given = {n: getattr(args, n, d) for n, d in MOE_FLAGS}
+    if not given["moe_experts"]:
+        stray = [n for n, d in MOE_FLAGS[1:] if given[n] != d]
+        if stray:
+            raise ValueError(f"--{stray[0].replace('_', '-')} applies to a mixture-of-experts "
+                             "model; add --moe-experts E (e.g. 4) or leave it out")
+        return {}
+    return given

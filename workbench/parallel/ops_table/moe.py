@@ -159,8 +159,12 @@ def _combine_cost(ins, outs, **_):
 
 
 def aux_attach_rule(y, aux, **_):
-    """attach_aux_loss: y passes as it is (identity); aux replicated or groups sharded."""
-    py = [R, P] + [Shard(d) for d in range(y.ndim) if _sharded(y, d)]
+    """attach_aux_loss: y passes as it is (identity, any placement); aux replicated or
+    groups sharded, never partial (its backward gives every element of aux the same
+    gradient, which is right for each part of a sum only by accident of the scale: so a
+    partial aux is reduced first)."""
+    py = [R] + [Partial(op) for op in ("sum", "avg", "max", "min")] + \
+        [Shard(d) for d in range(y.ndim) if _sharded(y, d)]
     pa = [R] + ([Shard(0)] if _sharded(aux, 0) else [])
     opts = [((a, b), (a,), "identity on y") for a in py for b in pa]
     return combine(y.mesh.ndim, [opts] * y.mesh.ndim, 2)
