@@ -158,3 +158,20 @@ def test_bad_input_names_the_fix():
         expert_parallel(model.layers[0].mlp.experts, expert_mesh(mesh, 3))
     with pytest.raises(ValueError, match="ep=2 does not divide the 3 data-parallel ranks"):
         expert_mesh(mesh, 2)
+
+
+def test_exchange_report_draws_the_overlap_on_a_timeline():
+    from workbench.parallel.strategies.expert_parallel import exchange_report
+    from workbench.viz.timeline import render_text
+    rows = [[0, 3000, 5000, 2000], [4000, 0, 1000, 3000], [2500, 2500, 0, 4000],
+            [1000, 6000, 2000, 0]]                       # uneven, as a router makes them
+    one, four = (exchange_report(rows, 8192, 3 * 4096 * 1792, 2, chunks=c, profile="h100")
+                 for c in (1, 4))
+    assert one.hidden_share == 0.0 and four.hidden_share > 0.3 and four.total < one.total
+    text = render_text(four, width=60)
+    assert "=" in text and text.count("rank ") == 8      # hidden comm drawn, 4 ranks x 2 rows
+    busy = {e.ranks[0]: 0.0 for e in four.events if e.stream == "compute"}
+    for e in four.events:
+        if e.stream == "compute":
+            busy[e.ranks[0]] += e.duration
+    assert max(busy, key=busy.get) == 1                  # rank 1 receives the most tokens

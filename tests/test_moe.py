@@ -178,7 +178,7 @@ def test_moe_on_dist_tensors_dp_tp_equals_one_device():
     cfg = get_config("tiny", n_layer=2, moe_experts=4, moe_topk=2, moe_capacity_factor=1.0,
                      moe_shared_experts=1)
     ref = [r["loss"] for r in train(cfg, steps=2, timing=False)]
-    for kw in (dict(dp=2, tp=2), dict(pp=2), dict(dp=2, zero=2)):
+    for kw in (dict(dp=2, tp=2), dict(pp=2), dict(dp=2, zero=2), dict(tp=2, sp=True)):
         got = [r["loss"] for r in train(cfg, steps=2, timing=False, strategy=Hybrid(**kw))]
         assert got == pytest.approx(ref, abs=2e-5), kw
 
@@ -219,3 +219,17 @@ def test_bad_input_names_the_fix():
     _, e, s, _ = router_topk(torch.randn(2, 3, 3), 2)
     with pytest.raises(ValueError, match="outside 2 experts"):
         moe_dispatch(torch.randn(2, 3, 4), e, s, 2, 3)
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt-tiny"])
+def test_param_count_closed_form_counts_the_moe_module(name):
+    from workbench.models.config import param_count
+    cfg = get_config(name, moe_experts=8, moe_topk=2, moe_shared_experts=2)
+    pc = param_count(cfg)
+    assert pc.module == sum(pc.terms.values()), pc.terms
+    assert pc.module - pc.megatron == sum(pc.differences.values()), pc.explain()
+    dense = param_count(name).module
+    f, h, L = cfg.d_ff, cfg.d_model, cfg.n_layer
+    per = 3 * h * f if name == "tiny" else 2 * h * f + f + h           # one dense MLP
+    assert pc.module - dense == L * (h * 8 + 8 * per + (2 * per if name == "tiny" else
+                                                        2 * h * 2 * f + 2 * f + h) - per)

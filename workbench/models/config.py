@@ -255,6 +255,10 @@ def param_count(cfg: ModelConfig | str) -> ParamCount:
             "final LayerNorm (eq. 2 omits it): +2 h": 2 * h,
             "untied lm head: +V h": untied,
         }
+        if cfg.moe_experts:
+            _moe_terms(cfg, terms, differences, "GeLU MLP (l (2 h d_ff + d_ff + h))",
+                       "MLP: d_ff != 4h: l (2 h + 1)(d_ff - 4 h)",
+                       lambda w: 2 * h * w + w + h, 8 * h * h + 5 * h)
         return ParamCount(module=module, terms=terms, megatron=megatron,
                           differences=differences)
     kv = cfg.n_kv_head * cfg.head_dim
@@ -273,4 +277,17 @@ def param_count(cfg: ModelConfig | str) -> ParamCount:
         "no position table (RoPE): -s h": -s * h,
         "untied lm head: +V h": untied,
     }
+    if cfg.moe_experts:
+        _moe_terms(cfg, terms, differences, "SwiGLU MLP (l 3 h d_ff)",
+                   "MLP: SwiGLU 3 h d_ff vs GPT 8 h^2", lambda w: 3 * h * w, 8 * h * h)
     return ParamCount(module=module, terms=terms, megatron=megatron, differences=differences)
+
+
+def _moe_terms(cfg, terms, differences, mlp_term, mlp_diff, mlp_of_width, gpt_mlp) -> None:
+    """A MoE block's feed-forward (models/moe.py) in place of the dense MLP's terms: the
+    router h E, E experts of width d_ff, the shared experts one MLP of n_s d_ff."""
+    l, h, f, E, ns = cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.moe_shared_experts
+    moe = h * E + E * mlp_of_width(f) + (mlp_of_width(ns * f) if ns else 0)
+    del terms[mlp_term], differences[mlp_diff]
+    terms["MoE (l (h E + E mlp(d_ff) + mlp(n_s d_ff)))"] = l * moe
+    differences["MoE: router, E experts, shared vs eq. 2's MLP"] = l * (moe - gpt_mlp)

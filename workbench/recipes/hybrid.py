@@ -50,8 +50,8 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
-from .moe import (check_ep, check_moe_layout, expert_meshes, scale_aux_losses, split_params,
-                  wire_expert_parallel)
+from .moe import (check_ep, check_moe_layout, expert_meshes, keep_residual_layout,
+                  scale_aux_losses, split_params, wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -225,6 +225,7 @@ class Hybrid:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                            seq_dim=1)
+                keep_residual_layout(model, stage["layers"])     # MoE layers (recipes/moe.py)
             # SP: norm gradients summed over tp once per step, as Megatron-LM does
             # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
             self._sp_norms[s] = [p for name in stage["modules"] for p in
@@ -340,10 +341,13 @@ class Hybrid:
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
         and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
-        states = [o.memory() for o in optimizers]
+        held = {}                # per stage's ranks: its optimizers' states (dense + experts)
+        for o in optimizers:
+            key = frozenset(getattr(getattr(o, "mesh", None), "ranks", (id(o),)))
+            held[key] = held.get(key, 0) + o.memory().total
         rec = {"modeled_ms": round(tr.time() * 1e3, 6),
                "comm_bytes": max(per_rank.values(), default=0),
-               "state_bytes": max(m.total for m in states) if states else 0}
+               "state_bytes": max(held.values(), default=0)}
         if len(self.stage_layers) == 1:
             # activations autograd kept for backward, per rank (counted without pipelining;
             # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)

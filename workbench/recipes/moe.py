@@ -29,7 +29,8 @@ from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert
                                                    expert_parallel)
 
 __all__ = ["scale_aux_losses", "check_ep", "check_moe_layout", "wire_expert_parallel",
-           "split_params", "expert_meshes"]
+           "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
+           "moe_overrides"]
 
 
 def scale_aux_losses(model, microbatches: int) -> None:
@@ -125,3 +126,20 @@ def moe_overrides(args) -> dict:
                              "model; add --moe-experts E (e.g. 4) or leave it out")
         return {}
     return given
+
+
+def keep_residual_layout(model, layers) -> None:
+    """Each MoE layer's output laid out as its input (a forward hook): under sequence
+    parallelism the residual stream stays sharded on the sequence over tp, as the dense
+    MLP's g (reduce-scatter) leaves it; the router needs whole sequences, so the layer
+    gathers them and its output would otherwise come back replicated."""
+    from ..parallel.reshard import reshard
+
+    def hook(mod, args, out):
+        x = args[0]
+        if hasattr(out, "placements") and tuple(out.placements) != tuple(x.placements):
+            return reshard(out, x.mesh, list(x.placements))
+        return out
+    for i in layers:
+        for layer in moe_layers(model.layers[i]):
+            layer.register_forward_hook(hook)

@@ -378,7 +378,7 @@ def record_all_to_all_v(send_bytes, group, label: str = "", overlap: bool = Fals
         return None
     dur, sent = all_to_all_v_time(send_bytes, group, tr.profile)
     return tr.record_collective(
-        group, "all_to_all", dur, bytes=sent, label=label, overlap=overlap, ready=ready,
+        group, "all_to_all", dur, bytes=int(sent), label=label, overlap=overlap, ready=ready,
         args={"uneven": True, "send_bytes": [list(map(int, r)) for r in send_bytes],
               **(args or {})})
 

@@ -51,7 +51,8 @@ from ..dist_tensor import DistTensor
 from ..module import parallelize
 from ..placement import Replicate, Shard
 
-__all__ = ["ExpertParallel", "expert_parallel", "expert_mesh", "check_expert_parallel"]
+__all__ = ["ExpertParallel", "expert_parallel", "expert_mesh", "check_expert_parallel",
+           "record_layer", "exchange_report"]
 
 
 def expert_mesh(mesh: Mesh, ep: int, dp: str = "dp") -> Mesh:
@@ -264,7 +265,7 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
         p = len(g)
         C.record_collective("all_to_all", None, None, 8 * p, f"EP counts ({phase})",
                             groups=[g])
-        piece = [[b / chunks for b in row] for row in matrix]
+        piece = [[b // chunks for b in row] for row in matrix]
         back = [list(r) for r in zip(*piece)]
         comp = []
         for r, n in enumerate(got):
@@ -290,3 +291,28 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
         for hc in combines:
             if hc is not None and ov:
                 tr.wait(hc)
+
+
+def exchange_report(rows, row_bytes: int, per_expert: int, experts_per_rank: int,
+                    chunks: int = 1, profile=None, dtype=torch.bfloat16, phase="forward"):
+    """One MoE layer's exchange and expert GEMMs on the modeled clock of ``profile``, as an
+    :class:`~workbench.parallel.strategies.overlap.OverlapReport` (``wb.viz`` draws it:
+    ``draw_timeline(report)``, ``render_text(report)``).
+
+    ``rows[i][j]``: tokens rank i sends rank j (an ep x ep matrix, uneven as a router
+    makes it); ``row_bytes``: bytes of one token (h x element size); ``per_expert``: weights
+    one token multiplies in its expert (3 h d_ff for SwiGLU); ``experts_per_rank``: E / ep.
+    The ranks are 0 .. ep-1 of one node of the profile."""
+    from ...sim_mesh.trace import trace
+    from .overlap import OverlapReport
+    ep = len(rows)
+    if ep < 1 or any(len(r) != ep for r in rows):
+        raise ValueError(f"exchange_report: rows must be an ep x ep matrix of token counts; "
+                         f"got {rows!r:.80}")
+    item = torch.empty((), dtype=dtype).element_size()
+    matrix = [[int(n) * row_bytes for n in r] for r in rows]
+    got = [sum(int(rows[i][r]) for i in range(ep)) for r in range(ep)]
+    with trace(profile) as tr:
+        record_layer(tr, [(tuple(range(ep)), matrix, got)], per_expert,
+                     per_expert * experts_per_rank * item, row_bytes, dtype, chunks, phase)
+    return OverlapReport.from_events(tr.events, f"EP {phase}", chunks, tr.profile.name)
