@@ -233,3 +233,11 @@ def test_param_count_closed_form_counts_the_moe_module(name):
     per = 3 * h * f if name == "tiny" else 2 * h * f + f + h           # one dense MLP
     assert pc.module - dense == L * (h * 8 + 8 * per + (2 * per if name == "tiny" else
                                                         2 * h * 2 * f + 2 * f + h) - per)
+
+
+def test_validator_finds_every_candidate_right_on_uneven_shards():
+    """3 ranks: 4 groups or tokens split 2, 1, 1 (or 2, 2, 0: an empty shard)."""
+    from workbench.parallel.validate import validate
+    rep = validate(["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss"],
+                   meshes=((3,),), max_layouts=5, missing=False)
+    assert rep.ops and rep.runs > 50 and rep.wrong == [], rep.format()

@@ -147,10 +147,11 @@ def _dispatch(x, experts, slots, E, C):
     G, S, h = x.shape[-3:]
     k = experts.shape[-1]
     lead = x.shape[:-3]
-    x = x.reshape(-1, S, h)
-    idx = _flat_index(experts, slots, E, C).reshape(x.shape[0], S * k, 1).expand(-1, -1, h)
-    src = x.unsqueeze(2).expand(-1, S, k, h).reshape(x.shape[0], S * k, h)
-    buf = x.new_zeros(x.shape[0], E * C + 1, h).scatter_add(1, idx, src)   # one token a row
+    n = math.prod(x.shape[:-2])                    # groups (shapes spelled out: a shard
+    x = x.reshape(n, S, h)                         # may be empty, where -1 is ambiguous)
+    idx = _flat_index(experts, slots, E, C).reshape(n, S * k, 1).expand(n, S * k, h)
+    src = x.unsqueeze(2).expand(n, S, k, h).reshape(n, S * k, h)
+    buf = x.new_zeros(n, E * C + 1, h).scatter_add(1, idx, src)        # one token a row
     return buf[:, :E * C].reshape(*lead, G, E, C, h)
 
 
@@ -177,11 +178,12 @@ def _combine(y, weights, experts, slots):
     G, E, C, h = y.shape[-4:]
     S, k = weights.shape[-2:]
     lead = y.shape[:-4]
-    y = y.reshape(-1, E * C, h)
-    y = torch.cat((y, y.new_zeros(y.shape[0], 1, h)), 1)                # row E C: dropped
-    idx = _flat_index(experts, slots, E, C).reshape(y.shape[0], S * k, 1).expand(-1, -1, h)
-    picked = torch.gather(y, 1, idx).reshape(y.shape[0], S, k, h)       # (G, S, k, h)
-    w = weights.reshape(y.shape[0], S, k, 1).to(y.dtype)
+    n = math.prod(y.shape[:-3])
+    y = y.reshape(n, E * C, h)
+    y = torch.cat((y, y.new_zeros(n, 1, h)), 1)                         # row E C: dropped
+    idx = _flat_index(experts, slots, E, C).reshape(n, S * k, 1).expand(n, S * k, h)
+    picked = torch.gather(y, 1, idx).reshape(n, S, k, h)                # (G, S, k, h)
+    w = weights.reshape(n, S, k, 1).to(y.dtype)
     return (picked * w).sum(2).reshape(*lead, G, S, h)
 
 

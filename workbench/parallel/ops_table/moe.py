@@ -27,6 +27,8 @@ would insert here, but real routers send uneven counts with no padding:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -95,11 +97,13 @@ def combine_rule(y, weights, experts, slots, **_):
 def _lead(nd, *xs):
     """The inputs with their device axes broadcast to one lead and folded into dim 0."""
     lead = torch.broadcast_shapes(*(tuple(x.shape[:nd]) for x in xs))
-    return lead, [x.expand(*lead, *x.shape[nd:]).reshape(-1, *x.shape[nd + 1:]) for x in xs]
+    n = math.prod(lead)                 # shapes spelled out: a shard may be empty
+    return lead, [x.expand(*lead, *x.shape[nd:]).reshape(n * x.shape[nd], *x.shape[nd + 1:])
+                  for x in xs]
 
 
 def _unfold(lead, t):
-    return t.reshape(*lead, -1, *t.shape[1:])
+    return t.reshape(*lead, t.shape[0] // math.prod(lead), *t.shape[1:])
 
 
 def _router_local(nd, ctx, logits, k, gating, capacity):
@@ -133,7 +137,6 @@ def _router_cost(ins, outs, k, **_):
     """Per logit: softmax or sigmoid and its normalisation, 5 FLOPs (exp, sum, divide as
     costs.py counts them), the top-k selection n ceil(log2(k + 1)) compares (as topk), and
     the aux loss's mean and product, 2; backward 2 x forward (costs.py)."""
-    import math
     n = ins[0].numel()
     f = n * (7 + max(1, math.ceil(math.log2(k + 1))))
     return costs.Cost(f, costs.nbytes(ins[0]) + sum(costs.nbytes(o) for o in outs), 2 * f,
