@@ -24,7 +24,10 @@ its norm classes (``model.norm_classes()``, for sequence parallelism), its pipel
 * data parallel / ZeRO over dp (:mod:`workbench.parallel.strategies.data_parallel`,
   :mod:`workbench.parallel.strategies.zero3`);
 * pipeline parallel: the layers split into ``pp * v`` stages on the stage meshes,
-  run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order.
+  run by :func:`workbench.schedules.run_pipeline` in the chosen schedule's order;
+* expert parallel (``ep``, mixture-of-experts models): the experts split over ep ranks
+  carved out of the data-parallel ones (dense layers dp x ep, experts (edp=dp, ep, tp));
+  tokens exchanged by uneven all-to-all (:mod:`workbench.recipes.moe`).
 
 Every configuration trains the same global batch with the same loss as one device,
 dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).

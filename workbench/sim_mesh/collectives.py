@@ -404,7 +404,8 @@ def _a2av_dist(x, pg, send_rows, recv_rows):
     return out
 
 
-def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True):
+def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True,
+                 recv_rows=None):
     """Uneven all-to-all over the groups of ``mesh`` along ``axis``: rank i of a group
     sends ``chunks[i][j]`` (any number of rows) to rank j; the counts go first (a small
     all-to-all of int64 row counts, as Megatron-LM's ``MoEAlltoAllTokenDispatcher``
@@ -416,7 +417,8 @@ def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True):
     same way).  torch.distributed: ``chunks`` is this process's list (one tensor per
     group rank); returns the list it receives (autograd: the reverse all-to-all).
     ``record``: put the count exchange and the exchange (backward: the reverse) on the
-    trace, priced by :func:`all_to_all_v_time`."""
+    trace, priced by :func:`all_to_all_v_time`.  ``recv_rows`` (torch.distributed): the
+    rows this process receives from each, when the caller exchanged the counts already."""
     ax = mesh.dim(axis)
     nb = lambda t: t.numel() * t.element_size()                         # noqa: E731
     if _B.is_distributed(mesh):
@@ -427,10 +429,12 @@ def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True):
             raise ValueError(f"all_to_all_v: {len(chunks)} chunks for a group of {p} ranks "
                              f"along {mesh.dim_names[ax]!r}; give one per rank")
         send_rows = [int(c.shape[0]) for c in chunks]
-        counts = torch.tensor(send_rows, dtype=torch.int64)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=pg)                   # counts first
-        recv_rows = got.tolist()
+        exchange = recv_rows is None
+        if exchange:
+            counts = torch.tensor(send_rows, dtype=torch.int64)
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts, group=pg)               # counts first
+            recv_rows = got.tolist()
         row = math.prod(chunks[0].shape[1:]) * chunks[0].element_size()   # bytes a row
         me = g.index(_B.rank())
         matrix = [[0] * p for _ in range(p)]             # what this process knows
@@ -438,7 +442,9 @@ def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True):
         for i, r in enumerate(recv_rows):
             matrix[i][me] = r * row
         if record:
-            record_collective("all_to_all", mesh, ax, 8 * p, label + " counts", groups=[g])
+            if exchange:
+                record_collective("all_to_all", mesh, ax, 8 * p, label + " counts",
+                                  groups=[g])
             record_all_to_all_v(matrix, g, label)
         y = _AllToAllVDist.apply(torch.cat(list(chunks)), pg, send_rows, recv_rows)
         if record:

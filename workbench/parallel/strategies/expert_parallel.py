@@ -149,20 +149,34 @@ class ExpertParallel:
             return self._distributed(x, weights, experts, slots, module, params, E)
         return self._simulated(x, weights, experts, slots, module, params, E)
 
+    def _check_input(self, x):
+        """x laid out as the recipe gives it: the batch sharded over "dp" (dim 0 of its
+        mesh, edp x ep ranks), whole elsewhere."""
+        ps = tuple(x.placements)
+        if x.mesh.dim_names[0] != "dp" or ps[0] != Shard(0) or \
+                any(not p.is_replicate() for p in ps[1:]):
+            raise ValueError(f"ExpertParallel: the MoE layer's input is laid out "
+                             f"{list(map(str, ps))} on mesh dims {x.mesh.dim_names}; it takes "
+                             "the batch sharded over a first mesh dim 'dp' (edp x ep ranks) "
+                             "and replicated on the others (no sequence parallelism)")
+
     def _simulated(self, x, w, e, s, module, params, E):
         em, ep = self.mesh, self.ep
+        self._check_input(x)
         loc = [t._local for t in (x, w, e, s)]
         if any(type(t) is not torch.Tensor for t in loc):
             raise NotImplementedError("ExpertParallel: uneven batch shards; give a batch "
                                       "that the data-parallel ranks divide")
-        D = loc[0].shape[0]
-        edp = em.shape[0]
-        if D != edp * ep:
-            raise ValueError(f"ExpertParallel: the input has {D} data-parallel shards, the "
-                             f"expert mesh {edp} x {ep}; build both from one mesh")
+        nd = x.mesh.ndim
+        D, edp = loc[0].shape[0], em.shape[0]
+        if D != edp * ep or x.mesh.ranks != em.ranks:
+            raise ValueError(f"ExpertParallel: the input's mesh {x.mesh} is not the expert "
+                             f"mesh {em} seen as (edp x ep, ...); build both from one mesh")
         B, S, h = loc[0].shape[-3:]
-        # tp copies are the same tokens: compute once (tp index 0), record for every group
-        per_rank = [[t[i, 0].reshape(B * S, -1) for t in loc] for i in range(D)]
+        # copies along the other dims (tp) are the same tokens: computed once (index 0),
+        # the exchange recorded for every group
+        rest = (0,) * (nd - 1)
+        per_rank = [[t[(i, *rest)].reshape(B * S, -1) for t in loc] for i in range(D)]
         group = tuple(range(ep))                # the exchange's order within a group
         ys, send_rows = [], {}
         for a in range(edp):
@@ -181,11 +195,16 @@ class ExpertParallel:
                           .reshape(B, S, h))
             send_rows[a] = [pm[2] for pm in perm]
         self.last_send_rows = send_rows
-        y = torch.stack(ys).reshape(D, 1, B, S, h)
+        y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), B, S, h)
         y = self._record(y, send_rows, module, x)
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
 
     def _distributed(self, x, w, e, s, module, params, E):
+        """One process: its tokens out and back by torch.distributed's all_to_all_single
+        with split sizes, after an all-to-all of its per-expert counts (Megatron-LM's
+        ``tokens_per_expert`` exchange); the collectives block, so nothing overlaps."""
+        import torch.distributed as dist
+        self._check_input(x)
         lx, lw, le, ls = (t._local for t in (x, w, e, s))
         B, S, h = lx.shape[-3:]
         nd = lx.dim() - 3
@@ -193,16 +212,22 @@ class ExpertParallel:
         rows, assign, per_dest, per_expert = self._permute(
             xs, le.reshape(B * S, -1), ls.reshape(B * S, -1), E)
         pg, g = _B.group(self.mesh, self.ax)
-        me = g.index(_B.rank())
-        counts = torch.tensor(per_expert, dtype=torch.int64)
-        import torch.distributed as dist
-        allc = [torch.empty_like(counts) for _ in g]
-        dist.all_gather(allc, counts, group=pg)        # every source's counts per expert
+        me, El = g.index(_B.rank()), E // self.ep
+        mine = torch.tensor(per_expert, dtype=torch.int64)      # (ep x El) by destination
+        got = torch.empty_like(mine)
+        dist.all_to_all_single(got, mine, group=pg)             # counts first: (source, El)
+        C.record_collective("all_to_all", self.mesh, self.ax, 8 * E, "EP counts (forward)",
+                            groups=[g])
+        counts = [[0] * E for _ in g]                # source j's counts, at my experts' slots
+        for j, c in enumerate(got.view(len(g), El).tolist()):
+            counts[j][me * El:(me + 1) * El] = c
         recv = C.all_to_all_v(list(rows.split(per_dest)), self.mesh, self.ax,
-                              label="EP dispatch")
+                              label="EP dispatch (forward)",
+                              recv_rows=[sum(c) for c in counts])
         pr = {n: p._local.reshape(p._local.shape[self.mesh.ndim:]) for n, p in params.items()}
-        outs = self._experts_on(module, pr, recv, [c.tolist() for c in allc], me, E)
-        back = C.all_to_all_v(outs, self.mesh, self.ax, label="EP combine")
+        outs = self._experts_on(module, pr, recv, counts, me, E)
+        back = C.all_to_all_v(outs, self.mesh, self.ax, label="EP combine (forward)",
+                              recv_rows=per_dest)
         y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
 
