@@ -95,7 +95,7 @@ class SimulationResult:
         bl, s = self.blocks, self.schedule
         events = [Event(KINDS[k], "compute", t, d, (r,),
                         label=f"{KINDS[k]}{mb}" + (f"c{c}" if c else ""),
-                        args={"mb": mb, "chunk": c, "stage": c * s.p + r})
+                        args={"mb": mb, "chunk": c, "stage": s.stage(r, c)})
                   for r, t, d, k, mb, c in zip(bl.rank.tolist(), bl.start.tolist(),
                                                bl.duration.tolist(), bl.kind.tolist(),
                                                bl.mb.tolist(), bl.chunk.tolist())]
@@ -205,14 +205,14 @@ def _result(s: Schedule, out, durations, w_parts, costs) -> SimulationResult:
 
 def _comm_events(s: Schedule, ends, p2p: float) -> list[Event]:
     """One send/recv per stage boundary crossed: activations forward, gradients back."""
-    p, last, events = s.p, s.stages - 1, []
+    last, events = s.stages - 1, []
     for r, row in enumerate(s.actions):
         for i, a in enumerate(row):
-            stage = a.chunk * p + r
+            stage = s.stage(r, a.chunk)
             if a.kind == "F" and stage < last:
-                dst, what = (stage + 1) % p, "activation"
+                dst, what = s.placement(stage + 1, a.mb)[0], "activation"
             elif a.kind == "B" and stage > 0:
-                dst, what = (stage - 1) % p, "gradient"
+                dst, what = s.placement(stage - 1, a.mb)[0], "gradient"
             else:
                 continue
             if dst != r:
@@ -290,6 +290,6 @@ def _cost(arg: str, value, s: Schedule):
     if len(vals) == s.p:
         return lambda a, r: vals[r]
     if len(vals) == s.stages:
-        return lambda a, r: vals[a.chunk * s.p + r]
+        return lambda a, r: vals[s.stage(r, a.chunk)]
     raise ValueError(f"simulate({arg}=<list of {len(vals)}>): a per-stage cost list needs "
                      f"p={s.p} entries (one per rank) or p*v={s.stages} (one per layer-stage)")
