@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import workbench as wb
-from workbench.parallel.schedules import (Schedule, ScheduleError, dualpipe, formula_bubble,
-                                          one_f_one_b, simulate, transfers, validate, zb_h1,
-                                          zb_v)
+from workbench.parallel.schedules import (Schedule, ScheduleError, dualpipe, dualpipe_costs,
+                                          formula_bubble, one_f_one_b, simulate, transfers,
+                                          validate, zb_h1, zb_v)
 from workbench.parallel.schedules.execute import run_pipeline
 
 PM = [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 24)]
@@ -27,9 +27,29 @@ def test_dualpipe_table2_activations_and_parameters(p, m):
     assert r.starts[0][0] == 0 and r.starts[p - 1][0] == 0
 
 
+@pytest.mark.parametrize("p,m", PM + [(10, 20)])
+@pytest.mark.parametrize("c", [1.0, 0.5, 3.0])
+def test_dualpipe_bubble_is_table2(p, m, c):
+    # F&B pairs run as one block (both outputs at the pair's end), F = B = W = c
+    s = dualpipe(p, m)
+    r = simulate(s, **dualpipe_costs(s, c, c, c))
+    table = formula_bubble(s, c, c, c)      # (p/2 - 1)(F&B + B - 3W), F&B = 3c, B = 2c
+    assert table.bubble_time == pytest.approx((p / 2 - 1) * (3 * c + 2 * c - 3 * c))
+    assert r.bubble_time == pytest.approx((table.bubble_time,) * p)
+    assert r.peak_inflight == (p + 1,) * p
+    # 1F1B's row of Table 2, (p - 1)(F + B), on the same costs: DualPipe's is below
+    assert simulate(one_f_one_b(p, m), f=c, b=c, w=c).bubble_time[0] == \
+        pytest.approx((p - 1) * (c + 2 * c))
+
+
+def test_dualpipe_costs_bad_input():
+    with pytest.raises(ValueError, match="dualpipe"):
+        dualpipe_costs(zb_h1(2, 4))
+
+
 @pytest.mark.parametrize("p,m", PM)
 @pytest.mark.parametrize("f,b,w", [(1, 1, 1), (2, 1, 1), (3, 2, 1), (1, 1, 0.5), (2, 2, 1)])
-def test_dualpipe_bubble_against_table2(p, m, f, b, w):
+def test_dualpipe_bubble_unfused(p, m, f, b, w):
     r = simulate(dualpipe(p, m), f=f, b=b, w=w)
     measured = (p / 2 - 1) * (f + b - w)     # F then B in sequence (formulas.py), b <= f
     assert r.bubble_time == pytest.approx((measured,) * p)

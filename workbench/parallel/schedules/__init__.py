@@ -19,7 +19,7 @@ from .one_f_one_b import one_f_one_b
 from .simulate import Blocks, SimulationResult, simulate
 from .validate import ScheduleError, validate
 from .zero_bubble import zb_h1
-from .dualpipe import dualpipe
+from .dualpipe import dualpipe, dualpipe_costs
 from .zb_v import zb_v
 from .execute import PipelineRun, run_pipeline
 
@@ -32,7 +32,7 @@ SCHEDULES = {
 """Display name -> ``build(p, m, v)``, the schedules the course offers side by side."""
 
 __all__ = ["KINDS", "Action", "Schedule", "Transfer", "transfers", "gpipe", "one_f_one_b",
-           "interleaved_1f1b", "zb_h1", "dualpipe", "zb_v", "validate", "ScheduleError",
+           "interleaved_1f1b", "zb_h1", "dualpipe", "dualpipe_costs", "zb_v", "validate", "ScheduleError",
            "simulate",
            "SimulationResult", "Blocks", "formula_bubble", "BubbleFormula", "SCHEDULES",
            "run_pipeline", "PipelineRun"]

@@ -26,9 +26,10 @@ Rank r, with h = min(r, p - 1 - r) and phase 0 the direction whose inputs reach 
 
 Table 2 (per rank; F, B the forward and the full backward of a chunk, W its weight part,
 F&B an overlapped forward and backward pair): bubble (p/2 - 1)(F&B + B - 3W), parameters
-2x (two copies), activations p + 1 micro-batches (1F1B: (p - 1)(F + B), 1x, p).  Without
-the overlap F&B = F + B, and with the B and W of this module (B the input gradient):
-(p/2 - 1)(F + 2B - W).  It needs m >= 2p (the reference implementation asserts it).
+2x (two copies), activations p + 1 micro-batches (1F1B: (p - 1)(F + B), 1x, p).
+:func:`dualpipe_costs` prices each steady-state pair as one F&B block, so that
+``simulate`` reproduces the table (exactly when F = B = W; see ``formulas.py``).  It needs
+m >= 2p (the reference implementation asserts it).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from collections import deque
 from ._check import check_pm
 from .actions import Action, Schedule
 
-__all__ = ["dualpipe"]
+__all__ = ["dualpipe", "dualpipe_costs"]
 
 
 def dualpipe(p: int, m: int) -> Schedule:
@@ -46,6 +47,32 @@ def dualpipe(p: int, m: int) -> Schedule:
     >>> print(dualpipe(2, 4).to_text()[0])
     rank 0: F0 F2c1 F1 B2c1 W2c1 F3c1 B0 W0 B3c1 W3c1 B1 W1
     """
+    rows, _ = _build(p, m)
+    return Schedule(p, m, 2, rows, name="dualpipe", split_backward=True, layout="dualpipe")
+
+
+def dualpipe_costs(schedule: Schedule, f=1.0, b=1.0, w=1.0, fb=None) -> dict:
+    """Costs for :func:`~.simulate.simulate` that run each steady-state forward-backward
+    pair of ``schedule`` (a :func:`dualpipe` schedule) as one block of ``fb`` seconds
+    (Table 2's F&B; default f + b + w, the pair without overlap): the pair's F costs fb,
+    its B and W nothing, so both outputs leave when the pair ends, as when the two run
+    overlapped.  Other actions cost f, b, w.  ``simulate(s, **dualpipe_costs(s, ...))``."""
+    if not isinstance(schedule, Schedule) or schedule.name != "dualpipe":
+        raise ValueError("dualpipe_costs(schedule=...): give a schedule built by dualpipe(p, m)")
+    rows, pairs = _build(schedule.p, schedule.m)
+    if rows != schedule.actions:
+        raise ValueError("dualpipe_costs: the schedule was edited after dualpipe() built it; "
+                         "its F&B pairs are unknown")
+    fb = f + b + w if fb is None else fb
+    lead = {(r, a) for r, a, _ in pairs}
+    rest = {(r, x) for r, a, bw in pairs for x in bw}
+    return {"f": lambda a, r: fb if (r, a) in lead else f,
+            "b": lambda a, r: 0.0 if (r, a) in rest else b,
+            "w": lambda a, r: 0.0 if (r, a) in rest else w}
+
+
+def _build(p: int, m: int):
+    """(rows, pairs): pairs lists (rank, F, (B, W)) of the overlapped F&B pairs."""
     check_pm("dualpipe", p, m, per=3)
     if p % 2:
         raise ValueError(f"dualpipe(p={p}): DualPipe pairs rank r with rank p - 1 - r; use an "
@@ -55,7 +82,7 @@ def dualpipe(p: int, m: int) -> Schedule:
                          f"and the reference implementation needs m >= 2p; use an even "
                          f"m >= {2 * p}")
     half, nh = m // 2, p // 2
-    rows = []
+    rows, pairs = [], []
     for r in range(p):
         h = min(r, p - 1 - r)
         second = r >= nh
@@ -81,6 +108,11 @@ def dualpipe(p: int, m: int) -> Schedule:
         def W():
             row.append(deferred.popleft())
 
+        def FB(ph_f, ph_b):                  # a forward and a full backward, overlapped
+            F(ph_f)
+            B(ph_b)
+            pairs.append((r, row[-3], (row[-2], row[-1])))
+
         for _ in range(2 * (nh - h - 1)):    # 1: warm-up, phase 0
             F(0)
         for _ in range(h + 1):               # 2: both directions
@@ -90,15 +122,16 @@ def dualpipe(p: int, m: int) -> Schedule:
             B(1, zb=True)
             W()
             F(1)
-        for _ in range(half - p + h + 1):    # 4: steady state, F&B pairs
-            F(0)
-            B(1)
-            F(1)
-            B(0)
+        for i in range(half - p + h + 1):    # 4: steady state, F&B pairs
+            if i == 0 and h == nh - 1:       # the middle ranks' first pair is not
+                F(0)                         # overlapped (as in the reference)
+                B(1)
+            else:
+                FB(0, 1)
+            FB(1, 0)
         for _ in range(nh - h - 1):          # 5: B1, then F1 & B0
             B(1)
-            F(1)
-            B(0)
+            FB(1, 0)
         s6, zb = h + 1, False                # 6: B1 B0, the later half deferring W
         for i in range(s6):
             if i == s6 // 2 and h % 2 == 1:
@@ -113,5 +146,4 @@ def dualpipe(p: int, m: int) -> Schedule:
         while deferred:                      # 8: the deferred W's
             W()
         rows.append(tuple(row))
-    return Schedule(p, m, 2, tuple(rows), name="dualpipe", split_backward=True,
-                    layout="dualpipe")
+    return tuple(rows), pairs

@@ -12,10 +12,12 @@ DualPipe            (p/2-1)(F&B + B - 3W)        DeepSeek-V3 report, Table 2 (B 
                                                  full backward b + w; F&B the pair)
 ==================  ===========================  ===================================
 
-DualPipe's F&B is a forward and a backward run overlapped; the simulator runs them one
-after the other, so F&B = f + b + w here, and a forward's output leaves at its own end,
-before its paired backward: the simulator measures (p/2-1)(f + b - w) when b <= f, less
-than the table (tests/test_schedules_dualpipe.py).  Table 2's other columns hold as
+DualPipe's F&B is a forward and a backward run overlapped, taken here as f + b + w (no
+overlap gain).  Simulated with each steady-state pair as one block (``dualpipe_costs``:
+both outputs leave when the pair ends), the bubble is Table 2's exactly when
+f = b = w (the zero-bubble papers' setting; tests/test_schedules_dualpipe.py, p = 2..8).
+Run as separate actions (a forward's output leaving before its paired backward), the
+simulator measures less, (p/2-1)(f + b - w) when b <= f.  Table 2's other columns hold as
 simulated: p + 1 micro-batches of activations, two copies of the parameters.  ZB-V
 (``zb_v``) has no closed form here: its published bubble (0 when t_F = t_B = t_W,
 sail-sg's comparison) belongs to the paper's searched schedule, not to this module's
