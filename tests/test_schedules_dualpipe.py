@@ -74,19 +74,36 @@ def test_dualpipe_bad_input():
                           layout="dualpipe"))
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (3, 6), (4, 4), (4, 8), (6, 12), (8, 16)])
-def test_zb_v_memory_and_bubble(p, m):
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (5, 10), (6, 12), (8, 16),
+                                 (8, 24)])
+@pytest.mark.parametrize("c", [1.0, 0.25])
+def test_zb_v_is_zero_bubble_at_1f1b_memory(p, m, c):
     s = validate(zb_v(p, m))
     assert s.layout == "v" and s.stage(0, 0) == 0 and s.stage(0, 1) == 2 * p - 1
-    r = simulate(s, f=1.0, b=1.0, w=1.0)
-    # published: activation memory 1x 1F1B's (p micro-batches = 2p half-stage chunks)
-    assert max(r.peak_inflight) == 2 * p
-    # with equal costs, less bubble than ZB-H1 on the same model (a stage = 2 chunks)
-    h1 = simulate(zb_h1(p, m), f=2.0, b=2.0, w=2.0)
+    r = simulate(s, f=c, b=c, w=c)
+    # published (t_F = t_B = t_W): bubble 0, counted from each rank's first action ...
+    fb = formula_bubble(s, c, c, c)
+    assert fb.measure == "span" and fb.bubble_time == 0.0
+    assert r.span_bubble == pytest.approx((0.0,) * p, abs=1e-12)
+    # ... at 1F1B's activation memory: p micro-batches = 2p half-stage chunks, every rank
+    assert r.peak_inflight == (2 * p,) * p
+    # ZB-H1 on the same model (a stage = two chunks) keeps (p-1)(F+B-W) on every rank
+    h1 = simulate(zb_h1(p, m), f=2 * c, b=2 * c, w=2 * c)
+    assert h1.span_bubble[0] == pytest.approx((p - 1) * 2 * c)
     assert r.bubble_fraction < h1.bubble_fraction
-    assert formula_bubble(s, 1.0, 1.0, 1.0) is None       # no closed form (formulas.py)
     # the V: a micro-batch goes down the ranks and back up, twice the messages of 1F1B
     assert len(transfers(s)) == 2 * len(transfers(one_f_one_b(p, m)))
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1, 2, 2)])
+def test_zb_v_other_costs_beat_zb_h1(f, b, w):
+    p, m = 4, 8
+    s = validate(zb_v(p, m, f, b, w))           # the order built for these costs
+    r = simulate(s, f=f, b=b, w=w)
+    h1 = simulate(zb_h1(p, m), f=2 * f, b=2 * b, w=2 * w)
+    assert max(r.peak_inflight) == 2 * p
+    assert r.span_bubble_fraction < h1.span_bubble_fraction
+    assert formula_bubble(s, f, b, w) is None     # no closed form (formulas.py)
 
 
 def test_zb_v_bad_input():
@@ -94,6 +111,8 @@ def test_zb_v_bad_input():
         zb_v(4, 2)
     with pytest.raises(ValueError, match="v=3"):
         Schedule(2, 2, 3, ((), ()), layout="v")
+    with pytest.raises(ValueError, match="w=0"):
+        zb_v(2, 4, w=0)
 
 
 def _model(n, seed=0):

@@ -88,6 +88,22 @@ class SimulationResult:
         """Idle time per rank: makespan - busy."""
         return tuple(self.makespan - b for b in self.busy)
 
+    @property
+    def span_bubble(self) -> tuple[float, ...]:
+        """Idle time per rank between its first action's start and its last action's end:
+        the bubble the zero-bubble papers count (their schedulers add a rank's idle time
+        only once it has started; the start-up skew is absorbed across iterations)."""
+        return tuple((max(en) - min(st) - b) if st else 0.0
+                     for st, en, b in zip(self.starts, self.ends, self.busy))
+
+    @property
+    def span_bubble_fraction(self) -> float:
+        """The largest span bubble over that rank's span: bubble / (bubble + busy)."""
+        sb = self.span_bubble
+        r = max(range(len(sb)), key=lambda i: sb[i])
+        total = sb[r] + self.busy[r]
+        return sb[r] / total if total > 0 else 0.0
+
     @cached_property
     def timeline(self) -> list[Event]:
         """Every block as a trace :class:`~workbench.sim_mesh.trace.Event` (stream "compute"),
