@@ -167,3 +167,21 @@ def test_executor_gives_one_device_gradients(name, p, m):
         gb = sum(params[sl][1].grad.full() for sl in slots)
         torch.testing.assert_close(gw, ref_grads[st][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gb, ref_grads[st][1], rtol=1e-5, atol=1e-6)
+
+
+def test_train_with_zb_v_gives_one_devices_losses():
+    """The hybrid recipe places ZB-V's 2p stages in a V (rank r: stages r and 2p-1-r)."""
+    from workbench.recipes.hybrid import Hybrid
+    from workbench.train import train
+    one = [r["loss"] for r in train("tiny", steps=2, seed=0, timing=False, n_layer=4)]
+    got = [r["loss"] for r in train("tiny", steps=2, seed=0, timing=False, n_layer=4,
+                                    strategy=Hybrid(dp=2, pp=2, schedule="zb-v"))]
+    assert got == pytest.approx(one, rel=1e-5)
+    with pytest.raises(ValueError, match="two chunks per rank"):
+        Hybrid(pp=2, schedule="zb-v", virtual=3)
+
+
+def test_cli_refuses_zb_v_that_cannot_split_the_model(capsys):
+    from workbench.cli import main
+    assert main(["train", "--preset", "tiny", "--pp", "2", "--schedule", "zb-v"]) == 2
+    assert "4 stages do not divide n_layer=2" in capsys.readouterr().err
