@@ -21,14 +21,19 @@ Beside each curve, the textbook formula (alpha-beta, no protocols, no algorithm 
 and published figures where we found them (each with its source; none for HCCL):
 
 - A100, 8 GPUs in one node: 232.5 GB/s all_reduce busbw at large sizes, 8 x
-  A100-SXM4-80GB (nccl-tests issue #175, as cited in profiles/a100.json);
+  A100-SXM4-80GB (nccl-tests issue #175, as cited in profiles/a100.json); a user's 8 x
+  A100-SXM4-80GB: "a busbw of ~200 GB/s" (nccl-tests issue #149, 2023-06-27);
 - H100, 8 GPUs in one node, NCCL_ALGO=RING: about 370 GB/s busbw ("NCCL can get an
   effective NVLink bandwidth of 370GB/s, which you can observe as BusBw ... when running
   with NCCL_ALGO=RING", S. Jeaugey, nccl-tests issue #212, 2024-05-06); NVLS reaches
   ~480 GB/s (same comment), not modeled;
-- across nodes, per NIC: 24 GB/s per 200 Gb/s HDR NIC (nccl-tests issue #119) and 46-48
-  GB/s per 400 Gb/s NDR NIC (A. Ladd, nccl-tests issue #290, 2025-03-03), shown beside the
-  model's per-NIC rate (multi-node busbw is bounded by ranks-per-node x that rate);
+- H100, 2 nodes of 8 with 8 x 400G CX7 NICs each: "around 48GB/s from each CX7 NIC ...
+  aggregated to achieve up to ~396GB/s with the RING protocol" (A. Ladd, nccl-tests issue
+  #319, 2025-06-11);
+- across nodes, per NIC: "24GB/s is the peak performance per 200G NIC" (S. Jeaugey,
+  nccl-tests issue #119, 2022-11-17) and 46-48 GB/s per 400 Gb/s NDR NIC (A. Ladd,
+  nccl-tests issue #290, 2025-03-03), shown beside the model's per-NIC rate (multi-node
+  busbw is bounded by ranks-per-node x that rate);
 - Ascend 910B / HCCL: no published all-reduce bus-bandwidth figure was found (HCCL's
   Performance Tester reports alg_bandwidth only: CANN HCCL tool guide, "Result
   Description", HCCLpertest_16_0006); nothing is shown.
@@ -64,10 +69,14 @@ GB = 1e9
 PUBLISHED = [
     ("a100", 8, "all_reduce busbw, 8 x A100-SXM4-80GB, large sizes", 232.5, 232.5,
      "nccl-tests issue #175 (as cited in profiles/a100.json)"),
+    ("a100", 8, "all_reduce busbw, a user's 8 x A100-SXM4-80GB (HPE Apollo 6500), 'about'",
+     200.0, 200.0, "nccl-tests issue #149, 2023-06-27"),
     ("h100", 8, "all_reduce busbw with NCCL_ALGO=RING, 8 x H100", 370.0, 370.0,
      "nccl-tests issue #212, S. Jeaugey (NVIDIA), 2024-05-06"),
-    ("a100", None, "per 200 Gb/s HDR NIC across nodes", 24.0, 24.0,
-     "nccl-tests issue #119"),
+    ("h100", 16, "all_reduce busbw, 2 nodes x 8 H100, 8 x 400G CX7 each, ring, 'up to'",
+     396.0, 396.0, "nccl-tests issue #319, A. Ladd (NVIDIA), 2025-06-11"),
+    ("a100", None, "per 200 Gb/s HDR NIC across nodes ('the peak')", 24.0, 24.0,
+     "nccl-tests issue #119, S. Jeaugey (NVIDIA), 2022-11-17"),
     ("h100", None, "per 400 Gb/s NDR NIC across nodes", 46.0, 48.0,
      "nccl-tests issue #290, A. Ladd (NVIDIA), 2025-03-03"),
 ]
@@ -136,10 +145,13 @@ def table(data, show_ranks=(2, 8, 16, 128, 1024), show_sizes=(2 ** 10, 2 ** 20, 
             if pname != name:
                 continue
             fig = f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+            at = dict((n, r) for n, *r in by_p.get(p, ()))
             if p is None:
                 model = f"model's NIC rate {nic_rate(prof) / GB:.1f} GB/s"
+            elif 2 ** 30 in at:
+                model = f"clock at p={p}, 1 GiB: {at[2 ** 30][0] / GB:.1f}"
             else:
-                model = f"clock at 1 GiB {dict((n, r) for n, *r in by_p[p])[2 ** 30][0] / GB:.1f}"
+                model = f"p={p} at 1 GiB not in this sweep"
             lines.append(f"  published: {what}: {fig} GB/s ({src}); {model}")
         if name in NOT_FOUND:
             lines.append(f"  published: {NOT_FOUND[name]}")

@@ -85,6 +85,17 @@ def test_hierarchical_all_reduce_is_an_all_reduce(shape, axis, chunks):
                        C.all_reduce(xf, mesh, axis, "max"))
 
 
+def test_hierarchical_all_reduce_gradient_is_the_all_reduces():
+    mesh = wb.Mesh.grid((16,), ["dp"])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 6, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(1, 6, 5, generator=g, dtype=torch.float64)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (hierarchical_all_reduce(a, mesh, 0, chunks=3, profile="a100") * w).sum().backward()
+    (C.all_reduce(b, mesh, 0) * w).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_hierarchical_all_reduce_records_the_pipelined_timeline():
     mesh = wb.Mesh.grid((32,), ["dp"])
     x = torch.ones(32, 1024, 256)               # 1 MiB per rank

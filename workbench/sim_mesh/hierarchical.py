@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import collectives as _C
@@ -182,7 +183,6 @@ def _node_view(mesh: Mesh, axis: int, profile):
                          f"each of its nodes (use collectives.all_reduce)")
     g = next(iter(layouts))
     m, k = g.nodes, g.local
-    import numpy as np
     ranks = np.array(mesh.ranks).reshape(mesh.shape)
     shape = mesh.shape[:axis] + (m, k) + mesh.shape[axis + 1:]
     name = mesh.dim_names[axis]
