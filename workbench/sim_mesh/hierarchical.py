@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import backends as _B
 from . import collectives as _C
 from . import cost as _cost
 from . import topology as _topo
@@ -204,6 +205,10 @@ def hierarchical_all_reduce(x: torch.Tensor, mesh: Mesh, axis, *, chunks: int | 
     (default: the trace's, else "a100") says which ranks share a node."""
     _C._check_op(op)
     _check_chunks(chunks)
+    if _B.is_distributed(mesh):
+        raise NotImplementedError("hierarchical_all_reduce runs on the simulator; on "
+                                  "torch.distributed the library picks its own algorithm "
+                                  "(HCCL_ALGO='level0:NA;level1:pipeline' asks HCCL for it)")
     tr = current_trace()
     profile = get_profile(profile if profile is not None else
                           (tr.profile if tr is not None else None))

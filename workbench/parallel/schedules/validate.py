@@ -68,6 +68,7 @@ def check_structure(schedule: Schedule) -> None:
     s = schedule
     kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
     need = len(kinds) * sum(len(s.chunks_of(mb)) for mb in range(s.m))
+    dual, half = s.layout == "dualpipe", s.m // 2     # DualPipe: one chunk per micro-batch
     for r, row in enumerate(s.actions):
         where: dict[tuple, int] = {}
         for i, a in enumerate(row):
@@ -81,7 +82,7 @@ def check_structure(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r} runs {a} (position {i}) but v={s.v}: "
                                     f"chunks are 0..{s.v - 1}")
             key = (a.kind, a.mb, a.chunk)
-            if a.chunk not in s.chunks_of(a.mb):
+            if dual and a.chunk != (a.mb >= half):
                 raise ScheduleError(f"rank {r} runs {a} (position {i}) but in the "
                                     f"{s.layout!r} layout micro-batch {a.mb} runs on chunk "
                                     f"{s.chunks_of(a.mb)[0]} only")
