@@ -9,7 +9,9 @@ The algorithm (p = m nodes x k ranks per node, n bytes per rank):
    on its own NIC (RDMA over InfiniBand / RoCE), k such all-reduces at once;
 3. intra-node all-gather: every rank gets the whole sum.
 
-It moves the bytes of a flat ring (``cost.hierarchical_time``), but puts only n / k of
+The CANN 7.0 article the course follows names it (issue 18: "hierarchical all-reduce
+whose intra-node (SDMA) and inter-node (RDMA) phases run in a pipeline").  It moves the
+bytes of a flat ring (``cost.hierarchical_time``), but puts only n / k of
 them on each NIC.  Done once, the phases run one after another and the NICs idle while
 the fast links work and the reverse.  HCCL's "pipeline" algorithm (CANN HCCL user guide,
 "Pipeline", hcclug_000124: "when transferring data between servers, the intra-server
