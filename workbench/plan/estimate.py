@@ -225,9 +225,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
+    # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
+    ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n),
-                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket)
+                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
+                              prefetch_numel=ahead)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
