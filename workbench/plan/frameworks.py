@@ -114,8 +114,12 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
             if overlap_grad_reduce else "after the pipeline flush")
     g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
     out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
-    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
-                                "Megatron's unfused core (Korthikanti Table 2)"))
+    if attention == "flash":     # name the kernel whose rate the profile took
+        src = prof.citations.get("efficiency.attention", "no source cited").split(":")[0]
+        out.append(f"attention: a fused FlashAttention kernel at "
+                   f"{prof.efficiency.get('attention', 1.0):.0%} of peak ({src})")
+    else:
+        out.append("attention: Megatron's unfused core (Korthikanti Table 2)")
     if lay.zero >= 2 and not overlap:
         out.append("ZeRO collectives not overlapped (overlap=False)")
     marked = sorted(k for k, v in prof.citations.items()
