@@ -76,3 +76,16 @@ def test_cli_prints_ranges_and_assumptions(capsys):
     assert "range: every profile figure with a stated bound" in out
     assert "kernel_bandwidth.attention_core_forward" in out and "#1 assumes: " in out
     assert "not in the range (ASSUMED, no bound stated): inter_node.latency" in out
+
+
+def test_mfu_counts_the_full_core_and_gives_the_causal_count_beside():
+    """Model FLOPs count the whole s x s core (Megatron-LM's count behind the published
+    rows); ``mfu_causal`` halves the core as Megatron-LM does since 2025 (8873b55d6a):
+    the difference is 3 x 2 b s^2 h per layer (forward and backward, halved)."""
+    cfg = get_config("llama3-8b", n_layer=4)
+    lay, cl = P.Layout(dp=1, tp=8, sp=True, global_batch=2), P.Cluster("h100", 8)
+    e = P.estimate(cfg, lay, cl)
+    s, h, B = cfg.seq_len, cfg.d_model, 2
+    full = e.mfu * e.step_time * cl.profile.peak(cfg.dtype) * 8
+    causal = e.details["mfu_causal"] * e.step_time * cl.profile.peak(cfg.dtype) * 8
+    assert full - causal == pytest.approx(4 * 3 * 2 * B * s * s * h, rel=1e-9)

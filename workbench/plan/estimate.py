@@ -331,6 +331,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
+        "mfu_causal": (model_f - 1.5 * cfg.n_layer * C.layer_flops(cfg, lay.global_batch)[1])
+        / (step * peak * n),       # the causal core counted half (costs.model_and_hardware_flops)
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
                     fits=busiest["memory"]["total"] <= prof.usable_memory(),
