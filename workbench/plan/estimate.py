@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
 from . import frameworks as F
+from . import stage_sync as S
 from . import zero_cost as Z
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
@@ -215,8 +216,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
         if lay.zero == 0:
             return bwd, wire_bytes("all_reduce", g, dp)
+        # Megatron-core gathers one bucket ahead (``_finish_param_sync_helper``: "We
+        # can't pre-launch all-gathers for all buckets at once", f2e5db402c), the first
+        # from zero_grad, just before the forward; a block stands for a bucket
+        ahead = 1 if lay.engine == "megatron" else float("inf")
         fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
-                                prefetch_numel=float("inf"), rate=r)
+                                prefetch_numel=ahead, rate=r)
         return bwd + fwd, rs + ag
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
@@ -234,6 +239,20 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
+
+
+def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
+                      overlap_grad_reduce: bool) -> None:
+    """Megatron-LM's (and DeepSpeed's pipeline engine's) sync on stages after the first,
+    less the pipeline's slack (``stage_sync``): each such stage's ``dp`` replaced."""
+    name = [_stage_name(k, lay.pp, lay.stages is not None) for k in range(lay.pp)]
+    fwd = [stages[n]["forward"] for n in name]
+    bwd = [stages[n]["time"] - stages[n]["forward"] for n in name]
+    for d in stages.values():
+        if d["stage"] > 0:
+            sf, sb = S.slacks(d["stage"], fwd, bwd)
+            d["dp"] = S.after_flush(d["psi"], lay, prof, d["stage"], grad_bytes, sf, sb,
+                                    overlap_grad_reduce)
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -297,10 +316,13 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
-                            forward=fwd,
+                            forward=fwd, psi=psi,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             memory=stage_memory(cfg, lay, s, attention))
 
+    if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp > 1 and v == 1:
+        _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
+                          overlap_grad_reduce)
     slow = max(stages.values(), key=lambda d: d["time"])
     bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
     m = lay.m
