@@ -205,7 +205,11 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "the DP sync overlapped as the README's "
                           "--overlap-grad-reduce --overlap-param-gather (estimate's "
                           "overlap_grad_reduce); --tp-comm-overlap's TP overlap beyond the "
-                          "async backward is not modeled",
+                          "async backward is not modeled; the attention is priced at the "
+                          "profile's FlashAttention-3 rate, a kernel published "
+                          "(2024-07-11) days before this table, so not the one it ran "
+                          "(FlashAttention-2 or cuDNN's): the range column goes down to "
+                          "FlashAttention-2's",
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
                    "pipeline engine and data parallelism (framework='deepspeed')"}

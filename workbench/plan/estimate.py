@@ -16,7 +16,9 @@ data-parallel synchronisation + the optimizer step, where
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
   (``parallel.schedules.formulas``; Narayanan et al. 2021);
 - data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
-  al. 2021 does not overlap it): an all-reduce of the rank's 16-bit gradients; ZeRO-1:
+  al. 2021 does not overlap it; on a later stage only past the pipeline's slack, since
+  each stage reduces once its own last backward is done: ``stage_sync``): an
+  all-reduce of the rank's 16-bit gradients; ZeRO-1:
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
   volume, ZeRO sec. 7.2.1); with ``overlap_grad_reduce=True`` (later Megatron-LM's
   ``--overlap-grad-reduce`` / ``--overlap-param-gather``, torch DDP) those run module by

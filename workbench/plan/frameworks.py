@@ -39,7 +39,9 @@ them, and what the estimate and the memory model read from here:
   units, one unit's 16-bit gradient and its fp32 copy for the reduce-scatter
   (``memory.stage_memory``).  ASSUMPTION: FSDP2's all-gather and reduce-scatter streams
   share the rank's network as one stream (``zero_cost``); both CUDA streams exist, but
-  they share one NIC and NCCL communicator.
+  they share one NIC and NCCL communicator.  Not modeled: torchtitan keeps the last
+  unit (final norm and output layer) gathered after its forward
+  (``reshard_after_forward=False`` there); the estimate gathers it again for backward.
 """
 from __future__ import annotations
 
