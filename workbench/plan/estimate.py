@@ -190,7 +190,8 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
-             overlap_grad_reduce: bool = False, grad_bytes: int = 2):
+             overlap_grad_reduce: bool = False, grad_bytes: int = 2,
+             head_live: bool = True):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -199,7 +200,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
     first forward (all gathers issued at once), on the same stream model.
     ``grad_bytes``: bytes per gradient element reduced (``frameworks.grad_reduce_bytes``:
-    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit."""
+    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit.
+    ``head_live``: the head's weight is still gathered when the loss is computed (tied
+    to the embedding); if not, this library's recipe re-gathers it before the loss and
+    the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``)."""
     if lay.dp == 1:
         return 0.0, 0.0
     g, ranks, dp, m = grad_bytes * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
@@ -237,7 +241,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
-                              prefetch_numel=ahead)
+                              prefetch_numel=ahead,
+                              loss_waits=lay.engine == "workbench" and not head_live)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
@@ -314,7 +319,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
-                                 F.grad_reduce_bytes(lay.engine, cfg.dtype))
+                                 F.grad_reduce_bytes(lay.engine, cfg.dtype),
+                                 head_live=cfg.tie_embeddings)
         updated = psi / (lay.dp if lay.zero >= 1 else 1)
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
