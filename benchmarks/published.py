@@ -58,6 +58,15 @@ is here only when its number was read from the source itself:
   sequence 2,048.  ASSUMED: fp16, micro-batch 1, full recompute, 1F1B (DeepSpeed's
   pipeline engine), no ZeRO, vocabulary padded to 51,200.  These rows hold data
   parallelism growing at a fixed model: the DP sync the issue says is underpriced.
+  Read together (least squares, not used by the planner): the published steps are
+  378 s / dp + 12.7 s, i.e. 0.197 s per micro-batch and stage (1,920 / dp micro-batches)
+  and 12.7 s per step whatever dp is; the planner's are 292 s / dp + 5.3 s (0.152 s per
+  micro-batch; bubble 34 x 0.152 = 5.2 s, DP all-reduce 0.30 s, optimizer 0.03 s).
+  Most of the gap is per micro-batch (compute and p2p, 30%), and about 6 s per step
+  besides the bubble that no component priced here explains: the DP all-reduce of 3.8
+  GB of fp16 gradients over 8 nodes is 0.3 s at the 24 GB/s per HDR NIC nccl-tests
+  reach (the profile's citation), on every stage after its own last backward
+  (``plan.stage_sync``); 6 s would be 1.1 GB/s per GPU.
 
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
