@@ -32,8 +32,10 @@ them, and what the estimate and the memory model read from here:
   ``mixed_precision_param = "bfloat16"``; FSDP2 with ``reduce_dtype=None`` reduces in
   the parameters' original dtype, fp32 too: ``_fsdp_api.py``); prefetch one unit ahead
   forward (the next block's all-gather is issued by its pre-forward hook while the
-  current block computes, ``_fsdp_state.py``: implicit forward prefetch) and backward
-  (explicit, the previous block).  The sharded parameters are the fp32 master weights
+  current block computes, ``_fsdp_state.py``: implicit forward prefetch, the copy-in
+  stream waiting on the previous all-gather's event) and backward (the previous block:
+  ``_pre_backward`` calls ``pre_backward(default_prefetch)`` when no modules were set
+  with ``set_modules_to_backward_prefetch``).  The sharded parameters are the fp32 master weights
   (no separate copy: ``MixedPrecisionPolicy``'s docstring), so the model states total
   ZeRO-3's 16 bytes per parameter / dp; the working buffers are two gathered 16-bit
   units, one unit's 16-bit gradient and its fp32 copy for the reduce-scatter
