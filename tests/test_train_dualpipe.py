@@ -80,7 +80,17 @@ def test_the_copies_all_reduce_is_recorded():
     assert rec["state_bytes"] == sum(o.memory().total for o in opts if 0 in o.mesh.ranks)
 
 
+def test_train_with_zb_v_and_tensor_parallel_gives_one_devices_losses():
+    # the zb-v commit checked tp=2 x pp=2 by hand; held here (2 pp = 4 stages, 4 layers)
+    one = _losses(n_layer=4, steps=2)
+    got = _losses(Hybrid(tp=2, pp=2, schedule="zb-v"), n_layer=4, steps=2)
+    assert got == pytest.approx(one, rel=1e-5)
+
+
 def test_dualpipe_bad_input(capsys):
+    for sched in ("dualpipe", "zb-v"):                # torch.distributed: refused up front
+        with pytest.raises(NotImplementedError, match="simulator only"):
+            Hybrid(pp=2, schedule=sched, distributed=True)
     with pytest.raises(ValueError, match="even pp >= 2"):
         Hybrid(pp=3, schedule="dualpipe")
     with pytest.raises(ValueError, match="zero=0 or zero=1"):

@@ -8,7 +8,10 @@ from rank 0 and stage p - 1 - i of the copy fed from rank p - 1 (the "dualpipe" 
 :class:`workbench.schedules.Schedule`).  Each copy sees half the micro-batches, so the
 gradient of the batch is the sum of the two copies' gradients: ranks i and p - 1 - i
 all-reduce them (one buffer per rank pair: the gradients of both stages the pair holds
-twice), then each copy takes the same optimizer step and the copies stay equal.
+twice), then each copy takes the same optimizer step and the copies stay equal.  (The
+reference implementation's example, deepseek-ai/DualPipe ``examples/example_dualpipe.py``,
+does the same before it compares with one device: each rank adds to its copy of a stage
+the gradient of the other copy, gathered from rank p - 1 - i.)
 
 Here the hybrid recipe (:class:`~.hybrid.Hybrid`, ``schedule="dualpipe"``) builds copy 0
 as for any schedule (stage s on rank s) and copy 1 with a twin of itself whose stage

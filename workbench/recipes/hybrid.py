@@ -113,6 +113,10 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
     if schedule == "dualpipe":
         _dualpipe.check_args(pp=pp, zero=zero, distributed=distributed)
+    if schedule == "zb-v" and distributed:      # before a step, not in its first pipeline
+        raise NotImplementedError("Hybrid(schedule='zb-v', distributed=True): the 'v' layout "
+                                  "runs on the simulator only; use schedule='1f1b', "
+                                  "'interleaved' or 'zb-h1' on torch.distributed")
     if schedule == "zb-v" and virtual not in (None, 2):
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule='zb-v': ZB-V places "
                          "exactly two chunks per rank; leave virtual None")
