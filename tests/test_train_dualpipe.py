@@ -101,3 +101,4 @@ def test_dualpipe_bad_input(capsys):
     assert main(["train", "--preset", "tiny", "--pp", "2", "--schedule", "dualpipe",
                  "--batch-size", "6"]) == 2
     assert "batch_size that divides by dp x 2 pp = 4" in capsys.readouterr().err
+
