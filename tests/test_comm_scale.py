@@ -219,3 +219,9 @@ def test_comm_scale_sweep_reads_the_clock_and_the_formula():
     assert data["ascend-910b"][8][0][1] == pytest.approx(data["ascend-910b"][8][0][2])
     text = b.table(data, show_ranks=(8, 64), show_sizes=(2 ** 20, GiB))
     assert "nccl-tests issue #175" in text and "no published HCCL" in text
+    # a figure a profile was fitted to is marked so; an independent one is not
+    lines = b.table(b.sweep(["h100"], ranks=[8, 16], sizes=[GiB]), show_ranks=(8, 16),
+                    show_sizes=(GiB,)).splitlines()
+    fitted = [ln for ln in lines if "FITTED" in ln]
+    assert len(fitted) == 1 and "#212" in fitted[0] and "p=8" in fitted[0]
+    assert any("#319" in ln and "independent" in ln for ln in lines)
