@@ -52,6 +52,9 @@ def test_simulate_reads_a_dualpipe_cost_list_per_stage():
 def test_dualpipe_costs_bad_input():
     with pytest.raises(ValueError, match="dualpipe"):
         dualpipe_costs(zb_h1(2, 4))
+    for kw in (dict(f="a"), dict(w=-1.0), dict(fb=float("nan")), dict(b=True)):
+        with pytest.raises(ValueError, match=f"dualpipe_costs\\({next(iter(kw))}="):
+            dualpipe_costs(dualpipe(2, 4), **kw)
 
 
 @pytest.mark.parametrize("p,m", PM)
