@@ -175,8 +175,10 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
         else:                             # online softmax across blocks (FlashAttention-2)
             m = torch.maximum(lse, lse_t)
             new = m + torch.log(torch.exp(lse - m) + torch.exp(lse_t - m))
-            out = (out * torch.exp(lse - new).unsqueeze(-1).to(out.dtype)
-                   + o_t * torch.exp(lse_t - new).unsqueeze(-1).to(out.dtype))
+            w, w_t = torch.exp(lse - new).unsqueeze(-1), torch.exp(lse_t - new).unsqueeze(-1)
+            if w.dtype != out.dtype:      # lse in float32; the output in q's dtype
+                w, w_t = w.to(out.dtype), w_t.to(out.dtype)
+            out = out * w + o_t * w_t
             lse = new
         if t < p - 1:
             wait(handles)
