@@ -149,3 +149,33 @@ def test_bad_input_names_the_fix():
 def test_validator_checks_every_candidate_of_the_step_rule():
     rep = validate(["ring_attention_step"], meshes=((2,),), max_layouts=6)
     assert rep.ops == ["ring_attention_step"] and rep.runs > 20 and not rep.wrong, rep.format()
+
+
+def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
+    from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp, cp_vs_sp_sweep
+    # the ring's bytes: one layer, S=16 over p=4, h = 4 heads x 8, GQA with 2 K/V heads, fp32
+    r = cp_vs_sp(16, 32, 4, "a100", n_head=4, n_kv_head=2, dtype="float32")
+    mesh = wb.Mesh.grid(4, ["cp"])
+    q, k, v = _qkv(1, 1, 4, 2, 16, 8)
+    dist = [wb.shard_tensor(cp.ring_order(t, 4, 2), mesh, [wb.Shard(2)]) for t in (q, k, v)]
+    with wb.trace("a100") as tr:
+        cp.ring_attention(*dist, "cp")
+    assert r["cp"]["bytes_per_rank"] == tr.bytes_per_rank("send_recv")[0] == 2 * 3 * 4 * 16 * 4
+    assert r["sp"]["bytes_per_rank"] == 4 * 3 * 16 * 32 * 4 // 4        # 4 (p-1)/p b S h e
+    # long sequences: the ring hides behind attention, SP's gathers do not
+    long = cp_vs_sp_sweep([1024, 131072], 4096, 8, "h100", n_head=32, n_kv_head=8)
+    assert long[1]["cp"]["exposed_s"] == 0 < long[0]["cp"]["exposed_s"]
+    assert long[1]["S"] // 8 > long[1]["cp"]["min_tokens_per_rank"] > long[0]["S"] // 8
+    assert all(x["winner"] == "cp" and x["sp"]["exposed_s"] > 0 for x in long)
+    with pytest.raises(ValueError, match="S=10 does not divide by p=4"):
+        cp_vs_sp(10, 32, 4)
+
+
+def test_ring_record_renders_as_text_and_a_figure():
+    from workbench.viz.ring import draw_ring, render_ring_text
+    text = render_ring_text(cp.ring_schedule(2))
+    assert text.splitlines()[1:] == [
+        "step 0: rank 0 q(0,3) kv(0,3) [D . F D] -> 1 | rank 1 q(1,2) kv(1,2) [D . F D] -> 0",
+        "step 1: rank 0 q(0,3) kv(1,2) [. . F F]      | rank 1 q(1,2) kv(0,3) [F . F .]     "]
+    fig = draw_ring(cp.ring_schedule(3))
+    assert len(fig.axes[0].patches) == 3 * 3 * 4
