@@ -177,5 +177,8 @@ def test_ring_record_renders_as_text_and_a_figure():
     assert text.splitlines()[1:] == [
         "step 0: rank 0 q(0,3) kv(0,3) [D . F D] -> 1 | rank 1 q(1,2) kv(1,2) [D . F D] -> 0",
         "step 1: rank 0 q(0,3) kv(1,2) [. . F F]      | rank 1 q(1,2) kv(0,3) [F . F .]     "]
+    import doctest
+    import workbench.viz.ring as ring_viz
+    assert doctest.testmod(ring_viz).failed == 0
     fig = draw_ring(cp.ring_schedule(3))
     assert len(fig.axes[0].patches) == 3 * 3 * 4

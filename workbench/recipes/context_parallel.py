@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from ..models.config import build_model as _build
 from ..parallel.dist_tensor import shard_tensor
@@ -144,6 +145,13 @@ class ContextParallel(Hybrid):
     def _layout(self, x):
         """The residual stream after the embeddings: in ring order, sharded over cp."""
         return to_ring_layout(x, "cp", 1, self.balanced)
+
+    def _loss(self, logits, targets):
+        """The mean cross-entropy of every token where it lies: the (B, V, S) form keeps
+        the cp-sharded logits in place (flattening (B, S) would move them to rows)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()                 # in float32, as the models' own forward
+        return F.cross_entropy(logits.transpose(1, 2), targets)
 
     @contextlib.contextmanager
     def _ring_positions(self, model, S: int):
