@@ -57,7 +57,7 @@ from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_
 
 __all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
            "from_ring_layout", "ring_order", "slot_positions", "slot_chunks",
-           "ring_schedule", "check_ring"]
+           "ring_schedule", "check_ring", "wait"]
 
 
 # ---- moving K/V around the ring -------------------------------------------------------------
@@ -110,9 +110,12 @@ def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V"):
     DistTensors, handles): ``wait(handles)`` before the moved data is used."""
     mesh = tensors[0].mesh
     axis = mesh.dim(mesh_dim)
-    locs = [storage.to_stacked(t._local) for t in tensors]
-    if any(not isinstance(l, torch.Tensor) or l.shape[axis] != mesh.shape[axis]
-           for l in locs if not _B.is_distributed(mesh)):
+    try:
+        locs = [storage.to_stacked(t._local) for t in tensors]
+    except RuntimeError:                  # cells of different shapes: uneven shards
+        locs = None
+    if locs is None or any(l.shape[axis] != mesh.shape[axis]
+                           for l in locs if not _B.is_distributed(mesh)):
         raise ValueError(f"ring_pass: every tensor must be sharded (evenly) over mesh dim "
                          f"{mesh.dim_names[axis]!r}; got {[t.placements for t in tensors]}")
     handles = []
@@ -125,6 +128,7 @@ def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V"):
 
 
 def wait(handles) -> None:
+    """The compute streams wait for the send/recvs of ``handles`` (:func:`ring_pass`)."""
     tr = current_trace()
     if tr is not None:
         for h in handles:
