@@ -81,6 +81,23 @@ def test_the_k_v_ring_is_counted_and_overlapped_with_the_block_compute():
         out.sum().backward()
     back = [e for e in tr2.events if e.name == "send_recv"]
     assert len(back) == 3 and all(e.bytes == block and "dK/dV" in e.label for e in back)
+    steps_b = [e for e in tr2.events if e.name == "ring_attention_step"]
+    assert any(s.start < c.end and c.start < s.end for s in back for c in steps_b)   # beside
+
+
+def test_the_owner_waits_for_its_dk_dv_in_backward():
+    """Tiny blocks (one token per chunk): the sends outlast the blocks' backward, so the
+    clock shows K/V's owner waiting for the last dK/dV to come home."""
+    mesh = wb.Mesh.grid(4, ["cp"])
+    g = torch.Generator().manual_seed(0)
+    d = [wb.shard_tensor(cp.ring_order(torch.randn(1, 1, 8, 1024, generator=g), 4, 2), mesh,
+                         [wb.Shard(2)]).requires_grad_() for _ in range(3)]
+    with wb.trace("a100") as tr:
+        cp.ring_attention(*d, "cp").sum().backward()
+    back = [e for e in tr.events if "dK/dV" in e.label]
+    last_compute = max(e.end for e in tr.events if e.stream == "compute")
+    assert len(back) == 3 and back[-1].end > last_compute
+    assert all(tr.now(r) == back[-1].end for r in range(4))
 
 
 def test_load_balancing_gives_every_rank_the_same_work_and_skips_masked_chunks():

@@ -23,7 +23,9 @@ block's owner, so they travel the ring BACK: the gradient of "rank i+1 received 
 block" is "rank i receives the dK/dV rank i+1 accumulated", p-1 sends of (dK, dV) per
 rank, each accumulating the local contribution on the way home (TransformerEngine's
 backward does the same, and also re-circulates K/V forward because it does not keep the
-blocks; autograd here keeps each step's K/V block for backward instead, p blocks).
+blocks; autograd here keeps each step's K/V block for backward instead, p blocks). On
+the clock each dK/dV send is async beside the next block's backward, and the owner's
+compute waits for the last one before K's and V's producers get their gradient.
 
 Causal load balancing: with a causal mask, contiguous slots would give rank p-1 p times
 the work of rank 0. The sequence is cut into 2p chunks and rank i holds chunks i and
@@ -92,22 +94,39 @@ class _RingPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, info, *xs):
         ctx.info = info
-        mesh, axis, _ = info
+        mesh, axis, _, _ = info
         return tuple(_shift(x, mesh, axis, 1) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        mesh, axis, label = ctx.info
+        mesh, axis, label, box = ctx.info
         if current_trace() is not None:
-            _record(mesh, axis, sum(storage.rank_bytes(g, mesh.ndim) for g in grads),
-                    f"{label}: dK/dV back (backward)")
+            box.extend(_record(mesh, axis, sum(storage.rank_bytes(g, mesh.ndim) for g in grads),
+                               f"{label}: dK/dV back (backward)"))
         return (None,) + tuple(_shift(g, mesh, axis, -1) for g in grads)
 
 
-def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V"):
+class _AwaitInBackward(torch.autograd.Function):
+    """Identity; in backward, the compute streams wait for the send/recvs in ``box``
+    (the dK/dV that came home) before the gradient goes on to K's and V's producers."""
+
+    @staticmethod
+    def forward(ctx, box, *xs):
+        ctx.box = box
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wait(ctx.box)
+        ctx.box.clear()
+        return (None,) + grads
+
+
+def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V", box=None):
     """Send each DistTensor's local shard to the next rank along ``mesh_dim`` (and receive
     the previous rank's), asynchronously on the modeled clock. Returns (the moved
-    DistTensors, handles): ``wait(handles)`` before the moved data is used."""
+    DistTensors, handles): ``wait(handles)`` before the moved data is used. ``box``: a
+    list that collects the backward's send/recv handles (see :func:`await_in_backward`)."""
     mesh = tensors[0].mesh
     axis = mesh.dim(mesh_dim)
     try:
@@ -122,7 +141,7 @@ def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V"):
     if current_trace() is not None:
         nb = sum(storage.rank_bytes(l, mesh.ndim) for l in locs)
         handles = _record(mesh, axis, nb, label)
-    moved = _RingPass.apply((mesh, axis, label), *locs)
+    moved = _RingPass.apply((mesh, axis, label, [] if box is None else box), *locs)
     out = [DistTensor(m, mesh, t.placements, t.shape, t.dtype) for m, t in zip(moved, tensors)]
     return out, handles
 
@@ -133,6 +152,16 @@ def wait(handles) -> None:
     if tr is not None:
         for h in handles:
             tr.wait(h)
+
+
+def await_in_backward(tensors, box: list):
+    """``tensors`` (DistTensors) unchanged; when their gradients pass in backward, the
+    compute streams first wait for the send/recvs collected in ``box``."""
+    if not any(storage.requires_grad(t._local) for t in tensors) or not torch.is_grad_enabled():
+        return list(tensors)
+    locs = [storage.to_stacked(t._local) for t in tensors]
+    out = _AwaitInBackward.apply(box, *locs)
+    return [DistTensor(o, t.mesh, t.placements, t.shape, t.dtype) for o, t in zip(out, tensors)]
 
 
 # ---- ring attention ---------------------------------------------------------------------------
@@ -167,11 +196,13 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
     p = mesh.shape[axis]
     check_ring(q.shape[2], p, balanced, "ring_attention")
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
+    box: list = []                        # backward: the dK/dV sends, awaited by K/V's owner
+    k, v = await_in_backward([k, v], box)
     out = lse = None
     for t in range(p):
         handles = ()
         if t < p - 1:                     # the next step's K/V, sent while this step computes
-            (k_next, v_next), handles = ring_pass([k, v], axis, label=label)
+            (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
         o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
                                          balanced=balanced, scale=scale)
         if out is None:
