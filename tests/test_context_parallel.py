@@ -47,14 +47,15 @@ def _run_both(mesh, q, k, v, causal, balanced):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mesh_i=st.integers(0, len(MESHES) - 1), chunks=st.integers(1, 3),
        seed=st.integers(0, 2**16), gqa=st.booleans(), mask=st.sampled_from(
-           ["balanced", "contiguous", "full"]))
+           ["balanced", "contiguous", "full", "full, balanced layout"]))
 def test_ring_attention_equals_one_device_forward_and_backward(mesh_i, chunks, seed, gqa, mask):
     shape, names = MESHES[mesh_i]
     mesh = wb.Mesh.grid(shape, names)
     p = mesh.shape[mesh.dim("cp")]
     S = 2 * p * chunks                          # 2p chunks for load balancing
     q, k, v = _qkv(seed, 2, 4, 2 if gqa else 4, S, 8)      # Llama's GQA or GPT's MHA
-    causal, balanced = mask != "full", mask == "balanced"
+    causal, balanced = not mask.startswith("full"), mask.endswith("balanced") or \
+        mask == "full, balanced layout"
     (ref, ref_g), (out, grads), d = _run_both(mesh, q, k, v, causal, balanced)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, ref_g):

@@ -233,6 +233,10 @@ def strategy_from_args(args) -> Strategy:
             backends.init(**({} if timeout is None else {"timeout_s": timeout}))
         if cp != 1:                     # context parallelism: recipes/context_parallel.py
             from .recipes.context_parallel import ContextParallel
+            if getattr(args, "device", "cpu") != "cpu":
+                raise ValueError(f"--device {args.device} with --cp: simulated ranks run on "
+                                 "the CPU, and under --backend torch each process uses its "
+                                 "backend's device; leave --device at cpu")
             return ContextParallel(cp=cp, dp=parallel["dp"], tp=parallel["tp"],
                                    pp=parallel["pp"], sp=parallel["sp"], zero=parallel["zero"],
                                    distributed=distributed)
