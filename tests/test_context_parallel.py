@@ -150,6 +150,25 @@ def test_context_parallel_routes_model_attention_to_the_ring():
             F.scaled_dot_product_attention(*dist, is_causal=True, dropout_p=0.1)
 
 
+def test_ring_layout_round_trip_and_bfloat16():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "cp"])
+    X = torch.randn(2, 8, 3)
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0), wb.Replicate()])
+    y = cp.to_ring_layout(x, "cp")
+    assert y.placements == (wb.Shard(0), wb.Shard(1))
+    assert torch.equal(y.local(0), X[:1, [0, 1, 6, 7]])        # cp rank 0: chunks 0 and 3
+    assert torch.equal(y.local(1), X[:1, [2, 3, 4, 5]])        # cp rank 1: chunks 1 and 2
+    back = cp.from_ring_layout(y, "cp")
+    assert torch.equal(back.full(), X) and back.placements == (wb.Shard(0), wb.Replicate())
+    q, k, v = (t.detach().bfloat16() for t in _qkv(2, 2, 2, 2, 8, 4))
+    d = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, _layout(mesh)[:1] + [wb.Shard(2)])
+         for t in (q, k, v)]
+    out = cp.ring_attention(*d, "cp")
+    ref = cp.ring_order(wb.ops.flash_attention(q.float(), k.float(), v.float(), causal=True), 2, 2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.full().float(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_bad_input_names_the_fix():
     mesh = wb.Mesh.grid(2, ["cp"])
     q = wb.shard_tensor(torch.randn(1, 2, 6, 4), mesh, [wb.Shard(2)])

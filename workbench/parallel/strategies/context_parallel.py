@@ -135,8 +135,11 @@ def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V", box=None)
         locs = None
     if locs is None or any(l.shape[axis] != mesh.shape[axis]
                            for l in locs if not _B.is_distributed(mesh)):
-        raise ValueError(f"ring_pass: every tensor must be sharded (evenly) over mesh dim "
-                         f"{mesh.dim_names[axis]!r}; got {[t.placements for t in tensors]}")
+        raise ValueError(f"ring_pass: every tensor must be sharded over mesh dim "
+                         f"{mesh.dim_names[axis]!r}, with even shards on every mesh dim; got "
+                         f"shapes {[tuple(t.shape) for t in tensors]} with placements "
+                         f"{[list(t.placements) for t in tensors]}: make each sharded tensor "
+                         "dim divide by its mesh dims (e.g. the batch by dp)")
     handles = []
     if current_trace() is not None:
         nb = sum(storage.rank_bytes(l, mesh.ndim) for l in locs)
@@ -205,20 +208,19 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
             (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
         o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
                                          balanced=balanced, scale=scale)
+        if o_t.dtype != torch.float32:    # the running output in float32, as FlashAttention
+            o_t = o_t.float()             # keeps its accumulator (lse is float32 already)
         if out is None:
             out, lse = o_t, lse_t
         else:                             # online softmax across blocks (FlashAttention-2)
             m = torch.maximum(lse, lse_t)
             new = m + torch.log(torch.exp(lse - m) + torch.exp(lse_t - m))
-            w, w_t = torch.exp(lse - new).unsqueeze(-1), torch.exp(lse_t - new).unsqueeze(-1)
-            if w.dtype != out.dtype:      # lse in float32; the output in q's dtype
-                w, w_t = w.to(out.dtype), w_t.to(out.dtype)
-            out = out * w + o_t * w_t
+            out = out * torch.exp(lse - new).unsqueeze(-1) + o_t * torch.exp(lse_t - new).unsqueeze(-1)
             lse = new
         if t < p - 1:
             wait(handles)
             k, v = k_next, v_next
-    return out
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 # ---- laying a sequence out on the ring --------------------------------------------------------
