@@ -1,6 +1,7 @@
 """`python -m workbench train --cp N`: the sequence sharded over cp ranks (ring attention,
 causal load balancing, positions following each rank's chunks) gives one device's
 losses, on simulated ranks and under torchrun (gloo); bad combinations are refused."""
+import contextlib
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from tests.torchrun_support import run_job
 from workbench.cli import main
 from workbench.models.config import build_model, get_config
 from workbench.models.data import get_batch
-from workbench.parallel.strategies.context_parallel import context_parallel, slot_positions
+from workbench.parallel.strategies.context_parallel import slot_positions
 from workbench.recipes.context_parallel import ContextParallel
 from workbench.train import train
 
@@ -32,7 +33,8 @@ def cli_losses(capsys, *flags):
 @pytest.mark.parametrize("preset,flags", [
     ("tiny", ["--cp", "2", "--tp", "2"]),           # Llama: RoPE in ring order, GQA-ready
     ("tiny", ["--cp", "4"]),
-    ("gpt-tiny", ["--cp", "2", "--dp", "2"])])      # GPT: learned positions, MHA
+    ("gpt-tiny", ["--cp", "2", "--dp", "2"]),       # GPT: learned positions, MHA
+    ("tiny", ["--cp", "2", "--zero", "2"])])        # optimizer states sharded over cp
 def test_cp_gives_one_devices_losses(preset, flags, capsys):
     got = cli_losses(capsys, "--preset", preset, *flags)
     assert got == pytest.approx(one_device(preset), rel=1e-6)
@@ -46,7 +48,7 @@ def test_contiguous_slots_give_the_same_losses_and_cp_bytes_are_counted():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt-tiny"])
-def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset):
+def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset, monkeypatch):
     """Every token's logits as one device's (fp32, 1e-5); without the Llama's RoPE tables
     in ring order they are not (the positions must follow each rank's chunks)."""
     cfg = get_config(preset)
@@ -55,12 +57,12 @@ def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset):
     x, _ = get_batch(cfg, 2, 0, 0)
     ref, _ = build_model(cfg, seed=0)(x)
     inv = torch.argsort(slot_positions(x.shape[1], 2))
-    with context_parallel(mesh, "cp"), s._ring_positions(model, x.shape[1]):
-        got = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
+    got = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     if preset == "tiny":
-        with context_parallel(mesh, "cp"):
-            wrong = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
+        monkeypatch.setattr(ContextParallel, "_ring_positions",
+                            lambda self, model, S: contextlib.nullcontext())
+        wrong = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
         assert (wrong - ref).abs().max() > 1e-3
 
 
@@ -89,3 +91,20 @@ def test_torchrun_cp_and_tp_print_one_devices_losses():
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
     assert [r["loss"] for r in rows] == pytest.approx(one_device("tiny"), rel=1e-6)
+
+
+def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
+    """What ``plan.dryrun`` runs (no data): the ring's sends recorded, 2 layers x (K/V
+    forward + dK/dV backward) x 2 rings (one per tp rank)."""
+    import workbench as wb
+    from workbench.parallel.module import dist_parameters
+    from workbench.plan.meta_run import run_stage
+    cfg = get_config("tiny")
+    h = ContextParallel(cp=2, tp=2)
+    h.device = torch.device("meta")
+    h.check(cfg, 8)
+    model = h.build_model(cfg, 0)
+    with wb.trace("a100") as tr:
+        r = run_stage(h, model, 0, cfg, 2, tr, [p for _, p in dist_parameters(model)])
+    assert tr.counts()["send_recv"] == 2 * 2 * 2
+    assert r["forward"] > 0 and r["backward"] > 0 and r["activation_bytes"] > 0

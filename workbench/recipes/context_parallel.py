@@ -35,7 +35,7 @@ from ..models.config import build_model as _build
 from ..parallel.dist_tensor import shard_tensor
 from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Replicate, Shard
-from ..parallel.strategies.context_parallel import (check_ring, context_parallel, ring_order,
+from ..parallel.strategies.context_parallel import (check_ring, context_parallel,
                                                     slot_positions, to_ring_layout)
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.strategies.memory import saved_activation_bytes
@@ -137,18 +137,22 @@ class ContextParallel(Hybrid):
     def _batch(self, t: torch.Tensor, mesh):
         return shard_tensor(t, mesh, self._placements(dp=Shard(0)))
 
-    def _targets(self, t: torch.Tensor, mesh):
-        """The targets in ring order, sharded over cp like the logits they meet."""
-        return shard_tensor(ring_order(t, self.cp, 1, self.balanced), mesh,
-                            self._placements(dp=Shard(0), cp=Shard(1)))
-
     def _layout(self, x):
         """The residual stream after the embeddings: in ring order, sharded over cp."""
         return to_ring_layout(x, "cp", 1, self.balanced)
 
+    def _stage(self, model, s, x):
+        """The model's stage with attention on the ring and positions in ring order."""
+        with context_parallel(self.meshes[0], "cp", balanced=self.balanced), \
+                self._ring_positions(model, x.shape[1]):
+            return super()._stage(model, s, x)
+
     def _loss(self, logits, targets):
-        """The mean cross-entropy of every token where it lies: the (B, V, S) form keeps
-        the cp-sharded logits in place (flattening (B, S) would move them to rows)."""
+        """The mean cross-entropy of every token where it lies: the targets laid out on
+        the ring as the logits are, and the (B, V, S) form keeps the cp-sharded logits in
+        place (flattening (B, S) would move them to rows)."""
+        if targets.placements[targets.mesh.dim("cp")].is_replicate():
+            targets = to_ring_layout(targets, "cp", 1, self.balanced)
         if logits.dtype != torch.float32:
             logits = logits.float()                 # in float32, as the models' own forward
         return F.cross_entropy(logits.transpose(1, 2), targets)
@@ -175,10 +179,8 @@ class ContextParallel(Hybrid):
         check_ring(inputs.shape[1], self.cp, self.balanced, f"cp={self.cp}")
 
         def forward():
-            with context_parallel(mesh, "cp", balanced=self.balanced), \
-                    self._ring_positions(model, inputs.shape[1]):
-                logits = self._stage(model, 0, self._batch(inputs, mesh))
-                return self._loss(logits, self._targets(targets, mesh))
+            logits = self._stage(model, 0, self._batch(inputs, mesh))
+            return self._loss(logits, self._batch(targets, mesh))
         params = [p for _, p in dist_parameters(model)]
         loss, saved = saved_activation_bytes(forward, params=params, lead_dims=mesh.ndim)
         self.last_activation_bytes = saved.bytes

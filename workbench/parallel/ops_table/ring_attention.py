@@ -121,10 +121,31 @@ def _slot_block(q, k, v, i, j, ring, causal, balanced, scale):
             pq = torch.arange(a * c, (a + 1) * c)
             pk = torch.cat([torch.arange(kb[m] * c, (kb[m] + 1) * c) for m in seen])
             mask = (pq[:, None] >= pk[None, :]).to(q.device)               # (c, c*)
-        o, lse = _ops.flash_attention(qc, ks, vs, mask=mask, scale=scale, return_lse=True)
+        if qc.is_meta:                                # the dry run: shapes and saved tensors
+            o, lse = _MetaBlock.apply(qc, ks, vs)
+        else:
+            o, lse = _ops.flash_attention(qc, ks, vs, mask=mask, scale=scale, return_lse=True)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+class _MetaBlock(torch.autograd.Function):
+    """A block on the meta device (``workbench.plan.dryrun``): the output's and the
+    log-sum-exp's shapes, and for backward what FlashAttention-2 keeps (Dao 2023,
+    Algorithm 1: Q, K, V, O and L in fp32), so the dry run counts a fused kernel's memory."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+        lse = torch.empty(tuple(q.shape[:-1]), dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _check(q, k, v, ring, step, causal, balanced, scale):
@@ -182,7 +203,8 @@ def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
                                                                tuple(t.shape[nd:]))
                   for t in (q, k, v))                    # (L, B, H, S_local, D)
     blk = ctx.in_specs[0].shape[2] // ring
-    off = ctx.offsets(ctx.in_specs[0], 2, q)             # each cell's first global row
+    like = torch.empty(tuple(q.shape[:nd]) + (1,) * (q.dim() - nd))   # on the CPU: read below
+    off = ctx.offsets(ctx.in_specs[0], 2, like)          # each cell's first global row
     first = off.expand(tuple(lead) + tuple(off.shape[nd:])).reshape(-1).tolist()
     groups: dict = {}                                    # first slot -> cells (one kernel each)
     for cell, o in enumerate(first):
@@ -190,7 +212,7 @@ def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     outs, lses, order = [], [], []
     L, B = q4.shape[0], q4.shape[1]
     for f, cells in groups.items():
-        idx = torch.tensor(cells)
+        idx = torch.tensor(cells, device=q.device)
         flat = [t[idx].reshape((len(cells) * B,) + tuple(t.shape[2:])) for t in (q4, k4, v4)]
         o, lse = _slots(*flat, f, blk, ring, step, causal, balanced, scale)
         outs.append(o.reshape((len(cells), B) + tuple(o.shape[1:])))
@@ -198,7 +220,7 @@ def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
         order += cells
     out, lse = torch.cat(outs), torch.cat(lses)
     if order != sorted(order):
-        back = torch.argsort(torch.tensor(order))
+        back = torch.argsort(torch.tensor(order, device=q.device))
         out, lse = out[back], lse[back]
     return (out.reshape(tuple(lead) + tuple(out.shape[1:])),
             lse.reshape(tuple(lead) + tuple(lse.shape[1:])))

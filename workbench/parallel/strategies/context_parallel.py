@@ -238,7 +238,7 @@ def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = 
     if not x.placements[axis].is_replicate():
         raise ValueError(f"to_ring_layout: x is {x.placements[axis]} on mesh dim "
                          f"{x.mesh.dim_names[axis]!r}; give it whole (Replicate) there")
-    perm = slot_positions(x.shape[dim], p, balanced)
+    perm = slot_positions(x.shape[dim], p, balanced).to(x.device)
     y = torch.index_select(x, dim, perm)
     ps = list(y.placements)
     ps[axis] = Shard(dim)
@@ -253,7 +253,7 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
     ps = list(x.placements)
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
-    inv = torch.argsort(slot_positions(x.shape[dim], p, balanced))
+    inv = torch.argsort(slot_positions(x.shape[dim], p, balanced)).to(x.device)
     return torch.index_select(y, dim, inv)
 
 
