@@ -44,7 +44,7 @@ def _run_both(mesh, q, k, v, causal, balanced):
     return (ref, ref_grads), (out.full()[:, :, inv], grads), out
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mesh_i=st.integers(0, len(MESHES) - 1), chunks=st.integers(1, 3),
        seed=st.integers(0, 2**16), gqa=st.booleans(), mask=st.sampled_from(
            ["balanced", "contiguous", "full", "full, balanced layout"]))
