@@ -14,16 +14,16 @@ out in slot i (``k`` holds, in slot i, the K/V block of slot (i - t) mod ring; a
     q, k, v S(2) on a mesh dim of ``ring`` ranks -> out S(2), lse S(2)   no communication
     q, k, v S(0) -> S(0) (batch);  S(1) -> S(1) (heads; GQA as attention's rule)
 
-Positions. With ``balanced`` (causal load balancing, as Megatron-LM's context
-parallelism and Llama 3 do: Dubey et al. 2024, "The Llama 3 Herd of Models", sec.
-3.3.2; Megatron-LM ``megatron/training/utils.py: get_batch_on_this_cp_rank``) the
-sequence is cut into 2 ring chunks of c = S / (2 ring) tokens and slot i holds chunks i
-and 2 ring - 1 - i, so every rank has the same causal work. :func:`slot_positions` gives
-each slot's original token positions. A causal block is then computed chunk by chunk (query chunk a against key
-chunk b): b < a whole, b == a with the causal mask (the diagonal), b > a skipped: no
-FLOPs, its rows get output 0 and log-sum-exp -inf (what FlashAttention returns for a
-row with no key), so the merge ignores them. Without ``balanced`` slot i holds chunk i
-(contiguous; rank p-1 then does p times the work of rank 0).
+Positions. With ``balanced`` (causal load balancing, as Megatron-LM's context parallelism
+and Llama 3 do: Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2; Megatron-LM
+``megatron/training/utils.py: get_batch_on_this_cp_rank``) the sequence is cut into 2 ring
+chunks of c = S / (2 ring) tokens and slot i holds chunks i and 2 ring - 1 - i, so every
+rank has the same causal work. :func:`slot_positions` gives each slot's original token
+positions. A causal block is then computed chunk by chunk (query chunk a against key chunk
+b): b < a whole, b == a with the causal mask (the diagonal), b > a skipped: no FLOPs, its
+rows get output 0 and log-sum-exp -inf (what FlashAttention returns for a row with no key),
+so the merge ignores them. Without ``balanced`` slot i holds chunk i (contiguous; rank p-1
+then does 2p-1 times the work of rank 0: p - 1/2 blocks against 1/2).
 """
 from __future__ import annotations
 

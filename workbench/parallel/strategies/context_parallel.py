@@ -27,7 +27,7 @@ blocks; autograd here keeps each step's K/V block for backward instead, p blocks
 the clock each dK/dV send is async beside the next block's backward, and the owner's
 compute waits for the last one before K's and V's producers get their gradient.
 
-Causal load balancing: with a causal mask, contiguous slots would give rank p-1 p times
+Causal load balancing: with a causal mask, contiguous slots would give rank p-1 2p-1 times
 the work of rank 0. The sequence is cut into 2p chunks and rank i holds chunks i and
 2p-1-i (Megatron-LM / TransformerEngine context parallelism; Llama 3, Dubey et al. 2024
 sec. 3.3.2): every step after the first, every rank computes exactly half a block (its
@@ -215,7 +215,8 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
         else:                             # online softmax across blocks (FlashAttention-2)
             m = torch.maximum(lse, lse_t)
             new = m + torch.log(torch.exp(lse - m) + torch.exp(lse_t - m))
-            out = out * torch.exp(lse - new).unsqueeze(-1) + o_t * torch.exp(lse_t - new).unsqueeze(-1)
+            out = (out * torch.exp(lse - new).unsqueeze(-1)
+                   + o_t * torch.exp(lse_t - new).unsqueeze(-1))
             lse = new
         if t < p - 1:
             wait(handles)
@@ -290,7 +291,8 @@ class context_parallel(TorchFunctionMode):
         q, k, v = (a.get(n) for n in names[:3])
         mask = a.get("attn_mask" if sdpa else "mask")
         causal = bool(a.get("is_causal" if sdpa else "causal", False))
-        where = f"context_parallel({self.name!r}): {'scaled_dot_product_attention' if sdpa else 'flash_attention'}"
+        op = "scaled_dot_product_attention" if sdpa else "flash_attention"
+        where = f"context_parallel({self.name!r}): {op}"
         if mask is not None:
             raise ValueError(f"{where} with mask={type(mask).__name__}: the ring balances only "
                              "causal attention (causal=True) or attention without a mask; an "
