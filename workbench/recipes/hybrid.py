@@ -53,6 +53,7 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
+from . import dualpipe as _dualpipe
 from .moe import (check_ep, check_moe_layout, expert_meshes, keep_residual_layout,
                   scale_aux_losses, split_params, wire_expert_parallel)
 
@@ -73,7 +74,8 @@ def _relative(plan: dict, name: str) -> dict:
     return out
 
 SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
-             "zb-h1": S.zb_h1}
+             "zb-h1": S.zb_h1, "zb-v": S.zb_v,   # zb-v: 2 chunks per rank, V-placed
+             "dualpipe": S.dualpipe}              # two copies of the stages: recipes/dualpipe.py
 
 
 def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
@@ -114,7 +116,16 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
     for n, v in (("microbatches", microbatches), ("virtual", virtual)):
         if v is not None and (not _int(v) or v < 1):
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
-    if virtual is not None and virtual > 1 and schedule != "interleaved":
+    if schedule == "dualpipe":
+        _dualpipe.check_args(pp=pp, zero=zero, distributed=distributed)
+    if schedule == "zb-v" and distributed:      # before a step, not in its first pipeline
+        raise NotImplementedError("Hybrid(schedule='zb-v', distributed=True): the 'v' layout "
+                                  "runs on the simulator only; use schedule='1f1b', "
+                                  "'interleaved' or 'zb-h1' on torch.distributed")
+    if schedule == "zb-v" and virtual not in (None, 2):
+        raise ValueError(f"Hybrid(virtual={virtual}) with schedule='zb-v': ZB-V places "
+                         "exactly two chunks per rank; leave virtual None")
+    if virtual is not None and virtual > 1 and schedule not in ("interleaved", "zb-v"):
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule={schedule!r}: model chunks "
                          "per rank need the interleaved schedule; add schedule='interleaved' "
                          "or leave virtual None")
@@ -133,13 +144,17 @@ class Hybrid:
         # expert parallelism (recipes/moe.py): ep ranks carved out of dp x ep data-parallel
         # ranks; self.dp is the dense layers' data-parallel size, self.edp the experts'
         check_ep(ep, ep_chunks, zero, sp)
+        if ep > 1 and schedule in ("dualpipe", "zb-v"):
+            raise ValueError(f"ep={ep} with schedule={schedule!r}: expert parallelism is wired "
+                             "for one copy of each stage in the interleaved placement; use "
+                             "schedule '1f1b', 'gpipe', 'interleaved' or 'zb-h1' with ep > 1")
         self.ep, self.ep_chunks, self.edp = ep, ep_chunks, dp
         dp = dp * ep
         if ep > 1:
             check_world(dp, tp, pp, f"Hybrid(dp={self.edp}, ep={ep}, tp={tp}, pp={pp})")
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
-        self.v = virtual or (2 if schedule == "interleaved" else 1)
+        self.v = virtual or (2 if schedule in ("interleaved", "zb-v") else 1)
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
@@ -201,6 +216,8 @@ class Hybrid:
         if self.schedule_name == "interleaved" and self.m % pp:
             raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
                              f"of pp={pp}")
+        if self.schedule_name == "dualpipe":
+            _dualpipe.check(self, batch_size)
 
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
@@ -218,7 +235,7 @@ class Hybrid:
                                  self.ep_chunks, self._own)
         self._sp_norms = {}
         for s, stage in enumerate(self.stages):
-            mesh = self.meshes[s % self.pp]
+            mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue                 # torch.distributed: another process's stage
             for name in stage["modules"]:
@@ -235,7 +252,17 @@ class Hybrid:
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
+        if self.schedule_name == "dualpipe":      # the second copy of every stage
+            _dualpipe.build_twin(self, model, cfg, seed)
         return model
+
+    def _mesh_of(self, s: int):
+        """The mesh running layer-stage ``s``: rank s % pp, or the V of ZB-V (rank s, then
+        rank 2 pp - 1 - s: Schedule.placement of the "v" layout)."""
+        pp = self.pp
+        if self.schedule_name == "zb-v":
+            return self.meshes[s if s < pp else 2 * pp - 1 - s]
+        return self.meshes[s % pp]
 
     def _own(self, mesh) -> bool:
         """Does this process run ``mesh``'s stage? (always, in the simulator)"""
@@ -254,7 +281,7 @@ class Hybrid:
         opts = []
         self._shards = {}
         for s in range(len(self.stage_layers)):
-            mesh = self.meshes[s % self.pp]
+            mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue
             if self.zero == 3:
@@ -280,6 +307,8 @@ class Hybrid:
                                              zero=self.zero, bucket_bytes=ONE_BUFFER
                                              if self.zero == 0 else None, lr=lr,
                                              weight_decay=weight_decay))
+        if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
+            opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
@@ -304,6 +333,8 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        if self.schedule_name == "dualpipe":
+            return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
         n_stages = len(self.stage_layers)
         if n_stages == 1:
@@ -319,12 +350,12 @@ class Hybrid:
             return loss.full().detach()
         stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
         m = self.m
-        first, last = self.meshes[0], self.meshes[(n_stages - 1) % self.pp]
+        first, last = self.meshes[0], self._mesh_of(n_stages - 1)
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
         ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
         scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
-        params = [self._stage_params(model, s) if self._own(self.meshes[s % self.pp]) else []
+        params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
                              lambda out, i: self._loss(out, ts[i]), params=params)
@@ -336,6 +367,8 @@ class Hybrid:
         return SCHEDULES[self.schedule_name](self.pp, m)
 
     def optimizer_step(self, optimizers) -> None:
+        if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
+            _dualpipe.all_reduce_copies(self)
         for o in optimizers:
             o.step()
 
@@ -344,10 +377,12 @@ class Hybrid:
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
         and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
-        held = {}                # per stage's ranks: its optimizers' states (dense + experts)
-        for o in optimizers:
-            key = frozenset(getattr(getattr(o, "mesh", None), "ranks", (id(o),)))
-            held[key] = held.get(key, 0) + o.memory().total
+        held: dict = {}                # a rank with several chunks (interleaved, zb-v,
+        for o in optimizers:           # dualpipe) holds the states of each of them, and
+            total = o.memory().total   # a MoE rank its dense and its experts' states
+            mesh = getattr(o, "mesh", None)
+            for r in (mesh.ranks if mesh is not None else (("optimizer", id(o)),)):
+                held[r] = held.get(r, 0) + total
         rec = {"modeled_ms": round(tr.time() * 1e3, 6),
                "comm_bytes": max(per_rank.values(), default=0),
                "state_bytes": max(held.values(), default=0)}

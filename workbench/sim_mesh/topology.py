@@ -49,9 +49,12 @@ Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the li
   intra phases on the node's links while the inter phase uses the NICs (HCCL's
   "pipeline" algorithm: "uses intra-server and inter-server links concurrently",
   CANN HCCL_ALGO reference; SDMA inside, RDMA between servers). With per-chunk phase
-  times x, y, z (z on the same links as x): (x + y + z) + (c-1) max(x + z, y),
-  minimized over c in 1, 2, 4, ... 64; c = 1 is "hierarchical", so pipelined never
-  costs more.
+  times x, y, z (z on the same links as x) and T = max(x + z, y), chunk i reduce-scatters
+  at i T, all-reduces right after, and all-gathers after chunk i + 1's reduce-scatter;
+  the last chunk all-gathers once its all-reduce and the previous all-gather are done:
+  (c-1) T + x + max(y, z) + z for c >= 2 (``pipelined_seconds``; (x + y + z) +
+  (c-1) T when y >= z), minimized over c in 1, 2, 4, ... 64; c = 1 is "hierarchical",
+  so pipelined never costs more.
 
 What the libraries choose ("auto"; ``choose`` says which and why):
 
@@ -79,12 +82,13 @@ from types import MappingProxyType
 from . import cost as _cost  # cost imports this module too: use it at call time only
 from .profiles import Link, Profile
 
-__all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose",
-           "protocol_of"]
+__all__ = ["PRICE_ALGORITHMS", "PIPELINE_CHUNKS", "Group", "Choice", "group_of",
+           "algorithm_time", "choose", "protocol_of", "phase_times", "pipelined_seconds"]
 
 PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
                     "hierarchical", "pipelined")
 _CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+PIPELINE_CHUNKS = _CHUNKS   # the chunk counts "pipelined" chooses from
 
 
 @dataclass(frozen=True)
@@ -292,11 +296,34 @@ def _phases(kind, n, g, profile, c=1):
     return _inter("broadcast", nc, m, profile), _intra("broadcast", nc, k, profile), 0.0
 
 
+def phase_times(kind: str, n: float, g: Group, profile: Profile, chunks: int = 1):
+    """Per-chunk seconds (x, y, z) of the hierarchical phases of one collective cut into
+    ``chunks`` pieces: for all_reduce x = intra-node reduce-scatter, y = inter-node
+    all-reduce of n / (chunks k), z = intra-node all-gather (z on the same links as x;
+    other kinds: the two phases of ``cost.hierarchical_time`` and z = 0).  The prices
+    "hierarchical" (chunks = 1: x + y + z) and "pipelined" are built from these."""
+    if not g.even:
+        raise ValueError(f"phase_times needs the same number of ranks on every node; ranks "
+                         f"per node are {list(g.per_node)}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r} must be an int >= 1")
+    return _phases(kind, n, g, profile, chunks)
+
+
+def pipelined_seconds(x: float, y: float, z: float, c: int) -> float:
+    """The pipelined schedule's time for per-chunk phase times x (intra), y (inter),
+    z (intra, after y) over ``c`` chunks (module docstring): x + y + z for c = 1, else
+    (c-1) max(x + z, y) + x + max(y, z) + z (the last all-gather waits for the previous
+    one when z > y: the two share the intra-node links)."""
+    if c == 1:
+        return x + y + z
+    return (c - 1) * max(x + z, y) + x + max(y, z) + z
+
+
 def _pipelined(kind, n, g, profile):
     best = math.inf
     for c in _CHUNKS:
-        x, y, z = _phases(kind, n, g, profile, c)
-        best = min(best, (x + y + z) + (c - 1) * max(x + z, y))
+        best = min(best, pipelined_seconds(*_phases(kind, n, g, profile, c), c))
     return best
 
 
