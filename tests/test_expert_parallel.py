@@ -41,7 +41,8 @@ def _full(t):
 def test_ep_layer_equals_one_device_forward_and_backward(seed, layout, per_rank, S, cf, gating):
     edp, ep = layout
     cfg = CFG.replace(moe_capacity_factor=cf, moe_gating=gating)
-    idx = torch.randint(0, 75, (edp * ep * per_rank, S), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 75, (edp * ep * per_rank, S), generator=g)
     ref = build_model(cfg)
     _, loss = ref(idx, idx)
     loss.backward()

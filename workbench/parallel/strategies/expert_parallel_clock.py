@@ -1,0 +1,98 @@
+"""Expert parallelism on the modeled clock: one MoE layer's exchanges and expert GEMMs,
+chunked and overlapped (the CANN article's fused all-to-all with expert compute;
+DeepSpeed-TED, Singh et al. 2023; Tutel, Hwang et al. 2023).
+
+``record_layer`` puts one layer on a trace, per ep group: the count exchange, then the
+dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
+tokens is the straggler the combine waits for), the combine all-to-all.  With ``chunks``
+n > 1 the exchange runs in n pieces as a two-stage pipeline: the dispatch of piece c+1
+and the combine of piece c-1 on the comm stream while the experts compute piece c.
+``exchange_report`` records one layer from a matrix of token counts into a fresh trace
+and returns its :class:`~.overlap.OverlapReport` (``wb.viz`` draws it).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...sim_mesh import collectives as C
+from ...sim_mesh import cost as _cost
+from ...sim_mesh.trace import current_trace
+
+__all__ = ["record_layer", "exchange_report"]
+
+
+class _RecordBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, y):
+        ctx.fn = fn
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        if current_trace() is not None:
+            ctx.fn()
+        return None, g
+
+
+def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
+                 chunks: int, phase: str) -> None:
+    """One MoE layer's exchange on the clock, per ep group: the counts, then dispatch,
+    each rank's expert GEMMs, combine, in ``chunks`` pieces pipelined (dispatch of the
+    next piece and combine of the last beside the experts' compute).  Backward: the
+    same exchanges (the gradients' way back) and twice the GEMM FLOPs (dgrad, wgrad)."""
+    mult = 2 if phase == "backward" else 1
+    for g, matrix, got in plan:
+        p = len(g)
+        C.record_collective("all_to_all", None, None, 8 * p, f"EP counts ({phase})",
+                            groups=[g])
+        piece = [[b // chunks for b in row] for row in matrix]
+        back = [list(r) for r in zip(*piece)]
+        comp = []
+        for r, n in enumerate(got):
+            flops = mult * 2 * n * per_expert // chunks
+            nbytes = w_bytes + 2 * n * row_bytes // chunks
+            comp.append((flops, nbytes, _cost.compute_time(flops, nbytes, tr.profile, dtype,
+                                                           op_class="matmul", launches=3)))
+        ov = chunks > 1
+        nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=ov)
+        combines = []
+        for c in range(chunks):
+            h_now = nxt
+            if c + 1 < chunks:                  # next piece's dispatch beside this compute
+                nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=True)
+            if h_now is not None and ov:
+                tr.wait(h_now)
+            for r, (flops, nbytes, dur) in zip(g, comp):
+                tr.record_compute([r], f"experts {phase}", dur, flops=flops, bytes=nbytes,
+                                  label=f"chunk {c + 1}/{chunks}",
+                                  args={"op_class": "matmul", "phase": phase})
+            combines.append(C.record_all_to_all_v(back, g, f"EP combine ({phase})",
+                                                  overlap=ov))
+        for hc in combines:
+            if hc is not None and ov:
+                tr.wait(hc)
+
+
+def exchange_report(rows, row_bytes: int, per_expert: int, experts_per_rank: int,
+                    chunks: int = 1, profile=None, dtype=torch.bfloat16, phase="forward"):
+    """One MoE layer's exchange and expert GEMMs on the modeled clock of ``profile``, as an
+    :class:`~workbench.parallel.strategies.overlap.OverlapReport` (``wb.viz`` draws it:
+    ``draw_timeline(report)``, ``render_text(report)``).
+
+    ``rows[i][j]``: tokens rank i sends rank j (an ep x ep matrix, uneven as a router
+    makes it); ``row_bytes``: bytes of one token (h x element size); ``per_expert``: weights
+    one token multiplies in its expert (3 h d_ff for SwiGLU); ``experts_per_rank``: E / ep.
+    The ranks are 0 .. ep-1 of one node of the profile."""
+    from ...sim_mesh.trace import trace
+    from .overlap import OverlapReport
+    ep = len(rows)
+    if ep < 1 or any(len(r) != ep for r in rows):
+        raise ValueError(f"exchange_report: rows must be an ep x ep matrix of token counts; "
+                         f"got {rows!r:.80}")
+    item = torch.empty((), dtype=dtype).element_size()
+    matrix = [[int(n) * row_bytes for n in r] for r in rows]
+    got = [sum(int(rows[i][r]) for i in range(ep)) for r in range(ep)]
+    with trace(profile) as tr:
+        record_layer(tr, [(tuple(range(ep)), matrix, got)], per_expert,
+                     per_expert * experts_per_rank * item, row_bytes, dtype, chunks, phase)
+    return OverlapReport.from_events(tr.events, f"EP {phase}", chunks, tr.profile.name)
