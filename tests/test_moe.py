@@ -86,7 +86,8 @@ def _check_against_loop(m, x, gy):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert stats["dropped"] == dropped
     assert torch.equal(stats["tokens_per_expert"], load)
-    assert stats["aux_loss"] == pytest.approx(m.aux_loss_coef * float(aux.mean()), rel=1e-5)
+    assert stats["aux_loss"] == pytest.approx(m.aux_loss_coef * float(aux.detach().mean()),
+                                              rel=1e-5)
     return stats
 
 
@@ -241,3 +242,16 @@ def test_validator_finds_every_candidate_right_on_uneven_shards():
     rep = validate(["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss"],
                    meshes=((3,),), max_layouts=5, missing=False)
     assert rep.ops and rep.runs > 50 and rep.wrong == [], rep.format()
+
+
+def test_moe_model_runs_on_the_meta_device():
+    """Shapes only (the planner's dry runs): forward and backward allocate nothing."""
+    for name in ("tiny", "gpt-tiny"):
+        cfg = get_config(name, moe_experts=4, moe_capacity_factor=1.0, moe_shared_experts=1)
+        with torch.device("meta"):
+            model = build_model(cfg)
+            idx = torch.zeros(2, 16, dtype=torch.long)
+            logits, loss = model(idx, idx)
+            loss.backward()
+        assert logits.shape == (2, 16, 75) and logits.is_meta
+        assert model.layers[0].mlp.experts.w1.grad.shape == (4, cfg.d_model, cfg.d_ff)

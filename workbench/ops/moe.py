@@ -131,8 +131,9 @@ def moe_dispatch(x, experts, slots, num_experts: int, capacity: int):
     _check_routes("moe_dispatch", x.shape, experts, slots)
     _int("moe_dispatch", "num_experts", num_experts, 1)
     _int("moe_dispatch", "capacity", capacity, 1)
-    if slots.numel() and (int(slots.max()) >= capacity or int(experts.max()) >= num_experts
-                          or int(experts.min()) < 0):
+    if slots.numel() and not slots.is_meta and (
+            int(slots.max()) >= capacity or int(experts.max()) >= num_experts
+            or int(experts.min()) < 0):
         raise ValueError(f"moe_dispatch: a route falls outside {num_experts} experts x "
                          f"{capacity} slots; give the capacity and experts router_topk used")
     return _dispatch(x, experts, slots, num_experts, capacity)
