@@ -108,7 +108,9 @@ def add_moe_arguments(parser) -> None:
                    help="expert-parallel size, carved out of the data-parallel ranks: "
                         "--ep 2 --dp 2 is 4 ranks (Megatron-LM's convention)")
     g.add_argument("--ep-chunks", type=int, default=1,
-                   help="pieces of the all-to-all overlapped with the experts' compute")
+                   help="pieces of the all-to-all overlapped with the experts' compute "
+                        "(pays off when the exchange is bandwidth-bound: each piece pays the "
+                        "link latency and re-reads the expert weights)")
 
 
 MOE_FLAGS = (("moe_experts", 0), ("moe_topk", 2), ("moe_capacity_factor", None),

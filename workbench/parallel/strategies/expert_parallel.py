@@ -238,8 +238,8 @@ class ExpertParallel:
         tr = current_trace()
         if tr is None:
             return y
-        per_expert = sum(math.prod(p.shape[1:]) for n, p in module.named_parameters()
-                         if not n.endswith("bias"))        # weights one token multiplies
+        mats = [p for n, p in module.named_parameters() if p.ndim == 3]   # (E, in, out)
+        per_expert = sum(math.prod(p.shape[1:]) for p in mats)   # weights a token multiplies
         item = x.dtype.itemsize
         h = x.shape[-1]
         plan = []                   # (group ranks, send bytes matrix, rows per rank)
@@ -250,11 +250,12 @@ class ExpertParallel:
             got = [sum(rows[i][r] for i in range(self.ep)) for r in range(self.ep)]
             plan.append((g, matrix, got))
         w_bytes = per_expert * (module.num_experts // self.ep) * item
-        record_layer(tr, plan, per_expert, w_bytes, h * item, x.dtype, self.chunks, "forward")
+        record_layer(tr, plan, per_expert, w_bytes, h * item, x.dtype, self.chunks, "forward",
+                     len(mats))
         if y.requires_grad and torch.is_grad_enabled():
             y = _RecordBackward.apply(
                 lambda: record_layer(current_trace(), plan, per_expert, w_bytes, h * item,
-                                     x.dtype, self.chunks, "backward"), y)
+                                     x.dtype, self.chunks, "backward", len(mats)), y)
         return y
 
 

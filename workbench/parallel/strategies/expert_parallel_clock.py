@@ -35,11 +35,17 @@ class _RecordBackward(torch.autograd.Function):
 
 
 def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
-                 chunks: int, phase: str) -> None:
+                 chunks: int, phase: str, gemms: int = 3) -> None:
     """One MoE layer's exchange on the clock, per ep group: the counts, then dispatch,
     each rank's expert GEMMs, combine, in ``chunks`` pieces pipelined (dispatch of the
     next piece and combine of the last beside the experts' compute).  Backward: the
-    same exchanges (the gradients' way back) and twice the GEMM FLOPs (dgrad, wgrad)."""
+    same exchanges (the gradients' way back) and twice the GEMM FLOPs (dgrad, wgrad).
+
+    ``plan``: per group (ranks, send bytes matrix, rows each rank receives);
+    ``per_expert``: weights a token multiplies (2 FLOPs each); ``w_bytes``: a rank's expert
+    weights, read once per piece; ``gemms``: kernels per expert (SwiGLU 3, GeLU MLP 2).
+    Not priced: the permutation's gathers and scatters (memory-bound copies of the
+    tokens, small beside the GEMMs)."""
     mult = 2 if phase == "backward" else 1
     for g, matrix, got in plan:
         p = len(g)
@@ -52,7 +58,7 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
             flops = mult * 2 * n * per_expert // chunks
             nbytes = w_bytes + 2 * n * row_bytes // chunks
             comp.append((flops, nbytes, _cost.compute_time(flops, nbytes, tr.profile, dtype,
-                                                           op_class="matmul", launches=3)))
+                                                           op_class="matmul", launches=gemms)))
         ov = chunks > 1
         nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=ov)
         combines = []
