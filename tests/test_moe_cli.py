@@ -29,6 +29,7 @@ def test_ep_flags_print_one_devices_losses(capsys):
     (["--ep", "3", "--batch-size", "6"], "ep=3 does not divide moe_experts=4"),
     (["--ep", "2", "--zero", "3"], "use zero=1 or 2"),
     (["--ep", "2", "--moe-experts", "0"], "ep=2 needs a mixture-of-experts model"),
+    (["--ep", "4", "--dp", "4"], "batch_size=8 over dp=4 x ep=4 = 16 data-parallel ranks"),
     (["--moe-experts", "0", "--moe-gating", "sigmoid"], "--moe-gating applies to a "
                                                          "mixture-of-experts model")])
 def test_bad_moe_flags_are_refused_with_the_fix(flags, msg, capsys):

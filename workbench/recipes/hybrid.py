@@ -54,8 +54,8 @@ from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
-from .moe import (check_ep, check_moe_layout, expert_meshes, keep_residual_layout,
-                  scale_aux_losses, split_params, wire_expert_parallel)
+from .moe import (check_ep, check_ep_batch, check_moe_layout, expert_meshes,
+                  keep_residual_layout, scale_aux_losses, split_params, wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -180,6 +180,7 @@ class Hybrid:
     def check(self, cfg, batch_size: int) -> None:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
+        check_ep_batch(self.edp, self.ep, batch_size)           # recipes/moe.py
         check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
         check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:

@@ -28,7 +28,7 @@ from ..models.moe import moe_layers
 from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
                                                    expert_parallel)
 
-__all__ = ["scale_aux_losses", "check_ep", "check_moe_layout", "wire_expert_parallel",
+__all__ = ["scale_aux_losses", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
            "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
            "moe_overrides"]
 
@@ -64,6 +64,16 @@ def check_moe_layout(cfg, ep: int) -> None:
                          "ep at 1")
     if E:
         check_expert_parallel(E, ep)
+
+
+def check_ep_batch(edp: int, ep: int, batch_size: int) -> None:
+    """Each of the edp x ep data-parallel ranks takes whole sequences: said in EP's terms
+    (the recipe's own check would name dp = edp x ep, a number nobody typed)."""
+    if ep > 1 and (batch_size < edp * ep or batch_size % (edp * ep)):
+        raise ValueError(f"batch_size={batch_size} over dp={edp} x ep={ep} = {edp * ep} "
+                         "data-parallel ranks (expert parallelism is carved out of them, "
+                         "each takes its own whole sequences): give a batch size that is a "
+                         f"multiple of {edp * ep}, or lower dp or ep")
 
 
 def expert_meshes(meshes, ep: int) -> list:
