@@ -36,6 +36,11 @@ per layer, :func:`aux_loss` over a model.  A recipe that splits a batch into m
 micro-batches whose losses it averages sets :attr:`MoE.aux_loss_scale` to 1/m (as
 Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``).
 
+Without expert parallelism the experts run as one batched matmul over the (B, E, C, h)
+buffers, empty slots included, as GShard's dispatch einsum computes them: with
+``moe_capacity_factor=None`` (C = S) the buffers hold E / k times the routed tokens, and the
+clock prices that work as done.  Expert parallelism computes the routed rows only.
+
 Expert parallelism plugs in as :attr:`MoE.token_dispatcher` (a callable
 ``(x, weights, experts, slots, experts_module) -> y``, e.g.
 ``workbench.parallel.strategies.expert_parallel.ExpertParallel``): it replaces
