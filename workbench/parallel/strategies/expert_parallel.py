@@ -28,7 +28,8 @@ exchange in n pieces as a pipeline, dispatch of piece c+1 and combine of piece c
 on the comm stream while the experts compute piece c (recorded per rank, so a rank with
 more tokens is the straggler everyone waits for).  The numbers are exact either way; only
 the modeled time changes: for each exchange of time M and expert compute X, about
-(1 - 1/n) min(M, X) hides, less n times the link latency.
+(1 - 1/n) min(M, X) hides (``overlap.expected_hidden_share``), less n times the link
+latency and n reads of the expert weights (:mod:`.expert_parallel_clock` records it).
 
 Interface (this layer knows no model): the MoE module calls the dispatcher as
 ``dispatcher(x, weights, experts, slots, experts_module)`` with x (B, S, h) and the
