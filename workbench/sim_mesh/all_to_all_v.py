@@ -91,7 +91,6 @@ def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True,
     trace, priced by :func:`all_to_all_v_time`.  ``recv_rows`` (torch.distributed): the
     rows this process receives from each, when the caller exchanged the counts already."""
     ax = mesh.dim(axis)
-    nb = lambda t: t.numel() * t.element_size()                         # noqa: E731
     if _B.is_distributed(mesh):
         import torch.distributed as dist
         pg, g = _B.group(mesh, ax)
@@ -128,7 +127,7 @@ def all_to_all_v(chunks, mesh, axis, *, label: str = "", record: bool = True,
             raise ValueError(f"all_to_all_v: chunks[{g}] must be {p} lists of {p} tensors "
                              "(what each rank of the group sends to each)")
         out[g] = [[send[i][j] for i in range(p)] for j in range(p)]
-        matrix = [[nb(t) for t in row] for row in send]
+        matrix = [[t.numel() * t.element_size() for t in row] for row in send]
         if record:
             record_collective("all_to_all", mesh, ax, 8 * p, label + " counts", groups=[g])
             record_all_to_all_v(matrix, g, label)
