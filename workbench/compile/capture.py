@@ -165,6 +165,7 @@ class _Tracer(TorchFunctionMode):
             tw = getattr(self, "_twins", {}).get(vid)
             return tw if tw is not None else t
         margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
+        rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
         out = func(*margs, **mkw)
         ins, attrs = parse(*margs, **mkw)
         inputs = tuple(self.ids[id(x)] if isinstance(x, torch.Tensor) else None for x in ins)
@@ -180,7 +181,7 @@ class _Tracer(TorchFunctionMode):
         tree = _swap(out, new_value)
         f, line, code = _user_frame()
         from .graph import Node
-        g.nodes.append(Node(nid, entry.name, func, _swap(args, to_ref), _swap(kwargs, to_ref),
+        g.nodes.append(Node(nid, entry.name, func, rargs, rkw,
                             inputs, dict(attrs), tuple(outs), tree,
                             f"{os.path.basename(f)}:{line}  {code}",
                             in_consts=tuple(None if isinstance(x, torch.Tensor) else x

@@ -12,6 +12,9 @@ A data-dependent guard is a graph break, with the source line export reports.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
 
 import torch
@@ -80,6 +83,20 @@ ADAPT = {
 ADAPT = {k: v for k, v in ADAPT.items() if v is not None}
 
 
+@contextlib.contextmanager
+def _quiet():
+    """torch.export logs its guards and the graph it gave up on (the error carries what
+    we report): keep the notebook's output to our own report."""
+    old = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logging.disable(old)
+
+
 class _Fn(nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -110,7 +127,8 @@ def capture_export(fn, args):
                     by_name[full] = p
                 mod._parameters[pname] = tw
         try:
-            ep = torch.export.export(module, tuple(margs), strict=False)
+            with _quiet():
+                ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)
             if brk is not None:

@@ -47,7 +47,7 @@ def _mesh_of(args, module):
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
-            method: str = "auto", beam: int = 16):
+            method: str = "auto", beam: int = 4):
     """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``.
 
     Placements come from the example DistTensors and the module's DistTensor parameters

@@ -284,8 +284,8 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
 
 
-def propagate(graph, placements, mesh, profile, pins=None, beam: int = 16,
-              per_op: int = 12) -> Assignment:
+def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
+              per_op: int = 6) -> Assignment:
     """The whole-graph assignment (module docstring): never worse than :func:`greedy`."""
     pr = _Pricer(graph, mesh, profile)
     pins = _norm_pins(graph, mesh, pins)
