@@ -82,6 +82,7 @@ class CompiledProgram:
         self.module = fn if isinstance(fn, nn.Module) else None
         self.breaks: list[GraphBreak] = []
         self.log: list = []                 # (pass name, before, after, what it saved)
+        self.stages: list = []              # (pass name, schedule after it, its StepReport)
         self.graph = self.assignment = self.greedy = self.program = self.schedule = None
         self._example = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
                          if isinstance(a, (torch.Tensor, DistTensor)) else None
@@ -105,6 +106,9 @@ class CompiledProgram:
             self.program = _passes.run_program_passes(self, self.program)
         from .schedule import build_schedule
         self.schedule = build_schedule(self)
+        from .schedule import replay
+        self.stages.append((level if level != "O2" else "O1", self.schedule,
+                            replay(self.schedule)))
         if level == "O2":
             self.schedule = _passes.run_schedule_passes(self, self.schedule)
 
@@ -192,6 +196,14 @@ class CompiledProgram:
     def bytes(self) -> int:
         """Bytes each rank sends in the program's forward reshards."""
         return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard))
+
+    def step(self, schedule=None):
+        """The compiled step (forward and backward) replayed on the clock: a
+        :class:`~.schedule.StepReport` (its ``trace`` holds the timeline)."""
+        from .schedule import replay
+        if self.eager:
+            raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
+        return replay(schedule or self.schedule)
 
     def passes(self) -> str:
         """Each pass: what it changed and what it saved."""
