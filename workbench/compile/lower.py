@@ -103,9 +103,9 @@ def execute_program(graph, prog, mesh, bindings):
     parameters and constants); returns the program's result."""
     avail = {}                       # vid -> {placements: tensor}
     for vid, x in bindings.items():
-        ps = tuple(x.placements) if isinstance(x, DistTensor) else \
-            tuple(as_dist(x, mesh).placements)
-        avail[vid] = {ps: x}
+        if not isinstance(x, DistTensor):     # a plain tensor: replicated, as the
+            x = as_dist(x, mesh)              # dispatcher takes it (gradients flow back)
+        avail[vid] = {tuple(x.placements): x}
     cur = {vid: next(iter(d)) for vid, d in avail.items()}
     for ins in prog:
         if isinstance(ins, Reshard):

@@ -92,6 +92,9 @@ class CompiledProgram:
         except Broken as e:
             self.breaks.append(e.brk)
             return
+        except CaptureError as e:          # an op the table lacks: that program runs eagerly
+            self.breaks.append(GraphBreak(str(e), "?", 0, ""))
+            return
         self.captured = graph
         self._placements = placements
         if level != "O0":
