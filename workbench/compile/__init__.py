@@ -14,3 +14,14 @@ from .capture import CaptureError  # noqa: F401
 from .program import LEVELS, CompiledProgram, compile  # noqa: F401
 
 __all__ = ["compile", "CompiledProgram", "LEVELS", "Graph", "GraphBreak", "CaptureError"]
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """``wb.compile(fn, ...)`` calls :func:`compile`, while ``workbench.compile`` stays the
+    package (so ``import workbench.compile.capture`` works as for any package)."""
+
+    def __call__(self, *args, **kwargs):
+        return compile(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -168,8 +168,16 @@ class _Tracer(TorchFunctionMode):
         rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
         out = func(*margs, **mkw)
         ins, attrs = parse(*margs, **mkw)
-        inputs = tuple(self.ids[id(x)] if isinstance(x, torch.Tensor) else None for x in ins)
         g = self.g
+        inputs = []
+        for x in ins:
+            if not isinstance(x, torch.Tensor):
+                inputs.append(None)
+            elif id(x) in self.ids:
+                inputs.append(self.ids[id(x)])
+            else:        # made by the parse itself, afresh on each call (a dropout mask)
+                inputs.append(g.value(x.shape, x.dtype, "fresh", f"{entry.name} {len(g.nodes)}"))
+        inputs = tuple(inputs)
         nid = len(g.nodes)
         outs = []
 

@@ -33,7 +33,8 @@ class Value:
     vid: int
     shape: torch.Size
     dtype: torch.dtype
-    kind: str                   # "input" | "param" | "const" | "op"
+    kind: str                   # "input" | "param" | "const" | "op" | "fresh" (made by
+                                # the op's parse on each call: a dropout mask)
     name: str                   # input position / parameter name / op output name
     producer: int | None = None  # the node that makes it (kind "op")
     requires_grad: bool = False

@@ -67,7 +67,8 @@ def lower(graph, assignment) -> list:
     for n in graph.nodes:
         st = assignment.choice[n.nid].strategy
         for vid, req in zip(n.inputs, st.inputs):
-            if vid is None or req is None or tuple(req) == cur[vid]:
+            if vid is None or req is None or tuple(req) == cur[vid] or \
+                    graph.values[vid].kind == "fresh":     # the dispatcher draws it, laid out
                 continue
             v = graph.values[vid]
             spec = TensorSpec(v.shape, mesh, cur[vid], v.dtype, _trusted=True)
