@@ -69,7 +69,14 @@ class GraphBreak:
     code: str
 
     def __str__(self):
-        return f"graph break at {self.file}:{self.line}  {self.code}\n  ({self.reason})"
+        return f"graph break at {_short(self.file)}:{self.line}  {self.code}\n  ({self.reason})"
+
+
+def _short(path: str) -> str:
+    """A notebook cell's file (``/tmp/ipykernel_<pid>/<hash>.py``, new in every kernel) as
+    ``<cell>``; other files as they are."""
+    import re
+    return "<cell>" if re.search(r"ipykernel_\d+/\d+\.py$", path or "") else path
 
 
 @dataclass
