@@ -138,3 +138,21 @@ def test_overlap_moves_a_collective_early_when_compute_lies_between():
     assert "1 collective(s) moved early" in log["overlap"], log["overlap"]
     before, after = prog.stages[1][2], prog.stages[2][2]
     assert after.exposed < before.exposed
+
+
+def test_overlap_splits_a_collective_with_the_matmul_that_makes_it():
+    """A row-parallel matmul's partial sum is reduce-scattered for the relu right after it:
+    nothing to hide it behind, so it is split with the matmul in 4 chunks (shapes only: the
+    schedule is priced on meta tensors, no data)."""
+    mesh = wb.Mesh.grid((2,))
+    x = wb.shard_tensor(torch.empty(2048, 4096, device="meta"), mesh, [S(1)])
+    w = wb.shard_tensor(torch.empty(4096, 4096, device="meta"), mesh, [S(0)])
+    prog = wb.compile(lambda a, b: torch.relu(a @ b), x, w, level="O2", profile="a100",
+                      method="trace")
+    log = dict((n, s) for n, _, _, s in prog.log)
+    assert "1 split with their matmul in 4 chunks" in log["overlap"], log["overlap"]
+    sched = prog.stages[2][1]
+    assert sum(1 for it in sched.items if it.tag.startswith("split")) == 4
+    assert sum(1 for it in sched.items if it.tag.startswith("chunk")) == 4
+    before, after = prog.stages[1][2], prog.stages[2][2]
+    assert after.exposed < 0.5 * before.exposed and after.time < before.time
