@@ -31,9 +31,9 @@ from torch.overrides import TorchFunctionMode
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.table import BY_FUNC
-from .graph import Graph, GraphBreak, Ref, map_refs
+from .graph import Graph, GraphBreak, Node, Ref
 
-__all__ = ["capture", "CaptureError", "Broken"]
+__all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
 
 class CaptureError(RuntimeError):
@@ -53,8 +53,7 @@ _TORCH = os.path.dirname(torch.__file__)
 T = torch.Tensor
 # asking a traced tensor for its value: data-dependent control flow
 _VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index__,
-                T.nonzero, T.numpy, T.any if False else None}
-_VALUE_FUNCS.discard(None)
+                T.nonzero, T.numpy}
 
 
 def _meta_like(x, requires_grad=None):
@@ -111,6 +110,7 @@ class _Tracer(TorchFunctionMode):
         self.ids: dict[int, int] = {}     # id(meta tensor) -> vid
         self.keep: list = []              # traced tensors stay alive (ids stay unique)
         self.const_ids: dict[int, int] = {}
+        self._twins: dict[int, torch.Tensor] = {}   # const vid -> its meta twin
 
     def track(self, t, vid):
         self.ids[id(t)] = vid
@@ -125,7 +125,6 @@ class _Tracer(TorchFunctionMode):
             twin = _meta_like(t, False)
             self.track(t, vid)
             self.track(twin, vid)
-            self._twins = getattr(self, "_twins", {})
             self._twins[vid] = twin
         return vid
 
@@ -162,7 +161,7 @@ class _Tracer(TorchFunctionMode):
 
         def to_meta(t):
             vid = self.ids[id(t)]
-            tw = getattr(self, "_twins", {}).get(vid)
+            tw = self._twins.get(vid)
             return tw if tw is not None else t
         margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
         rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
@@ -188,7 +187,6 @@ class _Tracer(TorchFunctionMode):
             return Ref(vid)
         tree = _swap(out, new_value)
         f, line, code = _user_frame()
-        from .graph import Node
         g.nodes.append(Node(nid, entry.name, func, rargs, rkw,
                             inputs, dict(attrs), tuple(outs), tree,
                             f"{os.path.basename(f)}:{line}  {code}",
@@ -293,5 +291,3 @@ def break_from_export_error(e: Exception) -> GraphBreak | None:
     f, line, code = m[-1].group(1), int(m[-1].group(2)), m[-1].group(3).strip()
     return GraphBreak("torch.export: " + msg.splitlines()[0][:160], f, line, code)
 
-
-__all__ += ["break_from_export_error", "map_refs"]

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
 from ..parallel.dist_tensor import DistTensor

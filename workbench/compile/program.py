@@ -26,7 +26,7 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .lower import Reshard, Run, execute_program, lower
+from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
 __all__ = ["compile", "CompiledProgram", "LEVELS"]

@@ -29,13 +29,13 @@ import torch
 from ..parallel.ops_table import pricing
 from ..parallel.ops_table.strategy import infer
 from ..parallel.ops_table.table import TABLE
-from ..parallel.placement import Replicate, fmt_placements, normalize_placements
+from ..parallel.placement import Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
 
-__all__ = ["Assignment", "propagate", "greedy", "NodeCost", "BACKWARD_OF"]
+__all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
 # the collective a forward step's gradient passes through (sim_mesh/collectives.py
 # records these backward events)
@@ -350,5 +350,3 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     return Assignment(graph, mesh, pr.pname, placements_all, choice, costs, pins, extra,
                       "whole-graph", expanded)
 
-
-__all__ += ["initial", "fmt_placements"]

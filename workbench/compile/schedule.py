@@ -27,11 +27,9 @@ import torch
 
 from ..parallel.ops_table import pricing
 from ..parallel.ops_table.table import TABLE
-from ..parallel.spec import TensorSpec
-from ..sim_mesh import collectives as C
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import Trace, suspend
-from .lower import Reshard, Run
+from .lower import Reshard
 from .propagate import BACKWARD_OF, _local_bytes
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
@@ -120,7 +118,6 @@ def build_schedule(prog) -> Schedule:
     from .propagate import _Pricer
     pr = _Pricer(g, mesh, a.profile)
     bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
-    cur = {v.vid: a.placements[v.vid] for v in g.values if v.kind != "op"}
     pending = []
     for ins in prog.program:
         if isinstance(ins, Reshard):
@@ -137,7 +134,6 @@ def build_schedule(prog) -> Schedule:
             continue
         n = g.nodes[ins.nid]
         entry = TABLE[n.op]
-        in_ps = tuple(None if v is None else a.placements.get(v) for v in n.inputs)
         c = a.choice[n.nid]
         specs = tuple(None if v is None else pr.spec(v, ps) for v, ps in
                       zip(n.inputs, c.strategy.inputs))
@@ -261,7 +257,6 @@ def replay(schedule: Schedule) -> StepReport:
 
 
 def _record(tr, it, mesh):
-    from ..sim_mesh.trace import current_trace  # noqa: F401
     from ..sim_mesh import cost as _c
     hs = []
     for grp in mesh.groups(it.mesh_dim):

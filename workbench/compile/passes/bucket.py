@@ -38,8 +38,6 @@ def bucket(prog, sched, cap: int = BUCKET_BYTES):
             open_[it.mesh_dim] = it
             out.append(it)
             continue
-        if it.kind == "compute":
-            pass
         out.append(it)
     for it in out:
         if it.kind == "comm" and it.grad:

@@ -9,7 +9,7 @@ communication, as a compiler's common-subexpression elimination trades it).
 """
 from __future__ import annotations
 
-from ..lower import Reshard, Run
+from ..lower import Reshard
 
 __all__ = ["cancel_reshards"]
 
