@@ -162,3 +162,39 @@ def test_levels_and_bad_arguments():
     _, x2 = _x((6, 16), mesh, [S(0)])
     with pytest.raises(ValueError, match="compile it again"):
         o0(x2)
+
+
+class _Halves(nn.Module):
+    """A forward with a graph break between two children."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.b = nn.Linear(16, 16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.abs().amax() > 1:             # the break: this forward stays eager
+            y = y / 2
+        return self.b(y)
+
+
+def test_a_module_with_a_break_runs_it_eagerly_and_compiles_its_children():
+    mesh = wb.Mesh.grid((2,))
+    xp, x = _x((8, 16), mesh, [S(0)])
+    m = _Halves()
+    prog = wb.compile(m, x, profile=PROFILE, method="trace")
+    assert prog.eager and set(prog.parts) == {"a", "b"}
+    assert not prog.parts["a"].eager and not prog.parts["b"].eager
+    assert [n.op for n in prog.parts["a"].graph.nodes] == ["linear", "relu", "linear"]
+    text = str(prog)
+    assert "calling its compiled children" in text and "a: compiled, 3 ops" in text
+    out = prog(x)
+    torch.testing.assert_close(out.full(), m(xp))
+    out.full().sum().backward()                       # gradients reach the module's weights
+    assert m.a[0].weight.grad is not None and m.b.weight.grad is not None
+    assert not hasattr(m.a, "__dict__") or "forward" not in m.a.__dict__   # children restored

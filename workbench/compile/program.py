@@ -84,6 +84,7 @@ class CompiledProgram:
         self.log: list = []                 # (pass name, before, after, what it saved)
         self.stages: list = []              # (pass name, schedule after it, its StepReport)
         self.graph = self.assignment = self.greedy = self.program = self.schedule = None
+        self.parts: dict = {}               # child name -> its compiled program (a break)
         self._example = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
                          if isinstance(a, (torch.Tensor, DistTensor)) else None
                          for a in example_inputs]
@@ -91,6 +92,10 @@ class CompiledProgram:
             graph, placements = capture(fn, example_inputs, method)
         except Broken as e:
             self.breaks.append(e.brk)
+            if self.module is not None:     # the break stays eager, the children compile
+                from .parts import compile_children
+                self.parts = compile_children(self.module, example_inputs, lambda m, a, pn: (
+                    CompiledProgram(m, a, level, mesh, pn, profile, method, beam)))
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
             self.breaks.append(GraphBreak(str(e), "?", 0, ""))
@@ -133,6 +138,10 @@ class CompiledProgram:
 
     def __call__(self, *args):
         if self.eager:
+            if self.parts:
+                from .parts import swapped
+                with swapped(self.module, self.parts):
+                    return self.fn(*args)
             return self.fn(*args)
         got = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
                if isinstance(a, (torch.Tensor, DistTensor)) else None for a in args]
@@ -160,7 +169,11 @@ class CompiledProgram:
     # ---- reading -----------------------------------------------------------------
     def __str__(self) -> str:
         if self.eager:
-            return (f"compiled program ({self.level}): runs eagerly, op by op\n"
+            parts = "".join(
+                f"\n  {name}: " + ("eager" if p.eager else f"compiled, {len(p.graph.nodes)} ops")
+                for name, p in self.parts.items())
+            return (f"compiled program ({self.level}): runs eagerly, op by op"
+                    + (f", calling its compiled children:{parts}" if parts else "") + "\n"
                     + "\n".join(str(b) for b in self.breaks))
         a = self.assignment
         lines = [f"compiled program ({self.level}) on {self.mesh} priced on {self.profile}: "
