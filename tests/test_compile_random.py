@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -69,3 +70,34 @@ def test_random_graphs_compiled_equal_eager_and_never_cost_more_than_greedy(rnd)
         if pin:
             wb.reshard(e, mesh, pin["output"])
     assert max(tg.bytes_per_rank().values(), default=0) == prog.greedy.bytes, what
+
+
+def test_search_on_a_chain_finds_the_brute_force_optimum():
+    """On a chain the search is dynamic programming over one live tensor: with no beam
+    limit it must find the cheapest of every combination of the ops' candidates."""
+    from workbench.compile.capture import capture
+    from workbench.compile.propagate import _Pricer, initial, propagate
+    mesh = wb.Mesh.grid((2, 2))
+    x = wb.shard_tensor(torch.randn(8, 8), mesh, [S(1), S(0)])
+    w = wb.shard_tensor(torch.randn(8, 8), mesh, [R(), S(1)])
+    f = lambda a, b: torch.softmax(torch.relu(a @ b), 0).sum(1)       # noqa: E731
+    g, pl = capture(f, (x, w), "trace")
+    pins = {g.output_vids()[0]: (R(), R())}
+    pr = _Pricer(g, mesh, "a100")
+    best = [float("inf")]
+
+    def walk(k, place, cost):
+        if k == len(g.nodes):
+            out = g.output_vids()[0]
+            best[0] = min(best[0], cost + pr.pin_cost(out, place[out], pins[out]))
+            return
+        n = g.nodes[k]
+        specs, dec = pr.decision(n, tuple(None if v is None else place[v] for v in n.inputs))
+        for c in dec.candidates:
+            new = dict(place)
+            new.update(zip(n.outs, (tuple(p) for p in c.strategy.outputs)))
+            walk(k + 1, new, cost + pr.price(n, specs, c).total)
+    walk(0, initial(g, pl, mesh), 0.0)
+    a = propagate(g, pl, mesh, "a100", pins, beam=10 ** 6, per_op=10 ** 6)
+    assert a.time == pytest.approx(best[0], rel=1e-12)
+    assert propagate(g, pl, mesh, "a100", pins).time >= a.time * (1 - 1e-12)
