@@ -86,13 +86,14 @@ def llama_runs():
         _, loss = eager_m(x, y)
         loss.backward()
     prog = wb.compile(comp_m, x, y, level="O2", profile="a100", method="trace")
-    _, closs = prog(x, y)
-    closs.backward()
-    return eager_m, comp_m, loss, closs, tr, prog
+    with wb.trace(profile="a100") as ctr:
+        _, closs = prog(x, y)
+        closs.backward()
+    return eager_m, comp_m, loss, closs, tr, prog, ctr
 
 
 def test_tiny_llama_at_o2_gives_eager_loss_and_gradients(llama_runs):
-    eager_m, comp_m, loss, closs, _, prog = llama_runs
+    eager_m, comp_m, loss, closs, _, prog, _ = llama_runs
     torch.testing.assert_close(closs.full(), loss.full())
     grads = dict(eager_m.named_parameters())
     for name, p in comp_m.named_parameters():
@@ -102,8 +103,13 @@ def test_tiny_llama_at_o2_gives_eager_loss_and_gradients(llama_runs):
 
 
 def test_tiny_llama_at_o2_less_exposed_communication_and_launch_time(llama_runs):
-    _, _, _, _, tr, prog = llama_runs
+    _, _, _, _, tr, prog, ctr = llama_runs
     eager = trace_report(tr)
+    # run on the simulated ranks at O2, the trace holds one graph launch and sunk kernels
+    ran = trace_report(ctr)
+    launch = wb.get_profile("a100").launch_overhead
+    assert ran.launch == pytest.approx(launch) and ran.kernels == eager.kernels
+    assert sum(1 for e in ctr.events if e.label == "launch") == 1
     o2 = prog.step()
     assert o2.exposed < eager.exposed
     assert o2.launch < eager.launch

@@ -164,7 +164,18 @@ class CompiledProgram:
                 bind[vid] = named[name]
         for vid, c in g.consts.items():
             bind[vid] = c
-        return execute_program(g, self.program, self.mesh, bind)
+        if self.level != "O2":
+            return execute_program(g, self.program, self.mesh, bind)
+        # O2: the whole graph is launched once (graph / task sink); its kernels, forward
+        # and backward, are recorded without their own launches
+        from ..parallel.ops_table.pricing import graph_sink
+        tr = current_trace()
+        if tr is not None:
+            lt = tr.profile.compute_path(torch.float32)[3]
+            tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
+                              args={"launch": lt})
+        with graph_sink():
+            return execute_program(g, self.program, self.mesh, bind)
 
     # ---- reading -----------------------------------------------------------------
     def __str__(self) -> str:

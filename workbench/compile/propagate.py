@@ -143,10 +143,11 @@ class _Pricer:
         dtype = pricing.pricing_dtype(specs, out_dtypes)
         t = 0.0
         if cost.flops or cost.bytes:
-            t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class)
+            t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class,
+                              launches=1)
         if (cost.backward_flops or cost.backward_bytes) and any(v.requires_grad for v in outs):
             t += pricing._time(cost.backward_flops, cost.backward_bytes, self.profile, dtype,
-                               entry.op_class)
+                               entry.op_class, launches=1)
         self._compute[key] = t
         return t
 

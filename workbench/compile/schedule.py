@@ -144,8 +144,8 @@ def build_schedule(prog) -> Schedule:
         items.extend(pending)
         pending = []
         if cost.flops or cost.bytes:
-            kern = pricing._time(cost.flops, cost.bytes, prof, dtype, entry.op_class) \
-                - _launch(prof, dtype)
+            kern = pricing._time(cost.flops, cost.bytes, prof, dtype, entry.op_class,
+                                 launches=1) - _launch(prof, dtype)
             items.append(Item("compute", n.name, "forward", kernel=max(kern, 0.0), launches=1,
                               op_class=entry.op_class, kernels=1))
             fwd_of[n.nid] = len(items) - 1
@@ -166,7 +166,7 @@ def build_schedule(prog) -> Schedule:
         here = len(items)
         if cost.backward_flops or cost.backward_bytes:
             kern = pricing._time(cost.backward_flops, cost.backward_bytes, prof, dtype,
-                                 entry.op_class) - _launch(prof, dtype)
+                                 entry.op_class, launches=1) - _launch(prof, dtype)
             two = entry.op_class == "matmul" and isinstance(cost, pricing.SplitCost)
             items.append(Item("compute", n.name, "backward", kernel=max(kern, 0.0),
                               launches=2 if two else 1, op_class=entry.op_class,
@@ -296,11 +296,14 @@ def _report(tr, rank, launch_total, kernels) -> StepReport:
 
 
 def trace_report(tr, rank: int = 0) -> StepReport:
-    """The same figures read off a trace the eager program recorded (a launch per
-    compute event: ``profiles.launch_overhead``)."""
+    """The same figures read off a trace a program recorded as it ran: a launch per
+    compute event (``profiles.launch_overhead``), none for a kernel run in a sunk graph
+    (``args["sunk"]``), the graph's own launch event as it is."""
     lt = _launch(tr.profile, torch.float32)
-    n = sum(1 for e in tr.events if e.stream == "compute" and rank in e.ranks)
-    return _report(tr, rank, n * lt, n)
+    comp = [e for e in tr.events if e.stream == "compute" and rank in e.ranks]
+    launch = sum(e.duration if e.label == "launch" else 0.0 if e.args.get("sunk") else lt
+                 for e in comp)
+    return _report(tr, rank, launch, sum(1 for e in comp if e.label != "launch"))
 
 
 __all__ += ["trace_report"]
