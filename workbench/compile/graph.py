@@ -112,7 +112,8 @@ class Graph:
     def copy(self) -> "Graph":
         import copy
         g = copy.copy(self)
-        g.values, g.nodes = list(self.values), [copy.copy(n) for n in self.nodes]
+        g.values = [copy.copy(v) for v in self.values]
+        g.nodes = [copy.copy(n) for n in self.nodes]
         g.notes = list(self.notes)
         return g
 
