@@ -198,3 +198,32 @@ def test_a_module_with_a_break_runs_it_eagerly_and_compiles_its_children():
     out.full().sum().backward()                       # gradients reach the module's weights
     assert m.a[0].weight.grad is not None and m.b.weight.grad is not None
     assert not hasattr(m.a, "__dict__") or "forward" not in m.a.__dict__   # children restored
+
+
+def _many_ops(ids, table, w, b):
+    e = F.embedding(ids, table)                                  # aten.embedding(table, ids)
+    h = F.layer_norm(e, (8,), w, b)
+    h = torch.softmax(h.transpose(0, 1).reshape(6, 8), -1)
+    s = h.sum(1, keepdim=True) + h.mean(0) * 2
+    return torch.tanh(s - F.silu(h)).view(3, 16)
+
+
+def test_export_maps_aten_ops_onto_the_op_table_as_tracing_does():
+    mesh = wb.Mesh.grid((2,))
+    g = torch.Generator().manual_seed(5)
+    ids_p = torch.randint(0, 10, (2, 3), generator=g)
+    plain = [ids_p, torch.randn(10, 8, generator=g), torch.randn(8, generator=g),
+             torch.randn(8, generator=g)]
+    args = [wb.shard_tensor(ids_p, mesh, [S(0)]), wb.shard_tensor(plain[1], mesh, [S(0)]),
+            wb.shard_tensor(plain[2], mesh, [R()]), wb.shard_tensor(plain[3], mesh, [R()])]
+    ge, _ = capture(_many_ops, args, "export")
+    gt, _ = capture(_many_ops, args, "trace")
+    assert ge.method == "export"
+    ops_e, ops_t = [n.op for n in ge.nodes], [n.op for n in gt.nodes]
+    assert ops_e[:3] == ops_t[:3] == ["embedding", "layer_norm", "transpose"]
+    assert {"softmax", "sum", "mean", "silu", "tanh"} <= set(ops_e)
+    ref = _many_ops(*plain)
+    for method in ("export", "trace"):
+        prog = wb.compile(_many_ops, *args, profile=PROFILE, method=method)
+        assert prog.graph.method == method
+        torch.testing.assert_close(prog(*args).full(), ref, msg=lambda m: f"{method}: {m}")
