@@ -10,6 +10,12 @@ Levels (MindSpore's JIT levels, as the issue names them):
   collectives moved early (async) and split to overlap compute, and the whole graph
   launched at once (graph / task sink: no per-kernel host launch on the clock).
 
+The schedule passes edit the step laid out ahead (``prog.step()``, ``prog.stages``).
+Running the program on the simulated ranks (or under torch.distributed) runs the O1
+program; at O2 its trace records the graph sink (one launch, kernels without their own),
+while its gradient all-reduces still go one per parameter as autograd reaches them
+(bucketing them at run time is ``wb.DistributedDataParallel``'s job).
+
 A graph break (data-dependent control flow) is reported with its source line and the
 program runs eagerly (op by op through the dispatcher), as MindSpore and
 ``torch.compile`` fall back to Python for what they cannot capture.
