@@ -227,7 +227,8 @@ def initial(graph, placements, mesh):
 
 
 def _live_after(graph):
-    """For each node index k: the vids read by a node after k, or returned."""
+    """For each node index k: the op outputs read by a node after k, or returned (inputs,
+    parameters and constants keep their placements in every state: not part of a key)."""
     last = {}
     for n in graph.nodes:
         for vid in n.inputs:
@@ -237,8 +238,7 @@ def _live_after(graph):
     for vid in graph.output_vids():
         last[vid] = end
     live = []
-    made = [v.vid for v in graph.values if v.kind != "op"]
-    alive = set(made)
+    alive = set()
     for k, n in enumerate(graph.nodes):
         alive |= set(n.outs)
         alive = {v for v in alive if last.get(v, -1) > k}
@@ -299,12 +299,14 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     live = _live_after(graph)
     outs = set(graph.output_vids())
     # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
-    states = [(0.0, dict(base), (), True)]
+    # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
+    states = [(0.0, {}, None, True)]    # placements of the live op outputs only
     expanded = 0
     for k, n in enumerate(graph.nodes):
         nxt = {}
         for cost, pl, ch, is_greedy in states:
-            in_ps = tuple(None if v is None else pl[v] for v in n.inputs)
+            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
+                          for v in n.inputs)
             specs, dec = pr.decision(n, in_ps)
             cands = list(dec.candidates[:per_op])
             for j, c in enumerate(cands):
@@ -324,7 +326,7 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                 old = nxt.get(key)
                 if old is None or total < old[0]:
                     # the flag: this state costs no more than greedy's own, same live layout
-                    nxt[key] = (total, keep, ch + ((n.nid, c, nc),),
+                    nxt[key] = (total, keep, (ch, (n.nid, c, nc)),
                                 g_here or (old is not None and old[3]))
                 elif g_here:
                     nxt[key] = old[:3] + (True,)
@@ -335,10 +337,15 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     # the pinned outputs' reshards close the program
     best = None
     for cost, pl, ch, _ in states:
-        extra = sum(pr.pin_cost(v, pl[v], pins[v]) for v in outs if v in pins)
+        extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
         if best is None or cost + extra < best[0] - 1e-18:
             best = (cost + extra, pl, ch, extra)
-    _, pl, ch, extra = best
+    _, pl, link, extra = best
+    ch = []
+    while link is not None:
+        link, step = link
+        ch.append(step)
+    ch.reverse()
     placements_all = dict(base)
     choice, costs = {}, {}
     for nid, c, nc in ch:
