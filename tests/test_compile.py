@@ -227,3 +227,16 @@ def test_export_maps_aten_ops_onto_the_op_table_as_tracing_does():
         prog = wb.compile(_many_ops, *args, profile=PROFILE, method=method)
         assert prog.graph.method == method
         torch.testing.assert_close(prog(*args).full(), ref, msg=lambda m: f"{method}: {m}")
+
+
+def test_a_write_into_a_traced_tensor_is_not_captured_silently():
+    mesh = wb.Mesh.grid((2,))
+    xp, x = _x((4, 6), mesh, [S(0)])
+
+    def f(t):
+        y = t * 2
+        y[0] = 0.0                       # a write capture cannot follow
+        return y + 1
+    prog = wb.compile(f, x, method="trace")
+    assert prog.eager and "writes into a traced tensor" in str(prog)
+    torch.testing.assert_close(prog(x).full(), f(xp))

@@ -139,6 +139,13 @@ class _Tracer(TorchFunctionMode):
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
         hit = BY_FUNC.get(func)
+        name = getattr(func, "__name__", "")
+        if hit is None and (name == "__setitem__" or kwargs.get("out") is not None or
+                            (name.endswith("_") and not name.startswith("_"))):
+            f, line, code = _user_frame()
+            raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a traced tensor; "
+                               "capture follows values, not writes: compute a new tensor "
+                               "(torch.where, torch.cat) instead")
         if hit is None:
             out = func(*args, **kwargs)
             if _leaves(out, []):
