@@ -240,3 +240,10 @@ def test_a_write_into_a_traced_tensor_is_not_captured_silently():
     prog = wb.compile(f, x, method="trace")
     assert prog.eager and "writes into a traced tensor" in str(prog)
     torch.testing.assert_close(prog(x).full(), f(xp))
+
+
+def test_random_draws_inside_the_program_are_refused_not_frozen():
+    mesh = wb.Mesh.grid((2,))
+    _, x = _x((4, 6), mesh, [S(0)])
+    prog = wb.compile(lambda t: t + torch.randn(4, 6), x, method="trace")
+    assert prog.eager and "draws random numbers" in str(prog)

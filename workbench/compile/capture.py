@@ -52,6 +52,10 @@ _HERE = os.path.dirname(__file__)
 _TORCH = os.path.dirname(torch.__file__)
 T = torch.Tensor
 # asking a traced tensor for its value: data-dependent control flow
+# random draws made inside the program (capture would freeze one draw into a constant)
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
+           torch.randn_like, torch.randint_like, torch.normal, torch.bernoulli,
+           torch.multinomial, T.normal_, T.uniform_, T.bernoulli_, T.random_}
 _VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index__,
                 T.nonzero, T.numpy}
 
@@ -132,6 +136,11 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs), [])
         traced = any(id(t) in self.ids for t in leaves)
+        if func in _RANDOM:
+            f, line, code = _user_frame()
+            raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
+                               "inside the program; a captured graph would keep one draw for "
+                               "every call: pass the random tensor in as an input")
         if not traced:
             return func(*args, **kwargs)
         if func in _VALUE_FUNCS:
