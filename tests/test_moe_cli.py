@@ -52,3 +52,23 @@ def test_torchrun_ep_prints_one_devices_losses(capsys):
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in rows] == [0, 1]
     assert [r["loss"] for r in rows] == pytest.approx(one, rel=1e-6)
+
+
+def test_step_records_report_aux_loss_and_drops_on_every_layout():
+    from workbench.models import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.recipes import Hybrid
+    from workbench.train import train
+    cfg = get_config("tiny", moe_experts=4, moe_topk=2, moe_capacity_factor=0.5)
+    one = train(cfg, steps=1, timing=False)[0]
+    # the first step's routing, by hand: the model as initialised, batch 0
+    model = build_model(cfg)
+    model(*get_batch(cfg, 8, 0, 0))
+    stats = [b.mlp.last_stats for b in model.layers]
+    assert one["moe_dropped"] == sum(s["dropped"] for s in stats) > 0
+    assert one["moe_aux_loss"] == pytest.approx(sum(s["aux_loss"] for s in stats), rel=1e-6)
+    ep = train(cfg, steps=1, timing=False, strategy=Hybrid(ep=2, dp=2))[0]
+    assert ep["moe_dropped"] == one["moe_dropped"]
+    assert ep["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], rel=1e-5)
+    assert "moe_dropped" not in train(cfg, steps=1, timing=False,
+                                      strategy=Hybrid(pp=2))[0]    # micro-batches: left out

@@ -87,7 +87,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     """Train ``preset`` (a name from PRESETS or a ModelConfig) for ``steps`` steps.
 
     Returns one record per step: ``{"step", "loss", "tokens", "lr"}`` plus ``"ms"``
-    (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far.
+    (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far; a
+    mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py).
     The losses are a pure function of the arguments: same seed, same losses.
     ``recompute`` ("none" | "full" | "selective") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
@@ -144,6 +145,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
                 rec.update(strategy.step_report(tr, optimizer))
             if timing:
                 rec["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            if cfg.moe_experts:                  # aux loss and drops (recipes/moe.py)
+                from .recipes.moe import moe_record
+                rec.update(moe_record(model, strategy))
             records.append(rec)
             if on_step is not None:
                 on_step(rec)

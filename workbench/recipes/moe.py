@@ -30,7 +30,7 @@ from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert
 
 __all__ = ["scale_aux_losses", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
            "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
-           "moe_overrides"]
+           "moe_overrides", "moe_record"]
 
 
 def scale_aux_losses(model, microbatches: int) -> None:
@@ -155,3 +155,17 @@ def keep_residual_layout(model, layers) -> None:
     for i in layers:
         for layer in moe_layers(model.layers[i]):
             layer.register_forward_hook(hook)
+
+
+def moe_record(model, strategy) -> dict:
+    """What a training step's record adds for a MoE model (``train``): ``moe_aux_loss``,
+    the load-balancing loss the step trained on (sum over layers of alpha x the batch
+    mean), and ``moe_dropped``, the (token, choice) pairs dropped over capacity; read from
+    each layer's last forward, so only where that forward saw the whole batch (no
+    pipeline micro-batches: with ``pp`` > 1 the record leaves them out)."""
+    layers = moe_layers(model)
+    if not layers or getattr(strategy, "pp", 1) > 1:
+        return {}
+    stats = [layer.last_stats for layer in layers]
+    return {"moe_aux_loss": sum(s["aux_loss"] for s in stats),
+            "moe_dropped": sum(s["dropped"] for s in stats)}
