@@ -10,7 +10,7 @@ sequence do not depend on how the batch is split over ranks or micro-batches.
 
 * **router_topk** (G, S, E) logits -> per token k experts and their gate weights:
   - ``gating="softmax"``: p = softmax(logits); the k largest, renormalised to sum 1
-    (= softmax over the k chosen logits: Mixtral, Jiang et al. 2024, eq. 1; GShard top-2);
+    (= softmax over the k chosen logits: Mixtral, Jiang et al. 2024, sec. 2.1; GShard top-2);
   - ``gating="sigmoid"``: s = sigmoid(logits); the k largest, normalised s_i / sum of the
     k chosen (DeepSeek-V3 technical report, Liu et al. 2024, eqs. 13-15).
   ``slot``: where each (token, choice) lands in its expert's buffer, -1 when dropped.
