@@ -31,8 +31,9 @@ each layer attaches alpha x (mean of its sequences' aux) to its output with
 ``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
 the loss (one device, every parallel recipe, every pipeline schedule), while the
 returned loss stays the language-model loss, as Megatron-LM reports "lm loss" and
-"load_balancing_loss" apart.  The aux value of the last forward: ``last_stats["aux_loss"]``
-per layer, :func:`aux_loss` over a model.  A recipe that splits a batch into m
+"load_balancing_loss" apart (in training mode only; ``eval()`` attaches nothing).  The
+aux value of the last forward: ``last_stats["aux_loss"]`` per layer, :func:`aux_loss` over
+a model, and ``moe_aux_loss`` / ``moe_dropped`` in ``train``'s step records.  A recipe that splits a batch into m
 micro-batches whose losses it averages sets :attr:`MoE.aux_loss_scale` to 1/m (as
 Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``).
 
