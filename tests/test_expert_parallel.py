@@ -127,8 +127,7 @@ def test_chunked_exchange_overlaps_the_experts_on_the_clock():
 def test_train_with_ep_gives_one_device_losses():
     cfg = CFG.replace(n_layer=2, moe_capacity_factor=1.0, moe_shared_experts=1)
     ref = [r["loss"] for r in train(cfg, steps=2, timing=False)]
-    for kw in (dict(ep=2, dp=2), dict(ep=2, tp=2), dict(ep=2, pp=2, zero=1),
-               dict(ep=2, ep_chunks=2)):
+    for kw in (dict(ep=2, dp=2), dict(ep=2, tp=2, zero=2), dict(ep=2, ep_chunks=2)):
         got = [r["loss"] for r in train(cfg, steps=2, timing=False, strategy=Hybrid(**kw))]
         assert got == pytest.approx(ref, abs=2e-5), kw
 
@@ -176,3 +175,13 @@ def test_exchange_report_draws_the_overlap_on_a_timeline():
         if e.stream == "compute":
             busy[e.ranks[0]] += e.duration
     assert max(busy, key=busy.get) == 1                  # rank 1 receives the most tokens
+
+
+def test_ep_with_interleaved_pipeline_zero1_and_full_recompute_gives_one_devices_losses():
+    cfg = CFG.replace(n_layer=4, recompute="full", moe_capacity_factor=1.25,
+                      moe_gating="sigmoid", dropout=0.1)
+    ref = [r["loss"] for r in train(cfg, steps=2, timing=False)]
+    got = [r["loss"] for r in train(cfg, steps=2, timing=False,
+                                    strategy=Hybrid(ep=2, pp=2, schedule="interleaved",
+                                                    zero=1))]
+    assert got == pytest.approx(ref, abs=2e-5)
