@@ -39,4 +39,13 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
            "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan", "recipes"]
+           "distributed", "models", "plan", "recipes", "checkpoint"]
+
+
+def __getattr__(name):
+    # wb.checkpoint.save / load: imported on first use (torch.distributed.checkpoint
+    # takes about 0.5 s to import)
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
