@@ -216,3 +216,19 @@ def test_bad_targets_are_clear_errors_and_leave_the_target_untouched(tmp_path):
         load(tmp_path / "nowhere", {"w": t})
     with pytest.raises(TypeError, match="give a dict"):
         save(tmp_path, [torch.ones(1)])
+
+
+@pytest.mark.slow
+def test_on_torch_distributed_the_format_is_dcps_both_ways(tmp_path):
+    """2 gloo processes under torchrun: each writes its own shard; torch's dcp.load reads
+    ours into DTensors, ours reads dcp.save's DTensors, each into another placement."""
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(2, "checkpoint_check.py", str(tmp_path), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], out.stdout
+    for r in rows:
+        assert r["ours_to_ours"] and r["ours_to_dcp"] and r["dcp_to_ours"], r
+        assert r["files"] == ["__0_g0.distcp", "__1_g0.distcp"]
+        assert r["w_files_read"] == r["files"]          # Shard(1) needs a part of every row
+    assert [r["own_rows_read"] for r in rows] == [["__0_g0.distcp"], ["__1_g0.distcp"]]
