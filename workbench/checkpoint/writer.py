@@ -56,7 +56,7 @@ def _pieces(key, value, me, writer=0):
             bounds = shard_bounds(dt.shape, dt.mesh, dt.placements, r)
             offs = tuple(s for s, _ in bounds)
             sizes = tuple(n for _, n in bounds)
-            if offs in seen or 0 in sizes and len(sizes):
+            if offs in seen or 0 in sizes:
                 continue                    # a replica's copy, or an empty shard
             seen.add(offs)
             chunks.append(F.ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
