@@ -108,3 +108,15 @@ def test_trace_is_seeded_and_bad_arguments_are_named():
     with pytest.raises(ValueError, match="token_budget=4"):
         continuous(poisson_trace(3, 1.0), StepPricer("tiny", "a100"), max_batch=8,
                    token_budget=4)
+
+
+def test_int8_and_int4_weights_shrink_the_weight_bytes_and_the_decode_step_only():
+    base = StepPricer("llama2-7b", "ascend-910b")
+    q8 = StepPricer("llama2-7b", "ascend-910b", weight_bits=8)
+    q4 = StepPricer("llama2-7b", "ascend-910b", weight_bits=4)
+    assert base.weight_bytes == 2 * q8.weight_bytes == 4 * q4.weight_bytes
+    d = [[512] * 8]
+    assert base.seconds(decode=d[0]) > q8.seconds(decode=d[0]) > q4.seconds(decode=d[0])
+    assert base.seconds(prefill=[(0, 512)]) == q8.seconds(prefill=[(0, 512)])   # compute-bound
+    with pytest.raises(ValueError, match="weight_bits=3"):
+        StepPricer("tiny", "a100", weight_bits=3)

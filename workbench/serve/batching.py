@@ -164,17 +164,29 @@ def poisson_trace(n: int, rate: float, prompt=(32, 512), output=(16, 512),
 class StepPricer:
     """Seconds of one engine step on ``profile`` for ``model`` (module docstring)."""
 
-    def __init__(self, model="llama2-7b", profile="ascend-910b", dtype: str | None = None):
+    def __init__(self, model="llama2-7b", profile="ascend-910b", dtype: str | None = None,
+                 weight_bits: int | None = None):
         self.cfg = model if isinstance(model, ModelConfig) else get_config(model)
         self.profile = get_profile(profile)
         self.dtype = dtype or self.cfg.dtype
         c = self.cfg
-        self.itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if self.dtype not in sizes:
+            raise ValueError(f"StepPricer(dtype={self.dtype!r}): use one of {list(sizes)}")
+        self.itemsize = sizes[self.dtype]
+        # weight-only quantization (int8, int4): the matmul weights are read at
+        # weight_bits each (their scales, one per row or group, left out); the compute
+        # still runs in ``dtype`` after dequantizing
+        if weight_bits not in (None, 4, 8):
+            raise ValueError(f"StepPricer(weight_bits={weight_bits!r}): give 8, 4 or None "
+                             "(the weights in dtype)")
+        self.weight_bits = weight_bits or 8 * self.itemsize
         kv = c.n_kv_head * c.head_dim
         mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.d_ff
         self.layer_params = 2 * c.d_model * c.d_model + 2 * c.d_model * kv + mlp
         self.head_params = c.vocab_size * c.d_model
-        self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) * self.itemsize
+        self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) \
+            * self.weight_bits // 8
         # K and V of one token in every layer (Kwon et al. 2023, sec. 2.2: 800 KB for OPT-13B)
         self.kv_bytes_per_token = 2 * c.n_layer * kv * self.itemsize
 
