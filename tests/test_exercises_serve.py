@@ -27,12 +27,14 @@ def test_every_check_is_exported():
 
 
 def test_kv_bytes_per_token(capsys):
-    lib = StepPricer("llama2-7b", "ascend-910b").kv_bytes_per_token
-    assert lib == 524288                      # 2 x 32 x 32 x 128 x 2: 0.5 MiB
+    lib = StepPricer("llama3-8b", "ascend-910b").kv_bytes_per_token
+    assert lib == 131072                      # 2 x 32 x 8 x 128 x 2: 128 KiB
     passes(capsys, C.check_kv_bytes_per_token, lib)
+    fails("every query head", C.check_kv_bytes_per_token, lib * 4)
     fails("keys alone", C.check_kv_bytes_per_token, lib / 2)
     fails("one layer", C.check_kv_bytes_per_token, lib / 32)
     fails("4-byte", C.check_kv_bytes_per_token, lib * 2)
+    assert StepPricer("llama2-7b", "ascend-910b").kv_bytes_per_token == 524288   # MHA
     fails("a million|small", C.check_kv_bytes_per_token, lib / 1e6)
 
 

@@ -3,7 +3,7 @@
 As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
 :class:`~.feedback.CheckError` with the hint first and the expected value from the third
 wrong try on.  Expected values come from the published shapes and hand formulas written
-out here (Llama 2 7B's shape, Touvron et al. 2023 Table 1 / the released config; the KV
+out here (Llama 3 8B's shape, from its released config; the KV
 cache of Kwon et al. 2023 sec. 2.2; ``torch.chunk`` sizes by hand), never from
 ``workbench.checkpoint`` or ``workbench.serve``: a bug there must not become the right
 answer.
@@ -18,19 +18,22 @@ from .feedback import CheckError, exercise
 __all__ = ["check_kv_bytes_per_token", "check_decode_floor_ms", "check_load_reads",
            "check_static_useful_share"]
 
-# Llama 2 7B (the released config.json): 32 layers, hidden 4096, 32 heads, 32 key/value
-# heads (no GQA at 7B), head dim 128
-LLAMA2_7B = dict(layers=32, hidden=4096, heads=32, kv_heads=32)
+# Llama 3 8B (the released config.json): 32 layers, hidden 4096, 32 query heads and 8
+# key/value heads (grouped-query attention), head dim 128
+LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8)
 
 
 @exercise
-def check_kv_bytes_per_token(nbytes, layers: int = LLAMA2_7B["layers"],
-                             kv_heads: int = LLAMA2_7B["kv_heads"],
-                             head_dim: int = LLAMA2_7B["hidden"] // LLAMA2_7B["heads"],
-                             dtype_bytes: int = 2) -> None:
+def check_kv_bytes_per_token(nbytes, layers: int = LLAMA3_8B["layers"],
+                             kv_heads: int = LLAMA3_8B["kv_heads"],
+                             head_dim: int = LLAMA3_8B["hidden"] // LLAMA3_8B["heads"],
+                             dtype_bytes: int = 2, heads: int = LLAMA3_8B["heads"]) -> None:
     """Bytes of KV cache one token takes: a key and a value vector per layer and KV head."""
     want = 2 * layers * kv_heads * head_dim * dtype_bytes
     wrong = [(want / 2, "that is the keys alone: every layer caches a key AND a value"),
+             (want * heads / kv_heads,
+              "that counts every query head; with grouped-query attention only the "
+              "key/value heads are cached"),
              (want / layers, "that is one layer: every layer keeps its own keys and values"),
              (want * 2, f"that counts 4-byte values; the cache is in {8 * dtype_bytes}-bit")]
     _check_number("KV cache per token", nbytes, want, "bytes", wrong, rel=0.001)
