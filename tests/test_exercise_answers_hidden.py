@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.exercises import checks_fused, checks_overlap_profiling, checks_plan
+from workbench.exercises import checks_fused, checks_overlap_profiling, checks_plan, checks_serve
 from workbench.exercises.feedback import CheckError, reset_tries
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -359,6 +359,21 @@ def _tp_comm(nb):
 
 
 CODE = "code"   # the answer is code the student writes: nothing above can print it
+def _kv_bytes(nb):
+    # the check module's Llama 3 8B (GQA), its formula: 2 x layers x KV heads x head dim x 2 B
+    m = checks_serve.LLAMA3_8B
+    want = 2 * m["layers"] * m["kv_heads"] * (m["hidden"] // m["heads"]) * 2
+    return number(want, "B")
+
+
+def _decode_floor(nb):
+    from workbench.serve.batching import StepPricer
+    p = StepPricer("llama2-7b", "ascend-910b")       # the numbers the exercise cell prints
+    ms = floats(expected_of(E.check_decode_floor_ms, -1.0, -1.0, p.weight_bytes // 2,
+                            p.profile.memory_bandwidth))[0]
+    return number(ms, "ms") + number(ms / 2, "ms")
+
+
 EXERCISES = [
     ("00", "check_welcome_mesh", _welcome_mesh),
     ("00", "check_tp_group", _tp_group),
@@ -399,6 +414,11 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
+    ("15", "check_kv_bytes_per_token", _kv_bytes),
+    ("15", "check_decode_floor_ms", _decode_floor),
+    ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
+    ("15", "check_static_useful_share", lambda nb: number(
+        floats(expected_of(E.check_static_useful_share, -1.0))[0], percent=True)),
     ("17", "check_mfu", _mfu),
     ("17", "check_tp_comm_ms", _tp_comm),
 ]

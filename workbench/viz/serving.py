@@ -10,6 +10,7 @@ carry gids for tests: "wait" (arrival to first token), "decode" (first to last t
 from __future__ import annotations
 
 import matplotlib
+from matplotlib.ticker import MaxNLocator
 
 from .charts import _figure
 from .placements import RC, show
@@ -36,6 +37,7 @@ def batching_timeline(results: dict, *, width: float = 8.0, row: float = 0.16, d
                 ax.barh(k, max(last - first, 1e-9), left=first, color=DECODE, height=0.8,
                         gid="decode")
             ax.set_ylim(len(res.requests) - 0.5, -0.5)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel("request")
             ax.set_title(f"{title}: {res.throughput:,.0f} output tokens/s, "
                          f"TTFT p50 {res.ttft_p50 * 1e3:,.0f} ms", fontsize=9)
