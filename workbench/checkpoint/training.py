@@ -19,6 +19,11 @@ keeps the same: model, optimizer, train state with the step, and the RNG):
 * ``train``: the next step (the data position: batch ``step`` is drawn from
   ``(seed, step)``, :func:`workbench.models.data.get_batch`), the seed, the batch size,
   and torch's RNG state (the dropout keys are drawn from it each step).
+
+Under torchrun (``--backend torch``) each process saves and loads its own pipeline
+stage's DistTensors (another stage's parameters are plain, unused tensors there) and
+its own shards; the checkpoint is the same, so a run saved on processes resumes on
+simulated ranks and back.
 """
 from __future__ import annotations
 
@@ -35,12 +40,19 @@ __all__ = ["save_training", "resume_training", "optimizer_states"]
 STATES = ("exp_avg", "exp_avg_sq")
 
 
-def _refuse_distributed(strategy, what):
-    if getattr(strategy, "distributed", False):
-        raise NotImplementedError(
-            f"{what} with --backend torch: resuming a torch.distributed run is not built yet "
-            "(each process would save only its pipeline stage); save and resume with the "
-            "simulated ranks (--backend sim): the same layouts, the same losses")
+def _distributed(strategy) -> bool:
+    return bool(getattr(strategy, "distributed", False))
+
+
+def _model_state(strategy, model) -> dict:
+    """The model's state dict; on torch.distributed only this process's DistTensors (a
+    pipeline stage of another process stays a plain, unused tensor here)."""
+    sd = model.state_dict()
+    if not _distributed(strategy):
+        return sd
+    from ..sim_mesh import backends as _B
+    me = _B.rank()
+    return {k: v for k, v in sd.items() if isinstance(v, DistTensor) and me in v.mesh}
 
 
 def _entries(strategy, model, optimizer):
@@ -52,7 +64,9 @@ def _entries(strategy, model, optimizer):
             out.append((name, p, optimizer, p, lambda s: s, lambda g, leaf: g))
         return out
     names = {id(p): n for n, p in dist_parameters(model)}
-    for s, opt in enumerate(optimizer):
+    stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
+              if strategy._own(strategy.meshes[s % strategy.pp])]
+    for s, opt in zip(stages, optimizer):
         if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
             mods = strategy.stages[s]["modules"]       # its module: a list of these
             for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
@@ -81,38 +95,39 @@ def _replica_copies(g: DistTensor, leaf):
     return g._local.expand_as(leaf).clone()
 
 
-def _chunks_gather(inner, p):
-    """ZeRO 1-2: the flat chunks of every dp rank, joined, unpadded, in p's layout."""
+def _gather_chunks(mesh, axis, tmpl):
+    """ZeRO 1-3 keep a flat chunk per dp rank: all-gathered over dp (not traced: not the
+    step's traffic), unpadded, a DistTensor in ``tmpl``'s (the parameter's) layout."""
     from ..parallel.strategies.flat_shards import unflat
-    nd, ax = inner.mesh.ndim, inner.axis
+    from ..sim_mesh import collectives as C
+    from ..sim_mesh.trace import suspend
+    nd = mesh.ndim
 
-    def f(s):                                   # s: (lead with dp real, chunk)
-        flat = s.movedim(ax, -2).flatten(-2)    # (lead without dp, n * chunk)
-        loc = unflat(flat.unsqueeze(ax), tuple(p._local.shape[nd:]), nd)
-        return DistTensor(loc, p.mesh, p.placements, p.shape, s.dtype)
+    def f(s):                                   # s: (lead, chunk)
+        with suspend():
+            full = C.all_gather(s.detach(), mesh, axis, 0)       # (lead, dp one copy, n * c)
+        loc = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
+        return DistTensor(loc, mesh, tmpl.placements, tmpl.shape, s.dtype)
     return f
+
+
+def _chunks_gather(inner, p):
+    return _gather_chunks(inner.mesh, inner.axis, p)
 
 
 def _chunks_cut(inner):
     def f(g: DistTensor, leaf):
-        lead = list(g._local.shape)
-        lead[inner.axis] = inner.n
-        return inner._my_chunk(g._local.expand(lead))
+        loc = g._local
+        if not inner.distributed:               # every dp rank's copy, each takes its chunk
+            lead = list(loc.shape)
+            lead[inner.axis] = inner.n
+            loc = loc.expand(lead)
+        return inner._my_chunk(loc)
     return f
 
 
 def _zero3_gather(z, tmpl):
-    from ..parallel.strategies.flat_shards import unflat
-    from ..sim_mesh import collectives as C
-    from ..sim_mesh.trace import suspend
-    nd = z.mesh.ndim
-
-    def f(s):
-        with suspend():
-            full = C.all_gather(s.detach(), z.mesh, z.axis, 0)
-        loc = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
-        return DistTensor(loc, z.mesh, tmpl.placements, tmpl.shape, s.dtype)
-    return f
+    return _gather_chunks(z.mesh, z.axis, tmpl)
 
 
 def _zero3_cut(z):
@@ -156,9 +171,8 @@ def _copy(t):
 def save_training(path, strategy, model, optimizer, step: int, seed: int,
                   batch_size: int) -> None:
     """Save the state a run needs to continue at ``step`` (the next step to run)."""
-    _refuse_distributed(strategy, "--save")
     with torch.no_grad():
-        state = {"model": model.state_dict(),
+        state = {"model": _model_state(strategy, model),
                  "optim": optimizer_states(strategy, model, optimizer),
                  "train": {"step": step, "seed": seed, "batch_size": batch_size,
                            "rng": torch.get_rng_state()}}
@@ -168,7 +182,6 @@ def save_training(path, strategy, model, optimizer, step: int, seed: int,
 def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int) -> int:
     """Load a :func:`save_training` checkpoint into this run's model and optimizer (any
     layout); restores torch's RNG; returns the step to continue from."""
-    _refuse_distributed(strategy, "--resume")
     md = F.read_metadata(path)
     keys = md.state_dict_metadata
     train = {"step": 0, "seed": 0, "batch_size": 0, "rng": torch.get_rng_state()}
@@ -181,10 +194,10 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
     # "optim.<fqn>.exp_avg": the fqn itself holds dots
     names = {k[len("optim."):k.rfind(".")] for k in keys if k.startswith("optim.")}
     opt_tgt, back = _targets(strategy, model, optimizer, names)
-    sd = model.state_dict()
+    sd = _model_state(strategy, model)
     load(path, {"model": sd, "optim": opt_tgt})
     with torch.no_grad():
-        model.load_state_dict(sd)
+        model.load_state_dict(sd, strict=not _distributed(strategy))
         for name, opt, leaf, from_global in back:
             st = opt_tgt[name]
             opt.state[leaf] = {"step": st["step"],
@@ -203,10 +216,6 @@ def check_cli(args, strategy) -> str | None:
     save_dir, resume_dir = getattr(args, "save", None), getattr(args, "resume", None)
     if save_dir is None and resume_dir is None:
         return None
-    try:
-        _refuse_distributed(strategy, "--resume" if resume_dir else "--save")
-    except NotImplementedError as e:
-        return str(e)
     if resume_dir is None:
         return None
     try:
