@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.exercises import checks_fused, checks_overlap_profiling, checks_plan, checks_serve
+from workbench.exercises import checks_fused, checks_overlap_profiling, checks_plan
 from workbench.exercises.feedback import CheckError, reset_tries
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -359,13 +359,6 @@ def _tp_comm(nb):
 
 
 CODE = "code"   # the answer is code the student writes: nothing above can print it
-def _kv_bytes(nb):
-    # the check module's Llama 3 8B (GQA), its formula: 2 x layers x KV heads x head dim x 2 B
-    m = checks_serve.LLAMA3_8B
-    want = 2 * m["layers"] * m["kv_heads"] * (m["hidden"] // m["heads"]) * 2
-    return number(want, "B")
-
-
 def _decode_floor(nb):
     from workbench.serve.batching import StepPricer
     p = StepPricer("llama2-7b", "ascend-910b")       # the numbers the exercise cell prints
@@ -414,7 +407,6 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
-    ("15", "check_kv_bytes_per_token", _kv_bytes),
     ("15", "check_decode_floor_ms", _decode_floor),
     ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
     ("15", "check_static_useful_share", lambda nb: number(

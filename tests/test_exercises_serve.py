@@ -1,6 +1,6 @@
 """The checks of notebook 15: right answers pass, common mistakes get their hint, the
 value shows only from the third try, and the checks' hand formulas agree with the
-library (StepPricer's KV and weight bytes, a real checkpoint's reads, a static batch's
+library (StepPricer's weight bytes, a real checkpoint's reads, a static batch's
 padded decode tokens)."""
 import pytest
 import torch
@@ -21,21 +21,9 @@ def _fresh():
 
 
 def test_every_check_is_exported():
-    assert set(C.__all__) == {"check_kv_bytes_per_token", "check_decode_floor_ms",
-                              "check_load_reads", "check_static_useful_share"}
+    assert set(C.__all__) == {"check_decode_floor_ms", "check_load_reads",
+                              "check_static_useful_share"}
     assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
-
-
-def test_kv_bytes_per_token(capsys):
-    lib = StepPricer("llama3-8b", "ascend-910b").kv_bytes_per_token
-    assert lib == 131072                      # 2 x 32 x 8 x 128 x 2: 128 KiB
-    passes(capsys, C.check_kv_bytes_per_token, lib)
-    fails("every query head", C.check_kv_bytes_per_token, lib * 4)
-    fails("keys alone", C.check_kv_bytes_per_token, lib / 2)
-    fails("one layer", C.check_kv_bytes_per_token, lib / 32)
-    fails("4-byte", C.check_kv_bytes_per_token, lib * 2)
-    assert StepPricer("llama2-7b", "ascend-910b").kv_bytes_per_token == 524288   # MHA
-    fails("a million|small", C.check_kv_bytes_per_token, lib / 1e6)
 
 
 def test_decode_floor(capsys):

@@ -2,9 +2,8 @@
 
 As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
 :class:`~.feedback.CheckError` with the hint first and the expected value from the third
-wrong try on.  Expected values come from the published shapes and hand formulas written
-out here (Llama 3 8B's shape, from its released config; the KV
-cache of Kwon et al. 2023 sec. 2.2; ``torch.chunk`` sizes by hand), never from
+wrong try on.  Expected values come from hand formulas written out here (a decode step reads every
+weight once; ``torch.chunk`` sizes by hand; a static batch's slots), never from
 ``workbench.checkpoint`` or ``workbench.serve``: a bug there must not become the right
 answer.
 """
@@ -15,29 +14,7 @@ import math
 from .checks import _check_number, _chunks, _hint, _number, _ok
 from .feedback import CheckError, exercise
 
-__all__ = ["check_kv_bytes_per_token", "check_decode_floor_ms", "check_load_reads",
-           "check_static_useful_share"]
-
-# Llama 3 8B (the released config.json): 32 layers, hidden 4096, 32 query heads and 8
-# key/value heads (grouped-query attention), head dim 128
-LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8)
-
-
-@exercise
-def check_kv_bytes_per_token(nbytes, layers: int = LLAMA3_8B["layers"],
-                             kv_heads: int = LLAMA3_8B["kv_heads"],
-                             head_dim: int = LLAMA3_8B["hidden"] // LLAMA3_8B["heads"],
-                             dtype_bytes: int = 2, heads: int = LLAMA3_8B["heads"]) -> None:
-    """Bytes of KV cache one token takes: a key and a value vector per layer and KV head."""
-    want = 2 * layers * kv_heads * head_dim * dtype_bytes
-    wrong = [(want / 2, "that is the keys alone: every layer caches a key AND a value"),
-             (want * heads / kv_heads,
-              "that counts every query head; with grouped-query attention only the "
-              "key/value heads are cached"),
-             (want / layers, "that is one layer: every layer keeps its own keys and values"),
-             (want * 2, f"that counts 4-byte values; the cache is in {8 * dtype_bytes}-bit")]
-    _check_number("KV cache per token", nbytes, want, "bytes", wrong, rel=0.001)
-
+__all__ = ["check_decode_floor_ms", "check_load_reads", "check_static_useful_share"]
 
 @exercise
 def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: float) -> None:
