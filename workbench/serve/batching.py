@@ -187,7 +187,7 @@ class StepPricer:
         self.head_params = c.vocab_size * c.d_model
         self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) \
             * self.weight_bits // 8
-        # K and V of one token in every layer (Kwon et al. 2023, sec. 2.2: 800 KB for OPT-13B)
+        # K and V of one token in every layer (Kwon et al. 2023 count 800 KB for OPT-13B)
         self.kv_bytes_per_token = 2 * c.n_layer * kv * self.itemsize
 
     def kv_capacity(self, utilization: float = 0.9) -> int:
