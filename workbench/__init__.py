@@ -30,6 +30,7 @@ from . import ops, npu, exercises  # noqa: E402
 from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
 from . import recipes  # noqa: E402  wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
+from . import compile  # noqa: E402  wb.compile(fn, *inputs, level="O1"): a callable package
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
@@ -39,7 +40,7 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
            "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan", "recipes", "checkpoint"]
+           "distributed", "models", "plan", "recipes", "compile", "checkpoint"]
 
 
 def __getattr__(name):
