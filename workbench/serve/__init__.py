@@ -6,7 +6,8 @@ weight-only quantization, and the decode step on the roofline.
 from .kv_cache import KVCache, kv_bytes_per_token, kv_cache_bytes, causal_offset_mask
 from .sampling import SamplingParams, filter_logits, sample_next
 from .generate import generate, serve_model, Served
+from .paged_cache import PagedKVCache
 
 __all__ = ["KVCache", "kv_bytes_per_token", "kv_cache_bytes", "causal_offset_mask",
            "SamplingParams", "filter_logits", "sample_next", "generate", "serve_model",
-           "Served"]
+           "Served", "PagedKVCache"]

@@ -56,18 +56,24 @@ def _check(model, idx, max_new_tokens, use_cache):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True):
+             generator: torch.Generator | None = None, use_cache: bool = True, cache=None):
     """Append ``max_new_tokens`` tokens to idx (B, S) (a tensor, or a DistTensor of a
     :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
-    Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`)."""
+    Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`).  ``cache``:
+    an empty cache to fill (a :class:`~.paged_cache.PagedKVCache`; default a new
+    :class:`~.kv_cache.KVCache`)."""
     params = SamplingParams(temperature, top_k, top_p)
     _check(model, idx, max_new_tokens, use_cache)
+    if cache is not None and (not use_cache or cache.get_seq_length() != 0):
+        raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
+                         f"this one holds {cache.get_seq_length()} tokens")
     if max_new_tokens == 0:
         return idx
     was_training = model.training
     model.eval()
     try:
-        cache = KVCache.for_model(model) if use_cache else None
+        if cache is None and use_cache:
+            cache = KVCache.for_model(model)
         out = idx
         logits, _ = model(idx, cache=cache)                                # prefill (B, S, V)
         for i in range(max_new_tokens):
