@@ -56,10 +56,11 @@ def _check(model, idx, max_new_tokens, use_cache):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True, cache=None):
+             generator=None, use_cache: bool = True, cache=None):
     """Append ``max_new_tokens`` tokens to idx (B, S) (a tensor, or a DistTensor of a
     :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
-    Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`).  ``cache``:
+    Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`); ``generator``:
+    one ``torch.Generator``, or one per sequence (:func:`~.sampling.sample_next`).  ``cache``:
     an empty cache to fill (a :class:`~.paged_cache.PagedKVCache`; default a new
     :class:`~.kv_cache.KVCache`)."""
     params = SamplingParams(temperature, top_k, top_p)

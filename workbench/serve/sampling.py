@@ -78,11 +78,19 @@ def filter_logits(logits, params: SamplingParams):
 
 
 def sample_next(logits, params: SamplingParams = SamplingParams(), generator=None):
-    """The next token of each row: logits (B, V) -> (B,) int64."""
+    """The next token of each row: logits (B, V) -> (B,) int64.  ``generator``: one
+    ``torch.Generator`` for the batch, or a list of B, one per sequence (as vLLM's
+    per-request seed: a sequence then draws the same tokens whatever batch it is in)."""
     if logits.ndim != 2:
         raise ValueError(f"sample_next: logits of shape {tuple(logits.shape)}; give the last "
                          "position's (B, V), e.g. logits[:, -1, :]")
     if params.greedy:
         return logits.argmax(-1)                                            # (B,)
     probs = torch.softmax(filter_logits(logits, params), -1)               # (B, V)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != probs.shape[0]:
+            raise ValueError(f"sample_next: {len(generator)} generators for {probs.shape[0]} "
+                             "sequences; give one per row, or one for the batch")
+        return torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[:, 0]
+                          for b, g in enumerate(generator)])                # (B,)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]          # (B,)
