@@ -110,11 +110,11 @@ def main_serve(args) -> int:
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not distributed or _rank() == 0:
+    if not distributed:
         print(TOKENIZER.decode(out[0]))
-    return 0
-
-
-def _rank() -> int:
+        return 0
     from ..sim_mesh import backends
-    return backends.rank()
+    if backends.rank() == 0:
+        print(TOKENIZER.decode(out[0]), flush=True)
+    backends.shutdown()
+    return 0
