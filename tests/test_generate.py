@@ -172,3 +172,12 @@ def test_torchrun_gives_one_devices_tokens(models):
     want_s = generate(models["tiny"], PROMPT, 6, generator=seeded(7), temperature=0.9,
                       top_k=30, top_p=0.9).tolist()
     assert rows[0] == {"greedy": want, "sampled": want_s}
+
+
+def test_grouped_query_heads_cache_and_shard_like_the_others():
+    cfg = wb.models.get_config("tiny", n_kv_head=2, vocab_size=76)      # 2 query heads per kv
+    m = wb.models.build_model(cfg).eval()
+    ref = generate(m, PROMPT, 8, use_cache=False)
+    assert torch.equal(generate(m, PROMPT, 8), ref)
+    s = serve_model(cfg, tp=2)                                          # one kv head per rank
+    assert torch.equal(generate(s.model, s.place(PROMPT), 8).full(), ref)

@@ -21,7 +21,10 @@ with them and attention needs no communication, Megatron's attention TP).
 The cache grows by concatenation along the sequence (as Hugging Face's
 ``DynamicCache``), so it holds exactly the tokens seen; a server that reserves each
 sequence's maximum length up front reserves :func:`kv_cache_bytes` of ``max_len``
-tokens instead (what paged attention saves: ``workbench.ops.paged_attention``).
+tokens instead (what paged attention saves: ``workbench.ops.paged_attention``).  The
+concatenation copies the cache each step, and a trace prices that copy; a static or
+paged cache writes only the new slot, which is what ``roofline.step_cost`` counts
+(the cache read once, the new keys and values written once).
 
 Bytes per token (every layer's k and v): ``2 * n_layer * n_kv_head * head_dim *
 dtype bytes`` (Pope et al. 2022, sec. 3.1; Kwon et al. 2023, "vLLM", sec. 2.3: 800 KB
