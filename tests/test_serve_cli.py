@@ -53,3 +53,11 @@ def test_a_prompt_outside_the_alphabet_is_named(capsys):
     rc = main(["serve", "--prompt", "café", "--max-new-tokens", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "'é'" in err
+
+
+def test_only_presets_over_the_alphabet_are_served(capsys):
+    from workbench.serve.cli import servable_presets
+    assert servable_presets() == ["tiny", "small", "gpt-tiny"]
+    with pytest.raises(SystemExit):                     # argparse: an invalid choice
+        main(["serve", "--preset", "llama2-7b", "--prompt", PROMPT])
+    assert "invalid choice: 'llama2-7b'" in capsys.readouterr().err

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["add_serve_arguments", "main_serve", "load_served"]
+__all__ = ["add_serve_arguments", "main_serve", "load_served", "servable_presets"]
 
 
 def add_serve_arguments(p) -> None:
     """Declare the ``serve`` subcommand's flags on an argparse parser."""
-    from ..models.config import PRESETS
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a checkpoint with the model's weights (train --save DIR); without "
                         "it, --preset untrained, initialised from --seed")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="the model's shape (the preset the checkpoint was trained with)")
+    p.add_argument("--preset", default="tiny", choices=servable_presets(),
+                   help="the model's shape (the preset the checkpoint was trained with); the "
+                        "presets over the course's 75-character alphabet")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -45,6 +45,15 @@ def add_serve_arguments(p) -> None:
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
                    help="sim: all ranks in this process; torch: one rank per process "
                         "(torchrun --nproc-per-node dp x tp)")
+
+
+def servable_presets() -> list[str]:
+    """The presets whose vocabulary is the character tokenizer's (the text a prompt and
+    the output are written in); the large ones are shapes for estimates, not models to
+    build on a CPU."""
+    from ..models.config import PRESETS
+    from ..models.data import TOKENIZER
+    return [n for n, kw in PRESETS.items() if kw.get("vocab_size") == TOKENIZER.vocab_size]
 
 
 def load_served(preset, checkpoint=None, *, dp: int = 1, tp: int = 1, seed: int = 0,
