@@ -135,7 +135,7 @@ for _n, _largest in (("argmax", True), ("argmin", False)):
              op_class="reduction",                                      # one compare each
              sample=lambda g, _n=_n: [
                  Sample(getattr(torch, _n), (g.rn(5, 6), 1)),
-                 Sample(getattr(torch, _n), (g.ties(g.grid(4, 8), g.grid(4, 8) * 0), -1))])
+                 Sample(getattr(torch, _n), (g.grid(4, 8).round(), -1))])    # ties
 
 
 # ---- topk ----------------------------------------------------------------------------
