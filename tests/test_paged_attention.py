@@ -215,3 +215,15 @@ def test_npu_path_honours_the_documented_contract(fake):
     assert fake.calls == [dict(scale=0.5, layout="BSH", block_size=2)]     # scale passed
     with pytest.raises(NotImplementedError, match="decode"):
         paged_attention(torch.randn(2, 4, 2, 4), kp, vp, table, lens)
+
+
+def test_cost_reads_each_sequences_blocks_once():
+    kp, vp, table, lens, _, _, tables = scattered_cache([5, 9], 4, 2, 8, 1, churn=False)
+    q = torch.randn(2, 4, 1, 8)
+    c = wb.ops.cost("paged_attention", q, kp, vp, table, lens)
+    used = tables.allocator.num_used
+    assert used == 2 + 3                                    # 5 and 9 tokens in blocks of 4
+    block = kp[0].nbytes + vp[0].nbytes                     # one block of keys and values
+    assert c.bytes_fused == 2 * q.nbytes + used * block
+    assert c.flops == 4 * 4 * 8 * (5 + 9)                   # 4 heads, D 8, one query each
+    assert c.bytes_unfused > c.bytes_fused                  # the gathered copy on top
