@@ -76,7 +76,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
         if cache is None and use_cache:
             cache = KVCache.for_model(model)
         out = idx
-        logits, _ = model(idx, cache=cache)                                # prefill (B, S, V)
+        logits, _ = model(idx, cache=cache) if cache is not None \
+            else model(idx[:, -model.cfg.seq_len:])                        # prefill (B, S, V)
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :], params, generator).unsqueeze(1)   # (B, 1)
             out = torch.cat((out, nxt.to(out.dtype)), 1)                    # (B, S + i + 1)
