@@ -358,6 +358,20 @@ def _tp_comm(nb):
     return [p for x in (a, b) for p in number(x, "ms")]
 
 
+def _compile_bytes(nb):
+    kw = dict(rows=24, cols=64, p=8)
+    g = floats(expected_of(E.check_greedy_vs_whole_bytes, -1.0, -1.0, **kw))[0]
+    w = floats(expected_of(E.check_greedy_vs_whole_bytes, g, -1.0, **kw))[0]
+    return number(g, "B") + number(w, "B")
+
+
+def _sink_saving(nb):
+    # the kernels of the O1 step, as the cell above the check printed them
+    text = "".join(t for _, t in _outputs_above(nb, _check_cell(nb, "check_sink_saving_us")))
+    kernels = int(re.search(r"O1: step .*?\((\d+) kernels", text).group(1))
+    return number(floats(expected_of(E.check_sink_saving_us, -1.0, kernels))[0], "us")
+
+
 CODE = "code"   # the answer is code the student writes: nothing above can print it
 EXERCISES = [
     ("00", "check_welcome_mesh", _welcome_mesh),
@@ -399,6 +413,9 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
+    ("16", "check_no_graph_break", CODE),
+    ("16", "check_greedy_vs_whole_bytes", _compile_bytes),
+    ("16", "check_sink_saving_us", _sink_saving),
     ("17", "check_mfu", _mfu),
     ("17", "check_tp_comm_ms", _tp_comm),
 ]

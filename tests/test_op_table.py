@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import workbench as wb
 from tests.spmd_harness import check_op
 from workbench.parallel.ops_table import OP_CLASSES, RULES, TABLE
+from workbench.parallel.ops_table.ring_attention import ring_attention_step
 
 torch.manual_seed(0)
 X, Y = torch.randn(4, 6), torch.randn(4, 6)
@@ -19,6 +20,7 @@ IDX = torch.stack([torch.randperm(6)[:3] for _ in range(4)])            # (4, 3)
 Q, K, V = (torch.randn(2, 2, 4, 6) for _ in range(3))
 COS, SIN = wb.ops.rope_cos_sin(4, 6)
 MASK = torch.rand(4, 6) > 0.5
+_, MOE_E, MOE_S, _ = wb.ops.router_topk(torch.randn(4, 6, 3), 2, capacity=3)   # (4, 6, 2)
 
 
 def seeded_dropout(x):
@@ -103,6 +105,13 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "flash_attention": (lambda q, k, v: wb.ops.flash_attention(q, k, v, causal=True), [Q, K, V]),
     "swiglu": (lambda x: wb.ops.swiglu(x), [X]),
     "rotary_embedding": (lambda x: wb.ops.rotary_embedding(x, COS, SIN), [Q]),
+    "ring_attention_step": (lambda q, k, v: ring_attention_step(q, k, v, ring=2, step=1),
+                            [Q, K, V]),
+    "router_topk": (lambda z: wb.ops.router_topk(z, 2, capacity=3), [torch.randn(4, 6, 3)]),
+    "moe_dispatch": (lambda x: wb.ops.moe_dispatch(x, MOE_E, MOE_S, 3, 3), [torch.randn(4, 6, 4)]),
+    "moe_combine": (lambda y, w: wb.ops.moe_combine(y, w, MOE_E, MOE_S),
+                    [torch.randn(4, 3, 3, 4), torch.randn(4, 6, 2)]),
+    "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
 }
 M2 = wb.Mesh.grid(2, ["a"])
 

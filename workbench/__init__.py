@@ -31,6 +31,7 @@ from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(.
 from . import recipes  # noqa: E402  wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
 from . import serve  # noqa: E402  wb.serve.generate(model, idx, n): KV cache, any layout
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
+from . import compile  # noqa: E402  wb.compile(fn, *inputs, level="O1"): a callable package
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
@@ -40,4 +41,4 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
            "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan", "recipes", "serve"]
+           "distributed", "models", "plan", "recipes", "serve", "compile"]

@@ -116,7 +116,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         raise TypeError(f"train(on_step={on_step!r:.60}): give a function of one record, or "
                         "None")
     world = getattr(strategy, "dp", 1) * getattr(strategy, "tp", 1) * getattr(strategy, "pp", 1) \
-        if getattr(strategy, "distributed", False) else 1
+        * getattr(strategy, "cp", 1) if getattr(strategy, "distributed", False) else 1
     given = ", ".join([repr(preset) if isinstance(preset, str) else "<ModelConfig>",
                        f"batch_size={batch_size}", *(f"{k}={v!r}" for k, v in overrides.items())])
     _checks.check_memory(cfg, batch_size, world, f"train({given})",
@@ -197,10 +197,14 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: the sequence sharded over cp ranks, ring "
+                        "attention (workbench.recipes.context_parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--schedule", default="1f1b",
-                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
-                   help="pipeline schedule (with --pp; zb-v: two V-placed chunks per rank)")
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"],
+                   help="pipeline schedule (with --pp; zb-v: two V-placed chunks per rank; "
+                        "dualpipe: two copies of every stage, fed from both ends)")
     g.add_argument("--dry-run", action="store_true",
                    help="run one step of the real code on meta tensors (no data) and print "
                         "its modeled time and peak memory per rank (workbench.plan.dryrun)")
@@ -215,21 +219,41 @@ def add_train_arguments(parser) -> None:
                    help="--backend torch: a collective that waits this long fails, and a "
                         "stopped rank is ended by its peers (default 60; "
                         "wb.distributed.init's timeout_s)")
+    from .recipes.moe import add_moe_arguments
+    add_moe_arguments(p)                      # --moe-experts ... --ep (recipes/moe.py)
 
 
 def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
     distributed = getattr(args, "backend", "sim") == "torch"
     parallel = {n: getattr(args, n, d) for n, d in _PARALLEL_FLAGS if n != "backend"}
-    if distributed or any(parallel[n] != d for n, d in _PARALLEL_FLAGS if n != "backend"):
+    cp = getattr(args, "cp", 1)
+    ep, ep_chunks = getattr(args, "ep", 1), getattr(args, "ep_chunks", 1)
+    if distributed or cp != 1 or ep != 1 or any(parallel[n] != d for n, d in _PARALLEL_FLAGS
+                                     if n != "backend"):
         from .recipes.hybrid import Hybrid
         if distributed:
             from .sim_mesh import backends
             timeout = getattr(args, "timeout", None)
             backends.init(**({} if timeout is None else {"timeout_s": timeout}))
+        if cp != 1:                     # context parallelism: recipes/context_parallel.py
+            from .recipes.context_parallel import ContextParallel
+            from .recipes.moe import moe_overrides
+            if ep != 1 or moe_overrides(args):
+                raise ValueError("--cp with a mixture of experts (--moe-experts, --ep) is not "
+                                 "built yet (the load-balancing loss would be counted over each "
+                                 "rank's chunk of the sequence, not the whole batch): leave "
+                                 "out --cp, or the MoE flags")
+            if getattr(args, "device", "cpu") != "cpu":
+                raise ValueError(f"--device {args.device} with --cp: simulated ranks run on "
+                                 "the CPU, and under --backend torch each process uses its "
+                                 "backend's device; leave --device at cpu")
+            return ContextParallel(cp=cp, dp=parallel["dp"], tp=parallel["tp"],
+                                   pp=parallel["pp"], sp=parallel["sp"], zero=parallel["zero"],
+                                   distributed=distributed)
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
                       zero=parallel["zero"], schedule=parallel["schedule"],
-                      distributed=distributed)
+                      distributed=distributed, ep=ep, ep_chunks=ep_chunks)
     device = getattr(args, "device", "cpu")
     if device == "auto":
         from .npu.device import device as best_device
@@ -247,8 +271,16 @@ def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     if getattr(args, "dry_run", False):
+        if getattr(args, "cp", 1) != 1:
+            print("error: --cp with --dry-run: the dry run does not lay out context "
+                  "parallelism yet; leave --dry-run out to train with --cp", file=sys.stderr)
+            return 2
         try:
             check_args(args)
+            from .recipes.moe import moe_overrides
+            if moe_overrides(args) or getattr(args, "ep", 1) != 1:
+                raise ValueError("--dry-run of a mixture-of-experts model (--moe-experts, "
+                                 "--ep) is not built yet; run it without --dry-run")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -261,10 +293,13 @@ def main_train(args) -> int:
             return 2
     try:
         check_args(args)
+        from .recipes.moe import moe_overrides
+        moe = moe_overrides(args)                # ModelConfig's moe_* fields (recipes/moe.py)
+        cfg = get_config(args.preset, **moe)
         strategy = strategy_from_args(args)
         check = getattr(strategy, "check", None)
         if check is not None:
-            check(get_config(args.preset), args.batch_size)
+            check(cfg, args.batch_size)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -284,7 +319,7 @@ def main_train(args) -> int:
         train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
               lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
               recompute=getattr(args, "recompute", "none"), strategy=strategy,
-              ops_backend=getattr(args, "ops", "auto"), on_step=emit)
+              ops_backend=getattr(args, "ops", "auto"), on_step=emit, **moe)
     finally:
         if getattr(strategy, "distributed", False):
             from .sim_mesh import backends

@@ -22,6 +22,7 @@ from .flash_attention import TILE_K, TILE_Q, flash_attention
 from .flash_reference import TileStats
 from .kv_blocks import BlockAllocator, BlockTables, OutOfBlocks, PagedMemory, paged_memory
 from .linear import linear
+from .moe import attach_aux_loss, moe_combine, moe_dispatch, router_topk
 from .masks import BlockDiagonal, Causal, MaskPattern, SlidingWindow, TilePlan, attention_tiles
 from .paged_attention import paged_attention
 from .registry import BACKENDS, backends, current_backend, implementation, op_names, use
@@ -36,6 +37,7 @@ __all__ = [
     "TilePlan", "attention_tiles", "TileStats", "TILE_Q", "TILE_K", "PUBLIC_OPS",
     "paged_attention", "BlockAllocator", "BlockTables", "OutOfBlocks", "PagedMemory",
     "paged_memory",
+    "router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss",
 ]
 
 PUBLIC_OPS = (flash_attention, rms_norm, swiglu, rotary_embedding, adamw, linear,

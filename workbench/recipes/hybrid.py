@@ -50,6 +50,9 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
+from . import dualpipe as _dualpipe
+from .moe import (check_ep, check_moe_layout, expert_meshes, keep_residual_layout,
+                  scale_aux_losses, split_params, wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -68,7 +71,8 @@ def _relative(plan: dict, name: str) -> dict:
     return out
 
 SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
-             "zb-h1": S.zb_h1, "zb-v": S.zb_v}   # zb-v: 2 chunks per rank, V-placed
+             "zb-h1": S.zb_h1, "zb-v": S.zb_v,   # zb-v: 2 chunks per rank, V-placed
+             "dualpipe": S.dualpipe}              # two copies of the stages: recipes/dualpipe.py
 
 
 def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
@@ -109,6 +113,12 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
     for n, v in (("microbatches", microbatches), ("virtual", virtual)):
         if v is not None and (not _int(v) or v < 1):
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
+    if schedule == "dualpipe":
+        _dualpipe.check_args(pp=pp, zero=zero, distributed=distributed)
+    if schedule == "zb-v" and distributed:      # before a step, not in its first pipeline
+        raise NotImplementedError("Hybrid(schedule='zb-v', distributed=True): the 'v' layout "
+                                  "runs on the simulator only; use schedule='1f1b', "
+                                  "'interleaved' or 'zb-h1' on torch.distributed")
     if schedule == "zb-v" and virtual not in (None, 2):
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule='zb-v': ZB-V places "
                          "exactly two chunks per rank; leave virtual None")
@@ -125,15 +135,27 @@ class Hybrid:
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
                  microbatches=None, virtual=None, distributed: bool = False,
-                 stage_sizes=None):
+                 stage_sizes=None, ep=1, ep_chunks=1):
         _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=virtual, distributed=distributed)
+        # expert parallelism (recipes/moe.py): ep ranks carved out of dp x ep data-parallel
+        # ranks; self.dp is the dense layers' data-parallel size, self.edp the experts'
+        check_ep(ep, ep_chunks, zero, sp)
+        if ep > 1 and schedule in ("dualpipe", "zb-v"):
+            raise ValueError(f"ep={ep} with schedule={schedule!r}: expert parallelism is wired "
+                             "for one copy of each stage in the interleaved placement; use "
+                             "schedule '1f1b', 'gpipe', 'interleaved' or 'zb-h1' with ep > 1")
+        self.ep, self.ep_chunks, self.edp = ep, ep_chunks, dp
+        dp = dp * ep
+        if ep > 1:
+            check_world(dp, tp, pp, f"Hybrid(dp={self.edp}, ep={ep}, tp={tp}, pp={pp})")
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
         self.v = virtual or (2 if schedule in ("interleaved", "zb-v") else 1)
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
+        self.expert_meshes = expert_meshes(self.meshes, ep) if ep > 1 else []
         self.distributed = distributed
         if distributed:                 # one rank per process on torch.distributed
             from ..sim_mesh import backends as _B
@@ -142,6 +164,7 @@ class Hybrid:
                                  f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
                                  f"{dp * tp * pp}")
             self.meshes = [_B.register(m) for m in self.meshes]
+            self.expert_meshes = [_B.register(m) for m in self.expert_meshes]
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
         # layers per pipeline stage when uneven (None: n_layer / pp each; 1F1B / GPipe)
@@ -155,6 +178,7 @@ class Hybrid:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
         check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
+        check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:
             raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
                              f"{batch_size // self.dp} (batch_size={batch_size}, dp={self.dp}): "
@@ -189,6 +213,8 @@ class Hybrid:
         if self.schedule_name == "interleaved" and self.m % pp:
             raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
                              f"of pp={pp}")
+        if self.schedule_name == "dualpipe":
+            _dualpipe.check(self, batch_size)
 
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
@@ -201,6 +227,9 @@ class Hybrid:
         self.stages = model.pipeline_stages(self.pp * self.v, self.stage_sizes)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
+        if self.ep > 1:                 # experts onto the expert meshes first (recipes/moe.py)
+            wire_expert_parallel(model, self.stages, self.meshes, self.expert_meshes, self.pp,
+                                 self.ep_chunks, self._own)
         self._sp_norms = {}
         for s, stage in enumerate(self.stages):
             mesh = self._mesh_of(s)
@@ -213,12 +242,15 @@ class Hybrid:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                            seq_dim=1)
+                keep_residual_layout(model, stage["layers"])     # MoE layers (recipes/moe.py)
             # SP: norm gradients summed over tp once per step, as Megatron-LM does
             # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
             self._sp_norms[s] = [p for name in stage["modules"] for p in
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
+        if self.schedule_name == "dualpipe":      # the second copy of every stage
+            _dualpipe.build_twin(self, model, cfg, seed)
         return model
 
     def _mesh_of(self, s: int):
@@ -261,11 +293,19 @@ class Hybrid:
                 # distributed_data_parallel_config.py: bucket_size None when not
                 # overlapping): one collective per stage, not one per tensor (ZeRO-1/2
                 # reduce-scatter every gradient in one buffer anyway)
-                opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
+                dense, experts = split_params(self._stage_params(model, s), mesh)
+                opts.append(DataParallel(dense, mesh, "dp", zero=self.zero,
                                          bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                                          lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
+                if experts:             # expert parallelism: reduced over edp only
+                    opts.append(DataParallel(experts, self.expert_meshes[s % self.pp], "edp",
+                                             zero=self.zero, bucket_bytes=ONE_BUFFER
+                                             if self.zero == 0 else None, lr=lr,
+                                             weight_decay=weight_decay))
+        if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
+            opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
@@ -290,6 +330,8 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        if self.schedule_name == "dualpipe":
+            return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
         n_stages = len(self.stage_layers)
         if n_stages == 1:
@@ -309,6 +351,7 @@ class Hybrid:
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
         ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
+        scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
         params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
@@ -321,6 +364,8 @@ class Hybrid:
         return SCHEDULES[self.schedule_name](self.pp, m)
 
     def optimizer_step(self, optimizers) -> None:
+        if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
+            _dualpipe.all_reduce_copies(self)
         for o in optimizers:
             o.step()
 
@@ -329,10 +374,15 @@ class Hybrid:
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
         and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
-        states = [o.memory() for o in optimizers]
+        held: dict = {}                # a rank with several chunks (interleaved, zb-v,
+        for o in optimizers:           # dualpipe) holds the states of each of them, and
+            total = o.memory().total   # a MoE rank its dense and its experts' states
+            mesh = getattr(o, "mesh", None)
+            for r in (mesh.ranks if mesh is not None else (("optimizer", id(o)),)):
+                held[r] = held.get(r, 0) + total
         rec = {"modeled_ms": round(tr.time() * 1e3, 6),
                "comm_bytes": max(per_rank.values(), default=0),
-               "state_bytes": max(m.total for m in states) if states else 0}
+               "state_bytes": max(held.values(), default=0)}
         if len(self.stage_layers) == 1:
             # activations autograd kept for backward, per rank (counted without pipelining;
             # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)
