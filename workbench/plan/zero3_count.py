@@ -40,7 +40,7 @@ the inter-node steps at the network's, + bytes / bus bandwidth; ``fixed_seconds`
 latency part).  It counts; the step's overlap is ``plan.zero_cost``'s (which gathers
 block by block, one collective each: it does not coalesce a prefetch set, nor keep the
 last modules for backward: the counts here say what that leaves out).  On GPT-3 175B
-(A100, tp 8, one micro-batch each) the collectives one after another come to 38.31 s a
+(A100, micro-batch 1, global batch 1,536) the collectives one after another come to 38.31 s a
 step here and 39.32 s in the estimate at dp 256 / tp 4 on 1,024 GPUs, 61.08 s vs 62.46 s
 at dp 192 on 1,536 GPUs (5.97 s of it latency: 191 inter-node ring steps per
 collective), 197.45 s vs 202.69 s at dp 48 on 384: within 3%.
