@@ -373,6 +373,14 @@ def _sink_saving(nb):
 
 
 CODE = "code"   # the answer is code the student writes: nothing above can print it
+def _decode_floor(nb):
+    from workbench.serve.batching import StepPricer
+    p = StepPricer("llama2-7b", "ascend-910b")       # the numbers the exercise cell prints
+    ms = floats(expected_of(E.check_decode_floor_ms, -1.0, -1.0, p.weight_bytes // 2,
+                            p.profile.memory_bandwidth))[0]
+    return number(ms, "ms") + number(ms / 2, "ms")
+
+
 EXERCISES = [
     ("00", "check_welcome_mesh", _welcome_mesh),
     ("00", "check_tp_group", _tp_group),
@@ -413,6 +421,10 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
+    ("15", "check_decode_floor_ms", _decode_floor),
+    ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
+    ("15", "check_static_useful_share", lambda nb: number(
+        floats(expected_of(E.check_static_useful_share, -1.0))[0], percent=True)),
     ("16", "check_no_graph_break", CODE),
     ("16", "check_greedy_vs_whole_bytes", _compile_bytes),
     ("16", "check_sink_saving_us", _sink_saving),
