@@ -181,14 +181,15 @@ class StepPricer:
             raise ValueError(f"StepPricer(weight_bits={weight_bits!r}): give 8, 4 or None "
                              "(the weights in dtype)")
         self.weight_bits = weight_bits or 8 * self.itemsize
-        kv = c.n_kv_head * c.head_dim
-        mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.d_ff
-        self.layer_params = 2 * c.d_model * c.d_model + 2 * c.d_model * kv + mlp
-        self.head_params = c.vocab_size * c.d_model
+        # the weights a token's forward multiplies by, and a token's keys and values in
+        # every layer: serve.roofline's and serve.kv_cache's counts (one definition)
+        from .kv_cache import kv_bytes_per_token
+        from .roofline import linear_weights
+        self.head_params = c.vocab_size * c.d_model                    # the lm head
+        self.layer_params = (linear_weights(c) - self.head_params) // c.n_layer
         self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) \
             * self.weight_bits // 8
-        # K and V of one token in every layer (Kwon et al. 2023 count 800 KB for OPT-13B)
-        self.kv_bytes_per_token = 2 * c.n_layer * kv * self.itemsize
+        self.kv_bytes_per_token = kv_bytes_per_token(c, self.dtype)
 
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the
