@@ -19,11 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workbench.serve.batching import StepPricer, continuous, poisson_trace, static  # noqa: E402
-
-COLS = ["schedule", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-        "tpot_p99_ms", "useful_decode", "steps"]
-
+from workbench.serve.batching import (StepPricer, continuous, latency_table,  # noqa: E402
+                                      poisson_trace, static)
 
 def run(pricer, rate, args):
     trace = poisson_trace(args.requests, rate, prompt=(args.prompt_min, args.prompt_max),
@@ -58,10 +55,7 @@ def main(argv=None):
           f"(memory-bound: {args.max_batch}x the tokens for {full / one:.2f}x the time); "
           f"prefill {args.token_budget} tokens {pre:.2f} ms")
     cont, stat = run(pricer, args.rate, args)
-    rows = [cont.summary(), stat.summary()]
-    print(" ".join(f"{c:>16}" for c in COLS))
-    for r in rows:
-        print(" ".join(f"{r[c]:>16}" for c in COLS))
+    print(latency_table([cont, stat]))
     ratio = cont.throughput / stat.throughput
     print(f"continuous / static throughput at {args.rate:g}/s: {ratio:.2f}x; TTFT p50 "
           f"{stat.ttft_p50 / cont.ttft_p50:.1f}x lower")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from workbench.models.config import build_model, get_config
-from workbench.serve.batching import (Request, StepPricer, continuous, percentile,
-                                      poisson_trace, static)
+from workbench.serve.batching import (Request, StepPricer, continuous, latency_table,
+                                      percentile, poisson_trace, read_trace, static)
 from workbench.sim_mesh.kernel_cost import explain_compute
 
 
@@ -120,3 +120,21 @@ def test_int8_and_int4_weights_shrink_the_weight_bytes_and_the_decode_step_only(
     assert base.seconds(prefill=[(0, 512)]) == q8.seconds(prefill=[(0, 512)])   # compute-bound
     with pytest.raises(ValueError, match="weight_bits=3"):
         StepPricer("tiny", "a100", weight_bits=3)
+
+
+def test_read_trace_and_the_latency_table(tmp_path):
+    f = tmp_path / "requests.jsonl"
+    f.write_text('{"arrival": 0.0, "prompt": 4, "output": 2}\n\n'
+                 '{"arrival": 0.5, "prompt": 4, "output": 3, "id": 7}\n')
+    trace = read_trace(f)
+    assert trace == [Request(0, 0.0, 4, 2), Request(7, 0.5, 4, 3)]
+    p = OneSecond("tiny", "a100")
+    table = latency_table([continuous(trace, p), static(trace, p)])
+    assert table.splitlines()[0].split()[:2] == ["schedule", "throughput_tok_s"]
+    assert [line.split()[0] for line in table.splitlines()[1:]] == ["continuous", "static"]
+    f.write_text('{"arrival": 0.0, "prompt": 4}\n')
+    with pytest.raises(ValueError, match=r"requests.jsonl:1: .* is not a request"):
+        read_trace(f)
+    f.write_text('{"arrival": 0.0, "prompt": 0, "output": 1}\n')
+    with pytest.raises(ValueError, match=r"requests.jsonl:1: arrival must be"):
+        read_trace(f)

@@ -33,132 +33,23 @@ of tokens and is memory-bound, which is why adding sequences to a decode step co
 almost nothing, and why keeping the batch full (continuous) pays.  Activations and the
 embedding lookup are left out (small beside the weights at these sizes).
 
-Everything returned is plain data: :class:`Request`, :class:`Step` (the timeline) and
-:class:`Result` (throughput, time to first token and time per output token, p50 / p99).
+Everything returned is plain data (:mod:`.requests`): :class:`Request`, :class:`Step` (the
+timeline) and :class:`Result` (throughput, time to first token and time per output token,
+p50 / p99).
 """
 from __future__ import annotations
-
-import math
-import random
-from dataclasses import dataclass, field
 
 from ..models.config import ModelConfig, get_config
 from ..sim_mesh.kernel_cost import compute_time
 from ..sim_mesh.profiles import get_profile
+from .requests import (Request, Result, Step, latency_table, percentile, poisson_trace,
+                       read_trace)
 
-__all__ = ["Request", "Step", "Result", "StepPricer", "poisson_trace", "continuous", "static",
-           "percentile", "KERNELS_PER_LAYER"]
+__all__ = ["Request", "Step", "Result", "StepPricer", "poisson_trace", "read_trace", "continuous",
+           "static", "latency_table", "percentile", "KERNELS_PER_LAYER"]
 
 KERNELS_PER_LAYER = 8       # norm, qkv, rotary, attention, o, norm, gate/up, down: an
                             # assumption of this model (each priced as one launch)
-
-
-@dataclass(frozen=True)
-class Request:
-    id: int
-    arrival: float          # seconds
-    prompt: int             # tokens
-    output: int             # tokens to generate (>= 1)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One forward of the engine: when, how long, and what it held."""
-    start: float
-    seconds: float
-    prefill_tokens: int
-    decode_tokens: int
-    requests: tuple         # ids of the requests in the step
-
-
-@dataclass
-class Result:
-    """One schedule's run of a trace (plain data; times in seconds)."""
-    name: str
-    steps: list
-    first_token: dict       # request id -> time of its first output token
-    finish: dict            # request id -> time of its last output token
-    requests: list = field(repr=False, default_factory=list)
-
-    @property
-    def makespan(self) -> float:
-        return max(self.finish.values()) - min(r.arrival for r in self.requests)
-
-    @property
-    def throughput(self) -> float:
-        """Output tokens per second over the whole run."""
-        return sum(r.output for r in self.requests) / self.makespan
-
-    def ttft(self) -> list:
-        return [self.first_token[r.id] - r.arrival for r in self.requests]
-
-    def tpot(self) -> list:
-        return [(self.finish[r.id] - self.first_token[r.id]) / (r.output - 1)
-                for r in self.requests if r.output > 1]
-
-    @property
-    def ttft_p50(self):
-        return percentile(self.ttft(), 50)
-
-    @property
-    def ttft_p99(self):
-        return percentile(self.ttft(), 99)
-
-    @property
-    def tpot_p50(self):
-        return percentile(self.tpot(), 50)
-
-    @property
-    def tpot_p99(self):
-        return percentile(self.tpot(), 99)
-
-    @property
-    def useful_decode_share(self) -> float:
-        """Decode tokens a request needed over decode tokens the steps computed (static
-        batching computes the padded slots of requests already finished)."""
-        slots = sum(s.decode_tokens for s in self.steps)
-        return sum(r.output - 1 for r in self.requests) / slots if slots else 1.0
-
-    def summary(self) -> dict:
-        """The figures as a dict (tokens/s, milliseconds)."""
-        return {"schedule": self.name, "throughput_tok_s": round(self.throughput, 1),
-                "ttft_p50_ms": round(self.ttft_p50 * 1e3, 1),
-                "ttft_p99_ms": round(self.ttft_p99 * 1e3, 1),
-                "tpot_p50_ms": round(self.tpot_p50 * 1e3, 2),
-                "tpot_p99_ms": round(self.tpot_p99 * 1e3, 2),
-                "useful_decode": round(self.useful_decode_share, 3),
-                "steps": len(self.steps), "makespan_s": round(self.makespan, 3)}
-
-
-def percentile(values, q: float) -> float:
-    """The ``q``-th percentile with linear interpolation between ranks (numpy's default)."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("percentile of no values")
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def poisson_trace(n: int, rate: float, prompt=(32, 512), output=(16, 512),
-                  seed: int = 0) -> list:
-    """``n`` requests arriving as a Poisson process of ``rate`` per second (exponential
-    gaps), prompt and output lengths drawn uniformly from the inclusive ranges, seeded."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"poisson_trace(n={n!r}): give the number of requests, an int >= 1")
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < math.inf:
-        raise ValueError(f"poisson_trace(rate={rate!r}): give requests per second, > 0")
-    for name, (lo, hi), least in (("prompt", prompt, 1), ("output", output, 1)):
-        if not (isinstance(lo, int) and isinstance(hi, int) and least <= lo <= hi):
-            raise ValueError(f"poisson_trace({name}={(lo, hi)!r}): give (low, high) token "
-                             f"counts, {least} <= low <= high")
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        out.append(Request(i, t, rng.randint(*prompt), rng.randint(*output)))
-    return out
 
 
 class StepPricer:
@@ -181,14 +72,15 @@ class StepPricer:
             raise ValueError(f"StepPricer(weight_bits={weight_bits!r}): give 8, 4 or None "
                              "(the weights in dtype)")
         self.weight_bits = weight_bits or 8 * self.itemsize
-        kv = c.n_kv_head * c.head_dim
-        mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.d_ff
-        self.layer_params = 2 * c.d_model * c.d_model + 2 * c.d_model * kv + mlp
-        self.head_params = c.vocab_size * c.d_model
+        # the weights a token's forward multiplies by, and a token's keys and values in
+        # every layer: serve.roofline's and serve.kv_cache's counts (one definition)
+        from .kv_cache import kv_bytes_per_token
+        from .roofline import linear_weights
+        self.head_params = c.vocab_size * c.d_model                    # the lm head
+        self.layer_params = (linear_weights(c) - self.head_params) // c.n_layer
         self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) \
             * self.weight_bits // 8
-        # K and V of one token in every layer (Kwon et al. 2023 count 800 KB for OPT-13B)
-        self.kv_bytes_per_token = 2 * c.n_layer * kv * self.itemsize
+        self.kv_bytes_per_token = kv_bytes_per_token(c, self.dtype)
 
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the
