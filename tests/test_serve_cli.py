@@ -61,3 +61,40 @@ def test_only_presets_over_the_alphabet_are_served(capsys):
     with pytest.raises(SystemExit):                     # argparse: an invalid choice
         main(["serve", "--preset", "llama2-7b", "--prompt", PROMPT])
     assert "invalid choice: 'llama2-7b'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint of 2 training steps on dp 2 x tp 2 (``train --save``)."""
+    from workbench.recipes.hybrid import Hybrid
+    from workbench.train import train
+    ckpt = str(tmp_path_factory.mktemp("serve") / "dp2-tp2")
+    train("tiny", steps=2, seed=0, timing=False, strategy=Hybrid(dp=2, tp=2), save=ckpt)
+    return ckpt
+
+
+def test_a_checkpoint_trained_on_one_layout_serves_one_devices_text_on_another(capsys, trained):
+    m = wb.models.build_model("tiny", seed=7).eval()         # any init: the checkpoint fills it
+    sd = m.state_dict()
+    wb.checkpoint.load(trained, {"model": sd})
+    m.load_state_dict(sd)
+    want = TOKENIZER.decode(generate(m, TOKENIZER.encode(PROMPT)[None], 12)[0]) + "\n"
+    assert want != one_device(12) + "\n"                    # the trained weights tell
+    for layout in ([], ["--tp", "2"]):
+        rc, out, err = serve(capsys, "--checkpoint", trained, "--max-new-tokens", "12", *layout)
+        assert rc == 0, err
+        assert out == want
+
+
+def test_a_damaged_checkpoint_is_named(capsys, trained, tmp_path):
+    import os
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(trained, bad)
+    sd = wb.models.build_model("tiny").state_dict()
+    read = sorted(wb.checkpoint.load(bad, {"model": sd}).files())      # what the model reads
+    path = os.path.join(bad, read[0])
+    data = bytearray(open(path, "rb").read())
+    open(path, "wb").write(bytes(data[: len(data) // 2]))              # truncated
+    rc, out, err = serve(capsys, "--checkpoint", bad, "--max-new-tokens", "4")
+    assert rc == 2 and out == "" and read[0] in err

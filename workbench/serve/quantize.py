@@ -152,10 +152,15 @@ def weight_bytes(model: nn.Module) -> dict:
 def quantization_error(model: nn.Module, qmodel: nn.Module, idx, targets) -> dict:
     """Measured on one batch: each model's loss and perplexity, their change, and the
     logits' largest absolute and relative (to the largest logit) error."""
+    modes = model.training, qmodel.training
     model.eval()
     qmodel.eval()
-    z, loss = model(idx, targets)
-    zq, loss_q = qmodel(idx, targets)
+    try:
+        z, loss = model(idx, targets)
+        zq, loss_q = qmodel(idx, targets)
+    finally:
+        model.train(modes[0])
+        qmodel.train(modes[1])
     err = (zq - z).abs().max().item()
     return {"loss": loss.item(), "loss_quantized": loss_q.item(),
             "loss_delta": loss_q.item() - loss.item(),
