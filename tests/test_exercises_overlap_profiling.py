@@ -26,11 +26,11 @@ def fails(fn, *args, match, **kw):
 
 
 def test_hidden_share():
-    C.check_hidden_share(0.45)
+    C.check_hidden_share(0.525)
     fails(C.check_hidden_share, 0.75, match="at most C/M")
-    fails(C.check_hidden_share, 0.6, match=r"multiply by \(1 - 1/k\)")
+    fails(C.check_hidden_share, 0.7, match=r"multiply by \(1 - 1/k\)")
     fails(C.check_hidden_share, "x", match="should be a number")
-    fails(C.check_hidden_share, 45.0, match="percentage")            # 45% for 0.45
+    fails(C.check_hidden_share, 52.5, match="percentage")            # 52.5% for 0.525
     for c, m, k in [(1.2, 2.0, 4), (3.0, 1.0, 8), (1.0, 1.0, 1)]:
         want = expected_hidden_share(c, m, k)
         C.check_hidden_share(want, compute_ms=c, comm_ms=m, k=k)

@@ -21,7 +21,7 @@ __all__ = ["check_hidden_share", "check_multi_copy_forward_ms", "check_best_chun
 # ---- 10 overlap ----------------------------------------------------------------------------
 
 @exercise
-def check_hidden_share(share, compute_ms: float = 1.2, comm_ms: float = 2.0,
+def check_hidden_share(share, compute_ms: float = 1.4, comm_ms: float = 2.0,
                        k: int = 4) -> None:
     """Share of the communication hidden when an op with compute C and communication M
     is cut into k chunks that pipeline: (1 - 1/k) min(1, C/M) (latency ignored)."""
