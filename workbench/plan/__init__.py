@@ -12,7 +12,8 @@
     dr  = wb.plan.dry_run(cfg, lay, cl)    # the real model on meta tensors (``dryrun``)
 
 Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
-``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU), ``frameworks`` (what
+``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU), ``ep_cp`` (expert and context parallelism:
+``moe_cost``, ``context_cost``; ``presets``: Mixtral-8x7B, 128K-context Llama 3), ``frameworks`` (what
 Megatron-LM, DeepSpeed and this library's recipe do differently: gradient dtype,
 ZeRO granularity; ``Layout(framework=...)``), ``zero_cost`` (ZeRO's collectives against
 compute).  ``Estimate.assumptions()`` lists what an estimate rests on beyond cited
@@ -22,7 +23,7 @@ from .layout import Cluster, Layout, SCHEDULES, check_layout
 from .estimate import Estimate, estimate
 from .search import Ranking, search
 from .dryrun import DryRun, dry_run
-from . import memory, costs, frameworks
+from . import memory, costs, frameworks, presets
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
-           "Ranking", "memory", "costs", "frameworks", "DryRun", "dry_run"]
+           "Ranking", "memory", "costs", "frameworks", "DryRun", "dry_run", "presets"]
