@@ -17,8 +17,9 @@ experts and long-context Llamas.
   Llama 3.1's config.json (max_position_embeddings 131072).
 
 The MoE fields are the issue's ``ModelConfig(moe_experts=, moe_topk=,
-moe_capacity_factor=, moe_shared_experts=)`` and ``moe_d_ff`` (``plan.moe_cost``).
-Until ``models.config.ModelConfig`` carries them, :class:`Config` adds them to it.
+moe_capacity_factor=, moe_shared_experts=)``; an expert is an MLP of ``d_ff`` unless a
+config gives ``moe_d_ff`` (``plan.moe_cost``).  Until ``models.config.ModelConfig``
+carries the four, :class:`Config` adds them (and ``moe_d_ff``) to it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ __all__ = ["Config", "PRESETS", "get_config"]
 _MOE_FIELDS = ("moe_experts", "moe_topk", "moe_capacity_factor", "moe_shared_experts",
                "moe_d_ff")
 
-if all(f in {x.name for x in fields(ModelConfig)} for f in _MOE_FIELDS):
+# the issue's four fields; ``moe_d_ff`` is the planner's own (optional, getattr)
+if all(f in {x.name for x in fields(ModelConfig)} for f in _MOE_FIELDS[:4]):
     Config = ModelConfig
 else:
     @dataclass(frozen=True)
