@@ -2,7 +2,9 @@
 they talk (feedback.py), and the student versions of the notebooks (student.py)."""
 from . import (checks, checks_fused, checks_layouts, checks_overlap_profiling, checks_own_model,
                checks_plan, checks_spmd_pipeline, checks_strategies)
+from . import checks_experts
 from .checks import *  # noqa: F401,F403
+from .checks_experts import *  # noqa: F401,F403
 from .checks_fused import *  # noqa: F401,F403
 from .checks_layouts import *  # noqa: F401,F403
 from .checks_overlap_profiling import *  # noqa: F401,F403
@@ -14,6 +16,7 @@ from .feedback import REVEAL_AFTER, reset_tries, reveal
 from .student import make_student_versions
 
 __all__ = [name for mod in (checks, checks_fused, checks_layouts, checks_overlap_profiling,
-                            checks_own_model, checks_plan, checks_spmd_pipeline, checks_strategies)
+                            checks_own_model, checks_plan, checks_spmd_pipeline, checks_strategies,
+                            checks_experts)
            for name in mod.__all__] + ["reveal", "reset_tries", "REVEAL_AFTER",
                                        "make_student_versions"]
