@@ -198,8 +198,9 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
-                   help="pipeline schedule (with --pp)")
+    g.add_argument("--schedule", default="1f1b",
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+                   help="pipeline schedule (with --pp; zb-v: two V-placed chunks per rank)")
     g.add_argument("--dry-run", action="store_true",
                    help="run one step of the real code on meta tensors (no data) and print "
                         "its modeled time and peak memory per rank (workbench.plan.dryrun)")

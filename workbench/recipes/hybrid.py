@@ -68,7 +68,7 @@ def _relative(plan: dict, name: str) -> dict:
     return out
 
 SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
-             "zb-h1": S.zb_h1}
+             "zb-h1": S.zb_h1, "zb-v": S.zb_v}   # zb-v: 2 chunks per rank, V-placed
 
 
 def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
@@ -109,7 +109,10 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
     for n, v in (("microbatches", microbatches), ("virtual", virtual)):
         if v is not None and (not _int(v) or v < 1):
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
-    if virtual is not None and virtual > 1 and schedule != "interleaved":
+    if schedule == "zb-v" and virtual not in (None, 2):
+        raise ValueError(f"Hybrid(virtual={virtual}) with schedule='zb-v': ZB-V places "
+                         "exactly two chunks per rank; leave virtual None")
+    if virtual is not None and virtual > 1 and schedule not in ("interleaved", "zb-v"):
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule={schedule!r}: model chunks "
                          "per rank need the interleaved schedule; add schedule='interleaved' "
                          "or leave virtual None")
@@ -127,7 +130,7 @@ class Hybrid:
                     microbatches=microbatches, virtual=virtual, distributed=distributed)
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
-        self.v = virtual or (2 if schedule == "interleaved" else 1)
+        self.v = virtual or (2 if schedule in ("interleaved", "zb-v") else 1)
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
@@ -200,7 +203,7 @@ class Hybrid:
         plan = model.tp_plan(self.tp)
         self._sp_norms = {}
         for s, stage in enumerate(self.stages):
-            mesh = self.meshes[s % self.pp]
+            mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue                 # torch.distributed: another process's stage
             for name in stage["modules"]:
@@ -217,6 +220,14 @@ class Hybrid:
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
         return model
+
+    def _mesh_of(self, s: int):
+        """The mesh running layer-stage ``s``: rank s % pp, or the V of ZB-V (rank s, then
+        rank 2 pp - 1 - s: Schedule.placement of the "v" layout)."""
+        pp = self.pp
+        if self.schedule_name == "zb-v":
+            return self.meshes[s if s < pp else 2 * pp - 1 - s]
+        return self.meshes[s % pp]
 
     def _own(self, mesh) -> bool:
         """Does this process run ``mesh``'s stage? (always, in the simulator)"""
@@ -235,7 +246,7 @@ class Hybrid:
         opts = []
         self._shards = {}
         for s in range(len(self.stage_layers)):
-            mesh = self.meshes[s % self.pp]
+            mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue
             if self.zero == 3:
@@ -294,11 +305,11 @@ class Hybrid:
             return loss.full().detach()
         stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
         m = self.m
-        first, last = self.meshes[0], self.meshes[(n_stages - 1) % self.pp]
+        first, last = self.meshes[0], self._mesh_of(n_stages - 1)
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
         ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
-        params = [self._stage_params(model, s) if self._own(self.meshes[s % self.pp]) else []
+        params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
                              lambda out, i: self._loss(out, ts[i]), params=params)

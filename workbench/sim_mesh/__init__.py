@@ -2,7 +2,8 @@
 from .mesh import Mesh
 from .trace import Event, Trace, trace, current_trace
 from .profiles import Profile, Link, get_profile, list_profiles, load_profile
-from . import collectives, cost, estimates
+from . import collectives, cost, estimates, hierarchical, nic_assist
 
 __all__ = ["Mesh", "Event", "Trace", "trace", "current_trace", "Profile", "Link",
-           "get_profile", "list_profiles", "load_profile", "collectives", "cost", "estimates"]
+           "get_profile", "list_profiles", "load_profile", "collectives", "cost", "estimates",
+           "hierarchical", "nic_assist"]

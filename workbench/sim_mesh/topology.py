@@ -79,12 +79,13 @@ from types import MappingProxyType
 from . import cost as _cost  # cost imports this module too: use it at call time only
 from .profiles import Link, Profile
 
-__all__ = ["PRICE_ALGORITHMS", "Group", "Choice", "group_of", "algorithm_time", "choose",
-           "protocol_of"]
+__all__ = ["PRICE_ALGORITHMS", "PIPELINE_CHUNKS", "Group", "Choice", "group_of",
+           "algorithm_time", "choose", "protocol_of", "phase_times"]
 
 PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
                     "hierarchical", "pipelined")
 _CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+PIPELINE_CHUNKS = _CHUNKS   # the chunk counts "pipelined" chooses from
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,20 @@ def _phases(kind, n, g, profile, c=1):
     if kind == "all_to_all":
         return _intra("all_to_all", nc, k, profile), _inter("all_to_all", nc, m, profile), 0.0
     return _inter("broadcast", nc, m, profile), _intra("broadcast", nc, k, profile), 0.0
+
+
+def phase_times(kind: str, n: float, g: Group, profile: Profile, chunks: int = 1):
+    """Per-chunk seconds (x, y, z) of the hierarchical phases of one collective cut into
+    ``chunks`` pieces: for all_reduce x = intra-node reduce-scatter, y = inter-node
+    all-reduce of n / (chunks k), z = intra-node all-gather (z on the same links as x;
+    other kinds: the two phases of ``cost.hierarchical_time`` and z = 0).  The prices
+    "hierarchical" (chunks = 1: x + y + z) and "pipelined" are built from these."""
+    if not g.even:
+        raise ValueError(f"phase_times needs the same number of ranks on every node; ranks "
+                         f"per node are {list(g.per_node)}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r} must be an int >= 1")
+    return _phases(kind, n, g, profile, chunks)
 
 
 def _pipelined(kind, n, g, profile):

@@ -72,6 +72,9 @@ def bubble_caption(result: SimulationResult) -> str:
     fb = formula_bubble(result.schedule, c.get("f", 1.0), c.get("b", 1.0), c.get("w"),
                         c.get("p2p", 0.0))
     formula = f"formula {fb}" if fb is not None else "no closed-form formula for this case"
+    if fb is not None and fb.measure == "span":      # ZB-V: counted from each rank's start
+        return (f"bubble from each rank's start: measured "
+                f"{result.span_bubble_fraction:.2%} | {formula}")
     return f"bubble: measured {result.bubble_fraction:.2%} | {formula}"
 
 

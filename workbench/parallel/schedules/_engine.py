@@ -35,6 +35,12 @@ def run(schedule: Schedule, durations: list[list[float]], p2p: float) -> Run:
     Assumes :func:`~.validate.check_structure` passed (each action once, local
     order right).  A deadlock is returned in ``Run.blocked``, not raised."""
     p, m, rows = schedule.p, schedule.m, schedule.actions
+    stage_of = [[schedule.stage(r, c) for c in range(schedule.v)] for r in range(p)]
+    if schedule.layout == "dualpipe":     # the rank of stage s depends on the copy (chunk)
+        owner = [[schedule.placement(s, 0)[0], schedule.placement(s, m - 1)[0]]
+                 for s in range(schedule.stages)]
+    else:
+        owner = [[schedule.placement(s)[0]] * schedule.v for s in range(schedule.stages)]
     last = schedule.stages - 1
     n_keys = schedule.stages * m
     f_end: list = [None] * n_keys          # F done on stage s, micro-batch mb: index s*m + mb
@@ -52,7 +58,7 @@ def run(schedule: Schedule, durations: list[list[float]], p2p: float) -> Run:
         while i < n:
             a = row[i]
             kind, mb = a.kind, a.mb
-            s = a.chunk * p + r
+            s = stage_of[r][a.chunk]
             if kind == "F":
                 if s:
                     e = f_end[(s - 1) * m + mb]
@@ -60,7 +66,7 @@ def run(schedule: Schedule, durations: list[list[float]], p2p: float) -> Run:
                         parked.setdefault((s - 1) * m + mb, []).append(r)
                         waits[r] = ("F", s - 1, mb)
                         break
-                    if (s - 1) % p != r:
+                    if owner[s - 1][a.chunk] != r:
                         e += p2p
                     if e > t:
                         t = e
@@ -76,7 +82,7 @@ def run(schedule: Schedule, durations: list[list[float]], p2p: float) -> Run:
                         parked.setdefault(n_keys + (s + 1) * m + mb, []).append(r)
                         waits[r] = ("B", s + 1, mb)
                         break
-                    if (s + 1) % p != r:
+                    if owner[s + 1][a.chunk] != r:
                         e += p2p
                     if e > t:
                         t = e
@@ -101,6 +107,6 @@ def run(schedule: Schedule, durations: list[list[float]], p2p: float) -> Run:
             waits.pop(r, None)
     blocked = {}
     for r, (kind, s, mb) in waits.items():
-        owner, chunk = s % p, s // p
-        blocked[r] = Wait(Action(kind, mb, chunk), owner)
+        who, chunk = schedule.placement(s, mb)
+        blocked[r] = Wait(Action(kind, mb, chunk), who)
     return Run(starts, ends, pos, blocked)

@@ -8,9 +8,18 @@ A schedule lists, for every rank (pipeline device), the ordered actions it runs:
 * ``W``  is the weight gradient, split off so it can be deferred (Qi et al. 2024,
   "Zero Bubble Pipeline Parallelism").
 
-Rank ``r`` holds ``v`` model chunks; chunk ``c`` of rank ``r`` is layer-stage
-``c * p + r`` (Megatron's virtual pipeline, Narayanan et al. SC21), so the model
-runs stage 0, 1, ..., p*v - 1.  The send/recv between stages is not stored: it is
+Rank ``r`` holds ``v`` model chunks; which layer-stage chunk ``c`` of rank ``r``
+holds is the schedule's ``layout`` (:data:`LAYOUTS`):
+
+* ``"interleaved"`` (default): chunk c of rank r is layer-stage ``c * p + r``
+  (Megatron's virtual pipeline, Narayanan et al. SC21), so the model runs stage 0,
+  1, ..., p*v - 1;
+* ``"v"``: two chunks, stage r and stage 2p - 1 - r (the "V" of ZB-V, Qi et al. 2024:
+  rank 0 holds the first and the last stage);
+* ``"dualpipe"``: two copies of a p-stage model (DeepSeek-V3's DualPipe): chunk 0 of
+  rank r is stage r of the copy fed from rank 0, chunk 1 is stage p - 1 - r of the copy
+  fed from rank p - 1; micro-batches ``mb < m // 2`` run on chunk 0 only, the rest on
+  chunk 1 only (:meth:`Schedule.chunks_of`).  The send/recv between stages is not stored: it is
 derived (:func:`transfers`), since F of stage ``s`` always feeds F of ``s + 1`` and
 B of ``s`` feeds B of ``s - 1``.
 
@@ -28,9 +37,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Action", "Schedule", "Transfer", "transfers", "KINDS"]
+__all__ = ["Action", "Schedule", "Transfer", "transfers", "KINDS", "LAYOUTS"]
 
 KINDS = ("F", "B", "W")
+LAYOUTS = ("interleaved", "v", "dualpipe")
 _TOKEN = re.compile(r"^([FBW])(\d+)(?:c(\d+))?$")
 
 
@@ -101,6 +111,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] in run order
     name: str = "custom"
     split_backward: bool = False             # True: backward is B (input grad) + W (weight grad)
+    layout: str = "interleaved"              # which stage each chunk holds (LAYOUTS)
     _index: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -114,11 +125,20 @@ class Schedule:
             raise ValueError(f"Schedule p={self.p} but actions has {len(rows)} rows: "
                              f"give one row of actions per rank")
         object.__setattr__(self, "actions", rows)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Schedule layout={self.layout!r}: use one of {list(LAYOUTS)}")
+        if self.layout != "interleaved" and self.v != 2:
+            raise ValueError(f"Schedule layout={self.layout!r} places two chunks per rank; "
+                             f"got v={self.v}: use v=2")
+        if self.layout == "dualpipe" and self.m % 2:
+            raise ValueError(f"Schedule layout='dualpipe' feeds half the micro-batches from "
+                             f"each end; got m={self.m}: use an even m")
 
     # ---- building by hand ----------------------------------------------------------
     @classmethod
     def from_text(cls, rows, *, m: int | None = None, v: int | None = None,
-                  split_backward: bool | None = None, name: str = "custom") -> "Schedule":
+                  split_backward: bool | None = None, name: str = "custom",
+                  layout: str = "interleaved") -> "Schedule":
         """Build a schedule from one row per rank.
 
         ``rows`` is a list of strings (``"F0 F1 B0 B1"``; a leading ``"rank 0:"``
@@ -142,21 +162,45 @@ class Schedule:
         v = v if v is not None else 1 + max((a.chunk for a in every), default=0)
         if split_backward is None:
             split_backward = any(a.kind == "W" for a in every)
-        return cls(len(parsed), m, v, tuple(parsed), name, split_backward)
+        return cls(len(parsed), m, v, tuple(parsed), name, split_backward, layout)
 
     # ---- reading -------------------------------------------------------------------
     @property
     def stages(self) -> int:
-        """Layer-stages of the model: p * v."""
-        return self.p * self.v
+        """Stages a micro-batch passes through: p * v (p for "dualpipe", whose two chunks
+        per rank are two copies of a p-stage model)."""
+        return self.p if self.layout == "dualpipe" else self.p * self.v
 
     def stage(self, rank: int, chunk: int) -> int:
-        """The layer-stage that chunk ``chunk`` of rank ``rank`` holds: chunk * p + rank."""
-        return chunk * self.p + rank
+        """The layer-stage that chunk ``chunk`` of rank ``rank`` holds (module docstring)."""
+        if self.layout == "interleaved":
+            return chunk * self.p + rank
+        if self.layout == "v":
+            return rank if chunk == 0 else 2 * self.p - 1 - rank
+        return rank if chunk == 0 else self.p - 1 - rank
 
-    def placement(self, stage: int) -> tuple[int, int]:
-        """(rank, chunk) holding layer-stage ``stage``."""
-        return stage % self.p, stage // self.p
+    def placement(self, stage: int, mb: int = 0) -> tuple[int, int]:
+        """(rank, chunk) running layer-stage ``stage`` for micro-batch ``mb`` (``mb``
+        matters only for "dualpipe", whose micro-batches use one copy or the other)."""
+        p = self.p
+        if self.layout == "interleaved":
+            return stage % p, stage // p
+        if self.layout == "v":
+            return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+        return (stage, 0) if mb < self.m // 2 else (p - 1 - stage, 1)
+
+    def chunks_of(self, mb: int) -> tuple[int, ...]:
+        """The chunks micro-batch ``mb`` runs on, on every rank."""
+        if self.layout == "dualpipe":
+            return (0,) if mb < self.m // 2 else (1,)
+        return tuple(range(self.v))
+
+    def slot(self, rank: int, chunk: int) -> int:
+        """Index of the stage callable (and its parameters) for chunk ``chunk`` of rank
+        ``rank``: the layer-stage, or for "dualpipe" chunk * p + stage (copy 0 of stage s
+        at s, copy 1 at p + s)."""
+        s = self.stage(rank, chunk)
+        return chunk * self.p + s if self.layout == "dualpipe" else s
 
     def position(self, rank: int, action: Action) -> int | None:
         """Index of ``action`` in rank ``rank``'s row (None if absent; first if repeated)."""
@@ -181,11 +225,14 @@ class Schedule:
         head = f"{self.name}: p={self.p} m={self.m} v={self.v}"
         if self.split_backward:
             head += " (backward split into B and W)"
+        if self.layout != "interleaved":
+            head += f" [{self.layout} layout]"
         return "\n".join([head] + self.to_text())
 
     def __repr__(self) -> str:
+        lay = f", layout={self.layout!r}" if self.layout != "interleaved" else ""
         return (f"Schedule({self.name!r}, p={self.p}, m={self.m}, v={self.v}, "
-                f"split_backward={self.split_backward}, {len(self)} actions)")
+                f"split_backward={self.split_backward}{lay}, {len(self)} actions)")
 
 
 def _check_rows(fn: str, rows, text: bool = False) -> None:
@@ -205,17 +252,17 @@ def transfers(schedule: Schedule) -> list[Transfer]:
     Derived, not stored: F on stage s sends its activation to stage s + 1, and B
     on stage s sends its input gradient to stage s - 1 (when the two stages sit on
     different ranks, which they always do for p > 1)."""
-    p, last = schedule.p, schedule.stages - 1
+    last = schedule.stages - 1
     out = []
     for r, row in enumerate(schedule.actions):
         for a in row:
-            s = a.chunk * p + r
+            s = schedule.stage(r, a.chunk)
             if a.kind == "F" and s < last:
-                dst, dst_chunk = (s + 1) % p, (s + 1) // p
+                dst, dst_chunk = schedule.placement(s + 1, a.mb)
                 if dst != r:
                     out.append(Transfer("activation", a.mb, r, dst, a.chunk, dst_chunk))
             elif a.kind == "B" and s > 0:
-                dst, dst_chunk = (s - 1) % p, (s - 1) // p
+                dst, dst_chunk = schedule.placement(s - 1, a.mb)
                 if dst != r:
                     out.append(Transfer("gradient", a.mb, r, dst, a.chunk, dst_chunk))
     return out

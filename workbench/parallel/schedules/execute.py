@@ -77,10 +77,15 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
     """Run ``schedule`` over model stages.
 
     Args:
-        stages: ``p * v`` callables; stage ``s`` maps the previous stage's output to
-            its own (stage 0 takes ``inputs[i]``).
+        stages: ``p * v`` callables, indexed by ``schedule.slot(rank, chunk)``: stage
+            ``s`` maps the previous stage's output to its own (stage 0 takes
+            ``inputs[i]``); for the "dualpipe" layout, ``stages[s]`` and
+            ``stages[p + s]`` are the two copies of stage s (on rank s and on rank
+            p - 1 - s): give them separate parameters and add their gradients, as
+            DualPipe all-reduces them.
         meshes: the mesh of each rank (``p`` of them; chunk c of rank r runs on
-            ``meshes[r]``).
+            ``meshes[r]``); an input on another rank's mesh is sent to the rank of
+            its first stage.
         inputs: ``m`` micro-batches for stage 0, each a DistTensor on ``meshes[0]``
             (or whatever stage 0 accepts).
         loss_fn: ``loss_fn(output, i)`` -> scalar DistTensor for micro-batch i.
@@ -114,14 +119,17 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
     grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
     losses = [0.0] * m
     done = []
-    last = p * v - 1
+    last = schedule.stages - 1
     for _, r, i in order:
         a: Action = schedule.actions[r][i]
-        s = a.chunk * p + r
+        s, slot = schedule.stage(r, a.chunk), schedule.slot(r, a.chunk)
         key = (s, a.mb)
         if a.kind == "F":
             if s == 0:
                 x = inputs[a.mb]
+                if isinstance(x, DistTensor) and x.mesh != meshes[r]:   # DualPipe's far end
+                    x = _detach_leaf(_send(x.detach(), meshes[r], x.placements,
+                                           f"input {a.mb} -> rank {r}"))
             else:
                 prev = stage_out[(s - 1, a.mb)]
                 x = _send(prev.detach(), meshes[r], prev.placements,
@@ -129,7 +137,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 x = _detach_leaf(x)
             stage_in[key] = x
             with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
-                out = stages[s](x)
+                out = stages[slot](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             stage_out[key] = out
@@ -142,10 +150,10 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 g = grad_in[key] if split_b else grad_in.pop(key)
             x = stage_in[key]
             needs_input_grad = s > 0
-            backward_action(a, schedule, out, g, x, s, params, stage_out, key)
+            backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot=slot)
             if needs_input_grad and a.kind == "B":
                 gx = _grad_of(x)
-                dst_mesh = meshes[(s - 1) % p]
+                dst_mesh = meshes[schedule.placement(s - 1, a.mb)[0]]
                 gx_moved = _send(gx, dst_mesh, gx.placements, f"B{a.mb} stage {s}->{s - 1}")
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
@@ -177,14 +185,15 @@ def last_stage_loss(loss_fn, out, mb: int, m: int):
     return loss * (1.0 / m), float(_value(loss))
 
 
-def backward_action(a, schedule, out, g, x, s, params, stage_out, key) -> None:
+def backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot=None) -> None:
     """B (the whole backward, or only the input gradient when the schedule splits it)
-    or W (the weight gradients) of stage ``s`` for one micro-batch."""
+    or W (the weight gradients) of stage ``s`` for one micro-batch (``slot``: the index
+    of its parameters in ``params``, ``s`` when None)."""
     if a.kind == "B" and schedule.split_backward:
         if s > 0:
             _backward(out, g, inputs=[x], retain=True)
     elif a.kind == "W":
-        _backward(out, g, weights=params[s], retain=False)
+        _backward(out, g, weights=params[s if slot is None else slot], retain=False)
         stage_out.pop(key, None)
     else:
         _backward(out, g, retain=False)

@@ -58,6 +58,10 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
     """Run ``schedule``; ``inputs`` are used only on the first stage's processes.
     Returns a PipelineRun whose losses are broadcast to every process."""
     from .execute import PipelineRun, _grad_of, backward_action, last_stage_loss
+    if schedule.layout != "interleaved":
+        raise NotImplementedError(f"run_pipeline on torch.distributed: the {schedule.layout!r} "
+                                  f"layout runs on the simulator only; use an interleaved "
+                                  f"schedule (gpipe, 1f1b, interleaved, zb_h1)")
     me = _B.rank()
     p, m, v = schedule.p, schedule.m, schedule.v
     mine = [r for r in range(p) if me in meshes[r]]

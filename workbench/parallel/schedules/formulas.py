@@ -8,7 +8,22 @@ schedule            bubble time per rank         source
 GPipe, 1F1B         (p-1)(t_f + t_b)             Huang et al. 2019; Narayanan et al.
 interleaved 1F1B    (p-1)(t_f + t_b), per chunk  Narayanan et al. SC21 (1/v of 1F1B)
 ZB-H1               (p-1)(t_F + t_B - t_W)       Qi et al. 2024 (m >= p, t_W <= t_F, t_B)
+DualPipe            (p/2-1)(F&B + B - 3W)        DeepSeek-V3 report, Table 2 (B the
+                                                 full backward b + w; F&B the pair)
 ==================  ===========================  ===================================
+
+DualPipe's F&B is a forward and a backward run overlapped, taken here as f + b + w (no
+overlap gain).  Simulated with each steady-state pair as one block (``dualpipe_costs``:
+both outputs leave when the pair ends), the bubble is Table 2's exactly when
+f = b = w (the zero-bubble papers' setting; tests/test_schedules_dualpipe.py, p = 2..8).
+Run as separate actions (a forward's output leaving before its paired backward), the
+simulator measures less, (p/2-1)(f + b - w) when b <= f.  Table 2's other columns hold as
+simulated: p + 1 micro-batches of activations, two copies of the parameters.
+
+ZB-V's published bubble is 0 when t_F = t_B = t_W (the comparison table of Qi et al.'s
+schedules, sail-sg; m >= 2p here), counted from each rank's first action to its last
+(``measure="span"``: compare with ``SimulationResult.span_bubble``); other costs have no
+closed form (None).
 
 With t_b the whole backward (t_B + t_W when ``w`` is given to a schedule that does
 not split it).  As a fraction of the step, bubble / (bubble + busy), where busy is
@@ -26,6 +41,8 @@ from .gpipe import gpipe
 from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .zero_bubble import zb_h1
+from .dualpipe import dualpipe
+from .zb_v import zb_v
 
 __all__ = ["BubbleFormula", "formula_bubble"]
 
@@ -38,6 +55,8 @@ class BubbleFormula:
     bubble_time: float     # idle time per rank
     time_expression: str   # e.g. "(p-1)(f+b)"
     source: str            # the paper
+    measure: str = "makespan"   # "makespan": SimulationResult.bubble_fraction / bubble_time;
+    #                             "span": span_bubble_fraction / span_bubble (ZB-V)
 
     def __str__(self) -> str:
         return f"{self.expression} = {self.value:.2%}"
@@ -48,6 +67,9 @@ _SOURCES = {
     "1f1b": "Narayanan et al. 2021 (PipeDream-Flush / 1F1B)",
     "interleaved_1f1b": "Narayanan et al. SC21 (interleaved 1F1B)",
     "zb_h1": "Qi et al. 2024 (ZB-H1)",
+    "dualpipe": "DeepSeek-AI 2024, DeepSeek-V3 technical report, Table 2 (DualPipe)",
+    "zb_v": "Qi et al. 2024 (ZB-V, arXiv 2401.10241; sail-sg's comparison table: bubble "
+            "rate 0 at t_F = t_B = t_W, activations 1x 1F1B)",
 }
 
 
@@ -56,7 +78,9 @@ def _generated(s: Schedule) -> bool:
     try:
         ref = {"gpipe": lambda: gpipe(s.p, s.m), "1f1b": lambda: one_f_one_b(s.p, s.m),
                "interleaved_1f1b": lambda: interleaved_1f1b(s.p, s.m, s.v),
-               "zb_h1": lambda: zb_h1(s.p, s.m)}[s.name]()
+               "zb_h1": lambda: zb_h1(s.p, s.m),
+               "dualpipe": lambda: dualpipe(s.p, s.m),
+               "zb_v": lambda: zb_v(s.p, s.m)}[s.name]()
     except (KeyError, ValueError):
         return False
     return ref.actions == s.actions
@@ -91,7 +115,19 @@ def formula_bubble(schedule: Schedule, f=1.0, b=1.0, w=None, p2p=0.0) -> BubbleF
     if p2p or not _generated(s):
         return None
     p, m, v = s.p, s.m, s.v
-    if s.name == "zb_h1":
+    if s.name == "zb_v":
+        if w is None or not f == b == w or m < 2 * p:
+            return None
+        return BubbleFormula("0 (counted from each rank's first action)", 0.0, 0.0, "0",
+                             _SOURCES["zb_v"], measure="span")
+    if s.name == "dualpipe":
+        if w is None:
+            return None
+        full = b + w                                # Table 2's B: the full backward
+        bubble, busy = (p / 2 - 1) * ((f + full) + full - 3 * w), m * (f + b + w)
+        expr = "(p/2-1)(F&B+B-3W) / ((p/2-1)(F&B+B-3W) + m(f+b+w)), F&B = f+b+w"
+        texpr = "(p/2-1)(F&B+B-3W)"
+    elif s.name == "zb_h1":
         if w is None or w > min(f, b) or m < p:     # outside the paper's setting
             return None
         bubble, busy = (p - 1) * (f + b - w), m * (f + b + w)

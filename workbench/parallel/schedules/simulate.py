@@ -88,6 +88,22 @@ class SimulationResult:
         """Idle time per rank: makespan - busy."""
         return tuple(self.makespan - b for b in self.busy)
 
+    @property
+    def span_bubble(self) -> tuple[float, ...]:
+        """Idle time per rank between its first action's start and its last action's end:
+        the bubble the zero-bubble papers count (their schedulers add a rank's idle time
+        only once it has started; the start-up skew is absorbed across iterations)."""
+        return tuple((max(en) - min(st) - b) if st else 0.0
+                     for st, en, b in zip(self.starts, self.ends, self.busy))
+
+    @property
+    def span_bubble_fraction(self) -> float:
+        """The largest span bubble over that rank's span: bubble / (bubble + busy)."""
+        sb = self.span_bubble
+        r = max(range(len(sb)), key=lambda i: sb[i])
+        total = sb[r] + self.busy[r]
+        return sb[r] / total if total > 0 else 0.0
+
     @cached_property
     def timeline(self) -> list[Event]:
         """Every block as a trace :class:`~workbench.sim_mesh.trace.Event` (stream "compute"),
@@ -95,7 +111,7 @@ class SimulationResult:
         bl, s = self.blocks, self.schedule
         events = [Event(KINDS[k], "compute", t, d, (r,),
                         label=f"{KINDS[k]}{mb}" + (f"c{c}" if c else ""),
-                        args={"mb": mb, "chunk": c, "stage": c * s.p + r})
+                        args={"mb": mb, "chunk": c, "stage": s.stage(r, c)})
                   for r, t, d, k, mb, c in zip(bl.rank.tolist(), bl.start.tolist(),
                                                bl.duration.tolist(), bl.kind.tolist(),
                                                bl.mb.tolist(), bl.chunk.tolist())]
@@ -205,14 +221,14 @@ def _result(s: Schedule, out, durations, w_parts, costs) -> SimulationResult:
 
 def _comm_events(s: Schedule, ends, p2p: float) -> list[Event]:
     """One send/recv per stage boundary crossed: activations forward, gradients back."""
-    p, last, events = s.p, s.stages - 1, []
+    last, events = s.stages - 1, []
     for r, row in enumerate(s.actions):
         for i, a in enumerate(row):
-            stage = a.chunk * p + r
+            stage = s.stage(r, a.chunk)
             if a.kind == "F" and stage < last:
-                dst, what = (stage + 1) % p, "activation"
+                dst, what = s.placement(stage + 1, a.mb)[0], "activation"
             elif a.kind == "B" and stage > 0:
-                dst, what = (stage - 1) % p, "gradient"
+                dst, what = s.placement(stage - 1, a.mb)[0], "gradient"
             else:
                 continue
             if dst != r:
@@ -290,6 +306,6 @@ def _cost(arg: str, value, s: Schedule):
     if len(vals) == s.p:
         return lambda a, r: vals[r]
     if len(vals) == s.stages:
-        return lambda a, r: vals[a.chunk * s.p + r]
+        return lambda a, r: vals[s.stage(r, a.chunk)]
     raise ValueError(f"simulate({arg}=<list of {len(vals)}>): a per-stage cost list needs "
                      f"p={s.p} entries (one per rank) or p*v={s.stages} (one per layer-stage)")

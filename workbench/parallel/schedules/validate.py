@@ -67,7 +67,8 @@ def check_structure(schedule: Schedule) -> None:
     """Rules 1-3 of the module docstring, rank by rank; raise at the first broken one."""
     s = schedule
     kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
-    need = len(kinds) * s.m * s.v
+    need = len(kinds) * sum(len(s.chunks_of(mb)) for mb in range(s.m))
+    dual, half = s.layout == "dualpipe", s.m // 2     # DualPipe: one chunk per micro-batch
     for r, row in enumerate(s.actions):
         where: dict[tuple, int] = {}
         for i, a in enumerate(row):
@@ -81,12 +82,16 @@ def check_structure(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r} runs {a} (position {i}) but v={s.v}: "
                                     f"chunks are 0..{s.v - 1}")
             key = (a.kind, a.mb, a.chunk)
+            if dual and a.chunk != (a.mb >= half):
+                raise ScheduleError(f"rank {r} runs {a} (position {i}) but in the "
+                                    f"{s.layout!r} layout micro-batch {a.mb} runs on chunk "
+                                    f"{s.chunks_of(a.mb)[0]} only")
             if key in where:
                 raise ScheduleError(f"rank {r} runs {a} twice (positions {where[key]} and {i})")
             where[key] = i
         if len(where) != need:
-            for c in range(s.v):
-                for mb in range(s.m):
+            for mb in range(s.m):
+                for c in s.chunks_of(mb):
                     for k in kinds:
                         if (k, mb, c) not in where:
                             raise ScheduleError(
