@@ -127,3 +127,12 @@ def test_bad_input_names_the_fix():
         Layout(cp=0)
     with pytest.raises(ValueError, match=r"zero=3 with ep=1, cp=2.*use zero<=1"):
         Layout(dp=2, cp=2, zero=3)
+
+
+def test_cp_ranks_alone_reduce_gradients_and_may_overlap_them():
+    # dp = 1: the cp ranks still hold the same weights, so they reduce the gradients
+    cl = Cluster("a100", 4)
+    lay = Layout(dp=1, cp=4, zero=1)
+    flushed = estimate(CFG, lay, cl)
+    overlapped = estimate(CFG, lay, cl, overlap_grad_reduce=True)
+    assert 0 < overlapped.details["dp_sync"] < flushed.details["dp_sync"]

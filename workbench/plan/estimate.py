@@ -293,7 +293,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         psi = stage_params(cfg, tp, pp, s, n_layers)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
-            if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
+            if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype))
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
