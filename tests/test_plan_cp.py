@@ -4,7 +4,7 @@ causal balancing's pairs, activations at s / cp, optimizer states over dp x cp, 
 gradient reduction over dp x cp ranks, the search over cp, and errors naming the fix."""
 import pytest
 
-from workbench.plan import Cluster, Layout, ep_cp, estimate, search
+from workbench.plan import Cluster, Layout, ep_cp_search, estimate, search
 from workbench.plan.context_cost import kv_block_bytes, ring_times
 from workbench.plan.costs import group_price
 from workbench.plan.ep_cp import layer_cost
@@ -107,7 +107,7 @@ def test_128k_llama_on_256_a100s_uses_cp(monkeypatch):
     assert e.fits and any(a.startswith("CP: ring attention") for a in e.assumptions())
     assert "note: MFU and HFU count attention" in str(r)
     # why: without cp, 131,072 tokens' activations fit only with full recompute
-    monkeypatch.setattr(ep_cp, "CP_MIN_TOKENS", 10 ** 9)
+    monkeypatch.setattr(ep_cp_search, "CP_MIN_TOKENS", 10 ** 9)
     no_cp = search(cfg, cl, global_batch=32, top=3)
     assert all(lay.cp == 1 and lay.recompute == "full" for lay, _ in no_cp)
     assert r[0][0].recompute != "full" and e.step_time < no_cp[0][1].step_time
