@@ -26,9 +26,11 @@ def test_plan_is_the_clocks_pipelined_price(name, n):
     assert plan.hierarchical == pytest.approx(cost.price("all_reduce", n, range(32), name,
                                                          "hierarchical"), rel=1e-12)
     assert plan.flat_ring == cost.price("all_reduce", n, range(32), name, "ring")
-    # max-of-phases plus fill/drain
+    # max-of-phases plus fill/drain, plus the last all-gather's wait behind the previous
+    # one when the all-gather outlasts the inter-node all-reduce
     x, y, z, c = plan.reduce_scatter, plan.all_reduce, plan.all_gather, plan.chunks
-    assert plan.seconds == pytest.approx((x + y + z) + (c - 1) * max(x + z, y))
+    wait = max(0.0, z - y) if c > 1 else 0.0
+    assert plan.seconds == pytest.approx((x + y + z) + (c - 1) * max(x + z, y) + wait)
 
 
 def test_phases_are_hccl_mesh_and_a_nic_ring():
@@ -65,6 +67,39 @@ def test_timeline_respects_links_and_dependencies(name, n, c):
     for i in range(c):                        # RS, then AR, then AG, chunk by chunk
         assert by[(i, "reduce_scatter")].end <= by[(i, "all_reduce")].start + 1e-15
         assert by[(i, "all_reduce")].end <= by[(i, "all_gather")].start + 1e-15
+
+
+@pytest.mark.parametrize("name", ["a100", "h100", "ascend-910b"])
+def test_timeline_is_feasible_and_ends_at_the_price_for_any_chunks(name):
+    # the all-gather outlasting the all-reduce (z > y: one NVLink node pair at 4 MiB on
+    # the A100s) used to put the last two all-gathers on the NVLink at once
+    seen_wait = False
+    for p in (16, 64):
+        for n in (2 ** 16, 2 ** 22, 2 ** 24, GiB):
+            for c in (1, 2, 3, 8):
+                plan = plan_pipelined_all_reduce(n, range(p), name, chunks=c)
+                tl = plan.timeline()
+                seen_wait |= plan.all_gather > plan.all_reduce and c > 1
+                assert max(ph.end for ph in tl) == pytest.approx(plan.seconds)
+                for link in ("intra", "inter"):
+                    spans = sorted((ph.start, ph.end) for ph in tl if ph.link == link)
+                    assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+                by = {(ph.chunk, ph.name): ph for ph in tl}
+                for i in range(c):
+                    assert by[(i, "reduce_scatter")].end <= by[(i, "all_reduce")].start + 1e-15
+                    assert by[(i, "all_reduce")].end <= by[(i, "all_gather")].start + 1e-15
+    assert seen_wait or name == "ascend-910b"
+
+
+def test_trace_of_an_intra_bound_pipeline_is_the_price():
+    plan = plan_pipelined_all_reduce(2 ** 22, range(16), A100, chunks=2)
+    assert plan.all_gather > plan.all_reduce           # the case that waits
+    mesh = wb.Mesh.grid((16,), ["dp"])
+    x = torch.ones(16, 2 ** 20)                         # 4 MiB per rank
+    with wb.trace("a100") as tr:
+        hierarchical_all_reduce(x, mesh, 0, chunks=2)
+    assert tr.time() == pytest.approx(plan.seconds)
+    assert "last all-gather's wait" in str(plan)
 
 
 @pytest.mark.parametrize("shape,axis,chunks", [((32,), 0, 4), ((2, 16), 1, 3), ((16, 2), 0, None),
@@ -184,3 +219,9 @@ def test_comm_scale_sweep_reads_the_clock_and_the_formula():
     assert data["ascend-910b"][8][0][1] == pytest.approx(data["ascend-910b"][8][0][2])
     text = b.table(data, show_ranks=(8, 64), show_sizes=(2 ** 20, GiB))
     assert "nccl-tests issue #175" in text and "no published HCCL" in text
+    # a figure a profile was fitted to is marked so; an independent one is not
+    lines = b.table(b.sweep(["h100"], ranks=[8, 16], sizes=[GiB]), show_ranks=(8, 16),
+                    show_sizes=(GiB,)).splitlines()
+    fitted = [ln for ln in lines if "FITTED" in ln]
+    assert len(fitted) == 1 and "#212" in fitted[0] and "p=8" in fitted[0]
+    assert any("#319" in ln and "independent" in ln for ln in lines)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import workbench as wb
 from tests.spmd_harness import check_op
 from workbench.parallel.ops_table import OP_CLASSES, RULES, TABLE
+from workbench.parallel.ops_table.ring_attention import ring_attention_step
 
 torch.manual_seed(0)
 X, Y = torch.randn(4, 6), torch.randn(4, 6)
@@ -101,6 +102,8 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "flash_attention": (lambda q, k, v: wb.ops.flash_attention(q, k, v, causal=True), [Q, K, V]),
     "swiglu": (lambda x: wb.ops.swiglu(x), [X]),
     "rotary_embedding": (lambda x: wb.ops.rotary_embedding(x, COS, SIN), [Q]),
+    "ring_attention_step": (lambda q, k, v: ring_attention_step(q, k, v, ring=2, step=1),
+                            [Q, K, V]),
 }
 M2 = wb.Mesh.grid(2, ["a"])
 

@@ -23,7 +23,7 @@ def test_default_framework_by_zero_stage(zero, want):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(zero=3, framework="megatron"), r"framework='megatron' with zero=3.*ZeRO-1"),
-    (dict(framework="fsdp"), r"framework='fsdp' is not priced yet"),
+    (dict(framework="fsdp"), r"framework='fsdp' with zero=0.*use zero=3"),
     (dict(framework="colossal"), r"framework='colossal'; use one of"),
 ])
 def test_framework_errors(kw, match):
@@ -108,3 +108,63 @@ def test_close_step_times_are_a_tie():
     near = dataclasses.replace(eb, step_time=ea.step_time * (1 + TIE / 2))
     line = Ranking([(a, ea), (eb.layout, near)]).explain()[0]
     assert line.startswith("#1 and #2 tie: ") and "under the 1%" in line
+
+
+def test_fsdp_prices_fully_shard_per_block():
+    """FSDP2 as torchtitan runs it (``plan.frameworks``): one all-gather of a block's
+    16-bit parameters before its forward and again before its backward, one block
+    prefetched, its gradients reduce-scattered in fp32 every micro-batch; on the same
+    stream model as ZeRO-3 (``zero_cost``), so the exposure is what that model gives
+    for those collectives and units, and the bytes sent are 2 gathers + 1 fp32
+    reduce-scatter per micro-batch."""
+    from workbench.plan import costs as C, zero_cost as Z
+    from workbench.plan.edge_cost import edge_times
+    from workbench.sim_mesh.cost import overlap_rate, wire_bytes
+    cfg = get_config("gpt3-175b", n_layer=8)
+    cl = P.Cluster("a100", 64)
+    lay = P.Layout(dp=8, tp=8, zero=3, recompute="full", global_batch=16, framework="fsdp")
+    est = P.estimate(cfg, lay, cl)
+    assert est.details["grad_reduce_bytes"] == 4 and est.details["framework"] == "fsdp"
+    assert "FSDP2" in " ".join(est.assumptions())
+    layer = C.layer_cost(cfg, 1, 8, False, "full", cl.profile)
+    head = C.head_cost(cfg, 1, 8, False, cl.profile)
+    blocks = Z.stage_blocks(cfg, lay, 0, layer, head, edge_times(cfg, 1, 8, False,
+                                                                 cl.profile))
+    assert len(blocks) == 8 + 2                       # embeddings, 8 blocks, norm + head
+    ranks = tuple(lay.dp_ranks(0, 0))
+    fwd, bwd = Z.zero_exposed(
+        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile),
+        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile),
+        prefetch_numel=1, rate=overlap_rate(cl.profile))
+    assert est.details["dp_sync"] == pytest.approx(lay.m * (fwd + bwd), rel=1e-12)
+    psi = stage_params(cfg, 8, 1, 0)
+    sent = lay.m * (2 * wire_bytes("all_gather", 2 * psi, 8)
+                    + wire_bytes("reduce_scatter", 4 * psi, 8))
+    assert est.details["stages"]["only"]["dp_sent"] == pytest.approx(sent, rel=1e-12)
+    # one block ahead exposes more than DeepSpeed-style 5e7-element prefetch would
+    wide = Z.zero_exposed(
+        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile),
+        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile),
+        rate=overlap_rate(cl.profile))
+    assert sum(wide) <= fwd + bwd
+
+
+def test_fsdp_memory_states_and_unit_buffers():
+    """ZeRO-3's states exactly (FSDP2's fp32 parameter shards are the master copy: 16
+    bytes per parameter / dp in all), and the buffers: two gathered 16-bit units (the
+    largest adjacent pair) and one unit's 16-bit
+    gradient with its fp32 copy for the reduce-scatter; GPT-3's block (12 h^2 / 8) is
+    the largest unit, so two adjacent blocks are the gathered peak."""
+    from workbench.plan.memory import layer_params
+    cfg = get_config("gpt3-175b", n_layer=4)
+    lay = P.Layout(dp=8, tp=8, zero=3, recompute="full", global_batch=8, framework="fsdp")
+    est = P.estimate(cfg, lay, P.Cluster("a100", 64))
+    psi = stage_params(cfg, 8, 1, 0)
+    states = model_state_bytes(psi, 8, 3)
+    assert {k: est.memory[k] for k in states} == pytest.approx(states, rel=1e-12)
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    emb, blk = V * h / 8 + s * h, layer_params(cfg, 8)
+    assert blk > emb
+    assert est.memory["buffers"] == pytest.approx(2 * (2 * blk) + 6 * blk, rel=1e-12)
+    with pytest.raises(ValueError, match=r"framework='fsdp' with zero=1"):
+        P.Layout(dp=8, zero=1, framework="fsdp")

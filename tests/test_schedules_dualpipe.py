@@ -42,9 +42,19 @@ def test_dualpipe_bubble_is_table2(p, m, c):
         pytest.approx((p - 1) * (c + 2 * c))
 
 
+def test_simulate_reads_a_dualpipe_cost_list_per_stage():
+    # rank 0 runs stage 0 for micro-batches 0, 1 and stage 1 (copy 1) for 2, 3: a list of
+    # p costs is per stage there (it was read per rank: rank 0 priced stage 1 at stage 0's)
+    r = simulate(dualpipe(2, 4), f=[1.0, 3.0], b=1.0, w=1.0)
+    assert r.busy == pytest.approx((2 * 1 + 2 * 3 + 8,) * 2)
+
+
 def test_dualpipe_costs_bad_input():
     with pytest.raises(ValueError, match="dualpipe"):
         dualpipe_costs(zb_h1(2, 4))
+    for kw in (dict(f="a"), dict(w=-1.0), dict(fb=float("nan")), dict(b=True)):
+        with pytest.raises(ValueError, match=f"dualpipe_costs\\({next(iter(kw))}="):
+            dualpipe_costs(dualpipe(2, 4), **kw)
 
 
 @pytest.mark.parametrize("p,m", PM)

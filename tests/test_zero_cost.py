@@ -172,3 +172,16 @@ def test_deepspeed_zero3_gathers_module_by_module():
     # with this library's one gather per layer
     ours = estimate(cfg, lay.replace(framework="workbench"), cl)
     assert estimate(cfg, lay, cl).details["dp_sync"] > 1.5 * ours.details["dp_sync"]
+
+
+def test_loss_waits_behind_the_backward_prefetch():
+    """This library's recipe with an untied head: the backward's prefetch is issued at the
+    end of the forward and the loss's dp all-reduce queues behind it, so no gather of it
+    hides behind backward compute (``zero_exposed(loss_waits=True)``); otherwise only the
+    first module's gather shows."""
+    from workbench.plan.zero_cost import Block, zero_exposed
+    blocks = [Block(10, 1.0, 2.0)] * 3
+    ag, rs = (lambda n: 0.1 * n), (lambda n: 0.0)
+    f0, b0 = zero_exposed(blocks, 3, ag, rs, prefetch_numel=float("inf"))
+    f1, b1 = zero_exposed(blocks, 3, ag, rs, prefetch_numel=float("inf"), loss_waits=True)
+    assert f1 == f0 and b0 == 1.0 and b1 == 3.0

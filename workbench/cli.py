@@ -90,6 +90,8 @@ def _plan(args) -> int:
     print(f"{args.model} ({cfg.n_layer} layers, h={cfg.d_model}, {cfg.n_head} heads, "
           f"s={cfg.seq_len}), global batch {args.global_batch}")
     print(ranking)
+    from .plan.ranges import ranking_ranges
+    print(ranking_ranges(ranking, cfg, overlap=not args.no_overlap))
     return 0
 
 

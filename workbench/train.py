@@ -116,7 +116,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         raise TypeError(f"train(on_step={on_step!r:.60}): give a function of one record, or "
                         "None")
     world = getattr(strategy, "dp", 1) * getattr(strategy, "tp", 1) * getattr(strategy, "pp", 1) \
-        if getattr(strategy, "distributed", False) else 1
+        * getattr(strategy, "cp", 1) if getattr(strategy, "distributed", False) else 1
     given = ", ".join([repr(preset) if isinstance(preset, str) else "<ModelConfig>",
                        f"batch_size={batch_size}", *(f"{k}={v!r}" for k, v in overrides.items())])
     _checks.check_memory(cfg, batch_size, world, f"train({given})",
@@ -197,10 +197,14 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: the sequence sharded over cp ranks, ring "
+                        "attention (workbench.recipes.context_parallel)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--schedule", default="1f1b",
-                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
-                   help="pipeline schedule (with --pp; zb-v: two V-placed chunks per rank)")
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"],
+                   help="pipeline schedule (with --pp; zb-v: two V-placed chunks per rank; "
+                        "dualpipe: two copies of every stage, fed from both ends)")
     g.add_argument("--dry-run", action="store_true",
                    help="run one step of the real code on meta tensors (no data) and print "
                         "its modeled time and peak memory per rank (workbench.plan.dryrun)")
@@ -221,12 +225,23 @@ def strategy_from_args(args) -> Strategy:
     """The strategy the flags ask for; a clear error for what is not built yet."""
     distributed = getattr(args, "backend", "sim") == "torch"
     parallel = {n: getattr(args, n, d) for n, d in _PARALLEL_FLAGS if n != "backend"}
-    if distributed or any(parallel[n] != d for n, d in _PARALLEL_FLAGS if n != "backend"):
+    cp = getattr(args, "cp", 1)
+    if distributed or cp != 1 or any(parallel[n] != d for n, d in _PARALLEL_FLAGS
+                                     if n != "backend"):
         from .recipes.hybrid import Hybrid
         if distributed:
             from .sim_mesh import backends
             timeout = getattr(args, "timeout", None)
             backends.init(**({} if timeout is None else {"timeout_s": timeout}))
+        if cp != 1:                     # context parallelism: recipes/context_parallel.py
+            from .recipes.context_parallel import ContextParallel
+            if getattr(args, "device", "cpu") != "cpu":
+                raise ValueError(f"--device {args.device} with --cp: simulated ranks run on "
+                                 "the CPU, and under --backend torch each process uses its "
+                                 "backend's device; leave --device at cpu")
+            return ContextParallel(cp=cp, dp=parallel["dp"], tp=parallel["tp"],
+                                   pp=parallel["pp"], sp=parallel["sp"], zero=parallel["zero"],
+                                   distributed=distributed)
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
                       zero=parallel["zero"], schedule=parallel["schedule"],
                       distributed=distributed)
@@ -247,6 +262,10 @@ def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     if getattr(args, "dry_run", False):
+        if getattr(args, "cp", 1) != 1:
+            print("error: --cp with --dry-run: the dry run does not lay out context "
+                  "parallelism yet; leave --dry-run out to train with --cp", file=sys.stderr)
+            return 2
         try:
             check_args(args)
         except ValueError as e:

@@ -17,13 +17,16 @@ Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
 Megatron-LM, DeepSpeed and this library's recipe do differently: gradient dtype,
 ZeRO granularity; ``Layout(framework=...)``), ``zero_cost`` (ZeRO's collectives against
 compute).  ``Estimate.assumptions()`` lists what an estimate rests on beyond cited
-measurements.
+measurements; ``estimate_range`` (``ranges``) re-prices it with the profile's uncertain
+figures at their stated bounds.
 """
 from .layout import Cluster, Layout, SCHEDULES, check_layout
 from .estimate import Estimate, estimate
 from .search import Ranking, search
 from .dryrun import DryRun, dry_run
+from .ranges import EstimateRange, estimate_range
 from . import memory, costs, frameworks, presets
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
-           "Ranking", "memory", "costs", "frameworks", "DryRun", "dry_run", "presets"]
+           "Ranking", "memory", "costs", "frameworks", "DryRun", "dry_run",
+           "EstimateRange", "estimate_range", "presets"]

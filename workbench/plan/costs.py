@@ -57,7 +57,16 @@ def layer_flops(cfg, b: int) -> tuple[float, float]:
 
 def model_and_hardware_flops(cfg, batch: int, recompute: str) -> tuple[float, float]:
     """Model FLOPs of one step of ``batch`` sequences (eq. 7 generalised to d_ff = f; no
-    recompute) and hardware FLOPs (with the recomputed forward, for HFU)."""
+    recompute) and hardware FLOPs (with the recomputed forward, for HFU).
+
+    The attention core counts the whole s x s product, 4 b s^2 h forward, for the GPT and
+    the Llama alike, although a causal kernel computes half of it: the convention of the
+    published figures this planner is held to (Narayanan et al. 2021 eq. 3; Korthikanti
+    et al. 2022 eq. 7; Megatron-LM's ``num_floating_point_operations`` behind its 2024
+    H100 table, ``megatron/training/training.py`` at f2e5db402c: ``seq_length /
+    hidden_size``; PaLM's 6N + 12 L H Q T, Chowdhery et al. 2022 App. B).  Megatron-LM
+    counts half since commit 8873b55d6a (2025-03-06, "Only half of the attention matrix
+    is non-zero"): ``Estimate.details["mfu_causal"]`` gives the MFU so counted."""
     mat, core = layer_flops(cfg, batch)
     head = 2 * batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
     model = 3 * (cfg.n_layer * (mat + core) + head)

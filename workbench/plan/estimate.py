@@ -16,7 +16,9 @@ data-parallel synchronisation + the optimizer step, where
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
   (``parallel.schedules.formulas``; Narayanan et al. 2021);
 - data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
-  al. 2021 does not overlap it): an all-reduce of the rank's 16-bit gradients; ZeRO-1:
+  al. 2021 does not overlap it; on a later stage only past the pipeline's slack, since
+  each stage reduces once its own last backward is done: ``stage_sync``): an
+  all-reduce of the rank's 16-bit gradients; ZeRO-1:
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
   volume, ZeRO sec. 7.2.1); with ``overlap_grad_reduce=True`` (later Megatron-LM's
   ``--overlap-grad-reduce`` / ``--overlap-param-gather``, torch DDP) those run module by
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
 from . import costs as C
 from . import frameworks as F
+from . import stage_sync as S
 from . import zero_cost as Z
 from . import ep_cp as EC
 from .layout import Cluster, Layout, attention_for, check_layout
@@ -188,7 +191,8 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
-             overlap_grad_reduce: bool = False, grad_bytes: int = 2):
+             overlap_grad_reduce: bool = False, grad_bytes: int = 2,
+             head_live: bool = True):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -197,7 +201,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
     first forward (all gathers issued at once), on the same stream model.
     ``grad_bytes``: bytes per gradient element reduced (``frameworks.grad_reduce_bytes``:
-    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit."""
+    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit.
+    ``head_live``: the head's weight is still gathered when the loss is computed (tied
+    to the embedding); if not, this library's recipe re-gathers it before the loss and
+    the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``)."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -217,8 +224,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
         if lay.zero == 0:
             return bwd, wire_bytes("all_reduce", g, dp)
+        # Megatron-core gathers one bucket ahead (``_finish_param_sync_helper``: "We
+        # can't pre-launch all-gathers for all buckets at once", f2e5db402c), the first
+        # from zero_grad, just before the forward; a block stands for a bucket
+        ahead = 1 if lay.engine == "megatron" else float("inf")
         fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
-                                prefetch_numel=float("inf"), rate=r)
+                                prefetch_numel=ahead, rate=r)
         return bwd + fwd, rs + ag
     if lay.zero == 0:
         return p("all_reduce"), wire_bytes("all_reduce", g, dp)
@@ -227,12 +238,30 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if not overlap:
         blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
+    # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
+    ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n),
-                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket)
+                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
+                              prefetch_numel=ahead,
+                              loss_waits=lay.engine == "workbench" and not head_live)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     return m * (fwd + bwd), m * (2 * ag + rs)
+
+
+def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
+                      overlap_grad_reduce: bool) -> None:
+    """Megatron-LM's (and DeepSpeed's pipeline engine's) sync on stages after the first,
+    less the pipeline's slack (``stage_sync``): each such stage's ``dp`` replaced."""
+    name = [_stage_name(k, lay.pp, lay.stages is not None) for k in range(lay.pp)]
+    fwd = [stages[n]["forward"] for n in name]
+    bwd = [stages[n]["time"] - stages[n]["forward"] for n in name]
+    for d in stages.values():
+        if d["stage"] > 0:
+            sf, sb = S.slacks(d["stage"], fwd, bwd)
+            d["dp"] = S.after_flush(d["psi"], lay, prof, d["stage"], grad_bytes, sf, sb,
+                                    overlap_grad_reduce) + d["expert_dp"]   # MoE: whole
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -295,17 +324,21 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
-                                 F.grad_reduce_bytes(lay.engine, cfg.dtype))
+                                 F.grad_reduce_bytes(lay.engine, cfg.dtype),
+                                 head_live=cfg.tie_embeddings)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
-                            forward=fwd,
+                            forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             memory=stage_memory(cfg, lay, s, attention))
 
+    if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp * lay.cp > 1 and v == 1:
+        _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
+                          overlap_grad_reduce)
     slow = max(stages.values(), key=lambda d: d["time"])
     bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
     m = lay.m
@@ -339,6 +372,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
+        "mfu_causal": (model_f - 1.5 * cfg.n_layer * C.layer_flops(cfg, lay.global_batch)[1])
+        / (step * peak * n),       # the causal core counted half (costs.model_and_hardware_flops)
     }
     return Estimate(layout=lay, step_time=step, memory=dict(busiest["memory"]),
                     fits=busiest["memory"]["total"] <= prof.usable_memory(),

@@ -21,14 +21,41 @@ them, and what the estimate and the memory model read from here:
   gradients reduced in the parameters' dtype after the flush (ZeRO 0/1), ZeRO-2/3 as
   ``parallel.strategies.zero3`` (DeepSpeed's schedule, one layer per gather).
 
-FSDP (PyTorch ``fully_shard``) is not priced yet: it raises, naming what to use.
+- ``"fsdp"`` (PyTorch FSDP2, ``torch.distributed.fsdp.fully_shard``, applied per
+  transformer block as torchtitan does; ``zero=3`` only): the unit of communication is
+  one block (``FSDPParamGroup``: one all-gather for all its parameters, one
+  reduce-scatter for all its gradients), all-gathered in ``MixedPrecisionPolicy.
+  param_dtype`` (bf16: 2 bytes) before its forward and, as ``reshard_after_forward``
+  (default True) freed it, again before its backward; gradients reduce-scattered every
+  micro-batch (no ``set_requires_gradient_sync(False)``) in ``reduce_dtype``: fp32, 4
+  bytes, torchtitan's default (``training.mixed_precision_reduce = "float32"``,
+  ``mixed_precision_param = "bfloat16"``; FSDP2 with ``reduce_dtype=None`` reduces in
+  the parameters' original dtype, fp32 too: ``_fsdp_api.py``); prefetch one unit ahead
+  forward (the next block's all-gather is issued by its pre-forward hook while the
+  current block computes, ``_fsdp_state.py``: implicit forward prefetch, the copy-in
+  stream waiting on the previous all-gather's event) and backward (the previous block:
+  ``_pre_backward`` calls ``pre_backward(default_prefetch)`` when no modules were set
+  with ``set_modules_to_backward_prefetch``).  The sharded parameters are the fp32 master weights
+  (no separate copy: ``MixedPrecisionPolicy``'s docstring), so the model states total
+  ZeRO-3's 16 bytes per parameter / dp; the working buffers are two gathered 16-bit
+  units, one unit's 16-bit gradient and its fp32 copy for the reduce-scatter
+  (``memory.stage_memory``).  ASSUMPTION: FSDP2's all-gather and reduce-scatter streams
+  share the rank's network as one stream (``zero_cost``); both CUDA streams exist, but
+  they share one NIC and NCCL communicator.  Not modeled: torchtitan keeps the last
+  unit (final norm and output layer) gathered after its forward
+  (``reshard_after_forward=False`` there); the estimate gathers it again for backward.
 """
 from __future__ import annotations
 
 __all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes",
            "assumptions"]
 
-FRAMEWORKS = ("megatron", "deepspeed", "workbench")
+FRAMEWORKS = ("megatron", "deepspeed", "workbench", "fsdp")
+
+# torchtitan (pytorch/torchtitan, torchtitan/config: Training.mixed_precision_reduce
+# "float32", mixed_precision_param "bfloat16"): the FSDP2 recipe priced here
+FSDP_REDUCE_BYTES = 4
+FSDP_PREFETCH_UNITS = 1
 
 
 def resolve(framework, zero: int) -> str:
@@ -36,10 +63,6 @@ def resolve(framework, zero: int) -> str:
     stage (Megatron-LM for 0 and 1, DeepSpeed for 2 and 3)."""
     if framework is None:
         return "megatron" if zero <= 1 else "deepspeed"
-    if framework == "fsdp":
-        raise ValueError("Layout: framework='fsdp' is not priced yet (FSDP2's unit "
-                         "gathers); use framework='deepspeed' with zero=3 for a fully "
-                         "sharded run, or 'megatron' / 'workbench'")
     if framework not in FRAMEWORKS:
         raise ValueError(f"Layout: framework={framework!r}; use one of {list(FRAMEWORKS)} "
                          f"(or None: Megatron-LM for zero<=1, DeepSpeed for zero>=2)")
@@ -47,6 +70,11 @@ def resolve(framework, zero: int) -> str:
         raise ValueError(f"Layout: framework='megatron' with zero={zero}: Megatron-LM's "
                          f"distributed optimizer shards the optimizer states only (ZeRO-1); "
                          f"use zero<=1, or framework='deepspeed' for ZeRO-{zero}")
+    if framework == "fsdp" and zero != 3:
+        raise ValueError(f"Layout: framework='fsdp' with zero={zero}: FSDP2's fully_shard "
+                         f"(reshard_after_forward=True) shards parameters, gradients and "
+                         f"optimizer states, ZeRO-3; use zero=3, or framework='megatron' "
+                         f"for zero<=1 / 'deepspeed' for zero=2")
     return framework
 
 
@@ -54,13 +82,20 @@ def grad_reduce_bytes(framework: str, dtype: str) -> int:
     """Bytes per gradient element the data-parallel reduction moves (module docstring)."""
     if framework == "megatron" and dtype == "bfloat16":
         return 4
+    if framework == "fsdp":
+        return FSDP_REDUCE_BYTES
     return 2
 
 
 def grad_buffer_extra_bytes(framework: str, dtype: str) -> int:
     """Bytes per parameter the framework's gradient buffer holds beyond the 16-bit
     gradients ZeRO's accounting counts (Megatron with bf16: an fp32 ``main_grad``, 4
-    bytes where ZeRO counts 2)."""
+    bytes where ZeRO counts 2).  FSDP: none beyond the states (its fp32 gradient
+    shards stand where ZeRO counts 16-bit ones and its fp32 parameter shards are the
+    master copy: the same 16 bytes per parameter / dp); its unit buffers are counted
+    by ``memory.stage_memory``."""
+    if framework == "fsdp":
+        return 0
     return grad_reduce_bytes(framework, dtype) - 2
 
 
@@ -68,6 +103,10 @@ _FRAMEWORK_WORDS = {
     "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
     "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
                  "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
+    "fsdp": "PyTorch FSDP2 (fully_shard per block, torchtitan's policy): bf16 all-gather "
+            "of one block, prefetched one block ahead, re-gathered for backward, gradients "
+            "reduce-scattered in fp32 every micro-batch; all-gather and reduce-scatter "
+            "share the network as one stream (ASSUMPTION)",
     "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
                  "gather per layer"}
 
@@ -79,8 +118,12 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
             if overlap_grad_reduce else "after the pipeline flush")
     g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
     out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
-    out.append("attention: " + ("a fused FlashAttention kernel" if attention == "flash" else
-                                "Megatron's unfused core (Korthikanti Table 2)"))
+    if attention == "flash":     # name the kernel whose rate the profile took
+        src = prof.citations.get("efficiency.attention", "no source cited").split(":")[0]
+        out.append(f"attention: a fused FlashAttention kernel at "
+                   f"{prof.efficiency.get('attention', 1.0):.0%} of peak ({src})")
+    else:
+        out.append("attention: Megatron's unfused core (Korthikanti Table 2)")
     if lay.zero >= 2 and not overlap:
         out.append("ZeRO collectives not overlapped (overlap=False)")
     marked = sorted(k for k, v in prof.citations.items()

@@ -210,7 +210,7 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     for k, v in _ep_cp.expert_states(cfg, lay, nl, grad_buffer_extra_bytes(
             lay.engine, cfg.dtype)).items():             # a MoE's experts over ep
         mem[k] += v
-    if lay.zero == 3 and lay.dp > 1:
+    if lay.zero == 3 and lay.dp > 1 and lay.engine != "fsdp":
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
@@ -218,6 +218,8 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
         mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) \
             + 2 * layer_params(cfg, lay.tp)
+    if lay.engine == "fsdp" and lay.dp > 1:
+        mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
@@ -228,6 +230,25 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     mem["activations"] = act
     mem["total"] = sum(mem.values())
     return mem
+
+
+def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:
+    """FSDP2's working buffers on a rank (``frameworks``: one unit per block, the
+    embedding and the final norm with the head their own units): the gathered 16-bit
+    parameters of the unit computing and of the one prefetched (the peak over the
+    forward and backward orders, ``zero3_gathered_numel`` with one unit ahead), and the
+    unit's unsharded 16-bit gradient with its fp32 copy that the reduce-scatter reads
+    (``foreach_reduce`` casts to ``reduce_dtype`` into one flat input buffer)."""
+    from .frameworks import FSDP_PREFETCH_UNITS, FSDP_REDUCE_BYTES
+    h, V, s, tp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp
+    llama = cfg.arch == "llama"
+    units = [V * h / tp + (0 if llama else s * h)] if stage == 0 else []
+    units += [layer_params(cfg, tp)] * nl
+    if stage == lay.pp - 1:
+        units.append((h if llama else 2 * h)
+                     + (V * h / tp if lay.pp > 1 or not cfg.tie_embeddings else 0.0))
+    gathered = zero3_gathered_numel(units, FSDP_PREFETCH_UNITS)
+    return 2 * gathered + (2 + FSDP_REDUCE_BYTES) * max(units)
 
 
 def memory_margin(prof) -> str:

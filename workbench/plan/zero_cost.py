@@ -97,7 +97,8 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 
 
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
-         rate: float = 1.0, bucket: "float | None" = None) -> float:
+         rate: float = 1.0, bucket: "float | None" = None,
+         loss_waits: bool = False) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
@@ -107,6 +108,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
     t, pending = 0.0, 0.0
     if gather and backward:
         _prefetch(stream, blocks, order, -1, t, budget)
+        if loss_waits:          # the loss's dp collective queued behind those gathers
+            t = stream.free
     for pos, i in enumerate(order):
         if gather:
             stream.issue(i, blocks[i].numel, t)
@@ -127,13 +130,21 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
 
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
-                 rate: float = 1.0, bucket: "float | None" = None) -> tuple[float, float]:
+                 rate: float = 1.0, bucket: "float | None" = None,
+                 loss_waits: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
     collective on ``numel`` parameters' 16-bit values over the data-parallel group;
     ``rate``: how fast compute runs beside a collective (1: as alone); ``bucket``: the
-    gradient elements one reduce-scatter waits for (None: one per block)."""
+    gradient elements one reduce-scatter waits for (None: one per block);
+    ``loss_waits``: the backward starts only once the gathers prefetched for it have
+    ended (this library's recipe with an untied head: gathering the head again at the
+    end of the forward starts the backward's prefetch, ``parallel/strategies/fsdp.py``,
+    and the cross-entropy's all-reduce of the global target count over the dp group,
+    ``parallel/ops_table/cross_entropy.py``, queues behind those gathers on the same
+    stream; a tied head's weight is still live, so nothing is gathered before the loss;
+    DeepSpeed's loss is local to the rank)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -147,7 +158,8 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
         fwd = end - sum(b.fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
-    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket)
+    end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
+               loss_waits)
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 

@@ -8,7 +8,9 @@ its norm classes: ``workbench/models/split.py``) and wires the strategies of
 tests/test_layering.py).
 
 * :mod:`.hybrid`: DP x TP x PP (x SP, ZeRO-1/2/3) training of the course's models.
+* :mod:`.context_parallel`: DP x CP x TP, the sequence sharded over cp ranks (ring attention).
 """
 from .hybrid import Hybrid, stage_meshes
+from .context_parallel import ContextParallel   # DP x CP x TP: the sequence over cp ranks
 
-__all__ = ["Hybrid", "stage_meshes"]
+__all__ = ["Hybrid", "stage_meshes", "ContextParallel"]

@@ -50,6 +50,7 @@ from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tenso
 from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
+from . import dualpipe as _dualpipe
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -68,7 +69,8 @@ def _relative(plan: dict, name: str) -> dict:
     return out
 
 SCHEDULES = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b, "interleaved": S.interleaved_1f1b,
-             "zb-h1": S.zb_h1, "zb-v": S.zb_v}   # zb-v: 2 chunks per rank, V-placed
+             "zb-h1": S.zb_h1, "zb-v": S.zb_v,   # zb-v: 2 chunks per rank, V-placed
+             "dualpipe": S.dualpipe}              # two copies of the stages: recipes/dualpipe.py
 
 
 def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
@@ -109,6 +111,12 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
     for n, v in (("microbatches", microbatches), ("virtual", virtual)):
         if v is not None and (not _int(v) or v < 1):
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, or None for the default")
+    if schedule == "dualpipe":
+        _dualpipe.check_args(pp=pp, zero=zero, distributed=distributed)
+    if schedule == "zb-v" and distributed:      # before a step, not in its first pipeline
+        raise NotImplementedError("Hybrid(schedule='zb-v', distributed=True): the 'v' layout "
+                                  "runs on the simulator only; use schedule='1f1b', "
+                                  "'interleaved' or 'zb-h1' on torch.distributed")
     if schedule == "zb-v" and virtual not in (None, 2):
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule='zb-v': ZB-V places "
                          "exactly two chunks per rank; leave virtual None")
@@ -189,6 +197,8 @@ class Hybrid:
         if self.schedule_name == "interleaved" and self.m % pp:
             raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
                              f"of pp={pp}")
+        if self.schedule_name == "dualpipe":
+            _dualpipe.check(self, batch_size)
 
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
@@ -219,6 +229,8 @@ class Hybrid:
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
+        if self.schedule_name == "dualpipe":      # the second copy of every stage
+            _dualpipe.build_twin(self, model, cfg, seed)
         return model
 
     def _mesh_of(self, s: int):
@@ -266,6 +278,8 @@ class Hybrid:
                                          lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
+        if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
+            opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
 
     def _batch(self, t: torch.Tensor, mesh) -> DistTensor:
@@ -290,6 +304,8 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        if self.schedule_name == "dualpipe":
+            return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
         n_stages = len(self.stage_layers)
         if n_stages == 1:
@@ -321,6 +337,8 @@ class Hybrid:
         return SCHEDULES[self.schedule_name](self.pp, m)
 
     def optimizer_step(self, optimizers) -> None:
+        if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
+            _dualpipe.all_reduce_copies(self)
         for o in optimizers:
             o.step()
 
@@ -329,10 +347,14 @@ class Hybrid:
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
         and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
-        states = [o.memory() for o in optimizers]
+        held: dict = {}                # a rank with several chunks (interleaved, zb-v,
+        for o in optimizers:           # dualpipe) holds the states of each of them
+            total = o.memory().total
+            for r in o.mesh.ranks:
+                held[r] = held.get(r, 0) + total
         rec = {"modeled_ms": round(tr.time() * 1e3, 6),
                "comm_bytes": max(per_rank.values(), default=0),
-               "state_bytes": max(m.total for m in states) if states else 0}
+               "state_bytes": max(held.values(), default=0)}
         if len(self.stage_layers) == 1:
             # activations autograd kept for backward, per rank (counted without pipelining;
             # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)

@@ -27,10 +27,12 @@ all-reduce.
 With per-chunk phase times x (reduce-scatter), y (inter all-reduce) and z (all-gather),
 x and z on the same links, chunk i runs its reduce-scatter at i T, its inter-node
 all-reduce at i T + x and its all-gather right after chunk i + 1's reduce-scatter, where
-T = max(x + z, y) is the bottleneck stage:
+T = max(x + z, y) is the bottleneck stage; the last chunk's all-gather starts when its
+all-reduce and the previous chunk's all-gather (same links) have both ended:
 
-    time = (x + y + z) + (c - 1) max(x + z, y)
-         = fill/drain (one chunk through every phase) + (c - 1) x the slowest stage
+    time = (x + y + z) + (c - 1) max(x + z, y)       when y >= z (or c = 1)
+         = fill/drain (one chunk through every phase) + (c - 1) x the slowest stage,
+    plus z - y when z > y and c >= 2 (``topology.pipelined_seconds``)
 
 the price ``cost.price(kind, n, ranks, profile, "pipelined")`` gives for the c it picks
 (the fastest of ``topology.PIPELINE_CHUNKS``).  ``plan_pipelined_all_reduce`` returns
@@ -95,8 +97,15 @@ class PipelinedAllReduce:
 
     @property
     def seconds(self) -> float:
-        """fill/drain + (c - 1) x bottleneck."""
-        return self.fill_drain + (self.chunks - 1) * self.bottleneck
+        """fill/drain + (c - 1) x bottleneck (+ z - y for the last all-gather's wait when
+        z > y; module docstring): ``topology.pipelined_seconds``."""
+        return _topo.pipelined_seconds(self.reduce_scatter, self.all_reduce, self.all_gather,
+                                       self.chunks)
+
+    @property
+    def _wait(self) -> float:
+        """z - y when the last all-gather waits for the previous one (z > y, c >= 2)."""
+        return max(0.0, self.all_gather - self.all_reduce) if self.chunks > 1 else 0.0
 
     @property
     def speedup(self) -> float:
@@ -112,7 +121,8 @@ class PipelinedAllReduce:
         out = []
         for i in range(c):
             t = i * T
-            ag = (i + 1) * T + x if i < c - 1 else t + x + y
+            # the last all-gather also waits for the previous one (the same links)
+            ag = (i + 1) * T + x if i < c - 1 else max(t + x + y, t + x + z if c > 1 else 0.0)
             out += [PipelinePhase(i, "reduce_scatter", "intra", t, t + x),
                     PipelinePhase(i, "all_reduce", "inter", t + x, t + x + y),
                     PipelinePhase(i, "all_gather", "intra", ag, ag + z)]
@@ -123,8 +133,9 @@ class PipelinedAllReduce:
         return (f"pipelined all_reduce of {self.nbytes:.4g} B over {self.nodes} nodes x "
                 f"{self.local} ranks ({self.profile}), {self.chunks} chunks: "
                 f"{self.seconds * us:.1f} us = fill/drain {self.fill_drain * us:.1f} + "
-                f"{self.chunks - 1} x max(x+z, y) {self.bottleneck * us:.1f} "
-                f"(x {self.reduce_scatter * us:.1f}, y {self.all_reduce * us:.1f}, "
+                f"{self.chunks - 1} x max(x+z, y) {self.bottleneck * us:.1f}"
+                + (f" + last all-gather's wait {self._wait * us:.1f} " if self._wait else " ")
+                + f"(x {self.reduce_scatter * us:.1f}, y {self.all_reduce * us:.1f}, "
                 f"z {self.all_gather * us:.1f}); unchunked {self.hierarchical * us:.1f} us, "
                 f"flat ring {self.flat_ring * us:.1f} us ({self.speedup:.2f}x)")
 
@@ -154,8 +165,8 @@ def plan_pipelined_all_reduce(nbytes: float, ranks, profile=None,
     if chunks is None:
         best = None
         for c in _topo.PIPELINE_CHUNKS:
-            x, y, z = _topo.phase_times("all_reduce", nbytes, g, profile, c)
-            t = (x + y + z) + (c - 1) * max(x + z, y)
+            t = _topo.pipelined_seconds(*_topo.phase_times("all_reduce", nbytes, g, profile,
+                                                           c), c)
             if best is None or t < best[0]:
                 best = (t, c)
         chunks = best[1]

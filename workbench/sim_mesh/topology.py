@@ -49,9 +49,12 @@ Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the li
   intra phases on the node's links while the inter phase uses the NICs (HCCL's
   "pipeline" algorithm: "uses intra-server and inter-server links concurrently",
   CANN HCCL_ALGO reference; SDMA inside, RDMA between servers). With per-chunk phase
-  times x, y, z (z on the same links as x): (x + y + z) + (c-1) max(x + z, y),
-  minimized over c in 1, 2, 4, ... 64; c = 1 is "hierarchical", so pipelined never
-  costs more.
+  times x, y, z (z on the same links as x) and T = max(x + z, y), chunk i reduce-scatters
+  at i T, all-reduces right after, and all-gathers after chunk i + 1's reduce-scatter;
+  the last chunk all-gathers once its all-reduce and the previous all-gather are done:
+  (c-1) T + x + max(y, z) + z for c >= 2 (``pipelined_seconds``; (x + y + z) +
+  (c-1) T when y >= z), minimized over c in 1, 2, 4, ... 64; c = 1 is "hierarchical",
+  so pipelined never costs more.
 
 What the libraries choose ("auto"; ``choose`` says which and why):
 
@@ -80,7 +83,7 @@ from . import cost as _cost  # cost imports this module too: use it at call time
 from .profiles import Link, Profile
 
 __all__ = ["PRICE_ALGORITHMS", "PIPELINE_CHUNKS", "Group", "Choice", "group_of",
-           "algorithm_time", "choose", "protocol_of", "phase_times"]
+           "algorithm_time", "choose", "protocol_of", "phase_times", "pipelined_seconds"]
 
 PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
                     "hierarchical", "pipelined")
@@ -307,11 +310,20 @@ def phase_times(kind: str, n: float, g: Group, profile: Profile, chunks: int = 1
     return _phases(kind, n, g, profile, chunks)
 
 
+def pipelined_seconds(x: float, y: float, z: float, c: int) -> float:
+    """The pipelined schedule's time for per-chunk phase times x (intra), y (inter),
+    z (intra, after y) over ``c`` chunks (module docstring): x + y + z for c = 1, else
+    (c-1) max(x + z, y) + x + max(y, z) + z (the last all-gather waits for the previous
+    one when z > y: the two share the intra-node links)."""
+    if c == 1:
+        return x + y + z
+    return (c - 1) * max(x + z, y) + x + max(y, z) + z
+
+
 def _pipelined(kind, n, g, profile):
     best = math.inf
     for c in _CHUNKS:
-        x, y, z = _phases(kind, n, g, profile, c)
-        best = min(best, (x + y + z) + (c - 1) * max(x + z, y))
+        best = min(best, pipelined_seconds(*_phases(kind, n, g, profile, c), c))
     return best
 
 

@@ -32,6 +32,7 @@ from .table import (BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register,  # noq
 FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape", "attention",
             "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction",
             "tensor_habits")
+FAMILIES += ("ring_attention",)     # context parallelism's step (strategies/context_parallel.py)
 
 
 def load():

@@ -63,6 +63,10 @@ def dualpipe_costs(schedule: Schedule, f=1.0, b=1.0, w=1.0, fb=None) -> dict:
     if rows != schedule.actions:
         raise ValueError("dualpipe_costs: the schedule was edited after dualpipe() built it; "
                          "its F&B pairs are unknown")
+    for arg, x in (("f", f), ("b", b), ("w", w), ("fb", 0.0 if fb is None else fb)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf"):
+            raise ValueError(f"dualpipe_costs({arg}={x!r}): a cost must be a finite number of "
+                             f"seconds >= 0, e.g. {arg}=1.0")
     fb = f + b + w if fb is None else fb
     lead = {(r, a) for r, a, _ in pairs}
     rest = {(r, x) for r, a, bw in pairs for x in bw}

@@ -303,6 +303,10 @@ def _cost(arg: str, value, s: Schedule):
     if bad:
         raise ValueError(f"simulate({arg}={value!r}): entry {bad[0]} is {vals[bad[0]]!r}; every "
                          "cost must be a finite number of seconds >= 0")
+    if len(vals) == s.stages and s.layout == "dualpipe":
+        # p entries are ambiguous here (p ranks, p stages): read per stage, as for 1F1B,
+        # so both copies of a stage cost the same (a callable gives per-rank costs)
+        return lambda a, r: vals[s.stage(r, a.chunk)]
     if len(vals) == s.p:
         return lambda a, r: vals[r]
     if len(vals) == s.stages:

@@ -9,7 +9,9 @@ simulated rank, the module run once per rank: :mod:`.ddp`, :mod:`.fsdp`,
 per-chunk mode (:mod:`.zero_optimizer_dist`), ``Zero3``
 (:mod:`.zero3`) is FSDP over DistTensors with its own AdamW.
 
-Also: tensor and sequence parallel (:mod:`.tensor_parallel`), activation counting
+Also: tensor and sequence parallel (:mod:`.tensor_parallel`), context parallelism (ring
+attention with causal load balancing, :mod:`.context_parallel`; CP against SP as data,
+:mod:`.context_parallel_cost`), activation counting
 (:mod:`.memory`), and compute/communication overlap (``overlap.py``: decomposed
 collectives; ``overlap_sweep.py``: their hidden share against k, sizes and profiles;
 ``overlap_multicopy.py``: MindSpore's multi-copy layer).  The recipes that wire them onto

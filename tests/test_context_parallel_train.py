@@ -1,0 +1,110 @@
+"""`python -m workbench train --cp N`: the sequence sharded over cp ranks (ring attention,
+causal load balancing, positions following each rank's chunks) gives one device's
+losses, on simulated ranks and under torchrun (gloo); bad combinations are refused."""
+import contextlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.torchrun_support import run_job
+from workbench.cli import main
+from workbench.models.config import build_model, get_config
+from workbench.models.data import get_batch
+from workbench.parallel.strategies.context_parallel import slot_positions
+from workbench.recipes.context_parallel import ContextParallel
+from workbench.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_device(preset, steps=2):
+    return [r["loss"] for r in train(preset, steps=steps, seed=0, timing=False)]
+
+
+def cli_losses(capsys, *flags):
+    assert main(["train", "--steps", "2", "--seed", "0", *flags]) == 0
+    return [json.loads(s)["loss"] for s in capsys.readouterr().out.splitlines()
+            if s.startswith("{")]
+
+
+@pytest.mark.parametrize("preset,flags", [
+    ("tiny", ["--cp", "2", "--tp", "2"]),           # Llama: RoPE in ring order, GQA-ready
+    ("tiny", ["--cp", "4"]),
+    ("gpt-tiny", ["--cp", "2", "--dp", "2"]),       # GPT: learned positions, MHA
+    ("tiny", ["--cp", "2", "--zero", "2"])])        # optimizer states sharded over cp
+def test_cp_gives_one_devices_losses(preset, flags, capsys):
+    got = cli_losses(capsys, "--preset", preset, *flags)
+    assert got == pytest.approx(one_device(preset), rel=1e-6)
+
+
+def test_contiguous_slots_give_the_same_losses_and_cp_bytes_are_counted():
+    recs = train("tiny", steps=1, seed=0, timing=False,
+                 strategy=ContextParallel(cp=2, balanced=False))
+    assert recs[0]["loss"] == pytest.approx(one_device("tiny", 1)[0], rel=1e-5)
+    assert recs[0]["comm_bytes"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt-tiny"])
+def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset, monkeypatch):
+    """Every token's logits as one device's (fp32, 1e-5); without the Llama's RoPE tables
+    in ring order they are not (the positions must follow each rank's chunks)."""
+    cfg = get_config(preset)
+    s = ContextParallel(cp=2, tp=2)
+    model, mesh = s.build_model(cfg, 0), s.meshes[0]
+    x, _ = get_batch(cfg, 2, 0, 0)
+    ref, _ = build_model(cfg, seed=0)(x)
+    inv = torch.argsort(slot_positions(x.shape[1], 2))
+    got = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    if preset == "tiny":
+        monkeypatch.setattr(ContextParallel, "_ring_positions",
+                            lambda self, model, S: contextlib.nullcontext())
+        wrong = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
+        assert (wrong - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--cp", "3"], "does not divide by 6: causal load balancing cuts the sequence into "
+                    "2 x cp = 6 equal chunks"),
+    (["--cp", "0"], "cp=0"),
+    (["--cp", "2", "--pp", "2"], "use pp=1"),
+    (["--cp", "2", "--tp", "2", "--sp"], "leave sp off"),
+    (["--cp", "2", "--dry-run"], "--cp with --dry-run"),
+    (["--cp", "2", "--preset", "small"], "dropout=0.1"),
+    (["--cp", "2", "--device", "auto"], "--device auto with --cp")])
+def test_bad_cp_combinations_are_refused_with_the_fix(flags, msg, capsys):
+    assert main(["train", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err
+
+
+def test_torchrun_cp_and_tp_print_one_devices_losses():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--steps", "2",
+           "--backend", "torch", "--cp", "2", "--tp", "2"]
+    out = run_job(cmd, timeout=240, cwd=ROOT,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
+    assert [r["loss"] for r in rows] == pytest.approx(one_device("tiny"), rel=1e-6)
+
+
+def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
+    """What ``plan.dryrun`` runs (no data): the ring's sends recorded, 2 layers x (K/V
+    forward + dK/dV backward) x 2 rings (one per tp rank)."""
+    import workbench as wb
+    from workbench.parallel.module import dist_parameters
+    from workbench.plan.meta_run import run_stage
+    cfg = get_config("tiny")
+    h = ContextParallel(cp=2, tp=2)
+    h.device = torch.device("meta")
+    h.check(cfg, 8)
+    model = h.build_model(cfg, 0)
+    with wb.trace("a100") as tr:
+        r = run_stage(h, model, 0, cfg, 2, tr, [p for _, p in dist_parameters(model)])
+    assert tr.counts()["send_recv"] == 2 * 2 * 2
+    assert r["forward"] > 0 and r["backward"] > 0 and r["activation_bytes"] > 0

@@ -1,0 +1,346 @@
+"""Context parallelism: the sequence sharded over a mesh dim, attention as a ring.
+
+Every op of a transformer block but attention works token by token, so a sequence
+sharded over ``cp`` ranks (``Shard(seq)`` on the "cp" mesh dim) runs them unchanged.
+Attention needs every key of a row. Ring attention (Liu, Zaharia & Abbeel 2023, "Ring
+Attention with Blockwise Transformers"; Megatron-Core's context parallelism in
+TransformerEngine ``AttnFuncWithCPAndKVP2P``) keeps the queries where they are and
+passes the K/V blocks around the ring of cp ranks:
+
+    for step t = 0 .. p-1:                     # rank i holds the K/V of rank (i - t) mod p
+        if t < p-1: send my K/V block to rank i+1, receive from rank i-1   (async)
+        (o_t, lse_t) = my queries against the K/V block I hold              (overlapped)
+        merge: lse = log(e^lse + e^lse_t);  o = o e^(lse_old - lse) + o_t e^(lse_t - lse)
+        wait for the K/V of the next step
+
+The merge by log-sum-exp is FlashAttention's online softmax across blocks (Dao 2023,
+FlashAttention-2, eq. for the rescaled running output): exact, whatever the order of the
+blocks. Each rank sends and receives p-1 K/V blocks forward (2 (p-1) tensors: K and V).
+
+Backward (what autograd runs here, and what moves): each step's block gradient gives
+dQ (kept), and dK, dV for the K/V block the rank held at that step. Those belong to the
+block's owner, so they travel the ring BACK: the gradient of "rank i+1 received rank i's
+block" is "rank i receives the dK/dV rank i+1 accumulated", p-1 sends of (dK, dV) per
+rank, each accumulating the local contribution on the way home (TransformerEngine's
+backward does the same, and also re-circulates K/V forward because it does not keep the
+blocks; autograd here keeps each step's K/V block for backward instead, p blocks). On
+the clock each dK/dV send is async beside the next block's backward, and the owner's
+compute waits for the last one before K's and V's producers get their gradient.
+
+Causal load balancing: with a causal mask, contiguous slots would give rank p-1 2p-1 times
+the work of rank 0. The sequence is cut into 2p chunks and rank i holds chunks i and
+2p-1-i (Megatron-LM / TransformerEngine context parallelism; Llama 3, Dubey et al. 2024
+sec. 3.3.2): every step after the first, every rank computes exactly half a block (its
+queries against one K/V chunk, or its second query chunk against both), and fully
+masked chunk pairs are skipped (``ops_table/ring_attention.py``). A sequence is laid out
+so with :func:`to_ring_layout` (``x[:, slot_positions(S, p)]``); its positions (RoPE
+tables, learned position ids) must follow the same order.
+
+``context_parallel(mesh, "cp")`` is PyTorch's ``torch.distributed.tensor.experimental.
+context_parallel`` idea: while it is active, attention on DistTensors whose query is
+sequence-sharded on that mesh dim (``wb.ops.flash_attention``, ``F.scaled_dot_product_
+attention``) runs as :func:`ring_attention`; every other op runs as usual.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ...sim_mesh import backends as _B
+from ...sim_mesh import collectives as C
+from ...sim_mesh.trace import current_trace
+from .. import storage
+from ..dist_tensor import DistTensor
+from ..placement import Replicate, Shard
+from ..reshard import reshard
+from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
+                                        slot_chunks, slot_positions)
+
+__all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
+           "from_ring_layout", "ring_order", "slot_positions", "slot_chunks",
+           "ring_schedule", "check_ring", "wait"]
+
+
+# ---- moving K/V around the ring -------------------------------------------------------------
+
+def _shift(x, mesh, axis: int, by: int):
+    """Rank i gets the local tensor of rank i - by along mesh dim ``axis`` (stacked)."""
+    if _B.is_distributed(mesh):
+        import torch.distributed as dist
+        pg, g = _B.group(mesh, axis)
+        k, p = g.index(_B.rank()), len(g)
+        own = x.contiguous()
+        buf = torch.empty_like(own)
+        ops = [dist.P2POp(dist.isend, own, g[(k + by) % p], pg),
+               dist.P2POp(dist.irecv, buf, g[(k - by) % p], pg)]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        return buf
+    return torch.roll(x, by, dims=axis)
+
+
+def _record(mesh, axis, nb, label):
+    """One async send/recv per ring (every rank sends one block to its next rank and
+    receives one at once, full duplex): its handles, to wait on before the data is used."""
+    return C.record_collective("send_recv", mesh, axis, nb, label, overlap=True)
+
+
+class _RingPass(torch.autograd.Function):
+    """Forward: each rank's tensors go to the next rank of the ring. Backward: the
+    gradients go back to the previous rank (dK/dV travel the ring back), recorded as
+    an async send/recv that overlaps the backward of the attention blocks."""
+
+    @staticmethod
+    def forward(ctx, info, *xs):
+        ctx.info = info
+        mesh, axis, _, _ = info
+        return tuple(_shift(x, mesh, axis, 1) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mesh, axis, label, box = ctx.info
+        if current_trace() is not None:
+            box.extend(_record(mesh, axis, sum(storage.rank_bytes(g, mesh.ndim) for g in grads),
+                               f"{label}: dK/dV back (backward)"))
+        return (None,) + tuple(_shift(g, mesh, axis, -1) for g in grads)
+
+
+class _AwaitInBackward(torch.autograd.Function):
+    """Identity; in backward, the compute streams wait for the send/recvs in ``box``
+    (the dK/dV that came home) before the gradient goes on to K's and V's producers."""
+
+    @staticmethod
+    def forward(ctx, box, *xs):
+        ctx.box = box
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wait(ctx.box)
+        ctx.box.clear()
+        return (None,) + grads
+
+
+def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V", box=None):
+    """Send each DistTensor's local shard to the next rank along ``mesh_dim`` (and receive
+    the previous rank's), asynchronously on the modeled clock. Returns (the moved
+    DistTensors, handles): ``wait(handles)`` before the moved data is used. ``box``: a
+    list that collects the backward's send/recv handles (see :func:`await_in_backward`)."""
+    mesh = tensors[0].mesh
+    axis = mesh.dim(mesh_dim)
+    try:
+        locs = [storage.to_stacked(t._local) for t in tensors]
+    except RuntimeError:                  # cells of different shapes: uneven shards
+        locs = None
+    if locs is None or any(l.shape[axis] != mesh.shape[axis]
+                           for l in locs if not _B.is_distributed(mesh)):
+        raise ValueError(f"ring_pass: every tensor must be sharded over mesh dim "
+                         f"{mesh.dim_names[axis]!r}, with even shards on every mesh dim; got "
+                         f"shapes {[tuple(t.shape) for t in tensors]} with placements "
+                         f"{[list(t.placements) for t in tensors]}: make each sharded tensor "
+                         "dim divide by its mesh dims (e.g. the batch by dp)")
+    handles = []
+    if current_trace() is not None:
+        nb = sum(storage.rank_bytes(l, mesh.ndim) for l in locs)
+        handles = _record(mesh, axis, nb, label)
+    moved = _RingPass.apply((mesh, axis, label, [] if box is None else box), *locs)
+    out = [DistTensor(m, mesh, t.placements, t.shape, t.dtype) for m, t in zip(moved, tensors)]
+    return out, handles
+
+
+def wait(handles) -> None:
+    """The compute streams wait for the send/recvs of ``handles`` (:func:`ring_pass`)."""
+    tr = current_trace()
+    if tr is not None:
+        for h in handles:
+            tr.wait(h)
+
+
+def await_in_backward(tensors, box: list):
+    """``tensors`` (DistTensors) unchanged; when their gradients pass in backward, the
+    compute streams first wait for the send/recvs collected in ``box``."""
+    if not any(storage.requires_grad(t._local) for t in tensors) or not torch.is_grad_enabled():
+        return list(tensors)
+    locs = [storage.to_stacked(t._local) for t in tensors]
+    out = _AwaitInBackward.apply(box, *locs)
+    return [DistTensor(o, t.mesh, t.placements, t.shape, t.dtype) for o, t in zip(out, tensors)]
+
+
+# ---- ring attention ---------------------------------------------------------------------------
+
+def _check_inputs(q, k, v, mesh_dim, where):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, DistTensor):
+            raise TypeError(f"{where}: {name} is a {type(t).__name__}; give DistTensors whose "
+                            f"sequence (dim 2) is sharded over mesh dim {mesh_dim!r}")
+    mesh = q.mesh
+    if k.mesh != mesh or v.mesh != mesh:
+        raise ValueError(f"{where}: q, k, v live on different meshes; reshard them onto one")
+    axis = mesh.dim(mesh_dim)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4 or t.placements[axis] != Shard(2):
+            raise ValueError(f"{where}: {name} (shape {tuple(t.shape)}, placements "
+                             f"{list(t.placements)}) must be 4-d (batch, heads, seq, head_dim) "
+                             f"with its sequence sharded, Shard(2), on mesh dim "
+                             f"{mesh.dim_names[axis]!r}; reshard it, or lay the sequence out "
+                             f"with to_ring_layout")
+    return mesh, axis
+
+
+def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: bool = True,
+                   scale: float | None = None):
+    """Attention of q (B, Hq, S, D) against k, v (B, Hkv, S, D*), DistTensors whose sequence
+    is sharded over ``mesh_dim`` in the ring layout (``balanced``: rank i holds chunks i
+    and 2p-1-i, :func:`to_ring_layout`; else contiguous slots), by passing K/V blocks
+    around the ring. Returns the output (B, Hq, S, Dv), laid out as q. Equal to
+    ``flash_attention(q, k, v, causal=causal)`` of the sequences in their original order."""
+    mesh, axis = _check_inputs(q, k, v, mesh_dim, "ring_attention")
+    p = mesh.shape[axis]
+    check_ring(q.shape[2], p, balanced, "ring_attention")
+    label = f"ring attention K/V on {mesh.dim_names[axis]}"
+    box: list = []                        # backward: the dK/dV sends, awaited by K/V's owner
+    k, v = await_in_backward([k, v], box)
+    out = lse = None
+    for t in range(p):
+        handles = ()
+        if t < p - 1:                     # the next step's K/V, sent while this step computes
+            (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
+        o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
+                                         balanced=balanced, scale=scale)
+        if o_t.dtype != torch.float32:    # the running output in float32, as FlashAttention
+            o_t = o_t.float()             # keeps its accumulator (lse is float32 already)
+        if out is None:
+            out, lse = o_t, lse_t
+        else:                             # online softmax across blocks (FlashAttention-2)
+            m = torch.maximum(lse, lse_t)
+            new = m + torch.log(torch.exp(lse - m) + torch.exp(lse_t - m))
+            out = (out * torch.exp(lse - new).unsqueeze(-1)
+                   + o_t * torch.exp(lse_t - new).unsqueeze(-1))
+            lse = new
+        if t < p - 1:
+            wait(handles)
+            k, v = k_next, v_next
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+# ---- laying a sequence out on the ring --------------------------------------------------------
+
+def ring_order(t: torch.Tensor, ring: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
+    """A plain tensor's sequence ``dim`` in ring order (slot 0's tokens, then slot 1's...)."""
+    return t.index_select(dim, slot_positions(t.shape[dim], ring, balanced).to(t.device))
+
+
+def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = True):
+    """``x`` (whole along sequence ``dim`` on ``mesh_dim``) in ring order, sharded over
+    ``mesh_dim``: rank i then holds chunks i and 2p-1-i (``balanced``), or slot i."""
+    axis = x.mesh.dim(mesh_dim)
+    p = x.mesh.shape[axis]
+    if not x.placements[axis].is_replicate():
+        raise ValueError(f"to_ring_layout: x is {x.placements[axis]} on mesh dim "
+                         f"{x.mesh.dim_names[axis]!r}; give it whole (Replicate) there")
+    perm = slot_positions(x.shape[dim], p, balanced).to(x.device)
+    y = torch.index_select(x, dim, perm)
+    ps = list(y.placements)
+    ps[axis] = Shard(dim)
+    return reshard(y, y.mesh, ps)
+
+
+def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = True):
+    """The inverse of :func:`to_ring_layout`: the sequence in its original order, whole on
+    ``mesh_dim`` (an all-gather, then a local reordering)."""
+    axis = x.mesh.dim(mesh_dim)
+    p = x.mesh.shape[axis]
+    ps = list(x.placements)
+    ps[axis] = Replicate()
+    y = reshard(x, x.mesh, ps)
+    inv = torch.argsort(slot_positions(x.shape[dim], p, balanced)).to(x.device)
+    return torch.index_select(y, dim, inv)
+
+
+# ---- the context manager ----------------------------------------------------------------------
+
+class context_parallel(TorchFunctionMode):
+    """``with context_parallel(mesh, "cp"):`` attention on DistTensors whose query is
+    sequence-sharded (``Shard(2)``) on mesh dim "cp" runs as :func:`ring_attention`
+    (causal, or no mask); anything else, a mask tensor, dropout, is refused with the fix."""
+
+    def __init__(self, mesh, mesh_dim="cp", *, balanced: bool = True):
+        super().__init__()
+        self.mesh, self.axis, self.balanced = mesh, mesh.dim(mesh_dim), balanced
+        self.name = mesh.dim_names[self.axis]
+
+    def _mine(self, q) -> bool:
+        return isinstance(q, DistTensor) and q.mesh == self.mesh and q.ndim == 4 \
+            and q.placements[self.axis] == Shard(2)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention or func is _flash():
+            q = args[0] if args else kwargs.get("query", kwargs.get("q"))
+            if self._mine(q):
+                return self._ring(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _ring(self, func, args, kwargs):
+        sdpa = func is F.scaled_dot_product_attention
+        names = (("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                  "enable_gqa") if sdpa else ("q", "k", "v"))
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        q, k, v = (a.get(n) for n in names[:3])
+        mask = a.get("attn_mask" if sdpa else "mask")
+        causal = bool(a.get("is_causal" if sdpa else "causal", False))
+        op = "scaled_dot_product_attention" if sdpa else "flash_attention"
+        where = f"context_parallel({self.name!r}): {op}"
+        if mask is not None:
+            raise ValueError(f"{where} with mask={type(mask).__name__}: the ring balances only "
+                             "causal attention (causal=True) or attention without a mask; an "
+                             "arbitrary mask cannot be load-balanced over the ring. Fix: pass "
+                             "causal=True and no mask, or run attention without context "
+                             "parallelism (cp=1)")
+        if float(a.get("dropout_p", 0.0) or 0.0) > 0:
+            raise ValueError(f"{where}: dropout_p={a['dropout_p']} is not supported on the "
+                             "ring; set the model's dropout to 0 (cfg.replace(dropout=0.0)) or "
+                             "use cp=1")
+        if a.get("return_lse"):
+            raise NotImplementedError(f"{where}: return_lse=True under context parallelism")
+        if sdpa and not a.get("enable_gqa", False) and q.shape[1] != k.shape[1]:
+            raise ValueError(f"{where}: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
+                             "enable_gqa=True for grouped-query attention")
+        if not self._mine(k) or not self._mine(v):
+            raise ValueError(f"{where}: q is sequence-sharded on {self.name!r} but k or v is "
+                             "not; shard all three the same way")
+        return ring_attention(q, k, v, self.axis, causal=causal, balanced=self.balanced,
+                              scale=a.get("scale"))
+
+
+def _flash():
+    from ... import ops
+    return ops.flash_attention
+
+
+# ---- the ring, step by step, as data ------------------------------------------------------------
+
+def ring_schedule(p: int, *, causal: bool = True, balanced: bool = True) -> list[dict]:
+    """Step-by-step record of ring attention over ``p`` ranks, plain data for a figure: one
+    dict per (step, rank) with the K/V slot it holds (``kv_from``), where it sends it
+    (``send_to``; None on the last step), its query and K/V chunks, and every (query chunk,
+    key chunk, kind) pair, kind "full" | "diagonal" | "skipped" (causal mask), plus the
+    fraction of a whole block it computes (``work``)."""
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"ring_schedule: p={p!r}; give the number of cp ranks, an int >= 1")
+    rows = []
+    for t in range(p):
+        for i in range(p):
+            j = (i - t) % p
+            pairs = block_pairs(i, j, p, causal, balanced)
+            n = len(pairs)
+            work = sum(1.0 if kind == "full" else 0.5 if kind == "diagonal" else 0.0
+                       for _, _, kind in pairs) / n
+            rows.append({"step": t, "rank": i, "kv_from": j,
+                         "send_to": (i + 1) % p if t < p - 1 else None,
+                         "q_chunks": slot_chunks(i, p, balanced),
+                         "kv_chunks": slot_chunks(j, p, balanced),
+                         "pairs": pairs, "work": work})
+    return rows

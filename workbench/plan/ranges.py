@@ -1,0 +1,185 @@
+"""A range on an estimate where its inputs are uncertain.
+
+A profile figure its citation marks ASSUMPTION or UNCERTAIN is a guess; where the
+citation itself states how far off it may be, the planner re-prices the step with every
+such figure at its slow end and at its fast end (``estimate_range``): the step time,
+throughput and MFU are then a range, and the figures varied are named with the source of
+each bound.  Bounds are read from the profiles' own citations, never fitted:
+
+- ``h100`` ``efficiency.attention``: 0.75 is FlashAttention-3's forward rate (Shah et al.
+  2024: 740 TFLOP/s BF16, 75% of peak); the same citation gives FlashAttention-2 on the
+  H100 as 335 TFLOP/s forward + backward, 0.34 of peak (Dao 2023 sec. 4.1).  Which kernel
+  a run uses decides (FlashAttention-2, cuDNN's or Transformer Engine's fused attention,
+  FlashAttention-3): the range spans the two published kernels.
+- ``a100`` ``kernel_bandwidth.*``: Megatron's unfused attention core and dropout,
+  measured on the A100 40GB (1,555 GB/s) and scaled to the 80GB part's 2,039 GB/s as the
+  ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
+  speed up with the faster memory); apex's LayerNorm, measured on a GA100 and kept as
+  is on the 80GB part (ASSUMPTION): the fast end scales it by 2,039 / 1,555.
+- ``ascend-910b`` ``intra_node.bandwidth`` (UNCERTAIN: "if 56 GB/s is per direction,
+  double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, "close to
+  the measured A100/H100 GEMM fractions 0.86/0.80"): 0.80 .. 0.86.
+
+Figures marked ASSUMPTION without a stated bound (latencies, NCCL's SMs, the runtime
+context, fragmentation...) are listed as ``unbounded``: the range does not cover them.
+A profile loaded by the user (``load_profile``) has no bounds here: its range is the
+point estimate, and says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..sim_mesh.profiles import Profile, get_profile
+
+__all__ = ["BOUNDS", "EstimateRange", "estimate_range", "profile_at", "ranking_ranges"]
+
+_A100_40GB = 1555e9 / 2039e9      # the 40GB part's HBM over the 80GB part's (datasheets)
+_MEASURED_40GB = ("measured on the A100 40GB and scaled to 2,039 GB/s (ASSUMPTION); slow "
+                  "end: the measured rate unscaled")
+
+_LN_GA100 = ("apex's LayerNorm rate measured on a GA100, kept on the 80GB part (ASSUMPTION); "
+             "fast end: scaled by 2,039 / 1,555 GB/s as if measured on the 40GB part")
+
+# profile name -> ((field, slow value or factor, fast value or factor, kind, why), ...);
+# kind "value": absolute figures; "scale": factors of the profile's own figure
+BOUNDS = {
+    "h100": (("efficiency.attention", 0.34, 0.75, "value",
+              "FlashAttention-2 on the H100, 335 TFLOP/s = 0.34 of peak (Dao 2023 sec. 4.1) "
+              ".. FlashAttention-3's 740 TFLOP/s = 0.75 (Shah et al. 2024)"),),
+    "a100": tuple((f"kernel_bandwidth.{k}", _A100_40GB, 1.0, "scale", _MEASURED_40GB)
+                  for k in ("attention_core_forward", "attention_core_backward",
+                            "dropout_forward", "dropout_backward"))
+    + tuple((f"kernel_bandwidth.{k}", 1.0, 1 / _A100_40GB, "scale", _LN_GA100)
+            for k in ("layer_norm_forward", "layer_norm_backward")),
+    "ascend-910b": (("intra_node.bandwidth", 1.0, 2.0, "scale",
+                     "56 GB/s read as both directions .. as one direction (UNCERTAIN in "
+                     "the profile: 'double it')"),
+                    ("efficiency.matmul", 0.80, 0.86, "value",
+                     "the measured H100 .. A100 GEMM fractions the ASSUMPTION cites")),
+}
+
+
+def _get(d: dict, path: str):
+    for k in path.split("."):
+        d = d[k]
+    return d
+
+
+def _set(d: dict, path: str, value) -> None:
+    *head, last = path.split(".")
+    for k in head:
+        d = d[k]
+    d[last] = value
+
+
+@lru_cache(maxsize=None)
+def profile_at(profile: Profile, end: str) -> Profile:
+    """``profile`` with every bounded figure (``BOUNDS``) at its ``end``, "slow" or
+    "fast" (the profile itself where it has no bounds)."""
+    if end not in ("slow", "fast"):
+        raise ValueError(f"profile_at: end={end!r}; use 'slow' or 'fast'")
+    bounds = BOUNDS.get(profile.name, ())
+    if not bounds:
+        return profile
+    data = profile.to_dict()
+    for field, slow, fast, kind, _ in bounds:
+        x = slow if end == "slow" else fast
+        _set(data, field, x if kind == "value" else _get(data, field) * x)
+    data["name"] = f"{profile.name} ({end} end)"
+    return Profile.from_dict(data)
+
+
+@dataclass(frozen=True)
+class EstimateRange:
+    """An estimate with its range: ``slow`` and ``fast`` re-price the step with every
+    bounded uncertain figure at that end; ``varied`` names them and their bounds'
+    sources; ``unbounded`` the profile's other ASSUMPTION / UNCERTAIN figures."""
+    estimate: object
+    slow: object
+    fast: object
+    varied: tuple
+    unbounded: tuple
+
+    @property
+    def step_time(self) -> tuple[float, float]:
+        """(fastest, slowest) seconds per step; the point estimate lies between."""
+        ts = (self.fast.step_time, self.slow.step_time, self.estimate.step_time)
+        return min(ts), max(ts)
+
+    @property
+    def mfu(self) -> tuple[float, float]:
+        ms = (self.fast.mfu, self.slow.mfu, self.estimate.mfu)
+        return min(ms), max(ms)
+
+    @property
+    def tflops_per_device(self) -> tuple[float, float]:
+        ts = (self.fast.tflops_per_device, self.slow.tflops_per_device,
+              self.estimate.tflops_per_device)
+        return min(ts), max(ts)
+
+    def __str__(self):
+        lo, hi = self.step_time
+        m0, m1 = self.mfu
+        e = self.estimate
+        head = (f"{e.layout.short()}: {e.step_time:.3f} s/step (range {lo:.3f} .. {hi:.3f}), "
+                f"MFU {e.mfu:.1%} ({m0:.1%} .. {m1:.1%})")
+        if not self.varied:
+            head += "; no bounded uncertain input on this profile: the range is the point"
+        lines = [head] + [f"  varied: {v}" for v in self.varied]
+        if self.unbounded:
+            lines.append(f"  not in the range (ASSUMED, no bound stated): "
+                         f"{', '.join(self.unbounded)}")
+        return "\n".join(lines)
+
+
+def estimate_range(model, layout, cluster, **kwargs) -> EstimateRange:
+    """``estimate(model, layout, cluster, **kwargs)`` with its range (module docstring)."""
+    from .estimate import estimate
+    from .layout import Cluster
+    prof = get_profile(cluster.profile)
+    point = estimate(model, layout, cluster, **kwargs)
+    ends = {end: estimate(model, layout, Cluster(profile_at(prof, end), cluster.devices),
+                          **kwargs) for end in ("slow", "fast")}
+    bounds = BOUNDS.get(prof.name, ())
+    by_why = {}
+    for f, s, q, k, why in bounds:     # one line per source, its fields together
+        by_why.setdefault(why, []).append(f"{f} {_fmt(prof, f, s, k)} .. {_fmt(prof, f, q, k)}")
+    varied = tuple(f"{', '.join(fs)} ({why})" for why, fs in by_why.items())
+    named = {f for f, *_ in bounds}
+    unbounded = tuple(sorted(k for k, v in prof.citations.items()
+                             if ("ASSUMPTION" in v or "UNCERTAIN" in v) and k not in named))
+    return EstimateRange(point, ends["slow"], ends["fast"], varied, unbounded)
+
+
+def _fmt(prof, field, x, kind) -> str:
+    v = x if kind == "value" else _get(prof.to_dict(), field) * x
+    return f"{v:.3g}"
+
+
+def ranking_ranges(ranking, model, **kwargs) -> str:
+    """The ranges of a ``search`` ranking's layouts (``estimate_range`` on each; the
+    ``kwargs`` the search was given: ``attention``, ``overlap``...), then what the range
+    varied, what it leaves out, and what the first layout's estimate assumed: the lines
+    ``python -m workbench plan`` prints under its table."""
+    if not ranking:
+        return ""
+    rows = [f"{'#':>2} {'step s':>8} {'range':>19} {'MFU':>6} {'range':>15}"]
+    first = None
+    for i, (lay, _) in enumerate(ranking, 1):
+        r = estimate_range(model, lay, ranking.cluster, **kwargs)
+        first = first or r
+        (lo, hi), (m0, m1) = r.step_time, r.mfu
+        rows.append(f"{i:>2} {r.estimate.step_time:>8.3f} {lo:>8.3f} .. {hi:<8.3f} "
+                    f"{r.estimate.mfu:>6.1%} {m0:>6.1%} .. {m1:<6.1%}")
+    head = "range: every profile figure with a stated bound at its slow and its fast end"
+    flat = all(r.split()[2] == r.split()[4] for r in rows[1:])
+    lines = [head, *rows]
+    lines += [f"varied: {v}" + (" (no effect on these layouts)" if flat else "")
+              for v in first.varied] or \
+        ["varied: nothing (no bounded uncertain figure on this profile)"]
+    if first.unbounded:
+        lines.append(f"not in the range (ASSUMED, no bound stated): "
+                     f"{', '.join(first.unbounded)}")
+    lines.append(f"#1 assumes: {'; '.join(first.estimate.assumptions())}")
+    return "\n".join(lines)

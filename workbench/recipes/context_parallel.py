@@ -1,0 +1,188 @@
+"""Context-parallel training of the course's models: the sequence sharded over "cp" ranks.
+
+    Hybrid recipe's mesh, with a "cp" dim between dp and tp (Megatron-LM's rank order
+    tp, cp, dp from fastest to slowest): Mesh.grid((dp, cp, tp), ["dp", "cp", "tp"]),
+    the dp and tp dims left out where they have one rank (fewer placements to choose
+    from: the rules' first call on a layout is much faster on fewer mesh dims)
+
+What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
+
+* the residual stream right after the embeddings is laid out on the ring
+  (:func:`~workbench.parallel.strategies.context_parallel.to_ring_layout`): rank i of cp
+  holds chunks i and 2cp-1-i of every sequence (causal load balancing), so every op but
+  attention runs on cp-sharded tokens unchanged;
+* attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs);
+* positions follow the chunks: the GPT adds its learned position embeddings before the
+  layout (so each token keeps its own), the Llama's RoPE tables are put in ring order
+  for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
+* the targets are put in the same ring order and sharded the same way, so the
+  cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
+* gradients: without dp, the parameters are data-parallel replicas over cp (one copy
+  per cp rank, gradients all-reduced over cp in one buffer after backward, as
+  Megatron-LM reduces gradients over the dp x cp group); with dp, the parameters are
+  replicated over cp, so each one meeting cp-sharded tokens has its gradient summed
+  over cp by the all-reduce that replication implies (traced, per use), then over dp by
+  data parallelism.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..models.config import build_model as _build
+from ..parallel.dist_tensor import shard_tensor
+from ..parallel.module import dist_parameters, parallelize
+from ..parallel.placement import Replicate, Shard
+from ..parallel.strategies.context_parallel import (check_ring, context_parallel,
+                                                    slot_positions, to_ring_layout)
+from ..parallel.strategies.data_parallel import DataParallel
+from ..parallel.strategies.memory import saved_activation_bytes
+from ..parallel.strategies.tensor_parallel import tensor_parallel_region
+from ..sim_mesh.mesh import Mesh
+from ..train_checks import check_world
+from .hybrid import ONE_BUFFER, Hybrid
+
+__all__ = ["ContextParallel", "cp_mesh"]
+
+
+def cp_mesh(dp: int, cp: int, tp: int) -> Mesh:
+    """The (dp, cp, tp) mesh over ranks 0 .. dp*cp*tp - 1, tp fastest; dp and tp only
+    where they have more than one rank."""
+    dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("tp", tp)) if s > 1 or n == "cp"]
+    return Mesh.grid(tuple(s for _, s in dims), [n for n, _ in dims])
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class ContextParallel(Hybrid):
+    """DP x CP x TP training (see the module docstring); ``balanced``: causal load
+    balancing (rank i holds chunks i and 2cp-1-i), else contiguous slots."""
+
+    name = "context_parallel"
+
+    def __init__(self, cp=2, dp=1, tp=1, pp=1, sp=False, zero=0, balanced: bool = True,
+                 distributed: bool = False, **unused):
+        if not _int(cp) or cp < 1:
+            raise ValueError(f"ContextParallel(cp={cp!r}): give an int >= 1, the number of "
+                             "ranks the sequence is sharded over")
+        if pp != 1:
+            raise NotImplementedError(f"cp={cp} with pp={pp}: context parallelism with "
+                                      "pipeline stages is not built yet; use pp=1")
+        if sp:
+            raise NotImplementedError(f"cp={cp} with sp: the sequence is sharded over cp "
+                                      "already; leave sp off (tensor parallelism over tp "
+                                      "still shards the heads)")
+        if zero == 3:
+            raise NotImplementedError(f"cp={cp} with zero=3: not built yet; use zero 0, 1 or 2")
+        if not isinstance(balanced, bool):
+            raise TypeError(f"ContextParallel(balanced={balanced!r}): give True or False")
+        if unused:
+            raise TypeError(f"ContextParallel: unknown arguments {sorted(unused)}")
+        check_world(dp * cp, tp, 1, f"dp={dp}, cp={cp}, tp={tp}")
+        super().__init__(dp=dp, tp=tp, pp=1, sp=False, zero=zero, distributed=False)
+        self.cp, self.balanced, self.distributed = cp, balanced, distributed
+        self.meshes = [cp_mesh(dp, cp, tp)]
+        if distributed:                 # one rank per process on torch.distributed
+            from ..sim_mesh import backends as _B
+            if _B.world_size() != dp * cp * tp:
+                raise ValueError(f"{_B.world_size()} processes for dp x cp x tp = "
+                                 f"{dp * cp * tp} ranks: launch torchrun --nproc-per-node "
+                                 f"{dp * cp * tp}")
+            self.meshes = [_B.register(m) for m in self.meshes]
+
+    def check(self, cfg, batch_size: int) -> None:
+        super().check(cfg, batch_size)
+        check_ring(cfg.seq_len, self.cp, self.balanced, f"cp={self.cp} (seq_len={cfg.seq_len})")
+        if cfg.dropout > 0:
+            raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: attention dropout on "
+                             "the ring is not built; train with dropout 0 "
+                             "(cfg.replace(dropout=0.0)) or cp=1")
+
+    # ---- the model and its optimizer ------------------------------------------------------
+    def build_model(self, cfg, seed: int):
+        """The model, tensor-parallel over tp (Megatron's plan, f and g), replicated over
+        cp and dp."""
+        with self.device:
+            model = _build(cfg, seed=seed).train()
+        self.cfg = cfg
+        self.stages = model.pipeline_stages(1)
+        self.stage_layers = [st["layers"] for st in self.stages]
+        mesh = self.meshes[0]
+        parallelize(model, mesh, model.tp_plan(self.tp), mesh_dim="tp" if self.tp > 1 else "cp")
+        if self.tp > 1:
+            for name in model.tp_regions(self.stages[0]["layers"]):
+                tensor_parallel_region(model.get_submodule(name), mesh, "tp", False, seq_dim=1)
+        return model
+
+    def build_optimizer(self, model, lr: float, weight_decay: float):
+        """Data parallelism over dp, or over cp when there is no dp (module docstring)."""
+        params = [p for _, p in dist_parameters(model)]
+        return [DataParallel(params, self.meshes[0], "dp" if self.dp > 1 else "cp",
+                             zero=self.zero, bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
+                             lr=lr, weight_decay=weight_decay)]
+
+    # ---- the layouts -----------------------------------------------------------------------
+    def _placements(self, **dims):
+        mesh = self.meshes[0]
+        ps = [Replicate()] * mesh.ndim
+        for name, p in dims.items():
+            if name in mesh.dim_names:
+                ps[mesh.dim(name)] = p
+        return ps
+
+    def _batch(self, t: torch.Tensor, mesh):
+        return shard_tensor(t, mesh, self._placements(dp=Shard(0)))
+
+    def _layout(self, x):
+        """The residual stream after the embeddings: in ring order, sharded over cp."""
+        return to_ring_layout(x, "cp", 1, self.balanced)
+
+    def _stage(self, model, s, x):
+        """The model's stage with attention on the ring and positions in ring order."""
+        with context_parallel(self.meshes[0], "cp", balanced=self.balanced), \
+                self._ring_positions(model, x.shape[1]):
+            return super()._stage(model, s, x)
+
+    def _loss(self, logits, targets):
+        """The mean cross-entropy of every token where it lies: the targets laid out on
+        the ring as the logits are, and the (B, V, S) form keeps the cp-sharded logits in
+        place (flattening (B, S) would move them to rows)."""
+        if targets.placements[targets.mesh.dim("cp")].is_replicate():
+            targets = to_ring_layout(targets, "cp", 1, self.balanced)
+        if logits.dtype != torch.float32:
+            logits = logits.float()                 # in float32, as the models' own forward
+        return F.cross_entropy(logits.transpose(1, 2), targets)
+
+    @contextlib.contextmanager
+    def _ring_positions(self, model, S: int):
+        """The Llama's RoPE tables in ring order for the step (the GPT's learned positions
+        are added before the layout and need nothing)."""
+        if not hasattr(model, "rope_cos"):
+            yield
+            return
+        cos, sin = model.rope_cos, model.rope_sin
+        perm = slot_positions(S, self.cp, self.balanced).to(cos.device)
+        model.rope_cos = torch.cat([cos[:S][perm], cos[S:]])
+        model.rope_sin = torch.cat([sin[:S][perm], sin[S:]])
+        try:
+            yield
+        finally:
+            model.rope_cos, model.rope_sin = cos, sin
+
+    def forward_backward(self, model, inputs, targets):
+        self.check(model.cfg, inputs.shape[0])
+        mesh = self.meshes[0]
+        check_ring(inputs.shape[1], self.cp, self.balanced, f"cp={self.cp}")
+
+        def forward():
+            logits = self._stage(model, 0, self._batch(inputs, mesh))
+            return self._loss(logits, self._batch(targets, mesh))
+        params = [p for _, p in dist_parameters(model)]
+        loss, saved = saved_activation_bytes(forward, params=params, lead_dims=mesh.ndim)
+        self.last_activation_bytes = saved.bytes
+        loss.backward()
+        return loss.full().detach()

@@ -1,0 +1,83 @@
+"""Draw ring attention step by step: which rank holds which K/V block, what it computes.
+
+Renders data only: the rows come from
+:func:`workbench.parallel.strategies.context_parallel.ring_schedule` (nothing here
+decides which block is where or what the causal mask skips).
+
+    >>> from workbench.parallel.strategies.context_parallel import ring_schedule
+    >>> print(render_ring_text(ring_schedule(2)))       # doctest: +NORMALIZE_WHITESPACE
+    ring attention, p=2 (q chunks | K/V chunks held; F full, D diagonal, . skipped)
+    step 0: rank 0 q(0,3) kv(0,3) [D . F D] -> 1 | rank 1 q(1,2) kv(1,2) [D . F D] -> 0
+    step 1: rank 0 q(0,3) kv(1,2) [. . F F]      | rank 1 q(1,2) kv(0,3) [F . F .]
+
+Figures are deterministic (fixed colours and sizes, no pyplot state).
+"""
+from __future__ import annotations
+
+__all__ = ["render_ring_text", "draw_ring", "KIND_COLORS"]
+
+KIND_COLORS = {"full": "#3a78b5", "diagonal": "#8fb8de", "skipped": "#eeeeee"}
+_MARK = {"full": "F", "diagonal": "D", "skipped": "."}
+
+
+def _steps(rows):
+    p = max(r["rank"] for r in rows) + 1
+    n = max(r["step"] for r in rows) + 1
+    grid = {(r["step"], r["rank"]): r for r in rows}
+    return p, n, grid
+
+
+def render_ring_text(rows) -> str:
+    """One line per step: each rank's query chunks, the K/V chunks it holds, its chunk
+    pairs (F full, D diagonal, . skipped) and where it sends its K/V next."""
+    p, n, grid = _steps(rows)
+    lines = [f"ring attention, p={p} (q chunks | K/V chunks held; F full, D diagonal, "
+             ". skipped)"]
+    for t in range(n):
+        cells = []
+        for i in range(p):
+            r = grid[(t, i)]
+            marks = " ".join(_MARK[k] for *_, k in r["pairs"])
+            send = f" -> {r['send_to']}" if r["send_to"] is not None else "     "
+            q = ",".join(map(str, r["q_chunks"]))
+            kv = ",".join(map(str, r["kv_chunks"]))
+            cells.append(f"rank {i} q({q}) kv({kv}) [{marks}]{send}")
+        lines.append(f"step {t}: " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def draw_ring(rows, *, cell: float = 1.0):
+    """A grid, steps across and ranks down: each cell is the rank's block at that step,
+    split into its (query chunk, key chunk) pairs coloured full / diagonal / skipped and
+    labelled with the K/V slot it holds; an arrow marks the send to the next rank."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+
+    p, n, grid = _steps(rows)
+    fig = Figure(figsize=(1.4 * cell * n + 1.5, 1.1 * cell * p + 1.0))
+    ax = fig.add_subplot()
+    for (t, i), r in grid.items():
+        pairs = r["pairs"]
+        k = int(round(len(pairs) ** 0.5))                     # a k x k grid of chunk pairs
+        for m, (_, _, kind) in enumerate(pairs):
+            a, b = divmod(m, k)
+            ax.add_patch(Rectangle((t + b * 0.8 / k + 0.1, i + a * 0.8 / k + 0.1),
+                                   0.8 / k, 0.8 / k, facecolor=KIND_COLORS[kind],
+                                   edgecolor="white"))
+        ax.text(t + 0.5, i + 0.5, f"K/V {r['kv_from']}", ha="center", va="center", fontsize=8)
+        if r["send_to"] is not None:
+            ax.annotate("", xy=(t + 0.97, i + 0.9), xytext=(t + 0.75, i + 0.9),
+                        arrowprops={"arrowstyle": "->", "color": "#555555"})
+    ax.set_xlim(0, n)
+    ax.set_ylim(p, 0)
+    ax.set_xticks([t + 0.5 for t in range(n)], [f"step {t}" for t in range(n)])
+    ax.set_yticks([i + 0.5 for i in range(p)], [f"rank {i}" for i in range(p)])
+    ax.tick_params(length=0)
+    for s in ax.spines.values():
+        s.set_visible(False)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False,
+              fontsize=8)
+    ax.set_title(f"ring attention over {p} ranks: query chunk x key chunk pairs", fontsize=9)
+    fig.tight_layout()
+    return fig
