@@ -119,7 +119,7 @@ def _verify(name, got, want, unit, wrong, rel=1e-3):
 # ---- ring attention's K/V blocks ------------------------------------------------------------
 
 @exercise
-def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 8, kv_heads: int = 8,
+def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int = 8,
                      head_dim: int = 128, tp: int = 1, micro_batch: int = 1,
                      bytes_per_value: int = 2) -> None:
     """MB of K and V one rank sends around the ring in one layer's forward: cp - 1 steps,
