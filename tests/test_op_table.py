@@ -20,6 +20,7 @@ IDX = torch.stack([torch.randperm(6)[:3] for _ in range(4)])            # (4, 3)
 Q, K, V = (torch.randn(2, 2, 4, 6) for _ in range(3))
 COS, SIN = wb.ops.rope_cos_sin(4, 6)
 MASK = torch.rand(4, 6) > 0.5
+_, MOE_E, MOE_S, _ = wb.ops.router_topk(torch.randn(4, 6, 3), 2, capacity=3)   # (4, 6, 2)
 
 
 def seeded_dropout(x):
@@ -104,6 +105,11 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "rotary_embedding": (lambda x: wb.ops.rotary_embedding(x, COS, SIN), [Q]),
     "ring_attention_step": (lambda q, k, v: ring_attention_step(q, k, v, ring=2, step=1),
                             [Q, K, V]),
+    "router_topk": (lambda z: wb.ops.router_topk(z, 2, capacity=3), [torch.randn(4, 6, 3)]),
+    "moe_dispatch": (lambda x: wb.ops.moe_dispatch(x, MOE_E, MOE_S, 3, 3), [torch.randn(4, 6, 4)]),
+    "moe_combine": (lambda y, w: wb.ops.moe_combine(y, w, MOE_E, MOE_S),
+                    [torch.randn(4, 3, 3, 4), torch.randn(4, 6, 2)]),
+    "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
 }
 M2 = wb.Mesh.grid(2, ["a"])
 

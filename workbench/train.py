@@ -219,6 +219,8 @@ def add_train_arguments(parser) -> None:
                    help="--backend torch: a collective that waits this long fails, and a "
                         "stopped rank is ended by its peers (default 60; "
                         "wb.distributed.init's timeout_s)")
+    from .recipes.moe import add_moe_arguments
+    add_moe_arguments(p)                      # --moe-experts ... --ep (recipes/moe.py)
 
 
 def strategy_from_args(args) -> Strategy:
@@ -226,7 +228,8 @@ def strategy_from_args(args) -> Strategy:
     distributed = getattr(args, "backend", "sim") == "torch"
     parallel = {n: getattr(args, n, d) for n, d in _PARALLEL_FLAGS if n != "backend"}
     cp = getattr(args, "cp", 1)
-    if distributed or cp != 1 or any(parallel[n] != d for n, d in _PARALLEL_FLAGS
+    ep, ep_chunks = getattr(args, "ep", 1), getattr(args, "ep_chunks", 1)
+    if distributed or cp != 1 or ep != 1 or any(parallel[n] != d for n, d in _PARALLEL_FLAGS
                                      if n != "backend"):
         from .recipes.hybrid import Hybrid
         if distributed:
@@ -235,6 +238,12 @@ def strategy_from_args(args) -> Strategy:
             backends.init(**({} if timeout is None else {"timeout_s": timeout}))
         if cp != 1:                     # context parallelism: recipes/context_parallel.py
             from .recipes.context_parallel import ContextParallel
+            from .recipes.moe import moe_overrides
+            if ep != 1 or moe_overrides(args):
+                raise ValueError("--cp with a mixture of experts (--moe-experts, --ep) is not "
+                                 "built yet (the load-balancing loss would be counted over each "
+                                 "rank's chunk of the sequence, not the whole batch): leave "
+                                 "out --cp, or the MoE flags")
             if getattr(args, "device", "cpu") != "cpu":
                 raise ValueError(f"--device {args.device} with --cp: simulated ranks run on "
                                  "the CPU, and under --backend torch each process uses its "
@@ -244,7 +253,7 @@ def strategy_from_args(args) -> Strategy:
                                    distributed=distributed)
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
                       zero=parallel["zero"], schedule=parallel["schedule"],
-                      distributed=distributed)
+                      distributed=distributed, ep=ep, ep_chunks=ep_chunks)
     device = getattr(args, "device", "cpu")
     if device == "auto":
         from .npu.device import device as best_device
@@ -268,6 +277,10 @@ def main_train(args) -> int:
             return 2
         try:
             check_args(args)
+            from .recipes.moe import moe_overrides
+            if moe_overrides(args) or getattr(args, "ep", 1) != 1:
+                raise ValueError("--dry-run of a mixture-of-experts model (--moe-experts, "
+                                 "--ep) is not built yet; run it without --dry-run")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -280,10 +293,13 @@ def main_train(args) -> int:
             return 2
     try:
         check_args(args)
+        from .recipes.moe import moe_overrides
+        moe = moe_overrides(args)                # ModelConfig's moe_* fields (recipes/moe.py)
+        cfg = get_config(args.preset, **moe)
         strategy = strategy_from_args(args)
         check = getattr(strategy, "check", None)
         if check is not None:
-            check(get_config(args.preset), args.batch_size)
+            check(cfg, args.batch_size)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -303,7 +319,7 @@ def main_train(args) -> int:
         train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
               lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
               recompute=getattr(args, "recompute", "none"), strategy=strategy,
-              ops_backend=getattr(args, "ops", "auto"), on_step=emit)
+              ops_backend=getattr(args, "ops", "auto"), on_step=emit, **moe)
     finally:
         if getattr(strategy, "distributed", False):
             from .sim_mesh import backends

@@ -53,6 +53,15 @@ class ModelConfig:
     recompute: str = "none"         # per block: none | full (whole block) | selective (attention)
     init_std: float = 0.02          # normal init std; residual outputs get / sqrt(2 n_layer)
     arch: str = "llama"             # "llama" | "gpt" (module docstring)
+    # mixture of experts (models/moe.py): 0 experts = the dense MLP in every block
+    moe_experts: int = 0            # routed experts per MoE layer (E); each an MLP of d_ff
+    moe_topk: int = 2               # experts each token is routed to (k <= E)
+    moe_capacity_factor: float | None = None  # slots per expert = ceil(cf S k / E) per
+                                    # sequence, overflow dropped; None: no drops (dropless)
+    moe_shared_experts: int = 0     # always-on experts (DeepSeek-V3): one dense MLP of
+                                    # moe_shared_experts x d_ff beside the routed ones
+    moe_gating: str = "softmax"     # "softmax" (Mixtral, GShard) | "sigmoid" (DeepSeek-V3)
+    moe_aux_loss_coef: float = 0.01  # alpha of the load-balancing loss (Switch: 1e-2)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -92,6 +101,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: dtype={self.dtype!r}; use one of {DTYPES}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"ModelConfig: recompute={self.recompute!r}; use one of {RECOMPUTE}")
+        _check_moe(self)
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +118,33 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_moe(cfg) -> None:
+    """The mixture-of-experts fields (models/moe.py): a clear error naming the fix."""
+    for name in ("moe_experts", "moe_shared_experts"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"ModelConfig: {name}={v!r} must be an int >= 0 (0: none)")
+    if not cfg.moe_experts:
+        return
+    _positive_int("moe_topk", cfg.moe_topk)
+    if cfg.moe_topk > cfg.moe_experts:
+        raise ValueError(f"ModelConfig: moe_topk={cfg.moe_topk} > moe_experts="
+                         f"{cfg.moe_experts}: each token picks k distinct experts; lower "
+                         f"moe_topk to at most {cfg.moe_experts} or add experts")
+    cf = cfg.moe_capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                           or not 0 < cf < math.inf):
+        raise ValueError(f"ModelConfig: moe_capacity_factor={cf!r} must be a number > 0 "
+                         "(e.g. 1.25), or None for no token dropping")
+    if cfg.moe_gating not in ("softmax", "sigmoid"):
+        raise ValueError(f"ModelConfig: moe_gating={cfg.moe_gating!r}; use 'softmax' or "
+                         "'sigmoid'")
+    a = cfg.moe_aux_loss_coef
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < math.inf:
+        raise ValueError(f"ModelConfig: moe_aux_loss_coef={a!r} must be a number >= 0 "
+                         "(e.g. 0.01; 0 turns the load-balancing loss off)")
 
 
 def _positive_int(name, v):
@@ -218,6 +255,10 @@ def param_count(cfg: ModelConfig | str) -> ParamCount:
             "final LayerNorm (eq. 2 omits it): +2 h": 2 * h,
             "untied lm head: +V h": untied,
         }
+        if cfg.moe_experts:
+            _moe_terms(cfg, terms, differences, "GeLU MLP (l (2 h d_ff + d_ff + h))",
+                       "MLP: d_ff != 4h: l (2 h + 1)(d_ff - 4 h)",
+                       lambda w: 2 * h * w + w + h, 8 * h * h + 5 * h)
         return ParamCount(module=module, terms=terms, megatron=megatron,
                           differences=differences)
     kv = cfg.n_kv_head * cfg.head_dim
@@ -236,4 +277,17 @@ def param_count(cfg: ModelConfig | str) -> ParamCount:
         "no position table (RoPE): -s h": -s * h,
         "untied lm head: +V h": untied,
     }
+    if cfg.moe_experts:
+        _moe_terms(cfg, terms, differences, "SwiGLU MLP (l 3 h d_ff)",
+                   "MLP: SwiGLU 3 h d_ff vs GPT 8 h^2", lambda w: 3 * h * w, 8 * h * h)
     return ParamCount(module=module, terms=terms, megatron=megatron, differences=differences)
+
+
+def _moe_terms(cfg, terms, differences, mlp_term, mlp_diff, mlp_of_width, gpt_mlp) -> None:
+    """A MoE block's feed-forward (models/moe.py) in place of the dense MLP's terms: the
+    router h E, E experts of width d_ff, the shared experts one MLP of n_s d_ff."""
+    l, h, f, E, ns = cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.moe_shared_experts
+    moe = h * E + E * mlp_of_width(f) + (mlp_of_width(ns * f) if ns else 0)
+    del terms[mlp_term], differences[mlp_diff]
+    terms["MoE (l (h E + E mlp(d_ff) + mlp(n_s d_ff)))"] = l * moe
+    differences["MoE: router, E experts, shared vs eq. 2's MLP"] = l * (moe - gpt_mlp)

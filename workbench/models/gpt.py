@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import flash_attention
 from .config import ModelConfig
+from .moe import MoE
 from .split import Splittable
 
 __all__ = ["GPTLayer", "TP_PLAN", "GPT", "GPT_TP_PLAN"]
@@ -158,7 +159,7 @@ class GPTBlock(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.attn = GPTAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
-        self.mlp = GPTMLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe_experts else GPTMLP(cfg)  # models/moe.py
 
     def forward(self, x):
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -234,8 +235,11 @@ class GPT(Splittable, nn.Module):
             if p.dim() == 1:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)   # LayerNorm weight
                 continue
+            if name.endswith("_bias"):                  # MoE experts' biases (E, n)
+                p.zero_()
+                continue
             s = std / math.sqrt(2 * self.cfg.n_layer) \
-                if name.endswith(("wo.weight", "fc2.weight")) else std
+                if name.endswith(("wo.weight", "fc2.weight", "fc2_weight")) else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 
     def forward(self, idx, targets=None):

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
 from ..sim_mesh import rng
 from .config import ModelConfig
+from .moe import MoE
 from .split import Splittable
 
 __all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
@@ -163,7 +164,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.torch_dtype)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.torch_dtype)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)     # models/moe.py
 
     def forward(self, x, cos, sin):
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -176,7 +177,10 @@ class Block(nn.Module):
                 return self._forward(x, cos, sin)
         x = x + self.attn(self.attn_norm(x), cos, sin,                      # (B, S, h)
                           recompute_core=self.recompute == "selective")
-        return x + self.mlp(self.mlp_norm(x))                               # (B, S, h)
+        h = self.mlp(self.mlp_norm(x))                                      # (B, S, h)
+        if isinstance(self.mlp, MoE):                  # the dense MLP drops out inside
+            h = dropout(h, self.mlp.dropout, self.training, 3 + 3 * self.mlp.index)
+        return x + h
 
 
 class Llama(Splittable, nn.Module):
@@ -244,7 +248,7 @@ class Llama(Splittable, nn.Module):
             if p.dim() == 1:                                # RMSNorm weights
                 p.fill_(1.0)
                 continue
-            s = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo.weight", "w2.weight")) \
+            s = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) \
                 else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 

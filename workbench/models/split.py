@@ -5,6 +5,9 @@ model.  Both course models (``Llama``, ``GPT``) answer with this mixin:
 
     model.tp_plan(tp)            Megatron's tensor-parallel plan, by module path
     model.tp_regions(layers)     the modules that take Megatron's f before and g after
+                                 (with MoE blocks, attention only: the router and the
+                                 experts are replicated over tp, Megatron-LM's expert
+                                 tensor parallel size 1; expert parallelism splits them)
     model.norm_classes()         the model's norm layers (sequence parallelism splits
                                  their input on the sequence, so their gradients are
                                  partial sums over tp)
@@ -49,13 +52,16 @@ class Splittable:
         the word embedding vocabulary-parallel (Megatron's ``VocabParallelEmbedding``)
         and the head column-parallel (vocabulary-sharded logits)."""
         plan = dict(self.TP_BLOCK_PLAN) if tp > 1 else {}
+        if getattr(self.cfg, "moe_experts", 0):     # MoE blocks: router and experts
+            plan = {k: v for k, v in plan.items() if ".mlp." not in k}   # replicated over tp
         if tp > 1 and self.cfg.vocab_size % tp == 0:
             plan.update({"tok_emb": "rowwise", "lm_head": "colwise"})
         return plan
 
     def tp_regions(self, layers) -> list[str]:
         """The modules that take Megatron's f before and g after (attention and MLP)."""
-        return [f"layers.{i}.{part}" for i in layers for part in ("attn", "mlp")]
+        parts = ("attn",) if getattr(self.cfg, "moe_experts", 0) else ("attn", "mlp")
+        return [f"layers.{i}.{part}" for i in layers for part in parts]
 
     def pipeline_stages(self, n_stages: int, sizes=None) -> list[dict]:
         """The model cut in ``n_stages`` consecutive stages of equal layer counts (or of

@@ -21,6 +21,7 @@ from .cost import OpCost, cost
 from .flash_attention import TILE_K, TILE_Q, flash_attention
 from .flash_reference import TileStats
 from .linear import linear
+from .moe import attach_aux_loss, moe_combine, moe_dispatch, router_topk
 from .masks import BlockDiagonal, Causal, MaskPattern, SlidingWindow, TilePlan, attention_tiles
 from .registry import BACKENDS, backends, current_backend, implementation, op_names, use
 from .rms_norm import rms_norm
@@ -32,6 +33,7 @@ __all__ = [
     "AdamW", "linear", "cost", "OpCost", "use", "current_backend", "backends", "op_names",
     "implementation", "BACKENDS", "MaskPattern", "Causal", "SlidingWindow", "BlockDiagonal",
     "TilePlan", "attention_tiles", "TileStats", "TILE_Q", "TILE_K", "PUBLIC_OPS",
+    "router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss",
 ]
 
 PUBLIC_OPS = (flash_attention, rms_norm, swiglu, rotary_embedding, adamw, linear)

@@ -51,6 +51,8 @@ from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
+from .moe import (check_ep, check_moe_layout, expert_meshes, keep_residual_layout,
+                  scale_aux_losses, split_params, wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -133,15 +135,27 @@ class Hybrid:
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
                  microbatches=None, virtual=None, distributed: bool = False,
-                 stage_sizes=None):
+                 stage_sizes=None, ep=1, ep_chunks=1):
         _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
                     microbatches=microbatches, virtual=virtual, distributed=distributed)
+        # expert parallelism (recipes/moe.py): ep ranks carved out of dp x ep data-parallel
+        # ranks; self.dp is the dense layers' data-parallel size, self.edp the experts'
+        check_ep(ep, ep_chunks, zero, sp)
+        if ep > 1 and schedule in ("dualpipe", "zb-v"):
+            raise ValueError(f"ep={ep} with schedule={schedule!r}: expert parallelism is wired "
+                             "for one copy of each stage in the interleaved placement; use "
+                             "schedule '1f1b', 'gpipe', 'interleaved' or 'zb-h1' with ep > 1")
+        self.ep, self.ep_chunks, self.edp = ep, ep_chunks, dp
+        dp = dp * ep
+        if ep > 1:
+            check_world(dp, tp, pp, f"Hybrid(dp={self.edp}, ep={ep}, tp={tp}, pp={pp})")
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
         self.schedule_name = schedule
         self.v = virtual or (2 if schedule in ("interleaved", "zb-v") else 1)
         self._m = microbatches
         self.m = microbatches or (2 * pp if pp > 1 else 1)
         self.meshes = stage_meshes(dp, tp, pp)
+        self.expert_meshes = expert_meshes(self.meshes, ep) if ep > 1 else []
         self.distributed = distributed
         if distributed:                 # one rank per process on torch.distributed
             from ..sim_mesh import backends as _B
@@ -150,6 +164,7 @@ class Hybrid:
                                  f"{dp * tp * pp} ranks: launch torchrun --nproc-per-node "
                                  f"{dp * tp * pp}")
             self.meshes = [_B.register(m) for m in self.meshes]
+            self.expert_meshes = [_B.register(m) for m in self.expert_meshes]
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
         # layers per pipeline stage when uneven (None: n_layer / pp each; 1F1B / GPipe)
@@ -163,6 +178,7 @@ class Hybrid:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
         check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
+        check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:
             raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
                              f"{batch_size // self.dp} (batch_size={batch_size}, dp={self.dp}): "
@@ -211,6 +227,9 @@ class Hybrid:
         self.stages = model.pipeline_stages(self.pp * self.v, self.stage_sizes)
         self.stage_layers = [st["layers"] for st in self.stages]
         plan = model.tp_plan(self.tp)
+        if self.ep > 1:                 # experts onto the expert meshes first (recipes/moe.py)
+            wire_expert_parallel(model, self.stages, self.meshes, self.expert_meshes, self.pp,
+                                 self.ep_chunks, self._own)
         self._sp_norms = {}
         for s, stage in enumerate(self.stages):
             mesh = self._mesh_of(s)
@@ -223,6 +242,7 @@ class Hybrid:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                            seq_dim=1)
+                keep_residual_layout(model, stage["layers"])     # MoE layers (recipes/moe.py)
             # SP: norm gradients summed over tp once per step, as Megatron-LM does
             # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
             self._sp_norms[s] = [p for name in stage["modules"] for p in
@@ -273,11 +293,17 @@ class Hybrid:
                 # distributed_data_parallel_config.py: bucket_size None when not
                 # overlapping): one collective per stage, not one per tensor (ZeRO-1/2
                 # reduce-scatter every gradient in one buffer anyway)
-                opts.append(DataParallel(self._stage_params(model, s), mesh, "dp", zero=self.zero,
+                dense, experts = split_params(self._stage_params(model, s), mesh)
+                opts.append(DataParallel(dense, mesh, "dp", zero=self.zero,
                                          bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                                          lr=lr,
                                          weight_decay=weight_decay,
                                          partial_grads=self._sp_norms.get(s, ())))
+                if experts:             # expert parallelism: reduced over edp only
+                    opts.append(DataParallel(experts, self.expert_meshes[s % self.pp], "edp",
+                                             zero=self.zero, bucket_bytes=ONE_BUFFER
+                                             if self.zero == 0 else None, lr=lr,
+                                             weight_decay=weight_decay))
         if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
             opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
@@ -325,6 +351,7 @@ class Hybrid:
         xs = [self._batch(c, first) if self._own(first) else None for c in inputs.chunk(m)]
         ts = [self._batch(c, last) if self._own(last) else None for c in targets.chunk(m)]
         sched = self._schedule(m)
+        scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
         params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
         run = S.run_pipeline(sched, stages, self.meshes, xs,
@@ -348,9 +375,10 @@ class Hybrid:
         and, without a pipeline, the activation bytes a rank keeps for backward."""
         per_rank = tr.bytes_per_rank()
         held: dict = {}                # a rank with several chunks (interleaved, zb-v,
-        for o in optimizers:           # dualpipe) holds the states of each of them
-            total = o.memory().total
-            for r in o.mesh.ranks:
+        for o in optimizers:           # dualpipe) holds the states of each of them, and
+            total = o.memory().total   # a MoE rank its dense and its experts' states
+            mesh = getattr(o, "mesh", None)
+            for r in (mesh.ranks if mesh is not None else (("optimizer", id(o)),)):
                 held[r] = held.get(r, 0) + total
         rec = {"modeled_ms": round(tr.time() * 1e3, 6),
                "comm_bytes": max(per_rank.values(), default=0),

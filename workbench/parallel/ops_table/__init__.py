@@ -12,7 +12,7 @@ Shared machinery:
 Op families, each op's callables, parse, rule, local implementation, cost and validator
 sample side by side (adding an op touches one of them and its test): ``pointwise``,
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
-``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``.
+``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -31,7 +31,7 @@ from .table import (BY_FUNC, OP_CLASSES, RULES, TABLE, OpEntry, register,  # noq
 # the op families' modules, in registration order (a new family is added here)
 FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape", "attention",
             "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction",
-            "tensor_habits")
+            "tensor_habits", "moe")
 FAMILIES += ("ring_attention",)     # context parallelism's step (strategies/context_parallel.py)
 
 

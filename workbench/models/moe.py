@@ -1,0 +1,172 @@
+"""A mixture-of-experts feed-forward layer, for the Llama and the GPT by config.
+
+    cfg = get_config("tiny", moe_experts=4, moe_topk=2)     # every block's MLP is a MoE
+    model = build_model(cfg)
+    logits, loss = model(idx, targets)                     # loss: the LM loss (see below)
+    model.layers[0].mlp.last_stats                         # per-expert load, drops, aux
+
+Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
+
+    logits = router(x)                                      (B, S, E)   bias-free linear
+    w, e, slot, aux = router_topk(logits, k, gating, C)     top-k experts per token
+    y = combine(experts(dispatch(x, e, slot)), w, e, slot)  (B, S, h)
+    y = y + shared(x)                                       optional shared experts
+
+* experts: E MLPs of width d_ff stacked on a leading expert dim (one grouped matmul, as
+  Megatron-LM's GroupedMLP): SwiGLU w2(silu(x w1) * x w3) for the Llama (Mixtral, Jiang
+  et al. 2024), GeLU fc2(gelu(x fc1 + b1)) + b2 for the GPT (Switch / GShard's FFN);
+* router: softmax (Mixtral, GShard) or sigmoid with the DeepSeek-V3 normalisation
+  (``workbench.ops.moe``); each sequence is a routing group: capacity per expert
+  C = ceil(capacity_factor S k / E) slots per sequence (GShard's group capacity), the
+  overflow dropped (the token then passes through the residual only);
+  ``moe_capacity_factor=None`` drops nothing;
+* shared experts (DeepSeek-V3, Liu et al. 2024, eq. 12; DeepSeekMoE, Dai et al. 2024):
+  ``moe_shared_experts`` n_s always-on experts, run as one dense MLP of n_s d_ff.
+
+**The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; GShard's l_aux),
+per sequence, averaged over the batch: alpha E sum_i f_i P_i with alpha =
+``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
+each layer attaches alpha x (mean of its sequences' aux) to its output with
+``wb.ops.attach_aux_loss`` (Megatron-LM's ``MoEAuxLossAutoScaler``), so that
+``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
+the loss (one device, every parallel recipe, every pipeline schedule), while the
+returned loss stays the language-model loss, as Megatron-LM reports "lm loss" and
+"load_balancing_loss" apart.  The aux value of the last forward: ``last_stats["aux_loss"]``
+per layer, :func:`aux_loss` over a model.  A recipe that splits a batch into m
+micro-batches whose losses it averages sets :attr:`MoE.aux_loss_scale` to 1/m (as
+Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``).
+
+Expert parallelism plugs in as :attr:`MoE.token_dispatcher` (a callable
+``(x, weights, experts, slots, experts_module) -> y``, e.g.
+``workbench.parallel.strategies.expert_parallel.ExpertParallel``): it replaces
+dispatch, experts and combine; the module and its experts know nothing of meshes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.moe import attach_aux_loss, capacity, moe_combine, moe_dispatch, router_topk
+from .config import ModelConfig
+
+__all__ = ["MoE", "Experts", "SharedMLP", "aux_loss", "moe_layers"]
+
+
+class Experts(nn.Module):
+    """E expert MLPs, every parameter with the experts on dim 0 (grouped matmuls).
+
+    Llama: ``w1``, ``w3`` (E, h, d_ff), ``w2`` (E, d_ff, h): SwiGLU.
+    GPT: ``fc1_weight`` (E, h, d_ff), ``fc1_bias`` (E, d_ff), ``fc2_weight`` (E, d_ff, h),
+    ``fc2_bias`` (E, h): GeLU."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, h, f, dt = cfg.moe_experts, cfg.d_model, cfg.d_ff, cfg.torch_dtype
+        self.arch, self.num_experts = cfg.arch, E
+        shapes = {"w1": (E, h, f), "w3": (E, h, f), "w2": (E, f, h)} if cfg.arch == "llama" \
+            else {"fc1_weight": (E, h, f), "fc1_bias": (E, f), "fc2_weight": (E, f, h),
+                  "fc2_bias": (E, h)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dt)))
+
+    def expert_forward(self, x, params: dict):
+        """One expert (``params``: its tensors, the expert dim removed) on tokens x (n, h),
+        or every expert at once on buffers (G, E, C, h) (``params`` with the expert dim,
+        biases shaped (E, 1, n) to broadcast)."""
+        if self.arch == "llama":
+            return (F.silu(x @ params["w1"]) * (x @ params["w3"])) @ params["w2"]
+        hidden = F.gelu(x @ params["fc1_weight"] + params["fc1_bias"])
+        return hidden @ params["fc2_weight"] + params["fc2_bias"]
+
+    def forward(self, buf):
+        """(G, E, C, h) dispatched tokens -> (G, E, C, h) every expert's outputs."""
+        params = {n: p.unsqueeze(-2) if n.endswith("bias") else p
+                  for n, p in self._parameters.items()}
+        return self.expert_forward(buf, params)
+
+
+class SharedMLP(nn.Module):
+    """The shared experts: one dense MLP of ``n_shared x d_ff`` (SwiGLU or GeLU)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f, dt = cfg.d_model, cfg.d_ff * cfg.moe_shared_experts, cfg.torch_dtype
+        self.arch = cfg.arch
+        if cfg.arch == "llama":
+            self.w1 = nn.Linear(h, f, bias=False, dtype=dt)
+            self.w3 = nn.Linear(h, f, bias=False, dtype=dt)
+            self.w2 = nn.Linear(f, h, bias=False, dtype=dt)
+        else:
+            self.fc1 = nn.Linear(h, f, dtype=dt)
+            self.fc2 = nn.Linear(f, h, dtype=dt)
+
+    def forward(self, x):
+        if self.arch == "llama":
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    """Router, E routed experts, optional shared experts (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, h, dt = cfg.moe_experts, cfg.d_model, cfg.torch_dtype
+        self.num_experts, self.k = E, cfg.moe_topk
+        self.gating, self.capacity_factor = cfg.moe_gating, cfg.moe_capacity_factor
+        self.aux_loss_coef = cfg.moe_aux_loss_coef
+        self.aux_loss_scale = 1.0       # 1/m when a recipe averages m micro-batch losses
+        self.dropout = cfg.dropout
+        self.index = 0                  # the block's number (the Llama numbers dropout sites)
+        self.router = nn.Linear(h, E, bias=False, dtype=dt)
+        self.experts = Experts(cfg)
+        self.shared = SharedMLP(cfg) if cfg.moe_shared_experts else None
+        self.token_dispatcher = None    # expert parallelism's (module docstring)
+        self._last = None
+
+    def forward(self, x):
+        B, S, h = x.shape                                                   # (B, S, h)
+        E, k = self.num_experts, self.k
+        C = capacity(S, E, k, self.capacity_factor)
+        logits = self.router(x)                                             # (B, S, E)
+        w, e, slot, aux = router_topk(logits, k, self.gating,
+                                      None if self.capacity_factor is None else C)
+        self._last = (e, slot, aux.detach(), C)
+        if self.token_dispatcher is not None:
+            y = self.token_dispatcher(x, w, e, slot, self.experts)          # (B, S, h)
+        else:
+            buf = moe_dispatch(x, e, slot, E, C)                            # (B, E, C, h)
+            y = moe_combine(self.experts(buf), w, e, slot)                  # (B, S, h)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and self.aux_loss_coef > 0:
+            # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m)
+            y = attach_aux_loss(y, aux, self.aux_loss_coef * self.aux_loss_scale / B)
+        return y
+
+    @property
+    def last_stats(self) -> dict:
+        """The last forward's routing: ``tokens_per_expert`` (E,) assignments routed to
+        each expert (before dropping), ``dropped`` assignments over capacity, ``routed``
+        all assignments (B S k), ``capacity`` slots per expert per sequence, ``aux_loss``
+        (alpha x the batch mean of the per-sequence loss).  Gathered on request (on
+        DistTensors, outside any trace the step records)."""
+        if self._last is None:
+            raise RuntimeError("MoE.last_stats: run a forward first")
+        e, slot, aux, C = self._last
+        e, slot, aux = (t.full() if hasattr(t, "full") else t for t in (e, slot, aux))
+        return {"tokens_per_expert": torch.bincount(e.reshape(-1), minlength=self.num_experts),
+                "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
+                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef}
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model: nn.Module) -> float:
+    """The load-balancing loss of the model's last forward: the sum over its MoE layers of
+    alpha x the batch mean of the per-sequence Switch loss (what backward adds)."""
+    return sum(m.last_stats["aux_loss"] for m in moe_layers(model))

@@ -1,0 +1,211 @@
+"""Mixture-of-experts routing: top-k router, dispatch to experts, combine back.
+
+    w, e, slot, aux = router_topk(logits, k, gating="softmax", capacity=C)  # logits (G, S, E)
+    buf = moe_dispatch(x, e, slot, num_experts=E, capacity=C)               # (G, E, C, h)
+    y = moe_combine(experts(buf), w, e, slot)                               # (G, S, h)
+
+Tokens come in *groups* (GShard's word, Lepikhin et al. 2020, sec. 2.2 and Algorithm 1):
+here a group is one sequence, so that capacity, dropping and the auxiliary loss of a
+sequence do not depend on how the batch is split over ranks or micro-batches.
+
+* **router_topk** (G, S, E) logits -> per token k experts and their gate weights:
+  - ``gating="softmax"``: p = softmax(logits); the k largest, renormalised to sum 1
+    (= softmax over the k chosen logits: Mixtral, Jiang et al. 2024, eq. 1; GShard top-2);
+  - ``gating="sigmoid"``: s = sigmoid(logits); the k largest, normalised s_i / sum of the
+    k chosen (DeepSeek-V3 technical report, Liu et al. 2024, eqs. 13-15).
+  ``slot``: where each (token, choice) lands in its expert's buffer, -1 when dropped.
+  Priority as GShard's Algorithm 1: every token's first choice, in sequence order,
+  before any second choice.  With ``capacity`` C an expert takes at most C per group;
+  the rest are dropped (they add nothing: the residual carries the token).
+  ``aux``: the load-balancing loss per group, the Switch Transformer's form (Fedus et al.
+  2021, eq. 4-6; GShard's l_aux): E * sum_i f_i P_i with f_i the fraction of the group's
+  S k assignments routed to expert i (counted before dropping; not differentiable) and
+  P_i the mean over the group's tokens of the router's probability of i (softmax p;
+  sigmoid: s normalised over all experts, DeepSeek-V3 eqs. 17-20).  It is 1 when the
+  routing is perfectly uniform.
+* **moe_dispatch**: (G, S, h) tokens -> (G, E, C, h) buffers, token copies at their slots,
+  zeros elsewhere (GShard's dispatch einsum "GSEC,GSM->EGCM", as a scatter).
+* **moe_combine**: (G, E, C, h) expert outputs -> (G, S, h): each token's k outputs
+  weighted by its gates and summed (GShard's combine einsum "GSEC,EGCM->GSM", a gather).
+
+Dispatch then combine with identity experts and gates summing to 1 gives the tokens
+back (dropped ones as zeros).  Every function honours ``__torch_function__`` so the
+SPMD layer runs it on DistTensors (rules: ``workbench/parallel/ops_table/moe.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
+
+from . import _checks
+
+__all__ = ["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss", "capacity", "GATINGS"]
+
+GATINGS = ("softmax", "sigmoid")
+
+
+def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int:
+    """Slots per expert per group of ``tokens``: ceil(factor * tokens * k / E) (GShard,
+    Switch: "expert capacity = tokens per batch / experts x capacity factor"), at most
+    ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops)."""
+    if factor is None:
+        return tokens
+    return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
+
+
+def _int(op, name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{op}: {name}={v!r} must be an int >= {lo}")
+
+
+def router_topk(logits, k: int, gating: str = "softmax", capacity: int | None = None):
+    """(G, S, E) router logits -> (weights (G, S, k), experts (G, S, k) int64, slots
+    (G, S, k) int64, -1 = dropped, aux (G,) load-balancing loss per group)."""
+    if has_torch_function((logits,)):
+        return handle_torch_function(router_topk, (logits,), logits, k, gating=gating,
+                                     capacity=capacity)
+    _checks.floating("router_topk", "logits", logits)
+    if logits.dim() != 3:
+        raise ValueError(f"router_topk: logits.shape={tuple(logits.shape)}; give (groups, "
+                         "tokens, experts), e.g. logits.view(B, S, E)")
+    E = logits.shape[-1]
+    _int("router_topk", "k", k, 1)
+    if k > E:
+        raise ValueError(f"router_topk: k={k} > {E} experts: a token picks k distinct "
+                         f"experts; lower k to at most {E} or add experts")
+    if gating not in GATINGS:
+        raise ValueError(f"router_topk: gating={gating!r}; use one of {GATINGS}")
+    if capacity is not None:
+        _int("router_topk", "capacity", capacity, 1)
+    return _router_topk(logits, k, gating, capacity)
+
+
+def _router_topk(logits, k, gating, cap):
+    """The router on (..., S, E): every leading dim is a group."""
+    S, E = logits.shape[-2], logits.shape[-1]
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))     # gates in fp32
+    if gating == "softmax":
+        scores = torch.softmax(z, -1)                                   # p (..., S, E)
+        probs = scores
+    else:
+        scores = torch.sigmoid(z)                                       # s (..., S, E)
+        probs = scores / scores.sum(-1, keepdim=True)                   # s' (DeepSeek-V3)
+    top, experts = scores.topk(k, -1)                                   # (..., S, k)
+    weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
+    hot = F.one_hot(experts, E)                                         # (..., S, k, E)
+    # k-major priority: first choices of every token, then second choices (GShard)
+    order = hot.transpose(-3, -2).reshape(*hot.shape[:-3], k * S, E)     # (..., kS, E)
+    pos = (torch.cumsum(order, -2) - 1) * order                          # place in its expert
+    slots = pos.sum(-1).reshape(*hot.shape[:-3], k, S).transpose(-2, -1)  # (..., S, k)
+    if cap is not None:
+        slots = torch.where(slots < cap, slots, torch.full_like(slots, -1))
+    f = hot.sum((-3, -2)).to(probs.dtype) / (S * k)                     # (..., E) f_i
+    aux = E * (f * probs.mean(-2)).sum(-1)                              # (...,) Switch eq. 4
+    return weights, experts, slots.contiguous(), aux.to(logits.dtype)
+
+
+def _check_routes(op, x_shape, experts, slots):
+    for name, t in (("experts", experts), ("slots", slots)):
+        _checks.tensor(op, name, t)
+        if t.dtype != torch.int64 or t.shape[:2] != torch.Size(x_shape[:2]) or t.dim() != 3:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                             f"give int64 (G, S, k) with (G, S) = {tuple(x_shape[:2])}, as "
+                             "router_topk returns")
+    if experts.shape != slots.shape:
+        raise ValueError(f"{op}: experts {tuple(experts.shape)} and slots "
+                         f"{tuple(slots.shape)} differ; give both from one router_topk call")
+
+
+def moe_dispatch(x, experts, slots, num_experts: int, capacity: int):
+    """(G, S, h) tokens -> (G, E, C, h): token s's copy at [g, experts[g, s, j],
+    slots[g, s, j]] for each of its k choices not dropped; zeros elsewhere."""
+    if has_torch_function((x, experts, slots)):
+        return handle_torch_function(moe_dispatch, (x, experts, slots), x, experts, slots,
+                                     num_experts, capacity)
+    _checks.floating("moe_dispatch", "x", x)
+    if x.dim() != 3:
+        raise ValueError(f"moe_dispatch: x.shape={tuple(x.shape)}; give (groups, tokens, h)")
+    _check_routes("moe_dispatch", x.shape, experts, slots)
+    _int("moe_dispatch", "num_experts", num_experts, 1)
+    _int("moe_dispatch", "capacity", capacity, 1)
+    if slots.numel() and (int(slots.max()) >= capacity or int(experts.max()) >= num_experts
+                          or int(experts.min()) < 0):
+        raise ValueError(f"moe_dispatch: a route falls outside {num_experts} experts x "
+                         f"{capacity} slots; give the capacity and experts router_topk used")
+    return _dispatch(x, experts, slots, num_experts, capacity)
+
+
+def _flat_index(experts, slots, E, C):
+    """Row of each (token, choice) in the (E C + 1) rows of a group; dropped: the last."""
+    return torch.where(slots >= 0, experts * C + slots, torch.full_like(slots, E * C))
+
+
+def _dispatch(x, experts, slots, E, C):
+    G, S, h = x.shape[-3:]
+    k = experts.shape[-1]
+    lead = x.shape[:-3]
+    x = x.reshape(-1, S, h)
+    idx = _flat_index(experts, slots, E, C).reshape(x.shape[0], S * k, 1).expand(-1, -1, h)
+    src = x.unsqueeze(2).expand(-1, S, k, h).reshape(x.shape[0], S * k, h)
+    buf = x.new_zeros(x.shape[0], E * C + 1, h).scatter_add(1, idx, src)   # one token a row
+    return buf[:, :E * C].reshape(*lead, G, E, C, h)
+
+
+def moe_combine(y, weights, experts, slots):
+    """(G, E, C, h) expert outputs -> (G, S, h): sum over a token's k choices of its gate
+    weight times its expert's output at its slot (a dropped choice adds nothing)."""
+    if has_torch_function((y, weights, experts, slots)):
+        return handle_torch_function(moe_combine, (y, weights, experts, slots), y, weights,
+                                     experts, slots)
+    _checks.floating("moe_combine", "y", y)
+    _checks.floating("moe_combine", "weights", weights)
+    if y.dim() != 4 or weights.dim() != 3 or y.shape[0] != weights.shape[0]:
+        raise ValueError(f"moe_combine: y.shape={tuple(y.shape)}, weights.shape="
+                         f"{tuple(weights.shape)}; give y (G, E, C, h) from the experts and "
+                         "weights (G, S, k) from router_topk")
+    _check_routes("moe_combine", weights.shape, experts, slots)
+    if experts.shape != weights.shape:
+        raise ValueError(f"moe_combine: experts {tuple(experts.shape)} and weights "
+                         f"{tuple(weights.shape)} differ; give both from one router_topk call")
+    return _combine(y, weights, experts, slots)
+
+
+def _combine(y, weights, experts, slots):
+    G, E, C, h = y.shape[-4:]
+    S, k = weights.shape[-2:]
+    lead = y.shape[:-4]
+    y = y.reshape(-1, E * C, h)
+    y = torch.cat((y, y.new_zeros(y.shape[0], 1, h)), 1)                # row E C: dropped
+    idx = _flat_index(experts, slots, E, C).reshape(y.shape[0], S * k, 1).expand(-1, -1, h)
+    picked = torch.gather(y, 1, idx).reshape(y.shape[0], S, k, h)       # (G, S, k, h)
+    w = weights.reshape(y.shape[0], S, k, 1).to(y.dtype)
+    return (picked * w).sum(2).reshape(*lead, G, S, h)
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Identity on y; in backward, ``scale`` as the gradient of every element of aux
+    (Megatron-LM's ``MoEAuxLossAutoScaler``, megatron/core/transformer/moe/moe_utils.py)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.shape, ctx.dtype = scale, aux.shape, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=g.device), None
+
+
+def attach_aux_loss(y, aux, scale: float):
+    """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
+    ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains
+    without changing the loss every recipe and pipeline schedule computes (Megatron-LM's
+    ``MoEAuxLossAutoScaler``): the layer attaches it to its output."""
+    if has_torch_function((y, aux)):
+        return handle_torch_function(attach_aux_loss, (y, aux), y, aux, scale)
+    if not torch.is_grad_enabled() or not aux.requires_grad:
+        return y
+    return _AuxLossScaler.apply(y, aux, float(scale))

@@ -1,0 +1,145 @@
+"""Mixture-of-experts wiring for the hybrid recipe: the MoE layers of a course model
+(``workbench/models/moe.py``) and expert parallelism
+(``workbench/parallel/strategies/expert_parallel.py``, which knows no model).
+
+How EP maps onto the mesh (Megatron-LM's convention, ``--expert-model-parallel-size``;
+DeepSpeed-MoE's ``ep_size`` likewise): the EP group is carved out of the data-parallel
+ranks.  ``Hybrid(dp=d, ep=e)`` runs the dense layers data parallel over d x e ranks
+(each its own slice of the batch: Megatron's data-parallel size), and the experts over
+the same ranks seen as an (edp=d, ep=e, tp) mesh: each ep rank owns E / e experts, the
+d ranks of an "expert data parallel" group hold the same experts and reduce their
+gradients among themselves.  So ``--ep 2 --dp 2`` is 4 ranks and ``--ep 2 --tp 2`` is
+4 ranks (dense layers: dp 2 x tp 2; experts: ep 2, replicated over tp, Megatron's expert
+tensor parallel size 1): ``--dp`` counts the expert-data-parallel replicas, as
+Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
+
+* :func:`scale_aux_losses`: a pipeline averages m micro-batch losses, so each layer's
+  load-balancing gradient is scaled by 1/m (Megatron-LM's
+  ``MoEAuxLossAutoScaler.set_loss_scale``);
+* :func:`check_ep` / :func:`check_moe_layout`: what EP needs, refused with the fix;
+* :func:`wire_expert_parallel`: each stage's MoE layers get their experts sharded over ep
+  and an :class:`~workbench.parallel.strategies.expert_parallel.ExpertParallel`
+  dispatcher; :func:`split_params`: dense parameters (the stage mesh) apart from expert
+  ones (the expert mesh), each reduced over its own data-parallel group.
+"""
+from __future__ import annotations
+
+from ..models.moe import moe_layers
+from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
+                                                   expert_parallel)
+
+__all__ = ["scale_aux_losses", "check_ep", "check_moe_layout", "wire_expert_parallel",
+           "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
+           "moe_overrides"]
+
+
+def scale_aux_losses(model, microbatches: int) -> None:
+    """Every MoE layer's aux-loss gradient scaled by 1/``microbatches``."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = 1.0 / microbatches
+
+
+def check_ep(ep, ep_chunks, zero, sp) -> None:
+    """Hybrid's ``ep`` and ``ep_chunks`` arguments, before any mesh is built."""
+    for n, v in (("ep", ep), ("ep_chunks", ep_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1 (ep: the ranks the experts "
+                             "are split over, 1: none; ep_chunks: pieces of the all-to-all "
+                             "overlapped with the experts' compute, 1: none)")
+    if ep > 1 and zero == 3:
+        raise NotImplementedError("Hybrid(ep > 1, zero=3): ZeRO-3 over expert-parallel "
+                                  "experts is not built; use zero=1 or 2 (the optimizer "
+                                  "states are sharded over each data-parallel group)")
+    if ep > 1 and sp:
+        raise NotImplementedError("Hybrid(ep > 1, sp=True): expert parallelism takes the "
+                                  "whole sequence on every tp rank; leave sp False")
+
+
+def check_moe_layout(cfg, ep: int) -> None:
+    """EP needs a MoE model whose experts it divides."""
+    E = getattr(cfg, "moe_experts", 0)
+    if ep > 1 and not E:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model: add --moe-experts E "
+                         f"(ModelConfig(moe_experts=E)) with E a multiple of {ep}, or leave "
+                         "ep at 1")
+    if E:
+        check_expert_parallel(E, ep)
+
+
+def expert_meshes(meshes, ep: int) -> list:
+    """Each stage mesh's (edp, ep, tp) view (its "dp" dim holds edp x ep ranks)."""
+    return [expert_mesh(m, ep) for m in meshes]
+
+
+def wire_expert_parallel(model, stages, meshes, emeshes, pp: int, chunks: int, own) -> None:
+    """Shard each MoE layer's experts over its stage's expert mesh and give the layer an
+    expert-parallel token dispatcher (stages this process does not run are left alone)."""
+    for s, stage in enumerate(stages):
+        if not own(meshes[s % pp]):
+            continue
+        for i in stage["layers"]:
+            for layer in moe_layers(model.layers[i]):
+                layer.token_dispatcher = expert_parallel(layer.experts, emeshes[s % pp],
+                                                         chunks)
+
+
+def split_params(params, mesh) -> tuple[list, list]:
+    """(parameters on ``mesh``, parameters elsewhere: the experts on the expert mesh)."""
+    dense = [p for p in params if p.mesh == mesh]
+    return dense, [p for p in params if p.mesh != mesh]
+
+
+# ---- the train command's flags (``python -m workbench train``) -----------------------------
+
+def add_moe_arguments(parser) -> None:
+    """The mixture-of-experts and expert-parallel flags of ``train``."""
+    g = parser.add_argument_group("mixture of experts (models/moe.py) and expert parallelism")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="routed experts per block (0: dense MLP)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="slots per expert = ceil(cf S k / E) per sequence; default: no drops")
+    g.add_argument("--moe-shared-experts", type=int, default=0, help="always-on experts")
+    g.add_argument("--moe-gating", default="softmax", choices=["softmax", "sigmoid"],
+                   help="router gating: softmax (Mixtral) or sigmoid (DeepSeek-V3)")
+    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
+                   help="load-balancing loss coefficient (Switch: 0.01)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size, carved out of the data-parallel ranks: "
+                        "--ep 2 --dp 2 is 4 ranks (Megatron-LM's convention)")
+    g.add_argument("--ep-chunks", type=int, default=1,
+                   help="pieces of the all-to-all overlapped with the experts' compute")
+
+
+MOE_FLAGS = (("moe_experts", 0), ("moe_topk", 2), ("moe_capacity_factor", None),
+             ("moe_shared_experts", 0), ("moe_gating", "softmax"), ("moe_aux_loss_coef", 0.01))
+
+
+def moe_overrides(args) -> dict:
+    """The ModelConfig fields the MoE flags set (none when --moe-experts is 0; a MoE flag
+    without it is refused rather than ignored)."""
+    given = {n: getattr(args, n, d) for n, d in MOE_FLAGS}
+    if not given["moe_experts"]:
+        stray = [n for n, d in MOE_FLAGS[1:] if given[n] != d]
+        if stray:
+            raise ValueError(f"--{stray[0].replace('_', '-')} applies to a mixture-of-experts "
+                             "model; add --moe-experts E (e.g. 4) or leave it out")
+        return {}
+    return given
+
+
+def keep_residual_layout(model, layers) -> None:
+    """Each MoE layer's output laid out as its input (a forward hook): under sequence
+    parallelism the residual stream stays sharded on the sequence over tp, as the dense
+    MLP's g (reduce-scatter) leaves it; the router needs whole sequences, so the layer
+    gathers them and its output would otherwise come back replicated."""
+    from ..parallel.reshard import reshard
+
+    def hook(mod, args, out):
+        x = args[0]
+        if hasattr(out, "placements") and tuple(out.placements) != tuple(x.placements):
+            return reshard(out, x.mesh, list(x.placements))
+        return out
+    for i in layers:
+        for layer in moe_layers(model.layers[i]):
+            layer.register_forward_hook(hook)
