@@ -358,6 +358,20 @@ def _tp_comm(nb):
     return [p for x in (a, b) for p in number(x, "ms")]
 
 
+def _dropped_slots(nb):
+    # the loads the exercise starts from: the router's counts, re-run from the cells' source
+    loads = _exec_cells(nb, "import math", "ids = wb.models.data.tokens()[:256]")["loads"]
+    want = int(floats(expected_of(E.check_dropped_slots, -1, loads))[0])
+    return [rf"(?<![\d.,]){want}(?![\d.,])[^\n]{{0,40}}dropped",
+            rf"dropped[^\n]{{0,40}}(?<![\d.,]){want}(?![\d.,])"]
+
+
+def _ep_tp_mb(nb):
+    ep = floats(expected_of(E.check_ep_tp_mb, -1.0, -1.0))[0]
+    tp = floats(expected_of(E.check_ep_tp_mb, ep, -1.0))[0]
+    return number(ep, "MB") + number(tp, "MB")
+
+
 CODE = "code"   # the answer is code the student writes: nothing above can print it
 EXERCISES = [
     ("00", "check_welcome_mesh", _welcome_mesh),
@@ -399,6 +413,9 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
+    ("14", "check_dropped_slots", _dropped_slots),
+    ("14", "check_ep_tp_mb", _ep_tp_mb),
+    ("14", "check_ring_kv_mb", _numbers_of(E.check_ring_kv_mb, -1.0, unit="MB")),
     ("17", "check_mfu", _mfu),
     ("17", "check_tp_comm_ms", _tp_comm),
 ]
