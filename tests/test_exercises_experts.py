@@ -121,6 +121,24 @@ def floats_mb(C, sent):
         reset_tries()
 
 
-def test_capacity_formula():
+def test_capacity_formula_is_the_layers():
+    from workbench.ops.moe import capacity
     assert C._capacity(256, 8, 2, 1.0) == 64
     assert C._capacity(100, 8, 2, 1.1) == math.ceil(27.5) == 28
+    for tokens, E, k, f in ((256, 8, 2, 1.0), (100, 8, 2, 1.1), (64, 4, 1, 1.25), (7, 3, 2, 0.5)):
+        assert C._capacity(tokens, E, k, f) == capacity(tokens, E, k, f)
+
+
+def test_dropped_slots_are_the_layers():
+    # the count the check derives from the loads is what the MoE layer drops
+    import torch
+    from workbench.models.moe import moe_layers
+    cfg = wb.models.get_config("tiny", moe_experts=8, moe_topk=2, moe_capacity_factor=1.0)
+    layer = moe_layers(wb.models.build_model(cfg, seed=0))[0]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        layer(torch.randn(1, 256, cfg.d_model) * 3)
+    st = layer.last_stats
+    loads = st["tokens_per_expert"].tolist()
+    C_ = C._capacity(256, 8, 2, 1.0)
+    assert st["dropped"] == sum(max(0, n - C_) for n in loads) > 0
