@@ -159,3 +159,29 @@ def test_cli_plans_mixtral(capsys):
     assert out.startswith("mixtral-8x7b (32 layers, h=4096, 32 heads, s=32768), global batch 64")
     head = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
     assert " ep " in head and " cp " in head
+
+
+@pytest.mark.parametrize("lay,seq", [(Layout(dp=8, ep=8, global_batch=8), 4096),
+                                     (Layout(dp=8, ep=8, cp=8, global_batch=8), 32768)])
+def test_all_to_all_price_is_the_ep_runtimes_clock(lay, seq):
+    # an even routing of 4,096 tokens per rank on the runtime's clock
+    # (strategies.expert_parallel.record_layer) against the planner's dispatch + combine
+    import torch
+
+    import workbench as wb
+    from workbench.parallel.strategies.expert_parallel import record_layer
+    cfg = MIXTRAL.replace(n_layer=2, seq_len=seq)
+    prof = Cluster("h100", lay.world).profile
+    d = layer_detail(cfg, lay, prof, "flash")
+    ranks = d["ep_ranks"]
+    h, k, e, T = 4096, 2, 2, seq // lay.cp
+    rows = T * k // 8
+    matrix = [[0 if i == j else rows * h * e for j in range(8)] for i in range(8)]
+    with wb.trace(profile="h100") as tr:
+        record_layer(tr, [(ranks, matrix, [T * k] * 8)], 3 * h * 14336, 3 * h * 14336 * e,
+                     h * e, torch.bfloat16, 1, "forward")
+    runtime = sum(ev.duration for ev in tr.events
+                  if ev.label in ("EP dispatch (forward)", "EP combine (forward)"))
+    planner = d["a2a_seconds"] / 2                 # dispatch + combine of the forward
+    assert planner == pytest.approx(runtime, rel=1e-9), (planner, runtime)   # the same price
+    assert d["ep_link"] == ("inside one node" if lay.cp == 1 else "across nodes")
