@@ -1,8 +1,10 @@
 """The planner with context parallelism (``plan.context_cost``, ``plan.ep_cp``): ring
-attention's time against max(half block, K/V hop) per step, the K/V bytes by hand, the
+attention's time, about max(half block, K/V hop) per step (the block stretched beside the
+hop as the runtime's clock does), the K/V bytes by hand, the
 causal balancing's pairs, activations at s / cp, optimizer states over dp x cp, the
 gradient reduction over dp x cp ranks, the search over cp, and errors naming the fix."""
 import pytest
+import torch
 
 from workbench.plan import Cluster, Layout, ep_cp_search, estimate, search
 from workbench.plan.context_cost import kv_block_bytes, ring_times
@@ -11,7 +13,7 @@ from workbench.plan.ep_cp import layer_cost
 from workbench.plan.layer_cost import layer_ops
 from workbench.plan.memory import layer_activation_bytes, stage_memory
 from workbench.plan.presets import get_config
-from workbench.sim_mesh.cost import compute_time
+from workbench.sim_mesh.cost import compute_time, overlap
 
 # Llama 3 8B's layer shape at 32K tokens, 2 layers: priced in milliseconds
 CFG = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
@@ -35,8 +37,15 @@ def test_ring_step_is_max_of_half_block_and_hop():
         compute_time(6 * nq, 3 * e * nq + 3 * lse, A100, "bfloat16", "elementwise")
     hop = group_price("send_recv", kv_block_bytes(CFG, lay), (0, 1), A100)
     assert r.steps == 3 and r.half_forward == half and r.hop == hop
-    assert r.forward == 3 * max(half, hop)
-    assert r.backward == 3 * max(r.half_backward, 2 * hop)
+    # each step: the half block beside the hop, stretched by the copy's SMs (cost.overlap)
+    attn = half - r.merge
+    run, out = overlap(attn, hop, A100)
+    assert r.forward == 3 * (run + r.merge + out)
+    assert 3 * max(half, hop) <= r.forward < 3 * (half + hop)   # about max(half, hop)
+    acc = r.half_backward - compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, A100,
+                                         "bfloat16", "attention")
+    run_b, out_b = overlap(r.half_backward - acc, 2 * hop, A100)
+    assert r.backward == pytest.approx(3 * (run_b + acc + out_b), rel=1e-12)
     assert r.forward_exposed_comm == 0.0 and hop < half        # 8K-token blocks hide it
     # short blocks across nodes do not (ring ranks 0, 8, ..: one per node): the transfer
     # grows as s_l, the attention as s_l^2
@@ -136,3 +145,31 @@ def test_cp_ranks_alone_reduce_gradients_and_may_overlap_them():
     flushed = estimate(CFG, lay, cl)
     overlapped = estimate(CFG, lay, cl, overlap_grad_reduce=True)
     assert 0 < overlapped.details["dp_sync"] < flushed.details["dp_sync"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_step_and_hop_are_the_cp_runtimes_clock(dtype):
+    # the ring on DistTensors (strategies.context_parallel) traced on the A100's clock: each
+    # later step's block and each K/V send against the planner's half block and hop
+    import workbench as wb
+    from workbench.models.config import ModelConfig
+    from workbench.parallel.strategies import context_parallel as cp
+    p, H, S, D = 4, 8, 4096, 64
+    cfg = ModelConfig(arch="llama", d_model=H * D, n_head=H, seq_len=S, vocab_size=100,
+                      n_layer=1, dtype=str(dtype).split(".")[1])
+    r = ring_times(cfg, Layout(dp=1, cp=p), A100)
+    torch.manual_seed(0)
+    qkv = [wb.shard_tensor(cp.ring_order(torch.randn(1, H, S, D, dtype=dtype), p, 2),
+                           wb.Mesh([0, 1, 2, 3], dim_names=["cp"]), [wb.Shard(2)])
+           for _ in range(3)]
+    with wb.trace(profile="a100") as tr:
+        cp.ring_attention(*qkv, "cp")
+    steps = [e for e in tr.events if e.name == "ring_attention_step"][1:]
+    sends = [e.duration for e in tr.events if e.name == "send_recv"]
+    assert len(sends) == p - 1 and all(s == pytest.approx(r.hop, rel=1e-9) for s in sends)
+    for e in steps:                # half a block each, as balanced (alone: without a send)
+        assert e.args.get("alone", e.duration) == pytest.approx(r.half_forward - r.merge,
+                                                                rel=1e-6)
+    # beside a send the clock stretches the block on the SMs the copy leaves: as planned
+    run, _ = overlap(r.half_forward - r.merge, r.hop, A100)
+    assert all(e.duration == pytest.approx(run, rel=1e-6) for e in steps[:-1])

@@ -17,18 +17,20 @@ partial outputs by their log-sum-exp (``flash_attention(return_lse=True)``):
 - steps 1 .. cp-1: thanks to the balancing every step computes half a block,
   s_l^2 / 2 pairs (the chunk pairs below the diagonal: Megatron-Core's halves of
   q or of k/v), while K and V of one block, 2 b s_l (g / t) d e bytes, cross one hop;
-  each step takes max(compute of the half block + its merge, transfer): the transfer is
-  double-buffered behind the compute (Liu et al. 2023 sec. 3);
+  each step takes about max(compute of the half block + its merge, transfer): the
+  transfer is double-buffered behind the compute (Liu et al. 2023 sec. 3); exactly, the
+  block runs beside the copy on the SMs the copy leaves it (``cost.overlap``: NCCL's
+  kernel holds some), so it is stretched, and whatever of the transfer outlasts it shows;
 - backward: the same ring, each step's K/V and its dK/dV (2x the bytes) against the
   half block's backward (Dao 2023, 2.5x the forward's FLOPs).
 
-So ring attention costs (cp - 1) max(t_half, t_kv) beyond one causal block forward;
+So ring attention costs about (cp - 1) max(t_half, t_kv) beyond one causal block forward;
 the exchange is hidden when t_half >= t_kv: attention grows as s_l^2 and the transfer
 as s_l, so a long enough block always hides it.  The gradients of the weights, which
 every cp rank holds whole, are reduced over the dp x cp ranks (``Layout.grad_ranks``),
 and the optimizer states shard over them (Megatron-LM's distributed optimizer).
-Not modeled (ASSUMPTION, listed in the estimate): the SMs the ring's copies take from
-the attention kernel beside them.
+The ring's clock here is the one ``strategies.context_parallel`` runs on (tests/
+test_plan_cp.py holds the half block and the hop to its trace).
 """
 from __future__ import annotations
 
@@ -85,13 +87,14 @@ class RingTimes:
     half_forward: float         # one half block's forward + merge (s)
     half_backward: float        # its backward + dK/dV accumulation (s)
     hop: float                  # one K/V block over the slowest hop of the ring (s)
-    forward: float              # steps x max(half_forward, hop)
-    backward: float             # steps x max(half_backward, 2 hop)
+    forward: float              # steps x the pair's time (module docstring)
+    backward: float             # the same with 2 hops per step
     forward_exposed_comm: float  # the part of ``forward`` the transfer adds
     backward_exposed_comm: float
     sent_forward: float         # bytes a rank sends per forward
     sent_backward: float
     pairs: float                # query-key pairs of one half block (all heads of the rank)
+    merge: float                # of ``half_forward``: merging the step's output by its lse
 
 
 @lru_cache(maxsize=None)
@@ -120,7 +123,11 @@ def ring_times(cfg, lay, prof) -> RingTimes:
               for i in range(cp))
     k = cp - 1
     hf, hb = fwd + merge, bwd + acc
-    return RingTimes(k, hf, hb, hop, k * max(hf, hop), k * max(hb, 2 * hop),
-                     k * max(0.0, hop - hf), k * max(0.0, 2 * hop - hb),
+    # the block beside its transfer: stretched by the SMs the copy holds, the transfer's
+    # rest exposed (cost.overlap, as the clock runs a kernel beside a collective)
+    f_run, f_out = _cost.overlap(fwd, hop, prof)
+    b_run, b_out = _cost.overlap(bwd, 2 * hop, prof)
+    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), k * (b_run + acc + b_out),
+                     k * f_out, k * b_out,
                      k * wire_bytes("send_recv", n, 2), 2 * k * wire_bytes("send_recv", n, 2),
-                     pairs)
+                     pairs, merge)

@@ -63,9 +63,9 @@ def assumptions(model, lay) -> tuple:
                    f"twice what the causal kernel the time is priced on computes: read them "
                    f"as up to 2x high (HFU can pass 100%)")
     if lay.cp > 1:
-        out.append("CP: ring attention's K/V exchange hides behind each half block "
-                   "(max of the two per step), without the SMs the copies take "
-                   "(plan/context_cost.py)")
+        out.append("CP: ring attention's K/V exchange double-buffered behind each half "
+                   "block, which the copy's SMs stretch (plan/context_cost.py); routing "
+                   "of the sequence into 2 cp chunks (causal balancing) assumed free")
     return tuple(out)
 
 
@@ -95,7 +95,8 @@ def explain_lines(est) -> list:
     r = d["ring"]
     if r is not None:
         hidden = "hidden" if r.hop <= r.half_forward else "NOT hidden"
-        out.append(f"  ring attention over cp={lay.cp}: {r.steps} steps of max(half block "
-                   f"{r.half_forward * ms:.2f} ms, K/V hop {r.hop * ms:.2f} ms) forward, "
-                   f"the exchange {hidden}; backward {r.backward * ms:.2f} ms")
+        out.append(f"  ring attention over cp={lay.cp}: {r.steps} steps of a half block "
+                   f"{r.half_forward * ms:.2f} ms beside a K/V hop {r.hop * ms:.2f} ms, the "
+                   f"exchange {hidden}: {r.forward * ms:.2f} ms forward, {r.backward * ms:.2f} "
+                   f"ms backward")
     return out
