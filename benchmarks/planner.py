@@ -28,9 +28,9 @@ Long context (issue 18): Llama 3 8B at 128K tokens (``llama3-8b-128k``) on 256 A
 
     python benchmarks/planner.py --model llama3-8b-128k --devices 256 --global-batch 64
 
-(13,920 layouts tried, 4,753 fit, 3.2 s alone, 10-12 s on a shared machine; the best dp16 tp2 cp8 with SP and ZeRO-1, no
-recompute, 24.7 s/step: each rank keeps 16K tokens' activations and its ring's K/V hops
-hide behind the half blocks.  Its MFU prints above 100%: the count takes attention as
+(13,920 layouts tried, 4,753 fit, 3.2 s alone, 10-12 s on a shared machine; the best
+dp16 tp2 cp8 with SP and ZeRO-1, no recompute, 24.7 s/step: each rank keeps 16K tokens'
+activations and its ring's K/V hops hide behind the half blocks.  Its MFU prints above 100%: the count takes attention as
 4 b s^2 h per layer, 83% of the FLOPs at 128K, twice what the causal kernel computes; the
 table says so under it.)
 
