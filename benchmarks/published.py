@@ -72,6 +72,20 @@ Left out for want of a source text: Korthikanti Table 5's iteration times, the 5
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
 (its layout at measurement time is not recorded), MLPerf, Ascend tables.
+
+No ZeRO-3 (DeepSpeed or FSDP) row at scale yet, for want of a source on a profile here:
+ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
+blogs/zeropp/japanese/README.md, the evaluation section: 384 NVIDIA V100 GPUs; its
+tutorial, docs/_tutorials/zeropp.md: nodes of 16 V100-SXM3; no V100 profile here);
+MiCS (Zhang et al. 2022) on AWS p4d (A100 40GB, 400 Gb/s EFA per node; no such
+profile); torchtitan's FSDP tables (benchmarks/llama3_h100_202412_torchtitan.md, 8 and
+128 GPUs) on H100s with 96GB HBM2e at 2.4 TB/s and a 500 W limit, "the actual peak
+TFLOPs number is between SXM and NVL, and we don't know its exact value" (not the h100
+profile's SXM part); the FSDP paper's (Zhao et al. 2023) figures were not readable here;
+OPT-175B's "up to 147 TFLOP/s per GPU" on 992 A100s (FSDP + Megatron TP) is a maximum
+quoted by secondary sources, with neither layout nor recompute stated.
+``plan.zero3_count`` counts and prices DeepSpeed ZeRO-3's collectives from its source
+instead (tests/test_zero3_count.py).
 """
 from __future__ import annotations
 

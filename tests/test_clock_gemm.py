@@ -43,8 +43,19 @@ def test_small_gemms_and_profiles_without_a_tile_keep_the_rate():
     # smaller tiles; the model keeps the unquantized rate
     assert cost.gemm_efficiency((1, 1792, 1792), "a100") == 1.0
     assert cost.gemm_efficiency((1, 1792, 1792), "a100", 54) == 0.5
-    for name in ("h100", "ascend-910b"):
-        assert cost.gemm_efficiency((1, 8192, 3072), name) == 1.0
+    assert cost.gemm_efficiency((1, 8192, 3072), "ascend-910b") == 1.0
+
+
+def test_h100_waves_of_its_132_sms():
+    # H100 SXM5: 132 SMs (H100 whitepaper), the guide's 256x128 tile assumed (profile):
+    # 8192 x 3072 is 32 x 24 = 768 tiles (or 64 x 12, the same) = 5.82 waves of 132 -> 6
+    assert cost.gemm_efficiency((1, 8192, 3072), "h100") == pytest.approx(768 / (6 * 132))
+    # 7B-class MLP GEMM, 4096 tokens x 11008 (Llama 2 7B's ffn): 16 x 86 = 1,376 tiles of
+    # 256 x 128 (11008 = 86 x 128) -> 11 waves (1,452 slots); 128 x 256 the other way:
+    # 32 x 43 = 1,376 too; 1,376 / 1,452
+    assert cost.gemm_efficiency((1, 4096, 11008), "h100") == pytest.approx(1376 / 1452)
+    # under one wave (fewer than 132 tiles): the unquantized rate
+    assert cost.gemm_efficiency((1, 1792, 1792), "h100") == 1.0
 
 
 def test_compute_time_divides_the_compute_term_only():

@@ -372,7 +372,29 @@ def _ep_tp_mb(nb):
     return number(ep, "MB") + number(tp, "MB")
 
 
+def _compile_bytes(nb):
+    kw = dict(rows=24, cols=64, p=8)
+    g = floats(expected_of(E.check_greedy_vs_whole_bytes, -1.0, -1.0, **kw))[0]
+    w = floats(expected_of(E.check_greedy_vs_whole_bytes, g, -1.0, **kw))[0]
+    return number(g, "B") + number(w, "B")
+
+
+def _sink_saving(nb):
+    # the kernels of the O1 step, as the cell above the check printed them
+    text = "".join(t for _, t in _outputs_above(nb, _check_cell(nb, "check_sink_saving_us")))
+    kernels = int(re.search(r"O1: step .*?\((\d+) kernels", text).group(1))
+    return number(floats(expected_of(E.check_sink_saving_us, -1.0, kernels))[0], "us")
+
+
 CODE = "code"   # the answer is code the student writes: nothing above can print it
+def _decode_floor(nb):
+    from workbench.serve.batching import StepPricer
+    p = StepPricer("llama2-7b", "ascend-910b")       # the numbers the exercise cell prints
+    ms = floats(expected_of(E.check_decode_floor_ms, -1.0, -1.0, p.weight_bytes // 2,
+                            p.profile.memory_bandwidth))[0]
+    return number(ms, "ms") + number(ms / 2, "ms")
+
+
 EXERCISES = [
     ("00", "check_welcome_mesh", _welcome_mesh),
     ("00", "check_tp_group", _tp_group),
@@ -416,6 +438,13 @@ EXERCISES = [
     ("14", "check_dropped_slots", _dropped_slots),
     ("14", "check_ep_tp_mb", _ep_tp_mb),
     ("14", "check_ring_kv_mb", _numbers_of(E.check_ring_kv_mb, -1.0, unit="MB")),
+    ("15", "check_decode_floor_ms", _decode_floor),
+    ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
+    ("15", "check_static_useful_share", lambda nb: number(
+        floats(expected_of(E.check_static_useful_share, -1.0))[0], percent=True)),
+    ("16", "check_no_graph_break", CODE),
+    ("16", "check_greedy_vs_whole_bytes", _compile_bytes),
+    ("16", "check_sink_saving_us", _sink_saving),
     ("17", "check_mfu", _mfu),
     ("17", "check_tp_comm_ms", _tp_comm),
 ]

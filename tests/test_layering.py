@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 ABOVE_PARALLEL = ("workbench.models", "workbench.plan", "workbench.recipes",
                   "workbench.train", "workbench.cli", "workbench.exercises", "workbench.viz",
-                  "workbench.__main__")
+                  "workbench.__main__", "workbench.serve")
 FORBIDDEN = {
     "parallel": ABOVE_PARALLEL,
     "sim_mesh": ABOVE_PARALLEL + ("workbench.parallel",),

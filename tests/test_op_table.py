@@ -79,6 +79,8 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "cumsum": (lambda x: torch.cumsum(x, 1), [X]),
     "argmax": (lambda x: torch.argmax(x, 1), [X]), "argmin": (lambda x: x.argmin(0), [X]),
     "topk": (lambda x: tuple(torch.topk(x, 2, dim=1)), [X]),
+    "multinomial": (lambda p: torch.multinomial(p, 2, generator=torch.Generator().manual_seed(0)),
+                    [POS]),
     "gather": (lambda x: torch.gather(x, 1, IDX), [X]),
     "scatter": (lambda x, s: torch.scatter(x, 1, IDX, s), [X, torch.randn(4, 3)]),
     "index_select": (lambda x: torch.index_select(x, 1, torch.tensor([0, 2, 5])), [X]),

@@ -6,7 +6,8 @@ from torch.overrides import TorchFunctionMode
 import workbench.ops as ops
 from workbench.ops import registry
 
-OPS = ("adamw", "flash_attention", "linear", "rms_norm", "rotary_embedding", "swiglu")
+OPS = ("adamw", "flash_attention", "linear", "paged_attention", "rms_norm", "rotary_embedding",
+       "swiglu")
 
 
 def example_args(name):
@@ -21,6 +22,9 @@ def example_args(name):
         "rotary_embedding": ((x, cos, sin), dict(mode="interleave")),
         "adamw": ((p, [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], 1), dict(lr=0.1)),
         "linear": ((x, torch.randn(5, 8), torch.randn(5)), {}),
+        "paged_attention": ((torch.randn(1, 2, 1, 4), torch.randn(3, 2, 4, 4),
+                             torch.randn(3, 2, 4, 4), torch.tensor([[2, 0]]), torch.tensor([5])),
+                            dict(scale=0.5)),
     }[name]
 
 

@@ -29,7 +29,9 @@ from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), .
 from . import ops, npu, exercises  # noqa: E402
 from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
 from . import recipes  # noqa: E402  wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
+from . import serve  # noqa: E402  wb.serve.generate(model, idx, n): KV cache, any layout
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
+from . import compile  # noqa: E402  wb.compile(fn, *inputs, level="O1"): a callable package
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
@@ -39,4 +41,13 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
            "DistributedDataParallel",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan", "recipes"]
+           "distributed", "models", "plan", "recipes", "compile", "checkpoint", "serve"]
+
+
+def __getattr__(name):
+    # wb.checkpoint.save / load: imported on first use (torch.distributed.checkpoint
+    # takes about 0.5 s to import)
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")

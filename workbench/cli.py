@@ -1,4 +1,4 @@
-"""Command line: ``python -m workbench doctor | train | course | plan``.
+"""Command line: ``python -m workbench doctor | train | course | plan | serve``.
 
     python -m workbench doctor                 what devices and backends were found, and why
     python -m workbench course student --out student/
@@ -7,6 +7,8 @@
                                                the fastest layouts that fit, and why
     python -m workbench course workcopy --out work/
                                                copy the notebooks a learner opens (make course)
+    python -m workbench serve --checkpoint ckpt --tp 2 --prompt "The fox" --max-new-tokens 40
+                                               generate text from a checkpoint, on any layout
 """
 from __future__ import annotations
 
@@ -45,6 +47,11 @@ def _course(args) -> int:
 def _train(args) -> int:
     from .train import main_train
     return main_train(args)
+
+
+def _serve(args) -> int:
+    from .serve.cli import main_serve
+    return main_serve(args)
 
 
 # The largest sizes ``plan`` takes.  The search enumerates layouts over the devices and
@@ -124,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-overlap", action="store_true",
                     help="ZeRO-2/3 collectives do not overlap compute")
     pl.set_defaults(fn=_plan)
+    from .serve.cli import add_serve_arguments
+    sv = sub.add_parser("serve", help="generate text from a checkpoint on any layout")
+    add_serve_arguments(sv)
+    sv.set_defaults(fn=_serve)
     return p
 
 

@@ -83,7 +83,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
           batch_size: int = 8, lr: float = DEFAULT_LR, weight_decay: float = 0.01,
           recompute: str | None = None, strategy: Strategy | None = None,
           ops_backend: str | None = None, timing: bool = True,
-          on_step: Callable[[dict], None] | None = None, **overrides) -> list[dict]:
+          on_step: Callable[[dict], None] | None = None, save: str | None = None,
+          resume: str | None = None, **overrides) -> list[dict]:
     """Train ``preset`` (a name from PRESETS or a ModelConfig) for ``steps`` steps.
 
     Returns one record per step: ``{"step", "loss", "tokens", "lr"}`` plus ``"ms"``
@@ -92,6 +93,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     ``recompute`` ("none" | "full" | "selective") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
     "unfused", "native", "npu") for the run; ``on_step`` sees each record as it is made.
+    ``resume``: a checkpoint directory to continue from (its step up to ``steps``, on any
+    layout); ``save``: where to save the training state after the last step
+    (:mod:`workbench.checkpoint.training`).
     """
     cfg = preset if isinstance(preset, ModelConfig) else get_config(preset)
     if recompute is not None:
@@ -130,7 +134,11 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         torch.manual_seed(seed)
         model = strategy.build_model(cfg, seed)
         optimizer = strategy.build_optimizer(model, lr, weight_decay)
-        for step in range(steps):
+        start = 0
+        if resume is not None:          # model, optimizer, step and RNG of the saved run
+            from .checkpoint.training import resume_training
+            start = resume_training(resume, strategy, model, optimizer, seed, batch_size)
+        for step in range(start, steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
             # dropout masks keyed by (this step, the call): the same for every layout
@@ -147,6 +155,9 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
             records.append(rec)
             if on_step is not None:
                 on_step(rec)
+        if save is not None:
+            from .checkpoint.training import save_training
+            save_training(save, strategy, model, optimizer, max(steps, start), seed, batch_size)
     return records
 
 
@@ -192,6 +203,11 @@ def add_train_arguments(parser) -> None:
                    help="cpu, cuda, npu (torch_npu), or auto: the best one found")
     p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],
                    help="wb.ops backend for the fused operators")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="save the training state (model, optimizer, step, RNG) to DIR after "
+                        "the last step (wb.checkpoint; DCP's format)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR, on this run's layout, up to --steps")
     g = p.add_argument_group("parallelism (simulated ranks, or torch.distributed with --backend torch)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -300,6 +316,11 @@ def main_train(args) -> int:
         check = getattr(strategy, "check", None)
         if check is not None:
             check(cfg, args.batch_size)
+        if getattr(args, "save", None) or getattr(args, "resume", None):
+            from .checkpoint.training import check_cli
+            msg = check_cli(args, strategy)      # a checkpoint that cannot be resumed
+            if msg:
+                raise ValueError(msg)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -319,7 +340,8 @@ def main_train(args) -> int:
         train(args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
               lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.01),
               recompute=getattr(args, "recompute", "none"), strategy=strategy,
-              ops_backend=getattr(args, "ops", "auto"), on_step=emit, **moe)
+              ops_backend=getattr(args, "ops", "auto"), on_step=emit,
+              save=getattr(args, "save", None), resume=getattr(args, "resume", None), **moe)
     finally:
         if getattr(strategy, "distributed", False):
             from .sim_mesh import backends

@@ -120,17 +120,20 @@ class GPTAttention(nn.Module):
         super().__init__()
         h, dt = cfg.d_model, cfg.torch_dtype
         self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.head_dim, cfg.dropout
+        self.index = 0                  # the block's number (GPT sets it): its KV-cache layer
         self.wq = nn.Linear(h, h, dtype=dt)
         self.wk = nn.Linear(h, h, dtype=dt)
         self.wv = nn.Linear(h, h, dtype=dt)
         self.wo = nn.Linear(h, h, dtype=dt)
 
-    def forward(self, x, recompute_core: bool = False):
+    def forward(self, x, recompute_core: bool = False, cache=None):
         B, S, _ = x.shape                                                   # (B, S, h)
         q, k, v = (w(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))                    # (B, a, S, hd)
         p = self.dropout if self.training else 0.0
-        if recompute_core and torch.is_grad_enabled():
+        if cache is not None:           # generation: keys/values appended, attends to all
+            y = cache.attend(self.index, q, k, v)                           # (B, a, S, hd)
+        elif recompute_core and torch.is_grad_enabled():
             y = checkpoint(_core, q, k, v, p, use_reentrant=False)
         else:
             y = _core(q, k, v, p)                                           # (B, a, S, hd)
@@ -161,18 +164,18 @@ class GPTBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.mlp = MoE(cfg) if cfg.moe_experts else GPTMLP(cfg)  # models/moe.py
 
-    def forward(self, x):
-        if self.recompute == "full" and torch.is_grad_enabled():
+    def forward(self, x, cache=None):
+        if self.recompute == "full" and torch.is_grad_enabled() and cache is None:
             return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+        return self._forward(x, cache)
 
-    def _forward(self, x):
+    def _forward(self, x, cache=None):
         # the residual branches' dropouts outside attn and mlp, so that with tensor (and
         # sequence) parallelism they run after the row-parallel sum, as Megatron's
         # bias-dropout-add does (on s/t tokens with sequence parallelism)
         p = self.attn.dropout if self.training else 0.0
-        x = x + F.dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective"),
-                          p, self.training)
+        x = x + F.dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective",
+                                    cache=cache), p, self.training)
         return x + F.dropout(self.mlp(self.ln2(x)), p, self.training)      # (B, S, h)
 
 
@@ -199,6 +202,8 @@ class GPT(Splittable, nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        for i, block in enumerate(self.layers):             # numbers the KV-cache layers
+            block.attn.index = i
         self.reset_parameters(seed)
 
     # ---- how the model splits (models/split.py) --------------------------------------------
@@ -242,18 +247,21 @@ class GPT(Splittable, nn.Module):
                 if name.endswith(("wo.weight", "fc2.weight", "fc2_weight")) else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
         """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
-        cross-entropy of ``targets`` (B, S), computed in float32."""
+        cross-entropy of ``targets`` (B, S), computed in float32.  ``cache`` (generation,
+        :class:`workbench.serve.KVCache`): idx are the tokens after the
+        ``cache.get_seq_length()`` it holds; their keys and values are appended to it."""
         B, S = idx.shape
-        if S > self.cfg.seq_len:
-            raise ValueError(f"GPT: sequence of {S} tokens is longer than seq_len="
+        start = 0 if cache is None else cache.get_seq_length()             # tokens before idx
+        if start + S > self.cfg.seq_len:
+            raise ValueError(f"GPT: sequence of {start + S} tokens is longer than seq_len="
                              f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
         p = self.cfg.dropout if self.training else 0.0
-        pos = torch.arange(S, device=idx.device)
+        pos = torch.arange(start, start + S, device=idx.device)
         x = F.dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training)   # (B, S, h)
         for block in self.layers:
-            x = block(x)
+            x = block(x, cache=cache)
         logits = self.lm_head(self.norm(x))                                 # (B, S, V)
         if targets is None:
             return logits, None

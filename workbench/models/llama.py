@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, cfg.n_kv_head * hd, bias=False, dtype=dt)
         self.wo = nn.Linear(cfg.n_head * hd, h, bias=False, dtype=dt)
 
-    def forward(self, x, cos, sin, recompute_core: bool = False):
+    def forward(self, x, cos, sin, recompute_core: bool = False, cache=None):
         B, S, _ = x.shape                                                   # (B, S, h)
         q = self.wq(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, S, hd)
         k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
@@ -125,7 +125,9 @@ class Attention(nn.Module):
         k = rotary_embedding(k, cos, sin)
         p = self.dropout if self.training else 0.0
         site, ctx = 1 + 3 * self.index, rng.context()   # keyed dropout: call numbers
-        if recompute_core and torch.is_grad_enabled():
+        if cache is not None:           # generation: keys/values appended, attends to all
+            y = cache.attend(self.index, q, k, v)                           # (B, nh, S, hd)
+        elif recompute_core and torch.is_grad_enabled():
             y = checkpoint(attention_core, q, k, v, p, site, ctx,
                            use_reentrant=False)                             # (B, nh, S, hd)
         else:
@@ -166,17 +168,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.torch_dtype)
         self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)     # models/moe.py
 
-    def forward(self, x, cos, sin):
-        if self.recompute == "full" and torch.is_grad_enabled():
+    def forward(self, x, cos, sin, cache=None):
+        if self.recompute == "full" and torch.is_grad_enabled() and cache is None:
             return checkpoint(self._forward, x, cos, sin, rng.context(), use_reentrant=False)
-        return self._forward(x, cos, sin)
+        return self._forward(x, cos, sin, cache=cache)
 
-    def _forward(self, x, cos, sin, ctx=None):
+    def _forward(self, x, cos, sin, ctx=None, cache=None):
         if ctx is not None:             # recomputed in backward: the forward's dropout keys
             with rng.restore(ctx):
                 return self._forward(x, cos, sin)
         x = x + self.attn(self.attn_norm(x), cos, sin,                      # (B, S, h)
-                          recompute_core=self.recompute == "selective")
+                          recompute_core=self.recompute == "selective", cache=cache)
         h = self.mlp(self.mlp_norm(x))                                      # (B, S, h)
         if isinstance(self.mlp, MoE):                  # the dense MLP drops out inside
             h = dropout(h, self.mlp.dropout, self.training, 3 + 3 * self.mlp.index)
@@ -252,18 +254,21 @@ class Llama(Splittable, nn.Module):
                 else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
         """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
-        cross-entropy of ``targets`` (B, S)."""
+        cross-entropy of ``targets`` (B, S).  ``cache`` (generation,
+        :class:`workbench.serve.KVCache`): idx are the tokens after the
+        ``cache.get_seq_length()`` it holds; their keys and values are appended to it."""
         B, S = idx.shape
-        if S > self.cfg.seq_len:
-            raise ValueError(f"Llama: sequence of {S} tokens is longer than seq_len="
+        pos = 0 if cache is None else cache.get_seq_length()               # tokens before idx
+        if pos + S > self.cfg.seq_len:
+            raise ValueError(f"Llama: sequence of {pos + S} tokens is longer than seq_len="
                              f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
         p = self.cfg.dropout if self.training else 0.0
         x = dropout(self.tok_emb(idx), p, self.training, 0)                 # (B, S, h)
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]                     # (S, hd)
+        cos, sin = self.rope_cos[pos:pos + S], self.rope_sin[pos:pos + S]   # (S, hd)
         for block in self.layers:
-            x = block(x, cos, sin)                                          # (B, S, h)
+            x = block(x, cos, sin, cache=cache)                             # (B, S, h)
         logits = self.lm_head(self.norm(x))                                 # (B, S, V)
         if targets is None:
             return logits, None

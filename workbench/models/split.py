@@ -111,7 +111,9 @@ class Splittable:
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  generator: torch.Generator | None = None):
-        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy."""
+        """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy.
+        The textbook loop: every token recomputes the whole prefix
+        (``workbench.serve.generate`` keeps a KV cache, and runs on any layout)."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.cfg.seq_len:])
             last = logits[:, -1, :].float()                                 # (B, V)

@@ -20,9 +20,11 @@ from .adamw import AdamW, adamw
 from .cost import OpCost, cost
 from .flash_attention import TILE_K, TILE_Q, flash_attention
 from .flash_reference import TileStats
+from .kv_blocks import BlockAllocator, BlockTables, OutOfBlocks, PagedMemory, paged_memory
 from .linear import linear
 from .moe import attach_aux_loss, moe_combine, moe_dispatch, router_topk
 from .masks import BlockDiagonal, Causal, MaskPattern, SlidingWindow, TilePlan, attention_tiles
+from .paged_attention import paged_attention
 from .registry import BACKENDS, backends, current_backend, implementation, op_names, use
 from .rms_norm import rms_norm
 from .rotary import rope_cos_sin, rotary_embedding
@@ -33,7 +35,10 @@ __all__ = [
     "AdamW", "linear", "cost", "OpCost", "use", "current_backend", "backends", "op_names",
     "implementation", "BACKENDS", "MaskPattern", "Causal", "SlidingWindow", "BlockDiagonal",
     "TilePlan", "attention_tiles", "TileStats", "TILE_Q", "TILE_K", "PUBLIC_OPS",
+    "paged_attention", "BlockAllocator", "BlockTables", "OutOfBlocks", "PagedMemory",
+    "paged_memory",
     "router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss",
 ]
 
-PUBLIC_OPS = (flash_attention, rms_norm, swiglu, rotary_embedding, adamw, linear)
+PUBLIC_OPS = (flash_attention, rms_norm, swiglu, rotary_embedding, adamw, linear,
+              paged_attention)

@@ -16,8 +16,9 @@ Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
 ``moe_cost``, ``context_cost``; ``presets``: Mixtral-8x7B, 128K-context Llama 3), ``frameworks`` (what
 Megatron-LM, DeepSpeed and this library's recipe do differently: gradient dtype,
 ZeRO granularity; ``Layout(framework=...)``), ``zero_cost`` (ZeRO's collectives against
-compute).  ``Estimate.assumptions()`` lists what an estimate rests on beyond cited
-measurements; ``estimate_range`` (``ranges``) re-prices it with the profile's uncertain
+compute), ``zero3_count`` (DeepSpeed ZeRO-3's collectives per step, counted as its
+coordinator runs them and priced, latency apart).  ``Estimate.assumptions()`` lists
+what an estimate rests on beyond cited measurements; ``estimate_range`` (``ranges``) re-prices it with the profile's uncertain
 figures at their stated bounds.
 """
 from .layout import Cluster, Layout, SCHEDULES, check_layout
@@ -25,8 +26,8 @@ from .estimate import Estimate, estimate
 from .search import Ranking, search
 from .dryrun import DryRun, dry_run
 from .ranges import EstimateRange, estimate_range
-from . import memory, costs, frameworks, presets
+from . import memory, costs, frameworks, zero3_count, presets
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
-           "Ranking", "memory", "costs", "frameworks", "DryRun", "dry_run",
+           "Ranking", "memory", "costs", "frameworks", "zero3_count", "DryRun", "dry_run",
            "EstimateRange", "estimate_range", "presets"]

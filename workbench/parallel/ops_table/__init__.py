@@ -12,7 +12,8 @@ Shared machinery:
 Op families, each op's callables, parse, rule, local implementation, cost and validator
 sample side by side (adding an op touches one of them and its test): ``pointwise``,
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
-``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``.
+``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
+``sampling``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -33,6 +34,7 @@ FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape",
             "fused", "matmul", "indexing", "pointwise", "casts", "select", "reduction",
             "tensor_habits", "moe")
 FAMILIES += ("ring_attention",)     # context parallelism's step (strategies/context_parallel.py)
+FAMILIES += ("sampling",)           # argmax / topk / multinomial: decoding (serve)
 
 
 def load():

@@ -24,6 +24,7 @@ Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from .. import layout, storage
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
-           "wgrad_overlap"]
+           "wgrad_overlap", "graph_sink"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,26 @@ def pricing_dtype(specs, out_dtypes):
 _CLOCK_CLASS = {"loss": "reduction", "embedding": "data_movement", "view": "data_movement"}
 
 
-def _time(flops, nbytes, profile, dtype, op_class, gemm=None):
-    return _cost.compute_time(flops, nbytes, profile, dtype,
+# graph sink (``wb.compile`` at O2 runs the whole graph as one launch): kernels recorded
+# meanwhile, and their backward, are priced without a host launch each
+_SINK: list = [False]
+
+
+@contextlib.contextmanager
+def graph_sink():
+    """Kernels recorded inside (forward now, backward when its gradient passes) are
+    priced without their own launch: the caller records the graph's one launch."""
+    _SINK.append(True)
+    try:
+        yield
+    finally:
+        _SINK.pop()
+
+
+def _time(flops, nbytes, profile, dtype, op_class, gemm=None, launches=None):
+    if launches is None:
+        launches = 0 if _SINK[-1] else 1
+    return _cost.compute_time(flops, nbytes, profile, dtype, launches=launches,
                               op_class=_CLOCK_CLASS.get(op_class, op_class), gemm=gemm)
 
 
@@ -142,7 +161,8 @@ def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
     dur = _time(cost.flops, cost.bytes, tr.profile, dtype, entry.op_class,
                 getattr(cost, "gemm", None))
     tr.record_compute(mesh.ranks, entry.name, dur, flops=cost.flops, bytes=cost.bytes,
-                      label="forward", args={"op_class": entry.op_class, "phase": "forward"})
+                      label="forward", args={"op_class": entry.op_class, "phase": "forward",
+                                             **({"sunk": True} if _SINK[-1] else {})})
 
 
 class _BackwardCompute(torch.autograd.Function):
@@ -178,28 +198,32 @@ def wgrad_overlap(tr, ranks) -> "float | None":
 
 
 def _record_backward(name, op_class, ranks, cost, dtype):
+    launches = 0 if _SINK[-1] else 1          # as when the forward ran
+    sunk = {"sunk": True} if not launches else {}
+
     def record():
         tr = current_trace()
         if tr is None or not (cost.backward_flops or cost.backward_bytes):
             return
         if not isinstance(cost, SplitCost):
-            dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class)
+            dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class,
+                        launches=launches)
             tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
                               bytes=cost.backward_bytes, label="backward",
-                              args={"op_class": op_class, "phase": "backward"})
+                              args={"op_class": op_class, "phase": "backward", **sunk})
             return
         # two kernels, each on its own roofline with its launch (as plan.layer_cost)
         d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class,
-                  cost.dgrad_gemm)
+                  cost.dgrad_gemm, launches=launches)
         w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class,
-                  cost.wgrad_gemm)
+                  cost.wgrad_gemm, launches=launches)
         ev_d = tr.record_compute(ranks, name, d, flops=cost.dgrad_flops,
                                  bytes=cost.dgrad_bytes, label="backward",
                                  args={"op_class": op_class, "phase": "backward",
-                                       "part": "dgrad"})
+                                       "part": "dgrad", **sunk})
         tr.record_compute(ranks, name, w, flops=cost.wgrad_flops, bytes=cost.wgrad_bytes,
                           label="backward", args={"op_class": op_class, "phase": "backward",
-                                                  "part": "wgrad"})
+                                                  "part": "wgrad", **sunk})
         seen = _SPLITS.setdefault(tr, {})
         for r in ranks:
             seen[r] = (ev_d.end, tr.last_compute(r)[0])

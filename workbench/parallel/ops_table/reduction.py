@@ -1,5 +1,5 @@
-"""Reductions (sum, mean, amax, amin, argmax, argmin), scans (cumsum), topk, and
-softmax / log_softmax.
+"""Reductions (sum, mean, amax, amin), scans (cumsum), and softmax / log_softmax
+(argmax, argmin and topk: ``sampling.py``).
 
 Per mesh dim:
 
@@ -7,8 +7,8 @@ Per mesh dim:
     S(d), d reduced   -> P(sum)     sum, mean: partial sums   # sum(x) = sum_i sum(x_i)
                       -> P(max)     amax                      # max(x) = max_i max(x_i)
     P(sum)            -> P(sum)     sum, mean are linear
-    softmax, cumsum, argmax, topk over dim: dim whole on every rank (S(dim) -> R first);
-    other dims pass; P(sum) passes cumsum (linear), not softmax/argmax/topk.
+    softmax, cumsum over dim: dim whole on every rank (S(dim) -> R first);
+    other dims pass; P(sum) passes cumsum (linear), not softmax.
 
 Dims are wrapped by the parsers (an out-of-range dim is PyTorch's IndexError, never a
 wrap), so they reach the rules non-negative.
@@ -200,64 +200,3 @@ def _cumsum_local(nd, ctx, x, dim, dtype=None):
 
 register("cumsum", [torch.cumsum, T.cumsum], parse=_cumsum_parse, rule=cumsum_rule,
          local=_cumsum_local, cost=costs.reduction(1), op_class="reduction")   # one add each
-
-
-# ---- argmax, argmin ------------------------------------------------------------------
-
-def arg_rule(x, dim=None, keepdim=False, **_):
-    """argmax / argmin(dim): dim whole (indices are global); other dims pass; dim=None
-    (over the flattened tensor): replicated."""
-    if dim is None:
-        return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
-    return combine(x.mesh.ndim, [along_dim_options(x, dim, keepdim)] * x.mesh.ndim, 1)
-
-
-def _arg_parse(x, dim=None, keepdim=False):
-    return (x,), {"dim": None if dim is None else wrap_dim(dim, x.ndim), "keepdim": bool(keepdim)}
-
-
-def _arg_local(fn):
-    def local(nd, ctx, x, dim=None, keepdim=False):
-        if dim is None:               # over the flattened local tensor (replicated only)
-            flat = x.reshape(tuple(x.shape[:nd]) + (-1,))
-            out = fn(flat, nd)
-            return out.reshape(tuple(x.shape[:nd]) + (1,) * (x.dim() - nd)) if keepdim else out
-        return fn(x, shift(dim, x.dim() - nd, nd), keepdim=keepdim)
-    return local
-
-
-for _n in ("argmax", "argmin"):
-    register(_n, [getattr(torch, _n), getattr(T, _n)], parse=_arg_parse, rule=arg_rule,
-             local=_arg_local(getattr(torch, _n)), cost=costs.reduction(1),
-             op_class="reduction")                                      # one compare each
-
-
-# ---- topk ----------------------------------------------------------------------------
-
-def topk_rule(x, k, dim, **_):
-    """topk(k, dim): dim whole; other dims pass to both outputs (values, indices)."""
-    opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim)]
-    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1, n_outputs=2)
-
-
-def _topk_parse(x, k, dim=-1, largest=True, sorted=True):
-    return (x,), {"k": int(k), "dim": wrap_dim(dim, x.ndim), "largest": bool(largest),
-                  "sorted": bool(sorted)}
-
-
-def _topk_local(nd, ctx, x, k, dim, largest, sorted):
-    return tuple(torch.topk(x, k, shift(dim, x.dim() - nd, nd), largest, sorted))
-
-
-def _topk_cost(ins, outs, k, **_):
-    """A heap selection: each element compared with the heap root and, when it enters,
-    sifted down log2(k) levels (Knuth, TAOCP vol. 3, 5.2.3): n ceil(log2(k + 1))."""
-    n = ins[0].numel()
-    f = n * max(1, math.ceil(math.log2(k + 1)))
-    return costs.Cost(f, costs.nbytes(ins[0]) + sum(costs.nbytes(o) for o in outs), 0,
-                      costs.backward_bytes(ins, outs[:1], costs.nbytes(outs[1])))
-
-
-_TOPK = register("topk", [torch.topk, T.topk], parse=_topk_parse, rule=topk_rule,
-                 local=_topk_local, cost=_topk_cost, op_class="reduction", n_out=2)
-_TOPK.extra["result_type"] = torch.return_types.topk        # (values, indices), named

@@ -1,0 +1,69 @@
+"""The checks of notebook 16: right answers pass, common mistakes get their hint, and the
+checks' hand formulas agree with what wb.compile and the trace count."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_compile as C
+from workbench.exercises.feedback import reset_tries
+
+from .exercise_helpers import fails, passes
+
+R, S = wb.Replicate, wb.Shard
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    yield
+    reset_tries()
+
+
+def test_every_check_is_exported():
+    assert set(C.__all__) == {"check_no_graph_break", "check_greedy_vs_whole_bytes",
+                              "check_sink_saving_us"}
+    assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
+
+
+def _branchy(x):
+    m = x.abs().amax()
+    if m > 1:
+        x = x / m
+    return torch.relu(x)
+
+
+def test_no_graph_break(capsys):
+    passes(capsys, C.check_no_graph_break,
+           lambda x: torch.relu(x / torch.clamp(x.abs().amax(), min=1.0)))
+    passes(capsys, C.check_no_graph_break,
+           lambda x: torch.relu(x / torch.maximum(x.abs().amax(), torch.ones(()))))
+    fails("still falls back to eager.*line", C.check_no_graph_break, _branchy)
+    fails("max\\(1, m\\)", C.check_no_graph_break, lambda x: torch.relu(x / x.abs().amax()))
+    fails("another result", C.check_no_graph_break, lambda x: torch.relu(x))
+    fails("function itself", C.check_no_graph_break, 3.0)
+
+
+def test_greedy_vs_whole_bytes_matches_the_trace(capsys):
+    full = 16 * 32 * 4
+    passes(capsys, C.check_greedy_vs_whole_bytes, 384 + 1536, 1536)
+    fails("compiled program's count", C.check_greedy_vs_whole_bytes, 1536, 1536)
+    fails("\\(p-1\\)/p", C.check_greedy_vs_whole_bytes, full / 4 + full, 1536)
+    fails("bytes", C.check_greedy_vs_whole_bytes, (384 + 1536) / 4, 1536)
+    fails("one all_gather", C.check_greedy_vs_whole_bytes, 1920, 1920)
+    # the library's own counts, op by op and compiled, agree with the hand formula
+    mesh = wb.Mesh.grid((4,))
+    x = wb.shard_tensor(torch.randn(16, 32), mesh, [S(1)])
+    f = lambda t: torch.softmax(t, 1)          # noqa: E731
+    with wb.trace(profile="a100") as tr:
+        wb.reshard(f(x), mesh, [R()])
+    greedy = max(tr.bytes_per_rank().values())
+    prog = wb.compile(f, x, pin={"output": [R()]}, profile="a100", method="trace")
+    passes(capsys, C.check_greedy_vs_whole_bytes, greedy, prog.bytes)
+
+
+def test_sink_saving(capsys):
+    lt = wb.get_profile("ascend-910b").launch_overhead
+    passes(capsys, C.check_sink_saving_us, 96 * lt * 1e6, 97)
+    fails("launched once", C.check_sink_saving_us, 97 * lt * 1e6, 97)
+    fails("1e6", C.check_sink_saving_us, 96 * lt * 1e3, 97)
+    fails("one launch", C.check_sink_saving_us, lt * 1e6, 97)

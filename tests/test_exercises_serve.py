@@ -1,0 +1,78 @@
+"""The checks of notebook 15: right answers pass, common mistakes get their hint, the
+value shows only from the third try, and the checks' hand formulas agree with the
+library (StepPricer's weight bytes, a real checkpoint's reads, a static batch's
+padded decode tokens)."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_serve as C
+from workbench.exercises.feedback import CheckError, REVEAL_AFTER, reset_tries
+from workbench.serve.batching import Request, StepPricer, static
+
+from .exercise_helpers import fails, passes
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    yield
+    reset_tries()
+
+
+def test_every_check_is_exported():
+    assert set(C.__all__) == {"check_decode_floor_ms", "check_load_reads",
+                              "check_static_useful_share"}
+    assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
+
+
+def test_decode_floor(capsys):
+    p = StepPricer("llama2-7b", "ascend-910b")
+    params, bw = p.weight_bytes / 2, p.profile.memory_bandwidth
+    ms = p.weight_bytes / bw * 1e3
+    # the library's decode step of one short sequence is at least the floor, and close
+    assert ms < p.seconds(decode=[1]) * 1e3 < 1.5 * ms
+    passes(capsys, C.check_decode_floor_ms, ms, ms / 2, params, bw)
+    fails("counts bits", C.check_decode_floor_ms, ms * 8, ms / 2, params, bw)
+    fails("int8 floor equals", C.check_decode_floor_ms, ms, ms, params, bw)
+    fails("int4", C.check_decode_floor_ms, ms, ms / 4, params, bw)
+    fails("milliseconds|small", C.check_decode_floor_ms, ms / 1e3, ms / 2, params, bw)
+
+
+def test_load_reads_agree_with_a_real_checkpoint(tmp_path, capsys):
+    x = torch.arange(16 * 2).reshape(16, 2)
+    wb.checkpoint.save(tmp_path, {"w": wb.shard_tensor(x, wb.Mesh.grid(8, ["x"]),
+                                                       [wb.Shard(0)])})
+    t = wb.shard_tensor(torch.zeros_like(x), wb.Mesh.grid(3, ["x"]), [wb.Shard(0)])
+    rep = wb.checkpoint.load(tmp_path, {"w": t})
+    for r in range(3):
+        read = sorted(int(f.split("_")[2]) for f in rep.files(r))
+        passes(capsys, C.check_load_reads, read, rank=r)
+    fails("every file", C.check_load_reads, list(range(8)))
+    fails("wrong ones", C.check_load_reads, [2, 3, 4])
+    fails("torch.chunk", C.check_load_reads, [3])
+    fails("list of rank numbers", C.check_load_reads, "3, 4, 5")
+
+
+class OneSecond(StepPricer):
+    def seconds(self, prefill=(), decode=()):
+        return 1.0
+
+
+def test_static_useful_share_agrees_with_the_schedule(capsys):
+    outs = (12, 3, 7, 2)
+    res = static([Request(i, 0.0, 5, o) for i, o in enumerate(outs)],
+                 OneSecond("tiny", "a100"), max_batch=4)
+    passes(capsys, C.check_static_useful_share, res.useful_decode_share)
+    want = sum(o - 1 for o in outs) / (4 * 11)
+    assert res.useful_decode_share == want
+    fails("o - 1 decode steps", C.check_static_useful_share, sum(outs) / 48)
+    fails("computed over needed", C.check_static_useful_share, 1 / want)
+    fails("padded share", C.check_static_useful_share, 1 - want)
+
+
+def test_value_only_from_the_third_try():
+    for n in range(1, REVEAL_AFTER + 1):
+        with pytest.raises(CheckError) as err:
+            C.check_static_useful_share(0.9)
+        assert ("expected 0.4545" in str(err.value)) == (n >= REVEAL_AFTER)

@@ -1,0 +1,231 @@
+"""The training state of a ``train`` run, saved and resumed on any layout.
+
+    python -m workbench train --steps 3 --dp 2 --tp 2 --save ckpt      # steps 0-2, then save
+    python -m workbench train --steps 5 --tp 2 --resume ckpt           # steps 3-4
+
+What a run needs to go on as if it had not stopped (torchtitan's ``CheckpointManager``
+keeps the same: model, optimizer, train state with the step, and the RNG):
+
+* ``model``: the model's ``state_dict()`` (DistTensors in the layout trained on), loaded
+  with ``model.load_state_dict`` after the checkpoint fills it (as
+  ``torch.distributed.checkpoint.state_dict.set_state_dict`` does; ZeRO-3 cuts the values
+  into its shards there);
+* ``optim``: AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` keyed by the parameter's
+  name (``get_optimizer_state_dict``'s FQN keys), each state a tensor of the parameter's
+  global shape and layout, whatever the optimizer keeps: one copy per data-parallel
+  replica (ZeRO 0), a flat chunk per dp rank (ZeRO 1-2, ZeRO-3: gathered here and cut
+  again on load, :mod:`workbench.parallel.strategies.flat_shards`).  So the states load
+  into any other layout as the parameters do;
+* ``train``: the next step (the data position: batch ``step`` is drawn from
+  ``(seed, step)``, :func:`workbench.models.data.get_batch`), the seed, the batch size,
+  and torch's RNG state (the dropout keys are drawn from it each step).
+
+Under torchrun (``--backend torch``) each process saves and loads its own pipeline
+stage's DistTensors (another stage's parameters are plain, unused tensors there) and
+its own shards; the checkpoint is the same, so a run saved on processes resumes on
+simulated ranks and back.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..parallel.dist_tensor import DistTensor
+from ..parallel.module import dist_parameters
+from . import format as F
+from .reader import load
+from .writer import save
+
+__all__ = ["save_training", "resume_training", "optimizer_states"]
+
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+def _distributed(strategy) -> bool:
+    return bool(getattr(strategy, "distributed", False))
+
+
+def _model_state(strategy, model) -> dict:
+    """The model's state dict; on torch.distributed only this process's DistTensors (a
+    pipeline stage of another process stays a plain, unused tensor here)."""
+    sd = model.state_dict()
+    if not _distributed(strategy):
+        return sd
+    from ..sim_mesh import backends as _B
+    me = _B.rank()
+    return {k: v for k, v in sd.items() if isinstance(v, DistTensor) and me in v.mesh}
+
+
+def _entries(strategy, model, optimizer):
+    """[(fqn, param-layout template, inner optimizer, the leaf it steps, to_global,
+    from_global)] for every parameter: how each optimizer holds a parameter's states."""
+    out = []
+    if not hasattr(strategy, "stage_layers"):          # one device: ops.AdamW over params
+        for name, p in model.named_parameters():
+            out.append((name, p, optimizer, p, lambda s: s, lambda g, leaf: g))
+        return out
+    names = {id(p): n for n, p in dist_parameters(model)}
+    stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
+              if strategy._own(strategy.meshes[s % strategy.pp])]
+    for s, opt in zip(stages, optimizer):
+        if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
+            mods = strategy.stages[s]["modules"]       # its module: a list of these
+            for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
+                i, rest = qname.split(".", 1)
+                out.append((f"{mods[int(i)]}.{rest}", tmpl, opt.optimizer, shard,
+                            _zero3_gather(opt, tmpl), _zero3_cut(opt)))
+        elif opt.zero:                                 # ZeRO 1-2: flat chunks per dp rank
+            inner = opt.optimizer
+            for p, shard in zip(opt.params, inner.shards):
+                out.append((names[id(p)], p, inner.optimizer, shard,
+                            _chunks_gather(inner, p), _chunks_cut(inner)))
+        else:                                          # ZeRO 0: one copy per replica
+            for p in opt.params:
+                out.append((names[id(p)], p, opt.optimizer, p._local,
+                            _as_dist(p), lambda g, leaf: _replica_copies(g, leaf)))
+    return out
+
+
+def _as_dist(p):
+    def f(s):
+        return DistTensor(s, p.mesh, p.placements, p.shape, s.dtype)
+    return f
+
+
+def _replica_copies(g: DistTensor, leaf):
+    return g._local.expand_as(leaf).clone()
+
+
+def _gather_chunks(mesh, axis, tmpl):
+    """ZeRO 1-3 keep a flat chunk per dp rank: all-gathered over dp (not traced: not the
+    step's traffic), unpadded, a DistTensor in ``tmpl``'s (the parameter's) layout."""
+    from ..parallel.strategies.flat_shards import unflat
+    from ..sim_mesh import collectives as C
+    from ..sim_mesh.trace import suspend
+    nd = mesh.ndim
+
+    def f(s):                                   # s: (lead, chunk)
+        with suspend():
+            full = C.all_gather(s.detach(), mesh, axis, 0)       # (lead, dp one copy, n * c)
+        loc = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
+        return DistTensor(loc, mesh, tmpl.placements, tmpl.shape, s.dtype)
+    return f
+
+
+def _chunks_gather(inner, p):
+    return _gather_chunks(inner.mesh, inner.axis, p)
+
+
+def _chunks_cut(inner):
+    def f(g: DistTensor, leaf):
+        loc = g._local
+        if not inner.distributed:               # every dp rank's copy, each takes its chunk
+            lead = list(loc.shape)
+            lead[inner.axis] = inner.n
+            loc = loc.expand(lead)
+        return inner._my_chunk(loc)
+    return f
+
+
+def _zero3_gather(z, tmpl):
+    return _gather_chunks(z.mesh, z.axis, tmpl)
+
+
+def _zero3_cut(z):
+    def f(g: DistTensor, leaf):
+        return z.chunk_of(g._local)
+    return f
+
+
+def optimizer_states(strategy, model, optimizer) -> dict:
+    """{fqn: {"exp_avg", "exp_avg_sq": the state in the parameter's global layout,
+    "step": int}} for every parameter the optimizer has stepped."""
+    out = {}
+    for name, _, opt, leaf, to_global, _ in _entries(strategy, model, optimizer):
+        st = opt.state.get(leaf)
+        if not st:
+            continue
+        out[name] = {k: to_global(st[k].detach()) for k in STATES}
+        out[name]["step"] = int(st["step"])
+    return out
+
+
+def _targets(strategy, model, optimizer, names) -> tuple[dict, list]:
+    """The state dict ``load`` fills for the optimizer, and how to put each back."""
+    tgt, back = {}, []
+    for name, tmpl, opt, leaf, to_global, from_global in _entries(strategy, model, optimizer):
+        if name not in names:
+            continue
+        zeros = to_global(torch.zeros_like(leaf.detach()))
+        tgt[name] = {k: (zeros if k == STATES[0] else _copy(zeros)) for k in STATES}
+        tgt[name]["step"] = 0
+        back.append((name, opt, leaf, from_global))
+    return tgt, back
+
+
+def _copy(t):
+    if isinstance(t, DistTensor):
+        return DistTensor(t._local.clone(), t.mesh, t.placements, t.shape, t.dtype)
+    return t.clone()
+
+
+def save_training(path, strategy, model, optimizer, step: int, seed: int,
+                  batch_size: int) -> None:
+    """Save the state a run needs to continue at ``step`` (the next step to run)."""
+    with torch.no_grad():
+        state = {"model": _model_state(strategy, model),
+                 "optim": optimizer_states(strategy, model, optimizer),
+                 "train": {"step": step, "seed": seed, "batch_size": batch_size,
+                           "rng": torch.get_rng_state()}}
+    save(path, state)
+
+
+def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int) -> int:
+    """Load a :func:`save_training` checkpoint into this run's model and optimizer (any
+    layout); restores torch's RNG; returns the step to continue from."""
+    md = F.read_metadata(path)
+    keys = md.state_dict_metadata
+    train = {"step": 0, "seed": 0, "batch_size": 0, "rng": torch.get_rng_state()}
+    load(path, {"train": train})
+    for k, v in (("seed", seed), ("batch_size", batch_size)):
+        if train[k] != v:
+            raise ValueError(f"--resume {path}: the run was saved with {k}={train[k]}, this "
+                             f"one has {k}={v}; the batches after step {train['step']} would "
+                             f"differ: give --{k.replace('_', '-')} {train[k]}")
+    # "optim.<fqn>.exp_avg": the fqn itself holds dots
+    names = {k[len("optim."):k.rfind(".")] for k in keys if k.startswith("optim.")}
+    opt_tgt, back = _targets(strategy, model, optimizer, names)
+    sd = _model_state(strategy, model)
+    load(path, {"model": sd, "optim": opt_tgt})
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=not _distributed(strategy))
+        for name, opt, leaf, from_global in back:
+            st = opt_tgt[name]
+            opt.state[leaf] = {"step": st["step"],
+                               **{k: from_global(st[k], leaf).to(leaf.dtype).reshape(leaf.shape)
+                                  for k in STATES}}
+    for o in (optimizer if isinstance(optimizer, list) else []):
+        if hasattr(o, "step_count"):
+            o.step_count = train["step"]
+    torch.set_rng_state(train["rng"])
+    return train["step"]
+
+
+def check_cli(args, strategy) -> str | None:
+    """``train --save / --resume``: what stops the run before it starts, as a message
+    (None: nothing)."""
+    save_dir, resume_dir = getattr(args, "save", None), getattr(args, "resume", None)
+    if save_dir is None and resume_dir is None:
+        return None
+    if resume_dir is None:
+        return None
+    try:
+        train = {"step": 0, "seed": 0, "batch_size": 0}
+        load(resume_dir, {"train": train})
+    except (F.CheckpointError, OSError) as e:
+        return f"--resume {resume_dir}: {e}"
+    for k in ("seed", "batch_size"):
+        if train[k] != getattr(args, k):
+            return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
+                    f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
+                    f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
+    return None

@@ -1,0 +1,309 @@
+"""Capture a program into a :class:`~.graph.Graph` of op-table calls, on meta tensors.
+
+Two ways in, tried in this order (``method="auto"``):
+
+* ``"export"``: ``torch.export.export`` (non-strict) of the function or module on meta
+  inputs and meta parameters; its ATen graph is mapped onto the op table
+  (:mod:`.aten_map`).  Where an ATen op has no entry (export decomposes our fused
+  ``wb.ops`` calls into ATen pieces the table does not hold, e.g. flash attention's
+  meta kernel), capture goes on by tracing and says why in ``graph.notes``.
+* ``"trace"``: run the program once on meta tensors under a ``TorchFunctionMode`` that
+  records every call the op table answers to, at the level the table speaks (``F.linear``,
+  ``wb.ops.rms_norm``), as ``torch.fx.symbolic_trace`` records torch calls, but with
+  concrete shapes, so Python control flow on shapes works.
+
+No data moves: inputs and parameters are meta tensors of their global shapes.  Control
+flow on tensor *values* (``if x.sum() > 0``) cannot be captured: it is a
+:class:`~.graph.GraphBreak`, reported with its source line (export's own message, or the
+frame that asked for the value); the caller then runs that program eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import traceback
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..parallel.dist_tensor import DistTensor
+from ..parallel.ops_table import load as _load_ops
+from ..parallel.ops_table.table import BY_FUNC
+from .graph import Graph, GraphBreak, Node, Ref
+
+__all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
+
+
+class CaptureError(RuntimeError):
+    """The program calls something capture cannot map onto the op table."""
+
+
+class Broken(Exception):
+    """Capture stopped at a graph break (``.brk``)."""
+
+    def __init__(self, brk: GraphBreak):
+        super().__init__(str(brk))
+        self.brk = brk
+
+
+_HERE = os.path.dirname(__file__)
+_TORCH = os.path.dirname(torch.__file__)
+T = torch.Tensor
+# asking a traced tensor for its value: data-dependent control flow
+# random draws made inside the program (capture would freeze one draw into a constant)
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
+           torch.randn_like, torch.randint_like, torch.normal, torch.bernoulli,
+           torch.multinomial, T.normal_, T.uniform_, T.bernoulli_, T.random_}
+_VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index__,
+                T.nonzero, T.numpy}
+
+
+def _meta_like(x, requires_grad=None):
+    rg = x.requires_grad if requires_grad is None else requires_grad
+    t = torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    return t.requires_grad_(bool(rg) and x.dtype.is_floating_point)
+
+
+def _user_frame():
+    """(file, line, code) of the innermost frame outside torch and this package."""
+    for fr in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fr.filename)
+        if f.startswith(_TORCH) or f.startswith(_HERE) or "/contextlib.py" in f:
+            continue
+        return f, fr.lineno or 0, (fr.line or "").strip()
+    return "?", 0, ""
+
+
+def _leaves(tree, out):
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _leaves(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _leaves(x, out)
+    elif isinstance(tree, slice):
+        _leaves([tree.start, tree.stop, tree.step], out)
+    return out
+
+
+def _swap(tree, fn):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        vals = [_swap(x, fn) for x in tree]
+        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+    if isinstance(tree, list):
+        return [_swap(x, fn) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _swap(x, fn) for k, x in tree.items()}
+    if isinstance(tree, slice):
+        return slice(_swap(tree.start, fn), _swap(tree.stop, fn), _swap(tree.step, fn))
+    return tree
+
+
+class _Tracer(TorchFunctionMode):
+    """Records the op-table calls made on traced meta tensors (module docstring)."""
+
+    def __init__(self, graph: Graph):
+        super().__init__()
+        self.g = graph
+        self.ids: dict[int, int] = {}     # id(meta tensor) -> vid
+        self.keep: list = []              # traced tensors stay alive (ids stay unique)
+        self.const_ids: dict[int, int] = {}
+        self._twins: dict[int, torch.Tensor] = {}   # const vid -> its meta twin
+
+    def track(self, t, vid):
+        self.ids[id(t)] = vid
+        self.keep.append(t)
+
+    def _const(self, t):
+        vid = self.const_ids.get(id(t))
+        if vid is None:
+            vid = self.g.value(t.shape, t.dtype, "const", f"const{len(self.g.consts)}")
+            self.g.consts[vid] = t.detach()
+            self.const_ids[id(t)] = vid
+            twin = _meta_like(t, False)
+            self.track(t, vid)
+            self.track(twin, vid)
+            self._twins[vid] = twin
+        return vid
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = _leaves((args, kwargs), [])
+        traced = any(id(t) in self.ids for t in leaves)
+        if func in _RANDOM:
+            f, line, code = _user_frame()
+            raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
+                               "inside the program; a captured graph would keep one draw for "
+                               "every call: pass the random tensor in as an input")
+        if not traced:
+            return func(*args, **kwargs)
+        if func in _VALUE_FUNCS:
+            f, line, code = _user_frame()
+            raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
+                                    "tensor's value: data-dependent control flow", f, line, code))
+        hit = BY_FUNC.get(func)
+        name = getattr(func, "__name__", "")
+        if hit is None and (name == "__setitem__" or kwargs.get("out") is not None or
+                            (name.endswith("_") and not name.startswith("_"))):
+            f, line, code = _user_frame()
+            raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a traced tensor; "
+                               "capture follows values, not writes: compute a new tensor "
+                               "(torch.where, torch.cat) instead")
+        if hit is None:
+            out = func(*args, **kwargs)
+            if _leaves(out, []):
+                f, line, code = _user_frame()
+                raise CaptureError(
+                    f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
+                    "entry in the op table, so it cannot be placed; register the op "
+                    "(workbench.parallel.ops_table) or compute it outside the compiled "
+                    "function")
+            return out                     # metadata: sizes, dims, dtypes
+        entry, parse = hit
+        # constants (buffers, tensors made inside) become replicated values
+        for t in leaves:
+            if id(t) not in self.ids:
+                self._const(t)
+
+        def to_ref(t):
+            vid = self.ids[id(t)]
+            return Ref(vid)
+
+        def to_meta(t):
+            vid = self.ids[id(t)]
+            tw = self._twins.get(vid)
+            return tw if tw is not None else t
+        margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
+        rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
+        out = func(*margs, **mkw)
+        ins, attrs = parse(*margs, **mkw)
+        g = self.g
+        inputs = []
+        for x in ins:
+            if not isinstance(x, torch.Tensor):
+                inputs.append(None)
+            elif id(x) in self.ids:
+                inputs.append(self.ids[id(x)])
+            else:        # made by the parse itself, afresh on each call (a dropout mask)
+                inputs.append(g.value(x.shape, x.dtype, "fresh", f"{entry.name} {len(g.nodes)}"))
+        inputs = tuple(inputs)
+        nid = len(g.nodes)
+        outs = []
+
+        def new_value(t):
+            vid = g.value(t.shape, t.dtype, "op", f"{entry.name}_{nid}", nid, t.requires_grad)
+            self.track(t, vid)
+            outs.append(vid)
+            return Ref(vid)
+        tree = _swap(out, new_value)
+        f, line, code = _user_frame()
+        g.nodes.append(Node(nid, entry.name, func, rargs, rkw,
+                            inputs, dict(attrs), tuple(outs), tree,
+                            f"{os.path.basename(f)}:{line}  {code}",
+                            in_consts=tuple(None if isinstance(x, torch.Tensor) else x
+                                            for x in ins)))
+        return out
+
+
+@contextlib.contextmanager
+def _meta_parameters(module, graph, tracer, placements):
+    """Swap every parameter of ``module`` for a meta twin (tied ones share one), register
+    each as a value; put the originals back after."""
+    saved, twins = [], {}
+    try:
+        for mname, mod in module.named_modules(remove_duplicate=False):
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                saved.append((mod, pname, p))
+                full = f"{mname}.{pname}" if mname else pname
+                tw = twins.get(id(p))
+                if tw is None:
+                    tw = nn.Parameter(_meta_like(p, p.requires_grad),
+                                      requires_grad=bool(p.requires_grad)
+                                      and p.dtype.is_floating_point)
+                    twins[id(p)] = tw
+                    vid = graph.value(p.shape, p.dtype, "param", full,
+                                      requires_grad=tw.requires_grad)
+                    graph.params[full] = vid
+                    tracer.track(tw, vid)
+                    if isinstance(p, DistTensor):
+                        placements[vid] = (p.mesh, tuple(p.placements))
+                    else:
+                        placements[vid] = p      # a plain parameter: replicated
+                mod._parameters[pname] = tw
+        yield
+    finally:
+        for mod, pname, p in saved:
+            mod._parameters[pname] = p
+
+
+def capture(fn, args, method: str = "auto"):
+    """(graph, placements of the inputs and parameters) of ``fn(*args)``.
+
+    ``placements``: vid -> (mesh, placements) for DistTensor inputs and parameters, or
+    the plain tensor for plain ones (replicated on the program's mesh).  Raises
+    :class:`Broken` at a graph break, :class:`CaptureError` for an op without entry."""
+    if method not in ("auto", "export", "trace"):
+        raise ValueError(f"capture(method={method!r}): use 'auto', 'export' or 'trace'")
+    _load_ops()
+    notes = []
+    if method in ("auto", "export"):
+        from .export import capture_export, Unmapped
+        try:
+            return capture_export(fn, args)
+        except Unmapped as e:
+            if method == "export":
+                raise CaptureError(str(e)) from None
+            notes.append(f"export: {e}; captured by tracing torch functions instead")
+    graph, placements = _capture_trace(fn, args)
+    graph.notes = notes + graph.notes
+    return graph, placements
+
+
+def _capture_trace(fn, args):
+    g = Graph(method="trace")
+    tracer = _Tracer(g)
+    placements = {}
+    margs = []
+    for i, a in enumerate(args):
+        if isinstance(a, (DistTensor, torch.Tensor)):
+            rg = bool(getattr(a, "requires_grad", False))
+            m = _meta_like(a, rg)
+            vid = g.value(a.shape, a.dtype, "input", f"arg{i}", requires_grad=m.requires_grad)
+            g.inputs.append(vid)
+            tracer.track(m, vid)
+            placements[vid] = (a.mesh, tuple(a.placements)) if isinstance(a, DistTensor) else a
+            margs.append(m)
+        else:
+            margs.append(a)
+    module = fn if isinstance(fn, nn.Module) else None
+    ctx = _meta_parameters(module, g, tracer, placements) if module is not None \
+        else contextlib.nullcontext()
+    with ctx, tracer:
+        out = fn(*margs)
+    missing = [t for t in _leaves(out, []) if id(t) not in tracer.ids]
+    if missing:
+        raise CaptureError("the program returns a tensor it did not compute from its inputs "
+                           "(a constant); return it outside the compiled function")
+    g.output = _swap(out, lambda t: Ref(tracer.ids[id(t)]))
+    return g, placements
+
+
+def break_from_export_error(e: Exception) -> GraphBreak | None:
+    """The source line of a data-dependent guard in ``torch.export``'s message."""
+    msg = str(e)
+    if "data-dependent" not in msg and "GuardOnDataDependent" not in type(e).__name__:
+        return None
+    m = list(re.finditer(r'File "([^"]+)", line (\d+), in \S+\n\s+(.*)', msg))
+    if not m:
+        return GraphBreak(msg.splitlines()[0][:200], "?", 0, "")
+    f, line, code = m[-1].group(1), int(m[-1].group(2)), m[-1].group(3).strip()
+    return GraphBreak("torch.export: " + msg.splitlines()[0][:160], f, line, code)
+

@@ -1,0 +1,249 @@
+"""Capture by ``torch.export``: the ATen graph of a program, mapped onto the op table.
+
+``torch.export.export(module, args, strict=False)`` runs the program on fake tensors
+(here made from meta inputs and meta parameters: no data moves) and returns an
+``ExportedProgram`` whose graph calls ATen overloads (``aten.linear.default``,
+``aten.softmax.int``).  Each is mapped to the torch callable of an op-table entry with
+the arguments that callable takes (:data:`ADAPT`; most ATen signatures are the torch
+function's, a few differ: ``aten.embedding(weight, ids)`` is ``F.embedding(ids,
+weight)``), and the mapping is checked on meta tensors against the shape export
+recorded.  An op with no mapping raises :class:`Unmapped` (capture then traces instead).
+A data-dependent guard is a graph break, with the source line export reports.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.dist_tensor import DistTensor
+from ..parallel.ops_table.table import BY_FUNC
+from .graph import Graph, Node, Ref
+from .capture import Broken, _meta_like, break_from_export_error, _swap
+
+__all__ = ["capture_export", "Unmapped", "ADAPT"]
+
+aten = torch.ops.aten
+T = torch.Tensor
+
+
+class Unmapped(Exception):
+    """An ATen op of the exported graph has no op-table entry."""
+
+
+def _same(func):
+    return lambda args, kwargs: (func, args, kwargs)
+
+
+# ATen overload -> (args, kwargs) -> (torch callable, args, kwargs)
+ADAPT = {
+    aten.linear.default: _same(F.linear),
+    aten.matmul.default: _same(torch.matmul),
+    aten.mm.default: _same(torch.mm),
+    aten.bmm.default: _same(torch.bmm),
+    aten.relu.default: _same(torch.relu),
+    aten.gelu.default: lambda a, k: (F.gelu, a, k),
+    aten.silu.default: _same(F.silu),
+    aten.tanh.default: _same(torch.tanh),
+    aten.sigmoid.default: _same(torch.sigmoid),
+    aten.exp.default: _same(torch.exp),
+    aten.neg.default: _same(torch.neg),
+    aten.rsqrt.default: _same(torch.rsqrt),
+    aten.sqrt.default: _same(torch.sqrt),
+    aten.add.Tensor: _same(torch.add),
+    aten.sub.Tensor: _same(torch.sub),
+    aten.mul.Tensor: _same(torch.mul),
+    aten.div.Tensor: _same(torch.div),
+    aten.pow.Tensor_Scalar: _same(torch.pow),
+    aten.softmax.int: lambda a, k: (torch.softmax, a[:2], {"dtype": a[2]} if len(a) > 2 else {}),
+    aten.log_softmax.int: lambda a, k: (torch.log_softmax, a[:2], {}),
+    aten.layer_norm.default: lambda a, k: (F.layer_norm, a[:5], {}),
+    aten.rms_norm.default: lambda a, k: (F.rms_norm, a[:4], {}),
+    aten.embedding.default: lambda a, k: (F.embedding, (a[1], a[0]), {}),
+    aten.t.default: _same(T.t) if T.t in BY_FUNC else None,
+    aten.transpose.int: _same(torch.transpose),
+    aten.view.default: _same(T.view),
+    aten.reshape.default: _same(torch.reshape),
+    aten.sum.dim_IntList: _same(torch.sum),
+    aten.sum.default: _same(torch.sum),
+    aten.mean.dim: _same(torch.mean),
+    aten.mean.default: _same(torch.mean),
+    aten.unsqueeze.default: _same(torch.unsqueeze),
+    aten.permute.default: _same(torch.permute),
+    aten.cat.default: _same(torch.cat),
+    aten.clone.default: _same(torch.clone),
+    aten.dropout.default: lambda a, k: (F.dropout, (a[0], a[1], a[2]), {}),
+    aten.scaled_dot_product_attention.default: _same(F.scaled_dot_product_attention),
+}
+ADAPT = {k: v for k, v in ADAPT.items() if v is not None}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.export logs its guards and the graph it gave up on (the error carries what
+    we report): keep the notebook's output to our own report."""
+    old = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logging.disable(old)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def capture_export(fn, args):
+    module = fn if isinstance(fn, nn.Module) else _Fn(fn)
+    g = Graph(method="export")
+    placements = {}
+    margs = [(_meta_like(a, bool(getattr(a, "requires_grad", False)))
+              if isinstance(a, (DistTensor, torch.Tensor)) else a) for a in args]
+    saved, twins, by_name = [], {}, {}
+    try:
+        for mname, mod in module.named_modules(remove_duplicate=False):
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                saved.append((mod, pname, p))
+                full = f"{mname}.{pname}" if mname else pname
+                tw = twins.get(id(p))
+                if tw is None:
+                    tw = twins[id(p)] = nn.Parameter(_meta_like(p, p.requires_grad),
+                                                     requires_grad=bool(p.requires_grad))
+                    by_name[full] = p
+                mod._parameters[pname] = tw
+        try:
+            with _quiet():
+                ep = torch.export.export(module, tuple(margs), strict=False)
+        except Exception as e:               # noqa: BLE001 (what export says is the report)
+            brk = break_from_export_error(e)
+            if brk is not None:
+                raise Broken(brk) from None
+            raise Unmapped(f"torch.export failed ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    finally:
+        for mod, pname, p in saved:
+            mod._parameters[pname] = p
+    sig = ep.graph_signature
+    env = {}                     # fx node name -> Ref (or tuple of Refs)
+    metas = {}                   # vid -> meta tensor
+    user_i = 0
+    from torch.export.graph_signature import InputKind
+    specs = {s.arg.name: s for s in sig.input_specs}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            s = specs[node.name]
+            val = node.meta.get("val")
+            if s.kind == InputKind.PARAMETER:
+                name = s.target
+                p = by_name.get(name)
+                if p is None:          # a tied parameter under another name
+                    p = next(q for n2, q in by_name.items() if n2 == name)
+                vid = g.value(val.shape, val.dtype, "param", name,
+                              requires_grad=bool(p.requires_grad))
+                g.params[name] = vid
+                placements[vid] = (p.mesh, tuple(p.placements)) if isinstance(p, DistTensor) else p
+            elif s.kind == InputKind.USER_INPUT:
+                while not isinstance(args[user_i], (DistTensor, torch.Tensor)):
+                    user_i += 1
+                a = args[user_i]
+                user_i += 1
+                vid = g.value(val.shape, val.dtype, "input", f"arg{user_i - 1}",
+                              requires_grad=bool(getattr(a, "requires_grad", False)))
+                g.inputs.append(vid)
+                placements[vid] = (a.mesh, tuple(a.placements)) if isinstance(a, DistTensor) else a
+            else:                   # buffers and constant tensors
+                data = ep.state_dict.get(s.target) if s.target in ep.state_dict \
+                    else ep.constants.get(s.target)
+                if data is None or data.is_meta:
+                    raise Unmapped(f"constant {s.target!r} has no data")
+                vid = g.value(data.shape, data.dtype, "const", s.target)
+                g.consts[vid] = data
+            env[node.name] = Ref(vid)
+            metas[vid] = torch.empty(val.shape, dtype=val.dtype, device="meta")
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                env[node.name] = env[node.args[0].name][node.args[1]]
+                continue
+            _map_node(g, node, env, metas)
+        elif node.op == "output":
+            outs = node.args[0]
+            refs = tuple(env[o.name] if hasattr(o, "name") else o for o in outs)
+            g.output = refs[0] if len(refs) == 1 else refs
+    return g, placements
+
+
+def _map_node(g, node, env, metas):
+    ad = ADAPT.get(node.target)
+    if ad is None:
+        raise Unmapped(f"{node.target} has no op-table entry")
+
+    def sub(x):
+        if hasattr(x, "name") and hasattr(x, "op"):      # an fx node
+            return env[x.name]
+        if isinstance(x, (list, tuple)):
+            return type(x)(sub(y) for y in x)
+        return x
+    args, kwargs = sub(tuple(node.args)), {k: sub(v) for k, v in node.kwargs.items()}
+    func, args, kwargs = ad(args, kwargs)
+    hit = BY_FUNC.get(func)
+    if hit is None:
+        raise Unmapped(f"{node.target} maps to {func}, which has no op-table entry")
+    entry, parse = hit
+    from .graph import map_refs
+    margs = map_refs(args, lambda r: metas[r.vid])
+    mkw = map_refs(kwargs, lambda r: metas[r.vid])
+    out = func(*margs, **mkw)
+    val = node.meta.get("val")
+    outs_t = out if isinstance(out, (tuple, list)) else (out,)
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    if len(outs_t) != len(vals) or any(tuple(a.shape) != tuple(b.shape)
+                                       for a, b in zip(outs_t, vals)):
+        raise Unmapped(f"{node.target} mapped to {getattr(func, '__name__', func)} gives "
+                       "another shape than export recorded")
+    ins, attrs = parse(*margs, **mkw)
+    ids = {id(t): vid for vid, t in metas.items()}
+    inputs = tuple(ids.get(id(x)) if isinstance(x, torch.Tensor) else None for x in ins)
+    if any(isinstance(x, torch.Tensor) and id(x) not in ids for x in ins):
+        raise Unmapped(f"{node.target}: an input is not a traced tensor")
+    nid = len(g.nodes)
+    outs = []
+
+    def new(t):
+        vid = g.value(t.shape, t.dtype, "op", f"{entry.name}_{nid}", nid,
+                      bool(t.requires_grad) or any(
+                          i is not None and g.values[i].requires_grad for i in inputs))
+        metas[vid] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        outs.append(vid)
+        return Ref(vid)
+    tree = _swap(out, new)
+    env[node.name] = tree
+    st = node.meta.get("stack_trace") or ""
+    src = ""
+    lines = [ln.strip() for ln in st.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            import re
+            m = re.match(r'File "([^"]+)", line (\d+)', lines[i])
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            if m:
+                import os
+                src = f"{os.path.basename(m.group(1))}:{m.group(2)}  {code}"
+            break
+    g.nodes.append(Node(nid, entry.name, func, args, kwargs, inputs, dict(attrs), tuple(outs),
+                        tree, src, in_consts=tuple(None if isinstance(x, torch.Tensor) else x
+                                                   for x in ins)))

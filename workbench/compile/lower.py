@@ -1,0 +1,156 @@
+"""Lowering: an :class:`~.propagate.Assignment` as a distributed program, and running it.
+
+The program is a list of instructions, in order:
+
+* ``Reshard(vid, src, dst, plan)``: bring a tensor to the placements its consumer
+  needs (the plan's collectives, priced);
+* ``Run(nid, strategy)``: the op, on inputs already laid out as its strategy requires.
+
+Each consumer gets its own reshard from the placements its input was made in, as the
+dispatcher does it op by op; the ``cancel_reshards`` pass (``passes/reshards.py``) then
+removes the ones that bring a tensor back to a layout it already has.
+
+Running: every tensor is a DistTensor of the simulated mesh (or, under torch.distributed,
+of this process's rank); each ``Reshard`` runs its plan (``wb.reshard``, traced), each
+``Run`` calls the user's torch callable with the dispatcher forced to the chosen
+strategy (``dispatch.force_candidate``), so the local op, autograd and the trace are the
+dispatcher's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..parallel.dispatch import dispatch, force_candidate
+from ..parallel.dispatch_local import as_dist
+from ..parallel.dist_tensor import DistTensor
+from ..parallel.placement import fmt_placements
+from ..parallel.reshard import execute, plan_reshard_cached
+from ..parallel.spec import TensorSpec
+from .graph import map_refs
+
+__all__ = ["Reshard", "Run", "lower", "execute_program"]
+
+
+@dataclass
+class Reshard:
+    vid: int
+    src: tuple
+    dst: tuple
+    plan: object
+    why: str = ""            # "input of <op>" / "pinned"
+
+    def __str__(self):
+        colls = ", ".join(f"{s.kind} on {s.mesh_dim_name}" if s.mesh_dim_name else s.kind
+                          for s in self.plan.steps) or "nothing"
+        return (f"  reshard %{self.vid} {fmt_placements(self.src)} -> {fmt_placements(self.dst)}: "
+                f"{colls}, {self.plan.total_bytes:,d} B, {self.plan.total_time * 1e6:.2f} us"
+                + (f"  ({self.why})" if self.why else ""))
+
+
+@dataclass
+class Run:
+    nid: int
+    strategy: object
+    fused: str = ""
+
+
+def lower(graph, assignment) -> list:
+    """The instruction list of ``assignment`` (module docstring): one reshard per input
+    that needs one, the op, then a pinned output's reshard."""
+    mesh, prof = assignment.mesh, assignment.profile
+    cur = {v.vid: assignment.placements[v.vid] for v in graph.values if v.kind != "op"}
+    prog = []
+    pins = assignment.pins
+    outs = set(graph.output_vids())
+    for n in graph.nodes:
+        st = assignment.choice[n.nid].strategy
+        for vid, req in zip(n.inputs, st.inputs):
+            if vid is None or req is None or tuple(req) == cur[vid] or \
+                    graph.values[vid].kind == "fresh":     # the dispatcher draws it, laid out
+                continue
+            v = graph.values[vid]
+            spec = TensorSpec(v.shape, mesh, cur[vid], v.dtype, _trusted=True)
+            prog.append(Reshard(vid, cur[vid], tuple(req),
+                                plan_reshard_cached(spec, tuple(req), prof), f"input of {n.name}"))
+        prog.append(Run(n.nid, st))
+        for vid, ps in zip(n.outs, st.outputs):
+            cur[vid] = tuple(ps)
+            if vid in pins and tuple(ps) != pins[vid]:
+                v = graph.values[vid]
+                spec = TensorSpec(v.shape, mesh, tuple(ps), v.dtype, _trusted=True)
+                prog.append(Reshard(vid, tuple(ps), pins[vid],
+                                    plan_reshard_cached(spec, pins[vid], prof),
+                                    "pinned output" if vid in outs else "pinned"))
+                cur[vid] = pins[vid]
+    return prog
+
+
+def _pick(node, strategy):
+    def pick(dec):
+        if dec.op != node.op:
+            return None
+        for c in dec.candidates:
+            if c.strategy.inputs == strategy.inputs and c.strategy.outputs == strategy.outputs:
+                return c
+        raise RuntimeError(f"{node.name}: the chosen strategy {strategy} is not among the "
+                           "rule's candidates at run time (the inputs changed layout?)")
+    return pick
+
+
+def execute_program(graph, prog, mesh, bindings):
+    """Run ``prog`` with ``bindings`` (vid -> DistTensor or plain tensor for the inputs,
+    parameters and constants); returns the program's result."""
+    avail = {}                       # vid -> {placements: tensor}
+    for vid, x in bindings.items():
+        if not isinstance(x, DistTensor):     # a plain tensor: replicated, as the
+            x = as_dist(x, mesh)              # dispatcher takes it (gradients flow back)
+        avail[vid] = {tuple(x.placements): x}
+    cur = {vid: next(iter(d)) for vid, d in avail.items()}
+    for ins in prog:
+        if isinstance(ins, Reshard):
+            have = avail[ins.vid]
+            src = have.get(ins.src)
+            if src is None:
+                raise RuntimeError(f"reshard %{ins.vid}: not available in "
+                                   f"{fmt_placements(ins.src)}")
+            t = src if isinstance(src, DistTensor) else as_dist(src, mesh)
+            have[ins.dst] = execute(ins.plan, t)
+            if ins.why.startswith("pinned"):
+                cur[ins.vid] = ins.dst
+            continue
+        n = graph.nodes[ins.nid]
+        st = ins.strategy
+        want = {}
+        for vid, req in zip(n.inputs, st.inputs):
+            if vid is not None and req is not None:
+                want.setdefault(vid, tuple(req))
+
+        def arg(r):
+            have = avail[r.vid]
+            ps = want.get(r.vid)
+            if ps is not None and ps in have:
+                return have[ps]
+            return have[cur[r.vid]]
+        args = map_refs(n.args, arg)
+        kwargs = map_refs(n.kwargs, arg)
+        with force_candidate(_pick(n, st)):
+            out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
+        found = []
+        _match(n.out_tree, out, found)
+        for vid, t in found:
+            ps = tuple(t.placements) if isinstance(t, DistTensor) else None
+            avail[vid] = {ps: t}
+            cur[vid] = ps
+    return map_refs(graph.output, lambda r: avail[r.vid][cur[r.vid]])
+
+
+def _match(tree, out, found):
+    from .graph import Ref
+    if isinstance(tree, Ref):
+        found.append((tree.vid, out))
+    elif isinstance(tree, (tuple, list)):
+        for a, b in zip(tree, out):
+            _match(a, b, found)
+    elif isinstance(tree, dict):
+        for k in tree:
+            _match(tree[k], out[k], found)

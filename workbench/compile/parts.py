@@ -1,0 +1,55 @@
+"""A module whose forward breaks the graph: the break falls back to eager, its children
+are compiled on their own.
+
+``torch.compile`` splits a function at a graph break and compiles the pieces around it;
+here the unit is the module: the forward that holds the break runs eagerly (op by op
+through the dispatcher), and each child module it calls is captured and compiled with
+the inputs it received (found by running the forward once, eagerly, with hooks), down to
+the children whose own forward breaks again.  A child called with keyword arguments
+stays eager (its hook cannot see them).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ..parallel.dist_tensor import DistTensor
+
+__all__ = ["compile_children", "swapped"]
+
+
+def compile_children(module, args, make):
+    """{child name: compiled program} for the children ``module(*args)`` calls;
+    ``make(child, child_args)`` compiles one.  Runs ``module`` once, eagerly."""
+    seen, outs, hooks = {}, {}, []
+    for name, child in module.named_children():
+        def hook(m, a, kw, name=name):
+            if name not in seen:
+                seen[name] = None if kw else a
+
+        def after(m, a, out, name=name):
+            outs.setdefault(name, out)
+        hooks.append(child.register_forward_pre_hook(hook, with_kwargs=True))
+        hooks.append(child.register_forward_hook(after))
+    try:
+        module(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    # each part hands its output on in eager's layout (pinned), so that the eager code
+    # between the parts sees what it saw when it ran op by op
+    return {name: make(module.get_submodule(name), a,
+                       {"output": list(outs[name].placements)}
+                       if isinstance(outs.get(name), DistTensor) else None)
+            for name, a in seen.items() if a is not None}
+
+
+@contextlib.contextmanager
+def swapped(module, parts):
+    """Each compiled child answers for the child while the parent runs."""
+    for name, prog in parts.items():
+        module.get_submodule(name).forward = prog
+    try:
+        yield
+    finally:
+        for name in parts:
+            del module.get_submodule(name).forward

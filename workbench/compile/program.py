@@ -1,0 +1,243 @@
+"""``wb.compile``: capture a program, choose its placements over the whole graph, run
+its passes, and give back a :class:`CompiledProgram`.
+
+Levels (MindSpore's JIT levels, as the issue names them):
+
+* ``"O0"``: capture only; each op keeps the dispatcher's own (greedy) choice.
+* ``"O1"``: fusion of known patterns into ``wb.ops`` calls, whole-graph placements
+  (:mod:`.propagate`), and removal of reshards that cancel.
+* ``"O2"``: O1, then the step's schedule passes: small gradient all-reduces bucketed,
+  collectives moved early (async) and split to overlap compute, and the whole graph
+  launched at once (graph / task sink: no per-kernel host launch on the clock).
+
+The schedule passes edit the step laid out ahead (``prog.step()``, ``prog.stages``).
+Running the program on the simulated ranks (or under torch.distributed) runs the O1
+program; at O2 its trace records the graph sink (one launch, kernels without their own),
+while its gradient all-reduces still go one per parameter as autograd reaches them
+(bucketing them at run time is ``wb.DistributedDataParallel``'s job).
+
+A graph break (data-dependent control flow) is reported with its source line and the
+program runs eagerly (op by op through the dispatcher), as MindSpore and
+``torch.compile`` fall back to Python for what they cannot capture.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.dist_tensor import DistTensor
+from ..parallel.placement import fmt_placements
+from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.trace import current_trace
+from . import passes as _passes
+from .capture import Broken, CaptureError, capture
+from .graph import GraphBreak
+from .lower import Reshard, execute_program, lower
+from .propagate import greedy, propagate
+
+__all__ = ["compile", "CompiledProgram", "LEVELS"]
+
+LEVELS = ("O0", "O1", "O2")
+
+
+def _mesh_of(args, module):
+    for a in args:
+        if isinstance(a, DistTensor):
+            return a.mesh
+    if module is not None:
+        for m in module.modules():
+            for p in m._parameters.values():
+                if isinstance(p, DistTensor):
+                    return p.mesh
+    return None
+
+
+def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
+            method: str = "auto", beam: int = 4):
+    """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``.
+
+    Placements come from the example DistTensors and the module's DistTensor parameters
+    (plain tensors are replicated on ``mesh``); ``pin`` maps a value (its number in
+    ``program.graph``, a parameter name, or ``"output"``) to the placements it must have.
+    ``profile``: the hardware profile the choice is priced on (the current trace's, or
+    the default).  Returns a :class:`CompiledProgram`; call it like ``fn``."""
+    if level not in LEVELS:
+        raise ValueError(f"compile(level={level!r}): use one of {LEVELS}")
+    if not callable(fn):
+        raise TypeError(f"compile(fn={fn!r:.60}): expected a function or an nn.Module")
+    module = fn if isinstance(fn, nn.Module) else None
+    mesh = mesh or _mesh_of(example_inputs, module)
+    if mesh is None:
+        raise ValueError("compile: no DistTensor among the example inputs or parameters; "
+                         "pass mesh= to say where the program runs")
+    if profile is None:
+        tr = current_trace()
+        profile = tr.profile.name if tr is not None else get_profile(None).name
+    return CompiledProgram(fn, example_inputs, level, mesh, pin, profile, method, beam)
+
+
+class CompiledProgram:
+    """A captured program with its placements, passes and schedule (module docstring).
+
+    ``graph``: the captured ops; ``assignment`` / ``greedy``: the whole-graph and the
+    op-by-op choices, priced; ``program``: the lowered instructions; ``log``: each pass
+    with the program before and after; ``breaks``: graph breaks (then it runs eagerly)."""
+
+    def __init__(self, fn, example_inputs, level, mesh, pin, profile, method, beam):
+        self.fn, self.level, self.mesh, self.profile = fn, level, mesh, profile
+        self.module = fn if isinstance(fn, nn.Module) else None
+        self.breaks: list[GraphBreak] = []
+        self.log: list = []                 # (pass name, before, after, what it saved)
+        self.stages: list = []              # (pass name, schedule after it, its StepReport)
+        self.graph = self.assignment = self.greedy = self.program = self.schedule = None
+        self.parts: dict = {}               # child name -> its compiled program (a break)
+        self._example = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
+                         if isinstance(a, (torch.Tensor, DistTensor)) else None
+                         for a in example_inputs]
+        try:
+            graph, placements = capture(fn, example_inputs, method)
+        except Broken as e:
+            self.breaks.append(e.brk)
+            if self.module is not None:     # the break stays eager, the children compile
+                from .parts import compile_children
+                self.parts = compile_children(self.module, example_inputs, lambda m, a, pn: (
+                    CompiledProgram(m, a, level, mesh, pn, profile, method, beam)))
+            return
+        except CaptureError as e:          # an op the table lacks: that program runs eagerly
+            self.breaks.append(GraphBreak(str(e), "?", 0, ""))
+            return
+        self.captured = graph
+        self._placements = placements
+        if level != "O0":
+            graph = _passes.run_graph_passes(self, graph)
+        self.graph = graph
+        pins = self._pins(graph, pin)
+        self.greedy = greedy(graph, placements, mesh, profile, pins)
+        self.assignment = self.greedy if level == "O0" else \
+            propagate(graph, placements, mesh, profile, pins, beam=beam)
+        self.program = lower(graph, self.assignment)
+        if level != "O0":
+            self.program = _passes.run_program_passes(self, self.program)
+        from .schedule import build_schedule
+        self.schedule = build_schedule(self)
+        from .schedule import replay
+        self.stages.append((level if level != "O2" else "O1", self.schedule,
+                            replay(self.schedule)))
+        if level == "O2":
+            self.schedule = _passes.run_schedule_passes(self, self.schedule)
+
+    def _pins(self, graph, pin):
+        out = {}
+        for k, ps in (pin or {}).items():
+            if k == "output":
+                for vid in graph.output_vids():
+                    out[vid] = ps
+            else:
+                out[k] = ps
+        return out
+
+    # ---- running ------------------------------------------------------------------
+    @property
+    def eager(self) -> bool:
+        """True where a graph break made the program run op by op."""
+        return self.graph is None
+
+    def __call__(self, *args):
+        if self.eager:
+            if self.parts:
+                from .parts import swapped
+                with swapped(self.module, self.parts):
+                    return self.fn(*args)
+            return self.fn(*args)
+        got = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
+               if isinstance(a, (torch.Tensor, DistTensor)) else None for a in args]
+        if got != self._example:
+            raise ValueError("compiled program called with inputs of other shapes, dtypes or "
+                             f"placements than it was compiled for ({got} vs "
+                             f"{self._example}); compile it again for these")
+        g = self.graph
+        bind = {}
+        tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
+        for vid, a in zip(g.inputs, tensors):
+            bind[vid] = a
+        if self.module is not None:
+            named = {}
+            for mname, mod in self.module.named_modules(remove_duplicate=False):
+                for pname, p in mod._parameters.items():
+                    if p is not None:
+                        named.setdefault(f"{mname}.{pname}" if mname else pname, p)
+            for name, vid in g.params.items():
+                bind[vid] = named[name]
+        for vid, c in g.consts.items():
+            bind[vid] = c
+        if self.level != "O2":
+            return execute_program(g, self.program, self.mesh, bind)
+        # O2: the whole graph is launched once (graph / task sink); its kernels, forward
+        # and backward, are recorded without their own launches
+        from ..parallel.ops_table.pricing import graph_sink
+        tr = current_trace()
+        if tr is not None:
+            lt = tr.profile.compute_path(torch.float32)[3]
+            tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
+                              args={"launch": lt})
+        with graph_sink():
+            return execute_program(g, self.program, self.mesh, bind)
+
+    # ---- reading -----------------------------------------------------------------
+    def __str__(self) -> str:
+        if self.eager:
+            parts = "".join(
+                f"\n  {name}: " + ("eager" if p.eager else f"compiled, {len(p.graph.nodes)} ops")
+                for name, p in self.parts.items())
+            return (f"compiled program ({self.level}): runs eagerly, op by op"
+                    + (f", calling its compiled children:{parts}" if parts else "") + "\n"
+                    + "\n".join(str(b) for b in self.breaks))
+        a = self.assignment
+        lines = [f"compiled program ({self.level}) on {self.mesh} priced on {self.profile}: "
+                 f"{len(self.graph.nodes)} ops, capture by {self.graph.method}"]
+        lines += [f"  # {n}" for n in self.graph.notes]
+        g = self.graph
+        for v in g.values:
+            if v.kind in ("input", "param"):
+                lines.append(f"  %{v.vid} = {v.kind} {v.name} "
+                             f"{fmt_placements(a.placements[v.vid])} {tuple(v.shape)}")
+        pending = []
+        for ins in self.program:
+            if isinstance(ins, Reshard):
+                if ins.why.startswith("pinned"):
+                    lines.append(str(ins))
+                else:
+                    pending.append(ins)
+                continue
+            n = g.nodes[ins.nid]
+            st = ins.strategy
+            ins_txt = ", ".join("-" if vid is None else f"%{vid}:{fmt_placements(req)}"
+                                for vid, req in zip(n.inputs, st.inputs))
+            outs = ", ".join(f"%{o}:{fmt_placements(ps)}" for o, ps in zip(n.outs, st.outputs))
+            lines.append(f"  {outs} = {n.op}({ins_txt})" + (f"  # {n.note}" if n.note else ""))
+            lines += ["  " + str(r) for r in pending]
+            pending = []
+        lines.append(f"  return {g.output}")
+        lines.append(f"modeled step {a.time * 1e6:.2f} us ({a.how}); greedy "
+                     f"{self.greedy.time * 1e6:.2f} us; forward reshards "
+                     f"{self.bytes:,d} B per rank (greedy {self.greedy.bytes:,d} B)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    @property
+    def bytes(self) -> int:
+        """Bytes each rank sends in the program's forward reshards."""
+        return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard))
+
+    def step(self, schedule=None):
+        """The compiled step (forward and backward) replayed on the clock: a
+        :class:`~.schedule.StepReport` (its ``trace`` holds the timeline)."""
+        from .schedule import replay
+        if self.eager:
+            raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
+        return replay(schedule or self.schedule)
+
+    def passes(self) -> str:
+        """Each pass: what it changed and what it saved."""
+        return "\n".join(f"{name}: {saved}" for name, _, _, saved in self.log)

@@ -1,0 +1,360 @@
+"""Whole-graph propagation: choose every intermediate's placement for the whole program.
+
+The dispatcher chooses op by op (greedy): each op takes the strategy whose own
+communication is cheapest, blind to what its consumers will need.  Here every op's
+strategy is chosen for the program at once, to minimise the modeled step time
+
+    sum over ops of  forward communication   (the reshard plans into the strategy)
+                   + backward communication  (each plan's transpose: all_gather <->
+                     reduce_scatter, all_to_all <-> all_to_all, all_reduce <-> all_reduce,
+                     a local slice <-> all_gather; and the all-reduce of the gradient of
+                     an input replicated where the op's outputs diverge: the dispatcher's
+                     expanded replicas, Megatron's ``f`` / DDP's gradient all-reduce)
+                   + compute, forward and backward (the op table's cost on the busiest
+                     rank's local shapes, priced on the profile's roofline)
+  + the reshards of pinned tensors (an output pinned to Replicate).
+
+Search: states are the placements of the *live* tensors (made, and read later); states
+with the same live placements merge, keeping the cheaper (dynamic programming: exact on
+a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
+DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
+is never worse than greedy's, on the same objective, by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel.ops_table import pricing
+from ..parallel.ops_table.strategy import infer
+from ..parallel.ops_table.table import TABLE
+from ..parallel.placement import Replicate, normalize_placements
+from ..parallel.reshard import plan_reshard_cached
+from ..parallel.spec import TensorSpec
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.profiles import get_profile
+
+__all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
+
+# the collective a forward step's gradient passes through (sim_mesh/collectives.py
+# records these backward events)
+BACKWARD_OF = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+               "all_to_all": "all_to_all", "all_reduce": "all_reduce",
+               "local_slice": "all_gather"}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    fwd_comm: float
+    bwd_comm: float
+    compute: float          # forward + backward kernels (launches included)
+
+    @property
+    def total(self) -> float:
+        return self.fwd_comm + self.bwd_comm + self.compute
+
+
+@dataclass
+class Assignment:
+    """One placement for every tensor: the strategy each op runs, and its price."""
+    graph: object
+    mesh: object
+    profile: str
+    placements: dict            # vid -> placements as produced (inputs: as given)
+    choice: dict                # nid -> Candidate (strategy + plans from the inputs)
+    costs: dict                 # nid -> NodeCost
+    pins: dict                  # vid -> pinned placements
+    pin_cost: float = 0.0
+    how: str = ""               # "greedy" | "whole-graph"
+    states: int = 0             # search states expanded
+
+    @property
+    def time(self) -> float:
+        """Modeled step time of the program under this assignment (module docstring)."""
+        return sum(c.total for c in self.costs.values()) + self.pin_cost
+
+    @property
+    def comm_time(self) -> float:
+        return sum(c.fwd_comm + c.bwd_comm for c in self.costs.values()) + self.pin_cost
+
+    @property
+    def bytes(self) -> int:
+        """Bytes each rank sends in the forward reshards (the busiest rank's)."""
+        b = sum(p.total_bytes for c in self.choice.values() for p in c.plans if p is not None)
+        return b + sum(_plan(self, vid, ps).total_bytes for vid, ps in self.pins.items())
+
+    def __str__(self):
+        g = self.graph
+        lines = [f"{self.how}: modeled step {self.time * 1e6:.2f} us "
+                 f"(communication {self.comm_time * 1e6:.2f} us), "
+                 f"{self.bytes:,d} B sent per rank forward"]
+        for n in g.nodes:
+            c = self.choice[n.nid]
+            lines.append(f"  {n.name:<18} {c}")
+        return "\n".join(lines)
+
+
+def _plan(a, vid, ps):
+    v = a.graph.values[vid]
+    spec = TensorSpec(v.shape, a.mesh, a.placements[vid], v.dtype, _trusted=True)
+    return plan_reshard_cached(spec, tuple(ps), a.profile)
+
+
+class _Pricer:
+    """Prices one op's candidate (cached: the search asks the same questions often)."""
+
+    def __init__(self, graph, mesh, profile):
+        self.g, self.mesh, self.profile = graph, mesh, get_profile(profile)
+        self.pname = self.profile.name
+        self._compute, self._dec = {}, {}
+
+    def spec(self, vid, ps):
+        v = self.g.values[vid]
+        return TensorSpec(v.shape, self.mesh, ps, v.dtype, _trusted=True)
+
+    def decision(self, node, in_ps):
+        key = (node.nid, in_ps)
+        d = self._dec.get(key)
+        if d is None:
+            specs = tuple(None if vid is None else self.spec(vid, ps)
+                          for vid, ps in zip(node.inputs, in_ps))
+            d = self._dec[key] = (specs, infer(node.op, *specs, **node.attrs))
+        return d
+
+    def compute(self, node, specs, cand) -> float:
+        key = (node.nid, cand.strategy.inputs, cand.strategy.outputs)
+        t = self._compute.get(key)
+        if t is not None:
+            return t
+        entry = TABLE[node.op]
+        ins = []
+        for vid, c in zip(node.inputs, node.in_consts or (None,) * len(node.inputs)):
+            if vid is None:
+                ins.append(c)
+            else:
+                v = self.g.values[vid]
+                ins.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
+        outs = [self.g.values[o] for o in node.outs]
+        out_shapes = tuple(v.shape for v in outs)
+        out_dtypes = tuple(v.dtype for v in outs)
+        cost = pricing.local_cost(entry, self.mesh, specs, ins, cand, out_shapes, out_dtypes,
+                                  node.attrs)
+        dtype = pricing.pricing_dtype(specs, out_dtypes)
+        t = 0.0
+        if cost.flops or cost.bytes:
+            t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class,
+                              launches=1)
+        if (cost.backward_flops or cost.backward_bytes) and any(v.requires_grad for v in outs):
+            t += pricing._time(cost.backward_flops, cost.backward_bytes, self.profile, dtype,
+                               entry.op_class, launches=1)
+        self._compute[key] = t
+        return t
+
+    def backward_comm(self, node, specs, cand) -> float:
+        """The transposes of the forward plans, and the expanded replicas' all-reduces."""
+        t = 0.0
+        st = cand.strategy
+        outs_rg = any(self.g.values[o].requires_grad for o in node.outs)
+        if not outs_rg:
+            return 0.0
+        diverge = [i for i in range(self.mesh.ndim)
+                   if any(not ps[i].is_replicate() for ps in st.outputs)]
+        for vid, spec, plan, req in zip(node.inputs, specs, cand.plans, st.inputs):
+            if vid is None or not self.g.values[vid].requires_grad:
+                continue
+            if plan is not None:
+                for s in plan.steps:
+                    kind = BACKWARD_OF.get(s.kind)
+                    if kind is None or s.mesh_dim is None:
+                        continue
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.dst, spec.dtype)
+                    t += max(_cost.price(kind, nb, g, self.profile)
+                             for g in self.mesh.groups(s.mesh_dim))
+            for i in diverge:
+                if req[i].is_replicate():
+                    nb = _local_bytes(spec.shape, self.mesh, req, spec.dtype)
+                    t += max(_cost.price("all_reduce", nb, g, self.profile)
+                             for g in self.mesh.groups(i))
+        return t
+
+    def price(self, node, specs, cand) -> NodeCost:
+        return NodeCost(cand.time, self.backward_comm(node, specs, cand),
+                        self.compute(node, specs, cand))
+
+    def pin_cost(self, vid, src, dst) -> float:
+        if tuple(src) == tuple(dst):
+            return 0.0
+        spec = self.spec(vid, tuple(src))
+        p = plan_reshard_cached(spec, tuple(dst), self.pname)
+        t = p.total_time
+        if self.g.values[vid].requires_grad:
+            for s in p.steps:
+                kind = BACKWARD_OF.get(s.kind)
+                if kind is not None and s.mesh_dim is not None and s.buffer_bytes:
+                    t += max(_cost.price(kind, s.buffer_bytes, g, self.profile)
+                             for g in self.mesh.groups(s.mesh_dim))
+        return t
+
+
+def _local_bytes(shape, mesh, ps, dtype) -> int:
+    from ..parallel import layout
+    n = 1
+    for s in layout.max_local_shape(shape, mesh, ps):
+        n *= s
+    return n * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point
+                else torch.iinfo(dtype).bits // 8 if dtype != torch.bool else 1)
+
+
+def initial(graph, placements, mesh):
+    """vid -> placements of the inputs, parameters and constants."""
+    R = (Replicate(),) * mesh.ndim
+    out = {}
+    for v in graph.values:
+        if v.kind == "op":
+            continue
+        got = placements.get(v.vid)
+        if isinstance(got, tuple):
+            m, ps = got
+            if m != mesh:
+                raise ValueError(f"{v.kind} {v.name!r} lives on mesh {list(m.ranks)}, the "
+                                 f"program on {list(mesh.ranks)}; compile a program on one "
+                                 "mesh (reshard it onto the other first)")
+            out[v.vid] = tuple(ps)
+        else:
+            out[v.vid] = R
+    return out
+
+
+def _live_after(graph):
+    """For each node index k: the op outputs read by a node after k, or returned (inputs,
+    parameters and constants keep their placements in every state: not part of a key)."""
+    last = {}
+    for n in graph.nodes:
+        for vid in n.inputs:
+            if vid is not None:
+                last[vid] = n.nid
+    end = len(graph.nodes)
+    for vid in graph.output_vids():
+        last[vid] = end
+    live = []
+    alive = set()
+    for k, n in enumerate(graph.nodes):
+        alive |= set(n.outs)
+        alive = {v for v in alive if last.get(v, -1) > k}
+        live.append(tuple(sorted(alive)))
+    return live
+
+
+def _norm_pins(graph, mesh, pins):
+    out = {}
+    for key, ps in (pins or {}).items():
+        vid = key
+        if isinstance(key, str):
+            if key not in graph.params:
+                raise KeyError(f"pin {key!r}: no parameter of that name; names are like "
+                               f"{list(graph.params)[:4]}")
+            vid = graph.params[key]
+        if not isinstance(vid, int) or not 0 <= vid < len(graph.values):
+            raise ValueError(f"pin {key!r}: give a value number (graph.values) or a "
+                             "parameter name")
+        out[vid] = tuple(normalize_placements(ps, mesh, len(graph.values[vid].shape)))
+    return out
+
+
+def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
+    """The dispatcher's op-by-op choice (each op's cheapest candidate), priced."""
+    pr = _Pricer(graph, mesh, profile)
+    pins = _norm_pins(graph, mesh, pins)
+    pl = initial(graph, placements, mesh)
+    choice, costs = {}, {}
+    pin_cost = 0.0
+    for n in graph.nodes:
+        in_ps = tuple(None if v is None else pl[v] for v in n.inputs)
+        specs, dec = pr.decision(n, in_ps)
+        c = dec.chosen
+        choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c)
+        for vid, ps in zip(n.outs, c.strategy.outputs):
+            pl[vid] = tuple(ps)
+            if vid in pins and vid not in graph.output_vids():
+                pin_cost += pr.pin_cost(vid, ps, pins[vid])
+                pl[vid] = pins[vid]
+    for vid in graph.output_vids():
+        if vid in pins:
+            pin_cost += pr.pin_cost(vid, pl[vid], pins[vid])
+    return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
+
+
+def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
+              per_op: int = 6) -> Assignment:
+    """The whole-graph assignment (module docstring): never worse than :func:`greedy`."""
+    pr = _Pricer(graph, mesh, profile)
+    pins = _norm_pins(graph, mesh, pins)
+    base = initial(graph, placements, mesh)
+    for vid, ps in pins.items():
+        if graph.values[vid].kind != "op" and base[vid] != ps:
+            raise ValueError(f"pin of {graph.values[vid].kind} %{vid} "
+                             f"({graph.values[vid].name}): inputs and parameters take the "
+                             "placements they are given; reshard them before compiling")
+    live = _live_after(graph)
+    outs = set(graph.output_vids())
+    # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
+    # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
+    states = [(0.0, {}, None, True)]    # placements of the live op outputs only
+    expanded = 0
+    for k, n in enumerate(graph.nodes):
+        nxt = {}
+        for cost, pl, ch, is_greedy in states:
+            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
+                          for v in n.inputs)
+            specs, dec = pr.decision(n, in_ps)
+            cands = list(dec.candidates[:per_op])
+            for j, c in enumerate(cands):
+                expanded += 1
+                nc = pr.price(n, specs, c)
+                new = dict(pl)
+                extra = 0.0
+                for vid, ps in zip(n.outs, c.strategy.outputs):
+                    new[vid] = tuple(ps)
+                    if vid in pins and vid not in outs:
+                        extra += pr.pin_cost(vid, ps, pins[vid])
+                        new[vid] = pins[vid]
+                keep = {v: new[v] for v in live[k]}
+                key = tuple(sorted(keep.items()))
+                total = cost + nc.total + extra
+                g_here = is_greedy and j == 0
+                old = nxt.get(key)
+                if old is None or total < old[0]:
+                    # the flag: this state costs no more than greedy's own, same live layout
+                    nxt[key] = (total, keep, (ch, (n.nid, c, nc)),
+                                g_here or (old is not None and old[3]))
+                elif g_here:
+                    nxt[key] = old[:3] + (True,)
+        ranked = sorted(nxt.values(), key=lambda s: s[0])
+        states = ranked[:beam]
+        if not any(s[3] for s in states):
+            states.append(next(s for s in ranked if s[3]))
+    # the pinned outputs' reshards close the program
+    best = None
+    for cost, pl, ch, _ in states:
+        extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
+        if best is None or cost + extra < best[0] - 1e-18:
+            best = (cost + extra, pl, ch, extra)
+    _, pl, link, extra = best
+    ch = []
+    while link is not None:
+        link, step = link
+        ch.append(step)
+    ch.reverse()
+    placements_all = dict(base)
+    choice, costs = {}, {}
+    for nid, c, nc in ch:
+        choice[nid], costs[nid] = c, nc
+        for vid, ps in zip(graph.nodes[nid].outs, c.strategy.outputs):
+            placements_all[vid] = tuple(ps)
+    for vid, ps in pins.items():
+        if vid not in outs and graph.values[vid].kind == "op":
+            placements_all[vid] = ps        # pinned intermediates are resharded at once
+    return Assignment(graph, mesh, pr.pname, placements_all, choice, costs, pins, extra,
+                      "whole-graph", expanded)
+

@@ -1,0 +1,309 @@
+"""The compiled step on the modeled clock: a schedule of kernels and collectives.
+
+A compiled program knows its whole step before it runs, so its timeline can be laid out
+ahead: the forward in program order, then the backward in reverse, each op's kernels
+priced by the op table's cost on the busiest rank (``ops_table/pricing.py``, the
+dispatcher's own), each reshard's collectives and their backward (all_gather <->
+reduce_scatter, all_to_all <-> all_to_all, all_reduce <-> all_reduce, a local slice's
+all_gather), and the all-reduce of every gradient whose input was replicated where the
+op's outputs diverge (a parameter's: data parallelism's gradient all-reduce; an
+activation's: Megatron's ``f``).  :func:`replay` records the schedule into a
+:class:`~workbench.sim_mesh.trace.Trace` with the clock's own rules (blocking collectives
+stall compute; async ones run on the comm stream beside it until waited for).
+
+The O2 passes edit the schedule (``passes/bucket.py``, ``overlap.py``, ``sink.py``) and
+each is replayed before and after, so the trace shows what it saved.
+
+Assumed, as the clock assumes: one launch per kernel (two for a matmul's backward: its
+dgrad and wgrad GEMMs, as ``pricing.py``), in series with the kernel
+(``profiles.launch_overhead``; notebook 12 says where that overcounts).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel.ops_table import pricing
+from ..parallel.ops_table.table import TABLE
+from ..sim_mesh.profiles import get_profile
+from ..sim_mesh.trace import Trace, suspend
+from .lower import Reshard
+from .propagate import BACKWARD_OF, _local_bytes
+
+__all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
+
+_COLL = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass
+class Item:
+    kind: str                   # "compute" | "comm"
+    name: str
+    phase: str                  # "forward" | "backward"
+    kernel: float = 0.0         # compute: seconds of the kernel(s) alone
+    launches: int = 0           # compute: host launches
+    op_class: str = ""
+    coll: str = ""              # comm: all_gather | all_reduce | reduce_scatter | all_to_all
+    mesh_dim: int = 0
+    nbytes: int = 0             # comm: the buffer (cost-model convention)
+    grad: bool = False          # comm: a parameter's gradient reduction (bucketable)
+    after: int = -1             # comm: the compute item whose result it sends (-1: none)
+    before: int | None = None   # comm: the compute item that needs it (None: end of step)
+    async_: bool = False        # comm: on the comm stream, waited for before `before`
+    tag: str = ""               # what a pass did
+    uid: int = -1               # stable number (after / before name compute items by it)
+    kernels: int = 0            # compute: kernels it runs (launched one by one, or sunk)
+
+
+@dataclass
+class Schedule:
+    items: list
+    mesh: object
+    profile: object
+    graph_launch: bool = False  # sink: the whole graph is launched once
+
+    def next_uid(self) -> int:
+        return max((i.uid for i in self.items), default=-1) + 1
+
+    def copy(self):
+        return Schedule([copy.copy(i) for i in self.items], self.mesh, self.profile,
+                        self.graph_launch)
+
+    def __str__(self):
+        lines = []
+        for k, it in enumerate(self.items):
+            if it.kind == "compute":
+                lines.append(f"#{it.uid:<4} {it.phase[:3]} {it.name:<22} {it.kernel * 1e6:8.2f} us"
+                             f" + {it.launches} launch" + (f"  [{it.tag}]" if it.tag else ""))
+            else:
+                mode = f"async, waited before #{it.before}" if it.async_ and it.before is not None \
+                    else "async, waited at the end" if it.async_ else "blocking"
+                lines.append(f"#{it.uid:<4} {it.phase[:3]} {it.coll:<15} {it.name:<14} "
+                             f"{it.nbytes:>10,d} B  {mode}" + (f"  [{it.tag}]" if it.tag else ""))
+        return "\n".join(lines)
+
+
+@dataclass
+class StepReport:
+    """What one replay of the schedule cost on the clock (rank 0's streams)."""
+    time: float
+    compute: float
+    comm: float
+    exposed: float              # communication time with no compute beside it
+    launch: float               # host launch time in the compute stream
+    kernels: int
+    collectives: int
+    trace: Trace = field(repr=False, default=None)
+
+    def __str__(self):
+        return (f"step {self.time * 1e6:.2f} us: compute {self.compute * 1e6:.2f} us "
+                f"({self.kernels} kernels, launches {self.launch * 1e6:.2f} us), "
+                f"communication {self.comm * 1e6:.2f} us ({self.collectives} collectives, "
+                f"exposed {self.exposed * 1e6:.2f} us)")
+
+
+def _launch(profile, dtype) -> float:
+    return profile.compute_path(dtype)[3]
+
+
+def build_schedule(prog) -> Schedule:
+    """The step of ``prog`` (module docstring): forward, then backward in reverse."""
+    g, a, mesh = prog.graph, prog.assignment, prog.mesh
+    prof = get_profile(a.profile)
+    items: list[Item] = []
+    made = {}                    # vid -> index of the compute item that made it
+    fwd_of = {}                  # nid -> (compute item index or -1)
+    from .propagate import _Pricer
+    pr = _Pricer(g, mesh, a.profile)
+    bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
+    pending = []
+    for ins in prog.program:
+        if isinstance(ins, Reshard):
+            for s in ins.plan.steps:
+                if s.kind in _COLL:
+                    pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
+                                        mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
+                                        after=made.get(ins.vid, -1)))
+            if ins.why.startswith("pinned"):
+                for it in pending:
+                    it.before = None
+                items.extend(pending)
+                pending = []
+            continue
+        n = g.nodes[ins.nid]
+        entry = TABLE[n.op]
+        c = a.choice[n.nid]
+        specs = tuple(None if v is None else pr.spec(v, ps) for v, ps in
+                      zip(n.inputs, c.strategy.inputs))
+        cost, dtype = _cost(pr, n, specs, c)
+        idx = len(items) + len(pending)
+        for it in pending:
+            it.before = idx
+        items.extend(pending)
+        pending = []
+        if cost.flops or cost.bytes:
+            kern = pricing._time(cost.flops, cost.bytes, prof, dtype, entry.op_class,
+                                 launches=1) - _launch(prof, dtype)
+            items.append(Item("compute", n.name, "forward", kernel=max(kern, 0.0), launches=1,
+                              op_class=entry.op_class, kernels=1))
+            fwd_of[n.nid] = len(items) - 1
+        else:
+            fwd_of[n.nid] = made.get(next((v for v in n.inputs if v is not None), -1), -1)
+        for vid in n.outs:
+            made[vid] = fwd_of[n.nid]
+        specs_in = tuple(None if v is None else pr.spec(v, cur_ps) for v, cur_ps in
+                         zip(n.inputs, [None if v is None else a.placements[v]
+                                        for v in n.inputs]))
+        bwd.append((n, specs_in, c, dtype, cost))
+    items.extend(pending)
+    # backward, in reverse
+    for n, specs_in, c, dtype, cost in reversed(bwd):
+        if not any(g.values[o].requires_grad for o in n.outs):
+            continue
+        entry = TABLE[n.op]
+        here = len(items)
+        if cost.backward_flops or cost.backward_bytes:
+            kern = pricing._time(cost.backward_flops, cost.backward_bytes, prof, dtype,
+                                 entry.op_class, launches=1) - _launch(prof, dtype)
+            two = entry.op_class == "matmul" and isinstance(cost, pricing.SplitCost)
+            items.append(Item("compute", n.name, "backward", kernel=max(kern, 0.0),
+                              launches=2 if two else 1, op_class=entry.op_class,
+                              kernels=2 if two else 1))
+        st = c.strategy
+        diverge = [i for i in range(mesh.ndim)
+                   if any(not ps[i].is_replicate() for ps in st.outputs)]
+        for vid, spec, plan, req in zip(n.inputs, specs_in, c.plans, st.inputs):
+            if vid is None or not g.values[vid].requires_grad:
+                continue
+            leaf = g.values[vid].kind in ("param", "input")
+            for i in diverge:
+                if req[i].is_replicate():
+                    nb = _local_bytes(spec.shape, mesh, req, spec.dtype)
+                    items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}",
+                                      "backward", coll="all_reduce", mesh_dim=i, nbytes=nb,
+                                      grad=leaf, after=here))
+            if plan is not None:
+                for s in reversed(plan.steps):
+                    kind = BACKWARD_OF.get(s.kind)
+                    if kind is None or s.mesh_dim is None:
+                        continue
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.dst, spec.dtype)
+                    items.append(Item("comm", f"%{vid}", "backward", coll=kind,
+                                      mesh_dim=s.mesh_dim, nbytes=nb, after=here))
+    # a backward collective is needed by the next backward kernel
+    nxt = None
+    for k in range(len(items) - 1, -1, -1):
+        it = items[k]
+        if it.kind == "compute":
+            nxt = k
+        elif it.phase == "backward" and it.before is None and not it.grad:
+            it.before = nxt
+    for k, it in enumerate(items):
+        it.uid = k               # after / before were positions: now names that passes keep
+    return Schedule(items, mesh, prof)
+
+
+def _cost(pr, n, specs, c):
+    entry = TABLE[n.op]
+    ins = []
+    for vid, k in zip(n.inputs, n.in_consts or (None,) * len(n.inputs)):
+        if vid is None:
+            ins.append(k)
+        else:
+            v = pr.g.values[vid]
+            ins.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
+    outs = [pr.g.values[o] for o in n.outs]
+    cost = pricing.local_cost(entry, pr.mesh, specs, ins, c, tuple(v.shape for v in outs),
+                              tuple(v.dtype for v in outs), n.attrs)
+    return cost, pricing.pricing_dtype(specs, tuple(v.dtype for v in outs))
+
+
+def replay(schedule: Schedule) -> StepReport:
+    """Record ``schedule`` on a fresh trace (module docstring) and read the step off it."""
+    mesh, prof = schedule.mesh, schedule.profile
+    ranks = tuple(mesh.ranks)
+    waits: dict = {}             # item index -> handles to wait for before it
+    tail = []
+    launch_total = 0.0
+    kernels = 0
+    dt = torch.float32
+    with suspend():
+        tr = Trace(prof)
+        if schedule.graph_launch:      # the whole graph enqueued at once
+            lt = _launch(prof, dt)
+            tr.record_compute(ranks, "graph launch", lt, label="launch",
+                              args={"launch": lt})
+            launch_total += lt
+        for k, it in enumerate(schedule.items):
+            if it.kind == "compute":
+                for h in waits.pop(it.uid, ()):
+                    tr.wait(h)
+                lt = it.launches * _launch(prof, dt)
+                launch_total += lt
+                kernels += it.kernels
+                tr.record_compute(ranks, it.name, it.kernel + lt, label=it.phase,
+                                  args={"launch": lt, "phase": it.phase})
+                continue
+            hs = _record(tr, it, mesh)
+            if it.async_:
+                (waits.setdefault(it.before, []) if it.before is not None
+                 else tail).extend(hs)
+        for hs in list(waits.values()) + [tail]:
+            for h in hs:
+                tr.wait(h)
+    return _report(tr, ranks[0], launch_total, kernels)
+
+
+def _record(tr, it, mesh):
+    from ..sim_mesh import cost as _c
+    hs = []
+    for grp in mesh.groups(it.mesh_dim):
+        if len(grp) == 1:
+            continue
+        dur = _c.price(it.coll, it.nbytes, grp, tr.profile)
+        hs.append(tr.record_collective(grp, it.coll, dur,
+                                       bytes=_c.wire_bytes(it.coll, it.nbytes, len(grp)),
+                                       label=f"{it.phase} {it.name}",
+                                       args={"mesh_dim": mesh.dim_names[it.mesh_dim],
+                                             "buffer_bytes": int(it.nbytes), "tag": it.tag},
+                                       overlap=it.async_))
+    return hs
+
+
+def _merge(iv):
+    out = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _report(tr, rank, launch_total, kernels) -> StepReport:
+    evs = tr.events
+    comp = _merge([(e.start, e.end) for e in evs if e.stream == "compute" and rank in e.ranks])
+    comm = _merge([(e.start, e.end) for e in evs if e.stream == "comm" and rank in e.ranks])
+    exposed = 0.0
+    for s, e in comm:
+        covered = sum(max(0.0, min(e, b) - max(s, a)) for a, b in comp)
+        exposed += (e - s) - covered
+    return StepReport(tr.time(), sum(b - a for a, b in comp), sum(b - a for a, b in comm),
+                      exposed, launch_total, kernels,
+                      sum(1 for e in evs if e.stream == "comm" and rank in e.ranks), tr)
+
+
+def trace_report(tr, rank: int = 0) -> StepReport:
+    """The same figures read off a trace a program recorded as it ran: a launch per
+    compute event (``profiles.launch_overhead``), none for a kernel run in a sunk graph
+    (``args["sunk"]``), the graph's own launch event as it is."""
+    lt = _launch(tr.profile, torch.float32)
+    comp = [e for e in tr.events if e.stream == "compute" and rank in e.ranks]
+    launch = sum(e.duration if e.label == "launch" else 0.0 if e.args.get("sunk") else lt
+                 for e in comp)
+    return _report(tr, rank, launch, sum(1 for e in comp if e.label != "launch"))
+
+
+__all__ += ["trace_report"]

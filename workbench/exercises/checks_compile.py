@@ -1,0 +1,108 @@
+"""Checks for the exercises of notebook 16 (dynamic to static).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
+:class:`~.feedback.CheckError` with the hint first and the expected value from the third
+wrong try on.  Expected values come from formulas written out here (ring collectives send
+(p-1)/p of their buffer; a graph launch replaces every kernel's launch), never from
+``workbench.compile``'s own counts: a bug there must not become the right answer.  The
+graph-break exercise runs the student's function through ``wb.compile`` (whether it
+breaks is the question) and holds its results to a plain-torch reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from ..sim_mesh.profiles import get_profile
+from .checks import _check_number, _ok
+from .feedback import CheckError, exercise
+
+__all__ = ["check_no_graph_break", "check_greedy_vs_whole_bytes", "check_sink_saving_us"]
+
+
+def scale_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """relu(x / m) with m = max(1, the largest |x|): what ``scale_rows`` computes."""
+    m = max(1.0, float(x.abs().max()))
+    return torch.relu(x / m)
+
+
+@exercise
+def check_no_graph_break(fn) -> None:
+    """``fn(x)`` computes ``scale_rows`` (relu of x divided by max(1, max |x|)) with no
+    data-dependent Python control flow, so that ``wb.compile`` captures it whole."""
+    import workbench as wb
+    if not callable(fn):
+        raise CheckError(f"pass your function itself (got a {type(fn).__name__})")
+    mesh = wb.Mesh.grid((2,))
+    g = torch.Generator().manual_seed(16)
+    small = torch.rand(4, 6, generator=g) * 1.6 - 0.8           # every |x| < 1
+    big = torch.randn(4, 6, generator=g) * 3                    # some |x| > 1
+    prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
+    if prog.eager:
+        b = prog.breaks[0]
+        raise CheckError(f"wb.compile still falls back to eager: {b.reason} at line {b.line} "
+                         f"({b.code!r}). Compute both branches with tensor ops instead of an "
+                         "`if` on a tensor: torch.clamp(m, min=1) or torch.where(...)")
+    for name, x in (("all |x| < 1", small), ("largest |x| > 1", big)):
+        want = scale_rows_reference(x)
+        try:
+            got = prog(wb.shard_tensor(x, mesh, [wb.Shard(0)])).full()
+        except ValueError:               # compiled for other shapes: compile again
+            got = wb.compile(fn, wb.shard_tensor(x, mesh, [wb.Shard(0)]), method="trace")(
+                wb.shard_tensor(x, mesh, [wb.Shard(0)])).full()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            hint = ("divide by max(1, m), not by m: inputs already within [-1, 1] stay as "
+                    "they are" if name.startswith("all") and torch.allclose(
+                        got, torch.relu(x / x.abs().max()), atol=1e-6) else
+                    "compare with relu(x / max(1, max|x|))")
+            raise CheckError(f"for an input with {name} your function gives another "
+                             f"result: {hint}")
+    _ok(f"{len(prog.graph.nodes)} ops captured whole, no graph break; the results match "
+        "with and without scaling")
+
+
+def _ring(nbytes: float, p: int) -> float:
+    """Bytes each rank sends in a ring all-gather / all-to-all of a ``nbytes`` buffer."""
+    return (p - 1) / p * nbytes
+
+
+@exercise
+def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p: int = 4,
+                                elem: int = 4) -> None:
+    """Bytes each rank sends for softmax over dim 1 of a (rows, cols) tensor sharded on
+    dim 1 over p ranks, then resharded to Replicate: op by op (all_to_all to S(0), then
+    all_gather) and compiled (one all_gather before the softmax)."""
+    full = rows * cols * elem
+    want_g = _ring(full / p, p) + _ring(full, p)
+    want_w = _ring(full, p)
+    with contextlib.redirect_stdout(io.StringIO()):     # one "Correct" line for both
+        _check_number("op-by-op bytes", greedy, want_g, "B", [
+            (want_w, "that is the compiled program's count; op by op, the softmax first moves "
+                     "its input to S(0) with an all_to_all (each rank sends (p-1)/p of its "
+                     "shard), and the all_gather to Replicate comes after"),
+            (full / p + full, "each collective sends (p-1)/p of its buffer, not all of it "
+                              "(a rank keeps its own piece)"),
+            (_ring(full, p) * 2, "the all_to_all moves one rank's shard (rows x cols/p), not "
+                                 "the whole tensor"),
+            (want_g / elem, "count bytes (4 per float32), not elements")])
+    _check_number("compiled bytes", whole, want_w, "B", [
+        (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
+                 "tensor, so the only collective is one all_gather"),
+        (full, "an all_gather sends (p-1)/p of the buffer from each rank"),
+        (want_w / elem, "count bytes (4 per float32), not elements")],
+        what=f" (op by op: {float(greedy):,.0f} B)")
+
+
+@exercise
+def check_sink_saving_us(us, kernels: int, profile: str = "ascend-910b") -> None:
+    """Microseconds a graph sink saves on a step of ``kernels`` kernels launched one by
+    one: every launch is dropped, one launch of the whole graph is paid."""
+    lt = get_profile(profile).launch_overhead
+    want = (kernels - 1) * lt * 1e6
+    _check_number("launch time saved", us, want, "us", [
+        (kernels * lt * 1e6, "the graph itself is still launched once: one launch remains"),
+        ((kernels - 1) * lt * 1e3, "launch_overhead is in seconds: times 1e6 for us"),
+        ((kernels - 1) * lt, "launch_overhead is in seconds: times 1e6 for us"),
+        (lt * 1e6, "that is one launch; the step launches every kernel")])

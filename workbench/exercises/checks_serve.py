@@ -1,0 +1,88 @@
+"""Checks for the exercises of notebook 15 (from training to serving).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
+:class:`~.feedback.CheckError` with the hint first and the expected value from the third
+wrong try on.  Expected values come from hand formulas written out here (a decode step reads every
+weight once; ``torch.chunk`` sizes by hand; a static batch's slots), never from
+``workbench.checkpoint`` or ``workbench.serve``: a bug there must not become the right
+answer.
+"""
+from __future__ import annotations
+
+import math
+
+from .checks import _check_number, _chunks, _hint, _number, _ok
+from .feedback import CheckError, exercise
+
+__all__ = ["check_decode_floor_ms", "check_load_reads", "check_static_useful_share"]
+
+@exercise
+def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: float) -> None:
+    """The memory-bound floor of one decode step: every weight read once per step from
+    device memory, ``weight_params`` at 2 bytes (bf16) and at 1 byte (int8), at
+    ``bandwidth`` bytes/s."""
+    want = weight_params * 2 / bandwidth * 1e3
+    bf16, int8 = _number("bf16_ms", bf16_ms), _number("int8_ms", int8_ms)
+    if not math.isclose(bf16, want, rel_tol=0.01):
+        wrong = [(want * 8, "that counts bits: a bf16 weight is 2 bytes"),
+                 (want / 2, "that counts 1 byte per bf16 weight; bf16 is 2 bytes")]
+        raise CheckError(f"your bf16 decode floor is {bf16:.4g} ms: " + _hint(bf16, want, wrong),
+                         expected=f"{want:.4g} ms")
+    if math.isclose(int8, want, rel_tol=0.01):
+        raise CheckError("your int8 floor equals the bf16 one: int8 weights are 1 byte each, "
+                         "so the step reads half the bytes", expected=f"{want / 2:.4g} ms")
+    if not math.isclose(int8, want / 2, rel_tol=0.01):
+        wrong = [(want / 4, "that is int4 (half a byte per weight); int8 is 1 byte")]
+        raise CheckError(f"your int8 decode floor is {int8:.4g} ms: "
+                         + _hint(int8, want / 2, wrong), expected=f"{want / 2:.4g} ms")
+    _ok(f"a decode step reads every weight once: at least {bf16:.3g} ms in bf16, "
+        f"{int8:.3g} ms with int8 weights")
+
+
+@exercise
+def check_load_reads(ranks, rank: int = 1, rows: int = 16, saved: int = 8,
+                     loaded: int = 3) -> None:
+    """The saved ranks whose files rank ``rank`` reads when ``rows`` rows saved
+    ``Shard(0)`` over ``saved`` ranks are loaded ``Shard(0)`` over ``loaded`` ranks
+    (``torch.chunk`` sizes both times)."""
+    if not isinstance(ranks, (list, tuple, set)) or \
+            not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise CheckError(f"give a list of rank numbers (ints), got {ranks!r}")
+    def bounds(n, k):
+        sizes, out, start = _chunks(rows, n), [], 0
+        for s in sizes:
+            out.append((start, start + s))
+            start += s
+        return out[k] if k < len(out) else (rows, rows)
+    lo, hi = bounds(loaded, rank)
+    want = [s for s in range(saved) if (b := bounds(saved, s))[0] < hi and b[1] > lo
+            and b[1] > b[0]]
+    got = sorted(set(ranks))
+    if got == want:
+        _ok(f"rank {rank} reads rows {lo}..{hi - 1} from the files of saved ranks {want}")
+        return
+    if got == list(range(saved)):
+        raise CheckError("that is every file: a rank reads only the saved pieces that "
+                         "overlap its own rows", expected=str(want))
+    if len(got) == len(want) and got != want:
+        raise CheckError(f"the right number of files, the wrong ones: rank {rank}'s rows are "
+                         f"chunk {rank} of torch.chunk({rows}, {loaded}); which saved chunks "
+                         "of torch.chunk over the saved ranks overlap them?", expected=str(want))
+    raise CheckError(f"rank {rank} holds rows of chunk {rank} of torch.chunk({rows}, {loaded}) "
+                     f"(ceil({rows} / {loaded}) rows per chunk, the last one shorter); list the "
+                     f"saved ranks whose chunk of torch.chunk({rows}, {saved}) overlaps them",
+                     expected=str(want))
+
+
+@exercise
+def check_static_useful_share(share, outputs=(12, 3, 7, 2)) -> None:
+    """The share of a static batch's decode tokens that its requests needed: each
+    request needs ``output - 1`` decode steps (the prefill samples the first token),
+    the batch runs ``max(outputs) - 1`` decode steps for every slot."""
+    n, top = len(outputs), max(outputs)
+    want = sum(o - 1 for o in outputs) / (n * (top - 1))
+    wrong = [(sum(outputs) / (n * top), "the prefill samples each request's first token, so "
+              "a request of o tokens needs o - 1 decode steps, and the batch runs max - 1"),
+             (1 / want, "that is computed over needed: give needed over computed"),
+             (1 - want, "that is the padded share; give the useful share")]
+    _check_number("useful share", share, want, "", wrong, rel=0.005)

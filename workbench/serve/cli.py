@@ -1,0 +1,129 @@
+"""``python -m workbench serve``: generate text from a trained checkpoint on any layout.
+
+    python -m workbench train --steps 200 --dp 2 --tp 2 --save ckpt       # train, save
+    python -m workbench serve --checkpoint ckpt --tp 2 --prompt "The fox" --max-new-tokens 40
+    python -m workbench serve --preset tiny --prompt "The fox" --max-new-tokens 20  # untrained
+
+Prints the prompt and its continuation: greedy unless ``--temperature`` > 0 (then
+``--top-k`` / ``--top-p`` filter and ``--seed`` seeds the draws).  The text is the same
+on every layout (``--dp``, ``--tp``; ``--backend torch`` under torchrun, one rank per
+process): the model is laid out by the hybrid recipe and the checkpoint read into that
+layout by ``wb.checkpoint.load``, each rank reading only its shards.
+
+``--checkpoint`` reads the ``model`` entry of a ``train --save`` checkpoint (or of any
+``wb.checkpoint.save(path, {"model": model.state_dict()})``); the model's shape is
+``--preset``'s (the one it was trained with).  Without ``--checkpoint`` the model is
+``--preset`` initialised from ``--seed``, untrained (for testing).
+"""
+from __future__ import annotations
+
+import sys
+
+__all__ = ["add_serve_arguments", "main_serve", "load_served", "servable_presets"]
+
+
+def add_serve_arguments(p) -> None:
+    """Declare the ``serve`` subcommand's flags on an argparse parser."""
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a checkpoint with the model's weights (train --save DIR); without "
+                        "it, --preset untrained, initialised from --seed")
+    p.add_argument("--preset", default="tiny", choices=servable_presets(),
+                   help="the model's shape (the preset the checkpoint was trained with); the "
+                        "presets over the course's 75-character alphabet")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0: sample from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens holding this probability")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling draws (and of the init without --checkpoint)")
+    g = p.add_argument_group("layout (simulated ranks, or torch.distributed with --backend torch)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--backend", default="sim", choices=["sim", "torch"],
+                   help="sim: all ranks in this process; torch: one rank per process "
+                        "(torchrun --nproc-per-node dp x tp)")
+
+
+def servable_presets() -> list[str]:
+    """The presets whose vocabulary is the character tokenizer's (the text a prompt and
+    the output are written in); the large ones are shapes for estimates, not models to
+    build on a CPU."""
+    from ..models.config import PRESETS
+    from ..models.data import TOKENIZER
+    return [n for n, kw in PRESETS.items() if kw.get("vocab_size") == TOKENIZER.vocab_size]
+
+
+def load_served(preset, checkpoint=None, *, dp: int = 1, tp: int = 1, seed: int = 0,
+                distributed: bool = False):
+    """The served model (:class:`~.generate.Served`): ``preset``'s shape on a dp x tp
+    layout, with the ``model`` weights of ``checkpoint`` read into that layout."""
+    from .generate import serve_model
+    served = serve_model(preset, dp=dp, tp=tp, seed=seed, distributed=distributed)
+    if checkpoint is not None:
+        import torch
+
+        from ..checkpoint import load
+        sd = served.model.state_dict()
+        load(checkpoint, {"model": sd})
+        with torch.no_grad():
+            served.model.load_state_dict(sd)
+    return served
+
+
+def _check(args) -> str | None:
+    for flag in ("dp", "tp"):
+        v = getattr(args, flag)
+        if v < 1:
+            return f"--{flag} {v}: give an int >= 1"
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens {args.max_new_tokens}: give an int >= 0"
+    if not args.prompt:
+        return "--prompt '': give at least one character to continue"
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        return "--top-k / --top-p filter the sampled tokens: add --temperature > 0 (e.g. 0.8)"
+    return None
+
+
+def main_serve(args) -> int:
+    import os
+
+    import torch
+
+    from ..models.data import TOKENIZER
+    from .generate import generate
+    bad = _check(args)
+    if bad is None and args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        bad = f"--checkpoint {args.checkpoint}: no such folder; give a checkpoint saved by " \
+              "`python -m workbench train ... --save DIR`"
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
+    distributed = args.backend == "torch"
+    try:
+        if distributed:
+            from ..sim_mesh import backends
+            backends.init()
+        prompt = TOKENIZER.encode(args.prompt)[None]                       # (1, S)
+        served = load_served(args.preset, args.checkpoint, dp=args.dp, tp=args.tp,
+                             seed=args.seed, distributed=distributed)
+        # one prompt: every dp replica serves a copy of it (rows are split over dp)
+        idx = prompt.expand(args.dp, -1).contiguous() if args.dp > 1 else prompt
+        # one generator per copy, seeded alike: each draws one device's tokens
+        gen = [torch.Generator().manual_seed(args.seed) for _ in range(idx.shape[0])]
+        out = generate(served.model, served.place(idx), args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       generator=gen).full()
+    except (ValueError, TypeError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not distributed:
+        print(TOKENIZER.decode(out[0]))
+        return 0
+    from ..sim_mesh import backends
+    if backends.rank() == 0:
+        print(TOKENIZER.decode(out[0]), flush=True)
+    backends.shutdown()
+    return 0

@@ -1,0 +1,143 @@
+"""Autoregressive generation with a KV cache, on one device or any layout.
+
+    model = wb.models.build_model("tiny").eval()
+    out = generate(model, idx, 20)                                # greedy, KV cache
+    out = generate(model, idx, 20, temperature=0.8, top_k=20,
+                   generator=torch.Generator().manual_seed(0))    # sampled, reproducible
+
+    served = serve_model("tiny", tp=2)                            # Megatron TP on 2 ranks
+    out = generate(served.model, served.place(idx), 20).full()    # one device's tokens
+
+Prefill runs the prompt once and fills the cache; each decode step runs the newest
+token alone (``kv_cache.py``).  ``use_cache=False`` is the textbook loop that
+recomputes the whole prefix for every token (``Splittable.generate``): the reference
+the cache is held to, token by token.
+
+On a layout (:func:`serve_model`: the hybrid recipe's dp x tp meshes, simulated or
+one process per rank under torchrun) the prompt's rows are split over dp and
+replicated over tp; the weights are Megatron's tensor-parallel split, so the cache's
+key/value heads shard over tp with them, and the vocabulary-sharded logits pick
+their token with the vocabulary-parallel argmax / topk (2 numbers per row and rank,
+not V) of ``parallel/ops_table/sampling.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.dist_tensor import DistTensor, shard_tensor
+from ..parallel.module import parallelize
+from ..parallel.placement import Replicate, Shard
+from ..parallel.reshard import reshard
+from .kv_cache import KVCache
+from .sampling import SamplingParams, sample_next
+
+__all__ = ["generate", "serve_model", "Served"]
+
+
+def _check(model, idx, max_new_tokens, use_cache):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")
+    if idx.ndim != 2 or idx.shape[1] < 1:
+        raise ValueError(f"generate: idx of shape {tuple(idx.shape)}; give token ids (B, S) "
+                         "with S >= 1 (a prompt of at least one token)")
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"generate: idx of dtype {idx.dtype}; give token ids (torch.long)")
+    n = idx.shape[1] + max_new_tokens
+    if use_cache and n > model.cfg.seq_len:
+        raise ValueError(f"generate: {idx.shape[1]} prompt + {max_new_tokens} new tokens = {n} "
+                         f"> seq_len={model.cfg.seq_len}, the longest context the model's "
+                         "positions cover; ask for fewer tokens, or use_cache=False (which "
+                         "crops the context to the last seq_len tokens)")
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None,
+             generator=None, use_cache: bool = True, cache=None):
+    """Append ``max_new_tokens`` tokens to idx (B, S) (a tensor, or a DistTensor of a
+    :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
+    Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`); ``generator``:
+    one ``torch.Generator``, or one per sequence (:func:`~.sampling.sample_next`).  ``cache``:
+    an empty cache to fill (a :class:`~.paged_cache.PagedKVCache`; default a new
+    :class:`~.kv_cache.KVCache`)."""
+    params = SamplingParams(temperature, top_k, top_p)
+    _check(model, idx, max_new_tokens, use_cache)
+    if cache is not None and (not use_cache or cache.get_seq_length() != 0):
+        raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
+                         f"this one holds {cache.get_seq_length()} tokens")
+    if max_new_tokens == 0:
+        return idx
+    was_training = model.training
+    model.eval()
+    try:
+        if cache is None and use_cache:
+            cache = KVCache.for_model(model)
+        out = idx
+        logits, _ = model(idx, cache=cache) if cache is not None \
+            else model(idx[:, -model.cfg.seq_len:])                        # prefill (B, S, V)
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1, :], params, generator).unsqueeze(1)   # (B, 1)
+            out = torch.cat((out, nxt.to(out.dtype)), 1)                    # (B, S + i + 1)
+            if i == max_new_tokens - 1:
+                break
+            if cache is not None:
+                logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
+            else:
+                logits, _ = model(out[:, -model.cfg.seq_len:])              # recompute all
+        return out
+    finally:
+        model.train(was_training)
+
+
+@dataclass
+class Served:
+    """A model laid out for serving: ``model`` (eval mode), its ``mesh`` (dp x tp), and
+    :meth:`place` to lay out a prompt on it (rows over dp, replicated over tp)."""
+    model: torch.nn.Module
+    mesh: object
+    dp: int
+    tp: int
+
+    def place(self, idx: torch.Tensor) -> DistTensor:
+        return shard_tensor(idx, self.mesh, [Shard(0), Replicate()])
+
+
+def serve_model(cfg, *, dp: int = 1, tp: int = 1, seed: int = 0, state_dict=None,
+                distributed: bool = False) -> Served:
+    """The model of ``cfg`` (a ModelConfig or a preset name) on a dp x tp layout, built by
+    the hybrid recipe (``seed``: its deterministic init), then ``state_dict`` (full
+    tensors, e.g. a trained model's) loaded into it.  ``distributed``: one rank per
+    process under torchrun (``wb.distributed.init()`` first)."""
+    from ..models.config import get_config
+    from ..recipes.hybrid import Hybrid
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    for name, val in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head), ("d_ff", cfg.d_ff)):
+        if isinstance(tp, int) and tp >= 1 and val % tp:
+            raise ValueError(f"serve_model(tp={tp}): tp does not divide {name}={val}; tensor "
+                             "parallelism splits heads and hidden features evenly")
+    recipe = Hybrid(dp=dp, tp=tp, distributed=distributed)
+    model = recipe.build_model(cfg, seed).eval()
+    if cfg.tie_embeddings:
+        # one stage: the recipe shards the word embedding and leaves the tied head to
+        # ``stage_forward`` (it reads the embedding's table); ``forward`` calls lm_head,
+        # so give it the same DistTensor (parallelize reuses a tied parameter's)
+        plan = {"": "colwise"} if "lm_head" in model.tp_plan(tp) else {}
+        parallelize(model.lm_head, recipe.meshes[0], plan, mesh_dim="tp")
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if tp > 1:
+        model.tok_emb.register_forward_hook(_residual_layout)
+    return Served(model, recipe.meshes[0], dp, tp)
+
+
+def _residual_layout(module, args, out):
+    """The residual stream after the (vocabulary-parallel) embedding: rows over dp,
+    replicated over tp (Megatron's all-reduce after ``VocabParallelEmbedding``; the hybrid
+    recipe's ``_layout``).  Left to the dispatcher, the partial sum may be
+    reduce-scattered onto the batch rows instead, uneven when B / dp < tp."""
+    return reshard(out, out.mesh, [Shard(0), Replicate()])

@@ -1,0 +1,95 @@
+"""A KV cache in pages: the models' cache interface (``attend``, ``get_seq_length``) on
+a shared block pool read through block tables (``workbench.ops.paged_attention``).
+
+    cache = PagedKVCache.for_model(model, batch=2, num_blocks=16, block_size=4)
+    out = generate(model, idx, 20, cache=cache)     # the contiguous cache's tokens
+    cache.memory(max_len=model.cfg.seq_len)         # paged against contiguous, as data
+
+Every layer has its own pool (num_blocks, n_kv_head, block_size, head_dim) of keys and
+one of values; all layers share the block tables (vLLM keeps one block table per
+sequence for every layer: Kwon et al. 2023, sec. 4.3).  Layer 0 reserves the slots of
+a step's new tokens (allocating blocks as a sequence crosses into a new one), every
+layer writes its keys and values there, and the last layer commits the new length.
+Plain tensors on one device (a layout shards the pools by heads the same way as the
+contiguous cache; not built).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import paged_attention
+from ..ops.kv_blocks import BlockAllocator, BlockTables, OutOfBlocks, PagedMemory, paged_memory
+from ..parallel.dist_tensor import DistTensor
+from .kv_cache import kv_bytes_per_token
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Sequences 0 .. batch - 1 of a batch, their keys and values in pages."""
+
+    def __init__(self, cfg, batch: int, num_blocks: int, block_size: int, dtype=None,
+                 allocator: BlockAllocator | None = None):
+        self.cfg = cfg
+        self.n_layer = cfg.n_layer
+        dtype = dtype or cfg.torch_dtype
+        self.allocator = allocator or BlockAllocator(num_blocks)
+        n = self.allocator.num_blocks
+        self.tables = BlockTables(self.allocator, block_size)
+        shape = (n, cfg.n_kv_head, block_size, cfg.head_dim)                # (blocks, Hkv, bs, hd)
+        self.k_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
+        self.seqs = list(range(batch))
+        for s in self.seqs:
+            self.tables.add(s)
+        self._slots = None           # this step's (block, offset) per sequence (layer 0 sets)
+        self._length = 0
+
+    @classmethod
+    def for_model(cls, model, batch: int, num_blocks: int, block_size: int) -> "PagedKVCache":
+        return cls(model.cfg, batch, num_blocks, block_size)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self._length
+
+    def attend(self, layer: int, q, k, v):
+        """Write k, v (B, Hkv, S, hd) into their slots, attend q through the tables."""
+        if isinstance(q, DistTensor):
+            raise TypeError("PagedKVCache holds plain tensors on one device; a DistTensor "
+                            "model (serve_model) takes the contiguous KVCache")
+        B, _, S, _ = k.shape
+        if B != len(self.seqs):
+            raise ValueError(f"PagedKVCache: a batch of {B} sequences, the cache was built for "
+                             f"batch={len(self.seqs)}")
+        if layer == 0:               # all or nothing: a pool too small changes no table
+            need = sum(self.tables._need(s, S) for s in self.seqs)
+            if need > self.allocator.num_free:
+                raise OutOfBlocks(f"PagedKVCache: {S} more tokens for {B} sequences need {need} "
+                                  f"blocks, {self.allocator.num_free} are free; build the "
+                                  "cache with more num_blocks")
+            self._slots = [self.tables.reserve(s, S) for s in self.seqs]
+        for b, (blk, off) in enumerate(self._slots):
+            self.k_pools[layer][blk, :, off] = k[b].transpose(0, 1).to(self.k_pools[layer].dtype)
+            self.v_pools[layer][blk, :, off] = v[b].transpose(0, 1).to(self.v_pools[layer].dtype)
+        out = paged_attention(q, self.k_pools[layer], self.v_pools[layer],
+                              self.tables.table(self.seqs), self.tables.seq_lens(self.seqs))
+        if layer == self.n_layer - 1:
+            self._length += S
+        return out
+
+    def free(self) -> None:
+        """Give every sequence's blocks back to the pool."""
+        for s in self.seqs:
+            self.tables.free(s)
+        self.seqs = []
+
+    def memory(self, max_len: int | None = None) -> PagedMemory:
+        """This cache's tokens in pages against a contiguous ``max_len`` (default the
+        model's seq_len) reservation per sequence."""
+        return paged_memory([self.tables.lengths[s] for s in self.seqs], self.tables.block_size,
+                            max_len or self.cfg.seq_len,
+                            kv_bytes_per_token(self.cfg, self.k_pools[0].dtype))
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache({len(self.seqs)} sequences, {self._length} tokens each, "
+                f"{self.allocator})")
