@@ -14,13 +14,13 @@ A mixture of experts (issue 18): Mixtral-8x7B (``plan.presets``, 32K context) on
 
     python benchmarks/planner.py --model mixtral-8x7b --profile h100 --devices 64 --global-batch 256
 
-(on the 2-core machine: 16,836 layouts tried, 2,906 fit, 3.5 s alone, 6-10 s while other
+(on the 2-core machine: 16,836 layouts tried, 2,906 fit, 2.3 s alone, 6-10 s while other
 jobs shared it.  At the paper's 32K tokens
-the best is dp1 tp2 pp8 cp4, 23.4 s/step: context parallelism beats expert parallelism,
+the best is dp1 tp2 pp8 cp4, 23.8 s/step: context parallelism beats expert parallelism,
 which is carved out of dp here (Megatron-Core's folding of EP over CP is not modeled) and
 leaves too little room for the 32K-token activations.  At the 4,096 tokens of
 Megatron-LM's Mixtral example (``--seq-len 4096``): 6,246 tried, 2,681 fit, 1.7 s; the
-best is dp16 pp4 interleaved v=4 ep8, 2.34 s/step, 58.8% MFU, its four all-to-alls per
+best is dp16 pp4 interleaved v=4 ep8, 2.39 s/step, 57.5% MFU, its four all-to-alls per
 layer and micro-batch 0.76 ms inside one node.  The top layout's ``explain()`` follows
 the table.)
 
