@@ -358,6 +358,20 @@ def _tp_comm(nb):
     return [p for x in (a, b) for p in number(x, "ms")]
 
 
+def _dropped_slots(nb):
+    # the loads the exercise starts from: the router's counts, re-run from the cells' source
+    loads = _exec_cells(nb, "import math", "ids = wb.models.data.tokens()[:256]")["loads"]
+    want = int(floats(expected_of(E.check_dropped_slots, -1, loads))[0])
+    return [rf"(?<![\d.,]){want}(?![\d.,])[^\n]{{0,40}}dropped",
+            rf"dropped[^\n]{{0,40}}(?<![\d.,]){want}(?![\d.,])"]
+
+
+def _ep_tp_mb(nb):
+    ep = floats(expected_of(E.check_ep_tp_mb, -1.0, -1.0))[0]
+    tp = floats(expected_of(E.check_ep_tp_mb, ep, -1.0))[0]
+    return number(ep, "MB") + number(tp, "MB")
+
+
 def _compile_bytes(nb):
     kw = dict(rows=24, cols=64, p=8)
     g = floats(expected_of(E.check_greedy_vs_whole_bytes, -1.0, -1.0, **kw))[0]
@@ -421,6 +435,9 @@ EXERCISES = [
     ("12", "check_idle_share", _idle),
     ("13", "check_ddp_bytes", _ddp_bytes),
     ("13", "check_like_one_device", CODE),
+    ("14", "check_dropped_slots", _dropped_slots),
+    ("14", "check_ep_tp_mb", _ep_tp_mb),
+    ("14", "check_ring_kv_mb", _numbers_of(E.check_ring_kv_mb, -1.0, unit="MB")),
     ("15", "check_decode_floor_ms", _decode_floor),
     ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
     ("15", "check_static_useful_share", lambda nb: number(

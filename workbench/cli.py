@@ -80,8 +80,8 @@ def _plan_sizes(args) -> str | None:
 
 
 def _plan(args) -> int:
-    from .models.config import get_config
     from .plan import Cluster, search
+    from .plan.presets import get_config       # the course's presets, Mixtral, 128K Llamas
     bad = _plan_sizes(args)
     if bad:
         print(f"error: {bad}", file=sys.stderr)
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(t)
     t.set_defaults(fn=_train)
     pl = sub.add_parser("plan", help="the fastest layouts of a model on a cluster (analytic)")
-    pl.add_argument("--model", default="gpt3-175b", help="a preset with arch='gpt'")
+    pl.add_argument("--model", default="gpt3-175b", help="a preset: models.config's (gpt3-175b, llama3-8b...) "
+                    "or plan.presets' (mixtral-8x7b, llama3-8b-128k, llama3-70b-128k)")
     pl.add_argument("--devices", type=int, default=1024, help="devices in the cluster")
     pl.add_argument("--profile", default="a100", help="hardware profile (list_profiles())")
     pl.add_argument("--global-batch", type=int, default=1536, help="sequences per step")

@@ -2,8 +2,10 @@
 they talk (feedback.py), and the student versions of the notebooks (student.py)."""
 from . import (checks, checks_compile, checks_fused, checks_layouts, checks_overlap_profiling, checks_own_model,
                checks_plan, checks_serve, checks_spmd_pipeline, checks_strategies)
+from . import checks_experts
 from .checks import *  # noqa: F401,F403
 from .checks_compile import *  # noqa: F401,F403
+from .checks_experts import *  # noqa: F401,F403
 from .checks_fused import *  # noqa: F401,F403
 from .checks_layouts import *  # noqa: F401,F403
 from .checks_overlap_profiling import *  # noqa: F401,F403
@@ -17,6 +19,6 @@ from .student import make_student_versions
 
 __all__ = [name for mod in (checks, checks_compile, checks_fused, checks_layouts, checks_overlap_profiling,
                             checks_own_model, checks_plan, checks_serve, checks_spmd_pipeline,
-                            checks_strategies)
+                            checks_strategies, checks_experts)
            for name in mod.__all__] + ["reveal", "reset_tries", "REVEAL_AFTER",
                                        "make_student_versions"]

@@ -12,7 +12,8 @@
     dr  = wb.plan.dry_run(cfg, lay, cl)    # the real model on meta tensors (``dryrun``)
 
 Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
-``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU), ``frameworks`` (what
+``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU), ``ep_cp`` (expert and context parallelism:
+``moe_cost``, ``context_cost``; ``presets``: Mixtral-8x7B, 128K-context Llama 3), ``frameworks`` (what
 Megatron-LM, DeepSpeed and this library's recipe do differently: gradient dtype,
 ZeRO granularity; ``Layout(framework=...)``), ``zero_cost`` (ZeRO's collectives against
 compute), ``zero3_count`` (DeepSpeed ZeRO-3's collectives per step, counted as its
@@ -25,8 +26,8 @@ from .estimate import Estimate, estimate
 from .search import Ranking, search
 from .dryrun import DryRun, dry_run
 from .ranges import EstimateRange, estimate_range
-from . import memory, costs, frameworks, zero3_count
+from . import memory, costs, frameworks, zero3_count, presets
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "Estimate", "estimate", "search",
            "Ranking", "memory", "costs", "frameworks", "zero3_count", "DryRun", "dry_run",
-           "EstimateRange", "estimate_range"]
+           "EstimateRange", "estimate_range", "presets"]

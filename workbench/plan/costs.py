@@ -46,6 +46,9 @@ def group_price(kind: str, nbytes: float, ranks: tuple, profile) -> float:
 def layer_flops(cfg, b: int) -> tuple[float, float]:
     """(matrix FLOPs, attention-core FLOPs) of one layer's forward for b sequences."""
     s, h, f = cfg.seq_len, cfg.d_model, cfg.d_ff
+    if getattr(cfg, "moe_experts", 0):            # the active experts (plan.moe_cost)
+        from .moe_cost import layer_flops as moe_flops
+        return moe_flops(cfg, b)
     if cfg.arch == "llama":
         kv = cfg.n_kv_head * cfg.head_dim
         return 2 * b * s * (2 * h * h + 2 * h * kv + 3 * h * f), 4 * b * s * s * h

@@ -123,6 +123,8 @@ def _check(model, lay: Layout, cl: Cluster):
         if lay.world != cl.devices:
             raise ValueError(f"Layout dp x tp x pp = {lay.world} but the cluster has "
                              f"devices={cl.devices}; make them equal")
+    from .ep_cp import check_dry_run
+    check_dry_run(model, lay)                  # MoE, ep, cp: not run by the dry run yet
 
 
 def _distinct(n: int, uneven: bool = False) -> dict[int, int]:

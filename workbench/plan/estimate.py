@@ -56,6 +56,7 @@ from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
 from . import zero_cost as Z
+from . import ep_cp as EC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -131,7 +132,7 @@ class Estimate:
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
-            f"  assumed: {'; '.join(self.assumptions())}"])
+            f"  assumed: {'; '.join(self.assumptions())}"] + EC.explain_lines(self))
 
     def assumptions(self) -> list[str]:
         """What this estimate rests on beyond cited measurements: the framework behaviour
@@ -204,9 +205,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     ``head_live``: the head's weight is still gathered when the loss is computed (tied
     to the embedding); if not, this library's recipe re-gathers it before the loss and
     the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``)."""
-    if lay.dp == 1:
+    if lay.dp * lay.cp == 1:
         return 0.0, 0.0
-    g, ranks, dp, m = grad_bytes * psi, tuple(lay.dp_ranks(0, stage)), lay.dp, lay.m
+    ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
+    g, dp, m = grad_bytes * psi, len(ranks), lay.m
 
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
@@ -259,7 +261,7 @@ def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
         if d["stage"] > 0:
             sf, sb = S.slacks(d["stage"], fwd, bwd)
             d["dp"] = S.after_flush(d["psi"], lay, prof, d["stage"], grad_bytes, sf, sb,
-                                    overlap_grad_reduce)
+                                    overlap_grad_reduce) + d["expert_dp"]   # MoE: whole
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -285,18 +287,21 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     attention = attention_for(model, attention)
+    EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
     cfg, lay, prof = model, layout, cluster.profile
+    tcfg = EC.token_cfg(cfg, lay)                  # s / cp tokens per rank
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
     if fp8 and "float8" not in prof.peak_flops:
         raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
-    layer = C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8)
-    head = C.head_cost(cfg, b, tp, sp, prof)
-    emb_t, emb_sent = C.embedding_comm(cfg, b, tp, sp, prof)
-    p2p_t, p2p_sent = _p2p(cfg, lay, prof) if pp > 1 else (0.0, 0.0)
+    layer = EC.layer_cost(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay) else \
+        C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8)
+    head = C.head_cost(tcfg, b, tp, sp, prof)
+    emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
+    p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
     per_stage = lay.stage_layers(cfg.n_layer)
-    edge = edge_times(cfg, b, tp, sp, prof)        # embeddings; final norm, fp32 cast, loss
+    edge = edge_times(tcfg, b, tp, sp, prof)       # embeddings; final norm, fp32 cast, loss
 
     stages = {}
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
@@ -317,18 +322,21 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         psi = stage_params(cfg, tp, pp, s, n_layers)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
-            if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp > 1 else None
+            if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
                                  head_live=cfg.tie_embeddings)
-        updated = psi / (lay.dp if lay.zero >= 1 else 1)
+        e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
+                                            F.grad_reduce_bytes(lay.engine, cfg.dtype))
+        dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
+        updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = compute_time(0.0, 28 * updated, prof, "float32")
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
-                            forward=fwd, psi=psi,
+                            forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             memory=stage_memory(cfg, lay, s, attention))
 
-    if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp > 1 and v == 1:
+    if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp * lay.cp > 1 and v == 1:
         _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
                           overlap_grad_reduce)
     slow = max(stages.values(), key=lambda d: d["time"])
@@ -357,7 +365,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "framework": lay.engine,
         "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce)
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
-            "16-bit peak",) if fp8 else ()),
+            "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay),
+        "ep_cp": EC.layer_detail(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay)
+        else None,
+        "model": cfg,
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),

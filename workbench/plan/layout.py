@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from ..sim_mesh.profiles import Profile, get_profile
 from .frameworks import resolve as _resolve_framework
+from . import ep_cp as _ep_cp
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model", "attention_for"]
 
@@ -87,6 +88,8 @@ class Layout:
     v: int = 1
     framework: str | None = None
     stages: tuple | None = None     # layers per pipeline stage (None: n_layer / pp each)
+    ep: int = 1                     # expert parallel: experts split over ep of the dp ranks
+    cp: int = 1                     # context parallel: the sequence split over cp ranks
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "v"):
@@ -136,6 +139,7 @@ class Layout:
             raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
                              f"{self.micro_batch} x {dp} = {per_step}; {fix}")
         _resolve_framework(self.framework, self.zero)
+        _ep_cp.check_fields(self)
         if self.stages is not None:
             st = tuple(self.stages) if isinstance(self.stages, (list, tuple)) else None
             if st is None or len(st) != self.pp or any(
@@ -154,7 +158,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def stage_layers(self, n_layer: int) -> tuple:
         """Layers on each pipeline stage: ``stages``, or n_layer / pp each."""
@@ -170,15 +174,21 @@ class Layout:
         """Micro-batches per optimizer step on each pipeline."""
         return self.global_batch // (self.micro_batch * self.dp)
 
-    def rank(self, t: int = 0, d: int = 0, s: int = 0) -> int:
-        """Global rank of TP rank t, DP rank d, pipeline stage s (module docstring)."""
-        return t + self.tp * (d + self.dp * s)
+    def rank(self, t: int = 0, d: int = 0, s: int = 0, c: int = 0) -> int:
+        """Global rank of TP rank t, DP rank d, pipeline stage s (module docstring) and
+        context-parallel rank c (Megatron-LM's order tp-cp-dp-pp: ``plan.ep_cp``)."""
+        return t + self.tp * (c + self.cp * (d + self.dp * s))
 
     def tp_ranks(self, d=0, s=0) -> list[int]:
         return [self.rank(t, d, s) for t in range(self.tp)]
 
     def dp_ranks(self, t=0, s=0) -> list[int]:
         return [self.rank(t, d, s) for d in range(self.dp)]
+
+    def grad_ranks(self, t=0, s=0) -> list[int]:
+        """The ranks that reduce a dense gradient together: dp x cp (Megatron-LM reduces
+        over the data- and context-parallel ranks, which hold the same weights)."""
+        return [self.rank(t, d, s, c) for d in range(self.dp) for c in range(self.cp)]
 
     def replace(self, **changes) -> "Layout":
         return replace(self, **changes)
@@ -191,6 +201,7 @@ class Layout:
         out += " sp" if self.sp else ""
         out += f" zero{self.zero}" if self.zero else ""
         out += f" stages{list(self.stages)}" if self.stages is not None else ""
+        out += (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         return out + (f" {self.framework}" if self.framework is not None else "")
 
 
@@ -234,9 +245,12 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
     check_model(model)
     lay = layout
     if lay.world != cluster.devices:
-        raise ValueError(f"Layout dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.world} "
-                         f"but the cluster has devices={cluster.devices}; choose dp = "
-                         f"{cluster.devices} / (tp x pp) so the layout uses every device")
+        cp = (" x cp", f" x {lay.cp}") if lay.cp > 1 else ("", "")
+        raise ValueError(f"Layout dp x tp x pp{cp[0]} = {lay.dp} x {lay.tp} x {lay.pp}{cp[1]} "
+                         f"= {lay.world} but the cluster has devices={cluster.devices}; choose "
+                         f"dp = {cluster.devices} / (tp x pp{cp[0]}) so the layout uses every "
+                         f"device")
+    _ep_cp.check_layout(model, lay)
     if model.n_head % lay.tp:
         raise ValueError(f"Layout: tp={lay.tp} does not divide n_head={model.n_head} (each "
                          f"tensor-parallel rank owns whole heads); use a tp dividing "

@@ -53,7 +53,11 @@ def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
 
 
 def layer_params(cfg, tp: int) -> float:
-    """Parameters of one layer on one tensor-parallel rank (Llama: ``llama_layer``)."""
+    """Parameters of one layer on one tensor-parallel rank (Llama: ``llama_layer``; a MoE:
+    all but its routed experts, which ``ep_cp.expert_states`` counts over ep)."""
+    if getattr(cfg, "moe_experts", 0):
+        from .moe_cost import dense_layer_params
+        return dense_layer_params(cfg, tp)
     if cfg.arch == "llama":
         from .llama_layer import layer_params as llama_params
         return llama_params(cfg, tp)
@@ -131,6 +135,9 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     """Activation bytes one layer keeps for backward on one rank (module docstring).
     ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
     log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b."""
+    if getattr(cfg, "moe_experts", 0):
+        from .moe_cost import activation_bytes as moe_activation_bytes
+        return moe_activation_bytes(cfg, b, tp, sp, recompute)
     if cfg.arch == "llama":
         from .llama_layer import activation_bytes
         return activation_bytes(cfg, b, tp, sp, recompute)
@@ -193,12 +200,16 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     first three ZeRO's partitioned model states, ``buffers`` the framework's working
     copies beyond them (module docstring)."""
     from .frameworks import grad_buffer_extra_bytes
+    from . import ep_cp as _ep_cp
     lay = layout
     nl = lay.stage_layers(cfg.n_layer)[stage]
     psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
-    mem = model_state_bytes(psi, lay.dp, lay.zero)
+    mem = model_state_bytes(psi, lay.dp * lay.cp, lay.zero)     # cp ranks shard it too
     # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
     mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
+    for k, v in _ep_cp.expert_states(cfg, lay, nl, grad_buffer_extra_bytes(
+            lay.engine, cfg.dtype)).items():             # a MoE's experts over ep
+        mem[k] += v
     if lay.zero == 3 and lay.dp > 1 and lay.engine != "fsdp":
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
@@ -210,10 +221,11 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
-    per_layer = layer_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
+    tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
+    per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention)
     act = per_layer * nl * held
-    act += _edge_activation_bytes(cfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
+    act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" else 1)
     mem["activations"] = act
     mem["total"] = sum(mem.values())

@@ -16,11 +16,12 @@ import time
 from .estimate import Estimate, estimate
 from .layout import Cluster, Layout, attention_for, check_model
 from .memory import stage_memory
+from . import ep_cp as _ep_cp
 
 __all__ = ["search", "Ranking", "candidate_layouts"]
 
 _FIELDS = ("dp", "tp", "pp", "schedule", "v", "sp", "zero", "recompute", "micro_batch",
-           "framework")
+           "framework", "ep", "cp")
 # ASSUMPTION: step times closer than this share are a tie the model cannot rank (its
 # layer clock is held to 5.4% on Korthikanti et al.'s Table 4, and published end-to-end
 # runs differ from it by far more: benchmarks/published.py)
@@ -77,11 +78,16 @@ class Ranking(list):
         head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'schedule':<18} {'sp':<3} {'zero':>4} "
                 f"{'recompute':<9} {'mb':>3} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} "
                 f"{'mem GB':>7} {'compute':>8} {'comm':>7} {'bubble':>7}")
+        # expert / context parallel columns when a layout here uses them (plan.ep_cp)
+        xc = any(lay.ep > 1 or lay.cp > 1 for lay, _ in self)
+        if xc:
+            head = head.replace(" schedule", f" {'ep':>3} {'cp':>3} schedule", 1)
         rows = [head]
         for i, (lay, e) in enumerate(self, 1):
             sched = lay.schedule + (f" v={lay.v}" if lay.v > 1 else "")
             b = e.breakdown
-            rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {sched:<18} "
+            rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} "
+                        + (f"{lay.ep:>3} {lay.cp:>3} " if xc else "") + f"{sched:<18} "
                         f"{'yes' if lay.sp else 'no':<3} {lay.zero:>4} {lay.recompute:<9} "
                         f"{lay.micro_batch:>3} {e.step_time:>8.3f} {e.tflops_per_device:>8.1f} "
                         f"{e.mfu:>6.1%} {e.memory['total'] / 1e9:>7.1f} {b['compute']:>8.3f} "
@@ -130,7 +136,7 @@ class Ranking(list):
             return lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on the "
                                f"busiest rank, is {lay.short()}; add devices or shrink the "
                                f"global batch or model")
-        return "\n".join(lines + [self.table(), *self.explain()])
+        return "\n".join(lines + [self.table(), *_ep_cp.table_notes(self), *self.explain()])
 
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
@@ -151,7 +157,8 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     limit = cluster.profile.usable_memory()     # less the context and fragmentation
     results: list[tuple[Layout, Estimate]] = []
     tried, least = 0, None
-    for lay in candidate_layouts(model, cluster, global_batch, max_micro_batch):
+    for lay in _ep_cp.candidates(model, cluster, global_batch, max_micro_batch, attention,
+                                 candidate_layouts):    # with ep and cp (plan.ep_cp)
         tried += 1
         last = lay.pp - 1
         need = max(stage_memory(model, lay, s, attention)["total"]

@@ -49,7 +49,7 @@ def after_flush(psi: float, lay, prof, stage: int, grad_bytes: int, slack_f: flo
     (ZeRO-1: with ``--overlap-param-gather``), else the 2021 sync after the flush."""
     if stage < 1:
         raise ValueError(f"after_flush: stage={stage}: stage 0's sync has no slack")
-    ranks = tuple(lay.dp_ranks(0, stage))
+    ranks = tuple(lay.grad_ranks(0, stage))       # dp (x cp: ``plan.ep_cp``) ranks
     g = grad_bytes * psi
     if lay.zero == 0:
         return max(0.0, C.group_price("all_reduce", g, ranks, prof) - slack_b)

@@ -1,0 +1,139 @@
+"""Checks for the exercises of notebook 14 (experts and long context).
+
+As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one raises
+:class:`~.feedback.CheckError` (IPython shows its message alone), the hint first and the
+expected value from the third wrong try on or with ``wb.exercises.reveal(...)``.
+Expected values come from the formulas written out here (GShard's capacity, Lepikhin et
+al. 2020 sec. 2.2; the pairwise all-to-all and ring all-gather / reduce-scatter volumes,
+Thakur et al. 2005; ring attention's K/V blocks, Liu et al. 2023), never from
+``workbench.ops.moe`` or ``workbench.plan``: a bug there must not become the right answer.
+The loads an exercise starts from (a router's counts) are arguments of the check.
+"""
+from __future__ import annotations
+
+import math
+
+from .checks import _check_number, _hint, _number, _ok
+from .feedback import CheckError, exercise
+
+__all__ = ["check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb"]
+
+
+# ---- routing: capacity and dropped tokens ---------------------------------------------------
+
+def _capacity(tokens: int, experts: int, k: int, factor: float) -> int:
+    """GShard's expert capacity of one routing group: ceil(factor x tokens x k / E)."""
+    return math.ceil(factor * tokens * k / experts)
+
+
+@exercise
+def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
+                        capacity_factor: float = 1.0) -> None:
+    """Token-slots dropped when experts with these ``loads`` (token-slots routed to each,
+    k per token) take at most ceil(capacity_factor x tokens x k / E) each."""
+    loads = [int(x) for x in loads]
+    E = len(loads)
+    if sum(loads) != tokens * k:
+        raise ValueError(f"check_dropped_slots: the loads add up to {sum(loads)}, not tokens x "
+                         f"k = {tokens * k}: pass the router's per-expert counts")
+    got = _number("dropped token-slots", dropped)
+    C = _capacity(tokens, E, k, capacity_factor)
+    want = sum(max(0, n - C) for n in loads)
+    if got == want:
+        _ok(f"{want} token-slots dropped (capacity {C} per expert)")
+        return
+    wrong = {
+        sum(max(0, n - tokens // E) for n in loads):
+            "your capacity leaves out k: each token takes k slots, so an expert's even "
+            "share is tokens x k / E",
+        sum(max(0, n - math.floor(capacity_factor * tokens * k / E)) for n in loads):
+            "round the capacity up (ceil), as GShard and Megatron-Core do",
+        sum(1 for n in loads if n > C): "that counts the experts over capacity; count the "
+                                         "token-slots beyond it, load - capacity for each",
+        sum(max(0, n - C) for n in loads) // k: "dropping is per token-slot: a token keeps "
+                                                "its other experts; do not divide by k",
+        sum(max(0, C - n) for n in loads): "that is the unused capacity (the padding) of "
+                                           "the underloaded experts, not what overflows",
+    }
+    hint = wrong.get(int(got)) if float(got).is_integer() else None
+    raise CheckError(f"your count is {got:g} token-slots: "
+                     + (hint or ("too high" if got > want else "too low")
+                        + ": capacity = ceil(capacity_factor x tokens x k / E), then sum "
+                          "max(0, load - capacity) over the experts"),
+                     expected=f"{want} token-slots")
+
+
+# ---- expert parallelism's all-to-all against tensor parallelism's collectives ---------------
+
+def _ep_tp_bytes(tokens, h, k, p, e):
+    """(EP, TP) bytes one rank sends in one MoE layer's forward, p ranks: EP: dispatch and
+    combine all-to-alls of the rank's tokens x k rows of h, (p-1)/p of each leaves the
+    rank; TP with sequence parallelism on the p ranks' p x tokens: an all-gather and a
+    reduce-scatter of the group's p tokens x h, (p-1)/p of each per rank."""
+    ep = 2 * tokens * k * h * e * (p - 1) / p
+    tp = 2 * p * tokens * h * e * (p - 1) / p
+    return ep, tp
+
+
+@exercise
+def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, p: int = 8,
+                   bytes_per_value: int = 2) -> None:
+    """MB one rank sends per MoE layer forward with the experts over p ranks by EP (each
+    rank ``tokens`` of its own) and by TP with sequence parallelism (the same p x tokens
+    on the group): the same expert FLOPs per rank."""
+    e = bytes_per_value
+    want_ep, want_tp = (x / 1e6 for x in _ep_tp_bytes(tokens, h, k, p, e))
+    one_way = tokens * k * h * e * (p - 1) / p / 1e6
+    _verify("EP bytes", ep_mb, want_ep, "MB", [
+        (one_way, "that is one all-to-all: the dispatch sends the rows out and the combine "
+                  "sends the results back, two per layer forward"
+                  + (" (or did you send one row per token? each token goes to k experts: "
+                     "k rows of h)" if k == 2 else "")),
+        (2 * tokens * h * e * (p - 1) / p / 1e6, "each token goes to k experts: k rows of h "
+                                                  "per token leave in the dispatch"),
+        (2 * tokens * k * h * e / 1e6, "the rows for the rank's own experts stay: (p-1)/p "
+                                       "of the buffer leaves the rank"),
+        (2 * one_way / e, "count bytes: bytes_per_value per value"),
+    ])
+    _verify("TP bytes", tp_mb, want_tp, "MB", [
+        (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
+                      "output (reduce-scatter): two collectives"),
+        (want_tp / p, "TP's collectives carry the whole group's p x tokens, not the rank's "
+                      "tokens: every rank computes a slice of every token"),
+        (2 * p * tokens * h * e / 1e6, "a ring all-gather or reduce-scatter sends (p-1)/p "
+                                       "of its buffer per rank"),
+        (want_tp * k, "TP does not copy a token per expert: all experts' slices see the same "
+                      "gathered tokens"),
+    ])
+    _ok(f"EP sends {want_ep:.4g} MB, TP {want_tp:.4g} MB per rank: k / p = {k}/{p} of it")
+
+
+def _verify(name, got, want, unit, wrong, rel=1e-3):
+    """As ``_check_number`` without the "Correct" line (a check of two answers prints one)."""
+    got = _number(name, got)
+    if not math.isclose(got, want, rel_tol=rel):
+        raise CheckError(f"your {name} is {got:.4g} {unit}: " + _hint(got, want, wrong),
+                         expected=f"{want:.4g} {unit}")
+
+
+# ---- ring attention's K/V blocks ------------------------------------------------------------
+
+@exercise
+def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int = 8,
+                     head_dim: int = 128, tp: int = 1, micro_batch: int = 1,
+                     bytes_per_value: int = 2) -> None:
+    """MB of K and V one rank sends around the ring in one layer's forward: cp - 1 steps,
+    each one block of s / cp tokens, K and V of kv_heads / tp heads of head_dim."""
+    e, s_l = bytes_per_value, seq_len // cp
+    block = 2 * micro_batch * s_l * (kv_heads // tp) * head_dim * e
+    want = (cp - 1) * block / 1e6
+    _check_number("K/V sent", kv_mb, want, "MB", [
+        (cp * block / 1e6, "the block a rank holds at the first step is its own: cp - 1 "
+                           "steps pass a block on"),
+        (block / 1e6, "that is one step; the ring runs cp - 1 of them"),
+        ((cp - 1) * block / 2 / 1e6, "both K and V travel: two tensors per block"),
+        ((cp - 1) * block * 4 / 1e6, "grouped-query attention: K and V have kv_heads "
+                                     "heads, not the query heads"),
+        ((cp - 1) * 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * e / 1e6,
+         "a block holds the rank's s / cp tokens, not the whole sequence"),
+    ], rel=1e-3)

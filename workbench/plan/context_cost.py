@@ -1,0 +1,133 @@
+"""Context parallelism for the planner: ring attention's time, and what a rank holds.
+
+With ``cp`` context-parallel ranks the sequence of s tokens is split in 2 cp chunks and
+rank i holds chunks i and 2 cp - 1 - i (the causal load balancing of Megatron-Core's
+context parallelism, ``megatron/core/transformer/dot_product_attention`` with
+Transformer Engine's ``attn_forward_func_with_cp``; Brandon et al. 2023 show the
+imbalance it removes): s_l = s / cp tokens per rank.  Everything but attention is
+token-wise, so on a rank it is the model at sequence s_l: its GEMMs, norms, collectives
+and activations (``token_cfg``; K and V of the other ranks are not kept: backward sends
+them round again).  Attention is ring attention (Liu et al. 2023, "Ring Attention with
+Blockwise Transformers"): in cp steps each rank attends its queries to one K/V block
+while it passes that block to its neighbour and receives the next, and merges the
+partial outputs by their log-sum-exp (``flash_attention(return_lse=True)``):
+
+- step 0, its own block: causal, s_l (s_l + 1) / 2 query-key pairs per head (the fused
+  kernel at s_l, already in the layer's ops);
+- steps 1 .. cp-1: thanks to the balancing every step computes half a block,
+  s_l^2 / 2 pairs (the chunk pairs below the diagonal: Megatron-Core's halves of
+  q or of k/v), while K and V of one block, 2 b s_l (g / t) d e bytes, cross one hop;
+  each step takes about max(compute of the half block + its merge, transfer): the
+  transfer is double-buffered behind the compute (Liu et al. 2023 sec. 3); exactly, the
+  block runs beside the copy on the SMs the copy leaves it (``cost.overlap``: NCCL's
+  kernel holds some), so it is stretched, and whatever of the transfer outlasts it shows;
+- backward: the same ring, each step's K/V and its dK/dV (2x the bytes) against the
+  half block's backward (Dao 2023, 2.5x the forward's FLOPs).
+
+So ring attention costs about (cp - 1) max(t_half, t_kv) beyond one causal block forward;
+the exchange is hidden when t_half >= t_kv: attention grows as s_l^2 and the transfer
+as s_l, so a long enough block always hides it.  The gradients of the weights, which
+every cp rank holds whole, are reduced over the dp x cp ranks (``Layout.grad_ranks``),
+and the optimizer states shard over them (Megatron-LM's distributed optimizer).
+The ring's clock here is the one ``strategies.context_parallel`` runs on (tests/
+test_plan_cp.py holds the half block and the hop to its trace).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.cost import wire_bytes
+from . import costs as C
+
+__all__ = ["token_cfg", "ring_ranks", "kv_block_bytes", "RingTimes", "ring_times",
+           "check_cp"]
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def token_cfg(cfg, cp: int):
+    """The model as one of ``cp`` context-parallel ranks sees it: sequence s / cp."""
+    return cfg if cp == 1 else cfg.replace(seq_len=cfg.seq_len // cp)
+
+
+def check_cp(cfg, cp: int, attention: "str | None" = None) -> None:
+    """Raise ValueError naming the fix when ``cp`` cannot split ``cfg``'s sequence."""
+    if cp == 1:
+        return
+    if cfg.seq_len % (2 * cp):
+        good = [c for c in range(1, 65) if cfg.seq_len % (2 * c) == 0 and c > 1][:8]
+        raise ValueError(f"Layout: cp={cp} does not divide the sequence: seq_len="
+                         f"{cfg.seq_len} must split in 2 x cp = {2 * cp} equal chunks (rank "
+                         f"i holds chunks i and 2cp-1-i, the causal load balancing); use a cp "
+                         f"in {good} or a seq_len divisible by {2 * cp}")
+    if attention is not None and attention != "flash":
+        raise ValueError(f"cp={cp} runs ring attention, which merges partial outputs by the "
+                         f"fused kernel's log-sum-exp; attention={attention!r} materializes "
+                         f"the scores: give attention='flash'")
+
+
+def ring_ranks(lay, s: int = 0) -> tuple:
+    """The cp ranks of one ring (TP rank 0, DP rank 0, stage ``s``)."""
+    return tuple(lay.rank(0, 0, s, c) for c in range(lay.cp))
+
+
+def kv_block_bytes(cfg, lay) -> int:
+    """Bytes of K and V of one rank's block: 2 b s_l (g / t) d e."""
+    e = _ITEMSIZE[cfg.dtype]
+    s_l = cfg.seq_len // lay.cp
+    return 2 * lay.micro_batch * s_l * (cfg.n_kv_head // lay.tp) * cfg.head_dim * e
+
+
+@dataclass(frozen=True)
+class RingTimes:
+    """Ring attention beyond the causal block of step 0, per layer and micro-batch."""
+    steps: int                  # cp - 1
+    half_forward: float         # one half block's forward + merge (s)
+    half_backward: float        # its backward + dK/dV accumulation (s)
+    hop: float                  # one K/V block over the slowest hop of the ring (s)
+    forward: float              # steps x the pair's time (module docstring)
+    backward: float             # the same with 2 hops per step
+    forward_exposed_comm: float  # the part of ``forward`` the transfer adds
+    backward_exposed_comm: float
+    sent_forward: float         # bytes a rank sends per forward
+    sent_backward: float
+    pairs: float                # query-key pairs of one half block (all heads of the rank)
+    merge: float                # of ``half_forward``: merging the step's output by its lse
+
+
+@lru_cache(maxsize=None)
+def ring_times(cfg, lay, prof) -> RingTimes:
+    """Ring attention of one layer on one rank (module docstring), priced on ``prof``:
+    the half block as ``wb.ops.cost`` prices the fused kernel (4 pairs d FLOPs forward,
+    10 pairs d backward, Dao 2023), the hop as a send/recv between ring neighbours on the
+    topology (the slowest hop when the ring spans nodes)."""
+    e = _ITEMSIZE[cfg.dtype]
+    b, tp, cp = lay.micro_batch, lay.tp, lay.cp
+    s_l, d = cfg.seq_len // cp, cfg.head_dim
+    ah, gh = cfg.n_head // tp, cfg.n_kv_head // tp
+    pairs = b * ah * s_l * s_l / 2
+    nq, nk, lse = b * ah * s_l * d, b * gh * s_l * d, 4 * b * ah * s_l
+    fwd = _cost.compute_time(4 * pairs * d, e * (2 * nq + 2 * nk) + lse, prof, cfg.dtype,
+                             "attention")
+    # merging the step's output into the running one by their log-sum-exps: read both
+    # outputs and lses, write the output and lse (fp32 lses)
+    merge = _cost.compute_time(6 * nq, 3 * e * nq + 3 * lse, prof, cfg.dtype, "elementwise")
+    bwd = _cost.compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, prof, cfg.dtype,
+                             "attention")
+    acc = _cost.compute_time(2 * nk, 3 * 4 * 2 * nk, prof, cfg.dtype, "elementwise")
+    ranks = ring_ranks(lay)
+    n = kv_block_bytes(cfg, lay)
+    hop = max(C.group_price("send_recv", n, (ranks[i], ranks[(i + 1) % cp]), prof)
+              for i in range(cp))
+    k = cp - 1
+    hf, hb = fwd + merge, bwd + acc
+    # the block beside its transfer: stretched by the SMs the copy holds, the transfer's
+    # rest exposed (cost.overlap, as the clock runs a kernel beside a collective)
+    f_run, f_out = _cost.overlap(fwd, hop, prof)
+    b_run, b_out = _cost.overlap(bwd, 2 * hop, prof)
+    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), k * (b_run + acc + b_out),
+                     k * f_out, k * b_out,
+                     k * wire_bytes("send_recv", n, 2), 2 * k * wire_bytes("send_recv", n, 2),
+                     pairs, merge)

@@ -1,0 +1,254 @@
+"""Expert (``Layout(ep=)``) and context (``Layout(cp=)``) parallelism in the planner.
+
+The hooks ``layout``, ``estimate``, ``memory`` and ``search`` call; the costs are
+``moe_cost`` (a MoE block over ep ranks) and ``context_cost`` (ring attention over cp).
+
+Rank order (Megatron-Core, ``parallel_state.py``'s default "tp-cp-ep-dp-pp"): tensor
+parallel innermost, then context parallel, then data parallel, pipeline outermost,
+
+    rank = t + tp (c + cp (d + dp s)),
+
+and the expert-parallel group is ep consecutive data-parallel ranks (stride tp cp), so
+an ep group stays in a node while tp cp ep <= the node's devices; its experts' gradients
+are reduced over the other dp / ep (x cp) ranks, the expert-data-parallel group
+(Megatron-Core's ``expert_data_parallel``), and their optimizer states shard over it.
+
+A layer with EP or CP is priced op by op: the dense block's kernels (``layer_cost.
+layer_ops``) at s / cp tokens, its MLP replaced by the MoE's (``moe_cost``, collectives
+on the TP group and the EP group's ranks, ``cost.price`` on the topology: inside a node
+or across nodes as the ranks fall), plus ring attention beyond the causal block
+(``context_cost``).  Not modeled, refused with the fix: ZeRO-2/3 with EP or CP
+(Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
+MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..sim_mesh import cost as _cost
+from ..sim_mesh.cost import wire_bytes
+from . import context_cost as X
+from . import costs as C
+from . import moe_cost as M
+from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
+
+__all__ = ["check_fields", "check_layout", "check_estimate", "applies", "token_cfg",
+           "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
+           "assumptions", "explain_lines", "table_notes", "check_dry_run", "CP_MIN_TOKENS"]
+# candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
+
+
+
+def _int(name, v):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"Layout: {name}={v!r} must be an int >= 1")
+
+
+def check_fields(lay) -> None:
+    """What ``Layout`` checks of ep and cp without the model."""
+    _int("ep", lay.ep)
+    _int("cp", lay.cp)
+    if lay.dp % lay.ep:
+        raise ValueError(f"Layout: ep={lay.ep} must divide dp={lay.dp}: the expert-parallel "
+                         f"group is carved out of the data-parallel ranks; use an ep dividing "
+                         f"{lay.dp} or a dp that is a multiple of {lay.ep}")
+    if (lay.ep > 1 or lay.cp > 1) and lay.zero >= 2:
+        raise ValueError(f"Layout: zero={lay.zero} with ep={lay.ep}, cp={lay.cp} is not "
+                         f"modeled (Megatron-LM's distributed optimizer, ZeRO-1, is what runs "
+                         f"expert and context parallelism); use zero<=1")
+
+
+def check_layout(model, lay) -> None:
+    """What ``check_layout`` checks of ep and cp against the model."""
+    moe = M.moe_of(model)
+    if moe is None and lay.ep > 1:
+        raise ValueError(f"Layout: ep={lay.ep} splits experts, but the model has none "
+                         f"(moe_experts=0); use ep=1 or a MoE model "
+                         f"(moe_experts=E, moe_topk=k)")
+    if moe is not None:
+        if moe.experts % lay.ep:
+            raise ValueError(f"Layout: ep={lay.ep} does not divide moe_experts={moe.experts} "
+                             f"(each expert-parallel rank holds whole experts); use an ep in "
+                             f"{[d for d in range(1, moe.experts + 1) if moe.experts % d == 0]}")
+        if lay.zero >= 2:
+            raise ValueError(f"Layout: zero={lay.zero} with a MoE model is not modeled; use "
+                             f"zero<=1 (Megatron-LM's distributed optimizer)")
+        if lay.tp > 1 and not lay.sp:
+            raise ValueError(f"Layout: a MoE model with tp={lay.tp} needs sp=True (Megatron-LM: "
+                             f"'When using MoE and tensor parallelism, sequence parallelism "
+                             f"must be used'); set sp=True")
+        if moe.d_ff % lay.tp or (moe.shared and (moe.shared * moe.d_ff) % lay.tp):
+            raise ValueError(f"Layout: tp={lay.tp} must divide the expert width moe_d_ff="
+                             f"{moe.d_ff} (experts are tensor-parallel as the dense MLP); "
+                             f"choose another tp")
+    X.check_cp(model, lay.cp)
+    if lay.cp > 1 and (model.seq_len // lay.cp * lay.micro_batch) % lay.tp and lay.sp:
+        raise ValueError(f"Layout: sp=True splits the s / cp x b = "
+                         f"{model.seq_len // lay.cp * lay.micro_batch} tokens of a rank over "
+                         f"tp={lay.tp}; it must divide")
+
+
+def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
+    """What ``estimate`` refuses of ep and cp (module docstring)."""
+    X.check_cp(model, lay.cp, attention)
+    if M.moe_of(model) is not None:
+        if fp8:
+            raise ValueError("fp8=True with a MoE model is not modeled; use fp8=False")
+        if overlap_grad_reduce:
+            raise ValueError("overlap_grad_reduce=True with a MoE model is not modeled (its "
+                             "expert gradients reduce over their own group); use False")
+
+
+def applies(model, lay) -> bool:
+    """Whether a layer of ``model`` on ``lay`` needs this module's pricing."""
+    return lay.cp > 1 or M.moe_of(model) is not None
+
+
+def token_cfg(model, lay):
+    """The model at the sequence one rank holds (s / cp)."""
+    return X.token_cfg(model, lay.cp)
+
+
+def _groups(lay):
+    tp, cp = lay.tp, lay.cp
+    return {"tp": tuple(range(tp)), "ep": tuple(tp * cp * d for d in range(lay.ep))}
+
+
+def _mini(lay):
+    """The fields a layer's price depends on, as a small hashable layout."""
+    from .layout import Layout
+    return Layout(dp=lay.ep, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
+                  micro_batch=lay.micro_batch, ep=lay.ep, cp=lay.cp)
+
+
+def _price_moe(ops, phase, lay, prof, dt):
+    """Price ``moe_cost``'s tuples: a list of (name, phase, kind or class, seconds, bytes
+    sent, is_collective)."""
+    groups, out = _groups(lay), []
+    for op in ops:
+        if op[1] in _cost.KINDS:
+            name, kind, nbytes, g = op
+            ranks = groups[g]
+            if len(ranks) == 1:
+                continue
+            out.append((name, phase, kind, C.group_price(kind, nbytes, ranks, prof),
+                        wire_bytes(kind, int(nbytes), len(ranks)), True))
+        else:
+            name, cls, flops, nbytes, launches = op[:5]
+            gemm = op[5] if len(op) > 5 else None
+            out.append((name, phase, cls, _cost.compute_time(flops, nbytes, prof, dt, cls,
+                                                             launches, None, gemm), 0, False))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _layer(model, lay, prof, attention, fp8):
+    from .layer_cost import layer_ops
+    tcfg = token_cfg(model, lay)
+    moe = M.moe_of(model)
+    llama = model.arch == "llama"
+    extra = dict(kv_heads=model.n_kv_head, dropout=model.dropout > 0) if llama else {}
+    ops = layer_ops(model.d_model, model.n_head, tcfg.seq_len, lay.micro_batch, lay.tp,
+                    lay.sp, lay.recompute, model.d_ff, model.dtype, prof,
+                    list(range(lay.tp)), attention, fp8, **extra)
+    rows = []
+    for o in ops:
+        if moe is not None and o.name in M.MLP_OPS:
+            continue
+        coll = o.op_class in _cost.KINDS
+        rows.append((o.name, o.phase, o.op_class, o.exposed,
+                     wire_bytes(o.op_class, int(o.bytes), lay.tp) if coll else 0, coll))
+    if moe is not None:
+        e = tcfg.torch_dtype.itemsize
+        fwd = M.forward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e)
+        rows += _price_moe(fwd, "forward", lay, prof, tcfg.dtype)
+        if lay.recompute == "full":
+            rows += _price_moe(fwd, "recompute", lay, prof, tcfg.dtype)
+        rows += _price_moe(M.backward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e),
+                           "backward", lay, prof, tcfg.dtype)
+    ring = None
+    if lay.cp > 1:
+        ring = X.ring_times(model, lay, prof)
+        for phase in [o.phase for o in ops if o.name == "flash_attention"]:
+            rows.append(("cp_ring_attention", phase, "attention",
+                         ring.forward - ring.forward_exposed_comm, 0, False))
+            rows.append(("cp_ring_kv_exposed", phase, "send_recv", ring.forward_exposed_comm,
+                         ring.sent_forward, True))
+        rows.append(("cp_ring_attention_grad", "backward", "attention",
+                     ring.backward - ring.backward_exposed_comm, 0, False))
+        rows.append(("cp_ring_kv_grad_exposed", "backward", "send_recv",
+                     ring.backward_exposed_comm, ring.sent_backward, True))
+    return tuple(rows), ring
+
+
+def layer_cost(model, lay, prof, attention, fp8=False) -> "C.LayerCost":
+    """One layer, one micro-batch, one rank, with EP and CP (module docstring)."""
+    rows, _ = _layer(model, _mini(lay), prof, attention, fp8)
+
+    def total(phases, coll):
+        return sum(r[3] for r in rows if (r[1] in phases) and r[5] == coll)
+
+    return C.LayerCost(total(("forward",), False), total(("forward",), True),
+                       total(("recompute", "backward"), False),
+                       total(("recompute", "backward"), True), sum(r[4] for r in rows))
+
+
+def layer_detail(model, lay, prof, attention, fp8=False) -> dict:
+    """The MoE's all-to-alls and TP collectives and the ring, per layer and micro-batch:
+    what ``Estimate.explain`` prints (seconds, bytes one rank sends)."""
+    mini = _mini(lay)
+    rows, ring = _layer(model, mini, prof, attention, fp8)
+    a2a = [r for r in rows if r[2] == "all_to_all"]
+    out = {"a2a_seconds": sum(r[3] for r in a2a), "a2a_bytes": sum(r[4] for r in a2a),
+           "a2a_count": len(a2a), "ring": ring}
+    if M.moe_of(model) is not None:
+        ranks = _groups(mini)["ep"]
+        out["ep_ranks"] = ranks
+        out["ep_link"] = ("inside one node" if len(ranks) == 1 or
+                          _cost.link_for(list(ranks), prof) is prof.intra_node
+                          else "across nodes")
+    return out
+
+
+def expert_states(model, lay, layers: int, grad_extra: int = 0) -> dict:
+    """{"params", "grads", "optimizer", "buffers"} bytes of the routed experts of
+    ``layers`` layers on one rank: E / ep experts per layer, split by t, their ZeRO-1
+    optimizer states over the expert-data-parallel group of dp x cp / ep ranks;
+    ``grad_extra`` bytes per parameter of the framework's gradient buffer."""
+    if not getattr(model, "moe_experts", 0):
+        return {}
+    from .memory import model_state_bytes
+    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep)
+    out = model_state_bytes(psi, lay.dp * lay.cp // lay.ep, lay.zero)
+    out["buffers"] = grad_extra * psi
+    return out
+
+
+def expert_sync(model, lay, prof, stage: int, layers: int, grad_bytes: int):
+    """(seconds, bytes sent, parameters the rank updates) of the routed experts' gradient
+    reduction over their expert-data-parallel group, after the dense one (ZeRO-0: an
+    all-reduce; ZeRO-1: a reduce-scatter and the updated weights' all-gather)."""
+    if M.moe_of(model) is None:
+        return 0.0, 0.0, 0.0
+    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep)
+    ranks = tuple(lay.rank(0, d, stage, c) for d in range(0, lay.dp, lay.ep)
+                  for c in range(lay.cp))
+    n = len(ranks)
+    if n == 1:
+        return 0.0, 0.0, psi
+    g = grad_bytes * psi
+    if lay.zero == 0:
+        return (C.group_price("all_reduce", g, ranks, prof),
+                wire_bytes("all_reduce", int(g), n), psi)
+    t = C.group_price("reduce_scatter", g, ranks, prof) + \
+        C.group_price("all_gather", 2 * psi, ranks, prof)
+    return t, wire_bytes("reduce_scatter", int(g), n) + wire_bytes("all_gather",
+                                                                   int(2 * psi), n), psi / n
+
+
+def check_dry_run(model, lay) -> None:
+    """The dry run runs the course's dense models: refuse what it cannot run yet."""
+    if M.moe_of(model) is not None or lay.ep > 1 or lay.cp > 1:
+        raise ValueError(f"dry_run: a MoE model or ep={lay.ep} / cp={lay.cp} is not run by the "
+                         f"dry run yet (the runtime's expert and context parallelism are not "
+                         f"in its Hybrid recipe); use wb.plan.estimate for it")

@@ -1,0 +1,102 @@
+"""What the planner says about expert (ep) and context (cp) parallelism: the layouts
+``search`` tries with them, the assumptions and explanation lines an estimate adds, the
+note under a ranking's table (``plan.ep_cp`` holds the costs)."""
+from __future__ import annotations
+
+from . import costs as C
+from . import moe_cost as M
+
+__all__ = ["CP_MIN_TOKENS", "candidates", "assumptions", "table_notes", "explain_lines"]
+
+# search: cp is tried while each rank keeps at least this many tokens of a sequence.
+# ASSUMPTION (a bound on the search, not a law): below it the K/V exchange of a ring
+# step outlasts the half block it hides behind on the profiles here (context_cost);
+# Megatron-Core's guide recommends CP for sequences of 8K tokens and more.
+CP_MIN_TOKENS = 4096
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
+    """``search``'s layouts with ep and cp: for each cp (dividing the devices, the
+    sequence in 2 cp chunks, at least ``CP_MIN_TOKENS`` per rank, flash attention) the
+    dense candidates (``base``) of devices / cp, each with every ep dividing its dp and
+    the experts; ZeRO <= 1 with either, sequence parallelism with a MoE's TP."""
+    from .layout import Cluster
+    moe = M.moe_of(model)
+    n, s = cluster.devices, model.seq_len
+    cps = [c for c in _divisors(n) if c == 1 or (
+        attention == "flash" and s % (2 * c) == 0 and s // c >= CP_MIN_TOKENS)]
+    for cp in cps:
+        cl = cluster if cp == 1 else Cluster(cluster.profile, n // cp)
+        for lay in base(model, cl, global_batch, max_micro_batch):
+            if moe is None and cp == 1:
+                yield lay
+                continue
+            if lay.zero >= 2 or (moe is not None and lay.tp > 1 and not lay.sp):
+                continue
+            if cp > 1 and lay.sp and (s // cp * lay.micro_batch) % lay.tp:
+                continue
+            eps = [1] if moe is None else [e for e in _divisors(lay.dp)
+                                           if moe.experts % e == 0]
+            for ep in eps:
+                yield lay.replace(ep=ep, cp=cp)
+
+
+def assumptions(model, lay) -> tuple:
+    """What an estimate with EP or CP assumes beyond its citations."""
+    out = []
+    moe = M.moe_of(model)
+    if moe is not None:
+        cap = ("dropless" if moe.capacity_factor is None else
+               f"capacity factor {moe.capacity_factor:g}, experts padded to capacity")
+        out += [f"MoE: routing perfectly balanced over the {moe.experts} experts ({cap}); "
+                f"real routers are not (plan/moe_cost.py)",
+                "MoE: the all-to-all dispatch and combine are not overlapped with the "
+                "experts (Megatron-Core's default alltoall dispatcher)"]
+    mat, core = C.layer_flops(model, 1)
+    if core > 0.2 * (mat + core):
+        out.append(f"MFU and HFU count attention as 4 b s^2 h per layer (Korthikanti eq. 7), "
+                   f"{core / (mat + core):.0%} of the layers' FLOPs at s = {model.seq_len}, "
+                   f"twice what the causal kernel the time is priced on computes: read them "
+                   f"as up to 2x high (HFU can pass 100%)")
+    if lay.cp > 1:
+        out.append("CP: ring attention's K/V exchange double-buffered behind each half "
+                   "block, which the copy's SMs stretch (plan/context_cost.py); routing "
+                   "of the sequence into 2 cp chunks (causal balancing) assumed free")
+    return tuple(out)
+
+
+def table_notes(ranking) -> list:
+    """Lines ``Ranking`` prints under its table: the MFU caveat at long context."""
+    if not ranking:
+        return []
+    lay, est = ranking[0]
+    note = next((a for a in est.assumptions() if a.startswith("MFU and HFU count")), None)
+    return [f"note: {note}"] if note else []
+
+
+def explain_lines(est) -> list:
+    """The lines ``Estimate.explain`` adds for EP and CP."""
+    d, lay = est.details.get("ep_cp"), est.layout
+    if not d:
+        return []
+    ms, out = 1e3, []
+    if "ep_ranks" in d and lay.ep == 1:
+        out.append(f"  experts: all {M.moe_of(est.details['model']).experts} on every rank "
+                   f"(ep=1): no all-to-all")
+    elif "ep_ranks" in d:
+        out.append(f"  experts over ep={lay.ep}: {d['a2a_count']} all-to-alls per layer and "
+                   f"micro-batch (dispatch, combine, their gradients) "
+                   f"{d['a2a_seconds'] * ms:.2f} ms, {d['a2a_bytes'] / 1e6:.1f} MB sent, "
+                   f"{d['ep_link']}")
+    r = d["ring"]
+    if r is not None:
+        hidden = "hidden" if r.hop <= r.half_forward else "NOT hidden"
+        out.append(f"  ring attention over cp={lay.cp}: {r.steps} steps of a half block "
+                   f"{r.half_forward * ms:.2f} ms beside a K/V hop {r.hop * ms:.2f} ms, the "
+                   f"exchange {hidden}: {r.forward * ms:.2f} ms forward, {r.backward * ms:.2f} "
+                   f"ms backward")
+    return out

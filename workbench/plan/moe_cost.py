@@ -1,0 +1,254 @@
+"""A mixture-of-experts block for the planner: its parameters, FLOPs, activations and
+kernels, with its experts split over ``ep`` expert-parallel ranks.
+
+The model config names the MoE as the issue's ``ModelConfig`` does (``moe_experts`` E,
+``moe_topk`` k, ``moe_capacity_factor`` c, ``moe_shared_experts`` S) and the width of
+one expert's SwiGLU as ``moe_d_ff`` (Megatron-LM's ``--moe-ffn-hidden-size``; None:
+``d_ff``).  The block is a Llama block whose MLP is replaced by E SwiGLU experts, a
+router (a linear h -> E, softmax, top-k: Shazeer et al. 2017; Fedus et al. 2022) and S
+shared experts that every token runs (DeepSeekMoE, Dai et al. 2024): Mixtral's
+(Jiang et al. 2024, sec. 2.1) when S = 0.
+
+Parallelism as Megatron-Core runs it (``megatron/core/transformer/moe``, its alltoall
+token dispatcher): the experts are split over an expert-parallel group of ``ep`` ranks,
+carved out of the data-parallel ranks (E / ep experts each), and tensor-parallel inside
+as the dense layers are (``--expert-tensor-parallel-size`` defaults to the TP size);
+with TP, sequence parallelism is required (Megatron-LM ``arguments.py``: "When using
+MoE and tensor parallelism, sequence parallelism must be used").  On one rank, with
+T_n tokens entering the block (s b / (cp tp)), R = c k T_n routed rows and M = c k T
+rows through its experts after the TP all-gather (T = s b / cp):
+
+    router GEMM (T_n x h x E), softmax / top-k, permute (R rows of h)
+    all-to-all dispatch over ep:    R h bytes-per-element per rank
+    TP all-gather of the rows:      M h  (tp > 1)
+    E / ep experts: w1, w3 (M x h x f / tp), SwiGLU, w2 (M x f / tp x h), grouped GEMMs
+    TP reduce-scatter:              M h  (tp > 1)
+    all-to-all combine over ep:     R h
+    unpermute: the k outputs of a token weighted by their router probabilities, summed
+
+Each all-to-all moves (ep - 1) / ep of its buffer off the rank (``cost.wire_bytes``; the
+pairwise exchange of GShard, Lepikhin et al. 2020 sec. 3.2, and DeepSpeed-MoE,
+Rajbhandari et al. 2022 sec. 5): T_n k h e (ep - 1) / ep bytes per direction,
+dispatch and combine forward, their gradients backward.  The capacity factor c pads
+each expert's rows to c k T / E (Megatron-LM's ``--moe-pad-expert-input-to-capacity``);
+None is dropless, c = 1 on average.  ASSUMPTIONS (stated in every estimate's
+assumptions): routing perfectly balanced (the load-balancing loss's aim; real routers
+are not: notebook 14 shows by how much) and the all-to-alls not overlapped with the
+experts (Megatron-LM's default; ``--overlap-moe-expert-parallel-comm`` came later).
+
+Model FLOPs count the active experts only: 2 (3 h f (k + S) + h E) per token forward
+for the MLP part (6 N_active per token, as Mixtral's "13B active parameters").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MoE", "moe_of", "check_moe", "expert_params", "dense_layer_params",
+           "rank_expert_params", "layer_flops", "activation_bytes", "forward_ops",
+           "backward_ops", "MLP_OPS"]
+
+# the dense Llama MLP's kernels (plan.llama_layer's names), which a MoE block replaces
+MLP_OPS = frozenset({
+    "sp_all_gather_2", "w1_gemm", "silu", "w3_gemm", "swiglu_mul", "w2_gemm", "tp_out_2",
+    "sp_grad_all_gather_mlp", "w2_dgrad", "w2_wgrad", "swiglu_mul_grad", "w3_dgrad",
+    "w3_wgrad", "silu_grad", "w1_dgrad", "w1_wgrad", "sp_regather_mlp", "tp_grad_mlp"})
+
+
+@dataclass(frozen=True)
+class MoE:
+    """The MoE fields of a model config, checked (module docstring)."""
+    experts: int
+    topk: int
+    capacity_factor: "float | None"
+    shared: int
+    d_ff: int
+
+    @property
+    def c(self) -> float:
+        """Rows per routed token-slot each expert processes: the capacity factor (padded),
+        1 when dropless."""
+        return 1.0 if self.capacity_factor is None else float(self.capacity_factor)
+
+
+def moe_of(cfg) -> "MoE | None":
+    """The MoE of ``cfg`` (None for a dense model: ``moe_experts`` absent, 0 or None)."""
+    e = getattr(cfg, "moe_experts", 0)
+    if not e:
+        return None
+    check_moe(cfg)
+    return MoE(e, getattr(cfg, "moe_topk", 2), getattr(cfg, "moe_capacity_factor", None),
+               getattr(cfg, "moe_shared_experts", 0) or 0,
+               getattr(cfg, "moe_d_ff", None) or cfg.d_ff)
+
+
+def _is_int(v, lo):
+    return not isinstance(v, bool) and isinstance(v, int) and v >= lo
+
+
+def check_moe(cfg) -> None:
+    """Raise ValueError naming the field and the fix when the MoE fields are wrong."""
+    e = getattr(cfg, "moe_experts", 0)
+    k = getattr(cfg, "moe_topk", 2)
+    c = getattr(cfg, "moe_capacity_factor", None)
+    s = getattr(cfg, "moe_shared_experts", 0) or 0
+    f = getattr(cfg, "moe_d_ff", None)
+    if not _is_int(e, 1):
+        raise ValueError(f"model: moe_experts={e!r} must be an int >= 1 (0 or None: dense)")
+    if not _is_int(k, 1) or k > e:
+        raise ValueError(f"model: moe_topk={k!r} must be an int in [1, moe_experts={e}]: a "
+                         f"token is routed to k of the experts; use a k <= {e}")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+        raise ValueError(f"model: moe_capacity_factor={c!r} must be a number > 0 (1.0: each "
+                         f"expert takes its even share k T / E) or None (dropless)")
+    if not _is_int(s, 0):
+        raise ValueError(f"model: moe_shared_experts={s!r} must be an int >= 0")
+    if f is not None and not _is_int(f, 1):
+        raise ValueError(f"model: moe_d_ff={f!r} must be an int >= 1 (one expert's SwiGLU "
+                         f"width) or None (d_ff)")
+    if getattr(cfg, "arch", None) != "llama":
+        raise ValueError(f"model: the planner prices MoE blocks of SwiGLU experts "
+                         f"(arch='llama', as Mixtral); got arch={cfg.arch!r}: use "
+                         f"arch='llama'")
+
+
+def expert_params(cfg) -> int:
+    """Parameters of one routed expert: w1, w3 (h x f) and w2 (f x h), no biases."""
+    return 3 * cfg.d_model * moe_of(cfg).d_ff
+
+
+def dense_layer_params(cfg, tp: int) -> float:
+    """Parameters of one MoE block on one TP rank outside the routed experts: q, k, v, o
+    split by t, the two RMSNorm weights and the router (h x E) whole (Megatron-Core's
+    router is not tensor-parallel), the shared experts split by t."""
+    from .llama_layer import weight_matrices
+    m, h = moe_of(cfg), cfg.d_model
+    attn = sum(weight_matrices(cfg, tp)[:4])
+    return attn + 2 * h + h * m.experts + 3 * h * m.d_ff * m.shared / tp
+
+
+def rank_expert_params(cfg, tp: int, ep: int) -> float:
+    """Routed-expert parameters of one block on one rank: E / ep experts, each split by t."""
+    return moe_of(cfg).experts // ep * expert_params(cfg) / tp
+
+
+def layer_flops(cfg, b: int) -> tuple[float, float]:
+    """(matrix FLOPs, attention-core FLOPs) of one MoE block's forward for b sequences:
+    the active experts only (k routed + S shared), the router, the attention matrices."""
+    s, h, m = cfg.seq_len, cfg.d_model, moe_of(cfg)
+    kv = cfg.n_kv_head * cfg.head_dim
+    per_token = 2 * h * h + 2 * h * kv + 3 * h * m.d_ff * (m.topk + m.shared) + h * m.experts
+    return 2 * b * s * per_token, 4 * b * s * s * h
+
+
+def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str) -> float:
+    """Bytes one MoE block keeps for backward on one rank (16-bit unless said): the dense
+    block's (``llama_layer.activation_bytes``) less its SwiGLU's four T f / t tensors, plus
+    the router's fp32 probabilities (4 T_n E), the experts' input rows (2 M h, whole on
+    each TP rank after the gather), their SwiGLU's four tensors (8 M f / t), their output
+    rows kept for the probabilities' gradient (2 R h) and the shared experts' SwiGLU
+    (8 T S f / t).  Full recompute keeps the block input only, as the dense block."""
+    from .llama_layer import activation_bytes as dense
+    base = dense(cfg, b, tp, sp, recompute)
+    if recompute == "full":
+        return base
+    m, h = moe_of(cfg), cfg.d_model
+    T = cfg.seq_len * b
+    Tn = T / (tp if sp else 1)
+    M, R = m.c * m.topk * T, m.c * m.topk * Tn
+    moe = 4 * Tn * m.experts + 2 * M * h + 8 * M * m.d_ff / tp + 2 * R * h \
+        + 8 * T * m.shared * m.d_ff / tp
+    return base - 8 * T * cfg.d_ff / tp + moe
+
+
+def _dims(cfg, b, tp, ep, e):
+    m, h = moe_of(cfg), cfg.d_model
+    T = cfg.seq_len * b
+    Tn = T // tp
+    El = m.experts // ep
+    M, R = m.c * m.topk * T, m.c * m.topk * Tn
+    ft = m.d_ff // tp
+    Me = -(-int(round(M)) // El)          # rows per local expert (ceil)
+    return m, h, T, Tn, El, M, R, ft, Me
+
+
+def forward_ops(cfg, b, tp, ep, e) -> list:
+    """The MoE MLP's forward kernels and collectives on one rank (module docstring), as
+    tuples: compute (name, class, FLOPs, bytes, launches[, gemm output]) and collective
+    (name, kind, bytes, group) with group "tp" or "ep"."""
+    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e)
+    E, k = m.experts, m.topk
+    ops = [("router_gemm", "matmul", 2 * Tn * h * E, e * (Tn * h + h * E + Tn * E), 1,
+            (1, Tn, E)),
+           # softmax and top-k in fp32 (Megatron-Core's --moe-router-dtype fp32)
+           ("router_softmax_topk", "elementwise", 6 * Tn * E, e * Tn * E + 8 * Tn * E
+            + 12 * Tn * k, 1),
+           ("permute", "data_movement", 0, e * (Tn * h + R * h), 1),
+           ("ep_dispatch", "all_to_all", e * R * h, "ep"),
+           ("etp_all_gather", "all_gather", e * M * h, "tp"),
+           ("expert_w1", "matmul", 2 * M * h * ft, e * (M * h + El * h * ft + M * ft), 1,
+            (El, Me, ft)),
+           ("expert_w3", "matmul", 2 * M * h * ft, e * (M * h + El * h * ft + M * ft), 1,
+            (El, Me, ft)),
+           ("expert_silu", "elementwise", 4 * M * ft, 2 * e * M * ft, 1),
+           ("expert_swiglu_mul", "elementwise", M * ft, 3 * e * M * ft, 1),
+           ("expert_w2", "matmul", 2 * M * ft * h, e * (M * ft + El * ft * h + M * h), 1,
+            (El, Me, h)),
+           ("etp_reduce_scatter", "reduce_scatter", e * M * h, "tp"),
+           ("ep_combine", "all_to_all", e * R * h, "ep"),
+           ("unpermute", "elementwise", 2 * R * h, e * (R * h + Tn * h) + 4 * R, 1)]
+    if m.shared:
+        fs = m.shared * m.d_ff // tp
+        ops += [("shared_sp_all_gather", "all_gather", e * T * h, "tp"),
+                ("shared_w1", "matmul", 2 * T * h * fs, e * (T * h + h * fs + T * fs), 1,
+                 (1, T, fs)),
+                ("shared_w3", "matmul", 2 * T * h * fs, e * (T * h + h * fs + T * fs), 1,
+                 (1, T, fs)),
+                ("shared_silu", "elementwise", 4 * T * fs, 2 * e * T * fs, 1),
+                ("shared_swiglu_mul", "elementwise", T * fs, 3 * e * T * fs, 1),
+                ("shared_w2", "matmul", 2 * T * fs * h, e * (T * fs + fs * h + T * h), 1,
+                 (1, T, h)),
+                ("shared_tp_out", "reduce_scatter", e * T * h, "tp"),
+                ("shared_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+    return ops
+
+
+def backward_ops(cfg, b, tp, ep, e) -> list:
+    """The MoE MLP's backward kernels and collectives, in execution order: each forward
+    GEMM's input and weight gradients (the weight gradient into an fp32 buffer, as
+    ``layer_cost``), each collective's transpose (all-to-all for all-to-all, all-gather
+    for reduce-scatter and back)."""
+    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e)
+    E = m.experts
+
+    def grads(n, M_, K, N, batch, per):       # y[M, N] = x[M, K] @ w[K, N], per-expert rows
+        return [(n + "_dgrad", "matmul", 2 * M_ * K * N, e * (M_ * N + batch * K * N + M_ * K),
+                 1, (batch, per, K)),
+                (n + "_wgrad", "matmul", 2 * M_ * K * N, e * (M_ * N + M_ * K)
+                 + 8 * batch * K * N, 1, (batch, K, N))]
+
+    ops = []
+    if m.shared:
+        fs = m.shared * m.d_ff // tp
+        ops += [("shared_sp_grad_all_gather", "all_gather", e * T * h, "tp")]
+        ops += grads("shared_w2", T, fs, h, 1, T)
+        ops += [("shared_swiglu_mul_grad", "elementwise", 2 * T * fs, 5 * e * T * fs, 1)]
+        ops += grads("shared_w3", T, h, fs, 1, T)
+        ops += [("shared_silu_grad", "elementwise", 8 * T * fs, 3 * e * T * fs, 1)]
+        ops += grads("shared_w1", T, h, fs, 1, T)
+        ops += [("shared_tp_grad", "reduce_scatter", e * T * h, "tp")]
+    ops += [("unpermute_grad", "elementwise", 2 * R * h, e * (Tn * h + 2 * R * h) + 8 * R, 1),
+            ("ep_combine_grad", "all_to_all", e * R * h, "ep"),
+            ("etp_reduce_scatter_grad", "all_gather", e * M * h, "tp")]
+    ops += grads("expert_w2", M, ft, h, El, Me)
+    ops += [("expert_swiglu_mul_grad", "elementwise", 2 * M * ft, 5 * e * M * ft, 1)]
+    ops += grads("expert_w3", M, h, ft, El, Me)
+    ops += [("expert_silu_grad", "elementwise", 8 * M * ft, 3 * e * M * ft, 1)]
+    ops += grads("expert_w1", M, h, ft, El, Me)
+    ops += [("expert_dgrad_add", "elementwise", M * h, 3 * e * M * h, 1),
+            ("etp_all_gather_grad", "reduce_scatter", e * M * h, "tp"),
+            ("ep_dispatch_grad", "all_to_all", e * R * h, "ep"),
+            ("permute_grad", "data_movement", 0, e * (R * h + Tn * h), 1),
+            ("router_softmax_grad", "elementwise", 4 * Tn * E, 12 * Tn * E, 1)]
+    ops += grads("router", Tn, h, E, 1, Tn)
+    ops += [("moe_input_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+    return ops
