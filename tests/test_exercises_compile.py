@@ -41,6 +41,11 @@ def test_no_graph_break(capsys):
     fails("max\\(1, m\\)", C.check_no_graph_break, lambda x: torch.relu(x / x.abs().amax()))
     fails("another result", C.check_no_graph_break, lambda x: torch.relu(x))
     fails("function itself", C.check_no_graph_break, 3.0)
+
+    def stub(x):
+        raise NotImplementedError()
+    fails("raised NotImplementedError.*replace the stub", C.check_no_graph_break, stub)
+    fails("raised NameError", C.check_no_graph_break, lambda x: torch.relu(x) + undefined)  # noqa: F821
     fails("forget `return`", C.check_no_graph_break,
           lambda x: None if x is not None else x)
     fails("negative entries.*relu", C.check_no_graph_break,

@@ -39,6 +39,11 @@ def check_no_graph_break(fn) -> None:
     g = torch.Generator().manual_seed(16)
     small = torch.rand(4, 6, generator=g) * 1.6 - 0.8           # every |x| < 1
     big = torch.randn(4, 6, generator=g) * 3                    # some |x| > 1
+    try:                                 # eagerly first: the student's own errors, as answers
+        fn(wb.shard_tensor(small, mesh, [wb.Shard(0)]))
+    except Exception as e:
+        stub = " (replace the stub with your code)" if isinstance(e, NotImplementedError) else ""
+        raise CheckError(f"your function raised {type(e).__name__}: {e}{stub}") from None
     prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
     if prog.eager:
         b = prog.breaks[0]
