@@ -42,6 +42,15 @@ def test_no_graph_break(capsys):
     fails("another result", C.check_no_graph_break, lambda x: torch.relu(x))
     fails("function itself", C.check_no_graph_break, 3.0)
 
+    def stub(x):
+        raise NotImplementedError()
+    fails("raised NotImplementedError.*replace the stub", C.check_no_graph_break, stub)
+    fails("raised NameError", C.check_no_graph_break, lambda x: torch.relu(x) + undefined)  # noqa: F821
+    fails("forget `return`", C.check_no_graph_break,
+          lambda x: None if x is not None else x)
+    fails("negative entries.*relu", C.check_no_graph_break,
+          lambda x: x / torch.clamp(x.abs().amax(), min=1.0))
+
 
 def test_greedy_vs_whole_bytes_matches_the_trace(capsys):
     full = 16 * 32 * 4
@@ -50,6 +59,14 @@ def test_greedy_vs_whole_bytes_matches_the_trace(capsys):
     fails("\\(p-1\\)/p", C.check_greedy_vs_whole_bytes, full / 4 + full, 1536)
     fails("bytes", C.check_greedy_vs_whole_bytes, (384 + 1536) / 4, 1536)
     fails("one all_gather", C.check_greedy_vs_whole_bytes, 1920, 1920)
+    # the exercise's own case (24 x 64 on 8 ranks): section 2's numbers name that case
+    big = 24 * 64 * 4
+    passes(capsys, C.check_greedy_vs_whole_bytes, 7 / 8 * big / 8 + 7 / 8 * big, 7 / 8 * big,
+           rows=24, cols=64, p=8)
+    fails("section 2's case.*\\(24, 64\\) tensor on 8 ranks", C.check_greedy_vs_whole_bytes,
+          1920, 1536, rows=24, cols=64, p=8)
+    fails("section 2's case", C.check_greedy_vs_whole_bytes, 7 / 8 * big / 8 + 7 / 8 * big,
+          1536, rows=24, cols=64, p=8)
     # the library's own counts, op by op and compiled, agree with the hand formula
     mesh = wb.Mesh.grid((4,))
     x = wb.shard_tensor(torch.randn(16, 32), mesh, [S(1)])
@@ -67,3 +84,5 @@ def test_sink_saving(capsys):
     fails("launched once", C.check_sink_saving_us, 97 * lt * 1e6, 97)
     fails("1e6", C.check_sink_saving_us, 96 * lt * 1e3, 97)
     fails("one launch", C.check_sink_saving_us, lt * 1e6, 97)
+    # the whole O1 -> O2 step difference (launches and bucketing) is more than every launch
+    fails("launches only.*bucketing", C.check_sink_saving_us, 97 * lt * 1e6 + 120, 97)

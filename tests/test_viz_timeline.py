@@ -133,3 +133,25 @@ def test_a_long_title_never_runs_into_the_caption(ranks):
     a, b = title.get_window_extent(renderer), cap.get_window_extent(renderer)
     assert a.y0 >= b.y1 - 0.5                            # the title sits above the caption
     assert a.y1 <= fig.bbox.height                       # and inside the figure
+
+
+def test_until_puts_two_steps_on_one_scale():
+    """``until`` stretches the axis (and picks its unit) without moving a bar; a span
+    shorter than the step, or not a number, is refused with the argument named."""
+    short, long_ = report(k=1), report(k=4)
+    assert short.total != long_.total
+    span = max(short.total, long_.total)
+    figs = [T.draw_timeline(r, until=span) for r in (short, long_)]
+    unit, scale = T.time_unit(span)
+    for fig, rep in zip(figs, (short, long_)):
+        assert fig.axes[0].get_xlim() == pytest.approx((0, span * scale))
+        assert unit in fig.axes[0].get_xlabel()
+        t0 = min(e.start for e in rep.events)
+        drawn, _ = bars(fig, "compute")
+        assert max(x1 for _, x1, _ in drawn) == pytest.approx(
+            max(e.end - t0 for e in rep.events if e.stream == "compute") * scale)
+    assert T.draw_timeline(long_).axes[0].get_xlim() == pytest.approx(
+        (0, long_.total * T.time_unit(long_.total)[1]))
+    for bad in (min(short.total, long_.total) / 2, "1 ms", True):
+        with pytest.raises(ValueError, match="until="):
+            T.draw_timeline(long_ if bad is not True else short, until=bad)

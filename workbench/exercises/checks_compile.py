@@ -16,7 +16,7 @@ import io
 import torch
 
 from ..sim_mesh.profiles import get_profile
-from .checks import _check_number, _ok
+from .checks import _check_number, _number, _ok
 from .feedback import CheckError, exercise
 
 __all__ = ["check_no_graph_break", "check_greedy_vs_whole_bytes", "check_sink_saving_us"]
@@ -39,6 +39,12 @@ def check_no_graph_break(fn) -> None:
     g = torch.Generator().manual_seed(16)
     small = torch.rand(4, 6, generator=g) * 1.6 - 0.8           # every |x| < 1
     big = torch.randn(4, 6, generator=g) * 3                    # some |x| > 1
+    try:                                 # eagerly first: the student's own errors, as answers
+        fn(wb.shard_tensor(small, mesh, [wb.Shard(0)]))
+    except Exception as e:
+        why = (": replace the stub with your code" if isinstance(e, NotImplementedError)
+               else f": {e}" if str(e) else "")
+        raise CheckError(f"your function raised {type(e).__name__}{why}") from None
     prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
     if prog.eager:
         b = prog.breaks[0]
@@ -48,15 +54,24 @@ def check_no_graph_break(fn) -> None:
     for name, x in (("all |x| < 1", small), ("largest |x| > 1", big)):
         want = scale_rows_reference(x)
         try:
-            got = prog(wb.shard_tensor(x, mesh, [wb.Shard(0)])).full()
+            got = prog(wb.shard_tensor(x, mesh, [wb.Shard(0)]))
         except ValueError:               # compiled for other shapes: compile again
             got = wb.compile(fn, wb.shard_tensor(x, mesh, [wb.Shard(0)]), method="trace")(
-                wb.shard_tensor(x, mesh, [wb.Shard(0)])).full()
+                wb.shard_tensor(x, mesh, [wb.Shard(0)]))
+        if got is None:
+            raise CheckError("your function returns None: did you forget `return`?")
+        if not isinstance(got, (wb.DistTensor, torch.Tensor)):
+            raise CheckError(f"your function returns a {type(got).__name__}, not a tensor")
+        got = got.full() if isinstance(got, wb.DistTensor) else got
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            hint = ("divide by max(1, m), not by m: inputs already within [-1, 1] stay as "
-                    "they are" if name.startswith("all") and torch.allclose(
-                        got, torch.relu(x / x.abs().max()), atol=1e-6) else
-                    "compare with relu(x / max(1, max|x|))")
+            if name.startswith("all") and torch.allclose(
+                    got, torch.relu(x / x.abs().max()), atol=1e-6):
+                hint = ("divide by max(1, m), not by m: inputs already within [-1, 1] stay as "
+                        "they are")
+            elif (got < 0).any():
+                hint = "it has negative entries: scale_rows ends with torch.relu"
+            else:
+                hint = "compare with relu(x / max(1, max|x|))"
             raise CheckError(f"for an input with {name} your function gives another "
                              f"result: {hint}")
     _ok(f"{len(prog.graph.nodes)} ops captured whole, no graph break; the results match "
@@ -77,8 +92,15 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
     full = rows * cols * elem
     want_g = _ring(full / p, p) + _ring(full, p)
     want_w = _ring(full, p)
+    # section 2's own case (16 x 32 float32 on 4 ranks): the formula checked, not yet applied
+    s2 = 16 * 32 * 4
+    s2_g, s2_w = _ring(s2 / 4, 4) + _ring(s2, 4), _ring(s2, 4)
+    other = (rows, cols, p, elem) != (16, 32, 4, 4)
+    same_case = (f"that is section 2's case (16 x 32 on 4 ranks); now apply your formula to "
+                 f"a ({rows}, {cols}) tensor on {p} ranks")
     with contextlib.redirect_stdout(io.StringIO()):     # one "Correct" line for both
         _check_number("op-by-op bytes", greedy, want_g, "B", [
+            *([(s2_g, same_case)] if other else []),
             (want_w, "that is the compiled program's count; op by op, the softmax first moves "
                      "its input to S(0) with an all_to_all (each rank sends (p-1)/p of its "
                      "shard), and the all_gather to Replicate comes after"),
@@ -88,11 +110,12 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
                                  "the whole tensor"),
             (want_g / elem, "count bytes (4 per float32), not elements")])
     _check_number("compiled bytes", whole, want_w, "B", [
+        *([(s2_w, same_case)] if other else []),
         (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
                  "tensor, so the only collective is one all_gather"),
         (full, "an all_gather sends (p-1)/p of the buffer from each rank"),
         (want_w / elem, "count bytes (4 per float32), not elements")],
-        what=f" (op by op: {float(greedy):,.0f} B)")
+        what=f" (op by op: {float(greedy):.4g} B)")
 
 
 @exercise
@@ -101,6 +124,11 @@ def check_sink_saving_us(us, kernels: int, profile: str = "ascend-910b") -> None
     one: every launch is dropped, one launch of the whole graph is paid."""
     lt = get_profile(profile).launch_overhead
     want = (kernels - 1) * lt * 1e6
+    if _number("launch time saved", us) > kernels * lt * 1e6 * 1.02:
+        raise CheckError(f"your launch time saved is {float(us):.4g} us, more than all "
+                         f"{kernels} launches of the step take: the sink removes launches "
+                         "only (the O1 -> O2 difference of the table holds the bucketing "
+                         "pass's saving too)")
     _check_number("launch time saved", us, want, "us", [
         (kernels * lt * 1e6, "the graph itself is still launched once: one launch remains"),
         ((kernels - 1) * lt * 1e3, "launch_overhead is in seconds: times 1e6 for us"),

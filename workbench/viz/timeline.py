@@ -95,18 +95,26 @@ def _rect(x0, x1, y, h):
 
 
 def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = True,
-                  dpi: int = 100) -> TimelineFigure:
+                  dpi: int = 100, until: float | None = None) -> TimelineFigure:
     """Bars on the modeled clock: per rank a compute row above a comm row.
 
     Comm time during which that rank's compute stream idles is overlaid in red
-    (exposed); the caption gives the hidden share.  Artists carry gids for tests and
+    (exposed); the caption gives the hidden share.  ``until`` (seconds, at least the
+    step's own length) stretches the time axis, so that two steps drawn with the same
+    ``until`` share one scale and unit.  Artists carry gids for tests and
     tools: "compute", "comm", "exposed" (PolyCollections, one rectangle per event
     and rank), "labels" (texts in bars, up to ``MAX_LABELS`` bars), "caption"."""
     rep = as_report(data)
     events = rep.events
     rows = _ranks(events, ranks)
     t0 = min((e.start for e in events), default=0.0)
-    unit, scale = time_unit(rep.total or 1.0)
+    if until is not None and (isinstance(until, bool) or not isinstance(until, (int, float))
+                              or not until >= rep.total * (1 - 1e-9)):
+        raise ValueError(f"until={until!r} must be a number of seconds no shorter than the "
+                         f"step drawn ({rep.total!r} s): pass the longest of the steps you "
+                         "compare, or None")
+    span = max(float(until), rep.total) if until is not None else rep.total
+    unit, scale = time_unit(span or 1.0)
     height = 1.3 + TOP - 0.4 + 0.55 * len(rows)                    # inches
     fig = TimelineFigure(figsize=(FIG_WIDTH, height), dpi=dpi)
     ax = fig.subplots()
@@ -128,12 +136,12 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
                                          linewidths=0.5, gid=gid), autolim=False)
     if labels and len(texts) <= MAX_LABELS:
         # a label is written only where it fits its bar (7 pt text, about 4.2 pt a character)
-        pt_per_unit = FIG_WIDTH * (RIGHT - LEFT) * 72 / (rep.total * scale or 1.0)
+        pt_per_unit = FIG_WIDTH * (RIGHT - LEFT) * 72 / (span * scale or 1.0)
         for x, y, s, w in texts:
             if w * pt_per_unit >= 4.2 * len(s) + 4:
                 ax.text(x, y, s, ha="center", va="center", fontsize=7, color="white",
                         gid="labels")
-    ax.set_xlim(0, rep.total * scale or 1.0)
+    ax.set_xlim(0, span * scale or 1.0)
     ax.set_ylim(2 * len(rows) - 0.5, -0.5)                        # rank 0 on top
     ax.set_yticks(range(2 * len(rows)),
                   [f"rank {r} {s}" for r in rows for s in ("compute", "comm")], **FONT)
