@@ -81,16 +81,19 @@ def test_bad_cp_combinations_are_refused_with_the_fix(flags, msg, capsys):
     assert err.startswith("error: ") and msg in err
 
 
-def test_torchrun_cp_and_tp_print_one_devices_losses():
+@pytest.mark.parametrize("preset,flags", [
+    ("tiny", ["--tp", "2"]),
+    ("gpt-tiny", ["--dp", "2"])])       # gradients over one dp x cp process group
+def test_torchrun_cp_prints_one_devices_losses(preset, flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--steps", "2",
-           "--backend", "torch", "--cp", "2", "--tp", "2"]
+           "-m", "workbench", "train", "--preset", preset, "--seed", "0", "--steps", "2",
+           "--backend", "torch", "--cp", "2", *flags]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
-    assert [r["loss"] for r in rows] == pytest.approx(one_device("tiny"), rel=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx(one_device(preset), rel=1e-6)
 
 
 def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
@@ -108,3 +111,32 @@ def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
         r = run_stage(h, model, 0, cfg, 2, tr, [p for _, p in dist_parameters(model)])
     assert tr.counts()["send_recv"] == 2 * 2 * 2
     assert r["forward"] > 0 and r["backward"] > 0 and r["activation_bytes"] > 0
+
+
+def test_dp_x_cp_gradients_are_summed_by_one_bucketed_all_reduce():
+    """Megatron-Core's convention: the weights are replicas over dp x cp and their
+    gradients are summed by one all-reduce over that group (one buffer), not by an
+    all-reduce over cp per use of a weight; the losses stay one device's."""
+    import workbench as wb
+    cfg = get_config("tiny")
+    s = ContextParallel(cp=2, dp=2, tp=2)
+    s.check(cfg, 8)
+    model = s.build_model(cfg, 0)
+    opts = s.build_optimizer(model, 1e-3, 0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    with wb.trace("a100") as tr:
+        s.forward_backward(model, x, y)
+        s.optimizer_step(opts)
+    grads = [e for e in tr.events if e.name == "all_reduce" and e.label.startswith("dp ")]
+    mesh = s.meshes[0]
+    assert sorted(e.ranks for e in grads) == [(0, 2, 4, 6), (1, 3, 5, 7)]   # one per tp rank
+    assert all(e.args["mesh_dim"] == "dp_cp" for e in grads)
+    n_params = sum(p._local[(0,) * mesh.ndim].numel()
+                   for _, p in wb.dist_parameters(model))
+    assert grads[0].args["buffer_bytes"] == 4 * n_params           # every gradient, fp32
+    per_use = [e for e in tr.events if e.name == "all_reduce" and e.args["mesh_dim"] == "cp"
+               and "input" in e.label]
+    assert per_use == []
+    recs = train("tiny", steps=2, seed=0, timing=False,
+                 strategy=ContextParallel(cp=2, dp=2, tp=2))
+    assert [r["loss"] for r in recs] == pytest.approx(one_device("tiny"), rel=1e-6)

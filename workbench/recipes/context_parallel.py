@@ -17,12 +17,16 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
 * the targets are put in the same ring order and sharded the same way, so the
   cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
-* gradients: without dp, the parameters are data-parallel replicas over cp (one copy
-  per cp rank, gradients all-reduced over cp in one buffer after backward, as
-  Megatron-LM reduces gradients over the dp x cp group); with dp, the parameters are
-  replicated over cp, so each one meeting cp-sharded tokens has its gradient summed
-  over cp by the all-reduce that replication implies (traced, per use), then over dp by
-  data parallelism.
+* gradients: the parameters are data-parallel replicas over dp x cp (one copy per
+  rank of the pair, each keeping the gradient of its own tokens), summed after backward
+  by one all-reduce over the dp x cp group in one buffer, as Megatron-Core reduces
+  gradients over its data-parallel group "with context parallel"
+  (``parallel_state.get_data_parallel_group(with_context_parallel=True)``, the group of
+  its ``DistributedDataParallel``; :mod:`~workbench.parallel.strategies.flat_dims`).
+  ZeRO 1/2 shard the optimizer states over one dim only here: with dp they shard over
+  dp, and the parameters are replicated over cp, so each one meeting cp-sharded tokens
+  has its gradient summed over cp by the all-reduce that replication implies (traced,
+  per use); without dp they shard over cp.
 """
 from __future__ import annotations
 
@@ -119,9 +123,11 @@ class ContextParallel(Hybrid):
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
-        """Data parallelism over dp, or over cp when there is no dp (module docstring)."""
+        """Data parallelism over dp x cp; ZeRO over dp, or cp when there is no dp
+        (module docstring)."""
         params = [p for _, p in dist_parameters(model)]
-        return [DataParallel(params, self.meshes[0], "dp" if self.dp > 1 else "cp",
+        dims = "cp" if self.dp == 1 else ("dp", "cp") if self.zero == 0 else "dp"
+        return [DataParallel(params, self.meshes[0], dims,
                              zero=self.zero, bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                              lr=lr, weight_decay=weight_decay)]
 
