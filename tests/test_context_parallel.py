@@ -199,6 +199,12 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
         cp.ring_attention(*dist, "cp")
     assert r["cp"]["bytes_per_rank"] == tr.bytes_per_rank("send_recv")[0] == 2 * 3 * 4 * 16 * 4
     assert r["sp"]["bytes_per_rank"] == 4 * 3 * 16 * 32 * 4 // 4        # 4 (p-1)/p b S h e
+    # forward and backward: the K/V blocks out, dK/dV back (as the simulator counts them)
+    d = [t.detach().requires_grad_() for t in dist]
+    with wb.trace("a100") as tr2:
+        cp.ring_attention(*d, "cp").sum().backward()
+    assert r["cp"]["step_bytes_per_rank"] == tr2.bytes_per_rank("send_recv")[0]
+    assert r["cp"]["step_bytes_per_rank_te"] == 3 * r["cp"]["bytes_per_rank"]
     # long sequences: the ring hides behind attention, SP's gathers do not
     long = cp_vs_sp_sweep([1024, 131072], 4096, 8, "h100", n_head=32, n_kv_head=8)
     assert long[1]["cp"]["exposed_s"] == 0 < long[0]["cp"]["exposed_s"]
