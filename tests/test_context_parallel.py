@@ -212,6 +212,10 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
     assert all(x["winner"] == "cp" and x["sp"]["exposed_s"] > 0 for x in long)
     with pytest.raises(ValueError, match="S=10 does not divide by p=4"):
         cp_vs_sp(10, 32, 4)
+    # causal: half a block per step holds only on the balanced ring (2p chunks)
+    with pytest.raises(ValueError, match="12 does not divide by 8.*multiple of 8"):
+        cp_vs_sp(12, 32, 4, n_head=4)
+    assert cp_vs_sp(12, 32, 4, n_head=4, causal=False)["cp"]["bytes_per_rank"] > 0
 
 
 def test_ring_record_renders_as_text_and_a_figure():

@@ -37,6 +37,7 @@ communication only, and says so.
 from __future__ import annotations
 
 from ...sim_mesh import cost as _cost
+from ..ops_table.ring_attention import check_ring
 from ...sim_mesh.profiles import get_profile
 
 __all__ = ["cp_vs_sp", "cp_vs_sp_sweep"]
@@ -69,6 +70,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
                          "divide h and n_kv_head divide n_head")
     if S % p:
         raise ValueError(f"cp_vs_sp: S={S} does not divide by p={p}; give a multiple of p")
+    if causal:                          # the balanced ring the causal figures assume
+        check_ring(S, p, True, f"cp_vs_sp(S={S}, p={p}, causal=True)")
     prof = get_profile(profile)
     e = 2 if dtype in ("bfloat16", "float16", "bf16", "fp16") else 4 if dtype in (
         "float32", "fp32") else None
