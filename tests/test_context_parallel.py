@@ -229,3 +229,28 @@ def test_ring_record_renders_as_text_and_a_figure():
     assert doctest.testmod(ring_viz).failed == 0
     fig = draw_ring(cp.ring_schedule(3))
     assert len(fig.axes[0].patches) == 3 * 3 * 4
+
+
+def test_cp_vs_sp_sequence_parallel_bytes_match_what_the_simulator_counts():
+    """Korthikanti et al.'s SP volume per layer (2 all-gathers + 2 reduce-scatters of the
+    (b, S, h) activation forward, their mirror backward) against Megatron SP as the hybrid
+    recipe runs it: one more layer adds exactly step_bytes_per_rank to rank 0's traffic."""
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
+    from workbench.recipes.hybrid import Hybrid
+
+    def sp_bytes(n_layer):
+        cfg = get_config("gpt-tiny").replace(n_layer=n_layer, dropout=0.0)
+        s = Hybrid(tp=2, sp=True)
+        s.check(cfg, 2)
+        model = s.build_model(cfg, 0)
+        x, y = get_batch(cfg, 2, 0, 0)
+        with wb.trace("a100") as tr:
+            s.forward_backward(model, x, y)
+        return cfg, sum(e.bytes for e in tr.events
+                        if e.name in ("all_gather", "reduce_scatter") and 0 in e.ranks)
+    cfg, one = sp_bytes(1)
+    _, two = sp_bytes(2)
+    r = cp_vs_sp(cfg.seq_len, cfg.d_model, 2, n_head=cfg.n_head, batch=2, dtype="float32")
+    assert two - one == r["sp"]["step_bytes_per_rank"] == 2 * r["sp"]["bytes_per_rank"]
