@@ -311,12 +311,11 @@ class DistTensorDDP(DistributedDataParallel):
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Debug: raise if any parameter differs between the ranks' replicas."""
-        ax = self.replicas.axis
         for name, p in zip(self._names, self.replicas.params):
             loc = p._local
             if self.replicas.distributed:
                 continue                  # one replica per process: nothing to compare here
-            if not bool((loc == loc.narrow(ax, 0, 1)).all()):
+            if not all(bool((loc == loc.narrow(ax, 0, 1)).all()) for ax in self.replicas.axes):
                 raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
                                    "between ranks; did something update one rank's copy "
                                    "outside the optimizer step?")
