@@ -186,6 +186,15 @@ def test_bad_input_names_the_fix():
 def test_validator_checks_every_candidate_of_the_step_rule():
     rep = validate(["ring_attention_step"], meshes=((2,),), max_layouts=6)
     assert rep.ops == ["ring_attention_step"] and rep.runs > 20 and not rep.wrong, rep.format()
+    # an odd ring (3 ranks, the last step): slots of 2 chunks of 2 tokens, GQA
+    from workbench.parallel.ops_table.ring_attention import ring_attention_step
+    from workbench.parallel.ops_table.samples import Sample
+    q, k, v = _qkv(5, 1, 2, 1, 12, 4)
+    odd = Sample(ring_attention_step, (q.detach(), k.detach(), v.detach()),
+                 {"ring": 3, "step": 2})
+    rep = validate(["ring_attention_step"], meshes=((3,),), max_layouts=8,
+                   table={"ring_attention_step": [odd]})
+    assert rep.runs > 20 and not rep.wrong, rep.format()
 
 
 def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
