@@ -11,7 +11,8 @@ per-chunk mode (:mod:`.zero_optimizer_dist`), ``Zero3``
 
 Also: tensor and sequence parallel (:mod:`.tensor_parallel`), context parallelism (ring
 attention with causal load balancing, :mod:`.context_parallel`; CP against SP as data,
-:mod:`.context_parallel_cost`), activation counting
+:mod:`.context_parallel_cost`; gradients summed over dp x cp as one group,
+:mod:`.flat_dims`), activation counting
 (:mod:`.memory`), and compute/communication overlap (``overlap.py``: decomposed
 collectives; ``overlap_sweep.py``: their hidden share against k, sizes and profiles;
 ``overlap_multicopy.py``: MindSpore's multi-copy layer).  The recipes that wire them onto
