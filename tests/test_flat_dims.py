@@ -48,3 +48,17 @@ def test_flatten_dims_merges_adjacent_dims_and_refuses_others():
     assert flatten_dims(mesh, ("tp",)) == (mesh, 2)
     with pytest.raises(ValueError, match=r"\['dp', 'tp'\].*not adjacent"):
         flatten_dims(mesh, ("dp", "tp"))
+
+
+def test_refusals_leave_the_parameters_untouched():
+    from workbench.parallel.strategies.data_parallel import DataParallel
+    mesh = wb.Mesh.grid((2, 1, 2), ["dp", "tp", "cp"])
+    m = torch.nn.Linear(4, 3)
+    wb.parallelize(m, mesh, {}, mesh_dim="cp")
+    params = [p for _, p in wb.dist_parameters(m)]
+    before = [p._local for p in params]
+    with pytest.raises(NotImplementedError, match="zero=1.*one data-parallel dim, or zero=0"):
+        DataParallel(params, mesh, ("dp", "cp"), zero=1)
+    with pytest.raises(ValueError, match="not adjacent"):
+        DataParallel(params, mesh, ("dp", "cp"))
+    assert all(p._local is b for p, b in zip(params, before))
