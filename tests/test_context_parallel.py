@@ -186,6 +186,15 @@ def test_bad_input_names_the_fix():
 def test_validator_checks_every_candidate_of_the_step_rule():
     rep = validate(["ring_attention_step"], meshes=((2,),), max_layouts=6)
     assert rep.ops == ["ring_attention_step"] and rep.runs > 20 and not rep.wrong, rep.format()
+    # an odd ring (3 ranks, the last step): slots of 2 chunks of 2 tokens, GQA
+    from workbench.parallel.ops_table.ring_attention import ring_attention_step
+    from workbench.parallel.ops_table.samples import Sample
+    q, k, v = _qkv(5, 1, 2, 1, 12, 4)
+    odd = Sample(ring_attention_step, (q.detach(), k.detach(), v.detach()),
+                 {"ring": 3, "step": 2})
+    rep = validate(["ring_attention_step"], meshes=((3,),), max_layouts=8,
+                   table={"ring_attention_step": [odd]})
+    assert rep.runs > 20 and not rep.wrong, rep.format()
 
 
 def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
@@ -199,6 +208,12 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
         cp.ring_attention(*dist, "cp")
     assert r["cp"]["bytes_per_rank"] == tr.bytes_per_rank("send_recv")[0] == 2 * 3 * 4 * 16 * 4
     assert r["sp"]["bytes_per_rank"] == 4 * 3 * 16 * 32 * 4 // 4        # 4 (p-1)/p b S h e
+    # forward and backward: the K/V blocks out, dK/dV back (as the simulator counts them)
+    d = [t.detach().requires_grad_() for t in dist]
+    with wb.trace("a100") as tr2:
+        cp.ring_attention(*d, "cp").sum().backward()
+    assert r["cp"]["step_bytes_per_rank"] == tr2.bytes_per_rank("send_recv")[0]
+    assert r["cp"]["step_bytes_per_rank_te"] == 3 * r["cp"]["bytes_per_rank"]
     # long sequences: the ring hides behind attention, SP's gathers do not
     long = cp_vs_sp_sweep([1024, 131072], 4096, 8, "h100", n_head=32, n_kv_head=8)
     assert long[1]["cp"]["exposed_s"] == 0 < long[0]["cp"]["exposed_s"]
@@ -206,6 +221,10 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
     assert all(x["winner"] == "cp" and x["sp"]["exposed_s"] > 0 for x in long)
     with pytest.raises(ValueError, match="S=10 does not divide by p=4"):
         cp_vs_sp(10, 32, 4)
+    # causal: half a block per step holds only on the balanced ring (2p chunks)
+    with pytest.raises(ValueError, match="12 does not divide by 8.*multiple of 8"):
+        cp_vs_sp(12, 32, 4, n_head=4)
+    assert cp_vs_sp(12, 32, 4, n_head=4, causal=False)["cp"]["bytes_per_rank"] > 0
 
 
 def test_ring_record_renders_as_text_and_a_figure():
@@ -219,3 +238,28 @@ def test_ring_record_renders_as_text_and_a_figure():
     assert doctest.testmod(ring_viz).failed == 0
     fig = draw_ring(cp.ring_schedule(3))
     assert len(fig.axes[0].patches) == 3 * 3 * 4
+
+
+def test_cp_vs_sp_sequence_parallel_bytes_match_what_the_simulator_counts():
+    """Korthikanti et al.'s SP volume per layer (2 all-gathers + 2 reduce-scatters of the
+    (b, S, h) activation forward, their mirror backward) against Megatron SP as the hybrid
+    recipe runs it: one more layer adds exactly step_bytes_per_rank to rank 0's traffic."""
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
+    from workbench.recipes.hybrid import Hybrid
+
+    def sp_bytes(n_layer):
+        cfg = get_config("gpt-tiny").replace(n_layer=n_layer, dropout=0.0)
+        s = Hybrid(tp=2, sp=True)
+        s.check(cfg, 2)
+        model = s.build_model(cfg, 0)
+        x, y = get_batch(cfg, 2, 0, 0)
+        with wb.trace("a100") as tr:
+            s.forward_backward(model, x, y)
+        return cfg, sum(e.bytes for e in tr.events
+                        if e.name in ("all_gather", "reduce_scatter") and 0 in e.ranks)
+    cfg, one = sp_bytes(1)
+    _, two = sp_bytes(2)
+    r = cp_vs_sp(cfg.seq_len, cfg.d_model, 2, n_head=cfg.n_head, batch=2, dtype="float32")
+    assert two - one == r["sp"]["step_bytes_per_rank"] == 2 * r["sp"]["bytes_per_rank"]

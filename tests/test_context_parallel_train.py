@@ -71,7 +71,7 @@ def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset, mon
                     "2 x cp = 6 equal chunks"),
     (["--cp", "0"], "cp=0"),
     (["--cp", "2", "--pp", "2"], "use pp=1"),
-    (["--cp", "2", "--tp", "2", "--sp"], "leave sp off"),
+    (["--cp", "2", "--sp"], "give tp > 1 or leave sp off"),
     (["--cp", "2", "--dry-run"], "--cp with --dry-run"),
     (["--cp", "2", "--preset", "small"], "dropout=0.1"),
     (["--cp", "2", "--device", "auto"], "--device auto with --cp")])
@@ -81,16 +81,19 @@ def test_bad_cp_combinations_are_refused_with_the_fix(flags, msg, capsys):
     assert err.startswith("error: ") and msg in err
 
 
-def test_torchrun_cp_and_tp_print_one_devices_losses():
+@pytest.mark.parametrize("preset,flags", [
+    ("tiny", ["--tp", "2"]),
+    ("gpt-tiny", ["--dp", "2"])])       # gradients over one dp x cp process group
+def test_torchrun_cp_prints_one_devices_losses(preset, flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--steps", "2",
-           "--backend", "torch", "--cp", "2", "--tp", "2"]
+           "-m", "workbench", "train", "--preset", preset, "--seed", "0", "--steps", "2",
+           "--backend", "torch", "--cp", "2", *flags]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
-    assert [r["loss"] for r in rows] == pytest.approx(one_device("tiny"), rel=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx(one_device(preset), rel=1e-6)
 
 
 def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
@@ -108,3 +111,56 @@ def test_the_recipe_runs_on_the_meta_device_as_the_dry_run_does():
         r = run_stage(h, model, 0, cfg, 2, tr, [p for _, p in dist_parameters(model)])
     assert tr.counts()["send_recv"] == 2 * 2 * 2
     assert r["forward"] > 0 and r["backward"] > 0 and r["activation_bytes"] > 0
+
+
+def test_dp_x_cp_gradients_are_summed_by_one_bucketed_all_reduce():
+    """Megatron-Core's convention: the weights are replicas over dp x cp and their
+    gradients are summed by one all-reduce over that group (one buffer), not by an
+    all-reduce over cp per use of a weight; the losses stay one device's."""
+    import workbench as wb
+    cfg = get_config("gpt-tiny")
+    s = ContextParallel(cp=2, dp=2)
+    s.check(cfg, 8)
+    model = s.build_model(cfg, 0)
+    opts = s.build_optimizer(model, 1e-3, 0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    with wb.trace("a100") as tr:
+        s.forward_backward(model, x, y)
+        s.optimizer_step(opts)
+    grads = [e for e in tr.events if e.name == "all_reduce" and e.label.startswith("dp ")]
+    mesh = s.meshes[0]
+    assert [(e.ranks, e.args["mesh_dim"]) for e in grads] == [((0, 1, 2, 3), "dp_cp")]
+    n_params = sum(p._local[(0,) * mesh.ndim].numel() for _, p in wb.dist_parameters(model))
+    assert grads[0].args["buffer_bytes"] == 4 * n_params           # every gradient, fp32
+    per_use = [e for e in tr.events if e.name == "all_reduce" and e.args["mesh_dim"] == "cp"
+               and "input" in e.label]
+    assert per_use == []
+    recs = train("gpt-tiny", steps=2, seed=0, timing=False, strategy=ContextParallel(cp=2, dp=2))
+    assert [r["loss"] for r in recs] == pytest.approx(one_device("gpt-tiny"), rel=1e-6)
+
+
+def test_cp_with_sequence_parallelism_gives_one_devices_losses():
+    """--cp 2 --tp 2 --sp: each cp rank's tokens sharded over tp (Megatron SP's
+    all-gathers and reduce-scatters on tp, the ring on cp), the norms' partial gradients
+    summed over tp once, then every gradient over cp."""
+    import workbench as wb
+    recs = train("tiny", steps=2, seed=0, timing=False,
+                 strategy=ContextParallel(cp=2, tp=2, sp=True))
+    assert [r["loss"] for r in recs] == pytest.approx(one_device("tiny"), rel=1e-6)
+    cfg = get_config("tiny")
+    s = ContextParallel(cp=2, tp=2, sp=True)
+    s.check(cfg, 8)
+    model = s.build_model(cfg, 0)
+    opts = s.build_optimizer(model, 1e-3, 0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    with wb.trace("a100") as tr:
+        s.forward_backward(model, x, y)
+        s.optimizer_step(opts)
+    on = {(e.name, e.args.get("mesh_dim")) for e in tr.events if e.stream != "compute"}
+    assert {("reduce_scatter", "tp"), ("all_gather", "tp"), ("send_recv", "cp"),
+            ("all_reduce", "cp")} <= on
+    labels = {e.label for e in tr.events}
+    assert "sequence-parallel norm grads" in labels
+    with pytest.raises(ValueError, match="each cp rank's 6 tokens do not divide by tp.*"
+                                         "multiple of 16"):
+        ContextParallel(cp=2, tp=4, sp=True).check(get_config("tiny").replace(seq_len=12), 8)

@@ -12,17 +12,25 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   holds chunks i and 2cp-1-i of every sequence (causal load balancing), so every op but
   attention runs on cp-sharded tokens unchanged;
 * attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs);
+* with sequence parallelism (``sp``, tp > 1) each cp rank's tokens are sharded over tp
+  as well (Megatron-LM runs SP inside each cp rank): the rules put Megatron SP's
+  all-gathers and reduce-scatters on tp around the linears, the ring stays on cp, and
+  the norms' partial gradients are summed over tp once per step;
 * positions follow the chunks: the GPT adds its learned position embeddings before the
   layout (so each token keeps its own), the Llama's RoPE tables are put in ring order
   for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
 * the targets are put in the same ring order and sharded the same way, so the
   cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
-* gradients: without dp, the parameters are data-parallel replicas over cp (one copy
-  per cp rank, gradients all-reduced over cp in one buffer after backward, as
-  Megatron-LM reduces gradients over the dp x cp group); with dp, the parameters are
-  replicated over cp, so each one meeting cp-sharded tokens has its gradient summed
-  over cp by the all-reduce that replication implies (traced, per use), then over dp by
-  data parallelism.
+* gradients: the parameters are data-parallel replicas over dp x cp (one copy per
+  rank of the pair, each keeping the gradient of its own tokens), summed after backward
+  by one all-reduce over the dp x cp group in one buffer, as Megatron-Core reduces
+  gradients over its data-parallel group "with context parallel"
+  (``parallel_state.get_data_parallel_group(with_context_parallel=True)``, the group of
+  its ``DistributedDataParallel``; :mod:`~workbench.parallel.strategies.flat_dims`).
+  ZeRO 1/2 shard the optimizer states over one dim only here: with dp they shard over
+  dp, and the parameters are replicated over cp, so each one meeting cp-sharded tokens
+  has its gradient summed over cp by the all-reduce that replication implies (traced,
+  per use); without dp they shard over cp.
 """
 from __future__ import annotations
 
@@ -39,7 +47,9 @@ from ..parallel.strategies.context_parallel import (check_ring, context_parallel
                                                     slot_positions, to_ring_layout)
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.strategies.memory import saved_activation_bytes
-from ..parallel.strategies.tensor_parallel import tensor_parallel_region
+from ..parallel.reshard import reshard
+from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
+                                                   tensor_parallel_region)
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
 from .hybrid import ONE_BUFFER, Hybrid
@@ -72,10 +82,9 @@ class ContextParallel(Hybrid):
         if pp != 1:
             raise NotImplementedError(f"cp={cp} with pp={pp}: context parallelism with "
                                       "pipeline stages is not built yet; use pp=1")
-        if sp:
-            raise NotImplementedError(f"cp={cp} with sp: the sequence is sharded over cp "
-                                      "already; leave sp off (tensor parallelism over tp "
-                                      "still shards the heads)")
+        if sp and tp == 1:
+            raise ValueError(f"cp={cp} with sp and tp=1: sequence parallelism shards each cp "
+                             "rank's tokens over tp; give tp > 1 or leave sp off")
         if zero == 3:
             raise NotImplementedError(f"cp={cp} with zero=3: not built yet; use zero 0, 1 or 2")
         if not isinstance(balanced, bool):
@@ -83,7 +92,7 @@ class ContextParallel(Hybrid):
         if unused:
             raise TypeError(f"ContextParallel: unknown arguments {sorted(unused)}")
         check_world(dp * cp, tp, 1, f"dp={dp}, cp={cp}, tp={tp}")
-        super().__init__(dp=dp, tp=tp, pp=1, sp=False, zero=zero, distributed=False)
+        super().__init__(dp=dp, tp=tp, pp=1, sp=sp, zero=zero, distributed=False)
         self.cp, self.balanced, self.distributed = cp, balanced, distributed
         self.meshes = [cp_mesh(dp, cp, tp)]
         if distributed:                 # one rank per process on torch.distributed
@@ -97,6 +106,10 @@ class ContextParallel(Hybrid):
     def check(self, cfg, batch_size: int) -> None:
         super().check(cfg, batch_size)
         check_ring(cfg.seq_len, self.cp, self.balanced, f"cp={self.cp} (seq_len={cfg.seq_len})")
+        if self.sp and (cfg.seq_len // self.cp) % self.tp:
+            raise ValueError(f"cp={self.cp} with sp and tp={self.tp}: each cp rank's "
+                             f"{cfg.seq_len // self.cp} tokens do not divide by tp; use a "
+                             f"seq_len that is a multiple of {2 * self.cp * self.tp}")
         if cfg.dropout > 0:
             raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: attention dropout on "
                              "the ring is not built; train with dropout 0 "
@@ -115,15 +128,22 @@ class ContextParallel(Hybrid):
         parallelize(model, mesh, model.tp_plan(self.tp), mesh_dim="tp" if self.tp > 1 else "cp")
         if self.tp > 1:
             for name in model.tp_regions(self.stages[0]["layers"]):
-                tensor_parallel_region(model.get_submodule(name), mesh, "tp", False, seq_dim=1)
+                tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
+                                       seq_dim=1)
+        # SP: the norms' gradients are partial sums over tp, summed once per step
+        self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
+                          if self.sp else []}
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
-        """Data parallelism over dp, or over cp when there is no dp (module docstring)."""
+        """Data parallelism over dp x cp; ZeRO over dp, or cp when there is no dp
+        (module docstring)."""
         params = [p for _, p in dist_parameters(model)]
-        return [DataParallel(params, self.meshes[0], "dp" if self.dp > 1 else "cp",
+        dims = "cp" if self.dp == 1 else ("dp", "cp") if self.zero == 0 else "dp"
+        return [DataParallel(params, self.meshes[0], dims,
                              zero=self.zero, bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
-                             lr=lr, weight_decay=weight_decay)]
+                             lr=lr, weight_decay=weight_decay,
+                             partial_grads=self._sp_norms[0])]
 
     # ---- the layouts -----------------------------------------------------------------------
     def _placements(self, **dims):
@@ -138,8 +158,13 @@ class ContextParallel(Hybrid):
         return shard_tensor(t, mesh, self._placements(dp=Shard(0)))
 
     def _layout(self, x):
-        """The residual stream after the embeddings: in ring order, sharded over cp."""
-        return to_ring_layout(x, "cp", 1, self.balanced)
+        """The residual stream after the embeddings: in ring order, sharded over cp (and
+        each cp rank's tokens over tp with sequence parallelism, as Megatron-LM shards the
+        cp chunk over the tp ranks)."""
+        x = to_ring_layout(x, "cp", 1, self.balanced)
+        if self.sp:
+            x = reshard(x, x.mesh, self._placements(dp=Shard(0), cp=Shard(1), tp=Shard(1)))
+        return x
 
     def _stage(self, model, s, x):
         """The model's stage with attention on the ring and positions in ring order."""

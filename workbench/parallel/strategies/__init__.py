@@ -11,7 +11,8 @@ per-chunk mode (:mod:`.zero_optimizer_dist`), ``Zero3``
 
 Also: tensor and sequence parallel (:mod:`.tensor_parallel`), context parallelism (ring
 attention with causal load balancing, :mod:`.context_parallel`; CP against SP as data,
-:mod:`.context_parallel_cost`), expert parallelism (a MoE layer's experts over an ep dim,
+:mod:`.context_parallel_cost`; gradients summed over dp x cp as one group,
+:mod:`.flat_dims`), expert parallelism (a MoE layer's experts over an ep dim,
 tokens by uneven all-to-all, :mod:`.expert_parallel`; its chunked overlap on the clock,
 :mod:`.expert_parallel_clock`), activation counting
 (:mod:`.memory`), and compute/communication overlap (``overlap.py``: decomposed

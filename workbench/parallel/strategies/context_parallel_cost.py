@@ -21,8 +21,11 @@ b sequences, hidden size h, K/V width h_kv = h * n_kv_head / n_head, e bytes per
   time is what each step's send takes beyond its block.
 
 Over a training step (forward and backward): SP's backward mirrors its forward (2x);
-CP's backward sends the dK/dV blocks back around the ring and, in TransformerEngine,
-the K/V blocks again (3x the forward): ``step_bytes_per_rank``. Per layer CP sends
+CP's backward sends the dK/dV blocks back around the ring (2x the forward:
+``step_bytes_per_rank``, what this library's ring sends and the simulator counts: autograd
+keeps each step's K/V block for backward); TransformerEngine's ``AttnFuncWithCPAndKVP2P``
+keeps only its own block and passes the K/V blocks around again beside dK/dV (3x the
+forward: ``step_bytes_per_rank_te``). Per layer CP sends
 2 (p-1)/p b S h_kv e against SP's 4 (p-1)/p b S h e: never more, and hidden behind
 attention once S/p passes the threshold above.
 
@@ -34,6 +37,7 @@ communication only, and says so.
 from __future__ import annotations
 
 from ...sim_mesh import cost as _cost
+from ..ops_table.ring_attention import check_ring
 from ...sim_mesh.profiles import get_profile
 
 __all__ = ["cp_vs_sp", "cp_vs_sp_sweep"]
@@ -53,7 +57,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     Returns plain data: ``{"cp": {...}, "sp": {...}, "winner", "why", "assumed"}``; each side
     has ``bytes_per_rank`` (what one rank sends), ``comm_s`` (modeled seconds of it) and
     ``exposed_s`` (the part not hidden behind compute), ``step_bytes_per_rank`` (forward
-    and backward); CP also ``step_comm_s``, ``step_compute_s`` and
+    and backward; CP's also as TransformerEngine sends it, ``step_bytes_per_rank_te``);
+    CP also ``step_comm_s``, ``step_compute_s`` and
     ``min_tokens_per_rank`` (S/p above which the ring hides, at peak FLOP/s and link
     bandwidth)."""
     for name, v in (("S", S), ("h", h), ("p", p), ("n_head", n_head), ("batch", batch)):
@@ -65,6 +70,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
                          "divide h and n_kv_head divide n_head")
     if S % p:
         raise ValueError(f"cp_vs_sp: S={S} does not divide by p={p}; give a multiple of p")
+    if causal:                          # the balanced ring the causal figures assume
+        check_ring(S, p, True, f"cp_vs_sp(S={S}, p={p}, causal=True)")
     prof = get_profile(profile)
     e = 2 if dtype in ("bfloat16", "float16", "bf16", "fp16") else 4 if dtype in (
         "float32", "fp32") else None
@@ -87,7 +94,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     peak = prof.peak(dtype)
     bw = _cost.link_for(ranks if p > 1 else (0, 1), prof).bandwidth
     min_c = e * peak * h_kv / (2 * bw * h) * attn_fraction
-    cp = {"bytes_per_rank": (p - 1) * block, "step_bytes_per_rank": 3 * (p - 1) * block,
+    cp = {"bytes_per_rank": (p - 1) * block, "step_bytes_per_rank": 2 * (p - 1) * block,
+          "step_bytes_per_rank_te": 3 * (p - 1) * block,
           "comm_s": (p - 1) * step_comm,
           "exposed_s": (p - 1) * exposed_step, "step_comm_s": step_comm,
           "step_compute_s": step_compute, "min_tokens_per_rank": min_c}

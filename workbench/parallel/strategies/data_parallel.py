@@ -64,7 +64,8 @@ class DataParallel:
 
     Args:
         params: the model's DistTensor parameters (e.g. ``wb.dist_parameters(model)``).
-        mesh: their mesh; ``dp`` names its data-parallel dimension.
+        mesh: their mesh; ``dp`` names its data-parallel dimension, or (zero 0) a tuple of
+            adjacent dims summed over as one group (("dp", "cp"): :mod:`.flat_dims`).
         zero: 0 (plain DP: ``DistributedDataParallel``'s engine, :mod:`.ddp_dist`), 1 or 2
             (``ZeroRedundancyOptimizer(partition="chunks")``); ZeRO-3 is :class:`.zero3.Zero3`.
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
@@ -84,6 +85,10 @@ class DataParallel:
         if zero == 3:
             raise NotImplementedError("DataParallel(zero=3): ZeRO-3 is Zero3(module, mesh, "
                                       "'dp') (FullyShardedDataParallel over DistTensors)")
+        if isinstance(dp, (tuple, list)) and zero:
+            raise NotImplementedError(f"DataParallel(dp={tuple(dp)!r}, zero={zero}): ZeRO over "
+                                      "several mesh dims at once is not built; give one "
+                                      "data-parallel dim, or zero=0")
         self.zero = zero
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.step_count = 0             # step() calls

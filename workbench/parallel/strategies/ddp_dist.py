@@ -38,6 +38,7 @@ its tensors).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel
+from .flat_dims import all_reduce_dims, flatten_dims
 from .flat_shards import pack, unpack
 from .rank_grads import as_replica_grad
 from .ranks import bucket_order, check_module
@@ -57,7 +59,9 @@ __all__ = ["GradReplicas", "DistTensorDDP"]
 
 class GradReplicas:
     """The replicas of DistTensor ``params`` along ``dim`` of ``mesh``, and the sum of
-    their gradients (module docstring).  ``who`` names the caller in errors."""
+    their gradients (module docstring).  ``dim`` may be a tuple of adjacent dims (context
+    parallelism's ("dp", "cp")): replicas on each, one all-reduce per bucket over all of
+    them (:mod:`.flat_dims`).  ``who`` names the caller in errors."""
 
     def __init__(self, params, mesh, dim="dp", bucket_bytes=None, partial_grads=(),
                  partial_dim="tp", who: str = "DistributedDataParallel"):
@@ -66,13 +70,20 @@ class GradReplicas:
         # a tensor listed twice (a tied weight from two modules) is one parameter
         self.params = list({id(p): p for p in params}.values())
         self.mesh = mesh
-        self.axis = mesh.dim(dim)
+        # several adjacent dims (("dp", "cp")): replicas on each, gradients summed over
+        # all of them by one collective per bucket on the merged group (flat_dims)
+        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        if not dims:
+            raise ValueError(f"{who}: dim=(); name the data-parallel mesh dim(s), e.g. 'dp'")
+        self.axes = tuple(mesh.dim(d) for d in dims)
+        self.axis = self.axes[0]
+        self._flat, self._flat_axis = flatten_dims(mesh, self.axes)
         ids = {id(p) for p in self.params}
         if any(id(p) not in ids for p in partial_grads):
             raise ValueError("partial_grads: every one must be one of params")
         self._partial = {id(p) for p in partial_grads}
         self.partial_axis = mesh.dim(partial_dim) if self._partial else None
-        self.n = mesh.shape[self.axis]
+        self.n = math.prod(mesh.shape[a] for a in self.axes)
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, (int, float)) or
                                          not bucket_bytes > 0):
@@ -83,9 +94,11 @@ class GradReplicas:
         for p in self.params:
             if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
                 raise ValueError(f"{who} needs evenly sharded DistTensor parameters")
-            if not p.placements[self.axis].is_replicate():
-                raise ValueError(f"a parameter is {p.placements[self.axis]} on the data-parallel "
-                                 "dim; parameters must be replicated there")
+            for a in self.axes:
+                if not p.placements[a].is_replicate():
+                    raise ValueError(f"a parameter is {p.placements[a]} on the data-parallel "
+                                     f"dim {mesh.dim_names[a]!r}; parameters must be "
+                                     "replicated there")
         self.hooked: set = set()            # ids of the parameters trainable when wrapped
         for p in self.params:
             # one replica per data-parallel rank (the dp axis becomes real storage; on
@@ -96,11 +109,13 @@ class GradReplicas:
                 loc = loc.clone()
                 # the replicas start from dp rank 0's values (torch.distributed's
                 # from_local/shard_tensor do not check that processes agree)
-                _B.broadcast_(loc, mesh, self.axis, 0)
-                loc._wb_replica_axes = (self.axis,)
-            elif loc.shape[self.axis] == 1:
+                for a in self.axes:
+                    _B.broadcast_(loc, mesh, a, 0)
+                loc._wb_replica_axes = self.axes
+            elif any(loc.shape[a] == 1 for a in self.axes):
                 shape = list(loc.shape)
-                shape[self.axis] = self.n
+                for a in self.axes:
+                    shape[a] = mesh.shape[a]
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
             if trainable:
@@ -138,7 +153,7 @@ class GradReplicas:
             g = p._local.grad
             if g is None or not getattr(g, "_wb_synced", False):
                 return None
-            axes = [self.axis] + ([self.partial_axis] if id(p) in self._partial else [])
+            axes = list(self.axes) + ([self.partial_axis] if id(p) in self._partial else [])
             if self.distributed:
                 if any(_B.local_index(self.mesh, a) != 0 for a in axes):
                     g.zero_()
@@ -195,11 +210,16 @@ class GradReplicas:
         for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
             p._local.grad = self._replica_grad(p, piece.contiguous(), False)
 
+    def _sum(self, t, label):
+        """``t`` summed over the data-parallel dim(s): one all-reduce per group."""
+        if self._flat is self.mesh:
+            return C.all_reduce(t, self.mesh, self.axis, "sum", expanded=True, label=label)
+        return all_reduce_dims(t, self.mesh, self._flat, self._flat_axis, label=label)
+
     def _all_reduce(self, grads):
-        ax, mesh = self.axis, self.mesh
+        mesh = self.mesh
         if not self.bucket_bytes:
-            return [C.all_reduce(g, mesh, ax, "sum", expanded=True, label="dp grad")
-                    .contiguous() for g in grads]
+            return [self._sum(g, "dp grad").contiguous() for g in grads]
         # buckets in reverse order of registration (the order backward produces them),
         # as DistributedDataParallel fills them (ranks.bucket_order)
         out = [None] * len(grads)
@@ -208,7 +228,7 @@ class GradReplicas:
         nd = mesh.ndim
         for bucket in bucket_order(sizes, self.bucket_bytes):
             flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
-            red = C.all_reduce(flat, mesh, ax, "sum", expanded=True, label="dp bucket")
+            red = self._sum(flat, "dp bucket")
             for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
                 for a in range(nd):             # replicated axes back to one copy
                     if grads[j].shape[a] == 1:
@@ -291,12 +311,11 @@ class DistTensorDDP(DistributedDataParallel):
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Debug: raise if any parameter differs between the ranks' replicas."""
-        ax = self.replicas.axis
         for name, p in zip(self._names, self.replicas.params):
             loc = p._local
             if self.replicas.distributed:
                 continue                  # one replica per process: nothing to compare here
-            if not bool((loc == loc.narrow(ax, 0, 1)).all()):
+            if not all(bool((loc == loc.narrow(ax, 0, 1)).all()) for ax in self.replicas.axes):
                 raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
                                    "between ranks; did something update one rank's copy "
                                    "outside the optimizer step?")

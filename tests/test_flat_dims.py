@@ -1,0 +1,64 @@
+"""Gradients summed over two mesh dims at once (dp x cp, Megatron-Core's data-parallel
+group with context parallelism): one all-reduce per bucket over the merged group, the
+sum one device's; the replicas checked on every such dim; non-adjacent dims refused."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.parallel.strategies.flat_dims import flatten_dims
+
+
+def test_ddp_over_dp_and_cp_sums_once_and_checks_every_replica():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "cp"])
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    m = torch.nn.Linear(4, 3)
+    m.load_state_dict(ref.state_dict())
+    wb.parallelize(m, mesh, {}, mesh_dim="cp")
+    ddp = wb.DistributedDataParallel(m, mesh, ("dp", "cp"), bucket_bytes=float("inf"))
+    x = torch.randn(4, 6, 4)
+    ref(x).square().sum().backward()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Shard(1)])   # batch on dp, tokens on cp
+    with wb.trace("a100") as tr:
+        ddp(xd).square().sum().backward()
+        ddp.finish_gradient_synchronization()
+    red = [e for e in tr.events if e.name == "all_reduce"]
+    assert [(e.ranks, e.args["mesh_dim"], e.label) for e in red if e.label.startswith("dp")] \
+        == [((0, 1, 2, 3), "dp_cp", "dp bucket")]
+    assert {e.label for e in red} == {"dp bucket", "P(sum)->R on dp", "P(sum)->R on cp"}
+    assert all(e.bytes == 4 for e in red if e.label.startswith("P"))   # the loss only:
+    # no all-reduce per use of a weight ("linear input"): its replicas are real on both dims
+    w, b = ddp.parameters()
+    for got, want in ((w.grad, ref.weight.grad), (b.grad, ref.bias.grad)):
+        for i in range(2):
+            for j in range(2):
+                torch.testing.assert_close(got[i, j], want, rtol=1e-5, atol=1e-5)
+    ddp.check_replicas()
+    with torch.no_grad():
+        w[:, 1, 0, 0] += 1.0                    # cp rank 1 drifts on every dp rank
+    with pytest.raises(RuntimeError, match="replicas of 'weight' differ"):
+        ddp.check_replicas()
+
+
+def test_flatten_dims_merges_adjacent_dims_and_refuses_others():
+    mesh = wb.Mesh.grid((2, 3, 2), ["dp", "cp", "tp"])
+    flat, axis = flatten_dims(mesh, ("cp", "dp"))
+    assert (flat.shape, flat.dim_names, axis) == ((6, 2), ("dp_cp", "tp"), 0)
+    assert flat.groups(0) == [(0, 2, 4, 6, 8, 10), (1, 3, 5, 7, 9, 11)]
+    assert flatten_dims(mesh, ("tp",)) == (mesh, 2)
+    with pytest.raises(ValueError, match=r"\['dp', 'tp'\].*not adjacent"):
+        flatten_dims(mesh, ("dp", "tp"))
+
+
+def test_refusals_leave_the_parameters_untouched():
+    from workbench.parallel.strategies.data_parallel import DataParallel
+    mesh = wb.Mesh.grid((2, 1, 2), ["dp", "tp", "cp"])
+    m = torch.nn.Linear(4, 3)
+    wb.parallelize(m, mesh, {}, mesh_dim="cp")
+    params = [p for _, p in wb.dist_parameters(m)]
+    before = [p._local for p in params]
+    with pytest.raises(NotImplementedError, match="zero=1.*one data-parallel dim, or zero=0"):
+        DataParallel(params, mesh, ("dp", "cp"), zero=1)
+    with pytest.raises(ValueError, match="not adjacent"):
+        DataParallel(params, mesh, ("dp", "cp"))
+    assert all(p._local is b for p, b in zip(params, before))
