@@ -12,9 +12,11 @@ Levels (MindSpore's JIT levels, as the issue names them):
 
 The schedule passes edit the step laid out ahead (``prog.step()``, ``prog.stages``).
 Running the program on the simulated ranks (or under torch.distributed) runs the O1
-program; at O2 its trace records the graph sink (one launch, kernels without their own),
-while its gradient all-reduces still go one per parameter as autograd reaches them
-(bucketing them at run time is ``wb.DistributedDataParallel``'s job).
+program; at O2 its trace records the graph sink (one launch, kernels without their own)
+and its gradients are all-reduced in the bucket pass's buckets, one collective per
+bucket (``buckets.py``; under torch.distributed one per parameter, as O1).  The overlap
+pass's early and split collectives stay a priced plan: the run issues each collective
+whole, where its consumer needs it (``prog.notes`` says which the schedule holds).
 
 A graph break (data-dependent control flow) is reported with its source line and the
 program runs eagerly (op by op through the dispatcher), as MindSpore and
@@ -181,7 +183,33 @@ class CompiledProgram:
             tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
                               args={"launch": lt})
         with graph_sink():
-            return execute_program(g, self.program, self.mesh, bind)
+            return execute_program(g, self.program, self.mesh, bind, self._grad_buckets())
+
+    def _grad_buckets(self):
+        """The O2 schedule's gradient buckets, for one run (``buckets.py``); None under
+        torch.distributed (each rank's all-reduce is the dispatcher's, per parameter)."""
+        from ..sim_mesh import backends
+        from .buckets import GradBuckets
+        if backends.is_distributed(self.mesh):
+            return None
+        return GradBuckets(self.mesh, [(it.members, it.mesh_dim, it.async_)
+                                       for it in self.schedule.items
+                                       if it.kind == "comm" and it.grad and it.members])
+
+    @property
+    def notes(self) -> list:
+        """What running the program does, and what only its schedule holds."""
+        if self.eager or self.level != "O2":
+            return []
+        out = ["run: the graph is launched once (sink); gradients are all-reduced in the "
+               "bucket pass's buckets, one collective per bucket when its last gradient is "
+               "ready (on simulated ranks; under torch.distributed one per parameter)"]
+        tags = {t for it in self.schedule.items for t in it.tag.split()}
+        if "early" in tags or any(it.tag.startswith("split") for it in self.schedule.items):
+            out.append("plan only: the overlap pass's early and split collectives are "
+                       "priced on the clock (prog.step()); the run issues each collective "
+                       "where its consumer needs it, whole")
+        return out
 
     # ---- reading -----------------------------------------------------------------
     def __str__(self) -> str:
@@ -195,7 +223,7 @@ class CompiledProgram:
         a = self.assignment
         lines = [f"compiled program ({self.level}) on {self.mesh} priced on {self.profile}: "
                  f"{len(self.graph.nodes)} ops, capture by {self.graph.method}"]
-        lines += [f"  # {n}" for n in self.graph.notes]
+        lines += [f"  # {n}" for n in self.graph.notes + self.notes]
         g = self.graph
         for v in g.values:
             if v.kind in ("input", "param"):

@@ -37,10 +37,15 @@ from ..sim_mesh.profiles import get_profile
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
-# the collective a forward step's gradient passes through (sim_mesh/collectives.py
-# records these backward events)
-BACKWARD_OF = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
-               "all_to_all": "all_to_all", "all_reduce": "all_reduce",
+# the collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
+# records these backward events).  A reshard's all_gather (S -> R) and all_reduce (P -> R)
+# make a compact replicated tensor: its gradient is one copy, already summed where the
+# consumer's per-rank copies met (that all-reduce is priced with the consumer), so their
+# backward is a local slice / the gradient itself, no communication (the reshard's
+# all_gather and all_reduce record no backward event; DTensor's Redistribute.backward
+# likewise takes R -> S by a local chunk).  Pricing them too counted collectives the run
+# never makes (the tiny Llama's O1 step: 39 priced against 37 run).
+BACKWARD_OF = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all",
                "local_slice": "all_gather"}
 
 
@@ -168,7 +173,7 @@ class _Pricer:
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
                         continue
-                    nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.dst, spec.dtype)
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
                     t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
             for i in diverge:

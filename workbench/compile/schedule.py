@@ -55,6 +55,7 @@ class Item:
     tag: str = ""               # what a pass did
     uid: int = -1               # stable number (after / before name compute items by it)
     kernels: int = 0            # compute: kernels it runs (launched one by one, or sunk)
+    members: tuple = ()         # grad comm: the (node, input position, mesh dim) it reduces
 
 
 @dataclass
@@ -174,7 +175,8 @@ def build_schedule(prog) -> Schedule:
         st = c.strategy
         diverge = [i for i in range(mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
-        for vid, spec, plan, req in zip(n.inputs, specs_in, c.plans, st.inputs):
+        for pos, (vid, spec, plan, req) in enumerate(zip(n.inputs, specs_in, c.plans,
+                                                         st.inputs)):
             if vid is None or not g.values[vid].requires_grad:
                 continue
             leaf = g.values[vid].kind in ("param", "input")
@@ -183,13 +185,14 @@ def build_schedule(prog) -> Schedule:
                     nb = _local_bytes(spec.shape, mesh, req, spec.dtype)
                     items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}",
                                       "backward", coll="all_reduce", mesh_dim=i, nbytes=nb,
-                                      grad=leaf, after=here))
+                                      grad=leaf, after=here,
+                                      members=((n.nid, pos, i),) if leaf else ()))
             if plan is not None:
                 for s in reversed(plan.steps):
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
                         continue
-                    nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.dst, spec.dtype)
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.src, spec.dtype)
                     items.append(Item("comm", f"%{vid}", "backward", coll=kind,
                                       mesh_dim=s.mesh_dim, nbytes=nb, after=here))
     # a backward collective is needed by the next backward kernel

@@ -1,0 +1,74 @@
+"""The compiled program runs what its schedule prices: at O1 the run's collectives are the
+schedule's (no backward collective priced that the run does not make), at O2 the
+gradients are all-reduced in the bucket pass's buckets, one collective per bucket
+(``workbench/compile/buckets.py``), with eager's losses and gradients."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import workbench as wb
+
+R, S = wb.Replicate, wb.Shard
+# two collectives the run makes outside the program's reshards and gradient reductions:
+# cross_entropy's own all-reduce of the target count (inside the op) and the P(sum) loss
+# reduced by DistTensor.backward() before autograd starts
+OUTSIDE = ("cross_entropy: global count of targets", "P(sum)->R on dp")
+
+
+def _llama(mesh):
+    from workbench.models import build_model, get_config
+    m = build_model(get_config("tiny"), seed=0)
+    wb.parallelize(m, mesh, m.tp_plan(2), mesh_dim="tp")
+    return m
+
+
+def _run(level):
+    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    ids, tg = (torch.randint(0, 75, (4, 32), generator=g) for _ in range(2))
+    x = wb.shard_tensor(ids, mesh, [S(0), R()])
+    y = wb.shard_tensor(tg, mesh, [S(0), R()])
+    eager_m, comp_m = _llama(mesh), _llama(mesh)
+    _, loss = eager_m(x, y)
+    loss.backward()
+    prog = wb.compile(comp_m, x, y, level=level, profile="a100", method="trace")
+    with wb.trace(profile="a100") as tr:
+        _, closs = prog(x, y)
+        closs.backward()
+    torch.testing.assert_close(closs.full(), loss.full())
+    grads = dict(eager_m.named_parameters())
+    for name, p in comp_m.named_parameters():
+        torch.testing.assert_close(p.grad.full(), grads[name].grad.full(), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return prog, tr
+
+
+def _ran(tr):
+    evs = [e for e in tr.events if e.stream == "comm" and 0 in e.ranks]
+    outside = [e for e in evs if e.label in OUTSIDE]
+    assert sorted(e.label for e in outside) == sorted(OUTSIDE), [e.label for e in evs]
+    return Counter((e.name, e.args["mesh_dim"], e.args["buffer_bytes"])
+                   for e in evs if e.label not in OUTSIDE)
+
+
+def _priced(prog, sched):
+    return Counter((it.coll, prog.mesh.dim_names[it.mesh_dim], it.nbytes)
+                   for it in sched.items if it.kind == "comm")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_run_makes_the_collectives_its_schedule_prices(level):
+    prog, tr = _run(level)
+    sched = prog.schedule
+    assert _ran(tr) == _priced(prog, sched), f"{prog.passes()}\n{sched}"
+    if level == "O2":
+        buckets = [it for it in sched.items if it.kind == "comm" and it.grad]
+        grads = [it for it in prog.stages[0][1].items if it.kind == "comm" and it.grad]
+        assert len(buckets) < len(grads)         # the pass merged some: the run did too
+        assert sum(len(b.members) for b in buckets) == len(grads)
+        labels = [e.label for e in tr.events if e.label.startswith("grad bucket")]
+        assert len(labels) == len(buckets) * (prog.mesh.shape[1])   # one per dp group
+        assert "one collective per bucket" in str(prog)
