@@ -65,6 +65,9 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
     the default).  Returns a :class:`CompiledProgram`; call it like ``fn``."""
     if level not in LEVELS:
         raise ValueError(f"compile(level={level!r}): use one of {LEVELS}")
+    if isinstance(beam, bool) or not isinstance(beam, int) or beam < 1:
+        raise ValueError(f"compile(beam={beam!r}): give the number of cheapest partial "
+                         "assignments the search keeps per op, an int >= 1 (default 4)")
     if not callable(fn):
         raise TypeError(f"compile(fn={fn!r:.60}): expected a function or an nn.Module")
     module = fn if isinstance(fn, nn.Module) else None
