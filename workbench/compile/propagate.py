@@ -19,6 +19,14 @@ with the same live placements merge, keeping the cheaper (dynamic programming: e
 a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
 DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
 is never worse than greedy's, on the same objective, by construction.
+
+Memory: each op's candidate also keeps bytes per rank, its outputs in the layout it makes
+and the inputs its plans lay out anew (a gathered batch, a replicated weight), all held
+for the backward (:attr:`NodeCost.memory`; their sum, :attr:`Assignment.memory`, bounds
+the activation memory from above: nothing is freed early).  At equal time (to a
+femtosecond) the search prefers less memory; ``memory_limit`` (bytes per rank) drops
+every partial assignment above it.  Under a limit, "never worse than greedy" holds where
+greedy's own assignment fits it.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ class NodeCost:
     fwd_comm: float
     bwd_comm: float
     compute: float          # forward + backward kernels (launches included)
+    memory: int = 0         # bytes per rank kept: outputs, and inputs laid out anew
 
     @property
     def total(self) -> float:
@@ -78,6 +87,11 @@ class Assignment:
     def time(self) -> float:
         """Modeled step time of the program under this assignment (module docstring)."""
         return sum(c.total for c in self.costs.values()) + self.pin_cost
+
+    @property
+    def memory(self) -> int:
+        """Bytes per rank the ops' outputs and re-laid-out inputs hold (module docstring)."""
+        return sum(c.memory for c in self.costs.values())
 
     @property
     def comm_time(self) -> float:
@@ -185,7 +199,17 @@ class _Pricer:
 
     def price(self, node, specs, cand) -> NodeCost:
         return NodeCost(cand.time, self.backward_comm(node, specs, cand),
-                        self.compute(node, specs, cand))
+                        self.compute(node, specs, cand), self.memory(node, specs, cand))
+
+    def memory(self, node, specs, cand) -> int:
+        n = 0
+        for vid, ps in zip(node.outs, cand.strategy.outputs):
+            v = self.g.values[vid]
+            n += _local_bytes(v.shape, self.mesh, tuple(ps), v.dtype)
+        for spec, plan, req in zip(specs, cand.plans, cand.strategy.inputs):
+            if spec is not None and plan is not None and plan.steps:
+                n += _local_bytes(spec.shape, self.mesh, tuple(req), spec.dtype)
+        return n
 
     def pin_cost(self, vid, src, dst) -> float:
         if tuple(src) == tuple(dst):
@@ -290,9 +314,16 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
 
 
+def _rank(total, mem):
+    """Time first (to a femtosecond: sums in another order differ in the last bits), then
+    memory."""
+    return (round(total, 15), mem)
+
+
 def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
-              per_op: int = 6) -> Assignment:
-    """The whole-graph assignment (module docstring): never worse than :func:`greedy`."""
+              per_op: int = 6, memory_limit: int | None = None) -> Assignment:
+    """The whole-graph assignment (module docstring): never worse than :func:`greedy`
+    (under ``memory_limit``, where greedy's fits)."""
     pr = _Pricer(graph, mesh, profile)
     pins = _norm_pins(graph, mesh, pins)
     base = initial(graph, placements, mesh)
@@ -305,11 +336,13 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     outs = set(graph.output_vids())
     # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
     # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
-    states = [(0.0, {}, None, True)]    # placements of the live op outputs only
+    states = [(0.0, {}, None, True, 0)]    # placements of the live op outputs only
+    least = None                           # the least memory a dropped state needed
+    gbest = None                           # greedy's own next state
     expanded = 0
     for k, n in enumerate(graph.nodes):
         nxt = {}
-        for cost, pl, ch, is_greedy in states:
+        for cost, pl, ch, is_greedy, mem in states:
             in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
                           for v in n.inputs)
             specs, dec = pr.decision(n, in_ps)
@@ -327,25 +360,61 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                 keep = {v: new[v] for v in live[k]}
                 key = tuple(sorted(keep.items()))
                 total = cost + nc.total + extra
+                m = mem + nc.memory
+                if memory_limit is not None and m > memory_limit:
+                    least = m if least is None else min(least, m)
+                    continue
+                # the flag: this state is greedy's own path, or costs no more time and
+                # memory than it with the same live layout (so its best continuation does
+                # no worse than greedy's)
                 g_here = is_greedy and j == 0
-                old = nxt.get(key)
-                if old is None or total < old[0]:
-                    # the flag: this state costs no more than greedy's own, same live layout
-                    nxt[key] = (total, keep, (ch, (n.nid, c, nc)),
-                                g_here or (old is not None and old[3]))
-                elif g_here:
-                    nxt[key] = old[:3] + (True,)
-        ranked = sorted(nxt.values(), key=lambda s: s[0])
+                new_s = (total, keep, (ch, (n.nid, c, nc)), g_here, m)
+                if g_here:
+                    gbest = new_s
+                front = nxt.setdefault(key, [])
+                if memory_limit is None:
+                    # one state per live layout: the least time, then memory (the same
+                    # continuations follow each: exact)
+                    old = front[0] if front else None
+                    if old is None or _rank(total, m) < _rank(old[0], old[4]):
+                        if old is not None and old[3] and total <= old[0] and m <= old[4]:
+                            new_s = new_s[:3] + (True, m)
+                        front[:] = [new_s]
+                    elif g_here and old[0] <= total and old[4] <= m:
+                        front[0] = old[:3] + (True, old[4])
+                    continue
+                # under a limit, the states no other beats in both time and memory: the
+                # faster one may not fit later where the leaner one does
+                for i, o in enumerate(front):
+                    if o[0] <= total and o[4] <= m:
+                        if g_here:
+                            front[i] = o[:3] + (True, o[4])
+                        break
+                else:
+                    beaten = [o for o in front if total <= o[0] and m <= o[4]]
+                    if any(o[3] for o in beaten):
+                        new_s = new_s[:3] + (True, m)
+                    front[:] = [o for o in front if o not in beaten] + [new_s]
+        if not nxt:
+            raise ValueError(f"memory_limit={memory_limit:,d} B per rank: no assignment keeps "
+                             f"{n.name}'s activations under it (the least needs {least:,d} B "
+                             "per rank); raise memory_limit, or shard the inputs and "
+                             "parameters more")
+        ranked = sorted((st for front in nxt.values() for st in front),
+                        key=lambda s: _rank(s[0], s[4]))
         states = ranked[:beam]
         if not any(s[3] for s in states):
-            states.append(next(s for s in ranked if s[3]))
+            g_state = next((s for s in ranked if s[3]), gbest)
+            if g_state is not None:          # (under a memory limit greedy may not fit)
+                states.append(g_state)
+        gbest = None
     # the pinned outputs' reshards close the program
     best = None
-    for cost, pl, ch, _ in states:
+    for cost, pl, ch, _, mem in states:
         extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
-        if best is None or cost + extra < best[0] - 1e-18:
-            best = (cost + extra, pl, ch, extra)
-    _, pl, link, extra = best
+        if best is None or _rank(cost + extra, mem) < _rank(best[0], best[4]):
+            best = (cost + extra, pl, ch, extra, mem)
+    _, pl, link, extra, _ = best
     ch = []
     while link is not None:
         link, step = link
