@@ -72,3 +72,40 @@ def test_the_run_makes_the_collectives_its_schedule_prices(level):
         labels = [e.label for e in tr.events if e.label.startswith("grad bucket")]
         assert len(labels) == len(buckets) * (prog.mesh.shape[1])   # one per dp group
         assert "one collective per bucket" in str(prog)
+
+
+def test_async_buckets_run_beside_the_backward_and_are_waited_for_at_its_end():
+    """Data parallelism kept by a memory limit (time alone gathers the batch instead):
+    three 16 MiB gradients, too big to share a 25 MiB bucket; the overlap pass makes each
+    reduction async and the run issues it beside the rest of the backward."""
+    from torch import nn
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.ReLU(),
+                      nn.Linear(2048, 2048, bias=False), nn.ReLU(),
+                      nn.Linear(2048, 2048, bias=False))
+    ref = nn.Sequential(*[type(c)(2048, 2048, bias=False) if isinstance(c, nn.Linear)
+                          else c for c in m])
+    ref.load_state_dict(m.state_dict())
+    xp = torch.randn(64, 2048, generator=torch.Generator().manual_seed(1))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    o1 = wb.compile(m, x, profile="a100", method="trace", mesh=mesh)
+    prog = wb.compile(m, x, level="O2", profile="a100", method="trace", mesh=mesh,
+                      memory_limit=o1.greedy.memory)
+    assert "3 gradient reduction(s) made async" in prog.passes()
+    with wb.trace(profile="a100") as tr:
+        prog(x).sum().backward()
+    ref(xp).sum().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda s: f"{name}: {s}")
+    buckets = [e for e in tr.events if e.label.startswith("grad bucket") and 0 in e.ranks]
+    assert len(buckets) == 3
+    backward = [e for e in tr.events if e.stream == "compute" and 0 in e.ranks
+                and e.start >= buckets[0].start]
+    assert any(c.start < buckets[0].end for c in backward)     # beside the backward
+    assert tr.time() >= max(b.end for b in buckets)            # and waited for
+    priced = Counter(it.coll for it in prog.schedule.items if it.kind == "comm")
+    ran = Counter(e.name for e in tr.events if e.stream == "comm" and 0 in e.ranks
+                  and e.label != "P(sum)->R on dp")             # out.sum()'s, outside
+    assert ran == priced
