@@ -9,7 +9,8 @@ import torch
 
 import workbench as wb
 from workbench.compile.capture import capture
-from workbench.compile.propagate import _Pricer, _rank, initial, propagate
+from workbench.compile.propagate import _Pricer, initial, propagate
+from workbench.compile.search import _rank
 
 R, S = wb.Replicate, wb.Shard
 
