@@ -109,3 +109,32 @@ def test_async_buckets_run_beside_the_backward_and_are_waited_for_at_its_end():
     ran = Counter(e.name for e in tr.events if e.stream == "comm" and 0 in e.ranks
                   and e.label != "P(sum)->R on dp")             # out.sum()'s, outside
     assert ran == priced
+
+
+def test_a_second_backward_through_the_graph_reduces_its_buckets_again():
+    """retain_graph=True: each backward reduces the buckets once (eager reduces each
+    gradient once per backward), and the gradients accumulate as torch's do."""
+    from torch import nn
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(m.state_dict())
+    xp = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    o1 = wb.compile(m, x, profile="a100", method="trace", mesh=mesh)
+    prog = wb.compile(m, x, level="O2", profile="a100", method="trace", mesh=mesh,
+                      memory_limit=o1.greedy.memory)       # data parallel: 4 gradients
+    buckets = [it for it in prog.schedule.items if it.kind == "comm" and it.grad]
+    assert len(buckets) == 1 and len(buckets[0].members) == 4
+    with wb.trace(profile="a100") as tr:
+        loss = prog(x).sum().full()      # (DistTensor.backward takes no retain_graph)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    out = ref(xp).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda s: f"{name}: {s}")
+    assert sum(1 for e in tr.events if e.label.startswith("grad bucket")) == 2

@@ -126,4 +126,8 @@ class GradBuckets:
         for h in self.handles:
             if tr is not None:
                 tr.wait(h)
-        self.handles = []
+        # ready for another backward through the same graph (retain_graph=True)
+        self.ready_keys = [set() for _ in self.buckets]
+        self.nbytes = [0] * len(self.buckets)
+        self.launched = [False] * len(self.buckets)
+        self.handles, self._queued = [], False
