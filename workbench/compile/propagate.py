@@ -116,6 +116,7 @@ class _Pricer:
         self.g, self.mesh, self.profile = graph, mesh, get_profile(profile)
         self.pname = self.profile.name
         self._compute, self._dec = {}, {}
+        self.backward = backward_nodes(graph)
 
     def spec(self, vid, ps):
         v = self.g.values[vid]
@@ -153,7 +154,7 @@ class _Pricer:
         if cost.flops or cost.bytes:
             t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class,
                               launches=1)
-        if (cost.backward_flops or cost.backward_bytes) and any(v.requires_grad for v in outs):
+        if (cost.backward_flops or cost.backward_bytes) and node.nid in self.backward:
             t += pricing._time(cost.backward_flops, cost.backward_bytes, self.profile, dtype,
                                entry.op_class, launches=1)
         self._compute[key] = t
@@ -163,8 +164,7 @@ class _Pricer:
         """The transposes of the forward plans, and the expanded replicas' all-reduces."""
         t = 0.0
         st = cand.strategy
-        outs_rg = any(self.g.values[o].requires_grad for o in node.outs)
-        if not outs_rg:
+        if node.nid not in self.backward:
             return 0.0
         diverge = [i for i in range(self.mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
@@ -213,6 +213,19 @@ class _Pricer:
                     t += max(_cost.price(kind, s.buffer_bytes, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
         return t
+
+
+def backward_nodes(graph) -> set:
+    """The nodes a backward from the program's outputs runs through: an output of theirs
+    requires grad and reaches an output (an op whose result nothing returned reads, dead
+    code the forward still runs, has no backward: no kernel, no gradient reduction)."""
+    needed = set(graph.output_vids())
+    out = set()
+    for n in reversed(graph.nodes):
+        if any(o in needed and graph.values[o].requires_grad for o in n.outs):
+            out.add(n.nid)
+            needed.update(v for v in n.inputs if v is not None)
+    return out
 
 
 def _local_bytes(shape, mesh, ps, dtype) -> int:

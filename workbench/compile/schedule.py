@@ -161,7 +161,7 @@ def build_schedule(prog) -> Schedule:
     items.extend(pending)
     # backward, in reverse
     for n, specs_in, c, dtype, cost in reversed(bwd):
-        if not any(g.values[o].requires_grad for o in n.outs):
+        if n.nid not in pr.backward:            # (dead code: no backward)
             continue
         entry = TABLE[n.op]
         here = len(items)
