@@ -138,3 +138,23 @@ def test_a_second_backward_through_the_graph_reduces_its_buckets_again():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda s: f"{name}: {s}")
     assert sum(1 for e in tr.events if e.label.startswith("grad bucket")) == 2
+
+
+@pytest.mark.parametrize("src,dst", [([R()], [S(0)]), ([S(0)], [S(1)]), ([S(0)], [R()])])
+def test_a_pinned_outputs_reshard_has_its_backward_on_the_clock(src, dst):
+    """The gradient of a pinned output comes back through the pin's reshard (a local
+    slice's all_gather, an all_to_all): the schedule holds it and the search prices it,
+    as the run records it."""
+    mesh = wb.Mesh.grid((2,))
+    x = wb.shard_tensor(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),
+                        mesh, src).requires_grad_()
+    prog = wb.compile(lambda a: torch.exp(a) * 2, x, level="O2", profile="a100",
+                      method="trace", pin={"output": dst})
+    with wb.trace(profile="a100") as tr:
+        prog(x).sum().backward()
+    ran = Counter((e.name, e.args["buffer_bytes"]) for e in tr.events
+                  if e.stream == "comm" and 0 in e.ranks and e.label != "P(sum)->R on d0")
+    priced = Counter((it.coll, it.nbytes) for it in prog.schedule.items if it.kind == "comm")
+    assert ran == priced, f"{prog}\n{prog.schedule}"
+    step = prog.stages[0][2]             # the O1 schedule replayed: the search's objective
+    assert step.collectives == sum(priced.values())

@@ -207,10 +207,13 @@ class _Pricer:
         p = plan_reshard_cached(spec, tuple(dst), self.pname)
         t = p.total_time
         if self.g.values[vid].requires_grad:
+            v = self.g.values[vid]
             for s in p.steps:
                 kind = BACKWARD_OF.get(s.kind)
-                if kind is not None and s.mesh_dim is not None and s.buffer_bytes:
-                    t += max(_cost.price(kind, s.buffer_bytes, g, self.profile)
+                if kind is not None and s.mesh_dim is not None:
+                    # (a local slice's backward all_gather: the gathered size, as above)
+                    nb = s.buffer_bytes or _local_bytes(v.shape, self.mesh, s.src, v.dtype)
+                    t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
         return t
 

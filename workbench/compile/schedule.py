@@ -120,6 +120,7 @@ def build_schedule(prog) -> Schedule:
     pr = _Pricer(g, mesh, a.profile)
     bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
     pending = []
+    pinned = {}                  # producer nid -> the pinned reshards of its outputs
     for ins in prog.program:
         if isinstance(ins, Reshard):
             for s in ins.plan.steps:
@@ -128,6 +129,7 @@ def build_schedule(prog) -> Schedule:
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
                                         after=made.get(ins.vid, -1)))
             if ins.why.startswith("pinned"):
+                pinned.setdefault(g.values[ins.vid].producer, []).append(ins)
                 for it in pending:
                     it.before = None
                 items.extend(pending)
@@ -164,6 +166,16 @@ def build_schedule(prog) -> Schedule:
         if n.nid not in pr.backward:            # (dead code: no backward)
             continue
         entry = TABLE[n.op]
+        # a pinned output's gradient comes back through its reshard first
+        for ins in reversed(pinned.get(n.nid, ())):
+            v = g.values[ins.vid]
+            last = max((k for k, it in enumerate(items) if it.kind == "compute"), default=-1)
+            for s in reversed(ins.plan.steps):
+                kind = BACKWARD_OF.get(s.kind)
+                if kind is not None and s.mesh_dim is not None:
+                    nb = s.buffer_bytes or _local_bytes(v.shape, mesh, s.src, v.dtype)
+                    items.append(Item("comm", f"%{ins.vid}", "backward", coll=kind,
+                                      mesh_dim=s.mesh_dim, nbytes=nb, after=last))
         here = len(items)
         if cost.backward_flops or cost.backward_bytes:
             kern = pricing._time(cost.backward_flops, cost.backward_bytes, prof, dtype,
@@ -203,6 +215,14 @@ def build_schedule(prog) -> Schedule:
             nxt = k
         elif it.phase == "backward" and it.before is None and not it.grad:
             it.before = nxt
+    # a collective's data is made by the last kernel before it (an op without a backward
+    # kernel names none of its own): the passes never issue it earlier
+    last = -1
+    for k, it in enumerate(items):
+        if it.kind == "compute":
+            last = k
+        elif not (0 <= it.after < k and items[it.after].kind == "compute"):
+            it.after = last if it.after != -1 or it.phase == "backward" else -1
     for k, it in enumerate(items):
         it.uid = k               # after / before were positions: now names that passes keep
     return Schedule(items, mesh, prof)
