@@ -64,6 +64,11 @@ def test_the_run_makes_the_collectives_its_schedule_prices(level):
     prog, tr = _run(level)
     sched = prog.schedule
     assert _ran(tr) == _priced(prog, sched), f"{prog.passes()}\n{sched}"
+    # and the time: the run's step, less the two collectives outside the program, is the
+    # schedule's (the run's kernels in autograd's order, not the schedule's: not to the bit)
+    outside = sum(e.duration for e in tr.events
+                  if e.stream == "comm" and 0 in e.ranks and e.label in OUTSIDE)
+    assert tr.time() - outside == pytest.approx(prog.step().time, rel=5e-3)
     if level == "O2":
         buckets = [it for it in sched.items if it.kind == "comm" and it.grad]
         grads = [it for it in prog.stages[0][1].items if it.kind == "comm" and it.grad]
