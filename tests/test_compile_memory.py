@@ -98,3 +98,11 @@ def test_memory_limit_bad_values_are_refused_with_the_fix():
             wb.compile(torch.relu, x, memory_limit=bad)
     with pytest.raises(ValueError, match="O0 keeps the dispatcher's own choice"):
         wb.compile(torch.relu, x, level="O0", memory_limit=10 ** 6)
+
+
+def test_a_view_holds_no_memory_of_its_own():
+    mesh = wb.Mesh.grid((2,))
+    x = wb.shard_tensor(torch.randn(8, 4), mesh, [S(0)])
+    prog = wb.compile(lambda a: torch.exp(a).transpose(0, 1), x, method="trace")
+    by_op = {n.op: prog.assignment.costs[n.nid].memory for n in prog.graph.nodes}
+    assert by_op["transpose"] == 0 and by_op["exp"] == 4 * 4 * 4     # (4, 4) f32 per rank

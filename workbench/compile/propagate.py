@@ -192,7 +192,9 @@ class _Pricer:
 
     def memory(self, node, specs, cand) -> int:
         n = 0
-        for vid, ps in zip(node.outs, cand.strategy.outputs):
+        # a view's output is its input's storage (the op table's op_class "view")
+        for vid, ps in zip(node.outs, cand.strategy.outputs) \
+                if TABLE[node.op].op_class != "view" else ():
             v = self.g.values[vid]
             n += _local_bytes(v.shape, self.mesh, tuple(ps), v.dtype)
         for spec, plan, req in zip(specs, cand.plans, cand.strategy.inputs):
