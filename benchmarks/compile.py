@@ -14,13 +14,16 @@ Each model is built on the meta device and parallelized with its own tensor-para
 
 Prints the ops captured, the times, and the modeled step of both choices.
 
-Measured on the shared 2-core machine (load about 4, so wall times are inflated; a100):
+Measured on the shared 2-core machine (load about 9, so wall times are inflated; a100;
+the step priced without a backward collective for a reshard's all_gather / all_reduce,
+which the run never makes: see ``compile/propagate.py``'s ``BACKWARD_OF``):
 
-    tiny (llama)      59 ops  capture 1.85 s  greedy 0.35 s  propagate 0.70 s  step 0.390 -> 0.294 ms
-    small (llama)    163 ops  capture 0.08 s  greedy 0.90 s  propagate 1.12 s  step 4.719 -> 4.559 ms
-    gpt 24 layers    537 ops  capture 0.14 s  greedy 0.39 s  propagate 1.30 s  step 276.973 ms both
+    tiny (llama)      59 ops  capture 2.71 s  greedy 1.14 s  propagate 1.27 s  step 0.347 -> 0.263 ms
+    small (llama)    163 ops  capture 0.12 s  greedy 1.61 s  propagate 2.38 s  step 4.327 -> 3.986 ms
+    gpt 24 layers    537 ops  capture 0.33 s  greedy 1.08 s  propagate 4.70 s  step 273.644 -> 273.602 ms
 
-With ``--beam 16``: small 4.228 ms, the GPT 276.833 ms (propagate 2.3 s and 3.8 s).
+With ``--beam 16``: tiny and small the same steps, the GPT 273.347 ms (46,388 states
+against 11,948; its wall time was taken beside another job, not quoted).
 The first capture pays torch's one-time set-up on meta tensors; the search's time is
 mostly the reshard planner's (``plan_reshard`` on the 2-d mesh, once per distinct layout).
 The search's keys hold only the live op outputs (inputs and parameters never move), which

@@ -162,6 +162,9 @@ def test_levels_and_bad_arguments():
     _, x2 = _x((6, 16), mesh, [S(0)])
     with pytest.raises(ValueError, match="compile it again"):
         o0(x2)
+    for bad in (0, -1, 2.5, True):      # beam=-1 used to drop the cheapest state's rivals
+        with pytest.raises(ValueError, match=rf"beam={bad!r}\).*int >= 1"):
+            wb.compile(m, x, beam=bad, method="trace")
 
 
 class _Halves(nn.Module):

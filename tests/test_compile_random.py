@@ -101,3 +101,57 @@ def test_search_on_a_chain_finds_the_brute_force_optimum():
     a = propagate(g, pl, mesh, "a100", pins, beam=10 ** 6, per_op=10 ** 6)
     assert a.time == pytest.approx(best[0], rel=1e-12)
     assert propagate(g, pl, mesh, "a100", pins).time >= a.time * (1 - 1e-12)
+
+
+@settings(max_examples=12, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.randoms(use_true_random=False))
+def test_random_graphs_at_o2_give_torchs_gradients_with_the_schedules_buckets(rnd):
+    """Leaves that require grad: at O2 their gradient reductions run in the bucket pass's
+    buckets (a leaf read twice by one op too), and the gradients are torch's."""
+    rng = random.Random(rnd.randint(0, 2 ** 30))
+    mesh, leaves, steps, f = _program(rng)
+    args = [wb.shard_tensor(x, mesh, ps).requires_grad_() for x, ps in leaves]
+    what = f"mesh {mesh.shape}, leaves {[ps for _, ps in leaves]}, steps {steps}"
+    prog = wb.compile(f, *args, level="O2", profile="a100", method="trace")
+    with wb.trace(profile="a100") as tr:
+        prog(*args).sum().backward()
+    refs = [x.clone().requires_grad_() for x, _ in leaves]
+    f(*refs).sum().backward()
+    for k, (a, r) in enumerate(zip(args, refs)):
+        if r.grad is None:
+            assert a.grad is None, f"{what}: leaf {k}"
+            continue
+        torch.testing.assert_close(a.grad.full(), r.grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{what}: leaf {k}\n{m}")
+    buckets = [it for it in prog.schedule.items if it.kind == "comm" and it.grad]
+    ran = [e for e in tr.events if e.label.startswith("grad bucket") and 0 in e.ranks]
+    assert len(ran) == len(buckets), f"{what}\n{prog.schedule}"
+    assert sorted(e.args["buffer_bytes"] for e in ran) == \
+        sorted(it.nbytes for it in buckets), f"{what}\n{prog.schedule}"
+
+
+def test_an_op_whose_result_nothing_returns_has_no_backward_on_the_clock():
+    """Dead code (found by the test above on one draw): the forward runs it, but no
+    gradient flows through it, so the schedule and the search price no backward kernel
+    and no gradient all-reduce for it, as the run makes none."""
+    mesh = wb.Mesh.grid((2, 2))
+    g = torch.Generator().manual_seed(0)
+    w = wb.shard_tensor(torch.randn(4, 4, generator=g), mesh, [R(), S(1)]).requires_grad_()
+    x = wb.shard_tensor(torch.randn(4, 4, generator=g), mesh, [S(0), R()]).requires_grad_()
+
+    def f(w, x):
+        torch.softmax((x @ w) * 0.25, 0)          # read by nothing
+        return x.sum(1, keepdim=True) + x
+    prog = wb.compile(f, w, x, level="O2", profile="a100", method="trace")
+    sched = prog.schedule
+    dead = {n.name for n in prog.graph.nodes if n.op in ("matmul", "softmax")}
+    assert len(dead) == 2
+    assert not [it for it in sched.items if it.phase == "backward" and it.name in dead]
+    assert not [it for it in sched.items if it.kind == "comm" and it.grad], str(sched)
+    assert all(prog.assignment.costs[n.nid].bwd_comm == 0 for n in prog.graph.nodes
+               if n.name in dead)
+    with wb.trace(profile="a100") as tr:
+        prog(w, x).sum().backward()
+    assert w.grad is None
+    assert not [e for e in tr.events if e.label.startswith("grad bucket")]

@@ -3,8 +3,10 @@ torch calls on meta tensors), chooses its placements over the whole graph, runs 
 passes and runs it as one graph on the simulated ranks.
 
     capture.py / export.py   the program as a Graph of op-table calls (graph.py)
-    propagate.py             whole-graph placements (DP / beam), and greedy's for comparison
+    propagate.py             the step's price of a placement, and greedy's choice
+    search.py                whole-graph placements (DP / beam; memory as tie-break or limit)
     lower.py                 the distributed program: reshards + ops; running it
+    buckets.py               the O2 run's gradient buckets (one all-reduce per bucket)
     schedule.py              the step (forward + backward) on the modeled clock
     passes/                  fusion, reshard removal, bucketing, overlap, graph sink
     program.py               ``compile`` and ``CompiledProgram`` (levels O0 / O1 / O2)

@@ -97,9 +97,11 @@ def _pick(node, strategy):
     return pick
 
 
-def execute_program(graph, prog, mesh, bindings):
+def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
     """Run ``prog`` with ``bindings`` (vid -> DistTensor or plain tensor for the inputs,
-    parameters and constants); returns the program's result."""
+    parameters and constants); returns the program's result.  ``grad_buckets``: a
+    :class:`~.buckets.GradBuckets` that reduces the gradients of the inputs it names in
+    its buckets (O2)."""
     avail = {}                       # vid -> {placements: tensor}
     for vid, x in bindings.items():
         if not isinstance(x, DistTensor):     # a plain tensor: replicated, as the
@@ -131,6 +133,8 @@ def execute_program(graph, prog, mesh, bindings):
             if ps is not None and ps in have:
                 return have[ps]
             return have[cur[r.vid]]
+        if grad_buckets is not None:
+            arg = _bucketed(arg, graph, n, st, mesh, grad_buckets)
         args = map_refs(n.args, arg)
         kwargs = map_refs(n.kwargs, arg)
         with force_candidate(_pick(n, st)):
@@ -142,6 +146,34 @@ def execute_program(graph, prog, mesh, bindings):
             avail[vid] = {ps: t}
             cur[vid] = ps
     return map_refs(graph.output, lambda r: avail[r.vid][cur[r.vid]])
+
+
+def _bucketed(arg, graph, n, st, mesh, gb):
+    """``arg`` with the inputs whose gradients ``gb`` reduces given their per-rank copies
+    here, behind their buckets' markers (``buckets.py``)."""
+    from ..parallel import layout
+    from .graph import Ref
+    if not all(layout.is_even(tuple(r.shape), mesh, req) for r, req in
+               zip([arg(Ref(v)) if v is not None else None for v in n.inputs], st.inputs)
+               if r is not None and req is not None) or \
+            not all(layout.is_even(tuple(graph.values[o].shape), mesh, ps)
+                    for o, ps in zip(n.outs, st.outputs)):
+        return arg                       # uneven shards: the dispatcher runs it per rank
+    swap = {}
+    for pos, vid in enumerate(n.inputs):
+        axes = () if vid is None else gb.axes(n.nid, pos)
+        if not axes or vid in swap:
+            continue
+        t = arg(Ref(vid))
+        if not isinstance(t, DistTensor):
+            continue
+        here = tuple(p for p, v in enumerate(n.inputs) if v == vid)
+        loc = gb.expand(n.nid, here, t._local, axes)
+        if loc is not None:
+            swap[vid] = DistTensor(loc, t.mesh, t.placements, t.shape, t.dtype, t.names)
+    if not swap:
+        return arg
+    return lambda r: swap[r.vid] if r.vid in swap else arg(r)
 
 
 def _match(tree, out, found):

@@ -12,9 +12,11 @@ Levels (MindSpore's JIT levels, as the issue names them):
 
 The schedule passes edit the step laid out ahead (``prog.step()``, ``prog.stages``).
 Running the program on the simulated ranks (or under torch.distributed) runs the O1
-program; at O2 its trace records the graph sink (one launch, kernels without their own),
-while its gradient all-reduces still go one per parameter as autograd reaches them
-(bucketing them at run time is ``wb.DistributedDataParallel``'s job).
+program; at O2 its trace records the graph sink (one launch, kernels without their own)
+and its gradients are all-reduced in the bucket pass's buckets, one collective per
+bucket (``buckets.py``; under torch.distributed one per parameter, as O1).  The overlap
+pass's early and split collectives stay a priced plan: the run issues each collective
+whole, where its consumer needs it (``prog.notes`` says which the schedule holds).
 
 A graph break (data-dependent control flow) is reported with its source line and the
 program runs eagerly (op by op through the dispatcher), as MindSpore and
@@ -53,16 +55,25 @@ def _mesh_of(args, module):
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
-            method: str = "auto", beam: int = 4):
+            method: str = "auto", beam: int = 4, memory_limit: int | None = None):
     """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``.
 
     Placements come from the example DistTensors and the module's DistTensor parameters
     (plain tensors are replicated on ``mesh``); ``pin`` maps a value (its number in
     ``program.graph``, a parameter name, or ``"output"``) to the placements it must have.
     ``profile``: the hardware profile the choice is priced on (the current trace's, or
-    the default).  Returns a :class:`CompiledProgram`; call it like ``fn``."""
+    the default).  ``memory_limit``: bytes per rank the ops' outputs and re-laid-out
+    inputs may hold (``propagate.py``; at equal time the search takes less memory anyway).
+    Returns a :class:`CompiledProgram`; call it like ``fn``."""
     if level not in LEVELS:
         raise ValueError(f"compile(level={level!r}): use one of {LEVELS}")
+    if isinstance(beam, bool) or not isinstance(beam, int) or beam < 1:
+        raise ValueError(f"compile(beam={beam!r}): give the number of cheapest partial "
+                         "assignments the search keeps per op, an int >= 1 (default 4)")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or
+                                     not isinstance(memory_limit, int) or memory_limit < 1):
+        raise ValueError(f"compile(memory_limit={memory_limit!r}): give bytes per rank, an "
+                         "int >= 1, or None for no limit")
     if not callable(fn):
         raise TypeError(f"compile(fn={fn!r:.60}): expected a function or an nn.Module")
     module = fn if isinstance(fn, nn.Module) else None
@@ -73,7 +84,11 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
     if profile is None:
         tr = current_trace()
         profile = tr.profile.name if tr is not None else get_profile(None).name
-    return CompiledProgram(fn, example_inputs, level, mesh, pin, profile, method, beam)
+    if memory_limit is not None and level == "O0":
+        raise ValueError("compile(level='O0', memory_limit=...): O0 keeps the dispatcher's "
+                         "own choice; the limit applies to the whole-graph search (O1, O2)")
+    return CompiledProgram(fn, example_inputs, level, mesh, pin, profile, method, beam,
+                           memory_limit)
 
 
 class CompiledProgram:
@@ -83,7 +98,8 @@ class CompiledProgram:
     op-by-op choices, priced; ``program``: the lowered instructions; ``log``: each pass
     with the program before and after; ``breaks``: graph breaks (then it runs eagerly)."""
 
-    def __init__(self, fn, example_inputs, level, mesh, pin, profile, method, beam):
+    def __init__(self, fn, example_inputs, level, mesh, pin, profile, method, beam,
+                 memory_limit=None):
         self.fn, self.level, self.mesh, self.profile = fn, level, mesh, profile
         self.module = fn if isinstance(fn, nn.Module) else None
         self.breaks: list[GraphBreak] = []
@@ -101,7 +117,8 @@ class CompiledProgram:
             if self.module is not None:     # the break stays eager, the children compile
                 from .parts import compile_children
                 self.parts = compile_children(self.module, example_inputs, lambda m, a, pn: (
-                    CompiledProgram(m, a, level, mesh, pn, profile, method, beam)))
+                    CompiledProgram(m, a, level, mesh, pn, profile, method, beam,
+                                    memory_limit)))
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
             self.breaks.append(GraphBreak(str(e), "?", 0, ""))
@@ -114,7 +131,8 @@ class CompiledProgram:
         pins = self._pins(graph, pin)
         self.greedy = greedy(graph, placements, mesh, profile, pins)
         self.assignment = self.greedy if level == "O0" else \
-            propagate(graph, placements, mesh, profile, pins, beam=beam)
+            propagate(graph, placements, mesh, profile, pins, beam=beam,
+                      memory_limit=memory_limit)
         self.program = lower(graph, self.assignment)
         if level != "O0":
             self.program = _passes.run_program_passes(self, self.program)
@@ -181,7 +199,33 @@ class CompiledProgram:
             tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
                               args={"launch": lt})
         with graph_sink():
-            return execute_program(g, self.program, self.mesh, bind)
+            return execute_program(g, self.program, self.mesh, bind, self._grad_buckets())
+
+    def _grad_buckets(self):
+        """The O2 schedule's gradient buckets, for one run (``buckets.py``); None under
+        torch.distributed (each rank's all-reduce is the dispatcher's, per parameter)."""
+        from ..sim_mesh import backends
+        from .buckets import GradBuckets
+        if backends.is_distributed(self.mesh):
+            return None
+        return GradBuckets(self.mesh, [(it.members, it.mesh_dim, it.async_)
+                                       for it in self.schedule.items
+                                       if it.kind == "comm" and it.grad and it.members])
+
+    @property
+    def notes(self) -> list:
+        """What running the program does, and what only its schedule holds."""
+        if self.eager or self.level != "O2":
+            return []
+        out = ["run: the graph is launched once (sink); gradients are all-reduced in the "
+               "bucket pass's buckets, one collective per bucket when its last gradient is "
+               "ready (on simulated ranks; under torch.distributed one per parameter)"]
+        tags = {t for it in self.schedule.items for t in it.tag.split()}
+        if "early" in tags or any(it.tag.startswith("split") for it in self.schedule.items):
+            out.append("plan only: the overlap pass's early and split collectives are "
+                       "priced on the clock (prog.step()); the run issues each collective "
+                       "where its consumer needs it, whole")
+        return out
 
     # ---- reading -----------------------------------------------------------------
     def __str__(self) -> str:
@@ -195,7 +239,7 @@ class CompiledProgram:
         a = self.assignment
         lines = [f"compiled program ({self.level}) on {self.mesh} priced on {self.profile}: "
                  f"{len(self.graph.nodes)} ops, capture by {self.graph.method}"]
-        lines += [f"  # {n}" for n in self.graph.notes]
+        lines += [f"  # {n}" for n in self.graph.notes + self.notes]
         g = self.graph
         for v in g.values:
             if v.kind in ("input", "param"):
@@ -220,7 +264,8 @@ class CompiledProgram:
         lines.append(f"  return {g.output}")
         lines.append(f"modeled step {a.time * 1e6:.2f} us ({a.how}); greedy "
                      f"{self.greedy.time * 1e6:.2f} us; forward reshards "
-                     f"{self.bytes:,d} B per rank (greedy {self.greedy.bytes:,d} B)")
+                     f"{self.bytes:,d} B per rank (greedy {self.greedy.bytes:,d} B); "
+                     f"activations {a.memory:,d} B per rank (greedy {self.greedy.memory:,d} B)")
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -14,11 +14,8 @@ strategy is chosen for the program at once, to minimise the modeled step time
                      rank's local shapes, priced on the profile's roofline)
   + the reshards of pinned tensors (an output pinned to Replicate).
 
-Search: states are the placements of the *live* tensors (made, and read later); states
-with the same live placements merge, keeping the cheaper (dynamic programming: exact on
-a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
-DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
-is never worse than greedy's, on the same objective, by construction.
+Search (DP on live layouts, beam on DAGs, memory as the tie-break and ``memory_limit``):
+:mod:`.search`.
 """
 from __future__ import annotations
 
@@ -37,10 +34,15 @@ from ..sim_mesh.profiles import get_profile
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
-# the collective a forward step's gradient passes through (sim_mesh/collectives.py
-# records these backward events)
-BACKWARD_OF = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
-               "all_to_all": "all_to_all", "all_reduce": "all_reduce",
+# the collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
+# records these backward events).  A reshard's all_gather (S -> R) and all_reduce (P -> R)
+# make a compact replicated tensor: its gradient is one copy, already summed where the
+# consumer's per-rank copies met (that all-reduce is priced with the consumer), so their
+# backward is a local slice / the gradient itself, no communication (the reshard's
+# all_gather and all_reduce record no backward event; DTensor's Redistribute.backward
+# likewise takes R -> S by a local chunk).  Pricing them too counted collectives the run
+# never makes (the tiny Llama's O1 step: 39 priced against 37 run).
+BACKWARD_OF = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all",
                "local_slice": "all_gather"}
 
 
@@ -49,6 +51,7 @@ class NodeCost:
     fwd_comm: float
     bwd_comm: float
     compute: float          # forward + backward kernels (launches included)
+    memory: int = 0         # bytes per rank kept: outputs, and inputs laid out anew
 
     @property
     def total(self) -> float:
@@ -73,6 +76,11 @@ class Assignment:
     def time(self) -> float:
         """Modeled step time of the program under this assignment (module docstring)."""
         return sum(c.total for c in self.costs.values()) + self.pin_cost
+
+    @property
+    def memory(self) -> int:
+        """Bytes per rank the ops' outputs and re-laid-out inputs hold (module docstring)."""
+        return sum(c.memory for c in self.costs.values())
 
     @property
     def comm_time(self) -> float:
@@ -108,6 +116,7 @@ class _Pricer:
         self.g, self.mesh, self.profile = graph, mesh, get_profile(profile)
         self.pname = self.profile.name
         self._compute, self._dec = {}, {}
+        self.backward = backward_nodes(graph)
 
     def spec(self, vid, ps):
         v = self.g.values[vid]
@@ -145,7 +154,7 @@ class _Pricer:
         if cost.flops or cost.bytes:
             t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class,
                               launches=1)
-        if (cost.backward_flops or cost.backward_bytes) and any(v.requires_grad for v in outs):
+        if (cost.backward_flops or cost.backward_bytes) and node.nid in self.backward:
             t += pricing._time(cost.backward_flops, cost.backward_bytes, self.profile, dtype,
                                entry.op_class, launches=1)
         self._compute[key] = t
@@ -155,8 +164,7 @@ class _Pricer:
         """The transposes of the forward plans, and the expanded replicas' all-reduces."""
         t = 0.0
         st = cand.strategy
-        outs_rg = any(self.g.values[o].requires_grad for o in node.outs)
-        if not outs_rg:
+        if node.nid not in self.backward:
             return 0.0
         diverge = [i for i in range(self.mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
@@ -168,7 +176,7 @@ class _Pricer:
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
                         continue
-                    nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.dst, spec.dtype)
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
                     t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
             for i in diverge:
@@ -180,7 +188,19 @@ class _Pricer:
 
     def price(self, node, specs, cand) -> NodeCost:
         return NodeCost(cand.time, self.backward_comm(node, specs, cand),
-                        self.compute(node, specs, cand))
+                        self.compute(node, specs, cand), self.memory(node, specs, cand))
+
+    def memory(self, node, specs, cand) -> int:
+        n = 0
+        # a view's output is its input's storage (the op table's op_class "view")
+        for vid, ps in zip(node.outs, cand.strategy.outputs) \
+                if TABLE[node.op].op_class != "view" else ():
+            v = self.g.values[vid]
+            n += _local_bytes(v.shape, self.mesh, tuple(ps), v.dtype)
+        for spec, plan, req in zip(specs, cand.plans, cand.strategy.inputs):
+            if spec is not None and plan is not None and plan.steps:
+                n += _local_bytes(spec.shape, self.mesh, tuple(req), spec.dtype)
+        return n
 
     def pin_cost(self, vid, src, dst) -> float:
         if tuple(src) == tuple(dst):
@@ -189,12 +209,28 @@ class _Pricer:
         p = plan_reshard_cached(spec, tuple(dst), self.pname)
         t = p.total_time
         if self.g.values[vid].requires_grad:
+            v = self.g.values[vid]
             for s in p.steps:
                 kind = BACKWARD_OF.get(s.kind)
-                if kind is not None and s.mesh_dim is not None and s.buffer_bytes:
-                    t += max(_cost.price(kind, s.buffer_bytes, g, self.profile)
+                if kind is not None and s.mesh_dim is not None:
+                    # (a local slice's backward all_gather: the gathered size, as above)
+                    nb = s.buffer_bytes or _local_bytes(v.shape, self.mesh, s.src, v.dtype)
+                    t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
         return t
+
+
+def backward_nodes(graph) -> set:
+    """The nodes a backward from the program's outputs runs through: an output of theirs
+    requires grad and reaches an output (an op whose result nothing returned reads, dead
+    code the forward still runs, has no backward: no kernel, no gradient reduction)."""
+    needed = set(graph.output_vids())
+    out = set()
+    for n in reversed(graph.nodes):
+        if any(o in needed and graph.values[o].requires_grad for o in n.outs):
+            out.add(n.nid)
+            needed.update(v for v in n.inputs if v is not None)
+    return out
 
 
 def _local_bytes(shape, mesh, ps, dtype) -> int:
@@ -224,26 +260,6 @@ def initial(graph, placements, mesh):
         else:
             out[v.vid] = R
     return out
-
-
-def _live_after(graph):
-    """For each node index k: the op outputs read by a node after k, or returned (inputs,
-    parameters and constants keep their placements in every state: not part of a key)."""
-    last = {}
-    for n in graph.nodes:
-        for vid in n.inputs:
-            if vid is not None:
-                last[vid] = n.nid
-    end = len(graph.nodes)
-    for vid in graph.output_vids():
-        last[vid] = end
-    live = []
-    alive = set()
-    for k, n in enumerate(graph.nodes):
-        alive |= set(n.outs)
-        alive = {v for v in alive if last.get(v, -1) > k}
-        live.append(tuple(sorted(alive)))
-    return live
 
 
 def _norm_pins(graph, mesh, pins):
@@ -285,76 +301,4 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
 
 
-def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
-              per_op: int = 6) -> Assignment:
-    """The whole-graph assignment (module docstring): never worse than :func:`greedy`."""
-    pr = _Pricer(graph, mesh, profile)
-    pins = _norm_pins(graph, mesh, pins)
-    base = initial(graph, placements, mesh)
-    for vid, ps in pins.items():
-        if graph.values[vid].kind != "op" and base[vid] != ps:
-            raise ValueError(f"pin of {graph.values[vid].kind} %{vid} "
-                             f"({graph.values[vid].name}): inputs and parameters take the "
-                             "placements they are given; reshard them before compiling")
-    live = _live_after(graph)
-    outs = set(graph.output_vids())
-    # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
-    # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
-    states = [(0.0, {}, None, True)]    # placements of the live op outputs only
-    expanded = 0
-    for k, n in enumerate(graph.nodes):
-        nxt = {}
-        for cost, pl, ch, is_greedy in states:
-            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
-                          for v in n.inputs)
-            specs, dec = pr.decision(n, in_ps)
-            cands = list(dec.candidates[:per_op])
-            for j, c in enumerate(cands):
-                expanded += 1
-                nc = pr.price(n, specs, c)
-                new = dict(pl)
-                extra = 0.0
-                for vid, ps in zip(n.outs, c.strategy.outputs):
-                    new[vid] = tuple(ps)
-                    if vid in pins and vid not in outs:
-                        extra += pr.pin_cost(vid, ps, pins[vid])
-                        new[vid] = pins[vid]
-                keep = {v: new[v] for v in live[k]}
-                key = tuple(sorted(keep.items()))
-                total = cost + nc.total + extra
-                g_here = is_greedy and j == 0
-                old = nxt.get(key)
-                if old is None or total < old[0]:
-                    # the flag: this state costs no more than greedy's own, same live layout
-                    nxt[key] = (total, keep, (ch, (n.nid, c, nc)),
-                                g_here or (old is not None and old[3]))
-                elif g_here:
-                    nxt[key] = old[:3] + (True,)
-        ranked = sorted(nxt.values(), key=lambda s: s[0])
-        states = ranked[:beam]
-        if not any(s[3] for s in states):
-            states.append(next(s for s in ranked if s[3]))
-    # the pinned outputs' reshards close the program
-    best = None
-    for cost, pl, ch, _ in states:
-        extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
-        if best is None or cost + extra < best[0] - 1e-18:
-            best = (cost + extra, pl, ch, extra)
-    _, pl, link, extra = best
-    ch = []
-    while link is not None:
-        link, step = link
-        ch.append(step)
-    ch.reverse()
-    placements_all = dict(base)
-    choice, costs = {}, {}
-    for nid, c, nc in ch:
-        choice[nid], costs[nid] = c, nc
-        for vid, ps in zip(graph.nodes[nid].outs, c.strategy.outputs):
-            placements_all[vid] = tuple(ps)
-    for vid, ps in pins.items():
-        if vid not in outs and graph.values[vid].kind == "op":
-            placements_all[vid] = ps        # pinned intermediates are resharded at once
-    return Assignment(graph, mesh, pr.pname, placements_all, choice, costs, pins, extra,
-                      "whole-graph", expanded)
-
+from .search import propagate  # noqa: E402,F401  (the search, beside its pricing)

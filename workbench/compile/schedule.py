@@ -55,6 +55,7 @@ class Item:
     tag: str = ""               # what a pass did
     uid: int = -1               # stable number (after / before name compute items by it)
     kernels: int = 0            # compute: kernels it runs (launched one by one, or sunk)
+    members: tuple = ()         # grad comm: the (node, input position, mesh dim) it reduces
 
 
 @dataclass
@@ -119,6 +120,7 @@ def build_schedule(prog) -> Schedule:
     pr = _Pricer(g, mesh, a.profile)
     bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
     pending = []
+    pinned = {}                  # producer nid -> the pinned reshards of its outputs
     for ins in prog.program:
         if isinstance(ins, Reshard):
             for s in ins.plan.steps:
@@ -127,6 +129,7 @@ def build_schedule(prog) -> Schedule:
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
                                         after=made.get(ins.vid, -1)))
             if ins.why.startswith("pinned"):
+                pinned.setdefault(g.values[ins.vid].producer, []).append(ins)
                 for it in pending:
                     it.before = None
                 items.extend(pending)
@@ -160,9 +163,19 @@ def build_schedule(prog) -> Schedule:
     items.extend(pending)
     # backward, in reverse
     for n, specs_in, c, dtype, cost in reversed(bwd):
-        if not any(g.values[o].requires_grad for o in n.outs):
+        if n.nid not in pr.backward:            # (dead code: no backward)
             continue
         entry = TABLE[n.op]
+        # a pinned output's gradient comes back through its reshard first
+        for ins in reversed(pinned.get(n.nid, ())):
+            v = g.values[ins.vid]
+            last = max((k for k, it in enumerate(items) if it.kind == "compute"), default=-1)
+            for s in reversed(ins.plan.steps):
+                kind = BACKWARD_OF.get(s.kind)
+                if kind is not None and s.mesh_dim is not None:
+                    nb = s.buffer_bytes or _local_bytes(v.shape, mesh, s.src, v.dtype)
+                    items.append(Item("comm", f"%{ins.vid}", "backward", coll=kind,
+                                      mesh_dim=s.mesh_dim, nbytes=nb, after=last))
         here = len(items)
         if cost.backward_flops or cost.backward_bytes:
             kern = pricing._time(cost.backward_flops, cost.backward_bytes, prof, dtype,
@@ -174,7 +187,8 @@ def build_schedule(prog) -> Schedule:
         st = c.strategy
         diverge = [i for i in range(mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
-        for vid, spec, plan, req in zip(n.inputs, specs_in, c.plans, st.inputs):
+        for pos, (vid, spec, plan, req) in enumerate(zip(n.inputs, specs_in, c.plans,
+                                                         st.inputs)):
             if vid is None or not g.values[vid].requires_grad:
                 continue
             leaf = g.values[vid].kind in ("param", "input")
@@ -183,13 +197,14 @@ def build_schedule(prog) -> Schedule:
                     nb = _local_bytes(spec.shape, mesh, req, spec.dtype)
                     items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}",
                                       "backward", coll="all_reduce", mesh_dim=i, nbytes=nb,
-                                      grad=leaf, after=here))
+                                      grad=leaf, after=here,
+                                      members=((n.nid, pos, i),) if leaf else ()))
             if plan is not None:
                 for s in reversed(plan.steps):
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
                         continue
-                    nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.dst, spec.dtype)
+                    nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.src, spec.dtype)
                     items.append(Item("comm", f"%{vid}", "backward", coll=kind,
                                       mesh_dim=s.mesh_dim, nbytes=nb, after=here))
     # a backward collective is needed by the next backward kernel
@@ -200,6 +215,14 @@ def build_schedule(prog) -> Schedule:
             nxt = k
         elif it.phase == "backward" and it.before is None and not it.grad:
             it.before = nxt
+    # a collective's data is made by the last kernel before it (an op without a backward
+    # kernel names none of its own): the passes never issue it earlier
+    last = -1
+    for k, it in enumerate(items):
+        if it.kind == "compute":
+            last = k
+        elif not (0 <= it.after < k and items[it.after].kind == "compute"):
+            it.after = last if it.after != -1 or it.phase == "backward" else -1
     for k, it in enumerate(items):
         it.uid = k               # after / before were positions: now names that passes keep
     return Schedule(items, mesh, prof)

@@ -28,6 +28,7 @@ def bucket(prog, sched, cap: int = BUCKET_BYTES):
                 # the bucket moves to where its newest gradient is ready
                 out.remove(b)
                 b.nbytes += it.nbytes
+                b.members = b.members + it.members
                 b.after = it.after
                 b.name = f"bucket({b.tag.count('+') + 2})"
                 b.tag += "+"

@@ -1,0 +1,161 @@
+"""The whole-graph search: every op's strategy chosen for the program at once, on the
+objective :mod:`.propagate` prices.
+
+Search: states are the placements of the *live* tensors (made, and read later); states
+with the same live placements merge, keeping the cheaper (dynamic programming: exact on
+a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
+DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
+is never worse than greedy's, on the same objective, by construction.
+
+Memory: each op's candidate also keeps bytes per rank, its outputs in the layout it makes
+and the inputs its plans lay out anew (a gathered batch, a replicated weight), all held
+for the backward (:attr:`NodeCost.memory`; their sum, :attr:`Assignment.memory`, bounds
+the activation memory from above: nothing is freed early).  At equal time (to a
+femtosecond) the search prefers less memory; ``memory_limit`` (bytes per rank) drops
+every partial assignment above it.  Under a limit, "never worse than greedy" holds where
+greedy's own assignment fits it.
+"""
+from __future__ import annotations
+
+from .propagate import Assignment, _norm_pins, _Pricer, initial
+
+__all__ = ["propagate"]
+
+
+def _live_after(graph):
+    """For each node index k: the op outputs read by a node after k, or returned (inputs,
+    parameters and constants keep their placements in every state: not part of a key)."""
+    last = {}
+    for n in graph.nodes:
+        for vid in n.inputs:
+            if vid is not None:
+                last[vid] = n.nid
+    end = len(graph.nodes)
+    for vid in graph.output_vids():
+        last[vid] = end
+    live = []
+    alive = set()
+    for k, n in enumerate(graph.nodes):
+        alive |= set(n.outs)
+        alive = {v for v in alive if last.get(v, -1) > k}
+        live.append(tuple(sorted(alive)))
+    return live
+
+
+def _rank(total, mem):
+    """Time first (to a femtosecond: sums in another order differ in the last bits), then
+    memory."""
+    return (round(total, 15), mem)
+
+
+def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
+              per_op: int = 6, memory_limit: int | None = None) -> Assignment:
+    """The whole-graph assignment (module docstring): never worse than :func:`greedy`
+    (under ``memory_limit``, where greedy's fits)."""
+    pr = _Pricer(graph, mesh, profile)
+    pins = _norm_pins(graph, mesh, pins)
+    base = initial(graph, placements, mesh)
+    for vid, ps in pins.items():
+        if graph.values[vid].kind != "op" and base[vid] != ps:
+            raise ValueError(f"pin of {graph.values[vid].kind} %{vid} "
+                             f"({graph.values[vid].name}): inputs and parameters take the "
+                             "placements they are given; reshard them before compiling")
+    live = _live_after(graph)
+    outs = set(graph.output_vids())
+    # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
+    # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
+    states = [(0.0, {}, None, True, 0)]    # placements of the live op outputs only
+    least = None                           # the least memory a dropped state needed
+    gbest = None                           # greedy's own next state
+    expanded = 0
+    for k, n in enumerate(graph.nodes):
+        nxt = {}
+        for cost, pl, ch, is_greedy, mem in states:
+            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
+                          for v in n.inputs)
+            specs, dec = pr.decision(n, in_ps)
+            cands = list(dec.candidates[:per_op])
+            for j, c in enumerate(cands):
+                expanded += 1
+                nc = pr.price(n, specs, c)
+                new = dict(pl)
+                extra = 0.0
+                for vid, ps in zip(n.outs, c.strategy.outputs):
+                    new[vid] = tuple(ps)
+                    if vid in pins and vid not in outs:
+                        extra += pr.pin_cost(vid, ps, pins[vid])
+                        new[vid] = pins[vid]
+                keep = {v: new[v] for v in live[k]}
+                key = tuple(sorted(keep.items()))
+                total = cost + nc.total + extra
+                m = mem + nc.memory
+                if memory_limit is not None and m > memory_limit:
+                    least = m if least is None else min(least, m)
+                    continue
+                # the flag: this state is greedy's own path, or costs no more time and
+                # memory than it with the same live layout (so its best continuation does
+                # no worse than greedy's)
+                g_here = is_greedy and j == 0
+                new_s = (total, keep, (ch, (n.nid, c, nc)), g_here, m)
+                if g_here:
+                    gbest = new_s
+                front = nxt.setdefault(key, [])
+                if memory_limit is None:
+                    # one state per live layout: the least time, then memory (the same
+                    # continuations follow each: exact)
+                    old = front[0] if front else None
+                    if old is None or _rank(total, m) < _rank(old[0], old[4]):
+                        if old is not None and old[3] and total <= old[0] and m <= old[4]:
+                            new_s = new_s[:3] + (True, m)
+                        front[:] = [new_s]
+                    elif g_here and old[0] <= total and old[4] <= m:
+                        front[0] = old[:3] + (True, old[4])
+                    continue
+                # under a limit, the states no other beats in both time and memory: the
+                # faster one may not fit later where the leaner one does
+                for i, o in enumerate(front):
+                    if o[0] <= total and o[4] <= m:
+                        if g_here:
+                            front[i] = o[:3] + (True, o[4])
+                        break
+                else:
+                    beaten = [o for o in front if total <= o[0] and m <= o[4]]
+                    if any(o[3] for o in beaten):
+                        new_s = new_s[:3] + (True, m)
+                    front[:] = [o for o in front if o not in beaten] + [new_s]
+        if not nxt:
+            raise ValueError(f"memory_limit={memory_limit:,d} B per rank: no assignment keeps "
+                             f"{n.name}'s activations under it (the least needs {least:,d} B "
+                             "per rank); raise memory_limit, or shard the inputs and "
+                             "parameters more")
+        ranked = sorted((st for front in nxt.values() for st in front),
+                        key=lambda s: _rank(s[0], s[4]))
+        states = ranked[:beam]
+        if not any(s[3] for s in states):
+            g_state = next((s for s in ranked if s[3]), gbest)
+            if g_state is not None:          # (under a memory limit greedy may not fit)
+                states.append(g_state)
+        gbest = None
+    # the pinned outputs' reshards close the program
+    best = None
+    for cost, pl, ch, _, mem in states:
+        extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
+        if best is None or _rank(cost + extra, mem) < _rank(best[0], best[4]):
+            best = (cost + extra, pl, ch, extra, mem)
+    _, pl, link, extra, _ = best
+    ch = []
+    while link is not None:
+        link, step = link
+        ch.append(step)
+    ch.reverse()
+    placements_all = dict(base)
+    choice, costs = {}, {}
+    for nid, c, nc in ch:
+        choice[nid], costs[nid] = c, nc
+        for vid, ps in zip(graph.nodes[nid].outs, c.strategy.outputs):
+            placements_all[vid] = tuple(ps)
+    for vid, ps in pins.items():
+        if vid not in outs and graph.values[vid].kind == "op":
+            placements_all[vid] = ps        # pinned intermediates are resharded at once
+    return Assignment(graph, mesh, pr.pname, placements_all, choice, costs, pins, extra,
+                      "whole-graph", expanded)
