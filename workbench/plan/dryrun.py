@@ -13,7 +13,11 @@ shapes, dtypes and placements exist):
    ``python -m workbench train`` uses: its TP plan, Megatron's f and g, sequence
    parallelism, vocabulary-parallel embedding and head) on the simulated stage meshes
    (rank = t + tp (d + dp s), Megatron's order, as ``plan.layout``), and its optimizer
-   is built by the same recipe (``DataParallel`` / ZeRO over dp);
+   is built by the same recipe (``DataParallel`` / ZeRO over dp); with ``Layout(ep=)``
+   a MoE model runs ``Hybrid(ep=)`` (its experts' own optimizer over the expert-data-
+   parallel ranks, tokens routed on meta by :mod:`.meta_moe`), with ``Layout(cp=)``
+   ``ContextParallel`` (ring attention): :mod:`.dryrun_ep_cp`, which also says what of
+   them is refused and what the runtime keeps that the planner does not count;
 2. ONE micro-batch forward and backward of each DISTINCT pipeline stage (the first,
    one middle stage standing for all the middle ones, which have the same layers and
    mesh shape, and the last; every stage when ``layout.stages`` makes them uneven, which
