@@ -17,6 +17,11 @@ model is past toy size, in training as on meta (d_model 256, seq_len 256: "shape
 '[2, 2, 2, 128, 2, 64]' is invalid for input of size 65536", the q projection's output
 laid out sequence-sharded over tp where the heads' view expects its features sharded).
 
+A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
+buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner
+prices (measured on tests/test_dryrun_ep_cp.py's model: 1.35x the step, 2.35x the
+activations): the runtime's cost, reported as it is.
+
 What the runtime does that the planner does not price (the dry run measures the
 runtime; tests/test_dryrun_ep_cp.py): the EP un-permute keeps one R x h buffer more per
 MoE block; the ring attention keeps each step's blocks and fp32 partial outputs for
