@@ -10,7 +10,9 @@ on meta tensors, ``tokens``, ``lr``, ``modeled_ms``, ``comm_bytes``, ``state_byt
 same), ``device_memory_bytes`` and ``fits`` on the ``--profile``'s device, and
 ``dry_run: true``.  Flags map onto ``wb.plan.Layout`` (``--batch-size`` is the global
 batch; ``--micro-batch`` the sequences per micro-batch per data-parallel rank, by
-default the recipe's choice: 2 pp micro-batches when the batch divides, else pp).
+default the recipe's choice: 2 pp micro-batches when the batch divides, else pp);
+``--ep`` is carved out of the data-parallel ranks as in training (``--dp 2 --ep 2``: a
+Layout of dp 4, ep 2), ``--cp`` is ``Layout(cp=)`` (``plan.dryrun_ep_cp``).
 """
 from __future__ import annotations
 
