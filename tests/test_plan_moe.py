@@ -147,8 +147,9 @@ def test_bad_input_names_the_fix():
         Layout(dp=4, ep=2, zero=2)
     with pytest.raises(ValueError, match=r"moe_capacity_factor=0 must be a number > 0"):
         MIXTRAL.replace(moe_capacity_factor=0)
-    with pytest.raises(ValueError, match=r"not run by the dry run yet.*wb.plan.estimate"):
-        dry_run(SMALL, Layout(dp=2, ep=2, global_batch=2), Cluster("a100", 2))
+    # the dry run runs ep over dp ranks (tests/test_dryrun_ep_cp.py), not a MoE with tp
+    with pytest.raises(ValueError, match=r"MoE model with tp=2.*wb.plan.estimate"):
+        dry_run(SMALL, Layout(dp=2, tp=2, sp=True, ep=2, global_batch=2), Cluster("a100", 4))
 
 
 def test_cli_plans_mixtral(capsys):

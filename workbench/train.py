@@ -291,16 +291,8 @@ def main_train(args) -> int:
     """``python -m workbench train ...``: one JSON line per step on stdout; a progress
     bar on stderr when stderr is a terminal.  Returns the exit status."""
     if getattr(args, "dry_run", False):
-        if getattr(args, "cp", 1) != 1:
-            print("error: --cp with --dry-run: the dry run does not lay out context "
-                  "parallelism yet; leave --dry-run out to train with --cp", file=sys.stderr)
-            return 2
         try:
             check_args(args)
-            from .recipes.moe import moe_overrides
-            if moe_overrides(args) or getattr(args, "ep", 1) != 1:
-                raise ValueError("--dry-run of a mixture-of-experts model (--moe-experts, "
-                                 "--ep) is not built yet; run it without --dry-run")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

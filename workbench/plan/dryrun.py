@@ -13,7 +13,11 @@ shapes, dtypes and placements exist):
    ``python -m workbench train`` uses: its TP plan, Megatron's f and g, sequence
    parallelism, vocabulary-parallel embedding and head) on the simulated stage meshes
    (rank = t + tp (d + dp s), Megatron's order, as ``plan.layout``), and its optimizer
-   is built by the same recipe (``DataParallel`` / ZeRO over dp);
+   is built by the same recipe (``DataParallel`` / ZeRO over dp); with ``Layout(ep=)``
+   a MoE model runs ``Hybrid(ep=)`` (its experts' own optimizer over the expert-data-
+   parallel ranks, tokens routed on meta by :mod:`.meta_moe`), with ``Layout(cp=)``
+   ``ContextParallel`` (ring attention): :mod:`.dryrun_ep_cp`, which also says what of
+   them is refused and what the runtime keeps that the planner does not count;
 2. ONE micro-batch forward and backward of each DISTINCT pipeline stage (the first,
    one middle stage standing for all the middle ones, which have the same layers and
    mesh shape, and the last; every stage when ``layout.stages`` makes them uneven, which
@@ -74,16 +78,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel import schedules as S
-from ..recipes.hybrid import Hybrid
+from ..recipes.hybrid import Hybrid      # the dense recipe (built by dryrun_ep_cp.recipe)
 from ..sim_mesh.cost import compute_time, price
 from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout
+from . import dryrun_ep_cp as _ep_cp
+from .meta_moe import use_meta_routing
 from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
 
 _MIXED = ("bfloat16", "float16")          # mixed precision: fp32 master weights and Adam
-_SCHEDULE = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,7 @@ def _check(model, lay: Layout, cl: Cluster):
         if lay.world != cl.devices:
             raise ValueError(f"Layout dp x tp x pp = {lay.world} but the cluster has "
                              f"devices={cl.devices}; make them equal")
-    from .ep_cp import check_dry_run
-    check_dry_run(model, lay)                  # MoE, ep, cp: not run by the dry run yet
+    _ep_cp.check(model, lay)                   # MoE and cp: what the runtime runs
 
 
 def _distinct(n: int, uneven: bool = False) -> dict[int, int]:
@@ -156,22 +160,24 @@ def _peak_and_timeline(sched, sim, act):
     return peaks, timeline
 
 
-def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
+def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
+            routing="balanced") -> DryRun:
     """Run ``model`` (a ModelConfig) with ``layout`` on ``cluster`` on the meta device
-    (module docstring); the same arguments as ``wb.plan.estimate``."""
+    (module docstring); the same arguments as ``wb.plan.estimate``.  ``routing``: a MoE's
+    rows per expert on meta tensors ("balanced", the planner's assumption, or per-rank
+    counts: :mod:`.meta_moe`)."""
     _check(model, layout, cluster)
     lay, prof = layout, cluster.profile
     cfg = model.replace(recompute=lay.recompute)
-    h = Hybrid(dp=lay.dp, tp=lay.tp, pp=lay.pp, sp=lay.sp, zero=lay.zero,
-               schedule=_SCHEDULE[lay.schedule], microbatches=lay.m,
-               virtual=lay.v if lay.schedule == "interleaved_1f1b" else None,
-               stage_sizes=lay.stages)
+    h = _ep_cp.recipe(lay)         # Hybrid (with ep for a MoE) or ContextParallel
     h.device, h.profile = torch.device("meta"), prof
     h.check(cfg, lay.global_batch)
     with torch.random.fork_rng(devices=[]):
         mdl = h.build_model(cfg, seed)
         layer_numel = _layer_numel(mdl, h)              # per rank, before any ZeRO split
-        opts = h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0)
+        opts = _ep_cp.stage_optimizers(h, h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0))
+    if getattr(h, "ep", 1) > 1:                         # MoE routing on meta (plan.meta_moe)
+        use_meta_routing(mdl, cfg, lay.micro_batch, routing)
     if not is_meta(mdl):
         raise RuntimeError("dry_run: a parameter of the built model is not on the meta "
                            "device; the dry run would allocate it (a bug in the model's "
@@ -188,14 +194,15 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0) -> DryRun:
             ranks = h.meshes[s % lay.pp].ranks
             t0 = max(tr.now(r, "comm") for r in ranks)
             t0 = max(t0, max(tr.now(r) for r in ranks))
-            opts[s].step()                   # the DP / ZeRO collectives, as issued
+            for o in opts[s]:                # the DP / ZeRO collectives, as issued
+                o.step()                     # (with ep: the dense layers', the experts')
             t1 = max(max(tr.now(r), tr.now(r, "comm")) for r in ranks)
             mixed = cfg.dtype in _MIXED
-            mem = opts[s].memory(mixed_precision=mixed)
+            mem = _sum_memory([o.memory(mixed_precision=mixed) for o in opts[s]])
             upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
             opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
                         "states": mem,
-                        "ledger": getattr(opts[s], "live", None)}
+                        "ledger": getattr(opts[s][0], "live", None)}
     per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
@@ -255,6 +262,16 @@ def _layer_numel(model, h) -> int:
         best = max(best, sum(math.prod(p._local.shape[nd:])
                              for _, p in dist_parameters(model.layers[i])))
     return best
+
+
+def _sum_memory(mems):
+    """One stage's optimizer memory: its dense and (expert parallelism) experts' states."""
+    if len(mems) == 1:
+        return mems[0]
+    import dataclasses
+    return dataclasses.replace(mems[0], **{f: sum(getattr(m, f) for m in mems)
+                                           for f in ("params", "grads", "optimizer",
+                                                     "n_params")})
 
 
 def _stage_max(per_rank: dict, h, s: int) -> int:

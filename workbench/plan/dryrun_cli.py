@@ -10,7 +10,9 @@ on meta tensors, ``tokens``, ``lr``, ``modeled_ms``, ``comm_bytes``, ``state_byt
 same), ``device_memory_bytes`` and ``fits`` on the ``--profile``'s device, and
 ``dry_run: true``.  Flags map onto ``wb.plan.Layout`` (``--batch-size`` is the global
 batch; ``--micro-batch`` the sequences per micro-batch per data-parallel rank, by
-default the recipe's choice: 2 pp micro-batches when the batch divides, else pp).
+default the recipe's choice: 2 pp micro-batches when the batch divides, else pp);
+``--ep`` is carved out of the data-parallel ranks as in training (``--dp 2 --ep 2``: a
+Layout of dp 4, ep 2), ``--cp`` is ``Layout(cp=)`` (``plan.dryrun_ep_cp``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b
 def layout_from_args(args):
     """The ``wb.plan.Layout`` the train flags describe (ValueError naming the flag)."""
     from .layout import Layout
-    dp, tp, pp, batch = args.dp, args.tp, args.pp, args.batch_size
+    # --ep is carved out of the data-parallel ranks: --dp 2 --ep 2 is 4 of them (recipes.moe)
+    ep, cp = getattr(args, "ep", 1) or 1, getattr(args, "cp", 1) or 1
+    dp, tp, pp, batch = args.dp * ep, args.tp, args.pp, args.batch_size
     if args.schedule not in _SCHEDULES:
         raise ValueError(f"--schedule {args.schedule} with --dry-run: the dry run composes "
                          f"the step with {sorted(_SCHEDULES)}; choose one of them")
@@ -40,7 +44,7 @@ def layout_from_args(args):
     v = 2 if args.schedule == "interleaved" else 1
     return Layout(dp=dp, tp=tp, pp=pp, sp=bool(args.sp), zero=args.zero,
                   recompute=getattr(args, "recompute", "none") or "none", micro_batch=mb,
-                  global_batch=batch, schedule=_SCHEDULES[args.schedule], v=v)
+                  global_batch=batch, schedule=_SCHEDULES[args.schedule], v=v, ep=ep, cp=cp)
 
 
 def main_dry_run(args) -> int:
@@ -53,11 +57,12 @@ def main_dry_run(args) -> int:
         if getattr(args, "backend", "sim") != "sim":
             raise ValueError("--dry-run simulates every rank in this process; leave "
                              "--backend at sim")
-        cfg = get_config(args.preset)
+        from ..recipes.moe import moe_overrides
+        cfg = get_config(args.preset, **moe_overrides(args))    # --moe-experts E ...
         lay = layout_from_args(args)
         cl = Cluster(profile=getattr(args, "profile", None) or "a100", devices=lay.world)
         dr = dry_run(cfg, lay, cl, seed=args.seed)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mem = dr.memory

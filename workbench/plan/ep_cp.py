@@ -34,7 +34,7 @@ from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines,
 
 __all__ = ["check_fields", "check_layout", "check_estimate", "applies", "token_cfg",
            "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
-           "assumptions", "explain_lines", "table_notes", "check_dry_run", "CP_MIN_TOKENS"]
+           "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
 
 
@@ -244,11 +244,3 @@ def expert_sync(model, lay, prof, stage: int, layers: int, grad_bytes: int):
         C.group_price("all_gather", 2 * psi, ranks, prof)
     return t, wire_bytes("reduce_scatter", int(g), n) + wire_bytes("all_gather",
                                                                    int(2 * psi), n), psi / n
-
-
-def check_dry_run(model, lay) -> None:
-    """The dry run runs the course's dense models: refuse what it cannot run yet."""
-    if M.moe_of(model) is not None or lay.ep > 1 or lay.cp > 1:
-        raise ValueError(f"dry_run: a MoE model or ep={lay.ep} / cp={lay.cp} is not run by the "
-                         f"dry run yet (the runtime's expert and context parallelism are not "
-                         f"in its Hybrid recipe); use wb.plan.estimate for it")

@@ -1,0 +1,89 @@
+"""The dry run's recipe for expert and context parallelism (``plan.dryrun``).
+
+- ``Layout(ep=e)`` on a MoE model: ``Hybrid(dp=dp / e, ep=e, ...)`` (the recipe carves
+  the expert-parallel group out of the data-parallel ranks, as the planner's layout:
+  ``recipes.moe``), its MoE layers routed on meta tensors by :mod:`.meta_moe` (balanced
+  by default, what the planner assumes; or given counts);
+- ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=)`` (``recipes.context_parallel``:
+  ring attention, causal load balancing), the rank order tp, cp, dp of ``plan.ep_cp``.
+
+Refused with the fix (the runtime does not run them, or not as the planner prices them):
+a MoE model with tp > 1 (the planner prices experts split over tp with sequence
+parallelism, Megatron-Core's default; the runtime keeps each expert whole on every tp
+rank and refuses ep with sp: no like-for-like comparison), cp with pp > 1, sp or
+ZeRO-3 (``ContextParallel`` does not build them), cp with a MoE model, and cp with
+tp > 1: ``ContextParallel(cp=2, tp=2)`` fails in its first attention block once the
+model is past toy size, in training as on meta (d_model 256, seq_len 256: "shape
+'[2, 2, 2, 128, 2, 64]' is invalid for input of size 65536", the q projection's output
+laid out sequence-sharded over tp where the heads' view expects its features sharded).
+
+A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
+buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner
+prices (measured on tests/test_dryrun_ep_cp.py's model: 1.35x the step, 2.35x the
+activations): the runtime's cost, reported as it is.
+
+What the runtime does that the planner does not price (the dry run measures the
+runtime; tests/test_dryrun_ep_cp.py): the EP un-permute keeps one R x h buffer more per
+MoE block; the ring attention keeps each step's blocks and fp32 partial outputs for
+backward (the planner, as Transformer Engine, keeps q, k, v, o and the lse and sends
+K/V round again in backward); with dp > 1 the cp recipe all-reduces a gradient over cp
+per use rather than once over dp x cp.
+"""
+from __future__ import annotations
+
+__all__ = ["check", "recipe", "stage_optimizers"]
+
+_SCHEDULE = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
+
+
+def check(model, lay) -> None:
+    moe = bool(getattr(model, "moe_experts", 0))
+    if moe and lay.tp > 1:
+        raise ValueError(f"dry_run: a MoE model with tp={lay.tp}: the planner prices experts "
+                         f"split over tp with sequence parallelism (Megatron-Core), the "
+                         f"runtime's expert parallelism keeps experts whole on each tp rank "
+                         f"and refuses sp; dry-run it with tp=1 (ep over the dp ranks), or "
+                         f"use wb.plan.estimate")
+    if lay.cp > 1:
+        bad = [(n, v) for n, v in (("pp", lay.pp), ("sp", lay.sp)) if v not in (1, False)]
+        if lay.zero == 3:
+            bad.append(("zero", 3))
+        if moe:
+            bad.append(("moe_experts", model.moe_experts))
+        if lay.tp > 1:
+            bad.append(("tp", lay.tp))
+        if bad:
+            n, v = bad[0]
+            raise ValueError(f"dry_run: cp={lay.cp} with {n}={v} is not run by the context-"
+                             f"parallel recipe (recipes.context_parallel: dp x cp x tp, no "
+                             f"pp, sp or ZeRO-3, dense models; with tp its first "
+                             f"attention fails past toy sizes: module docstring); change "
+                             f"{n}, or use wb.plan.estimate")
+
+
+def recipe(lay):
+    """The recipe the layout describes (module docstring)."""
+    if lay.cp > 1:
+        from ..recipes.context_parallel import ContextParallel
+        return ContextParallel(cp=lay.cp, dp=lay.dp, tp=lay.tp, zero=lay.zero)
+    from ..recipes.hybrid import Hybrid
+    return Hybrid(dp=lay.dp // lay.ep, ep=lay.ep, tp=lay.tp, pp=lay.pp, sp=lay.sp,
+                  zero=lay.zero, schedule=_SCHEDULE[lay.schedule], microbatches=lay.m,
+                  virtual=lay.v if lay.schedule == "interleaved_1f1b" else None,
+                  stage_sizes=lay.stages)
+
+
+def stage_optimizers(h, opts) -> list[list]:
+    """The recipe's optimizers per layer-stage: one each, or with expert parallelism the
+    dense one and, after it, the experts' (``Hybrid.build_optimizer``)."""
+    emeshes = getattr(h, "expert_meshes", [])
+    out = []
+    for o in opts:
+        if out and emeshes and getattr(o, "mesh", None) in emeshes:
+            out[-1].append(o)
+        else:
+            out.append([o])
+    if len(out) != len(h.stage_layers):
+        raise RuntimeError(f"dry_run: {len(out)} optimizer groups for {len(h.stage_layers)} "
+                           f"stages (a bug in grouping the recipe's optimizers)")
+    return out
