@@ -36,6 +36,8 @@ def check_hidden_share(share, compute_ms: float = 1.4, comm_ms: float = 2.0,
         ((1 - 1 / k) / ratio, "you used M/C; the compute that covers the communication is "
                               "C, so the ratio is C/M"),
         (1 / k, "1/k is the share of the LAST chunk, the one that stays exposed"),
+        (min(1.0, ratio) / k, "you multiplied by 1/k, the last chunk that stays exposed; "
+                              "the chunks that can hide are the other (1 - 1/k)"),
         (1 - ratio, "that is the part of M that is longer than C, not the hidden share"),
     ], rel=1e-3)
 
