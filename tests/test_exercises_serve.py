@@ -36,6 +36,8 @@ def test_decode_floor(capsys):
     fails("counts bits", C.check_decode_floor_ms, ms * 8, ms / 2, params, bw)
     fails("int8 floor equals", C.check_decode_floor_ms, ms, ms, params, bw)
     fails("int4", C.check_decode_floor_ms, ms, ms / 4, params, bw)
+    fails("fp32", C.check_decode_floor_ms, ms * 2, ms, params, bw)
+    fails("bytes over the bandwidth", C.check_decode_floor_ms, ms * 3, ms * 1.5, params, bw)
     fails("milliseconds|small", C.check_decode_floor_ms, ms / 1e3, ms / 2, params, bw)
 
 
@@ -68,7 +70,15 @@ def test_static_useful_share_agrees_with_the_schedule(capsys):
     assert res.useful_decode_share == want
     fails("o - 1 decode steps", C.check_static_useful_share, sum(outs) / 48)
     fails("computed over needed", C.check_static_useful_share, 1 / want)
-    fails("padded share", C.check_static_useful_share, 1 - want)
+    fails("padded share, or counts o decode tokens", C.check_static_useful_share, 1 - want)
+    fails("max - 1 decode steps per slot", C.check_static_useful_share, 20 / 48)
+    fails("percentage", C.check_static_useful_share, 100 * want)
+    fails("slot by slot", C.check_static_useful_share, 0.3)
+    # with other outputs the padded share and the o-for-o - 1 slip differ: each its own hint
+    outs = (5, 5, 2)
+    want = sum(o - 1 for o in outs) / (3 * 4)
+    fails("padded share; give", C.check_static_useful_share, 1 - want, outputs=outs)
+    fails("needs o - 1 decode tokens", C.check_static_useful_share, 12 / 12, outputs=outs)
 
 
 def test_value_only_from_the_third_try():

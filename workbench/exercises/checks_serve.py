@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 
-from .checks import _check_number, _chunks, _hint, _number, _ok
+from .checks import _chunks, _hint, _number, _ok
 from .feedback import CheckError, exercise
 
 __all__ = ["check_decode_floor_ms", "check_load_reads", "check_static_useful_share"]
+
+READ_ONCE = ("the step reads each weight once: the weights' bytes over the bandwidth, "
+             "in milliseconds")
 
 @exercise
 def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: float) -> None:
@@ -25,16 +28,18 @@ def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: flo
     bf16, int8 = _number("bf16_ms", bf16_ms), _number("int8_ms", int8_ms)
     if not math.isclose(bf16, want, rel_tol=0.01):
         wrong = [(want * 8, "that counts bits: a bf16 weight is 2 bytes"),
+                 (want * 2, "that counts 4 bytes per weight (fp32); a bf16 weight is 2 bytes"),
                  (want / 2, "that counts 1 byte per bf16 weight; bf16 is 2 bytes")]
-        raise CheckError(f"your bf16 decode floor is {bf16:.4g} ms: " + _hint(bf16, want, wrong),
-                         expected=f"{want:.4g} ms")
+        raise CheckError(f"your bf16 decode floor is {bf16:.4g} ms: "
+                         + _hint(bf16, want, wrong, fallback=READ_ONCE), expected=f"{want:.4g} ms")
     if math.isclose(int8, want, rel_tol=0.01):
         raise CheckError("your int8 floor equals the bf16 one: int8 weights are 1 byte each, "
                          "so the step reads half the bytes", expected=f"{want / 2:.4g} ms")
     if not math.isclose(int8, want / 2, rel_tol=0.01):
         wrong = [(want / 4, "that is int4 (half a byte per weight); int8 is 1 byte")]
         raise CheckError(f"your int8 decode floor is {int8:.4g} ms: "
-                         + _hint(int8, want / 2, wrong), expected=f"{want / 2:.4g} ms")
+                         + _hint(int8, want / 2, wrong, fallback=READ_ONCE),
+                         expected=f"{want / 2:.4g} ms")
     _ok(f"a decode step reads every weight once: at least {bf16:.3g} ms in bf16, "
         f"{int8:.3g} ms with int8 weights")
 
@@ -81,8 +86,26 @@ def check_static_useful_share(share, outputs=(12, 3, 7, 2)) -> None:
     the batch runs ``max(outputs) - 1`` decode steps for every slot."""
     n, top = len(outputs), max(outputs)
     want = sum(o - 1 for o in outputs) / (n * (top - 1))
+    got = _number("share", share)
+    if math.isclose(got, want, rel_tol=0.005):
+        _ok(f"the requests needed {got:.4g} of the decode tokens the batch computed")
+        return
+    o_not_o_minus_1 = sum(outputs) / (n * (top - 1))
+    padded = ("that is the padded share; give the useful share (needed over computed)"
+              if not math.isclose(o_not_o_minus_1, 1 - want) else
+              "that is the padded share, or counts o decode tokens for a request of o "
+              "tokens: the prefill samples the first, so it needs o - 1; give the useful "
+              "share")
     wrong = [(sum(outputs) / (n * top), "the prefill samples each request's first token, so "
               "a request of o tokens needs o - 1 decode steps, and the batch runs max - 1"),
+             (want * (top - 1) / top, "the batch runs max - 1 decode steps per slot (the "
+              "prefill sampled every first token), not max"),
              (1 / want, "that is computed over needed: give needed over computed"),
-             (1 - want, "that is the padded share; give the useful share")]
-    _check_number("useful share", share, want, "", wrong, rel=0.005)
+             (1 - want, padded),
+             (o_not_o_minus_1, "a request of o tokens needs o - 1 decode tokens: the "
+              "prefill samples its first")]
+    raise CheckError(f"your share is {got:.4g}: "
+                     + _hint(got, want, wrong, 0.005, share=True,
+                             fallback="count each request's decode tokens and the batch's, "
+                                      "slot by slot"),
+                     expected=f"{want:.4g}")
