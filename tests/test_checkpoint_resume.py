@@ -140,13 +140,14 @@ def test_cli_refuses_a_resume_that_would_not_continue_the_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_under_torchrun_on_another_layout(tmp_path):
     """2 gloo processes: dp 2 (ZeRO-1) saved, resumed on tp 2; pp 2 (each process saves
-    its stage) resumed on dp 2 with ZeRO-2; both give the uninterrupted run's losses."""
+    its stage) resumed on dp 2 with ZeRO-2; dp 2 (ZeRO-3) resumed on tp 2; all give the
+    uninterrupted run's losses."""
     from tests.test_ddp_torchrun import json_rows, torchrun
     out = torchrun(2, "resume_check.py", str(tmp_path), timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = json_rows(out.stdout)
     assert len(row["whole"]) == 4
     assert row["dp2_then_tp2"][:2] == row["whole"][:2]       # the same layout: bitwise
-    for key in ("dp2_then_tp2", "pp2_then_zero2"):
+    for key in ("dp2_then_tp2", "pp2_then_zero2", "zero3_then_tp2"):
         torch.testing.assert_close(torch.tensor(row[key]), torch.tensor(row["whole"]),
                                    rtol=1e-6, atol=0, msg=key)

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..ops import flash_attention
+from ..sim_mesh import rng
 from .config import ModelConfig
+from .llama import attention_core, dropout
 from .moe import MoE
 from .split import Splittable
 
@@ -110,11 +111,6 @@ GPT_TP_PLAN = {
 }
 
 
-def _core(q, k, v, dropout_p: float = 0.0):
-    """softmax(q k^T / sqrt(hd)) v, causal: what "selective" recompute recomputes."""
-    return flash_attention(q, k, v, causal=True, dropout_p=dropout_p)      # (B, a, S, hd)
-
-
 class GPTAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -131,12 +127,14 @@ class GPTAttention(nn.Module):
         q, k, v = (w(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))                    # (B, a, S, hd)
         p = self.dropout if self.training else 0.0
+        # keyed dropout (train's masks, the same on every layout): call numbers as Llama's
+        site, ctx = 1 + 3 * self.index, rng.context()
         if cache is not None:           # generation: keys/values appended, attends to all
             y = cache.attend(self.index, q, k, v)                           # (B, a, S, hd)
         elif recompute_core and torch.is_grad_enabled():
-            y = checkpoint(_core, q, k, v, p, use_reentrant=False)
+            y = checkpoint(attention_core, q, k, v, p, site, ctx, use_reentrant=False)
         else:
-            y = _core(q, k, v, p)                                           # (B, a, S, hd)
+            y = attention_core(q, k, v, p, site, ctx)                       # (B, a, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
         return self.wo(y)                      # its dropout: in GPTBlock, after TP's g
 
@@ -166,17 +164,20 @@ class GPTBlock(nn.Module):
 
     def forward(self, x, cache=None):
         if self.recompute == "full" and torch.is_grad_enabled() and cache is None:
-            return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(self._forward, x, None, rng.context(), use_reentrant=False)
         return self._forward(x, cache)
 
-    def _forward(self, x, cache=None):
+    def _forward(self, x, cache=None, ctx=None):
+        if ctx is not None:             # recomputed in backward: the forward's dropout keys
+            with rng.restore(ctx):
+                return self._forward(x)
         # the residual branches' dropouts outside attn and mlp, so that with tensor (and
         # sequence) parallelism they run after the row-parallel sum, as Megatron's
         # bias-dropout-add does (on s/t tokens with sequence parallelism)
-        p = self.attn.dropout if self.training else 0.0
-        x = x + F.dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective",
-                                    cache=cache), p, self.training)
-        return x + F.dropout(self.mlp(self.ln2(x)), p, self.training)      # (B, S, h)
+        p, site = (self.attn.dropout if self.training else 0.0), 2 + 3 * self.attn.index
+        x = x + dropout(self.attn(self.ln1(x), recompute_core=self.recompute == "selective",
+                                  cache=cache), p, self.training, site)
+        return x + dropout(self.mlp(self.ln2(x)), p, self.training, site + 1)   # (B, S, h)
 
 
 class GPT(Splittable, nn.Module):
@@ -221,7 +222,7 @@ class GPT(Splittable, nn.Module):
             x = self.tok_emb(x) + self.pos_emb(pos)                         # (B, S, h)
             if layout is not None:
                 x = layout(x)
-            x = F.dropout(x, self.cfg.dropout, self.training)
+            x = dropout(x, self.cfg.dropout, self.training, 0)
         for i in stage["layers"]:
             x = self.layers[i](x)                                           # (B, S, h)
         return self.head(x, stage) if last else x                          # (B, S, V)
@@ -259,7 +260,7 @@ class GPT(Splittable, nn.Module):
                              f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
         p = self.cfg.dropout if self.training else 0.0
         pos = torch.arange(start, start + S, device=idx.device)
-        x = F.dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training)   # (B, S, h)
+        x = dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training, 0)  # (B, S, h)
         for block in self.layers:
             x = block(x, cache=cache)
         logits = self.lm_head(self.norm(x))                                 # (B, S, V)

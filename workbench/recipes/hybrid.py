@@ -253,6 +253,14 @@ class Hybrid:
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
+        if getattr(cfg, "tie_embeddings", False) and len(self.stages) == 1 \
+                and hasattr(model, "lm_head") and self._own(self._mesh_of(0)):
+            # one stage: ``stage_forward`` reads the tied head from the embedding's table,
+            # but ``model.forward`` calls lm_head, which still held the plain parameter
+            # (its logits never trained); give it the embedding's DistTensor
+            # (parallelize reuses a tied parameter's)
+            head_plan = {"": "colwise"} if "lm_head" in plan else {}
+            parallelize(model.lm_head, self._mesh_of(0), head_plan, mesh_dim="tp")
         if self.schedule_name == "dualpipe":      # the second copy of every stage
             _dualpipe.build_twin(self, model, cfg, seed)
         return model

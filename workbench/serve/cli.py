@@ -3,6 +3,7 @@
     python -m workbench train --steps 200 --dp 2 --tp 2 --save ckpt       # train, save
     python -m workbench serve --checkpoint ckpt --tp 2 --prompt "The fox" --max-new-tokens 40
     python -m workbench serve --preset tiny --prompt "The fox" --max-new-tokens 20  # untrained
+    python -m workbench serve --preset llama2-7b --profile a100 --requests trace.jsonl  # benchmark
 
 Prints the prompt and its continuation: greedy unless ``--temperature`` > 0 (then
 ``--top-k`` / ``--top-p`` filter and ``--seed`` seeds the draws).  The text is the same
@@ -14,6 +15,9 @@ layout by ``wb.checkpoint.load``, each rank reading only its shards.
 ``wb.checkpoint.save(path, {"model": model.state_dict()})``); the model's shape is
 ``--preset``'s (the one it was trained with).  Without ``--checkpoint`` the model is
 ``--preset`` initialised from ``--seed``, untrained (for testing).
+
+``--requests FILE`` runs a serving benchmark instead (:mod:`.bench_cli`: the file's
+format, continuous against static batching on the modeled clock, the latency table).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--preset", default="tiny", choices=servable_presets(),
                    help="the model's shape (the preset the checkpoint was trained with); the "
                         "presets over the course's 75-character alphabet")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", default=None,
+                   help="the text to continue (required unless --requests)")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); > 0: sample from softmax(logits / T)")
@@ -45,6 +50,8 @@ def add_serve_arguments(p) -> None:
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
                    help="sim: all ranks in this process; torch: one rank per process "
                         "(torchrun --nproc-per-node dp x tp)")
+    from .bench_cli import add_bench_arguments
+    add_bench_arguments(p)
 
 
 def servable_presets() -> list[str]:
@@ -89,6 +96,17 @@ def _check(args) -> str | None:
 
 def main_serve(args) -> int:
     import os
+    if args.requests is not None:           # the serving benchmark (bench_cli.py)
+        from .bench_cli import main_bench
+        if args.prompt is not None:
+            print("error: --prompt with --requests: give one (text, or the benchmark's "
+                  "requests file)", file=sys.stderr)
+            return 2
+        return main_bench(args)
+    if args.prompt is None:
+        print("error: give --prompt TEXT (the text to continue), or --requests FILE for a "
+              "serving benchmark", file=sys.stderr)
+        return 2
 
     import torch
 

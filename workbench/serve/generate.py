@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.dist_tensor import DistTensor, shard_tensor
-from ..parallel.module import parallelize
 from ..parallel.placement import Replicate, Shard
 from ..parallel.reshard import reshard
 from .kv_cache import KVCache
@@ -120,12 +119,7 @@ def serve_model(cfg, *, dp: int = 1, tp: int = 1, seed: int = 0, state_dict=None
                              "parallelism splits heads and hidden features evenly")
     recipe = Hybrid(dp=dp, tp=tp, distributed=distributed)
     model = recipe.build_model(cfg, seed).eval()
-    if cfg.tie_embeddings:
-        # one stage: the recipe shards the word embedding and leaves the tied head to
-        # ``stage_forward`` (it reads the embedding's table); ``forward`` calls lm_head,
-        # so give it the same DistTensor (parallelize reuses a tied parameter's)
-        plan = {"": "colwise"} if "lm_head" in model.tp_plan(tp) else {}
-        parallelize(model.lm_head, recipe.meshes[0], plan, mesh_dim="tp")
+    # (a tied lm_head: the recipe gives it the embedding's DistTensor, recipes/hybrid.py)
     if state_dict is not None:
         model.load_state_dict(state_dict)
     for p in model.parameters():

@@ -178,6 +178,10 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         nb = shard[(0,) * nd].numel() * shard.element_size() * self.n
         # the re-gather ZeRO-3 does before the layer's backward (the saved copy stands in)
         full = C._on_backward(full, "all_gather", mesh, self.axis, nb, "zero-3 re-gather")
+        # the views above dropped the gather's mark: without it the first op meeting the
+        # dp-sharded batch gives the copy an expand_replicas (an all-reduce in backward) on
+        # top of the gather's reduce-scatter, and every gradient came out dp times too big
+        _B.tag(full, (self.axis,))
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
 
     def _gather_math(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
