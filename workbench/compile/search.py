@@ -65,7 +65,6 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
     # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
     states = [(0.0, {}, None, True, 0)]    # placements of the live op outputs only
-    least = None                           # the least memory a dropped state needed
     gbest = None                           # greedy's own next state
     expanded = 0
     for k, n in enumerate(graph.nodes):
@@ -90,7 +89,6 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                 total = cost + nc.total + extra
                 m = mem + nc.memory
                 if memory_limit is not None and m > memory_limit:
-                    least = m if least is None else min(least, m)
                     continue
                 # the flag: this state is greedy's own path, or costs no more time and
                 # memory than it with the same live layout (so its best continuation does
@@ -124,9 +122,18 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                         new_s = new_s[:3] + (True, m)
                     front[:] = [o for o in front if o not in beaten] + [new_s]
         if not nxt:
+            # the beam may have dropped the lean paths: search for memory alone, and run
+            # the leanest complete assignment where it fits; else name what it needs (a
+            # limit that works, not a partial state's figure)
+            lean = _leanest(graph, pr, base, pins, live, outs, width=max(beam, 64),
+                            per_op=per_op)
+            if lean[4] <= memory_limit:
+                states = [lean]
+                break
             raise ValueError(f"memory_limit={memory_limit:,d} B per rank: no assignment keeps "
-                             f"{n.name}'s activations under it (the least needs {least:,d} B "
-                             "per rank); raise memory_limit, or shard the inputs and "
+                             f"{n.name}'s activations under it (the leanest assignment the "
+                             f"search finds needs {lean[4]:,d} B per rank); raise "
+                             "memory_limit to at least that, or shard the inputs and "
                              "parameters more")
         ranked = sorted((st for front in nxt.values() for st in front),
                         key=lambda s: _rank(s[0], s[4]))
@@ -159,3 +166,34 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
             placements_all[vid] = ps        # pinned intermediates are resharded at once
     return Assignment(graph, mesh, pr.pname, placements_all, choice, costs, pins, extra,
                       "whole-graph", expanded)
+
+
+def _leanest(graph, pr, base, pins, live, outs, width: int, per_op: int):
+    """The complete assignment of least memory the search finds (states keyed by live
+    layout keep their leanest; the ``width`` leanest go on), as a state tuple
+    (time, live placements, choices, greedy?, memory)."""
+    states = [(0.0, {}, None, False, 0)]
+    for k, n in enumerate(graph.nodes):
+        nxt = {}
+        for cost, pl, ch, _, mem in states:
+            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
+                          for v in n.inputs)
+            specs, dec = pr.decision(n, in_ps)
+            for c in dec.candidates[:per_op]:
+                nc = pr.price(n, specs, c)
+                new = dict(pl)
+                extra = 0.0
+                for vid, ps in zip(n.outs, c.strategy.outputs):
+                    new[vid] = tuple(ps)
+                    if vid in pins and vid not in outs:
+                        extra += pr.pin_cost(vid, ps, pins[vid])
+                        new[vid] = pins[vid]
+                keep = {v: new[v] for v in live[k]}
+                key = tuple(sorted(keep.items()))
+                st = (cost + nc.total + extra, keep, (ch, (n.nid, c, nc)), False,
+                      mem + nc.memory)
+                old = nxt.get(key)
+                if old is None or (st[4], round(st[0], 15)) < (old[4], round(old[0], 15)):
+                    nxt[key] = st
+        states = sorted(nxt.values(), key=lambda s: (s[4], round(s[0], 15)))[:width]
+    return states[0]
