@@ -49,3 +49,20 @@ def test_cp2_tp2_past_the_tiny_preset_gives_one_devices_losses():
     got = [r["loss"] for r in train("tiny", strategy=ContextParallel(cp=2, tp=2), **kw)]
     want = [r["loss"] for r in train("tiny", **kw)]
     assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_cp_recipe_pins_the_residual_streams_tp_layout(sp):
+    """The vocab-parallel embedding's output (Partial on tp) is reduced once after the
+    ring layout, as Hybrid._layout does: Replicate on tp (sp: the cp chunk sharded on
+    tp), not left Partial for the op table to reduce before each use."""
+    from workbench.parallel.strategies.context_parallel import slot_positions
+    s = ContextParallel(cp=2, tp=2, sp=sp)
+    mesh = s.meshes[0]
+    parts = torch.randn(1, 2, 2, 8, 4, generator=torch.Generator().manual_seed(2))
+    x = wb.DistTensor(parts.expand(2, 2, 2, 8, 4), mesh, [Replicate(), Partial()],
+                      torch.Size((2, 8, 4)), parts.dtype)
+    y = s._layout(x)
+    assert y.placements == (Shard(1), Shard(1) if sp else Replicate())
+    want = parts[0].sum(0)[:, slot_positions(8, 2)]
+    torch.testing.assert_close(y.full(), want)
