@@ -164,6 +164,13 @@ class ContextParallel(Hybrid):
         vocab-parallel embedding's output is a Partial on tp, and left so the op table
         would reduce it per use (a reduce-scatter before each norm, more collectives than
         the one all-reduce here)."""
+        cp = x.mesh.dim("cp")
+        if not x.placements[cp].is_replicate():
+            # the ring layout starts from the whole sequence on cp; the op table may have
+            # sharded the GPT's embedding sum (token + position) there, by cost
+            ps = list(x.placements)
+            ps[cp] = Replicate()
+            x = reshard(x, x.mesh, ps)
         x = to_ring_layout(x, "cp", 1, self.balanced)
         if self.tp > 1:
             x = reshard(x, x.mesh, self._placements(dp=Shard(0), cp=Shard(1),
