@@ -72,7 +72,6 @@ def test_logits_equal_one_device_and_the_positions_follow_the_chunks(preset, mon
     (["--cp", "0"], "cp=0"),
     (["--cp", "2", "--pp", "2"], "use pp=1"),
     (["--cp", "2", "--sp"], "give tp > 1 or leave sp off"),
-    (["--cp", "2", "--tp", "2", "--dry-run"], "cp=2 with tp=2"),
     (["--cp", "2", "--preset", "small"], "dropout=0.1"),
     (["--cp", "2", "--device", "auto"], "--device auto with --cp")])
 def test_bad_cp_combinations_are_refused_with_the_fix(flags, msg, capsys):

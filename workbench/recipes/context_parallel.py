@@ -160,10 +160,21 @@ class ContextParallel(Hybrid):
     def _layout(self, x):
         """The residual stream after the embeddings: in ring order, sharded over cp (and
         each cp rank's tokens over tp with sequence parallelism, as Megatron-LM shards the
-        cp chunk over the tp ranks)."""
+        cp chunk over the tp ranks), else replicated on tp as Hybrid._layout pins it: the
+        vocab-parallel embedding's output is a Partial on tp, and left so the op table
+        would reduce it per use (a reduce-scatter before each norm, more collectives than
+        the one all-reduce here)."""
+        cp = x.mesh.dim("cp")
+        if not x.placements[cp].is_replicate():
+            # the ring layout starts from the whole sequence on cp; the op table may have
+            # sharded the GPT's embedding sum (token + position) there, by cost
+            ps = list(x.placements)
+            ps[cp] = Replicate()
+            x = reshard(x, x.mesh, ps)
         x = to_ring_layout(x, "cp", 1, self.balanced)
-        if self.sp:
-            x = reshard(x, x.mesh, self._placements(dp=Shard(0), cp=Shard(1), tp=Shard(1)))
+        if self.tp > 1:
+            x = reshard(x, x.mesh, self._placements(dp=Shard(0), cp=Shard(1),
+                                                    tp=Shard(1) if self.sp else Replicate()))
         return x
 
     def _stage(self, model, s, x):

@@ -45,7 +45,18 @@ __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_paral
 
 
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
-    """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence)."""
+    """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence).
+
+    ``x`` is first brought to the layout f starts from on tp: Replicate, or Shard(seq_dim)
+    under sp. Any other (a Partial, or a shard the op table's cost chose, e.g. the
+    reduce-scatter onto the batch dim that a norm on a Partial input may pick) is
+    resharded there, never relabelled: relabelling a shard Replicate would leave each
+    rank a slice of the tensor under a whole-tensor layout."""
+    want = Shard(seq_dim) if sp else Replicate()
+    if x.placements[tp_axis] != want:
+        ps = list(x.placements)
+        ps[tp_axis] = want
+        x = reshard(x, x.mesh, ps)
     mesh, loc = x.mesh, x._local
     if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
         if sp:      # S(seq_dim) on tp -> every rank the whole sequence
