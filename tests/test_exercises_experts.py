@@ -67,6 +67,9 @@ def test_ep_tp_mb(capsys):
     fails("two collectives", C.check_ep_tp_mb, ep, tp / 2)
     fails("whole group's p x tokens", C.check_ep_tp_mb, ep, tp / 8)
     fails("does not copy a token per expert", C.check_ep_tp_mb, ep, tp * 2)
+    fails("swap the two answers", C.check_ep_tp_mb, tp, ep)
+    fails("in MiB", C.check_ep_tp_mb, ep * 1e6 / 2 ** 20, tp)
+    fails("in MiB", C.check_ep_tp_mb, ep, tp * 1e6 / 2 ** 20)
 
 
 def test_ring_kv_mb(capsys):
@@ -78,6 +81,7 @@ def test_ring_kv_mb(capsys):
     fails("both K and V", C.check_ring_kv_mb, 15 * block / 2e6)
     fails("kv_heads heads, not the query heads", C.check_ring_kv_mb, 15 * block * 4 / 1e6)
     fails("s / cp tokens", C.check_ring_kv_mb, 15 * block * 16 / 1e6)
+    fails("in MiB", C.check_ring_kv_mb, 15 * block / 2 ** 20)
     passes(capsys, C.check_ring_kv_mb, 7 * block * 2 / 1e6, cp=8)
 
 

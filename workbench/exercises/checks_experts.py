@@ -19,6 +19,13 @@ from .feedback import CheckError, exercise
 __all__ = ["check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb"]
 
 
+# MB here is 10^6 bytes; a student who divides by 2^20 (MiB) is 4.6% low, apart from every
+# other mistake's value (the nearest, ring's cp / (cp - 1) = 16/15, lies 6.7% high).
+MIB = 2 ** 20 / 1e6
+MIB_HINT = ("that is in MiB (2^20 bytes); the exercise's MB is 10^6 bytes: divide the bytes "
+            "by 1e6")
+
+
 # ---- routing: capacity and dropped tokens ---------------------------------------------------
 
 def _capacity(tokens: int, experts: int, k: int, factor: float) -> int:
@@ -94,6 +101,9 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (2 * tokens * k * h * e / 1e6, "the rows for the rank's own experts stay: (p-1)/p "
                                        "of the buffer leaves the rank"),
         (2 * one_way / e, "count bytes: bytes_per_value per value"),
+        (want_ep / MIB, MIB_HINT),
+        (want_tp, "that is TP's figure: did you swap the two answers? EP's all-to-alls carry "
+                  "the rank's own tokens x k rows"),
     ])
     _verify("TP bytes", tp_mb, want_tp, "MB", [
         (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
@@ -104,6 +114,7 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
                                        "of its buffer per rank"),
         (want_tp * k, "TP does not copy a token per expert: all experts' slices see the same "
                       "gathered tokens"),
+        (want_tp / MIB, MIB_HINT),
     ])
     _ok(f"EP sends {want_ep:.4g} MB, TP {want_tp:.4g} MB per rank: k / p = {k}/{p} of it")
 
@@ -136,4 +147,5 @@ def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int =
                                      "heads, not the query heads"),
         ((cp - 1) * 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * e / 1e6,
          "a block holds the rank's s / cp tokens, not the whole sequence"),
-    ], rel=1e-3)
+        (want / MIB, MIB_HINT),
+    ], rel=1e-3, hint_rel=0.01)

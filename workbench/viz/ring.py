@@ -48,8 +48,9 @@ def render_ring_text(rows) -> str:
 
 def draw_ring(rows, *, cell: float = 1.0):
     """A grid, steps across and ranks down: each cell is the rank's block at that step,
-    split into its (query chunk, key chunk) pairs coloured full / diagonal / skipped and
-    labelled with the K/V slot it holds; an arrow marks the send to the next rank."""
+    split into its (query chunk, key chunk) pairs, a row per query chunk (named beside the
+    rank) and a column per K/V chunk (named above the cell), coloured full / diagonal /
+    skipped; \u2192j marks the send of those K/V chunks to rank j."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
@@ -60,24 +61,29 @@ def draw_ring(rows, *, cell: float = 1.0):
         pairs = r["pairs"]
         k = int(round(len(pairs) ** 0.5))                     # a k x k grid of chunk pairs
         for m, (_, _, kind) in enumerate(pairs):
-            a, b = divmod(m, k)
-            ax.add_patch(Rectangle((t + b * 0.8 / k + 0.1, i + a * 0.8 / k + 0.1),
-                                   0.8 / k, 0.8 / k, facecolor=KIND_COLORS[kind],
+            a, b = divmod(m, k)                               # row: query chunk, column: key
+            ax.add_patch(Rectangle((t + 0.1 + b * 0.8 / k, i + 0.22 + a * 0.72 / k),
+                                   0.8 / k, 0.72 / k, facecolor=KIND_COLORS[kind],
                                    edgecolor="white"))
-        ax.text(t + 0.5, i + 0.5, f"K/V {r['kv_from']}", ha="center", va="center", fontsize=8)
+        kv = ",".join(map(str, r["kv_chunks"]))
+        ax.text(t + 0.5, i + 0.19, f"K/V chunks {kv}", ha="center", va="bottom", fontsize=7)
         if r["send_to"] is not None:
-            ax.annotate("", xy=(t + 0.97, i + 0.9), xytext=(t + 0.75, i + 0.9),
-                        arrowprops={"arrowstyle": "->", "color": "#555555"})
+            ax.text(t + 0.96, i + 0.58, f"\u2192{r['send_to']}", ha="center", va="center",
+                    fontsize=7, color="#555555")
     ax.set_xlim(0, n)
     ax.set_ylim(p, 0)
     ax.set_xticks([t + 0.5 for t in range(n)], [f"step {t}" for t in range(n)])
-    ax.set_yticks([i + 0.5 for i in range(p)], [f"rank {i}" for i in range(p)])
+    q_chunks = {i: ",".join(map(str, grid[(0, i)]["q_chunks"])) for i in range(p)}
+    ax.set_yticks([i + 0.58 for i in range(p)],
+                  [f"rank {i}\nquery chunks {q_chunks[i]}" for i in range(p)], fontsize=8)
     ax.tick_params(length=0)
     for s in ax.spines.values():
         s.set_visible(False)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False,
               fontsize=8)
-    ax.set_title(f"ring attention over {p} ranks: query chunk x key chunk pairs", fontsize=9)
+    ax.set_title(f"ring attention over {p} ranks: query chunks (rows) x K/V chunks held "
+                 f"(columns);\n\u2192j: the rank then sends those K/V chunks to rank j",
+                 fontsize=9)
     fig.tight_layout()
     return fig
