@@ -70,22 +70,9 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     for k, n in enumerate(graph.nodes):
         nxt = {}
         for cost, pl, ch, is_greedy, mem in states:
-            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
-                          for v in n.inputs)
-            specs, dec = pr.decision(n, in_ps)
-            cands = list(dec.candidates[:per_op])
-            for j, c in enumerate(cands):
+            for j, (c, nc, extra, keep, key) in enumerate(
+                    _candidates(n, pl, pr, base, pins, outs, live[k], per_op)):
                 expanded += 1
-                nc = pr.price(n, specs, c)
-                new = dict(pl)
-                extra = 0.0
-                for vid, ps in zip(n.outs, c.strategy.outputs):
-                    new[vid] = tuple(ps)
-                    if vid in pins and vid not in outs:
-                        extra += pr.pin_cost(vid, ps, pins[vid])
-                        new[vid] = pins[vid]
-                keep = {v: new[v] for v in live[k]}
-                key = tuple(sorted(keep.items()))
                 total = cost + nc.total + extra
                 m = mem + nc.memory
                 if memory_limit is not None and m > memory_limit:
@@ -176,20 +163,8 @@ def _leanest(graph, pr, base, pins, live, outs, width: int, per_op: int):
     for k, n in enumerate(graph.nodes):
         nxt = {}
         for cost, pl, ch, _, mem in states:
-            in_ps = tuple(None if v is None else pl[v] if v in pl else base[v]
-                          for v in n.inputs)
-            specs, dec = pr.decision(n, in_ps)
-            for c in dec.candidates[:per_op]:
-                nc = pr.price(n, specs, c)
-                new = dict(pl)
-                extra = 0.0
-                for vid, ps in zip(n.outs, c.strategy.outputs):
-                    new[vid] = tuple(ps)
-                    if vid in pins and vid not in outs:
-                        extra += pr.pin_cost(vid, ps, pins[vid])
-                        new[vid] = pins[vid]
-                keep = {v: new[v] for v in live[k]}
-                key = tuple(sorted(keep.items()))
+            for c, nc, extra, keep, key in _candidates(n, pl, pr, base, pins, outs, live[k],
+                                                       per_op):
                 st = (cost + nc.total + extra, keep, (ch, (n.nid, c, nc)), False,
                       mem + nc.memory)
                 old = nxt.get(key)
@@ -197,3 +172,22 @@ def _leanest(graph, pr, base, pins, live, outs, width: int, per_op: int):
                     nxt[key] = st
         states = sorted(nxt.values(), key=lambda s: (s[4], round(s[0], 15)))[:width]
     return states[0]
+
+
+def _candidates(n, pl, pr, base, pins, outs, live_k, per_op):
+    """Node ``n``'s first ``per_op`` candidates from the live placements ``pl``: each as
+    (candidate, its NodeCost, the pinned intermediates' reshard time, the live placements
+    after it, their key)."""
+    in_ps = tuple(None if v is None else pl[v] if v in pl else base[v] for v in n.inputs)
+    specs, dec = pr.decision(n, in_ps)
+    for c in dec.candidates[:per_op]:
+        nc = pr.price(n, specs, c)
+        new = dict(pl)
+        extra = 0.0
+        for vid, ps in zip(n.outs, c.strategy.outputs):
+            new[vid] = tuple(ps)
+            if vid in pins and vid not in outs:
+                extra += pr.pin_cost(vid, ps, pins[vid])
+                new[vid] = pins[vid]
+        keep = {v: new[v] for v in live_k}
+        yield c, nc, extra, keep, tuple(sorted(keep.items()))
