@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.torchrun_support import run_job
+from tests.torchrun_support import json_rows, run_job
 from workbench.cli import main
 from workbench.models.config import build_model, get_config
 from workbench.models.data import get_batch
@@ -90,7 +90,7 @@ def test_torchrun_cp_prints_one_devices_losses(preset, flags):
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    rows = json_rows(out.stdout)
     assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
     assert [r["loss"] for r in rows] == pytest.approx(one_device(preset), rel=1e-6)
 

@@ -1,13 +1,12 @@
 """The data-parallel wrappers on torch.distributed (gloo, one process per rank, launched
 by torchrun): one device's parameters, the simulation's parameters, no deprecation
 warnings; a dead or frozen rank ends the job within the timeout."""
-import json
 import os
 import sys
 
 import pytest
 
-from tests.torchrun_support import run_job
+from tests.torchrun_support import json_rows, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
@@ -16,16 +15,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
-
-def json_rows(text: str) -> list:
-    """Every JSON object the processes printed: several processes share one pipe, so two
-    rows may land on one line."""
-    dec, rows, i = json.JSONDecoder(), [], text.find("{")
-    while i != -1:
-        row, end = dec.raw_decode(text, i)
-        rows.append(row)
-        i = text.find("{", end)
-    return rows
 
 def torchrun(n, script, *args, timeout=240):
     cmd = TORCHRUN + [f"--nproc-per-node={n}", os.path.join(SCRIPTS, script), *args]

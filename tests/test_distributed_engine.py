@@ -1,12 +1,11 @@
 """The real engine: the same training on torch.distributed (gloo, one process per rank,
 launched by torchrun) prints the same losses as the simulation."""
-import json
 import os
 import sys
 
 import pytest
 
-from tests.torchrun_support import run_job
+from tests.torchrun_support import json_rows, run_job
 from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
@@ -36,7 +35,7 @@ def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
     out = torchrun(n, "--steps", "3", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
-    lines = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    lines = json_rows(out.stdout)
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
     sim = [r["loss"] for r in train("tiny", steps=3, seed=0, timing=False,
                                     strategy=Hybrid(**kw))]

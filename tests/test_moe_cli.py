@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import run_job
+from tests.torchrun_support import json_rows, run_job
 from workbench.cli import main
 
 MOE = ["--preset", "tiny", "--steps", "2", "--moe-experts", "4", "--moe-topk", "2"]
@@ -49,7 +49,7 @@ def test_torchrun_ep_prints_one_devices_losses(capsys):
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    rows = json_rows(out.stdout)
     assert [r["step"] for r in rows] == [0, 1]
     assert [r["loss"] for r in rows] == pytest.approx(one, rel=1e-6)
 

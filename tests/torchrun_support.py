@@ -1,4 +1,5 @@
 """Running a torchrun job from a test, the same way in every test file."""
+import json
 import subprocess
 
 # A gloo worker thread that still holds finished async work when the interpreter tears
@@ -19,3 +20,15 @@ def run_job(cmd, **kwargs):
             break
         out = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     return out
+
+
+def json_rows(text: str) -> list:
+    """Every JSON object the processes printed: several processes share one pipe and
+    torchrun runs them unbuffered (``python -u``: print writes the text and its newline
+    apart), so two rows may land on one line."""
+    dec, rows, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        row, end = dec.raw_decode(text, i)
+        rows.append(row)
+        i = text.find("{", end)
+    return rows
