@@ -9,6 +9,7 @@ from workbench.parallel.schedules import (Schedule, ScheduleError, dualpipe, dua
                                           formula_bubble, one_f_one_b, simulate, transfers,
                                           validate, zb_h1, zb_v)
 from workbench.parallel.schedules.execute import run_pipeline
+from tests.test_pipeline_execute import make, single_device
 
 PM = [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 24)]
 
@@ -125,32 +126,14 @@ def test_zb_v_bad_input():
         zb_v(2, 4, w=0)
 
 
-def _model(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 8, generator=g) / 3, torch.randn(8, generator=g) / 3)
-            for _ in range(n)]
-
-
-def _reference(weights, X, T):
-    ws = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in weights]
-    h = X
-    for i, (w, b) in enumerate(ws):
-        h = F.linear(h, w, b)
-        if i < len(ws) - 1:
-            h = torch.tanh(h)
-    loss = ((h - T) ** 2).mean()
-    loss.backward()
-    return loss, [(w.grad, b.grad) for w, b in ws]
-
-
 @pytest.mark.parametrize("name,p,m", [("zb_v", 2, 4), ("zb_v", 3, 3), ("dualpipe", 2, 4),
                                       ("dualpipe", 4, 8)])
 def test_executor_gives_one_device_gradients(name, p, m):
     s = zb_v(p, m) if name == "zb_v" else dualpipe(p, m)
     n = s.stages                              # zb_v: 2p stages; dualpipe: p, two copies
-    weights = _model(n)
+    weights = make(n)
     X, T = torch.randn(4 * m, 8), torch.randn(4 * m, 8)
-    ref_loss, ref_grads = _reference(weights, X, T)
+    ref_loss, ref_grads = single_device(weights, X, T)
     meshes = [wb.Mesh([r], ["pp"]) for r in range(p)]
     params, stages = [None] * (2 * p), [None] * (2 * p)
     for r in range(p):
