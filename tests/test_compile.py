@@ -250,3 +250,28 @@ def test_random_draws_inside_the_program_are_refused_not_frozen():
     _, x = _x((4, 6), mesh, [S(0)])
     prog = wb.compile(lambda t: t + torch.randn(4, 6), x, method="trace")
     assert prog.eager and "draws random numbers" in str(prog)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+@pytest.mark.parametrize("method", ["export", "trace"])
+def test_a_tied_parameter_is_one_value_and_its_originals_come_back(method):
+    """Export names a tied weight by either of its names (it raised StopIteration when the
+    second name was the one it kept); capture puts the module's own parameters back."""
+    torch.manual_seed(0)
+    m, x = _Tied(), torch.randn(2, 4)
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    X = wb.shard_tensor(x, mesh, [wb.Shard(0)])
+    prog = wb.compile(m, X, profile="a100", method=method)
+    assert set(prog.graph.params) <= {"a.weight", "b.weight"}
+    assert m.b.weight is m.a.weight and not m.a.weight.is_meta
+    torch.testing.assert_close(prog(X).full(), m(x))

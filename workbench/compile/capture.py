@@ -212,36 +212,47 @@ class _Tracer(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _meta_parameters(module, graph, tracer, placements):
-    """Swap every parameter of ``module`` for a meta twin (tied ones share one), register
-    each as a value; put the originals back after."""
-    saved, twins = [], {}
+def meta_twins(module):
+    """Swap every parameter of ``module`` for a meta twin (tied ones share one twin);
+    yields [(full name, original, twin, first name of this twin?)]; puts the originals
+    back after, whatever happens inside."""
+    saved, twins, rows = [], {}, []
     try:
         for mname, mod in module.named_modules(remove_duplicate=False):
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
                 saved.append((mod, pname, p))
-                full = f"{mname}.{pname}" if mname else pname
                 tw = twins.get(id(p))
-                if tw is None:
-                    tw = nn.Parameter(_meta_like(p, p.requires_grad),
-                                      requires_grad=bool(p.requires_grad)
-                                      and p.dtype.is_floating_point)
-                    twins[id(p)] = tw
-                    vid = graph.value(p.shape, p.dtype, "param", full,
-                                      requires_grad=tw.requires_grad)
-                    graph.params[full] = vid
-                    tracer.track(tw, vid)
-                    if isinstance(p, DistTensor):
-                        placements[vid] = (p.mesh, tuple(p.placements))
-                    else:
-                        placements[vid] = p      # a plain parameter: replicated
+                first = tw is None
+                if first:
+                    tw = twins[id(p)] = nn.Parameter(
+                        _meta_like(p, p.requires_grad),
+                        requires_grad=bool(p.requires_grad) and p.dtype.is_floating_point)
+                rows.append((f"{mname}.{pname}" if mname else pname, p, tw, first))
                 mod._parameters[pname] = tw
-        yield
+        yield rows
     finally:
         for mod, pname, p in saved:
             mod._parameters[pname] = p
+
+
+@contextlib.contextmanager
+def _meta_parameters(module, graph, tracer, placements):
+    """:func:`meta_twins`, each twin registered as a parameter value of ``graph`` and
+    tracked by ``tracer``."""
+    with meta_twins(module) as rows:
+        for full, p, tw, first in rows:
+            if not first:
+                continue
+            vid = graph.value(p.shape, p.dtype, "param", full, requires_grad=tw.requires_grad)
+            graph.params[full] = vid
+            tracer.track(tw, vid)
+            if isinstance(p, DistTensor):
+                placements[vid] = (p.mesh, tuple(p.placements))
+            else:
+                placements[vid] = p      # a plain parameter: replicated
+        yield
 
 
 def capture(fn, args, method: str = "auto"):

@@ -24,7 +24,7 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, Node, Ref
-from .capture import Broken, _meta_like, break_from_export_error, _swap
+from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_twins
 
 __all__ = ["capture_export", "Unmapped", "ADAPT"]
 
@@ -112,20 +112,8 @@ def capture_export(fn, args):
     placements = {}
     margs = [(_meta_like(a, bool(getattr(a, "requires_grad", False)))
               if isinstance(a, (DistTensor, torch.Tensor)) else a) for a in args]
-    saved, twins, by_name = [], {}, {}
-    try:
-        for mname, mod in module.named_modules(remove_duplicate=False):
-            for pname, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                saved.append((mod, pname, p))
-                full = f"{mname}.{pname}" if mname else pname
-                tw = twins.get(id(p))
-                if tw is None:
-                    tw = twins[id(p)] = nn.Parameter(_meta_like(p, p.requires_grad),
-                                                     requires_grad=bool(p.requires_grad))
-                    by_name[full] = p
-                mod._parameters[pname] = tw
+    with meta_twins(module) as rows:
+        by_name = {full: p for full, p, _, _ in rows}   # every name, tied ones too
         try:
             with _quiet():
                 ep = torch.export.export(module, tuple(margs), strict=False)
@@ -135,9 +123,6 @@ def capture_export(fn, args):
                 raise Broken(brk) from None
             raise Unmapped(f"torch.export failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
-    finally:
-        for mod, pname, p in saved:
-            mod._parameters[pname] = p
     sig = ep.graph_signature
     env = {}                     # fx node name -> Ref (or tuple of Refs)
     metas = {}                   # vid -> meta tensor
@@ -150,9 +135,7 @@ def capture_export(fn, args):
             val = node.meta.get("val")
             if s.kind == InputKind.PARAMETER:
                 name = s.target
-                p = by_name.get(name)
-                if p is None:          # a tied parameter under another name
-                    p = next(q for n2, q in by_name.items() if n2 == name)
+                p = by_name[name]
                 vid = g.value(val.shape, val.dtype, "param", name,
                               requires_grad=bool(p.requires_grad))
                 g.params[name] = vid
