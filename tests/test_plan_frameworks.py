@@ -117,7 +117,7 @@ def test_fsdp_prices_fully_shard_per_block():
     stream model as ZeRO-3 (``zero_cost``), so the exposure is what that model gives
     for those collectives and units, and the bytes sent are 2 gathers + 1 fp32
     reduce-scatter per micro-batch."""
-    from workbench.plan import costs as C, zero_cost as Z
+    from workbench.plan import costs as C, fsdp2_cost as FS, zero_cost as Z
     from workbench.plan.edge_cost import edge_times
     from workbench.sim_mesh.cost import overlap_rate, wire_bytes
     cfg = get_config("gpt3-175b", n_layer=8)
@@ -132,9 +132,15 @@ def test_fsdp_prices_fully_shard_per_block():
                                                                  cl.profile))
     assert len(blocks) == 8 + 2                       # embeddings, 8 blocks, norm + head
     ranks = tuple(lay.dp_ranks(0, 0))
+    # FSDP2's copies (plan.fsdp2_cost): on the blocks' compute, and in series with the
+    # gathers and reduce-scatters on the comm stream
+    cp = FS.stage_copies(blocks, 8, True, True, 8, lay.m, cl.profile)
+    blocks = cp["blocks"]
     fwd, bwd = Z.zero_exposed(
-        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile),
-        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile),
+        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile)
+        + cp["gather_extra"](n),
+        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
+        + cp["reduce_extra"](n),
         prefetch_numel=1, rate=overlap_rate(cl.profile))
     assert est.details["dp_sync"] == pytest.approx(lay.m * (fwd + bwd), rel=1e-12)
     psi = stage_params(cfg, 8, 1, 0)

@@ -56,6 +56,7 @@ from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
 from . import zero_cost as Z
+from . import fsdp2_cost as FS
 from . import ep_cp as EC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
@@ -192,7 +193,7 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
              overlap_grad_reduce: bool = False, grad_bytes: int = 2,
-             head_live: bool = True):
+             head_live: bool = True, side=None):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -204,7 +205,9 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit.
     ``head_live``: the head's weight is still gathered when the loss is computed (tied
     to the embedding); if not, this library's recipe re-gathers it before the loss and
-    the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``)."""
+    the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
+    ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n), the
+    copies FSDP2 runs in series with them (``fsdp2_cost.stage_copies``)."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -213,8 +216,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
 
+    ag_x, rs_x = side if side else (lambda n: 0.0, lambda n: 0.0)
+
     def gather(n):
-        return p("all_gather", 2 * n)
+        return p("all_gather", 2 * n) + ag_x(n)
 
     w = 2 * psi                                   # the 16-bit weights
     rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", w, dp)
@@ -241,7 +246,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
-                              lambda n: p("reduce_scatter", grad_bytes * n),
+                              lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
                               prefetch_numel=ahead,
                               loss_waits=lay.engine == "workbench" and not head_live)
@@ -289,6 +294,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     attention = attention_for(model, attention)
     EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
     cfg, lay, prof = model, layout, cluster.profile
+    if lay.engine == "fsdp":      # the attention kernel SDPA runs (plan.fsdp2_cost)
+        prof = FS.sdpa_profile(prof)
     tcfg = EC.token_cfg(cfg, lay)                  # s / cp tokens per rank
     b, tp, sp, v, pp = lay.micro_batch, lay.tp, lay.sp, lay.v, lay.pp
     if fp8 and "float8" not in prof.peak_flops:
@@ -323,9 +330,17 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
+        side = copies = None
+        if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)
+            copies = FS.stage_copies(blocks or Z.stage_blocks(cfg, lay, s, layer, head, edge),
+                                     n_layers, s == 0, s == pp - 1, lay.dp * lay.cp, lay.m,
+                                     prof)
+            blocks, side = copies["blocks"] if blocks else None, (
+                copies["gather_extra"], copies["reduce_extra"])
+            comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                                 head_live=cfg.tie_embeddings)
+                                 head_live=cfg.tie_embeddings, side=side)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
@@ -334,7 +349,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
-                            memory=stage_memory(cfg, lay, s, attention))
+                            memory=stage_memory(cfg, lay, s, attention), copies=copies)
 
     if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp * lay.cp > 1 and v == 1:
         _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
@@ -365,7 +380,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "framework": lay.engine,
         "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce)
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
-            "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay),
+            "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
+        + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
+           if slow["copies"] else ()),
+        "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}
+        if slow["copies"] else None,
         "ep_cp": EC.layer_detail(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay)
         else None,
         "model": cfg,

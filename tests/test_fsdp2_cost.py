@@ -1,0 +1,161 @@
+"""FSDP2's copy kernels and SDPA's attention kernel in the planner (``plan.fsdp2_cost``):
+each copy's bytes by hand, its seconds at the profile's memory rate, where the estimate
+puts them (compute stream, or in series with a collective), the FlashAttention-2 switch
+for ``framework="fsdp"``, and the other frameworks untouched."""
+import dataclasses
+
+import pytest
+
+import workbench.plan as P
+from workbench.models.config import get_config
+from workbench.plan import fsdp2_cost as FS
+from workbench.plan.zero_cost import Block
+from workbench.sim_mesh.profiles import get_profile
+
+H100 = get_profile("h100")
+RATE = 3.35e12 * 0.901          # h100.json: memory_bandwidth x memory_efficiency
+LAUNCH = 1e-6                   # h100.json: launch_overhead
+CFG = get_config("llama3-8b", n_layer=4, seq_len=2048)
+
+
+def test_copy_bytes_by_hand():
+    """8,000 parameters in 8 shards of 1,000: copy-in casts the fp32 shard to bf16 (4 + 2
+    bytes) and copies it into the gather buffer (2 + 2); copy-out splits the gathered
+    bf16 buffer (2 + 2 per unsharded element); the reduce-scatter copy-in chunk-cats
+    bf16 gradients into fp32 (2 + 4); the accumulation reads two fp32 shards and writes
+    one (4 + 4 + 4)."""
+    got = FS.unit_copy_bytes(8000, 8)
+    assert got == {"all_gather_copy_in": 1000 * 6 + 1000 * 4,
+                   "all_gather_copy_out": 8000 * 4,
+                   "reduce_scatter_copy_in": 8000 * 6,
+                   "grad_accumulate": 1000 * 12}
+    for kw, match in ((dict(numel=-1, shards=8), "numel=-1"),
+                      (dict(numel=10, shards=0), "shards=0"),
+                      (dict(numel=10, shards=2.0), "shards=2.0")):
+        with pytest.raises(ValueError, match=match):
+            FS.unit_copy_bytes(**kw)
+
+
+def test_copy_seconds_at_the_memory_rate():
+    assert FS.copy_seconds(3e9, H100) == pytest.approx(3e9 / RATE + LAUNCH, rel=1e-12)
+    assert FS.copy_seconds(0.0, H100) == 0.0
+
+
+def test_stage_copies_by_hand():
+    """Embedding, two blocks, head (root = embedding + head), 4 shards, 4 micro-batches:
+    forward copies out every unit; backward copies out the first block only (the root
+    and the last block stay gathered) and chunk-cats every unit's gradients."""
+    def t(nbytes):
+        return nbytes / RATE + LAUNCH
+
+    blocks = [Block(100.0, 1.0, 2.0), Block(800.0, 3.0, 6.0), Block(800.0, 3.0, 6.0),
+              Block(200.0, 0.5, 1.0)]
+    got = FS.stage_copies(blocks, 2, True, True, 4, 4, H100)
+    out = [4 * n for n in (100, 800, 800, 200)]           # copy-out bytes
+    cat = [6 * n for n in (100, 800, 800, 200)]           # chunk-cat bytes
+    assert got["forward"] == pytest.approx(sum(t(b) for b in out), rel=1e-12)
+    assert got["backward"] == pytest.approx(t(out[1]) + sum(t(b) for b in cat), rel=1e-12)
+    assert [b.fwd for b in got["blocks"]] == pytest.approx(
+        [1.0 + t(out[0]), 3.0 + t(out[1]), 3.0 + t(out[2]), 0.5 + t(out[3])], rel=1e-12)
+    assert [b.bwd for b in got["blocks"]] == pytest.approx(
+        [2.0 + t(cat[0]), 6.0 + t(out[1]) + t(cat[1]), 6.0 + t(cat[2]), 1.0 + t(cat[3])],
+        rel=1e-12)
+    assert [b.numel for b in got["blocks"]] == [100.0, 800.0, 800.0, 200.0]
+    # side streams: copy-in before a gather of n, accumulation after a reduce of n on
+    # 3 of the 4 micro-batches
+    assert got["gather_extra"](800) == pytest.approx(t(200 * 10), rel=1e-12)
+    assert got["reduce_extra"](800) == pytest.approx(0.75 * t(200 * 12), rel=1e-12)
+    assert got["bytes"] == pytest.approx({
+        "all_gather_copy_in": 10 * (1900 + 800) / 4, "all_gather_copy_out": 4 * 2700,
+        "reduce_scatter_copy_in": 6 * 1900, "grad_accumulate": 0.75 * 12 * 1900 / 4})
+    with pytest.raises(ValueError, match="4 blocks for 3 layers"):
+        FS.stage_copies(blocks, 3, True, True, 4, 4, H100)
+
+
+def _est(framework="fsdp", profile="h100", **kw):
+    zero = 3 if framework in ("fsdp", "deepspeed") else 1
+    lay = P.Layout(dp=8, zero=zero, framework=framework, micro_batch=1, global_batch=16,
+                   **kw)
+    return P.estimate(CFG, lay, P.Cluster(profile, 8))
+
+
+def test_copies_on_the_compute_stream_of_every_micro_batch(monkeypatch):
+    """The estimate's compute is larger by exactly m x the compute-stream copies, and
+    its DP sync, with no overlap, by exactly m x the side-stream copies in series with
+    each gather (forward and backward: every unit, as zero_cost gathers) and each
+    reduce-scatter."""
+    from workbench.plan import memory as M
+    est = _est()
+    lay, m = est.layout, est.layout.m
+    c = est.details["fsdp2_copies"]
+    zero = {k: 0.0 for k in FS.unit_copy_bytes(1, 1)}
+    monkeypatch.setattr(FS, "unit_copy_bytes", lambda n, s: dict(zero))
+    bare = P.estimate(CFG, lay, P.Cluster("h100", 8))
+    assert est.breakdown["compute"] - bare.breakdown["compute"] == pytest.approx(
+        m * (c["forward"] + c["backward"]), rel=1e-9)
+    monkeypatch.undo()
+    # the forward copy-out by hand: every unit's parameters, 4 bytes each
+    h, V = CFG.d_model, CFG.vocab_size
+    units = [V * h] + [M.layer_params(CFG, 1)] * CFG.n_layer + [h + V * h]
+    assert c["forward"] == pytest.approx(sum(4 * n / RATE + LAUNCH for n in units), rel=1e-12)
+    assert c["bytes"]["all_gather_copy_out"] == pytest.approx(
+        4 * (sum(units) + (CFG.n_layer - 1) * units[1]), rel=1e-12)
+    # without overlap the side copies add in full to the exposed collectives
+    on = P.estimate(CFG, lay, P.Cluster("h100", 8), overlap=False)
+    monkeypatch.setattr(FS, "unit_copy_bytes", lambda n, s: dict(zero))
+    off = P.estimate(CFG, lay, P.Cluster("h100", 8), overlap=False)
+    monkeypatch.undo()
+
+    def t(nbytes):
+        return nbytes / RATE + LAUNCH
+    side = sum(2 * t(10 * n / 8) + (m - 1) / m * t(12 * n / 8) for n in units)
+    assert on.details["dp_sync"] - off.details["dp_sync"] == pytest.approx(m * side,
+                                                                           rel=1e-9)
+    assert any("FSDP2's copy kernels" in a for a in est.assumptions())
+
+
+def test_fsdp_attention_is_flash_attention_2_on_the_h100():
+    """SDPA's priority runs FlashAttention-2 on an H100 in the 2024-2025 releases: an
+    FSDP layout's layer is priced at the measured FlashAttention-2 rates (as a DeepSpeed
+    layout on the profile switched to them), slower than cuDNN's; the assumption is
+    stated; a profile without measured attention (the A100) is left as it is."""
+    fsdp, ds = _est("fsdp"), _est("deepspeed")
+    flash = dataclasses.replace(H100, measured={**H100.measured, "attention_backend": "flash"})
+    ds_flash = P.estimate(CFG, ds.layout, P.Cluster(flash, 8))
+    assert fsdp.details["layer"] == ds_flash.details["layer"]
+    assert fsdp.details["layer"].fwd_compute > ds.details["layer"].fwd_compute
+    assert fsdp.details["layer"].bwd_compute > ds.details["layer"].bwd_compute
+    said = " ".join(fsdp.assumptions())
+    assert "FlashAttention-2 at the rates measured" in said and "2.5.1-2.8" in said
+    assert "cuDNN's fused attention" in " ".join(ds.assumptions())
+    assert FS.sdpa_profile(H100).measured["attention_backend"] == "flash"
+    assert FS.sdpa_profile(H100).name == "h100"
+    a100 = get_profile("a100")
+    assert FS.sdpa_profile(a100) is a100
+    assert "priority_order" not in " ".join(_est("fsdp", "a100").assumptions())
+
+
+def test_fsdp_range_spans_flash_to_cudnn():
+    """``estimate_range``: the point and the slow end run FlashAttention-2, the fast end
+    cuDNN's kernel (the releases that put it first)."""
+    r = P.estimate_range(CFG, _est().layout, P.Cluster("h100", 8))
+    assert r.slow.step_time == pytest.approx(r.estimate.step_time, rel=1e-12)
+    assert r.fast.step_time < r.estimate.step_time
+    assert r.fast.details["layer"] == _est("deepspeed").details["layer"]
+
+
+def test_other_frameworks_never_reach_the_fsdp_model(monkeypatch):
+    """Megatron-LM and DeepSpeed estimates do not call the FSDP2 model (their numbers
+    are as before), and say nothing of it."""
+    def boom(*a, **k):
+        raise AssertionError("FSDP2 model called")
+    before = {fw: _est(fw) for fw in ("megatron", "deepspeed")}
+    monkeypatch.setattr(FS, "stage_copies", boom)
+    monkeypatch.setattr(FS, "sdpa_profile", boom)
+    for fw, est in before.items():
+        again = _est(fw)
+        assert again.step_time == est.step_time and again.breakdown == est.breakdown
+        assert est.details["fsdp2_copies"] is None
+        assert not any("FSDP2" in a or "priority_order" in a for a in est.assumptions())
+    with pytest.raises(AssertionError, match="FSDP2 model called"):
+        _est("fsdp")
