@@ -41,9 +41,13 @@ them, and what the estimate and the memory model read from here:
   units, one unit's 16-bit gradient and its fp32 copy for the reduce-scatter
   (``memory.stage_memory``).  ASSUMPTION: FSDP2's all-gather and reduce-scatter streams
   share the rank's network as one stream (``zero_cost``); both CUDA streams exist, but
-  they share one NIC and NCCL communicator.  Not modeled: torchtitan keeps the last
-  unit (final norm and output layer) gathered after its forward
-  (``reshard_after_forward=False`` there); the estimate gathers it again for backward.
+  they share one NIC and NCCL communicator.  The copies around each collective
+  (copy-in, copy-out, the reduce-scatter's bf16 -> fp32 chunk-cat, the gradient
+  accumulation) and the attention kernel SDPA picks (FlashAttention-2 on the H100 in
+  the 2024-2025 releases) are ``plan.fsdp2_cost``'s.  Not modeled: FSDP2's root (the
+  embedding, final norm and output layer) and torchtitan's last block stay gathered
+  after their forward (``reshard_after_forward`` off there); the comm stream model
+  gathers them again for backward (their copies are priced as the code runs them).
 """
 from __future__ import annotations
 
