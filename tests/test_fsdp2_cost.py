@@ -72,6 +72,17 @@ def test_stage_copies_by_hand():
         FS.stage_copies(blocks, 3, True, True, 4, 4, H100)
 
 
+def test_blocks_that_stay_gathered_are_not_gathered_for_backward():
+    """``zero_exposed(..., stay=...)`` by hand, no compute to hide behind (a collective
+    of n elements n / 2 seconds): forward gathers 2 + 4 + 6 elements; backward
+    gathers only block 1 (blocks 0 and 2 stay) and reduce-scatters all three."""
+    from workbench.plan.zero_cost import zero_exposed
+    blocks = [Block(2.0, 0.0, 0.0), Block(4.0, 0.0, 0.0), Block(6.0, 0.0, 0.0)]
+    half = lambda n: n / 2        # noqa: E731
+    assert zero_exposed(blocks, 3, half, half, prefetch_numel=1) == (6.0, 12.0)
+    assert zero_exposed(blocks, 3, half, half, prefetch_numel=1, stay=(0, 2)) == (6.0, 8.0)
+
+
 def _est(framework="fsdp", profile="h100", **kw):
     zero = 3 if framework in ("fsdp", "deepspeed") else 1
     lay = P.Layout(dp=8, zero=zero, framework=framework, micro_batch=1, global_batch=16,
@@ -82,8 +93,8 @@ def _est(framework="fsdp", profile="h100", **kw):
 def test_copies_on_the_compute_stream_of_every_micro_batch(monkeypatch):
     """The estimate's compute is larger by exactly m x the compute-stream copies, and
     its DP sync, with no overlap, by exactly m x the side-stream copies in series with
-    each gather (forward and backward: every unit, as zero_cost gathers) and each
-    reduce-scatter."""
+    each gather (forward: every unit; backward: the blocks but the last, the root and
+    the last block staying gathered) and each reduce-scatter."""
     from workbench.plan import memory as M
     est = _est()
     lay, m = est.layout, est.layout.m
@@ -108,7 +119,9 @@ def test_copies_on_the_compute_stream_of_every_micro_batch(monkeypatch):
 
     def t(nbytes):
         return nbytes / RATE + LAUNCH
-    side = sum(2 * t(10 * n / 8) + (m - 1) / m * t(12 * n / 8) for n in units)
+    again = units[1:-2]          # the blocks but the last: the root and it stay gathered
+    side = sum(t(10 * n / 8) + (m - 1) / m * t(12 * n / 8) for n in units) + \
+        sum(t(10 * n / 8) for n in again)
     assert on.details["dp_sync"] - off.details["dp_sync"] == pytest.approx(m * side,
                                                                            rel=1e-9)
     assert any("FSDP2's copy kernels" in a for a in est.assumptions())

@@ -112,10 +112,11 @@ def test_close_step_times_are_a_tie():
 
 def test_fsdp_prices_fully_shard_per_block():
     """FSDP2 as torchtitan runs it (``plan.frameworks``): one all-gather of a block's
-    16-bit parameters before its forward and again before its backward, one block
-    prefetched, its gradients reduce-scattered in fp32 every micro-batch; on the same
-    stream model as ZeRO-3 (``zero_cost``), so the exposure is what that model gives
-    for those collectives and units, and the bytes sent are 2 gathers + 1 fp32
+    16-bit parameters before its forward and again before its backward (not the root's,
+    nor torchtitan's last block's: they stay gathered), one block prefetched, its
+    gradients reduce-scattered in fp32 every micro-batch; on the same stream model as
+    ZeRO-3 (``zero_cost``), so the exposure is what that model gives for those
+    collectives and units, and the bytes sent are those gathers + 1 fp32
     reduce-scatter per micro-batch."""
     from workbench.plan import costs as C, fsdp2_cost as FS, zero_cost as Z
     from workbench.plan.edge_cost import edge_times
@@ -141,17 +142,22 @@ def test_fsdp_prices_fully_shard_per_block():
         + cp["gather_extra"](n),
         lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
         + cp["reduce_extra"](n),
-        prefetch_numel=1, rate=overlap_rate(cl.profile))
+        prefetch_numel=1, rate=overlap_rate(cl.profile), stay=(0, 8, 9))
+    assert cp["stay"] == (0, 8, 9)     # the root (embeddings; norm + head), the last block
     assert est.details["dp_sync"] == pytest.approx(lay.m * (fwd + bwd), rel=1e-12)
     psi = stage_params(cfg, 8, 1, 0)
-    sent = lay.m * (2 * wire_bytes("all_gather", 2 * psi, 8)
+    kept = blocks[0].numel + blocks[8].numel + blocks[9].numel
+    sent = lay.m * (wire_bytes("all_gather", 2 * psi, 8)
+                    + wire_bytes("all_gather", 2 * (psi - kept), 8)
                     + wire_bytes("reduce_scatter", 4 * psi, 8))
     assert est.details["stages"]["only"]["dp_sent"] == pytest.approx(sent, rel=1e-12)
     # one block ahead exposes more than DeepSpeed-style 5e7-element prefetch would
     wide = Z.zero_exposed(
-        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile),
-        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile),
-        rate=overlap_rate(cl.profile))
+        blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile)
+        + cp["gather_extra"](n),
+        lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
+        + cp["reduce_extra"](n),
+        rate=overlap_rate(cl.profile), stay=(0, 8, 9))
     assert sum(wide) <= fwd + bwd
 
 

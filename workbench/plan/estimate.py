@@ -206,8 +206,9 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     ``head_live``: the head's weight is still gathered when the loss is computed (tied
     to the embedding); if not, this library's recipe re-gathers it before the loss and
     the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
-    ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n), the
-    copies FSDP2 runs in series with them (``fsdp2_cost.stage_copies``)."""
+    ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n: the
+    copies FSDP2 runs in series with them; the indices of the blocks kept gathered from
+    forward to backward), ``fsdp2_cost.stage_copies``."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -216,7 +217,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     def p(kind, nbytes=g):
         return C.group_price(kind, nbytes, ranks, prof)
 
-    ag_x, rs_x = side if side else (lambda n: 0.0, lambda n: 0.0)
+    ag_x, rs_x, stay = side if side else (lambda n: 0.0, lambda n: 0.0, ())
 
     def gather(n):
         return p("all_gather", 2 * n) + ag_x(n)
@@ -249,10 +250,12 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
                               lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
                               prefetch_numel=ahead,
-                              loss_waits=lay.engine == "workbench" and not head_live)
+                              loss_waits=lay.engine == "workbench" and not head_live,
+                              stay=stay)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
-    return m * (fwd + bwd), m * (2 * ag + rs)
+    again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
+    return m * (fwd + bwd), m * (ag + again + rs)
 
 
 def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
@@ -336,7 +339,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                      n_layers, s == 0, s == pp - 1, lay.dp * lay.cp, lay.m,
                                      prof)
             blocks, side = copies["blocks"] if blocks else None, (
-                copies["gather_extra"], copies["reduce_extra"])
+                copies["gather_extra"], copies["reduce_extra"], copies["stay"])
             comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),

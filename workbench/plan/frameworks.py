@@ -44,10 +44,11 @@ them, and what the estimate and the memory model read from here:
   they share one NIC and NCCL communicator.  The copies around each collective
   (copy-in, copy-out, the reduce-scatter's bf16 -> fp32 chunk-cat, the gradient
   accumulation) and the attention kernel SDPA picks (FlashAttention-2 on the H100 in
-  the 2024-2025 releases) are ``plan.fsdp2_cost``'s.  Not modeled: FSDP2's root (the
-  embedding, final norm and output layer) and torchtitan's last block stay gathered
-  after their forward (``reshard_after_forward`` off there); the comm stream model
-  gathers them again for backward (their copies are priced as the code runs them).
+  the 2024-2025 releases) are ``plan.fsdp2_cost``'s, as is which units stay gathered
+  from forward to backward (FSDP2's root: the embedding, final norm and output layer;
+  torchtitan's last block), gathered once per micro-batch.  Not modeled: the root is
+  one unit (one gather) where the estimate has two blocks, its embedding's and its
+  head's, gathered apart.
 """
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ follows the code: FSDP2's root keeps its parameters after forward
 "default" ``reshard_after_forward`` policy keeps the last transformer block
 (``parallelize_llama.apply_fsdp``, pytorch/torchtitan 1cb1fa19, 2025-05: "FSDP would
 prefetch it immediately"); so backward copies out every block but the last and not the
-root.  (The comm stream model, ``zero_cost``, still gathers those two again for
-backward: ``frameworks``' "not modeled".)  Not modeled: padding to a multiple of the
+root, and the comm stream model (``zero_cost.zero_exposed``'s ``stay``) gathers neither
+again.  Not modeled: padding to a multiple of the
 shard count, the copy-in's wait on the previous copy-out (``wait_for_unshard``'s
 ``_wait_all_gather_streams_on_event``), the compute stream's wait on the previous
 reduce-scatter before a copy-in (newer releases), and HBM contention of the side
@@ -131,7 +131,9 @@ def stage_copies(blocks, n_layers: int, first: bool, last: bool, shards: int,
     seconds, those seconds summed (``forward``, ``backward``), the side streams' price
     per unit of n elements (``gather_extra(n)``: the copy-in before each all-gather;
     ``reduce_extra(n)``: the gradient accumulation after each reduce-scatter, averaged
-    over the step's micro-batches), and the bytes of each kernel per micro-batch."""
+    over the step's micro-batches), the indices of the blocks kept gathered from forward
+    to backward (``stay``: the root's and the last block; ``zero_cost.zero_exposed``
+    gathers no other time for them), and the bytes of each kernel per micro-batch."""
     if len(blocks) != n_layers + first + last:
         raise ValueError(f"stage_copies: {len(blocks)} blocks for {n_layers} layers "
                          f"(first={first}, last={last}); give zero_cost.stage_blocks' "
@@ -160,8 +162,10 @@ def stage_copies(blocks, n_layers: int, first: bool, last: bool, shards: int,
     def reduce_extra(n):
         return acc * copy_seconds(unit_copy_bytes(n, shards)["grad_accumulate"], prof)
 
+    stay = tuple(i for i in range(len(blocks)) if (first and i == 0) or i == last_layer
+                 or (last and i == len(blocks) - 1))
     return {"blocks": out, "forward": fwd, "backward": bwd, "gather_extra": gather_extra,
-            "reduce_extra": reduce_extra, "bytes": totals}
+            "reduce_extra": reduce_extra, "stay": stay, "bytes": totals}
 
 
 @lru_cache(maxsize=None)

@@ -98,23 +98,25 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
          rate: float = 1.0, bucket: "float | None" = None,
-         loss_waits: bool = False) -> float:
+         loss_waits: bool = False, stay=()) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
     gradients completed since the last reduce-scatter reach ``bucket`` elements, the
     rest at the end, as DeepSpeed's buckets), and the prefetch starts with the backward
-    (the root module's pre-backward hook)."""
+    (the root module's pre-backward hook).  ``stay``: indices of blocks still gathered
+    (none of their own gathers issued)."""
     t, pending = 0.0, 0.0
+    gb = [Block(0.0, b.fwd, b.bwd) if i in stay else b for i, b in enumerate(blocks)]
     if gather and backward:
-        _prefetch(stream, blocks, order, -1, t, budget)
+        _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
             t = stream.free
     for pos, i in enumerate(order):
         if gather:
-            stream.issue(i, blocks[i].numel, t)
+            stream.issue(i, gb[i].numel, t)
             t = max(t, stream.ends.get(i, 0.0))
-            _prefetch(stream, blocks, order, pos, t, budget)
+            _prefetch(stream, gb, order, pos, t, budget)
         t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
         if backward and bucket is None:
             stream.issue(("rs", i), blocks[i].numel, t)
@@ -131,7 +133,7 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
                  rate: float = 1.0, bucket: "float | None" = None,
-                 loss_waits: bool = False) -> tuple[float, float]:
+                 loss_waits: bool = False, stay=()) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
@@ -144,7 +146,9 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     and the cross-entropy's all-reduce of the global target count over the dp group,
     ``parallel/ops_table/cross_entropy.py``, queues behind those gathers on the same
     stream; a tied head's weight is still live, so nothing is gathered before the loss;
-    DeepSpeed's loss is local to the rank)."""
+    DeepSpeed's loss is local to the rank); ``stay``: indices of blocks kept gathered
+    from their forward to their backward (FSDP2's root and torchtitan's last block,
+    ``fsdp2_cost``), not gathered again for backward."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -159,7 +163,7 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         fwd = end - sum(b.fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
-               loss_waits)
+               loss_waits, stay)
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 
