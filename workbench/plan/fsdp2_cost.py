@@ -38,15 +38,18 @@ parameters (torchtitan's default, ``frameworks``):
   reduce-scatter on the comm stream model, (m - 1) / m of it per micro-batch.
 
 Each is priced as memory traffic at the profile's memory rate (``compute_time(0, bytes,
-..., op_class="data_movement")``, one launch).  Which units gather again for backward
-follows the code: FSDP2's root keeps its parameters after forward
-(``FSDPState._lazy_init``: the root's ``post_forward_mesh_info = None``) and torchtitan's
-"default" ``reshard_after_forward`` policy keeps the last transformer block
-(``parallelize_llama.apply_fsdp``, pytorch/torchtitan 1cb1fa19, 2025-05: "FSDP would
-prefetch it immediately"); so backward copies out every block but the last and not the
-root, and the comm stream model (``zero_cost.zero_exposed``'s ``stay``) gathers neither
-again.  Not modeled: padding to a multiple of the
-shard count, the copy-in's wait on the previous copy-out (``wait_for_unshard``'s
+..., op_class="data_movement")``, one launch) times the share of it the kernel reached
+on an H100 (``COPY_RATE``, measured: the cast and the foreach copy of a shard 63-76% of a
+plain copy's rate, the chunk-cat 61%, the copy-out 90%, the accumulation 98%).
+
+Which units gather again for backward follows the code: FSDP2's root keeps its
+parameters after forward (``FSDPState._lazy_init``: the root's ``post_forward_mesh_info
+= None``) and torchtitan's "default" ``reshard_after_forward`` policy keeps the last
+transformer block (``parallelize_llama.apply_fsdp``, pytorch/torchtitan 1cb1fa19,
+2025-05: "FSDP would prefetch it immediately"); so backward copies out every block but
+the last and not the root, and the comm stream model (``zero_cost.zero_exposed``'s
+``stay``) gathers neither again.  Not modeled: padding to a multiple of the shard count,
+the copy-in's wait on the previous copy-out (``wait_for_unshard``'s
 ``_wait_all_gather_streams_on_event``), the compute stream's wait on the previous
 reduce-scatter before a copy-in (newer releases), and HBM contention of the side
 streams' copies with compute beyond the comm stream model's ``overlap_rate``.
@@ -85,6 +88,19 @@ MASTER_BYTES = 4            # the sharded parameters (the fp32 originals)
 PARAM_BYTES = 2             # MixedPrecisionPolicy.param_dtype: bf16 gathers and gradients
 REDUCE_BYTES = F.FSDP_REDUCE_BYTES      # reduce_dtype fp32: the reduce-scatter buffers
 
+# MEASURED (benchmarks/fsdp2_copies.py on one H100 80GB HBM3, PyTorch 2.11.0+cu130,
+# 2026-11-26, output in benchmarks/fsdp2_copies_h100.json): each kernel at a Llama 3 8B
+# block's sizes (218M parameters, 8 shards), bytes read + written per second, over the
+# same card's plain device copy, 2,998 GB/s (the profile's memory_efficiency is that
+# measurement, 0.901 of 3.35 TB/s): the fp32 -> bf16 cast (_foreach_copy_) 2,271 GB/s,
+# the copy into the gather buffer (_foreach_copy_) 1,880, split_with_sizes_copy 2,708,
+# _chunk_cat bf16 -> fp32 1,836, the fp32 add_ 2,940.  ASSUMPTION: the same shares of
+# the memory rate on other devices and other releases (the kernels of 2024-2025 were
+# not timed); they are priced at share x memory_bandwidth x memory_efficiency
+COPY_RATE = {"all_gather_cast": 2271 / 2998, "all_gather_copy_in": 1880 / 2998,
+             "all_gather_copy_out": 2708 / 2998, "reduce_scatter_copy_in": 1836 / 2998,
+             "grad_accumulate": 2940 / 2998}
+
 # the backend F.scaled_dot_product_attention runs on an H100 in the 2024-2025 releases
 # (module docstring): sim_mesh.measured's name for FlashAttention-2
 SDPA_BACKEND = "flash"
@@ -96,9 +112,9 @@ RANGE_ENDS = (" (slow end)", " (fast end)")
 def unit_copy_bytes(numel: float, shards: int) -> dict:
     """Bytes read + written by each copy kernel FSDP2 runs for one unit of ``numel``
     parameters sharded ``shards`` ways, once each (module docstring):
-    ``all_gather_copy_in`` (fp32 shard cast to bf16, then copied into the gather
-    buffer), ``all_gather_copy_out`` (the gathered buffer split into the parameters),
-    ``reduce_scatter_copy_in`` (bf16 gradients chunk-cat into the fp32 input),
+    ``all_gather_cast`` (the fp32 shard cast to bf16), ``all_gather_copy_in`` (copied
+    into the gather buffer), ``all_gather_copy_out`` (the gathered buffer split into the
+    parameters), ``reduce_scatter_copy_in`` (bf16 gradients chunk-cat into the fp32 input),
     ``grad_accumulate`` (the reduced fp32 shard added to the sharded gradient)."""
     if isinstance(numel, bool) or not isinstance(numel, (int, float)) or numel < 0:
         raise ValueError(f"unit_copy_bytes: numel={numel!r} must be a number of "
@@ -107,18 +123,22 @@ def unit_copy_bytes(numel: float, shards: int) -> dict:
         raise ValueError(f"unit_copy_bytes: shards={shards!r} must be the ranks a unit "
                          f"is sharded over, an int >= 1")
     shard = numel / shards
-    return {"all_gather_copy_in": shard * (MASTER_BYTES + PARAM_BYTES)
-            + shard * (PARAM_BYTES + PARAM_BYTES),
+    return {"all_gather_cast": shard * (MASTER_BYTES + PARAM_BYTES),
+            "all_gather_copy_in": shard * (PARAM_BYTES + PARAM_BYTES),
             "all_gather_copy_out": numel * (PARAM_BYTES + PARAM_BYTES),
             "reduce_scatter_copy_in": numel * (PARAM_BYTES + REDUCE_BYTES),
             "grad_accumulate": shard * 3 * REDUCE_BYTES}
 
 
-def copy_seconds(nbytes: float, prof) -> float:
-    """One copy kernel moving ``nbytes`` (read + written) at the profile's memory rate."""
+def copy_seconds(nbytes: float, prof, kernel: str) -> float:
+    """One ``kernel`` (a key of ``unit_copy_bytes``) moving ``nbytes`` (read + written)
+    at its measured share (``COPY_RATE``) of the profile's memory rate."""
+    if kernel not in COPY_RATE:
+        raise ValueError(f"copy_seconds: kernel={kernel!r}; use one of {list(COPY_RATE)}")
     if nbytes <= 0:
         return 0.0
-    return compute_time(0.0, nbytes, prof, "bfloat16", op_class="data_movement")
+    return compute_time(0.0, nbytes / COPY_RATE[kernel], prof, "bfloat16",
+                        op_class="data_movement")
 
 
 def stage_copies(blocks, n_layers: int, first: bool, last: bool, shards: int,
@@ -139,28 +159,31 @@ def stage_copies(blocks, n_layers: int, first: bool, last: bool, shards: int,
                          f"(first={first}, last={last}); give zero_cost.stage_blocks' "
                          f"per-block list (not per_module)")
     out, fwd, bwd = [], 0.0, 0.0
-    totals = dict.fromkeys(("all_gather_copy_in", "all_gather_copy_out",
-                            "reduce_scatter_copy_in", "grad_accumulate"), 0.0)
+    totals = dict.fromkeys(COPY_RATE, 0.0)
     last_layer = int(first) + n_layers - 1
     for i, b in enumerate(blocks):
         by = unit_copy_bytes(b.numel, shards)
         root = (first and i == 0) or (last and i == len(blocks) - 1)
         regather = not root and i != last_layer     # resharded after forward
-        f = copy_seconds(by["all_gather_copy_out"], prof)
-        g = (f if regather else 0.0) + copy_seconds(by["reduce_scatter_copy_in"], prof)
+        f = copy_seconds(by["all_gather_copy_out"], prof, "all_gather_copy_out")
+        g = (f if regather else 0.0) + copy_seconds(by["reduce_scatter_copy_in"], prof,
+                                                    "reduce_scatter_copy_in")
         out.append(Z.Block(b.numel, b.fwd + f, b.bwd + g))
         fwd, bwd = fwd + f, bwd + g
         for k in totals:
-            n = 1 + regather if k in ("all_gather_copy_in", "all_gather_copy_out") else 1
+            n = 1 + regather if k.startswith("all_gather") else 1
             totals[k] += n * by[k]
     acc = (micro_batches - 1) / micro_batches
     totals["grad_accumulate"] *= acc
 
     def gather_extra(n):
-        return copy_seconds(unit_copy_bytes(n, shards)["all_gather_copy_in"], prof)
+        by = unit_copy_bytes(n, shards)
+        return sum(copy_seconds(by[k], prof, k)
+                   for k in ("all_gather_cast", "all_gather_copy_in"))
 
     def reduce_extra(n):
-        return acc * copy_seconds(unit_copy_bytes(n, shards)["grad_accumulate"], prof)
+        return acc * copy_seconds(unit_copy_bytes(n, shards)["grad_accumulate"], prof,
+                                  "grad_accumulate")
 
     stay = tuple(i for i in range(len(blocks)) if (first and i == 0) or i == last_layer
                  or (last and i == len(blocks) - 1))
@@ -202,7 +225,8 @@ def assumptions(copies: dict, micro_batches: int, changed_attention: bool) -> tu
            f"reduce-scatter's bf16->fp32 chunk-cat on the compute stream, "
            f"{ms:.1f} ms per micro-batch x {micro_batches}; the copy-in before each "
            f"all-gather and the gradient accumulation after each reduce-scatter in series "
-           f"with them on the comm stream; priced as memory traffic"]
+           f"with them on the comm stream; priced as memory traffic at the shares of "
+           f"the memory rate each reached on an H100 (shares ASSUMED on other devices)"]
     if changed_attention:
         out.append("attention: F.scaled_dot_product_attention runs FlashAttention-2 on "
                    "the H100 (priority_order in PyTorch 2.4 and 2.5.1-2.8; torchtitan "
