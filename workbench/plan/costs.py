@@ -19,7 +19,8 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
   recompute repeats the forward's in backward.  Priced with ``sim_mesh.cost.price`` on
   the TP group's ranks (consecutive: see ``layout``).  Not overlapped with compute
-  (Megatron-LM 2021-22 issues them synchronously).
+  (Megatron-LM 2021-22 issues them synchronously) unless ``tp_comm_overlap``
+  (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``).
 """
 from __future__ import annotations
 

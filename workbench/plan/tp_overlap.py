@@ -41,6 +41,11 @@ Sources (read, not copied):
     together, the collective's kernel on 16 SMs, the GEMM on the rest until it ends
     (``bulk``, the stream model of ``sim_mesh.cost.overlap`` with TE's SM count).
 
+Later TE (``get_default_config``, e.g. d0067d0da6, 2026) changes the defaults: one SM and
+``set_sm_margin`` off for ring exchange, ``set_sm_margin`` on for pipeline and bulk (the
+GEMM then runs on 116 of 132 SMs throughout), and an "external" overlap for the proj and
+fc2 weight-gradient GEMMs; this module prices the 2024 defaults the README's table ran.
+
 ASSUMPTIONS (no source found): a userbuffers collective moves its bytes as fast as the
 NCCL collective the profile prices for the same buffer, its per-call latency paid once
 per GEMM (a pipeline chunk's reduce-scatter is the whole one's price / 4: the
@@ -161,7 +166,8 @@ def ring_exchange(gemm_chunk: float, copy: float, n: int) -> tuple[float, float]
     return n * g, t - n * g
 
 
-def pipeline(gemm_chunk: float, comm_chunk: float, n: int, rate: float = 1.0) -> tuple[float, float]:
+def pipeline(gemm_chunk: float, comm_chunk: float, n: int,
+             rate: float = 1.0) -> tuple[float, float]:
     """(GEMM seconds, exposed seconds) of TE's pipelined GEMM + reduce-scatter in ``n``
     chunks (module docstring): the reduce-scatter of chunk i starts when GEMM chunk i
     and the previous reduce-scatter are done; GEMM chunks run at ``rate`` (1 = alone)
