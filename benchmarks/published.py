@@ -48,7 +48,9 @@ is here only when its number was read from the source itself:
   dropout 0.1.  The estimate overlaps the DP sync as those two flags do
   (``overlap_grad_reduce=True``) and the TP communication as ``--tp-comm-overlap`` does
   with Transformer Engine's default userbuffers methods (``tp_comm_overlap=True``,
-  ``plan.tp_overlap``: no effect at tp = 1).
+  ``plan.tp_overlap``: no effect at tp = 1).  GEMMs, the fused attention (cuDNN's) and the
+  loss are priced at rates measured on one H100 (``sim_mesh/measurements``,
+  ``benchmarks/gpu_components.py``): component measurements, not these rows.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per
@@ -231,11 +233,10 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "overlap_grad_reduce); the TP collectives overlapped as "
                           "--tp-comm-overlap with Transformer Engine's default userbuffers "
                           "methods (estimate's tp_comm_overlap, plan/tp_overlap.py: "
-                          "userbuffers at NCCL's price ASSUMED); the attention is priced at the "
-                          "profile's FlashAttention-3 rate, a kernel published "
-                          "(2024-07-11) days before this table, so not the one it ran "
-                          "(FlashAttention-2 or cuDNN's): the range column goes down to "
-                          "FlashAttention-2's",
+                          "userbuffers at NCCL's price ASSUMED); GEMMs, the attention "
+                          "(cuDNN's fused kernel, as Transformer Engine runs it) and the loss "
+                          "at the rates measured on an H100 (sim_mesh/measurements): the "
+                          "range column goes down to FlashAttention-2's measured rates",
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
                    "pipeline engine and data parallelism (framework='deepspeed')"}
@@ -269,8 +270,7 @@ def predict(row) -> dict:
     published metric: ``tflops_per_device`` (hardware FLOPs), ``mfu``, or
     ``model_tflops_per_device`` (MFU x peak); ``low`` / ``high``: the metric at the ends
     of ``wb.plan.estimate_range`` (the profile's uncertain figures at their stated
-    bounds: on the H100 FlashAttention-2's .. FlashAttention-3's rate, the second
-    published days before the 2024 table, so not what it ran)."""
+    bounds: on the H100 the measured FlashAttention-2 .. cuDNN fused attention rates)."""
     cfg, lay, cl = build(row)
     rng = wb.plan.estimate_range(cfg, lay, cl,
                                  attention=row.get("attention", "materialized"),

@@ -13,14 +13,20 @@ from workbench.sim_mesh.profiles import get_profile
 H100, A100 = get_profile("h100"), get_profile("a100")
 
 
-def test_h100_attention_bounds_are_the_two_published_kernels():
-    """FlashAttention-2 on the H100: 335 TFLOP/s forward + backward (Dao 2023 sec. 4.1);
-    FlashAttention-3: 740 TFLOP/s BF16 forward (Shah et al. 2024); of 989 dense."""
-    assert round(335e12 / H100.peak("bfloat16"), 2) == 0.34
-    assert round(740e12 / H100.peak("bfloat16"), 2) == 0.75
-    assert profile_at(H100, "slow").efficiency["attention"] == 0.34
-    assert profile_at(H100, "fast").efficiency["attention"] == 0.75
-    assert H100.efficiency["attention"] == 0.75          # the point: FlashAttention-3
+def test_h100_attention_bounds_are_the_two_measured_kernels():
+    """The H100's fused attention: cuDNN's (the point and the fast end) and
+    FlashAttention-2 (the slow end), both measured on an H100 (sim_mesh/measurements):
+    at sequence 4096, 16 heads of 128, causal, FlashAttention-2 ran forward at 212.5
+    and backward at 207.3 TFLOP/s, cuDNN's at 453.9 and 370.3."""
+    from workbench.sim_mesh import measured
+    assert H100.measured["attention_backend"] == "cudnn"
+    assert profile_at(H100, "slow").measured["attention_backend"] == "flash"
+    assert profile_at(H100, "fast").measured["attention_backend"] == "cudnn"
+    f = H100.measured["file"]
+    for backend, fwd, bwd in (("flash", 212.5e12, 207.3e12), ("cudnn", 453.9e12, 370.3e12)):
+        assert measured.attention_rate(f, backend, 16, 4096, 128) == pytest.approx(fwd)
+        assert measured.attention_rate(f, backend, 16, 4096, 128, backward=True) == \
+            pytest.approx(bwd)
 
 
 def test_a100_measured_kernels_unscaled_at_the_slow_end():
@@ -41,7 +47,8 @@ def test_a100_measured_kernels_unscaled_at_the_slow_end():
 
 def test_range_is_the_attention_kernels_time_on_the_h100():
     """A Llama on one H100 node, no data parallelism: the slow end differs from the
-    point by exactly the layers' fused attention priced at 0.34 instead of 0.75."""
+    point by exactly the layers' fused attention priced at FlashAttention-2's measured
+    rates instead of cuDNN's."""
     cfg = get_config("llama3-8b", n_layer=4)
     lay, cl = P.Layout(dp=1, tp=8, sp=True, global_batch=2), P.Cluster("h100", 8)
     r = estimate_range(cfg, lay, cl)
@@ -54,8 +61,9 @@ def test_range_is_the_attention_kernels_time_on_the_h100():
     lo, hi = r.step_time
     assert lo == r.estimate.step_time < hi == r.slow.step_time
     assert r.mfu[0] < r.estimate.mfu == r.mfu[1]
-    assert "FlashAttention-2" in str(r) and "memory_efficiency" in r.unbounded
-    assert any("FlashAttention-3" in a and "75%" in a for a in r.estimate.assumptions())
+    assert "FlashAttention-2" in str(r) and "inter_node.latency" in r.unbounded
+    assert any("cuDNN's fused attention" in a and "measured" in a
+               for a in r.estimate.assumptions())
 
 
 def test_a_profile_without_bounds_has_a_point_range():

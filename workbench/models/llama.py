@@ -79,7 +79,9 @@ def dropout(x, p: float, training: bool, site: int):
         return F.dropout(x, p, training)
     with rng.site(site):
         if isinstance(x, torch.Tensor):          # one device: the mask the rule would draw
-            return x * rng.draw_mask(tuple(x.shape), p, x.dtype)
+            # drawn by the CPU generator whatever the device (a CUDA or NPU run keeps the
+            # CPU run's masks, so its losses match), then moved to the tensor's device
+            return x * rng.draw_mask(tuple(x.shape), p, x.dtype).to(x.device)
         return F.dropout(x, p, training)         # a DistTensor: the rule draws and slices
 
 

@@ -64,5 +64,23 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     cast = _price("to", [logits], [logits32], profile, f32)
     ce = _price("cross_entropy", [logits32, _meta(b * s, dtype=i64)], [_meta(dtype=f32)],
                 profile, f32)
-    last = tuple(map(sum, zip(ln, cast, ce)))
+    loss = _measured_loss(b * s * vt, (cast, ce), profile)
+    last = tuple(map(sum, zip(ln, *loss)))
     return {"first": first, "last": last}
+
+
+def _measured_loss(logits: int, priced, profile):
+    """The cast and the cross-entropy at the device's measured rate of the pair, forward
+    and backward (``sim_mesh.measured.cross_entropy_rate``; ASSUMPTION: Megatron's
+    vocabulary-parallel cross-entropy, torch ops in fp32, runs at the rate measured for
+    PyTorch's ``F.cross_entropy`` on fp32 logits), split between forward and backward
+    as the op table's prices split; ``priced`` as is where the profile measured none."""
+    from ..sim_mesh import measured as _measured
+    from ..sim_mesh.profiles import get_profile
+    ms = get_profile(profile).measured
+    rate = _measured.cross_entropy_rate(ms["file"]) if ms else None
+    if not rate:
+        return priced
+    f, b = sum(p[0] for p in priced), sum(p[1] for p in priced)
+    t = logits / rate
+    return ((t * f / (f + b), t * b / (f + b)),)

@@ -120,7 +120,12 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
             if overlap_grad_reduce else "after the pipeline flush")
     g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
     out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
-    if attention == "flash":     # name the kernel whose rate the profile took
+    if attention == "flash" and prof.measured:   # the kernel measured on the device
+        kernel = {"cudnn": "cuDNN's fused attention", "flash": "FlashAttention-2"}.get(
+            prof.measured["attention_backend"], prof.measured["attention_backend"])
+        out.append(f"attention: {kernel} at the rates measured on the device "
+                   f"({prof.measured['file']}); GEMMs at their measured rates")
+    elif attention == "flash":     # name the kernel whose rate the profile took
         src = prof.citations.get("efficiency.attention", "no source cited").split(":")[0]
         out.append(f"attention: a fused FlashAttention kernel at "
                    f"{prof.efficiency.get('attention', 1.0):.0%} of peak ({src})")

@@ -110,7 +110,8 @@ def _attention(b, ah, s, d, t, T, h, e, attention):
     if attention == "materialized":
         return _core(b, ah, s, d, t, T, h, e)
     ff, fb, _, _ = _flash(b, ah, s, d, e)
-    return [("flash_attention", "attention", ff, fb, 1),
+    return [("flash_attention", "attention", ff, fb, 1,
+             _cost.AttentionShape(b * ah, s, d, True, False)),
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
@@ -213,7 +214,8 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
     if attention == "flash":
         _, _, bf, bb = _flash(b, ah, s, d, e)
         ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
-                ("flash_attention_grad", "attention", bf, bb, 1),
+                ("flash_attention_grad", "attention", bf, bb, 1,
+                 _cost.AttentionShape(b * ah, s, d, True, True)),
                 ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),
                 ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")

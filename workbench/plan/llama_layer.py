@@ -55,6 +55,8 @@ each; outside (split by t with sequence parallelism) the two norms' inputs and o
 """
 from __future__ import annotations
 
+from ..sim_mesh.kernel_cost import AttentionShape
+
 __all__ = ["forward_ops", "backward_ops", "layer_params", "activation_bytes", "zero3_layer",
            "weight_matrices"]
 
@@ -103,7 +105,7 @@ def forward_ops(h, a, g, s, b, t, sp, f, e, drop):
     ops = [norm("attn_norm")] + [(o[0] + "_1",) + o[1:] for o in gather]
     ops += [gemm("q_gemm", T, h, hq), gemm("k_gemm", T, h, hk), gemm("v_gemm", T, h, hk),
             rope("rope_q", hq), rope("rope_k", hk),
-            ("flash_attention", "attention", ff, fb, 1),
+            ("flash_attention", "attention", ff, fb, 1, AttentionShape(b * ah, s, d, True, False)),
             gemm("o_gemm", T, hq, h), ("tp_out_1", *out)] + residual("residual_add_1")
     ops += [norm("mlp_norm")] + [(o[0] + "_2",) + o[1:] for o in gather]
     ops += [gemm("w1_gemm", T, h, ft), ("silu", "elementwise", 4 * T * ft, 2 * e * T * ft, 1),
@@ -152,8 +154,10 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute):
     ops += linear("w1", T, h, ft) + column("mlp", "w1_dgrad", "w1_wgrad") + norm("mlp_norm")
     ops += branch_out("attn") + linear("o", T, hq, h)
     if recompute == "selective":
-        ops += [("recompute:flash_attention", "attention", ff, fb, 1)]
-    ops += [("flash_attention_grad", "attention", bf, bb, 1), rope("rope_k", hk),
+        ops += [("recompute:flash_attention", "attention", ff, fb, 1,
+                 AttentionShape(b * ah, s, d, True, False))]
+    ops += [("flash_attention_grad", "attention", bf, bb, 1,
+             AttentionShape(b * ah, s, d, True, True)), rope("rope_k", hk),
             rope("rope_q", hq)]
     ops += linear("v", T, h, hk) + linear("k", T, h, hk) + linear("q", T, h, hq)
     return ops + column("attn", "q_dgrad", "q_wgrad") + norm("attn_norm")

@@ -6,11 +6,11 @@ such figure at its slow end and at its fast end (``estimate_range``): the step t
 throughput and MFU are then a range, and the figures varied are named with the source of
 each bound.  Bounds are read from the profiles' own citations, never fitted:
 
-- ``h100`` ``efficiency.attention``: 0.75 is FlashAttention-3's forward rate (Shah et al.
-  2024: 740 TFLOP/s BF16, 75% of peak); the same citation gives FlashAttention-2 on the
-  H100 as 335 TFLOP/s forward + backward, 0.34 of peak (Dao 2023 sec. 4.1).  Which kernel
-  a run uses decides (FlashAttention-2, cuDNN's or Transformer Engine's fused attention,
-  FlashAttention-3): the range spans the two published kernels.
+- ``h100`` ``measured.attention_backend``: the fused attention kernel, both ends measured
+  on an H100 (``sim_mesh.measured``): cuDNN's fused attention (Transformer Engine's
+  FusedAttention on Hopper; the profile's choice, the fast end) and FlashAttention-2 as
+  PyTorch ships it (the slow end).  Which kernel a run uses decides; FlashAttention-3
+  (Shah et al. 2024) was not measured.
 - ``a100`` ``kernel_bandwidth.*``: Megatron's unfused attention core and dropout,
   measured on the A100 40GB (1,555 GB/s) and scaled to the 80GB part's 2,039 GB/s as the
   ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
@@ -44,9 +44,10 @@ _LN_GA100 = ("apex's LayerNorm rate measured on a GA100, kept on the 80GB part (
 # profile name -> ((field, slow value or factor, fast value or factor, kind, why), ...);
 # kind "value": absolute figures; "scale": factors of the profile's own figure
 BOUNDS = {
-    "h100": (("efficiency.attention", 0.34, 0.75, "value",
-              "FlashAttention-2 on the H100, 335 TFLOP/s = 0.34 of peak (Dao 2023 sec. 4.1) "
-              ".. FlashAttention-3's 740 TFLOP/s = 0.75 (Shah et al. 2024)"),),
+    "h100": (("measured.attention_backend", "flash", "cudnn", "value",
+              "FlashAttention-2 as PyTorch ships it .. cuDNN's fused attention, both measured "
+              "on an H100 (sim_mesh/measurements/h100-sxm-80gb.json: 170-241 .. 320-455 "
+              "TFLOP/s forward + backward, causal, sequence 4096)"),),
     "a100": tuple((f"kernel_bandwidth.{k}", _A100_40GB, 1.0, "scale", _MEASURED_40GB)
                   for k in ("attention_core_forward", "attention_core_backward",
                             "dropout_forward", "dropout_backward"))
@@ -154,7 +155,7 @@ def estimate_range(model, layout, cluster, **kwargs) -> EstimateRange:
 
 def _fmt(prof, field, x, kind) -> str:
     v = x if kind == "value" else _get(prof.to_dict(), field) * x
-    return f"{v:.3g}"
+    return v if isinstance(v, str) else f"{v:.3g}"
 
 
 def ranking_ranges(ranking, model, **kwargs) -> str:

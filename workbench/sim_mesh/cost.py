@@ -47,12 +47,12 @@ from __future__ import annotations
 import math
 
 from . import topology as _topo
-from .kernel_cost import compute_time, explain_compute, finish_beside, gemm_efficiency, \
-    overlap, overlap_rate
+from .kernel_cost import AttentionShape, compute_time, explain_compute, finish_beside, \
+    gemm_efficiency, overlap, overlap_rate
 from .profiles import Link, Profile, get_profile
 
-__all__ = ["KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "hierarchical_time",
-           "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
+__all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time",
+           "hierarchical_time", "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
            "bus_bandwidth", "overlap", "overlap_rate", "finish_beside", "gemm_efficiency"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")

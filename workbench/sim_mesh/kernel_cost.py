@@ -7,11 +7,47 @@ place for prices is that module, this file holds its compute half.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from .profiles import OP_CLASSES, get_profile
+from .profiles import OP_CLASSES, dtype_name, get_profile
 
 __all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate",
-           "finish_beside"]
+           "finish_beside", "AttentionShape"]
+
+
+class AttentionShape(NamedTuple):
+    """A fused attention kernel's shape, given to ``compute_time`` as its ``gemm`` (op
+    class "attention"): a profile with ``measured`` attention prices it at the rate
+    measured for this shape (``sim_mesh.measured``)."""
+    bh: int                 # batch x heads (query heads)
+    seq: int
+    head_dim: int
+    causal: bool
+    backward: bool
+
+
+_MEASURED_GEMM = {"bfloat16", "float16", "float8"}
+
+
+def _measured_peak(profile, dtype, op_class, flops, gemm):
+    """The measured FLOP/s of this kernel on ``profile`` (``sim_mesh.measured``), or
+    None where the profile has no measurement for it."""
+    ms = profile.measured
+    if not ms:
+        return None
+    from . import measured as _m
+    if op_class == "attention" and isinstance(gemm, AttentionShape):
+        return _m.attention_rate(ms["file"], ms["attention_backend"], gemm.bh, gemm.seq,
+                                 gemm.head_dim, gemm.causal, gemm.backward)
+    if op_class != "matmul" or gemm is None or isinstance(gemm, AttentionShape):
+        return None
+    name = dtype_name(dtype)
+    b, rows, cols = _gemm_shape(gemm)
+    if name not in _MEASURED_GEMM or b * rows * cols == 0 or flops <= 0:
+        return None
+    k = max(1, round(flops / (2 * b * rows * cols)))
+    return _m.gemm_rate(ms["file"], rows, cols, k,
+                        "float8" if name == "float8" else "bfloat16")
 
 
 def _gemm_shape(gemm):
@@ -90,7 +126,10 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     memory_bandwidth x memory_efficiency (a name the profile lacks falls back to
     those, so profiles without the measurement price as before).
     ``gemm``: a matmul's output shape ``(batch, rows, columns)``; its compute term is
-    then divided by ``gemm_efficiency`` (tile and wave quantization).
+    then divided by ``gemm_efficiency`` (tile and wave quantization), or, on a profile
+    with ``measured`` GEMMs (16-bit or FP8), priced at the rate measured for that
+    product (K = flops / (2 x batch x rows x columns)).  An ``AttentionShape`` for op
+    class "attention": the measured rate of that fused kernel where the profile has one.
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -105,9 +144,23 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
         raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
     profile = get_profile(profile)
     engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
-    if _gemm_shape(gemm) is not None and op_class == "matmul" and engine == "main":
-        peak *= gemm_efficiency(gemm, profile)
+    peak = _peak(profile, engine, peak, dtype, op_class, flops, gemm)
     return max(flops / peak, bytes_moved / bandwidth) + launches * launch
+
+
+def _peak(profile, engine, peak, dtype, op_class, flops, gemm):
+    """The FLOP/s a kernel runs at: measured where the profile measured it, else peak
+    x efficiency, a GEMM's after tile and wave quantization."""
+    if engine != "main":
+        return peak
+    got = _measured_peak(profile, dtype, op_class, flops, gemm)
+    if got is not None:
+        return got
+    if isinstance(gemm, AttentionShape):
+        return peak
+    if _gemm_shape(gemm) is not None and op_class == "matmul":
+        peak *= gemm_efficiency(gemm, profile)
+    return peak
 
 
 def _rates(profile, dtype, op_class, kernel=None):
@@ -131,8 +184,7 @@ def explain_compute(flops: float, bytes_moved: float, profile, dtype,
     total = compute_time(flops, bytes_moved, profile, dtype, op_class, launches, kernel, gemm)
     profile = get_profile(profile)
     engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
-    if _gemm_shape(gemm) is not None and op_class == "matmul" and engine == "main":
-        peak *= gemm_efficiency(gemm, profile)
+    peak = _peak(profile, engine, peak, dtype, op_class, flops, gemm)
     terms = {"compute": flops / peak, "memory": bytes_moved / bandwidth,
              "launch": launches * launch}
     return {**terms, "seconds": total, "engine": engine, "op_class": op_class,

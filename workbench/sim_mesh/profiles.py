@@ -27,6 +27,10 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   measured bytes/s (bytes counted as its measurement counts them), used instead of
   the memory term's bandwidth x memory_efficiency when ``compute_time`` is given
   ``kernel=name``.
+- ``measured``: ``{"file", "attention_backend"}``, the device's component measurements
+  (``benchmarks/gpu_components.py``'s output, ``sim_mesh.measured``): 16-bit and FP8
+  GEMMs and fused attention are priced at the rates measured for their shapes instead
+  of peak x efficiency (which then prices only what was not measured).
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -224,6 +228,10 @@ class Profile:
     # {"context_bytes": the runtime's context (CUDA / CANN), "fragmentation": the share
     # of device memory the allocator loses}; empty: none
     runtime_memory: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # component measurements of this device (``sim_mesh.measured``): {"file": a file in
+    # sim_mesh/measurements/ or a path, "attention_backend": "cudnn" | "flash"}; GEMMs,
+    # FP8 GEMMs and fused attention are then priced at their measured rates
+    measured: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -284,6 +292,19 @@ class Profile:
                 raise ValueError(f"{owner}: runtime_memory['fragmentation']={f!r} must be "
                                  f"a share of device memory in [0, 1)")
         object.__setattr__(self, "runtime_memory", MappingProxyType(rt))
+        ms = dict(self.measured)
+        if ms:
+            if set(ms) != {"file", "attention_backend"}:
+                raise ValueError(f"{owner}: measured needs exactly file and "
+                                 f"attention_backend; got {sorted(ms)}")
+            from . import measured as _measured
+            tables = _measured.load(ms["file"])
+            have = sorted({b for b, _ in tables.attention})
+            if ms["attention_backend"] not in have:
+                raise ValueError(f"{owner}: measured['attention_backend']="
+                                 f"{ms['attention_backend']!r} was not measured in "
+                                 f"{ms['file']!r}; use one of {have}")
+        object.__setattr__(self, "measured", MappingProxyType(ms))
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -373,6 +394,7 @@ class Profile:
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),
                 "runtime_memory": dict(self.runtime_memory),
+                "measured": dict(self.measured),
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -389,7 +411,7 @@ class Profile:
                                  f'{{"name": ..., "bandwidth": B/s, "latency": s}}')
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
-                    "kernel_bandwidth", "gemm_tile", "runtime_memory",
+                    "kernel_bandwidth", "gemm_tile", "runtime_memory", "measured",
                     "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:

@@ -1,0 +1,144 @@
+"""The clock priced from a device's component measurements (``sim_mesh.measured``, the
+H100 profile's ``measured``): the file's own figures come back at its grid points, the
+interpolation stays between them, and the layers composed from the measured kernels
+agree with the whole layers timed on the same card."""
+import dataclasses
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from workbench.plan import layer_cost as L
+from workbench.sim_mesh import cost, measured
+from workbench.sim_mesh.profiles import get_profile
+
+H100 = get_profile("h100")
+FILE = H100.measured["file"]
+RAW = json.loads(resources.files("workbench.sim_mesh").joinpath(
+    "measurements", FILE).read_text())
+
+
+def test_the_file_records_the_card_and_its_software():
+    env = RAW["environment"]
+    assert env["name"] == "NVIDIA H100 80GB HBM3" and env["sm_count"] == 132
+    assert env["torch"].startswith("2.11") and env["smi"]["power.limit"] == "700.00 W"
+    s = measured.summary(FILE)
+    # sustained 8192^3 bf16 under the 700 W cap: about 683 TFLOP/s, not the MAMF 792
+    assert 650 < s["sustained_tflops"] < 700 and s["gemm_grid_points"] == 1173
+
+
+def test_grid_points_come_back_exactly():
+    exact = measured.load(FILE).exact
+    for m, n, k, tflops in RAW["gemm_grid"][::37]:
+        if (min(m, n), max(m, n), k) in exact:
+            continue                    # the product's own three-layout timing wins
+        assert measured.gemm_rate(FILE, m, n, k) == pytest.approx(tflops * 1e12)
+
+
+def test_an_exact_product_uses_its_layout_measurement():
+    row = next(r for r in RAW["model_gemms"] if (r["m"], r["n"], r["k"]) == (4096, 3840, 10240))
+    # forward: output 4096 x 3840, 10240 reduced; weight gradient: 3840 x 10240, 4096
+    assert measured.gemm_rate(FILE, 4096, 3840, 10240) == pytest.approx(row["fwd"] * 1e12)
+    assert measured.gemm_rate(FILE, 3840, 10240, 4096) == pytest.approx(row["wgrad"] * 1e12)
+    assert measured.gemm_rate(FILE, 10240, 3840, 4096) == pytest.approx(row["wgrad"] * 1e12)
+
+
+def test_interpolation_lies_between_neighbours_and_holds_at_the_edges():
+    g = {(m, n, k): t * 1e12 for m, n, k, t in RAW["gemm_grid"]}
+    a, b = g[(2048, 4096, 4096)], g[(2048, 6144, 4096)]
+    mid = measured.gemm_rate(FILE, 2048, 5000, 4096)
+    assert min(a, b) <= mid <= max(a, b)
+    # beyond the largest sizes the plateau holds; a one-token product keeps the edge's
+    # rate and the roofline's memory term prices it (reading the weight)
+    assert measured.gemm_rate(FILE, 65536, 65536, 65536) == pytest.approx(
+        measured.gemm_rate(FILE, 16384, 49152, 49152))
+    t = cost.compute_time(2 * 4096 * 4096, 2 * 4096 * 4096, H100, "bfloat16", "matmul",
+                          gemm=(1, 1, 4096))
+    assert t == pytest.approx(2 * 4096 * 4096 / (3.35e12 * 0.901) + 1e-6)
+
+
+def test_a_gemm_is_priced_at_its_measured_rate():
+    flops = 2 * 4096 * 8192 * 8192
+    t = cost.compute_time(flops, 0, H100, "bfloat16", "matmul", gemm=(1, 4096, 8192))
+    assert t == pytest.approx(flops / measured.gemm_rate(FILE, 4096, 8192, 8192) + 1e-6)
+    # fp32 was not measured: peak x the MAMF efficiency x tile quantization, as before
+    t32 = cost.compute_time(flops, 0, H100, "float32", "matmul", gemm=(1, 4096, 8192))
+    assert t32 == pytest.approx(flops / (67e12 * 0.801 * cost.gemm_efficiency(
+        (1, 4096, 8192), H100)) + 1e-6)
+
+
+def test_attention_rates_at_the_measured_points():
+    for r in RAW["attention"]:
+        if r["head_dim"] != 128 or r["backend"] not in ("cudnn", "flash"):
+            continue
+        args = (FILE, r["backend"], r["batch"] * r["heads"], r["seq"], 128, r["causal"])
+        assert measured.attention_rate(*args) == pytest.approx(r["fwd_tflops"] * 1e12)
+        assert measured.attention_rate(*args, backward=True) == \
+            pytest.approx(r["bwd_tflops"] * 1e12)
+    # head dimension 64: scaled by the file's ratio at 64 (cuDNN: 329.7 / 453.9 forward)
+    assert measured.attention_rate(FILE, "cudnn", 16, 4096, 64) == pytest.approx(329.7e12)
+
+
+def test_layers_composed_from_measured_kernels_agree_with_whole_layers():
+    """The whole layers the file timed on the same card (plain PyTorch: SDPA, unfused
+    LayerNorm / GeLU / dropout; Llama with K and V repeated per group) against
+    ``layer_times`` composed from the measured GEMMs, attention and kernels: within 8%
+    (the plain-PyTorch layers fuse less than Megatron's, whose kernels layer_cost
+    prices)."""
+    for row in RAW["layers"]:
+        kv, ffn = (row["kv_heads"], row["ffn"]) if row["arch"] == "llama" else (None, None)
+        t = L.layer_times(row["h"], row["heads"], row["seq"], 1, 1, attention="flash",
+                          profile="h100", kv_heads=kv, ffn=ffn)
+        assert t.combined == pytest.approx(row["fwd_bwd_s"], rel=0.08), row["name"]
+
+
+def test_the_loss_runs_at_the_measured_rate():
+    rate = measured.cross_entropy_rate(FILE)
+    rows = [r for r in RAW["memory_bound"] if r["kernel"] == "cross_entropy_fwd_bwd_fp32"
+            and r["shape"][1] >= 16384]
+    assert min(4096 * r["shape"][1] / r["seconds"] for r in rows) <= rate <= \
+        max(4096 * r["shape"][1] / r["seconds"] for r in rows)
+
+
+def test_bad_measured_fields_are_refused():
+    with pytest.raises(ValueError, match="attention_backend.*'triton' was not measured"):
+        dataclasses.replace(H100, measured={"file": FILE, "attention_backend": "triton"})
+    with pytest.raises(ValueError, match="no such file"):
+        dataclasses.replace(H100, measured={"file": "nope.json", "attention_backend": "x"})
+    with pytest.raises(ValueError, match="exactly file and attention_backend"):
+        dataclasses.replace(H100, measured={"file": FILE})
+    back = type(H100).from_dict(H100.to_dict())
+    assert dict(back.measured) == dict(H100.measured)
+
+
+def test_the_script_runs_on_the_cpu_and_its_output_loads(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import gpu_components
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "m.json"
+    res = gpu_components.main(["--smoke", "--out", str(out)])
+    t = measured.load(str(out))
+    assert res["attention"] and res["layers"] and res["memory_bound"]
+    assert t.gemm and measured.gemm_rate(str(out), 16, 16, 16) > 0
+
+
+def test_a_whole_one_gpu_step_against_the_planner():
+    """A GPT of 1.75B parameters (h 2048, 24 layers, vocabulary 131,072, sequence 4096,
+    micro-batch 1) trained in plain PyTorch on the same H100 (benchmarks/gpu_step.py:
+    layers, head, fp32 loss, fused AdamW; no communication): the planner's step on the
+    h100 profile is within 8% of the measured one, for 4 micro-batches and for 1."""
+    import workbench as wb
+    steps = json.loads(resources.files("workbench.sim_mesh").joinpath(
+        "measurements", "h100-sxm-80gb-gpt-step.json").read_text())["steps"]
+    assert [s["micro_batches"] for s in steps] == [4, 1]
+    for s in steps:
+        cfg = wb.models.ModelConfig(arch="gpt", vocab_size=s["vocab"], seq_len=s["seq"],
+                                    n_layer=s["layers"], n_head=s["heads"], d_model=s["h"],
+                                    tie_embeddings=False, dropout=0.1, dtype="bfloat16")
+        lay = wb.plan.Layout(dp=1, micro_batch=1, global_batch=s["micro_batches"])
+        e = wb.plan.estimate(cfg, lay, wb.plan.Cluster("h100", 1), attention="flash")
+        assert e.step_time == pytest.approx(s["step_s"], rel=0.08)
