@@ -116,9 +116,9 @@ def check(tp: int, sp: bool, where: str = "estimate") -> None:
 def check_estimate(model, lay, profile, fp8: bool, tp_comm_overlap, ep_cp: bool) -> None:
     """What ``estimate(..., tp_comm_overlap=True)`` refuses: a flag that is not a bool,
     a framework other than Megatron-LM, tp > 1 without sp (``check``), a TP group wider
-    than a node (userbuffers maps its peers' buffers over NVLink: TE's ``initialize_ub``
-    builds one communicator per "TP domain" of tp ranks, "TP model on single NVLink
-    domain"), and what is not modeled here (FP8, a Llama block, expert or context
+    than a node (userbuffers maps its peers' buffers over NVLink: TE's ``initialize_ub``,
+    d0067d0da6, builds one communicator per "TP domain" of tp ranks, "TP model on single
+    NVLink domain"), and what is not modeled here (FP8, a Llama block, expert or context
     parallelism: ``ep_cp``)."""
     if not isinstance(tp_comm_overlap, bool):
         raise ValueError(f"tp_comm_overlap={tp_comm_overlap!r} must be True or False")
