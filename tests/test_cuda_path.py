@@ -66,7 +66,8 @@ def test_adamw_on_cuda_equals_the_cpu_step():
 
 
 def _losses(device, *extra):
-    out = subprocess.run([sys.executable, "-m", "workbench", "train", "--preset", "small",
+    preset = () if "--preset" in extra else ("--preset", "small")
+    out = subprocess.run([sys.executable, "-m", "workbench", "train", *preset,
                           "--steps", "3", "--device", device, *extra],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -74,7 +75,9 @@ def _losses(device, *extra):
             if line.startswith("{") and '"loss"' in line]
 
 
-@pytest.mark.parametrize("extra", [(), ("--recompute", "selective")])
+@pytest.mark.parametrize("extra", [(), ("--recompute", "selective"),
+                                   ("--recompute", "full", "--preset", "gpt-tiny"),
+                                   ("--moe-experts", "4", "--moe-topk", "2")])
 def test_training_on_cuda_follows_the_cpu_run(extra):
     """The same seed, batches and dropout masks (drawn by the CPU generator) on both
     devices: the losses agree to float32 rounding across 3 AdamW steps."""

@@ -99,7 +99,7 @@ def attention_core(q, k, v, dropout_p: float = 0.0, site: int = 0, ctx=None):
         nkv = k.shape[1]
         q5 = q.view(B, nkv, nh // nkv, S, hd)                               # (B, nkv, G, S, hd)
         s = (q5 @ k.unsqueeze(2).transpose(-2, -1)) * hd ** -0.5            # (B, nkv, G, S, S)
-        s = s + torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1)    # causal
+        s = s + torch.full((S, S), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         w = dropout(torch.softmax(s, -1), dropout_p, True, site)
         return (w @ v.unsqueeze(2)).reshape(B, nh, S, hd)                   # (B, nh, S, hd)
 
