@@ -46,8 +46,9 @@ is here only when its number was read from the source itself:
   no recompute, a fused (flash) attention kernel, no interleaving, untied embeddings
   (the parameter counts in the model-size column need them), learned positions,
   dropout 0.1.  The estimate overlaps the DP sync as those two flags do
-  (``overlap_grad_reduce=True``); the TP communication that ``--tp-comm-overlap`` hides
-  beyond the async backward stays exposed.  GEMMs, the fused attention (cuDNN's) and the
+  (``overlap_grad_reduce=True``) and the TP communication as ``--tp-comm-overlap`` does
+  with Transformer Engine's default userbuffers methods (``tp_comm_overlap=True``,
+  ``plan.tp_overlap``: no effect at tp = 1).  GEMMs, the fused attention (cuDNN's) and the
   loss are priced at rates measured on one H100 (``sim_mesh/measurements``,
   ``benchmarks/gpu_components.py``): component measurements, not these rows.
 
@@ -193,7 +194,7 @@ def _h100_rows():
                               vocab_size=131072, seq_len=4096, tie_embeddings=False),
                    layout=dict(dp=dp, tp=tp, pp=pp, sp=tp > 1, zero=1, recompute="none",
                                micro_batch=1, global_batch=gbs, schedule="1f1b", v=1),
-                   attention="flash", overlap_grad_reduce=True,
+                   attention="flash", overlap_grad_reduce=True, tp_comm_overlap=True,
                    metric="model_tflops_per_device",
                    published=float(tflops), published_hfu=None, cite=H100_CITE,
                    assume="bf16, micro-batch 1, no recompute, flash attention, 1F1B assumed")
@@ -229,10 +230,12 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "forces for bf16 (--grad-reduce-in-bf16 not given: ASSUMED); "
                           "the DP sync overlapped as the README's "
                           "--overlap-grad-reduce --overlap-param-gather (estimate's "
-                          "overlap_grad_reduce); --tp-comm-overlap's TP overlap beyond the "
-                          "async backward is not modeled; GEMMs, the attention (cuDNN's "
-                          "fused kernel, as Transformer Engine runs it) and the loss at "
-                          "the rates measured on an H100 (sim_mesh/measurements): the "
+                          "overlap_grad_reduce); the TP collectives overlapped as "
+                          "--tp-comm-overlap with Transformer Engine's default userbuffers "
+                          "methods (estimate's tp_comm_overlap, plan/tp_overlap.py: "
+                          "userbuffers at NCCL's price ASSUMED); GEMMs, the attention "
+                          "(cuDNN's fused kernel, as Transformer Engine runs it) and the loss "
+                          "at the rates measured on an H100 (sim_mesh/measurements): the "
                           "range column goes down to FlashAttention-2's measured rates",
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
@@ -271,7 +274,8 @@ def predict(row) -> dict:
     cfg, lay, cl = build(row)
     rng = wb.plan.estimate_range(cfg, lay, cl,
                                  attention=row.get("attention", "materialized"),
-                                 overlap_grad_reduce=row.get("overlap_grad_reduce", False))
+                                 overlap_grad_reduce=row.get("overlap_grad_reduce", False),
+                                 tp_comm_overlap=row.get("tp_comm_overlap", False))
     est = rng.estimate
     pred = _metric(row, est, cl, cfg)
     ends = [_metric(row, e, cl, cfg) for e in (rng.slow, rng.fast, est)]

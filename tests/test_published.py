@@ -11,8 +11,10 @@ robust properties only, never a fit.
   table, many assumptions: see benchmarks/published.py) 0.835 .. 1.560 (0.899 .. 1.605 since
   their DP sync overlaps as the README's flags say; 0.754 .. 1.599 since Megatron-LM
   reduces bf16 gradients in fp32, plan.frameworks; 0.727 .. 1.548 since the H100 profile
-  has its 132 SMs, NCCL's 16 beside compute and GEMM waves), band 0.60 ..
-  1.85; MT-NLG 530B at data parallelism 8, 10, 12 (a secondary source's quote)
+  has its 132 SMs, NCCL's 16 beside compute and GEMM waves; 0.687 .. 1.225 on the H100
+  rates measured on an H100; 0.788 .. 1.225 since they run with --tp-comm-overlap as the
+  README says, plan.tp_overlap: band unchanged), band
+  0.60 .. 1.85; MT-NLG 530B at data parallelism 8, 10, 12 (a secondary source's quote)
   1.432 .. 1.501, band 1.15 .. 1.80: each the measured spread widened by about 0.25
   either side.  It catches a clock
   that loses or doubles a term (backward unpriced: ratio ~2; recompute counted twice:

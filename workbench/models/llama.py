@@ -79,7 +79,9 @@ def dropout(x, p: float, training: bool, site: int):
         return F.dropout(x, p, training)
     with rng.site(site):
         if isinstance(x, torch.Tensor):          # one device: the mask the rule would draw
-            return x * rng.draw_mask(tuple(x.shape), p, x.dtype)
+            # drawn by the CPU generator whatever the device (a CUDA or NPU run keeps the
+            # CPU run's masks, so its losses match), then moved to the tensor's device
+            return x * rng.draw_mask(tuple(x.shape), p, x.dtype).to(x.device)
         return F.dropout(x, p, training)         # a DistTensor: the rule draws and slices
 
 
@@ -97,7 +99,7 @@ def attention_core(q, k, v, dropout_p: float = 0.0, site: int = 0, ctx=None):
         nkv = k.shape[1]
         q5 = q.view(B, nkv, nh // nkv, S, hd)                               # (B, nkv, G, S, hd)
         s = (q5 @ k.unsqueeze(2).transpose(-2, -1)) * hd ** -0.5            # (B, nkv, G, S, S)
-        s = s + torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1)    # causal
+        s = s + torch.full((S, S), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         w = dropout(torch.softmax(s, -1), dropout_p, True, site)
         return (w @ v.unsqueeze(2)).reshape(B, nh, S, hd)                   # (B, nh, S, hd)
 

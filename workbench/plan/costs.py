@@ -19,14 +19,15 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
   recompute repeats the forward's in backward.  Priced with ``sim_mesh.cost.price`` on
   the TP group's ranks (consecutive: see ``layout``).  Not overlapped with compute
-  (Megatron-LM 2021-22 issues them synchronously).
+  (Megatron-LM 2021-22 issues them synchronously) unless ``tp_comm_overlap``
+  (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..sim_mesh.cost import compute_time, price, wire_bytes
+from ..sim_mesh.cost import KINDS as _KINDS, compute_time, price, wire_bytes
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
@@ -103,10 +104,13 @@ def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
 
 @lru_cache(maxsize=None)
 def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
-               attention: str = "materialized", fp8: bool = False) -> LayerCost:
+               attention: str = "materialized", fp8: bool = False,
+               tp_comm_overlap: bool = False) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
-    linears' GEMMs in FP8 (``plan.fp8``)."""
+    linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
+    overlapped as Megatron-LM's ``--tp-comm-overlap`` (``plan.tp_overlap``), the
+    communication then the collectives' exposed seconds."""
     s, h = cfg.seq_len, cfg.d_model
     comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     comm_b = comm_f * (2 if recompute == "full" else 1)
@@ -116,8 +120,13 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["fp8"] = True
     if cfg.arch == "llama":
         extra.update(kv_heads=cfg.n_kv_head, dropout=cfg.dropout > 0)
+    if tp_comm_overlap:
+        extra["tp_comm_overlap"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
+    if tp_comm_overlap:    # what the collectives leave exposed, forward and after
+        comm_f, comm_b = (sum(o["exposed"] for o in lt.ops if o["op_class"] in _KINDS
+                              and (o["phase"] == "forward") == fwd) for fwd in (True, False))
     return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),
                      max(lt.backward - comm_b, 0.0), min(comm_b, lt.backward), sent)
 

@@ -58,6 +58,7 @@ from . import stage_sync as S
 from . import zero_cost as Z
 from . import fsdp2_cost as FS
 from . import ep_cp as EC
+from . import tp_overlap as TPO
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -274,7 +275,7 @@ def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
-             fp8: bool = False) -> Estimate:
+             fp8: bool = False, tp_comm_overlap: bool = False) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
     ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
     ``attention="flash"`` counts a fused attention kernel's activations and time instead
@@ -288,7 +289,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     during the last micro-batch's backward, module by module (``_dp_sync``); the default
     is Megatron-LM of Narayanan et al. 2021, which reduces after the pipeline flush.
     ``fp8=True``: the layers' GEMMs in FP8 as Transformer Engine runs them (``plan.fp8``;
-    profiles with an FP8 peak: the H100); MFU stays against the 16-bit peak."""
+    profiles with an FP8 peak: the H100); MFU stays against the 16-bit peak.
+    ``tp_comm_overlap=True``: the layers' TP all-gathers and reduce-scatters overlap
+    their GEMMs as Megatron-LM's ``--tp-comm-overlap`` runs them with Transformer
+    Engine's userbuffers (``plan.tp_overlap``; needs ``sp`` where tp > 1); the default
+    is Megatron-LM without it."""
     check_layout(model, layout, cluster)
     if not isinstance(fp8, bool):
         raise ValueError(f"fp8={fp8!r} must be True or False")
@@ -296,6 +301,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     attention = attention_for(model, attention)
     EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
+    TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
+                       EC.applies(model, layout))
     cfg, lay, prof = model, layout, cluster.profile
     if lay.engine == "fsdp":      # the attention kernel SDPA runs (plan.fsdp2_cost)
         prof = FS.sdpa_profile(prof)
@@ -306,7 +313,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
     layer = EC.layer_cost(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay) else \
-        C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8)
+        C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8,
+                     tp_comm_overlap and tp > 1)
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
@@ -384,6 +392,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "assumptions": F.assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce)
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
+        + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ()),
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}

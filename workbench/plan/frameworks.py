@@ -12,7 +12,9 @@ them, and what the estimate and the memory model read from here:
   ``megatron/arguments.py``), the buffer's dtype ``torch.float`` if so, else the
   parameters' (``megatron/model/distributed.py``, ``_get_buffer_type``).  fp16 runs keep
   a 16-bit buffer.  The DP sync runs after the pipeline flush unless
-  ``overlap_grad_reduce`` (``--overlap-grad-reduce``).  ZeRO-2/3 are not Megatron's.
+  ``overlap_grad_reduce`` (``--overlap-grad-reduce``); the TP collectives of sequence
+  parallelism stand beside their GEMMs unless ``tp_comm_overlap`` (``--tp-comm-overlap``,
+  Transformer Engine's userbuffers: ``plan.tp_overlap``).  ZeRO-2/3 are not Megatron's.
 - ``"deepspeed"`` (Microsoft DeepSpeed; the default with ZeRO 2 or 3): gradients reduced
   in the model's 16-bit dtype (``communication_data_type`` defaults to it,
   ``deepspeed/runtime/config.py``), every micro-batch with ZeRO-2/3, overlapped with the

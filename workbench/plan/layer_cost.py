@@ -40,6 +40,7 @@ from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import dtype_name, get_profile
 from . import fp8 as _fp8
 from . import llama_layer as _llama
+from . import tp_overlap as _tpo
 
 __all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
 
@@ -240,13 +241,15 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
 def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
               profile="a100", tp_ranks=None, attention: str = "materialized",
-              fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False) -> list:
+              fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
+              tp_comm_overlap: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
     ``kv_heads``: a Llama block (``plan.llama_layer``) with that many key/value heads
     (fused attention only; ``dropout``: with dropout on its residual branches); None:
-    Megatron's GPT layer."""
+    Megatron's GPT layer.  ``tp_comm_overlap``: the TP collectives overlapped as
+    Megatron-LM's ``--tp-comm-overlap`` runs them (``plan.tp_overlap``; sp required)."""
     if attention not in ("materialized", "flash"):
         raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
                          f"(Megatron's unfused core) or 'flash'")
@@ -267,17 +270,24 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"{list(_ITEMSIZE)}")
     ranks = tuple(range(tp)) if tp_ranks is None else tuple(tp_ranks)
     prof = get_profile(profile)
+    if tp_comm_overlap:
+        _tpo.check(tp, sp, "layer_times")
+        if fp8 or kv_heads is not None:
+            raise ValueError("layer_times: tp_comm_overlap=True is modeled for Megatron's GPT "
+                             "layer in 16 bits; give fp8=False and kv_heads=None, or "
+                             "tp_comm_overlap=False")
     if fp8 and "float8" not in prof.peak_flops:
         raise ValueError(f"layer_times: fp8=True on profile {prof.name!r}, which has no FP8 "
                          f"peak (peak_flops['float8']); FP8 tensor cores are the H100's: "
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
-                        ranks, attention, bool(fp8), kv_heads, bool(dropout)))
+                        ranks, attention, bool(fp8), kv_heads, bool(dropout),
+                        bool(tp_comm_overlap)))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
-            fp8=False, kv_heads=None, dropout=False) -> tuple:
+            fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False) -> tuple:
     e = _ITEMSIZE[dt]
     if kv_heads is not None:
         fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
@@ -291,7 +301,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
     if recompute == "full":
         phases.append(("recompute", fwd))
     phases.append(("backward", bwd))
-    out = []
+    out, gemms = [], {}      # gemms: (phase, name) -> output shape, for tp_overlap
     for phase, ops in phases:
         where, shapes = {}, {}   # name -> index in out, this phase; -> GEMM output
         for op in ops:
@@ -320,9 +330,11 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
                     ph = phase
                 odt = _fp8.FP8 if fp8 and _fp8._is_layer_gemm(op) else dt
                 t = _cost.compute_time(flops, nbytes, prof, odt, cls, launches, kernel, shape)
-                shapes[name] = shape
+                shapes[name] = gemms[(ph, name)] = shape
                 where[name] = len(out)
                 out.append(OpCost(name, ph, cls, flops, nbytes, launches, t, t))
+    if tp_comm_overlap and len(ranks) > 1:
+        out = _tpo.apply(out, gemms, prof, ranks, dt)
     return tuple(out)
 
 
@@ -333,16 +345,16 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
                 profile="a100", tp_ranks=None, attention: str = "materialized",
                 fp8: bool = False, kv_heads: "int | None" = None,
-                dropout: bool = False) -> LayerTimes:
+                dropout: bool = False, tp_comm_overlap: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
     ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
     this for thousands of layouts.  ``kv_heads`` (and ``dropout``): a Llama block
-    (``layer_ops``)."""
+    (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
-                    fp8, kv_heads, dropout)
+                    fp8, kv_heads, dropout, tp_comm_overlap)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

@@ -141,10 +141,17 @@ class Ranking(list):
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
            max_micro_batch: int = 16, attention: "str | None" = None,
-           overlap: bool = True, overlap_grad_reduce: bool = False) -> Ranking:
+           overlap: bool = True, overlap_grad_reduce: bool = False,
+           tp_comm_overlap: bool = False) -> Ranking:
     """The ``top`` fastest layouts of ``model`` on ``cluster`` that fit in device memory,
     as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``,
-    ``overlap`` and ``overlap_grad_reduce`` as in :func:`~workbench.plan.estimate.estimate`)."""
+    ``overlap``, ``overlap_grad_reduce`` and ``tp_comm_overlap`` as in
+    :func:`~workbench.plan.estimate.estimate`; with ``tp_comm_overlap`` only the layouts
+    it is priced for: Megatron-LM's, sequence parallel where tp > 1, tp inside a node,
+    without ep or cp)."""
+    if tp_comm_overlap and model.arch != "gpt":
+        raise ValueError(f"search: tp_comm_overlap=True is modeled for Megatron's GPT "
+                         f"layer only (model.arch={model.arch!r}); use tp_comm_overlap=False")
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster={cluster!r} must be a workbench.plan.Cluster")
     for name, v in (("global_batch", global_batch), ("top", top),
@@ -155,10 +162,14 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     attention = attention_for(model, attention)
     t0 = time.perf_counter()
     limit = cluster.profile.usable_memory()     # less the context and fragmentation
+    node = cluster.profile.devices_per_node
     results: list[tuple[Layout, Estimate]] = []
     tried, least = 0, None
     for lay in _ep_cp.candidates(model, cluster, global_batch, max_micro_batch, attention,
                                  candidate_layouts):    # with ep and cp (plan.ep_cp)
+        if tp_comm_overlap and (lay.engine != "megatron" or lay.tp > node or lay.tp > 1 and (
+                not lay.sp or _ep_cp.applies(model, lay))):
+            continue        # refused by estimate (plan.tp_overlap.check_estimate)
         tried += 1
         last = lay.pp - 1
         need = max(stage_memory(model, lay, s, attention)["total"]
@@ -168,7 +179,8 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
         if need > limit:
             continue
         results.append((lay, estimate(model, lay, cluster, attention, overlap,
-                                             overlap_grad_reduce)))
+                                             overlap_grad_reduce,
+                                             tp_comm_overlap=tp_comm_overlap)))
     if tried == 0:
         raise ValueError(f"search: no layout of {cluster.devices} devices divides the model "
                          f"(n_head={model.n_head}, n_layer={model.n_layer}) and "
