@@ -37,6 +37,11 @@ data-parallel synchronisation + the optimizer step, where
   per parameter (read 16-bit gradient 2, read and write fp32 master, m, v 24, write
   16-bit weight 2), priced by the roofline.
 
+``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
+above: its TrainSchedule simulated with blocking transfers, its partitioned p2p, its
+step tail and FP16_Optimizer (``plan.deepspeed_step``; the bubble is then the slowest
+stage's idle time in that simulation).
+
 MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x peak x
 devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
