@@ -183,3 +183,13 @@ def test_estimate_runs_the_engine():
 def test_estimate_refuses_what_the_engine_did_not_run(kw, match):
     with pytest.raises(ValueError, match=match):
         wb.plan.estimate(_small(), _lay(**kw), wb.plan.Cluster("a100", 64))
+
+
+def test_estimate_keeps_the_planner_optimizer_where_fp16_optimizer_does_not_run():
+    cfg, cl = _small().replace(dtype="bfloat16"), wb.plan.Cluster("a100", 64)
+    lay = _lay(zero=1)
+    ds = wb.plan.estimate(cfg, lay, cl)
+    meg = wb.plan.estimate(cfg, lay.replace(framework="megatron"), cl)
+    assert ds.details["optimizer"] == pytest.approx(meg.details["optimizer"], rel=1e-12)
+    assert not ds.details["deepspeed_pipe"]["fp16"]
+    assert any("ZeRO-1's reduce_gradients" in a for a in ds.assumptions())

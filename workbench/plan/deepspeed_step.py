@@ -237,7 +237,9 @@ def assumptions(lay, cfg) -> tuple:
     if not (cfg.dtype == "float16" and lay.zero == 0):
         out.append("DeepSpeed pipeline: FP16_Optimizer's passes priced for fp16 without "
                    "ZeRO only; this optimizer priced as the planner's AdamW (28 bytes per "
-                   "parameter)")
+                   "parameter)" + ("; ZeRO-1's reduce_gradients as a reduce-scatter and "
+                                  "an all-gather of the updated weights (its source not "
+                                  "read here)" if lay.zero == 1 else ""))
     return tuple(out)
 
 
