@@ -45,7 +45,9 @@ FusedAdam (``megatron/optimizer/__init__.py`` returns it bare under ``--deepspee
 in ``runtime/fp16/fused_optimizer.py`` ``FP16_Optimizer``, whose ``step``:
 ``CheckOverflow.has_overflow`` (``runtime/utils.py``: ``x.float().sum()`` per gradient,
 each read back to the host; a 1-byte all-reduce over the model-parallel group, every
-rank of one pipeline: ``pipe/topology.py`` ``get_model_parallel_group``), fp32 flat
+rank of one pipeline: ``deepspeed/__init__.py`` gives a pipeline engine
+``mpu=model.mpu()``, the grid of ``pipe/topology.py``, whose
+``get_model_parallel_group`` holds all tp x pp ranks of one replica), fp32 flat
 gradients (``p.grad.to(fp32)`` then a cat), ``get_grad_norm`` (read; a 4-byte all-reduce
 over the model-parallel group) and a 4-byte all-reduce of the norm over the data-parallel
 group, unscale and clip (``mul_``), FusedAdam, and the fp32 weights copied back to the
