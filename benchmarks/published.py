@@ -70,6 +70,20 @@ is here only when its number was read from the source itself:
   GB of fp16 gradients over 8 nodes is 0.3 s at the 24 GB/s per HDR NIC nccl-tests
   reach (the profile's citation), on every stage after its own last backward
   (``plan.stage_sync``); 6 s would be 1.1 GB/s per GPU.
+  DeepSpeed's pipeline engine as its source runs it (v0.5.4, 2021-10-06:
+  ``plan.deepspeed_pipe``, ``plan.deepspeed_step``) does not close the gap: its
+  TrainSchedule with blocking transfers times as 1F1B does (the step parity is an
+  order, not a lock-step); it sends the activation partitioned over the TP ranks as
+  Megatron-LM does, adding per micro-batch on a middle stage two more blocking
+  crossings (0.45 ms each), one more TP all-gather (0.34 ms) and clones (0.5 ms);
+  FP16_Optimizer moves 70 bytes per parameter where AdamW's 28 were priced (0.08 s);
+  its step collectives are 0.2 ms.  With it the planner's steps are 292 s / dp + 5.4 s
+  (0.152 s per micro-batch): the rows move from 1.432 / 1.445 / 1.501 to 1.430 / 1.443
+  / 1.498.  ``--partition-activations`` (its cost priced, not applied: the MT-NLG
+  config is not public, the flag is off by default) would add 1.3 ms per micro-batch.
+  What the sources read here leave unexplained: 0.045 s per micro-batch and stage
+  (the same model on Megatron-LM's own pipeline, Narayanan's 'GPT 530B', is 1.19x
+  optimistic too, so the layers' time is the first suspect) and ~7 s per step.
 
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling

@@ -15,7 +15,9 @@ robust properties only, never a fit.
   rates measured on an H100; 0.788 .. 1.225 since they run with --tp-comm-overlap as the
   README says, plan.tp_overlap: band unchanged), band
   0.60 .. 1.85; MT-NLG 530B at data parallelism 8, 10, 12 (a secondary source's quote)
-  1.432 .. 1.501, band 1.15 .. 1.80: each the measured spread widened by about 0.25
+  1.432 .. 1.501 (1.430 .. 1.498 since DeepSpeed's pipeline engine is priced from its
+  source, plan.deepspeed_step), band 1.15 .. 1.80: each the measured spread widened by
+  about 0.25
   either side.  It catches a clock
   that loses or doubles a term (backward unpriced: ratio ~2; recompute counted twice:
   ~0.75), not a few percent.

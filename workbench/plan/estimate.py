@@ -37,6 +37,11 @@ data-parallel synchronisation + the optimizer step, where
   per parameter (read 16-bit gradient 2, read and write fp32 master, m, v 24, write
   16-bit weight 2), priced by the roofline.
 
+``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
+above: its TrainSchedule simulated with blocking transfers, its partitioned p2p, its
+step tail and FP16_Optimizer (``plan.deepspeed_step``; the bubble is then the slowest
+stage's idle time in that simulation).
+
 MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x peak x
 devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
@@ -57,6 +62,7 @@ from . import frameworks as F
 from . import stage_sync as S
 from . import zero_cost as Z
 from . import fsdp2_cost as FS
+from . import deepspeed_step as DS
 from . import ep_cp as EC
 from . import tp_overlap as TPO
 from .layout import Cluster, Layout, attention_for, check_layout
@@ -112,6 +118,8 @@ class Estimate:
         ly, ms = d["layer"], 1e3
         rc = " with recompute" if lay.recompute != "none" else ""
         gb = {k: v / 1e9 for k, v in self.memory.items()}
+        bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"
+               if d.get("deepspeed_pipe") else "(sum of stage times - slowest) / v")
         return "\n".join([
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
             f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
@@ -121,7 +129,7 @@ class Estimate:
             f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
             f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
             f"which p2p {2 * lay.v * d['p2p'] * ms:.2f}) x m = {d['micro_batches']}",
-            f"  bubble (sum of stage times - slowest) / v = {b['bubble']:.3f} s; DP sync "
+            f"  bubble {bub} = {b['bubble']:.3f} s; DP sync "
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
             f"optimizer {d['optimizer']:.3f} s",
             f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
@@ -134,7 +142,8 @@ class Estimate:
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
-            f"  assumed: {'; '.join(self.assumptions())}"] + EC.explain_lines(self))
+            f"  assumed: {'; '.join(self.assumptions())}"] + EC.explain_lines(self)
+            + DS.explain_lines(self))
 
     def assumptions(self) -> list[str]:
         """What this estimate rests on beyond cited measurements: the framework behaviour
@@ -303,6 +312,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
     TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
                        EC.applies(model, layout))
+    if layout.engine == "deepspeed" and layout.pp > 1:
+        DS.check(model, layout)            # DeepSpeed's pipeline engine: plan.deepspeed_step
     cfg, lay, prof = model, layout, cluster.profile
     if lay.engine == "fsdp":      # the attention kernel SDPA runs (plan.fsdp2_cost)
         prof = FS.sdpa_profile(prof)
@@ -362,20 +373,28 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             memory=stage_memory(cfg, lay, s, attention), copies=copies)
 
-    if lay.engine in ("megatron", "deepspeed") and pp > 1 and lay.dp * lay.cp > 1 and v == 1:
-        _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                          overlap_grad_reduce)
-    slow = max(stages.values(), key=lambda d: d["time"])
-    bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
-    m = lay.m
     tied = 0.0
     if pp > 1 and cfg.tie_embeddings:
         tied = C.group_price("all_reduce", 2 * cfg.vocab_size * cfg.d_model / tp,
                              (lay.rank(0, 0, 0), lay.rank(0, 0, pp - 1)), prof)
+    ds = DS.pipeline_step(cfg, lay, prof, stages, [_stage_name(k, pp, False) for k in range(
+        pp)], (p2p_t, p2p_sent), tied) if lay.engine == "deepspeed" and pp > 1 else None
+    if ds is None and lay.engine in ("megatron", "deepspeed") and pp > 1 \
+            and lay.dp * lay.cp > 1 and v == 1:
+        _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
+                          overlap_grad_reduce)
+    if ds is not None:                 # the engine's own stage times (plan.deepspeed_step)
+        for name, d in stages.items():
+            d.update({k: ds["stages"][d["stage"]][k] for k in ("compute", "comm", "time",
+                                                               "sent", "dp", "optimizer")},
+                     forward=ds["stages"][d["stage"]]["forward"])
+    slow = max(stages.values(), key=lambda d: d["time"])
+    bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
+    m = lay.m
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
     breakdown = {"compute": m * slow["compute"] + opt, "communication": m * slow["comm"] + sync,
-                 "bubble": bubble}
+                 "bubble": bubble} if ds is None else dict(ds["breakdown"])
     step = sum(breakdown.values())
     busiest = max(stages.values(), key=lambda d: d["memory"]["total"])
     model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
@@ -383,7 +402,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     details = {
         "layer_time_source": C.LAYER_TIME_SOURCE if cfg.arch == "gpt" else
         C.LLAMA_LAYER_TIME_SOURCE, "layer": layer, "head": head,
-        "p2p": p2p_t, "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
+        "p2p": p2p_t if ds is None else ds["stages"][slow["stage"]]["p2p"] / 2,
+        "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
         "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,
@@ -394,9 +414,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
-           if slow["copies"] else ()),
+           if slow["copies"] else ())
+        + (DS.assumptions(lay, cfg) if ds is not None else ()),
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}
         if slow["copies"] else None,
+        "deepspeed_pipe": ds,
         "ep_cp": EC.layer_detail(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay)
         else None,
         "model": cfg,

@@ -19,6 +19,9 @@ them, and what the estimate and the memory model read from here:
   in the model's 16-bit dtype (``communication_data_type`` defaults to it,
   ``deepspeed/runtime/config.py``), every micro-batch with ZeRO-2/3, overlapped with the
   backward (``overlap_comm``), ZeRO-3's gathers prefetched (``plan.zero_cost``).
+  With pp > 1 (ZeRO 0/1 only), its 2021 pipeline engine as its source runs it:
+  ``plan.deepspeed_pipe`` (TrainSchedule, blocking p2p) and ``plan.deepspeed_step``
+  (partitioned p2p bookkeeping, ReduceTiedGrads / ReduceGrads, FP16_Optimizer).
 - ``"workbench"``: this library's own Hybrid recipe (``plan.dry_run`` runs it):
   gradients reduced in the parameters' dtype after the flush (ZeRO 0/1), ZeRO-2/3 as
   ``parallel.strategies.zero3`` (DeepSpeed's schedule, one layer per gather).

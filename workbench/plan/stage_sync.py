@@ -21,8 +21,10 @@ forward-times after it, so stage s's sync shows only past that slack:
   before the stage's first forward: exposed max(0, AG - slack_f).
 
 - DeepSpeed's pipeline engine (``runtime/pipe/engine.py``, 2021: ``ReduceGrads`` is the
-  last instruction of each stage's ``TrainSchedule``, then ``OptimizerStep``): as the
-  2021 Megatron-LM, in the model's 16-bit dtype (``frameworks``).
+  last instruction of each stage's ``TrainSchedule``, then ``OptimizerStep``): the same
+  rule, in the model's 16-bit dtype (``frameworks``), but not priced here:
+  ``plan.deepspeed_step`` starts each stage's reduction at that stage's end in the
+  simulated schedule (``plan.deepspeed_pipe``).
 
 slack_b(s) = sum over stages k < s of their backward time per micro-batch (recompute
 and p2p included), slack_f(s) the same of their forward.  Interleaved schedules keep the
