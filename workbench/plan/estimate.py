@@ -56,6 +56,7 @@ from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
 from . import zero_cost as Z
+from . import zero3_2021 as Z21
 from . import ep_cp as EC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
@@ -325,7 +326,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                                 head_live=cfg.tie_embeddings)
+                                 head_live=cfg.tie_embeddings) \
+            if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent

@@ -1,0 +1,121 @@
+"""DeepSpeed v0.3 ZeRO-3 (``plan.zero3_2021``): each cost term against its cited component
+figure or source rule, and the estimate's hook."""
+import pytest
+
+import workbench as wb
+from workbench.plan import costs as C
+from workbench.plan import zero3_2021 as Z
+from workbench.plan.edge_cost import edge_times
+
+
+def _gpt(h, layers=2, V=51200):
+    return wb.models.ModelConfig(arch="gpt", vocab_size=V, seq_len=2048, tie_embeddings=True,
+                                 dropout=0.1, d_model=h, n_layer=layers, n_head=h // 128,
+                                 dtype="float16")
+
+
+def _trace(cfg, recompute="full", mb=1):
+    prof = wb.plan.Cluster("a100", 8).profile
+    layer = C.layer_cost(cfg, mb, 1, False, recompute, prof, "materialized", False)
+    head = C.head_cost(cfg, mb, 1, False, prof)
+    return Z.gpt_trace(cfg, layer, head, edge_times(cfg, mb, 1, False, prof), recompute)
+
+
+def test_list_all_gather_host_and_stream_times():
+    # _allgather_param's loop (p x 6.9 us) before NCCL starts, then c10d's p copies
+    # (p x 10.7 us) issued while NCCL runs; the stream ends after NCCL and the copies
+    p, price, bw = 1536, 0.010, 2e12
+    host, start, end = Z.list_collective("all_gather", 604e6, p, price, 1.0, 1.0, 0.0, bw)
+    assert start == pytest.approx(1.0 + p * 6.9e-6)
+    assert host == pytest.approx(start + p * 10.7e-6)
+    assert end == pytest.approx(max(start + price + 4 * 604e6 / bw, host))
+    assert host - 1.0 == pytest.approx(0.0270, abs=1e-4)      # 27 ms of host per gather
+
+
+def test_list_reduce_scatter_copies_before_nccl():
+    # reduce_scatter's pre hook copies the p chunks into c10d's flat buffer first;
+    # the NCCL stream is busy until 2.0, the gradient ready at 1.5
+    p, price, bw = 384, 0.006, 2e12
+    host, start, end = Z.list_collective("reduce_scatter", 151e6, p, price, 1.0, 1.5, 2.0, bw)
+    assert host == pytest.approx(1.0 + p * (7.5e-6 + 10.7e-6))
+    assert start == pytest.approx(max(host, 2.0 + 4 * 151e6 / bw))
+    assert end == pytest.approx(start + price)
+
+
+def test_host_cost_per_collective_grows_with_ranks():
+    # the per-chunk loops: the host time of one list collective is linear in p
+    t = [Z.list_collective("all_gather", 1e8, p, 0.0, 0.0, 0.0, 0.0, 1e30)[0]
+         for p in (384, 768, 1536)]
+    assert t[1] == pytest.approx(2 * t[0]) and t[2] == pytest.approx(4 * t[0])
+
+
+@pytest.mark.parametrize("h, kept", [(12288, {"fc2"}), (8192, {"fc2", "fc1"})])
+def test_reuse_distance_keeps_recomputed_weights(h, kept):
+    # _keep_for_later: a recomputed matrix stays gathered for its backward when the
+    # modules between its two uses hold fewer than 1e9 elements: fc2 (nothing between)
+    # always; fc1 (fc2 twice, 8 h^2) at h 8192 (537 M), not at 12288 (1.21 G)
+    tr = _trace(_gpt(h))
+    keep = Z._keep(tr)
+    got = {e.module.split(".")[1] for e, k in zip(tr, keep) if e.phase == "r" and k
+           and e.module.startswith("0.")}
+    assert got == kept
+    for e, k in zip(tr, keep):
+        if e.phase == "f" and e.module.startswith("0."):
+            assert not k                  # released after the forward (reused far later)
+    # the last layer's fc2 is recomputed right after the head: kept when the root's
+    # embedding and that layer's other matrices between hold fewer than 1e9
+    last = [k for e, k in zip(tr, keep) if e.phase == "f" and e.module == "1.fc2"]
+    assert last == [h * 51200 + 8 * h * h < Z.MAX_REUSE_NUMEL]
+
+
+def _price(n):
+    return 1e-3
+
+
+def test_gathers_one_per_parameter_per_use():
+    # 175B shapes, two layers: the root's tied embedding once, the positions forward
+    # and backward, 4 matrices forward, 4 recomputed, 3 in backward (fc2 kept)
+    tr = _trace(_gpt(12288))
+    r = Z.simulate(tr, 64, _price, _price, 2e12)
+    assert r["gathers"] == 1 + 2 + 2 * (4 + 4 + 3)
+    # one reduce-scatter per matrix (each above the 6.7e7 bucket), the positions and
+    # the tied embedding's gradient
+    assert r["reduce_scatters"] == 2 * 4 + 2
+
+
+def test_no_prefetch_when_the_tied_embedding_fills_max_live():
+    # 530B: the root holds V h = 1.05e9 >= stage3_max_live_parameters, so nothing is
+    # prefetched: every gather waits (host-synchronous), the step is the serial sum
+    cfg = _gpt(20480)
+    assert cfg.vocab_size * cfg.d_model >= Z.MAX_LIVE_NUMEL
+    tr = _trace(cfg)
+    p, ag, bw = 64, 2e-3, 1e30
+    r = Z.simulate(tr, p, lambda n: ag, lambda n: 0.0, bw)
+    per_gather = Z.SYNC_S + p * Z.AG_LOOP_S + max(ag, p * Z.RECORD_COPY_S) + Z.SYNC_S
+    assert r["seconds"] >= r["compute"] + r["gathers"] * per_gather * 0.999
+
+
+def test_prefetch_hides_a_gather_below_max_live():
+    # a small model (V h far below 1e9): the next matrix is prefetched while one
+    # computes, so the step is shorter than compute plus every gather in series
+    tr = _trace(_gpt(2048))
+    slow = Z.simulate(tr, 8, lambda n: 5e-3, lambda n: 0.0, 1e30)
+    assert slow["seconds"] < slow["compute"] + slow["gathers"] * 5e-3
+
+
+def test_estimate_hook_and_errors():
+    cfg = _gpt(4096, layers=4)
+    lay = wb.plan.Layout(dp=16, tp=1, pp=1, zero=3, recompute="full", micro_batch=1,
+                         global_batch=32, framework="deepspeed-0.3")
+    e = wb.plan.estimate(cfg, lay, wb.plan.Cluster("a100", 16))
+    new = wb.plan.estimate(cfg, lay.__class__(**{**lay.__dict__, "framework": "deepspeed"}),
+                           wb.plan.Cluster("a100", 16))
+    assert e.breakdown["compute"] == pytest.approx(new.breakdown["compute"])
+    assert e.step_time > new.step_time            # the per-chunk host loops, the syncs
+    assert any("v0.3.13" in a for a in e.details["assumptions"])
+    with pytest.raises(ValueError, match="deepspeed-0.3"):
+        wb.plan.Layout(dp=16, zero=2, global_batch=32, framework="deepspeed-0.3")
+    with pytest.raises(ValueError, match="tp=pp=cp=1"):
+        wb.plan.estimate(cfg, wb.plan.Layout(dp=8, tp=2, zero=3, global_batch=32,
+                                             framework="deepspeed-0.3"),
+                         wb.plan.Cluster("a100", 16))
