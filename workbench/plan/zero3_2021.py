@@ -43,8 +43,11 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   ``_reduce_scatter_gradients``: per parameter a list of ``world_size`` chunk views
   (``narrow``) and ``torch.distributed.reduce_scatter`` on that list, which
   ProcessGroupNCCL flattens first (``reduce_scatter``'s pre hook: ``recordStream`` and
-  ``copy_`` per chunk), in the model's 16 bits.  The epilogue reduces the last bucket
-  and synchronizes the reduction stream.
+  ``copy_`` per chunk), in the model's 16 bits.  Every parameter with a gradient has
+  its hook (``create_reduce_and_remove_grad_hooks``), the persistent ones too: a bias
+  or a norm's weight of h elements is its own reduce-scatter of h / p per chunk (12 per
+  GPT layer, 4 of them matrices).  The epilogue reduces the last bucket and
+  synchronizes the reduction stream.
 - ProcessGroupNCCL runs every collective of one process group on one NCCL stream
   (``ncclStreams_[key]``), so the gathers and the reductions of the data-parallel group
   queue behind one another (PyTorch ``torch/lib/c10d/ProcessGroupNCCL.cpp``, 1.8 to
@@ -109,47 +112,66 @@ class Entry:
     phase: str
 
 
-def _matrices(cfg) -> list[tuple[str, float]]:
-    """A layer's weight matrices in forward order, unsplit (tp = 1)."""
+def _layer_modules(cfg) -> list[tuple[str, tuple]]:
+    """A layer's modules with parameters, forward order, unsplit (tp = 1): each a name
+    and its (parameter, elements); GPT: LayerNorm, fused QKV, projection, LayerNorm,
+    fc1, fc2, each with its bias; Llama: RMSNorm, q, k, v, o, RMSNorm, w1, w3, w2."""
     h, f = cfg.d_model, cfg.d_ff
     if cfg.arch == "llama":
         from .llama_layer import weight_matrices
-        names = ("q", "k", "v", "o", "w1", "w3", "w2")
-        return list(zip(names, weight_matrices(cfg, 1)))
-    return [("qkv", 3 * h * h), ("proj", h * h), ("fc1", h * f), ("fc2", f * h)]
+        q, k, v, o, w1, w3, w2 = weight_matrices(cfg, 1)
+        return [("norm1", (("norm1.w", h),)), ("q", (("q.w", q),)), ("k", (("k.w", k),)),
+                ("v", (("v.w", v),)), ("o", (("o.w", o),)), ("norm2", (("norm2.w", h),)),
+                ("w1", (("w1.w", w1),)), ("w3", (("w3.w", w3),)), ("w2", (("w2.w", w2),))]
+    return [("ln1", (("ln1.w", h), ("ln1.b", h))),
+            ("qkv", (("qkv.w", 3 * h * h), ("qkv.b", 3 * h))),
+            ("proj", (("proj.w", h * h), ("proj.b", h))),
+            ("ln2", (("ln2.w", h), ("ln2.b", h))),
+            ("fc1", (("fc1.w", h * f), ("fc1.b", f))),
+            ("fc2", (("fc2.w", f * h), ("fc2.b", h)))]
 
 
 def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
     """One micro-batch's trace as DeepSpeed records it (module docstring), tp = pp = 1:
-    the root (holding the tied word embedding), the embeddings, each layer's weight
-    matrices, the head; the backward from the head down, each layer's matrices recomputed
-    first when ``recompute == "full"``.  A matrix's share of the layer's compute is its
-    share of the layer's weights (as ``zero_cost.stage_blocks``)."""
+    the root (holding the tied word embedding), the embeddings, each layer's modules
+    with parameters (``_layer_modules``; the persistent ones, biases and norms, are
+    never gathered but their gradients are reduce-scattered like any other), the
+    final norm, the head; the backward from the head down, each layer's modules
+    recomputed first when ``recompute == "full"``.  A module's share of the layer's
+    compute is its share of the layer's partitioned weights (as ``zero_cost.
+    stage_blocks``); the norms' is left in the matrices'."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    mats = [(n, w) for n, w in _matrices(cfg) if w >= PERSISTENCE_NUMEL]
-    tot = sum(w for _, w in mats)
+    mods = _layer_modules(cfg)
+    big = {m: sum(n for _, n in ps if n >= PERSISTENCE_NUMEL) for m, ps in mods}
+    tot = sum(big.values())
     full = recompute == "full"
     fwd_l = layer.fwd_compute
     bwd_l = layer.bwd_compute - (fwd_l if full else 0.0)
     tied = cfg.tie_embeddings
     wte = (("wte", V * h),)
+
+    def layer_entries(k, phase, share, order):
+        return [Entry(f"{k}.{m}", tuple((f"{k}.{pid}", n) for pid, n in ps),
+                      share * big[m] / tot, phase) for m, ps in order]
+
     out = [Entry("root", wte if tied else (), 0.0, "f"),
            Entry("wte", wte, edge["first"][0], "f")]
-    pos = cfg.arch != "llama" and s * h >= PERSISTENCE_NUMEL
+    pos = cfg.arch != "llama"
     if pos:
         out.append(Entry("wpe", (("wpe", s * h),), 0.0, "f"))
     for k in range(cfg.n_layer):
-        out += [Entry(f"{k}.{n}", ((f"{k}.{n}", w),), fwd_l * w / tot, "f") for n, w in mats]
+        out += layer_entries(k, "f", fwd_l, mods)
+    final = (("lnf.w", h),) if cfg.arch == "llama" else (("lnf.w", h), ("lnf.b", h))
     head_p = () if tied else (("head", V * h),)
-    out.append(Entry("head", head_p, head.fwd_compute + edge["last"][0], "f"))
-    out.append(Entry("root", wte if tied else (), 0.0, "b"))
-    out.append(Entry("head", head_p, head.bwd_compute + edge["last"][1], "b"))
+    out += [Entry("lnf", final, 0.0, "f"),
+            Entry("head", head_p, head.fwd_compute + edge["last"][0], "f"),
+            Entry("root", wte if tied else (), 0.0, "b"),
+            Entry("head", head_p, head.bwd_compute + edge["last"][1], "b"),
+            Entry("lnf", final, 0.0, "b")]
     for k in reversed(range(cfg.n_layer)):
         if full:
-            out += [Entry(f"{k}.{n}", ((f"{k}.{n}", w),), fwd_l * w / tot, "r")
-                    for n, w in mats]
-        out += [Entry(f"{k}.{n}", ((f"{k}.{n}", w),), bwd_l * w / tot, "b")
-                for n, w in reversed(mats)]
+            out += layer_entries(k, "r", fwd_l, mods)
+        out += layer_entries(k, "b", bwd_l, mods[::-1])
     if pos:
         out.append(Entry("wpe", (("wpe", s * h),), 0.0, "b"))
     out.append(Entry("wte", wte, edge["first"][1], "b"))
@@ -200,10 +222,10 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     elements; ``rate``: compute's speed beside a collective."""
     keep = _keep(trace) if keep is None else keep
     t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
-    busy, avail, inflight, live = [], set(), {}, 0.0
+    busy, inflight = [], {}
     size = {pid: n for e in trace for pid, n in e.params}
     gathers, rs_count, sent = 0, 0, 0.0
-    pending = None                  # (numel, ready): the gradient bucket not yet reduced
+    bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
 
     def gather(pid):
@@ -218,17 +240,21 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         gathers += 1
         sent += wire_bytes("all_gather", 2 * size[pid], p)
 
-    def reduce(numel, ready):
+    def reduce(numels, ready):
+        """reduce_ipg_grads: one list reduce-scatter per parameter of the bucket."""
         nonlocal t, nccl, rs_count, sent, rs_end
         t = max(t, rs_end)                            # reduction_stream.synchronize()
-        t, start, nccl = list_collective("reduce_scatter", numel, p, rs_price(numel),
-                                         t, ready, nccl, mem_bw)
-        busy.append((start, nccl))
+        for numel in numels:
+            t, start, nccl = list_collective("reduce_scatter", numel, p, rs_price(numel),
+                                             t, ready, nccl, mem_bw)
+            busy.append((start, nccl))
+            rs_count += 1
+            sent += wire_bytes("reduce_scatter", 2 * numel, p)
         rs_end = nccl
-        rs_count += 1
-        sent += wire_bytes("reduce_scatter", 2 * numel, p)
 
     held = {pid for e in trace if e.module == "root" for pid, _ in e.params}
+    avail = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
+    live = sum(size[pid] for pid in avail)
     last_b = {pid: i for i, e in enumerate(trace) if e.phase == "b" for pid, _ in e.params}
     compute = 0.0
     for i, e in enumerate(trace):
@@ -261,17 +287,19 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
             for pid, n in e.params:
                 if last_b[pid] != i:
                     continue
-                if pending is not None and pending[0] + n > REDUCE_BUCKET_NUMEL:
-                    reduce(*pending)
-                    pending = None
-                pending = (n + (pending[0] if pending else 0.0), gpu)
+                if bucket and sum(bucket) + n > REDUCE_BUCKET_NUMEL:
+                    reduce(bucket, ready)
+                    bucket = []
+                bucket.append(n)
+                ready = gpu
         for pid in mine:        # the root's (ds_active_sub_modules) are held to the end
-            if pid not in held and not keep[i] and pid in avail:
+            if pid not in held and not keep[i] and pid in avail \
+                    and size[pid] >= PERSISTENCE_NUMEL:
                 t = max(t, gpu) + RELEASE_S           # _partition_param's blocking copy
                 avail.discard(pid)
                 live -= size[pid]
-    if pending is not None:                           # the epilogue
-        reduce(*pending)
+    if bucket:                                        # the epilogue
+        reduce(bucket, ready)
     end = max(t, gpu, nccl, rs_end)
     return {"seconds": end, "compute": compute, "gathers": gathers,
             "reduce_scatters": rs_count, "sent": sent}
