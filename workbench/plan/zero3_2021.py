@@ -61,14 +61,16 @@ persistence key is misspelt (``stage3_param_persitence_threshold``), so the defa
 (``constants.py``) holds; ``overlap_comm`` defaults to True for ZeRO-3.
 
 The host costs are measured (``benchmarks/host_chunk_overhead.py``, on the H100
-machine lent to this project, torch 2.11, 2026-11-26; figures in its docstring), per
+machines lent to this project, torch 2.11, 2026-11-26; figures in its docstring), per
 rank: DeepSpeed's all-gather loop (``narrow``, ``get_rank(group)``, append) 6.9 us (6.6
-and 7.1 at 1,536 and 384 ranks), its reduce-scatter loop 7.5 us (7.4, 7.6),
-ProcessGroupNCCL's ``recordStream`` + ``copy_`` 10.7 us (median of 10.4-13.9, timed from
-Python: c10d's loop is C++, so an upper bound for it); per release the blocking
+and 7.1 at 1,536 and 384 ranks), its reduce-scatter loop 7.5 us (7.4, 7.6);
+ProcessGroupNCCL's per-chunk ``recordStream`` + ``copy_(non_blocking=True)``, a C++ loop,
+6.1 us: a TorchScript loop of ``copy_`` (no Python per call; median 5.65 us of 5.2-8.8)
+plus ``record_stream`` (0.42 us); the same from Python took 6.4-13.9 us on two machines
+(UNCERTAIN: the machines differ by up to 1.5x run to run).  Per release the blocking
 ``torch.ones(1).half().to(device)`` 21 us beyond the wait for the compute stream; one
 ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts of 2021 (torch 1.8,
-another CPU) cost the same.
+an AMD EPYC 7742) cost the same.
 
 Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
 gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
@@ -96,7 +98,7 @@ REDUCE_BUCKET_NUMEL = 67_108_860
 # host seconds, measured by benchmarks/host_chunk_overhead.py (module docstring)
 AG_LOOP_S = 6.9e-6         # _allgather_param's loop, per rank
 RS_LOOP_S = 7.5e-6         # _reduce_scatter_gradient's loop, per rank
-RECORD_COPY_S = 1.07e-5    # recordStream + copy_(non_blocking=True), per rank, c10d's loop
+RECORD_COPY_S = 6.1e-6     # recordStream + copy_(non_blocking=True), per rank, c10d's loop
 RELEASE_S = 2.1e-5         # torch.ones(1).half().to(device) (then waits for the stream)
 SYNC_S = 9.6e-6            # torch.cuda.synchronize() on an idle device
 
