@@ -16,7 +16,8 @@ def _gpt(h, layers=2, V=51200):
 
 def _trace(cfg, recompute="full", mb=1):
     prof = wb.plan.Cluster("a100", 8).profile
-    layer = C.layer_cost(cfg, mb, 1, False, recompute, prof, "materialized", False)
+    att = "flash" if cfg.arch == "llama" else "materialized"
+    layer = C.layer_cost(cfg, mb, 1, False, recompute, prof, att, False)
     head = C.head_cost(cfg, mb, 1, False, prof)
     return Z.gpt_trace(cfg, layer, head, edge_times(cfg, mb, 1, False, prof), recompute)
 
@@ -130,3 +131,16 @@ def test_estimate_hook_and_errors():
         wb.plan.estimate(cfg, wb.plan.Layout(dp=8, tp=2, zero=3, global_batch=32,
                                              framework="deepspeed-0.3"),
                          wb.plan.Cluster("a100", 16))
+
+
+def test_llama_trace_reduces_every_parameter():
+    # a Llama layer: RMSNorm, q, k, v, o, RMSNorm, w1, w3, w2; no biases, an untied head
+    # gathered by its own module (kept from its forward to its backward: nothing between)
+    from workbench.models.config import get_config
+    cfg = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
+                     d_ff=2816, dtype="float16")
+    tr = _trace(cfg)
+    r = Z.simulate(tr, 8, _price, _price, 2e12)
+    mats = sum(n >= Z.PERSISTENCE_NUMEL for _, ps in Z._layer_modules(cfg) for _, n in ps)
+    assert r["reduce_scatters"] == cfg.n_layer * 9 + 1 + 1 + (not cfg.tie_embeddings)
+    assert r["gathers"] >= cfg.n_layer * mats

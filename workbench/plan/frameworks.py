@@ -17,6 +17,10 @@ them, and what the estimate and the memory model read from here:
   in the model's 16-bit dtype (``communication_data_type`` defaults to it,
   ``deepspeed/runtime/config.py``), every micro-batch with ZeRO-2/3, overlapped with the
   backward (``overlap_comm``), ZeRO-3's gathers prefetched (``plan.zero_cost``).
+- ``"deepspeed-0.3"`` (DeepSpeed v0.3.13-0.3.16, spring 2021, ZeRO-3 only, no model
+  parallelism): ZeRO-3 as those releases ran it (``plan.zero3_2021``: one all-gather per
+  parameter on a list of dp chunks, host-synchronous fetches, a reduce-scatter per
+  parameter); for runs of that time, e.g. Narayanan et al. SC'21 Table 2.
 - ``"workbench"``: this library's own Hybrid recipe (``plan.dry_run`` runs it):
   gradients reduced in the parameters' dtype after the flush (ZeRO 0/1), ZeRO-2/3 as
   ``parallel.strategies.zero3`` (DeepSpeed's schedule, one layer per gather).
