@@ -144,3 +144,15 @@ def test_llama_trace_reduces_every_parameter():
     mats = sum(n >= Z.PERSISTENCE_NUMEL for _, ps in Z._layer_modules(cfg) for _, n in ps)
     assert r["reduce_scatters"] == cfg.n_layer * 9 + 1 + 1 + (not cfg.tie_embeddings)
     assert r["gathers"] >= cfg.n_layer * mats
+
+
+def test_ring_latency_at_1536_ranks_is_nccl_2_9s_tuning_model():
+    # NCCL v2.9.6-1 src/graph/tuning.cc (the release of spring 2021): ring all-gather
+    # latency = baseLat + (nsteps - nInterSteps) x intra hwLat + nInterSteps x NET hwLat,
+    # nsteps = p - 1, nInterSteps = nodes - 1; LL128: 10.0 + 1.9 (NVLink) + 4.0 (NET) us.
+    # The clock prices a 1.2 GB gather over 192 DGX nodes with LL128 (its lowest time):
+    # that latency, once per collective, however many parameters' gathers there are
+    from workbench.plan.zero3_count import fixed_seconds
+    prof = wb.plan.Cluster("a100", 1536).profile
+    got = fixed_seconds("all_gather", 2 * 604e6, tuple(range(1536)), prof)
+    assert got == pytest.approx((10.0 + 1344 * 1.9 + 191 * 4.0) * 1e-6, rel=1e-6)
