@@ -156,3 +156,30 @@ def test_ring_latency_at_1536_ranks_is_nccl_2_9s_tuning_model():
     prof = wb.plan.Cluster("a100", 1536).profile
     got = fixed_seconds("all_gather", 2 * 604e6, tuple(range(1536)), prof)
     assert got == pytest.approx((10.0 + 1344 * 1.9 + 191 * 4.0) * 1e-6, rel=1e-6)
+
+
+def test_post_step_gather_copies_each_chunk_that_holds_data():
+    # _allgather_params' reassembly copies, per persistent parameter, each rank's chunk
+    # that holds some of it: a 12,288-element bias over 1,536 ranks, 1,536 chunks of 8;
+    # a 20,480-element one over 2,240 ranks, chunks of 10, the last 192 only padding
+    tr = [Z.Entry("ln", (("w", 12288),), 0.0, "f")]
+    secs, _ = Z.post_step_gather(tr, 1536, lambda n: 0.0)
+    want = Z.SYNC_S + 1536 * Z.NARROW_S + 1536 * Z.RECORD_COPY_S + 1536 * Z.REASSEMBLE_S
+    assert secs == pytest.approx(want)
+    tr = [Z.Entry("ln", (("w", 20480),), 0.0, "f")]
+    secs, _ = Z.post_step_gather(tr, 2240, lambda n: 0.0)
+    want = Z.SYNC_S + 2240 * Z.NARROW_S + 2240 * Z.RECORD_COPY_S + 2048 * Z.REASSEMBLE_S
+    assert secs == pytest.approx(want)
+    # the matrices are not persistent: nothing of theirs is gathered after the step
+    assert Z.post_step_gather([Z.Entry("fc", (("w", 10**6),), 0.0, "f")], 8, _price) \
+        == (0.0, 0.0)
+
+
+def test_later_micro_batches_gather_the_persistent_parameters_again():
+    # _partition_all_parameters released them after the backward: each is gathered
+    # (one list collective) at its module's first use in the next micro-batch
+    tr = _trace(_gpt(12288))
+    first = Z.simulate(tr, 64, _price, _price, 2e12)
+    rest = Z.simulate(tr, 64, _price, _price, 2e12, persistent_gathered=False)
+    assert rest["gathers"] - first["gathers"] == 2 * 8 + 2
+    assert rest["seconds"] > first["seconds"]

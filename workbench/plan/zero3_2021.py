@@ -48,6 +48,14 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   or a norm's weight of h elements is its own reduce-scatter of h / p per chunk (12 per
   GPT layer, 4 of them matrices).  The epilogue reduces the last bucket and
   synchronizes the reduction stream.
+- **the persistent parameters** are released after every backward too
+  (``backward`` -> ``_partition_all_parameters``: every gathered parameter,
+  ``release_and_reset_parameter``), so the next micro-batch gathers each of them again,
+  one list collective each, at its module's first use; after the optimizer step
+  ``_post_step`` gathers them all with the synchronous path (``_allgather_params``: one
+  all-gather on a list of p chunks, then per parameter and per rank a ``narrow`` and a
+  ``copy_`` into the parameter: with 770 biases and norms in GPT-3 175B, 1.2 million
+  Python copies per step at 1,536 ranks).
 - ProcessGroupNCCL runs every collective of one process group on one NCCL stream
   (``ncclStreams_[key]``), so the gathers and the reductions of the data-parallel group
   queue behind one another (PyTorch ``torch/lib/c10d/ProcessGroupNCCL.cpp``, 1.8 to
@@ -67,7 +75,10 @@ and 7.1 at 1,536 and 384 ranks), its reduce-scatter loop 7.5 us (7.4, 7.6);
 ProcessGroupNCCL's per-chunk ``recordStream`` + ``copy_(non_blocking=True)``, a C++ loop,
 6.1 us: a TorchScript loop of ``copy_`` (no Python per call; median 5.65 us of 5.2-8.8)
 plus ``record_stream`` (0.42 us); the same from Python took 6.4-13.9 us on two machines
-(UNCERTAIN: the machines differ by up to 1.5x run to run).  Per release the blocking
+(UNCERTAIN: the machines differ by up to 1.5x run to run).  ``_allgather_params``'
+reassembly, per parameter and rank, two ``narrow`` (3.9 us each, median of 3.7-4.1), a
+``view`` (0.48 x narrow: the ratio timed on CPU tensors here, ASSUMED to hold on the
+GPU host) and a ``copy_`` from Python (6.1 us, median of 5.8-8.9 on one machine).  Per release the blocking
 ``torch.ones(1).half().to(device)`` 21 us beyond the wait for the compute stream; one
 ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts of 2021 (torch 1.8,
 an AMD EPYC 7742) cost the same.
@@ -101,6 +112,11 @@ RS_LOOP_S = 7.5e-6         # _reduce_scatter_gradient's loop, per rank
 RECORD_COPY_S = 6.1e-6     # recordStream + copy_(non_blocking=True), per rank, c10d's loop
 RELEASE_S = 2.1e-5         # torch.ones(1).half().to(device) (then waits for the stream)
 SYNC_S = 9.6e-6            # torch.cuda.synchronize() on an idle device
+# _allgather_params' reassembly, per parameter and rank: two narrow, a view, a copy_
+# from Python; narrow 3.9 us and copy_ 6.1 us measured (medians), view 0.48 x narrow
+# (the ratio measured on CPU tensors, the same dispatch without CUDA) (module docstring)
+NARROW_S = 3.9e-6
+REASSEMBLE_S = 2 * NARROW_S + 0.48 * NARROW_S + 6.1e-6
 
 
 @dataclass(frozen=True)
@@ -217,11 +233,13 @@ def list_collective(kind: str, numel: float, p: int, price: float, t: float,
 
 
 def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
-             keep=None) -> dict:
+             keep=None, persistent_gathered: bool = True) -> dict:
     """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
     its compute seconds, the gathers and reduce-scatters it ran and their wire bytes.
     ``ag_price(numel)`` / ``rs_price(numel)``: NCCL's seconds on that many 16-bit
-    elements; ``rate``: compute's speed beside a collective."""
+    elements; ``rate``: compute's speed beside a collective; ``persistent_gathered``:
+    the persistent parameters are there when it starts (the step's first micro-batch,
+    after ``_post_step``), else each is gathered at its first use."""
     keep = _keep(trace) if keep is None else keep
     t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
     busy, inflight = [], {}
@@ -255,7 +273,8 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         rs_end = nccl
 
     held = {pid for e in trace if e.module == "root" for pid, _ in e.params}
-    avail = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
+    persistent = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
+    avail = set(persistent) if persistent_gathered else set()
     live = sum(size[pid] for pid in avail)
     last_b = {pid: i for i, e in enumerate(trace) if e.phase == "b" for pid, _ in e.params}
     compute = 0.0
@@ -302,7 +321,8 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                 live -= size[pid]
     if bucket:                                        # the epilogue
         reduce(bucket, ready)
-    end = max(t, gpu, nccl, rs_end)
+    # _partition_all_parameters: each parameter still gathered released (a blocking copy)
+    end = max(t, gpu, nccl, rs_end) + len(avail) * RELEASE_S
     return {"seconds": end, "compute": compute, "gathers": gathers,
             "reduce_scatters": rs_count, "sent": sent}
 
@@ -325,5 +345,27 @@ def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
         return C.group_price("reduce_scatter", 2 * n, ranks, prof)
 
     trace = gpt_trace(cfg, layer, head, edge, lay.recompute)
-    r = simulate(trace, len(ranks), ag, rs, prof.memory_bandwidth, overlap_rate(prof))
-    return lay.m * (r["seconds"] - r["compute"]), lay.m * r["sent"]
+    p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof)
+    first = simulate(trace, p, ag, rs, bw, rate)
+    rest = simulate(trace, p, ag, rs, bw, rate, persistent_gathered=False) \
+        if lay.m > 1 else first
+    post, post_sent = post_step_gather(trace, p, ag)
+    seconds = first["seconds"] + (lay.m - 1) * rest["seconds"] + post
+    sent = first["sent"] + (lay.m - 1) * rest["sent"] + post_sent
+    return seconds - lay.m * first["compute"], sent
+
+
+def post_step_gather(trace, p: int, ag_price) -> tuple[float, float]:
+    """(seconds, bytes sent) of ``_post_step``'s gather of the persistent parameters
+    (module docstring): DeepSpeed's loop of p ``narrow``, one all-gather of their
+    partitions on a list of p chunks (c10d's p copies), then, per parameter, a
+    ``narrow`` + ``copy_`` for each rank whose chunk holds some of it (the padding of
+    the last ranks' chunks is not copied), all on the host, synchronously."""
+    sizes = {pid: n for e in trace for pid, n in e.params if n < PERSISTENCE_NUMEL}
+    if not sizes:
+        return 0.0, 0.0
+    part = sum(-(-n // p) for n in sizes.values())
+    chunks = sum(-(-n // -(-n // p)) for n in sizes.values())
+    copies = p * RECORD_COPY_S + chunks * REASSEMBLE_S   # issued as NCCL runs, after it
+    seconds = SYNC_S + p * NARROW_S + max(copies, ag_price(part * p))
+    return seconds, wire_bytes("all_gather", 2 * part * p, p)
