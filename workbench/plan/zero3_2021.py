@@ -78,9 +78,9 @@ plus ``record_stream`` (0.42 us); the same from Python took 6.4-13.9 us on two m
 (UNCERTAIN: the machines differ by up to 1.5x run to run).  ``_allgather_params``'
 reassembly, per parameter and rank, two ``narrow`` (3.9 us each, median of 3.7-4.1), a
 ``view`` (0.48 x narrow: the ratio timed on CPU tensors here, ASSUMED to hold on the
-GPU host) and a ``copy_`` from Python (6.1 us, median of 5.8-8.9 on one machine).  Per release the blocking
-``torch.ones(1).half().to(device)`` 21 us beyond the wait for the compute stream; one
-``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts of 2021 (torch 1.8,
+GPU host) and a ``copy_`` from Python (6.1 us, median of 5.8-8.9 on one machine).  Per
+release the blocking ``torch.ones(1).half().to(device)`` 21 us beyond the wait for the
+compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts of 2021 (torch 1.8,
 an AMD EPYC 7742) cost the same.
 
 Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
@@ -94,7 +94,8 @@ from dataclasses import dataclass
 from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
-__all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective"]
+__all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective",
+           "post_step_gather"]
 
 FRAMEWORK = "deepspeed-0.3"
 
