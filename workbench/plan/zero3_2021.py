@@ -80,8 +80,8 @@ reassembly, per parameter and rank, two ``narrow`` (3.9 us each, median of 3.7-4
 ``view`` (0.48 x narrow: the ratio timed on CPU tensors here, ASSUMED to hold on the
 GPU host) and a ``copy_`` from Python (6.1 us, median of 5.8-8.9 on one machine).  Per
 release the blocking ``torch.ones(1).half().to(device)`` 21 us beyond the wait for the
-compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts of 2021 (torch 1.8,
-an AMD EPYC 7742) cost the same.
+compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts
+of 2021 (torch 1.8, an AMD EPYC 7742) cost the same.
 
 Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
 gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
