@@ -90,7 +90,19 @@ on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scalin
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
 (its layout at measurement time is not recorded), MLPerf, Ascend tables.
 
-No ZeRO-3 (DeepSpeed or FSDP) row at scale yet, for want of a source on a profile here:
+- ``narayanan_zero3``: Narayanan et al. SC'21 Table 2, "ZeRO-3 without Model
+  Parallelism" (GPT-3 175B on 384 / 768 / 1,536 A100s at batch 1,536; 530B on 640 at
+  batch 2,560, 1,120 and 2,240 at 2,240), the achieved teraFLOP/s per GPU as encoded by
+  cli99/llm-analysis's reproduction script (examples/megatron-lm/run_train_zero.sh,
+  b60b392f74; its README shows the table as an image): a secondary source.  Priced as
+  DeepSpeed of that time ran ZeRO-3 (``framework="deepspeed-0.3"``, ``plan.zero3_2021``:
+  v0.3.13-0.3.16 read from its source, host costs per chunk measured).  ASSUMED: fp16,
+  full recompute, micro-batch = batch / GPUs, DeepSpeedExamples' Megatron ZeRO-3
+  config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
+  gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
+  188, 1.6x to 4.3x the published figures.
+
+Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
 blogs/zeropp/japanese/README.md, the evaluation section: 384 NVIDIA V100 GPUs; its
 tutorial, docs/_tutorials/zeropp.md: nodes of 16 V100-SXM3; no V100 profile here);
@@ -233,7 +245,37 @@ def _mt_nlg_rows():
                           "51,200 ASSUMED")
 
 
-ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows()]
+# Narayanan et al. SC'21 Table 2, "ZeRO-3 without Model Parallelism" (sec. 5.2):
+# parameters (billion), GPUs, global batch, achieved teraFLOP/s per GPU, training days
+# for 300B tokens, as encoded by cli99/llm-analysis examples/megatron-lm/run_train_zero.sh
+# (b60b392f74: --total_num_gpus, --global_batch_size, --achieved_tflops, and the days
+# in the comment above each command; its README reproduces the table as an image)
+ZERO3_2021 = [(175, 384, 1536, 144.0, 90), (175, 768, 1536, 88.0, 74),
+              (175, 1536, 1536, 44.0, 74), (530, 640, 2560, 138.0, 169),
+              (530, 1120, 2240, 98.0, 137), (530, 2240, 2240, 48.0, 140)]
+ZERO3_2021_CITE = ("Narayanan et al. SC'21 Table 2 (ZeRO-3 without model parallelism), as "
+                   "encoded by cli99/llm-analysis examples/megatron-lm/run_train_zero.sh "
+                   "(b60b392f74, secondary source)")
+_Z3_SHAPES = {175: (12288, 96, 96), 530: (20480, 105, 128)}
+
+
+def _zero3_2021_rows():
+    for size, gpus, gbs, tflops, _ in ZERO3_2021:
+        h, l, a = _Z3_SHAPES[size]
+        yield dict(source="narayanan_zero3", name=f"GPT {size}B", profile="a100",
+                   devices=gpus, model=dict(d_model=h, n_layer=l, n_head=a, dtype="float16"),
+                   layout=dict(dp=gpus, tp=1, pp=1, sp=False, zero=3, recompute="full",
+                               micro_batch=gbs // gpus, global_batch=gbs, schedule="1f1b",
+                               v=1, framework="deepspeed-0.3"),
+                   metric="tflops_per_device", published=tflops, published_hfu=None,
+                   cite=ZERO3_2021_CITE,
+                   assume="fp16, full recompute, one micro-batch per step, DeepSpeed "
+                          "v0.3.13-0.3.16 with DeepSpeedExamples' Megatron ZeRO-3 config "
+                          "ASSUMED")
+
+
+ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows(),
+        *_zero3_2021_rows()]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
                         "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
@@ -251,6 +293,11 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "(cuDNN's fused kernel, as Transformer Engine runs it) and the loss "
                           "at the rates measured on an H100 (sim_mesh/measurements): the "
                           "range column goes down to FlashAttention-2's measured rates",
+         "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
+                            "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
+                            "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
+                            "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
+                            "config ASSUMED",
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
                    "pipeline engine and data parallelism (framework='deepspeed')"}
@@ -313,7 +360,8 @@ def main():
     for source, label in (("narayanan", "achieved TFLOP/s per GPU (with recompute)"),
                           ("korthikanti", "MFU (eq. 7; SP + selective recompute)"),
                           ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)"),
-                          ("mt_nlg", "TFLOP/s per GPU (with recompute)")):
+                          ("mt_nlg", "TFLOP/s per GPU (with recompute)"),
+                          ("narayanan_zero3", "achieved TFLOP/s per GPU (with recompute)")):
         rows = [r for r in results if r["row"]["source"] == source]
         print(f"\n{rows[0]['row']['cite']}\n  metric: {label}")
         print(f"  {'model':<9}{'GPUs':>6}  {'layout':<44}{'published':>10}{'predicted':>10}"

@@ -63,6 +63,7 @@ from . import stage_sync as S
 from . import zero_cost as Z
 from . import fsdp2_cost as FS
 from . import deepspeed_step as DS
+from . import zero3_2021 as Z21
 from . import ep_cp as EC
 from . import tp_overlap as TPO
 from .layout import Cluster, Layout, attention_for, check_layout
@@ -362,7 +363,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                                 head_live=cfg.tie_embeddings, side=side)
+                                 head_live=cfg.tie_embeddings, side=side) \
+            if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent

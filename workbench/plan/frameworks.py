@@ -22,6 +22,10 @@ them, and what the estimate and the memory model read from here:
   With pp > 1 (ZeRO 0/1 only), its 2021 pipeline engine as its source runs it:
   ``plan.deepspeed_pipe`` (TrainSchedule, blocking p2p) and ``plan.deepspeed_step``
   (partitioned p2p bookkeeping, ReduceTiedGrads / ReduceGrads, FP16_Optimizer).
+- ``"deepspeed-0.3"`` (DeepSpeed v0.3.13-0.3.16, spring 2021, ZeRO-3 only, no model
+  parallelism): ZeRO-3 as those releases ran it (``plan.zero3_2021``: one all-gather per
+  parameter on a list of dp chunks, host-synchronous fetches, a reduce-scatter per
+  parameter); for runs of that time, e.g. Narayanan et al. SC'21 Table 2.
 - ``"workbench"``: this library's own Hybrid recipe (``plan.dry_run`` runs it):
   gradients reduced in the parameters' dtype after the flush (ZeRO 0/1), ZeRO-2/3 as
   ``parallel.strategies.zero3`` (DeepSpeed's schedule, one layer per gather).
@@ -60,7 +64,7 @@ from __future__ import annotations
 __all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes",
            "assumptions"]
 
-FRAMEWORKS = ("megatron", "deepspeed", "workbench", "fsdp")
+FRAMEWORKS = ("megatron", "deepspeed", "workbench", "fsdp", "deepspeed-0.3")
 
 # torchtitan (pytorch/torchtitan, torchtitan/config: Training.mixed_precision_reduce
 # "float32", mixed_precision_param "bfloat16"): the FSDP2 recipe priced here
@@ -80,6 +84,10 @@ def resolve(framework, zero: int) -> str:
         raise ValueError(f"Layout: framework='megatron' with zero={zero}: Megatron-LM's "
                          f"distributed optimizer shards the optimizer states only (ZeRO-1); "
                          f"use zero<=1, or framework='deepspeed' for ZeRO-{zero}")
+    if framework == "deepspeed-0.3" and zero != 3:
+        raise ValueError(f"Layout: framework='deepspeed-0.3' with zero={zero}: it prices "
+                         f"the ZeRO-3 of DeepSpeed's spring-2021 releases (plan.zero3_2021); "
+                         f"use zero=3, or framework='deepspeed' for ZeRO-{zero}")
     if framework == "fsdp" and zero != 3:
         raise ValueError(f"Layout: framework='fsdp' with zero={zero}: FSDP2's fully_shard "
                          f"(reshard_after_forward=True) shards parameters, gradients and "
@@ -117,6 +125,11 @@ _FRAMEWORK_WORDS = {
             "of one block, prefetched one block ahead, re-gathered for backward, gradients "
             "reduce-scattered in fp32 every micro-batch; all-gather and reduce-scatter "
             "share the network as one stream (ASSUMPTION)",
+    "deepspeed-0.3": "DeepSpeed v0.3.13-0.3.16 (spring 2021) ZeRO-3: one all-gather per "
+                     "parameter on a list of dp chunks (dp copies each, host-synchronous "
+                     "fetches), per-parameter reduce-scatter, DeepSpeedExamples' Megatron "
+                     "ZeRO-3 config ASSUMED; host cost per chunk measured on the H100 "
+                     "machine's host (plan.zero3_2021)",
     "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
                  "gather per layer"}
 

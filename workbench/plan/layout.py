@@ -69,7 +69,8 @@ class Layout:
     parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
     ("none", "selective", "full"), and ``global_batch`` sequences per optimizer step
     split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch),
-    run by ``framework`` ("megatron", "deepspeed", "workbench", "fsdp" with zero=3:
+    run by ``framework`` ("megatron", "deepspeed", "workbench", "fsdp" or "deepspeed-0.3"
+    with zero=3:
     ``plan.frameworks``;
     None: Megatron-LM for ZeRO 0-1, DeepSpeed for ZeRO 2-3, read back as
     :attr:`engine`).  ``stages``: the layers of each pipeline stage when they are

@@ -1,0 +1,372 @@
+"""DeepSpeed ZeRO-3 as its spring-2021 releases ran it (``framework="deepspeed-0.3"``).
+
+The version: DeepSpeed v0.3.13 (2021-03-16, the first release with ZeRO-3) to v0.3.16
+(2021-04-29); Narayanan et al. (SC'21, arXiv 2104.04473 v1 of 2021-04-09) compare PTD-P
+with "ZeRO-3 without model parallelism" of that time.  The three files below are the same
+in every one of those releases where it matters here (``git diff v0.3.13 v0.3.16``).
+What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` and
+``partition_parameters.py`` (microsoft/DeepSpeed, tag v0.3.13):
+
+- **one collective per parameter**: ``PartitionedParameterCoordinator._all_gather``
+  calls ``param.all_gather(param_list, async_op=True)``, which loops over the list and
+  runs ``_allgather_param`` for each parameter (the coalesced ``_allgather_params`` is
+  the synchronous path, not used by the coordinator).  ``_allgather_param`` allocates the
+  gathered tensor with ``torch.zeros`` (a fill of the whole parameter), calls
+  ``torch.cuda.synchronize()``, builds a Python list of ``world_size`` chunk views
+  (``flat_tensor.narrow`` per rank) and calls ``torch.distributed.all_gather(partitions,
+  ...)`` with that list; PyTorch's ProcessGroupNCCL (``allgather``, its post hook) gathers
+  into a flat buffer of its own and then runs ``recordStream`` and ``copy_`` per chunk on
+  the NCCL stream: ``world_size`` copies per parameter.
+- **host-synchronous fetches**: ``fetch_sub_module`` (each module's pre-forward and
+  pre-backward hook) gathers what is not there and, when it gathered or waits on a
+  prefetch, ``_synchronize_communication``: ``handle.wait()``, ``comm_stream.
+  synchronize()`` and ``torch.cuda.synchronize()``: the host waits for every stream.
+- **prefetch** (``prefetch_next_sub_modules``): only when no gather is in flight and the
+  gathered parameters number fewer than ``stage3_max_live_parameters``; then the next
+  not-gathered parameters of the recorded trace, one collective each, until they reach
+  ``stage3_prefetch_bucket_size`` elements.
+- **release** after a module's forward / backward unless the trace uses the module again
+  within ``stage3_max_reuse_distance`` elements (``_keep_for_later``), or the parameter
+  is persistent (fewer than ``stage3_param_persistence_threshold`` elements: biases,
+  norms, never partitioned).
+- **the tied word embedding**: Megatron-LM-v1.1.5-ZeRO3 (DeepSpeedExamples, commit
+  7b5abd576e, ``megatron/model/gpt2_model.py``) registers it as an external parameter of
+  the root module, so it is gathered by the root's pre-forward hook and stays gathered
+  until the root's post-backward hook: for the whole micro-batch, counted against
+  ``stage3_max_live_parameters`` (so with a vocabulary of 51,200 and h = 12,288, 629 M of
+  the 1e9, prefetching stops whenever the module running holds 371 M more).
+- **gradients** (``contiguous_gradients`` on): each parameter's gradient hook
+  (``reduce_independent_p_g_buckets_and_remove_grads``) reduces the bucket before it
+  once ``reduce_bucket_size`` would overflow (``reduce_ipg_grads``: first
+  ``reduction_stream.synchronize()``, the host waiting for the previous reduction); a
+  parameter above the bucket size is its own bucket; the reduction is
+  ``_reduce_scatter_gradients``: per parameter a list of ``world_size`` chunk views
+  (``narrow``) and ``torch.distributed.reduce_scatter`` on that list, which
+  ProcessGroupNCCL flattens first (``reduce_scatter``'s pre hook: ``recordStream`` and
+  ``copy_`` per chunk), in the model's 16 bits.  Every parameter with a gradient has
+  its hook (``create_reduce_and_remove_grad_hooks``), the persistent ones too: a bias
+  or a norm's weight of h elements is its own reduce-scatter of h / p per chunk (12 per
+  GPT layer, 4 of them matrices).  The epilogue reduces the last bucket and
+  synchronizes the reduction stream.
+- **the persistent parameters** are released after every backward too
+  (``backward`` -> ``_partition_all_parameters``: every gathered parameter,
+  ``release_and_reset_parameter``), so the next micro-batch gathers each of them again,
+  one list collective each, at its module's first use; after the optimizer step
+  ``_post_step`` gathers them all with the synchronous path (``_allgather_params``: one
+  all-gather on a list of p chunks, then per parameter and per rank a ``narrow`` and a
+  ``copy_`` into the parameter: with 770 biases and norms in GPT-3 175B, 1.2 million
+  Python copies per step at 1,536 ranks).
+- ProcessGroupNCCL runs every collective of one process group on one NCCL stream
+  (``ncclStreams_[key]``), so the gathers and the reductions of the data-parallel group
+  queue behind one another (PyTorch ``torch/lib/c10d/ProcessGroupNCCL.cpp``, 1.8 to
+  1.10: ``allgather`` / ``reduce_scatter`` as described).
+
+The configuration is DeepSpeed's own example for Megatron with ZeRO-3 (ASSUMPTION: the
+paper does not print its configuration): DeepSpeedExamples ``Megatron-LM-v1.1.5-ZeRO3/
+examples/ds_zero_stage_3_config.json`` (commit 44be774aad): max live 1e9, reuse distance
+1e9, prefetch bucket 6.039798e7, reduce bucket 6.710886e7, contiguous gradients; its
+persistence key is misspelt (``stage3_param_persitence_threshold``), so the default 1e5
+(``constants.py``) holds; ``overlap_comm`` defaults to True for ZeRO-3.
+
+The host costs are measured (``benchmarks/host_chunk_overhead.py``, on the H100
+machines lent to this project, torch 2.11, 2026-11-26; figures in its docstring), per
+rank: DeepSpeed's all-gather loop (``narrow``, ``get_rank(group)``, append) 6.9 us (6.6
+and 7.1 at 1,536 and 384 ranks), its reduce-scatter loop 7.5 us (7.4, 7.6);
+ProcessGroupNCCL's per-chunk ``recordStream`` + ``copy_(non_blocking=True)``, a C++ loop,
+6.1 us: a TorchScript loop of ``copy_`` (no Python per call; median 5.65 us of 5.2-8.8)
+plus ``record_stream`` (0.42 us); the same from Python took 6.4-13.9 us on two machines
+(UNCERTAIN: the machines differ by up to 1.5x run to run).  ``_allgather_params``'
+reassembly, per parameter and rank, two ``narrow`` (3.9 us each, median of 3.7-4.1), a
+``view`` (0.48 x narrow: the ratio timed on CPU tensors here, ASSUMED to hold on the
+GPU host) and a ``copy_`` from Python (6.1 us, median of 5.8-8.9 on one machine).  Per
+release the blocking ``torch.ones(1).half().to(device)`` 21 us beyond the wait for the
+compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts
+of 2021 (torch 1.8, an AMD EPYC 7742) cost the same.
+
+Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
+gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
+current buffers), the loss scaler's overflow check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
+from . import costs as C
+
+__all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective",
+           "post_step_gather"]
+
+FRAMEWORK = "deepspeed-0.3"
+
+# DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_3_config.json
+# (44be774aad); persistence: deepspeed/runtime/zero/constants.py v0.3.13 (module docstring)
+PREFETCH_NUMEL = 60_397_980
+MAX_LIVE_NUMEL = 1_000_000_000
+MAX_REUSE_NUMEL = 1_000_000_000
+PERSISTENCE_NUMEL = 100_000
+REDUCE_BUCKET_NUMEL = 67_108_860
+
+# host seconds, measured by benchmarks/host_chunk_overhead.py (module docstring)
+AG_LOOP_S = 6.9e-6         # _allgather_param's loop, per rank
+RS_LOOP_S = 7.5e-6         # _reduce_scatter_gradient's loop, per rank
+RECORD_COPY_S = 6.1e-6     # recordStream + copy_(non_blocking=True), per rank, c10d's loop
+RELEASE_S = 2.1e-5         # torch.ones(1).half().to(device) (then waits for the stream)
+SYNC_S = 9.6e-6            # torch.cuda.synchronize() on an idle device
+# _allgather_params' reassembly, per parameter and rank: two narrow, a view, a copy_
+# from Python; narrow 3.9 us and copy_ 6.1 us measured (medians), view 0.48 x narrow
+# (the ratio measured on CPU tensors, the same dispatch without CUDA) (module docstring)
+NARROW_S = 3.9e-6
+REASSEMBLE_S = 2 * NARROW_S + 0.48 * NARROW_S + 6.1e-6
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One module's turn in the recorded trace: its id, the partitioned parameters it
+    uses ((id, elements), persistent ones left out), its compute seconds, and its phase
+    ("f" forward, "r" recomputed forward inside the backward, "b" backward)."""
+    module: str
+    params: tuple
+    compute: float
+    phase: str
+
+
+def _layer_modules(cfg) -> list[tuple[str, tuple]]:
+    """A layer's modules with parameters, forward order, unsplit (tp = 1): each a name
+    and its (parameter, elements); GPT: LayerNorm, fused QKV, projection, LayerNorm,
+    fc1, fc2, each with its bias; Llama: RMSNorm, q, k, v, o, RMSNorm, w1, w3, w2."""
+    h, f = cfg.d_model, cfg.d_ff
+    if cfg.arch == "llama":
+        from .llama_layer import weight_matrices
+        q, k, v, o, w1, w3, w2 = weight_matrices(cfg, 1)
+        return [("norm1", (("norm1.w", h),)), ("q", (("q.w", q),)), ("k", (("k.w", k),)),
+                ("v", (("v.w", v),)), ("o", (("o.w", o),)), ("norm2", (("norm2.w", h),)),
+                ("w1", (("w1.w", w1),)), ("w3", (("w3.w", w3),)), ("w2", (("w2.w", w2),))]
+    return [("ln1", (("ln1.w", h), ("ln1.b", h))),
+            ("qkv", (("qkv.w", 3 * h * h), ("qkv.b", 3 * h))),
+            ("proj", (("proj.w", h * h), ("proj.b", h))),
+            ("ln2", (("ln2.w", h), ("ln2.b", h))),
+            ("fc1", (("fc1.w", h * f), ("fc1.b", f))),
+            ("fc2", (("fc2.w", f * h), ("fc2.b", h)))]
+
+
+def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
+    """One micro-batch's trace as DeepSpeed records it (module docstring), tp = pp = 1:
+    the root (holding the tied word embedding), the embeddings, each layer's modules
+    with parameters (``_layer_modules``; the persistent ones, biases and norms, are
+    never gathered but their gradients are reduce-scattered like any other), the
+    final norm, the head; the backward from the head down, each layer's modules
+    recomputed first when ``recompute == "full"``.  A module's share of the layer's
+    compute is its share of the layer's partitioned weights (as ``zero_cost.
+    stage_blocks``); the norms' is left in the matrices'."""
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    mods = _layer_modules(cfg)
+    big = {m: sum(n for _, n in ps if n >= PERSISTENCE_NUMEL) for m, ps in mods}
+    tot = sum(big.values())
+    full = recompute == "full"
+    fwd_l = layer.fwd_compute
+    bwd_l = layer.bwd_compute - (fwd_l if full else 0.0)
+    tied = cfg.tie_embeddings
+    wte = (("wte", V * h),)
+
+    def layer_entries(k, phase, share, order):
+        return [Entry(f"{k}.{m}", tuple((f"{k}.{pid}", n) for pid, n in ps),
+                      share * big[m] / tot, phase) for m, ps in order]
+
+    out = [Entry("root", wte if tied else (), 0.0, "f"),
+           Entry("wte", wte, edge["first"][0], "f")]
+    pos = cfg.arch != "llama"
+    if pos:
+        out.append(Entry("wpe", (("wpe", s * h),), 0.0, "f"))
+    for k in range(cfg.n_layer):
+        out += layer_entries(k, "f", fwd_l, mods)
+    final = (("lnf.w", h),) if cfg.arch == "llama" else (("lnf.w", h), ("lnf.b", h))
+    head_p = () if tied else (("head", V * h),)
+    out += [Entry("lnf", final, 0.0, "f"),
+            Entry("head", head_p, head.fwd_compute + edge["last"][0], "f"),
+            Entry("root", wte if tied else (), 0.0, "b"),
+            Entry("head", head_p, head.bwd_compute + edge["last"][1], "b"),
+            Entry("lnf", final, 0.0, "b")]
+    for k in reversed(range(cfg.n_layer)):
+        if full:
+            out += layer_entries(k, "r", fwd_l, mods)
+        out += layer_entries(k, "b", bwd_l, mods[::-1])
+    if pos:
+        out.append(Entry("wpe", (("wpe", s * h),), 0.0, "b"))
+    out.append(Entry("wte", wte, edge["first"][1], "b"))
+    return out
+
+
+def _keep(trace) -> list[bool]:
+    """Whether each entry's module keeps its parameters after it ran: the trace uses the
+    module again within MAX_REUSE_NUMEL elements (``_keep_for_later``: the elements of
+    the modules between, from the next step on)."""
+    nxt, keep = {}, [False] * len(trace)
+    acc, suffix = 0.0, [0.0] * (len(trace) + 1)
+    for i in range(len(trace) - 1, -1, -1):
+        acc += sum(n for _, n in trace[i].params)
+        suffix[i] = acc
+    for i in range(len(trace) - 1, -1, -1):
+        j = nxt.get(trace[i].module)
+        if j is not None:
+            keep[i] = suffix[i + 1] - suffix[j] < MAX_REUSE_NUMEL
+        nxt[trace[i].module] = i
+    return keep
+
+
+def list_collective(kind: str, numel: float, p: int, price: float, t: float,
+                    ready: float, stream_free: float, mem_bw: float) -> tuple:
+    """One collective on a list of ``p`` chunks (module docstring): the host issues it
+    at ``t``, the NCCL stream is free at ``stream_free``, the data is ready at
+    ``ready``; ``price``: NCCL's seconds.  Returns (host free, NCCL start, stream free).
+    all_gather: the narrow loop, NCCL, the per-chunk copies out of the flat buffer
+    (issued by the host one by one as NCCL runs, each after it); reduce_scatter: the
+    narrow loop, the per-chunk copies into the flat buffer, then NCCL."""
+    copy_gpu = 2 * 2 * numel / mem_bw             # read + write of the 16-bit values
+    t = t + p * (AG_LOOP_S if kind == "all_gather" else RS_LOOP_S)
+    if kind == "all_gather":
+        start = max(t, stream_free)
+        host = t + p * RECORD_COPY_S
+        return host, start, max(start + price + copy_gpu, host)
+    host = t + p * RECORD_COPY_S
+    copied = max(host, max(t, stream_free, ready) + copy_gpu)
+    return host, copied, copied + price
+
+
+def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
+             keep=None, persistent_gathered: bool = True) -> dict:
+    """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
+    its compute seconds, the gathers and reduce-scatters it ran and their wire bytes.
+    ``ag_price(numel)`` / ``rs_price(numel)``: NCCL's seconds on that many 16-bit
+    elements; ``rate``: compute's speed beside a collective; ``persistent_gathered``:
+    the persistent parameters are there when it starts (the step's first micro-batch,
+    after ``_post_step``), else each is gathered at its first use."""
+    keep = _keep(trace) if keep is None else keep
+    t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
+    busy, inflight = [], {}
+    size = {pid: n for e in trace for pid, n in e.params}
+    gathers, rs_count, sent = 0, 0, 0.0
+    bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
+    rs_end = 0.0
+
+    def gather(pid):
+        nonlocal t, nccl, gathers, sent, live
+        fill = 2 * size[pid] / mem_bw                 # torch.zeros of the whole parameter
+        t = max(t, gpu, nccl) + fill + SYNC_S         # then torch.cuda.synchronize()
+        t, start, nccl = list_collective("all_gather", size[pid], p, ag_price(size[pid]),
+                                         t, t, nccl, mem_bw)
+        busy.append((start, nccl))
+        inflight[pid] = nccl
+        live += size[pid]
+        gathers += 1
+        sent += wire_bytes("all_gather", 2 * size[pid], p)
+
+    def reduce(numels, ready):
+        """reduce_ipg_grads: one list reduce-scatter per parameter of the bucket."""
+        nonlocal t, nccl, rs_count, sent, rs_end
+        t = max(t, rs_end)                            # reduction_stream.synchronize()
+        for numel in numels:
+            t, start, nccl = list_collective("reduce_scatter", numel, p, rs_price(numel),
+                                             t, ready, nccl, mem_bw)
+            busy.append((start, nccl))
+            rs_count += 1
+            sent += wire_bytes("reduce_scatter", 2 * numel, p)
+        rs_end = nccl
+
+    held = {pid for e in trace if e.module == "root" for pid, _ in e.params}
+    persistent = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
+    avail = set(persistent) if persistent_gathered else set()
+    live = sum(size[pid] for pid in avail)
+    last_b = {pid: i for i, e in enumerate(trace) if e.phase == "b" for pid, _ in e.params}
+    compute = 0.0
+    for i, e in enumerate(trace):
+        mine = [pid for pid, _ in e.params]
+        need = [pid for pid in mine if pid not in avail and pid not in inflight]
+        waits = any(pid in inflight for pid in mine)
+        for pid in need:
+            gather(pid)
+        if need or waits:                             # _synchronize_communication
+            t = max(t, gpu, nccl) + SYNC_S
+            avail.update(inflight)
+            inflight.clear()
+        if not inflight and live < MAX_LIVE_NUMEL:    # prefetch_next_sub_modules
+            ahead, chosen = 0.0, []
+            for later in trace[i:]:
+                for pid, n in later.params:
+                    if ahead >= PREFETCH_NUMEL:
+                        break
+                    if pid not in avail and pid not in chosen:
+                        chosen.append(pid)
+                        ahead += n
+                if ahead >= PREFETCH_NUMEL:
+                    break
+            for pid in chosen:
+                gather(pid)
+        busy = [iv for iv in busy if iv[1] > min(t, gpu)]
+        gpu = finish_beside(max(t, gpu), e.compute, rate, busy)
+        compute += e.compute
+        if e.phase == "b":      # the gradient hooks: once, when the gradient is whole
+            for pid, n in e.params:
+                if last_b[pid] != i:
+                    continue
+                if bucket and sum(bucket) + n > REDUCE_BUCKET_NUMEL:
+                    reduce(bucket, ready)
+                    bucket = []
+                bucket.append(n)
+                ready = gpu
+        for pid in mine:        # the root's (ds_active_sub_modules) are held to the end
+            if pid not in held and not keep[i] and pid in avail \
+                    and size[pid] >= PERSISTENCE_NUMEL:
+                t = max(t, gpu) + RELEASE_S           # _partition_param's blocking copy
+                avail.discard(pid)
+                live -= size[pid]
+    if bucket:                                        # the epilogue
+        reduce(bucket, ready)
+    # _partition_all_parameters: each parameter still gathered released (a blocking copy)
+    end = max(t, gpu, nccl, rs_end) + len(avail) * RELEASE_S
+    return {"seconds": end, "compute": compute, "gathers": gathers,
+            "reduce_scatters": rs_count, "sent": sent}
+
+
+def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) per step of DeepSpeed v0.3 ZeRO-3's data-parallel
+    collectives for ``lay`` (zero 3, pp 1, tp 1): each micro-batch simulated
+    (:func:`simulate`) less its compute, times the micro-batches."""
+    if lay.zero != 3 or lay.pp != 1 or lay.tp != 1 or getattr(lay, "cp", 1) != 1:
+        raise ValueError(f"framework={FRAMEWORK!r}: layout {lay.short()}; DeepSpeed v0.3's "
+                         f"ZeRO-3 is priced without model parallelism (zero=3, tp=pp=cp=1)")
+    if lay.dp == 1:
+        return 0.0, 0.0
+    ranks = tuple(lay.grad_ranks(0, 0))
+
+    def ag(n):
+        return C.group_price("all_gather", 2 * n, ranks, prof)
+
+    def rs(n):
+        return C.group_price("reduce_scatter", 2 * n, ranks, prof)
+
+    trace = gpt_trace(cfg, layer, head, edge, lay.recompute)
+    p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof)
+    first = simulate(trace, p, ag, rs, bw, rate)
+    rest = simulate(trace, p, ag, rs, bw, rate, persistent_gathered=False) \
+        if lay.m > 1 else first
+    post, post_sent = post_step_gather(trace, p, ag)
+    seconds = first["seconds"] + (lay.m - 1) * rest["seconds"] + post
+    sent = first["sent"] + (lay.m - 1) * rest["sent"] + post_sent
+    return seconds - lay.m * first["compute"], sent
+
+
+def post_step_gather(trace, p: int, ag_price) -> tuple[float, float]:
+    """(seconds, bytes sent) of ``_post_step``'s gather of the persistent parameters
+    (module docstring): DeepSpeed's loop of p ``narrow``, one all-gather of their
+    partitions on a list of p chunks (c10d's p copies), then, per parameter, a
+    ``narrow`` + ``copy_`` for each rank whose chunk holds some of it (the padding of
+    the last ranks' chunks is not copied), all on the host, synchronously."""
+    sizes = {pid: n for e in trace for pid, n in e.params if n < PERSISTENCE_NUMEL}
+    if not sizes:
+        return 0.0, 0.0
+    part = sum(-(-n // p) for n in sizes.values())
+    chunks = sum(-(-n // -(-n // p)) for n in sizes.values())
+    copies = p * RECORD_COPY_S + chunks * REASSEMBLE_S   # issued as NCCL runs, after it
+    seconds = SYNC_S + p * NARROW_S + max(copies, ag_price(part * p))
+    return seconds, wire_bytes("all_gather", 2 * part * p, p)
