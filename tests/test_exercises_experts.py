@@ -42,6 +42,9 @@ def test_dropped_slots(capsys):
     fails("unused capacity", C.check_dropped_slots, 40 + 10 + 30 + 20 + 25 + 13, LOADS,
           capacity_factor=1.25)
     fails("too high", C.check_dropped_slots, 200, LOADS)
+    # the count at capacity factor 1.0 (C = 64) when the layer's is 1.25 (C = 80)
+    fails("count at capacity factor 1.0", C.check_dropped_slots,
+          sum(max(0, n - 64) for n in LOADS), LOADS, capacity_factor=1.25)
     with pytest.raises(ValueError, match="add up to 10, not tokens x k = 512"):
         C.check_dropped_slots(0, [5, 5])
 

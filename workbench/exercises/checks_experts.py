@@ -49,7 +49,12 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
     if got == want:
         _ok(f"{want} token-slots dropped (capacity {C} per expert)")
         return
-    wrong = {
+    wrong = {}
+    if capacity_factor != 1.0:
+        wrong[sum(max(0, n - _capacity(tokens, E, k, 1.0)) for n in loads)] = (
+            f"that is the count at capacity factor 1.0; this layer's is {capacity_factor:g}: "
+            f"C = ceil({capacity_factor:g} x tokens x k / E)")
+    wrong |= {
         sum(max(0, n - tokens // E) for n in loads):
             "your capacity leaves out k: each token takes k slots, so an expert's even "
             "share is tokens x k / E",
