@@ -155,3 +155,27 @@ def test_an_op_whose_result_nothing_returns_has_no_backward_on_the_clock():
         prog(w, x).sum().backward()
     assert w.grad is None
     assert not [e for e in tr.events if e.label.startswith("grad bucket")]
+
+
+def test_a_value_used_twice_in_two_layouts_runs_as_priced():
+    """matmul(x, x) with x sharded by rows: the search may keep the left operand sharded
+    and gather only the right one; the run must then hand each use its own layout (it
+    once gave both uses the first layout and the dispatcher gathered again: 96 bytes run
+    where 64 were priced)."""
+    mesh = wb.Mesh.grid((2,))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    steps = [("softmax1", (0,)), ("exp", (1,)), ("exp", (3,)), ("relu", (4,)),
+             ("matmul", (0, 0))]
+
+    def f(*xs):
+        vals = list(xs)
+        for op, ins in steps:
+            vals.append((UNARY.get(op) or BINARY[op])(*[vals[i] for i in ins]))
+        return vals[-1]
+    args = [wb.shard_tensor(t, mesh, [S(0)]) for t in (x, y)]
+    prog = wb.compile(f, *args, pin={"output": [R()]}, profile="a100", method="trace")
+    with wb.trace(profile="a100") as tr:
+        out = prog(*args)
+    torch.testing.assert_close(out.full(), f(x, y), rtol=1e-4, atol=1e-5)
+    assert max(tr.bytes_per_rank().values()) == prog.bytes

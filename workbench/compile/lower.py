@@ -122,14 +122,17 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
             continue
         n = graph.nodes[ins.nid]
         st = ins.strategy
-        want = {}
+        want = {}         # vid -> the layouts its uses ask for, in the op's input order
         for vid, req in zip(n.inputs, st.inputs):
             if vid is not None and req is not None:
-                want.setdefault(vid, tuple(req))
+                want.setdefault(vid, []).append(tuple(req))
 
         def arg(r):
+            # a value used twice by one op may be wanted in two layouts (matmul(x, x) as
+            # Shard x Replicate): each use takes the next layout its value is wanted in
             have = avail[r.vid]
-            ps = want.get(r.vid)
+            reqs = want.get(r.vid)
+            ps = (reqs.pop(0) if len(reqs) > 1 else reqs[0]) if reqs else None
             if ps is not None and ps in have:
                 return have[ps]
             return have[cur[r.vid]]
