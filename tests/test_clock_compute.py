@@ -48,14 +48,16 @@ def test_efficiency_is_profile_data_for_every_class(name):
 
 
 def test_matmul_efficiency_from_published_measurements():
-    # MAMF table (ml-engineering): A100 SXM 267.9 of 312, H100 SXM 792.1 of 989 TFLOP/s
+    # A100: an 8192^3 cuBLAS product on random inputs, 258 of 312 TFLOP/s (He 2024; the
+    # card is power-limited: 295 on zeros); H100: the MAMF table's 792.1 of 989 (used
+    # only where its measured file prices nothing: fp32 / tf32)
     a, h = get_profile("a100"), get_profile("h100")
-    assert a.efficiency["matmul"] == pytest.approx(267.9 / 312, abs=1e-3)
+    assert a.efficiency["matmul"] == pytest.approx(258 / 312, abs=1e-3)
     assert h.efficiency["matmul"] == pytest.approx(792.1 / 989, abs=1e-3)
     n = 8192
     flops, nbytes = 2 * n ** 3, 3 * n * n * 2
     t = cost.compute_time(flops, nbytes, a, torch.bfloat16, "matmul", launches=1)
-    assert flops / (t - a.launch_overhead) == pytest.approx(267.9e12, rel=1e-3)
+    assert flops / (t - a.launch_overhead) == pytest.approx(258e12, rel=1e-3)
 
 
 @FEW

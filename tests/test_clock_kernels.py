@@ -56,7 +56,7 @@ def test_layer_norms_use_the_persistent_kernel():
 def test_attention_bmms_are_memory_bound():
     # Q K^T and P V: 32 batched [2048 x 96] x [96 x 2048] GEMMs per rank (K = head
     # dim 96): 2 x 96 FLOPs per score element read or written, below the A100's
-    # ridge of 0.859 x 312 / (0.88 x 2.039) = 149 FLOP/byte: priced by their bytes, at
+    # ridge of 0.827 x 312 / (0.88 x 2.039) = 144 FLOP/byte: priced by their bytes, at
     # the rate measured for Megatron's unfused core (tests/test_attention_kernels.py)
     for o in layer_ops(**LAYER):
         if o.name.startswith(("qk_baddbmm", "pv_bmm")):

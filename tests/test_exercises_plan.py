@@ -113,6 +113,9 @@ def test_mfu(capsys):
     fails("HFU", C.check_mfu, want * 4 / 3, t)
     fails("6ND", C.check_mfu, 6 * C._gpt3_params() * 1536 * 2048 / (t * 1024 * 312e12), t)
     fails("fraction", C.check_mfu, 100 * want, t)
+    with pytest.raises(CheckError) as err:
+        C.check_mfu(100 * want, t)
+    assert "0.45" not in str(err.value)        # the hint must not show Megatron's 140 / 312
     fails("Megatron's figure", C.check_mfu, 140 / 312, t)     # the paper's TFLOP/s / peak
     fails("> 0", C.check_mfu, 0.4, 0.0)
     # the planner's MFU uses the same eq. 7
@@ -129,6 +132,8 @@ def test_tp_comm(capsys):
     fails("12 layers per stage", C.check_tp_comm_ms, a, 6 * 6 * t16, "A", t8, t16)
     fails("L / p", C.check_tp_comm_ms, a, 96 * 6 * t16, "A", t8, t16)
     fails("one layer's", C.check_tp_comm_ms, 6 * t8, b, "A", t8, t16)
+    fails("over 8 ranks", C.check_tp_comm_ms, 6 * 6 * t16, b, "A", t8, t16)   # times swapped
+    fails("over 16 ranks", C.check_tp_comm_ms, a, 12 * 6 * t8, "A", t8, t16)
     fails("less\ncommunication|less communication", C.check_tp_comm_ms, a, b, "B", t8, t16)
     fails("'A' or 'B'", C.check_tp_comm_ms, a, b, "tp8", t8, t16)
     # if 16 ranks were nearly free, B would win: the answer follows the inputs

@@ -3,7 +3,8 @@
 h=6144, a=64, s=2048, micro-batch 4, TP 8, fp16 (Megatron on A100, 312 TFLOP/s).
 The layer model (workbench/plan/layer_cost.py) uses the A100 profile as it is, every
 number from an independent source (profiles/a100.json citations), none fitted to
-Table 4: GEMMs at the measured MAMF fraction (0.859) divided by their tile and wave
+Table 4: GEMMs at the rate measured for a large product on random inputs (0.827, He
+2024; the MAMF best-shape burst is 0.859) divided by their tile and wave
 quantization (256x128 tiles, one per SM, waves of 108: NVIDIA's Matrix Multiplication
 Background guide; the fc1 GEMM's 768 tiles fill 8 waves to 89%); LayerNorm at apex's
 measured persistent-kernel rates (1258 / 1163 GB/s, apex PR #1037); Megatron's unfused
@@ -15,10 +16,11 @@ Simple, 8.4 us + 3.4 us per step for Simple, bus bandwidth capped at 235 GB/s on
 NCCL's 16 SMs (of 108) taken from the GEMMs that overlap a backward collective, whose
 tiles then run in more waves.
 
-Result (ms, predicted / published): baseline 7.51 / 7.7, 11.48 / 11.9, 18.98 / 19.6;
-sequence parallel 6.90 / 7.2, 11.16 / 11.8, 18.06 / 19.0; full recompute 7.51 / 7.7,
-18.98 / 19.5, 26.49 / 27.2; selective 7.51 / 7.7, 12.76 / 13.2, 20.26 / 20.9;
-selective + SP 6.90 / 7.2, 12.44 / 13.1, 19.34 / 20.3: every figure 2.5-5.4% low.
+Result (ms, predicted / published): baseline 7.65 / 7.7, 11.77 / 11.9, 19.43 / 19.6;
+sequence parallel 7.05 / 7.2, 11.45 / 11.8, 18.50 / 19.0; full recompute 7.65 / 7.7,
+19.43 / 19.5, 27.08 / 27.2; selective 7.65 / 7.7, 13.05 / 13.2, 20.71 / 20.9;
+selective + SP 7.05 / 7.2, 12.73 / 13.1, 19.78 / 20.3: every figure 0.4-2.9% low (2.5-5.4%
+with the MAMF burst's 0.859).
 (Before the attention core was priced at its measured rates, at the copy rate: 6-12% low,
 three figures beyond 10%.) Not modeled for want of an independent A100 figure: HBM
 traffic of NCCL slowing the kernels it overlaps, cuBLAS's choice of smaller tiles, the

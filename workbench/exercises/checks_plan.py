@@ -194,7 +194,7 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
              (6 * _gpt3_params() * global_batch * GPT3["s"] / peak,
               "6ND leaves out attention's s^2 terms and the head: use eq. 7, "
               "72 B s L h^2 (1 + s/(6h) + V/(12 L h))"),
-             (100 * want, "give a fraction (0.45), not a percent")]
+             (100 * want, "give a fraction (0.5 for 50%), not a percent")]
     _check_number("MFU", got, want, "", wrong, rel=0.01)
 
 
@@ -212,8 +212,9 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
     per_layer = 6 if recompute == "full" else 4
     L = GPT3["L"]
     want_a, want_b = L / 16 * per_layer * t8_ms, L / 8 * per_layer * t16_ms
-    for name, got, want, t_ms, layers in (("A", a_ms, want_a, t8_ms, L // 16),
-                                          ("B", b_ms, want_b, t16_ms, L // 8)):
+    for name, got, want, t_ms, layers, t_other, ranks in (
+            ("A", a_ms, want_a, t8_ms, L // 16, t16_ms, 8),
+            ("B", b_ms, want_b, t16_ms, L // 8, t8_ms, 16)):
         got = _number(f"{name}'s communication", got)
         if math.isclose(got, want, rel_tol=0.01):
             continue
@@ -224,7 +225,10 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
                  (L * per_layer * t_ms, "a device runs only its stage's L / p layers"),
                  (per_layer * t_ms, f"that is one layer's; a device of layout {name} runs "
                                     f"its stage's {layers} layers (L / p)"),
-                 (layers * 2 * t_ms, "count the backward's all-reduces too")]
+                 (layers * 2 * t_ms, "count the backward's all-reduces too"),
+                 (layers * per_layer * t_other,
+                  f"layout {name} has tp {ranks}: its all-reduces run over {ranks} ranks "
+                  f"({'t8_ms, one node' if ranks == 8 else 't16_ms, two nodes'})")]
         raise CheckError(f"your TP communication for layout {name} is {got:.4g} ms: "
                          + _hint(got, want, wrong), expected=f"{want:.4g} ms")
     want_f = "A" if want_a < want_b else "B"
