@@ -22,6 +22,20 @@ def roofline(flops, nbytes, prof, op_class, dtype="bfloat16"):
     return max(flops / peak, nbytes / bw) + prof.launch_overhead
 
 
+def gemm_roofline(m, k, n, nbytes, prof):
+    """A GEMM [m, k] @ [k, n] with its shape: the device's measured rate for it where the
+    profile has one (``sim_mesh.measured``), else peak x efficiency x tile and wave
+    quantization (``cost.gemm_efficiency``)."""
+    from workbench.sim_mesh import cost, measured
+    if prof.measured:
+        rate = measured.gemm_rate(prof.measured["file"], m, n, k)
+    else:
+        rate = prof.peak_flops["bfloat16"] * prof.efficiency["matmul"] * \
+            cost.gemm_efficiency((1, m, n), prof)
+    bw = prof.memory_bandwidth * prof.memory_efficiency
+    return max(2 * m * k * n / rate, nbytes / bw) + prof.launch_overhead
+
+
 @pytest.mark.parametrize("name", ["a100", "ascend-910b", "h100"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_chunk_matmul_priced_as_a_gemm_with_a_launch(name, k):
@@ -34,7 +48,7 @@ def test_chunk_matmul_priced_as_a_gemm_with_a_launch(name, k):
         matmul_all_reduce(x, w, mesh, "tp", k)
     mm = [e for e in tr.events if e.stream == "compute"]
     m = M // k
-    want = roofline(2 * m * (K // p) * N, (m * K // p + K // p * N + m * N) * 2, prof, "matmul")
+    want = gemm_roofline(m, K // p, N, (m * K // p + K // p * N + m * N) * 2, prof)
     assert len(mm) == k
     # priced alone; a chunk beside the previous chunk's all-reduce lasts longer
     assert all(e.args.get("alone", e.duration) == pytest.approx(want, rel=1e-12) for e in mm)
@@ -52,7 +66,7 @@ def test_multi_copy_ffn_forward_and_backward_priced_per_kernel_class():
     T, Fl, e = S, F // p, 2                      # one sample per copy
 
     def mm(m, k, n):
-        return roofline(2 * m * k * n, (m * k + k * n + m * n) * e, prof, "matmul")
+        return gemm_roofline(m, k, n, (m * k + k * n + m * n) * e, prof)
     fwd = mm(T, H, Fl) + roofline(8 * T * Fl, 2 * T * Fl * e, prof, "elementwise") + mm(T, Fl, H)
     dx = mm(T, H, Fl) + roofline(10 * T * Fl, 3 * T * Fl * e, prof, "elementwise") + mm(T, Fl, H)
     dw = mm(Fl, T, H) + mm(H, T, Fl)

@@ -109,13 +109,16 @@ def ring_times(cfg, lay, prof) -> RingTimes:
     ah, gh = cfg.n_head // tp, cfg.n_kv_head // tp
     pairs = b * ah * s_l * s_l / 2
     nq, nk, lse = b * ah * s_l * d, b * gh * s_l * d, 4 * b * ah * s_l
+    # a half block attends every pair of its two chunks (no mask inside): the fused
+    # kernel's full-attention rate at the rank's s_l tokens, where the profile measured it
+    shape = (b * ah, s_l, d)
     fwd = _cost.compute_time(4 * pairs * d, e * (2 * nq + 2 * nk) + lse, prof, cfg.dtype,
-                             "attention")
+                             "attention", gemm=_cost.AttentionShape(*shape, False, False))
     # merging the step's output into the running one by their log-sum-exps: read both
     # outputs and lses, write the output and lse (fp32 lses)
     merge = _cost.compute_time(6 * nq, 3 * e * nq + 3 * lse, prof, cfg.dtype, "elementwise")
     bwd = _cost.compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, prof, cfg.dtype,
-                             "attention")
+                             "attention", gemm=_cost.AttentionShape(*shape, False, True))
     acc = _cost.compute_time(2 * nk, 3 * 4 * 2 * nk, prof, cfg.dtype, "elementwise")
     ranks = ring_ranks(lay)
     n = kv_block_bytes(cfg, lay)

@@ -17,8 +17,8 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   speed up with the faster memory); apex's LayerNorm, measured on a GA100 and kept as
   is on the 80GB part (ASSUMPTION): the fast end scales it by 2,039 / 1,555.
 - ``ascend-910b`` ``intra_node.bandwidth`` (UNCERTAIN: "if 56 GB/s is per direction,
-  double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, "close to
-  the measured A100/H100 GEMM fractions 0.86/0.80"): 0.80 .. 0.86.
+  double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, between
+  the A100's and H100's best-shape bursts, MAMF 0.86 / 0.80): 0.80 .. 0.86.
 
 Figures marked ASSUMPTION without a stated bound (latencies, NCCL's SMs, the runtime
 context, fragmentation...) are listed as ``unbounded``: the range does not cover them.
@@ -57,7 +57,7 @@ BOUNDS = {
                      "56 GB/s read as both directions .. as one direction (UNCERTAIN in "
                      "the profile: 'double it')"),
                     ("efficiency.matmul", 0.80, 0.86, "value",
-                     "the measured H100 .. A100 GEMM fractions the ASSUMPTION cites")),
+                     "the H100 .. A100 best-shape GEMM bursts (MAMF) the ASSUMPTION cites")),
 }
 
 

@@ -34,6 +34,24 @@ class _RecordBackward(torch.autograd.Function):
         return None, g
 
 
+def _experts_time(flops, nbytes, rows, per_expert, w_bytes, row_bytes, dtype, gemms, mult,
+                  profile) -> float:
+    """A rank's expert GEMMs on one piece: ``gemms`` x ``mult`` (forward 1, backward 2)
+    products per local expert, each of its share of the ``rows`` tokens (spread evenly
+    over the local experts) by one weight matrix of h x ffn, priced with their shape
+    (``cost.compute_time``'s ``gemm``: tile and wave quantization, or a device's measured
+    rate for that product), ``gemms`` launches in all as before."""
+    item = torch.empty((), dtype=dtype).element_size()
+    h = max(1, row_bytes // item)
+    local = max(1, w_bytes // max(1, per_expert * item))          # experts on this rank
+    ffn = max(1, per_expert // (gemms * h))
+    per = max(1, -(-rows // local))                                # tokens per expert
+    k = gemms * mult * local                                       # products in all
+    one = _cost.compute_time(flops / k, nbytes / k, profile, dtype, op_class="matmul",
+                             launches=0, gemm=(1, per, ffn))
+    return k * one + gemms * _cost.compute_time(0, 0, profile, dtype, launches=1)
+
+
 def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
                  chunks: int, phase: str, gemms: int = 3) -> None:
     """One MoE layer's exchange on the clock, per ep group: the counts, then dispatch,
@@ -57,8 +75,9 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
         for r, n in enumerate(got):
             flops = mult * 2 * n * per_expert // chunks
             nbytes = w_bytes + 2 * n * row_bytes // chunks
-            comp.append((flops, nbytes, _cost.compute_time(flops, nbytes, tr.profile, dtype,
-                                                           op_class="matmul", launches=gemms)))
+            comp.append((flops, nbytes, _experts_time(flops, nbytes, n // chunks, per_expert,
+                                                      w_bytes, row_bytes, dtype, gemms,
+                                                      mult, tr.profile)))
         ov = chunks > 1
         nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=ov)
         combines = []

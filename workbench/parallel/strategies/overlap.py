@@ -181,12 +181,14 @@ def _local_numel(t: torch.Tensor, nd: int) -> int:
 
 def _record_matmul(tr, mesh, name, a, b, out, label=""):
     """A per-rank matmul a[m, k] @ b[k, n] on the compute stream: one GEMM kernel,
-    priced by the roofline at the profile's matmul efficiency plus one launch."""
+    priced by the roofline at the profile's matmul efficiency for its shape (or the
+    device's measured rate for it) plus one launch."""
     nd, e = mesh.ndim, a.element_size()
     m, kk, n = a.shape[-2], a.shape[-1], b.shape[-1]
     flops = 2 * m * kk * n
     nbytes = (_local_numel(a, nd) + _local_numel(b, nd) + _local_numel(out, nd)) * e
-    dur = _cost.compute_time(flops, nbytes, tr.profile, a.dtype, op_class="matmul", launches=1)
+    dur = _cost.compute_time(flops, nbytes, tr.profile, a.dtype, op_class="matmul", launches=1,
+                             gemm=(1, m, n))
     tr.record_compute(mesh.ranks, name, dur, flops=flops, bytes=nbytes, label=label,
                       args={"op_class": "matmul", "phase": "forward"})
 

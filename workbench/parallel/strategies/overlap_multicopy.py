@@ -134,7 +134,7 @@ def tp_layer(x, params: LayerParams, mesh, axis):
 # ---- modeled costs -----------------------------------------------------------------------
 
 def _mm(m, k, n, e):
-    return 2 * m * k * n, (m * k + k * n + m * n) * e, "matmul"
+    return 2 * m * k * n, (m * k + k * n + m * n) * e, "matmul", (1, m, n)
 
 
 def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int, str]]]:
@@ -159,10 +159,11 @@ def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int, str]]]:
 
 def _compute(tr, mesh, what, kernels, dtype, label):
     """One compute event per block phase: the sum of its kernels, each priced on the
-    roofline at its class's efficiency plus one launch."""
+    roofline at its class's efficiency (a GEMM with its shape: tile and wave
+    quantization, or the device's measured rate) plus one launch."""
     ks = kernels[what]
-    dur = sum(_cost.compute_time(f, b, tr.profile, dtype, op_class=c, launches=1)
-              for f, b, c in ks)
+    dur = sum(_cost.compute_time(k[0], k[1], tr.profile, dtype, op_class=k[2], launches=1,
+                                 gemm=k[3] if len(k) > 3 else None) for k in ks)
     phase = "backward" if what.endswith(("dX", "dW")) else "forward"
     tr.record_compute(mesh.ranks, what, dur, flops=sum(k[0] for k in ks),
                       bytes=sum(k[1] for k in ks), label=label,
