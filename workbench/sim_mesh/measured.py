@@ -58,14 +58,10 @@ def _path(name: str):
 @lru_cache(maxsize=None)
 def load(name: str) -> "_Tables":
     """The tables of measurement file ``name`` (cached)."""
+    from .profiles import read_json
     path = _path(name)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"measured={name!r}: no such file ({path}); run "
-                         f"benchmarks/gpu_components.py --out FILE on the device") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"measured={name!r} is not valid JSON: {e}") from None
+    data = read_json(path, f"measured={name!r}", f"has no such file ({path}); run "
+                     f"benchmarks/gpu_components.py --out FILE on the device")
     missing = [k for k in _KEYS if k not in data]
     if missing:
         raise ValueError(f"measured={name!r} lacks {missing}: not an output of "

@@ -441,16 +441,23 @@ def list_profiles() -> list[str]:
                   if p.name.endswith(".json"))
 
 
+def read_json(path, what: str, missing: str):
+    """The JSON data at ``path`` (a Path or a package resource); a missing file or bad
+    JSON raises ValueError starting with ``what``, the first followed by ``missing``."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what} {missing}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
 def load_profile(path) -> Profile:
     """Read a profile from a JSON file laid out like the built-in ones."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"load_profile: path={str(path)!r} does not exist; give the "
-                         f"path of a JSON file (see workbench/sim_mesh/profiles/)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"load_profile: {str(path)!r} is not valid JSON: {e}") from None
+    data = read_json(path, f"load_profile: {str(path)!r}",
+                     "does not exist; give the path of a JSON file (see "
+                     "workbench/sim_mesh/profiles/)")
     return Profile.from_dict(data)
 
 
