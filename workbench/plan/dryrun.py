@@ -53,7 +53,9 @@ What is composed from those measurements (not run op by op):
   to ``buffers`` (the key ``plan.memory`` keeps beside ZeRO's partitioned states) and the
   ledger is kept in ``gathered`` (its ``timeline`` on the modeled
   clock), plus one layer's whole 16-bit gradient before its reduce-scatter (not in the
-  ledger: an assumption, as ``plan.memory``).  On the small GPT of tests/test_dryrun.py
+  ledger: an assumption, as ``plan.memory``); ``workspace``, the transient peak beyond
+  the saved tensors (the loss's fp32 copies, a recomputed layer), is priced by
+  ``plan.memory.workspace_bytes``, not measured here.  On the small GPT of tests/test_dryrun.py
   the peak is every module at once (157 MB: the tied embedding's 105 MB and the rest,
   within one prefetch of 5e7 elements); at GPT-3's layer shape on tp 8, fc1 and fc2
   (302 MB).
@@ -84,6 +86,8 @@ from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout
 from . import dryrun_ep_cp as _ep_cp
 from .meta_moe import use_meta_routing
+from .memory import workspace_bytes
+from .ep_cp import token_cfg
 from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
@@ -224,6 +228,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     per_rank = []
     for r in range(lay.pp):
         mem = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+        unreduced = 0.0
         for c in _chunks(r, lay.pp, n):
             ms = opt_t[rep[c]]["states"]
             mem["params"] += ms.params
@@ -236,8 +241,15 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             # before its reduce-scatter (an assumption, as plan.memory: not in the ledger)
             item = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
             mem["buffers"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
-            mem["buffers"] += item * layer_numel
+            unreduced = item * layer_numel
+            mem["buffers"] += unreduced
         mem["activations"] = peaks[r]
+        # the transient peak beyond the saved tensors (the loss's fp32 copies on the
+        # last stage, a recomputed layer), priced as plan.memory does for this library's
+        # recipe (framework "workbench": the models' F.cross_entropy), not measured
+        mem["workspace"] = workspace_bytes(token_cfg(cfg, lay),
+                                           lay.replace(framework="workbench"), r, "flash",
+                                           unreduced)
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
     busiest = max(per_rank, key=lambda m: m["total"])

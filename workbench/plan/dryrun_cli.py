@@ -71,6 +71,7 @@ def main_dry_run(args) -> int:
            "state_bytes": mem["params"] + mem["grads"] + mem["optimizer"],
            "buffer_bytes": mem["buffers"],
            "activation_bytes": mem["activations"],
+           "workspace_bytes": mem["workspace"],
            "peak_bytes_per_rank": [m["total"] for m in dr.per_rank],
            "device_memory_bytes": cl.memory_bytes,
            "usable_memory_bytes": cl.profile.usable_memory(), "fits": dr.fits,

@@ -136,8 +136,10 @@ class Estimate:
             f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
             f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f}"
             + (f" + buffers {gb['buffers']:.1f}" if self.memory.get("buffers") else "")
-            + f" + activations "
-            f"{gb['activations']:.1f} = {gb['total']:.1f} GB"
+            + f" + activations {gb['activations']:.1f}"
+            + (f" + workspace {gb['workspace']:.1f} (peak: loss or recompute)"
+               if self.memory.get("workspace") else "")
+            + f" = {gb['total']:.1f} GB"
             f" ({'fits' if self.fits else 'does NOT fit'} in {d['usable_memory'] / 1e9:.1f} GB "
             f"usable: {d['memory_margin']})",
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "

@@ -62,7 +62,7 @@ them, and what the estimate and the memory model read from here:
 from __future__ import annotations
 
 __all__ = ["FRAMEWORKS", "resolve", "grad_reduce_bytes", "grad_buffer_extra_bytes",
-           "assumptions"]
+           "loss_extra_bytes", "assumptions"]
 
 FRAMEWORKS = ("megatron", "deepspeed", "workbench", "fsdp", "deepspeed-0.3")
 
@@ -115,6 +115,33 @@ def grad_buffer_extra_bytes(framework: str, dtype: str) -> int:
     if framework == "fsdp":
         return 0
     return grad_reduce_bytes(framework, dtype) - 2
+
+
+def loss_extra_bytes(framework: str) -> int:
+    """Bytes per logit element (of the last stage's s b V / t) live at the loss's peak
+    beyond the 4 of the fp32 (log-)softmax it saves for backward, which
+    ``memory.stage_memory`` counts with the activations.
+
+    Megatron-LM (and DeepSpeed, whose GPT recipes call Megatron's loss):
+    ``_VocabParallelCrossEntropy`` (``megatron/core/tensor_parallel/cross_entropy.py``,
+    f2e5db402c; ``mpu/cross_entropy.py`` of 2021 the same, the caller upcasting) makes
+    ONE fp32 copy of the 16-bit logits and works on it in place (``sub_``, ``torch.exp(...,
+    out=)``, ``div_``; its backward turns the saved softmax into the gradient in place,
+    ``mul_``), so beside the 4 bytes are only the 16-bit logits (forward) or the 16-bit
+    cast of the gradient autograd makes for the 16-bit input (backward): 2.
+    PyTorch's ``F.cross_entropy`` on ``logits.float()`` (torchtitan's ``loss_fn``,
+    9dec370ad2, and this library's models, ``models/gpt.py`` / ``llama.py``): log_softmax
+    saves its fp32 output; in the backward nll_loss's gradient (fp32, dense) and
+    log_softmax's input gradient (fp32) are allocated while it lives: 8 (measured on
+    the CPU with ``torch.distributed._tools.mem_tracker``, tests/test_plan_memory_peak.py:
+    3.0 x the 4 bytes at the peak).  This library's vocabulary-parallel path (tp > 1)
+    runs exp and sum instead of the fused kernel (``parallel/ops_table/cross_entropy``):
+    priced as PyTorch's, ASSUMED."""
+    if framework in ("megatron", "deepspeed", "deepspeed-0.3"):
+        return 2
+    if framework in ("fsdp", "workbench"):
+        return 8
+    raise ValueError(f"loss_extra_bytes: framework={framework!r}; use one of {list(FRAMEWORKS)}")
 
 
 _FRAMEWORK_WORDS = {

@@ -30,6 +30,11 @@ stage holds at once (:func:`in_flight`), plus the first stage's embedding dropou
 mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
 for the loss (4 s b V / t), counted the same way.
 
+``workspace``: what is live at a rank's peak beyond the saved activations
+(:func:`workspace_bytes`): the loss's fp32 working copies on the last stage, or the
+layer a recompute re-runs; ``total`` counts it, so ``fits`` asks for the peak, not
+only the resident states and saved tensors.
+
 A Llama (``arch="llama"``): its block's parameters and activations are
 ``llama_layer``'s (GQA's narrower k and v, SwiGLU's three matrices, no biases, RMSNorm
 weights only); no position table on the first stage, a final RMSNorm of h and the
@@ -37,7 +42,7 @@ untied head's V h / t on the last.
 """
 from __future__ import annotations
 
-__all__ = ["memory_margin", "model_state_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
+__all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
            "layer_activation_bytes", "in_flight", "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
@@ -195,16 +200,18 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
 
 
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> dict:
-    """{"params", "grads", "optimizer", "buffers", "activations", "total"} bytes on a
-    rank of ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`): the
-    first three ZeRO's partitioned model states, ``buffers`` the framework's working
-    copies beyond them (module docstring)."""
+    """{"params", "grads", "optimizer", "buffers", "activations", "workspace", "total"}
+    bytes on a rank of ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`):
+    the first three ZeRO's partitioned model states, ``buffers`` the framework's working
+    copies beyond them, ``activations`` what is saved for backward, ``workspace`` the
+    transient peak beyond it (:func:`workspace_bytes`) (module docstring)."""
     from .frameworks import grad_buffer_extra_bytes
     from . import ep_cp as _ep_cp
     lay = layout
     nl = lay.stage_layers(cfg.n_layer)[stage]
     psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp * lay.cp, lay.zero)     # cp ranks shard it too
+    unreduced = 0.0
     # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
     mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
     for k, v in _ep_cp.expert_states(cfg, lay, nl, grad_buffer_extra_bytes(
@@ -216,8 +223,8 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
         from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
-        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) \
-            + 2 * layer_params(cfg, lay.tp)
+        unreduced = 2 * _zero3_unreduced_grad_numel(cfg, lay, mods)
+        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) + unreduced
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
@@ -228,8 +235,57 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" else 1)
     mem["activations"] = act
+    mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
     mem["total"] = sum(mem.values())
     return mem
+
+
+def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
+                    unreduced: float = 0.0) -> float:
+    """Transient bytes on a rank of ``stage`` at its peak beyond what is saved for
+    backward (``activations``): the larger of
+    - the loss, on the last stage: ``frameworks.loss_extra_bytes`` per logit of one
+      micro-batch (s b V / t), the fp32 working copies the framework's cross-entropy
+      holds beside the saved softmax (Megatron-LM's in-place kernel 2 bytes, PyTorch's
+      ``F.cross_entropy`` on upcast logits 8);
+    - recomputation: a recomputed layer saves, during its backward, what it would have
+      kept without recompute (torch.utils.checkpoint and Megatron-LM's
+      ``CheckpointFunction`` re-run the forward with autograd on, one layer at a time:
+      ``--recompute-num-layers 1``, torchtitan's per-block checkpoint): with full
+      recompute one layer's activations beyond its kept input, with selective recompute
+      one layer's attention core (Korthikanti et al. 2022, sec. 5: the recomputed part);
+      less ``unreduced``, the whole gradients ZeRO-3's ``buffers`` already hold: they
+      appear as that backward frees the recomputed tensors, whose peak is at its start,
+      so the two peaks do not add up.
+    Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
+    gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
+    from .frameworks import loss_extra_bytes
+    b, tp, sp = lay.micro_batch, lay.tp, lay.sp
+    rc = lay.recompute
+    remat = 0.0
+    if rc != "none":
+        remat = max(0.0, layer_activation_bytes(cfg, b, tp, sp, "none", attention)
+                    - layer_activation_bytes(cfg, b, tp, sp, rc, attention) - unreduced)
+    loss = 0.0
+    if stage == lay.pp - 1:
+        loss = loss_extra_bytes(lay.engine) * cfg.seq_len * b * cfg.vocab_size / tp
+    return max(remat, loss)
+
+
+def _zero3_unreduced_grad_numel(cfg, lay, mods) -> float:
+    """16-bit gradient elements a ZeRO-3 rank holds whole before their reduce-scatter.
+    DeepSpeed (``stage3.py``, ``contiguous_gradients``): each parameter's gradient is
+    copied into the reduce bucket (``reduce_bucket_size`` elements, a buffer of its own)
+    and freed; a parameter above the bucket's size is reduced as its own bucket; so the
+    bucket plus the largest parameter's gradient (v0.3.13's 6.7e7-element bucket of
+    DeepSpeedExamples' config, ``zero3_2021``; today's default 5e8, ``zero_cost``).
+    This library's recipe: one layer's whole gradient (an assumption, the dry run's)."""
+    if lay.engine in ("deepspeed", "deepspeed-0.3"):
+        from .zero_cost import REDUCE_BUCKET_NUMEL
+        from .zero3_2021 import REDUCE_BUCKET_NUMEL as BUCKET_2021
+        bucket = BUCKET_2021 if lay.engine == "deepspeed-0.3" else REDUCE_BUCKET_NUMEL
+        return bucket + max(mods)
+    return layer_params(cfg, lay.tp)
 
 
 def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:

@@ -24,13 +24,14 @@ from .placements import RC, show, to_png
 __all__ = ["PARTS", "PART_COLORS", "memory_bars", "stage_rows", "memory_widget",
            "MemoryExplorer", "show"]
 
-PARTS = ("params", "grads", "optimizer", "buffers", "activations")
+PARTS = ("params", "grads", "optimizer", "buffers", "activations", "workspace")
 PART_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c",
-               "buffers": "#8c564b", "activations": "#9467bd"}
+               "buffers": "#8c564b", "activations": "#9467bd", "workspace": "#bcbd22"}
 _LABELS = {"params": "16-bit weights", "grads": "16-bit gradients",
            "optimizer": "optimizer states (fp32 weights, m, v)",
            "buffers": "framework buffers (fp32 gradients, ZeRO-3 gathers)",
-           "activations": "activations"}
+           "activations": "activations",
+           "workspace": "peak workspace (loss, recompute)"}
 
 
 def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "device memory",

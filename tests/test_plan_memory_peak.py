@@ -1,0 +1,90 @@
+"""The planner's ``workspace``: the transient peak beyond the saved activations.
+
+The loss's share is held to PyTorch measured on the CPU (``torch.distributed._tools.
+mem_tracker.MemTracker``): ``F.cross_entropy`` on upcast logits, as torchtitan's
+``loss_fn`` and this library's models run it; the rest to the formulas' pieces.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import workbench as wb
+from workbench.models.config import get_config
+from workbench.plan import Cluster, Layout, estimate
+from workbench.plan.frameworks import loss_extra_bytes
+from workbench.plan.memory import layer_activation_bytes, stage_memory, workspace_bytes
+
+
+def _loss_peak_bytes(n, v, h=16):
+    """Peak bytes the loss of an (n, v) bf16 logit matrix holds, beyond its input's."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(v, h, generator=g, dtype=torch.bfloat16))
+    x = torch.randn(n, h, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    mt = MemTracker()
+    mt.track_external(w, x)
+    with mt:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), t)
+        del pred                      # torchtitan's train step frees the logits first
+        loss.backward()
+    peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return peak["Total"] - x.numel() * 2 - w.numel() * 2 - 2 * (x.numel() + w.numel())
+
+
+@pytest.mark.parametrize("n,v", [(2048, 1024), (1024, 4096)])
+def test_pytorch_cross_entropy_holds_twelve_bytes_per_logit(n, v):
+    """log_softmax's saved fp32 output, nll_loss's fp32 gradient and log_softmax's fp32
+    input gradient live together in the backward: 12 bytes per logit, 8 beyond the 4
+    ``stage_memory`` counts as activations."""
+    per_logit = _loss_peak_bytes(n, v) / (n * v)
+    assert per_logit == pytest.approx(4 + loss_extra_bytes("fsdp"), rel=0.02)
+    assert loss_extra_bytes("workbench") == loss_extra_bytes("fsdp") == 8
+
+
+def test_megatron_in_place_loss_and_unknown_framework():
+    # one fp32 copy worked on in place: only the 16-bit logits (or gradient) beside it
+    for fw in ("megatron", "deepspeed", "deepspeed-0.3"):
+        assert loss_extra_bytes(fw) == 2
+    with pytest.raises(ValueError, match="framework='jax'"):
+        loss_extra_bytes("jax")
+
+
+CFG = get_config("gpt3-175b", n_layer=4, d_model=1024, n_head=16, seq_len=1024)
+
+
+def test_workspace_is_the_larger_of_loss_and_recompute():
+    s, b, V = CFG.seq_len, 2, CFG.vocab_size
+    for rc in ("none", "selective", "full"):
+        lay = Layout(dp=1, tp=2, pp=2, recompute=rc, micro_batch=b, global_batch=8)
+        remat = (layer_activation_bytes(CFG, b, 2, False, "none")
+                 - layer_activation_bytes(CFG, b, 2, False, rc))
+        loss = 2 * s * b * V / 2                       # Megatron (the default for zero 0)
+        assert workspace_bytes(CFG, lay, 0) == remat   # no loss on the first stage
+        assert workspace_bytes(CFG, lay, 1) == max(remat, loss)
+        mem = stage_memory(CFG, lay, 1)
+        assert mem["workspace"] == max(remat, loss)
+        assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+    # full recompute keeps the layer's input; its backward re-saves the rest of it
+    full = Layout(dp=1, tp=1, recompute="full", micro_batch=1, global_batch=1)
+    none = layer_activation_bytes(CFG, 1, 1, False, "none")
+    assert workspace_bytes(CFG, full, 0, unreduced=0.0) == max(
+        none - 2 * s * CFG.d_model, 2 * s * V)
+    # ZeRO-3's whole gradients (in buffers) appear as the recomputed tensors are freed
+    assert workspace_bytes(CFG.replace(vocab_size=8), full, 0, unreduced=1e6) == \
+        none - 2 * s * CFG.d_model - 1e6
+
+
+def test_the_peak_decides_fits():
+    """A layout whose saved tensors fit but whose loss peak does not is refused: Llama 3
+    8B at 32K tokens per rank, torchtitan's FSDP on 8 H100s (its Table 2 ran it on 96 GB
+    parts with 83.9 GiB reserved): 24 GiB of saved activations, 31 GiB at the loss."""
+    cfg = wb.plan.presets.get_config("llama3-8b", seq_len=32768)
+    lay = Layout(dp=8, zero=3, recompute="full", micro_batch=1, framework="fsdp")
+    est = estimate(cfg, lay, Cluster("h100", 8))
+    T, V = 32768, cfg.vocab_size
+    assert est.memory["workspace"] == pytest.approx(8 * T * V)
+    assert est.memory["total"] - est.memory["workspace"] < 0.75 * 80e9
+    assert not est.fits                                # 80 GB H100: the peak does not fit
+    assert "workspace" in est.explain()
