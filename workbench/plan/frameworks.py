@@ -117,7 +117,7 @@ def grad_buffer_extra_bytes(framework: str, dtype: str) -> int:
     return grad_reduce_bytes(framework, dtype) - 2
 
 
-def loss_extra_bytes(framework: str) -> int:
+def loss_extra_bytes(framework: str, tp: int = 1) -> int:
     """Bytes per logit element (of the last stage's s b V / t) live at the loss's peak
     beyond the 4 of the fp32 (log-)softmax it saves for backward, which
     ``memory.stage_memory`` counts with the activations.
@@ -134,11 +134,18 @@ def loss_extra_bytes(framework: str) -> int:
     saves its fp32 output; in the backward nll_loss's gradient (fp32, dense) and
     log_softmax's input gradient (fp32) are allocated while it lives: 8 (measured on
     the CPU with ``torch.distributed._tools.mem_tracker``, tests/test_plan_memory_peak.py:
-    3.0 x the 4 bytes at the peak).  This library's vocabulary-parallel path (tp > 1)
-    runs exp and sum instead of the fused kernel (``parallel/ops_table/cross_entropy``):
-    priced as PyTorch's, ASSUMED."""
+    3.0 x the 4 bytes at the peak).  torchtitan with tensor parallelism (tp > 1) runs
+    the loss under ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``): its
+    log-softmax keeps the fp32 input, the shifted logits and their exp at once, and its
+    fused nll / log-softmax backward allocates a zeros tensor, exp, their sum and the
+    product: 16 bytes per logit at the peak (measured the same way on a one-rank gloo
+    mesh), 12 beyond.  This library's vocabulary-parallel path (tp > 1) runs exp and
+    sum instead of the fused kernel (``parallel/ops_table/cross_entropy``): priced as
+    PyTorch's, ASSUMED."""
     if framework in ("megatron", "deepspeed", "deepspeed-0.3"):
         return 2
+    if framework == "fsdp" and tp > 1:
+        return 12
     if framework in ("fsdp", "workbench"):
         return 8
     raise ValueError(f"loss_extra_bytes: framework={framework!r}; use one of {list(FRAMEWORKS)}")

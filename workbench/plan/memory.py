@@ -268,7 +268,7 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
                     - layer_activation_bytes(cfg, b, tp, sp, rc, attention) - unreduced)
     loss = 0.0
     if stage == lay.pp - 1:
-        loss = loss_extra_bytes(lay.engine) * cfg.seq_len * b * cfg.vocab_size / tp
+        loss = loss_extra_bytes(lay.engine, tp) * cfg.seq_len * b * cfg.vocab_size / tp
     return max(remat, loss)
 
 
