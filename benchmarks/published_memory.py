@@ -16,14 +16,17 @@ planner's ``usable_memory`` keeps back instead of counting), in GiB.  Configurat
 from that commit's ``train_configs``: sequence 8192 for Table 4, bf16 parameters, fp32
 gradient reduction (``frameworks``), loss_parallel with tensor parallelism.
 
+- Tables 1 and 3, first rows (FSDP, eager, bf16): Llama 3.1 8B on 8 and 128 GPUs, local
+  batch 2, sequence 8192, selective activation checkpointing, which the 8B config sets
+  to torchtitan's op-level policy (``selective_ac_option = 'op'``; ``recompute="op"``,
+  ``plan.llama_layer``): 82.4 and 67.0 GiB.
 - Table 2, first row: Llama 3.1 8B, FSDP 8, CP 1, sequence 32,768, local batch 1, full
   activation checkpointing, torch.compile and Float8: 83.9 GiB.
 - Table 4, "2D": Llama 3.1 70B, FSDP 32 x TP 8 (256 GPUs), local batch 16, sequence
   8192, full activation checkpointing, torch.compile and Float8: 71.9 GiB.
 
-Not comparable here: Tables 1 and 3 use torchtitan's op-level selective checkpointing
-(every other matmul's output saved), which is not the planner's ``selective`` (Korthikanti
-et al.'s attention core); Table 2's CP rows run FSDP with context parallelism
+Not comparable here: Tables 1 and 3's compiled and Float8 rows (torch.compile fuses
+the element-wise ops the op-level policy recomputes and keeps less); Table 2's CP rows run FSDP with context parallelism
 (``zero=3`` with ``cp > 1`` is not modeled); Tables 5 and 6 do not give the pipeline's
 number of micro-batches.  Float8 (fp8 casts of the linears' inputs) and torch.compile
 (fused element-wise kernels) are not modeled; with full checkpointing they touch only
@@ -42,6 +45,14 @@ GiB = 2 ** 30
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (9dec370ad2)"
 
 ROWS = [
+    dict(name="Llama 3.1 8B", table="Table 1 (FSDP, 8)", preset="llama3-8b", seq_len=8192,
+         devices=8,
+         layout=dict(dp=8, zero=3, recompute="op", micro_batch=2, framework="fsdp"),
+         published_gib=82.4),
+    dict(name="Llama 3.1 8B", table="Table 3 (FSDP, 128)", preset="llama3-8b",
+         seq_len=8192, devices=128,
+         layout=dict(dp=128, zero=3, recompute="op", micro_batch=2, framework="fsdp"),
+         published_gib=67.0),
     dict(name="Llama 3.1 8B", table="Table 2 (FSDP 8, CP 1)", preset="llama3-8b",
          seq_len=32768, devices=8,
          layout=dict(dp=8, zero=3, recompute="full", micro_batch=1, framework="fsdp"),

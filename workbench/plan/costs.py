@@ -71,7 +71,11 @@ def model_and_hardware_flops(cfg, batch: int, recompute: str) -> tuple[float, fl
     mat, core = layer_flops(cfg, batch)
     head = 2 * batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
     model = 3 * (cfg.n_layer * (mat + core) + head)
-    extra = {"none": 0.0, "selective": core, "full": mat + core}[recompute]
+    if recompute == "op":     # torchtitan's op SAC re-runs k, o and w3 (plan.llama_layer)
+        from .llama_layer import op_sac_recomputed_flops
+        extra = op_sac_recomputed_flops(cfg, batch)
+    else:
+        extra = {"none": 0.0, "selective": core, "full": mat + core}[recompute]
     return model, model + cfg.n_layer * extra
 
 

@@ -44,7 +44,7 @@ from . import tp_overlap as _tpo
 
 __all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")   # "op": Llama only (llama_layer)
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -289,6 +289,10 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False) -> tuple:
     e = _ITEMSIZE[dt]
+    if recompute == "op" and kv_heads is None:
+        raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
+                         "checkpointing) is modeled for Llama blocks (kv_heads given); use "
+                         "'none', 'selective' or 'full'")
     if kv_heads is not None:
         fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute)
@@ -300,6 +304,8 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
     phases = [("forward", fwd)]
     if recompute == "full":
         phases.append(("recompute", fwd))
+    elif recompute == "op":
+        phases.append(("recompute", _llama.op_sac_recompute(fwd)))
     phases.append(("backward", bwd))
     out, gemms = [], {}      # gemms: (phase, name) -> output shape, for tp_overlap
     for phase, ops in phases:

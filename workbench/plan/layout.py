@@ -25,7 +25,7 @@ __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model", "att
 
 # "interleaved_1f1b" needs v >= 2 model chunks per device; the others v == 1.
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-_RECOMPUTE = ("none", "selective", "full")
+_RECOMPUTE = ("none", "selective", "full", "op")
 _ALIASES = {"interleaved": "interleaved_1f1b", "one_f_one_b": "1f1b"}
 
 
@@ -67,7 +67,8 @@ class Layout:
     """How one training step is spread: data (``dp``), tensor (``tp``, with sequence
     parallelism ``sp``) and pipeline (``pp``, ``schedule``, ``v`` chunks per device)
     parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
-    ("none", "selective", "full"), and ``global_batch`` sequences per optimizer step
+    ("none", "selective", "full", or "op": torchtitan's op-level selective checkpointing,
+    Llama only, ``plan.llama_layer``), and ``global_batch`` sequences per optimizer step
     split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch),
     run by ``framework`` ("megatron", "deepspeed", "workbench", "fsdp" or "deepspeed-0.3"
     with zero=3:
@@ -252,6 +253,12 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
                          f"dp = {cluster.devices} / (tp x pp{cp[0]}) so the layout uses every "
                          f"device")
     _ep_cp.check_layout(model, lay)
+    if lay.recompute == "op" and (model.arch != "llama" or getattr(model, "moe_experts", 0)):
+        raise ValueError(f"Layout: recompute='op' (torchtitan's op-level selective "
+                         f"checkpointing) is modeled for dense Llama blocks, not "
+                         f"arch={model.arch!r}"
+                         + (" with experts" if getattr(model, "moe_experts", 0) else "")
+                         + "; use 'none', 'selective' or 'full'")
     if model.n_head % lay.tp:
         raise ValueError(f"Layout: tp={lay.tp} does not divide n_head={model.n_head} (each "
                          f"tensor-parallel rank owns whole heads); use a tp dividing "

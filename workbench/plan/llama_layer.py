@@ -52,13 +52,30 @@ output (the o GEMM's input) 2 T hq, the log-sum-exp 4 b a s / t, silu's input, w
 output, silu's output (the product's factors) and the product (w2's input) 2 T f / t
 each; outside (split by t with sequence parallelism) the two norms' inputs and outputs
 2 T h each and their fp32 1 / rms 4 T each.
+
+``recompute="op"``: torchtitan's op-level selective activation checkpointing (its Llama
+3 configs' ``selective_ac_option = 'op'``; ``torchtitan/parallelisms/parallelize_llama.py``
+at 9dec370ad2, ``_save_list`` and ``_custom_policy``): the block is a checkpoint region
+in which the outputs of ``aten.mm`` are saved except every second one (counted from 1
+in the block: q 1, k 2, v 3, o 4, w1 5, w3 6, w2 7, so q, v, w1 and w2 are kept, k, o
+and w3 recomputed), the flash (or memory-efficient) attention kernel's outputs and the
+sequence-parallel reduce-scatters' outputs are saved, and every other op is recomputed
+in the backward.  Kept: the block's input 2 T_n h, q's and v's GEMM outputs 2 T hq and
+2 T hk, the attention output 2 T hq with its log-sum-exp, w1's 2 T f / t, w2's (the
+row-parallel partial sum, full width) 2 T h, and with sequence parallelism the two
+reduce-scattered branch outputs 2 T_n h each.  The backward first re-runs the norms,
+k, RoPE, o, the residual adds, silu, w3 and the product (and the sequence-parallel
+all-gathers: ``all_gather_into_tensor`` is not on the save list).
 """
 from __future__ import annotations
 
 from ..sim_mesh.kernel_cost import AttentionShape
 
 __all__ = ["forward_ops", "backward_ops", "layer_params", "activation_bytes", "zero3_layer",
-           "weight_matrices"]
+           "weight_matrices", "op_sac_recompute", "op_sac_recomputed_flops"]
+
+# torchtitan's op-level SAC keeps these forward ops' outputs (module docstring)
+OP_SAC_SAVED = ("q_gemm", "v_gemm", "flash_attention", "w1_gemm", "w2_gemm")
 
 
 def _flash(b, ah, gh, s, d, e):
@@ -163,6 +180,22 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute):
     return ops + column("attn", "q_dgrad", "q_wgrad") + norm("attn_norm")
 
 
+def op_sac_recompute(fwd_ops) -> list:
+    """The forward ops torchtitan's op-level SAC re-runs before a block's backward
+    (module docstring): all but the saved GEMMs, the attention kernel and the
+    reduce-scattered branch outputs, in forward order."""
+    return [op for op in fwd_ops if op[0] not in OP_SAC_SAVED
+            and not (op[0].startswith("tp_out") and op[1] == "reduce_scatter")]
+
+
+def op_sac_recomputed_flops(cfg, batch: int) -> float:
+    """FLOPs op-level SAC adds per block and step of ``batch`` sequences: the forward of
+    its k, o and w3 GEMMs (element-wise FLOPs are not counted, as in the model's)."""
+    h, f, s = cfg.d_model, cfg.d_ff, cfg.seq_len
+    hk = cfg.n_kv_head * cfg.head_dim
+    return 2 * batch * s * (h * hk + h * h + h * f)
+
+
 def weight_matrices(cfg, tp: int) -> list[float]:
     """Elements of each weight matrix of one block on one TP rank, forward order:
     q, k, v, o, w1, w3, w2."""
@@ -193,6 +226,10 @@ def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str) -> float:
     T, t_sp = s * b, (tp if sp else 1)
     if recompute == "full":
         return 2 * T * h / t_sp
+    hq, hkt, ft = h / tp, hk / tp, f / tp
+    if recompute == "op":
+        kept = 2 * T * (2 * hq + hkt + ft) + 4 * b * a * s / tp + 2 * T * h
+        return kept + (2 * T * h / t_sp) * (3 if sp and tp > 1 else 1)
     inside = 2 * T * (2 * h + 2 * hk) + 8 * T * f     # q, o; k, v; SwiGLU's four
     lse = 0.0 if recompute == "selective" else 4 * b * a * s
     outside = 8 * T * h + 8 * T                        # norms' inputs and outputs, 1 / rms

@@ -149,6 +149,9 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.d_ff
     drop = cfg.dropout > 0
     t = tp
+    if recompute == "op":
+        raise ValueError("layer_activation_bytes: recompute='op' (torchtitan's op-level "
+                         "selective checkpointing) is modeled for Llama blocks only")
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     # Table 2's pieces (f = 4h): inside the TP region: Q, K 4sbh, V 2sbh, the output

@@ -1,0 +1,69 @@
+"""``recompute="op"``: torchtitan's op-level selective activation checkpointing, priced
+for Llama blocks (``plan.llama_layer``): what it keeps, what it re-runs, what it refuses."""
+import pytest
+
+import workbench as wb
+from workbench.models.config import get_config
+from workbench.plan import Cluster, Layout, dry_run, estimate
+from workbench.plan.costs import model_and_hardware_flops
+from workbench.plan.layer_cost import layer_ops
+from workbench.plan.llama_layer import activation_bytes
+
+L8B = wb.plan.presets.get_config("llama3-8b", seq_len=8192)
+
+
+def test_kept_bytes_follow_the_policy():
+    """Every second mm recomputed (k, o, w3); q's, v's, w1's, w2's outputs, the attention
+    output with its log-sum-exp and the block input kept: on one rank, tp = 1."""
+    cfg, b = L8B, 2
+    T, h, f, a, s = cfg.seq_len * b, cfg.d_model, cfg.d_ff, cfg.n_head, cfg.seq_len
+    hk = cfg.n_kv_head * cfg.head_dim
+    want = 2 * T * (h + h + hk + h + f + h) + 4 * b * a * s
+    assert activation_bytes(cfg, b, 1, False, "op") == want
+    # between full recompute (the input alone) and none
+    assert activation_bytes(cfg, b, 1, False, "full") < want \
+        < activation_bytes(cfg, b, 1, False, "none")
+    # tensor parallel with sequence parallelism: the inside splits by t, the input and the
+    # two reduce-scattered branch outputs are sequence-sharded, w2's partial sum is whole
+    t = 8
+    got = activation_bytes(cfg, b, t, True, "op")
+    assert got == 2 * T * (2 * h / t + hk / t + f / t) + 4 * b * a * s / t + 2 * T * h \
+        + 3 * 2 * T * h / t
+
+
+def test_backward_reruns_the_recomputed_ops_only():
+    prof = wb.sim_mesh.profiles.get_profile("h100")
+    ops = layer_ops(4096, 32, 8192, 1, 1, False, "op", 14336, "bfloat16", prof, (0,),
+                    "flash", kv_heads=8)
+    again = [o.name for o in ops if o.phase == "recompute"]
+    assert {"k_gemm", "o_gemm", "w3_gemm"} <= set(again)
+    assert not {"q_gemm", "v_gemm", "w1_gemm", "w2_gemm", "flash_attention"} & set(again)
+    fwd = sum(o.seconds for o in ops if o.phase == "forward")
+    re = sum(o.seconds for o in ops if o.phase == "recompute")
+    assert 0.2 * fwd < re < 0.6 * fwd          # three of seven GEMMs and the cheap ops
+    # the step pays for it: between no recompute and full recompute
+    cl, times = Cluster("h100", 8), {}
+    for rc in ("none", "op", "full"):
+        lay = Layout(dp=8, zero=3, recompute=rc, micro_batch=1, framework="fsdp")
+        times[rc] = estimate(L8B, lay, cl).step_time
+    assert times["none"] < times["op"] < times["full"]
+
+
+def test_hardware_flops_count_the_recomputed_gemms():
+    cfg, B = L8B, 4
+    model, hw = model_and_hardware_flops(cfg, B, "op")
+    h, f, s = cfg.d_model, cfg.d_ff, cfg.seq_len
+    hk = cfg.n_kv_head * cfg.head_dim
+    assert hw - model == pytest.approx(cfg.n_layer * 2 * B * s * (h * hk + h * h + h * f))
+
+
+def test_refused_where_it_is_not_modeled():
+    gpt = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128)
+    with pytest.raises(ValueError, match="recompute='op'.*Llama"):
+        estimate(gpt, Layout(recompute="op"), Cluster("a100", 1))
+    small = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
+                        vocab_size=512, seq_len=128)
+    with pytest.raises(ValueError, match="dry_run: recompute='op'"):
+        dry_run(small, Layout(recompute="op"), Cluster("a100", 1))
+    with pytest.raises(ValueError, match="recompute="):
+        Layout(recompute="ops")
