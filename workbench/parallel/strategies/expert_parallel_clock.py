@@ -38,18 +38,26 @@ def _experts_time(flops, nbytes, rows, per_expert, w_bytes, row_bytes, dtype, ge
                   profile) -> float:
     """A rank's expert GEMMs on one piece: ``gemms`` x ``mult`` (forward 1, backward 2)
     products per local expert, each of its share of the ``rows`` tokens (spread evenly
-    over the local experts) by one weight matrix of h x ffn, priced with their shape
-    (``cost.compute_time``'s ``gemm``: tile and wave quantization, or a device's measured
-    rate for that product), ``gemms`` launches in all as before."""
+    over the local experts) by one weight matrix of h x ffn, equal in FLOPs, each priced
+    with its own output shape (``cost.compute_time``'s ``gemm``: tile and wave
+    quantization, or a device's measured rate for that product): forward the up (and
+    gate) projections [per, ffn] and the down projection [per, h]; backward each
+    matrix's input gradient and weight gradient (up: [per, h] and [h, ffn]; down:
+    [per, ffn] and [ffn, h]); ``gemms`` launches in all as before."""
     item = torch.empty((), dtype=dtype).element_size()
     h = max(1, row_bytes // item)
     local = max(1, w_bytes // max(1, per_expert * item))          # experts on this rank
     ffn = max(1, per_expert // (gemms * h))
     per = max(1, -(-rows // local))                                # tokens per expert
-    k = gemms * mult * local                                       # products in all
-    one = _cost.compute_time(flops / k, nbytes / k, profile, dtype, op_class="matmul",
-                             launches=0, gemm=(1, per, ffn))
-    return k * one + gemms * _cost.compute_time(0, 0, profile, dtype, launches=1)
+    up = gemms - 1                                                 # up (and gate) matrices
+    if mult == 1:
+        shapes = [(1, per, ffn)] * up + [(1, per, h)]
+    else:
+        shapes = [(1, per, h), (1, h, ffn)] * up + [(1, per, ffn), (1, ffn, h)]
+    k = len(shapes) * local                                        # products in all
+    one = sum(_cost.compute_time(flops / k, nbytes / k, profile, dtype, op_class="matmul",
+                                 launches=0, gemm=shape) for shape in shapes)
+    return local * one + gemms * _cost.compute_time(0, 0, profile, dtype, launches=1)
 
 
 def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
