@@ -46,7 +46,11 @@ def _measured_peak(profile, dtype, op_class, flops, gemm):
     if name not in _MEASURED_GEMM or b * rows * cols == 0 or flops <= 0:
         return None
     k = max(1, round(flops / (2 * b * rows * cols)))
-    return _m.gemm_rate(ms["file"], rows, cols, k,
+    # a batched GEMM (attention's scores, a head's context) fills the device as one
+    # GEMM of its items' rows stacked: b x rows by cols (ASSUMPTION: the grid measured
+    # single GEMMs; a (2048 x 2048, K 128) item alone runs at 147 TFLOP/s on the H100,
+    # 16 of them batched are priced at the stacked (32,768 x 2048) product's 423)
+    return _m.gemm_rate(ms["file"], b * rows, cols, k,
                         "float8" if name == "float8" else "bfloat16")
 
 
@@ -128,8 +132,8 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     ``gemm``: a matmul's output shape ``(batch, rows, columns)``; its compute term is
     then divided by ``gemm_efficiency`` (tile and wave quantization), or, on a profile
     with ``measured`` GEMMs (16-bit or FP8), priced at the rate measured for that
-    product (K = flops / (2 x batch x rows x columns)).  An ``AttentionShape`` for op
-    class "attention": the measured rate of that fused kernel where the profile has one.
+    product (K = flops / (2 x batch x rows x columns); a batch as its rows stacked).
+    An ``AttentionShape`` for op class "attention": the measured rate of that fused kernel where the profile has one.
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \

@@ -143,13 +143,17 @@ def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int, str]]]:
     two batched GEMMs (class "matmul") around a softmax (class "norm", as the op
     table classes it); GeLU is "elementwise"."""
     T, Hl, SS = b * S, a * d, b * a * S * S
-    core = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul")          # q k^T or p v (bmm)
+    # the batched GEMMs with their output shapes (batch x heads, rows, columns), as
+    # plan.layer_cost prices Megatron's unfused core: scores (S x S; q k^T and, in the
+    # backward, dP) or a head's context / gradient (S x d; p v, dV, dQ, dK)
+    scores = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul", (b * a, S, S))
+    context = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul", (b * a, S, d))
     return {
-        "attention": [_mm(T, H, 3 * Hl, e), core, (5 * SS, 2 * SS * e, "norm"), core,
+        "attention": [_mm(T, H, 3 * Hl, e), scores, (5 * SS, 2 * SS * e, "norm"), context,
                       _mm(T, Hl, H, e)],
         "ffn": [_mm(T, H, Fl, e), (8 * T * Fl, 2 * T * Fl * e, "elementwise"), _mm(T, Fl, H, e)],
-        "attention dX": [_mm(T, H, Hl, e), core, core, (5 * SS, 3 * SS * e, "norm"), core, core,
-                         _mm(T, 3 * Hl, H, e)],
+        "attention dX": [_mm(T, H, Hl, e), scores, context, (5 * SS, 3 * SS * e, "norm"),
+                         context, context, _mm(T, 3 * Hl, H, e)],
         "attention dW": [_mm(Hl, T, H, e), _mm(H, T, 3 * Hl, e)],
         "ffn dX": [_mm(T, H, Fl, e), (10 * T * Fl, 3 * T * Fl * e, "elementwise"),
                    _mm(T, Fl, H, e)],
