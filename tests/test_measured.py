@@ -69,6 +69,16 @@ def test_a_gemm_is_priced_at_its_measured_rate():
         (1, 4096, 8192), H100)) + 1e-6)
 
 
+def test_a_batched_gemm_is_priced_as_its_items_stacked():
+    """16 products of (2048 x 2048, K = 128), attention's scores: the rate of the one
+    (32,768 x 2048) GEMM they fill the device as, not a lone item's (about 3x slower)."""
+    b, m, n, k = 16, 2048, 2048, 128
+    flops = 2 * b * m * n * k
+    t = cost.compute_time(flops, 0, H100, "bfloat16", "matmul", gemm=(b, m, n))
+    assert t == pytest.approx(flops / measured.gemm_rate(FILE, b * m, n, k) + 1e-6)
+    assert measured.gemm_rate(FILE, b * m, n, k) > 2 * measured.gemm_rate(FILE, m, n, k)
+
+
 def test_attention_rates_at_the_measured_points():
     for r in RAW["attention"]:
         if r["head_dim"] != 128 or r["backend"] not in ("cudnn", "flash"):
