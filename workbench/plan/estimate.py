@@ -118,6 +118,10 @@ class Estimate:
         busy = next(v for v in st.values() if v["stage"] == d["busiest_stage"])
         ly, ms = d["layer"], 1e3
         rc = " with recompute" if lay.recompute != "none" else ""
+        # what a layer's communication is: TP's collectives, EP's all-to-alls, CP's ring
+        kinds = [k for k, on in (("TP", lay.tp > 1), ("EP all-to-all", lay.ep > 1),
+                                 ("CP ring", lay.cp > 1)) if on]
+        comm = " + ".join(kinds) if kinds else "TP"
         gb = {k: v / 1e9 for k, v in self.memory.items()}
         bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"
                if d.get("deepspeed_pipe") else "(sum of stage times - slowest) / v")
@@ -125,7 +129,7 @@ class Estimate:
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
             f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
             f"  one layer, one micro-batch: forward {ly.fwd_compute * ms:.2f} ms compute + "
-            f"{ly.fwd_comm * ms:.2f} ms TP comm, backward{rc} "
+            f"{ly.fwd_comm * ms:.2f} ms {comm} comm, backward{rc} "
             f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
             f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
             f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
