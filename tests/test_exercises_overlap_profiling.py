@@ -69,6 +69,7 @@ def test_hand_schedule_equals_the_clock(link):
 
 def test_best_chunks():
     C.check_best_chunks(4)
+    C.check_best_chunks(4.0)                   # an integral float is that int
     fails(C.check_best_chunks, 32, match="pays the link latency again")
     fails(C.check_best_chunks, 1, match="more chunks would still hide")
     fails(C.check_best_chunks, 3, match="not one of the candidates")

@@ -96,7 +96,7 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
     e = bytes_per_value
     want_ep, want_tp = (x / 1e6 for x in _ep_tp_bytes(tokens, h, k, p, e))
     one_way = tokens * k * h * e * (p - 1) / p / 1e6
-    _verify("EP bytes", ep_mb, want_ep, "MB", [
+    _verify("EP volume", ep_mb, want_ep, "MB", [
         (one_way, "that is one all-to-all: the dispatch sends the rows out and the combine "
                   "sends the results back, two per layer forward"
                   + (" (or did you send one row per token? each token goes to k experts: "
@@ -110,7 +110,7 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (want_tp, "that is TP's figure: did you swap the two answers? EP's all-to-alls carry "
                   "the rank's own tokens x k rows"),
     ])
-    _verify("TP bytes", tp_mb, want_tp, "MB", [
+    _verify("TP volume", tp_mb, want_tp, "MB", [
         (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
                       "output (reduce-scatter): two collectives"),
         (want_tp / p, "TP's collectives carry the whole group's p x tokens, not the rank's "

@@ -82,6 +82,8 @@ def check_best_chunks(k, compute_ms: float = 1.0, comm_ms: float = 2.0,
                       ks=(1, 2, 4, 8, 16, 32)) -> None:
     """The k in ``ks`` that minimises c + m + (k-1) max(c, m), with per-chunk compute
     c = C/k + launch and communication m = M/k + latency (each chunk pays its own)."""
+    if isinstance(k, float) and k.is_integer():
+        k = int(k)                                     # 4.0 is the answer 4
     if isinstance(k, bool) or not isinstance(k, int):
         raise CheckError(f"k should be one of {list(ks)}, an int; got {k!r}")
     if k not in ks:
