@@ -46,6 +46,17 @@ def test_no_graph_break(capsys):
         raise NotImplementedError()
     fails("raised NotImplementedError.*replace the stub", C.check_no_graph_break, stub)
     fails("raised NameError", C.check_no_graph_break, lambda x: torch.relu(x) + undefined)  # noqa: F821
+    # Python's max() of a tensor reads its value as an `if` does
+    fails("still falls back to eager.*Python's max\\(\\)", C.check_no_graph_break,
+          lambda x: torch.relu(x / max(1.0, x.abs().amax())))
+    # clamp's max= is a ceiling: min(1, m) divides small inputs by m
+    fails("nor by min\\(1, m\\).*torch.clamp\\(m, min=1\\)", C.check_no_graph_break,
+          lambda x: torch.relu(x / torch.clamp(x.abs().amax(), max=1.0)))
+    # the name says rows, the function scales the whole tensor by one number
+    fails("each row .or column. by its own largest", C.check_no_graph_break,
+          lambda x: torch.relu(x / torch.clamp(x.abs().amax(-1, keepdim=True), min=1.0)))
+    fails("ABSOLUTE value", C.check_no_graph_break,
+          lambda x: torch.relu(x / torch.clamp(x.amax(), min=1.0)))
     fails("forget `return`", C.check_no_graph_break,
           lambda x: None if x is not None else x)
     fails("negative entries.*relu", C.check_no_graph_break,
@@ -87,5 +98,8 @@ def test_sink_saving(capsys):
     # the notebook's PROFILE is the A100's: its 1 us per launch is not the 910B's
     fails("A100's launch overhead", C.check_sink_saving_us,
           96 * wb.get_profile("a100").launch_overhead * 1e6, 97)
+    # 96 is also a count of launches, not their time: the hint names that too
+    fails("count of launches rather than their time.*launch_overhead", C.check_sink_saving_us,
+          96, 97)
     # the whole O1 -> O2 step difference (launches and bucketing) is more than every launch
     fails("launches only.*bucketing", C.check_sink_saving_us, 97 * lt * 1e6 + 120, 97)

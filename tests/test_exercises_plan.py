@@ -125,6 +125,27 @@ def test_mfu(capsys):
     passes(capsys, C.check_mfu, est.mfu, est.step_time)
 
 
+def test_unitless_number_has_no_stray_space(capsys):
+    """An MFU is a share without a unit: the messages join the number to what follows
+    with no space before the missing unit (not "0.3441 " nor "45.12 :")."""
+    t = 20.0
+    want = C._gpt3_model_flops(1536) / (t * 1024 * 312e12)
+    out = passes(capsys, C.check_mfu, want, t)
+    assert out == f"Correct: MFU = {want:.4g}\n"
+    reset_tries()
+    for n in range(1, REVEAL_AFTER + 1):
+        with pytest.raises(CheckError) as err:
+            C.check_mfu(100 * want, t)
+        msg = str(err.value)
+        assert msg.startswith(f"your MFU is {100 * want:.4g}: ")
+        assert "  " not in msg and " :" not in msg and " )" not in msg
+    assert msg.endswith(f"(expected {want:.4g})")
+    # a number with a unit keeps its space
+    reset_tries()
+    with pytest.raises(CheckError, match=r"your ZeRO-2 model states is 50 GB: "):
+        C.check_zero_states_gb(50.0)
+
+
 def test_tp_comm(capsys):
     t8, t16 = 0.4, 0.58
     a, b = 6 * 6 * t8, 12 * 6 * t16

@@ -152,6 +152,19 @@ def test_until_puts_two_steps_on_one_scale():
             max(e.end - t0 for e in rep.events if e.stream == "compute") * scale)
     assert T.draw_timeline(long_).axes[0].get_xlim() == pytest.approx(
         (0, long_.total * T.time_unit(long_.total)[1]))
+    # the caption reads in the axis's unit, also where the axis is stretched into a
+    # larger unit than the step's own (a step of 29 us on a 0.25 ms axis: ms, not us)
+    x, w = meta_inputs(matmul_all_reduce, (1024, 1024, 1024), MESH, "tp")
+    step = matmul_all_reduce(x, w, MESH, "tp", chunks=1, profile="a100")[1]
+    assert T.time_unit(step.total)[0] == "us"
+    fig = T.draw_timeline(step, until=2.5e-4)
+    (cap,) = artists(fig, "caption")
+    assert "ms" in fig.axes[0].get_xlabel() and " us" not in cap.get_text()
+    assert cap.get_text() == T.caption(step, 2.5e-4)
+    assert f"total {step.total * 1e3:.3f} ms" in cap.get_text()
+    assert T.caption(step).endswith(f"total {step.total * 1e6:.3f} us")
+    with pytest.raises(ValueError, match="span="):
+        T.caption(step, 0.0)
     for bad in (min(short.total, long_.total) / 2, "1 ms", True):
         with pytest.raises(ValueError, match="until="):
             T.draw_timeline(long_ if bad is not True else short, until=bad)

@@ -83,13 +83,14 @@ def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02
     """Accept ``got`` within ``rel`` of ``want``; otherwise name the mistake among
     ``wrong`` it matches within ``hint_rel`` (no wider than the mistakes lie apart)."""
     got = _number(name, got)
+    sep = " " if unit else ""                     # a share has no unit: no stray space
     if math.isclose(got, want, rel_tol=rel):
-        _ok(f"{name} = {got:.4g} {unit}{what}")
+        _ok(f"{name} = {got:.4g}{sep}{unit}{what}")
         return
-    raise CheckError(f"your {name} is {got:.4g} {unit}: "
+    raise CheckError(f"your {name} is {got:.4g}{sep}{unit}: "
                      + _hint(got, want, wrong, hint_rel, fallback,
                              share=unit == "" or unit.startswith("of ")),
-                     expected=f"{want:.4g} {unit}")
+                     expected=f"{want:.4g}{sep}{unit}")
 
 
 def _chunks(n: int, k: int) -> list:

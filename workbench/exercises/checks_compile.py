@@ -49,8 +49,10 @@ def check_no_graph_break(fn) -> None:
     if prog.eager:
         b = prog.breaks[0]
         raise CheckError(f"wb.compile still falls back to eager: {b.reason} at line {b.line} "
-                         f"({b.code!r}). Compute both branches with tensor ops instead of an "
-                         "`if` on a tensor: torch.clamp(m, min=1) or torch.where(...)")
+                         f"({b.code!r}). Python must not read a tensor's value (an `if` on "
+                         "a tensor, Python's max() or min() of one, bool(), .item()): compute "
+                         "both branches with tensor ops instead, torch.clamp(m, min=1) or "
+                         "torch.where(...)")
     for name, x in (("all |x| < 1", small), ("largest |x| > 1", big)):
         want = scale_rows_reference(x)
         try:
@@ -64,10 +66,19 @@ def check_no_graph_break(fn) -> None:
             raise CheckError(f"your function returns a {type(got).__name__}, not a tensor")
         got = got.full() if isinstance(got, wb.DistTensor) else got
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            if name.startswith("all") and torch.allclose(
-                    got, torch.relu(x / x.abs().max()), atol=1e-6):
-                hint = ("divide by max(1, m), not by m: inputs already within [-1, 1] stay as "
-                        "they are")
+            like = lambda ref: got.shape == ref.shape and torch.allclose(  # noqa: E731
+                got, ref, rtol=1e-5, atol=1e-6)
+            if name.startswith("all") and like(torch.relu(x / x.abs().max())):
+                hint = ("divide by max(1, m), not by m (nor by min(1, m)): inputs already "
+                        "within [-1, 1] stay as they are; torch.clamp(m, min=1) is max(1, m)")
+            elif like(_scaled(x, x.abs().amax(-1, keepdim=True))) or like(
+                    _scaled(x, x.abs().amax(0, keepdim=True))):
+                hint = ("you scaled each row (or column) by its own largest |x|; scale_rows "
+                        "divides the whole tensor by one number, max(1, the largest |x| of "
+                        "all its entries): amax() with no dim")
+            elif like(_scaled(x, x.amax())):
+                hint = ("m is the largest ABSOLUTE value, x.abs().amax(): x.amax() misses a "
+                        "large negative entry")
             elif (got < 0).any():
                 hint = "it has negative entries: scale_rows ends with torch.relu"
             else:
@@ -76,6 +87,11 @@ def check_no_graph_break(fn) -> None:
                              f"result: {hint}")
     _ok(f"{len(prog.graph.nodes)} ops captured whole, no graph break; the results match "
         "with and without scaling")
+
+
+def _scaled(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """relu(x / max(1, m)) for another choice of m: a mistake's result."""
+    return torch.relu(x / torch.clamp(m, min=1.0))
 
 
 def _ring(nbytes: float, p: int) -> float:
@@ -131,8 +147,10 @@ def check_sink_saving_us(us, kernels: int, profile: str = "ascend-910b") -> None
                          "pass's saving too)")
     other = [] if profile == "a100" else [
         ((kernels - 1) * get_profile("a100").launch_overhead * 1e6,
-         f"that is the A100's launch overhead (the notebook's PROFILE); this step runs on "
-         f"{profile}: use its profile's launch_overhead")]
+         f"that is (kernels - 1) x {get_profile('a100').launch_overhead * 1e6:g} us, the "
+         f"A100's launch overhead (the notebook's PROFILE), or a count of launches rather "
+         f"than their time; this step runs on {profile}: multiply by its profile's "
+         f"launch_overhead (seconds)")]
     _check_number("launch time saved", us, want, "us", other + [
         (kernels * lt * 1e6, "the graph itself is still launched once: one launch remains"),
         ((kernels - 1) * lt * 1e3, "launch_overhead is in seconds: times 1e6 for us"),

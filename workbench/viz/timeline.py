@@ -71,9 +71,16 @@ def time_unit(seconds: float) -> tuple[str, float]:
     return "s", 1.0
 
 
-def caption(report: OverlapReport) -> str:
-    """'comm hidden 75.0% (0.510 of 0.680 ms) | exposed 0.170 ms | total 1.190 ms'."""
-    u, s = time_unit(report.total or report.comm)
+def caption(report: OverlapReport, span: float | None = None) -> str:
+    """'comm hidden 75.0% (0.510 of 0.680 ms) | exposed 0.170 ms | total 1.190 ms', in the
+    unit of ``span`` seconds (a figure's time axis) where given, else of the step's own
+    length: a caption under a stretched axis (``draw_timeline(until=)``) reads in the
+    axis's unit."""
+    if span is not None and (isinstance(span, bool) or not isinstance(span, (int, float))
+                             or not span > 0):
+        raise ValueError(f"caption(span={span!r}): give the axis's length in seconds (> 0), "
+                         "or None for the step's own")
+    u, s = time_unit(span or report.total or report.comm)
     return (f"comm hidden {report.hidden_share:.1%} ({report.hidden * s:.3f} of "
             f"{report.comm * s:.3f} {u}) | exposed {report.exposed * s:.3f} {u} | "
             f"total {report.total * s:.3f} {u}")
@@ -150,7 +157,7 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
         f"{rep.kind}  k={rep.k}" if rep.kind and rep.kind != "trace" else "timeline")
     # the title on its own line above the caption: a long title never runs into it
     ax.set_title(head, loc="left", fontdict=FONT, pad=TITLE_PAD)
-    ax.text(1.0, 1.01, caption(rep), transform=ax.transAxes, ha="right", va="bottom",
+    ax.text(1.0, 1.01, caption(rep, span or 1.0), transform=ax.transAxes, ha="right", va="bottom",
             gid="caption", **FONT)
     handles = [Patch(color=STREAM_COLORS["compute"], label="compute"),
                Patch(color=STREAM_COLORS["comm"], label="comm (hidden)"),
