@@ -60,7 +60,8 @@ def test_value_only_from_the_third_try():
 def test_least_recompute(capsys):
     # the exercise: dp 16, tp 8, pp 8 on a 910B, 60.0 GB usable of its 64 GB (the planner's
     # fits); the notebook prints pp 16's answer above it
-    passes(capsys, C.check_least_recompute, "full")
+    said = passes(capsys, C.check_least_recompute, "full")
+    assert "about 50 GB of 60.0 GB usable (with 'selective' about 77 GB)" in said
     fails(r"about 77 GB, more than the 60.0 GB usable: it holds min\(p, m\) = 8 micro-batches in flight, "
           r"each through its L/p = 12 layers", C.check_least_recompute, "selective")
     fails("about 101 GB", C.check_least_recompute, "none")
@@ -76,7 +77,8 @@ def test_least_recompute(capsys):
 
 def test_biggest_micro_batch(capsys):
     # an A100's usable 75.2 GB, the planner's fits (b = 2 needs about 71 GB)
-    assert "about 71 GB of 75.2 GB usable" in passes(capsys, C.check_biggest_micro_batch, 2)
+    said = passes(capsys, C.check_biggest_micro_batch, 2)
+    assert "about 71 GB of 75.2 GB usable" in said and "peak workspace" in said
     fails("too big", C.check_biggest_micro_batch, 3)
     fails("too big", C.check_biggest_micro_batch, 192)        # one micro-batch of 192
     fails("a bigger divisor", C.check_biggest_micro_batch, 1)
@@ -173,3 +175,16 @@ def test_tp_comm_counts_agree_with_the_planner():
                                 cl.profile)
         layer = costs.layer_cost(GPT3, 1, tp, False, "full", cl.profile)
         assert (layer.fwd_comm + layer.bwd_comm) == pytest.approx(6 * one, rel=1e-6)
+
+
+def test_the_planner_gives_the_exercises_answers():
+    """The hand count leaves out what the planner adds (biases, LayerNorms, the dropout
+    mask, Megatron's fp32 gradient buffer, the peak workspace): the answers must still be
+    the planner's, which the notebook prints after exercise 3 (b = 2 fits an A100 with
+    0.1 GB to spare)."""
+    e = lambda lay, prof: wb.plan.estimate(GPT3, lay, wb.plan.Cluster(prof, 1024))
+    ex2 = wb.plan.Layout(dp=16, tp=8, pp=8, micro_batch=1, global_batch=1536)
+    assert [e(ex2.replace(recompute=rc), "ascend-910b").fits
+            for rc in ("none", "selective", "full")] == [False, False, True]
+    ex3 = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="selective", zero=1, global_batch=1536)
+    assert [e(ex3.replace(micro_batch=b), "a100").fits for b in (1, 2, 3)] == [True, True, False]

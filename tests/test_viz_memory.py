@@ -102,3 +102,30 @@ def test_fits_means_under_the_usable_memory():
         lay = w.layout()
         est = wb.plan.estimate(GPT3, lay, wb.plan.Cluster("ascend-910b", 1024))
         assert ("does NOT fit" not in w.message) == est.fits, (rc, w.message)
+
+
+def test_every_part_in_the_legend_inside_the_figure():
+    """With all six parts (the workspace's label the longest of a row) the legend takes
+    fewer columns rather than run past the figure's edges, where it would be clipped; the
+    workspace is hatched, and the totals' white boxes start right of the bars' ends, so a
+    sliver of workspace at a bar's end stays visible."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="selective", global_batch=1536)
+    rows = stage_rows(GPT3, lay)
+    assert all(r["workspace"] > 0 for r in rows.values())
+    for width in (7.5, 5.0, 12.0):
+        fig = memory_bars(rows, limit=64e9, usable=60e9, width=width)
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        (legend,) = fig.legends
+        box = legend.get_window_extent(canvas.get_renderer())
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.x1, (width, box, fig.bbox)
+        assert len(legend.get_texts()) == len(PARTS)
+        assert any("workspace" in t.get_text() for t in legend.get_texts())
+    segs = _gids(fig, "segment")
+    hatched = [s for s in segs if s.get_hatch()]
+    assert len(hatched) == len(rows)                   # one workspace segment a bar
+    renderer = canvas.get_renderer()
+    for total, bar_end in zip(_gids(fig, "total"), [s for s in segs if s.get_hatch()]):
+        text_box = total.get_bbox_patch().get_window_extent(renderer)
+        assert text_box.x0 > bar_end.get_window_extent(renderer).x1

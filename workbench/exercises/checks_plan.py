@@ -92,6 +92,12 @@ def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: i
     return (_zero_states(psi, dp, zero) + per_layer * (L / p) * min(p, m)) / 1e9
 
 
+# what the exercises' count leaves out, said where a right answer quotes its GB
+_PLANNER_ADDS = ("That is model states and saved activations; the planner's total also "
+                 "counts biases, LayerNorms, the embedding's dropout mask, Megatron's fp32 "
+                 "gradient buffer and the peak workspace: a few GB more")
+
+
 @exercise
 def check_least_recompute(recompute, memory_gb: float | None = None, micro_batch: int = 1,
                           tp: int = 8, pp: int = 8, dp: int = 16, zero: int = 0) -> None:
@@ -109,9 +115,11 @@ def check_least_recompute(recompute, memory_gb: float | None = None, micro_batch
                          f"the exercise's numbers were changed: restore them")
     want = fits[0]
     if recompute == want:
+        prev = RECOMPUTE[RECOMPUTE.index(want) - 1]
         _ok(f"recompute={recompute!r}: about {need[recompute]:.0f} GB of {memory_gb:.1f} GB "
-            f"usable (without it {need[RECOMPUTE[RECOMPUTE.index(want) - 1]]:.0f} GB)"
-            if want != "none" else f"recompute='none' already fits: {need['none']:.0f} GB")
+            f"usable (with {prev!r} about {need[prev]:.0f} GB). {_PLANNER_ADDS}"
+            if want != "none" else f"recompute='none' already fits: {need['none']:.0f} GB. "
+            f"{_PLANNER_ADDS}")
         return
     if RECOMPUTE.index(recompute) < RECOMPUTE.index(want):
         raise CheckError(f"with recompute={recompute!r} the first stage needs about "
@@ -148,7 +156,7 @@ def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str 
     want = max(ok)
     got_gb = gpt3_first_stage_gb(recompute, b, tp, pp, dp, zero, global_batch)
     if b == want:
-        _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:.1f} GB usable")
+        _ok(f"b = {b}: about {got_gb:.0f} GB of {memory_gb:.1f} GB usable. {_PLANNER_ADDS}")
         return
     if got_gb > memory_gb:
         hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "

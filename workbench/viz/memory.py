@@ -32,6 +32,9 @@ _LABELS = {"params": "16-bit weights", "grads": "16-bit gradients",
            "buffers": "framework buffers (fp32 gradients, ZeRO-3 gathers)",
            "activations": "activations",
            "workspace": "peak workspace (loss, recompute)"}
+# The workspace is a transient peak, not memory kept: hatched, and outlined so that a
+# sliver (0.25 GB on a 100 GB axis is about one pixel) still shows as a line
+_EDGE = {"workspace": dict(edgecolor="#6b6b12", hatch="////", linewidth=0.8)}
 
 
 def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "device memory",
@@ -73,13 +76,16 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
                 v = parts.get(p, 0.0) / unit
                 if v > 0:
                     ax.barh(y, v, left=left, height=0.65, color=PART_COLORS[p], gid="segment",
-                            label=_LABELS[p] if y == _first_row(rows, p) else None)
+                            label=_LABELS[p] if y == _first_row(rows, p) else None,
+                            **_EDGE.get(p, {}))
                     left += v
             over = cap is not None and totals[label] > cap
-            ax.text(left, y, f" {totals[label] / unit:,.1f} {unit_name}", va="center",
-                    ha="left", fontsize=9, color="#c00000" if over else "#222222",
-                    fontweight="bold" if over else "normal", gid="total",
-                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
+            # a few points right of the bar: its white box must not cover the bar's end
+            ax.annotate(f"{totals[label] / unit:,.1f} {unit_name}", (left, y), xytext=(3, 0),
+                        textcoords="offset points", va="center", ha="left", fontsize=9,
+                        color="#c00000" if over else "#222222",
+                        fontweight="bold" if over else "normal", gid="total",
+                        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
         ax.set_yticks(range(len(rows)), list(rows), fontsize=9)
         ax.set_ylim(len(rows) - (0.4 if usable is None else 0.05), -0.9)
         hi = max(list(totals.values()) + [limit or 0.0, usable or 0.0]) / unit
@@ -96,11 +102,21 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
                     ha="right", va="center", fontsize=8.5, color="#333333", gid="usable_label")
         ax.set_xlabel(unit_name, fontsize=9)
         ax.tick_params(labelsize=9)
-        # at most 3 a row: five entries in one row ran past the figure's edges
-        fig.legend(loc="outside lower center", fontsize=8.5, frameon=False,
-                   ncols=min(len(used), 3))
+        # at most 3 a row: five entries in one row ran past the figure's edges; fewer
+        # where the longest labels make 3 wider than the figure (measured below)
+        legend = fig.legend(loc="outside lower center", fontsize=8.5, frameon=False,
+                            ncols=min(len(used), 3))
         if title:
             ax.set_title(title, fontsize=10, loc="left")
+        ncols = min(len(used), 3)
+        while ncols > 1:
+            fig.draw_without_rendering()
+            if legend.get_window_extent().width <= fig.bbox.width:
+                break
+            ncols -= 1
+            legend.remove()
+            legend = fig.legend(loc="outside lower center", fontsize=8.5, frameon=False,
+                                ncols=ncols)
         if limit is not None:
             # right of the line where it fits inside the axes, else left of it: never past
             # the edge (measured on a layout-only draw, legend and title in place)
