@@ -226,8 +226,9 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         # follows), and one layer's whole 16-bit gradient before its reduce-scatter
         from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
-        unreduced = 2 * _zero3_unreduced_grad_numel(cfg, lay, mods)
-        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) + unreduced
+        bucket, grads = _zero3_unreduced_grad_numel(cfg, lay, mods)
+        unreduced = 2 * grads       # appear in the backward; the bucket stays allocated
+        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
@@ -259,7 +260,8 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       one layer's attention core (Korthikanti et al. 2022, sec. 5: the recomputed part);
       less ``unreduced``, the whole gradients ZeRO-3's ``buffers`` already hold: they
       appear as that backward frees the recomputed tensors, whose peak is at its start,
-      so the two peaks do not add up.
+      so the two peaks do not add up (DeepSpeed's reduce bucket, allocated once, is not
+      among them).
     Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
     gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
     from .frameworks import loss_extra_bytes
@@ -275,20 +277,21 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
     return max(remat, loss)
 
 
-def _zero3_unreduced_grad_numel(cfg, lay, mods) -> float:
-    """16-bit gradient elements a ZeRO-3 rank holds whole before their reduce-scatter.
-    DeepSpeed (``stage3.py``, ``contiguous_gradients``): each parameter's gradient is
-    copied into the reduce bucket (``reduce_bucket_size`` elements, a buffer of its own)
-    and freed; a parameter above the bucket's size is reduced as its own bucket; so the
-    bucket plus the largest parameter's gradient (v0.3.13's 6.7e7-element bucket of
-    DeepSpeedExamples' config, ``zero3_2021``; today's default 5e8, ``zero_cost``).
-    This library's recipe: one layer's whole gradient (an assumption, the dry run's)."""
+def _zero3_unreduced_grad_numel(cfg, lay, mods) -> tuple[float, float]:
+    """(bucket, gradients): 16-bit elements a ZeRO-3 rank holds before their
+    reduce-scatter.  DeepSpeed (``stage3.py``, ``contiguous_gradients``): the reduce
+    bucket, a buffer of ``reduce_bucket_size`` elements allocated once (v0.3.13's 6.7e7 of
+    DeepSpeedExamples' config, ``zero3_2021``; today's default 5e8, ``zero_cost``), into
+    which each parameter's gradient is copied and then freed; a parameter above the
+    bucket's size is reduced as its own bucket: the largest parameter's gradient whole.
+    This library's recipe: no bucket, one layer's whole gradient (an assumption, the dry
+    run's)."""
     if lay.engine in ("deepspeed", "deepspeed-0.3"):
         from .zero_cost import REDUCE_BUCKET_NUMEL
         from .zero3_2021 import REDUCE_BUCKET_NUMEL as BUCKET_2021
         bucket = BUCKET_2021 if lay.engine == "deepspeed-0.3" else REDUCE_BUCKET_NUMEL
-        return bucket + max(mods)
-    return layer_params(cfg, lay.tp)
+        return float(bucket), float(max(mods))
+    return 0.0, float(layer_params(cfg, lay.tp))
 
 
 def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:
