@@ -42,8 +42,9 @@ untied head's V h / t on the last.
 """
 from __future__ import annotations
 
-__all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel", "zero3_modules", "stage_params",
-           "layer_activation_bytes", "in_flight", "stage_memory", "K_ADAM"]
+__all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
+           "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
+           "stage_memory", "K_ADAM"]
 
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
 
@@ -223,7 +224,9 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
     if lay.zero == 3 and lay.dp > 1 and lay.engine != "fsdp":
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
-        # follows), and one layer's whole 16-bit gradient before its reduce-scatter
+        # follows), and the gradients not yet reduce-scattered (DeepSpeed: its bucket and
+        # the largest parameter's; this library's recipe: one layer's,
+        # _zero3_unreduced_grad_numel)
         from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
         bucket, grads = _zero3_unreduced_grad_numel(cfg, lay, mods)
