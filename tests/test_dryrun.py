@@ -65,7 +65,8 @@ def _pair(lay):
 def test_memory_agrees_with_estimate(lay):
     dr, est = _pair(lay)
     assert set(dr.memory) == set(est.memory) == {"params", "grads", "optimizer", "buffers",
-                                                 "activations", "workspace", "total"}
+                                                 "comm_buffers", "activations", "workspace",
+                                                 "total"}
     # the workspace (the loss's fp32 copies, a recomputed layer) is priced by the same
     # plan.memory.workspace_bytes on both sides: only the total holds it here
     for k in ("params", "grads", "optimizer", "buffers", "total"):

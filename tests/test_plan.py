@@ -106,7 +106,8 @@ def test_memory_orders_and_fits():
     assert z1.memory["optimizer"] == pytest.approx(full.memory["optimizer"] / 8)
     for e in (base, sel, full, sp, z1):
         assert e.fits == (e.memory["total"] <= 80e9 * 0.95 - 0.78e9)   # usable memory
-        parts = ("params", "grads", "optimizer", "buffers", "activations", "workspace")
+        parts = ("params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
+                 "workspace")
         assert e.memory["total"] == pytest.approx(sum(e.memory[k] for k in parts))
 
 

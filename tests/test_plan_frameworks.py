@@ -87,7 +87,9 @@ def test_estimate_says_what_it_assumed():
     assert got[0].startswith("Megatron-LM: gradients in a fp32 buffer")
     assert any("unfused core" in a for a in got)
     marked = [k for k, v in cl.profile.citations.items() if "ASSUMPTION" in v]
-    assert marked and all(k in got[-1] for k in marked)
+    profile_line = next(a for a in got if a.startswith("profile a100's figures"))
+    assert marked and all(k in profile_line for k in marked)
+    assert got[-1].startswith("communication buffers ")      # plan.comm_memory
     assert est.explain().splitlines()[-1].startswith("  assumed: Megatron-LM")
     ds = P.estimate(cfg, lay.replace(zero=3, framework="deepspeed"), cl, attention="flash",
                     overlap=False)

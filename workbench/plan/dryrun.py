@@ -55,7 +55,9 @@ What is composed from those measurements (not run op by op):
   clock), plus one layer's whole 16-bit gradient before its reduce-scatter (not in the
   ledger: an assumption, as ``plan.memory``); ``workspace``, the transient peak beyond
   the saved tensors (the loss's fp32 copies, a recomputed layer), is priced by
-  ``plan.memory.workspace_bytes``, not measured here.  On the small GPT of tests/test_dryrun.py
+  ``plan.memory.workspace_bytes``, not measured here; ``comm_buffers``, NCCL's / HCCL's
+  device buffers for the layout's communicators, is ``plan.comm_memory``'s model (the
+  simulated collectives allocate none).  On the small GPT of tests/test_dryrun.py
   the peak is every module at once (157 MB: the tied embedding's 105 MB and the rest,
   within one prefetch of 5e7 elements); at GPT-3's layer shape on tp 8, fc1 and fc2
   (302 MB).
@@ -87,6 +89,7 @@ from .layout import Cluster, Layout, check_layout
 from . import dryrun_ep_cp as _ep_cp
 from .meta_moe import use_meta_routing
 from .memory import workspace_bytes
+from .comm_memory import comm_buffer_bytes
 from .ep_cp import token_cfg
 from .meta_run import is_meta, run_stage
 
@@ -247,6 +250,10 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             mem["buffers"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
             unreduced = item * layer_numel
             mem["buffers"] += unreduced
+        # the communication library's buffers: modeled (plan.comm_memory) for this
+        # library's recipe's communicators, as the estimate with framework "workbench"
+        mem["comm_buffers"] = comm_buffer_bytes(cfg, lay.replace(framework="workbench"), r,
+                                                prof)["point"]
         mem["activations"] = peaks[r]
         # the transient peak beyond the saved tensors (the loss's fp32 copies on the
         # last stage, a recomputed layer), priced as plan.memory does for this library's

@@ -66,6 +66,7 @@ from . import deepspeed_step as DS
 from . import zero3_2021 as Z21
 from . import ep_cp as EC
 from . import tp_overlap as TPO
+from . import comm_memory as CM
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -140,6 +141,8 @@ class Estimate:
             f"  memory on stage {busy['stage']}: params {gb['params']:.1f} + grads "
             f"{gb['grads']:.1f} + optimizer {gb['optimizer']:.1f}"
             + (f" + buffers {gb['buffers']:.1f}" if self.memory.get("buffers") else "")
+            + (f" + {d['comm_buffers']['library']} buffers {gb['comm_buffers']:.1f}"
+               if self.memory.get("comm_buffers") else "")
             + f" + activations {gb['activations']:.1f}"
             + (f" + workspace {gb['workspace']:.1f} (peak: loss or recompute)"
                if self.memory.get("workspace") else "")
@@ -379,7 +382,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
-                            memory=stage_memory(cfg, lay, s, attention), copies=copies)
+                            memory=stage_memory(cfg, lay, s, attention, prof),
+                            copies=copies)
 
     tied = 0.0
     if pp > 1 and cfg.tie_embeddings:
@@ -405,6 +409,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                  "bubble": bubble} if ds is None else dict(ds["breakdown"])
     step = sum(breakdown.values())
     busiest = max(stages.values(), key=lambda d: d["memory"]["total"])
+    comm_mem = CM.comm_buffer_bytes(cfg, lay, busiest["stage"], prof)   # plan.comm_memory
     model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
     peak, n = prof.peak(cfg.dtype), cluster.devices
     details = {
@@ -423,7 +428,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
-        + (DS.assumptions(lay, cfg) if ds is not None else ()),
+        + (DS.assumptions(lay, cfg) if ds is not None else ())
+        + (CM.assumption(comm_mem, prof),),
+        "comm_buffers": comm_mem,
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}
         if slow["copies"] else None,
         "deepspeed_pipe": ds,

@@ -30,6 +30,10 @@ stage holds at once (:func:`in_flight`), plus the first stage's embedding dropou
 mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
 for the loss (4 s b V / t), counted the same way.
 
+``comm_buffers``: the communication library's device buffers for the communicators
+the layout creates (NCCL's per channel and peer, HCCL's per communicator:
+``comm_memory``), given the hardware's profile.
+
 ``workspace``: what is live at a rank's peak beyond the saved activations
 (:func:`workspace_bytes`): the loss's fp32 working copies on the last stage, or the
 layer a recompute re-runs; ``total`` counts it, so ``fits`` asks for the peak, not
@@ -203,12 +207,16 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
     return out
 
 
-def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> dict:
-    """{"params", "grads", "optimizer", "buffers", "activations", "workspace", "total"}
-    bytes on a rank of ``stage`` of ``layout`` (a :class:`~workbench.plan.layout.Layout`):
-    the first three ZeRO's partitioned model states, ``buffers`` the framework's working
-    copies beyond them, ``activations`` what is saved for backward, ``workspace`` the
-    transient peak beyond it (:func:`workspace_bytes`) (module docstring)."""
+def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
+                 profile=None) -> dict:
+    """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
+    "workspace", "total"} bytes on a rank of ``stage`` of ``layout`` (a
+    :class:`~workbench.plan.layout.Layout`): the first three ZeRO's partitioned model
+    states, ``buffers`` the framework's working copies beyond them, ``comm_buffers`` the
+    communication library's (NCCL / HCCL, ``comm_memory``; only with a ``profile``, the
+    hardware's: without one the key is absent and ``total`` leaves them out),
+    ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
+    it (:func:`workspace_bytes`) (module docstring)."""
     from .frameworks import grad_buffer_extra_bytes
     from . import ep_cp as _ep_cp
     lay = layout
@@ -234,6 +242,9 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized") -> di
         mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
+    if profile is not None:
+        from .comm_memory import comm_buffer_bytes
+        mem["comm_buffers"] = comm_buffer_bytes(cfg, lay, stage, profile)["point"]
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,

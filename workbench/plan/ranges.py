@@ -20,6 +20,10 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, between
   the A100's and H100's best-shape bursts, MAMF 0.86 / 0.80): 0.80 .. 0.86.
 
+Memory: the communication library's buffers (``plan.comm_memory``) are a range, from
+NCCL 2.22+'s lazily connected algorithms to everything connected at init as before
+(``EstimateRange.memory``).
+
 Figures marked ASSUMPTION without a stated bound (latencies, NCCL's SMs, the runtime
 context, fragmentation...) are listed as ``unbounded``: the range does not cover them.
 A profile loaded by the user (``load_profile``) has no bounds here: its range is the
@@ -109,6 +113,16 @@ class EstimateRange:
         return min(ts), max(ts)
 
     @property
+    def memory(self) -> tuple[float, float]:
+        """(lowest, highest) bytes on the busiest rank: the point estimate's total with
+        the communication library's buffers at their low and high ends
+        (``plan.comm_memory``: NCCL's version, topology and algorithms); the bounded
+        profile figures move time, not memory."""
+        e = self.estimate
+        c, t = e.details["comm_buffers"], e.memory["total"]
+        return t - c["point"] + c["low"], t - c["point"] + c["high"]
+
+    @property
     def mfu(self) -> tuple[float, float]:
         ms = (self.fast.mfu, self.slow.mfu, self.estimate.mfu)
         return min(ms), max(ms)
@@ -127,7 +141,11 @@ class EstimateRange:
                 f"MFU {e.mfu:.1%} ({m0:.1%} .. {m1:.1%})")
         if not self.varied:
             head += "; no bounded uncertain input on this profile: the range is the point"
-        lines = [head] + [f"  varied: {v}" for v in self.varied]
+        g0, g1 = self.memory
+        lines = [head] + [f"  varied: {v}" for v in self.varied] + [
+            f"  memory {e.memory['total'] / 1e9:.1f} GB (range {g0 / 1e9:.1f} .. "
+            f"{g1 / 1e9:.1f}: {e.details['comm_buffers']['library']}'s buffers, "
+            f"plan/comm_memory.py)"]
         if self.unbounded:
             lines.append(f"  not in the range (ASSUMED, no bound stated): "
                          f"{', '.join(self.unbounded)}")

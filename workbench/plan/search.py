@@ -172,7 +172,7 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
             continue        # refused by estimate (plan.tp_overlap.check_estimate)
         tried += 1
         last = lay.pp - 1
-        need = max(stage_memory(model, lay, s, attention)["total"]
+        need = max(stage_memory(model, lay, s, attention, cluster.profile)["total"]
                    for s in {0, last, min(1, last)})
         if least is None or need < least[0]:
             least = (need, lay)

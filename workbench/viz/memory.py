@@ -24,12 +24,15 @@ from .placements import RC, show, to_png
 __all__ = ["PARTS", "PART_COLORS", "memory_bars", "stage_rows", "memory_widget",
            "MemoryExplorer", "show"]
 
-PARTS = ("params", "grads", "optimizer", "buffers", "activations", "workspace")
+PARTS = ("params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
+         "workspace")
 PART_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c",
-               "buffers": "#8c564b", "activations": "#9467bd", "workspace": "#bcbd22"}
+               "buffers": "#8c564b", "comm_buffers": "#7f7f7f", "activations": "#9467bd",
+               "workspace": "#bcbd22"}
 _LABELS = {"params": "16-bit weights", "grads": "16-bit gradients",
            "optimizer": "optimizer states (fp32 weights, m, v)",
            "buffers": "framework buffers (fp32 gradients, ZeRO-3 gathers)",
+           "comm_buffers": "NCCL / HCCL buffers",
            "activations": "activations",
            "workspace": "peak workspace (loss, recompute)"}
 # The workspace is a transient peak, not memory kept: hatched, and outlined so that a
@@ -131,15 +134,16 @@ def _first_row(rows, part):
     return next(i for i, d in enumerate(rows.values()) if d.get(part, 0.0) > 0)
 
 
-def stage_rows(model, layout, attention: str = "materialized") -> dict:
+def stage_rows(model, layout, attention: str = "materialized", profile=None) -> dict:
     """{"stage s (first)": bytes dict, ...}: ``workbench.plan.memory.stage_memory`` of the
     first, the middle (pp // 2) and the last pipeline stage of ``layout`` (one row when
-    pp == 1)."""
+    pp == 1); with the hardware's ``profile``, the communication library's buffers
+    too."""
     from ..plan.memory import stage_memory
     pp = layout.pp
     stages = {0: "first", pp // 2: "middle", pp - 1: "last"} if pp > 2 else \
         ({0: "first", 1: "last"} if pp == 2 else {0: "only"})
-    return {f"stage {s} ({name})": stage_memory(model, layout, s, attention)
+    return {f"stage {s} ({name})": stage_memory(model, layout, s, attention, profile)
             for s, name in stages.items()}
 
 
@@ -215,7 +219,7 @@ class MemoryExplorer:
         limit, usable = self.cluster.memory_bytes, self.cluster.profile.usable_memory()
         try:
             lay = self.layout()
-            self.rows = stage_rows(self.model, lay)
+            self.rows = stage_rows(self.model, lay, profile=self.cluster.profile)
             busiest = max(self.rows, key=lambda k: self.rows[k]["total"])
             total = self.rows[busiest]["total"]
             self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}\n"
