@@ -95,7 +95,8 @@ def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: i
 # what the exercises' count leaves out, said where a right answer quotes its GB
 _PLANNER_ADDS = ("That is model states and saved activations; the planner's total also "
                  "counts biases, LayerNorms, the embedding's dropout mask, Megatron's fp32 "
-                 "gradient buffer and the peak workspace: a few GB more")
+                 "gradient buffer, the communication library's buffers and the peak "
+                 "workspace: a few GB more")
 
 
 @exercise
