@@ -70,6 +70,7 @@ def main_dry_run(args) -> int:
            "modeled_ms": round(dr.step_time * 1e3, 6), "comm_bytes": dr.comm_bytes,
            "state_bytes": mem["params"] + mem["grads"] + mem["optimizer"],
            "buffer_bytes": mem["buffers"],
+           "comm_buffer_bytes": mem["comm_buffers"],          # NCCL / HCCL, modeled
            "activation_bytes": mem["activations"],
            "workspace_bytes": mem["workspace"],
            "peak_bytes_per_rank": [m["total"] for m in dr.per_rank],
