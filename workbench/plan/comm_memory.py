@@ -47,16 +47,17 @@ ASSUMPTIONS (with their range, ``comm_buffer_bytes``'s ``low`` .. ``high``):
   #1453 and #1357: "Channel 00/16" with 3 and 2 nodes of 8 H100s); an A100 node 24
   (nccl-tests issue #100: "Channel 23/24" on an HGX A100), across nodes taken the same
   (16 .. 24); one GPU per node with one NIC: the search's 1 channel, doubled by
-  ``ncclTopoPostset`` (and, sm90, by ``ncclTopoDupChannels``): 4 on an H100, 2 on an
-  A100 (high: twice that).  Point-to-point across nodes: 4 (H100, 400 Gb/s NIC) / 2
+  ``ncclTopoPostset`` (and, at the H100's 48 GB/s, by ``ncclTopoDupChannels``): 4 on an
+  H100, 2 on an A100 (high: twice that).  Point-to-point across nodes: 4 (H100, 400 Gb/s NIC) / 2
   (A100, 200 Gb/s) channels per peer (``NCCL_P2P_PER_CHANNEL_NET_BW`` 14 GB/s).
 - Algorithms connected (2.22+ lazily): rings for every collective communicator, trees
   where it spans nodes (small all-reduces across nodes pick Tree), NVLS where two or
   more of its GPUs share an H100 node (NCCL picks it for large all-reduce, all-gather,
   reduce-scatter there); a group that runs only small all-reduces (the world's
-  barriers, Megatron-LM's gradient norm) one algorithm's rings.  low: rings only, no NVLS, the fewest channels, no world
-  communicator; high: NCCL before 2.22 (everything connected at init, trees on every
-  communicator) with 2.17-2.20's NVLS buffers and the most channels.
+  barriers, Megatron-LM's gradient norm) one algorithm's rings.  low: rings only, no
+  NVLS, the fewest channels, no world communicator; high: NCCL before 2.22 (everything
+  connected at init, trees on every communicator) with 2.17-2.20's NVLS buffers and the
+  most channels.
 - The communicators: one per process group the framework creates and uses (tensor,
   data (x context) parallel, context, pipeline, expert and expert-data parallel, the
   tied embedding's first-last pair, Megatron-LM's model-parallel group for its
