@@ -61,9 +61,11 @@ def test_refused_where_it_is_not_modeled():
     gpt = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128)
     with pytest.raises(ValueError, match="recompute='op'.*Llama"):
         estimate(gpt, Layout(recompute="op"), Cluster("a100", 1))
-    small = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
-                        vocab_size=512, seq_len=128)
-    with pytest.raises(ValueError, match="dry_run: recompute='op'"):
-        dry_run(small, Layout(recompute="op"), Cluster("a100", 1))
+    with pytest.raises(ValueError, match="recompute='op'.*Llama"):
+        dry_run(gpt, Layout(recompute="op"), Cluster("a100", 1))
+    moe = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
+                      vocab_size=512, seq_len=128, moe_experts=4)
+    with pytest.raises(ValueError, match="recompute='op'.*with experts"):
+        dry_run(moe, Layout(recompute="op"), Cluster("a100", 1))
     with pytest.raises(ValueError, match="recompute="):
         Layout(recompute="ops")

@@ -172,10 +172,6 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     counts: :mod:`.meta_moe`)."""
     _check(model, layout, cluster)
     lay, prof = layout, cluster.profile
-    if lay.recompute == "op":
-        raise ValueError("dry_run: recompute='op' is torchtitan's op-level selective "
-                         "checkpointing, which this library's recipe does not run; "
-                         "estimate it with wb.plan.estimate, or dry-run 'selective' / 'full'")
     cfg = model.replace(recompute=lay.recompute)
     h = _ep_cp.recipe(lay)         # Hybrid (with ep for a MoE) or ContextParallel
     h.device, h.profile = torch.device("meta"), prof

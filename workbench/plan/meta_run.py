@@ -9,13 +9,17 @@ trace, and reports:
 
 - the stage's forward and backward time on the modeled clock (every op the real code
   dispatches, priced forward and backward from the op table; every collective the
-  recipe issues, priced on the topology): the latest clock of the stage's ranks;
+  recipe issues, priced on the topology): the latest clock of the stage's ranks; a
+  recompute's ops priced again as they re-run, except (``recompute="op"``) the GEMMs
+  and attention kernels whose saved outputs the selective checkpoint hands back;
 - the bytes ONE rank keeps for backward (:class:`SavedCounter`): every tensor autograd
   saves, each storage once, parameters left out, split over the device axes that
   really vary (as ``parallel.strategies.memory.saved_activation_bytes``, which skips
   meta tensors), plus the inputs that ``torch.utils.checkpoint`` keeps for its
   recompute (non-reentrant checkpointing holds them in a closure, not as saved tensors:
-  full recompute keeps each block's input, selective the attention core's q, k, v);
+  full recompute keeps each block's input, selective the attention core's q, k, v) and,
+  with ``recompute="op"``, the outputs its selective-checkpoint policy saved
+  (:mod:`..models.op_sac`: the block's input and those);
 - the time to send the stage's output to the next stage (``schedules.execute._send``,
   the function the pipeline executor uses) and its gradient back (the same size).
 """
@@ -27,7 +31,9 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..models import op_sac
 from ..parallel.dist_tensor import DistTensor, shard_tensor
+from ..parallel.ops_table import pricing
 from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
 
@@ -128,7 +134,14 @@ class SavedCounter:
         def keep_inputs(fn, *args, **kwargs):
             for a in args:
                 self.add(a)
-            return originals[0](fn, *args, **kwargs)
+            make = kwargs.get("context_fn")
+            if make is None:
+                return originals[0](fn, *args, **kwargs)
+            fwd, rec = make()               # selective checkpointing (recompute="op")
+            out = originals[0](fn, *args, **dict(kwargs, context_fn=lambda: (fwd, rec)))
+            for t in op_sac.saved_outputs(fwd):     # what its policy saved
+                self.add(t)
+            return out
 
         def pack(t):
             self.add(t)
@@ -141,6 +154,30 @@ class SavedCounter:
         finally:
             for m, f in zip(mods, originals):
                 m.checkpoint = f
+
+
+@contextlib.contextmanager
+def _reran_only():
+    """In a selective checkpoint's recompute (``recompute="op"``, :mod:`..models.op_sac`),
+    a GEMM or attention op whose kernel the cache served (its saved output) is not priced
+    again: only the kernels that really re-run are on the clock."""
+    state = {"ran": None, "seen": 0}
+
+    def on_recompute(ran):
+        state["ran"], state["seen"] = ran, 0
+
+    def cached(entry) -> bool:
+        ran = state["ran"]
+        if ran is None:
+            return False
+        fresh, state["seen"] = ran.kernels - state["seen"], ran.kernels
+        return fresh == 0 and entry.op_class in ("matmul", "attention")
+    pricing.SKIP_FORWARD.append(cached)
+    try:
+        with op_sac.observe(on_recompute):
+            yield
+    finally:
+        pricing.SKIP_FORWARD.remove(cached)
 
 
 def _clock(tr, ranks) -> float:
@@ -175,10 +212,11 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         _send(y.detach(), dst, list(y.placements), f"stage {s} -> {s + 1}")
         send = max(_clock(tr, ranks), _clock(tr, dst.ranks)) - c0
     t1 = _clock(tr, ranks)
-    if s == n_stages - 1:
-        y.backward()
-    else:
-        torch.autograd.backward([y._local], [torch.empty_like(y._local)])
+    with _reran_only():
+        if s == n_stages - 1:
+            y.backward()
+        else:
+            torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}
