@@ -69,3 +69,17 @@ def test_refused_where_it_is_not_modeled():
         dry_run(moe, Layout(recompute="op"), Cluster("a100", 1))
     with pytest.raises(ValueError, match="recompute="):
         Layout(recompute="ops")
+
+
+def test_search_proposes_op_for_a_dense_llama_only():
+    from workbench.plan.search import candidate_layouts
+    small = L8B.replace(n_layer=4, seq_len=1024)
+    cl = Cluster("h100", 8)
+    modes = {lay.recompute for lay in candidate_layouts(small, cl, 16)}
+    assert modes == {"none", "selective", "full", "op"}
+    gpt = get_config("gpt3-175b", n_layer=4, seq_len=1024)
+    assert "op" not in {lay.recompute for lay in candidate_layouts(gpt, cl, 16)}
+    moe = small.replace(moe_experts=8)
+    assert "op" not in {lay.recompute for lay in candidate_layouts(moe, cl, 16)}
+    r = wb.plan.search(small, cl, global_batch=16, top=200)
+    assert any(lay.recompute == "op" for lay, _ in r)      # estimated, ranked
