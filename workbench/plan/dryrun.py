@@ -64,6 +64,13 @@ Against ``plan.estimate(..., attention="flash")`` (tests/test_dryrun.py): memory
 within 5% on every layout tried (TP, SP, PP, interleaved, recompute, ZeRO 1-3); step
 time within 10% on each of them, ZeRO-2 and ZeRO-3 with and without TP included
 (0.965-1.040 on 14 layouts), and ZeRO's own share of the step within 2%.
+The Llama's ``recompute="op"`` (torchtitan's op-level policy, run by PyTorch's selective
+checkpointing: ``models.op_sac``; ``meta_run`` counts what the policy saves and prices
+only the kernels that re-run) against the estimate (tests/test_plan_llama.py): step
+1.00-1.04, memory within 1% beyond the simulator's unfused final norm.  With sequence
+parallelism the dry run re-runs the attention branch's reduce-scatter and keeps neither
+branch output, where torchtitan saves ``reduce_scatter_tensor``'s outputs (the estimate):
+the simulator's collective is no aten op the policy can save.
 ZeRO-2/3 as DeepSpeed runs them (``plan.zero_cost``): gradients reduce-scattered every
 micro-batch and waited for at its end, so the tied word embedding's gradient, complete
 only after the embedding's backward, is an exposed tail of every micro-batch.
