@@ -133,3 +133,12 @@ def test_gpt_and_moe_refuse_op():
     with pytest.raises(ValueError, match="recompute='op'"):
         gpt.set_recompute("op")
     assert all(blk.recompute == "none" for blk in gpt.layers)      # left untouched
+
+
+def test_modeled_clock_prices_only_what_reruns():
+    """On simulated ranks the recompute of a saved GEMM or attention kernel is not priced
+    again: op-level recompute lands between none and full on the modeled clock."""
+    kw = dict(steps=1, seed=0, n_layer=2, strategy=Hybrid(tp=2))
+    ms = {rc: train("tiny", recompute=rc, **kw)[0]["modeled_ms"]
+          for rc in ("none", "op", "full")}
+    assert ms["none"] < ms["op"] < ms["full"]

@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["SAVE_LIST", "GEMMS", "policy", "context_fn", "attention_core", "observe"]
+__all__ = ["SAVE_LIST", "GEMMS", "policy", "context_fn", "attention_core", "saved_outputs"]
 
 _aten = torch.ops.aten
 
@@ -94,8 +94,9 @@ def policy():
 
 def context_fn():
     """``checkpoint(..., context_fn=context_fn)``: PyTorch's selective-checkpoint pair of
-    contexts (forward, recompute) with :func:`policy`; the recompute context also tells
-    :func:`observe`'s listeners which GEMM and attention kernels really re-ran."""
+    contexts (forward, recompute) with :func:`policy`; in the recompute, the modeled
+    clock (``parallel.ops_table.pricing``) prices only the GEMM and attention kernels
+    that really re-run, not those whose saved outputs the cache hands back."""
     fwd, rec = create_selective_checkpoint_contexts(policy())
     return fwd, _Recompute(rec)
 
@@ -114,44 +115,31 @@ class _Ran(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_LISTENERS: list = []       # observe(): who wants to know what re-ran
-
-
 class _Recompute:
-    """PyTorch's recompute context, entered above a :class:`_Ran` when anyone observes."""
+    """PyTorch's recompute context, entered above a :class:`_Ran`; while inside, a
+    simulated op of class matmul or attention (a DistTensor op the clock prices) whose
+    kernel did not re-run is not priced again."""
 
     def __init__(self, cached):
         self.cached = cached
-        self.stack = None
+        self.stack = self.ran = None
+        self.seen = 0
+
+    def _served(self, entry) -> bool:
+        fresh, self.seen = self.ran.kernels - self.seen, self.ran.kernels
+        return fresh == 0 and entry.op_class in ("matmul", "attention")
 
     def __enter__(self):
+        from ..parallel.ops_table import pricing
         self.stack = contextlib.ExitStack()
-        if _LISTENERS:
-            ran = self.stack.enter_context(_Ran())
-            for on_enter in _LISTENERS:
-                on_enter(ran)
+        self.ran, self.seen = self.stack.enter_context(_Ran()), 0
         self.stack.enter_context(self.cached)
+        pricing.SKIP_FORWARD.append(self._served)
+        self.stack.callback(pricing.SKIP_FORWARD.remove, self._served)
         return self
 
     def __exit__(self, *exc):
-        try:
-            return self.stack.__exit__(*exc)
-        finally:
-            if _LISTENERS:
-                for on_enter in _LISTENERS:
-                    on_enter(None)
-
-
-@contextlib.contextmanager
-def observe(on_recompute):
-    """While inside, ``on_recompute(ran)`` is called as a region's recompute starts (``ran``
-    counts in ``ran.kernels`` the GEMM and attention kernels that really re-run) and with
-    None as it ends: the dry run (``plan.meta_run``) prices only what re-runs."""
-    _LISTENERS.append(on_recompute)
-    try:
-        yield
-    finally:
-        _LISTENERS.remove(on_recompute)
+        return self.stack.__exit__(*exc)
 
 
 def saved_outputs(forward_context) -> list:

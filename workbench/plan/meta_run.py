@@ -33,7 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..models import op_sac
 from ..parallel.dist_tensor import DistTensor, shard_tensor
-from ..parallel.ops_table import pricing
 from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
 
@@ -156,30 +155,6 @@ class SavedCounter:
                 m.checkpoint = f
 
 
-@contextlib.contextmanager
-def _reran_only():
-    """In a selective checkpoint's recompute (``recompute="op"``, :mod:`..models.op_sac`),
-    a GEMM or attention op whose kernel the cache served (its saved output) is not priced
-    again: only the kernels that really re-run are on the clock."""
-    state = {"ran": None, "seen": 0}
-
-    def on_recompute(ran):
-        state["ran"], state["seen"] = ran, 0
-
-    def cached(entry) -> bool:
-        ran = state["ran"]
-        if ran is None:
-            return False
-        fresh, state["seen"] = ran.kernels - state["seen"], ran.kernels
-        return fresh == 0 and entry.op_class in ("matmul", "attention")
-    pricing.SKIP_FORWARD.append(cached)
-    try:
-        with op_sac.observe(on_recompute):
-            yield
-    finally:
-        pricing.SKIP_FORWARD.remove(cached)
-
-
 def _clock(tr, ranks) -> float:
     return max(max(tr.now(r, "compute"), tr.now(r, "comm")) for r in ranks)
 
@@ -212,11 +187,10 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         _send(y.detach(), dst, list(y.placements), f"stage {s} -> {s + 1}")
         send = max(_clock(tr, ranks), _clock(tr, dst.ranks)) - c0
     t1 = _clock(tr, ranks)
-    with _reran_only():
-        if s == n_stages - 1:
-            y.backward()
-        else:
-            torch.autograd.backward([y._local], [torch.empty_like(y._local)])
+    if s == n_stages - 1:
+        y.backward()
+    else:
+        torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}

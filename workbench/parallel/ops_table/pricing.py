@@ -156,7 +156,7 @@ def _time(flops, nbytes, profile, dtype, op_class, gemm=None, launches=None):
 
 
 # predicates (entry -> bool) that may drop a forward event: an op whose kernel did not run
-# (a selective checkpoint's recompute served it from its cache; plan.meta_run)
+# (a selective checkpoint's recompute served it from its cache: models.op_sac)
 SKIP_FORWARD: list = []
 
 
