@@ -77,7 +77,7 @@ def attention_core():
 def policy():
     """A fresh policy for one region's forward (torchtitan's ``_custom_policy`` with its
     own ``meta`` counts): ``policy()(ctx, func, *args, **kwargs) -> CheckpointPolicy``."""
-    count = {"forward": 0, "recompute": 0}
+    count = {"forward": 0, "recompute": 0}     # (torch 2.13 asks in the forward only)
 
     def _policy(ctx, func, *args, **kwargs):
         if func in GEMMS:
@@ -144,7 +144,9 @@ class _Recompute:
 
 def saved_outputs(forward_context) -> list:
     """The tensors a region's forward context (the first of :func:`context_fn`'s pair)
-    saved for the backward."""
+    saved for the backward: its cache, ``storage`` (a private attribute of PyTorch's
+    caching mode: op -> {call index: wrapped outputs} in torch 2.13; tests/test_op_sac.py
+    holds the shapes it yields to the policy's)."""
     out = []
     for entries in forward_context.storage.values():
         for e in entries.values():
