@@ -5,9 +5,10 @@ time of one ``estimate`` per layout.
     python benchmarks/planner.py --model llama2-70b --global-batch 1024    # a Llama
 
 (Llama 2 70B, 1,024 A100s, 1,024 sequences of 4,096 tokens (Llama 2's 4M-token batch,
-Touvron et al. 2023 sec. 2.2): 3,564 layouts tried, 1,038 fit, 0.6 s on the 2-core
-machine; the best, dp32 tp4 pp8 interleaved v=10 with SP and ZeRO-1, at 66.8% MFU
-by the estimate's count, which takes attention as 4 b s^2 h per layer (Korthikanti
+Touvron et al. 2023 sec. 2.2): 4,752 layouts tried (torchtitan's op-level recompute
+among them), 1,313 fit, 2.1 s on the 2-core machine shared with other jobs; the best,
+dp32 tp4 pp8 interleaved v=10 with SP and ZeRO-1, at 64.9% MFU, tied (0.1%) with dp512
+tp2 ZeRO-3 and op-level recompute, by the estimate's count, which takes attention as 4 b s^2 h per layer (Korthikanti
 eq. 7) though the causal kernel computes half of it.)
 
 A mixture of experts (issue 18): Mixtral-8x7B (``plan.presets``, 32K context) on 64 H100s,

@@ -40,6 +40,16 @@ LAYOUTS = [
     Layout(dp=1, tp=1, pp=2, global_batch=8, stages=(1, 3)),
     Layout(dp=1, tp=2, pp=3, global_batch=6, stages=(1, 2, 1), schedule="gpipe"),
     Layout(dp=2, tp=1, pp=3, global_batch=12, stages=(2, 2, 0), recompute="full", zero=1),
+    # torchtitan's op-level selective checkpointing (models/op_sac.py, the dry run running
+    # PyTorch's create_selective_checkpoint_contexts): one device, FSDP-like ZeRO-3 with
+    # TP, sequence parallel, interleaved, uneven stages
+    Layout(dp=1, tp=1, pp=1, global_batch=1, recompute="op"),
+    Layout(dp=2, tp=2, pp=1, global_batch=4, zero=3, recompute="op"),
+    Layout(dp=1, tp=4, pp=1, global_batch=2, sp=True, recompute="op"),
+    Layout(dp=1, tp=2, pp=2, global_batch=8, schedule="interleaved_1f1b", v=2,
+           recompute="op"),
+    Layout(dp=1, tp=2, pp=3, global_batch=6, stages=(1, 2, 1), schedule="gpipe",
+           recompute="op"),
 ]
 # ZeRO-3 with TP: the dry run's forward is 0.40 ms longer than with ZeRO-0: the
 # cross-entropy's all-reduce of the global target count runs on the dp group's stream,
@@ -66,10 +76,12 @@ def _unfused_norm_surplus(cfg, lay, s) -> float:
     (``parallel/ops_table/norm.py``, ``_rms_norm_local``): autograd then keeps the fp32
     copy of x (4 bytes) and the fp32 x / rms (4) where the fused kernel the planner
     prices keeps x in 16 bit (2): 6 T_n h bytes more per norm, two per block held for
-    backward (none with full recompute, which keeps the block input) and the final norm."""
+    backward (none with full recompute, which keeps the block input, nor with op-level
+    selective recompute, which re-runs the norms) and the final norm."""
     T = cfg.seq_len * lay.micro_batch // (lay.tp if lay.sp else 1)
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, s)
-    norms = 0 if lay.recompute == "full" else 2 * lay.stage_layers(cfg.n_layer)[s] * held
+    norms = 0 if lay.recompute in ("full", "op") else \
+        2 * lay.stage_layers(cfg.n_layer)[s] * held
     if s == lay.pp - 1:
         norms += lay.m if lay.schedule == "gpipe" else 1
     return 6 * T * cfg.d_model * norms

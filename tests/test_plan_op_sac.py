@@ -61,9 +61,53 @@ def test_refused_where_it_is_not_modeled():
     gpt = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128)
     with pytest.raises(ValueError, match="recompute='op'.*Llama"):
         estimate(gpt, Layout(recompute="op"), Cluster("a100", 1))
-    small = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
-                        vocab_size=512, seq_len=128)
-    with pytest.raises(ValueError, match="dry_run: recompute='op'"):
-        dry_run(small, Layout(recompute="op"), Cluster("a100", 1))
+    with pytest.raises(ValueError, match="recompute='op'.*Llama"):
+        dry_run(gpt, Layout(recompute="op"), Cluster("a100", 1))
+    moe = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
+                      vocab_size=512, seq_len=128, moe_experts=4)
+    with pytest.raises(ValueError, match="recompute='op'.*with experts"):
+        dry_run(moe, Layout(recompute="op"), Cluster("a100", 1))
     with pytest.raises(ValueError, match="recompute="):
         Layout(recompute="ops")
+
+
+def test_search_proposes_op_for_a_dense_llama_only():
+    from workbench.plan.search import candidate_layouts
+    small = L8B.replace(n_layer=4, seq_len=1024)
+    cl = Cluster("h100", 8)
+    modes = {lay.recompute for lay in candidate_layouts(small, cl, 16)}
+    assert modes == {"none", "selective", "full", "op"}
+    gpt = get_config("gpt3-175b", n_layer=4, seq_len=1024)
+    assert "op" not in {lay.recompute for lay in candidate_layouts(gpt, cl, 16)}
+    moe = small.replace(moe_experts=8)
+    assert "op" not in {lay.recompute for lay in candidate_layouts(moe, cl, 16)}
+    r = wb.plan.search(small, cl, global_batch=16, top=200)
+    assert any(lay.recompute == "op" for lay, _ in r)      # estimated, ranked
+
+
+def test_dry_run_prices_what_reruns_and_counts_what_the_policy_saves():
+    """The dry run of the course's Llama with recompute='op' (PyTorch's selective
+    checkpointing on the simulated ranks): its backward re-runs three of each block's
+    seven GEMMs (k, o, w3) and not the attention kernel, on the clock; its activations
+    are full recompute's plus, per block, the six tensors the policy saves."""
+    cfg = L8B.replace(n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
+                      vocab_size=512, seq_len=128)
+    cl, runs = Cluster("a100", 2), {}
+    for rc in ("none", "full", "op"):
+        dr = dry_run(cfg, Layout(tp=2, recompute=rc), cl)
+        ev = [e for e in dr.trace.events if 0 in e.ranks and e.stream == "compute"
+              and e.label == "forward"]
+        runs[rc] = (dr, {c: sum(e.args.get("op_class") == c for e in ev)
+                         for c in ("matmul", "attention")})
+    none, op = runs["none"][1], runs["op"][1]
+    assert op["matmul"] - none["matmul"] == 3 * cfg.n_layer
+    assert op["attention"] == none["attention"] == cfg.n_layer
+    # full recompute re-runs the block up to w2's GEMM, whose inputs are saved before it
+    # runs: PyTorch's early stop (torch.utils.checkpoint) ends the recompute there
+    full = runs["full"][1]
+    assert full["matmul"] - none["matmul"] == 6 * cfg.n_layer
+    T, h, f, a, d = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_head, cfg.head_dim
+    hq, hk, t = a * d, cfg.n_kv_head * d, 2
+    saved = 2 * T * (2 * hq / t + hk / t + f / t + h) + 4 * a * T / t     # per block, rank
+    got = runs["op"][0].memory["activations"] - runs["full"][0].memory["activations"]
+    assert got == cfg.n_layer * saved

@@ -30,7 +30,7 @@ __all__ = ["ModelConfig", "PRESETS", "get_config", "param_count", "ParamCount", 
 
 DTYPES = ("float32", "bfloat16", "float16")
 ARCHS = ("llama", "gpt")
-RECOMPUTE = ("none", "full", "selective")
+RECOMPUTE = ("none", "full", "selective", "op")   # "op": Llama only (models/op_sac.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class ModelConfig:
     tie_embeddings: bool = False    # lm head shares the embedding matrix (GPT-2/3); Llama: no
     dtype: str = "float32"          # parameters and activations: float32 | bfloat16 | float16
     recompute: str = "none"         # per block: none | full (whole block) | selective (attention)
+                                    # | op (torchtitan's op-level policy, dense Llama: op_sac.py)
     init_std: float = 0.02          # normal init std; residual outputs get / sqrt(2 n_layer)
     arch: str = "llama"             # "llama" | "gpt" (module docstring)
     # mixture of experts (models/moe.py): 0 experts = the dense MLP in every block
@@ -101,6 +102,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: dtype={self.dtype!r}; use one of {DTYPES}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"ModelConfig: recompute={self.recompute!r}; use one of {RECOMPUTE}")
+        if self.recompute == "op" and (self.arch != "llama" or self.moe_experts):
+            raise ValueError(op_recompute_error(self))
         _check_moe(self)
 
     @property
@@ -118,6 +121,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def op_recompute_error(cfg) -> str:
+    """Why ``recompute="op"`` is refused for ``cfg`` (a GPT or a mixture of experts)."""
+    what = f"arch={cfg.arch!r}" + (" with experts" if cfg.moe_experts else "")
+    return (f"recompute='op' (torchtitan's op-level selective checkpointing, "
+            f"workbench.models.op_sac) is built for the dense Llama block, not {what}; use "
+            f"'none', 'selective' or 'full'")
 
 
 def _check_moe(cfg) -> None:

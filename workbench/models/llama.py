@@ -26,7 +26,11 @@ h d_model, nh query heads, nkv key/value heads, hd head dim, V vocabulary.
               dropout, the part with the most activation per FLOP (Korthikanti
               et al. 2022, sec. 4.2).  With a fused FlashAttention kernel that core
               keeps only O(S) statistics anyway, so the saving shows most on the
-              "unfused" ops backend.
+              "unfused" ops backend;
+  "op"        torchtitan's op-level selective checkpointing (:mod:`.op_sac`): the
+              block is one checkpoint region in which PyTorch's selective
+              checkpointing keeps the outputs of q, v, w1, w2 (every second GEMM
+              re-run: k, o, w3) and of the attention kernel, and re-runs the rest.
 
 References: Touvron et al. 2023 (Llama); Su et al. 2021 (RoPE); Zhang & Sennrich
 2019 (RMSNorm); Shazeer 2020 (SwiGLU); Ainslie et al. 2023 (GQA); Shoeybi et
@@ -44,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops import flash_attention, rms_norm, rope_cos_sin, rotary_embedding
 from ..sim_mesh import rng
 from .config import ModelConfig
+from . import op_sac
 from .moe import MoE
 from .split import Splittable
 
@@ -133,7 +138,8 @@ class Attention(nn.Module):
             y = checkpoint(attention_core, q, k, v, p, site, ctx,
                            use_reentrant=False)                             # (B, nh, S, hd)
         else:
-            y = attention_core(q, k, v, p, site, ctx)                       # (B, nh, S, hd)
+            with op_sac.attention_core():       # its GEMMs are not the block's linears'
+                y = attention_core(q, k, v, p, site, ctx)                   # (B, nh, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.n_head * self.head_dim)   # (B, S, h)
         return dropout(self.wo(y), p, self.training, site + 1)              # (B, S, h)
 
@@ -160,7 +166,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; ``recompute`` is "none", "full" or "selective"."""
+    """Pre-norm transformer block; ``recompute`` is "none", "full", "selective" or "op"."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -173,6 +179,13 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache=None):
         if self.recompute == "full" and torch.is_grad_enabled() and cache is None:
             return checkpoint(self._forward, x, cos, sin, rng.context(), use_reentrant=False)
+        if self.recompute == "op" and torch.is_grad_enabled() and cache is None:
+            if isinstance(self.mlp, MoE):
+                raise ValueError("Block: recompute='op' is built for the dense Llama block "
+                                 "(models/op_sac.py), not a mixture of experts; use 'none', "
+                                 "'selective' or 'full'")
+            return checkpoint(self._forward, x, cos, sin, rng.context(), use_reentrant=False,
+                              context_fn=op_sac.context_fn)
         return self._forward(x, cos, sin, cache=cache)
 
     def _forward(self, x, cos, sin, ctx=None, cache=None):

@@ -104,6 +104,9 @@ class Splittable:
         """Set ``recompute`` on the blocks with index in ``layers`` (default: all)."""
         if mode not in RECOMPUTE:
             raise ValueError(f"recompute={mode!r}; use one of {RECOMPUTE}")
+        if mode == "op" and (self.cfg.arch != "llama" or self.cfg.moe_experts):
+            from .config import op_recompute_error
+            raise ValueError(op_recompute_error(self.cfg))
         for i, block in enumerate(self.layers):
             if layers is None or i in layers:
                 block.recompute = mode

@@ -96,8 +96,15 @@ class _MetaFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        o = q.new_empty(q.shape[:3] + (v.shape[3],))                   # (B, Hq, Sq, Dv)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)   # (B, Hq, Sq)
+        if v.shape[3] == q.shape[3]:
+            # PyTorch's fused kernel on meta (its meta function: shapes only), so that a
+            # dispatch mode sees the kernel a CPU run calls (selective checkpointing saves
+            # its outputs: models.op_sac)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False)[:2]                                # (B, Hq, Sq, D), (B, Hq, Sq)
+        else:
+            o = q.new_empty(q.shape[:3] + (v.shape[3],))               # (B, Hq, Sq, Dv)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 

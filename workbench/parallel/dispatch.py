@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
@@ -194,23 +195,36 @@ def dispatch(func, args, kwargs):
     if prep is None:
         if entry.rule is None:
             return _no_rule(func, args, kwargs, entry.name)
-        theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
-        try:
-            dec = infer(entry.name, *specs, **attrs)
-        except NoRuleError:
-            if _FALLBACK[-1]:
-                return _fallback(func, args, kwargs)
-            raise
-        prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
-        if theirs is not None:
-            checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
-        if _FORCE:
-            prep = _forced(entry, prep, inputs, specs, attrs, mesh)
-        else:
-            if len(_PREPARED) > 20000:
-                _PREPARED.clear()
-            _PREPARED[key] = prep
+        # the checks run on meta tensors, not the program: hidden from dispatch modes (a
+        # selective checkpoint must see the same ops in the forward and its recompute)
+        with _disable_current_modes():
+            prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
+        if prep is None:
+            return _fallback(func, args, kwargs)
     return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+
+
+def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
+    """The first call for an input layout: torch's own checks on meta tensors of the
+    global shapes, the rule, the strategy (module docstring, 2.); None: the rule found no
+    strategy and the replicate fallback is on."""
+    theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
+    try:
+        dec = infer(entry.name, *specs, **attrs)
+    except NoRuleError:
+        if _FALLBACK[-1]:
+            return None
+        raise
+    prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
+    if theirs is not None:
+        checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
+    if _FORCE:
+        prep = _forced(entry, prep, inputs, specs, attrs, mesh)
+    else:
+        if len(_PREPARED) > 20000:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
+    return prep
 
 
 _PREPARED: dict = {}
@@ -262,8 +276,10 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
     if prep.cost is None:
-        prep.cost = pricing.local_cost(opdef, mesh, specs, inputs, prep.cand or prep.dec.chosen,
-                                       prep.out_shapes, prep.out_dtypes, attrs)
+        with _disable_current_modes():       # pricing on meta tensors, not the program
+            prep.cost = pricing.local_cost(opdef, mesh, specs, inputs,
+                                           prep.cand or prep.dec.chosen, prep.out_shapes,
+                                           prep.out_dtypes, attrs)
     return prep.cost
 
 

@@ -68,7 +68,7 @@ class Layout:
     parallelism ``sp``) and pipeline (``pp``, ``schedule``, ``v`` chunks per device)
     parallelism, ZeRO stage ``zero`` over the dp group, activation ``recompute``
     ("none", "selective", "full", or "op": torchtitan's op-level selective checkpointing,
-    Llama only, ``plan.llama_layer``), and ``global_batch`` sequences per optimizer step
+    dense Llama only, priced by ``plan.llama_layer``, run by ``models.op_sac``), and ``global_batch`` sequences per optimizer step
     split into micro-batches of ``micro_batch`` per dp rank (None: one micro-batch),
     run by ``framework`` ("megatron", "deepspeed", "workbench", "fsdp" or "deepspeed-0.3"
     with zero=3:

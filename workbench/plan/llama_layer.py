@@ -60,12 +60,15 @@ in which the outputs of ``aten.mm`` are saved except every second one (counted f
 in the block: q 1, k 2, v 3, o 4, w1 5, w3 6, w2 7, so q, v, w1 and w2 are kept, k, o
 and w3 recomputed), the flash (or memory-efficient) attention kernel's outputs and the
 sequence-parallel reduce-scatters' outputs are saved, and every other op is recomputed
-in the backward.  Kept: the block's input 2 T_n h, q's and v's GEMM outputs 2 T hq and
+in the backward (up to w2's GEMM: PyTorch's non-reentrant checkpoint stops its recompute
+once the tensors the backward needs are regenerated, :func:`op_sac_recompute`).  Kept:
+the block's input 2 T_n h, q's and v's GEMM outputs 2 T hq and
 2 T hk, the attention output 2 T hq with its log-sum-exp, w1's 2 T f / t, w2's (the
 row-parallel partial sum, full width) 2 T h, and with sequence parallelism the two
 reduce-scattered branch outputs 2 T_n h each.  The backward first re-runs the norms,
-k, RoPE, o, the residual adds, silu, w3 and the product (and the sequence-parallel
-all-gathers: ``all_gather_into_tensor`` is not on the save list).
+k, RoPE, o, the first residual add, silu, w3 and the product (and the sequence-parallel
+all-gathers: ``all_gather_into_tensor`` is not on the save list; without sequence
+parallelism the attention branch's all-reduce).
 """
 from __future__ import annotations
 
@@ -183,8 +186,16 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute):
 def op_sac_recompute(fwd_ops) -> list:
     """The forward ops torchtitan's op-level SAC re-runs before a block's backward
     (module docstring): all but the saved GEMMs, the attention kernel and the
-    reduce-scattered branch outputs, in forward order."""
-    return [op for op in fwd_ops if op[0] not in OP_SAC_SAVED
+    reduce-scattered branch outputs, in forward order, up to the last op whose tensors
+    the backward needs.  torchtitan (9dec370ad2) checkpoints with
+    ``torch.utils.checkpoint``'s non-reentrant default, early stop: the recompute ends
+    as soon as every tensor saved for the backward has been regenerated
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default).  The w2 GEMM's
+    inputs are the last such tensors without dropout (its all-reduce or reduce-scatter
+    and the residual add keep none), the residual dropout's mask with it."""
+    end = max(i for i, op in enumerate(fwd_ops)
+              if op[0] in ("w2_gemm", "residual_add_2_dropout"))
+    return [op for op in fwd_ops[:end + 1] if op[0] not in OP_SAC_SAVED
             and not (op[0].startswith("tp_out") and op[1] == "reduce_scatter")]
 
 

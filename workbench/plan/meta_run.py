@@ -9,13 +9,17 @@ trace, and reports:
 
 - the stage's forward and backward time on the modeled clock (every op the real code
   dispatches, priced forward and backward from the op table; every collective the
-  recipe issues, priced on the topology): the latest clock of the stage's ranks;
+  recipe issues, priced on the topology): the latest clock of the stage's ranks; a
+  recompute's ops priced again as they re-run, except (``recompute="op"``) the GEMMs
+  and attention kernels whose saved outputs the selective checkpoint hands back;
 - the bytes ONE rank keeps for backward (:class:`SavedCounter`): every tensor autograd
   saves, each storage once, parameters left out, split over the device axes that
   really vary (as ``parallel.strategies.memory.saved_activation_bytes``, which skips
   meta tensors), plus the inputs that ``torch.utils.checkpoint`` keeps for its
   recompute (non-reentrant checkpointing holds them in a closure, not as saved tensors:
-  full recompute keeps each block's input, selective the attention core's q, k, v);
+  full recompute keeps each block's input, selective the attention core's q, k, v) and,
+  with ``recompute="op"``, the outputs its selective-checkpoint policy saved
+  (:mod:`..models.op_sac`: the block's input and those);
 - the time to send the stage's output to the next stage (``schedules.execute._send``,
   the function the pipeline executor uses) and its gradient back (the same size).
 """
@@ -27,6 +31,7 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..models import op_sac
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
@@ -128,7 +133,14 @@ class SavedCounter:
         def keep_inputs(fn, *args, **kwargs):
             for a in args:
                 self.add(a)
-            return originals[0](fn, *args, **kwargs)
+            make = kwargs.get("context_fn")
+            if make is None:
+                return originals[0](fn, *args, **kwargs)
+            fwd, rec = make()               # selective checkpointing (recompute="op")
+            out = originals[0](fn, *args, **dict(kwargs, context_fn=lambda: (fwd, rec)))
+            for t in op_sac.saved_outputs(fwd):     # what its policy saved
+                self.add(t)
+            return out
 
         def pack(t):
             self.add(t)

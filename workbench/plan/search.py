@@ -6,7 +6,8 @@ parallelism d = devices / (t p) (dividing the global batch), the micro-batch (di
 global_batch / d, up to ``max_micro_batch``), the schedule (1F1B, GPipe, interleaved
 1F1B with every v dividing the layers per stage, where m is a multiple of p), sequence
 parallelism (when t > 1), the ZeRO stage (0-1 with pipelines, 0-3 without) and the
-recompute mode.  Layouts whose busiest rank does not fit the device memory are dropped
+recompute mode (none, selective, full, and for a dense Llama torchtitan's op-level
+selective checkpointing, "op").  Layouts whose busiest rank does not fit the device memory are dropped
 before their step time is estimated.  Ranked by step time (ties: less memory first).
 """
 from __future__ import annotations
@@ -35,6 +36,10 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batch: int = 16):
     """Every layout :func:`search` considers (a generator of :class:`Layout`)."""
     n = cluster.devices
+    # torchtitan's op-level selective checkpointing: modeled (and run by the course's
+    # model) for the dense Llama block only (plan.llama_layer, models.op_sac)
+    modes = ("none", "selective", "full") + \
+        (("op",) if model.arch == "llama" and not getattr(model, "moe_experts", 0) else ())
     for tp in _divisors(n):
         if model.n_head % tp or model.n_kv_head % tp or model.d_ff % tp or \
                 model.vocab_size % tp:
@@ -58,7 +63,7 @@ def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batc
                 for schedule, v in scheds:
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
-                            for rc in ("none", "selective", "full"):
+                            for rc in modes:
                                 yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero,
                                              recompute=rc, micro_batch=b,
                                              global_batch=global_batch, schedule=schedule,

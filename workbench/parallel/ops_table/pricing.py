@@ -155,8 +155,15 @@ def _time(flops, nbytes, profile, dtype, op_class, gemm=None, launches=None):
                               op_class=_CLOCK_CLASS.get(op_class, op_class), gemm=gemm)
 
 
+# predicates (entry -> bool) that may drop a forward event: an op whose kernel did not run
+# (a selective checkpoint's recompute served it from its cache: models.op_sac)
+SKIP_FORWARD: list = []
+
+
 def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
     if cost.flops == 0 and cost.bytes == 0:          # a view: no kernel runs
+        return
+    if SKIP_FORWARD and SKIP_FORWARD[-1](entry):
         return
     dur = _time(cost.flops, cost.bytes, tr.profile, dtype, entry.op_class,
                 getattr(cost, "gemm", None))
