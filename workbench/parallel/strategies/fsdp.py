@@ -60,12 +60,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import flat_padded, unflat
-from .laid_out import laid_out
+from .laid_out import Chunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_shard_grad
-from .ranks import ModuleWrapper, RankGroup, check_module
+from .ranks import ModuleWrapper, RankGroup, check_batch_stats, check_module, rank_buffers
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -111,6 +111,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         self._hooked = set()             # ids of shards whose gradients become ShardGrads
         with torch.no_grad():
             self.units = plan_units(module, units, self._shard)
+        module_shaped_state_dict(module)    # module.state_dict(): full tensors (simulated)
         for u in self.units[1:]:
             u.module.register_forward_pre_hook(lambda m, a, u=u: self._enter(u))
             u.module.register_forward_hook(lambda m, a, o, u=u: self._exit(u))
@@ -124,9 +125,10 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
         rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
+        how = None if g.distributed else Chunks(g.n, p.shape)    # simulated: every chunk here
         shard = laid_out(shard.clone(), p.requires_grad,
                          f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
-                         f"(shape {tuple(shard.shape)})")
+                         f"(shape {tuple(shard.shape)})", p.shape, how)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
         return shard
 
@@ -155,6 +157,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         ks = [g.k] if g.distributed else range(g.n)
         if g.distributed:
             self._hook_shards()
+        check_batch_stats(g, self.module, "FullyShardedDataParallel")
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
         try:
@@ -162,7 +165,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
                 for k, (a, kw) in zip(ks, per):
                     self._k, self._seen = k, order if k == ks[0] else []
                     self._enter(self.units[0])
-                    outs.append(self.module(*a, **kw))
+                    with rank_buffers(self.module, k != ks[0]):    # rank 0's writes kept
+                        outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
         finally:
             self._k = None
@@ -311,6 +315,15 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             out.append(torch.stack(rows).sum(0).view(g.n, -1))
         call.grads.clear()
         return tuple(out)
+
+    def no_sync(self):
+        """Not built (FSDP1's ``no_sync`` keeps unsharded gradients until the next synced
+        backward): raises, naming what gives the same gradients."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.no_sync() is not built here; accumulate over "
+            "micro-batches without it: each backward reduce-scatters its gradients onto the "
+            "shards, where they add up (FSDP2's default, set_requires_gradient_sync(True)), "
+            "so the shards hold the same summed gradients at the last micro-batch")
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
