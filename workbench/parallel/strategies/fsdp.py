@@ -51,7 +51,11 @@ The habits of one device hold: ``state_dict()`` gives FSDP2's ``Shard(0)`` DistT
 ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)`` gives the total norm (on
 simulated ranks the rows hold every shard; on torch.distributed each shard's gradient is
 a :class:`~.rank_grads.ShardGrad`, whose norms torch reduces over the ranks, as FSDP2's
-DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.
+DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.  On
+simulated ranks ``fsdp.module.state_dict()`` gives full tensors of the module's shapes and
+``fsdp.module.load_state_dict`` / ``p.copy_(t)`` take them (:mod:`.laid_out`); buffers a
+forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
+(:func:`.ranks.check_batch_stats`), and ``no_sync()`` raises (accumulate without it).
 """
 from __future__ import annotations
 
