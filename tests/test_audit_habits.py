@@ -221,3 +221,15 @@ def test_fsdp_sharded_state_dict_loads_with_torch_load_defaults():
         assert isinstance(back[k], wb.DistTensor) and back[k].placements == v.placements
         assert torch.equal(back[k].full(), v.full()), k
     w.load_state_dict({k: v for k, v in back.items() if k != "uneven"})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_of_a_wrapper_raises_and_a_plain_copy_takes_its_weights(kind):
+    import copy
+    w, mesh = wrap(kind, mlp())
+    with pytest.raises(NotImplementedError, match="deepcopy the module before wrapping"):
+        copy.deepcopy(w)                         # was a copy that trained wrongly / crashed
+    plain = mlp(seed=4)
+    plain.load_state_dict(w.full_state_dict())
+    for k, v in mlp().state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v)

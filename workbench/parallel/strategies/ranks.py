@@ -266,6 +266,13 @@ class ModuleWrapper(torch.nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
+    def __deepcopy__(self, memo):
+        raise NotImplementedError(
+            f"copy.deepcopy of a {type(self).__name__}: its gradient hooks, buckets and "
+            "shards are keyed to this wrapper's parameters, so the copy would not train as "
+            "one device; deepcopy the module before wrapping it and wrap the copy, or give "
+            "a plain copy the weights: plain.load_state_dict(wrapper.full_state_dict())")
+
     def _apply(self, fn, recurse=True):
         """``.to(dtype)``, ``.double()``, ``.half()``...: the module's parameters (its
         rows or shards) converted in place, as torch converts a module's (the same
