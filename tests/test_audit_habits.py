@@ -233,3 +233,29 @@ def test_deepcopy_of_a_wrapper_raises_and_a_plain_copy_takes_its_weights(kind):
     plain.load_state_dict(w.full_state_dict())
     for k, v in mlp().state_dict().items():
         assert torch.equal(plain.state_dict()[k], v)
+
+
+def _gpt2_init(m):
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        nn.init.zeros_(m.bias)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_normal_init_after_wrapping_is_one_devices_draw(kind):
+    ref = mlp()
+    w, mesh = wrap(kind, mlp())
+    torch.manual_seed(11)
+    ref.apply(_gpt2_init)
+    torch.manual_seed(11)
+    w.apply(_gpt2_init)                          # was a RuntimeError (refused)
+    after = torch.rand(())                       # the generator advanced as on one device
+    torch.manual_seed(11)
+    ref.apply(_gpt2_init)
+    assert torch.equal(after, torch.rand(()))
+    data = batches()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), data)
+    train(w, optimizer(kind, w, mesh), data, mesh)
+    assert_same(w, ref)
+    with pytest.raises(RuntimeError, match="in-place init"):
+        w.module[0].reset_parameters()           # a fan read from the storage: still refused

@@ -14,6 +14,9 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.
 
+``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
+module's shape written into every row or chunk (:func:`_one_draw`).
+
 Not caught: ``nn.init.orthogonal_`` (it draws into a fresh tensor and copies it in) and
 ``nn.init.dirac_`` (indexing): initialize before wrapping.
 
@@ -54,6 +57,9 @@ class LaidOutParameter(nn.Parameter):
             target = args[0] if args else kwargs.get("tensor")
         elif func is torch.eye:
             target = kwargs.get("out")
+        if func is init.normal_ and isinstance(target, LaidOutParameter) and \
+                getattr(target, "_wb_store", None) is not None:
+            return _one_draw(func, target, args, kwargs)
         if isinstance(target, LaidOutParameter):
             raise RuntimeError(
                 f"in-place init of a parameter after wrapping: {target._wb_layout}, so "
@@ -65,6 +71,22 @@ class LaidOutParameter(nn.Parameter):
             args = _module_shaped_operands(func, args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _one_draw(func, p, args, kwargs):
+    """``nn.init.normal_(p, mean, std)`` after wrapping: one draw of the module's shape
+    (the random numbers one device draws, its generator advanced as far), written into
+    every rank's row or chunk.  Only ``normal_``: its arguments do not depend on the
+    shape, while ``uniform_`` / ``kaiming_*`` / ``xavier_*`` read bounds or fans from the
+    tensor they are given (``nn.Linear.reset_parameters`` reads the bias bound from the
+    weight's storage shape), so those keep raising."""
+    kw = {k: v for k, v in kwargs.items() if k != "tensor"}
+    fresh = torch.empty(p._wb_shape, dtype=p.dtype, device=p.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        func(fresh, *args[1:], **kw)
+        with torch.no_grad():
+            p.copy_(p._wb_store(fresh))
+    return p
 
 
 _IOPS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
