@@ -259,3 +259,31 @@ def test_normal_init_after_wrapping_is_one_devices_draw(kind):
     assert_same(w, ref)
     with pytest.raises(RuntimeError, match="in-place init"):
         w.module[0].reset_parameters()           # a fan read from the storage: still refused
+
+
+# ---- DDP over DistTensor parameters (beside tensor parallelism) ----------------------------
+def test_dist_ddp_step_before_the_gradients_are_summed_raises_and_after_is_one_devices():
+    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
+    data = batches(2)
+
+    def run(finish):
+        model = wb.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+        ddp = wb.DistributedDataParallel(model, mesh, "dp")
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+        for x, y in data:
+            x, y = (wb.shard_tensor(t, mesh, [wb.Shard(0), wb.Replicate()]) for t in (x, y))
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            if finish:
+                ddp.finish_gradient_synchronization()
+            opt.step()                           # without finish: was a silent drift
+        return ddp
+
+    before = {k: v.full().clone() for k, v in run(True).module.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\).*finish_gradient_synchronization"):
+        run(False)
+    ref = mlp()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    train(ref, ropt, data)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(before[k], v, rtol=1e-6, atol=1e-6, msg=k)
