@@ -287,3 +287,22 @@ def test_dist_ddp_step_before_the_gradients_are_summed_raises_and_after_is_one_d
     train(ref, ropt, data)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(before[k], v, rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("norm_type", [float("-inf"), 0.0, 0.5])
+def test_fsdp_clip_of_any_order_skips_the_chunks_padding(norm_type):
+    ref = mlp()
+    w, mesh = wrap("fsdp", mlp())                # 3 ranks: a bias of 8 -> 3 x 3, 1 padding
+    x, y = batches(1)[0]
+    ((ref(x) - y) ** 2).mean().backward()
+    ((w(wb.shard_tensor(x, mesh, [wb.Shard(0)])) - wb.shard_tensor(y, mesh, [wb.Shard(0)]))
+     ** 2).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type)
+    got = torch.nn.utils.clip_grad_norm_(w.parameters(), 1e-3, norm_type)
+    torch.testing.assert_close(got, want)        # -inf: was 0.0, the padding's |g|
+    for k, v in w.full_state_dict().items():
+        assert torch.equal(v, mlp().state_dict()[k])
+    full = {n: p.grad.reshape(-1)[:q.numel()].view_as(q)
+            for (n, p), q in zip(w.named_parameters(), ref.parameters())}
+    for (n, q) in ref.named_parameters():
+        torch.testing.assert_close(full[n], q.grad, rtol=1e-5, atol=1e-7)

@@ -68,7 +68,7 @@ from .laid_out import Chunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
-from .rank_grads import as_shard_grad
+from .rank_grads import as_chunk_rows, as_shard_grad
 from .ranks import ModuleWrapper, RankGroup, check_batch_stats, check_module, rank_buffers
 
 __all__ = ["FullyShardedDataParallel"]
@@ -112,7 +112,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self._meta = {}                  # id(shard) -> (shape, numel)
-        self._hooked = set()             # ids of shards whose gradients become ShardGrads
+        self._hooked = set()             # ids of shards whose gradients become Shard/ChunkRows
         with torch.no_grad():
             self.units = plan_units(module, units, self._shard)
         module_shaped_state_dict(module)    # module.state_dict(): full tensors (simulated)
@@ -137,16 +137,21 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         return shard
 
     def _hook_shards(self):
-        """torch.distributed: each trainable shard's gradient becomes a ShardGrad once
-        accumulated, so torch's clip_grad_norm_ takes the norm over every rank's shard
-        (hooked at each forward: a shard unfrozen after construction too)."""
-        pg = self.group.pg
+        """Each trainable shard's gradient, once accumulated, becomes what torch's
+        clip_grad_norm_ reads as one device: on torch.distributed a ShardGrad (the norm
+        over every rank's shard), on simulated ranks a ChunkRows (the rows without their
+        padding zeros, which a norm of order -inf would read as the smallest |g|).  Hooked
+        at each forward: a shard unfrozen after construction too."""
+        pg, dist_ = self.group.pg, self.group.distributed
         for u in self.units:
             for _, s, _ in u.params:
                 if s.requires_grad and id(s) not in self._hooked:
                     self._hooked.add(id(s))
+                    numel = self._meta[id(s)][1]
                     s.register_post_accumulate_grad_hook(
-                        lambda s: setattr(s, "grad", as_shard_grad(s.grad, pg)))
+                        lambda s, numel=numel: setattr(s, "grad", as_shard_grad(s.grad, pg)
+                                                       if dist_ else
+                                                       as_chunk_rows(s.grad, numel)))
 
     def _cast(self, shard):
         cd = self.compute_dtype
@@ -159,8 +164,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
-        if g.distributed:
-            self._hook_shards()
+        self._hook_shards()
         check_batch_stats(g, self.module, "FullyShardedDataParallel")
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
