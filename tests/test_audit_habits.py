@@ -68,6 +68,8 @@ def test_apply_and_modules_reach_the_wrapped_module(kind):
     assert [n for n, _ in w.named_modules()] == [n for n, _ in ref.named_modules()]
     assert [n for n, _ in w.named_children()] == [n for n, _ in ref.named_children()]
     assert sum(isinstance(m, nn.Linear) for m in w.modules()) == 2
+    assert w.get_submodule("0") is w.module[0]   # was an AttributeError, by these names
+    assert w.get_parameter("2.bias") is w.module[2].bias
     assert w.apply(_init) is w                   # was a silent no-op: no child to visit
     ref.apply(_init)
     with torch.no_grad():                        # the habit over modules() too

@@ -255,6 +255,10 @@ class ModuleWrapper(torch.nn.Module):
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    def get_submodule(self, target: str = ""):
+        """By the names ``named_modules`` gives (``get_parameter`` / ``get_buffer`` too)."""
+        return self.module.get_submodule(target)
+
     def apply(self, fn):
         """``fn`` on every submodule of the wrapped module, then on the wrapper (torch's
         order)."""
