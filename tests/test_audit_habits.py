@@ -308,3 +308,38 @@ def test_fsdp_clip_of_any_order_skips_the_chunks_padding(norm_type):
             for (n, p), q in zip(w.named_parameters(), ref.parameters())}
     for (n, q) in ref.named_parameters():
         torch.testing.assert_close(full[n], q.grad, rtol=1e-5, atol=1e-7)
+
+
+# ---- optimizer states across a wrapper and one device --------------------------------------
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                    (torch.optim.SGD, dict(lr=0.1, momentum=0.9))])
+def test_optimizer_states_move_between_one_device_and_any_rank_count(kind, cls, kw):
+    data = batches(6)
+    ref = mlp()
+    train(ref, cls(ref.parameters(), **kw), data)
+    # 2 steps on one device -> 2 on 3 ranks -> 2 on 2 ranks -> back on one device
+    one = mlp()
+    opt = cls(one.parameters(), **kw)
+    train(one, opt, data[:2])
+    ck = {"model": one.state_dict(), "opt": opt.state_dict()}
+    for n, part in ((3, data[2:4]), (2, data[4:5])):
+        w, mesh = wrap(kind, mlp(seed=9), n)
+        wopt = cls(w.parameters(), **kw)
+        w.module.load_state_dict(ck["model"])
+        wopt.load_state_dict(ck["opt"])        # was a shape error in step (or a broadcast)
+        train(w, wopt, part, mesh)
+        buf = io.BytesIO()
+        torch.save({"model": w.module.state_dict(), "opt": wopt.state_dict()}, buf)
+        buf.seek(0)
+        ck = torch.load(buf)
+        shapes = {i: tuple(s["exp_avg" if "exp_avg" in s else "momentum_buffer"].shape)
+                  for i, s in ck["opt"]["state"].items()}
+        assert shapes == {i: tuple(p.shape) for i, p in enumerate(ref.parameters())}
+    last = mlp(seed=9)
+    last.load_state_dict(ck["model"])
+    lopt = cls(last.parameters(), **kw)
+    lopt.load_state_dict(ck["opt"])
+    train(last, lopt, data[5:])
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(last.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)

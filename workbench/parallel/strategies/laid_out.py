@@ -27,13 +27,17 @@ and back), a value of the module's own shape goes in and out as on one device:
 already), another in-place op given such a tensor raises (its elements would not meet
 the storage's), and the module's own ``state_dict()`` / ``load_state_dict`` give and take
 tensors of the module's shapes (:func:`module_shaped_state_dict`), as ``ddp.module.
-state_dict()`` does in torch.
+state_dict()`` does in torch; so does any ``torch.optim`` optimizer's ``state_dict()`` over
+them (hooked at its first step), and one device's optimizer states loaded into it are laid
+out before the next step (:func:`_lay_out_loaded_states`): a checkpoint moves between one
+device and any rank count.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn import init
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .flat_shards import flat_padded, unflat
 
@@ -162,6 +166,64 @@ def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
     if how is not None:
         p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
     return p
+
+
+def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
+    """Before any ``torch.optim`` step: a state tensor of a :class:`LaidOutParameter`'s
+    module shape (a one-device optimizer's ``state_dict()`` loaded into the optimizer over
+    a wrapper's parameters) laid out as the parameter is (every rank's row or chunk), so
+    training goes on as on one device; torch would otherwise broadcast it against the
+    rows or fail on the chunks' shape.  ``step`` and 0-d parameters (whose states cannot
+    be told from scalars) are left as they are.  A global step pre-hook
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``)."""
+    for p in _laid_out_params(optimizer):
+        if p not in optimizer.state:
+            continue
+        st = optimizer.state[p]
+        for key, v in list(st.items()):
+            if key != "step" and isinstance(v, torch.Tensor) and \
+                    tuple(v.shape) == p._wb_shape:
+                st[key] = p._wb_store(v.detach()).contiguous().clone()
+    if not getattr(optimizer, "_wb_sd_hook", False) and \
+            any(True for _ in _laid_out_params(optimizer)):
+        optimizer._wb_sd_hook = True
+        optimizer.register_state_dict_post_hook(_module_shaped_states)
+
+
+def _laid_out_params(optimizer):
+    """The optimizer's parameters whose storage is not the module's shape (the wrapper
+    says how to convert: ``_wb_store``), 0-d ones left out (see above)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_wb_store", None) is None or not p._wb_shape:
+                continue
+            with torch._C.DisableTorchFunctionSubclass():
+                if tuple(p.shape) != p._wb_shape:
+                    yield p
+
+
+def _module_shaped_states(optimizer, state_dict):
+    """``optimizer.state_dict()`` over a wrapper's parameters: each state tensor of the
+    storage's shape given in the module's shape (DDP: rank ``broadcast_from``'s row;
+    FSDP: the chunks gathered, the padding dropped), as one device's optimizer holds it,
+    so the checkpoint loads into a plain optimizer, another rank count, or this one
+    (:func:`_lay_out_loaded_states` lays it out again).  New dicts: the optimizer's own
+    states are untouched."""
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = {id(p) for p in _laid_out_params(optimizer)}
+    for i, st in list(state_dict["state"].items()):
+        p = order[i] if isinstance(i, int) and i < len(order) else None
+        if p is None or id(p) not in mine:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            storage = tuple(p.shape)
+        state_dict["state"][i] = {
+            k: p._wb_full(v.detach()) if k != "step" and isinstance(v, torch.Tensor) and
+            tuple(v.shape) == storage else v for k, v in st.items()}
+    return state_dict
+
+
+register_optimizer_step_pre_hook(_lay_out_loaded_states)
 
 
 def module_shaped_state_dict(module: nn.Module) -> None:
