@@ -69,7 +69,8 @@ from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gath
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
-from .ranks import ModuleWrapper, RankGroup, check_batch_stats, check_module, rank_buffers
+from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
+                    rank_buffers)
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -168,12 +169,13 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         check_batch_stats(g, self.module, "FullyShardedDataParallel")
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
+        snap = None if g.distributed else buffer_snapshot(self.module)   # rank 0's writes kept
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 for k, (a, kw) in zip(ks, per):
                     self._k, self._seen = k, order if k == ks[0] else []
                     self._enter(self.units[0])
-                    with rank_buffers(self.module, k != ks[0]):    # rank 0's writes kept
+                    with rank_buffers(self.module, snap if k != ks[0] else None):
                         outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
         finally:

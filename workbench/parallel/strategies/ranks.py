@@ -183,9 +183,9 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     forward writes the module's buffers (:func:`rank_buffers`)."""
     check_batch_stats(group, module, "DistributedDataParallel")
     per, dim = group.split(args, kwargs)
-    outs = []
+    outs, snap = [], buffer_snapshot(module)
     for k, (a, kw) in enumerate(per):
-        with rank_buffers(module, k != owner):
+        with rank_buffers(module, snap if k != owner else None):
             outs.append(torch.func.functional_call(module, params[k], a, kw,
                                                    tie_weights=True, strict=False))
     return group.join(outs, dim)
@@ -210,21 +210,29 @@ def check_batch_stats(group, module, who: str) -> None:
                 "nn.GroupNorm), or run on one rank")
 
 
+def buffer_snapshot(module) -> dict:
+    """{id(buffer): a copy} of the module's buffers before a step's forwards."""
+    return {id(b): b.detach().clone() for m in module.modules()
+            for b in m._buffers.values() if b is not None}
+
+
 @contextlib.contextmanager
-def rank_buffers(module, copies: bool):
-    """With ``copies``: the module's buffers replaced by copies for the block, so a
-    forward that writes its buffers (running statistics, counters) changes them once a
-    step, from one rank, as torch DDP keeps rank 0's buffers (it broadcasts them before
-    each forward, ``broadcast_buffers=True``) and as one device changes them once."""
-    if not copies:
+def rank_buffers(module, snapshot: dict | None):
+    """With a ``snapshot`` (:func:`buffer_snapshot`): the module's buffers replaced for
+    the block by fresh copies of their values before the step, so every rank starts from
+    the same buffers and only the rank run without one writes the module's (running
+    statistics, counters): they change once a step, as torch DDP keeps rank 0's (it
+    broadcasts them before each forward, ``broadcast_buffers=True``) and as one device
+    changes them once."""
+    if snapshot is None:
         yield
         return
     held, made = [], {}
     for m in module.modules():
         for name, b in m._buffers.items():
-            if b is not None:
+            if b is not None and id(b) in snapshot:
                 held.append((m, name, b))
-                m._buffers[name] = made.setdefault(id(b), b.clone())
+                m._buffers[name] = made.setdefault(id(b), snapshot[id(b)].clone())
     try:
         yield
     finally:
