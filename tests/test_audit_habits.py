@@ -344,3 +344,35 @@ def test_optimizer_states_move_between_one_device_and_any_rank_count(kind, cls, 
     train(last, lopt, data[5:])
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(last.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class Scaled(nn.Module):
+    """A 0-d parameter beside a Linear (a logit scale, a temperature)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(6, 5)
+        self.t = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return self.lin(x) * self.t
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_0d_parameters_states_go_to_one_device_too(kind):
+    data = batches(4)
+    ref = Scaled()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    w, mesh = wrap(kind, Scaled())
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+    train(w, opt, data[:2], mesh)
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == ()          # t; was (3,) / (3, 1): the storage
+    plain = Scaled(seed=3)
+    plain.load_state_dict(w.module.state_dict())
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    popt.load_state_dict(sd)
+    train(plain, popt, data[2:])
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -173,15 +173,16 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
     module shape (a one-device optimizer's ``state_dict()`` loaded into the optimizer over
     a wrapper's parameters) laid out as the parameter is (every rank's row or chunk), so
     training goes on as on one device; torch would otherwise broadcast it against the
-    rows or fail on the chunks' shape.  ``step`` and 0-d parameters (whose states cannot
-    be told from scalars) are left as they are.  A global step pre-hook
+    rows or fail on the chunks' shape.  ``step`` (and, for a 0-d parameter, the other
+    scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``)."""
     for p in _laid_out_params(optimizer):
         if p not in optimizer.state:
             continue
         st = optimizer.state[p]
+        skip = _SCALAR_STATES if not p._wb_shape else ("step",)
         for key, v in list(st.items()):
-            if key != "step" and isinstance(v, torch.Tensor) and \
+            if key not in skip and isinstance(v, torch.Tensor) and \
                     tuple(v.shape) == p._wb_shape:
                 st[key] = p._wb_store(v.detach()).contiguous().clone()
     if not getattr(optimizer, "_wb_sd_hook", False) and \
@@ -190,12 +191,18 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
         optimizer.register_state_dict_post_hook(_module_shaped_states)
 
 
+# torch.optim's per-parameter states that are 0-d whatever the parameter's shape (Adam's
+# step, ASGD's eta and mu, NAdam's mu_product): for a 0-d parameter they cannot be told
+# from its 0-d states by shape, so they are never laid out
+_SCALAR_STATES = ("step", "eta", "mu", "mu_product")
+
+
 def _laid_out_params(optimizer):
     """The optimizer's parameters whose storage is not the module's shape (the wrapper
-    says how to convert: ``_wb_store``), 0-d ones left out (see above)."""
+    says how to convert: ``_wb_store``)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, "_wb_store", None) is None or not p._wb_shape:
+            if getattr(p, "_wb_store", None) is None:
                 continue
             with torch._C.DisableTorchFunctionSubclass():
                 if tuple(p.shape) != p._wb_shape:
