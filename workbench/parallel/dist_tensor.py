@@ -358,3 +358,17 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
         cells[c] = t
     cl = Cells(lead, [cells[c] for c in itertools.product(*[range(n) for n in lead])])
     return DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)
+
+
+def _allow_in_checkpoints() -> None:
+    """``torch.load`` (``weights_only=True``, torch's default since 2.6) loads a file
+    holding DistTensors, e.g. a saved sharded ``state_dict()``, as it loads DTensors:
+    torch allowlists DTensor, its mesh and placements the same way (torch 2.13,
+    ``torch/distributed/tensor/__init__.py``, ``add_safe_globals``)."""
+    from ..sim_mesh import grid
+    from .placement import Partial, Shard
+    torch.serialization.add_safe_globals([DistTensor, Mesh, Replicate, Shard, Partial,
+                                          grid.Cells, grid.Stacked, grid.CellGrid])
+
+
+_allow_in_checkpoints()

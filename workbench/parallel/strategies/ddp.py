@@ -56,7 +56,14 @@ copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
 the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
 ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
-rank's row would get its own draw, the fan-in read from the rows): initialize before.
+rank's row would get its own draw, the fan-in read from the rows): initialize before;
+``p.copy_(t)``, ``fill_``, ``mul_`` write every row.  ``ddp.module.state_dict()`` gives the
+module's own shapes (rank ``broadcast_from``'s rows) and ``ddp.module.load_state_dict``
+takes them, as torch's; ``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the
+module's.  Buffers a forward writes change once a step, from rank ``broadcast_from``
+(torch DDP broadcasts that rank's buffers before each forward); a BatchNorm that
+normalizes by batch statistics raises on N > 1 simulated ranks (each rank's statistics
+are not one device's: eval mode, or a per-sample norm).
 """
 from __future__ import annotations
 
@@ -67,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import pack, unpack
-from .laid_out import laid_out
+from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
                     run_per_rank, state_dict_check)
@@ -136,12 +143,15 @@ class DistributedDataParallel(ModuleWrapper):
             for t in tensors:
                 dist.broadcast(t.data, src=g.global_rank(self.broadcast_from), group=g.pg)
             return
+        bf = self.broadcast_from
         for p in list(m.parameters()):         # one row per simulated rank (real storage)
+            shape = tuple(p.shape)
             rows = laid_out(p.detach().unsqueeze(0).repeat((g.n,) + (1,) * p.dim()),
                             p.requires_grad, f"on {g.n} simulated ranks it holds one row per "
-                            f"rank (shape {(g.n,) + tuple(p.shape)})")
+                            f"rank (shape {(g.n,) + shape})", shape, Rows(g.n, bf))
             rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
             replace_parameter(m, p, rows)
+        module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -150,7 +160,7 @@ class DistributedDataParallel(ModuleWrapper):
             return self.module(*args, **kwargs)
         named = dict(self.module.named_parameters())
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]
-        return run_per_rank(g, self.module, params, args, kwargs)
+        return run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
 
     # ---- gradient synchronization ---------------------------------------------------------
     def _reset(self):

@@ -42,6 +42,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
@@ -51,7 +52,7 @@ from ..module import dist_parameters
 from .ddp import DistributedDataParallel
 from .flat_dims import all_reduce_dims, flatten_dims
 from .flat_shards import pack, unpack
-from .rank_grads import as_replica_grad
+from .rank_grads import ReplicaGrad, as_replica_grad
 from .ranks import bucket_order, check_module
 
 __all__ = ["GradReplicas", "DistTensorDDP"]
@@ -235,6 +236,28 @@ class GradReplicas:
                         piece = piece.narrow(a, 0, 1)
                 out[j] = piece
         return out
+
+
+def _refuse_unsummed_step(optimizer, args, kwargs) -> None:
+    """A ``torch.optim`` step over replicas whose gradients are not summed over the
+    data-parallel ranks yet would step each rank by its own gradient (the replicas drift
+    apart, silently): here the sum runs in ``finish_gradient_synchronization()``
+    (Megatron-LM's ``overlap_grad_reduce=False``), not by itself at the end of backward as
+    in torch DDP.  A global optimizer step pre-hook (``torch.optim.optimizer.
+    register_optimizer_step_pre_hook``), so any optimizer over the replicas is checked."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = getattr(p, "grad", None)
+            if isinstance(g, ReplicaGrad) and not getattr(g, "_wb_synced", True):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() over DistTensor replicas whose "
+                    "gradients are not summed over the data-parallel ranks yet (each rank "
+                    "would step by its own gradient): call finish_gradient_synchronization() "
+                    "on the DistributedDataParallel (or DataParallel) after backward, then "
+                    "step (inside no_sync() nothing is summed)")
+
+
+register_optimizer_step_pre_hook(_refuse_unsummed_step)
 
 
 def has_dist_parameters(module) -> bool:

@@ -51,7 +51,11 @@ The habits of one device hold: ``state_dict()`` gives FSDP2's ``Shard(0)`` DistT
 ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)`` gives the total norm (on
 simulated ranks the rows hold every shard; on torch.distributed each shard's gradient is
 a :class:`~.rank_grads.ShardGrad`, whose norms torch reduces over the ranks, as FSDP2's
-DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.
+DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.  On
+simulated ranks ``fsdp.module.state_dict()`` gives full tensors of the module's shapes and
+``fsdp.module.load_state_dict`` / ``p.copy_(t)`` take them (:mod:`.laid_out`); buffers a
+forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
+(:func:`.ranks.check_batch_stats`), and ``no_sync()`` raises (accumulate without it).
 """
 from __future__ import annotations
 
@@ -60,12 +64,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_shards import flat_padded, unflat
-from .laid_out import laid_out
+from .laid_out import Chunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
-from .rank_grads import as_shard_grad
-from .ranks import ModuleWrapper, RankGroup, check_module
+from .rank_grads import as_chunk_rows, as_shard_grad
+from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
+                    rank_buffers)
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -108,9 +113,10 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self._meta = {}                  # id(shard) -> (shape, numel)
-        self._hooked = set()             # ids of shards whose gradients become ShardGrads
+        self._hooked = set()             # ids of shards whose gradients become Shard/ChunkRows
         with torch.no_grad():
             self.units = plan_units(module, units, self._shard)
+        module_shaped_state_dict(module)    # module.state_dict(): full tensors (simulated)
         for u in self.units[1:]:
             u.module.register_forward_pre_hook(lambda m, a, u=u: self._enter(u))
             u.module.register_forward_hook(lambda m, a, o, u=u: self._exit(u))
@@ -124,23 +130,29 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
         rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
+        how = None if g.distributed else Chunks(g.n, p.shape)    # simulated: every chunk here
         shard = laid_out(shard.clone(), p.requires_grad,
                          f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
-                         f"(shape {tuple(shard.shape)})")
+                         f"(shape {tuple(shard.shape)})", p.shape, how)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
         return shard
 
     def _hook_shards(self):
-        """torch.distributed: each trainable shard's gradient becomes a ShardGrad once
-        accumulated, so torch's clip_grad_norm_ takes the norm over every rank's shard
-        (hooked at each forward: a shard unfrozen after construction too)."""
-        pg = self.group.pg
+        """Each trainable shard's gradient, once accumulated, becomes what torch's
+        clip_grad_norm_ reads as one device: on torch.distributed a ShardGrad (the norm
+        over every rank's shard), on simulated ranks a ChunkRows (the rows without their
+        padding zeros, which a norm of order -inf would read as the smallest |g|).  Hooked
+        at each forward: a shard unfrozen after construction too."""
+        pg, dist_ = self.group.pg, self.group.distributed
         for u in self.units:
             for _, s, _ in u.params:
                 if s.requires_grad and id(s) not in self._hooked:
                     self._hooked.add(id(s))
+                    numel = self._meta[id(s)][1]
                     s.register_post_accumulate_grad_hook(
-                        lambda s: setattr(s, "grad", as_shard_grad(s.grad, pg)))
+                        lambda s, numel=numel: setattr(s, "grad", as_shard_grad(s.grad, pg)
+                                                       if dist_ else
+                                                       as_chunk_rows(s.grad, numel)))
 
     def _cast(self, shard):
         cd = self.compute_dtype
@@ -153,16 +165,18 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
-        if g.distributed:
-            self._hook_shards()
+        self._hook_shards()
+        check_batch_stats(g, self.module, "FullyShardedDataParallel")
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
+        snap = None if g.distributed else buffer_snapshot(self.module)   # rank 0's writes kept
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 for k, (a, kw) in zip(ks, per):
                     self._k, self._seen = k, order if k == ks[0] else []
                     self._enter(self.units[0])
-                    outs.append(self.module(*a, **kw))
+                    with rank_buffers(self.module, snap if k != ks[0] else None):
+                        outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
         finally:
             self._k = None
@@ -311,6 +325,15 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             out.append(torch.stack(rows).sum(0).view(g.n, -1))
         call.grads.clear()
         return tuple(out)
+
+    def no_sync(self):
+        """Not built (FSDP1's ``no_sync`` keeps unsharded gradients until the next synced
+        backward): raises, naming what gives the same gradients."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.no_sync() is not built here; accumulate over "
+            "micro-batches without it: each backward reduce-scatters its gradients onto the "
+            "shards, where they add up (FSDP2's default, set_requires_gradient_sync(True)), "
+            "so the shards hold the same summed gradients at the last micro-batch")
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold

@@ -14,16 +14,34 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.
 
+``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
+module's shape written into every row or chunk (:func:`_one_draw`).
+
 Not caught: ``nn.init.orthogonal_`` (it draws into a fresh tensor and copies it in) and
 ``nn.init.dirac_`` (indexing): initialize before wrapping.
+
+Where the wrapper says how (``full`` / ``store``: the module's tensor from the storage
+and back), a value of the module's own shape goes in and out as on one device:
+``p.copy_(t)`` with ``t`` of the module's shape writes it into every rank's row or chunk
+(FSDP's chunks would otherwise raise a broadcasting error, or DDP's rows take it
+already), another in-place op given such a tensor raises (its elements would not meet
+the storage's), and the module's own ``state_dict()`` / ``load_state_dict`` give and take
+tensors of the module's shapes (:func:`module_shaped_state_dict`), as ``ddp.module.
+state_dict()`` does in torch; so does any ``torch.optim`` optimizer's ``state_dict()`` over
+them (hooked at its first step), and one device's optimizer states loaded into it are laid
+out before the next step (:func:`_lay_out_loaded_states`): a checkpoint moves between one
+device and any rank count.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn import init
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["LaidOutParameter", "laid_out"]
+from .flat_shards import flat_padded, unflat
+
+__all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
 
 _T = torch.Tensor
 _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
@@ -43,6 +61,9 @@ class LaidOutParameter(nn.Parameter):
             target = args[0] if args else kwargs.get("tensor")
         elif func is torch.eye:
             target = kwargs.get("out")
+        if func is init.normal_ and isinstance(target, LaidOutParameter) and \
+                getattr(target, "_wb_store", None) is not None:
+            return _one_draw(func, target, args, kwargs)
         if isinstance(target, LaidOutParameter):
             raise RuntimeError(
                 f"in-place init of a parameter after wrapping: {target._wb_layout}, so "
@@ -50,12 +71,199 @@ class LaidOutParameter(nn.Parameter):
                 "rank's copy its own draw, a fan-in read from that shape).  Initialize the "
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
+        if args and isinstance(args[0], LaidOutParameter) and _in_place(func):
+            args = _module_shaped_operands(func, args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def laid_out(t: torch.Tensor, requires_grad: bool, layout: str) -> LaidOutParameter:
-    """``t`` as a :class:`LaidOutParameter` (``layout``: how it is stored, for errors)."""
+def _one_draw(func, p, args, kwargs):
+    """``nn.init.normal_(p, mean, std)`` after wrapping: one draw of the module's shape
+    (the random numbers one device draws, its generator advanced as far), written into
+    every rank's row or chunk.  Only ``normal_``: its arguments do not depend on the
+    shape, while ``uniform_`` / ``kaiming_*`` / ``xavier_*`` read bounds or fans from the
+    tensor they are given (``nn.Linear.reset_parameters`` reads the bias bound from the
+    weight's storage shape), so those keep raising."""
+    kw = {k: v for k, v in kwargs.items() if k != "tensor"}
+    fresh = torch.empty(p._wb_shape, dtype=p.dtype, device=p.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        func(fresh, *args[1:], **kw)
+        with torch.no_grad():
+            p.copy_(p._wb_store(fresh))
+    return p
+
+
+_IOPS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
+         "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_")) or name in _IOPS
+
+
+def _module_shaped_operands(func, args):
+    """``p.copy_(t)`` with ``t`` of the module's shape: ``t`` laid out as ``p`` is; any
+    other in-place op given such a tensor: a clear error (see the module docstring)."""
+    p = args[0]
+    shape = getattr(p, "_wb_shape", None)
+    if shape is None:
+        return args
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = tuple(p.shape)
+    if shape == storage or getattr(p, "_wb_rows", None):
+        return args                 # DDP's rows: a tensor of the module's shape broadcasts
+    out = list(args)
+    for i, a in enumerate(args[1:], 1):
+        if not isinstance(a, torch.Tensor) or tuple(a.shape) != shape:
+            continue
+        if getattr(func, "__name__", "") == "copy_" and i == 1:
+            out[i] = p._wb_store(a)
+            continue
+        raise RuntimeError(
+            f"{func.__name__} of a parameter after wrapping with a tensor of the module's "
+            f"shape {shape}: {p._wb_layout}, so the elements would not meet; compute the "
+            "new value and write it with p.copy_(value) (or before wrapping, or with the "
+            "wrapper's load_state_dict)")
+    return out
+
+
+class Rows:
+    """DDP's layout on N simulated ranks: ``(N, *shape)``, one copy per rank; the
+    module's tensor is rank ``src``'s row."""
+
+    def __init__(self, n: int, src: int):
+        self.n, self.src = n, src
+
+    def full(self, t):
+        return t[self.src]
+
+    def store(self, v):
+        return v.unsqueeze(0).expand((self.n,) + tuple(v.shape))
+
+
+class Chunks:
+    """FSDP's layout on N simulated ranks: ``(N, chunk)``, the flattened tensor padded
+    and cut in N chunks (:mod:`.flat_shards`)."""
+
+    def __init__(self, n: int, shape):
+        self.n, self.shape = n, tuple(shape)
+
+    def full(self, t):
+        return unflat(t.reshape(-1), self.shape)
+
+    def store(self, v):
+        return flat_padded(v, self.n).view(self.n, -1)
+
+
+def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
+             how=None) -> LaidOutParameter:
+    """``t`` as a :class:`LaidOutParameter` (``layout``: how it is stored, for errors;
+    ``shape``: the module's shape; ``how``: a :class:`Rows` or :class:`Chunks` giving the
+    module's tensor from the storage and back, or None where it is not all here)."""
     p = LaidOutParameter(t, requires_grad=requires_grad)
     p._wb_layout = layout
+    if how is not None:
+        p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
     return p
+
+
+def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
+    """Before any ``torch.optim`` step: a state tensor of a :class:`LaidOutParameter`'s
+    module shape (a one-device optimizer's ``state_dict()`` loaded into the optimizer over
+    a wrapper's parameters) laid out as the parameter is (every rank's row or chunk), so
+    training goes on as on one device; torch would otherwise broadcast it against the
+    rows or fail on the chunks' shape.  ``step`` (and, for a 0-d parameter, the other
+    scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``)."""
+    for p in _laid_out_params(optimizer):
+        if p not in optimizer.state:
+            continue
+        st = optimizer.state[p]
+        skip = _SCALAR_STATES if not p._wb_shape else ("step",)
+        for key, v in list(st.items()):
+            if key not in skip and isinstance(v, torch.Tensor) and \
+                    tuple(v.shape) == p._wb_shape:
+                st[key] = p._wb_store(v.detach()).contiguous().clone()
+    if not getattr(optimizer, "_wb_sd_hook", False) and \
+            any(True for _ in _laid_out_params(optimizer)):
+        optimizer._wb_sd_hook = True
+        optimizer.register_state_dict_post_hook(_module_shaped_states)
+
+
+# torch.optim's per-parameter states that are 0-d whatever the parameter's shape (Adam's
+# step, ASGD's eta and mu, NAdam's mu_product): for a 0-d parameter they cannot be told
+# from its 0-d states by shape, so they are never laid out
+_SCALAR_STATES = ("step", "eta", "mu", "mu_product")
+
+
+def _laid_out_params(optimizer):
+    """The optimizer's parameters whose storage is not the module's shape (the wrapper
+    says how to convert: ``_wb_store``)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_wb_store", None) is None:
+                continue
+            with torch._C.DisableTorchFunctionSubclass():
+                if tuple(p.shape) != p._wb_shape:
+                    yield p
+
+
+def _module_shaped_states(optimizer, state_dict):
+    """``optimizer.state_dict()`` over a wrapper's parameters: each state tensor of the
+    storage's shape given in the module's shape (DDP: rank ``broadcast_from``'s row;
+    FSDP: the chunks gathered, the padding dropped), as one device's optimizer holds it,
+    so the checkpoint loads into a plain optimizer, another rank count, or this one
+    (:func:`_lay_out_loaded_states` lays it out again).  New dicts: the optimizer's own
+    states are untouched."""
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = {id(p) for p in _laid_out_params(optimizer)}
+    for i, st in list(state_dict["state"].items()):
+        p = order[i] if isinstance(i, int) and i < len(order) else None
+        if p is None or id(p) not in mine:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            storage = tuple(p.shape)
+        state_dict["state"][i] = {
+            k: p._wb_full(v.detach()) if k != "step" and isinstance(v, torch.Tensor) and
+            tuple(v.shape) == storage else v for k, v in st.items()}
+    return state_dict
+
+
+register_optimizer_step_pre_hook(_lay_out_loaded_states)
+
+
+def module_shaped_state_dict(module: nn.Module) -> None:
+    """Hooks on every submodule of ``module`` holding a :class:`LaidOutParameter` that
+    says how: its ``state_dict()`` gives that parameter in the module's shape (a view,
+    as torch's; ``keep_vars=True`` the parameter itself, which the wrappers read) and
+    ``load_state_dict`` takes a tensor of that shape (into every rank's copy or chunk)."""
+    for m in module.modules():
+        if getattr(m, "_wb_sd_hooks", False) or not any(
+                getattr(p, "_wb_full", None) for p in m._parameters.values()):
+            continue
+        m._wb_sd_hooks = True
+        m.register_state_dict_post_hook(_state_dict_hook)
+        m.register_load_state_dict_pre_hook(_load_hook)
+
+
+def _laid_out_items(m, prefix):
+    for name, p in m._parameters.items():
+        if getattr(p, "_wb_full", None) is not None:
+            yield prefix + name, p
+
+
+def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:
+    for key, p in _laid_out_items(m, prefix):
+        v = state_dict.get(key)
+        if v is not None and v is not p:       # keep_vars=False: p.detach()
+            state_dict[key] = p._wb_full(v)
+
+
+def _load_hook(m, state_dict, prefix, local_metadata, strict, missing_keys,
+               unexpected_keys, error_msgs) -> None:
+    for key, p in _laid_out_items(m, prefix):
+        v = state_dict.get(key)
+        if isinstance(v, torch.Tensor) and tuple(v.shape) == p._wb_shape:
+            with torch.no_grad():
+                state_dict[key] = p._wb_store(v.detach())

@@ -17,6 +17,8 @@ unchanged (the same storage, plain results; the optimizer's math is untouched):
 
 * :class:`RankRows`: the norm of one row (the rows must be equal, i.e. averaged; inside
   ``no_sync()`` they differ and the norm raises, naming what to do);
+* :class:`ChunkRows`: a simulated FSDP gradient (every rank's flat chunk, the last
+  padded with zeros): its norm reads the parameter's elements only;
 * :class:`ReplicaGrad`: a DistTensor replica's gradient (DDP's DistTensor mode,
   ``DataParallel(zero=0)``, ZeRO-1/2's replicas): the local storage of a DistTensor whose
   data-parallel dim (and any other replicated dim) holds one copy per rank; its norm reads
@@ -34,8 +36,8 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankRows", "ReplicaGrad", "ShardGrad", "PartialNorm", "as_rank_rows",
-           "as_replica_grad", "as_shard_grad"]
+__all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
+           "as_rank_rows", "as_chunk_rows", "as_replica_grad", "as_shard_grad"]
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
@@ -102,6 +104,25 @@ def _row_norm(t, ord_, dtype):
 
 def as_rank_rows(t):
     return t if t is None or isinstance(t, RankRows) else t.as_subclass(RankRows)
+
+
+class ChunkRows(_NormedGrad):
+    """A simulated ``FullyShardedDataParallel`` gradient: every rank's flat chunk, one row
+    each, the last padded with zeros (``_wb_numel``: the parameter's elements); its norm
+    is the unpadded elements' (the padding would be the smallest |g| of order -inf)."""
+
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(t.reshape(-1)[:t._wb_numel], ord_, dtype=dtype)
+
+
+def as_chunk_rows(t, numel: int):
+    if t is None:
+        return None
+    out = t if isinstance(t, ChunkRows) else t.as_subclass(ChunkRows)
+    out._wb_numel = numel
+    return out
 
 
 class ReplicaGrad(_NormedGrad):

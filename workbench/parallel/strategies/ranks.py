@@ -21,8 +21,11 @@ leading rank axis.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...sim_mesh import backends as _B
@@ -174,15 +177,67 @@ def replace_parameter(module, old, new) -> None:
                 sub._parameters[name] = new
 
 
-def run_per_rank(group, module, params, args, kwargs):
+def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     """Run ``module`` once per simulated rank with ``params[k]`` (name -> tensor) and
-    that rank's inputs; join the outputs into DistTensors."""
+    that rank's inputs; join the outputs into DistTensors.  Only rank ``owner``'s
+    forward writes the module's buffers (:func:`rank_buffers`)."""
+    check_batch_stats(group, module, "DistributedDataParallel")
     per, dim = group.split(args, kwargs)
-    outs = []
+    outs, snap = [], buffer_snapshot(module)
     for k, (a, kw) in enumerate(per):
-        outs.append(torch.func.functional_call(module, params[k], a, kw, tie_weights=True,
-                                               strict=False))
+        with rank_buffers(module, snap if k != owner else None):
+            outs.append(torch.func.functional_call(module, params[k], a, kw,
+                                                   tie_weights=True, strict=False))
     return group.join(outs, dim)
+
+
+def check_batch_stats(group, module, who: str) -> None:
+    """Simulated ranks (N > 1): refuse a BatchNorm that normalizes by the batch's
+    statistics (training mode, or no running statistics).  Each rank would normalize its
+    own rows by their own mean and variance (torch DDP's behaviour without SyncBatchNorm),
+    which is not one device's answer over the global batch."""
+    if group.distributed or group.n == 1:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
+                (m.training or m.running_mean is None):
+            raise NotImplementedError(
+                f"{who} on {group.n} simulated ranks: {name or 'the module'} "
+                f"({type(m).__name__}) normalizes by batch statistics, which each rank would "
+                "take over its own rows only (torch DDP without SyncBatchNorm), not one "
+                "device's global batch; put the BatchNorm layers in eval mode "
+                "(m.eval(): running statistics), use a per-sample norm (nn.LayerNorm, "
+                "nn.GroupNorm), or run on one rank")
+
+
+def buffer_snapshot(module) -> dict:
+    """{id(buffer): a copy} of the module's buffers before a step's forwards."""
+    return {id(b): b.detach().clone() for m in module.modules()
+            for b in m._buffers.values() if b is not None}
+
+
+@contextlib.contextmanager
+def rank_buffers(module, snapshot: dict | None):
+    """With a ``snapshot`` (:func:`buffer_snapshot`): the module's buffers replaced for
+    the block by fresh copies of their values before the step, so every rank starts from
+    the same buffers and only the rank run without one writes the module's (running
+    statistics, counters): they change once a step, as torch DDP keeps rank 0's (it
+    broadcasts them before each forward, ``broadcast_buffers=True``) and as one device
+    changes them once."""
+    if snapshot is None:
+        yield
+        return
+    held, made = [], {}
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and id(b) in snapshot:
+                held.append((m, name, b))
+                m._buffers[name] = made.setdefault(id(b), snapshot[id(b)].clone())
+    try:
+        yield
+    finally:
+        for m, name, b in held:
+            m._buffers[name] = b
 
 
 class ModuleWrapper(torch.nn.Module):
@@ -196,16 +251,46 @@ class ModuleWrapper(torch.nn.Module):
     def parameters(self, recurse=True):
         return self.module.parameters(recurse)
 
+    # the module's own tree under its own names, as named_parameters: ``model.modules()``,
+    # ``model.apply(init_fn)`` and ``model.buffers()`` reach the wrapped module's (the
+    # wrapper holds the module outside ``_modules``, so torch's would see nothing)
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def named_children(self):
+        return self.module.named_children()
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def get_submodule(self, target: str = ""):
+        """By the names ``named_modules`` gives (``get_parameter`` / ``get_buffer`` too)."""
+        return self.module.get_submodule(target)
+
+    def apply(self, fn):
+        """``fn`` on every submodule of the wrapped module, then on the wrapper (torch's
+        order)."""
+        self.module.apply(fn)
+        fn(self)
+        return self
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return super().train(mode)
+
+    def __deepcopy__(self, memo):
+        raise NotImplementedError(
+            f"copy.deepcopy of a {type(self).__name__}: its gradient hooks, buckets and "
+            "shards are keyed to this wrapper's parameters, so the copy would not train as "
+            "one device; deepcopy the module before wrapping it and wrap the copy, or give "
+            "a plain copy the weights: plain.load_state_dict(wrapper.full_state_dict())")
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)``, ``.double()``, ``.half()``...: the module's parameters (its
         rows or shards) converted in place, as torch converts a module's (the same
         ``nn.Parameter`` objects, so optimizers and hooks still hold them)."""
         self.module._apply(fn, recurse)
-        return super()._apply(fn, recurse)
+        return super()._apply(fn, recurse=False)    # children() is the module's: done
 
 
 def state_dict_check(owner, mine: dict, given, strict: bool):
