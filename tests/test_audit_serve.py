@@ -193,3 +193,67 @@ def test_a_flag_the_mode_ignores_is_an_error(tmp_path, capsys, flags, message):
     assert main(["serve", *[x.format(f=f) for x in flags]]) == 2
     cap = capsys.readouterr()
     assert cap.out == "" and message in cap.err and cap.err.count("\n") == 1
+
+
+# ---- checkpoints: model and optimizer, save -> load -> continue ----------------------------
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _steps(model, opt, batches):
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+BATCHES = [(torch.randn(6, 8, generator=torch.Generator().manual_seed(i)),
+            torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + i)))
+           for i in range(5)]
+
+
+def test_a_fresh_optimizers_empty_state_is_an_error_not_a_silent_skip(tmp_path):
+    """A fresh torch.optim optimizer's state_dict() has "state": {} until its first step;
+    load filled nothing there and returned, so training went on from zero moments."""
+    m = _mlp(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _steps(m, opt, BATCHES[:2])
+    wb.checkpoint.save(tmp_path, {"model": m.state_dict(), "optim": opt.state_dict()})
+    m2 = _mlp(1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    st = {"model": m2.state_dict(), "optim": opt2.state_dict()}
+    before = m2[0].weight.clone()
+    with pytest.raises(wb.checkpoint.CheckpointError,
+                       match=r"'optim.state' is empty, the checkpoint holds 12 entries"):
+        wb.checkpoint.load(tmp_path, st)
+    assert torch.equal(m2[0].weight, before)                   # raised before any copy
+    wb.checkpoint.load(tmp_path, st, strict=False)             # asked for: the rest loads
+    assert torch.equal(m2[0].weight, m[0].weight) and st["optim"]["state"] == {}
+
+
+def test_save_load_continue_equals_never_stopping(tmp_path):
+    ref_model = _mlp(0)
+    ref = _steps(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), BATCHES)
+    m = _mlp(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    first = _steps(m, opt, BATCHES[:3])
+    wb.checkpoint.save(tmp_path, {"model": m.state_dict(), "optim": opt.state_dict()})
+    m2 = _mlp(9)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    for p in m2.parameters():                 # the states to fill, as DCP's _init_optim_state
+        opt2.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                         "exp_avg_sq": torch.zeros_like(p)}
+    st = {"model": m2.state_dict(), "optim": opt2.state_dict()}
+    wb.checkpoint.load(tmp_path, st)
+    m2.load_state_dict(st["model"])
+    opt2.load_state_dict(st["optim"])
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert first + _steps(m2, opt2, BATCHES[3:]) == ref
+    for a, b in zip(m2.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
