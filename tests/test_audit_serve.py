@@ -257,3 +257,25 @@ def test_save_load_continue_equals_never_stopping(tmp_path):
     assert first + _steps(m2, opt2, BATCHES[3:]) == ref
     for a, b in zip(m2.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+
+
+# ---- the roofline ---------------------------------------------------------------------------
+
+def test_step_cost_refuses_a_context_the_model_does_not_have_and_names_chunks_prefill():
+    from workbench.serve.roofline import step_cost
+    with pytest.raises(ValueError, match=r"context 60 \+ new_tokens 8 = 68 > seq_len=64"):
+        step_cost("tiny", batch=1, new_tokens=8, context=60)
+    assert step_cost("tiny", batch=1, new_tokens=8, context=16).phase == "prefill"   # a chunk
+    assert step_cost("tiny", batch=1, new_tokens=1, context=16).phase == "decode"
+    assert step_cost("tiny", batch=1, new_tokens=8, context=0).phase == "prefill"
+
+
+def test_a_mixture_of_experts_is_not_priced_without_its_experts():
+    """The experts are 3-d parameters, not nn.Linear: the weights counted left them out,
+    so a MoE model was priced as its attention alone."""
+    from workbench.serve.roofline import linear_weights, step_cost
+    moe = get_config("tiny").replace(moe_experts=4)
+    for price in (lambda: linear_weights(moe), lambda: StepPricer(moe, "a100"),
+                  lambda: step_cost(moe, batch=1, new_tokens=1, context=8)):
+        with pytest.raises(NotImplementedError, match="moe_experts=4"):
+            price()
