@@ -279,3 +279,9 @@ def test_a_mixture_of_experts_is_not_priced_without_its_experts():
                   lambda: step_cost(moe, batch=1, new_tokens=1, context=8)):
         with pytest.raises(NotImplementedError, match="moe_experts=4"):
             price()
+
+
+@pytest.mark.parametrize("batch", [0, -1, True, 2.0])
+def test_a_paged_cache_of_no_sequences_is_refused(tiny, batch):
+    with pytest.raises(ValueError, match=f"batch={batch!r}"):
+        PagedKVCache.for_model(tiny, batch, 8, 4)

@@ -30,6 +30,9 @@ class PagedKVCache:
 
     def __init__(self, cfg, batch: int, num_blocks: int, block_size: int, dtype=None,
                  allocator: BlockAllocator | None = None):
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"PagedKVCache(batch={batch!r}): give the number of sequences the "
+                             "cache serves, an int >= 1 (generate's idx.shape[0])")
         self.cfg = cfg
         self.n_layer = cfg.n_layer
         dtype = dtype or cfg.torch_dtype
