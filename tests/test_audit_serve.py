@@ -285,3 +285,15 @@ def test_a_mixture_of_experts_is_not_priced_without_its_experts():
 def test_a_paged_cache_of_no_sequences_is_refused(tiny, batch):
     with pytest.raises(ValueError, match=f"batch={batch!r}"):
         PagedKVCache.for_model(tiny, batch, 8, 4)
+
+
+def test_resuming_with_fewer_steps_than_the_checkpoint_ran_is_an_error(tmp_path, capsys):
+    """train(steps=2, resume=<a step-3 checkpoint>) returned [] as if it had trained."""
+    from workbench.train import train
+    train("tiny", steps=3, seed=0, timing=False, save=str(tmp_path))
+    with pytest.raises(ValueError, match=r"has run 3 steps already; give steps > 3"):
+        train("tiny", steps=2, seed=0, timing=False, resume=str(tmp_path))
+    assert train("tiny", steps=3, seed=0, timing=False, resume=str(tmp_path)) == []
+    d = str(tmp_path)
+    assert main(["train", "--steps", "2", "--resume", d]) == 2
+    assert "has run 3 steps already, --steps 2 is fewer" in capsys.readouterr().err

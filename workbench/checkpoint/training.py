@@ -228,4 +228,9 @@ def check_cli(args, strategy) -> str | None:
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
                     f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
                     f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
+    steps = getattr(args, "steps", None)
+    if isinstance(steps, int) and steps < train["step"]:
+        return (f"--resume {resume_dir}: the checkpoint has run {train['step']} steps already, "
+                f"--steps {steps} is fewer; --steps is the total to reach: give --steps > "
+                f"{train['step']}")
     return None
