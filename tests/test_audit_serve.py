@@ -297,3 +297,31 @@ def test_resuming_with_fewer_steps_than_the_checkpoint_ran_is_an_error(tmp_path,
     d = str(tmp_path)
     assert main(["train", "--steps", "2", "--resume", d]) == 2
     assert "has run 3 steps already, --steps 2 is fewer" in capsys.readouterr().err
+
+
+def test_a_model_with_multihead_attention_quantizes_and_runs():
+    """nn.MultiheadAttention reads out_proj.weight directly: a QuantizedLinear there (no
+    .weight) crashed the forward; torch.ao leaves that Linear float, and so do we."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.fc = nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.fc(self.att(x, x, x)[0])
+
+    torch.manual_seed(0)
+    m = Net().eval()
+    q = quantize_model(m, bits=8)
+    assert isinstance(q.fc, QuantizedLinear) and type(q.att.out_proj) is not QuantizedLinear
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want = fc_dequantized(m, q, x)
+        torch.testing.assert_close(q(x), want, rtol=0, atol=1e-6)
+
+
+def fc_dequantized(m, q, x):
+    """The float model with fc's weight replaced by its dequantized int8 one."""
+    h = m.att(x, x, x)[0]
+    return torch.nn.functional.linear(h, dequantize(q.fc.qweight), m.fc.bias)

@@ -145,8 +145,13 @@ def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 32,
     q = copy.deepcopy(model).eval()
     tied = {id(p) for n, m in q.named_modules() if isinstance(m, nn.Embedding)
             for p in m.parameters()}
+    # nn.MultiheadAttention reads its out_proj's .weight itself (F.multi_head_attention_
+    # forward), so that Linear stays float, as torch.ao.quantization leaves it
+    # (NonDynamicallyQuantizableLinear)
+    keep = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
     for name, mod in list(q.named_modules()):
-        if isinstance(mod, nn.Linear) and name not in skip and id(mod.weight) not in tied:
+        if isinstance(mod, nn.Linear) and not isinstance(mod, keep) and name not in skip \
+                and id(mod.weight) not in tied:
             parent, _, leaf = name.rpartition(".")
             setattr(q.get_submodule(parent) if parent else q, leaf,
                     QuantizedLinear(mod, bits, group_size))
