@@ -338,3 +338,15 @@ def test_zero3_trains_the_experts_of_a_moe_model(preset):
     one = [r["loss"] for r in train(preset, strategy=SingleDevice(), **kw)]
     z3 = [r["loss"] for r in train(preset, strategy=Hybrid(dp=2, zero=3), **kw)]
     torch.testing.assert_close(torch.tensor(z3), torch.tensor(one), rtol=1e-5, atol=0)
+
+
+def test_a_trace_of_one_token_outputs_reports_no_time_per_output_token(tmp_path, capsys):
+    """Every output 1 token: the latency table crashed ('percentile of no values')."""
+    p = StepPricer("tiny", "a100")
+    res = continuous([Request(0, 0.0, 10, 1), Request(1, 0.01, 5, 1)], p, 4)
+    assert res.tpot() == [] and res.tpot_p50 != res.tpot_p50        # nan: undefined
+    assert res.ttft_p50 > 0 and res.throughput > 0
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"arrival": 0, "prompt": 10, "output": 1}\n')
+    assert main(["serve", "--requests", str(f)]) == 0
+    assert "nan" in capsys.readouterr().out

@@ -72,11 +72,12 @@ class Result:
 
     @property
     def tpot_p50(self):
-        return percentile(self.tpot(), 50)
+        """nan when no request made a second token (time per output token is undefined)."""
+        return percentile(self.tpot(), 50) if self.tpot() else math.nan
 
     @property
     def tpot_p99(self):
-        return percentile(self.tpot(), 99)
+        return percentile(self.tpot(), 99) if self.tpot() else math.nan
 
     @property
     def useful_decode_share(self) -> float:
