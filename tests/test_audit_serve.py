@@ -350,3 +350,14 @@ def test_a_trace_of_one_token_outputs_reports_no_time_per_output_token(tmp_path,
     f.write_text('{"arrival": 0, "prompt": 10, "output": 1}\n')
     assert main(["serve", "--requests", str(f)]) == 0
     assert "nan" in capsys.readouterr().out
+
+
+def test_int4_on_an_odd_layer_names_the_layer_and_a_way_out():
+    net = nn.Sequential(nn.Linear(7, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"layer '0': group_size=32.* 7 input features "
+                                         r"\(none exists.*bits=8"):
+        quantize_model(net, bits=4)
+    with pytest.raises(ValueError, match=r"96 input features \(e.g. 32\)"):
+        quantize_weight(torch.randn(2, 96), 4, group_size=64)
+    q = quantize_model(net, bits=4, group_size=8, skip=["0"])
+    assert isinstance(q[2], QuantizedLinear) and type(q[0]) is nn.Linear

@@ -70,8 +70,12 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
         return QuantizedWeight(q, scale, 8, None, (out, inp), w.dtype)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 \
             or group_size % 2 or inp % group_size:
+        ok = [g for g in range(2, min(inp, 128) + 1, 2) if inp % g == 0]
+        hint = f"e.g. {max((g for g in ok if g <= 32), default=ok[0])}" if ok else \
+            "none exists: int4 packs two weights a byte, so in_features must be even; " \
+            "quantize this layer with bits=8 (or skip it)"
         raise ValueError(f"group_size={group_size!r}: give an even int dividing the "
-                         f"{inp} input features (e.g. 32)")
+                         f"{inp} input features ({hint})")
     g = wf.view(out, inp // group_size, group_size)                         # (out, G, gs)
     scale = (g.abs().amax(-1) / 7).clamp_min(torch.finfo(torch.float32).tiny).to(w.dtype)
     q = torch.round(g / scale.float()[..., None]).clamp(-7, 7).to(torch.int16) + 8   # 1..15
@@ -153,8 +157,11 @@ def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 32,
         if isinstance(mod, nn.Linear) and not isinstance(mod, keep) and name not in skip \
                 and id(mod.weight) not in tied:
             parent, _, leaf = name.rpartition(".")
-            setattr(q.get_submodule(parent) if parent else q, leaf,
-                    QuantizedLinear(mod, bits, group_size))
+            try:
+                ql = QuantizedLinear(mod, bits, group_size)
+            except ValueError as e:
+                raise ValueError(f"quantize_model: layer {name!r}: {e}") from None
+            setattr(q.get_submodule(parent) if parent else q, leaf, ql)
     return q
 
 
