@@ -361,3 +361,11 @@ def test_int4_on_an_odd_layer_names_the_layer_and_a_way_out():
         quantize_weight(torch.randn(2, 96), 4, group_size=64)
     q = quantize_model(net, bits=4, group_size=8, skip=["0"])
     assert isinstance(q[2], QuantizedLinear) and type(q[0]) is nn.Linear
+
+
+def test_causal_offset_mask_is_flash_attentions_bottom_right_causal_and_refuses_more_queries():
+    from workbench.serve import causal_offset_mask
+    want = torch.ones(2, 5, dtype=torch.bool).tril(diagonal=3)            # FA-2: k_len - q_len
+    assert torch.equal(causal_offset_mask(2, 5), want)
+    with pytest.raises(ValueError, match=r"q_len=3, k_len=2"):
+        causal_offset_mask(3, 2)                                            # row 0 saw nothing
