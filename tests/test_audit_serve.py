@@ -369,3 +369,8 @@ def test_causal_offset_mask_is_flash_attentions_bottom_right_causal_and_refuses_
     assert torch.equal(causal_offset_mask(2, 5), want)
     with pytest.raises(ValueError, match=r"q_len=3, k_len=2"):
         causal_offset_mask(3, 2)                                            # row 0 saw nothing
+
+
+def test_a_shared_allocator_and_another_num_blocks_is_refused(tiny):
+    with pytest.raises(ValueError, match=r"num_blocks=100.*give num_blocks=6"):
+        PagedKVCache(tiny.cfg, 2, 100, 4, allocator=BlockAllocator(6))

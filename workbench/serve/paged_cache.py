@@ -36,6 +36,10 @@ class PagedKVCache:
         self.cfg = cfg
         self.n_layer = cfg.n_layer
         dtype = dtype or cfg.torch_dtype
+        if allocator is not None and num_blocks != allocator.num_blocks:
+            raise ValueError(f"PagedKVCache(num_blocks={num_blocks!r}, allocator={allocator}): "
+                             "the pools are the allocator's; give num_blocks="
+                             f"{allocator.num_blocks}, the blocks it hands out")
         self.allocator = allocator or BlockAllocator(num_blocks)
         n = self.allocator.num_blocks
         self.tables = BlockTables(self.allocator, block_size)
