@@ -374,3 +374,16 @@ def test_causal_offset_mask_is_flash_attentions_bottom_right_causal_and_refuses_
 def test_a_shared_allocator_and_another_num_blocks_is_refused(tiny):
     with pytest.raises(ValueError, match=r"num_blocks=100.*give num_blocks=6"):
         PagedKVCache(tiny.cfg, 2, 100, 4, allocator=BlockAllocator(6))
+
+
+def test_generating_with_a_capacity_limited_moe_and_a_cache_is_refused():
+    """Capacity ceil(cf S k / E) depends on S: cached decode (S = 1, never dropping) gave
+    other tokens than the recompute it is held to (tiny, 4 experts, cf 1.0), silently."""
+    cfg = get_config("tiny").replace(moe_experts=4, moe_capacity_factor=1.0)
+    m = build_model(cfg, seed=0).eval()
+    idx = prompt(2, 8)
+    with pytest.raises(ValueError, match=r"moe_capacity_factor=1.0.*use_cache=False"):
+        generate(m, idx, 10)
+    assert torch.equal(generate(m, idx, 10, use_cache=False), no_cache_greedy(m, idx, 10))
+    dropless = build_model(cfg.replace(moe_capacity_factor=None), seed=0).eval()
+    assert torch.equal(generate(dropless, idx, 10), no_cache_greedy(dropless, idx, 10))

@@ -44,6 +44,15 @@ def _check(model, idx, max_new_tokens, use_cache):
                          "with S >= 1 (a prompt of at least one token)")
     if idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"generate: idx of dtype {idx.dtype}; give token ids (torch.long)")
+    cf = getattr(model.cfg, "moe_capacity_factor", None)
+    if use_cache and getattr(model.cfg, "moe_experts", 0) and cf is not None:
+        raise ValueError(f"generate: a mixture of experts with moe_capacity_factor={cf}: its "
+                         "capacity, ceil(cf S k / E) slots per sequence, depends on the tokens "
+                         "in the forward (S), so a decode step of one token drops other tokens "
+                         "than a recompute of the whole sequence and the KV cache's tokens would "
+                         "differ from it; generate with a dropless model "
+                         "(cfg.replace(moe_capacity_factor=None), as MoE inference runs), or "
+                         "use_cache=False")
     n = idx.shape[1] + max_new_tokens
     if use_cache and n > model.cfg.seq_len:
         raise ValueError(f"generate: {idx.shape[1]} prompt + {max_new_tokens} new tokens = {n} "
