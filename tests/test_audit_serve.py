@@ -161,6 +161,9 @@ def test_read_trace_refuses_fractional_tokens_and_taken_ids(tmp_path):
                  + json.dumps({"arrival": 0, "prompt": 3, "output": 2}) + "\n")
     with pytest.raises(ValueError, match=":2: id 1 is taken"):
         read_trace(f)
+    f.write_text('{"arrival": 0, "prompt": Infinity, "output": 2}\n')      # json reads it
+    with pytest.raises(ValueError, match="prompt=inf is not a whole number"):
+        read_trace(f)
 
 
 def test_the_benchmark_prices_a_large_preset_as_documented(tmp_path, capsys):

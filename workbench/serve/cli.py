@@ -124,7 +124,7 @@ def main_serve(args) -> int:
     import os
     bench = args.requests is not None
     ignored = [f"--{k.replace('_', '-')}" for k, default in
-               (_TEXT_FLAGS if bench else _BENCH_FLAGS).items() if getattr(args, k) != default]
+               (_TEXT_FLAGS if bench else _BENCH_FLAGS).items() if getattr(args, k, default) != default]
     if ignored:
         what = "the --requests benchmark" if bench else "text generation (--prompt)"
         print(f"error: {' '.join(ignored)}: {what} does not read "

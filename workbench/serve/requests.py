@@ -131,7 +131,8 @@ def poisson_trace(n: int, rate: float, prompt=(32, 512), output=(16, 512),
 def _whole(v, name: str) -> int:
     """A count from JSON: an int, or a float holding a whole number (1.0); 3.7 tokens is
     an error, not 3."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v != int(v):
         raise ValueError(f"{name}={v!r} is not a whole number")
     return int(v)
 
