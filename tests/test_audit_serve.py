@@ -390,3 +390,10 @@ def test_generating_with_a_capacity_limited_moe_and_a_cache_is_refused():
     assert torch.equal(generate(m, idx, 10, use_cache=False), no_cache_greedy(m, idx, 10))
     dropless = build_model(cfg.replace(moe_capacity_factor=None), seed=0).eval()
     assert torch.equal(generate(dropless, idx, 10), no_cache_greedy(dropless, idx, 10))
+
+
+@pytest.mark.parametrize("q", [150, -50, float("nan")])
+def test_percentile_outside_0_100_is_named(q):
+    from workbench.serve.requests import percentile
+    with pytest.raises(ValueError, match=r"percentile\(q="):
+        percentile([1.0, 2.0, 3.0], q)

@@ -102,6 +102,8 @@ def percentile(values, q: float) -> float:
     xs = sorted(values)
     if not xs:
         raise ValueError("percentile of no values")
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+        raise ValueError(f"percentile(q={q!r}): give a percentile in [0, 100] (as numpy's)")
     pos = (len(xs) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
