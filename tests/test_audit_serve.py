@@ -428,3 +428,19 @@ def test_resuming_into_dualpipe_loads_both_copies(tmp_path, save_on):
     ran on the untrained model (step 2: 4.088 against 3.862)."""
     got, one = _resumed(tmp_path, save_on, dict(pp=2, schedule="dualpipe"))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-6, atol=0)
+
+
+def test_generate_names_a_training_wrapper_and_returns_the_kind_it_was_given(tiny):
+    """A DDP/FSDP-wrapped model crashed deep inside ('weight' must be 2-D, index out of
+    range); a plain prompt on a served model came back a DistTensor, not 'the same kind'."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(build_model(get_config("tiny"), seed=1), mesh)
+    for model in (ddp, ddp.module):
+        with pytest.raises(TypeError, match="wrapped by DistributedDataParallel"):
+            generate(model, prompt(2, 5), 3)
+    with pytest.raises(TypeError, match="a Linear, not a workbench model"):
+        generate(nn.Linear(2, 2), prompt(2, 5), 3)
+    served = wb.serve.serve_model("tiny", tp=2, state_dict=ddp.full_state_dict())
+    out = generate(served.model, prompt(2, 5), 6)
+    assert type(out) is torch.Tensor and torch.equal(out, no_cache_greedy(tiny, prompt(2, 5), 6))
+    assert isinstance(generate(served.model, served.place(prompt(2, 5)), 6), wb.DistTensor)

@@ -36,6 +36,15 @@ __all__ = ["generate", "serve_model", "Served"]
 
 
 def _check(model, idx, max_new_tokens, use_cache):
+    wrapped = getattr(model, "_wb_wrapped", None) or \
+        getattr(getattr(model, "module", None), "_wb_wrapped", None)
+    if wrapped or not hasattr(model, "cfg"):
+        what = f"wrapped by {wrapped} for training (its parameters are per-rank copies or " \
+            "shards)" if wrapped else f"a {type(model).__name__}, not a workbench model"
+        raise TypeError(f"generate(model=...): {what}; generate with a workbench model "
+                        "(wb.models.build_model(cfg), or serve_model(cfg, dp=..., tp=...).model) "
+                        "holding its weights, e.g. serve_model(cfg, "
+                        "state_dict=wrapper.full_state_dict())")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")
@@ -95,6 +104,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
                 logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
             else:
                 logits, _ = model(out[:, -model.cfg.seq_len:])              # recompute all
+        if isinstance(out, DistTensor) and not isinstance(idx, DistTensor):
+            out = out.full()            # a plain prompt on a laid-out model: plain tokens back
         return out
     finally:
         model.train(was_training)
