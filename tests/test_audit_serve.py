@@ -444,3 +444,13 @@ def test_generate_names_a_training_wrapper_and_returns_the_kind_it_was_given(tin
     out = generate(served.model, prompt(2, 5), 6)
     assert type(out) is torch.Tensor and torch.equal(out, no_cache_greedy(tiny, prompt(2, 5), 6))
     assert isinstance(generate(served.model, served.place(prompt(2, 5)), 6), wb.DistTensor)
+
+
+@pytest.mark.parametrize("kw, message", [(dict(temperature=-1.0), "temperature=-1.0"),
+                                         (dict(temperature=float("nan")), "temperature=nan"),
+                                         (dict(max_new_tokens=-2), "max_new_tokens=-2")])
+def test_the_textbook_generate_refuses_a_negative_temperature(tiny, kw, message):
+    """model.generate(temperature=-1) sampled from softmax(-logits), silently."""
+    kw = {"max_new_tokens": 3, **kw}
+    with pytest.raises(ValueError, match=message):
+        tiny.generate(prompt(1, 3), **kw)
