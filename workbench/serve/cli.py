@@ -123,8 +123,9 @@ _BENCH_FLAGS = {"profile": "a100", "max_batch": 32, "token_budget": 512}
 def main_serve(args) -> int:
     import os
     bench = args.requests is not None
-    ignored = [f"--{k.replace('_', '-')}" for k, default in
-               (_TEXT_FLAGS if bench else _BENCH_FLAGS).items() if getattr(args, k, default) != default]
+    other = _TEXT_FLAGS if bench else _BENCH_FLAGS         # the flags this mode does not read
+    ignored = [f"--{k.replace('_', '-')}" for k, default in other.items()
+               if getattr(args, k, default) != default]
     if ignored:
         what = "the --requests benchmark" if bench else "text generation (--prompt)"
         print(f"error: {' '.join(ignored)}: {what} does not read "
