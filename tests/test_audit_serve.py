@@ -454,3 +454,9 @@ def test_the_textbook_generate_refuses_a_negative_temperature(tiny, kw, message)
     kw = {"max_new_tokens": 3, **kw}
     with pytest.raises(ValueError, match=message):
         tiny.generate(prompt(1, 3), **kw)
+
+
+@pytest.mark.parametrize("u", [1.5, 0, -0.1])
+def test_kv_capacity_takes_a_share_of_memory(u):
+    with pytest.raises(ValueError, match=f"utilization={u!r}"):
+        StepPricer("tiny", "a100").kv_capacity(u)

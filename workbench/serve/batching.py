@@ -85,6 +85,10 @@ class StepPricer:
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the
         device memory (vLLM's ``gpu_memory_utilization`` default, 0.9)."""
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
+                or not 0 < utilization <= 1:
+            raise ValueError(f"kv_capacity(utilization={utilization!r}): give the share of the "
+                             "device memory to use, in (0, 1] (vLLM's default 0.9)")
         free = self.profile.memory_bytes * utilization - self.weight_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 
