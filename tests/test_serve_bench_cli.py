@@ -8,8 +8,9 @@ from workbench.cli import main
 from workbench.serve.batching import StepPricer, continuous, static
 from workbench.serve.requests import latency_table, poisson_trace
 
-# arriving faster than tiny serves them (steps of ~20 us): the schedules differ
-TRACE = poisson_trace(12, rate=1e6, prompt=(8, 60), output=(4, 30), seed=1)
+# arriving faster than tiny serves them (steps of ~20 us): the schedules differ; each
+# request fits tiny's 64-token context (prompt + output <= 64)
+TRACE = poisson_trace(12, rate=1e6, prompt=(8, 40), output=(4, 24), seed=1)
 
 
 def write(path, rows):

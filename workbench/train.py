@@ -139,6 +139,10 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         if resume is not None:          # model, optimizer, step and RNG of the saved run
             from .checkpoint.training import resume_training
             start = resume_training(resume, strategy, model, optimizer, seed, batch_size)
+            if steps < start:           # steps counts from 0, the checkpoint's steps included
+                raise ValueError(f"train(steps={steps}, resume={resume!r}): the checkpoint has "
+                                 f"run {start} steps already; give steps > {start} (the total "
+                                 "to reach, not the steps to add)")
         for step in range(start, steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each

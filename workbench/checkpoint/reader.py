@@ -168,6 +168,8 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
     path = os.fspath(path)
     md = F.read_metadata(path)
     flat, paths = F.flatten(state)
+    if strict:
+        _check_empty(state, md, path)
     files = _Files(path, md)
     index = _storage_index(md)
     me = _B.rank() if _distributed() else None
@@ -222,6 +224,33 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
     for p, obj in objects:
         F.set_element(state, p, obj)
     return report
+
+
+def _check_empty(state, md, path) -> None:
+    """An empty dict in the target where the checkpoint holds entries: load fills only the
+    entries a target holds (DCP's contract), so a fresh optimizer's ``state_dict()``
+    (``"state": {}`` until its first step) would load nothing, silently, and training
+    would go on from zero moments.  Raised before anything changes."""
+    from collections.abc import Mapping
+
+    def visit(prefix, v):
+        if not isinstance(v, Mapping):
+            return
+        if not v and prefix:
+            key = ".".join(prefix)
+            saved = sorted(k for k in md.state_dict_metadata if k.startswith(key + "."))
+            if saved:
+                raise F.CheckpointError(
+                    f"load: the target's {key!r} is empty, the checkpoint holds {len(saved)} "
+                    f"entries under it (e.g. {saved[0]!r}); load fills only the entries the "
+                    "target holds. A fresh torch.optim optimizer has no state before its first "
+                    "step: build it first (each state as zeros of the saved shape and dtype, "
+                    "e.g. {'exp_avg': torch.zeros_like(p), 'exp_avg_sq': ..., 'step': "
+                    "torch.tensor(0.)}), or pass strict=False to leave it empty")
+        for k, x in v.items():
+            visit(prefix + (str(k),), x)
+
+    visit((), state)
 
 
 def _tensorlike(v) -> bool:

@@ -66,14 +66,20 @@ def _entries(strategy, model, optimizer):
     names = {id(p): n for n, p in dist_parameters(model)}
     stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
               if strategy._own(strategy.meshes[s % strategy.pp])]
-    for s, opt in zip(stages, optimizer):
-        if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
-            mods = strategy.stages[s]["modules"]       # its module: a list of these
-            for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
-                i, rest = qname.split(".", 1)
-                out.append((f"{mods[int(i)]}.{rest}", tmpl, opt.optimizer, shard,
-                            _zero3_gather(opt, tmpl), _zero3_cut(opt)))
-        elif opt.zero:                                 # ZeRO 1-2: flat chunks per dp rank
+    # Zero3: one per stage, in stage order; its shards are the leaves
+    for s, opt in zip(stages, [o for o in optimizer if hasattr(o, "entries")]):
+        mods = strategy.stages[s]["modules"]           # its module: a list of these
+        for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
+            i, rest = qname.split(".", 1)
+            out.append((f"{mods[int(i)]}.{rest}", tmpl, opt.optimizer, shard,
+                        _zero3_gather(opt, tmpl), _zero3_cut(opt)))
+    # every other optimizer, whatever stage: a stage with experts on their own mesh (ep)
+    # has two, the dense parameters' and the experts' (recipes/hybrid.py build_optimizer);
+    # pairing optimizers with stages one to one left the experts' states out of the save
+    for opt in optimizer:
+        if hasattr(opt, "entries") or not all(id(p) in names for p in opt.params):
+            continue                                   # Zero3 above; DualPipe's copy 1
+        if opt.zero:                                   # ZeRO 1-2: flat chunks per dp rank
             inner = opt.optimizer
             for p, shard in zip(opt.params, inner.shards):
                 out.append((names[id(p)], p, inner.optimizer, shard,
@@ -193,6 +199,27 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
                              f"differ: give --{k.replace('_', '-')} {train[k]}")
     # "optim.<fqn>.exp_avg": the fqn itself holds dots
     names = {k[len("optim."):k.rfind(".")] for k in keys if k.startswith("optim.")}
+    _load_copy(path, strategy, model, optimizer, names)
+    twin = getattr(strategy, "_twin", None)
+    if twin is not None and getattr(strategy, "schedule_name", None) == "dualpipe":
+        # DualPipe's copy 1 of every stage (recipes/dualpipe.py) holds the same weights and
+        # states on the reversed stage meshes: read the checkpoint into it too (left at its
+        # init, it ran half the micro-batches on the untrained model)
+        twin_strategy, model1 = twin
+        own1 = {id(p) for _, p in dist_parameters(model1)}
+        twin_opts = [o for o in optimizer if not hasattr(o, "entries")
+                     and all(id(p) in own1 for p in o.params)]
+        _load_copy(path, twin_strategy, model1, twin_opts, names)
+    for o in (optimizer if isinstance(optimizer, list) else []):
+        if hasattr(o, "step_count"):
+            o.step_count = train["step"]
+    torch.set_rng_state(train["rng"])
+    return train["step"]
+
+
+def _load_copy(path, strategy, model, optimizer, names) -> None:
+    """The checkpoint's model and optimizer states into ``model`` and ``optimizer`` (laid
+    out by ``strategy``)."""
     opt_tgt, back = _targets(strategy, model, optimizer, names)
     sd = _model_state(strategy, model)
     load(path, {"model": sd, "optim": opt_tgt})
@@ -203,11 +230,6 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
             opt.state[leaf] = {"step": st["step"],
                                **{k: from_global(st[k], leaf).to(leaf.dtype).reshape(leaf.shape)
                                   for k in STATES}}
-    for o in (optimizer if isinstance(optimizer, list) else []):
-        if hasattr(o, "step_count"):
-            o.step_count = train["step"]
-    torch.set_rng_state(train["rng"])
-    return train["step"]
 
 
 def check_cli(args, strategy) -> str | None:
@@ -228,4 +250,9 @@ def check_cli(args, strategy) -> str | None:
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
                     f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
                     f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
+    steps = getattr(args, "steps", None)
+    if isinstance(steps, int) and steps < train["step"]:
+        return (f"--resume {resume_dir}: the checkpoint has run {train['step']} steps already, "
+                f"--steps {steps} is fewer; --steps is the total to reach: give --steps > "
+                f"{train['step']}")
     return None

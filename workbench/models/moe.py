@@ -87,8 +87,10 @@ class Experts(nn.Module):
 
     def forward(self, buf):
         """(G, E, C, h) dispatched tokens -> (G, E, C, h) every expert's outputs."""
-        params = {n: p.unsqueeze(-2) if n.endswith("bias") else p
-                  for n, p in self._parameters.items()}
+        # read as attributes, not from _parameters: a wrapper that swaps in the gathered
+        # weights (ZeRO-3 / FSDP's pre-forward hook sets the attribute) is then seen
+        params = {n: getattr(self, n) for n in self._parameters}
+        params = {n: p.unsqueeze(-2) if n.endswith("bias") else p for n, p in params.items()}
         return self.expert_forward(buf, params)
 
 

@@ -25,6 +25,8 @@ imports a model: the recipe hands these answers down to the strategies.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,6 +119,13 @@ class Splittable:
         """Append ``max_new_tokens`` sampled tokens to idx (B, S); temperature 0 = greedy.
         The textbook loop: every token recomputes the whole prefix
         (``workbench.serve.generate`` keeps a KV cache, and runs on any layout)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise ValueError(f"generate(max_new_tokens={max_new_tokens!r}): give an int >= 0")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not 0 <= temperature < math.inf:
+            raise ValueError(f"generate(temperature={temperature!r}): give a number >= 0 "
+                             "(0 = greedy); a negative one would favour the least likely tokens")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.cfg.seq_len:])
             last = logits[:, -1, :].float()                                 # (B, V)

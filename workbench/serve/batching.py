@@ -85,6 +85,10 @@ class StepPricer:
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the
         device memory (vLLM's ``gpu_memory_utilization`` default, 0.9)."""
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
+                or not 0 < utilization <= 1:
+            raise ValueError(f"kv_capacity(utilization={utilization!r}): give the share of the "
+                             "device memory to use, in (0, 1] (vLLM's default 0.9)")
         free = self.profile.memory_bytes * utilization - self.weight_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 
@@ -119,13 +123,40 @@ def _check(trace, max_batch, pricer):
         raise ValueError(f"max_batch={max_batch!r}: give an int >= 1")
     if not isinstance(pricer, StepPricer):
         raise TypeError(f"pricer={pricer!r:.60}: give a StepPricer(model, profile)")
+    ids = set()
+    for r in trace:
+        if not isinstance(r, Request):
+            raise TypeError(f"trace holds {r!r:.60}; give Request(id, arrival, prompt, output)s")
+        if not (isinstance(r.prompt, int) and isinstance(r.output, int) and r.prompt >= 1
+                and r.output >= 1 and 0 <= r.arrival < float("inf")):
+            raise ValueError(f"{r}: prompt and output must be ints >= 1 (tokens), arrival a "
+                             "finite time >= 0 (seconds)")
+        if r.id in ids:
+            raise ValueError(f"two requests have id={r.id!r}: the results are keyed by id; "
+                             "give every request its own")
+        ids.add(r.id)
     return sorted(trace, key=lambda r: (r.arrival, r.id))
+
+
+def _check_context(reqs, pricer):
+    """Every request must fit the model's context: prompt + output <= seq_len (a server
+    refuses a longer one, as vLLM's ``max_model_len`` check does; pricing it would time
+    work the model cannot do)."""
+    ctx = pricer.cfg.seq_len
+    long = [r for r in reqs if r.prompt + r.output > ctx]
+    if long:
+        r = long[0]
+        raise ValueError(f"request {r.id}: prompt {r.prompt} + output {r.output} = "
+                         f"{r.prompt + r.output} tokens > seq_len={ctx}, the longest context "
+                         f"of the model priced ({len(long)} request(s) too long); shorten "
+                         "them, or price a model with a longer context")
 
 
 def static(trace, pricer: StepPricer, max_batch: int = 32) -> Result:
     """Request-level batching (module docstring): a batch runs until its longest output
     is done, padded to its longest prompt; the KV cache reserves the padded batch."""
     reqs = _check(trace, max_batch, pricer)
+    _check_context(reqs, pricer)
     cap = pricer.kv_capacity()
     t, i, queue, steps, first, finish = 0.0, 0, [], [], {}, {}
     while len(finish) < len(reqs):
@@ -167,6 +198,7 @@ def continuous(trace, pricer: StepPricer, max_batch: int = 32,
             or token_budget < max_batch:
         raise ValueError(f"token_budget={token_budget!r}: give an int >= max_batch "
                          f"({max_batch}), so that every running request can decode")
+    _check_context(reqs, pricer)
     cap = pricer.kv_capacity()
     t, i, waiting, running, steps, first, finish = 0.0, 0, [], [], [], {}, {}
     done = {}               # request id -> prompt tokens prefilled (== prompt: decoding)

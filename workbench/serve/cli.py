@@ -31,9 +31,10 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a checkpoint with the model's weights (train --save DIR); without "
                         "it, --preset untrained, initialised from --seed")
-    p.add_argument("--preset", default="tiny", choices=servable_presets(),
+    p.add_argument("--preset", default="tiny", choices=_PresetChoices(servable_presets()),
                    help="the model's shape (the preset the checkpoint was trained with); the "
-                        "presets over the course's 75-character alphabet")
+                        "presets over the course's 75-character alphabet (the --requests "
+                        "benchmark prices any preset, e.g. llama2-7b)")
     p.add_argument("--prompt", default=None,
                    help="the text to continue (required unless --requests)")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
@@ -52,6 +53,25 @@ def add_serve_arguments(p) -> None:
                         "(torchrun --nproc-per-node dp x tp)")
     from .bench_cli import add_bench_arguments
     add_bench_arguments(p)
+
+
+class _PresetChoices(list):
+    """argparse's ``choices`` for ``--preset``: lists (in ``--help``) the presets text is
+    served with, and lets every preset through, since the ``--requests`` benchmark prices
+    any model's shape; :func:`main_serve` refuses the others for text."""
+
+    def __contains__(self, name) -> bool:
+        from ..models.config import PRESETS
+        return name in PRESETS
+
+
+def _invalid_preset(preset: str) -> None:
+    """The text mode's answer to a preset outside the alphabet: argparse's own (exit 2)."""
+    print(f"python -m workbench serve: error: argument --preset: invalid choice: {preset!r} "
+          f"(choose from {', '.join(map(repr, servable_presets()))}: the presets over the "
+          "character alphabet serve text; any preset prices the --requests benchmark)",
+          file=sys.stderr)
+    raise SystemExit(2)
 
 
 def servable_presets() -> list[str]:
@@ -94,8 +114,26 @@ def _check(args) -> str | None:
     return None
 
 
+# the flags only one mode reads, with their defaults (a flag the mode ignores is an error)
+_TEXT_FLAGS = {"checkpoint": None, "max_new_tokens": 40, "temperature": 0.0, "top_k": None,
+               "top_p": None, "seed": 0, "dp": 1, "tp": 1, "backend": "sim"}
+_BENCH_FLAGS = {"profile": "a100", "max_batch": 32, "token_budget": 512}
+
+
 def main_serve(args) -> int:
     import os
+    bench = args.requests is not None
+    other = _TEXT_FLAGS if bench else _BENCH_FLAGS         # the flags this mode does not read
+    ignored = [f"--{k.replace('_', '-')}" for k, default in other.items()
+               if getattr(args, k, default) != default]
+    if ignored:
+        what = "the --requests benchmark" if bench else "text generation (--prompt)"
+        print(f"error: {' '.join(ignored)}: {what} does not read "
+              f"{'it' if len(ignored) == 1 else 'them'}; drop "
+              f"{'it' if len(ignored) == 1 else 'them'}, or "
+              f"{'give --prompt TEXT instead of --requests' if bench else 'add --requests FILE'}",
+              file=sys.stderr)
+        return 2
     if args.requests is not None:           # the serving benchmark (bench_cli.py)
         from .bench_cli import main_bench
         if args.prompt is not None:
@@ -107,6 +145,8 @@ def main_serve(args) -> int:
         print("error: give --prompt TEXT (the text to continue), or --requests FILE for a "
               "serving benchmark", file=sys.stderr)
         return 2
+    if args.preset not in servable_presets():
+        _invalid_preset(args.preset)
 
     import torch
 

@@ -36,6 +36,15 @@ __all__ = ["generate", "serve_model", "Served"]
 
 
 def _check(model, idx, max_new_tokens, use_cache):
+    wrapped = getattr(model, "_wb_wrapped", None) or \
+        getattr(getattr(model, "module", None), "_wb_wrapped", None)
+    if wrapped or not hasattr(model, "cfg"):
+        what = f"wrapped by {wrapped} for training (its parameters are per-rank copies or " \
+            "shards)" if wrapped else f"a {type(model).__name__}, not a workbench model"
+        raise TypeError(f"generate(model=...): {what}; generate with a workbench model "
+                        "(wb.models.build_model(cfg), or serve_model(cfg, dp=..., tp=...).model) "
+                        "holding its weights, e.g. serve_model(cfg, "
+                        "state_dict=wrapper.full_state_dict())")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")
@@ -44,6 +53,15 @@ def _check(model, idx, max_new_tokens, use_cache):
                          "with S >= 1 (a prompt of at least one token)")
     if idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"generate: idx of dtype {idx.dtype}; give token ids (torch.long)")
+    cf = getattr(model.cfg, "moe_capacity_factor", None)
+    if use_cache and getattr(model.cfg, "moe_experts", 0) and cf is not None:
+        raise ValueError(f"generate: a mixture of experts with moe_capacity_factor={cf}: its "
+                         "capacity, ceil(cf S k / E) slots per sequence, depends on the tokens "
+                         "in the forward (S), so a decode step of one token drops other tokens "
+                         "than a recompute of the whole sequence and the KV cache's tokens would "
+                         "differ from it; generate with a dropless model "
+                         "(cfg.replace(moe_capacity_factor=None), as MoE inference runs), or "
+                         "use_cache=False")
     n = idx.shape[1] + max_new_tokens
     if use_cache and n > model.cfg.seq_len:
         raise ValueError(f"generate: {idx.shape[1]} prompt + {max_new_tokens} new tokens = {n} "
@@ -86,6 +104,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
                 logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
             else:
                 logits, _ = model(out[:, -model.cfg.seq_len:])              # recompute all
+        if isinstance(out, DistTensor) and not isinstance(idx, DistTensor):
+            out = out.full()            # a plain prompt on a laid-out model: plain tokens back
         return out
     finally:
         model.train(was_training)

@@ -62,6 +62,10 @@ def causal_offset_mask(q_len: int, k_len: int, device=None) -> torch.Tensor:
     of k_len (bottom-right aligned causal, as FlashAttention-2's ``causal`` when
     seqlen_q != seqlen_k): query i sits at position k_len - q_len + i and sees keys
     j <= that position."""
+    if not 0 <= q_len <= k_len:
+        raise ValueError(f"causal_offset_mask(q_len={q_len}, k_len={k_len}): the queries are the "
+                         "last q_len of the k_len positions, so 0 <= q_len <= k_len (a first "
+                         "query row would see no key: its softmax is nan)")
     pos = torch.arange(k_len - q_len, k_len, device=device)
     return pos[:, None] >= torch.arange(k_len, device=device)[None, :]
 

@@ -30,9 +30,16 @@ class PagedKVCache:
 
     def __init__(self, cfg, batch: int, num_blocks: int, block_size: int, dtype=None,
                  allocator: BlockAllocator | None = None):
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"PagedKVCache(batch={batch!r}): give the number of sequences the "
+                             "cache serves, an int >= 1 (generate's idx.shape[0])")
         self.cfg = cfg
         self.n_layer = cfg.n_layer
         dtype = dtype or cfg.torch_dtype
+        if allocator is not None and num_blocks != allocator.num_blocks:
+            raise ValueError(f"PagedKVCache(num_blocks={num_blocks!r}, allocator={allocator}): "
+                             "the pools are the allocator's; give num_blocks="
+                             f"{allocator.num_blocks}, the blocks it hands out")
         self.allocator = allocator or BlockAllocator(num_blocks)
         n = self.allocator.num_blocks
         self.tables = BlockTables(self.allocator, block_size)
@@ -61,6 +68,15 @@ class PagedKVCache:
         if B != len(self.seqs):
             raise ValueError(f"PagedKVCache: a batch of {B} sequences, the cache was built for "
                              f"batch={len(self.seqs)}")
+        if not 0 <= layer < self.n_layer:
+            raise IndexError(f"PagedKVCache.attend(layer={layer}): the cache has {self.n_layer} "
+                             "layers; build it with PagedKVCache.for_model(model, ...)")
+        if layer == 0 and self._slots is not None:
+            raise RuntimeError(f"PagedKVCache: the previous step stopped before layer "
+                               f"{self.n_layer - 1} (a model with fewer layers than the cache's "
+                               f"n_layer={self.n_layer}, or an error mid-forward): its positions "
+                               "would be wrong; build a new cache with "
+                               "PagedKVCache.for_model(model, ...)")
         if layer == 0:               # all or nothing: a pool too small changes no table
             need = sum(self.tables._need(s, S) for s in self.seqs)
             if need > self.allocator.num_free:
@@ -68,6 +84,10 @@ class PagedKVCache:
                                   f"blocks, {self.allocator.num_free} are free; build the "
                                   "cache with more num_blocks")
             self._slots = [self.tables.reserve(s, S) for s in self.seqs]
+        if self._slots is None:
+            raise RuntimeError(f"PagedKVCache.attend(layer={layer}) before layer 0 of this "
+                               "step: the layers run in order, 0 first (layer 0 reserves the "
+                               "new tokens' slots)")
         for b, (blk, off) in enumerate(self._slots):
             self.k_pools[layer][blk, :, off] = k[b].transpose(0, 1).to(self.k_pools[layer].dtype)
             self.v_pools[layer][blk, :, off] = v[b].transpose(0, 1).to(self.v_pools[layer].dtype)
@@ -75,13 +95,19 @@ class PagedKVCache:
                               self.tables.table(self.seqs), self.tables.seq_lens(self.seqs))
         if layer == self.n_layer - 1:
             self._length += S
+            self._slots = None
         return out
 
     def free(self) -> None:
-        """Give every sequence's blocks back to the pool."""
+        """Give every sequence's blocks back to the pool (a request ended); the cache is
+        then empty, its tables reset, ready for a new batch of as many sequences (vLLM
+        frees a finished sequence's blocks for the next request, Kwon et al. 2023, sec.
+        4.2)."""
         for s in self.seqs:
             self.tables.free(s)
-        self.seqs = []
+            self.tables.add(s)
+        self._slots = None
+        self._length = 0
 
     def memory(self, max_len: int | None = None) -> PagedMemory:
         """This cache's tokens in pages against a contiguous ``max_len`` (default the

@@ -58,6 +58,9 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_weight: a 2-d floating weight (out, in), got "
                          f"{tuple(w.shape)} {w.dtype}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"quantize_weight: the {tuple(w.shape)} weight holds inf or nan; its "
+                         "absmax scale would turn every integer of the row into nan")
     out, inp = w.shape
     wf = w.detach().float()
     if bits == 8:
@@ -67,8 +70,12 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
         return QuantizedWeight(q, scale, 8, None, (out, inp), w.dtype)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 \
             or group_size % 2 or inp % group_size:
+        ok = [g for g in range(2, min(inp, 128) + 1, 2) if inp % g == 0]
+        hint = f"e.g. {max((g for g in ok if g <= 32), default=ok[0])}" if ok else \
+            "none exists: int4 packs two weights a byte, so in_features must be even; " \
+            "quantize this layer with bits=8 (or skip it)"
         raise ValueError(f"group_size={group_size!r}: give an even int dividing the "
-                         f"{inp} input features (e.g. 32)")
+                         f"{inp} input features ({hint})")
     g = wf.view(out, inp // group_size, group_size)                         # (out, G, gs)
     scale = (g.abs().amax(-1) / 7).clamp_min(torch.finfo(torch.float32).tiny).to(w.dtype)
     q = torch.round(g / scale.float()[..., None]).clamp(-7, 7).to(torch.int16) + 8   # 1..15
@@ -78,27 +85,42 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """The (out, in) weight the integers and scales stand for, in ``qw.dtype``."""
+    """The (out, in) weight the integers and scales stand for, in ``qw.dtype`` (computed
+    in float32, or float64 for float64 scales), on the integers' device."""
     out, inp = qw.shape
+    ct = torch.promote_types(qw.scale.dtype, torch.float32)
     if qw.bits == 8:
-        return (qw.data.float() * qw.scale.float()).to(qw.dtype)
-    q = torch.empty(out, inp, dtype=torch.int16)
+        return (qw.data.to(ct) * qw.scale.to(ct)).to(qw.dtype)
+    q = torch.empty(out, inp, dtype=torch.int16, device=qw.data.device)
     q[:, 0::2] = (qw.data & 0xF).to(torch.int16)
     q[:, 1::2] = (qw.data >> 4).to(torch.int16)
-    g = (q - 8).float().view(out, inp // qw.group_size, qw.group_size)
-    return (g * qw.scale.float()[..., None]).view(out, inp).to(qw.dtype)
+    g = (q - 8).to(ct).view(out, inp // qw.group_size, qw.group_size)
+    return (g * qw.scale.to(ct)[..., None]).view(out, inp).to(qw.dtype)
 
 
 class QuantizedLinear(nn.Module):
     """``nn.Linear`` with a quantized weight: y = x dequantize(W)^T + b (the reference
-    dequantize-matmul).  Inference only: the weight is not a parameter."""
+    dequantize-matmul).  Inference only: the weight is not a parameter.  The integers
+    (``qdata``) and the scales (``scale``) are buffers, so ``state_dict()`` holds them and
+    ``.to(device)`` / ``.to(dtype)`` / ``.double()`` move and cast them as torch does a
+    module's buffers (the integers keep their dtype; the scales, and so the dequantized
+    weight, take the new floating dtype)."""
 
     def __init__(self, linear: nn.Linear, bits: int = 8, group_size: int = 32):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.qweight = quantize_weight(linear.weight, bits, group_size)
+        qw = quantize_weight(linear.weight, bits, group_size)
+        self.bits, self.group_size = qw.bits, qw.group_size
+        self.register_buffer("qdata", qw.data)
+        self.register_buffer("scale", qw.scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                    requires_grad=False)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The weight as integers and scales (the buffers, in their current dtype)."""
+        return QuantizedWeight(self.qdata, self.scale, self.bits, self.group_size,
+                               (self.out_features, self.in_features), self.scale.dtype)
 
     def forward(self, x):
         return F.linear(x, dequantize(self.qweight), self.bias)
@@ -118,14 +140,28 @@ def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 32,
     if any(isinstance(p, DistTensor) for p in model.parameters()):
         raise TypeError("quantize_model: the model holds DistTensors; quantize the one-device "
                         "model, then lay it out")
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [n for n in skip if n not in names]
+    if unknown:
+        raise ValueError(f"quantize_model(skip={list(skip)!r}): {unknown} name no nn.Linear of "
+                         f"the model; give names from {sorted(names)[:6]}...")
     q = copy.deepcopy(model).eval()
     tied = {id(p) for n, m in q.named_modules() if isinstance(m, nn.Embedding)
             for p in m.parameters()}
+    # nn.MultiheadAttention reads its out_proj's .weight itself (F.multi_head_attention_
+    # forward), so that Linear stays float, as torch.ao.quantization leaves it
+    # (NonDynamicallyQuantizableLinear)
+    keep = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
     for name, mod in list(q.named_modules()):
-        if isinstance(mod, nn.Linear) and name not in skip and id(mod.weight) not in tied:
+        if isinstance(mod, nn.Linear) and not isinstance(mod, keep) and name not in skip \
+                and id(mod.weight) not in tied:
             parent, _, leaf = name.rpartition(".")
-            setattr(q.get_submodule(parent) if parent else q, leaf,
-                    QuantizedLinear(mod, bits, group_size))
+            try:
+                ql = QuantizedLinear(mod, bits, group_size)
+            except ValueError as e:
+                raise ValueError(f"quantize_model: layer {name!r}: {e}") from None
+            setattr(q.get_submodule(parent) if parent else q, leaf, ql)
     return q
 
 

@@ -72,11 +72,12 @@ class Result:
 
     @property
     def tpot_p50(self):
-        return percentile(self.tpot(), 50)
+        """nan when no request made a second token (time per output token is undefined)."""
+        return percentile(self.tpot(), 50) if self.tpot() else math.nan
 
     @property
     def tpot_p99(self):
-        return percentile(self.tpot(), 99)
+        return percentile(self.tpot(), 99) if self.tpot() else math.nan
 
     @property
     def useful_decode_share(self) -> float:
@@ -101,6 +102,8 @@ def percentile(values, q: float) -> float:
     xs = sorted(values)
     if not xs:
         raise ValueError("percentile of no values")
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+        raise ValueError(f"percentile(q={q!r}): give a percentile in [0, 100] (as numpy's)")
     pos = (len(xs) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
@@ -127,6 +130,15 @@ def poisson_trace(n: int, rate: float, prompt=(32, 512), output=(16, 512),
     return out
 
 
+def _whole(v, name: str) -> int:
+    """A count from JSON: an int, or a float holding a whole number (1.0); 3.7 tokens is
+    an error, not 3."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v != int(v):
+        raise ValueError(f"{name}={v!r} is not a whole number")
+    return int(v)
+
+
 def read_trace(path) -> list:
     """Requests from a JSON-lines file, one ``{"arrival": s, "prompt": tokens, "output":
     tokens}`` per line (``id`` optional: the line number); a bad line is an error naming
@@ -139,14 +151,17 @@ def read_trace(path) -> list:
                 continue
             try:
                 row = json.loads(line)
-                req = Request(int(row.get("id", len(out))), float(row["arrival"]),
-                              int(row["prompt"]), int(row["output"]))
+                req = Request(_whole(row.get("id", len(out)), "id"), float(row["arrival"]),
+                              _whole(row["prompt"], "prompt"), _whole(row["output"], "output"))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path}:{n}: {line.strip()[:60]!r} is not a request "
                                  '{"arrival": seconds, "prompt": tokens, "output": tokens} '
                                  f"({e})") from None
-            if not (req.arrival >= 0 and req.prompt >= 1 and req.output >= 1):
+            if not (0 <= req.arrival < math.inf and req.prompt >= 1 and req.output >= 1):
                 raise ValueError(f"{path}:{n}: arrival must be >= 0 and prompt, output >= 1")
+            if any(r.id == req.id for r in out):
+                raise ValueError(f"{path}:{n}: id {req.id} is taken by an earlier request; "
+                                 "give every request its own id (or none: the line's position)")
             out.append(req)
     if not out:
         raise ValueError(f"{path}: no requests")

@@ -43,6 +43,12 @@ __all__ = ["StepCost", "step_cost", "decode_vs_prefill", "linear_weights", "ridg
 
 def _linear_shapes(cfg) -> list[tuple[int, int]]:
     from ..models.config import build_model
+    if cfg.moe_experts:
+        raise NotImplementedError(
+            f"serve pricing of a mixture of experts (moe_experts={cfg.moe_experts}): the "
+            "experts are not nn.Linear modules, so the weights counted here would leave them "
+            "out (and a token multiplies by only moe_topk of them); price the dense model, "
+            "or plan the MoE with `python -m workbench plan`")
     with torch.device("meta"):
         model = build_model(cfg)
     return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
@@ -65,7 +71,7 @@ def ridge(profile="h100", dtype="bfloat16") -> float:
 @dataclass(frozen=True)
 class StepCost:
     """One forward step (module docstring), plain data."""
-    phase: str                      # "prefill" (context 0) or "decode"
+    phase: str                      # "decode" (1 new token after a context) or "prefill"
     batch: int
     new_tokens: int
     context: int
@@ -101,6 +107,10 @@ def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: in
             raise ValueError(f"step_cost: {name}={v!r}; give an int >= {least}")
     if weight_bits not in (16, 8, 4):
         raise ValueError(f"weight_bits={weight_bits!r}: 16 (bf16), 8 (int8) or 4 (int4)")
+    if context + new_tokens > cfg.seq_len:
+        raise ValueError(f"step_cost: context {context} + new_tokens {new_tokens} = "
+                         f"{context + new_tokens} > seq_len={cfg.seq_len}, the model's longest "
+                         "context; price fewer tokens, or a model with a longer seq_len")
     shapes = _linear_shapes(cfg)
     P = sum(o * i for o, i in shapes)
     tokens = batch * new_tokens
@@ -117,7 +127,10 @@ def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: in
     nbytes = wbytes + kv_read + kv_write
     p = get_profile(profile)
     t = explain_compute(float(flops), float(nbytes), p, dtype, "matmul", launches=0)
-    return StepCost("prefill" if context == 0 else "decode", batch, new_tokens, context,
+    # one new token after a context is a decode step; anything else a prompt (or a chunk of
+    # one, chunked prefill) being prefilled
+    phase = "decode" if new_tokens == 1 and context > 0 else "prefill"
+    return StepCost(phase, batch, new_tokens, context,
                     weight_bits, float(flops), float(wbytes), float(kv_read), float(kv_write),
                     float(nbytes), flops / nbytes, t["seconds"], t["bound"], p.name)
 
