@@ -3,6 +3,7 @@ those of serving it alone with ``generate``, whatever shares its steps (prompt l
 around the block size, eos, arrivals mid-run, more requests than the batch, a pool too
 small for all: admission waits and recompute preemption, chunked prefill), for the
 Llama and the GPT in float32 and bfloat16; the pool is whole again at the end."""
+import numpy as np
 import pytest
 import torch
 
@@ -171,7 +172,7 @@ def test_step_outputs_and_the_log_as_data():
     e = Engine(m, num_blocks=16, block_size=BS, max_batch=2)
     assert e.step() == [] and e.log == []               # nothing to do
     e.add_request("a", [1, 2, 3], 2)
-    e.add_request("b", torch.tensor([4]), 1)
+    e.add_request("b", torch.tensor([4]), 1)          # a tensor of ids, as a list's
     first = e.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in first] == \
         [("a", False, None), ("b", True, "length")]
@@ -238,7 +239,8 @@ def test_bad_requests_are_named():
     with pytest.raises(ValueError, match="num_blocks"):      # 40 tokens: 10 blocks > 8
         e.add_request(0, [1] * 30, 11)
     assert not e.has_unfinished() and e.outputs == {}        # nothing was queued
-    e.add_request(0, [1], 2)
+    e.add_request(0, np.array([1, 2]), 2)                    # numpy's ints are ints
+    assert e.waiting[0].prompt == [1, 2] and type(e.waiting[0].prompt[0]) is int
     with pytest.raises(ValueError, match="request_id=0"):
         e.add_request(0, [2], 2)
     with pytest.raises(ValueError, match="token_budget=2"):
