@@ -238,6 +238,10 @@ def test_bad_requests_are_named():
         e.add_request(0, [1], 2, temperature=-1.0)
     with pytest.raises(ValueError, match="num_blocks"):      # 40 tokens: 10 blocks > 8
         e.add_request(0, [1] * 30, 11)
+    with pytest.raises(ValueError, match="empty"):           # the third prompt is bad:
+        e.generate_all([[1], [2], []], 2)                     # none of them is queued
+    with pytest.raises(ValueError, match="2 max_new_tokens for 1"):
+        e.generate_all([[1]], [2, 3])
     assert not e.has_unfinished() and e.outputs == {}        # nothing was queued
     e.add_request(0, np.array([1, 2]), 2)                    # numpy's ints are ints
     assert e.waiting[0].prompt == [1, 2] and type(e.waiting[0].prompt[0]) is int

@@ -223,8 +223,14 @@ class Engine:
                              "prompts; give one int, or one per prompt")
         base = len(self.outputs)
         ids = [base + i for i in range(len(prompts))]
-        for i, p, m in zip(ids, prompts, news):
-            self.add_request(i, p, m, **kwargs)
+        try:
+            for i, p, m in zip(ids, prompts, news):
+                self.add_request(i, p, m, **kwargs)
+        except Exception:                       # all or nothing: unqueue this call's ones
+            self.waiting = [r for r in self.waiting if r.id not in ids]
+            for i in ids:
+                self.outputs.pop(i, None)
+            raise
         out = self.run()
         return [out[i] for i in ids]
 
