@@ -160,6 +160,26 @@ def test_seeded_sampling_draws_what_generate_draws(preset):
     assert e.cache.allocator.num_used == 0
 
 
+def test_grouped_query_heads_read_their_shared_pages():
+    m = model("tiny", n_kv_head=2)              # 4 query heads on 2 key/value heads
+    ps = prompts(6)
+    e = Engine(m, num_blocks=7, block_size=BS, max_batch=4, token_budget=8)
+    assert e.cache.k_pools[0].shape == (7, 2, BS, 16)
+    assert e.generate_all(ps, NEWS) == [alone(m, p, n) for p, n in zip(ps, NEWS)]
+
+
+def test_a_model_in_training_mode_is_served_in_eval_and_left_as_it_was():
+    m = model("tiny", dropout=0.5)
+    ps = prompts(7)[:3]
+    ref = [alone(m, p, 4) for p in ps]                  # generate evaluates too
+    m.train()
+    try:
+        assert Engine(m, num_blocks=16, block_size=BS).generate_all(ps, 4) == ref
+        assert m.training
+    finally:
+        m.eval()
+
+
 def test_a_dropless_mixture_of_experts_is_served():
     m = model("tiny", moe_experts=4, moe_topk=2)
     ps = prompts(4)[:4]
