@@ -9,7 +9,7 @@ import torch
 
 import workbench as wb
 from workbench.serve import generate
-from workbench.serve.batching import StepPricer
+from workbench.serve.batching import Request, StepPricer, continuous, latency_table
 from workbench.serve.engine import Engine, StepRecord
 
 BS = 4                                              # block size
@@ -209,6 +209,30 @@ def test_step_outputs_and_the_log_as_data():
     assert [s.prefill_tokens for s in tl] == [4, 0] and [s.decode_tokens for s in tl] == [0, 1]
     assert tl[0].seconds == pricer.seconds(prefill=[(0, 3), (0, 1)])
     assert tl[1].start == tl[0].seconds and tl[1].seconds == pricer.seconds(decode=[3])
+    # as batching's schedulers report: b's first (and last) token at the end of step 0
+    res = e.result(pricer)
+    assert [(r.id, r.arrival, r.prompt, r.output) for r in res.requests] == \
+        [("a", 0.0, 3, 2), ("b", 0.0, 1, 1)]
+    assert res.first_token == {"a": tl[0].seconds, "b": tl[0].seconds}
+    assert res.finish == {"a": tl[1].start + tl[1].seconds, "b": tl[0].seconds}
+    assert res.throughput == 3 / res.finish["a"] and "engine" in latency_table([res])
+    e.add_request("c", [5], 3)                          # arrives after step 1
+    e.run()
+    c = next(r for r in e.result(pricer).requests if r.id == "c")
+    assert c.arrival == tl[1].start + tl[1].seconds
+
+
+def test_with_a_roomy_pool_the_engine_runs_the_modeled_schedulers_steps():
+    # batching.continuous schedules Request objects on the modeled clock; the engine,
+    # generating, makes the same steps: which requests, prefill and decode tokens each
+    m, ps = model("tiny"), prompts(8)
+    e = Engine(m, num_blocks=64, block_size=BS, max_batch=4, token_budget=8)
+    e.generate_all(ps, NEWS)
+    pricer = StepPricer(m.cfg, "a100")
+    modeled = continuous([Request(i, 0.0, len(p), n) for i, (p, n) in enumerate(zip(ps, NEWS))],
+                         pricer, max_batch=4, token_budget=8)
+    assert [(s.prefill_tokens, s.decode_tokens, s.requests) for s in e.timeline(pricer)] == \
+        [(s.prefill_tokens, s.decode_tokens, s.requests) for s in modeled.steps]
 
 
 def test_a_failed_forward_changes_no_table_and_the_engine_goes_on():

@@ -38,7 +38,10 @@ own pages.  One device, plain tensors: a laid-out (DistTensor) model is refused.
 :attr:`Engine.log` holds a :class:`StepRecord` per step (which requests prefilled how
 many tokens after how much context, which decoded, which were admitted, preempted and
 finished, tokens and blocks in use); :meth:`Engine.timeline` prices it on the modeled
-clock with ``batching.StepPricer``, as ``batching.continuous`` prices its own schedule.
+clock with ``batching.StepPricer``, as ``batching.continuous`` prices its own schedule, and
+:meth:`Engine.result` reports it as that scheduler's ``Result`` (latency table, timeline
+chart).  With a pool that never runs out, the engine makes ``batching.continuous``'s steps
+(the same requests, prefill and decode tokens in each; tests hold it).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ import torch
 from .engine_forward import RaggedPagedCache, packed_forward
 from .engine_requests import (RequestOutput, StepRecord, _check_model, _Request,
                               _token_list)
-from .requests import Step
+from .requests import Request, Result, Step
 from .sampling import SamplingParams, sample_next
 
 __all__ = ["Engine", "RequestOutput", "StepRecord"]
@@ -77,6 +80,7 @@ class Engine:
         self.outputs: dict = {}                 # request id -> tokens generated so far
         self.finish_reason: dict = {}           # request id -> "eos" | "length"
         self.log: list[StepRecord] = []
+        self._steps: dict = {}      # request id -> [added, first token, finish step], prompt
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, max_new_tokens: int, *,
@@ -116,6 +120,7 @@ class Engine:
         self.waiting.append(_Request(request_id, prompt, max_new_tokens, eos_token_id, params,
                                      gen))
         self.outputs[request_id] = []
+        self._steps[request_id] = [len(self.log), None, None, len(prompt)]   # log indices
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -187,6 +192,8 @@ class Engine:
                     continue                    # a prompt chunk: nothing sampled yet
                 tok = int(sample_next(row[None], r.params, r.generator)[0])
                 r.output.append(tok)
+                if len(r.output) == 1:
+                    self._steps[r.id][1] = len(self.log)
                 self.outputs[r.id].append(tok)
                 reason = "eos" if tok == r.eos else \
                     "length" if len(r.output) == r.max_new_tokens else None
@@ -195,6 +202,7 @@ class Engine:
                     self.cache.release(r.id)
                     self.finish_reason[r.id] = reason
                     finished.append(r.id)
+                    self._steps[r.id][2] = len(self.log)
                 outs.append(RequestOutput(r.id, tok, reason is not None, reason, row))
         else:
             record_pre, record_dec = [], []
@@ -230,6 +238,7 @@ class Engine:
             self.waiting = [r for r in self.waiting if r.id not in ids]
             for i in ids:
                 self.outputs.pop(i, None)
+                self._steps.pop(i, None)
             raise
         out = self.run()
         return [out[i] for i in ids]
@@ -247,6 +256,21 @@ class Engine:
             steps.append(Step(t, dt, sum(n for _, _, n in rec.prefill), len(rec.decode), ids))
             t += dt
         return steps
+
+    def result(self, pricer, name: str = "engine") -> Result:
+        """The finished requests on the modeled clock, as ``batching.continuous`` reports
+        its schedule (a ``requests.Result``: throughput, time to first token, time per
+        output token; ``viz.serving.batching_timeline``): a request arrives at the start of
+        the first step after :meth:`add_request`, its tokens count at the end of their
+        steps."""
+        steps = self.timeline(pricer)
+        ends = [st.start + st.seconds for st in steps]
+        starts = [st.start for st in steps] + [ends[-1] if ends else 0.0]
+        done = [(i, t) for i, t in self._steps.items() if t[2] is not None]
+        reqs = [Request(i, starts[t[0]], t[3], len(self.outputs[i]))
+                for i, t in done]
+        return Result(name, steps, {i: ends[t[1]] for i, t in done},
+                      {i: ends[t[2]] for i, t in done}, reqs)
 
     def __repr__(self) -> str:
         return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, "
