@@ -78,7 +78,7 @@ def test_each_request_gets_the_tokens_it_gets_alone(preset, dtype):
         assert e.outputs[i] == ref_eos[i], (i, e.outputs[i], ref_eos[i])
         # the logits each token was chosen from: those of one full forward over its context
         got = torch.stack(logits[i]).float()
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.02, atol=0.02)
         torch.testing.assert_close(got, full_logits(m, ps[i], e.outputs[i]), **tol)
     assert e.finish_reason[4] == "eos" and e.finish_reason[0] == "length"
     log = e.log
@@ -233,6 +233,28 @@ def test_with_a_roomy_pool_the_engine_runs_the_modeled_schedulers_steps():
                          pricer, max_batch=4, token_budget=8)
     assert [(s.prefill_tokens, s.decode_tokens, s.requests) for s in e.timeline(pricer)] == \
         [(s.prefill_tokens, s.decode_tokens, s.requests) for s in modeled.steps]
+
+
+def test_an_aborted_request_frees_its_blocks_and_the_rest_go_on():
+    m, ps = model("gpt-tiny"), prompts(9)
+    e = Engine(m, num_blocks=16, block_size=BS, max_batch=2)
+    for i in range(4):
+        e.add_request(i, ps[i], NEWS[i] + 3)
+    e.step()
+    e.step()
+    held = len(e.cache.tables.blocks[1])
+    used = e.cache.allocator.num_used
+    e.abort_request(1)                                  # running
+    e.abort_request(3)                                  # waiting
+    assert e.cache.allocator.num_used == used - held and 1 not in e.cache.tables.blocks
+    assert e.finish_reason[1] == e.finish_reason[3] == "abort" and len(e.outputs[1]) == 2
+    with pytest.raises(KeyError, match="finished: True"):
+        e.abort_request(1)
+    out = e.run()
+    for i in (0, 2):
+        assert out[i] == alone(m, ps[i], NEWS[i] + 3)
+    assert out[1] == alone(m, ps[1], NEWS[1] + 3)[:2] and out[3] == []
+    assert e.cache.allocator.num_used == 0
 
 
 def test_a_failed_forward_changes_no_table_and_the_engine_goes_on():

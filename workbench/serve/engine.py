@@ -78,7 +78,7 @@ class Engine:
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []       # in admission order: the last is the newest
         self.outputs: dict = {}                 # request id -> tokens generated so far
-        self.finish_reason: dict = {}           # request id -> "eos" | "length"
+        self.finish_reason: dict = {}           # request id -> "eos" | "length" | "abort"
         self.log: list[StepRecord] = []
         self._steps: dict = {}      # request id -> [added, first token, finish step], prompt
 
@@ -121,6 +121,17 @@ class Engine:
                                      gen))
         self.outputs[request_id] = []
         self._steps[request_id] = [len(self.log), None, None, len(prompt)]   # log indices
+
+    def abort_request(self, request_id) -> None:
+        """Stop a waiting or running request now (vLLM's ``abort_request``): its blocks go
+        back to the pool; the tokens it made stay in :attr:`outputs`."""
+        r = next((q for q in self.waiting + self.running if q.id == request_id), None)
+        if r is None:
+            raise KeyError(f"abort_request({request_id!r}): no waiting or running request has "
+                           f"this id (finished: {request_id in self.finish_reason})")
+        (self.waiting if r in self.waiting else self.running).remove(r)
+        self.cache.release(r.id)
+        self.finish_reason[r.id] = "abort"
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
