@@ -5,10 +5,10 @@ each sequence's keys and values in its own pages.
     cache = RaggedPagedCache(model, num_blocks=16, block_size=4)
     logits = packed_forward(model, cache, [("a", [5, 7, 9]), ("b", [3])])  # (2, V)
 
-The packing is vLLM's (Kwon et al. 2023, sec. 4.5; Orca's "selective batching", Yu et
-al. 2022, sec. 4.2): the token-wise layers (embedding, norms, linears, MLP) run on all
-T tokens of the step as one (1, T, h) tensor, whatever sequence each belongs to; only
-attention needs to know the sequences apart.  So:
+The packing is Orca's "selective batching" (Yu et al., OSDI'22, sec. 4.2; vLLM's model
+runner flattens a step's tokens the same way): the token-wise layers (embedding, norms,
+linears, MLP) run on all T tokens of the step as one (1, T, h) tensor, whatever sequence
+each belongs to; only attention needs to know the sequences apart.  So:
 
     positions      token j of a sequence holding c tokens sits at c + j: the RoPE
                    angles (Llama: ``rope_cos[positions]``) or the learned position
@@ -86,18 +86,19 @@ class RaggedPagedCache:
         slots = [self.tables.reserve(s, n) for s, n in segments]
         blk = torch.cat([b for b, _ in slots])                              # (T,)
         off = torch.cat([o for _, o in slots])                              # (T,)
-        starts, groups = 0, {}
+        t, groups = 0, {}
         for s, n in segments:                   # sequences with n new tokens: one call
-            groups.setdefault(n, []).append((s, starts))
-            starts += n
+            groups.setdefault(n, []).append((s, t))
+            t += n
         device = self.k_pools[0].device
-        self._step = (blk.to(device), off.to(device), starts, [
+        self._step = (blk.to(device), off.to(device), t, [
             (n, [s for s, _ in g], (torch.tensor([o for _, o in g])[:, None]
                                     + torch.arange(n)[None, :]).to(device))      # (G, n)
             for n, g in groups.items()])
 
     def rollback(self) -> None:
-        """Undo :meth:`begin` (the forward failed): tables and pool as before it."""
+        """Undo :meth:`begin` (the forward failed): the tables and the allocator as before
+        it (slots past a sequence's length may hold the failed step's keys: never read)."""
         if self._undo is None:
             return
         for s, old in self._undo.items():
