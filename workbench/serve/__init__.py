@@ -11,13 +11,15 @@ quantization, and the decode step on the roofline.
 Modules: ``kv_cache`` (KVCache, kv_bytes_per_token), ``sampling`` (SamplingParams,
 sample_next), ``generate`` (generate, serve_model), ``paged_cache`` (PagedKVCache over
 ``workbench.ops.paged_attention``), ``quantize`` (int8 / int4 weights), ``roofline``
-(step_cost: prefill and decode as plain data), ``cli`` (``python -m workbench serve``).
+(step_cost: prefill and decode as plain data), ``cli`` (``python -m workbench serve``),
+``engine`` (Engine: continuous batching that generates, over a paged cache per sequence).
 """
 from .kv_cache import KVCache, kv_bytes_per_token, kv_cache_bytes, causal_offset_mask
 from .sampling import SamplingParams, filter_logits, sample_next
 from .generate import generate, serve_model, Served
 from .paged_cache import PagedKVCache
+from .engine import Engine
 
 __all__ = ["KVCache", "kv_bytes_per_token", "kv_cache_bytes", "causal_offset_mask",
            "SamplingParams", "filter_logits", "sample_next", "generate", "serve_model",
-           "Served", "PagedKVCache"]
+           "Served", "PagedKVCache", "Engine"]

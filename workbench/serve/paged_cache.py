@@ -11,7 +11,8 @@ sequence for every layer: Kwon et al. 2023, sec. 4.3).  Layer 0 reserves the slo
 a step's new tokens (allocating blocks as a sequence crosses into a new one), every
 layer writes its keys and values there, and the last layer commits the new length.
 Plain tensors on one device (a layout shards the pools by heads the same way as the
-contiguous cache; not built).
+contiguous cache; not built).  Its sequences share one length (generate's batch); the
+serving engine's ``engine_forward.RaggedPagedCache`` gives each its own (``engine.py``).
 """
 from __future__ import annotations
 
