@@ -138,3 +138,22 @@ def test_read_trace_and_the_latency_table(tmp_path):
     f.write_text('{"arrival": 0.0, "prompt": 0, "output": 1}\n')
     with pytest.raises(ValueError, match=r"requests.jsonl:1: arrival must be"):
         read_trace(f)
+
+
+class Recording(StepPricer):
+    """Records what each step is priced on."""
+
+    def seconds(self, prefill=(), decode=()):
+        self.calls.append((tuple(prefill), tuple(decode)))
+        return 1.0
+
+
+@pytest.mark.parametrize("schedule", [static, continuous])
+def test_a_decode_step_reads_the_cache_before_the_token_it_feeds(schedule):
+    # prompt 5, 3 tokens out: the prefill samples token 1; feeding token 1 reads the 5
+    # prompt keys, feeding token 2 reads 6 (the engine's cache, serve.engine, holds as many)
+    p = Recording("tiny", "a100")
+    p.calls = []
+    schedule([Request(0, 0.0, 5, 3)], p, max_batch=1)
+    assert [d for _, d in p.calls] == [(), (5,), (6,)]
+    assert p.calls[0][0] == ((0, 5),)

@@ -179,7 +179,8 @@ def static(trace, pricer: StepPricer, max_batch: int = 32) -> Result:
             if r.output == 1:
                 finish[r.id] = t
         for k in range(1, olen):            # every slot decodes, finished or not (padding)
-            dt = pricer.seconds(decode=[plen + k] * len(batch))
+            # feeding token k: the cache holds the prompt and tokens 1 .. k - 1
+            dt = pricer.seconds(decode=[plen + k - 1] * len(batch))
             steps.append(Step(t, dt, 0, len(batch), ids))
             t += dt
             for r in batch:
@@ -230,7 +231,8 @@ def continuous(trace, pricer: StepPricer, max_batch: int = 32,
                 chunks.append((r, n))
                 budget -= n
         dt = pricer.seconds(prefill=[(done[r.id], n) for r, n in chunks],
-                            decode=[r.prompt + made[r.id] for r in decode])
+                            # the token fed (the last made) is not in the cache yet
+                            decode=[r.prompt + made[r.id] - 1 for r in decode])
         steps.append(Step(t, dt, sum(n for _, n in chunks), len(decode),
                           tuple(r.id for r in decode) + tuple(r.id for r, _ in chunks)))
         t += dt
