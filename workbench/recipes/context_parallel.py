@@ -53,6 +53,7 @@ from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
 from .hybrid import ONE_BUFFER, Hybrid
+from .moe import keep_sequence_order
 
 __all__ = ["ContextParallel", "cp_mesh"]
 
@@ -133,6 +134,8 @@ class ContextParallel(Hybrid):
         # SP: the norms' gradients are partial sums over tp, summed once per step
         self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
                           if self.sp else []}
+        # MoE layers: route in sequence order, hand the ring its layout back (recipes/moe.py)
+        keep_sequence_order(model, "cp", self.balanced)
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):

@@ -25,11 +25,13 @@ Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
 from __future__ import annotations
 
 from ..models.moe import moe_layers
+from ..parallel.placement import Replicate
 from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
                                                    expert_parallel)
 
 __all__ = ["scale_aux_losses", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
-           "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
+           "split_params", "expert_meshes", "keep_residual_layout", "keep_sequence_order",
+           "add_moe_arguments",
            "moe_overrides", "moe_record"]
 
 
@@ -155,6 +157,46 @@ def keep_residual_layout(model, layers) -> None:
     for i in layers:
         for layer in moe_layers(model.layers[i]):
             layer.register_forward_hook(hook)
+
+
+def keep_sequence_order(model, mesh_dim: str, balanced: bool) -> None:
+    """Each MoE layer of a context-parallel model (the residual stream in ring order,
+    sharded over ``mesh_dim``; ``recipes/context_parallel.py``) routes as one device does:
+    with a capacity, tokens claim slots in sequence order (``ops/moe.py``), so the layer
+    gets its sequences back in their own order first (an all-gather on cp, then a local
+    reordering) and puts its output back on the ring; without one (routing token by token,
+    the aux loss a mean) only its output is laid out as its input again, so that the next
+    attention finds its tokens sequence-sharded on the ring."""
+    from ..parallel.reshard import reshard
+    from ..parallel.strategies.context_parallel import from_ring_layout, to_ring_layout
+    laid = {}
+
+    def reordered(mod) -> bool:
+        return balanced and mod.capacity_factor is not None
+
+    def pre(mod, args):
+        x = args[0]
+        if not hasattr(x, "placements"):
+            return None
+        laid[id(mod)] = list(x.placements)
+        if reordered(mod):
+            return (from_ring_layout(x, mesh_dim, 1, True),) + tuple(args[1:])
+        return None
+
+    def post(mod, args, out):
+        ps = laid.pop(id(mod), None)
+        if ps is None or not hasattr(out, "placements"):
+            return out
+        if reordered(mod):
+            whole = list(out.placements)
+            whole[out.mesh.dim(mesh_dim)] = Replicate()
+            out = to_ring_layout(reshard(out, out.mesh, whole), mesh_dim, 1, True)
+        if list(out.placements) != ps:
+            out = reshard(out, out.mesh, ps)
+        return out
+    for layer in moe_layers(model):
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
 
 
 def moe_record(model, strategy) -> dict:

@@ -1,0 +1,121 @@
+"""User-trial audit of mixture of experts with expert parallelism, context parallelism and
+``wb.compile``: every result held to one device's PyTorch (values, gradients), and what is
+not supported refused with the fix rather than computed differently."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from workbench.models.config import build_model, get_config
+from workbench.models.data import get_batch
+from workbench.models.moe import MoE
+from workbench.parallel.module import dist_parameters, parallelize
+from workbench.parallel.strategies import context_parallel as cp
+from workbench.parallel.strategies.expert_parallel import expert_mesh, expert_parallel
+from workbench.recipes.context_parallel import ContextParallel
+
+R, S = wb.Replicate(), wb.Shard
+
+
+def _full(t):
+    return t.full() if hasattr(t, "full") else t
+
+
+# ---- context parallelism with a mixture of experts --------------------------------------------
+
+def _moe_cfg(preset="tiny", **kw):
+    return get_config(preset, **{**dict(n_layer=2, d_model=32, n_head=2, d_ff=48, seq_len=16,
+                                        moe_experts=4, moe_topk=2), **kw})
+
+
+@pytest.mark.parametrize("preset,cf,balanced", [("tiny", None, True), ("tiny", 0.5, True),
+                                                ("gpt-tiny", 0.5, True), ("tiny", 0.5, False)])
+def test_cp_with_moe_layers_gives_one_devices_logits_loss_and_gradients(preset, cf, balanced):
+    """The MoE layer's output came back batch-sharded on cp, so the next block's attention
+    was not the ring's and ran plain causal attention on tokens in ring order; and with a
+    capacity, tokens were dropped in ring order instead of sequence order."""
+    cfg = _moe_cfg(preset, moe_capacity_factor=cf)
+    x, y = get_batch(cfg, 2, 0, 0)
+    ref = build_model(cfg, seed=0).train()
+    logits_ref, loss_ref = ref(x, y)
+    loss_ref.backward()
+    s = ContextParallel(cp=2, balanced=balanced)
+    s.check(cfg, 2)
+    model = s.build_model(cfg, 0)
+    mesh = s.meshes[0]
+    inv = torch.argsort(cp.slot_positions(x.shape[1], 2, balanced))
+    with torch.no_grad():
+        logits = s._stage(model, 0, s._batch(x, mesh)).full()[:, inv]
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    opts = s.build_optimizer(model, 1e-3, 0.0)
+    loss = s.forward_backward(model, x, y)
+    torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    opts[0].finish_gradient_synchronization()
+    want = dict(ref.named_parameters())
+    for name, p in dist_parameters(model):
+        g = p._local.grad[(0,) * mesh.ndim]
+        torch.testing.assert_close(g, want[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    stats = [m.last_stats for m in model.modules() if isinstance(m, MoE)]
+    stats_ref = [m.last_stats for m in ref.modules() if isinstance(m, MoE)]
+    assert [st["dropped"] for st in stats] == [st["dropped"] for st in stats_ref]
+    assert (stats_ref[0]["dropped"] > 0) == (cf is not None)
+
+
+def test_context_parallel_refuses_plain_causal_attention_on_ring_ordered_tokens():
+    """Inside ``context_parallel`` (balanced) the mesh's sequences are in ring order: causal
+    attention on a query of that mesh that is not sequence-sharded on cp would mask the
+    wrong keys; it is refused with the fix, not computed."""
+    mesh = wb.Mesh([0, 1], ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    qkv = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, [S(0)]) for t in (q, k, v)]
+    with cp.context_parallel(mesh, "cp"), pytest.raises(ValueError, match="ring order"):
+        F.scaled_dot_product_attention(*qkv, is_causal=True)
+    with cp.context_parallel(mesh, "cp"):      # no mask: the order of the keys is no matter
+        out = F.scaled_dot_product_attention(*qkv)
+    torch.testing.assert_close(out.full(), cp.ring_order(F.scaled_dot_product_attention(q, k, v),
+                                                         2, 2), rtol=1e-5, atol=1e-6)
+    with cp.context_parallel(mesh, "cp", balanced=False):     # contiguous: the order kept
+        out = F.scaled_dot_product_attention(*[wb.shard_tensor(t, mesh, [R]) for t in (q, k, v)],
+                                             is_causal=True)
+    torch.testing.assert_close(out.full(), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("i,d", [(0, 0), (0, 1), (1, 0), (1, 2)])
+def test_replicate_to_shard_of_one_copy_per_rank_keeps_each_copys_chunk(i, d):
+    """A replicated tensor stored as one copy per rank along a mesh dim (data-parallel
+    replicas: cp x tp with a MoE crashed in the experts' matmul): Replicate -> Shard keeps
+    rank c's chunk of its own copy, and each copy gets its own chunk's gradient."""
+    from workbench.parallel.dist_tensor import DistTensor
+    mesh = wb.Mesh.grid((2, 2), ["cp", "tp"])
+    g = torch.Generator().manual_seed(0)
+    full, w = torch.randn(4, 6, 3, generator=g), torch.randn(4, 6, 3, generator=g)
+    lead = [1, 1]
+    lead[i] = 2
+    loc = full.expand(*lead, 4, 6, 3).clone().requires_grad_()
+    x = DistTensor(loc, mesh, [R, R], full.shape, full.dtype)
+    ps = [R, R]
+    ps[i] = S(d)
+    y = wb.reshard(x, mesh, ps)
+    torch.testing.assert_close(y.full(), full)
+    (y * wb.shard_tensor(w, mesh, ps)).sum().backward()
+    for c in range(2):
+        chunk = torch.zeros_like(w)
+        sl = [slice(None)] * 3
+        step = -(-w.shape[d] // 2)                     # torch.chunk's sizes: 3 -> 2, 1
+        sl[d] = slice(c * step, (c + 1) * step)
+        chunk[tuple(sl)] = w[tuple(sl)]
+        copy = loc.grad.select(i, c).squeeze(0)
+        torch.testing.assert_close(copy, chunk)
+
+
+@pytest.mark.parametrize("kw", [dict(cp=2, tp=2), dict(cp=2, tp=2, sp=True)])
+def test_cp_with_tp_and_moe_trains_with_one_devices_losses(kw):
+    from workbench.train import train
+    cfg = _moe_cfg(n_head=4)
+    ref = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False)]
+    got = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False,
+                                    strategy=ContextParallel(**kw))]
+    assert got == pytest.approx(ref, rel=1e-6)
