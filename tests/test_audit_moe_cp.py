@@ -119,3 +119,68 @@ def test_cp_with_tp_and_moe_trains_with_one_devices_losses(kw):
     got = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False,
                                     strategy=ContextParallel(**kw))]
     assert got == pytest.approx(ref, rel=1e-6)
+
+
+# ---- wb.compile: a captured module against its eager self -------------------------------------
+
+class _Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("gain", torch.ones(6))
+
+    def forward(self, x):
+        y = self.drop(self.lin(x)) * self.gain
+        return y * 2 if self.training else y
+
+
+def _drop_module():
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    m = wb.parallelize(_Drop(), mesh, {})
+    x = wb.shard_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), mesh,
+                        [S(0)])
+    return m, x
+
+
+@pytest.mark.parametrize("at_capture", ["train", "eval"])
+def test_compiled_module_refuses_a_call_in_another_train_eval_mode(at_capture):
+    """The graph kept the capture's dropout and ``self.training`` branch after
+    ``model.eval()`` (a silently different result); now refused with the fix."""
+    m, x = _drop_module()
+    getattr(m, at_capture)()
+    prog = wb.compile(m, x)
+    assert not prog.eager
+    m.train(at_capture == "eval")
+    with pytest.raises(ValueError, match="train/eval mode"):
+        prog(x)
+    m.train(at_capture == "train")
+    if at_capture == "eval":               # deterministic: the compiled result is eager's
+        torch.testing.assert_close(prog(x).full(), m(x).full())
+    else:
+        prog(x)
+
+
+def test_compiled_module_reads_its_buffers_as_they_are_when_called():
+    """A buffer replaced after capture (``m.gain = t``) was silently the old one."""
+    m, x = _drop_module()
+    m.eval()
+    prog = wb.compile(m, x)
+    m.gain.mul_(3)
+    torch.testing.assert_close(prog(x).full(), m(x).full())
+    m.gain = torch.full((6,), 5.0)
+    torch.testing.assert_close(prog(x).full(), m(x).full())
+    m.gain = torch.ones(3)
+    with pytest.raises(ValueError, match="'gain'.*compile the module again"):
+        prog(x)
+
+
+def test_an_op_that_cannot_run_on_meta_tensors_is_a_break_with_its_name():
+    """``F.nll_loss`` with a target made inside the program raised torch's own "Tensor on
+    device meta is not on the expected device cpu" from capture; now the program runs
+    eagerly with the op named."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
+    prog = wb.compile(lambda t: F.nll_loss(F.log_softmax(t, -1), torch.tensor([0, 1, 2, 3])), x)
+    assert prog.eager and "nll_loss" in str(prog.breaks[0]) and "op table" in str(prog.breaks[0])

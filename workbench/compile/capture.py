@@ -156,7 +156,18 @@ class _Tracer(TorchFunctionMode):
                                "capture follows values, not writes: compute a new tensor "
                                "(torch.where, torch.cat) instead")
         if hit is None:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (Broken, CaptureError):
+                raise
+            except Exception as e:    # noqa: BLE001 (e.g. a meta tensor beside a CPU one)
+                f, line, code = _user_frame()
+                raise CaptureError(
+                    f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
+                    "entry in the op table and does not run on the traced meta tensors "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                    "register the op (workbench.parallel.ops_table) or compute it outside "
+                    "the compiled function") from None
             if _leaves(out, []):
                 f, line, code = _user_frame()
                 raise CaptureError(

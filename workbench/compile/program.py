@@ -34,6 +34,7 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
+from .guards import bind_attributes, check_training_flags, tensor_attributes, training_flags
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -125,6 +126,9 @@ class CompiledProgram:
             return
         self.captured = graph
         self._placements = placements
+        if self.module is not None:         # what the call checks and re-reads (guards.py)
+            self._modes = training_flags(self.module)
+            self._attrs = tensor_attributes(self.module, graph.consts)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
         self.graph = graph
@@ -173,6 +177,8 @@ class CompiledProgram:
             raise ValueError("compiled program called with inputs of other shapes, dtypes or "
                              f"placements than it was compiled for ({got} vs "
                              f"{self._example}); compile it again for these")
+        if self.module is not None:
+            check_training_flags(self.module, self._modes)
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
@@ -188,6 +194,9 @@ class CompiledProgram:
                 bind[vid] = named[name]
         for vid, c in g.consts.items():
             bind[vid] = c
+        if self.module is not None:         # buffers and tensor attributes as they are now
+            bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
+                                                      if v in g.consts}, g.values))
         if self.level != "O2":
             return execute_program(g, self.program, self.mesh, bind)
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward

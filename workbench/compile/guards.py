@@ -1,0 +1,85 @@
+"""What a compiled module's program takes from the module when it is called, and what it
+holds fixed from its capture (checked on every call).
+
+``torch.compile`` guards a captured frame on what it read: ``module.training`` (a
+dropout, a Python branch on ``self.training``) and the tensors the code read off the
+module; when one changes it captures again.  A :class:`~.program.CompiledProgram` holds
+one capture, so:
+
+* the training flags of the module and its children are recorded at capture; a call
+  after ``model.eval()`` (or ``train()``) of a program captured in the other mode is
+  refused with the fix (compile again), never run in the captured mode;
+* a tensor the forward read off the module (a buffer, or a plain tensor attribute such
+  as a RoPE table) is a constant of the graph; it is looked up again by its module path
+  on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
+  A replacement of another shape or dtype is refused with the fix.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.dist_tensor import DistTensor
+
+__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes"]
+
+
+def training_flags(module: nn.Module) -> tuple:
+    """(submodule name, its ``training`` flag) for the module and every child."""
+    return tuple((name, m.training) for name, m in module.named_modules())
+
+
+def check_training_flags(module: nn.Module, captured: tuple) -> None:
+    """Refuse a call in another train/eval mode than the capture's."""
+    now = training_flags(module)
+    if now == captured:
+        return
+    was = dict(captured)
+    changed = [f"{name or 'the module'} ({'train' if was[name] else 'eval'} -> "
+               f"{'train' if flag else 'eval'})" for name, flag in now
+               if name in was and was[name] != flag]
+    raise ValueError(
+        "compiled program called with its module in another train/eval mode than at "
+        f"capture: {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the graph "
+        "keeps what the capture's mode did (dropout, branches on self.training): compile "
+        "the module again in this mode (wb.compile after model.train() / model.eval()), or "
+        "set the mode back")
+
+
+def _key(t: torch.Tensor):
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
+
+
+def tensor_attributes(module: nn.Module, consts: dict) -> dict:
+    """{const vid: (submodule name, attribute)} for the constants of a captured graph that
+    are the module's buffers or plain tensor attributes (found by their storage)."""
+    where = {}
+    for mname, mod in module.named_modules():
+        named = list(mod._buffers.items()) + [
+            (k, v) for k, v in vars(mod).items() if not k.startswith("_")]
+        for attr, t in named:
+            if type(t) is torch.Tensor and not t.is_meta and t.numel():
+                where.setdefault(_key(t), (mname, attr))
+    out = {}
+    for vid, c in consts.items():
+        if type(c) is torch.Tensor and not c.is_meta and c.numel() and _key(c) in where:
+            out[vid] = where[_key(c)]
+    return out
+
+
+def bind_attributes(module: nn.Module, table: dict, values: list) -> dict:
+    """{const vid: the module's tensor now} for :func:`tensor_attributes`' ``table``."""
+    out = {}
+    for vid, (mname, attr) in table.items():
+        t = getattr(module.get_submodule(mname), attr, None)
+        v = values[vid]
+        full = f"{mname}.{attr}" if mname else attr
+        if isinstance(t, DistTensor) or not isinstance(t, torch.Tensor) or \
+                tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype:
+            got = (f"{type(t).__name__} {tuple(t.shape)} {t.dtype}"
+                   if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise ValueError(f"compiled program: module tensor {full!r} was a "
+                             f"{tuple(v.shape)} {v.dtype} tensor at capture and is now "
+                             f"{got}; compile the module again")
+        out[vid] = t.detach()
+    return out
