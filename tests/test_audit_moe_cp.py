@@ -184,3 +184,40 @@ def test_an_op_that_cannot_run_on_meta_tensors_is_a_break_with_its_name():
     x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
     prog = wb.compile(lambda t: F.nll_loss(F.log_softmax(t, -1), torch.tensor([0, 1, 2, 3])), x)
     assert prog.eager and "nll_loss" in str(prog.breaks[0]) and "op table" in str(prog.breaks[0])
+
+
+def _ring_qkv():
+    mesh = wb.Mesh([0, 1], ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    qkv = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, [S(2)]) for t in (q, k, v)]
+    ref = cp.ring_order(F.scaled_dot_product_attention(q, k, v, is_causal=True), 2, 2)
+    return mesh, qkv, ref
+
+
+def test_a_compiled_program_refuses_a_call_under_context_parallel():
+    """The graph's attention ran as plain causal attention on the ring-ordered tokens
+    under ``context_parallel`` (0.53 off); the mode is not seen by the graph, so refused."""
+    mesh, qkv, ref = _ring_qkv()
+
+    def attn(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+    prog = wb.compile(attn, *qkv)
+    with cp.context_parallel(mesh, "cp"):
+        torch.testing.assert_close(attn(*qkv).full(), ref, rtol=1e-5, atol=1e-6)   # eager
+        with pytest.raises(NotImplementedError, match="context_parallel"):
+            prog(*qkv)
+
+
+def test_ring_attention_compiles_as_a_break_and_runs_eagerly():
+    """Capture ran ``ring_attention`` on plain meta tensors and let its TypeError ("q is a
+    Tensor", though the user gave DistTensors) escape ``wb.compile``."""
+    mesh, qkv, ref = _ring_qkv()
+    for t in qkv:
+        t.requires_grad_()
+    prog = wb.compile(lambda a, b, c: cp.ring_attention(a, b, c, "cp"), *qkv)
+    assert prog.eager and "meta tensors" in str(prog.breaks[0])
+    out = prog(*qkv)
+    torch.testing.assert_close(out.full(), ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert all(t.grad is not None for t in qkv)

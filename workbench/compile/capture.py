@@ -309,7 +309,15 @@ def _capture_trace(fn, args):
     ctx = _meta_parameters(module, g, tracer, placements) if module is not None \
         else contextlib.nullcontext()
     with ctx, tracer:
-        out = fn(*margs)
+        try:
+            out = fn(*margs)
+        except (Broken, CaptureError):
+            raise
+        except Exception as e:    # noqa: BLE001 (code that needs real DistTensors or data)
+            raise CaptureError(
+                "capture runs the program on meta tensors of the global shapes (plain "
+                f"tensors, no data) and it raised {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     missing = [t for t in _leaves(out, []) if id(t) not in tracer.ids]
     if missing:
         raise CaptureError("the program returns a tensor it did not compute from its inputs "

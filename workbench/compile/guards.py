@@ -12,7 +12,10 @@ one capture, so:
 * a tensor the forward read off the module (a buffer, or a plain tensor attribute such
   as a RoPE table) is a constant of the graph; it is looked up again by its module path
   on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
-  A replacement of another shape or dtype is refused with the fix.
+  A replacement of another shape or dtype is refused with the fix;
+* the graph runs its ops through the dispatcher directly, so a torch-function mode the
+  caller has on (``context_parallel``: attention as a ring) would not see them: a
+  call under one is refused with the fix.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from torch import nn
 
 from ..parallel.dist_tensor import DistTensor
 
-__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes"]
+__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
+           "check_no_mode"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -83,3 +87,17 @@ def bind_attributes(module: nn.Module, table: dict, values: list) -> dict:
                              f"{got}; compile the module again")
         out[vid] = t.detach()
     return out
+
+
+def check_no_mode() -> None:
+    """Refuse a call under a torch-function mode (it would not see the graph's ops)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext     # ``with torch.device(...)``: harmless
+    modes = [type(m).__name__ for m in _get_current_function_mode_stack()
+             if not isinstance(m, DeviceContext)]
+    if modes:
+        raise NotImplementedError(
+            f"compiled program called under {', '.join(modes)}: the graph runs its ops "
+            "without torch-function modes, so it would not do what the mode asks (under "
+            "context_parallel, attention would not run as a ring). Fix: call the function "
+            "itself (eagerly) inside the mode, or the compiled program outside it")

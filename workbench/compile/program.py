@@ -34,7 +34,8 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import bind_attributes, check_training_flags, tensor_attributes, training_flags
+from .guards import (bind_attributes, check_no_mode, check_training_flags, tensor_attributes,
+                     training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -179,6 +180,7 @@ class CompiledProgram:
                              f"{self._example}); compile it again for these")
         if self.module is not None:
             check_training_flags(self.module, self._modes)
+        check_no_mode()
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
