@@ -221,3 +221,33 @@ def test_ring_attention_compiles_as_a_break_and_runs_eagerly():
     torch.testing.assert_close(out.full(), ref, rtol=1e-5, atol=1e-6)
     out.sum().backward()
     assert all(t.grad is not None for t in qkv)
+
+
+class _Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.calls, self.last = 0, None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.calls += 1
+        self.last = y
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attribute self.last was assigned")
+@pytest.mark.parametrize("method", ["auto", "trace"])
+def test_a_forward_that_sets_module_state_runs_eagerly_and_keeps_its_state(method):
+    """The graph did not repeat ``self.calls += 1`` / ``self.last = y`` on each call (and
+    tracing left a meta tensor in ``self.last``): such a module now runs eagerly, named."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    m = wb.parallelize(_Counts(), mesh, {})
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
+    prog = wb.compile(m, x, method=method)
+    assert prog.eager and "sets module state (calls, last)" in str(prog.breaks[0])
+    assert m.calls == 0 and m.last is None                  # put back after capture
+    y = prog(x)
+    prog(x)
+    assert m.calls == 2 and m.last.device.type == "cpu"
+    torch.testing.assert_close(y.full(), m.lin(x).full())

@@ -32,6 +32,7 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref
+from .guards import state_writes
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
@@ -275,6 +276,25 @@ def capture(fn, args, method: str = "auto"):
     if method not in ("auto", "export", "trace"):
         raise ValueError(f"capture(method={method!r}): use 'auto', 'export' or 'trace'")
     _load_ops()
+    with state_writes(fn) as writes:      # a forward that sets module state (guards.py)
+        try:
+            out = _capture(fn, args, method)
+        except Broken:
+            if writes:                     # the write came first: name it
+                raise _state_error(writes) from None
+            raise
+    if writes:
+        raise _state_error(writes)
+    return out
+
+
+def _state_error(writes):
+    return CaptureError(f"the forward sets module state ({', '.join(writes[:3])}): a "
+                        "captured graph would not repeat the write on each call; the module "
+                        "runs eagerly (keep such state outside forward, or return it)")
+
+
+def _capture(fn, args, method):
     notes = []
     if method in ("auto", "export"):
         from .export import capture_export, Unmapped

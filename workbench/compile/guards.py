@@ -13,11 +13,17 @@ one capture, so:
   as a RoPE table) is a constant of the graph; it is looked up again by its module path
   on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
   A replacement of another shape or dtype is refused with the fix;
+* a forward that writes module state (``self.last = y``, ``self.calls += 1``) is not
+  captured: the graph would not replay the write (``torch.compile`` does), so capture
+  stops (:func:`state_writes`, the program then runs eagerly) and the module's
+  attributes are put back as they were;
 * the graph runs its ops through the dispatcher directly, so a torch-function mode the
   caller has on (``context_parallel``: attention as a ring) would not see them: a
   call under one is refused with the fix.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -25,7 +31,7 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode"]
+           "check_no_mode", "state_writes"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -101,3 +107,37 @@ def check_no_mode() -> None:
             "without torch-function modes, so it would not do what the mode asks (under "
             "context_parallel, attention would not run as a ring). Fix: call the function "
             "itself (eagerly) inside the mode, or the compiled program outside it")
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def state_writes(module):
+    """Yields a list that collects "module.attr" for each public attribute the code sets on
+    ``module`` or a child while the block runs; every such attribute is put back after."""
+    found: list = []
+    if not isinstance(module, nn.Module):
+        yield found
+        return
+    mods = {id(m): name for name, m in module.named_modules()}
+    old, base = {}, nn.Module.__setattr__
+
+    def watch(self, name, value):
+        if id(self) in mods and not name.startswith("_") and name != "training":
+            key = (id(self), name)
+            if key not in old:
+                old[key] = (self, getattr(self, name, _MISSING))
+                where = mods[id(self)]
+                found.append(f"{where}.{name}" if where else name)
+        base(self, name, value)
+    nn.Module.__setattr__ = watch
+    try:
+        yield found
+    finally:
+        nn.Module.__setattr__ = base
+        for (_, name), (mod, was) in old.items():
+            if was is _MISSING:
+                mod.__dict__.pop(name, None)
+            else:
+                base(mod, name, was)
