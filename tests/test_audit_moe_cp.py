@@ -29,19 +29,20 @@ def _moe_cfg(preset="tiny", **kw):
                                         moe_experts=4, moe_topk=2), **kw})
 
 
-@pytest.mark.parametrize("preset,cf,balanced", [("tiny", None, True), ("tiny", 0.5, True),
-                                                ("gpt-tiny", 0.5, True), ("tiny", 0.5, False)])
-def test_cp_with_moe_layers_gives_one_devices_logits_loss_and_gradients(preset, cf, balanced):
+@pytest.mark.parametrize("preset,cf,balanced,B", [
+    ("tiny", None, True, 2), ("tiny", 0.5, True, 2), ("gpt-tiny", 0.5, True, 2),
+    ("tiny", 0.5, False, 2), ("tiny", 0.5, True, 1)])       # B=1: cp does not divide it
+def test_cp_with_moe_layers_gives_one_devices_logits_loss_and_gradients(preset, cf, balanced, B):
     """The MoE layer's output came back batch-sharded on cp, so the next block's attention
     was not the ring's and ran plain causal attention on tokens in ring order; and with a
     capacity, tokens were dropped in ring order instead of sequence order."""
     cfg = _moe_cfg(preset, moe_capacity_factor=cf)
-    x, y = get_batch(cfg, 2, 0, 0)
+    x, y = get_batch(cfg, B, 0, 0)
     ref = build_model(cfg, seed=0).train()
     logits_ref, loss_ref = ref(x, y)
     loss_ref.backward()
     s = ContextParallel(cp=2, balanced=balanced)
-    s.check(cfg, 2)
+    s.check(cfg, B)
     model = s.build_model(cfg, 0)
     mesh = s.meshes[0]
     inv = torch.argsort(cp.slot_positions(x.shape[1], 2, balanced))
@@ -60,6 +61,23 @@ def test_cp_with_moe_layers_gives_one_devices_logits_loss_and_gradients(preset, 
     stats_ref = [m.last_stats for m in ref.modules() if isinstance(m, MoE)]
     assert [st["dropped"] for st in stats] == [st["dropped"] for st in stats_ref]
     assert (stats_ref[0]["dropped"] > 0) == (cf is not None)
+
+
+def test_train_cli_runs_cp_with_moe_flags_with_one_devices_losses(capsys):
+    """``--cp`` with ``--moe-experts`` was refused ("not built yet"); it now gives one
+    device's losses; ``--cp`` with ``--ep`` is still refused, with the fix."""
+    import json
+    from workbench.cli import main
+    flags = ["train", "--preset", "tiny", "--steps", "2", "--seed", "0", "--moe-experts", "4",
+             "--moe-capacity-factor", "0.5"]
+
+    def losses(*more):
+        assert main(flags + list(more)) == 0
+        return [json.loads(r)["loss"] for r in capsys.readouterr().out.splitlines()
+                if r.startswith("{")]
+    assert losses("--cp", "2") == pytest.approx(losses(), rel=1e-6)
+    assert main(flags + ["--cp", "2", "--ep", "2", "--dp", "2"]) == 2
+    assert "--cp with --ep" in capsys.readouterr().err
 
 
 def test_context_parallel_refuses_plain_causal_attention_on_ring_ordered_tokens():
