@@ -269,3 +269,19 @@ def test_a_forward_that_sets_module_state_runs_eagerly_and_keeps_its_state(metho
     prog(x)
     assert m.calls == 2 and m.last.device.type == "cpu"
     torch.testing.assert_close(y.full(), m.lin(x).full())
+
+
+def test_a_parameter_changed_after_capture_is_refused_with_the_fix():
+    """``model.double()`` after compile gave torch's "expected scalar type Float but found
+    Double" from inside the graph; a new layout would have run the old plan."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    torch.manual_seed(0)
+    m = wb.parallelize(nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3)), mesh, {})
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
+    prog = wb.compile(m, x)
+    with torch.no_grad():                      # in place: the call sees the new values
+        m[0].weight.mul_(2)
+    torch.testing.assert_close(prog(x).full(), m(x).full())
+    m.double()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' was \(6, 6\) torch.float32"):
+        prog(x)

@@ -13,6 +13,9 @@ one capture, so:
   as a RoPE table) is a constant of the graph; it is looked up again by its module path
   on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
   A replacement of another shape or dtype is refused with the fix;
+* a parameter is bound by its name on every call (its current data); one of another
+  shape, dtype or layout than at capture (``model.double()``, a new parallel plan) is
+  refused with the fix;
 * a forward that writes module state (``self.last = y``, ``self.calls += 1``) is not
   captured: the graph would not replay the write (``torch.compile`` does), so capture
   stops (:func:`state_writes`, the program then runs eagerly) and the module's
@@ -31,7 +34,7 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode", "state_writes"]
+           "check_no_mode", "state_writes", "check_parameter"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -141,3 +144,17 @@ def state_writes(module):
                 mod.__dict__.pop(name, None)
             else:
                 base(mod, name, was)
+
+
+def check_parameter(name: str, p, value, captured):
+    """The module's parameter ``name`` now, if it is as captured (shape, dtype, layout)."""
+    was = captured.placements if isinstance(captured, DistTensor) else \
+        captured[1] if isinstance(captured, tuple) else ()
+    now = tuple(p.placements) if isinstance(p, DistTensor) else ()
+    if p is None or tuple(p.shape) != tuple(value.shape) or p.dtype != value.dtype or \
+            tuple(now) != tuple(was):
+        got = "gone" if p is None else f"{tuple(p.shape)} {p.dtype} {list(map(str, now))}"
+        raise ValueError(f"compiled program: parameter {name!r} was {tuple(value.shape)} "
+                         f"{value.dtype} {list(map(str, was))} at capture and is now {got}; "
+                         "compile the module again")
+    return p

@@ -34,8 +34,8 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import (bind_attributes, check_no_mode, check_training_flags, tensor_attributes,
-                     training_flags)
+from .guards import (bind_attributes, check_no_mode, check_parameter, check_training_flags,
+                     tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -193,7 +193,8 @@ class CompiledProgram:
                     if p is not None:
                         named.setdefault(f"{mname}.{pname}" if mname else pname, p)
             for name, vid in g.params.items():
-                bind[vid] = named[name]
+                bind[vid] = check_parameter(name, named.get(name), g.values[vid],
+                                            self._placements.get(vid))
         for vid, c in g.consts.items():
             bind[vid] = c
         if self.module is not None:         # buffers and tensor attributes as they are now
