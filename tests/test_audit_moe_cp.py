@@ -285,3 +285,37 @@ def test_a_parameter_changed_after_capture_is_refused_with_the_fix():
     m.double()
     with pytest.raises(ValueError, match=r"parameter '0.weight' was \(6, 6\) torch.float32"):
         prog(x)
+
+
+def test_export_keeps_log_softmax_dtype_and_embedding_padding_idx():
+    """The export mapping dropped ``log_softmax``'s dtype (float32 where eager gives
+    float64) and ``embedding``'s padding_idx (the padding row got a gradient)."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    x = wb.shard_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), mesh,
+                        [S(0)])
+
+    def lsm(t):
+        return F.log_softmax(t, -1, dtype=torch.float64)
+    prog = wb.compile(lsm, x, method="export")
+    assert prog.graph.method == "export"
+    out = prog(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out.full(), lsm(x.full()))
+
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, padding_idx=0)
+
+        def forward(self, ids):
+            return self.emb(ids).sum()
+    torch.manual_seed(0)
+    ref = Emb()
+    m = wb.parallelize(Emb(), mesh, {})
+    m.load_state_dict(ref.state_dict())
+    ids = torch.tensor([[0, 1, 2], [0, 0, 3]])
+    prog = wb.compile(m, wb.shard_tensor(ids, mesh, [S(0)]), method="export")
+    assert prog.graph.method == "export"
+    prog(wb.shard_tensor(ids, mesh, [S(0)])).backward()
+    ref(ids).backward()
+    torch.testing.assert_close(m.emb.weight.grad.full(), ref.emb.weight.grad)

@@ -40,6 +40,16 @@ def _same(func):
     return lambda args, kwargs: (func, args, kwargs)
 
 
+def _embedding_kw(a, k):
+    """aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq, sparse) as
+    F.embedding's keywords (the padding row gets no gradient: it must not be dropped)."""
+    names = ("padding_idx", "scale_grad_by_freq", "sparse")
+    got = dict(zip(names, a[2:]), **{n: k[n] for n in names if n in k})
+    if got.get("padding_idx", -1) == -1:
+        got.pop("padding_idx", None)
+    return {n: v for n, v in got.items() if v or n == "padding_idx"}
+
+
 # ATen overload -> (args, kwargs) -> (torch callable, args, kwargs)
 ADAPT = {
     aten.linear.default: _same(F.linear),
@@ -61,10 +71,11 @@ ADAPT = {
     aten.div.Tensor: _same(torch.div),
     aten.pow.Tensor_Scalar: _same(torch.pow),
     aten.softmax.int: lambda a, k: (torch.softmax, a[:2], {"dtype": a[2]} if len(a) > 2 else {}),
-    aten.log_softmax.int: lambda a, k: (torch.log_softmax, a[:2], {}),
+    aten.log_softmax.int: lambda a, k: (torch.log_softmax, a[:2],
+                                        {"dtype": a[2]} if len(a) > 2 else dict(k)),
     aten.layer_norm.default: lambda a, k: (F.layer_norm, a[:5], {}),
     aten.rms_norm.default: lambda a, k: (F.rms_norm, a[:4], {}),
-    aten.embedding.default: lambda a, k: (F.embedding, (a[1], a[0]), {}),
+    aten.embedding.default: lambda a, k: (F.embedding, (a[1], a[0]), _embedding_kw(a, k)),
     aten.t.default: _same(T.t) if T.t in BY_FUNC else None,
     aten.transpose.int: _same(torch.transpose),
     aten.view.default: _same(T.view),
@@ -194,10 +205,10 @@ def _map_node(g, node, env, metas):
     val = node.meta.get("val")
     outs_t = out if isinstance(out, (tuple, list)) else (out,)
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    if len(outs_t) != len(vals) or any(tuple(a.shape) != tuple(b.shape)
+    if len(outs_t) != len(vals) or any(tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
                                        for a, b in zip(outs_t, vals)):
         raise Unmapped(f"{node.target} mapped to {getattr(func, '__name__', func)} gives "
-                       "another shape than export recorded")
+                       "another shape or dtype than export recorded")
     ins, attrs = parse(*margs, **mkw)
     ids = {id(t): vid for vid, t in metas.items()}
     inputs = tuple(ids.get(id(x)) if isinstance(x, torch.Tensor) else None for x in ins)
