@@ -319,3 +319,24 @@ def test_export_keeps_log_softmax_dtype_and_embedding_padding_idx():
     prog(wb.shard_tensor(ids, mesh, [S(0)])).backward()
     ref(ids).backward()
     torch.testing.assert_close(m.emb.weight.grad.full(), ref.emb.weight.grad)
+
+
+# ---- save -> load -> continue with expert parallelism ----------------------------------------
+
+@pytest.mark.parametrize("first,then", [
+    (dict(ep=2), {}), ({}, dict(ep=2)), (dict(ep=2, pp=2, zero=1), dict(ep=2, dp=2))])
+def test_resume_with_expert_parallelism_keeps_the_experts_optimizer_states(tmp_path, first, then):
+    """The experts' AdamW states (their own optimizer on the expert mesh) were neither saved
+    nor loaded: the step after a resume differed from the uninterrupted run (3.7089 vs
+    3.7150 at step 4)."""
+    from workbench.recipes import Hybrid
+    from workbench.train import train
+    cfg = _moe_cfg(moe_capacity_factor=0.5)
+
+    def run(steps, layout, **kw):
+        s = Hybrid(**layout) if layout else None
+        return [r["loss"] for r in train(cfg, steps=steps, seed=0, timing=False, batch_size=4,
+                                         strategy=s, **kw)]
+    want = run(4, {})
+    run(2, first, save=str(tmp_path / "ck"))
+    assert run(4, then, resume=str(tmp_path / "ck")) == pytest.approx(want[2:], rel=1e-6)

@@ -66,7 +66,7 @@ def _entries(strategy, model, optimizer):
     names = {id(p): n for n, p in dist_parameters(model)}
     stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
               if strategy._own(strategy.meshes[s % strategy.pp])]
-    for s, opt in zip(stages, optimizer):
+    for s, opt in _stage_optimizers(stages, optimizer):
         if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
             mods = strategy.stages[s]["modules"]       # its module: a list of these
             for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
@@ -83,6 +83,23 @@ def _entries(strategy, model, optimizer):
                 out.append((names[id(p)], p, opt.optimizer, p._local,
                             _as_dist(p), lambda g, leaf: _replica_copies(g, leaf)))
     return out
+
+
+def _stage_optimizers(stages, optimizer):
+    """(stage, optimizer) for this process's stages: each stage's optimizer, and beside it
+    the optimizer of its experts where expert parallelism gives them their own (on the
+    expert mesh, reduced over "edp": ``recipes/hybrid.py``); what follows (DualPipe's
+    twins) is not the stages'."""
+    i = 0
+    for s in stages:
+        if i >= len(optimizer):
+            return
+        yield s, optimizer[i]
+        i += 1
+        if i < len(optimizer) and "edp" in getattr(getattr(optimizer[i], "mesh", None),
+                                                   "dim_names", ()):
+            yield s, optimizer[i]
+            i += 1
 
 
 def _as_dist(p):
