@@ -340,3 +340,55 @@ def test_resume_with_expert_parallelism_keeps_the_experts_optimizer_states(tmp_p
     want = run(4, {})
     run(2, first, save=str(tmp_path / "ck"))
     assert run(4, then, resume=str(tmp_path / "ck")) == pytest.approx(want[2:], rel=1e-6)
+
+
+_W = torch.randn(6, 6, generator=torch.Generator().manual_seed(3))
+_SCALE = 2.0
+
+
+def _global_fn(x):
+    return (x @ _W) * _SCALE
+
+
+def test_what_the_code_reads_is_read_again_or_a_change_refused():
+    """A global tensor rebound after compile, a global or closure number changed, a module
+    attribute the forward reads changed: the graph silently used the captured ones."""
+    global _W, _SCALE
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    x = wb.shard_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(4)), mesh,
+                        [S(0)])
+    w0, s0 = _W, _SCALE
+    try:
+        prog = wb.compile(_global_fn, x)
+        _W = torch.randn(6, 6, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(prog(x).full(), _global_fn(x.full()))     # read again
+        _SCALE = 3.0
+        with pytest.raises(ValueError, match="global _SCALE was 2.0 at capture and is now 3.0"):
+            prog(x)
+    finally:
+        _W, _SCALE = w0, s0
+    scale = 2.0
+
+    def closure(t):
+        return t * scale
+    prog = wb.compile(closure, x)
+    scale = 5.0
+    with pytest.raises(ValueError, match="closure variable scale was 2.0"):
+        prog(x)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.scale, self.unused = 2.0, 1
+
+        def forward(self, t):
+            return self.lin(t) * self.scale
+    torch.manual_seed(0)
+    m = wb.parallelize(Scaled(), mesh, {})
+    prog = wb.compile(m, x)
+    m.unused = 5                                 # not read by forward: no matter
+    torch.testing.assert_close(prog(x).full(), m(x).full())
+    m.scale = 7.0
+    with pytest.raises(ValueError, match="module attribute scale was 2.0"):
+        prog(x)

@@ -13,6 +13,11 @@ one capture, so:
   as a RoPE table) is a constant of the graph; it is looked up again by its module path
   on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
   A replacement of another shape or dtype is refused with the fix;
+* what the code reads besides its inputs (the module's Python attributes its class's
+  methods name, e.g. ``self.scale``, a capacity factor; the globals and closure variables
+  the function names) was frozen into the graph: a Python number or string that differs
+  at a call is refused with the fix, a tensor is read again, as a buffer is
+  (:func:`references`);
 * a parameter is bound by its name on every call (its current data); one of another
   shape, dtype or layout than at capture (``model.double()``, a new parallel plan) is
   refused with the fix;
@@ -27,6 +32,7 @@ one capture, so:
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from torch import nn
@@ -34,7 +40,7 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode", "state_writes", "check_parameter"]
+           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -158,3 +164,109 @@ def check_parameter(name: str, p, value, captured):
                          f"{value.dtype} {list(map(str, was))} at capture and is now {got}; "
                          "compile the module again")
     return p
+
+
+_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, _SCALARS) or (isinstance(v, tuple) and len(v) <= 64 and
+                                       all(isinstance(x, _SCALARS) for x in v))
+
+
+def _code_names(code, out: set) -> set:
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+    return out
+
+
+_NOT_FORWARD = {"__init__", "__repr__", "extra_repr", "reset_parameters", "__setstate__",
+                "__getstate__", "_load_from_state_dict", "_save_to_state_dict"}
+
+
+def _functions_of(cls):
+    """The functions a module class defines (its own and its bases' below nn.Module)."""
+    for k in cls.__mro__:
+        if k is nn.Module:
+            break
+        if not issubclass(k, nn.Module):        # a mixin (the parallel wrappers' state)
+            continue
+        for name, v in vars(k).items():
+            f = getattr(v, "__func__", v)
+            if isinstance(f, types.FunctionType) and name not in _NOT_FORWARD:
+                yield f
+
+
+def references(fn) -> dict:
+    """{label: getter} of what ``fn``'s code reads besides its arguments: the globals and
+    closure variables its code names and, for a module, the instance attributes the
+    methods of each submodule's class name (``self.scale``)."""
+    out: dict = {}
+
+    def add(f):
+        names = _code_names(f.__code__, set())
+        g = f.__globals__
+        for n in names:
+            if n in g:
+                out.setdefault(f"global {n}", lambda g=g, n=n: g.get(n, _MISSING))
+        for n, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            out.setdefault(f"closure variable {n}", lambda c=cell: c.cell_contents)
+    if isinstance(fn, nn.Module):
+        for mname, mod in fn.named_modules():
+            names: set = set()
+            for f in _functions_of(type(mod)):
+                add(f)
+                _code_names(f.__code__, names)
+            d = vars(mod)
+            for n in sorted(names & set(d)):
+                if n != "training":
+                    out.setdefault(f"module attribute {mname + '.' if mname else ''}{n}",
+                                   lambda d=d, n=n: d.get(n, _MISSING))
+    else:
+        f = getattr(fn, "__func__", fn)
+        if isinstance(f, types.FunctionType):
+            add(f)
+    return out
+
+
+class Frozen:
+    """What a capture read through :func:`references`: Python values compared on every
+    call, tensors (constants of the graph) read again."""
+
+    def __init__(self, fn, consts: dict):
+        self.refs = references(fn)
+        self.scalars, tensors = {}, {}
+        for label, get in self.refs.items():
+            try:
+                v = get()
+            except ValueError:                  # an empty closure cell
+                continue
+            if _is_scalar(v):
+                self.scalars[label] = v
+            elif type(v) is torch.Tensor and not v.is_meta and v.numel():
+                tensors.setdefault(_key(v), label)
+        self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
+                       if type(c) is torch.Tensor and not c.is_meta and c.numel()
+                       and _key(c) in tensors}
+
+    def check(self, values: list) -> dict:
+        """Refuse a changed Python value; {const vid: its tensor now}."""
+        for label, was in self.scalars.items():
+            now = self.refs[label]()
+            if now is not was and not (type(now) is type(was) and now == was):
+                shown = "gone" if now is _MISSING else repr(now)
+                raise ValueError(f"compiled program: {label} was {was!r} at capture and is "
+                                 f"now {shown}; the graph holds the value it read: compile "
+                                 "again (or pass the value in as a tensor input)")
+        out = {}
+        for vid, label in self.consts.items():
+            t, v = self.refs[label](), values[vid]
+            if type(t) is not torch.Tensor or tuple(t.shape) != tuple(v.shape) or \
+                    t.dtype != v.dtype:
+                raise ValueError(f"compiled program: {label} was a {tuple(v.shape)} "
+                                 f"{v.dtype} tensor at capture and is now "
+                                 f"{type(t).__name__}; compile again")
+            out[vid] = t.detach()
+        return out

@@ -34,8 +34,8 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import (bind_attributes, check_no_mode, check_parameter, check_training_flags,
-                     tensor_attributes, training_flags)
+from .guards import (Frozen, bind_attributes, check_no_mode, check_parameter,
+                     check_training_flags, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -130,6 +130,7 @@ class CompiledProgram:
         if self.module is not None:         # what the call checks and re-reads (guards.py)
             self._modes = training_flags(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
+        self._frozen = Frozen(fn, graph.consts)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
         self.graph = graph
@@ -197,6 +198,7 @@ class CompiledProgram:
                                             self._placements.get(vid))
         for vid, c in g.consts.items():
             bind[vid] = c
+        bind.update(self._frozen.check(g.values))   # what the code read, as it is now
         if self.module is not None:         # buffers and tensor attributes as they are now
             bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
                                                       if v in g.consts}, g.values))
