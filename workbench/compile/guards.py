@@ -1,5 +1,6 @@
-"""What a compiled module's program takes from the module when it is called, and what it
-holds fixed from its capture (checked on every call).
+"""What a compiled program reads afresh on each call (its module's parameters and buffers,
+the tensors its code names) and what it holds fixed from its capture (checked on every
+call, a change refused with the fix).
 
 ``torch.compile`` guards a captured frame on what it read: ``module.training`` (a
 dropout, a Python branch on ``self.training``) and the tensors the code read off the
