@@ -392,3 +392,26 @@ def test_what_the_code_reads_is_read_again_or_a_change_refused():
     m.scale = 7.0
     with pytest.raises(ValueError, match="module attribute scale was 2.0"):
         prog(x)
+
+
+def test_a_hook_added_or_removed_after_capture_is_refused():
+    """The graph kept running a forward hook removed after compile, and ignored one added
+    (on a child, or globally)."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
+    torch.manual_seed(0)
+    m = wb.parallelize(nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6)), mesh, {})
+    h = m[0].register_forward_hook(lambda mod, a, out: out * 2)
+    prog = wb.compile(m, x)
+    torch.testing.assert_close(prog(x).full(), m(x).full())        # the hook is in the graph
+    h.remove()
+    with pytest.raises(ValueError, match="hooks added or removed since capture on '0'"):
+        prog(x)
+    prog = wb.compile(m, x)
+    h = nn.modules.module.register_module_forward_hook(lambda mod, a, out: None)
+    try:
+        with pytest.raises(ValueError, match="global module hooks"):
+            prog(x)
+    finally:
+        h.remove()
+    torch.testing.assert_close(prog(x).full(), m(x).full())

@@ -19,6 +19,9 @@ one capture, so:
   the function names) was frozen into the graph: a Python number or string that differs
   at a call is refused with the fix, a tensor is read again, as a buffer is
   (:func:`references`);
+* the module hooks the capture ran (forward and pre-forward hooks of the module and its
+  children, and the global ones) are part of the graph: a hook added or removed since
+  is refused with the fix (:func:`hook_keys`);
 * a parameter is bound by its name on every call (its current data); one of another
   shape, dtype or layout than at capture (``model.double()``, a new parallel plan) is
   refused with the fix;
@@ -41,7 +44,8 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen"]
+           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
+           "hook_keys", "check_hooks"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -271,3 +275,30 @@ class Frozen:
                                  f"{type(t).__name__}; compile again")
             out[vid] = t.detach()
         return out
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_keys(module) -> tuple:
+    """The hooks a call of ``module`` runs: per submodule and globally, their handles' ids."""
+    from torch.nn.modules import module as M
+    glob = tuple(tuple(getattr(M, f"_global{h}", {})) for h in _HOOKS)
+    if not isinstance(module, nn.Module):
+        return (glob,)
+    return (glob,) + tuple((name, tuple(tuple(getattr(m, h, {})) for h in _HOOKS))
+                           for name, m in module.named_modules())
+
+
+def check_hooks(module, captured: tuple) -> None:
+    """Refuse a call after a module hook was added or removed (the graph ran the old ones)."""
+    now = hook_keys(module)
+    if now == captured:
+        return
+    was = dict(captured[1:])
+    where = ["global module hooks"] if now[0] != captured[0] else []
+    where += [repr(name) if name else "the module" for name, keys in now[1:]
+              if was.get(name) != keys]
+    raise ValueError(f"compiled program: hooks added or removed since capture on "
+                     f"{', '.join(where[:4])}; the graph holds what the hooks at capture "
+                     "did: compile again with the hooks you want")

@@ -34,8 +34,8 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import (Frozen, bind_attributes, check_no_mode, check_parameter,
-                     check_training_flags, tensor_attributes, training_flags)
+from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, check_parameter,
+                     check_training_flags, hook_keys, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -131,6 +131,7 @@ class CompiledProgram:
             self._modes = training_flags(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
+        self._hooks = hook_keys(fn)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
         self.graph = graph
@@ -182,6 +183,7 @@ class CompiledProgram:
         if self.module is not None:
             check_training_flags(self.module, self._modes)
         check_no_mode()
+        check_hooks(self.fn, self._hooks)
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
