@@ -415,3 +415,43 @@ def test_a_hook_added_or_removed_after_capture_is_refused():
     finally:
         h.remove()
     torch.testing.assert_close(prog(x).full(), m(x).full())
+
+
+# ---- expert parallelism: one device's MoE layer --------------------------------------------
+
+def _moe_layer(arch="llama", **kw):
+    cfg = get_config("tiny" if arch == "llama" else "gpt-tiny", d_model=16, n_head=2, d_ff=24,
+                     **{"moe_experts": 4, "moe_topk": 2, "moe_aux_loss_coef": 0.1, **kw})
+    m = MoE(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.train()
+
+
+@pytest.mark.parametrize("arch,edp,ep,B,cf,k", [
+    ("llama", 1, 2, 3, None, 2), ("gpt", 1, 2, 1, 0.5, 2),        # a rank with no sequence
+    ("llama", 2, 2, 5, 0.5, 1), ("gpt", 1, 4, 3, 1.0, 2), ("llama", 1, 4, 4, 0.5, 1)])
+def test_ep_layer_equals_one_device_on_batches_the_ranks_do_not_divide(arch, edp, ep, B, cf,
+                                                                       k):
+    """Uneven batch shards were refused (NotImplementedError); a batch of one sequence
+    over two ranks also had its routes replicated by the router's rule."""
+    kw = dict(moe_capacity_factor=cf, moe_topk=k, moe_shared_experts=1)
+    ref, m = _moe_layer(arch, **kw), _moe_layer(arch, **kw)
+    g = torch.Generator().manual_seed(1)
+    x, gy = torch.randn(B, 5, 16, generator=g), torch.randn(B, 5, 16, generator=g)
+    xr = x.clone().requires_grad_()
+    (ref(xr) * gy).sum().backward()
+    mesh = wb.Mesh([[i] for i in range(edp * ep)], ["dp", "tp"])
+    m.token_dispatcher = expert_parallel(m.experts, expert_mesh(mesh, ep))
+    parallelize(m, mesh, {})
+    X = wb.shard_tensor(x, mesh, [S(0), R]).requires_grad_()
+    y = m(X)
+    (y * wb.shard_tensor(gy, mesh, [S(0), R])).sum().backward()
+    torch.testing.assert_close(y.full(), ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(X.grad.full(), xr.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), (_, q) in zip(ref.named_parameters(), m.named_parameters()):
+        torch.testing.assert_close(_full(q.grad), p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert m.last_stats["dropped"] == ref.last_stats["dropped"]
+    assert m.last_stats["aux_loss"] == pytest.approx(ref.last_stats["aux_loss"], rel=1e-5)
