@@ -455,3 +455,23 @@ def test_ep_layer_equals_one_device_on_batches_the_ranks_do_not_divide(arch, edp
         torch.testing.assert_close(_full(q.grad), p.grad, rtol=1e-5, atol=1e-5, msg=name)
     assert m.last_stats["dropped"] == ref.last_stats["dropped"]
     assert m.last_stats["aux_loss"] == pytest.approx(ref.last_stats["aux_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["auto", "trace"])
+def test_a_python_argument_is_part_of_the_signature_and_another_mesh_is_named(method):
+    """``wb.compile(f, x, 2.0)`` raised IndexError inside export capture; a call with 3.0
+    then ran with the 2.0 the graph holds; a call on another mesh failed with "the plan
+    was made for another tensor layout"."""
+    mesh, other = wb.Mesh.grid((2,), ("dp",)), wb.Mesh.grid((2,), ("tp",))
+    x = torch.randn(4, 6)
+    xd = wb.shard_tensor(x, mesh, [S(0)])
+
+    def f(t, s):
+        return t * s
+    prog = wb.compile(f, xd, 2.0, method=method)
+    assert not prog.eager
+    torch.testing.assert_close(prog(xd, 2.0).full(), x * 2)
+    with pytest.raises(ValueError, match="other Python values"):
+        prog(xd, 3.0)
+    with pytest.raises(ValueError, match="meshes"):
+        prog(wb.shard_tensor(x, other, [S(0)]), 2.0)

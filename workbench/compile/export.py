@@ -118,6 +118,8 @@ class _Fn(nn.Module):
 
 
 def capture_export(fn, args):
+    if any(isinstance(a, (list, tuple, dict)) for a in args):
+        raise Unmapped("an argument is a list, tuple or dict (export flattens it)")
     module = fn if isinstance(fn, nn.Module) else _Fn(fn)
     g = Graph(method="export")
     placements = {}
@@ -152,10 +154,13 @@ def capture_export(fn, args):
                 g.params[name] = vid
                 placements[vid] = (p.mesh, tuple(p.placements)) if isinstance(p, DistTensor) else p
             elif s.kind == InputKind.USER_INPUT:
-                while not isinstance(args[user_i], (DistTensor, torch.Tensor)):
-                    user_i += 1
+                # export's user inputs are the arguments one by one (nested ones refused
+                # above); a Python value is a constant of the graph
                 a = args[user_i]
                 user_i += 1
+                if not isinstance(a, (DistTensor, torch.Tensor)):
+                    env[node.name] = a
+                    continue
                 vid = g.value(val.shape, val.dtype, "input", f"arg{user_i - 1}",
                               requires_grad=bool(getattr(a, "requires_grad", False)))
                 g.inputs.append(vid)

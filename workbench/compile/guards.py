@@ -45,7 +45,7 @@ from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
            "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
-           "hook_keys", "check_hooks"]
+           "hook_keys", "check_hooks", "is_scalar"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -174,7 +174,7 @@ def check_parameter(name: str, p, value, captured):
 _SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
 
-def _is_scalar(v) -> bool:
+def is_scalar(v) -> bool:
     return isinstance(v, _SCALARS) or (isinstance(v, tuple) and len(v) <= 64 and
                                        all(isinstance(x, _SCALARS) for x in v))
 
@@ -248,7 +248,7 @@ class Frozen:
                 v = get()
             except ValueError:                  # an empty closure cell
                 continue
-            if _is_scalar(v):
+            if is_scalar(v):
                 self.scalars[label] = v
             elif type(v) is torch.Tensor and not v.is_meta and v.numel():
                 tensors.setdefault(_key(v), label)
