@@ -475,3 +475,18 @@ def test_a_python_argument_is_part_of_the_signature_and_another_mesh_is_named(me
         prog(xd, 3.0)
     with pytest.raises(ValueError, match="meshes"):
         prog(wb.shard_tensor(x, other, [S(0)]), 2.0)
+
+
+def test_tensors_inside_a_list_argument_are_not_frozen_into_the_graph():
+    """A list of DistTensors was captured as constants: a call with other tensors returned
+    the example's sum (3.1 off); now such a program runs eagerly, with the reason."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+
+    def f(ts):
+        return ts[0] + ts[1]
+    prog = wb.compile(f, [wb.shard_tensor(a, mesh, [S(0)]), wb.shard_tensor(b, mesh, [S(0)])])
+    assert prog.eager and "inside a list" in str(prog.breaks[0])
+    out = prog([wb.shard_tensor(b, mesh, [S(0)]), wb.shard_tensor(b, mesh, [S(0)])])
+    torch.testing.assert_close(out.full(), 2 * b)

@@ -91,6 +91,15 @@ def _leaves(tree, out):
     return out
 
 
+def nested_tensors(tree) -> list:
+    """The tensors and DistTensors in a (nested) list, tuple or dict."""
+    if isinstance(tree, (torch.Tensor, DistTensor)):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else \
+        tree if isinstance(tree, (list, tuple)) else ()
+    return [t for x in items for t in nested_tensors(x)]
+
+
 def _swap(tree, fn):
     if isinstance(tree, torch.Tensor):
         return fn(tree)
@@ -276,6 +285,10 @@ def capture(fn, args, method: str = "auto"):
     if method not in ("auto", "export", "trace"):
         raise ValueError(f"capture(method={method!r}): use 'auto', 'export' or 'trace'")
     _load_ops()
+    if any(isinstance(a, (list, tuple, dict)) and nested_tensors(a) for a in args):
+        raise CaptureError("a tensor inside a list, tuple or dict argument would be frozen "
+                           "into the graph as a constant; pass each tensor as an argument of "
+                           "its own (the program runs eagerly)")
     with state_writes(fn) as writes:      # a forward that sets module state (guards.py)
         try:
             out = _capture(fn, args, method)

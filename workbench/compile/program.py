@@ -46,7 +46,8 @@ LEVELS = ("O0", "O1", "O2")
 
 
 def _mesh_of(args, module):
-    for a in args:
+    from .capture import nested_tensors
+    for a in nested_tensors(list(args)):
         if isinstance(a, DistTensor):
             return a.mesh
     if module is not None:
