@@ -490,3 +490,29 @@ def test_tensors_inside_a_list_argument_are_not_frozen_into_the_graph():
     assert prog.eager and "inside a list" in str(prog.breaks[0])
     out = prog([wb.shard_tensor(b, mesh, [S(0)]), wb.shard_tensor(b, mesh, [S(0)])])
     torch.testing.assert_close(out.full(), 2 * b)
+
+
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "FullyShardedDataParallel"])
+def test_a_data_parallel_wrapper_compiles_to_an_eager_program_that_trains(wrapper):
+    """Capture froze the wrapped module's parameters as constants (no gradient reached
+    them: "element 0 of tensors does not require grad") and left the wrapper unable to run
+    eagerly after; now it runs eagerly, named, with one device's steps."""
+    mesh = wb.Mesh.grid((2,), ["dp"])
+    torch.manual_seed(0)
+    m = getattr(wb, wrapper)(nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2)), mesh)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    xd = wb.shard_tensor(x, mesh, [S(0)])
+    prog = wb.compile(m, xd)
+    assert prog.eager and "not registered on its submodules" in str(prog.breaks[0])
+    opt, ropt = torch.optim.SGD(m.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        ropt.zero_grad()
+        y, r = prog(xd), ref(x)
+        y.sum().backward()
+        r.sum().backward()
+        opt.step()
+        ropt.step()
+        torch.testing.assert_close(y.full(), r)

@@ -289,6 +289,13 @@ def capture(fn, args, method: str = "auto"):
         raise CaptureError("a tensor inside a list, tuple or dict argument would be frozen "
                            "into the graph as a constant; pass each tensor as an argument of "
                            "its own (the program runs eagerly)")
+    if isinstance(fn, nn.Module):
+        walked = {id(p) for m in fn.modules() for p in m._parameters.values() if p is not None}
+        if any(id(p) not in walked for p in fn.parameters()):
+            raise CaptureError(f"{type(fn).__name__}'s parameters are not registered on its "
+                               "submodules (a wrapper such as DistributedDataParallel keeps "
+                               "the module apart): capture would freeze them as constants "
+                               "and no gradient would reach them; the program runs eagerly")
     with state_writes(fn) as writes:      # a forward that sets module state (guards.py)
         try:
             out = _capture(fn, args, method)
