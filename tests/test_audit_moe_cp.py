@@ -245,12 +245,13 @@ class _Counts(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(6, 6)
-        self.calls, self.last = 0, None
+        self.calls, self.last, self._cache = 0, None, None
 
     def forward(self, x):
         y = self.lin(x)
         self.calls += 1
         self.last = y
+        self._cache = y * 1                      # a private one too (MoE keeps _last)
         return y
 
 
@@ -263,8 +264,8 @@ def test_a_forward_that_sets_module_state_runs_eagerly_and_keeps_its_state(metho
     m = wb.parallelize(_Counts(), mesh, {})
     x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
     prog = wb.compile(m, x, method=method)
-    assert prog.eager and "sets module state (calls, last)" in str(prog.breaks[0])
-    assert m.calls == 0 and m.last is None                  # put back after capture
+    assert prog.eager and "sets module state (calls, last, _cache)" in str(prog.breaks[0])
+    assert m.calls == 0 and m.last is None and m._cache is None     # put back after capture
     y = prog(x)
     prog(x)
     assert m.calls == 2 and m.last.device.type == "cpu"

@@ -128,7 +128,7 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def state_writes(module):
-    """Yields a list that collects "module.attr" for each public attribute the code sets on
+    """Yields a list that collects "module.attr" for each attribute the code sets on
     ``module`` or a child while the block runs; every such attribute is put back after."""
     found: list = []
     if not isinstance(module, nn.Module):
@@ -138,7 +138,7 @@ def state_writes(module):
     old, base = {}, nn.Module.__setattr__
 
     def watch(self, name, value):
-        if id(self) in mods and not name.startswith("_") and name != "training":
+        if id(self) in mods and not name.startswith("__") and name != "training":
             key = (id(self), name)
             if key not in old:
                 old[key] = (self, getattr(self, name, _MISSING))
