@@ -517,3 +517,29 @@ def test_a_data_parallel_wrapper_compiles_to_an_eager_program_that_trains(wrappe
         opt.step()
         ropt.step()
         torch.testing.assert_close(y.full(), r)
+
+
+class _Records(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.history = [torch.ones(2)]
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.history.append(y)
+        return y
+
+
+@pytest.mark.parametrize("method", ["auto", "trace"])
+def test_a_forward_that_appends_to_a_module_list_runs_eagerly(method):
+    """``self.history.append(y)`` was not repeated by the graph (and left a meta tensor in
+    the list after tracing)."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    m = wb.parallelize(_Records(), mesh, {})
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [S(0)])
+    prog = wb.compile(m, x, method=method)
+    assert prog.eager and "(history)" in str(prog.breaks[0]) and len(m.history) == 1
+    prog(x)
+    prog(x)
+    assert len(m.history) == 3 and m.history[-1].mesh == mesh

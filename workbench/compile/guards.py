@@ -145,6 +145,10 @@ def state_writes(module):
                 where = mods[id(self)]
                 found.append(f"{where}.{name}" if where else name)
         base(self, name, value)
+    # containers the module holds (self.history.append(y)): their contents before
+    boxes = [(f"{mname}.{k}" if mname else k, v, _contents(v))
+             for mname, m in module.named_modules() for k, v in vars(m).items()
+             if not k.startswith("__") and type(v) in (list, dict, set)]
     nn.Module.__setattr__ = watch
     try:
         yield found
@@ -155,6 +159,25 @@ def state_writes(module):
                 mod.__dict__.pop(name, None)
             else:
                 base(mod, name, was)
+        for label, box, was in boxes:
+            if _contents(box)[2] != was[2]:
+                found.append(label)
+                box.clear()
+                if isinstance(box, dict):
+                    box.update(was[1])
+                elif isinstance(box, list):
+                    box.extend(was[1])
+                else:
+                    box.update(was[1])
+
+
+def _contents(box):
+    """A container's contents, compared by identity (what a forward may have added)."""
+    if isinstance(box, dict):
+        items = dict(box)
+        return ("dict", items, tuple((k, id(v)) for k, v in items.items()))
+    items = list(box)
+    return (type(box).__name__, items, tuple(id(v) for v in items))
 
 
 def check_parameter(name: str, p, value, captured):
