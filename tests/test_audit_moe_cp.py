@@ -255,7 +255,6 @@ class _Counts(nn.Module):
         return y
 
 
-@pytest.mark.filterwarnings("ignore:The tensor attribute self.last was assigned")
 @pytest.mark.parametrize("method", ["auto", "trace"])
 def test_a_forward_that_sets_module_state_runs_eagerly_and_keeps_its_state(method):
     """The graph did not repeat ``self.calls += 1`` / ``self.last = y`` on each call (and

@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import operator
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,10 @@ def capture_export(fn, args):
     with meta_twins(module) as rows:
         by_name = {full: p for full, p, _, _ in rows}   # every name, tied ones too
         try:
-            with _quiet():
+            with _quiet(), warnings.catch_warnings():
+                # export's own advice (e.g. "tensor attributes assigned during export"):
+                # capture reports what it does with such code itself (guards.py)
+                warnings.simplefilter("ignore", UserWarning)
                 ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)
