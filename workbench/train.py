@@ -263,11 +263,11 @@ def strategy_from_args(args) -> Strategy:
         if cp != 1:                     # context parallelism: recipes/context_parallel.py
             from .recipes.context_parallel import ContextParallel
             from .recipes.moe import moe_overrides
-            if ep != 1 or moe_overrides(args):
-                raise ValueError("--cp with a mixture of experts (--moe-experts, --ep) is not "
-                                 "built yet (the load-balancing loss would be counted over each "
-                                 "rank's chunk of the sequence, not the whole batch): leave "
-                                 "out --cp, or the MoE flags")
+            moe_overrides(args)         # MoE flags checked; the layers: recipes/moe.py
+            if ep != 1:
+                raise ValueError("--cp with --ep (experts split over ranks) is not built yet: "
+                                 "leave out --ep (the experts then stay whole on every rank) "
+                                 "or --cp")
             if getattr(args, "device", "cpu") != "cpu":
                 raise ValueError(f"--device {args.device} with --cp: simulated ranks run on "
                                  "the CPU, and under --backend torch each process uses its "

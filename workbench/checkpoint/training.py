@@ -66,20 +66,14 @@ def _entries(strategy, model, optimizer):
     names = {id(p): n for n, p in dist_parameters(model)}
     stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
               if strategy._own(strategy.meshes[s % strategy.pp])]
-    # Zero3: one per stage, in stage order; its shards are the leaves
-    for s, opt in zip(stages, [o for o in optimizer if hasattr(o, "entries")]):
-        mods = strategy.stages[s]["modules"]           # its module: a list of these
-        for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
-            i, rest = qname.split(".", 1)
-            out.append((f"{mods[int(i)]}.{rest}", tmpl, opt.optimizer, shard,
-                        _zero3_gather(opt, tmpl), _zero3_cut(opt)))
-    # every other optimizer, whatever stage: a stage with experts on their own mesh (ep)
-    # has two, the dense parameters' and the experts' (recipes/hybrid.py build_optimizer);
-    # pairing optimizers with stages one to one left the experts' states out of the save
-    for opt in optimizer:
-        if hasattr(opt, "entries") or not all(id(p) in names for p in opt.params):
-            continue                                   # Zero3 above; DualPipe's copy 1
-        if opt.zero:                                   # ZeRO 1-2: flat chunks per dp rank
+    for s, opt in _stage_optimizers(stages, optimizer):
+        if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
+            mods = strategy.stages[s]["modules"]       # its module: a list of these
+            for qname, (_, _, tmpl, shard) in zip(opt.names, opt.entries):
+                i, rest = qname.split(".", 1)
+                out.append((f"{mods[int(i)]}.{rest}", tmpl, opt.optimizer, shard,
+                            _zero3_gather(opt, tmpl), _zero3_cut(opt)))
+        elif opt.zero:                                 # ZeRO 1-2: flat chunks per dp rank
             inner = opt.optimizer
             for p, shard in zip(opt.params, inner.shards):
                 out.append((names[id(p)], p, inner.optimizer, shard,
@@ -89,6 +83,23 @@ def _entries(strategy, model, optimizer):
                 out.append((names[id(p)], p, opt.optimizer, p._local,
                             _as_dist(p), lambda g, leaf: _replica_copies(g, leaf)))
     return out
+
+
+def _stage_optimizers(stages, optimizer):
+    """(stage, optimizer) for this process's stages: each stage's optimizer, and beside it
+    the optimizer of its experts where expert parallelism gives them their own (on the
+    expert mesh, reduced over "edp": ``recipes/hybrid.py``); what follows (DualPipe's
+    twins) is not the stages'."""
+    i = 0
+    for s in stages:
+        if i >= len(optimizer):
+            return
+        yield s, optimizer[i]
+        i += 1
+        if i < len(optimizer) and "edp" in getattr(getattr(optimizer[i], "mesh", None),
+                                                   "dim_names", ()):
+            yield s, optimizer[i]
+            i += 1
 
 
 def _as_dist(p):

@@ -32,6 +32,7 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref
+from .guards import state_writes
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
@@ -88,6 +89,15 @@ def _leaves(tree, out):
     elif isinstance(tree, slice):
         _leaves([tree.start, tree.stop, tree.step], out)
     return out
+
+
+def nested_tensors(tree) -> list:
+    """The tensors and DistTensors in a (nested) list, tuple or dict."""
+    if isinstance(tree, (torch.Tensor, DistTensor)):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else \
+        tree if isinstance(tree, (list, tuple)) else ()
+    return [t for x in items for t in nested_tensors(x)]
 
 
 def _swap(tree, fn):
@@ -156,7 +166,18 @@ class _Tracer(TorchFunctionMode):
                                "capture follows values, not writes: compute a new tensor "
                                "(torch.where, torch.cat) instead")
         if hit is None:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (Broken, CaptureError):
+                raise
+            except Exception as e:    # noqa: BLE001 (e.g. a meta tensor beside a CPU one)
+                f, line, code = _user_frame()
+                raise CaptureError(
+                    f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
+                    "entry in the op table and does not run on the traced meta tensors "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                    "register the op (workbench.parallel.ops_table) or compute it outside "
+                    "the compiled function") from None
             if _leaves(out, []):
                 f, line, code = _user_frame()
                 raise CaptureError(
@@ -255,6 +276,14 @@ def _meta_parameters(module, graph, tracer, placements):
         yield
 
 
+
+def _registered(module):
+    """``module`` and the modules registered under it (``_modules``), depth first."""
+    yield module
+    for child in module._modules.values():
+        if child is not None:
+            yield from _registered(child)
+
 def capture(fn, args, method: str = "auto"):
     """(graph, placements of the inputs and parameters) of ``fn(*args)``.
 
@@ -264,6 +293,39 @@ def capture(fn, args, method: str = "auto"):
     if method not in ("auto", "export", "trace"):
         raise ValueError(f"capture(method={method!r}): use 'auto', 'export' or 'trace'")
     _load_ops()
+    if any(isinstance(a, (list, tuple, dict)) and nested_tensors(a) for a in args):
+        raise CaptureError("a tensor inside a list, tuple or dict argument would be frozen "
+                           "into the graph as a constant; pass each tensor as an argument of "
+                           "its own (the program runs eagerly)")
+    if isinstance(fn, nn.Module):
+        # the registered tree itself (``_modules``), not ``modules()``: the data-parallel
+        # wrappers answer ``modules()`` with the module they wrap, kept apart from them
+        walked = {id(p) for m in _registered(fn) for p in m._parameters.values()
+                  if p is not None}
+        if any(id(p) not in walked for p in fn.parameters()):
+            raise CaptureError(f"{type(fn).__name__}'s parameters are not registered on its "
+                               "submodules (a wrapper such as DistributedDataParallel keeps "
+                               "the module apart): capture would freeze them as constants "
+                               "and no gradient would reach them; the program runs eagerly")
+    with state_writes(fn) as writes:      # a forward that sets module state (guards.py)
+        try:
+            out = _capture(fn, args, method)
+        except Broken:
+            if writes:                     # the write came first: name it
+                raise _state_error(writes) from None
+            raise
+    if writes:
+        raise _state_error(writes)
+    return out
+
+
+def _state_error(writes):
+    return CaptureError(f"the forward sets module state ({', '.join(writes[:3])}): a "
+                        "captured graph would not repeat the write on each call; the module "
+                        "runs eagerly (keep such state outside forward, or return it)")
+
+
+def _capture(fn, args, method):
     notes = []
     if method in ("auto", "export"):
         from .export import capture_export, Unmapped
@@ -298,7 +360,15 @@ def _capture_trace(fn, args):
     ctx = _meta_parameters(module, g, tracer, placements) if module is not None \
         else contextlib.nullcontext()
     with ctx, tracer:
-        out = fn(*margs)
+        try:
+            out = fn(*margs)
+        except (Broken, CaptureError):
+            raise
+        except Exception as e:    # noqa: BLE001 (code that needs real DistTensors or data)
+            raise CaptureError(
+                "capture runs the program on meta tensors of the global shapes (plain "
+                f"tensors, no data) and it raised {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     missing = [t for t in _leaves(out, []) if id(t) not in tracer.ids]
     if missing:
         raise CaptureError("the program returns a tensor it did not compute from its inputs "

@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import operator
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,16 @@ def _same(func):
     return lambda args, kwargs: (func, args, kwargs)
 
 
+def _embedding_kw(a, k):
+    """aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq, sparse) as
+    F.embedding's keywords (the padding row gets no gradient: it must not be dropped)."""
+    names = ("padding_idx", "scale_grad_by_freq", "sparse")
+    got = dict(zip(names, a[2:]), **{n: k[n] for n in names if n in k})
+    if got.get("padding_idx", -1) == -1:
+        got.pop("padding_idx", None)
+    return {n: v for n, v in got.items() if v or n == "padding_idx"}
+
+
 # ATen overload -> (args, kwargs) -> (torch callable, args, kwargs)
 ADAPT = {
     aten.linear.default: _same(F.linear),
@@ -61,10 +72,11 @@ ADAPT = {
     aten.div.Tensor: _same(torch.div),
     aten.pow.Tensor_Scalar: _same(torch.pow),
     aten.softmax.int: lambda a, k: (torch.softmax, a[:2], {"dtype": a[2]} if len(a) > 2 else {}),
-    aten.log_softmax.int: lambda a, k: (torch.log_softmax, a[:2], {}),
+    aten.log_softmax.int: lambda a, k: (torch.log_softmax, a[:2],
+                                        {"dtype": a[2]} if len(a) > 2 else dict(k)),
     aten.layer_norm.default: lambda a, k: (F.layer_norm, a[:5], {}),
     aten.rms_norm.default: lambda a, k: (F.rms_norm, a[:4], {}),
-    aten.embedding.default: lambda a, k: (F.embedding, (a[1], a[0]), {}),
+    aten.embedding.default: lambda a, k: (F.embedding, (a[1], a[0]), _embedding_kw(a, k)),
     aten.t.default: _same(T.t) if T.t in BY_FUNC else None,
     aten.transpose.int: _same(torch.transpose),
     aten.view.default: _same(T.view),
@@ -107,6 +119,8 @@ class _Fn(nn.Module):
 
 
 def capture_export(fn, args):
+    if any(isinstance(a, (list, tuple, dict)) for a in args):
+        raise Unmapped("an argument is a list, tuple or dict (export flattens it)")
     module = fn if isinstance(fn, nn.Module) else _Fn(fn)
     g = Graph(method="export")
     placements = {}
@@ -115,7 +129,10 @@ def capture_export(fn, args):
     with meta_twins(module) as rows:
         by_name = {full: p for full, p, _, _ in rows}   # every name, tied ones too
         try:
-            with _quiet():
+            with _quiet(), warnings.catch_warnings():
+                # export's own advice (e.g. "tensor attributes assigned during export"):
+                # capture reports what it does with such code itself (guards.py)
+                warnings.simplefilter("ignore", UserWarning)
                 ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)
@@ -141,10 +158,13 @@ def capture_export(fn, args):
                 g.params[name] = vid
                 placements[vid] = (p.mesh, tuple(p.placements)) if isinstance(p, DistTensor) else p
             elif s.kind == InputKind.USER_INPUT:
-                while not isinstance(args[user_i], (DistTensor, torch.Tensor)):
-                    user_i += 1
+                # export's user inputs are the arguments one by one (nested ones refused
+                # above); a Python value is a constant of the graph
                 a = args[user_i]
                 user_i += 1
+                if not isinstance(a, (DistTensor, torch.Tensor)):
+                    env[node.name] = a
+                    continue
                 vid = g.value(val.shape, val.dtype, "input", f"arg{user_i - 1}",
                               requires_grad=bool(getattr(a, "requires_grad", False)))
                 g.inputs.append(vid)
@@ -194,10 +214,10 @@ def _map_node(g, node, env, metas):
     val = node.meta.get("val")
     outs_t = out if isinstance(out, (tuple, list)) else (out,)
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    if len(outs_t) != len(vals) or any(tuple(a.shape) != tuple(b.shape)
+    if len(outs_t) != len(vals) or any(tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
                                        for a, b in zip(outs_t, vals)):
         raise Unmapped(f"{node.target} mapped to {getattr(func, '__name__', func)} gives "
-                       "another shape than export recorded")
+                       "another shape or dtype than export recorded")
     ins, attrs = parse(*margs, **mkw)
     ids = {id(t): vid for vid, t in metas.items()}
     inputs = tuple(ids.get(id(x)) if isinstance(x, torch.Tensor) else None for x in ins)

@@ -34,6 +34,9 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
+from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, is_scalar,
+                     check_parameter, check_training_flags, hook_keys, tensor_attributes,
+                     training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -43,7 +46,8 @@ LEVELS = ("O0", "O1", "O2")
 
 
 def _mesh_of(args, module):
-    for a in args:
+    from .capture import nested_tensors
+    for a in nested_tensors(list(args)):
         if isinstance(a, DistTensor):
             return a.mesh
     if module is not None:
@@ -52,6 +56,19 @@ def _mesh_of(args, module):
                 if isinstance(p, DistTensor):
                     return p.mesh
     return None
+
+
+def _signature(a):
+    """What a call's argument must share with the example's: a tensor's shape, dtype,
+    placements and mesh; a Python value itself (the graph holds it as a constant)."""
+    if isinstance(a, (torch.Tensor, DistTensor)):
+        mesh = getattr(a, "mesh", None)
+        return (tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())),
+                None if mesh is None else (tuple(mesh.dim_names), tuple(mesh.shape),
+                                           tuple(mesh.ranks)))
+    if is_scalar(a) or (isinstance(a, (list, tuple)) and all(is_scalar(x) for x in a)):
+        return ("value", a)
+    return ("object", type(a).__name__)
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
@@ -107,9 +124,7 @@ class CompiledProgram:
         self.stages: list = []              # (pass name, schedule after it, its StepReport)
         self.graph = self.assignment = self.greedy = self.program = self.schedule = None
         self.parts: dict = {}               # child name -> its compiled program (a break)
-        self._example = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
-                         if isinstance(a, (torch.Tensor, DistTensor)) else None
-                         for a in example_inputs]
+        self._example = [_signature(a) for a in example_inputs]
         try:
             graph, placements = capture(fn, example_inputs, method)
         except Broken as e:
@@ -125,6 +140,11 @@ class CompiledProgram:
             return
         self.captured = graph
         self._placements = placements
+        if self.module is not None:         # what the call checks and re-reads (guards.py)
+            self._modes = training_flags(self.module)
+            self._attrs = tensor_attributes(self.module, graph.consts)
+        self._frozen = Frozen(fn, graph.consts)
+        self._hooks = hook_keys(fn)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
         self.graph = graph
@@ -167,12 +187,16 @@ class CompiledProgram:
                 with swapped(self.module, self.parts):
                     return self.fn(*args)
             return self.fn(*args)
-        got = [(tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())))
-               if isinstance(a, (torch.Tensor, DistTensor)) else None for a in args]
+        got = [_signature(a) for a in args]
         if got != self._example:
-            raise ValueError("compiled program called with inputs of other shapes, dtypes or "
-                             f"placements than it was compiled for ({got} vs "
-                             f"{self._example}); compile it again for these")
+            raise ValueError("compiled program called with inputs of other shapes, dtypes, "
+                             "placements or meshes, or other Python values, than it was "
+                             f"compiled for ({got} vs {self._example}); compile it again "
+                             "for these")
+        if self.module is not None:
+            check_training_flags(self.module, self._modes)
+        check_no_mode()
+        check_hooks(self.fn, self._hooks)
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
@@ -185,9 +209,14 @@ class CompiledProgram:
                     if p is not None:
                         named.setdefault(f"{mname}.{pname}" if mname else pname, p)
             for name, vid in g.params.items():
-                bind[vid] = named[name]
+                bind[vid] = check_parameter(name, named.get(name), g.values[vid],
+                                            self._placements.get(vid))
         for vid, c in g.consts.items():
             bind[vid] = c
+        bind.update(self._frozen.check(g.values))   # what the code read, as it is now
+        if self.module is not None:         # buffers and tensor attributes as they are now
+            bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
+                                                      if v in g.consts}, g.values))
         if self.level != "O2":
             return execute_program(g, self.program, self.mesh, bind)
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward

@@ -423,7 +423,11 @@ def _pad_one(t, shape, mesh, old_ps, i, coord):
 
 def _slice_stacked(x, shape, mesh, old_ps, i, new, label):
     nd, n, d = mesh.ndim, mesh.shape[i], new.dim
-    if i == nd - 1 and d == 0:            # the chunk index lands where the mesh axis was
+    if x.shape[i] != 1:                   # one copy per rank (data-parallel replicas, each
+        s = x.shape                       # keeping its own gradient): rank c keeps chunk c
+        z = x.unflatten(nd + d, (n, s[nd + d] // n))                  # of its own copy
+        y = torch.diagonal(z, 0, i, nd + d).movedim(-1, i)
+    elif i == nd - 1 and d == 0:          # the chunk index lands where the mesh axis was
         s = x.shape
         y = x.view(s[:i] + (n, s[nd] // n) + s[nd + 1:])
     else:

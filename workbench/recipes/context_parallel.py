@@ -53,6 +53,7 @@ from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
 from .hybrid import ONE_BUFFER, Hybrid
+from .moe import keep_sequence_order
 
 __all__ = ["ContextParallel", "cp_mesh"]
 
@@ -110,6 +111,12 @@ class ContextParallel(Hybrid):
             raise ValueError(f"cp={self.cp} with sp and tp={self.tp}: each cp rank's "
                              f"{cfg.seq_len // self.cp} tokens do not divide by tp; use a "
                              f"seq_len that is a multiple of {2 * self.cp * self.tp}")
+        if getattr(cfg, "moe_experts", 0) and self.distributed and \
+                batch_size % (self.dp * self.cp):
+            raise ValueError(f"cp={self.cp} with a mixture of experts under torch.distributed: "
+                             f"each cp rank routes whole sequences of its own, so the batch "
+                             f"({batch_size}) must be a multiple of dp x cp = "
+                             f"{self.dp * self.cp} (recipes/moe.py: keep_sequence_order)")
         if cfg.dropout > 0:
             raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: attention dropout on "
                              "the ring is not built; train with dropout 0 "
@@ -133,6 +140,8 @@ class ContextParallel(Hybrid):
         # SP: the norms' gradients are partial sums over tp, summed once per step
         self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
                           if self.sp else []}
+        # MoE layers: route in sequence order, hand the ring its layout back (recipes/moe.py)
+        keep_sequence_order(model, "cp", self.balanced)
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):

@@ -24,12 +24,16 @@ Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
 """
 from __future__ import annotations
 
+import torch
+
 from ..models.moe import moe_layers
+from ..parallel.placement import Replicate
 from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
                                                    expert_parallel)
 
 __all__ = ["scale_aux_losses", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
-           "split_params", "expert_meshes", "keep_residual_layout", "add_moe_arguments",
+           "split_params", "expert_meshes", "keep_residual_layout", "keep_sequence_order",
+           "add_moe_arguments",
            "moe_overrides", "moe_record"]
 
 
@@ -155,6 +159,74 @@ def keep_residual_layout(model, layers) -> None:
     for i in layers:
         for layer in moe_layers(model.layers[i]):
             layer.register_forward_hook(hook)
+
+
+def keep_sequence_order(model, mesh_dim: str, balanced: bool) -> None:
+    """Each MoE layer of a context-parallel model (the residual stream in ring order,
+    sharded over ``mesh_dim``; ``recipes/context_parallel.py``) routes as one device does.
+
+    The router takes whole sequences (each one a routing group: ``ops/moe.py``), so the
+    layer's input is laid out batch-sharded over cp (an all-to-all: each cp rank whole
+    sequences of its own), and with a capacity under load balancing put back in sequence
+    order (a local reordering), since tokens claim slots in sequence order.  The output
+    goes back to the input's layout (ring order, sequence-sharded), where the next
+    attention finds it.  A batch the cp ranks do not divide runs the layer replicated over
+    cp on simulated ranks; under torch.distributed each rank would then attach the whole
+    load-balancing gradient to its copy, which the data-parallel sum over cp would count
+    cp times, so it is refused there."""
+    import math
+
+    from ..parallel.reshard import reshard
+    from ..parallel.placement import Shard
+    from ..parallel.strategies.context_parallel import slot_positions
+    from ..sim_mesh import backends as _B
+    laid = {}
+
+    def sequences(x):
+        """x's placements with whole sequences: the batch over cp where it divides."""
+        mesh, cp = x.mesh, x.mesh.dim(mesh_dim)
+        ps = [Replicate() if p == Shard(1) else p for p in x.placements]
+        over = math.prod(mesh.shape[i] for i, p in enumerate(ps) if p == Shard(0))
+        if x.shape[0] % (over * mesh.shape[cp]) == 0:
+            ps[cp] = Shard(0)
+        elif _B.is_distributed(mesh):
+            raise NotImplementedError(
+                f"context parallelism with a mixture of experts: a batch of {x.shape[0]} "
+                f"sequences over {over} data-parallel x {mesh.shape[cp]} cp ranks; under "
+                "torch.distributed each cp rank routes whole sequences of its own, so give "
+                f"a batch that is a multiple of {over * mesh.shape[cp]}")
+        return ps
+
+    def order(mod, x, inverse):
+        if not (balanced and mod.capacity_factor is not None):
+            return x                    # routing token by token: the order is no matter
+        perm = slot_positions(x.shape[1], x.mesh.shape[x.mesh.dim(mesh_dim)], True)
+        perm = torch.argsort(perm) if inverse else perm
+        return torch.index_select(x, 1, perm.to(x.device))
+
+    def pre(mod, args):
+        x = args[0]
+        if not hasattr(x, "placements"):
+            return None
+        laid[id(mod)] = list(x.placements)
+        ps = sequences(x)
+        x = reshard(x, x.mesh, ps) if ps != list(x.placements) else x
+        return (order(mod, x, True),) + tuple(args[1:])
+
+    def post(mod, args, out):
+        ps = laid.pop(id(mod), None)
+        if ps is None or not hasattr(out, "placements"):
+            return out
+        whole = sequences(out)
+        if list(out.placements) != whole:
+            out = reshard(out, out.mesh, whole)
+        out = order(mod, out, False)
+        if list(out.placements) != ps:
+            out = reshard(out, out.mesh, ps)
+        return out
+    for layer in moe_layers(model):
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
 
 
 def moe_record(model, strategy) -> dict:

@@ -172,7 +172,28 @@ class context_parallel(TorchFunctionMode):
             q = args[0] if args else kwargs.get("query", kwargs.get("q"))
             if self._mine(q):
                 return self._ring(func, args, kwargs)
+            self._refuse_ring_ordered(func, q, args, kwargs)
         return func(*args, **kwargs)
+
+    def _refuse_ring_ordered(self, func, q, args, kwargs):
+        """Causal attention on a query of this mesh that is not sequence-sharded on cp:
+        with load balancing its sequence is in ring order (chunks i and 2p-1-i side by
+        side), where a plain causal mask hides the wrong keys; refused, not computed."""
+        if not (self.balanced and isinstance(q, DistTensor) and q.mesh == self.mesh):
+            return
+        sdpa = func is F.scaled_dot_product_attention
+        pos, name = (5, "is_causal") if sdpa else (4, "causal")
+        causal = args[pos] if len(args) > pos else kwargs.get(name, False)
+        if causal:
+            op = "scaled_dot_product_attention" if sdpa else "flash_attention"
+            raise ValueError(
+                f"context_parallel({self.name!r}): {op}(..., {name}=True) on a query laid out "
+                f"{[str(p) for p in q.placements]} (shape {tuple(q.shape)}): inside the "
+                "load-balanced context the sequences of this mesh are in ring order, where a "
+                "plain causal mask hides the wrong keys. Fix: shard the query, key and value "
+                f"on the sequence, Shard(2), over mesh dim {self.name!r} (reshard the layer's "
+                "input back to the residual stream's layout), or run this attention outside "
+                "the context")
 
     def _ring(self, func, args, kwargs):
         sdpa = func is F.scaled_dot_product_attention

@@ -47,9 +47,11 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.mesh import Mesh
 from ...sim_mesh.trace import current_trace
+from .. import storage
 from ..dist_tensor import DistTensor
 from ..module import parallelize
 from ..placement import Replicate, Shard
+from ..reshard import reshard
 from .expert_parallel_clock import _RecordBackward, exchange_report, record_layer
 
 __all__ = ["ExpertParallel", "expert_parallel", "expert_mesh", "check_expert_parallel",
@@ -125,7 +127,7 @@ class ExpertParallel:
         """Rows back from the experts -> (N, h): each token's k outputs times its gates."""
         N, k = w.shape
         out = back.new_zeros(N * k, back.shape[-1]).index_copy(0, assign, back)
-        return (out.view(N, k, -1) * w.unsqueeze(-1).to(back.dtype)).sum(1)
+        return (out.view(N, k, back.shape[-1]) * w.unsqueeze(-1).to(back.dtype)).sum(1)
 
     def _experts_on(self, module, params, rows_from, counts_from, r, E):
         """Rank r: its experts on the rows each source sent; the outputs in the same order."""
@@ -146,6 +148,12 @@ class ExpertParallel:
                             "parallelism runs on DistTensors laid out by the recipe")
         params = {n: p for n, p in module.named_parameters()}
         E = module.num_experts
+        # the routes laid out as the tokens (the router's rule may choose otherwise: a
+        # batch of one sequence over two ranks is replicated there)
+        weights, experts, slots = (
+            t if isinstance(t, DistTensor) and t.mesh == x.mesh and
+            tuple(t.placements) == tuple(x.placements)
+            else reshard(t, x.mesh, list(x.placements)) for t in (weights, experts, slots))
         if _B.is_distributed(self.mesh):
             return self._distributed(x, weights, experts, slots, module, params, E)
         return self._simulated(x, weights, experts, slots, module, params, E)
@@ -164,20 +172,20 @@ class ExpertParallel:
     def _simulated(self, x, w, e, s, module, params, E):
         em, ep = self.mesh, self.ep
         self._check_input(x)
-        loc = [t._local for t in (x, w, e, s)]
-        if any(type(t) is not torch.Tensor for t in loc):
-            raise NotImplementedError("ExpertParallel: uneven batch shards; give a batch "
-                                      "that the data-parallel ranks divide")
         nd = x.mesh.ndim
-        D, edp = loc[0].shape[0], em.shape[0]
+        # uneven batch shards (torch.chunk sizes: a rank may hold fewer sequences, or
+        # none) are one tensor per rank; even ones one stacked tensor
+        loc = [storage.to_cells(t._local, nd) if storage.is_cells(x._local) else t._local
+               for t in (x, w, e, s)]
+        D, edp = x.mesh.shape[0], em.shape[0]
         if D != edp * ep or x.mesh.ranks != em.ranks:
             raise ValueError(f"ExpertParallel: the input's mesh {x.mesh} is not the expert "
                              f"mesh {em} seen as (edp x ep, ...); build both from one mesh")
-        B, S, h = loc[0].shape[-3:]
+        S, h = x.shape[-2:]
         # copies along the other dims (tp) are the same tokens: computed once (index 0),
         # the exchange recorded for every group
         rest = (0,) * (nd - 1)
-        per_rank = [[t[(i, *rest)].reshape(B * S, -1) for t in loc] for i in range(D)]
+        per_rank = [[_rows(t[(i, *rest)]) for t in loc] for i in range(D)]
         group = tuple(range(ep))                # the exchange's order within a group
         ys, send_rows = [], {}
         for a in range(edp):
@@ -193,11 +201,15 @@ class ExpertParallel:
             back = C.all_to_all_v({group: outs}, em, self.ax, record=False)[group]
             for j in range(ep):
                 ys.append(self._unpermute(torch.cat(back[j]), perm[j][1], src[j][1])
-                          .reshape(B, S, h))
+                          .reshape(src[j][1].shape[0] // S, S, h))
             send_rows[a] = [pm[2] for pm in perm]
         self.last_send_rows = send_rows
-        y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), B, S, h)
-        y = self._record(y, send_rows, module, x)
+        if isinstance(loc[0], storage.Cells):    # each rank its own; tp copies share it
+            ys[0] = self._record(ys[0], send_rows, module, x)
+            y = storage.Cells(loc[0].lead, [ys[c[0]] for c in loc[0].coords()])
+        else:
+            y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), *ys[0].shape)
+            y = self._record(y, send_rows, module, x)
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
 
     def _distributed(self, x, w, e, s, module, params, E):
@@ -258,6 +270,11 @@ class ExpertParallel:
                 lambda: record_layer(current_trace(), plan, per_expert, w_bytes, h * item,
                                      x.dtype, self.chunks, "backward", len(mats)), y)
         return y
+
+
+def _rows(t):
+    """(B, S, n) -> (B S, n), spelled out: a rank may hold no sequence."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _rank_slice(local, mesh, coord2):

@@ -1,0 +1,327 @@
+"""What a compiled program reads afresh on each call (its module's parameters and buffers,
+the tensors its code names) and what it holds fixed from its capture (checked on every
+call, a change refused with the fix).
+
+``torch.compile`` guards a captured frame on what it read: ``module.training`` (a
+dropout, a Python branch on ``self.training``) and the tensors the code read off the
+module; when one changes it captures again.  A :class:`~.program.CompiledProgram` holds
+one capture, so:
+
+* the training flags of the module and its children are recorded at capture; a call
+  after ``model.eval()`` (or ``train()``) of a program captured in the other mode is
+  refused with the fix (compile again), never run in the captured mode;
+* a tensor the forward read off the module (a buffer, or a plain tensor attribute such
+  as a RoPE table) is a constant of the graph; it is looked up again by its module path
+  on every call, so that ``module.buf = new`` is seen as ``module.buf.fill_(...)`` is.
+  A replacement of another shape or dtype is refused with the fix;
+* what the code reads besides its inputs (the module's Python attributes its class's
+  methods name, e.g. ``self.scale``, a capacity factor; the globals and closure variables
+  the function names) was frozen into the graph: a Python number or string that differs
+  at a call is refused with the fix, a tensor is read again, as a buffer is
+  (:func:`references`);
+* the module hooks the capture ran (forward and pre-forward hooks of the module and its
+  children, and the global ones) are part of the graph: a hook added or removed since
+  is refused with the fix (:func:`hook_keys`);
+* a parameter is bound by its name on every call (its current data); one of another
+  shape, dtype or layout than at capture (``model.double()``, a new parallel plan) is
+  refused with the fix;
+* a forward that writes module state (``self.last = y``, ``self.calls += 1``) is not
+  captured: the graph would not replay the write (``torch.compile`` does), so capture
+  stops (:func:`state_writes`, the program then runs eagerly) and the module's
+  attributes are put back as they were;
+* the graph runs its ops through the dispatcher directly, so a torch-function mode the
+  caller has on (``context_parallel``: attention as a ring) would not see them: a
+  call under one is refused with the fix.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch import nn
+
+from ..parallel.dist_tensor import DistTensor
+
+__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
+           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
+           "hook_keys", "check_hooks", "is_scalar"]
+
+
+def training_flags(module: nn.Module) -> tuple:
+    """(submodule name, its ``training`` flag) for the module and every child."""
+    return tuple((name, m.training) for name, m in module.named_modules())
+
+
+def check_training_flags(module: nn.Module, captured: tuple) -> None:
+    """Refuse a call in another train/eval mode than the capture's."""
+    now = training_flags(module)
+    if now == captured:
+        return
+    was = dict(captured)
+    changed = [f"{name or 'the module'} ({'train' if was[name] else 'eval'} -> "
+               f"{'train' if flag else 'eval'})" for name, flag in now
+               if name in was and was[name] != flag]
+    raise ValueError(
+        "compiled program called with its module in another train/eval mode than at "
+        f"capture: {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the graph "
+        "keeps what the capture's mode did (dropout, branches on self.training): compile "
+        "the module again in this mode (wb.compile after model.train() / model.eval()), or "
+        "set the mode back")
+
+
+def _key(t: torch.Tensor):
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
+
+
+def tensor_attributes(module: nn.Module, consts: dict) -> dict:
+    """{const vid: (submodule name, attribute)} for the constants of a captured graph that
+    are the module's buffers or plain tensor attributes (found by their storage)."""
+    where = {}
+    for mname, mod in module.named_modules():
+        named = list(mod._buffers.items()) + [
+            (k, v) for k, v in vars(mod).items() if not k.startswith("_")]
+        for attr, t in named:
+            if type(t) is torch.Tensor and not t.is_meta and t.numel():
+                where.setdefault(_key(t), (mname, attr))
+    out = {}
+    for vid, c in consts.items():
+        if type(c) is torch.Tensor and not c.is_meta and c.numel() and _key(c) in where:
+            out[vid] = where[_key(c)]
+    return out
+
+
+def bind_attributes(module: nn.Module, table: dict, values: list) -> dict:
+    """{const vid: the module's tensor now} for :func:`tensor_attributes`' ``table``."""
+    out = {}
+    for vid, (mname, attr) in table.items():
+        t = getattr(module.get_submodule(mname), attr, None)
+        v = values[vid]
+        full = f"{mname}.{attr}" if mname else attr
+        if isinstance(t, DistTensor) or not isinstance(t, torch.Tensor) or \
+                tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype:
+            got = (f"{type(t).__name__} {tuple(t.shape)} {t.dtype}"
+                   if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise ValueError(f"compiled program: module tensor {full!r} was a "
+                             f"{tuple(v.shape)} {v.dtype} tensor at capture and is now "
+                             f"{got}; compile the module again")
+        out[vid] = t.detach()
+    return out
+
+
+def check_no_mode() -> None:
+    """Refuse a call under a torch-function mode (it would not see the graph's ops)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext     # ``with torch.device(...)``: harmless
+    modes = [type(m).__name__ for m in _get_current_function_mode_stack()
+             if not isinstance(m, DeviceContext)]
+    if modes:
+        raise NotImplementedError(
+            f"compiled program called under {', '.join(modes)}: the graph runs its ops "
+            "without torch-function modes, so it would not do what the mode asks (under "
+            "context_parallel, attention would not run as a ring). Fix: call the function "
+            "itself (eagerly) inside the mode, or the compiled program outside it")
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def state_writes(module):
+    """Yields a list that collects "module.attr" for each attribute the code sets on
+    ``module`` or a child while the block runs; every such attribute is put back after."""
+    found: list = []
+    if not isinstance(module, nn.Module):
+        yield found
+        return
+    mods = {id(m): name for name, m in module.named_modules()}
+    old, base = {}, nn.Module.__setattr__
+
+    def watch(self, name, value):
+        if id(self) in mods and not name.startswith("__") and name != "training":
+            key = (id(self), name)
+            if key not in old:
+                old[key] = (self, getattr(self, name, _MISSING))
+                where = mods[id(self)]
+                found.append(f"{where}.{name}" if where else name)
+        base(self, name, value)
+    # containers the module holds (self.history.append(y)): their contents before
+    boxes = [(f"{mname}.{k}" if mname else k, v, _contents(v))
+             for mname, m in module.named_modules() for k, v in vars(m).items()
+             if not k.startswith("__") and type(v) in (list, dict, set)]
+    nn.Module.__setattr__ = watch
+    try:
+        yield found
+    finally:
+        nn.Module.__setattr__ = base
+        for (_, name), (mod, was) in old.items():
+            if was is _MISSING:
+                mod.__dict__.pop(name, None)
+            else:
+                base(mod, name, was)
+        for label, box, was in boxes:
+            if _contents(box)[2] != was[2]:
+                found.append(label)
+                box.clear()
+                if isinstance(box, dict):
+                    box.update(was[1])
+                elif isinstance(box, list):
+                    box.extend(was[1])
+                else:
+                    box.update(was[1])
+
+
+def _contents(box):
+    """A container's contents, compared by identity (what a forward may have added)."""
+    if isinstance(box, dict):
+        items = dict(box)
+        return ("dict", items, tuple((k, id(v)) for k, v in items.items()))
+    items = list(box)
+    return (type(box).__name__, items, tuple(id(v) for v in items))
+
+
+def check_parameter(name: str, p, value, captured):
+    """The module's parameter ``name`` now, if it is as captured (shape, dtype, layout)."""
+    was = captured.placements if isinstance(captured, DistTensor) else \
+        captured[1] if isinstance(captured, tuple) else ()
+    now = tuple(p.placements) if isinstance(p, DistTensor) else ()
+    if p is None or tuple(p.shape) != tuple(value.shape) or p.dtype != value.dtype or \
+            tuple(now) != tuple(was):
+        got = "gone" if p is None else f"{tuple(p.shape)} {p.dtype} {list(map(str, now))}"
+        raise ValueError(f"compiled program: parameter {name!r} was {tuple(value.shape)} "
+                         f"{value.dtype} {list(map(str, was))} at capture and is now {got}; "
+                         "compile the module again")
+    return p
+
+
+_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+def is_scalar(v) -> bool:
+    return isinstance(v, _SCALARS) or (isinstance(v, tuple) and len(v) <= 64 and
+                                       all(isinstance(x, _SCALARS) for x in v))
+
+
+def _code_names(code, out: set) -> set:
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+    return out
+
+
+_NOT_FORWARD = {"__init__", "__repr__", "extra_repr", "reset_parameters", "__setstate__",
+                "__getstate__", "_load_from_state_dict", "_save_to_state_dict"}
+
+
+def _functions_of(cls):
+    """The functions a module class defines (its own and its bases' below nn.Module)."""
+    for k in cls.__mro__:
+        if k is nn.Module:
+            break
+        if not issubclass(k, nn.Module):        # a mixin (the parallel wrappers' state)
+            continue
+        for name, v in vars(k).items():
+            f = getattr(v, "__func__", v)
+            if isinstance(f, types.FunctionType) and name not in _NOT_FORWARD:
+                yield f
+
+
+def references(fn) -> dict:
+    """{label: getter} of what ``fn``'s code reads besides its arguments: the globals and
+    closure variables its code names and, for a module, the instance attributes the
+    methods of each submodule's class name (``self.scale``)."""
+    out: dict = {}
+
+    def add(f):
+        names = _code_names(f.__code__, set())
+        g = f.__globals__
+        for n in names:
+            if n in g:
+                out.setdefault(f"global {n}", lambda g=g, n=n: g.get(n, _MISSING))
+        for n, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            out.setdefault(f"closure variable {n}", lambda c=cell: c.cell_contents)
+    if isinstance(fn, nn.Module):
+        for mname, mod in fn.named_modules():
+            names: set = set()
+            for f in _functions_of(type(mod)):
+                add(f)
+                _code_names(f.__code__, names)
+            d = vars(mod)
+            for n in sorted(names & set(d)):
+                if n != "training":
+                    out.setdefault(f"module attribute {mname + '.' if mname else ''}{n}",
+                                   lambda d=d, n=n: d.get(n, _MISSING))
+    else:
+        f = getattr(fn, "__func__", fn)
+        if isinstance(f, types.FunctionType):
+            add(f)
+    return out
+
+
+class Frozen:
+    """What a capture read through :func:`references`: Python values compared on every
+    call, tensors (constants of the graph) read again."""
+
+    def __init__(self, fn, consts: dict):
+        self.refs = references(fn)
+        self.scalars, tensors = {}, {}
+        for label, get in self.refs.items():
+            try:
+                v = get()
+            except ValueError:                  # an empty closure cell
+                continue
+            if is_scalar(v):
+                self.scalars[label] = v
+            elif type(v) is torch.Tensor and not v.is_meta and v.numel():
+                tensors.setdefault(_key(v), label)
+        self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
+                       if type(c) is torch.Tensor and not c.is_meta and c.numel()
+                       and _key(c) in tensors}
+
+    def check(self, values: list) -> dict:
+        """Refuse a changed Python value; {const vid: its tensor now}."""
+        for label, was in self.scalars.items():
+            now = self.refs[label]()
+            if now is not was and not (type(now) is type(was) and now == was):
+                shown = "gone" if now is _MISSING else repr(now)
+                raise ValueError(f"compiled program: {label} was {was!r} at capture and is "
+                                 f"now {shown}; the graph holds the value it read: compile "
+                                 "again (or pass the value in as a tensor input)")
+        out = {}
+        for vid, label in self.consts.items():
+            t, v = self.refs[label](), values[vid]
+            if type(t) is not torch.Tensor or tuple(t.shape) != tuple(v.shape) or \
+                    t.dtype != v.dtype:
+                raise ValueError(f"compiled program: {label} was a {tuple(v.shape)} "
+                                 f"{v.dtype} tensor at capture and is now "
+                                 f"{type(t).__name__}; compile again")
+            out[vid] = t.detach()
+        return out
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_keys(module) -> tuple:
+    """The hooks a call of ``module`` runs: per submodule and globally, their handles' ids."""
+    from torch.nn.modules import module as M
+    glob = tuple(tuple(getattr(M, f"_global{h}", {})) for h in _HOOKS)
+    if not isinstance(module, nn.Module):
+        return (glob,)
+    return (glob,) + tuple((name, tuple(tuple(getattr(m, h, {})) for h in _HOOKS))
+                           for name, m in module.named_modules())
+
+
+def check_hooks(module, captured: tuple) -> None:
+    """Refuse a call after a module hook was added or removed (the graph ran the old ones)."""
+    now = hook_keys(module)
+    if now == captured:
+        return
+    was = dict(captured[1:])
+    where = ["global module hooks"] if now[0] != captured[0] else []
+    where += [repr(name) if name else "the module" for name, keys in now[1:]
+              if was.get(name) != keys]
+    raise ValueError(f"compiled program: hooks added or removed since capture on "
+                     f"{', '.join(where[:4])}; the graph holds what the hooks at capture "
+                     "did: compile again with the hooks you want")
