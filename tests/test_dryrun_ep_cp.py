@@ -128,6 +128,16 @@ def test_moe_without_ep_runs_the_dense_dispatch_buffers():
     assert dr.memory["activations"] > 2 * est.memory["activations"]
 
 
+def test_moe_under_cp_runs_with_ep_1_in_sequence_order():
+    """cp with a MoE model: ``ContextParallel`` routes the experts in sequence order
+    (``recipes.moe.keep_sequence_order``) with ep = 1, so the dense dispatch's buffers
+    (the test above) come on top of the ring: slower and bigger than the estimate, not
+    beyond what those two explain (measured 1.51x the step, 1.13x the total)."""
+    dr, est = _pair(MOE, Layout(cp=2, global_batch=1))
+    assert 1.2 * est.step_time < dr.step_time < 1.35 * 1.08 * 1.1 * est.step_time
+    assert est.memory["total"] < dr.memory["total"] < 1.25 * est.memory["total"]
+
+
 def test_uneven_routing_is_measured_and_slower():
     """A random router is uneven: the dry run with the rows a real forward routed (one
     sequence per rank at init) is slower than with balanced rows (the straggler ep rank),
@@ -149,8 +159,8 @@ def test_what_is_not_run_is_refused_with_the_fix():
         dry_run(MOE, Layout(dp=2, tp=2, ep=2, sp=True, global_batch=2), Cluster("a100", 4))
     with pytest.raises(ValueError, match=r"cp=2 with pp=2"):
         dry_run(CFG, Layout(cp=2, pp=2, global_batch=2), Cluster("a100", 4))
-    with pytest.raises(ValueError, match=r"cp=2 with moe_experts=8"):
-        dry_run(MOE, Layout(cp=2, global_batch=1), Cluster("a100", 2))
+    with pytest.raises(ValueError, match=r"cp=2 with ep=2"):
+        dry_run(MOE, Layout(cp=2, dp=2, ep=2, global_batch=2), Cluster("a100", 4))
     with pytest.raises(ValueError, match=r"routing='skewed'"):
         dry_run(MOE, Layout(dp=2, ep=2, global_batch=2), Cluster("a100", 2), routing="skewed")
 
