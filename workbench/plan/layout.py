@@ -104,7 +104,8 @@ class Layout:
         if self.sp and self.tp == 1:
             raise ValueError("Layout: sp=True splits the sequence over the tensor-parallel "
                              "group, but tp=1; set tp > 1 or sp=False")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int) or \
+                isinstance(self.zero, bool):        # not 1.0: an int stage
             raise ValueError(f"Layout: zero={self.zero!r}; ZeRO stages are 0 (off), 1 "
                              f"(optimizer states), 2 (+ gradients), 3 (+ parameters)")
         if self.zero >= 2 and self.pp > 1:
