@@ -153,3 +153,47 @@ def test_cli_plan_names_the_fix_for_a_float32_preset(capsys):
     assert main(["plan", "--model", "tiny", "--devices", "2", "--global-batch", "2"]) == 2
     err = capsys.readouterr().err
     assert "--model tiny" in err and "float32" in err and "llama3-8b" in err
+
+
+# ---- plan.memory's public functions (notebook 11 calls them) -------------------------
+def test_memory_functions_refuse_what_they_would_misread():
+    """Were: recompute="Full" and attention="Flash" priced as "none" / materialized,
+    zero=4 as ZeRO-3, stage=-1 as a stage (the last's weights, the first's in-flight
+    count), dp=0 a ZeroDivisionError."""
+    from workbench.plan.memory import (in_flight, layer_activation_bytes, model_state_bytes,
+                                       stage_memory)
+    cfg = get_config("gpt3-175b")
+    lay = P.Layout(dp=8, tp=8, pp=16, global_batch=1536)
+    bad = [
+        (lambda: layer_activation_bytes(cfg, 1, 8, False, "Full"), "recompute='Full'"),
+        (lambda: layer_activation_bytes(cfg, 1, 8, False, "none", attention="Flash"),
+         "attention='Flash'"),
+        (lambda: layer_activation_bytes(cfg, 0, 8, False, "none"), "b=0"),
+        (lambda: model_state_bytes(7.5e9, 64, 4), "zero=4"),
+        (lambda: model_state_bytes(7.5e9, 64, 1.5), "zero=1.5"),
+        (lambda: model_state_bytes(7.5e9, 0, 1), "dp=0"),
+        (lambda: stage_memory(cfg, lay, -1), r"stage=-1; give a pipeline stage in 0 .. pp - 1 = 15"),
+        (lambda: stage_memory(cfg, lay, 16), "stage=16"),
+        (lambda: in_flight("1F1B", 4, 8, 1, 0), "schedule='1F1B'"),
+        (lambda: in_flight("1f1b", 4, 8, 1, 4), "stage=4"),
+    ]
+    for make, match in bad:
+        with pytest.raises(ValueError, match=match):
+            make()
+    # what they accept is unchanged: ZeRO's Figure 1 (7.5B on 64 GPUs: 120, 31.4, 16.6, 1.875 GB)
+    got = [sum(model_state_bytes(7.5e9, 64, z).values()) / 1e9 for z in range(4)]
+    assert got == pytest.approx([7.5 * 16, 7.5 * (4 + 12 / 64), 7.5 * (2 + 14 / 64), 7.5 * 16 / 64])
+    assert stage_memory(cfg, lay, 15)["total"] < stage_memory(cfg, lay, 0)["total"]
+
+
+def test_world_mismatch_says_ep_is_part_of_dp():
+    mx = P.presets.get_config("mixtral-8x7b", n_layer=2)
+    with pytest.raises(ValueError, match=r"= 2 but the cluster has devices=4.*ep=2 is carved "
+                                         r"out of dp"):
+        P.estimate(mx, P.Layout(dp=2, ep=2), P.Cluster("h100", 4))
+
+
+def test_dry_run_world_mismatch_names_cp():
+    with pytest.raises(ValueError, match=r"dp x tp x pp x cp = 2 x 1 x 1 x 2 = 4 but the "
+                                         r"cluster has devices=2"):
+        P.dry_run(get_config("tiny"), P.Layout(dp=2, cp=2), P.Cluster("a100", 2))

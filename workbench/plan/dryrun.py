@@ -144,8 +144,9 @@ def _check(model, lay: Layout, cl: Cluster):
             raise ValueError("dry_run(model, layout, cluster): give a wb.plan.Layout and a "
                              "wb.plan.Cluster")
         if lay.world != cl.devices:
-            raise ValueError(f"Layout dp x tp x pp = {lay.world} but the cluster has "
-                             f"devices={cl.devices}; make them equal")
+            raise ValueError(f"Layout dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x "
+                             f"{lay.cp} = {lay.world} but the cluster has devices="
+                             f"{cl.devices}; make them equal")
     _ep_cp.check(model, lay)                   # MoE and cp: what the runtime runs
 
 

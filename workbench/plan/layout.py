@@ -252,7 +252,9 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
         raise ValueError(f"Layout dp x tp x pp{cp[0]} = {lay.dp} x {lay.tp} x {lay.pp}{cp[1]} "
                          f"= {lay.world} but the cluster has devices={cluster.devices}; choose "
                          f"dp = {cluster.devices} / (tp x pp{cp[0]}) so the layout uses every "
-                         f"device")
+                         f"device"
+                         + (f" (ep={lay.ep} is carved out of dp, not a factor of its own)"
+                            if lay.ep > 1 else ""))
     _ep_cp.check_layout(model, lay)
     if lay.recompute == "op" and (model.arch != "llama" or getattr(model, "moe_experts", 0)):
         raise ValueError(f"Layout: recompute='op' (torchtitan's op-level selective "
