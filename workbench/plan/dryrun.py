@@ -102,6 +102,7 @@ from .meta_moe import use_meta_routing
 from .memory import workspace_bytes
 from .comm_memory import comm_buffer_bytes
 from .ep_cp import token_cfg
+from .edge_cost import measured_loss_delta
 from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
@@ -223,6 +224,10 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
     per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
+    # the loss at the profile's measured rate, as the estimate prices it (plan.edge_cost)
+    last = measured[rep[n - 1]]
+    d_fwd, d_bwd = measured_loss_delta(token_cfg(cfg, lay), lay.micro_batch, lay.tp, prof)
+    last["forward"], last["backward"] = last["forward"] + d_fwd, last["backward"] + d_bwd
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
     f = [d["forward"] + d["send"] for d in st]
