@@ -31,6 +31,11 @@ shapes, dtypes and placements exist):
 
 What is composed from those measurements (not run op by op):
 
+- on a profile that measured the loss (the H100's ``measured`` file), the last stage's
+  logits cast and cross-entropy re-priced at that rate, as the estimate prices them
+  (``plan.edge_cost.measured_loss_delta``; the trace's op table prices them by the
+  roofline);
+
 - the pipeline: ``parallel.schedules.simulate`` of the layout's schedule (m
   micro-batches) with each stage's measured forward and backward, the send of its
   output added to its forward and of its input gradient to its backward (Megatron's
