@@ -215,3 +215,14 @@ def test_dry_run_prices_the_loss_as_the_estimate_on_a_measured_profile(cfg, lay)
     est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
     assert dr.step_time == pytest.approx(est.step_time, rel=0.05)
     assert dr.memory["total"] == pytest.approx(est.memory["total"], rel=0.05)
+
+
+def test_dry_run_refuses_a_name_for_a_model_and_routing_it_would_ignore():
+    """Were: model="gpt3-175b" a TypeError from str.replace; routing= on a dense model
+    (or ep=1) silently ignored."""
+    tiny = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128,
+                      vocab_size=512)
+    with pytest.raises(ValueError, match="model='gpt3-175b' must be a ModelConfig"):
+        P.dry_run("gpt3-175b", P.Layout(dp=2), P.Cluster("a100", 2))
+    with pytest.raises(ValueError, match="routing='skewed'.*moe_experts=0"):
+        P.dry_run(tiny, P.Layout(dp=2), P.Cluster("a100", 2), routing="skewed")

@@ -137,7 +137,18 @@ class DryRun:
                 f"{gb:.2f} GB per rank ({'fits' if self.fits else 'does NOT fit'})")
 
 
-def _check(model, lay: Layout, cl: Cluster):
+def _check(model, lay: Layout, cl: Cluster, routing="balanced"):
+    from ..models.config import ModelConfig
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"dry_run: model={model!r} must be a ModelConfig, e.g. "
+                         f"wb.models.get_config('llama3-8b') or "
+                         f"wb.plan.presets.get_config('mixtral-8x7b')")
+    if not (isinstance(routing, str) and routing == "balanced") and not (
+            getattr(model, "moe_experts", 0) and isinstance(lay, Layout) and lay.ep > 1):
+        raise ValueError(f"dry_run: routing={routing!r} sets a MoE's rows per expert over "
+                         f"ep > 1 ranks, but the model has moe_experts="
+                         f"{getattr(model, 'moe_experts', 0)} and layout ep="
+                         f"{getattr(lay, 'ep', None)}; leave routing='balanced'")
     if isinstance(lay, Layout) and lay.framework not in (None, "workbench"):
         raise ValueError(f"dry_run: layout framework={lay.framework!r}; the dry run runs "
                          f"this library's own Hybrid recipe: give framework='workbench' "
@@ -191,7 +202,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     (module docstring); the same arguments as ``wb.plan.estimate``.  ``routing``: a MoE's
     rows per expert on meta tensors ("balanced", the planner's assumption, or per-rank
     counts: :mod:`.meta_moe`)."""
-    _check(model, layout, cluster)
+    _check(model, layout, cluster, routing)
     lay, prof = layout, cluster.profile
     cfg = model.replace(recompute=lay.recompute)
     h = _ep_cp.recipe(lay)         # Hybrid (with ep for a MoE) or ContextParallel
