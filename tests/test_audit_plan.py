@@ -226,3 +226,22 @@ def test_dry_run_refuses_a_name_for_a_model_and_routing_it_would_ignore():
         P.dry_run("gpt3-175b", P.Layout(dp=2), P.Cluster("a100", 2))
     with pytest.raises(ValueError, match="routing='skewed'.*moe_experts=0"):
         P.dry_run(tiny, P.Layout(dp=2), P.Cluster("a100", 2), routing="skewed")
+
+
+@pytest.mark.parametrize("lay,crossings", [
+    (P.Layout(pp=2, global_batch=4), 1),                  # the last stage: its input's gradient
+    (P.Layout(pp=4, global_batch=4), 1),                  # (the slowest: the last)
+    (P.Layout(pp=2, global_batch=4, schedule="interleaved_1f1b", v=2), 3),   # 2v - 1
+])
+def test_comm_bytes_count_the_first_and_last_stages_sends_once(lay, crossings):
+    """Was 2 v crossings per micro-batch on every stage: the first stage sends no input
+    gradient and the last no output (2x at pp = 2, v = 1; the dry run measured 1)."""
+    cfg = get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=16, seq_len=1024,
+                     vocab_size=1024)
+    e = P.estimate(cfg, lay, P.Cluster("a100", lay.world), attention="flash")
+    assert e.details["slowest_stage"] == lay.pp - 1
+    one = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model        # 2 s b h bytes, tp = 1
+    assert e.comm_bytes == lay.m * crossings * one
+    if lay.v == 1:      # the dry run (which traces the forward sends) agrees here
+        dr = P.dry_run(cfg, lay, P.Cluster("a100", lay.world))
+        assert dr.comm_bytes == e.comm_bytes

@@ -359,7 +359,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
-        sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
+        # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
+        # both ways per chunk but the first stage's input and the last's output
+        # (2v - 1 on them; the time keeps 2v: a blocking receive waits on the link)
+        sent = n_layers * layer.comm_bytes + (2 * v - (s in (0, pp - 1))) * p2p_sent
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
