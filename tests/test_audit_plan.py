@@ -245,3 +245,31 @@ def test_comm_bytes_count_the_first_and_last_stages_sends_once(lay, crossings):
     if lay.v == 1:      # the dry run (which traces the forward sends) agrees here
         dr = P.dry_run(cfg, lay, P.Cluster("a100", lay.world))
         assert dr.comm_bytes == e.comm_bytes
+
+
+def test_interleaved_with_m_equal_pp_holds_every_micro_batchs_logits_and_syncs_every_chunk():
+    """Interleaved 1F1B with m == pp runs all forwards first (Megatron-LM's
+    all_warmup_microbatches; ``memory.in_flight`` counts it for the layers): the last
+    chunk's head then holds m micro-batches' logits, where the estimate counted one (the
+    dry run, on the schedule, 1.055x-1.066x of it at dp 2).  And the dry run took the
+    slowest single chunk's DP sync where a rank reduces all v of its chunks (0.87 ms
+    against the estimate's 1.36 ms at dp 4, v 4)."""
+    cfg = get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=16, seq_len=1024)
+    for lay in (P.Layout(dp=2, pp=2, global_batch=4, schedule="interleaved_1f1b", v=2),
+                P.Layout(dp=4, pp=2, global_batch=8, schedule="interleaved_1f1b", v=4)):
+        cl = P.Cluster("a100", lay.world)
+        dr = P.dry_run(cfg, lay, cl)
+        est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+        assert lay.m == lay.pp
+        assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
+        assert dr.breakdown["dp_sync"] == pytest.approx(est.details["dp_sync"], rel=0.10)
+        assert dr.step_time == pytest.approx(est.step_time, rel=0.05)
+    # the last rank: m = 4 holds 3 chunks (1.5 micro-batches of its 4 layers) and one
+    # micro-batch's logits; m = pp = 2 all 4 chunks (2 micro-batches) and both logits
+    from workbench.plan.memory import layer_activation_bytes, stage_memory
+    lay = P.Layout(pp=2, global_batch=4, schedule="interleaved_1f1b", v=2)
+    m4 = stage_memory(cfg, lay, 1, "flash")["activations"]
+    m2 = stage_memory(cfg, lay.replace(global_batch=2), 1, "flash")["activations"]
+    logits = 4 * cfg.seq_len * cfg.d_model + 4 * cfg.seq_len * cfg.vocab_size
+    layer = layer_activation_bytes(cfg, 1, 1, False, "none", "flash")
+    assert m2 - m4 == pytest.approx(0.5 * 4 * layer + logits, rel=1e-12)

@@ -250,7 +250,9 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     b = [d["backward"] + (st[s - 1]["send"] if s else 0.0) for s, d in enumerate(st)]
     sched = h._schedule(lay.m)
     sim = S.simulate(sched, f=f, b=b)
-    sync = max(opt_t[rep[s]]["sync"] for s in range(n))
+    # a pipeline rank reduces the gradients of every chunk it holds (interleaved: v)
+    sync = max(sum(opt_t[rep[c]]["sync"] for c in _chunks(r, lay.pp, n))
+               for r in range(lay.pp))
     adamw = max(sum(opt_t[rep[c]]["adamw"] for c in _chunks(r, lay.pp, n))
                 for r in range(lay.pp))
     tied = 0.0

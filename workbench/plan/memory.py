@@ -224,6 +224,13 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     return float(min(pp - stage, m))
 
 
+def _all_warmup(lay) -> bool:
+    """Interleaved 1F1B with m == pp runs every chunk's forward before any backward
+    (Megatron-LM's ``all_warmup_microbatches``, :func:`in_flight`): the last chunk's head
+    then holds all m micro-batches' logits, as GPipe's."""
+    return lay.schedule == "interleaved_1f1b" and lay.m == lay.pp
+
+
 def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
                            held: float, head_held: int) -> float:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
@@ -287,7 +294,7 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                        attention)
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
-                                  lay.m if lay.schedule == "gpipe" else 1)
+                                  lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
     mem["total"] = sum(mem.values())
