@@ -31,6 +31,9 @@ shapes, dtypes and placements exist):
 
 What is composed from those measurements (not run op by op):
 
+- ``comm_bytes``: per pipeline rank, each chunk's measured collectives and sends times
+  m, with the backward's gradient sends (not run: the stage's backward starts from an
+  empty gradient) counted as the mirror of the forward's, plus its optimizer step's;
 - on a profile that measured the loss (the H100's ``measured`` file), the last stage's
   logits cast and cross-entropy re-priced at that rate, as the estimate prices them
   (``plan.edge_cost.measured_loss_delta``; the trace's op table prices them by the
@@ -222,11 +225,14 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     rep = _distinct(n, lay.stages is not None)
     measured, opt_t = {}, {}
     with _trace(prof) as tr:
+        stage_bytes, step_bytes = {}, {}          # per distinct stage: bytes per rank
         for s in sorted(set(rep.values())):
+            b0 = tr.bytes_per_rank()
             measured[s] = run_stage(h, mdl, s, cfg, lay.micro_batch, tr,
                                     h._stage_params(mdl, s))
-        per_mb = tr.bytes_per_rank()              # one micro-batch of each stage run
+            stage_bytes[s] = _minus(tr.bytes_per_rank(), b0)
         for s in sorted(set(rep.values())):
+            b0 = tr.bytes_per_rank()
             ranks = h.meshes[s % lay.pp].ranks
             t0 = max(tr.now(r, "comm") for r in ranks)
             t0 = max(t0, max(tr.now(r) for r in ranks))
@@ -239,7 +245,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
-    per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
+            step_bytes[s] = _minus(tr.bytes_per_rank(), b0)
     # the loss at the profile's measured rate, as the estimate prices it (plan.edge_cost)
     last = measured[rep[n - 1]]
     d_fwd, d_bwd = measured_loss_delta(token_cfg(cfg, lay), lay.micro_batch, lay.tp, prof)
@@ -295,8 +301,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
     busiest = max(per_rank, key=lambda m: m["total"])
-    comm = max(sum(lay.m * _stage_max(per_mb, h, rep[c]) for c in _chunks(r, lay.pp, n))
-               + max(_stage_max(per_step, h, rep[c]) for c in _chunks(r, lay.pp, n))
+    comm = max(sum(lay.m * _chunk_bytes(c, n, rep, h, measured, stage_bytes)
+                   + _stage_max(step_bytes[rep[c]], h, rep[c]) for c in _chunks(r, lay.pp, n))
                for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
                   fits=busiest["total"] <= prof.usable_memory(), trace=tr, timeline=timeline,
@@ -326,6 +332,28 @@ def _sum_memory(mems):
     return dataclasses.replace(mems[0], **{f: sum(getattr(m, f) for m in mems)
                                            for f in ("params", "grads", "optimizer",
                                                      "n_params")})
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return {r: b - before.get(r, 0) for r, b in after.items() if b != before.get(r, 0)}
+
+
+def _chunk_bytes(c: int, n: int, rep: dict, h, measured: dict, stage_bytes: dict) -> int:
+    """Bytes one rank of layer-stage ``c`` sends per micro-batch: its own collectives
+    (measured on its representative), the forward send to c + 1 and the receive-side
+    bytes of the one from c - 1 (``meta_run``'s ``send_bytes``: the sender's and the
+    receiving mesh's), and their mirrors that the backward runs and the trace does not:
+    the gradient sent back to c - 1 (as c - 1's send) and received from c + 1."""
+    s = rep[c]
+    sent = measured[s].get("send_bytes", {})
+    own = _stage_max({r: b - sent.get(r, 0) for r, b in stage_bytes[s].items()}, h, s)
+    out = own
+    if c < n - 1:        # the forward send, and the gradient's receive-side all-gather
+        out += _stage_max(sent, h, s) + _stage_max(sent, h, s + 1)
+    if c > 0:            # the forward receive, and the gradient sent back
+        prev = measured[rep[c - 1]].get("send_bytes", {})
+        out += _stage_max(prev, h, rep[c - 1] + 1) + _stage_max(prev, h, rep[c - 1])
+    return out
 
 
 def _stage_max(per_rank: dict, h, s: int) -> int:
