@@ -88,6 +88,10 @@ def _plan(args) -> int:
         return 2
     try:
         cfg = get_config(args.model)
+        if cfg.dtype not in ("bfloat16", "float16"):    # the course's small float32 presets
+            raise ValueError(f"--model {args.model} is a {cfg.dtype} preset; the planner "
+                             f"models 16-bit mixed-precision training: plan a 16-bit "
+                             f"preset (gpt3-175b, llama2-7b, llama3-8b, mixtral-8x7b...)")
         ranking = search(cfg, Cluster(profile=args.profile, devices=args.devices),
                          global_batch=args.global_batch, top=args.top,
                          max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap)

@@ -31,6 +31,14 @@ shapes, dtypes and placements exist):
 
 What is composed from those measurements (not run op by op):
 
+- ``comm_bytes``: per pipeline rank, each chunk's measured collectives and sends times
+  m, with the backward's gradient sends (not run: the stage's backward starts from an
+  empty gradient) counted as the mirror of the forward's, plus its optimizer step's;
+- on a profile that measured the loss (the H100's ``measured`` file), the last stage's
+  logits cast and cross-entropy re-priced at that rate, as the estimate prices them
+  (``plan.edge_cost.measured_loss_delta``; the trace's op table prices them by the
+  roofline);
+
 - the pipeline: ``parallel.schedules.simulate`` of the layout's schedule (m
   micro-batches) with each stage's measured forward and backward, the send of its
   output added to its forward and of its input gradient to its backward (Megatron's
@@ -102,6 +110,7 @@ from .meta_moe import use_meta_routing
 from .memory import workspace_bytes
 from .comm_memory import comm_buffer_bytes
 from .ep_cp import token_cfg
+from .edge_cost import measured_loss_delta
 from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
@@ -131,7 +140,18 @@ class DryRun:
                 f"{gb:.2f} GB per rank ({'fits' if self.fits else 'does NOT fit'})")
 
 
-def _check(model, lay: Layout, cl: Cluster):
+def _check(model, lay: Layout, cl: Cluster, routing="balanced"):
+    from ..models.config import ModelConfig
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"dry_run: model={model!r} must be a ModelConfig, e.g. "
+                         f"wb.models.get_config('llama3-8b') or "
+                         f"wb.plan.presets.get_config('mixtral-8x7b')")
+    if not (isinstance(routing, str) and routing == "balanced") and not (
+            getattr(model, "moe_experts", 0) and isinstance(lay, Layout) and lay.ep > 1):
+        raise ValueError(f"dry_run: routing={routing!r} sets a MoE's rows per expert over "
+                         f"ep > 1 ranks, but the model has moe_experts="
+                         f"{getattr(model, 'moe_experts', 0)} and layout ep="
+                         f"{getattr(lay, 'ep', None)}; leave routing='balanced'")
     if isinstance(lay, Layout) and lay.framework not in (None, "workbench"):
         raise ValueError(f"dry_run: layout framework={lay.framework!r}; the dry run runs "
                          f"this library's own Hybrid recipe: give framework='workbench' "
@@ -144,8 +164,9 @@ def _check(model, lay: Layout, cl: Cluster):
             raise ValueError("dry_run(model, layout, cluster): give a wb.plan.Layout and a "
                              "wb.plan.Cluster")
         if lay.world != cl.devices:
-            raise ValueError(f"Layout dp x tp x pp = {lay.world} but the cluster has "
-                             f"devices={cl.devices}; make them equal")
+            raise ValueError(f"Layout dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x "
+                             f"{lay.cp} = {lay.world} but the cluster has devices="
+                             f"{cl.devices}; make them equal")
     _ep_cp.check(model, lay)                   # MoE and cp: what the runtime runs
 
 
@@ -184,7 +205,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     (module docstring); the same arguments as ``wb.plan.estimate``.  ``routing``: a MoE's
     rows per expert on meta tensors ("balanced", the planner's assumption, or per-rank
     counts: :mod:`.meta_moe`)."""
-    _check(model, layout, cluster)
+    _check(model, layout, cluster, routing)
     lay, prof = layout, cluster.profile
     cfg = model.replace(recompute=lay.recompute)
     h = _ep_cp.recipe(lay)         # Hybrid (with ep for a MoE) or ContextParallel
@@ -204,11 +225,14 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     rep = _distinct(n, lay.stages is not None)
     measured, opt_t = {}, {}
     with _trace(prof) as tr:
+        stage_bytes, step_bytes = {}, {}          # per distinct stage: bytes per rank
         for s in sorted(set(rep.values())):
+            b0 = tr.bytes_per_rank()
             measured[s] = run_stage(h, mdl, s, cfg, lay.micro_batch, tr,
                                     h._stage_params(mdl, s))
-        per_mb = tr.bytes_per_rank()              # one micro-batch of each stage run
+            stage_bytes[s] = _minus(tr.bytes_per_rank(), b0)
         for s in sorted(set(rep.values())):
+            b0 = tr.bytes_per_rank()
             ranks = h.meshes[s % lay.pp].ranks
             t0 = max(tr.now(r, "comm") for r in ranks)
             t0 = max(t0, max(tr.now(r) for r in ranks))
@@ -221,14 +245,20 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
-    per_step = {r: b - per_mb.get(r, 0) for r, b in tr.bytes_per_rank().items()}
+            step_bytes[s] = _minus(tr.bytes_per_rank(), b0)
+    # the loss at the profile's measured rate, as the estimate prices it (plan.edge_cost)
+    last = measured[rep[n - 1]]
+    d_fwd, d_bwd = measured_loss_delta(token_cfg(cfg, lay), lay.micro_batch, lay.tp, prof)
+    last["forward"], last["backward"] = last["forward"] + d_fwd, last["backward"] + d_bwd
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
     f = [d["forward"] + d["send"] for d in st]
     b = [d["backward"] + (st[s - 1]["send"] if s else 0.0) for s, d in enumerate(st)]
     sched = h._schedule(lay.m)
     sim = S.simulate(sched, f=f, b=b)
-    sync = max(opt_t[rep[s]]["sync"] for s in range(n))
+    # a pipeline rank reduces the gradients of every chunk it holds (interleaved: v)
+    sync = max(sum(opt_t[rep[c]]["sync"] for c in _chunks(r, lay.pp, n))
+               for r in range(lay.pp))
     adamw = max(sum(opt_t[rep[c]]["adamw"] for c in _chunks(r, lay.pp, n))
                 for r in range(lay.pp))
     tied = 0.0
@@ -271,8 +301,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
     busiest = max(per_rank, key=lambda m: m["total"])
-    comm = max(sum(lay.m * _stage_max(per_mb, h, rep[c]) for c in _chunks(r, lay.pp, n))
-               + max(_stage_max(per_step, h, rep[c]) for c in _chunks(r, lay.pp, n))
+    comm = max(sum(lay.m * _chunk_bytes(c, n, rep, h, measured, stage_bytes)
+                   + _stage_max(step_bytes[rep[c]], h, rep[c]) for c in _chunks(r, lay.pp, n))
                for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
                   fits=busiest["total"] <= prof.usable_memory(), trace=tr, timeline=timeline,
@@ -302,6 +332,28 @@ def _sum_memory(mems):
     return dataclasses.replace(mems[0], **{f: sum(getattr(m, f) for m in mems)
                                            for f in ("params", "grads", "optimizer",
                                                      "n_params")})
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return {r: b - before.get(r, 0) for r, b in after.items() if b != before.get(r, 0)}
+
+
+def _chunk_bytes(c: int, n: int, rep: dict, h, measured: dict, stage_bytes: dict) -> int:
+    """Bytes one rank of layer-stage ``c`` sends per micro-batch: its own collectives
+    (measured on its representative), the forward send to c + 1 and the receive-side
+    bytes of the one from c - 1 (``meta_run``'s ``send_bytes``: the sender's and the
+    receiving mesh's), and their mirrors that the backward runs and the trace does not:
+    the gradient sent back to c - 1 (as c - 1's send) and received from c + 1."""
+    s = rep[c]
+    sent = measured[s].get("send_bytes", {})
+    own = _stage_max({r: b - sent.get(r, 0) for r, b in stage_bytes[s].items()}, h, s)
+    out = own
+    if c < n - 1:        # the forward send, and the gradient's receive-side all-gather
+        out += _stage_max(sent, h, s) + _stage_max(sent, h, s + 1)
+    if c > 0:            # the forward receive, and the gradient sent back
+        prev = measured[rep[c - 1]].get("send_bytes", {})
+        out += _stage_max(prev, h, rep[c - 1] + 1) + _stage_max(prev, h, rep[c - 1])
+    return out
 
 
 def _stage_max(per_rank: dict, h, s: int) -> int:

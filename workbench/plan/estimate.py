@@ -14,7 +14,9 @@ data-parallel synchronisation + the optimizer step, where
   Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
-  (``parallel.schedules.formulas``; Narayanan et al. 2021);
+  (``parallel.schedules.formulas``; Narayanan et al. 2021); with uneven ``stages`` the
+  schedule itself is simulated (the formula holds for GPipe and for a 1F1B whose
+  slowest stage is the last; one whose slowest stage comes earlier bubbles less);
 - data-parallel sync after the pipeline flush, exposed (Megatron-LM as in Narayanan et
   al. 2021 does not overlap it; on a later stage only past the pipeline's slack, since
   each stage reduces once its own last backward is done: ``stage_sync``): an
@@ -95,7 +97,6 @@ class Estimate:
         ``SimulationResult`` to draw (``viz.pipeline``) or to read the bubble from.
         ``m``: simulate that many micro-batches instead of the step's (a readable
         figure; the bubble, which does not grow with m once m >= p, stays)."""
-        from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
         lay, st = self.layout, self.details["stages"]
         if m is None:
             m = lay.m
@@ -104,12 +105,7 @@ class Estimate:
             raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
                              + (f", a multiple of pp={lay.pp} (interleaved)"
                                 if lay.schedule == "interleaved_1f1b" else ""))
-        rows = [st[_stage_name(r, lay.pp, lay.stages is not None)]
-                for r in range(lay.pp)]
-        build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
-        sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
-        return simulate(sched, f=[d["forward"] / lay.v for d in rows],
-                        b=[(d["time"] - d["forward"]) / lay.v for d in rows])
+        return _simulate(lay, st, m)
 
     def explain(self) -> str:
         """How the step time and the memory were put together, term by term."""
@@ -125,7 +121,9 @@ class Estimate:
         comm = " + ".join(kinds) if kinds else "TP"
         gb = {k: v / 1e9 for k, v in self.memory.items()}
         bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"
-               if d.get("deepspeed_pipe") else "(sum of stage times - slowest) / v")
+               if d.get("deepspeed_pipe") else "(uneven stages: the schedule simulated, "
+               "less m x the slowest stage)" if lay.stages is not None and lay.pp > 1
+               else "(sum of stage times - slowest) / v")
         return "\n".join([
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
             f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
@@ -177,6 +175,18 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     (p - 1)(t_f + t_b) / v).  The step is m max(stage_times) + this."""
     times = list(stage_times)
     return (sum(times) - max(times)) / v
+
+
+def _simulate(lay: Layout, stages: dict, m: int):
+    """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
+    each pipeline rank's forward and backward taken from ``stages`` (estimate's
+    ``details["stages"]``)."""
+    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
+    rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
+    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
+    sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
+    return simulate(sched, f=[d["forward"] / lay.v for d in rows],
+                    b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
 
 def _stage_name(s: int, pp: int, uneven: bool) -> str:
@@ -318,6 +328,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
+    if not isinstance(overlap, bool):      # "no" would read as True
+        raise ValueError(f"overlap={overlap!r} must be True or False")
     attention = attention_for(model, attention)
     EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
     TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
@@ -347,7 +359,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
-        sent = n_layers * layer.comm_bytes + 2 * v * p2p_sent
+        # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
+        # both ways per chunk but the first stage's input and the last's output
+        # (2v - 1 on them; the time keeps 2v: a blocking receive waits on the link)
+        sent = n_layers * layer.comm_bytes + (2 * v - (s in (0, pp - 1))) * p2p_sent
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
@@ -403,6 +418,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     slow = max(stages.values(), key=lambda d: d["time"])
     bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
     m = lay.m
+    if lay.stages is not None and pp > 1 and ds is None:
+        # uneven stages: (sum - max) is exact only when the slowest stage is the last (or
+        # GPipe); a 1F1B whose slowest stage comes earlier overlaps more (stages (24, 8,
+        # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule
+        bubble = _simulate(lay, stages, m).makespan - m * max(d["time"] for d in
+                                                              stages.values())
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
     breakdown = {"compute": m * slow["compute"] + opt, "communication": m * slow["comm"] + sync,

@@ -104,7 +104,8 @@ class Layout:
         if self.sp and self.tp == 1:
             raise ValueError("Layout: sp=True splits the sequence over the tensor-parallel "
                              "group, but tp=1; set tp > 1 or sp=False")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if self.zero not in (0, 1, 2, 3) or not isinstance(self.zero, int) or \
+                isinstance(self.zero, bool):        # not 1.0: an int stage
             raise ValueError(f"Layout: zero={self.zero!r}; ZeRO stages are 0 (off), 1 "
                              f"(optimizer states), 2 (+ gradients), 3 (+ parameters)")
         if self.zero >= 2 and self.pp > 1:
@@ -251,7 +252,9 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
         raise ValueError(f"Layout dp x tp x pp{cp[0]} = {lay.dp} x {lay.tp} x {lay.pp}{cp[1]} "
                          f"= {lay.world} but the cluster has devices={cluster.devices}; choose "
                          f"dp = {cluster.devices} / (tp x pp{cp[0]}) so the layout uses every "
-                         f"device")
+                         f"device"
+                         + (f" (ep={lay.ep} is carved out of dp, not a factor of its own)"
+                            if lay.ep > 1 else ""))
     _ep_cp.check_layout(model, lay)
     if lay.recompute == "op" and (model.arch != "llama" or getattr(model, "moe_experts", 0)):
         raise ValueError(f"Layout: recompute='op' (torchtitan's op-level selective "

@@ -53,10 +53,27 @@ __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathe
 K_ADAM = 12          # bytes of optimizer state per parameter (ZeRO sec. 3.1)
 
 
+def _check(fn, name, v, ok, fix):
+    """A clear error for an argument these public functions were given (a typo here
+    read as another case: recompute="Full" as "none", zero=4 as 3, stage=-1 as a
+    stage)."""
+    if not ok:
+        raise ValueError(f"{fn}: {name}={v!r}; {fix}")
+
+
+def _is_int(v, lo):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
     """{"params", "grads", "optimizer"} bytes per rank for ``psi`` parameters under ZeRO
     ``zero`` over ``dp`` ranks (ZeRO Figure 1: psi=7.5e9, N_d=64 -> 120, 31.4, 16.6,
     1.875 GB for stages 0-3)."""
+    _check("model_state_bytes", "zero", zero, zero in (0, 1, 2, 3) and _is_int(zero, 0),
+           "ZeRO stages are 0, 1, 2 or 3")
+    _check("model_state_bytes", "dp", dp, _is_int(dp, 1), "give the data-parallel ranks, "
+           "an int >= 1")
+    _check("model_state_bytes", "psi", psi, psi >= 0, "give the parameters, >= 0")
     return {"params": 2 * psi / (dp if zero >= 3 else 1),
             "grads": 2 * psi / (dp if zero >= 2 else 1),
             "optimizer": k * psi / (dp if zero >= 1 else 1)}
@@ -145,6 +162,14 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     """Activation bytes one layer keeps for backward on one rank (module docstring).
     ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
     log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b."""
+    fn = "layer_activation_bytes"
+    _check(fn, "recompute", recompute, recompute in ("none", "selective", "full", "op"),
+           "use 'none', 'selective', 'full' or 'op'")
+    _check(fn, "attention", attention, attention in ("materialized", "flash"),
+           "use 'materialized' or 'flash'")
+    _check(fn, "b", b, _is_int(b, 1), "give the micro-batch, an int >= 1")
+    _check(fn, "tp", tp, _is_int(tp, 1), "give the tensor-parallel ranks, an int >= 1")
+    _check(fn, "sp", sp, isinstance(sp, bool), "give True or False")
     if getattr(cfg, "moe_experts", 0):
         from .moe_cost import activation_bytes as moe_activation_bytes
         return moe_activation_bytes(cfg, b, tp, sp, recompute)
@@ -185,12 +210,25 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     pp), each chunk 1/v of the stage's layers; on the first stage that is pp + (pp - 1)
     / v micro-batches, Korthikanti et al. 2022 sec. 4.2.3's L (1 + (p - 1) / (p v))
     layers of activations."""
+    from .layout import SCHEDULES
+    _check("in_flight", "schedule", schedule, schedule in SCHEDULES, f"use one of {SCHEDULES}")
+    for name, v in (("pp", pp), ("m", m), ("v", v)):
+        _check("in_flight", name, v, _is_int(v, 1), "give an int >= 1")
+    _check("in_flight", "stage", stage, _is_int(stage, 0) and stage < pp,
+           f"give a pipeline stage in 0 .. pp - 1 = {pp - 1}")
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved_1f1b":
         chunks = m * v if m == pp else min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
         return chunks / v
     return float(min(pp - stage, m))
+
+
+def _all_warmup(lay) -> bool:
+    """Interleaved 1F1B with m == pp runs every chunk's forward before any backward
+    (Megatron-LM's ``all_warmup_microbatches``, :func:`in_flight`): the last chunk's head
+    then holds all m micro-batches' logits, as GPipe's."""
+    return lay.schedule == "interleaved_1f1b" and lay.m == lay.pp
 
 
 def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
@@ -219,7 +257,12 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     it (:func:`workspace_bytes`) (module docstring)."""
     from .frameworks import grad_buffer_extra_bytes
     from . import ep_cp as _ep_cp
+    from .layout import Layout
     lay = layout
+    _check("stage_memory", "layout", layout, isinstance(layout, Layout),
+           "give a workbench.plan.Layout")
+    _check("stage_memory", "stage", stage, _is_int(stage, 0) and stage < lay.pp,
+           f"give a pipeline stage in 0 .. pp - 1 = {lay.pp - 1}")
     nl = lay.stage_layers(cfg.n_layer)[stage]
     psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp * lay.cp, lay.zero)     # cp ranks shard it too
@@ -251,7 +294,7 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                        attention)
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
-                                  lay.m if lay.schedule == "gpipe" else 1)
+                                  lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
     mem["total"] = sum(mem.values())

@@ -180,12 +180,15 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         if s == n_stages - 1:
             y = h._loss(y, h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh))
     t_fwd = _clock(tr, ranks)
-    send = 0.0
+    send, send_bytes = 0.0, {}
     if s < n_stages - 1:           # the activation to the next stage (and its gradient back)
         dst = h.meshes[(s + 1) % h.pp]
         c0 = max(_clock(tr, ranks), _clock(tr, dst.ranks))
+        b0 = tr.bytes_per_rank()
         _send(y.detach(), dst, list(y.placements), f"stage {s} -> {s + 1}")
         send = max(_clock(tr, ranks), _clock(tr, dst.ranks)) - c0
+        send_bytes = {r: b - b0.get(r, 0) for r, b in tr.bytes_per_rank().items()
+                      if b != b0.get(r, 0)}
     t1 = _clock(tr, ranks)
     if s == n_stages - 1:
         y.backward()
@@ -193,6 +196,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
+            "send_bytes": send_bytes,      # per rank: the send's and the receiving mesh's
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}
 
 

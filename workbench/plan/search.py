@@ -114,20 +114,24 @@ class Ranking(list):
             terms = ", ".join(f"{k} {delta[k]:+.3f} s" for k in delta if delta[k])
             gap = eb.step_time - ea.step_time
             head = f"#{i + 1} beats #{i + 2}"
-            if 0 < gap < TIE * eb.step_time:
+            if gap <= 0 and ea.memory["total"] >= eb.memory["total"]:
+                head = f"#{i + 1} and #{i + 2} tie"      # listed in the search's order
+                why = "the same step time and memory"
+            elif 0 < gap < TIE * eb.step_time:
                 head = f"#{i + 1} and #{i + 2} tie"
                 why = (f"{gap:.3f} s/step ({gap / eb.step_time:.1%}), under the {TIE:.0%} "
                        f"the model can rank (an assumption)")
             elif gap <= 0:
-                why = (f"the same step time, less memory ({ea.memory['total'] / 1e9:.1f} vs "
-                       f"{eb.memory['total'] / 1e9:.1f} GB)")
+                head = f"#{i + 1} and #{i + 2} tie on step time; #{i + 1} comes first with"
+                why = (f"less memory ({ea.memory['total'] / 1e9:.3f} vs "
+                       f"{eb.memory['total'] / 1e9:.3f} GB)")
             else:
                 why = f"{gap:.3f} s/step ({gap / eb.step_time:.1%})"
                 if saves:
                     main = min(saves, key=delta.get)
                     why += (f": its lower {main} outweighs its higher {' and '.join(pays)}"
                              if pays else f": mostly lower {main}")
-            sep = ": " if head.endswith("tie") else " by "
+            sep = ": " if head.endswith("tie") else " " if head.endswith("with") else " by "
             out.append(f"{head}{sep}{why}; changes from #{i + 2}: {', '.join(diff) or 'none'}"
                        f" ({terms or 'no term differs'})")
         return out
@@ -154,6 +158,10 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     :func:`~workbench.plan.estimate.estimate`; with ``tp_comm_overlap`` only the layouts
     it is priced for: Megatron-LM's, sequence parallel where tp > 1, tp inside a node,
     without ep or cp)."""
+    for name, v in (("overlap", overlap), ("overlap_grad_reduce", overlap_grad_reduce),
+                    ("tp_comm_overlap", tp_comm_overlap)):
+        if not isinstance(v, bool):         # "no" would read as True
+            raise ValueError(f"search: {name}={v!r} must be True or False")
     if tp_comm_overlap and model.arch != "gpt":
         raise ValueError(f"search: tp_comm_overlap=True is modeled for Megatron's GPT "
                          f"layer only (model.arch={model.arch!r}); use tp_comm_overlap=False")

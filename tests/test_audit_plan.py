@@ -1,0 +1,282 @@
+"""User-trial audit of the public planner (``wb.plan.estimate`` / ``search`` /
+``dry_run``, ``Layout``, ``Cluster``, ``Estimate.explain``, ``python -m workbench
+plan``): each test is a defect a user's probe found, or an identity the planner's
+numbers must keep with one another."""
+import pytest
+
+import workbench.plan as P
+from workbench.models.config import get_config
+
+GPT22 = get_config("gpt-22b")
+LLAMA = get_config("llama3-8b")
+
+
+# ---- identities every estimate keeps -------------------------------------------------
+@pytest.mark.parametrize("cfg,lay,prof", [
+    (GPT22, P.Layout(dp=2, tp=2, pp=4, global_batch=16, recompute="full"), "a100"),
+    (GPT22, P.Layout(dp=4, tp=2, pp=1, global_batch=8, zero=3), "a100"),
+    (LLAMA, P.Layout(dp=2, tp=2, pp=2, global_batch=8, zero=1, sp=True), "h100"),
+    (LLAMA, P.Layout(dp=2, tp=1, pp=4, global_batch=16, schedule="interleaved_1f1b", v=2,
+                     stages=None), "h100"),
+], ids=["gpt-pp", "gpt-zero3", "llama-sp", "llama-interleaved"])
+def test_estimate_identities(cfg, lay, prof):
+    cl = P.Cluster(prof, lay.world)
+    e = P.estimate(cfg, lay, cl)
+    # tokens/s x step time = tokens per step; the breakdown sums to the step
+    tokens = lay.global_batch * cfg.seq_len
+    assert e.details["tokens_per_second"] * e.step_time == pytest.approx(tokens, rel=1e-12)
+    assert sum(e.breakdown.values()) == pytest.approx(e.step_time, rel=1e-12)
+    # MFU = model FLOPs / (step x devices x peak)
+    peak = cl.profile.peak(cfg.dtype)
+    assert e.mfu == pytest.approx(e.details["model_flops"] / (e.step_time * cl.devices * peak),
+                                  rel=1e-12)
+    assert e.hfu >= e.mfu
+    # memory parts sum to the total; fits is total <= usable
+    parts = sum(v for k, v in e.memory.items() if k != "total")
+    assert parts == pytest.approx(e.memory["total"], rel=1e-12)
+    assert e.fits == (e.memory["total"] <= cl.profile.usable_memory())
+    text = e.explain()
+    assert f"{e.step_time:.3f} s" in text and ("does NOT fit" in text) != e.fits
+
+
+def test_search_best_is_its_own_estimate_and_never_worse():
+    cl = P.Cluster("h100", 8)
+    r = P.search(LLAMA, cl, global_batch=16, top=8)
+    assert len(r) == 8
+    times = [e.step_time for _, e in r]
+    assert times == sorted(times)
+    for lay, e in r:
+        direct = P.estimate(LLAMA, lay, cl)
+        assert direct.step_time == e.step_time and direct.memory == e.memory and direct.fits
+    # deterministic: the same search lists the same layouts in the same order
+    again = P.search(LLAMA, cl, global_batch=16, top=8)
+    assert [lay for lay, _ in again] == [lay for lay, _ in r]
+
+
+# ---- defects found and fixed ---------------------------------------------------------
+@pytest.mark.parametrize("stages", [(24, 8, 8, 8), (4, 20, 12, 12), (10, 14, 14, 10),
+                                    (5, 12, 12, 19)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_uneven_stages_step_is_the_schedule_it_draws(stages, schedule):
+    """Was: the bubble (sum - max) of the stage times, which a 1F1B whose slowest stage
+    is not the last does not have: (24, 8, 8, 8) at m = 4 was 26% above the
+    estimate's own ``pipeline()`` (and the dry run)."""
+    lay = P.Layout(dp=2, tp=2, pp=4, global_batch=8, stages=stages, schedule=schedule)
+    e = P.estimate(GPT22, lay, P.Cluster("a100", lay.world))
+    slow = max(d["time"] for d in e.details["stages"].values())
+    assert lay.m * slow + e.breakdown["bubble"] == pytest.approx(e.pipeline().makespan,
+                                                                 rel=1e-9)
+    assert "schedule simulated" in e.explain()
+
+
+def test_uneven_stages_dry_run_agrees_when_the_first_stage_is_heavy():
+    """Was 0.817 (dry run / estimate) for stages (3, 2, 2, 2): outside the 10%."""
+    cfg = get_config("gpt3-175b", n_layer=9, d_model=1024, n_head=16, seq_len=1024,
+                     vocab_size=1024)
+    lay = P.Layout(pp=4, global_batch=4, stages=(3, 2, 2, 2))
+    cl = P.Cluster("a100", 4)
+    dr = P.dry_run(cfg, lay, cl)
+    est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
+    assert dr.memory["total"] == pytest.approx(est.memory["total"], rel=0.05)
+
+
+def test_even_stages_keep_the_formula():
+    lay = P.Layout(dp=2, tp=2, pp=4, global_batch=8)
+    e = P.estimate(GPT22, lay, P.Cluster("a100", 16))
+    listed = P.estimate(GPT22, lay.replace(stages=[12] * 4), P.Cluster("a100", 16))
+    assert listed.step_time == pytest.approx(e.step_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(overlap="no"), dict(overlap=0),
+                                dict(overlap_grad_reduce="yes")])
+def test_estimate_flags_must_be_bools(kw):
+    """Was: overlap="no" read as True, silently."""
+    lay = P.Layout(dp=2, global_batch=4, zero=2)
+    with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
+        P.estimate(LLAMA, lay, P.Cluster("h100", 2), **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(overlap="no"), dict(overlap_grad_reduce=1),
+                                dict(tp_comm_overlap="false")])
+def test_search_flags_must_be_bools(kw):
+    with pytest.raises(ValueError, match=f"search: {next(iter(kw))}="):
+        P.search(GPT22, P.Cluster("a100", 8), global_batch=8, **kw)
+
+
+@pytest.mark.parametrize("zero", [1.0, 2.0, "1", None])
+def test_layout_zero_must_be_an_int_stage(zero):
+    """Was: zero=1.0 accepted (``short()`` printed "zero1.0")."""
+    with pytest.raises(ValueError, match=r"zero=.*ZeRO stages are 0"):
+        P.Layout(dp=2, zero=zero)
+
+
+def test_search_prints_equal_layouts_as_a_tie():
+    """Was "#1 beats #2 by the same step time, less memory (32.5 vs 32.5 GB)" for two
+    layouts of equal step time and memory (ZeRO 2 and 3 with dp = 1)."""
+    r = P.search(get_config("llama2-7b"), P.Cluster("a100", 8), global_batch=7, top=3)
+    lines = r.explain()
+    (la, ea), (lb, eb) = r[0], r[1]
+    assert ea.step_time == eb.step_time
+    if ea.memory["total"] == eb.memory["total"]:
+        assert lines[0].startswith("#1 and #2 tie: the same step time and memory")
+    assert not any("beats" in ln and "same step time" in ln for ln in lines)
+
+
+# ---- errors name the argument, the value and the fix ---------------------------------
+@pytest.mark.parametrize("make,match", [
+    (lambda: P.estimate(GPT22, P.Layout(dp=2, tp=2, pp=2, global_batch=4),
+                        P.Cluster("a100", 16)),
+     r"dp x tp x pp = 2 x 2 x 2 = 8 but the cluster has devices=16"),
+    (lambda: P.estimate(GPT22, P.Layout(dp=1, pp=4, global_batch=4, stages=(12, 12, 12, 11)),
+                        P.Cluster("a100", 4)), r"stages=\[12, 12, 12, 11\] hold 47"),
+    (lambda: P.Layout(dp=4, global_batch=6), r"global_batch=6 is not divisible"),
+    (lambda: P.estimate(GPT22, P.Layout(tp=3), P.Cluster("a100", 3)),
+     r"tp=3 does not divide n_head=64"),
+    (lambda: P.Layout(sp=True), r"sp=True .* tp=1"),
+    (lambda: P.Layout(zero=3, pp=2), r"zero=3 with pp=2"),
+    (lambda: P.Layout(framework="megatronlm"), r"framework='megatronlm'; use one of"),
+    (lambda: P.estimate(GPT22, P.Layout(dp=8), P.Cluster("a100", 8), fp8=True),
+     r"fp8=True on profile 'a100'"),
+    (lambda: P.estimate(get_config("tiny"), P.Layout(), P.Cluster("a100", 1)),
+     r"dtype='float32'"),
+    (lambda: P.Cluster("a1000", 8), r"profile='a1000' is not known"),
+])
+def test_errors_name_argument_value_and_fix(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_cli_plan_names_the_fix_for_a_float32_preset(capsys):
+    """Was: "use model.replace(dtype='bfloat16')", which the command line cannot do."""
+    from workbench.cli import main
+    assert main(["plan", "--model", "tiny", "--devices", "2", "--global-batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--model tiny" in err and "float32" in err and "llama3-8b" in err
+
+
+# ---- plan.memory's public functions (notebook 11 calls them) -------------------------
+def test_memory_functions_refuse_what_they_would_misread():
+    """Were: recompute="Full" and attention="Flash" priced as "none" / materialized,
+    zero=4 as ZeRO-3, stage=-1 as a stage (the last's weights, the first's in-flight
+    count), dp=0 a ZeroDivisionError."""
+    from workbench.plan.memory import (in_flight, layer_activation_bytes, model_state_bytes,
+                                       stage_memory)
+    cfg = get_config("gpt3-175b")
+    lay = P.Layout(dp=8, tp=8, pp=16, global_batch=1536)
+    bad = [
+        (lambda: layer_activation_bytes(cfg, 1, 8, False, "Full"), "recompute='Full'"),
+        (lambda: layer_activation_bytes(cfg, 1, 8, False, "none", attention="Flash"),
+         "attention='Flash'"),
+        (lambda: layer_activation_bytes(cfg, 0, 8, False, "none"), "b=0"),
+        (lambda: model_state_bytes(7.5e9, 64, 4), "zero=4"),
+        (lambda: model_state_bytes(7.5e9, 64, 1.5), "zero=1.5"),
+        (lambda: model_state_bytes(7.5e9, 0, 1), "dp=0"),
+        (lambda: stage_memory(cfg, lay, -1), r"stage=-1; give a pipeline stage in 0 .. pp - 1 = 15"),
+        (lambda: stage_memory(cfg, lay, 16), "stage=16"),
+        (lambda: in_flight("1F1B", 4, 8, 1, 0), "schedule='1F1B'"),
+        (lambda: in_flight("1f1b", 4, 8, 1, 4), "stage=4"),
+    ]
+    for make, match in bad:
+        with pytest.raises(ValueError, match=match):
+            make()
+    # what they accept is unchanged: ZeRO's Figure 1 (7.5B on 64 GPUs: 120, 31.4, 16.6, 1.875 GB)
+    got = [sum(model_state_bytes(7.5e9, 64, z).values()) / 1e9 for z in range(4)]
+    assert got == pytest.approx([7.5 * 16, 7.5 * (4 + 12 / 64), 7.5 * (2 + 14 / 64), 7.5 * 16 / 64])
+    assert stage_memory(cfg, lay, 15)["total"] < stage_memory(cfg, lay, 0)["total"]
+
+
+def test_world_mismatch_says_ep_is_part_of_dp():
+    mx = P.presets.get_config("mixtral-8x7b", n_layer=2)
+    with pytest.raises(ValueError, match=r"= 2 but the cluster has devices=4.*ep=2 is carved "
+                                         r"out of dp"):
+        P.estimate(mx, P.Layout(dp=2, ep=2), P.Cluster("h100", 4))
+
+
+def test_dry_run_world_mismatch_names_cp():
+    with pytest.raises(ValueError, match=r"dp x tp x pp x cp = 2 x 1 x 1 x 2 = 4 but the "
+                                         r"cluster has devices=2"):
+        P.dry_run(get_config("tiny"), P.Layout(dp=2, cp=2), P.Cluster("a100", 2))
+
+
+@pytest.mark.parametrize("cfg,lay", [
+    (get_config("gpt3-175b", n_layer=4, d_model=1024, n_head=16, seq_len=1024),
+     P.Layout(dp=2, pp=2, micro_batch=2, global_batch=16, schedule="gpipe")),
+    (get_config("llama3-8b", n_layer=4, d_model=1024, n_head=16, n_kv_head=4, d_ff=3584,
+                seq_len=1024, vocab_size=32000), P.Layout(dp=2, pp=2, micro_batch=2,
+                                                          global_batch=16)),
+], ids=["gpt-gpipe", "llama-1f1b"])
+def test_dry_run_prices_the_loss_as_the_estimate_on_a_measured_profile(cfg, lay):
+    """Was 0.784 (GPT) and 0.815 (Llama), dry run / estimate on the H100: the estimate
+    priced the logits cast and cross-entropy at the H100's measured rate
+    (``plan.edge_cost``), the dry run's trace at the op table's roofline."""
+    cl = P.Cluster("h100", lay.world)
+    dr = P.dry_run(cfg, lay, cl)
+    est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.05)
+    assert dr.memory["total"] == pytest.approx(est.memory["total"], rel=0.05)
+
+
+def test_dry_run_refuses_a_name_for_a_model_and_routing_it_would_ignore():
+    """Were: model="gpt3-175b" a TypeError from str.replace; routing= on a dense model
+    (or ep=1) silently ignored."""
+    tiny = get_config("gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128,
+                      vocab_size=512)
+    with pytest.raises(ValueError, match="model='gpt3-175b' must be a ModelConfig"):
+        P.dry_run("gpt3-175b", P.Layout(dp=2), P.Cluster("a100", 2))
+    with pytest.raises(ValueError, match="routing='skewed'.*moe_experts=0"):
+        P.dry_run(tiny, P.Layout(dp=2), P.Cluster("a100", 2), routing="skewed")
+
+
+@pytest.mark.parametrize("lay,crossings", [
+    (P.Layout(pp=2, global_batch=4), 1),                  # the last stage: its input's gradient
+    (P.Layout(pp=4, global_batch=4), 1),                  # (the slowest: the last)
+    (P.Layout(pp=2, global_batch=4, schedule="interleaved_1f1b", v=2), 3),   # 2v - 1
+])
+def test_comm_bytes_count_the_first_and_last_stages_sends_once(lay, crossings):
+    """Was 2 v crossings per micro-batch on every stage: the first stage sends no input
+    gradient and the last no output (2x at pp = 2, v = 1; the dry run measured 1)."""
+    cfg = get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=16, seq_len=1024,
+                     vocab_size=1024)
+    e = P.estimate(cfg, lay, P.Cluster("a100", lay.world), attention="flash")
+    assert e.details["slowest_stage"] == lay.pp - 1
+    one = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model        # 2 s b h bytes, tp = 1
+    assert e.comm_bytes == lay.m * crossings * one
+    # the dry run reports its busiest rank: a middle stage's 2 crossings at pp = 4; it
+    # was the forward sends only (the backward's gradient sends untraced), and with
+    # interleaving each of a rank's chunks counted the whole rank (v2, tp2: 1.8x)
+    dr = P.dry_run(cfg, lay, P.Cluster("a100", lay.world))
+    assert dr.comm_bytes == (2 * lay.m * one if lay.pp > 2 else e.comm_bytes)
+    lay2 = lay.replace(tp=2, global_batch=lay.global_batch)
+    e2 = P.estimate(cfg, lay2, P.Cluster("a100", lay2.world), attention="flash")
+    dr2 = P.dry_run(cfg, lay2, P.Cluster("a100", lay2.world))
+    if lay.pp == 2:     # both stages are first or last: the busiest is the slowest's peer
+        assert dr2.comm_bytes == pytest.approx(e2.comm_bytes, rel=1e-3)
+
+
+def test_interleaved_with_m_equal_pp_holds_every_micro_batchs_logits_and_syncs_every_chunk():
+    """Interleaved 1F1B with m == pp runs all forwards first (Megatron-LM's
+    all_warmup_microbatches; ``memory.in_flight`` counts it for the layers): the last
+    chunk's head then holds m micro-batches' logits, where the estimate counted one (the
+    dry run, on the schedule, 1.055x-1.066x of it at dp 2).  And the dry run took the
+    slowest single chunk's DP sync where a rank reduces all v of its chunks (0.87 ms
+    against the estimate's 1.36 ms at dp 4, v 4)."""
+    cfg = get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=16, seq_len=1024)
+    for lay in (P.Layout(dp=2, pp=2, global_batch=4, schedule="interleaved_1f1b", v=2),
+                P.Layout(dp=4, pp=2, global_batch=8, schedule="interleaved_1f1b", v=4)):
+        cl = P.Cluster("a100", lay.world)
+        dr = P.dry_run(cfg, lay, cl)
+        est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+        assert lay.m == lay.pp
+        assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
+        assert dr.breakdown["dp_sync"] == pytest.approx(est.details["dp_sync"], rel=0.10)
+        assert dr.step_time == pytest.approx(est.step_time, rel=0.05)
+    # the last rank: m = 4 holds 3 chunks (1.5 micro-batches of its 4 layers) and one
+    # micro-batch's logits; m = pp = 2 all 4 chunks (2 micro-batches) and both logits
+    from workbench.plan.memory import layer_activation_bytes, stage_memory
+    lay = P.Layout(pp=2, global_batch=4, schedule="interleaved_1f1b", v=2)
+    m4 = stage_memory(cfg, lay, 1, "flash")["activations"]
+    m2 = stage_memory(cfg, lay.replace(global_batch=2), 1, "flash")["activations"]
+    logits = 4 * cfg.seq_len * cfg.d_model + 4 * cfg.seq_len * cfg.vocab_size
+    layer = layer_activation_bytes(cfg, 1, 1, False, "none", "flash")
+    assert m2 - m4 == pytest.approx(0.5 * 4 * layer + logits, rel=1e-12)
