@@ -57,6 +57,7 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "bitwise_right_shift": (lambda a, b: (a * 16).long() >> (b.abs() * 2).long(), [X, Y]),
     "lerp": (lambda a, b: torch.lerp(a, b, 0.25), [X, Y]),
     "any": (lambda x: (x > 0.5).any(1), [X]), "all": (lambda x: (x > -1).all(), [X]),
+    "isclose": (lambda a, b: torch.isclose(a, b, rtol=0.3, atol=0.3), [X, Y]),
     "eq": (torch.eq, [X, X.round()]), "ne": (torch.ne, [X, X.round()]), "lt": (torch.lt, [X, Y]),
     "le": (torch.le, [X, Y]), "gt": (torch.gt, [X, Y]), "ge": (torch.ge, [X, Y]),
     "to": (lambda x: x.to(torch.float64), [X]), "type_as": (lambda x: x.type_as(POS.double()), [X]),

@@ -153,7 +153,17 @@ class DistTensor:
             return None
         g = storage.map_tensors(self._local,
                                 lambda t: torch.zeros_like(t) if t.grad is None else t.grad)
-        return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
+        if not any(p.is_partial() and p.reduce_op != "sum" for p in self.placements):
+            return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
+        # Partial avg / max / min: each rank's local gradient is its own share of the
+        # global one (1/n of it for avg, all of it on the rank holding the max), so the
+        # shares are summed (a traced all-reduce) to DTensor's Replicate gradient
+        from .placement import Partial
+        from .reshard import reshard
+        ps = tuple(Partial("sum") if p.is_partial() and p.reduce_op != "sum" else p
+                   for p in self.placements)
+        return reshard(DistTensor(g, self.mesh, ps, self.shape), self.mesh,
+                       self._grad_placements())
 
     @grad.setter
     def grad(self, value) -> None:

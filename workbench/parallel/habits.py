@@ -188,7 +188,64 @@ FACTORIES.update({f: _new(f) for f in (T.new_zeros, T.new_ones, T.new_full, T.ne
                                         T.new_tensor)})
 
 
+# ---- comparisons that give a Python bool (the answer read from the full tensors) ----------
+
+def _allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    """``torch.allclose(d, y)``: ``isclose(d, y).all()`` (an op on DistTensors), read out;
+    ``other`` must be a tensor, as torch's."""
+    from .dispatch import dispatch
+    if not isinstance(other, (torch.Tensor, DistTensor)):
+        raise TypeError(f"allclose(): argument 'other' (position 2) must be Tensor, not "
+                        f"{type(other).__name__}")
+    close = dispatch(torch.isclose, (input, other),
+                     {"rtol": rtol, "atol": atol, "equal_nan": equal_nan})
+    return bool(dispatch(torch.all, (close,), None))
+
+
+def _equal(input, other) -> bool:
+    """``torch.equal(d, y)``: the same shape and the same values (dtypes may differ)."""
+    from .dispatch import dispatch
+    for k, v in (("input", input), ("other", other)):
+        if not isinstance(v, (torch.Tensor, DistTensor)):
+            raise TypeError(f"equal(): argument '{k}' must be Tensor, not {type(v).__name__}")
+    if tuple(input.shape) != tuple(other.shape):
+        return False
+    return bool(dispatch(torch.all, (dispatch(torch.eq, (input, other), None),), None))
+
+
+READS = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equal,
+         T.equal: _equal}
+
+
+# ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
+
+def _redistribute(self, device_mesh=None, placements=None, *, async_op=False,
+                  forward_dtype=None, backward_dtype=None):
+    """``d.redistribute(mesh, placements)``: :func:`workbench.reshard` under DTensor's name
+    (traced and differentiable alike)."""
+    from .reshard import reshard
+    if forward_dtype is not None or backward_dtype is not None:
+        raise NotImplementedError("redistribute(forward_dtype=/backward_dtype=) on a "
+                                  "DistTensor: cast with .to(dtype) before or after instead")
+    if placements is None:
+        raise RuntimeError("redistribute(placements=None): placements is needed for "
+                           "redistribute, e.g. [Replicate()]")
+    return reshard(self, device_mesh if device_mesh is not None else self.mesh, placements)
+
+
+def _full_tensor(self, *, grad_placements=None):
+    """``d.full_tensor()``: DTensor's name for :meth:`DistTensor.full`."""
+    if grad_placements is not None:
+        raise NotImplementedError("full_tensor(grad_placements=...) on a DistTensor: the "
+                                  "gradient comes back in the DistTensor's own layout; "
+                                  "leave grad_placements=None")
+    return self.full()
+
+
 def install(cls) -> None:
+    cls.redistribute = _redistribute
+    cls.full_tensor = _full_tensor
+    cls.device_mesh = property(lambda self: self.mesh)
     for name, f in _FACTS.items():
         setattr(cls, name, f)
     for name, f in _PROPS.items():

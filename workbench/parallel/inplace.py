@@ -254,6 +254,10 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         raise NoRuleError(f"{op}() on a DistTensor {x.notation()}: {e}") from None
     if not isinstance(y, DistTensor):
         _unsupported(op, f"{op[:-1]}() gives a {type(y).__name__}, not a tensor")
+    if not torch.can_cast(y.dtype, x.dtype):
+        # torch's own check (meta tensors skip it for a Python scalar: int.mul_(2.5))
+        raise RuntimeError(f"{op}(): result type {y.dtype} can't be cast to the desired "
+                           f"output type {x.dtype}; use x = x.{op[:-1]}(...) for a new tensor")
     return assign(x, y, op, sources=(x,) + tuple(args) + tuple(kwargs.values()))
 
 

@@ -1,0 +1,116 @@
+"""User-trial audit of the core (Mesh, DistTensor, reshard, op table): each test pins a
+defect found by probing the public API against single-device torch (values, dtypes)
+and PyTorch DTensor (names, placements, errors)."""
+import pytest
+import torch
+
+import workbench as wb
+
+M3 = wb.Mesh.grid(3, ["a"])
+M23 = wb.Mesh.grid((2, 3), ["a", "b"])
+
+
+def _partial(x, mesh, op):
+    """A Partial(op) DistTensor of x on a 1-d mesh whose ranks hold unequal parts (the
+    max / min spread over the ranks, so no single rank holds the answer)."""
+    n = mesh.size
+    if op == "avg":
+        g = torch.Generator().manual_seed(0)
+        parts = [torch.randn(x.shape, generator=g) * (k + 1) for k in range(n - 1)]
+        parts.append(x * n - sum(parts))
+    else:
+        sign = -1 if op == "max" else 1
+        parts = [x + sign * (k + 1) for k in range(n)]
+        flat = [p.reshape(-1) for p in parts]
+        for i in range(x.numel()):
+            flat[i % n][i] = x.reshape(-1)[i]
+    return wb.from_local(parts, mesh, [wb.Partial(op)], shape=x.shape)
+
+
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_grad_of_a_partial_leaf_is_the_global_gradient(op):
+    # was: the local shares labelled Replicate (avg: g / n; max / min: g on rank 0 only)
+    x = torch.randn(2, 3)
+    w = torch.arange(6.).reshape(2, 3)
+    t = _partial(x, M3, op)
+    torch.testing.assert_close(t.full(), x)
+    t.requires_grad_()
+    (t * w).sum().backward()
+    assert t.grad.placements == (wb.Replicate(),)          # as DTensor's
+    torch.testing.assert_close(t.grad.full(), w)
+
+
+def test_grad_of_a_partial_leaf_on_a_2d_mesh_keeps_its_shards():
+    x = torch.randn(5, 4)
+    base = wb.shard_tensor(x, M23, [wb.Shard(0), wb.Replicate()])
+    locs = []
+    for r in M23.ranks:
+        k = M23.coordinate(r)[1]
+        locs.append(base.local(r) * (2.0 if k == 0 else 0.5) if k < 2 else base.local(r))
+    avg = (2.0 + 0.5 + 1.0) / 3
+    t = wb.from_local([loc / avg for loc in locs], M23, [wb.Shard(0), wb.Partial("avg")],
+                      shape=x.shape)
+    torch.testing.assert_close(t.full(), x)
+    t.requires_grad_()
+    (t * 3.0).sum().backward()
+    assert t.grad.placements == (wb.Shard(0), wb.Replicate())
+    torch.testing.assert_close(t.grad.full(), torch.full((5, 4), 3.0))
+
+
+@pytest.mark.parametrize("call", [lambda t: t.mul_(2.5), lambda t: t.pow_(0.5),
+                                  lambda t: t.clamp_(0.5, 1.5)])
+def test_inplace_float_result_into_an_int_tensor_raises_as_torch(call):
+    # was: int.mul_(2.5) silently truncated (torch raises: result type Float can't be cast)
+    ref = torch.arange(7)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        call(ref.clone())
+    t = wb.shard_tensor(ref, M3, [wb.Shard(0)])
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        call(t)
+    assert torch.equal(t.full(), ref)                  # left untouched
+
+
+def test_inplace_int_result_into_an_int_tensor_still_works():
+    t = wb.shard_tensor(torch.arange(7), M3, [wb.Shard(0)])
+    t.mul_(3)
+    assert t.dtype == torch.int64 and torch.equal(t.full(), torch.arange(7) * 3)
+
+
+@pytest.mark.parametrize("ps", [[wb.Shard(0)], [wb.Shard(1)], [wb.Partial()], [wb.Replicate()]])
+def test_allclose_equal_isclose(ps):
+    # were: NoRuleError
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, ps)
+    y = x.clone()
+    y[4, 6] += 1e-3
+    assert torch.allclose(t, x) and t.allclose(x)
+    assert torch.allclose(t, wb.shard_tensor(x, M3, [wb.Shard(1)]))
+    assert not torch.allclose(t, y)
+    assert torch.allclose(t, y, atol=1e-2)
+    assert torch.allclose(t, x[0:1]) == torch.allclose(x, x[0:1])        # broadcasts
+    assert torch.equal(t, x) and not torch.equal(t, y) and not torch.equal(t, x[None])
+    assert torch.equal(t, x.double())                   # dtypes may differ, as torch
+    c = torch.isclose(t, y)
+    assert isinstance(c, wb.DistTensor) and c.dtype == torch.bool
+    assert torch.equal(c.full(), torch.isclose(x, y))
+    with pytest.raises(TypeError, match="must be Tensor"):
+        torch.allclose(t, 1.0)
+    with pytest.raises(RuntimeError, match="Float did not match Double"):
+        torch.allclose(t, x.double())
+
+
+def test_dtensor_names():
+    # were: AttributeError
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M23, [wb.Shard(0), wb.Shard(1)])
+    assert t.device_mesh is t.mesh
+    assert torch.equal(t.full_tensor(), x)
+    r = t.redistribute(t.device_mesh, [wb.Replicate(), wb.Shard(0)])
+    assert r.placements == (wb.Replicate(), wb.Shard(0)) and torch.equal(r.full(), x)
+    assert t.redistribute(placements=["R", "R"]).placements == (wb.Replicate(),) * 2
+    with pytest.raises(RuntimeError, match="placements"):
+        t.redistribute(t.mesh)
+    # differentiable, as DTensor's
+    t.requires_grad_()
+    (t.redistribute(placements=[wb.Replicate(), wb.Replicate()]).full_tensor() * 2).sum().backward()
+    torch.testing.assert_close(t.grad.full(), torch.full((5, 7), 2.0))
