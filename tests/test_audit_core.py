@@ -114,3 +114,27 @@ def test_dtensor_names():
     t.requires_grad_()
     (t.redistribute(placements=[wb.Replicate(), wb.Replicate()]).full_tensor() * 2).sum().backward()
     torch.testing.assert_close(t.grad.full(), torch.full((5, 7), 2.0))
+
+
+@pytest.mark.parametrize("dst", [[wb.Replicate(), wb.Replicate()], [wb.Shard(1), wb.Shard(0)]])
+def test_gradients_accumulate_on_uneven_partial_leaves(dst):
+    # was: the second backward added the gradient once per rank of the Partial group (3x):
+    # torch.stack's backward handed every rank a view of one expanded gradient, which
+    # autograd kept as each leaf's .grad (shared memory)
+    x = torch.randn(5, 7, dtype=torch.float64)
+    w = torch.randn(5, 7, dtype=torch.float64)
+    base = wb.shard_tensor(x, M23, [wb.Shard(0), wb.Replicate()])
+    locs = [base.local(r) if M23.coordinate(r)[1] == 0 else torch.zeros_like(base.local(r))
+            for r in M23.ranks]
+    t = wb.from_local(locs, M23, [wb.Shard(0), wb.Partial()], shape=x.shape).requires_grad_()
+    assert not t.is_even
+    for k in (1, 2, 3):
+        (wb.reshard(t, M23, dst) * w).sum().backward()
+        torch.testing.assert_close(t.grad.full(), k * w)
+    z = torch.randn(5, 7, dtype=torch.float64)
+    t.grad = None
+    for k in (1, 2):
+        (torch.softmax(t + z, -1) * w).sum().backward()
+    x0 = x.clone().requires_grad_()
+    (torch.softmax(x0 + z, -1) * w).sum().backward()
+    torch.testing.assert_close(t.grad.full(), 2 * x0.grad)
