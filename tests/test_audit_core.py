@@ -138,3 +138,49 @@ def test_gradients_accumulate_on_uneven_partial_leaves(dst):
     x0 = x.clone().requires_grad_()
     (torch.softmax(x0 + z, -1) * w).sum().backward()
     torch.testing.assert_close(t.grad.full(), 2 * x0.grad)
+
+
+VIEW_WRITES = {
+    # was silently lost: the inner view is a copy (uneven rows re-cut), the outer aliases it
+    "view then slice": lambda t: t.view(35)[3:9].mul_(0.0),
+    "reshape then row": lambda t: t.reshape(7, 5)[1].mul_(3.0),
+    "flatten then step": lambda t: t.flatten()[::4].fill_(1.0),
+    # were NotImplementedError (a copy with no way back to the base)
+    "chunk": lambda t: t.chunk(3, dim=1)[1].fill_(-1.0),
+    "split": lambda t: t.split(2)[1].copy_(torch.ones(2, 7)),
+    "unbind": lambda t: t.unbind(0)[2].zero_(),
+    "view": lambda t: t.view(7, 5).add_(1.0),
+    # were NoRuleError
+    "narrow": lambda t: t.narrow(1, 2, 3).zero_(),
+    "select": lambda t: t.select(1, -1).fill_(5.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEW_WRITES))
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(0)", "S(1)"]),
+                                     (M23, ["P", "S(0)"]), (M23, ["R", "P(max)"])])
+def test_a_write_into_a_view_reaches_the_base(name, mesh, ps):
+    x = torch.randn(5, 7)
+    ref = x.clone()
+    VIEW_WRITES[name](ref)
+    t = wb.shard_tensor(x, mesh, ps)
+    VIEW_WRITES[name](t)
+    torch.testing.assert_close(t.full(), ref)
+    assert t.placements == tuple(wb.parallel.placement.normalize_placements(ps, mesh, 2))
+
+
+def test_narrow_and_select_are_views_with_torchs_errors():
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, [wb.Shard(0)])
+    for args in [(0, 3, 2), (0, -2, 2), (0, 5, 0), (-1, 2, 3)]:
+        assert torch.equal(t.narrow(*args).full(), x.narrow(*args))
+        assert torch.equal(torch.narrow(t, *args).full(), torch.narrow(x, *args))
+    for args in [(0, 4), (0, -5), (-1, 2)]:
+        assert torch.equal(t.select(*args).full(), x.select(*args))
+    for bad, err in [((0, 3, 5), RuntimeError), ((0, 6, 0), IndexError), ((0, 2, -1), RuntimeError)]:
+        with pytest.raises(err):
+            x.narrow(*bad)
+        with pytest.raises(err):                 # after the valid calls above (cached)
+            t.narrow(*bad)
+    with pytest.raises(IndexError):
+        t.select(0, 5)

@@ -33,7 +33,7 @@ import torch
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
-from .views import through_view
+from .views import copy_link, push_link, through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
            "RANDOM"]
@@ -153,8 +153,12 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     if y.placements != x.placements:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
-    if x._view is not None and through_view(x, y, op):
-        x._view = x._view[:2] + (False,)        # written through base[index] from now on
+    link = None
+    if x._view is not None:
+        if through_view(x, y, op):
+            x._view = x._view[:2] + (False,)    # written through base[index] from now on
+        elif x._view[2]:
+            link = copy_link(x)     # x aliases a view that is a copy: written back after
     mine = _storages(x)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         # autograd records the op: x takes the result's history (its own memory)
@@ -173,10 +177,14 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         with torch.no_grad():
             for a, b in zip(xs, ys):
                 a.copy_(b)
+        if link is not None:
+            push_link(link)
         return x
     keep = x.requires_grad           # a leaf under no_grad (nn.init): stays a leaf
     new = storage.map_tensors(y._local, lambda t: t.detach().clone())
     x._local = storage.map_tensors(new, lambda t: t.requires_grad_()) if keep else new
+    if link is not None:
+        push_link(link)
     return x
 
 
