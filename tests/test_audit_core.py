@@ -184,3 +184,35 @@ def test_narrow_and_select_are_views_with_torchs_errors():
             t.narrow(*bad)
     with pytest.raises(IndexError):
         t.select(0, 5)
+
+
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M23, ["S(0)", "S(1)"]), (M23, ["P", "S(0)"]),
+                                     (M23, ["R", "P(max)"])])
+def test_views_see_later_writes_into_the_base(mesh, ps):
+    # was: a view that had to move data (rows 1:3 of 5 rows on 3 ranks) kept the old values
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, mesh, ps)
+    views = {"rows": lambda a: a[1:3], "flat": lambda a: a.view(35), "piece": lambda a: a.chunk(3, 1)[1],
+             "narrow": lambda a: a.narrow(0, 2, 3), "row of flat": lambda a: a.view(35)[4:20:3]}
+    ours = {k: f(t) for k, f in views.items()}
+    ref = x.clone()
+    theirs = {k: f(ref) for k, f in views.items()}
+    for write in (lambda a: a.add_(1.0), lambda a: a.mul_(torch.arange(7.)),
+                  lambda a: a.__setitem__((slice(None), 0), -3.0), lambda a: a.zero_()):
+        write(t)
+        write(ref)
+        for k in views:
+            torch.testing.assert_close(ours[k].full(), theirs[k], msg=k)
+
+
+def test_views_see_a_write_recorded_by_autograd():
+    w = torch.randn(5, 7, requires_grad=True)
+    t = wb.shard_tensor(w.detach(), M3, [wb.Shard(0)]).requires_grad_()
+    y, yr = t * 2, w * 2
+    v, vr = y[1:3], yr[1:3]
+    y.mul_(3.0)
+    yr.mul_(3.0)
+    torch.testing.assert_close(v.full(), vr)
+    (v * torch.arange(7.)).sum().backward()
+    (vr * torch.arange(7.)).sum().backward()
+    torch.testing.assert_close(t.grad.full(), w.grad)

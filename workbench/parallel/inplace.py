@@ -33,7 +33,7 @@ import torch
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
-from .views import copy_link, push_link, through_view
+from .views import copy_link, push_link, refresh, through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
            "RANDOM"]
@@ -132,7 +132,15 @@ def _like(y_loc, x_loc, nd: int):
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     """Write ``y`` (a DistTensor on x's mesh, or a plain global tensor) into ``x``: values
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
-    (``x``'s new data must not alias them). Returns ``x``."""
+    (``x``'s new data must not alias them). Returns ``x``; its views see the new values
+    (:func:`.views.refresh`)."""
+    before = x._local
+    _assign(x, y, op, sources=sources)
+    refresh(x, x._local is not before)
+    return x
+
+
+def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     from .dispatch import dispatch
     from .reshard import reshard
     for t in storage.tensors(x._local):

@@ -12,11 +12,13 @@ it raises (the write could not reach the base), as does a write into an expanded
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import storage
 
-__all__ = ["note_views", "through_view", "copy_link", "push_link"]
+__all__ = ["note_views", "through_view", "copy_link", "push_link", "refresh"]
 
 
 def _torch_index(index) -> tuple:
@@ -24,6 +26,52 @@ def _torch_index(index) -> tuple:
     conv = {"all": lambda e: slice(None), "slice": lambda e: slice(*e[1:]),
             "int": lambda e: e[1], "new": lambda e: None}
     return tuple(conv[e[0]](e) for e in index)
+
+
+# base id -> weakrefs to its views that can be recomputed (an index or WHOLE): refreshed
+# after a write into the base that they do not see (they are copies, or the base took new
+# memory).  A live view holds its base (``_view[0]``), so a base's id is not reused while
+# one of its views lives.
+_VIEWS: dict = {}
+
+
+def _register(base, views) -> None:
+    refs = _VIEWS.get(id(base))
+    if refs is None:
+        if len(_VIEWS) > 4096:
+            for k in [k for k, rs in _VIEWS.items() if all(r() is None for r in rs)]:
+                del _VIEWS[k]
+        refs = _VIEWS[id(base)] = []
+    elif len(refs) > 16:
+        refs[:] = [r for r in refs if r() is not None]
+    refs.extend(weakref.ref(v) for v in views)
+
+
+def refresh(base, replaced: bool) -> None:
+    """After a write into ``base``: its views that do not share its memory now (copies, or
+    all of them when ``replaced``: the base took new local tensors) are computed again
+    from it, as torch's views show the base's new values; and so on down their views."""
+    refs = _VIEWS.get(id(base))
+    if not refs:
+        return
+    from .dispatch import dispatch
+    from .reshard import reshard
+    for r in list(refs):
+        v = r()
+        if v is None or v._view is None or v._view[0] is not base:
+            continue
+        _, index, aliased = v._view
+        if (aliased and not replaced) or index is None:
+            continue
+        if index == WHOLE:
+            new = dispatch(torch.Tensor.reshape, (base, tuple(v.shape)), None)
+        else:
+            new = dispatch(torch.Tensor.__getitem__, (base, index), None)
+        if new.placements != v.placements:
+            new = reshard(new, v.mesh, v.placements)
+        v._local = new._local
+        v._view = (base, index, new._view is not None and new._view[2])
+        refresh(v, True)
 
 
 def note_views(name, base, outs, attrs) -> None:
@@ -46,6 +94,8 @@ def note_views(name, base, outs, attrs) -> None:
             else:
                 rest.append((o, ix))
         if not rest:
+            if indices[0] is not None:
+                _register(base, outs)
             return
     else:
         rest = list(zip(outs, indices))
@@ -54,6 +104,8 @@ def note_views(name, base, outs, attrs) -> None:
         ts = [t for t in storage.tensors(o._local) if t.numel()]
         aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
         o._view = (base, ix, aliased)
+    if indices[0] is not None:
+        _register(base, outs)
 
 
 WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape
