@@ -36,8 +36,15 @@ def test_grad_of_a_partial_leaf_is_the_global_gradient(op):
     torch.testing.assert_close(t.full(), x)
     t.requires_grad_()
     (t * w).sum().backward()
-    assert t.grad.placements == (wb.Replicate(),)          # as DTensor's
+    # each rank's share of the gradient (DTensor reduces them to Replicate)
+    assert t.grad.placements == (wb.Partial("sum"),)
     torch.testing.assert_close(t.grad.full(), w)
+    torch.testing.assert_close(t.grad.full_tensor(), w)
+    t.grad.zero_()                          # reaches the local gradients (no copy)
+    (t * 2.0).sum().backward()
+    torch.testing.assert_close(t.grad.full(), torch.full((2, 3), 2.0))
+    (t * 2.0).sum().backward()
+    torch.testing.assert_close(t.grad.full(), torch.full((2, 3), 4.0))
 
 
 def test_grad_of_a_partial_leaf_on_a_2d_mesh_keeps_its_shards():
@@ -53,7 +60,7 @@ def test_grad_of_a_partial_leaf_on_a_2d_mesh_keeps_its_shards():
     torch.testing.assert_close(t.full(), x)
     t.requires_grad_()
     (t * 3.0).sum().backward()
-    assert t.grad.placements == (wb.Shard(0), wb.Replicate())
+    assert t.grad.placements == (wb.Shard(0), wb.Partial("sum"))
     torch.testing.assert_close(t.grad.full(), torch.full((5, 4), 3.0))
 
 

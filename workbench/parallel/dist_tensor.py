@@ -30,10 +30,12 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
 from . import layout, replicas, storage
-from .placement import Replicate, check_partial_dtype, normalize_placements
+from .placement import Partial, Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
 
 __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
+
+_SUM = Partial("sum")
 
 class DistTensor:
     """A global tensor of ``shape`` laid out on ``mesh`` by ``placements``.
@@ -153,17 +155,7 @@ class DistTensor:
             return None
         g = storage.map_tensors(self._local,
                                 lambda t: torch.zeros_like(t) if t.grad is None else t.grad)
-        if not any(p.is_partial() and p.reduce_op != "sum" for p in self.placements):
-            return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
-        # Partial avg / max / min: each rank's local gradient is its own share of the
-        # global one (1/n of it for avg, all of it on the rank holding the max), so the
-        # shares are summed (a traced all-reduce) to DTensor's Replicate gradient
-        from .placement import Partial
-        from .reshard import reshard
-        ps = tuple(Partial("sum") if p.is_partial() and p.reduce_op != "sum" else p
-                   for p in self.placements)
-        return reshard(DistTensor(g, self.mesh, ps, self.shape), self.mesh,
-                       self._grad_placements())
+        return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
 
     @grad.setter
     def grad(self, value) -> None:
@@ -173,8 +165,13 @@ class DistTensor:
             t.grad = None
 
     def _grad_placements(self):
-        # The gradient of a Partial value is the same on every rank: Replicate.
-        return tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        # The gradient of a Partial("sum") value is the same on every rank: Replicate.
+        # Of a Partial avg / max / min value, each rank's local gradient is its share of
+        # the global one (1/n of it for avg; all of it on the rank holding the max): the
+        # shares sum to it, Partial("sum") (DTensor reduces them to Replicate; held as the
+        # shares, ``x.grad`` stays the local tensors' own .grad, so x.grad.zero_() works)
+        return tuple(Replicate() if p.is_partial() and p.reduce_op == "sum" else
+                     _SUM if p.is_partial() else p for p in self.placements)
 
     def detach(self) -> "DistTensor":
         loc = storage.map_tensors(self._local, lambda t: t.detach())
@@ -194,7 +191,8 @@ class DistTensor:
         if gradient is None and storage.backward_scalar(self._local, self.mesh, self.placements):
             return
         if any(p.is_partial() for p in self.placements):
-            t = reshard(self, self.mesh, self._grad_placements())
+            t = reshard(self, self.mesh, [Replicate() if p.is_partial() else p
+                                          for p in self.placements])
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
             torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
