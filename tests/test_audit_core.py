@@ -223,3 +223,27 @@ def test_views_see_a_write_recorded_by_autograd():
     (v * torch.arange(7.)).sum().backward()
     (vr * torch.arange(7.)).sum().backward()
     torch.testing.assert_close(t.grad.full(), w.grad)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")   # torch's own
+def test_backward_takes_retain_graph_create_graph_and_inputs():
+    # was: TypeError (unexpected keyword argument 'retain_graph')
+    x = torch.randn(5, 7)
+    for ps in (["S(0)"], ["P"], ["R"]):
+        t = wb.shard_tensor(x, M3, ps).requires_grad_()
+        u = wb.shard_tensor(x, M3, ["S(1)"]).requires_grad_()
+        s = (t * t * u).sum()
+        s.backward(retain_graph=True)
+        s.backward()
+        torch.testing.assert_close(t.grad.full(), 4 * x * x)
+        t.grad = None
+        u.grad = None
+        (t * u).sum().backward(inputs=[u])
+        assert t.grad is None
+        torch.testing.assert_close(u.grad.full(), x)
+    t = wb.shard_tensor(x, M3, ["S(0)"]).requires_grad_()
+    (t ** 3).sum().backward(create_graph=True)
+    g = t.grad
+    assert g.requires_grad
+    torch.testing.assert_close(g.full(), 3 * x * x)
+    t.grad = None

@@ -177,25 +177,35 @@ class DistTensor:
         loc = storage.map_tensors(self._local, lambda t: t.detach())
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
-    def backward(self, gradient=None) -> None:
+    def backward(self, gradient=None, retain_graph=None, create_graph=False,
+                 inputs=None) -> None:
         """Backpropagate from this DistTensor (a Partial value is reduced first).
 
         ``gradient``: the gradient of the global tensor, as a DistTensor of the same
         shape on the same mesh (resharded to this layout if needed) or a plain tensor of
-        the global shape; it may be left out for a one-element tensor."""
+        the global shape; it may be left out for a one-element tensor. ``retain_graph``,
+        ``create_graph``, ``inputs`` (DistTensors or tensors): as torch.Tensor.backward."""
         if self.numel() != 1 and gradient is None:
             raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
                                "grad can be implicitly created only for scalars; pass gradient=")
         t = self
         from .reshard import reshard
-        if gradient is None and storage.backward_scalar(self._local, self.mesh, self.placements):
+        kw = {}
+        if retain_graph is not None or create_graph or inputs is not None:
+            kw = {"retain_graph": retain_graph, "create_graph": create_graph}
+            if inputs is not None:
+                ins = [inputs] if isinstance(inputs, (DistTensor, torch.Tensor)) else inputs
+                kw["inputs"] = [u for x in ins for u in (
+                    storage.tensors(x._local) if isinstance(x, DistTensor) else [x])]
+        elif gradient is None and storage.backward_scalar(self._local, self.mesh,
+                                                          self.placements):
             return
         if any(p.is_partial() for p in self.placements):
             t = reshard(self, self.mesh, [Replicate() if p.is_partial() else p
                                           for p in self.placements])
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
-            torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
+            torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum(), **kw)
             return
         if isinstance(gradient, DistTensor):
             if gradient.mesh != t.mesh or gradient.shape != t.shape:
@@ -211,7 +221,7 @@ class DistTensor:
             g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
         # one copy stands for a replicated value: the gradient goes to the first copy
         gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
-        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl))
+        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl), **kw)
 
     # ---- printing --------------------------------------------------------------------
     def notation(self) -> str:
