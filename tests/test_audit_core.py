@@ -247,3 +247,35 @@ def test_backward_takes_retain_graph_create_graph_and_inputs():
     assert g.requires_grad
     torch.testing.assert_close(g.full(), 3 * x * x)
     t.grad = None
+
+
+TIES = torch.tensor([[1., 3., 3.], [2., 0., 2.], [5., 5., 1.], [0., -1., 4.], [7., 7., 7.]])
+
+
+@pytest.mark.parametrize("call", [lambda a: a.max(), lambda a: torch.min(a),
+                                  lambda a: a.max(1), lambda a: torch.min(a, 0, keepdim=True),
+                                  lambda a: a.max(dim=-1), lambda a: torch.max(a, a * 2 - 3),
+                                  lambda a: torch.min(a, other=-a)])
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(0)", "S(1)"]),
+                                     (M23, ["R", "R"])])
+def test_max_min_as_torch_overloads_them(call, mesh, ps):
+    # were: NoRuleError
+    x0 = TIES.clone().requires_grad_()
+    ref = call(x0)
+    t = wb.shard_tensor(TIES, mesh, ps).requires_grad_()
+    out = call(t)
+    assert isinstance(out, tuple) == isinstance(ref, tuple)
+    if isinstance(ref, tuple):
+        assert type(out) is type(ref)
+        torch.testing.assert_close(out.values.full(), ref.values)
+        torch.testing.assert_close(out.indices.full(), ref.indices)      # the first extreme
+        ref, out = ref.values, out.values
+    torch.testing.assert_close(out.full(), ref)
+    (ref * 1.5).sum().backward()
+    (out * 1.5).sum().backward()
+    torch.testing.assert_close(t.grad.full(), x0.grad)                 # ties, as torch
+    ints = torch.arange(35).reshape(5, 7) % 6
+    assert torch.equal(torch.max(wb.shard_tensor(ints, mesh, ps), 1).indices.full(),
+                       torch.max(ints, 1).indices)
+    with pytest.raises(IndexError):
+        t.max(2)

@@ -36,7 +36,7 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
-from .habits import FACTORIES, READS
+from .habits import COMPOSED, FACTORIES
 from .views import note_views
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, on_change
@@ -158,8 +158,8 @@ def dispatch(func, args, kwargs):
             return _writes(func, args, kwargs or {})
         if func in FACTORIES:                                   # zeros_like, new_zeros...
             return FACTORIES[func](*args, **(kwargs or {}))
-        if func in READS:                                       # allclose, equal: a bool
-            return READS[func](*args, **(kwargs or {}))
+        if func in COMPOSED:                           # allclose, equal, max, min
+            return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
     if kwargs:

@@ -213,8 +213,48 @@ def _equal(input, other) -> bool:
     return bool(dispatch(torch.all, (dispatch(torch.eq, (input, other), None),), None))
 
 
-READS = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equal,
-         T.equal: _equal}
+def _extremum(kind):
+    """``torch.max`` / ``torch.min`` on DistTensors, composed of ops in the table as torch
+    overloads them: ``max(x)`` is ``amax`` over every dim; ``max(x, other)`` is
+    ``maximum``; ``max(x, dim, keepdim)`` is ``(values, indices)`` with the indices of
+    ``argmax`` (the first extreme, as torch's) and the values gathered at them, so that
+    the gradient goes to that one element, as torch's."""
+    red, arg, pair = ((torch.amax, torch.argmax, torch.maximum) if kind == "max" else
+                      (torch.amin, torch.argmin, torch.minimum))
+    result = getattr(torch.return_types, kind)
+
+    def extremum(input, dim=None, keepdim=False, *, other=None, out=None):
+        from .dispatch import dispatch
+        if out is not None:
+            raise TypeError(f"{kind}(out=...) on a DistTensor: assign the result instead")
+        if isinstance(dim, (torch.Tensor, DistTensor)) or other is not None:
+            return dispatch(pair, (input, dim if other is None else other), None)
+        if dim is None:
+            if keepdim:
+                raise TypeError(f"{kind}(keepdim=True) needs a dim")
+            return dispatch(red, (input, tuple(range(input.ndim))), None)
+        if type(dim) is not int:
+            raise TypeError(f"{kind}(dim={dim!r}): give an int dim")
+        n = max(input.ndim, 1)
+        if not -n <= dim < n:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, "
+                             f"{n - 1}], but got {dim})")
+        if input.ndim == 0:
+            idx = dispatch(torch.argmax, (input,), None)
+            return result((dispatch(T.clone, (input,), None), idx))
+        idx = dispatch(arg, (input, dim, True), None)
+        values = dispatch(torch.gather, (input, dim, idx), None)
+        if not keepdim:
+            values = dispatch(T.squeeze, (values, dim), None)
+            idx = dispatch(T.squeeze, (idx, dim), None)
+        return result((values, idx))
+    return extremum
+
+
+COMPOSED = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equal,
+            T.equal: _equal}
+for _k in ("max", "min"):
+    COMPOSED[getattr(torch, _k)] = COMPOSED[getattr(T, _k)] = _extremum(_k)
 
 
 # ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
