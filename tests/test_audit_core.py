@@ -279,3 +279,28 @@ def test_max_min_as_torch_overloads_them(call, mesh, ps):
                        torch.max(ints, 1).indices)
     with pytest.raises(IndexError):
         t.max(2)
+
+
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["P"]), (M23, ["S(1)", "S(0)"]),
+                                     (M23, ["R", "R"])])
+def test_torch_autograd_grad_and_backward(mesh, ps):
+    # were: NoRuleError
+    x = torch.randn(5, 7)
+    w = torch.randn(7, requires_grad=True)
+    t = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    x0 = x.clone().requires_grad_()
+    g, gw = torch.autograd.grad((t * w).tanh().sum(), [t, w])
+    r, rw = torch.autograd.grad((x0 * w).tanh().sum(), [x0, w])
+    assert isinstance(g, wb.DistTensor) and g.placements == t._grad_placements()
+    torch.testing.assert_close(g.full(), r)
+    torch.testing.assert_close(gw, rw)
+    gy, = torch.autograd.grad(t * 2, t, grad_outputs=torch.ones(5, 7))
+    torch.testing.assert_close(gy.full(), torch.full((5, 7), 2.0))
+    g2, = torch.autograd.grad((t ** 3).sum(), t, create_graph=True)          # double backward
+    h, = torch.autograd.grad(g2.sum(), t)
+    torch.testing.assert_close(h.full(), 6 * x)
+    u = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    assert torch.autograd.grad((t * 2).sum(), [t, u], allow_unused=True)[1] is None
+    torch.autograd.backward([(t * t).sum()])
+    torch.testing.assert_close(t.grad.full(), 2 * x)
+    assert t.grad is not None and u.grad is None

@@ -188,8 +188,6 @@ class DistTensor:
         if self.numel() != 1 and gradient is None:
             raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
                                "grad can be implicitly created only for scalars; pass gradient=")
-        t = self
-        from .reshard import reshard
         kw = {}
         if retain_graph is not None or create_graph or inputs is not None:
             kw = {"retain_graph": retain_graph, "create_graph": create_graph}
@@ -200,28 +198,35 @@ class DistTensor:
         elif gradient is None and storage.backward_scalar(self._local, self.mesh,
                                                           self.placements):
             return
+        outs, grads = self._seed(gradient, "backward")
+        torch.autograd.backward(outs, grads, **kw)
+
+    def _seed(self, gradient, fn: str):
+        """The local tensors to start backpropagation from and their gradients (None: a
+        one-element value's implicit 1), for ``backward`` and ``torch.autograd.grad``."""
+        from .reshard import reshard
+        t = self
         if any(p.is_partial() for p in self.placements):
             t = reshard(self, self.mesh, [Replicate() if p.is_partial() else p
                                           for p in self.placements])
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
-            torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum(), **kw)
-            return
+            return [storage.tensors(t._local)[0].reshape(-1)[:1].sum()], [None]
         if isinstance(gradient, DistTensor):
             if gradient.mesh != t.mesh or gradient.shape != t.shape:
-                raise ValueError(f"backward(gradient={gradient!r}): expected the shape "
+                raise ValueError(f"{fn}(gradient={gradient!r}): expected the shape "
                                  f"{tuple(t.shape)} on {t.mesh}; reshard or give a plain tensor")
             g = gradient if gradient.placements == t.placements else \
                 reshard(gradient, t.mesh, t.placements)
         else:
-            gt = _as_tensor(gradient, "gradient", "backward")
+            gt = _as_tensor(gradient, "gradient", fn)
             if gt.shape != t.shape:
-                raise ValueError(f"backward(gradient of shape {tuple(gt.shape)}): expected the "
+                raise ValueError(f"{fn}(gradient of shape {tuple(gt.shape)}): expected the "
                                  f"global shape {tuple(t.shape)}")
             g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
         # one copy stands for a replicated value: the gradient goes to the first copy
         gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
-        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl), **kw)
+        return storage.tensors(t._local), storage.tensors(gl)
 
     # ---- printing --------------------------------------------------------------------
     def notation(self) -> str:

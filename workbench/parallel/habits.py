@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from . import storage
+from .autograd import AUTOGRAD
 from .dist_tensor import DistTensor
 
 __all__ = ["install", "FACTORIES"]
@@ -255,6 +256,7 @@ COMPOSED = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equa
             T.equal: _equal}
 for _k in ("max", "min"):
     COMPOSED[getattr(torch, _k)] = COMPOSED[getattr(T, _k)] = _extremum(_k)
+COMPOSED.update(AUTOGRAD)        # torch.autograd.backward / grad (autograd.py)
 
 
 # ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
