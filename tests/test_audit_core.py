@@ -304,3 +304,41 @@ def test_torch_autograd_grad_and_backward(mesh, ps):
     torch.autograd.backward([(t * t).sum()])
     torch.testing.assert_close(t.grad.full(), 2 * x)
     assert t.grad is not None and u.grad is None
+
+
+ADV = {"tensor": lambda a: a[torch.tensor([0, 2, 2, -1])], "cols": lambda a: a[:, torch.tensor([6, 0, -7])],
+       "list": lambda a: a[[0, 3]], "mask": lambda a: a[torch.tensor([True, False, True, True, False])],
+       "2-d index": lambda a: a[torch.tensor([[0, 1], [4, 4]])],
+       "ellipsis": lambda a: a[..., torch.tensor([1, 1])], "0-d": lambda a: a[torch.tensor(3)],
+       "empty": lambda a: a[torch.tensor([], dtype=torch.long)]}
+
+
+@pytest.mark.parametrize("name", sorted(ADV))
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(1)", "S(0)"]),
+                                     (M23, ["P", "R"])])
+def test_advanced_indexing_with_one_index_tensor(name, mesh, ps):
+    # was: NotImplementedError
+    x = torch.randn(5, 7)
+    x0 = x.clone().requires_grad_()
+    ref = ADV[name](x0)
+    t = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    out = ADV[name](t)
+    torch.testing.assert_close(out.full(), ref)
+    if ref.numel():
+        (ref * 2).sum().backward()
+        (out * 2).sum().backward()
+        torch.testing.assert_close(t.grad.full(), x0.grad)        # repeated rows accumulate
+
+
+def test_advanced_indexing_errors_as_torch():
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, ["S(0)"])
+    for bad in ([torch.tensor([5])], [torch.tensor([-6])], [torch.tensor([True, False])]):
+        with pytest.raises(IndexError):
+            x[bad[0]]
+        with pytest.raises(IndexError):
+            t[bad[0]]
+    with pytest.raises(IndexError):
+        t[torch.tensor([0.0])]
+    with pytest.raises(NotImplementedError, match="one index tensor"):
+        t[torch.tensor([0]), torch.tensor([1])]
