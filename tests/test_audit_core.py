@@ -342,3 +342,51 @@ def test_advanced_indexing_errors_as_torch():
         t[torch.tensor([0.0])]
     with pytest.raises(NotImplementedError, match="one index tensor"):
         t[torch.tensor([0]), torch.tensor([1])]
+
+
+F_ = torch.nn.functional
+TGT = torch.tensor([1, 6, -100, 3, 0])
+COMPOSITE_CALLS = {
+    "var": lambda a: a.var(), "var(1)": lambda a: a.var(1), "var keepdim": lambda a: torch.var(a, 0, keepdim=True),
+    "var unbiased=False": lambda a: a.var(-1, unbiased=False, keepdim=True),
+    "var correction=0": lambda a: a.var(dim=(0, 1), correction=0), "var(False)": lambda a: a.var(False),
+    "var(dim, unbiased, keepdim)": lambda a: a.var(1, False, True), "std": lambda a: a.std(),
+    "std(1)": lambda a: torch.std(a, 1),
+    "mse": lambda a: F_.mse_loss(a, a * 0 + 1.5),
+    "mse sum": lambda a: F_.mse_loss(a, torch.ones(5, 7, dtype=torch.float64), reduction="sum"),
+    "mse none": lambda a: F_.mse_loss(a, torch.ones(5, 7, dtype=torch.float64), reduction="none"),
+    "nll": lambda a: F_.nll_loss(a.log_softmax(1), TGT),
+    "nll sum": lambda a: F_.nll_loss(a.log_softmax(1), TGT, reduction="sum"),
+    "nll none": lambda a: F_.nll_loss(a.log_softmax(1), TGT, reduction="none"),
+    "nll ignore_index": lambda a: F_.nll_loss(a, TGT.clamp(min=0), ignore_index=3),
+    "nll one sample": lambda a: F_.nll_loss(a[0], torch.tensor(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITE_CALLS))
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(1)", "S(0)"]),
+                                     (M23, ["P", "S(1)"])])
+def test_var_std_mse_nll(name, mesh, ps):
+    # were: NoRuleError
+    x = torch.randn(5, 7, dtype=torch.float64)
+    x0 = x.clone().requires_grad_()
+    ref = COMPOSITE_CALLS[name](x0)
+    t = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    out = COMPOSITE_CALLS[name](t)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.full(), ref.detach())
+    ref.sum().backward()
+    out.sum().backward()
+    torch.testing.assert_close(t.grad.full(), x0.grad)
+
+
+def test_composites_errors():
+    t = wb.shard_tensor(torch.randn(5, 7), M3, ["S(0)"])
+    with pytest.raises(RuntimeError, match="floating point"):
+        wb.shard_tensor(torch.arange(6), M3, ["S(0)"]).var()
+    with pytest.raises(Exception):
+        F_.nll_loss(t, torch.tensor([1, 2]))               # batch sizes differ, as torch
+    with pytest.raises(ValueError, match="not a valid value"):
+        F_.mse_loss(t, t, reduction="avg")
+    with pytest.raises(NotImplementedError, match="degrees of freedom"):
+        t.requires_grad_().var(0, correction=5)

@@ -15,6 +15,7 @@ import torch
 
 from . import storage
 from .autograd import AUTOGRAD
+from .ops_table.composites import COMPOSITES
 from .dist_tensor import DistTensor
 
 __all__ = ["install", "FACTORIES"]
@@ -257,6 +258,7 @@ COMPOSED = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equa
 for _k in ("max", "min"):
     COMPOSED[getattr(torch, _k)] = COMPOSED[getattr(T, _k)] = _extremum(_k)
 COMPOSED.update(AUTOGRAD)        # torch.autograd.backward / grad (autograd.py)
+COMPOSED.update(COMPOSITES)      # var, std, mse_loss, nll_loss (ops_table/composites.py)
 
 
 # ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
