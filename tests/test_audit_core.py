@@ -390,3 +390,19 @@ def test_composites_errors():
         F_.mse_loss(t, t, reduction="avg")
     with pytest.raises(NotImplementedError, match="degrees of freedom"):
         t.requires_grad_().var(0, correction=5)
+
+
+@pytest.mark.parametrize("call", [lambda a: a / 0, lambda a: a * float("inf"), lambda a: a * float("-inf"),
+                                  lambda a: torch.div(a, 0.0), lambda a: a / torch.tensor(0.0),
+                                  lambda a: a * torch.tensor(float("inf")), lambda a: a * float("nan")])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_a_partial_sum_times_a_non_finite_number(call, op):
+    # was: each part became +-inf and their sum nan (torch: the sum times inf is +-inf)
+    x = torch.tensor([1.5, -2.0, 0.0, 3.0])
+    t = _partial(x, M3, op) if op != "sum" else wb.from_local(
+        [x * 2, -x, torch.zeros(4)], M3, [wb.Partial()])
+    torch.testing.assert_close(t.full(), x)
+    torch.testing.assert_close(call(t).full(), call(x), equal_nan=True)
+    y = t.clone()
+    y.mul_(float("inf"))
+    torch.testing.assert_close(y.full(), x * float("inf"), equal_nan=True)

@@ -9,7 +9,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..placement import Replicate
 from ._util import wrap_dims
 
 __all__ = ["COMPOSITES"]
@@ -61,10 +60,6 @@ def var(input, *args, **kwargs):
                       "than the reduction factor (input numel divided by output numel).")
     centered = input - input.mean(dims, keepdim=True)
     s = (centered * centered).sum(dims, keepdim=keepdim)
-    if n - correction <= 0 and any(p.is_partial() for p in getattr(s, "placements", ())):
-        # a partial sum's parts over 0 are +-inf each: reduce first (torch: inf, or nan)
-        from ..reshard import reshard
-        s = reshard(s, s.mesh, [Replicate() if p.is_partial() else p for p in s.placements])
     return s / max(n - correction, 0)
 
 
