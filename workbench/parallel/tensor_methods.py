@@ -46,9 +46,14 @@ def install(cls):
         setattr(cls, name, make_inplace(op))
     cls.__setitem__ = lambda self, index, value: inplace.setitem(self, index, value)
 
+    basic = (int, slice, type(None), type(Ellipsis))
+
     def __getitem__(self, index):
         # x[i] with an index tensor (advanced indexing) is index_select; basic indices
         # (ints, slices, None, ...) are the getitem op
+        if type(index) in basic or type(index) is tuple and all(type(i) in basic
+                                                                 for i in index):
+            return dispatch(T.__getitem__, (self, index), None)
         from .ops_table.indexing import advanced_index, index_with
         adv = advanced_index(self, index)
         if adv is not None:
