@@ -406,3 +406,11 @@ def test_a_partial_sum_times_a_non_finite_number(call, op):
     y = t.clone()
     y.mul_(float("inf"))
     torch.testing.assert_close(y.full(), x * float("inf"), equal_nan=True)
+
+
+def test_distribute_tensor_is_dtensors_name_for_shard_tensor():
+    x = torch.randn(5, 7)
+    t = wb.distribute_tensor(x, M23, [wb.Shard(0), wb.Shard(1)])
+    assert t.placements == (wb.Shard(0), wb.Shard(1)) and torch.equal(t.full(), x)
+    r = wb.distribute_tensor(x, M23)                          # Replicate everywhere, as DTensor
+    assert r.placements == (wb.Replicate(),) * 2 and torch.equal(r.full_tensor(), x)

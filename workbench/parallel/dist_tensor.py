@@ -33,7 +33,7 @@ from . import layout, replicas, storage
 from .placement import Partial, Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
 
-__all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
+__all__ = ["DistTensor", "TensorSpec", "shard_tensor", "distribute_tensor", "from_local"]
 
 _SUM = Partial("sum")
 
@@ -309,6 +309,18 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
             loc = storage.local_step(loc, x.shape, mesh, cur, nxt, i)
             cur = nxt
     return DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: Mesh, placements=None, *,
+                      src_data_rank: int | None = 0) -> DistTensor:
+    """DTensor's name and signature for :func:`shard_tensor` (``placements=None``:
+    Replicate on every mesh dim, as DTensor's)."""
+    if placements is None:
+        if not isinstance(device_mesh, Mesh):
+            raise TypeError(f"distribute_tensor(device_mesh={device_mesh!r:.60}): expected a "
+                            "workbench Mesh")
+        placements = [Replicate()] * device_mesh.ndim
+    return shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
 def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,
