@@ -19,4 +19,5 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",
            "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
            "allow_replicate_fallback", "explain", "Explanation", "parallelize",
-           "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm", "distribute_tensor"]
+           "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm",
+           "distribute_tensor"]
