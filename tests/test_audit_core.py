@@ -414,3 +414,32 @@ def test_distribute_tensor_is_dtensors_name_for_shard_tensor():
     assert t.placements == (wb.Shard(0), wb.Shard(1)) and torch.equal(t.full(), x)
     r = wb.distribute_tensor(x, M23)                          # Replicate everywhere, as DTensor
     assert r.placements == (wb.Replicate(),) * 2 and torch.equal(r.full_tensor(), x)
+
+
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["P"]), (M23, ["S(1)", "P(max)"]),
+                                     (M23, ["R", "S(0)"])])
+def test_index_put(mesh, ps):
+    # was: NoRuleError
+    x = torch.randn(5, 7)
+    rows, cols = torch.tensor([0, 0, 4]), torch.tensor([1, 1, 6])
+    v = torch.tensor([1.0, 2.0, 3.0])
+    for acc in (False, True):
+        ref = x.clone().index_put_((rows, cols), v, accumulate=acc)
+        t = wb.shard_tensor(x, mesh, ps)
+        assert t.index_put_((rows, cols), v, accumulate=acc) is t
+        torch.testing.assert_close(t.full(), ref)
+        assert t.placements == tuple(wb.parallel.placement.normalize_placements(ps, mesh, 2))
+        u = wb.shard_tensor(x, mesh, ps)
+        out = torch.index_put(u, (rows, cols), v, accumulate=acc)
+        torch.testing.assert_close(out.full(), ref)
+        torch.testing.assert_close(u.full(), x)                  # out of place: u unchanged
+    # through autograd
+    w0 = x.clone().requires_grad_()
+    y0 = w0 * 2
+    y0.index_put_((rows,), torch.tensor(0.0))
+    (y0 * torch.arange(7.)).sum().backward()
+    w = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    y = w * 2
+    y.index_put_((rows,), torch.tensor(0.0))
+    (y * torch.arange(7.)).sum().backward()
+    torch.testing.assert_close(w.grad.full(), w0.grad)

@@ -261,6 +261,14 @@ COMPOSED.update(AUTOGRAD)        # torch.autograd.backward / grad (autograd.py)
 COMPOSED.update(COMPOSITES)      # var, std, mse_loss, nll_loss (ops_table/composites.py)
 
 
+def _index_put(*args, **kwargs):
+    from .inplace import index_put
+    return index_put(*args, **kwargs)
+
+
+COMPOSED[torch.index_put] = COMPOSED[T.index_put] = _index_put
+
+
 # ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
 
 def _redistribute(self, device_mesh=None, placements=None, *, async_op=False,

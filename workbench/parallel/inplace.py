@@ -36,7 +36,7 @@ from .ops_table.checks import _to_meta
 from .views import copy_link, push_link, refresh, through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
-           "RANDOM"]
+           "RANDOM", "index_put_", "index_put"]
 
 T = torch.Tensor
 
@@ -255,6 +255,8 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         (value,) = args or (kwargs["value"],)
         value = value.full() if isinstance(value, DistTensor) else value
         return assign(x, torch.as_tensor(value, device=x.device), op)
+    if op == "index_put_":
+        return index_put_(x, *args, **kwargs)
     if op == "copy_":
         src = args[0] if args else kwargs["src"]
         if not isinstance(src, DistTensor):
@@ -302,6 +304,25 @@ def setitem(x: DistTensor, index, value) -> None:
     v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
+
+
+def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
+    """``x.index_put_(indices, values, accumulate)``: ``x[indices] = values``; with
+    ``accumulate``, the values (repeated indices summed, as torch) are added to ``x``."""
+    idx = _full_args(tuple(indices))
+    val = values.full() if isinstance(values, DistTensor) else values
+    if not accumulate:
+        setitem(x, idx, val)
+        return x
+    delta = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    delta = delta.index_put(idx, torch.as_tensor(val, dtype=x.dtype), accumulate=True)
+    return method(x, "add_", (delta,))
+
+
+def index_put(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
+    """``torch.index_put(x, ...)``: a copy of ``x`` with ``index_put_`` applied."""
+    from .dispatch import dispatch
+    return index_put_(dispatch(T.clone, (x,), None), indices, values, accumulate)
 
 
 # ---- torch functions that write: nn.init, out=, inplace=True, torch.relu_ ---------------
