@@ -443,3 +443,15 @@ def test_index_put(mesh, ps):
     y.index_put_((rows,), torch.tensor(0.0))
     (y * torch.arange(7.)).sum().backward()
     torch.testing.assert_close(w.grad.full(), w0.grad)
+
+
+def test_requires_grad_on_a_result_keeps_its_history():
+    # was: y.requires_grad_() detached y, so backward never reached t (t.grad None)
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, ["S(0)"]).requires_grad_()
+    y = t * 2
+    assert y.requires_grad_() is y and not y.is_leaf
+    (y * 3).sum().backward()
+    torch.testing.assert_close(t.grad.full(), torch.full((5, 7), 6.0))
+    with pytest.raises(RuntimeError, match="leaf variables"):
+        (t * 2).requires_grad = False

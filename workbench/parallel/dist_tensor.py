@@ -144,6 +144,8 @@ class DistTensor:
         if not self.dtype.is_floating_point and flag:
             raise TypeError(f"requires_grad_() on a {self.dtype} DistTensor: only floating "
                             "point tensors can require gradients")
+        if flag and not self.is_leaf and self.requires_grad:
+            return self                 # a result of ops: torch keeps its history
         self._local = storage.map_tensors(self._local,
                                           lambda t: t.detach().requires_grad_(flag))
         return self
