@@ -455,3 +455,31 @@ def test_requires_grad_on_a_result_keeps_its_history():
     torch.testing.assert_close(t.grad.full(), torch.full((5, 7), 6.0))
     with pytest.raises(RuntimeError, match="leaf variables"):
         (t * 2).requires_grad = False
+
+
+MORE = {"logsumexp": lambda a: torch.logsumexp(a, 1), "logsumexp keepdim": lambda a: a.logsumexp((0, 1), keepdim=True),
+        "log1p": lambda a: (a * a).log1p(), "expm1": lambda a: a.expm1(),
+        "dot": lambda a: torch.dot(a[0], a[1]), "outer": lambda a: torch.outer(a[0], a[1, :3])}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["P", "S(1)"])])
+def test_more_ops(name, mesh, ps):
+    # were: NoRuleError
+    x = torch.randn(5, 7, dtype=torch.float64)
+    x0 = x.clone().requires_grad_()
+    ref = MORE[name](x0)
+    t = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    out = MORE[name](t)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.full(), ref.detach())
+    ref.sum().backward()
+    out.sum().backward()
+    torch.testing.assert_close(t.grad.full(), x0.grad)
+
+
+def test_logsumexp_of_infinities_as_torch():
+    x = torch.tensor([[float("-inf")] * 3, [1., 2., float("inf")], [float("nan"), 1., 2.], [1., 2., 3.]])
+    for ps in (["S(0)"], ["S(1)"]):
+        torch.testing.assert_close(torch.logsumexp(wb.shard_tensor(x, M3, ps), 1).full(),
+                                   torch.logsumexp(x, 1), equal_nan=True)

@@ -34,6 +34,7 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "tanh": (torch.tanh, [X]), "exp": (torch.exp, [X]), "log": (torch.log, [POS]),
     "sqrt": (torch.sqrt, [POS]), "rsqrt": (torch.rsqrt, [POS]), "square": (torch.square, [X]),
     "sin": (torch.sin, [X]), "cos": (torch.cos, [X]), "erf": (torch.erf, [X]),
+    "expm1": (torch.expm1, [X]), "log1p": (torch.log1p, [POS]),
     "reciprocal": (torch.reciprocal, [POS]), "softplus": (F.softplus, [X]),
     "leaky_relu": (F.leaky_relu, [X]), "elu": (F.elu, [X]), "mish": (F.mish, [X]),
     "hardtanh": (F.hardtanh, [X]), "floor": (torch.floor, [X]), "ceil": (torch.ceil, [X]),

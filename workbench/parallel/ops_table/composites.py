@@ -1,5 +1,6 @@
 """Torch functions composed of ops in the table (each op keeps its own rule, cost and
-trace event): ``var`` / ``std``, ``F.mse_loss``, ``F.nll_loss``. The value and the
+trace event): ``var`` / ``std``, ``F.mse_loss``, ``F.nll_loss``, ``logsumexp``, ``dot``,
+``outer``. The value and the
 gradient are those of the composition, equal to torch's fused kernels up to rounding."""
 from __future__ import annotations
 
@@ -113,5 +114,34 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     return _reduce(loss, reduction, "nll_loss")
 
 
-COMPOSITES = {torch.var: var, T.var: var, torch.std: std, T.std: std,
+def logsumexp(input, dim, keepdim=False):
+    """``log(sum(exp(x - m))) + m`` with ``m`` the max over ``dim`` (torch.logsumexp; a
+    slice of -inf gives -inf)."""
+    dims = tuple(sorted(wrap_dims(dim if isinstance(dim, (list, tuple)) else (dim,),
+                                  input.ndim)))
+    if not input.dtype.is_floating_point:
+        input = input.to(torch.get_default_dtype())
+    m = torch.amax(input, dims, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=input.dtype))
+    out = torch.log(torch.exp(input - m).sum(dims, keepdim=True)) + m
+    return out if keepdim else out.squeeze(dims)
+
+
+def dot(input, other):
+    """``torch.dot``: the sum of the products of two 1-d tensors."""
+    torch.dot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+              torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
+    return (input * other).sum()
+
+
+def outer(input, vec2):
+    """``torch.outer``: ``input[:, None] * vec2[None, :]``."""
+    torch.outer(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+                torch.empty(tuple(vec2.shape), dtype=vec2.dtype, device="meta"))
+    return input.unsqueeze(1) * vec2.unsqueeze(0)
+
+
+COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot, T.dot: dot,
+              torch.outer: outer, T.outer: outer, torch.ger: outer, T.ger: outer,
+              torch.var: var, T.var: var, torch.std: std, T.std: std,
               F.mse_loss: mse_loss, F.nll_loss: nll_loss}

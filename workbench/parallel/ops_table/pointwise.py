@@ -249,6 +249,8 @@ UNARY = {
     "sin": ((torch.sin, T.sin), 1, nonlinear_rule, X),
     "cos": ((torch.cos, T.cos), 1, nonlinear_rule, X),
     "erf": ((torch.erf, T.erf), 1, monotone_rule, X),
+    "expm1": ((torch.expm1, T.expm1), 1, monotone_rule, X),                  # exp(x) - 1
+    "log1p": ((torch.log1p, T.log1p), 1, nonlinear_rule, POS),               # log(1 + x)
     "reciprocal": ((torch.reciprocal, T.reciprocal), 1, nonlinear_rule, POS),
     "softplus": ((F.softplus,), 6, monotone_rule, None),  # log(1 + exp(b x)) / b; x b > threshold
     "leaky_relu": ((F.leaky_relu,), 2, nonlinear_rule, None),   # compare, multiply
