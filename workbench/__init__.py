@@ -21,6 +21,7 @@ from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorS
                        shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
                        register_rule, allow_replicate_fallback, explain, parallelize,
                        dist_parameters, clip_grad_norm_, clip_grad_value_)
+from .parallel import distribute_tensor  # noqa: E402  DTensor's name for shard_tensor
 from .parallel.strategies.ddp import DistributedDataParallel  # noqa: E402
 from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
@@ -39,7 +40,7 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "TensorSpec", "shard_tensor", "from_local", "plan_reshard", "reshard", "Plan", "Step",
            "register_rule", "allow_replicate_fallback", "spmd", "schedules", "explain",
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
-           "DistributedDataParallel",
+           "DistributedDataParallel", "distribute_tensor",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
            "distributed", "models", "plan", "recipes", "compile", "checkpoint", "serve"]
 

@@ -1,6 +1,6 @@
 """Placements, DistTensor, reshard plans, SPMD rules and parallel strategies."""
 from .placement import Placement, Replicate, Shard, Partial
-from .dist_tensor import DistTensor, TensorSpec, shard_tensor, from_local
+from .dist_tensor import DistTensor, TensorSpec, shard_tensor, from_local, distribute_tensor
 from .reshard import Step, Plan, plan_reshard, reshard
 from . import rules
 from .rules import register_rule, Strategy, Decision, NoRuleError, infer
@@ -19,4 +19,5 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",
            "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
            "allow_replicate_fallback", "explain", "Explanation", "parallelize",
-           "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm"]
+           "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm",
+           "distribute_tensor"]

@@ -26,6 +26,7 @@ its gradient and the backward communication is each collective's backward.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
-from .habits import FACTORIES
+from .habits import COMPOSED, FACTORIES
 from .views import note_views
 from .ops_table import checks, pricing
 from .ops_table.table import BY_FUNC, TABLE, on_change
@@ -158,6 +159,8 @@ def dispatch(func, args, kwargs):
             return _writes(func, args, kwargs or {})
         if func in FACTORIES:                                   # zeros_like, new_zeros...
             return FACTORIES[func](*args, **(kwargs or {}))
+        if func in COMPOSED:                           # allclose, equal, max, min
+            return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
     if kwargs:
@@ -178,6 +181,8 @@ def dispatch(func, args, kwargs):
         else:
             plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
+    if plain and entry.name in ("mul", "div") and _unsafe_scale(entry.name, inputs):
+        inputs = _partials_reduced(inputs)
     if plain:
         specs = []
         for x in inputs:
@@ -202,6 +207,32 @@ def dispatch(func, args, kwargs):
         if prep is None:
             return _fallback(func, args, kwargs)
     return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+
+
+def _unsafe_scale(name, inputs) -> bool:
+    """A number by which a partial sum cannot be scaled part by part: inf or nan (each
+    part becomes +-inf, their sum nan, where the sum times inf is +-inf), or a divisor 0."""
+    for k, x in enumerate(inputs):
+        if type(x) is torch.Tensor and x.dim() == 0 and x.device.type == "cpu" and \
+                x.dtype.is_floating_point:
+            x = float(x)                # a 0-d tensor on the CPU is read (no device sync)
+        if isinstance(x, float) and not math.isfinite(x):
+            return True
+        if name == "div" and k == 1 and isinstance(x, (int, float)) and x == 0:
+            return True
+    return False
+
+
+def _partials_reduced(inputs):
+    """The inputs with Partial sum / avg DistTensors reduced (a traced all-reduce)."""
+    from .reshard import reshard
+    out = []
+    for x in inputs:
+        if isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in ("sum", "avg")
+                                             for p in x.placements):
+            x = reshard(x, x.mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+        out.append(x)
+    return tuple(out)
 
 
 def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):

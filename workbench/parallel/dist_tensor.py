@@ -30,10 +30,12 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
 from . import layout, replicas, storage
-from .placement import Replicate, check_partial_dtype, normalize_placements
+from .placement import Partial, Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
 
-__all__ = ["DistTensor", "TensorSpec", "shard_tensor", "from_local"]
+__all__ = ["DistTensor", "TensorSpec", "shard_tensor", "distribute_tensor", "from_local"]
+
+_SUM = Partial("sum")
 
 class DistTensor:
     """A global tensor of ``shape`` laid out on ``mesh`` by ``placements``.
@@ -142,6 +144,8 @@ class DistTensor:
         if not self.dtype.is_floating_point and flag:
             raise TypeError(f"requires_grad_() on a {self.dtype} DistTensor: only floating "
                             "point tensors can require gradients")
+        if flag and not self.is_leaf and self.requires_grad:
+            return self                 # a result of ops: torch keeps its history
         self._local = storage.map_tensors(self._local,
                                           lambda t: t.detach().requires_grad_(flag))
         return self
@@ -163,47 +167,68 @@ class DistTensor:
             t.grad = None
 
     def _grad_placements(self):
-        # The gradient of a Partial value is the same on every rank: Replicate.
-        return tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        # The gradient of a Partial("sum") value is the same on every rank: Replicate.
+        # Of a Partial avg / max / min value, each rank's local gradient is its share of
+        # the global one (1/n of it for avg; all of it on the rank holding the max): the
+        # shares sum to it, Partial("sum") (DTensor reduces them to Replicate; held as the
+        # shares, ``x.grad`` stays the local tensors' own .grad, so x.grad.zero_() works)
+        return tuple(Replicate() if p.is_partial() and p.reduce_op == "sum" else
+                     _SUM if p.is_partial() else p for p in self.placements)
 
     def detach(self) -> "DistTensor":
         loc = storage.map_tensors(self._local, lambda t: t.detach())
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
-    def backward(self, gradient=None) -> None:
+    def backward(self, gradient=None, retain_graph=None, create_graph=False,
+                 inputs=None) -> None:
         """Backpropagate from this DistTensor (a Partial value is reduced first).
 
         ``gradient``: the gradient of the global tensor, as a DistTensor of the same
         shape on the same mesh (resharded to this layout if needed) or a plain tensor of
-        the global shape; it may be left out for a one-element tensor."""
+        the global shape; it may be left out for a one-element tensor. ``retain_graph``,
+        ``create_graph``, ``inputs`` (DistTensors or tensors): as torch.Tensor.backward."""
         if self.numel() != 1 and gradient is None:
             raise RuntimeError(f"backward() on a DistTensor of shape {tuple(self.shape)}: "
                                "grad can be implicitly created only for scalars; pass gradient=")
-        t = self
-        from .reshard import reshard
-        if gradient is None and storage.backward_scalar(self._local, self.mesh, self.placements):
+        kw = {}
+        if retain_graph is not None or create_graph or inputs is not None:
+            kw = {"retain_graph": retain_graph, "create_graph": create_graph}
+            if inputs is not None:
+                ins = [inputs] if isinstance(inputs, (DistTensor, torch.Tensor)) else inputs
+                kw["inputs"] = [u for x in ins for u in (
+                    storage.tensors(x._local) if isinstance(x, DistTensor) else [x])]
+        elif gradient is None and storage.backward_scalar(self._local, self.mesh,
+                                                          self.placements):
             return
+        outs, grads = self._seed(gradient, "backward")
+        torch.autograd.backward(outs, grads, **kw)
+
+    def _seed(self, gradient, fn: str):
+        """The local tensors to start backpropagation from and their gradients (None: a
+        one-element value's implicit 1), for ``backward`` and ``torch.autograd.grad``."""
+        from .reshard import reshard
+        t = self
         if any(p.is_partial() for p in self.placements):
-            t = reshard(self, self.mesh, self._grad_placements())
+            t = reshard(self, self.mesh, [Replicate() if p.is_partial() else p
+                                          for p in self.placements])
         if gradient is None:
             # replicated axes are compact (size 1): the first element is the one value
-            torch.autograd.backward(storage.tensors(t._local)[0].reshape(-1)[:1].sum())
-            return
+            return [storage.tensors(t._local)[0].reshape(-1)[:1].sum()], [None]
         if isinstance(gradient, DistTensor):
             if gradient.mesh != t.mesh or gradient.shape != t.shape:
-                raise ValueError(f"backward(gradient={gradient!r}): expected the shape "
+                raise ValueError(f"{fn}(gradient={gradient!r}): expected the shape "
                                  f"{tuple(t.shape)} on {t.mesh}; reshard or give a plain tensor")
             g = gradient if gradient.placements == t.placements else \
                 reshard(gradient, t.mesh, t.placements)
         else:
-            gt = _as_tensor(gradient, "gradient", "backward")
+            gt = _as_tensor(gradient, "gradient", fn)
             if gt.shape != t.shape:
-                raise ValueError(f"backward(gradient of shape {tuple(gt.shape)}): expected the "
+                raise ValueError(f"{fn}(gradient of shape {tuple(gt.shape)}): expected the "
                                  f"global shape {tuple(t.shape)}")
             g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
         # one copy stands for a replicated value: the gradient goes to the first copy
         gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
-        torch.autograd.backward(storage.tensors(t._local), storage.tensors(gl))
+        return storage.tensors(t._local), storage.tensors(gl)
 
     # ---- printing --------------------------------------------------------------------
     def notation(self) -> str:
@@ -286,6 +311,18 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
             loc = storage.local_step(loc, x.shape, mesh, cur, nxt, i)
             cur = nxt
     return DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: Mesh, placements=None, *,
+                      src_data_rank: int | None = 0) -> DistTensor:
+    """DTensor's name and signature for :func:`shard_tensor` (``placements=None``:
+    Replicate on every mesh dim, as DTensor's)."""
+    if placements is None:
+        if not isinstance(device_mesh, Mesh):
+            raise TypeError(f"distribute_tensor(device_mesh={device_mesh!r:.60}): expected a "
+                            "workbench Mesh")
+        placements = [Replicate()] * device_mesh.ndim
+    return shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
 def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,

@@ -14,6 +14,8 @@ import numbers
 import torch
 
 from . import storage
+from .autograd import AUTOGRAD
+from .ops_table.composites import COMPOSITES
 from .dist_tensor import DistTensor
 
 __all__ = ["install", "FACTORIES"]
@@ -188,7 +190,114 @@ FACTORIES.update({f: _new(f) for f in (T.new_zeros, T.new_ones, T.new_full, T.ne
                                         T.new_tensor)})
 
 
+# ---- comparisons that give a Python bool (the answer read from the full tensors) ----------
+
+def _allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    """``torch.allclose(d, y)``: ``isclose(d, y).all()`` (an op on DistTensors), read out;
+    ``other`` must be a tensor, as torch's."""
+    from .dispatch import dispatch
+    if not isinstance(other, (torch.Tensor, DistTensor)):
+        raise TypeError(f"allclose(): argument 'other' (position 2) must be Tensor, not "
+                        f"{type(other).__name__}")
+    close = dispatch(torch.isclose, (input, other),
+                     {"rtol": rtol, "atol": atol, "equal_nan": equal_nan})
+    return bool(dispatch(torch.all, (close,), None))
+
+
+def _equal(input, other) -> bool:
+    """``torch.equal(d, y)``: the same shape and the same values (dtypes may differ)."""
+    from .dispatch import dispatch
+    for k, v in (("input", input), ("other", other)):
+        if not isinstance(v, (torch.Tensor, DistTensor)):
+            raise TypeError(f"equal(): argument '{k}' must be Tensor, not {type(v).__name__}")
+    if tuple(input.shape) != tuple(other.shape):
+        return False
+    return bool(dispatch(torch.all, (dispatch(torch.eq, (input, other), None),), None))
+
+
+def _extremum(kind):
+    """``torch.max`` / ``torch.min`` on DistTensors, composed of ops in the table as torch
+    overloads them: ``max(x)`` is ``amax`` over every dim; ``max(x, other)`` is
+    ``maximum``; ``max(x, dim, keepdim)`` is ``(values, indices)`` with the indices of
+    ``argmax`` (the first extreme, as torch's) and the values gathered at them, so that
+    the gradient goes to that one element, as torch's."""
+    red, arg, pair = ((torch.amax, torch.argmax, torch.maximum) if kind == "max" else
+                      (torch.amin, torch.argmin, torch.minimum))
+    result = getattr(torch.return_types, kind)
+
+    def extremum(input, dim=None, keepdim=False, *, other=None, out=None):
+        from .dispatch import dispatch
+        if out is not None:
+            raise TypeError(f"{kind}(out=...) on a DistTensor: assign the result instead")
+        if isinstance(dim, (torch.Tensor, DistTensor)) or other is not None:
+            return dispatch(pair, (input, dim if other is None else other), None)
+        if dim is None:
+            if keepdim:
+                raise TypeError(f"{kind}(keepdim=True) needs a dim")
+            return dispatch(red, (input, tuple(range(input.ndim))), None)
+        if type(dim) is not int:
+            raise TypeError(f"{kind}(dim={dim!r}): give an int dim")
+        n = max(input.ndim, 1)
+        if not -n <= dim < n:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, "
+                             f"{n - 1}], but got {dim})")
+        if input.ndim == 0:
+            idx = dispatch(torch.argmax, (input,), None)
+            return result((dispatch(T.clone, (input,), None), idx))
+        idx = dispatch(arg, (input, dim, True), None)
+        values = dispatch(torch.gather, (input, dim, idx), None)
+        if not keepdim:
+            values = dispatch(T.squeeze, (values, dim), None)
+            idx = dispatch(T.squeeze, (idx, dim), None)
+        return result((values, idx))
+    return extremum
+
+
+COMPOSED = {torch.allclose: _allclose, T.allclose: _allclose, torch.equal: _equal,
+            T.equal: _equal}
+for _k in ("max", "min"):
+    COMPOSED[getattr(torch, _k)] = COMPOSED[getattr(T, _k)] = _extremum(_k)
+COMPOSED.update(AUTOGRAD)        # torch.autograd.backward / grad (autograd.py)
+COMPOSED.update(COMPOSITES)      # var, std, mse_loss, nll_loss (ops_table/composites.py)
+
+
+def _index_put(*args, **kwargs):
+    from .inplace import index_put
+    return index_put(*args, **kwargs)
+
+
+COMPOSED[torch.index_put] = COMPOSED[T.index_put] = _index_put
+
+
+# ---- DTensor's names for what DistTensor calls full / reshard / mesh ----------------------
+
+def _redistribute(self, device_mesh=None, placements=None, *, async_op=False,
+                  forward_dtype=None, backward_dtype=None):
+    """``d.redistribute(mesh, placements)``: :func:`workbench.reshard` under DTensor's name
+    (traced and differentiable alike)."""
+    from .reshard import reshard
+    if forward_dtype is not None or backward_dtype is not None:
+        raise NotImplementedError("redistribute(forward_dtype=/backward_dtype=) on a "
+                                  "DistTensor: cast with .to(dtype) before or after instead")
+    if placements is None:
+        raise RuntimeError("redistribute(placements=None): placements is needed for "
+                           "redistribute, e.g. [Replicate()]")
+    return reshard(self, device_mesh if device_mesh is not None else self.mesh, placements)
+
+
+def _full_tensor(self, *, grad_placements=None):
+    """``d.full_tensor()``: DTensor's name for :meth:`DistTensor.full`."""
+    if grad_placements is not None:
+        raise NotImplementedError("full_tensor(grad_placements=...) on a DistTensor: the "
+                                  "gradient comes back in the DistTensor's own layout; "
+                                  "leave grad_placements=None")
+    return self.full()
+
+
 def install(cls) -> None:
+    cls.redistribute = _redistribute
+    cls.full_tensor = _full_tensor
+    cls.device_mesh = property(lambda self: self.mesh)
     for name, f in _FACTS.items():
         setattr(cls, name, f)
     for name, f in _PROPS.items():

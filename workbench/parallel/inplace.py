@@ -33,10 +33,10 @@ import torch
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
-from .views import through_view
+from .views import copy_link, push_link, refresh, through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
-           "RANDOM"]
+           "RANDOM", "index_put_", "index_put"]
 
 T = torch.Tensor
 
@@ -132,7 +132,15 @@ def _like(y_loc, x_loc, nd: int):
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     """Write ``y`` (a DistTensor on x's mesh, or a plain global tensor) into ``x``: values
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
-    (``x``'s new data must not alias them). Returns ``x``."""
+    (``x``'s new data must not alias them). Returns ``x``; its views see the new values
+    (:func:`.views.refresh`)."""
+    before = x._local
+    _assign(x, y, op, sources=sources)
+    refresh(x, x._local is not before)
+    return x
+
+
+def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     from .dispatch import dispatch
     from .reshard import reshard
     for t in storage.tensors(x._local):
@@ -153,8 +161,12 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     if y.placements != x.placements:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
-    if x._view is not None and through_view(x, y, op):
-        x._view = x._view[:2] + (False,)        # written through base[index] from now on
+    link = None
+    if x._view is not None:
+        if through_view(x, y, op):
+            x._view = x._view[:2] + (False,)    # written through base[index] from now on
+        elif x._view[2]:
+            link = copy_link(x)     # x aliases a view that is a copy: written back after
     mine = _storages(x)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         # autograd records the op: x takes the result's history (its own memory)
@@ -173,10 +185,14 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         with torch.no_grad():
             for a, b in zip(xs, ys):
                 a.copy_(b)
+        if link is not None:
+            push_link(link)
         return x
     keep = x.requires_grad           # a leaf under no_grad (nn.init): stays a leaf
     new = storage.map_tensors(y._local, lambda t: t.detach().clone())
     x._local = storage.map_tensors(new, lambda t: t.requires_grad_()) if keep else new
+    if link is not None:
+        push_link(link)
     return x
 
 
@@ -239,6 +255,8 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         (value,) = args or (kwargs["value"],)
         value = value.full() if isinstance(value, DistTensor) else value
         return assign(x, torch.as_tensor(value, device=x.device), op)
+    if op == "index_put_":
+        return index_put_(x, *args, **kwargs)
     if op == "copy_":
         src = args[0] if args else kwargs["src"]
         if not isinstance(src, DistTensor):
@@ -254,6 +272,10 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         raise NoRuleError(f"{op}() on a DistTensor {x.notation()}: {e}") from None
     if not isinstance(y, DistTensor):
         _unsupported(op, f"{op[:-1]}() gives a {type(y).__name__}, not a tensor")
+    if not torch.can_cast(y.dtype, x.dtype):
+        # torch's own check (meta tensors skip it for a Python scalar: int.mul_(2.5))
+        raise RuntimeError(f"{op}(): result type {y.dtype} can't be cast to the desired "
+                           f"output type {x.dtype}; use x = x.{op[:-1]}(...) for a new tensor")
     return assign(x, y, op, sources=(x,) + tuple(args) + tuple(kwargs.values()))
 
 
@@ -282,6 +304,25 @@ def setitem(x: DistTensor, index, value) -> None:
     v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
+
+
+def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
+    """``x.index_put_(indices, values, accumulate)``: ``x[indices] = values``; with
+    ``accumulate``, the values (repeated indices summed, as torch) are added to ``x``."""
+    idx = _full_args(tuple(indices))
+    val = values.full() if isinstance(values, DistTensor) else values
+    if not accumulate:
+        setitem(x, idx, val)
+        return x
+    delta = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    delta = delta.index_put(idx, torch.as_tensor(val, dtype=x.dtype), accumulate=True)
+    return method(x, "add_", (delta,))
+
+
+def index_put(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
+    """``torch.index_put(x, ...)``: a copy of ``x`` with ``index_put_`` applied."""
+    from .dispatch import dispatch
+    return index_put_(dispatch(T.clone, (x,), None), indices, values, accumulate)
 
 
 # ---- torch functions that write: nn.init, out=, inplace=True, torch.relu_ ---------------

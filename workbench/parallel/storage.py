@@ -125,7 +125,7 @@ def to_stacked(cells) -> torch.Tensor:
     """Cells whose tensors have one shape, as one stack (the fast layout)."""
     if not isinstance(cells, Cells):
         return cells
-    st = torch.stack(cells.items)
+    st = grid.stack(cells.items)         # per-cell gradients kept apart
     return st.reshape(tuple(cells.lead) + tuple(st.shape[1:]))
 
 

@@ -45,6 +45,25 @@ def install(cls):
     for name, op in inplace.IDUNDERS.items():       # x += y is x.add_(y), in place
         setattr(cls, name, make_inplace(op))
     cls.__setitem__ = lambda self, index, value: inplace.setitem(self, index, value)
+
+    basic = (int, slice, type(None), type(Ellipsis))
+
+    def __getitem__(self, index):
+        # x[i] with an index tensor (advanced indexing) is index_select; basic indices
+        # (ints, slices, None, ...) are the getitem op
+        if type(index) in basic or type(index) is tuple and all(type(i) in basic
+                                                                 for i in index):
+            return dispatch(T.__getitem__, (self, index), None)
+        from .ops_table.indexing import advanced_index, index_with
+        adv = advanced_index(self, index)
+        if adv is not None:
+            return index_with(self, *adv)
+        if isinstance(index, tuple) and any(isinstance(i, T) for i in index) or \
+                isinstance(index, T):        # 0-d integer tensors: ints, as torch reads them
+            index = tuple(int(i) if isinstance(i, T) else i for i in
+                          (index if isinstance(index, tuple) else (index,)))
+        return dispatch(T.__getitem__, (self, index), None)
+    cls.__getitem__ = __getitem__
     habits.install(cls)
 
     def __getattr__(self, name):

@@ -12,11 +12,13 @@ it raises (the write could not reach the base), as does a write into an expanded
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import storage
 
-__all__ = ["note_views", "through_view"]
+__all__ = ["note_views", "through_view", "copy_link", "push_link", "refresh"]
 
 
 def _torch_index(index) -> tuple:
@@ -26,31 +28,112 @@ def _torch_index(index) -> tuple:
     return tuple(conv[e[0]](e) for e in index)
 
 
+# base id -> weakrefs to its views that can be recomputed (an index or WHOLE): refreshed
+# after a write into the base that they do not see (they are copies, or the base took new
+# memory).  A live view holds its base (``_view[0]``), so a base's id is not reused while
+# one of its views lives.
+_VIEWS: dict = {}
+
+
+def _register(base, views) -> None:
+    refs = _VIEWS.get(id(base))
+    if refs is None:
+        if len(_VIEWS) > 4096:
+            for k in [k for k, rs in _VIEWS.items() if all(r() is None for r in rs)]:
+                del _VIEWS[k]
+        refs = _VIEWS[id(base)] = []
+    elif len(refs) > 16:
+        refs[:] = [r for r in refs if r() is not None]
+    refs.extend(weakref.ref(v) for v in views)
+
+
+def refresh(base, replaced: bool) -> None:
+    """After a write into ``base``: its views that do not share its memory now (copies, or
+    all of them when ``replaced``: the base took new local tensors) are computed again
+    from it, as torch's views show the base's new values; and so on down their views."""
+    refs = _VIEWS.get(id(base))
+    if not refs:
+        return
+    from .dispatch import dispatch
+    from .reshard import reshard
+    for r in list(refs):
+        v = r()
+        if v is None or v._view is None or v._view[0] is not base:
+            continue
+        _, index, aliased = v._view
+        if (aliased and not replaced) or index is None:
+            continue
+        if index == WHOLE:
+            new = dispatch(torch.Tensor.reshape, (base, tuple(v.shape)), None)
+        else:
+            new = dispatch(torch.Tensor.__getitem__, (base, index), None)
+        if new.placements != v.placements:
+            new = reshard(new, v.mesh, v.placements)
+        v._local = new._local
+        v._view = (base, index, new._view is not None and new._view[2])
+        refresh(v, True)
+
+
 def note_views(name, base, outs, attrs) -> None:
     """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
     its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
     that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
-    index = _torch_index(attrs["index"]) if name == "getitem" else None
+    index = _torch_index(attrs["index"]) if name == "getitem" else \
+        WHOLE if name in _RESHAPES else None
+    indices = _pieces(name, attrs, len(outs)) or (index,) * len(outs)
     b = base._local
     if type(b) is torch.Tensor:
         # the common case first: a stacked output that torch made a view of the stacked
         # base (its _base is the base's root) shares its memory, no storage compared
         root = b if b._base is None else b._base
         rest = []
-        for o in outs:
+        for o, ix in zip(outs, indices):
             t = o._local
             if type(t) is torch.Tensor and (t is b or t._base is root):
-                o._view = (base, index, True)
+                o._view = (base, ix, True)
             else:
-                rest.append(o)
+                rest.append((o, ix))
         if not rest:
+            if indices[0] is not None:
+                _register(base, outs)
             return
-        outs = rest
+    else:
+        rest = list(zip(outs, indices))
     mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
-    for o in outs:
+    for o, ix in rest:
         ts = [t for t in storage.tensors(o._local) if t.numel()]
         aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
-        o._view = (base, index, aliased)
+        o._view = (base, ix, aliased)
+    if indices[0] is not None:
+        _register(base, outs)
+
+
+WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape
+_RESHAPES = ("view", "reshape", "flatten", "unflatten")
+
+
+def write_back(base, index, value) -> None:
+    """``base[index] = value``; for a reshape's view (``WHOLE``) ``base.copy_(value
+    reshaped to base's shape)``."""
+    from .inplace import method, setitem
+    if index == WHOLE:
+        method(base, "copy_", (value.reshape(tuple(base.shape)),))
+    else:
+        setitem(base, index, value)
+
+
+def _pieces(name, attrs, n):
+    """The pieces of split / chunk / unbind as indices of the base (``base[index]`` is
+    the piece), so that a write into a piece that is a copy reaches the base."""
+    if name in ("split", "chunk"):
+        d, start, out = attrs["dim"], 0, []
+        for size in attrs["sizes"]:
+            out.append((slice(None),) * d + (slice(start, start + size),))
+            start += size
+        return tuple(out)
+    if name == "unbind":
+        return tuple((slice(None),) * attrs["dim"] + (k,) for k in range(n))
+    return None
 
 
 def _root(x):
@@ -63,7 +146,7 @@ def through_view(x, y, op) -> bool:
     """Before ``y`` is written into the view ``x``: torch's rule for a view of a leaf, and
     the write into the base where ``x`` does not share its memory (or autograd records
     the op). Returns True if ``x`` must get memory of its own (no longer an alias)."""
-    from .inplace import _writable, setitem
+    from .inplace import _writable
     base, index, aliased = x._view
     root = _root(x)
     if torch.is_grad_enabled() and root.requires_grad and root.is_leaf:
@@ -71,6 +154,11 @@ def through_view(x, y, op) -> bool:
                            f"in-place operation ({op}); wrap it in torch.no_grad()")
     tracked = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if aliased and not tracked:
+        if index is not None and not _writable(x._local):
+            # the base holds one copy for several ranks (a stride-0 layout, e.g. Partial
+            # max): the write goes into the base, which takes memory of its own
+            write_back(base, index, y)
+            return True
         if not _writable(x._local):
             raise RuntimeError(f"{op}: unsupported operation: more than one element of the "
                                "written-to tensor refers to a single memory location. Please "
@@ -83,5 +171,32 @@ def through_view(x, y, op) -> bool:
             f"keep in its memory ({why}): the write would not reach the base. Write into the "
             "base instead (base[i] = v, base.copy_(...)), or clone() the view first if the "
             "base must not change")
-    setitem(base, index, y)
+    write_back(base, index, y)
     return True
+
+
+def copy_link(x):
+    """For a write into ``x``'s own memory (an alias of its base): the nearest view up the
+    chain that is a copy of its base (``v = x.view(-1)`` re-cut uneven shards; ``v[3:9]``
+    aliases v), which must then be written into its base as ``base[index] = v``; None if
+    the memory is the root's. Raises, before anything is written, where that copy has no
+    index to write it back through."""
+    v = x._view[0]
+    while v._view is not None:
+        base, index, aliased = v._view
+        if not aliased:
+            if index is None:
+                raise NotImplementedError(
+                    f"a write into a view of a view of the DistTensor {base.notation()}: the "
+                    "inner view could not keep the base's memory (its layout moved data), so "
+                    "the write would not reach the base. Write into the base instead "
+                    "(base[i] = v, base.copy_(...)), or clone() the view first")
+            return v
+        v = base
+    return None
+
+
+def push_link(v) -> None:
+    """After a write landed in the copy ``v`` (see :func:`copy_link`): ``base[index] = v``."""
+    base, index, _ = v._view
+    write_back(base, index, v)

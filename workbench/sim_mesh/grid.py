@@ -74,6 +74,35 @@ class Cells:
         return Cells(lead, items)
 
 
+class _StackCells(torch.autograd.Function):
+    """``torch.stack`` of per-rank tensors whose gradients come back as separate tensors.
+
+    torch.stack's backward unbinds the incoming gradient; after a sum over the stacked
+    axis that gradient is an expand (stride 0), so every rank's piece views the same
+    memory, and autograd may keep such a piece as a leaf's ``.grad``: the next backward
+    then adds into that memory once per rank (``ls = [a, b, c]``;
+    ``torch.stack(ls).sum(0).mul(w).sum().backward()`` twice gives ``a.grad == 4 w``, in
+    plain torch 2.13 too).  Pieces that share memory are copied."""
+
+    @staticmethod
+    def forward(ctx, *ts):
+        return torch.stack(ts)
+
+    @staticmethod
+    def backward(ctx, g):
+        gs = g.unbind(0)
+        if len(gs) > 1 and g.stride(0) == 0:
+            return tuple(t.clone() for t in gs)
+        return gs
+
+
+def stack(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(ts)`` (along a new dim 0) for per-rank tensors: see :class:`_StackCells`."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return _StackCells.apply(*ts)
+    return torch.stack(list(ts))
+
+
 def reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor:
     """``op`` over ``dim`` in the tensor's own dtype, as torch.distributed reduces
     (``torch.sum`` alone would turn int32 into int64)."""
@@ -214,7 +243,7 @@ class CellGrid:
 
     @staticmethod
     def all_reduce(x, nd, axis, op, n):
-        return CellGrid._collapse(x, axis, [reduce(torch.stack(ts), 0, op, keepdim=False)
+        return CellGrid._collapse(x, axis, [reduce(stack(ts), 0, op, keepdim=False)
                                             for _, ts in x.lines(axis)])
 
     @staticmethod
@@ -225,7 +254,7 @@ class CellGrid:
     def reduce_scatter(x, nd, axis, dim, op, n):
         out = {}
         for cs, ts in x.lines(axis):
-            for c, piece in zip(cs, chunks(reduce(torch.stack(ts), 0, op, keepdim=False), dim, n)):
+            for c, piece in zip(cs, chunks(reduce(stack(ts), 0, op, keepdim=False), dim, n)):
                 out[c] = piece
         return Cells(x.lead, [out[c] for c in x.coords()])
 

@@ -193,3 +193,60 @@ def _repeat_local(nd, ctx, x, reps):
 
 register("repeat", [T.repeat], parse=_repeat_parse, rule=repeat_rule, local=_repeat_local,
          cost=costs.movement, op_class="data_movement")
+
+
+# ---- x[idx] with one integer / bool index (advanced indexing) as index_select ----------------
+
+def advanced_index(x, idx):
+    """``(dim, index)`` when ``x[idx]`` is basic slices around one advanced index (an int or
+    bool tensor, a list of ints or bools, an int DistTensor): ``x[..., i, ...]`` is
+    ``index_select(x, dim, i.flatten()).unflatten(dim, i.shape)``; None for a basic index
+    (getitem's). Other forms raise, naming the supported ones."""
+    from ..dist_tensor import DistTensor
+    items = idx if isinstance(idx, tuple) else (idx,)
+    adv = [k for k, i in enumerate(items)
+           if isinstance(i, (torch.Tensor, DistTensor, list)) and not (
+               isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point
+               and i.dtype != torch.bool)]
+    if not adv:
+        return None
+    if len(adv) > 1 or any(not (i == slice(None) or i is Ellipsis)
+                           for k, i in enumerate(items) if k != adv[0]):
+        raise NotImplementedError(
+            f"x[{idx!r:.80}]: DistTensor advanced indexing takes one index tensor (or list) "
+            "with only ':' and '...' beside it; use torch.index_select / torch.gather, or "
+            "index in two steps")
+    k = adv[0]
+    ell = [j for j, i in enumerate(items) if i is Ellipsis]
+    dim = k if not ell or ell[0] > k else x.ndim - (len(items) - k)
+    i = items[k]
+    if isinstance(i, list):
+        i = torch.as_tensor(i)
+        if i.dtype.is_floating_point:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if not isinstance(i, DistTensor) and i.dtype == torch.bool:
+        if i.dim() != 1 or i.shape[0] != x.shape[dim]:
+            raise IndexError(f"The shape of the mask {list(i.shape)} at index {dim} does not "
+                             f"match the shape of the indexed tensor {list(x.shape)}"
+                             if i.dim() == 1 else
+                             f"x[mask]: a {i.dim()}-d bool mask on a DistTensor; index with a "
+                             "1-d mask per dim, or gather first with .full()")
+        i = i.nonzero().squeeze(1)
+    if i.dtype.is_floating_point or i.dtype == torch.bool:
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if not 0 <= dim < x.ndim:
+        raise IndexError(f"x[{idx!r:.60}]: too many indices for a {x.ndim}-d tensor")
+    if not isinstance(i, DistTensor):
+        n = x.shape[dim]
+        if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
+            bad = int(i.max()) if int(i.max()) >= n else int(i.min())
+            raise IndexError(f"index {bad} is out of bounds for dimension {dim} with size {n}")
+        i = torch.where(i < 0, i + n, i).long()
+    return dim, i
+
+
+def index_with(x, dim, i):
+    """``x[..., i, ...]`` along ``dim`` (see :func:`advanced_index`)."""
+    flat = i.reshape(-1)
+    y = torch.index_select(x, dim, flat)
+    return y if tuple(i.shape) == tuple(flat.shape) else y.unflatten(dim, tuple(i.shape))

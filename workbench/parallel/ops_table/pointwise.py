@@ -207,10 +207,37 @@ def _local(fn):
     return local
 
 
-def _register(name, funcs, rule, flops, op_class="elementwise", swapped=(), **kw):
+def _register(name, funcs, rule, flops, op_class="elementwise", swapped=(), local=None, **kw):
     cost = costs.elementwise(flops) if flops is not None else costs.movement
     register(name, list(funcs) + [(f, _swapped) for f in swapped if f is not None],
-             parse=_parse, rule=rule, local=_local(funcs[0]), cost=cost, op_class=op_class, **kw)
+             parse=_parse, rule=rule, local=local or _local(funcs[0]), cost=cost,
+             op_class=op_class, **kw)
+
+
+def _scaled_local(fn, divides: bool):
+    """mul / div: a partial sum scaled part by part is exact only by finite factors (and
+    nonzero divisors); a factor tensor with inf or nan (or a 0 divisor) there raises, as the
+    sum of the parts' +-inf would be nan (numbers are reduced first by the dispatcher)."""
+    base = _local(fn)
+
+    def local(nd, ctx, *xs, **kw):
+        out = base(nd, ctx, *xs, **kw)
+        if ctx is None or not any(p.is_partial() and p.reduce_op in ("sum", "avg")
+                                  for ps in ctx.out_placements for p in ps):
+            return out
+        for k, (x, s) in enumerate(zip(xs, ctx.in_specs)):
+            if s is None or not isinstance(x, torch.Tensor) or not x.is_floating_point() or \
+                    any(p.is_partial() for p in s.placements) or divides and k == 0:
+                continue
+            if (bool((x == 0).any()) if divides else not bool(torch.isfinite(x).all())):
+                what = "divided by a tensor holding 0" if divides else \
+                    "times a tensor holding inf or nan"
+                raise NotImplementedError(
+                    f"{'div' if divides else 'mul'}: a partial sum {what}: part by part the result would be nan where the sum's is +-inf; reduce "
+                    "the partial input first (.redistribute to Replicate) or mask with "
+                    "torch.where")
+        return out
+    return local
 
 
 pointwise_local = _local          # the local implementation of an elementwise torch function
@@ -249,6 +276,8 @@ UNARY = {
     "sin": ((torch.sin, T.sin), 1, nonlinear_rule, X),
     "cos": ((torch.cos, T.cos), 1, nonlinear_rule, X),
     "erf": ((torch.erf, T.erf), 1, monotone_rule, X),
+    "expm1": ((torch.expm1, T.expm1), 1, monotone_rule, X),                  # exp(x) - 1
+    "log1p": ((torch.log1p, T.log1p), 1, nonlinear_rule, POS),               # log(1 + x)
     "reciprocal": ((torch.reciprocal, T.reciprocal), 1, nonlinear_rule, POS),
     "softplus": ((F.softplus,), 6, monotone_rule, None),  # log(1 + exp(b x)) / b; x b > threshold
     "leaky_relu": ((F.leaky_relu,), 2, nonlinear_rule, None),   # compare, multiply
@@ -307,4 +336,5 @@ for _c in ("eq", "ne", "lt", "le", "gt", "ge"):
     BINARY[_c] = ((getattr(torch, _c), getattr(T, _c), _d), None, 1, nonlinear_rule,
                   _ties(getattr(torch, _c)))
 for _n, (_fs, _rev, _fl, _rule, _sample) in BINARY.items():
-    _register(_n, [f for f in _fs if f is not None], _rule, _fl, swapped=(_rev,), sample=_sample)
+    _register(_n, [f for f in _fs if f is not None], _rule, _fl, swapped=(_rev,), sample=_sample,
+              local=_scaled_local(_fs[0], _n == "div") if _n in ("mul", "div") else None)

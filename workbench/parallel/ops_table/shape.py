@@ -281,3 +281,29 @@ register("getitem", [T.__getitem__], parse=lambda x, idx: ((x,), {
         Sample(T.__getitem__, (g.rn(5, 6), (slice(1, 4),))),
         Sample(T.__getitem__, (g.rn(5, 6), (slice(None), 2))),
         Sample(T.__getitem__, (g.rn(5, 3, 4), (None, Ellipsis, slice(0, 4, 2))))])
+
+
+# x.narrow(dim, start, length), x.select(dim, i): x[..., start:start + length] and x[..., i]
+# (views of x, as torch's: a write into them reaches x)
+def _narrow_parse(x, dim, start, length):
+    dim = wrap_dim(dim, x.ndim)
+    n, start, length = x.shape[dim], int(start), int(length)
+    if not -n <= start <= n:       # torch's checks (the cache key must not clamp them away)
+        raise IndexError(f"start out of range (expected to be in range of [{-n}, {n}], but "
+                         f"got {start})")
+    start = start + n if start < 0 else start
+    if length < 0:
+        raise RuntimeError("narrow(): length must be non-negative.")
+    if start + length > n:
+        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({n}).")
+    idx = (slice(None),) * dim + (slice(start, start + length),)
+    return (x,), {"index": normalize_index(tuple(x.shape), idx)}
+
+
+def _select_parse(x, dim, index):
+    dim = wrap_dim(dim, x.ndim)
+    return (x,), {"index": normalize_index(tuple(x.shape), (slice(None),) * dim + (int(index),))}
+
+
+add_funcs("getitem", [(torch.narrow, _narrow_parse), (T.narrow, _narrow_parse),
+                      (torch.select, _select_parse), (T.select, _select_parse)])

@@ -151,3 +151,24 @@ for _n, _fn, _kind in (("any", torch.any, "amax"), ("all", torch.all, "amin")):
     register(_n, [_fn, getattr(T, _n)], parse=_logical_parse, rule=_logical_rule(_kind),
              local=_logical_local(_fn), cost=costs.reduction(1), op_class="reduction",
              sample=_logical_sample(_fn))
+
+
+# ---- isclose: |x - y| <= atol + rtol |y| elementwise (torch.allclose is its all()) ----------
+# not linear in either input: Partial inputs are reduced first
+
+def _isclose_parse(x, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return (x, other), {"rtol": float(rtol), "atol": float(atol), "equal_nan": bool(equal_nan)}
+
+
+def _isclose_local(nd, ctx, x, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    if ctx is not None:
+        x, other = _zero_dims(nd, ctx, (x, other))
+    x, other = align(nd, x, other)
+    return torch.isclose(x, other, rtol=rtol, atol=atol, equal_nan=equal_nan)
+
+
+register("isclose", [torch.isclose, T.isclose], parse=_isclose_parse, rule=rp.nonlinear_rule,
+         local=_isclose_local, cost=costs.elementwise(4), op_class="elementwise",
+         sample=lambda g: [Sample(torch.isclose, (g.rn(5, 6), g.rn(6))),
+                           Sample(torch.isclose, (g.rn(5, 6), g.rn(5, 6)),
+                                  {"rtol": 0.5, "atol": 0.5})])

@@ -1,0 +1,147 @@
+"""Torch functions composed of ops in the table (each op keeps its own rule, cost and
+trace event): ``var`` / ``std``, ``F.mse_loss``, ``F.nll_loss``, ``logsumexp``, ``dot``,
+``outer``. The value and the
+gradient are those of the composition, equal to torch's fused kernels up to rounding."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ._util import wrap_dims
+
+__all__ = ["COMPOSITES"]
+
+T = torch.Tensor
+
+
+def _var_args(input, args, kwargs, fn):
+    """torch.var's overloads: (dim=None, *, correction=1, keepdim=False), (unbiased),
+    (dim, unbiased, keepdim=False)."""
+    kwargs = dict(kwargs)
+    dim, correction, keepdim = kwargs.pop("dim", None), 1, kwargs.pop("keepdim", False)
+    args = list(args)
+    if args and isinstance(args[0], bool):
+        correction = int(args.pop(0))
+    elif args:
+        dim = args.pop(0)
+        if args and isinstance(args[0], bool):
+            correction = int(args.pop(0))
+        if args:
+            keepdim = args.pop(0)
+    if "unbiased" in kwargs:
+        correction = int(bool(kwargs.pop("unbiased")))
+    if "correction" in kwargs:
+        c = kwargs.pop("correction")
+        correction = 1 if c is None else c
+    if args or kwargs:
+        raise TypeError(f"{fn}(): unexpected arguments {args or ''} {list(kwargs) or ''} on a "
+                        "DistTensor")
+    if not input.dtype.is_floating_point:
+        raise RuntimeError(f"{fn}(): input dtype should be either floating point or complex. "
+                           f"Got {str(input.dtype).replace('torch.', '').capitalize()} instead.")
+    dims = tuple(range(input.ndim)) if dim is None else \
+        tuple(sorted(wrap_dims(dim if isinstance(dim, (list, tuple)) else (dim,), input.ndim)))
+    return dims, correction, bool(keepdim)
+
+
+def var(input, *args, **kwargs):
+    """``sum((x - mean)^2) / max(N - correction, 0)`` over ``dim`` (torch.var)."""
+    dims, correction, keepdim = _var_args(input, args, kwargs, "var")
+    n = math.prod(input.shape[d] for d in dims)
+    if n - correction <= 0:
+        if input.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"var() of {n} elements with correction={correction} on a DistTensor that "
+                "requires grad: the degrees of freedom are <= 0 (torch's gradient is inf); "
+                "use a smaller correction")
+        warnings.warn("var(): degrees of freedom is <= 0. Correction should be strictly less "
+                      "than the reduction factor (input numel divided by output numel).")
+    centered = input - input.mean(dims, keepdim=True)
+    s = (centered * centered).sum(dims, keepdim=keepdim)
+    return s / max(n - correction, 0)
+
+
+def std(input, *args, **kwargs):
+    """``sqrt(var)`` (torch.std)."""
+    return torch.sqrt(var(input, *args, **kwargs))
+
+
+def _reduce(loss, reduction, fn):
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    """``F.mse_loss``: ``(input - target)^2`` reduced."""
+    if size_average is not None or reduce is not None or weight is not None:
+        raise NotImplementedError("mse_loss on DistTensors: size_average / reduce / weight "
+                                  "are not supported; use reduction=")
+    if tuple(input.shape) != tuple(target.shape):
+        torch.broadcast_shapes(tuple(input.shape), tuple(target.shape))   # torch's error
+    d = input - target
+    return _reduce(d * d, reduction, "mse_loss")
+
+
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean"):
+    """``F.nll_loss`` (class dim 1, or 0 for one sample): ``-input[target]`` where the
+    target is not ``ignore_index``; "mean" divides by the number of such targets."""
+    if weight is not None or size_average is not None or reduce is not None:
+        raise NotImplementedError("nll_loss on DistTensors: weight / size_average / reduce "
+                                  "are not supported; use reduction= and ignore_index=")
+    F.nll_loss(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+               torch.empty(tuple(target.shape), dtype=target.dtype, device="meta"),
+               ignore_index=ignore_index, reduction=reduction)      # torch's shape checks
+    one = input.ndim == 1
+    if one:
+        input, target = input.unsqueeze(0), target.unsqueeze(0)
+    keep = target != ignore_index
+    safe = torch.where(keep, target, torch.zeros((), dtype=target.dtype))
+    picked = torch.gather(input, 1, safe.unsqueeze(1)).squeeze(1)
+    loss = torch.where(keep, -picked, torch.zeros((), dtype=input.dtype))
+    if reduction == "mean":
+        return loss.sum() / keep.sum().to(input.dtype)
+    if one and reduction == "none":
+        return loss.squeeze(0)
+    return _reduce(loss, reduction, "nll_loss")
+
+
+def logsumexp(input, dim, keepdim=False):
+    """``log(sum(exp(x - m))) + m`` with ``m`` the max over ``dim`` (torch.logsumexp; a
+    slice of -inf gives -inf)."""
+    dims = tuple(sorted(wrap_dims(dim if isinstance(dim, (list, tuple)) else (dim,),
+                                  input.ndim)))
+    if not input.dtype.is_floating_point:
+        input = input.to(torch.get_default_dtype())
+    m = torch.amax(input, dims, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=input.dtype))
+    out = torch.log(torch.exp(input - m).sum(dims, keepdim=True)) + m
+    return out if keepdim else out.squeeze(dims)
+
+
+def dot(input, other):
+    """``torch.dot``: the sum of the products of two 1-d tensors."""
+    torch.dot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+              torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
+    return (input * other).sum()
+
+
+def outer(input, vec2):
+    """``torch.outer``: ``input[:, None] * vec2[None, :]``."""
+    torch.outer(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+                torch.empty(tuple(vec2.shape), dtype=vec2.dtype, device="meta"))
+    return input.unsqueeze(1) * vec2.unsqueeze(0)
+
+
+COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot, T.dot: dot,
+              torch.outer: outer, T.outer: outer, torch.ger: outer, T.ger: outer,
+              torch.var: var, T.var: var, torch.std: std, T.std: std,
+              F.mse_loss: mse_loss, F.nll_loss: nll_loss}
