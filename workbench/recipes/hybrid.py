@@ -201,7 +201,9 @@ class Hybrid:
                                  f"layers, not n_layer={cfg.n_layer}")
         elif cfg.n_layer % (pp * v):
             raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
-                             f"n_layer={cfg.n_layer}")
+                             f"n_layer={cfg.n_layer}; pick pp x virtual dividing n_layer"
+                             + (" or give stage_sizes (one layer count per stage)"
+                                if v == 1 else ""))
         if batch_size % (self.dp * self.m):
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
                              f"{self.m} micro-batches")
