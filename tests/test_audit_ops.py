@@ -72,3 +72,11 @@ def test_attention_matches_sdpa(backend):
         assert_close(wb.ops.flash_attention(q, k, v, causal=True, scale=0.3),
                      F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
                                                     enable_gqa=True))
+
+
+def test_rms_norm_eps_none_is_finfo_eps_and_weight_none_is_refused():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 4) * 1e-4, torch.randn(3, 4)
+    assert_close(wb.ops.rms_norm(x, w, None), F.rms_norm(x, (3, 4), w, None))
+    with pytest.raises(TypeError, match="weight=None"):
+        wb.ops.rms_norm(x, None)
