@@ -164,11 +164,24 @@ def _cost(params, grads, exp_avgs, exp_avg_sqs, step=1, **_hyper) -> OpCost:
                   saved_bytes_fused=0, saved_bytes_unfused=0)
 
 
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def _refuse_unsupported(where: str, options) -> None:
+    """torch.optim.AdamW options this update does not implement: refuse rather than ignore."""
+    for name in _UNSUPPORTED:
+        if options.get(name):
+            raise ValueError(f"{where}: {name}={options[name]!r} is not supported by "
+                             f"wb.ops.AdamW; use torch.optim.AdamW for {name}=True, or drop it")
+
+
 class AdamW(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` running :func:`adamw` (so ``wb.ops.use`` picks its path)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+                 eps: float = 1e-8, weight_decay: float = 0.01, *, amsgrad: bool = False,
+                 maximize: bool = False):
+        _refuse_unsupported("AdamW", dict(amsgrad=amsgrad, maximize=maximize))
         # torch.optim.AdamW's checks (0 <= lr, eps, weight_decay; 0 <= beta < 1), and the
         # values finite real numbers: a NaN or infinite one would train to NaN silently
         try:
@@ -194,6 +207,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            _refuse_unsupported("AdamW param group", group)
             by_step = defaultdict(lambda: ([], [], [], []))  # parameters at the same step
             for p in group["params"]:
                 if p.grad is None:
@@ -205,6 +219,8 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if isinstance(state["step"], torch.Tensor):   # torch.optim.AdamW's state_dict
+                    state["step"] = int(state["step"].item())
                 state["step"] += 1
                 lists = by_step[state["step"]]
                 for seq, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):

@@ -29,10 +29,16 @@ __all__ = ["rms_norm"]
 _OP = "rms_norm"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMS-normalize ``x`` over its trailing ``weight.shape`` dims and scale by ``weight``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-6) -> torch.Tensor:
+    """RMS-normalize ``x`` over its trailing ``weight.shape`` dims and scale by ``weight``.
+
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``F.rms_norm``.
+    """
     if has_torch_function((x, weight)):
         return handle_torch_function(rms_norm, (x, weight), x, weight, eps=eps)
+    if weight is None:
+        raise TypeError(f"{_OP}: weight=None; the weight's shape names the normalized dims, so "
+                        "give one, e.g. torch.ones(x.shape[-1]) (or use F.rms_norm without it)")
     _checks.floating(_OP, "x", x)
     _checks.floating(_OP, "weight", weight)
     _checks.same_dtype(_OP, x=x, weight=weight)
@@ -41,7 +47,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     if n == 0 or x.dim() < n or tuple(x.shape[x.dim() - n:]) != tuple(weight.shape):
         raise ValueError(f"{_OP}: weight.shape={tuple(weight.shape)} must equal the trailing dims "
                          f"of x.shape={tuple(x.shape)} (e.g. weight of shape (x.shape[-1],))")
-    if not eps >= 0:
+    if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        eps = torch.finfo(x.dtype).eps
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"{_OP}: eps={eps}; it must be >= 0 (e.g. 1e-6)")
     return dispatch(_OP, (x, weight))(x, weight, float(eps))
 
