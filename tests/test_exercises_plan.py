@@ -123,6 +123,11 @@ def test_mfu(capsys):
     assert "0.45" not in str(err.value)        # the hint must not show Megatron's 140 / 312
     fails("Megatron's figure", C.check_mfu, 140 / 312, t)     # the paper's TFLOP/s / peak
     fails("> 0", C.check_mfu, 0.4, 0.0)
+    fails("forward's FLOPs only", C.check_mfu, want / 3, t)          # 24, not 72
+    fails("one sequence's", C.check_mfu, want / 1536, t)              # B = 1
+    fails("sequence length twice", C.check_mfu, want * 2048, t)       # B = 1536 x 2048
+    fails("not the 128 nodes", C.check_mfu, want * 8, t)
+    fails("2:4 sparsity", C.check_mfu, want / 2, t)                   # peak 624
     # the planner's MFU uses the same eq. 7
     lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="full", micro_batch=1, global_batch=1536)
     est = wb.plan.estimate(GPT3, lay, wb.plan.Cluster("a100", 1024))
@@ -162,6 +167,8 @@ def test_tp_comm(capsys):
     fails("over 16 ranks", C.check_tp_comm_ms, a, 12 * 6 * t8, "A", t8, t16)
     fails("less\ncommunication|less communication", C.check_tp_comm_ms, a, b, "B", t8, t16)
     fails("'A' or 'B'", C.check_tp_comm_ms, a, b, "tp8", t8, t16)
+    fails("6 in all, not 8", C.check_tp_comm_ms, 6 * 8 * t8, b, "A", t8, t16)
+    fails("6 in all, not 5", C.check_tp_comm_ms, a, 12 * 5 * t16, "A", t8, t16)
     # if 16 ranks were nearly free, B would win: the answer follows the inputs
     passes(capsys, C.check_tp_comm_ms, a, 12 * 6 * 0.1, "B", t8, 0.1)
 

@@ -113,3 +113,13 @@ def test_an_unknown_interconnect_is_said():
     est = wb.plan.estimate(GPT, Layout(dp=8, tp=8, global_batch=16), Cluster(odd, 64))
     line = next(a for a in est.assumptions() if a.startswith("communication buffers"))
     assert "'PCIe 4' is not one comm_memory knows: A100 figures taken" in line
+
+
+def test_the_assumption_names_each_librarys_own_range():
+    """HCCL's buffer per communicator is fixed: its range is the world's communicator,
+    not NCCL's lazy connection (the 910B's explain() said NCCL 2.22+ before)."""
+    lay = Layout(dp=1, tp=8, sp=True, global_batch=8)
+    npu = CM.assumption(CM.comm_buffer_bytes(GPT, lay, 0, NPU), NPU)
+    assert "without .. with the world's communicator" in npu and "NCCL" not in npu
+    gpu = CM.assumption(CM.comm_buffer_bytes(GPT, lay, 0, A100), A100)
+    assert "NCCL 2.22+'s lazy connection" in gpu and "HCCL" not in gpu

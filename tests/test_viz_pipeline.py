@@ -187,6 +187,17 @@ def test_legend_names_the_chunk_shades():
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["F", "B", "bubble"]
 
 
+@pytest.mark.parametrize("v, memory", [(2, True), (4, True), (12, True), (12, False)])
+def test_legend_stays_below_the_time_axis(v, memory):
+    """Interleaved with v = 12 (notebook 17's 910B choice) has 25 legend entries in 4 rows:
+    they sat over the time axis's ticks and label; the figure grows to hold them."""
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(8, 16, v)), memory=memory)
+    fig.draw_without_rendering()
+    legend = fig.legends[0].get_window_extent()
+    axis = fig.axes[-1].get_tightbbox()            # the lowest axes, ticks and label in
+    assert legend.y0 >= 0 and legend.y1 <= axis.y0, (legend, axis)
+
+
 def test_large_schedule_draws_without_labels():
     r = simulate(one_f_one_b(64, 1024))
     fig = V.draw_pipeline(r)

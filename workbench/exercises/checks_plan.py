@@ -212,7 +212,18 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
              (6 * _gpt3_params() * global_batch * GPT3["s"] / peak,
               "6ND leaves out attention's s^2 terms and the head: use eq. 7, "
               "72 B s L h^2 (1 + s/(6h) + V/(12 L h))"),
-             (100 * want, "give a fraction (0.5 for 50%), not a percent")]
+             (100 * want, "give a fraction (0.5 for 50%), not a percent"),
+             (want / 3, "that is the forward's FLOPs only: eq. 7's 72 = 3 x 24 counts the "
+                        "forward and the backward, twice as long"),
+             (want / global_batch, f"that is one sequence's FLOPs: B = {global_batch:,} "
+                                   f"sequences per step"),
+             (want * GPT3["s"], "that counts the sequence length twice: B counts sequences, "
+                                "s their tokens, and eq. 7 already has B s")]
+    if devices == 1024:
+        wrong.append((want * 8, "divide by all 1,024 devices, not the 128 nodes of 8"))
+    if peak_tflops == 312.0:
+        wrong.append((want / 2, "624 TFLOP/s is the A100's peak with 2:4 sparsity; its dense "
+                                "bf16 peak is 312"))
     _check_number("MFU", got, want, "", wrong, rel=0.01)
 
 
@@ -244,6 +255,12 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
                  (per_layer * t_ms, f"that is one layer's; a device of layout {name} runs "
                                     f"its stage's {layers} layers (L / p)"),
                  (layers * 2 * t_ms, "count the backward's all-reduces too"),
+                 *[(layers * k * t_ms, f"count a layer's all-reduces again: two in the "
+                                       f"forward, two in the backward{more}, {per_layer} "
+                                       f"in all, not {k}")
+                   for k in (3, 5, 8, 12) if k != per_layer
+                   for more in [", two more in the recomputed forward"
+                                if recompute == "full" else ""]],
                  (layers * per_layer * t_other,
                   f"layout {name} has tp {ranks}: its all-reduces run over {ranks} ranks "
                   f"({'t8_ms, one node' if ranks == 8 else 't16_ms, two nodes'})")]

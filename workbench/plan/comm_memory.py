@@ -226,7 +226,11 @@ def assumption(detail: dict, profile) -> str:
     """The line ``Estimate.assumptions`` lists for the communicator buffers."""
     gb = 1e9
     parts = ", ".join(f"{n} ({r}) {b / gb:.2f}" for n, r, b in detail["comms"]) or "none"
+    spread = ("NCCL 2.22+'s lazy connection and NVLS .. all connected at init as before "
+              "2.22")
     if detail["library"] == "HCCL":
+        # comm_buffer_bytes: HCCL's buffer per communicator is fixed; only the world's moves
+        spread = "without .. with the world's communicator"
         how = "HCCL: 2 x HCCL_BUFFSIZE (200 MB) per communicator (CANN docs)"
     else:
         how = (f"NCCL: 12 MiB per ring channel and per p2p channel and peer, NVLS "
@@ -237,6 +241,5 @@ def assumption(detail: dict, profile) -> str:
                     f"{profile.intra_node.name!r} is not one comm_memory knows: "
                     f"A100 figures taken")
     return (f"communication buffers {detail['point'] / gb:.2f} GB "
-            f"(range {detail['low'] / gb:.2f} .. {detail['high'] / gb:.2f}: "
-            f"NCCL 2.22+'s lazy connection and NVLS .. all connected at init as before "
-            f"2.22) on the busiest rank: {parts}; {how}")
+            f"(range {detail['low'] / gb:.2f} .. {detail['high'] / gb:.2f}: {spread}) "
+            f"on the busiest rank: {parts}; {how}")

@@ -139,14 +139,18 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
                for i, k in enumerate(KINDS) if (bl.kind == i).any()
                for c in range(s.v) if ((bl.kind == i) & (bl.chunk == c)).any()]
     handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
-    fig.legend(handles=handles, loc="lower center", ncols=min(len(handles), 7), frameon=False,
-               prop=FONT)
+    ncols = min(len(handles), 7)
+    fig.legend(handles=handles, loc="lower center", ncols=ncols, frameon=False, prop=FONT)
     (axm or ax).set_xlabel("time (modeled)", **FONT)
     if axm is not None:
         _draw_memory(axm, res)
-    inches = height + (2.2 if memory else 0)
+    # the legend sits below the time axis: each row past the first (interleaved, v >= 4:
+    # 2 x v + 1 entries) gets 0.2 in more at the bottom, so it never covers the axis
+    extra = 0.2 * (-(-len(handles) // ncols) - 1)
+    inches = height + (2.2 if memory else 0) + extra
+    fig.set_size_inches(10, inches)
     fig.subplots_adjust(left=0.08, right=0.9, top=1 - 0.45 / inches,
-                        bottom=(0.85 if memory else 0.75) / inches)
+                        bottom=((0.85 if memory else 0.75) + extra) / inches)
     return fig
 
 
