@@ -363,21 +363,28 @@ COMPOSITE_CALLS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(COMPOSITE_CALLS))
-@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(1)", "S(0)"]),
-                                     (M23, ["P", "S(1)"])])
-def test_var_std_mse_nll(name, mesh, ps):
-    # were: NoRuleError
+def _as_one_device(fn, mesh, ps):
+    """``fn`` on a float64 (5, 7) DistTensor laid out as ``ps``: its value, dtype, shape and
+    gradient equal one device's."""
     x = torch.randn(5, 7, dtype=torch.float64)
     x0 = x.clone().requires_grad_()
-    ref = COMPOSITE_CALLS[name](x0)
+    ref = fn(x0)
     t = wb.shard_tensor(x, mesh, ps).requires_grad_()
-    out = COMPOSITE_CALLS[name](t)
+    out = fn(t)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out.full(), ref.detach())
     ref.sum().backward()
     out.sum().backward()
     torch.testing.assert_close(t.grad.full(), x0.grad)
+
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITE_CALLS))
+@pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["S(1)", "S(0)"]),
+                                     (M23, ["P", "S(1)"])])
+def test_var_std_mse_nll(name, mesh, ps):
+    # were: NoRuleError
+    _as_one_device(COMPOSITE_CALLS[name], mesh, ps)
 
 
 def test_composites_errors():
@@ -466,16 +473,7 @@ MORE = {"logsumexp": lambda a: torch.logsumexp(a, 1), "logsumexp keepdim": lambd
 @pytest.mark.parametrize("mesh,ps", [(M3, ["S(0)"]), (M3, ["S(1)"]), (M23, ["P", "S(1)"])])
 def test_more_ops(name, mesh, ps):
     # were: NoRuleError
-    x = torch.randn(5, 7, dtype=torch.float64)
-    x0 = x.clone().requires_grad_()
-    ref = MORE[name](x0)
-    t = wb.shard_tensor(x, mesh, ps).requires_grad_()
-    out = MORE[name](t)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out.full(), ref.detach())
-    ref.sum().backward()
-    out.sum().backward()
-    torch.testing.assert_close(t.grad.full(), x0.grad)
+    _as_one_device(MORE[name], mesh, ps)
 
 
 def test_logsumexp_of_infinities_as_torch():
