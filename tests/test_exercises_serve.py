@@ -51,8 +51,17 @@ def test_load_reads_agree_with_a_real_checkpoint(tmp_path, capsys):
         read = sorted(int(f.split("_")[2]) for f in rep.files(r))
         passes(capsys, C.check_load_reads, read, rank=r)
     fails("every file", C.check_load_reads, list(range(8)))
-    fails("wrong ones", C.check_load_reads, [2, 3, 4])
-    fails("torch.chunk", C.check_load_reads, [3])
+    fails(r"saved rank 2 holds rows 4\.\.5: rank 1 holds none of those .*and 1 more saved",
+          C.check_load_reads, [2, 3, 4])
+    fails(r"saved rank 2 holds rows 4\.\.5: rank 1 holds none of those \(rank 1 holds chunk 1 "
+          r"of torch.chunk\(16, 3\): ceil\(16 / 3\) rows per chunk, the last one shorter\) \(try",
+          C.check_load_reads, [2, 3, 4, 5])
+    fails(r"\[3, 4\] overlap rank 1's rows, but 1 more saved rank\(s\) do too", C.check_load_reads,
+          [3, 4])
+    fails("not saved rank 1: the layouts differ", C.check_load_reads, [1])
+    fails("those are rank 1's rows", C.check_load_reads, list(range(6, 12)))
+    fails(r"the saved ranks are 0\.\.7", C.check_load_reads, [3, 4, 8])
+    fails("empty list", C.check_load_reads, [])
     fails("list of rank numbers", C.check_load_reads, "3, 4, 5")
 
 

@@ -66,17 +66,35 @@ def check_load_reads(ranks, rank: int = 1, rows: int = 16, saved: int = 8,
     if got == want:
         _ok(f"rank {rank} reads rows {lo}..{hi - 1} from the files of saved ranks {want}")
         return
+    chunk = (f"rank {rank} holds chunk {rank} of torch.chunk({rows}, {loaded}): ceil({rows} / "
+             f"{loaded}) rows per chunk, the last one shorter")
+    overlap = f"the saved ranks whose chunk of torch.chunk({rows}, {saved}) overlaps it"
+    if not got:
+        raise CheckError(f"an empty list: rank {rank} holds rows, so it reads at least one "
+                         f"file; {chunk}; list {overlap}", expected=str(want))
+    if got == list(range(lo, hi)):
+        raise CheckError(f"those are rank {rank}'s rows; give the saved ranks whose files hold "
+                         f"them (saved rank s holds chunk s of torch.chunk({rows}, {saved}))",
+                         expected=str(want))
+    if any(not 0 <= r < saved for r in got):
+        raise CheckError(f"the saved ranks are 0..{saved - 1}; {chunk}; list {overlap}",
+                         expected=str(want))
     if got == list(range(saved)):
         raise CheckError("that is every file: a rank reads only the saved pieces that "
                          "overlap its own rows", expected=str(want))
-    if len(got) == len(want) and got != want:
-        raise CheckError(f"the right number of files, the wrong ones: rank {rank}'s rows are "
-                         f"chunk {rank} of torch.chunk({rows}, {loaded}); which saved chunks "
-                         "of torch.chunk over the saved ranks overlap them?", expected=str(want))
-    raise CheckError(f"rank {rank} holds rows of chunk {rank} of torch.chunk({rows}, {loaded}) "
-                     f"(ceil({rows} / {loaded}) rows per chunk, the last one shorter); list the "
-                     f"saved ranks whose chunk of torch.chunk({rows}, {saved}) overlaps them",
-                     expected=str(want))
+    if got == [rank]:
+        raise CheckError(f"rank {rank} of the {loaded} is not saved rank {rank}: the layouts "
+                         f"differ; {chunk}; list {overlap}", expected=str(want))
+    extra = [r for r in got if r not in want]
+    missing = len(want) - (len(got) - len(extra))
+    if extra:
+        held = "; ".join(f"saved rank {r} holds rows {a}..{b - 1}" for r in extra
+                         for a, b in [bounds(saved, r)])
+        more = f"; and {missing} more saved rank(s) overlap rank {rank}'s rows" if missing else ""
+        raise CheckError(f"{held}: rank {rank} holds none of those ({chunk}){more}",
+                         expected=str(want))
+    raise CheckError(f"{got} overlap rank {rank}'s rows, but {missing} more saved rank(s) do "
+                     f"too: {chunk}", expected=str(want))
 
 
 @exercise
