@@ -1,9 +1,9 @@
 """What a serving engine ran, step by step: the batch of each step, the KV blocks in use
 and the queue, drawn from ``wb.serve.Engine``'s own step log.
 
-    >>> engine.run()
-    >>> fig = engine_steps(engine.log, num_blocks=engine.cache.allocator.num_blocks)
-    >>> show(fig)                                                  # doctest: +SKIP
+    >>> engine.run()                                               # doctest: +SKIP
+    >>> pool = engine.cache.allocator.num_blocks                   # doctest: +SKIP
+    >>> show(engine_steps(engine.log, num_blocks=pool))            # doctest: +SKIP
 
 Three panels on one step axis, read straight from the :class:`StepRecord` fields and
 computing nothing (no schedule, no block arithmetic):
