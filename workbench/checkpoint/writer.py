@@ -5,7 +5,10 @@ finish), made atomic for the whole directory:
 
 1. plan: flatten the state dict (DCP's keys); for each DistTensor, the chunk each rank
    holds (:func:`workbench.parallel.layout.shard_bounds`), a replicated chunk written
-   once, by the first rank that holds it (DCP's dedup of replicas); plain tensors and
+   once, by the first rank that holds it (what DCP does with
+   ``dedup_save_to_lowest_rank=True``; by default DCP gives each replicated chunk to
+   the rank with the fewest bytes to write so far, ``_dedup_save_plans``: the same
+   bytes saved, spread differently over the files); plain tensors and
    Python objects by rank 0 (DCP's coordinator);
 2. write: each rank writes its pieces into ``__<rank>_g<generation>.distcp`` under a
    temporary name, fsyncs it and renames it.  A new generation number per save, so the
