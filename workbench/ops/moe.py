@@ -53,6 +53,10 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int
     ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops)."""
     if factor is None:
         return tokens
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not 0 < factor < math.inf:
+        raise ValueError(f"capacity: factor={factor!r} must be a finite number > 0 (1.0: "
+                         "room for an even share; 1.25 as Switch), or None to drop nothing")
     return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
@@ -131,12 +135,31 @@ def moe_dispatch(x, experts, slots, num_experts: int, capacity: int):
     _check_routes("moe_dispatch", x.shape, experts, slots)
     _int("moe_dispatch", "num_experts", num_experts, 1)
     _int("moe_dispatch", "capacity", capacity, 1)
-    if slots.numel() and not slots.is_meta and (
-            int(slots.max()) >= capacity or int(experts.max()) >= num_experts
-            or int(experts.min()) < 0):
-        raise ValueError(f"moe_dispatch: a route falls outside {num_experts} experts x "
-                         f"{capacity} slots; give the capacity and experts router_topk used")
+    _check_inside("moe_dispatch", experts, slots, num_experts, capacity)
+    if slots.numel() and not slots.is_meta:
+        # two (token, choice) pairs in one slot would be summed into it by the scatter
+        idx = _flat_index(experts, slots, num_experts, capacity).reshape(slots.shape[0], -1)
+        taken = torch.zeros(slots.shape[0], num_experts * capacity + 1, dtype=torch.int64,
+                            device=slots.device).scatter_add_(1, idx, torch.ones_like(idx))
+        if bool((taken[:, :-1] > 1).any()):
+            g, row = (int(i) for i in (taken[:, :-1] > 1).nonzero()[0])
+            raise ValueError(f"moe_dispatch: group {g} routes several tokens to expert "
+                             f"{row // capacity}'s slot {row % capacity}; each slot holds one "
+                             "token: give experts and slots from one router_topk call")
     return _dispatch(x, experts, slots, num_experts, capacity)
+
+
+def _check_inside(op, experts, slots, E, C):
+    """Every route inside E experts x C slots, a dropped one marked -1: a route outside
+    would read or write another expert's slot (the rows are flat) or fail an index."""
+    if not slots.numel() or slots.is_meta:
+        return
+    if int(slots.max()) >= C or int(slots.min()) < -1 or int(experts.max()) >= E \
+            or int(experts.min()) < 0:
+        raise ValueError(f"{op}: a route falls outside {E} experts x {C} slots (experts in "
+                         f"[{int(experts.min())}, {int(experts.max())}], slots in "
+                         f"[{int(slots.min())}, {int(slots.max())}], -1 = dropped); give the "
+                         "capacity and experts router_topk used")
 
 
 def _flat_index(experts, slots, E, C):
@@ -172,6 +195,7 @@ def moe_combine(y, weights, experts, slots):
     if experts.shape != weights.shape:
         raise ValueError(f"moe_combine: experts {tuple(experts.shape)} and weights "
                          f"{tuple(weights.shape)} differ; give both from one router_topk call")
+    _check_inside("moe_combine", experts, slots, y.shape[1], y.shape[2])
     return _combine(y, weights, experts, slots)
 
 
