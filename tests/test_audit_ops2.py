@@ -147,7 +147,7 @@ def test_a_moe_layer_built_alone_is_initialized_as_linear_layers_are(preset):
         p = p.detach()
         assert 0 < float(p.abs().max()) <= 1 / math.sqrt(fan_in), name
         assert float(p.std()) > 0.5 / math.sqrt(3 * fan_in), name       # U(-b, b): std b/sqrt 3
-    y = m(torch.randn(2, 5, 16))
+    y = m(torch.randn(2, 5, 16)).detach()
     assert torch.isfinite(y).all() and float(y.abs().max()) < 10
 
 
@@ -233,3 +233,23 @@ def test_paged_attention_of_no_sequences_is_empty_as_sdpa(backend):
     with wb.ops.use(backend):
         out = wb.ops.paged_attention(q[:0], kp, vp, table[:0], lens[:0])
     assert out.shape == (0, 2, 1, 8) and out.dtype == q.dtype
+
+
+def test_block_tables_name_an_unknown_sequence_and_give_an_empty_batch_a_2d_table():
+    tables = wb.ops.BlockTables(wb.ops.BlockAllocator(4), block_size=2)
+    tables.add("a")
+    for call in (lambda: tables.free("b"), lambda: tables.table(["b"]),
+                 lambda: tables.seq_lens(["a", "b"])):
+        with pytest.raises(KeyError, match="sequence 'b' is not in the table; add it first"):
+            call()
+    assert tables.table([]).shape == (0, 1) and tables.seq_lens([]).shape == (0,)
+
+
+@pytest.mark.parametrize("args,message", [
+    (([3.5, 2], 4, 8, 10), "lengths .3.5, 2.: give whole numbers"),     # was read as 3
+    (([3, 5], 0, 8, 10), "block_size=0: give an int >= 1"),            # was ZeroDivisionError
+    (([3, 5], 4, 8, 0), "bytes_per_token=0: give an int >= 1")])
+def test_paged_memory_refuses_what_it_would_count_wrong(args, message):
+    with pytest.raises(ValueError, match=message):
+        wb.ops.paged_memory(*args)
+    assert wb.ops.paged_memory([3, torch.tensor(5)], 4, 8, 10).blocks_in_use == 3
