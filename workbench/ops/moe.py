@@ -230,7 +230,9 @@ def attach_aux_loss(y, aux, scale: float):
     """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
     ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains
     without changing the loss every recipe and pipeline schedule computes (Megatron-LM's
-    ``MoEAuxLossAutoScaler``): the layer attaches it to its output."""
+    ``MoEAuxLossAutoScaler``).  The result is a view made by a custom autograd Function, so
+    autograd refuses to modify it in place: attach to a tensor the layer itself consumes
+    (``models.moe.MoE`` attaches to the gate weights), not to what it returns."""
     if has_torch_function((y, aux)):
         return handle_torch_function(attach_aux_loss, (y, aux), y, aux, scale)
     if not torch.is_grad_enabled() or not aux.requires_grad:
