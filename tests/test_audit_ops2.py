@@ -253,3 +253,34 @@ def test_paged_memory_refuses_what_it_would_count_wrong(args, message):
     with pytest.raises(ValueError, match=message):
         wb.ops.paged_memory(*args)
     assert wb.ops.paged_memory([3, torch.tensor(5)], 4, 8, 10).blocks_in_use == 3
+
+
+class _RoundedKVCache(wb.serve.KVCache):
+    """The contiguous cache, its keys and values rounded to ``dtype`` as they are stored."""
+
+    def __init__(self, model, dtype):
+        super().__init__(model.cfg.n_layer, model.cfg.seq_len)
+        self.dtype = dtype
+
+    def update(self, layer, k, v):
+        return super().update(layer, k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype))
+
+
+def test_a_paged_cache_in_another_dtype_than_the_model_attends_in_the_models():
+    """PagedKVCache(dtype=...) took the dtype, then every attend raised paged_attention's
+    'inputs must share one dtype' (q in the model's dtype, the pools in the cache's)."""
+    from workbench.models import build_model
+    cfg = get_config("tiny", n_head=4, n_kv_head=2)
+    model = build_model(cfg, seed=0).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    paged = wb.serve.PagedKVCache(cfg, 2, num_blocks=16, block_size=3, dtype=torch.bfloat16)
+    rounded = _RoundedKVCache(model, torch.bfloat16)
+    logits = {}
+    with torch.no_grad():
+        for name, cache in (("paged", paged), ("rounded", rounded)):
+            logits[name] = [model(idx, cache=cache)[0],                        # prefill
+                            model(idx[:, :1], cache=cache)[0]]                 # one decode step
+    for got, want in zip(logits["paged"], logits["rounded"]):
+        assert got.dtype == torch.float32
+        assert_close(got, want)
+    assert paged.memory().bytes_per_token == 2 * cfg.n_layer * 2 * cfg.head_dim * 2   # bf16
