@@ -284,3 +284,21 @@ def test_a_paged_cache_in_another_dtype_than_the_model_attends_in_the_models():
         assert got.dtype == torch.float32
         assert_close(got, want)
     assert paged.memory().bytes_per_token == 2 * cfg.n_layer * 2 * cfg.head_dim * 2   # bf16
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 16), (2, 0, 16)])
+@pytest.mark.parametrize("cf", [None, 1.0])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_moe_layer_takes_an_empty_batch_or_sequence_as_a_linear_layer_does(shape, cf, mode):
+    """A batch of 0 divided the aux scale by 0 (ZeroDivisionError); a sequence of 0 made
+    capacity 0 (moe_dispatch refused it) or the aux loss 0 / 0 = nan."""
+    torch.manual_seed(0)
+    m = getattr(MoE(_cfg(moe_capacity_factor=cf, moe_shared_experts=1)), mode)()
+    x = torch.randn(shape, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == shape and x.grad.shape == shape
+    assert m.last_stats["aux_loss"] == 0.0 and m.last_stats["routed"] == 0
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    assert_close(router_topk(torch.randn(2, 0, 4), 2)[3], torch.zeros(2))
+    assert capacity(0, 4, 2, None) == capacity(0, 4, 2, 1.0) == 1

@@ -161,7 +161,7 @@ class MoE(nn.Module):
             # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m);
             # attached to the gates, which the layer consumes, so that its output is a
             # tensor of its own (a user may change it in place, as any module's output)
-            w = attach_aux_loss(w, aux, self.aux_loss_coef * self.aux_loss_scale / B)
+            w = attach_aux_loss(w, aux, self.aux_loss_coef * self.aux_loss_scale / max(1, B))
         if self.token_dispatcher is not None:
             y = self.token_dispatcher(x, w, e, slot, self.experts)          # (B, S, h)
         else:
@@ -184,7 +184,8 @@ class MoE(nn.Module):
         e, slot, aux = (t.full() if hasattr(t, "full") else t for t in (e, slot, aux))
         return {"tokens_per_expert": torch.bincount(e.reshape(-1), minlength=self.num_experts),
                 "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
-                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef}
+                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef if aux.numel()
+                else 0.0}
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

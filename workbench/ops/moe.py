@@ -50,9 +50,10 @@ GATINGS = ("softmax", "sigmoid")
 def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int:
     """Slots per expert per group of ``tokens``: ceil(factor * tokens * k / E) (GShard,
     Switch: "expert capacity = tokens per batch / experts x capacity factor"), at most
-    ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops)."""
+    ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops).
+    At least 1 (a group of no tokens has empty buffers of one slot)."""
     if factor is None:
-        return tokens
+        return max(1, tokens)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
             or not 0 < factor < math.inf:
         raise ValueError(f"capacity: factor={factor!r} must be a finite number > 0 (1.0: "
@@ -106,8 +107,9 @@ def _router_topk(logits, k, gating, cap):
     slots = pos.sum(-1).reshape(*hot.shape[:-3], k, S).transpose(-2, -1)  # (..., S, k)
     if cap is not None:
         slots = torch.where(slots < cap, slots, torch.full_like(slots, -1))
-    f = hot.sum((-3, -2)).to(probs.dtype) / (S * k)                     # (..., E) f_i
-    aux = E * (f * probs.mean(-2)).sum(-1)                              # (...,) Switch eq. 4
+    # (a group of no tokens: f = P = 0, so aux = 0, not 0 / 0)
+    f = hot.sum((-3, -2)).to(probs.dtype) / max(1, S * k)               # (..., E) f_i
+    aux = E * (f * probs.sum(-2) / max(1, S)).sum(-1)                   # (...,) Switch eq. 4
     return weights, experts, slots.contiguous(), aux.to(logits.dtype)
 
 
