@@ -156,12 +156,12 @@ def _check_inside(op, experts, slots, E, C):
     would read or write another expert's slot (the rows are flat) or fail an index."""
     if not slots.numel() or slots.is_meta:
         return
-    if int(slots.max()) >= C or int(slots.min()) < -1 or int(experts.max()) >= E \
-            or int(experts.min()) < 0:
+    bounds = torch.stack((*torch.aminmax(slots), *torch.aminmax(experts)))   # one sync
+    s_lo, s_hi, e_lo, e_hi = bounds.tolist()
+    if s_hi >= C or s_lo < -1 or e_hi >= E or e_lo < 0:
         raise ValueError(f"{op}: a route falls outside {E} experts x {C} slots (experts in "
-                         f"[{int(experts.min())}, {int(experts.max())}], slots in "
-                         f"[{int(slots.min())}, {int(slots.max())}], -1 = dropped); give the "
-                         "capacity and experts router_topk used")
+                         f"[{e_lo}, {e_hi}], slots in [{s_lo}, {s_hi}], -1 = dropped); give "
+                         "the capacity and experts router_topk used")
 
 
 def _flat_index(experts, slots, E, C):
