@@ -26,7 +26,7 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
 **The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; GShard's l_aux),
 per sequence, averaged over the batch: alpha E sum_i f_i P_i with alpha =
 ``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
-each layer attaches alpha x (mean of its sequences' aux) to its output with
+each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
 ``wb.ops.attach_aux_loss`` (Megatron-LM's ``MoEAuxLossAutoScaler``), so that
 ``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
 the loss (one device, every parallel recipe, every pipeline schedule), while the
@@ -48,6 +48,8 @@ Expert parallelism plugs in as :attr:`MoE.token_dispatcher` (a callable
 dispatch, experts and combine; the module and its experts know nothing of meshes.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,20 @@ class Experts(nn.Module):
                   "fc2_bias": (E, h)}
         for name, shape in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dt)))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Each expert as ``nn.Linear`` initializes itself: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        for weights and biases (its kaiming_uniform_ with a = sqrt(5)), so that a layer
+        built on its own computes with numbers, not uninitialized memory (the models
+        replace this with their own init, drawn from their seed)."""
+        for name, p in self._parameters.items():
+            if p.is_meta:
+                continue                                    # shape-only: nothing to fill
+            fan_in = self._parameters[name.replace("bias", "weight")].shape[-2]
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(p, -bound, bound)
 
     def expert_forward(self, x, params: dict):
         """One expert (``params``: its tensors, the expert dim removed) on tokens x (n, h),
@@ -141,6 +157,11 @@ class MoE(nn.Module):
         w, e, slot, aux = router_topk(logits, k, self.gating,
                                       None if self.capacity_factor is None else C)
         self._last = (e, slot, aux.detach(), C)
+        if self.training and self.aux_loss_coef > 0:
+            # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m);
+            # attached to the gates, which the layer consumes, so that its output is a
+            # tensor of its own (a user may change it in place, as any module's output)
+            w = attach_aux_loss(w, aux, self.aux_loss_coef * self.aux_loss_scale / max(1, B))
         if self.token_dispatcher is not None:
             y = self.token_dispatcher(x, w, e, slot, self.experts)          # (B, S, h)
         else:
@@ -148,9 +169,6 @@ class MoE(nn.Module):
             y = moe_combine(self.experts(buf), w, e, slot)                  # (B, S, h)
         if self.shared is not None:
             y = y + self.shared(x)
-        if self.training and self.aux_loss_coef > 0:
-            # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m)
-            y = attach_aux_loss(y, aux, self.aux_loss_coef * self.aux_loss_scale / B)
         return y
 
     @property
@@ -166,7 +184,8 @@ class MoE(nn.Module):
         e, slot, aux = (t.full() if hasattr(t, "full") else t for t in (e, slot, aux))
         return {"tokens_per_expert": torch.bincount(e.reshape(-1), minlength=self.num_experts),
                 "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
-                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef}
+                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef if aux.numel()
+                else 0.0}
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -102,11 +102,15 @@ class BlockTables:
         have = len(self.blocks[seq]) * self.block_size
         return max(0, -(-(self.lengths[seq] + n - have) // self.block_size))
 
+    def _known(self, seq) -> None:
+        if seq not in self.blocks:
+            raise KeyError(f"sequence {seq!r} is not in the table; add it first "
+                           f"(tables.add({seq!r})); it holds {list(self.blocks)}")
+
     def reserve(self, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots for ``seq``'s next ``n`` tokens, allocating blocks as it crosses into new
         ones: (physical block, offset in it), two (n,) int64 tensors.  All or nothing."""
-        if seq not in self.blocks:
-            raise KeyError(f"sequence {seq!r} is not in the table; add it first")
+        self._known(seq)
         _count("n", n, 0)
         self.blocks[seq] += self.allocator.allocate(self._need(seq, n))
         pos = torch.arange(self.lengths[seq], self.lengths[seq] + n)
@@ -116,17 +120,25 @@ class BlockTables:
 
     def free(self, seq) -> None:
         """Drop ``seq`` and give its blocks back."""
+        self._known(seq)
         self.allocator.free(self.blocks.pop(seq))
         del self.lengths[seq]
 
     def table(self, seqs) -> torch.Tensor:
         """(B, max blocks) int32 block table of ``seqs``, padded with 0 (slots past a
         sequence's length are never read)."""
+        seqs = list(seqs)
+        for s in seqs:
+            self._known(s)
         rows = [self.blocks[s] for s in seqs]
-        width = max(1, max(len(r) for r in rows))
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        width = max([1] + [len(r) for r in rows])
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows],
+                            dtype=torch.int32).reshape(len(rows), width)
 
     def seq_lens(self, seqs) -> torch.Tensor:
+        seqs = list(seqs)
+        for s in seqs:
+            self._known(s)
         return torch.tensor([self.lengths[s] for s in seqs], dtype=torch.int64)
 
 
@@ -153,6 +165,12 @@ def paged_memory(lengths, block_size: int, max_len: int, bytes_per_token: int) -
     """The memory of sequences of ``lengths`` tokens: paged in blocks of ``block_size``,
     or contiguous at ``max_len`` each (bytes per token from
     ``workbench.serve.kv_bytes_per_token``)."""
+    _count("block_size", block_size)
+    _count("max_len", max_len)
+    _count("bytes_per_token", bytes_per_token)
+    lengths = [n.item() if isinstance(n, torch.Tensor) else n for n in lengths]
+    if any(isinstance(n, bool) or int(n) != n for n in lengths):
+        raise ValueError(f"lengths {lengths}: give whole numbers of tokens")
     lengths = [int(n) for n in lengths]
     if any(n < 0 or n > max_len for n in lengths):
         raise ValueError(f"lengths {lengths}: each must be in [0, max_len={max_len}]")

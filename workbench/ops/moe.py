@@ -50,9 +50,14 @@ GATINGS = ("softmax", "sigmoid")
 def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int:
     """Slots per expert per group of ``tokens``: ceil(factor * tokens * k / E) (GShard,
     Switch: "expert capacity = tokens per batch / experts x capacity factor"), at most
-    ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops)."""
+    ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops).
+    At least 1 (a group of no tokens has empty buffers of one slot)."""
     if factor is None:
-        return tokens
+        return max(1, tokens)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not 0 < factor < math.inf:
+        raise ValueError(f"capacity: factor={factor!r} must be a finite number > 0 (1.0: "
+                         "room for an even share; 1.25 as Switch), or None to drop nothing")
     return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
@@ -102,8 +107,9 @@ def _router_topk(logits, k, gating, cap):
     slots = pos.sum(-1).reshape(*hot.shape[:-3], k, S).transpose(-2, -1)  # (..., S, k)
     if cap is not None:
         slots = torch.where(slots < cap, slots, torch.full_like(slots, -1))
-    f = hot.sum((-3, -2)).to(probs.dtype) / (S * k)                     # (..., E) f_i
-    aux = E * (f * probs.mean(-2)).sum(-1)                              # (...,) Switch eq. 4
+    # (a group of no tokens: f = P = 0, so aux = 0, not 0 / 0)
+    f = hot.sum((-3, -2)).to(probs.dtype) / max(1, S * k)               # (..., E) f_i
+    aux = E * (f * probs.sum(-2) / max(1, S)).sum(-1)                   # (...,) Switch eq. 4
     return weights, experts, slots.contiguous(), aux.to(logits.dtype)
 
 
@@ -131,12 +137,31 @@ def moe_dispatch(x, experts, slots, num_experts: int, capacity: int):
     _check_routes("moe_dispatch", x.shape, experts, slots)
     _int("moe_dispatch", "num_experts", num_experts, 1)
     _int("moe_dispatch", "capacity", capacity, 1)
-    if slots.numel() and not slots.is_meta and (
-            int(slots.max()) >= capacity or int(experts.max()) >= num_experts
-            or int(experts.min()) < 0):
-        raise ValueError(f"moe_dispatch: a route falls outside {num_experts} experts x "
-                         f"{capacity} slots; give the capacity and experts router_topk used")
+    _check_inside("moe_dispatch", experts, slots, num_experts, capacity)
+    if slots.numel() and not slots.is_meta:
+        # two (token, choice) pairs in one slot would be summed into it by the scatter
+        idx = _flat_index(experts, slots, num_experts, capacity).reshape(slots.shape[0], -1)
+        taken = torch.zeros(slots.shape[0], num_experts * capacity + 1, dtype=torch.int64,
+                            device=slots.device).scatter_add_(1, idx, torch.ones_like(idx))
+        if bool((taken[:, :-1] > 1).any()):
+            g, row = (int(i) for i in (taken[:, :-1] > 1).nonzero()[0])
+            raise ValueError(f"moe_dispatch: group {g} routes several tokens to expert "
+                             f"{row // capacity}'s slot {row % capacity}; each slot holds one "
+                             "token: give experts and slots from one router_topk call")
     return _dispatch(x, experts, slots, num_experts, capacity)
+
+
+def _check_inside(op, experts, slots, E, C):
+    """Every route inside E experts x C slots, a dropped one marked -1: a route outside
+    would read or write another expert's slot (the rows are flat) or fail an index."""
+    if not slots.numel() or slots.is_meta:
+        return
+    bounds = torch.stack((*torch.aminmax(slots), *torch.aminmax(experts)))   # one sync
+    s_lo, s_hi, e_lo, e_hi = bounds.tolist()
+    if s_hi >= C or s_lo < -1 or e_hi >= E or e_lo < 0:
+        raise ValueError(f"{op}: a route falls outside {E} experts x {C} slots (experts in "
+                         f"[{e_lo}, {e_hi}], slots in [{s_lo}, {s_hi}], -1 = dropped); give "
+                         "the capacity and experts router_topk used")
 
 
 def _flat_index(experts, slots, E, C):
@@ -172,6 +197,7 @@ def moe_combine(y, weights, experts, slots):
     if experts.shape != weights.shape:
         raise ValueError(f"moe_combine: experts {tuple(experts.shape)} and weights "
                          f"{tuple(weights.shape)} differ; give both from one router_topk call")
+    _check_inside("moe_combine", experts, slots, y.shape[1], y.shape[2])
     return _combine(y, weights, experts, slots)
 
 
@@ -206,7 +232,9 @@ def attach_aux_loss(y, aux, scale: float):
     """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
     ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains
     without changing the loss every recipe and pipeline schedule computes (Megatron-LM's
-    ``MoEAuxLossAutoScaler``): the layer attaches it to its output."""
+    ``MoEAuxLossAutoScaler``).  The result is a view made by a custom autograd Function, so
+    autograd refuses to modify it in place: attach to a tensor the layer itself consumes
+    (``models.moe.MoE`` attaches to the gate weights), not to what it returns."""
     if has_torch_function((y, aux)):
         return handle_torch_function(attach_aux_loss, (y, aux), y, aux, scale)
     if not torch.is_grad_enabled() or not aux.requires_grad:

@@ -75,11 +75,14 @@ def _check(q, k_pool, v_pool, block_table, seq_lens, scale):
                          "q's heads must be a multiple of the pools' heads")
     table = torch.as_tensor(block_table)
     lens = torch.as_tensor(seq_lens)
-    if table.dim() != 2 or table.shape[0] != B or table.dtype.is_floating_point:
+    if table.dim() != 2 or table.shape[0] != B or not _integer(table):
         raise ValueError(f"{_OP}: block_table of shape {tuple(table.shape)} and dtype "
                          f"{table.dtype}; give (B={B}, max_blocks) integer block ids")
-    if lens.shape != (B,) or lens.dtype.is_floating_point:
-        raise ValueError(f"{_OP}: seq_lens of shape {tuple(lens.shape)}; give (B={B},) ints")
+    if lens.shape != (B,) or not _integer(lens):
+        raise ValueError(f"{_OP}: seq_lens of shape {tuple(lens.shape)} and dtype {lens.dtype}; "
+                         f"give (B={B},) ints")
+    if B == 0:                                           # no sequence: nothing to read
+        return table.long(), lens.long(), 1.0 / math.sqrt(D) if scale is None else float(scale)
     if bool((lens < Sq).any()) or bool((lens > table.shape[1] * bs).any()):
         raise ValueError(f"{_OP}: seq_lens {lens.tolist()} must be in [Sq={Sq}, max_blocks x "
                          f"block_size = {table.shape[1] * bs}]: each sequence holds its new "
@@ -89,6 +92,11 @@ def _check(q, k_pool, v_pool, block_table, seq_lens, scale):
         raise IndexError(f"{_OP}: block_table names block {int(used[(used < 0) | (used >= nb)][0])}"
                          f"; the pool has blocks 0 .. {nb - 1}")
     return table.long(), lens.long(), 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def _integer(t) -> bool:
+    """An integer dtype; bool is not one (True would read as block 1)."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def _gather(pool, row, n):
@@ -137,6 +145,8 @@ def _reference(q, k_pool, v_pool, table, lens, scale):
 
 def _contiguous(attend):
     def impl(q, k_pool, v_pool, table, lens, scale):
+        if q.shape[0] == 0:
+            return torch.empty_like(q)                          # (0, Hq, Sq, D): no sequence
         outs = []
         for b in range(q.shape[0]):
             n = int(lens[b])

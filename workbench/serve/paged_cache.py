@@ -92,8 +92,11 @@ class PagedKVCache:
         for b, (blk, off) in enumerate(self._slots):
             self.k_pools[layer][blk, :, off] = k[b].transpose(0, 1).to(self.k_pools[layer].dtype)
             self.v_pools[layer][blk, :, off] = v[b].transpose(0, 1).to(self.v_pools[layer].dtype)
-        out = paged_attention(q, self.k_pools[layer], self.v_pools[layer],
-                              self.tables.table(self.seqs), self.tables.seq_lens(self.seqs))
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        if kp.dtype != q.dtype:      # a cache kept in another dtype (dtype=...): its keys and
+            kp, vp = kp.to(q.dtype), vp.to(q.dtype)     # values read back in the model's
+        out = paged_attention(q, kp, vp, self.tables.table(self.seqs),
+                              self.tables.seq_lens(self.seqs))
         if layer == self.n_layer - 1:
             self._length += S
             self._slots = None
