@@ -143,9 +143,9 @@ def test_admission_waits_for_blocks():
     assert e.cache.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("preset", ["tiny", "gpt-tiny"])
-def test_seeded_sampling_draws_what_generate_draws(preset):
-    m, ps = model(preset), prompts(3)
+@pytest.mark.parametrize("preset,dtype", CASES)
+def test_seeded_sampling_draws_what_generate_draws(preset, dtype):
+    m, ps = model(preset, dtype), prompts(3)
     kw = [dict(temperature=0.8, top_k=20, top_p=0.9, seed=i) if i % 3 else {}
           for i in range(len(ps))]
     e = Engine(m, num_blocks=10, block_size=BS, max_batch=4, token_budget=8)
