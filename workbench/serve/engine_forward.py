@@ -137,8 +137,9 @@ class RaggedPagedCache:
 
     def get_seq_length(self, layer: int = 0) -> int:
         raise TypeError("RaggedPagedCache holds sequences of different lengths: no single "
-                        "offset; run it with workbench.serve.engine (packed_forward), not "
-                        "model(idx, cache=...)")
+                        "offset; give every token its position (model(idx, cache=..., "
+                        "position_ids=...) after begin(), as packed_forward does), or run it "
+                        "with workbench.serve.engine")
 
 
 def packed_forward(model, cache: RaggedPagedCache, segments) -> torch.Tensor:
