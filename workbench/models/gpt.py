@@ -9,8 +9,9 @@ measurement.  x (s, b, h) -> y (s, b, h) (the paper's sequence-first layout).
 
 :class:`GPT` is the whole model for ``ModelConfig(arch="gpt")``, with the call
 signature of :class:`~workbench.models.llama.Llama` (``model(idx, targets) ->
-(logits, loss)``, ``generate``, ``set_recompute``) so a trainer takes either.  Per
-block (pre-norm, Megatron's GPT):
+(logits, loss)``, with ``cache``, ``position_ids`` and ``logits_to_keep`` as
+:mod:`.positions` says; ``generate``, ``set_recompute``) so a trainer and the serving
+engine take either.  Per block (pre-norm, Megatron's GPT):
 
     x = x + drop(o(attn(q, k, v of LayerNorm(x))))     q, k, v, o: linears with bias
     x = x + drop(fc2(gelu(fc1(LayerNorm(x)))))         fc1: h -> d_ff (4h), fc2: back
@@ -34,6 +35,7 @@ from ..sim_mesh import rng
 from .config import ModelConfig
 from .llama import attention_core, dropout
 from .moe import MoE
+from .positions import check_logits_to_keep, check_position_ids
 from .split import Splittable
 
 __all__ = ["GPTLayer", "TP_PLAN", "GPT", "GPT_TP_PLAN"]
@@ -248,22 +250,31 @@ class GPT(Splittable, nn.Module):
                 if name.endswith(("wo.weight", "fc2.weight", "fc2_weight")) else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, position_ids=None, logits_to_keep=0):
         """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
         cross-entropy of ``targets`` (B, S), computed in float32.  ``cache`` (generation,
         :class:`workbench.serve.KVCache`): idx are the tokens after the
-        ``cache.get_seq_length()`` it holds; their keys and values are appended to it."""
+        ``cache.get_seq_length()`` it holds; their keys and values are appended to it.
+        ``position_ids`` (B, S) or (1, S): each token's own position (default: from the
+        cache's length on); ``logits_to_keep``: the positions the head runs on, logits
+        (B, kept, V) (:mod:`.positions`, Hugging Face's names)."""
         B, S = idx.shape
-        start = 0 if cache is None else cache.get_seq_length()             # tokens before idx
-        if start + S > self.cfg.seq_len:
-            raise ValueError(f"GPT: sequence of {start + S} tokens is longer than seq_len="
-                             f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+        if position_ids is None:
+            start = 0 if cache is None else cache.get_seq_length()         # tokens before idx
+            if start + S > self.cfg.seq_len:
+                raise ValueError(f"GPT: sequence of {start + S} tokens is longer than seq_len="
+                                 f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+            pos = torch.arange(start, start + S, device=idx.device)        # (S,)
+        else:
+            pos = check_position_ids("GPT", position_ids, B, S, self.cfg.seq_len)  # (B, S)
+        keep = check_logits_to_keep("GPT", logits_to_keep, S, targets is not None)
         p = self.cfg.dropout if self.training else 0.0
-        pos = torch.arange(start, start + S, device=idx.device)
         x = dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training, 0)  # (B, S, h)
         for block in self.layers:
             x = block(x, cache=cache)
-        logits = self.lm_head(self.norm(x))                                 # (B, S, V)
+        if keep is not None:                    # the head on the kept positions only
+            x = x[:, keep]                                                  # (B, kept, h)
+        logits = self.lm_head(self.norm(x))                                 # (B, S or kept, V)
         if targets is None:
             return logits, None
         flat = logits.reshape(B * S, self.cfg.vocab_size)

@@ -3,6 +3,7 @@
     from workbench.models import Llama, get_config
     model = Llama(get_config("tiny"), seed=0)
     logits, loss = model(idx, targets)           # idx, targets: (B, S) token ids
+    logits, _ = model(idx, position_ids=pos, logits_to_keep=1)   # pos (B, S): positions.py
 
 Per block (pre-norm, residual stream of width h = d_model):
 
@@ -50,6 +51,7 @@ from ..sim_mesh import rng
 from .config import ModelConfig
 from . import op_sac
 from .moe import MoE
+from .positions import check_logits_to_keep, check_position_ids
 from .split import Splittable
 
 __all__ = ["Llama", "Block", "Attention", "MLP", "RMSNorm", "TP_PLAN"]
@@ -269,22 +271,35 @@ class Llama(Splittable, nn.Module):
                 else std
             p.copy_(torch.randn(p.shape, generator=g) * s)
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, position_ids=None, logits_to_keep=0):
         """idx (B, S) token ids -> (logits (B, S, V), loss or None); loss is the mean
         cross-entropy of ``targets`` (B, S).  ``cache`` (generation,
         :class:`workbench.serve.KVCache`): idx are the tokens after the
-        ``cache.get_seq_length()`` it holds; their keys and values are appended to it."""
+        ``cache.get_seq_length()`` it holds; their keys and values are appended to it.
+        ``position_ids`` (B, S) or (1, S): each token's own position (default: from the
+        cache's length on); ``logits_to_keep``: the positions the head runs on, logits
+        (B, kept, V) (:mod:`.positions`, Hugging Face's names)."""
         B, S = idx.shape
-        pos = 0 if cache is None else cache.get_seq_length()               # tokens before idx
-        if pos + S > self.cfg.seq_len:
-            raise ValueError(f"Llama: sequence of {pos + S} tokens is longer than seq_len="
-                             f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+        if position_ids is None:
+            pos = 0 if cache is None else cache.get_seq_length()           # tokens before idx
+            if pos + S > self.cfg.seq_len:
+                raise ValueError(f"Llama: sequence of {pos + S} tokens is longer than seq_len="
+                                 f"{self.cfg.seq_len}; crop it or raise cfg.seq_len")
+        else:
+            check_position_ids("Llama", position_ids, B, S, self.cfg.seq_len)
+        keep = check_logits_to_keep("Llama", logits_to_keep, S, targets is not None)
         p = self.cfg.dropout if self.training else 0.0
         x = dropout(self.tok_emb(idx), p, self.training, 0)                 # (B, S, h)
-        cos, sin = self.rope_cos[pos:pos + S], self.rope_sin[pos:pos + S]   # (S, hd)
+        if position_ids is None:
+            cos, sin = self.rope_cos[pos:pos + S], self.rope_sin[pos:pos + S]   # (S, hd)
+        else:                           # per token, broadcast over the heads
+            cos = self.rope_cos[position_ids].unsqueeze(1)                  # (B, 1, S, hd)
+            sin = self.rope_sin[position_ids].unsqueeze(1)
         for block in self.layers:
             x = block(x, cos, sin, cache=cache)                             # (B, S, h)
-        logits = self.lm_head(self.norm(x))                                 # (B, S, V)
+        if keep is not None:                    # the head on the kept positions only
+            x = x[:, keep]                                                  # (B, kept, h)
+        logits = self.lm_head(self.norm(x))                                 # (B, S or kept, V)
         if targets is None:
             return logits, None
         flat = logits.reshape(B * S, self.cfg.vocab_size)                   # (B*S, V)

@@ -10,21 +10,21 @@ runner flattens a step's tokens the same way): the token-wise layers (embedding,
 linears, MLP) run on all T tokens of the step as one (1, T, h) tensor, whatever sequence
 each belongs to; only attention needs to know the sequences apart.  So:
 
-    positions      token j of a sequence holding c tokens sits at c + j: the RoPE
-                   angles (Llama: ``rope_cos[positions]``) or the learned position
-                   embedding (GPT: ``pos_emb(positions)``) are looked up per token,
-                   where ``model.forward`` takes one offset for the whole batch;
+    positions      token j of a sequence holding c tokens sits at c + j: the model's
+                   ``position_ids`` (1, T) (Hugging Face's name), so it looks the RoPE
+                   angles (Llama) or the learned position embedding (GPT) up per token
+                   (``models/positions.py``);
     attention      :meth:`RaggedPagedCache.attend` writes each token's k, v into its
                    sequence's next slot, then runs ``paged_attention`` over each
                    sequence's pages (the sequences with as many new tokens in one call:
                    every decode sequence, Sq = 1, together), causal and bottom-right
                    aligned, so a prompt chunk after c cached tokens sees them and itself;
-    logits         only of each sequence's last token (the one sampled from).
+    logits         only of each sequence's last token (the one sampled from): the
+                   model's ``logits_to_keep``, so the final norm and the head run on
+                   those R tokens only.
 
-The blocks and ops ARE the model's (its ``layers`` called with this cache, as
-``model(idx, cache=...)`` calls them); only the embedding-and-positions prologue and
-the norm-and-head epilogue are restated here, per architecture, since the models'
-``forward`` takes a single position offset.  Tests hold every token to ``generate``.
+The forward IS the model's: ``model(ids, cache=this, position_ids=..., logits_to_keep=...)``,
+nothing of an architecture restated here.  Tests hold every token to ``generate``.
 """
 from __future__ import annotations
 
@@ -137,8 +137,9 @@ class RaggedPagedCache:
 
     def get_seq_length(self, layer: int = 0) -> int:
         raise TypeError("RaggedPagedCache holds sequences of different lengths: no single "
-                        "offset; run it with workbench.serve.engine (packed_forward), not "
-                        "model(idx, cache=...)")
+                        "offset; give every token its position (model(idx, cache=..., "
+                        "position_ids=...) after begin(), as packed_forward does), or run it "
+                        "with workbench.serve.engine")
 
 
 def packed_forward(model, cache: RaggedPagedCache, segments) -> torch.Tensor:
@@ -148,25 +149,16 @@ def packed_forward(model, cache: RaggedPagedCache, segments) -> torch.Tensor:
     ids = torch.tensor([t for _, toks in segments for t in toks], device=dev)[None]  # (1, T)
     pos = torch.cat([torch.arange(cache.length(s) if s in cache.tables.blocks else 0,
                                   (cache.length(s) if s in cache.tables.blocks else 0)
-                                  + len(toks)) for s, toks in segments]).to(dev)   # (T,)
+                                  + len(toks)) for s, toks in segments]).to(dev)[None]  # (1, T)
     last = torch.tensor(list(_ends(segments)), device=dev)                  # (R,)
     cache.begin([(s, len(toks)) for s, toks in segments])
     try:
-        if model.cfg.arch == "llama":
-            x = model.tok_emb(ids)                                          # (1, T, h)
-            cos, sin = model.rope_cos[pos], model.rope_sin[pos]             # (T, hd)
-            for block in model.layers:
-                x = block(x, cos, sin, cache=cache)                         # (1, T, h)
-        else:
-            x = model.tok_emb(ids) + model.pos_emb(pos)                     # (1, T, h)
-            for block in model.layers:
-                x = block(x, cache=cache)
-        logits = model.lm_head(model.norm(x[:, last]))[0]                  # (R, V)
+        logits, _ = model(ids, cache=cache, position_ids=pos, logits_to_keep=last)  # (1, R, V)
     except BaseException:
         cache.rollback()
         raise
     cache.end()
-    return logits
+    return logits[0]                                                        # (R, V)
 
 
 def _ends(segments):
