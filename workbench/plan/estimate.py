@@ -243,9 +243,13 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
     g, dp, m = grad_bytes * psi, len(ranks), lay.m
+    priced = {}     # group_price's cache key hashes all the ranks: ask it once per size
 
     def p(kind, nbytes=g):
-        return C.group_price(kind, nbytes, ranks, prof)
+        t = priced.get((kind, nbytes))
+        if t is None:
+            t = priced[kind, nbytes] = C.group_price(kind, nbytes, ranks, prof)
+        return t
 
     ag_x, rs_x, stay = side if side else (lambda n: 0.0, lambda n: 0.0, ())
 

@@ -46,6 +46,8 @@ untied head's V h / t on the last.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
@@ -103,13 +105,22 @@ def zero3_gathered_numel(numels, prefetch: int) -> int:
     parameters - available, ``stage3_prefetch_bucket_size``), the latter 5e7 elements by
     default (deepspeed/runtime/zero/config.py); as ``strategies.zero3``'s ledger counts.
     The tied embedding counts wherever it is gathered."""
+    return _gathered_numel(tuple(numels), prefetch)
+
+
+@lru_cache(maxsize=256)
+def _gathered_numel(numels: tuple, prefetch) -> int:
+    """:func:`zero3_gathered_numel` (cached: a search asks it for every ZeRO-3 candidate,
+    whose modules differ only in tp, dp and the stage)."""
     best = 0
     for seq in (list(numels), list(numels)[::-1]):
+        k = len(seq)
         for i, n in enumerate(seq):
             tot, ahead = n, 0
-            for m in seq[i + 1:]:
+            for j in range(i + 1, k):       # by index: a slice would copy the rest each time
                 if ahead >= prefetch:
                     break
+                m = seq[j]
                 tot += m
                 ahead += m
             best = max(best, tot)
@@ -245,6 +256,13 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
     return out
 
 
+# the last layout's answers: ``search`` asks a candidate's memory on its first, a middle
+# and its last stage, then ``estimate`` asks the same again for the candidates that fit.
+# Kept by the arguments' identity (frozen dataclasses, held here so that no other object
+# takes their ids); what is read of the profile (``comm_memory``) is immutable too.
+_LAST: list = [None, None, None, None, {}]      # cfg, layout, attention, profile, answers
+
+
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                  profile=None) -> dict:
     """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
@@ -255,6 +273,21 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     hardware's: without one the key is absent and ``total`` leaves them out),
     ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
     it (:func:`workspace_bytes`) (module docstring)."""
+    if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
+        return _stage_memory(cfg, layout, stage, attention, profile)
+    last = _LAST
+    if not (last[1] is layout and last[0] is cfg and last[3] is profile
+            and last[2] == attention):
+        last[:] = [cfg, layout, attention, profile, {}]
+    mem = last[4].get(stage)
+    if mem is None:
+        mem = last[4][stage] = _stage_memory(cfg, layout, stage, attention, profile)
+    return dict(mem)        # a copy: callers keep what they get
+
+
+def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
+                  profile=None) -> dict:
+    """:func:`stage_memory`, computed."""
     from .frameworks import grad_buffer_extra_bytes
     from . import ep_cp as _ep_cp
     from .layout import Layout
