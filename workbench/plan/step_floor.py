@@ -2,25 +2,27 @@
 best-first use of it: a layout whose floor already exceeds the step time of ``top``
 layouts estimated cannot be among the ``top`` fastest, so it is never estimated.
 
-The floor of a layout is m micro-batches of one pipeline stage's layers' compute,
+The floor of a layout: with T = (n_layer / pp) x one layer's forward and backward
+(compute and its TP / EP / CP communication, as ``estimate`` prices the layer:
+``estimate.layer_for``), m micro-batches of T plus the bubble of pp stages of T,
 
-    m x (n_layer / pp) x (forward + backward compute of one layer),
+    m T + (pp - 1) T / v.
 
-the layer priced as ``estimate`` prices it (``estimate.layer_for``).  ``estimate``'s
-step is compute + communication + bubble (its module docstring) where
+``estimate``'s step is m x the slowest stage's time per micro-batch + the bubble + the
+data-parallel sync + the optimizer step (its module docstring), where
 
-- compute = m x the slowest stage's compute + the optimizer step, and every stage's
-  compute is its n_layer / pp layers' plus, on the first and last stages, the
-  embedding's, the head's and the edges' (``edge_cost``), none of them negative;
-- communication (m x the stage's collectives and p2p, plus the data-parallel sync, which
-  ``stage_sync`` exposes as max(0, ...)) and the bubble ((sum - max) / v over the
-  stages) are not negative either.
+- every stage's time is its n_layer / pp layers' plus, none of them negative, the
+  pipeline's point-to-point sends, the embedding's and the head's compute and
+  collectives, the edges' kernels (``edge_cost``): at least T;
+- the bubble, (sum - max) / v over the stages' times, is the sum of all but the
+  largest over v, which no stage's time can lower by growing: at least (pp - 1) T / v;
+- the sync (``stage_sync`` exposes max(0, ...)) and the optimizer are not negative.
 
-Rounding a sum of non-negative floats never takes it below one of its terms; the floor
-is taken a further 1e-9 of itself low, far beyond the rounding of its products.  Where
-``estimate`` prices otherwise (DeepSpeed's pipeline engine, uneven ``stages``, FSDP2 on
-its attention profile) the floor is 0: such layouts are always estimated.
-``tests/test_plan_search_speed.py`` holds floor <= step on every layout of searches.
+Rounding sums and products of non-negative floats moves them by parts in 1e16; the floor
+is taken a further 1e-9 of itself low.  Where ``estimate`` prices otherwise (DeepSpeed's
+pipeline engine, uneven ``stages``, FSDP2 on its attention profile) the floor is 0: such
+layouts are always estimated.  ``tests/test_plan_search_speed.py`` holds floor <= step on
+every layout of searches.
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ def step_floor(model, lay, cluster, attention: str, tp_comm_overlap: bool = Fals
     if lay.stages is not None or lay.engine == "fsdp" or (
             lay.engine == "deepspeed" and lay.pp > 1):
         return 0.0
-    layer = layer_for(model, lay, cluster.profile, attention, False, tp_comm_overlap)
-    per_stage = (model.n_layer // lay.pp) * (layer.fwd_compute + layer.bwd_compute)
-    return lay.m * per_stage * (1 - 1e-9)
+    ly = layer_for(model, lay, cluster.profile, attention, False, tp_comm_overlap)
+    t = (model.n_layer // lay.pp) * (ly.fwd_compute + ly.bwd_compute + ly.fwd_comm
+                                     + ly.bwd_comm)
+    return (lay.m * t + (lay.pp - 1) * t / lay.v) * (1 - 1e-9)
 
 
 def best_first(layouts, top: int, estimate_one, floor_one) -> list:
