@@ -51,12 +51,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workbench.plan import Cluster, costs, ep_cp, estimate, search  # noqa: E402
+from workbench.plan import comm_memory, layer_cost, memory  # noqa: E402
 from workbench.plan.presets import get_config  # noqa: E402   # + mixtral-8x7b, 128K Llamas
 
 
 def _clear():
-    for fn in (costs.group_price, costs.layer_cost, costs.head_cost, ep_cp._layer):
+    for fn in (costs.group_price, costs.layer_cost, costs.head_cost, ep_cp._layer,
+               layer_cost._flash, memory._gathered_numel):
         fn.cache_clear()
+    comm_memory._MEMO.clear()
 
 
 def main(argv=None):

@@ -48,6 +48,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import ep_cp as _ep_cp
+from .comm_memory import comm_buffer_bytes
+from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
+from .layout import SCHEDULES, Layout
+
 __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
@@ -221,7 +226,6 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     pp), each chunk 1/v of the stage's layers; on the first stage that is pp + (pp - 1)
     / v micro-batches, Korthikanti et al. 2022 sec. 4.2.3's L (1 + (p - 1) / (p v))
     layers of activations."""
-    from .layout import SCHEDULES
     _check("in_flight", "schedule", schedule, schedule in SCHEDULES, f"use one of {SCHEDULES}")
     for name, v in (("pp", pp), ("m", m), ("v", v)):
         _check("in_flight", name, v, _is_int(v, 1), "give an int >= 1")
@@ -288,9 +292,6 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
 def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                   profile=None) -> dict:
     """:func:`stage_memory`, computed."""
-    from .frameworks import grad_buffer_extra_bytes
-    from . import ep_cp as _ep_cp
-    from .layout import Layout
     lay = layout
     _check("stage_memory", "layout", layout, isinstance(layout, Layout),
            "give a workbench.plan.Layout")
@@ -319,7 +320,6 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     if profile is not None:
-        from .comm_memory import comm_buffer_bytes
         mem["comm_buffers"] = comm_buffer_bytes(cfg, lay, stage, profile)["point"]
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
@@ -354,7 +354,6 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       among them).
     Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
     gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
-    from .frameworks import loss_extra_bytes
     b, tp, sp = lay.micro_batch, lay.tp, lay.sp
     rc = lay.recompute
     remat = 0.0
