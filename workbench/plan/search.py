@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from .estimate import Estimate, estimate
+from .estimate import estimate
 from .layout import Cluster, Layout, attention_for, check_model
 from .memory import stage_memory
 from .step_floor import best_first, step_floor
