@@ -263,8 +263,9 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
 # the last layout's answers: ``search`` asks a candidate's memory on its first, a middle
 # and its last stage, then ``estimate`` asks the same again for the candidates that fit.
 # Kept by the arguments' identity (frozen dataclasses, held here so that no other object
-# takes their ids); what is read of the profile (``comm_memory``) is immutable too.
-_LAST: list = [None, None, None, None, {}]      # cfg, layout, attention, profile, answers
+# takes their ids); what is read of the profile (``comm_memory``) is immutable too.  One
+# tuple, replaced whole: a caller keeps writing to the answers of its own arguments.
+_LAST: list = [(None, None, None, None, {})]    # (cfg, layout, attention, profile, answers)
 
 
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
@@ -279,10 +280,10 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     it (:func:`workspace_bytes`) (module docstring)."""
     if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
         return _stage_memory(cfg, layout, stage, attention, profile)
-    last = _LAST
+    last = _LAST[0]
     if not (last[1] is layout and last[0] is cfg and last[3] is profile
             and last[2] == attention):
-        last[:] = [cfg, layout, attention, profile, {}]
+        last = _LAST[0] = (cfg, layout, attention, profile, {})
     mem = last[4].get(stage)
     if mem is None:
         mem = last[4][stage] = _stage_memory(cfg, layout, stage, attention, profile)
