@@ -24,8 +24,9 @@ MOE = plan_config("mixtral-8x7b", n_layer=4, d_model=512, n_head=8, n_kv_head=4,
 CASES = [(GPT, Cluster("a100", 16), 32, {}),
          (GPT, Cluster("ascend-910b", 16), 32, {"overlap_grad_reduce": True}),
          (LLAMA, Cluster("h100", 8), 16, {}),
-         (MOE, Cluster("h100", 16), 16, {})]
-IDS = ["gpt-a100", "gpt-910b-ogr", "llama-h100", "moe-cp-h100"]
+         (MOE, Cluster("h100", 16), 16, {}),
+         (GPT, Cluster("h100", 8), 16, {"tp_comm_overlap": True})]
+IDS = ["gpt-a100", "gpt-910b-ogr", "llama-h100", "moe-cp-h100", "gpt-h100-tp-overlap"]
 
 
 @pytest.fixture(scope="module", params=range(len(CASES)), ids=IDS)
@@ -40,7 +41,7 @@ def test_step_floor_lies_under_every_estimate(full):
     att = attention_for(cfg, None)
     ratios = []
     for lay, e in r:
-        floor = step_floor(cfg, lay, cl, att)
+        floor = step_floor(cfg, lay, cl, att, kw.get("tp_comm_overlap", False))
         assert 0 < floor <= e.step_time, lay.short()
         ratios.append(floor / e.step_time)
     assert len(r) == r.fitting > 20 and max(ratios) > 0.5    # a floor worth pruning with
@@ -61,6 +62,9 @@ def test_search_counts_fit_and_least_over_every_stage(full):
     att, limit = attention_for(cfg, None), cl.profile.usable_memory()
     fit, least = 0, None
     for lay in candidates(cfg, cl, gb, 16, att, candidate_layouts):
+        if kw.get("tp_comm_overlap") and (lay.engine != "megatron" or lay.tp > 1
+                                          and not lay.sp):
+            continue            # search leaves out what tp_comm_overlap cannot price
         need = max(MEM._stage_memory(cfg, lay, s, att, cl.profile)["total"]
                    for s in range(lay.pp))            # every stage, nothing cached
         fit += need <= limit
