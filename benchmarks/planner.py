@@ -6,38 +6,42 @@ time of one ``estimate`` per layout.
 
 (Llama 2 70B, 1,024 A100s, 1,024 sequences of 4,096 tokens (Llama 2's 4M-token batch,
 Touvron et al. 2023 sec. 2.2): 4,752 layouts tried (torchtitan's op-level recompute
-among them), 1,313 fit, 2.1 s on the 2-core machine shared with other jobs; the best,
-dp32 tp4 pp8 interleaved v=10 with SP and ZeRO-1, at 64.9% MFU, tied (0.1%) with dp512
-tp2 ZeRO-3 and op-level recompute, by the estimate's count, which takes attention as 4 b s^2 h per layer (Korthikanti
-eq. 7) though the causal kernel computes half of it.)
+among them), 1,281 fit, 1.2 s cold on the 2-core machine shared with other jobs (load
+average 5); the best, dp32 tp4 pp8 interleaved v=10 with SP and ZeRO-1, at 64.9% MFU,
+tied (0.1%) with dp512 tp2 ZeRO-3 and op-level recompute, by the estimate's count, which
+takes attention as 4 b s^2 h per layer (Korthikanti eq. 7) though the causal kernel
+computes half of it.)
 
 A mixture of experts (issue 18): Mixtral-8x7B (``plan.presets``, 32K context) on 64 H100s,
 
     python benchmarks/planner.py --model mixtral-8x7b --profile h100 --devices 64 --global-batch 256
 
-(on the 2-core machine: 16,836 layouts tried, 2,906 fit, 2.3 s alone, 6-10 s while other
-jobs shared it.  At the paper's 32K tokens
-the best is dp1 tp2 pp8 cp4, 23.8 s/step: context parallelism beats expert parallelism,
-which is carved out of dp here (Megatron-Core's folding of EP over CP is not modeled) and
-leaves too little room for the 32K-token activations.  At the 4,096 tokens of
-Megatron-LM's Mixtral example (``--seq-len 4096``): 6,246 tried, 2,681 fit, 1.7 s; the
-best is dp16 pp4 interleaved v=4 ep8, 2.39 s/step, 57.5% MFU, its four all-to-alls per
-layer and micro-batch 0.76 ms inside one node.  The top layout's ``explain()`` follows
-the table.)
+(on the 2-core machine at load average 5: 16,701 layouts tried, 2,328 fit, 1.8 s cold.
+At the paper's 32K tokens the best is dp1 tp2 pp8 cp4, 27.5 s/step: context parallelism
+beats expert parallelism, which is carved out of dp here (Megatron-Core's folding of EP
+over CP is not modeled) and leaves too little room for the 32K-token activations.  At
+the 4,096 tokens of Megatron-LM's Mixtral example (``--seq-len 4096``): 6,111 tried,
+2,505 fit, 1.1 s; the best is dp16 pp4 interleaved v=4 ep8, 2.65 s/step, 51.8% MFU, its
+four all-to-alls per layer and micro-batch 0.76 ms inside one node.  The top layout's
+``explain()`` follows the table.)
 
 Long context (issue 18): Llama 3 8B at 128K tokens (``llama3-8b-128k``) on 256 A100s,
 
     python benchmarks/planner.py --model llama3-8b-128k --devices 256 --global-batch 64
 
-(13,920 layouts tried, 4,753 fit, 3.2 s alone, 10-12 s on a shared machine; the best
-dp16 tp2 cp8 with SP and ZeRO-1, no recompute, 24.7 s/step: each rank keeps 16K tokens'
-activations and its ring's K/V hops hide behind the half blocks.  Its MFU prints above 100%: the count takes attention as
-4 b s^2 h per layer, 83% of the FLOPs at 128K, twice what the causal kernel computes; the
-table says so under it.)
+(18,480 layouts tried, 5,581 fit, 3.0 s cold at load average 6.7; the best dp16 tp4 cp4
+with SP and ZeRO-1, no recompute, 25.3 s/step: each rank keeps 32K tokens' activations
+and its ring's K/V hops hide behind the half blocks.  Its MFU prints above 100%: the
+count takes attention as 4 b s^2 h per layer, 83% of the FLOPs at 128K, twice what the
+causal kernel computes; the table says so under it.)
 
-Target (issue 21): the search in under 10 s on a 2-core machine.  The search is timed
-cold (empty caches, first call) and warm; ``estimate`` is timed over the layouts the
-search kept, cold caches cleared before each timing round, as the median of 5 rounds.
+Target (issue 21): the search in under 10 s on a 2-core machine; GPT-3 175B on 1,024
+A100s: 13,464 layouts tried, 3,965 fit, 141 of them estimated (``plan.step_floor``),
+0.52-0.71 s cold at load average 4.5-5 (the search before that floor, the memoized
+communication buffers and the ZeRO dedupe: 5.2-5.9 s in the same minutes).  The search
+is timed cold (empty caches, first call) and warm; ``estimate`` is timed over the
+layouts the search kept, cold caches cleared before each timing round, as the median of
+5 rounds.
 Prints what it measured and the top layouts with the planner's explanation.
 """
 from __future__ import annotations
@@ -51,12 +55,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workbench.plan import Cluster, costs, ep_cp, estimate, search  # noqa: E402
+from workbench.plan import comm_memory, layer_cost, memory  # noqa: E402
 from workbench.plan.presets import get_config  # noqa: E402   # + mixtral-8x7b, 128K Llamas
 
 
 def _clear():
-    for fn in (costs.group_price, costs.layer_cost, costs.head_cost, ep_cp._layer):
+    for fn in (costs.group_price, costs.layer_cost, costs.head_cost, ep_cp._layer,
+               layer_cost._flash, memory._gathered_numel):
         fn.cache_clear()
+    comm_memory._MEMO.clear()
 
 
 def main(argv=None):

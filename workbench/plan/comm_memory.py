@@ -199,10 +199,28 @@ def _nccl_bytes(c: dict, fig: dict, end: str) -> float:
     return float(out)
 
 
+# comm_buffer_bytes's answers by what they depend on (search asks it for every candidate,
+# most of which share their groups): cfg.tie_embeddings; the layout's tp, cp, dp, pp, ep,
+# schedule, v, engine; the stage; the profile's name, node size and intra-node link
+# (``library``, ``communicators``: nothing else is read)
+_MEMO: dict = {}
+
+
 def comm_buffer_bytes(cfg, lay, stage: int, profile) -> dict:
     """{"point", "low", "high": bytes on a rank of ``stage``, "library", "comms": [(name,
     ranks, point bytes)], "known": whether the profile's interconnect is one the figures
     are for} (module docstring)."""
+    key = (cfg.tie_embeddings, lay.tp, lay.cp, lay.dp, lay.pp, lay.ep, lay.schedule, lay.v,
+           lay.engine, stage, profile.name, profile.devices_per_node, profile.intra_node.name)
+    got = _MEMO.get(key)
+    if got is None:
+        if len(_MEMO) >= 1 << 16:
+            _MEMO.clear()
+        got = _MEMO[key] = _comm_buffer_bytes(cfg, lay, stage, profile)
+    return dict(got, comms=list(got["comms"]))      # a copy: callers keep what they get
+
+
+def _comm_buffer_bytes(cfg, lay, stage: int, profile) -> dict:
     lib, fig, known = library(profile)
     comms = communicators(cfg, lay, stage, profile.devices_per_node)
     ends = {}

@@ -31,7 +31,7 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
         attention == "flash" and s % (2 * c) == 0 and s // c >= CP_MIN_TOKENS)]
     for cp in cps:
         cl = cluster if cp == 1 else Cluster(cluster.profile, n // cp)
-        for lay in base(model, cl, global_batch, max_micro_batch):
+        for lay in base(model, cl, global_batch, max_micro_batch, cp=cp):
             if moe is None and cp == 1:
                 yield lay
                 continue

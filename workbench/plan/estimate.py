@@ -243,9 +243,13 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
     g, dp, m = grad_bytes * psi, len(ranks), lay.m
+    priced = {}     # group_price's cache key hashes all the ranks: ask it once per size
 
     def p(kind, nbytes=g):
-        return C.group_price(kind, nbytes, ranks, prof)
+        t = priced.get((kind, nbytes))
+        if t is None:
+            t = priced[kind, nbytes] = C.group_price(kind, nbytes, ranks, prof)
+        return t
 
     ag_x, rs_x, stay = side if side else (lambda n: 0.0, lambda n: 0.0, ())
 
@@ -302,6 +306,17 @@ def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
                                     overlap_grad_reduce) + d["expert_dp"]   # MoE: whole
 
 
+def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
+              tp_comm_overlap: bool = False):
+    """One layer's ``costs.LayerCost`` for one micro-batch on a rank of ``lay``, as
+    :func:`estimate` prices it (``prof``: the profile it prices on), with EP and CP
+    (``plan.ep_cp``) or without."""
+    if EC.applies(cfg, lay):
+        return EC.layer_cost(cfg, lay, prof, attention, fp8)
+    return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
+                        fp8, tp_comm_overlap and lay.tp > 1)
+
+
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
              fp8: bool = False, tp_comm_overlap: bool = False) -> Estimate:
@@ -345,9 +360,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
-    layer = EC.layer_cost(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay) else \
-        C.layer_cost(cfg, b, tp, sp, lay.recompute, prof, attention, fp8,
-                     tp_comm_overlap and tp > 1)
+    layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap)
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)

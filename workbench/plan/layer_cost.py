@@ -91,11 +91,13 @@ def _check(h, a, s, b, tp, sp, recompute, ffn, tp_ranks):
         raise ValueError(f"layer_times: tp_ranks={tp_ranks!r} must list tp={tp} ranks")
 
 
+@lru_cache(maxsize=1024)
 def _flash(b, ah, s, d, e):
     """FlashAttention (causal, fused) on one rank, priced as the op table prices
     ``wb.ops.flash_attention``: (forward FLOPs, forward bytes, backward FLOPs, backward
     bytes), from ``wb.ops.cost`` (the pairs attended; Q, K, V, O and the fp32
-    log-sum-exp kept, Dao 2023)."""
+    log-sum-exp kept, Dao 2023).  Cached: counting the pairs builds the s x s mask
+    (28 ms at s = 2048), and a search asks the same shapes for many layouts."""
     import torch
     from ..ops import cost as _ops_cost
     dt = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[e]

@@ -46,6 +46,13 @@ untied head's V h / t on the last.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
+from . import ep_cp as _ep_cp
+from .comm_memory import comm_buffer_bytes
+from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
+from .layout import SCHEDULES, Layout
+
 __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
@@ -103,13 +110,22 @@ def zero3_gathered_numel(numels, prefetch: int) -> int:
     parameters - available, ``stage3_prefetch_bucket_size``), the latter 5e7 elements by
     default (deepspeed/runtime/zero/config.py); as ``strategies.zero3``'s ledger counts.
     The tied embedding counts wherever it is gathered."""
+    return _gathered_numel(tuple(numels), prefetch)
+
+
+@lru_cache(maxsize=256)
+def _gathered_numel(numels: tuple, prefetch) -> int:
+    """:func:`zero3_gathered_numel` (cached: a search asks it for every ZeRO-3 candidate,
+    whose modules differ only in tp, dp and the stage)."""
     best = 0
     for seq in (list(numels), list(numels)[::-1]):
+        k = len(seq)
         for i, n in enumerate(seq):
             tot, ahead = n, 0
-            for m in seq[i + 1:]:
+            for j in range(i + 1, k):       # by index: a slice would copy the rest each time
                 if ahead >= prefetch:
                     break
+                m = seq[j]
                 tot += m
                 ahead += m
             best = max(best, tot)
@@ -210,7 +226,6 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     pp), each chunk 1/v of the stage's layers; on the first stage that is pp + (pp - 1)
     / v micro-batches, Korthikanti et al. 2022 sec. 4.2.3's L (1 + (p - 1) / (p v))
     layers of activations."""
-    from .layout import SCHEDULES
     _check("in_flight", "schedule", schedule, schedule in SCHEDULES, f"use one of {SCHEDULES}")
     for name, v in (("pp", pp), ("m", m), ("v", v)):
         _check("in_flight", name, v, _is_int(v, 1), "give an int >= 1")
@@ -245,6 +260,14 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
     return out
 
 
+# the last layout's answers: ``search`` asks a candidate's memory on its first, a middle
+# and its last stage, then ``estimate`` asks the same again for the candidates that fit.
+# Kept by the arguments' identity (frozen dataclasses, held here so that no other object
+# takes their ids); what is read of the profile (``comm_memory``) is immutable too.  One
+# tuple, replaced whole: a caller keeps writing to the answers of its own arguments.
+_LAST: list = [(None, None, None, None, {})]    # (cfg, layout, attention, profile, answers)
+
+
 def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                  profile=None) -> dict:
     """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
@@ -255,9 +278,21 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     hardware's: without one the key is absent and ``total`` leaves them out),
     ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
     it (:func:`workspace_bytes`) (module docstring)."""
-    from .frameworks import grad_buffer_extra_bytes
-    from . import ep_cp as _ep_cp
-    from .layout import Layout
+    if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
+        return _stage_memory(cfg, layout, stage, attention, profile)
+    last = _LAST[0]
+    if not (last[1] is layout and last[0] is cfg and last[3] is profile
+            and last[2] == attention):
+        last = _LAST[0] = (cfg, layout, attention, profile, {})
+    mem = last[4].get(stage)
+    if mem is None:
+        mem = last[4][stage] = _stage_memory(cfg, layout, stage, attention, profile)
+    return dict(mem)        # a copy: callers keep what they get
+
+
+def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
+                  profile=None) -> dict:
+    """:func:`stage_memory`, computed."""
     lay = layout
     _check("stage_memory", "layout", layout, isinstance(layout, Layout),
            "give a workbench.plan.Layout")
@@ -286,7 +321,6 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     if profile is not None:
-        from .comm_memory import comm_buffer_bytes
         mem["comm_buffers"] = comm_buffer_bytes(cfg, lay, stage, profile)["point"]
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
@@ -321,7 +355,6 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       among them).
     Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
     gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
-    from .frameworks import loss_extra_bytes
     b, tp, sp = lay.micro_batch, lay.tp, lay.sp
     rc = lay.recompute
     remat = 0.0

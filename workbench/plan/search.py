@@ -5,18 +5,21 @@ vocabulary), pipeline parallelism p (dividing the devices left and the layers), 
 parallelism d = devices / (t p) (dividing the global batch), the micro-batch (dividing
 global_batch / d, up to ``max_micro_batch``), the schedule (1F1B, GPipe, interleaved
 1F1B with every v dividing the layers per stage, where m is a multiple of p), sequence
-parallelism (when t > 1), the ZeRO stage (0-1 with pipelines, 0-3 without) and the
-recompute mode (none, selective, full, and for a dense Llama torchtitan's op-level
-selective checkpointing, "op").  Layouts whose busiest rank does not fit the device memory are dropped
-before their step time is estimated.  Ranked by step time (ties: less memory first).
+parallelism (when t > 1), the ZeRO stage (0-1 with pipelines, 0-3 without; with one
+data-parallel rank, dp x cp = 1, only 0 and 2, Megatron-LM's and DeepSpeed's: ZeRO has
+nothing to split there) and the recompute mode (none, selective, full, and for a dense
+Llama torchtitan's op-level selective checkpointing, "op").  Layouts whose busiest rank does not fit the device memory are dropped
+before their step time is estimated, and only those that can be among the fastest are
+estimated (``plan.step_floor``).  Ranked by step time (ties: less memory first).
 """
 from __future__ import annotations
 
 import time
 
-from .estimate import Estimate, estimate
+from .estimate import estimate
 from .layout import Cluster, Layout, attention_for, check_model
 from .memory import stage_memory
+from .step_floor import best_first, step_floor
 from . import ep_cp as _ep_cp
 
 __all__ = ["search", "Ranking", "candidate_layouts"]
@@ -33,8 +36,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batch: int = 16):
-    """Every layout :func:`search` considers (a generator of :class:`Layout`)."""
+def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batch: int = 16,
+                      cp: int = 1):
+    """Every layout :func:`search` considers (a generator of :class:`Layout`).  ``cp``: the
+    context-parallel ranks each will get (``plan.ep_cp``); ZeRO partitions over the dp x
+    cp ranks, so where there is one, stage 1 is stage 0's layout and stage 3 stage 2's
+    (the same framework, ``Layout.engine``, nothing to split): only 0 and 2 are listed."""
     n = cluster.devices
     # torchtitan's op-level selective checkpointing: modeled (and run by the course's
     # model) for the dense Llama block only (plan.llama_layer, models.op_sac)
@@ -63,6 +70,8 @@ def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batc
                 for schedule, v in scheds:
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                            if dp * cp == 1 and zero in (1, 3):
+                                continue        # as zero - 1 (docstring)
                             for rc in modes:
                                 yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero,
                                              recompute=rc, micro_batch=b,
@@ -145,7 +154,30 @@ class Ranking(list):
             return lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on the "
                                f"busiest rank, is {lay.short()}; add devices or shrink the "
                                f"global batch or model")
-        return "\n".join(lines + [self.table(), *_ep_cp.table_notes(self), *self.explain()])
+        return "\n".join(lines + [self.table(), *_ep_cp.table_notes(self), *_zero_note(self),
+                                  *self.explain()])
+
+
+def _zero_note(ranking) -> list:
+    """The line under the table where a layout without data parallelism lists ZeRO 2."""
+    if any(lay.dp * lay.cp == 1 and lay.zero == 2 for lay, _ in ranking):
+        return ["note: with dp x cp = 1 ZeRO has nothing to split: zero 2 there stands for "
+                "DeepSpeed's engine (the default for ZeRO 2-3), zero 0 for Megatron-LM's"]
+    return []
+
+
+def _need(model, lay: Layout, attention: str, profile, limit: float, least) -> float:
+    """The busiest rank's bytes (``memory.stage_memory`` of the first, a middle and the
+    last stage), or, once the first stage alone holds more than both ``limit`` and
+    ``least`` (the least so far), that stage's: more stages could only raise it, and
+    such a layout neither fits nor holds the least."""
+    last = lay.pp - 1
+    need = stage_memory(model, lay, 0, attention, profile)["total"]
+    if need > limit and least is not None and need >= least:
+        return need
+    for s in {last, min(1, last)} - {0}:
+        need = max(need, stage_memory(model, lay, s, attention, profile)["total"])
+    return need
 
 
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
@@ -176,7 +208,7 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     t0 = time.perf_counter()
     limit = cluster.profile.usable_memory()     # less the context and fragmentation
     node = cluster.profile.devices_per_node
-    results: list[tuple[Layout, Estimate]] = []
+    fit: list[Layout] = []
     tried, least = 0, None
     for lay in _ep_cp.candidates(model, cluster, global_batch, max_micro_batch, attention,
                                  candidate_layouts):    # with ep and cp (plan.ep_cp)
@@ -184,21 +216,22 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
                 not lay.sp or _ep_cp.applies(model, lay))):
             continue        # refused by estimate (plan.tp_overlap.check_estimate)
         tried += 1
-        last = lay.pp - 1
-        need = max(stage_memory(model, lay, s, attention, cluster.profile)["total"]
-                   for s in {0, last, min(1, last)})
+        need = _need(model, lay, attention, cluster.profile, limit,
+                     None if least is None else least[0])
         if least is None or need < least[0]:
             least = (need, lay)
-        if need > limit:
-            continue
-        results.append((lay, estimate(model, lay, cluster, attention, overlap,
-                                             overlap_grad_reduce,
-                                             tp_comm_overlap=tp_comm_overlap)))
+        if need <= limit:
+            fit.append(lay)
     if tried == 0:
         raise ValueError(f"search: no layout of {cluster.devices} devices divides the model "
                          f"(n_head={model.n_head}, n_layer={model.n_layer}) and "
                          f"global_batch={global_batch}; try a global_batch that is a multiple "
                          f"of the device count")
-    results.sort(key=lambda r: (r[1].step_time, r[1].memory["total"]))
-    return Ranking(results[:top], tried=tried, fitting=len(results),
+    # the fastest (ties: less memory first), estimating only layouts that can be among
+    # them (plan.step_floor)
+    best = best_first(fit, top, lambda lay: estimate(
+        model, lay, cluster, attention, overlap, overlap_grad_reduce,
+        tp_comm_overlap=tp_comm_overlap), lambda lay: step_floor(
+        model, lay, cluster, attention, tp_comm_overlap))
+    return Ranking(best, tried=tried, fitting=len(fit),
                    seconds=time.perf_counter() - t0, cluster=cluster, least=least)

@@ -68,6 +68,7 @@ class _Stream:
     def __init__(self, all_gather, reduce_scatter):
         self.ag, self.rs, self.free, self.ends = all_gather, reduce_scatter, 0.0, {}
         self.busy = []          # (start, end) of each collective, in time order
+        self.done = 0           # busy[:done] ended by the last compute's start
 
     def issue(self, key, numel: float, ready: float) -> None:
         if key in self.ends or numel <= 0:
@@ -82,16 +83,24 @@ class _Stream:
     def compute(self, t: float, work: float, rate: float) -> float:
         """When ``work`` seconds of compute started at ``t`` end: at full speed while
         the stream is idle, at ``rate`` while a collective is in flight."""
-        return finish_beside(t, work, rate, self.busy)
+        # the collectives run one after another (each starts once the stream is free), so
+        # busy's ends increase; _run's compute starts never go back in time: those that
+        # ended by t never matter again (finish_beside skips them), so skip them here
+        busy, k = self.busy, self.done
+        while k < len(busy) and busy[k][1] <= t:
+            k += 1
+        self.done = k
+        return finish_beside(t, work, rate, busy[k:] if k else busy)
 
 
 def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> None:
     """Issue the gathers of the modules after position ``pos`` of ``order``, up to
     ``budget`` elements (at least one: DeepSpeed's coordinator, ``Zero3._wait``)."""
     ahead = 0.0
-    for j in order[pos + 1:]:
+    for k in range(pos + 1, len(order)):    # by index: a slice would copy the rest each time
         if ahead >= budget:
             break
+        j = order[k]
         stream.issue(j, blocks[j].numel, now)
         ahead += blocks[j].numel
 
