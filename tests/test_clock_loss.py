@@ -2,13 +2,14 @@
 (the H100's file: the 16-bit logits' cast and the fp32 cross-entropy, forward and
 backward, ``sim_mesh.measured.cross_entropy_rate``), the trace's cast and cross-entropy
 take the measured time of the pair; elsewhere the roofline of the op table's entry
-(``parallel.ops_table.pricing.cross_entropy_times``, also used by ``plan.edge_cost``)."""
+(``parallel.ops_table.loss_pricing.cross_entropy_times``, also used by
+``plan.edge_cost``)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import workbench as wb
-from workbench.parallel.ops_table import pricing
+from workbench.parallel.ops_table import loss_pricing
 from workbench.parallel.ops_table.table import entry
 from workbench.plan.edge_cost import _meta, _price, edge_times
 from workbench.models.config import get_config
@@ -42,7 +43,7 @@ def test_h100_cast_and_loss_take_the_measured_time(tp_shard):
                         ("cross_entropy", "forward"), ("cross_entropy", "backward")}
     rate = measured.cross_entropy_rate(get_profile("h100").measured["file"])
     assert sum(got.values()) == pytest.approx(rows * vt / rate, rel=1e-9)
-    want = pricing.cross_entropy_times(rows, vt, "h100")
+    want = loss_pricing.cross_entropy_times(rows, vt, "h100")
     assert (got[("cross_entropy", "forward")], got[("cross_entropy", "backward")]) == \
         pytest.approx(want, rel=1e-12)
     # slower than the roofline's price of the same kernel (the reason to measure it)
@@ -54,7 +55,7 @@ def test_h100_cast_and_loss_take_the_measured_time(tp_shard):
 
 
 def test_a100_has_no_measured_loss_the_roofline_prices_it():
-    assert pricing.cross_entropy_times(ROWS, VOCAB, "a100") is None
+    assert loss_pricing.cross_entropy_times(ROWS, VOCAB, "a100") is None
     got, (rows, vt) = _loss_events("a100")
     c = entry("cross_entropy").cost([torch.empty(rows, vt, device="meta"),
                                      torch.empty(rows, dtype=torch.int64, device="meta")],
@@ -67,7 +68,7 @@ def test_a_small_vocabulary_never_beats_the_roofline():
     """75 entries (the course's tiny model): the measured rate would price the pair below
     its launches; the cross-entropy keeps its roofline price."""
     rows, v = 512, 75
-    fwd, bwd = pricing.cross_entropy_times(rows, v, "h100")
+    fwd, bwd = loss_pricing.cross_entropy_times(rows, v, "h100")
     c = entry("cross_entropy").cost([torch.empty(rows, v, device="meta"),
                                      torch.empty(rows, dtype=torch.int64, device="meta")],
                                     [torch.empty((), device="meta")])
@@ -87,7 +88,7 @@ def test_planner_prices_the_loss_as_the_clock():
                     [_meta(1, n, h, dtype=bf)], "h100", bf, normalized_shape=(h,),
                     eps=cfg.norm_eps)
         cast = _price("to", [_meta(n, vt, dtype=bf)], [_meta(n, vt, dtype=f32)], "h100", f32)
-        ce = pricing.cross_entropy_times(n, vt, "h100")
+        ce = loss_pricing.cross_entropy_times(n, vt, "h100")
         got = edge_times(cfg, 1, tp, False, "h100")["last"]
         assert got == pytest.approx(tuple(a + b + c for a, b, c in zip(ln, cast, ce)),
                                     rel=1e-12)

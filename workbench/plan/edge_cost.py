@@ -70,11 +70,11 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
 def _loss(rows: int, vocab: int, profile) -> tuple[float, float]:
     """The cross-entropy on float32 logits as the training clock prices it: at the
     profile's measured rate of the loss where it has one
-    (``parallel.ops_table.pricing.cross_entropy_times``: with the logits' cast, the
-    measured time of the pair), else by the roofline of its op-table entry."""
-    from ..parallel.ops_table import pricing
+    (``parallel.ops_table.loss_pricing.cross_entropy_times``: with the logits' cast,
+    the measured time of the pair), else by the roofline of its op-table entry."""
+    from ..parallel.ops_table.loss_pricing import cross_entropy_times
     f32 = torch.float32
-    got = pricing.cross_entropy_times(rows, vocab, profile)
+    got = cross_entropy_times(rows, vocab, profile)
     if got is not None:
         return got
     return _price("cross_entropy", [_meta(rows, vocab, dtype=f32),

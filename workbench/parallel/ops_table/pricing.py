@@ -22,16 +22,12 @@ that a collective on the input gradient can run beside it (:func:`wgrad_overlap`
 Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
 ``strategies.tensor_parallel``).
 
-The loss: on a profile that measured it (``sim_mesh.measured.cross_entropy_rate``, the
-H100's file), ``cross_entropy`` on float32 logits is priced from that rate instead of
-the roofline (:func:`cross_entropy_times`, where the planner's ``plan.edge_cost``
-prices it too), so the training clock, the dry run and the estimate price the loss
-alike.
+A cost that knows its kernel's measured time on a profile (``cost.measured(profile)``:
+the loss, ``loss_pricing.LossCost``) is priced so where the profile measured it.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from dataclasses import dataclass
 
@@ -43,7 +39,7 @@ from .. import layout, storage
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
-           "LossCost", "cross_entropy_times", "wgrad_overlap", "graph_sink"]
+           "wgrad_overlap", "graph_sink"]
 
 
 @dataclass(frozen=True)
@@ -110,25 +106,6 @@ def _meta(shape, dtype):
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
-@dataclass(frozen=True)
-class LossCost(Cost):
-    """``cross_entropy``'s :class:`Cost` on float32 logits, with their (rows, vocabulary)
-    on the rank: the clock prices it with :func:`cross_entropy_times` where the profile
-    measured the loss."""
-    rows: int = 0
-    vocab: int = 0
-
-
-def _loss(entry, cost: Cost, ins) -> Cost:
-    x = ins[0] if ins else None
-    if entry.name != "cross_entropy" or not isinstance(x, torch.Tensor) or \
-            x.dtype != torch.float32 or x.dim() == 0 or x.numel() == 0:
-        return cost
-    vocab = x.shape[1] if x.dim() >= 2 else x.shape[0]      # F.cross_entropy's class dim
-    return LossCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
-                    x.numel() // vocab, vocab)
-
-
 def local_cost(entry, mesh, specs, inputs, cand, out_shapes, out_dtypes, attrs) -> Cost:
     """``entry.cost`` on the busiest rank's local meta tensors (inputs as the strategy
     requires them, outputs as announced)."""
@@ -142,7 +119,7 @@ def local_cost(entry, mesh, specs, inputs, cand, out_shapes, out_dtypes, attrs) 
             for s, ps, dt in zip(out_shapes, cand.strategy.outputs, out_dtypes)]
     if getattr(entry.cost, "wants_layout", False):      # e.g. attention's busiest rank
         return entry.cost(ins, outs, layout=(mesh, specs, cand.strategy), **attrs)
-    return _split(entry, _loss(entry, entry.cost(ins, outs, **attrs), ins), ins, outs)
+    return _split(entry, entry.cost(ins, outs, **attrs), ins, outs)
 
 
 def pricing_dtype(specs, out_dtypes):
@@ -181,60 +158,10 @@ def _time(flops, nbytes, profile, dtype, op_class, gemm=None, launches=None):
                               op_class=_CLOCK_CLASS.get(op_class, op_class), gemm=gemm)
 
 
-def _roofline(name, ins, outs, profile, dtype) -> tuple[float, float]:
-    """(forward, backward) seconds of op ``name`` on meta tensors by the roofline."""
-    from .table import entry
-    e = entry(name)
-    c = e.cost(ins, outs)
-    return (_time(c.flops, c.bytes, profile, dtype, e.op_class, launches=1),
-            _time(c.backward_flops, c.backward_bytes, profile, dtype, e.op_class,
-                  launches=1))
-
-
-def cross_entropy_times(rows: int, vocab: int, profile) -> "tuple[float, float] | None":
-    """(forward, backward) seconds of ``F.cross_entropy`` on float32 logits of ``rows`` x
-    ``vocab`` (int64 targets) at the profile's measured rate of the loss; None where the
-    profile measured none (the roofline prices it then).
-
-    The file timed the pair (``sim_mesh.measured.cross_entropy_rate``): the 16-bit
-    logits' cast to float32 and the cross-entropy, forward and backward, ``rows x vocab
-    / rate`` seconds in all.  That time is split between forward and backward as the op
-    table's roofline prices of the pair split, and the cast's roofline price is taken
-    off each part (the clock prices the cast, a plain ``to``, where it runs): cast +
-    cross-entropy then take the measured time.  Never below the cross-entropy's own
-    roofline price (launch included): the rate was measured on vocabularies of 16,384
-    entries and more, and a small one is launch-bound (the H100's rate gives 1.3 us for
-    1,024 x 75 logits, less than the cast's launch alone).  ASSUMPTION: Megatron's
-    vocabulary-parallel cross-entropy (torch ops in float32) runs at the rate measured
-    for PyTorch's ``F.cross_entropy``; a model whose logits are float32 without a cast
-    still pays the pair's time less the cast's price."""
-    from ...sim_mesh import measured as _measured
-    from ...sim_mesh.profiles import get_profile
-    ms = get_profile(profile).measured
-    rate = _measured.cross_entropy_rate(ms["file"]) if ms else None
-    if not rate:
-        return None
-    return _cross_entropy_times(rows, vocab, profile, rate)
-
-
-@functools.lru_cache(maxsize=256)
-def _cross_entropy_times(rows, vocab, profile, rate):
-    f32 = torch.float32
-    logits = _meta((rows, vocab), f32)
-    cast = _roofline("to", [_meta((rows, vocab), torch.bfloat16)], [logits], profile, f32)
-    ce = _roofline("cross_entropy", [logits, _meta((rows,), torch.int64)], [_meta((), f32)],
-                   profile, f32)
-    t = rows * vocab / rate
-    f, b = cast[0] + ce[0], cast[1] + ce[1]
-    return (max(t * f / (f + b) - cast[0], ce[0]), max(t * b / (f + b) - cast[1], ce[1]))
-
-
-def _measured_loss(cost, profile):
-    """(forward, backward) seconds of a cross-entropy at the profile's measured rate,
-    or None (not a loss, or no such measurement): :func:`cross_entropy_times`."""
-    if not isinstance(cost, LossCost):
-        return None
-    return cross_entropy_times(cost.rows, cost.vocab, profile)
+def _measured(cost, profile):
+    """(forward, backward) seconds the profile measured for this kernel, or None."""
+    m = getattr(cost, "measured", None)
+    return m(profile) if m is not None else None
 
 
 # predicates (entry -> bool) that may drop a forward event: an op whose kernel did not run
@@ -247,7 +174,7 @@ def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
         return
     if SKIP_FORWARD and SKIP_FORWARD[-1](entry):
         return
-    measured = _measured_loss(cost, tr.profile)
+    measured = _measured(cost, tr.profile)
     dur = measured[0] if measured else _time(cost.flops, cost.bytes, tr.profile, dtype,
                                              entry.op_class, getattr(cost, "gemm", None))
     tr.record_compute(mesh.ranks, entry.name, dur, flops=cost.flops, bytes=cost.bytes,
@@ -296,7 +223,7 @@ def _record_backward(name, op_class, ranks, cost, dtype):
         if tr is None or not (cost.backward_flops or cost.backward_bytes):
             return
         if not isinstance(cost, SplitCost):
-            measured = _measured_loss(cost, tr.profile)
+            measured = _measured(cost, tr.profile)
             dur = measured[1] if measured else _time(cost.backward_flops, cost.backward_bytes,
                                                      tr.profile, dtype, op_class,
                                                      launches=launches)
