@@ -154,8 +154,9 @@ def test_step_report_counts_activations_per_rank():
     one, dp8 = activations(Hybrid(dp=1)), activations(Hybrid(dp=8))
     assert sp < tp < one
     # each rank holds 1/8 of what scales with the batch; tables that do not (rotary
-    # cos/sin, per-rank copies of small replicated values) keep the ratio within 10%
-    assert dp8 * 8 == pytest.approx(one, rel=0.1)
+    # cos/sin, per-rank copies of small replicated values) put the ratio above 1:
+    # measured 1.10 (1.08 while RMSNorm kept float32 copies of x, which scale)
+    assert one <= dp8 * 8 <= 1.12 * one
 
 
 def test_sequence_parallel_sums_norm_gradients_once_per_step():

@@ -6,7 +6,9 @@ Backends:
   online softmax, RMSNorm's formula, ...), with a hand-written backward;
 * ``"unfused"``   - the textbook composition of plain torch ops, differentiated
   by autograd: every intermediate goes to memory (what fusion saves);
-* ``"native"``    - PyTorch's fused kernels for the tensor's device (CPU, CUDA);
+* ``"native"``    - PyTorch's fused kernels for the tensor's device (CPU, CUDA); where
+  PyTorch has none (RMSNorm on a CPU or meta tensor), the reference, which keeps
+  what the fused kernel keeps;
 * ``"npu"``       - torch_npu's fused kernels on Ascend.
 
 By default the backend is chosen per call: ``"npu"`` when an input lives on an

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..npu.device import torch_npu_module
@@ -32,7 +31,8 @@ _OP = "rms_norm"
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-6) -> torch.Tensor:
     """RMS-normalize ``x`` over its trailing ``weight.shape`` dims and scale by ``weight``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``F.rms_norm``.
+    ``eps=None`` means the machine epsilon of the compute dtype (float32 for a 16-bit
+    x), as ``F.rms_norm`` does (:func:`default_eps`).
     """
     if has_torch_function((x, weight)):
         return handle_torch_function(rms_norm, (x, weight), x, weight, eps=eps)
@@ -48,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-6) ->
         raise ValueError(f"{_OP}: weight.shape={tuple(weight.shape)} must equal the trailing dims "
                          f"of x.shape={tuple(x.shape)} (e.g. weight of shape (x.shape[-1],))")
     if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
-        eps = torch.finfo(x.dtype).eps
+        eps = default_eps(x.dtype)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"{_OP}: eps={eps}; it must be >= 0 (e.g. 1e-6)")
     return dispatch(_OP, (x, weight))(x, weight, float(eps))
@@ -58,35 +58,70 @@ def _dims(weight: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(-weight.dim(), 0))
 
 
+def default_eps(dtype: torch.dtype) -> float:
+    """``eps=None``: the machine epsilon of the dtype the statistics are computed in
+    (float32 for a 16-bit x), which is what ``F.rms_norm(eps=None)`` adds (measured on
+    torch 2.13: a bfloat16 x gives the same output with eps=None as with
+    ``finfo(float32).eps``, and a different one with ``finfo(bfloat16).eps``)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 class _RMSNorm(torch.autograd.Function):
-    """The formula and its hand-written backward; saves x, weight and rstd only."""
+    """The formula and its hand-written backward: what a fused kernel computes and keeps.
+
+    Forward computes in float32 (at least) and saves only x (in its own dtype), the
+    weight and ``rstd`` (float32, one per row), as PyTorch's CUDA ``_fused_rms_norm``
+    and torch_npu's ``npu_rms_norm`` do; ``F.rms_norm``'s CPU composite keeps a float32
+    copy of x and of x * rstd as well (6 bytes per element more for a 16-bit x).
+
+    ``k`` is the number of normalized (trailing) dims; ``weight`` is None or broadcasts
+    against x (a simulator's stacked tensor may hand each rank its own view of the
+    weight: its gradient is summed to the weight's own shape, so per-rank views get
+    per-rank sums).  Double backward: under ``create_graph`` the backward recomputes
+    rstd from x, so that second derivatives see rstd depend on x."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, k):
+        dims = tuple(range(-k, 0))
         ct = torch.promote_types(x.dtype, torch.float32)            # compute in fp32
         xf = x.to(ct)
-        rstd = torch.rsqrt(xf.pow(2).mean(_dims(weight), keepdim=True) + eps)  # (..., 1)
-        y = (xf * rstd * weight.to(ct)).to(x.dtype)
+        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)  # (..., 1)
+        y = xf * rstd
+        if weight is not None:
+            y = y * weight.to(ct)
         ctx.save_for_backward(x, weight, rstd)
-        return y
+        ctx.eps, ctx.k = eps, k
+        return y.to(x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        ct, dims = rstd.dtype, _dims(weight)
-        x_hat = x.to(ct) * rstd
+        ct, dims = rstd.dtype, tuple(range(-ctx.k, 0))
+        xf = x.to(ct)
+        if torch.is_grad_enabled():         # create_graph: rstd as a function of x
+            rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + ctx.eps)
+        x_hat = xf * rstd
         dyf = dy.to(ct)
-        g = dyf * weight.to(ct)                                      # gradient w.r.t. x_hat
-        dx = rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))
-        lead = tuple(range(x.dim() - weight.dim()))
-        dweight = (dyf * x_hat).sum(lead) if lead else dyf * x_hat
-        return dx.to(x.dtype), dweight.to(weight.dtype), None
+        g = dyf if weight is None else dyf * weight.to(ct)          # gradient w.r.t. x_hat
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (dyf * x_hat).sum_to_size(weight.shape).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   k: int) -> torch.Tensor:
+    """RMSNorm over the trailing ``k`` dims of x that keeps for backward only what a fused
+    kernel keeps (:class:`_RMSNorm`); ``weight`` None or broadcasting against x.  No
+    argument checks: :func:`rms_norm` and the op table's norm check them."""
+    return _RMSNorm.apply(x, weight, eps, k)
 
 
 @register(_OP, "reference")
 def _reference(x, weight, eps):
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, weight.dim())
 
 
 @register(_OP, "unfused")
@@ -97,10 +132,20 @@ def _unfused(x, weight, eps):
     return x * rstd * weight
 
 
+# devices where F.rms_norm runs PyTorch's fused kernel, ``aten::_fused_rms_norm``
+# (pytorch/pytorch#153666, CUDA; intel/torch-xpu-ops#1905, XPU); elsewhere (CPU, meta)
+# it decomposes into element-wise ops that keep float32 copies (_RMSNorm's docstring)
+FUSED_DEVICES = ("cuda", "xpu")
+
+
 @register(_OP, "native")
 def _native(x, weight, eps):
-    """``torch.nn.functional.rms_norm`` (fused on CUDA; composite with fp32 math on CPU)."""
-    return F.rms_norm(x, tuple(weight.shape), weight, eps)
+    """``torch.nn.functional.rms_norm`` where PyTorch fuses it (:data:`FUSED_DEVICES`);
+    elsewhere the formula with the fused kernel's contract (same values, same saved
+    tensors), as F.rms_norm's composite would keep 6 bytes per element more."""
+    if x.device.type in FUSED_DEVICES:
+        return F.rms_norm(x, tuple(weight.shape), weight, eps)
+    return _RMSNorm.apply(x, weight, eps, weight.dim())
 
 
 @register(_OP, "npu")

@@ -34,10 +34,6 @@ What is composed from those measurements (not run op by op):
 - ``comm_bytes``: per pipeline rank, each chunk's measured collectives and sends times
   m, with the backward's gradient sends (not run: the stage's backward starts from an
   empty gradient) counted as the mirror of the forward's, plus its optimizer step's;
-- on a profile that measured the loss (the H100's ``measured`` file), the last stage's
-  logits cast and cross-entropy re-priced at that rate, as the estimate prices them
-  (``plan.edge_cost.measured_loss_delta``; the trace's op table prices them by the
-  roofline);
 
 - the pipeline: ``parallel.schedules.simulate`` of the layout's schedule (m
   micro-batches) with each stage's measured forward and backward, the send of its
@@ -110,7 +106,6 @@ from .meta_moe import use_meta_routing
 from .memory import workspace_bytes
 from .comm_memory import comm_buffer_bytes
 from .ep_cp import token_cfg
-from .edge_cost import measured_loss_delta
 from .meta_run import is_meta, run_stage
 
 __all__ = ["DryRun", "dry_run"]
@@ -246,10 +241,6 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
             step_bytes[s] = _minus(tr.bytes_per_rank(), b0)
-    # the loss at the profile's measured rate, as the estimate prices it (plan.edge_cost)
-    last = measured[rep[n - 1]]
-    d_fwd, d_bwd = measured_loss_delta(token_cfg(cfg, lay), lay.micro_batch, lay.tp, prof)
-    last["forward"], last["backward"] = last["forward"] + d_fwd, last["backward"] + d_bwd
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
     f = [d["forward"] + d["send"] for d in st]

@@ -15,7 +15,7 @@ ZeRO-3 or ep > 1 (``ContextParallel`` does not build them; a MoE model under cp 
 its experts with ep = 1, routed in sequence order: ``recipes.moe.keep_sequence_order``,
 measured on tests/test_dryrun_ep_cp.py's model at cp 2: 1.51x the step, the dense
 dispatch's cost below, 1.13x the memory total). cp with tp > 1 runs (measured on tests/test_dryrun_ep_cp.py's model, cp 2 tp 2: step 1.08x the
-estimate, memory total 1.01x with the norms' surplus).
+estimate, memory total 1.005x).
 
 A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
 buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["edge_times", "measured_loss_delta"]
+__all__ = ["edge_times"]
 
 
 def _meta(*shape, dtype):
@@ -62,45 +62,21 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     logits = _meta(b * s, vt, dtype=dt)
     logits32 = _meta(b * s, vt, dtype=f32)
     cast = _price("to", [logits], [logits32], profile, f32)
-    ce = _price("cross_entropy", [logits32, _meta(b * s, dtype=i64)], [_meta(dtype=f32)],
-                profile, f32)
-    loss = _measured_loss(b * s * vt, (cast, ce), profile)
-    last = tuple(map(sum, zip(ln, *loss)))
+    ce = _loss(b * s, vt, profile)
+    last = tuple(map(sum, zip(ln, cast, ce)))
     return {"first": first, "last": last}
 
 
-def _measured_loss(logits: int, priced, profile):
-    """The cast and the cross-entropy at the device's measured rate of the pair, forward
-    and backward (``sim_mesh.measured.cross_entropy_rate``; ASSUMPTION: Megatron's
-    vocabulary-parallel cross-entropy, torch ops in fp32, runs at the rate measured for
-    PyTorch's ``F.cross_entropy`` on fp32 logits), split between forward and backward
-    as the op table's prices split; ``priced`` as is where the profile measured none."""
-    from ..sim_mesh import measured as _measured
-    from ..sim_mesh.profiles import get_profile
-    ms = get_profile(profile).measured
-    rate = _measured.cross_entropy_rate(ms["file"]) if ms else None
-    if not rate:
-        return priced
-    f, b = sum(p[0] for p in priced), sum(p[1] for p in priced)
-    t = logits / rate
-    return ((t * f / (f + b), t * b / (f + b)),)
-
-
-@lru_cache(maxsize=None)
-def measured_loss_delta(cfg, b: int, tp: int, profile) -> tuple[float, float]:
-    """(forward, backward) seconds that pricing the last stage's logits cast and
-    cross-entropy at the profile's measured rate (:func:`_measured_loss`, as
-    :func:`edge_times` does for the estimate) adds to the op table's price of the same
-    two kernels; (0, 0) where the profile measured none.  The dry run, whose trace
-    prices them from the op table, adds it to its last stage so the two price the loss
-    alike (on the H100 the estimate was up to 22% slower than the dry run of a small
-    model, all of it this)."""
-    V = cfg.vocab_size
-    dt, f32, i64 = cfg.torch_dtype, torch.float32, torch.int64
-    vt = V // tp if V % tp == 0 and tp > 1 else V
-    n = b * cfg.seq_len
-    cast = _price("to", [_meta(n, vt, dtype=dt)], [_meta(n, vt, dtype=f32)], profile, f32)
-    ce = _price("cross_entropy", [_meta(n, vt, dtype=f32), _meta(n, dtype=i64)],
-                [_meta(dtype=f32)], profile, f32)
-    got = _measured_loss(n * vt, (cast, ce), profile)
-    return tuple(sum(p[i] for p in got) - cast[i] - ce[i] for i in (0, 1))
+def _loss(rows: int, vocab: int, profile) -> tuple[float, float]:
+    """The cross-entropy on float32 logits as the training clock prices it: at the
+    profile's measured rate of the loss where it has one
+    (``parallel.ops_table.loss_pricing.cross_entropy_times``: with the logits' cast,
+    the measured time of the pair), else by the roofline of its op-table entry."""
+    from ..parallel.ops_table.loss_pricing import cross_entropy_times
+    f32 = torch.float32
+    got = cross_entropy_times(rows, vocab, profile)
+    if got is not None:
+        return got
+    return _price("cross_entropy", [_meta(rows, vocab, dtype=f32),
+                                    _meta(rows, dtype=torch.int64)], [_meta(dtype=f32)],
+                  profile, f32)

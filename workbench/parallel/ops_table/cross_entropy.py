@@ -35,7 +35,7 @@ from torch.nn import _reduction as _legacy
 from ...sim_mesh import collectives as C
 from .. import layout
 from ..placement import Partial, Replicate, Shard
-from . import costs
+from .loss_pricing import cross_entropy_cost
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -241,9 +241,10 @@ def _cross_entropy_parse(x, t, weight=None, size_average=None, ignore_index=-100
 
 
 # log_softmax (5 FLOPs per logit, see reduction.py) then the pick of the target;
-# backward 2 x forward (the convention of costs.py)
+# backward 2 x forward (the convention of costs.py); the clock prices it at a profile's
+# measured rate of the loss where there is one (loss_pricing.py)
 register("cross_entropy", [F.cross_entropy], parse=_cross_entropy_parse, rule=cross_entropy_rule,
-         local=_cross_entropy_local, cost=costs.reduction(5), op_class="loss",
+         local=_cross_entropy_local, cost=cross_entropy_cost, op_class="loss",
          sample=lambda g: [Sample(F.cross_entropy, (g.rn(5, 7), g.ints(5, lo=0, hi=7))),
                            Sample(F.cross_entropy, (g.rn(4, 5, 3), g.ints(4, 3, lo=0, hi=5)),
                                   {"reduction": "sum"})])

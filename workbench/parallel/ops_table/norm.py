@@ -122,22 +122,25 @@ def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
 
 
 def _rms_norm_local(nd, ctx, x, w=None, *, normalized_shape, eps, impl):
+    """``wb.ops.rms_norm`` with the weight stored once: that op (its backend dispatch);
+    ``F.rms_norm`` so where PyTorch fuses it (``ops.rms_norm.FUSED_DEVICES``); otherwise
+    the formula with the fused kernel's contract (``ops.rms_norm.fused_rms_norm``: keeps
+    x, the weight and a float32 rstd per row, as the planner counts; F.rms_norm's CPU
+    composite would keep float32 copies of x and x * rstd too), the weight's per-rank
+    views aligned to x's rows so that their gradient sum stays the traced all-reduce."""
+    from ...ops.rms_norm import FUSED_DEVICES, default_eps, fused_rms_norm, rms_norm
     ns = tuple(normalized_shape)
     wc = _compact(w, nd, ns)
-    if impl == "workbench":
-        from ... import ops
-        if wc is not None:
-            return ops.rms_norm(x, wc, eps=eps)                  # the fused op
-        # per-rank weight views: the same formula as ops.rms_norm (fp32 statistics)
-        ct = torch.promote_types(x.dtype, torch.float32)
-        dims = tuple(range(-len(ns), 0))
-        xf = x.to(ct)
-        y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
-        y, w = _align(nd, y, w.to(ct))
-        return (y * w).to(x.dtype)
-    if w is None or wc is not None:
+    if eps is None:                     # F.rms_norm's default (ops.rms_norm.default_eps)
+        eps = default_eps(x.dtype)
+    if impl == "workbench" and wc is not None:
+        return rms_norm(x, wc, eps=eps)                              # the fused op
+    if impl == "torch" and (w is None or wc is not None) and \
+            x.device.type in FUSED_DEVICES:
         return F.rms_norm(x, ns, wc, eps)
-    return _scale_shift(nd, F.rms_norm(x, ns, None, eps), w, None)
+    if wc is None and w is not None:
+        _, w = _align(nd, x, w)                     # (*lead, 1, ..., *ns): per-rank rows
+    return fused_rms_norm(x, w if wc is None else wc, eps, len(ns))
 
 
 # ---- parsing and registration ---------------------------------------------------------------

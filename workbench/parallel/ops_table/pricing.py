@@ -21,6 +21,9 @@ each is a kernel priced on its own roofline with its launch (two GEMM launches, 
 that a collective on the input gradient can run beside it (:func:`wgrad_overlap`;
 Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
 ``strategies.tensor_parallel``).
+
+A cost that knows its kernel's measured time on a profile (``cost.measured(profile)``:
+the loss, ``loss_pricing.LossCost``) is priced so where the profile measured it.
 """
 from __future__ import annotations
 
@@ -155,6 +158,12 @@ def _time(flops, nbytes, profile, dtype, op_class, gemm=None, launches=None):
                               op_class=_CLOCK_CLASS.get(op_class, op_class), gemm=gemm)
 
 
+def _measured(cost, profile):
+    """(forward, backward) seconds the profile measured for this kernel, or None."""
+    m = getattr(cost, "measured", None)
+    return m(profile) if m is not None else None
+
+
 # predicates (entry -> bool) that may drop a forward event: an op whose kernel did not run
 # (a selective checkpoint's recompute served it from its cache: models.op_sac)
 SKIP_FORWARD: list = []
@@ -165,8 +174,9 @@ def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
         return
     if SKIP_FORWARD and SKIP_FORWARD[-1](entry):
         return
-    dur = _time(cost.flops, cost.bytes, tr.profile, dtype, entry.op_class,
-                getattr(cost, "gemm", None))
+    measured = _measured(cost, tr.profile)
+    dur = measured[0] if measured else _time(cost.flops, cost.bytes, tr.profile, dtype,
+                                             entry.op_class, getattr(cost, "gemm", None))
     tr.record_compute(mesh.ranks, entry.name, dur, flops=cost.flops, bytes=cost.bytes,
                       label="forward", args={"op_class": entry.op_class, "phase": "forward",
                                              **({"sunk": True} if _SINK[-1] else {})})
@@ -213,8 +223,10 @@ def _record_backward(name, op_class, ranks, cost, dtype):
         if tr is None or not (cost.backward_flops or cost.backward_bytes):
             return
         if not isinstance(cost, SplitCost):
-            dur = _time(cost.backward_flops, cost.backward_bytes, tr.profile, dtype, op_class,
-                        launches=launches)
+            measured = _measured(cost, tr.profile)
+            dur = measured[1] if measured else _time(cost.backward_flops, cost.backward_bytes,
+                                                     tr.profile, dtype, op_class,
+                                                     launches=launches)
             tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
                               bytes=cost.backward_bytes, label="backward",
                               args={"op_class": op_class, "phase": "backward", **sunk})

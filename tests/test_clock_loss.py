@@ -1,0 +1,94 @@
+"""The training clock prices the loss as the planner does: on a profile that measured it
+(the H100's file: the 16-bit logits' cast and the fp32 cross-entropy, forward and
+backward, ``sim_mesh.measured.cross_entropy_rate``), the trace's cast and cross-entropy
+take the measured time of the pair; elsewhere the roofline of the op table's entry
+(``parallel.ops_table.loss_pricing.cross_entropy_times``, also used by
+``plan.edge_cost``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.parallel.ops_table import loss_pricing
+from workbench.parallel.ops_table.table import entry
+from workbench.plan.edge_cost import _meta, _price, edge_times
+from workbench.models.config import get_config
+from workbench.sim_mesh import cost, measured
+from workbench.sim_mesh.profiles import get_profile
+
+MESH2 = wb.Mesh.grid(2, ["tp"])
+ROWS, VOCAB = 4096, 32768       # the file's tokens, a vocabulary it measured (16,384 and more)
+CAST = ("float", "to")
+
+
+def _loss_events(profile, vocab=VOCAB, tp_shard=False):
+    """The forward and backward events of a 16-bit logits' cast and cross-entropy, as the
+    models compute the loss (``logits.float()`` then ``F.cross_entropy``), on meta
+    tensors (the dry run's: shapes only)."""
+    logits = torch.empty(ROWS, vocab, dtype=torch.bfloat16, device="meta")
+    targets = torch.empty(ROWS, dtype=torch.int64, device="meta")
+    x = wb.shard_tensor(logits, MESH2, ["S(1)" if tp_shard else "R"]).requires_grad_()
+    t = wb.shard_tensor(targets, MESH2, ["R"])
+    with wb.trace(profile=profile) as tr:
+        F.cross_entropy(x.float(), t).backward()
+    ev = [e for e in tr.events if e.stream == "compute" and 0 in e.ranks]
+    got = {("cast" if e.name in CAST else e.name, e.args["phase"]): e.duration for e in ev}
+    return got, (ROWS, vocab // (2 if tp_shard else 1))
+
+
+@pytest.mark.parametrize("tp_shard", [False, True], ids=["replicated", "vocab-parallel"])
+def test_h100_cast_and_loss_take_the_measured_time(tp_shard):
+    got, (rows, vt) = _loss_events("h100", tp_shard=tp_shard)
+    assert set(got) == {("cast", "forward"), ("cast", "backward"),
+                        ("cross_entropy", "forward"), ("cross_entropy", "backward")}
+    rate = measured.cross_entropy_rate(get_profile("h100").measured["file"])
+    assert sum(got.values()) == pytest.approx(rows * vt / rate, rel=1e-9)
+    want = loss_pricing.cross_entropy_times(rows, vt, "h100")
+    assert (got[("cross_entropy", "forward")], got[("cross_entropy", "backward")]) == \
+        pytest.approx(want, rel=1e-12)
+    # slower than the roofline's price of the same kernel (the reason to measure it)
+    c = entry("cross_entropy").cost([torch.empty(rows, vt, device="meta"),
+                                     torch.empty(rows, dtype=torch.int64, device="meta")],
+                                    [torch.empty((), device="meta")])
+    roof = cost.compute_time(c.flops, c.bytes, "h100", torch.float32, "reduction")
+    assert got[("cross_entropy", "forward")] > 1.5 * roof
+
+
+def test_a100_has_no_measured_loss_the_roofline_prices_it():
+    assert loss_pricing.cross_entropy_times(ROWS, VOCAB, "a100") is None
+    got, (rows, vt) = _loss_events("a100")
+    c = entry("cross_entropy").cost([torch.empty(rows, vt, device="meta"),
+                                     torch.empty(rows, dtype=torch.int64, device="meta")],
+                                    [torch.empty((), device="meta")])
+    assert got[("cross_entropy", "forward")] == pytest.approx(
+        cost.compute_time(c.flops, c.bytes, "a100", torch.float32, "reduction"), rel=1e-12)
+
+
+def test_a_small_vocabulary_never_beats_the_roofline():
+    """75 entries (the course's tiny model): the measured rate would price the pair below
+    its launches; the cross-entropy keeps its roofline price."""
+    rows, v = 512, 75
+    fwd, bwd = loss_pricing.cross_entropy_times(rows, v, "h100")
+    c = entry("cross_entropy").cost([torch.empty(rows, v, device="meta"),
+                                     torch.empty(rows, dtype=torch.int64, device="meta")],
+                                    [torch.empty((), device="meta")])
+    roof = cost.compute_time(c.flops, c.bytes, "h100", torch.float32, "reduction")
+    assert fwd == pytest.approx(roof, rel=1e-12) and bwd > 0
+
+
+def test_planner_prices_the_loss_as_the_clock():
+    """``plan.edge_cost``'s last stage is the final norm, the cast and the loss, the
+    loss from the same function as the trace's (tp = 2: half the vocabulary a rank)."""
+    cfg = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
+                     d_ff=2816, seq_len=1024)
+    bf, f32 = torch.bfloat16, torch.float32
+    for tp in (1, 2):
+        n, vt, h = cfg.seq_len, cfg.vocab_size // tp, cfg.d_model
+        ln = _price("rms_norm", [_meta(1, n, h, dtype=bf), _meta(h, dtype=bf)],
+                    [_meta(1, n, h, dtype=bf)], "h100", bf, normalized_shape=(h,),
+                    eps=cfg.norm_eps)
+        cast = _price("to", [_meta(n, vt, dtype=bf)], [_meta(n, vt, dtype=f32)], "h100", f32)
+        ce = loss_pricing.cross_entropy_times(n, vt, "h100")
+        got = edge_times(cfg, 1, tp, False, "h100")["last"]
+        assert got == pytest.approx(tuple(a + b + c for a, b, c in zip(ln, cast, ce)),
+                                    rel=1e-12)
