@@ -71,6 +71,23 @@ def build_twin(h, model, cfg, seed: int) -> None:
     twin.v = 1
     h._twin = (twin, twin.build_model(cfg, seed))
     h._copy0 = model
+    # model.zero_grad() clears copy 1's gradients too (module_state's hook), and
+    # model.load_state_dict(...) loads copy 1 too (left as it was, the copies would differ)
+    model.__dict__.setdefault("_wb_zero_grad_hooks", []).append(h._twin[1].zero_grad)
+    model.register_load_state_dict_post_hook(_load_twin(h._twin[1]))
+
+
+def _load_twin(model1):
+    """A ``load_state_dict`` post-hook of copy 0: copy 0's new values into copy 1."""
+    @torch.no_grad()
+    def hook(model, incompatible_keys):
+        from ..parallel.dist_tensor import DistTensor
+        from ..sim_mesh.trace import suspend
+        with suspend():                 # a copy between the model's copies: no step traffic
+            sd = {k: v.full() if isinstance(v, DistTensor) else v
+                  for k, v in model.state_dict().items()}
+            model1.load_state_dict(sd)
+    return hook
 
 
 def twin_optimizers(h, lr: float, weight_decay: float) -> list:

@@ -45,6 +45,7 @@ from ..models.config import build_model as _build
 from ..parallel import schedules as S
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.module import dist_parameters, parallelize
+from ..parallel.module_state import adopt
 from ..parallel.placement import Replicate, Shard
 from ..parallel.reshard import reshard
 from ..parallel.strategies.data_parallel import DataParallel
@@ -263,6 +264,9 @@ class Hybrid:
             # (parallelize reuses a tied parameter's)
             head_plan = {"": "colwise"} if "lm_head" in plan else {}
             parallelize(model.lm_head, self._mesh_of(0), head_plan, mesh_dim="tp")
+        # the whole model (not only each stage's modules) handles its DistTensors:
+        # model.zero_grad(set_to_none=False), .to(dtype), load_state_dict
+        adopt(model)
         if self.schedule_name == "dualpipe":      # the second copy of every stage
             _dualpipe.build_twin(self, model, cfg, seed)
         return model
@@ -318,6 +322,11 @@ class Hybrid:
                                              zero=self.zero, bucket_bytes=ONE_BUFFER
                                              if self.zero == 0 else None, lr=lr,
                                              weight_decay=weight_decay))
+        if len(self.stage_layers) > 1:  # a stage alone would clip by its own norm
+            from .pipeline_clip import PIPELINE_CLIP_HINT
+            for o in opts:
+                o._wb_clip_refuse = PIPELINE_CLIP_HINT
+        self._copy0_optimizers = len(opts)
         if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
             opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
@@ -344,6 +353,10 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Hybrid.forward_backward under torch.no_grad(): a training "
+                               "step needs gradients; to evaluate use "
+                               "strategy.evaluate(model, inputs, targets) (forward only)")
         if self.schedule_name == "dualpipe":
             return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
@@ -372,14 +385,62 @@ class Hybrid:
                              lambda out, i: self._loss(out, ts[i]), params=params)
         return torch.tensor(run.loss)
 
+    @torch.no_grad()
+    def evaluate(self, model, inputs, targets) -> torch.Tensor:
+        """The mean loss of the batch, forward only (``torch.distributed.pipelining``'s
+        ``schedule.eval()``): the schedule's ``F`` actions under ``torch.no_grad()``, no
+        gradient touched, nothing kept for a backward.  Call ``model.eval()`` first for
+        dropout off, as on one device."""
+        self.check(model.cfg, inputs.shape[0])
+        n_stages = len(self.stage_layers)
+        if n_stages == 1:
+            mesh = self.meshes[0]
+            logits = self._stage(model, 0, self._batch(inputs, mesh))
+            return self._loss(logits, self._batch(targets, mesh)).full().detach()
+        if self.distributed:
+            raise NotImplementedError("Hybrid.evaluate with pp > 1 under torch.distributed "
+                                      "is not built; evaluate on simulated ranks")
+        stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
+        m = self.m
+        first, last = self.meshes[0], self._mesh_of(n_stages - 1)
+        xs = [self._batch(c, first) for c in inputs.chunk(m)]
+        ts = [self._batch(c, last) for c in targets.chunk(m)]
+        # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order: the same values
+        sched = S.one_f_one_b(self.pp, m) if self.schedule_name == "dualpipe" else \
+            self._schedule(m)
+        run = S.run_pipeline(sched, stages, self.meshes, xs,
+                             lambda out, i: self._loss(out, ts[i]), forward_only=True)
+        return torch.tensor(run.loss)
+
     def _schedule(self, m):
         if self.schedule_name == "interleaved":
             return S.interleaved_1f1b(self.pp, m, self.v)
         return SCHEDULES[self.schedule_name](self.pp, m)
 
+    def clip_grad_norm_(self, optimizers, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, every stage scaled by
+        one coefficient; returns one device's total norm.  Call it after
+        :meth:`forward_backward`, before :meth:`optimizer_step`
+        (:mod:`workbench.recipes.pipeline_clip`)."""
+        from .pipeline_clip import clip_grad_norm_
+        if self.distributed and self.pp > 1:
+            raise NotImplementedError("Hybrid.clip_grad_norm_ with pp > 1 under "
+                                      "torch.distributed is not built; clip on simulated ranks")
+        counted = len(optimizers)
+        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
+            _dualpipe.all_reduce_copies(self)     # copy 1 holds the same sum: scaled, not
+            self._copies_summed = True            # counted twice
+            counted = getattr(self, "_copy0_optimizers", counted)
+        elif self.schedule_name == "dualpipe":
+            counted = getattr(self, "_copy0_optimizers", counted)
+        return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
+                               counted=counted, meshes=self.meshes)
+
     def optimizer_step(self, optimizers) -> None:
-        if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
-            _dualpipe.all_reduce_copies(self)
+        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
+            _dualpipe.all_reduce_copies(self)     # sum the two copies' gradients first
+        self._copies_summed = False
         for o in optimizers:
             o.step()
 

@@ -42,9 +42,13 @@ class PipelineRun:
     """What a pipeline run produced: the loss per micro-batch and the order it ran."""
     losses: list            # per micro-batch loss (floats), unscaled
     order: list             # (rank, Action) in execution order
+    outputs: list | None = None     # forward_only: the last stage's output per micro-batch
 
     @property
     def loss(self) -> float:
+        if not self.losses:
+            raise ValueError("PipelineRun.loss: this run computed no loss (forward_only "
+                             "with loss_fn=None); read .outputs, or pass a loss_fn")
         return sum(self.losses) / len(self.losses)
 
 
@@ -72,8 +76,8 @@ def _send(t, dst_mesh, placements, label):
 
 
 def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
-                 inputs: Sequence, loss_fn: Callable, *, params: Sequence | None = None,
-                 costs: dict | None = None) -> PipelineRun:
+                 inputs: Sequence, loss_fn: Callable | None, *, params: Sequence | None = None,
+                 costs: dict | None = None, forward_only: bool = False) -> PipelineRun:
     """Run ``schedule`` over model stages.
 
     Args:
@@ -92,9 +96,27 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         params: per stage, its parameters (DistTensors or tensors); needed only for
             a split backward (``W`` computes exactly these gradients).
         costs: f/b/w costs for ordering (the schedule's simulation), default 1.
+        forward_only: evaluation (Megatron-LM's ``forward_backward_func(...,
+            forward_only=True)``, ``torch.distributed.pipelining``'s ``schedule.eval()``):
+            only the ``F`` actions run, under ``torch.no_grad()``, nothing is kept for a
+            backward and no gradient is touched; ``loss_fn`` may be None, and
+            ``PipelineRun.outputs`` holds the last stage's output of each micro-batch.
     """
+    if not isinstance(forward_only, bool):
+        raise TypeError(f"run_pipeline(forward_only={forward_only!r}): give True or False")
+    if not forward_only and not torch.is_grad_enabled():
+        raise RuntimeError("run_pipeline under torch.no_grad(): the schedule's backward "
+                           "actions need the forward's graph; for evaluation pass "
+                           "forward_only=True (as torch.distributed.pipelining's eval()), or "
+                           "run with gradients enabled")
+    if loss_fn is None and not forward_only:
+        raise ValueError("run_pipeline(loss_fn=None): a training step backpropagates a "
+                         "loss; give loss_fn(output, i), or forward_only=True")
     validate(schedule)
     if storage.holds_own(meshes[0]):          # each process runs its own rank's actions
+        if forward_only:
+            raise NotImplementedError("run_pipeline(forward_only=True) on torch.distributed "
+                                      "is not built; evaluate on simulated ranks")
         from .execute_dist import run_pipeline_dist
         return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, params=params)
     p, m, v = schedule.p, schedule.m, schedule.v
@@ -105,15 +127,20 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         raise ValueError(f"meshes has {len(meshes)} entries; give one mesh per rank (p={p})")
     if len(inputs) != m:
         raise ValueError(f"inputs has {len(inputs)} micro-batches; the schedule has m={m}")
-    if schedule.split_backward and (params is None or len(params) != p * v):
+    if schedule.split_backward and not forward_only and (params is None or
+                                                         len(params) != p * v):
         raise ValueError(f"schedule {schedule.name} splits the backward into B and W: pass "
                          f"params=[parameters of each of the {p * v} stages]")
     costs = dict(costs or {})
     if schedule.split_backward:
         costs.setdefault("w", costs.get("b", 1.0))
+    _check_even_microbatches(inputs)
     sim = simulate(schedule, **costs)
     order = sorted(((sim.starts[r][i], r, i) for r in range(p)
                     for i in range(len(schedule.actions[r]))))
+    if forward_only:
+        with torch.no_grad():
+            return _forward_only(schedule, stages, meshes, inputs, loss_fn, order)
     stage_in: dict = {}          # (stage, mb) -> input leaf (detached) of that stage
     stage_out: dict = {}         # (stage, mb) -> output of that stage
     grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
@@ -158,6 +185,56 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def _rows(x):
+    """The leading size of a micro-batch (None when it has no shape)."""
+    shape = getattr(x, "shape", None)
+    return shape[0] if shape is not None and len(shape) else None
+
+
+def _check_even_microbatches(inputs) -> None:
+    """Each micro-batch's loss is scaled by 1/m, so the sum is the batch's mean (one
+    device's loss) only when the micro-batches are the same size; keyed dropout rows
+    assume it too."""
+    rows = [_rows(x) for x in inputs]
+    if None in rows or len(set(rows)) <= 1:
+        return
+    raise ValueError(f"inputs: micro-batches of {rows} rows; every micro-batch's loss "
+                     f"weighs 1/m = 1/{len(rows)}, which gives the batch's mean only when they "
+                     f"are the same size: split a batch whose size divides by m={len(rows)} "
+                     f"(e.g. {sum(rows) - sum(rows) % len(rows)} rows) into equal "
+                     "micro-batches")
+
+
+def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineRun:
+    """The ``F`` actions of ``order`` alone (module docstring of :func:`run_pipeline`):
+    each stage's input freed once it ran, nothing kept for backward."""
+    m, last = schedule.m, schedule.stages - 1
+    stage_out: dict = {}
+    losses, outputs, done = [0.0] * m, [None] * m, []
+    for _, r, i in order:
+        a: Action = schedule.actions[r][i]
+        if a.kind != "F":
+            continue
+        s, slot = schedule.stage(r, a.chunk), schedule.slot(r, a.chunk)
+        if s == 0:
+            x = inputs[a.mb]
+            if isinstance(x, DistTensor) and x.mesh != meshes[r]:
+                x = _send(x, meshes[r], x.placements, f"input {a.mb} -> rank {r}")
+        else:
+            prev = stage_out.pop((s - 1, a.mb))
+            x = _send(prev, meshes[r], prev.placements, f"F{a.mb} stage {s - 1}->{s}")
+        with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+            out = stages[slot](x)
+        if s == last:
+            outputs[a.mb] = out
+            if loss_fn is not None:
+                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+        else:
+            stage_out[(s, a.mb)] = out
+        done.append((r, a))
+    return PipelineRun(losses if loss_fn is not None else [], done, outputs)
 
 
 def _value(loss):

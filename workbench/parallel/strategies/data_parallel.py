@@ -167,6 +167,9 @@ class DataParallel:
         before :meth:`step`.  ZeRO 0: the gradients are summed over dp first
         (:meth:`finish_gradient_synchronization`, which ``step`` then does not repeat);
         ZeRO 1-2: :meth:`.zero_optimizer_dist.ChunkedZeroOptimizer.clip_grad_norm_`."""
+        refuse = getattr(self, "_wb_clip_refuse", None)     # one stage of a pipeline
+        if refuse:
+            raise RuntimeError(f"DataParallel.{refuse}")
         if self.zero:
             return self.optimizer.clip_grad_norm_(max_norm, norm_type)
         self.finish_gradient_synchronization()

@@ -117,6 +117,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
                 if p._local.requires_grad and not r.is_partial(p):
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
+                # model.zero_grad() reaches the shard that replaced the gradient
+                p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
 
     @property
     def optimizer(self):
@@ -173,6 +175,20 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                                      self._pending)
         return hook
 
+    def _zero_shard_hook(self, i):
+        """``model.zero_grad(set_to_none)`` of the module holding parameter ``i``: its
+        gradient shard reduced in backward goes too (zeroed in place when not None),
+        as the replica's ``.grad`` it replaced would."""
+        def hook(set_to_none: bool):
+            gs = self._gshard.get(i)
+            if gs is None:
+                return
+            if set_to_none:
+                del self._gshard[i]
+            else:
+                gs.zero_()
+        return hook
+
     # ---- the step --------------------------------------------------------------------------
     def live(self) -> list[int]:
         """Indices of the parameters with a gradient (in ``.grad`` or reduced in backward)."""
@@ -214,6 +230,17 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         shards' part of the norm, a scalar all-reduce over the mesh combines the parts, and
         the shards are scaled by ``min(max_norm / (total + 1e-6), 1)``; ``step`` then steps
         them.  Call it after the backward(s) of the step, before ``step``."""
+        total = self.grad_norm(norm_type)
+        self.scale_grads_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the model's gradients, nothing scaled: the gradients are
+        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined.  A
+        pipeline combines its stages' norms before scaling (Megatron-LM's
+        ``get_grad_norm_fp32`` all-reduces over the model-parallel group):
+        :func:`workbench.recipes.pipeline_clip.clip_grad_norm_`."""
         p = float(norm_type)
         if self.distributed:
             raise NotImplementedError("ZeroRedundancyOptimizer(partition='chunks')."
@@ -235,12 +262,14 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         for a in range(self.mesh.ndim):         # the ranks' parts combined: a scalar each
             if self.mesh.shape[a] > 1:
                 C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
-        total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
+        return torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
             torch.tensor(0.0)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for i in live:
-            self._gshard[i].mul_(coef)
-        return total
+
+    @torch.no_grad()
+    def scale_grads_(self, coef) -> None:
+        """Every reduced gradient shard (:meth:`grad_norm` made them) times ``coef``."""
+        for gs in self._gshard.values():
+            gs.mul_(coef)
 
     @torch.no_grad()
     def step(self, closure=None):

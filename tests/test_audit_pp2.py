@@ -1,0 +1,267 @@
+"""User-trial audit of pipeline parallelism as a training loop sees it (auditpp2).
+
+A user's loop over the hybrid recipe (``build_model`` / ``build_optimizer`` /
+``forward_backward`` / ``optimizer_step``) and over ``run_pipeline``, held to one device:
+gradient clipping over every stage, zero_grad, gradient accumulation, evaluation,
+state dicts, and micro-batches that do not split evenly.
+"""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.models import build_model, get_batch, get_config
+from workbench.recipes.hybrid import Hybrid
+from workbench.sim_mesh.trace import trace
+
+S = wb.schedules
+
+
+def _cfg(n_layer=2, **over):
+    return get_config("tiny").replace(n_layer=n_layer, **over)
+
+
+def _one_device_norm(cfg, batches, norm_type=2.0):
+    """Total gradient norm of one device after backward on each (x, y) of ``batches``."""
+    model = build_model(cfg, seed=0).train()
+    for x, y in batches:
+        model(x, y)[1].backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()],
+                                               norm_type))
+
+
+def _pipeline(cfg, **kw):
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0)
+    return st, model, st.build_optimizer(model, 3e-3, 0.01)
+
+
+LAYOUTS = [dict(pp=2), dict(pp=2, schedule="gpipe"), dict(pp=2, dp=2),
+           dict(pp=2, dp=2, zero=1), dict(pp=2, dp=2, zero=2), dict(pp=2, dp=2, zero=3),
+           dict(pp=2, tp=2, sp=True), dict(pp=2, schedule="dualpipe", microbatches=4),
+           dict(pp=2, schedule="zb-v", n_layer=4), dict(pp=2, schedule="zb-h1")]
+
+
+def _ids(kw):
+    return "-".join(f"{k}{v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("kw", LAYOUTS, ids=_ids)
+def test_clip_grad_norm_over_every_stage_is_one_devices(kw):
+    kw = dict(kw)
+    cfg = _cfg(kw.pop("n_layer", 2))
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = _one_device_norm(cfg, [(x, y)])
+    st, model, opts = _pipeline(cfg, **kw)
+    st.forward_backward(model, x, y)
+    with trace() as tr:
+        total = st.clip_grad_norm_(opts, 0.5)
+    assert float(total) == pytest.approx(ref, rel=1e-5)
+    # every stage scaled by the same coefficient: the clipped gradients' norm is max_norm
+    assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(0.5, rel=1e-5)
+    # the stages' parts combined by one scalar all-reduce over the pipeline ranks
+    assert any(e.label == "clip_grad norm over pp" for e in tr.collectives())
+
+
+def test_clip_grad_norm_inf_norm_and_a_step_match_one_device():
+    cfg = _cfg()
+    ref = build_model(cfg, seed=0).train()
+    ref_opt = wb.ops.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    st, model, opts = _pipeline(cfg, pp=2, dp=2)
+    for step in range(2):
+        x, y = get_batch(cfg, 8, 0, step)
+        ref(x, y)[1].backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, math.inf)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        st.forward_backward(model, x, y)
+        got = st.clip_grad_norm_(opts, 0.05, math.inf)
+        st.optimizer_step(opts)
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for name, p in wb.dist_parameters(model):
+        torch.testing.assert_close(p.full(), ref.get_parameter(name), atol=1e-4, rtol=0)
+
+
+def test_clip_error_if_nonfinite_as_torch():
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, pp=2)
+    st.forward_backward(model, x, y)
+    model.layers[1].attn.wq.weight._local.grad.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        st.clip_grad_norm_(opts, 1.0, error_if_nonfinite=True)
+    assert math.isnan(float(st.clip_grad_norm_(opts, 1.0)))
+
+
+def test_one_stage_optimizer_refuses_to_clip_alone():
+    # each stage clipped by its own norm scales the stages differently: silently wrong
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, pp=2, dp=2, zero=1)
+    st.forward_backward(model, x, y)
+    with pytest.raises(RuntimeError, match=r"strategy\.clip_grad_norm_\(optimizers"):
+        opts[0].clip_grad_norm_(1.0)
+
+
+def test_data_parallel_one_buffer_gradients_clip_in_place():
+    # Hybrid(dp=2) all-reduces its gradients in one buffer: the reduced gradients were
+    # stride-0 views, so clip_grad_norm_'s mul_ raised "more than one element ..."
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = _one_device_norm(cfg, [(x, y)])
+    st, model, opts = _pipeline(cfg, dp=2)
+    st.forward_backward(model, x, y)
+    assert float(opts[0].clip_grad_norm_(0.5)) == pytest.approx(ref, rel=1e-5)
+    assert float(opts[0].clip_grad_norm_(math.inf)) == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, tp=2), dict(pp=2, dp=2, zero=2),
+                                dict(pp=2, schedule="dualpipe", microbatches=4)], ids=_ids)
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_clears_every_stage(kw, set_to_none):
+    # model.zero_grad() crashed (the root module held DistTensors torch's zero_grad cannot
+    # read), left ZeRO-2's reduced gradient shards, and left DualPipe's second copy
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, **kw)
+    st.forward_backward(model, x, y)
+    model.zero_grad(set_to_none=set_to_none)
+    st.forward_backward(model, x, y)
+    got = float(st.clip_grad_norm_(opts, math.inf))
+    assert got == pytest.approx(_one_device_norm(cfg, [(x, y)]), rel=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, dp=2, zero=2),
+                                dict(pp=2, schedule="interleaved", n_layer=4)], ids=_ids)
+def test_gradient_accumulation_over_two_calls(kw):
+    kw = dict(kw)
+    cfg = _cfg(kw.pop("n_layer", 2))
+    x, y = get_batch(cfg, 8, 0, 0)
+    halves = [(x[:4], y[:4]), (x[4:], y[4:])]
+    st, model, opts = _pipeline(cfg, **kw)
+    for a, b in halves:
+        st.forward_backward(model, a, b)
+    got = float(st.clip_grad_norm_(opts, math.inf))
+    assert got == pytest.approx(_one_device_norm(cfg, halves), rel=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, schedule="zb-h1"),
+                                dict(pp=2, schedule="dualpipe", microbatches=4),
+                                dict(pp=2, dp=2, zero=3), dict(tp=2)], ids=_ids)
+def test_evaluate_is_one_devices_eval_loss_and_leaves_no_gradient(kw):
+    cfg = _cfg(dropout=0.2)
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        want = ref(x, y)[1]
+    st, model, opts = _pipeline(cfg, **kw)
+    model.eval()
+    got = st.evaluate(model, x, y)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert all(p.grad is None for _, p in wb.dist_parameters(model))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"strategy\.evaluate"):
+        st.forward_backward(model, x, y)
+
+
+def test_evaluate_between_steps_changes_nothing():
+    cfg = _cfg(dropout=0.1)
+    runs = []
+    for evaluate in (False, True):
+        st, model, opts = _pipeline(cfg, pp=2)
+        losses = []
+        for step in range(2):
+            x, y = get_batch(cfg, 8, 0, step)
+            torch.manual_seed(step)         # dropout's masks
+            losses.append(float(st.forward_backward(model, x, y)))
+            if evaluate:                # an evaluation between backward and step
+                model.eval()
+                st.evaluate(model, x, y)
+                model.train()
+            st.optimizer_step(opts)
+        runs.append(losses)
+    assert runs[0] == runs[1]
+
+
+def _toy(p=2, m=4):
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(p)]
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(p)]
+    mods = [wb.parallelize(copy.deepcopy(layer), meshes[s]) for s, layer in enumerate(layers)]
+    return layers, meshes, mods
+
+
+@pytest.mark.parametrize("make", [S.gpipe, S.one_f_one_b, S.zb_h1])
+def test_run_pipeline_forward_only(make):
+    p, m = 2, 4
+    layers, meshes, mods = _toy(p, m)
+    X, T = torch.randn(8, 8), torch.randn(8, 8)
+    xs = [wb.shard_tensor(c, meshes[0], ["R"]) for c in X.chunk(m)]
+    ts = [wb.shard_tensor(c, meshes[-1], ["R"]) for c in T.chunk(m)]
+    for mod in mods:
+        mod.eval()
+    ref = nn.Sequential(*copy.deepcopy(layers)).eval()
+    run = S.run_pipeline(make(p, m), mods, meshes, xs, lambda out, i: ((out - ts[i]) ** 2).mean(),
+                         forward_only=True)
+    out = torch.cat([o.full() for o in run.outputs])
+    torch.testing.assert_close(out, ref(X).detach())
+    assert not out.requires_grad
+    assert run.loss == pytest.approx(float(((ref(X) - T) ** 2).mean().detach()), rel=1e-6)
+    assert all(q.grad is None for mod in mods for _, q in wb.dist_parameters(mod))
+    assert all(a.kind == "F" for _, a in run.order)
+    bare = S.run_pipeline(make(p, m), mods, meshes, xs, None, forward_only=True)
+    with pytest.raises(ValueError, match="no loss"):
+        bare.loss
+
+
+def test_run_pipeline_under_no_grad_names_forward_only():
+    p, m = 2, 4
+    _, meshes, mods = _toy(p, m)
+    xs = [wb.shard_tensor(c, meshes[0], ["R"]) for c in torch.randn(8, 8).chunk(m)]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="forward_only=True"):
+        S.run_pipeline(S.one_f_one_b(p, m), mods, meshes, xs, lambda out, i: out.sum())
+
+
+def test_uneven_micro_batches_raise_naming_the_fix():
+    # 7 rows in 4 micro-batches (2, 2, 2, 1): each loss weighs 1/4, so the last row would
+    # weigh twice the others: not one device's mean
+    p, m = 2, 4
+    _, meshes, mods = _toy(p, m)
+    xs = [wb.shard_tensor(c, meshes[0], ["R"]) for c in torch.randn(7, 8).chunk(m)]
+    before = [q.full().clone() for mod in mods for _, q in wb.dist_parameters(mod)]
+    with pytest.raises(ValueError, match=r"\[2, 2, 2, 1\] rows.*divides by m=4"):
+        S.run_pipeline(S.one_f_one_b(p, m), mods, meshes, xs, lambda out, i: out.mean())
+    assert all(q.grad is None for mod in mods for _, q in wb.dist_parameters(mod))
+    after = [q.full() for mod in mods for _, q in wb.dist_parameters(mod)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, schedule="dualpipe", microbatches=4)],
+                         ids=_ids)
+def test_state_dict_into_a_fresh_pipeline_and_one_device(kw):
+    # DualPipe's second copy of the stages was left at its init by load_state_dict
+    cfg = _cfg()
+    st, model, opts = _pipeline(cfg, **kw)
+    x, y = get_batch(cfg, 8, 0, 0)
+    st.forward_backward(model, x, y)
+    st.optimizer_step(opts)
+    sd = model.state_dict()
+    one = build_model(cfg, seed=1)
+    one.load_state_dict({k: v.full() if isinstance(v, wb.DistTensor) else v
+                         for k, v in sd.items()})
+    fresh = Hybrid(**kw)
+    model2 = fresh.build_model(cfg, 1)          # another init: the load must replace it
+    opts2 = fresh.build_optimizer(model2, 3e-3, 0.01)
+    model2.load_state_dict(sd)
+    x, y = get_batch(cfg, 8, 0, 1)
+    want = _one_norm_of(one, x, y)
+    fresh.forward_backward(model2, x, y)
+    assert float(fresh.clip_grad_norm_(opts2, math.inf)) == pytest.approx(want, rel=1e-5)
+
+
+def _one_norm_of(model, x, y):
+    model.train()
+    model(x, y)[1].backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))

@@ -1,0 +1,101 @@
+"""``clip_grad_norm_`` over a pipeline: one total norm for the gradients of every stage.
+
+    loss = strategy.forward_backward(model, x, y)          # Hybrid(pp=2, ...)
+    norm = strategy.clip_grad_norm_(optimizers, 1.0)       # one device's total norm
+    strategy.optimizer_step(optimizers)
+
+Under pipeline parallelism each stage's gradients live on that stage's ranks, and the
+hybrid recipe keeps one optimizer per stage.  Clipping each stage by its own norm (each
+stage optimizer's ``clip_grad_norm_``) scales every stage by a different factor: not one
+device's step.  Megatron-LM takes the norm of the whole model instead
+(``megatron/core/optimizer/clip_grads.py``, ``get_grad_norm_fp32``: each rank's
+``sum |g|^p`` all-reduced over the model-parallel group, tensor and pipeline ranks
+together; ``max`` for the inf-norm) and scales every gradient by the one coefficient
+``min(max_norm / (total + 1e-6), 1)``, as ``torch.nn.utils.clip_grad_norm_`` does on one
+device.  Here each stage's optimizer gives its stage's norm (its gradients summed over
+dp first, as its own ``clip_grad_norm_`` does), the stage norms combine into the total
+(a scalar all-reduce over the pipeline ranks, recorded in the trace), and every stage's
+gradients are scaled by the same coefficient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sim_mesh.collectives import record_collective
+
+__all__ = ["clip_grad_norm_", "stage_grad_norm", "PIPELINE_CLIP_HINT"]
+
+PIPELINE_CLIP_HINT = (
+    "clip_grad_norm_ of one pipeline stage's optimizer clips that stage by its own norm, "
+    "not the model's (the other stages' gradients live on other ranks); clip every stage "
+    "together: strategy.clip_grad_norm_(optimizers, max_norm) "
+    "(workbench.recipes.pipeline_clip)")
+
+
+def _kind(o) -> str:
+    from ..parallel.strategies.data_parallel import DataParallel
+    from ..parallel.strategies.zero3 import Zero3
+    if isinstance(o, DataParallel):
+        return "zero" if o.zero else "dp"
+    if isinstance(o, Zero3):
+        return "zero3"
+    raise TypeError(f"clip_grad_norm_(optimizers=...): got a {type(o).__name__}; give the "
+                    "list build_optimizer returned (DataParallel or Zero3, one per stage)")
+
+
+@torch.no_grad()
+def stage_grad_norm(o, norm_type: float, foreach=None):
+    """One stage optimizer's gradients, summed over its data-parallel ranks now (what its
+    step would do first), and their total norm: ``(norm, scale)``, ``scale(coef)``
+    multiplying them all in place."""
+    kind = _kind(o)
+    if kind == "zero":                  # ZeRO-1/2: reduce-scattered into the shards
+        return o.optimizer.grad_norm(norm_type), o.optimizer.scale_grads_
+    # plain DP: the replicas' gradients summed over dp now (ReplicaGrads: torch's norm
+    # reads one copy); Zero3: the shards already hold the reduced gradients
+    o.finish_gradient_synchronization()
+    grads = [q.grad for q in o.parameters() if q.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach) if grads else \
+        torch.tensor(0.0)
+
+    def scale(coef):
+        for g in grads:
+            g.mul_(coef.to(g.device))
+    return norm, scale
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach=None, *, counted=None,
+                    meshes=None) -> torch.Tensor:
+    """Clip the gradients of every stage in ``optimizers`` by their total norm (one device's
+    ``torch.nn.utils.clip_grad_norm_`` over the whole model); returns that norm.
+
+    ``counted``: how many of ``optimizers`` (the first ones) hold distinct parameters
+    (DualPipe's second copy of the stages is scaled, not counted twice); ``meshes``: the
+    stage meshes, to record the scalar all-reduce over the pipeline ranks."""
+    opts = list(optimizers)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
+            math.isnan(max_norm):
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): give a number, e.g. 1.0")
+    p = float(norm_type)
+    if not opts:
+        return torch.tensor(0.0)
+    counted = len(opts) if counted is None else counted
+    parts = [stage_grad_norm(o, p, foreach) for o in opts]
+    norms = [n.float() for n, _ in parts[:counted]]
+    total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else torch.tensor(0.0)
+    if meshes is not None and len(meshes) > 1:     # each rank's part over the pipeline
+        record_collective("all_reduce", meshes[0], None, 4, label="clip_grad norm over pp",
+                          groups=[list(g) for g in zip(*(m.ranks for m in meshes))])
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and "
+                           "scale the gradients by the non-finite norm anyway, set "
+                           "`error_if_nonfinite=False`")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for _, scale in parts:
+        scale(coef)
+    return total
