@@ -265,3 +265,61 @@ def _one_norm_of(model, x, y):
     model.train()
     model(x, y)[1].backward()
     return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
+def _steps(st, model, opts, cfg, steps):
+    losses = []
+    for step in steps:
+        x, y = get_batch(cfg, 8, 0, step)
+        losses.append(float(st.forward_backward(model, x, y)))
+        st.optimizer_step(opts)
+    return losses
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, dp=2, zero=2),
+                                dict(pp=2, schedule="dualpipe", microbatches=4)], ids=_ids)
+def test_model_and_optimizer_state_dicts_resume_a_fresh_pipeline(kw):
+    # the stage optimizers (DataParallel) had no state_dict / load_state_dict / zero_grad
+    cfg = _cfg()
+    st, model, opts = _pipeline(cfg, **kw)
+    want = _steps(st, model, opts, cfg, range(3))
+    st, model, opts = _pipeline(cfg, **kw)
+    got = _steps(st, model, opts, cfg, range(2))
+    msd = {k: v.full() if isinstance(v, wb.DistTensor) else v
+           for k, v in model.state_dict().items()}
+    osd = [copy.deepcopy(o.state_dict()) for o in opts]
+    fresh = Hybrid(**kw)
+    model2 = fresh.build_model(cfg, 1)
+    opts2 = fresh.build_optimizer(model2, 3e-3, 0.01)
+    model2.load_state_dict(msd)
+    for o, sd in zip(opts2, osd):
+        o.load_state_dict(sd)
+    got += _steps(fresh, model2, opts2, cfg, [2])
+    assert got == want
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_stage_optimizer_zero_grad(zero):
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, pp=2, dp=2, zero=zero)
+    st.forward_backward(model, x, y)
+    for o in opts:
+        o.zero_grad(set_to_none=False)
+    st.forward_backward(model, x, y)
+    got = float(st.clip_grad_norm_(opts, math.inf))
+    assert got == pytest.approx(_one_device_norm(cfg, [(x, y)]), rel=1e-5)
+    for o in opts:
+        o.zero_grad()
+    assert all(p._local.grad is None for o in opts for p in o.params)
+
+
+@pytest.mark.parametrize("batch,kw,fix", [(3, dict(pp=2), r"divides by 2 \(e\.g\. 4\), or "
+                                          r"Hybrid\(microbatches=3\)"),
+                                         (6, dict(pp=2, dp=2), r"Hybrid\(microbatches=3\)")])
+def test_batch_not_dividing_micro_batches_names_the_fix(batch, kw, fix):
+    st = Hybrid(**kw)
+    with pytest.raises(ValueError, match=rf"batch_size={batch} does not divide.*{fix}"):
+        st.check(_cfg(), batch)
+    m = int(fix.split("microbatches=")[1][0])
+    Hybrid(**kw, microbatches=m).check(_cfg(), batch)     # the fix it names works

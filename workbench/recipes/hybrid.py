@@ -91,6 +91,20 @@ def _arg(name: str, value=None) -> str:
     return name if value is None else f"{name}={value!r}"
 
 
+def _microbatch_hint(batch_size, dp, m, pp, schedule) -> str:
+    """``", or Hybrid(microbatches=k)"`` for the k nearest ``m`` that fits the batch."""
+    if batch_size % dp:
+        return ""
+    per = batch_size // dp
+    ks = [k for k in range(1, per + 1) if per % k == 0
+          and (schedule != "interleaved" or k % pp == 0)
+          and (schedule != "dualpipe" or (k % 2 == 0 and k >= 2 * pp))]
+    if not ks:
+        return ""
+    k = min(ks, key=lambda k: (abs(k - m), -k))
+    return f", or Hybrid(microbatches={k})"
+
+
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -206,8 +220,13 @@ class Hybrid:
                              + (" or give stage_sizes (one layer count per stage)"
                                 if v == 1 else ""))
         if batch_size % (self.dp * self.m):
+            n = self.dp * self.m
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
-                             f"{self.m} micro-batches")
+                             f"{self.m} micro-batches: the micro-batches must be equal, each "
+                             f"split evenly over the dp ranks; give a batch_size that divides by "
+                             f"{n} (e.g. {n * max(1, round(batch_size / n))})"
+                             + _microbatch_hint(batch_size, self.dp, self.m, pp,
+                                                self.schedule_name))
         if getattr(cfg, "tie_embeddings", False) and pp * v > 1 and self.device.type != "meta":
             # Megatron keeps a copy of the word embedding on the last stage and all-reduces
             # the two copies' gradients every step; without that the copies drift apart
