@@ -323,3 +323,17 @@ def test_batch_not_dividing_micro_batches_names_the_fix(batch, kw, fix):
         st.check(_cfg(), batch)
     m = int(fix.split("microbatches=")[1][0])
     Hybrid(**kw, microbatches=m).check(_cfg(), batch)     # the fix it names works
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, dp=2, zero=1), dict(pp=2, dp=2, zero=3)],
+                         ids=_ids)
+def test_wb_clip_over_the_model_names_the_pipeline_clip(kw):
+    # the wrappers' own advice (clip this DataParallel / these shards) clips one stage
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, **kw)
+    st.forward_backward(model, x, y)
+    with pytest.raises(RuntimeError, match=r"strategy\.clip_grad_norm_\(optimizers"):
+        wb.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(st.clip_grad_norm_(opts, 1.0)) == pytest.approx(
+        _one_device_norm(cfg, [(x, y)]), rel=1e-5)

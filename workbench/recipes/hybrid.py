@@ -342,9 +342,8 @@ class Hybrid:
                                              if self.zero == 0 else None, lr=lr,
                                              weight_decay=weight_decay))
         if len(self.stage_layers) > 1:  # a stage alone would clip by its own norm
-            from .pipeline_clip import PIPELINE_CLIP_HINT
-            for o in opts:
-                o._wb_clip_refuse = PIPELINE_CLIP_HINT
+            from .pipeline_clip import mark_stage_optimizers
+            mark_stage_optimizers(opts)
         self._copy0_optimizers = len(opts)
         if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
             opts += _dualpipe.twin_optimizers(self, lr, weight_decay)

@@ -25,13 +25,38 @@ import torch
 
 from ..sim_mesh.collectives import record_collective
 
-__all__ = ["clip_grad_norm_", "stage_grad_norm", "PIPELINE_CLIP_HINT"]
+__all__ = ["clip_grad_norm_", "stage_grad_norm", "mark_stage_optimizers",
+           "PIPELINE_CLIP_HINT"]
 
 PIPELINE_CLIP_HINT = (
     "clip_grad_norm_ of one pipeline stage's optimizer clips that stage by its own norm, "
     "not the model's (the other stages' gradients live on other ranks); clip every stage "
     "together: strategy.clip_grad_norm_(optimizers, max_norm) "
     "(workbench.recipes.pipeline_clip)")
+
+_UNREDUCED_HINT = (
+    "a pipeline's gradients are each stage optimizer's (summed over the stage's "
+    "data-parallel ranks inside it; under ZeRO held in its shards): clip every stage "
+    "together with strategy.clip_grad_norm_(optimizers, max_norm) (one total norm)")
+
+
+def mark_stage_optimizers(opts) -> None:
+    """The stage optimizers of a pipeline refuse to clip alone (:data:`PIPELINE_CLIP_HINT`),
+    and ``wb.clip_grad_norm_(model.parameters())`` before their reduce names the pipeline's
+    clip (the per-stage advice of the wrappers' own messages would clip one stage)."""
+    from ..parallel import storage
+    for o in opts:
+        o._wb_clip_refuse = PIPELINE_CLIP_HINT
+        kind = _kind(o)
+        if kind in ("dp", "zero"):
+            o.replicas.unsynced_hint = _UNREDUCED_HINT
+        if kind == "zero":
+            for p in o.params:
+                p._local._wb_clip_refuse = _UNREDUCED_HINT
+        if kind == "zero3":
+            for _, _, tmpl, _ in o.entries:
+                for t in storage.tensors(tmpl._local):
+                    t._wb_clip_refuse = _UNREDUCED_HINT
 
 
 def _kind(o) -> str:
