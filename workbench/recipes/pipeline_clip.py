@@ -102,6 +102,8 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
     (DualPipe's second copy of the stages is scaled, not counted twice); ``meshes``: the
     stage meshes, to record the scalar all-reduce over the pipeline ranks."""
     opts = list(optimizers)
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()          # torch takes a one-element tensor too
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
             math.isnan(max_norm):
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): give a number, e.g. 1.0")
