@@ -340,3 +340,31 @@ def test_wb_clip_over_the_model_names_the_pipeline_clip(kw):
         wb.clip_grad_norm_(model.parameters(), 1.0)
     assert float(st.clip_grad_norm_(opts, 1.0)) == pytest.approx(
         _one_device_norm(cfg, [(x, y)]), rel=1e-5)
+
+
+def test_split_backward_params_leaving_out_a_weight_raise():
+    # ZB-H1's W computed only the listed parameters: a bias left out got no gradient
+    p, m = 2, 4
+    _, meshes, mods = _toy(p, m)
+    xs = [wb.shard_tensor(c, meshes[0], ["R"]) for c in torch.randn(8, 8).chunk(m)]
+    params = [[mod[0].weight] for mod in mods]
+    with pytest.raises(ValueError, match=r"params\[0\] leaves out \['0\.bias'\]"):
+        S.run_pipeline(S.zb_h1(p, m), mods, meshes, xs, lambda out, i: out.pow(2).mean(),
+                       params=params)
+    assert all(q.grad is None for mod in mods for _, q in wb.dist_parameters(mod))
+    params = [[q for _, q in wb.dist_parameters(mod)] for mod in mods]
+    S.run_pipeline(S.zb_h1(p, m), mods, meshes, xs, lambda out, i: out.pow(2).mean(),
+                   params=params)
+    assert all(q.grad is not None for mod in mods for _, q in wb.dist_parameters(mod))
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, ep=2), dict(pp=2, ep=2, zero=1)], ids=_ids)
+def test_clip_grad_norm_with_experts_split_over_ranks(kw):
+    # the experts' optimizers (reduced over edp) are stages' optimizers too
+    cfg = _cfg(moe_experts=4, moe_topk=2)
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, **kw)
+    st.forward_backward(model, x, y)
+    got = float(st.clip_grad_norm_(opts, 0.1))
+    assert got == pytest.approx(_one_device_norm(cfg, [(x, y)]), rel=1e-5)
+    assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(0.1, rel=1e-5)

@@ -131,6 +131,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                                                          len(params) != p * v):
         raise ValueError(f"schedule {schedule.name} splits the backward into B and W: pass "
                          f"params=[parameters of each of the {p * v} stages]")
+    if schedule.split_backward and not forward_only:
+        _check_weights(stages, params)
     costs = dict(costs or {})
     if schedule.split_backward:
         costs.setdefault("w", costs.get("b", 1.0))
@@ -185,6 +187,22 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def _check_weights(stages, params) -> None:
+    """A split backward's ``W`` computes the gradients of ``params[slot]`` only: a trainable
+    parameter of a module stage left out of them would silently get none."""
+    for slot, st in enumerate(stages):
+        if not isinstance(st, torch.nn.Module):
+            continue                    # a function: its parameters are the caller's word
+        given = {id(q) for q in params[slot]}
+        missing = [n for n, q in st.named_parameters()
+                   if q.requires_grad and id(q) not in given]
+        if missing:
+            raise ValueError(f"params[{slot}] leaves out {missing[:3]} of stages[{slot}]'s "
+                             "trainable parameters: the split backward's W computes only the "
+                             "listed ones, so these would get no gradient; pass "
+                             f"list(stages[{slot}].parameters())")
 
 
 def _rows(x):
