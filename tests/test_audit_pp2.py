@@ -368,3 +368,15 @@ def test_clip_grad_norm_with_experts_split_over_ranks(kw):
     got = float(st.clip_grad_norm_(opts, 0.1))
     assert got == pytest.approx(_one_device_norm(cfg, [(x, y)]), rel=1e-5)
     assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(0.1, rel=1e-5)
+
+
+def test_zero_optimizer_after_a_dtype_conversion_names_the_order():
+    # the replicas became float64, the optimizer's shards stayed float32: torch's
+    # "attempting to assign a gradient with dtype 'double'..." from inside step()
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, pp=2, dp=2, zero=1)
+    model.to(torch.float64)
+    st.forward_backward(model, x, y)
+    with pytest.raises(RuntimeError, match="build the optimizer after converting the model"):
+        st.optimizer_step(opts)

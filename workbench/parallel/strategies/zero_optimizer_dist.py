@@ -201,6 +201,13 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         in backward, waited for now), then one reduce-scatter of the rest in one buffer."""
         from ...sim_mesh.trace import current_trace
         mesh, ax = self.mesh, self.axis
+        for i in live:                  # the replicas converted after the shards were cut
+            if self.params[i]._local.dtype != self.shards[i].dtype:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: a parameter is {self.params[i]._local.dtype} "
+                    f"but the optimizer's shard of it is {self.shards[i].dtype} (the model "
+                    "was converted with .to(dtype) after the optimizer was built); build "
+                    "the optimizer after converting the model")
         self.replicas.sum_partials([self.params[i] for i in live])
         tr = current_trace()
         if tr is not None:
