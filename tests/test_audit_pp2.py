@@ -169,6 +169,30 @@ def test_evaluate_is_one_devices_eval_loss_and_leaves_no_gradient(kw):
         st.forward_backward(model, x, y)
 
 
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, schedule="zb-v", n_layer=4),
+                                dict(tp=2)], ids=_ids)
+def test_evaluate_without_targets_gives_one_devices_logits(kw):
+    kw = dict(kw)
+    cfg = _cfg(kw.pop("n_layer", 2))
+    x, _ = get_batch(cfg, 8, 0, 0)
+    ref = build_model(cfg, seed=0).eval()
+    st, model, _ = _pipeline(cfg, **kw)
+    model.eval()
+    got = st.evaluate(model, x)
+    assert isinstance(got, torch.Tensor) and not got.requires_grad
+    torch.testing.assert_close(got, ref(x)[0].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_calling_a_pipelined_model_names_evaluate():
+    # model(x) ran every stage's layers on one mesh: "rms_norm: inputs live on different
+    # meshes ..., reshard one onto the other's mesh first"
+    cfg = _cfg()
+    x, _ = get_batch(cfg, 8, 0, 0)
+    st, model, _ = _pipeline(cfg, pp=2)
+    with pytest.raises(RuntimeError, match=r"strategy\.evaluate\(model, x\)"):
+        model(x)
+
+
 def test_evaluate_between_steps_changes_nothing():
     cfg = _cfg(dropout=0.1)
     runs = []

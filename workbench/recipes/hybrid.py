@@ -91,6 +91,15 @@ def _arg(name: str, value=None) -> str:
     return name if value is None else f"{name}={value!r}"
 
 
+def _pipeline_forward_refused(module, args):
+    raise RuntimeError(f"{type(module).__name__}(...) of a model split into pipeline stages: "
+                       "its forward would run every stage's layers on one mesh, but each "
+                       "stage lives on its own ranks; run the pipeline instead: "
+                       "strategy.forward_backward(model, x, y) to train, "
+                       "strategy.evaluate(model, x, y) for the loss or "
+                       "strategy.evaluate(model, x) for the logits (forward only)")
+
+
 def _microbatch_hint(batch_size, dp, m, pp, schedule) -> str:
     """``", or Hybrid(microbatches=k)"`` for the k nearest ``m`` that fits the batch."""
     if batch_size % dp:
@@ -286,6 +295,8 @@ class Hybrid:
         # the whole model (not only each stage's modules) handles its DistTensors:
         # model.zero_grad(set_to_none=False), .to(dtype), load_state_dict
         adopt(model)
+        if len(self.stages) > 1:        # model(x) would run every stage on one mesh
+            model.register_forward_pre_hook(_pipeline_forward_refused)
         if self.schedule_name == "dualpipe":      # the second copy of every stage
             _dualpipe.build_twin(self, model, cfg, seed)
         return model
@@ -404,16 +415,19 @@ class Hybrid:
         return torch.tensor(run.loss)
 
     @torch.no_grad()
-    def evaluate(self, model, inputs, targets) -> torch.Tensor:
+    def evaluate(self, model, inputs, targets=None) -> torch.Tensor:
         """The mean loss of the batch, forward only (``torch.distributed.pipelining``'s
         ``schedule.eval()``): the schedule's ``F`` actions under ``torch.no_grad()``, no
-        gradient touched, nothing kept for a backward.  Call ``model.eval()`` first for
-        dropout off, as on one device."""
+        gradient touched, nothing kept for a backward; without ``targets``, the logits
+        (B, S, V) as one tensor, as ``eval()`` returns the last stage's outputs.  Call
+        ``model.eval()`` first for dropout off, as on one device."""
         self.check(model.cfg, inputs.shape[0])
         n_stages = len(self.stage_layers)
         if n_stages == 1:
             mesh = self.meshes[0]
             logits = self._stage(model, 0, self._batch(inputs, mesh))
+            if targets is None:
+                return logits.full().detach()
             return self._loss(logits, self._batch(targets, mesh)).full().detach()
         if self.distributed:
             raise NotImplementedError("Hybrid.evaluate with pp > 1 under torch.distributed "
@@ -422,12 +436,15 @@ class Hybrid:
         m = self.m
         first, last = self.meshes[0], self._mesh_of(n_stages - 1)
         xs = [self._batch(c, first) for c in inputs.chunk(m)]
-        ts = [self._batch(c, last) for c in targets.chunk(m)]
+        ts = None if targets is None else [self._batch(c, last) for c in targets.chunk(m)]
         # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order: the same values
         sched = S.one_f_one_b(self.pp, m) if self.schedule_name == "dualpipe" else \
             self._schedule(m)
         run = S.run_pipeline(sched, stages, self.meshes, xs,
-                             lambda out, i: self._loss(out, ts[i]), forward_only=True)
+                             None if ts is None else (lambda out, i: self._loss(out, ts[i])),
+                             forward_only=True)
+        if targets is None:
+            return torch.cat([o.full() for o in run.outputs])
         return torch.tensor(run.loss)
 
     def _schedule(self, m):
