@@ -404,3 +404,21 @@ def test_zero_optimizer_after_a_dtype_conversion_names_the_order():
     st.forward_backward(model, x, y)
     with pytest.raises(RuntimeError, match="build the optimizer after converting the model"):
         st.optimizer_step(opts)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, dp=2), dict(pp=2, dp=2, zero=2),
+                                dict(pp=2, dp=2, zero=3),
+                                dict(pp=2, schedule="dualpipe", microbatches=4)], ids=_ids)
+def test_clip_grad_value_over_every_stage_is_one_devices(kw):
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = build_model(cfg, seed=0).train()
+    ref(x, y)[1].backward()
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 2e-3)
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    st, model, opts = _pipeline(cfg, **kw)
+    st.forward_backward(model, x, y)
+    with pytest.raises(RuntimeError, match=r"strategy\.clip_grad_value_"):
+        wb.clip_grad_value_(model.parameters(), 2e-3)
+    st.clip_grad_value_(opts, 2e-3)
+    assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(want, rel=1e-5)

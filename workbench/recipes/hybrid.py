@@ -472,6 +472,18 @@ class Hybrid:
         return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
                                counted=counted, meshes=self.meshes)
 
+    def clip_grad_value_(self, optimizers, clip_value: float, foreach=None) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over every stage's gradients (summed over
+        dp first); call it where :meth:`clip_grad_norm_` goes."""
+        from .pipeline_clip import clip_grad_value_
+        if self.distributed and self.pp > 1:
+            raise NotImplementedError("Hybrid.clip_grad_value_ with pp > 1 under "
+                                      "torch.distributed is not built; clip on simulated ranks")
+        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
+            _dualpipe.all_reduce_copies(self)     # the copies' sum is the batch's gradient
+            self._copies_summed = True
+        clip_grad_value_(optimizers, clip_value, foreach)
+
     def optimizer_step(self, optimizers) -> None:
         if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
             _dualpipe.all_reduce_copies(self)     # sum the two copies' gradients first

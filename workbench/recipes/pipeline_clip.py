@@ -25,7 +25,7 @@ import torch
 
 from ..sim_mesh.collectives import record_collective
 
-__all__ = ["clip_grad_norm_", "stage_grad_norm", "mark_stage_optimizers",
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "stage_grad_norm", "mark_stage_optimizers",
            "PIPELINE_CLIP_HINT"]
 
 PIPELINE_CLIP_HINT = (
@@ -37,7 +37,8 @@ PIPELINE_CLIP_HINT = (
 _UNREDUCED_HINT = (
     "a pipeline's gradients are each stage optimizer's (summed over the stage's "
     "data-parallel ranks inside it; under ZeRO held in its shards): clip every stage "
-    "together with strategy.clip_grad_norm_(optimizers, max_norm) (one total norm)")
+    "together with strategy.clip_grad_norm_(optimizers, max_norm) (one total norm) or "
+    "strategy.clip_grad_value_(optimizers, clip_value)")
 
 
 def mark_stage_optimizers(opts) -> None:
@@ -70,6 +71,31 @@ def _kind(o) -> str:
                     "list build_optimizer returned (DataParallel or Zero3, one per stage)")
 
 
+def _stage_grads(o) -> list:
+    """One stage optimizer's gradients, summed over its data-parallel ranks now (what its
+    step would do first): the replicas' (plain DP), the shards' (ZeRO-1/2: reduce-scattered
+    into the optimizer's, Zero3: the wrapper's)."""
+    if _kind(o) == "zero":
+        o.optimizer.grad_norm(2.0)      # reduce-scatters them into its shards
+        return list(o.optimizer._gshard.values())
+    o.finish_gradient_synchronization()
+    return [q.grad for q in o.parameters() if q.grad is not None]
+
+
+@torch.no_grad()
+def clip_grad_value_(optimizers, clip_value: float, foreach=None) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over every stage: each gradient element (summed
+    over dp first) clamped to ``[-clip_value, clip_value]`` in place."""
+    if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)) or \
+            math.isnan(clip_value):
+        raise ValueError(f"clip_grad_value_(clip_value={clip_value!r}): give a number, "
+                         "e.g. 1.0")
+    v = float(clip_value)
+    for o in optimizers:
+        for g in _stage_grads(o):
+            g.clamp_(min=-v, max=v)
+
+
 @torch.no_grad()
 def stage_grad_norm(o, norm_type: float, foreach=None):
     """One stage optimizer's gradients, summed over its data-parallel ranks now (what its
@@ -80,8 +106,7 @@ def stage_grad_norm(o, norm_type: float, foreach=None):
         return o.optimizer.grad_norm(norm_type), o.optimizer.scale_grads_
     # plain DP: the replicas' gradients summed over dp now (ReplicaGrads: torch's norm
     # reads one copy); Zero3: the shards already hold the reduced gradients
-    o.finish_gradient_synchronization()
-    grads = [q.grad for q in o.parameters() if q.grad is not None]
+    grads = _stage_grads(o)
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach) if grads else \
         torch.tensor(0.0)
 
