@@ -91,15 +91,6 @@ def _arg(name: str, value=None) -> str:
     return name if value is None else f"{name}={value!r}"
 
 
-def _pipeline_forward_refused(module, args):
-    raise RuntimeError(f"{type(module).__name__}(...) of a model split into pipeline stages: "
-                       "its forward would run every stage's layers on one mesh, but each "
-                       "stage lives on its own ranks; run the pipeline instead: "
-                       "strategy.forward_backward(model, x, y) to train, "
-                       "strategy.evaluate(model, x, y) for the loss or "
-                       "strategy.evaluate(model, x) for the logits (forward only)")
-
-
 def _microbatch_hint(batch_size, dp, m, pp, schedule) -> str:
     """``", or Hybrid(microbatches=k)"`` for the k nearest ``m`` that fits the batch."""
     if batch_size % dp:
@@ -296,7 +287,8 @@ class Hybrid:
         # model.zero_grad(set_to_none=False), .to(dtype), load_state_dict
         adopt(model)
         if len(self.stages) > 1:        # model(x) would run every stage on one mesh
-            model.register_forward_pre_hook(_pipeline_forward_refused)
+            from .pipeline_eval import refuse_forward
+            model.register_forward_pre_hook(refuse_forward)
         if self.schedule_name == "dualpipe":      # the second copy of every stage
             _dualpipe.build_twin(self, model, cfg, seed)
         return model
@@ -414,38 +406,12 @@ class Hybrid:
                              lambda out, i: self._loss(out, ts[i]), params=params)
         return torch.tensor(run.loss)
 
-    @torch.no_grad()
     def evaluate(self, model, inputs, targets=None) -> torch.Tensor:
-        """The mean loss of the batch, forward only (``torch.distributed.pipelining``'s
-        ``schedule.eval()``): the schedule's ``F`` actions under ``torch.no_grad()``, no
-        gradient touched, nothing kept for a backward; without ``targets``, the logits
-        (B, S, V) as one tensor, as ``eval()`` returns the last stage's outputs.  Call
-        ``model.eval()`` first for dropout off, as on one device."""
-        self.check(model.cfg, inputs.shape[0])
-        n_stages = len(self.stage_layers)
-        if n_stages == 1:
-            mesh = self.meshes[0]
-            logits = self._stage(model, 0, self._batch(inputs, mesh))
-            if targets is None:
-                return logits.full().detach()
-            return self._loss(logits, self._batch(targets, mesh)).full().detach()
-        if self.distributed:
-            raise NotImplementedError("Hybrid.evaluate with pp > 1 under torch.distributed "
-                                      "is not built; evaluate on simulated ranks")
-        stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
-        m = self.m
-        first, last = self.meshes[0], self._mesh_of(n_stages - 1)
-        xs = [self._batch(c, first) for c in inputs.chunk(m)]
-        ts = None if targets is None else [self._batch(c, last) for c in targets.chunk(m)]
-        # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order: the same values
-        sched = S.one_f_one_b(self.pp, m) if self.schedule_name == "dualpipe" else \
-            self._schedule(m)
-        run = S.run_pipeline(sched, stages, self.meshes, xs,
-                             None if ts is None else (lambda out, i: self._loss(out, ts[i])),
-                             forward_only=True)
-        if targets is None:
-            return torch.cat([o.full() for o in run.outputs])
-        return torch.tensor(run.loss)
+        """The batch's mean loss, forward only (``torch.distributed.pipelining``'s
+        ``schedule.eval()``); without ``targets`` the logits (B, S, V)
+        (:mod:`workbench.recipes.pipeline_eval`)."""
+        from .pipeline_eval import evaluate
+        return evaluate(self, model, inputs, targets)
 
     def _schedule(self, m):
         if self.schedule_name == "interleaved":
@@ -458,31 +424,15 @@ class Hybrid:
         one coefficient; returns one device's total norm.  Call it after
         :meth:`forward_backward`, before :meth:`optimizer_step`
         (:mod:`workbench.recipes.pipeline_clip`)."""
-        from .pipeline_clip import clip_grad_norm_
-        if self.distributed and self.pp > 1:
-            raise NotImplementedError("Hybrid.clip_grad_norm_ with pp > 1 under "
-                                      "torch.distributed is not built; clip on simulated ranks")
-        counted = len(optimizers)
-        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
-            _dualpipe.all_reduce_copies(self)     # copy 1 holds the same sum: scaled, not
-            self._copies_summed = True            # counted twice
-            counted = getattr(self, "_copy0_optimizers", counted)
-        elif self.schedule_name == "dualpipe":
-            counted = getattr(self, "_copy0_optimizers", counted)
-        return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
-                               counted=counted, meshes=self.meshes)
+        from .pipeline_clip import clip_hybrid_norm_
+        return clip_hybrid_norm_(self, optimizers, max_norm, norm_type, error_if_nonfinite,
+                                 foreach)
 
     def clip_grad_value_(self, optimizers, clip_value: float, foreach=None) -> None:
         """``torch.nn.utils.clip_grad_value_`` over every stage's gradients (summed over
         dp first); call it where :meth:`clip_grad_norm_` goes."""
-        from .pipeline_clip import clip_grad_value_
-        if self.distributed and self.pp > 1:
-            raise NotImplementedError("Hybrid.clip_grad_value_ with pp > 1 under "
-                                      "torch.distributed is not built; clip on simulated ranks")
-        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
-            _dualpipe.all_reduce_copies(self)     # the copies' sum is the batch's gradient
-            self._copies_summed = True
-        clip_grad_value_(optimizers, clip_value, foreach)
+        from .pipeline_clip import clip_hybrid_value_
+        clip_hybrid_value_(self, optimizers, clip_value, foreach)
 
     def optimizer_step(self, optimizers) -> None:
         if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):

@@ -25,8 +25,8 @@ import torch
 
 from ..sim_mesh.collectives import record_collective
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "stage_grad_norm", "mark_stage_optimizers",
-           "PIPELINE_CLIP_HINT"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_hybrid_norm_", "clip_hybrid_value_",
+           "stage_grad_norm", "mark_stage_optimizers", "PIPELINE_CLIP_HINT"]
 
 PIPELINE_CLIP_HINT = (
     "clip_grad_norm_ of one pipeline stage's optimizer clips that stage by its own norm, "
@@ -76,8 +76,7 @@ def _stage_grads(o) -> list:
     step would do first): the replicas' (plain DP), the shards' (ZeRO-1/2: reduce-scattered
     into the optimizer's, Zero3: the wrapper's)."""
     if _kind(o) == "zero":
-        o.optimizer.grad_norm(2.0)      # reduce-scatters them into its shards
-        return list(o.optimizer._gshard.values())
+        return list(o.optimizer.reduce_grads_().values())
     o.finish_gradient_synchronization()
     return [q.grad for q in o.parameters() if q.grad is not None]
 
@@ -151,3 +150,31 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
     for _, scale in parts:
         scale(coef)
     return total
+
+
+# ---- the hybrid recipe's (Hybrid.clip_grad_norm_ / clip_grad_value_) ---------------------
+def _prepare(h, fn: str) -> int:
+    """Before clipping under ``h``: how many of its optimizers count (DualPipe: copy 0's;
+    the two copies' gradients summed first, once, so ``optimizer_step`` does not again)."""
+    if h.distributed and h.pp > 1:
+        raise NotImplementedError(f"Hybrid.{fn} with pp > 1 under torch.distributed is not "
+                                  "built; clip on simulated ranks")
+    if h.schedule_name != "dualpipe":
+        return -1
+    if not getattr(h, "_copies_summed", False):
+        from . import dualpipe
+        dualpipe.all_reduce_copies(h)       # copy 1 then holds the same sum: scaled, not
+        h._copies_summed = True             # counted twice
+    return h._copy0_optimizers
+
+
+def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                      foreach=None) -> torch.Tensor:
+    counted = _prepare(h, "clip_grad_norm_")
+    return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
+                           counted=None if counted < 0 else counted, meshes=h.meshes)
+
+
+def clip_hybrid_value_(h, optimizers, clip_value, foreach=None) -> None:
+    _prepare(h, "clip_grad_value_")
+    clip_grad_value_(optimizers, clip_value, foreach)

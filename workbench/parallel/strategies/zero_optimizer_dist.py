@@ -256,12 +256,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         if p in (0.0, -math.inf):
             raise ValueError(f"norm_type={norm_type!r}: the padded shards hold zeros that "
                              "this norm would count; use a p-norm p > 0 or inf")
-        live = self.live()
-        shards = self._reduce_grads(live)
         norms = []
-        for i, gs in zip(live, shards):
-            self._gshard[i] = gs                # step() takes them from here
-            self.params[i]._local.grad = None
+        for i, gs in self.reduce_grads_().items():
             for a, pl in enumerate(self.params[i].placements):
                 if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
                     gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
@@ -271,6 +267,16 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
         return torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
             torch.tensor(0.0)
+
+    @torch.no_grad()
+    def reduce_grads_(self) -> dict:
+        """The gradients reduce-scattered now (what :meth:`step` would do first) into
+        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``."""
+        live = self.live()
+        for i, gs in zip(live, self._reduce_grads(live)):
+            self._gshard[i] = gs                # step() takes them from here
+            self.params[i]._local.grad = None
+        return {i: self._gshard[i] for i in live}
 
     @torch.no_grad()
     def scale_grads_(self, coef) -> None:

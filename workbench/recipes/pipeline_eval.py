@@ -1,0 +1,62 @@
+"""Evaluation through a pipeline: the schedule's forward actions only.
+
+    model.eval()                                        # dropout off, as on one device
+    loss = strategy.evaluate(model, x, y)               # Hybrid(pp=2, ...): the mean loss
+    logits = strategy.evaluate(model, x)                # (B, S, V), one tensor
+
+``torch.distributed.pipelining``'s ``schedule.eval()`` runs a schedule forward only and
+returns the last stage's outputs (its ``step()`` refuses ``torch.no_grad()``: "call eval()
+instead"); Megatron-LM's ``forward_backward_func(..., forward_only=True)`` does the same
+for its validation loss.  Here :func:`workbench.schedules.run_pipeline` runs the ``F``
+actions of the recipe's schedule with ``forward_only=True``: under ``torch.no_grad()``,
+nothing kept for a backward, no gradient touched.  A pipelined model's own ``model(x)``
+would run every stage's layers on one mesh (each stage lives on its own ranks), so it
+raises and names these calls.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..parallel import schedules as S
+
+__all__ = ["evaluate", "refuse_forward"]
+
+
+def refuse_forward(module, args):
+    """A forward pre-hook of a model split into pipeline stages."""
+    raise RuntimeError(f"{type(module).__name__}(...) of a model split into pipeline stages: "
+                       "its forward would run every stage's layers on one mesh, but each "
+                       "stage lives on its own ranks; run the pipeline instead: "
+                       "strategy.forward_backward(model, x, y) to train, "
+                       "strategy.evaluate(model, x, y) for the loss or "
+                       "strategy.evaluate(model, x) for the logits (forward only)")
+
+
+@torch.no_grad()
+def evaluate(h, model, inputs, targets=None) -> torch.Tensor:
+    """The mean loss of ``inputs`` against ``targets`` under the hybrid recipe ``h``, or
+    without ``targets`` the logits (B, S, V) as one tensor; forward only."""
+    h.check(model.cfg, inputs.shape[0])
+    n_stages = len(h.stage_layers)
+    if n_stages == 1:
+        mesh = h.meshes[0]
+        logits = h._stage(model, 0, h._batch(inputs, mesh))
+        if targets is None:
+            return logits.full().detach()
+        return h._loss(logits, h._batch(targets, mesh)).full().detach()
+    if h.distributed:
+        raise NotImplementedError("Hybrid.evaluate with pp > 1 under torch.distributed is "
+                                  "not built; evaluate on simulated ranks")
+    stages = [lambda x, s=s: h._stage(model, s, x) for s in range(n_stages)]
+    m = h.m
+    first, last = h.meshes[0], h._mesh_of(n_stages - 1)
+    xs = [h._batch(c, first) for c in inputs.chunk(m)]
+    ts = None if targets is None else [h._batch(c, last) for c in targets.chunk(m)]
+    # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order gives the same values
+    sched = S.one_f_one_b(h.pp, m) if h.schedule_name == "dualpipe" else h._schedule(m)
+    run = S.run_pipeline(sched, stages, h.meshes, xs,
+                         None if ts is None else (lambda out, i: h._loss(out, ts[i])),
+                         forward_only=True)
+    if targets is None:
+        return torch.cat([o.full() for o in run.outputs])
+    return torch.tensor(run.loss)
