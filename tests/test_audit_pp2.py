@@ -422,3 +422,35 @@ def test_clip_grad_value_over_every_stage_is_one_devices(kw):
         wb.clip_grad_value_(model.parameters(), 2e-3)
     st.clip_grad_value_(opts, 2e-3)
     assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(want, rel=1e-5)
+
+
+def _ignored_targets(y, whole_first_micro_batch=False):
+    y = y.clone()
+    y[0, :40] = -100                    # F.cross_entropy's ignore_index: padding, prompts
+    y[5, :10] = -100
+    if whole_first_micro_batch:
+        y[:2] = -100
+    return y
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, tp=2), dict(pp=2, dp=2, zero=1),
+                                dict(pp=2, schedule="dualpipe", microbatches=4)], ids=_ids)
+@pytest.mark.parametrize("whole", [False, True], ids=["some", "a-whole-micro-batch"])
+def test_ignored_targets_weigh_micro_batches_by_their_tokens(kw, whole):
+    # each micro-batch's mean weighed 1/m: the loss was not one device's mean over the
+    # batch's counted tokens (-6.5e-4 here) and the gradients differed (+2.6e-3 in norm)
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    y = _ignored_targets(y, whole)
+    ref = build_model(cfg, seed=0).train()
+    want = ref(x, y)[1]
+    want.backward()
+    want_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    st, model, opts = _pipeline(cfg, **kw)
+    got = st.forward_backward(model, x, y)
+    assert float(got) == pytest.approx(want.item(), rel=1e-6)
+    assert float(st.clip_grad_norm_(opts, math.inf)) == pytest.approx(want_norm, rel=1e-5)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert float(st.evaluate(model, x, y)) == pytest.approx(float(ref(x, y)[1]), rel=1e-6)

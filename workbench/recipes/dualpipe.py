@@ -29,6 +29,7 @@ import torch
 from ..parallel import schedules as S
 from ..parallel import storage
 from ..sim_mesh.collectives import record_collective
+from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["check_args", "check", "build_twin", "twin_optimizers", "forward_backward",
            "all_reduce_copies"]
@@ -111,7 +112,8 @@ def forward_backward(h, model, inputs, targets):
     mesh_of = lambda stage, i: h.meshes[sched.placement(stage, i)[0]]   # noqa: E731
     xs = [h._batch(c, mesh_of(0, i)) for i, c in enumerate(inputs.chunk(m))]
     ts = [h._batch(c, mesh_of(p - 1, i)) for i, c in enumerate(targets.chunk(m))]
-    run = S.run_pipeline(sched, stages, h.meshes, xs, lambda out, i: h._loss(out, ts[i]),
+    loss_fn = weighted_loss_fn(lambda out, i: h._loss(out, ts[i]), token_weights(targets, m))
+    run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
                          params=params)
     return torch.tensor(run.loss)
 

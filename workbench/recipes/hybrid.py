@@ -55,6 +55,7 @@ from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
+from .pipeline_loss import token_weights, weighted_loss_fn
 from .moe import (check_ep, check_ep_batch, check_moe_layout, expert_meshes,
                   keep_residual_layout, scale_aux_losses, split_params, wire_expert_parallel)
 
@@ -402,8 +403,10 @@ class Hybrid:
         scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
         params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
-        run = S.run_pipeline(sched, stages, self.meshes, xs,
-                             lambda out, i: self._loss(out, ts[i]), params=params)
+        # ignored targets (-100): each micro-batch weighed by its tokens (pipeline_loss.py)
+        loss_fn = weighted_loss_fn(lambda out, i: self._loss(out, ts[i]),
+                                   token_weights(targets, m))
+        run = S.run_pipeline(sched, stages, self.meshes, xs, loss_fn, params=params)
         return torch.tensor(run.loss)
 
     def evaluate(self, model, inputs, targets=None) -> torch.Tensor:

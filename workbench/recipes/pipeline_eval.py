@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import schedules as S
+from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["evaluate", "refuse_forward"]
 
@@ -54,9 +55,9 @@ def evaluate(h, model, inputs, targets=None) -> torch.Tensor:
     ts = None if targets is None else [h._batch(c, last) for c in targets.chunk(m)]
     # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order gives the same values
     sched = S.one_f_one_b(h.pp, m) if h.schedule_name == "dualpipe" else h._schedule(m)
-    run = S.run_pipeline(sched, stages, h.meshes, xs,
-                         None if ts is None else (lambda out, i: h._loss(out, ts[i])),
-                         forward_only=True)
+    loss_fn = None if ts is None else weighted_loss_fn(lambda out, i: h._loss(out, ts[i]),
+                                                       token_weights(targets, m))
+    run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, forward_only=True)
     if targets is None:
         return torch.cat([o.full() for o in run.outputs])
     return torch.tensor(run.loss)
