@@ -454,3 +454,15 @@ def test_ignored_targets_weigh_micro_batches_by_their_tokens(kw, whole):
     ref.eval()
     with torch.no_grad():
         assert float(st.evaluate(model, x, y)) == pytest.approx(float(ref(x, y)[1]), rel=1e-6)
+
+
+def test_plain_tensor_between_stages_names_parallelize():
+    # a plain module's output reached the send: "'Tensor' object has no attribute
+    # 'placements'"
+    torch.manual_seed(0)
+    mods = [nn.Linear(4, 4) for _ in range(2)]
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    xs = list(torch.randn(8, 4).chunk(4))
+    with pytest.raises(TypeError, match=r"stages\[0\] returned a Tensor.*wb\.parallelize"):
+        S.run_pipeline(S.one_f_one_b(2, 4), mods, meshes, xs, lambda o, i: o.pow(2).mean())
+    assert all(p.grad is None for mod in mods for p in mod.parameters())

@@ -31,6 +31,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
+from .execute_checks import check_even_microbatches, check_sendable, check_weights
 from .simulate import simulate
 from .validate import validate
 
@@ -132,11 +133,11 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         raise ValueError(f"schedule {schedule.name} splits the backward into B and W: pass "
                          f"params=[parameters of each of the {p * v} stages]")
     if schedule.split_backward and not forward_only:
-        _check_weights(stages, params)
+        check_weights(stages, params)
     costs = dict(costs or {})
     if schedule.split_backward:
         costs.setdefault("w", costs.get("b", 1.0))
-    _check_even_microbatches(inputs)
+    check_even_microbatches(inputs)
     sim = simulate(schedule, **costs)
     order = sorted(((sim.starts[r][i], r, i) for r in range(p)
                     for i in range(len(schedule.actions[r]))))
@@ -169,6 +170,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 out = stages[slot](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
+            else:
+                check_sendable(out, slot)
             stage_out[key] = out
         else:
             out = stage_out[key]
@@ -187,42 +190,6 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
-
-
-def _check_weights(stages, params) -> None:
-    """A split backward's ``W`` computes the gradients of ``params[slot]`` only: a trainable
-    parameter of a module stage left out of them would silently get none."""
-    for slot, st in enumerate(stages):
-        if not isinstance(st, torch.nn.Module):
-            continue                    # a function: its parameters are the caller's word
-        given = {id(q) for q in params[slot]}
-        missing = [n for n, q in st.named_parameters()
-                   if q.requires_grad and id(q) not in given]
-        if missing:
-            raise ValueError(f"params[{slot}] leaves out {missing[:3]} of stages[{slot}]'s "
-                             "trainable parameters: the split backward's W computes only the "
-                             "listed ones, so these would get no gradient; pass "
-                             f"list(stages[{slot}].parameters())")
-
-
-def _rows(x):
-    """The leading size of a micro-batch (None when it has no shape)."""
-    shape = getattr(x, "shape", None)
-    return shape[0] if shape is not None and len(shape) else None
-
-
-def _check_even_microbatches(inputs) -> None:
-    """Each micro-batch's loss is scaled by 1/m, so the sum is the batch's mean (one
-    device's loss) only when the micro-batches are the same size; keyed dropout rows
-    assume it too."""
-    rows = [_rows(x) for x in inputs]
-    if None in rows or len(set(rows)) <= 1:
-        return
-    raise ValueError(f"inputs: micro-batches of {rows} rows; every micro-batch's loss "
-                     f"weighs 1/m = 1/{len(rows)}, which gives the batch's mean only when they "
-                     f"are the same size: split a batch whose size divides by m={len(rows)} "
-                     f"(e.g. {sum(rows) - sum(rows) % len(rows)} rows) into equal "
-                     "micro-batches")
 
 
 def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineRun:
@@ -245,6 +212,8 @@ def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineR
             x = _send(prev, meshes[r], prev.placements, f"F{a.mb} stage {s - 1}->{s}")
         with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
             out = stages[slot](x)
+        if s != last:
+            check_sendable(out, slot)
         if s == last:
             outputs[a.mb] = out
             if loss_fn is not None:
