@@ -466,3 +466,21 @@ def test_plain_tensor_between_stages_names_parallelize():
     with pytest.raises(TypeError, match=r"stages\[0\] returned a Tensor.*wb\.parallelize"):
         S.run_pipeline(S.one_f_one_b(2, 4), mods, meshes, xs, lambda o, i: o.pow(2).mean())
     assert all(p.grad is None for mod in mods for p in mod.parameters())
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, schedule="dualpipe", microbatches=4),
+                                dict(pp=2, schedule="zb-v", n_layer=4)], ids=_ids)
+def test_evaluate_takes_a_batch_of_another_size(kw):
+    # a validation batch of 1 or 3 sequences: "batch_size=3 does not divide into dp=1 x 4
+    # micro-batches" (forward only, any micro-batch count gives the same values)
+    kw = dict(kw)
+    cfg = _cfg(kw.pop("n_layer", 2))
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = build_model(cfg, seed=0).eval()
+    st, model, opts = _pipeline(cfg, **kw)
+    model.eval()
+    for b in (1, 3) if kw.get("schedule") != "zb-v" else (3, 6):
+        with torch.no_grad():
+            want = float(ref(x[:b], y[:b])[1])
+        assert float(st.evaluate(model, x[:b], y[:b])) == pytest.approx(want, rel=1e-5)
+    assert st.m == 4                    # the training step's micro-batches are unchanged

@@ -33,10 +33,41 @@ def refuse_forward(module, args):
                        "strategy.evaluate(model, x) for the logits (forward only)")
 
 
-@torch.no_grad()
+def _eval_microbatches(h, batch_size: int):
+    """Micro-batches for an evaluation batch (its size need not be the training one's):
+    the training count when it fits, else the most up to it that divide the batch over dp
+    (and that the schedule's layout takes); None when none does."""
+    if batch_size % h.dp:
+        return None
+    per = batch_size // h.dp
+    ks = [k for k in range(1, per + 1) if per % k == 0
+          and (h.schedule_name != "interleaved" or k % h.pp == 0)
+          and (h.schedule_name != "zb-v" or k >= h.pp)]
+    if not ks:
+        return None
+    below = [k for k in ks if k <= h.m]
+    return max(below) if below else min(ks)
+
+
 def evaluate(h, model, inputs, targets=None) -> torch.Tensor:
     """The mean loss of ``inputs`` against ``targets`` under the hybrid recipe ``h``, or
-    without ``targets`` the logits (B, S, V) as one tensor; forward only."""
+    without ``targets`` the logits (B, S, V) as one tensor; forward only.  The batch may
+    have any size the layout splits: forward only, the micro-batch count changes no value
+    (:func:`_eval_microbatches`); the training count is left as it was."""
+    saved = h._m, h.m, h.schedule_name
+    if h.schedule_name == "dualpipe":   # copy 0 alone (stage s on rank s): 1F1B's layout
+        h.schedule_name = "1f1b"
+    k = _eval_microbatches(h, inputs.shape[0]) if len(h.stage_layers) > 1 else None
+    if k is not None:
+        h._m = h.m = k
+    try:
+        return _evaluate(h, model, inputs, targets)
+    finally:
+        h._m, h.m, h.schedule_name = saved
+
+
+@torch.no_grad()
+def _evaluate(h, model, inputs, targets):
     h.check(model.cfg, inputs.shape[0])
     n_stages = len(h.stage_layers)
     if n_stages == 1:
@@ -53,8 +84,7 @@ def evaluate(h, model, inputs, targets=None) -> torch.Tensor:
     first, last = h.meshes[0], h._mesh_of(n_stages - 1)
     xs = [h._batch(c, first) for c in inputs.chunk(m)]
     ts = None if targets is None else [h._batch(c, last) for c in targets.chunk(m)]
-    # DualPipe: copy 0 alone (stage s on rank s) in 1F1B order gives the same values
-    sched = S.one_f_one_b(h.pp, m) if h.schedule_name == "dualpipe" else h._schedule(m)
+    sched = h._schedule(m)
     loss_fn = None if ts is None else weighted_loss_fn(lambda out, i: h._loss(out, ts[i]),
                                                        token_weights(targets, m))
     run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, forward_only=True)
