@@ -484,3 +484,17 @@ def test_evaluate_takes_a_batch_of_another_size(kw):
             want = float(ref(x[:b], y[:b])[1])
         assert float(st.evaluate(model, x[:b], y[:b])) == pytest.approx(want, rel=1e-5)
     assert st.m == 4                    # the training step's micro-batches are unchanged
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipe"])
+def test_op_recompute_with_a_split_backward_is_refused_up_front(schedule, capsys):
+    # PyTorch's selective activation checkpoint raised "Trying to backward an extra time"
+    # from inside the step (a traceback from the command line)
+    from workbench.cli import main
+    from workbench.train import train
+    with pytest.raises(NotImplementedError, match="recompute 'full' or 'selective'"):
+        train("tiny", steps=1, batch_size=8, timing=False, recompute="op",
+              strategy=Hybrid(pp=2, schedule=schedule))
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--pp", "2", "--schedule",
+                 schedule, "--recompute", "op"]) == 2
+    assert capsys.readouterr().err.startswith("error: recompute='op'")

@@ -235,6 +235,14 @@ class Hybrid:
                 "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
                 "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
                 "cfg.replace(tie_embeddings=False), or --dry-run (which prices it)")
+        if getattr(cfg, "recompute", "none") == "op" and pp > 1 and \
+                self.schedule_name in ("zb-h1", "zb-v", "dualpipe"):
+            # PyTorch's selective activation checkpoint allows one backward per region
+            raise NotImplementedError(
+                f"recompute='op' with schedule={self.schedule_name!r}: the schedule splits "
+                "each backward in two (B: input gradients, W: weight gradients), and "
+                "PyTorch's selective activation checkpoint allows one backward through its "
+                "region; use recompute 'full' or 'selective', or schedule '1f1b'")
         if self.sp and cfg.seq_len % tp:
             raise ValueError(f"sp: seq_len={cfg.seq_len} does not divide by tp={tp}")
         if self.schedule_name == "interleaved" and self.m % pp:
