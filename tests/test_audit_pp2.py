@@ -498,3 +498,18 @@ def test_op_recompute_with_a_split_backward_is_refused_up_front(schedule, capsys
     assert main(["train", "--preset", "tiny", "--steps", "1", "--pp", "2", "--schedule",
                  schedule, "--recompute", "op"]) == 2
     assert capsys.readouterr().err.startswith("error: recompute='op'")
+
+
+def test_pipeline_clip_in_bfloat16_and_a_zero_norm():
+    cfg = _cfg(dtype="bfloat16")
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref = build_model(cfg, seed=0).train()
+    ref(x, y)[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    st, model, opts = _pipeline(cfg, pp=2)
+    st.forward_backward(model, x, y)
+    with pytest.raises(ValueError, match="norm_type=0"):
+        st.clip_grad_norm_(opts, 1.0, 0)      # torch's count of nonzero tensors
+    got = st.clip_grad_norm_(opts, 1e9)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert float(got) == pytest.approx(float(want), rel=1e-2)

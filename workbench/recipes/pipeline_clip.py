@@ -132,12 +132,20 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
             math.isnan(max_norm):
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): give a number, e.g. 1.0")
     p = float(norm_type)
+    if p == 0.0:
+        # torch's "0-norm" of the gradients counts the tensors with a nonzero element,
+        # which the stages' counts cannot give; a p-norm composes over the stages
+        raise ValueError("clip_grad_norm_(norm_type=0) over a pipeline: the stages' counts "
+                         "do not combine into torch's; use a p-norm (p > 0) or inf")
     if not opts:
         return torch.tensor(0.0)
     counted = len(opts) if counted is None else counted
     parts = [stage_grad_norm(o, p, foreach) for o in opts]
-    norms = [n.float() for n, _ in parts[:counted]]
-    total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else torch.tensor(0.0)
+    norms = [n for n, _ in parts[:counted]]
+    # the p-norm of the stages' p-norms is the p-norm of all the gradients; in the
+    # gradients' dtype, as torch's total
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0]) for n in norms]), p) \
+        if norms else torch.tensor(0.0)
     if meshes is not None and len(meshes) > 1:     # each rank's part over the pipeline
         record_collective("all_reduce", meshes[0], None, 4, label="clip_grad norm over pp",
                           groups=[list(g) for g in zip(*(m.ranks for m in meshes))])
