@@ -92,7 +92,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
             ``meshes[r]``); an input on another rank's mesh is sent to the rank of
             its first stage.
         inputs: ``m`` micro-batches for stage 0, each a DistTensor on ``meshes[0]``
-            (or whatever stage 0 accepts).
+            (or whatever stage 0 accepts), all of one size: each loss weighs 1/m.
+            Every stage but the last returns a DistTensor (it is sent to the next mesh).
         loss_fn: ``loss_fn(output, i)`` -> scalar DistTensor for micro-batch i.
         params: per stage, its parameters (DistTensors or tensors); needed only for
             a split backward (``W`` computes exactly these gradients).
