@@ -513,3 +513,45 @@ def test_pipeline_clip_in_bfloat16_and_a_zero_norm():
     got = st.clip_grad_norm_(opts, 1e9)
     assert got.dtype == want.dtype == torch.bfloat16
     assert float(got) == pytest.approx(float(want), rel=1e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, schedule="gpipe"), dict(pp=2),
+                                dict(pp=2, schedule="interleaved"), dict(pp=2, schedule="zb-h1"),
+                                dict(pp=2, schedule="zb-v"),
+                                dict(pp=2, schedule="dualpipe", microbatches=4),
+                                dict(pp=2, dp=2, tp=2)], ids=_ids)
+def test_every_schedule_trains_with_a_torch_optimizer_as_one_device(kw):
+    # DualPipe's two copies were never summed for a torch.optim optimizer (each stage's
+    # own finish_gradient_synchronization): the copies drifted apart
+    cfg = _cfg(4)
+    ref = build_model(cfg, seed=0).train()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    st, model, opts = _pipeline(cfg, **kw)
+    opt = torch.optim.SGD([q for o in opts for q in o.parameters()], lr=0.5, momentum=0.9)
+    for step in range(3):
+        x, y = get_batch(cfg, 8, 0, step)
+        want = ref(x, y)[1]
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = st.forward_backward(model, x, y)
+        st.finish_gradient_synchronization(opts)
+        opt.step()
+        opt.zero_grad()
+        assert float(got) == pytest.approx(want.item(), rel=1e-6)
+    sd = {k: v.full() if isinstance(v, wb.DistTensor) else v
+          for k, v in model.state_dict().items()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[name], p.detach(), atol=5e-6, rtol=0)
+
+
+def test_dualpipe_backward_after_the_copies_were_summed_is_refused():
+    cfg = _cfg()
+    x, y = get_batch(cfg, 8, 0, 0)
+    st, model, opts = _pipeline(cfg, pp=2, schedule="dualpipe", microbatches=4)
+    st.forward_backward(model, x, y)
+    st.clip_grad_norm_(opts, 1.0)
+    with pytest.raises(RuntimeError, match="summed for this step"):
+        st.forward_backward(model, x, y)
+    st.optimizer_step(opts)
+    st.forward_backward(model, x, y)        # a new step: summed once again by its step

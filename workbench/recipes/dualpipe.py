@@ -32,7 +32,7 @@ from ..sim_mesh.collectives import record_collective
 from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["check_args", "check", "build_twin", "twin_optimizers", "forward_backward",
-           "all_reduce_copies"]
+           "all_reduce_copies", "sum_copies_once"]
 
 
 def check_args(*, pp, zero, distributed) -> None:
@@ -102,6 +102,7 @@ def forward_backward(h, model, inputs, targets):
     """One step of :func:`workbench.schedules.dualpipe` over the two copies: micro-batch
     i < m/2 enters at rank 0 (copy 0), the others at rank pp - 1 (copy 1)."""
     h.check(model.cfg, inputs.shape[0])
+    _begin_backward(h)
     twin, model1 = h._twin
     p, m = h.pp, h.m
     sched = S.dualpipe(p, m)
@@ -116,6 +117,31 @@ def forward_backward(h, model, inputs, targets):
     run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
                          params=params)
     return torch.tensor(run.loss)
+
+
+def sum_copies_once(h) -> None:
+    """The two copies' gradients summed (:func:`all_reduce_copies`) once per step: by the
+    first of clipping, ``finish_gradient_synchronization`` or the optimizer step."""
+    if not getattr(h, "_copies_summed", False):
+        all_reduce_copies(h)
+        h._copies_summed = True
+
+
+def _begin_backward(h) -> None:
+    """A backward after the copies were summed: a new step once the gradients were cleared
+    (a torch.optim optimizer's step and zero_grad), else refused (summing again would
+    count the first sum twice)."""
+    if not getattr(h, "_copies_summed", False):
+        return
+    twin, model1 = h._twin
+    leaves = [t for s in range(h.pp) for t in _grad_leaves(h._stage_params(h._copy0, s))
+              + _grad_leaves(twin._stage_params(model1, s))]
+    if any(t.grad is not None and bool(t.grad.ne(0).any()) for t in leaves):
+        raise RuntimeError("dualpipe: the two copies' gradients were summed for this step "
+                           "(clip_grad_norm_ / finish_gradient_synchronization); step and "
+                           "zero the gradients before the next forward_backward, or clip "
+                           "after the last one")
+    h._copies_summed = False
 
 
 def _grad_leaves(params) -> list:

@@ -445,9 +445,18 @@ class Hybrid:
         from .pipeline_clip import clip_hybrid_value_
         clip_hybrid_value_(self, optimizers, clip_value, foreach)
 
+    def finish_gradient_synchronization(self, optimizers) -> None:
+        """Every stage's gradients summed over its dp ranks (DualPipe: the two copies'
+        first), for a ``torch.optim`` optimizer over the stage optimizers' ``parameters()``
+        (ZeRO 0): call it after :meth:`forward_backward`, then that optimizer's step."""
+        if self.schedule_name == "dualpipe":
+            _dualpipe.sum_copies_once(self)
+        for o in optimizers:
+            o.finish_gradient_synchronization()
+
     def optimizer_step(self, optimizers) -> None:
-        if self.schedule_name == "dualpipe" and not getattr(self, "_copies_summed", False):
-            _dualpipe.all_reduce_copies(self)     # sum the two copies' gradients first
+        if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
+            _dualpipe.sum_copies_once(self)
         self._copies_summed = False
         for o in optimizers:
             o.step()

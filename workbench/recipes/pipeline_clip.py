@@ -169,11 +169,9 @@ def _prepare(h, fn: str) -> int:
                                   "built; clip on simulated ranks")
     if h.schedule_name != "dualpipe":
         return -1
-    if not getattr(h, "_copies_summed", False):
-        from . import dualpipe
-        dualpipe.all_reduce_copies(h)       # copy 1 then holds the same sum: scaled, not
-        h._copies_summed = True             # counted twice
-    return h._copy0_optimizers
+    from . import dualpipe
+    dualpipe.sum_copies_once(h)             # copy 1 then holds the same sum: scaled, not
+    return h._copy0_optimizers              # counted twice
 
 
 def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite=False,
