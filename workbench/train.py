@@ -312,6 +312,8 @@ def main_train(args) -> int:
         from .recipes.moe import moe_overrides
         moe = moe_overrides(args)                # ModelConfig's moe_* fields (recipes/moe.py)
         cfg = get_config(args.preset, **moe)
+        if getattr(args, "recompute", None) is not None:     # what train() will build
+            cfg = cfg.replace(recompute=args.recompute)
         strategy = strategy_from_args(args)
         check = getattr(strategy, "check", None)
         if check is not None:

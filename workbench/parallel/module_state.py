@@ -141,16 +141,26 @@ class ParallelModule:
             super().zero_grad(set_to_none)
         for v in _unique(held):
             for t in storage.tensors(v._local):
+                hook = getattr(t, "_wb_zero_grad_hook", None)
+                if hook is not None:    # gradient state kept elsewhere (ZeRO-2's shards)
+                    hook(set_to_none)
                 if t.grad is None:
                     continue
                 if set_to_none:
                     t.grad = None
-                else:
-                    t.grad.detach_().zero_()
+                else:                   # as nn.Module.zero_grad: a view (a bucket's piece)
+                    g = t.grad          # is detached in place only if it has a history
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    else:
+                        g.requires_grad_(False)
+                    g.zero_()
         for m in self.modules():        # wrapped by FullyShardedDataParallel: its shards
             for t in _shards(m).values():
                 if t.grad is not None:
                     t.grad = None if set_to_none else t.grad.detach_().zero_()
+        for fn in self.__dict__.get("_wb_zero_grad_hooks", ()):    # e.g. DualPipe's copy 1
+            fn(set_to_none)
 
     # ---- load_state_dict: DistTensors or full tensors, checked before any copy ----------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

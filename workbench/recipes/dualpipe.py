@@ -29,9 +29,10 @@ import torch
 from ..parallel import schedules as S
 from ..parallel import storage
 from ..sim_mesh.collectives import record_collective
+from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["check_args", "check", "build_twin", "twin_optimizers", "forward_backward",
-           "all_reduce_copies"]
+           "all_reduce_copies", "sum_copies_once"]
 
 
 def check_args(*, pp, zero, distributed) -> None:
@@ -71,6 +72,23 @@ def build_twin(h, model, cfg, seed: int) -> None:
     twin.v = 1
     h._twin = (twin, twin.build_model(cfg, seed))
     h._copy0 = model
+    # model.zero_grad() clears copy 1's gradients too (module_state's hook), and
+    # model.load_state_dict(...) loads copy 1 too (left as it was, the copies would differ)
+    model.__dict__.setdefault("_wb_zero_grad_hooks", []).append(h._twin[1].zero_grad)
+    model.register_load_state_dict_post_hook(_load_twin(h._twin[1]))
+
+
+def _load_twin(model1):
+    """A ``load_state_dict`` post-hook of copy 0: copy 0's new values into copy 1."""
+    @torch.no_grad()
+    def hook(model, incompatible_keys):
+        from ..parallel.dist_tensor import DistTensor
+        from ..sim_mesh.trace import suspend
+        with suspend():                 # a copy between the model's copies: no step traffic
+            sd = {k: v.full() if isinstance(v, DistTensor) else v
+                  for k, v in model.state_dict().items()}
+            model1.load_state_dict(sd)
+    return hook
 
 
 def twin_optimizers(h, lr: float, weight_decay: float) -> list:
@@ -84,6 +102,7 @@ def forward_backward(h, model, inputs, targets):
     """One step of :func:`workbench.schedules.dualpipe` over the two copies: micro-batch
     i < m/2 enters at rank 0 (copy 0), the others at rank pp - 1 (copy 1)."""
     h.check(model.cfg, inputs.shape[0])
+    _begin_backward(h)
     twin, model1 = h._twin
     p, m = h.pp, h.m
     sched = S.dualpipe(p, m)
@@ -94,9 +113,35 @@ def forward_backward(h, model, inputs, targets):
     mesh_of = lambda stage, i: h.meshes[sched.placement(stage, i)[0]]   # noqa: E731
     xs = [h._batch(c, mesh_of(0, i)) for i, c in enumerate(inputs.chunk(m))]
     ts = [h._batch(c, mesh_of(p - 1, i)) for i, c in enumerate(targets.chunk(m))]
-    run = S.run_pipeline(sched, stages, h.meshes, xs, lambda out, i: h._loss(out, ts[i]),
+    loss_fn = weighted_loss_fn(lambda out, i: h._loss(out, ts[i]), token_weights(targets, m))
+    run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
                          params=params)
     return torch.tensor(run.loss)
+
+
+def sum_copies_once(h) -> None:
+    """The two copies' gradients summed (:func:`all_reduce_copies`) once per step: by the
+    first of clipping, ``finish_gradient_synchronization`` or the optimizer step."""
+    if not getattr(h, "_copies_summed", False):
+        all_reduce_copies(h)
+        h._copies_summed = True
+
+
+def _begin_backward(h) -> None:
+    """A backward after the copies were summed: a new step once the gradients were cleared
+    (a torch.optim optimizer's step and zero_grad), else refused (summing again would
+    count the first sum twice)."""
+    if not getattr(h, "_copies_summed", False):
+        return
+    twin, model1 = h._twin
+    leaves = [t for s in range(h.pp) for t in _grad_leaves(h._stage_params(h._copy0, s))
+              + _grad_leaves(twin._stage_params(model1, s))]
+    if any(t.grad is not None and bool(t.grad.ne(0).any()) for t in leaves):
+        raise RuntimeError("dualpipe: the two copies' gradients were summed for this step "
+                           "(clip_grad_norm_ / finish_gradient_synchronization); step and "
+                           "zero the gradients before the next forward_backward, or clip "
+                           "after the last one")
+    h._copies_summed = False
 
 
 def _grad_leaves(params) -> list:

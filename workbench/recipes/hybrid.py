@@ -45,6 +45,7 @@ from ..models.config import build_model as _build
 from ..parallel import schedules as S
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.module import dist_parameters, parallelize
+from ..parallel.module_state import adopt
 from ..parallel.placement import Replicate, Shard
 from ..parallel.reshard import reshard
 from ..parallel.strategies.data_parallel import DataParallel
@@ -54,6 +55,7 @@ from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
+from .pipeline_loss import token_weights, weighted_loss_fn
 from .moe import (check_ep, check_ep_batch, check_moe_layout, expert_meshes,
                   keep_residual_layout, scale_aux_losses, split_params, wire_expert_parallel)
 
@@ -88,6 +90,20 @@ def stage_meshes(dp: int, tp: int, pp: int) -> list[Mesh]:
 def _arg(name: str, value=None) -> str:
     """An argument as the messages write it: ``dp`` or ``dp=4``."""
     return name if value is None else f"{name}={value!r}"
+
+
+def _microbatch_hint(batch_size, dp, m, pp, schedule) -> str:
+    """``", or Hybrid(microbatches=k)"`` for the k nearest ``m`` that fits the batch."""
+    if batch_size % dp:
+        return ""
+    per = batch_size // dp
+    ks = [k for k in range(1, per + 1) if per % k == 0
+          and (schedule != "interleaved" or k % pp == 0)
+          and (schedule != "dualpipe" or (k % 2 == 0 and k >= 2 * pp))]
+    if not ks:
+        return ""
+    k = min(ks, key=lambda k: (abs(k - m), -k))
+    return f", or Hybrid(microbatches={k})"
 
 
 def _int(v) -> bool:
@@ -205,8 +221,13 @@ class Hybrid:
                              + (" or give stage_sizes (one layer count per stage)"
                                 if v == 1 else ""))
         if batch_size % (self.dp * self.m):
+            n = self.dp * self.m
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
-                             f"{self.m} micro-batches")
+                             f"{self.m} micro-batches: the micro-batches must be equal, each "
+                             f"split evenly over the dp ranks; give a batch_size that divides by "
+                             f"{n} (e.g. {n * max(1, round(batch_size / n))})"
+                             + _microbatch_hint(batch_size, self.dp, self.m, pp,
+                                                self.schedule_name))
         if getattr(cfg, "tie_embeddings", False) and pp * v > 1 and self.device.type != "meta":
             # Megatron keeps a copy of the word embedding on the last stage and all-reduces
             # the two copies' gradients every step; without that the copies drift apart
@@ -214,6 +235,14 @@ class Hybrid:
                 "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
                 "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
                 "cfg.replace(tie_embeddings=False), or --dry-run (which prices it)")
+        if getattr(cfg, "recompute", "none") == "op" and pp > 1 and \
+                self.schedule_name in ("zb-h1", "zb-v", "dualpipe"):
+            # PyTorch's selective activation checkpoint allows one backward per region
+            raise NotImplementedError(
+                f"recompute='op' with schedule={self.schedule_name!r}: the schedule splits "
+                "each backward in two (B: input gradients, W: weight gradients), and "
+                "PyTorch's selective activation checkpoint allows one backward through its "
+                "region; use recompute 'full' or 'selective', or schedule '1f1b'")
         if self.sp and cfg.seq_len % tp:
             raise ValueError(f"sp: seq_len={cfg.seq_len} does not divide by tp={tp}")
         if self.schedule_name == "interleaved" and self.m % pp:
@@ -263,6 +292,12 @@ class Hybrid:
             # (parallelize reuses a tied parameter's)
             head_plan = {"": "colwise"} if "lm_head" in plan else {}
             parallelize(model.lm_head, self._mesh_of(0), head_plan, mesh_dim="tp")
+        # the whole model (not only each stage's modules) handles its DistTensors:
+        # model.zero_grad(set_to_none=False), .to(dtype), load_state_dict
+        adopt(model)
+        if len(self.stages) > 1:        # model(x) would run every stage on one mesh
+            from .pipeline_eval import refuse_forward
+            model.register_forward_pre_hook(refuse_forward)
         if self.schedule_name == "dualpipe":      # the second copy of every stage
             _dualpipe.build_twin(self, model, cfg, seed)
         return model
@@ -318,6 +353,10 @@ class Hybrid:
                                              zero=self.zero, bucket_bytes=ONE_BUFFER
                                              if self.zero == 0 else None, lr=lr,
                                              weight_decay=weight_decay))
+        if len(self.stage_layers) > 1:  # a stage alone would clip by its own norm
+            from .pipeline_clip import mark_stage_optimizers
+            mark_stage_optimizers(opts)
+        self._copy0_optimizers = len(opts)
         if self.schedule_name == "dualpipe":      # copy 1's own optimizer states
             opts += _dualpipe.twin_optimizers(self, lr, weight_decay)
         return opts
@@ -344,6 +383,10 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Hybrid.forward_backward under torch.no_grad(): a training "
+                               "step needs gradients; to evaluate use "
+                               "strategy.evaluate(model, inputs, targets) (forward only)")
         if self.schedule_name == "dualpipe":
             return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
@@ -368,18 +411,53 @@ class Hybrid:
         scale_aux_losses(model, m)      # MoE: the load-balancing loss averaged as the loss
         params = [self._stage_params(model, s) if self._own(self._mesh_of(s)) else []
                   for s in range(n_stages)] if sched.split_backward else None
-        run = S.run_pipeline(sched, stages, self.meshes, xs,
-                             lambda out, i: self._loss(out, ts[i]), params=params)
+        # ignored targets (-100): each micro-batch weighed by its tokens (pipeline_loss.py)
+        loss_fn = weighted_loss_fn(lambda out, i: self._loss(out, ts[i]),
+                                   token_weights(targets, m))
+        run = S.run_pipeline(sched, stages, self.meshes, xs, loss_fn, params=params)
         return torch.tensor(run.loss)
+
+    def evaluate(self, model, inputs, targets=None) -> torch.Tensor:
+        """The batch's mean loss, forward only (``torch.distributed.pipelining``'s
+        ``schedule.eval()``); without ``targets`` the logits (B, S, V)
+        (:mod:`workbench.recipes.pipeline_eval`)."""
+        from .pipeline_eval import evaluate
+        return evaluate(self, model, inputs, targets)
 
     def _schedule(self, m):
         if self.schedule_name == "interleaved":
             return S.interleaved_1f1b(self.pp, m, self.v)
         return SCHEDULES[self.schedule_name](self.pp, m)
 
+    def clip_grad_norm_(self, optimizers, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, every stage scaled by
+        one coefficient; returns one device's total norm.  Call it after
+        :meth:`forward_backward`, before :meth:`optimizer_step`
+        (:mod:`workbench.recipes.pipeline_clip`)."""
+        from .pipeline_clip import clip_hybrid_norm_
+        return clip_hybrid_norm_(self, optimizers, max_norm, norm_type, error_if_nonfinite,
+                                 foreach)
+
+    def clip_grad_value_(self, optimizers, clip_value: float, foreach=None) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over every stage's gradients (summed over
+        dp first); call it where :meth:`clip_grad_norm_` goes."""
+        from .pipeline_clip import clip_hybrid_value_
+        clip_hybrid_value_(self, optimizers, clip_value, foreach)
+
+    def finish_gradient_synchronization(self, optimizers) -> None:
+        """Every stage's gradients summed over its dp ranks (DualPipe: the two copies'
+        first), for a ``torch.optim`` optimizer over the stage optimizers' ``parameters()``
+        (ZeRO 0): call it after :meth:`forward_backward`, then that optimizer's step."""
+        if self.schedule_name == "dualpipe":
+            _dualpipe.sum_copies_once(self)
+        for o in optimizers:
+            o.finish_gradient_synchronization()
+
     def optimizer_step(self, optimizers) -> None:
         if self.schedule_name == "dualpipe":      # sum the two copies' gradients first
-            _dualpipe.all_reduce_copies(self)
+            _dualpipe.sum_copies_once(self)
+        self._copies_summed = False
         for o in optimizers:
             o.step()
 

@@ -31,6 +31,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
+from .execute_checks import check_even_microbatches, check_sendable, check_weights
 from .simulate import simulate
 from .validate import validate
 
@@ -42,9 +43,13 @@ class PipelineRun:
     """What a pipeline run produced: the loss per micro-batch and the order it ran."""
     losses: list            # per micro-batch loss (floats), unscaled
     order: list             # (rank, Action) in execution order
+    outputs: list | None = None     # forward_only: the last stage's output per micro-batch
 
     @property
     def loss(self) -> float:
+        if not self.losses:
+            raise ValueError("PipelineRun.loss: this run computed no loss (forward_only "
+                             "with loss_fn=None); read .outputs, or pass a loss_fn")
         return sum(self.losses) / len(self.losses)
 
 
@@ -72,8 +77,8 @@ def _send(t, dst_mesh, placements, label):
 
 
 def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
-                 inputs: Sequence, loss_fn: Callable, *, params: Sequence | None = None,
-                 costs: dict | None = None) -> PipelineRun:
+                 inputs: Sequence, loss_fn: Callable | None, *, params: Sequence | None = None,
+                 costs: dict | None = None, forward_only: bool = False) -> PipelineRun:
     """Run ``schedule`` over model stages.
 
     Args:
@@ -87,14 +92,33 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
             ``meshes[r]``); an input on another rank's mesh is sent to the rank of
             its first stage.
         inputs: ``m`` micro-batches for stage 0, each a DistTensor on ``meshes[0]``
-            (or whatever stage 0 accepts).
+            (or whatever stage 0 accepts), all of one size: each loss weighs 1/m.
+            Every stage but the last returns a DistTensor (it is sent to the next mesh).
         loss_fn: ``loss_fn(output, i)`` -> scalar DistTensor for micro-batch i.
         params: per stage, its parameters (DistTensors or tensors); needed only for
             a split backward (``W`` computes exactly these gradients).
         costs: f/b/w costs for ordering (the schedule's simulation), default 1.
+        forward_only: evaluation (Megatron-LM's ``forward_backward_func(...,
+            forward_only=True)``, ``torch.distributed.pipelining``'s ``schedule.eval()``):
+            only the ``F`` actions run, under ``torch.no_grad()``, nothing is kept for a
+            backward and no gradient is touched; ``loss_fn`` may be None, and
+            ``PipelineRun.outputs`` holds the last stage's output of each micro-batch.
     """
+    if not isinstance(forward_only, bool):
+        raise TypeError(f"run_pipeline(forward_only={forward_only!r}): give True or False")
+    if not forward_only and not torch.is_grad_enabled():
+        raise RuntimeError("run_pipeline under torch.no_grad(): the schedule's backward "
+                           "actions need the forward's graph; for evaluation pass "
+                           "forward_only=True (as torch.distributed.pipelining's eval()), or "
+                           "run with gradients enabled")
+    if loss_fn is None and not forward_only:
+        raise ValueError("run_pipeline(loss_fn=None): a training step backpropagates a "
+                         "loss; give loss_fn(output, i), or forward_only=True")
     validate(schedule)
     if storage.holds_own(meshes[0]):          # each process runs its own rank's actions
+        if forward_only:
+            raise NotImplementedError("run_pipeline(forward_only=True) on torch.distributed "
+                                      "is not built; evaluate on simulated ranks")
         from .execute_dist import run_pipeline_dist
         return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, params=params)
     p, m, v = schedule.p, schedule.m, schedule.v
@@ -105,15 +129,22 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
         raise ValueError(f"meshes has {len(meshes)} entries; give one mesh per rank (p={p})")
     if len(inputs) != m:
         raise ValueError(f"inputs has {len(inputs)} micro-batches; the schedule has m={m}")
-    if schedule.split_backward and (params is None or len(params) != p * v):
+    if schedule.split_backward and not forward_only and (params is None or
+                                                         len(params) != p * v):
         raise ValueError(f"schedule {schedule.name} splits the backward into B and W: pass "
                          f"params=[parameters of each of the {p * v} stages]")
+    if schedule.split_backward and not forward_only:
+        check_weights(stages, params)
     costs = dict(costs or {})
     if schedule.split_backward:
         costs.setdefault("w", costs.get("b", 1.0))
+    check_even_microbatches(inputs)
     sim = simulate(schedule, **costs)
     order = sorted(((sim.starts[r][i], r, i) for r in range(p)
                     for i in range(len(schedule.actions[r]))))
+    if forward_only:
+        with torch.no_grad():
+            return _forward_only(schedule, stages, meshes, inputs, loss_fn, order)
     stage_in: dict = {}          # (stage, mb) -> input leaf (detached) of that stage
     stage_out: dict = {}         # (stage, mb) -> output of that stage
     grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
@@ -140,6 +171,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 out = stages[slot](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
+            else:
+                check_sendable(out, slot)
             stage_out[key] = out
         else:
             out = stage_out[key]
@@ -158,6 +191,38 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineRun:
+    """The ``F`` actions of ``order`` alone (module docstring of :func:`run_pipeline`):
+    each stage's input freed once it ran, nothing kept for backward."""
+    m, last = schedule.m, schedule.stages - 1
+    stage_out: dict = {}
+    losses, outputs, done = [0.0] * m, [None] * m, []
+    for _, r, i in order:
+        a: Action = schedule.actions[r][i]
+        if a.kind != "F":
+            continue
+        s, slot = schedule.stage(r, a.chunk), schedule.slot(r, a.chunk)
+        if s == 0:
+            x = inputs[a.mb]
+            if isinstance(x, DistTensor) and x.mesh != meshes[r]:
+                x = _send(x, meshes[r], x.placements, f"input {a.mb} -> rank {r}")
+        else:
+            prev = stage_out.pop((s - 1, a.mb))
+            x = _send(prev, meshes[r], prev.placements, f"F{a.mb} stage {s - 1}->{s}")
+        with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+            out = stages[slot](x)
+        if s != last:
+            check_sendable(out, slot)
+        if s == last:
+            outputs[a.mb] = out
+            if loss_fn is not None:
+                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+        else:
+            stage_out[(s, a.mb)] = out
+        done.append((r, a))
+    return PipelineRun(losses if loss_fn is not None else [], done, outputs)
 
 
 def _value(loss):

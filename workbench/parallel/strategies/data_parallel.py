@@ -140,6 +140,40 @@ class DataParallel:
         for p in params:
             p._local.grad = None
 
+    # ---- the optimizer's habits (torch.optim.Optimizer's names) -----------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every gradient cleared (``set_to_none``) or zeroed, as ``Optimizer.zero_grad``;
+        ZeRO 1-2: the gradient shards reduced in backward too."""
+        if self.zero:
+            self.optimizer.zero_grad(set_to_none)
+            return
+        for p in self.params:
+            g = p._local.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p._local.grad = None
+            else:
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                g.zero_()
+
+    def state_dict(self) -> dict:
+        """The AdamW's ``state_dict()`` (per parameter: ``step``, ``exp_avg``,
+        ``exp_avg_sq`` as this layout holds them: one copy per dp replica, or each rank's
+        chunk under ZeRO 1-2); :meth:`load_state_dict` takes it back on the same layout
+        (across layouts: ``wb.checkpoint``)."""
+        if self.optimizer is None:
+            return {"state": {}, "param_groups": []}
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """:meth:`state_dict`'s dict, into this optimizer (the same layout)."""
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state_dict)
+
     # ---- any torch.optim optimizer (plain data parallel) ----------------------------------
     def parameters(self):
         """The replicas (each parameter's local leaf, one copy per dp rank) for a
@@ -167,6 +201,9 @@ class DataParallel:
         before :meth:`step`.  ZeRO 0: the gradients are summed over dp first
         (:meth:`finish_gradient_synchronization`, which ``step`` then does not repeat);
         ZeRO 1-2: :meth:`.zero_optimizer_dist.ChunkedZeroOptimizer.clip_grad_norm_`."""
+        refuse = getattr(self, "_wb_clip_refuse", None)     # one stage of a pipeline
+        if refuse:
+            raise RuntimeError(f"DataParallel.{refuse}")
         if self.zero:
             return self.optimizer.clip_grad_norm_(max_norm, norm_type)
         self.finish_gradient_synchronization()

@@ -229,7 +229,9 @@ class GradReplicas:
         nd = mesh.ndim
         for bucket in bucket_order(sizes, self.bucket_bytes):
             flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
-            red = self._sum(flat, "dp bucket")
+            # the sum is one copy expanded over dp (stride 0): each rank's own buffer, so
+            # the gradients take in-place ops (clip's mul_, zero_grad's zero_) as torch's
+            red = self._sum(flat, "dp bucket").contiguous()
             for j, piece in zip(bucket, unpack(red, [grads[j].shape[nd:] for j in bucket], nd)):
                 for a in range(nd):             # replicated axes back to one copy
                     if grads[j].shape[a] == 1:

@@ -117,6 +117,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
                 if p._local.requires_grad and not r.is_partial(p):
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
+                # model.zero_grad() reaches the shard that replaced the gradient
+                p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
 
     @property
     def optimizer(self):
@@ -173,6 +175,20 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                                      self._pending)
         return hook
 
+    def _zero_shard_hook(self, i):
+        """``model.zero_grad(set_to_none)`` of the module holding parameter ``i``: its
+        gradient shard reduced in backward goes too (zeroed in place when not None),
+        as the replica's ``.grad`` it replaced would."""
+        def hook(set_to_none: bool):
+            gs = self._gshard.get(i)
+            if gs is None:
+                return
+            if set_to_none:
+                del self._gshard[i]
+            else:
+                gs.zero_()
+        return hook
+
     # ---- the step --------------------------------------------------------------------------
     def live(self) -> list[int]:
         """Indices of the parameters with a gradient (in ``.grad`` or reduced in backward)."""
@@ -185,6 +201,13 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         in backward, waited for now), then one reduce-scatter of the rest in one buffer."""
         from ...sim_mesh.trace import current_trace
         mesh, ax = self.mesh, self.axis
+        for i in live:                  # the replicas converted after the shards were cut
+            if self.params[i]._local.dtype != self.shards[i].dtype:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: a parameter is {self.params[i]._local.dtype} "
+                    f"but the optimizer's shard of it is {self.shards[i].dtype} (the model "
+                    "was converted with .to(dtype) after the optimizer was built); build "
+                    "the optimizer after converting the model")
         self.replicas.sum_partials([self.params[i] for i in live])
         tr = current_trace()
         if tr is not None:
@@ -214,6 +237,17 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         shards' part of the norm, a scalar all-reduce over the mesh combines the parts, and
         the shards are scaled by ``min(max_norm / (total + 1e-6), 1)``; ``step`` then steps
         them.  Call it after the backward(s) of the step, before ``step``."""
+        total = self.grad_norm(norm_type)
+        self.scale_grads_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the model's gradients, nothing scaled: the gradients are
+        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined.  A
+        pipeline combines its stages' norms before scaling (Megatron-LM's
+        ``get_grad_norm_fp32`` all-reduces over the model-parallel group):
+        :func:`workbench.recipes.pipeline_clip.clip_grad_norm_`."""
         p = float(norm_type)
         if self.distributed:
             raise NotImplementedError("ZeroRedundancyOptimizer(partition='chunks')."
@@ -222,12 +256,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         if p in (0.0, -math.inf):
             raise ValueError(f"norm_type={norm_type!r}: the padded shards hold zeros that "
                              "this norm would count; use a p-norm p > 0 or inf")
-        live = self.live()
-        shards = self._reduce_grads(live)
         norms = []
-        for i, gs in zip(live, shards):
-            self._gshard[i] = gs                # step() takes them from here
-            self.params[i]._local.grad = None
+        for i, gs in self.reduce_grads_().items():
             for a, pl in enumerate(self.params[i].placements):
                 if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
                     gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
@@ -235,12 +265,24 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         for a in range(self.mesh.ndim):         # the ranks' parts combined: a scalar each
             if self.mesh.shape[a] > 1:
                 C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
-        total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
+        return torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
             torch.tensor(0.0)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for i in live:
-            self._gshard[i].mul_(coef)
-        return total
+
+    @torch.no_grad()
+    def reduce_grads_(self) -> dict:
+        """The gradients reduce-scattered now (what :meth:`step` would do first) into
+        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``."""
+        live = self.live()
+        for i, gs in zip(live, self._reduce_grads(live)):
+            self._gshard[i] = gs                # step() takes them from here
+            self.params[i]._local.grad = None
+        return {i: self._gshard[i] for i in live}
+
+    @torch.no_grad()
+    def scale_grads_(self, coef) -> None:
+        """Every reduced gradient shard (:meth:`grad_norm` made them) times ``coef``."""
+        for gs in self._gshard.values():
+            gs.mul_(coef)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -1,0 +1,58 @@
+"""What :func:`~.execute.run_pipeline` checks before (or as) it runs a schedule, so that
+a pipeline step gives one device's gradients or a clear error, never a silent difference:
+micro-batches of one size (each loss weighs 1/m), module stages' parameters all listed
+for a split backward (``W`` computes only those), DistTensors between stages.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dist_tensor import DistTensor
+
+__all__ = ["check_even_microbatches", "check_sendable", "check_weights"]
+
+
+def check_sendable(out, slot: int) -> None:
+    """A stage's output goes to the next stage's mesh: a DistTensor (it says where it is)."""
+    if not isinstance(out, DistTensor):
+        raise TypeError(f"stages[{slot}] returned a {type(out).__name__}: run_pipeline sends "
+                        "DistTensors from one stage's mesh to the next; parallelize each "
+                        "stage's module on its mesh (wb.parallelize(module, meshes[r])) and "
+                        "give DistTensor micro-batches (wb.shard_tensor(x, meshes[0], ['R'])), "
+                        "as notebook 07 does")
+
+
+def check_weights(stages, params) -> None:
+    """A split backward's ``W`` computes the gradients of ``params[slot]`` only: a trainable
+    parameter of a module stage left out of them would silently get none."""
+    for slot, st in enumerate(stages):
+        if not isinstance(st, torch.nn.Module):
+            continue                    # a function: its parameters are the caller's word
+        given = {id(q) for q in params[slot]}
+        missing = [n for n, q in st.named_parameters()
+                   if q.requires_grad and id(q) not in given]
+        if missing:
+            raise ValueError(f"params[{slot}] leaves out {missing[:3]} of stages[{slot}]'s "
+                             "trainable parameters: the split backward's W computes only the "
+                             "listed ones, so these would get no gradient; pass "
+                             f"list(stages[{slot}].parameters())")
+
+
+def _rows(x):
+    """The leading size of a micro-batch (None when it has no shape)."""
+    shape = getattr(x, "shape", None)
+    return shape[0] if shape is not None and len(shape) else None
+
+
+def check_even_microbatches(inputs) -> None:
+    """Each micro-batch's loss is scaled by 1/m, so the sum is the batch's mean (one
+    device's loss) only when the micro-batches are the same size; keyed dropout rows
+    assume it too."""
+    rows = [_rows(x) for x in inputs]
+    if None in rows or len(set(rows)) <= 1:
+        return
+    raise ValueError(f"inputs: micro-batches of {rows} rows; every micro-batch's loss "
+                     f"weighs 1/m = 1/{len(rows)}, which gives the batch's mean only when they "
+                     f"are the same size: split a batch whose size divides by m={len(rows)} "
+                     f"(e.g. {sum(rows) - sum(rows) % len(rows)} rows) into equal "
+                     "micro-batches")
