@@ -260,3 +260,35 @@ def test_zero_partition_is_checked():
     with pytest.raises(ValueError, match="DistTensor parameters"):
         wb.ZeroRedundancyOptimizer(list(mlp().parameters()), torch.optim.SGD, mesh,
                                    partition="chunks", lr=0.1)
+
+
+def test_zero_chunks_zero_grad_set_to_none_false_zeroes_in_place():
+    # torch.optim's contract: set_to_none=False keeps a zero gradient instead of None,
+    # and training continues exactly as with None
+    from workbench.parallel.strategies.zero_optimizer_dist import ChunkedZeroOptimizer
+    ref_losses, _ = one_device(3)
+    mesh = mesh2d()
+    model = wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
+    opt = wb.ZeroRedundancyOptimizer(wb.dist_parameters(model), torch.optim.AdamW, mesh, "dp",
+                                     partition="chunks", lr=1e-2)
+    assert isinstance(opt, ChunkedZeroOptimizer)
+    x, y = batch()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])
+    yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
+    losses = []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        for p in opt.params:
+            assert p._local.grad is None or not p._local.grad.any()
+        loss = ((model(xd) - yd) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.full().item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)
+    # a backward thrown away by zero_grad(set_to_none=False): zero gradients kept, and
+    # the next step sees only the next backward's (same parameters as a plain step)
+    ((model(xd) - yd) ** 2).mean().backward()
+    opt.zero_grad(set_to_none=False)
+    kept = [p._local.grad for p in opt.params if p._local.grad is not None]
+    assert kept and all(not g.any() for g in kept)

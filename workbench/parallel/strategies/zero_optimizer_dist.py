@@ -324,11 +324,20 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             s.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p._local.grad = None
+        """As ``torch.optim.Optimizer.zero_grad``: gradients to None, or (``set_to_none=
+        False``) existing gradients zeroed in place (detached first when they carry a
+        history, as torch does); the reduced shards accumulated so far are dropped either
+        way, so the next backward starts from zero."""
+        for t in [p._local for p in self.params] + list(self.shards):
+            if set_to_none or t.grad is None:
+                t.grad = None
+                continue
+            if t.grad.grad_fn is not None:
+                t.grad.detach_()
+            else:
+                t.grad.requires_grad_(False)
+            t.grad.zero_()
         self._gshard.clear()
-        for s in self.shards:
-            s.grad = None
 
     def state_dict(self):
         return self.optimizer.state_dict()
