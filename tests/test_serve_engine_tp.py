@@ -1,9 +1,12 @@
 """The serving engine on a tensor-parallel model (workbench.serve.engine_tp): every
 request's tokens are those of serving it alone with ``generate`` on the same laid-out
-model, and those of the one-device engine (the same steps, preemptions and eos), for
-the Llama and the GPT in float32 and bfloat16, tp = 2 and 4, grouped-query attention;
-each rank's pool holds its own key/value heads of the one-device pool; bytes per rank;
-the layouts it cannot serve are refused naming the fix."""
+model (greedy, and seeded sampling), for the Llama and the GPT in float32 and bfloat16,
+tp = 2 and 4, grouped-query attention, with preemption and eos; and those of the
+one-device engine (the same steps) wherever the one-device model's own tokens are the
+laid-out model's (float32: always; bfloat16: the tensor-parallel sums round otherwise).
+Each rank's pool holds its own key/value heads of the one-device pool, and costs 1/tp
+of its bytes; the attention adds no communication; the layouts it cannot serve are
+refused naming the fix."""
 import pytest
 import torch
 
@@ -22,11 +25,14 @@ CASES = [(p, d) for p in ("tiny", "gpt-tiny") for d in ("float32", "bfloat16")]
 _MODELS = {}
 
 
-def models(preset, dtype="float32", tp=2, **over):
-    """(one device's model, the same weights laid out tp-way by serve_model)."""
-    key = (preset, dtype, tp, tuple(sorted(over.items())))
+def models(preset, dtype="float32", tp=2, vocab=76, **over):
+    """(one device's model, the same weights laid out tp-way by serve_model).  A vocabulary
+    of 76 splits evenly over tp: the head and the logits are vocabulary-sharded
+    (Megatron's) and the tokens are picked by the vocabulary-parallel argmax / topk; 75
+    does not: the head is replicated."""
+    key = (preset, dtype, tp, vocab, tuple(sorted(over.items())))
     if key not in _MODELS:
-        cfg = wb.models.get_config(preset, dtype=dtype, **over)
+        cfg = wb.models.get_config(preset, dtype=dtype, vocab_size=vocab, **over)
         one = wb.models.build_model(cfg, seed=0).eval()
         served = wb.serve.serve_model(cfg, tp=tp, state_dict=one.state_dict())
         _MODELS[key] = one, served.model
@@ -71,28 +77,44 @@ def test_tp_engine_tokens_are_generates_and_the_one_device_engines(preset, dtype
     eos = ref[4][2]                                 # request 4 stops at its 3rd token (or before)
     ref = [alone(tp, p, n, eos) for p, n in zip(ps, NEWS)]
     assert len(ref[4]) < NEWS[4]
-    e, logits = serve(tp, ps, NEWS, eos)
+    assert tp.lm_head.weight.placements[1] == Shard(0)       # vocabulary-sharded logits
+    with wb.trace() as tr:
+        e, logits = serve(tp, ps, NEWS, eos)
+    # the tokens are picked from the sharded logits by (value, index) pairs, 2 numbers per
+    # rank; the logits are gathered once a step, the R rows reported (RequestOutput.logits)
+    gathers = [ev.args["buffer_bytes"] for ev in tr.events if ev.name == "all_gather"]
+    assert 2 * 8 in gathers
     assert isinstance(e.cache, ShardedPagedCache) and e.cache.tp == 2
     assert [e.outputs[i] for i in range(len(ps))] == ref
     assert e.finish_reason[4] == "eos"
     assert any(r.preempted for r in e.log)          # the pool ran out: recompute preemption
-    e1, logits1 = serve(one, ps, NEWS, eos)         # the one-device engine: the same steps
-    assert e1.outputs == e.outputs and e1.log == e.log
+    # the one-device engine: the same tokens wherever the one-device MODEL makes the same
+    # tokens as the laid-out one under generate.  In float32 that is every request (and the
+    # steps are the same); in bfloat16 the row-parallel partial sums round differently
+    # (logits ~2e-3 apart), which flips near-ties of generate itself: not the engine's doing.
+    e1, logits1 = serve(one, ps, NEWS, eos)
+    same = [i for i, (p, n) in enumerate(zip(ps, NEWS)) if alone(one, p, n, eos) == ref[i]]
+    assert same == list(range(len(ps))) if dtype == "float32" else same
+    for i in same:
+        assert e1.outputs[i] == e.outputs[i]
+    if len(same) == len(ps):
+        assert e1.log == e.log
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
-    for i in logits1:                               # and the logits they were chosen from
-        assert logits[i].shape == (len(ref[i]), 75)
+    for i in same:                                  # and the logits they were chosen from
+        assert logits[i].shape == (len(ref[i]), 76)
         torch.testing.assert_close(logits[i], logits1[i], **tol)
     assert e.cache.allocator.num_free == e.num_blocks == 5      # the pool is whole again
 
 
-@pytest.mark.parametrize("tp_size,over", [(4, {}), (2, {"n_kv_head": 2}), (4, {"n_kv_head": 4})])
-def test_tp4_and_grouped_query_attention(tp_size, over):
-    one, tp = models("tiny", tp=tp_size, **over)
+@pytest.mark.parametrize("tp_size,vocab,over", [(4, 76, {}), (4, 75, {}), (2, 75, {"n_kv_head": 2}),
+                                                (4, 76, {"n_kv_head": 4})])
+def test_tp4_and_grouped_query_attention(tp_size, vocab, over):
+    one, tp = models("tiny", tp=tp_size, vocab=vocab, **over)
     ps = prompts(1)
     e = serve(tp, ps, NEWS)[0]
     assert e.cache.tp == tp_size
     assert [e.outputs[i] for i in range(len(ps))] == [alone(tp, p, n) for p, n in zip(ps, NEWS)]
-    assert serve(one, ps, NEWS)[0].outputs == e.outputs
+    assert serve(one, ps, NEWS)[0].outputs == e.outputs          # float32: the same tokens
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt-tiny"])
@@ -160,3 +182,25 @@ def test_layouts_the_engine_cannot_serve_are_refused():
     m = Hybrid(dp=1, tp=4).build_model(wb.models.get_config("tiny", n_kv_head=2), 0)
     with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_head=2"):
         Engine(m.eval(), 8, BS)
+
+
+def test_the_sharded_cache_adds_no_communication():
+    """Each rank attends its own heads to its own pool: a packed step communicates what
+    the laid-out model's forward of the same tokens does without a cache (the all-reduces
+    of the row-parallel linears and the embedding), nothing more."""
+    from workbench.serve.engine_forward import packed_forward
+    from workbench.serve.engine_tp import make_cache
+    _, tp = models("tiny")
+    segs = [("a", [1, 2, 3, 4, 5]), ("b", [7, 8])]
+    cache = make_cache(tp, 8, BS)
+
+    def comms(tr):
+        return [(ev.name, ev.bytes) for ev in tr.events if ev.stream != "compute"]
+
+    with wb.trace() as t1, torch.no_grad():
+        packed_forward(tp, cache, segs)
+    with wb.trace() as t2, torch.no_grad():
+        tp(torch.tensor([[1, 2, 3, 4, 5, 7, 8]]), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1]]),
+           logits_to_keep=torch.tensor([4, 6]))
+    assert comms(t1) == comms(t2)
+    assert [n for n, _ in comms(t1)] == ["all_reduce"] * (1 + 2 * tp.cfg.n_layer)

@@ -27,6 +27,15 @@ heads and the query heads that read them); dp > 1 is refused: the engine packs a
 step's tokens into one row, which data parallelism would split over replicas; data
 parallel serving runs one engine per replica (vLLM's ``data_parallel_size``).
 Simulated meshes only (every rank in this process); on torch.distributed it raises.
+
+The rest is the laid-out model's own forward (``serve_model``): the row-parallel
+all-reduces, no more (tests count them); the vocabulary-sharded logits pick each
+request's token as ``generate`` does on the same model (the vocabulary-parallel argmax /
+topk, 2 numbers per row and rank), so the tokens are ``generate``'s.  The step's R
+rows are gathered once more to report them (``RequestOutput.logits``, one device's).
+In bfloat16 a tensor-parallel model's logits differ from one device's by rounding (the
+partial sums of the row-parallel linears are added in another order), which can flip a
+near-tie of ``generate`` itself: the engine's tokens are then the laid-out model's.
 """
 from __future__ import annotations
 
