@@ -204,3 +204,27 @@ def test_the_sharded_cache_adds_no_communication():
            logits_to_keep=torch.tensor([4, 6]))
     assert comms(t1) == comms(t2)
     assert [n for n, _ in comms(t1)] == ["all_reduce"] * (1 + 2 * tp.cfg.n_layer)
+
+
+@pytest.mark.slow
+def test_torchrun_engine_gives_the_simulations_tokens():
+    """One process per tp rank (gloo): the same tokens, preemptions and bytes per rank as
+    the simulated mesh."""
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(2, "engine_tp_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(out.stdout)
+    assert len(rows) == 1, out.stdout
+    ps, news = prompts(0, [1, 3, 4, 5, 11, 2]), [9, 8, 9, 3, 8, 5]
+    want = {}
+    for preset in ("tiny", "gpt-tiny"):
+        tp = wb.serve.serve_model(wb.models.get_config(preset, vocab_size=76), tp=2, seed=0).model
+        e = Engine(tp, num_blocks=5, block_size=BS, max_batch=3, token_budget=6)
+        want[preset] = e.generate_all(ps, news)
+        want[preset + "/preempted"] = sum(len(r.preempted) for r in e.log)
+        want[preset + "/bytes_per_block"] = e.memory().bytes_per_block
+        want[preset + "/sampled"] = [alone(tp, p, n, temperature=0.8, top_k=20, top_p=0.95,
+                                           generator=torch.Generator().manual_seed(10 + i))
+                                     for i, (p, n) in enumerate(zip(ps, news))]
+    assert want["tiny/preempted"] > 0
+    assert rows[0] == want

@@ -26,7 +26,10 @@ query attention needs ``n_kv_head`` divisible by tp (each rank then holds whole 
 heads and the query heads that read them); dp > 1 is refused: the engine packs a
 step's tokens into one row, which data parallelism would split over replicas; data
 parallel serving runs one engine per replica (vLLM's ``data_parallel_size``).
-Simulated meshes only (every rank in this process); on torch.distributed it raises.
+On a simulated mesh the cache runs every rank's shard in turn; on torch.distributed
+(``serve_model(..., distributed=True)`` under torchrun) each process runs its own, the
+same schedule and block ids in every process (the scheduler is deterministic and a
+request's seeded generator draws alike everywhere, as ``generate``'s).
 
 The rest is the laid-out model's own forward (``serve_model``): the row-parallel
 all-reduces, no more (tests count them); the vocabulary-sharded logits pick each
@@ -76,10 +79,6 @@ def layout_of(model):
                          "data_parallel_size does, one Engine per replica: build each on "
                          f"serve_model(cfg, tp={tp}).model (dp=1) and send each its own "
                          "requests")
-    if storage.holds_own(mesh):
-        raise NotImplementedError("Engine on torch.distributed (one rank per process): not "
-                                  "built; the engine serves a simulated tensor-parallel mesh "
-                                  "(serve_model(cfg, tp=...) without distributed=True)")
     cfg = model.cfg
     for name, v in (("n_kv_head", cfg.n_kv_head), ("n_head", cfg.n_head)):
         if v % tp:
@@ -122,15 +121,19 @@ class ShardedPagedCache(RaggedPagedCache):
                                  f"{self.placements} on {self.mesh} (the key/value heads over "
                                  "tp, as the column-parallel wk, wv give them): serve the "
                                  "model laid out by serve_model(cfg, tp=...)")
+        own = storage.holds_own(self.mesh)      # torch.distributed: this process's shard
         ys = [super(ShardedPagedCache, self)._attend(kp.local(r), vp.local(r), q.local(r),
                                                      k.local(r), v.local(r))
-              for r in self.mesh.ranks]                   # each rank: its heads, no comms
-        return from_local(ys, self.mesh, q.placements, shape=q.shape, check_replicas=False)
+              for r in ([None] if own else self.mesh.ranks)]   # each rank: its heads, no comms
+        return from_local(ys[0] if own else ys, self.mesh, q.placements, shape=q.shape,
+                          check_replicas=False)
 
     def bytes_per_block(self) -> int:
         """Bytes one block takes on each rank: every layer's keys and values of its
         n_kv_head / tp heads."""
-        return _block_bytes(self.k_pools[0].local(self.mesh.ranks[0]), self.n_layer)
+        pool = self.k_pools[0]
+        return _block_bytes(pool.local(None if storage.holds_own(self.mesh)
+                                       else self.mesh.ranks[0]), self.n_layer)
 
 
 @dataclass(frozen=True)
