@@ -107,7 +107,7 @@ def test_tp_engine_tokens_are_generates_and_the_one_device_engines(preset, dtype
 
 
 @pytest.mark.parametrize("tp_size,vocab,over", [(4, 76, {}), (4, 75, {}), (2, 75, {"n_kv_head": 2}),
-                                                (4, 76, {"n_kv_head": 4})])
+                                                (4, 76, {"n_kv_head": 4}), (1, 76, {})])
 def test_tp4_and_grouped_query_attention(tp_size, vocab, over):
     one, tp = models("tiny", tp=tp_size, vocab=vocab, **over)
     ps = prompts(1)
@@ -182,6 +182,12 @@ def test_layouts_the_engine_cannot_serve_are_refused():
     m = Hybrid(dp=1, tp=4).build_model(wb.models.get_config("tiny", n_kv_head=2), 0)
     with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_head=2"):
         Engine(m.eval(), 8, BS)
+    from workbench.serve.engine_tp import make_cache
+    cache = make_cache(models("tiny")[1], 8, BS)           # plain q, k, v into sharded pools
+    cache.begin([("a", 2)])
+    x = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"q is a plain Tensor.*serve_model"):
+        cache.attend(0, x, x, x)
 
 
 def test_the_sharded_cache_adds_no_communication():

@@ -103,7 +103,7 @@ class ShardedPagedCache(RaggedPagedCache):
 
     def __init__(self, model, num_blocks: int, block_size: int, mesh, tp: int):
         self.mesh, self.tp = mesh, tp
-        self.placements = tuple(Shard(1) if n == "tp" else Replicate()
+        self.placements = tuple(Shard(1) if n == "tp" and tp > 1 else Replicate()
                                 for n in mesh.dim_names)
         super().__init__(model, num_blocks, block_size)
 
@@ -113,8 +113,9 @@ class ShardedPagedCache(RaggedPagedCache):
 
     def _attend(self, kp, vp, q, k, v):
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, DistTensor) or t.mesh is not self.mesh \
-                    or tuple(t.placements) != self.placements:
+            if not isinstance(t, DistTensor) or t.mesh is not self.mesh or any(
+                    a != b and n > 1        # a dim of size 1: Shard and Replicate alike
+                    for a, b, n in zip(t.placements, self.placements, self.mesh.shape)):
                 what = f"{tuple(t.placements)} on {t.mesh}" if isinstance(t, DistTensor) \
                     else f"a plain {type(t).__name__}"
                 raise ValueError(f"ShardedPagedCache.attend: {name} is {what}; the pools are "
