@@ -211,15 +211,14 @@ class Engine:
                           if not (n == 1 and r.output and r.computed == len(r.tokens) - 1)]
             record_dec = [(r.id, r.computed) for r, n in sched
                           if n == 1 and r.output and r.computed == len(r.tokens) - 1]
-            rows = logits.full() if isinstance(logits, DistTensor) else logits     # (R, V)
+            laid_out = isinstance(logits, DistTensor)
+            rows = logits.full() if laid_out else logits    # (R, V): one gather (engine_tp)
             for i, ((r, n), row) in enumerate(zip(sched, rows)):
                 r.computed += n
                 if r.computed < len(r.tokens):
                     continue                    # a prompt chunk: nothing sampled yet
-                # a laid-out model's row picks its token as generate does on it (the
-                # vocabulary-parallel argmax / topk of vocabulary-sharded logits)
                 tok = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
-                    if isinstance(logits, DistTensor) else \
+                    if laid_out and not r.params.greedy else \
                     int(sample_next(row[None], r.params, r.generator)[0])
                 r.output.append(tok)
                 if len(r.output) == 1:

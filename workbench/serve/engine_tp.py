@@ -32,10 +32,13 @@ same schedule and block ids in every process (the scheduler is deterministic and
 request's seeded generator draws alike everywhere, as ``generate``'s).
 
 The rest is the laid-out model's own forward (``serve_model``): the row-parallel
-all-reduces, no more (tests count them); the vocabulary-sharded logits pick each
-request's token as ``generate`` does on the same model (the vocabulary-parallel argmax /
-topk, 2 numbers per row and rank), so the tokens are ``generate``'s.  The step's R
-rows are gathered once more to report them (``RequestOutput.logits``, one device's).
+all-reduces, no more (tests count them).  The step's R rows of vocabulary-sharded
+logits are then gathered once (as vLLM's logits processor gathers them before sampling;
+``RequestOutput.logits`` is one device's row): a greedy request takes their argmax, the
+same token as the vocabulary-parallel argmax ``generate`` runs on the same model (an
+argmax of the same numbers, ties to the lowest index); a sampled request draws through
+``generate``'s own path on the sharded row (the vocabulary-parallel topk, then the
+softmax and one draw from its generator), so its tokens are ``generate``'s bit for bit.
 In bfloat16 a tensor-parallel model's logits differ from one device's by rounding (the
 partial sums of the row-parallel linears are added in another order), which can flip a
 near-tie of ``generate`` itself: the engine's tokens are then the laid-out model's.
