@@ -205,8 +205,8 @@ def test_the_sharded_cache_adds_no_communication():
     with wb.trace() as t1, torch.no_grad():
         packed_forward(tp, cache, segs)
     with wb.trace() as t2, torch.no_grad():
-        tp(torch.tensor([[1, 2, 3, 4, 5, 7, 8]]), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1]]),
-           logits_to_keep=torch.tensor([4, 6]))
+        tp(torch.tensor([[1, 2, 3, 4, 5, 7, 8]]),
+           position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1]]), logits_to_keep=torch.tensor([4, 6]))
     assert comms(t1) == comms(t2)
     assert [n for n, _ in comms(t1)] == ["all_reduce"] * (1 + 2 * tp.cfg.n_layer)
 

@@ -61,9 +61,9 @@ def _check_model(model) -> None:
             "llama", "gpt"):
         what = f"wrapped by {wrapped} for training" if wrapped else \
             f"a {type(model).__name__}, not a workbench Llama or GPT"
-        raise TypeError(f"Engine(model=...): {what}; serve a workbench model holding its weights, on "
-                        "one device (wb.models.build_model(cfg)) or tensor parallel "
-                        "(serve_model(cfg, tp=...).model)")
+        raise TypeError(f"Engine(model=...): {what}; serve a workbench model holding its "
+                        "weights, on one device (wb.models.build_model(cfg)) or tensor "
+                        "parallel (serve_model(cfg, tp=...).model)")
     cf = getattr(model.cfg, "moe_capacity_factor", None)
     if getattr(model.cfg, "moe_experts", 0) and cf is not None:
         raise ValueError(f"Engine: a mixture of experts with moe_capacity_factor={cf}: its "
