@@ -323,9 +323,3 @@ def test_bad_requests_are_named():
         Engine(torch.nn.Linear(2, 2), 8, BS)
     with pytest.raises(TypeError, match=r"no single offset.*position_ids"):
         m(torch.tensor([[1]]), cache=e.cache)
-
-
-def test_a_laid_out_model_is_refused():
-    served = wb.serve.serve_model("tiny", tp=2)
-    with pytest.raises(TypeError, match="laid out"):
-        Engine(served.model, 8, BS)

@@ -33,7 +33,10 @@ Every request's tokens are those of serving it alone with ``generate`` (greedy: 
 for token; sampled: the same tokens when it has its own ``seed``, one
 ``torch.Generator`` per request as vLLM's per-request seed), whatever it shares a step
 with: the token-wise layers see each token alone, attention sees only the sequence's
-own pages.  One device, plain tensors: a laid-out (DistTensor) model is refused.
+own pages.  A tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same
+way, its KV pools sharded over the key/value heads and the block tables shared by the
+ranks (vLLM's ``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports
+the pool's bytes per rank.
 
 :attr:`Engine.log` holds a :class:`StepRecord` per step (which requests prefilled how
 many tokens after how much context, which decoded, which were admitted, preempted and
@@ -47,7 +50,9 @@ from __future__ import annotations
 
 import torch
 
-from .engine_forward import RaggedPagedCache, packed_forward
+from ..parallel.dist_tensor import DistTensor
+from .engine_forward import packed_forward
+from .engine_tp import EngineMemory, make_cache, memory
 from .engine_requests import (RequestOutput, StepRecord, _check_model, _Request,
                               _token_list)
 from .requests import Request, Result, Step
@@ -74,13 +79,22 @@ class Engine:
                              f"{max_batch} (every running request may decode in a step), or "
                              "None for whole prompts in one step")
         self.model, self.max_batch, self.token_budget = model, max_batch, token_budget
-        self.cache = RaggedPagedCache(model, num_blocks, block_size)
+        self.cache = make_cache(model, num_blocks, block_size)      # sharded over tp if laid out
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []       # in admission order: the last is the newest
         self.outputs: dict = {}                 # request id -> tokens generated so far
         self.finish_reason: dict = {}           # request id -> "eos" | "length" | "abort"
         self.log: list[StepRecord] = []
         self._steps: dict = {}      # request id -> [added, first token, finish step], prompt
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the KV pool (each rank holds its heads' share of every block)."""
+        return self.cache.allocator.num_blocks
+
+    def memory(self) -> EngineMemory:
+        """The KV pool's bytes per rank, and those of the blocks in use (``engine_tp``)."""
+        return memory(self.cache)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, max_new_tokens: int, *,
@@ -111,10 +125,10 @@ class Engine:
             raise ValueError(f"add_request(seed={seed!r}): give an int, or None")
         params = SamplingParams(temperature, top_k, top_p)
         need = self.cache.blocks_needed(None, n - 1)    # the last token's k, v never stored
-        if need > self.cache.allocator.num_blocks:
+        if need > self.num_blocks:
             raise ValueError(f"add_request({request_id!r}): {n - 1} tokens of KV cache need "
                              f"{need} blocks of {self.cache.block_size}, the pool has "
-                             f"{self.cache.allocator.num_blocks}; build the Engine with more "
+                             f"{self.num_blocks}; build the Engine with more "
                              "num_blocks, or ask for fewer tokens")
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         self.waiting.append(_Request(request_id, prompt, max_new_tokens, eos_token_id, params,
@@ -197,11 +211,15 @@ class Engine:
                           if not (n == 1 and r.output and r.computed == len(r.tokens) - 1)]
             record_dec = [(r.id, r.computed) for r, n in sched
                           if n == 1 and r.output and r.computed == len(r.tokens) - 1]
-            for (r, n), row in zip(sched, logits):
+            laid_out = isinstance(logits, DistTensor)
+            rows = logits.full() if laid_out else logits    # (R, V): one gather (engine_tp)
+            for i, ((r, n), row) in enumerate(zip(sched, rows)):
                 r.computed += n
                 if r.computed < len(r.tokens):
                     continue                    # a prompt chunk: nothing sampled yet
-                tok = int(sample_next(row[None], r.params, r.generator)[0])
+                tok = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
+                    if laid_out and not r.params.greedy else \
+                    int(sample_next(row[None], r.params, r.generator)[0])
                 r.output.append(tok)
                 if len(r.output) == 1:
                     self._steps[r.id][1] = len(self.log)
@@ -284,5 +302,6 @@ class Engine:
                       {i: ends[t[2]] for i, t in done}, reqs)
 
     def __repr__(self) -> str:
+        tp = getattr(self.cache, "tp", 1)
         return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, "
-                f"{self.cache.allocator})")
+                f"{self.cache.allocator}" + (f", tp={tp})" if tp > 1 else ")"))

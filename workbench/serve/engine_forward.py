@@ -49,12 +49,15 @@ class RaggedPagedCache:
         self.tables = BlockTables(self.allocator, block_size)
         self.block_size = self.tables.block_size
         shape = (num_blocks, cfg.n_kv_head, block_size, cfg.head_dim)       # (blocks, Hkv, bs, hd)
-        self.k_pools = [torch.zeros(shape, dtype=w.dtype, device=w.device)
-                        for _ in range(self.n_layer)]
-        self.v_pools = [torch.zeros(shape, dtype=w.dtype, device=w.device)
-                        for _ in range(self.n_layer)]
+        self.k_pools = [self._pool(shape, w) for _ in range(self.n_layer)]
+        self.v_pools = [self._pool(shape, w) for _ in range(self.n_layer)]
         self._step = None
         self._undo = None
+
+    def _pool(self, shape, w):
+        """One layer's key (or value) pool, (blocks, Hkv, bs, hd) like the weights ``w``
+        (``engine_tp.ShardedPagedCache``: sharded over the heads)."""
+        return torch.zeros(shape, dtype=w.dtype, device=w.device)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def length(self, seq) -> int:
@@ -120,11 +123,15 @@ class RaggedPagedCache:
         if self._step is None:
             raise RuntimeError("RaggedPagedCache.attend outside a step: the engine calls "
                                "begin(segments) before the forward (packed_forward)")
-        blk, off, T, groups = self._step
+        T = self._step[2]
         if q.shape[0] != 1 or q.shape[2] != T:
             raise ValueError(f"RaggedPagedCache.attend: q of shape {tuple(q.shape)}; the step "
                              f"packs {T} tokens as (1, Hq, {T}, hd)")
-        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        return self._attend(self.k_pools[layer], self.v_pools[layer], q, k, v)
+
+    def _attend(self, kp, vp, q, k, v):
+        """:meth:`attend` on plain tensors: one device's pools, or one rank's shards."""
+        blk, off, T, groups = self._step
         kp[blk, :, off] = k[0].transpose(0, 1).to(kp.dtype)                # (T, Hkv, hd)
         vp[blk, :, off] = v[0].transpose(0, 1).to(vp.dtype)
         y = torch.empty_like(q[0])                                          # (Hq, T, hd)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.dist_tensor import DistTensor
 from .sampling import SamplingParams
 
 __all__ = ["RequestOutput", "StepRecord"]
@@ -62,13 +61,9 @@ def _check_model(model) -> None:
             "llama", "gpt"):
         what = f"wrapped by {wrapped} for training" if wrapped else \
             f"a {type(model).__name__}, not a workbench Llama or GPT"
-        raise TypeError(f"Engine(model=...): {what}; serve a workbench model on one device "
-                        "(wb.models.build_model(cfg)) holding its weights")
-    if any(isinstance(p, DistTensor) for p in model.parameters()):
-        raise TypeError("Engine(model=...): the model is laid out (its parameters are "
-                        "DistTensors, e.g. serve_model(cfg, tp=...)); the engine serves one "
-                        "device's plain tensors: build it with wb.models.build_model(cfg) and "
-                        "load the full state_dict")
+        raise TypeError(f"Engine(model=...): {what}; serve a workbench model holding its "
+                        "weights, on one device (wb.models.build_model(cfg)) or tensor "
+                        "parallel (serve_model(cfg, tp=...).model)")
     cf = getattr(model.cfg, "moe_capacity_factor", None)
     if getattr(model.cfg, "moe_experts", 0) and cf is not None:
         raise ValueError(f"Engine: a mixture of experts with moe_capacity_factor={cf}: its "
