@@ -114,6 +114,11 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "moe_combine": (lambda y, w: wb.ops.moe_combine(y, w, MOE_E, MOE_S),
                     [torch.randn(4, 3, 3, 4), torch.randn(4, 6, 2)]),
     "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
+    # tests/test_distops_more.py holds these to one device over more meshes and layouts
+    "flip": (lambda x: torch.flip(x, [1]), [X]), "roll": (lambda x: torch.roll(x, 2, 0), [X]),
+    "sort": (lambda x: tuple(torch.sort(x, 1)), [X]), "argsort": (lambda x: x.argsort(0), [X]),
+    "msort": (torch.msort, [X]), "prod": (lambda x: x.prod(1), [X]),
+    "cumprod": (lambda x: torch.cumprod(x, 0), [X]),
 }
 M2 = wb.Mesh.grid(2, ["a"])
 
