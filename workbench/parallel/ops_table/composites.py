@@ -145,3 +145,11 @@ COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot
               torch.outer: outer, T.outer: outer, torch.ger: outer, T.ger: outer,
               torch.var: var, T.var: var, torch.std: std, T.std: std,
               F.mse_loss: mse_loss, F.nll_loss: nll_loss}
+
+# more compositions, each family in its module: addmm / baddbmm / addcmul ... (blas.py),
+# vector_norm / norm / normalize (vector_norm.py)
+from .blas import BLAS  # noqa: E402
+from .vector_norm import NORMS  # noqa: E402
+
+COMPOSITES.update(BLAS)
+COMPOSITES.update(NORMS)
