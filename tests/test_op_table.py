@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import workbench as wb
 from tests.spmd_harness import check_op
+from tests.test_distops_more import TABLE_SAMPLES
 from workbench.parallel.ops_table import OP_CLASSES, RULES, TABLE
 from workbench.parallel.ops_table.ring_attention import ring_attention_step
 
@@ -114,12 +115,8 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "moe_combine": (lambda y, w: wb.ops.moe_combine(y, w, MOE_E, MOE_S),
                     [torch.randn(4, 3, 3, 4), torch.randn(4, 6, 2)]),
     "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
-    # tests/test_distops_more.py holds these to one device over more meshes and layouts
-    "flip": (lambda x: torch.flip(x, [1]), [X]), "roll": (lambda x: torch.roll(x, 2, 0), [X]),
-    "sort": (lambda x: tuple(torch.sort(x, 1)), [X]), "argsort": (lambda x: x.argsort(0), [X]),
-    "msort": (torch.msort, [X]), "prod": (lambda x: x.prod(1), [X]),
-    "cumprod": (lambda x: torch.cumprod(x, 0), [X]),
 }
+SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_distops_more.py)
 M2 = wb.Mesh.grid(2, ["a"])
 
 
