@@ -1,6 +1,8 @@
-"""DistTensor op coverage, as a PyTorch user meets it: flip / roll, sort / argsort,
-prod / cumprod, vector_norm / norm / normalize, addmm and the BLAS updates, addcmul /
-addcdiv, where with scalars, clamp with tensor bounds, more elementwise math, and
+"""DistTensor op coverage, as a PyTorch user meets it: flip / roll / repeat_interleave,
+sort / argsort, prod / cumprod, vector_norm / norm / normalize, addmm and the BLAS
+updates, addcmul / addcdiv, where with scalars, clamp with tensor bounds, more
+elementwise math, losses (l1, smooth_l1, huber, bce_with_logits, kl_div), softmin,
+cosine_similarity, std_mean / aminmax / nansum..., tile / hstack / tensor_split, and
 ``x.to(x.dtype) is x``. Each was NoRuleError (or a copy where torch returns ``x``).
 
 Every op is held to one device (value, dtype, shape, requires_grad and the input's
@@ -29,6 +31,8 @@ _g = torch.Generator().manual_seed(0)
 W = torch.randn(7, 3, generator=_g, dtype=torch.float64)
 B = torch.randn(3, generator=_g, dtype=torch.float64)
 G5 = torch.randn(5, 5, generator=_g, dtype=torch.float64)
+Y = torch.randn(5, 7, generator=_g, dtype=torch.float64)
+PROB = torch.rand(5, 7, generator=_g, dtype=torch.float64)
 
 # name -> f(a) on a (5, 7) float64 tensor (a DistTensor or the one-device reference)
 OPS = {
@@ -74,6 +78,30 @@ OPS = {
     "xlogy": lambda a: torch.xlogy(a, a.abs() + 1), "copysign": lambda a: torch.copysign(a, a.flip(0)),
     "float_power": lambda a: torch.float_power(a.abs() + 0.5, 1.5),
     "absolute": torch.absolute, "multiply": lambda a: torch.multiply(a, 2.5),
+    "repeat_interleave": lambda a: a.repeat_interleave(2, 0),
+    "repeat_interleave_last": lambda a: torch.repeat_interleave(a, 3, dim=-1),
+    "repeat_interleave_flat": lambda a: a.repeat_interleave(torch.tensor(2)),
+    "l1_loss": lambda a: F.l1_loss(a, Y), "l1_loss_sum": lambda a: F.l1_loss(a, Y, reduction="sum"),
+    "smooth_l1_loss": lambda a: F.smooth_l1_loss(a, Y, beta=0.5),
+    "smooth_l1_loss_none": lambda a: F.smooth_l1_loss(a, Y, reduction="none"),
+    "huber_loss": lambda a: F.huber_loss(a, Y, delta=0.7),
+    "bce_with_logits": lambda a: F.binary_cross_entropy_with_logits(a, PROB),
+    "bce_with_logits_weights": lambda a: F.binary_cross_entropy_with_logits(
+        a, PROB, weight=Y.abs(), pos_weight=W[:, 1].abs() + 0.5, reduction="sum"),
+    "bce_with_logits_target_grad": lambda a: F.binary_cross_entropy_with_logits(Y, a.sigmoid()),
+    "kl_div": lambda a: F.kl_div(F.log_softmax(a, 1), F.softmax(Y, 1), reduction="batchmean"),
+    "kl_div_log_target": lambda a: F.kl_div(a, Y.clamp(max=0.), reduction="sum", log_target=True),
+    "softmin": lambda a: F.softmin(a, dim=1), "cosine_similarity": lambda a: F.cosine_similarity(a, Y),
+    "cosine_similarity_0": lambda a: torch.cosine_similarity(a, a.flip(0), dim=0),
+    "std_mean": lambda a: torch.std_mean(a, 1),
+    "var_mean": lambda a: torch.var_mean(a, 0, correction=0, keepdim=True),
+    "aminmax": lambda a: torch.aminmax(a, dim=1), "aminmax_all": lambda a: a.aminmax(),
+    "count_nonzero": lambda a: torch.count_nonzero(a.round(), 1),
+    "nansum": lambda a: torch.nansum(torch.log(a), 0), "nanmean": lambda a: torch.log(a).nanmean(1),
+    "tile": lambda a: a.tile(2), "tile_more_dims": lambda a: torch.tile(a, (2, 1, 1)),
+    "hstack": lambda a: torch.hstack([a, a * 2]), "vstack": lambda a: torch.vstack([a, a[0]]),
+    "tensor_split": lambda a: torch.tensor_split(a, 3, dim=1),
+    "tensor_split_at": lambda a: a.tensor_split([1, 4]),
 }
 
 
@@ -145,6 +173,13 @@ PLACED = [   # (case, fn, layout, output placements, collectives)
     ("addmm column parallel", lambda a: torch.addmm(torch.zeros(3), a, W8), (S0,), (S0,), {}),
     ("addcmul", lambda a: torch.addcmul(a, a, a), (S1,), (S1,), {}),
     ("where with a zero", lambda a: torch.where(a > 0, a, 0.0), (S0,), (S0,), {}),
+    ("GQA's repeated heads stay sharded", lambda a: a.repeat_interleave(2, 0), (S0,), (S0,), {}),
+    ("repeat_interleave another dim", lambda a: a.repeat_interleave(3, 1), (S0,), (S0,), {}),
+    ("l1_loss left P(sum), reduced when read", lambda a: F.l1_loss(a, torch.zeros(6, 8)),
+     (S0,), (P,), {}),
+    ("cosine_similarity of rows", lambda a: F.cosine_similarity(a, a.flip(1)), (S0,), (S0,), {}),
+    ("std_mean of rows", lambda a: torch.std_mean(a, 1)[0], (S0,), (S0,), {}),
+    ("tile", lambda a: a.tile(2, 1), (S1,), (S1,), {}),
 ]
 
 
@@ -284,6 +319,31 @@ def test_a_cast_to_the_same_dtype_returns_the_tensor_itself():
     assert t.to(torch.float64).dtype == torch.float64
 
 
+def test_repeat_interleave_of_uneven_shards_moves_them():
+    # 5 rows on 4 ranks (2, 2, 1, 0) repeated 3 times are not torch.chunk's blocks of 15
+    # rows (4, 4, 4, 3): the rows are moved first, never labelled wrongly
+    x = torch.randn(5, 3)
+    t = wb.shard_tensor(x, wb.Mesh.grid(4, ["a"]), [S0])
+    with wb.trace() as tr:
+        out = t.repeat_interleave(3, dim=0)
+    torch.testing.assert_close(out.full(), x.repeat_interleave(3, 0))
+    assert sum(tr.counts().values()) == 1
+    with pytest.raises(NotImplementedError, match="one int"):
+        t.repeat_interleave(torch.tensor([1, 2, 1, 1, 1]), dim=0)
+    with pytest.raises(RuntimeError, match="non-negative"):
+        t.repeat_interleave(-1, dim=0)
+
+
+def test_tensor_type():
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, [S0])
+    assert t.type() == x.type() == "torch.FloatTensor"
+    assert t.type(torch.float32) is t
+    for arg in (torch.float64, "torch.DoubleTensor"):
+        assert t.type(arg).dtype == x.type(arg).dtype == torch.float64
+        torch.testing.assert_close(t.type(arg).full(), x.type(arg))
+
+
 def test_aliases_are_the_ops_they_name():
     x = torch.randn(5, 7)
     t = wb.shard_tensor(x, M3, [S1])
@@ -301,7 +361,9 @@ def test_aliases_are_the_ops_they_name():
 MESH_CHOICES = [M1, M2, M3, M22]
 ANY_SIZE = {"flip", "flip0", "roll", "roll_flat", "sort", "argsort", "msort", "prod", "prod_all",
             "cumprod", "vector_norm", "vector_norm_1", "vector_norm_inf", "norm_dim",
-            "normalize", "where_scalar", "exp2", "hardswish", "fmax", "addcmul"}  # no (5, 7) partner
+            "normalize", "where_scalar", "exp2", "hardswish", "fmax", "addcmul",
+            "repeat_interleave", "repeat_interleave_last", "softmin", "std_mean", "aminmax",
+            "aminmax_all", "nansum", "tile", "hstack", "tensor_split"}      # no (5, 7) partner
 
 
 @settings(max_examples=60, deadline=None)
@@ -326,6 +388,7 @@ TABLE_SAMPLES = {
     "sort": (lambda x: tuple(torch.sort(x, 1)), [_X]), "argsort": (lambda x: x.argsort(0), [_X]),
     "msort": (torch.msort, [_X]), "prod": (lambda x: x.prod(1), [_X]),
     "cumprod": (lambda x: torch.cumprod(x, 0), [_X]),
+    "repeat_interleave": (lambda x: x.repeat_interleave(2, 1), [_X]),
 }
 
 

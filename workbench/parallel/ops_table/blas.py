@@ -30,6 +30,8 @@ T = torch.Tensor
 def _meta(x):
     if hasattr(x, "placements") or isinstance(x, torch.Tensor):
         return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(a) for a in x)
     return x
 
 

@@ -147,9 +147,12 @@ COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot
               F.mse_loss: mse_loss, F.nll_loss: nll_loss}
 
 # more compositions, each family in its module: addmm / baddbmm / addcmul ... (blas.py),
-# vector_norm / norm / normalize (vector_norm.py)
+# vector_norm / norm / normalize (vector_norm.py), l1 / smooth_l1 / huber / bce / kl losses,
+# softmin, cosine_similarity (losses.py), std_mean, aminmax, nansum, tile, hstack... (stats.py)
 from .blas import BLAS  # noqa: E402
+from .losses import LOSSES  # noqa: E402
+from .stats import STATS  # noqa: E402
 from .vector_norm import NORMS  # noqa: E402
 
-COMPOSITES.update(BLAS)
-COMPOSITES.update(NORMS)
+for _more in (BLAS, NORMS, LOSSES, STATS):
+    COMPOSITES.update(_more)

@@ -1,4 +1,5 @@
-"""Reordering along dims: ``flip`` (``fliplr``, ``flipud``) and ``roll``.
+"""Reordering along dims: ``flip`` (``fliplr``, ``flipud``), ``roll`` and
+``repeat_interleave`` (``repeat`` / ``expand``: ``indexing.py``).
 
 Both move elements and compute nothing; each is a permutation of the elements, so
 every Partial passes (``flip(sum a_i) = sum flip(a_i)``; the same for avg, max, min).
@@ -125,3 +126,67 @@ register("roll", [torch.roll, T.roll], parse=_roll_parse, rule=_roll_rule, local
          sample=lambda g: [Sample(torch.roll, (g.rn(5, 6), 2, 1)),
                            Sample(torch.roll, (g.rn(5, 6), -3)),
                            Sample(torch.roll, (g.rn(5, 3, 2), (1, -1), (0, 2)))])
+
+
+# ---- repeat_interleave ---------------------------------------------------------------
+# Each element repeated r times in place along dim (GQA's k / v heads: n_kv -> n_kv r).
+# S(dim) passes where the shards line up: rank k's rows [k c, (k + 1) c) become rows
+# [k c r, (k + 1) c r), torch.chunk's block of the output iff ceil(N r / m) == ceil(N / m) r
+# (m ranks on that one mesh dim; e.g. m divides N); otherwise the dim is made whole.
+
+def repeat_interleave_rule(x, *, repeats, dim, **_):
+    """repeat_interleave: other dims pass; dim passes S(dim) where chunks line up; every
+    Partial passes (copies of the parts are parts of the copies)."""
+    opts = [((R,), (R,), "replicated")]
+    for d in range(x.ndim):
+        if x.shape[d] > 1 and (dim is not None and d != dim):
+            opts.append(((Shard(d),), (Shard(d),), f"dim {d} not repeated: passes"))
+    if dim is not None and x.shape[dim] > 1:
+        opts.append(((Shard(dim),), (Shard(dim),), "each shard's rows repeated in place"))
+    opts += [((Partial(op),), (Partial(op),), f"copies of P({op}) are P({op})")
+             for op in ("sum", "avg", "max", "min")]
+    out = []
+    for st in combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1):
+        axes = [i for i, p in enumerate(st.inputs[0]) if dim is not None and p.is_shard(dim)]
+        if axes:
+            m, n = x.mesh.shape[axes[0]], x.shape[dim]
+            if len(axes) > 1 or -(-n * repeats // m) != -(-n // m) * repeats:
+                continue
+        out.append(st)
+    return out
+
+
+def _repeat_interleave_parse(x, repeats=None, dim=None, *, output_size=None):
+    if repeats is None:
+        raise NotImplementedError("repeat_interleave(repeats_tensor) (the indices form) on a "
+                                  "DistTensor: give repeats= an int")
+    if not isinstance(repeats, int) or isinstance(repeats, bool):
+        if isinstance(repeats, torch.Tensor) and repeats.numel() == 1 and \
+                not repeats.is_floating_point():
+            repeats = int(repeats)
+        else:
+            raise NotImplementedError(
+                f"repeat_interleave(repeats={type(repeats).__name__}) on a DistTensor: "
+                "per-element repeats are not supported; give one int (as GQA's n_rep)")
+    if repeats < 0:
+        raise RuntimeError("Repeats must be non-negative")                # torch's words
+    # torch's own checks with the int repeats (a repeats tensor has no meta kernel)
+    torch.empty(tuple(x.shape), dtype=x.dtype, device="meta").repeat_interleave(repeats, dim)
+    return (x,), {"repeats": repeats, "dim": None if dim is None else wrap_dim(dim, x.ndim)}
+
+
+def _repeat_interleave_local(nd, ctx, x, repeats, dim):
+    if dim is None:                   # over the flattened (whole) tensor: 1-d
+        return x.reshape(tuple(x.shape[:nd]) + (-1,)).repeat_interleave(repeats, nd)
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0: 1-d
+        return x.reshape(tuple(x.shape) + (1,)).repeat_interleave(repeats, nd)
+    return x.repeat_interleave(repeats, dim + nd)
+
+
+register("repeat_interleave", [torch.repeat_interleave, T.repeat_interleave],
+         parse=_repeat_interleave_parse, rule=repeat_interleave_rule,
+         local=_repeat_interleave_local, cost=costs.movement, op_class="data_movement",
+         meta_check=False, sample=lambda g: [Sample(torch.repeat_interleave, (g.rn(4, 6), 2, 0)),
+                           Sample(torch.repeat_interleave, (g.rn(5, 6), 3, 0)),
+                           Sample(torch.repeat_interleave, (g.rn(5, 3, 2), 2, -1)),
+                           Sample(torch.repeat_interleave, (g.rn(3, 2), 2))])

@@ -1,0 +1,131 @@
+"""Losses and similarities composed of ops in the table (each keeps its own rule, cost
+and trace event), with ``F.mse_loss`` / ``F.nll_loss`` (``composites.py``):
+
+    F.l1_loss                        |x - y|
+    F.smooth_l1_loss(beta)           0.5 d^2 / beta where d = |x - y| < beta, else d - beta / 2
+    F.huber_loss(delta)              0.5 d^2 where d < delta, else delta (d - delta / 2)
+    F.binary_cross_entropy_with_logits
+                                     (1 - y) x + (1 + (pw - 1) y) (log1p(exp(-|x|)) + max(-x, 0))
+                                     (the log-sum-exp trick of PyTorch's kernel; times weight)
+    F.kl_div                         y (log y - x), 0 where y = 0 (log_target: e^y (y - x))
+    F.softmin(dim)                   softmax(-x)
+    F.cosine_similarity(dim, eps)    sum((x1 / max(|x1|, eps)) (x2 / max(|x2|, eps)))
+
+(the formulas of the PyTorch documentation of each function). torch's own checks run
+first on meta tensors of the global shapes. The value and the gradient are those of the
+composition, equal to torch's fused kernels up to rounding.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .blas import torch_check
+from .composites import _reduce
+from .vector_norm import vector_norm
+
+__all__ = ["LOSSES"]
+
+
+def _legacy(fn, size_average, reduce):
+    if size_average is not None or reduce is not None:
+        raise NotImplementedError(f"{fn} on DistTensors: size_average / reduce are "
+                                  "deprecated and not supported; use reduction=")
+
+
+def _diff(fn, input, target):
+    if tuple(input.shape) != tuple(target.shape):
+        warnings.warn(f"Using a target size ({torch.Size(target.shape)}) that is different "
+                      f"to the input size ({torch.Size(input.shape)}). This will likely lead "
+                      "to incorrect results due to broadcasting. Please ensure they have the "
+                      "same size.", stacklevel=3)                      # torch's warning
+    return input - target
+
+
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    """``F.l1_loss``: ``|input - target|`` reduced."""
+    _legacy("l1_loss", size_average, reduce)
+    if weight is not None:
+        raise NotImplementedError("l1_loss(weight=...) on DistTensors: multiply the "
+                                  "reduction='none' loss by the weight instead")
+    torch_check(F.l1_loss, input, target, reduction=reduction)
+    return _reduce(_diff("l1_loss", input, target).abs(), reduction, "l1_loss")
+
+
+def _quadratic_below(d, limit, scale_sq, linear):
+    return torch.where(d < limit, d * d * scale_sq, linear)
+
+
+def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean",
+                   beta=1.0):
+    """``F.smooth_l1_loss``: quadratic below ``beta``, linear above (beta=0: l1)."""
+    _legacy("smooth_l1_loss", size_average, reduce)
+    torch_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
+    d = _diff("smooth_l1_loss", input, target).abs()
+    loss = d if beta == 0 else _quadratic_below(d, beta, 0.5 / beta, d - 0.5 * beta)
+    return _reduce(loss, reduction, "smooth_l1_loss")
+
+
+def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    """``F.huber_loss``: ``0.5 d^2`` below ``delta``, ``delta (d - delta / 2)`` above."""
+    if weight is not None:
+        raise NotImplementedError("huber_loss(weight=...) on DistTensors: multiply the "
+                                  "reduction='none' loss by the weight instead")
+    torch_check(F.huber_loss, input, target, reduction=reduction, delta=delta)
+    d = _diff("huber_loss", input, target).abs()
+    return _reduce(_quadratic_below(d, delta, 0.5, (d - 0.5 * delta) * delta), reduction,
+                   "huber_loss")
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None,
+                                     reduce=None, reduction="mean", pos_weight=None):
+    """``F.binary_cross_entropy_with_logits`` (stable: no exp of a positive number)."""
+    _legacy("binary_cross_entropy_with_logits", size_average, reduce)
+    torch_check(F.binary_cross_entropy_with_logits, input, target, weight,
+                reduction=reduction, pos_weight=pos_weight)
+    soft = torch.log1p(torch.exp(-input.abs())) + torch.relu(-input)      # softplus(-x)
+    if pos_weight is not None:
+        soft = soft * ((pos_weight - 1) * target + 1)
+    loss = (1 - target) * input + soft
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction, "binary_cross_entropy_with_logits")
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean",
+           log_target=False):
+    """``F.kl_div``: ``target (log target - input)`` pointwise (input holds log-probs)."""
+    _legacy("kl_div", size_average, reduce)
+    torch_check(F.kl_div, input, target, reduction=reduction, log_target=log_target)
+    if log_target:
+        loss = torch.exp(target) * (target - input)
+    else:
+        loss = torch.xlogy(target, target) - target * input
+    if reduction == "batchmean":
+        return loss.sum() / (input.shape[0] if input.ndim else 1)
+    return _reduce(loss, reduction, "kl_div")
+
+
+def softmin(input, dim=None, _stacklevel=3, dtype=None):
+    """``F.softmin``: ``softmax(-input)``."""
+    if dim is None:
+        raise TypeError("softmin(dim=None) on a DistTensor: give the dim, e.g. "
+                        "softmin(x, dim=-1)")
+    return torch.softmax(-input, dim, dtype=dtype)
+
+
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """``F.cosine_similarity``: each input divided by its norm (at least eps), summed
+    products over ``dim``."""
+    torch_check(F.cosine_similarity, x1, x2, dim, eps)
+    n1 = vector_norm(x1, 2, dim, keepdim=True).clamp_min(eps)
+    n2 = vector_norm(x2, 2, dim, keepdim=True).clamp_min(eps)
+    return ((x1 / n1) * (x2 / n2)).sum(dim)
+
+
+LOSSES = {F.l1_loss: l1_loss, F.smooth_l1_loss: smooth_l1_loss, F.huber_loss: huber_loss,
+          F.binary_cross_entropy_with_logits: binary_cross_entropy_with_logits,
+          F.kl_div: kl_div, F.softmin: softmin, F.cosine_similarity: cosine_similarity,
+          torch.cosine_similarity: cosine_similarity}
