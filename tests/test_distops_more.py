@@ -102,6 +102,15 @@ OPS = {
     "hstack": lambda a: torch.hstack([a, a * 2]), "vstack": lambda a: torch.vstack([a, a[0]]),
     "tensor_split": lambda a: torch.tensor_split(a, 3, dim=1),
     "tensor_split_at": lambda a: a.tensor_split([1, 4]),
+    "pad": lambda a: F.pad(a, (1, 2)), "pad_rows": lambda a: F.pad(a, (0, 0, 2, 1), value=-1.5),
+    "pad_crop": lambda a: F.pad(a, (-1, 1)), "pad_both": lambda a: F.pad(a, (1, 1, 1, 1), value=0.0),
+    "cummax": lambda a: torch.cummax(a, 1), "cummin": lambda a: a.cummin(0),
+    "logcumsumexp": lambda a: a.logcumsumexp(-1),
+    "glu": lambda a: F.glu(a[:, :6]), "glu_rows": lambda a: F.glu(a[:4], 0),
+    "dist": lambda a: torch.dist(a, a.flip(0)), "dist_1": lambda a: a.dist(a * 2, 1),
+    "kthvalue": lambda a: torch.kthvalue(a, 2, 1), "kthvalue_keep": lambda a: a.kthvalue(3, 0, keepdim=True),
+    "median": lambda a: a.median(), "median_dim": lambda a: torch.median(a, 1),
+    "median_even": lambda a: a[:4].median(0),
 }
 
 
@@ -180,6 +189,9 @@ PLACED = [   # (case, fn, layout, output placements, collectives)
     ("cosine_similarity of rows", lambda a: F.cosine_similarity(a, a.flip(1)), (S0,), (S0,), {}),
     ("std_mean of rows", lambda a: torch.std_mean(a, 1)[0], (S0,), (S0,), {}),
     ("tile", lambda a: a.tile(2, 1), (S1,), (S1,), {}),
+    ("pad the last dim of rows", lambda a: F.pad(a, (1, 1)), (S0,), (S0,), {}),
+    ("pad a partial with zeros", lambda a: F.pad(a, (1, 1)), (P,), (P,), {}),
+    ("cummax along rows", lambda a: a.cummax(1), (S0,), (S0,), {}),
 ]
 
 
@@ -282,6 +294,9 @@ def test_zero_dim_inputs():
     (lambda a: torch.mv(a, torch.zeros(5)), RuntimeError),
     (lambda a: torch.addcdiv(a.long(), a.long(), a.long()), RuntimeError),
     (lambda a: torch.linalg.norm(a[None], 2), RuntimeError),
+    (lambda a: F.pad(a, (1, 1, 1, 1, 1, 1)), RuntimeError),
+    (lambda a: a.cummax(2), IndexError), (lambda a: a.kthvalue(9, 1), RuntimeError),
+    (lambda a: F.glu(a, 1), RuntimeError),                                 # 7 is odd
 ])
 def test_bad_arguments_raise_as_torch(fn, err):
     x = torch.randn(5, 7)
@@ -297,6 +312,7 @@ def test_bad_arguments_raise_as_torch(fn, err):
     (lambda a: torch.addmm(torch.zeros(7).double(), a, torch.zeros(7, 7)), "dtypes must be"),
     (lambda a: torch.linalg.matrix_norm(a, 2), "singular values"),
     (lambda a: a.norm(p="nuc"), "singular values"),
+    (lambda a: F.pad(a, (1, 1), mode="reflect"), "mode='constant'"),
 ])
 def test_unsupported_or_mismatched_raise_clearly(fn, match):
     t = wb.shard_tensor(torch.randn(5, 7), M3, [S0])
@@ -363,7 +379,8 @@ ANY_SIZE = {"flip", "flip0", "roll", "roll_flat", "sort", "argsort", "msort", "p
             "cumprod", "vector_norm", "vector_norm_1", "vector_norm_inf", "norm_dim",
             "normalize", "where_scalar", "exp2", "hardswish", "fmax", "addcmul",
             "repeat_interleave", "repeat_interleave_last", "softmin", "std_mean", "aminmax",
-            "aminmax_all", "nansum", "tile", "hstack", "tensor_split"}      # no (5, 7) partner
+            "aminmax_all", "nansum", "tile", "hstack", "tensor_split", "pad", "pad_both",
+            "cummax", "logcumsumexp", "median", "median_dim"}              # no (5, 7) partner
 
 
 @settings(max_examples=60, deadline=None)
@@ -389,6 +406,9 @@ TABLE_SAMPLES = {
     "msort": (torch.msort, [_X]), "prod": (lambda x: x.prod(1), [_X]),
     "cumprod": (lambda x: torch.cumprod(x, 0), [_X]),
     "repeat_interleave": (lambda x: x.repeat_interleave(2, 1), [_X]),
+    "pad": (lambda x: F.pad(x, (1, 2)), [_X]), "cummax": (lambda x: tuple(x.cummax(1)), [_X]),
+    "cummin": (lambda x: tuple(torch.cummin(x, 0)), [_X]),
+    "logcumsumexp": (lambda x: x.logcumsumexp(1), [_X]),
 }
 
 

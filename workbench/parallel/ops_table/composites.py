@@ -151,8 +151,9 @@ COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot
 # softmin, cosine_similarity (losses.py), std_mean, aminmax, nansum, tile, hstack... (stats.py)
 from .blas import BLAS  # noqa: E402
 from .losses import LOSSES  # noqa: E402
+from .sort import SELECTIONS  # noqa: E402
 from .stats import STATS  # noqa: E402
 from .vector_norm import NORMS  # noqa: E402
 
-for _more in (BLAS, NORMS, LOSSES, STATS):
+for _more in (BLAS, NORMS, LOSSES, STATS, SELECTIONS):
     COMPOSITES.update(_more)

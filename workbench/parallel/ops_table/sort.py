@@ -92,3 +92,43 @@ def _msort_local(nd, ctx, x, dim, descending, stable, n_out):
 register("msort", [torch.msort, T.msort], parse=_msort_parse, rule=sort_rule,
          local=_msort_local, cost=_sort_cost, op_class="reduction",
          sample=lambda g: [Sample(torch.msort, (g.rn(5, 6),))])
+
+
+# ---- selections composed of sort (composites.py installs them) -------------------------
+
+def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
+    """``torch.kthvalue``: the k-th smallest along ``dim`` and its index (a sort, then a
+    pick: the dim is made whole as sort's)."""
+    if out is not None:
+        raise TypeError("kthvalue(out=...) on a DistTensor: assign the result")
+    from .blas import torch_check
+    torch_check(torch.kthvalue, input, k, dim, keepdim)
+    if input.ndim == 0:
+        return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
+    v, i = torch.sort(input, dim)
+    d = wrap_dim(dim, input.ndim)
+    v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
+    if not keepdim:
+        v, i = v.squeeze(d), i.squeeze(d)
+    return torch.return_types.kthvalue((v, i))
+
+
+def median(input, dim=None, keepdim=False, *, out=None):
+    """``torch.median``: the lower median (the ((n - 1) // 2 + 1)-th smallest); over every
+    element (a value) when ``dim`` is None, else (values, indices) along ``dim``."""
+    if out is not None:
+        raise TypeError("median(out=...) on a DistTensor: assign the result")
+    from .blas import torch_check
+    torch_check(torch.median, input) if dim is None else \
+        torch_check(torch.median, input, dim, keepdim)
+    if dim is None:
+        flat = input.reshape(-1)
+        return kthvalue(flat, (flat.shape[0] - 1) // 2 + 1, 0).values if flat.shape[0] else \
+            flat.sum() * float("nan")
+    n = input.shape[dim] if input.ndim else 1
+    r = kthvalue(input, (n - 1) // 2 + 1, dim, keepdim)
+    return torch.return_types.median((r.values, r.indices))
+
+
+SELECTIONS = {torch.kthvalue: kthvalue, T.kthvalue: kthvalue, torch.median: median,
+              T.median: median}

@@ -9,6 +9,7 @@ and trace event):
     hstack / vstack         cat along dim 1 (0 for 1-d) / along dim 0 of 2-d views
     tensor_split            split at torch's own section sizes
     Tensor.type(dtype)      .to(dtype); no argument: the type's name ('torch.FloatTensor')
+    F.glu(dim)              a * sigmoid(b), a and b the halves of ``dim``
 
 torch's own checks run first on meta tensors of the global shapes.
 """
@@ -130,7 +131,14 @@ def type_(input, dtype=None, non_blocking=False, **kwargs):
     return input.to(dtype)
 
 
-STATS = {torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
+def glu(input, dim=-1):
+    """``F.glu``: the first half of ``dim`` times the sigmoid of the second."""
+    torch_check(torch.nn.functional.glu, input, dim)
+    a, b = input.chunk(2, dim)
+    return a * torch.sigmoid(b)
+
+
+STATS = {torch.nn.functional.glu: glu, torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
          T.aminmax: aminmax, torch.count_nonzero: count_nonzero, T.count_nonzero: count_nonzero,
          torch.nansum: nansum, T.nansum: nansum, torch.nanmean: nanmean, T.nanmean: nanmean,
          torch.tile: tile, T.tile: tile, torch.hstack: hstack, torch.vstack: vstack,

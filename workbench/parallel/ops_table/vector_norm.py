@@ -150,6 +150,12 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     return input / vector_norm(input, p, dim, keepdim=True).clamp_min(eps)
 
 
-NORMS = {torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
+def dist(input, other, p=2):
+    """``torch.dist``: the p-norm of ``input - other``."""
+    torch_check(torch.dist, input, other, p)
+    return vector_norm(input - other, p)
+
+
+NORMS = {torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
          torch.linalg.norm: linalg_norm, torch.norm: norm, T.norm: norm,
          F.normalize: normalize}
