@@ -350,6 +350,21 @@ def test_repeat_interleave_of_uneven_shards_moves_them():
         t.repeat_interleave(-1, dim=0)
 
 
+@pytest.mark.parametrize("ps", [(S0,), (S1,), (R,)])
+def test_in_place_forms_write_one_devices_answer(ps):
+    # x.addcmul_ (Adam's second moment), x.cumprod_, x.clamp_(tensor), F.hardswish(inplace)
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(6))
+    for f in (lambda a: a.addcmul_(a * 1, a * 2, value=0.5),
+              lambda a: a.addcdiv_(a * 1, a.abs() + 1, value=-2), lambda a: a.cumprod_(1),
+              lambda a: a.clamp_(min=torch.zeros(7)), lambda a: a.nan_to_num_(posinf=1.0),
+              lambda a: F.hardswish(a, inplace=True), lambda a: a.exp2_().log2_()):
+        r, t = x.clone(), wb.shard_tensor(x, M3, list(ps))
+        out = f(t)
+        f(r)
+        assert out is t and t.placements == ps
+        torch.testing.assert_close(t.full(), r)
+
+
 def test_tensor_type():
     x = torch.randn(5, 7)
     t = wb.shard_tensor(x, M3, [S0])
