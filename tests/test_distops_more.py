@@ -268,6 +268,11 @@ def _same(fn, x, ps=(S0,), mesh=M3):
     (lambda a: a.sort(1).indices, torch.randn(0, 3)),                     # empty
     (lambda a: a.prod(0), torch.randn(0, 3)),                             # empty: 1
     (lambda a: torch.linalg.vector_norm(a), torch.randn(0, 3)),           # empty: 0
+    (lambda a: torch.linalg.vector_norm(a, dim=()), torch.randn(7, 3)),   # (): every dim
+    (lambda a: torch.linalg.matrix_norm(a[None].expand(2, 7, 3), 1, keepdim=True),
+     torch.randn(7, 3)),
+    (lambda a: torch.linalg.matrix_norm(a, -math.inf, dim=(1, 0)), torch.randn(7, 3)),
+    (lambda a: a.norm(2, 1, True, dtype=torch.float64), torch.randn(7, 3)),
 ])
 def test_dtypes_and_edge_sizes_as_torch(fn, x):
     _same(fn, x, ps=(S0,) if x.ndim else (R,))

@@ -56,7 +56,7 @@ def _root(s, p):
 
 
 def _dims(dim, ndim):
-    if dim is None:
+    if dim is None or isinstance(dim, (tuple, list)) and len(dim) == 0:   # () is every dim
         return tuple(range(ndim))
     return tuple(sorted(wrap_dims(dim, ndim)))
 
