@@ -263,6 +263,13 @@ def _same(fn, x, ps=(S0,), mesh=M3):
     (lambda a: a.clamp(min=0.5), torch.arange(7)),                        # -> float
     (lambda a: torch.addmm(a, a, a, alpha=0.5), torch.arange(49).reshape(7, 7)),  # alpha -> 0
     (lambda a: torch.addcmul(a, a.double(), a), torch.randn(7, 3)),
+    (lambda a: torch.addcmul(a, a, a.flip(0), value=-1.5), torch.arange(7)),   # value -> -1
+    (lambda a: a.repeat(2, 1), torch.arange(14).reshape(7, 2)),   # int R: was "no reshard
+    (lambda a: a.expand(2, 7, 2), torch.arange(14).reshape(7, 2)),  # plan to P(avg)"
+    (lambda a: torch.triu(a), torch.arange(14).reshape(7, 2)),
+    (lambda a: F.huber_loss(a, a.double()), torch.randn(7, 3)),          # input's dtype
+    (lambda a: F.binary_cross_entropy_with_logits(a.double(), a.sigmoid()), torch.randn(7, 3)),
+    (lambda a: F.cosine_similarity(a, a.double() + 1), torch.arange(14).reshape(7, 2)),
     (lambda a: torch.isinf(a), torch.tensor([1.0, math.inf, -math.inf, math.nan, 0.0])),
     (lambda a: a.roll(1, 0), torch.randn(1, 3)),                          # a batch of one
     (lambda a: a.sort(1).indices, torch.randn(0, 3)),                     # empty
@@ -276,6 +283,7 @@ def _same(fn, x, ps=(S0,), mesh=M3):
 ])
 def test_dtypes_and_edge_sizes_as_torch(fn, x):
     _same(fn, x, ps=(S0,) if x.ndim else (R,))
+    _same(fn, x, ps=(R,))
 
 
 def test_zero_dim_inputs():
@@ -302,6 +310,10 @@ def test_zero_dim_inputs():
     (lambda a: F.pad(a, (1, 1, 1, 1, 1, 1)), RuntimeError),
     (lambda a: a.cummax(2), IndexError), (lambda a: a.kthvalue(9, 1), RuntimeError),
     (lambda a: F.glu(a, 1), RuntimeError),                                 # 7 is odd
+    (lambda a: F.glu(a.long(), 0), (RuntimeError, NotImplementedError)),
+    (lambda a: F.huber_loss(a.long(), a.double()), RuntimeError),          # can't be cast
+    (lambda a: F.binary_cross_entropy_with_logits(a.long(), a), NotImplementedError),
+    (lambda a: F.cosine_similarity(a.long(), a.long()), RuntimeError),
 ])
 def test_bad_arguments_raise_as_torch(fn, err):
     x = torch.randn(5, 7)

@@ -100,6 +100,8 @@ def _pointwise(fn, combine):
         if out is not None:
             raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
         ref = torch_check(fn, input, tensor1, tensor2, value=value)
+        if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
+            value = int(value)                        # torch truncates it for integers
         prod = combine(tensor1, tensor2)
         if isinstance(value, bool) or value != 1:
             prod = prod * value

@@ -35,6 +35,14 @@ def _legacy(fn, size_average, reduce):
                                   "deprecated and not supported; use reduction=")
 
 
+def _float_input(fn, input):
+    """torch's kernels of these losses run on floating inputs only."""
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+        raise NotImplementedError(f"{fn}: not implemented for "
+                                  f"'{str(input.dtype).replace('torch.', '').capitalize()}' "
+                                  "input (as torch's kernel); cast it to a float dtype")
+
+
 def _diff(fn, input, target):
     if tuple(input.shape) != tuple(target.shape):
         warnings.warn(f"Using a target size ({torch.Size(target.shape)}) that is different "
@@ -74,24 +82,31 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
         raise NotImplementedError("huber_loss(weight=...) on DistTensors: multiply the "
                                   "reduction='none' loss by the weight instead")
     torch_check(F.huber_loss, input, target, reduction=reduction, delta=delta)
+    _float_input("huber_loss", input)
+    common = torch.promote_types(input.dtype, target.dtype)
+    if not torch.can_cast(common, input.dtype):
+        raise RuntimeError(f"result type {str(common).replace('torch.', '').capitalize()} "
+                           f"can't be cast to the desired output type "
+                           f"{str(input.dtype).replace('torch.', '').capitalize()}")  # torch's
     d = _diff("huber_loss", input, target).abs()
     return _reduce(_quadratic_below(d, delta, 0.5, (d - 0.5 * delta) * delta), reduction,
-                   "huber_loss")
+                   "huber_loss").to(input.dtype)      # torch's kernel: the input's dtype
 
 
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None,
                                      reduce=None, reduction="mean", pos_weight=None):
     """``F.binary_cross_entropy_with_logits`` (stable: no exp of a positive number)."""
     _legacy("binary_cross_entropy_with_logits", size_average, reduce)
-    torch_check(F.binary_cross_entropy_with_logits, input, target, weight,
-                reduction=reduction, pos_weight=pos_weight)
+    ref = torch_check(F.binary_cross_entropy_with_logits, input, target, weight,
+                      reduction=reduction, pos_weight=pos_weight)
+    _float_input("binary_cross_entropy_with_logits", input)
     soft = torch.log1p(torch.exp(-input.abs())) + torch.relu(-input)      # softplus(-x)
     if pos_weight is not None:
         soft = soft * ((pos_weight - 1) * target + 1)
     loss = (1 - target) * input + soft
     if weight is not None:
         loss = loss * weight
-    return _reduce(loss, reduction, "binary_cross_entropy_with_logits")
+    return _reduce(loss, reduction, "binary_cross_entropy_with_logits").to(ref.dtype)
 
 
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean",
@@ -120,6 +135,11 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """``F.cosine_similarity``: each input divided by its norm (at least eps), summed
     products over ``dim``."""
     torch_check(F.cosine_similarity, x1, x2, dim, eps)
+    common = torch.promote_types(x1.dtype, x2.dtype)
+    if not common.is_floating_point:
+        raise RuntimeError(f"expected common dtype to be floating point, yet common dtype "
+                           f"is {str(common).replace('torch.', '').capitalize()}")  # torch's
+    x1, x2 = x1.to(common), x2.to(common)
     n1 = vector_norm(x1, 2, dim, keepdim=True).clamp_min(eps)
     n2 = vector_norm(x2, 2, dim, keepdim=True).clamp_min(eps)
     return ((x1 / n1) * (x2 / n2)).sum(dim)

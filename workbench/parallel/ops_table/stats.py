@@ -134,6 +134,10 @@ def type_(input, dtype=None, non_blocking=False, **kwargs):
 def glu(input, dim=-1):
     """``F.glu``: the first half of ``dim`` times the sigmoid of the second."""
     torch_check(torch.nn.functional.glu, input, dim)
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+        raise NotImplementedError(f"glu: not implemented for "
+                                  f"'{str(input.dtype).replace('torch.', '').capitalize()}' "
+                                  "(as torch's kernel); cast it to a float dtype")
     a, b = input.chunk(2, dim)
     return a * torch.sigmoid(b)
 
