@@ -382,6 +382,35 @@ def test_in_place_forms_write_one_devices_answer(ps):
         torch.testing.assert_close(t.full(), r)
 
 
+@pytest.mark.parametrize("ps", [(R,), (S0,), (S1,)])
+def test_one_hot(ps):
+    y = torch.randint(0, 5, (7, 2), generator=torch.Generator().manual_seed(7))
+    t = wb.shard_tensor(y, M3, list(ps))
+    with wb.trace() as tr:
+        out = F.one_hot(t, 6)
+    assert out.placements == ps and out.dtype == torch.int64 and not tr.counts()
+    assert torch.equal(out.full(), F.one_hot(y, 6))
+    with wb.trace() as tr:
+        out = F.one_hot(t)                        # num_classes = the largest id + 1
+    assert torch.equal(out.full(), F.one_hot(y)) and out.shape == F.one_hot(y).shape
+    assert sum(tr.counts().values()) == (0 if ps == (R,) else 1)     # the global max
+    for bad, match in ((lambda a: F.one_hot(a, 3), "smaller than num_classes"),
+                       (lambda a: F.one_hot(a - 3, 6), "non-negative"),
+                       (lambda a: F.one_hot(a.int(), 6), "LongTensor")):
+        for z in (y, t):
+            with pytest.raises(RuntimeError, match=match):
+                bad(z)
+
+
+def test_a_distributed_bool_mask_index_raises_naming_the_fix():
+    # was IndexError "tensors used as indices must be long, int, byte or bool tensors"
+    x = torch.randn(4, 3)
+    t = wb.shard_tensor(x, M2, [S0])
+    with pytest.raises(NotImplementedError, match="torch.where"):
+        t[t > 0]
+    torch.testing.assert_close(t[(x > 0)[:, 0]].full(), x[(x > 0)[:, 0]])   # a plain mask
+
+
 def test_tensor_type():
     x = torch.randn(5, 7)
     t = wb.shard_tensor(x, M3, [S0])
@@ -441,6 +470,7 @@ TABLE_SAMPLES = {
     "pad": (lambda x: F.pad(x, (1, 2)), [_X]), "cummax": (lambda x: tuple(x.cummax(1)), [_X]),
     "cummin": (lambda x: tuple(torch.cummin(x, 0)), [_X]),
     "logcumsumexp": (lambda x: x.logcumsumexp(1), [_X]),
+    "one_hot": (lambda x: F.one_hot((x > 0).long() + (x > 1).long(), 4), [_X]),
 }
 
 
