@@ -33,6 +33,7 @@ B = torch.randn(3, generator=_g, dtype=torch.float64)
 G5 = torch.randn(5, 5, generator=_g, dtype=torch.float64)
 Y = torch.randn(5, 7, generator=_g, dtype=torch.float64)
 PROB = torch.rand(5, 7, generator=_g, dtype=torch.float64)
+IDX = torch.randint(0, 7, (5, 4), generator=_g)
 
 # name -> f(a) on a (5, 7) float64 tensor (a DistTensor or the one-device reference)
 OPS = {
@@ -111,6 +112,12 @@ OPS = {
     "kthvalue": lambda a: torch.kthvalue(a, 2, 1), "kthvalue_keep": lambda a: a.kthvalue(3, 0, keepdim=True),
     "median": lambda a: a.median(), "median_dim": lambda a: torch.median(a, 1),
     "median_even": lambda a: a[:4].median(0),
+    "scatter_add": lambda a: torch.scatter_add(a, 1, IDX, Y[:, :4]),
+    "scatter_add_src": lambda a: torch.zeros(5, 7, dtype=torch.float64).scatter_add(1, IDX, a[:, :4]),
+    "index_add": lambda a: a.index_add(0, torch.tensor([0, 2, 2, 4]), Y[:4], alpha=0.5),
+    "index_add_source": lambda a: torch.index_add(torch.ones(3, 7, dtype=torch.float64), 0,
+                                                  torch.tensor([0, 1, 1, 2, 0]), a),
+    "index_add_cols": lambda a: a.index_add(1, torch.tensor([6, 0]), a[:, :2]),
 }
 
 
@@ -192,6 +199,10 @@ PLACED = [   # (case, fn, layout, output placements, collectives)
     ("pad the last dim of rows", lambda a: F.pad(a, (1, 1)), (S0,), (S0,), {}),
     ("pad a partial with zeros", lambda a: F.pad(a, (1, 1)), (P,), (P,), {}),
     ("cummax along rows", lambda a: a.cummax(1), (S0,), (S0,), {}),
+    ("index_add of columns", lambda a: a.index_add(1, torch.tensor([6, 0]), a[:, :2]), (S0,),
+     (S0,), {}),
+    ("scatter_add along rows", lambda a: a.scatter_add(1, torch.zeros(6, 8, dtype=torch.long), a),
+     (S0,), (S0,), {}),
 ]
 
 
@@ -471,6 +482,10 @@ TABLE_SAMPLES = {
     "cummin": (lambda x: tuple(torch.cummin(x, 0)), [_X]),
     "logcumsumexp": (lambda x: x.logcumsumexp(1), [_X]),
     "one_hot": (lambda x: F.one_hot((x > 0).long() + (x > 1).long(), 4), [_X]),
+    "scatter_add": (lambda x, s: torch.scatter_add(x, 1, IDX[:4, :3] % 6, s),
+                    [_X, torch.randn(4, 3, generator=torch.Generator().manual_seed(8))]),
+    "index_add": (lambda x, s: x.index_add(0, torch.tensor([0, 3, 3]), s, alpha=2.0),
+                  [_X, torch.randn(3, 6, generator=torch.Generator().manual_seed(9))]),
 }
 
 

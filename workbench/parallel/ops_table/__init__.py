@@ -13,7 +13,8 @@ Op families, each op's callables, parse, rule, local implementation, cost and va
 sample side by side (adding an op touches one of them and its test): ``pointwise``,
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
-``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``.
+``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
+``accumulate``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -38,6 +39,7 @@ FAMILIES += ("sampling",)           # argmax / topk / multinomial: decoding (ser
 FAMILIES += ("reorder", "sort")     # flip / roll; sort / argsort / msort
 FAMILIES += ("pointwise_math",)     # exp2, log2, trunc, isinf, hardswish, fmax... and aliases
 FAMILIES += ("pad", "scans")        # F.pad (constant); cummax / cummin / logcumsumexp
+FAMILIES += ("accumulate",)         # scatter_add / index_add
 
 
 def load():
