@@ -236,6 +236,16 @@ def test_addmm_row_parallel_reduces_before_the_bias():
     assert sum(tr.counts().values()) == 1 and out.placements[0] in (R, S0, S1)
 
 
+def test_cosine_similarity_of_tiny_vectors_has_torchs_gradient():
+    # torch clamps the norms to eps outside autograd: the gradient flows through the
+    # unclamped norm (a differentiable clamp gave gradients 5e5 off for a 1e-10 row)
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    x[2], x[3] = 0.0, 1e-10
+    for ps in ((R,), (S0,), (S1,)):
+        as_one_device(lambda a: F.cosine_similarity(a, Y), M3, ps, x)
+        as_one_device(lambda a: F.cosine_similarity(a, a + 1), M3, ps, x)
+
+
 def test_norm_of_a_zero_vector_has_gradient_zero():
     # a plain sqrt(sum(x^2)) would give nan; torch masks the zero norm
     x = torch.zeros(4, 6, dtype=torch.float64)

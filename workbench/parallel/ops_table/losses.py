@@ -10,6 +10,7 @@ and trace event), with ``F.mse_loss`` / ``F.nll_loss`` (``composites.py``):
     F.kl_div                         y (log y - x), 0 where y = 0 (log_target: e^y (y - x))
     F.softmin(dim)                   softmax(-x)
     F.cosine_similarity(dim, eps)    sum((x1 / max(|x1|, eps)) (x2 / max(|x2|, eps)))
+                                     (the max outside autograd, as torch's kernel)
 
 (the formulas of the PyTorch documentation of each function). torch's own checks run
 first on meta tensors of the global shapes. The value and the gradient are those of the
@@ -133,16 +134,23 @@ def softmin(input, dim=None, _stacklevel=3, dtype=None):
 
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """``F.cosine_similarity``: each input divided by its norm (at least eps), summed
-    products over ``dim``."""
+    products over ``dim``. As torch's kernel, the norms are clamped outside autograd:
+    the gradient flows through the unclamped norm (a vector below eps included)."""
     torch_check(F.cosine_similarity, x1, x2, dim, eps)
     common = torch.promote_types(x1.dtype, x2.dtype)
     if not common.is_floating_point:
         raise RuntimeError(f"expected common dtype to be floating point, yet common dtype "
                            f"is {str(common).replace('torch.', '').capitalize()}")  # torch's
-    x1, x2 = x1.to(common), x2.to(common)
-    n1 = vector_norm(x1, 2, dim, keepdim=True).clamp_min(eps)
-    n2 = vector_norm(x2, 2, dim, keepdim=True).clamp_min(eps)
+    x1, x2 = (x if x.dtype.is_floating_point else x.to(common) for x in (x1, x2))
+    n1, n2 = (_clamped_outside_autograd(vector_norm(x, 2, dim, keepdim=True), eps)
+              for x in (x1, x2))
     return ((x1 / n1) * (x2 / n2)).sum(dim)
+
+
+def _clamped_outside_autograd(n, eps):
+    """``n.clamp_min(eps)`` in value, ``n`` in gradient (torch clamps in place under
+    no_grad)."""
+    return n + (n.clamp_min(eps) - n).detach()
 
 
 LOSSES = {F.l1_loss: l1_loss, F.smooth_l1_loss: smooth_l1_loss, F.huber_loss: huber_loss,
