@@ -335,7 +335,21 @@ def test_zero_dim_inputs():
     (lambda a: F.huber_loss(a.long(), a.double()), RuntimeError),          # can't be cast
     (lambda a: F.binary_cross_entropy_with_logits(a.long(), a), NotImplementedError),
     (lambda a: F.cosine_similarity(a.long(), a.long()), RuntimeError),
+    (lambda a: F.smooth_l1_loss(a, a, beta=-1.0), RuntimeError),
+    (lambda a: F.huber_loss(a, a, delta=0.0), RuntimeError),
+    (lambda a: F.l1_loss(a, a, reduction="avg"), ValueError),
+    (lambda a: F.binary_cross_entropy_with_logits(a, a[:2]), ValueError),
 ])
+
+
+@pytest.mark.parametrize("fn", [lambda a: F.l1_loss(a, a[0]), lambda a: F.huber_loss(a, a[0]),
+                                lambda a: F.kl_div(a, a.softmax(1))])
+def test_losses_warn_once_as_torch(fn):
+    x = torch.randn(5, 7)
+    for z in (x, wb.shard_tensor(x, M3, [S0])):
+        with pytest.warns(UserWarning) as rec:
+            fn(z)
+        assert len(rec) == 1
 def test_bad_arguments_raise_as_torch(fn, err):
     x = torch.randn(5, 7)
     with pytest.raises(err):

@@ -18,8 +18,6 @@ composition, equal to torch's fused kernels up to rounding.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
@@ -45,11 +43,8 @@ def _float_input(fn, input):
 
 
 def _diff(fn, input, target):
-    if tuple(input.shape) != tuple(target.shape):
-        warnings.warn(f"Using a target size ({torch.Size(target.shape)}) that is different "
-                      f"to the input size ({torch.Size(input.shape)}). This will likely lead "
-                      "to incorrect results due to broadcasting. Please ensure they have the "
-                      "same size.", stacklevel=3)                      # torch's warning
+    """``input - target`` (torch's size-mismatch warning comes from its own function,
+    called on meta tensors by :func:`torch_check`)."""
     return input - target
 
 
@@ -71,6 +66,8 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
                    beta=1.0):
     """``F.smooth_l1_loss``: quadratic below ``beta``, linear above (beta=0: l1)."""
     _legacy("smooth_l1_loss", size_average, reduce)
+    if beta < 0:                      # (torch's kernel checks it; its meta kernel does not)
+        raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
     torch_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
     d = _diff("smooth_l1_loss", input, target).abs()
     loss = d if beta == 0 else _quadratic_below(d, beta, 0.5 / beta, d - 0.5 * beta)
