@@ -118,6 +118,12 @@ OPS = {
     "index_add_source": lambda a: torch.index_add(torch.ones(3, 7, dtype=torch.float64), 0,
                                                   torch.tensor([0, 1, 1, 2, 0]), a),
     "index_add_cols": lambda a: a.index_add(1, torch.tensor([6, 0]), a[:, :2]),
+    "diagonal": lambda a: a.diagonal(), "diagonal_below": lambda a: torch.diagonal(a, -2),
+    "diagonal_swapped": lambda a: a.diagonal(1, -1, -2),
+    "diagonal_3d": lambda a: a.unflatten(0, (5, 1)).diagonal(0, 0, 2),
+    "trace": torch.trace, "diag_of_matrix": lambda a: torch.diag(a, 1),
+    "diag_of_vector": lambda a: torch.diag(a[0]), "diag_below": lambda a: a[:, 2].diag(-2),
+    "diag_above": lambda a: a[1].diag(3),
 }
 
 
@@ -447,6 +453,17 @@ def test_a_distributed_bool_mask_index_raises_naming_the_fix():
     torch.testing.assert_close(t[(x > 0)[:, 0]].full(), x[(x > 0)[:, 0]])   # a plain mask
 
 
+@pytest.mark.parametrize("ps", [(R,), (S0,), (S1,)])
+def test_writes_through_a_diagonal_reach_the_tensor(ps):
+    # diagonal is a view, as torch's: x.diagonal().fill_(1) writes x's diagonal
+    t = wb.shard_tensor(torch.zeros(4, 4), M2, list(ps))
+    t.diagonal().fill_(1.0)
+    assert torch.equal(t.full(), torch.eye(4))
+    v = torch.tensor([1.0, math.inf, math.nan, -2.0])       # no 0 * inf off the diagonal
+    torch.testing.assert_close(torch.diag(wb.shard_tensor(v, M2, [S0]), 1).full(),
+                               torch.diag(v, 1), equal_nan=True)
+
+
 def test_tensor_type():
     x = torch.randn(5, 7)
     t = wb.shard_tensor(x, M3, [S0])
@@ -509,6 +526,7 @@ TABLE_SAMPLES = {
     "one_hot": (lambda x: F.one_hot((x > 0).long() + (x > 1).long(), 4), [_X]),
     "scatter_add": (lambda x, s: torch.scatter_add(x, 1, IDX[:4, :3] % 6, s),
                     [_X, torch.randn(4, 3, generator=torch.Generator().manual_seed(8))]),
+    "diagonal": (lambda x: x.diagonal(1), [_X]),
     "index_add": (lambda x, s: x.index_add(0, torch.tensor([0, 3, 3]), s, alpha=2.0),
                   [_X, torch.randn(3, 6, generator=torch.Generator().manual_seed(9))]),
 }
