@@ -90,6 +90,9 @@ OPS = {
     "bce_with_logits_weights": lambda a: F.binary_cross_entropy_with_logits(
         a, PROB, weight=Y.abs(), pos_weight=W[:, 1].abs() + 0.5, reduction="sum"),
     "bce_with_logits_target_grad": lambda a: F.binary_cross_entropy_with_logits(Y, a.sigmoid()),
+    "binary_cross_entropy": lambda a: F.binary_cross_entropy(a.sigmoid(), PROB),
+    "binary_cross_entropy_weighted": lambda a: F.binary_cross_entropy(
+        PROB, a.sigmoid(), weight=Y.abs(), reduction="sum"),
     "kl_div": lambda a: F.kl_div(F.log_softmax(a, 1), F.softmax(Y, 1), reduction="batchmean"),
     "kl_div_log_target": lambda a: F.kl_div(a, Y.clamp(max=0.), reduction="sum", log_target=True),
     "softmin": lambda a: F.softmin(a, dim=1), "cosine_similarity": lambda a: F.cosine_similarity(a, Y),
@@ -298,6 +301,8 @@ def _same(fn, x, ps=(S0,), mesh=M3):
     (lambda a: F.binary_cross_entropy_with_logits(a.double(), a.sigmoid()), torch.randn(7, 3)),
     (lambda a: F.cosine_similarity(a, a.double() + 1), torch.arange(14).reshape(7, 2)),
     (lambda a: torch.isinf(a), torch.tensor([1.0, math.inf, -math.inf, math.nan, 0.0])),
+    (lambda a: F.binary_cross_entropy(a, torch.tensor([1.0, 0.0, 0.5, 1.0])),   # log(0): -100
+     torch.tensor([0.0, 1.0, 0.5, 1.0])),
     (lambda a: a.roll(1, 0), torch.randn(1, 3)),                          # a batch of one
     (lambda a: a.sort(1).indices, torch.randn(0, 3)),                     # empty
     (lambda a: a.prod(0), torch.randn(0, 3)),                             # empty: 1

@@ -7,6 +7,7 @@ and trace event), with ``F.mse_loss`` / ``F.nll_loss`` (``composites.py``):
     F.binary_cross_entropy_with_logits
                                      (1 - y) x + (1 + (pw - 1) y) (log1p(exp(-|x|)) + max(-x, 0))
                                      (the log-sum-exp trick of PyTorch's kernel; times weight)
+    F.binary_cross_entropy           -(y log x + (1 - y) log(1 - x)), each log at least -100
     F.kl_div                         y (log y - x), 0 where y = 0 (log_target: e^y (y - x))
     F.softmin(dim)                   softmax(-x)
     F.cosine_similarity(dim, eps)    sum((x1 / max(|x1|, eps)) (x2 / max(|x2|, eps)))
@@ -107,6 +108,20 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return _reduce(loss, reduction, "binary_cross_entropy_with_logits").to(ref.dtype)
 
 
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None,
+                         reduction="mean"):
+    """``F.binary_cross_entropy``: ``-(y log x + (1 - y) log(1 - x))``, each log clamped
+    at -100 (as torch's kernel, so that x = 0 or 1 gives a finite loss)."""
+    _legacy("binary_cross_entropy", size_average, reduce)
+    ref = torch_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
+    _float_input("binary_cross_entropy", input)
+    loss = -(target * torch.log(input).clamp_min(-100.0)
+             + (1 - target) * torch.log(1 - input).clamp_min(-100.0))
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction, "binary_cross_entropy").to(ref.dtype)
+
+
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean",
            log_target=False):
     """``F.kl_div``: ``target (log target - input)`` pointwise (input holds log-probs)."""
@@ -150,7 +165,7 @@ def _clamped_outside_autograd(n, eps):
     return n + (n.clamp_min(eps) - n).detach()
 
 
-LOSSES = {F.l1_loss: l1_loss, F.smooth_l1_loss: smooth_l1_loss, F.huber_loss: huber_loss,
+LOSSES = {F.binary_cross_entropy: binary_cross_entropy, F.l1_loss: l1_loss, F.smooth_l1_loss: smooth_l1_loss, F.huber_loss: huber_loss,
           F.binary_cross_entropy_with_logits: binary_cross_entropy_with_logits,
           F.kl_div: kl_div, F.softmin: softmin, F.cosine_similarity: cosine_similarity,
           torch.cosine_similarity: cosine_similarity}
