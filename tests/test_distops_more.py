@@ -469,6 +469,36 @@ def test_writes_through_a_diagonal_reach_the_tensor(ps):
                                torch.diag(v, 1), equal_nan=True)
 
 
+def _llama_rope(xq, freqs_cis):
+    """Llama's reference rotary embedding (complex multiply)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    fc = freqs_cis.view(1, xq.shape[1], 1, xq.shape[-1] // 2)
+    return torch.view_as_real(xq_ * fc).flatten(3).type_as(xq)
+
+
+@pytest.mark.parametrize("mesh,ps,comms", [
+    (M2, (S0,), 0), (M2, (wb.Shard(2),), 0), (M3, (wb.Shard(1),), 0), (M2, (R,), 0),
+    (M2, (P,), 0), (M2, (wb.Shard(3),), 1), (M22, (S0, wb.Shard(2)), 0)])
+def test_llama_complex_rotary_embedding(mesh, ps, comms):
+    # view_as_complex / view_as_real (were NoRuleError): batch, sequence and heads shards
+    # pass, a partial input stays partial (linear), a split head dim is moved once
+    B, T, H, D = 2, 5, 4, 6
+    freqs = torch.outer(torch.arange(T).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+    xq = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(11))
+    x0 = xq.clone().requires_grad_()
+    ref = _llama_rope(x0, freqs_cis)
+    t = distribute(xq, mesh, list(ps)).requires_grad_()
+    with wb.trace() as tr:
+        out = _llama_rope(t, freqs_cis)
+    torch.testing.assert_close(out.full(), ref.detach())
+    assert sum(tr.counts().values()) == comms
+    w = _weights(ref.shape).float()
+    (ref * w).sum().backward()
+    (out * w).sum().backward()
+    torch.testing.assert_close(t.grad.full(), x0.grad)
+
+
 def test_tensor_type():
     x = torch.randn(5, 7)
     t = wb.shard_tensor(x, M3, [S0])
@@ -532,6 +562,12 @@ TABLE_SAMPLES = {
     "scatter_add": (lambda x, s: torch.scatter_add(x, 1, IDX[:4, :3] % 6, s),
                     [_X, torch.randn(4, 3, generator=torch.Generator().manual_seed(8))]),
     "diagonal": (lambda x: x.diagonal(1), [_X]),
+    "view_as_complex": (lambda x: torch.view_as_real(torch.view_as_complex(x.reshape(4, 3, 2))
+                                                     * (1 + 2j)), [_X]),
+    "view_as_real": (lambda x: torch.view_as_real(torch.view_as_complex(x.unflatten(1, (3, 2)))),
+                     [_X]),
+    "complex": (lambda a, b: torch.view_as_real(torch.complex(a, b)), [_X, _X.flip(1)]),
+    "polar": (lambda a, b: torch.view_as_real(torch.polar(a.abs() + 0.5, b)), [_X, _X.flip(0)]),
     "index_add": (lambda x, s: x.index_add(0, torch.tensor([0, 3, 3]), s, alpha=2.0),
                   [_X, torch.randn(3, 6, generator=torch.Generator().manual_seed(9))]),
 }

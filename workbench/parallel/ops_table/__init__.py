@@ -14,7 +14,7 @@ sample side by side (adding an op touches one of them and its test): ``pointwise
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
 ``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
-``accumulate``, ``diagonal``.
+``accumulate``, ``diagonal``, ``complex``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -41,6 +41,7 @@ FAMILIES += ("pointwise_math",)     # exp2, log2, trunc, isinf, hardswish, fmax.
 FAMILIES += ("pad", "scans")        # F.pad (constant); cummax / cummin / logcumsumexp
 FAMILIES += ("accumulate",)         # scatter_add / index_add
 FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
+FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
 
 
 def load():
