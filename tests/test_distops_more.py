@@ -127,6 +127,11 @@ OPS = {
     "trace": torch.trace, "diag_of_matrix": lambda a: torch.diag(a, 1),
     "diag_of_vector": lambda a: torch.diag(a[0]), "diag_below": lambda a: a[:, 2].diag(-2),
     "diag_above": lambda a: a[1].diag(3),
+    "rot90": torch.rot90, "rot90_twice": lambda a: a.rot90(2),
+    "rot90_back": lambda a: torch.rot90(a, 3, (1, 0)), "rot90_full_turn": lambda a: a.rot90(4),
+    "tensordot": lambda a: torch.tensordot(a, W, 1), "tensordot_2": lambda a: torch.tensordot(a, Y, 2),
+    "tensordot_lists": lambda a: torch.tensordot(a, W[:, :2].unflatten(1, (2, 1)), ([1], [0])),
+    "tensordot_outer": lambda a: torch.tensordot(a[0], W[:, 0], 0),
 }
 
 

@@ -10,6 +10,8 @@ and trace event):
     tensor_split            split at torch's own section sizes
     Tensor.type(dtype)      .to(dtype); no argument: the type's name ('torch.FloatTensor')
     F.glu(dim)              a * sigmoid(b), a and b the halves of ``dim``
+    rot90(k, dims)          flips and a transpose
+    tensordot(a, b, dims)   einsum over the paired dims
 
 torch's own checks run first on meta tensors of the global shapes.
 """
@@ -142,7 +144,41 @@ def glu(input, dim=-1):
     return a * torch.sigmoid(b)
 
 
-STATS = {torch.nn.functional.glu: glu, torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
+def rot90(input, k=1, dims=(0, 1)):
+    """``torch.rot90``: k quarter turns from ``dims[0]`` towards ``dims[1]``."""
+    torch_check(torch.rot90, input, k, dims)
+    d0, d1 = (d % input.ndim for d in dims)
+    k %= 4
+    if k == 0:
+        return input.clone()
+    if k == 2:
+        return input.flip((d0, d1))
+    return (input.flip(d1) if k == 1 else input.flip(d0)).transpose(d0, d1)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def tensordot(a, b, dims=2, out=None):
+    """``torch.tensordot``: the einsum contracting ``a``'s dims with ``b``'s."""
+    if out is not None:
+        raise TypeError("tensordot(out=...) on DistTensors: assign the result")
+    torch_check(torch.tensordot, a, b, dims)
+    if isinstance(dims, int):
+        da, db = list(range(a.ndim - dims, a.ndim)), list(range(dims))
+    else:
+        da, db = ([dims[i]] if isinstance(dims[i], int) else list(dims[i]) for i in (0, 1))
+    da, db = [d % a.ndim for d in da], [d % b.ndim for d in db]
+    sa = list(_LETTERS[:a.ndim])
+    sb = list(_LETTERS[a.ndim:a.ndim + b.ndim])
+    for x, y in zip(da, db):
+        sb[y] = sa[x]
+    keep = [c for i, c in enumerate(sa) if i not in da] + \
+        [c for i, c in enumerate(sb) if i not in db]
+    return torch.einsum(f"{''.join(sa)},{''.join(sb)}->{''.join(keep)}", a, b)
+
+
+STATS = {torch.rot90: rot90, T.rot90: rot90, torch.tensordot: tensordot, torch.nn.functional.glu: glu, torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
          T.aminmax: aminmax, torch.count_nonzero: count_nonzero, T.count_nonzero: count_nonzero,
          torch.nansum: nansum, T.nansum: nansum, torch.nanmean: nanmean, T.nanmean: nanmean,
          torch.tile: tile, T.tile: tile, torch.hstack: hstack, torch.vstack: vstack,
