@@ -132,6 +132,10 @@ OPS = {
     "tensordot": lambda a: torch.tensordot(a, W, 1), "tensordot_2": lambda a: torch.tensordot(a, Y, 2),
     "tensordot_lists": lambda a: torch.tensordot(a, W[:, :2].unflatten(1, (2, 1)), ([1], [0])),
     "tensordot_outer": lambda a: torch.tensordot(a[0], W[:, 0], 0),
+    "index_fill": lambda a: a.index_fill(1, torch.tensor([0, 4]), -1.5),
+    "index_fill_zero_rows": lambda a: torch.index_fill(a, 0, torch.tensor([2]), 0.0),
+    "bucketize": lambda a: torch.bucketize(a, torch.tensor([-1.0, 0.0, 0.5], dtype=a.dtype)),
+    "isreal": torch.isreal,
 }
 
 
@@ -567,6 +571,9 @@ TABLE_SAMPLES = {
     "scatter_add": (lambda x, s: torch.scatter_add(x, 1, IDX[:4, :3] % 6, s),
                     [_X, torch.randn(4, 3, generator=torch.Generator().manual_seed(8))]),
     "diagonal": (lambda x: x.diagonal(1), [_X]),
+    "index_fill": (lambda x: x.index_fill(1, torch.tensor([0, 4]), -1.5), [_X]),
+    "bucketize": (lambda x: torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5]), right=True),
+                  [_X]),
     "view_as_complex": (lambda x: torch.view_as_real(torch.view_as_complex(x.reshape(4, 3, 2))
                                                      * (1 + 2j)), [_X]),
     "view_as_real": (lambda x: torch.view_as_real(torch.view_as_complex(x.unflatten(1, (3, 2)))),

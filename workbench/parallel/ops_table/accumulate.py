@@ -1,5 +1,5 @@
-"""Accumulating into positions: ``scatter_add`` and ``index_add`` (``scatter`` and
-``index_select``: ``indexing.py``).
+"""Accumulating into positions: ``scatter_add``, ``index_add`` and ``index_fill``
+(``scatter`` and ``index_select``: ``indexing.py``).
 
 Per mesh dim (x, index, src -> out):
 
@@ -13,6 +13,10 @@ Per mesh dim (x, index, src -> out):
         R,    R,    R     -> R
         S(d), R,    S(d)  -> S(d)   d != dim (torch makes x and source agree there)
         P,    R,    P     -> P      linear in (x, source) jointly, as above
+
+    index_fill(x, dim, index, value)
+        S(d), R -> S(d)   d != dim; P(max) / P(min) pass (max(v, ..., v) = v), and
+                          P(sum) / P(avg) for value 0
 
 The accumulated dim is whole (an index may point anywhere in it); the index is
 replicated for index_add (every rank reads all of it).
@@ -99,3 +103,37 @@ register("index_add", [torch.index_add, T.index_add], parse=_index_add_parse,
          op_class="data_movement",                          # alpha * source, then one add
          sample=lambda g: [Sample(torch.index_add, (g.rn(5, 6), 0, torch.tensor([0, 2, 2]),
                                                     g.rn(3, 6)), {"alpha": 0.5})])
+
+
+def index_fill_rule(x, index, *, dim, value, **_):
+    """index_fill: dims other than ``dim`` pass; P(max/min) pass, P(sum/avg) for 0."""
+    opts = [((R, R), (R,), "replicated")]
+    opts += [((Shard(d), R), (Shard(d),), f"dim {d} sharded passes")
+             for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    ops = ("max", "min") + (("sum", "avg") if value == 0 else ())
+    opts += [((Partial(op), R), (Partial(op),), f"filling with {value} keeps P({op})")
+             for op in ops]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
+
+
+def _index_fill_parse(x, dim, index, value):
+    if is_tensor(value):
+        if value.ndim != 0:
+            raise RuntimeError("index_fill_ only supports a 0-dimensional value tensor, but "
+                               f"got tensor with {value.ndim} dimension(s).")   # torch's
+        value = value.full().item() if hasattr(value, "placements") else value.item()
+    return (x, index), {"dim": wrap_dim(dim, x.ndim), "value": value}
+
+
+def _index_fill_local(nd, ctx, x, index, dim, value):
+    idx = index[(0,) * nd] if nd else index
+    if x.dim() == nd:
+        return torch.index_fill(x.unsqueeze(-1), nd, idx.reshape(-1), value).squeeze(-1)
+    return torch.index_fill(x, dim + nd, idx, value)
+
+
+register("index_fill", [torch.index_fill, T.index_fill], parse=_index_fill_parse,
+         rule=index_fill_rule, local=_index_fill_local, cost=costs.movement,
+         op_class="data_movement",
+         sample=lambda g: [Sample(torch.index_fill, (g.rn(5, 6), 1, torch.tensor([0, 4]), -1.5)),
+                           Sample(torch.index_fill, (g.rn(5, 6), 0, torch.tensor([2]), 0.0))])

@@ -9,18 +9,23 @@ FLOPs per element beside each name (``costs.py`` states the convention).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from ..placement import Replicate
 from . import costs
-from .pointwise import (X, mul_rule, monotone_rule, nonlinear_rule, pointwise_local, _parse,
-                        _ties)
+from .pointwise import (X, mul_rule, monotone_rule, nonlinear_rule, pointwise_local,
+                        pointwise_options, _parse, _ties)
 from .samples import Sample
+from .strategy import combine
 from .table import BY_FUNC, add_funcs, register
 
 __all__ = ["UNARY_MORE", "BINARY_MORE"]
 
 T = torch.Tensor
+R = Replicate()
 POS = lambda g: [(g.pos(5, 6),)]                                         # noqa: E731
 UNIT = lambda g: [(g.rn(5, 6).tanh() * 0.9,)]        # in (-1, 1): asin, erfinv  # noqa: E731
 PROB = lambda g: [(g.rn(5, 6).sigmoid(),)]           # in (0, 1): logit       # noqa: E731
@@ -66,6 +71,7 @@ UNARY_MORE = {
     "tanhshrink": ((F.tanhshrink,), 2, monotone_rule, X),                   # x - tanh(x)
     "softshrink": ((F.softshrink,), 2, monotone_rule, X),                   # x -+ l beyond +-l
     "hardshrink": ((F.hardshrink,), 2, nonlinear_rule, X),                  # x beyond +-l, else 0
+    "isreal": ((torch.isreal, T.isreal), 1, nonlinear_rule, X),             # imag == 0
     "threshold": ((F.threshold,), 1, nonlinear_rule,                        # x > t ? x : v
                   lambda g: [(g.rn(5, 6), 0.1, 20.0)]),
 }
@@ -106,5 +112,38 @@ ALIASES = {
     "lt": (torch.less, T.less), "le": (torch.less_equal, T.less_equal),
     "ne": (torch.not_equal, T.not_equal),
 }
+
+
+# bucketize(input, boundaries): elementwise in input; the boundaries (1-d, sorted) are
+# read whole by every rank (a binary search per element: ceil(log2(n + 1)) compares)
+def _bucketize_rule(x, boundaries, **_):
+    opts = pointwise_options([x], "none")
+    opts = [((ins[0], R), outs, note) for ins, outs, note in opts]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
+
+
+def _bucketize_parse(input, boundaries, *, out_int32=False, right=False, out=None):
+    if out is not None:
+        raise TypeError("bucketize(out=...) on a DistTensor: assign the result")
+    return (input, boundaries), {"out_int32": bool(out_int32), "right": bool(right)}
+
+
+def _bucketize_local(nd, ctx, x, boundaries, out_int32, right):
+    b = boundaries[(0,) * nd] if nd and boundaries.dim() > 1 else boundaries   # replicated
+    return torch.bucketize(x.contiguous(), b, out_int32=out_int32, right=right)
+
+
+def _bucketize_cost(ins, outs, **_):
+    """A binary search per element over the n boundaries: ceil(log2(n + 1)) compares."""
+    n = max(1, ins[1].numel())
+    return costs.Cost(ins[0].numel() * max(1, math.ceil(math.log2(n + 1))),
+                      costs.nbytes(ins[0]) + costs.nbytes(ins[1]) + costs.nbytes(outs[0]), 0, 0)
+
+
+register("bucketize", [torch.bucketize], parse=_bucketize_parse, rule=_bucketize_rule,
+         local=_bucketize_local, cost=_bucketize_cost, op_class="elementwise",
+         sample=lambda g: [Sample(torch.bucketize, (g.rn(5, 6), torch.tensor([-1.0, 0.0, 0.5])),
+                                  {"right": True})])
+
 for _n, _fs in ALIASES.items():
     add_funcs(_n, [f for f in _fs if f not in BY_FUNC])
