@@ -13,7 +13,6 @@ DistTensors yet (they raise, naming the fix).
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ..placement import Partial, Replicate, Shard
