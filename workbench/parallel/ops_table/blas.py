@@ -16,7 +16,9 @@ partial first (a bias is added once, as Megatron-LM's row-parallel linear adds i
 after the all-reduce). As torch documents, ``beta=0`` ignores ``input`` (its nan and
 inf are not propagated). torch's own checks (shapes, dtypes, integer alpha) run first
 on meta tensors of the global shapes. The value is that of the composition, equal to
-torch's fused kernel up to rounding.
+torch's fused kernel up to rounding (in float16 / bfloat16 the product and the sum round
+separately, where torch's kernel rounds once: one more unit in the last place at most,
+as the library's ``F.linear`` with a bias).
 """
 from __future__ import annotations
 
