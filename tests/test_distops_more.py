@@ -321,6 +321,8 @@ def _same(fn, x, ps=(S0,), mesh=M3):
      torch.randn(7, 3)),
     (lambda a: torch.linalg.matrix_norm(a, -math.inf, dim=(1, 0)), torch.randn(7, 3)),
     (lambda a: a.norm(2, 1, True, dtype=torch.float64), torch.randn(7, 3)),
+    (lambda a: torch.linalg.vector_norm(torch.view_as_complex(a), dim=0), torch.randn(7, 3, 2)),
+    (lambda a: torch.view_as_complex(a).norm(p=3), torch.randn(7, 3, 2)),
 ])
 def test_dtypes_and_edge_sizes_as_torch(fn, x):
     _same(fn, x, ps=(S0,) if x.ndim else (R,))

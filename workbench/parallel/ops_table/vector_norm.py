@@ -70,6 +70,8 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         x = x.to(dtype)
     if x.dtype in _LOW:
         x = x.float()
+    if x.is_complex():                # the norm of |z| (x * x would be z^2, not |z|^2)
+        x = x.abs()
     dims = _dims(dim, x.ndim)
     if not dims:                      # a 0-d tensor: |x| (ord 0: x != 0)
         r = (x != 0).to(x.dtype) if ord == 0 else x.abs()
