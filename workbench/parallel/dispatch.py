@@ -168,6 +168,9 @@ def dispatch(func, args, kwargs):
     else:
         kwargs = {}
         inputs, attrs = parse(*args)
+    same = entry.extra.get("returns_self")        # x.to(x.dtype) is x (casts.py)
+    if same is not None and isinstance(inputs[0], DistTensor) and same(inputs, attrs, kwargs):
+        return inputs[0]
     mesh = None
     plain = False                  # a plain tensor or a constant among the inputs
     for x in inputs:

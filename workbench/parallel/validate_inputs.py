@@ -67,7 +67,8 @@ def distribute(x: torch.Tensor, mesh: Mesh, ps, seed: int = 0) -> DistTensor:
 def _options(t: torch.Tensor, mesh_ndim: int) -> list[tuple]:
     one = [Replicate()] + [Shard(d) for d in range(t.dim())]
     if t.dtype != torch.bool and t.dim() > 0:
-        one += [Partial(op) for op in PARTIAL_OPS if t.is_floating_point() or op != "avg"]
+        one += [Partial(op) for op in PARTIAL_OPS if t.is_floating_point() or op != "avg"
+                if not (t.is_complex() and op in ("max", "min"))]   # complex: no order
     combos = itertools.product(one, repeat=mesh_ndim)
     return [c for c in combos if len({p.reduce_op for p in c if p.is_partial()}) <= 1]
 

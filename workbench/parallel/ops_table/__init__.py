@@ -14,7 +14,8 @@ Op families, each op's callables, parse, rule, local implementation, cost and va
 sample side by side (adding an op touches one of them and its test): ``pointwise``,
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
-``sampling``.
+``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
+``accumulate``, ``diagonal``, ``complex``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -36,6 +37,12 @@ FAMILIES = ("norm", "embedding", "cross_entropy", "dropout", "shape", "reshape",
             "tensor_habits", "moe")
 FAMILIES += ("ring_attention",)     # context parallelism's step (strategies/context_parallel.py)
 FAMILIES += ("sampling",)           # argmax / topk / multinomial: decoding (serve)
+FAMILIES += ("reorder", "sort")     # flip / roll; sort / argsort / msort
+FAMILIES += ("pointwise_math",)     # exp2, log2, trunc, isinf, hardswish, fmax... and aliases
+FAMILIES += ("pad", "scans")        # F.pad (constant); cummax / cummin / logcumsumexp
+FAMILIES += ("accumulate",)         # scatter_add / index_add
+FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
+FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
 
 
 def load():

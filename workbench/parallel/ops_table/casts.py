@@ -82,10 +82,18 @@ def _fixed(dtype):
     return lambda x, memory_format=None: ((x,), {"dtype": dtype})
 
 
-register("to", [T.to], parse=_to_parse, rule=cast_rule, local=_cast_local,
-         cost=costs.movement, op_class="elementwise", meta_check=False)
-register("type_as", [T.type_as], parse=lambda x, other: ((x,), {"dtype": other.dtype}),
-         rule=cast_rule, local=_cast_local, cost=costs.movement, op_class="elementwise")
+def _same_dtype(inputs, attrs, kwargs) -> bool:
+    """A cast to the dtype the tensor has returns the tensor itself, as torch's
+    (``x.to(x.dtype) is x``, ``x.float() is x`` on float32), unless ``copy=True``."""
+    return attrs["dtype"] == inputs[0].dtype and not kwargs.get("copy", False)
+
+
+_TO = register("to", [T.to], parse=_to_parse, rule=cast_rule, local=_cast_local,
+               cost=costs.movement, op_class="elementwise", meta_check=False)
+_TYPE_AS = register("type_as", [T.type_as], parse=lambda x, other: ((x,), {"dtype": other.dtype}),
+                    rule=cast_rule, local=_cast_local, cost=costs.movement, op_class="elementwise")
+for _e in (_TO, _TYPE_AS):
+    _e.extra["returns_self"] = _same_dtype
 # name -> (dtype, the validator's sample input)
 _METHODS = {"float": (torch.float32, lambda g: g.rn(5, 6, dtype=torch.float64)),
             "double": (torch.float64, None), "half": (torch.float16, lambda g: g.rn(5, 6)),
@@ -94,4 +102,5 @@ _METHODS = {"float": (torch.float32, lambda g: g.rn(5, 6, dtype=torch.float64)),
 for _n, (_dt, _x) in _METHODS.items():
     register(_n, [getattr(T, _n)], parse=_fixed(_dt), rule=cast_rule, local=_cast_local,
              cost=costs.movement, op_class="elementwise",
-             sample=_x and (lambda g, f=getattr(T, _n), x=_x: [Sample(f, (x(g),))]))
+             sample=_x and (lambda g, f=getattr(T, _n), x=_x: [Sample(f, (x(g),))])
+             ).extra["returns_self"] = _same_dtype

@@ -104,3 +104,38 @@ def _embedding_cost(ins, outs, **_):
 register("embedding", [F.embedding], parse=_embedding_parse, rule=embedding_rule,
          local=_embedding_local, cost=_embedding_cost, op_class="embedding",
          sample=lambda g: [Sample(F.embedding, (g.ints(5, 3, lo=0, hi=7), g.rn(7, 4)))])
+
+
+# ---- one_hot: a lookup in the identity matrix ------------------------------------------
+# ids dims pass (S(d) -> S(d)); the class dim is new and whole on every rank. num_classes=-1
+# takes the largest id + 1, as torch: a global max (a traced reduction, read out).
+
+def one_hot_rule(ids, *, num_classes, **_):
+    """one_hot: ids dims pass; the new class dim is replicated."""
+    opts = [((R,), (R,), "replicated")]
+    opts += [((Shard(d),), (Shard(d),), f"ids dim {d} sharded: each rank encodes its own")
+             for d in range(ids.ndim) if ids.shape[d] > 1]
+    return combine(ids.mesh.ndim, [opts] * ids.mesh.ndim, 1)
+
+
+def _one_hot_parse(tensor, num_classes=-1):
+    if tensor.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if num_classes == -1:                 # the largest class present + 1 (a global max)
+        if tensor.numel() == 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        num_classes = int(tensor.amax()) + 1
+    torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")     # shape only
+    return (tensor,), {"num_classes": int(num_classes)}
+
+
+def _one_hot_local(nd, ctx, ids, num_classes):
+    if ids.device.type == "meta":
+        return torch.empty(tuple(ids.shape) + (num_classes,), dtype=torch.int64, device="meta")
+    return F.one_hot(ids, num_classes)          # torch's checks: ids in [0, num_classes)
+
+
+register("one_hot", [F.one_hot], parse=_one_hot_parse, rule=one_hot_rule,
+         local=_one_hot_local, cost=costs.movement, op_class="data_movement",
+         meta_check=False,
+         sample=lambda g: [Sample(F.one_hot, (g.ints(5, 3, lo=0, hi=4), 6))])

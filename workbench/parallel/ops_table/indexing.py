@@ -232,6 +232,11 @@ def advanced_index(x, idx):
                              f"x[mask]: a {i.dim()}-d bool mask on a DistTensor; index with a "
                              "1-d mask per dim, or gather first with .full()")
         i = i.nonzero().squeeze(1)
+    if isinstance(i, DistTensor) and i.dtype == torch.bool:
+        raise NotImplementedError(
+            "x[mask] with a DistTensor bool mask: the result's length depends on the mask's "
+            "values (as masked_select's); keep the shape with torch.where(mask, x, 0) or "
+            "x.masked_fill(~mask, 0), or index with the gathered mask (mask.full())")
     if i.dtype.is_floating_point or i.dtype == torch.bool:
         raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     if not 0 <= dim < x.ndim:

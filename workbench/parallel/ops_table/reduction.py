@@ -1,4 +1,4 @@
-"""Reductions (sum, mean, amax, amin), scans (cumsum), and softmax / log_softmax
+"""Reductions (sum, mean, amax, amin, prod), scans (cumsum, cumprod), and softmax / log_softmax
 (argmax, argmin and topk: ``sampling.py``).
 
 Per mesh dim:
@@ -199,4 +199,78 @@ def _cumsum_local(nd, ctx, x, dim, dtype=None):
 
 
 register("cumsum", [torch.cumsum, T.cumsum], parse=_cumsum_parse, rule=cumsum_rule,
-         local=_cumsum_local, cost=costs.reduction(1), op_class="reduction")   # one add each
+         local=_cumsum_local, cost=costs.reduction(1), op_class="reduction",   # one add each
+         sample=lambda g: [Sample(torch.cumsum, (g.rn(5, 6), 1)),
+                           Sample(torch.cumsum, (g.ints(7, 3), -2))])
+
+
+# ---- prod, cumprod -------------------------------------------------------------------
+# A product has no Partial placement (P(sum) is a sum): the reduced / scanned dim is
+# whole on every rank (S(dim) -> R first); other dims pass. Integers and bools give
+# int64 (torch's promotion for prod / cumprod), unless dtype= is given.
+
+def prod_rule(x, dim=None, keepdim=False, **_):
+    """prod over ``dim`` (None: every dim): that dim whole; other dims pass."""
+    if dim is None:
+        return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    return combine(x.mesh.ndim, [along_dim_options(x, dim, keepdim)] * x.mesh.ndim, 1)
+
+
+def _prod_parse(x, *args, **kwargs):
+    """``prod(x, *, dtype)`` (every element) or ``prod(x, dim, keepdim=False, *, dtype)``."""
+    dtype = kwargs.pop("dtype", None)
+    if not args and "dim" not in kwargs:
+        if kwargs:
+            raise TypeError(f"prod(): unexpected arguments {sorted(kwargs)}")
+        return (x,), {"dim": None, "keepdim": False, "dtype": dtype}
+    dim = kwargs.pop("dim") if "dim" in kwargs else args[0]
+    keepdim = kwargs.pop("keepdim", args[1] if len(args) > 1 else False)
+    if kwargs or len(args) > 2:
+        raise TypeError(f"prod(): unexpected arguments {sorted(kwargs) or args[2:]}")
+    if isinstance(dim, (tuple, list)):       # torch.prod takes one int dim
+        raise TypeError(f"prod(dim={dim!r}): dim is one int on torch.prod; reduce one dim "
+                        "at a time, or flatten first")
+    return (x,), {"dim": wrap_dim(dim, x.ndim), "keepdim": bool(keepdim), "dtype": dtype}
+
+
+def _int64(x, dtype):
+    if dtype is None and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        return torch.int64
+    return dtype
+
+
+def _prod_local(nd, ctx, x, dim=None, keepdim=False, dtype=None):
+    dtype = _int64(x, dtype)
+    if x.dim() == nd:                 # a 0-d tensor: itself (cast)
+        return x.clone() if dtype is None else x.to(dtype)
+    if dim is None:                   # every dim (replicated): over the flattened tensor
+        return x.reshape(tuple(x.shape[:nd]) + (-1,)).prod(nd, dtype=dtype)
+    return x.prod(dim + nd, keepdim=keepdim, dtype=dtype)
+
+
+def _cumprod_parse(x, dim, *, dtype=None):
+    return (x,), {"dim": wrap_dim(dim, x.ndim), "dtype": dtype}
+
+
+def cumprod_rule(x, dim, **_):
+    """cumprod(dim): dim whole (a scan crosses shards); other dims pass; no Partial."""
+    return combine(x.mesh.ndim, [along_dim_options(x, dim)] * x.mesh.ndim, 1)
+
+
+def _cumprod_local(nd, ctx, x, dim, dtype=None):
+    dtype = _int64(x, dtype)
+    if x.dim() == nd:
+        return x.clone() if dtype is None else x.to(dtype)
+    return torch.cumprod(x, dim + nd, dtype=dtype)
+
+
+register("prod", [torch.prod, T.prod], parse=_prod_parse, rule=prod_rule, local=_prod_local,
+         cost=costs.reduction(1), op_class="reduction",              # one multiply each
+         sample=lambda g: [Sample(torch.prod, (g.rn(5, 6), 1)), Sample(torch.prod, (g.rn(3, 4),)),
+                           Sample(torch.prod, (g.rn(7, 3), 0), {"keepdim": True}),
+                           Sample(torch.prod, (g.ints(7, 3, lo=-2, hi=3), 0))])
+register("cumprod", [torch.cumprod, T.cumprod], parse=_cumprod_parse, rule=cumprod_rule,
+         local=_cumprod_local, cost=costs.reduction(1), op_class="reduction",
+         sample=lambda g: [Sample(torch.cumprod, (g.rn(5, 6), 1)),
+                           Sample(torch.cumprod, (g.rn(7, 3, dtype=torch.float64), 0),
+                                  {"dtype": torch.float32})])

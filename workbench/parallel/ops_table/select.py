@@ -63,7 +63,17 @@ def _where_sample(g):
     return [Sample(torch.where, (x > 0, x, g.rn(5, 6)))]
 
 
-register("where", [torch.where, T.where], parse=lambda c, x, y: ((c, x, y), {}),
+def _where_parse(condition, *xy):
+    if len(xy) != 2:
+        raise NotImplementedError(
+            "torch.where(condition) (nonzero's form) on a DistTensor: the result's length "
+            "depends on the values; use condition.full().nonzero(as_tuple=True), or give "
+            "both branches: torch.where(condition, x, y)" if not xy else
+            f"where() takes 3 arguments (condition, input, other), got {1 + len(xy)}")
+    return (condition, *xy), {}
+
+
+register("where", [torch.where, T.where], parse=_where_parse,
          rule=where_rule, local=pointwise_local(torch.where), cost=costs.elementwise(1),
          op_class="elementwise", sample=_where_sample)
 

@@ -206,13 +206,18 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
 
 
 def _bool_ok(specs, st) -> bool:
-    """A bool tensor cannot be made a partial sum (the sum of bools is not a bool): a
+    """A bool tensor cannot be made a partial sum (the sum of bools is not a bool), an
+    integer tensor a partial average (x / n is not an integer; the planner has no such
+    step), nor a complex tensor a partial max / min (complex numbers have no order): a
     strategy that asks for one is not offered."""
     import torch
     for spec, req in zip(specs, st.inputs):
-        if spec is not None and req is not None and spec.dtype == torch.bool and any(
-                p.is_partial() and p.reduce_op in ("sum", "avg") and p not in spec.placements
-                for p in req):
+        if spec is None or req is None:
+            continue
+        ops = ("sum", "avg") if spec.dtype == torch.bool else ("max", "min") if \
+            spec.dtype.is_complex else () if spec.dtype.is_floating_point else ("avg",)
+        if ops and any(p.is_partial() and p.reduce_op in ops and p not in spec.placements
+                       for p in req):
             return False
     return True
 

@@ -1,0 +1,124 @@
+"""BLAS-style updates, composed of ops in the table (each keeps its own rule, cost and
+trace event): ``out = beta * input + alpha * product``.
+
+    addmm(input, m1, m2)      product = m1 @ m2                  (n, k) @ (k, m)
+    addmv(input, m, v)        product = m @ v                    (n, k) @ (k,)
+    addr(input, v1, v2)       product = outer(v1, v2)            (n,) x (m,)
+    baddbmm(input, b1, b2)    product = bmm(b1, b2)              (b, n, k) @ (b, k, m)
+    addbmm(input, b1, b2)     product = bmm(b1, b2).sum(0)       summed over the batch
+    mv(m, v)                  m @ v
+    addcmul(input, t1, t2)    input + value * t1 * t2            elementwise
+    addcdiv(input, t1, t2)    input + value * t1 / t2            elementwise
+
+The placements are the parts' own: a row-parallel product (``m1`` S(1), ``m2`` S(0))
+is P(sum); ``beta * input`` (replicated) then meets it in ``add``, which reduces the
+partial first (a bias is added once, as Megatron-LM's row-parallel linear adds its bias
+after the all-reduce). As torch documents, ``beta=0`` ignores ``input`` (its nan and
+inf are not propagated). torch's own checks (shapes, dtypes, integer alpha) run first
+on meta tensors of the global shapes. The value is that of the composition, equal to
+torch's fused kernel up to rounding (in float16 / bfloat16 the product and the sum round
+separately, where torch's kernel rounds once: one more unit in the last place at most,
+as the library's ``F.linear`` with a bias).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLAS"]
+
+T = torch.Tensor
+
+
+def _meta(x):
+    if hasattr(x, "placements") or isinstance(x, torch.Tensor):
+        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(a) for a in x)
+    return x
+
+
+def torch_check(fn, *args, **kwargs):
+    """``fn`` on meta tensors of the global shapes: torch's errors, and its output."""
+    return fn(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
+
+
+def _update(input, product, beta, alpha):
+    """``beta * input + alpha * product`` (beta=0: input ignored; 1s not multiplied)."""
+    if not isinstance(alpha, bool) and alpha == 1:
+        out = product
+    else:
+        out = product * alpha
+    if beta == 0:
+        return out
+    return out + (input if beta == 1 else input * beta)
+
+
+def same_dtype(name, **tensors):
+    """torch's matrix products take one dtype (its CPU / CUDA kernels raise; its meta
+    kernels do not check): raise as they do."""
+    dts = {k: t.dtype for k, t in tensors.items() if hasattr(t, "dtype")}
+    if len(set(dts.values())) > 1:
+        got = ", ".join(f"{k} {str(d).replace('torch.', '')}" for k, d in dts.items())
+        raise RuntimeError(f"{name}: input dtypes must be the same, got: {got}; cast with "
+                           ".to(dtype) first")
+
+
+def _checked(fn, product_fn, promotes=False):
+    def composed(input, a, b, *, beta=1, alpha=1, out=None):
+        if out is not None:
+            raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
+        if not promotes:
+            same_dtype(fn.__name__, input=input, mat1=a, mat2=b)
+        ref = torch_check(fn, input, a, b, beta=beta, alpha=alpha)
+        if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
+            beta, alpha = int(beta), int(alpha)       # torch truncates them for integers
+        res = _update(input, product_fn(a, b), beta, alpha)
+        if tuple(res.shape) != tuple(ref.shape):       # a 1-element input broadcast only
+            res = res.expand(tuple(ref.shape))
+        return res.to(ref.dtype)
+    composed.__name__ = fn.__name__
+    composed.__doc__ = f"``torch.{fn.__name__}``: beta * input + alpha * product."
+    return composed
+
+
+addmm = _checked(torch.addmm, torch.matmul)
+addmv = _checked(torch.addmv, torch.matmul)
+addr = _checked(torch.addr, torch.outer, promotes=True)
+baddbmm = _checked(torch.baddbmm, torch.bmm)
+addbmm = _checked(torch.addbmm, lambda b1, b2: torch.bmm(b1, b2).sum(0))
+
+
+def mv(input, vec, *, out=None):
+    """``torch.mv``: a matrix times a vector."""
+    if out is not None:
+        raise TypeError("mv(out=...) on a DistTensor: assign the result")
+    same_dtype("mv", input=input, vec=vec)
+    torch_check(torch.mv, input, vec)
+    return torch.matmul(input, vec)
+
+
+def _pointwise(fn, combine):
+    def composed(input, tensor1, tensor2, *, value=1, out=None):
+        if out is not None:
+            raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
+        ref = torch_check(fn, input, tensor1, tensor2, value=value)
+        if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
+            value = int(value)                        # torch truncates it for integers
+        prod = combine(tensor1, tensor2)
+        if isinstance(value, bool) or value != 1:
+            prod = prod * value
+        res = input + prod
+        if tuple(res.shape) != tuple(ref.shape):
+            res = res.expand(tuple(ref.shape))
+        return res.to(ref.dtype)
+    composed.__name__ = fn.__name__
+    composed.__doc__ = f"``torch.{fn.__name__}``: input + value * (tensor1 op tensor2)."
+    return composed
+
+
+addcmul = _pointwise(torch.addcmul, lambda a, b: a * b)
+addcdiv = _pointwise(torch.addcdiv, lambda a, b: a / b)
+
+BLAS = {}
+for _f in (addmm, addmv, addr, baddbmm, addbmm, mv, addcmul, addcdiv):
+    BLAS[getattr(torch, _f.__name__)] = BLAS[getattr(T, _f.__name__)] = _f

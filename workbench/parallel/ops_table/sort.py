@@ -1,0 +1,134 @@
+"""Sorting along one dim: ``sort`` (values and indices), ``argsort``, ``msort``
+(``topk``, ``argmax``: ``sampling.py``).
+
+Per mesh dim:
+
+    sort / argsort(dim)   R                -> R
+                          S(d), d != dim   -> S(d)    each row is sorted alone
+                          S(dim)           -> whole   (a sorted row mixes every shard's
+                                                      elements: gathered first)
+
+No Partial passes (the order of a sum is not the order of its parts). Dims are wrapped
+by the parsers (an out-of-range dim is torch's IndexError), so they reach the rules
+non-negative. Ties keep their index order where ``stable=True``, as torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import costs
+from ._util import shift, wrap_dim
+from .reduction import along_dim_options
+from .samples import Sample
+from .strategy import combine
+from .table import register
+
+__all__ = ["sort_rule"]
+
+T = torch.Tensor
+
+
+def sort_rule(x, dim, n_out=2, **_):
+    """sort / argsort(dim): the sorted dim whole; other dims pass to every output."""
+    opts = [(ins, outs * n_out, note) for ins, outs, note in along_dim_options(x, dim)]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1, n_outputs=n_out)
+
+
+def _sort_parse(x, dim=-1, descending=False, *, stable=False):
+    return (x,), {"dim": wrap_dim(dim, x.ndim), "descending": bool(descending),
+                  "stable": bool(stable)}
+
+
+def _argsort_parse(x, dim=-1, descending=False, *, stable=False):
+    inputs, attrs = _sort_parse(x, dim, descending, stable=stable)
+    return inputs, dict(attrs, n_out=1)
+
+
+def _sort_local(nd, ctx, x, dim, descending, stable, n_out=2):
+    if x.dim() == nd:                 # a 0-d tensor: itself, index 0 (as torch)
+        out = (x.clone(), torch.zeros(x.shape, dtype=torch.long, device=x.device))
+    else:
+        out = tuple(torch.sort(x, dim=shift(dim, x.dim() - nd, nd), descending=descending,
+                               stable=stable))
+    return out if n_out == 2 else out[1]
+
+
+def _sort_cost(ins, outs, dim, **_):
+    """A comparison sort: n ceil(log2 n) compares per row of n (Knuth, TAOCP vol. 3,
+    5.3.1: no comparison sort does better than log2(n!) ~ n log2 n)."""
+    x = ins[0]
+    n = x.shape[dim] if x.dim() else 1
+    f = x.numel() * max(1, math.ceil(math.log2(max(n, 2))))
+    return costs.Cost(f, costs.nbytes(x) + sum(costs.nbytes(o) for o in outs), 0,
+                      costs.backward_bytes(ins, outs[:1], costs.nbytes(outs[-1])))
+
+
+_SORT = register("sort", [torch.sort, T.sort], parse=_sort_parse, rule=sort_rule,
+                 local=_sort_local, cost=_sort_cost, op_class="reduction", n_out=2,
+                 sample=lambda g: [Sample(torch.sort, (g.rn(5, 6), 1)),
+                                   Sample(torch.sort, (g.rn(7, 3), 0), {"descending": True}),
+                                   Sample(torch.sort, (g.grid(5, 6).round(),),
+                                          {"stable": True})])               # ties
+_SORT.extra["result_type"] = torch.return_types.sort          # (values, indices), named
+register("argsort", [torch.argsort, T.argsort], parse=_argsort_parse, rule=sort_rule,
+         local=_sort_local, cost=_sort_cost, op_class="reduction",
+         sample=lambda g: [Sample(torch.argsort, (g.rn(5, 6),)),
+                           Sample(torch.argsort, (g.grid(7, 3).round(),),
+                                  {"dim": 0, "stable": True, "descending": True})])
+
+
+def _msort_parse(x):
+    return (x,), {"dim": 0, "descending": False, "stable": False, "n_out": 1}
+
+
+def _msort_local(nd, ctx, x, dim, descending, stable, n_out):
+    if x.dim() == nd:                 # a 0-d tensor: itself (as torch)
+        return x.clone()
+    return torch.sort(x, dim=nd, stable=stable).values
+
+
+register("msort", [torch.msort, T.msort], parse=_msort_parse, rule=sort_rule,
+         local=_msort_local, cost=_sort_cost, op_class="reduction",
+         sample=lambda g: [Sample(torch.msort, (g.rn(5, 6),))])
+
+
+# ---- selections composed of sort (composites.py installs them) -------------------------
+
+def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
+    """``torch.kthvalue``: the k-th smallest along ``dim`` and its index (a sort, then a
+    pick: the dim is made whole as sort's)."""
+    if out is not None:
+        raise TypeError("kthvalue(out=...) on a DistTensor: assign the result")
+    from .blas import torch_check
+    torch_check(torch.kthvalue, input, k, dim, keepdim)
+    if input.ndim == 0:
+        return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
+    v, i = torch.sort(input, dim)
+    d = wrap_dim(dim, input.ndim)
+    v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
+    if not keepdim:
+        v, i = v.squeeze(d), i.squeeze(d)
+    return torch.return_types.kthvalue((v, i))
+
+
+def median(input, dim=None, keepdim=False, *, out=None):
+    """``torch.median``: the lower median (the ((n - 1) // 2 + 1)-th smallest); over every
+    element (a value) when ``dim`` is None, else (values, indices) along ``dim``."""
+    if out is not None:
+        raise TypeError("median(out=...) on a DistTensor: assign the result")
+    from .blas import torch_check
+    torch_check(torch.median, input) if dim is None else \
+        torch_check(torch.median, input, dim, keepdim)
+    if dim is None:
+        flat = input.reshape(-1)
+        return kthvalue(flat, (flat.shape[0] - 1) // 2 + 1, 0).values if flat.shape[0] else \
+            flat.sum() * float("nan")
+    n = input.shape[dim] if input.ndim else 1
+    r = kthvalue(input, (n - 1) // 2 + 1, dim, keepdim)
+    return torch.return_types.median((r.values, r.indices))
+
+
+SELECTIONS = {torch.kthvalue: kthvalue, T.kthvalue: kthvalue, torch.median: median,
+              T.median: median}

@@ -1,0 +1,163 @@
+"""Norms, composed of ops in the table (each keeps its own rule, cost and trace event):
+``torch.linalg.vector_norm``, ``Tensor.norm`` / ``torch.norm``, ``torch.linalg.norm``,
+``torch.linalg.matrix_norm`` (the norms that need no decomposition) and ``F.normalize``.
+
+    vector_norm(x, ord, dim)   ord 2:     sqrt(sum(x * x))
+                               ord inf:   amax(|x|)          -inf: amin(|x|)
+                               ord 0:     count of nonzeros   (gradient 0, as torch's)
+                               other p:   sum(|x|^p)^(1/p)
+    matrix_norm(A, ord)        'fro':     vector 2-norm over the two dims
+                               inf / -inf: max / min over rows of sum(|A|) along a row
+                               1 / -1:    max / min over columns of sum(|A|) down a column
+                               'nuc', 2, -2: singular values; not on DistTensors (raises)
+
+Placements are the parts' own: a reduced dim that is sharded leaves the power sum
+P(sum) (amax P(max)), reduced once by an all-reduce before the root, as DTensor's
+norm partial: ``sum |x|^p = sum_i (sum |x_i|^p)``. The root is taken only where the
+power sum is nonzero, so a zero vector has norm 0 and gradient 0 (torch's
+``linalg_vector_norm_backward`` masks it alike; a plain ``sqrt`` would give nan).
+float16 / bfloat16 inputs are summed in float32 and rounded once, as torch's
+kernels accumulate in float32 ("opmath"). torch's own checks (dtype, dims, ord) run
+first on meta tensors of the global shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._util import wrap_dims
+from .blas import torch_check
+
+__all__ = ["NORMS", "vector_norm"]
+
+T = torch.Tensor
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _reduced(s):
+    """``s`` with its Partial mesh dims reduced (one all-reduce, traced)."""
+    ps = getattr(s, "placements", None)
+    if ps is None or not any(p.is_partial() for p in ps):
+        return s
+    from ..placement import Replicate
+    from ..reshard import reshard
+    return reshard(s, s.mesh, [Replicate() if p.is_partial() else p for p in ps])
+
+
+def _root(s, p):
+    """``s ** (1/p)`` where ``s != 0``, else 0 (a zero norm's gradient is 0, as torch)."""
+    s = _reduced(s)
+    nz = s != 0
+    safe = torch.where(nz, s, torch.ones((), dtype=s.dtype))
+    root = torch.sqrt(safe) if p == 2 else safe ** (1.0 / p)
+    return torch.where(nz, root, torch.zeros((), dtype=s.dtype))
+
+
+def _dims(dim, ndim):
+    if dim is None or isinstance(dim, (tuple, list)) and len(dim) == 0:   # () is every dim
+        return tuple(range(ndim))
+    return tuple(sorted(wrap_dims(dim, ndim)))
+
+
+def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    """``torch.linalg.vector_norm`` (see the module docstring)."""
+    if out is not None:
+        raise TypeError("vector_norm(out=...) on a DistTensor: assign the result")
+    ref = torch_check(torch.linalg.vector_norm, x, ord, dim, keepdim, dtype=dtype)
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.dtype in _LOW:
+        x = x.float()
+    if x.is_complex():                # the norm of |z| (x * x would be z^2, not |z|^2)
+        x = x.abs()
+    dims = _dims(dim, x.ndim)
+    if not dims:                      # a 0-d tensor: |x| (ord 0: x != 0)
+        r = (x != 0).to(x.dtype) if ord == 0 else x.abs()
+    elif ord == math.inf:
+        r = x.abs().amax(dims, keepdim=keepdim)
+    elif ord == -math.inf:
+        r = x.abs().amin(dims, keepdim=keepdim)
+    elif ord == 0:                    # + a zero that carries torch's zero gradient
+        r = (x != 0).sum(dims, keepdim=keepdim).to(x.dtype) + \
+            (x.clamp(0, 0) * 0).sum(dims, keepdim=keepdim)
+    elif ord == 1:
+        r = x.abs().sum(dims, keepdim=keepdim)
+    elif ord == 2:
+        r = _root((x * x).sum(dims, keepdim=keepdim), 2)
+    else:
+        r = _root((x.abs() ** ord).sum(dims, keepdim=keepdim), ord)
+    return r.to(ref.dtype)
+
+
+def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
+    """``torch.linalg.matrix_norm`` for 'fro', inf, -inf, 1 and -1."""
+    if out is not None:
+        raise TypeError("matrix_norm(out=...) on a DistTensor: assign the result")
+    ref = torch_check(torch.linalg.matrix_norm, A, ord, dim, keepdim, dtype=dtype)
+    if ord == "fro":
+        return vector_norm(A, 2, dim, keepdim, dtype=dtype).to(ref.dtype)
+    if ord not in (math.inf, -math.inf, 1, -1):
+        raise NotImplementedError(
+            f"matrix_norm(ord={ord!r}) on a DistTensor: the nuclear and spectral norms need "
+            "singular values; gather first (.full()) or use ord='fro', inf, -inf, 1 or -1")
+    if dtype is not None:
+        A = A.to(dtype)
+    if A.dtype in _LOW:
+        A = A.float()
+    rows, cols = wrap_dims(dim, A.ndim)
+    summed, over = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
+    s = A.abs().sum(summed, keepdim=True)
+    r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
+    if not keepdim:
+        r = r.squeeze(tuple(sorted((rows, cols))))
+    return r.to(ref.dtype)
+
+
+def linalg_norm(A, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
+    """``torch.linalg.norm``: a vector norm over one dim (or all, ord None), a matrix
+    norm over two."""
+    if out is not None:
+        raise TypeError("linalg.norm(out=...) on a DistTensor: assign the result")
+    ref = torch_check(torch.linalg.norm, A, ord, dim, keepdim, dtype=dtype)
+    if dim is not None and not isinstance(dim, int) and len(dim) == 2 or \
+            dim is None and ord is not None and A.ndim == 2:
+        return matrix_norm(A, "fro" if ord is None else ord, (-2, -1) if dim is None else dim,
+                           keepdim, dtype=dtype).to(ref.dtype)
+    return vector_norm(A, 2 if ord is None else ord, dim, keepdim, dtype=dtype).to(ref.dtype)
+
+
+def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
+    """``torch.norm`` / ``Tensor.norm``: 'fro' (or None) is the 2-norm over ``dim``
+    (all dims when None); a number p the vector p-norm; 'nuc' raises."""
+    if out is not None:
+        raise TypeError("norm(out=...) on a DistTensor: assign the result")
+    ref = torch_check(torch.norm, input, p, dim, keepdim, dtype=dtype)
+    if isinstance(p, str) and p != "fro":
+        raise NotImplementedError(f"norm(p={p!r}) on a DistTensor: the nuclear norm needs "
+                                  "singular values; gather first (.full()) or use p='fro'")
+    p = 2 if p is None or p == "fro" else p
+    return vector_norm(input, p, dim, keepdim, dtype=dtype).to(ref.dtype)
+
+
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """``F.normalize``: ``input / max(||input||_p over dim, eps)``."""
+    if out is not None:
+        raise TypeError("normalize(out=...) on a DistTensor: assign the result")
+    torch_check(F.normalize, input, p, dim, eps)
+    # a partial input is reduced once, here: the norm needs its value anyway, and parts
+    # divided by a norm clamped to eps would cancel badly (a zero row's parts ~ 1/eps)
+    input = _reduced(input)
+    return input / vector_norm(input, p, dim, keepdim=True).clamp_min(eps)
+
+
+def dist(input, other, p=2):
+    """``torch.dist``: the p-norm of ``input - other``."""
+    torch_check(torch.dist, input, other, p)
+    return vector_norm(input - other, p)
+
+
+NORMS = {torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
+         torch.linalg.norm: linalg_norm, torch.norm: norm, T.norm: norm,
+         F.normalize: normalize}
