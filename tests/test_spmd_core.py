@@ -90,6 +90,35 @@ def test_op_without_rule_is_a_clear_error_and_fallback_is_opt_in():
     torch.testing.assert_close(q.full() @ r.full(), x.full())
 
 
+def test_op_without_entry_says_what_a_rule_alone_does_not_do():
+    """An op outside the op table: the error lists what works; after register_rule alone
+    it says that the rule is for wb.spmd.infer and the op still lacks an entry (it said
+    "has no SPMD rule" and "Register one" again), and the input is untouched."""
+    from workbench.parallel import NoRuleError
+    from workbench.parallel.ops_table import RULES
+    from workbench.parallel.rules import combine
+    R, S = wb.Replicate(), wb.Shard
+    mesh = wb.Mesh.grid(2)
+    X = torch.arange(8.0).reshape(2, 4)
+    x = wb.shard_tensor(X, mesh, [S(0)])
+    assert "renorm" not in RULES
+    with pytest.raises(NoRuleError, match=r"renorm\(\) has no SPMD rule.*not in the op table"
+                       r".*ops that have rules.*allow_replicate_fallback.*register"):
+        torch.renorm(x, 2, 0, 1.0)
+
+    @wb.register_rule("renorm")
+    def renorm_rule(x, p, dim, maxnorm):
+        return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    try:
+        assert infer("renorm", x.spec, p=2, dim=0, maxnorm=1.0).outputs == ((R,),)
+        with pytest.raises(NoRuleError, match=r"renorm\(\) has a rule.*no op-table entry"
+                           r".*spmd\.infer.*allow_replicate_fallback"):
+            torch.renorm(x, 2, 0, 1.0)
+    finally:
+        del RULES["renorm"]
+    assert "renorm" not in RULES and torch.equal(x.full(), X) and x.placements == (S(0),)
+
+
 def test_user_rule_with_one_decorator():
     from workbench.parallel.rules import combine
     R, S = wb.Replicate(), wb.Shard

@@ -125,11 +125,20 @@ def _no_rule(func, args, kwargs, name):
         raise NoRuleError(
             f"{name}() is in the op table but its SPMD rule was removed: register one with "
             f"@workbench.register_rule({name!r}) (see notebook 04)")
+    fallback = ("run it inside `with workbench.allow_replicate_fallback():` to gather its "
+                "inputs and run it replicated (recorded in the trace)")
+    table = ("add it to the op table with its callables, parse, rule, local implementation "
+             "and cost (workbench.parallel.ops_table.table.register; tests/test_op_toy.py "
+             "shows one)")
+    if e is not None and e.rule is not None:
+        # register_rule alone makes a rule to study with wb.spmd.infer, not an op that runs
+        raise NoRuleError(
+            f"{name}() has a rule (from register_rule), but no op-table entry to run it: "
+            f"wb.spmd.infer({name!r}, ...) can use the rule; to run the op on DistTensors, "
+            f"{table}, write it from ops that have rules, or {fallback}")
     raise NoRuleError(
-        f"{name}() has no SPMD rule for DistTensors. Register one (see "
-        "workbench.register_rule and notebook 04), or run it inside "
-        "`with workbench.allow_replicate_fallback():` to gather its inputs and "
-        "run it replicated (recorded in the trace)")
+        f"{name}() has no SPMD rule for DistTensors: it is not in the op table. Write it "
+        f"from ops that have rules (see notebook 04), {fallback}, or {table}")
 
 
 def _writes(func, args, kwargs):
