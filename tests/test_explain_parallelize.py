@@ -20,6 +20,7 @@ def test_explain_matmul_relu_rows():
     text = str(t)
     assert "reduce_scatter on x" in text and text.splitlines()[0].startswith("op")
     assert "<table>" in t._repr_html_() and "partial sums" in t.reasons()
+    assert text.splitlines()[-1] in t._repr_html_()      # the total, in the HTML table too
     torch.testing.assert_close(t.result.full(), torch.relu(a.full() @ b.full()))
 
 

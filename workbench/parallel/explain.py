@@ -84,7 +84,9 @@ class Explanation:
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in c) +
             f"<td>{html.escape(r.reason)}</td></tr>" for c, r in zip(self._cells(), self.rows))
-        return f"<table><tr>{head}</tr>{body}</table>"
+        total = (f"<p>total: {self.total_bytes:,d} bytes sent per rank, "
+                 f"{self.total_time * 1e6:.2f} us of communication</p>")
+        return f"<table><tr>{head}</tr>{body}</table>{total}"
 
     def __repr__(self) -> str:
         return str(self)
