@@ -105,6 +105,9 @@ def test_cumsum_rule_right(capsys, cumsum_slot):
      r"\[S\(0\)\] -> \[R\] announces the output \[R\].*shape of its input shard"),
     (lambda x, dim: solution(x, dim) + [((wb.Partial("max"),), (wb.Partial("max"),), "bad")],
      r"accepts P\(max\).*not with max"),
+    (lambda x, dim: solution(x, dim)[::-1],                  # P(sum) first, R last: a tie
+     r"x \[R\].*offers \[R\] -> \[R\], but lists it after \[P\(sum\)\] -> \[P\(sum\)\]"
+     r".*x is kept on one rank, zeros on the others.*before the Partial one"),
 ])
 def test_cumsum_rule_wrong(options, match, cumsum_slot):
     fails(match, ex.check_cumsum_rule, register(rule_from(options)))
@@ -131,7 +134,13 @@ def test_cumsum_rule_mistakes_in_the_code(cumsum_slot):
 
     def nothing(x, dim):
         return []
-    fails("no valid placement", ex.check_cumsum_rule, register(nothing))
+    fails(r"no valid placement.*offer \(\(R,\), \(R,\), ...\)", ex.check_cumsum_rule,
+          register(nothing))
+
+    def one_mesh_dim(x, dim):                    # right on a 1-d mesh, too short on a 2-d one
+        return combine(1, [solution(x, dim % x.ndim)], 1)
+    fails(r"x \[R, R\].*one placement per mesh dim \(this mesh has 2\).*x\.mesh\.ndim",
+          ex.check_cumsum_rule, register(one_mesh_dim))
 
 
 # ---- 07: a schedule by hand ---------------------------------------------------------------------

@@ -245,6 +245,13 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
                 elif isinstance(e, AttributeError) and "inputs" in str(e):
                     sig = (" A rule returns Strategy objects: build them from per-mesh-dim "
                            "options with combine(x.mesh.ndim, [options] * x.mesh.ndim, 1).")
+                elif isinstance(e, ValueError) and "no reshard plan" in str(e):
+                    sig = (f" A strategy needs one placement per mesh dim (this mesh has "
+                           f"{mesh.ndim}): combine(x.mesh.ndim, [options] * x.mesh.ndim, 1) "
+                           "builds them for any mesh.")
+                elif isinstance(e, ValueError) and "no valid placement" in str(e):
+                    sig = (" A rule lists every valid strategy; a replicated x can always "
+                           "give a replicated cumsum: offer ((R,), (R,), ...) at least.")
                 raise CheckError(f"your rule failed for {where}: {type(e).__name__}: {e}.{sig}"
                                  ) from None
             for cand in dec.candidates:
@@ -271,19 +278,27 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
             padded = any(q.is_partial() and not p.is_partial()
                          for p, q in zip(ps, got.strategy.inputs[0]))
             offered = [c for c in dec.candidates if c.strategy.inputs[0] == tuple(ps)]
+            # how a free Partial is made: a replicated x is kept on one rank (zeros on the
+            # others), a shard is zero-padded to the whole shape
+            made = [p for p, q in zip(ps, got.strategy.inputs[0])
+                    if q.is_partial() and not p.is_partial()]
+            how = " and ".join(dict.fromkeys(
+                "each rank pads its piece with zeros" if p.is_shard() else
+                "x is kept on one rank, zeros on the others" for p in made))
             if as_is and padded and offered:
                 raise CheckError(
                     f"for {where} your rule offers {_fmt(ps)} -> "
                     f"{_fmt(offered[0].strategy.outputs[0])}, but lists it after "
                     f"{_fmt(got.strategy.inputs[0])} -> {_fmt(got.strategy.outputs[0])}: both "
-                    f"are free, and a tie goes to the rule's first strategy, so x is padded to "
-                    f"a Partial (every rank then holds the whole tensor, and a reduction comes "
-                    f"later). List the options that keep x as it is before the Partial one")
+                    f"are free, and a tie goes to the rule's first strategy, so x is made a "
+                    f"Partial ({how}: every rank then holds a whole-size tensor, and a "
+                    f"reduction comes later). List the options that keep x as it is before "
+                    f"the Partial one")
             if as_is and padded:
                 raise CheckError(
                     f"for {where} your rule first turns x into {_fmt(got.strategy.inputs[0])}: "
-                    f"free (each rank pads its piece with zeros), but every rank then holds the "
-                    f"whole tensor and a reduction comes later. x can be used as it is: "
+                    f"free ({how}), but every rank then holds a "
+                    f"whole-size tensor and a reduction comes later. x can be used as it is: "
                     f"{_fmt(as_is[0].inputs[0])} -> {_fmt(as_is[0].outputs[0])} "
                     f"({as_is[0].note})")
     spec = TensorSpec((4, 8), Mesh.grid(4, ["x"]), ["S(1)"])
