@@ -50,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..sim_mesh import reduce_scatter_op  # noqa: F401  (defines torch.ops.workbench.reduce_scatter)
+from ..sim_mesh import reduce_scatter_op
 
 __all__ = ["SAVE_LIST", "GEMMS", "policy", "context_fn", "attention_core", "saved_outputs"]
 
@@ -63,7 +63,7 @@ SAVE_LIST = frozenset({
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops.workbench.reduce_scatter.default,          # the simulator's (module docstring)
+    reduce_scatter_op.OVERLOAD,             # the simulator's (module docstring)
     _aten.abs.default,
     _aten.max.default,
 })
@@ -72,7 +72,7 @@ GEMMS = frozenset({_aten.mm.default, _aten.bmm.default})
 # the reduce-scatters saved (the simulator's is traced by the collective layer, not
 # priced as a kernel): the rest of the list and the GEMMs are the kernels _Ran counts
 _COLLECTIVES = frozenset({torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                          torch.ops.workbench.reduce_scatter.default})
+                          reduce_scatter_op.OVERLOAD})
 _KERNELS = (SAVE_LIST | GEMMS) - _COLLECTIVES
 
 _IN_CORE = [0]          # > 0 inside an attention core (its GEMMs are not the linears')

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reduce_scatter", "run", "scatter_view", "OPS", "RUNS"]
+__all__ = ["reduce_scatter", "run", "scatter_view", "OPS", "RUNS", "OVERLOAD"]
 
 OPS = ("sum", "avg")            # the reductions the operator runs
 RUNS = [0]                      # times the operator's kernel ran (a cache hit does not)
@@ -81,6 +81,7 @@ the stacked ``x`` over leading ``axis`` (``op``: sum or avg, in x's dtype as
 torch.distributed reduces), then every rank its chunk of local ``dim`` (a view of the
 reduced tensor).  ``nd``: the number of leading (mesh) axes."""
 reduce_scatter.register_fake(_run)          # meta tensors (the dry run) run the same math
+OVERLOAD = torch.ops.workbench.reduce_scatter.default      # what a dispatch mode sees
 
 
 def run(x: torch.Tensor, nd: int, axis: int, dim: int, op: str) -> torch.Tensor:
