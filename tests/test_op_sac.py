@@ -10,7 +10,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from workbench.models import Llama, get_config
 from workbench.models import op_sac
 from workbench.models.data import get_batch
+from workbench.parallel.module import dist_parameters
 from workbench.recipes.hybrid import Hybrid
+from workbench.sim_mesh.trace import trace
 from workbench.train import train
 
 CFG = get_config("tiny", n_layer=2, d_model=128, n_head=4, n_kv_head=2, seq_len=64)
@@ -56,6 +58,37 @@ def test_simulated_layouts_give_the_losses_of_no_recompute(layout):
         op_sac.context_fn = orig
     assert got == want
     assert len(regions) == 2 * 2 * (4 if layout.get("pp") else 1)   # steps x blocks (x m)
+
+
+def _tp_sp_step(recompute):
+    """One forward-backward of the tp = 2, sp model: (loss, gradients, the reduce-scatters
+    of g (Partial -> Shard) rank 0 took part in)."""
+    cfg, s = CFG.replace(recompute=recompute), Hybrid(tp=2, sp=True)
+    model = s.build_model(cfg, 0)
+    x, y = get_batch(cfg, 2, seed=1)
+    with trace() as tr:
+        loss = s.forward_backward(model, x, y)
+    grads = {n: p._local.grad for n, p in dist_parameters(model)}
+    rs = sum(e.name == "reduce_scatter" and e.label.startswith("P(sum)")
+             for e in tr.collectives() if 0 in e.ranks)
+    return loss, grads, rs
+
+
+def test_sequence_parallel_reduce_scatter_is_saved_not_rerun():
+    """torchtitan saves ``reduce_scatter_tensor``'s output, so its recompute never
+    communicates it again; the simulator's reduce-scatter (``torch.ops.workbench.
+    reduce_scatter``) is saved alike: the step runs the reduce-scatters of no recompute
+    (two per block, was four with op: the recompute re-ran them), full recompute re-runs
+    one per block; loss and gradients are no recompute's, bit for bit."""
+    loss0, g0, rs0 = _tp_sp_step("none")
+    loss1, g1, rs1 = _tp_sp_step("op")
+    _, _, rs_full = _tp_sp_step("full")
+    assert rs1 == rs0 == 2 * CFG.n_layer
+    assert rs_full == rs0 + CFG.n_layer
+    assert torch.equal(loss0, loss1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
 
 
 def _block_regions(cfg, b=2):

@@ -20,7 +20,7 @@ with the policy of torchtitan's Llama (``torchtitan/parallelisms/parallelize_lla
 - every other op is re-run in the backward (``CheckpointPolicy.PREFER_RECOMPUTE``), and
   the region's inputs (the block's input) are kept by the checkpoint.
 
-Two adaptations, both so that the policy sees the block's ops and only those:
+Three adaptations, so that the policy sees the block's ops and only those:
 
 - on the simulated mesh (``DistTensor``, dispatched at the torch-function level above the
   aten ops a dispatch mode sees), a linear runs as ONE GEMM for every rank: ``aten.mm``
@@ -28,6 +28,12 @@ Two adaptations, both so that the policy sees the block's ops and only those:
   ranks' operands stacked on a leading axis).  Such a ``bmm`` is counted as the linear's
   ``mm``, as torchtitan's policy counts a DTensor linear's (DTensor dispatches below the
   mode, so the mode sees one ``aten.mm`` per linear);
+- the simulator's reduce-scatter (sequence parallelism's ``g``: a Partial -> Shard
+  redistribution) is the operator ``torch.ops.workbench.reduce_scatter``
+  (:mod:`workbench.sim_mesh.reduce_scatter_op`), saved beside PyTorch's functional one:
+  its output is kept, the backward's recompute takes it from the cache, and the collective
+  layer, seeing that the operator did not run, records no second reduce-scatter (only
+  uneven shards, whose reduce-scatter runs per rank, and max/min reductions re-run it);
 - GEMMs inside the attention core (:func:`attention_core`: the unfused or reference
   backends, attention dropout's explicit weights) are neither counted nor saved, as
   torchtitan's policy leaves an attention's ``bmm`` (not on its save list) to be re-run.
@@ -44,6 +50,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..sim_mesh import reduce_scatter_op
+
 __all__ = ["SAVE_LIST", "GEMMS", "policy", "context_fn", "attention_core", "saved_outputs"]
 
 _aten = torch.ops.aten
@@ -55,11 +63,17 @@ SAVE_LIST = frozenset({
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    reduce_scatter_op.OVERLOAD,             # the simulator's (module docstring)
     _aten.abs.default,
     _aten.max.default,
 })
 # the GEMMs a linear runs as (module docstring): counted, every second one re-run
 GEMMS = frozenset({_aten.mm.default, _aten.bmm.default})
+# the reduce-scatters saved (the simulator's is traced by the collective layer, not
+# priced as a kernel): the rest of the list and the GEMMs are the kernels _Ran counts
+_COLLECTIVES = frozenset({torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                          reduce_scatter_op.OVERLOAD})
+_KERNELS = (SAVE_LIST | GEMMS) - _COLLECTIVES
 
 _IN_CORE = [0]          # > 0 inside an attention core (its GEMMs are not the linears')
 
@@ -110,7 +124,7 @@ class _Ran(TorchDispatchMode):
         self.kernels = 0            # GEMMs and attention kernels that re-ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in GEMMS or func in SAVE_LIST:
+        if func in _KERNELS:
             self.kernels += 1
         return func(*args, **(kwargs or {}))
 

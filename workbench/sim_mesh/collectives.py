@@ -30,6 +30,7 @@ import torch
 
 from . import backends as _B
 from . import cost as _cost
+from . import reduce_scatter_op as _rs
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
 from .trace import current_trace
 
@@ -231,11 +232,15 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     F, axis = _check(x, mesh, axis, "reduce_scatter")
     nd, n = mesh.ndim, mesh.shape[axis]
     dim = _dim(x, nd, dim, "reduce_scatter", "dim")
+    runs = _rs.RUNS[0]
     y = F.reduce_scatter(x, nd, axis, dim, op, n)
     if current_trace() is None and not F.requires_grad(y):
         return y                          # nothing to record now or in backward
     nb = F.rank_bytes(x, nd)
-    record_collective("reduce_scatter", mesh, axis, nb, label)
+    if not (F is Stacked and op in _rs.OPS and _rs.RUNS[0] == runs):
+        record_collective("reduce_scatter", mesh, axis, nb, label)
+    # (else a cache served the operator's output, as selective checkpointing's recompute
+    # does for a saved one: nothing moved, nothing to record; reduce_scatter_op)
     return _on_backward(y, "all_gather", mesh, axis, nb, label)
 
 

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from . import reduce_scatter_op as _rs
+
 __all__ = ["Cells", "Stacked", "CellGrid", "ops_for", "reduce", "chunk_bounds", "chunks",
            "split_axis", "REDUCE_OPS"]
 
@@ -180,13 +182,9 @@ class Stacked:
     @staticmethod
     def reduce_scatter(x, nd, axis, dim, op, n):
         _divides(x.shape[nd + dim], n, "reduce_scatter")
-        y = reduce(x, axis, op)                                      # (.., 1, .., L)
-        shape = y.shape
-        L = shape[nd + dim]
-        if axis == nd - 1 and dim == 0:
-            # the chunk index lands where the mesh axis was: one view does it
-            return y.view(shape[:axis] + (n, L // n) + shape[nd + 1:])
-        return split_axis(y.squeeze(axis), nd - 1 + dim, n).movedim(nd - 1 + dim, axis)
+        if op in _rs.OPS:           # one operator a dispatch mode sees (reduce_scatter_op)
+            return _rs.run(x, nd, axis, dim, op)
+        return _rs.scatter_view(reduce(x, axis, op), nd, axis, dim, n)   # (.., 1, .., L)
 
     @staticmethod
     def all_to_all(x, nd, axis, split_dim, concat_dim, n):
