@@ -37,6 +37,11 @@ def test_dropped_slots(capsys):
     assert "capacity 64" in out
     passes(capsys, C.check_dropped_slots, 10, LOADS, capacity_factor=1.25)    # C = 80
     fails("leaves out k", C.check_dropped_slots, sum(max(0, n - 32) for n in LOADS), LOADS)
+    # the capacity factor kept but k left out: C = ceil(1.25 x 256 / 8) = 40, not 80
+    fails(r"leaves out k.*ceil\(1.25 x tokens x k / E\)", C.check_dropped_slots,
+          sum(max(0, n - 40) for n in LOADS), LOADS, capacity_factor=1.25)
+    fails("dropped share of the 512 token-slots", C.check_dropped_slots, 10 / 512, LOADS,
+          capacity_factor=1.25)
     fails("counts the experts over capacity", C.check_dropped_slots, 4, LOADS)
     fails("do not divide by k", C.check_dropped_slots, 25, LOADS)
     fails("unused capacity", C.check_dropped_slots, 40 + 10 + 30 + 20 + 25 + 13, LOADS,
@@ -68,6 +73,13 @@ def test_ep_tp_mb(capsys):
     fails("k rows of h", C.check_ep_tp_mb, ep / 2, tp, k=4)      # 2x the rows, / k
     fails(r"\(p-1\)/p", C.check_ep_tp_mb, ep * 8 / 7, tp)
     fails("two collectives", C.check_ep_tp_mb, ep, tp / 2)
+    # bf16: half the bytes is also the count of values; named beside the other causes
+    fails("count values, not bytes", C.check_ep_tp_mb, ep / 2, tp)
+    fails("count values, not bytes", C.check_ep_tp_mb, ep, tp / 2)
+    with pytest.raises(CheckError) as err:                  # fp32: no such coincidence
+        reset_tries()
+        C.check_ep_tp_mb(ep, tp, bytes_per_value=4)
+    assert "count values" not in str(err.value) and "two per layer forward" in str(err.value)
     fails("whole group's p x tokens", C.check_ep_tp_mb, ep, tp / 8)
     fails("does not copy a token per expert", C.check_ep_tp_mb, ep, tp * 2)
     fails("swap the two answers", C.check_ep_tp_mb, tp, ep)
@@ -82,6 +94,7 @@ def test_ring_kv_mb(capsys):
     fails("cp - 1 steps pass", C.check_ring_kv_mb, 16 * block / 1e6)
     fails("that is one step", C.check_ring_kv_mb, block / 1e6)
     fails("both K and V", C.check_ring_kv_mb, 15 * block / 2e6)
+    fails("count values, not bytes", C.check_ring_kv_mb, 15 * block / 2e6)   # bf16: 2 bytes
     fails("kv_heads heads, not the query heads", C.check_ring_kv_mb, 15 * block * 4 / 1e6)
     fails("s / cp tokens", C.check_ring_kv_mb, 15 * block * 16 / 1e6)
     fails("in MiB", C.check_ring_kv_mb, 15 * block / 2 ** 20)

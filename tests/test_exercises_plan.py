@@ -128,6 +128,7 @@ def test_mfu(capsys):
     fails("sequence length twice", C.check_mfu, want * 2048, t)       # B = 1536 x 2048
     fails("not the 128 nodes", C.check_mfu, want * 8, t)
     fails("2:4 sparsity", C.check_mfu, want / 2, t)                   # peak 624
+    fails("312e12 FLOP/s", C.check_mfu, want * 1e12, t)               # peak as 312
     # the planner's MFU uses the same eq. 7
     lay = wb.plan.Layout(dp=8, tp=8, pp=16, recompute="full", micro_batch=1, global_batch=1536)
     est = wb.plan.estimate(GPT3, lay, wb.plan.Cluster("a100", 1024))

@@ -58,6 +58,9 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
         sum(max(0, n - tokens // E) for n in loads):
             "your capacity leaves out k: each token takes k slots, so an expert's even "
             "share is tokens x k / E",
+        sum(max(0, n - math.ceil(capacity_factor * tokens / E)) for n in loads):
+            f"your capacity leaves out k: each token takes k slots, so C = "
+            f"ceil({capacity_factor:g} x tokens x k / E)",
         sum(max(0, n - math.floor(capacity_factor * tokens * k / E)) for n in loads):
             "round the capacity up (ceil), as GShard and Megatron-Core do",
         sum(1 for n in loads if n > C): "that counts the experts over capacity; count the "
@@ -68,6 +71,9 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
                                            "the underloaded experts, not what overflows",
     }
     hint = wrong.get(int(got)) if float(got).is_integer() else None
+    if hint is None and 0 < got < 1 and math.isclose(got * tokens * k, want, rel_tol=1e-3):
+        hint = (f"that is the dropped share of the {tokens * k} token-slots; give the count "
+                f"of slots")
     raise CheckError(f"your count is {got:g} token-slots: "
                      + (hint or ("too high" if got > want else "too low")
                         + ": capacity = ceil(capacity_factor x tokens x k / E), then sum "
@@ -99,8 +105,9 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
     _verify("EP volume", ep_mb, want_ep, "MB", [
         (one_way, "that is one all-to-all: the dispatch sends the rows out and the combine "
                   "sends the results back, two per layer forward"
-                  + (" (or did you send one row per token? each token goes to k experts: "
-                     "k rows of h)" if k == 2 else "")),
+                  + _or_did_you([(k == 2, "send one row per token (each token goes to "
+                                          "k experts: k rows of h)"),
+                                 (e == 2, "count values, not bytes (2 bytes each)")])),
         (2 * tokens * h * e * (p - 1) / p / 1e6, "each token goes to k experts: k rows of h "
                                                   "per token leave in the dispatch"),
         (2 * tokens * k * h * e / 1e6, "the rows for the rank's own experts stay: (p-1)/p "
@@ -112,7 +119,8 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
     ])
     _verify("TP volume", tp_mb, want_tp, "MB", [
         (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
-                      "output (reduce-scatter): two collectives"),
+                      "output (reduce-scatter): two collectives"
+                      + _or_did_you([(e == 2, "count values, not bytes (2 bytes each)")])),
         (want_tp / p, "TP's collectives carry the whole group's p x tokens, not the rank's "
                       "tokens: every rank computes a slice of every token"),
         (2 * p * tokens * h * e / 1e6, "a ring all-gather or reduce-scatter sends (p-1)/p "
@@ -122,6 +130,13 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (want_tp / MIB, MIB_HINT),
     ])
     _ok(f"EP sends {want_ep:.4g} MB, TP {want_tp:.4g} MB per rank: k / p = {k}/{p} of it")
+
+
+def _or_did_you(causes) -> str:
+    """"; or did you A, or B?" for the other mistakes that give the same number (those
+    whose condition holds), "" if none does."""
+    said = [text for holds, text in causes if holds]
+    return "; or did you " + ", or ".join(said) + "?" if said else ""
 
 
 def _verify(name, got, want, unit, wrong, rel=1e-3):
@@ -147,7 +162,9 @@ def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int =
         (cp * block / 1e6, "the block a rank holds at the first step is its own: cp - 1 "
                            "steps pass a block on"),
         (block / 1e6, "that is one step; the ring runs cp - 1 of them"),
-        ((cp - 1) * block / 2 / 1e6, "both K and V travel: two tensors per block"),
+        ((cp - 1) * block / 2 / 1e6, "both K and V travel: two tensors per block"
+                                     + _or_did_you([(e == 2, "count values, not bytes "
+                                                             "(2 bytes each)")])),
         ((cp - 1) * block * 4 / 1e6, "grouped-query attention: K and V have kv_heads "
                                      "heads, not the query heads"),
         ((cp - 1) * 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * e / 1e6,

@@ -218,7 +218,9 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
              (want / global_batch, f"that is one sequence's FLOPs: B = {global_batch:,} "
                                    f"sequences per step"),
              (want * GPT3["s"], "that counts the sequence length twice: B counts sequences, "
-                                "s their tokens, and eq. 7 already has B s")]
+                                "s their tokens, and eq. 7 already has B s"),
+             (want * 1e12, f"the peak is in FLOP/s: {peak_tflops:g} TFLOP/s = "
+                           f"{peak_tflops:g}e12 FLOP/s")]
     if devices == 1024:
         wrong.append((want * 8, "divide by all 1,024 devices, not the 128 nodes of 8"))
     if peak_tflops == 312.0:
