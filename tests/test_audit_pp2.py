@@ -33,6 +33,18 @@ def _one_device_norm(cfg, batches, norm_type=2.0):
                                                norm_type))
 
 
+def _full_state(model):
+    """The model's state dict in one device's tensors (DistTensors gathered)."""
+    return {k: v.full() if isinstance(v, wb.DistTensor) else v
+            for k, v in model.state_dict().items()}
+
+
+def _assert_params_equal(model, ref, atol):
+    got = _full_state(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=atol, rtol=0, msg=name)
+
+
 def _pipeline(cfg, **kw):
     st = Hybrid(**kw)
     model = st.build_model(cfg, 0)
@@ -82,10 +94,7 @@ def test_clip_grad_norm_inf_norm_and_a_step_match_one_device(zero):
         got = st.clip_grad_norm_(opts, 0.05, math.inf)
         st.optimizer_step(opts)
         assert float(got) == pytest.approx(float(want), rel=1e-5)
-    got = {k: v.full() if isinstance(v, wb.DistTensor) else v
-           for k, v in model.state_dict().items()}
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), atol=1e-4, rtol=0)
+    _assert_params_equal(model, ref, atol=1e-4)
 
 
 def test_clip_error_if_nonfinite_as_torch():
@@ -276,8 +285,7 @@ def test_state_dict_into_a_fresh_pipeline_and_one_device(kw):
     st.optimizer_step(opts)
     sd = model.state_dict()
     one = build_model(cfg, seed=1)
-    one.load_state_dict({k: v.full() if isinstance(v, wb.DistTensor) else v
-                         for k, v in sd.items()})
+    one.load_state_dict(_full_state(model))
     fresh = Hybrid(**kw)
     model2 = fresh.build_model(cfg, 1)          # another init: the load must replace it
     opts2 = fresh.build_optimizer(model2, 3e-3, 0.01)
@@ -312,8 +320,7 @@ def test_model_and_optimizer_state_dicts_resume_a_fresh_pipeline(kw):
     want = _steps(st, model, opts, cfg, range(3))
     st, model, opts = _pipeline(cfg, **kw)
     got = _steps(st, model, opts, cfg, range(2))
-    msd = {k: v.full() if isinstance(v, wb.DistTensor) else v
-           for k, v in model.state_dict().items()}
+    msd = _full_state(model)
     osd = [copy.deepcopy(o.state_dict()) for o in opts]
     fresh = Hybrid(**kw)
     model2 = fresh.build_model(cfg, 1)
@@ -539,10 +546,7 @@ def test_every_schedule_trains_with_a_torch_optimizer_as_one_device(kw):
         opt.step()
         opt.zero_grad()
         assert float(got) == pytest.approx(want.item(), rel=1e-6)
-    sd = {k: v.full() if isinstance(v, wb.DistTensor) else v
-          for k, v in model.state_dict().items()}
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(sd[name], p.detach(), atol=5e-6, rtol=0)
+    _assert_params_equal(model, ref, atol=5e-6)
 
 
 def test_dualpipe_backward_after_the_copies_were_summed_is_refused():
