@@ -20,7 +20,8 @@ from workbench.models import build_model, get_batch, get_config
 from workbench.recipes.hybrid import Hybrid
 
 LAYOUTS = {2: {"pp2": dict(pp=2)},
-           4: {"pp2dp2": dict(pp=2, dp=2), "pp2tp2": dict(pp=2, tp=2, sp=True)}}
+           4: {"pp2dp2": dict(pp=2, dp=2), "pp2tp2": dict(pp=2, tp=2, sp=True),
+              "pp2dp2zero1": dict(pp=2, dp=2, zero=1)}}
 CLIPS = [("norm", 0.05, 2.0), ("norm", 0.02, math.inf), ("value", 1e-3, None)]
 LR, WD = 3e-3, 0.01
 

@@ -11,14 +11,15 @@ Megatron-LM's ``get_grad_norm_fp32`` (``megatron/core/optimizer/clip_grads.py``)
 * one scalar all-reduce over the model-parallel group (the ranks of every stage and tp
   coordinate at this process's dp coordinate; the gradients are already summed over
   dp, so each dp coordinate holds the whole model once): ``SUM`` of the p-th powers,
-  ``MAX`` for the inf-norm (``MIN`` for -inf);
+  ``MAX`` for the inf-norm (``MIN`` for -inf).  Under ZeRO-1/2 each dp rank holds its
+  own chunk of the summed gradients (Megatron-LM's distributed optimizer), so the
+  all-reduce spans the dp ranks too (every rank);
 * the total ``(sum)^(1/p)`` is the same on every rank, and so is the coefficient
   ``min(max_norm / (total + 1e-6), 1)`` that every rank scales its gradients by.
 
-Built for the stage optimizers of plain data parallelism (``Hybrid(zero=0)``), as the
-simulated path's :func:`~workbench.recipes.pipeline_clip.stage_grad_norm` reads them
-(summed over dp first).  ZeRO's clip on torch.distributed is not built (even without a
-pipeline: ``ChunkedZeroOptimizer.grad_norm``), so those layouts raise.
+Built for the stage optimizers of data parallelism and ZeRO-1/2 (``Hybrid(zero=0|1|2)``),
+read as the simulated path's :func:`~workbench.recipes.pipeline_clip.stage_grad_norm`
+reads them (summed over dp first); ZeRO-3 and expert parallelism raise.
 """
 from __future__ import annotations
 
@@ -51,27 +52,34 @@ def _check_kinds(h, optimizers, fn: str) -> list:
     from ..parallel.strategies.data_parallel import DataParallel
     opts = list(optimizers)
     for o in opts:
-        if not isinstance(o, DataParallel) or o.zero or o.mesh not in h.meshes:
-            what = f"zero={h.zero}" if h.zero else f"a {type(o).__name__} on {o.mesh}" \
-                if hasattr(o, "mesh") else f"a {type(o).__name__}"
+        if not isinstance(o, DataParallel) or o.mesh not in h.meshes:
+            what = f"a {type(o).__name__} on {o.mesh}" if hasattr(o, "mesh") else \
+                f"a {type(o).__name__}"
             raise NotImplementedError(
                 f"Hybrid.{fn} with pp > 1 under torch.distributed: built for the stage "
-                f"optimizers of plain data parallelism (zero=0, no expert parallelism); got "
-                f"{what}; use zero=0, or clip on simulated ranks")
+                "optimizers of data parallelism and ZeRO-1/2 (zero 0, 1 or 2, no expert "
+                f"parallelism); got {what}; use zero 0-2, or clip on simulated ranks")
     return opts
+
+
+def _stage_grads(o) -> list:
+    """(parameter, this rank's gradient of it) of stage optimizer ``o``, summed over dp
+    now (what its step would do first): plain DP's replicas (every dp rank the same
+    sum), ZeRO-1/2's reduce-scattered chunks (each dp rank its own, zero-padded)."""
+    if o.zero:
+        shards = o.optimizer.reduce_grads_()        # kept for the optimizer's step
+        return [(o.optimizer.params[i], g) for i, g in shards.items()]
+    o.finish_gradient_synchronization()
+    return [(q, q._local.grad) for q in o.params if q._local.grad is not None]
 
 
 def _stage_parts(o, p: float, op: str):
     """This rank's part of ``sum |g|^p`` (or max / min |g|) over stage optimizer ``o``'s
     gradients, summed over dp first; and those gradients (to scale)."""
-    o.finish_gradient_synchronization()
     mesh, dp_axis = o.mesh, o.mesh.dim("dp")
     coord = _B.coordinate(mesh)
     parts, grads = [], []
-    for q in o.params:
-        g = q._local.grad
-        if g is None:
-            continue
+    for q, g in _stage_grads(o):
         if any(pl.is_partial() for pl in q.placements):
             raise ValueError(f"Hybrid.clip_grad_norm_: a parameter placed {q.placements}; a "
                              "Partial parameter's gradient has no norm until it is reduced")
@@ -92,6 +100,9 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
     scaled by the one coefficient (module docstring)."""
     opts = _check_kinds(h, optimizers, "clip_grad_norm_")
     op = "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    if h.zero and op == "min":
+        raise ValueError("clip_grad_norm_(norm_type=-inf) under ZeRO: the padded chunks hold "
+                         "zeros that this norm would count; use a p-norm p > 0 or inf")
     parts, grads = [], []
     for o in opts:
         ps, gs = _stage_parts(o, p, op)
@@ -106,9 +117,13 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
         x = st.sum() if op == "sum" else st.amax() if op == "max" else st.amin()
     x = x.clone()
     mp = model_parallel_mesh(h.meshes)
-    record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over pp")
-    pg, _ = _B.group(mp, 1)
-    dist.all_reduce(x, op=_OPS[op], group=pg)
+    if h.zero:      # ZeRO: each dp rank holds its own chunk; the parts of every rank
+        record_collective("all_reduce", mp, None, 4, label="clip_grad norm over pp",
+                          groups=[mp.ranks])
+        dist.all_reduce(x, op=_OPS[op])
+    else:           # the dp ranks hold the same sums: the model-parallel group's
+        record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over pp")
+        dist.all_reduce(x, op=_OPS[op], group=_B.group(mp, 1)[0])
     total = x if op != "sum" else x.pow(1.0 / p)
     # in the gradients' dtype, as torch's total (the same dtype on every rank: the
     # stages' first gradient could differ, so take the model's dtype)
@@ -119,7 +134,7 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
                            "scale the gradients by the non-finite norm anyway, set "
                            "`error_if_nonfinite=False`")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads:                 # (ZeRO: the chunks its step takes)
         g.mul_(coef.to(g.device))
     return total
 
@@ -140,7 +155,5 @@ def clip_value_dist(h, optimizers, clip_value: float) -> None:
     every shard on its own gives one device's clip."""
     v = float(clip_value)
     for o in _check_kinds(h, optimizers, "clip_grad_value_"):
-        o.finish_gradient_synchronization()
-        for q in o.params:
-            if q._local.grad is not None:
-                q._local.grad.clamp_(min=-v, max=v)
+        for _, g in _stage_grads(o):
+            g.clamp_(min=-v, max=v)
