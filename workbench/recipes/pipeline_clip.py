@@ -15,7 +15,8 @@ together; ``max`` for the inf-norm) and scales every gradient by the one coeffic
 device.  Here each stage's optimizer gives its stage's norm (its gradients summed over
 dp first, as its own ``clip_grad_norm_`` does), the stage norms combine into the total
 (a scalar all-reduce over the pipeline ranks, recorded in the trace), and every stage's
-gradients are scaled by the same coefficient.
+gradients are scaled by the same coefficient.  Under torchrun (each process one rank of
+one stage) the same clip is :mod:`workbench.recipes.pipeline_clip_dist`'s.
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
 
 
 # ---- the hybrid recipe's (Hybrid.clip_grad_norm_ / clip_grad_value_) ---------------------
-def _prepare(h, fn: str) -> int:
+def _prepare(h) -> int:
     """Before clipping under ``h``: how many of its optimizers count (DualPipe: copy 0's;
     the two copies' gradients summed first, once, so ``optimizer_step`` does not again)."""
     if h.schedule_name != "dualpipe":
@@ -187,7 +188,7 @@ def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite
         from .pipeline_clip_dist import clip_norm_dist
         max_norm, p = _norm_args(max_norm, norm_type)
         return clip_norm_dist(h, optimizers, max_norm, p, error_if_nonfinite)
-    counted = _prepare(h, "clip_grad_norm_")
+    counted = _prepare(h)
     return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
                            counted=None if counted < 0 else counted, meshes=h.meshes)
 
@@ -197,5 +198,5 @@ def clip_hybrid_value_(h, optimizers, clip_value, foreach=None) -> None:
     if h.distributed and h.pp > 1:
         from .pipeline_clip_dist import clip_value_dist
         return clip_value_dist(h, optimizers, clip_value)
-    _prepare(h, "clip_grad_value_")
+    _prepare(h)
     clip_grad_value_(optimizers, clip_value, foreach)

@@ -11,7 +11,9 @@ for its validation loss.  Here :func:`workbench.schedules.run_pipeline` runs the
 actions of the recipe's schedule with ``forward_only=True``: under ``torch.no_grad()``,
 nothing kept for a backward, no gradient touched.  A pipelined model's own ``model(x)``
 would run every stage's layers on one mesh (each stage lives on its own ranks), so it
-raises and names these calls.
+raises and names these calls.  Under torchrun each process runs its own stage's ``F``
+actions (activations by point-to-point messages); the loss and the logits reach every
+process (:mod:`workbench.recipes.pipeline_eval_dist`).
 """
 from __future__ import annotations
 
