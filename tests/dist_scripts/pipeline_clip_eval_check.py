@@ -21,7 +21,8 @@ from workbench.recipes.hybrid import Hybrid
 
 LAYOUTS = {2: {"pp2": dict(pp=2)},
            4: {"pp2dp2": dict(pp=2, dp=2), "pp2tp2": dict(pp=2, tp=2, sp=True),
-              "pp2dp2zero1": dict(pp=2, dp=2, zero=1)}}
+               "pp2dp2zero1": dict(pp=2, dp=2, zero=1),
+               "pp2dp2zero3": dict(pp=2, dp=2, zero=3)}}
 CLIPS = [("norm", 0.05, 2.0), ("norm", 0.02, math.inf), ("value", 1e-3, None)]
 LR, WD = 3e-3, 0.01
 

@@ -11,15 +11,15 @@ Megatron-LM's ``get_grad_norm_fp32`` (``megatron/core/optimizer/clip_grads.py``)
 * one scalar all-reduce over the model-parallel group (the ranks of every stage and tp
   coordinate at this process's dp coordinate; the gradients are already summed over
   dp, so each dp coordinate holds the whole model once): ``SUM`` of the p-th powers,
-  ``MAX`` for the inf-norm (``MIN`` for -inf).  Under ZeRO-1/2 each dp rank holds its
-  own chunk of the summed gradients (Megatron-LM's distributed optimizer), so the
+  ``MAX`` for the inf-norm (``MIN`` for -inf).  Under ZeRO each dp rank holds its own
+  chunk of the summed gradients (Megatron-LM's distributed optimizer), so the
   all-reduce spans the dp ranks too (every rank);
 * the total ``(sum)^(1/p)`` is the same on every rank, and so is the coefficient
   ``min(max_norm / (total + 1e-6), 1)`` that every rank scales its gradients by.
 
-Built for the stage optimizers of data parallelism and ZeRO-1/2 (``Hybrid(zero=0|1|2)``),
-read as the simulated path's :func:`~workbench.recipes.pipeline_clip.stage_grad_norm`
-reads them (summed over dp first); ZeRO-3 and expert parallelism raise.
+Built for the stage optimizers of every ZeRO stage (``Hybrid(zero=0|1|2|3)``), read as
+the simulated path's :func:`~workbench.recipes.pipeline_clip.stage_grad_norm` reads them
+(summed over dp first); expert parallelism raises.
 """
 from __future__ import annotations
 
@@ -50,22 +50,29 @@ def model_parallel_mesh(meshes) -> Mesh:
 
 def _check_kinds(h, optimizers, fn: str) -> list:
     from ..parallel.strategies.data_parallel import DataParallel
+    from ..parallel.strategies.zero3 import Zero3
     opts = list(optimizers)
     for o in opts:
-        if not isinstance(o, DataParallel) or o.mesh not in h.meshes:
+        if not isinstance(o, (DataParallel, Zero3)) or o.mesh not in h.meshes:
             what = f"a {type(o).__name__} on {o.mesh}" if hasattr(o, "mesh") else \
                 f"a {type(o).__name__}"
             raise NotImplementedError(
                 f"Hybrid.{fn} with pp > 1 under torch.distributed: built for the stage "
-                "optimizers of data parallelism and ZeRO-1/2 (zero 0, 1 or 2, no expert "
-                f"parallelism); got {what}; use zero 0-2, or clip on simulated ranks")
+                "optimizers Hybrid.build_optimizer gives (DataParallel or Zero3 on the "
+                f"stage meshes, no expert parallelism); got {what}; clip on simulated "
+                "ranks")
     return opts
 
 
 def _stage_grads(o) -> list:
     """(parameter, this rank's gradient of it) of stage optimizer ``o``, summed over dp
     now (what its step would do first): plain DP's replicas (every dp rank the same
-    sum), ZeRO-1/2's reduce-scattered chunks (each dp rank its own, zero-padded)."""
+    sum), ZeRO-1/2's reduce-scattered chunks and ZeRO-3's shards (each dp rank its own
+    flat chunk, zero-padded)."""
+    if not hasattr(o, "zero"):                      # Zero3: the shards hold the sums
+        o.finish_gradient_synchronization()
+        return [(tmpl, shard.grad) for _, _, tmpl, shard in o.entries
+                if shard.grad is not None]
     if o.zero:
         shards = o.optimizer.reduce_grads_()        # kept for the optimizer's step
         return [(o.optimizer.params[i], g) for i, g in shards.items()]
