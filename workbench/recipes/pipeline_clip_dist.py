@@ -132,8 +132,8 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
         record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over pp")
         dist.all_reduce(x, op=_OPS[op], group=_B.group(mp, 1)[0])
     total = x if op != "sum" else x.pow(1.0 / p)
-    # in the gradients' dtype, as torch's total (the same dtype on every rank: the
-    # stages' first gradient could differ, so take the model's dtype)
+    # in the gradients' dtype, as torch's total: stage 0's first gradient's (the
+    # simulated total's), sent to every rank so that all return the same
     total = total.to(_grad_dtype(h, grads))
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
