@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
@@ -272,6 +273,9 @@ def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
 
 _PREPARED: dict = {}
 on_change(_PREPARED.clear)
+# keyed by specs, whose meshes compare by value: a simulated mesh's prepared ops (its
+# stacked layout, e.g. sequence parallelism's per-rank norm copies) are not the real one's
+_B.on_register(_PREPARED.clear)
 
 
 @dataclass

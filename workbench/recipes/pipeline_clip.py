@@ -15,7 +15,8 @@ together; ``max`` for the inf-norm) and scales every gradient by the one coeffic
 device.  Here each stage's optimizer gives its stage's norm (its gradients summed over
 dp first, as its own ``clip_grad_norm_`` does), the stage norms combine into the total
 (a scalar all-reduce over the pipeline ranks, recorded in the trace), and every stage's
-gradients are scaled by the same coefficient.
+gradients are scaled by the same coefficient.  Under torchrun (each process one rank of
+one stage) the same clip is :mod:`workbench.recipes.pipeline_clip_dist`'s.
 """
 from __future__ import annotations
 
@@ -81,14 +82,18 @@ def _stage_grads(o) -> list:
     return [q.grad for q in o.parameters() if q.grad is not None]
 
 
-@torch.no_grad()
-def clip_grad_value_(optimizers, clip_value: float, foreach=None) -> None:
-    """``torch.nn.utils.clip_grad_value_`` over every stage: each gradient element (summed
-    over dp first) clamped to ``[-clip_value, clip_value]`` in place."""
+def _check_value(clip_value) -> None:
     if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)) or \
             math.isnan(clip_value):
         raise ValueError(f"clip_grad_value_(clip_value={clip_value!r}): give a number, "
                          "e.g. 1.0")
+
+
+@torch.no_grad()
+def clip_grad_value_(optimizers, clip_value: float, foreach=None) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over every stage: each gradient element (summed
+    over dp first) clamped to ``[-clip_value, clip_value]`` in place."""
+    _check_value(clip_value)
     v = float(clip_value)
     for o in optimizers:
         for g in _stage_grads(o):
@@ -115,17 +120,8 @@ def stage_grad_norm(o, norm_type: float, foreach=None):
     return norm, scale
 
 
-@torch.no_grad()
-def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach=None, *, counted=None,
-                    meshes=None) -> torch.Tensor:
-    """Clip the gradients of every stage in ``optimizers`` by their total norm (one device's
-    ``torch.nn.utils.clip_grad_norm_`` over the whole model); returns that norm.
-
-    ``counted``: how many of ``optimizers`` (the first ones) hold distinct parameters
-    (DualPipe's second copy of the stages is scaled, not counted twice); ``meshes``: the
-    stage meshes, to record the scalar all-reduce over the pipeline ranks."""
-    opts = list(optimizers)
+def _norm_args(max_norm, norm_type):
+    """``(max_norm, p)`` as floats, or a clear error."""
     if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
         max_norm = max_norm.item()          # torch takes a one-element tensor too
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
@@ -137,6 +133,21 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
         # which the stages' counts cannot give; a p-norm composes over the stages
         raise ValueError("clip_grad_norm_(norm_type=0) over a pipeline: the stages' counts "
                          "do not combine into torch's; use a p-norm (p > 0) or inf")
+    return float(max_norm), p
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach=None, *, counted=None,
+                    meshes=None) -> torch.Tensor:
+    """Clip the gradients of every stage in ``optimizers`` by their total norm (one device's
+    ``torch.nn.utils.clip_grad_norm_`` over the whole model); returns that norm.
+
+    ``counted``: how many of ``optimizers`` (the first ones) hold distinct parameters
+    (DualPipe's second copy of the stages is scaled, not counted twice); ``meshes``: the
+    stage meshes, to record the scalar all-reduce over the pipeline ranks."""
+    opts = list(optimizers)
+    max_norm, p = _norm_args(max_norm, norm_type)
     if not opts:
         return torch.tensor(0.0)
     counted = len(opts) if counted is None else counted
@@ -161,12 +172,9 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
 
 
 # ---- the hybrid recipe's (Hybrid.clip_grad_norm_ / clip_grad_value_) ---------------------
-def _prepare(h, fn: str) -> int:
+def _prepare(h) -> int:
     """Before clipping under ``h``: how many of its optimizers count (DualPipe: copy 0's;
     the two copies' gradients summed first, once, so ``optimizer_step`` does not again)."""
-    if h.distributed and h.pp > 1:
-        raise NotImplementedError(f"Hybrid.{fn} with pp > 1 under torch.distributed is not "
-                                  "built; clip on simulated ranks")
     if h.schedule_name != "dualpipe":
         return -1
     from . import dualpipe
@@ -176,11 +184,19 @@ def _prepare(h, fn: str) -> int:
 
 def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite=False,
                       foreach=None) -> torch.Tensor:
-    counted = _prepare(h, "clip_grad_norm_")
+    if h.distributed and h.pp > 1:          # each process holds one stage's gradients
+        from .pipeline_clip_dist import clip_norm_dist
+        max_norm, p = _norm_args(max_norm, norm_type)
+        return clip_norm_dist(h, optimizers, max_norm, p, error_if_nonfinite)
+    counted = _prepare(h)
     return clip_grad_norm_(optimizers, max_norm, norm_type, error_if_nonfinite, foreach,
                            counted=None if counted < 0 else counted, meshes=h.meshes)
 
 
 def clip_hybrid_value_(h, optimizers, clip_value, foreach=None) -> None:
-    _prepare(h, "clip_grad_value_")
+    _check_value(clip_value)
+    if h.distributed and h.pp > 1:
+        from .pipeline_clip_dist import clip_value_dist
+        return clip_value_dist(h, optimizers, clip_value)
+    _prepare(h)
     clip_grad_value_(optimizers, clip_value, foreach)

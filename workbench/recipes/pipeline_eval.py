@@ -11,7 +11,9 @@ for its validation loss.  Here :func:`workbench.schedules.run_pipeline` runs the
 actions of the recipe's schedule with ``forward_only=True``: under ``torch.no_grad()``,
 nothing kept for a backward, no gradient touched.  A pipelined model's own ``model(x)``
 would run every stage's layers on one mesh (each stage lives on its own ranks), so it
-raises and names these calls.
+raises and names these calls.  Under torchrun each process runs its own stage's ``F``
+actions (activations by point-to-point messages); the loss and the logits reach every
+process (:mod:`workbench.recipes.pipeline_eval_dist`).
 """
 from __future__ import annotations
 
@@ -76,18 +78,21 @@ def _evaluate(h, model, inputs, targets):
         if targets is None:
             return logits.full().detach()
         return h._loss(logits, h._batch(targets, mesh)).full().detach()
-    if h.distributed:
-        raise NotImplementedError("Hybrid.evaluate with pp > 1 under torch.distributed is "
-                                  "not built; evaluate on simulated ranks")
     stages = [lambda x, s=s: h._stage(model, s, x) for s in range(n_stages)]
     m = h.m
     first, last = h.meshes[0], h._mesh_of(n_stages - 1)
-    xs = [h._batch(c, first) for c in inputs.chunk(m)]
-    ts = None if targets is None else [h._batch(c, last) for c in targets.chunk(m)]
+    # torch.distributed: the inputs on the first stage's processes, the targets on the
+    # last's (each process runs its own stage: execute_dist.py)
+    xs = [h._batch(c, first) if h._own(first) else None for c in inputs.chunk(m)]
+    ts = None if targets is None else \
+        [h._batch(c, last) if h._own(last) else None for c in targets.chunk(m)]
     sched = h._schedule(m)
     loss_fn = None if ts is None else weighted_loss_fn(lambda out, i: h._loss(out, ts[i]),
                                                        token_weights(targets, m))
     run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, forward_only=True)
     if targets is None:
+        if h.distributed:               # the last stage's logits, sent to every process
+            from .pipeline_eval_dist import broadcast_outputs
+            return broadcast_outputs(run.outputs, last)
         return torch.cat([o.full() for o in run.outputs])
     return torch.tensor(run.loss)

@@ -43,6 +43,7 @@ __all__ = ["init", "MAX_TIMEOUT_S", "mesh", "is_distributed", "rank", "world_siz
 _GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
 _MESHES: set = set()
 _TIMEOUT: list = [None]     # init()'s timeout, given to every subgroup too
+_ON_REGISTER: list = []     # caches keyed by a mesh's value, cleared when one turns real
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest init() timeout: a week.  A hung collective should end the job and free
@@ -110,12 +111,22 @@ def register(m):
                          f"{max(m.ranks) + 1}")
     if m in _MESHES:
         return m
+    # a mesh is compared by value: what was cached for a simulated mesh equal to this one
+    # (e.g. dispatch's prepared ops, built for the stacked layout) is stale once it is real
+    for fn in _ON_REGISTER:
+        fn()
     for axis in range(m.ndim):
         for g in m.groups(axis):
             # new_group's own default is 30 minutes: a frozen peer would hang the job
             _GROUPS[(m, axis, g)] = dist.new_group(list(g), timeout=_TIMEOUT[0])
     _MESHES.add(m)
     return m
+
+
+def on_register(fn):
+    """Call ``fn()`` whenever a mesh becomes distributed (:func:`register`)."""
+    _ON_REGISTER.append(fn)
+    return fn
 
 
 def is_distributed(m) -> bool:

@@ -116,10 +116,11 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                          "loss; give loss_fn(output, i), or forward_only=True")
     validate(schedule)
     if storage.holds_own(meshes[0]):          # each process runs its own rank's actions
-        if forward_only:
-            raise NotImplementedError("run_pipeline(forward_only=True) on torch.distributed "
-                                      "is not built; evaluate on simulated ranks")
         from .execute_dist import run_pipeline_dist
+        if forward_only:
+            with torch.no_grad():
+                return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn,
+                                         forward_only=True)
         return run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, params=params)
     p, m, v = schedule.p, schedule.m, schedule.v
     if len(stages) != p * v:

@@ -54,10 +54,14 @@ def _tag(kind: int, stage: int, mb: int) -> int:
 
 
 def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
-                      dtype=torch.float32):
+                      dtype=torch.float32, forward_only: bool = False):
     """Run ``schedule``; ``inputs`` are used only on the first stage's processes.
-    Returns a PipelineRun whose losses are broadcast to every process."""
-    from .execute import PipelineRun, _grad_of, backward_action, last_stage_loss
+    Returns a PipelineRun whose losses are broadcast to every process.  ``forward_only``
+    (the caller holds ``torch.no_grad()``): the ``F`` actions alone, in the rank's order
+    (removing backward actions removes dependencies only, so no receive can wait on a
+    send that comes later); ``outputs`` holds the last stage's output of each
+    micro-batch on its processes, None elsewhere."""
+    from .execute import PipelineRun, _grad_of, _value, backward_action, last_stage_loss
     if schedule.layout != "interleaved":
         raise NotImplementedError(f"run_pipeline on torch.distributed: the {schedule.layout!r} "
                                   f"layout runs on the simulator only; use an interleaved "
@@ -96,9 +100,22 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
         dist.recv(data, src, tag=tag + 1)
         return DistTensor(storage.from_own(data, mesh), mesh, ps, shape, dtype)
 
-    for a in schedule.actions[r]:
+    outputs = [None] * m
+    actions = [a for a in schedule.actions[r] if a.kind == "F" or not forward_only]
+    for a in actions:
         s = a.chunk * p + r
         key = (s, a.mb)
+        if a.kind == "F" and forward_only:
+            x = inputs[a.mb] if s == 0 else recv((s - 1) % p, _tag(1, s, a.mb))
+            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+                out = stages[s](x)
+            if s != last:
+                send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
+                continue
+            outputs[a.mb] = out
+            if loss_fn is not None:         # a partial loss reduced over the last mesh
+                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+            continue
         if a.kind == "F":
             if s == 0:
                 x = inputs[a.mb]
@@ -130,4 +147,8 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
     for w in pending:
         w.wait()
     dist.broadcast(losses, src=meshes[last % p].ranks[0])
-    return PipelineRun([float(v) for v in losses], [(r, a) for a in schedule.actions[r]])
+    order = [(r, a) for a in actions]
+    if forward_only:
+        return PipelineRun([float(v) for v in losses] if loss_fn is not None else [], order,
+                           outputs)
+    return PipelineRun([float(v) for v in losses], order)
