@@ -51,6 +51,9 @@ def best_first(layouts, top: int, estimate_one, floor_one) -> list:
     (``estimate_one(lay)``) in the order of their floors (``floor_one(lay)``) and no
     layout whose floor exceeds the ``top``-th best step time found so far: none of the
     layouts after it can beat that."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"best_first(top={top!r}): give an int >= 1, the number of layouts "
+                         "to keep")
     order = sorted((floor_one(lay), i) for i, lay in enumerate(layouts))
     kept: list = []      # max-heap (negated) of the best keys: (step, memory, index)
     for floor, i in order:

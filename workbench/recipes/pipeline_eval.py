@@ -59,7 +59,8 @@ def evaluate(h, model, inputs, targets=None) -> torch.Tensor:
     saved = h._m, h.m, h.schedule_name
     if h.schedule_name == "dualpipe":   # copy 0 alone (stage s on rank s): 1F1B's layout
         h.schedule_name = "1f1b"
-    k = _eval_microbatches(h, inputs.shape[0]) if len(h.stage_layers) > 1 else None
+    # one stage runs the batch whole, but ``check`` still holds it to the training count
+    k = _eval_microbatches(h, inputs.shape[0])
     if k is not None:
         h._m = h.m = k
     try:
