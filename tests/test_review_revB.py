@@ -28,3 +28,16 @@ def test_evaluate_on_one_stage_takes_a_batch_below_the_training_micro_batches():
         want = float(ref(x[:2], y[:2])[1])
     assert float(st.evaluate(model, x[:2], y[:2])) == pytest.approx(want, rel=1e-5)
     assert st.m == 4 and st._m == 4         # the training step's count unchanged
+
+
+def test_the_micro_batch_hint_names_only_counts_the_schedule_takes():
+    # zb-v needs m >= pp; a batch of 1 on pp=2 was told "or Hybrid(microbatches=1)",
+    # which zb_v then refused ("use m >= p")
+    cfg = get_config("tiny").replace(n_layer=4)
+    st = Hybrid(pp=2, schedule="zb-v")
+    with pytest.raises(ValueError, match="does not divide") as err:
+        st.check(cfg, 1)
+    assert "microbatches=1" not in str(err.value)
+    with pytest.raises(ValueError, match=r"microbatches=3\)"):
+        st.check(cfg, 3)                     # 3 >= pp: still offered
+    Hybrid(pp=2, schedule="zb-v", microbatches=3).check(cfg, 3)

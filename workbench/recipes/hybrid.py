@@ -99,6 +99,7 @@ def _microbatch_hint(batch_size, dp, m, pp, schedule) -> str:
     per = batch_size // dp
     ks = [k for k in range(1, per + 1) if per % k == 0
           and (schedule != "interleaved" or k % pp == 0)
+          and (schedule != "zb-v" or k >= pp)              # zb_v: m >= p
           and (schedule != "dualpipe" or (k % 2 == 0 and k >= 2 * pp))]
     if not ks:
         return ""
