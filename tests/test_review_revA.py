@@ -29,3 +29,34 @@ def test_to_copy_true_is_a_copy_as_torch():
 def test_to_same_dtype_without_copy_is_self_as_torch():
     x = _x()
     assert x.to(torch.float32) is x and x.float() is x
+
+
+def _zero_model(overlap_comm):
+    from tests.test_dp_family import PLAN, batch, mesh2d, mlp
+    mesh = mesh2d()
+    torch.manual_seed(0)
+    model = wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
+    opt = wb.ZeroRedundancyOptimizer(wb.dist_parameters(model), torch.optim.SGD, mesh, "dp",
+                                     partition="chunks", overlap_comm=overlap_comm, lr=0.1)
+    x, y = batch()
+    xd = wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])
+    yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
+    return model, opt, lambda: ((model(xd) - yd) ** 2).mean().backward()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+def test_zero_clip_then_model_zero_grad_drops_the_reduced_shards(overlap_comm):
+    # a step skipped after clipping (e.g. a non-finite norm), then model.zero_grad():
+    # as torch, the next step must see only the next backward's gradient.  ZeRO-1's
+    # clip had moved the gradients into shards that model.zero_grad() did not reach,
+    # so they were added to the next step's gradient, silently.
+    model, opt, backward = _zero_model(overlap_comm)
+    backward()
+    norm1 = float(opt.clip_grad_norm_(1e9))
+    model.zero_grad()
+    backward()
+    norm2 = float(opt.clip_grad_norm_(1e9))
+    assert norm2 == pytest.approx(norm1, rel=1e-6)

@@ -117,8 +117,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
                 if p._local.requires_grad and not r.is_partial(p):
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
-                # model.zero_grad() reaches the shard that replaced the gradient
-                p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
+        for i, p in enumerate(self.params):
+            # model.zero_grad() reaches the shard that replaced the gradient (ZeRO-2's in
+            # backward; ZeRO-1's too once clip_grad_norm_ / reduce_grads_ made it)
+            p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
 
     @property
     def optimizer(self):
