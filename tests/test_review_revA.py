@@ -60,3 +60,15 @@ def test_zero_clip_then_model_zero_grad_drops_the_reduced_shards(overlap_comm):
     backward()
     norm2 = float(opt.clip_grad_norm_(1e9))
     assert norm2 == pytest.approx(norm1, rel=1e-6)
+
+
+def test_ops_rms_norm_eps_none_on_dist_tensors_as_on_one_device():
+    # wb.ops.rms_norm(x, w, eps=None) is F.rms_norm's default eps on one device; on
+    # DistTensors it raised a TypeError ("eps=None must be a number")
+    m = wb.Mesh([0, 1], ["dp"])
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 6, generator=g), torch.randn(6, generator=g)
+    xd = wb.shard_tensor(x, m, [wb.Shard(0)])
+    wd = wb.shard_tensor(w, m, [wb.Replicate()])
+    torch.testing.assert_close(wb.ops.rms_norm(xd, wd, eps=None).full(),
+                               wb.ops.rms_norm(x, w, eps=None))
