@@ -72,3 +72,21 @@ def test_ops_rms_norm_eps_none_on_dist_tensors_as_on_one_device():
     wd = wb.shard_tensor(w, m, [wb.Replicate()])
     torch.testing.assert_close(wb.ops.rms_norm(xd, wd, eps=None).full(),
                                wb.ops.rms_norm(x, w, eps=None))
+
+
+def test_zero_chunks_load_state_dict_restores_the_learning_rate():
+    # torch.optim: load_state_dict restores each group's hyperparameters (a scheduler's
+    # lr) and state_dict saves the current ones.  ChunkedZeroOptimizer loaded them into
+    # its inner optimizer only; its own param_groups (which step copies into the inner
+    # one) kept the constructor's lr, so a resumed run stepped with the wrong lr.
+    model, opt, backward = _zero_model(False)
+    opt.param_groups[0]["lr"] = 0.01            # as an lr scheduler sets it
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["lr"] == 0.01  # saved before any step: the current lr
+    backward()
+    opt.step()
+    sd = opt.state_dict()
+    model2, opt2, _ = _zero_model(False)        # a fresh run built with lr=0.1
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.01
+    assert opt2.optimizer.param_groups[0]["lr"] == 0.01
