@@ -90,3 +90,14 @@ def test_zero_chunks_load_state_dict_restores_the_learning_rate():
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == 0.01
     assert opt2.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_data_parallel_without_parameters_refuses_a_state_to_load():
+    # DataParallel over no parameters holds no optimizer: loading a state into it was
+    # silently ignored (torch.optim refuses an empty parameter list outright)
+    from workbench.parallel.strategies.data_parallel import DataParallel
+    dp = DataParallel([], wb.Mesh([0, 1], ["dp"]))
+    dp.load_state_dict(dp.state_dict())                 # its own (empty) state: fine
+    sd = {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1.0, "params": [0]}]}
+    with pytest.raises(ValueError, match="no parameters"):
+        dp.load_state_dict(sd)
