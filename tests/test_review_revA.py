@@ -1,4 +1,5 @@
 """Review findings (revA): each a defect found reading today's change, held to torch."""
+import pytest
 import torch
 
 import workbench as wb
@@ -43,8 +44,6 @@ def _zero_model(overlap_comm):
     yd = wb.shard_tensor(y, mesh, [wb.Shard(0), wb.Replicate()])
     return model, opt, lambda: ((model(xd) - yd) ** 2).mean().backward()
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("overlap_comm", [False, True])
