@@ -75,7 +75,10 @@ def _to_parse(x, *args, **kwargs):
 
 
 def _cast_local(nd, ctx, x, dtype):
-    return x.to(dtype)
+    # a cast to x's own dtype reaches here only with copy=True (dispatch returns x itself
+    # otherwise: _same_dtype), so it copies, as torch's x.to(x.dtype, copy=True)
+    y = x.to(dtype)
+    return y.clone() if y is x else y
 
 
 def _fixed(dtype):

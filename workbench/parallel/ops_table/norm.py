@@ -162,8 +162,9 @@ def _rms_norm_parse(x, normalized_shape, weight=None, eps=None):
 
 
 def _ops_rms_norm_parse(x, weight, eps=1e-6):
+    # eps=None: F.rms_norm's default, as wb.ops.rms_norm on one device (_rms_norm_local)
     return (x, weight), {"normalized_shape": tuple(weight.shape),
-                         "eps": check_number("rms_norm", "eps", eps, False), "impl": "workbench"}
+                         "eps": check_number("rms_norm", "eps", eps), "impl": "workbench"}
 
 
 def _layer_norm_cost(ins, outs, normalized_shape, **_):

@@ -173,6 +173,11 @@ class DataParallel:
         """:meth:`state_dict`'s dict, into this optimizer (the same layout)."""
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state_dict)
+        elif state_dict.get("state") or state_dict.get("param_groups"):
+            raise ValueError("DataParallel.load_state_dict: this DataParallel has no parameters "
+                             f"(so no optimizer), but the state_dict holds "
+                             f"{len(state_dict.get('param_groups') or [])} param group(s); load "
+                             "it into a DataParallel built over the same parameters")
 
     # ---- any torch.optim optimizer (plain data parallel) ----------------------------------
     def parameters(self):

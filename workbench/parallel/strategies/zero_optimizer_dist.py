@@ -117,8 +117,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
                 if p._local.requires_grad and not r.is_partial(p):
                     p._local.register_post_accumulate_grad_hook(self._reduce_scatter_hook(i))
-                # model.zero_grad() reaches the shard that replaced the gradient
-                p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
+        for i, p in enumerate(self.params):
+            # model.zero_grad() reaches the shard that replaced the gradient (ZeRO-2's in
+            # backward; ZeRO-1's too once clip_grad_norm_ / reduce_grads_ made it)
+            p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
 
     @property
     def optimizer(self):
@@ -302,8 +304,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             s = self.shards[i]
             s.copy_(self._my_chunk(self.params[i]._local.detach()))
             s.grad = shards[j].contiguous()
-        for grp, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update({o: v for o, v in grp.items() if o != "params"})   # lr schedules
+        _copy_hyper(self.param_groups, self.optimizer.param_groups)      # lr schedules
         self.optimizer.step()
         # the updated shards, gathered back in one buffer
         ps = [self.shards[i] for i in live]
@@ -340,11 +341,21 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self._gshard.clear()
 
     def state_dict(self):
+        # the current hyperparameters (an lr scheduler sets them here; step copies them in)
+        _copy_hyper(self.param_groups, self.optimizer.param_groups)
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+        # as torch.optim: the groups' hyperparameters too (step copies ours into the inner)
+        _copy_hyper(self.optimizer.param_groups, self.param_groups)
 
     def shard_numel(self) -> list[int]:
         """Elements of each parameter's shard per rank (padded numel / N_d)."""
         return [s.shape[-1] for s in self.shards]
+
+
+def _copy_hyper(src, dst) -> None:
+    """Each group's hyperparameters (lr, betas, ...; not its params) from ``src`` to ``dst``."""
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k != "params"})
