@@ -25,6 +25,23 @@ from torch import nn
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 
+
+def clear_grad(t: torch.Tensor, set_to_none: bool) -> None:
+    """``t.grad`` cleared as ``torch.optim.Optimizer.zero_grad`` / ``nn.Module.zero_grad``
+    clear one gradient: set to None, or zeroed in place, detached in place first only when
+    it has a history (a view such as a bucket's piece keeps its storage)."""
+    g = t.grad
+    if g is None:
+        return
+    if set_to_none:
+        t.grad = None
+        return
+    if g.grad_fn is not None:
+        g.detach_()
+    else:
+        g.requires_grad_(False)
+    g.zero_()
+
 __all__ = ["adopt", "check_state_dict", "load_dist_"]
 
 _CLASSES: dict = {}
@@ -144,17 +161,7 @@ class ParallelModule:
                 hook = getattr(t, "_wb_zero_grad_hook", None)
                 if hook is not None:    # gradient state kept elsewhere (ZeRO-2's shards)
                     hook(set_to_none)
-                if t.grad is None:
-                    continue
-                if set_to_none:
-                    t.grad = None
-                else:                   # as nn.Module.zero_grad: a view (a bucket's piece)
-                    g = t.grad          # is detached in place only if it has a history
-                    if g.grad_fn is not None:
-                        g.detach_()
-                    else:
-                        g.requires_grad_(False)
-                    g.zero_()
+                clear_grad(t, set_to_none)
         for m in self.modules():        # wrapped by FullyShardedDataParallel: its shards
             for t in _shards(m).values():
                 if t.grad is not None:

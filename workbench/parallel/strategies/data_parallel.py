@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ops.adamw import AdamW as _AdamW
+from ..module_state import clear_grad
 from ..placement import Replicate
 from .ddp_dist import GradReplicas
 from .zero_optimizer_dist import ChunkedZeroOptimizer
@@ -148,17 +149,7 @@ class DataParallel:
             self.optimizer.zero_grad(set_to_none)
             return
         for p in self.params:
-            g = p._local.grad
-            if g is None:
-                continue
-            if set_to_none:
-                p._local.grad = None
-            else:
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-                g.zero_()
+            clear_grad(p._local, set_to_none)
 
     def state_dict(self) -> dict:
         """The AdamW's ``state_dict()`` (per parameter: ``step``, ``exp_avg``,

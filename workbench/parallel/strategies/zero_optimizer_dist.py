@@ -42,6 +42,7 @@ from torch import nn
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
+from ..module_state import clear_grad
 from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
 from .zero_optimizer import ZeroRedundancyOptimizer
@@ -330,14 +331,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         history, as torch does); the reduced shards accumulated so far are dropped either
         way, so the next backward starts from zero."""
         for t in [p._local for p in self.params] + list(self.shards):
-            if set_to_none or t.grad is None:
-                t.grad = None
-                continue
-            if t.grad.grad_fn is not None:
-                t.grad.detach_()
-            else:
-                t.grad.requires_grad_(False)
-            t.grad.zero_()
+            clear_grad(t, set_to_none)
         self._gshard.clear()
 
     def state_dict(self):
