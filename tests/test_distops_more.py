@@ -460,12 +460,13 @@ def test_one_hot(ps):
                 bad(z)
 
 
-def test_a_distributed_bool_mask_index_raises_naming_the_fix():
-    # was IndexError "tensors used as indices must be long, int, byte or bool tensors"
+def test_a_distributed_bool_mask_index_selects_like_torch():
+    # was IndexError "tensors used as indices must be long, int, byte or bool tensors", then
+    # a NotImplementedError naming torch.where; now run replicated (ops_table/datadep.py)
     x = torch.randn(4, 3)
     t = wb.shard_tensor(x, M2, [S0])
-    with pytest.raises(NotImplementedError, match="torch.where"):
-        t[t > 0]
+    got = t[t > 0]
+    assert got.placements == (R,) and torch.equal(got.full(), x[x > 0])
     torch.testing.assert_close(t[(x > 0)[:, 0]].full(), x[(x > 0)[:, 0]])   # a plain mask
 
 

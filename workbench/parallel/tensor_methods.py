@@ -54,6 +54,10 @@ def install(cls):
         if type(index) in basic or type(index) is tuple and all(type(i) in basic
                                                                  for i in index):
             return dispatch(T.__getitem__, (self, index), None)
+        from .ops_table.datadep import bool_mask_index
+        picked = bool_mask_index(self, index)     # x[mask]: the output's size from the mask
+        if picked is not None:
+            return picked
         from .ops_table.indexing import advanced_index, index_with
         adv = advanced_index(self, index)
         if adv is not None:

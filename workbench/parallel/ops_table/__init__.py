@@ -43,6 +43,7 @@ FAMILIES += ("pad", "scans")        # F.pad (constant); cummax / cummin / logcum
 FAMILIES += ("accumulate",)         # scatter_add / index_add
 FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
 FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
+FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]: replicated
 
 
 def load():
