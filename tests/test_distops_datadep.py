@@ -293,3 +293,10 @@ def test_bool_index_after_full_slices():
     torch.testing.assert_close(x.grad.full(), xr.grad)
     with pytest.raises(IndexError, match="shape of the mask"):
         x[:, wb.shard_tensor(M.T, mesh, [R])]
+
+
+def test_where_of_a_condition_alone_names_nonzero_which_runs():
+    x = wb.shard_tensor(torch.randn(5, 3, generator=_g(21)), _mesh((3,)), [wb.Shard(0)])
+    with pytest.raises(NotImplementedError, match=r"torch.nonzero\(condition, as_tuple=True\)"):
+        torch.where(x > 0)
+    _check(torch.nonzero(x > 0, as_tuple=True), torch.where(x.full() > 0))
