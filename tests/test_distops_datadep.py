@@ -300,3 +300,13 @@ def test_where_of_a_condition_alone_names_nonzero_which_runs():
     with pytest.raises(NotImplementedError, match=r"torch.nonzero\(condition, as_tuple=True\)"):
         torch.where(x > 0)
     _check(torch.nonzero(x > 0, as_tuple=True), torch.where(x.full() > 0))
+
+
+@pytest.mark.slow
+def test_on_gloo_each_process_holding_its_shard():
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(2, "datadep_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(out.stdout)
+    assert len(rows) == 2 and all(all(v for key, v in r.items() if key != "rank")
+                                  for r in rows), rows
