@@ -310,3 +310,18 @@ def test_on_gloo_each_process_holding_its_shard():
     rows = json_rows(out.stdout)
     assert len(rows) == 2 and all(all(v for key, v in r.items() if key != "rank")
                                   for r in rows), rows
+
+
+def test_a_uint8_index_is_a_mask_as_torch_reads_it():
+    # was read as integer indices: x[tensor([1, 0, 1], dtype=uint8)] gave x[[1, 0, 1]]
+    mesh = _mesh((2,))
+    X = torch.randn(3, 2, generator=_g(22))
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0)])
+    for M in (torch.tensor([1, 0, 1], dtype=torch.uint8),
+              (torch.rand(3, 2, generator=_g(23)) > 0.5).to(torch.uint8)):
+        with pytest.warns(UserWarning, match="uint8"):
+            want = X[M]
+        with pytest.warns(UserWarning, match="uint8"):
+            _check(x[M], want)
+        with pytest.warns(UserWarning, match="uint8"):
+            _check(x[wb.shard_tensor(M, mesh, [wb.Shard(0)])], want)

@@ -205,10 +205,15 @@ def bool_mask_index(x, index):
                         for i in items[:-1]):
         return None
     m = items[-1]
-    if not isinstance(m, (T, DistTensor)) or m.dtype != torch.bool or m.dim() == 0:
+    if not isinstance(m, (T, DistTensor)) or m.dim() == 0:
         return None
-    if not isinstance(m, DistTensor) and m.dim() == 1:
-        return None                     # indexing.advanced_index: an index_select
+    if m.dtype == torch.uint8:          # a mask, as torch reads it (deprecated there too)
+        import warnings
+        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a "
+                      "dtype torch.bool instead.", UserWarning, stacklevel=3)
+        m = m.bool()
+    elif m.dtype != torch.bool or not isinstance(m, DistTensor) and m.dim() == 1:
+        return None                     # indexing.advanced_index (1-d: an index_select)
     from ..dispatch import dispatch
     return dispatch(_bool_index, (x, m, len(items) - 1), None)
 
