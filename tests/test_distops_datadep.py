@@ -325,3 +325,15 @@ def test_a_uint8_index_is_a_mask_as_torch_reads_it():
             _check(x[M], want)
         with pytest.warns(UserWarning, match="uint8"):
             _check(x[wb.shard_tensor(M, mesh, [wb.Shard(0)])], want)
+
+
+def test_a_uint8_mask_beside_slices_is_a_mask_too():
+    mesh = _mesh((2,))
+    X = torch.randn(3, 4, generator=_g(24))
+    x = wb.shard_tensor(X, mesh, [wb.Shard(1)])
+    M = torch.tensor([1, 0, 1], dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="uint8"):
+        want = X[M, :]
+    with pytest.warns(UserWarning, match="uint8"):
+        got = x[M, :]                        # a plain 1-d mask: an index_select, kept S(1)
+    assert got.placements == (wb.Shard(1),) and torch.equal(got.full(), want)
