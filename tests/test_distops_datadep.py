@@ -266,7 +266,7 @@ def test_backward_is_traced_and_under_no_grad_nothing_requires_grad():
     assert x.grad.placements == x.placements
 
 
-# ---- the op table's samples (tests/test_op_table.py adds these) ------------------------------------
+# ---- the op table's samples (tests/test_op_table.py adds these) ----------------------------
 
 _X = torch.randn(4, 6, generator=_g(18))
 DATADEP_SAMPLES = {
