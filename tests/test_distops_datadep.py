@@ -337,3 +337,16 @@ def test_a_uint8_mask_beside_slices_is_a_mask_too():
     with pytest.warns(UserWarning, match="uint8"):
         got = x[M, :]                        # a plain 1-d mask: an index_select, kept S(1)
     assert got.placements == (wb.Shard(1),) and torch.equal(got.full(), want)
+
+
+# torch's C indexing reads the DistTensor (no torch.Tensor) as a sequence and warns first
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence:UserWarning")
+def test_a_plain_tensor_indexed_by_a_distributed_mask():
+    # was NotImplementedError "DistTensor indexing takes ints, slices, None and Ellipsis"
+    mesh = _mesh((2,))
+    X = torch.randn(4, 3, generator=_g(25), requires_grad=True)
+    M = X.detach() > 0
+    got = X[wb.shard_tensor(M, mesh, [wb.Shard(0)])]
+    _check(got, X[M])
+    got.sum().backward()
+    torch.testing.assert_close(X.grad, M.float())

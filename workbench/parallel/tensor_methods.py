@@ -23,6 +23,11 @@ def install(cls):
 
     @classmethod
     def __torch_function__(c, func, types, args=(), kwargs=None):
+        if func is T.__getitem__ and len(args) == 2 and not isinstance(args[0], DistTensor):
+            from .ops_table.datadep import bool_mask_index
+            picked = bool_mask_index(*args)       # plain_x[dist_mask]
+            if picked is not None:
+                return picked
         return dispatch(func, args, kwargs)
     cls.__torch_function__ = __torch_function__
 
