@@ -295,11 +295,18 @@ def test_bool_index_after_full_slices():
         x[:, wb.shard_tensor(M.T, mesh, [R])]
 
 
-def test_where_of_a_condition_alone_names_nonzero_which_runs():
-    x = wb.shard_tensor(torch.randn(5, 3, generator=_g(21)), _mesh((3,)), [wb.Shard(0)])
-    with pytest.raises(NotImplementedError, match=r"torch.nonzero\(condition, as_tuple=True\)"):
-        torch.where(x > 0)
-    _check(torch.nonzero(x > 0, as_tuple=True), torch.where(x.full() > 0))
+def test_where_of_a_condition_alone_is_nonzero_as_tuple():
+    # was NotImplementedError naming nonzero (torch.where(condition) is nonzero's form)
+    X = torch.randn(5, 3, generator=_g(21))
+    x = wb.shard_tensor(X, _mesh((3,)), [wb.Shard(0)])
+    _check(torch.where(x > 0), torch.where(X > 0))
+    _check(torch.where(condition=x > 0), torch.where(condition=X > 0))
+    _check(torch.where(x[0, 0] > 0), torch.where(X[0, 0] > 0))         # 0-d
+    three = torch.where(x > 0, x, 0.0)                                  # the 3-argument form
+    assert three.placements == (wb.Shard(0),) and torch.equal(three.full(),
+                                                              torch.where(X > 0, X, 0.0))
+    with pytest.raises(TypeError):
+        torch.where(x > 0, x)
 
 
 @pytest.mark.slow

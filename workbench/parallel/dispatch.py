@@ -173,6 +173,9 @@ def dispatch(func, args, kwargs):
             return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
+    form = entry.extra.get("other_form")          # torch.where(cond): nonzero's (datadep.py)
+    if form is not None and (res := form(args, kwargs or {})) is not NotImplemented:
+        return res
     if kwargs:
         inputs, attrs = parse(*args, **kwargs)
     else:

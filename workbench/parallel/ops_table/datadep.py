@@ -220,3 +220,14 @@ def bool_mask_index(x, index):
 for _name in DATA_DEPENDENT:
     from .table import TABLE as _TABLE
     _TABLE[_name].extra["data_dependent"] = True
+
+
+def _where_alone(args, kwargs):
+    """``torch.where(condition)`` is ``torch.nonzero(condition, as_tuple=True)`` (torch's
+    documentation of torch.where says so); other calls are where's (select.py)."""
+    if len(args) + len(kwargs) != 1 or kwargs and "condition" not in kwargs:
+        return NotImplemented
+    return torch.nonzero(args[0] if args else kwargs["condition"], as_tuple=True)
+
+
+_TABLE["where"].extra["other_form"] = _where_alone

@@ -67,8 +67,7 @@ def _where_parse(condition, *xy):
     if len(xy) != 2:
         raise NotImplementedError(
             "torch.where(condition) (nonzero's form) on a DistTensor: the result's length "
-            "depends on the values; use torch.nonzero(condition, as_tuple=True) (run "
-            "replicated, ops_table/datadep.py), or give "
+            "depends on the values; use condition.full().nonzero(as_tuple=True), or give "
             "both branches: torch.where(condition, x, y)" if not xy else
             f"where() takes 3 arguments (condition, input, other), got {1 + len(xy)}")
     return (condition, *xy), {}
