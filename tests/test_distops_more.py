@@ -460,12 +460,13 @@ def test_one_hot(ps):
                 bad(z)
 
 
-def test_a_distributed_bool_mask_index_raises_naming_the_fix():
-    # was IndexError "tensors used as indices must be long, int, byte or bool tensors"
+def test_a_distributed_bool_mask_index_selects_like_torch():
+    # was IndexError "tensors used as indices must be long, int, byte or bool tensors", then
+    # a NotImplementedError naming torch.where; now run replicated (ops_table/datadep.py)
     x = torch.randn(4, 3)
     t = wb.shard_tensor(x, M2, [S0])
-    with pytest.raises(NotImplementedError, match="torch.where"):
-        t[t > 0]
+    got = t[t > 0]
+    assert got.placements == (R,) and torch.equal(got.full(), x[x > 0])
     torch.testing.assert_close(t[(x > 0)[:, 0]].full(), x[(x > 0)[:, 0]])   # a plain mask
 
 
@@ -510,11 +511,13 @@ def test_llama_complex_rotary_embedding(mesh, ps, comms):
     torch.testing.assert_close(t.grad.full(), x0.grad)
 
 
-def test_where_of_a_condition_alone_raises_naming_the_fix():
-    # was TypeError "<lambda>() missing 2 required positional arguments"
-    t = wb.shard_tensor(torch.randn(5, 7), M3, [S0])
-    with pytest.raises(NotImplementedError, match="nonzero"):
-        torch.where(t > 0)
+def test_where_of_a_condition_alone_is_nonzero_as_tuple():
+    # was TypeError "<lambda>() missing 2 required positional arguments", then a
+    # NotImplementedError naming nonzero; now nonzero's form, run replicated (datadep.py)
+    x = torch.randn(5, 7)
+    t = wb.shard_tensor(x, M3, [S0])
+    got, want = torch.where(t > 0), torch.where(x > 0)
+    assert len(got) == len(want) and all(torch.equal(g.full(), w) for g, w in zip(got, want))
 
 
 def test_tensor_type():

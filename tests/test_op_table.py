@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import workbench as wb
 from tests.spmd_harness import check_op
 from tests.test_distops_more import TABLE_SAMPLES
+from tests.test_distops_datadep import DATADEP_SAMPLES
 from workbench.parallel.ops_table import OP_CLASSES, RULES, TABLE
 from workbench.parallel.ops_table.ring_attention import ring_attention_step
 
@@ -117,6 +118,7 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
     "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
 }
 SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_distops_more.py)
+SAMPLES.update(DATADEP_SAMPLES)    # masked_select, unique... (tests/test_distops_datadep.py)
 M2 = wb.Mesh.grid(2, ["a"])
 
 

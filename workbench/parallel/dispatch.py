@@ -173,11 +173,18 @@ def dispatch(func, args, kwargs):
             return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
     entry, parse = hit
+    form = entry.extra.get("other_form")          # torch.where(cond): nonzero's (datadep.py)
+    if form is not None and (res := form(args, kwargs or {})) is not NotImplemented:
+        return res
     if kwargs:
         inputs, attrs = parse(*args, **kwargs)
     else:
         kwargs = {}
         inputs, attrs = parse(*args)
+    if entry.extra.get("data_dependent"):        # output size from the values
+        from .dispatch_datadep import run_data_dependent
+        return run_data_dependent(entry, inputs, attrs, _HOOKS,
+                                  _FORCE[-1] if _FORCE else None)
     same = entry.extra.get("returns_self")        # x.to(x.dtype) is x (casts.py)
     if same is not None and isinstance(inputs[0], DistTensor) and same(inputs, attrs, kwargs):
         return inputs[0]

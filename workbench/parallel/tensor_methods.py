@@ -23,6 +23,11 @@ def install(cls):
 
     @classmethod
     def __torch_function__(c, func, types, args=(), kwargs=None):
+        if func is T.__getitem__ and len(args) == 2 and not isinstance(args[0], DistTensor):
+            from .ops_table.datadep import bool_mask_index
+            picked = bool_mask_index(*args)       # plain_x[dist_mask]
+            if picked is not None:
+                return picked
         return dispatch(func, args, kwargs)
     cls.__torch_function__ = __torch_function__
 
@@ -54,6 +59,10 @@ def install(cls):
         if type(index) in basic or type(index) is tuple and all(type(i) in basic
                                                                  for i in index):
             return dispatch(T.__getitem__, (self, index), None)
+        from .ops_table.datadep import bool_mask_index
+        picked = bool_mask_index(self, index)     # x[mask]: the output's size from the mask
+        if picked is not None:
+            return picked
         from .ops_table.indexing import advanced_index, index_with
         adv = advanced_index(self, index)
         if adv is not None:

@@ -79,6 +79,10 @@ def _decide(opdef, args, kwargs):
 def _run(opdef, dec, cand, inputs, specs, attrs, mesh) -> tuple:
     """Run ``cand`` (whether or not it is the cheapest) as dispatch() runs its choice."""
     from .dispatch import _prepare, run_prepared
+    if opdef.entry.extra.get("data_dependent"):         # no shape before it runs
+        from .dispatch_datadep import run_data_dependent
+        out = run_data_dependent(opdef.entry, inputs, attrs, force=lambda d: cand)
+        return out if isinstance(out, tuple) else (out,)
     prep = _prepare(opdef.entry, dec, inputs, specs, attrs, mesh, cand=cand)
     out = run_prepared(opdef.entry, prep, inputs, specs, attrs, mesh)
     return out if isinstance(out, tuple) else (out,)

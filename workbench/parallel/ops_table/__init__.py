@@ -15,7 +15,7 @@ sample side by side (adding an op touches one of them and its test): ``pointwise
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
 ``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
-``accumulate``, ``diagonal``, ``complex``.
+``accumulate``, ``diagonal``, ``complex``, ``datadep``.
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -43,6 +43,7 @@ FAMILIES += ("pad", "scans")        # F.pad (constant); cummax / cummin / logcum
 FAMILIES += ("accumulate",)         # scatter_add / index_add
 FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
 FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
+FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]: replicated
 
 
 def load():

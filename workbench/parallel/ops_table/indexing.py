@@ -224,6 +224,11 @@ def advanced_index(x, idx):
         i = torch.as_tensor(i)
         if i.dtype.is_floating_point:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if i.dtype == torch.uint8:        # a mask, as torch reads it (deprecated there too)
+        import warnings
+        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a "
+                      "dtype torch.bool instead.", UserWarning, stacklevel=4)
+        i = i.bool()
     if not isinstance(i, DistTensor) and i.dtype == torch.bool:
         if i.dim() != 1 or i.shape[0] != x.shape[dim]:
             raise IndexError(f"The shape of the mask {list(i.shape)} at index {dim} does not "
