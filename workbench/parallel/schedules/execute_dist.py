@@ -21,6 +21,7 @@ from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
+from .execute_checks import check_sendable
 
 __all__ = ["run_pipeline_dist"]
 
@@ -110,6 +111,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
                 out = stages[s](x)
             if s != last:
+                check_sendable(out, s)
                 send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
                 continue
             outputs[a.mb] = out
@@ -127,6 +129,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             else:
+                check_sendable(out, s)
                 send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
             stage_out[key] = out
             continue
