@@ -142,6 +142,21 @@ def _no_rule(func, args, kwargs, name):
         f"from ops that have rules (see notebook 04), {fallback}, or {table}")
 
 
+def common_mesh(name: str, inputs):
+    """The mesh the DistTensors among ``inputs`` live on (None if there are none); inputs
+    on different meshes are refused, naming the fix."""
+    mesh = None
+    for x in inputs:
+        if isinstance(x, DistTensor):
+            if mesh is None:
+                mesh = x.mesh
+            elif x.mesh is not mesh and x.mesh != mesh:
+                raise ValueError(f"{name}: inputs live on different meshes "
+                                 f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
+                                 "onto the other's mesh first")
+    return mesh
+
+
 def _writes(func, args, kwargs):
     """Torch functions that write into a DistTensor (:mod:`.inplace`)."""
     from . import inplace
@@ -188,18 +203,8 @@ def dispatch(func, args, kwargs):
     same = entry.extra.get("returns_self")        # x.to(x.dtype) is x (casts.py)
     if same is not None and isinstance(inputs[0], DistTensor) and same(inputs, attrs, kwargs):
         return inputs[0]
-    mesh = None
-    plain = False                  # a plain tensor or a constant among the inputs
-    for x in inputs:
-        if isinstance(x, DistTensor):
-            if mesh is None:
-                mesh = x.mesh
-            elif x.mesh is not mesh and x.mesh != mesh:
-                raise ValueError(f"{entry.name}: inputs live on different meshes "
-                                 f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard one "
-                                 "onto the other's mesh first")
-        else:
-            plain = True
+    mesh = common_mesh(entry.name, inputs)
+    plain = any(not isinstance(x, DistTensor) for x in inputs)  # a plain tensor or constant
     consts = ()                    # the types of constant inputs (type promotion differs)
     if plain and entry.name in ("mul", "div") and _unsafe_scale(entry.name, inputs):
         inputs = _partials_reduced(inputs)

@@ -31,16 +31,9 @@ def run_data_dependent(entry, inputs, attrs, hooks=(), force=None):
     """Run ``entry`` (a data-dependent op) on ``inputs`` (DistTensors, plain tensors and
     constants, as its parse returned them); the result has torch's structure (a tensor or
     a tuple of tensors), every tensor a replicated DistTensor."""
+    from .dispatch import common_mesh
     from .ops_table.strategy import infer
-    mesh = None
-    for x in inputs:
-        if isinstance(x, DistTensor):
-            if mesh is None:
-                mesh = x.mesh
-            elif x.mesh is not mesh and x.mesh != mesh:
-                raise ValueError(f"{entry.name}: inputs live on different meshes "
-                                 f"({list(mesh.ranks)} and {list(x.mesh.ranks)}); reshard "
-                                 "one onto the other's mesh first")
+    mesh = common_mesh(entry.name, inputs)
     specs = tuple(x.spec if isinstance(x, DistTensor) else
                   TensorSpec(x.shape, mesh, [Replicate()] * mesh.ndim, x.dtype)
                   if isinstance(x, torch.Tensor) else None for x in inputs)

@@ -160,12 +160,7 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
     if meshes is not None and len(meshes) > 1:     # each rank's part over the pipeline
         record_collective("all_reduce", meshes[0], None, 4, label="clip_grad norm over pp",
                           groups=[list(g) for g in zip(*(m.ranks for m in meshes))])
-    if error_if_nonfinite and (total.isnan() or total.isinf()):
-        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
-                           "non-finite, so it cannot be clipped. To disable this error and "
-                           "scale the gradients by the non-finite norm anyway, set "
-                           "`error_if_nonfinite=False`")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    coef = clip_coef(total, max_norm, p, error_if_nonfinite)
     for _, scale in parts:
         scale(coef)
     return total
@@ -200,3 +195,15 @@ def clip_hybrid_value_(h, optimizers, clip_value, foreach=None) -> None:
         return clip_value_dist(h, optimizers, clip_value)
     _prepare(h)
     clip_grad_value_(optimizers, clip_value, foreach)
+
+
+def clip_coef(total: torch.Tensor, max_norm, p, error_if_nonfinite: bool) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` scales every gradient by, from the
+    total norm: ``min(1, max_norm / (total + 1e-6))``; its error (word for word) for a
+    non-finite total when ``error_if_nonfinite``."""
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and "
+                           "scale the gradients by the non-finite norm anyway, set "
+                           "`error_if_nonfinite=False`")
+    return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)

@@ -32,6 +32,7 @@ from ..parallel.clip_grad import _local_power
 from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import record_collective
 from ..sim_mesh.mesh import Mesh
+from .pipeline_clip import clip_coef
 
 __all__ = ["clip_norm_dist", "clip_value_dist", "model_parallel_mesh"]
 
@@ -135,12 +136,7 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
     # in the gradients' dtype, as torch's total: stage 0's first gradient's (the
     # simulated total's), sent to every rank so that all return the same
     total = total.to(_grad_dtype(h, grads))
-    if error_if_nonfinite and (total.isnan() or total.isinf()):
-        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is "
-                           "non-finite, so it cannot be clipped. To disable this error and "
-                           "scale the gradients by the non-finite norm anyway, set "
-                           "`error_if_nonfinite=False`")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    coef = clip_coef(total, max_norm, p, error_if_nonfinite)
     for g in grads:                 # (ZeRO: the chunks its step takes)
         g.mul_(coef.to(g.device))
     return total
