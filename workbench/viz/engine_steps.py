@@ -2,7 +2,7 @@
 and the queue, drawn from ``wb.serve.Engine``'s own step log.
 
     >>> engine.run()                                               # doctest: +SKIP
-    >>> pool = engine.cache.allocator.num_blocks                   # doctest: +SKIP
+    >>> pool = engine.num_blocks                   # doctest: +SKIP
     >>> show(engine_steps(engine.log, num_blocks=pool))            # doctest: +SKIP
 
 Three panels on one step axis, read straight from the :class:`StepRecord` fields and
@@ -49,7 +49,7 @@ def _check(log, num_blocks):
             num_blocks, int) or num_blocks < max(r.blocks_in_use for r in log)):
         raise ValueError(f"engine_steps(num_blocks={num_blocks!r}): give the pool's size, an "
                          f"int >= the {max(r.blocks_in_use for r in log)} blocks the log "
-                         "holds in use (engine.cache.allocator.num_blocks), or None")
+                         "holds in use (engine.num_blocks), or None")
     return log
 
 
