@@ -90,6 +90,11 @@ on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scalin
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
 (its layout at measurement time is not recorded), MLPerf, Ascend tables.
 
+- ``bloom``: BLOOM-176B (BigScience 2022) on Jean Zay's A100s and Omni-Path, its final
+  run and the prequel's layouts at the final shape (Megatron-DeepSpeed, bf16 with
+  DeepSpeed's BF16_Optimizer), and the layouts the prequel reports out of memory: the
+  module ``published_bloom`` (its docstring says what was read where).
+
 - ``narayanan_zero3``: Narayanan et al. SC'21 Table 2, "ZeRO-3 without Model
   Parallelism" (GPT-3 175B on 384 / 768 / 1,536 A100s at batch 1,536; 530B on 640 at
   batch 2,560, 1,120 and 2,240 at 2,240), the achieved teraFLOP/s per GPU as encoded by
@@ -274,8 +279,11 @@ def _zero3_2021_rows():
                           "ASSUMED")
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # its sibling modules
+import published_bloom as _bloom  # noqa: E402  (BLOOM-176B on Jean Zay: its own module)
+
 ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows(),
-        *_zero3_2021_rows()]
+        *_zero3_2021_rows(), *_bloom.ROWS]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
                         "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
@@ -298,6 +306,7 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
                             "config ASSUMED",
+         "bloom": _bloom.NOTE,
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
                    "pipeline engine and data parallelism (framework='deepspeed')"}
@@ -361,7 +370,8 @@ def main():
                           ("korthikanti", "MFU (eq. 7; SP + selective recompute)"),
                           ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)"),
                           ("mt_nlg", "TFLOP/s per GPU (with recompute)"),
-                          ("narayanan_zero3", "achieved TFLOP/s per GPU (with recompute)")):
+                          ("narayanan_zero3", "achieved TFLOP/s per GPU (with recompute)"),
+                          ("bloom", _bloom.LABEL)):
         rows = [r for r in results if r["row"]["source"] == source]
         print(f"\n{rows[0]['row']['cite']}\n  metric: {label}")
         print(f"  {'model':<9}{'GPUs':>6}  {'layout':<44}{'published':>10}{'predicted':>10}"
@@ -385,6 +395,7 @@ def main():
         print(f"  ratio predicted / published: median {s['median']:.3f}, range "
               f"{s['min']:.3f} .. {s['max']:.3f} over {s['n']} rows")
         print(f"  assumptions: {NOTES[source]}")
+    print("\n".join(_bloom.memory_lines()))   # BLOOM's measured memory and OOM layouts
     print("\nbias (ratio predicted / published; > 1: optimistic) by")
     for label, key in (("source", lambda r: r["row"]["source"]),
                        ("GPU", lambda r: r["row"]["profile"]),

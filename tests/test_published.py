@@ -18,7 +18,10 @@ robust properties only, never a fit.
   1.432 .. 1.501 (1.430 .. 1.498 since DeepSpeed's pipeline engine is priced from its
   source, plan.deepspeed_step), band 1.15 .. 1.80; Narayanan Table 2's ZeRO-3 rows
   (DeepSpeed of spring 2021, ``plan.zero3_2021``, a secondary source's encoding) 0.896 ..
-  1.402, band 0.65 .. 1.65: each the measured spread widened by about 0.25 either side.
+  1.402, band 0.65 .. 1.65; BLOOM-176B on Jean Zay (``published_bloom``: the final run and
+  the prequel's rows at its shape, NCCL over Omni-Path at the cluster's measured
+  efficiency) 0.765 .. 0.935, band 0.50 .. 1.20: each the measured spread widened by
+  about 0.25 either side.
   It catches a clock
   that loses or doubles a term (backward unpriced: ratio ~2; recompute counted twice:
   ~0.75), not a few percent.
@@ -42,7 +45,7 @@ _spec.loader.exec_module(P)
 
 BANDS = {"narayanan": (0.85, 1.50), "korthikanti": (0.85, 1.50),
          "megatron_h100": (0.60, 1.85), "mt_nlg": (1.15, 1.80),
-         "narayanan_zero3": (0.65, 1.65)}
+         "narayanan_zero3": (0.65, 1.65), "bloom": (0.50, 1.20)}
 _IDS = [f"{r['source']}-{r['name'].split()[-1]}-{r['devices']}" for r in P.ROWS]
 
 

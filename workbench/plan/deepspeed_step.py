@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from ..sim_mesh.cost import compute_time, wire_bytes
 from . import costs as C
+from . import bf16_optimizer as BF
 from . import deepspeed_pipe as D
 
 __all__ = ["FP16_OPTIMIZER_BYTES", "DP_BUCKET_COPY_BYTES", "meta_bytes", "crossing",
@@ -85,11 +86,16 @@ def check(cfg, lay) -> None:
         raise ValueError(f"framework='deepspeed' with pp={lay.pp}: DeepSpeed's pipeline "
                          f"engine runs its TrainSchedule (1F1B order), not "
                          f"schedule={lay.schedule!r} v={lay.v}; use schedule='1f1b', v=1")
-    if lay.sp or lay.cp > 1 or lay.stages is not None or getattr(cfg, "moe_experts", 0):
+    if BF.applies(cfg, lay) and lay.zero != 1:
+        raise ValueError(f"framework='deepspeed' with bf16 and pp={lay.pp}, zero={lay.zero}: "
+                         f"DeepSpeed's pipeline engine runs bf16 with BF16_Optimizer only "
+                         f"({BF.SOURCE}), which shards the fp32 master weights and Adam's "
+                         f"states over dp as ZeRO-1 does; use zero=1 (or fp16)")
+    if lay.sp or lay.cp > 1 or getattr(cfg, "moe_experts", 0):
         raise ValueError(f"framework='deepspeed' with pp={lay.pp}: the 2021 pipeline "
                          f"engine (plan.deepspeed_step) is priced without sequence or "
-                         f"context parallelism, uneven stages or MoE (sp={lay.sp}, "
-                         f"cp={lay.cp}, stages={lay.stages}); use framework='megatron'")
+                         f"context parallelism or MoE (sp={lay.sp}, cp={lay.cp}); use "
+                         f"framework='megatron'")
 
 
 def meta_bytes(tp: int) -> int:
@@ -192,6 +198,10 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model       # [s, b, h] in 16 bits
     x = crossing(n, lay, prof)
     fp16 = dtype == "float16" and lay.zero == 0
+    bf16 = BF.applies(cfg, lay)           # BF16_Optimizer (plan.bf16_optimizer)
+    if bf16 and tied:                     # its tied gradient is the fp32 one
+        tied = C.group_price("all_reduce", BF.tied_bytes(cfg, lay.tp),
+                             (lay.rank(0, 0, 0), lay.rank(0, 0, p - 1)), prof)
     p2p_t, p2p_sent = p2p
     rows = []
     for s in range(p):
@@ -201,17 +211,23 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
         sent = d["sent"] - 2 * p2p_sent + sends * (n / lay.tp + (meta_bytes(lay.tp)
                                                                   if lay.tp > 1 else 0)) \
             + gathers * wire_bytes("all_gather", n, lay.tp)
-        comp = d["compute"] + e["fwd_copy"] + e["bwd_copy"]
+        hp = BF.micro_batch_seconds(d["psi"], lay.stage_layers(cfg.n_layer)[s], prof) \
+            if bf16 else 0.0              # update_hp_grads after each backward
+        comp = d["compute"] + e["fwd_copy"] + e["bwd_copy"] + hp
         comm = d["comm"] - 2 * p2p_t + e["fwd_comm"] + e["bwd_comm"] + e["crossings"] * x
         dp = d["dp"]
-        if lay.zero == 0 and lay.dp > 1:
+        if bf16:
+            dp = BF.dp_sync(d["psi"], lay, prof, s)
+        elif lay.zero == 0 and lay.dp > 1:
             dp += _copy(DP_BUCKET_COPY_BYTES * d["psi"], prof, dtype, launches=3)
+        opt = fp16_optimizer(d["psi"], prof) if fp16 else BF.step_seconds(
+            d["psi"], lay.dp, d["optimizer"], prof) if bf16 else d["optimizer"]
         rows.append(dict(
             stage=s, forward=d["forward"] - p2p_t + e["fwd_copy"] + e["fwd_comm"],
-            backward=d["time"] - d["forward"] - p2p_t + e["bwd_copy"] + e["bwd_comm"],
+            backward=d["time"] - d["forward"] - p2p_t + e["bwd_copy"] + e["bwd_comm"] + hp,
             compute=comp, comm=comm, time=comp + comm, crossings=e["crossings"], dp=dp,
             p2p=e["crossings"] * x + e["fwd_comm"] + e["bwd_comm"],
-            sent=sent, optimizer=fp16_optimizer(d["psi"], prof) if fp16 else d["optimizer"]))
+            sent=sent, optimizer=opt))
     finish = D.simulate([r["forward"] for r in rows], [r["backward"] for r in rows], m, x)
     ends = []
     for s, r in enumerate(rows):
@@ -226,7 +242,8 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
                  "bubble": last - m * slow["time"]}
     return dict(step=done + coll + opt, breakdown=breakdown, stages=rows, finish=finish,
                 crossing=x, dp_sync=max(r["dp"] for r in rows), after_last=done - last,
-                optimizer=opt, collectives=coll, slowest_stage=slow["stage"], fp16=fp16)
+                optimizer=opt, collectives=coll, slowest_stage=slow["stage"], fp16=fp16,
+                bf16=bf16, tied=tied)
 
 
 def assumptions(lay, cfg) -> tuple:
@@ -236,7 +253,9 @@ def assumptions(lay, cfg) -> tuple:
            f"{' (tp > 1)' if lay.tp > 1 else ''}; --partition-activations off "
            f"(Megatron-DeepSpeed's default; the MT-NLG config is not public), no "
            f"contiguous or CPU checkpointing; host syncs and launch gaps not priced"]
-    if not (cfg.dtype == "float16" and lay.zero == 0):
+    if BF.applies(cfg, lay):
+        out.append(BF.ASSUMPTION)
+    elif not (cfg.dtype == "float16" and lay.zero == 0):
         out.append("DeepSpeed pipeline: FP16_Optimizer's passes priced for fp16 without "
                    "ZeRO only; this optimizer priced as the planner's AdamW (28 bytes per "
                    "parameter)" + ("; ZeRO-1's reduce_gradients as a reduce-scatter and "

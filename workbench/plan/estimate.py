@@ -417,8 +417,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     if pp > 1 and cfg.tie_embeddings:
         tied = C.group_price("all_reduce", 2 * cfg.vocab_size * cfg.d_model / tp,
                              (lay.rank(0, 0, 0), lay.rank(0, 0, pp - 1)), prof)
-    ds = DS.pipeline_step(cfg, lay, prof, stages, [_stage_name(k, pp, False) for k in range(
-        pp)], (p2p_t, p2p_sent), tied) if lay.engine == "deepspeed" and pp > 1 else None
+    ds = DS.pipeline_step(cfg, lay, prof, stages, [_stage_name(k, pp, lay.stages is not None)
+                                                   for k in range(pp)],
+                          (p2p_t, p2p_sent), tied) if lay.engine == "deepspeed" and pp > 1 else None
     if ds is None and lay.engine in ("megatron", "deepspeed") and pp > 1 \
             and lay.dp * lay.cp > 1 and v == 1:
         _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),

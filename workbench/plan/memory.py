@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import bf16_optimizer as _bf16
 from . import ep_cp as _ep_cp
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -304,6 +305,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     unreduced = 0.0
     # Megatron-LM's fp32 main_grad buffer (bf16): whole, even under its ZeRO-1
     mem["buffers"] = grad_buffer_extra_bytes(lay.engine, cfg.dtype) * psi
+    if _bf16.applies(cfg, lay):       # DeepSpeed's BF16_Optimizer: its whole fp32 gradients
+        mem["buffers"] += _bf16.state_bytes(psi)
     for k, v in _ep_cp.expert_states(cfg, lay, nl, grad_buffer_extra_bytes(
             lay.engine, cfg.dtype)).items():             # a MoE's experts over ep
         mem[k] += v
@@ -331,6 +334,10 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
+    if _bf16.applies(cfg, lay):       # its fp32 cast of a gradient; its bf16 copy for the sync
+        during, sync = _bf16.transient_bytes(psi, _bf16.largest_numel(cfg, lay.tp, lay.pp,
+                                                                      stage, nl))
+        mem["workspace"] = max(mem["workspace"], during, sync - act)
     mem["total"] = sum(mem.values())
     return mem
 

@@ -1,0 +1,183 @@
+"""BLOOM-176B's published runs (BigScience, Jean Zay, 2022) beside the planner.
+
+    PYTHONPATH=. python benchmarks/published_bloom.py      # this block alone, a few seconds
+
+A source of ``benchmarks/published.py`` (which imports ``ROWS``, ``OOM_ROWS``, ``NOTE``,
+``LABEL`` and prints :func:`memory_lines`): held out as the others are; nothing in the
+profiles or the planner is tuned to these figures.  Source: the BigScience repository,
+bigscience-workshop/bigscience (9e64edec2a, 2024-07-29):
+
+- ``train/tr11-176B-ml/README.md`` and ``tr11-176B-ml.slurm``: the run that trained
+  BLOOM-176B on 48 nodes of 8 A100 80GB (Jean Zay, 4 Omni-Path links per node: profile
+  ``a100-jeanzay``): TP 4, PP 12, DP 8, micro-batch 2, global batch 2,048, 70 layers,
+  hidden 14,336, 112 heads, sequence 2,048, vocabulary padded to 250,880
+  (``--pad-vocab-size-to``), ``--bf16``, ``--checkpoint-activations`` with
+  ``--deepspeed-activation-checkpointing`` (full recompute, no partitioned activations),
+  ZeRO stage 0 in the DeepSpeed config because "BF16_Optimizer implements its own ZeRO
+  Stage 1" (``framework="deepspeed"``, ``zero=1``, ``plan.bf16_optimizer``), ``--pp-partition-
+  method 'type:transformer|embedding'``: "pp rank 0: [embed | 5 transformer blocks] ...
+  pp rank 11: [5 transformer blocks | embed]" (``stages=(5, 6, ..., 6, 5)``), tied
+  embeddings, ALiBi, an embedding LayerNorm, dropout 0.1 (Megatron's defaults,
+  "inherited"), ``CUDA_LAUNCH_BLOCKING=1``.  Measured: the log line of the first epoch's
+  end, "iteration 85376 ... elapsed time per iteration (s): 104.70 ... TFLOPs: 149.77".
+  The TFLOPs are hardware FLOPs with the recomputed forward (math/README.md, "Calculate
+  TFLOPs": the 4 x 2 coefficient; Megatron-DeepSpeed PR 251, Narayanan et al.'s eq. 3):
+  eq. 3 at 104.70 s gives 149.76, ``Estimate.tflops_per_device``'s count.
+- ``train/tr11-176B-ml/chronicles-prequel.md``, "Rebalancing layers" (2022-02-28): the
+  same cluster, "from now on the testing is happening with BF16 optimizer" and the
+  embedding partitioned as a layer; the table "NHIDDEN=14336; NLAYERS=70" (the final
+  shape) gives per layout the memory ("Mem"), seconds per iteration and TFLOPs; its
+  tables for NHIDDEN=12288 / NLAYERS=100 and NHIDDEN=14336 / NLAYERS=82 list layouts
+  that ran out of memory.  Measured at iteration 2 ("I take the snapshot of a single
+  iteration (always 2nd)"), global batch 2,048, the TFLOPs formula of PR 251 (in use
+  since 02-21, "TFLOPs calculation improved").
+- the same file, "GBS Variations" (2022-02-25): fp16 (before the BF16 optimizer), ZeRO-1,
+  the embedding beside the first and last stages' layers, NHIDDEN=14336 / NLAYERS=72 /
+  NHEADS=64: three layouts reported "OOM".
+
+"Mem" is what ``nvidia-smi`` showed on the first node ("was quickly getting the memory
+snapshot with: pdsh -w jean-zay-iam01 ... nvidia-smi"; the 02-17 tables: "max memory
+used by the first (last) nodes with the word embedding matrix"): the caching allocator's
+reserved memory plus the CUDA context, of the ranks of pipeline stage 0 (Megatron-
+DeepSpeed's rank order puts tp x dp = 32 consecutive ranks, 4 nodes, on stage 0).  It is
+compared with the planner's stage-0 peak plus the profile's context (1,573 MiB,
+measured by BigScience on a 40GB A100): live tensors at the peak, so a ratio below 1 is
+what the allocator's cached free blocks and fragmentation leave.  ASSUMPTION: "GB"
+there is nvidia-smi's MiB / 1024 (GiB); read as 1e9 bytes the ratios rise by 7.4%.
+
+Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
+the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the
+prequel's other model shapes (heads and layers per stage differ from the final model's;
+their fused-softmax constraints moved TFLOPs by up to 30% between head counts, which the
+planner does not model) and its fp16 / 02-17..02-27 tables (a different optimizer and
+partitioning: only their OOM verdicts are used).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import workbench as wb  # noqa: E402
+
+BIGSCIENCE = "bigscience-workshop/bigscience (9e64edec2a)"
+CITE = (f"{BIGSCIENCE} train/tr11-176B-ml/README.md (final run, iteration 85376) and "
+        f"chronicles-prequel.md (2022-02-28 'Rebalancing layers'; 2022-02-25 OOM rows)")
+LABEL = "achieved TFLOP/s per GPU (hardware, with recompute: eq. 3)"
+VOCAB = 250880                          # --pad-vocab-size-to 250880
+_ASSUME = ("bf16, BF16_Optimizer (DeepSpeed's own ZeRO-1, plan.bf16_optimizer), full "
+           "recompute, embedding partitioned as a layer, tied embeddings, dropout 0.1; "
+           "ALiBi and the embedding LayerNorm priced as learned positions and no "
+           "LayerNorm (ASSUMPTION: both well under 1% of a stage's work)")
+
+
+def _stages(n_layer: int, pp: int) -> tuple:
+    """'type:transformer|embedding': the two embeddings weigh as layers, so each stage
+    holds (n_layer + 2) / pp slots and the first and last give one to the embedding."""
+    per = (n_layer + 2) // pp
+    if per * pp != n_layer + 2:
+        raise ValueError(f"n_layer + 2 = {n_layer + 2} does not split over pp={pp}")
+    return (per - 1,) + (per,) * (pp - 2) + (per - 1,)
+
+
+def _row(name, h, l, a, dp, tp, pp, mbs, tflops, mem_gib, cite, gbs=2048, dtype="bfloat16",
+         stages=True, assume=_ASSUME):
+    return dict(source="bloom", name=name, profile="a100-jeanzay", devices=dp * tp * pp,
+                model=dict(d_model=h, n_layer=l, n_head=a, dtype=dtype, vocab_size=VOCAB),
+                layout=dict(dp=dp, tp=tp, pp=pp, sp=False, zero=1, recompute="full",
+                            micro_batch=mbs, global_batch=gbs, schedule="1f1b", v=1,
+                            framework="deepspeed",
+                            stages=_stages(l, pp) if stages and pp > 1 else None),
+                metric="tflops_per_device", published=tflops, published_hfu=None,
+                published_mem_gib=mem_gib, cite=cite, assume=assume)
+
+
+_FINAL = f"{BIGSCIENCE} train/tr11-176B-ml/README.md, iteration 85376: 104.70 s, 149.77 TFLOPs"
+_P0228 = f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md, 02-28, NHIDDEN=14336; NLAYERS=70"
+# chronicles-prequel.md, 02-28, NHIDDEN=14336 / NLAYERS=70: DP, TP, PP, MBS, NHEADS, Mem
+# (GB), sec/it, TFLOPs
+PREQUEL_0228 = [(4, 8, 12, 2, 64, 40, 121.63, 128.92), (8, 4, 12, 2, 64, 59, 102.03, 153.68),
+                (8, 4, 12, 2, 112, 59, 104.50, 150.05), (8, 4, 12, 2, 128, 60, 105.89, 148.08),
+                (8, 4, 12, 4, 64, 73, 102.27, 153.33)]
+
+ROWS = [_row("BLOOM 176B", 14336, 70, 112, 8, 4, 12, 2, 149.77, None, _FINAL)] + [
+    _row(f"176B a{a}-tp{tp}-mb{mbs}", 14336, 70, a, dp, tp, pp, mbs, tflops, mem, _P0228)
+    for dp, tp, pp, mbs, a, mem, _, tflops in PREQUEL_0228]
+
+_OOM = f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md"
+_FP16 = ("fp16 with DeepSpeed's ZeRO-1 (02-21: ZS=1), before the BF16 optimizer; the "
+         "embedding beside the first and last stages' layers (partitioning "
+         "'type:transformer', the rebalancing came 02-28): ASSUMED from the text's order")
+# layouts the prequel reports "OOM": name, hidden, layers, heads, DP, TP, PP, MBS, GBS, dtype
+OOM = [("184B", 12288, 100, 64, 16, 4, 6, 2, 2048, "bfloat16"),     # 02-28
+       ("184B", 12288, 100, 64, 16, 4, 6, 1, 2048, "bfloat16"),     # 02-28
+       ("206B", 14336, 82, 128, 8, 4, 12, 2, 2048, "bfloat16"),     # 02-28
+       ("181B", 14336, 72, 64, 48, 8, 1, 1, 2016, "float16"),       # 02-25
+       ("181B", 14336, 72, 64, 32, 2, 6, 2, 2048, "float16"),       # 02-25
+       ("181B", 14336, 72, 64, 32, 2, 6, 1, 2048, "float16")]       # 02-25
+OOM_ROWS = [_row(f"{n} OOM dp{dp}-tp{tp}-pp{pp}-mb{mbs}", h, l, a, dp, tp, pp, mbs, None, None,
+                 f"{_OOM}, {'02-28' if dt == 'bfloat16' else '02-25'}", gbs=gbs, dtype=dt,
+                 stages=dt == "bfloat16", assume=_ASSUME if dt == "bfloat16" else _FP16)
+            for n, h, l, a, dp, tp, pp, mbs, gbs, dt in OOM]
+
+NOTE = ("the final run's log line and the 2022-02-28 prequel rows at the final shape "
+        "(iteration 2, CUDA_LAUNCH_BLOCKING=1 as the hang workaround); " + _ASSUME
+        + "; on profile a100-jeanzay: NCCL over Omni-Path at the efficiency the "
+        "cluster's own all-reduce benchmark measured (0.101 of line rate, January 2022; "
+        "the range's fast end 0.96); Megatron-DeepSpeed's pipeline as DeepSpeed v0.5.4's "
+        "engine (plan.deepspeed_pipe) with the BF16_Optimizer of DeepSpeed 56c522386")
+
+
+def memory(row) -> dict:
+    """The planner's memory of ``row`` on pipeline stage 0 (the ranks whose memory the
+    prequel read): ``predicted`` (its peak plus the profile's CUDA context, bytes),
+    ``measured`` (the Mem column in bytes, GiB read) or None, their ratio, and ``fits``."""
+    cfg = wb.models.ModelConfig(**{**dict(arch="gpt", seq_len=2048, tie_embeddings=True,
+                                          dropout=0.1), **row["model"]})
+    cl = wb.plan.Cluster(row["profile"], row["devices"])
+    est = wb.plan.estimate(cfg, wb.plan.Layout(**row["layout"]), cl)
+    first = est.details["stages"]["first" if row["layout"]["pp"] > 1 else "only"]
+    pred = first["memory"]["total"] + cl.profile.runtime_memory["context_bytes"]
+    gib = row.get("published_mem_gib")
+    meas = None if gib is None else gib * 2 ** 30
+    return dict(row=row, estimate=est, predicted=pred, measured=meas, fits=est.fits,
+                ratio=None if meas is None else pred / meas,
+                busiest=est.memory["total"], usable=est.details["usable_memory"])
+
+
+def memory_lines() -> list[str]:
+    """The memory comparison and the OOM verdicts, as ``published.py`` prints them."""
+    out = [f"\n{CITE}\n  memory: the planner's stage-0 peak + CUDA context against nvidia-smi "
+           f"('Mem', GiB read); fits: the busiest rank's peak within the usable memory"]
+    out.append(f"  {'row':<29}{'layout':<52}{'Mem':>6}{'predicted':>10}{'ratio':>7}"
+               f"{'busiest':>9}  fits  published")
+    for row in ROWS + OOM_ROWS:
+        m = memory(row)
+        if row["published_mem_gib"] is None and row["published"] is not None:
+            continue                         # the final run: no memory published
+        meas = f"{m['measured'] / 2 ** 30:5.0f}G" if m["measured"] else "   OOM"
+        ratio = f"{m['ratio']:7.3f}" if m["ratio"] else "       "
+        ok = "ran" if row["published"] is not None else "OOM"
+        flag = "" if (m["fits"] == (ok == "ran")) else "  <- disagrees"
+        out.append(f"  {row['name']:<29}{m['estimate'].layout.short():<52}{meas:>6}"
+                   f"{m['predicted'] / 2 ** 30:9.1f}G{ratio}{m['busiest'] / 2 ** 30:8.1f}G  "
+                   f"{str(m['fits']):<5} {ok}{flag}")
+    return out
+
+
+def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from published import predict, summary   # noqa: E402  (the shared comparison)
+    res = [predict(r) for r in ROWS]
+    for r in res:
+        print(f"{r['row']['name']:<12}{r['estimate'].layout.short():<52}"
+              f"{r['row']['published']:8.2f}{r['predicted']:8.1f}{r['ratio']:7.3f}  "
+              f"{r['low']:.1f} .. {r['high']:.1f}")
+    s = summary(r["ratio"] for r in res)
+    print(f"ratio median {s['median']:.3f}, range {s['min']:.3f} .. {s['max']:.3f}")
+    print("\n".join(memory_lines()))
+
+
+if __name__ == "__main__":
+    main()

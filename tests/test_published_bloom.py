@@ -1,0 +1,202 @@
+"""BLOOM-176B's published runs (``benchmarks/published_bloom.py``), the Jean Zay profile
+and DeepSpeed's BF16_Optimizer (``plan.bf16_optimizer``) held to their cited figures.
+
+REGRESSION GUARDS, NOT TARGETS: the ratios' bands are the spread measured when this file
+was written (time 0.765 .. 0.935 on the profile's measured Omni-Path efficiency; memory
+against nvidia-smi 0.767 .. 0.827) widened by about 0.25 either side; never tune the
+planner toward them.
+"""
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench.plan import bf16_optimizer as BF
+from workbench.plan.memory import stage_params
+from workbench.sim_mesh.cost import price
+from workbench.sim_mesh.estimates import megatron_flops
+from workbench.sim_mesh.profiles import get_profile
+
+_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(_DIR))
+_spec = importlib.util.spec_from_file_location("benchmarks_published_bloom",
+                                               _DIR / "published_bloom.py")
+B = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(B)
+import published as P  # noqa: E402  (the shared comparison, beside it)
+
+_IDS = [r["name"] for r in B.ROWS]
+_OOM_IDS = [r["name"] for r in B.OOM_ROWS]
+# a published out-of-memory layout the planner calls fitting: a missing component not
+# found in the sources read (the report says which were examined); strict, so that the
+# day it is found this test says so
+_CALLED_FITTING = {"206B OOM dp8-tp4-pp12-mb2"}
+
+
+@pytest.fixture(scope="module")
+def times():
+    return {r["name"]: P.predict(r) for r in B.ROWS}
+
+
+@pytest.fixture(scope="module")
+def mems():
+    return {r["name"]: B.memory(r) for r in B.ROWS + B.OOM_ROWS}
+
+
+# ---- the rows are the sources' figures ---------------------------------------------
+
+def test_final_run_is_the_readme_layout():
+    row = B.ROWS[0]
+    lay, m = row["layout"], row["model"]
+    assert (lay["tp"], lay["pp"], lay["dp"], lay["micro_batch"], lay["global_batch"]) == \
+        (4, 12, 8, 2, 2048) and row["devices"] == 384
+    assert (m["d_model"], m["n_layer"], m["n_head"], m["vocab_size"]) == \
+        (14336, 70, 112, 250880)
+    # "pp rank 0: [embed | 5 transformer blocks] ... pp rank 11: [5 transformer blocks | embed]"
+    assert lay["stages"] == (5,) + (6,) * 10 + (5,) and sum(lay["stages"]) == 70
+    assert lay["framework"] == "deepspeed" and lay["zero"] == 1 and m["dtype"] == "bfloat16"
+
+
+def test_published_tflops_are_eq3_of_the_published_seconds():
+    """The README's and the prequel's TFLOPs follow from their seconds per iteration
+    through Narayanan et al.'s eq. 3 with vocabulary 250,880 (math/README.md: the 4 x 2
+    hardware coefficient): the metric is ``Estimate.tflops_per_device``'s."""
+    got = megatron_flops(2048, 2048, 70, 14336, 250880) / (104.70 * 384) / 1e12
+    assert got == pytest.approx(149.77, abs=0.02)
+    for dp, tp, pp, mbs, a, mem, sec, tflops in B.PREQUEL_0228:
+        got = megatron_flops(2048, 2048, 70, 14336, 250880) / (sec * dp * tp * pp) / 1e12
+        assert got == pytest.approx(tflops, rel=0.002), (dp, tp, a, mbs)
+
+
+def test_rebalanced_stages_count_the_embeddings_as_layers():
+    assert B._stages(70, 12) == (5,) + (6,) * 10 + (5,)
+    assert B._stages(100, 6) == (16, 17, 17, 17, 17, 16)
+    with pytest.raises(ValueError, match="does not split"):
+        B._stages(71, 12)
+
+
+# ---- time: the spread, bounded ------------------------------------------------------
+
+@pytest.mark.parametrize("rid", _IDS)
+def test_time_ratio_in_regression_band(times, rid):
+    r = times[rid]
+    assert 0.50 <= r["ratio"] <= 1.20, (rid, r["ratio"])
+    assert r["low"] <= r["predicted"] <= r["high"]
+
+
+def test_time_spread_and_the_network_range(times):
+    ratios = [r["ratio"] for r in times.values()]
+    assert 0.65 <= statistics.median(ratios) <= 1.05
+    # the range spans the Omni-Path efficiency measured on the cluster .. InfiniBand's:
+    # every published figure lies inside it (a regression guard on the profile's bound)
+    assert all(r["low"] <= r["row"]["published"] <= r["high"] for r in times.values())
+
+
+# ---- memory: ran rows fit, OOM rows do not ------------------------------------------
+
+@pytest.mark.parametrize("rid", _IDS)
+def test_layout_that_ran_fits(mems, rid):
+    assert mems[rid]["fits"], (rid, mems[rid]["busiest"] / 1e9)
+
+
+@pytest.mark.parametrize("rid", [pytest.param(i, marks=pytest.mark.xfail(
+    strict=True, reason="called fitting: a memory component the sources read do not "
+                        "give (benchmarks/published_bloom.py)"))
+    if i in _CALLED_FITTING else i for i in _OOM_IDS])
+def test_published_oom_layout_does_not_fit(mems, rid):
+    assert not mems[rid]["fits"], (rid, mems[rid]["busiest"] / 1e9)
+
+
+def test_memory_against_nvidia_smi_bounded(mems):
+    """Stage 0's peak plus the CUDA context over nvidia-smi's reading: below 1 (the
+    caching allocator reserves more than the live peak), within the guard band."""
+    ratios = [m["ratio"] for m in mems.values() if m["ratio"] is not None]
+    assert len(ratios) == len(B.PREQUEL_0228)
+    assert all(0.55 <= x <= 1.05 for x in ratios), ratios
+
+
+# ---- the Jean Zay profile against its cited figures ---------------------------------
+
+def test_jeanzay_profile_cites_the_cluster():
+    jz, a = get_profile("a100-jeanzay"), get_profile("a100")
+    assert jz.topology.nics_per_node == 4 and jz.inter_node.bandwidth == 100e9 / 8
+    # all_reduce_bench-a100-n4.txt: median busbw 40.54 Gbps over the node's 4 x 100 Gb/s
+    assert jz.inter_node.efficiency == pytest.approx(40.54 / 400, abs=5e-4)
+    assert jz.runtime_memory["context_bytes"] == 1573 * 2 ** 20
+    for k in ("peak_flops", "memory_bandwidth", "memory_bytes", "efficiency",
+              "kernel_bandwidth"):            # the same A100 SXM4 80GB
+        assert getattr(jz, k) == getattr(a, k), k
+    for k in ("inter_node.efficiency", "inter_node.bandwidth", "runtime_memory.context_bytes"):
+        assert "bigscience" in jz.citations[k]
+
+
+def test_jeanzay_all_reduce_reproduces_the_benchmark():
+    """The benchmark's own case, a 4 GB all-reduce over 32 ranks on 4 nodes, priced on
+    the profile: its bus bandwidth is the measured 40.5 Gbps (NCCL's protocol and step
+    latencies add under 1%)."""
+    n, p = 4e9, 32
+    t = price("all_reduce", n, list(range(p)), "a100-jeanzay")
+    busbw_gbps = n / t * 2 * (p - 1) / p * 8 / 1e9
+    assert busbw_gbps == pytest.approx(40.54, rel=0.01)
+
+
+# ---- DeepSpeed's BF16_Optimizer against its source ----------------------------------
+
+def _bf16_small(**kw):
+    cfg = wb.models.get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512,
+                               dtype="bfloat16")
+    lay = wb.plan.Layout(**{**dict(dp=2, tp=8, pp=4, zero=1, recompute="full",
+                                   global_batch=16, framework="deepspeed"), **kw})
+    return cfg, lay, wb.plan.Cluster("a100", 64)
+
+
+def test_bf16_optimizer_byte_counts():
+    # update_hp_grads: hp_grad.add_(lp.grad.to(fp32)): read 2, write 4, read 4 + 4, write 4
+    assert BF.HP_GRAD_BYTES == 18
+    # allreduce_bucket: cast to bf16 (4 + 2), mul_(1/dp) (2 + 2), copy back (2 + 4)
+    assert BF.REDUCE_COPY_BYTES == 16
+    assert BF.state_bytes(1e9) == 4e9 and BF.transient_bytes(1e9, 1e6) == (4e6, 2e9)
+
+
+def test_bf16_pipeline_holds_the_whole_fp32_gradients():
+    cfg, lay, cl = _bf16_small()
+    est = wb.plan.estimate(cfg, lay, cl)
+    psi = stage_params(cfg, 8, 4, 1)
+    mid = est.details["stages"]["middle"]["memory"]
+    assert mid["buffers"] == pytest.approx(4 * psi, rel=1e-12)       # not divided by dp
+    assert mid["optimizer"] == pytest.approx(12 * psi / 2, rel=1e-12)
+    ds = est.details["deepspeed_pipe"]
+    assert ds["bf16"] and not ds["fp16"]
+    assert any("BF16_Optimizer" in a for a in est.assumptions())
+    # the fp32 tied gradient (4 bytes), not the bf16 one
+    tied = price("all_reduce", 4 * cfg.vocab_size * cfg.d_model / 8,
+                 [lay.rank(0, 0, 0), lay.rank(0, 0, 3)], "a100")
+    assert ds["tied"] == pytest.approx(tied, rel=1e-12)
+
+
+def test_bf16_pipeline_prices_its_passes():
+    cfg, lay, cl = _bf16_small()
+    est = wb.plan.estimate(cfg, lay, cl)
+    fp16 = wb.plan.estimate(cfg.replace(dtype="float16"), lay, cl)
+    ds, d16 = est.details["deepspeed_pipe"], fp16.details["deepspeed_pipe"]
+    psi = stage_params(cfg, 8, 4, 1)
+    # the same layers; each micro-batch's backward adds update_hp_grads
+    hp = BF.micro_batch_seconds(psi, 2, cl.profile)
+    assert ds["stages"][1]["backward"] - d16["stages"][1]["backward"] == \
+        pytest.approx(hp, rel=1e-9)
+    # ReduceGrads: bf16 all-reduce of the fp32 buffer with its copies, then the all-gather
+    ranks = lay.dp_ranks(0, 1)
+    want = price("all_reduce", 2 * psi, ranks, "a100") + price("all_gather", 2 * psi, ranks,
+                                                               "a100")
+    assert ds["stages"][1]["dp"] > want
+    assert ds["stages"][1]["dp"] == pytest.approx(BF.dp_sync(psi, lay, cl.profile, 1),
+                                                  rel=1e-12)
+
+
+def test_bf16_pipeline_refuses_zero_0():
+    cfg, lay, cl = _bf16_small(zero=0)
+    with pytest.raises(ValueError, match=r"BF16_Optimizer.*use zero=1"):
+        wb.plan.estimate(cfg, lay, cl)
