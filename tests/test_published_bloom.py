@@ -175,6 +175,7 @@ def test_bf16_pipeline_holds_the_whole_fp32_gradients():
     tied = price("all_reduce", 4 * cfg.vocab_size * cfg.d_model / 8,
                  [lay.rank(0, 0, 0), lay.rank(0, 0, 3)], "a100")
     assert ds["tied"] == pytest.approx(tied, rel=1e-12)
+    assert est.details["tied_embedding_sync"] == ds["tied"]
 
 
 def test_bf16_pipeline_prices_its_passes():

@@ -56,6 +56,13 @@ stage wait for the slowest before its update.  Last, ``_aggregate_total_loss``: 
 4-byte all-reduce of the loss over the last stage's data-parallel group and an 8-byte
 broadcast over the pipeline group.
 
+With bf16 the engine runs ``BF16_Optimizer`` instead (DeepSpeed 56c522386, 2022, the
+release BLOOM-176B trained with): its fp32 gradient accumulation every micro-batch, the
+bf16 all-reduce of its whole fp32 gradient buffer, the fp32 tied gradient and its step's
+passes are ``plan.bf16_optimizer``'s.  Stages may hold uneven layer counts (``Layout.
+stages``): Megatron-DeepSpeed's ``--pp-partition-method 'type:transformer|embedding'``
+counts each embedding as a layer, so the first and last stages hold one layer fewer.
+
 Not priced: host-side Python and launch gaps after the host syncs named above, and the
 one-time shape exchange of the first step (``first_output_send``).
 """
@@ -276,5 +283,7 @@ def explain_lines(est) -> list[str]:
             f"{mid['stage']}; schedule ends {max(ds['finish']):.3f} s (simulated "
             f"TrainSchedule), then tied + DP sync {ds['after_last']:.3f} s exposed, "
             f"optimizer {ds['optimizer']:.3f} s"
-            f"{' (FP16_Optimizer passes)' if ds['fp16'] else ''}, step collectives "
+            f"{' (FP16_Optimizer passes)' if ds['fp16'] else ''}"
+            f"{' (BF16_Optimizer: fp32 gradients, bf16 all-reduce)' if ds.get('bf16') else ''}"
+            f", step collectives "
             f"{ds['collectives'] * ms:.2f} ms"]

@@ -425,6 +425,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
                           overlap_grad_reduce)
     if ds is not None:                 # the engine's own stage times (plan.deepspeed_step)
+        tied = ds["tied"]              # its tied gradient's dtype (bf16: BF16_Optimizer's fp32)
         for name, d in stages.items():
             d.update({k: ds["stages"][d["stage"]][k] for k in ("compute", "comm", "time",
                                                                "sent", "dp", "optimizer")},
