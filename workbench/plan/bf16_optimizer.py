@@ -13,7 +13,10 @@ When it runs: DeepSpeed with bf16 and ZeRO stage 0 in its config (``engine.py``
 ``_configure_optimizer``: ZeRO optimizers for stage > 0, else ``BF16_Optimizer`` for bf16);
 the pipeline engine refuses bf16 with ZeRO stage 1 (``_exec_reduce_grads``: "only bf16 + z1
 are supported" then ``NotImplementedError``), so every bf16 pipeline (``framework=
-"deepspeed"``, pp > 1) runs it, and its states are the planner's ``zero=1``.
+"deepspeed"``, pp > 1) runs it, and its states are the planner's ``zero=1``.  Without a
+pipeline (pp = 1) a bf16 ``zero=1`` layout is either this optimizer (config stage 0) or
+DeepSpeed's ZeRO-1 optimizer (config stage 1), which a Layout does not tell apart: left to
+the planner's ZeRO accounting there.
 
 What it holds (``__init__``), per parameter psi of the rank: the bf16 weights made one
 flat buffer (2), the fp32 master weights of this rank's 1/dp partition (4 / dp) and Adam's
