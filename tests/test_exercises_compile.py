@@ -5,7 +5,7 @@ import torch
 
 import workbench as wb
 from workbench.exercises import checks_compile as C
-from workbench.exercises.feedback import reset_tries
+from workbench.exercises.feedback import CheckError, reset_tries
 
 from .exercise_helpers import fails, passes
 
@@ -61,6 +61,15 @@ def test_no_graph_break(capsys):
           lambda x: None if x is not None else x)
     fails("negative entries.*relu", C.check_no_graph_break,
           lambda x: x / torch.clamp(x.abs().amax(), min=1.0))
+    # .max() runs eagerly but capture has no op-table entry for it: the hint names amax(),
+    # not an `if` (there is none), and no "line 0"
+    for spell in (lambda x: torch.relu(x / torch.clamp(x.abs().max(), min=1.0)),
+                  lambda x: torch.relu(x / torch.clamp(torch.max(x.abs()), min=1.0))):
+        with pytest.raises(CheckError) as e:
+            C.check_no_graph_break(spell)
+        msg = str(e.value)
+        assert "max() at " in msg and "x.abs().amax()" in msg, msg
+        assert "line 0" not in msg and "`if`" not in msg, msg
 
 
 def test_greedy_vs_whole_bytes_matches_the_trace(capsys):
@@ -78,6 +87,16 @@ def test_greedy_vs_whole_bytes_matches_the_trace(capsys):
           1920, 1536, rows=24, cols=64, p=8)
     fails("section 2's case", C.check_greedy_vs_whole_bytes, 7 / 8 * big / 8 + 7 / 8 * big,
           1536, rows=24, cols=64, p=8)
+    # an all_gather priced on one shard, or as p - 1 whole copies
+    right_g = 7 / 8 * big / 8 + 7 / 8 * big
+    fails("\\(p-1\\)/p of one shard", C.check_greedy_vs_whole_bytes, right_g, 7 / 8 * big / 8,
+          rows=24, cols=64, p=8)
+    fails("not p - 1 whole copies", C.check_greedy_vs_whole_bytes, right_g, 7 * big,
+          rows=24, cols=64, p=8)
+    fails("not \\(p-1\\)/p of one shard", C.check_greedy_vs_whole_bytes, 2 * 7 / 8 * big / 8,
+          7 / 8 * big, rows=24, cols=64, p=8)
+    fails("not p - 1 whole copies", C.check_greedy_vs_whole_bytes, 7 / 8 * big / 8 + 7 * big,
+          7 / 8 * big, rows=24, cols=64, p=8)
     # the library's own counts, op by op and compiled, agree with the hand formula
     mesh = wb.Mesh.grid((4,))
     x = wb.shard_tensor(torch.randn(16, 32), mesh, [S(1)])

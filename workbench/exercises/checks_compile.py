@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 import torch
 
@@ -47,12 +48,7 @@ def check_no_graph_break(fn) -> None:
         raise CheckError(f"your function raised {type(e).__name__}{why}") from None
     prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
     if prog.eager:
-        b = prog.breaks[0]
-        raise CheckError(f"wb.compile still falls back to eager: {b.reason} at line {b.line} "
-                         f"({b.code!r}). Python must not read a tensor's value (an `if` on "
-                         "a tensor, Python's max() or min() of one, bool(), .item()): compute "
-                         "both branches with tensor ops instead, torch.clamp(m, min=1) or "
-                         "torch.where(...)")
+        raise CheckError(_break_feedback(prog.breaks[0]))
     for name, x in (("all |x| < 1", small), ("largest |x| > 1", big)):
         want = scale_rows_reference(x)
         try:
@@ -87,6 +83,35 @@ def check_no_graph_break(fn) -> None:
                              f"result: {hint}")
     _ok(f"{len(prog.graph.nodes)} ops captured whole, no graph break; the results match "
         "with and without scaling")
+
+
+# capture's message for an op it cannot place: "<qualname> at <file>:<line> (<code>) has no
+# entry in the op table ..." (workbench/compile/capture.py); its break has no line of its own
+_NO_ENTRY = re.compile(r"^(?P<fn>[\w.]+) at (?P<loc>\S+:\d+) \((?P<code>.*)\) has no entry "
+                       r"in the op table")
+_CELL = re.compile(r"/tmp/ipykernel_\d+/\d+\.py")          # a notebook cell's file
+
+
+def _break_feedback(brk) -> str:
+    """What to tell a student whose function still runs eagerly: Python read a tensor's
+    value (a break at a source line), or capture met an op the op table lacks."""
+    m = _NO_ENTRY.match(brk.reason)
+    if m is None and not brk.line:        # capture stopped for another reason: its words
+        return f"wb.compile still falls back to eager: {_CELL.sub('<cell>', brk.reason)}"
+    if m is None:
+        return (f"wb.compile still falls back to eager: {brk.reason} at line {brk.line} "
+                f"({brk.code!r}). Python must not read a tensor's value (an `if` on a tensor, "
+                "Python's max() or min() of one, bool(), .item()): compute both branches "
+                "with tensor ops instead, torch.clamp(m, min=1) or torch.where(...)")
+    fn = m["fn"].rsplit(".", 1)[-1]
+    loc = _CELL.sub("<cell>", m["loc"])
+    instead = {"max": "x.abs().amax(), the largest |x| (.max() and torch.max are not in it)",
+               "min": "amin() for the smallest value (.min() and torch.min are not in it)"}.get(
+        fn, "torch.clamp, torch.maximum or torch.where")
+    code = f" ({m['code'].strip()})" if m["code"].strip() else ""
+    return (f"wb.compile still falls back to eager: capture takes only the ops of the op "
+            f"table, and {fn}() at {loc}{code} is not one of them. Write it with ops the "
+            f"table has: {instead}")
 
 
 def _scaled(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -124,12 +149,21 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
                               "(a rank keeps its own piece)"),
             (_ring(full, p) * 2, "the all_to_all moves one rank's shard (rows x cols/p), not "
                                  "the whole tensor"),
+            (_ring(full / p, p) * 2, "the all_gather's buffer is the whole gathered tensor: each "
+                                     "rank sends (p-1)/p of it, not (p-1)/p of one shard"),
+            (_ring(full / p, p) + (p - 1) * full, "the all_gather sends p - 1 shards of "
+                                                  "full/p bytes, (p-1)/p of the tensor, not p - 1 "
+                                                  "whole copies of it"),
             (want_g / elem, "count bytes (4 per float32), not elements")])
     _check_number("compiled bytes", whole, want_w, "B", [
         *([(s2_w, same_case)] if other else []),
         (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
                  "tensor, so the only collective is one all_gather"),
         (full, "an all_gather sends (p-1)/p of the buffer from each rank"),
+        (_ring(full / p, p), "that is (p-1)/p of one shard; an all_gather's buffer is the whole "
+                             "gathered tensor: each rank sends p - 1 shards of full/p bytes"),
+        ((p - 1) * full, "each rank sends p - 1 shards of full/p bytes, (p-1)/p of the tensor, "
+                         "not p - 1 whole copies of it"),
         (want_w / elem, "count bytes (4 per float32), not elements")],
         what=f" (op by op: {float(greedy):.4g} B)")
 
