@@ -1,0 +1,83 @@
+"""``parallelize_module(module, device_mesh, parallelize_plan)``: PyTorch's entry point for
+tensor parallelism (``torch/distributed/tensor/parallel/api.py``, torch 2.13) on our
+DistTensors; the styles are in :mod:`.tp_styles` and :mod:`.tp_prepare`."""
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from ..sim_mesh.mesh import Mesh
+from .tp_styles import ParallelStyle
+
+__all__ = ["parallelize_module"]
+
+
+def _tp_dim(mesh, mesh_dim) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"device_mesh={mesh!r:.60}: expected a workbench Mesh, e.g. "
+                        "wb.Mesh.grid(4, ['tp'])")
+    if mesh_dim is not None:
+        return mesh.dim(mesh_dim)
+    if mesh.ndim == 1:
+        return 0
+    if "tp" in mesh.dim_names:
+        return mesh.dim("tp")
+    raise ValueError(f"device_mesh {mesh} has {mesh.ndim} dims and none is named 'tp': say "
+                     "which is tensor parallel with mesh_dim= (a name or an index)")
+
+
+def _resolve(module, key: str, full: str) -> list:
+    """Torch's resolution of a plan key: its first dot-separated token is fnmatch-ed
+    against the child names, the rest resolved in each matching child ("" is the module)."""
+    if key == "":
+        return [module]
+    token, _, rest = key.partition(".")
+    hits = [m for n, m in module.named_children() if fnmatch.fnmatchcase(n, token)]
+    if not hits:
+        raise ValueError(f"parallelize_plan key {full!r}: no submodule of "
+                         f"{type(module).__name__} matches {token!r}; its children are "
+                         f"{[n for n, _ in module.named_children()][:8]}")
+    return [m for child in hits for m in _resolve(child, rest, full)]
+
+
+def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=None, *,
+                       src_data_rank: int | None = 0, mesh_dim: int | str | None = None):
+    """Apply ``parallelize_plan`` (a ParallelStyle, or a dict of module names, with
+    ``fnmatch`` patterns per dotted token, to styles) to ``module`` in place; returns it.
+    ``mesh_dim``: the tensor-parallel dim of an n-d ``device_mesh`` (module docstring).
+    ``src_data_rank``: 0 or None, the same here: the module's parameters are one copy."""
+    md = _tp_dim(device_mesh, mesh_dim)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__}: expected an nn.Module")
+    if src_data_rank not in (0, None) or isinstance(src_data_rank, bool):
+        raise ValueError(f"src_data_rank={src_data_rank!r}: the simulated module's parameters "
+                         "are one copy, laid out from it; give 0 (the default) or None")
+    if parallelize_plan is None:
+        raise ValueError("parallelize_plan=None: give a ParallelStyle or a dict of module "
+                         "names to styles (torch warns and does nothing)")
+    if isinstance(parallelize_plan, ParallelStyle):
+        parallelize_plan._check(module)
+        return parallelize_plan._apply(module, device_mesh, md)
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(f"Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for "
+                        f"parallelize_plan, {type(parallelize_plan)} found!")
+    for key, style in parallelize_plan.items():
+        if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_plan[{key!r}] = {style!r}: expected module name -> "
+                            "ParallelStyle, e.g. {'w1': ColwiseParallel()}")
+    # every key resolved and every style checked before anything is changed
+    todo, laid = [], {}
+    for key, style in parallelize_plan.items():
+        for mod in _resolve(module, key, key):
+            style._check(mod)
+            if style._lays_params:
+                first = laid.setdefault(id(mod), key)
+                if first != key:
+                    raise ValueError(f"parallelize_plan keys {first!r} and {key!r} both lay out "
+                                     f"the parameters of one {type(mod).__name__}: give it one "
+                                     "style")
+            todo.append((style, mod))
+    for style, mod in todo:
+        style._apply(mod, device_mesh, md)
+    return module
