@@ -13,9 +13,9 @@ on a copy, every rank simulated by ``LocalTensorMode`` on a fake process group
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,112 +24,7 @@ from torch import nn
 
 import workbench as wb
 from tests.dtensor_support import CommDebugMode, DTensor, LocalTensorMode, oracle  # noqa: F401
-
-R, S = wb.Replicate, wb.Shard
-V, D, NH, HID, L, B, SEQ = 32, 16, 4, 32, 2, 2, 8
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head_dim = D // NH
-        self.wq, self.wk = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
-        self.wv, self.wo = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
-
-    def forward(self, x, pos):
-        b, s, _ = x.shape                                                   # (B, S, D)
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)       # (B, nh, S, hd)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q + pos, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(D, HID, bias=False), nn.Linear(D, HID, bias=False)
-        self.w2 = nn.Linear(HID, D, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attention_norm, self.attention = nn.RMSNorm(D), Attention()
-        self.ffn_norm, self.feed_forward = nn.RMSNorm(D), FeedForward()
-
-    def forward(self, x, pos):
-        h = x + self.attention(self.attention_norm(x), pos)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(V, D)
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(L)})
-        self.norm, self.output = nn.RMSNorm(D), nn.Linear(D, V, bias=False)
-        self.register_buffer("pos", torch.randn(SEQ, D // NH) * 0.1)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.pos)
-        return self.output(self.norm(h))
-
-
-def make():
-    torch.manual_seed(0)
-    m = TinyLlama()
-    with torch.no_grad():                     # norms not all ones: their gradients differ
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    tokens, labels = torch.randint(0, V, (B, SEQ)), torch.randint(0, V, (B, SEQ))
-    return m, tokens, labels
-
-
-OURS = SimpleNamespace(Col=wb.ColwiseParallel, Row=wb.RowwiseParallel, SP=wb.SequenceParallel,
-                       In=wb.PrepareModuleInput, R=R, S=S, apply=wb.parallelize_module)
-
-
-def torch_ns():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor import parallel as tp
-    return SimpleNamespace(Col=tp.ColwiseParallel, Row=tp.RowwiseParallel,
-                           SP=tp.SequenceParallel, In=tp.PrepareModuleInput, R=Replicate,
-                           S=Shard, apply=tp.parallelize_module)
-
-
-def apply_plan(ns, model, mesh, sp=True, **kw):
-    """torchtitan's apply_tp (sp=True, with loss parallel); sp=False: PyTorch's tutorial
-    plan without sequence parallelism (replicated activations, replicated logits)."""
-    if sp:
-        top = {"tok_embeddings": ns.Row(input_layouts=ns.R(), output_layouts=ns.S(1)),
-               "norm": ns.SP(),
-               "output": ns.Col(input_layouts=ns.S(1), output_layouts=ns.S(-1),
-                                use_local_output=False)}
-        block = {"attention_norm": ns.SP(),
-                 "attention": ns.In(input_layouts=(ns.S(1), None),
-                                    desired_input_layouts=(ns.R(), None)),
-                 "attention.wq": ns.Col(), "attention.wk": ns.Col(), "attention.wv": ns.Col(),
-                 "attention.wo": ns.Row(output_layouts=ns.S(1)),
-                 "ffn_norm": ns.SP(),
-                 "feed_forward": ns.In(input_layouts=(ns.S(1),),
-                                       desired_input_layouts=(ns.R(),)),
-                 "feed_forward.w1": ns.Col(), "feed_forward.w3": ns.Col(),
-                 "feed_forward.w2": ns.Row(output_layouts=ns.S(1))}
-    else:
-        top = {"tok_embeddings": ns.Row(input_layouts=ns.R()),
-               "output": ns.Col(output_layouts=ns.R())}
-        block = {"attention.w[qkv]": ns.Col(), "attention.wo": ns.Row(),
-                 "feed_forward.w[13]": ns.Col(), "feed_forward.w2": ns.Row()}
-    ns.apply(model, mesh, top, **kw)
-    for layer in model.layers.values():
-        ns.apply(layer, mesh, block, **kw)
+from tests.tp_llama import L, OURS, V, R, S, apply_plan, make, torch_ns
 
 
 def record_outputs(model):
@@ -249,18 +144,18 @@ def _torch_run(oracle, model, tokens, labels, tp, sp):
     ns = torch_ns()
     seen, counts = {}, []
     with LocalTensorMode(tp):
-        apply_plan(ns, model, oracle.mesh((tp,)))
-        params = {n: tuple(p.placements) for n, p in model.named_parameters()}
+        apply_plan(ns, model, oracle.mesh((tp,)), sp=sp)
+        params = {n: tuple(getattr(p, "placements", ())) for n, p in model.named_parameters()}
         for name, mod in model.named_modules():
             mod.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(
                 name, tuple(o.placements) if isinstance(o, DTensor) else None))
         with CommDebugMode() as cm:
-            with loss_parallel():
+            with loss_parallel() if sp else contextlib.nullcontext():
                 loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(0, 1))
                 counts.append(dict(cm.get_comm_counts()))
                 loss.backward()
             counts.append(dict(cm.get_comm_counts()))
-        loss_placements = tuple(loss.placements)
+        loss_placements = tuple(getattr(loss, "placements", ()))
     name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_reduce": "all_reduce"}
     counts = [Counter({name[str(k).split(".")[-1]]: v for k, v in c.items()}) for c in counts]
@@ -268,33 +163,34 @@ def _torch_run(oracle, model, tokens, labels, tp, sp):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")   # CommDebugMode's
-@pytest.mark.parametrize("tp", [2, 4])
-def test_torchtitan_plan_as_pytorch_dtensor(oracle, tp):  # noqa: F811
+@pytest.mark.parametrize("tp, sp", [(2, True), (4, True), (2, False)])
+def test_plans_as_pytorch_dtensor(oracle, tp, sp):  # noqa: F811
     ref, tokens, labels = make()
-    theirs = _torch_run(oracle, copy.deepcopy(ref), tokens, labels, tp, sp=True)
-    t_params, t_seen, t_fwd, t_bwd, t_loss = theirs
+    t_params, t_seen, t_fwd, t_bwd, t_loss = _torch_run(oracle, copy.deepcopy(ref), tokens,
+                                                        labels, tp, sp)
     model = copy.deepcopy(ref)
-    apply_plan(OURS, model, wb.Mesh.grid(tp, ["tp"]))
+    apply_plan(OURS, model, wb.Mesh.grid(tp, ["tp"]), sp=sp)
     seen = record_outputs(model)
     with wb.trace("a100") as tr:
-        with wb.loss_parallel():
+        with wb.loss_parallel() if sp else contextlib.nullcontext():
             loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(0, 1))
             fwd = tp_counts(tr)
             loss.backward()
     bwd = tp_counts(tr) - fwd
-    from workbench.parallel.interop import to_dtensor_placements
-    assert {n: to_dtensor_placements(p.placements) for n, p in model.named_parameters()} \
+    from workbench.parallel.interop import to_dtensor_placements as theirs
+    assert {n: theirs(getattr(p, "placements", ())) for n, p in model.named_parameters()} \
         == t_params
     # where torch hands the next module a DTensor (use_local_output=False: norms, head)
     compared = [n for n, ps in t_seen.items() if ps is not None]
-    assert {"norm", "output", "layers.0.ffn_norm"} <= set(compared)
+    assert not sp or {"norm", "output", "layers.0.ffn_norm"} <= set(compared)
     for n in compared:
-        assert to_dtensor_placements(seen[n]) == t_seen[n], n
-    assert to_dtensor_placements(loss.placements) == t_loss
-    # the same collectives; torch leaves each SP norm weight's gradient Partial (reduced
-    # when read), we all-reduce it in backward: one more all-reduce per SP norm
+        assert theirs(seen[n]) == t_seen[n], n
+    if sp:                                    # (without: torch's loss is a plain tensor)
+        assert theirs(loss.placements) == t_loss
+    # the same collectives; with sequence parallelism torch leaves each norm weight's
+    # gradient Partial (reduced when read), we all-reduce it in backward: one more each
     assert fwd == t_fwd
-    assert bwd == t_bwd + Counter(all_reduce=2 * L + 1)
+    assert bwd == t_bwd + Counter(all_reduce=(2 * L + 1) if sp else 0)
 
 
 # ---- loss_parallel ------------------------------------------------------------------------
@@ -526,3 +422,16 @@ def test_failed_plan_changes_nothing():
             wb.parallelize_module(seq, mesh, plan)
         assert not any(isinstance(p, wb.DistTensor) for p in seq.parameters())
         assert not any(m._forward_pre_hooks or m._forward_hooks for m in seq.modules())
+
+
+@pytest.mark.slow
+def test_torchtitan_plan_under_torchrun():
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(2, "tp_styles_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(out.stdout)
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        got, want = r["loss"]
+        assert abs(got - want) <= 1e-5 * want and r["grads"] < 1e-5, r
+        assert r["sp_shape"] == [2, 8, 16] and r["sp"] < 1e-5, r

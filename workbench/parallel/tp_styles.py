@@ -27,8 +27,9 @@ rank changes, each said where it happens:
   group only, so the whole mesh is passed.
 * A plain ``torch.Tensor`` input is the GLOBAL tensor (the simulator holds every rank's
   data), laid out by ``input_layouts`` on the tp dim (replicated on the others); torch
-  reads it as this rank's local shard (``DTensor.from_local``).  A DistTensor input is
-  moved from its own placement to the one the style needs (torch trusts input_layouts).
+  reads it as this rank's local shard (``DTensor.from_local``), and so do we under
+  torchrun (one rank per process).  A DistTensor input is moved from its own placement
+  to the one the style needs (torch trusts input_layouts).
 * ``use_local_output``: there is no per-rank tensor to hand a caller, so outputs stay
   DistTensors whatever it says.  Torch code written for local shards with ``view(B, S,
   -1, head_dim)`` runs unchanged and every op gives the global answer (what the torch
@@ -51,7 +52,8 @@ import torch
 from torch import nn
 
 from ..sim_mesh.mesh import Mesh
-from .dist_tensor import DistTensor, shard_tensor
+from . import storage
+from .dist_tensor import DistTensor, from_local, shard_tensor
 from .module import parallelize
 from .placement import Placement, Replicate, Shard, normalize_placements
 from .reshard import reshard
@@ -113,7 +115,10 @@ def _put(x, mesh: Mesh, md: int, p: Placement, what: str, enter: bool = False):
     if isinstance(x, torch.Tensor):
         ps = [Replicate()] * mesh.ndim
         ps[md] = p
-        return shard_tensor(x, mesh, normalize_placements(ps, mesh, x.dim(), arg=what))
+        ps = normalize_placements(ps, mesh, x.dim(), arg=what)
+        if storage.holds_own(mesh):         # torchrun: this process's shard, as torch's
+            return from_local(x, mesh, ps, check_replicas=False)
+        return shard_tensor(x, mesh, ps)
     raise TypeError(f"{what} is a {type(x).__name__}: expected a torch.Tensor or DistTensor "
                     "(give None as its layout to leave it as it is)")
 
