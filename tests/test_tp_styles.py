@@ -137,6 +137,28 @@ def test_plan_without_sequence_parallel_equals_one_device(tp):
     assert tp_counts(tr) - fwd == Counter(all_reduce=5 * L + 1)
 
 
+def test_training_loop_habits_after_parallelize_module():
+    """state_dict, zero_grad and clipping keep one device's answers (wb.parallelize's)."""
+    ref, tokens, labels = make()
+    model = copy.deepcopy(ref)
+    apply_plan(OURS, model, wb.Mesh.grid(2, ["tp"]))
+    sd = model.state_dict()
+    assert isinstance(sd["layers.0.attention.wq.weight"], wb.DistTensor)
+    for k, v in ref.state_dict().items():
+        got = sd[k].full() if isinstance(sd[k], wb.DistTensor) else sd[k]
+        assert torch.equal(got, v), k
+    for m, ctx in ((model, wb.loss_parallel()), (ref, contextlib.nullcontext())):
+        with ctx:
+            F.cross_entropy(m(tokens).flatten(0, 1), labels.flatten(0, 1)).backward()
+    got = wb.clip_grad_norm_(model.parameters(), 0.1)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(torch.as_tensor(float(got)), want)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, msg=n)       # clipped alike
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ---- PyTorch DTensor as the oracle ---------------------------------------------------------
 
 def _torch_run(oracle, model, tokens, labels, tp, sp):

@@ -8,6 +8,7 @@ import fnmatch
 from torch import nn
 
 from ..sim_mesh.mesh import Mesh
+from . import storage
 from .tp_styles import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -46,13 +47,18 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
     """Apply ``parallelize_plan`` (a ParallelStyle, or a dict of module names, with
     ``fnmatch`` patterns per dotted token, to styles) to ``module`` in place; returns it.
     ``mesh_dim``: the tensor-parallel dim of an n-d ``device_mesh`` (module docstring).
-    ``src_data_rank``: 0 or None, the same here: the module's parameters are one copy."""
+    ``src_data_rank``: 0, or None in the simulator (the module's parameters are one copy:
+    the same); under torchrun only 0 (parameters laid out from the first rank's copy)."""
     md = _tp_dim(device_mesh, mesh_dim)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__}: expected an nn.Module")
     if src_data_rank not in (0, None) or isinstance(src_data_rank, bool):
         raise ValueError(f"src_data_rank={src_data_rank!r}: the simulated module's parameters "
                          "are one copy, laid out from it; give 0 (the default) or None")
+    if src_data_rank is None and storage.holds_own(device_mesh):
+        raise ValueError("src_data_rank=None under torchrun: parameters are laid out from "
+                         "the first rank's copy (as src_data_rank=0), not from each process's "
+                         "own; give 0, or make every process's copy the same first")
     if parallelize_plan is None:
         raise ValueError("parallelize_plan=None: give a ParallelStyle or a dict of module "
                          "names to styles (torch warns and does nothing)")

@@ -96,7 +96,7 @@ def _put(x, mesh: Mesh, md: int, p: Placement, what: str, enter: bool = False):
     """``x`` laid out with ``p`` on mesh dim ``md``: a DistTensor moved there (``enter``:
     an input brought to Replicate goes through Megatron's f, so its gradient is reduced
     once, where DTensor's redistribute backward reduces it), a plain tensor taken as the
-    global tensor."""
+    global tensor (under torchrun: as this process's shard)."""
     if isinstance(x, DistTensor):
         if x.mesh != mesh:
             raise ValueError(f"{what} lives on {x.mesh}, the module's parameters on {mesh}: "
@@ -128,7 +128,6 @@ def _put(x, mesh: Mesh, md: int, p: Placement, what: str, enter: bool = False):
 class ParallelStyle(ABC):
     """How ``parallelize_module`` parallelizes one module (torch's contract: ``_apply``)."""
 
-    src_data_rank: int | None = 0
     _lays_params = False             # lays out the module's parameters (one such per module)
 
     def _check(self, module: nn.Module) -> None:
@@ -169,12 +168,12 @@ def _shard_params(style, module: nn.Module, mesh: Mesh, md: int, places: dict) -
 class _LinearOrEmbedding(ParallelStyle):
     """Colwise / Rowwise: an nn.Linear or nn.Embedding, one input, one output."""
 
+    _lays_params = True
+
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
         self.input_layouts = (_placement(input_layouts or self._in, "input_layouts"),)
         self.output_layouts = (_placement(output_layouts or self._out, "output_layouts"),)
         self.use_local_output = _check_bool(use_local_output, "use_local_output")
-
-    _lays_params = True
 
     def _check(self, module):
         if not isinstance(module, (nn.Linear, nn.Embedding)):
