@@ -42,6 +42,19 @@ def _resolve(module, key: str, full: str) -> list:
     return [m for child in hits for m in _resolve(child, rest, full)]
 
 
+def _check_tie(seen: dict, param, p, name: str, md: int) -> None:
+    """A parameter shared by two modules (tied weights) stays one DistTensor: both styles
+    must lay it out alike (here or in an earlier call)."""
+    dt = getattr(param, "_wb_dist", None)
+    first = seen.setdefault(id(param), (name, p) if dt is None else
+                            ("an earlier parallelize_module call", dt.placements[md]))
+    if first[1] != p:
+        raise ValueError(f"parallelize_plan: {first[0]!r} and {name!r} are one tied parameter "
+                         f"but get {first[1]!r} and {p!r} on the tp dim; give both modules styles "
+                         "that lay it out alike (e.g. RowwiseParallel embedding and "
+                         "ColwiseParallel head: Shard(0) both), or untie them")
+
+
 def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=None, *,
                        src_data_rank: int | None = 0, mesh_dim: int | str | None = None):
     """Apply ``parallelize_plan`` (a ParallelStyle, or a dict of module names, with
@@ -63,8 +76,7 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
         raise ValueError("parallelize_plan=None: give a ParallelStyle or a dict of module "
                          "names to styles (torch warns and does nothing)")
     if isinstance(parallelize_plan, ParallelStyle):
-        parallelize_plan._check(module)
-        return parallelize_plan._apply(module, device_mesh, md)
+        parallelize_plan = {"": parallelize_plan}
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for "
                         f"parallelize_plan, {type(parallelize_plan)} found!")
@@ -73,7 +85,7 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
             raise TypeError(f"parallelize_plan[{key!r}] = {style!r}: expected module name -> "
                             "ParallelStyle, e.g. {'w1': ColwiseParallel()}")
     # every key resolved and every style checked before anything is changed
-    todo, laid = [], {}
+    todo, laid, tied = [], {}, {}
     for key, style in parallelize_plan.items():
         for mod in _resolve(module, key, key):
             style._check(mod)
@@ -83,6 +95,8 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
                     raise ValueError(f"parallelize_plan keys {first!r} and {key!r} both lay out "
                                      f"the parameters of one {type(mod).__name__}: give it one "
                                      "style")
+            for pname, param, p in style._planned(mod):
+                _check_tie(tied, param, p, f"{key}.{pname}" if key else pname, md)
             todo.append((style, mod))
     for style, mod in todo:
         style._apply(mod, device_mesh, md)

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..sim_mesh import backends as _B
+from ..sim_mesh.trace import current_trace
 from .dispatch import force_candidate
 from .dist_tensor import DistTensor
-from .placement import Shard
+from .ops_table.table import on_change
 
 __all__ = ["loss_parallel"]
 
@@ -52,13 +55,17 @@ def _class_dim_mesh_dim(x: DistTensor) -> tuple[int, int]:
     return cdim, hits[0]
 
 
-def _vocab_parallel(x: DistTensor, cdim: int, md: int):
-    """The candidate that keeps the logits where they are (the vocabulary-parallel one)."""
+def _vocab_parallel(x: DistTensor, cdim: int, md: int, key):
+    """The candidate that keeps the logits where they are (the vocabulary-parallel one).
+    Where it is the dispatcher's own choice, ``key`` is remembered: the dispatcher's cache
+    then gives it again without forcing (a forced op is prepared afresh on every call)."""
     def pick(dec):
         if dec.op != "cross_entropy":
             return None
         for c in dec.candidates:
             if tuple(c.strategy.inputs[0]) == tuple(x.placements):
+                if c is dec.chosen:
+                    _CHOSEN.add(key)
                 return c
         raise ValueError(f"loss_parallel(): no vocabulary-parallel cross_entropy for logits "
                          f"of shape {tuple(x.shape)} laid out {x.placements}: the class dim "
@@ -69,6 +76,25 @@ def _vocab_parallel(x: DistTensor, cdim: int, md: int):
     return pick
 
 
+_CHOSEN: set = set()       # calls whose cheapest strategy is the vocabulary-parallel one
+on_change(_CHOSEN.clear)   # a rule changed: the dispatcher's cache is cleared, so is this
+_B.on_register(_CHOSEN.clear)
+
+
+def _key(args, kwargs):
+    """The call's layout, attributes and profile (what the dispatcher's cache is keyed by);
+    None where a weight tensor makes it hard to say."""
+    if any(a is not None for a in args[2:]) or kwargs.get("weight") is not None:
+        return None
+    specs = tuple(a.spec if isinstance(a, DistTensor) else (tuple(a.shape), a.dtype)
+                  for a in (*args[:2], kwargs.get("input"), kwargs.get("target"))
+                  if isinstance(a, (DistTensor, torch.Tensor)))
+    tr = current_trace()
+    attrs = tuple(sorted((k, v) for k, v in kwargs.items()
+                         if k not in ("input", "target", "weight")))
+    return specs, attrs, tr.profile.name if tr is not None else None
+
+
 class _LossParallelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,7 +102,10 @@ class _LossParallelMode(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, DistTensor):
                 cdim, md = _class_dim_mesh_dim(x)
-                with force_candidate(_vocab_parallel(x, cdim, md)):
+                key = _key(args, kwargs)
+                if key is not None and key in _CHOSEN:
+                    return func(*args, **kwargs)
+                with force_candidate(_vocab_parallel(x, cdim, md, key)):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
 

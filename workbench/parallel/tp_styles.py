@@ -139,6 +139,10 @@ class ParallelStyle(ABC):
                                      f"whose parameter {name!r} is already a DistTensor "
                                      f"{p.placements}: apply one style per module")
 
+    def _planned(self, module: nn.Module) -> list:
+        """(name, parameter, placement on the tp dim) of each parameter this style lays out."""
+        return []
+
     @abstractmethod
     def _apply(self, module: nn.Module, mesh: Mesh, md: int) -> nn.Module: ...
 
@@ -147,21 +151,14 @@ class ParallelStyle(ABC):
         return f"{type(self).__name__}({args})"
 
 
-def _shard_params(style, module: nn.Module, mesh: Mesh, md: int, places: dict) -> None:
+def _shard_params(module: nn.Module, mesh: Mesh, md: int, places: dict) -> None:
     """Lay out ``module``'s parameters: ``places`` maps a parameter name to its placement on
     the tp dim (Replicate on the other mesh dims)."""
     plan = {}
     for name, p in places.items():
-        if getattr(module, name, None) is None:
-            continue
-        ps = [Replicate()] * mesh.ndim
-        ps[md] = p
-        tied = getattr(module._parameters[name], "_wb_dist", None)
-        if tied is not None and list(tied.placements) != ps:
-            raise ValueError(f"{type(style).__name__}: {type(module).__name__}.{name} is tied to "
-                             f"a parameter laid out {list(tied.placements)} by another style; "
-                             f"it would get {ps} here: give both modules one layout, or untie them")
-        plan[name] = ps
+        if module._parameters.get(name) is not None:
+            plan[name] = [Replicate()] * mesh.ndim
+            plan[name][md] = p
     parallelize(module, mesh, plan, mesh_dim=md)
 
 
@@ -183,9 +180,14 @@ class _LinearOrEmbedding(ParallelStyle):
                 "PrepareModuleOutput, or SequenceParallel for a norm or dropout")
         super()._check(module)
 
+    def _planned(self, module):
+        places = (self._linear() if isinstance(module, nn.Linear) else self._embedding())[0]
+        return [(n, module._parameters[n], p) for n, p in places.items()
+                if module._parameters.get(n) is not None]
+
     def _apply(self, module, mesh, md):
         places, want = self._linear() if isinstance(module, nn.Linear) else self._embedding()
-        _shard_params(self, module, mesh, md, places)
+        _shard_params(module, mesh, md, places)
         given, out = self.input_layouts[0], self.output_layouts[0]
         name = type(self).__name__
 
@@ -245,8 +247,11 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.use_local_output = _check_bool(use_local_output, "use_local_output")
 
+    def _planned(self, module):
+        return [(n, p, Replicate()) for n, p in module.named_parameters()]
+
     def _apply(self, module, mesh, md):
-        _shard_params(self, module, mesh, md, {})
+        _shard_params(module, mesh, md, {})
         p = Shard(self.sequence_dim)
 
         def pre(mod, args, kwargs):
