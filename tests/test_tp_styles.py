@@ -490,3 +490,36 @@ def test_tied_embedding_and_head():
     wb.parallelize_module(bad, mesh, {"emb": wb.ColwiseParallel()})
     with pytest.raises(ValueError, match="an earlier parallelize_module call"):
         wb.parallelize_module(bad, mesh, {"head": wb.ColwiseParallel()})
+
+
+def test_pytorch_style_objects_accepted():
+    """torchtitan's plan written with torch.distributed.tensor.parallel's own classes runs
+    through wb.parallelize_module: the same layouts and values as ours."""
+    ref, tokens, labels = make()
+    loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten(0, 1))
+    mesh = wb.Mesh.grid(2, ["tp"])
+    ns = torch_ns()
+    ns.apply = wb.parallelize_module
+    theirs, ours = copy.deepcopy(ref), copy.deepcopy(ref)
+    apply_plan(ns, theirs, mesh)
+    apply_plan(OURS, ours, mesh)
+    assert [(n, p.placements) for n, p in theirs.named_parameters()] == \
+        [(n, p.placements) for n, p in ours.named_parameters()]
+    with wb.loss_parallel():
+        loss = F.cross_entropy(theirs(tokens).flatten(0, 1), labels.flatten(0, 1))
+    torch.testing.assert_close(loss.full(), loss_ref)
+    from torch.distributed.tensor import Replicate as TR, Shard as TS
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+    st = wb.parallelize_module(nn.Identity(), mesh, PrepareModuleInputOutput(
+        input_layouts=TS(0), desired_input_layouts=TR(), output_layouts=TR(),
+        desired_output_layouts=TS(1)))
+    x = torch.randn(4, 6)
+    y = st(x)
+    assert y.placements == (S(1),)
+    torch.testing.assert_close(y.full(), x)
+
+    class Float8Colwise(torch.distributed.tensor.parallel.ColwiseParallel):
+        pass
+    with pytest.raises(TypeError, match="Float8Colwise: a torch ParallelStyle workbench "
+                                        "cannot read"):
+        wb.parallelize_module(nn.Linear(2, 2), mesh, {"": Float8Colwise()})

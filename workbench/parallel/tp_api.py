@@ -9,6 +9,7 @@ from torch import nn
 
 from ..sim_mesh.mesh import Mesh
 from . import storage
+from .tp_from_torch import from_torch_style, is_torch_style
 from .tp_styles import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -58,7 +59,8 @@ def _check_tie(seen: dict, param, p, name: str, md: int) -> None:
 def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=None, *,
                        src_data_rank: int | None = 0, mesh_dim: int | str | None = None):
     """Apply ``parallelize_plan`` (a ParallelStyle, or a dict of module names, with
-    ``fnmatch`` patterns per dotted token, to styles) to ``module`` in place; returns it.
+    ``fnmatch`` patterns per dotted token, to styles; torch's own style objects are read
+    as ours, :mod:`.tp_from_torch`) to ``module`` in place; returns it.
     ``mesh_dim``: the tensor-parallel dim of an n-d ``device_mesh`` (module docstring).
     ``src_data_rank``: 0, or None in the simulator (the module's parameters are one copy:
     the same); under torchrun only 0 (parameters laid out from the first rank's copy)."""
@@ -75,15 +77,21 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
     if parallelize_plan is None:
         raise ValueError("parallelize_plan=None: give a ParallelStyle or a dict of module "
                          "names to styles (torch warns and does nothing)")
-    if isinstance(parallelize_plan, ParallelStyle):
+    if isinstance(parallelize_plan, ParallelStyle) or (
+            not isinstance(parallelize_plan, dict) and is_torch_style(parallelize_plan)):
         parallelize_plan = {"": parallelize_plan}
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for "
                         f"parallelize_plan, {type(parallelize_plan)} found!")
+    plan = {}
     for key, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle) and is_torch_style(style):
+            style = from_torch_style(style)         # torch's own styles, read as ours
         if not isinstance(key, str) or not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_plan[{key!r}] = {style!r}: expected module name -> "
                             "ParallelStyle, e.g. {'w1': ColwiseParallel()}")
+        plan[key] = style
+    parallelize_plan = plan
     # every key resolved and every style checked before anything is changed
     todo, laid, tied = [], {}, {}
     for key, style in parallelize_plan.items():

@@ -17,7 +17,8 @@ The styles mean what torch's mean (``torch/distributed/tensor/parallel/style.py`
 out (Linear and Embedding as torch lays them out), a forward pre-hook bringing inputs from
 ``input_layouts`` to the layout the style computes in, a forward hook bringing outputs to
 ``output_layouts``.  A layout is one placement for the tensor-parallel mesh dim (ours, or
-torch's ``torch.distributed.tensor`` placements).  What one process that simulates every
+torch's ``torch.distributed.tensor`` placements); torch's own style objects are accepted
+too (:mod:`.tp_from_torch`).  What one process that simulates every
 rank changes, each said where it happens:
 
 * ``device_mesh``: a 1-d Mesh as torch, or an n-d one with ``mesh_dim`` (default: the dim
