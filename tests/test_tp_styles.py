@@ -339,6 +339,20 @@ def test_sequence_parallel(mod):
     assert y2.placements == (S(0),)
 
 
+def test_sequence_parallel_dropout_in_training_draws_one_devices_mask():
+    """Under keyed masks (as wb.train runs dropout) each rank keeps its slice of one
+    device's mask: the Shard(1) output is the single-device dropout (sim_mesh/rng.py)."""
+    from workbench.sim_mesh import rng
+    x = torch.randn(2, 8, 6)
+    d = wb.parallelize_module(nn.Dropout(0.5), wb.Mesh.grid(4, ["tp"]), wb.SequenceParallel())
+    with rng.keyed(0), rng.site(1):
+        y = d(x)
+    with rng.keyed(0), rng.site(1):
+        want = x * rng.draw_mask(tuple(x.shape), 0.5, x.dtype)
+    assert y.placements == (S(1),) and torch.equal(y.full(), want)
+    assert 0 < (want == 0).sum() < x.numel()
+
+
 def test_prepare_module_input_output_and_kwargs():
     class Two(nn.Module):
         def forward(self, a, b, *, c):
