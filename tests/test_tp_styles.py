@@ -435,6 +435,18 @@ def test_errors():
         output_layouts=(S(0), S(0)), desired_output_layouts=(R(), R())))
     with pytest.raises(ValueError, match="returned 1 outputs but output_layouts has 2"):
         m(torch.randn(2))
+    with pytest.raises(TypeError, match="input_kwarg_layouts=.*expected a dict"):
+        wb.PrepareModuleInput(input_kwarg_layouts=[R()], desired_input_kwarg_layouts=[R()])
+    with pytest.raises(TypeError, match="module=.*Linear.*: expected an nn.Module instance"):
+        wb.parallelize_module(nn.Linear, mesh, wb.ColwiseParallel())
+    sp = wb.parallelize_module(nn.RMSNorm(4), mesh, wb.SequenceParallel(sequence_dim=3))
+    with pytest.raises(ValueError, match=r"Shard\(3\) on a 3-d tensor: dim must be in"):
+        sp(torch.randn(2, 4, 4))
+    with pytest.raises(TypeError, match="SequenceParallel: module called with no positional"):
+        sp(input=torch.randn(2, 4, 4))
+    lin = wb.parallelize_module(nn.Linear(2, 2), mesh, wb.ColwiseParallel())
+    with pytest.raises(TypeError, match="ColwiseParallel: Linear called with no positional"):
+        lin(input=torch.randn(2, 2))
     # an input on another mesh (the sub-mesh mesh["tp"] of a 2-d mesh)
     mesh2 = wb.Mesh.grid((2, 2), ["dp", "tp"])
     lin = wb.parallelize_module(nn.Linear(2, 2), mesh2["tp"], wb.ColwiseParallel())

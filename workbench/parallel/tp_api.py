@@ -66,7 +66,7 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
     the same); under torchrun only 0 (parameters laid out from the first rank's copy)."""
     md = _tp_dim(device_mesh, mesh_dim)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module={type(module).__name__}: expected an nn.Module")
+        raise TypeError(f"module={module!r:.60}: expected an nn.Module instance")
     if src_data_rank not in (0, None) or isinstance(src_data_rank, bool):
         raise ValueError(f"src_data_rank={src_data_rank!r}: the simulated module's parameters "
                          "are one copy, laid out from it; give 0 (the default) or None")
