@@ -64,7 +64,7 @@ def _vocab_parallel(x: DistTensor, cdim: int, md: int, key):
             return None
         for c in dec.candidates:
             if tuple(c.strategy.inputs[0]) == tuple(x.placements):
-                if c is dec.chosen:
+                if c is dec.chosen and key is not None:
                     _CHOSEN.add(key)
                 return c
         raise ValueError(f"loss_parallel(): no vocabulary-parallel cross_entropy for logits "
