@@ -22,6 +22,9 @@ from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorS
                        register_rule, allow_replicate_fallback, explain, parallelize,
                        dist_parameters, clip_grad_norm_, clip_grad_value_)
 from .parallel import distribute_tensor  # noqa: E402  DTensor's name for shard_tensor
+from .parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel,  # noqa: E402
+                       SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
+                       PrepareModuleInputOutput, parallelize_module, loss_parallel)
 from .parallel.strategies.ddp import DistributedDataParallel  # noqa: E402
 from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
@@ -42,7 +45,10 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "parallelize", "dist_parameters", "clip_grad_norm_", "clip_grad_value_",
            "DistributedDataParallel", "distribute_tensor",
            "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "ops", "npu", "exercises",
-           "distributed", "models", "plan", "recipes", "compile", "checkpoint", "serve"]
+           "distributed", "models", "plan", "recipes", "compile", "checkpoint", "serve",
+           "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+           "parallelize_module", "loss_parallel"]
 
 
 def __getattr__(name):

@@ -8,6 +8,10 @@ from .dispatch import allow_replicate_fallback
 from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
+from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
+from .tp_prepare import PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput
+from .tp_api import parallelize_module
+from .tp_loss import loss_parallel
 from . import interop
 from . import tensor_methods as _tensor_methods
 from . import ops_table
@@ -20,4 +24,6 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "register_rule", "Strategy", "Decision", "NoRuleError", "infer",
            "allow_replicate_fallback", "explain", "Explanation", "parallelize",
            "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm",
-           "distribute_tensor"]
+           "distribute_tensor", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "PrepareModuleInputOutput", "parallelize_module", "loss_parallel"]
