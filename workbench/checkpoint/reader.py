@@ -201,6 +201,11 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
         if tuple(target.shape) != tuple(meta.size):
             raise F.CheckpointError(f"load: size mismatch for {key!r}: the checkpoint holds "
                                     f"{list(meta.size)}, the target {list(target.shape)}")
+        if target.device.type == "meta":
+            # a copy into a meta tensor does nothing: the load would leave no value anywhere
+            raise F.CheckpointError(f"load: {key!r}: the target is on the meta device (no "
+                                    "storage to load into); materialize it first, e.g. "
+                                    "model.to_empty(device='cpu'), then load")
         dtype = meta.properties.dtype
         if isinstance(target, DistTensor):
             if any(p.is_partial() for p in target.placements):
