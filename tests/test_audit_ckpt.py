@@ -70,3 +70,71 @@ def test_loading_into_a_meta_target_raises_instead_of_doing_nothing(tmp_path, di
     with pytest.raises(CheckpointError, match=r"'w'.*meta device.*to_empty"):
         load(tmp_path, state)
     assert state["k"] == 0                      # nothing changed before the error
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 2))
+
+
+WRAPPERS = {
+    "ddp": lambda m, mesh: wb.DistributedDataParallel(m, mesh),
+    "ddp.module": lambda m, mesh: wb.DistributedDataParallel(m, mesh),
+    "fsdp": lambda m, mesh: wb.FullyShardedDataParallel(m, mesh),
+}
+
+
+@pytest.mark.parametrize("which", list(WRAPPERS))
+def test_checkpoint_load_in_place_reaches_every_replica_and_shard(tmp_path, which):
+    # DCP's contract (and torch's: the state dict's tensors are the parameters, FSDP2's
+    # DTensors the shards): a load into model.state_dict() changes the model.  DDP's
+    # simulated state dict is rank 0's row: only that replica changed (the others kept
+    # their values, so the forward differed from one device's while full_state_dict()
+    # said it matched); FSDP's are gathered copies: nothing changed
+    ref = _mlp(0)
+    save(tmp_path, {"model": ref.state_dict()})
+    mesh = wb.Mesh.grid(3, ["dp"])
+    w = WRAPPERS[which](_mlp(1), mesh)
+    if which == "ddp":
+        sd = {k[len("module."):]: v for k, v in w.state_dict().items()}
+    else:
+        sd = (w.module if which == "ddp.module" else w).state_dict()
+    load(tmp_path, {"model": sd})
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(w(wb.shard_tensor(x, mesh, [wb.Shard(0)])).full(), ref(x))
+    for k, v in w.full_state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+    if which.startswith("ddp"):                 # every rank's row
+        assert all(torch.equal(w.module[0].weight[r], ref[0].weight) for r in range(3))
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, zero=3), dict(dp=2, tp=2, zero=3)],
+                         ids=["zero3", "tp2-zero3"])
+def test_checkpoint_load_in_place_reaches_zero3_shards(tmp_path, kw):
+    one = Hybrid(tp=2)
+    src = one.build_model(get_config("tiny"), 0)
+    ref = _full(src.state_dict())
+    save(tmp_path, {"model": src.state_dict()})
+    st, model, opts = _pipeline(kw, seed=1)
+    load(tmp_path, {"model": model.state_dict()})
+    got = _full(model.state_dict())
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    # and the shards the optimizer steps: the loss is the source model's
+    x, y = get_batch(get_config("tiny"), 8, 0, 0)
+    want = float(one.forward_backward(src, x, y))
+    assert float(st.forward_backward(model, x, y)) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_wrappers_state_dict_still_pickles(tmp_path):
+    # the write-back is kept beside the values, not on them (torch.save pickles __dict__)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    for w in (wb.DistributedDataParallel(_mlp(0), mesh), wb.FullyShardedDataParallel(_mlp(0), mesh)):
+        torch.save(w.state_dict(), tmp_path / "sd.pt")
+        back = torch.load(tmp_path / "sd.pt", weights_only=False)
+        assert set(back) == set(w.state_dict())
+    ddp = wb.DistributedDataParallel(_mlp(0), mesh)
+    torch.save(ddp.module.state_dict(), tmp_path / "m.pt")
+    plain = _mlp(3)
+    plain.load_state_dict(torch.load(tmp_path / "m.pt"))      # weights_only=True
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                 _mlp(0).state_dict().values()))

@@ -24,6 +24,7 @@ import torch
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel import storage
+from ..parallel.load_back import write_back
 from ..parallel.layout import shard_bounds
 from ..sim_mesh import backends as _B
 from . import format as F
@@ -226,6 +227,12 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
         for target, r, value in writes:
             dest = target.local(r) if isinstance(target, DistTensor) else target
             dest.copy_(value)
+    # a wrapper's state-dict value that is a copy or one replica's view: into the module
+    done = set()
+    for target, _, _ in writes:
+        if id(target) not in done:
+            done.add(id(target))
+            write_back(target)
     for p, obj in objects:
         F.set_element(state, p, obj)
     return report

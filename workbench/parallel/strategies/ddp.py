@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
@@ -295,7 +296,11 @@ class DistributedDataParallel(ModuleWrapper):
         rows = not self.group.distributed
         for name, t in self.module.state_dict(keep_vars=True).items():
             if rows and isinstance(t, nn.Parameter):
-                t = t[self.broadcast_from]
+                p, t = t, t[self.broadcast_from]
+                t = t if keep_vars else t.detach()
+                # one replica's row: a load in place (wb.checkpoint.load) writes every row
+                out[prefix + "module." + name] = mark(t, lambda v, p=p: p.copy_(v.clone()))
+                continue
             out[prefix + "module." + name] = t if keep_vars else t.detach()
         return out
 

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import init
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
@@ -257,7 +258,8 @@ def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:
     for key, p in _laid_out_items(m, prefix):
         v = state_dict.get(key)
         if v is not None and v is not p:       # keep_vars=False: p.detach()
-            state_dict[key] = p._wb_full(v)
+            # DDP's: one replica's row; a load in place writes every row (..load_back)
+            state_dict[key] = mark(p._wb_full(v), lambda val, p=p: p.copy_(val.clone()))
 
 
 def _load_hook(m, state_dict, prefix, local_metadata, strict, missing_keys,
