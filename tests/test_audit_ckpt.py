@@ -138,3 +138,35 @@ def test_a_wrappers_state_dict_still_pickles(tmp_path):
     plain.load_state_dict(torch.load(tmp_path / "m.pt"))      # weights_only=True
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                                  _mlp(0).state_dict().values()))
+
+
+@pytest.mark.parametrize("which", ["ddp", "fsdp"])
+def test_checkpoint_load_in_place_of_a_torch_optimizers_state(tmp_path, which):
+    # torch.optim's state_dict() over the wrapper's parameters gives one device's shapes;
+    # DDP's were rank 0's rows: an in-place load left the other replicas' moments stale
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    ref = _mlp(0)
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(4):
+        ro.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ro.step()
+        if i == 1:
+            save(tmp_path, {"model": ref.state_dict(), "optim": ro.state_dict()})
+    mesh = wb.Mesh.grid(3, ["dp"])
+    w = WRAPPERS[which](_mlp(4), mesh)
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+
+    def step():
+        opt.zero_grad()
+        out = w(wb.shard_tensor(x, mesh, [wb.Shard(0)]))
+        ((out - wb.shard_tensor(y, mesh, [wb.Shard(0)])) ** 2).mean().backward()
+        opt.step()
+    step()                                      # a fresh optimizer has no state to fill
+    load(tmp_path, {"model": (w.module if which == "ddp" else w).state_dict(),
+                    "optim": opt.state_dict()})
+    step()
+    step()
+    for k, v in w.full_state_dict().items():
+        torch.testing.assert_close(v, ref.state_dict()[k], msg=k)

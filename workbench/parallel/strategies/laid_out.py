@@ -226,9 +226,16 @@ def _module_shaped_states(optimizer, state_dict):
         with torch._C.DisableTorchFunctionSubclass():
             storage = tuple(p.shape)
         state_dict["state"][i] = {
-            k: p._wb_full(v.detach()) if k != "step" and isinstance(v, torch.Tensor) and
+            k: _shaped_state(p, v) if k != "step" and isinstance(v, torch.Tensor) and
             tuple(v.shape) == storage else v for k, v in st.items()}
     return state_dict
+
+
+def _shaped_state(p, v):
+    """The state ``v`` (laid out as ``p``) in the module's shape; a load in place
+    (``wb.checkpoint.load``) writes it back into every row or chunk (:mod:`..load_back`:
+    DDP's is one row's view)."""
+    return mark(p._wb_full(v.detach()), lambda val, v=v, p=p: v.copy_(p._wb_store(val.clone())))
 
 
 register_optimizer_step_pre_hook(_lay_out_loaded_states)
