@@ -170,3 +170,21 @@ def test_checkpoint_load_in_place_of_a_torch_optimizers_state(tmp_path, which):
     step()
     for k, v in w.full_state_dict().items():
         torch.testing.assert_close(v, ref.state_dict()[k], msg=k)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, schedule="dualpipe", microbatches=4), dict(pp=2)],
+                         ids=["dualpipe", "pp2"])
+def test_checkpoint_load_in_place_into_a_pipeline_gives_the_checkpoints_loss(tmp_path, kw):
+    # DualPipe keeps a second copy of every stage (loaded by model.load_state_dict's hook):
+    # a load in place into model.state_dict() left copy 1 at its init, so half of the
+    # micro-batches ran on other weights (loss 4.30677 for 4.33097)
+    from workbench.models.config import build_model
+    cfg = get_config("tiny")
+    plain = build_model(cfg, 0)
+    save(tmp_path, {"model": plain.state_dict()})
+    x, y = get_batch(cfg, 8, 0, 0)
+    with torch.no_grad():
+        want = float(plain(x, y)[1])
+    st, model, opts = _pipeline(kw, seed=5)
+    load(tmp_path, {"model": model.state_dict()})
+    assert float(st.forward_backward(model, x, y)) == pytest.approx(want, rel=1e-6)

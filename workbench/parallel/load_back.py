@@ -24,13 +24,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["mark", "write_back"]
 
-_BACK = WeakIdKeyDictionary()      # state-dict value -> how to write it back
+_BACK = WeakIdKeyDictionary()      # state-dict value -> {tag: how to write it back}
 
 
-def mark(value, fn):
+def mark(value, fn, tag: str = "storage"):
     """``value`` (a state-dict tensor or DistTensor) with ``fn(value)``, which writes the
-    value it then holds into the module's storage; returns ``value``."""
-    _BACK[value] = fn
+    value it then holds into the module's storage; returns ``value``.  One ``fn`` per
+    ``tag`` (marking again replaces it): "storage" for the wrapper's own layout, another
+    tag for a second copy to keep equal (DualPipe's copy 1 of every stage)."""
+    fns = _BACK.get(value)
+    if fns is None:
+        fns = _BACK[value] = {}
+    fns[tag] = fn
     return value
 
 
@@ -38,8 +43,7 @@ def mark(value, fn):
 def write_back(value) -> bool:
     """Write ``value`` (filled in place) back into the storage it was taken from, when it
     is marked; returns whether it was."""
-    fn = _BACK.get(value)
-    if fn is None:
-        return False
-    fn(value)
-    return True
+    fns = _BACK.get(value)
+    for fn in (fns or {}).values():
+        fn(value)
+    return bool(fns)
