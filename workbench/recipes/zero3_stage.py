@@ -16,6 +16,7 @@ moments.)
 """
 from __future__ import annotations
 
+from ..parallel.strategies.optim_layout import check_state_shapes
 from ..parallel.strategies.zero3 import Zero3
 
 __all__ = ["Zero3Stage"]
@@ -39,8 +40,10 @@ class Zero3Stage(Zero3):
                             f"takes no other argument (got {args or kwargs}); load the "
                             "model's weights with model.load_state_dict")
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            got = (f"a dict with keys {list(state_dict)[:3]}" if isinstance(state_dict, dict)
+                   else type(state_dict).__name__)
             raise ValueError("Hybrid(zero=3)'s stage optimizer: load_state_dict takes the "
-                             "optimizer's state_dict() ({'state', 'param_groups'}), got "
-                             f"{'a dict with keys ' + str(list(state_dict)[:3]) if isinstance(state_dict, dict) else type(state_dict).__name__}; "
-                             "the model's weights load with model.load_state_dict")
+                             f"optimizer's state_dict() ({{'state', 'param_groups'}}), got "
+                             f"{got}; the model's weights load with model.load_state_dict")
+        check_state_shapes("Zero3", self.optimizer, state_dict)
         self.optimizer.load_state_dict(state_dict)
