@@ -209,3 +209,12 @@ def test_a_stage_optimizer_state_from_another_layout_is_refused_untouched(a, b):
     after = opts2[0].state_dict()
     assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items()
                for k, v in s.items() if isinstance(v, torch.Tensor))
+
+
+def test_saving_a_meta_tensor_names_the_key(tmp_path):
+    mesh = wb.Mesh.grid(2, ["x"])
+    for v in (torch.empty(3, device="meta"),
+              wb.shard_tensor(torch.empty(4, 2, device="meta"), mesh, [wb.Shard(0)])):
+        with pytest.raises(CheckpointError, match=r"save: 'model.w' is on the meta device"):
+            save(tmp_path / "ck", {"model": {"w": v}, "k": 1})
+    assert not (tmp_path / "ck").exists()       # nothing written
