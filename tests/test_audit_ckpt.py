@@ -218,3 +218,24 @@ def test_saving_a_meta_tensor_names_the_key(tmp_path):
         with pytest.raises(CheckpointError, match=r"save: 'model.w' is on the meta device"):
             save(tmp_path / "ck", {"model": {"w": v}, "k": 1})
     assert not (tmp_path / "ck").exists()       # nothing written
+
+
+def _meta_mlp():
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("cls", [wb.DistributedDataParallel, wb.FullyShardedDataParallel])
+def test_wrapping_a_meta_module_is_refused(cls):
+    # FSDP over a meta module wrapped, then load_state_dict said "All keys matched" and
+    # copied nothing; to_empty afterwards swapped in parameters the wrapper did not hold
+    with pytest.raises(ValueError, match=r"meta device.*before wrapping"):
+        cls(_meta_mlp(), wb.Mesh.grid(2, ["dp"]))
+
+
+def test_loading_into_a_parallelized_meta_module_raises():
+    # (the dry run parallelizes on meta: that stays allowed; a load into it copied nothing)
+    tp = wb.parallelize(_meta_mlp(), wb.Mesh.grid(2, ["tp"]), {"0": "colwise", "2": "rowwise"},
+                        mesh_dim="tp")
+    with pytest.raises(RuntimeError, match=r"'0.weight'.*meta device"):
+        tp.load_state_dict(_mlp(0).state_dict())

@@ -78,7 +78,7 @@ from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank, state_dict_check)
+                    run_per_rank, state_dict_check, check_not_meta)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -107,6 +107,7 @@ class DistributedDataParallel(ModuleWrapper):
                  broadcast_from: int = 0):
         super().__init__()
         check_module(module, "DistributedDataParallel")
+        check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a positive number of bytes "

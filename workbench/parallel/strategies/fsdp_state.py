@@ -104,7 +104,6 @@ class FSDPStateDict:
                 if id(t) in self._meta else t
         missing, unexpected = state_dict_check("FullyShardedDataParallel", mine, state_dict,
                                                strict)
-        g = self.group
         for name, t in self.module.state_dict(keep_vars=True).items():
             if name not in state_dict:
                 continue
