@@ -239,3 +239,20 @@ def test_loading_into_a_parallelized_meta_module_raises():
                         mesh_dim="tp")
     with pytest.raises(RuntimeError, match=r"'0.weight'.*meta device"):
         tp.load_state_dict(_mlp(0).state_dict())
+
+
+@pytest.mark.parametrize("into", ["ddp", "ddp.module", "fsdp.module"])
+def test_fsdps_disttensor_state_dict_loads_into_the_other_wrappers(into):
+    # FSDP's state_dict() (FSDP2's Shard(0) DistTensors) into DDP was "len() of a 0-d
+    # DistTensor", into ddp.module a size mismatch against the rows' (N, *shape)
+    src = wb.FullyShardedDataParallel(_mlp(0), wb.Mesh.grid(2, ["dp"]))
+    mesh = wb.Mesh.grid(3, ["dp"])
+    w = (wb.DistributedDataParallel if into.startswith("ddp") else wb.FullyShardedDataParallel)(
+        _mlp(1), mesh)
+    sd = src.state_dict()
+    if into == "ddp":
+        w.load_state_dict({"module." + k: v for k, v in sd.items()})
+    else:
+        w.module.load_state_dict(sd)
+    for k, v in _mlp(0).state_dict().items():
+        assert torch.equal(w.full_state_dict()[k], v), k

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
@@ -322,6 +323,8 @@ class DistributedDataParallel(ModuleWrapper):
         own = dict(self.module.state_dict(keep_vars=True))
         for key, v in state_dict.items():
             if key in mine:
+                if isinstance(v, DistTensor):   # e.g. FSDP's Shard(0) state dict: gathered
+                    v = v.full()
                 own[key[len("module."):]].copy_(torch.as_tensor(v).detach().clone())
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import init
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 
@@ -273,6 +274,8 @@ def _load_hook(m, state_dict, prefix, local_metadata, strict, missing_keys,
                unexpected_keys, error_msgs) -> None:
     for key, p in _laid_out_items(m, prefix):
         v = state_dict.get(key)
+        if isinstance(v, DistTensor) and tuple(v.shape) == p._wb_shape:
+            v = v.full()                # e.g. FSDP's Shard(0) state dict: gathered
         if isinstance(v, torch.Tensor) and tuple(v.shape) == p._wb_shape:
             with torch.no_grad():
                 state_dict[key] = p._wb_store(v.detach())
