@@ -12,7 +12,11 @@ Checks, before anything in the target changes: every file the metadata names exi
 with the size it was written with (missing and truncated files are named), each
 piece read matches its sha256, every target key is in the checkpoint with the saved
 global shape.  Only then are the targets written, so a failed load leaves them as
-they were.
+they were.  A wrapper's state-dict value that is not the model's storage (simulated DDP's
+row of rank 0, FSDP's and ZeRO-3's gathered copies, DualPipe's second copy) is then
+written back into it (:mod:`workbench.parallel.load_back`), so a load in place changes
+the model as DCP's does in torch; a target on the meta device is an error (a copy into
+it would do nothing).
 """
 from __future__ import annotations
 
