@@ -256,3 +256,18 @@ def test_fsdps_disttensor_state_dict_loads_into_the_other_wrappers(into):
         w.module.load_state_dict(sd)
     for k, v in _mlp(0).state_dict().items():
         assert torch.equal(w.full_state_dict()[k], v), k
+
+
+def test_python_values_that_save_accepts_load_back_as_dcp_reads_them(tmp_path):
+    # the values were pickled by save, then read with torch.load(weights_only=True): a
+    # numpy RNG state or a config saved fine and never loaded (DCP's load_bytes reads
+    # them with weights_only=False)
+    import argparse
+    import numpy as np
+    rng = np.random.RandomState(0).get_state()
+    state = {"np_rng": rng, "cfg": get_config("tiny"), "args": argparse.Namespace(lr=0.1)}
+    save(tmp_path, state)
+    back = {"np_rng": None, "cfg": None, "args": None}
+    load(tmp_path, back)
+    assert back["cfg"] == get_config("tiny") and back["args"].lr == 0.1
+    assert back["np_rng"][0] == rng[0] and (back["np_rng"][1] == rng[1]).all()

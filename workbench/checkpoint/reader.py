@@ -94,7 +94,12 @@ class _Files:
                                         f"{want if want is not None else f'at least {end}'}: "
                                         "truncated or changed")
 
-    def get(self, info):
+    def get(self, info, weights_only: bool = True):
+        """The piece ``info`` names, deserialized: a tensor with ``weights_only=True``; a
+        Python value with ``weights_only=False``, as DCP's ``DefaultLoadPlanner.load_bytes``
+        reads one (torch 2.13, ``torch/distributed/checkpoint/default_planner.py``): what
+        ``save`` pickled (a numpy RNG state, a config object) loads back, so load only
+        checkpoints you trust, as with DCP."""
         k = (info.relative_path, info.offset)
         if k in self.cache:
             return self.cache[k]
@@ -110,7 +115,7 @@ class _Files:
                                     f"{info.offset} ({info.length} bytes): the file changed "
                                     "after it was written")
         try:
-            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
         except Exception as e:          # noqa: BLE001 - any deserialization failure
             raise F.CheckpointError(f"{p}: the piece at byte {info.offset} does not "
                                     f"deserialize ({e})") from e
@@ -197,7 +202,7 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
                 raise F.CheckpointError(f"load: {key!r}: no stored bytes in {path!r}")
             info = pieces[0][1]
             report.reads.append(Read(me, key, info.relative_path, info.offset, info.length))
-            objects.append((paths[key], files.get(info)))
+            objects.append((paths[key], files.get(info, weights_only=False)))
             continue
         if not _tensorlike(target):
             raise F.CheckpointError(f"load: {key!r} was saved as a tensor of shape "
