@@ -12,7 +12,11 @@ Checks, before anything in the target changes: every file the metadata names exi
 with the size it was written with (missing and truncated files are named), each
 piece read matches its sha256, every target key is in the checkpoint with the saved
 global shape.  Only then are the targets written, so a failed load leaves them as
-they were.
+they were.  A wrapper's state-dict value that is not the model's storage (simulated DDP's
+row of rank 0, FSDP's and ZeRO-3's gathered copies, DualPipe's second copy) is then
+written back into it (:mod:`workbench.parallel.load_back`), so a load in place changes
+the model as DCP's does in torch; a target on the meta device is an error (a copy into
+it would do nothing).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel import storage
+from ..parallel.load_back import write_back
 from ..parallel.layout import shard_bounds
 from ..sim_mesh import backends as _B
 from . import format as F
@@ -89,7 +94,12 @@ class _Files:
                                         f"{want if want is not None else f'at least {end}'}: "
                                         "truncated or changed")
 
-    def get(self, info):
+    def get(self, info, weights_only: bool = True):
+        """The piece ``info`` names, deserialized: a tensor with ``weights_only=True``; a
+        Python value with ``weights_only=False``, as DCP's ``DefaultLoadPlanner.load_bytes``
+        reads one (torch 2.13, ``torch/distributed/checkpoint/default_planner.py``): what
+        ``save`` pickled (a numpy RNG state, a config object) loads back, so load only
+        checkpoints you trust, as with DCP."""
         k = (info.relative_path, info.offset)
         if k in self.cache:
             return self.cache[k]
@@ -105,7 +115,7 @@ class _Files:
                                     f"{info.offset} ({info.length} bytes): the file changed "
                                     "after it was written")
         try:
-            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
         except Exception as e:          # noqa: BLE001 - any deserialization failure
             raise F.CheckpointError(f"{p}: the piece at byte {info.offset} does not "
                                     f"deserialize ({e})") from e
@@ -192,7 +202,7 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
                 raise F.CheckpointError(f"load: {key!r}: no stored bytes in {path!r}")
             info = pieces[0][1]
             report.reads.append(Read(me, key, info.relative_path, info.offset, info.length))
-            objects.append((paths[key], files.get(info)))
+            objects.append((paths[key], files.get(info, weights_only=False)))
             continue
         if not _tensorlike(target):
             raise F.CheckpointError(f"load: {key!r} was saved as a tensor of shape "
@@ -201,6 +211,11 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
         if tuple(target.shape) != tuple(meta.size):
             raise F.CheckpointError(f"load: size mismatch for {key!r}: the checkpoint holds "
                                     f"{list(meta.size)}, the target {list(target.shape)}")
+        if target.device.type == "meta":
+            # a copy into a meta tensor does nothing: the load would leave no value anywhere
+            raise F.CheckpointError(f"load: {key!r}: the target is on the meta device (no "
+                                    "storage to load into); materialize it first, e.g. "
+                                    "model.to_empty(device='cpu'), then load")
         dtype = meta.properties.dtype
         if isinstance(target, DistTensor):
             if any(p.is_partial() for p in target.placements):
@@ -221,6 +236,12 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
         for target, r, value in writes:
             dest = target.local(r) if isinstance(target, DistTensor) else target
             dest.copy_(value)
+    # a wrapper's state-dict value that is a copy or one replica's view: into the module
+    done = set()
+    for target, _, _ in writes:
+        if id(target) not in done:
+            done.add(id(target))
+            write_back(target)
     for p, obj in objects:
         F.set_element(state, p, obj)
     return report

@@ -127,6 +127,12 @@ def save(path, state, *, fsync: bool = True) -> None:
     torch.distributed every process calls it with its own state (a collective)."""
     path = os.fspath(path)
     flat, paths = F.flatten(state)
+    for key, value in flat.items():
+        if isinstance(value, (torch.Tensor, DistTensor)) and value.device.type == "meta":
+            raise F.CheckpointError(f"save: {key!r} is on the meta device (a shape, no "
+                                    "values); materialize and initialize it first, e.g. "
+                                    "model.to_empty(device='cpu') then its init, or leave it "
+                                    "out of the state")
     dist = _distributed()
     me = _B.rank() if dist else None
     lead = me in (None, 0)

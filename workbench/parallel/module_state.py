@@ -241,6 +241,11 @@ def load_dist_(dt: DistTensor, value, key: str):
     if tuple(value.shape) != tuple(dt.shape):
         return (f"size mismatch for {key}: copying a param with shape {value.shape} from "
                 f"checkpoint, the shape in current model is {dt.shape}.")
+    if dt.device.type == "meta" and value.device.type != "meta":
+        return (f"While copying the parameter named {key!r}: the module's parameter is on the "
+                "meta device (a shape, no storage), so the copy would do nothing (torch warns "
+                "and skips it); build the module on a real device before wb.parallelize (or "
+                "module.to_empty(device='cpu') first), then load")
     src = shard_tensor(value.detach().to(dt.dtype), dt.mesh, dt.placements)
     mine, theirs = storage.tensors(dt._local), storage.tensors(src._local)
     if len(mine) == len(theirs) and all(_fits(b, a) for a, b in zip(mine, theirs)):

@@ -76,6 +76,31 @@ def build_twin(h, model, cfg, seed: int) -> None:
     # model.load_state_dict(...) loads copy 1 too (left as it was, the copies would differ)
     model.__dict__.setdefault("_wb_zero_grad_hooks", []).append(h._twin[1].zero_grad)
     model.register_load_state_dict_post_hook(_load_twin(h._twin[1]))
+    # and a load in place into model.state_dict() (wb.checkpoint.load) reaches copy 1 too
+    model.register_state_dict_post_hook(_mark_twin(h._twin[1]))
+
+
+def _mark_twin(model1):
+    """A ``state_dict`` post-hook of copy 0: each value, once a checkpoint load fills it
+    in place, is copied into copy 1's parameter of the same name
+    (:mod:`workbench.parallel.load_back`)."""
+    from ..parallel.load_back import mark
+
+    def hook(model, state_dict, prefix, local_metadata):
+        for key, v in state_dict.items():
+            if key.startswith(prefix):
+                mark(v, lambda val, k=key[len(prefix):]: _copy_into(model1, k, val),
+                     tag="dualpipe copy 1")
+    return hook
+
+
+@torch.no_grad()
+def _copy_into(model1, key, value) -> None:
+    from ..parallel.dist_tensor import DistTensor
+    from ..sim_mesh.trace import suspend
+    with suspend():                     # a copy between the model's copies: no step traffic
+        full = value.full() if isinstance(value, DistTensor) else value
+        model1.load_state_dict({key: full}, strict=False)
 
 
 def _load_twin(model1):

@@ -51,11 +51,11 @@ from ..parallel.reshard import reshard
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.strategies.memory import saved_activation_bytes
 from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tensor_parallel_region
-from ..parallel.strategies.zero3 import Zero3
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
 from .pipeline_loss import token_weights, weighted_loss_fn
+from .zero3_stage import Zero3Stage
 from .moe import (check_ep, check_ep_batch, check_moe_layout, expert_meshes,
                   keep_residual_layout, scale_aux_losses, split_params, wire_expert_parallel)
 
@@ -334,7 +334,7 @@ class Hybrid:
             if self.zero == 3:
                 holder = nn.ModuleList([model.get_submodule(n)
                                         for n in self.stages[s]["modules"]])
-                opts.append(Zero3(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
+                opts.append(Zero3Stage(holder, mesh, "dp", lr=lr, weight_decay=weight_decay))
                 self._shards[s] = [e[3] for e in opts[-1].entries]
             else:
                 # Megatron-LM keeps a stage's gradients in one contiguous buffer and, with

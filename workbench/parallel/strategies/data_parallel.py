@@ -39,6 +39,7 @@ from ...ops.adamw import AdamW as _AdamW
 from ..module_state import clear_grad
 from ..placement import Replicate
 from .ddp_dist import GradReplicas
+from .optim_layout import check_state_shapes
 from .zero_optimizer_dist import ChunkedZeroOptimizer
 
 __all__ = ["DataParallel", "MemoryReport"]
@@ -163,6 +164,8 @@ class DataParallel:
     def load_state_dict(self, state_dict: dict) -> None:
         """:meth:`state_dict`'s dict, into this optimizer (the same layout)."""
         if self.optimizer is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)   # ZeRO 1-2: chunks
+            check_state_shapes("DataParallel", inner, state_dict)
             self.optimizer.load_state_dict(state_dict)
         elif state_dict.get("state") or state_dict.get("param_groups"):
             raise ValueError("DataParallel.load_state_dict: this DataParallel has no parameters "

@@ -73,11 +73,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dist_tensor import DistTensor
+from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank, state_dict_check)
+                    run_per_rank, state_dict_check, check_not_meta)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -106,6 +108,7 @@ class DistributedDataParallel(ModuleWrapper):
                  broadcast_from: int = 0):
         super().__init__()
         check_module(module, "DistributedDataParallel")
+        check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a positive number of bytes "
@@ -295,7 +298,11 @@ class DistributedDataParallel(ModuleWrapper):
         rows = not self.group.distributed
         for name, t in self.module.state_dict(keep_vars=True).items():
             if rows and isinstance(t, nn.Parameter):
-                t = t[self.broadcast_from]
+                p, t = t, t[self.broadcast_from]
+                t = t if keep_vars else t.detach()
+                # one replica's row: a load in place (wb.checkpoint.load) writes every row
+                out[prefix + "module." + name] = mark(t, lambda v, p=p: p.copy_(v.clone()))
+                continue
             out[prefix + "module." + name] = t if keep_vars else t.detach()
         return out
 
@@ -316,6 +323,8 @@ class DistributedDataParallel(ModuleWrapper):
         own = dict(self.module.state_dict(keep_vars=True))
         for key, v in state_dict.items():
             if key in mine:
+                if isinstance(v, DistTensor):   # e.g. FSDP's Shard(0) state dict: gathered
+                    v = v.full()
                 own[key[len("module."):]].copy_(torch.as_tensor(v).detach().clone())
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

@@ -70,6 +70,7 @@ from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gath
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
+                    check_not_meta,
                     rank_buffers)
 
 __all__ = ["FullyShardedDataParallel"]
@@ -102,6 +103,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
                  units=None, prefetch: bool = False):
         super().__init__()
         check_module(module, "FullyShardedDataParallel")
+        check_not_meta(module, "FullyShardedDataParallel")
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and
                                               compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype={compute_dtype!r}: give a floating-point torch "

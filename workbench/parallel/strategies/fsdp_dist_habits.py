@@ -31,6 +31,7 @@ import torch
 from ...sim_mesh import collectives as C
 from .. import storage
 from ..dist_tensor import DistTensor
+from ..load_back import mark
 from .flat_shards import unflat
 from .rank_grads import as_replica_grad
 
@@ -105,8 +106,22 @@ def _state_dict_hook(fsdp, items):
         for attr, i in items:
             key = prefix + attr
             if key in state_dict:
-                state_dict[key] = gathered(fsdp, i)
+                # a copy: a load in place (wb.checkpoint.load) is cut into the shards
+                state_dict[key] = mark(gathered(fsdp, i), lambda v, i=i: _cut(fsdp, i, v))
     return hook
+
+
+@torch.no_grad()
+def _cut(fsdp, i: int, value) -> None:
+    """``value`` (a DistTensor or a full tensor) into entry ``i``'s template and shard."""
+    from ..module_state import load_dist_
+    tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
+    if isinstance(value, DistTensor) and value.mesh != tmpl.mesh:
+        value = value.full()
+    err = load_dist_(tmpl, value, "")
+    if err:
+        raise RuntimeError(err)
+    shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
 
 
 def _load_hooks(fsdp, items):

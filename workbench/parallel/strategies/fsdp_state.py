@@ -23,6 +23,7 @@ from torch import nn
 
 from ...sim_mesh import backends as _B
 from ..dist_tensor import DistTensor, shard_tensor
+from ..load_back import mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
@@ -76,8 +77,18 @@ class FSDPStateDict:
             if full.dim() > 0 and full.shape[0] % self.group.n == 0:
                 ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
-            out[prefix + name] = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
+            dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
+            # a copy (FSDP2's are the shards): a load in place cuts it into the shards
+            out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v))
         return out
+
+    def _store(self, t, v) -> None:
+        """The full value ``v`` (a tensor or DistTensor) cut into the shard ``t``."""
+        g = self.group
+        if isinstance(v, DistTensor):
+            v = v.full()
+        rows = flat_padded(torch.as_tensor(v).detach().to(t.dtype), g.n).view(g.n, -1)
+        t.copy_(rows[g.k] if g.distributed else rows)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -93,7 +104,6 @@ class FSDPStateDict:
                 if id(t) in self._meta else t
         missing, unexpected = state_dict_check("FullyShardedDataParallel", mine, state_dict,
                                                strict)
-        g = self.group
         for name, t in self.module.state_dict(keep_vars=True).items():
             if name not in state_dict:
                 continue
@@ -104,7 +114,6 @@ class FSDPStateDict:
             if id(t) not in self._meta:
                 t.copy_(v.clone())
                 continue
-            rows = flat_padded(v.to(t.dtype), g.n).view(g.n, -1)
-            t.copy_(rows[g.k] if g.distributed else rows)
+            self._store(t, v)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

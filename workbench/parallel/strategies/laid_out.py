@@ -39,6 +39,8 @@ from torch import nn
 from torch.nn import init
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..dist_tensor import DistTensor
+from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
@@ -225,9 +227,16 @@ def _module_shaped_states(optimizer, state_dict):
         with torch._C.DisableTorchFunctionSubclass():
             storage = tuple(p.shape)
         state_dict["state"][i] = {
-            k: p._wb_full(v.detach()) if k != "step" and isinstance(v, torch.Tensor) and
+            k: _shaped_state(p, v) if k != "step" and isinstance(v, torch.Tensor) and
             tuple(v.shape) == storage else v for k, v in st.items()}
     return state_dict
+
+
+def _shaped_state(p, v):
+    """The state ``v`` (laid out as ``p``) in the module's shape; a load in place
+    (``wb.checkpoint.load``) writes it back into every row or chunk (:mod:`..load_back`:
+    DDP's is one row's view)."""
+    return mark(p._wb_full(v.detach()), lambda val, v=v, p=p: v.copy_(p._wb_store(val.clone())))
 
 
 register_optimizer_step_pre_hook(_lay_out_loaded_states)
@@ -257,13 +266,16 @@ def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:
     for key, p in _laid_out_items(m, prefix):
         v = state_dict.get(key)
         if v is not None and v is not p:       # keep_vars=False: p.detach()
-            state_dict[key] = p._wb_full(v)
+            # DDP's: one replica's row; a load in place writes every row (..load_back)
+            state_dict[key] = mark(p._wb_full(v), lambda val, p=p: p.copy_(val.clone()))
 
 
 def _load_hook(m, state_dict, prefix, local_metadata, strict, missing_keys,
                unexpected_keys, error_msgs) -> None:
     for key, p in _laid_out_items(m, prefix):
         v = state_dict.get(key)
+        if isinstance(v, DistTensor) and tuple(v.shape) == p._wb_shape:
+            v = v.full()                # e.g. FSDP's Shard(0) state dict: gathered
         if isinstance(v, torch.Tensor) and tuple(v.shape) == p._wb_shape:
             with torch.no_grad():
                 state_dict[key] = p._wb_store(v.detach())

@@ -169,6 +169,19 @@ def check_module(module, who):
                          "wrap a fresh module")
 
 
+def check_not_meta(module, who) -> None:
+    """A plain module on the meta device (shapes, no values) refused: the wrapper copies
+    its values into rows or shards at construction, and ``to_empty`` afterwards would
+    swap in new parameters the wrapper does not hold (FSDP2's meta-device init, where
+    ``fully_shard`` comes before ``to_empty``, is not built here)."""
+    meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(f"{who}: the module's parameters {meta[:3]} are on the meta device "
+                         "(shapes, no values); build it on a real device (or "
+                         "module.to_empty(device='cpu') and initialize or load it) before "
+                         "wrapping")
+
+
 def replace_parameter(module, old, new) -> None:
     """Put ``new`` wherever ``module`` (or a submodule) holds ``old`` (tied weights too)."""
     for sub in module.modules():

@@ -45,6 +45,7 @@ from ...sim_mesh import cost as _cost
 from ..module_state import clear_grad
 from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
+from .optim_layout import check_state_shapes
 from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter"]
@@ -340,6 +341,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        check_state_shapes("ZeroRedundancyOptimizer", self.optimizer, state_dict)
         self.optimizer.load_state_dict(state_dict)
         # as torch.optim: the groups' hyperparameters too (step copies ours into the inner)
         _copy_hyper(self.optimizer.param_groups, self.param_groups)
