@@ -1,6 +1,7 @@
 """What new shapes cost the simulator: the dispatcher's first calls, with and without the
-zero-communication shortcut (``workbench/parallel/ops_table/free_choice.py``), in
-wall-clock seconds on this machine (not the modeled clock).
+zero-communication shortcut (``workbench/parallel/ops_table/free_choice.py``) and the
+fast planner search (``workbench/parallel/reshard_search.py``), in wall-clock and CPU
+seconds on this machine (not the modeled clock).
 
     OMP_NUM_THREADS=1 python benchmarks/new_shapes.py [--only engine|train] [--repeat 3]
         [--preset small] [--requests 32] [--tp 2] [--train-preset tiny]
@@ -8,8 +9,9 @@ wall-clock seconds on this machine (not the modeled clock).
 
 Two programs whose shapes change from step to step, each run from cold dispatch caches
 (every prepared op, decision, reshard plan and plan template forgotten, as in a fresh
-process) with the shortcut off (every new shape's decision prices every candidate with
-the reshard planner) and on:
+process), three ways: "readable planner" (every new shape's decision prices every
+candidate with ``reshard._plan_same_mesh``, as before both changes), "fast planner" (the
+same decisions, the planner's search by ``reshard_search.plan_steps``), "shortcut" (both):
 
 1. **engine**: ``workbench.serve.Engine`` serving ``--requests`` greedy requests (prompt
    and output lengths drawn as ``benchmarks/engine.py`` draws them, seeded) on
@@ -27,6 +29,7 @@ Exit status 1 if the two ways differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -55,6 +58,17 @@ def cold():
     RS._plan_cached.cache_clear()
     RS._PLANS.clear()
     FC._TEMPLATES.clear()
+
+
+@contextlib.contextmanager
+def readable_planner():
+    """The planner's search by reshard._plan_same_mesh (the fast one answers None)."""
+    fast = RS.plan_steps
+    RS.plan_steps = lambda *a: None
+    try:
+        yield
+    finally:
+        RS.plan_steps = fast
 
 
 def engine_program(args):
@@ -131,18 +145,22 @@ def main(argv=None):
             continue
         run, title = make(args)
         run()                       # imports and one-time set-up out of the timings
+        with FC.disabled(), readable_planner():
+            old = measure(run, args.repeat, args.profile)
         with FC.disabled():
-            off = measure(run, args.repeat, args.profile)
+            fast = measure(run, args.repeat, args.profile)
         on = measure(run, args.repeat, args.profile)
-        steps, shapes = off[0][1], off[0][2]
+        steps, shapes = old[0][1], old[0][2]
         print(f"{title}: {steps} steps, {shapes} distinct sizes; torch threads "
               f"{torch.get_num_threads()}; best of {args.repeat} cold runs")
-        for way, (out, wall, cpu, n) in (("full decisions", off), ("shortcut", on)):
-            print(f"  {way:<15} {wall:6.2f} s wall, {cpu:6.2f} s CPU; decisions made in full "
+        for way, (out, wall, cpu, n) in (("readable planner", old), ("fast planner", fast),
+                                         ("shortcut", on)):
+            print(f"  {way:<17} {wall:6.2f} s wall, {cpu:6.2f} s CPU; decisions made in full "
                   f"{n['full']}, by the shortcut {n['free']}")
-        eq = off[0][0] == on[0][0]
+        eq = old[0][0] == fast[0][0] == on[0][0]
         same &= eq
-        print(f"  {off[1] / on[1]:.2f}x wall, {off[2] / on[2]:.2f}x CPU; results equal: {eq}")
+        print(f"  shortcut against readable planner: {old[1] / on[1]:.2f}x wall, "
+              f"{old[2] / on[2]:.2f}x CPU; results equal: {eq}")
     return 0 if same else 1
 
 

@@ -235,3 +235,33 @@ def test_the_tp_engine_makes_no_full_decision_for_new_token_counts():
     assert len(set(off[1])) > 5                       # many token counts: many new shapes
     assert free_off == 0 and full_off > 100
     assert full_on == 0 and free_on == full_off       # every decision by the shortcut
+
+
+def test_the_fast_planner_search_is_the_readable_one_step_for_step():
+    """reshard_search.plan_steps against reshard._plan_same_mesh: random layouts of random
+    shapes (uneven, size-1 dims, dtypes without some Partial ops) on 1-3-d meshes with
+    size-1 dims, on three profiles."""
+    import sys
+    from workbench.parallel import reshard_search
+    from workbench.sim_mesh.profiles import get_profile
+    RS = sys.modules["workbench.parallel.reshard"]
+    g = random.Random(0)
+    meshes = [wb.Mesh.grid(s, n) for s, n in [((2,), ("a",)), ((4,), ("a",)), ((1, 2), ("x", "y")),
+                                             ((2, 2), ("x", "y")), ((3, 1), ("x", "y")),
+                                             ((2, 1, 2), ("x", "y", "z"))]]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+    steps = 0
+    for _ in range(400):
+        mesh, dt = g.choice(meshes), g.choice(dtypes)
+        ndim = g.randint(0, 3)
+        shape = tuple(g.choice([1, 2, 3, 5, 8, 1000]) for _ in range(ndim))
+        pops = reshard_search._pops(dt)
+        opts = [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial(o) for o in pops]
+        src, dst = (tuple(g.choice(opts) for _ in range(mesh.ndim)) for _ in range(2))
+        prof = get_profile(g.choice(["a100", "ascend-910b", "h100"]))
+        ref = RS._plan_same_mesh(shape, dt, mesh, src, dst, prof)
+        fast = reshard_search.plan_steps(shape, dt, mesh, src, dst, prof, RS._price_step,
+                                         RS._EXACT)
+        assert fast == ref, (shape, dt, mesh, src, dst)
+        steps += len(ref) > 1
+    assert steps > 100                       # multi-step plans: the order of steps is held
