@@ -4,14 +4,16 @@ The dispatcher decides once per input layout (``dispatch._first_call``), and a l
 includes the shapes; a serving engine's packed step has a new token count at almost
 every step, so every op of the step is decided again.  The full decision
 (:func:`strategy.infer`) prices every candidate the rule offers with the reshard
-planner, a Dijkstra search over placements (``reshard._plan_same_mesh``): about 90% of
-a first call, measured with cProfile on ``benchmarks/engine.py --tp 2``.
+planner, a Dijkstra search over placements (``reshard._plan_same_mesh``): 90% of a
+first call of the tp=2 engine (cProfile, ``benchmarks/new_shapes.py --profile``: 4,329
+searches for 648 first calls), the rest torch's meta checks, the rule, the output
+shapes.  ``reshard_search.py`` makes each search faster; this module avoids them.
 
 What of that decision depends on the shape?  The chooser ranks candidates by
 (time + deferred time, bytes + deferred bytes, the rule's order).  A candidate whose
 inputs reach what it requires by local steps only (slice, keep-on-one-rank, relabel:
 no collective, no zero-padding) and that defers nothing ranks (0.0, 0): no candidate
-can rank lower, so the first such candidate in the rule's order is the chosen one,
+can rank lower (no price is negative), so the first such candidate in the rule's order is the chosen one,
 whatever the others cost.  Whether a candidate is of that kind does not depend on the
 shape either, as long as the tensors are not tiny:
 
@@ -26,8 +28,9 @@ shape either, as long as the tensors are not tiny:
   (not used here).  The plan found at one shape is the plan at every other;
 * a plan with a collective or a zero-pad at one shape has one at every shape (no
   local path exists, or the best local path pads); such a candidate then ranks above
-  (0, 0) when every collective's wire bytes are >= 1: ``(p - 1) * nb // p >= 1``
-  (``cost.wire_bytes``) holds for every p >= 2 once ``nb >= 2``.
+  (0, 0) when the wire bytes of every collective (and of the reduce-scatter a zero-pad
+  is ranked as) are >= 1: ``(p - 1) * nb // p >= 1`` (``cost.wire_bytes``) holds for
+  every p >= 2 once ``nb >= 2``.
 
 Both hold when every tensor input has ``numel * itemsize >= 2 * mesh.size`` bytes: the
 largest shard of any layout holds at least numel / mesh.size elements (``torch.chunk``
