@@ -8,7 +8,9 @@ operator here.  For one call, reading the op's entry in the op table
 2. on the first call for an input layout, the real torch callable runs on meta
    tensors of the global shapes (PyTorch's own errors; output shapes and dtypes
    checked against the local implementation's), then the op's SPMD rule returns
-   its decision, choosing the cheapest valid strategy on the current profile;
+   its decision, choosing the cheapest valid strategy on the current profile (where
+   a strategy moves nothing, ``ops_table/free_choice.py`` takes the first such one
+   without pricing the others: a new shape's first call made cheap, exactly);
 3. each input is resharded to what the strategy requires (the inserted
    collectives are recorded in the trace);
 4. replicated inputs that meet per-rank computation are given per-rank views
@@ -40,7 +42,7 @@ from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import COMPOSED, FACTORIES
 from .views import note_views
-from .ops_table import checks, pricing
+from .ops_table import checks, free_choice, pricing
 from .ops_table.table import BY_FUNC, TABLE, on_change
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
                              run_cells as _run_cells, wrap as _wrap)
@@ -266,7 +268,9 @@ def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     strategy and the replicate fallback is on."""
     theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
     try:
-        dec = infer(entry.name, *specs, **attrs)
+        # a new shape: free_choice's shortcut where a candidate moves nothing
+        dec = infer(entry.name, *specs, **attrs) if _FORCE else \
+            free_choice.choose(entry.name, specs, attrs, check=VALIDATE[-1])
     except NoRuleError:
         if _FALLBACK[-1]:
             return None
