@@ -145,3 +145,19 @@ def test_like_one_device_says_what_the_model_is_called_with():
         with pytest.raises(CheckError, match=msg) as err:
             wb.exercises.check_like_one_device(model)
         assert str(err.value).startswith("on one device, training your model raised")
+
+
+def test_like_one_device_passes_on_a_wrappers_refusal_in_one_line():
+    """BatchNorm trains on one device but DDP refuses it (batch statistics per rank): the
+    refusal comes as the check's message, naming the wrapper."""
+    class Normed(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(16)
+
+        def forward(self, ids):
+            return self.bn(super().forward(ids))
+    with pytest.raises(CheckError, match="^under DDP, training your model raised "
+                                         "NotImplementedError: .*SyncBatchNorm") as err:
+        wb.exercises.check_like_one_device(Normed)
+    assert "the check calls" not in str(err.value)

@@ -122,10 +122,12 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                     out = w(x)
                     (out.float() ** 2).mean().backward()
                 except Exception as e:                  # the student's model, or a refusal
-                    where = "on one device" if kind == "one device" else f"under {kind}"
+                    if kind != "one device":            # it runs alone: the wrapper refused
+                        raise CheckError(f"under {kind}, training your model raised "
+                                         f"{type(e).__name__}: {e}") from None
                     raise CheckError(
-                        f"{where}, training your model raised {type(e).__name__}: {e} (the "
-                        f"check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
+                        f"on one device, training your model raised {type(e).__name__}: {e} "
+                        f"(the check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
                         f"{context}) of token ids in [0, {vocab}), as TinyLM takes them, and "
                         "minimizes the mean of the squared output, a tensor)") from None
                 opt.step()
