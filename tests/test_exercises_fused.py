@@ -77,3 +77,37 @@ def test_online_softmax_without_the_max_is_told_exp_overflows():
 
 def test_window_tiles_counted_from_the_last_query_is_told_the_first_reaches_further():
     fails("first query reaches one key tile further left", ex.check_window_tiles, 8 + 7)
+
+
+def flipped_rescale(m, l, acc, s, v):
+    """The rescale factor's sign flipped: exp(m_new - m_old)."""
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    old = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    r, p = torch.exp(safe - old), torch.exp(s - safe)
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def flipped_rescale_nan(m, l, acc, s, v):
+    """The same, without a guard for m = -inf: exp(x + inf) * 0 is nan on the first tile."""
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    r, p = torch.exp(safe - m), torch.exp(s - safe)
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def test_online_softmax_with_the_rescale_flipped_is_told_the_sign():
+    fails("not exp\\(m_new - m_old\\)", ex.check_online_softmax, flipped_rescale)
+    fails("not exp\\(m_new - m_old\\)", ex.check_online_softmax, flipped_rescale_nan)
+    assert not ex._rescale_grows(right) and not ex._rescale_grows(no_rescale)
+
+
+def test_online_softmax_arguments_in_another_order_are_told_the_signature():
+    fails("calls update\\(m, l, acc, s, v\\)", ex.check_online_softmax,
+          lambda s, v, m, l, acc: right(m, l, acc, s, v))
+
+
+def test_window_tiles_common_miscounts_are_named():
+    fails("first query tiles have fewer key tiles", ex.check_window_tiles, 8 * 3)
+    fails("a window of 384 keys", ex.check_window_tiles, 26)
+    fails("draw the 8 x 8 grid", ex.check_window_tiles, 22)

@@ -112,3 +112,52 @@ def test_like_one_device_refuses_a_model_instance_or_class_with_a_message():
                      (lambda: 1 / 0, "make_model\\(\\) raised ZeroDivisionError")):
         with pytest.raises(CheckError, match=msg):
             wb.exercises.check_like_one_device(arg)
+
+
+def test_ddp_bytes_names_a_tied_weight_counted_twice():
+    """Tiny ties its head by using tok twice in forward (one registration): a student
+    who counts the head as its own matrix is told which parameter was counted twice."""
+    wb.exercises.reset_tries()
+    with pytest.raises(CheckError, match="counts tok twice"):
+        wb.exercises.check_ddp_bytes(RIGHT + 4 * 32 * 8, Tiny)
+
+
+def test_like_one_device_says_what_the_model_is_called_with():
+    """A forward that cannot take token ids (a Linear on the int64 ids, a tuple output)
+    is told what the check feeds it, without a traceback through the check."""
+    class Floats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(16, 4)
+            self.lin.bias.requires_grad_(False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Pair(Tiny):
+        def forward(self, ids):
+            y = super().forward(ids)
+            return y, y.sum()
+    for model, msg in ((Floats, "RuntimeError: .*int64 tensor \\(4, 16\\) of token ids in "
+                                "\\[0, 32\\)"),
+                       (Pair, "AttributeError: .*a tensor\\)")):
+        with pytest.raises(CheckError, match=msg) as err:
+            wb.exercises.check_like_one_device(model)
+        assert str(err.value).startswith("on one device, training your model raised")
+
+
+def test_like_one_device_passes_on_a_wrappers_refusal_in_one_line():
+    """BatchNorm trains on one device but DDP refuses it (batch statistics per rank): the
+    refusal comes as the check's message, naming the wrapper."""
+    class Normed(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(16)
+
+        def forward(self, ids):
+            return self.bn(super().forward(ids))
+    with pytest.raises(CheckError, match="^under DDP, training your model raised "
+                                         "NotImplementedError: .*SyncBatchNorm") as err:
+        wb.exercises.check_like_one_device(Normed)
+    assert "the check calls" not in str(err.value)

@@ -85,6 +85,23 @@ def _without_rescale(scores, values, width):
     return acc / l
 
 
+def _rescale_grows(update) -> bool:
+    """Whether ``update`` multiplies the earlier sums by exp(m_new - m_old), which grows
+    them, instead of exp(m_old - m_new): one probe where the max rises from 0 to 1 with
+    l = 1, so l becomes e^-1 + 1 when right and e + 1 with the sign flipped."""
+    one = torch.ones(1, 1, dtype=torch.float64)
+    try:
+        out = update(0 * one, one, one, one, 0 * one)      # m, l, acc; a tile s = 1, v = 0
+        return abs(float(out[1]) - (math.e + 1)) < 1e-9
+    except Exception:                                      # the cases already said what
+        return False
+
+
+_SIGN_HINT = ("your update grows the earlier terms when the max rises: the rescale factor is "
+              "exp(m_old - m_new), at most 1 (the old terms were taken against a smaller max), "
+              "not exp(m_new - m_old)")
+
+
 @exercise
 def check_online_softmax(update) -> None:
     """``update(m, l, acc, s, v) -> (m, l, acc)``: one step of the online softmax
@@ -100,7 +117,10 @@ def check_online_softmax(update) -> None:
         except CheckError:
             raise
         except Exception as e:                               # the student's code
-            raise CheckError(f"your update raised {type(e).__name__}: {e}") from None
+            raise CheckError(f"your update raised {type(e).__name__}: {e} (the check calls "
+                             "update(m, l, acc, s, v) with m and l of shape (rows, 1), acc "
+                             "(rows, d), s (rows, t) and v (t, d), and unpacks the tuple "
+                             "(m, l, acc) it returns)") from None
         if not changed:
             raise CheckError("your update returns m, l and acc unchanged: after the last tile "
                              "m is still -inf and l still 0. Fold each tile in: the new max "
@@ -111,6 +131,8 @@ def check_online_softmax(update) -> None:
             raise CheckError("your output has nan or inf for large scores (all near 1000): "
                              "exp(1000) overflows; subtract the running max before exp, "
                              "exp(s - m_new), which is what m is for")
+        if not torch.isfinite(got).all() and _rescale_grows(update):
+            raise CheckError(_SIGN_HINT)
         if not torch.isfinite(got).all():
             raise CheckError("your output has nan or inf: with m = -inf at the start (or a "
                              "fully masked tile), exp(m_old - m_new) is exp(-inf - x) = 0, but "
@@ -121,6 +143,8 @@ def check_online_softmax(update) -> None:
                 hint = ("the max rose in a later tile and your earlier terms were not "
                         "rescaled: multiply l and acc by exp(m_old - m_new) before adding the "
                         "new tile's terms")
+            elif _rescale_grows(update):
+                hint = _SIGN_HINT
             elif torch.allclose(acc, want, atol=1e-9):
                 hint = ("acc must stay unnormalised (a sum of exp(s - m) v); divide by l only "
                         "once, at the end (FlashAttention-2's change to the first version)")
@@ -170,6 +194,12 @@ def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int =
     elif computed == n * (window // tile):
         hint = ("the window's band is not aligned with the tiles: a query tile reaches one "
                 "key tile more than window / tile, partially")
+    elif computed == n * (-(-window // tile) + 1):
+        hint = (f"you gave every query tile {computed // n} key tiles; the first query tiles "
+                "have fewer key tiles to their left (query tile 0 sees only its diagonal tile)")
+    elif window > tile and computed == _window_tiles_by_hand(seq, window + tile, tile):
+        hint = (f"that is the count for a window of {window + tile} keys (the figure of "
+                f"section 3); this window is {window} keys")
     else:
         hint = (f"draw the {n} x {n} grid: in query tile a, which key tiles hold a key j with "
                 "0 <= i - j < window for some query i of the tile?")

@@ -53,8 +53,8 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     got = _number("answer", answer)
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
-    seen, want, every, unique = set(), 0, 0, 0
-    for _, p in model.named_parameters(remove_duplicate=False):
+    seen, want, every, unique, trainable = set(), 0, 0, 0, []
+    for name, p in model.named_parameters(remove_duplicate=False):
         every += 4 * p.numel()                      # tied weights counted each time they appear
         if id(p) in seen:
             continue
@@ -62,6 +62,7 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
         unique += 4 * p.numel()                     # frozen ones too
         if p.requires_grad:
             want += 4 * p.numel()
+            trainable.append((name, 4 * p.numel()))
     if got == want:
         _ok(f"{want:,} B of fp32 gradients all-reduced per step (every distinct parameter "
             "that requires a gradient, once)")
@@ -80,7 +81,10 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
                        "buffer of the same size; count one"),
         (2 * (ranks - 1) / ranks * want,
          f"that is what a ring all-reduce SENDS per rank, 2(N-1)/N of the buffer (N = "
-         f"{ranks}); the question asks for the buffers' bytes")], rel=1e-9,
+         f"{ranks}); the question asks for the buffers' bytes"),
+        *((want + b, f"that counts {name} twice: a weight used in two places (a table "
+                     "and the head tied to it) is one parameter with one gradient, "
+                     "reduced once") for name, b in trainable)], rel=1e-9,
         fallback="count 4 bytes per value of each distinct parameter (a tied one once) "
                  "that requires a gradient: model.parameters() yields each once"),
         expected=f"{want:,} B")
@@ -114,8 +118,18 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
             for ids in batches:
                 opt.zero_grad()
                 x = ids if kind == "one device" else shard_tensor(ids, mesh, ["S(0)"])
-                out = w(x)
-                (out.float() ** 2).mean().backward()
+                try:
+                    out = w(x)
+                    (out.float() ** 2).mean().backward()
+                except Exception as e:                  # the student's model, or a refusal
+                    if kind != "one device":            # it runs alone: the wrapper refused
+                        raise CheckError(f"under {kind}, training your model raised "
+                                         f"{type(e).__name__}: {e}") from None
+                    raise CheckError(
+                        f"on one device, training your model raised {type(e).__name__}: {e} "
+                        f"(the check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
+                        f"{context}) of token ids in [0, {vocab}), as TinyLM takes them, and "
+                        "minimizes the mean of the squared output, a tensor)") from None
                 opt.step()
             results[kind] = {n: t.detach().clone() for n, t in m.state_dict().items()} \
                 if kind == "one device" else w.full_state_dict()
