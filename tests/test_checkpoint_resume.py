@@ -151,3 +151,16 @@ def test_resume_under_torchrun_on_another_layout(tmp_path):
     for key in ("dp2_then_tp2", "pp2_then_zero2", "zero3_then_tp2"):
         torch.testing.assert_close(torch.tensor(row[key]), torch.tensor(row["whole"]),
                                    rtol=1e-6, atol=0, msg=key)
+
+
+def test_resume_refuses_another_lr_or_weight_decay(tmp_path, capsys):
+    """As Megatron-LM's scheduler asserts the class and checkpoint values agree (torch's
+    optimizer.load_state_dict would silently keep the saved lr, a fresh one the new)."""
+    train("tiny", steps=1, save=str(tmp_path), lr=1e-3, **KW)
+    for kw, name in ((dict(lr=2e-3), "lr=0.001"), (dict(lr=1e-3, weight_decay=0.1),
+                                                   "weight_decay=0.01")):
+        with pytest.raises(ValueError, match=f"saved with {name}.*start a new run"):
+            train("tiny", steps=2, resume=str(tmp_path), **kw, **KW)
+    assert len(train("tiny", steps=2, resume=str(tmp_path), lr=1e-3, **KW)) == 1
+    assert main(["train", "--steps", "2", "--lr", "0.002", "--resume", str(tmp_path)]) == 2
+    assert "saved with --lr 0.001, this one has 0.002" in capsys.readouterr().err

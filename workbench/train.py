@@ -138,7 +138,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         start = 0
         if resume is not None:          # model, optimizer, step and RNG of the saved run
             from .checkpoint.training import resume_training
-            start = resume_training(resume, strategy, model, optimizer, seed, batch_size)
+            start = resume_training(resume, strategy, model, optimizer, seed, batch_size,
+                                    lr, weight_decay)
             if steps < start:           # steps counts from 0, the checkpoint's steps included
                 raise ValueError(f"train(steps={steps}, resume={resume!r}): the checkpoint has "
                                  f"run {start} steps already; give steps > {start} (the total "
@@ -165,7 +166,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
                 on_step(rec)
         if save is not None:
             from .checkpoint.training import save_training
-            save_training(save, strategy, model, optimizer, max(steps, start), seed, batch_size)
+            save_training(save, strategy, model, optimizer, max(steps, start), seed, batch_size,
+                          lr, weight_decay)
     return records
 
 

@@ -18,7 +18,13 @@ keeps the same: model, optimizer, train state with the step, and the RNG):
   into any other layout as the parameters do;
 * ``train``: the next step (the data position: batch ``step`` is drawn from
   ``(seed, step)``, :func:`workbench.models.data.get_batch`), the seed, the batch size,
-  and torch's RNG state (the dropout keys are drawn from it each step).
+  torch's RNG state (the dropout keys are drawn from it each step), and the optimizer's
+  ``lr`` and ``weight_decay``.  A resume that gives other values raises, as Megatron-LM's
+  ``OptimizerParamScheduler.load_state_dict`` asserts that the class value and the
+  checkpoint's agree (``_check_and_set``, megatron/core/optimizer_param_scheduler.py):
+  torch's ``optimizer.load_state_dict`` would silently keep the saved lr, a fresh
+  optimizer silently the new one; a run that means to change them starts a new
+  checkpoint.  Checkpoints saved before these keys existed resume unchecked.
 
 Under torchrun (``--backend torch``) each process saves and loads its own pipeline
 stage's DistTensors (another stage's parameters are plain, unused tensors there) and
@@ -186,28 +192,43 @@ def _copy(t):
 
 
 def save_training(path, strategy, model, optimizer, step: int, seed: int,
-                  batch_size: int) -> None:
+                  batch_size: int, lr: float | None = None,
+                  weight_decay: float | None = None) -> None:
     """Save the state a run needs to continue at ``step`` (the next step to run)."""
+    hyper = {k: float(v) for k, v in (("lr", lr), ("weight_decay", weight_decay))
+             if v is not None}
     with torch.no_grad():
         state = {"model": _model_state(strategy, model),
                  "optim": optimizer_states(strategy, model, optimizer),
                  "train": {"step": step, "seed": seed, "batch_size": batch_size,
-                           "rng": torch.get_rng_state()}}
+                           "rng": torch.get_rng_state(), **hyper}}
     save(path, state)
 
 
-def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int) -> int:
+def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int,
+                    lr: float | None = None, weight_decay: float | None = None) -> int:
     """Load a :func:`save_training` checkpoint into this run's model and optimizer (any
-    layout); restores torch's RNG; returns the step to continue from."""
+    layout); restores torch's RNG; returns the step to continue from.  ``lr`` and
+    ``weight_decay``, when given, must be the saved run's (module docstring)."""
     md = F.read_metadata(path)
     keys = md.state_dict_metadata
     train = {"step": 0, "seed": 0, "batch_size": 0, "rng": torch.get_rng_state()}
+    hyper = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay))
+             if v is not None and f"train.{k}" in keys}
+    train.update({k: 0.0 for k in hyper})
     load(path, {"train": train})
     for k, v in (("seed", seed), ("batch_size", batch_size)):
         if train[k] != v:
             raise ValueError(f"--resume {path}: the run was saved with {k}={train[k]}, this "
                              f"one has {k}={v}; the batches after step {train['step']} would "
                              f"differ: give --{k.replace('_', '-')} {train[k]}")
+    for k, v in hyper.items():
+        if float(train[k]) != float(v):
+            raise ValueError(f"--resume {path}: the run was saved with {k}={train[k]!r}, "
+                             f"this one has {k}={v!r}; the optimizer would go on with another "
+                             f"{k} than the checkpoint's steps were taken with: give "
+                             f"{k}={train[k]!r}" + (f" (--lr {train[k]!r})" if k == "lr" else "")
+                             + ", or start a new run (without resume) to change it")
     # "optim.<fqn>.exp_avg": the fqn itself holds dots
     names = {k[len("optim."):k.rfind(".")] for k in keys if k.startswith("optim.")}
     _load_copy(path, strategy, model, optimizer, names)
@@ -253,9 +274,16 @@ def check_cli(args, strategy) -> str | None:
         return None
     try:
         train = {"step": 0, "seed": 0, "batch_size": 0}
+        if "train.lr" in F.read_metadata(resume_dir).state_dict_metadata:
+            train["lr"] = 0.0
         load(resume_dir, {"train": train})
     except (F.CheckpointError, OSError) as e:
         return f"--resume {resume_dir}: {e}"
+    lr = getattr(args, "lr", None)
+    if "lr" in train and lr is not None and float(train["lr"]) != float(lr):
+        return (f"--resume {resume_dir}: the run was saved with --lr {train['lr']!r}, this one "
+                f"has {lr!r}; its steps were taken with the saved lr: give --lr "
+                f"{train['lr']!r}, or start a new run (without --resume) to change it")
     for k in ("seed", "batch_size"):
         if train[k] != getattr(args, k):
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
