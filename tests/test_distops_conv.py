@@ -110,7 +110,7 @@ def test_op_equals_one_device_on_every_mesh_and_layout(name):
 def test_weights_as_dist_tensors_get_one_devices_gradients():
     # a replicated weight leaf meets batch-sharded samples: its gradient is the all-reduce
     # of the ranks' partial sums (traced), equal to one device's
-    x0, w0, b0 = X2.clone().requires_grad_(), W2.clone().requires_grad_(), B6.clone().requires_grad_()
+    x0, w0, b0 = (t.clone().requires_grad_() for t in (X2, W2, B6))
     F.conv2d(x0, w0, b0, padding=1).pow(2).sum().backward()
     for mesh, ps in ((M2, [S0]), (M3, [S0]), (M22, [S0, S1])):
         x = wb.shard_tensor(X2, mesh, ps).requires_grad_()
@@ -285,6 +285,46 @@ def test_a_small_cnn_trains_as_on_one_device(mesh, ps):
     torch.testing.assert_close(model(distribute(x, mesh, ps)).full(), ref(x).detach())
 
 
+def test_a_channel_parallel_cnn_trains_as_on_one_device():
+    # conv1's filters split over mesh dim "b" (its output channels sharded), samples over
+    # "a": parameters are DistTensors (wb.parallelize), updated in place
+    torch.manual_seed(0)
+    ref, model = SmallCNN().double(), SmallCNN().double()
+    model.load_state_dict(ref.state_dict())
+    split = ["R", "S(0)"]
+    wb.parallelize(model, M22, {"conv1.weight": split, "conv1.bias": split,
+                                "bn1.weight": split, "bn1.bias": split})
+    x, y = rn(6, 3, 6, 6, seed=31), torch.tensor([0, 2, 1, 1, 0, 2])
+    assert model.conv1(distribute(x, M22, [S0, R])).placements == (S0, S1)
+    for step in range(2):
+        for m, inp in ((ref, x), (model, distribute(x, M22, [S0, R]))):
+            m.zero_grad()
+            F.cross_entropy(m(inp), y).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.1 * p.grad)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        a = a.full() if isinstance(a, wb.DistTensor) else a
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dtypes_as_torch(dtype):
+    # bfloat16 activations with float32 norm parameters (torch's mixed batch norm): torch's
+    # output dtypes; statistics in float32, as torch's kernels
+    x = X2.to(dtype)
+    for fn in (lambda t: F.conv2d(t, W2.to(dtype), B6.to(dtype), padding=1),
+               lambda t: F.batch_norm(t, None, None, C4A.float(), C4B.float(), True),
+               lambda t: F.batch_norm(t, RM.float(), RV.float(), C4A.float(), None),
+               lambda t: F.group_norm(t, 2), lambda t: F.avg_pool2d(t, 2)):
+        ref = fn(x)
+        for mesh, ps in ((M2, [S0]), (M2, [S1]), (M3, [S0])):
+            out = fn(wb.shard_tensor(x, mesh, ps))
+            assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
+            tol = dict(rtol=2e-2, atol=6e-2) if dtype == torch.bfloat16 else {}   # 1 ulp of ~8
+            torch.testing.assert_close(out.full(), ref, **tol)
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn,err", [
@@ -357,3 +397,40 @@ def test_grouped_conv_flops_count_each_group_once():
     macs = 2 * 6 * 4 * 2 * 3                                    # per rank: N=2 samples
     assert [e.flops for e in evs if e.label == "forward"] == [2 * macs]
     assert sum(e.flops for e in evs if e.label == "backward") == 4 * macs
+
+
+# ---- the validator: every candidate of every rule, forced ----------------------------------
+
+CNN_OPS = ("conv1d", "conv2d", "conv3d", "convolution", "max_pool1d", "max_pool2d",
+           "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+           "batch_norm", "group_norm", "instance_norm")
+
+
+def test_validator_finds_no_wrong_candidate():
+    # a fixed-seed choice of input layouts per sample and mesh (2, 3 and 2x2 ranks; Partial
+    # inputs of unequal parts), every candidate the rule offers forced and held to one device
+    from workbench.parallel.validate import validate
+    rep = validate(ops=CNN_OPS, max_layouts=2, missing=False)
+    assert sorted(rep.ops) == sorted(CNN_OPS) and not rep.skipped
+    assert rep.runs > 500
+    assert rep.wrong == [], rep.format()
+
+
+# the op table's enumeration (tests/test_op_table.py): float32, every input laid out
+CONV_SAMPLES = {
+    "conv1d": (lambda x, w, b: F.conv1d(x, w, b, padding=1), [X1.float(), W1.float(), B6.float()]),
+    "conv2d": (lambda x, w: F.conv2d(x, w, groups=2), [X2.float(), WG.float()]),
+    "conv3d": (lambda x, w: F.conv3d(x, w), [X3.float(), W3.float()]),
+    "convolution": (lambda x, w: torch.convolution(x, w, None, [2, 2], [0, 0], [1, 1], False,
+                                                   [0, 0], 1), [X2.float(), W2.float()]),
+    "max_pool1d": (lambda x: F.max_pool1d(x, 2), [X1.float()]),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1), [X2.float()]),
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 3, 2), [X1.float()]),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), [X2.float()]),
+    "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x, 2), [X1.float()]),
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, 1), [X2.float()]),
+    "batch_norm": (lambda x, w: F.batch_norm(x, None, None, w, None, True), [X2.float(),
+                                                                              C4A.float()]),
+    "group_norm": (lambda x: F.group_norm(x, 2), [X2.float()]),
+    "instance_norm": (lambda x: F.instance_norm(x), [X1.float()]),
+}

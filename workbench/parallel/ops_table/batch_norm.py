@@ -229,8 +229,7 @@ def _bn_samples(g):
     return [Sample(F.batch_norm, (g.rn(6, 4, 5), None, None, g.rn(4), g.rn(4)),
                    {"training": True}),
             Sample(F.batch_norm, (g.rn(4, 3, 5, 2), None, None), {"training": True}),
-            Sample(F.batch_norm, (g.rn(5, 4, 3), g.rn(4), g.pos(4), g.rn(4), g.rn(4)),
-                   {"training": False})]
+            Sample(F.batch_norm, (g.rn(5, 4, 3), g.rn(4), g.pos(4)), {"training": False})]
 
 
 register("batch_norm", [F.batch_norm, (torch.batch_norm, _torch_parse)], parse=_parse,
