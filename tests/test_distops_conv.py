@@ -22,8 +22,9 @@ from workbench.parallel.validate_inputs import distribute
 M1, M2, M3 = (wb.Mesh.grid(n, ["a"]) for n in (1, 2, 3))
 M22 = wb.Mesh.grid((2, 2), ["a", "b"])
 R, S0, S1, S2, P = wb.Replicate(), wb.Shard(0), wb.Shard(1), wb.Shard(2), wb.Partial()
-LAYOUTS = [(m, (p,)) for m in (M1, M2, M3) for p in (R, S0, S1, S2, P)] + \
-          [(M22, ps) for ps in ((S0, S1), (S1, S0), (S0, S2), (P, S0), (S2, R))]
+LAYOUTS = [(M1, (S0,))] + [(M2, (p,)) for p in (R, S0, S1, S2, P)] + \
+          [(M3, (p,)) for p in (S0, S1, S2, P)] + \
+          [(M22, ps) for ps in ((S0, S1), (S1, S0), (P, S0), (S2, R))]
 
 
 def _g(seed):
@@ -212,6 +213,20 @@ def test_uneven_channels_leave_a_rank_an_empty_block():
     for fn in (lambda t: F.conv2d(t, W2), lambda t: F.max_pool2d(t, 2),
                lambda t: F.batch_norm(t, None, None, training=True), lambda t: F.group_norm(t, 1)):
         as_one_device(lambda t: fn(t), M3, (S1,), X2, ())
+
+
+def test_uneven_filters_leave_a_rank_no_output_channels():
+    # 4 filters on 3 ranks (2, 2, 0): the output's channels split alike, gradients exact
+    w0, b0 = W2[:4].clone().requires_grad_(), B6[:4].clone().requires_grad_()
+    F.conv2d(X2, w0, b0).pow(2).sum().backward()
+    w = wb.shard_tensor(W2[:4], M3, [S0]).requires_grad_()
+    b = wb.shard_tensor(B6[:4], M3, [S0]).requires_grad_()
+    y = F.conv2d(wb.shard_tensor(X2, M3, [R]), w, b)
+    assert y.placements == (S1,)
+    torch.testing.assert_close(y.full(), F.conv2d(X2, W2[:4], B6[:4]))
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(w.grad.full(), w0.grad)
+    torch.testing.assert_close(b.grad.full(), b0.grad)
 
 
 # ---- batch norm's running statistics ---------------------------------------------------

@@ -113,6 +113,12 @@ def conv_local(nd, ctx, x, w, b=None, *, k, stride, padding, dilation, groups):
     conv = (F.conv1d, F.conv2d, F.conv3d)[k - 1]
     batched = x.dim() - nd == k + 2
     lead = tuple(x.shape[:nd])
+    if w.shape[nd] == 0:               # an empty block of output channels (uneven split)
+        w1 = w.new_zeros(tuple(w.shape[:nd]) + (1,) + tuple(w.shape[nd + 1:]))
+        y = conv_local(nd, ctx, x, w1, None, k=k, stride=stride, padding=padding,
+                       dilation=dilation, groups=groups)
+        keep = w.sum() + (b.sum() if b is not None else 0)     # the empty shards' graph
+        return y.narrow(y.dim() - k - 1, 0, 0) + keep.to(y.dtype)
     if not batched:
         x = x.unsqueeze(nd)                                   # (lead, 1, C, *sp)
     if w.shape[nd + 1] == 0:           # an empty block of input channels (uneven split)
