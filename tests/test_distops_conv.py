@@ -449,3 +449,15 @@ CONV_SAMPLES = {
     "group_norm": (lambda x: F.group_norm(x, 2), [X2.float()]),
     "instance_norm": (lambda x: F.instance_norm(x), [X1.float()]),
 }
+
+
+@pytest.mark.slow
+def test_on_torch_distributed_too():
+    # one process per rank (gloo): batch norm's all-reduces are the process group's
+    from tests.test_ddp_torchrun import torchrun
+    from tests.torchrun_support import json_rows
+    out = torchrun(2, "cnn_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(out.stdout)
+    assert len(rows) == 2 and all(all(v for key, v in r.items() if key != "rank")
+                                  for r in rows), rows

@@ -153,8 +153,11 @@ def _batch_norm_local(nd, ctx, x, rm=None, rv=None, w=None, b=None, *, training,
     if x.numel() == 0:                 # an empty shard (uneven split): nothing to normalize
         return x.clone()
     plain = all(_same(t, nd) for t in (rm, rv, w, b))
-    whole = all(x.shape[i] == 1 for i in range(nd))      # nothing sharded: the whole batch
-    if plain and (not training or whole):        # torch's kernel, the device axes folded in
+    # torch's kernel on each rank's rows, the device axes folded into the batch: in
+    # evaluation always; in training where no statistic needs the other ranks' rows and
+    # each rank's channels are its own (one stacked rank, or one process per rank)
+    alone = not sync and all(x.shape[i] == 1 for i in range(nd))
+    if plain and (not training or alone):
         lead = tuple(x.shape[:nd])
         y = F.batch_norm(x.reshape((math.prod(x.shape[:nd + 1]),) + tuple(x.shape[nd + 1:])),
                          *(_one(t, nd) for t in (rm, rv, w, b)), training, momentum, eps)
