@@ -55,7 +55,7 @@ __all__ = ["batch_norm_rule", "affine_eval", "per_channel"]
 R = Replicate()
 
 
-def _stat_req(spec, i, op, name, channels_split):
+def _stat_req(spec, i, channels_split):
     """What running statistic ``spec`` must be on mesh dim ``i``: its own placement, which
     must be R (channels whole there) or S(0) (channels split); None if absent."""
     if spec is None:
@@ -80,8 +80,7 @@ def batch_norm_rule(x, rm=None, rv=None, w=None, b=None, *, training, **_):
             xp = R if d is None else Shard(d)
             par = Shard(0) if ch else R
             if training:
-                stats = [_stat_req(s, i, "batch_norm", n, ch) for s, n in
-                         ((rm, "running_mean"), (rv, "running_var"))]
+                stats = [_stat_req(s, i, ch) for s in (rm, rv)]
                 if any(s is False for s in stats):
                     continue
             else:
