@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 from ..placement import Replicate, Shard
