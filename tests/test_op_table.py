@@ -12,6 +12,7 @@ import workbench as wb
 from tests.spmd_harness import check_op
 from tests.test_distops_more import TABLE_SAMPLES
 from tests.test_distops_datadep import DATADEP_SAMPLES
+from tests.test_distops_conv import CONV_SAMPLES
 from workbench.parallel.ops_table import OP_CLASSES, RULES, TABLE
 from workbench.parallel.ops_table.ring_attention import ring_attention_step
 
@@ -119,6 +120,7 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
 }
 SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_distops_more.py)
 SAMPLES.update(DATADEP_SAMPLES)    # masked_select, unique... (tests/test_distops_datadep.py)
+SAMPLES.update(CONV_SAMPLES)       # conv, pooling, batch/group norm (tests/test_distops_conv.py)
 M2 = wb.Mesh.grid(2, ["a"])
 
 

@@ -15,7 +15,8 @@ sample side by side (adding an op touches one of them and its test): ``pointwise
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
 ``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
-``accumulate``, ``diagonal``, ``complex``, ``datadep``.
+``accumulate``, ``diagonal``, ``complex``, ``datadep``, and for CNNs ``conv``, ``pool``,
+``batch_norm``, ``group_norm`` (group and instance norm).
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -44,6 +45,7 @@ FAMILIES += ("accumulate",)         # scatter_add / index_add
 FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
 FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
 FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]: replicated
+FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling, BN / GN / IN
 
 
 def load():

@@ -220,7 +220,9 @@ def check_batch_stats(group, module, who: str) -> None:
                 "take over its own rows only (torch DDP without SyncBatchNorm), not one "
                 "device's global batch; put the BatchNorm layers in eval mode "
                 "(m.eval(): running statistics), use a per-sample norm (nn.LayerNorm, "
-                "nn.GroupNorm), or run on one rank")
+                "nn.GroupNorm), or run on one rank; or run the module itself on a batch "
+                "sharded as a DistTensor (wb.shard_tensor(x, mesh, [wb.Shard(0)])), whose "
+                "batch_norm all-reduces the global statistics as SyncBatchNorm does")
 
 
 def buffer_snapshot(module) -> dict:
