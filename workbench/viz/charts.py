@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from .placements import RC, show, to_png
+from .ticks import log_axis
 
 __all__ = ["SERIES_COLORS", "TILE_COLORS", "bars", "lines", "roofline", "tile_grid", "show",
            "to_png"]
@@ -68,6 +69,7 @@ def bars(groups: dict, *, unit: str = "", title: str = "", hline=None, log: bool
         ax.set_ylim(y - 0.5, -0.8)
         if log:
             ax.set_xscale("log")
+            log_axis(ax.xaxis, 10)
         if hline is not None:
             value, text = hline
             ax.axvline(value, color="#333333", linestyle="--", linewidth=1.0, gid="hline")
@@ -126,8 +128,10 @@ def lines(x, series: dict, *, xlabel: str = "", ylabel: str = "", title: str = "
             ax.text(x[0], value, f" {text}", va="bottom", ha="left", fontsize=9)
         if logx:
             ax.set_xscale("log", base=2)
+            log_axis(ax.xaxis, 2)
         if logy:
             ax.set_yscale("log")
+            log_axis(ax.yaxis, 10)
         ax.set_xlabel(xlabel, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=9)
         ax.tick_params(labelsize=9)
@@ -187,6 +191,8 @@ def roofline(profiles, points: dict, *, dtype: str = "bfloat16", width: float = 
                     transform=ax.get_xaxis_transform(), fontsize=9, va="bottom")  # staggered
         ax.set_xscale("log")
         ax.set_yscale("log")
+        log_axis(ax.xaxis, 10)
+        log_axis(ax.yaxis, 10)
         ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)", fontsize=9)
         ax.set_ylabel(f"attainable TFLOP/s ({dtype})", fontsize=9)
         ax.tick_params(labelsize=9)

@@ -23,6 +23,7 @@ from matplotlib.patches import Patch
 
 from ..parallel.strategies.overlap import OverlapReport, exposed_intervals
 from ..sim_mesh.trace import Event
+from .timeline_labels import key_lines, place_labels
 
 __all__ = ["STREAM_COLORS", "EXPOSED_COLOR", "TimelineFigure", "draw_timeline", "render_text",
            "caption", "time_unit", "as_report"]
@@ -34,6 +35,7 @@ FONT = {"family": "DejaVu Sans", "size": 9}
 MAX_LABELS = 80                           # above this many bars, no text inside them
 FIG_WIDTH, LEFT, RIGHT = 10.0, 0.14, 0.83  # inches; the axes' share of the width
 TOP, TITLE_PAD = 0.6, 16                  # inches above the axes; points between title and axes
+KEY_LINE = 0.19                           # inches per line of the label key (8 pt, spaced 1.5)
 
 
 class TimelineFigure(Figure):
@@ -110,7 +112,9 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
     step's own length) stretches the time axis, so that two steps drawn with the same
     ``until`` share one scale and unit.  Artists carry gids for tests and
     tools: "compute", "comm", "exposed" (PolyCollections, one rectangle per event
-    and rank), "labels" (texts in bars, up to ``MAX_LABELS`` bars), "caption"."""
+    and rank), "labels" (texts in bars, up to ``MAX_LABELS`` bars), "label_marks" (circled
+    numbers in bars too short for their label) and "label_key" (those labels, under the
+    axis), "caption"."""
     rep = as_report(data)
     events = rep.events
     rows = _ranks(events, ranks)
@@ -141,13 +145,18 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
                               ("exposed", exposed, EXPOSED_COLOR)):
         ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors="white",
                                          linewidths=0.5, gid=gid), autolim=False)
+    key = {}
     if labels and len(texts) <= MAX_LABELS:
-        # a label is written only where it fits its bar (7 pt text, about 4.2 pt a character)
+        # a label is written in its bar where it fits, else a circled number in the bar
+        # and the label in the key under the axis (timeline_labels.py)
         pt_per_unit = FIG_WIDTH * (RIGHT - LEFT) * 72 / (span * scale or 1.0)
-        for x, y, s, w in texts:
-            if w * pt_per_unit >= 4.2 * len(s) + 4:
-                ax.text(x, y, s, ha="center", va="center", fontsize=7, color="white",
-                        gid="labels")
+        inside, marked, key, _ = place_labels(texts, pt_per_unit)
+        for x, y, s in inside:
+            ax.text(x, y, s, ha="center", va="center", fontsize=7, color="white",
+                    gid="labels")
+        for x, y, s in marked:
+            ax.text(x, y, s, ha="center", va="center", fontsize=9, color="white",
+                    gid="label_marks")
     ax.set_xlim(0, span * scale or 1.0)
     ax.set_ylim(2 * len(rows) - 0.5, -0.5)                        # rank 0 on top
     ax.set_yticks(range(2 * len(rows)),
@@ -164,7 +173,15 @@ def draw_timeline(data, *, ranks=None, title: str | None = None, labels: bool = 
                Patch(color=EXPOSED_COLOR, label="comm (exposed)")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False,
               prop=FONT)
-    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - TOP / height, bottom=0.6 / height)
+    bottom = 0.6
+    if key:                                       # the key under the axis label, in a band
+        lines = key_lines(key)                    # of its own that the figure grows by
+        band = KEY_LINE * len(lines) - 0.04       # its top in the x label's margin
+        height, bottom = height + band, bottom + band
+        fig.set_size_inches(FIG_WIDTH, height)
+        fig.text(LEFT, (band + 0.12) / height, "\n".join(lines), ha="left", va="top", fontsize=8,
+                 family=FONT["family"], linespacing=1.5, gid="label_key")
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - TOP / height, bottom=bottom / height)
     return fig
 
 
