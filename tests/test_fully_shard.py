@@ -358,14 +358,114 @@ def test_what_is_not_built_raises():
     m.set_is_last_backward(True)
 
 
-def test_other_wrappers_and_tensor_parallel_are_refused():
+def test_other_wrappers_are_refused():
     mesh = wb.Mesh.grid(2, ["dp"])
     m = make()
     wb.DistributedDataParallel(m, mesh)
     with pytest.raises(ValueError, match="already laid out by another wrapper"):
         wb.fully_shard(m, mesh=mesh)
-    mesh2 = wb.Mesh.grid((2, 2), ["dp", "tp"])
-    lin = nn.Linear(W, W)
-    wb.parallelize_module(lin, mesh2, wb.ColwiseParallel())
-    with pytest.raises(NotImplementedError, match="DistTensor parameters"):
-        wb.fully_shard(lin, mesh=mesh2["dp"])
+
+
+# ---- after tensor parallelism: torchtitan's order ------------------------------------------
+class MLPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(W, 2 * W)
+        self.down = nn.Linear(2 * W, W)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class TPNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, W)
+        self.blocks = nn.ModuleList(MLPBlock() for _ in range(2))
+        self.head = nn.Linear(W, V, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def tp_model(seed=0):
+    torch.manual_seed(seed)
+    return TPNet()
+
+
+def test_tensor_parallel_then_fully_shard_trains_as_one_device():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m, ref = tp_model(), tp_model()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    with pytest.raises(NotImplementedError, match="'emb.weight' .*wb.parallelize"):
+        wb.fully_shard(m, mesh=mesh["dp"])
+    wb.parallelize(m, mesh)                  # the rest: replicated DistTensors
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh["dp"])
+    wb.fully_shard(m, mesh=mesh["dp"])
+    names = [n for n, _ in m.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()]
+    assert [n for n, _ in m.blocks[0].named_parameters()] == ["up.weight", "up.bias",
+                                                              "down.weight", "down.bias"]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for ids, y in batches():
+        opt.zero_grad()
+        ropt.zero_grad()
+        with wb.trace() as tr:
+            loss = loss_of(m(wb.shard_tensor(ids, mesh, ["S(0)", "R"])), y)
+            loss.backward()
+        rloss = loss_of(ref(ids), y)
+        rloss.backward()
+        torch.testing.assert_close(loss, rloss, rtol=1e-5, atol=1e-6)
+        got = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+        torch.testing.assert_close(got, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9),
+                                   rtol=1e-5, atol=1e-6)
+        assert any(e.label == "zero-3 params" and e.name == RS for e in tr.collectives())
+        opt.step()
+        ropt.step()
+    sd = m.state_dict()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(sd[name].full(), t, rtol=1e-5, atol=1e-6, msg=name)
+    assert sd["blocks.0.up.weight"].placements == (wb.Replicate(), wb.Shard(0))
+    m.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync\\(False\\)"):
+        m.set_requires_gradient_sync(False)
+    with pytest.raises(RuntimeError, match="bottom-up"):
+        wb.fully_shard(m.blocks[0].up, mesh=mesh["dp"])
+
+
+def test_tensor_parallel_refusals():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = tp_model()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel()})
+    wb.parallelize(m, mesh)
+    with pytest.raises(ValueError, match="mesh=world_mesh\\['dp'\\]"):
+        wb.fully_shard(m, mesh=wb.Mesh.grid(2, ["dp"]))
+    with pytest.raises(NotImplementedError, match="mixed precision"):
+        wb.fully_shard(m, mesh=mesh["dp"],
+                       mp_policy=wb.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=False"):
+        wb.fully_shard(m, mesh=mesh["dp"], reshard_after_forward=False)
+    assert not isinstance(m, wb.FSDPModule)
+    wb.fully_shard(m, mesh=mesh["dp"])
+    with pytest.raises(RuntimeError, match="already applied"):
+        wb.fully_shard(m, mesh=mesh["dp"])
+    with pytest.raises(RuntimeError, match="bottom-up"):     # before the state is built too
+        wb.fully_shard(m.blocks[0], mesh=mesh["dp"])
+
+
+def test_tensor_parallel_root_after_a_block_ran_is_refused():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = tp_model()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel()})
+    wb.parallelize(m, mesh)
+    wb.fully_shard(m.blocks[0], mesh=mesh["dp"])
+    m.blocks[0](wb.shard_tensor(torch.randn(4, W), mesh, ["S(0)", "R"]))
+    with pytest.raises(RuntimeError, match="before the first forward"):
+        wb.fully_shard(m, mesh=mesh["dp"])

@@ -27,6 +27,7 @@ import contextlib
 from collections import OrderedDict
 
 from .fsdp_units import tree_cast
+from .fully_shard_tp import built, tp_named_parameters
 
 __all__ = ["FSDPModule", "fsdp_class", "install_hooks"]
 
@@ -69,6 +70,12 @@ def _cast_output(module, args, output):
     return None if dt is None else tree_cast(output, dt)
 
 
+def _building(m) -> bool:
+    while m._wb_fully_shard.top is not None:
+        m = m._wb_fully_shard.top
+    return m._wb_fully_shard.building
+
+
 class FSDPModule:
     """FSDP2's ``FSDPModule`` methods on a ``fully_shard``-ed module (module docstring)."""
 
@@ -87,6 +94,11 @@ class FSDPModule:
 
     def __call__(self, *args, **kwargs):
         st = self._wb_fully_shard
+        if st.tp is not None:            # over DistTensor parameters: hooks on the modules
+            w = built(self)
+            if w.module is self:         # the last step's reduce-scatters waited (clock)
+                w.finish_gradient_synchronization()
+            return super().__call__(*args, **kwargs)
         if st.wrapper is not None and st.wrapper._k is None:
             return st.wrapper(*args, **kwargs)
         if self._wb_root()._k is None:
@@ -102,6 +114,17 @@ class FSDPModule:
             "held by its sharded state (as FSDP2, which refuses too); deepcopy the module "
             "before fully_shard and shard the copy")
 
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """Plain modules: the shards the module holds (torch's own walk).  Over DistTensor
+        parameters: the dp shards of the sharded state, under the module's own names."""
+        st = self._wb_fully_shard
+        if st.tp is None or _building(self):
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return tp_named_parameters(self, prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse=True):
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
     # ---- state dicts: FSDP2's Shard(0) DistTensors ---------------------------------------
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The module's own names; each parameter a DistTensor ``Shard(0)`` on the mesh
@@ -109,7 +132,7 @@ class FSDPModule:
         if args:                          # torch's deprecated positional order
             destination, prefix, keep_vars = (list(args[:3]) +
                                               [destination, prefix, keep_vars][len(args):])
-        if _RAW[0]:
+        if _RAW[0] or self._wb_fully_shard.tp is not None:   # tp: fsdp_dist_habits' hooks
             return super().state_dict(destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
         st = self._wb_fully_shard
@@ -129,6 +152,8 @@ class FSDPModule:
         """On the root: :meth:`state_dict`'s DistTensors or full tensors, cut into the
         shards in place (checked first, ``strict`` as torch)."""
         st = self._wb_fully_shard
+        if st.tp is not None:            # the habits' hooks cut the values into the shards
+            return super().load_state_dict(state_dict, strict, assign)
         if st.wrapper is None:
             raise NotImplementedError(
                 f"load_state_dict on {st.name}, a fully_shard-ed block of "
@@ -149,7 +174,13 @@ class FSDPModule:
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync({requires_gradient_sync!r}): give "
                             "True or False")
-        for m in self._wb_fsdp_modules(recurse):
+        mods = self._wb_fsdp_modules(recurse)
+        if not requires_gradient_sync and any(m._wb_fully_shard.tp for m in mods):
+            raise NotImplementedError(
+                "set_requires_gradient_sync(False) over tensor-parallel DistTensor parameters "
+                "is not built: accumulate with sync on (each backward reduce-scatters onto "
+                "the shards, where the gradients add up to the same sum)")
+        for m in mods:
             m._wb_fully_shard.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
@@ -166,7 +197,12 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"set_reshard_after_forward({reshard_after_forward!r}): give True "
                             "or False (an int, a smaller world, is not built)")
-        for m in self._wb_fsdp_modules(recurse):
+        mods = self._wb_fsdp_modules(recurse)
+        if not reshard_after_forward and any(m._wb_fully_shard.tp for m in mods):
+            raise NotImplementedError(
+                "set_reshard_after_forward(False) over tensor-parallel DistTensor parameters "
+                "is not built: every unit re-gathers in backward there")
+        for m in mods:
             m._wb_fully_shard.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,

@@ -144,12 +144,18 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         raise RuntimeError(f"fully_shard was already applied to this {name}; apply it once per "
                            "module (blocks first, then the root)")
     from .ddp_dist import has_dist_parameters
-    if has_dist_parameters(module):
-        raise NotImplementedError(
-            f"fully_shard({name}) over DistTensor parameters (wb.parallelize_module / "
-            "wb.parallelize: tensor parallelism first, as torchtitan) is not built through "
-            "fully_shard yet; wrap the parallelized model with "
-            "wb.FullyShardedDataParallel(model, mesh_2d, 'dp') (FSDP over dp beside tp)")
+    if has_dist_parameters(module):      # after tensor parallelism (torchtitan's order)
+        from .fully_shard_tp import check_tp, mark
+        full = check_tp(module, mesh, dim, mp, reshard_after_forward, FSDPModule)
+        state = FSState(module, mesh, dim, mp, reshard_after_forward)
+        state.tp = (full, dim)
+        for m in module.modules():
+            if m is not module and isinstance(m, FSDPModule) and m._wb_fully_shard.top is None:
+                m._wb_fully_shard.top = module
+        module._wb_fully_shard = state
+        module.__class__ = fsdp_class(type(module))
+        mark(module)
+        return module
     inside = {id(m) for m in module.modules()}
     roots, adopt = [], {}
     for p in module.parameters():

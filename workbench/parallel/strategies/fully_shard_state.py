@@ -44,6 +44,9 @@ class FSState:
         self.wrapper = None
         self.owner = None
         self.hooks = []                  # the wrapper's hooks on its units: [(dict, key, fn)]
+        self.tp = None                   # over DistTensor parameters: (their mesh, dp dim)
+        self.building = False
+        self.top = None                  # ... the marked module above (:mod:`.fully_shard_tp`)
 
 
 class FullyShardRoot(FullyShardedDataParallel):
