@@ -23,8 +23,11 @@ optimizer steps), ``zero_grad()``, ``torch.nn.utils.clip_grad_norm_``, ``state_d
 What differs from FSDP2, said rather than hidden: the shards are flat padded chunks
 (FSDP1's layout, :mod:`.flat_shards`), so ``model.parameters()`` gives ``(N, chunk)``
 tensors on simulated ranks, not ``Shard(0)`` DTensors of the module's shapes
-(``state_dict()`` gives those); a block can run only inside its root's forward; what
-cannot be honoured raises (:func:`check_arguments`).
+(``state_dict()`` gives those); a block can run only inside its root's forward; the root
+is found when its call comes (FSDP2 finds it at the first forward), so a call on a
+parent after a block ran raises; what cannot be honoured raises (:func:`check_arguments`).
+A model whose parameters are DistTensors (tensor parallelism first, as torchtitan) is
+sharded over dp by the DistTensor mode (:mod:`.fully_shard_tp`).
 """
 from __future__ import annotations
 
