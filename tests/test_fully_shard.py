@@ -319,6 +319,8 @@ def test_order_of_calls_as_torch():
     wb.fully_shard(m, mesh=MESH)
     with pytest.raises(RuntimeError, match="bottom-up"):     # a child after its root
         wb.fully_shard(m.blocks[1], mesh=MESH)
+    with pytest.raises(RuntimeError, match="bottom-up"):     # any module below the root
+        wb.fully_shard(m.blocks[1].norm, mesh=MESH)
     with pytest.raises(TypeError, match="nn.Module instance"):
         wb.fully_shard(Net, mesh=MESH)
 

@@ -39,6 +39,7 @@ from torch import nn
 from ...sim_mesh.mesh import Mesh
 from .fsdp_module import FSDPModule, fsdp_class, install_hooks
 from .fully_shard_state import FSState, FullyShardRoot
+from .fully_shard_tp import check_order, mark
 from .laid_out import LaidOutParameter
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPModule"]
@@ -146,9 +147,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     if isinstance(module, FSDPModule):
         raise RuntimeError(f"fully_shard was already applied to this {name}; apply it once per "
                            "module (blocks first, then the root)")
+    check_order(module)
     from .ddp_dist import has_dist_parameters
     if has_dist_parameters(module):      # after tensor parallelism (torchtitan's order)
-        from .fully_shard_tp import check_tp, mark
+        from .fully_shard_tp import check_tp
         full = check_tp(module, mesh, dim, mp, reshard_after_forward, FSDPModule)
         state = FSState(module, mesh, dim, mp, reshard_after_forward)
         state.tp = (full, dim)
@@ -199,6 +201,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         m._wb_fully_shard.owner, m._wb_fully_shard.wrapper = root, None
     install_hooks(module)
     module.__class__ = fsdp_class(type(module))
+    mark(module)
     return module
 
 

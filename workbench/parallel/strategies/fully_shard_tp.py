@@ -25,13 +25,23 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["check_tp", "mark", "built", "tp_named_parameters"]
+__all__ = ["check_order", "check_tp", "mark", "built", "tp_named_parameters"]
 
-_MARKED = weakref.WeakSet()      # modules fully_shard marked over DistTensor parameters
+_MARKED = weakref.WeakSet()      # modules fully_shard was applied to (both modes)
 
 
 def mark(module) -> None:
     _MARKED.add(module)
+
+
+def check_order(module) -> None:
+    """FSDP2's order, bottom-up: no call on a module below one already sharded."""
+    for r in list(_MARKED):
+        if r is not module and any(m is module for m in r.modules()):
+            raise RuntimeError(
+                f"fully_shard({type(module).__name__}) after fully_shard on "
+                f"{r._wb_fully_shard.name} above it; call fully_shard bottom-up: the blocks "
+                "first, then the root")
 
 
 def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
@@ -39,11 +49,6 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
     from ..module import dist_parameters
     from .laid_out import LaidOutParameter
     name = type(module).__name__
-    for r in list(_MARKED):
-        if r is not module and any(m is module for m in r.modules()):
-            raise RuntimeError(
-                f"fully_shard({name}) after fully_shard on {r._wb_fully_shard.name} above it; "
-                "call fully_shard bottom-up: the blocks first, then the root")
     for m in module.modules():
         st = getattr(m, "_wb_fully_shard", None)
         if isinstance(m, fsdp_module_cls) and _root(m)._wb_fully_shard.wrapper is not None:
