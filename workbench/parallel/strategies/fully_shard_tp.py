@@ -18,6 +18,10 @@ optimizer steps; a block's: its own), ``zero_grad()``; ``state_dict()`` gives Di
 of the tensor-parallel placements gathered from the shards and ``load_state_dict`` cuts
 values into them (:mod:`.fsdp_dist_habits`).
 
+The reduce-scatters launched in a backward are waited for on the modeled clock at the
+root's next forward (``finish_gradient_synchronization``; the shards hold the reduced
+gradients when ``backward()`` returns, so the numbers do not depend on it).
+
 Not built here, and refused: mixed precision, ``reshard_after_forward=False``,
 ``set_requires_gradient_sync(False)``, a fully_shard call after the state was built.
 """
