@@ -27,6 +27,8 @@ from .parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel,  # noqa:
                        PrepareModuleInputOutput, parallelize_module, loss_parallel)
 from .parallel.strategies.ddp import DistributedDataParallel  # noqa: E402
 from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
+from .parallel.strategies.fully_shard import (fully_shard, MixedPrecisionPolicy,  # noqa: E402
+                                              FSDPModule)
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
@@ -48,7 +50,8 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "distributed", "models", "plan", "recipes", "compile", "checkpoint", "serve",
            "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
-           "parallelize_module", "loss_parallel"]
+           "parallelize_module", "loss_parallel", "fully_shard", "MixedPrecisionPolicy",
+           "FSDPModule"]
 
 
 def __getattr__(name):

@@ -1,0 +1,104 @@
+"""What ``fully_shard`` keeps: each module's settings, and the root's sharded state.
+
+FSDP2 (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``) gives every
+module ``fully_shard`` is applied to a state (its parameter group, its mixed precision,
+its ``reshard_after_forward``) and finds the root, the topmost such module, at the first
+forward.  Here each call builds the sharded state for its whole subtree at once, a
+:class:`FullyShardRoot`: :class:`~.fsdp.FullyShardedDataParallel` with the modules
+``fully_shard`` was applied to below it as its units.  A later call on an ancestor takes
+the subtree over (:func:`.fully_shard.fully_shard`): it adopts the same shard objects, so a
+shard stays the one ``nn.Parameter`` the module holds (an optimizer built in between
+would still step it).
+
+On top of the wrapper, per unit:
+
+* ``reshard_after_forward=False`` (FSDP2's default for the root, ``None``): the weights
+  the unit gathered for forward stay alive for its backward (FSDP2 keeps the unsharded
+  parameters), so its backward gathers nothing; ``True``: they are freed after forward
+  and gathered again in backward (the wrapper's ``re-gather``);
+* ``set_requires_gradient_sync(False)`` (FSDP2's replacement of FSDP1's ``no_sync``): the
+  unit's backward reduces nothing; each rank's unsharded gradients add up here, in the
+  gather dtype (FSDP2 accumulates the unsharded gradient in ``param_dtype`` when no other
+  ``reduce_dtype`` is given, ``_fsdp_param.py``), and the next backward with sync
+  reduce-scatters the sum once: the shards then hold the gradient one device accumulates.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fsdp import FullyShardedDataParallel
+
+__all__ = ["FSState", "FullyShardRoot"]
+
+
+class FSState:
+    """One module's ``fully_shard`` settings (``module._wb_fully_shard``).
+    ``wrapper``: the :class:`FullyShardRoot` built on this module when it is the root of
+    its subtree, else None; ``owner``: the root wrapper whose unit it is."""
+
+    def __init__(self, module, mesh, dim, mp_policy, reshard_after_forward):
+        self.name = type(module).__name__
+        self.mesh, self.dim, self.mp_policy = mesh, dim, mp_policy
+        self.reshard_after_forward = reshard_after_forward     # None: root False, else True
+        self.requires_gradient_sync = True
+        self.wrapper = None
+        self.owner = None
+        self.hooks = []                  # the wrapper's hooks on its units: [(dict, key, fn)]
+        self.tp = None                   # over DistTensor parameters: (their mesh, dp dim)
+        self.building = False
+        self.top = None                  # ... the marked module above (:mod:`.fully_shard_tp`)
+
+
+class FullyShardRoot(FullyShardedDataParallel):
+    """The sharded state of a ``fully_shard`` root (module docstring).  Built only by
+    :func:`.fully_shard.fully_shard`; the user keeps calling their own module."""
+
+    def __init__(self, module, mesh, dim, compute_dtype, units, adopt: dict):
+        object.__setattr__(self, "_adopt", adopt)      # id(shard) -> its meta, reused
+        super().__init__(module, mesh, dim, compute_dtype=compute_dtype, units=units)
+        object.__setattr__(self, "_unsynced", {})      # (unit index, rank) -> [grad]
+
+    def _shard(self, name, p):
+        meta = self._adopt.get(id(p))
+        if meta is not None:             # a block's shard: the same nn.Parameter, kept
+            self._meta[id(p)] = meta
+            return p
+        return super()._shard(name, p)
+
+    @staticmethod
+    def _state(unit):
+        return unit.module._wb_fully_shard
+
+    def _reshards(self, unit) -> bool:
+        v = self._state(unit).reshard_after_forward
+        return (unit.index != 0) if v is None else v
+
+    # ---- reshard_after_forward=False: what forward gathered is what backward reads -----
+    def _pack(self, t):
+        if self._owners and t.layout == torch.strided:
+            hit = self._owners.get(t.untyped_storage().data_ptr())
+            if hit is not None and not self._reshards(hit[0].unit):
+                return t                 # kept alive by autograd: no re-gather
+        return super()._pack(t)
+
+    # ---- set_requires_gradient_sync(False): accumulate unreduced ------------------------
+    def _reduce_scatter(self, call, k, grads, needs):
+        key = (call.unit.index, k)
+        if not self._state(call.unit).requires_gradient_sync:
+            call.cache.pop(k, None)
+            call.done.add(k)
+            held = self._unsynced.setdefault(key, [None] * len(grads))
+            for i, (g, need) in enumerate(zip(grads, needs)):
+                if need and g is not None:
+                    held[i] = g.detach().clone() if held[i] is None else held[i] + g
+            return (None,) * len(grads)
+        held = self._unsynced.pop(key, None)
+        if held is not None:             # the sync step: this backward's plus the held
+            grads = tuple(h if g is None else g if h is None else g + h
+                          for g, h in zip(grads, held))
+        return super()._reduce_scatter(call, k, grads, needs)
+
+    def unsynced_bytes(self) -> int:
+        """Bytes of unsharded gradients held for the next synced backward (all ranks)."""
+        return sum(g.numel() * g.element_size() for v in self._unsynced.values()
+                   for g in v if g is not None)

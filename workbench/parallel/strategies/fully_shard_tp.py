@@ -1,0 +1,134 @@
+"""``fully_shard`` after tensor parallelism: torchtitan's order, FSDP over the dp dim.
+
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    wb.parallelize_module(model, mesh, plan)              # TP first (DistTensor parameters)
+    for block in model.blocks:
+        wb.fully_shard(block, mesh=mesh["dp"])
+    wb.fully_shard(model, mesh=mesh["dp"])                # the 1-d dp mesh, as torchtitan's
+
+torchtitan (``parallelize_llama``: ``apply_tp`` then ``apply_fsdp`` on ``world_mesh["dp"]``)
+shards the DTensor parameters a second time, over dp (FSDP2's 2-D layout).  Our engine
+for that is :class:`~.fsdp_dist.DistTensorFSDP` (``wb.FullyShardedDataParallel(model,
+mesh, "dp")``), which makes every module holding parameters its own unit.  So here the
+calls only mark the modules; the sharded state is built once, on the topmost marked
+module (the root), the first time the model runs or its parameters are asked for
+(FSDP2 too finds its root lazily, at the first forward).  After that the user's module
+answers with the dp shards: ``model.parameters()`` / ``named_parameters()`` (what an
+optimizer steps; a block's: its own), ``zero_grad()``; ``state_dict()`` gives DistTensors
+of the tensor-parallel placements gathered from the shards and ``load_state_dict`` cuts
+values into them (:mod:`.fsdp_dist_habits`).
+
+The reduce-scatters launched in a backward are waited for on the modeled clock at the
+root's next forward (``finish_gradient_synchronization``; the shards hold the reduced
+gradients when ``backward()`` returns, so the numbers do not depend on it).
+
+Not built here, and refused: mixed precision, ``reshard_after_forward=False``,
+``set_requires_gradient_sync(False)``, a fully_shard call after the state was built.
+"""
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["check_order", "check_tp", "mark", "built", "tp_named_parameters"]
+
+_MARKED = weakref.WeakSet()      # modules fully_shard was applied to (both modes)
+
+
+def mark(module) -> None:
+    _MARKED.add(module)
+
+
+def check_order(module) -> None:
+    """FSDP2's order, bottom-up: no call on a module below one already sharded."""
+    for r in list(_MARKED):
+        if r is not module and any(m is module for m in r.modules()):
+            raise RuntimeError(
+                f"fully_shard({type(module).__name__}) after fully_shard on "
+                f"{r._wb_fully_shard.name} above it; call fully_shard bottom-up: the blocks "
+                "first, then the root")
+
+
+def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
+    """The DistTensor parameters' mesh and the dp dim, checked (nothing changed yet)."""
+    from ..module import dist_parameters
+    from .laid_out import LaidOutParameter
+    name = type(module).__name__
+    for m in module.modules():
+        st = getattr(m, "_wb_fully_shard", None)
+        if isinstance(m, fsdp_module_cls) and _root(m)._wb_fully_shard.wrapper is not None:
+            raise RuntimeError(
+                f"fully_shard({name}) after {st.name} below it ran or gave its parameters: "
+                "apply fully_shard to every module (bottom-up) before the first forward and "
+                "before building the optimizer")
+    meshes = {p.mesh for _, p in dist_parameters(module)}
+    if len(meshes) != 1:
+        raise NotImplementedError(f"fully_shard({name}): its DistTensor parameters live on "
+                                  f"{len(meshes)} meshes; one mesh is built")
+    full = meshes.pop()
+    if mesh is None or dim not in full.dim_names or full.submesh(dim) != mesh:
+        raise ValueError(
+            f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
+            f"pass that mesh's data-parallel dim, mesh=world_mesh['dp'] (torchtitan's order: "
+            "parallelize_module on the whole mesh, then fully_shard on its dp dim)")
+    if mp.param_dtype is not None or mp.output_dtype is not None:
+        raise NotImplementedError(
+            f"fully_shard({name}, mp_policy={mp}) over tensor-parallel DistTensor "
+            "parameters: mixed precision is built for plain modules only; leave the default "
+            "MixedPrecisionPolicy()")
+    if reshard_after_forward is False:
+        raise NotImplementedError(
+            f"fully_shard({name}, reshard_after_forward=False) over tensor-parallel "
+            "DistTensor parameters is not built: leave None or True (every unit re-gathers "
+            "in backward)")
+    dist = {id(p) for _, p in dist_parameters(module)}
+    plain = [n for n, p in module.named_parameters() if id(p) not in dist
+             and not isinstance(p, LaidOutParameter)]
+    if plain:
+        raise NotImplementedError(
+            f"fully_shard({name}): {plain[0]!r} (and {len(plain) - 1} more) stayed a plain "
+            "parameter beside DistTensor ones, which the DistTensor mode would not shard "
+            f"nor step; make them replicated DistTensors first: wb.parallelize({name.lower()}, "
+            "mesh) after parallelize_module (it leaves the DistTensors as they are)")
+    if any(isinstance(p, LaidOutParameter) for p in module.parameters()):
+        raise NotImplementedError(
+            f"fully_shard({name}): some sub-modules were sharded as plain modules and others "
+            "hold DistTensor parameters; parallelize_module the whole model first")
+    return full
+
+
+def _root(m):
+    while m._wb_fully_shard.top is not None:
+        m = m._wb_fully_shard.top
+    return m
+
+
+def built(m):
+    """The sharded state of ``m``'s root (built on first use)."""
+    r = _root(m)
+    st = r._wb_fully_shard
+    if st.wrapper is None:
+        from .fsdp import FullyShardedDataParallel
+        full, dim = st.tp
+        st.building = True               # torch's own walks while the state is made
+        try:
+            w = FullyShardedDataParallel(r, full, dim)      # DistTensorFSDP
+        finally:
+            st.building = False
+        st.wrapper = w
+        for sub in r.modules():
+            s = getattr(sub, "_wb_fully_shard", None)
+            if s is not None and sub is not r:
+                s.owner = w
+    return st.wrapper
+
+
+def tp_named_parameters(m, prefix, recurse, remove_duplicate):
+    """(name, dp shard) of ``m``'s parameters under ``m``'s own names."""
+    w = built(m)
+    if w.module is m:
+        qual = ""
+    else:
+        qual = next(n for n, s in w.module.named_modules() if s is m) + "."
+    for n, p in w.named_parameters(remove_duplicate=remove_duplicate):
+        if n.startswith(qual) and (recurse or "." not in n[len(qual):]):
+            yield prefix + n[len(qual):], p
