@@ -32,6 +32,7 @@ from ..parallel.placement import fmt_placements
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
 from . import passes as _passes
+from .arguments import positional
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
 from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, is_scalar,
@@ -72,8 +73,11 @@ def _signature(a):
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
-            method: str = "auto", beam: int = 4, memory_limit: int | None = None):
-    """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``.
+            method: str = "auto", beam: int = 4, memory_limit: int | None = None,
+            kwargs: dict | None = None):
+    """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``
+    (and keyword inputs ``kwargs``, as ``torch.export.export`` takes them: bound to their
+    parameters by ``fn``'s signature, :mod:`.arguments`).
 
     Placements come from the example DistTensors and the module's DistTensor parameters
     (plain tensors are replicated on ``mesh``); ``pin`` maps a value (its number in
@@ -93,6 +97,10 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
                          "int >= 1, or None for no limit")
     if not callable(fn):
         raise TypeError(f"compile(fn={fn!r:.60}): expected a function or an nn.Module")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"compile(kwargs={kwargs!r:.60}): give a dict of keyword example "
+                        "inputs, as torch.export.export takes them")
+    example_inputs = positional(fn, example_inputs, kwargs or {})
     module = fn if isinstance(fn, nn.Module) else None
     mesh = mesh or _mesh_of(example_inputs, module)
     if mesh is None:
@@ -180,19 +188,22 @@ class CompiledProgram:
         """True where a graph break made the program run op by op."""
         return self.graph is None
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.eager:
             if self.parts:
                 from .parts import swapped
                 with swapped(self.module, self.parts):
-                    return self.fn(*args)
-            return self.fn(*args)
+                    return self.fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
+        args = positional(self.fn, args, kwargs, len(self._example))
         got = [_signature(a) for a in args]
         if got != self._example:
+            diff = [i for i in range(max(len(got), len(self._example)))
+                    if got[i:i + 1] != self._example[i:i + 1]]
             raise ValueError("compiled program called with inputs of other shapes, dtypes, "
                              "placements or meshes, or other Python values, than it was "
-                             f"compiled for ({got} vs {self._example}); compile it again "
-                             "for these")
+                             f"compiled for (argument {', '.join(map(str, diff))}: "
+                             f"{got} vs {self._example}); compile it again for these")
         if self.module is not None:
             check_training_flags(self.module, self._modes)
         check_no_mode()

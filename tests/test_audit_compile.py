@@ -1,0 +1,266 @@
+"""User-trial audit of ``wb.compile``: programs a PyTorch user writes, compiled and run
+beside the same program run eagerly on plain tensors (one device): values, gradients,
+the result's structure, and what is refused (with the fix) where the graph would
+silently differ from eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+
+R, S = wb.Replicate, wb.Shard
+PROFILE = "a100"
+
+
+def _x(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _full(t):
+    return t.full() if isinstance(t, wb.DistTensor) else t
+
+
+def _close_tree(got, want):
+    """Same structure (types, keys) and values."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, (torch.Tensor, wb.DistTensor)), type(got)
+        torch.testing.assert_close(_full(got), want)
+        return
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            _close_tree(got[k], want[k])
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _close_tree(a, b)
+    else:
+        assert got == want
+
+
+class _Heads(nn.Module):
+    """A module whose forward returns a dict holding a list (a model's output)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.l(x)
+        return {"logits": y, "aux": [y.relu(), y * 2]}
+
+
+_OUTS = {
+    "dict": lambda a: {"r": a.relu(), "m": a * 2},
+    "list": lambda a: [a.relu(), a * 2],
+    "one-tuple": lambda a: (a.relu(),),
+    "nested": lambda a: (a.relu(), (a * 2, {"z": a - 1})),
+    "with a Python value": lambda a: (a.relu(), 3),
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "export", "trace"])
+@pytest.mark.parametrize("kind", sorted(_OUTS))
+def test_result_keeps_the_programs_structure(kind, method):
+    # export flattens the result: a dict came back as a tuple of its values, a 1-tuple
+    # as a bare tensor, a list as a tuple
+    fn = _OUTS[kind]
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(fn, x, method=method, profile=PROFILE)
+    assert not prog.eager
+    _close_tree(prog(x), fn(xp))
+
+
+def test_module_returning_a_dict_of_a_list():
+    m = _Heads()
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert prog.graph.method == "export"
+    got = prog(x)
+    _close_tree(got, m(xp))
+    got["aux"][0].sum().backward()
+    g = _full(m.l.weight.grad).clone()
+    m.zero_grad()
+    m(xp)["aux"][0].sum().backward()
+    torch.testing.assert_close(g, m.l.weight.grad)
+
+
+def _scaled(a, b=None, scale=2.0):
+    out = a * scale
+    return out if b is None else out + b
+
+
+def test_call_with_keyword_arguments():
+    # CompiledProgram.__call__ took no keywords (TypeError: unexpected keyword argument)
+    mesh = wb.Mesh.grid((2,))
+    ap, bp = _x((4, 6)), _x((4, 6), 1)
+    a, b = (wb.shard_tensor(t, mesh, [S(0)]) for t in (ap, bp))
+    prog = wb.compile(_scaled, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a=a).full(), _scaled(ap))
+    torch.testing.assert_close(prog(a, scale=2.0).full(), _scaled(ap))   # its default
+    with pytest.raises(ValueError, match="'scale' is given.*default 2.0.*compile again"):
+        prog(a, scale=3.0)                 # the graph holds 2.0: never a silent 2.0
+    with pytest.raises(ValueError, match="'b' is given"):
+        prog(a, b=b)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'c'"):
+        prog(a, c=1)
+
+
+def test_compile_with_keyword_example_inputs():
+    mesh = wb.Mesh.grid((2,))
+    ap, bp = _x((4, 6)), _x((4, 6), 1)
+    a, b = (wb.shard_tensor(t, mesh, [S(0)]) for t in (ap, bp))
+    prog = wb.compile(_scaled, a, kwargs={"b": b, "scale": 3.0}, profile=PROFILE)
+    want = _scaled(ap, bp, 3.0)
+    torch.testing.assert_close(prog(a, b=b, scale=3.0).full(), want)
+    torch.testing.assert_close(prog(a, b, 3.0).full(), want)
+    with pytest.raises(ValueError, match="argument 2"):
+        prog(a, b)                         # scale back at its default: another value
+    with pytest.raises(TypeError, match="kwargs="):
+        wb.compile(_scaled, a, kwargs=[b])
+
+
+def test_keyword_only_argument_is_refused_unless_default():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(6, 6)
+
+        def forward(self, x, *, mask=None):
+            return self.l(x) if mask is None else self.l(x) * mask
+    m = M()
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    torch.testing.assert_close(prog(x, mask=None).full(), m(xp))
+    with pytest.raises(TypeError, match="'mask' is keyword-only"):
+        prog(x, mask=x)
+    with pytest.raises(TypeError, match="'mask' is keyword-only"):
+        wb.compile(m, x, kwargs={"mask": x}, profile=PROFILE)
+
+
+def _normalised(a, w):
+    with torch.no_grad():                  # a scale that gets no gradient
+        s = (a * w).abs().amax()
+    return (a * w / s).sum()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_no_grad_block_inside_the_program(level):
+    # the captured graph ignored the no_grad block: w's gradient flowed through the
+    # scale (0.67 off on this probe)
+    mesh = wb.Mesh.grid((2,))
+    ap, wp = _x((4, 6)), _x((6,), 1)
+    a = wb.shard_tensor(ap, mesh, [S(0)])
+    w = wb.shard_tensor(wp, mesh, [R()]).requires_grad_()
+    prog = wb.compile(_normalised, a, w, level=level, profile=PROFILE)
+    assert not prog.eager and any(not n.grad for n in prog.graph.nodes)
+    out = prog(a, w)
+    out.backward()
+    wr = wp.clone().requires_grad_()
+    ref = _normalised(ap, wr)
+    ref.backward()
+    torch.testing.assert_close(out.full(), ref)
+    torch.testing.assert_close(w.grad.full(), wr.grad)
+
+
+def test_compiled_under_no_grad_is_the_program_not_the_mode():
+    # compile inside torch.no_grad() captured every value as not requiring grad: the
+    # step's schedule then had no backward at all
+    mesh = wb.Mesh.grid((2,))
+    m = wb.parallelize(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6)), mesh,
+                       {"0": "colwise", "2": "rowwise"})
+    x = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    with torch.no_grad():
+        quiet = wb.compile(m, x, profile=PROFILE)
+    loud = wb.compile(m, x, profile=PROFILE)
+    assert all(n.grad for n in quiet.graph.nodes)
+    assert str(quiet.schedule) == str(loud.schedule)
+    assert any(it.phase == "backward" for it in quiet.schedule.items)
+    out = quiet(x)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert not quiet(x).requires_grad
+
+
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(6, 6)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)                 # a buffer written in place
+        return self.l(x)
+
+
+def test_in_place_write_to_a_buffer_runs_eagerly():
+    # capture ran the write once (calls was 1 after compile) and the graph never again
+    # (still 1 after two calls; eager: 2)
+    m = _Counter()
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert prog.eager and "add_" in str(prog) and "did not make" in str(prog)
+    assert m.calls.item() == 0             # compile wrote nothing
+    prog(x)
+    out = prog(x)
+    assert m.calls.item() == 2
+    torch.testing.assert_close(out.full(), m.l(xp))
+
+
+def test_writes_into_tensors_the_program_made_are_captured():
+    def f(a):
+        mask = torch.ones(a.shape[-1])
+        mask[0] = 0.0                      # made by the program: a constant, captured
+        return a * mask
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(f, x, profile=PROFILE)
+    assert not prog.eager
+    torch.testing.assert_close(prog(x).full(), f(xp))
+
+
+def test_closure_module_parameters_are_not_frozen():
+    # a function that calls a module it closes over: its parameters became constants of
+    # the graph, and backward silently left them without gradient
+    torch.manual_seed(0)
+    m = nn.Linear(6, 3)
+    mesh = wb.Mesh.grid((2,))
+    ap, wp = _x((4, 6)), _x((3,), 1)
+    a = wb.shard_tensor(ap, mesh, [S(0)])
+    w = wb.shard_tensor(wp, mesh, [R()]).requires_grad_()
+
+    def f(a, w):
+        return (m(a) * w).sum()
+    prog = wb.compile(f, a, w, profile=PROFILE)
+    assert prog.eager and "requires grad" in str(prog) and "compile the module" in str(prog)
+    prog(a, w).backward()
+    got = _full(m.weight.grad).clone()
+    m.zero_grad()
+    f(ap, wp).backward()
+    torch.testing.assert_close(got, m.weight.grad)
+
+
+def test_closure_dist_tensor_parameter_is_named():
+    # was "capture ... raised RuntimeError: Tensor on device cpu is not on the expected
+    # device meta!"
+    mesh = wb.Mesh.grid((2,))
+    m = wb.parallelize(nn.Sequential(nn.Linear(6, 4)), mesh, {"0": "colwise"})
+    x = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(lambda a: m(a).relu(), x, profile=PROFILE)
+    assert prog.eager and "a DistTensor (4, 6)" in str(prog)
+    torch.testing.assert_close(prog(x).full(), m(x).relu().full())
