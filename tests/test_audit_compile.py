@@ -264,3 +264,59 @@ def test_closure_dist_tensor_parameter_is_named():
     prog = wb.compile(lambda a: m(a).relu(), x, profile=PROFILE)
     assert prog.eager and "a DistTensor (4, 6)" in str(prog)
     torch.testing.assert_close(prog(x).full(), m(x).relu().full())
+
+
+def test_python_argument_of_another_type_is_refused():
+    # int_tensor * 2 is int64, int_tensor * 2.0 float32: 2 == 2.0 let the call run the
+    # graph captured with 2 (an int64 result where eager gives float32)
+    mesh = wb.Mesh.grid((2,))
+    ip = torch.arange(6).reshape(2, 3)
+    i = wb.shard_tensor(ip, mesh, [S(0)])
+    prog = wb.compile(lambda a, k: a * k, i, 2, profile=PROFILE)
+    assert prog(i, 2).dtype == torch.int64
+    with pytest.raises(ValueError, match="argument 1"):
+        prog(i, 2.0)
+
+
+class _Obj:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def _cfg_dataclass(scale):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        scale: float
+    return Cfg(scale)
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass", "object"])
+def test_argument_holding_python_values_is_checked_on_each_call(kind):
+    # the graph holds what capture read from the argument (cfg.scale): a call with
+    # another (or a mutated) one ran with the captured 2.0 (9.7 off)
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    if kind == "dict":
+        make, read = (lambda s: {"scale": s}), (lambda c: c["scale"])
+    else:
+        make = _cfg_dataclass if kind == "dataclass" else _Obj
+        read = (lambda c: c.scale)
+
+    def f(a, c):
+        return a * read(c)
+    c = make(2.0)
+    prog = wb.compile(f, x, c, profile=PROFILE)
+    torch.testing.assert_close(prog(x, c).full(), f(xp, c))
+    if kind != "object":                  # an equal one (an object: the same one)
+        torch.testing.assert_close(prog(x, make(2.0)).full(), xp * 2.0)
+    with pytest.raises(ValueError, match="argument 1"):
+        prog(x, make(5.0))
+    if kind == "dict":
+        c["scale"] = 5.0
+    else:
+        c.scale = 5.0
+    with pytest.raises(ValueError, match="argument 1"):
+        prog(x, c)

@@ -24,6 +24,9 @@ program runs eagerly (op by op through the dispatcher), as MindSpore and
 """
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import torch
 from torch import nn
 
@@ -59,17 +62,37 @@ def _mesh_of(args, module):
     return None
 
 
-def _signature(a):
+def _signature(a, depth=0):
     """What a call's argument must share with the example's: a tensor's shape, dtype,
-    placements and mesh; a Python value itself (the graph holds it as a constant)."""
+    placements and mesh; a Python value itself, with its type (the graph holds it as a
+    constant: 2 == 2.0, but int_tensor * 2 is an int tensor and int_tensor * 2.0 a float
+    one); a list, tuple or dict by its items; a dataclass by its fields; another object
+    by its identity and its attributes (the graph holds what capture read from them,
+    ``cfg.scale``), a tensor inside one by its identity (a constant of the graph)."""
     if isinstance(a, (torch.Tensor, DistTensor)):
+        if depth:
+            return ("tensor", id(a))
         mesh = getattr(a, "mesh", None)
         return (tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())),
                 None if mesh is None else (tuple(mesh.dim_names), tuple(mesh.shape),
                                            tuple(mesh.ranks)))
-    if is_scalar(a) or (isinstance(a, (list, tuple)) and all(is_scalar(x) for x in a)):
-        return ("value", a)
-    return ("object", type(a).__name__)
+    if is_scalar(a) and not isinstance(a, tuple):
+        return ("value", type(a).__name__, a)
+    if depth > 4:
+        return ("object", type(a).__name__, id(a))
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_signature(x, depth + 1) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _signature(v, depth + 1)) for k, v in a.items()))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return ("dataclass", type(a).__name__, tuple(
+            (f.name, _signature(getattr(a, f.name, None), depth + 1))
+            for f in dataclasses.fields(a)))
+    if isinstance(a, (types.FunctionType, types.MethodType, type, nn.Module)) or \
+            not hasattr(a, "__dict__"):
+        return ("object", type(a).__name__, id(a))
+    return ("object", type(a).__name__, id(a),
+            tuple((k, _signature(v, depth + 1)) for k, v in sorted(vars(a).items())))
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
