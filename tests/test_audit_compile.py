@@ -320,3 +320,42 @@ def test_argument_holding_python_values_is_checked_on_each_call(kind):
         c.scale = 5.0
     with pytest.raises(ValueError, match="argument 1"):
         prog(x, c)
+
+
+class _Twice(nn.Module):
+    """A graph break, and a child the forward calls twice with other shapes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(6, 6)
+        self.k = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.l(x)
+        if y.sum() > 0:                    # the break
+            y = y * 2
+        return self.k(self.l(torch.cat([y, y], 0)))
+
+
+def test_child_called_twice_with_other_shapes_stays_eager():
+    # the child was compiled for its first call's inputs and the second call raised
+    # 'compiled program called with inputs of other shapes': the program could not run
+    m = _Twice()
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert prog.eager and set(prog.parts) == {"k"}
+    out = prog(x)
+    torch.testing.assert_close(out.full(), m(xp))
+    out.sum().backward()
+    g = _full(m.l.weight.grad).clone()
+    m.zero_grad()
+    m(xp).sum().backward()
+    torch.testing.assert_close(g, m.l.weight.grad)
+
+
+def test_mesh_argument_must_be_a_mesh():
+    with pytest.raises(TypeError, match="compile\\(mesh='x'\\).*wb.Mesh"):
+        wb.compile(lambda t: t.relu(), torch.ones(2), mesh="x")

@@ -6,7 +6,8 @@ here the unit is the module: the forward that holds the break runs eagerly (op b
 through the dispatcher), and each child module it calls is captured and compiled with
 the inputs it received (found by running the forward once, eagerly, with hooks), down to
 the children whose own forward breaks again.  A child called with keyword arguments
-stays eager (its hook cannot see them).
+stays eager (its hook cannot see them), as does one the forward calls twice with inputs
+of other shapes, layouts or values (one capture answers for one signature).
 """
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ def compile_children(module, args, make):
     """{child name: compiled program} for the children ``module(*args)`` calls;
     ``make(child, child_args)`` compiles one.  Runs ``module`` once, eagerly."""
     seen, outs, hooks = {}, {}, []
+    from .program import _signature
     for name, child in module.named_children():
         def hook(m, a, kw, name=name):
             if name not in seen:
                 seen[name] = None if kw else a
+            elif seen[name] is not None and (
+                    kw or [_signature(x) for x in a] != [_signature(x) for x in seen[name]]):
+                seen[name] = None       # called again with other inputs: it stays eager
 
         def after(m, a, out, name=name):
             outs.setdefault(name, out)

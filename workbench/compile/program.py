@@ -125,6 +125,10 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
                         "inputs, as torch.export.export takes them")
     example_inputs = positional(fn, example_inputs, kwargs or {})
     module = fn if isinstance(fn, nn.Module) else None
+    from ..sim_mesh.mesh import Mesh
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"compile(mesh={mesh!r:.60}): give a wb.Mesh (the mesh the program "
+                        "runs on), or None to take the example DistTensors' mesh")
     mesh = mesh or _mesh_of(example_inputs, module)
     if mesh is None:
         raise ValueError("compile: no DistTensor among the example inputs or parameters; "
