@@ -359,3 +359,41 @@ def test_child_called_twice_with_other_shapes_stays_eager():
 def test_mesh_argument_must_be_a_mesh():
     with pytest.raises(TypeError, match="compile\\(mesh='x'\\).*wb.Mesh"):
         wb.compile(lambda t: t.relu(), torch.ones(2), mesh="x")
+
+
+def test_compiled_module_answers_for_its_module_in_a_training_loop():
+    # torch.compile(model) is a module: its parameters() go to the optimizer, its
+    # state_dict() is saved; the compiled program had no such attribute (AttributeError)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref.load_state_dict(m.state_dict())
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    opt = torch.optim.AdamW(prog.parameters(), lr=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        prog.zero_grad()
+        loss = prog(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(prog.parameters(), 0.1)
+        opt.step()
+        ropt.zero_grad()
+        rloss = ref(xp).pow(2).mean()
+        rloss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ropt.step()
+        torch.testing.assert_close(loss.full(), rloss)
+    assert list(prog.state_dict()) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(prog.state_dict()[k], v)
+    assert prog.eval() is prog and not m.training        # returns the program
+    with pytest.raises(ValueError, match="train/eval mode"):
+        prog(x)
+    assert prog.train() is prog
+    torch.testing.assert_close(prog(x).full(), ref(xp))
+    fn = wb.compile(lambda a: a.relu(), x, profile=PROFILE)
+    with pytest.raises(AttributeError, match="no module"):
+        fn.parameters()

@@ -209,6 +209,24 @@ class CompiledProgram:
                 out[k] = ps
         return out
 
+    def __getattr__(self, name):
+        """A compiled module answers for its module, as ``torch.compile``'s does
+        (``prog.parameters()`` for the optimizer, ``prog.state_dict()``, ``prog.zero_grad()``);
+        a method that returns the module (``prog.train()``) returns the program."""
+        mod = self.__dict__.get("module")
+        if mod is None or name.startswith("_"):
+            raise AttributeError(f"'CompiledProgram' object has no attribute {name!r}" + (
+                " (a compiled function has no module to answer for it)"
+                if mod is None and hasattr(nn.Module, name) else ""))
+        attr = getattr(mod, name)
+        if callable(attr) and getattr(attr, "__self__", None) is mod:
+            def call(*args, **kwargs):
+                out = attr(*args, **kwargs)
+                return self if out is mod else out
+            call.__name__, call.__doc__ = name, attr.__doc__
+            return call
+        return attr
+
     # ---- running ------------------------------------------------------------------
     @property
     def eager(self) -> bool:
