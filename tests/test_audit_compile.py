@@ -397,3 +397,45 @@ def test_compiled_module_answers_for_its_module_in_a_training_loop():
     fn = wb.compile(lambda a: a.relu(), x, profile=PROFILE)
     with pytest.raises(AttributeError, match="no module"):
         fn.parameters()
+
+
+class _Scaled(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cfg = cfg
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.l(x) * self.cfg["scale"]
+
+
+_TABLE = {"scale": 2.0}
+
+
+def _read_table(a):
+    return a * _TABLE["scale"]
+
+
+def test_a_config_the_program_reads_is_checked_on_each_call():
+    # the graph holds self.cfg["scale"] / a global table's entry as read at capture; a
+    # change was silently ignored (4.7 off) where a changed number is refused
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    m = _Scaled({"scale": 2.0})
+    prog = wb.compile(m, x, profile=PROFILE)
+    torch.testing.assert_close(prog(x).full(), m(xp))
+    m.cfg["scale"] = 3.0
+    with pytest.raises(ValueError, match="module attribute cfg changed since capture"):
+        prog(x)
+    m.cfg["scale"] = 2.0
+    torch.testing.assert_close(prog(x).full(), m(xp))
+    fprog = wb.compile(_read_table, x, profile=PROFILE)
+    try:
+        _TABLE["scale"] = 4.0
+        with pytest.raises(ValueError, match="global _TABLE changed since capture"):
+            fprog(x)
+    finally:
+        _TABLE["scale"] = 2.0
+    torch.testing.assert_close(fprog(x).full(), xp * 2.0)

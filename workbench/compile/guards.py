@@ -36,6 +36,7 @@ one capture, so:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import torch
@@ -45,7 +46,7 @@ from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
            "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
-           "hook_keys", "check_hooks", "is_scalar"]
+           "hook_keys", "check_hooks", "is_scalar", "snapshot"]
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -259,13 +260,49 @@ def references(fn) -> dict:
     return out
 
 
+_OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, type, nn.Module)
+
+
+def snapshot(v, depth: int = 0, budget: list | None = None):
+    """A comparable copy of a Python value the graph may hold what it read from: a
+    number or string with its type (2 == 2.0, but int_tensor * 2 is an int tensor); a
+    list, tuple, set or dict by its items; a dataclass by its fields; another object by
+    its identity and its attributes (``cfg.scale``); a tensor inside one, a module, a
+    function or a class by its identity.  Deep or large values are cut (identity)."""
+    budget = [512] if budget is None else budget
+    budget[0] -= 1
+    if isinstance(v, (torch.Tensor, DistTensor)):
+        return ("tensor", id(v))
+    if is_scalar(v) and not isinstance(v, tuple):
+        return ("value", type(v).__name__, v)
+    if depth > 4 or budget[0] < 0 or isinstance(v, _OPAQUE):
+        return ("object", type(v).__name__, id(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(snapshot(x, depth + 1, budget) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, snapshot(x, depth + 1, budget)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)) and all(is_scalar(x) for x in v):
+        return (type(v).__name__, frozenset(v))
+    if dataclasses.is_dataclass(v):
+        return ("dataclass", type(v).__name__, tuple(
+            (f.name, snapshot(getattr(v, f.name, None), depth + 1, budget))
+            for f in dataclasses.fields(v)))
+    if not hasattr(v, "__dict__"):
+        return ("object", type(v).__name__, id(v))
+    return ("object", type(v).__name__, id(v), tuple(
+        (k, snapshot(x, depth + 1, budget)) for k, x in sorted(vars(v).items())))
+
+
 class Frozen:
     """What a capture read through :func:`references`: Python values compared on every
-    call, tensors (constants of the graph) read again."""
+    call (a container or an object by its :func:`snapshot`: ``self.cfg.scale``), tensors
+    (constants of the graph) read again."""
 
     def __init__(self, fn, consts: dict):
         self.refs = references(fn)
         self.scalars, tensors = {}, {}
+        self.objects: dict = {}                 # label -> snapshot at capture
         for label, get in self.refs.items():
             try:
                 v = get()
@@ -275,6 +312,8 @@ class Frozen:
                 self.scalars[label] = v
             elif type(v) is torch.Tensor and not v.is_meta and v.numel():
                 tensors.setdefault(_key(v), label)
+            elif not isinstance(v, (torch.Tensor, DistTensor) + _OPAQUE) and v is not _MISSING:
+                self.objects[label] = snapshot(v)
         self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
                        if type(c) is torch.Tensor and not c.is_meta and c.numel()
                        and _key(c) in tensors}
@@ -288,6 +327,12 @@ class Frozen:
                 raise ValueError(f"compiled program: {label} was {was!r} at capture and is "
                                  f"now {shown}; the graph holds the value it read: compile "
                                  "again (or pass the value in as a tensor input)")
+        for label, was in self.objects.items():
+            if snapshot(self.refs[label]()) != was:
+                raise ValueError(f"compiled program: {label} changed since capture (an "
+                                 "item or attribute, or another object); the graph holds "
+                                 "the values it read from it: compile again (or pass the "
+                                 "value in as a tensor input)")
         out = {}
         for vid, label in self.consts.items():
             t, v = self.refs[label](), values[vid]

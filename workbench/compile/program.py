@@ -24,9 +24,6 @@ program runs eagerly (op by op through the dispatcher), as MindSpore and
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-
 import torch
 from torch import nn
 
@@ -38,7 +35,7 @@ from . import passes as _passes
 from .arguments import positional
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, is_scalar,
+from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapshot,
                      check_parameter, check_training_flags, hook_keys, tensor_attributes,
                      training_flags)
 from .lower import Reshard, execute_program, lower
@@ -62,37 +59,17 @@ def _mesh_of(args, module):
     return None
 
 
-def _signature(a, depth=0):
+def _signature(a):
     """What a call's argument must share with the example's: a tensor's shape, dtype,
-    placements and mesh; a Python value itself, with its type (the graph holds it as a
-    constant: 2 == 2.0, but int_tensor * 2 is an int tensor and int_tensor * 2.0 a float
-    one); a list, tuple or dict by its items; a dataclass by its fields; another object
-    by its identity and its attributes (the graph holds what capture read from them,
-    ``cfg.scale``), a tensor inside one by its identity (a constant of the graph)."""
+    placements and mesh; a Python value, a container or an object by its
+    :func:`~.guards.snapshot` (the graph holds what capture read from it: 2, not 2.0;
+    ``cfg.scale``; a tensor inside one by its identity, a constant of the graph)."""
     if isinstance(a, (torch.Tensor, DistTensor)):
-        if depth:
-            return ("tensor", id(a))
         mesh = getattr(a, "mesh", None)
         return (tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())),
                 None if mesh is None else (tuple(mesh.dim_names), tuple(mesh.shape),
                                            tuple(mesh.ranks)))
-    if is_scalar(a) and not isinstance(a, tuple):
-        return ("value", type(a).__name__, a)
-    if depth > 4:
-        return ("object", type(a).__name__, id(a))
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_signature(x, depth + 1) for x in a))
-    if isinstance(a, dict):
-        return ("dict", tuple((k, _signature(v, depth + 1)) for k, v in a.items()))
-    if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        return ("dataclass", type(a).__name__, tuple(
-            (f.name, _signature(getattr(a, f.name, None), depth + 1))
-            for f in dataclasses.fields(a)))
-    if isinstance(a, (types.FunctionType, types.MethodType, type, nn.Module)) or \
-            not hasattr(a, "__dict__"):
-        return ("object", type(a).__name__, id(a))
-    return ("object", type(a).__name__, id(a),
-            tuple((k, _signature(v, depth + 1)) for k, v in sorted(vars(a).items())))
+    return snapshot(a)
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
