@@ -439,3 +439,66 @@ def test_a_config_the_program_reads_is_checked_on_each_call():
     finally:
         _TABLE["scale"] = 2.0
     torch.testing.assert_close(fprog(x).full(), xp * 2.0)
+
+
+class _Broken(nn.Module):
+    """A graph break between two children."""
+
+    def __init__(self, second=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5))
+        self.b = second if second is not None else nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum() > 0:                    # the break
+            y = y * 2
+        return self.b(y)
+
+
+def test_compiled_children_run_their_hooks_once():
+    # the compiled child was the child's forward: the child's __call__ ran its hooks
+    # around the graph, which holds them too (446 off with an output hook x10)
+    m = _Broken().eval()
+    m.b.register_forward_hook(lambda mod, i, o: o * 10)
+    m.a.register_forward_pre_hook(lambda mod, i: (i[0] + 1,))
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert prog.eager and set(prog.parts) == {"a", "b"}
+    torch.testing.assert_close(prog(x).full(), m(xp))
+    assert isinstance(m.a, nn.Sequential) and isinstance(m.b, nn.Linear)   # put back
+
+
+class _Count(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n.add_(1)                     # its own capture is refused: it stays eager
+        return x * 1
+
+
+def test_finding_the_childrens_inputs_leaves_no_mark():
+    # compile ran the broken forward once to find its children's inputs: it drew dropout
+    # masks from the global generator, recorded into the caller's trace and wrote buffers;
+    # an eager child (here one that writes its buffer) then recursed without end
+    m = _Broken(_Count())
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    with wb.trace(profile=PROFILE) as tr:
+        prog = wb.compile(m, x, profile=PROFILE)
+    assert torch.equal(torch.rand(3), want)
+    assert not tr.events and m.b.n.item() == 0
+    torch.manual_seed(1)
+    got = prog(x).full()
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, m(xp))
+    assert m.b.n.item() == 2
