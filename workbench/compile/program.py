@@ -222,7 +222,10 @@ class CompiledProgram:
         if got != self._example:
             diff = [i for i in range(max(len(got), len(self._example)))
                     if got[i:i + 1] != self._example[i:i + 1]]
-            raise ValueError("compiled program called with inputs of other shapes, dtypes, "
+            what = type(self.fn).__name__ if self.module is not None else \
+                getattr(self.fn, "__qualname__", type(self.fn).__name__)
+            raise ValueError(f"compiled program ({what}) called with inputs of other "
+                             "shapes, dtypes, "
                              "placements or meshes, or other Python values, than it was "
                              f"compiled for (argument {', '.join(map(str, diff))}: "
                              f"{got} vs {self._example}); compile it again for these")
