@@ -502,3 +502,34 @@ def test_finding_the_childrens_inputs_leaves_no_mark():
     torch.manual_seed(1)
     torch.testing.assert_close(got, m(xp))
     assert m.b.n.item() == 2
+
+
+class _Act(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = nn.Linear(6, 6)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.l(x))
+
+
+def test_a_replaced_or_added_submodule_is_refused():
+    # m.act = nn.Tanh() after compile: the graph silently kept running relu
+    mesh = wb.Mesh.grid((2,))
+    xp = _x((4, 6))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    m = _Act()
+    prog = wb.compile(m, x, profile=PROFILE)
+    m.act = nn.Tanh()
+    with pytest.raises(ValueError, match=r"replaced since capture: act \(ReLU -> Tanh\)"):
+        prog(x)
+    m.act = nn.ReLU()
+    with pytest.raises(ValueError, match="act"):           # another ReLU object
+        prog(x)
+    seq = nn.Sequential(nn.Linear(6, 6), nn.ReLU())
+    sprog = wb.compile(seq, x, profile=PROFILE)
+    seq.append(nn.Sigmoid())               # was refused as 'another train/eval mode'
+    with pytest.raises(ValueError, match=r"2 \(none -> Sigmoid\)"):
+        sprog(x)

@@ -7,6 +7,8 @@ dropout, a Python branch on ``self.training``) and the tensors the code read off
 module; when one changes it captures again.  A :class:`~.program.CompiledProgram` holds
 one capture, so:
 
+* the module's tree of submodules is recorded at capture: a call after one was added,
+  removed or replaced (``m.act = nn.Tanh()``) is refused with the fix;
 * the training flags of the module and its children are recorded at capture; a call
   after ``model.eval()`` (or ``train()``) of a program captured in the other mode is
   refused with the fix (compile again), never run in the captured mode;
@@ -44,9 +46,30 @@ from torch import nn
 
 from ..parallel.dist_tensor import DistTensor
 
-__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
+__all__ = ["module_tree", "check_module_tree", "training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
            "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
            "hook_keys", "check_hooks", "is_scalar", "snapshot"]
+
+
+def module_tree(module: nn.Module) -> tuple:
+    """(name, the submodule object) for the module and every child: what the graph ran."""
+    return tuple((name, id(m), type(m).__name__)
+                 for name, m in module.named_modules(remove_duplicate=False))
+
+
+def check_module_tree(module: nn.Module, captured: tuple) -> None:
+    """Refuse a call after a submodule was added, removed or replaced (``m.act = Tanh()``:
+    the graph still runs the ops of the one it captured)."""
+    now = module_tree(module)
+    if now == captured:
+        return
+    was, is_ = {n: (i, t) for n, i, t in captured}, {n: (i, t) for n, i, t in now}
+    changed = [f"{n or 'the module'} ({was[n][1] if n in was else 'none'} -> "
+               f"{is_[n][1] if n in is_ else 'none'})"
+               for n in list(was) + [n for n in is_ if n not in was] if was.get(n) != is_.get(n)]
+    raise ValueError("compiled program: submodules added, removed or replaced since capture: "
+                     f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the graph "
+                     "runs the ops of the modules it captured: compile the module again")
 
 
 def training_flags(module: nn.Module) -> tuple:

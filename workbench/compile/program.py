@@ -36,8 +36,8 @@ from .arguments import positional
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
 from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapshot,
-                     check_parameter, check_training_flags, hook_keys, tensor_attributes,
-                     training_flags)
+                     check_module_tree, check_parameter, check_training_flags, hook_keys,
+                     module_tree, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -154,6 +154,7 @@ class CompiledProgram:
         self._placements = placements
         if self.module is not None:         # what the call checks and re-reads (guards.py)
             self._modes = training_flags(self.module)
+            self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
         self._hooks = hook_keys(fn)
@@ -230,6 +231,7 @@ class CompiledProgram:
                              f"compiled for (argument {', '.join(map(str, diff))}: "
                              f"{got} vs {self._example}); compile it again for these")
         if self.module is not None:
+            check_module_tree(self.module, self._tree)
             check_training_flags(self.module, self._modes)
         check_no_mode()
         check_hooks(self.fn, self._hooks)
