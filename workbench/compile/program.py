@@ -18,6 +18,12 @@ bucket (``buckets.py``; under torch.distributed one per parameter, as O1).  The 
 pass's early and split collectives stay a priced plan: the run issues each collective
 whole, where its consumer needs it (``prog.notes`` says which the schedule holds).
 
+Calling it: like ``fn`` (keyword arguments bound by ``fn``'s signature, ``arguments.py``),
+with inputs like the example's; what the capture held fixed (train/eval mode, submodules,
+hooks, Python values the code read) is checked on every call and a change refused with
+the fix (``guards.py``).  A compiled module answers for its module (``prog.parameters()``,
+``prog.state_dict()``, ``prog.train()``), as ``torch.compile``'s does.
+
 A graph break (data-dependent control flow) is reported with its source line and the
 program runs eagerly (op by op through the dispatcher), as MindSpore and
 ``torch.compile`` fall back to Python for what they cannot capture.
