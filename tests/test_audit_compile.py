@@ -533,3 +533,29 @@ def test_a_replaced_or_added_submodule_is_refused():
     seq.append(nn.Sigmoid())               # was refused as 'another train/eval mode'
     with pytest.raises(ValueError, match=r"2 \(none -> Sigmoid\)"):
         sprog(x)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_plain_tensor_program_returns_plain_tensors(level):
+    # a module and inputs without DistTensor, placed on mesh=: the result was a Replicate
+    # DistTensor where the module gives a tensor (assert_close(prog(x), model(x)) failed)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = _x((5, 6)).requires_grad_()
+    prog = wb.compile(m, x, mesh=wb.Mesh.grid((2,)), level=level, profile=PROFILE)
+    y = prog(x)
+    assert type(y) is torch.Tensor and y.requires_grad
+    y.pow(2).sum().backward()
+    gx, gw = x.grad.clone(), m[0].weight.grad.clone()
+    x.grad = None
+    m.zero_grad()
+    ref = m(x)
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, m[0].weight.grad)
+    f = wb.compile(lambda a, b: {"s": (a @ b).relu(), "t": [a.sum()]}, x.detach(),
+                   _x((6, 2)), mesh=wb.Mesh.grid((2,)), profile=PROFILE)
+    _close_tree(f(x.detach(), _x((6, 2))), {"s": (x.detach() @ _x((6, 2))).relu(),
+                                             "t": [x.detach().sum()]})
+    assert type(f(x.detach(), _x((6, 2)))["s"]) is torch.Tensor

@@ -78,6 +78,20 @@ def _signature(a):
     return snapshot(a)
 
 
+def _fulls(tree):
+    """``tree`` with each DistTensor as its global tensor (``.full()``: autograd flows)."""
+    if isinstance(tree, DistTensor):
+        return tree.full()
+    if isinstance(tree, tuple):
+        vals = [_fulls(x) for x in tree]
+        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+    if isinstance(tree, list):
+        return [_fulls(x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _fulls(x) for k, x in tree.items()}
+    return tree
+
+
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
             method: str = "auto", beam: int = 4, memory_limit: int | None = None,
             kwargs: dict | None = None):
@@ -86,7 +100,8 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
     parameters by ``fn``'s signature, :mod:`.arguments`).
 
     Placements come from the example DistTensors and the module's DistTensor parameters
-    (plain tensors are replicated on ``mesh``); ``pin`` maps a value (its number in
+    (plain tensors are replicated on ``mesh``; a program of plain tensors only returns
+    plain tensors, as it does eagerly); ``pin`` maps a value (its number in
     ``program.graph``, a parameter name, or ``"output"``) to the placements it must have.
     ``profile``: the hardware profile the choice is priced on (the current trace's, or
     the default).  ``memory_limit``: bytes per rank the ops' outputs and re-laid-out
@@ -262,7 +277,7 @@ class CompiledProgram:
             bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
                                                       if v in g.consts}, g.values))
         if self.level != "O2":
-            return execute_program(g, self.program, self.mesh, bind)
+            return self._result(execute_program(g, self.program, self.mesh, bind))
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward
         # and backward, are recorded without their own launches
         from ..parallel.ops_table.pricing import graph_sink
@@ -272,7 +287,16 @@ class CompiledProgram:
             tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
                               args={"launch": lt})
         with graph_sink():
-            return execute_program(g, self.program, self.mesh, bind, self._grad_buckets())
+            return self._result(execute_program(g, self.program, self.mesh, bind,
+                                                self._grad_buckets()))
+
+    def _result(self, out):
+        """A program of plain tensors only (inputs and parameters: no DistTensor; it ran
+        replicated on ``mesh``) gives plain tensors back, as the function does eagerly;
+        ``.full()`` keeps the autograd path to them."""
+        if any(isinstance(v, tuple) for v in self._placements.values()):
+            return out
+        return _fulls(out)
 
     def _grad_buckets(self):
         """The O2 schedule's gradient buckets, for one run (``buckets.py``); None under
