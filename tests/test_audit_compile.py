@@ -559,3 +559,58 @@ def test_plain_tensor_program_returns_plain_tensors(level):
     _close_tree(f(x.detach(), _x((6, 2))), {"s": (x.detach() @ _x((6, 2))).relu(),
                                              "t": [x.detach().sum()]})
     assert type(f(x.detach(), _x((6, 2)))["s"]) is torch.Tensor
+
+
+class _Times10Back(torch.autograd.Function):
+    """Forward x * 2, backward grad * 10: a gradient only its backward knows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 10
+
+
+class _Custom(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.a = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x):
+        if self.kind == "function":
+            return self.b(_Times10Back.apply(self.a(x)))
+        import torch.utils.checkpoint as cp
+        return self.b(cp.checkpoint(self.a, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("method", ["auto", "trace"])
+@pytest.mark.parametrize("kind", ["function", "reentrant checkpoint"])
+def test_custom_autograd_function_runs_eagerly(kind, method):
+    # export inlined the Function's forward: the graph's gradient was the forward's (8
+    # where the Function's backward gives 40); tracing recorded it under no_grad (no
+    # gradient at all). Reentrant checkpoint is such a Function.
+    m = _Custom(kind)
+    x = _x((4, 6)).requires_grad_()
+    prog = wb.compile(m, x, mesh=wb.Mesh.grid((2,)), method=method, profile=PROFILE)
+    assert prog.eager and "autograd.Function" in str(prog)
+    prog(x).pow(2).sum().backward()
+    got = m.a[0].weight.grad.clone()
+    m.zero_grad()
+    m(x).pow(2).sum().backward()
+    torch.testing.assert_close(got, m.a[0].weight.grad)
+
+
+def test_workbench_fused_ops_are_captured():
+    # wb.ops' own autograd Functions are op-table entries: they pass
+    mesh = wb.Mesh.grid((2,))
+    xp, wp = _x((4, 8)), _x((8,), 1)
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    w = wb.shard_tensor(wp, mesh, [R()])
+    prog = wb.compile(lambda a, b: wb.ops.rms_norm(a, b, eps=1e-6), x, w, profile=PROFILE)
+    assert not prog.eager
+    torch.testing.assert_close(prog(x, w).full(), wb.ops.rms_norm(xp, wp, eps=1e-6))

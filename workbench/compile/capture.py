@@ -355,7 +355,7 @@ def capture(fn, args, method: str = "auto"):
     # capture runs with gradients on, whatever the caller's mode (compile under no_grad
     # captures the program, not the mode): a no_grad block inside the program is then
     # its nodes' ``grad=False``, and the run calls them so (as eager does)
-    with state_writes(fn) as writes, torch.enable_grad():
+    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused():
         try:
             out = _capture(fn, args, method)
         except Broken:
@@ -365,6 +365,34 @@ def capture(fn, args, method: str = "auto"):
     if writes:
         raise _state_error(writes)
     return out
+
+
+@contextlib.contextmanager
+def _custom_functions_refused():
+    """While capture runs: a custom ``torch.autograd.Function`` applied to a traced tensor
+    is refused (its ``backward`` is code capture cannot see: export inlines its forward and
+    the graph's gradient is the forward's, 8 where the Function says 40; tracing records its
+    forward under no_grad, so no gradient at all).  ``torch.utils.checkpoint``'s reentrant
+    Function is one.  workbench's own Functions (``wb.ops``: the exact gradient, held to a
+    reference by their tests) are the op table's business and pass."""
+    base = torch.autograd.Function
+    orig = base.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("workbench.") and any(
+                isinstance(t, torch.Tensor) and t.device.type == "meta"
+                for t in _leaves((args, kwargs), [])):
+            f, line, code = _user_frame()
+            raise CaptureError(f"the autograd.Function {cls.__qualname__} at {f}:{line} "
+                               f"({code}) has its own backward, which a captured graph "
+                               "cannot hold; the program runs eagerly (compile the code "
+                               "around it, or register it in the op table)")
+        return orig.__func__(cls, *args, **kwargs)
+    base.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        base.apply = orig
 
 
 def _state_error(writes):

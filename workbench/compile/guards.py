@@ -52,21 +52,23 @@ __all__ = ["module_tree", "check_module_tree", "training_flags", "check_training
 
 
 def module_tree(module: nn.Module) -> tuple:
-    """(name, the submodule object) for the module and every child: what the graph ran."""
-    return tuple((name, id(m), type(m).__name__)
-                 for name, m in module.named_modules(remove_duplicate=False))
+    """(name, the submodule itself) for the module and every child: what the graph ran
+    (the objects, held: an id alone could be a new module's at the same address)."""
+    return tuple(module.named_modules(remove_duplicate=False))
 
 
 def check_module_tree(module: nn.Module, captured: tuple) -> None:
     """Refuse a call after a submodule was added, removed or replaced (``m.act = Tanh()``:
     the graph still runs the ops of the one it captured)."""
     now = module_tree(module)
-    if now == captured:
+    if len(now) == len(captured) and all(a == b and m is n for (a, m), (b, n) in
+                                         zip(now, captured)):
         return
-    was, is_ = {n: (i, t) for n, i, t in captured}, {n: (i, t) for n, i, t in now}
-    changed = [f"{n or 'the module'} ({was[n][1] if n in was else 'none'} -> "
-               f"{is_[n][1] if n in is_ else 'none'})"
-               for n in list(was) + [n for n in is_ if n not in was] if was.get(n) != is_.get(n)]
+    was, is_ = dict(captured), dict(now)
+    changed = [f"{n or 'the module'} ({type(was[n]).__name__ if n in was else 'none'} -> "
+               f"{type(is_[n]).__name__ if n in is_ else 'none'})"
+               for n in list(was) + [n for n in is_ if n not in was]
+               if was.get(n) is not is_.get(n)]
     raise ValueError("compiled program: submodules added, removed or replaced since capture: "
                      f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the graph "
                      "runs the ops of the modules it captured: compile the module again")
@@ -287,6 +289,23 @@ _OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType, type, nn.Module)
 
 
+class _Same:
+    """An object compared by identity (and held: an id alone could be a new object's)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __repr__(self):
+        return f"the same {type(self.obj).__name__}"
+
+
 def snapshot(v, depth: int = 0, budget: list | None = None):
     """A comparable copy of a Python value the graph may hold what it read from: a
     number or string with its type (2 == 2.0, but int_tensor * 2 is an int tensor); a
@@ -296,11 +315,11 @@ def snapshot(v, depth: int = 0, budget: list | None = None):
     budget = [512] if budget is None else budget
     budget[0] -= 1
     if isinstance(v, (torch.Tensor, DistTensor)):
-        return ("tensor", id(v))
+        return ("tensor", _Same(v))
     if is_scalar(v) and not isinstance(v, tuple):
         return ("value", type(v).__name__, v)
     if depth > 4 or budget[0] < 0 or isinstance(v, _OPAQUE):
-        return ("object", type(v).__name__, id(v))
+        return ("object", type(v).__name__, _Same(v))
     if isinstance(v, (list, tuple)):
         return (type(v).__name__, tuple(snapshot(x, depth + 1, budget) for x in v))
     if isinstance(v, dict):
@@ -312,8 +331,8 @@ def snapshot(v, depth: int = 0, budget: list | None = None):
             (f.name, snapshot(getattr(v, f.name, None), depth + 1, budget))
             for f in dataclasses.fields(v)))
     if not hasattr(v, "__dict__"):
-        return ("object", type(v).__name__, id(v))
-    return ("object", type(v).__name__, id(v), tuple(
+        return ("object", type(v).__name__, _Same(v))
+    return ("object", type(v).__name__, _Same(v), tuple(
         (k, snapshot(x, depth + 1, budget)) for k, x in sorted(vars(v).items())))
 
 
