@@ -169,7 +169,11 @@ class CompiledProgram:
                                     memory_limit)))
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
-            self.breaks.append(GraphBreak(str(e), "?", 0, ""))
+            # where the message names the user's line ("<what> at <file>:<line> (<code>)")
+            import re
+            m = re.search(r" at (\S+):(\d+) \((.*?)\)(?: |;|$)", str(e))
+            self.breaks.append(GraphBreak(str(e), m.group(1), int(m.group(2)), m.group(3))
+                               if m else GraphBreak(str(e), "?", 0, ""))
             return
         self.captured = graph
         self._placements = placements
