@@ -614,3 +614,22 @@ def test_workbench_fused_ops_are_captured():
     prog = wb.compile(lambda a, b: wb.ops.rms_norm(a, b, eps=1e-6), x, w, profile=PROFILE)
     assert not prog.eager
     torch.testing.assert_close(prog(x, w).full(), wb.ops.rms_norm(xp, wp, eps=1e-6))
+
+
+def _writes_in_place(a):
+    b = a * 2
+    b.add_(1)                              # the refused line
+    return b
+
+
+def test_a_capture_refusal_names_the_users_line():
+    import inspect
+    mesh = wb.Mesh.grid((2,))
+    x = wb.shard_tensor(_x((4, 6)), mesh, [S(0)])
+    prog = wb.compile(_writes_in_place, x, profile=PROFILE)
+    lines, first = inspect.getsourcelines(_writes_in_place)
+    want = first + next(i for i, ln in enumerate(lines) if "add_" in ln)
+    brk = prog.breaks[0]
+    assert brk.file.endswith("test_audit_compile.py") and brk.line == want
+    assert brk.code == "b.add_(1)                              # the refused line"
+    torch.testing.assert_close(prog(x).full(), _writes_in_place(x.full()))

@@ -38,7 +38,12 @@ __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
 
 class CaptureError(RuntimeError):
-    """The program calls something capture cannot map onto the op table."""
+    """The program calls something capture cannot map onto the op table; ``where``: the
+    user's (file, line, code) that did it, where known."""
+
+    def __init__(self, msg: str, where: tuple | None = None):
+        super().__init__(msg)
+        self.where = where
 
 
 class Broken(Exception):
@@ -145,7 +150,8 @@ class _Tracer(TorchFunctionMode):
         raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a tensor the program "
                            "did not make (a module's buffer, a global): the captured graph "
                            "would not repeat the write on each call; the program runs "
-                           "eagerly (return the new value, or keep such state outside)")
+                           "eagerly (return the new value, or keep such state outside)",
+                           where=(f, line, code))
 
     def _made(self, out, leaves):
         """Note the storages ``out`` holds that no input of the call held."""
@@ -173,7 +179,8 @@ class _Tracer(TorchFunctionMode):
                     f"{what} {tuple(t.shape)} at {f}:{line} ({code}) is not an input of the "
                     "program (a parameter of a module the function reads from outside?): "
                     "the graph would hold it as a constant, and no gradient would reach it; "
-                    "compile the module itself, or pass the tensor as an argument")
+                    "compile the module itself, or pass the tensor as an argument",
+                    where=(f, line, code))
             vid = self.g.value(t.shape, t.dtype, "const", f"const{len(self.g.consts)}")
             self.g.consts[vid] = t.detach()
             self.const_ids[id(t)] = vid
@@ -191,7 +198,8 @@ class _Tracer(TorchFunctionMode):
             f, line, code = _user_frame()
             raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
                                "inside the program; a captured graph would keep one draw for "
-                               "every call: pass the random tensor in as an input")
+                               "every call: pass the random tensor in as an input",
+                               where=(f, line, code))
         name = getattr(func, "__name__", "")
         if not traced:
             self._write_outside(func, name, args, kwargs, leaves)
@@ -208,7 +216,7 @@ class _Tracer(TorchFunctionMode):
             f, line, code = _user_frame()
             raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a traced tensor; "
                                "capture follows values, not writes: compute a new tensor "
-                               "(torch.where, torch.cat) instead")
+                               "(torch.where, torch.cat) instead", where=(f, line, code))
         if hit is None:
             try:
                 out = func(*args, **kwargs)
@@ -221,14 +229,14 @@ class _Tracer(TorchFunctionMode):
                     "entry in the op table and does not run on the traced meta tensors "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                     "register the op (workbench.parallel.ops_table) or compute it outside "
-                    "the compiled function") from None
+                    "the compiled function", where=(f, line, code)) from None
             if _leaves(out, []):
                 f, line, code = _user_frame()
                 raise CaptureError(
                     f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
                     "entry in the op table, so it cannot be placed; register the op "
                     "(workbench.parallel.ops_table) or compute it outside the compiled "
-                    "function")
+                    "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
         entry, parse = hit
         # constants (buffers, tensors made inside) become replicated values
@@ -386,7 +394,8 @@ def _custom_functions_refused():
             raise CaptureError(f"the autograd.Function {cls.__qualname__} at {f}:{line} "
                                f"({code}) has its own backward, which a captured graph "
                                "cannot hold; the program runs eagerly (compile the code "
-                               "around it, or register it in the op table)")
+                               "around it, or register it in the op table)",
+                               where=(f, line, code))
         return orig.__func__(cls, *args, **kwargs)
     base.apply = classmethod(apply)
     try:

@@ -46,9 +46,10 @@ from torch import nn
 
 from ..parallel.dist_tensor import DistTensor
 
-__all__ = ["module_tree", "check_module_tree", "training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
-           "hook_keys", "check_hooks", "is_scalar", "snapshot"]
+__all__ = ["module_tree", "check_module_tree", "training_flags", "check_training_flags",
+           "tensor_attributes", "bind_attributes", "check_no_mode", "state_writes",
+           "check_parameter", "references", "Frozen", "hook_keys", "check_hooks", "is_scalar",
+           "snapshot"]
 
 
 def module_tree(module: nn.Module) -> tuple:

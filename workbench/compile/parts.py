@@ -6,9 +6,10 @@ here the unit is the module: the forward that holds the break runs eagerly (op b
 through the dispatcher), and each child module it calls is captured and compiled with
 the inputs it received (found by running the forward once, eagerly, with hooks), down to
 the children whose own forward breaks again.  That run leaves no mark: it records no
-trace events and puts back the random generator and the module's buffers.  A child called with keyword arguments
-stays eager (its hook cannot see them), as does one the forward calls twice with inputs
-of other shapes, layouts or values (one capture answers for one signature).
+trace events and puts back the random generator and the module's buffers.  A child
+called with keyword arguments stays eager (its hook cannot see them), as does one the
+forward calls twice with inputs of other shapes, layouts or values (one capture answers
+for one signature).
 """
 from __future__ import annotations
 

@@ -169,11 +169,8 @@ class CompiledProgram:
                                     memory_limit)))
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
-            # where the message names the user's line ("<what> at <file>:<line> (<code>)")
-            import re
-            m = re.search(r" at (\S+):(\d+) \((.*?)\)(?: |;|$)", str(e))
-            self.breaks.append(GraphBreak(str(e), m.group(1), int(m.group(2)), m.group(3))
-                               if m else GraphBreak(str(e), "?", 0, ""))
+            where = getattr(e, "where", None) or ("?", 0, "")
+            self.breaks.append(GraphBreak(str(e), *where))
             return
         self.captured = graph
         self._placements = placements
