@@ -171,9 +171,9 @@ class _Tracer(TorchFunctionMode):
     def _const(self, t):
         vid = self.const_ids.get(id(t))
         if vid is None:
-            if isinstance(t, DistTensor) or t.requires_grad:
+            if t.requires_grad:
                 f, line, code = _user_frame()
-                what = "a DistTensor" if isinstance(t, DistTensor) else \
+                what = "a DistTensor that requires grad" if isinstance(t, DistTensor) else \
                     "a tensor that requires grad"
                 raise CaptureError(
                     f"{what} {tuple(t.shape)} at {f}:{line} ({code}) is not an input of the "
