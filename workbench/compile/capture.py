@@ -38,7 +38,12 @@ __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
 
 class CaptureError(RuntimeError):
-    """The program calls something capture cannot map onto the op table."""
+    """The program calls something capture cannot map onto the op table; ``where``: the
+    user's (file, line, code) that did it, where known."""
+
+    def __init__(self, msg: str, where: tuple | None = None):
+        super().__init__(msg)
+        self.where = where
 
 
 class Broken(Exception):
@@ -78,7 +83,7 @@ def _user_frame():
 
 
 def _leaves(tree, out):
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, (torch.Tensor, DistTensor)):
         out.append(tree)
     elif isinstance(tree, (tuple, list)):
         for x in tree:
@@ -125,6 +130,39 @@ class _Tracer(TorchFunctionMode):
         self.keep: list = []              # traced tensors stay alive (ids stay unique)
         self.const_ids: dict[int, int] = {}
         self._twins: dict[int, torch.Tensor] = {}   # const vid -> its meta twin
+        self.made: set = set()            # storages of tensors the program made itself
+        self.keep_made: list = []         # (kept alive: their addresses stay theirs)
+
+    def _write_outside(self, func, name, args, kwargs, leaves):
+        """Refuse, before it runs, a write into a tensor that was there before the
+        program: a module's buffer, a global (the graph would not repeat it)."""
+        if name in ("requires_grad_", "share_memory_") or not (
+                name == "__setitem__" or kwargs.get("out") is not None or
+                (name.endswith("_") and not name.startswith("_"))):
+            return
+        dst = kwargs.get("out") if kwargs.get("out") is not None else \
+            (args[0] if args else None)
+        dsts = _leaves(dst, [])
+        if not any(isinstance(t, torch.Tensor) and not t.is_meta and
+                   t.untyped_storage().data_ptr() not in self.made for t in dsts):
+            return
+        f, line, code = _user_frame()
+        raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a tensor the program "
+                           "did not make (a module's buffer, a global): the captured graph "
+                           "would not repeat the write on each call; the program runs "
+                           "eagerly (return the new value, or keep such state outside)",
+                           where=(f, line, code))
+
+    def _made(self, out, leaves):
+        """Note the storages ``out`` holds that no input of the call held."""
+        had = {t.untyped_storage().data_ptr() for t in leaves
+               if isinstance(t, torch.Tensor) and not t.is_meta}
+        for t in _leaves(out, []):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in had:
+                    self.made.add(ptr)
+                    self.keep_made.append(t)
 
     def track(self, t, vid):
         self.ids[id(t)] = vid
@@ -133,6 +171,16 @@ class _Tracer(TorchFunctionMode):
     def _const(self, t):
         vid = self.const_ids.get(id(t))
         if vid is None:
+            if t.requires_grad:
+                f, line, code = _user_frame()
+                what = "a DistTensor that requires grad" if isinstance(t, DistTensor) else \
+                    "a tensor that requires grad"
+                raise CaptureError(
+                    f"{what} {tuple(t.shape)} at {f}:{line} ({code}) is not an input of the "
+                    "program (a parameter of a module the function reads from outside?): "
+                    "the graph would hold it as a constant, and no gradient would reach it; "
+                    "compile the module itself, or pass the tensor as an argument",
+                    where=(f, line, code))
             vid = self.g.value(t.shape, t.dtype, "const", f"const{len(self.g.consts)}")
             self.g.consts[vid] = t.detach()
             self.const_ids[id(t)] = vid
@@ -150,21 +198,25 @@ class _Tracer(TorchFunctionMode):
             f, line, code = _user_frame()
             raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
                                "inside the program; a captured graph would keep one draw for "
-                               "every call: pass the random tensor in as an input")
+                               "every call: pass the random tensor in as an input",
+                               where=(f, line, code))
+        name = getattr(func, "__name__", "")
         if not traced:
-            return func(*args, **kwargs)
+            self._write_outside(func, name, args, kwargs, leaves)
+            out = func(*args, **kwargs)
+            self._made(out, leaves)
+            return out
         if func in _VALUE_FUNCS:
             f, line, code = _user_frame()
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
         hit = BY_FUNC.get(func)
-        name = getattr(func, "__name__", "")
         if hit is None and (name == "__setitem__" or kwargs.get("out") is not None or
                             (name.endswith("_") and not name.startswith("_"))):
             f, line, code = _user_frame()
             raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a traced tensor; "
                                "capture follows values, not writes: compute a new tensor "
-                               "(torch.where, torch.cat) instead")
+                               "(torch.where, torch.cat) instead", where=(f, line, code))
         if hit is None:
             try:
                 out = func(*args, **kwargs)
@@ -177,14 +229,14 @@ class _Tracer(TorchFunctionMode):
                     "entry in the op table and does not run on the traced meta tensors "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                     "register the op (workbench.parallel.ops_table) or compute it outside "
-                    "the compiled function") from None
+                    "the compiled function", where=(f, line, code)) from None
             if _leaves(out, []):
                 f, line, code = _user_frame()
                 raise CaptureError(
                     f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
                     "entry in the op table, so it cannot be placed; register the op "
                     "(workbench.parallel.ops_table) or compute it outside the compiled "
-                    "function")
+                    "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
         entry, parse = hit
         # constants (buffers, tensors made inside) become replicated values
@@ -228,7 +280,8 @@ class _Tracer(TorchFunctionMode):
                             inputs, dict(attrs), tuple(outs), tree,
                             f"{os.path.basename(f)}:{line}  {code}",
                             in_consts=tuple(None if isinstance(x, torch.Tensor) else x
-                                            for x in ins)))
+                                            for x in ins),
+                            grad=torch.is_grad_enabled()))
         return out
 
 
@@ -307,7 +360,10 @@ def capture(fn, args, method: str = "auto"):
                                "submodules (a wrapper such as DistributedDataParallel keeps "
                                "the module apart): capture would freeze them as constants "
                                "and no gradient would reach them; the program runs eagerly")
-    with state_writes(fn) as writes:      # a forward that sets module state (guards.py)
+    # capture runs with gradients on, whatever the caller's mode (compile under no_grad
+    # captures the program, not the mode): a no_grad block inside the program is then
+    # its nodes' ``grad=False``, and the run calls them so (as eager does)
+    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused():
         try:
             out = _capture(fn, args, method)
         except Broken:
@@ -317,6 +373,35 @@ def capture(fn, args, method: str = "auto"):
     if writes:
         raise _state_error(writes)
     return out
+
+
+@contextlib.contextmanager
+def _custom_functions_refused():
+    """While capture runs: a custom ``torch.autograd.Function`` applied to a traced tensor
+    is refused (its ``backward`` is code capture cannot see: export inlines its forward and
+    the graph's gradient is the forward's, 8 where the Function says 40; tracing records its
+    forward under no_grad, so no gradient at all).  ``torch.utils.checkpoint``'s reentrant
+    Function is one.  workbench's own Functions (``wb.ops``: the exact gradient, held to a
+    reference by their tests) are the op table's business and pass."""
+    base = torch.autograd.Function
+    orig = base.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("workbench.") and any(
+                isinstance(t, torch.Tensor) and t.device.type == "meta"
+                for t in _leaves((args, kwargs), [])):
+            f, line, code = _user_frame()
+            raise CaptureError(f"the autograd.Function {cls.__qualname__} at {f}:{line} "
+                               f"({code}) has its own backward, which a captured graph "
+                               "cannot hold; the program runs eagerly (compile the code "
+                               "around it, or register it in the op table)",
+                               where=(f, line, code))
+        return orig.__func__(cls, *args, **kwargs)
+    base.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        base.apply = orig
 
 
 def _state_error(writes):

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..parallel.dist_tensor import DistTensor
@@ -185,8 +186,14 @@ def capture_export(fn, args):
             _map_node(g, node, env, metas)
         elif node.op == "output":
             outs = node.args[0]
-            refs = tuple(env[o.name] if hasattr(o, "name") else o for o in outs)
-            g.output = refs[0] if len(refs) == 1 else refs
+            kinds = {str(o.kind).rsplit(".", 1)[-1] for o in sig.output_specs}
+            if kinds != {"USER_OUTPUT"} and outs:
+                raise Unmapped(f"the exported graph returns {sorted(kinds)} besides the "
+                               "program's outputs (a write to a buffer or an input)")
+            refs = [env[o.name] if hasattr(o, "name") else o for o in outs]
+            # export flattens the result: its out_spec gives back the program's own
+            # structure (a dict, a list, a 1-tuple, nested), as eager returns it
+            g.output = pytree.tree_unflatten(refs, ep.call_spec.out_spec)
     return g, placements
 
 

@@ -54,6 +54,8 @@ class Node:
     source: str = ""            # "file:line  code" of the call
     note: str = ""              # what a pass did to it
     in_consts: tuple = ()       # per rule input: the non-tensor value (None for tensors)
+    grad: bool = True           # False: called under torch.no_grad() in the program (the
+                                # run calls it so too: no gradient flows through it)
 
     @property
     def name(self) -> str:
@@ -129,6 +131,7 @@ class Graph:
             outs = ", ".join(f"%{o}" for o in n.outs)
             shp = ", ".join(str(tuple(self.values[o].shape)) for o in n.outs)
             lines.append(f"  {outs} = {n.op}({ins}) {shp}"
+                         + ("  [no_grad]" if not n.grad else "")
                          + (f"  # {n.note}" if n.note else ""))
         lines.append(f"  return {self.output}")
         return "\n".join(lines)

@@ -7,6 +7,8 @@ dropout, a Python branch on ``self.training``) and the tensors the code read off
 module; when one changes it captures again.  A :class:`~.program.CompiledProgram` holds
 one capture, so:
 
+* the module's tree of submodules is recorded at capture: a call after one was added,
+  removed or replaced (``m.act = nn.Tanh()``) is refused with the fix;
 * the training flags of the module and its children are recorded at capture; a call
   after ``model.eval()`` (or ``train()``) of a program captured in the other mode is
   refused with the fix (compile again), never run in the captured mode;
@@ -36,6 +38,7 @@ one capture, so:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import torch
@@ -43,9 +46,33 @@ from torch import nn
 
 from ..parallel.dist_tensor import DistTensor
 
-__all__ = ["training_flags", "check_training_flags", "tensor_attributes", "bind_attributes",
-           "check_no_mode", "state_writes", "check_parameter", "references", "Frozen",
-           "hook_keys", "check_hooks", "is_scalar"]
+__all__ = ["module_tree", "check_module_tree", "training_flags", "check_training_flags",
+           "tensor_attributes", "bind_attributes", "check_no_mode", "state_writes",
+           "check_parameter", "references", "Frozen", "hook_keys", "check_hooks", "is_scalar",
+           "snapshot"]
+
+
+def module_tree(module: nn.Module) -> tuple:
+    """(name, the submodule itself) for the module and every child: what the graph ran
+    (the objects, held: an id alone could be a new module's at the same address)."""
+    return tuple(module.named_modules(remove_duplicate=False))
+
+
+def check_module_tree(module: nn.Module, captured: tuple) -> None:
+    """Refuse a call after a submodule was added, removed or replaced (``m.act = Tanh()``:
+    the graph still runs the ops of the one it captured)."""
+    now = module_tree(module)
+    if len(now) == len(captured) and all(a == b and m is n for (a, m), (b, n) in
+                                         zip(now, captured)):
+        return
+    was, is_ = dict(captured), dict(now)
+    changed = [f"{n or 'the module'} ({type(was[n]).__name__ if n in was else 'none'} -> "
+               f"{type(is_[n]).__name__ if n in is_ else 'none'})"
+               for n in list(was) + [n for n in is_ if n not in was]
+               if was.get(n) is not is_.get(n)]
+    raise ValueError("compiled program: submodules added, removed or replaced since capture: "
+                     f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the graph "
+                     "runs the ops of the modules it captured: compile the module again")
 
 
 def training_flags(module: nn.Module) -> tuple:
@@ -259,13 +286,66 @@ def references(fn) -> dict:
     return out
 
 
+_OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, type, nn.Module)
+
+
+class _Same:
+    """An object compared by identity (and held: an id alone could be a new object's)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __repr__(self):
+        return f"the same {type(self.obj).__name__}"
+
+
+def snapshot(v, depth: int = 0, budget: list | None = None):
+    """A comparable copy of a Python value the graph may hold what it read from: a
+    number or string with its type (2 == 2.0, but int_tensor * 2 is an int tensor); a
+    list, tuple, set or dict by its items; a dataclass by its fields; another object by
+    its identity and its attributes (``cfg.scale``); a tensor inside one, a module, a
+    function or a class by its identity.  Deep or large values are cut (identity)."""
+    budget = [512] if budget is None else budget
+    budget[0] -= 1
+    if isinstance(v, (torch.Tensor, DistTensor)):
+        return ("tensor", _Same(v))
+    if is_scalar(v) and not isinstance(v, tuple):
+        return ("value", type(v).__name__, v)
+    if depth > 4 or budget[0] < 0 or isinstance(v, _OPAQUE):
+        return ("object", type(v).__name__, _Same(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(snapshot(x, depth + 1, budget) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, snapshot(x, depth + 1, budget)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)) and all(is_scalar(x) for x in v):
+        return (type(v).__name__, frozenset(v))
+    if dataclasses.is_dataclass(v):
+        return ("dataclass", type(v).__name__, tuple(
+            (f.name, snapshot(getattr(v, f.name, None), depth + 1, budget))
+            for f in dataclasses.fields(v)))
+    if not hasattr(v, "__dict__"):
+        return ("object", type(v).__name__, _Same(v))
+    return ("object", type(v).__name__, _Same(v), tuple(
+        (k, snapshot(x, depth + 1, budget)) for k, x in sorted(vars(v).items())))
+
+
 class Frozen:
     """What a capture read through :func:`references`: Python values compared on every
-    call, tensors (constants of the graph) read again."""
+    call (a container or an object by its :func:`snapshot`: ``self.cfg.scale``), tensors
+    (constants of the graph) read again."""
 
     def __init__(self, fn, consts: dict):
         self.refs = references(fn)
         self.scalars, tensors = {}, {}
+        self.objects: dict = {}                 # label -> snapshot at capture
         for label, get in self.refs.items():
             try:
                 v = get()
@@ -275,6 +355,8 @@ class Frozen:
                 self.scalars[label] = v
             elif type(v) is torch.Tensor and not v.is_meta and v.numel():
                 tensors.setdefault(_key(v), label)
+            elif not isinstance(v, (torch.Tensor, DistTensor) + _OPAQUE) and v is not _MISSING:
+                self.objects[label] = snapshot(v)
         self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
                        if type(c) is torch.Tensor and not c.is_meta and c.numel()
                        and _key(c) in tensors}
@@ -288,6 +370,12 @@ class Frozen:
                 raise ValueError(f"compiled program: {label} was {was!r} at capture and is "
                                  f"now {shown}; the graph holds the value it read: compile "
                                  "again (or pass the value in as a tensor input)")
+        for label, was in self.objects.items():
+            if snapshot(self.refs[label]()) != was:
+                raise ValueError(f"compiled program: {label} changed since capture (an "
+                                 "item or attribute, or another object); the graph holds "
+                                 "the values it read from it: compile again (or pass the "
+                                 "value in as a tensor input)")
         out = {}
         for vid, label in self.consts.items():
             t, v = self.refs[label](), values[vid]

@@ -18,7 +18,10 @@ dispatcher's own.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+
+import torch
 
 from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
@@ -140,7 +143,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
             arg = _bucketed(arg, graph, n, st, mesh, grad_buckets)
         args = map_refs(n.args, arg)
         kwargs = map_refs(n.kwargs, arg)
-        with force_candidate(_pick(n, st)):
+        with force_candidate(_pick(n, st)), \
+                (torch.no_grad() if not n.grad else contextlib.nullcontext()):
             out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
         found = []
         _match(n.out_tree, out, found)

@@ -18,6 +18,12 @@ bucket (``buckets.py``; under torch.distributed one per parameter, as O1).  The 
 pass's early and split collectives stay a priced plan: the run issues each collective
 whole, where its consumer needs it (``prog.notes`` says which the schedule holds).
 
+Calling it: like ``fn`` (keyword arguments bound by ``fn``'s signature, ``arguments.py``),
+with inputs like the example's; what the capture held fixed (train/eval mode, submodules,
+hooks, Python values the code read) is checked on every call and a change refused with
+the fix (``guards.py``).  A compiled module answers for its module (``prog.parameters()``,
+``prog.state_dict()``, ``prog.train()``), as ``torch.compile``'s does.
+
 A graph break (data-dependent control flow) is reported with its source line and the
 program runs eagerly (op by op through the dispatcher), as MindSpore and
 ``torch.compile`` fall back to Python for what they cannot capture.
@@ -32,11 +38,12 @@ from ..parallel.placement import fmt_placements
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import current_trace
 from . import passes as _passes
+from .arguments import positional
 from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
-from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, is_scalar,
-                     check_parameter, check_training_flags, hook_keys, tensor_attributes,
-                     training_flags)
+from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapshot,
+                     check_module_tree, check_parameter, check_training_flags, hook_keys,
+                     module_tree, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
 
@@ -60,23 +67,41 @@ def _mesh_of(args, module):
 
 def _signature(a):
     """What a call's argument must share with the example's: a tensor's shape, dtype,
-    placements and mesh; a Python value itself (the graph holds it as a constant)."""
+    placements and mesh; a Python value, a container or an object by its
+    :func:`~.guards.snapshot` (the graph holds what capture read from it: 2, not 2.0;
+    ``cfg.scale``; a tensor inside one by its identity, a constant of the graph)."""
     if isinstance(a, (torch.Tensor, DistTensor)):
         mesh = getattr(a, "mesh", None)
         return (tuple(a.shape), a.dtype, tuple(getattr(a, "placements", ())),
                 None if mesh is None else (tuple(mesh.dim_names), tuple(mesh.shape),
                                            tuple(mesh.ranks)))
-    if is_scalar(a) or (isinstance(a, (list, tuple)) and all(is_scalar(x) for x in a)):
-        return ("value", a)
-    return ("object", type(a).__name__)
+    return snapshot(a)
+
+
+def _fulls(tree):
+    """``tree`` with each DistTensor as its global tensor (``.full()``: autograd flows)."""
+    if isinstance(tree, DistTensor):
+        return tree.full()
+    if isinstance(tree, tuple):
+        vals = [_fulls(x) for x in tree]
+        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+    if isinstance(tree, list):
+        return [_fulls(x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _fulls(x) for k, x in tree.items()}
+    return tree
 
 
 def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile=None,
-            method: str = "auto", beam: int = 4, memory_limit: int | None = None):
-    """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``.
+            method: str = "auto", beam: int = 4, memory_limit: int | None = None,
+            kwargs: dict | None = None):
+    """Compile ``fn`` (a function or an ``nn.Module``) for inputs like ``example_inputs``
+    (and keyword inputs ``kwargs``, as ``torch.export.export`` takes them: bound to their
+    parameters by ``fn``'s signature, :mod:`.arguments`).
 
     Placements come from the example DistTensors and the module's DistTensor parameters
-    (plain tensors are replicated on ``mesh``); ``pin`` maps a value (its number in
+    (plain tensors are replicated on ``mesh``; a program of plain tensors only returns
+    plain tensors, as it does eagerly); ``pin`` maps a value (its number in
     ``program.graph``, a parameter name, or ``"output"``) to the placements it must have.
     ``profile``: the hardware profile the choice is priced on (the current trace's, or
     the default).  ``memory_limit``: bytes per rank the ops' outputs and re-laid-out
@@ -93,7 +118,15 @@ def compile(fn, *example_inputs, level: str = "O1", mesh=None, pin=None, profile
                          "int >= 1, or None for no limit")
     if not callable(fn):
         raise TypeError(f"compile(fn={fn!r:.60}): expected a function or an nn.Module")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"compile(kwargs={kwargs!r:.60}): give a dict of keyword example "
+                        "inputs, as torch.export.export takes them")
+    example_inputs = positional(fn, example_inputs, kwargs or {})
     module = fn if isinstance(fn, nn.Module) else None
+    from ..sim_mesh.mesh import Mesh
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"compile(mesh={mesh!r:.60}): give a wb.Mesh (the mesh the program "
+                        "runs on), or None to take the example DistTensors' mesh")
     mesh = mesh or _mesh_of(example_inputs, module)
     if mesh is None:
         raise ValueError("compile: no DistTensor among the example inputs or parameters; "
@@ -136,12 +169,14 @@ class CompiledProgram:
                                     memory_limit)))
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
-            self.breaks.append(GraphBreak(str(e), "?", 0, ""))
+            where = getattr(e, "where", None) or ("?", 0, "")
+            self.breaks.append(GraphBreak(str(e), *where))
             return
         self.captured = graph
         self._placements = placements
         if self.module is not None:         # what the call checks and re-reads (guards.py)
             self._modes = training_flags(self.module)
+            self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
         self._hooks = hook_keys(fn)
@@ -174,26 +209,51 @@ class CompiledProgram:
                 out[k] = ps
         return out
 
+    def __getattr__(self, name):
+        """A compiled module answers for its module, as ``torch.compile``'s does
+        (``prog.parameters()`` for the optimizer, ``prog.state_dict()``, ``prog.zero_grad()``);
+        a method that returns the module (``prog.train()``) returns the program."""
+        mod = self.__dict__.get("module")
+        if mod is None or name.startswith("_"):
+            raise AttributeError(f"'CompiledProgram' object has no attribute {name!r}" + (
+                " (a compiled function has no module to answer for it)"
+                if mod is None and hasattr(nn.Module, name) else ""))
+        attr = getattr(mod, name)
+        if callable(attr) and getattr(attr, "__self__", None) is mod:
+            def call(*args, **kwargs):
+                out = attr(*args, **kwargs)
+                return self if out is mod else out
+            call.__name__, call.__doc__ = name, attr.__doc__
+            return call
+        return attr
+
     # ---- running ------------------------------------------------------------------
     @property
     def eager(self) -> bool:
         """True where a graph break made the program run op by op."""
         return self.graph is None
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.eager:
             if self.parts:
                 from .parts import swapped
                 with swapped(self.module, self.parts):
-                    return self.fn(*args)
-            return self.fn(*args)
+                    return self.fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
+        args = positional(self.fn, args, kwargs, len(self._example))
         got = [_signature(a) for a in args]
         if got != self._example:
-            raise ValueError("compiled program called with inputs of other shapes, dtypes, "
+            diff = [i for i in range(max(len(got), len(self._example)))
+                    if got[i:i + 1] != self._example[i:i + 1]]
+            what = type(self.fn).__name__ if self.module is not None else \
+                getattr(self.fn, "__qualname__", type(self.fn).__name__)
+            raise ValueError(f"compiled program ({what}) called with inputs of other "
+                             "shapes, dtypes, "
                              "placements or meshes, or other Python values, than it was "
-                             f"compiled for ({got} vs {self._example}); compile it again "
-                             "for these")
+                             f"compiled for (argument {', '.join(map(str, diff))}: "
+                             f"{got} vs {self._example}); compile it again for these")
         if self.module is not None:
+            check_module_tree(self.module, self._tree)
             check_training_flags(self.module, self._modes)
         check_no_mode()
         check_hooks(self.fn, self._hooks)
@@ -218,7 +278,7 @@ class CompiledProgram:
             bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
                                                       if v in g.consts}, g.values))
         if self.level != "O2":
-            return execute_program(g, self.program, self.mesh, bind)
+            return self._result(execute_program(g, self.program, self.mesh, bind))
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward
         # and backward, are recorded without their own launches
         from ..parallel.ops_table.pricing import graph_sink
@@ -228,7 +288,16 @@ class CompiledProgram:
             tr.record_compute(self.mesh.ranks, "graph launch", lt, label="launch",
                               args={"launch": lt})
         with graph_sink():
-            return execute_program(g, self.program, self.mesh, bind, self._grad_buckets())
+            return self._result(execute_program(g, self.program, self.mesh, bind,
+                                                self._grad_buckets()))
+
+    def _result(self, out):
+        """A program of plain tensors only (inputs and parameters: no DistTensor; it ran
+        replicated on ``mesh``) gives plain tensors back, as the function does eagerly;
+        ``.full()`` keeps the autograd path to them."""
+        if any(isinstance(v, tuple) for v in self._placements.values()):
+            return out
+        return _fulls(out)
 
     def _grad_buckets(self):
         """The O2 schedule's gradient buckets, for one run (``buckets.py``); None under

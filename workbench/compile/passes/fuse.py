@@ -227,7 +227,10 @@ def fuse(prog, graph):
                 if hit is None:
                     continue
                 func, args, kwargs, note, dead = hit
+                if any(d.grad != n.grad for d in dead):   # a no_grad block's edge
+                    continue
                 g.nodes[k] = _make(g, n.nid, func, args, kwargs, n.outs, note, n.source)
+                g.nodes[k].grad = n.grad
                 drop = {d.nid for d in dead}
                 g.nodes = [m for m in g.nodes if m.nid not in drop]
                 counts[name] = counts.get(name, 0) + 1
