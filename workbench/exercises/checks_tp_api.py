@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.config import get_config
