@@ -416,6 +416,7 @@ EXERCISES = [
     ("06", "check_tp_sp_layer_bytes", _tp_sp_bytes),
     ("06", "check_sp_f_g", CODE),
     ("06", "check_sp_max_microbatch", _sp_max_mb),
+    ("06", "check_tp_mlp_plan", CODE),
     ("07", "check_hand_schedule", CODE),
     ("07", "check_min_microbatches", _min_microbatches),
     ("07", "check_zb_bubble", _zb_bubble),

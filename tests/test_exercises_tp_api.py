@@ -1,0 +1,64 @@
+"""The check of notebook 06's exercise on PyTorch's tensor-parallel API: the right plan
+passes (with our styles and with torch's own), each plausible wrong plan gets a message
+naming its mistake."""
+import pytest
+
+import workbench as wb
+from tests.exercise_helpers import fails, passes
+
+ex = wb.exercises
+Col, Row, In, SP = wb.ColwiseParallel, wb.RowwiseParallel, wb.PrepareModuleInput, wb.SequenceParallel
+R, S = wb.Replicate, wb.Shard
+
+
+def enter(lay=None):
+    return In(input_layouts=(lay or R(),), desired_input_layouts=(R(),))
+
+
+RIGHT = {"mlp": enter(), "mlp.w1": Col(), "mlp.w3": Col(), "mlp.w2": Row()}
+
+
+def test_right_plan_passes(capsys):
+    out = passes(capsys, ex.check_tp_mlp_plan, dict(RIGHT))
+    assert "one all-reduce forward (g) and one backward (f), 32,768 B per rank" in out
+    passes(capsys, ex.check_tp_mlp_plan, {"mlp": enter(), "mlp.w[13]": Col(), "mlp.w2": Row()})
+
+
+def test_torch_styles_pass(capsys):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import parallel as tp
+    passes(capsys, ex.check_tp_mlp_plan, {
+        "mlp": tp.PrepareModuleInput(input_layouts=(Replicate(),),
+                                     desired_input_layouts=(Replicate(),)),
+        "mlp.w1": tp.ColwiseParallel(), "mlp.w3": tp.ColwiseParallel(),
+        "mlp.w2": tp.RowwiseParallel()})
+
+
+@pytest.mark.parametrize("plan, match", [
+    ({"mlp.w1": Col(), "mlp.w3": Col(), "mlp.w2": Row()},
+     "backward sends 2 all-reduces .* where Megatron's f sends 1.*PrepareModuleInput"),
+    ({**RIGHT, "mlp.w2": Col()}, "w2 got ColwiseParallel.*gather the whole hidden"),
+    ({**RIGHT, "mlp.w1": Row()}, "w1 got RowwiseParallel.*SiLU of a partial sum"),
+    ({**RIGHT, "mlp.w3": Row()}, "w3 got RowwiseParallel"),
+    ({"mlp": enter(), "mlp.w1": Col(), "mlp.w2": Row()}, "mlp.w3 is not in your plan"),
+    ({"mlp": enter(), "mlp.w1": Col(), "mlp.w3": Col()}, "mlp.w2 is not in your plan.*Rowwise"),
+    ({**RIGHT, "mlp.w2": Row(output_layouts=S(1))}, "reduce-scattered onto the sequence.*all-reduce"),
+    ({**RIGHT, "mlp_norm": SP()}, "mlp_norm a style.*leave mlp_norm out"),
+    ({**RIGHT, "mlp": enter(S(1))}, "arrives \\[S\\(1\\)\\].*input_layouts=\\(Replicate\\(\\),\\)"),
+    ({**RIGHT, "attn.wq": Col()}, "'attn.wq' names no module of the MLP half"),
+    ({**RIGHT, "mlp.w2": In(input_layouts=(S(1),), desired_input_layouts=(R(),))},
+     "mlp.w2 is not in your plan"),
+])
+def test_wrong_plans_named(plan, match):
+    fails(match, ex.check_tp_mlp_plan, plan)
+
+
+def test_not_a_plan():
+    fails("should be a dict", ex.check_tp_mlp_plan, Col())
+    fails("refused your plan", ex.check_tp_mlp_plan, {"mlp.w1": Col(), "mlp.w[13]": Row()})
+
+
+def test_exported():
+    from workbench.exercises import checks_tp_api as C
+    assert set(C.__all__) == {"check_tp_mlp_plan"}
+    assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
