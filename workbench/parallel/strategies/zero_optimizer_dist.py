@@ -42,13 +42,23 @@ from torch import nn
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
+from ...ops.adamw import AdamW as _AdamW
 from ..module_state import clear_grad
 from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
 from .optim_layout import check_state_shapes
 from .zero_optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter"]
+__all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter", "ELEMENTWISE"]
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and
+# states (torch 2.13 torch/optim/*.py; workbench.ops.AdamW is AdamW's): on the flat chunks
+# they give the unsharded result.  Others (Adafactor's factored moments, LBFGS's flat
+# history) would compute on the chunks' shape: (n, chunk) stacked here, (chunk,) under
+# torchrun, neither the parameter's.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+    "ASGD", "Rprop") if hasattr(torch.optim, n)) + (_AdamW,)
 
 
 _CLIP_REFUSE = (
@@ -92,6 +102,13 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class={optimizer_class!r}: give a torch.optim.Optimizer "
                             "subclass, e.g. wb.ops.AdamW")
+        if not issubclass(optimizer_class, ELEMENTWISE):
+            names = ", ".join(c.__name__ for c in ELEMENTWISE[:-1])
+            raise ValueError(f"optimizer_class={optimizer_class.__name__}: partition='chunks' "
+                             "steps it on flat chunks of the parameters, exact only for an "
+                             f"elementwise optimizer (torch.optim's {names}, wb.ops.AdamW, or "
+                             "a subclass); give one of those, or partition='owners' (whole "
+                             "tensors, exact for any optimizer)")
         if not isinstance(overlap_comm, bool):
             raise TypeError(f"overlap_comm={overlap_comm!r}: give True (ZeRO-2) or False")
         if mesh is None:
