@@ -35,9 +35,9 @@ from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, shard_tensor
 from .spec import TensorSpec
-from .placement import (Partial, Replicate, Shard, check_partial_dtype, fmt_placements,
+from .placement import (Replicate, check_partial_dtype, fmt_placements,
                         normalize_placements)
-from .reshard_search import plan_steps
+from .reshard_search import _moves as _search_moves, _pops, plan_steps
 
 __all__ = ["Step", "Plan", "plan_reshard", "reshard"]
 
@@ -122,53 +122,17 @@ def _nbytes(shape, mesh, ps, dtype) -> int:
     return layout.local_numel_max(shape, mesh, ps) * _elem(dtype)
 
 
-def _blocked(ps, i, dims) -> bool:
-    """True if a mesh dim right of i shards any of ``dims`` (nesting forbids the move)."""
-    return any(isinstance(p, Shard) and p.dim in dims for p in ps[i + 1:])
-
-
 def _moves(shape, mesh, ps, dtype, profile):
-    """Every single-mesh-dim move from placements ``ps``: (kind, i, new_ps, nbytes)."""
-    ndim = len(shape)
-    # the Partial ops the dtype has (placement.check_partial_dtype): no sum or avg of
-    # bools (max / min are logical or / and), no avg of integers
-    pops = (("sum", "avg", "max", "min") if dtype.is_floating_point or dtype.is_complex else
-            ("max", "min") if dtype == torch.bool else ("sum", "max", "min"))
-    for i, p in enumerate(ps):
-        cands = [Replicate()] + [Shard(d) for d in range(ndim)]
-        for new in cands + [Partial(op) for op in pops]:
-            if new == p:
-                continue
-            nxt = ps[:i] + (new,) + ps[i + 1:]
-            if mesh.shape[i] == 1:
-                # one rank along this dim: every placement is the same data
-                if not (isinstance(new, Shard) and _blocked(ps, i, {new.dim})) and \
-                        not (isinstance(p, Shard) and _blocked(ps, i, {p.dim})):
-                    yield "local_relabel", i, nxt, 0
-                continue
-            if isinstance(p, Replicate):
-                if isinstance(new, Shard):
-                    if _blocked(ps, i, {new.dim}):
-                        continue
-                    yield "local_slice", i, nxt, 0
-                else:
-                    yield "local_partial", i, nxt, 0
-            elif isinstance(p, Shard):
-                if _blocked(ps, i, {p.dim} | ({new.dim} if isinstance(new, Shard) else set())):
-                    continue
-                if isinstance(new, Replicate):
-                    yield "all_gather", i, nxt, _nbytes(shape, mesh, nxt, dtype)
-                elif isinstance(new, Shard):
-                    yield "all_to_all", i, nxt, _nbytes(shape, mesh, ps, dtype)
-                elif new.reduce_op == "sum":
-                    yield "local_pad", i, nxt, 0
-            else:  # Partial
-                if isinstance(new, Replicate):
-                    yield "all_reduce", i, nxt, _nbytes(shape, mesh, ps, dtype)
-                elif isinstance(new, Shard):
-                    if _blocked(ps, i, {new.dim}):
-                        continue
-                    yield "reduce_scatter", i, nxt, _nbytes(shape, mesh, ps, dtype)
+    """Every single-mesh-dim move from placements ``ps``: (kind, i, new_ps, nbytes).
+
+    The moves themselves are listed once, by ``reshard_search._moves`` (which edits of one
+    placement are legal: nesting, the Partial ops the dtype has, a mesh dim of one rank);
+    here each gets its bytes: the new placements' largest shard for an all-gather, the old
+    ones' for the other collectives, none for a local step."""
+    for kind, i, nxt, whose in _search_moves(len(shape), tuple(mesh.shape), _pops(dtype),
+                                             tuple(ps)):
+        yield kind, i, nxt, (0 if whose is None else
+                             _nbytes(shape, mesh, nxt if whose else ps, dtype))
 
 
 @lru_cache(maxsize=65536)

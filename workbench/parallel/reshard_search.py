@@ -29,7 +29,8 @@ __all__ = ["plan_steps"]
 
 
 def _pops(dtype) -> tuple:
-    """The Partial ops the dtype has (as ``reshard._moves``)."""
+    """The Partial ops the dtype has (placement.check_partial_dtype): no sum or avg of
+    bools (max / min are logical or / and), no avg of integers."""
     return (("sum", "avg", "max", "min") if dtype.is_floating_point or dtype.is_complex else
             ("max", "min") if dtype == torch.bool else ("sum", "max", "min"))
 
@@ -72,7 +73,8 @@ def _graph(ndim: int, mesh_shape: tuple, pops: tuple) -> _Graph:
 
 
 def _moves(ndim: int, mesh_shape: tuple, pops: tuple, ps: tuple) -> list:
-    """``reshard._moves`` without the bytes: (kind, mesh dim, new placements, whose
+    """The legal single-mesh-dim moves (``reshard._moves`` adds their bytes): (kind,
+    mesh dim, new placements, whose
     bytes: 1 the new placements', 0 the old ones', None: a local step)."""
     out = []
     for i, p in enumerate(ps):
