@@ -1,10 +1,12 @@
 """The whole-graph search: every op's strategy chosen for the program at once, on the
 objective :mod:`.propagate` prices.
 
-Search: states are the placements of the *live* tensors (made, and read later); states
-with the same live placements merge, keeping the cheaper (dynamic programming: exact on
-a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
-DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
+Search: states are the placements of the *live* tensors (made, and read later), with the
+other layouts a reshard already made of any tensor still read (a later consumer reads
+that copy for nothing, as the program does: ``propagate``'s docstring); states with the
+same live placements and layouts merge, keeping the cheaper (dynamic programming: exact
+on a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search
+on DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
 is never worse than greedy's, on the same objective, by construction.
 
 Memory: each op's candidate also keeps bytes per rank, its outputs in the layout it makes
