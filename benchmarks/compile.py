@@ -14,20 +14,23 @@ Each model is built on the meta device and parallelized with its own tensor-para
 
 Prints the ops captured, the times, and the modeled step of both choices.
 
-Measured on the shared 2-core machine (load about 9, so wall times are inflated; a100;
-the step priced without a backward collective for a reshard's all_gather / all_reduce,
-which the run never makes: see ``compile/propagate.py``'s ``BACKWARD_OF``):
+Measured on the shared 2-core machine (load about 1.4; a100), with the search's
+objective equal to the O1 step the program replays (``tests/test_compile_estimate_agrees.py``:
+a reshard read by several ops priced once, a linear's backward as its two kernels):
 
-    tiny (llama)      59 ops  capture 2.71 s  greedy 1.14 s  propagate 1.27 s  step 0.347 -> 0.263 ms
-    small (llama)    163 ops  capture 0.12 s  greedy 1.61 s  propagate 2.38 s  step 4.327 -> 3.986 ms
-    gpt 24 layers    537 ops  capture 0.33 s  greedy 1.08 s  propagate 4.70 s  step 273.644 -> 273.602 ms
+    tiny (llama)      59 ops  capture 0.84 s  greedy 0.07 s  propagate 0.14 s  step 0.362 -> 0.278 ms
+    small (llama)    163 ops  capture 0.03 s  greedy 0.11 s  propagate 0.48 s  step 4.439 -> 4.203 ms
+    gpt 24 layers    537 ops  capture 0.14 s  greedy 0.15 s  propagate 1.00 s  step 282.365 -> 282.228 ms
 
-With ``--beam 16``: tiny and small the same steps, the GPT 273.347 ms (46,388 states
-against 11,948; its wall time was taken beside another job, not quoted).
+With ``--beam 16`` (propagate 0.65, 1.12, 2.96 s): tiny and the GPT the same steps, the
+small Llama 4.098 ms: beam 4 keeps every layer after the first sequence-sharded
+through its attention (cheaper on the partial sums, dearer later), beam 16 finds the layout beam 4 found when
+the objective priced shared reshards per consumer (its step then 4.098 ms as well).
 The first capture pays torch's one-time set-up on meta tensors; the search's time is
 mostly the reshard planner's (``plan_reshard`` on the 2-d mesh, once per distinct layout).
-The search's keys hold only the live op outputs (inputs and parameters never move), which
-took the GPT's propagation from 8.7 s to 1.3 s.
+The search's keys hold only the live op outputs (inputs and parameters never move), and
+the other layouts already made of tensors still read; keying on the live outputs took the
+GPT's propagation from 8.7 s to 1.3 s.
 """
 from __future__ import annotations
 

@@ -11,8 +11,19 @@ strategy is chosen for the program at once, to minimise the modeled step time
                      an input replicated where the op's outputs diverge: the dispatcher's
                      expanded replicas, Megatron's ``f`` / DDP's gradient all-reduce)
                    + compute, forward and backward (the op table's cost on the busiest
-                     rank's local shapes, priced on the profile's roofline)
+                     rank's local shapes, priced on the profile's roofline: the kernels
+                     and launches ``prog.step()`` lays out, :mod:`.kernels`)
   + the reshards of pinned tensors (an output pinned to Replicate).
+
+The whole-graph search prices what the compiled program runs: one reshard per tensor
+and layout, shared by every consumer that reads that layout (the ``cancel_reshards`` pass
+drops the repeats; autograd sums the consumers' gradients and runs the reshard's backward
+once), so a consumer reading a layout already made pays nothing for it
+(:attr:`NodeCost.reused`); a pinned tensor is resharded where it is made, and its made
+layout stays readable.  On these terms the whole-graph assignment's :attr:`Assignment.time`
+is the O1 ``prog.step()`` (blocking collectives in series with the kernels), tested in
+``tests/test_compile_estimate_agrees.py``.  :func:`greedy` prices the dispatcher (and O0,
+which keeps every reshard): each consumer pays its own.
 
 Search (DP on live layouts, beam on DAGs, memory as the tie-break and ``memory_limit``):
 :mod:`.search`.
@@ -23,14 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table import pricing
-from ..parallel.ops_table.strategy import infer
+from ..parallel.ops_table.strategy import infer_on
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
+from .kernels import op_kernels
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
@@ -52,6 +63,7 @@ class NodeCost:
     bwd_comm: float
     compute: float          # forward + backward kernels (launches included)
     memory: int = 0         # bytes per rank kept: outputs, and inputs laid out anew
+    reused: tuple = ()      # input positions read from a layout an earlier reshard made
 
     @property
     def total(self) -> float:
@@ -89,7 +101,9 @@ class Assignment:
     @property
     def bytes(self) -> int:
         """Bytes each rank sends in the forward reshards (the busiest rank's)."""
-        b = sum(p.total_bytes for c in self.choice.values() for p in c.plans if p is not None)
+        b = sum(p.total_bytes for nid, c in self.choice.items()
+                for k, p in enumerate(c.plans)
+                if p is not None and k not in self.costs[nid].reused)
         return b + sum(_plan(self, vid, ps).total_bytes for vid, ps in self.pins.items())
 
     def __str__(self):
@@ -104,8 +118,14 @@ class Assignment:
 
 
 def _plan(a, vid, ps):
+    """The reshard of ``vid`` from the layout its op made (pinned: resharded at once) to
+    ``ps``."""
     v = a.graph.values[vid]
-    spec = TensorSpec(v.shape, a.mesh, a.placements[vid], v.dtype, _trusted=True)
+    src = a.placements[vid]
+    if v.kind == "op" and v.producer in a.choice:
+        n = a.graph.nodes[v.producer]
+        src = tuple(a.choice[n.nid].strategy.outputs[n.outs.index(vid)])
+    spec = TensorSpec(v.shape, a.mesh, src, v.dtype, _trusted=True)
     return plan_reshard_cached(spec, tuple(ps), a.profile)
 
 
@@ -128,7 +148,7 @@ class _Pricer:
         if d is None:
             specs = tuple(None if vid is None else self.spec(vid, ps)
                           for vid, ps in zip(node.inputs, in_ps))
-            d = self._dec[key] = (specs, infer(node.op, *specs, **node.attrs))
+            d = self._dec[key] = (specs, infer_on(self.pname, node.op, *specs, **node.attrs))
         return d
 
     def compute(self, node, specs, cand) -> float:
@@ -136,42 +156,26 @@ class _Pricer:
         t = self._compute.get(key)
         if t is not None:
             return t
-        entry = TABLE[node.op]
-        ins = []
-        for vid, c in zip(node.inputs, node.in_consts or (None,) * len(node.inputs)):
-            if vid is None:
-                ins.append(c)
-            else:
-                v = self.g.values[vid]
-                ins.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
-        outs = [self.g.values[o] for o in node.outs]
-        out_shapes = tuple(v.shape for v in outs)
-        out_dtypes = tuple(v.dtype for v in outs)
-        cost = pricing.local_cost(entry, self.mesh, specs, ins, cand, out_shapes, out_dtypes,
-                                  node.attrs)
-        dtype = pricing.pricing_dtype(specs, out_dtypes)
-        t = 0.0
-        if cost.flops or cost.bytes:
-            t += pricing._time(cost.flops, cost.bytes, self.profile, dtype, entry.op_class,
-                              launches=1)
-        if (cost.backward_flops or cost.backward_bytes) and node.nid in self.backward:
-            t += pricing._time(cost.backward_flops, cost.backward_bytes, self.profile, dtype,
-                               entry.op_class, launches=1)
+        t = op_kernels(self.g, self.mesh, self.profile, node, specs, cand,
+                       node.nid in self.backward).time(self.profile)
         self._compute[key] = t
         return t
 
-    def backward_comm(self, node, specs, cand) -> float:
-        """The transposes of the forward plans, and the expanded replicas' all-reduces."""
+    def backward_comm(self, node, specs, cand, reused=()) -> float:
+        """The transposes of the forward plans (but the ``reused`` positions': the
+        program runs their reshard once, for an earlier consumer), and the expanded
+        replicas' all-reduces."""
         t = 0.0
         st = cand.strategy
         if node.nid not in self.backward:
             return 0.0
         diverge = [i for i in range(self.mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
-        for vid, spec, plan, req in zip(node.inputs, specs, cand.plans, st.inputs):
+        for pos, (vid, spec, plan, req) in enumerate(zip(node.inputs, specs, cand.plans,
+                                                         st.inputs)):
             if vid is None or not self.g.values[vid].requires_grad:
                 continue
-            if plan is not None:
+            if plan is not None and pos not in reused:
                 for s in plan.steps:
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
@@ -186,19 +190,26 @@ class _Pricer:
                              for g in self.mesh.groups(i))
         return t
 
-    def price(self, node, specs, cand) -> NodeCost:
-        return NodeCost(cand.time, self.backward_comm(node, specs, cand),
-                        self.compute(node, specs, cand), self.memory(node, specs, cand))
+    def price(self, node, specs, cand, reused=()) -> NodeCost:
+        """``reused``: the input positions whose layout an earlier reshard (or a pin)
+        already made: the program reads that copy (``passes/reshards.py``), so their
+        plan costs no communication, forward or backward, and no memory again."""
+        reused = tuple(sorted(reused))
+        fwd = cand.time if not reused else sum(
+            p.total_time for k, p in enumerate(cand.plans) if p is not None and k not in reused)
+        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused),
+                        self.compute(node, specs, cand), self.memory(node, specs, cand, reused),
+                        reused)
 
-    def memory(self, node, specs, cand) -> int:
+    def memory(self, node, specs, cand, reused=()) -> int:
         n = 0
         # a view's output is its input's storage (the op table's op_class "view")
         for vid, ps in zip(node.outs, cand.strategy.outputs) \
                 if TABLE[node.op].op_class != "view" else ():
             v = self.g.values[vid]
             n += _local_bytes(v.shape, self.mesh, tuple(ps), v.dtype)
-        for spec, plan, req in zip(specs, cand.plans, cand.strategy.inputs):
-            if spec is not None and plan is not None and plan.steps:
+        for pos, (spec, plan, req) in enumerate(zip(specs, cand.plans, cand.strategy.inputs)):
+            if spec is not None and plan is not None and plan.steps and pos not in reused:
                 n += _local_bytes(spec.shape, self.mesh, tuple(req), spec.dtype)
         return n
 
@@ -292,12 +303,9 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
-            if vid in pins and vid not in graph.output_vids():
+            if vid in pins:          # resharded where it is made, as lowering does
                 pin_cost += pr.pin_cost(vid, ps, pins[vid])
                 pl[vid] = pins[vid]
-    for vid in graph.output_vids():
-        if vid in pins:
-            pin_cost += pr.pin_cost(vid, pl[vid], pins[vid])
     return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
 
 

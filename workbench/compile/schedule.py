@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table import pricing
 from ..parallel.ops_table.table import TABLE
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
+from .kernels import launch_time, op_kernels
 from .propagate import BACKWARD_OF, _local_bytes
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
@@ -106,7 +106,7 @@ class StepReport:
 
 
 def _launch(profile, dtype) -> float:
-    return profile.compute_path(dtype)[3]
+    return launch_time(profile, dtype)
 
 
 def build_schedule(prog) -> Schedule:
@@ -121,6 +121,7 @@ def build_schedule(prog) -> Schedule:
     bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
     pending = []
     pinned = {}                  # producer nid -> the pinned reshards of its outputs
+    attached = []                # the reshards the program runs for the next op's inputs
     for ins in prog.program:
         if isinstance(ins, Reshard):
             for s in ins.plan.steps:
@@ -128,6 +129,8 @@ def build_schedule(prog) -> Schedule:
                     pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
                                         after=made.get(ins.vid, -1)))
+            if not ins.why.startswith("pinned"):
+                attached.append(ins)
             if ins.why.startswith("pinned"):
                 pinned.setdefault(g.values[ins.vid].producer, []).append(ins)
                 for it in pending:
@@ -140,17 +143,16 @@ def build_schedule(prog) -> Schedule:
         c = a.choice[n.nid]
         specs = tuple(None if v is None else pr.spec(v, ps) for v, ps in
                       zip(n.inputs, c.strategy.inputs))
-        cost, dtype = _cost(pr, n, specs, c)
+        kn = op_kernels(g, mesh, prof, n, specs, c, n.nid in pr.backward)
         idx = len(items) + len(pending)
         for it in pending:
             it.before = idx
         items.extend(pending)
         pending = []
-        if cost.flops or cost.bytes:
-            kern = pricing._time(cost.flops, cost.bytes, prof, dtype, entry.op_class,
-                                 launches=1) - _launch(prof, dtype)
-            items.append(Item("compute", n.name, "forward", kernel=max(kern, 0.0), launches=1,
-                              op_class=entry.op_class, kernels=1))
+        if kn.forward:
+            kern, nl = kn.forward
+            items.append(Item("compute", n.name, "forward", kernel=kern, launches=nl,
+                              op_class=entry.op_class, kernels=nl))
             fwd_of[n.nid] = len(items) - 1
         else:
             fwd_of[n.nid] = made.get(next((v for v in n.inputs if v is not None), -1), -1)
@@ -159,10 +161,11 @@ def build_schedule(prog) -> Schedule:
         specs_in = tuple(None if v is None else pr.spec(v, cur_ps) for v, cur_ps in
                          zip(n.inputs, [None if v is None else a.placements[v]
                                         for v in n.inputs]))
-        bwd.append((n, specs_in, c, dtype, cost))
+        bwd.append((n, specs_in, c, kn, attached))
+        attached = []
     items.extend(pending)
     # backward, in reverse
-    for n, specs_in, c, dtype, cost in reversed(bwd):
+    for n, specs_in, c, kn, resh in reversed(bwd):
         if n.nid not in pr.backward:            # (dead code: no backward)
             continue
         entry = TABLE[n.op]
@@ -177,13 +180,10 @@ def build_schedule(prog) -> Schedule:
                     items.append(Item("comm", f"%{ins.vid}", "backward", coll=kind,
                                       mesh_dim=s.mesh_dim, nbytes=nb, after=last))
         here = len(items)
-        if cost.backward_flops or cost.backward_bytes:
-            kern = pricing._time(cost.backward_flops, cost.backward_bytes, prof, dtype,
-                                 entry.op_class, launches=1) - _launch(prof, dtype)
-            two = entry.op_class == "matmul" and isinstance(cost, pricing.SplitCost)
-            items.append(Item("compute", n.name, "backward", kernel=max(kern, 0.0),
-                              launches=2 if two else 1, op_class=entry.op_class,
-                              kernels=2 if two else 1))
+        if kn.backward:
+            kern, nl = kn.backward
+            items.append(Item("compute", n.name, "backward", kernel=kern, launches=nl,
+                              op_class=entry.op_class, kernels=nl))
         st = c.strategy
         diverge = [i for i in range(mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
@@ -199,7 +199,15 @@ def build_schedule(prog) -> Schedule:
                                       "backward", coll="all_reduce", mesh_dim=i, nbytes=nb,
                                       grad=leaf, after=here,
                                       members=((n.nid, pos, i),) if leaf else ()))
-            if plan is not None:
+            # the backward of the reshard the program ran for this input (one per
+            # producer and layout: a consumer reading a layout an earlier reshard made,
+            # or the pin's, runs none, and autograd passes the summed gradient back
+            # through that reshard once)
+            ins = next((r for r in resh if r.vid == vid and r.dst == tuple(req)), None)
+            if ins is not None:
+                resh.remove(ins)
+                plan = ins.plan
+                spec = pr.spec(vid, ins.src)
                 for s in reversed(plan.steps):
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
@@ -226,21 +234,6 @@ def build_schedule(prog) -> Schedule:
     for k, it in enumerate(items):
         it.uid = k               # after / before were positions: now names that passes keep
     return Schedule(items, mesh, prof)
-
-
-def _cost(pr, n, specs, c):
-    entry = TABLE[n.op]
-    ins = []
-    for vid, k in zip(n.inputs, n.in_consts or (None,) * len(n.inputs)):
-        if vid is None:
-            ins.append(k)
-        else:
-            v = pr.g.values[vid]
-            ins.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
-    outs = [pr.g.values[o] for o in n.outs]
-    cost = pricing.local_cost(entry, pr.mesh, specs, ins, c, tuple(v.shape for v in outs),
-                              tuple(v.dtype for v in outs), n.attrs)
-    return cost, pricing.pricing_dtype(specs, tuple(v.dtype for v in outs))
 
 
 def replay(schedule: Schedule) -> StepReport:

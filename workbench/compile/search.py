@@ -1,10 +1,12 @@
 """The whole-graph search: every op's strategy chosen for the program at once, on the
 objective :mod:`.propagate` prices.
 
-Search: states are the placements of the *live* tensors (made, and read later); states
-with the same live placements merge, keeping the cheaper (dynamic programming: exact on
-a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search on
-DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
+Search: states are the placements of the *live* tensors (made, and read later), with the
+other layouts a reshard already made of any tensor still read (a later consumer reads
+that copy for nothing, as the program does: ``propagate``'s docstring); states with the
+same live placements and layouts merge, keeping the cheaper (dynamic programming: exact
+on a chain, whose live set is one tensor); the ``beam`` cheapest states go on (a search
+on DAGs).  The greedy chooser's own path is kept in the beam at every step, so the result
 is never worse than greedy's, on the same objective, by construction.
 
 Memory: each op's candidate also keeps bytes per rank, its outputs in the layout it makes
@@ -20,6 +22,17 @@ from __future__ import annotations
 from .propagate import Assignment, _norm_pins, _Pricer, initial
 
 __all__ = ["propagate"]
+
+
+def _read_after(graph):
+    """For each node index k: every value (inputs and parameters too) read by a node
+    after k, or returned: the tensors whose extra layouts a state keeps."""
+    after, seen = [], set(graph.output_vids())
+    for n in reversed(graph.nodes):
+        after.append(frozenset(seen))
+        seen.update(v for v in n.inputs if v is not None)
+    after.reverse()
+    return after
 
 
 def _live_after(graph):
@@ -61,10 +74,12 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                              f"({graph.values[vid].name}): inputs and parameters take the "
                              "placements they are given; reshard them before compiling")
     live = _live_after(graph)
+    live = list(zip(live, _read_after(graph)))
     outs = set(graph.output_vids())
     # a state: (cost, placements of live vids (dict), choices (tuple of (nid, cand, cost)), greedy?)
     # choices as a linked list (previous, (nid, candidate, cost)): no copying per step
-    states = [(0.0, {}, None, True, 0)]    # placements of the live op outputs only
+    # (placements of the live op outputs only, {vid: the other layouts a reshard made})
+    states = [(0.0, ({}, {}), None, True, 0)]
     gbest = None                           # greedy's own next state
     expanded = 0
     for k, n in enumerate(graph.nodes):
@@ -81,7 +96,7 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
                 # memory than it with the same live layout (so its best continuation does
                 # no worse than greedy's)
                 g_here = is_greedy and j == 0
-                new_s = (total, keep, (ch, (n.nid, c, nc)), g_here, m)
+                new_s = (total, keep, (ch, (n.nid, c, nc, extra)), g_here, m)
                 if g_here:
                     gbest = new_s
                 front = nxt.setdefault(key, [])
@@ -130,13 +145,8 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
             if g_state is not None:          # (under a memory limit greedy may not fit)
                 states.append(g_state)
         gbest = None
-    # the pinned outputs' reshards close the program
-    best = None
-    for cost, pl, ch, _, mem in states:
-        extra = sum(pr.pin_cost(v, pl.get(v, base.get(v)), pins[v]) for v in outs if v in pins)
-        if best is None or _rank(cost + extra, mem) < _rank(best[0], best[4]):
-            best = (cost + extra, pl, ch, extra, mem)
-    _, pl, link, extra, _ = best
+    # (every pin, the outputs' too, is priced where its tensor is made)
+    _, pl, link, _, _ = min(states, key=lambda s: _rank(s[0], s[4]))
     ch = []
     while link is not None:
         link, step = link
@@ -144,8 +154,10 @@ def propagate(graph, placements, mesh, profile, pins=None, beam: int = 4,
     ch.reverse()
     placements_all = dict(base)
     choice, costs = {}, {}
-    for nid, c, nc in ch:
+    extra = 0.0
+    for nid, c, nc, pin_t in ch:
         choice[nid], costs[nid] = c, nc
+        extra += pin_t
         for vid, ps in zip(graph.nodes[nid].outs, c.strategy.outputs):
             placements_all[vid] = tuple(ps)
     for vid, ps in pins.items():
@@ -159,13 +171,13 @@ def _leanest(graph, pr, base, pins, live, outs, width: int, per_op: int):
     """The complete assignment of least memory the search finds (states keyed by live
     layout keep their leanest; the ``width`` leanest go on), as a state tuple
     (time, live placements, choices, greedy?, memory)."""
-    states = [(0.0, {}, None, False, 0)]
+    states = [(0.0, ({}, {}), None, False, 0)]
     for k, n in enumerate(graph.nodes):
         nxt = {}
         for cost, pl, ch, _, mem in states:
             for c, nc, extra, keep, key in _candidates(n, pl, pr, base, pins, outs, live[k],
                                                        per_op):
-                st = (cost + nc.total + extra, keep, (ch, (n.nid, c, nc)), False,
+                st = (cost + nc.total + extra, keep, (ch, (n.nid, c, nc, extra)), False,
                       mem + nc.memory)
                 old = nxt.get(key)
                 if old is None or (st[4], round(st[0], 15)) < (old[4], round(old[0], 15)):
@@ -174,20 +186,43 @@ def _leanest(graph, pr, base, pins, live, outs, width: int, per_op: int):
     return states[0]
 
 
-def _candidates(n, pl, pr, base, pins, outs, live_k, per_op):
-    """Node ``n``'s first ``per_op`` candidates from the live placements ``pl``: each as
-    (candidate, its NodeCost, the pinned intermediates' reshard time, the live placements
-    after it, their key)."""
+def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
+    """Node ``n``'s first ``per_op`` candidates from the ``state`` (live placements, other
+    layouts made): each as (candidate, its NodeCost, the pins' reshard time, the state
+    after it, its key).  An input read in a layout already made is reused
+    (``propagate``'s docstring); a pinned tensor is resharded where it is made."""
+    pl, avail = state
+    live, read = live_k
     in_ps = tuple(None if v is None else pl[v] if v in pl else base[v] for v in n.inputs)
     specs, dec = pr.decision(n, in_ps)
     for c in dec.candidates[:per_op]:
-        nc = pr.price(n, specs, c)
+        made = {}
+        reused = []
+        for pos, (vid, ps, req, plan) in enumerate(zip(n.inputs, in_ps, c.strategy.inputs,
+                                                         c.plans)):
+            if vid is None or req is None or plan is None or not plan.steps or \
+                    tuple(req) == ps or pr.g.values[vid].kind == "fresh":
+                continue
+            req = tuple(req)
+            if req in avail.get(vid, ()) or req in made.get(vid, ()):
+                reused.append(pos)
+            else:
+                made.setdefault(vid, set()).add(req)
+        nc = pr.price(n, specs, c, reused)
         new = dict(pl)
+        new_av = {v: set(a) for v, a in avail.items()}
+        for v, a in made.items():
+            new_av.setdefault(v, set()).update(a)
         extra = 0.0
         for vid, ps in zip(n.outs, c.strategy.outputs):
             new[vid] = tuple(ps)
-            if vid in pins and vid not in outs:
+            new_av.pop(vid, None)
+            if vid in pins and tuple(ps) != pins[vid]:
                 extra += pr.pin_cost(vid, ps, pins[vid])
                 new[vid] = pins[vid]
-        keep = {v: new[v] for v in live_k}
-        yield c, nc, extra, keep, tuple(sorted(keep.items()))
+                new_av[vid] = {tuple(ps)}
+        keep = {v: new[v] for v in live}
+        av = {v: frozenset(a) for v, a in new_av.items() if v in read and a}
+        yield c, nc, extra, (keep, av), (tuple(sorted(keep.items())),
+                                         tuple(sorted((v, tuple(sorted(a, key=repr)))
+                                                      for v, a in av.items())))

@@ -31,7 +31,7 @@ from ...sim_mesh.trace import current_trace
 from .table import RULES, on_change
 from ..placement import Replicate, fmt_placements
 
-__all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer",
+__all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer", "infer_on",
            "combine", "RULES", "NoRuleError", "describe", "strategy_cost"]
 
 R = Replicate()
@@ -173,6 +173,13 @@ def infer(op: str, *specs, **attrs) -> Decision:
     non-tensor arguments), without running anything."""
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, _profile_name())
+
+
+def infer_on(profile: str, op: str, *specs, **attrs) -> Decision:
+    """:func:`infer` priced on the hardware profile named ``profile`` (not the current
+    trace's): what the dispatcher decides when it runs under that profile's clock."""
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
+    return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name)
 
 
 def _freeze(v):

@@ -1,0 +1,70 @@
+"""An op's kernels in a compiled step, as the search prices them and the schedule lays
+them out: one function for both, so the search's estimate and ``prog.step()`` count the
+same kernels and launches.
+
+Forward: one kernel, one launch.  Backward (an op the backward runs through): one kernel
+and one launch, or two of each for a two-operand matmul whose cost the op table splits
+into its dgrad and wgrad GEMMs (``ops_table/pricing.py``'s :class:`SplitCost`, recorded
+as two kernels by ``pricing._record_backward``).  Each kernel's time is the roofline
+time of its FLOPs and bytes (``pricing._time``, the dispatcher's) without the launch; the
+launches are priced apart (``profiles.launch_overhead``, as ``schedule.replay`` records
+them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.ops_table import pricing
+from ..parallel.ops_table.table import TABLE
+
+__all__ = ["Kernels", "op_kernels", "launch_time"]
+
+
+def launch_time(profile, dtype=torch.float32) -> float:
+    """One host launch on ``profile`` (its compute path's launch term)."""
+    return profile.compute_path(dtype)[3]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    cost: object                 # the op table's Cost on the busiest rank's local shapes
+    dtype: torch.dtype           # the dtype the kernels are priced in
+    forward: "tuple | None"      # (kernel seconds without launch, launches); None: no kernel
+    backward: "tuple | None"     # the same for the backward; None: none (or not run)
+
+    def time(self, profile) -> float:
+        """Kernels plus launches, as ``schedule.replay`` records them (launch: float32's)."""
+        lt = launch_time(profile)
+        return sum(k + n * lt for k, n in (self.forward or (0.0, 0), self.backward or (0.0, 0)))
+
+
+def op_kernels(graph, mesh, profile, node, specs, cand, backward: bool) -> Kernels:
+    """The kernels of ``node`` run with ``cand`` (module docstring); ``specs`` the inputs'
+    specs (only their shapes and dtypes are read), ``backward`` whether the step's
+    backward runs through the node."""
+    entry = TABLE[node.op]
+    ins = []
+    for vid, c in zip(node.inputs, node.in_consts or (None,) * len(node.inputs)):
+        if vid is None:
+            ins.append(c)
+        else:
+            v = graph.values[vid]
+            ins.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
+    outs = [graph.values[o] for o in node.outs]
+    out_dtypes = tuple(v.dtype for v in outs)
+    cost = pricing.local_cost(entry, mesh, specs, ins, cand, tuple(v.shape for v in outs),
+                              out_dtypes, node.attrs)
+    dtype = pricing.pricing_dtype(specs, out_dtypes)
+    lt = launch_time(profile, dtype)
+    fwd = bwd = None
+    if cost.flops or cost.bytes:
+        t = pricing._time(cost.flops, cost.bytes, profile, dtype, entry.op_class, launches=1)
+        fwd = (max(t - lt, 0.0), 1)
+    if backward and (cost.backward_flops or cost.backward_bytes):
+        t = pricing._time(cost.backward_flops, cost.backward_bytes, profile, dtype,
+                          entry.op_class, launches=1)
+        two = entry.op_class == "matmul" and isinstance(cost, pricing.SplitCost)
+        bwd = (max(t - lt, 0.0), 2 if two else 1)
+    return Kernels(cost, dtype, fwd, bwd)
