@@ -41,3 +41,320 @@ def test_parallelize_style_string_applies_to_the_module_itself():
     assert lin.weight.placements == (Shard(0),) and lin.bias.placements == (Shard(0),)
     x = torch.randn(3, 4)
     torch.testing.assert_close(lin(wb.shard_tensor(x, mesh, [Replicate()])).full(), ref(x))
+
+
+# ---- a user's torch.autograd.Function on DistTensors ----------------------------------------
+# was: the Function's forward ran under no_grad with the DistTensor as a constant; the
+# output did not require grad and the gradient was silently lost
+
+from torch.autograd.function import once_differentiable  # noqa: E402
+
+
+class _Cube(torch.autograd.Function):
+    """x ** 3 * k with a non-tensor argument and a saved input."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        ctx.k = k
+        return x * x * x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g * ctx.k, None
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w.T + b, needs_input_grad read in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.T + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g @ w if ctx.needs_input_grad[0] else None
+        gw = g.T @ x if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+class _SortedWithIndex(torch.autograd.Function):
+    """Two outputs, one marked non-differentiable; the backward is once_differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        idx = (x > 0).to(torch.int64)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(y)
+        return y, idx
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, gidx):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class _SetupStyle(torch.autograd.Function):
+    """forward without ctx, setup_context apart (torch >= 2.0's style)."""
+
+    @staticmethod
+    def forward(x, scale=2.0):
+        return x.sin() * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, scale = inputs
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos() * ctx.scale, None
+
+
+MESHES = {"1": (1,), "2": (2,), "3": (3,), "2x2": (2, 2)}
+
+
+def _dist(x, mesh, kind, seed=0):
+    """x laid out by kind: 'S0', 'S1', 'R', 'P' (asymmetric partial sum), 'Pavg', 'Pmax'."""
+    nd = mesh.ndim
+    if kind in ("S0", "S1"):
+        return wb.shard_tensor(x, mesh, [Shard(int(kind[1]))] + [Replicate()] * (nd - 1))
+    if kind == "R":
+        return wb.shard_tensor(x, mesh, [Replicate()] * nd)
+    g = torch.Generator().manual_seed(seed)
+    n = mesh.size
+    if kind == "P":
+        parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)]
+        parts.append(x - sum(parts) if parts else x)
+        return wb.from_local(parts, mesh, [Partial("sum")] * nd)
+    if kind == "Pavg":
+        parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)]
+        parts.append(x * n - sum(parts) if parts else x)
+        return wb.from_local(parts, mesh, [Partial("avg")] * nd)
+    assert kind == "Pmax"
+    parts = [x - torch.rand(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)] + [x]
+    return wb.from_local(parts[::-1], mesh, [Partial("max")] * nd)
+
+
+def _x(shape, seed=0, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.mark.parametrize("mesh_shape", list(MESHES))
+@pytest.mark.parametrize("kind", ["S0", "S1", "R", "P", "Pavg", "Pmax"])
+def test_custom_function_values_and_grads_equal_one_device(mesh_shape, kind):
+    mesh = wb.Mesh.grid(MESHES[mesh_shape])
+    x = _x((5, 3))
+    d = _dist(x, mesh, kind).requires_grad_()
+    y = _Cube.apply(d, 0.5)
+    assert isinstance(y, wb.DistTensor) and y.requires_grad
+    xr = x.clone().requires_grad_()
+    yr = _Cube.apply(xr, 0.5)
+    torch.testing.assert_close(y.full(), yr)
+    go = _x((5, 3), 1)
+    y.backward(go)
+    yr.backward(go)
+    torch.testing.assert_close(d.grad.full(), xr.grad)
+    assert d.grad.shape == xr.grad.shape and d.grad.dtype == xr.grad.dtype
+
+
+@pytest.mark.parametrize("mesh_shape", ["1", "2", "2x2"])
+@pytest.mark.parametrize("wkind", ["S0", "S1", "R"])
+def test_custom_linear_function_with_sharded_weight(mesh_shape, wkind):
+    mesh = wb.Mesh.grid(MESHES[mesh_shape])
+    x, w, b = _x((4, 6)), _x((8, 6), 1), _x((8,), 2)
+    dx = _dist(x, mesh, "S0").requires_grad_()
+    dw = _dist(w, mesh, wkind).requires_grad_()
+    db = _dist(b, mesh, "R")                       # no gradient wanted
+    out = _Linear.apply(dx, dw, db)
+    refs = [t.clone().requires_grad_(r) for t, r in ((x, True), (w, True), (b, False))]
+    ref = _Linear.apply(*refs)
+    torch.testing.assert_close(out.full(), ref)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(dx.grad.full(), refs[0].grad)
+    torch.testing.assert_close(dw.grad.full(), refs[1].grad)
+    assert db.grad is None
+    # a second iteration accumulates, as on one device
+    _Linear.apply(dx, dw, db).pow(2).sum().backward()
+    _Linear.apply(*refs).pow(2).sum().backward()
+    torch.testing.assert_close(dw.grad.full(), refs[1].grad)
+
+
+def test_custom_function_needs_input_grad_and_mixed_plain_tensor():
+    mesh = wb.Mesh.grid((2,))
+    seen = []
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, tag):
+            seen.append(ctx.needs_input_grad)
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            assert isinstance(g, wb.DistTensor) == isinstance(a, wb.DistTensor)
+            gb = g * a
+            gb = gb.full() if isinstance(gb, wb.DistTensor) else gb
+            return g * b, gb if ctx.needs_input_grad[1] else None, None
+
+    a, b = _x((4, 2)), _x((4, 2), 1)
+    da = _dist(a, mesh, "S0").requires_grad_()
+    bb = b.clone().requires_grad_()                # a plain tensor beside a DistTensor
+    out = Mul.apply(da, bb, "tag")
+    out.sum().backward()
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    Mul.apply(ar, br, "tag").sum().backward()
+    assert seen == [(True, True, False)] * 2
+    torch.testing.assert_close(da.grad.full(), ar.grad)
+    torch.testing.assert_close(bb.grad, br.grad)
+
+
+def test_custom_function_non_differentiable_output_and_once_differentiable():
+    mesh = wb.Mesh.grid((2, 2))
+    x = _x((4, 4))
+    d = _dist(x, mesh, "S1").requires_grad_()
+    y, idx = _SortedWithIndex.apply(d)
+    assert y.requires_grad and not idx.requires_grad and idx.dtype == torch.int64
+    xr = x.clone().requires_grad_()
+    yr, idxr = _SortedWithIndex.apply(xr)
+    torch.testing.assert_close(idx.full(), idxr)
+    (y * 3).sum().backward()
+    (yr * 3).sum().backward()
+    torch.testing.assert_close(d.grad.full(), xr.grad)
+
+
+def test_custom_function_setup_context_style_and_keyword_argument():
+    mesh = wb.Mesh.grid((3,))
+    x = _x((5, 2))
+    d = _dist(x, mesh, "S0").requires_grad_()
+    y = _SetupStyle.apply(d, scale=3.0)
+    xr = x.clone().requires_grad_()
+    yr = _SetupStyle.apply(xr, scale=3.0)
+    torch.testing.assert_close(y.full(), yr)
+    y.sum().backward()
+    yr.sum().backward()
+    torch.testing.assert_close(d.grad.full(), xr.grad)
+
+
+def test_custom_function_double_backward():
+    mesh = wb.Mesh.grid((2,))
+    x = _x((4, 3))
+    d = _dist(x, mesh, "S0").requires_grad_()
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(_Cube.apply(d, 1.0).sum(), d, create_graph=True)
+    (gr,) = torch.autograd.grad(_Cube.apply(xr, 1.0).sum(), xr, create_graph=True)
+    torch.testing.assert_close(g.full(), gr)
+    g.sum().backward()
+    gr.sum().backward()
+    torch.testing.assert_close(d.grad.full(), xr.grad)
+
+
+def test_custom_function_under_no_grad_and_without_grad_inputs():
+    mesh = wb.Mesh.grid((2,))
+    d = _dist(_x((4, 3)), mesh, "S0").requires_grad_()
+    with torch.no_grad():
+        assert not _Cube.apply(d, 1.0).requires_grad
+    assert not _Cube.apply(d.detach(), 1.0).requires_grad
+
+
+def test_custom_function_second_backward_and_in_place_edit_raise_as_torch():
+    mesh = wb.Mesh.grid((2,))
+    d = _dist(_x((4, 3)), mesh, "S0").requires_grad_()
+    y = _Cube.apply(d, 1.0).sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
+
+
+def test_custom_function_bad_backward_raises_as_torch():
+    mesh = wb.Mesh.grid((2,))
+    d = _dist(_x((4, 3)), mesh, "S0").requires_grad_()
+
+    class WrongShape(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones(5)
+
+    class TooFew(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, k):
+            return x * k
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Dirty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(RuntimeError, match=r"invalid gradient at index 0 - got \[5\]"):
+        WrongShape.apply(d).sum().backward()
+    with pytest.raises(RuntimeError, match="incorrect number of gradients"):
+        TooFew.apply(d, 2.0).sum().backward()
+    with pytest.raises(NotImplementedError, match="mark_dirty"):
+        Dirty.apply(d)
+    with pytest.raises(TypeError, match="save_for_backward can only save variables"):
+        class SaveInt(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(3)
+                return x
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+        SaveInt.apply(d)
+
+
+def test_custom_function_on_plain_tensors_is_torchs_own():
+    # the check in front of Function.apply leaves plain calls to torch
+    x = _x((3,)).requires_grad_()
+    y = _Cube.apply(x, 2.0)
+    assert type(y) is torch.Tensor and type(y.grad_fn).__name__ == "_CubeBackward"
+
+
+def test_reentrant_checkpoint_on_dist_tensors_keeps_the_gradient():
+    # was: "none of output has requires_grad=True" at backward (the reentrant Function
+    # kept the DistTensor as a constant)
+    import torch.utils.checkpoint as cp
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid((2,))
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    ref.load_state_dict(m.state_dict())
+    wb.parallelize(m, mesh, {"0": "colwise", "2": "rowwise"})
+    x = _x((4, 6))
+    d = wb.shard_tensor(x, mesh, [Replicate()]).requires_grad_()
+    import warnings
+    with warnings.catch_warnings():          # torch's: no *tensor* input requires grad
+        warnings.simplefilter("ignore", UserWarning)
+        y = cp.checkpoint(m, d, use_reentrant=True)
+    xr = x.clone().requires_grad_()
+    yr = cp.checkpoint(ref, xr, use_reentrant=True)
+    torch.testing.assert_close(y.full(), yr)
+    y.pow(2).sum().backward()
+    yr.pow(2).sum().backward()
+    torch.testing.assert_close(m[0].weight.grad.full(), ref[0].weight.grad)
+    torch.testing.assert_close(d.grad.full(), xr.grad)

@@ -1,0 +1,419 @@
+"""A user's ``torch.autograd.Function`` applied to DistTensors, as PyTorch DTensor runs it.
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x                    # runs on DistTensors, through the op table
+        @staticmethod
+        def backward(ctx, g):               # g: a DistTensor
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+    y = Square.apply(d)                     # d: a DistTensor; y.sum().backward() fills d.grad
+
+``Function.apply`` counts only ``torch.Tensor`` arguments as inputs.  A DistTensor is not
+one (autograd records on its local tensors, :mod:`.dispatch`), so torch ran the forward
+under no_grad with the DistTensor as a constant and the output silently lost its
+gradient.  DTensor, a Tensor subclass, is an input: its Function's forward and backward
+run on DTensors.  :func:`install` puts one check in front of ``Function.apply``: a call
+with a DistTensor among its arguments goes through :class:`_Bridge`, a Function over
+the DistTensors' local tensors (the tensors autograd sees):
+
+* forward: the user's ``forward`` runs on the DistTensors themselves (under no_grad, as
+  torch runs it); its DistTensor outputs' local tensors are the bridge's outputs;
+* backward: each output's local gradients are wrapped as a DistTensor (laid out as its
+  ``.grad`` would be), the user's ``backward`` runs on them, and each returned
+  gradient is resharded to its input's layout (the redistribution is traced) and handed
+  to autograd as the input's local gradients.
+
+``ctx`` is a :class:`DistFunctionCtx`: ``save_for_backward`` / ``saved_tensors`` (kept
+through the bridge's own saved tensors, so torch's in-place and second-backward checks
+hold), ``needs_input_grad``, ``mark_non_differentiable``, ``set_materialize_grads``,
+attributes.  ``mark_dirty`` (in-place on an input) and forward-mode AD raise.
+``torch.utils.checkpoint(..., use_reentrant=True)`` on DistTensors runs the
+non-reentrant checkpoint (:func:`_checkpoint`).  A
+``Partial("max" | "min")`` input is reduced before the forward (its gradient would go to
+the ranks holding the extremum).  Gradients pass through reshard and the ops the user's
+backward calls, so ``create_graph=True`` (double backward) works as on one device.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.autograd.function import _is_setup_context_defined
+
+from . import storage
+from .dist_tensor import DistTensor, shard_tensor
+from .placement import Partial, Replicate
+from .reshard import reshard
+
+__all__ = ["install", "DistFunctionCtx"]
+
+_SUM = Partial("sum")
+_BASE = torch.autograd.Function
+
+
+class DistFunctionCtx:
+    """The ``ctx`` a user's Function sees when it runs on DistTensors (torch's
+    ``FunctionCtx`` surface)."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+        self.materialize_grads = True
+        self._to_save = None          # what save_for_backward was given
+        self._nondiff = []
+        self._bctx = None             # the bridge's ctx, while its backward runs
+        self._saved_tree = None
+
+    def save_for_backward(self, *tensors) -> None:
+        for k, t in enumerate(tensors):
+            if t is not None and not isinstance(t, (torch.Tensor, DistTensor)):
+                raise TypeError(f"save_for_backward can only save variables, but argument {k}"
+                                f" is of type {type(t).__name__}")
+        self._to_save = tensors
+
+    @property
+    def saved_tensors(self) -> tuple:
+        if self._bctx is None:
+            if self._to_save is not None:
+                return tuple(self._to_save)     # read in forward: what was given
+            return ()
+        flat = self._bctx.saved_tensors         # torch's checks (in-place, freed buffers)
+        return _unflatten(self._saved_tree, flat)
+
+    def mark_non_differentiable(self, *args) -> None:
+        self._nondiff += list(args)
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = bool(value)
+
+    def mark_dirty(self, *args) -> None:
+        raise NotImplementedError(
+            "ctx.mark_dirty on DistTensors: a custom Function that writes into its "
+            "DistTensor inputs is not supported; return a new tensor instead (e.g. "
+            "x.clone().mul_(2), or x * 2)")
+
+    def save_for_forward(self, *tensors) -> None:
+        raise NotImplementedError("ctx.save_for_forward (forward-mode AD) on DistTensors is "
+                                  "not supported; use reverse mode (backward)")
+
+
+# ---- local tensors <-> DistTensors --------------------------------------------------------
+
+def _tmpl(x: DistTensor):
+    """What rebuilds ``x`` from its local tensors (no tensor is kept)."""
+    loc = x._local
+    lead = loc.lead if storage.is_cells(loc) else None
+    ts = storage.tensors(loc)
+    nd = x.mesh.ndim
+    leads = lead if lead is not None else tuple(ts[0].shape[:nd])
+    return (x.mesh, x.placements, x.shape, x.dtype, x.names, lead, leads,
+            tuple(t.shape for t in ts), len(ts))
+
+
+def _build(tm, ts) -> DistTensor:
+    mesh, ps, shape, dtype, names, lead, _, _, _ = tm
+    loc = storage.Cells(lead, list(ts)) if lead is not None else ts[0]
+    return DistTensor(loc, mesh, ps, shape, dtype, names)
+
+
+def _flatten(items):
+    """Tensors behind ``items`` (DistTensors' local tensors, plain tensors as they are)
+    and the tree that rebuilds them."""
+    flat, tree = [], []
+    for x in items:
+        if isinstance(x, DistTensor):
+            ts = storage.tensors(x._local)
+            tree.append(("d", _tmpl(x), len(flat), len(ts)))
+            flat += ts
+        elif isinstance(x, torch.Tensor):
+            tree.append(("t", None, len(flat), 1))
+            flat.append(x)
+        else:
+            tree.append(("o", x, None, 0))
+    return flat, tree
+
+
+def _unflatten(tree, flat) -> tuple:
+    out = []
+    for kind, tm, k, n in tree:
+        if kind == "d":
+            out.append(_build(tm, flat[k:k + n]))
+        elif kind == "t":
+            out.append(flat[k])
+        else:
+            out.append(tm)
+    return tuple(out)
+
+
+def _first_along(loc, axes, nd):
+    """``loc`` keeping the first copy along each of ``axes`` (size 1 there)."""
+    for i in axes:
+        if storage.is_cells(loc):
+            if loc.lead[i] > 1:
+                src = loc
+                loc = src.with_axis(i, 1, lambda c: src[c])
+        elif loc.shape[i] > 1:
+            loc = loc.narrow(i, 0, 1)
+    return loc
+
+
+def _grow_along(loc, axes, ns):
+    """``loc`` with its size-1 ``axes`` repeated to ``ns`` (every rank the same tensor)."""
+    for i, n in zip(axes, ns):
+        if storage.is_cells(loc):
+            if loc.lead[i] != n:
+                src = loc
+                loc = src.with_axis(i, n, lambda c: src[c])
+        elif loc.shape[i] != n:
+            shape = list(loc.shape)
+            shape[i] = n
+            loc = loc.expand(shape)
+    return loc
+
+
+def _output_grad(tm, gs, materialize):
+    """The gradient of one DistTensor output, from the bridge's local gradients: laid out
+    as ``.grad`` is (a Partial sum's parts all get the whole gradient: one copy kept,
+    Replicate; other Partials' and per-rank replicas' gradients are shares: Partial sum)."""
+    mesh, ps, shape, dtype, names, lead, leads, shapes, _ = tm
+    if all(g is None for g in gs):
+        if not materialize:
+            return None
+    gs = [torch.zeros(s, dtype=dtype, device=_device(gs)) if g is None else g
+          for g, s in zip(gs, shapes)]
+    loc = storage.Cells(lead, gs) if lead is not None else gs[0]
+    gps, first = [], []
+    for i, p in enumerate(ps):
+        if p.is_partial():
+            if p.reduce_op == "sum":
+                gps.append(Replicate())
+                first.append(i)
+            else:
+                gps.append(_SUM)
+        elif p.is_replicate() and leads[i] > 1:
+            gps.append(_SUM)
+        else:
+            gps.append(p)
+    loc = _first_along(loc, first, mesh.ndim)
+    return DistTensor(loc, mesh, gps, shape, dtype)
+
+
+def _device(gs):
+    for g in gs:
+        if g is not None:
+            return g.device
+    return None
+
+
+def _input_grad(cls, k, tm, g):
+    """The local gradients of one DistTensor input from the gradient ``g`` the user's
+    backward returned for it (a DistTensor or a tensor of the global shape)."""
+    mesh, ps, shape, dtype, names, lead, leads, shapes, n = tm
+    if g is None:
+        return [None] * n
+    if not isinstance(g, (DistTensor, torch.Tensor)):
+        raise TypeError(f"function {cls.__name__}Backward returned a {type(g).__name__} as "
+                        f"the gradient at index {k}; expected a DistTensor, a tensor or None")
+    if tuple(g.shape) != tuple(shape):
+        raise RuntimeError(f"Function {cls.__name__}Backward returned an invalid gradient at "
+                           f"index {k} - got {list(g.shape)} but expected shape compatible "
+                           f"with {list(shape)}")
+    holds_own = storage.holds_own(mesh)
+    target = []
+    for i, p in enumerate(ps):
+        if p.is_shard():
+            target.append(p)
+        elif p.is_replicate() and leads[i] > 1 and not holds_own:
+            target.append(_SUM)          # per-rank replicas: their gradients are shares
+        else:
+            target.append(Replicate())   # a Partial's parts each get the whole gradient
+    target = tuple(target)
+    if isinstance(g, DistTensor):
+        if g.mesh != mesh:
+            raise ValueError(f"function {cls.__name__}Backward returned a gradient at index "
+                             f"{k} on {g.mesh}, but the input lives on {mesh}; reshard it "
+                             "onto the input's mesh")
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        if tuple(g.placements) != target:
+            g = reshard(g, mesh, list(target))
+    else:
+        g = shard_tensor(g.to(dtype), mesh, list(target))
+    loc = g._local
+    partial = [i for i, p in enumerate(ps) if p.is_partial()]
+    loc = _first_along(loc, [i for i, p in enumerate(target) if p.is_replicate()
+                             and i not in partial], mesh.ndim)
+    if partial and not holds_own:
+        loc = _grow_along(loc, partial, [leads[i] for i in partial])
+    if lead is not None and not storage.is_cells(loc):
+        loc = storage.to_cells(loc, mesh.ndim)
+    elif lead is None and storage.is_cells(loc):
+        loc = storage.to_stacked(loc)
+    ts = storage.tensors(loc)
+    for i, p in enumerate(ps):
+        if p.is_partial() and p.reduce_op == "avg":       # each part is 1/n of the value
+            ts = [t / mesh.shape[i] for t in ts]
+    got = tuple(t.shape for t in ts)
+    if got != shapes:       # pragma: no cover - a layout this module does not map
+        raise NotImplementedError(
+            f"{cls.__name__}.backward on DistTensors: the gradient at index {k} "
+            f"({g.placements}) could not be laid out as its input's local tensors "
+            f"({list(ps)}); reshard the input to Replicate before applying the Function")
+    return ts
+
+
+# ---- the bridge -----------------------------------------------------------------------------
+
+class _Call:
+    """One application of a user's Function on DistTensors."""
+    __slots__ = ("cls", "args", "kwargs", "in_tree", "ctx", "out_tree", "single", "setup")
+
+
+class _Bridge(torch.autograd.Function):
+    """A Function over the local tensors of a user's Function's DistTensor inputs and
+    outputs (module docstring)."""
+
+    @staticmethod
+    def forward(bctx, call, *flat):
+        needs = bctx.needs_input_grad[1:]
+        ins = []
+        for kind, tm, k, n in call.in_tree:
+            ins.append(kind != "o" and any(needs[k:k + n]))
+        ctx = call.ctx = DistFunctionCtx(tuple(ins))
+        args, call.args = call.args, None          # the inputs are not kept
+        if call.setup:
+            out = call.cls.forward(*args, **call.kwargs)
+            call.cls.setup_context(ctx, args, out)
+        else:
+            out = call.cls.forward(ctx, *args, **call.kwargs)
+        call.kwargs = None
+        call.single = not isinstance(out, tuple)
+        outs = (out,) if call.single else out
+        flat_out, call.out_tree = _flatten(outs)
+        if ctx._to_save is not None:
+            saved, ctx._saved_tree = _flatten(ctx._to_save)
+            bctx.save_for_backward(*saved)
+            ctx._to_save = None
+        nondiff = [t for x in ctx._nondiff for t in (
+            storage.tensors(x._local) if isinstance(x, DistTensor) else [x])]
+        if nondiff:
+            bctx.mark_non_differentiable(*nondiff)
+        bctx.set_materialize_grads(ctx.materialize_grads)
+        bctx.call = call
+        return tuple(flat_out)
+
+    @staticmethod
+    def backward(bctx, *gflat):
+        call = bctx.call
+        cls, ctx = call.cls, call.ctx
+        grads = []
+        for kind, tm, k, n in call.out_tree:
+            if kind == "d":
+                grads.append(_output_grad(tm, gflat[k:k + n], ctx.materialize_grads))
+            elif kind == "t":
+                grads.append(gflat[k])
+        user = cls.vjp if cls.vjp is not _BASE.vjp else cls.backward
+        ctx._bctx = bctx
+        try:
+            res = user(ctx, *grads)
+        finally:
+            ctx._bctx = None
+        res = res if isinstance(res, tuple) else (res,)
+        n_in = len(call.in_tree)
+        if len(res) < n_in or any(r is not None for r in res[n_in:]):
+            raise RuntimeError(f"function {cls.__name__}Backward returned an incorrect number "
+                               f"of gradients (expected {n_in}, got {len(res)})")
+        out = [None]
+        for j, ((kind, tm, k, n), g) in enumerate(zip(call.in_tree, res)):
+            if kind == "o":
+                if g is not None:
+                    raise RuntimeError(f"function {cls.__name__}Backward returned a gradient "
+                                       f"different than None at position {j + 1}, but the "
+                                       "corresponding forward input was not a Variable")
+            elif kind == "t":
+                if isinstance(g, DistTensor):
+                    raise TypeError(f"function {cls.__name__}Backward returned a DistTensor "
+                                    f"gradient at index {j} for a plain tensor input; give a "
+                                    "plain tensor (g.full())")
+                out.append(g)
+            else:
+                out += _input_grad(cls, j, tm, g)
+        return tuple(out)
+
+
+def _bind(cls, args, kwargs, setup):
+    """``args`` and ``kwargs`` as the positional inputs of the user's forward (torch
+    counts a tensor passed by keyword as an input too)."""
+    if not kwargs:
+        return args
+    sig = inspect.signature(cls.forward)
+    bound = sig.bind(*args, **kwargs) if setup else sig.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise TypeError(f"{cls.__name__}.apply on DistTensors: keyword-only arguments "
+                        f"{sorted(bound.kwargs)} of forward are not supported; pass them "
+                        "positionally")
+    return bound.args if setup else bound.args[1:]
+
+
+def apply_dist(cls, args, kwargs):
+    """``cls.apply(*args, **kwargs)`` with DistTensors among the arguments."""
+    if cls.__name__ == "CheckpointFunction" and cls.__module__ == "torch.utils.checkpoint":
+        return _checkpoint(args, kwargs)
+    setup = _is_setup_context_defined(cls.setup_context)
+    args = _bind(cls, args, kwargs, setup)
+    args = tuple(_reduce_extremum(x) for x in args)
+    flat, tree = _flatten(args)
+    call = _Call()
+    call.cls, call.args, call.kwargs, call.in_tree, call.setup = cls, args, {}, tree, setup
+    fouts = _Bridge.apply(call, *flat)
+    outs = _unflatten(call.out_tree, fouts)
+    return outs[0] if call.single else outs
+
+
+def _checkpoint(args, kwargs):
+    """``torch.utils.checkpoint(fn, *args, use_reentrant=True)``: its Function keeps the
+    inputs that are not tensors (DistTensors) as they are and recomputes with them still
+    attached to the graph, then finds no tensor output to backpropagate from.  The
+    non-reentrant checkpoint gives the same values and gradients (saved-tensor hooks on
+    the local tensors): it runs instead."""
+    import torch.utils.checkpoint as cp
+    fn, preserve, *inputs = _bind(cp.CheckpointFunction, args, kwargs, False)
+    return cp.checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=preserve)
+
+
+def _reduce_extremum(x):
+    if isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in ("max", "min")
+                                         for p in x.placements):
+        return reshard(x, x.mesh, [Replicate() if p.is_partial() and p.reduce_op in
+                                   ("max", "min") else p for p in x.placements])
+    return x
+
+
+def _has_dist(args, kwargs) -> bool:
+    for a in args:
+        if type(a) is DistTensor:
+            return True
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is DistTensor:
+                return True
+    return False
+
+
+_ORIG = _BASE.__dict__["apply"]
+
+
+def _apply(cls, *args, **kwargs):
+    if _has_dist(args, kwargs):
+        return apply_dist(cls, args, kwargs)
+    return _ORIG.__func__(cls, *args, **kwargs)
+
+
+def install() -> None:
+    """Route ``torch.autograd.Function.apply`` calls with DistTensor arguments here (once;
+    calls without a DistTensor run torch's own apply unchanged)."""
+    if getattr(_BASE.__dict__["apply"], "__func__", None) is not _apply:
+        _BASE.apply = classmethod(_apply)
