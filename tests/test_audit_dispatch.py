@@ -493,3 +493,35 @@ def test_autocast_blas_promote_and_unlisted_ops():
         assert (_dist(m, mesh, "S0") @ _dist(w, mesh, "R")).dtype == torch.float16
     with torch.autocast("cpu", dtype=BF, enabled=False):
         assert F.linear(_dist(m, mesh, "S0"), _dist(w, mesh, "R")).dtype == torch.float32
+
+
+class _Gram(torch.autograd.Function):
+    """x @ x.T in float32 under autocast (torch.amp.custom_fwd(cast_inputs=))."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x @ x.T
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (g + g.T) @ x
+
+
+def test_custom_fwd_cast_inputs_on_dist_tensors():
+    # was: torch's custom_fwd cast iterated the DistTensor into a generator
+    mesh = wb.Mesh.grid((2,))
+    x = _x((4, 4)).to(BF)
+    d = _dist(x, mesh, "S0").requires_grad_()
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=BF):
+        y, yr = _Gram.apply(d), _Gram.apply(xr)
+    assert y.dtype == yr.dtype == torch.float32
+    torch.testing.assert_close(y.full(), yr)
+    y.sum().backward()
+    yr.sum().backward()
+    assert d.grad.dtype == xr.grad.dtype == BF
+    torch.testing.assert_close(d.grad.full(), xr.grad)

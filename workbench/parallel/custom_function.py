@@ -30,6 +30,7 @@ the DistTensors' local tensors (the tensors autograd sees):
 through the bridge's own saved tensors, so torch's in-place and second-backward checks
 hold), ``needs_input_grad``, ``mark_non_differentiable``, ``set_materialize_grads``,
 attributes.  ``mark_dirty`` (in-place on an input) and forward-mode AD raise.
+``torch.amp.custom_fwd(cast_inputs=...)`` / ``custom_bwd`` work (:func:`_forward`).
 ``torch.utils.checkpoint(..., use_reentrant=True)`` on DistTensors runs the
 non-reentrant checkpoint (:func:`_checkpoint`).  A
 ``Partial("max" | "min")`` input is reduced before the forward (its gradient would go to
@@ -287,7 +288,7 @@ class _Bridge(torch.autograd.Function):
             out = call.cls.forward(*args, **call.kwargs)
             call.cls.setup_context(ctx, args, out)
         else:
-            out = call.cls.forward(ctx, *args, **call.kwargs)
+            out = _forward(call.cls.forward, ctx, args, call.kwargs)
         call.kwargs = None
         call.single = not isinstance(out, tuple)
         outs = (out,) if call.single else out
@@ -341,6 +342,42 @@ class _Bridge(torch.autograd.Function):
             else:
                 out += _input_grad(cls, j, tm, g)
         return tuple(out)
+
+
+def _forward(fwd, ctx, args, kwargs):
+    """``fwd(ctx, *args, **kwargs)``; a forward under ``torch.amp.custom_fwd(cast_inputs=)``
+    is run as that decorator runs it (its own cast would iterate a DistTensor): the
+    floating, non-float64 inputs cast to ``cast_inputs`` and autocast off, when autocast
+    is on for its device type."""
+    cf = _custom_fwd_args(fwd)
+    if cf is None:
+        return fwd(ctx, *args, **kwargs)
+    device_type, cast_inputs = cf
+    if not torch.is_autocast_enabled(device_type):
+        return fwd(ctx, *args, **kwargs)
+    ctx._dtype = torch.get_autocast_dtype(device_type)
+    ctx._fwd_used_autocast = False
+
+    def cast(x):
+        if isinstance(x, (DistTensor, torch.Tensor)) and x.dtype.is_floating_point and \
+                x.dtype != torch.float64:
+            return x.to(cast_inputs)
+        return x
+    with torch.autocast(device_type=device_type, enabled=False):
+        return fwd.__wrapped__(ctx, *[cast(a) for a in args],
+                               **{k: cast(v) for k, v in kwargs.items()})
+
+
+def _custom_fwd_args(fwd):
+    """(device_type, cast_inputs) of a forward decorated by ``custom_fwd`` with
+    ``cast_inputs``; None otherwise."""
+    if getattr(fwd, "__wrapped__", None) is None or fwd.__code__.co_name != "decorate_fwd" \
+            or not fwd.__code__.co_filename.endswith("autocast_mode.py"):
+        return None
+    cells = dict(zip(fwd.__code__.co_freevars, (c.cell_contents for c in fwd.__closure__)))
+    if cells.get("cast_inputs") is None or "device_type" not in cells:
+        return None
+    return cells["device_type"], cells["cast_inputs"]
 
 
 def _bind(cls, args, kwargs, setup):
