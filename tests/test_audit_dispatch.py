@@ -525,3 +525,19 @@ def test_custom_fwd_cast_inputs_on_dist_tensors():
     yr.sum().backward()
     assert d.grad.dtype == xr.grad.dtype == BF
     torch.testing.assert_close(d.grad.full(), xr.grad)
+
+
+def test_custom_function_communicates_as_the_same_ops_do():
+    # the Function's forward and backward run through the op table: its collectives are
+    # those of the same computation written with torch ops (the weight gradients' all-reduce)
+    mesh = wb.Mesh.grid((2,))
+    x, w, b = _x((4, 6)), _x((8, 6), 1), _x((8,), 2)
+    counts = []
+    for custom in (True, False):
+        dx = _dist(x, mesh, "S0").requires_grad_()
+        dw, db = _dist(w, mesh, "R").requires_grad_(), _dist(b, mesh, "R").requires_grad_()
+        with wb.trace(profile="a100") as tr:
+            out = _Linear.apply(dx, dw, db) if custom else F.linear(dx, dw, db)
+            (_Cube.apply(out, 0.5) if custom else out ** 3 * 0.5).pow(2).sum().backward()
+        counts.append((dict(tr.counts()), tr.total_bytes()))
+    assert counts[0] == counts[1] and counts[0][0] == {"all_reduce": 3}
