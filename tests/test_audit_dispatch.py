@@ -541,3 +541,17 @@ def test_custom_function_communicates_as_the_same_ops_do():
             (_Cube.apply(out, 0.5) if custom else out ** 3 * 0.5).pow(2).sum().backward()
         counts.append((dict(tr.counts()), tr.total_bytes()))
     assert counts[0] == counts[1] and counts[0][0] == {"all_reduce": 3}
+
+
+def test_once_differentiable_double_backward_raises_as_torch():
+    mesh = wb.Mesh.grid((2,))
+    for dist in (False, True):
+        x, v = _x((4, 4)), _x((4, 4), 1)
+        if dist:
+            x, v = _dist(x, mesh, "S0"), _dist(v, mesh, "S0")
+        x, v = x.requires_grad_(), v.requires_grad_()      # v: a gradient that needs one
+        y, _ = _SortedWithIndex.apply(x)
+        (g,) = torch.autograd.grad(y, x, grad_outputs=v, create_graph=True)
+        assert g.requires_grad
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            g.sum().backward()

@@ -341,7 +341,28 @@ class _Bridge(torch.autograd.Function):
                 out.append(g)
             else:
                 out += _input_grad(cls, j, tm, g)
+        if _once_differentiable(user) and torch.is_grad_enabled() and any(
+                g is not None and g.requires_grad for g in gflat):
+            out = [None] + _delayed_error(out[1:])
         return tuple(out)
+
+
+def _once_differentiable(fn) -> bool:
+    """True for a backward decorated by ``torch.autograd.function.once_differentiable``
+    (its own check counts only torch.Tensor arguments, so it does not see DistTensors)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_name == "wrapper" and \
+        code.co_filename.replace("\\", "/").endswith("autograd/function.py")
+
+
+def _delayed_error(ts):
+    """As once_differentiable: gradients whose own backward raises (double backward)."""
+    err = torch._C._functions.DelayedError(
+        b"trying to differentiate twice a function that was marked with "
+        b"@once_differentiable", len(ts))
+    fake = [None if t is None else t.detach().requires_grad_() for t in ts]
+    res = err(*fake)
+    return list(res) if isinstance(res, tuple) else [res]
 
 
 def _forward(fwd, ctx, args, kwargs):
