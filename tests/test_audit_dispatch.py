@@ -190,6 +190,7 @@ def test_custom_linear_function_with_sharded_weight(mesh_shape, wkind):
 
 
 def test_custom_function_needs_input_grad_and_mixed_plain_tensor():
+    # was also: a DistTensor gradient for the plain tensor input raised
     mesh = wb.Mesh.grid((2,))
     seen = []
 
@@ -204,9 +205,8 @@ def test_custom_function_needs_input_grad_and_mixed_plain_tensor():
         def backward(ctx, g):
             a, b = ctx.saved_tensors
             assert isinstance(g, wb.DistTensor) == isinstance(a, wb.DistTensor)
-            gb = g * a
-            gb = gb.full() if isinstance(gb, wb.DistTensor) else gb
-            return g * b, gb if ctx.needs_input_grad[1] else None, None
+            # a DistTensor gradient for the plain tensor b: its global value is b's
+            return g * b, g * a if ctx.needs_input_grad[1] else None, None
 
     a, b = _x((4, 2)), _x((4, 2), 1)
     da = _dist(a, mesh, "S0").requires_grad_()
@@ -555,3 +555,38 @@ def test_once_differentiable_double_backward_raises_as_torch():
         assert g.requires_grad
         with pytest.raises(RuntimeError, match="differentiate twice"):
             g.sum().backward()
+
+
+class _MM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.T @ x
+
+
+@pytest.mark.parametrize("layout", ["S0,S1", "row-parallel"])
+def test_custom_function_on_a_2x2_mesh_with_partial_output(layout):
+    # row-parallel: x and w split along the contraction: the Function's output is Partial
+    mesh = wb.Mesh.grid((2, 2))
+    x, w, b = _x((4, 6)), _x((8, 6), 1), _x((8,), 2)
+    ps = [Shard(0), Shard(1)] if layout == "S0,S1" else [Replicate(), Shard(1)]
+    dx = wb.shard_tensor(x, mesh, ps).requires_grad_()
+    dw = wb.shard_tensor(w, mesh, [Replicate(), Shard(1)]).requires_grad_()
+    db = wb.shard_tensor(b, mesh, [Replicate(), Replicate()]).requires_grad_()
+    mid = _MM.apply(dx, dw)
+    if layout == "row-parallel":
+        assert any(p.is_partial() for p in mid.placements)
+    y = _Cube.apply(mid, 0.5) + db
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    yr = _Cube.apply(_MM.apply(refs[0], refs[1]), 0.5) + refs[2]
+    torch.testing.assert_close(y.full(), yr)
+    g = _x((4, 8), 9)
+    y.backward(g)
+    yr.backward(g)
+    for d, r in zip((dx, dw, db), refs):
+        torch.testing.assert_close(d.grad.full(), r.grad)

@@ -170,10 +170,9 @@ class _Bridge(torch.autograd.Function):
                                        f"different than None at position {j + 1}, but the "
                                        "corresponding forward input was not a Variable")
             elif kind == "t":
-                if isinstance(g, DistTensor):
-                    raise TypeError(f"function {cls.__name__}Backward returned a DistTensor "
-                                    f"gradient at index {j} for a plain tensor input; give a "
-                                    "plain tensor (g.full())")
+                if isinstance(g, DistTensor):    # a plain tensor meets DistTensors as
+                    # Replicate: its gradient is the global one (not gathered if unused)
+                    g = g.full() if ctx.needs_input_grad[j] else None
                 out.append(g)
             else:
                 out += _input_grad(cls, j, tm, g)
