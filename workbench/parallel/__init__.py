@@ -18,6 +18,8 @@ from . import ops_table
 
 ops_table.load()
 _tensor_methods.install(DistTensor)
+from . import custom_function as _custom_function       # Function.apply on DistTensors
+_custom_function.install()
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSpec",
            "shard_tensor", "from_local", "Step", "Plan", "plan_reshard", "reshard", "rules",

@@ -42,6 +42,8 @@ from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import COMPOSED, FACTORIES
 from .views import note_views
+from . import autocast as _autocast
+from .autocast import POLICY as _AUTOCAST
 from .ops_table import checks, free_choice, pricing
 from .ops_table.table import BY_FUNC, TABLE, on_change
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
@@ -180,6 +182,14 @@ def dispatch(func, args, kwargs):
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)
+    if (hit[0].name if hit is not None else getattr(func, "__name__", "")) in _AUTOCAST:
+        kind = _autocast.policy_for(hit[0].name if hit is not None else func.__name__,
+                                    args, kwargs or {})
+        if kind == "off":                         # torch.autocast's policy (autocast.py)
+            with torch.autocast("cpu", enabled=False):
+                return dispatch(func, args, kwargs)
+        if kind is not None:
+            args, kwargs = _autocast.cast_args(kind, args, kwargs or {})
     if hit is None:
         name = getattr(func, "__name__", str(func))
         if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_

@@ -64,13 +64,37 @@ def _check_plan_value(key, val) -> None:
                          "['S(0)'] for one parameter") from None
 
 
+def _plan_dict(module, plan) -> dict:
+    """``plan`` as a dict; a style name alone applies to ``module`` itself, as torch's
+    ``parallelize_module(module, mesh, ColwiseParallel())`` does with one style."""
+    if plan is None or isinstance(plan, dict):
+        return dict(plan or {})
+    ex = "{'0': 'colwise', '2': 'rowwise'}"
+    if isinstance(plan, str) and plan in STYLES:
+        if not any(p is not None for p in module._parameters.values()):
+            raise ValueError(f"parallelize(plan={plan!r}): a style alone applies to the module "
+                             f"itself, and this {type(module).__name__} has no parameters of "
+                             f"its own; name its submodules in a dict, e.g. {ex}")
+        return {"": plan}
+    from .tp_styles import ParallelStyle
+    if isinstance(plan, ParallelStyle):
+        raise TypeError(f"parallelize(plan={plan!r}): a ParallelStyle object is "
+                        "wb.parallelize_module's (torch's API): call wb.parallelize_module("
+                        "module, mesh, style), or give parallelize a dict of names to style "
+                        f"strings, e.g. {ex}")
+    raise TypeError(f"parallelize(plan={plan!r:.60}): expected a dict of module or parameter "
+                    f"names to styles ({', '.join(repr(s) for s in STYLES)}) or placements, "
+                    f"e.g. {ex}, or one style name for the module itself")
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                 mesh_dim: int | str = -1) -> nn.Module:
     """Shard ``module``'s parameters in place by ``plan`` along ``mesh_dim`` (the
-    tensor-parallel dim; other mesh dims replicate). Returns the module."""
+    tensor-parallel dim; other mesh dims replicate). Returns the module.  A style name
+    alone (``"colwise"``) applies to ``module``'s own parameters, e.g. one nn.Linear."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
-    plan = dict(plan or {})
+    plan = _plan_dict(module, plan)
     for key, val in plan.items():
         _check_plan_value(key, val)
     md = mesh.dim(mesh_dim)

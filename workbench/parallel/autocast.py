@@ -1,0 +1,125 @@
+"""``torch.autocast`` on DistTensors: torch's cast policy applied before an op is dispatched.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` plain torch runs ``F.linear``,
+``matmul``, ``mm``, ``bmm``, the convolutions and ``scaled_dot_product_attention`` in
+bfloat16, a few ops (``prod``, ``cross_entropy``, ``polar``, ``view_as_complex``) in
+float32, and ``cat`` / ``stack`` in their inputs' widest dtype; every other op keeps its
+inputs' dtypes.  The policy is torch's per aten op (torch 2.13,
+``aten/src/ATen/autocast_mode.cpp``, ``TORCH_LIBRARY_IMPL(aten, AutocastCPU, m)``: the
+``lower_precision_fp``, ``fp32`` and ``promote`` lists); an op's *local* implementation
+here need not call the same aten op (our ``linear`` and ``addmm`` add the bias apart:
+their output was float32 where torch's is bfloat16; our ``mse_loss`` stayed bfloat16
+where torch's is float32), so :func:`cast_args` applies the policy to the op's
+DistTensor and tensor arguments by the op-table name before dispatch, as torch's
+autocast wrapper does before it calls the kernel:
+
+* ``lower``: floating tensors other than float64 cast to ``torch.get_autocast_dtype``;
+* ``fp32``: floating tensors other than float64 cast to float32;
+* ``promote``: floating tensors cast to the widest floating dtype among them;
+* ``off``: ``torch.convolution``, ``mv``, ``addmv`` (not on torch's lists; ours call a
+  listed convolution or ``matmul``) run with autocast off.
+
+The casts are DistTensor ops (recorded in the trace, as torch's cast kernels run).
+Other ops run their local implementation under the caller's autocast, as torch's
+composite ops do (``einsum`` contracts through ``bmm``, which autocast casts).
+
+Simulated ranks hold CPU tensors: ``torch.autocast("cuda")`` leaves them as it leaves
+plain CPU tensors (no change).  Autocast on another device type than the CPU for the
+DistTensors' own device (torch.distributed on accelerators) raises: its policy (e.g.
+CUDA's float32 ``softmax``) is not applied here.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import storage
+
+__all__ = ["POLICY", "cast_args", "policy_for"]
+
+# by op-table name, or the torch function's name for compositions (habits.COMPOSED)
+_LOWER = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linear", "matmul",
+          "scaled_dot_product_attention", "addmm", "baddbmm", "addbmm")
+_FP32 = ("prod", "polar", "view_as_complex", "cross_entropy", "mse_loss", "l1_loss",
+         "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "binary_cross_entropy",
+         "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss",
+         "cosine_embedding_loss", "hinge_embedding_loss", "poisson_nll_loss",
+         "triplet_margin_loss", "multi_margin_loss", "multilabel_margin_loss")
+_PROMOTE = ("cat", "stack")
+_OFF = ("convolution", "mv", "addmv")      # not on torch's lists; ours call matmul
+
+POLICY = {**{n: "lower" for n in _LOWER}, **{n: "fp32" for n in _FP32},
+          **{n: "promote" for n in _PROMOTE}, **{n: "off" for n in _OFF}}
+
+_is_enabled = torch.is_autocast_enabled
+_any_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def policy_for(name: str, args, kwargs):
+    """The autocast policy that applies to the op ``name`` now (None: none, or autocast
+    is off for the DistTensors' device)."""
+    kind = POLICY.get(name)
+    if kind is None or not _any_enabled():
+        return None
+    dev = _device_type(args, kwargs)
+    if dev is None:
+        return None
+    if dev != "cpu":
+        if _is_enabled(dev):
+            raise NotImplementedError(
+                f"{name}() under torch.autocast({dev!r}) on DistTensors: only the CPU "
+                "autocast policy is applied; run the region without autocast and cast "
+                "explicitly (x.to(torch.bfloat16))")
+        return None
+    return kind if _is_enabled("cpu") else None
+
+
+def _device_type(args, kwargs):
+    from .dist_tensor import DistTensor
+    for x in _tensors(args, kwargs):
+        if isinstance(x, DistTensor):
+            return storage.device(x._local).type
+    return None
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _eligible(x) -> bool:
+    from .dist_tensor import DistTensor
+    return isinstance(x, (DistTensor, torch.Tensor)) and x.dtype.is_floating_point
+
+
+def cast_args(kind: str, args, kwargs):
+    """``args`` and ``kwargs`` with torch's autocast cast applied (tensors in a list or
+    tuple argument too, as ``cat``'s)."""
+    if kind == "lower":
+        to = torch.get_autocast_dtype("cpu")
+        want = lambda x: to if x.dtype != torch.float64 else None   # noqa: E731
+    elif kind == "fp32":
+        want = lambda x: torch.float32 if x.dtype != torch.float64 else None   # noqa: E731
+    else:
+        dts = [x.dtype for x in _tensors(args, kwargs) if _eligible(x)]
+        if not dts:
+            return args, kwargs
+        widest = dts[0]
+        for d in dts[1:]:
+            widest = torch.promote_types(widest, d)
+        want = lambda x: widest   # noqa: E731
+
+    def one(x):
+        if _eligible(x):
+            to = want(x)
+            if to is not None and x.dtype != to:
+                return x.to(to)
+        return x
+
+    def arg(a):
+        if isinstance(a, (list, tuple)) and any(_eligible(b) for b in a):
+            return type(a)(one(b) for b in a)
+        return one(a)
+    return tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}
