@@ -305,6 +305,13 @@ def _apply(cls, *args, **kwargs):
     return _ORIG.__func__(cls, *args, **kwargs)
 
 
+# named as torch's: TorchDynamo recognises an aliased ``Fn.apply`` bound method by its
+# ``__name__`` (torch/_dynamo/variables/builder.py, "handle aliased autograd function
+# `apply` calls") and then traces the Function itself, not this check
+_apply.__name__ = "apply"
+_apply.__qualname__ = "Function.apply"
+
+
 def install() -> None:
     """Route ``torch.autograd.Function.apply`` calls with DistTensor arguments here (once;
     calls without a DistTensor run torch's own apply unchanged)."""
