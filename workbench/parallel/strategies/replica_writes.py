@@ -1,0 +1,127 @@
+"""A write through one replica's handle reaches every replica (or raises).
+
+On torch.distributed every process runs the user's line, so ``sd = ddp.state_dict();
+sd[k].copy_(t)``, ``ddp.module.state_dict()[k].mul_(2)``, ``torch.distributed.
+checkpoint.load(sd, ...)`` change every replica.  On simulated ranks
+``DistributedDataParallel`` stores a parameter as one row per rank (``(N, *shape)``,
+:mod:`.laid_out`) and its state dicts give rank ``broadcast_from``'s row (a view, as
+torch's values are views of the parameters): a write through it reaches that row only,
+and the next forward would run N different models.
+
+So the rows are made equal again before anything reads them as replicas (the next
+forward, any ``torch.optim`` step, ``check_replicas``): :func:`sync_rows` checks each
+parameter whose version counter (``tensor._version``, shared by every view of it, so a
+write through any handle bumps it) moved since it last looked; if the rows differ,
+
+* only rank ``broadcast_from``'s row changed (every other row still equal to the
+  others): that row is copied into every row, as every process would have written it;
+* other rows differ among themselves (a row written on its own, not through a handle
+  the wrapper gave out): a ``RuntimeError`` naming the parameter, before any number
+  goes wrong.
+
+The comparison is bitwise (floats viewed as integers of their width), so a NaN or a
+``-0.0`` the replicas share counts as equal.  An optimizer step keeps the rows equal
+(every row gets the averaged gradient), so a write before the step still ends as one
+device's: the written row stepped, copied to the others.
+
+The same holds for a ``torch.optim`` optimizer's states over such a parameter
+(``optimizer.state_dict()`` gives rank ``broadcast_from``'s rows,
+:func:`.laid_out._module_shaped_states`): :func:`sync_optimizer_rows` runs in the step
+pre-hook.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["sync_rows", "sync_optimizer_rows"]
+
+_SEEN = WeakIdKeyDictionary()       # rows -> (version counter, the row) when last equal
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their width (bitwise comparison: NaN == NaN)."""
+    if t.is_floating_point() and t.element_size() in _INT:
+        return t.view(_INT[t.element_size()])
+    if t.is_complex():
+        return _bits(torch.view_as_real(t))
+    return t
+
+
+def rows_of(p):
+    """(the plain ``(N, *shape)`` storage, the source row) of a DDP row parameter, or
+    None for any other tensor."""
+    n, src = getattr(p, "_wb_rows", None), getattr(p, "_wb_src", None)
+    if not n or src is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        rows = p.detach()
+    return rows, src
+
+
+@torch.no_grad()
+def _sync(key, t, n: int, src: int, what: str) -> None:
+    """``t`` (``n`` rows on dim 0) looked at when its version counter moved: rows
+    compared with the copy of the value they all held at the last look; only row ``src``
+    changed: copied into every row; every row changed alike (an optimizer step): kept;
+    otherwise a ``RuntimeError``.  Then the copy is taken again (kept under ``key``, the
+    tensor handed out: ``t`` may be a fresh plain view of it)."""
+    seen = _SEEN.get(key)
+    if n < 2 or seen is not None and seen[0] == t._version:
+        return
+    b = _bits(t).reshape(n, -1)
+    if seen is None:                # first look: the others' common value is the old
+        old = b[0 if src else 1]
+    else:
+        old = _bits(seen[1]).reshape(-1)
+    changed = [r for r in range(n) if not torch.equal(b[r], old)]
+    if changed == [src]:
+        t.copy_(t[src:src + 1].clone().expand_as(t))
+    elif changed and not (len(changed) == n and bool((b == b[src]).all())):
+        raise RuntimeError(
+            f"DistributedDataParallel: the replicas of {what} differ between the "
+            f"simulated ranks (rows {changed} changed since they were last equal, not "
+            f"rank {src}'s alone), so no process's write explains them; write through the wrapper's "
+            "handles (ddp.state_dict() values, ddp.module's parameters, "
+            "ddp.load_state_dict), which reach every replica, not into one rank's row")
+    _SEEN[key] = (t._version, t[src].clone())
+
+
+@torch.no_grad()
+def sync_rows(named) -> None:
+    """For each ``(name, parameter)`` of ``named`` stored as DDP's rows: every row made
+    rank ``broadcast_from``'s when only that row was written (the module docstring), or
+    a ``RuntimeError``."""
+    for name, p in named:
+        got = rows_of(p)
+        if got is not None:
+            rows, src = got
+            _sync(p, rows, p._wb_rows, src, repr(name))
+
+
+@torch.no_grad()
+def sync_optimizer_rows(optimizer) -> None:
+    """Before a step: the parameters stored as DDP's rows, and their optimizer states of
+    the rows' shape (``exp_avg``, ``momentum_buffer``...), synced as :func:`sync_rows`
+    does (a write through ``optimizer.state_dict()``'s rank-``broadcast_from`` row)."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            got = rows_of(p)
+            if got is None:
+                continue
+            rows, src = got
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            _sync(p, rows, p._wb_rows, src, f"the optimizer's {where}")
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == rows.shape:
+                    _sync(v, v, p._wb_rows, src, f"optimizer state {key!r} of {where}")
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    sync_optimizer_rows(optimizer)
+
+
+register_optimizer_step_pre_hook(_step_pre_hook)
