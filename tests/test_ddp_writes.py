@@ -250,3 +250,20 @@ def test_a_state_dict_copy_written_after_a_step_raises(which):
     sd2 = w.state_dict()                    # a fresh copy takes writes again
     sd2["0.weight"].fill_(1)
     assert torch.equal(w.full_state_dict()["0.weight"], torch.ones(6, 4))
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2), dict(dp=2, zero=3), dict(dp=2, tp=2, zero=3)],
+                         ids=["dp2", "dp2-zero3", "dp2-tp2-zero3"])
+def test_hybrid_state_dict_write_gives_one_devices_loss(kw):
+    from workbench.models.config import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.recipes.hybrid import Hybrid
+    cfg = get_config("tiny")
+    x, y = get_batch(cfg, 8, 0, 0)
+    st = Hybrid(**kw)
+    model, plain = st.build_model(cfg, 0), build_model(cfg, 0)
+    model.state_dict()["tok_emb.weight"].mul_(30.0)
+    plain.state_dict()["tok_emb.weight"].mul_(30.0)
+    with torch.no_grad():
+        want = float(plain(x, y)[1])
+    assert float(st.forward_backward(model, x, y)) == pytest.approx(want, rel=1e-6)
