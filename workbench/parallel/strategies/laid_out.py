@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
+from .replica_writes import handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
 
@@ -229,6 +230,8 @@ def _module_shaped_states(optimizer, state_dict):
         state_dict["state"][i] = {
             k: _shaped_state(p, v) if k != "step" and isinstance(v, torch.Tensor) and
             tuple(v.shape) == storage else v for k, v in st.items()}
+    if any(getattr(p, "_wb_rows", None) for p in order):
+        handed_out(optimizer, state_dict)   # a write into DDP's rows: every row (.replica_writes)
     return state_dict
 
 

@@ -27,17 +27,23 @@ device's: the written row stepped, copied to the others.
 The same holds for a ``torch.optim`` optimizer's states over such a parameter
 (``optimizer.state_dict()`` gives rank ``broadcast_from``'s rows,
 :func:`.laid_out._module_shaped_states`): :func:`sync_optimizer_rows` runs in the step
-pre-hook.
+pre-hook, while a tensor an optimizer's ``state_dict()`` gave over such parameters is
+alive, or it gave one since its last step (those are held until then, so a one-line
+``opt.state_dict()["state"][0]["exp_avg"].mul_(3)`` counts): a training loop that never
+asks for the optimizer's state dict pays nothing for it.
 """
 from __future__ import annotations
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["sync_rows", "sync_optimizer_rows"]
+__all__ = ["sync_rows", "sync_optimizer_rows", "handed_out"]
 
-_SEEN = WeakIdKeyDictionary()       # rows -> (version counter, the row) when last equal
+_SEEN = WeakIdKeyDictionary()       # rows -> [version counter, the row] when last equal
+_VIEWS = WeakIdKeyDictionary()      # the tensors an optimizer's state_dict() gave -> True
+_FRESH = WeakIdKeyDictionary()      # optimizer -> those given since its last step (held)
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -73,21 +79,27 @@ def _sync(key, t, n: int, src: int, what: str) -> None:
     if n < 2 or seen is not None and seen[0] == t._version:
         return
     b = _bits(t).reshape(n, -1)
-    if seen is None:                # first look: the others' common value is the old
-        old = b[0 if src else 1]
-    else:
-        old = _bits(seen[1]).reshape(-1)
-    changed = [r for r in range(n) if not torch.equal(b[r], old)]
-    if changed == [src]:
-        t.copy_(t[src:src + 1].clone().expand_as(t))
-    elif changed and not (len(changed) == n and bool((b == b[src]).all())):
+    if bool((b == b[src]).all()):       # the common case (every row stepped alike)
+        if seen is None or seen[1] is None:
+            _SEEN[key] = [t._version, t[src].clone()]
+        else:
+            seen[0] = t._version
+            seen[1].copy_(t[src])
+        return
+    # the old value: the copy taken when last equal (none since a step: the others' common
+    # one, which on 2 ranks takes rank src's row as the written one)
+    old = b[0 if src else 1] if seen is None or seen[1] is None else \
+        _bits(seen[1]).reshape(-1)
+    changed = (b != old).any(1).nonzero().flatten().tolist()
+    if changed != [src]:
         raise RuntimeError(
             f"DistributedDataParallel: the replicas of {what} differ between the "
             f"simulated ranks (rows {changed} changed since they were last equal, not "
-            f"rank {src}'s alone), so no process's write explains them; write through the wrapper's "
-            "handles (ddp.state_dict() values, ddp.module's parameters, "
+            f"rank {src}'s alone), so no process's write explains them; write through the "
+            "wrapper's handles (ddp.state_dict() values, ddp.module's parameters, "
             "ddp.load_state_dict), which reach every replica, not into one rank's row")
-    _SEEN[key] = (t._version, t[src].clone())
+    t.copy_(t[src:src + 1].clone().expand_as(t))
+    _SEEN[key] = [t._version, t[src].clone()]
 
 
 @torch.no_grad()
@@ -107,6 +119,7 @@ def sync_optimizer_rows(optimizer) -> None:
     """Before a step: the parameters stored as DDP's rows, and their optimizer states of
     the rows' shape (``exp_avg``, ``momentum_buffer``...), synced as :func:`sync_rows`
     does (a write through ``optimizer.state_dict()``'s rank-``broadcast_from`` row)."""
+    states = _FRESH.pop(optimizer, None) is not None or len(_VIEWS) > 0
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             got = rows_of(p)
@@ -115,13 +128,43 @@ def sync_optimizer_rows(optimizer) -> None:
             rows, src = got
             where = f"param_groups[{gi}]['params'][{pi}]"
             _sync(p, rows, p._wb_rows, src, f"the optimizer's {where}")
+            if not states:
+                continue
             for key, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == rows.shape:
                     _sync(v, v, p._wb_rows, src, f"optimizer state {key!r} of {where}")
+
+
+def handed_out(optimizer, state_dict) -> None:
+    """``optimizer.state_dict()`` over DDP row parameters gave ``state_dict``: its
+    tensors (rank ``broadcast_from``'s rows of the states) watched from now on."""
+    views = [v for st in state_dict["state"].values() for v in st.values()
+             if isinstance(v, torch.Tensor)]
+    for v in views:
+        _VIEWS[v] = True
+    if optimizer in _FRESH:
+        _FRESH[optimizer].extend(views)
+    else:
+        _FRESH[optimizer] = views
 
 
 def _step_pre_hook(optimizer, args, kwargs) -> None:
     sync_optimizer_rows(optimizer)
 
 
+def _step_post_hook(optimizer, args, kwargs) -> None:
+    """A step keeps equal rows equal (every row the same update from the averaged
+    gradient): its new versions are taken as seen, with no comparison, so a training
+    loop pays nothing; the copy of the old value is dropped (the next look after a write
+    compares the rows with each other)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if rows_of(p) is None:
+                continue
+            for t in [p] + [v for v in optimizer.state.get(p, {}).values()
+                            if isinstance(v, torch.Tensor) and v in _SEEN]:
+                _SEEN[t] = [t._version, None]
+
+
 register_optimizer_step_pre_hook(_step_pre_hook)
+register_optimizer_step_post_hook(_step_post_hook)
