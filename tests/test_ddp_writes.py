@@ -154,7 +154,8 @@ def test_ddp_write_before_the_step_is_one_devices(n):
     # written between backward and step: the step's update lands on the written value
     mesh = wb.Mesh.grid(n, ["dp"])
     w, ref = wb.DistributedDataParallel(_mlp(), mesh), _mlp()
-    opt, ro = torch.optim.AdamW(w.parameters(), lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(w.parameters(), lr=0.1)
+    ro = torch.optim.AdamW(ref.parameters(), lr=0.1)
     xs = wb.shard_tensor(X, mesh, [wb.Shard(0)])
     (w(xs) ** 2).mean().backward()
     (ref(X) ** 2).mean().backward()
@@ -190,7 +191,8 @@ def test_ddp_optimizer_state_dict_write_reaches_every_replica():
     # 0's rows of exp_avg, so only rank 0's moments changed
     mesh = wb.Mesh.grid(3, ["dp"])
     w, ref = wb.DistributedDataParallel(_mlp(), mesh), _mlp()
-    opt, ro = torch.optim.AdamW(w.parameters(), lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(w.parameters(), lr=0.1)
+    ro = torch.optim.AdamW(ref.parameters(), lr=0.1)
     xs = wb.shard_tensor(X, mesh, [wb.Shard(0)])
 
     def step():

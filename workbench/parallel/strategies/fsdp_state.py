@@ -66,7 +66,9 @@ class FSDPStateDict:
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
         for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
-        The DistTensors are copies, also with ``keep_vars``."""
+        The DistTensors are copies, also with ``keep_vars``; a write into one reaches the
+        shards before the next forward, step or state dict (:func:`..load_back.flush`),
+        or raises there when the shards changed since it was taken."""
         flush()                     # a write into an earlier state_dict()'s copies
         out = {} if destination is None else destination
         mesh, ax = self._dist_mesh()

@@ -12,17 +12,23 @@ So the rows are made equal again before anything reads them as replicas (the nex
 forward, any ``torch.optim`` step, ``check_replicas``): :func:`sync_rows` checks each
 parameter whose version counter (``tensor._version``, shared by every view of it, so a
 write through any handle bumps it) moved since it last looked; if the rows differ,
+they are compared with a copy of the value they held when last found equal:
 
-* only rank ``broadcast_from``'s row changed (every other row still equal to the
-  others): that row is copied into every row, as every process would have written it;
-* other rows differ among themselves (a row written on its own, not through a handle
-  the wrapper gave out): a ``RuntimeError`` naming the parameter, before any number
+* only rank ``broadcast_from``'s row changed: that row is copied into every row, as
+  every process would have written it;
+* another row changed (a row written on its own, ``p[1] += 1``: not a handle any
+  process has): a ``RuntimeError`` naming the parameter and the rows, before any number
   goes wrong.
 
 The comparison is bitwise (floats viewed as integers of their width), so a NaN or a
-``-0.0`` the replicas share counts as equal.  An optimizer step keeps the rows equal
-(every row gets the averaged gradient), so a write before the step still ends as one
-device's: the written row stepped, copied to the others.
+``-0.0`` the replicas share counts as equal.  A ``torch.optim`` step keeps equal rows
+equal (every row the same update from the averaged gradient; the pre-hook syncs them
+first, so a write between backward and step ends as one device's: the written row
+stepped, then copied), so its new versions are taken as seen with no comparison (a
+step post-hook) and a training loop pays nothing; the copy of the old value is dropped
+then, and a later look compares the rows with each other: on 3 or more ranks the odd
+one out, on 2 ranks rank ``broadcast_from``'s taken as the written one (a row-1 write on
+2 ranks after a step is not told apart; ``check_replicas`` before any step is exact).
 
 The same holds for a ``torch.optim`` optimizer's states over such a parameter
 (``optimizer.state_dict()`` gives rank ``broadcast_from``'s rows,
