@@ -62,7 +62,8 @@ module's own shapes (rank ``broadcast_from``'s rows) and ``ddp.module.load_state
 takes them, as torch's; a write into those rows (``sd[k].copy_(t)``, DCP's load in
 place, ``optimizer.state_dict()``'s states) reaches every row before the next forward
 or step (:mod:`.replica_writes`), and a row written on its own raises there;
-``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the module's.  Buffers a forward writes change once a step, from rank ``broadcast_from``
+``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the module's.  Buffers a
+forward writes change once a step, from rank ``broadcast_from``
 (torch DDP broadcasts that rank's buffers before each forward); a BatchNorm that
 normalizes by batch statistics raises on N > 1 simulated ranks (each rank's statistics
 are not one device's: eval mode, or a per-sample norm).
