@@ -89,7 +89,7 @@ def flush(release: bool = True) -> None:
         del _WATCH[v]                   # told once: the write is not applied
     if not stale:
         for v, _ in written:
-            write_back(v)
+            _write_back(v)
     del held, written
     if stale:
         raise RuntimeError(
@@ -104,7 +104,13 @@ def flush(release: bool = True) -> None:
 @torch.no_grad()
 def write_back(value) -> bool:
     """Write ``value`` (filled in place) back into the storage it was taken from, when it
-    is marked; returns whether it was."""
+    is marked; returns whether it was.  The copies written before are written back first
+    (:func:`flush`), as torch, where each write lands when it is made."""
+    flush(release=False)
+    return _write_back(value)
+
+
+def _write_back(value) -> bool:
     fns = _BACK.get(value)
     for fn in (fns or {}).values():
         fn(value)

@@ -134,6 +134,7 @@ def _load_hooks(fsdp, items):
 
     @torch.no_grad()
     def pre(module, state_dict, prefix, *_):
+        flush(release=False)    # a write into a state_dict() copy lands first, as torch's
         todo[:] = [(attr, i) for attr, i in items if prefix + attr in state_dict]
         for _, i in todo:
             load_dist_(fsdp.entries[i][2], gathered(fsdp, i), "")

@@ -102,6 +102,7 @@ class FSDPStateDict:
             raise NotImplementedError("FullyShardedDataParallel.load_state_dict(assign=True):"
                                       " the parameters are the shards; load with assign=False"
                                       " (copies each rank's chunk into them)")
+        flush(release=False)        # a write into a state_dict() copy lands first, as torch's
         mine = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             mine[name] = torch.empty(self._meta[id(t)][0], device="meta") \
