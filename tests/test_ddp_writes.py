@@ -310,3 +310,18 @@ def test_fsdp_optimizer_state_dict_write_reaches_the_shards():
     ro.state_dict()["state"][0]["exp_avg"].mul_(3)
     step()
     torch.testing.assert_close(w(xs).full(), ref(X), rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_state_dict_write_then_a_write_to_the_parameters():
+    # both before the next forward: every row written alike after one row alone read as
+    # "every row changed, not alike" and raised; each process runs both lines in order
+    mesh = wb.Mesh.grid(2, ["dp"])
+    w, ref = wb.DistributedDataParallel(_mlp(), mesh), _mlp()
+    w.state_dict()["module.0.weight"].fill_(1)
+    ref[0].weight.data.fill_(1)
+    with torch.no_grad():
+        for p in w.parameters():
+            p.mul_(0.5)
+        for p in ref.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(w(wb.shard_tensor(X, mesh, [wb.Shard(0)])).full(), ref(X))

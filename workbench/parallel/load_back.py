@@ -21,8 +21,8 @@ A write into such a copy by any other path (``sd[k].copy_(t)``, ``sd[k].mul_(2)`
 ``torch.distributed.checkpoint.load``, ``nn.init.zeros_(sd[k])``) changes the model in
 torch; here a copy marked with its ``source`` (the storage it was gathered from) is
 watched: its version counter (``tensor._version``; a DistTensor's local storage's) is
-kept, and :func:`flush` (run before the wrappers' next forward and any ``torch.optim``
-step) writes back every copy written since, as the load does.  A copy taken before the
+kept, and :func:`flush` (run before the wrappers' next forward, state dict or load and
+any ``torch.optim`` step) writes back every copy written since, as the load does.  A copy taken before the
 model changed (its source's version moved, e.g. an optimizer step) and written after
 raises there: it held old values, so writing it back whole would undo the change where
 torch (whose values are the parameters) would not.  The copies of the latest state dicts

@@ -45,7 +45,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["sync_rows", "sync_optimizer_rows", "handed_out"]
+__all__ = ["sync_rows", "sync_optimizer_rows", "handed_out", "before_write"]
 
 _SEEN = WeakIdKeyDictionary()       # rows -> [version counter, the row] when last equal
 _VIEWS = WeakIdKeyDictionary()      # the tensors an optimizer's state_dict() gave -> True
@@ -154,8 +154,21 @@ def handed_out(optimizer, state_dict) -> None:
         _FRESH[optimizer] = views
 
 
+def before_write(p) -> None:
+    """An in-place op on a DDP row parameter itself (every row written alike) outside an
+    optimizer step: a write through a row handle before it is synced first, so that
+    ``sd[k].copy_(t); p.mul_(0.5)`` ends as one device's (both rows would otherwise have
+    changed, and no longer alike)."""
+    if not _STEPPING[0] and rows_of(p) is not None:
+        sync_rows([(f"the parameter of shape {p._wb_shape}", p)])
+
+
+_STEPPING = [0]             # inside a torch.optim step (its writes keep the rows equal)
+
+
 def _step_pre_hook(optimizer, args, kwargs) -> None:
     sync_optimizer_rows(optimizer)
+    _STEPPING[0] = 1
 
 
 def _step_post_hook(optimizer, args, kwargs) -> None:
@@ -163,9 +176,10 @@ def _step_post_hook(optimizer, args, kwargs) -> None:
     gradient): its new versions are taken as seen, with no comparison, so a training
     loop pays nothing; the copy of the old value is dropped (the next look after a write
     compares the rows with each other)."""
+    _STEPPING[0] = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if rows_of(p) is None:
+            if not getattr(p, "_wb_rows", None):
                 continue
             for t in [p] + [v for v in optimizer.state.get(p, {}).values()
                             if isinstance(v, torch.Tensor) and v in _SEEN]:
