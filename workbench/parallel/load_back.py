@@ -16,34 +16,110 @@ The callable is kept beside the value, in a table keyed weakly by the value's id
 (``torch.utils.weak.WeakIdKeyDictionary``), not as an attribute on it: a tensor's
 ``__dict__`` is pickled by ``torch.save``, and a function there would make
 ``torch.save(ddp.state_dict())`` fail.
+
+A write into such a copy by any other path (``sd[k].copy_(t)``, ``sd[k].mul_(2)``,
+``torch.distributed.checkpoint.load``, ``nn.init.zeros_(sd[k])``) changes the model in
+torch; here a copy marked with its ``source`` (the storage it was gathered from) is
+watched: its version counter (``tensor._version``; a DistTensor's local storage's) is
+kept, and :func:`flush` (run before the wrappers' next forward, state dict or load and
+any ``torch.optim`` step) writes back every copy written since, as the load does.  A copy taken before the
+model changed (its source's version moved, e.g. an optimizer step) and written after
+raises there: it held old values, so writing it back whole would undo the change where
+torch (whose values are the parameters) would not.  The copies of the latest state dicts
+are held until that flush, so a one-line ``fsdp.state_dict()[k].fill_(0)`` is seen too.
 """
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["mark", "write_back"]
+__all__ = ["mark", "write_back", "flush"]
 
 _BACK = WeakIdKeyDictionary()      # state-dict value -> {tag: how to write it back}
+_WATCH = WeakIdKeyDictionary()     # a copy -> [its versions, its source, the source's version]
+_HELD: list = []                   # copies handed out since the last flush (kept alive)
 
 
-def mark(value, fn, tag: str = "storage"):
+def mark(value, fn, tag: str = "storage", source=None):
     """``value`` (a state-dict tensor or DistTensor) with ``fn(value)``, which writes the
     value it then holds into the module's storage; returns ``value``.  One ``fn`` per
     ``tag`` (marking again replaces it): "storage" for the wrapper's own layout, another
-    tag for a second copy to keep equal (DualPipe's copy 1 of every stage)."""
+    tag for a second copy to keep equal (DualPipe's copy 1 of every stage).  ``source``:
+    ``value`` is a copy of that tensor's values, watched for writes (:func:`flush`)."""
     fns = _BACK.get(value)
     if fns is None:
         fns = _BACK[value] = {}
     fns[tag] = fn
+    if source is not None:
+        _WATCH[value] = [_versions(value), source, source._version]
+        _HELD.append(value)
     return value
+
+
+def _versions(value):
+    """The version counters (and identities) of ``value``'s storage."""
+    from .dist_tensor import DistTensor
+    from .storage import tensors
+    ts = tensors(value._local) if isinstance(value, DistTensor) else [value]
+    return tuple((id(t), t._version) for t in ts)
+
+
+def _rewatch(value) -> None:
+    w = _WATCH.get(value)
+    if w is not None:
+        w[0], w[2] = _versions(value), w[1]._version
+
+
+@torch.no_grad()
+def flush(release: bool = True) -> None:
+    """Write back every watched copy written since it was handed out (or last written
+    back); raise for one taken before its source changed (the module docstring).
+    ``release=False`` (inside a state_dict() that is marking copies): keep holding the
+    copies handed out so far."""
+    held = list(_HELD)
+    if release:
+        _HELD.clear()
+    if not _WATCH:
+        return
+    written = [(v, w) for v, w in list(_WATCH.items()) if _versions(v) != w[0]]
+    # every staleness decided before any write-back (tied weights: two copies, one source)
+    stale = [v for v, w in written if w[1]._version != w[2]]
+    for v in stale:
+        del _WATCH[v]                   # told once: the write is not applied
+    if not stale:
+        for v, _ in written:
+            _write_back(v)
+    del held, written
+    if stale:
+        raise RuntimeError(
+            f"a state_dict() value (shape {tuple(stale[0].shape)}) was written after the "
+            "model changed (an optimizer step or a load since it was taken): on simulated ranks "
+            "FullyShardedDataParallel's and Zero3's state_dict() values are gathered copies, "
+            "not the shards themselves as FSDP2's, so writing it back whole would undo that "
+            "change; the write was not applied.  Take state_dict() again and write into "
+            "its values, or load full tensors with load_state_dict")
 
 
 @torch.no_grad()
 def write_back(value) -> bool:
     """Write ``value`` (filled in place) back into the storage it was taken from, when it
-    is marked; returns whether it was."""
+    is marked; returns whether it was.  The copies written before are written back first
+    (:func:`flush`), as torch, where each write lands when it is made."""
+    flush(release=False)
+    return _write_back(value)
+
+
+def _write_back(value) -> bool:
     fns = _BACK.get(value)
     for fn in (fns or {}).values():
         fn(value)
+    _rewatch(value)
     return bool(fns)
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    flush()
+
+
+register_optimizer_step_pre_hook(_step_pre_hook)

@@ -59,8 +59,11 @@ ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out
 rank's row would get its own draw, the fan-in read from the rows): initialize before;
 ``p.copy_(t)``, ``fill_``, ``mul_`` write every row.  ``ddp.module.state_dict()`` gives the
 module's own shapes (rank ``broadcast_from``'s rows) and ``ddp.module.load_state_dict``
-takes them, as torch's; ``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the
-module's.  Buffers a forward writes change once a step, from rank ``broadcast_from``
+takes them, as torch's; a write into those rows (``sd[k].copy_(t)``, DCP's load in
+place, ``optimizer.state_dict()``'s states) reaches every row before the next forward
+or step (:mod:`.replica_writes`), and a row written on its own raises there;
+``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the module's.  Buffers a
+forward writes change once a step, from rank ``broadcast_from``
 (torch DDP broadcasts that rank's buffers before each forward); a BatchNorm that
 normalizes by batch statistics raises on N > 1 simulated ranks (each rank's statistics
 are not one device's: eval mode, or a per-sample norm).
@@ -78,6 +81,7 @@ from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
+from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
                     run_per_rank, state_dict_check, check_not_meta)
 
@@ -153,8 +157,10 @@ class DistributedDataParallel(ModuleWrapper):
                             p.requires_grad, f"on {g.n} simulated ranks it holds one row per "
                             f"rank (shape {(g.n,) + shape})", shape, Rows(g.n, bf))
             rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
+            rows._wb_src = bf               # the row the state dicts give (.replica_writes)
             replace_parameter(m, p, rows)
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
+        sync_rows(m.named_parameters())        # the rows' value now: a later write is seen
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -162,6 +168,7 @@ class DistributedDataParallel(ModuleWrapper):
         if g.distributed:
             return self.module(*args, **kwargs)
         named = dict(self.module.named_parameters())
+        sync_rows(named.items())            # a write through one row's handle: every row
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]
         return run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
 
@@ -253,6 +260,8 @@ class DistributedDataParallel(ModuleWrapper):
         """Debug: raise if any parameter differs between the ranks' replicas (on
         torch.distributed: an all-reduce of its max and of its min per parameter)."""
         g = self.group
+        if not g.distributed:               # a write through a state-dict row: every row
+            sync_rows(self.module.named_parameters())
         for name, p in self.module.named_parameters():
             if g.distributed:
                 hi, lo = p.detach().clone(), p.detach().clone()

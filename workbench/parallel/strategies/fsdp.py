@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..load_back import flush
 from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
@@ -162,6 +163,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
 
     # ---- forward: a unit gathers on entry, frees on exit ------------------------------------
     def forward(self, *args, **kwargs):
+        flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
         if cd is not None:
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)

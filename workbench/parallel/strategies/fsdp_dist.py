@@ -257,6 +257,8 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         """{the module's own qualified name: the full tensor}, every name of a tied weight
         included (as ``FullyShardedDataParallel.full_state_dict``), shards gathered."""
         from ...sim_mesh.trace import suspend
+        from ..load_back import flush
+        flush()                         # a write into an earlier state_dict()'s copies
         out, full = {}, {}
         with suspend():
             for qname, i in self._named_places():

@@ -31,7 +31,7 @@ import torch
 from ...sim_mesh import collectives as C
 from .. import storage
 from ..dist_tensor import DistTensor
-from ..load_back import mark
+from ..load_back import flush, mark
 from .flat_shards import unflat
 from .rank_grads import as_replica_grad
 
@@ -103,11 +103,13 @@ def _refuse_norm(fsdp):
 
 def _state_dict_hook(fsdp, items):
     def hook(module, state_dict, prefix, local_metadata):
+        flush(release=False)    # a write into an earlier state_dict()'s copies: first
         for attr, i in items:
             key = prefix + attr
             if key in state_dict:
                 # a copy: a load in place (wb.checkpoint.load) is cut into the shards
-                state_dict[key] = mark(gathered(fsdp, i), lambda v, i=i: _cut(fsdp, i, v))
+                state_dict[key] = mark(gathered(fsdp, i), lambda v, i=i: _cut(fsdp, i, v),
+                                      source=fsdp.entries[i][3])
     return hook
 
 
@@ -132,6 +134,7 @@ def _load_hooks(fsdp, items):
 
     @torch.no_grad()
     def pre(module, state_dict, prefix, *_):
+        flush(release=False)    # a write into a state_dict() copy lands first, as torch's
         todo[:] = [(attr, i) for attr, i in items if prefix + attr in state_dict]
         for _, i in todo:
             load_dist_(fsdp.entries[i][2], gathered(fsdp, i), "")

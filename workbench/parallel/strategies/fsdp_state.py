@@ -23,7 +23,7 @@ from torch import nn
 
 from ...sim_mesh import backends as _B
 from ..dist_tensor import DistTensor, shard_tensor
-from ..load_back import mark
+from ..load_back import flush, mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
@@ -38,6 +38,7 @@ class FSDPStateDict:
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """{the module's own name: the full fp32 tensor} (parameters gathered)."""
+        flush()                     # a write into an earlier state_dict()'s copies
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             out[name] = self._full(t).clone() if id(t) in self._meta else t.detach().clone()
@@ -65,7 +66,10 @@ class FSDPStateDict:
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
         for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
-        The DistTensors are copies, also with ``keep_vars``."""
+        The DistTensors are copies, also with ``keep_vars``; a write into one reaches the
+        shards before the next forward, step or state dict (:func:`..load_back.flush`),
+        or raises there when the shards changed since it was taken."""
+        flush()                     # a write into an earlier state_dict()'s copies
         out = {} if destination is None else destination
         mesh, ax = self._dist_mesh()
         for name, t in self.module.state_dict(keep_vars=True).items():
@@ -79,7 +83,7 @@ class FSDPStateDict:
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
             dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
             # a copy (FSDP2's are the shards): a load in place cuts it into the shards
-            out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v))
+            out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v), source=t)
         return out
 
     def _store(self, t, v) -> None:
@@ -98,6 +102,7 @@ class FSDPStateDict:
             raise NotImplementedError("FullyShardedDataParallel.load_state_dict(assign=True):"
                                       " the parameters are the shards; load with assign=False"
                                       " (copies each rank's chunk into them)")
+        flush(release=False)        # a write into a state_dict() copy lands first, as torch's
         mine = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             mine[name] = torch.empty(self._meta[id(t)][0], device="meta") \

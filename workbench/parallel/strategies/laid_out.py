@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
+from .replica_writes import before_write, handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
 
@@ -74,6 +75,7 @@ class LaidOutParameter(nn.Parameter):
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         if args and isinstance(args[0], LaidOutParameter) and _in_place(func):
+            before_write(args[0])       # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -229,6 +231,8 @@ def _module_shaped_states(optimizer, state_dict):
         state_dict["state"][i] = {
             k: _shaped_state(p, v) if k != "step" and isinstance(v, torch.Tensor) and
             tuple(v.shape) == storage else v for k, v in st.items()}
+    if any(getattr(p, "_wb_rows", None) for p in order):
+        handed_out(optimizer, state_dict)   # a write into DDP's rows: every row (.replica_writes)
     return state_dict
 
 

@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..dist_tensor import DistTensor
+from ..load_back import flush
 from .zero_optimizer_dist import defer_reduce_scatter
 
 __all__ = ["GatheredLedger", "Zero3Clock"]
@@ -194,6 +195,7 @@ class Zero3Clock:
 
     def _gather_hook(self, mod):
         def hook(module, args):
+            flush()             # a write into a state_dict() copy: into the shards first
             if self.async_:
                 if torch._C._current_graph_task_id() != -1:     # a recompute in backward:
                     self._wait("B", mod, ahead=False)           # gathered as it runs
