@@ -66,7 +66,7 @@ def fsdp2_reference(n, ids, y, reduce_dtype):
     and cast to the fp32 shard."""
     per = []
     for ri, yi in zip(ids.chunk(n), y.chunk(n)):
-        m = copy.deepcopy(make()).to(BF)
+        m = make().to(BF)
         loss_of(m(ri), yi).backward()
         per.append({k: p.grad.to(reduce_dtype) for k, p in m.named_parameters()})
     return {k: (torch.stack([g[k] for g in per]).sum(0) / n).to(F32) for k in per[0]}
@@ -211,3 +211,45 @@ def test_on_torch_distributed_processes():
     (row,) = json_rows(out.stdout)
     assert row["diff"] == 0.0 and row["dtypes"] == ["torch.float32"], row
     assert row["rs_bytes"] == row["fp32_bytes"], row
+
+
+def test_tensor_parallel_path_refuses_reduce_dtype():
+    from tests.test_fully_shard import tp_model
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = tp_model()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel()})
+    wb.parallelize(m, mesh)
+    with pytest.raises(NotImplementedError, match="mixed precision"):
+        wb.fully_shard(m, mesh=mesh["dp"], mp_policy=wb.MixedPrecisionPolicy(reduce_dtype=F32))
+    assert not isinstance(m, wb.FSDPModule)
+    with pytest.raises(NotImplementedError, match="reduce_dtype=torch.float32"):
+        wb.FullyShardedDataParallel(m, mesh, dim="dp", reduce_dtype=F32)
+
+
+def test_accumulation_without_sync_is_in_reduce_dtype():
+    """set_requires_gradient_sync(False): FSDP2 accumulates the unsharded gradient in
+    reduce_dtype (``_fsdp_param.py``): bf16 micro-batch gradients added up in fp32."""
+    n = 2
+    mesh = wb.Mesh.grid(n, ["dp"])
+    mp = wb.MixedPrecisionPolicy(param_dtype=BF, reduce_dtype=F32)
+    m = make()
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh, mp_policy=mp)
+    wb.fully_shard(m, mesh=mesh, mp_policy=mp)
+    micro = [batch(n, seed=20 + i) for i in range(3)]
+    for i, (ids, y) in enumerate(micro):
+        m.set_requires_gradient_sync(i == len(micro) - 1)
+        loss_of(m(wb.shard_tensor(ids, mesh, ["S(0)"])), y).backward()
+    per = []
+    for r in range(n):                   # rank r: its rows of every micro-batch, in fp32
+        acc = None
+        for ids, y in micro:
+            b = make().to(BF)
+            loss_of(b(ids.chunk(n)[r]), y.chunk(n)[r]).backward()
+            g = [p.grad.to(F32) for p in b.parameters()]
+            acc = g if acc is None else [a + x for a, x in zip(acc, g)]
+        per.append(acc)
+    got = full_grads(m, make())
+    for (name, _), *gs in zip(make().named_parameters(), *per):
+        torch.testing.assert_close(got[name], torch.stack(gs).sum(0) / n, rtol=0, atol=0,
+                                   msg=name)
