@@ -20,7 +20,8 @@ On top of the wrapper, per unit:
   unit's backward reduces nothing; each rank's unsharded gradients add up here, in the
   gather dtype (FSDP2 accumulates the unsharded gradient in ``param_dtype`` when no other
   ``reduce_dtype`` is given, else in ``reduce_dtype``, ``_fsdp_param.py``), and the next
-  backward with sync reduce-scatters the sum once: the shards then hold the gradient one device accumulates.
+  backward with sync reduce-scatters the sum once: the shards then hold the gradient one
+  device accumulates.
 """
 from __future__ import annotations
 
