@@ -253,3 +253,39 @@ def test_accumulation_without_sync_is_in_reduce_dtype():
     for (name, _), *gs in zip(make().named_parameters(), *per):
         torch.testing.assert_close(got[name], torch.stack(gs).sum(0) / n, rtol=0, atol=0,
                                    msg=name)
+
+
+class FloatIn(nn.Module):
+    """Float inputs; its forward notes the dtype it receives and casts them itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        h = x.to(BF)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_forward_inputs_on_the_root(cast):
+    """cast_forward_inputs=False: the root's floating inputs reach it uncast (FSDP2's
+    ``_cast_forward_inputs``); the blocks, with the default policy, still cast theirs."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    outs = {}
+    for c in (True, cast):
+        m = FloatIn()
+        blocks = wb.MixedPrecisionPolicy(param_dtype=BF, reduce_dtype=F32)
+        for b in m.blocks:
+            wb.fully_shard(b, mesh=mesh, mp_policy=blocks)
+        wb.fully_shard(m, mesh=mesh, mp_policy=wb.MixedPrecisionPolicy(
+            param_dtype=BF, reduce_dtype=F32, cast_forward_inputs=c))
+        x = torch.randn(4, 3, W, generator=torch.Generator().manual_seed(3))
+        outs[c] = m(wb.shard_tensor(x, mesh, ["S(0)"])).full()
+        assert set(m.seen) == {BF if c else F32}
+    assert torch.equal(outs[True], outs[cast])

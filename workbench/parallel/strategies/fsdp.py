@@ -136,6 +136,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         self._k, self._order, self._prefetched, self._owners = None, [], {}, {}
         module._wb_wrapped = "FullyShardedDataParallel"
 
+    _casts_inputs = True     # fully_shard's root: its policy's cast_forward_inputs
+
     def _shard(self, name, p):
         g = self.group
         if g.distributed:                # every rank starts from rank 0's values
@@ -173,7 +175,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
     # ---- forward: a unit gathers on entry, frees on exit ------------------------------------
     def forward(self, *args, **kwargs):
         g, cd = self.group, self.compute_dtype
-        if cd is not None:
+        if cd is not None and self._casts_inputs:
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)

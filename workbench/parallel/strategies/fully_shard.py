@@ -72,12 +72,6 @@ def _policy(mp):
         if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
             raise TypeError(f"fully_shard(mp_policy=...{f}={d!r}): give a floating-point "
                             "torch dtype (torch.bfloat16, torch.float16...) or None")
-    pd = mp.param_dtype
-    if pd is not None and not mp.cast_forward_inputs:
-        raise NotImplementedError(
-            f"fully_shard(mp_policy=...cast_forward_inputs=False) with param_dtype={pd}: the "
-            "root here always casts its floating inputs to param_dtype; leave "
-            "cast_forward_inputs=True (FSDP2's default)")
     return mp
 
 

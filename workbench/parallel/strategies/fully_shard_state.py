@@ -68,6 +68,12 @@ class FullyShardRoot(FullyShardedDataParallel):
             return p
         return super()._shard(name, p)
 
+    @property
+    def _casts_inputs(self) -> bool:
+        """The root's ``cast_forward_inputs``: False, its floating inputs reach its forward
+        uncast, as FSDP2's (``_fsdp_state.py`` ``_cast_forward_inputs``)."""
+        return self.module._wb_fully_shard.mp_policy.cast_forward_inputs
+
     @staticmethod
     def _state(unit):
         return unit.module._wb_fully_shard
