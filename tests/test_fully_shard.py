@@ -279,13 +279,7 @@ MESH = wb.Mesh.grid(2, ["dp"])
     (dict(mesh="cpu"), TypeError, "mesh='cpu'.*workbench Mesh"),
     (dict(mesh=wb.Mesh.grid((2, 2), ["dp", "tp"])), NotImplementedError, "HSDP"),
     (dict(mp_policy=torch.bfloat16), TypeError, "mp_policy=torch.bfloat16"),
-    (dict(mp_policy=wb.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                            reduce_dtype=torch.float32)),
-     NotImplementedError, "reduce_dtype=torch.float32"),
     (dict(mp_policy=wb.MixedPrecisionPolicy(param_dtype=torch.int8)), TypeError, "param_dtype"),
-    (dict(mp_policy=wb.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                            cast_forward_inputs=False)),
-     NotImplementedError, "cast_forward_inputs=False"),
 ])
 def test_bad_arguments_are_named_and_leave_the_module_alone(kw, err, match):
     m = make()

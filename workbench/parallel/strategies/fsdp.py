@@ -27,6 +27,11 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   shards (master weights), their gradients and the optimizer states stay fp32
   (FSDP's ``MixedPrecisionPolicy(param_dtype=reduce_dtype=compute_dtype)``);
   floating-point inputs are cast to it too (``cast_forward_inputs``).
+* ``reduce_dtype`` (e.g. ``torch.float32``; None: ``compute_dtype``): the gradients are
+  cast to it before the reduce-scatter, which runs (bytes, clock, the division by the
+  world size) in it, and the reduced shard is cast to the shard's dtype (torchtitan's
+  default ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; FSDP2's
+  ``foreach_reduce``, torch 2.13 ``_fsdp_collectives.py``).
 
 Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the all-reduce
 volume of DDP; one collective per unit and phase, labelled ``fsdp params|re-gather|grad
@@ -101,7 +106,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", compute_dtype=None,
-                 units=None, prefetch: bool = False):
+                 units=None, prefetch: bool = False, reduce_dtype=None):
         super().__init__()
         check_module(module, "FullyShardedDataParallel")
         check_not_meta(module, "FullyShardedDataParallel")
@@ -110,11 +115,16 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             raise ValueError(f"compute_dtype={compute_dtype!r}: give a floating-point torch "
                              "dtype (torch.bfloat16, torch.float16) or None (the parameters' "
                              "own dtype)")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and
+                                             reduce_dtype.is_floating_point):
+            raise ValueError(f"FullyShardedDataParallel(reduce_dtype={reduce_dtype!r}): give a "
+                             "floating-point torch dtype (torch.float32) or None (compute_dtype)")
         if not isinstance(prefetch, bool):
             raise TypeError(f"FullyShardedDataParallel(prefetch={prefetch!r}): give True or False")
         g = RankGroup(mesh, dim, "FullyShardedDataParallel")
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
+        self.reduce_dtype = reduce_dtype     # None: the gradients' own (compute) dtype
         self._meta = {}                  # id(shard) -> (shape, numel)
         self._hooked = set()             # ids of shards whose gradients become Shard/ChunkRows
         with torch.no_grad():
@@ -126,6 +136,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         object.__setattr__(self, "gathered", GatheredBytes())
         self._k, self._order, self._prefetched, self._owners = None, [], {}, {}
         module._wb_wrapped = "FullyShardedDataParallel"
+
+    _casts_inputs = True     # fully_shard's root: its policy's cast_forward_inputs
 
     def _shard(self, name, p):
         g = self.group
@@ -165,7 +177,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
     def forward(self, *args, **kwargs):
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
-        if cd is not None:
+        if cd is not None and self._casts_inputs:
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
@@ -239,8 +251,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         del self._next[(unit.index, k)]
         if not unit.params:
             return call, []
-        flats = GatherUnit.apply(self, call, k, pre,
-                                  *[self._cast(s) for _, s, _ in unit.params])
+        cast = (lambda s: s) if self.reduce_dtype is not None else self._cast
+        flats = GatherUnit.apply(self, call, k, pre, *[cast(s) for _, s, _ in unit.params])
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
             shape, _ = self._meta[id(s)]
@@ -302,6 +314,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         call.cache.pop(k, None)
         call.done.add(k)
         todo = [i for i, (gr, need) in enumerate(zip(grads, needs)) if need and gr is not None]
+        grads = self._to_reduce_dtype(grads)
         nb = sum(grads[i].numel() * grads[i].element_size() for i in todo)
         label = f"fsdp grad {call.unit.name or 'root'}"
         if g.distributed:                # one reduce-scatter for the unit's gradients
@@ -330,6 +343,14 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         call.grads.clear()
         return tuple(out)
 
+    def _to_reduce_dtype(self, grads):
+        """The unsharded gradients cast to ``reduce_dtype`` before the reduce-scatter, which
+        then runs (and divides by the world size) in it (FSDP2's ``foreach_reduce``,
+        torch 2.13 ``_fsdp_collectives.py``); autograd casts the reduced shard to the
+        shard's own dtype (the fp32 master), as FSDP2 does after the reduce-scatter."""
+        rd = self.reduce_dtype
+        return tuple(g if g is None or rd is None or g.dtype == rd else g.to(rd) for g in grads)
+
     def no_sync(self):
         """Not built (FSDP1's ``no_sync`` keeps unsharded gradients until the next synced
         backward): raises, naming what gives the same gradients."""
@@ -347,4 +368,5 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         g = self.group
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
         return (f"{type(self.module).__name__}, {where}, compute_dtype={self.compute_dtype}, "
-                f"{len(self.units)} units, prefetch={self.prefetch}")
+                f"{len(self.units)} units, prefetch={self.prefetch}"
+                + (f", reduce_dtype={self.reduce_dtype}" if self.reduce_dtype else ""))

@@ -79,9 +79,14 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
     are built for plain modules only (:mod:`.fsdp`): here they raise."""
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", compute_dtype=None,
-                 units=None, prefetch: bool | int = False, reshard_after_forward: bool = True):
+                 units=None, prefetch: bool | int = False, reshard_after_forward: bool = True,
+                 reduce_dtype=None):
         nn.Module.__init__(self)
         check_module(module, "FullyShardedDataParallel")
+        if reduce_dtype is not None:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel(reduce_dtype={reduce_dtype!r}) over DistTensor "
+                "parameters: mixed precision is built for plain modules only; leave it None")
         if compute_dtype is not None:
             raise NotImplementedError(
                 f"FullyShardedDataParallel(compute_dtype={compute_dtype!r}) over DistTensor "

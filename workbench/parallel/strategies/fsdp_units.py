@@ -142,7 +142,9 @@ class GatherUnit(torch.autograd.Function):
     def forward(ctx, fsdp, call, k, pre, *shards):
         ctx.fsdp, ctx.call, ctx.k = fsdp, call, k
         ctx.set_materialize_grads(False)
-        outs = pre or fsdp._all_gather(call, k, shards)
+        # the shards come uncast when reducing in another dtype: the gradient returned
+        # then reaches the shard in reduce_dtype, not through a cast to compute_dtype
+        outs = pre or fsdp._all_gather(call, k, [fsdp._cast(s) for s in shards])
         ctx.mark_non_differentiable(*[o for o, need in zip(outs, ctx.needs_input_grad[4:])
                                       if not need])
         return outs

@@ -72,20 +72,14 @@ def _policy(mp):
         if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
             raise TypeError(f"fully_shard(mp_policy=...{f}={d!r}): give a floating-point "
                             "torch dtype (torch.bfloat16, torch.float16...) or None")
-    pd, rd = mp.param_dtype, mp.reduce_dtype
-    if rd is not None and rd != pd:
-        raise NotImplementedError(
-            f"fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype={pd}, reduce_dtype={rd})):"
-            " gradients are reduced in the dtype the weights were gathered in here (the "
-            "wrapper's compute_dtype); a reduction in another dtype is not built, and "
-            f"reducing in {pd} instead would give other numbers.  Give reduce_dtype=None "
-            f"(or reduce_dtype=param_dtype)")
-    if pd is not None and not mp.cast_forward_inputs:
-        raise NotImplementedError(
-            f"fully_shard(mp_policy=...cast_forward_inputs=False) with param_dtype={pd}: the "
-            "root here always casts its floating inputs to param_dtype; leave "
-            "cast_forward_inputs=True (FSDP2's default)")
     return mp
+
+
+def _reduce_dtype(mp):
+    """The wrapper's reduce_dtype: None where gradients reduce in the gather dtype (FSDP2
+    reduces in ``param_dtype`` when ``reduce_dtype`` is None)."""
+    rd = mp.reduce_dtype
+    return None if rd is None or rd == mp.param_dtype else rd
 
 
 def check_arguments(module, mesh, reshard_after_forward, shard_placement_fn, offload_policy,
@@ -186,7 +180,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     state = FSState(module, mesh, dim, mp, reshard_after_forward)
     try:
         before = _hook_keys(module)
-        root = FullyShardRoot(module, mesh, dim, mp.param_dtype, units or None, adopt)
+        root = FullyShardRoot(module, mesh, dim, mp.param_dtype, units or None, adopt,
+                              reduce_dtype=_reduce_dtype(mp))
     except BaseException:
         for w, removed in zip(roots, taken):
             _restore(w, removed)
@@ -214,6 +209,11 @@ def _check_joinable(w, name, mesh, dim, mp):
     if st.mesh != mesh or st.dim != dim:
         raise ValueError(f"fully_shard({name}, mesh={mesh}): its sub-module {below} is sharded "
                          f"over {st.mesh}; give every call of one model the same mesh")
+    if _reduce_dtype(st.mp_policy) != _reduce_dtype(mp):
+        raise NotImplementedError(
+            f"fully_shard({name}) with reduce_dtype={mp.reduce_dtype}: its sub-module {below} "
+            f"has reduce_dtype={st.mp_policy.reduce_dtype}; one model reduces in one dtype "
+            "here, give every call the same reduce_dtype")
     if st.mp_policy.param_dtype != mp.param_dtype:
         raise NotImplementedError(
             f"fully_shard({name}) with param_dtype={mp.param_dtype}: its sub-module {below} "

@@ -19,8 +19,9 @@ On top of the wrapper, per unit:
 * ``set_requires_gradient_sync(False)`` (FSDP2's replacement of FSDP1's ``no_sync``): the
   unit's backward reduces nothing; each rank's unsharded gradients add up here, in the
   gather dtype (FSDP2 accumulates the unsharded gradient in ``param_dtype`` when no other
-  ``reduce_dtype`` is given, ``_fsdp_param.py``), and the next backward with sync
-  reduce-scatters the sum once: the shards then hold the gradient one device accumulates.
+  ``reduce_dtype`` is given, else in ``reduce_dtype``, ``_fsdp_param.py``), and the next
+  backward with sync reduce-scatters the sum once: the shards then hold the gradient one
+  device accumulates.
 """
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ class FullyShardRoot(FullyShardedDataParallel):
     """The sharded state of a ``fully_shard`` root (module docstring).  Built only by
     :func:`.fully_shard.fully_shard`; the user keeps calling their own module."""
 
-    def __init__(self, module, mesh, dim, compute_dtype, units, adopt: dict):
+    def __init__(self, module, mesh, dim, compute_dtype, units, adopt: dict,
+                 reduce_dtype=None):
         object.__setattr__(self, "_adopt", adopt)      # id(shard) -> its meta, reused
-        super().__init__(module, mesh, dim, compute_dtype=compute_dtype, units=units)
+        super().__init__(module, mesh, dim, compute_dtype=compute_dtype, units=units,
+                         reduce_dtype=reduce_dtype)
         object.__setattr__(self, "_unsynced", {})      # (unit index, rank) -> [grad]
 
     def _shard(self, name, p):
@@ -64,6 +67,12 @@ class FullyShardRoot(FullyShardedDataParallel):
             self._meta[id(p)] = meta
             return p
         return super()._shard(name, p)
+
+    @property
+    def _casts_inputs(self) -> bool:
+        """The root's ``cast_forward_inputs``: False, its floating inputs reach its forward
+        uncast, as FSDP2's (``_fsdp_state.py`` ``_cast_forward_inputs``)."""
+        return self.module._wb_fully_shard.mp_policy.cast_forward_inputs
 
     @staticmethod
     def _state(unit):
@@ -88,6 +97,7 @@ class FullyShardRoot(FullyShardedDataParallel):
             call.cache.pop(k, None)
             call.done.add(k)
             held = self._unsynced.setdefault(key, [None] * len(grads))
+            grads = self._to_reduce_dtype(grads)   # FSDP2 accumulates in reduce_dtype
             for i, (g, need) in enumerate(zip(grads, needs)):
                 if need and g is not None:
                     held[i] = g.detach().clone() if held[i] is None else held[i] + g

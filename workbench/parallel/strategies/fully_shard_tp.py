@@ -70,7 +70,8 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
             f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
             f"pass that mesh's data-parallel dim, mesh=world_mesh['dp'] (torchtitan's order: "
             "parallelize_module on the whole mesh, then fully_shard on its dp dim)")
-    if mp.param_dtype is not None or mp.output_dtype is not None:
+    if mp.param_dtype is not None or mp.output_dtype is not None or \
+            mp.reduce_dtype is not None:
         raise NotImplementedError(
             f"fully_shard({name}, mp_policy={mp}) over tensor-parallel DistTensor "
             "parameters: mixed precision is built for plain modules only; leave the default "
