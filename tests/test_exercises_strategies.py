@@ -212,6 +212,7 @@ def test_hybrid_state_bytes(capsys):
     fails("mixed-precision count", ex.check_hybrid_state_bytes, V0 * (2 + 1 + 6))
     fails("that is stage 1", ex.check_hybrid_state_bytes, 31616 * 10)
     fails("counts the whole stage", ex.check_hybrid_state_bytes, 58176 * 10)
+    fails("not bytes: each value is 4 B", ex.check_hybrid_state_bytes, V0 * 10 / 4)
     fails("count the values a rank of stage 0 holds", ex.check_hybrid_state_bytes, 1234)
     fails("should be a number", ex.check_hybrid_state_bytes, "300 kB")
 

@@ -112,6 +112,18 @@ def test_memory_panel_draws_one_step_line_per_rank_up_to_the_peak():
     assert len(V.draw_pipeline(r, memory=False).axes) == 1
 
 
+def test_row_label_names_the_rows_and_the_memory_lines():
+    r = simulate(one_f_one_b(2, 4))
+    fig = V.draw_pipeline(r, row_label="stage")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["stage 0", "stage 1"]
+    assert [ln.get_label() for ln in fig.axes[1].get_lines()
+            if str(ln.get_gid()).startswith("memory-")] == ["stage 0", "stage 1"]
+    assert [t.get_text() for t in V.draw_pipeline(r).axes[0].get_yticklabels()] == [
+        "rank 0", "rank 1"]
+    with pytest.raises(ValueError, match="row_label=''"):
+        V.draw_pipeline(r, row_label="")
+
+
 def test_draw_accepts_a_schedule_and_is_deterministic():
     a = V.draw_pipeline(one_f_one_b(3, 4), f=1, b=2)
     b = V.draw_pipeline(simulate(one_f_one_b(3, 4), f=1, b=2))

@@ -502,6 +502,8 @@ def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2,
     wrong.append((whole * per_value, "that counts the whole stage; each rank holds only its "
                   f"tp shard (1/{tp}) of the attention and MLP weights, and copies of the "
                   "rest"))
+    wrong.append((want / 4, "that is the number of fp32 values (weights, gradients, Adam's "
+                  "m and v), not bytes: each value is 4 B"))
     for value, text in wrong:
         if math.isclose(got, value, rel_tol=1e-6):
             raise CheckError(f"your count is {got:,.0f} B: {text}", expected=f"{want:,d} B")

@@ -86,17 +86,21 @@ def _shade(kind: int, chunk: int, v: int) -> tuple:
 
 def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
                   max_labels: int = MAX_LABELS, dpi: int = 100,
-                  caption: bool = True) -> PipelineFigure:
+                  caption: bool = True, row_label: str = "rank") -> PipelineFigure:
     """Gantt chart of ``data`` (a SimulationResult, or a Schedule simulated with f, b, w, p2p).
 
     Top: one row per rank (rank 0 on top); F, B, W blocks in fixed colours with the
     micro-batch written inside (up to ``max_labels`` blocks), lighter shades for
     later model chunks, idle time shaded, and the measured bubble next to the
     published formula (``caption=False`` leaves it to the caller, e.g. a widget that
-    prints it).  Bottom (``memory=True``): activations in flight per rank.
+    prints it).  ``row_label`` names a row ("stage" where each pipeline rank is a group
+    of devices).  Bottom (``memory=True``): activations in flight per rank.
     Artists carry gids for tests and tools: "blocks" (a collection with one
     compound path of rectangles per kind and chunk), "bubbles", "labels", "caption".
     """
+    if not isinstance(row_label, str) or not row_label:
+        raise ValueError(f"draw_pipeline: row_label={row_label!r} must be a non-empty str, "
+                         "e.g. 'rank' or 'stage'")
     res = _result(data, f, b, w, p2p)
     s, bl = res.schedule, res.blocks
     height = 1.6 + min(0.32 * s.p, 6.0)
@@ -130,7 +134,7 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     ax.set_xlim(0, res.makespan or 1.0)
     ax.set_ylim(s.p - 0.5, -0.5)                                    # rank 0 on top
     step = max(1, s.p // 16)
-    ax.set_yticks(range(0, s.p, step), [f"rank {r}" for r in range(0, s.p, step)], **FONT)
+    ax.set_yticks(range(0, s.p, step), [f"{row_label} {r}" for r in range(0, s.p, step)], **FONT)
     ax.set_title(f"{s.name}   p={s.p}  m={s.m}  v={s.v}", loc="left", fontdict=FONT)
     if caption:
         ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right",
@@ -143,7 +147,7 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     fig.legend(handles=handles, loc="lower center", ncols=ncols, frameon=False, prop=FONT)
     (axm or ax).set_xlabel("time (modeled)", **FONT)
     if axm is not None:
-        _draw_memory(axm, res)
+        _draw_memory(axm, res, row_label)
     # the legend sits below the time axis: each row past the first (interleaved, v >= 4:
     # 2 x v + 1 entries) gets 0.2 in more at the bottom, so it never covers the axis
     extra = 0.2 * (-(-len(handles) // ncols) - 1)
@@ -167,7 +171,7 @@ def _rects(rank, start, duration, h) -> Path:
     return Path(verts.reshape(-1, 2), codes.astype(Path.code_type))
 
 
-def _draw_memory(ax, res: SimulationResult) -> None:
+def _draw_memory(ax, res: SimulationResult, row_label: str = "rank") -> None:
     """Step lines of activations in flight, one per rank (fixed colours from viridis)."""
     from matplotlib import colormaps
     p = res.schedule.p
@@ -176,7 +180,7 @@ def _draw_memory(ax, res: SimulationResult) -> None:
         t = np.append(times, res.makespan)
         c = np.append(counts, counts[-1])
         ax.step(t, c, where="post", color=cmap(r / max(p - 1, 1)), linewidth=1.0,
-                label=f"rank {r}" if p <= 8 else None, gid=f"memory-{r}")
+                label=f"{row_label} {r}" if p <= 8 else None, gid=f"memory-{r}")
     peak = max(res.peak_inflight)
     ax.axhline(peak, color="#555555", linestyle="--", linewidth=0.8, gid="peak")
     ax.text(0.0, peak, f" peak {peak}", va="bottom", ha="left", **FONT)
