@@ -70,6 +70,11 @@ def test_zero_max_params(capsys):
     fails("stage 3.*dividing the memory by N_d goes the wrong way", ex.check_zero_max_params,
           PSI[:3] + [MEM / 16 / 64])
     fails("not billions", ex.check_zero_max_params, [PSI[0] / 1e9] + PSI[1:])
+    m = wb.get_profile("ascend-910b").memory_bytes      # gradients counted whole and split
+    fails("stage 2 limit.*still counted them whole", ex.check_zero_max_params,
+          PSI[:2] + [m / (4 + 14 / 64)] + PSI[3:])
+    fails("stage 3 limit.*still counted them whole", ex.check_zero_max_params,
+          PSI[:3] + [m / (2 + 16 / 64)])
     fails("one per ZeRO stage", ex.check_zero_max_params, PSI[:3])
     fails("list of 4 numbers", ex.check_zero_max_params, 5)
     fails("should be a number", ex.check_zero_max_params, PSI[:3] + ["big"])

@@ -164,6 +164,12 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
                   (mem / 16 / n_d, "dividing the memory by N_d goes the wrong way: ZeRO "
                    "divides the bytes per parameter, so the model can grow; "
                    + _STAGE_PARTS[s])]
+        # a part counted both whole and split: each stage's whole bytes with the split of the next
+        for whole, split, what in ((4, 14, "split the gradients (14 / N_d) but still counted "
+                                    "them whole (4 B)"),
+                                   (2, 16, "split the weights too (16 / N_d) but still counted "
+                                    "them whole (2 B)")):
+            wrong.append((mem / (whole + split / n_d), f"you {what}; {_STAGE_PARTS[s]}"))
         if n_d != 8:
             wrong.append((mem / _zero_bytes(1, 8, s), f"that is N_d = 8, the notebook's mesh; "
                           f"the exercise has N_d = {n_d} devices"))
