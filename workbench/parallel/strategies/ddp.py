@@ -61,9 +61,10 @@ rank's row would get its own draw, the fan-in read from the rows): initialize be
 module's own shapes (rank ``broadcast_from``'s rows) and ``ddp.module.load_state_dict``
 takes them, as torch's; ``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the
 module's.  Buffers a forward writes change once a step, from rank ``broadcast_from``
-(torch DDP broadcasts that rank's buffers before each forward); a BatchNorm that
-normalizes by batch statistics raises on N > 1 simulated ranks (each rank's statistics
-are not one device's: eval mode, or a per-sample norm).
+(torch DDP broadcasts that rank's buffers before each forward); a plain BatchNorm in
+training normalizes each rank's rows by that rank's own statistics, as torch DDP does
+(running statistics: rank ``broadcast_from``'s); ``nn.SyncBatchNorm`` raises on N > 1
+simulated ranks (its global statistics are not built here).
 """
 from __future__ import annotations
 
