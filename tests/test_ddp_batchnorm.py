@@ -78,3 +78,10 @@ def test_sync_batchnorm_still_raises_on_simulated_ranks():
     w = wb.DistributedDataParallel(m, mesh)
     with pytest.raises(NotImplementedError, match="SyncBatchNorm"):
         w(wb.shard_tensor(torch.randn(4, 5), mesh, [wb.Shard(0)]))
+
+
+def test_broadcast_buffers_false_raises_naming_the_argument():
+    with pytest.raises(NotImplementedError, match="broadcast_buffers=False"):
+        wb.DistributedDataParallel(mlp(), wb.Mesh.grid(2, ["dp"]), broadcast_buffers=False)
+    w = wb.DistributedDataParallel(mlp(), wb.Mesh.grid(2, ["dp"]), broadcast_buffers=True)
+    assert w.broadcast_from == 0

@@ -106,9 +106,14 @@ class DistributedDataParallel(ModuleWrapper):
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
-                 broadcast_from: int = 0):
+                 broadcast_from: int = 0, broadcast_buffers: bool = True):
         super().__init__()
         check_module(module, "DistributedDataParallel")
+        if broadcast_buffers is not True:       # torch's default; False: per-rank buffers
+            raise NotImplementedError(
+                f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
+                "True (torch's default: rank broadcast_from's buffers before each forward) "
+                "is built; drop the argument")
         check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
