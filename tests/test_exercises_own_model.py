@@ -148,8 +148,9 @@ def test_like_one_device_says_what_the_model_is_called_with():
 
 
 def test_like_one_device_passes_on_a_wrappers_refusal_in_one_line():
-    """BatchNorm trains on one device but DDP refuses it (batch statistics per rank): the
-    refusal comes as the check's message, naming the wrapper."""
+    """BatchNorm trains on one device but FSDP refuses it (batch statistics per rank; DDP
+    runs it as torch DDP does, tests/test_ddp_batchnorm.py): the refusal comes as the
+    check's message, naming the wrapper."""
     class Normed(Tiny):
         def __init__(self):
             super().__init__()
@@ -157,7 +158,7 @@ def test_like_one_device_passes_on_a_wrappers_refusal_in_one_line():
 
         def forward(self, ids):
             return self.bn(super().forward(ids))
-    with pytest.raises(CheckError, match="^under DDP, training your model raised "
+    with pytest.raises(CheckError, match="^under FSDP, training your model raised "
                                          "NotImplementedError: .*SyncBatchNorm") as err:
         wb.exercises.check_like_one_device(Normed)
     assert "the check calls" not in str(err.value)

@@ -64,9 +64,10 @@ place, ``optimizer.state_dict()``'s states) reaches every row before the next fo
 or step (:mod:`.replica_writes`), and a row written on its own raises there;
 ``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the module's.  Buffers a
 forward writes change once a step, from rank ``broadcast_from``
-(torch DDP broadcasts that rank's buffers before each forward); a BatchNorm that
-normalizes by batch statistics raises on N > 1 simulated ranks (each rank's statistics
-are not one device's: eval mode, or a per-sample norm).
+(torch DDP broadcasts that rank's buffers before each forward); a plain BatchNorm in
+training normalizes each rank's rows by that rank's own statistics, as torch DDP does
+(running statistics: rank ``broadcast_from``'s); ``nn.SyncBatchNorm`` raises on N > 1
+simulated ranks (its global statistics are not built here).
 """
 from __future__ import annotations
 
@@ -109,9 +110,14 @@ class DistributedDataParallel(ModuleWrapper):
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
-                 broadcast_from: int = 0):
+                 broadcast_from: int = 0, broadcast_buffers: bool = True):
         super().__init__()
         check_module(module, "DistributedDataParallel")
+        if broadcast_buffers is not True:       # torch's default; False: per-rank buffers
+            raise NotImplementedError(
+                f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
+                "True (torch's default: rank broadcast_from's buffers before each forward) "
+                "is built; drop the argument")
         check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):

@@ -194,7 +194,7 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     """Run ``module`` once per simulated rank with ``params[k]`` (name -> tensor) and
     that rank's inputs; join the outputs into DistTensors.  Only rank ``owner``'s
     forward writes the module's buffers (:func:`rank_buffers`)."""
-    check_batch_stats(group, module, "DistributedDataParallel")
+    check_batch_stats(group, module, "DistributedDataParallel", local_ok=True)
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
     for k, (a, kw) in enumerate(per):
@@ -204,14 +204,19 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     return group.join(outs, dim)
 
 
-def check_batch_stats(group, module, who: str) -> None:
+def check_batch_stats(group, module, who: str, local_ok: bool = False) -> None:
     """Simulated ranks (N > 1): refuse a BatchNorm that normalizes by the batch's
     statistics (training mode, or no running statistics).  Each rank would normalize its
     own rows by their own mean and variance (torch DDP's behaviour without SyncBatchNorm),
-    which is not one device's answer over the global batch."""
+    which is not one device's answer over the global batch.  ``local_ok`` (DDP): a plain
+    BatchNorm passes, as torch DDP runs it (each rank its own batch's statistics, buffers
+    from the broadcast rank before each forward, :func:`rank_buffers`); nn.SyncBatchNorm
+    (global statistics over a process group) still raises on simulated ranks."""
     if group.distributed or group.n == 1:
         return
     for name, m in module.named_modules():
+        if local_ok and not isinstance(m, nn.SyncBatchNorm):
+            continue
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
                 (m.training or m.running_mean is None):
             raise NotImplementedError(
