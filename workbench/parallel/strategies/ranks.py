@@ -217,6 +217,14 @@ def check_batch_stats(group, module, who: str, local_ok: bool = False) -> None:
     for name, m in module.named_modules():
         if local_ok and not isinstance(m, nn.SyncBatchNorm):
             continue
+        if isinstance(m, nn.SyncBatchNorm) and (m.training or m.running_mean is None):
+            raise NotImplementedError(
+                f"{who} on {group.n} simulated ranks: {name or 'the module'} (SyncBatchNorm) "
+                "takes its statistics over every rank's rows, which the simulated wrappers do "
+                "not build; run the module itself on a batch sharded as a DistTensor "
+                "(wb.shard_tensor(x, mesh, [wb.Shard(0)])), whose batch_norm all-reduces the "
+                "global statistics as SyncBatchNorm does, or use it under torchrun, or put it "
+                "in eval mode (m.eval(): running statistics)")
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
                 (m.training or m.running_mean is None):
             raise NotImplementedError(
