@@ -52,6 +52,8 @@ def test_training_days(capsys):
     fails("float32 peak", ex.check_training_days, DAYS * 4)
     fails("too high", ex.check_training_days, 11.0)
     fails("8ND", ex.check_training_days, DAYS * 4 / 3)
+    fails("multiply by the utilisation instead of dividing", ex.check_training_days,
+          6 * 7e9 * 2e12 * 0.4 / (1024 * 313e12) / 86400)
     fails("should be a number", ex.check_training_days, "7.6")
 
 
@@ -64,6 +66,7 @@ def test_zero2_memory(capsys):
     fails("stage 3", ex.check_zero2_memory_gb, 14.0)
     fails("bytes: divide by 1e9", ex.check_zero2_memory_gb, 26.25e9)
     fails("GiB", ex.check_zero2_memory_gb, 26.25e9 / 2**30)
+    fails("weights twice", ex.check_zero2_memory_gb, (2 * 7e9 + 16 * 7e9 / 8) / 1e9)
 
 
 def test_zero2_memory_weights_only():
@@ -81,7 +84,12 @@ def test_allreduce_seconds(capsys):
     fails("7 HCCS links added together", ex.check_allreduce_seconds,
           2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 196e9)
     fails("half of it", ex.check_allreduce_seconds, t / 2)
+    fails("2 bytes each", ex.check_allreduce_seconds, 2 * 7 * 3e-6 + 2 * 7 / 8 * 7e9 / 28e9)
+    fails("56 GB/s counts both", ex.check_allreduce_seconds,
+          2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 56e9)
     fails(r"\(p-1\)/p", ex.check_allreduce_seconds, 2 * 7 * 3e-6 + 2 * 14e9 / 28e9)
+    fails("7 links, one to each peer", ex.check_allreduce_seconds,
+          2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / (196e9 / 8))
     fails("bf16, 2 bytes", ex.check_allreduce_seconds, 2 * t)
 
 

@@ -165,7 +165,8 @@ def check_training_days(days, params: float = 7e9, tokens: float = 2e12, n_devic
                 "exercise counts 6ND"),
         (utilization, f"did you forget the utilisation? The devices deliver only "
                       f"{utilization:.0%} of their peak"),
-        (1 / utilization ** 2, "did you multiply by the utilisation instead of dividing?"),
+        (utilization ** 2, "did you multiply by the utilisation instead of dividing? The "
+                           "devices deliver u x peak, so the time is FLOPs / (n x peak x u)"),
         (86400, "that is seconds: divide by 86,400 s per day"),
         (24, "that is hours: divide by 24"),
         (peak / fp32, f"did you use the float32 peak ({fp32 / 1e12:g} TFLOP/s)? Training runs "
@@ -197,6 +198,11 @@ def check_zero2_memory_gb(gb, params: float = 7e9, n_d: int = 8, stage: int = 2)
               (2 * params / 1e9, "that counts only the bf16 weights (2 bytes per "
                "parameter); add gradients (2) and Adam's fp32 master weights, momentum and "
                "variance (12)")]
+    if stage == 2:
+        hints.append((2 * params / 1e9 + 16 * params / n_d / 1e9,
+                      "that counts the bf16 weights twice: whole (2 psi) and again in the "
+                      f"partitioned part (16 psi / {n_d}); stage 2 partitions only the "
+                      "gradients (2 bytes) and Adam's states (12)"))
     _check_number("memory", gb, want, "GB", hints,
                   what=f" = 2 psi + 14 psi / {n_d}" if stage == 2 else "")
 
@@ -216,9 +222,13 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
          f"{link_bandwidth / 1e9:g} GB/s. Only a mesh algorithm (every NPU sending to all "
          f"{p - 1} peers at once) reaches the sum"),
         ((p - 1) * alpha + (p - 1) / p * nbytes * b,
-         "half of it: an all-reduce sends 2(p-1)/p n per rank (a reduce-scatter then an "
-         "all-gather)"),
+         f"half of it: an all-reduce sends 2(p-1)/p n per rank (a reduce-scatter then an "
+         f"all-gather); n is {nbytes:.3g} bytes (7e9 bf16 gradients, 2 bytes each); and a "
+         f"link moves {link_bandwidth / 1e9:g} GB/s each way (56 GB/s counts both "
+         f"directions)"),
         (2 * (p - 1) * alpha + 2 * nbytes * b,
-         f"did you drop the (p-1)/p factor? Each rank sends {p - 1} of {p} chunks, twice"),
+         f"did you drop the (p-1)/p factor (each rank sends {p - 1} of {p} chunks, twice), "
+         f"or split the {HCCS_TOTAL / 1e9:g} GB/s over {p} links? Each NPU has {p - 1} links, "
+         f"one to each peer: {link_bandwidth / 1e9:g} GB/s each"),
         (2 * want, "twice too much: the gradients are bf16, 2 bytes each (14e9 bytes for 7e9)"),
     ])
