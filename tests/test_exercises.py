@@ -122,6 +122,7 @@ def test_notation(capsys):
     fails("as a string", ex.check_notation, None)
     fails("named dp and tp", ex.check_notation, "bf16[I, J_y]{U_x}")     # the x, y mesh's names
     fails("first one, on mesh dim dp", ex.check_notation, "bf16[I, J_tp]{U_tp}")
+    passes(capsys, ex.check_notation, "bf16[I, J_{tp}]{U_{dp}}")        # braced subscripts
 
 
 def test_nested_rows(capsys):
@@ -130,7 +131,9 @@ def test_nested_rows(capsys):
     fails("add up to 12", ex.check_nested_rows, [3, 3, 3, 3])
     fails("a list of 4 ints", ex.check_nested_rows, "3,2,3,2")          # was a ValueError
     fails("a list of 4 ints", ex.check_nested_rows, "3232")             # was accepted
-    fails("wrong order", ex.check_nested_rows, [3, 3, 2, 2])
+    fails("splits by tp first", ex.check_nested_rows, [3, 3, 2, 2])
+    fails(r"FIRST pieces.*5 rows in 2 are \(3, 2\)", ex.check_nested_rows, [2, 3, 2, 3])
+    fails("wrong order", ex.check_nested_rows, [2, 2, 3, 3])
     fails("list of 4 ints", ex.check_nested_rows, 10)
 
 

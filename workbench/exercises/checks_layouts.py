@@ -5,6 +5,7 @@ every expected value derived by hand or from the ring formula, not by the librar
 from __future__ import annotations
 
 import math
+import re
 
 from ..parallel import layout as _layout
 from ..parallel.dist_tensor import TensorSpec
@@ -57,7 +58,7 @@ def check_notation(text) -> None:
     want = "bf16[I, J_tp]{U_dp}"                                # by hand
     if not isinstance(text, str):
         raise CheckError(f"give the notation as a string, e.g. 'f32[I_dp, J]', got {text!r}")
-    got = text.replace(" ", "")
+    got = re.sub(r"_\{(\w+)\}", r"_\1", text.replace(" ", ""))     # J_{tp} reads as J_tp
     if got == want.replace(" ", ""):
         _ok(want)
         return
@@ -83,6 +84,8 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
     """Rows each rank of the 2 x 2 mesh holds under [Shard(0), Shard(0)], in rank order:
     torch.chunk over dp first, then each piece over tp."""
     want = [n for piece in _chunks(rows, 2) for n in _chunks(piece, 2)]   # rank r = (r//2, r%2)
+    tp_first = [_chunks(_chunks(rows, 2)[t], 2)[d] for d in (0, 1) for t in (0, 1)]
+    small_first = [n for piece in _chunks(rows, 2)[::-1] for n in _chunks(piece, 2)[::-1]]
     try:
         if isinstance(sizes, (str, bytes)):
             raise TypeError(sizes)
@@ -96,6 +99,13 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
     if got == _chunks(rows, 4):
         msg = (f"that splits {rows} rows 4 ways at once; with two mesh dims the rows are split "
                f"by dp first {tuple(_chunks(rows, 2))}, then each piece by tp")
+    elif got == tp_first and tp_first != want:
+        msg = ("that splits by tp first; the mesh dims split in order, left to right: dp "
+               "(mesh dim 0) cuts the rows in two, then tp cuts each piece")
+    elif got == small_first and small_first != want:
+        piece = _chunks(rows, 2)[0]                     # dp's first piece, which tp cuts
+        msg = ("torch.chunk gives the FIRST pieces ceil(n / k) rows and the last what is left: "
+               f"{piece} rows in 2 are {tuple(_chunks(piece, 2))}, not the other way round")
     elif sum(got) != rows:
         msg = f"your sizes add up to {sum(got)}, not {rows}: every row lives on exactly one rank"
     elif sorted(got) == sorted(want):

@@ -112,7 +112,7 @@ def normalize_placements(placements, mesh, ndim: int, arg: str = "placements") -
     ps = parse_placements(placements)
     if len(ps) != mesh.ndim:
         raise ValueError(
-            f"{arg}={[str(p) for p in ps]} has {len(ps)} entries for a {mesh.ndim}-d mesh "
+            f"{arg}={[str(p) for p in ps]} has {len(ps)} {'entry' if len(ps) == 1 else 'entries'} for a {mesh.ndim}-d mesh "
             f"{mesh.dim_names}: give exactly one placement per mesh dimension")
     out = []
     op = None
