@@ -84,6 +84,15 @@ is here only when its number was read from the source itself:
   What the sources read here leave unexplained: 0.045 s per micro-batch and stage
   (the same model on Megatron-LM's own pipeline, Narayanan's 'GPT 530B', is 1.19x
   optimistic too, so the layers' time is the first suspect) and ~7 s per step.
+  The layers' time was the suspect: Megatron-DeepSpeed's layers (acc3e9b5, 2021-11) and
+  Narayanan's Megatron-LM (50a4b5fa02 / de7dc40f88) predate Megatron-LM's asynchronous
+  TP all-reduce (2021-09) and its gradient accumulation fusion (2022-02), which the
+  layer clock had credited them with: their backward all-reduces of the input
+  gradient run on the critical path (1.36 ms per 530B layer) and autograd adds each
+  micro-batch's fp16 gradients in a pass of its own (6.3 ms per 3-layer stage)
+  (``plan.megatron_2021``).  Priced so, the steps are 321 s / dp + 5.9 s (0.167 s per
+  micro-batch and stage, 0.030 s short of the published 0.197): the rows read 1.301 /
+  1.313 / 1.364, and Narayanan's 'GPT 530B' 1.081 (Table 1: 1.039 .. 1.127).
 
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
@@ -143,6 +152,10 @@ _K_ASSUME = ("layout recalled from Korthikanti Table 3 (text not found): tp 8, p
 _N_ASSUME = ("fp16 as --fp16; full recompute as --checkpoint-activations; dropout 0.1 "
              "(Megatron's default)")
 _N_DDP = "; pp=1 ran torch DDP, which overlaps the gradient all-reduce (the planner exposes it)"
+# the code of Table 1 (50a4b5fa02, de7dc40f88) predates Megatron-LM's async TP all-reduce
+# (2021-09) and its gradient accumulation fusion (2022-02): plan.megatron_2021
+MEGATRON_2021 = dict(async_tensor_model_parallel_allreduce=False,
+                     gradient_accumulation_fusion=False)
 
 # Table 1 as printed (README image): name, hidden size, layers, parameters (billion),
 # model-parallel size, GPUs, batch, achieved teraFLOP/s per GPU, % of theoretical peak,
@@ -203,7 +216,8 @@ def _narayanan_rows():
                                recompute="full", micro_batch=mbs, global_batch=gbs,
                                schedule="interleaved_1f1b" if v > 1 else "1f1b", v=v),
                    metric="tflops_per_device", published=float(tflops), published_hfu=None,
-                   cite=NARAYANAN, assume=_N_ASSUME + (_N_DDP if pp == 1 else ""))
+                   cite=NARAYANAN, assume=_N_ASSUME + (_N_DDP if pp == 1 else ""),
+                   megatron_args=MEGATRON_2021)
 
 
 def _korthikanti_rows():
@@ -284,7 +298,9 @@ import published_bloom as _bloom  # noqa: E402  (BLOOM-176B on Jean Zay: its own
 
 ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows(),
         *_zero3_2021_rows(), *_bloom.ROWS]
-NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
+NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + "); "
+                      "Megatron-LM's layer of 2021 (plan.megatron_2021): TP input-gradient "
+                      "all-reduces not overlapped, gradients accumulated by autograd",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
                         "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
                         "0.1",
@@ -345,7 +361,8 @@ def predict(row) -> dict:
     rng = wb.plan.estimate_range(cfg, lay, cl,
                                  attention=row.get("attention", "materialized"),
                                  overlap_grad_reduce=row.get("overlap_grad_reduce", False),
-                                 tp_comm_overlap=row.get("tp_comm_overlap", False))
+                                 tp_comm_overlap=row.get("tp_comm_overlap", False),
+                                 **row.get("megatron_args", {}))
     est = rng.estimate
     pred = _metric(row, est, cl, cfg)
     ends = [_metric(row, e, cl, cfg) for e in (rng.slow, rng.fast, est)]
