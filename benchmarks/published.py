@@ -21,7 +21,11 @@ is here only when its number was read from the source itself:
   parallelism (it did not exist yet).  The README text: vocabulary 51,200, sequence
   2048, 8 A100 80GB per node, "the FLOPs are measured for end-to-end training".  The
   teraFLOP/s count the recomputed forward (the paper's eq. 3), as
-  ``Estimate.tflops_per_device`` does.
+  ``Estimate.tflops_per_device`` does.  That code (50a4b5fa02, de7dc40f88) predates
+  Megatron-LM's asynchronous TP all-reduce (2021-09) and its gradient accumulation
+  fusion (2022-02): the rows are priced without them (``MEGATRON_2021``,
+  ``plan.megatron_2021``; fp16 without ``--use-contiguous-buffers-in-ddp``, so autograd
+  accumulates the gradients).
 - ``korthikanti``: the model FLOPs utilisation of NVIDIA/Megatron-LM's README (commit
   2e90a342f5, 2022-05-19; Korthikanti et al. 2022, arXiv 2205.05198, sequence parallel
   + selective recompute), "measured using a data parallel size of one".  The README

@@ -141,3 +141,13 @@ def test_deepspeed_pipeline_runs_megatron_deepspeed_layers():
         layer_times(**BIG, async_allreduce=False).backward - est.details["layer"].bwd_comm)
     with pytest.raises(ValueError, match="neither"):
         wb.plan.estimate(cfg, lay, cl, gradient_accumulation_fusion=True)
+
+
+def test_estimate_reports_the_accumulation_per_micro_batch():
+    cfg, lay = _cfg(), _lay()
+    cl = wb.plan.Cluster("a100", lay.dp * lay.tp * lay.pp)
+    old = wb.plan.estimate(cfg, lay, cl, gradient_accumulation_fusion=False)
+    slow = old.details["stages"]
+    name = [k for k, d in slow.items() if d["stage"] == old.details["slowest_stage"]][0]
+    assert old.details["grad_accumulation"] == slow[name]["grad_accumulation"] > 0
+    assert wb.plan.estimate(cfg, lay, cl).details["grad_accumulation"] == 0.0

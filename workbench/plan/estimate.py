@@ -425,6 +425,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
+                            grad_accumulation=acc,
                             memory=stage_memory(cfg, lay, s, attention, prof),
                             copies=copies)
 
@@ -492,6 +493,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
+        "grad_accumulation": slow["grad_accumulation"],   # per micro-batch (megatron_2021)
         "mfu_causal": (model_f - 1.5 * cfg.n_layer * C.layer_flops(cfg, lay.global_batch)[1])
         / (step * peak * n),       # the causal core counted half (costs.model_and_hardware_flops)
     }
