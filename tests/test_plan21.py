@@ -151,3 +151,22 @@ def test_estimate_reports_the_accumulation_per_micro_batch():
     name = [k for k, d in slow.items() if d["stage"] == old.details["slowest_stage"]][0]
     assert old.details["grad_accumulation"] == slow[name]["grad_accumulation"] > 0
     assert wb.plan.estimate(cfg, lay, cl).details["grad_accumulation"] == 0.0
+
+
+def test_published_table1_rows_run_the_2021_layer():
+    # benchmarks/published.py prices Narayanan's Table 1 as its code ran (50a4b5fa02):
+    # the 530B row, tp 8, with the 2021 layer is slower than with today's
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published.py"
+    spec = importlib.util.spec_from_file_location("published_for_plan21", path)
+    P = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(P)
+    row = next(r for r in P.ROWS if r["source"] == "narayanan" and r["name"] == "GPT 530B")
+    assert row["megatron_args"] == dict(async_tensor_model_parallel_allreduce=False,
+                                        gradient_accumulation_fusion=False)
+    cfg, lay, cl = P.build(row)
+    then = P.predict(row)["estimate"]
+    now = wb.plan.estimate(cfg, lay, cl)
+    assert then.step_time > now.step_time
+    assert any("16c90445e7" in a for a in then.assumptions())
