@@ -155,7 +155,9 @@ _K_ASSUME = ("layout recalled from Korthikanti Table 3 (text not found): tp 8, p
              "{gpus} GPUs, global batch {gbs}, micro-batch {mbs}; 1F1B schedule assumed")
 _N_ASSUME = ("fp16 as --fp16; full recompute as --checkpoint-activations; dropout 0.1 "
              "(Megatron's default)")
-_N_DDP = "; pp=1 ran torch DDP, which overlaps the gradient all-reduce (the planner exposes it)"
+_N_DDP = ("; pp=1 ran torch DDP (--DDP-impl torch), whose buckets all-reduce during the "
+          "last micro-batch's backward (Megatron-LM's no_sync before it): "
+          "overlap_grad_reduce")
 # the code of Table 1 (50a4b5fa02, de7dc40f88) predates Megatron-LM's async TP all-reduce
 # (2021-09) and its gradient accumulation fusion (2022-02): plan.megatron_2021
 MEGATRON_2021 = dict(async_tensor_model_parallel_allreduce=False,
@@ -221,7 +223,7 @@ def _narayanan_rows():
                                schedule="interleaved_1f1b" if v > 1 else "1f1b", v=v),
                    metric="tflops_per_device", published=float(tflops), published_hfu=None,
                    cite=NARAYANAN, assume=_N_ASSUME + (_N_DDP if pp == 1 else ""),
-                   megatron_args=MEGATRON_2021)
+                   megatron_args=MEGATRON_2021, overlap_grad_reduce=pp == 1)
 
 
 def _korthikanti_rows():

@@ -8,7 +8,8 @@ robust properties only, never a fit.
   NOT A TARGET.  Measured when this file was written: A100 rows (Narayanan Table 1 and
   the Korthikanti MFU) 1.091 .. 1.251 (1.056 .. 1.219 since the attention core and dropout
   are priced at their measured A100 rates; Table 1 1.039 .. 1.127 since its rows run
-  Megatron-LM's layer of 2021, plan.megatron_2021), band 0.85 .. 1.50; H100 rows (Megatron-LM's 2024
+  Megatron-LM's layer of 2021, plan.megatron_2021, and its pp=1 rows overlap torch DDP's
+  all-reduce with the last backward as DDP does), band 0.85 .. 1.50; H100 rows (Megatron-LM's 2024
   table, many assumptions: see benchmarks/published.py) 0.835 .. 1.560 (0.899 .. 1.605 since
   their DP sync overlaps as the README's flags say; 0.754 .. 1.599 since Megatron-LM
   reduces bf16 gradients in fp32, plan.frameworks; 0.727 .. 1.548 since the H100 profile
