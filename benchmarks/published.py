@@ -55,6 +55,12 @@ is here only when its number was read from the source itself:
   ``plan.tp_overlap``: no effect at tp = 1).  GEMMs, the fused attention (cuDNN's) and the
   loss are priced at rates measured on one H100 (``sim_mesh/measurements``,
   ``benchmarks/gpu_components.py``): component measurements, not these rows.
+  The 32B row (tp 8, pp 1: one rank per node in each DP group, one 400G NIC) bounds the
+  gradient dtype: an fp32 reduce-scatter of its 4e9 parameters per rank is 0.33 s at 48
+  GB/s and may overlap only the last of 4 micro-batches' backward (0.12 s), the bf16
+  all-gather (0.16 s) only the first forward (0.06 s): at least 0.31 s exposed beside
+  0.71 s of compute, against 0.89 s measured.  In bf16 (Megatron-LM forces fp32 for bf16
+  at f2e5db402c; ASSUMED as that) the H100 rows would read 0.919 .. 1.234.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per
@@ -119,6 +125,13 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
   gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
   188, 1.6x to 4.3x the published figures.
+  Read together (not used by the planner): from 768 to 2,240 GPUs the published steps
+  are flat in the GPU count and in proportion to the bytes each GPU sends (the 175B
+  1,276 GB in 66.6 s at 768 and 1,536; the 530B 3,876 GB in 180 and 184 s at 1,120 and
+  2,240: 19-21 GB/s per GPU, about one HDR NIC's 24), where the planner's exposed
+  communication grows with the GPU count (the host's loops over p chunks per
+  collective) and its NCCL rings run at 107-150 GB/s of bus bandwidth (eight NICs per
+  node, as nccl-tests measure rings across DGX A100s).  Unexplained.
 
 Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
