@@ -21,7 +21,11 @@ is here only when its number was read from the source itself:
   parallelism (it did not exist yet).  The README text: vocabulary 51,200, sequence
   2048, 8 A100 80GB per node, "the FLOPs are measured for end-to-end training".  The
   teraFLOP/s count the recomputed forward (the paper's eq. 3), as
-  ``Estimate.tflops_per_device`` does.
+  ``Estimate.tflops_per_device`` does.  That code (50a4b5fa02, de7dc40f88) predates
+  Megatron-LM's asynchronous TP all-reduce (2021-09) and its gradient accumulation
+  fusion (2022-02): the rows are priced without them (``MEGATRON_2021``,
+  ``plan.megatron_2021``; fp16 without ``--use-contiguous-buffers-in-ddp``, so autograd
+  accumulates the gradients).
 - ``korthikanti``: the model FLOPs utilisation of NVIDIA/Megatron-LM's README (commit
   2e90a342f5, 2022-05-19; Korthikanti et al. 2022, arXiv 2205.05198, sequence parallel
   + selective recompute), "measured using a data parallel size of one".  The README
@@ -51,6 +55,12 @@ is here only when its number was read from the source itself:
   ``plan.tp_overlap``: no effect at tp = 1).  GEMMs, the fused attention (cuDNN's) and the
   loss are priced at rates measured on one H100 (``sim_mesh/measurements``,
   ``benchmarks/gpu_components.py``): component measurements, not these rows.
+  The 32B row (tp 8, pp 1: one rank per node in each DP group, one 400G NIC) bounds the
+  gradient dtype: an fp32 reduce-scatter of its 4e9 parameters per rank is 0.33 s at 48
+  GB/s and may overlap only the last of 4 micro-batches' backward (0.12 s), the bf16
+  all-gather (0.16 s) only the first forward (0.06 s): at least 0.31 s exposed beside
+  0.71 s of compute, against 0.89 s measured.  In bf16 (Megatron-LM forces fp32 for bf16
+  at f2e5db402c; ASSUMED as that) the H100 rows would read 0.919 .. 1.234.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per
@@ -84,6 +94,15 @@ is here only when its number was read from the source itself:
   What the sources read here leave unexplained: 0.045 s per micro-batch and stage
   (the same model on Megatron-LM's own pipeline, Narayanan's 'GPT 530B', is 1.19x
   optimistic too, so the layers' time is the first suspect) and ~7 s per step.
+  The layers' time was the suspect: Megatron-DeepSpeed's layers (acc3e9b5, 2021-11) and
+  Narayanan's Megatron-LM (50a4b5fa02 / de7dc40f88) predate Megatron-LM's asynchronous
+  TP all-reduce (2021-09) and its gradient accumulation fusion (2022-02), which the
+  layer clock had credited them with: their backward all-reduces of the input
+  gradient run on the critical path (1.36 ms per 530B layer) and autograd adds each
+  micro-batch's fp16 gradients in a pass of its own (6.3 ms per 3-layer stage)
+  (``plan.megatron_2021``).  Priced so, the steps are 321 s / dp + 5.9 s (0.167 s per
+  micro-batch and stage, 0.030 s short of the published 0.197): the rows read 1.301 /
+  1.313 / 1.364, and Narayanan's 'GPT 530B' 1.081 (Table 1: 1.039 .. 1.127).
 
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
@@ -106,6 +125,13 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
   gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
   188, 1.6x to 4.3x the published figures.
+  Read together (not used by the planner): from 768 to 2,240 GPUs the published steps
+  are flat in the GPU count and in proportion to the bytes each GPU sends (the 175B
+  1,276 GB in 66.6 s at 768 and 1,536; the 530B 3,876 GB in 180 and 184 s at 1,120 and
+  2,240: 19-21 GB/s per GPU, about one HDR NIC's 24), where the planner's exposed
+  communication grows with the GPU count (the host's loops over p chunks per
+  collective) and its NCCL rings run at 107-150 GB/s of bus bandwidth (eight NICs per
+  node, as nccl-tests measure rings across DGX A100s).  Unexplained.
 
 Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
@@ -142,7 +168,13 @@ _K_ASSUME = ("layout recalled from Korthikanti Table 3 (text not found): tp 8, p
              "{gpus} GPUs, global batch {gbs}, micro-batch {mbs}; 1F1B schedule assumed")
 _N_ASSUME = ("fp16 as --fp16; full recompute as --checkpoint-activations; dropout 0.1 "
              "(Megatron's default)")
-_N_DDP = "; pp=1 ran torch DDP, which overlaps the gradient all-reduce (the planner exposes it)"
+_N_DDP = ("; pp=1 ran torch DDP (--DDP-impl torch), whose buckets all-reduce during the "
+          "last micro-batch's backward (Megatron-LM's no_sync before it): "
+          "overlap_grad_reduce")
+# the code of Table 1 (50a4b5fa02, de7dc40f88) predates Megatron-LM's async TP all-reduce
+# (2021-09) and its gradient accumulation fusion (2022-02): plan.megatron_2021
+MEGATRON_2021 = dict(async_tensor_model_parallel_allreduce=False,
+                     gradient_accumulation_fusion=False)
 
 # Table 1 as printed (README image): name, hidden size, layers, parameters (billion),
 # model-parallel size, GPUs, batch, achieved teraFLOP/s per GPU, % of theoretical peak,
@@ -203,7 +235,8 @@ def _narayanan_rows():
                                recompute="full", micro_batch=mbs, global_batch=gbs,
                                schedule="interleaved_1f1b" if v > 1 else "1f1b", v=v),
                    metric="tflops_per_device", published=float(tflops), published_hfu=None,
-                   cite=NARAYANAN, assume=_N_ASSUME + (_N_DDP if pp == 1 else ""))
+                   cite=NARAYANAN, assume=_N_ASSUME + (_N_DDP if pp == 1 else ""),
+                   megatron_args=MEGATRON_2021, overlap_grad_reduce=pp == 1)
 
 
 def _korthikanti_rows():
@@ -284,7 +317,9 @@ import published_bloom as _bloom  # noqa: E402  (BLOOM-176B on Jean Zay: its own
 
 ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows(),
         *_zero3_2021_rows(), *_bloom.ROWS]
-NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + ")",
+NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + "); "
+                      "Megatron-LM's layer of 2021 (plan.megatron_2021): TP input-gradient "
+                      "all-reduces not overlapped, gradients accumulated by autograd",
          "korthikanti": "layout recalled from Korthikanti Table 3 (text not found), 1F1B "
                         "assumed; bf16 (so Megatron-LM's fp32 gradient buffer); dropout "
                         "0.1",
@@ -345,7 +380,8 @@ def predict(row) -> dict:
     rng = wb.plan.estimate_range(cfg, lay, cl,
                                  attention=row.get("attention", "materialized"),
                                  overlap_grad_reduce=row.get("overlap_grad_reduce", False),
-                                 tp_comm_overlap=row.get("tp_comm_overlap", False))
+                                 tp_comm_overlap=row.get("tp_comm_overlap", False),
+                                 **row.get("megatron_args", {}))
     est = rng.estimate
     pred = _metric(row, est, cl, cfg)
     ends = [_metric(row, e, cl, cfg) for e in (rng.slow, rng.fast, est)]

@@ -7,7 +7,9 @@ robust properties only, never a fit.
 - the ratio predicted / published stays in its source's ``BANDS``.  REGRESSION GUARD,
   NOT A TARGET.  Measured when this file was written: A100 rows (Narayanan Table 1 and
   the Korthikanti MFU) 1.091 .. 1.251 (1.056 .. 1.219 since the attention core and dropout
-  are priced at their measured A100 rates), band 0.85 .. 1.50; H100 rows (Megatron-LM's 2024
+  are priced at their measured A100 rates; Table 1 1.039 .. 1.127 since its rows run
+  Megatron-LM's layer of 2021, plan.megatron_2021, and its pp=1 rows overlap torch DDP's
+  all-reduce with the last backward as DDP does), band 0.85 .. 1.50; H100 rows (Megatron-LM's 2024
   table, many assumptions: see benchmarks/published.py) 0.835 .. 1.560 (0.899 .. 1.605 since
   their DP sync overlaps as the README's flags say; 0.754 .. 1.599 since Megatron-LM
   reduces bf16 gradients in fp32, plan.frameworks; 0.727 .. 1.548 since the H100 profile
@@ -16,7 +18,9 @@ robust properties only, never a fit.
   README says, plan.tp_overlap: band unchanged), band
   0.60 .. 1.85; MT-NLG 530B at data parallelism 8, 10, 12 (a secondary source's quote)
   1.432 .. 1.501 (1.430 .. 1.498 since DeepSpeed's pipeline engine is priced from its
-  source, plan.deepspeed_step), band 1.15 .. 1.80; Narayanan Table 2's ZeRO-3 rows
+  source, plan.deepspeed_step; 1.301 .. 1.364 since its Megatron-DeepSpeed layers run
+  as their source does, without the async TP all-reduce and the fused gradient
+  accumulation of later Megatron-LM, plan.megatron_2021), band 1.15 .. 1.80; Narayanan Table 2's ZeRO-3 rows
   (DeepSpeed of spring 2021, ``plan.zero3_2021``, a secondary source's encoding) 0.896 ..
   1.402, band 0.65 .. 1.65; BLOOM-176B on Jean Zay (``published_bloom``: the final run and
   the prequel's rows at its shape, NCCL over Omni-Path at the cluster's measured

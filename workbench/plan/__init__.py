@@ -15,7 +15,9 @@ Formulas and their sources: ``memory`` (ZeRO; Korthikanti et al. 2022 Table 2),
 ``costs`` (per-layer FLOPs and TP communication), ``layer_cost`` (one GPT layer op by op, Table 4), ``estimate`` (pipeline, DP sync, MFU), ``ep_cp`` (expert and context parallelism:
 ``moe_cost``, ``context_cost``; ``presets``: Mixtral-8x7B, 128K-context Llama 3), ``frameworks`` (what
 Megatron-LM, DeepSpeed and this library's recipe do differently: gradient dtype,
-ZeRO granularity; ``Layout(framework=...)``), ``zero_cost`` (ZeRO's collectives against
+ZeRO granularity; ``Layout(framework=...)``; ``megatron_2021``: Megatron-LM's layer before
+its async TP all-reduce and fused gradient accumulation, as Megatron-DeepSpeed still ran
+it), ``zero_cost`` (ZeRO's collectives against
 compute), ``zero3_count`` (DeepSpeed ZeRO-3's collectives per step, counted as its
 coordinator runs them and priced, latency apart).  ``Estimate.assumptions()`` lists
 what an estimate rests on beyond cited measurements; ``estimate_range`` (``ranges``) re-prices it with the profile's uncertain

@@ -69,6 +69,7 @@ from . import zero3_2021 as Z21
 from . import ep_cp as EC
 from . import tp_overlap as TPO
 from . import comm_memory as CM
+from . import megatron_2021 as M21
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -307,19 +308,25 @@ def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
 
 
 def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
-              tp_comm_overlap: bool = False):
+              tp_comm_overlap: bool = False, async_allreduce: bool = True):
     """One layer's ``costs.LayerCost`` for one micro-batch on a rank of ``lay``, as
     :func:`estimate` prices it (``prof``: the profile it prices on), with EP and CP
-    (``plan.ep_cp``) or without."""
+    (``plan.ep_cp``) or without; ``async_allreduce=False``: ``plan.megatron_2021``."""
     if EC.applies(cfg, lay):
+        if not async_allreduce and lay.tp > 1:
+            raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
+                             f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
+                             f"async_tensor_model_parallel_allreduce=False is not modeled there")
         return EC.layer_cost(cfg, lay, prof, attention, fp8)
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
-                        fp8, tp_comm_overlap and lay.tp > 1)
+                        fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1)
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
-             fp8: bool = False, tp_comm_overlap: bool = False) -> Estimate:
+             fp8: bool = False, tp_comm_overlap: bool = False,
+             async_tensor_model_parallel_allreduce: "bool | None" = None,
+             gradient_accumulation_fusion: "bool | None" = None) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
     ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
     ``attention="flash"`` counts a fused attention kernel's activations and time instead
@@ -337,8 +344,14 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     ``tp_comm_overlap=True``: the layers' TP all-gathers and reduce-scatters overlap
     their GEMMs as Megatron-LM's ``--tp-comm-overlap`` runs them with Transformer
     Engine's userbuffers (``plan.tp_overlap``; needs ``sp`` where tp > 1); the default
-    is Megatron-LM without it."""
+    is Megatron-LM without it.  ``async_tensor_model_parallel_allreduce`` and
+    ``gradient_accumulation_fusion``: Megatron-LM's arguments (None: on, as Megatron-LM
+    since 2021-09 / 2022-02; False: its layer before, e.g. Narayanan et al. 2021's code;
+    DeepSpeed's pipeline engine runs Megatron-DeepSpeed's layers, which have neither:
+    ``plan.megatron_2021``)."""
     check_layout(model, layout, cluster)
+    async_tp, fusion = M21.resolve(layout, async_tensor_model_parallel_allreduce,
+                                   gradient_accumulation_fusion)
     if not isinstance(fp8, bool):
         raise ValueError(f"fp8={fp8!r} must be True or False")
     if not isinstance(overlap_grad_reduce, bool):
@@ -360,7 +373,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
-    layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap)
+    layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap, async_tp)
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
@@ -387,6 +400,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s, n_layers)
+        acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion)
+        comp += acc                         # after each backward (plan.megatron_2021)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
@@ -410,6 +425,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
+                            grad_accumulation=acc,
                             memory=stage_memory(cfg, lay, s, attention, prof),
                             copies=copies)
 
@@ -462,6 +478,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
+        + M21.assumption(cfg, lay, async_tp or tp == 1, fusion)
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
@@ -476,6 +493,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "usable_memory": prof.usable_memory(),
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
+        "grad_accumulation": slow["grad_accumulation"],   # per micro-batch (megatron_2021)
         "mfu_causal": (model_f - 1.5 * cfg.n_layer * C.layer_flops(cfg, lay.global_batch)[1])
         / (step * peak * n),       # the causal core counted half (costs.model_and_hardware_flops)
     }

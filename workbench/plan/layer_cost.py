@@ -17,7 +17,14 @@ reduce-scatter after, and runs LayerNorm and dropout on s/t tokens.
 What overlaps (Megatron-LM 2022, ``LinearWithGradAccumulationAndAsyncCommunication``):
 the backward all-reduce (or SP reduce-scatter) of a column-parallel layer's input
 gradient runs beside its weight-gradient GEMM, and SP's re-gathering of that
-layer's input runs beside its input-gradient GEMM. While they overlap, the
+layer's input runs beside its input-gradient GEMM.  ``async_allreduce=False``: the
+layer as Megatron-LM ran it before ``--async-tensor-model-parallel-allreduce``
+(NVIDIA/Megatron-LM 16c90445e7, merged 2021-09-07; not in 50a4b5fa02 nor de7dc40f88,
+Narayanan et al.'s code) and as Megatron-DeepSpeed runs it (microsoft acc3e9b5 of
+2021-11-12, bigscience 497aa1bf of 2022-03-11): ``ColumnParallelLinear`` passes its
+input through ``copy_to_tensor_model_parallel_region``, whose backward all-reduces the
+input gradient once autograd has run the linear's backward (both GEMMs), on the
+critical path (``plan.megatron_2021``). While they overlap, the
 collective's kernel holds some of the SMs (``cost.overlap``: NCCL's 16 of the
 A100's 108), so the GEMM is stretched and the pair costs more than
 max(GEMM, collective). Every other collective is on the critical path.
@@ -170,9 +177,11 @@ def _core(b, ah, s, d, t, T, h, e):
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
-def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
+def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
+              async_allreduce=True):
     """Backward kernels and collectives in execution order; a collective tuple's
-    sixth field names the GEMM it overlaps ("" = on the critical path)."""
+    sixth field names the GEMM it overlaps ("" = on the critical path: the input
+    gradient's all-reduce without ``async_allreduce``, module docstring)."""
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
     S = b * ah * s * s
@@ -200,7 +209,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized"):
     def column(n, N, dgrad_name, wgrad_name):
         comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp else []
         comm += [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
-                  wgrad_name)]
+                  wgrad_name if sp or async_allreduce else "")]
         return comm, [dgrad(dgrad_name, T, h, N), wgrad(wgrad_name, T, h, N)]
 
     ops = bda("bias_dropout_add_2") + out_grad
@@ -244,14 +253,26 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
               profile="a100", tp_ranks=None, attention: str = "materialized",
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
-              tp_comm_overlap: bool = False) -> list:
+              tp_comm_overlap: bool = False, async_allreduce: bool = True) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
     ``kv_heads``: a Llama block (``plan.llama_layer``) with that many key/value heads
     (fused attention only; ``dropout``: with dropout on its residual branches); None:
     Megatron's GPT layer.  ``tp_comm_overlap``: the TP collectives overlapped as
-    Megatron-LM's ``--tp-comm-overlap`` runs them (``plan.tp_overlap``; sp required)."""
+    Megatron-LM's ``--tp-comm-overlap`` runs them (``plan.tp_overlap``; sp required).
+    ``async_allreduce=False``: the backward all-reduce of a column-parallel layer's input
+    gradient on the critical path, as Megatron-LM before 2021-09 and Megatron-DeepSpeed
+    run it (module docstring; no effect with ``sp``, whose reduce-scatter Megatron-LM
+    always issues beside the weight-gradient GEMM)."""
+    if not isinstance(async_allreduce, bool):
+        raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
+                         f"False")
+    if not async_allreduce and kv_heads is not None:
+        raise ValueError("layer_times: async_allreduce=False (Megatron-LM of 2021) is "
+                         "modeled for Megatron's GPT layer; a Llama block (kv_heads given) "
+                         "is priced as Megatron-LM runs it since 2022: give "
+                         "async_allreduce=True")
     if attention not in ("materialized", "flash"):
         raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
                          f"(Megatron's unfused core) or 'flash'")
@@ -284,12 +305,13 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
-                        bool(tp_comm_overlap)))
+                        bool(tp_comm_overlap), async_allreduce))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
-            fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False) -> tuple:
+            fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
+            async_allreduce=True) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -300,7 +322,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute)
     else:
         fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
-        bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention)
+        bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -353,16 +375,18 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
                 profile="a100", tp_ranks=None, attention: str = "materialized",
                 fp8: bool = False, kv_heads: "int | None" = None,
-                dropout: bool = False, tp_comm_overlap: bool = False) -> LayerTimes:
+                dropout: bool = False, tp_comm_overlap: bool = False,
+                async_allreduce: bool = True) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
     ``sp``, ``recompute`` "none" | "selective" | "full", MLP width ``ffn`` (4h).
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
     this for thousands of layouts.  ``kv_heads`` (and ``dropout``): a Llama block
-    (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``."""
+    (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``; ``async_allreduce=False``:
+    Megatron-LM of 2021 (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
-                    fp8, kv_heads, dropout, tp_comm_overlap)
+                    fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,
