@@ -31,6 +31,8 @@ def test_tp_group(capsys):
     passes(capsys, ex.check_tp_group, (4, 5, 6, 7))
     passes(capsys, ex.check_tp_group, [4, 5, 6, 7])
     fails(r"\(1, 5\) is rank 5's dp group", ex.check_tp_group, (1, 5))
+    # the hint names exercise 1's 2 x 4 mesh: the notebook's `mesh` is 2 x 2 (no rank 5)
+    fails(r"mesh8\.group_of\(5, 'tp'\)", ex.check_tp_group, (1, 5))
     fails("wrong order", ex.check_tp_group, (7, 6, 5, 4))
     fails("same dp coordinate", ex.check_tp_group, (0, 1, 2, 3))
     fails("sequence of ranks", ex.check_tp_group, 5)

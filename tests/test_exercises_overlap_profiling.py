@@ -139,6 +139,8 @@ def test_idle_share_from_idle_gaps_is_told_about_the_tail():
     from_gaps = sum(e - s for s, e in gaps) / (tr.time() * 1e6)
     assert from_gaps == pytest.approx(3 / 11)
     fails(C.check_idle_share, from_gaps, tr, match="4.0 us after its last kernel")
+    fails(C.check_idle_share, 7.0, tr, match="idle TIME in microseconds")   # 7 of 11 us
+    fails(C.check_idle_share, 7e-6, tr, match="idle TIME in seconds")
     with pytest.raises(CheckError, match="merge rank 0's compute intervals") as err:
         C.check_idle_share(0.55, tr)
     assert "formula" not in str(err.value)

@@ -20,6 +20,10 @@ def test_cpu_profile_writes_a_chrome_trace(tmp_path):
     assert {"aten::mm", "aten::relu"} <= names
     table = prof.summary(row_limit=3)
     assert "aten::" in table and "Self CPU" in table
+    narrow = prof.summary(row_limit=3, max_name_column_width=6)    # fits a notebook's width
+    assert narrow.splitlines()[0].split()[0] == "-" * 6 and "..." in narrow
+    with pytest.raises(ValueError, match="max_name_column_width=0"):
+        prof.summary(max_name_column_width=0)
 
 
 def test_profile_path_must_be_json(tmp_path):

@@ -106,7 +106,7 @@ def _chunks(n: int, k: int) -> list:
 def check_welcome_mesh(mesh) -> None:
     """A 2 x 4 mesh of ranks 0..7 in row-major order, dims named ("dp", "tp")."""
     if not isinstance(mesh, Mesh):
-        raise CheckError(f"mesh is a {type(mesh).__name__}, not a Mesh: wrap the ranks, e.g. "
+        raise CheckError(f"your mesh is a {type(mesh).__name__}, not a Mesh: wrap the ranks, e.g. "
                          "wb.Mesh([[...], [...]], dim_names=[...])")
     if mesh.shape != (2, 4):
         hint = (" (dp must come first: 2 rows of 4)" if mesh.shape == (4, 2) else
@@ -138,7 +138,8 @@ def check_tp_group(group, rank: int = 5) -> None:
     if got == dp_group:
         raise CheckError(f"{got} is rank {rank}'s dp group (one rank per dp row, same tp "
                          f"column); along tp, ranks share the dp coordinate: "
-                         f"mesh.group_of({rank}, 'tp')", expected=str(want))
+                         f"ask the 2 x 4 mesh of exercise 1, mesh8.group_of({rank}, 'tp')",
+                         expected=str(want))
     if set(got) == set(want):
         raise CheckError(f"{got} has the right ranks in the wrong order; give them in mesh "
                          "order", expected=str(want))

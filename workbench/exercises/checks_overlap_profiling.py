@@ -200,10 +200,14 @@ def check_idle_share(share, tr, rank: int = 0) -> None:
     _check_number("idle share", got, want, "of the step", [
         (1 - want, "that is the BUSY share; idle is 1 - busy / step"),
         (1 - summed / (t1 - t0), "close: merge overlapping compute intervals first"),
+        (want * (t1 - t0) * 1e6, "that is the idle TIME in microseconds: divide it by the "
+                                 "step's length for a share between 0 and 1"),
+        (want * (t1 - t0), "that is the idle TIME in seconds: divide it by the step's "
+                           "length for a share between 0 and 1"),
         (between / (t1 - t0), f"that counts only the gaps BETWEEN rank {rank}'s kernels (what "
                               f"idle_gaps returns); the compute stream also idles "
                               f"{tail * 1e6:.1f} us after its last kernel, while the "
-                              "gradient all-reduce finishes the step"
+                              "step's last collectives finish"
                               + (f", and {head * 1e6:.1f} us before its first" if head else "")),
     ], rel=1e-3, fallback=f"take the step from the first event's start to the last event's "
                           f"end (all ranks), merge rank {rank}'s compute intervals into its "

@@ -39,9 +39,18 @@ class Profile:
     activities: tuple[str, ...]
     profiler: Any       # the underlying profiler object, for anything not wrapped here
 
-    def summary(self, row_limit: int = 10, sort_by: str = "self_cpu_time_total") -> str:
-        """The profiler's table of the ``row_limit`` most expensive ops."""
-        return self.profiler.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+    def summary(self, row_limit: int = 10, sort_by: str = "self_cpu_time_total",
+                max_name_column_width: int = 55) -> str:
+        """The profiler's table of the ``row_limit`` most expensive ops. Its name column is
+        ``max_name_column_width`` characters wide (torch's argument and default; longer
+        names are cut with "..."): narrow it where the table must fit a notebook's width."""
+        if isinstance(max_name_column_width, bool) or not isinstance(
+                max_name_column_width, int) or max_name_column_width < 4:
+            raise ValueError(f"summary(max_name_column_width={max_name_column_width!r}): "
+                             "give the name column's width in characters, an int >= 4 "
+                             "(torch's default is 55)")
+        return self.profiler.key_averages().table(
+            sort_by=sort_by, row_limit=row_limit, max_name_column_width=max_name_column_width)
 
 
 @contextmanager
