@@ -357,7 +357,11 @@ def _best_makespan(p: int, m: int, memory_limit: int) -> float:
 @exercise
 def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2) -> None:
     """A hand-written schedule for p ranks and m micro-batches that runs, holds at most
-    ``memory_limit`` micro-batch activations on every rank, and is as fast as possible."""
+    ``memory_limit`` micro-batch activations on every rank, and is as fast as possible.
+
+    A schedule that runs but holds too much or is slow gets its timeline (f = b = 1) in
+    the message, to show where it idles or piles up."""
+    from ..viz.pipeline import render_text
     if not isinstance(schedule, Schedule):
         raise CheckError(f"give a Schedule, got {type(schedule).__name__}: build it with "
                          "wb.schedules.Schedule.from_text(['F0 F1 ...', ...]), one row per rank")
@@ -371,19 +375,20 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
         validate(schedule)
     except ScheduleError as e:
         raise CheckError(f"your schedule cannot run: {e}") from None
+    w = 1.0 if schedule.split_backward else None
+    got = simulate(schedule, w=w)
+    timeline = "\n" + render_text(got).split("\n", 1)[1] + "\n"   # the rows and the bubble
     try:
         validate(schedule, memory_limit=memory_limit)
     except ScheduleError as e:
-        raise CheckError(f"your schedule runs, but holds too much: {e}") from None
-    w = 1.0 if schedule.split_backward else None
-    got = simulate(schedule, w=w)
+        raise CheckError(f"your schedule runs, but holds too much:{timeline}{e}") from None
     best = _best_makespan(p, m, memory_limit)
     ref = simulate(one_f_one_b(p, m))
     if got.makespan > best + 1e-9:
         raise CheckError(f"your schedule runs and fits in memory, but takes {got.makespan:g} "
-                         f"time units (bubble {got.bubble_fraction:.0%}); a faster one exists "
-                         f"within {memory_limit} activations: start each backward as soon as "
-                         "its gradient can arrive, and let later ranks run ahead",
+                         f"time units (bubble {got.bubble_fraction:.0%}):{timeline}a faster one "
+                         f"exists within {memory_limit} activations: start each backward as "
+                         "soon as its gradient can arrive, and let later ranks run ahead",
                          expected=f"{best:g} time units")
     _ok(f"{got.makespan:g} time units, bubble {got.bubble_fraction:.2%}, at most "
         f"{max(got.peak_inflight)} activations per rank (1F1B: {ref.makespan:g} units, "
@@ -418,7 +423,12 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
             raise CheckError(f"{name}: m={got} is not a multiple of p={p}; interleaved 1F1B "
                              "needs one (Megatron-LM's rule, and the generator's)")
         frac = simulate(build(got)).bubble_fraction
-        if frac < target:
+        if frac < target and name != "1F1B" and got == next(
+                k for k in range(p, 10_000, p) if (p - 1) / (k + p - 1) < target):
+            hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but that m is "
+                    f"the one plain 1F1B needs: with v={v} chunks the pipeline fills and drains "
+                    f"v times faster, so the share of the step is {formula}")
+        elif frac < target:
             hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but a smaller m "
                     "also is" + (": did you use (p-1)/m, the bubble over the ideal time? The "
                                  f"share of the step is {formula}" if got > want else ""))
@@ -429,7 +439,8 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
         raise CheckError(f"{name}: your m is {got}: {hint}", expected=f"{name} m={want}")
     _ok(f"1F1B needs m={want_a} ({(p - 1) / (want_a + p - 1):.2%}); interleaved with v={v} "
         f"m={want_b} ({(p - 1) / (v * want_b + p - 1):.2%}): {want_a / want_b:.1f}x fewer "
-        "micro-batches per step, for v times more messages")
+        f"micro-batches per step, each crossing pv-1 = {p * v - 1} stage boundaries each way "
+        f"instead of p-1 = {p - 1}")
 
 
 # ---- 07 pipelines: the zero-bubble saving --------------------------------------------------------
