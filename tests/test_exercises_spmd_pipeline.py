@@ -23,21 +23,29 @@ def test_every_check_is_exported_and_raises_the_course_error():
 # ---- 04: Megatron's MLP plan ---------------------------------------------------------------------
 
 def test_mlp_plan(capsys):
-    out = passes(capsys, ex.check_mlp_plan, {"0": "colwise", "2": "rowwise"})
+    col, row = {"0.weight": ["S(0)"], "0.bias": ["S(0)"]}, {"2.weight": ["S(1)"]}
+    out = passes(capsys, ex.check_mlp_plan, {**col, **row})
     assert "linear [S(1)] -> relu [S(1)] -> linear [P(sum)]" in out and "{U_tp}" in out
-    passes(capsys, ex.check_mlp_plan, {"0.weight": ["S(0)"], "0.bias": ["S(0)"],
-                                       "2.weight": ["S(1)"]})          # the same, spelled out
-    fails(r"relu \(layer 1\) inserts reduce_scatter.*put the colwise layer first",
-          ex.check_mlp_plan, {"0": "rowwise", "2": "colwise"})
+    passes(capsys, ex.check_mlp_plan, {"0.weight": ["S(0)"], "2.weight": ["S(1)"]})  # bias R
+    passes(capsys, ex.check_mlp_plan, {"0": "colwise", "2": "rowwise"}, styles=True)
+    # section 5 of notebook 04 shows the styles: the exercise asks for placements
+    fails(r"your plan names styles .*section 5 already wrote", ex.check_mlp_plan,
+          {"0": "colwise", "2": "rowwise"})
+    fails(r"relu \(layer 1\) inserts reduce_scatter.*layer 0's weight \[S\(1\)\] splits its "
+          r"input features", ex.check_mlp_plan, {"0.weight": ["S(1)"], "2.weight": ["S(0)"]})
     fails(r"relu \(layer 1\) inserts reduce_scatter", ex.check_mlp_plan,
-          {"0": "rowwise", "2": "rowwise"})
-    fails(r"linear \(layer 2\) inserts .*Make it rowwise", ex.check_mlp_plan,
-          {"0": "colwise", "2": "colwise"})
-    fails(r"layer 2's weight is replicated", ex.check_mlp_plan, {"0": "colwise"})
+          {"0": "rowwise", "2": "rowwise"}, styles=True)
+    fails(r"linear \(layer 2\) inserts .*layer 2's weight \[S\(0\)\] splits its output "
+          r"features.*Split its input features", ex.check_mlp_plan,
+          {"0.weight": ["S(0)"], "2.weight": ["S(0)"]})
+    fails(r"layer 2's weight is replicated.*'2.weight'", ex.check_mlp_plan,
+          {"0.weight": ["S(0)"]})
     fails(r"layer 0's weight is replicated", ex.check_mlp_plan, {})
     fails("parallelize rejected your plan: plan keys \\['3'\\]", ex.check_mlp_plan,
-          {"3": "colwise"})
-    fails("should be a dict", ex.check_mlp_plan, ["colwise", "rowwise"])
+          {"3": ["S(0)"]})
+    fails(r"plan key 0 \(int\): keys are module or parameter names as strings", ex.check_mlp_plan,
+          {0: ["S(0)"], 2: ["S(1)"]})
+    fails("should be a dict", ex.check_mlp_plan, [["S(0)"], ["S(1)"]])
 
 
 def test_mlp_plan_leaves_the_global_random_state_alone():
@@ -45,7 +53,7 @@ def test_mlp_plan_leaves_the_global_random_state_alone():
     torch.manual_seed(123)
     a = torch.rand(1)
     torch.manual_seed(123)
-    ex.check_mlp_plan({"0": "colwise", "2": "rowwise"})
+    ex.check_mlp_plan({"0.weight": ["S(0)"], "2.weight": ["S(1)"]})
     assert torch.equal(torch.rand(1), a)
 
 
