@@ -113,3 +113,87 @@ def test_promote_keeps_torchs_dtypes_and_values(dtypes):
             got = op([wb.shard_tensor(t, mesh, [Replicate()]) for t in ts])
         assert got.dtype == ref.dtype
         torch.testing.assert_close(got.full(), ref)
+
+
+# ---- DDP replica writes: a step that raised ------------------------------------------------
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 2))
+
+
+def test_ddp_write_then_parameter_write_after_a_step_that_raised():
+    """replica_writes._STEPPING was set by the step pre-hook and cleared by the post-hook
+    only: a step that raised (its closure, a KeyboardInterrupt) left it set for good, so
+    before_write no longer synced a pending state-dict row write and the next forward
+    raised 'rows [0, 1] changed' for ``sd[k].fill_(1); p.mul_(0.5)``, which torch runs."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    w, ref = wb.DistributedDataParallel(_mlp(), mesh), _mlp()
+    opt = torch.optim.SGD(w.parameters(), lr=0.1)
+
+    def closure():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        opt.step(closure)
+    x = _x((6, 4), 5)
+    w(wb.shard_tensor(x, mesh, [Shard(0)]))              # a forward after the failed step
+    w.state_dict()["module.0.weight"].fill_(1)
+    ref[0].weight.data.fill_(1)
+    with torch.no_grad():
+        for p in w.parameters():
+            p.mul_(0.5)
+        for p in ref.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(w(wb.shard_tensor(x, mesh, [Shard(0)])).full(), ref(x))
+
+
+# ---- torch.optim optimizers that are not elementwise, over DDP's rows / FSDP's chunks -----
+
+_X = _x((6, 4), 5)
+
+
+def _train(wrap, make_opt, steps=3):
+    """(the wrapper's output after ``steps`` closure steps of ``make_opt``, one device's)."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    w = (wb.DistributedDataParallel if wrap == "ddp" else wb.FullyShardedDataParallel)(
+        _mlp(), mesh)
+    ref = _mlp()
+    xs = wb.shard_tensor(_X, mesh, [Shard(0)])
+    for mod, x in ((w, xs), (ref, _X)):
+        opt = make_opt(mod.parameters())
+
+        def closure():
+            opt.zero_grad()
+            loss = (mod(x) ** 2).mean()
+            loss.backward()
+            return loss.full() if isinstance(loss, wb.DistTensor) else loss
+        for _ in range(steps):
+            opt.step(closure)
+    return w(xs).full(), ref(_X)
+
+
+@pytest.mark.parametrize("wrap, opt", [("ddp", "LBFGS"), ("fsdp", "Adafactor")])
+def test_an_optimizer_reading_a_whole_parameter_is_refused_on_its_laid_out_storage(wrap, opt):
+    """torch.optim.LBFGS over DDP's rows ((N, *shape): its flat gradient and dot products
+    counted every replica, the first step's 1 / |g|_1 N times too small) and Adafactor
+    over FSDP's chunks ((N, chunk): a 2-d matrix to it, its second moment factored across
+    the ranks' chunks) trained silently away from one device (by 1e-2 and 7e-2 after three
+    steps); both now refuse before the step changes anything."""
+    make = {"LBFGS": lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=3),
+            "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.1)}[opt]
+    with pytest.raises(NotImplementedError, match=rf"torch.optim.{opt}.*elementwise"):
+        _train(wrap, make)
+
+
+@pytest.mark.parametrize("wrap, opt", [("fsdp", "LBFGS"), ("ddp", "Adafactor"),
+                                       ("ddp", "AdamW"), ("fsdp", "Rprop")])
+def test_optimizers_exact_on_the_laid_out_storage_still_train_as_one_device(wrap, opt):
+    # LBFGS on FSDP's chunks: they partition the parameters (padding 0 stays 0); Adafactor
+    # on DDP's equal rows: each row's factored moments are one device's
+    make = {"LBFGS": lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=3),
+            "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.1),
+            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+            "Rprop": lambda ps: torch.optim.Rprop(ps, lr=0.1)}[opt]
+    got, ref = _train(wrap, make)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
