@@ -197,3 +197,36 @@ def test_optimizers_exact_on_the_laid_out_storage_still_train_as_one_device(wrap
             "Rprop": lambda ps: torch.optim.Rprop(ps, lr=0.1)}[opt]
     got, ref = _train(wrap, make)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- wb.compile: a kernel's launch priced on its dtype's path -----------------------------
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_compiled_step_prices_the_launches_the_run_records(dtype, level):
+    """schedule.replay (and, since kernels.py, the whole-graph search's estimate) priced
+    every launch at float32's launch overhead: on ascend-910b float64 runs on the AI CPU
+    path (profile slow_paths.float64, 50 us a launch), so a float64 MLP's step was priced
+    41 us of compute where its run records 401 us (eight kernels, 45 us short each)."""
+    prof = "ascend-910b"
+    torch.manual_seed(0)
+    m = _MLP().to(dtype)
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    x = wb.shard_tensor(_x((8, 16), dtype=dtype), mesh, [Shard(0)])
+    prog = wb.compile(m, x, level=level, profile=prof)
+    step = prog.step()
+    with wb.trace(profile=prof) as tr:
+        prog(x).sum().backward()
+    ran = sum(e.duration for e in tr.events if e.stream == "compute" and 0 in e.ranks
+              and e.name != "sum")                        # the loss, outside the program
+    assert step.compute == pytest.approx(ran, rel=1e-9)
+    assert prog.assignment.time == pytest.approx(step.time, rel=1e-12)
