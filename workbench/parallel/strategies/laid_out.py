@@ -30,7 +30,9 @@ tensors of the module's shapes (:func:`module_shaped_state_dict`), as ``ddp.modu
 state_dict()`` does in torch; so does any ``torch.optim`` optimizer's ``state_dict()`` over
 them (hooked at its first step), and one device's optimizer states loaded into it are laid
 out before the next step (:func:`_lay_out_loaded_states`): a checkpoint moves between one
-device and any rank count.
+device and any rank count.  An optimizer whose update reads a parameter whole would read
+the storage instead (``torch.optim.LBFGS`` over DDP's rows, ``Adafactor`` over FSDP's
+chunks): it raises before its first step (:func:`_check_whole_parameter_optimizer`).
 """
 from __future__ import annotations
 
