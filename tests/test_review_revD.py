@@ -285,3 +285,19 @@ def test_ddp_over_dist_tensor_parameters_takes_broadcast_buffers():
     w = wb.DistributedDataParallel(m, mesh, broadcast_buffers=True)
     x = _x((6, 4), 5)
     torch.testing.assert_close(w(wb.shard_tensor(x, mesh, [Shard(0)])).full(), _mlp()(x))
+
+
+# ---- autocast: torch.trace is on torch's CPU float32 list ----------------------------------
+
+@pytest.mark.parametrize("call", [torch.trace, lambda t: t.trace()], ids=["torch", "method"])
+def test_trace_runs_in_float32_under_autocast(call):
+    """trace is on torch's CPU autocast fp32 list (autocast_mode.cpp, KERNEL_CPU(trace,
+    fp32)) but not on autocast.py's: a bfloat16 DistTensor's trace stayed bfloat16 where
+    torch's is float32."""
+    mesh = wb.Mesh.grid((2,))
+    x = _x((5, 5)).to(BF)
+    with torch.autocast("cpu", dtype=BF):
+        ref = call(x)
+        got = call(wb.shard_tensor(x, mesh, [Shard(0)]))
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got.full(), ref)

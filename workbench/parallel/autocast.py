@@ -40,7 +40,7 @@ __all__ = ["POLICY", "cast_args", "policy_for"]
 # by op-table name, or the torch function's name for compositions (habits.COMPOSED)
 _LOWER = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linear", "matmul",
           "scaled_dot_product_attention", "addmm", "baddbmm", "addbmm")
-_FP32 = ("prod", "polar", "view_as_complex", "cross_entropy", "mse_loss", "l1_loss",
+_FP32 = ("prod", "polar", "view_as_complex", "trace", "cross_entropy", "mse_loss", "l1_loss",
          "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "binary_cross_entropy",
          "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss",
          "cosine_embedding_loss", "hinge_embedding_loss", "poisson_nll_loss",
