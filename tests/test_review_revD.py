@@ -301,3 +301,35 @@ def test_trace_runs_in_float32_under_autocast(call):
         got = call(wb.shard_tensor(x, mesh, [Shard(0)]))
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got.full(), ref)
+
+
+# ---- load_back.flush: two written copies of one parameter ----------------------------------
+
+@pytest.mark.parametrize("which", ["fsdp", "zero3"])
+def test_two_written_state_dict_copies_of_one_parameter_raise(which):
+    """load_back.flush wrote back every written copy in turn: two state_dict() calls' copies
+    of one parameter, each written in different rows (sd1[k][0] = 1; sd2[k][1] = 2, both
+    landing in torch, whose values are views), ended with the last copy's rows only (row 0
+    silently back to its old value).  Each copy holds the whole tensor, so both cannot be
+    written back: it raises, nothing written; equal copies (a tied weight's two keys
+    loaded alike) still land."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    if which == "fsdp":
+        m = _mlp()
+        w = wb.FullyShardedDataParallel(m, mesh)
+    else:
+        w, m = _zero3()
+    key = next(k for k in w.state_dict() if k.endswith("0.weight"))
+    before = w.state_dict()[key].full().clone()
+    sd1, sd2 = w.state_dict(), w.state_dict()
+    sd1[key][0] = 1.0
+    sd2[key][1] = 2.0
+    x = wb.shard_tensor(_x((6, 4), 5), mesh, [Shard(0)])
+    with pytest.raises(RuntimeError, match=r"two state_dict\(\) values.*both written"):
+        w(x)
+    torch.testing.assert_close(w.state_dict()[key].full(), before)     # nothing written
+    sd3, sd4 = w.state_dict(), w.state_dict()
+    sd3[key].fill_(0.5)
+    sd4[key].fill_(0.5)
+    w(x)
+    assert torch.all(w.state_dict()[key].full() == 0.5)
