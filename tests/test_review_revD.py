@@ -333,3 +333,36 @@ def test_two_written_state_dict_copies_of_one_parameter_raise(which):
     sd4[key].fill_(0.5)
     w(x)
     assert torch.all(w.state_dict()[key].full() == 0.5)
+
+
+# ---- custom Function: a gradient of the broadcast shape is summed, as torch does ----------
+
+class _AddBroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return x + y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g                 # g has y's shape; torch sums it to x's (3,) / (1, 3)
+
+
+@pytest.mark.parametrize("xshape", [(3,), (1, 3), (4, 1)])
+@pytest.mark.parametrize("kind", ["S0", "R"])
+def test_custom_function_gradient_of_a_broadcast_shape_is_summed_as_torch(xshape, kind):
+    """custom_function_grads.input_grad raised 'returned an invalid gradient ... expected
+    shape compatible with [3]' for a gradient of the shape the input broadcasts to, which
+    torch's engine sums to the input's shape (validate_outputs: is_expandable_to, then
+    sum_to)."""
+    mesh = wb.Mesh.grid((2,))
+    x, y = _x(xshape, 1), _x((4, 3), 2)
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    (_AddBroadcast.apply(xr, yr) * _x((4, 3), 3)).sum().backward()
+    lay = [Shard(0) if kind == "S0" else Replicate()]
+    dx = wb.shard_tensor(x, mesh, [Replicate()]).requires_grad_()
+    dy = wb.shard_tensor(y, mesh, lay).requires_grad_()
+    out = _AddBroadcast.apply(dx, dy)
+    (out * wb.shard_tensor(_x((4, 3), 3), mesh, lay)).sum().backward()
+    torch.testing.assert_close(dx.grad.full(), xr.grad)
+    torch.testing.assert_close(dy.grad.full(), yr.grad)
+    assert tuple(dx.grad.shape) == xshape
