@@ -35,8 +35,10 @@ class Kernels:
     backward: "tuple | None"     # the same for the backward; None: none (or not run)
 
     def time(self, profile) -> float:
-        """Kernels plus launches, as ``schedule.replay`` records them (launch: float32's)."""
-        lt = launch_time(profile)
+        """Kernels plus launches, as ``schedule.replay`` records them (each launch on the
+        kernels' dtype's path, as the dispatcher prices it: float64 on ascend-910b's AI
+        CPU, profile ``slow_paths``)."""
+        lt = launch_time(profile, self.dtype)
         return sum(k + n * lt for k, n in (self.forward or (0.0, 0), self.backward or (0.0, 0)))
 
 

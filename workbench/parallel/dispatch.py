@@ -164,6 +164,12 @@ def common_mesh(name: str, inputs):
 def _writes(func, args, kwargs):
     """Torch functions that write into a DistTensor (:mod:`.inplace`)."""
     from . import inplace
+    if torch.is_autocast_enabled("cpu"):
+        # torch.autocast casts out-of-place ops only: "In-place variants and calls that
+        # explicitly supply an out=... Tensor ... won't go through autocasting" (torch.amp
+        # docs); the out-of-place op computing the write must not be cast either
+        with torch.autocast("cpu", enabled=False):
+            return _writes(func, args, kwargs)
     if isinstance(kwargs.get("out"), DistTensor):
         return inplace.out_call(func, args, kwargs)
     if kwargs.get("out") is not None:

@@ -89,6 +89,15 @@ from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replac
 __all__ = ["DistributedDataParallel"]
 
 
+def check_broadcast_buffers(broadcast_buffers) -> None:
+    """Only torch's default is built (False: per-rank buffers)."""
+    if broadcast_buffers is not True:
+        raise NotImplementedError(
+            f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
+            "True (torch's default: rank broadcast_from's buffers before each forward) "
+            "is built; drop the argument")
+
+
 class DistributedDataParallel(ModuleWrapper):
     """Data parallel training of ``module`` over the ranks along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
@@ -113,11 +122,7 @@ class DistributedDataParallel(ModuleWrapper):
                  broadcast_from: int = 0, broadcast_buffers: bool = True):
         super().__init__()
         check_module(module, "DistributedDataParallel")
-        if broadcast_buffers is not True:       # torch's default; False: per-rank buffers
-            raise NotImplementedError(
-                f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
-                "True (torch's default: rank broadcast_from's buffers before each forward) "
-                "is built; drop the argument")
+        check_broadcast_buffers(broadcast_buffers)
         check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):

@@ -49,7 +49,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .flat_dims import all_reduce_dims, flatten_dims
 from .flat_shards import pack, unpack
 from .rank_grads import ReplicaGrad, as_replica_grad
@@ -277,9 +277,10 @@ class DistTensorDDP(DistributedDataParallel):
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes=None,
                  broadcast_from: int = 0, overlap_grad_reduce: bool = False,
-                 partial_grads=(), partial_dim="tp"):
+                 partial_grads=(), partial_dim="tp", broadcast_buffers: bool = True):
         nn.Module.__init__(self)
         check_module(module, "DistributedDataParallel")
+        check_broadcast_buffers(broadcast_buffers)     # one copy of each buffer: True holds
         params = list(dist_parameters(module))
         mesh0 = params[0][1].mesh
         if mesh is None or mesh != mesh0:

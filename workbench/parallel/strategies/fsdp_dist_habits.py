@@ -85,6 +85,9 @@ def install_habits(fsdp) -> None:
         pre, post = _load_hooks(fsdp, items)
         m._register_load_state_dict_pre_hook(pre, with_module=True)
         m.register_load_state_dict_post_hook(post)
+    # each state_dict() of the model first writes back and releases the copies the calls
+    # before it handed out (the hooks above, once per submodule, keep this call's held)
+    fsdp.module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: flush())
 
 
 def _refuse_norm(fsdp):

@@ -30,7 +30,9 @@ tensors of the module's shapes (:func:`module_shaped_state_dict`), as ``ddp.modu
 state_dict()`` does in torch; so does any ``torch.optim`` optimizer's ``state_dict()`` over
 them (hooked at its first step), and one device's optimizer states loaded into it are laid
 out before the next step (:func:`_lay_out_loaded_states`): a checkpoint moves between one
-device and any rank count.
+device and any rank count.  An optimizer whose update reads a parameter whole would read
+the storage instead (``torch.optim.LBFGS`` over DDP's rows, ``Adafactor`` over FSDP's
+chunks): it raises before its first step (:func:`_check_whole_parameter_optimizer`).
 """
 from __future__ import annotations
 
@@ -179,7 +181,10 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
     training goes on as on one device; torch would otherwise broadcast it against the
     rows or fail on the chunks' shape.  ``step`` (and, for a 0-d parameter, the other
     scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``)."""
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``); it first refuses an
+    optimizer whose update reads a parameter whole where the storage would mislead it
+    (:func:`_check_whole_parameter_optimizer`)."""
+    _check_whole_parameter_optimizer(optimizer)
     for p in _laid_out_params(optimizer):
         if p not in optimizer.state:
             continue
@@ -193,6 +198,37 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
             any(True for _ in _laid_out_params(optimizer)):
         optimizer._wb_sd_hook = True
         optimizer.register_state_dict_post_hook(_module_shaped_states)
+
+
+# torch.optim's optimizers whose update of an element reads more than that element (torch
+# 2.13 torch/optim/lbfgs.py: one flat gradient of every parameter, its dot products and
+# 1 / |g|_1 for the first step; adafactor.py: a parameter of 2 or more dims gets its second
+# moment factored over its last two dims, a 1-d one does not).  On DDP's rows (N, *shape)
+# LBFGS counts every replica (Adafactor factors each row as one device: exact); on FSDP's
+# chunks ((N, chunk), or (chunk,) per process) Adafactor factors the chunks' shape, not the
+# parameter's (LBFGS: the chunks partition the parameters, padding 0 stays 0: exact)
+_WHOLE = {"LBFGS": ("rows", "its flat gradient, dot products and |g|_1 run over every "
+                    "parameter's storage, so each replica counts once more"),
+          "Adafactor": ("chunks", "it factors a parameter's second moment by its shape, and "
+                        "here the storage's shape is the flat chunks'")}
+
+
+def _check_whole_parameter_optimizer(optimizer) -> None:
+    """Raise, before the step changes anything, for an optimizer of :data:`_WHOLE` over a
+    storage it would read as the parameter."""
+    what = _WHOLE.get(type(optimizer).__name__)
+    if what is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return
+    kind, why = what
+    for p in _laid_out_params(optimizer):
+        rows = getattr(p, "_wb_rows", None)
+        if (kind == "rows" and rows and rows > 1) or (kind == "chunks" and not rows):
+            raise NotImplementedError(
+                f"torch.optim.{type(optimizer).__name__} over a wrapped parameter of shape "
+                f"{p._wb_shape} ({p._wb_layout}): {why}, which is not one device's update. "
+                "Use an optimizer whose update is elementwise (SGD, Adam, AdamW, RMSprop...)"
+                + (", or DDP under torchrun (one replica per process)" if kind == "rows"
+                   else ", or DistributedDataParallel (whole parameters)"))
 
 
 # torch.optim's per-parameter states that are 0-d whatever the parameter's shape (Adam's
