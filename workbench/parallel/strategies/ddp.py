@@ -67,7 +67,10 @@ forward writes change once a step, from rank ``broadcast_from``
 (torch DDP broadcasts that rank's buffers before each forward); a plain BatchNorm in
 training normalizes each rank's rows by that rank's own statistics, as torch DDP does
 (running statistics: rank ``broadcast_from``'s); ``nn.SyncBatchNorm`` raises on N > 1
-simulated ranks (its global statistics are not built here).
+simulated ranks (its global statistics are not built here).  On torch.distributed the
+processes take rank ``broadcast_from``'s buffers before a forward as torch DDP does (before
+the first, and after one run with grad enabled outside ``no_sync``), so each process's
+running statistics, and its ``eval()`` output, are torch DDP's.
 """
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .rank_grads import as_rank_rows
 from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank, state_dict_check, check_not_meta)
+                    run_per_rank, state_dict_check, check_not_meta,
+                    check_sync_batchnorm_device)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -125,6 +129,7 @@ class DistributedDataParallel(ModuleWrapper):
                              "(e.g. 25 * 2**20, PyTorch's default) or None for one all-reduce "
                              "per parameter")
         g = RankGroup(mesh, dim, "DistributedDataParallel")
+        check_sync_batchnorm_device(g, module, "DistributedDataParallel")
         if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int) or \
                 not 0 <= broadcast_from < g.n:
             raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index in "
@@ -132,6 +137,7 @@ class DistributedDataParallel(ModuleWrapper):
         object.__setattr__(self, "module", module)    # not a submodule: names keep no prefix
         self.group, self.broadcast_from = g, broadcast_from
         self._sync_enabled = True
+        self._sync_buffers_next = True      # torch DDP's require_forward_param_sync
         self._broadcast_state()
         params = list(module.parameters())
         trainable = [p for p in params if p.requires_grad]
@@ -168,11 +174,29 @@ class DistributedDataParallel(ModuleWrapper):
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
         sync_rows(m.named_parameters())        # the rows' value now: a later write is seen
 
+    @torch.no_grad()
+    def _sync_buffers(self):
+        """torch.distributed: every buffer from rank ``broadcast_from`` (torch DDP's
+        ``_sync_buffers`` before a forward, ``distributed.py``).  Not recorded in the
+        trace, as the simulated ranks' copy of rank ``broadcast_from``'s buffers is not."""
+        g = self.group
+        for b in self.module.buffers():
+            dist.broadcast(b, src=g.global_rank(self.broadcast_from), group=g.pg)
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         g = self.group
         if g.distributed:
-            return self.module(*args, **kwargs)
+            # torch DDP's buffer sync (broadcast_buffers=True): before a forward that
+            # follows one run with grad enabled outside no_sync (and before the first),
+            # every process takes rank broadcast_from's buffers (BatchNorm's running
+            # statistics); without it a process's running statistics would be its own
+            # shards' alone, and its eval() output not torch DDP's
+            if self._sync_buffers_next:
+                self._sync_buffers()
+            out = self.module(*args, **kwargs)
+            self._sync_buffers_next = torch.is_grad_enabled() and self._sync_enabled
+            return out
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]

@@ -1,0 +1,123 @@
+"""User trial of "the same program on torch.distributed": one torchrun job (2 gloo
+processes, tests/dist_scripts/audit_run_check.py) runs a user's loop on the workbench's
+wrappers and on torch's own, and a user's FSDP checkpoint; the simulated ranks then run
+the same program and load the same checkpoint.
+
+Defects this holds fixed (each was found by a probe of this file's kind):
+* DDP on torch.distributed never broadcast the buffers before a forward (torch DDP's
+  ``broadcast_buffers=True``): a BatchNorm's running statistics on rank 1 were its own
+  shards' alone, and its ``eval()`` output differed from torch DDP's (by 0.1 in the probe);
+* FSDP on torch.distributed gave ``optimizer.state_dict()`` as this process's flat chunks
+  (plain tensors): ``wb.checkpoint.save`` wrote rank 0's chunk only (a plain tensor is
+  taken as replicated), so a resumed run silently trained on with rank 0's Adam moments on
+  every process, and a simulated run could not load it;
+* ``nn.init.normal_`` of an FSDP parameter after wrapping raised on torch.distributed
+  (one device's draw on simulated ranks); ``p.copy_(full)`` failed on the chunk's shape;
+* DDP over an ``nn.SyncBatchNorm`` on CPU processes failed in the first forward inside
+  torch; it is now refused when wrapped, as torch DDP refuses it, naming what works.
+"""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import workbench as wb
+from tests.torchrun_support import json_rows, run_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
+import audit_run_check as prog  # noqa: E402
+
+
+def simulated_batchnorm_eval(n=2):
+    """The script's BatchNorm loop on n simulated ranks (the same micro-batches each rank
+    saw), then eval() on the same input: rank 0's buffers, as torch DDP's processes hold
+    them after the broadcast before that forward."""
+    mesh = wb.Mesh.grid(n, ["dp"])
+    w = wb.DistributedDataParallel(prog.mlp(bn=True), mesh)
+    opt = torch.optim.SGD(w.parameters(), lr=0.1)
+
+    def shard(t):
+        return wb.shard_tensor(t, mesh, [wb.Shard(0)])
+    for i, (x, y) in enumerate(prog.batches()):
+        opt.zero_grad(set_to_none=False)
+        if i == 1:                      # rank k's micro-batch j: half j of its shard
+            def micro(t, j):
+                return torch.cat([c.chunk(2)[j] for c in t.chunk(n)])
+            a, b, ya, yb = micro(x, 0), micro(x, 1), micro(y, 0), micro(y, 1)
+            with w.no_sync():
+                F.cross_entropy(w(shard(a)), shard(ya)).div(2).backward()
+            F.cross_entropy(w(shard(b)), shard(yb)).div(2).backward()
+        else:
+            F.cross_entropy(w(shard(x)), shard(y)).backward()
+        torch.nn.utils.clip_grad_norm_(w.parameters(), 0.5)
+        opt.step()
+    w.eval()
+    with torch.no_grad():
+        xe = torch.randn(5, 5, generator=torch.Generator().manual_seed(3))
+        return w(wb.shard_tensor(xe, mesh, [wb.Replicate()])).full_tensor()
+
+
+def simulated_resume(path, n=2):
+    """The script's FSDP program resumed on n simulated ranks from its checkpoint."""
+    mesh = wb.Mesh.grid(n, ["dp"])
+    w = wb.FullyShardedDataParallel(prog.mlp(), mesh)
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+    bs = prog.batches(steps=4)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(w(wb.shard_tensor(x, mesh, [wb.Shard(0)])),
+                               wb.shard_tensor(y, mesh, [wb.Shard(0)]))
+        loss.backward()
+        opt.step()
+        return loss.full_tensor().item()
+    step(*bs[0])
+    state = {"model": w.state_dict(), "optim": opt.state_dict()}
+    wb.checkpoint.load(path, state)
+    w.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    return [step(*b) for b in bs[2:]]
+
+
+@pytest.mark.slow
+def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", os.path.join(ROOT, "tests", "dist_scripts",
+                                              "audit_run_check.py"), str(tmp_path / "ck")]
+    out = run_job(cmd, timeout=240, cwd=ROOT,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], out.stdout
+    for r in rows:
+        # BatchNorm under DDP: every process's buffers after every forward (in and out of
+        # no_sync), the eval outputs and the parameters are torch DDP's, bitwise
+        assert r["bn_buffers"] == 0.0 and r["bn_eval"] == 0.0 and r["bn_state"] == 0.0, r
+        assert "nn.SyncBatchNorm on CPU" in r["syncbn"] and "DistTensor" in r["syncbn"], r
+        # ours against torch's own on the same job: DDP and ZeroRedundancyOptimizer
+        # bitwise (the same sums of two), fully_shard against FSDP2 to rounding
+        assert r["ddp"] == [0.0, 0.0, 0.0] and r["zero"] == [0.0, 0.0, 0.0], r
+        assert max(r["fully_shard"]) < 1e-6, r
+        # the optimizer's states in the parameters' own shapes; resumed == uninterrupted
+        assert r["ckpt_shapes"] == [[], [3], [3, 7], [7], [7, 5]], r
+        assert r["ckpt_resumed"] == r["ckpt_whole"], r
+        assert r["normal_"], r
+    assert rows[0]["bn_eval_out"] == rows[1]["bn_eval_out"]
+    assert rows[0]["ckpt_whole"] == rows[1]["ckpt_whole"]
+    # the simulated ranks: the same eval output, and the torchrun checkpoint resumed
+    assert_close(simulated_batchnorm_eval(), torch.tensor(rows[0]["bn_eval_out"]))
+    assert_close(simulated_resume(tmp_path / "ck"), rows[0]["ckpt_whole"],
+                 rtol=1e-6, atol=1e-6)
+
+
+def test_sync_batchnorm_hint_on_simulated_ranks_names_the_device_torch_needs():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    w = wb.DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(prog.mlp(bn=True)),
+                                   mesh)
+    with pytest.raises(NotImplementedError, match="refuses CPU tensors"):
+        w(wb.shard_tensor(torch.randn(4, 5), mesh, [wb.Shard(0)]))
