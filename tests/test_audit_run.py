@@ -14,7 +14,10 @@ Defects this holds fixed (each was found by a probe of this file's kind):
 * ``nn.init.normal_`` of an FSDP parameter after wrapping raised on torch.distributed
   (one device's draw on simulated ranks); ``p.copy_(full)`` failed on the chunk's shape;
 * DDP over an ``nn.SyncBatchNorm`` on CPU processes failed in the first forward inside
-  torch; it is now refused when wrapped, as torch DDP refuses it, naming what works.
+  torch; it is now refused when wrapped, as torch DDP refuses it, naming what works;
+* ``Hybrid(tp=2 | dp=2, zero=1|2|3, distributed=True).clip_grad_norm_`` (no pipeline)
+  raised (the simulated path's norm over one process's shard), though the README gives
+  the loop as running unchanged under torchrun; it now takes the per-process path.
 """
 import os
 import sys
@@ -107,6 +110,18 @@ def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_pa
         assert r["ckpt_shapes"] == [[], [3], [3, 7], [7], [7, 5]], r
         assert r["ckpt_resumed"] == r["ckpt_whole"], r
         assert r["normal_"], r
+        # Hybrid without a pipeline on torchrun: tp 2 and ZeRO-1/2/3 clip (they raised:
+        # the simulated path's norm over a process's shard); one device's norms, loss and
+        # parameters; every rank the same norms
+        for name, h in r["hybrid"].items():
+            assert h["norms"] == pytest.approx(h["want"], rel=1e-6), (name, h)
+            assert h["loss"][0] == pytest.approx(h["loss"][1], rel=1e-6), (name, h)
+            assert h["params"] < 1e-5, (name, h)
+    assert rows[0]["hybrid"] == rows[1]["hybrid"]
+    sim = prog.hybrid_clip(distributed=False)["hybrid"]
+    for name, h in sim.items():
+        assert h["norms"] == pytest.approx(rows[0]["hybrid"][name]["norms"], rel=1e-6), name
+        assert h["params"] < 1e-5, name
     assert rows[0]["bn_eval_out"] == rows[1]["bn_eval_out"]
     assert rows[0]["ckpt_whole"] == rows[1]["ckpt_whole"]
     # the simulated ranks: the same eval output, and the torchrun checkpoint resumed

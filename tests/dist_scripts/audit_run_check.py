@@ -170,6 +170,58 @@ def normal_after_wrapping(k):
     return {"normal_": torch.equal(w.full_state_dict()["0.weight"], want)}
 
 
+HYBRID = {"tp2": dict(tp=2), "dp2zero1": dict(dp=2, zero=1), "dp2zero2": dict(dp=2, zero=2),
+          "dp2zero3": dict(dp=2, zero=3)}
+
+
+def hybrid_clip(distributed=True, layouts=HYBRID):
+    """Hybrid without a pipeline, the README's loop: two steps of two accumulated
+    forward_backward calls, zero_grad(set_to_none=False), the 2-norm then the inf-norm
+    clip and a value clip, the stage optimizers' step; the norms, the evaluation loss and
+    the parameters (the model's state_dict, gathered) against one device."""
+    from workbench.models import build_model, get_batch, get_config
+    from workbench.recipes.hybrid import Hybrid
+    cfg = get_config("tiny")
+
+    def batch(step, mb):
+        return get_batch(cfg, 8, 0, 2 * step + mb)
+    ref = build_model(cfg, seed=0).train()
+    opt = wb.ops.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    want = []
+    for step, p in enumerate((2.0, float("inf"))):
+        opt.zero_grad(set_to_none=False)
+        for mb in range(2):
+            ref(*batch(step, mb))[1].backward()
+        want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, p).item())
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 2e-3)
+        opt.step()
+    ref.eval()
+    with torch.no_grad():
+        want_loss = ref(*batch(9, 0))[1].item()
+    out = {}
+    for name, layout in layouts.items():
+        st = Hybrid(distributed=distributed, **layout)
+        model = st.build_model(cfg, 0)
+        opts = st.build_optimizer(model, 3e-3, 0.01)
+        norms = []
+        for step, p in enumerate((2.0, float("inf"))):
+            for o in opts:
+                o.zero_grad(set_to_none=False)
+            for mb in range(2):
+                st.forward_backward(model, *batch(step, mb))
+            norms.append(st.clip_grad_norm_(opts, 0.05, p).item())
+            st.clip_grad_value_(opts, 2e-3)
+            st.optimizer_step(opts)
+        model.eval()
+        loss = float(st.evaluate(model, *batch(9, 0)))
+        sd = {k: v.full() if isinstance(v, wb.DistTensor) else v
+              for k, v in model.state_dict().items()}
+        params = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        out[name] = {"norms": norms, "want": want, "loss": [loss, want_loss],
+                     "params": params}
+    return {"hybrid": out}
+
+
 def main(root):
     wb.distributed.init(timeout_s=60)
     n, k = dist.get_world_size(), dist.get_rank()
@@ -178,6 +230,7 @@ def main(root):
     row.update(torch_wrappers(n, k))
     row.update(fsdp_checkpoint(root, n, k))
     row.update(normal_after_wrapping(k))
+    row.update(hybrid_clip())
     print(json.dumps(row), flush=True)
     wb.distributed.shutdown()
 
