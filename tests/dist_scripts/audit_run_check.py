@@ -212,13 +212,17 @@ def hybrid_clip(distributed=True, layouts=HYBRID):
             norms.append(st.clip_grad_norm_(opts, 0.05, p).item())
             st.clip_grad_value_(opts, 2e-3)
             st.optimizer_step(opts)
-        model.eval()
-        loss = float(st.evaluate(model, *batch(9, 0)))
         sd = {k: v.full() if isinstance(v, wb.DistTensor) else v
               for k, v in model.state_dict().items()}
         params = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        # the module's own parameters read after the step, before any forward (ZeRO-3
+        # on processes: they were the values at wrapping, or the last forward's)
+        reads = [max((p.full() - sd[k]).abs().max().item() for k, p in it)
+                 for it in (model.named_parameters(), wb.dist_parameters(model))]
+        model.eval()
+        loss = float(st.evaluate(model, *batch(9, 0)))
         out[name] = {"norms": norms, "want": want, "loss": [loss, want_loss],
-                     "params": params}
+                     "params": params, "reads": reads}
     return {"hybrid": out}
 
 
