@@ -45,7 +45,21 @@ averages gives the global mean's.  The simulation keeps those semantics:
   batch (``cross_entropy``'s default) each rank's row already carries the 1/N of the
   mean and the summed rows are the average a torchrun process computes.  A loss that
   *sums* over the global batch is N times the average torch DDP takes: divide it by N
-  (or return it from the module) to train as torchrun does.
+  (or return it from the module) to train as torchrun does.  With uneven shards (a
+  batch the N ranks do not divide) the mean over the global batch is one device's loss,
+  while torch DDP averages the ranks' own means (each over its own rows; 0.022 apart in
+  a gradient for 7 rows on 2 ranks): return the loss from the module to train as
+  torchrun does.
+
+Two things the simulated ranks give as one device and torchrun processes do not (not
+defects of either; the same program then differs between the two): the uneven-shard
+mean above, and dropout.  The simulated ranks draw their masks one after another from
+the one generator, so together they are one device's mask over the global batch; each
+torchrun process draws from its own generator (wb DDP's processes draw what torch DDP's
+draw, measured bitwise), so with the same seed on every process each rank's mask is the
+first draw of its shard's shape.  Compare the two with dropout off (``model.eval()`` or
+``p=0``); the course's models key their masks by position instead
+(:mod:`workbench.sim_mesh.rng`), and give one device's masks on both.
 
 On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
 
