@@ -114,7 +114,7 @@ def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_pa
         # the optimizer's states in the parameters' own shapes; resumed == uninterrupted
         assert r["ckpt_shapes"] == [[], [3], [3, 7], [7], [7, 5]], r
         assert r["ckpt_resumed"] == r["ckpt_whole"], r
-        assert r["normal_"], r
+        assert r["normal_"] and r["copy_"], r
         # Hybrid without a pipeline on torchrun: tp 2 and ZeRO-1/2/3 clip (they raised:
         # the simulated path's norm over a process's shard); one device's norms, loss and
         # parameters; every rank the same norms

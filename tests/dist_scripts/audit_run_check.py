@@ -161,13 +161,18 @@ def fsdp_checkpoint(root, n, k):
 
 def normal_after_wrapping(k):
     """nn.init.normal_ of an FSDP shard after wrapping, the processes' generators apart:
-    one device's draw from rank 0's generator."""
+    one device's draw from rank 0's generator; p.copy_(full) into every chunk."""
     w = wb.FullyShardedDataParallel(mlp())
     torch.manual_seed(5 + k)
     nn.init.normal_(w.module[0].weight, 0.0, 0.02)
     torch.manual_seed(5)
     want = torch.empty(7, 5).normal_(0.0, 0.02)
-    return {"normal_": torch.equal(w.full_state_dict()["0.weight"], want)}
+    value = torch.arange(21.0).reshape(3, 7)
+    with torch.no_grad():                   # a value of the module's shape: every chunk
+        w.module[3].weight.copy_(value)
+    full = w.full_state_dict()
+    return {"normal_": torch.equal(full["0.weight"], want),
+            "copy_": torch.equal(full["3.weight"], value)}
 
 
 HYBRID = {"tp2": dict(tp=2), "dp2zero1": dict(dp=2, zero=1), "dp2zero2": dict(dp=2, zero=2),
