@@ -142,3 +142,41 @@ def test_sync_batchnorm_hint_on_simulated_ranks_names_the_device_torch_needs():
                                    mesh)
     with pytest.raises(NotImplementedError, match="refuses CPU tensors"):
         w(wb.shard_tensor(torch.randn(4, 5), mesh, [wb.Shard(0)]))
+
+
+def test_torch_ddp_and_zero_keyword_arguments_are_taken_or_refused_by_name():
+    """A program written for torch's DDP / ZeroRedundancyOptimizer: its keyword arguments
+    (torch 2.13's signatures) train as before or raise naming the argument (they were
+    Python's bare TypeError, or reached the inner optimizer's constructor)."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    x = wb.shard_tensor(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), mesh,
+                        [wb.Shard(0)])
+
+    def grads(**kw):
+        w = wb.DistributedDataParallel(prog.mlp(), mesh, **kw)
+        w(x).pow(2).mean().backward()
+        return w, [p.grad.clone() for p in w.parameters()]
+    _, want = grads()
+    w, got = grads(find_unused_parameters=True, gradient_as_bucket_view=True,
+                   static_graph=False, broadcast_buffers=None, device_ids=None,
+                   bucket_cap_mb=25)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert len(w._buckets) == 1                       # 25 MiB: one bucket, as torch's
+    with pytest.raises(NotImplementedError, match=r"process_group=.*mesh"):
+        wb.DistributedDataParallel(prog.mlp(), mesh, process_group=object())
+    with pytest.raises(NotImplementedError, match=r"init_sync=False"):
+        wb.DistributedDataParallel(prog.mlp(), mesh, init_sync=False)
+    with pytest.raises(ValueError, match="bucket_cap_mb and bucket_bytes"):
+        wb.DistributedDataParallel(prog.mlp(), mesh, bucket_cap_mb=1, bucket_bytes=10)
+    with pytest.raises(TypeError, match="find_unused_parameters='yes'"):
+        wb.DistributedDataParallel(prog.mlp(), mesh, find_unused_parameters="yes")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap'"):
+        wb.DistributedDataParallel(prog.mlp(), mesh, bucket_cap=1)
+    w = wb.DistributedDataParallel(prog.mlp(), mesh)
+    opt = wb.ZeroRedundancyOptimizer(w.parameters(), torch.optim.AdamW, mesh,
+                                     parameters_as_bucket_view=True, lr=1e-2)
+    assert opt.optimizer.defaults["lr"] == 1e-2
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp=True"):
+        wb.ZeroRedundancyOptimizer(w.parameters(), torch.optim.AdamW, mesh,
+                                   overlap_with_ddp=True, lr=1e-2)

@@ -98,6 +98,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
+from .torch_kwargs import ddp_torch_kwargs
 from .rank_grads import as_rank_rows
 from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
@@ -128,9 +129,13 @@ class DistributedDataParallel(ModuleWrapper):
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
-                 broadcast_from: int = 0, broadcast_buffers: bool = True):
+                 broadcast_from: int = 0, broadcast_buffers: bool | None = True, **torch_kwargs):
         super().__init__()
         check_module(module, "DistributedDataParallel")
+        # torch DDP's own arguments (find_unused_parameters, bucket_cap_mb...): .torch_kwargs
+        bucket_bytes = ddp_torch_kwargs(torch_kwargs, bucket_bytes)
+        if broadcast_buffers is None:           # torch's default spelling (True)
+            broadcast_buffers = True
         if broadcast_buffers is not True:       # torch's default; False: per-rank buffers
             raise NotImplementedError(
                 f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
