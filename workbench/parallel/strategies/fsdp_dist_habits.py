@@ -18,6 +18,13 @@ stale templates silently, so :func:`install_habits` makes:
 * each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
   the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
   shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
+* on torch.distributed the templates (``model.named_parameters()``) hold the values at
+  wrapping and the module's attributes (``wb.dist_parameters(model)``) the copies the
+  last forward gathered; an optimizer step over the shards gathers the parameters again
+  into both (:func:`_refresh_after_step`, not traced: a read, as the state dict's), so
+  they hold the values the shards hold now, as on simulated ranks (where the templates
+  are views of the shards) and as FSDP2's parameters (its sharded DTensors, stepped in
+  place); before, they were one step (or, the templates, every step) old;
 * ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (the
   templates have no gradient: the clip would be a silent no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
@@ -27,6 +34,7 @@ stale templates silently, so :func:`install_habits` makes:
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...sim_mesh import collectives as C
 from .. import storage
@@ -76,6 +84,9 @@ def install_habits(fsdp) -> None:
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
+    if not fsdp.async_:                 # torch.distributed: the gathered copies go stale
+        for i, (_, _, _, shard) in enumerate(fsdp.entries):
+            shard._wb_refresh = (fsdp, i)
     for m in fsdp.module.modules():
         items = fsdp._by_mod.get(id(m))
         if not items:
@@ -149,3 +160,33 @@ def _load_hooks(fsdp, items):
             shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
         todo.clear()
     return pre, post
+
+
+@torch.no_grad()
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """After any ``torch.optim`` step over torch.distributed ZeRO-3 shards: each stepped
+    shard's parameter gathered again into its template and the module's attributes
+    (every place of a tied weight; the shard's ``_version`` cannot tell a step, which
+    may write ``p.data``, so every step gathers).  A collective over the shard's dp
+    group, whose ranks all step it (module docstring).  A global step post-hook
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``)."""
+    todo = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_wb_refresh", None)
+            if ref is not None:
+                todo.setdefault(id(ref[0]), (ref[0], set()))[1].add(ref[1])
+    for fsdp, idx in todo.values():
+        for i in sorted(idx):
+            tmpl, fresh = fsdp.entries[i][2], gathered(fsdp, i)
+            mine, theirs = storage.tensors(tmpl._local), storage.tensors(fresh._local)
+            if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+                raise RuntimeError(f"{type(fsdp).__name__}: the gathered {fsdp.names[i]} does "
+                                   "not fit its template's storage")
+            for a, b in zip(mine, theirs):      # model.named_parameters(): the templates
+                a.detach().copy_(b)
+            for mod, attr in fsdp._places[i]:   # wb.dist_parameters: the attributes
+                object.__setattr__(mod, attr, fresh)
+
+
+register_optimizer_step_post_hook(_refresh_after_step)

@@ -94,6 +94,8 @@ def _one_draw(func, p, args, kwargs):
     fresh = torch.empty(p._wb_shape, dtype=p.dtype, device=p.device)
     with torch._C.DisableTorchFunctionSubclass():
         func(fresh, *args[1:], **kw)
+        if getattr(p, "_wb_same_draw", None) is not None:
+            p._wb_same_draw(fresh)      # torch.distributed: rank 0's draw on every process
         with torch.no_grad():
             p.copy_(p._wb_store(fresh))
     return p
@@ -162,6 +164,32 @@ class Chunks:
         return flat_padded(v, self.n).view(self.n, -1)
 
 
+class ProcessChunks:
+    """FSDP's layout on torch.distributed: this process's ``(chunk,)`` of the flattened
+    padded tensor (``group``: the wrapper's :class:`~.ranks.RankGroup`).  The module's
+    tensor is every process's chunk all-gathered, a collective: every process of the
+    group asks for it in the same order, as for FSDP's own ``state_dict()`` (an
+    optimizer's ``state_dict()`` over the shards gives one device's states on every
+    process, so ``wb.checkpoint.save`` writes the whole of each, not rank 0's chunk)."""
+
+    def __init__(self, group, shape):
+        self.group, self.shape = group, tuple(shape)
+
+    def full(self, t):
+        from .fsdp_units import all_gather
+        return unflat(all_gather([t.detach().reshape(-1)], self.group)[0], self.shape)
+
+    def store(self, v):
+        return flat_padded(v, self.group.n).view(self.group.n, -1)[self.group.k]
+
+    @torch.no_grad()
+    def same_draw(self, fresh) -> None:
+        """``nn.init.normal_``'s draw, rank 0's on every process (their generators may
+        differ), so the chunks are cut from one device's draw."""
+        import torch.distributed as dist
+        dist.broadcast(fresh, src=self.group.global_rank(0), group=self.group.pg)
+
+
 def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
              how=None) -> LaidOutParameter:
     """``t`` as a :class:`LaidOutParameter` (``layout``: how it is stored, for errors;
@@ -171,6 +199,7 @@ def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
     p._wb_layout = layout
     if how is not None:
         p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
+        p._wb_same_draw = getattr(how, "same_draw", None)
     return p
 
 
