@@ -193,7 +193,7 @@ def _draw_memory(ax, res: SimulationResult, row_label: str = "rank") -> None:
                 label=f"{row_label} {r}" if p <= 8 else None, gid=f"memory-{r}")
     peak = max(res.peak_inflight)
     ax.axhline(peak, color="#555555", linestyle="--", linewidth=0.8, gid="peak")
-    label = f" peak {peak}" if v == 1 else f" peak {peak} chunks = {peak / v:g} micro-batches"
+    label = f" peak {peak}" if v == 1 else f" peak {peak} chunks = {peak / v:.3g} micro-batches"
     ax.text(0.0, peak, label, va="bottom", ha="left", **FONT)
     ax.set_ylim(0, peak * 1.25 + 0.5)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))       # a count: whole numbers
