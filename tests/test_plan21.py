@@ -48,12 +48,11 @@ def test_sequence_parallel_reduce_scatter_stays_beside_its_gemm():
     assert layer_times(**kw, async_allreduce=False) == layer_times(**kw)
 
 
-def test_bad_async_argument_and_llama_refused():
+def test_bad_async_argument_refused():
     with pytest.raises(ValueError, match="async_allreduce"):
         layer_times(**BIG, async_allreduce="no")
-    with pytest.raises(ValueError, match="Llama"):
-        layer_times(h=4096, a=32, s=2048, b=1, tp=8, dtype="bfloat16", attention="flash",
-                    kv_heads=8, async_allreduce=False)
+    # a Llama block without the async all-reduce is priced (Megatron-DeepSpeed's, under
+    # DeepSpeed): tests/test_review_revE.py
 
 
 def _lay(engine=None, pp=35, dp=8, zero=0, m_batch=1920):
