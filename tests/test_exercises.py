@@ -190,6 +190,10 @@ def test_allgather_times(capsys):
     fails("no bits", ex.check_allgather_times, t["910b"], 7 * 3e-6 + 7 / 8 * n * 8 / 300e9)
     fails("NCCL's share of NVLink", ex.check_allgather_times,
           t["910b"], 7 * 3e-6 + 7 / 8 * n / (300e9 * 0.783))
+    # a right answer rounded to 2 digits (2.1e-3) reads as alpha paid once: the message
+    # says the answer may only be rounded
+    fails(r"if you rounded: give the time unrounded", ex.check_allgather_times,
+          2.1e-3, t["a100"])
 
 
 def test_uneven_receive(capsys):

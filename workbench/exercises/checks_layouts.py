@@ -220,6 +220,9 @@ def check_allgather_times(t_910b, t_a100, nbytes: int = 64 * 2**20, p: int = 8) 
              "the vendor's library runs, with its own algorithm and efficiency); the "
              "exercise asks what the ring formula predicts"),
         ], rel=0.002)
+        if got[name] != 0 and float(f"{got[name]:.3g}") == got[name]:
+            hint += (" (if you rounded: give the time unrounded, the latency term is under "
+                     "1% of it)")
         raise CheckError(f"your {name} time is {got[name]:.4g} s: {hint}", expected=shown)
     _ok(f"{shown} (ratio {want['910B'] / want['A100']:.1f}): a ring on one HCCS link is slow; "
         "HCCL's mesh algorithm uses all seven")
