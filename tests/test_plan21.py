@@ -169,3 +169,16 @@ def test_published_table1_rows_run_the_2021_layer():
     now = wb.plan.estimate(cfg, lay, cl)
     assert then.step_time > now.step_time
     assert any("16c90445e7" in a for a in then.assumptions())
+
+
+def test_deepspeed_without_pipeline_runs_megatron_deepspeed_layer_synchronously():
+    """DeepSpeed at pp = 1 with tp > 1 runs Megatron-DeepSpeed's layer, whose arguments turn
+    the async TP all-reduce off under DeepSpeed (f4157bea megatron/arguments.py): the
+    input-gradient all-reduces sit on the critical path, as at pp > 1; tp = 1 has none."""
+    from workbench.plan import megatron_2021
+    ds = wb.plan.Layout(dp=2, tp=2, pp=1, zero=1, framework="deepspeed")
+    assert megatron_2021.resolve(ds, None, None) == (False, True)
+    ds1 = wb.plan.Layout(dp=4, tp=1, pp=1, zero=1, framework="deepspeed")
+    assert megatron_2021.resolve(ds1, None, None) == (True, True)
+    mg = wb.plan.Layout(dp=2, tp=2, pp=1, zero=1)
+    assert megatron_2021.resolve(mg, None, None) == (True, True)

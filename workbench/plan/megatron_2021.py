@@ -66,7 +66,9 @@ def resolve(lay, async_tp, fusion) -> tuple[bool, bool]:
     Megatron-LM's arguments as given (None: on, its default since 2021-09 / 2022-02, for
     fp16 gradients since 2022-09);
     DeepSpeed's pipeline engine (Megatron-DeepSpeed): neither; other frameworks price their
-    gradients themselves, and the two arguments, Megatron-LM's, must be left None."""
+    gradients themselves (fusion: no term here), and the two arguments, Megatron-LM's, must
+    be left None; DeepSpeed at pp = 1 and tp > 1 runs Megatron-DeepSpeed's layer without the
+    async all-reduce."""
     given = dict(zip(_NAMES, (async_tp, fusion)))
     for name, v in given.items():
         if v is not None and not isinstance(v, bool):
@@ -85,7 +87,11 @@ def resolve(lay, async_tp, fusion) -> tuple[bool, bool]:
             raise ValueError(f"{set_[0]}={given[set_[0]]!r} is a Megatron-LM argument; "
                              f"framework={lay.engine!r} prices its own gradient handling: "
                              f"leave it None, or use framework='megatron'")
-        return True, True
+        # DeepSpeed without a pipeline still runs Megatron-DeepSpeed's layers when tp > 1,
+        # whose arguments turn the async all-reduce off whenever DeepSpeed runs them
+        # (microsoft/Megatron-DeepSpeed f4157bea, megatron/arguments.py: "if
+        # args.deepspeed: args.async_tensor_model_parallel_allreduce = False")
+        return not (lay.engine.startswith("deepspeed") and lay.tp > 1), True
     return (True if async_tp is None else async_tp, True if fusion is None else fusion)
 
 
