@@ -109,6 +109,16 @@ def _shards(m) -> dict:
     return m.__dict__.get("_wb_shards", {})
 
 
+def _params_or_shards(m):
+    """``m``'s (name, parameter) pairs, a parameter held in ``fully_shard``'s shards as
+    its shard (``wb.FullyShardedDataParallel(module, ...)``'s module keeps its templates:
+    ``fsdp.parameters()`` gives the shards there, as the wrapper's own)."""
+    sh = _shards(m)
+    if not sh or not m.__dict__.get("_wb_fully_shard_params"):
+        return m._parameters.items()
+    return [(k, sh.get(k, v)) for k, v in m._parameters.items()]
+
+
 class ParallelModule:
     """Mixed into the class of a module that ``parallelize`` sharded."""
 
@@ -121,6 +131,21 @@ class ParallelModule:
             self.__dict__.setdefault("_wb_dist_params", {})[name] = value
             return
         super().__setattr__(name, value)
+
+    # ---- named_parameters: a parameter moved into FSDP's flat shards is its shard -------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """torch's walk, except that a parameter ``fully_shard`` (its DistTensor mode)
+        moved into flat shards is given as its shard (what the optimizer steps and the
+        forward gathers), not the DistTensor left behind as its template (its value at
+        wrapping): a sub-module of a ``fully_shard``-ed model answers as FSDP2's, whose
+        parameters are the sharded DTensors on every module.  Under a ``fully_shard`` root
+        over DistTensors not built yet, the sharded state is built first, as the root's own
+        ``parameters()`` does (:mod:`.strategies.fully_shard_tp`)."""
+        from .strategies.fully_shard_tp import build_above
+        build_above(self)
+        return self._named_members(_params_or_shards, prefix=prefix, recurse=recurse,
+                                   remove_duplicate=remove_duplicate)
 
     # ---- .to(dtype), .double(), .half(), .float(), .cpu(): each local shard as torch would
     def _apply(self, fn, recurse=True):

@@ -82,7 +82,7 @@ class FSDPModule:
     def __new__(cls, *args, **kwargs):
         # a container indexed by a slice makes ``type(self)(...)``: the original class,
         # as torch's FSDPModule.__new__ does
-        orig = cls.__mro__[2]
+        orig = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self

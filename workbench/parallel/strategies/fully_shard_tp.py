@@ -14,7 +14,9 @@ calls only mark the modules; the sharded state is built once, on the topmost mar
 module (the root), the first time the model runs or its parameters are asked for
 (FSDP2 too finds its root lazily, at the first forward).  After that the user's module
 answers with the dp shards: ``model.parameters()`` / ``named_parameters()`` (what an
-optimizer steps; a block's: its own), ``zero_grad()``; ``state_dict()`` gives DistTensors
+optimizer steps; a block's: its own; any sub-module's, passed to fully_shard or not:
+its own shards, :class:`~..module_state.ParallelModule`), ``zero_grad()``; a parameter
+attribute (``module.weight``) reads the shards' value now (:mod:`.fully_shard_attrs`); ``state_dict()`` gives DistTensors
 of the tensor-parallel placements gathered from the shards and ``load_state_dict`` cuts
 values into them (:mod:`.fsdp_dist_habits`).
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["check_order", "check_tp", "mark", "built", "tp_named_parameters"]
+__all__ = ["check_order", "check_tp", "mark", "built", "build_above", "tp_named_parameters"]
 
 _MARKED = weakref.WeakSet()      # modules fully_shard was applied to (both modes)
 
@@ -116,11 +118,27 @@ def built(m):
         finally:
             st.building = False
         st.wrapper = w
+        from .fully_shard_attrs import install
+        install(w)                  # module.weight: the shards' value now
         for sub in r.modules():
+            if sub.__dict__.get("_wb_shards"):       # its parameters() give the shards
+                sub.__dict__["_wb_fully_shard_params"] = True
             s = getattr(sub, "_wb_fully_shard", None)
             if s is not None and sub is not r:
                 s.owner = w
     return st.wrapper
+
+
+def build_above(module) -> None:
+    """A module inside a ``fully_shard`` root over DistTensors (not itself passed to
+    ``fully_shard``): the root's sharded state built now, so ``module.parameters()`` gives
+    the dp shards an optimizer over the root's parameters steps, never the templates."""
+    for r in list(_MARKED):
+        st = r._wb_fully_shard
+        if st.tp is None or st.top is not None or st.wrapper is not None or st.building:
+            continue
+        if any(m is module for m in r.modules()):
+            built(r)
 
 
 def tp_named_parameters(m, prefix, recurse, remove_duplicate):

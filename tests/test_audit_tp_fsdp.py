@@ -1,0 +1,82 @@
+"""User-trial audit of the PyTorch front doors: ``parallelize_module`` then ``fully_shard``
+(torchtitan's order), ``fully_shard`` alone, DCP on their state dicts.  Each test holds the
+answer to a plain single-device torch model (or to torch's own behaviour)."""
+import pytest
+import torch
+from torch.nn import functional as F
+
+import workbench as wb
+from tests.test_fully_shard import V, batches, make, tp_model
+
+
+def _tp_fsdp(seed=0):
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = tp_model(seed)
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh["dp"])
+    wb.fully_shard(m, mesh=mesh["dp"])
+    return m, mesh
+
+
+def _loss(m, mesh, ids, y):
+    out = m(wb.shard_tensor(ids, mesh, ["S(0)", "R"]) if mesh is not None else ids)
+    out = out.full() if isinstance(out, wb.DistTensor) else out
+    return F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
+
+
+def _trained(steps=2):
+    m, mesh = _tp_fsdp()
+    ref = tp_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for ids, y in batches(k=steps):
+        for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+            o.zero_grad()
+            _loss(model, me, ids, y).backward()
+            o.step()
+    return m, ref, mesh, opt, ropt
+
+
+def test_a_submodule_not_passed_to_fully_shard_gives_the_dp_shards():
+    # gap (a): blocks[i].up was not given to fully_shard; its parameters() gave the
+    # DistTensors left from wrapping, which no optimizer over model.parameters() steps
+    m, _ = _tp_fsdp()
+    ref = tp_model()
+    sub = m.blocks[0].up                   # asked first: the sharded state is built then
+    got = dict(sub.named_parameters())
+    assert list(got) == [n for n, _ in ref.blocks[0].up.named_parameters()]
+    assert all(not isinstance(p, wb.DistTensor) for p in got.values())
+    ids = {id(p) for p in m.parameters()}
+    for mod in (sub, m.blocks[1].down, m.emb, m.head):
+        assert all(id(p) in ids for p in mod.parameters()), type(mod).__name__
+    assert [n for n, _ in m.blocks[1].named_parameters()] == \
+        [n for n, _ in ref.blocks[1].named_parameters()]
+
+
+def test_a_parameter_attribute_reads_the_trained_value():
+    # after optimizer.step() module.weight gave the value at wrapping (or the copy the
+    # last forward gathered): a silently old value
+    m, ref, mesh, opt, ropt = _trained()
+    for name in ("blocks.0.up.weight", "blocks.1.down.bias", "emb.weight", "head.weight"):
+        mod, _, attr = name.rpartition(".")
+        got = getattr(m.get_submodule(mod), attr)
+        want = getattr(ref.get_submodule(mod), attr)
+        torch.testing.assert_close(got.full(), want, msg=name)
+    assert type(m.blocks[0].up).__name__ == "Linear"
+    # a loss term on a weight outside forward reaches the shard's gradient
+    opt.zero_grad()
+    ropt.zero_grad()
+    (m.blocks[0].up.weight ** 2).sum().backward()
+    (ref.blocks[0].up.weight ** 2).sum().backward()
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    # and training goes on as one device
+    ids, y = batches(k=1, seed=5)[0]
+    for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+        o.zero_grad()
+        _loss(model, me, ids, y).backward()
+        o.step()
+    torch.testing.assert_close(m.blocks[0].up.weight.full(), ref.blocks[0].up.weight)
