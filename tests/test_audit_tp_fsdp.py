@@ -80,3 +80,64 @@ def test_a_parameter_attribute_reads_the_trained_value():
         _loss(model, me, ids, y).backward()
         o.step()
     torch.testing.assert_close(m.blocks[0].up.weight.full(), ref.blocks[0].up.weight)
+
+
+def _fully_sharded(seed=0):
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = make(seed)
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh)
+    return wb.fully_shard(m, mesh=mesh), mesh
+
+
+def _layout(layout, seed=0):
+    if layout == "tp_fully_shard":
+        return _tp_fsdp(seed)
+    if layout == "fully_shard":
+        return _fully_sharded(seed)
+    mesh = wb.Mesh.grid(2, ["tp"])            # tensor parallel alone
+    m = tp_model(seed)
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    return m, mesh
+
+
+def _out(m, mesh, layout, ids, y):
+    if layout == "fully_shard":
+        ids = wb.shard_tensor(ids, mesh, ["S(0)"])
+        mesh = None
+    elif layout == "tp":
+        mesh = None
+    return _loss(m, mesh, ids, y)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")       # DCP: "assuming ... single process"
+@pytest.mark.parametrize("layout", ["fully_shard", "tp_fully_shard", "tp"])
+def test_dcp_save_and_load_of_a_dist_tensor_state_dict(tmp_path, layout):
+    # gap (b): dcp.load into a wrapper's DistTensor state dict failed with DCP's "expected
+    # BytesStorageMetadata" (after setting the dict's values to None); dcp.save pickled the
+    # DistTensors whole (a checkpoint torch's dcp.load put DistTensor objects out of)
+    import torch.distributed.checkpoint as dcp
+    tp = layout != "fully_shard"
+    ref = tp_model(5) if tp else make(5)
+    ids, y = batches(k=1, seed=4)[0]
+    # a checkpoint torch wrote loads into the wrapped model, in place
+    dcp.save({"model": ref.state_dict()}, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    m, mesh = _layout(layout)
+    sd = m.state_dict()
+    assert isinstance(sd["blocks.0.lin.weight" if layout == "fully_shard" else
+                         "blocks.0.up.weight"], wb.DistTensor)
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    torch.testing.assert_close(_out(m, mesh, layout, ids, y), _loss(ref, None, ids, y))
+    # the wrapped model's checkpoint loads into a plain torch model
+    m2, mesh2 = _layout(layout, seed=7)
+    dcp.save({"model": m2.state_dict()}, checkpoint_id=str(tmp_path / "ours"), no_dist=True)
+    plain = tp_model(1) if tp else make(1)
+    psd = plain.state_dict()
+    dcp.load({"model": psd}, checkpoint_id=str(tmp_path / "ours"), no_dist=True)
+    assert all(isinstance(v, torch.Tensor) for v in psd.values())
+    plain.load_state_dict(psd)
+    torch.testing.assert_close(_loss(plain, None, ids, y), _out(m2, mesh2, layout, ids, y))
+    # a DistTensor DCP cannot read as a tensor: refused, naming the calls to use
+    with pytest.raises(BaseException, match=r"on a workbench DistTensor '[\w.]+'.*wb\.checkpoint\.save"):
+        dcp.save(dict(m2.state_dict()), checkpoint_id=str(tmp_path / "bad"), no_dist=True)

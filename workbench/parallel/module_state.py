@@ -132,6 +132,15 @@ class ParallelModule:
             return
         super().__setattr__(name, value)
 
+    # ---- state_dict: DCP reads it (DistTensors as full tensors, loaded back in place) ---
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        sd = super().state_dict(*args, destination=destination, prefix=prefix,
+                                keep_vars=keep_vars)
+        if args or destination is not None:     # a sub-module's part of a parent's dict
+            return sd
+        from .dcp_interop import as_stateful
+        return as_stateful(sd)
+
     # ---- named_parameters: a parameter moved into FSDP's flat shards is its shard -------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 
+from ..dcp_interop import as_stateful
 from .fsdp_units import tree_cast
 from .fully_shard_tp import built, tp_named_parameters
 
@@ -138,7 +139,8 @@ class FSDPModule:
         st = self._wb_fully_shard
         with _raw():
             if st.wrapper is not None:
-                return st.wrapper.state_dict(destination, prefix, keep_vars)
+                sd = st.wrapper.state_dict(destination, prefix, keep_vars)
+                return sd if destination is not None else as_stateful(sd)
             root = st.owner
             qual = next(n for n, m in root.module.named_modules() if m is self) + "."
             full = root.state_dict()
@@ -146,7 +148,7 @@ class FSDPModule:
         for k, v in full.items():
             if k.startswith(qual):
                 out[prefix + k[len(qual):]] = v
-        return out
+        return out if destination is not None else as_stateful(out)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """On the root: :meth:`state_dict`'s DistTensors or full tensors, cut into the
