@@ -141,3 +141,34 @@ def test_dcp_save_and_load_of_a_dist_tensor_state_dict(tmp_path, layout):
     # a DistTensor DCP cannot read as a tensor: refused, naming the calls to use
     with pytest.raises(BaseException, match=r"on a workbench DistTensor '[\w.]+'.*wb\.checkpoint\.save"):
         dcp.save(dict(m2.state_dict()), checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+
+
+def test_reshard_after_forward_int_as_torch():
+    # torch's int: 1 is False (with torch's warning), the group's size is True; it raised
+    ids, y = batches(k=1)[0]
+    ref = make()
+    want = F.cross_entropy(ref(ids).reshape(-1, V), y.reshape(-1))
+    want.backward()
+    for n, v, keeps in ((2, 1, False), (2, 2, True), (4, 4, True)):
+        mesh = wb.Mesh.grid(n, ["dp"])
+        m = make()
+        with pytest.warns(UserWarning, match="world size 1") if v == 1 else \
+                _no_warning():
+            for b in m.blocks:
+                wb.fully_shard(b, mesh=mesh, reshard_after_forward=v)
+        assert m.blocks[0]._wb_fully_shard.reshard_after_forward is keeps
+        wb.fully_shard(m, mesh=mesh)
+        loss = _loss(m, None, wb.shard_tensor(ids, mesh, ["S(0)"]), y)
+        loss.backward()
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9),
+                                   torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    return ctx

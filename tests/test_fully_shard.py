@@ -271,8 +271,10 @@ MESH = wb.Mesh.grid(2, ["dp"])
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(reshard_after_forward=2), NotImplementedError, "reshard_after_forward=2"),
-    (dict(reshard_after_forward="yes"), NotImplementedError, "reshard_after_forward='yes'"),
+    (dict(reshard_after_forward=2, mesh=wb.Mesh.grid(4, ["dp"])), NotImplementedError,
+     "reshard_after_forward=2"),                 # a smaller world: torch's int, not built
+    (dict(reshard_after_forward=3), ValueError, "factor of 2, not 3"),      # torch's errors
+    (dict(reshard_after_forward="yes"), ValueError, "a bool or an int.*not 'yes'"),
     (dict(shard_placement_fn=lambda p: None), NotImplementedError, "shard_placement_fn"),
     (dict(ignored_params={nn.Parameter(torch.ones(1))}), NotImplementedError, "ignored_params"),
     (dict(dp_mesh_dims=("dp",)), NotImplementedError, "dp_mesh_dims"),
