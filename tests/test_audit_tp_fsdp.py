@@ -172,3 +172,39 @@ def _no_warning():
     ctx.enter_context(warnings.catch_warnings())
     warnings.simplefilter("error")
     return ctx
+
+
+def test_optimizer_state_dict_has_one_devices_shapes_both_ways():
+    # over tensor-parallel fully_shard the optimizer's states were the flat shards'
+    # (2, 1, 40) storage; a one-device optimizer's states loaded into it (or its into a
+    # one-device optimizer) failed at step() with a broadcasting error
+    import copy
+    m, ref, mesh, opt, ropt = _trained(steps=1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids, y = batches(k=1, seed=6)[0]
+    for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+        o.zero_grad()
+        _loss(model, me, ids, y).backward()
+        o.step()
+    osd, rsd = opt.state_dict(), ropt.state_dict()
+    for i, st in rsd["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(osd["state"][i][k], v, msg=f"{i} {k}")
+    # one device's states into the sharded model's optimizer, and its into one device's
+    m2, _ = _tp_fsdp(seed=3)
+    m2.load_state_dict(ref.state_dict())
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    o2.load_state_dict(copy.deepcopy(rsd))
+    plain = tp_model(3)
+    plain.load_state_dict({k: v.full() for k, v in m.state_dict().items()})
+    po = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    po.load_state_dict(copy.deepcopy(osd))
+    ids, y = batches(k=1, seed=8)[0]
+    for model, o, me in ((m2, o2, mesh), (ref, ropt, None), (plain, po, None)):
+        o.zero_grad()
+        _loss(model, me, ids, y).backward()
+        o.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m2.state_dict()[k].full(), v, msg=k)
+        torch.testing.assert_close(plain.state_dict()[k], v, msg=k)

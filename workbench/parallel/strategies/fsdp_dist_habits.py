@@ -64,8 +64,41 @@ def gathered(fsdp, i: int) -> DistTensor:
     return DistTensor(full, fsdp.mesh, tmpl.placements, tmpl.shape, shard.dtype)
 
 
+class _TPChunks:
+    """Entry ``i``'s shard storage and the parameter's global tensor, both ways (the
+    ``how`` of :func:`.laid_out.laid_out`): so a ``torch.optim`` optimizer's
+    ``state_dict()`` over the shards gives one device's shapes and takes them back
+    (:func:`.laid_out._module_shaped_states`), as over the plain-module FSDP's."""
+
+    def __init__(self, fsdp, i: int):
+        self.fsdp, self.i = fsdp, i
+
+    @torch.no_grad()
+    def full(self, t):
+        from ...sim_mesh.trace import suspend
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        nd = fsdp.mesh.ndim
+        with suspend():
+            loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
+            loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
+            return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, t.dtype).full()
+
+    @torch.no_grad()
+    def store(self, v):
+        from ..dist_tensor import shard_tensor
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        dt = shard_tensor(v.detach(), fsdp.mesh, tmpl.placements)
+        return fsdp.chunk_of(dt._local)
+
+
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
+    if fsdp.async_:            # simulated ranks: the optimizer's states in one device's shapes
+        for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
+            if isinstance(tmpl._local, torch.Tensor):
+                how = _TPChunks(fsdp, i)
+                shard._wb_shape, shard._wb_full, shard._wb_store = \
+                    tuple(tmpl.shape), how.full, how.store
     stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
              "into flat shards (its value at wrapping); a write to it would not reach the "
              "shards the forward reads: initialize before wrapping, or load values with "
