@@ -35,7 +35,7 @@ from ..load_back import flush, mark
 from .flat_shards import unflat
 from .rank_grads import as_replica_grad
 
-__all__ = ["install_habits", "gathered"]
+__all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
 
 def _clip_message(fsdp) -> str:
@@ -91,14 +91,22 @@ class _TPChunks:
         return fsdp.chunk_of(dt._local)
 
 
+def module_shaped_optimizer_states(fsdp) -> None:
+    """On simulated ranks, each shard says how its storage and the parameter's global
+    tensor map (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
+    ``fully_shard`` (:mod:`.fully_shard_tp`); ``Zero3``'s stage optimizers keep the
+    storage's shapes, which their own ``load_state_dict`` checks."""
+    if not fsdp.async_:
+        return
+    for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
+        if isinstance(tmpl._local, torch.Tensor):
+            how = _TPChunks(fsdp, i)
+            shard._wb_shape, shard._wb_full, shard._wb_store = \
+                tuple(tmpl.shape), how.full, how.store
+
+
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
-    if fsdp.async_:            # simulated ranks: the optimizer's states in one device's shapes
-        for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
-            if isinstance(tmpl._local, torch.Tensor):
-                how = _TPChunks(fsdp, i)
-                shard._wb_shape, shard._wb_full, shard._wb_store = \
-                    tuple(tmpl.shape), how.full, how.store
     stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
              "into flat shards (its value at wrapping); a write to it would not reach the "
              "shards the forward reads: initialize before wrapping, or load values with "

@@ -118,8 +118,10 @@ def built(m):
         finally:
             st.building = False
         st.wrapper = w
+        from .fsdp_dist_habits import module_shaped_optimizer_states
         from .fully_shard_attrs import install
         install(w)                  # module.weight: the shards' value now
+        module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
         for sub in r.modules():
             if sub.__dict__.get("_wb_shards"):       # its parameters() give the shards
                 sub.__dict__["_wb_fully_shard_params"] = True
