@@ -208,3 +208,27 @@ def test_optimizer_state_dict_has_one_devices_shapes_both_ways():
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(m2.state_dict()[k].full(), v, msg=k)
         torch.testing.assert_close(plain.state_dict()[k], v, msg=k)
+
+
+@pytest.mark.parametrize("when", ["before the first forward", "after a step"])
+def test_freezing_a_block_of_a_tensor_parallel_fully_shard_model(when):
+    # requires_grad_(False) on a fully_shard-ed block before the first forward built the
+    # sharded state while torch's walk had its DistTensors hidden: AttributeError 'weight'
+    m, mesh = _tp_fsdp()
+    ref = tp_model()
+    ids, y = batches(k=1)[0]
+    if when == "after a step":
+        m2, ref2, mesh, _, _ = _trained(steps=1)
+        m, ref = m2, ref2
+    for model in (m, ref):
+        model.blocks[0].requires_grad_(False)
+    assert not any(p.requires_grad for p in m.blocks[0].parameters())
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    ropt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+        model.zero_grad()                    # the frozen ones' old gradients too
+        _loss(model, me, ids, y).backward()
+        o.step()
+    assert all(p.grad is None for p in m.blocks[0].parameters())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k)

@@ -87,10 +87,15 @@ def _without_dist(mods):
     """The DistTensors out of ``mods``' ``_parameters`` for the block (torch's module code
     sees only tensors), put back after it, even on error; yields what was taken out."""
     held = _hidden(mods)
+    _HIDING[0] += 1
     try:
         yield held
     finally:
+        _HIDING[0] -= 1
         _restore(held)
+
+
+_HIDING = [0]       # >0 inside _without_dist: the modules are not whole (nothing built)
 
 
 def _unique(held):
@@ -151,8 +156,9 @@ class ParallelModule:
         parameters are the sharded DTensors on every module.  Under a ``fully_shard`` root
         over DistTensors not built yet, the sharded state is built first, as the root's own
         ``parameters()`` does (:mod:`.strategies.fully_shard_tp`)."""
-        from .strategies.fully_shard_tp import build_above
-        build_above(self)
+        if not _HIDING[0]:          # torch's own walk with the DistTensors hidden: not now
+            from .strategies.fully_shard_tp import build_above
+            build_above(self)
         return self._named_members(_params_or_shards, prefix=prefix, recurse=recurse,
                                    remove_duplicate=remove_duplicate)
 

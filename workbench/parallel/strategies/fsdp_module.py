@@ -118,8 +118,9 @@ class FSDPModule:
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """Plain modules: the shards the module holds (torch's own walk).  Over DistTensor
         parameters: the dp shards of the sharded state, under the module's own names."""
+        from ..module_state import _HIDING
         st = self._wb_fully_shard
-        if st.tp is None or _building(self):
+        if st.tp is None or _building(self) or _HIDING[0]:   # (a walk of the plain ones)
             return super().named_parameters(prefix, recurse, remove_duplicate)
         return tp_named_parameters(self, prefix, recurse, remove_duplicate)
 
