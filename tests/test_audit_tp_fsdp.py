@@ -232,3 +232,68 @@ def test_freezing_a_block_of_a_tensor_parallel_fully_shard_model(when):
     assert all(p.grad is None for p in m.blocks[0].parameters())
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k)
+
+
+def _mp_run(kind, mp, steps=2):
+    """(per step: loss, total grad norm, output dtype), final full parameters, the shards'
+    dtypes, {collective: bytes} of the last step's reduce-scatters."""
+    m = tp_model()
+    if kind == "tp":
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                        "blocks.*.down": wb.RowwiseParallel()})
+        wb.parallelize(m, mesh)
+        dpm, place = mesh["dp"], ["S(0)", "R"]
+    else:
+        mesh = wb.Mesh.grid(2, ["dp"])
+        dpm, place = mesh, ["S(0)"]
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=dpm, mp_policy=mp)
+    wb.fully_shard(m, mesh=dpm, mp_policy=mp)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    steps_out = []
+    for ids, y in batches(k=steps):
+        opt.zero_grad()
+        with wb.trace() as tr:
+            out = m(wb.shard_tensor(ids, mesh, place))
+            loss = F.cross_entropy(out.full().float().reshape(-1, V), y.reshape(-1))
+            loss.backward()
+        steps_out.append((loss.item(), torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item(),
+                          out.dtype))
+        opt.step()
+    rs = sum(e.bytes for e in tr.collectives() if e.name == "reduce_scatter")
+    return (steps_out, {k: v.full() for k, v in m.state_dict().items()},
+            {p.dtype for p in m.parameters()}, rs)
+
+
+def test_mixed_precision_over_tensor_parallel_as_the_plain_modules():
+    # torchtitan's default policy (param bf16, reduce fp32) raised NotImplementedError
+    # after parallelize_module; now it computes in bf16 on fp32 shards, as fully_shard on
+    # the plain module does (the same policy: the same numbers up to bf16 rounding, which
+    # the tensor-parallel split of each matmul changes)
+    f32 = _mp_run("fs", wb.MixedPrecisionPolicy())
+    bf = torch.bfloat16
+    rs = {}
+    for rd in (None, torch.float32):
+        mp = wb.MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=rd)
+        tp, fs = _mp_run("tp", mp), _mp_run("fs", mp)
+        assert tp[2] == {torch.float32} and [s[2] for s in tp[0]] == [bf, bf]
+        for (lt, nt, _), (lf, nf, _), (l32, _, _) in zip(tp[0], fs[0], f32[0]):
+            assert abs(lt - lf) < 2e-3 and abs(nt - nf) < 3e-3, (lt, lf, nt, nf)
+            assert lt != l32                          # bf16 compute: not fp32's numbers
+        for k, v in fs[1].items():
+            torch.testing.assert_close(tp[1][k], v, rtol=0, atol=4e-3, msg=k)
+        rs[rd] = tp[3]
+    assert rs[torch.float32] == 2 * rs[None]          # reduced in fp32: twice bf16's bytes
+
+
+def test_mixed_precision_over_tensor_parallel_one_policy_per_model():
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = tp_model()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel()})
+    wb.parallelize(m, mesh)
+    wb.fully_shard(m.blocks[0], mesh=mesh["dp"],
+                   mp_policy=wb.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="same MixedPrecisionPolicy"):
+        wb.fully_shard(m, mesh=mesh["dp"])
+    assert not isinstance(m, wb.FSDPModule)

@@ -179,6 +179,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             if m is not module and isinstance(m, FSDPModule) and m._wb_fully_shard.top is None:
                 m._wb_fully_shard.top = module
         module._wb_fully_shard = state
+        install_hooks(module)            # mp_policy's input / output casts, per module
         module.__class__ = fsdp_class(type(module))
         mark(module)
         return module

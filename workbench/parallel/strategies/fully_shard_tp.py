@@ -24,7 +24,12 @@ The reduce-scatters launched in a backward are waited for on the modeled clock a
 root's next forward (``finish_gradient_synchronization``; the shards hold the reduced
 gradients when ``backward()`` returns, so the numbers do not depend on it).
 
-Not built here, and refused: mixed precision, ``reshard_after_forward=False``,
+``mp_policy`` (simulated ranks): each forward gathers the shards cast to ``param_dtype``
+and the gradients are summed over dp in ``reduce_dtype`` (:meth:`.fsdp_dist.
+DistTensorFSDP._gather_math`), onto the shards in their own dtype; one policy per model.
+
+Not built here, and refused: mixed precision under torch.distributed,
+``reshard_after_forward=False``,
 ``set_requires_gradient_sync(False)``, a fully_shard call after the state was built.
 """
 from __future__ import annotations
@@ -72,12 +77,20 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
             f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
             f"pass that mesh's data-parallel dim, mesh=world_mesh['dp'] (torchtitan's order: "
             "parallelize_module on the whole mesh, then fully_shard on its dp dim)")
-    if mp.param_dtype is not None or mp.output_dtype is not None or \
-            mp.reduce_dtype is not None:
+    from ...sim_mesh import backends as _B
+    if (mp.param_dtype is not None or mp.output_dtype is not None or
+            mp.reduce_dtype is not None) and _B.is_distributed(full):
         raise NotImplementedError(
             f"fully_shard({name}, mp_policy={mp}) over tensor-parallel DistTensor "
-            "parameters: mixed precision is built for plain modules only; leave the default "
-            "MixedPrecisionPolicy()")
+            "parameters under torch.distributed: mixed precision is built on simulated ranks "
+            "only here; leave the default MixedPrecisionPolicy()")
+    for m in module.modules():           # one policy per model (one sharded state)
+        st = getattr(m, "_wb_fully_shard", None)
+        if m is not module and st is not None and st.mp_policy != mp:
+            raise NotImplementedError(
+                f"fully_shard({name}, mp_policy={mp}): {st.name} below it has "
+                f"mp_policy={st.mp_policy}; over DistTensor parameters one model gathers and "
+                "reduces in one dtype here, give every call the same MixedPrecisionPolicy")
     if reshard_after_forward is False:
         raise NotImplementedError(
             f"fully_shard({name}, reshard_after_forward=False) over tensor-parallel "
@@ -118,6 +131,9 @@ def built(m):
         finally:
             st.building = False
         st.wrapper = w
+        mp = st.mp_policy               # fully_shard's MixedPrecisionPolicy (one per model)
+        w.param_dtype = mp.param_dtype
+        w.reduce_dtype = None if mp.reduce_dtype == mp.param_dtype else mp.reduce_dtype
         from .fsdp_dist_habits import module_shaped_optimizer_states
         from .fully_shard_attrs import install
         install(w)                  # module.weight: the shards' value now

@@ -95,7 +95,9 @@ class Zero3Clock:
         if key in self._inflight:
             return
         label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
-        nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
+        pd = getattr(self, "param_dtype", None)       # fully_shard's mixed precision
+        nb = self._numel[id(mod)] * (pd.itemsize if pd is not None else
+                                     self.entries[self._by_mod[id(mod)][0][1]][3].element_size())
         self._inflight[key] = [(current_trace(), self.group.record(
             "all_gather", nb, label, overlap=True))]
         self.live.hold(key, nb)             # the receive buffer exists from the issue on
@@ -178,7 +180,9 @@ class Zero3Clock:
     def _reduce_scatter_hook(self, i):
         def hook(grad):
             from ...sim_mesh.trace import current_trace
-            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
+            rd = getattr(self, "reduce_dtype", None) or getattr(self, "param_dtype", None)
+            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * \
+                (rd.itemsize if rd is not None else grad.element_size())
             self._reduced.add(i)
             for m in self._owners.get(i, ()):              # a module's backward is done
                 left = self._grads_left.get(m)             # when its last gradient is
@@ -209,6 +213,6 @@ class Zero3Clock:
                     self._wait("F", mod)
             for attr, i in self._by_mod[id(module)]:
                 _, _, tmpl, shard = self.entries[i]
-                object.__setattr__(module, attr, self._gather(tmpl, shard))
+                object.__setattr__(module, attr, self._gather(tmpl, shard, cast=True))
         return hook
 
