@@ -234,10 +234,10 @@ def test_freezing_a_block_of_a_tensor_parallel_fully_shard_model(when):
         torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k)
 
 
-def _mp_run(kind, mp, steps=2):
+def _mp_run(kind, mp, steps=2, dtype=torch.float32):
     """(per step: loss, total grad norm, output dtype), final full parameters, the shards'
-    dtypes, {collective: bytes} of the last step's reduce-scatters."""
-    m = tp_model()
+    dtypes, the bytes of the last step's reduce-scatters."""
+    m = tp_model().to(dtype)
     if kind == "tp":
         mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
         wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
@@ -297,3 +297,48 @@ def test_mixed_precision_over_tensor_parallel_one_policy_per_model():
     with pytest.raises(NotImplementedError, match="same MixedPrecisionPolicy"):
         wb.fully_shard(m, mesh=mesh["dp"])
     assert not isinstance(m, wb.FSDPModule)
+
+
+@pytest.mark.parametrize("which", ["root", "blocks"])
+def test_gradient_accumulation_without_sync_over_tensor_parallel(which):
+    # set_requires_gradient_sync(False) raised NotImplementedError after parallelize_module
+    m, mesh = _tp_fsdp()
+    ref = tp_model()
+    micro = batches(k=3, b=4)
+    units = [m] if which == "root" else list(m.blocks)
+    for i, (ids, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        for u in units:
+            u.set_requires_gradient_sync(last)
+        with wb.trace() as tr:
+            _loss(m, mesh, ids, y).backward()
+        _loss(ref, None, ids, y).backward()
+        rs = [e for e in tr.collectives() if e.name == "reduce_scatter"]
+        if which == "root":              # no reduce-scatter, the shards' .grad untouched
+            assert (len(rs) == 0) != last
+            if not last:
+                assert all(p.grad is None for p in m.parameters())
+        else:                            # the blocks' held; the root's own still reduced
+            assert all((p.grad is None) != last for p in m.blocks[0].parameters())
+            assert m.emb.weight is not None and all(
+                p.grad is not None for p in m.emb.parameters())
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt.step()
+    ropt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k)
+
+
+def test_reduce_dtype_alone_over_tensor_parallel_sums_in_it():
+    # a bf16 model with reduce_dtype=fp32: the dp sum in fp32 (FSDP2's foreach_reduce),
+    # as the plain module's fully_shard; it raised NotImplementedError
+    bf = torch.bfloat16
+    mp = wb.MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    tp, fs = _mp_run("tp", mp, dtype=bf), _mp_run("fs", mp, dtype=bf)
+    plain = _mp_run("tp", wb.MixedPrecisionPolicy(), dtype=bf)
+    assert tp[2] == {bf} and tp[3] == 2 * plain[3]     # fp32 on the wire: twice the bytes
+    for (lt, nt, _), (lf, nf, _) in zip(tp[0], fs[0]):
+        assert abs(lt - lf) < 2e-2 and abs(nt - nf) < 2e-2, (lt, lf, nt, nf)

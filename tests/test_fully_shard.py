@@ -432,8 +432,8 @@ def test_tensor_parallel_then_fully_shard_trains_as_one_device():
     assert sd["blocks.0.up.weight"].placements == (wb.Replicate(), wb.Shard(0))
     m.zero_grad()
     assert all(p.grad is None for p in m.parameters())
-    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync\\(False\\)"):
-        m.set_requires_gradient_sync(False)
+    # (set_requires_gradient_sync(False) over DistTensors is built on simulated ranks:
+    # test_audit_tp_fsdp.py)
     with pytest.raises(RuntimeError, match="bottom-up"):
         wb.fully_shard(m.blocks[0].up, mesh=mesh["dp"])
 

@@ -206,8 +206,8 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         ``reduce_dtype`` (the cast after the expand) or in ``param_dtype`` (before)."""
         from ...sim_mesh.trace import suspend
         nd, mesh, ax = self.mesh.ndim, self.mesh, self.axis
-        pd = self.param_dtype if cast else None
-        red = (self.reduce_dtype or pd) if pd is not None else None
+        compute = (self.param_dtype if cast else None) or shard.dtype
+        red = (self.reduce_dtype or self.param_dtype) if cast else None
         if red is not None and shard.dtype != red:
             shard = shard.to(red)
         with suspend():
@@ -217,8 +217,8 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         lead = list(full.shape[:nd])
         lead[ax] = self.n
         full = full.expand(tuple(lead) + local)
-        if pd is not None and full.dtype != pd:
-            full = full.to(pd)                   # per copy: its gradient cast back first
+        if full.dtype != compute:
+            full = full.to(compute)              # per copy: its gradient cast back first
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------

@@ -71,6 +71,15 @@ def _cast_output(module, args, output):
     return None if dt is None else tree_cast(output, dt)
 
 
+def _tp_under_torchrun(m) -> bool:
+    """``m`` is sharded over DistTensors on a torch.distributed mesh."""
+    tp = m._wb_fully_shard.tp
+    if not tp:
+        return False
+    from ...sim_mesh import backends as _B
+    return _B.is_distributed(tp[0])
+
+
 def _building(m) -> bool:
     while m._wb_fully_shard.top is not None:
         m = m._wb_fully_shard.top
@@ -178,11 +187,12 @@ class FSDPModule:
             raise TypeError(f"set_requires_gradient_sync({requires_gradient_sync!r}): give "
                             "True or False")
         mods = self._wb_fsdp_modules(recurse)
-        if not requires_gradient_sync and any(m._wb_fully_shard.tp for m in mods):
+        if not requires_gradient_sync and any(_tp_under_torchrun(m) for m in mods):
             raise NotImplementedError(
                 "set_requires_gradient_sync(False) over tensor-parallel DistTensor parameters "
-                "is not built: accumulate with sync on (each backward reduce-scatters onto "
-                "the shards, where the gradients add up to the same sum)")
+                "under torch.distributed is not built: accumulate with sync on (each "
+                "backward reduce-scatters onto the shards, where the gradients add up to the "
+                "same sum)")
         for m in mods:
             m._wb_fully_shard.requires_gradient_sync = requires_gradient_sync
 

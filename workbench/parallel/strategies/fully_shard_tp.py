@@ -28,9 +28,12 @@ gradients when ``backward()`` returns, so the numbers do not depend on it).
 and the gradients are summed over dp in ``reduce_dtype`` (:meth:`.fsdp_dist.
 DistTensorFSDP._gather_math`), onto the shards in their own dtype; one policy per model.
 
-Not built here, and refused: mixed precision under torch.distributed,
-``reshard_after_forward=False``,
-``set_requires_gradient_sync(False)``, a fully_shard call after the state was built.
+``set_requires_gradient_sync(False)`` (simulated ranks): gradient accumulation without
+reduce-scatters (:mod:`.fully_shard_tp_sync`).
+
+Not built here, and refused: mixed precision and ``set_requires_gradient_sync(False)``
+under torch.distributed, ``reshard_after_forward=False``, a fully_shard call after the
+state was built.
 """
 from __future__ import annotations
 
@@ -138,6 +141,9 @@ def built(m):
         from .fully_shard_attrs import install
         install(w)                  # module.weight: the shards' value now
         module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
+        if w.async_:                # set_requires_gradient_sync(False): gradients held
+            from .fully_shard_tp_sync import install as sync_hooks
+            sync_hooks(w)
         for sub in r.modules():
             if sub.__dict__.get("_wb_shards"):       # its parameters() give the shards
                 sub.__dict__["_wb_fully_shard_params"] = True

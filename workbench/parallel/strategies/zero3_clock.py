@@ -192,6 +192,9 @@ class Zero3Clock:
                         del self._grads_left[m]
                         self.live.free(("B", m))
             tr = current_trace()
+            from .fully_shard_tp_sync import skips_reduce
+            if skips_reduce(self, i):            # set_requires_gradient_sync(False): held
+                tr = None
             if tr is not None:        # after the input gradient's collective (zero_optimizer_dist)
                 defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
                                      self._pending)

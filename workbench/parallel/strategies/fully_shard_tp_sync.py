@@ -1,0 +1,81 @@
+"""``set_requires_gradient_sync(False)`` under ``fully_shard`` over DistTensors.
+
+FSDP2 (torch 2.13, ``_fsdp_param_group.py``: ``reduce_grads``) skips the reduce-scatter of
+a unit whose ``requires_gradient_sync`` is False: each rank keeps adding its unsharded
+gradient, the sharded ``.grad`` stays as it was (None after ``zero_grad``), and the next
+backward with sync reduce-scatters the sum once.  In the DistTensor mode the sum over the
+dp copies of a gathered parameter is autograd's own (the reduce-scatter's math,
+:meth:`.fsdp_dist.DistTensorFSDP._gather_math`), so here the shard's incoming gradient of
+a backward without sync is held aside (the held tensor stands in for the ranks'
+unsharded gradients) and the shard's ``.grad`` left untouched; the first backward with
+sync adds what is held to its own, and only its reduce-scatter is recorded on the
+clock.  Sums in another order than torch's: equal up to float rounding.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["install", "skips_reduce"]
+
+
+def _unit_states(fsdp):
+    """Entry index -> the ``fully_shard`` state of the nearest module above (or at) the
+    module holding it, from which its ``requires_gradient_sync`` is read."""
+    parent = {}
+    for name, m in fsdp.module.named_modules():
+        for cname, c in m.named_children():
+            parent.setdefault(id(c), m)
+    out = {}
+    for i, e in enumerate(fsdp.entries):
+        m = e[0]
+        while getattr(m, "_wb_fully_shard", None) is None and id(m) in parent:
+            m = parent[id(m)]
+        out[i] = m._wb_fully_shard
+    return out
+
+
+def skips_reduce(fsdp, i: int) -> bool:
+    """Entry ``i``'s gradient of this backward is held, not reduced (module docstring)."""
+    states = getattr(fsdp, "_wb_sync_states", None)
+    return states is not None and not states[i].requires_gradient_sync
+
+
+def install(fsdp) -> None:
+    """Hooks on every trainable shard of ``fsdp`` (the sharded state of a ``fully_shard``
+    root over DistTensors, simulated ranks)."""
+    fsdp._wb_sync_states = _unit_states(fsdp)
+    fsdp._wb_held = {}                  # entry index -> the gradient held since the last sync
+    for i, e in enumerate(fsdp.entries):
+        shard = e[3]
+        if shard.requires_grad:
+            shard.register_hook(_grad_hook(fsdp, i, shard))
+            shard.register_post_accumulate_grad_hook(_after_hook(fsdp, i))
+
+
+def _grad_hook(fsdp, i, shard):
+    def hook(g):
+        held = fsdp._wb_held
+        if skips_reduce(fsdp, i):
+            held[i] = g.detach().clone() if i not in held else held[i] + g.detach()
+            fsdp.__dict__.setdefault("_wb_was_none", set())
+            if shard.grad is None:
+                fsdp._wb_was_none.add(i)
+            return torch.zeros_like(g)   # the shard's .grad as it was
+        if i in held:                    # the sync backward: the held sum too
+            return g + held.pop(i)
+        return None
+    return hook
+
+
+def _after_hook(fsdp, i):
+    def hook(shard):
+        was = fsdp.__dict__.get("_wb_was_none")
+        if was and i in was:
+            was.discard(i)
+            shard.grad = None            # None stays None, as torch's sharded .grad
+    return hook
+
+
+def unsynced_bytes(fsdp) -> int:
+    """Bytes of gradients held for the next synced backward."""
+    return sum(g.numel() * g.element_size() for g in getattr(fsdp, "_wb_held", {}).values())
