@@ -342,3 +342,30 @@ def test_reduce_dtype_alone_over_tensor_parallel_sums_in_it():
     assert tp[2] == {bf} and tp[3] == 2 * plain[3]     # fp32 on the wire: twice the bytes
     for (lt, nt, _), (lf, nf, _) in zip(tp[0], fs[0]):
         assert abs(lt - lf) < 2e-2 and abs(nt - nf) < 2e-2, (lt, lf, nt, nf)
+
+
+def test_reshard_after_forward_over_tensor_parallel():
+    # reshard_after_forward=False (and FSDP2's default for the root) raised or re-gathered:
+    # a unit that keeps its forward's copy gathers nothing in backward; same numbers
+    ids, y = batches(k=1)[0]
+    runs = {}
+    for raf in (True, False, None, "root too"):
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        m = tp_model()
+        wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                        "blocks.*.down": wb.RowwiseParallel()})
+        wb.parallelize(m, mesh)
+        for b in m.blocks:
+            wb.fully_shard(b, mesh=mesh["dp"],
+                           reshard_after_forward=True if raf == "root too" else raf)
+        wb.fully_shard(m, mesh=mesh["dp"], reshard_after_forward=raf == "root too" or None)
+        with wb.trace() as tr:
+            loss = _loss(m, mesh, ids, y)
+            loss.backward()
+        regathers = sum(e.label == "zero-3 re-gather" for e in tr.collectives())
+        runs[raf] = (loss.item(), torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item(),
+                     regathers)
+    # the blocks' 4 linears re-gather unless kept (one gather per tp rank's dp group: 8);
+    # the root's emb and head only when it is told to (FSDP2's default for the root: keep)
+    assert [runs[r][2] for r in (True, False, None, "root too")] == [8, 0, 8, 12]
+    assert len({runs[r][:2] for r in runs}) == 1

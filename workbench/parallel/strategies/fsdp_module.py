@@ -211,10 +211,10 @@ class FSDPModule:
             raise TypeError(f"set_reshard_after_forward({reshard_after_forward!r}): give True "
                             "or False (an int, a smaller world, is not built)")
         mods = self._wb_fsdp_modules(recurse)
-        if not reshard_after_forward and any(m._wb_fully_shard.tp for m in mods):
+        if not reshard_after_forward and any(_tp_under_torchrun(m) for m in mods):
             raise NotImplementedError(
                 "set_reshard_after_forward(False) over tensor-parallel DistTensor parameters "
-                "is not built: every unit re-gathers in backward there")
+                "under torch.distributed is not built: every unit re-gathers in backward there")
         for m in mods:
             m._wb_fully_shard.reshard_after_forward = reshard_after_forward
 

@@ -29,11 +29,11 @@ and the gradients are summed over dp in ``reduce_dtype`` (:meth:`.fsdp_dist.
 DistTensorFSDP._gather_math`), onto the shards in their own dtype; one policy per model.
 
 ``set_requires_gradient_sync(False)`` (simulated ranks): gradient accumulation without
-reduce-scatters (:mod:`.fully_shard_tp_sync`).
+reduce-scatters (:mod:`.fully_shard_tp_units`).
 
 Not built here, and refused: mixed precision and ``set_requires_gradient_sync(False)``
-under torch.distributed, ``reshard_after_forward=False``, a fully_shard call after the
-state was built.
+and ``reshard_after_forward=False`` under torch.distributed (:mod:`.fully_shard_tp_units`
+builds them on simulated ranks), a fully_shard call after the state was built.
 """
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
                 f"fully_shard({name}, mp_policy={mp}): {st.name} below it has "
                 f"mp_policy={st.mp_policy}; over DistTensor parameters one model gathers and "
                 "reduces in one dtype here, give every call the same MixedPrecisionPolicy")
-    if reshard_after_forward is False:
+    if reshard_after_forward is False and _B.is_distributed(full):
         raise NotImplementedError(
             f"fully_shard({name}, reshard_after_forward=False) over tensor-parallel "
-            "DistTensor parameters is not built: leave None or True (every unit re-gathers "
-            "in backward)")
+            "DistTensor parameters under torch.distributed is not built: leave None or True "
+            "(every unit re-gathers in backward)")
     dist = {id(p) for _, p in dist_parameters(module)}
     plain = [n for n, p in module.named_parameters() if id(p) not in dist
              and not isinstance(p, LaidOutParameter)]
@@ -142,7 +142,7 @@ def built(m):
         install(w)                  # module.weight: the shards' value now
         module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
         if w.async_:                # set_requires_gradient_sync(False): gradients held
-            from .fully_shard_tp_sync import install as sync_hooks
+            from .fully_shard_tp_units import install as sync_hooks
             sync_hooks(w)
         for sub in r.modules():
             if sub.__dict__.get("_wb_shards"):       # its parameters() give the shards

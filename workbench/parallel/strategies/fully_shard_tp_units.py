@@ -1,5 +1,16 @@
-"""``set_requires_gradient_sync(False)`` under ``fully_shard`` over DistTensors.
+"""Each ``fully_shard`` unit's settings over DistTensors: gradient sync, resharding.
 
+The sharded state of a ``fully_shard`` root over DistTensors is one
+:class:`.fsdp_dist.DistTensorFSDP`, whose units are the modules holding parameters; each
+such module follows the settings of the nearest module ``fully_shard`` was applied to
+above it (or itself), read at each use, so FSDP2's setters work while training.
+
+``reshard_after_forward`` (FSDP2's default None: True for the blocks, False for the
+root): False keeps the copy a module's forward gathered alive until its backward, which
+then gathers nothing (:func:`keeps_gathered`; only the clock and the gathered-bytes ledger
+see it, the numbers are the same).
+
+``set_requires_gradient_sync(False)``:
 FSDP2 (torch 2.13, ``_fsdp_param_group.py``: ``reduce_grads``) skips the reduce-scatter of
 a unit whose ``requires_gradient_sync`` is False: each rank keeps adding its unsharded
 gradient, the sharded ``.grad`` stays as it was (None after ``zero_grad``), and the next
@@ -15,23 +26,38 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["install", "skips_reduce"]
+__all__ = ["install", "skips_reduce", "keeps_gathered"]
+
+
+def _unit_of(fsdp, parent, m):
+    while getattr(m, "_wb_fully_shard", None) is None and id(m) in parent:
+        m = parent[id(m)]
+    return m._wb_fully_shard
 
 
 def _unit_states(fsdp):
-    """Entry index -> the ``fully_shard`` state of the nearest module above (or at) the
-    module holding it, from which its ``requires_gradient_sync`` is read."""
+    """(entry index -> the ``fully_shard`` state of the nearest module above (or at) the
+    module holding it; id(module) -> the same for each module holding entries)."""
     parent = {}
     for name, m in fsdp.module.named_modules():
         for cname, c in m.named_children():
             parent.setdefault(id(c), m)
-    out = {}
-    for i, e in enumerate(fsdp.entries):
-        m = e[0]
-        while getattr(m, "_wb_fully_shard", None) is None and id(m) in parent:
-            m = parent[id(m)]
-        out[i] = m._wb_fully_shard
-    return out
+    by_entry = {i: _unit_of(fsdp, parent, e[0]) for i, e in enumerate(fsdp.entries)}
+    by_mod = {id(m): _unit_of(fsdp, parent, m) for m in fsdp.order}
+    return by_entry, by_mod
+
+
+def keeps_gathered(fsdp, mod) -> bool:
+    """``mod``'s unit keeps what its forward gathered for its backward
+    (``reshard_after_forward`` False; None is False for the root, as FSDP2's)."""
+    states = getattr(fsdp, "_wb_mod_states", None)
+    if states is None or id(mod) not in states:
+        return False
+    st = states[id(mod)]
+    v = st.reshard_after_forward
+    if v is None:
+        return st.top is None            # the root (nothing above it): kept
+    return not v
 
 
 def skips_reduce(fsdp, i: int) -> bool:
@@ -43,7 +69,7 @@ def skips_reduce(fsdp, i: int) -> bool:
 def install(fsdp) -> None:
     """Hooks on every trainable shard of ``fsdp`` (the sharded state of a ``fully_shard``
     root over DistTensors, simulated ranks)."""
-    fsdp._wb_sync_states = _unit_states(fsdp)
+    fsdp._wb_sync_states, fsdp._wb_mod_states = _unit_states(fsdp)
     fsdp._wb_held = {}                  # entry index -> the gradient held since the last sync
     for i, e in enumerate(fsdp.entries):
         shard = e[3]
