@@ -369,3 +369,63 @@ def test_reshard_after_forward_over_tensor_parallel():
     # the root's emb and head only when it is told to (FSDP2's default for the root: keep)
     assert [runs[r][2] for r in (True, False, None, "root too")] == [8, 0, 8, 12]
     assert len({runs[r][:2] for r in runs}) == 1
+
+
+def _init_(model, seed):
+    """torchtitan's init_weights habit: nn.init on each module's attributes, in place."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.trunc_normal_(mod.weight, std=0.02)
+                if getattr(mod, "bias", None) is not None:
+                    torch.nn.init.zeros_(mod.bias)
+
+
+@pytest.mark.parametrize("when", ["after fully_shard", "after a forward"])
+def test_in_place_init_of_a_parameter_attribute_reaches_the_shards(when):
+    # after fully_shard over DistTensors, nn.init on module.weight wrote into a copy (the
+    # value read silently unchanged by the next forward)
+    m, mesh = _tp_fsdp()
+    ref = tp_model()
+    ids, y = batches(k=1)[0]
+    list(m.parameters())                                  # the sharded state built
+    if when == "after a forward":
+        _loss(m, mesh, ids, y)
+    _init_(m, 3)
+    _init_(ref, 3)
+    torch.testing.assert_close(_loss(m, mesh, ids, y), _loss(ref, None, ids, y))
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k)
+
+
+def test_meta_device_init_then_train_as_torchtitan():
+    # built on meta, parallelize_module + fully_shard, to_empty, init_weights: to_empty
+    # failed ("incompatible tensor type" setting .data from meta to cpu)
+    from tests.test_fully_shard import TPNet
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    with torch.device("meta"):
+        m = TPNet()
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh["dp"])
+    wb.fully_shard(m, mesh=mesh["dp"])
+    m.to_empty(device="cpu")
+    _init_(m, 5)
+    ref = TPNet()
+    _init_(ref, 5)
+    assert {p.device.type for p in m.parameters()} == {"cpu"}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for ids, y in batches(k=2):
+        losses = []
+        for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+            o.zero_grad()
+            losses.append(_loss(model, me, ids, y))
+            losses[-1].backward()
+            o.step()
+        torch.testing.assert_close(*losses)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k, rtol=1e-4, atol=1e-5)

@@ -247,7 +247,9 @@ def _convert(dt: DistTensor, fn) -> None:
         if id(t) in new:
             continue
         out = fn(t)
-        if out is not t and t.is_leaf:
+        # torch's Module._apply sets .data only where the types allow it (meta -> cpu by
+        # to_empty does not): a new leaf then, as torch's new Parameter
+        if out is not t and t.is_leaf and torch._has_compatible_shallow_copy_type(t, out):
             # the same leaf converted in place, as torch's Module._apply sets param.data:
             # an optimizer over the local leaves (DDP's replicas) still holds it
             grad = t.grad

@@ -108,7 +108,12 @@ class FSDPModule:
             w = built(self)
             if w.module is self:         # the last step's reduce-scatters waited (clock)
                 w.finish_gradient_synchronization()
-            return super().__call__(*args, **kwargs)
+            d = w.__dict__               # module.weight: the gathered copy while inside
+            d["_wb_in_forward"] = d.get("_wb_in_forward", 0) + 1     # (.fully_shard_attrs)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                d["_wb_in_forward"] -= 1
         if st.wrapper is not None and st.wrapper._k is None:
             return st.wrapper(*args, **kwargs)
         if self._wb_root()._k is None:

@@ -10,12 +10,15 @@ forward gathered: after ``optimizer.step()`` both are old values, read silently
 weight, a weight-norm logged after a step).
 
 So each module holding shards gets a class (its own name kept, as :mod:`..module_state`
-does) whose parameter attributes are descriptors: the copy the forward's pre-hook gathered
-while the shard it came from is unchanged (its version counter, ``tensor._version``, which
-every in-place write moves: ``optimizer.step()``, ``load_state_dict``), so a forward (and
-a tied weight read after its module ran) keeps reading the gathered copy autograd holds;
-else a fresh gather of the shard now, with autograd to the shard (a loss term built on it
-outside forward, e.g. a weight penalty, gives the shard its gradient).  Under
+does) whose parameter attributes are descriptors: inside the root's forward, the copy the
+module's pre-hook gathered while the shard it came from is unchanged (its version
+counter, ``tensor._version``, which every in-place write moves), so a forward (and a tied
+weight read after its module ran) reads the gathered copy autograd holds; else a fresh
+gather of the shard now, with autograd to the shard (a loss term built on it outside
+forward, e.g. a weight penalty, gives the shard its gradient), whose in-place writes
+(``nn.init`` after ``fully_shard``, torchtitan's ``init_weights``) reach the shards
+before the next forward, state dict or optimizer step (:mod:`..load_back`, as a
+``state_dict()`` copy's).  Under
 torch.distributed that gather would be a collective one process alone cannot run, so a
 read outside forward raises there, naming ``state_dict()``.
 """
@@ -38,7 +41,8 @@ class _ShardedAttr:
         fsdp, i = obj.__dict__["_wb_fs_attrs"][self.name]
         shard = fsdp.entries[i][3]
         live = obj.__dict__["_wb_fs_live"].get(self.name)
-        if live is not None and live[1] == shard._version:
+        if live is not None and live[1] == shard._version and \
+                fsdp.__dict__.get("_wb_in_forward"):
             return live[0]
         if not fsdp.async_:
             raise RuntimeError(
@@ -46,9 +50,14 @@ class _ShardedAttr:
                 "torch.distributed: its value lives in the dp shards, and gathering it here "
                 "would be a collective every process must join; read model.state_dict() "
                 "(every process) or the shards in model.parameters()")
-        value = fsdp._gather(fsdp.entries[i][2], shard)
-        obj.__dict__["_wb_fs_live"][self.name] = (value, shard._version)
-        return value
+        from ..load_back import mark
+        from .fsdp_dist_habits import _cut
+        g = fsdp._gather(fsdp.entries[i][2], shard)
+        # its own storage (the gather may be a view of the shard's, which a step moves)
+        value = type(g)(g._local.clone(), g.mesh, g.placements, g.shape, g.dtype)
+        # a write into it (nn.init after fully_shard, p.mul_(2)) reaches the shards before
+        # the next forward, state dict or optimizer step, as a state_dict() copy's
+        return mark(value, lambda v, fsdp=fsdp, i=i: _cut(fsdp, i, v), source=shard)
 
     def __set__(self, obj, value):
         # the wrapper's pre-forward gather (``object.__setattr__``) lands here
