@@ -80,8 +80,7 @@ def install(fsdp) -> None:
         d["_wb_fs_attrs"] = {a: (fsdp, i) for a, i in items}
         d["_wb_fs_live"] = {}
         for a in attrs:
-            old = d.pop(a, None)           # a copy gathered before (its version unknown)
-            del old
+            d.pop(a, None)                 # a copy gathered before: the descriptor's now
         key = (type(m), attrs)
         if key not in _CLASSES:
             cls = type(m)

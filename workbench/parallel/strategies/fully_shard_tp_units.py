@@ -39,8 +39,8 @@ def _unit_states(fsdp):
     """(entry index -> the ``fully_shard`` state of the nearest module above (or at) the
     module holding it; id(module) -> the same for each module holding entries)."""
     parent = {}
-    for name, m in fsdp.module.named_modules():
-        for cname, c in m.named_children():
+    for m in fsdp.module.modules():
+        for c in m.children():
             parent.setdefault(id(c), m)
     by_entry = {i: _unit_of(fsdp, parent, e[0]) for i, e in enumerate(fsdp.entries)}
     by_mod = {id(m): _unit_of(fsdp, parent, m) for m in fsdp.order}
@@ -101,7 +101,3 @@ def _after_hook(fsdp, i):
             shard.grad = None            # None stays None, as torch's sharded .grad
     return hook
 
-
-def unsynced_bytes(fsdp) -> int:
-    """Bytes of gradients held for the next synced backward."""
-    return sum(g.numel() * g.element_size() for g in getattr(fsdp, "_wb_held", {}).values())
