@@ -429,3 +429,17 @@ def test_meta_device_init_then_train_as_torchtitan():
         torch.testing.assert_close(*losses)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(m.state_dict()[k].full(), v, msg=k, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["fully_shard", "tp_fully_shard"])
+def test_parameters_answer_full_tensor_as_fsdp2s(layout):
+    # FSDP2's parameters are DTensors: {n: p.full_tensor()} is the habit for the full
+    # weights; ours raised AttributeError
+    m, mesh = _layout(layout)
+    ref = make() if layout == "fully_shard" else tp_model()
+    got = {n: p.full_tensor() for n, p in m.named_parameters()}
+    want = dict(ref.named_parameters())
+    assert list(got) == list(want)
+    for n, v in want.items():
+        assert got[n].shape == v.shape and not got[n].requires_grad
+        torch.testing.assert_close(got[n], v.detach(), msg=n)
