@@ -43,7 +43,7 @@ from ..load_back import flush, mark
 from .flat_shards import unflat
 from .rank_grads import as_replica_grad
 
-__all__ = ["install_habits", "gathered"]
+__all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
 
 def _clip_message(fsdp) -> str:
@@ -70,6 +70,47 @@ def gathered(fsdp, i: int) -> DistTensor:
         full = C.all_gather(shard.detach(), fsdp.mesh, fsdp.axis, 0)   # one copy on dp
         full = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
     return DistTensor(full, fsdp.mesh, tmpl.placements, tmpl.shape, shard.dtype)
+
+
+class _TPChunks:
+    """Entry ``i``'s shard storage and the parameter's global tensor, both ways (the
+    ``how`` of :func:`.laid_out.laid_out`): so a ``torch.optim`` optimizer's
+    ``state_dict()`` over the shards gives one device's shapes and takes them back
+    (:func:`.laid_out._module_shaped_states`), as over the plain-module FSDP's."""
+
+    def __init__(self, fsdp, i: int):
+        self.fsdp, self.i = fsdp, i
+
+    @torch.no_grad()
+    def full(self, t):
+        from ...sim_mesh.trace import suspend
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        nd = fsdp.mesh.ndim
+        with suspend():
+            loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
+            loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
+            return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, t.dtype).full()
+
+    @torch.no_grad()
+    def store(self, v):
+        from ..dist_tensor import shard_tensor
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        dt = shard_tensor(v.detach(), fsdp.mesh, tmpl.placements)
+        return fsdp.chunk_of(dt._local)
+
+
+def module_shaped_optimizer_states(fsdp) -> None:
+    """On simulated ranks, each shard says how its storage and the parameter's global
+    tensor map (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
+    ``fully_shard`` (:mod:`.fully_shard_tp`); ``Zero3``'s stage optimizers keep the
+    storage's shapes, which their own ``load_state_dict`` checks."""
+    if not fsdp.async_:
+        return
+    for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
+        if isinstance(tmpl._local, torch.Tensor):
+            how = _TPChunks(fsdp, i)
+            shard._wb_shape, shard._wb_full, shard._wb_store = \
+                tuple(tmpl.shape), how.full, how.store
 
 
 def install_habits(fsdp) -> None:

@@ -58,6 +58,19 @@ class LaidOutParameter(nn.Parameter):
     """An ``nn.Parameter`` laid out by a wrapper (module docstring); ``_wb_layout``
     says how, for the error."""
 
+    def full_tensor(self) -> torch.Tensor:
+        """DTensor's ``full_tensor()`` (what FSDP2's sharded parameters answer): the
+        parameter's value in the module's shape, a copy (no gradient), where the wrapper
+        holds every rank's storage here (simulated ranks)."""
+        full = getattr(self, "_wb_full", None)
+        if full is None:
+            raise NotImplementedError(
+                f"full_tensor() of this parameter: {self._wb_layout}, and this process does "
+                "not hold every rank's part; read the module's full values from the "
+                "wrapper's state_dict() (DistTensors: .full()) or full_state_dict()")
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            return full(self.detach()).clone()
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
