@@ -215,3 +215,29 @@ def test_compiled_step_counts_the_same_kernels(freeze):
     # up reads the data: wgrad only; down: dgrad and (unless frozen) wgrad
     assert launches == ([1, 2] if freeze is None else [1, 1])
     assert prog.assignment.time == pytest.approx(prog.step().time, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("rx,rw", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "wb_rms_norm"])
+def test_norms_price_a_weight_gradient_only_when_it_is_computed(norm, rx, rw):
+    """native_layer_norm_backward's output_mask and wb.ops.rms_norm's needs_input_grad:
+    a frozen weight's sum(dy * x_hat) (2 FLOPs an element, a bias's sum 1) is not run,
+    nor written; data's dx (the rest) neither."""
+    X, W, B = _mk((4, 6, 8), rx, 8), _mk((8,), rw, 9), _mk((8,), rw, 10)
+    fn, args, name = {
+        "layer_norm": (lambda x, w, b: F.layer_norm(x, (8,), w, b), (X, W, B), "layer_norm"),
+        "rms_norm": (lambda x, w: F.rms_norm(x, (8,), w, 1e-6), (X, W), "rms_norm"),
+        "wb_rms_norm": (lambda x, w: wb.ops.rms_norm(x, w, 1e-6), (X, W), "rms_norm")}[norm]
+    fn(*args).sum().backward()                      # torch's own: which grads exist
+    assert (X.grad is not None, W.grad is not None) == (rx, rw)
+    (ev,), _ = _ours(fn, name, *args)
+    n, e = X.numel(), 4
+    total = 14 * n if name == "layer_norm" else 8 * n
+    params = [(W, 2 * n)] + ([(B, n)] if name == "layer_norm" else [])
+    w_share = sum(f for _, f in params)
+    want_flops = (total - w_share if rx else 0) + (w_share if rw else 0)
+    assert ev.flops == want_flops
+    grads = (n * e if rx else 0) + (sum(p.numel() * e for p, _ in params) if rw else 0)
+    all_grads = n * e + sum(p.numel() * e for p, _ in params)
+    full, _ = _ours(fn, name, *(t.detach().requires_grad_() for t in args))
+    assert ev.bytes == full[0].bytes - all_grads + grads

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Cost", "nbytes", "elementwise", "reduction", "movement", "view", "contraction",
+__all__ = ["Cost", "TermsCost", "nbytes", "elementwise", "reduction", "movement", "view", "contraction",
            "einsum_flops", "from_ops", "backward_bytes"]
 
 
@@ -40,6 +40,16 @@ class Cost:
     @classmethod
     def zero(cls) -> "Cost":
         return cls(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class TermsCost(Cost):
+    """A :class:`Cost` whose backward has per-input terms: ``terms`` is a tuple of
+    ``(input index, backward FLOPs, backward bytes)``, the share of the backward that
+    autograd runs only when that input needs its gradient (``ctx.needs_input_grad``,
+    aten's ``output_mask``); the rest runs whenever the backward does
+    (``pricing.backward_parts``)."""
+    terms: tuple = ()
 
 
 def _tensors(xs):

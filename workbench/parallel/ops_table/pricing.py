@@ -244,7 +244,9 @@ def needs_grad(inputs) -> tuple:
 
 def backward_parts(cost: Cost, needs=None) -> list:
     """The backward kernels that run, as ``(part, flops, bytes, gemm)``: ``part`` None for
-    an op priced as one backward kernel, else "dgrad" (the first input's gradient),
+    an op priced as one backward kernel (less the per-input terms of a
+    :class:`~.costs.TermsCost` whose input needs no gradient: a norm's frozen weight),
+    else "dgrad" (the first input's gradient),
     "wgrad" (the second's, with a bias's sum when the bias needs its gradient) or "bias"
     (a bias's sum alone: its weight frozen). ``needs`` (:func:`needs_grad`) says which
     inputs need their gradient; None: all of them. A split matmul's parts partition its
@@ -252,11 +254,12 @@ def backward_parts(cost: Cost, needs=None) -> list:
     not run is dropped, and the output gradient is read by the first part that runs."""
     if not (cost.backward_flops or cost.backward_bytes):
         return []
-    if not isinstance(cost, SplitCost):
-        return [(None, cost.backward_flops, cost.backward_bytes, None)]
-
     def need(i):
         return needs is None or (i < len(needs) and bool(needs[i]))
+    if not isinstance(cost, SplitCost):
+        skip = [t for t in getattr(cost, "terms", ()) if not need(t[0])]
+        return [(None, cost.backward_flops - sum(t[1] for t in skip),
+                 cost.backward_bytes - sum(t[2] for t in skip), None)]
     parts, dy = [], cost.dy_bytes
     if need(0):
         parts.append(("dgrad", cost.dgrad_flops, cost.dgrad_bytes, cost.dgrad_gemm))
@@ -282,12 +285,12 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None):
         if tr is None or not parts:
             return
         if not isinstance(cost, SplitCost):
+            ((_, flops, nbytes, _),) = parts
             measured = _measured(cost, tr.profile)
-            dur = measured[1] if measured else _time(cost.backward_flops, cost.backward_bytes,
-                                                     tr.profile, dtype, op_class,
-                                                     launches=launches)
-            tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
-                              bytes=cost.backward_bytes, label="backward",
+            dur = measured[1] if measured else _time(flops, nbytes, tr.profile, dtype,
+                                                     op_class, launches=launches)
+            tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
+                              label="backward",
                               args={"op_class": op_class, "phase": "backward", **sunk})
             return
         # the GEMMs that run, each on its own roofline with its launch (as
