@@ -218,7 +218,8 @@ def test_compiled_step_counts_the_same_kernels(freeze):
 
 
 @pytest.mark.parametrize("rx,rw", [(True, True), (True, False), (False, True)])
-@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "wb_rms_norm"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "wb_rms_norm", "batch_norm",
+                                  "group_norm"])
 def test_norms_price_a_weight_gradient_only_when_it_is_computed(norm, rx, rw):
     """native_layer_norm_backward's output_mask and wb.ops.rms_norm's needs_input_grad:
     a frozen weight's sum(dy * x_hat) (2 FLOPs an element, a bias's sum 1) is not run,
@@ -227,13 +228,18 @@ def test_norms_price_a_weight_gradient_only_when_it_is_computed(norm, rx, rw):
     fn, args, name = {
         "layer_norm": (lambda x, w, b: F.layer_norm(x, (8,), w, b), (X, W, B), "layer_norm"),
         "rms_norm": (lambda x, w: F.rms_norm(x, (8,), w, 1e-6), (X, W), "rms_norm"),
-        "wb_rms_norm": (lambda x, w: wb.ops.rms_norm(x, w, 1e-6), (X, W), "rms_norm")}[norm]
+        "wb_rms_norm": (lambda x, w: wb.ops.rms_norm(x, w, 1e-6), (X, W), "rms_norm"),
+        "batch_norm": (lambda x, w, b: F.batch_norm(x.transpose(1, 2), None, None, w, b,
+                                                    training=True), (X, W, B), "batch_norm"),
+        "group_norm": (lambda x, w, b: F.group_norm(x.transpose(1, 2), 2, w, b), (X, W, B),
+                       "group_norm")}[norm]
     fn(*args).sum().backward()                      # torch's own: which grads exist
     assert (X.grad is not None, W.grad is not None) == (rx, rw)
     (ev,), _ = _ours(fn, name, *args)
     n, e = X.numel(), 4
-    total = 14 * n if name == "layer_norm" else 8 * n
-    params = [(W, 2 * n)] + ([(B, n)] if name == "layer_norm" else [])
+    total = {"layer_norm": 14 * n, "rms_norm": 8 * n, "batch_norm": 14 * n,
+             "group_norm": 14 * n}[name]
+    params = [(W, 2 * n)] + ([(B, n)] if name != "rms_norm" else [])
     w_share = sum(f for _, f in params)
     want_flops = (total - w_share if rx else 0) + (w_share if rw else 0)
     assert ev.flops == want_flops
@@ -241,3 +247,16 @@ def test_norms_price_a_weight_gradient_only_when_it_is_computed(norm, rx, rw):
     all_grads = n * e + sum(p.numel() * e for p, _ in params)
     full, _ = _ours(fn, name, *(t.detach().requires_grad_() for t in args))
     assert ev.bytes == full[0].bytes - all_grads + grads
+
+
+def test_running_statistics_have_no_gradient_to_write():
+    """batch_norm's running mean and variance are buffers it updates, never
+    differentiated: their bytes are not a gradient written."""
+    from workbench.parallel.ops_table.table import TABLE
+    x = torch.empty(6, 4, 5, device="meta")
+    rm, rv, w, b = (torch.empty(4, device="meta") for _ in range(4))
+    c = TABLE["batch_norm"].cost([x, rm, rv, w, b], [torch.empty_like(x)], training=True,
+                                 momentum=0.1, eps=1e-5)
+    ((_, f_all, b_all, _),) = pricing.backward_parts(c)
+    ((_, f, nb, _),) = pricing.backward_parts(c, (True, False, False, True, True))
+    assert (f, nb) == (f_all, b_all - 2 * 4 * 4)

@@ -174,32 +174,18 @@ def _layer_norm_cost(ins, outs, normalized_shape, **_):
     x = ins[0]
     rows = x.numel() // max(1, math.prod(normalized_shape))
     saved = sum(costs.nbytes(t) for t in ins if t is not None) + 2 * rows * 4
-    n, (_, w, b) = x.numel(), ins
+    n = x.numel()
     return costs.TermsCost(7 * n, sum(costs.nbytes(t) for t in ins if t is not None) +
                            costs.nbytes(outs[0]), 14 * n,
                            costs.backward_bytes(ins, outs, saved),
-                           terms=_norm_terms(x, 14 * n, (w, 2 * n), (b, n)))
-
-
-def _norm_terms(x, flops, *params):
-    """Per-input backward terms (``costs.TermsCost``) of a norm: aten's
-    ``native_layer_norm_backward`` takes an ``output_mask`` and ``wb.ops.rms_norm``'s
-    backward checks ``needs_input_grad``: a weight's gradient sum(dy * x_hat) over the
-    rows is 2 FLOPs an element, a bias's sum(dy) 1, each writing its gradient; the
-    input's gradient is the rest of the FLOPs, writing dx."""
-    terms, rest = [], flops
-    for i, (p, f) in enumerate(params, start=1):
-        if p is not None:
-            terms.append((i, f, costs.nbytes(p) if p.dtype.is_floating_point else 0))
-            rest -= f
-    return ((0, rest, costs.nbytes(x) if x.dtype.is_floating_point else 0), *terms)
+                           terms=costs.norm_terms(ins, 14 * n, {1: 2 * n, 2: n}))
 
 
 def _rms_norm_cost(ins, outs, **attrs):
     c = _RMS_OPS_COST(ins, outs, **attrs)
     return costs.TermsCost(c.flops, c.bytes, c.backward_flops, c.backward_bytes,
-                           terms=_norm_terms(ins[0], c.backward_flops,
-                                             (ins[1], 2 * ins[0].numel())))
+                           terms=costs.norm_terms(ins, c.backward_flops,
+                                                  {1: 2 * ins[0].numel()}))
 
 
 def _rms_cost_args(ins, outs, normalized_shape, eps=None, **_):
