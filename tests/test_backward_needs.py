@@ -32,13 +32,10 @@ def _backward(tr, name):
             and e.args.get("phase") == "backward"]
 
 
-def _ours(fn, name, *ts, place=None):
-    """The backward events the trace records for ``fn`` on DistTensors (replicated,
-    or as ``place`` says), each input requiring grad as its torch tensor does."""
-    place = place or [[R]] * len(ts)
-    dts = [None if t is None else
-           wb.shard_tensor(t.detach(), M2, ps).requires_grad_(t.requires_grad)
-           for t, ps in zip(ts, place)]
+def _ours(fn, name, *ts):
+    """The backward events the trace records for ``fn`` on replicated DistTensors, each
+    input requiring grad as its torch tensor does."""
+    dts = [wb.shard_tensor(t.detach(), M2, [R]).requires_grad_(t.requires_grad) for t in ts]
     with wb.trace() as tr:
         fn(*dts).sum().backward()
     return _backward(tr, name), dts
@@ -260,3 +257,29 @@ def test_running_statistics_have_no_gradient_to_write():
     ((_, f_all, b_all, _),) = pricing.backward_parts(c)
     ((_, f, nb, _),) = pricing.backward_parts(c, (True, False, False, True, True))
     assert (f, nb) == (f_all, b_all - 2 * 4 * 4)
+
+
+def test_attention_backward_is_one_fused_kernel_whatever_needs_grad():
+    """torch runs scaled_dot_product_attention's backward as one fused kernel that
+    computes dq, dk and dv together (CPU: _scaled_dot_product_flash_attention_for_cpu_
+    backward, FlashAttention-2's backward on GPU): with only q needing its gradient the
+    whole kernel runs, and is priced whole."""
+    Q, K, V = _mk((2, 4, 16, 8), True, 11), _mk((2, 4, 16, 8), False, 12), \
+        _mk((2, 4, 16, 8), False, 13)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    y = fn(Q, K, V)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        y.sum().backward()
+    assert sum("flash_attention_for_cpu_backward" in e.name for e in p.events()) == 1
+    (part,), _ = _ours(fn, "scaled_dot_product_attention", Q, K, V)
+    (full,), _ = _ours(fn, "scaled_dot_product_attention",
+                       *(t.detach().requires_grad_() for t in (Q, K, V)))
+    assert (part.flops, part.bytes) == (full.flops, full.bytes)
+
+
+def test_a_frozen_embedding_has_no_backward():
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    table = wb.shard_tensor(torch.randn(10, 4), M2, [R])           # requires_grad False
+    with wb.trace() as tr:
+        y = F.embedding(wb.shard_tensor(idx, M2, [R]), table)
+    assert not y.requires_grad and not _backward(tr, "embedding")
