@@ -283,3 +283,22 @@ def test_a_frozen_embedding_has_no_backward():
     with wb.trace() as tr:
         y = F.embedding(wb.shard_tensor(idx, M2, [R]), table)
     assert not y.requires_grad and not _backward(tr, "embedding")
+
+
+@pytest.mark.parametrize("rx,rw,rb", LINEAR_NEEDS[:5])
+def test_wb_ops_linear_reference_computes_only_the_gradients_asked_for(rx, rw, rb):
+    """wb.ops.linear's hand-written backward runs the GEMMs torch's F.linear runs."""
+    X, W, B = _mk((6, 8), rx, 0), _mk((4, 8), rw, 1), _mk((4,), rb, 2)
+    with wb.ops.use("reference"):
+        y = wb.ops.linear(X, W, B)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        y.sum().backward()
+    ours = sum(e.name == "aten::mm" for e in p.events())
+    assert ours == rx + rw == _torch_gemms(F.linear, *(t.detach().requires_grad_(r) for t, r
+                                                       in ((X, rx), (W, rw), (B, rb))))
+    ref = [t.detach().requires_grad_(r) for t, r in ((X, rx), (W, rw), (B, rb))]
+    F.linear(*ref).sum().backward()
+    for t, r in zip((X, W, B), ref):
+        assert (t.grad is None) == (r.grad is None)
+        if t.grad is not None:
+            torch.testing.assert_close(t.grad, r.grad)
