@@ -411,7 +411,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
         dtype = pricing.pricing_dtype(specs, prep.out_dtypes)
         pricing.record_forward(tr, opdef, mesh, cost, dtype)
         if torch.is_grad_enabled():
-            outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
+            outs = pricing.on_backward(outs, opdef, mesh, cost, dtype,
+                                       pricing.needs_grad(locs))
     # cells of an even layout stacked again; a replicated output computed per rank kept
     # once (under VALIDATE, ranks that computed different copies raise).  Nothing to do
     # where every output is sharded or partial on every mesh dim and the shards are even.
