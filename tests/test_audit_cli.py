@@ -27,3 +27,59 @@ def test_1f1b_step_is_not_longer_than_gpipe_and_agrees_with_the_dry_run():
                  Cluster("a100", 2))
     # the dry run composes the step from measured stages (plan/dryrun.py): within 10%
     assert f1b == pytest.approx(dr.step_time * 1e3, rel=0.1)
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--ep-chunks", "2"], "--ep-chunks 2: the all-to-all it splits runs with expert "
+                           "parallelism only; add --ep 2"),
+    (["--ep-chunks", "0"], "--ep-chunks 0"),
+    (["--schedule", "gpipe"], "--schedule gpipe with --pp 1"),
+    (["--dp", "2", "--schedule", "zb-h1"], "add --pp 2 or leave --schedule out"),
+    (["--dry-run", "--save", "ckpt"], "--save ckpt with --dry-run"),
+    (["--dry-run", "--resume", "ckpt"], "--resume ckpt with --dry-run"),
+    (["--dry-run", "--device", "cuda"], "--device cuda with --dry-run"),
+    (["--dry-run", "--schedule", "gpipe"], "--schedule gpipe with --pp 1")])
+def test_a_flag_the_run_would_ignore_is_refused(flags, msg, capsys):
+    """These ran (exit 0) as if the flag were not there."""
+    assert main(["train", "--preset", "tiny", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("auditcli") / "ckpt")
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--tp", "2", "--save", path]) == 0
+    return path
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--preset", "gpt-tiny"], "'pos_emb.weight' is not in the checkpoint"),
+    (["--preset", "small"], "'tok_emb.weight' has shape (75, 384) here and (75, 64)"),
+    (["--moe-experts", "4"], "'layers.0.mlp.router.weight' is not in the checkpoint"),
+    (["--weight-decay", "0.1"], "saved with --weight-decay 0.01, this one has 0.1")])
+def test_resume_of_another_run_is_refused_naming_the_flag(ckpt, flags, msg, capsys):
+    """Another --preset or --moe-experts ended in a traceback (CheckpointError: 'pass
+    strict=False', which the command has not); another --weight-decay in a ValueError
+    traceback after the model was built."""
+    args = ["train", "--steps", "2", "--resume", ckpt, *flags]
+    assert main(args if "--preset" in flags else args + ["--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {ckpt}: ") and msg in err
+    if "--weight-decay" not in flags:
+        assert "--preset" in err
+
+
+def test_train_resume_of_another_model_names_it(ckpt):
+    with pytest.raises(ValueError, match=r"resume=.*'tok_emb.weight' has shape \(75, 384\)"):
+        train("small", steps=2, timing=False, resume=ckpt)
+
+
+def test_resume_on_another_layout_goes_on_with_the_same_losses(ckpt, capsys):
+    one = [r["loss"] for r in train("tiny", steps=3, seed=0, timing=False)]
+    assert main(["train", "--preset", "tiny", "--steps", "3", "--pp", "2", "--dp", "2",
+                 "--resume", ckpt]) == 0
+    import json
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in got] == [1, 2]
+    assert [r["loss"] for r in got] == pytest.approx(one[1:], rel=1e-5)
