@@ -83,3 +83,21 @@ def test_resume_on_another_layout_goes_on_with_the_same_losses(ckpt, capsys):
     got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["step"] for r in got] == [1, 2]
     assert [r["loss"] for r in got] == pytest.approx(one[1:], rel=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2), dict(tp=2, sp=True),
+                                dict(tp=2, recompute="full")])
+def test_a_steps_activation_bytes_are_the_dry_runs(kw):
+    """The train record's activation_bytes (pp 1) counted a saved tensor whose lead dims a
+    local kernel had flattened ((dp * B, S, h)) as if its first dims were ranks, and the
+    broadcast copies the simulator makes of a weight as activations: dp 2 printed
+    1,564,756 bytes where one rank keeps 2,854,938 (the dry run's, and one device's
+    5,701,636 / 2).  Both now count with plan.meta_run.SavedCounter.  The tp 2 sp dry run
+    crashed (cross-entropy's row offsets on meta, arange on the CPU)."""
+    rc = kw.pop("recompute", "none")
+    cfg = get_config("tiny", recompute=rc)
+    rec = train(cfg, steps=1, seed=0, timing=False, strategy=Hybrid(**kw))[0]
+    dr = dry_run(cfg, Layout(**kw, micro_batch=8 // kw.get("dp", 1), global_batch=8,
+                             recompute=rc),
+                 Cluster("a100", kw.get("dp", 1) * kw.get("tp", 1)))
+    assert rec["activation_bytes"] == dr.memory["activations"]
