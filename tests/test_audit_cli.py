@@ -101,3 +101,16 @@ def test_a_steps_activation_bytes_are_the_dry_runs(kw):
                              recompute=rc),
                  Cluster("a100", kw.get("dp", 1) * kw.get("tp", 1)))
     assert rec["activation_bytes"] == dr.memory["activations"]
+
+
+def test_save_to_a_path_that_cannot_take_a_checkpoint_is_refused_before_training(tmp_path,
+                                                                                capsys):
+    """A file at --save's path: the run trained every step, then ended in FileExistsError."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for path in (f, f / "sub"):
+        assert main(["train", "--preset", "tiny", "--steps", "1", "--save", str(path)]) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.startswith(f"error: --save {path}: ")
+        with pytest.raises(ValueError, match="train.save="):
+            train("tiny", steps=1, timing=False, save=str(path))

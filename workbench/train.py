@@ -129,6 +129,11 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     check = getattr(strategy, "check", None)
     if check is not None:
         check(cfg, batch_size)          # a layout that does not fit: error before anything runs
+    if save is not None:                # not after the last step, with the run's work lost
+        from .checkpoint.training import save_path_problem
+        bad = save_path_problem(save)
+        if bad:
+            raise ValueError(f"train(save={save!r}): {bad}")
     records = []
     # dropout draws from torch's RNG: seed it, and give the caller's state back afterwards
     with ops.use(ops_backend or ops.current_backend()), torch.random.fork_rng(devices=[]):

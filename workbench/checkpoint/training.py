@@ -273,8 +273,10 @@ def check_cli(args, strategy) -> str | None:
     """``train --save / --resume``: what stops the run before it starts, as a message
     (None: nothing)."""
     save_dir, resume_dir = getattr(args, "save", None), getattr(args, "resume", None)
-    if save_dir is None and resume_dir is None:
-        return None
+    if save_dir is not None:
+        bad = save_path_problem(save_dir)
+        if bad:                         # found after the last step, the run would be lost
+            return f"--save {save_dir}: {bad}"
     if resume_dir is None:
         return None
     try:
@@ -308,6 +310,19 @@ def check_cli(args, strategy) -> str | None:
         return (f"--resume {resume_dir}: the checkpoint has run {train['step']} steps already, "
                 f"--steps {steps} is fewer; --steps is the total to reach: give --steps > "
                 f"{train['step']}")
+    return None
+
+
+def save_path_problem(path) -> str | None:
+    """Why a checkpoint cannot be written at ``path`` (a folder made if missing), or None."""
+    import os
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "a file is there, and a checkpoint is a folder; give a folder's path"
+    up = os.path.abspath(path)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+        return f"{up!r} is not a folder this process may write to; give another path"
     return None
 
 
