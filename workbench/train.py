@@ -91,7 +91,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far; a
     mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py).
     The losses are a pure function of the arguments: same seed, same losses.
-    ``recompute`` ("none" | "full" | "selective") and ``overrides`` (e.g. n_layer=4)
+    ``recompute`` ("none" | "full" | "selective" | "op") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
     "unfused", "native", "npu") for the run; ``on_step`` sees each record as it is made.
     ``resume``: a checkpoint directory to continue from (its step up to ``steps``, on any
@@ -213,7 +213,8 @@ def add_train_arguments(parser) -> None:
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
-                   help="activation recompute per block: none | full | selective")
+                   help="activation recompute per block: none | full | selective | op "
+                        "(op: torchtitan's op-level selective checkpointing, a Llama)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda, npu (torch_npu), or auto: the best one found")
     p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],
