@@ -147,8 +147,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
                                     lr, weight_decay)
             if steps < start:           # steps counts from 0, the checkpoint's steps included
                 raise ValueError(f"train(steps={steps}, resume={resume!r}): the checkpoint has "
-                                 f"run {start} steps already; give steps > {start} (the total "
-                                 "to reach, not the steps to add)")
+                                 f"run {start} steps already; give steps >= {start} (the total "
+                                 "to reach, not the steps to add; equal runs no step)")
         for step in range(start, steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each

@@ -308,8 +308,8 @@ def check_cli(args, strategy) -> str | None:
     steps = getattr(args, "steps", None)
     if isinstance(steps, int) and steps < train["step"]:
         return (f"--resume {resume_dir}: the checkpoint has run {train['step']} steps already, "
-                f"--steps {steps} is fewer; --steps is the total to reach: give --steps > "
-                f"{train['step']}")
+                f"--steps {steps} is fewer; --steps is the total to reach: give --steps >= "
+                f"{train['step']} (equal runs no step)")
     return None
 
 
