@@ -135,3 +135,16 @@ def test_split_backward_b_runs_the_dgrad_w_the_wgrad_of_a_linear():
     seq = [e.args["part"] for e in sorted(tz.events, key=lambda e: e.start)
            if 1 in e.ranks and e.name == "linear" and e.args.get("phase") == "backward"]
     assert seq == ["dgrad", "dgrad", "wgrad", "dgrad", "wgrad", "dgrad", "wgrad", "wgrad"]
+
+
+def test_dualpipe_prices_the_work_of_1f1b():
+    """DualPipe runs half the micro-batches through each model copy: over all ranks the
+    same kernels as 1F1B on the same layers and batch."""
+    cfg = get_config("tiny").replace(n_layer=2)
+    l1, t1, _ = _step(cfg, pp=2, microbatches=4)
+    ld, td, _ = _step(cfg, pp=2, microbatches=4, schedule="dualpipe")
+    assert ld == l1
+    a, b = _per_rank(t1), _per_rank(td)
+    tot = [[sum(v[i] for v in d.values()) for i in range(4)] for d in (a, b)]
+    assert tot[1][1:] == tot[0][1:]
+    assert tot[1][0] == pytest.approx(tot[0][0], rel=1e-9)
