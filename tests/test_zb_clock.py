@@ -130,6 +130,11 @@ def test_split_backward_b_runs_the_dgrad_w_the_wgrad_of_a_linear():
     # stage 1's linear: a dgrad (its input is stage 0's output) and a wgrad per micro-batch;
     # stage 0's reads data: its wgrad alone -- under either schedule
     assert parts(t1, 1) == parts(tz, 1) == {"dgrad": 4, "wgrad": 4}
+
+    def work(tr, rank):       # the output gradient read once: by the dgrad, in B
+        return [sum(getattr(e, k) for e in tr.events if rank in e.ranks and e.name == "linear"
+                    and e.args.get("phase") == "backward") for k in ("flops", "bytes")]
+    assert work(tz, 1) == work(t1, 1) and work(tz, 0) == work(t1, 0)
     assert parts(t1, 0) == parts(tz, 0) == {"wgrad": 4}
     # under ZB-H1 each B on stage 1 is one dgrad, each W one wgrad: in the order ran
     seq = [e.args["part"] for e in sorted(tz.events, key=lambda e: e.start)

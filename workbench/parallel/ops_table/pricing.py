@@ -30,6 +30,8 @@ not require grad (the first layer's input) and the weight gradient of a frozen w
 place that says which of an op's backward kernels run for which inputs needing grad; the
 dispatcher records those (:func:`on_backward` with ``needs``) and ``compile.kernels``
 counts the same. The gradient of the output is read once, by the first kernel that runs.
+A split backward (zero-bubble ``B`` and ``W``) prices in each pass only the GEMMs it runs
+(:mod:`.backward_split`), and nothing twice (``sim_mesh.backward_pass``).
 
 A cost that knows its kernel's measured time on a profile (``cost.measured(profile)``:
 the loss, ``loss_pricing.LossCost``) is priced so where the profile measured it.
@@ -288,11 +290,14 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None)
         if tr is None or not whole:
             return
         parts = whole
-        if isinstance(cost, SplitCost) and edges is not None:    # B or W: the GEMMs it runs
+        if in_weight_pass():                  # W walks B's graph again: the rest of it
+            parts = [q for q in whole if q[0] not in done]
+            if done and parts and parts[0] is whole[0] and isinstance(cost, SplitCost):
+                n, f, b, gm = parts[0]        # B's part read the output gradient already
+                parts[0] = (n, f, b - cost.dy_bytes, gm)
+        elif isinstance(cost, SplitCost) and edges is not None:    # B: the GEMMs it runs
             parts = backward_parts(cost, backward_split.running(
                 needs if needs is not None else (True,) * len(edges), edges))
-        if in_weight_pass():                  # W walks B's graph again: B's kernels ran
-            parts = [q for q in parts if q[0] not in done]
         done.update(q[0] for q in parts)
         if not parts:
             return

@@ -9,7 +9,13 @@ every action of the schedule:
   the last stage computes the loss of micro-batch i, scaled by 1/m;
 * ``B``: receive the output gradient from stage s+1 and backpropagate through stage
   s; with a split backward (zero bubble), ``B`` computes only the input gradient
-  and ``W`` later the weight gradients.
+  and ``W`` later the weight gradients.  On the modeled clock B + W is one backward
+  (Qi et al. 2023, sec. 2): ``B`` prices each GEMM's dgrad and every other op's
+  backward, ``W`` only the weight-gradient GEMMs (``ops_table.backward_split``,
+  ``sim_mesh.backward_pass``), though autograd walks the graph again for ``W``.  The
+  first stage has no input gradient: its ``B`` runs nothing and its ``W`` the whole
+  backward (the same kernels, later on that rank).  A gradient sent back is waited
+  for when the receiving rank's backward uses it.
 
 Gradients accumulate over the micro-batches, so after :func:`run_pipeline` every
 parameter holds the gradient of the mean loss: the same as one device running
