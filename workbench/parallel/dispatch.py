@@ -412,7 +412,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
         pricing.record_forward(tr, opdef, mesh, cost, dtype)
         if torch.is_grad_enabled():
             outs = pricing.on_backward(outs, opdef, mesh, cost, dtype,
-                                       pricing.needs_grad(locs))
+                                       pricing.needs_grad(locs), inputs=locs)
     # cells of an even layout stacked again; a replicated output computed per rank kept
     # once (under VALIDATE, ranks that computed different copies raise).  Nothing to do
     # where every output is sharded or partial on every mesh dim and the shards are even.

@@ -57,7 +57,7 @@ def run_data_dependent(entry, inputs, attrs, hooks=(), force=None):
         pricing.record_forward(tr, entry, mesh, cost, dtype)
         if torch.is_grad_enabled():
             outs = pricing.on_backward(outs, entry, mesh, cost, dtype,
-                                       pricing.needs_grad(whole))
+                                       pricing.needs_grad(whole), inputs=whole)
     wrapped = tuple(as_dist(o, mesh) for o in outs)
     for h in hooks:
         h(dec, specs, wrapped, cost)

@@ -16,6 +16,7 @@ import torch
 
 from . import backends as _B
 from . import cost as _cost
+from .backward_pass import in_weight_pass
 from .collectives import record_collective
 from .trace import current_trace
 
@@ -159,6 +160,9 @@ class _BackwardV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if getattr(ctx, "recorded", False) and in_weight_pass():
+            return (None,) + grads       # a split backward's W walking B's graph again
+        ctx.recorded = True
         pending, label = ctx.info
         for g, reverse in pending:
             record_all_to_all_v(reverse, g, label + " (backward)")

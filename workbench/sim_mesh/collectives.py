@@ -31,6 +31,7 @@ import torch
 from . import backends as _B
 from . import cost as _cost
 from . import reduce_scatter_op as _rs
+from .backward_pass import in_weight_pass
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
 from .trace import current_trace
 
@@ -84,6 +85,9 @@ class _BackwardEvent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if getattr(ctx, "recorded", False) and in_weight_pass():
+            return (None,) + grads       # a split backward's W walking B's graph again
+        ctx.recorded = True
         kind, mesh, axis, nbytes, label, groups = ctx.info
         record_collective(kind, mesh, axis, nbytes, label, groups=groups)
         return (None,) + grads

@@ -30,6 +30,8 @@ not require grad (the first layer's input) and the weight gradient of a frozen w
 place that says which of an op's backward kernels run for which inputs needing grad; the
 dispatcher records those (:func:`on_backward` with ``needs``) and ``compile.kernels``
 counts the same. The gradient of the output is read once, by the first kernel that runs.
+A split backward (zero-bubble ``B`` and ``W``) prices in each pass only the GEMMs it runs
+(:mod:`.backward_split`), and nothing twice (``sim_mesh.backward_pass``).
 
 A cost that knows its kernel's measured time on a profile (``cost.measured(profile)``:
 the loss, ``loss_pricing.LossCost``) is priced so where the profile measured it.
@@ -43,8 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from ...sim_mesh import cost as _cost
+from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.trace import current_trace
 from .. import layout, storage
+from . import backward_split
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
@@ -275,14 +279,27 @@ def backward_parts(cost: Cost, needs=None) -> list:
     return parts
 
 
-def _record_backward(name, op_class, ranks, cost, dtype, needs=None):
+def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None):
     launches = 0 if _SINK[-1] else 1          # as when the forward ran
     sunk = {"sunk": True} if not launches else {}
-    parts = backward_parts(cost, needs)
+    whole = backward_parts(cost, needs)
+    done: set = set()                         # parts recorded (a split backward's B)
 
     def record():
         tr = current_trace()
-        if tr is None or not parts:
+        if tr is None or not whole:
+            return
+        parts = whole
+        if in_weight_pass():                  # W walks B's graph again: the rest of it
+            parts = [q for q in whole if q[0] not in done]
+            if done and parts and parts[0] is whole[0] and isinstance(cost, SplitCost):
+                n, f, b, gm = parts[0]        # B's part read the output gradient already
+                parts[0] = (n, f, b - cost.dy_bytes, gm)
+        elif isinstance(cost, SplitCost) and edges is not None:    # B: the GEMMs it runs
+            parts = backward_parts(cost, backward_split.running(
+                needs if needs is not None else (True,) * len(edges), edges))
+        done.update(q[0] for q in parts)
+        if not parts:
             return
         if not isinstance(cost, SplitCost):
             ((_, flops, nbytes, _),) = parts
@@ -310,18 +327,23 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None):
     return record
 
 
-def on_backward(outs, entry, mesh, cost: Cost, dtype, needs=None):
+def on_backward(outs, entry, mesh, cost: Cost, dtype, needs=None, inputs=None):
     """Attach the backward event to the outputs that take part in autograd (one node for
     all of them, so it is recorded once); ``outs`` is a tuple of local data (any form
     :mod:`..storage` holds); ``needs`` which of the op's inputs need their gradient
     (:func:`needs_grad` of the local inputs; None: all), so that only the backward
-    kernels autograd runs are recorded (:func:`backward_parts`)."""
+    kernels autograd runs are recorded (:func:`backward_parts`); ``inputs`` (the local
+    inputs) let a matmul's backward price only the GEMMs a split backward's pass runs
+    (:mod:`.backward_split`)."""
     held = [storage.tensors(o) for o in outs]
     slots = [(j, k, t) for j, ts in enumerate(held) for k, t in enumerate(ts)
              if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
         return outs
-    record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype, needs)
+    edges = backward_split.edges_of(inputs) if (
+        inputs is not None and isinstance(cost, SplitCost)) else None
+    record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype, needs,
+                              edges)
     res = _BackwardCompute.apply(record, *[t for _, _, t in slots])
     for (j, k, _), r in zip(slots, res):
         held[j][k] = r

@@ -9,7 +9,13 @@ every action of the schedule:
   the last stage computes the loss of micro-batch i, scaled by 1/m;
 * ``B``: receive the output gradient from stage s+1 and backpropagate through stage
   s; with a split backward (zero bubble), ``B`` computes only the input gradient
-  and ``W`` later the weight gradients.
+  and ``W`` later the weight gradients.  On the modeled clock B + W is one backward
+  (Qi et al. 2023, sec. 2): ``B`` prices each GEMM's dgrad and every other op's
+  backward, ``W`` only the weight-gradient GEMMs (``ops_table.backward_split``,
+  ``sim_mesh.backward_pass``), though autograd walks the graph again for ``W``.  The
+  first stage has no input gradient: its ``B`` runs nothing and its ``W`` the whole
+  backward (the same kernels, later on that rank).  A gradient sent back is waited
+  for when the receiving rank's backward uses it.
 
 Gradients accumulate over the micro-batches, so after :func:`run_pipeline` every
 parameter holds the gradient of the mean loss: the same as one device running
@@ -19,6 +25,7 @@ the rank really ran, so the trace shows the schedule's bubbles as they happen.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -26,9 +33,11 @@ import torch
 
 from ...sim_mesh import cost as _cost
 from ...sim_mesh import rng
+from ...sim_mesh.backward_pass import weight_pass
 from ...sim_mesh.trace import current_trace, suspend
 from .. import storage
 from ..dist_tensor import DistTensor
+from ..ops_table import backward_split
 from ..reshard import reshard
 from .actions import Action, Schedule
 from .execute_checks import check_even_microbatches, check_sendable, check_weights
@@ -59,10 +68,13 @@ def _detach_leaf(t):
     return t.detach().requires_grad_()
 
 
-def _send(t, dst_mesh, placements, label, ready=None):
+def _send(t, dst_mesh, placements, label, ready=None, handles=None):
     """Move DistTensor t onto dst_mesh; record async sends in the trace.  ``ready``:
     {sender rank: when its data was ready} (default: the sender's clock now, right for
-    a send issued as soon as its data is made)."""
+    a send issued as soon as its data is made).  The receivers wait for the data now,
+    or, given a list ``handles``, when they use it (the caller waits on the handles
+    appended to it: a gradient is used by the receiver's next backward action, which
+    may come after forwards the receiver runs meanwhile)."""
     tr = current_trace()
     with suspend():
         out = reshard(t, dst_mesh, placements)
@@ -75,7 +87,10 @@ def _send(t, dst_mesh, placements, label, ready=None):
             at = tr.now(a) if ready is None else ready[a]
             h = tr.record_send(a, b, "send_recv", dur, ready=at, bytes=nb, label=label,
                                args={"src": a, "dst": b})
-            tr.wait(h)
+            if handles is None:
+                tr.wait(h)
+            else:
+                handles.append(h)
     return out
 
 
@@ -107,6 +122,17 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
             backward and no gradient is touched; ``loss_fn`` may be None, and
             ``PipelineRun.outputs`` holds the last stage's output of each micro-batch.
     """
+    # a split backward: the GEMMs note where their gradients go, so that B and W are
+    # priced with the kernels each runs, B + W one backward (ops_table.backward_split)
+    with backward_split.capture() if schedule.split_backward else contextlib.nullcontext():
+        return _run_pipeline(schedule, stages, meshes, inputs, loss_fn, params=params,
+                             costs=costs, forward_only=forward_only)
+
+
+def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
+                  inputs: Sequence, loss_fn: Callable | None, *, params: Sequence | None = None,
+                  costs: dict | None = None, forward_only: bool = False) -> PipelineRun:
+    """:func:`run_pipeline` under its pricing context."""
     if not isinstance(forward_only, bool):
         raise TypeError(f"run_pipeline(forward_only={forward_only!r}): give True or False")
     if not forward_only and not torch.is_grad_enabled():
@@ -153,6 +179,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
     stage_out: dict = {}         # (stage, mb) -> output of that stage
     grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
     made: dict = {}              # (stage, mb) -> {rank: when its output was ready}
+    arrived: dict = {}           # (stage, mb) -> trace handles of its gradient's sends
     losses = [0.0] * m
     done = []
     last = schedule.stages - 1
@@ -191,16 +218,26 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 g = None
             else:
                 g = grad_in[key] if split_b else grad_in.pop(key)
+                _wait_all(arrived.pop(key, ()))     # the gradient's receive, on first use
             x = stage_in[key]
             needs_input_grad = s > 0
             backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot=slot)
             if needs_input_grad and a.kind == "B":
                 gx = _grad_of(x)
                 dst_mesh = meshes[schedule.placement(s - 1, a.mb)[0]]
-                gx_moved = _send(gx, dst_mesh, gx.placements, f"B{a.mb} stage {s}->{s - 1}")
+                hs = arrived.setdefault((s - 1, a.mb), [])
+                gx_moved = _send(gx, dst_mesh, gx.placements, f"B{a.mb} stage {s}->{s - 1}",
+                                 handles=hs)
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def _wait_all(handles) -> None:
+    tr = current_trace()
+    for h in handles:
+        if tr is not None:
+            tr.wait(h)
 
 
 def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineRun:
@@ -298,13 +335,14 @@ def _backward(out, grad, inputs=None, retain=False, weights=None):
         if g is None:
             g = torch.ones_like(o)
     if inputs is not None:
-        leaves = _leaves(inputs)
-        grads = torch.autograd.grad(o, leaves, g, retain_graph=True, allow_unused=True)
-        for leaf, gr in zip(leaves, grads):
-            if gr is not None:
-                leaf.grad = gr if leaf.grad is None else leaf.grad + gr
+        # (backward, not autograd.grad: the engine then tells the pricing which GEMM
+        # gradients it runs, ops_table.backward_split; it accumulates into .grad alike)
+        leaves = [t for t in _leaves(inputs) if t.requires_grad]
+        if leaves:
+            torch.autograd.backward(o, g, retain_graph=True, inputs=leaves)
         return
     if weights is not None:
-        torch.autograd.backward(o, g, retain_graph=retain, inputs=_leaves(weights))
+        with weight_pass():             # the clock prices only the kernels B left out
+            torch.autograd.backward(o, g, retain_graph=retain, inputs=_leaves(weights))
         return
     torch.autograd.backward(o, g, retain_graph=retain)

@@ -12,6 +12,7 @@ import torch
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
@@ -57,7 +58,9 @@ class _RingPass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         mesh, axis, label, box = ctx.info
-        if current_trace() is not None:
+        if current_trace() is not None and not (getattr(ctx, "recorded", False)
+                                                and in_weight_pass()):   # (W: B's, again)
+            ctx.recorded = True
             box.extend(_record(mesh, axis, sum(storage.rank_bytes(g, mesh.ndim) for g in grads),
                                f"{label}: dK/dV back (backward)"))
         return (None,) + tuple(_shift(g, mesh, axis, -1) for g in grads)

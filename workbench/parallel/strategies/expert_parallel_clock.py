@@ -16,6 +16,7 @@ import torch
 
 from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
+from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.trace import current_trace
 
 __all__ = ["record_layer", "exchange_report"]
@@ -29,7 +30,9 @@ class _RecordBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if current_trace() is not None:
+        if current_trace() is not None and not (getattr(ctx, "recorded", False)
+                                                and in_weight_pass()):   # (W: B's, again)
+            ctx.recorded = True
             ctx.fn()
         return None, g
 

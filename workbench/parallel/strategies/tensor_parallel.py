@@ -35,6 +35,7 @@ from torch import nn
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
+from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.grid import Stacked, ops_for
 from ...sim_mesh.trace import current_trace
 from ..dist_tensor import DistTensor
@@ -86,7 +87,9 @@ class _AsyncGradCollective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        _record_grad_collective(*ctx.info)
+        if not (getattr(ctx, "recorded", False) and in_weight_pass()):   # (W: B's, again)
+            ctx.recorded = True
+            _record_grad_collective(*ctx.info)
         return None, g
 
 

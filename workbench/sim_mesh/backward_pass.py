@@ -1,0 +1,36 @@
+"""The two passes of a split backward, as the modeled clock sees them.
+
+A zero-bubble pipeline schedule (ZB-H1, ZB-V, DualPipe: Qi et al. 2023, "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241) splits a stage's backward into ``B`` (the
+input gradient, which the previous stage waits for) and ``W`` (the weight gradients,
+deferred to fill bubbles).  The simulator's ``W`` walks the stage's autograd graph a
+second time (``torch.autograd.backward(..., inputs=weights)``), so every backward event
+node on the way (an op's backward kernels, a backward collective) runs again.  The
+work it really adds is only the weight-gradient GEMMs that ``B`` left out (Qi et al.
+sec. 2: B + W is one backward), so inside :func:`weight_pass` an event node that was
+already recorded (by ``B``) records nothing more; each recorder keeps its own "done"
+mark (``ops_table.pricing``'s op kernels, ``collectives``' backward communication).
+"""
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["weight_pass", "in_weight_pass"]
+
+_W: list = [False]
+
+
+@contextlib.contextmanager
+def weight_pass():
+    """The ``W`` of a split backward runs inside: backward events ``B`` recorded
+    already are not recorded again (module docstring)."""
+    _W.append(True)
+    try:
+        yield
+    finally:
+        _W.pop()
+
+
+def in_weight_pass() -> bool:
+    """True inside :func:`weight_pass`."""
+    return _W[-1]
