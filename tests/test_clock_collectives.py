@@ -36,6 +36,9 @@ def test_mesh_beats_ring_on_hccs():
     pick = cost.choose("all_reduce", n, range(8), NPU)
     assert pick.algorithm == "mesh" and pick.library == "hccl" and "HCCS" in pick.reason
     assert cost.price("all_reduce", n, range(8), NPU) == mesh
+    assert "all 7 HCCS links" in pick.reason
+    # four NPUs of the server use the three links to their peers, as they are priced above
+    assert "3 of its 7 HCCS links" in cost.choose("all_reduce", n, range(4), NPU).reason
 
 
 @pytest.mark.parametrize("kind, nodes, want", [

@@ -155,6 +155,12 @@ def test_cheapest_path(capsys):
     fails("changes 2 mesh dims", ex.check_cheapest_path, [[P, S(1)], [S(0), R]])
     fails("must start at", ex.check_cheapest_path, [[R, S(1)], [S(0), S(1)], [S(0), R]])
     fails("not understood", ex.check_cheapest_path, [["X"], ["S(0)", "R"]])
+    fails("hops 3 and 4 are the same placements", ex.check_cheapest_path,
+          [[P, S(1)], [S(0), S(1)], [S(0), R], [S(0), R]])
+    # one placement changed, several collectives: S(1) on both mesh dims nests the splits
+    fails(r"hop 1 \[P\(sum\), S\(1\)\] -> \[S\(1\), S\(1\)\] changes one mesh dim's "
+          r"placement yet takes 2 collectives", ex.check_cheapest_path,
+          [[P, S(1)], [S(1), S(1)], [S(0), S(1)], [S(0), R]])
 
 
 def test_allgather_times(capsys):
@@ -177,6 +183,17 @@ def test_allgather_times(capsys):
           t["910b"], cost.price("all_gather", n, range(8), "a100"))
     fails("not one rank's shard", ex.check_allgather_times,
           7 * 3e-6 + 7 / 8 * n / 8 / 28e9, t["a100"])
+    # alpha paid once: under 1% of the 910B's time, still not the ring's answer
+    fails(r"910B time.*each pays alpha", ex.check_allgather_times,
+          3e-6 + 7 / 8 * n / 28e9, t["a100"])
+    fails("alpha is 3 us = 3e-6 s", ex.check_allgather_times, 7 * 3 + 7 / 8 * n / 28e9, t["a100"])
+    fails("no bits", ex.check_allgather_times, t["910b"], 7 * 3e-6 + 7 / 8 * n * 8 / 300e9)
+    fails("NCCL's share of NVLink", ex.check_allgather_times,
+          t["910b"], 7 * 3e-6 + 7 / 8 * n / (300e9 * 0.783))
+    # a right answer rounded to 2 digits (2.1e-3) reads as alpha paid once: the message
+    # says the answer may only be rounded
+    fails(r"if you rounded: give the time unrounded", ex.check_allgather_times,
+          2.1e-3, t["a100"])
 
 
 def test_uneven_receive(capsys):
@@ -186,6 +203,9 @@ def test_uneven_receive(capsys):
     fails("bytes each rank holds", ex.check_uneven_receive, [48, 48, 48, 16])
     fails("own rows times the 3 other ranks", ex.check_uneven_receive, [144, 144, 144, 48])
     fails("its rows are \\[3, 3, 3, 1\\]", ex.check_uneven_receive, [1, 2, 3, 4])
+    fails("wrong order", ex.check_uneven_receive, [144, 112, 112, 112])
+    fails("bits", ex.check_uneven_receive, [896, 896, 896, 1152])
+    fails("4 ranks, your list has 3", ex.check_uneven_receive, [112, 112, 112])
 
 
 def test_unit_slips_are_named_and_a_percentage_only_for_a_share():

@@ -57,3 +57,9 @@ def test_parallelize_errors():
         wb.parallelize(nn.Linear(2, 2), mesh, {"fc9": "colwise"})
     with pytest.raises(ValueError, match="colwise/rowwise apply"):
         wb.parallelize(nn.Sequential(nn.LayerNorm(4)), mesh, {"0": "colwise"})
+    # an int key (nn.Sequential's index) gets the fix, not "object of type 'int' has no len()"
+    lin = nn.Sequential(nn.Linear(2, 2))
+    before = lin[0].weight.detach().clone()
+    with pytest.raises(TypeError, match=r"plan key 0 \(int\).*as strings, e.g. '0'"):
+        wb.parallelize(lin, mesh, {0: "colwise"})
+    assert not isinstance(lin[0].weight, wb.DistTensor) and torch.equal(lin[0].weight, before)

@@ -219,9 +219,8 @@ def test_tensor_parallel_path_refuses_reduce_dtype():
     m = tp_model()
     wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel()})
     wb.parallelize(m, mesh)
-    with pytest.raises(NotImplementedError, match="mixed precision"):
-        wb.fully_shard(m, mesh=mesh["dp"], mp_policy=wb.MixedPrecisionPolicy(reduce_dtype=F32))
-    assert not isinstance(m, wb.FSDPModule)
+    # (fully_shard's reduce_dtype over DistTensors is built on simulated ranks:
+    # tests/test_audit_tp_fsdp.py)
     with pytest.raises(NotImplementedError, match="reduce_dtype=torch.float32"):
         wb.FullyShardedDataParallel(m, mesh, dim="dp", reduce_dtype=F32)
 

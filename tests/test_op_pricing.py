@@ -70,8 +70,8 @@ def test_backward_compute_recorded_when_the_gradient_passes():
     """A linear's backward is its dgrad then its wgrad, two kernels after the forward:
     together the op's backward FLOPs and bytes, each priced on its own roofline."""
     X, W = torch.randn(6, 8), torch.randn(4, 8)
-    x = wb.shard_tensor(X, M2, [R])
-    w = wb.shard_tensor(W, M2, [S(0)]).requires_grad_()
+    x = wb.shard_tensor(X, M2, [R]).requires_grad_()   # (data that needs no gradient
+    w = wb.shard_tensor(W, M2, [S(0)]).requires_grad_()  # has no dgrad: test_backward_needs)
     with wb.trace() as tr:
         y = torch.relu(F.linear(x, w))
         assert not compute(tr, "linear", "backward")
@@ -128,7 +128,8 @@ def test_gemms_on_the_trace_carry_their_tile_and_wave_quantization():
     data): forward, dgrad and wgrad priced with their output shapes, as plan.layer_cost
     prices the same GEMMs (cost.gemm_efficiency)."""
     T, K, N = 8192, 6144, 3072 * 2                 # tp 2 splits N: 3072 columns per rank
-    x = wb.shard_tensor(torch.empty(T, K, device="meta", dtype=torch.bfloat16), M2, [R])
+    x = wb.shard_tensor(torch.empty(T, K, device="meta", dtype=torch.bfloat16), M2,
+                        [R]).requires_grad_()      # an activation: its dgrad runs
     w = wb.shard_tensor(torch.empty(N, K, device="meta", dtype=torch.bfloat16), M2,
                         [S(0)]).requires_grad_()
     with wb.trace(profile="a100") as tr:

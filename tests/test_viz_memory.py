@@ -68,6 +68,26 @@ def test_widget_redraws_in_place_and_explains_errors():
     assert set(PARTS) <= set(w.rows["stage 0 (first)"])
 
 
+def test_sp_is_greyed_out_where_it_changes_nothing():
+    """At TP = 1 sequence parallelism changes nothing (the layout drops it): its box is
+    disabled, and enabled again after.  The schedule stays enabled at PP = 1: there it is
+    the order of gradient accumulation, and GPipe's holds every micro-batch."""
+    pytest.importorskip("ipywidgets")
+    w = memory_widget(GPT3, 1024, "ascend-910b", tp=8, pp=16)
+    c = w.controls
+    c["sp"].value = True
+    assert not c["sp"].disabled and " sp " in w.message
+    c["tp"].value = 1
+    assert c["sp"].disabled and " sp " not in w.message            # the layout has no SP
+    c["tp"].value = 8
+    assert not c["sp"].disabled and " sp " in w.message
+    c["pp"].value = 1
+    one_f_one_b = w.rows["stage 0 (only)"]["activations"]
+    c["schedule"].value = "gpipe"
+    assert not c["schedule"].disabled
+    assert w.rows["stage 0 (only)"]["activations"] == pytest.approx(w.layout().m * one_f_one_b)
+
+
 def test_limit_label_stays_inside_the_figure():
     """The device-memory label sits beside its line inside the plot, never past its right
     edge (where the figure clips it), whether the bars end left of the limit or right."""

@@ -210,6 +210,55 @@ def test_legend_stays_below_the_time_axis(v, memory):
     assert legend.y0 >= 0 and legend.y1 <= axis.y0, (legend, axis)
 
 
+@pytest.mark.parametrize("sched", [one_f_one_b(4, 8), interleaved_1f1b(4, 8, 2),
+                                   interleaved_1f1b(4, 8, 4), zb_h1(4, 16)])
+def test_each_label_fits_inside_its_block(sched):
+    """A micro-batch number is written only where it fits in its block: at v = 4 the
+    numbers ran into each other (one block narrower than a digit)."""
+    r = simulate(sched, f=1 / sched.v, b=1 / sched.v, w=1 / sched.v)
+    fig = V.draw_pipeline(r, dpi=80)
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    labels = artists(fig, "labels")
+    blocks = [(t, t + d, rk) for t, d, rk in zip(r.blocks.start.tolist(),
+                                                r.blocks.duration.tolist(), r.blocks.rank.tolist())]
+    for label in labels:
+        x, y = label.get_position()
+        t0, t1, _ = next(b for b in blocks if b[2] == y and b[0] < x < b[1])
+        left, right = ax.transData.transform([(t0, y), (t1, y)])[:, 0]
+        box = label.get_window_extent()
+        assert left <= box.x0 and box.x1 <= right, (label.get_text(), t0, t1)
+    if sched.v == 4:                       # 0.25 units a block over 26 units: no room
+        assert len(labels) < len(blocks)
+    else:                                  # room for every number
+        assert len(labels) == len(blocks)
+
+
+def test_memory_panel_counts_chunks_where_a_rank_holds_several():
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(4, 8, 2)))
+    axm = fig.axes[1]
+    assert axm.get_ylabel() == "chunks\nin flight"
+    assert any(t.get_text() == " peak 11 chunks = 5.5 micro-batches" for t in axm.texts)
+    assert all(float(y).is_integer() for y in axm.get_yticks())      # a count
+    fig = V.draw_pipeline(simulate(one_f_one_b(4, 8)))
+    assert fig.axes[1].get_ylabel() == "activations\nin flight"
+    assert any(t.get_text() == " peak 4" for t in fig.axes[1].texts)
+
+
+def test_explorer_gives_every_schedule_the_same_work():
+    """Interleaved chunks cost 1/v of a stage: the explorer's time axes compare (its
+    interleaved step was v times the work of 1F1B's, drawn twice as long)."""
+    pytest.importorskip("ipywidgets")
+    w = V.pipeline_widget(p=4, m=8, v=2, schedule="1F1B")
+    busy = w.result.busy
+    w.controls["schedule"].value = "Interleaved 1F1B"
+    assert w.result.busy == busy == (24.0,) * 4                     # m (f + b + w) per rank
+    ref = simulate(interleaved_1f1b(4, 8, 2), f=0.5, b=0.5, w=0.5)
+    assert w.result.makespan == ref.makespan == 28.5 < simulate(one_f_one_b(4, 8), w=1.0).makespan
+    w.controls["v"].value = 4
+    assert w.result.busy == busy
+
+
 def test_large_schedule_draws_without_labels():
     r = simulate(one_f_one_b(64, 1024))
     fig = V.draw_pipeline(r)

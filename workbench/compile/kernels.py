@@ -2,10 +2,13 @@
 them out: one function for both, so the search's estimate and ``prog.step()`` count the
 same kernels and launches.
 
-Forward: one kernel, one launch.  Backward (an op the backward runs through): one kernel
-and one launch, or two of each for a two-operand matmul whose cost the op table splits
-into its dgrad and wgrad GEMMs (``ops_table/pricing.py``'s :class:`SplitCost`, recorded
-as two kernels by ``pricing._record_backward``).  Each kernel's time is the roofline
+Forward: one kernel, one launch.  Backward (an op the backward runs through): the
+kernels ``pricing.backward_parts`` says autograd runs for the inputs that require grad
+(the dispatcher records the same): one kernel and one launch, or for a two-operand
+matmul whose cost the op table splits (``ops_table/pricing.py``'s :class:`SplitCost`)
+its dgrad and wgrad GEMMs, two of each, the dgrad left out when the first input does
+not require grad (the graph's data), the wgrad when the second does not (a frozen
+weight).  Each kernel's time is the roofline
 time of its FLOPs and bytes (``pricing._time``, the dispatcher's) without the launch; the
 launches are priced apart (``profiles.launch_overhead``, as ``schedule.replay`` records
 them).
@@ -35,8 +38,10 @@ class Kernels:
     backward: "tuple | None"     # the same for the backward; None: none (or not run)
 
     def time(self, profile) -> float:
-        """Kernels plus launches, as ``schedule.replay`` records them (launch: float32's)."""
-        lt = launch_time(profile)
+        """Kernels plus launches, as ``schedule.replay`` records them (each launch on the
+        kernels' dtype's path, as the dispatcher prices it: float64 on ascend-910b's AI
+        CPU, profile ``slow_paths``)."""
+        lt = launch_time(profile, self.dtype)
         return sum(k + n * lt for k, n in (self.forward or (0.0, 0), self.backward or (0.0, 0)))
 
 
@@ -62,9 +67,10 @@ def op_kernels(graph, mesh, profile, node, specs, cand, backward: bool) -> Kerne
     if cost.flops or cost.bytes:
         t = pricing._time(cost.flops, cost.bytes, profile, dtype, entry.op_class, launches=1)
         fwd = (max(t - lt, 0.0), 1)
-    if backward and (cost.backward_flops or cost.backward_bytes):
-        t = pricing._time(cost.backward_flops, cost.backward_bytes, profile, dtype,
-                          entry.op_class, launches=1)
-        two = entry.op_class == "matmul" and isinstance(cost, pricing.SplitCost)
-        bwd = (max(t - lt, 0.0), 2 if two else 1)
+    needs = tuple(vid is not None and graph.values[vid].requires_grad for vid in node.inputs)
+    parts = pricing.backward_parts(cost, needs) if backward else []
+    if parts:
+        t = pricing._time(sum(p[1] for p in parts), sum(p[2] for p in parts), profile,
+                          dtype, entry.op_class, launches=1)
+        bwd = (max(t - lt, 0.0), len(parts))
     return Kernels(cost, dtype, fwd, bwd)

@@ -56,6 +56,7 @@ class Item:
     uid: int = -1               # stable number (after / before name compute items by it)
     kernels: int = 0            # compute: kernels it runs (launched one by one, or sunk)
     members: tuple = ()         # grad comm: the (node, input position, mesh dim) it reduces
+    dtype: object = torch.float32   # compute: the dtype whose path prices its launches
 
 
 @dataclass
@@ -152,7 +153,7 @@ def build_schedule(prog) -> Schedule:
         if kn.forward:
             kern, nl = kn.forward
             items.append(Item("compute", n.name, "forward", kernel=kern, launches=nl,
-                              op_class=entry.op_class, kernels=nl))
+                              op_class=entry.op_class, kernels=nl, dtype=kn.dtype))
             fwd_of[n.nid] = len(items) - 1
         else:
             fwd_of[n.nid] = made.get(next((v for v in n.inputs if v is not None), -1), -1)
@@ -183,7 +184,7 @@ def build_schedule(prog) -> Schedule:
         if kn.backward:
             kern, nl = kn.backward
             items.append(Item("compute", n.name, "backward", kernel=kern, launches=nl,
-                              op_class=entry.op_class, kernels=nl))
+                              op_class=entry.op_class, kernels=nl, dtype=kn.dtype))
         st = c.strategy
         diverge = [i for i in range(mesh.ndim)
                    if any(not ps[i].is_replicate() for ps in st.outputs)]
@@ -256,7 +257,7 @@ def replay(schedule: Schedule) -> StepReport:
             if it.kind == "compute":
                 for h in waits.pop(it.uid, ()):
                     tr.wait(h)
-                lt = it.launches * _launch(prof, dt)
+                lt = it.launches * _launch(prof, it.dtype)   # its dtype's path (as run)
                 launch_total += lt
                 kernels += it.kernels
                 tr.record_compute(ranks, it.name, it.kernel + lt, label=it.phase,

@@ -25,7 +25,7 @@ import torch
 from ..parallel import layout as _layout
 from ..parallel.dist_tensor import TensorSpec, from_local, shard_tensor
 from ..parallel.explain import explain
-from ..parallel.module import dist_parameters, parallelize
+from ..parallel.module import STYLES, dist_parameters, parallelize
 from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..parallel.validate_inputs import partial_slot
 from ..parallel.rules import RULES, combine, infer
@@ -51,26 +51,47 @@ def _fmt(ps) -> str:
 
 # ---- 04 SPMD propagation: Megatron's MLP plan --------------------------------------------------
 
-_MLP_HINTS = {
-    "relu": "relu is not linear: it cannot act on partial sums, so the planner reduces them "
-            "first. A rowwise layer makes partial sums; put the colwise layer first: its "
-            "output is split by features, and relu acts on each shard alone",
-    "linear": "the second layer wants its input's features whole (a colwise layer splits "
-              "only its output features), so the hidden activations are gathered. Make it "
-              "rowwise: it splits its input features exactly as the first layer split its "
-              "outputs, and each rank's partial sum needs nothing from the others",
-}
+def _mlp_hint(op: str, params: dict, hidden: int) -> str | None:
+    """What the placements of the student's plan did wrong when ``op`` inserted a
+    collective (nn.Linear stores its weight as (out_features, in_features))."""
+    w0, w2 = params["0.weight"].placements[0], params["2.weight"].placements[0]
+    if op == "relu":
+        if w0.is_shard(1):
+            return ("layer 0's weight [S(1)] splits its input features (nn.Linear's weight is "
+                    "(out_features, in_features)), so each rank's output is a partial sum over "
+                    "its share of the inputs. relu is not linear: it cannot act on partial "
+                    "sums, so the planner reduces them first. Split layer 0's output features "
+                    "instead: its output is then split by features, and relu acts on each "
+                    "shard alone")
+        return ("relu is not linear: it cannot act on partial sums, so the planner reduces "
+                "them first. Split layer 0's output features (dim 0 of its (out_features, "
+                "in_features) weight): relu then acts on each shard alone")
+    if op == "linear" and w2.is_shard(0):
+        return (f"layer 2's weight [S(0)] splits its output features, so each rank needs "
+                f"all {hidden} input features of the rows it computes, and the hidden "
+                "activations, split by features, must move. Split its input features instead (dim 1 of its (out_features, "
+                "in_features) weight), exactly as layer 0 split its outputs: each rank's "
+                "partial sum then needs nothing from the others")
+    return None
 
 
 @exercise
 def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
-                   profile: str = "ascend-910b") -> None:
+                   profile: str = "ascend-910b", styles: bool = False) -> None:
     """A ``parallelize`` plan for nn.Sequential(Linear(d, hidden), ReLU(), Linear(hidden, d))
-    on ``tp`` ranks that shards both weights and needs no forward communication."""
+    on ``tp`` ranks that shards both weights and needs no forward communication, given
+    with placements per parameter (``styles``: style names such as 'colwise' allowed too;
+    notebook 04's section 5 shows the plan with them, so its exercise asks placements)."""
     from torch import nn
     if not isinstance(plan, dict):
-        raise CheckError(f"plan should be a dict from module names to styles, e.g. "
-                         f"{{'0': 'colwise'}}; got {type(plan).__name__}")
+        raise CheckError(f"plan should be a dict from parameter names to placements, e.g. "
+                         f"{{'0.weight': ['S(0)']}}; got {type(plan).__name__}")
+    named = {k: v for k, v in plan.items() if isinstance(v, str) and v in STYLES}
+    if named and not styles:
+        raise CheckError(f"your plan names styles ({named}): section 5 already wrote the plan "
+                         "that way. Give placements, one entry per parameter, e.g. "
+                         "{'0.weight': ['S(?)'], ...}: which dim of each (out_features, "
+                         "in_features) weight does each layer split?")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
@@ -87,14 +108,14 @@ def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
         if all(p.is_replicate() for p in w.placements):
             raise CheckError(f"layer {layer}'s weight is replicated {_fmt(w.placements)}: every "
                              f"rank stores all {w.numel()} values and nothing is split. Give "
-                             f"layer {layer} 'colwise' or 'rowwise'")
+                             f"'{layer}.weight' a Shard placement")
     table = explain(model, shard_tensor(X, mesh, [R]), profile=profile)
     for i, row in enumerate(table.rows):
         if row.collectives:
             colls = ", ".join(f"{k} on {dim}" for k, dim in row.collectives)
             raise CheckError(f"with your plan {row.op} (layer {i}) inserts {colls} "
                              f"({row.bytes:,d} B per rank) in the forward: "
-                             + _MLP_HINTS.get(row.op, row.reason))
+                             + (_mlp_hint(row.op, params, hidden) or row.reason))
     y = table.result
     if not torch.allclose(y.full(), ref(X), rtol=1e-5, atol=1e-5):
         raise CheckError("no communication, but the output differs from one device's: "
@@ -357,7 +378,11 @@ def _best_makespan(p: int, m: int, memory_limit: int) -> float:
 @exercise
 def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2) -> None:
     """A hand-written schedule for p ranks and m micro-batches that runs, holds at most
-    ``memory_limit`` micro-batch activations on every rank, and is as fast as possible."""
+    ``memory_limit`` micro-batch activations on every rank, and is as fast as possible.
+
+    A schedule that runs but holds too much or is slow gets its timeline (f = b = 1) in
+    the message, to show where it idles or piles up."""
+    from ..viz.pipeline import render_text
     if not isinstance(schedule, Schedule):
         raise CheckError(f"give a Schedule, got {type(schedule).__name__}: build it with "
                          "wb.schedules.Schedule.from_text(['F0 F1 ...', ...]), one row per rank")
@@ -371,19 +396,20 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
         validate(schedule)
     except ScheduleError as e:
         raise CheckError(f"your schedule cannot run: {e}") from None
+    w = 1.0 if schedule.split_backward else None
+    got = simulate(schedule, w=w)
+    timeline = "\n" + render_text(got).split("\n", 1)[1] + "\n"   # the rows and the bubble
     try:
         validate(schedule, memory_limit=memory_limit)
     except ScheduleError as e:
-        raise CheckError(f"your schedule runs, but holds too much: {e}") from None
-    w = 1.0 if schedule.split_backward else None
-    got = simulate(schedule, w=w)
+        raise CheckError(f"your schedule runs, but holds too much:{timeline}{e}") from None
     best = _best_makespan(p, m, memory_limit)
     ref = simulate(one_f_one_b(p, m))
     if got.makespan > best + 1e-9:
         raise CheckError(f"your schedule runs and fits in memory, but takes {got.makespan:g} "
-                         f"time units (bubble {got.bubble_fraction:.0%}); a faster one exists "
-                         f"within {memory_limit} activations: start each backward as soon as "
-                         "its gradient can arrive, and let later ranks run ahead",
+                         f"time units (bubble {got.bubble_fraction:.0%}):{timeline}a faster one "
+                         f"exists within {memory_limit} activations: start each backward as "
+                         "soon as its gradient can arrive, and let later ranks run ahead",
                          expected=f"{best:g} time units")
     _ok(f"{got.makespan:g} time units, bubble {got.bubble_fraction:.2%}, at most "
         f"{max(got.peak_inflight)} activations per rank (1F1B: {ref.makespan:g} units, "
@@ -418,7 +444,12 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
             raise CheckError(f"{name}: m={got} is not a multiple of p={p}; interleaved 1F1B "
                              "needs one (Megatron-LM's rule, and the generator's)")
         frac = simulate(build(got)).bubble_fraction
-        if frac < target:
+        if frac < target and name != "1F1B" and got == next(
+                k for k in range(p, 10_000, p) if (p - 1) / (k + p - 1) < target):
+            hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but that m is "
+                    f"the one plain 1F1B needs: with v={v} chunks the pipeline fills and drains "
+                    f"v times faster, so the share of the step is {formula}")
+        elif frac < target:
             hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but a smaller m "
                     "also is" + (": did you use (p-1)/m, the bubble over the ideal time? The "
                                  f"share of the step is {formula}" if got > want else ""))
@@ -429,7 +460,8 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
         raise CheckError(f"{name}: your m is {got}: {hint}", expected=f"{name} m={want}")
     _ok(f"1F1B needs m={want_a} ({(p - 1) / (want_a + p - 1):.2%}); interleaved with v={v} "
         f"m={want_b} ({(p - 1) / (v * want_b + p - 1):.2%}): {want_a / want_b:.1f}x fewer "
-        "micro-batches per step, for v times more messages")
+        f"micro-batches per step, each crossing pv-1 = {p * v - 1} stage boundaries each way "
+        f"instead of p-1 = {p - 1}")
 
 
 # ---- 07 pipelines: the zero-bubble saving --------------------------------------------------------

@@ -52,11 +52,14 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
+        # only the gradients autograd asks for, as aten's linear / addmm backward (each
+        # GEMM guarded by its input's mask): no dgrad for data, no wgrad for a frozen weight
         x, weight = ctx.saved_tensors
-        dx = dy @ weight                                # (..., in)
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = dy @ weight if need_x else None            # (..., in)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        dweight = dy2.transpose(0, 1) @ x2              # (out, in): sum over every row
-        dbias = dy2.sum(0) if ctx.has_bias else None
+        dweight = dy2.transpose(0, 1) @ x2 if need_w else None  # (out, in): every row's sum
+        dbias = dy2.sum(0) if ctx.has_bias and need_b else None
         return dx, dweight, dbias
 
 

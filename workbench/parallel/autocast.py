@@ -15,7 +15,8 @@ autocast wrapper does before it calls the kernel:
 
 * ``lower``: floating tensors other than float64 cast to ``torch.get_autocast_dtype``;
 * ``fp32``: floating tensors other than float64 cast to float32;
-* ``promote``: floating tensors cast to the widest floating dtype among them;
+* ``promote``: floating tensors other than float64 cast to float32 if one of them is,
+  else to the autocast dtype (another lower-precision dtype raises, as torch's);
 * ``off``: ``torch.convolution``, ``mv``, ``addmv`` (not on torch's lists; ours call a
   listed convolution or ``matmul``) run with autocast off.
 
@@ -39,7 +40,7 @@ __all__ = ["POLICY", "cast_args", "policy_for"]
 # by op-table name, or the torch function's name for compositions (habits.COMPOSED)
 _LOWER = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linear", "matmul",
           "scaled_dot_product_attention", "addmm", "baddbmm", "addbmm")
-_FP32 = ("prod", "polar", "view_as_complex", "cross_entropy", "mse_loss", "l1_loss",
+_FP32 = ("prod", "polar", "view_as_complex", "trace", "cross_entropy", "mse_loss", "l1_loss",
          "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "binary_cross_entropy",
          "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss",
          "cosine_embedding_loss", "hinge_embedding_loss", "poisson_nll_loss",
@@ -94,6 +95,27 @@ def _eligible(x) -> bool:
     return isinstance(x, (DistTensor, torch.Tensor)) and x.dtype.is_floating_point
 
 
+def _promote_type(args, kwargs):
+    """The dtype torch's ``promote`` policy casts to (``autocast_mode.h``,
+    ``prioritize``): it starts at the autocast dtype, ignores float64 inputs (left as they
+    are; the op's own type promotion follows), takes float32 if any input is float32, and
+    raises for another lower-precision dtype (a float16 under bfloat16 autocast)."""
+    lower = torch.get_autocast_dtype("cpu")
+    cur = lower
+    for x in _tensors(args, kwargs):
+        if not _eligible(x) or x.dtype == torch.float64:
+            continue
+        if cur == torch.float32 or x.dtype == torch.float32:
+            cur = torch.float32
+        elif x.dtype != lower:
+            raise RuntimeError(
+                f"cat() / stack() under torch.autocast('cpu', dtype={lower}): an input is "
+                f"{x.dtype}, which torch's promote policy refuses (torch raises 'Unexpected "
+                "floating ScalarType in at::autocast::prioritize'); cast it to "
+                f"{lower} or torch.float32 first")
+    return cur
+
+
 def cast_args(kind: str, args, kwargs):
     """``args`` and ``kwargs`` with torch's autocast cast applied (tensors in a list or
     tuple argument too, as ``cat``'s)."""
@@ -103,13 +125,8 @@ def cast_args(kind: str, args, kwargs):
     elif kind == "fp32":
         want = lambda x: torch.float32 if x.dtype != torch.float64 else None   # noqa: E731
     else:
-        dts = [x.dtype for x in _tensors(args, kwargs) if _eligible(x)]
-        if not dts:
-            return args, kwargs
-        widest = dts[0]
-        for d in dts[1:]:
-            widest = torch.promote_types(widest, d)
-        want = lambda x: widest   # noqa: E731
+        widest = _promote_type(args, kwargs)
+        want = lambda x: widest if x.dtype != torch.float64 else None   # noqa: E731
 
     def one(x):
         if _eligible(x):

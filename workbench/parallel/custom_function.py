@@ -151,6 +151,8 @@ class _Bridge(torch.autograd.Function):
                 grads.append(_output_grad(tm, gflat[k:k + n], ctx.materialize_grads))
             elif kind == "t":
                 grads.append(gflat[k])
+            else:                       # a non-tensor output: None, as torch passes
+                grads.append(None)
         user = cls.vjp if cls.vjp is not _BASE.vjp else cls.backward
         ctx._bctx = bctx
         try:

@@ -129,6 +129,24 @@ def _device(gs):
     return None
 
 
+def _expandable(shape, to) -> bool:
+    """Whether ``shape`` broadcasts to ``to`` (torch's ``is_expandable_to``)."""
+    if len(shape) > len(to):
+        return False
+    return all(s == t or s == 1 for s, t in zip(shape[::-1], to[::-1]))
+
+
+def _sum_to(g, shape):
+    """A gradient of the shape its input broadcasts to, summed to the input's shape, as
+    torch's engine does (``validate_outputs``: ``sum_to``): leading dims away, size-1 dims
+    kept."""
+    lead = g.dim() - len(shape)
+    if lead:
+        g = g.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, (s, t) in enumerate(zip(shape, g.shape)) if s == 1 and t != 1)
+    return g.sum(dim=dims, keepdim=True) if dims else g
+
+
 def input_grad(cls, k, tm, g):
     """The local gradients of one DistTensor input from the gradient ``g`` the user's
     backward returned for it (a DistTensor or a tensor of the global shape)."""
@@ -139,9 +157,11 @@ def input_grad(cls, k, tm, g):
         raise TypeError(f"function {cls.__name__}Backward returned a {type(g).__name__} as "
                         f"the gradient at index {k}; expected a DistTensor, a tensor or None")
     if tuple(g.shape) != tuple(shape):
-        raise RuntimeError(f"Function {cls.__name__}Backward returned an invalid gradient at "
-                           f"index {k} - got {list(g.shape)} but expected shape compatible "
-                           f"with {list(shape)}")
+        if not _expandable(tuple(shape), tuple(g.shape)):
+            raise RuntimeError(f"Function {cls.__name__}Backward returned an invalid gradient "
+                               f"at index {k} - got {list(g.shape)} but expected shape "
+                               f"compatible with {list(shape)}")
+        g = _sum_to(g, tuple(shape))
     holds_own = storage.holds_own(mesh)
     target = []
     for i, p in enumerate(ps):

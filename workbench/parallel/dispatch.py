@@ -164,6 +164,12 @@ def common_mesh(name: str, inputs):
 def _writes(func, args, kwargs):
     """Torch functions that write into a DistTensor (:mod:`.inplace`)."""
     from . import inplace
+    if torch.is_autocast_enabled("cpu"):
+        # torch.autocast casts out-of-place ops only: "In-place variants and calls that
+        # explicitly supply an out=... Tensor ... won't go through autocasting" (torch.amp
+        # docs); the out-of-place op computing the write must not be cast either
+        with torch.autocast("cpu", enabled=False):
+            return _writes(func, args, kwargs)
     if isinstance(kwargs.get("out"), DistTensor):
         return inplace.out_call(func, args, kwargs)
     if kwargs.get("out") is not None:
@@ -405,7 +411,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
         dtype = pricing.pricing_dtype(specs, prep.out_dtypes)
         pricing.record_forward(tr, opdef, mesh, cost, dtype)
         if torch.is_grad_enabled():
-            outs = pricing.on_backward(outs, opdef, mesh, cost, dtype)
+            outs = pricing.on_backward(outs, opdef, mesh, cost, dtype,
+                                       pricing.needs_grad(locs))
     # cells of an even layout stacked again; a replicated output computed per rank kept
     # once (under VALIDATE, ranks that computed different copies raise).  Nothing to do
     # where every output is sharded or partial on every mesh dim and the shards are even.

@@ -56,7 +56,8 @@ def run_data_dependent(entry, inputs, attrs, hooks=(), force=None):
         dtype = pricing.pricing_dtype(specs, [o.dtype for o in outs])
         pricing.record_forward(tr, entry, mesh, cost, dtype)
         if torch.is_grad_enabled():
-            outs = pricing.on_backward(outs, entry, mesh, cost, dtype)
+            outs = pricing.on_backward(outs, entry, mesh, cost, dtype,
+                                       pricing.needs_grad(whole))
     wrapped = tuple(as_dist(o, mesh) for o in outs)
     for h in hooks:
         h(dec, specs, wrapped, cost)

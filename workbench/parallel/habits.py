@@ -310,6 +310,8 @@ def install(cls) -> None:
     cls.__index__ = lambda self: _one(self, "index").__index__()
     cls.__format__ = _format
     cls.__iter__ = _iter
+    from .dcp_interop import install as _dcp
+    _dcp(cls)                   # torch.distributed.checkpoint: refused, naming the fix
     cls.__array__ = _array
     cls.item = _item
     cls.tolist = lambda self: self.full().tolist()

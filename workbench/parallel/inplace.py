@@ -234,6 +234,9 @@ def _view_inplace(x, op, args, kwargs):
 
 def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
     """``x.op(*args, **kwargs)`` for an in-place method name ``op`` (ending in ``_``)."""
+    if torch.is_autocast_enabled("cpu"):     # in-place ops are not autocast (torch.amp
+        with torch.autocast("cpu", enabled=False):     # docs; dispatch._writes)
+            return method(x, op, args, kwargs)
     from .dispatch import dispatch
     from .rules import NoRuleError
     kwargs = dict(kwargs or {})

@@ -65,6 +65,14 @@ def _versions(value):
     return tuple((id(t), t._version) for t in ts)
 
 
+def _same(a, b) -> bool:
+    """Whether two copies hold the same values (bitwise on the full tensors: NaN too)."""
+    from .dist_tensor import DistTensor
+    a, b = (x.full() if isinstance(x, DistTensor) else x for x in (a, b))
+    return a.shape == b.shape and a.dtype == b.dtype and \
+        torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def _rewatch(value) -> None:
     w = _WATCH.get(value)
     if w is not None:
@@ -85,12 +93,31 @@ def flush(release: bool = True) -> None:
     written = [(v, w) for v, w in list(_WATCH.items()) if _versions(v) != w[0]]
     # every staleness decided before any write-back (tied weights: two copies, one source)
     stale = [v for v, w in written if w[1]._version != w[2]]
-    for v in stale:
+    # two written copies of one source (two state_dict() calls): each holds the whole
+    # tensor, so writing both back would keep the last one's values only, where torch
+    # (whose values are views of one parameter) keeps every write; equal copies are one
+    clash = []
+    by_source: dict = {}
+    for v, w in written:
+        if w[1]._version == w[2]:
+            by_source.setdefault(id(w[1]), []).append(v)
+    for vs in by_source.values():
+        if any(not _same(vs[0], x) for x in vs[1:]):
+            clash += vs
+    for v in stale + clash:
         del _WATCH[v]                   # told once: the write is not applied
-    if not stale:
+    if not stale and not clash:
         for v, _ in written:
             _write_back(v)
     del held, written
+    if clash and not stale:
+        raise RuntimeError(
+            f"two state_dict() values of one parameter (shape {tuple(clash[0].shape)}) were "
+            "both written, with different values: on simulated ranks "
+            "FullyShardedDataParallel's and Zero3's state_dict() values are gathered copies, "
+            "not views of one parameter as torch's, so writing both back would keep only "
+            "the last one's; the writes were not applied.  Write into one state_dict()'s "
+            "values, or load full tensors with load_state_dict")
     if stale:
         raise RuntimeError(
             f"a state_dict() value (shape {tuple(stale[0].shape)}) was written after the "

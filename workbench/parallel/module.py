@@ -54,6 +54,9 @@ def _style_placements(style: str, mod: nn.Module, pname: str, mesh_dim: int, ndi
 
 def _check_plan_value(key, val) -> None:
     """A style name, or placements such as ``["R", "S(0)"]``: a clear error otherwise."""
+    if not isinstance(key, str):
+        raise TypeError(f"plan key {key!r} ({type(key).__name__}): keys are module or "
+                        f"parameter names as strings, e.g. {str(key)!r} or '0.weight'")
     if isinstance(val, str) and val in STYLES:
         return
     try:

@@ -87,10 +87,15 @@ def _without_dist(mods):
     """The DistTensors out of ``mods``' ``_parameters`` for the block (torch's module code
     sees only tensors), put back after it, even on error; yields what was taken out."""
     held = _hidden(mods)
+    _HIDING[0] += 1
     try:
         yield held
     finally:
+        _HIDING[0] -= 1
         _restore(held)
+
+
+_HIDING = [0]       # >0 inside _without_dist: the modules are not whole (nothing built)
 
 
 def _unique(held):
@@ -109,6 +114,16 @@ def _shards(m) -> dict:
     return m.__dict__.get("_wb_shards", {})
 
 
+def _params_or_shards(m):
+    """``m``'s (name, parameter) pairs, a parameter held in ``fully_shard``'s shards as
+    its shard (``wb.FullyShardedDataParallel(module, ...)``'s module keeps its templates:
+    ``fsdp.parameters()`` gives the shards there, as the wrapper's own)."""
+    sh = _shards(m)
+    if not sh or not m.__dict__.get("_wb_fully_shard_params"):
+        return m._parameters.items()
+    return [(k, sh.get(k, v)) for k, v in m._parameters.items()]
+
+
 class ParallelModule:
     """Mixed into the class of a module that ``parallelize`` sharded."""
 
@@ -121,6 +136,31 @@ class ParallelModule:
             self.__dict__.setdefault("_wb_dist_params", {})[name] = value
             return
         super().__setattr__(name, value)
+
+    # ---- state_dict: DCP reads it (DistTensors as full tensors, loaded back in place) ---
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        sd = super().state_dict(*args, destination=destination, prefix=prefix,
+                                keep_vars=keep_vars)
+        if args or destination is not None:     # a sub-module's part of a parent's dict
+            return sd
+        from .dcp_interop import as_stateful
+        return as_stateful(sd)
+
+    # ---- named_parameters: a parameter moved into FSDP's flat shards is its shard -------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """torch's walk, except that a parameter ``fully_shard`` (its DistTensor mode)
+        moved into flat shards is given as its shard (what the optimizer steps and the
+        forward gathers), not the DistTensor left behind as its template (its value at
+        wrapping): a sub-module of a ``fully_shard``-ed model answers as FSDP2's, whose
+        parameters are the sharded DTensors on every module.  Under a ``fully_shard`` root
+        over DistTensors not built yet, the sharded state is built first, as the root's own
+        ``parameters()`` does (:mod:`.strategies.fully_shard_tp`)."""
+        if not _HIDING[0]:          # torch's own walk with the DistTensors hidden: not now
+            from .strategies.fully_shard_tp import build_above
+            build_above(self)
+        return self._named_members(_params_or_shards, prefix=prefix, recurse=recurse,
+                                   remove_duplicate=remove_duplicate)
 
     # ---- .to(dtype), .double(), .half(), .float(), .cpu(): each local shard as torch would
     def _apply(self, fn, recurse=True):
@@ -207,7 +247,9 @@ def _convert(dt: DistTensor, fn) -> None:
         if id(t) in new:
             continue
         out = fn(t)
-        if out is not t and t.is_leaf:
+        # torch's Module._apply sets .data only where the types allow it (meta -> cpu by
+        # to_empty does not): a new leaf then, as torch's new Parameter
+        if out is not t and t.is_leaf and torch._has_compatible_shallow_copy_type(t, out):
             # the same leaf converted in place, as torch's Module._apply sets param.data:
             # an optimizer over the local leaves (DDP's replicas) still holds it
             grad = t.grad

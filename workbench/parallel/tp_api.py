@@ -9,6 +9,7 @@ from torch import nn
 
 from ..sim_mesh.mesh import Mesh
 from . import storage
+from .module_state import adopt
 from .tp_from_torch import from_torch_style, is_torch_style
 from .tp_styles import ParallelStyle
 
@@ -108,4 +109,5 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
             todo.append((style, mod))
     for style, mod in todo:
         style._apply(mod, device_mesh, md)
+    adopt(module)           # the root's own habits too (its state_dict() read by DCP...)
     return module

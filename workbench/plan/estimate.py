@@ -317,7 +317,8 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
         if not async_allreduce and lay.tp > 1:
             raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
                              f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
-                             f"async_tensor_model_parallel_allreduce=False is not modeled there")
+                             f"async_tensor_model_parallel_allreduce=False is not modeled there: "
+                             f"leave it None, or use tp=1")
         return EC.layer_cost(cfg, lay, prof, attention, fp8)
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1)

@@ -19,7 +19,7 @@ the backward all-reduce (or SP reduce-scatter) of a column-parallel layer's inpu
 gradient runs beside its weight-gradient GEMM, and SP's re-gathering of that
 layer's input runs beside its input-gradient GEMM.  ``async_allreduce=False``: the
 layer as Megatron-LM ran it before ``--async-tensor-model-parallel-allreduce``
-(NVIDIA/Megatron-LM 16c90445e7, merged 2021-09-07; not in 50a4b5fa02 nor de7dc40f88,
+(NVIDIA/Megatron-LM 16c90445e7, merged 2021-09-02; not in 50a4b5fa02 nor de7dc40f88,
 Narayanan et al.'s code) and as Megatron-DeepSpeed runs it (microsoft acc3e9b5 of
 2021-11-12, bigscience 497aa1bf of 2022-03-11): ``ColumnParallelLinear`` passes its
 input through ``copy_to_tensor_model_parallel_region``, whose backward all-reduces the
@@ -268,11 +268,6 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
-    if not async_allreduce and kv_heads is not None:
-        raise ValueError("layer_times: async_allreduce=False (Megatron-LM of 2021) is "
-                         "modeled for Megatron's GPT layer; a Llama block (kv_heads given) "
-                         "is priced as Megatron-LM runs it since 2022: give "
-                         "async_allreduce=True")
     if attention not in ("materialized", "flash"):
         raise ValueError(f"layer_times: attention={attention!r}; use 'materialized' "
                          f"(Megatron's unfused core) or 'flash'")
@@ -319,7 +314,8 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
                          "'none', 'selective' or 'full'")
     if kv_heads is not None:
         fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
-        bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute)
+        bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
+                                  async_allreduce)
     else:
         fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
         bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce)

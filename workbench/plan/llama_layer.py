@@ -134,9 +134,12 @@ def forward_ops(h, a, g, s, b, t, sp, f, e, drop):
     return ops
 
 
-def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute):
+def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True):
     """Backward kernels and collectives in execution order (a collective's fourth field
-    names the GEMM it runs beside); selective recompute re-runs the attention kernel."""
+    names the GEMM it runs beside); selective recompute re-runs the attention kernel.
+    ``async_allreduce=False``: a column-parallel group's input-gradient all-reduce after
+    its GEMMs, on the critical path, as ``layer_cost``'s GPT layer (Megatron-DeepSpeed
+    under DeepSpeed: ``plan.megatron_2021``)."""
     T, Tn, ah, gh, d, ft = _dims(h, a, g, s, b, t, sp, f)
     hq, hk = ah * d, gh * d
 
@@ -164,7 +167,7 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute):
     def column(n, dgrad_name, wgrad_name):
         comm = [("sp_regather_" + n, "all_gather", T * h * e, dgrad_name)] if sp else []
         return comm + [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
-                        wgrad_name)]
+                        wgrad_name if sp or async_allreduce else "")]
 
     ff, fb, bf, bb = _flash(b, ah, gh, s, d, e)
     ops = branch_out("mlp") + linear("w2", T, ft, h)

@@ -7,10 +7,15 @@ code of Narayanan et al. SC'21 (50a4b5fa02, 2021-04-08, and its scripts de7dc40f
 (microsoft/Megatron-DeepSpeed acc3e9b5 of 2021-11-12, MT-NLG's time;
 bigscience-workshop/Megatron-DeepSpeed 497aa1bf of 2022-03-11, BLOOM's): neither has the
 commits below (``git merge-base --is-ancestor``; the Megatron-DeepSpeed ``mpu/layers.py``
-of both still call ``copy_to_tensor_model_parallel_region``).
+of both still call ``copy_to_tensor_model_parallel_region``).  Nor does Megatron-DeepSpeed
+later, under DeepSpeed (its Llama included): microsoft f4157bea (2024-12-24)
+``megatron/arguments.py`` sets ``async_tensor_model_parallel_allreduce = False`` when
+``args.deepspeed`` ("DeepSpeed seems to be incompatible"), and the fused accumulation in
+``megatron/core/tensor_parallel/layers.py`` is commented out.
 
-- ``async_tensor_model_parallel_allreduce`` (Megatron-LM 16c90445e7, 2021-09-02, merged
-  into main 2021-09-07; on by default, ``--no-async-tensor-model-parallel-allreduce``): the
+- ``async_tensor_model_parallel_allreduce`` (Megatron-LM 16c90445e7, 2021-09-02, on by
+  default from 3f65246911 the same day, ``--no-async-tensor-model-parallel-allreduce``;
+  both merged into main 2021-09-02, 6e1bde1e0f): the
   backward all-reduce of a column-parallel layer's input gradient runs beside its
   weight-gradient GEMM.  Before it, ``ColumnParallelLinear.forward`` passes its input
   through ``copy_to_tensor_model_parallel_region`` (``mpu/mappings.py``), whose backward
@@ -19,7 +24,9 @@ of both still call ``copy_to_tensor_model_parallel_region``).
   layer and micro-batch (``layer_cost``'s ``async_allreduce=False``).
 - ``gradient_accumulation_fusion`` (Megatron-LM 83b1e42f30, 2022-02-13, merged 2022-02-22;
   on by default, ``--no-gradient-accumulation-fusion``): the weight-gradient GEMM adds into
-  ``main_grad`` itself.  Before it, the GEMM writes a new 16-bit gradient and another
+  ``main_grad`` itself (an fp32 one only until 07916bf245, 2022-09-27: before it
+  ``megatron/arguments.py`` turned the fusion off unless gradients accumulate in fp32, as
+  at 2e90a342f5, so fp16 runs of that code accumulate as below).  Before it, the GEMM writes a new 16-bit gradient and another
   kernel adds it, one per parameter tensor (a GPT layer's 12):
 
   - with Megatron's contiguous gradient buffers (``--use-contiguous-buffers-in-ddp``, forced
@@ -56,9 +63,12 @@ _NAMES = ("async_tensor_model_parallel_allreduce", "gradient_accumulation_fusion
 
 def resolve(lay, async_tp, fusion) -> tuple[bool, bool]:
     """(async TP all-reduce, gradient accumulation fusion) that ``lay``'s framework runs:
-    Megatron-LM's arguments as given (None: on, its default since 2021-09 / 2022-02);
+    Megatron-LM's arguments as given (None: on, its default since 2021-09 / 2022-02, for
+    fp16 gradients since 2022-09);
     DeepSpeed's pipeline engine (Megatron-DeepSpeed): neither; other frameworks price their
-    gradients themselves, and the two arguments, Megatron-LM's, must be left None."""
+    gradients themselves (fusion: no term here), and the two arguments, Megatron-LM's, must
+    be left None; DeepSpeed at pp = 1 and tp > 1 runs Megatron-DeepSpeed's layer without the
+    async all-reduce."""
     given = dict(zip(_NAMES, (async_tp, fusion)))
     for name, v in given.items():
         if v is not None and not isinstance(v, bool):
@@ -77,7 +87,11 @@ def resolve(lay, async_tp, fusion) -> tuple[bool, bool]:
             raise ValueError(f"{set_[0]}={given[set_[0]]!r} is a Megatron-LM argument; "
                              f"framework={lay.engine!r} prices its own gradient handling: "
                              f"leave it None, or use framework='megatron'")
-        return True, True
+        # DeepSpeed without a pipeline still runs Megatron-DeepSpeed's layers when tp > 1,
+        # whose arguments turn the async all-reduce off whenever DeepSpeed runs them
+        # (microsoft/Megatron-DeepSpeed f4157bea, megatron/arguments.py: "if
+        # args.deepspeed: args.async_tensor_model_parallel_allreduce = False")
+        return not (lay.engine.startswith("deepspeed") and lay.tp > 1), True
     return (True if async_tp is None else async_tp, True if fusion is None else fusion)
 
 

@@ -177,9 +177,17 @@ def _prepare(h) -> int:
     return h._copy0_optimizers              # counted twice
 
 
+def _per_process(h) -> bool:
+    """Under torch.distributed, does a process hold only a part of the model's gradients
+    (one stage's, its tensor-parallel shard, or under ZeRO its dp chunk)?  Then the clip
+    is :mod:`.pipeline_clip_dist`'s scalar all-reduce; torch's norm over the process's own
+    gradients (the simulated path) would be a part's, and raises."""
+    return h.distributed and (h.pp > 1 or h.tp > 1 or bool(h.zero))
+
+
 def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite=False,
                       foreach=None) -> torch.Tensor:
-    if h.distributed and h.pp > 1:          # each process holds one stage's gradients
+    if _per_process(h):                     # each process holds its part of the gradients
         from .pipeline_clip_dist import clip_norm_dist
         max_norm, p = _norm_args(max_norm, norm_type)
         return clip_norm_dist(h, optimizers, max_norm, p, error_if_nonfinite)
@@ -190,7 +198,7 @@ def clip_hybrid_norm_(h, optimizers, max_norm, norm_type=2.0, error_if_nonfinite
 
 def clip_hybrid_value_(h, optimizers, clip_value, foreach=None) -> None:
     _check_value(clip_value)
-    if h.distributed and h.pp > 1:
+    if _per_process(h):
         from .pipeline_clip_dist import clip_value_dist
         return clip_value_dist(h, optimizers, clip_value)
     _prepare(h)

@@ -1,5 +1,8 @@
 """``Hybrid.clip_grad_norm_`` / ``clip_grad_value_`` over a pipeline on torch.distributed.
 
+Also without a pipeline, wherever a process holds a part of the gradients (``tp > 1``,
+or ZeRO's dp chunks): :func:`~workbench.recipes.pipeline_clip._per_process`.
+
 The same clip as :mod:`workbench.recipes.pipeline_clip` (one total norm over every
 stage, every gradient scaled by one coefficient), when each process is one rank of one
 stage and holds only its stage's gradients (its tensor-parallel shard of them).
@@ -58,7 +61,7 @@ def _check_kinds(h, optimizers, fn: str) -> list:
             what = f"a {type(o).__name__} on {o.mesh}" if hasattr(o, "mesh") else \
                 f"a {type(o).__name__}"
             raise NotImplementedError(
-                f"Hybrid.{fn} with pp > 1 under torch.distributed: built for the stage "
+                f"Hybrid.{fn} under torch.distributed: built for the stage "
                 "optimizers Hybrid.build_optimizer gives (DataParallel or Zero3 on the "
                 f"stage meshes, no expert parallelism); got {what}; clip on simulated "
                 "ranks")

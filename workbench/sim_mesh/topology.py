@@ -395,7 +395,9 @@ def _candidates(kind: str, g: Group, profile: Profile):
     if g.nodes == 1:
         if fabric == "full_mesh":
             links = profile.topology.intra_links
-            return ("mesh",), (f"HCCL inside a server: Mesh over all {links} HCCS links "
+            used = (f"all {links} HCCS links" if g.p - 1 >= links else
+                    f"{g.p - 1} of its {links} HCCS links (one per peer)")
+            return ("mesh",), (f"HCCL inside a server: Mesh, each NPU sending on {used} "
                                f"at once (level0, fixed by the hardware) ({where})")
         return ("ring",), f"HCCL inside a switched node: ring ({where})"
     if g.local == 1 or not g.even:

@@ -154,6 +154,8 @@ class MemoryExplorer:
 
     The bars are an image widget replaced in place on every change; the text below says
     the layout, the busiest rank and whether it fits, or why a choice is not a layout.
+    Sequence parallelism is greyed out at TP = 1.  (The schedule still matters at
+    PP = 1: it is the order of gradient accumulation, GPipe holding every micro-batch.)
     Where no widget front end runs (nbval, nbconvert) its display data carries a PNG."""
 
     def __init__(self, model, devices=1024, profile="a100", global_batch=1536, tp=8, pp=16,
@@ -217,6 +219,8 @@ class MemoryExplorer:
     def redraw(self) -> None:
         """Read the controls, ask the planner for each stage's bytes, replace the image."""
         limit, usable = self.cluster.memory_bytes, self.cluster.profile.usable_memory()
+        # greyed out where it changes nothing: SP splits over the TP group (the layout drops it)
+        self.controls["sp"].disabled = self.controls["tp"].value == 1
         try:
             lay = self.layout()
             self.rows = stage_rows(self.model, lay, profile=self.cluster.profile)

@@ -40,6 +40,9 @@ KIND_COLORS = {"F": "#3a78b5",     # forward
 BUBBLE_COLOR = "#f3c6c6"           # idle time
 FONT = {"family": "DejaVu Sans", "size": 9}
 MAX_LABELS = 400          # above this many blocks, micro-batch numbers are not written
+AXES_WIDTH_IN = 10 * (0.9 - 0.08)   # the Gantt axes' width: figure width x (right - left)
+LABEL_CHAR_IN = 7 * 0.64 / 72       # a digit at 7 pt: DejaVu Sans digits are 0.64 em wide
+LABEL_PAD_IN = 0.03                 # white space a label keeps inside its block
 
 
 class PipelineFigure(Figure):
@@ -126,8 +129,11 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
                                      edgecolors="white" if len(bl) <= 2000 else "none"),
                       autolim=False)
     if len(bl) <= max_labels:
+        inch = AXES_WIDTH_IN / (res.makespan or 1.0)          # inches per time unit
         for r, t, d, mb, c in zip(bl.rank.tolist(), bl.start.tolist(), bl.duration.tolist(),
                                   bl.mb.tolist(), bl.chunk.tolist()):
+            if d * inch < LABEL_CHAR_IN * len(str(mb)) + LABEL_PAD_IN:
+                continue                # too narrow: the numbers would run into each other
             ax.text(t + d / 2, r, str(mb), ha="center", va="center", fontsize=7,
                     color="white" if c == 0 else "black", gid="labels")
 
@@ -153,7 +159,7 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     extra = 0.2 * (-(-len(handles) // ncols) - 1)
     inches = height + (2.2 if memory else 0) + extra
     fig.set_size_inches(10, inches)
-    fig.subplots_adjust(left=0.08, right=0.9, top=1 - 0.45 / inches,
+    fig.subplots_adjust(left=0.08, right=0.9, top=1 - 0.45 / inches,       # AXES_WIDTH_IN
                         bottom=((0.85 if memory else 0.75) + extra) / inches)
     return fig
 
@@ -172,9 +178,13 @@ def _rects(rank, start, duration, h) -> Path:
 
 
 def _draw_memory(ax, res: SimulationResult, row_label: str = "rank") -> None:
-    """Step lines of activations in flight, one per rank (fixed colours from viridis)."""
+    """Step lines of activations in flight, one per rank (fixed colours from viridis).
+
+    Counted in model chunks where a rank holds v > 1 of them (interleaved): the peak
+    is then also given in micro-batches' worth, a chunk holding 1/v of a stage's layers."""
     from matplotlib import colormaps
-    p = res.schedule.p
+    from matplotlib.ticker import MaxNLocator
+    p, v = res.schedule.p, res.schedule.v
     cmap = colormaps["viridis"]
     for r, (times, counts) in enumerate(res.memory):
         t = np.append(times, res.makespan)
@@ -183,9 +193,11 @@ def _draw_memory(ax, res: SimulationResult, row_label: str = "rank") -> None:
                 label=f"{row_label} {r}" if p <= 8 else None, gid=f"memory-{r}")
     peak = max(res.peak_inflight)
     ax.axhline(peak, color="#555555", linestyle="--", linewidth=0.8, gid="peak")
-    ax.text(0.0, peak, f" peak {peak}", va="bottom", ha="left", **FONT)
+    label = f" peak {peak}" if v == 1 else f" peak {peak} chunks = {peak / v:.3g} micro-batches"
+    ax.text(0.0, peak, label, va="bottom", ha="left", **FONT)
     ax.set_ylim(0, peak * 1.25 + 0.5)
-    ax.set_ylabel("activations\nin flight", **FONT)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))       # a count: whole numbers
+    ax.set_ylabel("activations\nin flight" if v == 1 else "chunks\nin flight", **FONT)
     if p <= 8:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, prop=FONT)
 
@@ -264,7 +276,7 @@ class PipelineExplorer:
     page does not jump); the line of text below it gives the measured bubble beside
     its formula, or what is wrong when a choice cannot be built (printed once: the
     live figure carries no caption).  The v slider is enabled only for the schedule
-    that uses it.  Displayed where no widget front end runs (nbval, nbconvert, a
+    that uses it; its chunks cost 1/v of a stage's f, b, w each (the same work).  Displayed where no widget front end runs (nbval, nbconvert, a
     static viewer) its display data also carries a PNG of the current figure, with
     the caption drawn in.
     """
@@ -309,7 +321,9 @@ class PipelineExplorer:
         self.controls["v"].disabled = c["schedule"] not in self.USES_V
         try:
             sched = SCHEDULES[c["schedule"]](c["p"], c["m"], c["v"])
-            self.result = simulate(sched, **self.costs)
+            # a chunk holds 1/v of a stage's layers: the same work under every schedule
+            self.result = simulate(sched, **{k: None if x is None else x / sched.v
+                                              for k, x in self.costs.items()})
             self.figure = draw_pipeline(self.result, dpi=self.dpi, caption=False)
             self.message = bubble_caption(self.result)    # measured beside the formula
         except ValueError as err:          # e.g. interleaved with m % p != 0: say how to fix
@@ -334,6 +348,8 @@ def pipeline_widget(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1F1B",
                     f=1.0, b=1.0, w=1.0) -> PipelineExplorer:
     """An explorer of :data:`~workbench.parallel.schedules.SCHEDULES` (needs ipywidgets).
 
-    ``v`` applies to interleaved 1F1B only.  Costs are per action: with ``w`` given,
-    every backward is drawn as B then W, so 1F1B and ZB-H1 compare like for like."""
+    ``v`` applies to interleaved 1F1B only.  Costs are per stage and micro-batch; a chunk
+    of interleaved 1F1B costs 1/v of them, so that every schedule does the same work and
+    their time axes compare.  With ``w`` given, every backward is drawn as B then W, so
+    1F1B and ZB-H1 compare like for like."""
     return PipelineExplorer(p=p, m=m, v=v, schedule=schedule, f=f, b=b, w=w)

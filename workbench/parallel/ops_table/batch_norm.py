@@ -212,14 +212,18 @@ def _torch_parse(input, weight, bias, running_mean, running_var, training, momen
 
 def channel_norm_cost(per_element: int):
     """``per_element`` FLOPs per element; backward 2 x, saving x and a float32 mean and
-    rstd per (plane or channel)."""
+    rstd per (plane or channel); per-input terms (``costs.norm_terms``): the weight's and
+    bias's gradients, and the running statistics' (never computed)."""
     def cost(ins, outs, **_):
         x = ins[0]
         stats = 2 * 4 * (x.shape[1] if x.dim() > 1 else 1)
         fwd = sum(costs.nbytes(t) for t in ins if isinstance(t, torch.Tensor)) + \
             costs.nbytes(outs[0])
-        return costs.Cost(per_element * x.numel(), fwd, 2 * per_element * x.numel(),
-                          costs.backward_bytes(ins, outs, costs.nbytes(x) + stats))
+        n, k = x.numel(), len(ins)          # (x, [running mean, running var,] w, b)
+        shares = {k - 2: 2 * n, k - 1: n, **({1: 0, 2: 0} if k == 5 else {})}
+        return costs.TermsCost(per_element * n, fwd, 2 * per_element * n,
+                               costs.backward_bytes(ins, outs, costs.nbytes(x) + stats),
+                               terms=costs.norm_terms(ins, 2 * per_element * n, shares))
     return cost
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Cost", "nbytes", "elementwise", "reduction", "movement", "view", "contraction",
+__all__ = ["Cost", "TermsCost", "norm_terms", "nbytes", "elementwise", "reduction", "movement", "view", "contraction",
            "einsum_flops", "from_ops", "backward_bytes"]
 
 
@@ -40,6 +40,34 @@ class Cost:
     @classmethod
     def zero(cls) -> "Cost":
         return cls(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class TermsCost(Cost):
+    """A :class:`Cost` whose backward has per-input terms: ``terms`` is a tuple of
+    ``(input index, backward FLOPs, backward bytes)``, the share of the backward that
+    autograd runs only when that input needs its gradient (``ctx.needs_input_grad``,
+    aten's ``output_mask``); the rest runs whenever the backward does
+    (``pricing.backward_parts``)."""
+    terms: tuple = ()
+
+
+def norm_terms(ins, flops: int, shares: dict) -> tuple:
+    """:class:`TermsCost` terms of a norm's backward of ``flops``: ``shares`` maps an
+    input's index to the FLOPs of its own gradient (a weight's sum(dy * x_hat) over the
+    rows is 2 an element, a bias's sum(dy) 1, a running statistic's 0: never
+    differentiated); the input ``ins[0]``'s gradient is the rest. Each term writes its
+    gradient (a floating input's bytes); aten's norm backwards take an ``output_mask``
+    (``native_layer_norm_backward``, ``native_batch_norm_backward``,
+    ``native_group_norm_backward``) and ``wb.ops.rms_norm`` checks ``needs_input_grad``."""
+    terms, rest = [], flops
+    for i, f in shares.items():
+        p = ins[i] if i < len(ins) else None
+        if isinstance(p, torch.Tensor):
+            terms.append((i, f, nbytes(p) if p.dtype.is_floating_point else 0))
+            rest -= f
+    x = ins[0]
+    return ((0, rest, nbytes(x) if x.dtype.is_floating_point else 0), *terms)
 
 
 def _tensors(xs):

@@ -174,9 +174,18 @@ def _layer_norm_cost(ins, outs, normalized_shape, **_):
     x = ins[0]
     rows = x.numel() // max(1, math.prod(normalized_shape))
     saved = sum(costs.nbytes(t) for t in ins if t is not None) + 2 * rows * 4
-    return costs.Cost(7 * x.numel(), sum(costs.nbytes(t) for t in ins if t is not None) +
-                      costs.nbytes(outs[0]), 14 * x.numel(),
-                      costs.backward_bytes(ins, outs, saved))
+    n = x.numel()
+    return costs.TermsCost(7 * n, sum(costs.nbytes(t) for t in ins if t is not None) +
+                           costs.nbytes(outs[0]), 14 * n,
+                           costs.backward_bytes(ins, outs, saved),
+                           terms=costs.norm_terms(ins, 14 * n, {1: 2 * n, 2: n}))
+
+
+def _rms_norm_cost(ins, outs, **attrs):
+    c = _RMS_OPS_COST(ins, outs, **attrs)
+    return costs.TermsCost(c.flops, c.bytes, c.backward_flops, c.backward_bytes,
+                           terms=costs.norm_terms(ins, c.backward_flops,
+                                                  {1: 2 * ins[0].numel()}))
 
 
 def _rms_cost_args(ins, outs, normalized_shape, eps=None, **_):
@@ -186,12 +195,13 @@ def _rms_cost_args(ins, outs, normalized_shape, eps=None, **_):
     return (x, w), {}
 
 
+_RMS_OPS_COST = costs.from_ops("rms_norm", _rms_cost_args)
 register("layer_norm", [F.layer_norm, torch.layer_norm], parse=_layer_norm_parse,
          rule=layer_norm_rule, local=_layer_norm_local, cost=_layer_norm_cost, op_class="norm",
          sample=lambda g: [Sample(F.layer_norm, (g.rn(3, 5, 6), (6,), g.rn(6), g.rn(6)))])
 register("rms_norm", [getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)],
          parse=_rms_norm_parse, rule=rms_norm_rule, local=_rms_norm_local,
-         cost=costs.from_ops("rms_norm", _rms_cost_args), op_class="norm",
+         cost=_rms_norm_cost, op_class="norm",
          sample=lambda g: [Sample(F.rms_norm, (g.rn(3, 5, 6), (6,), g.rn(6), 1e-6))])
 
 try:                                   # the fused op lives in workbench.ops (optional here)

@@ -22,6 +22,15 @@ that a collective on the input gradient can run beside it (:func:`wgrad_overlap`
 Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
 ``strategies.tensor_parallel``).
 
+Autograd computes only the gradients that are needed (``ctx.needs_input_grad``; aten's
+``linear``/``addmm``/``mm`` backward formulas are each guarded by their input's mask,
+``convolution_backward`` takes an ``output_mask``): the input gradient of data that does
+not require grad (the first layer's input) and the weight gradient of a frozen weight
+(``requires_grad=False``, ``detach()``) are never run. :func:`backward_parts` is the one
+place that says which of an op's backward kernels run for which inputs needing grad; the
+dispatcher records those (:func:`on_backward` with ``needs``) and ``compile.kernels``
+counts the same. The gradient of the output is read once, by the first kernel that runs.
+
 A cost that knows its kernel's measured time on a profile (``cost.measured(profile)``:
 the loss, ``loss_pricing.LossCost``) is priced so where the profile measured it.
 """
@@ -39,7 +48,7 @@ from .. import layout, storage
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
-           "wgrad_overlap", "graph_sink"]
+           "wgrad_overlap", "graph_sink", "backward_parts", "needs_grad"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,12 @@ class SplitCost(Cost):
     gemm: "tuple | None" = None
     dgrad_gemm: "tuple | None" = None
     wgrad_gemm: "tuple | None" = None
+    # the output gradient's bytes (read by the dgrad, or by the first kernel that runs),
+    # and a bias's gradient (third input: the sum of dC over its rows, one FLOP per
+    # element of C; its bytes written), part of the wgrad's share
+    dy_bytes: int = 0
+    bias_flops: int = 0
+    bias_bytes: int = 0
 
     @property
     def wgrad_flops(self) -> int:
@@ -77,12 +92,18 @@ def _split(entry, cost: Cost, ins, outs) -> Cost:
     d_bytes = nbytes(outs[0]) + nbytes(b) + (nbytes(a) if a.dtype.is_floating_point else 0)
     if not (0 <= d_flops <= cost.backward_flops and 0 <= d_bytes <= cost.backward_bytes):
         return cost                  # not the shape of a GEMM's backward: one event
+    bias = ins[2] if len(ins) > 2 and isinstance(ins[2], torch.Tensor) else None
+    extra = dict(dy_bytes=nbytes(outs[0]),
+                 bias_flops=outs[0].numel() if bias is not None else 0,
+                 bias_bytes=nbytes(bias) if bias is not None and bias.dtype.is_floating_point
+                 else 0)
     if entry.name not in _GEMMS:     # an einsum need not be a GEMM: no shapes
         return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
-                         d_flops, d_bytes)
+                         d_flops, d_bytes, **extra)
     fold = b.dim() == 2              # a 2-d right operand (a weight): cuBLAS runs one GEMM
     return SplitCost(cost.flops, cost.bytes, cost.backward_flops, cost.backward_bytes,
-                     d_flops, d_bytes, _gemm(outs[0], fold), _gemm(a, fold), _gemm(b, fold))
+                     d_flops, d_bytes, _gemm(outs[0], fold), _gemm(a, fold), _gemm(b, fold),
+                     **extra)
 
 
 # the table's ops that run as cuBLAS GEMMs on (batched) matrices, A @ B or x @ W^T
@@ -214,51 +235,93 @@ def wgrad_overlap(tr, ranks) -> "float | None":
     return max(seen[r][0] for r in ranks)
 
 
-def _record_backward(name, op_class, ranks, cost, dtype):
+def needs_grad(inputs) -> tuple:
+    """Per input of an op (local data in any form :mod:`..storage` holds, or a non-tensor):
+    whether autograd will compute its gradient (it requires grad when the op runs)."""
+    return tuple(isinstance(x, (torch.Tensor, storage.Cells)) and storage.requires_grad(x)
+                 for x in inputs)
+
+
+def backward_parts(cost: Cost, needs=None) -> list:
+    """The backward kernels that run, as ``(part, flops, bytes, gemm)``: ``part`` None for
+    an op priced as one backward kernel (less the per-input terms of a
+    :class:`~.costs.TermsCost` whose input needs no gradient: a norm's frozen weight),
+    else "dgrad" (the first input's gradient),
+    "wgrad" (the second's, with a bias's sum when the bias needs its gradient) or "bias"
+    (a bias's sum alone: its weight frozen). ``needs`` (:func:`needs_grad`) says which
+    inputs need their gradient; None: all of them. A split matmul's parts partition its
+    backward when every input needs its gradient (:class:`SplitCost`); a part that does
+    not run is dropped, and the output gradient is read by the first part that runs."""
+    if not (cost.backward_flops or cost.backward_bytes):
+        return []
+    def need(i):
+        return needs is None or (i < len(needs) and bool(needs[i]))
+    if not isinstance(cost, SplitCost):
+        skip = [t for t in getattr(cost, "terms", ()) if not need(t[0])]
+        return [(None, cost.backward_flops - sum(t[1] for t in skip),
+                 cost.backward_bytes - sum(t[2] for t in skip), None)]
+    parts, dy = [], cost.dy_bytes
+    if need(0):
+        parts.append(("dgrad", cost.dgrad_flops, cost.dgrad_bytes, cost.dgrad_gemm))
+        dy = 0                                    # counted in the dgrad's bytes
+    bias = need(2) and bool(cost.bias_flops or cost.bias_bytes)
+    if need(1):
+        parts.append(("wgrad",
+                      cost.wgrad_flops - (0 if bias else cost.bias_flops),
+                      cost.wgrad_bytes - (0 if bias else cost.bias_bytes) + dy,
+                      cost.wgrad_gemm))
+    elif bias:
+        parts.append(("bias", cost.bias_flops, cost.bias_bytes + dy, None))
+    return parts
+
+
+def _record_backward(name, op_class, ranks, cost, dtype, needs=None):
     launches = 0 if _SINK[-1] else 1          # as when the forward ran
     sunk = {"sunk": True} if not launches else {}
+    parts = backward_parts(cost, needs)
 
     def record():
         tr = current_trace()
-        if tr is None or not (cost.backward_flops or cost.backward_bytes):
+        if tr is None or not parts:
             return
         if not isinstance(cost, SplitCost):
+            ((_, flops, nbytes, _),) = parts
             measured = _measured(cost, tr.profile)
-            dur = measured[1] if measured else _time(cost.backward_flops, cost.backward_bytes,
-                                                     tr.profile, dtype, op_class,
-                                                     launches=launches)
-            tr.record_compute(ranks, name, dur, flops=cost.backward_flops,
-                              bytes=cost.backward_bytes, label="backward",
+            dur = measured[1] if measured else _time(flops, nbytes, tr.profile, dtype,
+                                                     op_class, launches=launches)
+            tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
+                              label="backward",
                               args={"op_class": op_class, "phase": "backward", **sunk})
             return
-        # two kernels, each on its own roofline with its launch (as plan.layer_cost)
-        d = _time(cost.dgrad_flops, cost.dgrad_bytes, tr.profile, dtype, op_class,
-                  cost.dgrad_gemm, launches=launches)
-        w = _time(cost.wgrad_flops, cost.wgrad_bytes, tr.profile, dtype, op_class,
-                  cost.wgrad_gemm, launches=launches)
-        ev_d = tr.record_compute(ranks, name, d, flops=cost.dgrad_flops,
-                                 bytes=cost.dgrad_bytes, label="backward",
-                                 args={"op_class": op_class, "phase": "backward",
-                                       "part": "dgrad", **sunk})
-        tr.record_compute(ranks, name, w, flops=cost.wgrad_flops, bytes=cost.wgrad_bytes,
-                          label="backward", args={"op_class": op_class, "phase": "backward",
-                                                  "part": "wgrad", **sunk})
-        seen = _SPLITS.setdefault(tr, {})
-        for r in ranks:
-            seen[r] = (ev_d.end, tr.last_compute(r)[0])
+        # the GEMMs that run, each on its own roofline with its launch (as
+        # plan.layer_cost); a bias's sum alone is a reduction
+        evs = []
+        for part, flops, nbytes, gemm in parts:
+            cls = "reduction" if part == "bias" else op_class
+            dur = _time(flops, nbytes, tr.profile, dtype, cls, gemm, launches=launches)
+            evs.append(tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
+                                         label="backward",
+                                         args={"op_class": cls, "phase": "backward",
+                                               "part": part, **sunk}))
+        if [p[0] for p in parts] == ["dgrad", "wgrad"]:
+            seen = _SPLITS.setdefault(tr, {})
+            for r in ranks:
+                seen[r] = (evs[0].end, tr.last_compute(r)[0])
     return record
 
 
-def on_backward(outs, entry, mesh, cost: Cost, dtype):
+def on_backward(outs, entry, mesh, cost: Cost, dtype, needs=None):
     """Attach the backward event to the outputs that take part in autograd (one node for
     all of them, so it is recorded once); ``outs`` is a tuple of local data (any form
-    :mod:`..storage` holds)."""
+    :mod:`..storage` holds); ``needs`` which of the op's inputs need their gradient
+    (:func:`needs_grad` of the local inputs; None: all), so that only the backward
+    kernels autograd runs are recorded (:func:`backward_parts`)."""
     held = [storage.tensors(o) for o in outs]
     slots = [(j, k, t) for j, ts in enumerate(held) for k, t in enumerate(ts)
              if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
         return outs
-    record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype)
+    record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype, needs)
     res = _BackwardCompute.apply(record, *[t for _, _, t in slots])
     for (j, k, _), r in zip(slots, res):
         held[j][k] = r

@@ -45,7 +45,21 @@ averages gives the global mean's.  The simulation keeps those semantics:
   batch (``cross_entropy``'s default) each rank's row already carries the 1/N of the
   mean and the summed rows are the average a torchrun process computes.  A loss that
   *sums* over the global batch is N times the average torch DDP takes: divide it by N
-  (or return it from the module) to train as torchrun does.
+  (or return it from the module) to train as torchrun does.  With uneven shards (a
+  batch the N ranks do not divide) the mean over the global batch is one device's loss,
+  while torch DDP averages the ranks' own means (each over its own rows; 0.022 apart in
+  a gradient for 7 rows on 2 ranks): return the loss from the module to train as
+  torchrun does.
+
+Two things the simulated ranks give as one device and torchrun processes do not (not
+defects of either; the same program then differs between the two): the uneven-shard
+mean above, and dropout.  The simulated ranks draw their masks one after another from
+the one generator, so together they are one device's mask over the global batch; each
+torchrun process draws from its own generator (wb DDP's processes draw what torch DDP's
+draw, measured bitwise), so with the same seed on every process each rank's mask is the
+first draw of its shard's shape.  Compare the two with dropout off (``model.eval()`` or
+``p=0``); the course's models key their masks by position instead
+(:mod:`workbench.sim_mesh.rng`), and give one device's masks on both.
 
 On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
 
@@ -67,7 +81,10 @@ forward writes change once a step, from rank ``broadcast_from``
 (torch DDP broadcasts that rank's buffers before each forward); a plain BatchNorm in
 training normalizes each rank's rows by that rank's own statistics, as torch DDP does
 (running statistics: rank ``broadcast_from``'s); ``nn.SyncBatchNorm`` raises on N > 1
-simulated ranks (its global statistics are not built here).
+simulated ranks (its global statistics are not built here).  On torch.distributed the
+processes take rank ``broadcast_from``'s buffers before a forward as torch DDP does (before
+the first, and after one run with grad enabled outside ``no_sync``), so each process's
+running statistics, and its ``eval()`` output, are torch DDP's.
 """
 from __future__ import annotations
 
@@ -82,12 +99,24 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
+from .torch_kwargs import ddp_torch_kwargs
 from .rank_grads import as_rank_rows
 from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
-                    run_per_rank, state_dict_check, check_not_meta)
+                    run_per_rank, state_dict_check, check_not_meta,
+                    check_sync_batchnorm_device)
 
 __all__ = ["DistributedDataParallel"]
+
+
+def check_broadcast_buffers(broadcast_buffers) -> None:
+    """Only torch's default is built (True, or None: torch's default spelling; False:
+    per-rank buffers)."""
+    if broadcast_buffers is not True and broadcast_buffers is not None:
+        raise NotImplementedError(
+            f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
+            "True (torch's default: rank broadcast_from's buffers before each forward) "
+            "is built; drop the argument")
 
 
 class DistributedDataParallel(ModuleWrapper):
@@ -111,14 +140,12 @@ class DistributedDataParallel(ModuleWrapper):
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, mesh=None, dim="dp", bucket_bytes: int | None = None,
-                 broadcast_from: int = 0, broadcast_buffers: bool = True):
+                 broadcast_from: int = 0, broadcast_buffers: bool | None = True, **torch_kwargs):
         super().__init__()
         check_module(module, "DistributedDataParallel")
-        if broadcast_buffers is not True:       # torch's default; False: per-rank buffers
-            raise NotImplementedError(
-                f"DistributedDataParallel(broadcast_buffers={broadcast_buffers!r}): only "
-                "True (torch's default: rank broadcast_from's buffers before each forward) "
-                "is built; drop the argument")
+        check_broadcast_buffers(broadcast_buffers)
+        # torch DDP's own arguments (find_unused_parameters, bucket_cap_mb...): .torch_kwargs
+        bucket_bytes = ddp_torch_kwargs(torch_kwargs, bucket_bytes)
         check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
@@ -126,6 +153,7 @@ class DistributedDataParallel(ModuleWrapper):
                              "(e.g. 25 * 2**20, PyTorch's default) or None for one all-reduce "
                              "per parameter")
         g = RankGroup(mesh, dim, "DistributedDataParallel")
+        check_sync_batchnorm_device(g, module, "DistributedDataParallel")
         if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int) or \
                 not 0 <= broadcast_from < g.n:
             raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index in "
@@ -133,6 +161,7 @@ class DistributedDataParallel(ModuleWrapper):
         object.__setattr__(self, "module", module)    # not a submodule: names keep no prefix
         self.group, self.broadcast_from = g, broadcast_from
         self._sync_enabled = True
+        self._sync_buffers_next = True      # torch DDP's require_forward_param_sync
         self._broadcast_state()
         params = list(module.parameters())
         trainable = [p for p in params if p.requires_grad]
@@ -170,11 +199,29 @@ class DistributedDataParallel(ModuleWrapper):
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
         sync_rows(m.named_parameters())        # the rows' value now: a later write is seen
 
+    @torch.no_grad()
+    def _sync_buffers(self):
+        """torch.distributed: every buffer from rank ``broadcast_from`` (torch DDP's
+        ``_sync_buffers`` before a forward, ``distributed.py``).  Not recorded in the
+        trace, as the simulated ranks' copy of rank ``broadcast_from``'s buffers is not."""
+        g = self.group
+        for b in self.module.buffers():
+            dist.broadcast(b, src=g.global_rank(self.broadcast_from), group=g.pg)
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         g = self.group
         if g.distributed:
-            return self.module(*args, **kwargs)
+            # torch DDP's buffer sync (broadcast_buffers=True): before a forward that
+            # follows one run with grad enabled outside no_sync (and before the first),
+            # every process takes rank broadcast_from's buffers (BatchNorm's running
+            # statistics); without it a process's running statistics would be its own
+            # shards' alone, and its eval() output not torch DDP's
+            if self._sync_buffers_next:
+                self._sync_buffers()
+            out = self.module(*args, **kwargs)
+            self._sync_buffers_next = torch.is_grad_enabled() and self._sync_enabled
+            return out
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]

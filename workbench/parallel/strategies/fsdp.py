@@ -56,9 +56,11 @@ The habits of one device hold: ``state_dict()`` gives FSDP2's ``Shard(0)`` DistT
 ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)`` gives the total norm (on
 simulated ranks the rows hold every shard; on torch.distributed each shard's gradient is
 a :class:`~.rank_grads.ShardGrad`, whose norms torch reduces over the ranks, as FSDP2's
-DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.  On
-simulated ranks ``fsdp.module.state_dict()`` gives full tensors of the module's shapes and
-``fsdp.module.load_state_dict`` / ``p.copy_(t)`` take them (:mod:`.laid_out`); buffers a
+DTensor norms); ``.double()`` / ``.to(dtype)`` convert the shards in place.
+``fsdp.module.state_dict()`` and an optimizer's ``state_dict()`` over the shards give full
+tensors of the module's shapes, and ``fsdp.module.load_state_dict`` / ``p.copy_(t)`` /
+``optimizer.load_state_dict`` take them (:mod:`.laid_out`; on torch.distributed the
+chunks all-gathered, so every process calls them, as FSDP's own ``state_dict()``); buffers a
 forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
 (:func:`.ranks.check_batch_stats`), and ``no_sync()`` raises (accumulate without it).
 """
@@ -71,7 +73,7 @@ from torch import nn
 from .. import step_clock
 from ..load_back import flush
 from .flat_shards import flat_padded, unflat
-from .laid_out import Chunks, laid_out, module_shaped_state_dict
+from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
@@ -146,7 +148,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             dist.broadcast(p.data, src=g.global_rank(0), group=g.pg)
         rows = flat_padded(p.detach(), g.n).view(g.n, -1)
         shard = rows[g.k] if g.distributed else rows
-        how = None if g.distributed else Chunks(g.n, p.shape)    # simulated: every chunk here
+        # simulated: every chunk here; torch.distributed: the chunks all-gathered
+        how = ProcessChunks(g, p.shape) if g.distributed else Chunks(g.n, p.shape)
         shard = laid_out(shard.clone(), p.requires_grad,
                          f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
                          f"(shape {tuple(shard.shape)})", p.shape, how)

@@ -176,10 +176,10 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         return flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
             .movedim(nd - 1, self.axis).contiguous()
 
-    def _gather(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
+    def _gather(self, tmpl: DistTensor, shard: torch.Tensor, cast: bool = False) -> DistTensor:
         nd, mesh = self.mesh.ndim, self.mesh
         if self.async_:
-            return self._gather_math(tmpl, shard)
+            return self._gather_math(tmpl, shard, cast)
         full = C.all_gather(shard, mesh, self.axis, 0, expanded=True, label="zero-3 params")
         full = unflat(full, tmpl._local.shape[nd:], nd)
         nb = shard[(0,) * nd].numel() * shard.element_size() * self.n
@@ -191,20 +191,37 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         _B.tag(full, (self.axis,))
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
 
-    def _gather_math(self, tmpl: DistTensor, shard: torch.Tensor) -> DistTensor:
+    # fully_shard's MixedPrecisionPolicy over DistTensors (:mod:`.fully_shard_tp`): the
+    # dtype a forward gathers and computes in, and the one gradients are reduced in
+    # (None: param_dtype's); both None here unless fully_shard set them
+    param_dtype = None
+    reduce_dtype = None
+
+    def _gather_math(self, tmpl: DistTensor, shard: torch.Tensor,
+                     cast: bool = False) -> DistTensor:
         """The gathered parameter, one copy per dp rank, with no collective recorded (the
         hooks record them on the clock): its backward, the sum over the copies of each
-        rank's chunk, is the reduce-scatter's math."""
+        rank's chunk, is the reduce-scatter's math.  ``cast`` (a forward's gather under
+        ``param_dtype``): FSDP2's ``foreach_all_gather`` of the shards cast to
+        ``param_dtype`` (``_fsdp_param.py``), and its ``foreach_reduce`` of the gradients
+        cast to ``reduce_dtype`` (``_fsdp_collectives.py``): the copies are summed in
+        ``reduce_dtype`` (the cast after the expand) or in ``param_dtype`` (before)."""
         from ...sim_mesh.trace import suspend
         nd, mesh, ax = self.mesh.ndim, self.mesh, self.axis
+        compute = (self.param_dtype if cast else None) or shard.dtype
+        red = (self.reduce_dtype or self.param_dtype) if cast else None
+        if red is not None and shard.dtype != red:
+            shard = shard.to(red)
         with suspend():
             full = C.all_gather(shard, mesh, ax, 0)          # compact: one copy on dp
         local = tuple(tmpl._local.shape[nd:])
         full = unflat(full, local, nd)
         lead = list(full.shape[:nd])
         lead[ax] = self.n
-        return DistTensor(full.expand(tuple(lead) + local), mesh, tmpl.placements,
-                          tmpl.shape, tmpl.dtype)
+        full = full.expand(tuple(lead) + local)
+        if full.dtype != compute:
+            full = full.to(compute)              # per copy: its gradient cast back first
+        return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -18,6 +18,13 @@ stale templates silently, so :func:`install_habits` makes:
 * each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
   the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
   shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
+* on torch.distributed the templates (``model.named_parameters()``) hold the values at
+  wrapping and the module's attributes (``wb.dist_parameters(model)``) the copies the
+  last forward gathered; an optimizer step over the shards gathers the parameters again
+  into both (:func:`_refresh_after_step`, not traced: a read, as the state dict's), so
+  they hold the values the shards hold now, as on simulated ranks (where the templates
+  are views of the shards) and as FSDP2's parameters (its sharded DTensors, stepped in
+  place); before, they were one step (or, the templates, every step) old;
 * ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (the
   templates have no gradient: the clip would be a silent no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
@@ -27,6 +34,7 @@ stale templates silently, so :func:`install_habits` makes:
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...sim_mesh import collectives as C
 from .. import storage
@@ -35,7 +43,7 @@ from ..load_back import flush, mark
 from .flat_shards import unflat
 from .rank_grads import as_replica_grad
 
-__all__ = ["install_habits", "gathered"]
+__all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
 
 def _clip_message(fsdp) -> str:
@@ -64,6 +72,47 @@ def gathered(fsdp, i: int) -> DistTensor:
     return DistTensor(full, fsdp.mesh, tmpl.placements, tmpl.shape, shard.dtype)
 
 
+class _TPChunks:
+    """Entry ``i``'s shard storage and the parameter's global tensor, both ways (the
+    ``how`` of :func:`.laid_out.laid_out`): so a ``torch.optim`` optimizer's
+    ``state_dict()`` over the shards gives one device's shapes and takes them back
+    (:func:`.laid_out._module_shaped_states`), as over the plain-module FSDP's."""
+
+    def __init__(self, fsdp, i: int):
+        self.fsdp, self.i = fsdp, i
+
+    @torch.no_grad()
+    def full(self, t):
+        from ...sim_mesh.trace import suspend
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        nd = fsdp.mesh.ndim
+        with suspend():
+            loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
+            loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
+            return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, t.dtype).full()
+
+    @torch.no_grad()
+    def store(self, v):
+        from ..dist_tensor import shard_tensor
+        fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
+        dt = shard_tensor(v.detach(), fsdp.mesh, tmpl.placements)
+        return fsdp.chunk_of(dt._local)
+
+
+def module_shaped_optimizer_states(fsdp) -> None:
+    """On simulated ranks, each shard says how its storage and the parameter's global
+    tensor map (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
+    ``fully_shard`` (:mod:`.fully_shard_tp`); ``Zero3``'s stage optimizers keep the
+    storage's shapes, which their own ``load_state_dict`` checks."""
+    if not fsdp.async_:
+        return
+    for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
+        if isinstance(tmpl._local, torch.Tensor):
+            how = _TPChunks(fsdp, i)
+            shard._wb_shape, shard._wb_full, shard._wb_store = \
+                tuple(tmpl.shape), how.full, how.store
+
+
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
     stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
@@ -76,6 +125,9 @@ def install_habits(fsdp) -> None:
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
+    if not fsdp.async_:                 # torch.distributed: the gathered copies go stale
+        for i, (_, _, _, shard) in enumerate(fsdp.entries):
+            shard._wb_refresh = (fsdp, i)
     for m in fsdp.module.modules():
         items = fsdp._by_mod.get(id(m))
         if not items:
@@ -85,6 +137,9 @@ def install_habits(fsdp) -> None:
         pre, post = _load_hooks(fsdp, items)
         m._register_load_state_dict_pre_hook(pre, with_module=True)
         m.register_load_state_dict_post_hook(post)
+    # each state_dict() of the model first writes back and releases the copies the calls
+    # before it handed out (the hooks above, once per submodule, keep this call's held)
+    fsdp.module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: flush())
 
 
 def _refuse_norm(fsdp):
@@ -146,3 +201,33 @@ def _load_hooks(fsdp, items):
             shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
         todo.clear()
     return pre, post
+
+
+@torch.no_grad()
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """After any ``torch.optim`` step over torch.distributed ZeRO-3 shards: each stepped
+    shard's parameter gathered again into its template and the module's attributes
+    (every place of a tied weight; the shard's ``_version`` cannot tell a step, which
+    may write ``p.data``, so every step gathers).  A collective over the shard's dp
+    group, whose ranks all step it (module docstring).  A global step post-hook
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``)."""
+    todo = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_wb_refresh", None)
+            if ref is not None:
+                todo.setdefault(id(ref[0]), (ref[0], set()))[1].add(ref[1])
+    for fsdp, idx in todo.values():
+        for i in sorted(idx):
+            tmpl, fresh = fsdp.entries[i][2], gathered(fsdp, i)
+            mine, theirs = storage.tensors(tmpl._local), storage.tensors(fresh._local)
+            if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+                raise RuntimeError(f"{type(fsdp).__name__}: the gathered {fsdp.names[i]} does "
+                                   "not fit its template's storage")
+            for a, b in zip(mine, theirs):      # model.named_parameters(): the templates
+                a.detach().copy_(b)
+            for mod, attr in fsdp._places[i]:   # wb.dist_parameters: the attributes
+                object.__setattr__(mod, attr, fresh)
+
+
+register_optimizer_step_post_hook(_refresh_after_step)

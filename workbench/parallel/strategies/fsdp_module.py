@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 
+from ..dcp_interop import as_stateful
 from .fsdp_units import tree_cast
 from .fully_shard_tp import built, tp_named_parameters
 
@@ -70,6 +71,15 @@ def _cast_output(module, args, output):
     return None if dt is None else tree_cast(output, dt)
 
 
+def _tp_under_torchrun(m) -> bool:
+    """``m`` is sharded over DistTensors on a torch.distributed mesh."""
+    tp = m._wb_fully_shard.tp
+    if not tp:
+        return False
+    from ...sim_mesh import backends as _B
+    return _B.is_distributed(tp[0])
+
+
 def _building(m) -> bool:
     while m._wb_fully_shard.top is not None:
         m = m._wb_fully_shard.top
@@ -82,7 +92,7 @@ class FSDPModule:
     def __new__(cls, *args, **kwargs):
         # a container indexed by a slice makes ``type(self)(...)``: the original class,
         # as torch's FSDPModule.__new__ does
-        orig = cls.__mro__[2]
+        orig = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
@@ -98,7 +108,12 @@ class FSDPModule:
             w = built(self)
             if w.module is self:         # the last step's reduce-scatters waited (clock)
                 w.finish_gradient_synchronization()
-            return super().__call__(*args, **kwargs)
+            d = w.__dict__               # module.weight: the gathered copy while inside
+            d["_wb_in_forward"] = d.get("_wb_in_forward", 0) + 1     # (.fully_shard_attrs)
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                d["_wb_in_forward"] -= 1
         if st.wrapper is not None and st.wrapper._k is None:
             return st.wrapper(*args, **kwargs)
         if self._wb_root()._k is None:
@@ -117,8 +132,9 @@ class FSDPModule:
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """Plain modules: the shards the module holds (torch's own walk).  Over DistTensor
         parameters: the dp shards of the sharded state, under the module's own names."""
+        from ..module_state import _HIDING
         st = self._wb_fully_shard
-        if st.tp is None or _building(self):
+        if st.tp is None or _building(self) or _HIDING[0]:   # (a walk of the plain ones)
             return super().named_parameters(prefix, recurse, remove_duplicate)
         return tp_named_parameters(self, prefix, recurse, remove_duplicate)
 
@@ -138,7 +154,8 @@ class FSDPModule:
         st = self._wb_fully_shard
         with _raw():
             if st.wrapper is not None:
-                return st.wrapper.state_dict(destination, prefix, keep_vars)
+                sd = st.wrapper.state_dict(destination, prefix, keep_vars)
+                return sd if destination is not None else as_stateful(sd)
             root = st.owner
             qual = next(n for n, m in root.module.named_modules() if m is self) + "."
             full = root.state_dict()
@@ -146,7 +163,7 @@ class FSDPModule:
         for k, v in full.items():
             if k.startswith(qual):
                 out[prefix + k[len(qual):]] = v
-        return out
+        return out if destination is not None else as_stateful(out)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """On the root: :meth:`state_dict`'s DistTensors or full tensors, cut into the
@@ -175,11 +192,12 @@ class FSDPModule:
             raise TypeError(f"set_requires_gradient_sync({requires_gradient_sync!r}): give "
                             "True or False")
         mods = self._wb_fsdp_modules(recurse)
-        if not requires_gradient_sync and any(m._wb_fully_shard.tp for m in mods):
+        if not requires_gradient_sync and any(_tp_under_torchrun(m) for m in mods):
             raise NotImplementedError(
                 "set_requires_gradient_sync(False) over tensor-parallel DistTensor parameters "
-                "is not built: accumulate with sync on (each backward reduce-scatters onto "
-                "the shards, where the gradients add up to the same sum)")
+                "under torch.distributed is not built: accumulate with sync on (each "
+                "backward reduce-scatters onto the shards, where the gradients add up to the "
+                "same sum)")
         for m in mods:
             m._wb_fully_shard.requires_gradient_sync = requires_gradient_sync
 
@@ -198,10 +216,10 @@ class FSDPModule:
             raise TypeError(f"set_reshard_after_forward({reshard_after_forward!r}): give True "
                             "or False (an int, a smaller world, is not built)")
         mods = self._wb_fsdp_modules(recurse)
-        if not reshard_after_forward and any(m._wb_fully_shard.tp for m in mods):
+        if not reshard_after_forward and any(_tp_under_torchrun(m) for m in mods):
             raise NotImplementedError(
                 "set_reshard_after_forward(False) over tensor-parallel DistTensor parameters "
-                "is not built: every unit re-gathers in backward there")
+                "under torch.distributed is not built: every unit re-gathers in backward there")
         for m in mods:
             m._wb_fully_shard.reshard_after_forward = reshard_after_forward
 

@@ -84,6 +84,9 @@ class FSDPStateDict:
             dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
             # a copy (FSDP2's are the shards): a load in place cuts it into the shards
             out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v), source=t)
+        if destination is None:         # DCP reads it too (..dcp_interop)
+            from ..dcp_interop import as_stateful
+            return as_stateful(out)
         return out
 
     def _store(self, t, v) -> None:

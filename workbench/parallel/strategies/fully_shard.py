@@ -91,11 +91,9 @@ def check_arguments(module, mesh, reshard_after_forward, shard_placement_fn, off
             "call fully_shard on each module (one unit each) or on their common parent")
     if isinstance(module, type) or not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module={module!r:.60}): expected an nn.Module instance")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): resharding to a "
-            "smaller world after forward (an int) is not built; give True (free after "
-            "forward, gather again in backward), False (keep) or None (False for the root)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the "
+                         f"group size to reshard to, not {reshard_after_forward!r}")
     if shard_placement_fn is not None:
         raise NotImplementedError(
             f"fully_shard(shard_placement_fn={shard_placement_fn!r:.60}): every parameter "
@@ -125,18 +123,47 @@ def check_arguments(module, mesh, reshard_after_forward, shard_placement_fn, off
     return mesh.dim_names[0]
 
 
+def reshard_after_forward_bool(v, mesh):
+    """torch's int ``reshard_after_forward`` (``_fsdp_init._get_post_forward_mesh_info``,
+    torch 2.13): a factor of the shard group's size; 1 is False (torch warns: not True),
+    the group's size is True; a world in between is not built here."""
+    if v is None or isinstance(v, bool):
+        return v
+    if mesh is not None:
+        n = mesh.size
+    else:
+        import torch.distributed as dist
+        n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if v < 1 or v > n or n % v:
+        raise ValueError("If passing reshard_after_forward as an int, it should be a factor "
+                         f"of {n}, not {v}")
+    if v == 1:
+        import warnings
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world "
+                      "size 1, instead of reshard_after_forward=True (bool)", stacklevel=3)
+        return False
+    if v == n:
+        return True
+    raise NotImplementedError(
+        f"fully_shard(reshard_after_forward={v}): resharding to a smaller world ({v} of {n} "
+        "ranks) after forward is not built; give True (free after forward, gather again in "
+        "backward), False (keep) or None (False for the root)")
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=None, ignored_params=None,
                 dp_mesh_dims=None):
     """Shard ``module``'s parameters over ``mesh`` (1-d, the data-parallel ranks; None:
     torch.distributed's default group) in place, as FSDP2's ``fully_shard``; returns
     ``module``, now an :class:`FSDPModule`.  ``reshard_after_forward``: None (FSDP2's
-    default: True for a block, False for the root), True or False; ``mp_policy``: a
+    default: True for a block, False for the root), True or False (or torch's int: 1 is
+    False, the mesh's size True); ``mp_policy``: a
     :class:`MixedPrecisionPolicy` (every call on one model gives the same
     ``param_dtype``)."""
     dim = check_arguments(module, mesh, reshard_after_forward, shard_placement_fn,
                           offload_policy, ignored_params, dp_mesh_dims)
     mp = _policy(mp_policy)
+    reshard_after_forward = reshard_after_forward_bool(reshard_after_forward, mesh)
     name = type(module).__name__
     if isinstance(module, FSDPModule):
         raise RuntimeError(f"fully_shard was already applied to this {name}; apply it once per "
@@ -152,6 +179,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             if m is not module and isinstance(m, FSDPModule) and m._wb_fully_shard.top is None:
                 m._wb_fully_shard.top = module
         module._wb_fully_shard = state
+        install_hooks(module)            # mp_policy's input / output casts, per module
         module.__class__ = fsdp_class(type(module))
         mark(module)
         return module

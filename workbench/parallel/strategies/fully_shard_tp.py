@@ -14,7 +14,9 @@ calls only mark the modules; the sharded state is built once, on the topmost mar
 module (the root), the first time the model runs or its parameters are asked for
 (FSDP2 too finds its root lazily, at the first forward).  After that the user's module
 answers with the dp shards: ``model.parameters()`` / ``named_parameters()`` (what an
-optimizer steps; a block's: its own), ``zero_grad()``; ``state_dict()`` gives DistTensors
+optimizer steps; a block's: its own; any sub-module's, passed to fully_shard or not:
+its own shards, :class:`~..module_state.ParallelModule`), ``zero_grad()``; a parameter
+attribute (``module.weight``) reads the shards' value now (:mod:`.fully_shard_attrs`); ``state_dict()`` gives DistTensors
 of the tensor-parallel placements gathered from the shards and ``load_state_dict`` cuts
 values into them (:mod:`.fsdp_dist_habits`).
 
@@ -22,14 +24,22 @@ The reduce-scatters launched in a backward are waited for on the modeled clock a
 root's next forward (``finish_gradient_synchronization``; the shards hold the reduced
 gradients when ``backward()`` returns, so the numbers do not depend on it).
 
-Not built here, and refused: mixed precision, ``reshard_after_forward=False``,
-``set_requires_gradient_sync(False)``, a fully_shard call after the state was built.
+``mp_policy`` (simulated ranks): each forward gathers the shards cast to ``param_dtype``
+and the gradients are summed over dp in ``reduce_dtype`` (:meth:`.fsdp_dist.
+DistTensorFSDP._gather_math`), onto the shards in their own dtype; one policy per model.
+
+``set_requires_gradient_sync(False)`` (simulated ranks): gradient accumulation without
+reduce-scatters (:mod:`.fully_shard_tp_units`).
+
+Not built here, and refused: mixed precision and ``set_requires_gradient_sync(False)``
+and ``reshard_after_forward=False`` under torch.distributed (:mod:`.fully_shard_tp_units`
+builds them on simulated ranks), a fully_shard call after the state was built.
 """
 from __future__ import annotations
 
 import weakref
 
-__all__ = ["check_order", "check_tp", "mark", "built", "tp_named_parameters"]
+__all__ = ["check_order", "check_tp", "mark", "built", "build_above", "tp_named_parameters"]
 
 _MARKED = weakref.WeakSet()      # modules fully_shard was applied to (both modes)
 
@@ -70,17 +80,25 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
             f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
             f"pass that mesh's data-parallel dim, mesh=world_mesh['dp'] (torchtitan's order: "
             "parallelize_module on the whole mesh, then fully_shard on its dp dim)")
-    if mp.param_dtype is not None or mp.output_dtype is not None or \
-            mp.reduce_dtype is not None:
+    from ...sim_mesh import backends as _B
+    if (mp.param_dtype is not None or mp.output_dtype is not None or
+            mp.reduce_dtype is not None) and _B.is_distributed(full):
         raise NotImplementedError(
             f"fully_shard({name}, mp_policy={mp}) over tensor-parallel DistTensor "
-            "parameters: mixed precision is built for plain modules only; leave the default "
-            "MixedPrecisionPolicy()")
-    if reshard_after_forward is False:
+            "parameters under torch.distributed: mixed precision is built on simulated ranks "
+            "only here; leave the default MixedPrecisionPolicy()")
+    for m in module.modules():           # one policy per model (one sharded state)
+        st = getattr(m, "_wb_fully_shard", None)
+        if m is not module and st is not None and st.mp_policy != mp:
+            raise NotImplementedError(
+                f"fully_shard({name}, mp_policy={mp}): {st.name} below it has "
+                f"mp_policy={st.mp_policy}; over DistTensor parameters one model gathers and "
+                "reduces in one dtype here, give every call the same MixedPrecisionPolicy")
+    if reshard_after_forward is False and _B.is_distributed(full):
         raise NotImplementedError(
             f"fully_shard({name}, reshard_after_forward=False) over tensor-parallel "
-            "DistTensor parameters is not built: leave None or True (every unit re-gathers "
-            "in backward)")
+            "DistTensor parameters under torch.distributed is not built: leave None or True "
+            "(every unit re-gathers in backward)")
     dist = {id(p) for _, p in dist_parameters(module)}
     plain = [n for n, p in module.named_parameters() if id(p) not in dist
              and not isinstance(p, LaidOutParameter)]
@@ -116,11 +134,35 @@ def built(m):
         finally:
             st.building = False
         st.wrapper = w
+        mp = st.mp_policy               # fully_shard's MixedPrecisionPolicy (one per model)
+        w.param_dtype = mp.param_dtype
+        w.reduce_dtype = None if mp.reduce_dtype == mp.param_dtype else mp.reduce_dtype
+        from .fsdp_dist_habits import module_shaped_optimizer_states
+        from .fully_shard_attrs import install
+        install(w)                  # module.weight: the shards' value now
+        module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
+        if w.async_:                # set_requires_gradient_sync(False): gradients held
+            from .fully_shard_tp_units import install as sync_hooks
+            sync_hooks(w)
         for sub in r.modules():
+            if sub.__dict__.get("_wb_shards"):       # its parameters() give the shards
+                sub.__dict__["_wb_fully_shard_params"] = True
             s = getattr(sub, "_wb_fully_shard", None)
             if s is not None and sub is not r:
                 s.owner = w
     return st.wrapper
+
+
+def build_above(module) -> None:
+    """A module inside a ``fully_shard`` root over DistTensors (not itself passed to
+    ``fully_shard``): the root's sharded state built now, so ``module.parameters()`` gives
+    the dp shards an optimizer over the root's parameters steps, never the templates."""
+    for r in list(_MARKED):
+        st = r._wb_fully_shard
+        if st.tp is None or st.top is not None or st.wrapper is not None or st.building:
+            continue
+        if any(m is module for m in r.modules()):
+            built(r)
 
 
 def tp_named_parameters(m, prefix, recurse, remove_duplicate):

@@ -30,7 +30,9 @@ tensors of the module's shapes (:func:`module_shaped_state_dict`), as ``ddp.modu
 state_dict()`` does in torch; so does any ``torch.optim`` optimizer's ``state_dict()`` over
 them (hooked at its first step), and one device's optimizer states loaded into it are laid
 out before the next step (:func:`_lay_out_loaded_states`): a checkpoint moves between one
-device and any rank count.
+device and any rank count.  An optimizer whose update reads a parameter whole would read
+the storage instead (``torch.optim.LBFGS`` over DDP's rows, ``Adafactor`` over FSDP's
+chunks): it raises before its first step (:func:`_check_whole_parameter_optimizer`).
 """
 from __future__ import annotations
 
@@ -55,6 +57,19 @@ _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
 class LaidOutParameter(nn.Parameter):
     """An ``nn.Parameter`` laid out by a wrapper (module docstring); ``_wb_layout``
     says how, for the error."""
+
+    def full_tensor(self) -> torch.Tensor:
+        """DTensor's ``full_tensor()`` (what FSDP2's sharded parameters answer): the
+        parameter's value in the module's shape, a copy (no gradient), where the wrapper
+        holds every rank's storage here (simulated ranks)."""
+        full = getattr(self, "_wb_full", None)
+        if full is None:
+            raise NotImplementedError(
+                f"full_tensor() of this parameter: {self._wb_layout}, and this process does "
+                "not hold every rank's part; read the module's full values from the "
+                "wrapper's state_dict() (DistTensors: .full()) or full_state_dict()")
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            return full(self.detach()).clone()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -92,6 +107,8 @@ def _one_draw(func, p, args, kwargs):
     fresh = torch.empty(p._wb_shape, dtype=p.dtype, device=p.device)
     with torch._C.DisableTorchFunctionSubclass():
         func(fresh, *args[1:], **kw)
+        if getattr(p, "_wb_same_draw", None) is not None:
+            p._wb_same_draw(fresh)      # torch.distributed: rank 0's draw on every process
         with torch.no_grad():
             p.copy_(p._wb_store(fresh))
     return p
@@ -160,6 +177,32 @@ class Chunks:
         return flat_padded(v, self.n).view(self.n, -1)
 
 
+class ProcessChunks:
+    """FSDP's layout on torch.distributed: this process's ``(chunk,)`` of the flattened
+    padded tensor (``group``: the wrapper's :class:`~.ranks.RankGroup`).  The module's
+    tensor is every process's chunk all-gathered, a collective: every process of the
+    group asks for it in the same order, as for FSDP's own ``state_dict()`` (an
+    optimizer's ``state_dict()`` over the shards gives one device's states on every
+    process, so ``wb.checkpoint.save`` writes the whole of each, not rank 0's chunk)."""
+
+    def __init__(self, group, shape):
+        self.group, self.shape = group, tuple(shape)
+
+    def full(self, t):
+        from .fsdp_units import all_gather
+        return unflat(all_gather([t.detach().reshape(-1)], self.group)[0], self.shape)
+
+    def store(self, v):
+        return flat_padded(v, self.group.n).view(self.group.n, -1)[self.group.k]
+
+    @torch.no_grad()
+    def same_draw(self, fresh) -> None:
+        """``nn.init.normal_``'s draw, rank 0's on every process (their generators may
+        differ), so the chunks are cut from one device's draw."""
+        import torch.distributed as dist
+        dist.broadcast(fresh, src=self.group.global_rank(0), group=self.group.pg)
+
+
 def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
              how=None) -> LaidOutParameter:
     """``t`` as a :class:`LaidOutParameter` (``layout``: how it is stored, for errors;
@@ -169,6 +212,7 @@ def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
     p._wb_layout = layout
     if how is not None:
         p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
+        p._wb_same_draw = getattr(how, "same_draw", None)
     return p
 
 
@@ -179,7 +223,10 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
     training goes on as on one device; torch would otherwise broadcast it against the
     rows or fail on the chunks' shape.  ``step`` (and, for a 0-d parameter, the other
     scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``)."""
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``); it first refuses an
+    optimizer whose update reads a parameter whole where the storage would mislead it
+    (:func:`_check_whole_parameter_optimizer`)."""
+    _check_whole_parameter_optimizer(optimizer)
     for p in _laid_out_params(optimizer):
         if p not in optimizer.state:
             continue
@@ -193,6 +240,37 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
             any(True for _ in _laid_out_params(optimizer)):
         optimizer._wb_sd_hook = True
         optimizer.register_state_dict_post_hook(_module_shaped_states)
+
+
+# torch.optim's optimizers whose update of an element reads more than that element (torch
+# 2.13 torch/optim/lbfgs.py: one flat gradient of every parameter, its dot products and
+# 1 / |g|_1 for the first step; adafactor.py: a parameter of 2 or more dims gets its second
+# moment factored over its last two dims, a 1-d one does not).  On DDP's rows (N, *shape)
+# LBFGS counts every replica (Adafactor factors each row as one device: exact); on FSDP's
+# chunks ((N, chunk), or (chunk,) per process) Adafactor factors the chunks' shape, not the
+# parameter's (LBFGS: the chunks partition the parameters, padding 0 stays 0: exact)
+_WHOLE = {"LBFGS": ("rows", "its flat gradient, dot products and |g|_1 run over every "
+                    "parameter's storage, so each replica counts once more"),
+          "Adafactor": ("chunks", "it factors a parameter's second moment by its shape, and "
+                        "here the storage's shape is the flat chunks'")}
+
+
+def _check_whole_parameter_optimizer(optimizer) -> None:
+    """Raise, before the step changes anything, for an optimizer of :data:`_WHOLE` over a
+    storage it would read as the parameter."""
+    what = _WHOLE.get(type(optimizer).__name__)
+    if what is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return
+    kind, why = what
+    for p in _laid_out_params(optimizer):
+        rows = getattr(p, "_wb_rows", None)
+        if (kind == "rows" and rows and rows > 1) or (kind == "chunks" and not rows):
+            raise NotImplementedError(
+                f"torch.optim.{type(optimizer).__name__} over a wrapped parameter of shape "
+                f"{p._wb_shape} ({p._wb_layout}): {why}, which is not one device's update. "
+                "Use an optimizer whose update is elementwise (SGD, Adam, AdamW, RMSprop...)"
+                + (", or DDP under torchrun (one replica per process)" if kind == "rows"
+                   else ", or DistributedDataParallel (whole parameters)"))
 
 
 # torch.optim's per-parameter states that are 0-d whatever the parameter's shape (Adam's

@@ -223,8 +223,9 @@ def check_batch_stats(group, module, who: str, local_ok: bool = False) -> None:
                 "takes its statistics over every rank's rows, which the simulated wrappers do "
                 "not build; run the module itself on a batch sharded as a DistTensor "
                 "(wb.shard_tensor(x, mesh, [wb.Shard(0)])), whose batch_norm all-reduces the "
-                "global statistics as SyncBatchNorm does, or use it under torchrun, or put it "
-                "in eval mode (m.eval(): running statistics)")
+                "global statistics as SyncBatchNorm does, or use it under torchrun on GPU or "
+                "NPU processes (torch's SyncBatchNorm refuses CPU tensors), or put it in eval "
+                "mode (m.eval(): running statistics)")
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
                 (m.training or m.running_mean is None):
             raise NotImplementedError(
@@ -236,6 +237,26 @@ def check_batch_stats(group, module, who: str, local_ok: bool = False) -> None:
                 "nn.GroupNorm), or run on one rank; or run the module itself on a batch "
                 "sharded as a DistTensor (wb.shard_tensor(x, mesh, [wb.Shard(0)])), whose "
                 "batch_norm all-reduces the global statistics as SyncBatchNorm does")
+
+
+def check_sync_batchnorm_device(group, module, who: str) -> None:
+    """torch.distributed: a module holding ``nn.SyncBatchNorm`` on CPU refused when
+    wrapped, as torch DDP refuses it (``SyncBatchNorm layers only work with GPU
+    modules``), naming what does work on CPU; without this the first training forward
+    would fail inside torch's SyncBatchNorm."""
+    if not group.distributed:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and any(
+                t.device.type == "cpu" for t in list(m.parameters()) + list(m.buffers())):
+            raise ValueError(
+                f"{who}: {name or 'the module'} is an nn.SyncBatchNorm on CPU; torch's "
+                "SyncBatchNorm only works with GPU (or NPU) tensors, and torch DDP refuses it "
+                "on CPU.  On CPU processes use nn.BatchNorm (each process its own shard's "
+                "statistics, as torch DDP without SyncBatchNorm), or run the module itself "
+                "on a batch sharded as a DistTensor (wb.shard_tensor(x, mesh, "
+                "[wb.Shard(0)]), mesh = wb.distributed.mesh(n, ['dp'])), whose batch_norm "
+                "all-reduces the global statistics as SyncBatchNorm does")
 
 
 def buffer_snapshot(module) -> dict:

@@ -113,6 +113,10 @@ def sync_rows(named) -> None:
     """For each ``(name, parameter)`` of ``named`` stored as DDP's rows: every row made
     rank ``broadcast_from``'s when only that row was written (the module docstring), or
     a ``RuntimeError``."""
+    # a forward or a replica check: no step is under way (one that raised, e.g. its
+    # closure or a KeyboardInterrupt, skipped the post-hook that clears the mark; an
+    # LBFGS closure's forward inside a step only makes its writes compare the rows)
+    _STEPPING[0] = 0
     for name, p in named:
         got = rows_of(p)
         if got is not None:

@@ -94,8 +94,14 @@ class Zero3Clock:
         key = (phase, id(mod))
         if key in self._inflight:
             return
+        from .fully_shard_tp_units import keeps_gathered
+        if phase == "B" and keeps_gathered(self, mod):
+            self._inflight[key] = []         # its forward's copy, kept: nothing to gather
+            return
         label = "zero-3 params" if phase == "F" else "zero-3 re-gather"
-        nb = self._numel[id(mod)] * self.entries[self._by_mod[id(mod)][0][1]][3].element_size()
+        pd = getattr(self, "param_dtype", None)       # fully_shard's mixed precision
+        nb = self._numel[id(mod)] * (pd.itemsize if pd is not None else
+                                     self.entries[self._by_mod[id(mod)][0][1]][3].element_size())
         self._inflight[key] = [(current_trace(), self.group.record(
             "all_gather", nb, label, overlap=True))]
         self.live.hold(key, nb)             # the receive buffer exists from the issue on
@@ -120,6 +126,7 @@ class Zero3Clock:
         it), the copies of modules with no gradient whose backward came before freed."""
         for key in self._frozen_b:
             self.live.free(key)
+            self.live.free(("F", key[1]))
         self._frozen_b = []
         if id(mod) in self._have_b:          # gathered for its recompute already
             self._have_b.discard(id(mod))
@@ -163,8 +170,10 @@ class Zero3Clock:
                 return g
 
         def hook(module, args, out):
+            from .fully_shard_tp_units import keeps_gathered
             if torch._C._current_graph_task_id() == -1:     # a forward (not a recompute)
-                zero3.live.free(("F", id(mod)))             # ZeRO frees it after forward
+                if not keeps_gathered(zero3, mod):
+                    zero3.live.free(("F", id(mod)))         # ZeRO frees it after forward
                 if torch.is_grad_enabled() and len(zero3._seen) == len(zero3.order) \
                         and mod is zero3._seen[-1]:
                     zero3._prefetch_backward()              # the forward's last module
@@ -178,7 +187,9 @@ class Zero3Clock:
     def _reduce_scatter_hook(self, i):
         def hook(grad):
             from ...sim_mesh.trace import current_trace
-            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * grad.element_size()
+            rd = getattr(self, "reduce_dtype", None) or getattr(self, "param_dtype", None)
+            nb = math.prod(grad.shape[self.mesh.ndim:]) * self.n * \
+                (rd.itemsize if rd is not None else grad.element_size())
             self._reduced.add(i)
             for m in self._owners.get(i, ()):              # a module's backward is done
                 left = self._grads_left.get(m)             # when its last gradient is
@@ -187,7 +198,11 @@ class Zero3Clock:
                     if not left:
                         del self._grads_left[m]
                         self.live.free(("B", m))
+                        self.live.free(("F", m))   # kept for it (reshard_after_forward=False)
             tr = current_trace()
+            from .fully_shard_tp_units import skips_reduce
+            if skips_reduce(self, i):            # set_requires_gradient_sync(False): held
+                tr = None
             if tr is not None:        # after the input gradient's collective (zero_optimizer_dist)
                 defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
                                      self._pending)
@@ -209,6 +224,6 @@ class Zero3Clock:
                     self._wait("F", mod)
             for attr, i in self._by_mod[id(module)]:
                 _, _, tmpl, shard = self.entries[i]
-                object.__setattr__(module, attr, self._gather(tmpl, shard))
+                object.__setattr__(module, attr, self._gather(tmpl, shard, cast=True))
         return hook
 

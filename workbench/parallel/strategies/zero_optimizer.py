@@ -41,6 +41,7 @@ from torch import nn
 
 from .. import step_clock
 from .ranks import RankGroup
+from .torch_kwargs import zero_torch_kwargs
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -60,6 +61,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class, mesh=None, dim="dp", partition: str = "owners",
                  **kwargs):
+        kwargs = zero_torch_kwargs(kwargs)      # torch's own (parameters_as_bucket_view...)
         if partition != "owners":
             raise ValueError(f"partition={partition!r}: 'owners' (PyTorch's: whole tensors, "
                              "after DDP's all-reduce) or 'chunks' (the ZeRO paper's, over "

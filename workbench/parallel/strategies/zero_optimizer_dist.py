@@ -48,6 +48,7 @@ from ..module_state import clear_grad
 from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
 from .optim_layout import check_state_shapes
+from .torch_kwargs import zero_torch_kwargs
 from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter", "ELEMENTWISE"]
@@ -97,6 +98,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
 
     def __init__(self, params, optimizer_class, mesh=None, dim="dp", partition="chunks",
                  overlap_comm: bool = False, partial_grads=(), partial_dim="tp", **kwargs):
+        kwargs = zero_torch_kwargs(kwargs)      # torch's own (parameters_as_bucket_view...)
         if partition != "chunks":
             raise ValueError(f"partition={partition!r}: this is the 'chunks' partition")
         if not (isinstance(optimizer_class, type) and

@@ -1,0 +1,90 @@
+"""``module.weight`` of a ``fully_shard``-ed model over DistTensors: the value it has now.
+
+In FSDP2 (torch 2.13, ``_fsdp_param.py``, ``_setattr_on_modules``) the attribute a module
+reads its parameter from is the sharded DTensor parameter outside forward and the
+unsharded one inside: the value the optimizer last wrote, whenever it is read.  Here the
+DistTensor mode (:mod:`.fully_shard_tp`) keeps the values in flat dp shards; the module's
+attribute was the DistTensor left from wrapping (the template), or the copy the last
+forward gathered: after ``optimizer.step()`` both are old values, read silently
+(``model.layers[0].attention.wq.weight.full()``, a tied head reading the embedding's
+weight, a weight-norm logged after a step).
+
+So each module holding shards gets a class (its own name kept, as :mod:`..module_state`
+does) whose parameter attributes are descriptors: inside the root's forward, the copy the
+module's pre-hook gathered while the shard it came from is unchanged (its version
+counter, ``tensor._version``, which every in-place write moves), so a forward (and a tied
+weight read after its module ran) reads the gathered copy autograd holds; else a fresh
+gather of the shard now, with autograd to the shard (a loss term built on it outside
+forward, e.g. a weight penalty, gives the shard its gradient), whose in-place writes
+(``nn.init`` after ``fully_shard``, torchtitan's ``init_weights``) reach the shards
+before the next forward, state dict or optimizer step (:mod:`..load_back`, as a
+``state_dict()`` copy's).  Under
+torch.distributed that gather would be a collective one process alone cannot run, so a
+read outside forward raises there, naming ``state_dict()``.
+"""
+from __future__ import annotations
+
+__all__ = ["install"]
+
+_CLASSES: dict = {}
+
+
+class _ShardedAttr:
+    """A parameter attribute read from the dp shards (module docstring)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        fsdp, i = obj.__dict__["_wb_fs_attrs"][self.name]
+        shard = fsdp.entries[i][3]
+        live = obj.__dict__["_wb_fs_live"].get(self.name)
+        if live is not None and live[1] == shard._version and \
+                fsdp.__dict__.get("_wb_in_forward"):
+            return live[0]
+        if not fsdp.async_:
+            raise RuntimeError(
+                f"{type(obj).__name__}.{self.name} read outside forward under "
+                "torch.distributed: its value lives in the dp shards, and gathering it here "
+                "would be a collective every process must join; read model.state_dict() "
+                "(every process) or the shards in model.parameters()")
+        from ..load_back import mark
+        from .fsdp_dist_habits import _cut
+        g = fsdp._gather(fsdp.entries[i][2], shard)
+        # its own storage (the gather may be a view of the shard's, which a step moves)
+        value = type(g)(g._local.clone(), g.mesh, g.placements, g.shape, g.dtype)
+        # a write into it (nn.init after fully_shard, p.mul_(2)) reaches the shards before
+        # the next forward, state dict or optimizer step, as a state_dict() copy's
+        return mark(value, lambda v, fsdp=fsdp, i=i: _cut(fsdp, i, v), source=shard)
+
+    def __set__(self, obj, value):
+        # the wrapper's pre-forward gather (``object.__setattr__``) lands here
+        fsdp, i = obj.__dict__["_wb_fs_attrs"][self.name]
+        obj.__dict__["_wb_fs_live"][self.name] = (value, fsdp.entries[i][3]._version)
+
+    def __delete__(self, obj):
+        obj.__dict__["_wb_fs_live"].pop(self.name, None)
+
+
+def install(fsdp) -> None:
+    """The descriptors on every module ``fsdp`` (the sharded state of a ``fully_shard``
+    root over DistTensors) holds shards of; the copy a forward already gathered kept."""
+    for m in fsdp.module.modules():
+        items = fsdp._by_mod.get(id(m))
+        if not items:
+            continue
+        attrs = tuple(sorted({a for a, _ in items}))
+        d = m.__dict__
+        d["_wb_fs_attrs"] = {a: (fsdp, i) for a, i in items}
+        d["_wb_fs_live"] = {}
+        for a in attrs:
+            d.pop(a, None)                 # a copy gathered before: the descriptor's now
+        key = (type(m), attrs)
+        if key not in _CLASSES:
+            cls = type(m)
+            _CLASSES[key] = type(cls.__name__, (cls,),
+                                 {"__module__": cls.__module__,
+                                  **{a: _ShardedAttr(a) for a in attrs}})
+        m.__class__ = _CLASSES[key]
