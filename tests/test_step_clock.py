@@ -217,3 +217,18 @@ def test_module_fsdp_steps_each_ranks_chunk():
     (ev,) = _steps(tr)
     assert ev.ranks == (0, 1)
     assert ev.bytes == 28 * (math.ceil(D_IN * D_OUT / 2) + math.ceil(D_OUT / 2))
+
+
+def test_fully_shard_steps_each_ranks_chunk():
+    mesh = wb.Mesh.grid((2,), ["dp"])
+    x = wb.shard_tensor(torch.randn(8, D_IN), mesh, [wb.Shard(0)])
+    torch.manual_seed(0)
+    model = wb.fully_shard(nn.Linear(D_IN, D_OUT), mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=1e-3)       # foreach: 20 accesses, 8 kernels
+    with wb.trace("a100") as tr:
+        model(x).square().mean().backward()
+        o.step()
+    (ev,) = _steps(tr)
+    chunk = math.ceil(D_IN * D_OUT / 2) + math.ceil(D_OUT / 2)
+    assert ev.ranks == (0, 1) and ev.bytes == 20 * 4 * chunk
+    assert ev.duration == pytest.approx(_seconds(20 * 4 * chunk, 8))
