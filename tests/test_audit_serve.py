@@ -294,7 +294,7 @@ def test_resuming_with_fewer_steps_than_the_checkpoint_ran_is_an_error(tmp_path,
     """train(steps=2, resume=<a step-3 checkpoint>) returned [] as if it had trained."""
     from workbench.train import train
     train("tiny", steps=3, seed=0, timing=False, save=str(tmp_path))
-    with pytest.raises(ValueError, match=r"has run 3 steps already; give steps > 3"):
+    with pytest.raises(ValueError, match=r"has run 3 steps already; give steps >= 3"):
         train("tiny", steps=2, seed=0, timing=False, resume=str(tmp_path))
     assert train("tiny", steps=3, seed=0, timing=False, resume=str(tmp_path)) == []
     d = str(tmp_path)

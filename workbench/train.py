@@ -91,7 +91,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far; a
     mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py).
     The losses are a pure function of the arguments: same seed, same losses.
-    ``recompute`` ("none" | "full" | "selective") and ``overrides`` (e.g. n_layer=4)
+    ``recompute`` ("none" | "full" | "selective" | "op") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
     "unfused", "native", "npu") for the run; ``on_step`` sees each record as it is made.
     ``resume``: a checkpoint directory to continue from (its step up to ``steps``, on any
@@ -129,6 +129,11 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
     check = getattr(strategy, "check", None)
     if check is not None:
         check(cfg, batch_size)          # a layout that does not fit: error before anything runs
+    if save is not None:                # not after the last step, with the run's work lost
+        from .checkpoint.training import save_path_problem
+        bad = save_path_problem(save)
+        if bad:
+            raise ValueError(f"train(save={save!r}): {bad}")
     records = []
     # dropout draws from torch's RNG: seed it, and give the caller's state back afterwards
     with ops.use(ops_backend or ops.current_backend()), torch.random.fork_rng(devices=[]):
@@ -142,8 +147,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
                                     lr, weight_decay)
             if steps < start:           # steps counts from 0, the checkpoint's steps included
                 raise ValueError(f"train(steps={steps}, resume={resume!r}): the checkpoint has "
-                                 f"run {start} steps already; give steps > {start} (the total "
-                                 "to reach, not the steps to add)")
+                                 f"run {start} steps already; give steps >= {start} (the total "
+                                 "to reach, not the steps to add; equal runs no step)")
         for step in range(start, steps):
             t0 = time.perf_counter()
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
@@ -208,7 +213,8 @@ def add_train_arguments(parser) -> None:
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
-                   help="activation recompute per block: none | full | selective")
+                   help="activation recompute per block: none | full | selective | op "
+                        "(op: torchtitan's op-level selective checkpointing, a Llama)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda, npu (torch_npu), or auto: the best one found")
     p.add_argument("--ops", default="auto", choices=["auto", *ops.BACKENDS],

@@ -24,6 +24,9 @@ Bounds and why:
   rank in this process; under ``--backend torch`` a process holds at least 1/world.
 * ``--device``: the device must exist here (CUDA present, torch_npu importable).
 * ``--timeout``: (0, MAX_TIMEOUT_S] seconds, ``--backend torch`` only.
+* a flag the run would not use is refused rather than ignored: ``--ep-chunks`` without
+  ``--ep``, ``--schedule`` without ``--pp``, ``--save`` / ``--resume`` / ``--device`` with
+  ``--dry-run``.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def check_args(args, lr_default: float) -> None:
     cfg = get_config(getattr(args, "preset", "tiny"))
     _check_sizes(args, cfg)
     _check_timeout(args)
+    _check_unused(args)
     if dry:
         return                          # meta tensors on no device: nothing to allocate
     parallel = any(getattr(args, n, d) != d for n, d in PARALLEL_FLAGS)
@@ -76,6 +80,31 @@ def check_args(args, lr_default: float) -> None:
                          "device; leave --device at cpu")
     check_device(getattr(args, "device", "cpu"))
     _check_memory(args, cfg)
+
+
+def _check_unused(args) -> None:
+    """A flag that this run would not use is refused, not ignored: the user meant it."""
+    ep_chunks = getattr(args, "ep_chunks", 1)
+    if ep_chunks != 1 and getattr(args, "ep", 1) == 1:
+        raise ValueError(f"--ep-chunks {ep_chunks}: the all-to-all it splits runs with expert "
+                         "parallelism only; add --ep 2 (and --moe-experts E) or leave it out")
+    schedule = getattr(args, "schedule", "1f1b")
+    if schedule != "1f1b" and getattr(args, "pp", 1) == 1:
+        raise ValueError(f"--schedule {schedule} with --pp 1: a schedule orders the pipeline "
+                         "stages' micro-batches, and one stage has no pipeline; add --pp 2 "
+                         "or leave --schedule out")
+    if getattr(args, "dry_run", False):
+        for flag in ("save", "resume"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag} {getattr(args, flag)} with --dry-run: the dry run "
+                                 "trains nothing (meta tensors), so there is no state to "
+                                 f"{'save' if flag == 'save' else 'resume from'}; leave out "
+                                 f"--{flag} or --dry-run")
+        device = getattr(args, "device", "cpu")
+        if device != "cpu":
+            raise ValueError(f"--device {device} with --dry-run: the dry run computes on the "
+                             "meta device and prices the step on --profile's hardware; give "
+                             "--profile (e.g. a100, h100, ascend-910b) instead of --device")
 
 
 def _flag(name: str, value=None) -> str:

@@ -231,6 +231,11 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
                              + ", or start a new run (without resume) to change it")
     # "optim.<fqn>.exp_avg": the fqn itself holds dots
     names = {k[len("optim."):k.rfind(".")] for k in keys if k.startswith("optim.")}
+    bad = model_mismatch(keys, {k: v.shape for k, v in
+                                _model_state(strategy, model).items()},
+                         every=not _distributed(strategy))
+    if bad:
+        raise ValueError(f"resume={path!r}: {bad}")
     _load_copy(path, strategy, model, optimizer, names)
     twin = getattr(strategy, "_twin", None)
     if twin is not None and getattr(strategy, "schedule_name", None) == "dualpipe":
@@ -268,14 +273,16 @@ def check_cli(args, strategy) -> str | None:
     """``train --save / --resume``: what stops the run before it starts, as a message
     (None: nothing)."""
     save_dir, resume_dir = getattr(args, "save", None), getattr(args, "resume", None)
-    if save_dir is None and resume_dir is None:
-        return None
+    if save_dir is not None:
+        bad = save_path_problem(save_dir)
+        if bad:                         # found after the last step, the run would be lost
+            return f"--save {save_dir}: {bad}"
     if resume_dir is None:
         return None
     try:
         train = {"step": 0, "seed": 0, "batch_size": 0}
-        if "train.lr" in F.read_metadata(resume_dir).state_dict_metadata:
-            train["lr"] = 0.0
+        keys = F.read_metadata(resume_dir).state_dict_metadata
+        train.update({k: 0.0 for k in ("lr", "weight_decay") if f"train.{k}" in keys})
         load(resume_dir, {"train": train})
     except (F.CheckpointError, OSError) as e:
         return f"--resume {resume_dir}: {e}"
@@ -284,14 +291,70 @@ def check_cli(args, strategy) -> str | None:
         return (f"--resume {resume_dir}: the run was saved with --lr {train['lr']!r}, this one "
                 f"has {lr!r}; its steps were taken with the saved lr: give --lr "
                 f"{train['lr']!r}, or start a new run (without --resume) to change it")
+    wd = getattr(args, "weight_decay", None)
+    if "weight_decay" in train and wd is not None and float(train["weight_decay"]) != float(wd):
+        return (f"--resume {resume_dir}: the run was saved with --weight-decay "
+                f"{train['weight_decay']!r}, this one has {wd!r}; its steps were taken with the "
+                f"saved one: give --weight-decay {train['weight_decay']!r}, or start a new run "
+                "(without --resume) to change it")
     for k in ("seed", "batch_size"):
         if train[k] != getattr(args, k):
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
                     f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
                     f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
+    bad = _cli_model_mismatch(args, keys)
+    if bad:
+        return f"--resume {resume_dir}: {bad}"
     steps = getattr(args, "steps", None)
     if isinstance(steps, int) and steps < train["step"]:
         return (f"--resume {resume_dir}: the checkpoint has run {train['step']} steps already, "
-                f"--steps {steps} is fewer; --steps is the total to reach: give --steps > "
-                f"{train['step']}")
+                f"--steps {steps} is fewer; --steps is the total to reach: give --steps >= "
+                f"{train['step']} (equal runs no step)")
     return None
+
+
+def save_path_problem(path) -> str | None:
+    """Why a checkpoint cannot be written at ``path`` (a folder made if missing), or None."""
+    import os
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "a file is there, and a checkpoint is a folder; give a folder's path"
+    up = os.path.abspath(path)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+        return f"{up!r} is not a folder this process may write to; give another path"
+    return None
+
+
+def model_mismatch(keys, shapes: dict, every: bool = True) -> str | None:
+    """Why a model whose state dict has ``shapes`` ({name: global shape}) cannot take the
+    checkpoint's ``model.*`` entries (``keys``: its metadata), or None.  ``every``: the
+    checkpoint's parameters must all be in ``shapes`` too (False under torch.distributed,
+    where a process holds its own stages only)."""
+    saved = {k[len("model."):]: md for k, md in keys.items() if k.startswith("model.")}
+    for name, shape in shapes.items():
+        md = saved.get(name)
+        if md is None:
+            return (f"this model's {name!r} is not in the checkpoint (it holds e.g. "
+                    f"{sorted(saved)[:3]}): it was saved from another model; give the saved "
+                    "run's --preset and --moe-* flags")
+        size = tuple(getattr(md, "size", ()))
+        if size != tuple(shape):
+            return (f"{name!r} has shape {tuple(shape)} here and {size} in the checkpoint: it "
+                    "was saved from another model; give the saved run's --preset and "
+                    "--moe-* flags")
+    extra = sorted(set(saved) - set(shapes)) if every else []
+    if extra:
+        return (f"the checkpoint holds {extra[0]!r}, which this model has not: it was saved "
+                "from another model; give the saved run's --preset and --moe-* flags")
+    return None
+
+
+def _cli_model_mismatch(args, keys) -> str | None:
+    """The model the flags build (on the meta device: shapes only) against the checkpoint."""
+    from ..models.config import build_model, get_config
+    from ..recipes.moe import moe_overrides
+    cfg = get_config(getattr(args, "preset", "tiny"), **moe_overrides(args))
+    with torch.device("meta"):
+        model = build_model(cfg, seed=0)
+    return model_mismatch(keys, {k: v.shape for k, v in model.state_dict().items()})

@@ -46,7 +46,6 @@ from ..parallel.placement import Replicate, Shard
 from ..parallel.strategies.context_parallel import (check_ring, context_parallel,
                                                     slot_positions, to_ring_layout)
 from ..parallel.strategies.data_parallel import DataParallel
-from ..parallel.strategies.memory import saved_activation_bytes
 from ..parallel.reshard import reshard
 from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
                                                    tensor_parallel_region)
@@ -227,7 +226,12 @@ class ContextParallel(Hybrid):
             logits = self._stage(model, 0, self._batch(inputs, mesh))
             return self._loss(logits, self._batch(targets, mesh))
         params = [p for _, p in dist_parameters(model)]
-        loss, saved = saved_activation_bytes(forward, params=params, lead_dims=mesh.ndim)
+        # what one rank keeps for backward, counted as the dry run counts it (a broadcast
+        # copy the simulator makes of a stacked tensor counted as its source; checkpointed
+        # blocks' inputs): plan.meta_run.SavedCounter
+        from ..plan.meta_run import SavedCounter
+        with SavedCounter(mesh, params).counting() as saved:
+            loss = forward()
         self.last_activation_bytes = saved.bytes
         loss.backward()
         return loss.full().detach()

@@ -122,7 +122,8 @@ def _own_rows(nd, ctx, x, t, cdim):
         shape = [1] * (t.dim() - nd)
         shape[td] = n_loc
         off = ctx.offsets(xspec, d, like=x).reshape(tuple(x.shape[:nd]) + (1,) * (t.dim() - nd))
-        rows = off + torch.arange(n_loc).view(tuple(shape))           # (lead, 1.., n_loc, 1..)
+        # (lead, 1.., n_loc, 1..); on the offsets' device (meta in a dry run)
+        rows = off + torch.arange(n_loc, device=off.device).view(tuple(shape))
         t, rows = _bcast(nd, t, rows)
         size = list(t.shape)
         size[nd + td] = n_loc

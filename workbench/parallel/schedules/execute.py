@@ -59,8 +59,10 @@ def _detach_leaf(t):
     return t.detach().requires_grad_()
 
 
-def _send(t, dst_mesh, placements, label):
-    """Move DistTensor t onto dst_mesh; record async sends in the trace."""
+def _send(t, dst_mesh, placements, label, ready=None):
+    """Move DistTensor t onto dst_mesh; record async sends in the trace.  ``ready``:
+    {sender rank: when its data was ready} (default: the sender's clock now, right for
+    a send issued as soon as its data is made)."""
     tr = current_trace()
     with suspend():
         out = reshard(t, dst_mesh, placements)
@@ -70,7 +72,8 @@ def _send(t, dst_mesh, placements, label):
             if a == b:
                 continue
             dur = _cost.price("send_recv", nb, (a, b), tr.profile)
-            h = tr.record_send(a, b, "send_recv", dur, ready=tr.now(a), bytes=nb, label=label,
+            at = tr.now(a) if ready is None else ready[a]
+            h = tr.record_send(a, b, "send_recv", dur, ready=at, bytes=nb, label=label,
                                args={"src": a, "dst": b})
             tr.wait(h)
     return out
@@ -149,6 +152,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
     stage_in: dict = {}          # (stage, mb) -> input leaf (detached) of that stage
     stage_out: dict = {}         # (stage, mb) -> output of that stage
     grad_in: dict = {}           # (stage, mb) -> gradient arriving for the stage's output
+    made: dict = {}              # (stage, mb) -> {rank: when its output was ready}
     losses = [0.0] * m
     done = []
     last = schedule.stages - 1
@@ -164,8 +168,10 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                                            f"input {a.mb} -> rank {r}"))
             else:
                 prev = stage_out[(s - 1, a.mb)]
+                # the send leaves when stage s-1 made it, not when stage s asks: its rank
+                # may have run later actions by now (1F1B's next forward and backward)
                 x = _send(prev.detach(), meshes[r], prev.placements,
-                          f"F{a.mb} stage {s - 1}->{s}")
+                          f"F{a.mb} stage {s - 1}->{s}", ready=made.pop((s - 1, a.mb), None))
                 x = _detach_leaf(x)
             stage_in[key] = x
             with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
@@ -174,6 +180,9 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             else:
                 check_sendable(out, slot)
+                tr = current_trace()
+                if tr is not None:
+                    made[key] = {q: tr.now(q) for q in out.mesh.ranks}
             stage_out[key] = out
         else:
             out = stage_out[key]
