@@ -12,10 +12,10 @@ import torch
 import workbench as wb
 
 R, S = wb.Replicate, wb.Shard
-# two collectives the run makes outside the program's reshards and gradient reductions:
-# cross_entropy's own all-reduce of the target count (inside the op) and the P(sum) loss
-# reduced by DistTensor.backward() before autograd starts
-OUTSIDE = ("cross_entropy: global count of targets", "P(sum)->R on dp")
+# the collective the run makes outside the program's reshards and gradient reductions:
+# cross_entropy's own all-reduce of the target count (inside the op); DistTensor.backward()
+# seeds the P(sum) loss on every rank without reducing it
+OUTSIDE = ("cross_entropy: global count of targets",)
 
 
 def _llama(mesh):
@@ -64,7 +64,7 @@ def test_the_run_makes_the_collectives_its_schedule_prices(level):
     prog, tr = _run(level)
     sched = prog.schedule
     assert _ran(tr) == _priced(prog, sched), f"{prog.passes()}\n{sched}"
-    # and the time: the run's step, less the two collectives outside the program, is the
+    # and the time: the run's step, less the collective outside the program, is the
     # schedule's (the run's kernels in autograd's order, not the schedule's: not to the bit)
     outside = sum(e.duration for e in tr.events
                   if e.stream == "comm" and 0 in e.ranks and e.label in OUTSIDE)

@@ -37,20 +37,33 @@ def _regathers(tr):
     return [e for e in tr.collectives() if e.label == "zero-3 re-gather"]
 
 
+def _issued_at(z, t):
+    """How many gathers were issued at time ``t`` (their buffers held: the ledger grows)."""
+    tl = [(s, b) for s, b in z.live.timeline]
+    return sum(1 for (_, a), (s, b) in zip([(None, 0)] + tl, tl)
+               if s == pytest.approx(t) and b > a)
+
+
 def test_backward_gathers_start_at_the_end_of_the_forward():
     """With room for all three modules, their backward gathers are issued when the last
     forward ends (before any backward compute), the last module's first."""
     z, tr, fwd_end = _run(prefetch_numel=10 * NUMEL)
     rg = _regathers(tr)
-    bwd = [e for e in tr.events if e.args.get("phase") == "backward"]
     assert len(rg) == 3
-    assert all(e.start == pytest.approx(fwd_end) or e.start > fwd_end for e in rg)
-    assert all(e.start < min(b.start for b in bwd) for e in rg)
-    assert [e.start for e in rg] == sorted(e.start for e in rg)
-    # so no backward computes later than the one before it ended: nothing waits
-    comp = sorted((e for e in tr.events if e.stream == "compute" and 0 in e.ranks
-                   and e.args.get("phase") == "backward"), key=lambda e: e.start)
-    assert all(b.start == pytest.approx(a.end) for a, b in zip(comp, comp[1:]))
+    # all three issued at the forward's end (their buffers held from then on), and run back
+    # to back on the comm stream from there, beside the loss's backward
+    assert _issued_at(z, fwd_end) == 3
+    assert rg[0].start == pytest.approx(fwd_end)
+    assert all(b.start == pytest.approx(a.end) for a, b in zip(rg, rg[1:]))
+    # each module's backward (last module first: two GEMMs each, one for the first module,
+    # which reads data: no input gradient) waits for its own gather only
+    lin = sorted((e for e in tr.events if e.stream == "compute" and 0 in e.ranks
+                  and e.name == "linear" and e.args.get("phase") == "backward"),
+                 key=lambda e: e.start)
+    assert len(lin) == 5
+    for j, g in enumerate(rg):
+        prev = lin[2 * j - 1].end if j else fwd_end
+        assert lin[2 * j].start == pytest.approx(max(g.end, prev))
 
 
 @pytest.mark.parametrize("budget, at_end", [(0, 0), (1, 1), (NUMEL, 1), (NUMEL + 1, 2),
@@ -60,9 +73,8 @@ def test_the_forward_end_prefetch_respects_prefetch_numel(budget, at_end):
     least one when it is > 0, DeepSpeed's coordinator); 0 prefetches nothing."""
     z, tr, fwd_end = _run(prefetch_numel=budget)
     rg = _regathers(tr)
-    bwd0 = min(e.start for e in tr.events if e.args.get("phase") == "backward")
     assert len(rg) == 3                                 # every module re-gathered once
-    assert sum(e.start < bwd0 for e in rg) == at_end
+    assert _issued_at(z, fwd_end) == at_end
 
 
 def test_gathered_copies_are_counted_while_they_live():

@@ -1,5 +1,6 @@
 """``torch.autograd.backward`` and ``torch.autograd.grad`` with DistTensors among the
-outputs or inputs, as ``DistTensor.backward`` does it: a Partial output is reduced first,
+outputs or inputs, as ``DistTensor.backward`` does it: a Partial sum or avg output seeds each
+rank's partial with its share (no all-reduce), a max or min one is reduced first,
 a one-element output's implicit gradient is 1, a replicated value's gradient goes to its
 one stored copy; the gradient of a DistTensor input comes back as a DistTensor laid out
 as its ``.grad`` would be."""

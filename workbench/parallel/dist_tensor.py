@@ -181,7 +181,7 @@ class DistTensor:
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False,
                  inputs=None) -> None:
-        """Backpropagate from this DistTensor (a Partial value is reduced first).
+        """Backpropagate from this DistTensor (a Partial sum or avg without reducing it).
 
         ``gradient``: the gradient of the global tensor, as a DistTensor of the same
         shape on the same mesh (resharded to this layout if needed) or a plain tensor of
@@ -205,29 +205,33 @@ class DistTensor:
 
     def _seed(self, gradient, fn: str):
         """The local tensors to start backpropagation from and their gradients (None: a
-        one-element value's implicit 1), for ``backward`` and ``torch.autograd.grad``."""
+        one-element value's implicit 1), for ``backward`` and ``torch.autograd.grad``.
+        A Partial sum or avg seeds each rank's partial with its share of the gradient
+        (storage.seed_like: no all-reduce, as torch); a max or min one is reduced first."""
         from .reshard import reshard
         t = self
-        if any(p.is_partial() for p in self.placements):
-            t = reshard(self, self.mesh, [Replicate() if p.is_partial() else p
-                                          for p in self.placements])
+        seed_ps = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        if seed_ps != self.placements and not storage.seeds_partial(
+                self._local, self.mesh, self.placements):
+            t = reshard(self, self.mesh, seed_ps)
         if gradient is None:
-            # replicated axes are compact (size 1): the first element is the one value
-            return [storage.tensors(t._local)[0].reshape(-1)[:1].sum()], [None]
+            if t.placements == seed_ps:
+                # replicated axes are compact (size 1): the first element is the one value
+                return [storage.tensors(t._local)[0].reshape(-1)[:1].sum()], [None]
+            gradient = torch.ones(t.shape, dtype=t.dtype, device=storage.device(t._local))
         if isinstance(gradient, DistTensor):
             if gradient.mesh != t.mesh or gradient.shape != t.shape:
                 raise ValueError(f"{fn}(gradient={gradient!r}): expected the shape "
                                  f"{tuple(t.shape)} on {t.mesh}; reshard or give a plain tensor")
-            g = gradient if gradient.placements == t.placements else \
-                reshard(gradient, t.mesh, t.placements)
+            g = gradient if gradient.placements == seed_ps else \
+                reshard(gradient, t.mesh, seed_ps)
         else:
             gt = _as_tensor(gradient, "gradient", fn)
             if gt.shape != t.shape:
                 raise ValueError(f"{fn}(gradient of shape {tuple(gt.shape)}): expected the "
                                  f"global shape {tuple(t.shape)}")
-            g = shard_tensor(gt.to(t.dtype), t.mesh, t.placements)
-        # one copy stands for a replicated value: the gradient goes to the first copy
-        gl = storage.first_copy_like(g._local, t._local, t.mesh.ndim)
+            g = shard_tensor(gt.to(t.dtype), t.mesh, seed_ps)
+        gl = storage.seed_like(g._local, t._local, t.mesh, t.placements)
         return storage.tensors(t._local), storage.tensors(gl)
 
     # ---- printing --------------------------------------------------------------------

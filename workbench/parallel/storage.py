@@ -30,14 +30,13 @@ from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import grid
 from ..sim_mesh.grid import Cells
-from ..sim_mesh.trace import current_trace
 from . import layout
 from .placement import Partial, Replicate, Shard
 
 __all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
-           "map_tensors", "device", "first_copy_like", "local_step", "run_per_cell",
+           "map_tensors", "device", "seeds_partial", "seed_like", "local_step", "run_per_cell",
            "keep_first_replica", "backward_scalar"]
 
 
@@ -200,27 +199,24 @@ def map_tensors(loc, fn):
 
 
 def backward_scalar(loc, mesh, placements) -> bool:
-    """``backward()`` from a one-element value held stacked, where it needs no recorded
-    communication: replicated (compact), or a Partial sum outside a trace, whose
-    all-reduce's gradient is 1 on every rank (the reduced value itself is not needed).
-    True if done; False for the caller's general path (other forms, a traced or
-    non-sum Partial, non-real dtypes)."""
+    """``backward()`` from a one-element value held stacked: replicated (compact), or a
+    Partial sum or avg, each rank's partial seeded with its share of the implicit 1 (1,
+    or 1/n for avg: see :func:`seed_like`; no all-reduce).  True if done; False for the
+    caller's general path (other forms, a max / min Partial, non-real dtypes)."""
     if isinstance(loc, Cells) or _B.is_distributed(mesh) or not loc.is_floating_point() \
             or loc.numel() != math.prod(loc.shape[:mesh.ndim]):
         return False
-    partial = False
+    share = 1
     for p, n, k in zip(placements, mesh.shape, loc.shape):
         if isinstance(p, Partial):
-            if p.reduce_op != "sum" or k != n:
+            if p.reduce_op not in ("sum", "avg") or k != n:
                 return False
-            partial = True
+            share *= n if p.reduce_op == "avg" else 1
         elif k != 1:
             return False
-    if partial and current_trace() is not None:
-        return False
     # one 1 for every rank, held once (stride 0): the gradient is the same on every rank,
     # and the backward of a row-parallel linear sees it (ops_table/matmul._RankLinear)
-    ones = loc.new_ones(()).expand(loc.shape)
+    ones = (loc.new_ones(()) if share == 1 else loc.new_full((), 1.0 / share)).expand(loc.shape)
     if _ENGINE_RUN is not None and _FUNCTORCH_ACTIVE is not None and \
             type(loc) is torch.Tensor and not _FUNCTORCH_ACTIVE():
         # what torch.autograd.backward runs once it has checked its arguments (a gradient of
@@ -244,24 +240,50 @@ def device(loc) -> torch.device:
     return tensors(loc)[0].device
 
 
-def first_copy_like(g, like, nd: int):
-    """``g`` (same layout as ``like``, replicated axes compact) arranged as ``like``:
-    along an axis where ``like`` holds one copy per rank and ``g`` one copy in all, the
-    first rank gets ``g`` and the others zeros (one copy stands for a replicated value,
-    as in backward of a scalar)."""
+def seeds_partial(like, mesh, placements) -> bool:
+    """True if backward can start from the partials of ``like`` (laid out by
+    ``placements``) as they are, without reducing them: every Partial is a sum or an avg
+    and holds one partial per rank (on torch.distributed, this process's own).  A max or
+    min Partial needs the reduced value (which rank holds it) first."""
+    lead = None if _B.is_distributed(mesh) else _lead(like, mesh.ndim)
+    return all(not isinstance(p, Partial) or (p.reduce_op in ("sum", "avg") and (
+        lead is None or lead[i] == mesh.shape[i])) for i, p in enumerate(placements))
+
+
+def seed_like(g, like, mesh, placements):
+    """The gradient to start backward from the local data ``like`` (laid out by
+    ``placements``; a Partial is a sum or avg, see :func:`seeds_partial`), given ``g``,
+    the global tensor's gradient laid out as ``like`` with each Partial made Replicate
+    (replicated axes compact).  Along a Partial axis every rank's partial gets its share:
+    d(sum_i x_i)/dx_i = g, d(mean_i x_i)/dx_i = g/n (no all-reduce: each DDP rank
+    backprops its own loss, and DTensor's ``ones_like`` of a Partial is Replicate
+    without communication, torch/distributed/tensor/_ops/_tensor_ops.py
+    create_like_strategy).  Along a replicated axis where ``like`` holds one copy per
+    rank, one copy stands for the value: the first rank gets ``g``, the others zeros
+    (as in backward of a scalar).  On torch.distributed, this process's share."""
+    nd = mesh.ndim
+    share = math.prod(n for p, n in zip(placements, mesh.shape)
+                      if isinstance(p, Partial) and p.reduce_op == "avg")
+    if share != 1:
+        g = map_tensors(g, lambda t: t / share)
+    if _B.is_distributed(mesh):
+        return g
+    spread = [isinstance(p, Partial) for p in placements]
     if isinstance(like, Cells) or isinstance(g, Cells):
         g = to_cells(g, nd)
-        src = g
         lead = _lead(like, nd)
         if g.lead == lead:
             return g
-        grown = [i for i in range(nd) if src.lead[i] < lead[i]]
+        grown = [i for i in range(nd) if g.lead[i] < lead[i] and not spread[i]]
         coords = itertools.product(*[range(n) for n in lead])
-        return Cells(lead, [src[c] if all(c[i] == 0 for i in grown) else torch.zeros_like(src[c])
+        return Cells(lead, [g[c] if all(c[i] == 0 for i in grown) else torch.zeros_like(g[c])
                             for c in coords])
     for i in range(nd):
         n = like.shape[i]
         if g.shape[i] == 1 and n > 1:
+            if spread[i]:          # the same gradient on every rank, held once (stride 0)
+                g = g.expand(*[n if j == i else -1 for j in range(g.dim())])
+                continue
             zshape = list(g.shape)
             zshape[i] = n - 1
             g = torch.cat([g, g.new_zeros(zshape)], dim=i)

@@ -40,8 +40,9 @@ What is composed from those measurements (not run op by op):
   output added to its forward and of its input gradient to its backward (Megatron's
   p2p is blocking in the 1F1B steady state);
 - step time = the pipeline's makespan + the slowest stage's measured optimizer-step
-  collectives + its AdamW update (not traced by ``DataParallel``: priced as the planner
-  does, 28 bytes per updated parameter on the roofline, ``plan.estimate``) + with
+  collectives + its AdamW update (priced as the planner does, 28 bytes per updated
+  parameter on the roofline, ``sim_mesh.optimizer_cost``, in place of the update the
+  trace would record: ``parallel.step_clock.unpriced``) + with
   pp > 1 and tied embeddings, Megatron's all-reduce of the word-embedding gradient
   between the first and last stage (priced on their ranks);
 - memory per pipeline rank: model states from the real sharded parameters (sizes of
@@ -98,7 +99,9 @@ import torch
 
 from ..parallel import schedules as S
 from ..recipes.hybrid import Hybrid      # the dense recipe (built by dryrun_ep_cp.recipe)
-from ..sim_mesh.cost import compute_time, price
+from ..parallel.step_clock import unpriced
+from ..sim_mesh.cost import price
+from ..sim_mesh.optimizer_cost import mixed_adamw_seconds
 from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout
 from . import dryrun_ep_cp as _ep_cp
@@ -231,13 +234,14 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             ranks = h.meshes[s % lay.pp].ranks
             t0 = max(tr.now(r, "comm") for r in ranks)
             t0 = max(t0, max(tr.now(r) for r in ranks))
-            for o in opts[s]:                # the DP / ZeRO collectives, as issued
-                o.step()                     # (with ep: the dense layers', the experts')
+            with unpriced():                 # the update: priced below, as the planner
+                for o in opts[s]:            # the DP / ZeRO collectives, as issued
+                    o.step()                 # (with ep: the dense layers', the experts')
             t1 = max(max(tr.now(r), tr.now(r, "comm")) for r in ranks)
             mixed = cfg.dtype in _MIXED
             mem = _sum_memory([o.memory(mixed_precision=mixed) for o in opts[s]])
             upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
-            opt_t[s] = {"sync": t1 - t0, "adamw": compute_time(0.0, 28 * upd, prof, "float32"),
+            opt_t[s] = {"sync": t1 - t0, "adamw": mixed_adamw_seconds(upd, prof),
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
             step_bytes[s] = _minus(tr.bytes_per_rank(), b0)

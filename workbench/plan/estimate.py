@@ -58,7 +58,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sim_mesh.cost import compute_time, overlap_rate, wire_bytes
+from ..sim_mesh.cost import overlap_rate, wire_bytes
+from ..sim_mesh.optimizer_cost import mixed_adamw_seconds
 from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
@@ -422,7 +423,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
-        opt = compute_time(0.0, 28 * updated, prof, "float32")
+        opt = mixed_adamw_seconds(updated, prof)     # sim_mesh.optimizer_cost: 28 B each
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,

@@ -101,6 +101,12 @@ class Trace:
         self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end) in flight
         self._last: dict[int, int] = {}       # rank -> index of its last compute event
         self._rate = overlap_rate(self.profile)
+        self.notes: list[str] = []            # what the clock leaves out, said once each
+
+    def note(self, text: str) -> None:
+        """Say what this trace's clock leaves out (e.g. an optimizer it cannot price)."""
+        if text not in self.notes:
+            self.notes.append(text)
 
     @property
     def events(self) -> list[Event]:

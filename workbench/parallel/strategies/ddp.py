@@ -94,6 +94,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import pack, unpack
@@ -192,6 +193,7 @@ class DistributedDataParallel(ModuleWrapper):
                             p.requires_grad, f"on {g.n} simulated ranks it holds one row per "
                             f"rank (shape {(g.n,) + shape})", shape, Rows(g.n, bf))
             rows._wb_rows = g.n             # one copy per rank: ZeroRedundancyOptimizer reads it
+            step_clock.hold([rows], g.ranks, 1)     # an optimizer's step: on their clock
             rows._wb_src = bf               # the row the state dicts give (.replica_writes)
             replace_parameter(m, p, rows)
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's

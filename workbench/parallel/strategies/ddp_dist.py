@@ -47,6 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.collectives import Cells
+from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel, check_broadcast_buffers
@@ -120,6 +121,7 @@ class GradReplicas:
                     shape[a] = mesh.shape[a]
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
+            step_clock.hold([p._local], mesh.ranks, mesh.ndim)       # an optimizer's step over it: on the clock
             if trainable:
                 self.hooked.add(id(p))
                 p._local.register_hook(self._before_grad(p))

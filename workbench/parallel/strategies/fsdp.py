@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import step_clock
 from ..load_back import flush
 from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
@@ -153,6 +154,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
                          f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
                          f"(shape {tuple(shard.shape)})", p.shape, how)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
+        if not g.distributed:           # a row per rank: an optimizer's step on their clock
+            step_clock.hold([shard], g.ranks, 1)
         return shard
 
     def _hook_shards(self):

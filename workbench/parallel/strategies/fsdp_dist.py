@@ -55,6 +55,7 @@ from torch import nn
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
+from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
@@ -138,6 +139,7 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             shard = laid_out(self.chunk_of(loc), p.requires_grad,
                              f"it holds each dp rank's flat chunk of {qname}'s local shards "
                              f"(the {tuple(p.shape)} DistTensor)")
+            step_clock.hold([shard], mesh.ranks, mesh.ndim)          # an optimizer's step over it: on the clock
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)
             self._places.append(places)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import step_clock
 from .ranks import RankGroup
 from .torch_kwargs import zero_torch_kwargs
 
@@ -104,6 +105,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         key = (id(p), k)
         if key not in self._views:       # row k of p, sharing its storage
             self._views[key] = nn.Parameter(p.data[k], requires_grad=p.requires_grad)
+            # rank k's optimizer steps it: on rank k's clock (parallel/step_clock.py)
+            step_clock.hold([self._views[key]], (self.group.global_rank(k),), 0)
         return self._views[key]
 
     def _build(self, k):

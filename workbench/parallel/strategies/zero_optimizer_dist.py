@@ -43,6 +43,7 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
 from ...ops.adamw import AdamW as _AdamW
+from .. import step_clock
 from ..module_state import clear_grad
 from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
@@ -129,6 +130,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         # rank k's chunk k of each flat padded replica: the leaves the optimizer steps
         self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
                                     requires_grad=p.requires_grad) for p in self.params]
+        step_clock.hold(self.shards, mesh.ranks, nd)          # the inner optimizer's step: on the clock
         torch.optim.Optimizer.__init__(self, self.shards, dict(kwargs))
         self.optimizer_class = optimizer_class
         self._inner = optimizer_class(self.shards, **kwargs)
