@@ -298,6 +298,12 @@ def test_ddp_state_dict_write_then_a_write_to_the_parameters():
     # "every row changed, not alike" and raised; each process runs both lines in order
     mesh = wb.Mesh.grid(2, ["dp"])
     w, ref = wb.DistributedDataParallel(_mlp(), mesh), _mlp()
+    write_then_scale_matches(w, ref, X, mesh)
+
+
+def write_then_scale_matches(w, ref, x, mesh):
+    """A state-dict write of the first weight, then every parameter scaled in place: the
+    wrapper's output equals the plain module's under the same two writes."""
     w.state_dict()["module.0.weight"].fill_(1)
     ref[0].weight.data.fill_(1)
     with torch.no_grad():
@@ -305,4 +311,4 @@ def test_ddp_state_dict_write_then_a_write_to_the_parameters():
             p.mul_(0.5)
         for p in ref.parameters():
             p.mul_(0.5)
-    torch.testing.assert_close(w(wb.shard_tensor(X, mesh, [wb.Shard(0)])).full(), ref(X))
+    torch.testing.assert_close(w(wb.shard_tensor(x, mesh, [wb.Shard(0)])).full(), ref(x))

@@ -9,6 +9,7 @@ import torch
 
 import workbench as wb
 from workbench import Replicate, Shard
+from tests.test_ddp_writes import write_then_scale_matches
 
 BF = torch.bfloat16
 
@@ -138,14 +139,7 @@ def test_ddp_write_then_parameter_write_after_a_step_that_raised():
         opt.step(closure)
     x = _x((6, 4), 5)
     w(wb.shard_tensor(x, mesh, [Shard(0)]))              # a forward after the failed step
-    w.state_dict()["module.0.weight"].fill_(1)
-    ref[0].weight.data.fill_(1)
-    with torch.no_grad():
-        for p in w.parameters():
-            p.mul_(0.5)
-        for p in ref.parameters():
-            p.mul_(0.5)
-    torch.testing.assert_close(w(wb.shard_tensor(x, mesh, [Shard(0)])).full(), ref(x))
+    write_then_scale_matches(w, ref, x, mesh)
 
 
 # ---- torch.optim optimizers that are not elementwise, over DDP's rows / FSDP's chunks -----
