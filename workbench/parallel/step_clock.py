@@ -112,14 +112,20 @@ def _pre(opt, args, kwargs) -> None:
                 unknown = True
                 continue
             local = math.prod(p.shape[lead:])               # what each rank holds
-            w = work.setdefault((ranks, k.name, p.dtype), [0, 0])
+            w = work.setdefault((ranks, k.name, p.dtype), [0, 0, set()])
             w[0] += k.accesses * local * p.element_size()
-            w[1] = w[1] + k.launches if k.per_tensor else k.launches
+            # torch runs the foreach / fused kernels once per param group and (device,
+            # dtype) (_group_tensors_by_device_and_dtype), a for-loop's per parameter
+            if k.per_tensor or id(group) not in w[2]:
+                w[1] += k.launches
+                w[2].add(id(group))
+            w[1] += k.launches_each
     if unknown:
         tr.note(f"{type(opt).__name__}.step() not on the modeled clock: the bytes of "
                         f"its kernels are not modeled (priced: "
                         f"{', '.join(c.__name__ for c in PRICED[:3])}, wb.ops.AdamW)")
-    _PENDING[id(opt)] = [(ranks, b, n, dt, name) for (ranks, name, dt), (b, n) in work.items()]
+    _PENDING[id(opt)] = [(ranks, b, n, dt, name)
+                         for (ranks, name, dt), (b, n, _) in work.items()]
 
 
 def _post(opt, args, kwargs) -> None:

@@ -53,6 +53,9 @@ class StepKernels:
     launches: int
     per_tensor: bool
     name: str
+    # kernels run one parameter at a time besides the foreach ones (foreach SGD's
+    # first-step ``device_grads[i].detach().clone()``, torch/optim/sgd.py)
+    launches_each: int = 0
 
 
 def adam_kernels(*, decoupled: bool, weight_decay: float, fused: bool, foreach: bool,
@@ -82,11 +85,16 @@ def sgd_kernels(*, momentum: float, weight_decay: float, nesterov: bool, fused: 
         acc, k = acc + 3, k + 1
     if maximize:
         acc, k = acc + 2, k + 1
+    each = 0
     if momentum:
-        acc, k = (acc + 2, k + 1) if first_step else (acc + 5, k + 2)
+        if first_step:      # the clone runs one parameter at a time, foreach or not
+            acc, k, each = (acc + 2, k, 1) if foreach else (acc + 2, k + 1, 0)
+        else:
+            acc, k = acc + 5, k + 2
         if nesterov:
             acc, k = acc + 3, k + 1
-    return StepKernels(acc, k, not foreach, f"SGD ({'foreach' if foreach else 'for-loop'})")
+    return StepKernels(acc, k, not foreach, f"SGD ({'foreach' if foreach else 'for-loop'})",
+                       each)
 
 
 def step_seconds(nbytes: float, launches: int, profile, dtype) -> float:
