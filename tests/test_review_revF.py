@@ -60,3 +60,32 @@ def test_sgd_foreach_first_step_clones_one_parameter_at_a_time():
     numel = D_IN * D_OUT + D_OUT
     assert first.duration == pytest.approx((3 + 2) * 4 * numel / BW + (2 + 1) * LAUNCH)
     assert second.duration == pytest.approx((3 + 5) * 4 * numel / BW + 3 * LAUNCH)
+
+
+# ---- backward into some inputs only (ops_table/pricing.py, backward_split.py) ----------
+# torch's mm / linear backward computes only the gradients the engine will use
+# (Node::task_should_compute_output): torch.autograd.grad(loss, x) and
+# loss.backward(inputs=[x]) run the dgrad GEMM, never the wgrad.
+
+@pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs", "weights_only"])
+def test_backward_into_some_inputs_prices_only_the_gemms_torch_runs(how):
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    x = wb.shard_tensor(torch.randn(64, 32, generator=g), mesh, [wb.Shard(0)]).requires_grad_()
+    w = wb.shard_tensor(torch.randn(32, 16, generator=g), mesh,
+                        [wb.Replicate()]).requires_grad_()
+    with wb.trace("a100") as tr:
+        loss = (x @ w).square().mean()
+        n0 = len(tr.events)
+        if how == "autograd_grad":
+            (gx,) = torch.autograd.grad(loss, x)
+            assert w.grad is None and gx.shape == x.shape
+        elif how == "backward_inputs":
+            loss.backward(inputs=[x])
+            assert w.grad is None and x.grad is not None
+        else:
+            loss.backward(inputs=[w])
+            assert x.grad is None and w.grad is not None
+    parts = [e.args.get("part") for e in tr.events[n0:]
+             if e.name == "matmul" and e.args.get("phase") == "backward" and 0 in e.ranks]
+    assert parts == (["wgrad"] if how == "weights_only" else ["dgrad"]), parts

@@ -8,8 +8,7 @@ GEMM's dgrad ``dA = dC B^T``), ``W`` the weight gradients (each GEMM's wgrad
 inputs=[stage input])``: autograd's engine then executes only the graph nodes on the way
 to that input, and a GEMM's backward computes only the gradients the engine will use
 (``Node::task_should_compute_output``).  So that the clock prices what runs, a GEMM
-recorded inside :func:`capture` notes the autograd node each of its inputs' gradients
-goes to (:func:`edges_of`), and its backward asks the engine which of them it will
+recorded in a trace notes the autograd node each of its inputs' gradients goes to (:func:`edges_of`), and its backward asks the engine which of them it will
 execute now (:func:`running`, ``torch._C._will_engine_execute_node``, as
 ``torch.autograd.graph.register_multi_grad_hook`` does): ``B`` prices the dgrad (and
 the gradient of any operand computed from the stage input), ``W``
@@ -19,34 +18,20 @@ that runs them first (``B``), as Qi et al. keep them in ``B``.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import storage
 
-__all__ = ["capture", "edges_of", "running"]
-
-_ON: list = [False]
-
-
-@contextlib.contextmanager
-def capture():
-    """GEMMs recorded inside note their inputs' autograd nodes (module docstring)."""
-    _ON.append(True)
-    try:
-        yield
-    finally:
-        _ON.pop()
+__all__ = ["edges_of", "running"]
 
 
 def edges_of(inputs) -> "tuple | None":
     """Per input (local data in any form :mod:`..storage` holds, or a non-tensor): the
-    autograd nodes its gradient goes to (a leaf's accumulator, else its ``grad_fn``);
-    None outside :func:`capture`."""
-    if not _ON[-1]:
-        return None
+    autograd nodes its gradient goes to (a leaf's accumulator, else its ``grad_fn``).
+    Noted for every GEMM, not only in a split backward: any backward into some inputs
+    only (``torch.autograd.grad(loss, x)``, ``loss.backward(inputs=[x])``) skips the
+    other inputs' GEMMs as a zero-bubble ``B`` does."""
     out = []
     for x in inputs:
         ts = storage.tensors(x) if isinstance(x, (torch.Tensor, storage.Cells)) else []

@@ -25,7 +25,6 @@ the rank really ran, so the trace shows the schedule's bubbles as they happen.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,7 +36,6 @@ from ...sim_mesh.backward_pass import weight_pass
 from ...sim_mesh.trace import current_trace, suspend
 from .. import storage
 from ..dist_tensor import DistTensor
-from ..ops_table import backward_split
 from ..reshard import reshard
 from .actions import Action, Schedule
 from .execute_checks import check_even_microbatches, check_sendable, check_weights
@@ -122,11 +120,11 @@ def run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequenc
             backward and no gradient is touched; ``loss_fn`` may be None, and
             ``PipelineRun.outputs`` holds the last stage's output of each micro-batch.
     """
-    # a split backward: the GEMMs note where their gradients go, so that B and W are
-    # priced with the kernels each runs, B + W one backward (ops_table.backward_split)
-    with backward_split.capture() if schedule.split_backward else contextlib.nullcontext():
-        return _run_pipeline(schedule, stages, meshes, inputs, loss_fn, params=params,
-                             costs=costs, forward_only=forward_only)
+    # a split backward: the GEMMs note where their gradients go (in every trace), so that
+    # B and W are priced with the kernels each runs, B + W one backward
+    # (ops_table.backward_split)
+    return _run_pipeline(schedule, stages, meshes, inputs, loss_fn, params=params,
+                         costs=costs, forward_only=forward_only)
 
 
 def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequence,
