@@ -40,3 +40,21 @@ def test_activation_checkpoint_recompute_reads_the_param_dtype_copy(monkeypatch,
     want = _ac_tp_fsdp_run(monkeypatch, mp, None)
     got = _ac_tp_fsdp_run(monkeypatch, mp, reentrant)
     assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_ddp_forward_sync_buffers_true_is_torchs_default():
+    # torch 2.13 DDP: forward_sync_buffers=None means True (broadcast_buffers' successor:
+    # rank 0's buffers before each forward), the behaviour built here; True was refused
+    # with "leave it None"
+    from torch import nn
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    m.eval()
+    x = torch.randn(4, 3)
+    want = m(x)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    d = wb.DistributedDataParallel(m, mesh, forward_sync_buffers=True)
+    out = d(x)
+    torch.testing.assert_close(out.full() if isinstance(out, wb.DistTensor) else out, want)
+    with pytest.raises(NotImplementedError, match="forward_sync_buffers=False"):
+        wb.DistributedDataParallel(nn.Linear(3, 4), mesh, forward_sync_buffers=False)
