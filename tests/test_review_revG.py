@@ -58,3 +58,28 @@ def test_ddp_forward_sync_buffers_true_is_torchs_default():
     torch.testing.assert_close(out.full() if isinstance(out, wb.DistTensor) else out, want)
     with pytest.raises(NotImplementedError, match="forward_sync_buffers=False"):
         wb.DistributedDataParallel(nn.Linear(3, 4), mesh, forward_sync_buffers=False)
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_muon_over_laid_out_storage_refused_before_the_step(wrapper):
+    # torch.optim.Muon (torch 2.13, _muon.py) orthogonalizes each 2-d parameter's update
+    # and scales lr by its shape: over FSDP's (N, chunk) storage (2-d for any parameter)
+    # or DDP's (N, d) rows of a 1-d one it took the storage as the matrix, a silently
+    # other update than one device's (which refuses a 1-d parameter)
+    from torch import nn
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 5, bias=False) if wrapper == "fsdp" else nn.Linear(3, 5)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    if wrapper == "fsdp":
+        w = wb.FullyShardedDataParallel(lin, mesh)
+        params = list(w.parameters())
+    else:
+        w = wb.DistributedDataParallel(lin, mesh)
+        params = [lin.bias]                          # (2, 5) rows: 2-d for Muon
+    opt = torch.optim.Muon(params, lr=0.1)
+    out = w(torch.randn(4, 3))
+    (out.full() if isinstance(out, wb.DistTensor) else out).sum().backward()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(NotImplementedError, match="Muon"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
