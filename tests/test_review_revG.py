@@ -83,3 +83,50 @@ def test_muon_over_laid_out_storage_refused_before_the_step(wrapper):
     with pytest.raises(NotImplementedError, match="Muon"):
         opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+def _read_before_run_grad_norm(monkeypatch, wrap, first):
+    """Total grad norm after one training step of a TP model whose forward reads
+    head.weight before head runs (``first``: a forward run before it: no_grad / a
+    training step's forward and backward)."""
+    from tests.test_fully_shard import TPNet
+
+    def fwd(self, ids):
+        w = self.head.weight                  # read before head runs in this forward
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h) + 0.1 * F.linear(h, w)
+    monkeypatch.setattr(TPNet, "forward", fwd)
+    m, mesh = tp_model(), None
+    if wrap:
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                        "blocks.*.down": wb.RowwiseParallel()})
+        wb.parallelize(m, mesh)
+        for b in m.blocks:
+            wb.fully_shard(b, mesh=mesh["dp"])
+        wb.fully_shard(m, mesh=mesh["dp"])
+    ids, y = batches(k=1)[0]
+
+    def loss():
+        out = m(wb.shard_tensor(ids, mesh, ["S(0)", "R"]) if wrap else ids)
+        out = out.full() if isinstance(out, wb.DistTensor) else out
+        return F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
+    if first == "no_grad":
+        with torch.no_grad():
+            loss()
+    elif first == "accumulate":             # gradient accumulation: two backwards
+        loss().backward()
+    loss().backward()
+    return torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9).item()
+
+
+@pytest.mark.parametrize("first", ["no_grad", "accumulate"])
+def test_a_weight_read_before_its_module_runs_is_this_forwards(monkeypatch, first):
+    # the copy an earlier forward gathered (no_grad: no autograd to the shard) was read
+    # by the next forward while the shard's version was unchanged: head.weight's use
+    # before head ran gave the shard no gradient (norm 0.883 for one device's 0.940)
+    want = _read_before_run_grad_norm(monkeypatch, False, first)
+    got = _read_before_run_grad_norm(monkeypatch, True, first)
+    assert got == pytest.approx(want, rel=1e-5)
