@@ -109,6 +109,8 @@ class FSDPModule:
             if w.module is self:         # the last step's reduce-scatters waited (clock)
                 w.finish_gradient_synchronization()
             d = w.__dict__               # module.weight: the gathered copy while inside
+            if not d.get("_wb_in_forward"):      # a new forward: copies before it not read
+                d["_wb_forward_id"] = d.get("_wb_forward_id", 0) + 1
             d["_wb_in_forward"] = d.get("_wb_in_forward", 0) + 1     # (.fully_shard_attrs)
             try:
                 return super().__call__(*args, **kwargs)

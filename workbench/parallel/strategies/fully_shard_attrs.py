@@ -24,6 +24,8 @@ read outside forward raises there, naming ``state_dict()``.
 """
 from __future__ import annotations
 
+import torch
+
 __all__ = ["install"]
 
 _CLASSES: dict = {}
@@ -41,8 +43,14 @@ class _ShardedAttr:
         fsdp, i = obj.__dict__["_wb_fs_attrs"][self.name]
         shard = fsdp.entries[i][3]
         live = obj.__dict__["_wb_fs_live"].get(self.name)
+        # inside the root's forward, or inside a backward (an activation checkpoint's
+        # recompute, whose module pre-hook gathered again: FSDP2's unsharded parameter
+        # there too, in param_dtype), the gathered copy
+        # (one gathered in this forward: an earlier one's may hold no autograd, no_grad)
         if live is not None and live[1] == shard._version and \
-                fsdp.__dict__.get("_wb_in_forward"):
+                live[2] == fsdp.__dict__.get("_wb_forward_id", 0) and \
+                (fsdp.__dict__.get("_wb_in_forward") or
+                 torch._C._current_graph_task_id() != -1):
             return live[0]
         if not fsdp.async_:
             raise RuntimeError(
@@ -62,7 +70,8 @@ class _ShardedAttr:
     def __set__(self, obj, value):
         # the wrapper's pre-forward gather (``object.__setattr__``) lands here
         fsdp, i = obj.__dict__["_wb_fs_attrs"][self.name]
-        obj.__dict__["_wb_fs_live"][self.name] = (value, fsdp.entries[i][3]._version)
+        obj.__dict__["_wb_fs_live"][self.name] = (value, fsdp.entries[i][3]._version,
+                                                   fsdp.__dict__.get("_wb_forward_id", 0))
 
     def __delete__(self, obj):
         obj.__dict__["_wb_fs_live"].pop(self.name, None)

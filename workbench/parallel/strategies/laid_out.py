@@ -252,7 +252,12 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
 _WHOLE = {"LBFGS": ("rows", "its flat gradient, dot products and |g|_1 run over every "
                     "parameter's storage, so each replica counts once more"),
           "Adafactor": ("chunks", "it factors a parameter's second moment by its shape, and "
-                        "here the storage's shape is the flat chunks'")}
+                        "here the storage's shape is the flat chunks'"),
+          # torch 2.13 torch/optim/_muon.py: each 2-d parameter's update orthogonalized
+          # (Newton-Schulz) and its lr scaled by the matrix's shape; FSDP's (N, chunk) and
+          # DDP's (N, d) rows of a 1-d parameter are 2-d storages it takes as the matrix
+          "Muon": ("any", "it orthogonalizes each parameter's update as a matrix of its "
+                   "shape, and here the storage's shape is the wrapper's layout")}
 
 
 def _check_whole_parameter_optimizer(optimizer) -> None:
@@ -264,13 +269,15 @@ def _check_whole_parameter_optimizer(optimizer) -> None:
     kind, why = what
     for p in _laid_out_params(optimizer):
         rows = getattr(p, "_wb_rows", None)
-        if (kind == "rows" and rows and rows > 1) or (kind == "chunks" and not rows):
+        if (kind == "rows" and rows and rows > 1) or (kind == "chunks" and not rows) or \
+                kind == "any":
             raise NotImplementedError(
                 f"torch.optim.{type(optimizer).__name__} over a wrapped parameter of shape "
                 f"{p._wb_shape} ({p._wb_layout}): {why}, which is not one device's update. "
                 "Use an optimizer whose update is elementwise (SGD, Adam, AdamW, RMSprop...)"
                 + (", or DDP under torchrun (one replica per process)" if kind == "rows"
-                   else ", or DistributedDataParallel (whole parameters)"))
+                   else ", or DDP under torchrun (one whole replica per process)"
+                   if kind == "any" else ", or DistributedDataParallel (whole parameters)"))
 
 
 # torch.optim's per-parameter states that are 0-d whatever the parameter's shape (Adam's

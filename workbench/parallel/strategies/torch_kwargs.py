@@ -60,6 +60,8 @@ def ddp_torch_kwargs(kwargs: dict, bucket_bytes):
                                  "both given; give one")
             bucket_bytes = int(v * 1024 * 1024)       # torch DDP's conversion
         elif name in _DDP_DEFAULT:
+            if name == "forward_sync_buffers" and v is True:
+                continue                # torch 2.13: None means True, the built one
             if v is not _DDP_DEFAULT[name] and v != _DDP_DEFAULT[name]:
                 why = _WHY.get(name, "not built here")
                 raise NotImplementedError(f"DistributedDataParallel({name}={v!r}): {why}; "
