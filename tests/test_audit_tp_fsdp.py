@@ -6,23 +6,12 @@ import torch
 from torch.nn import functional as F
 
 import workbench as wb
-from tests.test_fully_shard import V, batches, make, tp_model
-
-
-def _wrap_tp_fsdp(m, mesh):
-    """torchtitan's order: the TP plan, then fully_shard on each block and the root."""
-    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
-                                    "blocks.*.down": wb.RowwiseParallel()})
-    wb.parallelize(m, mesh)
-    for b in m.blocks:
-        wb.fully_shard(b, mesh=mesh["dp"])
-    wb.fully_shard(m, mesh=mesh["dp"])
-    return m
+from tests.test_fully_shard import V, batches, make, tp_model, wrap_tp_fsdp
 
 
 def _tp_fsdp(seed=0):
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
-    return _wrap_tp_fsdp(tp_model(seed), mesh), mesh
+    return wrap_tp_fsdp(tp_model(seed), mesh), mesh
 
 
 def _loss(m, mesh, ids, y):
@@ -410,7 +399,7 @@ def test_meta_device_init_then_train_as_torchtitan():
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
     with torch.device("meta"):
         m = TPNet()
-    _wrap_tp_fsdp(m, mesh)
+    wrap_tp_fsdp(m, mesh)
     m.to_empty(device="cpu")
     _init_(m, 5)
     ref = TPNet()

@@ -394,6 +394,18 @@ def tp_model(seed=0):
     return TPNet()
 
 
+def wrap_tp_fsdp(m, mesh, **fully_shard_kwargs):
+    """torchtitan's order on a TPNet: the TP plan, then fully_shard on each block and the
+    root (over mesh["dp"], with ``fully_shard_kwargs`` each)."""
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    for b in m.blocks:
+        wb.fully_shard(b, mesh=mesh["dp"], **fully_shard_kwargs)
+    wb.fully_shard(m, mesh=mesh["dp"], **fully_shard_kwargs)
+    return m
+
+
 def test_tensor_parallel_then_fully_shard_trains_as_one_device():
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
     m, ref = tp_model(), tp_model()

@@ -5,7 +5,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import workbench as wb
-from tests.test_fully_shard import V, MLPBlock, batches, tp_model
+from tests.test_fully_shard import V, MLPBlock, batches, tp_model, wrap_tp_fsdp
 
 
 def _ac_tp_fsdp_run(monkeypatch, mp, ac):
@@ -17,13 +17,7 @@ def _ac_tp_fsdp_run(monkeypatch, mp, ac):
                                   use_reentrant=ac)
         monkeypatch.setattr(MLPBlock, "forward", fwd)
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
-    m = tp_model()
-    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
-                                    "blocks.*.down": wb.RowwiseParallel()})
-    wb.parallelize(m, mesh)
-    for b in m.blocks:
-        wb.fully_shard(b, mesh=mesh["dp"], mp_policy=mp)
-    wb.fully_shard(m, mesh=mesh["dp"], mp_policy=mp)
+    m = wrap_tp_fsdp(tp_model(), mesh, mp_policy=mp)
     ids, y = batches(k=1)[0]
     out = m(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))
     loss = F.cross_entropy(out.full().float().reshape(-1, V), y.reshape(-1))
@@ -101,12 +95,7 @@ def _read_before_run_grad_norm(monkeypatch, wrap, first):
     m, mesh = tp_model(), None
     if wrap:
         mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
-        wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
-                                        "blocks.*.down": wb.RowwiseParallel()})
-        wb.parallelize(m, mesh)
-        for b in m.blocks:
-            wb.fully_shard(b, mesh=mesh["dp"])
-        wb.fully_shard(m, mesh=mesh["dp"])
+        wrap_tp_fsdp(m, mesh)
     ids, y = batches(k=1)[0]
 
     def loss():
