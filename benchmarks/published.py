@@ -314,9 +314,10 @@ def _zero3_2021_rows():
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # its sibling modules
 import published_bloom as _bloom  # noqa: E402  (BLOOM-176B on Jean Zay: its own module)
+import published_torchtitan as _titan  # noqa: E402  (torchtitan's FSDP2 runs: its own module)
 
 ROWS = [*_narayanan_rows(), *_korthikanti_rows(), *_h100_rows(), *_mt_nlg_rows(),
-        *_zero3_2021_rows(), *_bloom.ROWS]
+        *_zero3_2021_rows(), *_bloom.ROWS, *_titan.ROWS]
 NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + "); "
                       "Megatron-LM's layer of 2021 (plan.megatron_2021): TP input-gradient "
                       "all-reduces not overlapped, gradients accumulated by autograd",
@@ -342,6 +343,7 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
                             "config ASSUMED",
          "bloom": _bloom.NOTE,
+         "torchtitan": _titan.NOTE,
          "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
                    "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
                    "pipeline engine and data parallelism (framework='deepspeed')"}
@@ -358,7 +360,12 @@ def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:
 
 def build(row):
     """(ModelConfig, Layout, Cluster) of one row: Megatron's GPT; vocabulary 51,200,
-    sequence 2048 and tied embeddings unless the row says otherwise."""
+    sequence 2048 and tied embeddings unless the row says otherwise; a row naming a
+    ``preset`` (``wb.plan.presets``) is that model with ``row["model"]`` applied."""
+    if "preset" in row:
+        cfg = wb.plan.presets.get_config(row["preset"], **row["model"])
+        return cfg, wb.plan.Layout(**row["layout"]), wb.plan.Cluster(row["profile"],
+                                                                     row["devices"])
     cfg = wb.models.ModelConfig(**{**dict(arch="gpt", vocab_size=51200, seq_len=2048,
                                           tie_embeddings=True, dropout=0.1), **row["model"]})
     return cfg, wb.plan.Layout(**row["layout"]), wb.plan.Cluster(row["profile"], row["devices"])
@@ -367,13 +374,15 @@ def build(row):
 def _metric(row, est, cl, cfg) -> float:
     if row["metric"] == "model_tflops_per_device":
         return est.mfu * cl.profile.peak(cfg.dtype) / 1e12
+    if row["metric"] == "tokens_per_device":      # torchtitan's TPS/GPU
+        return est.layout.global_batch * cfg.seq_len / est.step_time / cl.devices
     return getattr(est, row["metric"])
 
 
 def predict(row) -> dict:
     """The planner's estimate of ``row`` and the ratio predicted / published of the
     published metric: ``tflops_per_device`` (hardware FLOPs), ``mfu``, or
-    ``model_tflops_per_device`` (MFU x peak); ``low`` / ``high``: the metric at the ends
+    ``model_tflops_per_device`` (MFU x peak), ``tokens_per_device``; ``low`` / ``high``: the metric at the ends
     of ``wb.plan.estimate_range`` (the profile's uncertain figures at their stated
     bounds: on the H100 the measured FlashAttention-2 .. cuDNN fused attention rates)."""
     cfg, lay, cl = build(row)
@@ -407,7 +416,7 @@ def main():
                           ("megatron_h100", "model TFLOP/s per GPU (MFU x 989)"),
                           ("mt_nlg", "TFLOP/s per GPU (with recompute)"),
                           ("narayanan_zero3", "achieved TFLOP/s per GPU (with recompute)"),
-                          ("bloom", _bloom.LABEL)):
+                          ("bloom", _bloom.LABEL), ("torchtitan", _titan.LABEL)):
         rows = [r for r in results if r["row"]["source"] == source]
         print(f"\n{rows[0]['row']['cite']}\n  metric: {label}")
         print(f"  {'model':<9}{'GPUs':>6}  {'layout':<44}{'published':>10}{'predicted':>10}"
@@ -432,6 +441,7 @@ def main():
               f"{s['min']:.3f} .. {s['max']:.3f} over {s['n']} rows")
         print(f"  assumptions: {NOTES[source]}")
     print("\n".join(_bloom.memory_lines()))   # BLOOM's measured memory and OOM layouts
+    print("\n".join(_titan.oom_lines()))      # torchtitan's OOM layout
     print("\nbias (ratio predicted / published; > 1: optimistic) by")
     for label, key in (("source", lambda r: r["row"]["source"]),
                        ("GPU", lambda r: r["row"]["profile"]),

@@ -11,6 +11,11 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   FusedAttention on Hopper; the profile's choice, the fast end) and FlashAttention-2 as
   PyTorch ships it (the slow end).  Which kernel a run uses decides; FlashAttention-3
   (Shah et al. 2024) was not measured.
+- ``h100-hbm2e`` (torchtitan's benchmark H100: HBM2e, 500 W) ``measured.compute_scale``:
+  "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+  value" (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md): the measured SXM
+  card's GEMM and attention rates at the NVL's 835 / 989 of them (slow end) .. the SXM's
+  own (fast end), the profile's point the midpoint; the attention kernels as on ``h100``.
 - ``a100`` ``kernel_bandwidth.*``: Megatron's unfused attention core and dropout,
   measured on the A100 40GB (1,555 GB/s) and scaled to the 80GB part's 2,039 GB/s as the
   ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
@@ -71,6 +76,14 @@ BOUNDS = {
                      "the H100 .. A100 best-shape GEMM bursts (MAMF) the ASSUMPTION cites")),
 }
 BOUNDS["a100-jeanzay"] = BOUNDS["a100"] + BOUNDS["a100-jeanzay"]   # the same GPU's kernels
+# torchtitan's H100 (HBM2e, 500 W): "the actual peak TFLOPs number is between SXM and NVL"
+_TT_PEAK = ("the H100 NVL's .. the H100 SXM's dense BF16 peak (835 .. 989 TFLOP/s, NVIDIA's "
+            "H100 page as torchtitan's get_peak_flops encodes it), the bounds torchtitan's "
+            "benchmark text puts on its card's peak; the measured SXM rates scaled alike")
+BOUNDS["h100-hbm2e"] = BOUNDS["h100"] + tuple(
+    (f, 835e12 / 989e12 * x, x, "value", _TT_PEAK)
+    for f, x in (("measured.compute_scale", 1.0), ("peak_flops.bfloat16", 989e12),
+                 ("peak_flops.float16", 989e12)))
 
 
 def _get(d: dict, path: str):

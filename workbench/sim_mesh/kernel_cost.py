@@ -36,9 +36,10 @@ def _measured_peak(profile, dtype, op_class, flops, gemm):
     if not ms:
         return None
     from . import measured as _m
+    scale = _m.scales(profile)[0]      # a sibling card's factor (1: the measured card)
     if op_class == "attention" and isinstance(gemm, AttentionShape):
-        return _m.attention_rate(ms["file"], ms["attention_backend"], gemm.bh, gemm.seq,
-                                 gemm.head_dim, gemm.causal, gemm.backward)
+        return scale * _m.attention_rate(ms["file"], ms["attention_backend"], gemm.bh,
+                                         gemm.seq, gemm.head_dim, gemm.causal, gemm.backward)
     if op_class != "matmul" or gemm is None or isinstance(gemm, AttentionShape):
         return None
     name = dtype_name(dtype)
@@ -50,8 +51,8 @@ def _measured_peak(profile, dtype, op_class, flops, gemm):
     # GEMM of its items' rows stacked: b x rows by cols (ASSUMPTION: the grid measured
     # single GEMMs; a (2048 x 2048, K 128) item alone runs at 147 TFLOP/s on the H100,
     # 16 of them batched are priced at the stacked (32,768 x 2048) product's 423)
-    return _m.gemm_rate(ms["file"], b * rows, cols, k,
-                        "float8" if name == "float8" else "bfloat16")
+    return scale * _m.gemm_rate(ms["file"], b * rows, cols, k,
+                                "float8" if name == "float8" else "bfloat16")
 
 
 def _gemm_shape(gemm):

@@ -29,6 +29,10 @@ priced from what that device did, not from its datasheet times one efficiency:
 
 The grid is one card's, under one software stack (the file's ``environment``): a
 different driver, library or power limit moves these figures by several per cent.
+A profile of a sibling card that reuses the file says by how much it takes them to
+move (``scales``): ``compute_scale`` multiplies the GEMM (16-bit and FP8) and attention
+rates, ``memory_scale`` the loss's (a memory-bound kernel); both default to 1 (the
+measured card itself).  The factors are the profile's assumptions, cited there.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["load", "gemm_rate", "attention_rate", "cross_entropy_rate", "summary"]
+__all__ = ["load", "gemm_rate", "attention_rate", "cross_entropy_rate", "summary", "scales"]
 
 _KEYS = ("environment", "gemm_grid")
 
@@ -220,3 +224,11 @@ def summary(name: str) -> dict:
             "gemm_plateau_tflops": statistics.median(
                 r[3] for r in data["gemm_grid"] if 2.0 * r[0] * r[1] * r[2] >= 1e13),
             "fp8_over_bf16": t.fp8_ratio}
+
+
+def scales(profile) -> tuple[float, float]:
+    """(compute, memory) factors a profile applies to its measured file's rates:
+    ``measured["compute_scale"]`` on GEMMs and attention, ``measured["memory_scale"]``
+    on the loss (module docstring); (1.0, 1.0) where it gives none."""
+    ms = profile.measured
+    return float(ms.get("compute_scale", 1.0)), float(ms.get("memory_scale", 1.0))

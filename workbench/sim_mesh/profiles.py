@@ -30,7 +30,11 @@ Conventions (used by ``cost.py`` and ``topology.py``):
 - ``measured``: ``{"file", "attention_backend"}``, the device's component measurements
   (``benchmarks/gpu_components.py``'s output, ``sim_mesh.measured``): 16-bit and FP8
   GEMMs and fused attention are priced at the rates measured for their shapes instead
-  of peak x efficiency (which then prices only what was not measured).
+  of peak x efficiency (which then prices only what was not measured).  A sibling part
+  of the measured card (the same chip at another clock, power limit or memory) may
+  reuse its file with ``"compute_scale"`` (the GEMM and attention rates times it) and
+  ``"memory_scale"`` (the measured loss's rate, a memory-bound kernel, times it),
+  each cited as the assumption it is (``sim_mesh.measured.scales``).
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -64,6 +68,8 @@ __all__ = ["Link", "Topology", "Profile", "get_profile", "list_profiles", "load_
 
 DEFAULT_PROFILE = "a100"
 REQUIRED_DTYPES = ("float32", "bfloat16", "float16")
+# optional factors on a measured file's rates (``measured.scales``): a sibling card's
+MEASURED_SCALES = ("compute_scale", "memory_scale")
 # Kinds of kernel the clock prices differently (compute_time's op_class).
 OP_CLASSES = ("matmul", "attention", "elementwise", "norm", "reduction", "data_movement")
 LIBRARIES = ("nccl", "hccl")
@@ -230,8 +236,9 @@ class Profile:
     runtime_memory: Mapping[str, float] = field(default_factory=dict, hash=False)
     # component measurements of this device (``sim_mesh.measured``): {"file": a file in
     # sim_mesh/measurements/ or a path, "attention_backend": "cudnn" | "flash"}; GEMMs,
-    # FP8 GEMMs and fused attention are then priced at their measured rates
-    measured: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # FP8 GEMMs and fused attention are then priced at their measured rates;
+    # optional "compute_scale" / "memory_scale" (numbers): a sibling card's factors
+    measured: Mapping[str, "str | float"] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -294,9 +301,14 @@ class Profile:
         object.__setattr__(self, "runtime_memory", MappingProxyType(rt))
         ms = dict(self.measured)
         if ms:
-            if set(ms) != {"file", "attention_backend"}:
+            if not {"file", "attention_backend"} <= set(ms) <= {
+                    "file", "attention_backend", *MEASURED_SCALES}:
                 raise ValueError(f"{owner}: measured needs exactly file and "
-                                 f"attention_backend; got {sorted(ms)}")
+                                 f"attention_backend, optionally {list(MEASURED_SCALES)}; "
+                                 f"got {sorted(ms)}")
+            for k in MEASURED_SCALES:
+                if k in ms:
+                    _positive(owner, f"measured[{k!r}]", ms[k])
             from . import measured as _measured
             tables = _measured.load(ms["file"])
             have = sorted({b for b, _ in tables.attention})

@@ -70,11 +70,13 @@ def cross_entropy_times(rows: int, vocab: int, profile) -> "tuple[float, float] 
     pair's time less the cast's price."""
     from ...sim_mesh import measured as _measured
     from ...sim_mesh.profiles import get_profile
-    ms = get_profile(profile).measured
+    prof = get_profile(profile)
+    ms = prof.measured
     rate = _measured.cross_entropy_rate(ms["file"]) if ms else None
     if not rate:
         return None
-    return _times(rows, vocab, profile, rate)
+    # a sibling card's memory factor on the measured rate (1: the measured card)
+    return _times(rows, vocab, profile, rate * _measured.scales(prof)[1])
 
 
 def _meta(*shape, dtype=torch.float32):

@@ -1,0 +1,158 @@
+"""torchtitan's published FSDP runs (PyTorch team, 2024) beside the planner.
+
+    PYTHONPATH=. python benchmarks/published_torchtitan.py    # this block alone, seconds
+
+A source of ``benchmarks/published.py`` (which imports ``ROWS``, ``OOM_ROWS``, ``NOTE``,
+``LABEL`` and prints :func:`oom_lines`): held out as the others are; nothing in the
+profiles or the planner is tuned to these figures.  Source: pytorch/torchtitan, read in
+its mirror (``git show <commit>:<path>``):
+
+- ``benchmarks/llama3_h100_202412_torchtitan.md`` (added 820504e20, 2025-06-13; the runs
+  of 2024-12 on torch 1963fc83a1, torchtitan 9dec370ad2): Tables 1 and 3, first rows,
+  "FSDP" alone (no torch.compile, no Float8): Llama 3.1 8B, 8 and 128 GPUs, local batch
+  2 (global 16 and 256), selective activation checkpointing, TPS/GPU 5,762 and 5,605.
+  The 8B config of 9dec370ad2 (``train_configs/llama3_8b.toml``): sequence 8192,
+  ``selective_ac_option = 'op'`` (``recompute="op"``, ``plan.llama_layer``),
+  ``compile = false``, ``norm_type = "rmsnorm"`` (torchtitan's eager RMSNorm,
+  ``torchtitan/models/norms.py``).  Hardware: Grand Teton, "96GB HBM2e with 2.4 TB/sec",
+  "400 Gb/s per GPU", "the default 500W power limit", and footnote 2, "the actual peak
+  TFLOPs number is between SXM and NVL, and we don't know its exact value": profile
+  ``h100-hbm2e`` (its compute peak a range, ``plan.ranges``).  "throughput numbers
+  (TPS/GPU) are calculated and logged every 10 iterations, and always read at the
+  (arbitrarily determined) 90th iteration."  The text derives "33% to 39% MFU" for
+  these rows (with and without torch.compile) against the SXM's 989 TFLOP/s.
+- ``docs/performance.md`` as first written: eb6aa6389 (2024-04-16, Llama 2 13B / 70B)
+  and 1ea476e9f (2024-04-24, Llama 3 8B / 70B): "FSDP2 (1D parallelism)" on "64 A100
+  (80GB)", local batch per row, tokens per second per GPU ("WPS") and MFU.  The configs
+  of the same commits (``train_configs/llama_13b.toml`` / ``llama_70b.toml`` at
+  eb6aa6389, ``llama3_8b.toml`` / ``llama3_70b.toml`` at 1ea476e9f): sequence 4096
+  (Llama 2) and 8192 (Llama 3), ``compile = false``, 13B and Llama 3 8B with
+  ``fused_rmsnorm`` (a Triton kernel), the 70Bs with ``rmsnorm``; op-level SAC as at
+  9dec370ad2 (``parallelize_llama.py``'s ``no_recompute_list`` and "every second mm").
+  The network of those A100s is not stated: ASSUMED the ``a100`` profile's DGX A100
+  (one 200 Gb/s HDR InfiniBand port per GPU).  eb6aa6389's table also reports the 70B at
+  local batch 2 with selective op checkpointing "OOM" (``OOM_ROWS``).
+
+Every row: torchtitan's FSDP2 (``framework="fsdp"``: ``fully_shard`` per block, bf16
+parameters, fp32 gradient reduction, ``plan.fsdp2_cost``), the attention
+``F.scaled_dot_product_attention`` runs (FlashAttention-2), untied Llama shapes
+(``models.config`` presets).  The metric is torchtitan's: tokens per second per GPU
+(global batch x sequence / step time / GPUs).
+
+Left out, for want of what the planner prices or of a pinned configuration:
+
+- every torch.compile row (Tables 1 and 3 rows 2-3, Tables 2, 4, 5, 6; the async-TP
+  tables of ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, all compiled; the
+  H200 rows of ``llama3-8b_h200_202506_trainy-whitefiber.md``, compiled with Float8, on a
+  GPU without a profile here): the planner has no model of what Inductor fuses;
+- Float8 (torchao's dynamic float8 linears, tensorwise / rowwise, Float8 all-gather):
+  ``estimate(fp8=True)`` prices Transformer Engine's recipe, not torchao's; every Float8
+  row is compiled too;
+- "selective layer" checkpointing (``selective_ac_option = '2'``, every second block):
+  the planner checkpoints every block or none (A100: 8B at 2,904, 13B at 1,914 WPS;
+  the 70B at local batch 2 "OOM");
+- docs/performance.md of 2024-08 (0809984f5): Llama 3.1 405B on 128 H100 (2D, "94GB"):
+  its config (``llama3_405b.toml``) sets ``compile = true`` and async TP, so the row
+  headed "Optimizations: None" may have run compiled: not pinned.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import workbench as wb  # noqa: E402
+
+TT = "pytorch/torchtitan"
+H100_CITE = (f"{TT} benchmarks/llama3_h100_202412_torchtitan.md (820504e20; runs of 2024-12, "
+             f"torchtitan 9dec370ad2), Tables 1 and 3, 'FSDP' rows")
+A100_CITE = (f"{TT} docs/performance.md (eb6aa6389 2024-04-16: Llama 2; 1ea476e9f "
+             f"2024-04-24: Llama 3), FSDP2 on 64 A100 80GB")
+CITE = f"{H100_CITE}; {A100_CITE}"
+LABEL = "tokens per second per GPU (torchtitan's TPS/GPU, 'WPS')"
+_FSDP = ("torchtitan's FSDP2 (fully_shard per block, bf16 params, fp32 reduce), eager "
+         "(compile = false), SDPA's FlashAttention-2")
+_H100_ASSUME = (f"{_FSDP}; sequence 8192 and op-level SAC from llama3_8b.toml (9dec370ad2); "
+                f"norm_type rmsnorm (eager); profile h100-hbm2e: peak between NVL and SXM "
+                f"(the midpoint ASSUMED, both ends in the range)")
+_A100_ASSUME = (f"{_FSDP}; sequence and checkpointing from the configs of the doc's commit; "
+                f"the A100 cluster's network ASSUMED as the a100 profile's DGX A100 (one "
+                f"200 Gb/s HDR port per GPU)")
+
+
+def _row(name, preset, seq, devices, mbs, recompute, tps, profile, cite, assume,
+         mfu=None, norm=None):
+    return dict(source="torchtitan", name=name, preset=preset, profile=profile,
+                devices=devices, model=dict(seq_len=seq),
+                layout=dict(dp=devices, zero=3, recompute=recompute, micro_batch=mbs,
+                            global_batch=mbs * devices, framework="fsdp"),
+                attention="flash", metric="tokens_per_device", published=tps,
+                published_hfu=None, published_mfu=mfu, norm_type=norm, cite=cite,
+                assume=assume + (f"; norm_type {norm}" if norm else ""))
+
+
+# benchmarks/llama3_h100_202412_torchtitan.md: table, GPUs, local batch, TPS/GPU
+H100_ROWS = [("Table 1", 8, 2, 5762.0), ("Table 3", 128, 2, 5605.0)]
+# docs/performance.md (eb6aa6389 / 1ea476e9f): name, preset, sequence, local batch,
+# recompute, WPS, MFU %, the config's norm_type
+A100_ROWS = [("Llama 3 8B", "llama3-8b", 8192, 1, "op", 2973.0, 58.2, "fused_rmsnorm"),
+             ("Llama 3 70B", "llama3-70b", 8192, 1, "full", 331.0, 51.7, "rmsnorm"),
+             ("Llama 2 13B", "llama2-13b", 4096, 2, "none", 2162.0, 61.1, "fused_rmsnorm"),
+             ("Llama 2 13B", "llama2-13b", 4096, 2, "op", 1904.0, 53.8, "fused_rmsnorm"),
+             ("Llama 2 70B", "llama2-70b", 4096, 1, "op", 355.0, 50.8, "rmsnorm"),
+             ("Llama 2 70B", "llama2-70b", 4096, 2, "full", 353.0, 50.5, "rmsnorm")]
+
+ROWS = [_row("Llama 3.1 8B", "llama3-8b", 8192, gpus, mbs, "op", tps, "h100-hbm2e", CITE,
+             f"{table}; {_H100_ASSUME}", norm="rmsnorm")
+        for table, gpus, mbs, tps in H100_ROWS] + [
+    _row(name, preset, seq, 64, mbs, rc, tps, "a100", CITE, _A100_ASSUME, mfu, norm)
+    for name, preset, seq, mbs, rc, tps, mfu, norm in A100_ROWS]
+
+# eb6aa6389's table: "70B | 2 | selective op | OOM | OOM" on 64 A100 80GB
+OOM_ROWS = [_row("Llama 2 70B OOM", "llama2-70b", 4096, 64, 2, "op", None, "a100",
+                 f"{TT} docs/performance.md (eb6aa6389): 70B, batch 2, selective op: OOM",
+                 _A100_ASSUME, norm="rmsnorm")]
+
+NOTE = ("torchtitan's FSDP2 rows without torch.compile or Float8 (module "
+        "published_torchtitan: what is left out and why); H100 rows on profile "
+        "h100-hbm2e (96 GB HBM2e, 2.4 TB/s, 500 W; the compute peak between NVL and SXM: "
+        "the midpoint ASSUMED, the range spans both), A100 rows on the a100 profile "
+        "(network ASSUMED); tokens per second per GPU as torchtitan logs them")
+
+
+def estimate(row):
+    """The planner's estimate of ``row`` (``published.build``'s model, layout and cluster)."""
+    cfg = wb.plan.presets.get_config(row["preset"], **row["model"])
+    cl = wb.plan.Cluster(row["profile"], row["devices"])
+    return wb.plan.estimate(cfg, wb.plan.Layout(**row["layout"]), cl,
+                            attention=row["attention"])
+
+
+def oom_lines() -> list[str]:
+    """The out-of-memory verdicts, as ``published.py`` prints them."""
+    out = [f"\n{TT} docs/performance.md (eb6aa6389): layouts reported out of memory"]
+    for row in OOM_ROWS:
+        e = estimate(row)
+        flag = "" if not e.fits else "  <- disagrees (called fitting)"
+        out.append(f"  {row['name']:<18}{e.layout.short():<44}{e.memory['total'] / 1e9:7.1f} GB"
+                   f" of {e.details['usable_memory'] / 1e9:.1f} usable  fits {e.fits}{flag}")
+    return out
+
+
+def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from published import predict, summary   # noqa: E402  (the shared comparison)
+    res = [predict(r) for r in ROWS]
+    for r in res:
+        row = r["row"]
+        print(f"{row['name']:<14}{row['profile']:<11}{row['devices']:>4}  "
+              f"{r['estimate'].layout.short():<42}{row['published']:8.0f}"
+              f"{r['predicted']:8.0f}{r['ratio']:7.3f}  {r['low']:.0f} .. {r['high']:.0f}")
+    s = summary(r["ratio"] for r in res)
+    print(f"ratio median {s['median']:.3f}, range {s['min']:.3f} .. {s['max']:.3f}")
+    print("\n".join(oom_lines()))
+
+
+if __name__ == "__main__":
+    main()
