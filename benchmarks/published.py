@@ -104,6 +104,12 @@ is here only when its number was read from the source itself:
   micro-batch and stage, 0.030 s short of the published 0.197): the rows read 1.301 /
   1.313 / 1.364, and Narayanan's 'GPT 530B' 1.081 (Table 1: 1.039 .. 1.127).
 
+- ``torchtitan``: torchtitan's FSDP2 runs without torch.compile or Float8 (PyTorch's own
+  benchmark tables: Llama 3.1 8B on 8 and 128 H100s of 96 GB HBM2e at 500 W, profile
+  ``h100-hbm2e`` whose peak is a range between the NVL's and the SXM's; Llama 2 / 3 on 64
+  A100s), its eager Llama block priced from its source (``plan.titan_eager``): the module
+  ``published_torchtitan`` (its docstring says what was read where and what is left out).
+
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
@@ -138,10 +144,8 @@ ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
 blogs/zeropp/japanese/README.md, the evaluation section: 384 NVIDIA V100 GPUs; its
 tutorial, docs/_tutorials/zeropp.md: nodes of 16 V100-SXM3; no V100 profile here);
 MiCS (Zhang et al. 2022) on AWS p4d (A100 40GB, 400 Gb/s EFA per node; no such
-profile); torchtitan's FSDP tables (benchmarks/llama3_h100_202412_torchtitan.md, 8 and
-128 GPUs) on H100s with 96GB HBM2e at 2.4 TB/s and a 500 W limit, "the actual peak
-TFLOPs number is between SXM and NVL, and we don't know its exact value" (not the h100
-profile's SXM part); the FSDP paper's (Zhao et al. 2023) figures were not readable here;
+profile); torchtitan's compiled and Float8 rows (``published_torchtitan``: no model of
+Inductor's fusions, torchao's float8 recipe not Transformer Engine's); the FSDP paper's (Zhao et al. 2023) figures were not readable here;
 OPT-175B's "up to 147 TFLOP/s per GPU" on 992 A100s (FSDP + Megatron TP) is a maximum
 quoted by secondary sources, with neither layout nor recompute stated.
 ``plan.zero3_count`` counts and prices DeepSpeed ZeRO-3's collectives from its source
@@ -390,7 +394,8 @@ def predict(row) -> dict:
                                  attention=row.get("attention", "materialized"),
                                  overlap_grad_reduce=row.get("overlap_grad_reduce", False),
                                  tp_comm_overlap=row.get("tp_comm_overlap", False),
-                                 **row.get("megatron_args", {}))
+                                 **row.get("megatron_args", {}),
+                                 **row.get("estimate_args", {}))
     est = rng.estimate
     pred = _metric(row, est, cl, cfg)
     ends = [_metric(row, e, cl, cfg) for e in (rng.slow, rng.fast, est)]

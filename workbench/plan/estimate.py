@@ -56,7 +56,7 @@ run of the course's Llama in tests/test_plan_llama.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
 from ..sim_mesh.optimizer_cost import mixed_adamw_seconds
@@ -71,6 +71,7 @@ from . import ep_cp as EC
 from . import tp_overlap as TPO
 from . import comm_memory as CM
 from . import megatron_2021 as M21
+from . import titan_eager as TE
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -328,7 +329,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
              overlap: bool = True, overlap_grad_reduce: bool = False,
              fp8: bool = False, tp_comm_overlap: bool = False,
              async_tensor_model_parallel_allreduce: "bool | None" = None,
-             gradient_accumulation_fusion: "bool | None" = None) -> Estimate:
+             gradient_accumulation_fusion: "bool | None" = None,
+             torchtitan_eager: "str | None" = None) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
     ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
     ``attention="flash"`` counts a fused attention kernel's activations and time instead
@@ -350,8 +352,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     ``gradient_accumulation_fusion``: Megatron-LM's arguments (None: on, as Megatron-LM
     since 2021-09 / 2022-02; False: its layer before, e.g. Narayanan et al. 2021's code;
     DeepSpeed's pipeline engine runs Megatron-DeepSpeed's layers, which have neither:
-    ``plan.megatron_2021``)."""
+    ``plan.megatron_2021``).  ``torchtitan_eager``: a Llama block as torchtitan runs it
+    without torch.compile, its ``norm_type`` ("rmsnorm": the eager RMSNorm;
+    "fused_rmsnorm"): ``plan.titan_eager``; None: the fused block (the course's Llama)."""
     check_layout(model, layout, cluster)
+    TE.check(model, torchtitan_eager, layout)
     async_tp, fusion = M21.resolve(layout, async_tensor_model_parallel_allreduce,
                                    gradient_accumulation_fusion)
     if not isinstance(fp8, bool):
@@ -376,6 +381,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
     layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap, async_tp)
+    eager = None
+    if torchtitan_eager is not None:    # torchtitan's eager kernels (plan.titan_eager)
+        eager = TE.extra_seconds(cfg, lay, prof, torchtitan_eager)
+        layer = replace(layer, fwd_compute=layer.fwd_compute + eager["forward"],
+                        bwd_compute=layer.bwd_compute + eager["backward"])
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
@@ -484,11 +494,13 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
+        + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
         + (CM.assumption(comm_mem, prof),),
         "comm_buffers": comm_mem,
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}
         if slow["copies"] else None,
         "deepspeed_pipe": ds,
+        "torchtitan_eager": eager,
         "ep_cp": EC.layer_detail(cfg, lay, prof, attention, fp8) if EC.applies(cfg, lay)
         else None,
         "model": cfg,

@@ -1,0 +1,254 @@
+"""torchtitan's Llama block in eager mode: the kernels its source runs where the planner's
+Llama block (``plan.llama_layer``, the course's fused operators) prices one.
+
+``estimate(..., torchtitan_eager="rmsnorm" | "fused_rmsnorm")`` prices a Llama block as
+torchtitan runs it without ``torch.compile`` (``training.compile = false``), its model
+code at 9dec370ad2 (pytorch/torchtitan, ``torchtitan/models/llama/model.py`` and
+``torchtitan/models/norms.py``; the April 2024 code the same for these functions):
+
+- ``RMSNorm`` (``norm_type = "rmsnorm"``): ``output = self._norm(x.float()).type_as(x);
+  return output * self.weight`` with ``_norm(x) = x * torch.rsqrt(x.pow(2).mean(-1,
+  keepdim=True) + self.eps)``: a cast to fp32, a square, a mean, an add and a rsqrt of
+  the row statistics, a product, a cast back and the weight's product, each its own
+  kernel over the fp32 (or bf16) activation, and autograd's backward of each (the
+  casts, the products' two gradients, the weight gradient's reduction, ``pow``'s and
+  ``mean``'s backward), where the fused block prices one read of x and one write of y
+  forward and one pass backward.  ``"fused_rmsnorm"`` (torchtitan's Triton kernel, one
+  pass each way) is priced as the fused block prices it;
+- ``apply_rotary_emb``: q and k cast to fp32 (``xq.float()``), viewed as complex,
+  multiplied by ``freqs_cis`` (complex64) and cast back (``type_as``): three kernels each
+  forward and backward, where the fused block prices one;
+- ``repeat_kv``: with grouped-query attention (n_rep = heads / kv heads > 1), keys and
+  values expanded and reshaped to the query heads, a copy of n_rep x their size
+  (``expand(...).reshape(...)`` of a non-contiguous expand), summed back in the
+  backward; not priced by the fused block;
+- not a kernel: the transposes around ``F.scaled_dot_product_attention`` (its flash
+  kernel takes and returns (batch, sequence, heads, dim) in memory, the (b, heads, s, d)
+  tensors being transposed views: ``output.transpose(1, 2).contiguous()`` copies
+  nothing).
+
+What each of these reads and writes is not estimated by hand: :func:`kernels` runs the
+same eager code on small CPU tensors under a dispatch mode and records every aten kernel
+(views excluded) and the bytes it reads (each input's storage, at most its size) and
+writes, forward and backward (the autograd formulas, ``derivatives.yaml``, are the same
+on every device), then scales them linearly with the tokens (two sizes measured: the
+bytes are a + c x tokens exactly).  Each kernel is priced as a memory-bound kernel on
+the profile (``compute_time``, one launch), beside the fused ops it replaces priced the
+same way; the difference is added to the block's forward and backward (recompute
+included: with torchtitan's op-level SAC these kernels all re-run, none is on its save
+list; with full recompute the whole forward does).  The final norm before the output
+layer is left as priced (one norm of 2 n_layer + 1).
+
+ASSUMPTION: the GPU runs each aten op as one kernel moving what its inputs and outputs
+hold (no kernel fuses two ops in eager mode; a broadcast input is read once).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..sim_mesh.cost import compute_time
+
+__all__ = ["NORM_TYPES", "kernels", "extra_seconds", "check", "assumption"]
+
+NORM_TYPES = ("rmsnorm", "fused_rmsnorm")
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+class _Kernels(TorchDispatchMode):
+    """Every aten op that runs a kernel: (name, bytes read + written).  Not kernels:
+    views, ops whose outputs alias their inputs without mutating them
+    (``_unsafe_view``), allocations (``empty*``: nothing written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        mutates = func._schema.is_mutable
+        if func.is_view or "empty" in name or (not mutates and outs and all(
+                any(_storage(o) == _storage(i) for i in ins) for o in outs)):
+            return out
+        if name == "copy_":             # writes its destination, reads the source only
+            ins = ins[1:]
+        read = sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                   for t in ins)
+        wrote = sum(t.numel() * t.element_size() for t in outs)
+        if read + wrote:
+            self.ops.append((name, read + wrote))
+        return out
+
+
+# torchtitan's eager functions (module docstring), the same aten ops, written out here
+def _rms_norm(x, w, eps=1e-5):
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return y.type_as(x) * w
+
+
+def _rope(x, freqs):                      # x: (b, s, heads, d); freqs: (s, d / 2) complex
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    f = freqs.view(1, xc.shape[1], 1, xc.shape[-1])
+    return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+
+def _repeat_kv(x, n_rep):
+    b, s, g, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, :, None, :].expand(b, s, g, n_rep, d).reshape(b, s, g * n_rep, d)
+
+
+def _pre_attention(q, k, v, freqs, n_rep):
+    q, k = _rope(q, freqs), _rope(k, freqs)
+    return (q.transpose(1, 2), _repeat_kv(k, n_rep).transpose(1, 2),
+            _repeat_kv(v, n_rep).transpose(1, 2))
+
+
+def _count(fn, inputs):
+    """(forward kernels, backward kernels) of ``fn`` on ``inputs`` (leaf tensors)."""
+    with _Kernels() as m:
+        out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [torch.ones_like(o) for o in outs]
+    with _Kernels() as mb:
+        torch.autograd.backward(outs, grads)
+    return tuple(m.ops), tuple(mb.ops)
+
+
+def _leaf(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype).requires_grad_(True)
+
+
+@lru_cache(maxsize=None)
+def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
+    torch.manual_seed(0)
+    if part == "norm":
+        return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
+    freqs = torch.polar(torch.ones(rows, d // 2), torch.randn(rows, d // 2))
+    return _count(lambda q, k, v: _pre_attention(q, k, v, freqs, heads // kv_heads),
+                  (_leaf(1, rows, heads, d), _leaf(1, rows, kv_heads, d),
+                   _leaf(1, rows, kv_heads, d)))
+
+
+@lru_cache(maxsize=None)
+def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -> dict:
+    """The eager kernels of ``part`` ("norm": ``RMSNorm`` over (tokens, h); "pre_attention":
+    RoPE on q and k, ``repeat_kv`` on k and v, the transposes), for ``tokens`` tokens of ``heads`` query
+    and ``kv_heads`` key/value heads of dimension ``d`` on one rank: ``{"forward":
+    ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens and scaled
+    linearly (module docstring)."""
+    if part not in ("norm", "pre_attention"):
+        raise ValueError(f"kernels: part={part!r}; use 'norm' or 'pre_attention'")
+    for name, v in (("tokens", tokens), ("h", h), ("heads", heads), ("kv_heads", kv_heads),
+                    ("d", d)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"kernels: {name}={v!r} must be an int >= 1")
+    if heads % kv_heads or d % 2:
+        raise ValueError(f"kernels: heads={heads} must be a multiple of kv_heads={kv_heads} "
+                         f"and d={d} even (RoPE pairs)")
+    a, b = (_measure(part, r, h, heads, kv_heads, d) for r in (8, 16))
+    out = {}
+    for i, phase in enumerate(("forward", "backward")):
+        if [n for n, _ in a[i]] != [n for n, _ in b[i]]:
+            raise RuntimeError(f"kernels: {part} {phase} ran other kernels at 8 and 16 "
+                               f"tokens; cannot scale")
+        out[phase] = tuple((n, x + (y - x) * (tokens - 8) / 8)
+                           for (n, x), (_, y) in zip(a[i], b[i]))
+    return out
+
+
+def _seconds(ops, prof) -> float:
+    return sum(compute_time(0.0, nbytes, prof, "float32", "elementwise", 1)
+               for _, nbytes in ops)
+
+
+def _fused(names, fwd_ops, bwd_ops, prof) -> tuple[float, float]:
+    """Seconds of the fused block's ops named ``names`` (forward, backward) as
+    ``layer_cost`` prices them."""
+    f = sum(compute_time(o[2], o[3], prof, "bfloat16", o[1], o[4])
+            for o in fwd_ops if o[0] in names)
+    b = sum(compute_time(o[2], o[3], prof, "bfloat16", o[1], o[4])
+            for o in bwd_ops if o[0] in names)
+    return f, b
+
+
+def check(cfg, norm_type, lay=None) -> None:
+    """``torchtitan_eager`` is a norm type of torchtitan's config and needs a Llama; a
+    block whose eager code saves more for backward than the fused one (RMSNorm's fp32
+    input; SDPA's inputs after ``repeat_kv``, n_rep x the keys and values) is refused
+    where that memory is kept, without checkpointing (``recompute`` "none" or
+    "selective"): the memory model counts the fused block's."""
+    if norm_type is None:
+        return
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"torchtitan_eager={norm_type!r}: give torchtitan's norm_type, one "
+                         f"of {list(NORM_TYPES)}, or None (the fused Llama block)")
+    if cfg.arch != "llama" or getattr(cfg, "moe_experts", 0):
+        raise ValueError(f"torchtitan_eager={norm_type!r} prices torchtitan's dense Llama "
+                         f"block; the model is arch={cfg.arch!r}"
+                         f"{' with experts' if getattr(cfg, 'moe_experts', 0) else ''}: "
+                         f"leave it None")
+    if lay is not None and lay.recompute in ("none", "selective") and (
+            norm_type == "rmsnorm" or (cfg.n_kv_head or cfg.n_head) != cfg.n_head):
+        raise ValueError(f"torchtitan_eager={norm_type!r} with recompute={lay.recompute!r}: "
+                         f"its eager block keeps "
+                         f"{'an fp32 copy of each norm input' if norm_type == 'rmsnorm' else ''}"
+                         f"{' and ' if norm_type == 'rmsnorm' and cfg.n_kv_head != cfg.n_head else ''}"
+                         f"{'the repeated keys and values' if cfg.n_kv_head not in (None, cfg.n_head) else ''}"
+                         f" for backward, which the memory model does not count; use "
+                         f"recompute 'op' or 'full' (torchtitan's checkpointing re-runs them)")
+    if cfg.dtype != "bfloat16":
+        raise ValueError(f"torchtitan_eager={norm_type!r}: torchtitan trains in bf16 "
+                         f"(MixedPrecisionPolicy param_dtype); the model's dtype is "
+                         f"{cfg.dtype!r}")
+
+
+def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
+    """Seconds one block's eager kernels add beyond the fused block's ops they replace,
+    for one micro-batch on one rank of ``lay``: ``{"forward", "backward" (with the
+    recompute), "kernels" (forward kernels per block), "bytes" (forward, read +
+    written)}``."""
+    from . import llama_layer as L
+    check(cfg, norm_type, lay)
+    t, sp, b, s = lay.tp, lay.sp, lay.micro_batch, cfg.seq_len // lay.cp
+    h, a, g, d = cfg.d_model, cfg.n_head, cfg.n_kv_head or cfg.n_head, cfg.head_dim
+    T, Tn = b * s, (b * s) // t if sp else b * s
+    e = 2
+    fwd_ops = L.forward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False)
+    bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none")
+    parts = [kernels("pre_attention", T, h, a // t, g // t, d)]
+    replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad"}
+    if norm_type == "rmsnorm":
+        parts += [kernels("norm", Tn, h, a // t, g // t, d)] * 2
+        replaced |= {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
+    ef = sum(_seconds(p["forward"], prof) for p in parts)
+    eb = sum(_seconds(p["backward"], prof) for p in parts)
+    ff, fb = _fused(replaced, fwd_ops, bwd_ops, prof)
+    again = {"none": 0.0, "selective": 0.0, "op": 1.0, "full": 1.0}[lay.recompute]
+    fwd = ef - ff
+    return {"forward": fwd, "backward": eb - fb + again * fwd,
+            "kernels": sum(len(p["forward"]) for p in parts),
+            "bytes": sum(x for p in parts for _, x in p["forward"])}
+
+
+def assumption(norm_type: str, extra: dict, layers: int) -> str:
+    """The line ``Estimate.assumptions`` adds."""
+    ms = 1e3 * (extra["forward"] + extra["backward"])
+    norm = "RMSNorm's casts, square, mean, rsqrt and products; " \
+        if norm_type == "rmsnorm" else ""
+    return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
+            f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex; "
+            f"repeat_kv copies) counted from the eager code's aten ops, priced memory-bound "
+            f"(one kernel per op ASSUMED): +{ms:.1f} ms per block and micro-batch (with "
+            f"backward and recompute) x {layers} blocks")
