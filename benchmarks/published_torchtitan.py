@@ -53,7 +53,7 @@ What the comparison says (measured when this module was written; the band in
   RMSNorm and RoPE), but torchtitan's ``RMSNorm`` (``norm_type = "rmsnorm"``) runs 8
   kernels and 36 bytes per element forward, 92 backward (one pass: 4 and 6), its RoPE
   three fp32 kernels per tensor, and ``repeat_kv`` copies the keys and values to the query
-  heads: +11.7 ms per 8B block and micro-batch on h100-hbm2e (12 kernels re-run by the
+  heads: +11.7 ms per 8B block and micro-batch on h100-hbm2e (its 24 forward kernels re-run by the
   op-level SAC), 0.37 s per step.  Priced so (``plan.titan_eager``): 1.085 .. 1.226, the
   H100 rows 1.134 / 1.168 (range 1.065 .. 1.309: the published figures lie below it).
   The measured 16% of torch.compile (5,762 -> 6,667 TPS/GPU, fusing those kernels) is
