@@ -245,10 +245,10 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
 def assumption(norm_type: str, extra: dict, layers: int) -> str:
     """The line ``Estimate.assumptions`` adds."""
     ms = 1e3 * (extra["forward"] + extra["backward"])
-    norm = "RMSNorm's casts, square, mean, rsqrt and products; " \
+    norm = "RMSNorm's casts, square, mean, rsqrt and products, " \
         if norm_type == "rmsnorm" else ""
     return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
-            f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex; "
+            f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex, "
             f"repeat_kv copies) counted from the eager code's aten ops, priced memory-bound "
             f"(one kernel per op ASSUMED): +{ms:.1f} ms per block and micro-batch (with "
             f"backward and recompute) x {layers} blocks")
