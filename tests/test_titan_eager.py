@@ -138,3 +138,24 @@ def test_uncounted_memory_refused_without_checkpointing(preset, norm):
     # MHA with the fused norm keeps what the fused block keeps
     ok = wb.plan.presets.get_config("llama2-13b", seq_len=2048)
     wb.plan.estimate(ok, lay, wb.plan.Cluster("h100", 8), torchtitan_eager="fused_rmsnorm")
+
+
+def test_counting_leaves_torchs_rng_alone():
+    import torch
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    E._measure.cache_clear()
+    E.kernels.cache_clear()
+    E.kernels("norm", 64, 256, 4, 2, 64)
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_counts_the_same_under_no_grad_and_inference_mode():
+    import torch
+    want = E.kernels("norm", 64, 256, 4, 2, 64)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        E._measure.cache_clear()
+        E.kernels.cache_clear()
+        with ctx():
+            assert E.kernels("norm", 64, 256, 4, 2, 64) == want

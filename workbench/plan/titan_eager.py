@@ -127,15 +127,24 @@ def _count(fn, inputs):
 
 
 def _leaf(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, dtype=torch.float32).to(dtype).requires_grad_(True)
+    # values do not matter (bytes are sizes); a private generator leaves torch's RNG alone
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(*shape, generator=g, device="cpu").to(dtype).requires_grad_(True)
 
 
 @lru_cache(maxsize=None)
 def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
-    torch.manual_seed(0)
+    # real CPU tensors with autograd on, whatever the caller's mode (no_grad, a default
+    # device): the counts are of the eager code's own kernels
+    with torch.inference_mode(False), torch.enable_grad():
+        return _measure_part(part, rows, h, heads, kv_heads, d)
+
+
+def _measure_part(part, rows, h, heads, kv_heads, d):
     if part == "norm":
         return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
-    freqs = torch.polar(torch.ones(rows, d // 2), torch.randn(rows, d // 2))
+    freqs = torch.polar(torch.ones(rows, d // 2, device="cpu"),
+                        torch.linspace(0, 1, rows * (d // 2), device="cpu").view(rows, d // 2))
     return _count(lambda q, k, v: _pre_attention(q, k, v, freqs, heads // kv_heads),
                   (_leaf(1, rows, heads, d), _leaf(1, rows, kv_heads, d),
                    _leaf(1, rows, kv_heads, d)))
