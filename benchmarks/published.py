@@ -145,7 +145,8 @@ blogs/zeropp/japanese/README.md, the evaluation section: 384 NVIDIA V100 GPUs; i
 tutorial, docs/_tutorials/zeropp.md: nodes of 16 V100-SXM3; no V100 profile here);
 MiCS (Zhang et al. 2022) on AWS p4d (A100 40GB, 400 Gb/s EFA per node; no such
 profile); torchtitan's compiled and Float8 rows (``published_torchtitan``: no model of
-Inductor's fusions, torchao's float8 recipe not Transformer Engine's); the FSDP paper's (Zhao et al. 2023) figures were not readable here;
+Inductor's fusions, torchao's float8 recipe not Transformer Engine's); the FSDP paper's
+(Zhao et al. 2023) figures were not readable here;
 OPT-175B's "up to 147 TFLOP/s per GPU" on 992 A100s (FSDP + Megatron TP) is a maximum
 quoted by secondary sources, with neither layout nor recompute stated.
 ``plan.zero3_count`` counts and prices DeepSpeed ZeRO-3's collectives from its source
@@ -386,7 +387,8 @@ def _metric(row, est, cl, cfg) -> float:
 def predict(row) -> dict:
     """The planner's estimate of ``row`` and the ratio predicted / published of the
     published metric: ``tflops_per_device`` (hardware FLOPs), ``mfu``, or
-    ``model_tflops_per_device`` (MFU x peak), ``tokens_per_device``; ``low`` / ``high``: the metric at the ends
+    ``model_tflops_per_device`` (MFU x peak), ``tokens_per_device`` (torchtitan's TPS/GPU);
+    ``low`` / ``high``: the metric at the ends
     of ``wb.plan.estimate_range`` (the profile's uncertain figures at their stated
     bounds: on the H100 the measured FlashAttention-2 .. cuDNN fused attention rates)."""
     cfg, lay, cl = build(row)

@@ -153,8 +153,9 @@ def _measure_part(part, rows, h, heads, kv_heads, d):
 @lru_cache(maxsize=None)
 def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -> dict:
     """The eager kernels of ``part`` ("norm": ``RMSNorm`` over (tokens, h); "pre_attention":
-    RoPE on q and k, ``repeat_kv`` on k and v, the transposes), for ``tokens`` tokens of ``heads`` query
-    and ``kv_heads`` key/value heads of dimension ``d`` on one rank: ``{"forward":
+    RoPE on q and k, ``repeat_kv`` on k and v, the transposes), for ``tokens`` tokens of
+    ``heads`` query and ``kv_heads`` key/value heads of dimension ``d`` on one rank:
+    ``{"forward":
     ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens and scaled
     linearly (module docstring)."""
     if part not in ("norm", "pre_attention"):
@@ -208,15 +209,14 @@ def check(cfg, norm_type, lay=None) -> None:
                          f"block; the model is arch={cfg.arch!r}"
                          f"{' with experts' if getattr(cfg, 'moe_experts', 0) else ''}: "
                          f"leave it None")
-    if lay is not None and lay.recompute in ("none", "selective") and (
-            norm_type == "rmsnorm" or (cfg.n_kv_head or cfg.n_head) != cfg.n_head):
+    kept = (["an fp32 copy of each norm input"] if norm_type == "rmsnorm" else []) + (
+        ["the repeated keys and values"] if (cfg.n_kv_head or cfg.n_head) != cfg.n_head
+        else [])
+    if lay is not None and lay.recompute in ("none", "selective") and kept:
         raise ValueError(f"torchtitan_eager={norm_type!r} with recompute={lay.recompute!r}: "
-                         f"its eager block keeps "
-                         f"{'an fp32 copy of each norm input' if norm_type == 'rmsnorm' else ''}"
-                         f"{' and ' if norm_type == 'rmsnorm' and cfg.n_kv_head != cfg.n_head else ''}"
-                         f"{'the repeated keys and values' if cfg.n_kv_head not in (None, cfg.n_head) else ''}"
-                         f" for backward, which the memory model does not count; use "
-                         f"recompute 'op' or 'full' (torchtitan's checkpointing re-runs them)")
+                         f"its eager block keeps {' and '.join(kept)} for backward, which "
+                         f"the memory model does not count; use recompute 'op' or 'full' "
+                         f"(torchtitan's checkpointing re-runs them)")
     if cfg.dtype != "bfloat16":
         raise ValueError(f"torchtitan_eager={norm_type!r}: torchtitan trains in bf16 "
                          f"(MixedPrecisionPolicy param_dtype); the model's dtype is "
