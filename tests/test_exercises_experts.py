@@ -44,6 +44,7 @@ def test_dropped_slots(capsys):
           capacity_factor=1.25)
     fails("counts the experts over capacity", C.check_dropped_slots, 4, LOADS)
     fails("do not divide by k", C.check_dropped_slots, 25, LOADS)
+    fails("do not divide by k", C.check_dropped_slots, 51 / 2, LOADS)      # 25.5: true division
     fails("unused capacity", C.check_dropped_slots, 40 + 10 + 30 + 20 + 25 + 13, LOADS,
           capacity_factor=1.25)
     fails("too high", C.check_dropped_slots, 200, LOADS)
@@ -82,6 +83,12 @@ def test_ep_tp_mb(capsys):
     assert "count values" not in str(err.value) and "two per layer forward" in str(err.value)
     fails("whole group's p x tokens", C.check_ep_tp_mb, ep, tp / 8)
     fails("does not copy a token per expert", C.check_ep_tp_mb, ep, tp * 2)
+    # k = 2: twice TP's is also four collectives (the attention's too): both named
+    fails(r"copy a token per expert.*or did you count four collectives", C.check_ep_tp_mb,
+          ep, tp * 2)
+    fails(r"^(?!.*copy a token).*did you count four collectives", C.check_ep_tp_mb,
+          ep * 2, tp * 2, k=4)                       # k = 4: four collectives alone
+    fails("backward's two all-to-alls", C.check_ep_tp_mb, 2 * ep, tp)
     fails("swap the two answers", C.check_ep_tp_mb, tp, ep)
     fails("in MiB", C.check_ep_tp_mb, ep * 1e6 / 2 ** 20, tp)
     fails("in MiB", C.check_ep_tp_mb, ep, tp * 1e6 / 2 ** 20)
@@ -98,6 +105,8 @@ def test_ring_kv_mb(capsys):
     fails("kv_heads heads, not the query heads", C.check_ring_kv_mb, 15 * block * 4 / 1e6)
     fails("s / cp tokens", C.check_ring_kv_mb, 15 * block * 16 / 1e6)
     fails("in MiB", C.check_ring_kv_mb, 15 * block / 2 ** 20)
+    fails("all 32 layers", C.check_ring_kv_mb, 32 * 15 * block / 1e6)
+    fails("a backward too", C.check_ring_kv_mb, 2 * 15 * block / 1e6)
     passes(capsys, C.check_ring_kv_mb, 7 * block * 2 / 1e6, cp=8)
 
 

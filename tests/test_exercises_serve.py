@@ -39,6 +39,8 @@ def test_decode_floor(capsys):
     fails("fp32", C.check_decode_floor_ms, ms * 2, ms, params, bw)
     fails("bytes over the bandwidth", C.check_decode_floor_ms, ms * 3, ms * 1.5, params, bw)
     fails("milliseconds|small", C.check_decode_floor_ms, ms / 1e3, ms / 2, params, bw)
+    # the bandwidth taken in TB/s (1.6 for 1.6e12 B/s)
+    fails("bytes per second", C.check_decode_floor_ms, ms * 1e12, ms * 5e11, params, bw)
 
 
 def test_load_reads_agree_with_a_real_checkpoint(tmp_path, capsys):
@@ -83,6 +85,7 @@ def test_static_useful_share_agrees_with_the_schedule(capsys):
     fails("max - 1 decode steps per slot", C.check_static_useful_share, 20 / 48)
     fails("percentage", C.check_static_useful_share, 100 * want)
     fails("slot by slot", C.check_static_useful_share, 0.3)
+    fails("did you round", C.check_static_useful_share, 0.45)      # 0.4545 to two places
     # with other outputs the padded share and the o-for-o - 1 slip differ: each its own hint
     outs = (5, 5, 2)
     want = sum(o - 1 for o in outs) / (3 * 4)

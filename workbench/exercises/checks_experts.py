@@ -71,6 +71,9 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
                                            "the underloaded experts, not what overflows",
     }
     hint = wrong.get(int(got)) if float(got).is_integer() else None
+    if hint is None and want and math.isclose(got * k, want, rel_tol=1e-9):
+        hint = ("dropping is per token-slot: a token keeps its other experts; do not divide "
+                "by k")
     if hint is None and 0 < got < 1 and math.isclose(got * tokens * k, want, rel_tol=1e-3):
         hint = (f"that is the dropped share of the {tokens * k} token-slots; give the count "
                 f"of slots")
@@ -116,7 +119,12 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (want_ep / MIB, MIB_HINT),
         (want_tp, "that is TP's figure: did you swap the two answers? EP's all-to-alls carry "
                   "the rank's own tokens x k rows"),
+        (2 * want_ep, "that counts the backward's two all-to-alls too (the gradients' way "
+                      "back); the exercise asks for the forward's dispatch and combine"),
     ])
+    four = ("count four collectives (the attention's all-gather and reduce-scatter too, or "
+            "the backward's)? The MoE layer's forward has one all-gather before the experts "
+            "and one reduce-scatter after")
     _verify("TP volume", tp_mb, want_tp, "MB", [
         (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
                       "output (reduce-scatter): two collectives"
@@ -126,7 +134,8 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (2 * p * tokens * h * e / 1e6, "a ring all-gather or reduce-scatter sends (p-1)/p "
                                        "of its buffer per rank"),
         (want_tp * k, "TP does not copy a token per expert: all experts' slices see the same "
-                      "gathered tokens"),
+                      "gathered tokens" + _or_did_you([(k == 2, four)])),
+        (want_tp * 2, "did you " + four),
         (want_tp / MIB, MIB_HINT),
     ])
     _ok(f"EP sends {want_ep:.4g} MB, TP {want_tp:.4g} MB per rank: k / p = {k}/{p} of it")
@@ -152,9 +161,10 @@ def _verify(name, got, want, unit, wrong, rel=1e-3):
 @exercise
 def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int = 8,
                      head_dim: int = 128, tp: int = 1, micro_batch: int = 1,
-                     bytes_per_value: int = 2) -> None:
+                     bytes_per_value: int = 2, layers: int = 32) -> None:
     """MB of K and V one rank sends around the ring in one layer's forward: cp - 1 steps,
-    each one block of s / cp tokens, K and V of kv_heads / tp heads of head_dim."""
+    each one block of s / cp tokens, K and V of kv_heads / tp heads of head_dim.
+    ``layers`` (Llama 3 8B's 32) only names the mistake of counting every layer."""
     e, s_l = bytes_per_value, seq_len // cp
     block = 2 * micro_batch * s_l * (kv_heads // tp) * head_dim * e
     want = (cp - 1) * block / 1e6
@@ -170,4 +180,7 @@ def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int =
         ((cp - 1) * 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * e / 1e6,
          "a block holds the rank's s / cp tokens, not the whole sequence"),
         (want / MIB, MIB_HINT),
+        (want * layers, f"that is all {layers} layers; the exercise asks for one layer's "
+                        "forward"),
+        (want * 2, "that counts a backward too; the exercise asks for one layer's forward"),
     ], rel=1e-3, hint_rel=0.01)

@@ -28,6 +28,8 @@ def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: flo
     bf16, int8 = _number("bf16_ms", bf16_ms), _number("int8_ms", int8_ms)
     if not math.isclose(bf16, want, rel_tol=0.01):
         wrong = [(want * 8, "that counts bits: a bf16 weight is 2 bytes"),
+                 (want * 1e12, f"the bandwidth is in bytes per second ({bandwidth / 1e12:g} "
+                               f"TB/s is {bandwidth:.3g} B/s): divide the bytes by it as it is"),
                  (want * 2, "that counts 4 bytes per weight (fp32); a bf16 weight is 2 bytes"),
                  (want / 2, "that counts 1 byte per bf16 weight; bf16 is 2 bytes")]
         raise CheckError(f"your bf16 decode floor is {bf16:.4g} ms: "
@@ -122,6 +124,11 @@ def check_static_useful_share(share, outputs=(12, 3, 7, 2)) -> None:
              (1 - want, padded),
              (o_not_o_minus_1, "a request of o tokens needs o - 1 decode tokens: the "
               "prefill samples its first")]
+    if math.isclose(got, want, rel_tol=0.02) and \
+            not any(math.isclose(got, v, rel_tol=0.005) for v, _ in wrong):
+        raise CheckError(f"your share is {got:.4g}: close, but not within 0.5%: did you "
+                         "round? Compute it from the token counts, unrounded",
+                         expected=f"{want:.4g}")
     raise CheckError(f"your share is {got:.4g}: "
                      + _hint(got, want, wrong, 0.005, share=True,
                              fallback="count each request's decode tokens and the batch's, "
