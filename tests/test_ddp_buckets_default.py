@@ -19,7 +19,8 @@ from tests.torchrun_support import json_rows, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
-from ddp_buckets_models import STEPS, batch, cases, loss, make  # noqa: E402
+from ddp_buckets_models import (STEPS, batch, cases, dist_tensor_cases, loss,  # noqa: E402
+                                make)
 
 
 def test_assignment_is_torchs_function_over_dtype_orders_sizes_and_walks():
@@ -72,7 +73,7 @@ def torch_rows():
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {json.dumps(r["case"]): r for r in json_rows(out.stdout)}
-    assert len(rows) == len(list(cases()))
+    assert len(rows) == len(list(cases())) + len(list(dist_tensor_cases()))
     return rows
 
 
@@ -80,6 +81,9 @@ def torch_rows():
 def test_torchrun_buckets_and_gradients_are_torch_ddps(torch_rows):
     for key, r in torch_rows.items():
         assert r["wb_buckets"] == r["torch"], key       # every step's buckets, in launch order
+        if json.loads(key)[-1] == "disttensor":         # the global mean's gradient: rounding
+            assert r["grad_diff"] < (1e-2 if "small_mixed" in key else 1e-6), key   # bf16
+            continue
         assert r["grad_keys"][0] == r["grad_keys"][1], key   # unused: None in both
         assert r["grad_diff"] == 0.0, key                # 2 ranks: the same sums, bitwise
         assert r["shared"][0] == r["shared"][1], key     # gradient_as_bucket_view's views
@@ -128,6 +132,30 @@ def test_simulated_ranks_bucket_and_communicate_as_torch_ddp(torch_rows, name, k
         assert len(rebuild) == (2 if not unused and step == (2 if static else 1) else 0)
         assert len(used) == (1 if (unused and not static) or (static and step == 0) else 0)
         assert len(sent) == len(grads) + len(rebuild) + len(used)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", list(dist_tensor_cases()), ids=lambda v: str(v))
+def test_dist_tensor_mode_buckets_as_torch_ddp(torch_rows, name, kw):
+    """DDP of DistTensor parameters (wb.parallelize over dp) on simulated ranks: torch's
+    buckets step by step; the sums run after backward (finish_gradient_synchronization)."""
+    r = torch_rows[json.dumps([name, kw, "disttensor"])]
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(wb.parallelize(make(name), mesh, {}), mesh, "dp", **kw)
+    size = sizes_of(name)
+    for step in range(STEPS):
+        ddp.zero_grad(set_to_none=True)
+        with wb.trace() as tr:
+            out = ddp(wb.shard_tensor(batch(name, step), mesh, [wb.Shard(0)]))
+            assert ddp.bucket_names == r["torch"][step]
+            loss(out).backward()
+            ddp.finish_gradient_synchronization()
+        sent = [(e.label, e.args["buffer_bytes"]) for e in tr.collectives()
+                if e.label.startswith(("dp", "ddp"))]
+        rebuild = [("ddp rebuild buckets", 4 * (len(size) + 1)),     # indices + count
+                   ("ddp rebuild buckets", 4 * len(r["torch"][step]))] if step == 1 else []
+        assert sent == rebuild + [("dp bucket", sum(size[k] for k in b))
+                                  for b in r["torch"][step]]
 
 
 def test_each_bucket_launches_when_its_last_gradient_is_ready_and_in_order():
@@ -205,3 +233,57 @@ def test_default_buckets_train_as_one_device():
         ref_opt.step()
     for k, v in ddp.full_state_dict().items():
         torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_ddp_over_tensor_parallel_takes_torchs_buckets_over_the_local_shards():
+    """DDP of a module with DistTensor parameters (wb.parallelize, tp on a 2-d mesh): the
+    first step one bucket per dtype, then the buckets rebuilt in the order the gradients
+    were ready (torch's function over the local shards' bytes), after the rebuild's two
+    broadcasts on each dp group; one device's values throughout."""
+    from torch import nn
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 16))
+    ref = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 16))
+    ref.load_state_dict(model.state_dict())
+    wb.parallelize(model, mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    ddp = wb.DistributedDataParallel(model, mesh, "dp")
+    assert ddp.bucket_names == [["0.weight", "0.bias", "2.weight", "2.bias"]]
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with wb.trace() as tr:
+            out = ddp(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()]))
+            names = ddp.bucket_names
+            out.pow(2).mean().backward()
+            ddp.finish_gradient_synchronization()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        ref_opt.step()
+        labels = [e.label for e in tr.collectives() if e.label.startswith(("dp", "ddp"))]
+        if step == 0:
+            assert labels == ["dp bucket"] * 2                     # one per dp group
+        if step == 1:
+            # the order the first backward made the gradients ready (the hooks'), the
+            # local shards' bytes (0.weight 512 x 16 fp32: 32 KiB): all under the first
+            # bucket's 1 MiB, so one bucket, last layer first
+            local = {"0.weight": 1024 * 16 // 2, "0.bias": 512, "2.weight": 16 * 512,
+                     "2.bias": 16}
+            book = ddp.replicas.book
+            name = {id(p): n for n, p in zip(ddp._names, ddp.replicas.params)}
+            order = [name[id(book.params[i])] for i in book.order]
+            assert sorted(order[:2]) == ["2.bias", "2.weight"]
+            assert sorted(order[2:]) == ["0.bias", "0.weight"]
+            ts = [torch.empty(local[k]) for k in order]
+            want = dist._compute_bucket_assignment_by_size(
+                ts, [FIRST_BUCKET_BYTES, 25 * 2**20], [False] * 4, [0, 1, 2, 3])[0]
+            assert names == [[order[i] for i in b] for b in want]
+            assert labels == ["ddp rebuild buckets"] * 4 + ["dp bucket"] * 2
+        if step == 2:
+            assert labels == ["dp bucket"] * 2
+    got = ddp.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -66,6 +66,13 @@ def cases():
                 yield name, kw
 
 
+def dist_tensor_cases():
+    """The cases also run in DDP's DistTensor mode (wb.parallelize over a dp mesh)."""
+    for name, kw in cases():
+        if name != "toy" and set(kw) <= {"bucket_cap_mb"}:
+            yield name, kw
+
+
 def make(name):
     torch.manual_seed(0)
     return MODELS[name]()
