@@ -110,8 +110,8 @@ from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .torch_kwargs import ddp_torch_kwargs
-from .ddp_buckets import (BucketBook, fixed_policy, reachable_leaves, ready_order,
-                          torch_policy)
+from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
+                          ready_order, sync_bucket_indices, torch_policy)
 from .rank_grads import as_rank_rows
 from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, check_module, replace_parameter,
@@ -234,36 +234,21 @@ class DistributedDataParallel(ModuleWrapper):
         out = self._forward(*args, **kwargs)
         if self._find_unused and not self._static and torch.is_grad_enabled():
             # torch's search_unused_parameters: what the outputs' graph does not reach
-            reached = reachable_leaves(_output_tensors(out))
+            reached = reachable_leaves(output_tensors(out))
             self._unused = [p for p in self._book.params if id(p) not in reached]
         return out
 
     def _rebuild_buckets(self):
         """torch's ``Reducer::rebuild_buckets`` before a forward: the buckets in the order
-        the recorded backward produced the gradients (on torch.distributed rank 0's order,
-        broadcast as torch's ``sync_bucket_indices`` does; not in the trace)."""
+        the recorded backward produced the gradients, rank 0's sent to every rank."""
         book, g = self._book, self.group
         if book.pending is None:
             return
-        buckets = book.rebuilt_buckets()
-        # sync_bucket_indices: rank 0's indices and the bucket count (int32), then the
-        # buckets' lengths, two blocking broadcasts (measured with torch's profiler)
-        flat = [i for b in buckets for i in b] + [len(buckets)]
-        g.wait(g.record("broadcast", 4 * len(flat), "ddp rebuild buckets"))
-        if g.distributed:
-            t = torch.tensor(flat, dtype=torch.int32)
-            dist.broadcast(t, src=g.global_rank(0), group=g.pg)
-            flat = t.tolist()
-        lengths = [len(b) for b in buckets]
-        g.wait(g.record("broadcast", 4 * flat[-1], "ddp rebuild buckets"))
-        if g.distributed:
-            t = torch.tensor(lengths if len(lengths) == flat[-1] else [0] * flat[-1],
-                             dtype=torch.int32)
-            dist.broadcast(t, src=g.global_rank(0), group=g.pg)
-            lengths, buckets, at = t.tolist(), [], 0
-            for k in lengths:
-                buckets.append(flat[at:at + k])
-                at += k
+        cast = (lambda t: dist.broadcast(t, src=g.global_rank(0), group=g.pg)) \
+            if g.distributed else None
+        buckets = sync_bucket_indices(
+            book.rebuilt_buckets(),
+            lambda n: g.wait(g.record("broadcast", n, "ddp rebuild buckets")), cast)
         book.rebuild(buckets)
         self._reset()
 
@@ -289,7 +274,7 @@ class DistributedDataParallel(ModuleWrapper):
             # the order torch's reducer would record: from rank 0's graph (.ddp_buckets)
             name = {id(p): n for n, p in named.items()}
             views = [params[0][name[id(p)]] for p in book.params]
-            book.set_order(ready_order(_output_tensors(out), views))
+            book.set_order(ready_order(output_tensors(out), views))
         return out
 
     # ---- gradient synchronization ---------------------------------------------------------
@@ -513,16 +498,3 @@ class DistributedDataParallel(ModuleWrapper):
         (torch's ``bucket.parameters()`` in a comm hook)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         return [[names[id(p)] for p in ps] for ps in self._book.buckets]
-
-
-def _output_tensors(out) -> list:
-    """The tensors of a forward's output (a DistTensor's local tensors)."""
-    from torch.utils import _pytree as pytree
-    found = []
-    for leaf in pytree.tree_leaves(out):
-        if isinstance(leaf, DistTensor):
-            local = leaf._local
-            found += list(local.items) if hasattr(local, "items") else [local]
-        elif isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-    return found

@@ -40,8 +40,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_MB", "assign_by_size", "BucketPolicy",
-           "torch_policy", "fixed_policy", "reachable_leaves", "ready_order", "BucketBook"]
+           "torch_policy", "fixed_policy", "reachable_leaves", "ready_order", "BucketBook",
+           "sync_bucket_indices", "output_tensors"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (reducer.hpp)
 DEFAULT_BUCKET_CAP_MB = 25         # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
@@ -247,3 +250,45 @@ class BucketBook:
         ``buckets`` (indices; on processes rank 0's)."""
         self._set(buckets)
         self.pending, self.rebuilt = None, True
+
+
+def sync_bucket_indices(buckets, record, broadcast=None) -> list[list[int]]:
+    """torch's ``Reducer::sync_bucket_indices``: rank 0's rebuilt ``buckets`` (indices) sent
+    to every rank in two blocking broadcasts of int32, the indices and the bucket count,
+    then the buckets' lengths (both counted with torch's profiler, tests).  ``record(n)``
+    traces one broadcast of ``n`` bytes; ``broadcast(t)`` runs it in place on processes
+    (None: simulated ranks, which hold one order).  Returns rank 0's buckets."""
+    flat = [i for b in buckets for i in b] + [len(buckets)]
+    lengths = [len(b) for b in buckets]
+    record(4 * len(flat))
+    if broadcast is not None:
+        t = torch.tensor(flat, dtype=torch.int32)
+        broadcast(t)
+        flat = t.tolist()
+    record(4 * flat[-1])
+    if broadcast is None:
+        return buckets
+    t = torch.tensor(lengths if len(lengths) == flat[-1] else [0] * flat[-1],
+                     dtype=torch.int32)
+    broadcast(t)
+    out, at = [], 0
+    for k in t.tolist():
+        out.append(flat[at:at + k])
+        at += k
+    return out
+
+
+def output_tensors(out) -> list:
+    """The tensors of a forward's output (a DistTensor's local tensors), for the graph
+    searches above."""
+    from torch.utils import _pytree as pytree
+    found = []
+    for leaf in pytree.tree_leaves(out):
+        local = getattr(leaf, "_local", None)          # a DistTensor
+        if local is not None and hasattr(local, "items"):
+            found += list(local.items)
+        elif local is not None:
+            found.append(local)
+        elif isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+    return found

@@ -1,7 +1,7 @@
 """``DistributedDataParallel`` over DistTensor parameters: DDP beside tensor parallelism.
 
     wb.parallelize(model, mesh, tp_plan, mesh_dim="tp")      # mesh dims ("dp", "tp")
-    ddp = wb.DistributedDataParallel(model, mesh, "dp", bucket_bytes=25 * 2**20)
+    ddp = wb.DistributedDataParallel(model, mesh, "dp")      # torch DDP's buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)       # every rank's replica
     loss = ddp(x).mean(); loss.backward()                    # x: Shard(0) on "dp"
     ddp.finish_gradient_synchronization(); opt.step()
@@ -10,10 +10,17 @@ A module whose parameters are DistTensors (``wb.parallelize``: PyTorch's 2-D lay
 over the dp dim of a mesh whose other dims shard the parameters) runs its own forward
 once on the DistTensors; no per-rank loop.  Every parameter must be replicated on the
 data-parallel dim; that dim becomes real storage (one replica per rank, each keeping the
-gradient of its own examples), and :class:`GradReplicas` sums the replicas' gradients:
-one all-reduce per gradient (``bucket_bytes=None``) or buckets filled in the order backward
-produces them (:func:`.ranks.bucket_order`, DDP's ``bucket_cap_mb``; ``math.inf``: one
+gradient of its own examples), and :class:`GradReplicas` sums the replicas' gradients,
+one all-reduce per bucket.  ``DistributedDataParallel``'s default is torch DDP's buckets
+(:mod:`.ddp_buckets`: one per dtype in the first step, then rebuilt in the order the grad
+hooks saw, 1 MiB then 25 MiB, ``bucket_cap_mb`` honoured), over each rank's local shards;
+``bucket_bytes=B`` gives fixed buckets filled in reverse registration order
+(:func:`.ranks.bucket_order`; ``1``: one all-reduce per gradient; ``math.inf``: one
 contiguous buffer, Megatron-LM's ``DistributedDataParallel`` without overlap).
+``GradReplicas`` without a policy (``DataParallel``, the hybrid recipe) keeps
+``bucket_bytes=None`` as one all-reduce per gradient.  Unlike torch's reducer, a parameter
+with no gradient is left out of its bucket's message here (no ``find_unused_parameters``
+map is exchanged).
 
 The reduction runs when :meth:`DistTensorDDP.finish_gradient_synchronization` is called,
 after every backward of the step: Megatron-LM's ``overlap_grad_reduce=False``, which a
@@ -54,7 +61,7 @@ from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .flat_dims import all_reduce_dims, flatten_dims
 from .flat_shards import pack, unpack
 from .rank_grads import ReplicaGrad, as_replica_grad
-from .ddp_buckets import BucketBook, torch_policy
+from .ddp_buckets import BucketBook, sync_bucket_indices, torch_policy
 from .ranks import bucket_order, check_module
 from .torch_kwargs import ddp_torch_kwargs
 
@@ -223,22 +230,12 @@ class GradReplicas:
         book = self.book
         if book is None or book.pending is None:
             return
-        buckets = book.rebuilt_buckets()
-        flat = [i for b in buckets for i in b] + [len(buckets)]
-        lengths = [len(b) for b in buckets]
-        for t in (flat, lengths):
-            C.record_collective("broadcast", self._flat, self._flat_axis, 4 * len(t),
-                                "ddp rebuild buckets")
-        if self.distributed:
-            got = []
-            for t in (flat, lengths):
-                t = torch.tensor(t, dtype=torch.int32)
-                _B.broadcast_(t, self._flat, self._flat_axis, 0)
-                got.append(t.tolist())
-            flat, lengths, buckets, at = got[0], got[1], [], 0
-            for k in lengths:
-                buckets.append(flat[at:at + k])
-                at += k
+        cast = (lambda t: _B.broadcast_(t, self._flat, self._flat_axis, 0)) \
+            if self.distributed else None
+        buckets = sync_bucket_indices(
+            book.rebuilt_buckets(),
+            lambda n: C.record_collective("broadcast", self._flat, self._flat_axis, n,
+                                          "ddp rebuild buckets"), cast)
         book.rebuild(buckets)
 
     @torch.no_grad()
