@@ -35,8 +35,9 @@ Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
   as torch's reducer does.
 
 Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
-parameter used nowhere keeps ``grad=None`` (no rank all-reduces it, the
-optimizer skips it as on one device); tied weights are one parameter, reduced once.
+parameter used nowhere keeps ``grad=None`` (its bucket carries zeros for it, as torch's
+does; the optimizer skips it as on one device); tied weights are one parameter, reduced
+once.
 
 A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor parallel on
 another mesh dim) runs in DDP's DistTensor mode (:mod:`.ddp_dist`): one forward over the

@@ -25,7 +25,12 @@ groups the gradients into buckets and all-reduces each bucket as one message:
   ``[1 MiB, 25 MiB]`` (or ``[bucket_cap_mb]``), reversed (the last-registered first: the
   order backward is assumed to produce them); never rebuilt.
 * the reducer launches bucket ``i`` only once every bucket before it has been launched
-  (``Reducer::mark_bucket_ready``: buckets are reduced in sequence).
+  (``Reducer::mark_bucket_ready``: buckets are reduced in sequence), and all-reduces the
+  bucket's whole buffer (a parameter without a gradient as zeros);
+* besides the buckets torch sends, and the trace records: before the first rebuilt step,
+  two broadcasts from rank 0 (:func:`sync_bucket_indices`); with
+  ``find_unused_parameters=True`` (and in a static graph's first step) one all-reduce of
+  which parameters each rank used, one int32 each (counted with torch's profiler).
 
 Measured with torch's own ``DistributedDataParallel`` (a comm hook recording each bucket's
 parameters, step by step) in ``tests/test_ddp_buckets_default.py``.
