@@ -162,7 +162,7 @@ def test_torch_ddp_and_zero_keyword_arguments_are_taken_or_refused_by_name():
                    bucket_cap_mb=25)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert len(w._buckets) == 1                       # 25 MiB: one bucket, as torch's
+    assert len(w.bucket_names) == 1                   # 25 MiB: one bucket, as torch's
     with pytest.raises(NotImplementedError, match=r"process_group=.*mesh"):
         wb.DistributedDataParallel(prog.mlp(), mesh, process_group=object())
     with pytest.raises(NotImplementedError, match=r"init_sync=False"):

@@ -10,7 +10,7 @@ from tests.dist_scripts.wrappers_model import data, loss_fn, make, one_device, w
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("n,bucket", [(2, None), (4, None), (4, 64)])
+@pytest.mark.parametrize("n,bucket", [(2, None), (4, None), (2, 1), (4, 64)])
 def test_five_steps_give_one_devices_parameters(n, bucket, opt):
     got = wrapped("ddp", opt, wb.Mesh.grid(n, ["dp"]), bucket_bytes=bucket)
     ref = one_device(opt)
@@ -33,15 +33,18 @@ def test_parameters_are_the_modules_own_and_every_rank_has_a_copy():
 
 def test_gradients_are_all_reduced_once_each_asynchronously_and_averaged():
     mesh = wb.Mesh.grid(4, ["dp"])
-    ddp = wb.DistributedDataParallel(make(), mesh)
+    ddp = wb.DistributedDataParallel(make(), mesh, bucket_bytes=1)     # one per parameter
     ids, y = data(1)[0]
     with wb.trace() as tr:
         loss_fn(ddp(wb.shard_tensor(ids, mesh, ["S(0)"])), wb.shard_tensor(y, mesh, ["S(0)"])) \
             .backward()
     grads = [e for e in tr.collectives() if e.label == "ddp grad"]
-    # emb.weight (tied with head.weight: reduced once), hid.weight, hid.bias; not frozen, unused
-    assert len(grads) == 3
-    assert sorted(e.args["buffer_bytes"] for e in grads) == sorted([12 * 8 * 4, 8 * 8 * 4, 8 * 4])
+    # emb.weight (tied with head.weight: reduced once), hid.weight, hid.bias, and unused's
+    # bucket (zeros: torch's reducer all-reduces every bucket, find_unused_parameters=True);
+    # not frozen
+    assert len(grads) == 4
+    assert sorted(e.args["buffer_bytes"] for e in grads) == \
+        sorted([12 * 8 * 4, 8 * 8 * 4, 8 * 4, 3 * 4])
     # launched from the hooks while backward runs: each on the comm stream, not blocking
     assert all(e.stream == "comm" for e in grads)
     # the average of the ranks' local-batch gradients = the gradient of the whole batch
@@ -59,15 +62,18 @@ def test_buckets_are_fewer_larger_messages():
     mesh = wb.Mesh.grid(2, ["dp"])
     ids, y = data(1)[0]
     counts = {}
-    for bucket in (None, 10**6):
+    for bucket in (1, 10**6, None):
         ddp = wb.DistributedDataParallel(make(), mesh, bucket_bytes=bucket)
         with wb.trace() as tr:
             loss_fn(ddp(wb.shard_tensor(ids, mesh, ["S(0)"])),
                     wb.shard_tensor(y, mesh, ["S(0)"])).backward()
         ev = [e for e in tr.collectives() if e.label.startswith("ddp")]
         counts[bucket] = (len(ev), sum(e.args["buffer_bytes"] for e in ev))
-    assert counts[None] == (3, (96 + 64 + 8) * 4)
-    assert counts[10**6] == (1, (96 + 64 + 8) * 4)      # one bucket: the same bytes
+    # every trainable parameter's bytes, the unused one's too (its zeros travel in its
+    # bucket, as in torch's reducer)
+    assert counts[1] == (4, (96 + 64 + 8 + 3) * 4)      # one all-reduce per parameter
+    assert counts[10**6] == (1, (96 + 64 + 8 + 3) * 4)  # one bucket: the same bytes
+    assert counts[None] == (1, (96 + 64 + 8 + 3) * 4)  # torch's first step: one per dtype
 
 
 def test_broadcast_from_gives_every_rank_that_ranks_weights():

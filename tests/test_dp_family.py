@@ -76,7 +76,9 @@ def test_dp_over_tp_gives_one_devices_losses_and_parameters():
     ddp.check_replicas()                            # every dp replica took the same step
 
 
-@pytest.mark.parametrize("bucket,count", [(None, 4), (math.inf, 1)])
+# bucket_bytes=1: one per tensor; None: torch DDP's default, whose first step is one bucket
+# per dtype (tests/test_ddp_buckets_default.py); inf: one buffer
+@pytest.mark.parametrize("bucket,count", [(1, 4), (None, 1), (math.inf, 1)])
 def test_gradients_all_reduced_over_dp_once_per_tensor_or_bucket(bucket, count):
     _, ddp, tr = dp_tp(1, bucket)
     ev = [e for e in tr.collectives() if e.label in ("dp grad", "dp bucket")]

@@ -13,20 +13,31 @@ Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
 * at construction every rank receives rank ``broadcast_from``'s parameters and
   buffers (a broadcast), so the replicas start equal;
 * during backward, a post-accumulate-grad hook on each parameter marks it ready;
-  when every parameter of a bucket is ready, its gradients are all-reduced
-  *asynchronously* (the trace records the all-reduce with ``overlap=True``,
-  on the comm stream, while backward goes on); ``bucket_bytes=None`` gives one
-  all-reduce per parameter (the naive version), otherwise buckets of at least
-  ``bucket_bytes`` bytes filled in reverse parameter order (the order backward
-  produces gradients);
-* :meth:`finish_gradient_synchronization` launches the buckets still open
-  (parameters that received no gradient are skipped), waits for every
-  all-reduce and leaves each gradient the *average* over ranks
-  (``ReduceOp.AVG``).  It also runs by itself at the end of backward.
+  when every parameter of a bucket is ready, and every bucket before it has been
+  launched, its gradients are all-reduced *asynchronously* as one buffer (the trace
+  records the all-reduce with ``overlap=True``, on the comm stream, while backward
+  goes on);
+* the buckets are torch DDP's (:mod:`.ddp_buckets`): by default one bucket per dtype
+  in the first step, then, from the second, buckets rebuilt in the order the first
+  backward produced the gradients, the first of 1 MiB and the others of 25 MiB
+  (``bucket_cap_mb=M``: M MiB each; ``find_unused_parameters=True``: buckets from
+  registration order, reversed, never rebuilt; ``static_graph=True``: rebuilt one step
+  later).  workbench's ``bucket_bytes=B`` instead keeps fixed buckets of at least ``B``
+  bytes from the first step, filled in reverse registration order (``B=1``: one
+  all-reduce per parameter, the naive version);
+* :meth:`finish_gradient_synchronization` launches the buckets still open (a
+  parameter that received no gradient travels as zeros in its bucket, as in torch's
+  buffer, and keeps ``grad=None``), waits for every all-reduce and leaves each
+  gradient the *average* over ranks (``ReduceOp.AVG``).  It also runs by itself at
+  the end of backward.  With ``find_unused_parameters=True`` the parameters the
+  forward's outputs do not reach are ready from the first hook of backward, and the
+  ranks all-reduce which parameters they used (one int32 each) after the last bucket,
+  as torch's reducer does.
 
 Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
-parameter used nowhere keeps ``grad=None`` (no rank all-reduces it, the
-optimizer skips it as on one device); tied weights are one parameter, reduced once.
+parameter used nowhere keeps ``grad=None`` (its bucket carries zeros for it, as torch's
+does; the optimizer skips it as on one device); tied weights are one parameter, reduced
+once.
 
 A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor parallel on
 another mesh dim) runs in DDP's DistTensor mode (:mod:`.ddp_dist`): one forward over the
@@ -100,9 +111,11 @@ from ..load_back import mark
 from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .torch_kwargs import ddp_torch_kwargs
+from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
+                          ready_order, sync_bucket_indices, torch_policy)
 from .rank_grads import as_rank_rows
 from .replica_writes import sync_rows
-from .ranks import (ModuleWrapper, RankGroup, bucket_order, check_module, replace_parameter,
+from .ranks import (ModuleWrapper, RankGroup, check_module, replace_parameter,
                     run_per_rank, state_dict_check, check_not_meta,
                     check_sync_batchnorm_device)
 
@@ -145,13 +158,18 @@ class DistributedDataParallel(ModuleWrapper):
         check_module(module, "DistributedDataParallel")
         check_broadcast_buffers(broadcast_buffers)
         # torch DDP's own arguments (find_unused_parameters, bucket_cap_mb...): .torch_kwargs
-        bucket_bytes = ddp_torch_kwargs(torch_kwargs, bucket_bytes)
+        ddp_torch_kwargs(torch_kwargs, bucket_bytes)
         check_not_meta(module, "DistributedDataParallel")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
                                          not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: give a positive number of bytes "
-                             "(e.g. 25 * 2**20, PyTorch's default) or None for one all-reduce "
-                             "per parameter")
+                             "(fixed buckets; 1: one all-reduce per parameter) or None for "
+                             "torch DDP's buckets (bucket_cap_mb, 25 MiB by default)")
+        self._find_unused = bool(torch_kwargs.get("find_unused_parameters", False))
+        self._static = bool(torch_kwargs.get("static_graph", False))
+        self._as_view = bool(torch_kwargs.get("gradient_as_bucket_view", False))
+        policy = fixed_policy(bucket_bytes) if bucket_bytes is not None else torch_policy(
+            torch_kwargs.get("bucket_cap_mb"), self._find_unused, self._static)
         g = RankGroup(mesh, dim, "DistributedDataParallel")
         check_sync_batchnorm_device(g, module, "DistributedDataParallel")
         if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int) or \
@@ -165,8 +183,10 @@ class DistributedDataParallel(ModuleWrapper):
         self._broadcast_state()
         params = list(module.parameters())
         trainable = [p for p in params if p.requires_grad]
-        self._buckets = _buckets(trainable, bucket_bytes, g)
-        self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
+        sizes = [(p[0] if not g.distributed else p).numel() * p.element_size()
+                 for p in trainable]
+        self._book = BucketBook(trainable, sizes, policy)
+        self._unused = []                   # find_unused_parameters: unreached by the forward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         self._synced = set()                # simulated: ids of parameters whose rows are averaged
         if not g.distributed:
@@ -210,6 +230,30 @@ class DistributedDataParallel(ModuleWrapper):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._rebuild_buckets()
+        out = self._forward(*args, **kwargs)
+        if self._find_unused and not self._static and torch.is_grad_enabled():
+            # torch's search_unused_parameters: what the outputs' graph does not reach
+            reached = reachable_leaves(output_tensors(out))
+            self._unused = [p for p in self._book.params if id(p) not in reached]
+        return out
+
+    def _rebuild_buckets(self):
+        """torch's ``Reducer::rebuild_buckets`` before a forward: the buckets in the order
+        the recorded backward produced the gradients, rank 0's sent to every rank."""
+        book, g = self._book, self.group
+        if book.pending is None:
+            return
+        cast = (lambda t: dist.broadcast(t, src=g.global_rank(0), group=g.pg)) \
+            if g.distributed else None
+        buckets = sync_bucket_indices(
+            book.rebuilt_buckets(),
+            lambda n: g.wait(g.record("broadcast", n, "ddp rebuild buckets")), cast)
+        book.rebuild(buckets)
+        self._reset()
+
+    def _forward(self, *args, **kwargs):
         g = self.group
         if g.distributed:
             # torch DDP's buffer sync (broadcast_buffers=True): before a forward that
@@ -225,12 +269,18 @@ class DistributedDataParallel(ModuleWrapper):
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]
-        return run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
+        out = run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
+        book = self._book
+        if book.recording and torch.is_grad_enabled():
+            # the order torch's reducer would record: from rank 0's graph (.ddp_buckets)
+            name = {id(p): n for n, p in named.items()}
+            views = [params[0][name[id(p)]] for p in book.params]
+            book.set_order(ready_order(output_tensors(out), views))
+        return out
 
     # ---- gradient synchronization ---------------------------------------------------------
     def _reset(self):
-        self._ready = [0] * len(self._buckets)
-        self._launched = [False] * len(self._buckets)
+        self._book.reset()
         self._pending = []          # (bucket index, work or None, flat or None, trace handles)
         self._callback_queued = False
         self._done = True
@@ -251,34 +301,37 @@ class DistributedDataParallel(ModuleWrapper):
             p.grad = as_rank_rows(p.grad)
         if not self._sync_enabled:
             return
+        launch = []
         if not self._callback_queued:       # finish by itself at the end of this backward
             self._callback_queued, self._done = True, False
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish_gradient_synchronization)
-        b = self._bucket_of[id(p)]
-        self._ready[b] += 1
-        if self._ready[b] == len(self._buckets[b]):
+            for q in self._unused:          # torch marks them ready at the first hook
+                launch += self._book.mark_ready(q)
+        if self._static and self._book.backwards == 0:
+            self._book.mark_ready(p, launch=False)   # static_graph: all at the end, once
+            return
+        for b in launch + self._book.mark_ready(p):
             self._launch(b)
 
     @torch.no_grad()
     def _launch(self, b):
-        self._launched[b] = True
-        ps = [p for p in self._buckets[b] if p.grad is not None]
-        if not ps:
-            return
+        """All-reduce bucket ``b``'s buffer: every parameter of it (zeros for one without a
+        gradient, as torch's bucket contents)."""
+        bucket = self._book.buckets[b]
         g = self.group
-        per_rank = [p.grad[0] if not g.distributed else p.grad for p in ps]
-        nbytes = sum(t.numel() * t.element_size() for t in per_rank)
-        label = "ddp grad" if len(self._buckets[b]) == 1 else "ddp bucket"
-        handles = g.record("all_reduce", nbytes, label, overlap=True)
+        label = "ddp grad" if len(bucket) == 1 else "ddp bucket"
+        handles = g.record("all_reduce", self._book.nbytes(b), label, overlap=True)
         if not g.distributed:
             # the ranks' rows summed (each row already holds 1/N of the global mean)
-            for p in ps:
-                p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
-                self._synced.add(id(p))
+            for p in bucket:
+                if p.grad is not None:
+                    p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
+                    self._synced.add(id(p))
             self._pending.append((b, None, None, handles))
             return
-        flat = ps[0].grad if len(ps) == 1 else pack([p.grad for p in ps])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = grads[0] if len(bucket) == 1 else pack(grads)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)
         self._pending.append((b, work, flat, handles))
 
@@ -288,27 +341,61 @@ class DistributedDataParallel(ModuleWrapper):
         gradient the average over the data-parallel ranks."""
         if self._done:
             return                  # nothing to synchronize (or done at the end of backward)
-        hooked = self._bucket_of
+        hooked = self._book.index
         late = [n for n, p in self.module.named_parameters()
                 if p.grad is not None and id(p) not in hooked]
         if late:
             raise RuntimeError(f"DistributedDataParallel: {late[:3]} received gradients but "
                                "were frozen when the wrapper was built, so no rank averages "
                                "them; set requires_grad before wrapping the module")
-        for b in range(len(self._buckets)):
-            if not self._launched[b]:
-                self._launch(b)     # buckets with unused parameters: their used ones
+        book = self._book
+        # static_graph's first backward (torch's delay_all_reduce): which parameters each
+        # rank used, then every bucket; find_unused_parameters: the buckets, then the map
+        first = self._static and book.backwards == 0
+        used = self._used_map() if first else None
+        for b in book.rest():
+            self._launch(b)         # buckets with unused parameters
+        if self._find_unused and not self._static:
+            used = self._used_map()
+        if first:                   # a static graph's unused: ready from the first hook
+            self._unused = [p for p in book.params if book.index[id(p)] not in book.marked]
         for b, work, flat, handles in self._pending:
             self.group.wait(handles)
             if work is None:
                 continue
             work.wait()
             flat.div_(self.group.n)
-            ps = [p for p in self._buckets[b] if p.grad is not None]
-            if len(ps) > 1:
-                for p, piece in zip(ps, unpack(flat, [p.grad.shape for p in ps])):
+            ps = book.buckets[b]
+            pieces = [flat] if len(ps) == 1 else unpack(flat, [p.shape for p in ps])
+            for p, piece in zip(ps, pieces):
+                if p.grad is None and used is not None and used[book.index[id(p)]]:
+                    p.grad = piece.clone()      # used on another rank: torch gives it one
+                elif p.grad is None:
+                    continue                    # used on no rank: grad stays None
+                elif self._as_view and len(ps) > 1:
+                    p.grad = piece              # gradient_as_bucket_view: a view of the bucket
+                elif piece is not p.grad:
                     p.grad.copy_(piece)
+        book.backward_done()
         self._reset()
+
+    def _used_map(self):
+        """torch's all-reduce of which parameters each rank used (``local_used_map``, one
+        int32 each), waited for only when a parameter went unused here (torch's lazy wait
+        in ``finalize_bucket_dense``); on torch.distributed returns it (a parameter used on
+        any rank gets a gradient)."""
+        book, g = self._book, self.group
+        unused = {id(p) for p in self._unused}
+        here = [book.index[id(p)] in book.marked and id(p) not in unused for p in book.params]
+        handles = g.record("all_reduce", 4 * len(book.params), "ddp used params",
+                           overlap=True)
+        if not all(here):
+            g.wait(handles)
+        if not g.distributed:
+            return None
+        used = torch.tensor(here, dtype=torch.int32)
+        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=g.pg)
+        return used.tolist()
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -345,7 +432,7 @@ class DistributedDataParallel(ModuleWrapper):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def requires_grad_(self, requires_grad: bool = True):
-        hooked = {id(p) for ps in self._buckets for p in ps}
+        hooked = self._book.index
         late = [n for n, p in self.module.named_parameters() if id(p) not in hooked]
         if requires_grad and late:
             raise ValueError(f"DistributedDataParallel.requires_grad_(True): {late[:3]} were "
@@ -404,10 +491,11 @@ class DistributedDataParallel(ModuleWrapper):
     def extra_repr(self) -> str:
         g = self.group
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
-        return f"{type(self.module).__name__}, {where}, {len(self._buckets)} buckets"
+        return f"{type(self.module).__name__}, {where}, {len(self._book.buckets)} buckets"
 
-
-def _buckets(params, bucket_bytes, g):
-    """Buckets of parameters in reverse order (the order backward produces them)."""
-    sizes = [(p[0] if not g.distributed else p).numel() * p.element_size() for p in params]
-    return [[params[i] for i in b] for b in bucket_order(sizes, bucket_bytes)]
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The parameters' names in each bucket, in the order the buckets are launched
+        (torch's ``bucket.parameters()`` in a comm hook)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in ps] for ps in self._book.buckets]

@@ -1,7 +1,7 @@
 """``DistributedDataParallel`` over DistTensor parameters: DDP beside tensor parallelism.
 
     wb.parallelize(model, mesh, tp_plan, mesh_dim="tp")      # mesh dims ("dp", "tp")
-    ddp = wb.DistributedDataParallel(model, mesh, "dp", bucket_bytes=25 * 2**20)
+    ddp = wb.DistributedDataParallel(model, mesh, "dp")      # torch DDP's buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)       # every rank's replica
     loss = ddp(x).mean(); loss.backward()                    # x: Shard(0) on "dp"
     ddp.finish_gradient_synchronization(); opt.step()
@@ -10,10 +10,17 @@ A module whose parameters are DistTensors (``wb.parallelize``: PyTorch's 2-D lay
 over the dp dim of a mesh whose other dims shard the parameters) runs its own forward
 once on the DistTensors; no per-rank loop.  Every parameter must be replicated on the
 data-parallel dim; that dim becomes real storage (one replica per rank, each keeping the
-gradient of its own examples), and :class:`GradReplicas` sums the replicas' gradients:
-one all-reduce per gradient (``bucket_bytes=None``) or buckets filled in the order backward
-produces them (:func:`.ranks.bucket_order`, DDP's ``bucket_cap_mb``; ``math.inf``: one
+gradient of its own examples), and :class:`GradReplicas` sums the replicas' gradients,
+one all-reduce per bucket.  ``DistributedDataParallel``'s default is torch DDP's buckets
+(:mod:`.ddp_buckets`: one per dtype in the first step, then rebuilt in the order the grad
+hooks saw, 1 MiB then 25 MiB, ``bucket_cap_mb`` honoured), over each rank's local shards;
+``bucket_bytes=B`` gives fixed buckets filled in reverse registration order
+(:func:`.ranks.bucket_order`; ``1``: one all-reduce per gradient; ``math.inf``: one
 contiguous buffer, Megatron-LM's ``DistributedDataParallel`` without overlap).
+``GradReplicas`` without a policy (``DataParallel``, the hybrid recipe) keeps
+``bucket_bytes=None`` as one all-reduce per gradient.  Unlike torch's reducer, a parameter
+with no gradient is left out of its bucket's message here (no ``find_unused_parameters``
+map is exchanged).
 
 The reduction runs when :meth:`DistTensorDDP.finish_gradient_synchronization` is called,
 after every backward of the step: Megatron-LM's ``overlap_grad_reduce=False``, which a
@@ -54,6 +61,7 @@ from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .flat_dims import all_reduce_dims, flatten_dims
 from .flat_shards import pack, unpack
 from .rank_grads import ReplicaGrad, as_replica_grad
+from .ddp_buckets import BucketBook, sync_bucket_indices, torch_policy
 from .ranks import bucket_order, check_module
 from .torch_kwargs import ddp_torch_kwargs
 
@@ -67,7 +75,7 @@ class GradReplicas:
     them (:mod:`.flat_dims`).  ``who`` names the caller in errors."""
 
     def __init__(self, params, mesh, dim="dp", bucket_bytes=None, partial_grads=(),
-                 partial_dim="tp", who: str = "DistributedDataParallel"):
+                 partial_dim="tp", who: str = "DistributedDataParallel", policy=None):
         params = [p for _, p in params] if params and isinstance(params[0], tuple) \
             else list(params)
         # a tensor listed twice (a tied weight from two modules) is one parameter
@@ -127,6 +135,14 @@ class GradReplicas:
                 p._local.register_hook(self._before_grad(p))
                 p._local.register_post_accumulate_grad_hook(self._grad_hook(p))
         self.who = who
+        # torch DDP's buckets (.ddp_buckets) when a policy is given and no bucket_bytes:
+        # DistributedDataParallel's default; the order is recorded by the grad hooks
+        self.book = None
+        if policy is not None and bucket_bytes is None:
+            trainable = [p for p in self.params if id(p) in self.hooked]
+            lead = (0,) * mesh.ndim
+            self.book = BucketBook(trainable, [p._local[lead].numel() * p._local.element_size()
+                                               for p in trainable], policy)
         # what torch.nn.utils.clip_grad_norm_ over the replicas says before the sum
         self.unsynced_hint = (
             f"torch.nn.utils.clip_grad_norm_ over {who}'s replicas before their gradients "
@@ -174,6 +190,8 @@ class GradReplicas:
 
     def _grad_hook(self, p):
         def hook(leaf):             # a gradient backward accumulated: not summed over dp
+            if self.book is not None:
+                self.book.mark_ready(p, launch=False)   # the order the rebuild takes
             if leaf.grad is not None:
                 leaf.grad = self._replica_grad(p, leaf.grad, False)
         return hook
@@ -198,8 +216,27 @@ class GradReplicas:
                   if p._local.grad is not None and
                   not getattr(p._local.grad, "_wb_synced", False)]
         self.sum_partials(params)
-        for p, g in zip(params, self._all_reduce([p._local.grad for p in params])):
+        for p, g in zip(params, self._all_reduce([p._local.grad for p in params], params)):
             p._local.grad = self._replica_grad(p, g, True)
+        if self.book is not None and params:
+            self.book.backward_done()
+            self.book.reset()
+
+    @torch.no_grad()
+    def rebuild_buckets(self) -> None:
+        """torch DDP's bucket rebuild before a forward (:mod:`.ddp_buckets`): the buckets in
+        the order the gradients were ready, agreed by two broadcasts from dp rank 0 (the
+        indices and the bucket count, then the buckets' lengths; int32)."""
+        book = self.book
+        if book is None or book.pending is None:
+            return
+        cast = (lambda t: _B.broadcast_(t, self._flat, self._flat_axis, 0)) \
+            if self.distributed else None
+        buckets = sync_bucket_indices(
+            book.rebuilt_buckets(),
+            lambda n: C.record_collective("broadcast", self._flat, self._flat_axis, n,
+                                          "ddp rebuild buckets"), cast)
+        book.rebuild(buckets)
 
     @torch.no_grad()
     def sum_partials(self, params) -> None:
@@ -220,17 +257,24 @@ class GradReplicas:
             return C.all_reduce(t, self.mesh, self.axis, "sum", expanded=True, label=label)
         return all_reduce_dims(t, self.mesh, self._flat, self._flat_axis, label=label)
 
-    def _all_reduce(self, grads):
+    def _all_reduce(self, grads, params):
         mesh = self.mesh
-        if not self.bucket_bytes:
+        if self.book is not None:
+            # torch DDP's buckets, each restricted to the gradients being summed
+            at = {id(p): j for j, p in enumerate(params)}
+            buckets = [[at[id(p)] for p in b if id(p) in at] for b in self.book.buckets]
+            buckets = [b for b in buckets if b]
+        elif not self.bucket_bytes:
             return [self._sum(g, "dp grad").contiguous() for g in grads]
-        # buckets in reverse order of registration (the order backward produces them),
-        # as DistributedDataParallel fills them (ranks.bucket_order)
+        else:
+            # buckets in reverse order of registration (the order backward produces them),
+            # as DistributedDataParallel fills them (ranks.bucket_order)
+            sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
+            buckets = bucket_order(sizes, self.bucket_bytes)
         out = [None] * len(grads)
-        sizes = [g[(0,) * mesh.ndim].numel() * g.element_size() for g in grads]
         lead = (1,) * mesh.ndim if self.distributed else tuple(mesh.shape)
         nd = mesh.ndim
-        for bucket in bucket_order(sizes, self.bucket_bytes):
+        for bucket in buckets:
             flat = pack([grads[j].expand(lead + tuple(grads[j].shape[nd:])) for j in bucket], nd)
             # the sum is one copy expanded over dp (stride 0): each rank's own buffer, so
             # the gradients take in-place ops (clip's mul_, zero_grad's zero_) as torch's
@@ -284,7 +328,11 @@ class DistTensorDDP(DistributedDataParallel):
                  **torch_kwargs):
         nn.Module.__init__(self)
         check_module(module, "DistributedDataParallel")
-        bucket_bytes = ddp_torch_kwargs(torch_kwargs, bucket_bytes)   # torch DDP's own
+        cap_mb = torch_kwargs.get("bucket_cap_mb")
+        ddp_torch_kwargs(torch_kwargs, bucket_bytes)   # torch DDP's own, checked
+        # no bucket_bytes: torch DDP's buckets (bucket_cap_mb's, 25 MiB by default)
+        policy = torch_policy(cap_mb, bool(torch_kwargs.get("find_unused_parameters", False)),
+                              bool(torch_kwargs.get("static_graph", False)))
         check_broadcast_buffers(broadcast_buffers)     # one copy of each buffer: True holds
         params = list(dist_parameters(module))
         mesh0 = params[0][1].mesh
@@ -307,12 +355,14 @@ class DistTensorDDP(DistributedDataParallel):
                                       "parameters: the replicas start from dp rank 0's copy")
         object.__setattr__(self, "module", module)
         self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
-                                     partial_dim, "DistributedDataParallel")
+                                     partial_dim, "DistributedDataParallel", policy)
         self._names = [name for name, _ in params]
         self.broadcast_from, self._sync_enabled = 0, True
         module._wb_wrapped = "DistributedDataParallel"
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.replicas.rebuild_buckets()
         return self.module(*args, **kwargs)
 
     # ---- what an optimizer steps ------------------------------------------------------------
@@ -396,6 +446,21 @@ class DistTensorDDP(DistributedDataParallel):
         for name, b in self.module.named_buffers():
             out[name] = b.detach().clone()
         return out
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The parameters' names in each bucket, in the order they are all-reduced (every
+        parameter with a gradient: the buckets of ``bucket_bytes``, or torch's)."""
+        r = self.replicas
+        name = {id(p): n for n, p in zip(self._names, r.params)}
+        if r.book is not None:
+            return [[name[id(p)] for p in b] for b in r.book.buckets]
+        ps = [p for p in r.params if id(p) in r.hooked]
+        if not r.bucket_bytes:
+            return [[name[id(p)]] for p in ps]
+        lead = (0,) * r.mesh.ndim
+        sizes = [p._local[lead].numel() * p._local.element_size() for p in ps]
+        return [[name[id(ps[j])] for j in b] for b in bucket_order(sizes, r.bucket_bytes)]
 
     def extra_repr(self) -> str:
         r = self.replicas

@@ -354,8 +354,9 @@ def state_dict_check(owner, mine: dict, given, strict: bool):
 def bucket_order(sizes, bucket_bytes) -> list[list[int]]:
     """Indices of tensors of ``sizes`` bytes grouped into buckets, in reverse order (the
     order backward produces gradients), each bucket closed once it holds at least
-    ``bucket_bytes`` (PyTorch DDP's ``bucket_cap_mb``); ``bucket_bytes=None``: one tensor a
-    bucket.  Shared by ``DistributedDataParallel`` and the library's ``DataParallel``."""
+    ``bucket_bytes``; ``bucket_bytes=None``: one tensor a bucket.  The fixed buckets of
+    ``DataParallel`` and of DDP's DistTensor mode with ``bucket_bytes`` (one dtype); torch
+    DDP's own rules, per dtype, are :mod:`.ddp_buckets`."""
     order = list(range(len(sizes)))[::-1]
     if bucket_bytes is None:
         return [[i] for i in order]

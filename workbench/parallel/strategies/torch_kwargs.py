@@ -10,12 +10,13 @@ Python's bare "unexpected keyword argument", and the last reached the inner opti
 constructor (``AdamW(..., parameters_as_bucket_view=True)``), an error naming neither.
 
 * taken, with the values torch gives: ``find_unused_parameters`` (here a parameter no
-  rank used keeps ``grad=None`` and is skipped, torch's behaviour with True; with False
-  torch raises at the next forward instead), ``gradient_as_bucket_view``,
-  ``static_graph``, ``check_reduction`` (memory and speed only), ``bucket_cap_mb``
-  (``bucket_bytes = int(bucket_cap_mb * 2**20)``, torch's conversion), ``device_ids`` /
-  ``output_device`` left None (torch's value for a CPU module); ZeRO's
-  ``parameters_as_bucket_view`` (memory only);
+  rank used keeps ``grad=None``, torch's behaviour with True; with False torch raises at
+  the next forward instead), ``bucket_cap_mb``, ``static_graph`` and
+  ``find_unused_parameters`` choose torch's buckets (:mod:`.ddp_buckets`; bucket sizes
+  ``int(bucket_cap_mb * 2**20)``, torch's conversion), ``gradient_as_bucket_view`` (on
+  torch.distributed each gradient a view of its bucket), ``check_reduction`` (no
+  effect), ``device_ids`` / ``output_device`` left None (torch's value for a CPU module);
+  ZeRO's ``parameters_as_bucket_view`` (memory only);
 * refused with a message: anything else that changes what is computed (another process
   group, mixed precision, ``init_sync=False``, ``overlap_with_ddp=True``...).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 __all__ = ["ddp_torch_kwargs", "zero_torch_kwargs"]
 
-# torch DDP's arguments that change memory or speed, never the values: any bool is taken
+# torch DDP's bool arguments (buckets, views, memory or speed; never the values): any bool
 _DDP_BOOL = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph",
              "check_reduction")
 # torch DDP's arguments built here only at torch's default
