@@ -55,7 +55,10 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, num_blocks: int, block_size: int) -> "PagedKVCache":
-        return cls(model.cfg, batch, num_blocks, block_size)
+        """An empty cache for ``model``, its pools in the dtype of the model's weights (what
+        its keys and values are computed in: a ``bfloat16`` preset cast with ``.float()``
+        keeps float32 keys, as the contiguous cache does), not ``cfg.dtype``."""
+        return cls(model.cfg, batch, num_blocks, block_size, dtype=model.tok_emb.weight.dtype)
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self._length
