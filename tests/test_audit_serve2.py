@@ -56,3 +56,97 @@ def test_step_cost_in_float32_reads_four_byte_weights_and_cache():
         step_cost(cfg, batch=1, new_tokens=1, context=8, weight_bits=12)
     with pytest.raises(ValueError, match="dtype='fp32'"):
         step_cost(cfg, batch=1, new_tokens=1, context=8, dtype="fp32")
+
+
+# ---- generate stops each sequence at its eos, as Transformers' generate does ----------------
+
+def _hf_sample(m, idx, n, eos, pad, gen=None, **kw):
+    """Transformers' ``_sample`` loop, each step recomputing the whole prefix: a finished
+    row gets ``pad``, the loop ends once every row has sampled an eos id."""
+    out, unfinished = idx, torch.ones(idx.shape[0], dtype=torch.bool)
+    for _ in range(n):
+        with torch.no_grad():
+            logits, _ = m(out)
+        z = logits[:, -1].float()
+        if kw:
+            probs = torch.softmax(wb.serve.filter_logits(z, wb.serve.SamplingParams(**kw)), -1)
+            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        else:
+            nxt = z.argmax(-1)
+        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
+        out = torch.cat((out, nxt[:, None]), 1)
+        unfinished &= ~torch.isin(nxt, torch.tensor(eos))
+        if not unfinished.any():
+            break
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("layout", [None, dict(tp=2), dict(dp=2, tp=2)])
+def test_generate_stops_each_sequence_at_its_eos_and_pads_it(sampled, layout):
+    """generate had no eos_token_id: a user's `generate(..., eos_token_id=...)` was a
+    TypeError, and the engine was the only way to stop a sequence at its eos."""
+    cfg = get_config("tiny")
+    one = build_model(cfg, seed=0).eval()
+    idx = prompt(4, 3)
+    kw = dict(temperature=1.0, top_k=20) if sampled else {}
+    gen = (lambda: torch.Generator().manual_seed(4)) if sampled else (lambda: None)
+    free = generate(one, idx, 12, generator=gen(), **kw)
+    eos = [int(free[1, 5]), int(free[2, 8])]                # rows 1 and 2 stop early
+    want = _hf_sample(one, idx, 12, eos, 0, gen(), **kw)
+    model, x = one, idx
+    if layout:
+        served = wb.serve.serve_model(cfg, state_dict=one.state_dict(), **layout)
+        model, x = served.model, served.place(idx)
+    got = generate(model, x, 12, eos_token_id=eos, pad_token_id=0, generator=gen(), **kw)
+    got = got.full() if layout else got
+    assert torch.equal(got, want)
+    assert got.shape == (4, 15) and (got[1, 9:] == 0).all()
+    # up to its eos each row is the row without eos (every row draws every step)
+    for b in range(4):
+        row = free[b, 3:].tolist()
+        cut = min([row.index(e) + 1 for e in eos if e in row], default=12)
+        assert got[b, 3:3 + cut].tolist() == row[:cut]
+
+
+def test_generate_ends_when_every_sequence_has_finished_and_pads_with_eos_by_default():
+    m = build_model(get_config("gpt-tiny"), seed=0).eval()
+    idx = prompt(2, 4, seed=1)
+    free = generate(m, idx, 10)
+    e = int(free[0, 6])
+    got = generate(m, idx, 10, eos_token_id=e, use_cache=False)
+    rows = [free[b, 4:].tolist() for b in range(2)]
+    ends = [r.index(e) + 1 if e in r else 10 for r in rows]
+    assert got.shape == (2, 4 + max(ends))
+    for b in range(2):
+        assert got[b, 4:4 + ends[b]].tolist() == rows[b][:ends[b]]
+        assert (got[b, 4 + ends[b]:] == e).all()                    # pad: the eos id
+    one_row = generate(m, idx[:1], 10, eos_token_id=e)
+    assert torch.equal(one_row, free[:1, :4 + ends[0]])            # stops at its eos
+    paged = PagedKVCache.for_model(m, batch=2, num_blocks=16, block_size=4)
+    assert torch.equal(generate(m, idx, 10, eos_token_id=e, cache=paged), got)
+
+
+def test_generate_and_the_engine_agree_on_eos():
+    m = build_model(get_config("tiny"), seed=0).eval()
+    idx = prompt(3, 5, seed=2)
+    free = generate(m, idx, 9)
+    e = int(free[1, 7])
+    got = generate(m, idx, 9, eos_token_id=e)
+    outs = wb.serve.Engine(m, num_blocks=16, block_size=4).generate_all(
+        [r.tolist() for r in idx], 9, eos_token_id=e)
+    for b, toks in enumerate(outs):
+        assert got[b, 5:5 + len(toks)].tolist() == toks
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(eos_token_id=75), r"eos_token_id=75\): give a token id in \[0, 75\)"),
+    (dict(eos_token_id=[]), r"eos_token_id=\[\]\): .*non-empty list"),
+    (dict(eos_token_id=True), r"eos_token_id=True"),
+    (dict(eos_token_id=3, pad_token_id=-1), r"pad_token_id=-1\): give a token id"),
+    (dict(pad_token_id=0), r"pad_token_id=0\) without eos_token_id"),
+])
+def test_bad_eos_and_pad_ids_are_named(kw, message):
+    m = build_model(get_config("tiny"), seed=0).eval()
+    with pytest.raises(ValueError, match=message):
+        generate(m, prompt(1, 3), 4, **kw)

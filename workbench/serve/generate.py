@@ -73,15 +73,23 @@ def _check(model, idx, max_new_tokens, use_cache):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             generator=None, use_cache: bool = True, cache=None):
+             generator=None, use_cache: bool = True, cache=None,
+             eos_token_id=None, pad_token_id: int | None = None):
     """Append ``max_new_tokens`` tokens to idx (B, S) (a tensor, or a DistTensor of a
     :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
     Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`); ``generator``:
     one ``torch.Generator``, or one per sequence (:func:`~.sampling.sample_next`).  ``cache``:
     an empty cache to fill (a :class:`~.paged_cache.PagedKVCache`; default a new
-    :class:`~.kv_cache.KVCache`)."""
+    :class:`~.kv_cache.KVCache`).
+
+    ``eos_token_id`` (an id, or a list of ids), as Hugging Face's ``generate``: a sequence
+    that samples one is finished, its later tokens are ``pad_token_id`` (default: the first
+    eos id), and generation stops once every sequence has finished, so the result may be
+    shorter than S + max_new_tokens.  The draws are those without eos (every row still
+    draws each step), so a sequence's tokens up to its eos are the same either way."""
     params = SamplingParams(temperature, top_k, top_p)
     _check(model, idx, max_new_tokens, use_cache)
+    stop, pad = _check_eos(eos_token_id, pad_token_id, model.cfg.vocab_size)
     if cache is not None and (not use_cache or cache.get_seq_length() != 0):
         raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
                          f"this one holds {cache.get_seq_length()} tokens")
@@ -92,14 +100,22 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     try:
         if cache is None and use_cache:
             cache = KVCache.for_model(model)
-        out = idx
+        out, done = idx, None           # done (B,): the rows that sampled an eos id
         logits, _ = model(idx, cache=cache) if cache is not None \
             else model(idx[:, -model.cfg.seq_len:])                        # prefill (B, S, V)
         for i in range(max_new_tokens):
-            nxt = sample_next(logits[:, -1, :], params, generator).unsqueeze(1)   # (B, 1)
-            out = torch.cat((out, nxt.to(out.dtype)), 1)                    # (B, S + i + 1)
-            if i == max_new_tokens - 1:
+            nxt = sample_next(logits[:, -1, :], params, generator)          # (B,)
+            if stop:
+                if done is not None:
+                    nxt = nxt.masked_fill(done, pad)    # a finished row: padding from here
+                hit = nxt == stop[0]
+                for e in stop[1:]:
+                    hit = hit | (nxt == e)
+                done = hit if done is None else done | hit
+            out = torch.cat((out, nxt.unsqueeze(1).to(out.dtype)), 1)       # (B, S + i + 1)
+            if i == max_new_tokens - 1 or (done is not None and bool(done.all())):
                 break
+            nxt = nxt.unsqueeze(1)                                          # (B, 1)
             if cache is not None:
                 logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
             else:
@@ -109,6 +125,26 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
         return out
     finally:
         model.train(was_training)
+
+
+def _check_eos(eos_token_id, pad_token_id, vocab: int):
+    """(eos ids as a list, the pad id) of :func:`generate`; a clear error otherwise."""
+    def is_id(v):
+        return not isinstance(v, bool) and isinstance(v, int) and 0 <= v < vocab
+    if eos_token_id is None:
+        if pad_token_id is not None:
+            raise ValueError(f"generate(pad_token_id={pad_token_id!r}) without eos_token_id: "
+                             "no sequence finishes early, so nothing is padded; give "
+                             "eos_token_id too, or leave pad_token_id None")
+        return [], None
+    stop = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if not stop or not all(is_id(e) for e in stop):
+        raise ValueError(f"generate(eos_token_id={eos_token_id!r}): give a token id in "
+                         f"[0, {vocab}), or a non-empty list of them")
+    if pad_token_id is not None and not is_id(pad_token_id):
+        raise ValueError(f"generate(pad_token_id={pad_token_id!r}): give a token id in "
+                         f"[0, {vocab}), or None (the first eos id)")
+    return stop, stop[0] if pad_token_id is None else pad_token_id
 
 
 @dataclass
