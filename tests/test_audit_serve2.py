@@ -150,3 +150,20 @@ def test_bad_eos_and_pad_ids_are_named(kw, message):
     m = build_model(get_config("tiny"), seed=0).eval()
     with pytest.raises(ValueError, match=message):
         generate(m, prompt(1, 3), 4, **kw)
+
+
+def test_the_engine_takes_several_eos_ids_as_generate_does():
+    """add_request(eos_token_id=[...]) (vLLM's stop_token_ids) was refused."""
+    m = build_model(get_config("tiny"), seed=0).eval()
+    idx = prompt(3, 4, seed=3)
+    free = generate(m, idx, 10)
+    eos = [int(free[0, 6]), int(free[2, 9])]
+    got = generate(m, idx, 10, eos_token_id=eos)
+    e = wb.serve.Engine(m, num_blocks=16, block_size=4)
+    outs = e.generate_all([r.tolist() for r in idx], 10, eos_token_id=eos)
+    for b, toks in enumerate(outs):
+        assert got[b, 4:4 + len(toks)].tolist() == toks
+        assert e.finish_reason[b] == ("eos" if toks[-1] in eos else "length")
+    assert e.finish_reason[0] == "eos" and len(outs[0]) <= 3
+    with pytest.raises(ValueError, match=r"eos_token_id=\[3, 75\]"):
+        e.add_request("x", [1], 2, eos_token_id=[3, 75])

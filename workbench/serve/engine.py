@@ -101,7 +101,8 @@ class Engine:
                     eos_token_id: int | None = None, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None,
                     seed: int | None = None) -> None:
-        """Queue a request; it is admitted by a later :meth:`step`.  ``seed``: its own
+        """Queue a request; it is admitted by a later :meth:`step`.  ``eos_token_id``: an
+        id or a list of ids that finish it (``generate``'s).  ``seed``: its own
         ``torch.Generator`` (sampled requests then draw what ``generate`` draws with
         ``generator=torch.Generator().manual_seed(seed)``; None: the global RNG)."""
         cfg = self.model.cfg
@@ -117,10 +118,14 @@ class Engine:
             raise ValueError(f"add_request({request_id!r}): {len(prompt)} prompt + "
                              f"{max_new_tokens} new tokens = {n} > seq_len={cfg.seq_len}, the "
                              "longest context the model's positions cover; ask for fewer tokens")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(
-                eos_token_id, int) or not 0 <= eos_token_id < cfg.vocab_size):
+        stop = () if eos_token_id is None else tuple(eos_token_id) \
+            if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+        if eos_token_id is not None and (not stop or any(
+                isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < cfg.vocab_size
+                for e in stop)):
             raise ValueError(f"add_request(eos_token_id={eos_token_id!r}): give a token id in "
-                             f"[0, {cfg.vocab_size}), or None")
+                             f"[0, {cfg.vocab_size}), a non-empty list of them (vLLM's "
+                             "stop_token_ids), or None")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"add_request(seed={seed!r}): give an int, or None")
         params = SamplingParams(temperature, top_k, top_p)
@@ -131,7 +136,7 @@ class Engine:
                              f"{self.num_blocks}; build the Engine with more "
                              "num_blocks, or ask for fewer tokens")
         gen = None if seed is None else torch.Generator().manual_seed(seed)
-        self.waiting.append(_Request(request_id, prompt, max_new_tokens, eos_token_id, params,
+        self.waiting.append(_Request(request_id, prompt, max_new_tokens, stop, params,
                                      gen))
         self.outputs[request_id] = []
         self._steps[request_id] = [len(self.log), None, None, len(prompt)]   # log indices
@@ -224,7 +229,7 @@ class Engine:
                 if len(r.output) == 1:
                     self._steps[r.id][1] = len(self.log)
                 self.outputs[r.id].append(tok)
-                reason = "eos" if tok == r.eos else \
+                reason = "eos" if tok in r.eos else \
                     "length" if len(r.output) == r.max_new_tokens else None
                 if reason:
                     self.running.remove(r)
