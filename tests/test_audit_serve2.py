@@ -167,3 +167,88 @@ def test_the_engine_takes_several_eos_ids_as_generate_does():
     assert e.finish_reason[0] == "eos" and len(outs[0]) <= 3
     with pytest.raises(ValueError, match=r"eos_token_id=\[3, 75\]"):
         e.add_request("x", [1], 2, eos_token_id=[3, 75])
+
+
+# ---- prompts of different lengths in one batch: left padding and attention_mask ------------
+
+def _left_padded(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(1, 75, (n,), generator=g) for n in lens]
+    S = max(lens)
+    idx = torch.stack([torch.cat((torch.zeros(S - len(p), dtype=torch.long), p)) for p in ps])
+    mask = (torch.arange(S)[None, :] >= S - torch.tensor(lens)[:, None]).long()    # (B, S)
+    return ps, idx, mask
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt-tiny"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_left_padded_batch_with_its_attention_mask_gets_each_prompts_tokens_alone(
+        preset, use_cache):
+    """generate had no attention_mask: prompts of different lengths in one batch (padded
+    on the left, as Transformers' generate takes them) could not be served; without the
+    mask the pads are attended and the short rows' tokens change."""
+    m = build_model(get_config(preset), seed=0).eval()
+    ps, idx, mask = _left_padded([5, 1, 8, 3])
+    alone = [generate(m, p[None], 10)[0, len(p):] for p in ps]
+    got = generate(m, idx, 10, attention_mask=mask, use_cache=use_cache)
+    assert got.shape == (4, 18)
+    for b in range(4):
+        assert torch.equal(got[b, 8:], alone[b]), b
+    unmasked = generate(m, idx, 10, use_cache=use_cache)
+    assert not all(torch.equal(unmasked[b, 8:], alone[b]) for b in (0, 1, 3))
+    # sampled, one generator per row: the draws of each row alone
+    sk = dict(temperature=1.0, top_k=20)
+    gens = [torch.Generator().manual_seed(b) for b in range(4)]
+    got = generate(m, idx, 10, attention_mask=mask, generator=gens, use_cache=use_cache, **sk)
+    for b, p in enumerate(ps):
+        want = generate(m, p[None], 10, generator=torch.Generator().manual_seed(b), **sk)
+        assert torch.equal(got[b, 8:], want[0, len(p):]), b
+    # a mask of ones pads nothing: the unpadded answer
+    assert torch.equal(generate(m, idx, 6, attention_mask=torch.ones_like(idx)),
+                       generate(m, idx, 6))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, tp=2), dict(dp=3)])
+def test_a_left_padded_batch_on_a_layout_gets_one_devices_tokens(layout):
+    cfg = get_config("tiny")
+    one = build_model(cfg, seed=0).eval()
+    ps, idx, mask = _left_padded([5, 1, 8, 3], seed=1)
+    want = generate(one, idx, 8, attention_mask=mask)
+    served = wb.serve.serve_model(cfg, state_dict=one.state_dict(), **layout)
+    assert torch.equal(generate(served.model, served.place(idx), 8,
+                                attention_mask=mask).full(), want)
+    assert torch.equal(generate(served.model, idx, 8, attention_mask=mask), want)
+
+
+def test_a_padded_batch_with_eos_gives_the_engines_tokens():
+    m = build_model(get_config("tiny"), seed=0).eval()
+    ps, idx, mask = _left_padded([6, 2, 4], seed=2)
+    free = generate(m, idx, 9, attention_mask=mask)
+    e = int(free[1, 8])
+    got = generate(m, idx, 9, attention_mask=mask, eos_token_id=e)
+    outs = wb.serve.Engine(m, num_blocks=16, block_size=4).generate_all(
+        [p.tolist() for p in ps], 9, eos_token_id=e)
+    for b, toks in enumerate(outs):
+        assert got[b, 6:6 + len(toks)].tolist() == toks
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.tensor([[1, 1, 0], [1, 1, 1]]), "padding after a token"),       # right padding
+    (torch.tensor([[0, 0, 0], [1, 1, 1]]), "padding after a token"),       # only padding
+    (torch.tensor([[0, 2, 1], [1, 1, 1]]), "values other than 0 and 1"),
+    (torch.tensor([[0.0, 1, 1], [1, 1, 1]]), "integer or bool tensor"),
+    (torch.tensor([[1, 1], [1, 1]]), r"of idx's shape \(2, 3\)"),
+])
+def test_bad_attention_masks_are_named(mask, message):
+    m = build_model(get_config("tiny"), seed=0).eval()
+    with pytest.raises(ValueError, match=message):
+        generate(m, prompt(2, 3), 4, attention_mask=mask)
+
+
+def test_a_padded_batch_in_a_paged_cache_is_refused_with_the_way_out():
+    m = build_model(get_config("tiny"), seed=0).eval()
+    cache = PagedKVCache.for_model(m, batch=2, num_blocks=8, block_size=4)
+    with pytest.raises(TypeError, match="Engine"):
+        generate(m, prompt(2, 3), 4, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                 cache=cache)
+    assert cache.allocator.num_free == 8 and cache.get_seq_length() == 0

@@ -6,6 +6,7 @@ quantization, and the decode step on the roofline.
     out = generate(model, idx, 20, temperature=0.8, top_k=20, top_p=0.9,
                    generator=torch.Generator().manual_seed(0))
     out = generate(model, idx, 20, eos_token_id=0)              # each row stops at its eos
+    out = generate(model, padded, 20, attention_mask=mask)      # prompts padded on the left
     s = serve_model("tiny", dp=2, tp=2)                         # the hybrid recipe's layout
     generate(s.model, s.place(idx), 20).full()                  # one device's tokens
 

@@ -4,6 +4,8 @@
     out = generate(model, idx, 20)                                # greedy, KV cache
     out = generate(model, idx, 20, temperature=0.8, top_k=20,
                    generator=torch.Generator().manual_seed(0))    # sampled, reproducible
+    out = generate(model, padded, 20, attention_mask=mask,
+                   eos_token_id=0)     # prompts of different lengths, each stops at its eos
 
     served = serve_model("tiny", tp=2)                            # Megatron TP on 2 ranks
     out = generate(served.model, served.place(idx), 20).full()    # one device's tokens
@@ -74,7 +76,7 @@ def _check(model, idx, max_new_tokens, use_cache):
 def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
              generator=None, use_cache: bool = True, cache=None,
-             eos_token_id=None, pad_token_id: int | None = None):
+             eos_token_id=None, pad_token_id: int | None = None, attention_mask=None):
     """Append ``max_new_tokens`` tokens to idx (B, S) (a tensor, or a DistTensor of a
     :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
     Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`); ``generator``:
@@ -86,10 +88,16 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     that samples one is finished, its later tokens are ``pad_token_id`` (default: the first
     eos id), and generation stops once every sequence has finished, so the result may be
     shorter than S + max_new_tokens.  The draws are those without eos (every row still
-    draws each step), so a sequence's tokens up to its eos are the same either way."""
+    draws each step), so a sequence's tokens up to its eos are the same either way.
+
+    ``attention_mask`` (B, S) of 1 (a token) and 0 (padding), prompts of different lengths
+    padded on the left, as Transformers' ``generate`` takes them: a row's positions count
+    its tokens only and no query attends to a pad, so each row gets the tokens it gets
+    alone, unpadded."""
     params = SamplingParams(temperature, top_k, top_p)
     _check(model, idx, max_new_tokens, use_cache)
     stop, pad = _check_eos(eos_token_id, pad_token_id, model.cfg.vocab_size)
+    keep = _check_attention_mask(attention_mask, idx, cache)      # (B, S) bool, or None
     if cache is not None and (not use_cache or cache.get_seq_length() != 0):
         raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
                          f"this one holds {cache.get_seq_length()} tokens")
@@ -101,8 +109,11 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
         if cache is None and use_cache:
             cache = KVCache.for_model(model)
         out, done = idx, None           # done (B,): the rows that sampled an eos id
-        logits, _ = model(idx, cache=cache) if cache is not None \
-            else model(idx[:, -model.cfg.seq_len:])                        # prefill (B, S, V)
+        if keep is not None:            # left padding: positions and keys of tokens only
+            logits = _padded_forward(model, idx, keep, cache)
+        else:
+            logits, _ = model(idx, cache=cache) if cache is not None \
+                else model(idx[:, -model.cfg.seq_len:])                    # prefill (B, S, V)
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :], params, generator)          # (B,)
             if stop:
@@ -116,7 +127,10 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
             if i == max_new_tokens - 1 or (done is not None and bool(done.all())):
                 break
             nxt = nxt.unsqueeze(1)                                          # (B, 1)
-            if cache is not None:
+            if keep is not None:
+                keep = torch.cat((keep, keep.new_ones(keep.shape[0], 1)), 1)    # (B, S + i + 1)
+                logits = _padded_forward(model, nxt if cache is not None else out, keep, cache)
+            elif cache is not None:
                 logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
             else:
                 logits, _ = model(out[:, -model.cfg.seq_len:])              # recompute all
@@ -125,6 +139,52 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
         return out
     finally:
         model.train(was_training)
+
+
+def _check_attention_mask(attention_mask, idx, cache):
+    """generate's ``attention_mask`` as (B, S) bool (None when it pads nothing)."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, DistTensor):
+        attention_mask = attention_mask.full()
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_floating_point() \
+            or attention_mask.is_complex() or \
+            tuple(attention_mask.shape) != tuple(idx.shape):
+        what = f"of shape {tuple(attention_mask.shape)} and dtype {attention_mask.dtype}" \
+            if isinstance(attention_mask, torch.Tensor) else f"a {type(attention_mask).__name__}"
+        raise ValueError(f"generate: attention_mask {what}; give an integer or bool tensor of "
+                         f"idx's shape {tuple(idx.shape)}, 1 at a token, 0 at padding")
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError("generate: attention_mask holds values other than 0 and 1; give 1 at "
+                         "a token, 0 at padding")
+    keep = attention_mask.bool()
+    if keep.all():
+        return None
+    if not bool(keep[:, -1].all()) or bool((keep.long().diff(dim=1) < 0).any()):
+        raise ValueError("generate: attention_mask has padding after a token (right padding, "
+                         "or a row of only padding); pad the prompts on the left (Transformers' "
+                         "tokenizer.padding_side='left' for decoder-only generation), so that "
+                         "every row's new tokens follow its prompt")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(f"generate(attention_mask=..., cache={type(cache).__name__}): the "
+                        "padded batch needs the contiguous KVCache (its key mask); serve prompts "
+                        "of different lengths in pages with workbench.serve.Engine")
+    return keep
+
+
+def _padded_forward(model, ids, keep, cache):
+    """The last position's logits (B, 1, V) of ``ids`` (the new tokens after what ``cache``
+    holds, or with no cache the whole left-padded sequence, cropped to seq_len), each
+    token at its row's own position, no query attending to a pad (``keep`` (B, T) bool:
+    every token held after this forward)."""
+    if cache is None:                   # recompute everything: a fresh cache, prefilled
+        keep = keep[:, -model.cfg.seq_len:]
+        ids = ids[:, -keep.shape[1]:]
+        cache = KVCache.for_model(model)
+    pos = (keep.long().cumsum(1) - 1).clamp_min(0)[:, -ids.shape[1]:]     # (B, S)
+    cache.key_mask = keep.to(pos.device)
+    logits, _ = model(ids, cache=cache, position_ids=pos, logits_to_keep=1)
+    return logits                                                           # (B, 1, V)
 
 
 def _check_eos(eos_token_id, pad_token_id, vocab: int):
