@@ -252,3 +252,14 @@ def test_a_padded_batch_in_a_paged_cache_is_refused_with_the_way_out():
         generate(m, prompt(2, 3), 4, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
                  cache=cache)
     assert cache.allocator.num_free == 8 and cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("other", [dict(n_kv_head=2), dict(d_model=32)])
+def test_a_paged_cache_of_another_models_heads_is_named_and_left_whole(other):
+    """torch's 'shape mismatch: value tensor ... cannot be broadcast' came from inside the
+    cache, after layer 0 had taken a block: the cache then refused its next use."""
+    m = build_model(get_config("tiny"), seed=0).eval()
+    cache = PagedKVCache(get_config("tiny", **other), batch=1, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"the pools hold \d heads of \d+ .*for_model"):
+        generate(m, prompt(1, 3), 3, cache=cache)
+    assert cache.allocator.num_free == 8 and cache._slots is None

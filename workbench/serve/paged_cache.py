@@ -75,6 +75,13 @@ class PagedKVCache:
         if not 0 <= layer < self.n_layer:
             raise IndexError(f"PagedKVCache.attend(layer={layer}): the cache has {self.n_layer} "
                              "layers; build it with PagedKVCache.for_model(model, ...)")
+        pool = self.k_pools[layer]
+        if (k.shape[1], k.shape[3]) != (pool.shape[1], pool.shape[3]) or v.shape != k.shape:
+            raise ValueError(f"PagedKVCache: keys {tuple(k.shape)} and values {tuple(v.shape)} "
+                             f"of {k.shape[1]} heads of {k.shape[3]}; the pools hold "
+                             f"{pool.shape[1]} heads of {pool.shape[3]} (the cache was built for "
+                             "another model's n_kv_head / head_dim): build it with "
+                             "PagedKVCache.for_model(model, ...)")
         if layer == 0 and self._slots is not None:
             raise RuntimeError(f"PagedKVCache: the previous step stopped before layer "
                                f"{self.n_layer - 1} (a model with fewer layers than the cache's "
