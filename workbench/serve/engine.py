@@ -33,7 +33,10 @@ Every request's tokens are those of serving it alone with ``generate`` (greedy: 
 for token; sampled: the same tokens when it has its own ``seed``, one
 ``torch.Generator`` per request as vLLM's per-request seed), whatever it shares a step
 with: the token-wise layers see each token alone, attention sees only the sequence's
-own pages.  A tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same
+own pages.  (In bfloat16 a prompt prefilled in chunks, ``token_budget``, attends in
+another order than one whole prefill, so its logits differ by rounding, 0.004 measured on
+gpt-tiny: a near tie of the sampling filter's cut, or of the argmax, can then flip a
+token, as it can between any two groupings of the same bfloat16 sums.)  A tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same
 way, its KV pools sharded over the key/value heads and the block tables shared by the
 ranks (vLLM's ``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports
 the pool's bytes per rank.
