@@ -263,3 +263,13 @@ def test_a_paged_cache_of_another_models_heads_is_named_and_left_whole(other):
     with pytest.raises(ValueError, match=r"the pools hold \d heads of \d+ .*for_model"):
         generate(m, prompt(1, 3), 3, cache=cache)
     assert cache.allocator.num_free == 8 and cache._slots is None
+
+
+def test_a_paged_cache_for_a_model_lives_on_the_models_device():
+    """for_model made CPU pools whatever the model's device (a CUDA model's keys could not
+    be written into them); the meta device stands in for an accelerator here."""
+    with torch.device("meta"):
+        m = build_model(get_config("tiny", dtype="bfloat16"))
+    cache = PagedKVCache.for_model(m, batch=1, num_blocks=4, block_size=4)
+    assert {p.device.type for p in cache.k_pools + cache.v_pools} == {"meta"}
+    assert cache.k_pools[0].dtype == torch.bfloat16

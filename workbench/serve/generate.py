@@ -98,6 +98,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     _check(model, idx, max_new_tokens, use_cache)
     stop, pad = _check_eos(eos_token_id, pad_token_id, model.cfg.vocab_size)
     keep = _check_attention_mask(attention_mask, idx, cache)      # (B, S) bool, or None
+    if keep is not None:
+        keep = keep.to(model.tok_emb.weight.device)                 # positions index there
     if cache is not None and (not use_cache or cache.get_seq_length() != 0):
         raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
                          f"this one holds {cache.get_seq_length()} tokens")

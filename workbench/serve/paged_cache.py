@@ -30,7 +30,7 @@ class PagedKVCache:
     """Sequences 0 .. batch - 1 of a batch, their keys and values in pages."""
 
     def __init__(self, cfg, batch: int, num_blocks: int, block_size: int, dtype=None,
-                 allocator: BlockAllocator | None = None):
+                 allocator: BlockAllocator | None = None, device=None):
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"PagedKVCache(batch={batch!r}): give the number of sequences the "
                              "cache serves, an int >= 1 (generate's idx.shape[0])")
@@ -45,8 +45,10 @@ class PagedKVCache:
         n = self.allocator.num_blocks
         self.tables = BlockTables(self.allocator, block_size)
         shape = (n, cfg.n_kv_head, block_size, cfg.head_dim)                # (blocks, Hkv, bs, hd)
-        self.k_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
-        self.v_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device)
+                        for _ in range(self.n_layer)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device)
+                        for _ in range(self.n_layer)]
         self.seqs = list(range(batch))
         for s in self.seqs:
             self.tables.add(s)
@@ -57,8 +59,10 @@ class PagedKVCache:
     def for_model(cls, model, batch: int, num_blocks: int, block_size: int) -> "PagedKVCache":
         """An empty cache for ``model``, its pools in the dtype of the model's weights (what
         its keys and values are computed in: a ``bfloat16`` preset cast with ``.float()``
-        keeps float32 keys, as the contiguous cache does), not ``cfg.dtype``."""
-        return cls(model.cfg, batch, num_blocks, block_size, dtype=model.tok_emb.weight.dtype)
+        keeps float32 keys, as the contiguous cache does), not ``cfg.dtype``, on the
+        weights' device."""
+        w = model.tok_emb.weight
+        return cls(model.cfg, batch, num_blocks, block_size, dtype=w.dtype, device=w.device)
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self._length
