@@ -38,8 +38,9 @@ another order than one whole prefill, so its logits differ by rounding, 0.004 me
 gpt-tiny: a near tie of the sampling filter's cut, or of the argmax, can then flip a
 token, as it can between any two groupings of the same bfloat16 sums.)  A
 tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same way, its KV
-pools sharded over the key/value heads and the block tables shared by the ranks (vLLM's ``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports
-the pool's bytes per rank.
+pools sharded over the key/value heads and the block tables shared by the ranks (vLLM's
+``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports the pool's
+bytes per rank.
 
 :attr:`Engine.log` holds a :class:`StepRecord` per step (which requests prefilled how
 many tokens after how much context, which decoded, which were admitted, preempted and
