@@ -93,7 +93,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     ``attention_mask`` (B, S) of 1 (a token) and 0 (padding), prompts of different lengths
     padded on the left, as Transformers' ``generate`` takes them: a row's positions count
     its tokens only and no query attends to a pad, so each row gets the tokens it gets
-    alone, unpadded."""
+    alone, unpadded (in float32; in bfloat16 the padded batch rounds its sums otherwise,
+    and a near tie can flip a token: 1 row of 48 measured on the tiny models)."""
     params = SamplingParams(temperature, top_k, top_p)
     _check(model, idx, max_new_tokens, use_cache)
     stop, pad = _check_eos(eos_token_id, pad_token_id, model.cfg.vocab_size)
