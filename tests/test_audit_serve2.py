@@ -300,3 +300,21 @@ def test_paged_attention_in_float64_is_float64_exact_on_every_backend(backend):
         keep = torch.arange(n - Sq, n)[:, None] >= torch.arange(n)[None, :]
         want = F.scaled_dot_product_attention(q[b:b + 1], K, V, attn_mask=keep, enable_gqa=True)
         torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
+
+
+# ---- a model trained on one mesh, served on another -------------------------------------
+
+@pytest.mark.parametrize("trained, served", [(dict(tp=4), dict(tp=2)),
+                                             (dict(dp=2, tp=2), dict(tp=4)),
+                                             (dict(tp=2), dict(dp=1, tp=1))])
+def test_serve_model_takes_the_state_dict_of_a_model_on_another_mesh(trained, served):
+    """serve_model(state_dict=model_on_another_mesh.state_dict()) was 'the DistTensor lives
+    on Mesh(...), the module's on Mesh(...); load its .full() instead' for every key."""
+    cfg = get_config("tiny")
+    one = build_model(cfg, seed=3).eval()
+    src = wb.serve.serve_model(cfg, state_dict=one.state_dict(), **trained).model
+    dst = wb.serve.serve_model(cfg, seed=0, state_dict=src.state_dict(), **served)
+    for k, v in dst.model.state_dict().items():
+        assert torch.equal(v.full() if isinstance(v, wb.DistTensor) else v, one.state_dict()[k])
+    idx = prompt(2, 5)
+    assert torch.equal(generate(dst.model, idx, 6), generate(one, idx, 6))

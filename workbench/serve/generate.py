@@ -227,7 +227,8 @@ def serve_model(cfg, *, dp: int = 1, tp: int = 1, seed: int = 0, state_dict=None
                 distributed: bool = False) -> Served:
     """The model of ``cfg`` (a ModelConfig or a preset name) on a dp x tp layout, built by
     the hybrid recipe (``seed``: its deterministic init), then ``state_dict`` (full
-    tensors, e.g. a trained model's) loaded into it.  ``distributed``: one rank per
+    tensors, or DistTensors of any layout, e.g. a model trained on another mesh: each is
+    gathered whole first) loaded into it.  ``distributed``: one rank per
     process under torchrun (``wb.distributed.init()`` first)."""
     from ..models.config import get_config
     from ..recipes.hybrid import Hybrid
@@ -240,6 +241,14 @@ def serve_model(cfg, *, dp: int = 1, tp: int = 1, seed: int = 0, state_dict=None
     model = recipe.build_model(cfg, seed).eval()
     # (a tied lm_head: the recipe gives it the embedding's DistTensor, recipes/hybrid.py)
     if state_dict is not None:
+        mesh = recipe.meshes[0]
+        if any(isinstance(v, DistTensor) and v.mesh != mesh for v in state_dict.values()):
+            meta = getattr(state_dict, "_metadata", None)       # torch's module versions
+            state_dict = type(state_dict)(
+                (k, v.full() if isinstance(v, DistTensor) and v.mesh != mesh else v)
+                for k, v in state_dict.items())
+            if meta is not None:
+                state_dict._metadata = meta
         model.load_state_dict(state_dict)
     for p in model.parameters():
         p.requires_grad_(False)
