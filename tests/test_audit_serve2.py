@@ -318,3 +318,26 @@ def test_serve_model_takes_the_state_dict_of_a_model_on_another_mesh(trained, se
         assert torch.equal(v.full() if isinstance(v, wb.DistTensor) else v, one.state_dict()[k])
     idx = prompt(2, 5)
     assert torch.equal(generate(dst.model, idx, 6), generate(one, idx, 6))
+
+
+def test_a_model_trained_with_fully_shard_is_served_from_its_state_dict():
+    """generate on a fully_shard model pointed to wrapper.full_state_dict(), which a module
+    sharded in place does not have; its state_dict() (DistTensors over dp) is what torch's
+    FSDP2 users hold, and serve_model now gathers it."""
+    cfg = get_config("tiny")
+    ref, m = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    mesh = wb.Mesh.grid((2,), ["dp"])
+    for b in m.layers:
+        wb.fully_shard(b, mesh=mesh)
+    wb.fully_shard(m, mesh=mesh)
+    x = prompt(4, 16)
+    for model in (m, ref):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+    ref.eval()
+    with pytest.raises(TypeError, match=r"state_dict\(\) of a module sharded in place"):
+        generate(m, x[:2, :5], 4)
+    served = wb.serve.serve_model(cfg, tp=2, state_dict=m.state_dict())
+    assert torch.equal(generate(served.model, x[:2, :5], 8), generate(ref, x[:2, :5], 8))

@@ -45,8 +45,10 @@ def _check(model, idx, max_new_tokens, use_cache):
             "shards)" if wrapped else f"a {type(model).__name__}, not a workbench model"
         raise TypeError(f"generate(model=...): {what}; generate with a workbench model "
                         "(wb.models.build_model(cfg), or serve_model(cfg, dp=..., tp=...).model) "
-                        "holding its weights, e.g. serve_model(cfg, "
-                        "state_dict=wrapper.full_state_dict())")
+                        "holding its weights, e.g. serve_model(cfg, state_dict=sd) with sd "
+                        "the wrapper's full_state_dict() (DDP, FSDP wrappers), or the "
+                        "state_dict() of a module sharded in place (fully_shard, "
+                        "parallelize_module: its DistTensors are gathered)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")
