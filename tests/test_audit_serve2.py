@@ -341,3 +341,59 @@ def test_a_model_trained_with_fully_shard_is_served_from_its_state_dict():
         generate(m, x[:2, :5], 4)
     served = wb.serve.serve_model(cfg, tp=2, state_dict=m.state_dict())
     assert torch.equal(generate(served.model, x[:2, :5], 8), generate(ref, x[:2, :5], 8))
+
+
+# ---- a cache reused across calls (Transformers' past_key_values) ----------------------------
+
+@pytest.mark.parametrize("kind", ["dense", "paged", "tp2"])
+def test_a_second_turn_continues_the_cache_of_the_first(kind):
+    """generate refused any cache that held tokens ('give an empty cache'): a second turn
+    re-ran the whole conversation.  Now only the tokens the cache lacks run, and the
+    tokens are those of generating the whole sequence afresh."""
+    cfg = get_config("tiny")
+    one = build_model(cfg, seed=0).eval()
+    m, place = one, (lambda x: x)
+    if kind == "tp2":
+        served = wb.serve.serve_model(cfg, tp=2, state_dict=one.state_dict())
+        m, place = served.model, served.place
+    cache = PagedKVCache.for_model(m, 3, 32, 4) if kind == "paged" else KVCache.for_model(m)
+    idx = prompt(3, 5)
+    out1 = generate(m, place(idx), 6, cache=cache)
+    out1 = out1.full() if isinstance(out1, wb.DistTensor) else out1
+    assert cache.get_seq_length() == 10                     # the last token is never fed
+    turn2 = torch.cat((out1, prompt(3, 4, seed=1)), 1)                     # (3, 15)
+    bad = turn2.clone()
+    bad[1, 3] = (bad[1, 3] + 1) % 75
+    with pytest.raises(ValueError, match="first 10 tokens are not the ones the cache holds"):
+        generate(m, place(bad), 2, cache=cache)
+    with pytest.raises(ValueError, match="the cache holds 10 tokens and idx has 10"):
+        generate(m, place(turn2[:, :10]), 2, cache=cache)
+    assert cache.get_seq_length() == 10                     # the refusals changed nothing
+    out2 = generate(m, place(turn2), 7, cache=cache)
+    out2 = out2.full() if isinstance(out2, wb.DistTensor) else out2
+    assert torch.equal(out2, generate(one, turn2, 7))
+    assert cache.get_seq_length() == 21
+
+
+def test_a_cache_filled_outside_generate_or_with_a_mask_is_checked():
+    m = build_model(get_config("tiny"), seed=0).eval()
+    cache = KVCache.for_model(m)
+    with torch.no_grad():
+        m(prompt(2, 4), cache=cache)
+    with pytest.raises(ValueError, match="no generate call left there"):
+        generate(m, prompt(2, 6), 2, cache=cache)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        generate(m, prompt(2, 6), 2, cache=KVCache.for_model(m), use_cache=False)
+    # a left-padded first turn continues with the mask of the whole sequence
+    ps, idx, mask = _left_padded([2, 5], seed=4)
+    cache = KVCache.for_model(m)
+    out1 = generate(m, idx, 4, attention_mask=mask, cache=cache)
+    more = prompt(2, 3, seed=5)
+    turn2 = torch.cat((out1, more), 1)
+    with pytest.raises(ValueError, match="filled with an attention_mask"):
+        generate(m, turn2, 5, cache=cache)
+    out2 = generate(m, turn2, 5, cache=cache,
+                    attention_mask=torch.cat((mask, torch.ones(2, 7, dtype=torch.long)), 1))
+    for b, p in enumerate(ps):
+        whole = torch.cat((p, out1[b, 5:], more[b]))[None]
+        assert torch.equal(out2[b, -5:], generate(m, whole, 5)[0, -5:])

@@ -83,8 +83,10 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     :func:`serve_model` layout); returns (B, S + max_new_tokens) of the same kind.
     Greedy unless ``temperature`` > 0 (:class:`~.sampling.SamplingParams`); ``generator``:
     one ``torch.Generator``, or one per sequence (:func:`~.sampling.sample_next`).  ``cache``:
-    an empty cache to fill (a :class:`~.paged_cache.PagedKVCache`; default a new
-    :class:`~.kv_cache.KVCache`).
+    a cache to fill (a :class:`~.kv_cache.KVCache` or :class:`~.paged_cache.PagedKVCache`;
+    default a new KVCache): empty, or the one an earlier ``generate`` call filled, with idx
+    the whole sequence (that call's output, then new tokens), as Transformers'
+    ``past_key_values``: only the tokens the cache does not hold yet are run.
 
     ``eos_token_id`` (an id, or a list of ids), as Hugging Face's ``generate``: a sequence
     that samples one is finished, its later tokens are ``pad_token_id`` (default: the first
@@ -103,9 +105,12 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
     keep = _check_attention_mask(attention_mask, idx, cache)      # (B, S) bool, or None
     if keep is not None:
         keep = keep.to(model.tok_emb.weight.device)                 # positions index there
-    if cache is not None and (not use_cache or cache.get_seq_length() != 0):
-        raise ValueError("generate(cache=...): give an empty cache (and use_cache=True); "
-                         f"this one holds {cache.get_seq_length()} tokens")
+    start = 0 if cache is None else cache.get_seq_length()         # tokens held already
+    if cache is not None and not use_cache:
+        raise ValueError("generate(cache=..., use_cache=False): the textbook loop recomputes "
+                         "every token and keeps no cache; leave cache None, or use_cache=True")
+    if start:
+        _check_reuse(cache, idx, start, keep)
     if max_new_tokens == 0:
         return idx
     was_training = model.training
@@ -114,10 +119,11 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
         if cache is None and use_cache:
             cache = KVCache.for_model(model)
         out, done = idx, None           # done (B,): the rows that sampled an eos id
+        new = idx[:, start:] if start else idx                      # the tokens not held
         if keep is not None:            # left padding: positions and keys of tokens only
-            logits = _padded_forward(model, idx, keep, cache)
+            logits = _padded_forward(model, new, keep, cache)
         else:
-            logits, _ = model(idx, cache=cache) if cache is not None \
+            logits, _ = model(new, cache=cache) if cache is not None \
                 else model(idx[:, -model.cfg.seq_len:])                    # prefill (B, S, V)
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :], params, generator)          # (B,)
@@ -139,11 +145,46 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 0.0,
                 logits, _ = model(nxt, cache=cache)                         # decode (B, 1, V)
             else:
                 logits, _ = model(out[:, -model.cfg.seq_len:])              # recompute all
+        if cache is not None:           # what it holds: every token but the last (never fed)
+            cache._wb_tokens = out[:, :-1]
         if isinstance(out, DistTensor) and not isinstance(idx, DistTensor):
             out = out.full()            # a plain prompt on a laid-out model: plain tokens back
         return out
     finally:
         model.train(was_training)
+
+
+def _check_reuse(cache, idx, start: int, keep) -> None:
+    """A cache holding ``start`` tokens may continue only the sequence an earlier generate
+    put in it: idx must start with those tokens (checked), and add at least one."""
+    S = idx.shape[1]
+    held = getattr(cache, "_wb_tokens", None)
+    if held is None or tuple(held.shape) != (idx.shape[0], start):
+        raise ValueError(f"generate(cache=...): this cache holds {start} tokens that no "
+                         "generate call left there (or of another batch), so they cannot be "
+                         "checked against idx; give an empty cache, or the cache of the "
+                         "generate call whose output idx continues")
+    if start >= S:
+        raise ValueError(f"generate(cache=...): the cache holds {start} tokens and idx has {S}; "
+                         "give idx as the whole sequence: the cached tokens (the earlier "
+                         "call's output), then at least one new token")
+
+    def whole(t):
+        return t.full() if isinstance(t, DistTensor) else t
+    if not torch.equal(whole(idx[:, :start]).cpu(), whole(held).cpu().to(idx.dtype)):
+        raise ValueError(f"generate(cache=...): idx's first {start} tokens are not the ones "
+                         "the cache holds (the earlier call's output); give that output, then "
+                         "the new tokens, or an empty cache")
+    before = getattr(cache, "key_mask", None)
+    if before is not None and (keep is None or not torch.equal(keep[:, :start].cpu(),
+                                                                before.cpu())):
+        raise ValueError("generate(cache=...): the cache was filled with an attention_mask; "
+                         "give the attention_mask of the whole sequence (that call's mask, "
+                         "then ones for its output and the new tokens)")
+    if before is None and keep is not None and not bool(keep[:, :start].all()):
+        raise ValueError("generate(cache=...): attention_mask pads tokens the cache holds as "
+                         "real ones (it was filled without a mask); pad only the new tokens' "
+                         "batch in a fresh cache")
 
 
 def _check_attention_mask(attention_mask, idx, cache):
