@@ -397,3 +397,11 @@ def test_a_cache_filled_outside_generate_or_with_a_mask_is_checked():
     for b, p in enumerate(ps):
         whole = torch.cat((p, out1[b, 5:], more[b]))[None]
         assert torch.equal(out2[b, -5:], generate(m, whole, 5)[0, -5:])
+
+
+@pytest.mark.parametrize("idx", [[[1, 2, 3]], (1, 2, 3), None])
+def test_token_ids_that_are_not_a_tensor_are_named(idx):
+    """A list of ids was AttributeError: 'list' object has no attribute 'ndim'."""
+    m = build_model(get_config("tiny"), seed=0).eval()
+    with pytest.raises(TypeError, match=r"give token ids as a \(B, S\) tensor"):
+        generate(m, idx, 3)

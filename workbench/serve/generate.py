@@ -52,6 +52,10 @@ def _check(model, idx, max_new_tokens, use_cache):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")
+    if not isinstance(idx, (torch.Tensor, DistTensor)):
+        raise TypeError(f"generate: idx is a {type(idx).__name__}; give token ids as a (B, S) "
+                        "tensor, e.g. torch.tensor([[5, 7, 9]]) (Engine.add_request takes a "
+                        "list of ids)")
     if idx.ndim != 2 or idx.shape[1] < 1:
         raise ValueError(f"generate: idx of shape {tuple(idx.shape)}; give token ids (B, S) "
                          "with S >= 1 (a prompt of at least one token)")
