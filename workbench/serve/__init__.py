@@ -11,7 +11,8 @@ quantization, and the decode step on the roofline.
     generate(s.model, s.place(idx), 20).full()                  # one device's tokens
 
 Modules: ``kv_cache`` (KVCache, kv_bytes_per_token), ``sampling`` (SamplingParams,
-sample_next), ``generate`` (generate, serve_model), ``paged_cache`` (PagedKVCache over
+sample_next), ``generate`` (generate, serve_model; its eos, attention_mask and cache
+reuse checked in ``generate_inputs``), ``paged_cache`` (PagedKVCache over
 ``workbench.ops.paged_attention``), ``quantize`` (int8 / int4 weights), ``roofline``
 (step_cost: prefill and decode as plain data), ``cli`` (``python -m workbench serve``),
 ``engine`` (Engine: continuous batching that generates, over a paged cache per sequence).
