@@ -114,22 +114,24 @@ def _keep(Sq, n, device):
 
 @register(_OP, "reference")
 def _reference(q, k_pool, v_pool, table, lens, scale):
-    """Block by block through the table with an online softmax (vLLM's kernel loop)."""
+    """Block by block through the table with an online softmax (vLLM's kernel loop), in
+    float32 (a kernel's accumulators), float64 for float64 inputs."""
     B, Hq, Sq, D = q.shape
     g, bs = Hq // k_pool.shape[1], k_pool.shape[2]
+    ct = torch.promote_types(q.dtype, torch.float32)                        # compute dtype
     out = torch.empty_like(q)
     for b in range(B):
         n = int(lens[b])
-        qb = q[b].float() * scale                                           # (Hq, Sq, D)
+        qb = q[b].to(ct) * scale                                            # (Hq, Sq, D)
         pos = torch.arange(n - Sq, n, device=q.device)                      # query positions
-        m = torch.full((Hq, Sq, 1), float("-inf"), device=q.device)         # running max
-        l = torch.zeros(Hq, Sq, 1, device=q.device)                         # running sum
-        acc = torch.zeros(Hq, Sq, D, device=q.device)
+        m = torch.full((Hq, Sq, 1), float("-inf"), dtype=ct, device=q.device)   # running max
+        l = torch.zeros(Hq, Sq, 1, dtype=ct, device=q.device)               # running sum
+        acc = torch.zeros(Hq, Sq, D, dtype=ct, device=q.device)
         for i in range(-(-n // bs)):                                        # logical blocks
             phys = int(table[b, i])                                         # ... read through
             cols = torch.arange(i * bs, min((i + 1) * bs, n), device=q.device)
-            kb = k_pool[phys, :, :len(cols)].float().repeat_interleave(g, 0)   # (Hq, c, D)
-            vb = v_pool[phys, :, :len(cols)].float().repeat_interleave(g, 0)
+            kb = k_pool[phys, :, :len(cols)].to(ct).repeat_interleave(g, 0)    # (Hq, c, D)
+            vb = v_pool[phys, :, :len(cols)].to(ct).repeat_interleave(g, 0)
             s = qb @ kb.transpose(-2, -1)                                   # (Hq, Sq, c)
             s = s.masked_fill(pos[:, None] < cols[None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))

@@ -33,10 +33,14 @@ Every request's tokens are those of serving it alone with ``generate`` (greedy: 
 for token; sampled: the same tokens when it has its own ``seed``, one
 ``torch.Generator`` per request as vLLM's per-request seed), whatever it shares a step
 with: the token-wise layers see each token alone, attention sees only the sequence's
-own pages.  A tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same
-way, its KV pools sharded over the key/value heads and the block tables shared by the
-ranks (vLLM's ``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports
-the pool's bytes per rank.
+own pages.  (In bfloat16 a prompt prefilled in chunks, ``token_budget``, attends in
+another order than one whole prefill, so its logits differ by rounding, 0.004 measured on
+gpt-tiny: a near tie of the sampling filter's cut, or of the argmax, can then flip a
+token, as it can between any two groupings of the same bfloat16 sums.)  A
+tensor-parallel model (``serve_model(cfg, tp=...)``) is served the same way, its KV
+pools sharded over the key/value heads and the block tables shared by the ranks (vLLM's
+``tensor_parallel_size``; ``engine_tp.py``); :meth:`Engine.memory` reports the pool's
+bytes per rank.
 
 :attr:`Engine.log` holds a :class:`StepRecord` per step (which requests prefilled how
 many tokens after how much context, which decoded, which were admitted, preempted and
@@ -101,7 +105,8 @@ class Engine:
                     eos_token_id: int | None = None, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None,
                     seed: int | None = None) -> None:
-        """Queue a request; it is admitted by a later :meth:`step`.  ``seed``: its own
+        """Queue a request; it is admitted by a later :meth:`step`.  ``eos_token_id``: an
+        id or a list of ids that finish it (``generate``'s).  ``seed``: its own
         ``torch.Generator`` (sampled requests then draw what ``generate`` draws with
         ``generator=torch.Generator().manual_seed(seed)``; None: the global RNG)."""
         cfg = self.model.cfg
@@ -117,10 +122,14 @@ class Engine:
             raise ValueError(f"add_request({request_id!r}): {len(prompt)} prompt + "
                              f"{max_new_tokens} new tokens = {n} > seq_len={cfg.seq_len}, the "
                              "longest context the model's positions cover; ask for fewer tokens")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(
-                eos_token_id, int) or not 0 <= eos_token_id < cfg.vocab_size):
+        stop = () if eos_token_id is None else tuple(eos_token_id) \
+            if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+        if eos_token_id is not None and (not stop or any(
+                isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < cfg.vocab_size
+                for e in stop)):
             raise ValueError(f"add_request(eos_token_id={eos_token_id!r}): give a token id in "
-                             f"[0, {cfg.vocab_size}), or None")
+                             f"[0, {cfg.vocab_size}), a non-empty list of them (vLLM's "
+                             "stop_token_ids), or None")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"add_request(seed={seed!r}): give an int, or None")
         params = SamplingParams(temperature, top_k, top_p)
@@ -131,7 +140,7 @@ class Engine:
                              f"{self.num_blocks}; build the Engine with more "
                              "num_blocks, or ask for fewer tokens")
         gen = None if seed is None else torch.Generator().manual_seed(seed)
-        self.waiting.append(_Request(request_id, prompt, max_new_tokens, eos_token_id, params,
+        self.waiting.append(_Request(request_id, prompt, max_new_tokens, stop, params,
                                      gen))
         self.outputs[request_id] = []
         self._steps[request_id] = [len(self.log), None, None, len(prompt)]   # log indices
@@ -224,7 +233,7 @@ class Engine:
                 if len(r.output) == 1:
                     self._steps[r.id][1] = len(self.log)
                 self.outputs[r.id].append(tok)
-                reason = "eos" if tok == r.eos else \
+                reason = "eos" if tok in r.eos else \
                     "length" if len(r.output) == r.max_new_tokens else None
                 if reason:
                     self.running.remove(r)

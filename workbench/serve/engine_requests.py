@@ -43,7 +43,7 @@ class _Request:
     id: object
     prompt: list
     max_new_tokens: int
-    eos: int | None
+    eos: tuple                      # the ids that finish it (none: only its length)
     params: SamplingParams
     generator: torch.Generator | None
     output: list = field(default_factory=list)

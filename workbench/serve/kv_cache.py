@@ -81,6 +81,9 @@ class KVCache:
         self.n_layer, self.max_len = n_layer, max_len
         self.keys: list = [None] * n_layer
         self.values: list = [None] * n_layer
+        # (B, T) bool, False at a padding token's key (generate's attention_mask, left
+        # padding): set by the caller for the tokens held after this forward's; None: all
+        self.key_mask = None
 
     @classmethod
     def for_model(cls, model) -> "KVCache":
@@ -114,6 +117,15 @@ class KVCache:
         every key held: causal within the new tokens, all earlier ones visible."""
         K, V = self.update(layer, k, v)                                     # (B, nkv, T, hd)
         S, T = q.shape[2], K.shape[2]
+        if self.key_mask is not None:   # padding: no query sees a pad's key
+            if tuple(self.key_mask.shape) != (K.shape[0], T):
+                raise ValueError(f"KVCache.key_mask of shape {tuple(self.key_mask.shape)}; the "
+                                 f"cache holds ({K.shape[0]}, {T}) tokens after this forward: "
+                                 "set it for every token held, the new ones included")
+            keep = self.key_mask[:, None, None, :]                          # (B, 1, 1, T)
+            if S > 1:
+                keep = keep & causal_offset_mask(S, T, self.key_mask.device)    # (B, 1, S, T)
+            return flash_attention(q, K, V, mask=keep)  # a pad's own row sees no key: 0
         if S == 1:                      # decode: the newest row sees every key
             return flash_attention(q, K, V)                                 # (B, nh, 1, hd)
         if S == T:                      # prefill into an empty cache

@@ -30,7 +30,7 @@ class PagedKVCache:
     """Sequences 0 .. batch - 1 of a batch, their keys and values in pages."""
 
     def __init__(self, cfg, batch: int, num_blocks: int, block_size: int, dtype=None,
-                 allocator: BlockAllocator | None = None):
+                 allocator: BlockAllocator | None = None, device=None):
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"PagedKVCache(batch={batch!r}): give the number of sequences the "
                              "cache serves, an int >= 1 (generate's idx.shape[0])")
@@ -45,8 +45,10 @@ class PagedKVCache:
         n = self.allocator.num_blocks
         self.tables = BlockTables(self.allocator, block_size)
         shape = (n, cfg.n_kv_head, block_size, cfg.head_dim)                # (blocks, Hkv, bs, hd)
-        self.k_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
-        self.v_pools = [torch.zeros(shape, dtype=dtype) for _ in range(self.n_layer)]
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device)
+                        for _ in range(self.n_layer)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device)
+                        for _ in range(self.n_layer)]
         self.seqs = list(range(batch))
         for s in self.seqs:
             self.tables.add(s)
@@ -55,7 +57,12 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, num_blocks: int, block_size: int) -> "PagedKVCache":
-        return cls(model.cfg, batch, num_blocks, block_size)
+        """An empty cache for ``model``, its pools in the dtype of the model's weights (what
+        its keys and values are computed in: a ``bfloat16`` preset cast with ``.float()``
+        keeps float32 keys, as the contiguous cache does), not ``cfg.dtype``, on the
+        weights' device."""
+        w = model.tok_emb.weight
+        return cls(model.cfg, batch, num_blocks, block_size, dtype=w.dtype, device=w.device)
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self._length
@@ -72,6 +79,13 @@ class PagedKVCache:
         if not 0 <= layer < self.n_layer:
             raise IndexError(f"PagedKVCache.attend(layer={layer}): the cache has {self.n_layer} "
                              "layers; build it with PagedKVCache.for_model(model, ...)")
+        pool = self.k_pools[layer]
+        if (k.shape[1], k.shape[3]) != (pool.shape[1], pool.shape[3]) or v.shape != k.shape:
+            raise ValueError(f"PagedKVCache: keys {tuple(k.shape)} and values {tuple(v.shape)} "
+                             f"of {k.shape[1]} heads of {k.shape[3]}; the pools hold "
+                             f"{pool.shape[1]} heads of {pool.shape[3]} (the cache was built for "
+                             "another model's n_kv_head / head_dim): build it with "
+                             "PagedKVCache.for_model(model, ...)")
         if layer == 0 and self._slots is not None:
             raise RuntimeError(f"PagedKVCache: the previous step stopped before layer "
                                f"{self.n_layer - 1} (a model with fewer layers than the cache's "

@@ -94,19 +94,31 @@ class StepCost:
         return asdict(self)
 
 
-def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: int = 16,
+def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: int | None = None,
               group_size: int = 32, profile="h100", dtype="bfloat16",
-              kv_dtype="bfloat16") -> StepCost:
-    """One step's FLOPs, bytes and time (module docstring).  ``weight_bits`` 16 (bf16),
-    8 (int8, a bf16 scale per output row) or 4 (int4, a bf16 scale per ``group_size``)."""
+              kv_dtype=None) -> StepCost:
+    """One step's FLOPs, bytes and time (module docstring).  ``dtype``: what the matmuls
+    run in; ``weight_bits`` the bits a weight is stored in: None the width of ``dtype``
+    (16 for bf16, 32 for float32), 16 or 32 (unquantized), 8 (int8, a bf16 scale per
+    output row) or 4 (int4, a bf16 scale per ``group_size``); ``kv_dtype`` the cache's
+    (None: ``dtype``)."""
     from ..models.config import get_config
+    from .kv_cache import _dtype_bytes
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    try:
+        width = 8 * _dtype_bytes(dtype)
+    except (AttributeError, TypeError):
+        raise ValueError(f"step_cost(dtype={dtype!r}): give a torch dtype name, e.g. "
+                         "'bfloat16' or 'float32'") from None
+    weight_bits = width if weight_bits is None else weight_bits
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     for name, v, least in (("batch", batch, 1), ("new_tokens", new_tokens, 1),
                            ("context", context, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"step_cost: {name}={v!r}; give an int >= {least}")
-    if weight_bits not in (16, 8, 4):
-        raise ValueError(f"weight_bits={weight_bits!r}: 16 (bf16), 8 (int8) or 4 (int4)")
+    if isinstance(weight_bits, bool) or weight_bits not in (32, 16, 8, 4):
+        raise ValueError(f"weight_bits={weight_bits!r}: 32 (float32), 16 (bf16), 8 (int8) or "
+                         "4 (int4), or None for the width of dtype")
     if context + new_tokens > cfg.seq_len:
         raise ValueError(f"step_cost: context {context} + new_tokens {new_tokens} = "
                          f"{context + new_tokens} > seq_len={cfg.seq_len}, the model's longest "
@@ -116,8 +128,8 @@ def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: in
     tokens = batch * new_tokens
     pairs = batch * (new_tokens * context + new_tokens * (new_tokens + 1) // 2)
     flops = 2 * P * tokens + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * pairs
-    if weight_bits == 16:
-        wbytes = 2 * P
+    if weight_bits >= 16:                    # unquantized: no dequantize, no scales
+        wbytes = P * weight_bits // 8
     else:
         flops += 2 * P
         scales = sum(o if weight_bits == 8 else o * -(-i // group_size) for o, i in shapes)
@@ -136,7 +148,7 @@ def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: in
 
 
 def decode_vs_prefill(cfg, *, batch: int = 1, prompt: int = 512, profile="h100",
-                      weight_bits: int = 16) -> list[StepCost]:
+                      weight_bits: int | None = None) -> list[StepCost]:
     """Prefill of ``prompt`` tokens, then the first decode step after it."""
     return [step_cost(cfg, batch=batch, new_tokens=prompt, context=0, profile=profile,
                       weight_bits=weight_bits),
