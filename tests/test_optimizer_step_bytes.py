@@ -58,7 +58,9 @@ def _split(table):
     ("float32", Layout(dp=2, tp=4), True, False, (12, 32)),
     # the distributed optimizer of 2024
     ("bfloat16", Layout(dp=8, zero=1), True, True, (16, 38)),
-    ("bfloat16", Layout(dp=1, tp=8, zero=1), True, True, (8, 38)),
+    # ZeRO-1 at dp x cp = 1 is ZeRO-0 (search lists it once): the 2022 code
+    ("bfloat16", Layout(dp=1, tp=8, zero=1), True, True, (12, 38)),
+    ("bfloat16", Layout(dp=1, cp=2, tp=4, zero=1), True, True, (16, 38)),
     ("float16", Layout(dp=8, zero=1), True, True, (6, 52)),
 ])
 def test_megatron_bytes_by_hand(dtype, lay, fusion, overlap, want):
@@ -70,6 +72,7 @@ def test_megatron_bytes_by_hand(dtype, lay, fusion, overlap, want):
 
 def test_megatron_era_follows_the_layout():
     assert OS.era(Layout(dp=8, zero=1), True) == "2024"
+    assert OS.era(Layout(dp=1, zero=1), True) == "2022"
     assert OS.era(Layout(dp=8), False) == "2021"
     assert OS.era(Layout(dp=8), True) == "2022"
     # the 42-64 B Megatron moves against the 28 B of the fused kernel alone

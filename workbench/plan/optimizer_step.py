@@ -110,9 +110,11 @@ class Pass:
 
 def era(lay, fusion: bool) -> str:
     """Which Megatron-LM code a Megatron layout runs (module docstring): the distributed
-    optimizer's with ZeRO-1, Narayanan et al.'s without gradient accumulation fusion
-    (``plan.megatron_2021``), else Korthikanti et al.'s."""
-    if lay.zero == 1:
+    optimizer's with ZeRO-1 over more than one data-parallel rank, Narayanan et al.'s
+    without gradient accumulation fusion (``plan.megatron_2021``), else Korthikanti et
+    al.'s.  With dp x cp = 1 ZeRO-1 is ZeRO-0 (the planner's convention: ``search`` lists
+    the stage once), so both price the 2022 code."""
+    if lay.zero == 1 and lay.dp * lay.cp > 1:
         return "2024"
     return "2021" if not fusion else "2022"
 
@@ -247,8 +249,9 @@ def assumption(lay, table) -> str:
     else:
         clip = ("; clipping's multiply not priced (it runs only when the norm exceeds "
                 "the limit: ASSUMPTION)")
-    if lay.zero == 0 or not shard or not full:     # one figure per parameter
-        size = f"{full + shard:g} B per {'partitioned ' if not full and lay.zero else ''}" \
+    split = lay.zero >= 1 and lay.dp * lay.cp > 1  # a 1/dp partition to update
+    if not split or not shard or not full:         # one figure per parameter
+        size = f"{full + shard:g} B per {'partitioned ' if not full and split else ''}" \
                f"parameter"
     else:
         size = f"{full:g} B per parameter of the rank + {shard:g} B per parameter of its " \
