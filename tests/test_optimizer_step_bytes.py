@@ -12,7 +12,8 @@ holds, "shard": the ones it updates, psi / dp under ZeRO):
   (rank); 4 + 28 + 6 = 38 (shard); fp16 (dynamic loss scale: no NaN check): 2 + 4
   (rank), 6 + 8 + 4 + 28 + 6 (shard);
 - DeepSpeed FP16_Optimizer 70 (rank); BF16_Optimizer norm 4 + zero 4 (rank), Adam 28 +
-  bf16 copy 6 (shard); its ZeRO optimizers: Adam's 28 (ASSUMPTION);
+  bf16 copy 6 (shard); v0.3.16's ZeRO-3: 80 (shard); its later ZeRO optimizers: Adam's
+  28 (ASSUMPTION);
 - FSDP2 as torchtitan: foreach norm 4, foreach mul 4+4, foreach AdamW with weight decay
   (torch/optim/adam.py _multi_tensor_adam: lerp 3, mul 2, addcmul 3, sqrt 2, div 2, add 2,
   addcdiv 4, mul_(p) 2 = 20 accesses of 4 bytes) 80: 92 (shard);
@@ -93,9 +94,15 @@ def test_deepspeed_bytes_by_hand_and_as_its_modules_price_them():
     assert OS.step_seconds(bf16, PSI, PSI / 8, A100) == pytest.approx(
         BF.step_seconds(PSI, 8, adam, A100), rel=1e-12)
     for lay in (Layout(dp=8, zero=2), Layout(dp=8, zero=3),
-                Layout(dp=8, zero=3, framework="deepspeed-0.3"),
                 Layout(dp=2, tp=2, pp=4, zero=1, framework="deepspeed")):
         assert _split(OS.passes(_cfg("float16"), lay)) == (0, 28)
+    # v0.3.16 stage3.py: overflow sum 2+4+4, double norm 2+8+8, flatten + fp32 cast
+    # 2+2 + 2+4, unscale 4+4, Adam 28, fp32 -> fp16 4+2
+    z3 = OS.passes(_cfg("float16"), Layout(dp=8, zero=3, framework="deepspeed-0.3"))
+    assert _split(z3) == (0, 10 + 18 + 10 + 8 + 28 + 6) == (0, 80)
+    assert OS.step_seconds(z3, PSI, PSI / 8, A100, tensors=50) == pytest.approx(
+        compute_time(0.0, 80 * PSI / 8, A100, "float32", launches=2 * 50 + 2 + 3),
+        rel=1e-12)
 
 
 def test_fsdp_and_workbench_bytes_by_hand():

@@ -57,8 +57,17 @@ runs only when the norm exceeds ``--clip-grad``: not priced (ASSUMPTION, as
 
 DeepSpeed: its fp16 pipeline engine's ``FP16_Optimizer`` (``plan.deepspeed_step.
 FP16_OPTIMIZER_BYTES``) and its bf16 one's ``BF16_Optimizer`` (``plan.bf16_optimizer``)
-as read there; elsewhere (its ZeRO optimizers, spring-2021 ZeRO-3) Adam alone, 28 bytes
-per partitioned parameter (ASSUMPTION: ``stage_1_and_2.py`` / ``stage3.py`` not read).
+as read there.  Spring 2021's ZeRO-3 (``"deepspeed-0.3"``; v0.3.16
+``deepspeed/runtime/zero/stage3.py``, the same step in v0.3.13), on the rank's partition:
+``has_overflow_partitioned_grads_serial`` (``:2857``) runs ``float(x.float().sum())``
+(``:2899``, read 2 write 4 read 4) on each fp16 gradient partition, ``get_grad_norm_
+direct`` ``g.data.double().norm(2)`` (``:2449``, read 2 write 8 read 8), each with a host
+sync per tensor (not priced); ``_prepare_fp32_grad_for_sub_group`` flattens them and casts
+to fp32 (``:2578``, 2 + 2 then 2 + 4); ``unscale_and_clip_grads`` always multiplies by
+1 / the loss scale (``:2841``, 8); FusedAdam (``:1577``, 28); the fp32 partition copied to
+the fp16 one (``:1581``, 4 + 2): 80 bytes.  Its later ZeRO optimizers (``"deepspeed"``
+without a pipeline) Adam alone, 28 bytes per partitioned parameter (ASSUMPTION:
+``stage_1_and_2.py`` / ``stage3.py`` of today not read).
 
 FSDP2 as torchtitan runs it (9dec370ad2): ``clip_grad_norm_(..., foreach=True)``
 (``train.py:311``) over the fp32 gradient shards: ``torch._foreach_norm`` (read 4) and
@@ -171,6 +180,19 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
 
 
 def _deepspeed(cfg, lay) -> list[Pass]:
+    if lay.engine == "deepspeed-0.3":    # stage3.py's step (module docstring), fp16
+        src = "microsoft/DeepSpeed v0.3.16 deepspeed/runtime/zero/stage3.py"
+        return [Pass("overflow check, float(x.float().sum()) per gradient partition",
+                     2 + 4 + 4, "shard", f"{src}:2857/2899", per_tensor=True),
+                Pass("gradient norm, g.data.double().norm(2) per partition", 2 + 8 + 8,
+                     "shard", f"{src}:2449", per_tensor=True),
+                Pass("flatten the fp16 partitions, .to(fp32)", (2 + 2) + (2 + 4), "shard",
+                     f"{src}:2578", kernels=2),
+                Pass("unscale and clip, mul_(1 / combined_scale)", 4 + 4, "shard",
+                     f"{src}:2841"),
+                Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard",
+                     f"{src}:1577"),
+                Pass("fp32 partition copied to the fp16 one", 4 + 2, "shard", f"{src}:1581")]
     if lay.pp > 1 and cfg.dtype == "float16" and lay.zero == 0:
         src = f"{D.SOURCE} runtime/fp16/fused_optimizer.py (plan.deepspeed_step)"
         return [Pass(name, b, "psi", src) for name, b in DS.FP16_OPTIMIZER_BYTES]
@@ -242,7 +264,7 @@ def assumption(lay, table) -> str:
         clip = "; clipping's multiply priced (torch's clip_grad_norm_ always runs it)"
     elif any("clip" in p.name for p in table):        # FP16_Optimizer: with the unscale
         clip = "; unscale and clip priced as one multiply"
-    elif lay.engine.startswith("deepspeed") and len(table) == 1:
+    elif lay.engine == "deepspeed" and len(table) == 1:
         clip = "; DeepSpeed's ZeRO optimizer step beyond Adam not read (ASSUMPTION)"
     elif lay.engine == "workbench":
         clip = ""
