@@ -12,8 +12,8 @@ holds, "shard": the ones it updates, psi / dp under ZeRO):
   (rank); 4 + 28 + 6 = 38 (shard); fp16 (dynamic loss scale: no NaN check): 2 + 4
   (rank), 6 + 8 + 4 + 28 + 6 (shard);
 - DeepSpeed FP16_Optimizer 70 (rank); BF16_Optimizer norm 4 + zero 4 (rank), Adam 28 +
-  bf16 copy 6 (shard); v0.3.16's ZeRO-3: 80 (shard); its later ZeRO optimizers: Adam's
-  28 (ASSUMPTION);
+  bf16 copy 6 (shard); v0.3.16's ZeRO-3: 80 (shard); today's ZeRO-1/2/3 (38327e07f) 70
+  with bf16, + 28 (ZeRO-1/2) or 8 (ZeRO-3) of fp16 overflow checks (shard);
 - FSDP2 as torchtitan: foreach norm 4, foreach mul 4+4, foreach AdamW with weight decay
   (torch/optim/adam.py _multi_tensor_adam: lerp 3, mul 2, addcmul 3, sqrt 2, div 2, add 2,
   addcdiv 4, mul_(p) 2 = 20 accesses of 4 bytes) 80: 92 (shard);
@@ -93,9 +93,17 @@ def test_deepspeed_bytes_by_hand_and_as_its_modules_price_them():
     adam = compute_time(0.0, 28 * PSI / 8, A100, "float32")
     assert OS.step_seconds(bf16, PSI, PSI / 8, A100) == pytest.approx(
         BF.step_seconds(PSI, 8, adam, A100), rel=1e-12)
-    for lay in (Layout(dp=8, zero=2), Layout(dp=8, zero=3),
-                Layout(dp=2, tp=2, pp=4, zero=1, framework="deepspeed")):
-        assert _split(OS.passes(_cfg("float16"), lay)) == (0, 28)
+    assert _split(OS.passes(_cfg("float16"), Layout(dp=2, tp=2, pp=4, zero=1,
+                                                     framework="deepspeed"))) == (0, 28)
+    # today's stage_1_and_2.py / stage3.py: norm of g.double() 2+8+8, flatten + fp32 cast
+    # 2+2 + 2+4, unscale 4+4, Adam 28, fp32 -> 16-bit 4+2; fp16's overflow checks:
+    # float 2+4, isnan 4+1, isinf 4+1, or 1+1+1, float 1+4, max 4 (ZeRO-1/2); isinf and
+    # isnan then any on the flat buffer, 2 x (2+1+1) (ZeRO-3)
+    for zero in (1, 2, 3):
+        lay = Layout(dp=8, zero=zero, framework="deepspeed")
+        assert _split(OS.passes(_cfg("bfloat16"), lay)) == (0, 18 + 10 + 8 + 28 + 6)
+        check = 8 if zero == 3 else 28
+        assert _split(OS.passes(_cfg("float16"), lay)) == (0, check + 70)
     # v0.3.16 stage3.py: overflow sum 2+4+4, double norm 2+8+8, flatten + fp32 cast
     # 2+2 + 2+4, unscale 4+4, Adam 28, fp32 -> fp16 4+2
     z3 = OS.passes(_cfg("float16"), Layout(dp=8, zero=3, framework="deepspeed-0.3"))

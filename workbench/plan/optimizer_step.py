@@ -65,9 +65,20 @@ direct`` ``g.data.double().norm(2)`` (``:2449``, read 2 write 8 read 8), each wi
 sync per tensor (not priced); ``_prepare_fp32_grad_for_sub_group`` flattens them and casts
 to fp32 (``:2578``, 2 + 2 then 2 + 4); ``unscale_and_clip_grads`` always multiplies by
 1 / the loss scale (``:2841``, 8); FusedAdam (``:1577``, 28); the fp32 partition copied to
-the fp16 one (``:1581``, 4 + 2): 80 bytes.  Its later ZeRO optimizers (``"deepspeed"``
-without a pipeline) Adam alone, 28 bytes per partitioned parameter (ASSUMPTION:
-``stage_1_and_2.py`` / ``stage3.py`` of today not read).
+the fp16 one (``:1581``, 4 + 2): 80 bytes.  DeepSpeed of today without a pipeline
+(``"deepspeed"``, pp = 1, ZeRO 1-3; 38327e07f, v0.16.4+, 2025-02), on the partition, 16-bit
+gradients (e = 2 bytes): ``stage_1_and_2.py`` ``step`` checks overflow only for fp16
+(``has_overflow_partitioned_grads_serial``, ``_has_inf_or_nan``: ``x.float()``, ``isnan``,
+``isinf``, ``logical_or``, ``.float()``, ``max`` per tensor, ``:2003``, ``:2032-2036``,
+28 bytes), ``get_grad_norm_direct`` takes ``vector_norm(g.double())`` per tensor
+(``:1699``, e + 8 + 8), flattens and casts the partition (``:1896``, e + e + e + 4),
+``unscale_and_clip_grads`` multiplies by a clamped factor, always (``:1985``, 8), FusedAdam
+(``:1820``, 28) and copies the fp32 partition into the 16-bit one (``:1920``, 4 + e): 70
+bytes with bf16, 98 with fp16; ``stage3.py`` the same, but its fp16 check is
+``isinf`` / ``isnan(...).any()`` on the flat gradient buffer (``:2212-2213``, 2 (e + 2))
+and its lines ``:1797``, ``:1898``, ``:2187``, ``:987``, ``:2071``: 70 with bf16, 78 with
+fp16.  With a pipeline and ZeRO-1 in fp16 (the 2021 engine) Adam alone, 28 bytes per
+partitioned parameter (ASSUMPTION: that release's ZeRO-1 step not read).
 
 FSDP2 as torchtitan runs it (9dec370ad2): ``clip_grad_norm_(..., foreach=True)``
 (``train.py:311``) over the fp32 gradient shards: ``torch._foreach_norm`` (read 4) and
@@ -100,6 +111,7 @@ _M21, _M22, _M24 = ("NVIDIA/Megatron-LM 50a4b5fa02 (2021-04)",
                     "NVIDIA/Megatron-LM f2e5db402c (2024-07)")
 MEGATRON = {"2021": _M21, "2022": _M22, "2024": _M24}
 ERAS = tuple(MEGATRON)
+DEEPSPEED = "microsoft/DeepSpeed 38327e07f (v0.16.4+, 2025-02)"
 ADAM = 16 + 12          # multi_tensor_adam: read p, g, m, v; write p, m, v (fp32)
 
 
@@ -196,6 +208,8 @@ def _deepspeed(cfg, lay) -> list[Pass]:
     if lay.pp > 1 and cfg.dtype == "float16" and lay.zero == 0:
         src = f"{D.SOURCE} runtime/fp16/fused_optimizer.py (plan.deepspeed_step)"
         return [Pass(name, b, "psi", src) for name, b in DS.FP16_OPTIMIZER_BYTES]
+    if lay.pp == 1 and lay.zero >= 1:     # today's ZeRO optimizers (module docstring)
+        return _zero_today(cfg.dtype, lay.zero)
     adam = Pass("Adam on the partition (the planner's 28 B: ASSUMPTION)", ADAM, "shard",
                 "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES")
     if BF.applies(cfg, lay):
@@ -206,6 +220,31 @@ def _deepspeed(cfg, lay) -> list[Pass]:
                      "shard", src),
                 Pass("clear_hp_grads, zero the fp32 buffer", BF.FP32_GRAD_BYTES, "psi", src)]
     return [adam]
+
+
+def _zero_today(dtype: str, zero: int) -> list[Pass]:
+    e = 2 if dtype in ("bfloat16", "float16") else 4     # the 16-bit gradient partitions
+    if zero == 3:
+        src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage3.py", (
+            "2212-2213", "1797", "1898", "2187", "987", "2071")
+        check = Pass("overflow check, isinf / isnan(flat buffer).any()", 2 * (e + 1 + 1),
+                     "shard", f"{src}:{at[0]}", kernels=4)
+    else:
+        src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage_1_and_2.py", (
+            "2003/2032-2036", "1699", "1896", "1985", "1820", "1920")
+        check = Pass("overflow check, x.float() isnan isinf logical_or float max",
+                     (e + 4) + 2 * (4 + 1) + 3 + (1 + 4) + 4, "shard", f"{src}:{at[0]}",
+                     per_tensor=True)
+    out = [check] if dtype == "float16" else []      # bf16: no loss scaler, no check
+    return out + [
+        Pass("gradient norm, g.double() then its norm, per partition", e + 8 + 8, "shard",
+             f"{src}:{at[1]}", per_tensor=True),
+        Pass("flatten the partitions, .to(fp32)", (e + e) + (e + 4), "shard",
+             f"{src}:{at[2]}", kernels=2),
+        Pass("unscale and clip, mul_(1 / combined_scale), always", 4 + 4, "shard",
+             f"{src}:{at[3]}"),
+        Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard", f"{src}:{at[4]}"),
+        Pass("fp32 partition copied to the 16-bit one", 4 + e, "shard", f"{src}:{at[5]}")]
 
 
 def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> tuple:
