@@ -36,8 +36,9 @@ data-parallel synchronisation + the optimizer step, where
   Each priced with ``sim_mesh.cost.price`` on the group's ranks (rank order in
   ``layout``);
 - optimizer: the step the layout's framework runs (``plan.optimizer_step``: its passes
-  over the gradient buffer and, ZeRO-partitioned, AdamW with its copies; Megatron-LM
-  42 to 64 bytes per parameter by release and dtype), memory bound, on the roofline.
+  over the gradient buffer and, ZeRO-partitioned, AdamW with its copies: Megatron-LM's
+  50 bytes per parameter in Korthikanti et al.'s bf16 code, 64 in Narayanan et al.'s fp16
+  pipelines, where the fused Adam alone moves 28), memory bound, on the roofline.
 
 ``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
 above: its TrainSchedule simulated with blocking transfers, its partitioned p2p, its

@@ -38,7 +38,9 @@ Three codes, chosen by the layout (:func:`era`):
   (fp16; bf16 has none, ``optimizer/__init__.py``), the norm (``clip_grads.py:92``),
   FusedAdam (``optimizer.py:436``), the copy to the model's weights (``:382``; bf16
   has no apex kernel, ``_dummy_overflow_buf = None``: a ``copy_`` per tensor, ``:61``).
-- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1``).  Per step on the
+- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1`` over dp x cp > 1; at
+  one data-parallel rank ZeRO-1 is ZeRO-0, the 2022 code, as ``search`` lists it once).
+  Per step on the
   whole fp32 buffer (``megatron/core/distributed/param_and_grad_buffer.py``):
   ``grad_data.zero_()`` (``:508``, from ``training/training.py:585``), before each
   bucket's reduce-scatter the NaN check ``grad_data.norm(p=2)`` (``:111-118``;
@@ -86,8 +88,9 @@ an unconditional ``torch._foreach_mul_`` by the clamped coefficient (read 4 writ
 ``torch/nn/utils/clip_grad.py``, torch 2.13, "avoids a ``if clip_coef < 1:``
 conditional"), then ``torch.optim.AdamW`` with ``foreach=True`` (``--optimizer.fused``
 off by default, ``config_manager.py:194``, ``optimizer.py:137-138``) and weight decay
-0.1: ``sim_mesh.optimizer_cost.adam_kernels``' 20 fp32 accesses in 8 kernels;
-``zero_grad`` sets gradients to None.
+0.1: ``sim_mesh.optimizer_cost.adam_kernels``' 20 fp32 accesses in 8 kernels (torch
+2.13's ``_multi_tensor_adam``, taken for the late-2024 torch that release ran:
+ASSUMPTION); ``zero_grad`` sets gradients to None.
 
 ``"workbench"`` (this library's recipe, the dry run's): ``sim_mesh.optimizer_cost.
 MIXED_ADAMW_BYTES`` on the rank's updated parameters, one kernel.
