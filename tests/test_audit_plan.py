@@ -113,10 +113,18 @@ def test_layout_zero_must_be_an_int_stage(zero):
 
 def test_search_prints_equal_layouts_as_a_tie():
     """Was "#1 beats #2 by the same step time, less memory (32.5 vs 32.5 GB)" for two
-    layouts of equal step time and memory (ZeRO 2 and 3 with dp = 1)."""
-    r = P.search(get_config("llama2-7b"), P.Cluster("a100", 8), global_batch=7, top=3)
-    lines = r.explain()
-    (la, ea), (lb, eb) = r[0], r[1]
+    layouts of equal step time and memory (ZeRO 2 and 3 with dp = 1).  The search now
+    lists ZeRO-3 at dp = 1 once, as ZeRO-2, and DeepSpeed's ZeRO-2 no longer ties
+    Megatron-LM's ZeRO-0 since each framework's optimizer step is priced
+    (plan.optimizer_step): the search's #1 as ZeRO-2 and ZeRO-3, ranked as the search
+    would rank them."""
+    cfg, cl = get_config("llama2-7b"), P.Cluster("a100", 8)
+    r = P.search(cfg, cl, global_batch=7, top=3)
+    la = r[0][0].replace(zero=2)
+    assert la.dp == 1 and la.engine == "deepspeed"
+    lb = la.replace(zero=3)
+    ea, eb = P.estimate(cfg, la, cl), P.estimate(cfg, lb, cl)
+    lines = type(r)([(la, ea), (lb, eb)], cluster=cl).explain()
     assert ea.step_time == eb.step_time
     if ea.memory["total"] == eb.memory["total"]:
         assert lines[0].startswith("#1 and #2 tie: the same step time and memory")

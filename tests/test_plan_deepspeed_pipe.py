@@ -186,11 +186,16 @@ def test_estimate_refuses_what_the_engine_did_not_run(kw, match):
 
 
 def test_estimate_keeps_the_planner_optimizer_where_fp16_optimizer_does_not_run():
-    # fp16 with ZeRO-1 (bf16 runs BF16_Optimizer: tests/test_published_bloom.py)
+    # fp16 with ZeRO-1 (bf16 runs BF16_Optimizer: tests/test_published_bloom.py): Adam
+    # alone on the partition, 28 B (plan.optimizer_step); Megatron's distributed
+    # optimizer adds its passes over the whole gradient buffer and its copies
     cfg, cl = _small(), wb.plan.Cluster("a100", 64)
     lay = _lay(zero=1)
     ds = wb.plan.estimate(cfg, lay, cl)
     meg = wb.plan.estimate(cfg, lay.replace(framework="megatron"), cl)
-    assert ds.details["optimizer"] == pytest.approx(meg.details["optimizer"], rel=1e-12)
+    psi = max(d["psi"] for d in ds.details["stages"].values())
+    assert ds.details["optimizer"] == pytest.approx(
+        compute_time(0.0, 28 * psi / lay.dp, A100, "float32"), rel=1e-12)
+    assert meg.details["optimizer"] > ds.details["optimizer"]
     assert not ds.details["deepspeed_pipe"]["fp16"]
     assert any("ZeRO-1's reduce_gradients" in a for a in ds.assumptions())

@@ -227,8 +227,7 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
             dp = BF.dp_sync(d["psi"], lay, prof, s)
         elif lay.zero == 0 and lay.dp > 1:
             dp += _copy(DP_BUCKET_COPY_BYTES * d["psi"], prof, dtype, launches=3)
-        opt = fp16_optimizer(d["psi"], prof) if fp16 else BF.step_seconds(
-            d["psi"], lay.dp, d["optimizer"], prof) if bf16 else d["optimizer"]
+        opt = d["optimizer"]   # FP16_Optimizer / BF16_Optimizer: plan.optimizer_step
         rows.append(dict(
             stage=s, forward=d["forward"] - p2p_t + e["fwd_copy"] + e["fwd_comm"],
             backward=d["time"] - d["forward"] - p2p_t + e["bwd_copy"] + e["bwd_comm"] + hp,

@@ -40,8 +40,9 @@ What is composed from those measurements (not run op by op):
   output added to its forward and of its input gradient to its backward (Megatron's
   p2p is blocking in the 1F1B steady state);
 - step time = the pipeline's makespan + the slowest stage's measured optimizer-step
-  collectives + its AdamW update (priced as the planner does, 28 bytes per updated
-  parameter on the roofline, ``sim_mesh.optimizer_cost``, in place of the update the
+  collectives + its AdamW update (priced as the planner does for framework
+  "workbench", 28 bytes per updated parameter on the roofline, ``plan.optimizer_step``
+  and ``sim_mesh.optimizer_cost``, in place of the update the
   trace would record: ``parallel.step_clock.unpriced``) + with
   pp > 1 and tied embeddings, Megatron's all-reduce of the word-embedding gradient
   between the first and last stage (priced on their ranks);
@@ -101,7 +102,7 @@ from ..parallel import schedules as S
 from ..recipes.hybrid import Hybrid      # the dense recipe (built by dryrun_ep_cp.recipe)
 from ..parallel.step_clock import unpriced
 from ..sim_mesh.cost import price
-from ..sim_mesh.optimizer_cost import mixed_adamw_seconds
+from . import optimizer_step as OS
 from ..sim_mesh.trace import trace as _trace
 from .layout import Cluster, Layout, check_layout
 from . import dryrun_ep_cp as _ep_cp
@@ -241,7 +242,10 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             mixed = cfg.dtype in _MIXED
             mem = _sum_memory([o.memory(mixed_precision=mixed) for o in opts[s]])
             upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
-            opt_t[s] = {"sync": t1 - t0, "adamw": mixed_adamw_seconds(upd, prof),
+            # the recipe's step (plan.optimizer_step, as the estimate of "workbench"):
+            # no pass over the whole gradient buffer, so psi = upd
+            opt_t[s] = {"sync": t1 - t0, "adamw": OS.step_seconds(
+                            OS.passes(cfg, lay.replace(framework="workbench")), upd, upd, prof),
                         "states": mem,
                         "ledger": getattr(opts[s][0], "live", None)}
             step_bytes[s] = _minus(tr.bytes_per_rank(), b0)

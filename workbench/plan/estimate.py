@@ -35,9 +35,10 @@ data-parallel synchronisation + the optimizer step, where
   of the word-embedding gradient between the first and last stage (Megatron-LM).
   Each priced with ``sim_mesh.cost.price`` on the group's ranks (rank order in
   ``layout``);
-- optimizer: AdamW on the rank's (ZeRO-partitioned) parameters, memory bound: 28 bytes
-  per parameter (read 16-bit gradient 2, read and write fp32 master, m, v 24, write
-  16-bit weight 2), priced by the roofline.
+- optimizer: the step the layout's framework runs (``plan.optimizer_step``: its passes
+  over the gradient buffer and, ZeRO-partitioned, AdamW with its copies: Megatron-LM's
+  50 bytes per parameter in Korthikanti et al.'s bf16 code, 64 in Narayanan et al.'s fp16
+  pipelines, where the fused Adam alone moves 28), memory bound, on the roofline.
 
 ``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
 above: its TrainSchedule simulated with blocking transfers, its partitioned p2p, its
@@ -59,7 +60,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
-from ..sim_mesh.optimizer_cost import mixed_adamw_seconds
 from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
@@ -72,6 +72,7 @@ from . import tp_overlap as TPO
 from . import comm_memory as CM
 from . import megatron_2021 as M21
 from . import titan_eager as TE
+from . import optimizer_step as OS
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -393,6 +394,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     edge = edge_times(tcfg, b, tp, sp, prof)       # embeddings; final norm, fp32 cast, loss
 
     stages = {}
+    opt_passes = OS.passes(cfg, lay, fusion, overlap_grad_reduce)    # plan.optimizer_step
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
@@ -433,7 +435,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
         dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
-        opt = mixed_adamw_seconds(updated, prof)     # sim_mesh.optimizer_cost: 28 B each
+        opt = OS.step_seconds(opt_passes, psi, updated, prof,
+                              M21.TENSORS_PER_LAYER * max(n_layers, 1))
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
@@ -495,7 +498,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
            if slow["copies"] else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
-        + (CM.assumption(comm_mem, prof),),
+        + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof)),
+        "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}
         if slow["copies"] else None,
