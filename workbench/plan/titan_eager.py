@@ -129,7 +129,7 @@ def _count(fn, inputs):
 def _leaf(*shape, dtype=torch.bfloat16):
     # values do not matter (bytes are sizes); a private generator leaves torch's RNG alone
     g = torch.Generator().manual_seed(0)
-    return torch.randn(*shape, generator=g, device="cpu").to(dtype).requires_grad_(True)
+    return torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu").to(dtype).requires_grad_(True)
 
 
 @lru_cache(maxsize=None)
@@ -143,8 +143,11 @@ def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
 def _measure_part(part, rows, h, heads, kv_heads, d):
     if part == "norm":
         return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
-    freqs = torch.polar(torch.ones(rows, d // 2, device="cpu"),
-                        torch.linspace(0, 1, rows * (d // 2), device="cpu").view(rows, d // 2))
+    # complex64 as torchtitan's freqs_cis, whatever torch's default dtype (float64 would
+    # give complex128 and promote RoPE's products)
+    f32 = dict(dtype=torch.float32, device="cpu")
+    freqs = torch.polar(torch.ones(rows, d // 2, **f32),
+                        torch.linspace(0, 1, rows * (d // 2), **f32).view(rows, d // 2))
     return _count(lambda q, k, v: _pre_attention(q, k, v, freqs, heads // kv_heads),
                   (_leaf(1, rows, heads, d), _leaf(1, rows, kv_heads, d),
                    _leaf(1, rows, kv_heads, d)))
