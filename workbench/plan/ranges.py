@@ -15,7 +15,9 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
   value" (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md): the measured SXM
   card's GEMM and attention rates at the NVL's 835 / 989 of them (slow end) .. the SXM's
-  own (fast end), the profile's point the midpoint; the attention kernels as on ``h100``.
+  own (fast end), the profile's point the midpoint; its other peaks (fp32, fp64, tf32,
+  FP8: the SXM's x the same ratio, one clock ASSUMED) move with it; the attention kernels
+  as on ``h100``.
 - ``a100`` ``kernel_bandwidth.*``: Megatron's unfused attention core and dropout,
   measured on the A100 40GB (1,555 GB/s) and scaled to the 80GB part's 2,039 GB/s as the
   ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
@@ -80,10 +82,16 @@ BOUNDS["a100-jeanzay"] = BOUNDS["a100"] + BOUNDS["a100-jeanzay"]   # the same GP
 _TT_PEAK = ("the H100 NVL's .. the H100 SXM's dense BF16 peak (835 .. 989 TFLOP/s, NVIDIA's "
             "H100 page as torchtitan's get_peak_flops encodes it), the bounds torchtitan's "
             "benchmark text puts on its card's peak; the measured SXM rates scaled alike")
+_TT_CLOCK = ("the profile's other peaks are the h100 (SXM) profile's x the bf16 peak's ratio "
+             "(ASSUMPTION: one clock scales every unit): at the NVL's 835 / 989 of them .. "
+             "the SXM's own (the H100 datasheet), with the bf16 peak")
 BOUNDS["h100-hbm2e"] = BOUNDS["h100"] + tuple(
     (f, 835e12 / 989e12 * x, x, "value", _TT_PEAK)
     for f, x in (("measured.compute_scale", 1.0), ("peak_flops.bfloat16", 989e12),
-                 ("peak_flops.float16", 989e12)))
+                 ("peak_flops.float16", 989e12))) + tuple(
+    (f, 835e12 / 989e12 * x, x, "value", _TT_CLOCK)      # the h100 profile's SXM figures
+    for f, x in (("peak_flops.float32", 67e12), ("peak_flops.float64", 67e12),
+                 ("peak_flops.tf32", 494.5e12), ("peak_flops.float8", 1979e12)))
 
 
 def _get(d: dict, path: str):
