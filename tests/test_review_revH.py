@@ -44,3 +44,45 @@ def test_hbm2e_range_moves_every_peak_with_the_bf16_peak():
     lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
     r = wb.plan.estimate_range(cfg, lay, wb.plan.Cluster(hbm2e, 8))
     assert not [k for k in r.unbounded if k.startswith("peak_flops.")], r.unbounded
+
+
+def test_eager_block_prices_swiglus_backward_and_autograds_input_gradient_sums():
+    """torchtitan's FeedForward runs ``F.silu(w1 x) * w3 x``: its product's backward is two
+    ``mul`` kernels (the gradient read twice: 12 bytes per element where the fused block
+    prices one kernel of 10); q, k, v are three Linears on one input and w1, w3 two on
+    another, so autograd adds their input gradients: three ``add`` kernels of 6 bytes per
+    element of (tokens, h), which the fused block (fused QKV and gate/up GEMMs) does not
+    run.  Both were missing from the eager block's price."""
+    sw = E.kernels("swiglu", 64, 512, 4, 2, 64)
+    assert [n for n, _ in sw["forward"]] == ["silu", "mul"]
+    assert sorted(n for n, _ in sw["backward"]) == ["mul", "mul", "silu_backward"]
+    assert sum(b for _, b in sw["backward"]) == pytest.approx(18 * 64 * 512)
+    ig = E.kernels("input_grads", 64, 256, 4, 2, 64)
+    assert ig["forward"] == ()                       # GEMMs left to the fused block
+    assert [n for n, _ in ig["backward"]] == ["add"] * 3
+    assert sum(b for _, b in ig["backward"]) == pytest.approx(3 * 6 * 64 * 256)
+    # in the estimate: the backward grows by exactly those kernels' price less the fused
+    # product gradient's, the forward not at all (silu and the product as fused)
+    import workbench as wb
+    from workbench.sim_mesh.cost import compute_time
+    from workbench.sim_mesh.profiles import get_profile
+    prof = get_profile("h100")
+    cfg = wb.plan.presets.get_config("llama3-8b", seq_len=1024)
+    lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
+    x = E.extra_seconds(cfg, lay, prof, "fused_rmsnorm")
+    t, h, f = 1024, cfg.d_model, cfg.d_ff
+    pre = E.kernels("pre_attention", t, h, 32, 8, 128)
+
+    def sec(ops):
+        return sum(compute_time(0, b, prof, "float32", "elementwise", 1) for _, b in ops)
+
+    def rope(w, back):
+        return compute_time(3 * t * w, 2 * 2 * t * w + (4 if back else 2) * 2 * t * 128,
+                            prof, "bfloat16", "elementwise", 1)
+    rope_f = sec(pre["forward"]) - rope(4096, False) - rope(1024, False)
+    rope_b = sec(pre["backward"]) - rope(4096, True) - rope(1024, True)
+    assert x["forward"] == pytest.approx(rope_f, rel=1e-9)
+    mul2 = sec([("mul", 6 * t * f)] * 2) - compute_time(2 * t * f, 10 * t * f, prof,
+                                                         "bfloat16", "elementwise", 1)
+    adds = sec([("add", 6 * t * h)] * 3)
+    assert x["backward"] == pytest.approx(rope_b + mul2 + adds + x["forward"], rel=1e-6)

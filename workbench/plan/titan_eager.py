@@ -22,6 +22,13 @@ code at 9dec370ad2 (pytorch/torchtitan, ``torchtitan/models/llama/model.py`` and
   values expanded and reshaped to the query heads, a copy of n_rep x their size
   (``expand(...).reshape(...)`` of a non-contiguous expand), summed back in the
   backward; not priced by the fused block;
+- ``FeedForward``: ``self.w2(F.silu(self.w1(x)) * self.w3(x))``: silu and the product
+  forward as the fused block prices them, but the product's backward is two kernels
+  (``mul`` by each factor, the gradient read twice) where the fused block prices one;
+- autograd's sums of input gradients: q, k and v are three ``nn.Linear`` on one input,
+  w1 and w3 two on another, so the backward adds their input gradients (two and one
+  ``add`` over (tokens, h)), where the fused block (Megatron's fused QKV and gate/up
+  GEMMs) has one input-gradient GEMM each: not priced by it;
 - not a kernel: the transposes around ``F.scaled_dot_product_attention`` (its flash
   kernel takes and returns (batch, sequence, heads, dim) in memory, the (b, heads, s, d)
   tensors being transposed views: ``output.transpose(1, 2).contiguous()`` copies
@@ -55,6 +62,7 @@ from ..sim_mesh.cost import compute_time
 __all__ = ["NORM_TYPES", "kernels", "extra_seconds", "check", "assumption"]
 
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm")
+PARTS = ("norm", "pre_attention", "swiglu", "input_grads")
 
 
 def _storage(t):
@@ -140,9 +148,22 @@ def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
         return _measure_part(part, rows, h, heads, kv_heads, d)
 
 
+def _fan_out(n1, n2, *w):
+    # q, k, v (w[:3]) on one input, w1, w3 (w[3:]) on another: autograd sums the input
+    # gradients of each group (GEMMs thin: theirs are priced by the fused block)
+    return tuple(n1 @ x for x in w[:3]) + tuple(n2 @ x for x in w[3:])
+
+
 def _measure_part(part, rows, h, heads, kv_heads, d):
     if part == "norm":
         return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
+    if part == "swiglu":                   # h: the MLP's width on the rank
+        return _count(lambda a, b: torch.nn.functional.silu(a) * b,
+                      (_leaf(rows, h), _leaf(rows, h)))
+    if part == "input_grads":
+        f, b = _count(_fan_out, (_leaf(rows, h), _leaf(rows, h),
+                                 *(_leaf(h, 1) for _ in range(5))))
+        return (tuple(o for o in f if o[0] != "mm"), tuple(o for o in b if o[0] != "mm"))
     # complex64 as torchtitan's freqs_cis, whatever torch's default dtype (float64 would
     # give complex128 and promote RoPE's products)
     f32 = dict(dtype=torch.float32, device="cpu")
@@ -156,13 +177,16 @@ def _measure_part(part, rows, h, heads, kv_heads, d):
 @lru_cache(maxsize=None)
 def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -> dict:
     """The eager kernels of ``part`` ("norm": ``RMSNorm`` over (tokens, h); "pre_attention":
-    RoPE on q and k, ``repeat_kv`` on k and v, the transposes), for ``tokens`` tokens of
+    RoPE on q and k, ``repeat_kv`` on k and v, the transposes; "swiglu": silu and the
+    product over (tokens, h), h the MLP's width; "input_grads": the backward's sums of
+    q, k, v's and w1, w3's input gradients over (tokens, h), GEMMs left out), for
+    ``tokens`` tokens of
     ``heads`` query and ``kv_heads`` key/value heads of dimension ``d`` on one rank:
     ``{"forward":
     ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens and scaled
     linearly (module docstring)."""
-    if part not in ("norm", "pre_attention"):
-        raise ValueError(f"kernels: part={part!r}; use 'norm' or 'pre_attention'")
+    if part not in PARTS:
+        raise ValueError(f"kernels: part={part!r}; use one of {list(PARTS)}")
     for name, v in (("tokens", tokens), ("h", h), ("heads", heads), ("kv_heads", kv_heads),
                     ("d", d)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -239,8 +263,11 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
     e = 2
     fwd_ops = L.forward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False)
     bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none")
-    parts = [kernels("pre_attention", T, h, a // t, g // t, d)]
-    replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad"}
+    parts = [kernels("pre_attention", T, h, a // t, g // t, d),
+             kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d),
+             kernels("input_grads", T, h, a // t, g // t, d)]
+    replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad",
+                "silu", "swiglu_mul", "silu_grad", "swiglu_mul_grad"}
     if norm_type == "rmsnorm":
         parts += [kernels("norm", Tn, h, a // t, g // t, d)] * 2
         replaced |= {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
@@ -261,6 +288,8 @@ def assumption(norm_type: str, extra: dict, layers: int) -> str:
         if norm_type == "rmsnorm" else ""
     return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
             f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex, "
-            f"repeat_kv copies) counted from the eager code's aten ops, priced memory-bound "
+            f"repeat_kv copies, silu and the product; backward: the product's two "
+            f"gradients, autograd's sums of q, k, v's and w1, w3's input gradients) "
+            f"counted from the eager code's aten ops, priced memory-bound "
             f"(one kernel per op ASSUMED): +{ms:.1f} ms per block and micro-batch (with "
             f"backward and recompute) x {layers} blocks")
