@@ -52,13 +52,17 @@ What the comparison says (measured when this module was written; the band in
   block's element-wise kernels were priced as the fused operators run them (one pass per
   RMSNorm and RoPE), but torchtitan's ``RMSNorm`` (``norm_type = "rmsnorm"``) runs 8
   kernels and 36 bytes per element forward, 92 backward (one pass: 4 and 6), its RoPE
-  three fp32 kernels per tensor, and ``repeat_kv`` copies the keys and values to the query
-  heads: +11.7 ms per 8B block and micro-batch on h100-hbm2e (its 24 forward kernels re-run by the
-  op-level SAC), 0.37 s per step.  Priced so (``plan.titan_eager``): 1.085 .. 1.226, the
-  H100 rows 1.134 / 1.168 (range 1.065 .. 1.309: the published figures lie below it).
+  three fp32 kernels per tensor, ``repeat_kv`` copies the keys and values to the query
+  heads, SwiGLU's product backward is two kernels, and autograd sums the input gradients
+  of q, k, v and of w1, w3 (three adds the fused QKV and gate/up GEMMs do not run):
+  +12.5 ms per 8B block and micro-batch on h100-hbm2e (its 26 forward kernels re-run by
+  the op-level SAC), 0.40 s per step.  Priced so (``plan.titan_eager``): 1.081 .. 1.218,
+  the H100 rows 1.123 / 1.157 (range 1.055 .. 1.224, NVL .. SXM with the attention kernel
+  pinned at FlashAttention-2, which SDPA ran in torch 1963fc83a1: the published figures
+  lie below it; the h100 profile's cuDNN bound stretched it to 1.293 / 1.332).
   The measured 16% of torch.compile (5,762 -> 6,667 TPS/GPU, fusing those kernels) is
   of the same size: not used, it is compiled-row data.
-- Still optimistic everywhere, the A100 rows most (1.085 .. 1.226, the a100 profile
+- Still optimistic everywhere, the A100 rows most (1.081 .. 1.218, the a100 profile
   prices attention at FlashAttention-2's best 73% of peak and GEMMs at 0.827, no
   measurement of the A100 GEMMs at these shapes).  Unpriced and candidates, in order:
   the 500 W limit of the H100 rows against the measured card's 700 W (the peak's range
@@ -108,9 +112,17 @@ _A100_ASSUME = (f"{_FSDP}; sequence and checkpointing from the configs of the do
                 f"200 Gb/s HDR port per GPU)")
 
 
+# torch 1963fc83a1 (2024-12-23, the H100 runs' own): SDPA's priority puts FlashAttention-2
+# first on the H100 (cuDNN opt-in since pytorch/pytorch#138522, 2024-10, until 2.9;
+# plan.fsdp2_cost), so the range's fast end keeps it rather than the h100 profile's
+# cuDNN bound, which that release did not run
+_SDPA_PINNED = {"measured.attention_backend": "flash"}
+
+
 def _row(name, preset, seq, devices, mbs, recompute, tps, profile, cite, assume,
          mfu=None, norm=None):
-    return dict(source="torchtitan", name=name, preset=preset, profile=profile,
+    pinned = _SDPA_PINNED if profile == "h100-hbm2e" else None
+    return dict(source="torchtitan", name=name, preset=preset, profile=profile, pinned=pinned,
                 devices=devices, model=dict(seq_len=seq),
                 layout=dict(dp=devices, zero=3, recompute=recompute, micro_batch=mbs,
                             global_batch=mbs * devices, framework="fsdp"),

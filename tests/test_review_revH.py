@@ -86,3 +86,43 @@ def test_eager_block_prices_swiglus_backward_and_autograds_input_gradient_sums()
                                                          "bfloat16", "elementwise", 1)
     adds = sec([("add", 6 * t * h)] * 3)
     assert x["backward"] == pytest.approx(rope_b + mul2 + adds + x["forward"], rel=1e-6)
+
+
+def test_torchtitan_h100_range_keeps_the_releases_attention_kernel():
+    """The H100 rows ran torch 1963fc83a1 (2024-12-23), whose SDPA runs FlashAttention-2
+    on the H100 (cuDNN opt-in from pytorch/pytorch#138522 until 2.9): the range's fast end
+    priced the h100 profile's cuDNN bound instead, and the rows' 'range NVL .. SXM'
+    reached 1.293 / 1.332 on a kernel that release did not run.  Pinned, both ends price
+    FA2 and the range is the peak's alone."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import published as P
+    import published_torchtitan as T
+    import workbench as wb
+    row = T.ROWS[0]
+    assert row["profile"] == "h100-hbm2e" and row["pinned"] == {
+        "measured.attention_backend": "flash"}
+    cfg, lay, cl = P.build(row)
+    r = wb.plan.estimate_range(cfg, lay, cl, attention="flash", pinned=row["pinned"],
+                               **row["estimate_args"])
+    for e in (r.slow, r.fast):
+        said = " ".join(e.assumptions())
+        assert "FlashAttention-2" in said and "cuDNN" not in said.split("attention:")[1][:40]
+    assert not any("attention_backend" in v for v in r.varied)
+    assert "measured.attention_backend" not in r.unbounded
+    p = P.predict(row)
+    assert p["high"] / p["low"] < 989 / 835          # the peak's range, nothing more
+    # unpinned, the fast end is cuDNN's (what the h100 bound spans for unknown releases)
+    free = wb.plan.estimate_range(cfg, lay, cl, attention="flash", **row["estimate_args"])
+    assert free.fast.step_time < r.fast.step_time
+
+
+@pytest.mark.parametrize("bad", [{"peak_flops.bfloat16x": 1.0}, {"memory_bytes": 1},
+                                 "flash", 3])
+def test_pinned_refuses_what_is_not_a_bounded_figure(bad):
+    import workbench as wb
+    cfg = wb.plan.presets.get_config("llama3-8b", seq_len=1024, n_layer=2)
+    lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
+    with pytest.raises(ValueError, match="pinned"):
+        wb.plan.estimate_range(cfg, lay, wb.plan.Cluster("h100-hbm2e", 8), pinned=bad)

@@ -137,7 +137,8 @@ def _count(fn, inputs):
 def _leaf(*shape, dtype=torch.bfloat16):
     # values do not matter (bytes are sizes); a private generator leaves torch's RNG alone
     g = torch.Generator().manual_seed(0)
-    return torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu").to(dtype).requires_grad_(True)
+    x = torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
+    return x.to(dtype).requires_grad_(True)
 
 
 @lru_cache(maxsize=None)
