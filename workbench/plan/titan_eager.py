@@ -38,8 +38,9 @@ What each of these reads and writes is not estimated by hand: :func:`kernels` ru
 same eager code on small CPU tensors under a dispatch mode and records every aten kernel
 (views excluded) and the bytes it reads (each input's storage, at most its size) and
 writes, forward and backward (the autograd formulas, ``derivatives.yaml``, are the same
-on every device), then scales them linearly with the tokens (two sizes measured: the
-bytes are a + c x tokens exactly).  Each kernel is priced as a memory-bound kernel on
+on every device), then scales them linearly with the sequence length at the
+micro-batch's batch (two lengths measured: the bytes are a + c x length exactly; RoPE's
+``freqs_cis`` is per position, broadcast over the batch).  Each kernel is priced as a memory-bound kernel on
 the profile (``compute_time``, one launch), beside the fused ops it replaces priced the
 same way; the difference is added to the block's forward and backward (recompute
 included: with torchtitan's op-level SAC these kernels all re-run, none is on its save
@@ -142,11 +143,12 @@ def _leaf(*shape, dtype=torch.bfloat16):
 
 
 @lru_cache(maxsize=None)
-def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
+def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int,
+             batch: int = 1):
     # real CPU tensors with autograd on, whatever the caller's mode (no_grad, a default
     # device): the counts are of the eager code's own kernels
     with torch.inference_mode(False), torch.enable_grad():
-        return _measure_part(part, rows, h, heads, kv_heads, d)
+        return _measure_part(part, rows, h, heads, kv_heads, d, batch)
 
 
 def _fan_out(n1, n2, *w):
@@ -155,7 +157,9 @@ def _fan_out(n1, n2, *w):
     return tuple(n1 @ x for x in w[:3]) + tuple(n2 @ x for x in w[3:])
 
 
-def _measure_part(part, rows, h, heads, kv_heads, d):
+def _measure_part(part, rows, h, heads, kv_heads, d, batch=1):
+    if part != "pre_attention":            # (tokens, h): the batch is rows like others
+        rows, batch = rows * batch, 1
     if part == "norm":
         return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
     if part == "swiglu":                   # h: the MLP's width on the rank
@@ -171,12 +175,13 @@ def _measure_part(part, rows, h, heads, kv_heads, d):
     freqs = torch.polar(torch.ones(rows, d // 2, **f32),
                         torch.linspace(0, 1, rows * (d // 2), **f32).view(rows, d // 2))
     return _count(lambda q, k, v: _pre_attention(q, k, v, freqs, heads // kv_heads),
-                  (_leaf(1, rows, heads, d), _leaf(1, rows, kv_heads, d),
-                   _leaf(1, rows, kv_heads, d)))
+                  (_leaf(batch, rows, heads, d), _leaf(batch, rows, kv_heads, d),
+                   _leaf(batch, rows, kv_heads, d)))
 
 
 @lru_cache(maxsize=None)
-def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -> dict:
+def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int,
+            batch: int = 1) -> dict:
     """The eager kernels of ``part`` ("norm": ``RMSNorm`` over (tokens, h); "pre_attention":
     RoPE on q and k, ``repeat_kv`` on k and v, the transposes; "swiglu": silu and the
     product over (tokens, h), h the MLP's width; "input_grads": the backward's sums of
@@ -184,24 +189,30 @@ def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -
     ``tokens`` tokens of
     ``heads`` query and ``kv_heads`` key/value heads of dimension ``d`` on one rank:
     ``{"forward":
-    ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens and scaled
-    linearly (module docstring)."""
+    ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens per sequence of
+    ``batch`` sequences (``tokens`` of them in all: RoPE's ``freqs_cis``, one row per
+    position, is read once per position, broadcast over the batch) and scaled linearly
+    (module docstring)."""
     if part not in PARTS:
         raise ValueError(f"kernels: part={part!r}; use one of {list(PARTS)}")
     for name, v in (("tokens", tokens), ("h", h), ("heads", heads), ("kv_heads", kv_heads),
-                    ("d", d)):
+                    ("d", d), ("batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"kernels: {name}={v!r} must be an int >= 1")
+    if tokens % batch:
+        raise ValueError(f"kernels: tokens={tokens} must be batch={batch} sequences of "
+                         f"equal length; give a multiple of batch")
     if heads % kv_heads or d % 2:
         raise ValueError(f"kernels: heads={heads} must be a multiple of kv_heads={kv_heads} "
                          f"and d={d} even (RoPE pairs)")
-    a, b = (_measure(part, r, h, heads, kv_heads, d) for r in (8, 16))
+    s = tokens // batch
+    a, b = (_measure(part, r, h, heads, kv_heads, d, batch) for r in (8, 16))
     out = {}
     for i, phase in enumerate(("forward", "backward")):
         if [n for n, _ in a[i]] != [n for n, _ in b[i]]:
             raise RuntimeError(f"kernels: {part} {phase} ran other kernels at 8 and 16 "
                                f"tokens; cannot scale")
-        out[phase] = tuple((n, x + (y - x) * (tokens - 8) / 8)
+        out[phase] = tuple((n, x + (y - x) * (s - 8) / 8)
                            for (n, x), (_, y) in zip(a[i], b[i]))
     return out
 
@@ -264,7 +275,7 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
     e = 2
     fwd_ops = L.forward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False)
     bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none")
-    parts = [kernels("pre_attention", T, h, a // t, g // t, d),
+    parts = [kernels("pre_attention", T, h, a // t, g // t, d, b),
              kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d),
              kernels("input_grads", T, h, a // t, g // t, d)]
     replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad",
