@@ -167,7 +167,8 @@ OOM_ROWS = [_row("Llama 2 70B OOM", "llama2-70b", 4096, 64, 2, "op", None, "a100
 NOTE = ("torchtitan's FSDP2 rows without torch.compile or Float8 (module "
         "published_torchtitan: what is left out and why); H100 rows on profile "
         "h100-hbm2e (96 GB HBM2e, 2.4 TB/s, 500 W; the compute peak between NVL and SXM: "
-        "the midpoint ASSUMED, the range spans both), A100 rows on the a100 profile "
+        "the midpoint ASSUMED, the range spans both; SDPA's FlashAttention-2 at both ends, "
+        "as torch 1963fc83a1 ran it), A100 rows on the a100 profile "
         "(network ASSUMED); tokens per second per GPU as torchtitan logs them")
 
 
