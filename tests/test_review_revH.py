@@ -167,3 +167,23 @@ def test_rope_reads_freqs_once_per_position_not_per_token():
     assert bwd == pytest.approx(2 * 3 * (t // 2) * (d // 2) * 8)
     with pytest.raises(ValueError, match="multiple of batch"):
         E.kernels("pre_attention", 127, 256, 4, 2, d, batch=2)
+
+
+def test_dry_run_clock_agrees_with_the_planner_on_hbm2e_as_on_h100():
+    """An ordinary program on the simulated mesh (the dry run: the real GPT's DistTensor
+    ops on the clock) and the planner price h100-hbm2e alike: they agree there as
+    closely as on the h100 itself (measured 1.028 and 1.022).  Both read the scaled
+    rates through the same functions (``compute_time``, ``cross_entropy_times``), so
+    this guards a side that would price the sibling otherwise (a rate read from the
+    measured file without its scale: 8% on the GEMMs); that each scale is applied once
+    is tests/test_published_torchtitan.py's ``test_measured_rates_scale_by_...``."""
+    from workbench.models import get_config
+    from workbench.plan import Cluster, Layout, dry_run, estimate
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
+    lay = Layout(dp=1, tp=1, pp=1, global_batch=1)
+    ratio = {}
+    for name in ("h100", "h100-hbm2e"):
+        cl = Cluster(name, 1)
+        ratio[name] = dry_run(cfg, lay, cl).step_time / estimate(
+            cfg, lay.replace(framework="workbench"), cl, attention="flash").step_time
+    assert ratio["h100-hbm2e"] == pytest.approx(ratio["h100"], abs=0.015), ratio
