@@ -187,3 +187,11 @@ def test_dry_run_clock_agrees_with_the_planner_on_hbm2e_as_on_h100():
         ratio[name] = dry_run(cfg, lay, cl).step_time / estimate(
             cfg, lay.replace(framework="workbench"), cl, attention="flash").step_time
     assert ratio["h100-hbm2e"] == pytest.approx(ratio["h100"], abs=0.015), ratio
+
+
+def test_non_bf16_model_refused_naming_the_fix():
+    import workbench as wb
+    cfg = wb.plan.presets.get_config("llama3-8b", seq_len=1024, dtype="float32")
+    lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
+    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+        wb.plan.estimate(cfg, lay, wb.plan.Cluster("h100", 8), torchtitan_eager="rmsnorm")

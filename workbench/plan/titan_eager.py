@@ -259,7 +259,7 @@ def check(cfg, norm_type, lay=None) -> None:
     if cfg.dtype != "bfloat16":
         raise ValueError(f"torchtitan_eager={norm_type!r}: torchtitan trains in bf16 "
                          f"(MixedPrecisionPolicy param_dtype); the model's dtype is "
-                         f"{cfg.dtype!r}")
+                         f"{cfg.dtype!r}: give the model dtype='bfloat16'")
 
 
 def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
