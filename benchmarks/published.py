@@ -390,14 +390,16 @@ def predict(row) -> dict:
     ``model_tflops_per_device`` (MFU x peak), ``tokens_per_device`` (torchtitan's TPS/GPU);
     ``low`` / ``high``: the metric at the ends
     of ``wb.plan.estimate_range`` (the profile's uncertain figures at their stated
-    bounds: on the H100 the measured FlashAttention-2 .. cuDNN fused attention rates)."""
+    bounds: on the H100 the measured FlashAttention-2 .. cuDNN fused attention rates;
+    ``row["pinned"]``: figures the source pins, held at both ends, ``estimate_range``)."""
     cfg, lay, cl = build(row)
     rng = wb.plan.estimate_range(cfg, lay, cl,
                                  attention=row.get("attention", "materialized"),
                                  overlap_grad_reduce=row.get("overlap_grad_reduce", False),
                                  tp_comm_overlap=row.get("tp_comm_overlap", False),
                                  **row.get("megatron_args", {}),
-                                 **row.get("estimate_args", {}))
+                                 **row.get("estimate_args", {}),
+                                 pinned=row.get("pinned"))
     est = rng.estimate
     pred = _metric(row, est, cl, cfg)
     ends = [_metric(row, e, cl, cfg) for e in (rng.slow, rng.fast, est)]

@@ -27,8 +27,11 @@ its mirror (``git show <commit>:<path>``):
   of the same commits (``train_configs/llama_13b.toml`` / ``llama_70b.toml`` at
   eb6aa6389, ``llama3_8b.toml`` / ``llama3_70b.toml`` at 1ea476e9f): sequence 4096
   (Llama 2) and 8192 (Llama 3), ``compile = false``, 13B and Llama 3 8B with
-  ``fused_rmsnorm`` (a Triton kernel), the 70Bs with ``rmsnorm``; op-level SAC as at
-  9dec370ad2 (``parallelize_llama.py``'s ``no_recompute_list`` and "every second mm").
+  ``fused_rmsnorm`` (a Triton kernel), the 70Bs with ``rmsnorm`` (ASSUMED for the
+  tables' rows: those two configs describe 2D runs, ``tensor_parallel_degree = 8``,
+  local batch 16 / 8, full checkpointing, not the 1D rows; local batch and checkpointing
+  are the tables'); op-level SAC as at 9dec370ad2 (``parallelize_llama.py``'s
+  ``no_recompute_list`` and "every second mm").
   The network of those A100s is not stated: ASSUMED the ``a100`` profile's DGX A100
   (one 200 Gb/s HDR InfiniBand port per GPU).  eb6aa6389's table also reports the 70B at
   local batch 2 with selective op checkpointing "OOM" (``OOM_ROWS``).
@@ -52,13 +55,20 @@ What the comparison says (measured when this module was written; the band in
   block's element-wise kernels were priced as the fused operators run them (one pass per
   RMSNorm and RoPE), but torchtitan's ``RMSNorm`` (``norm_type = "rmsnorm"``) runs 8
   kernels and 36 bytes per element forward, 92 backward (one pass: 4 and 6), its RoPE
-  three fp32 kernels per tensor, and ``repeat_kv`` copies the keys and values to the query
-  heads: +11.7 ms per 8B block and micro-batch on h100-hbm2e (its 24 forward kernels re-run by the
-  op-level SAC), 0.37 s per step.  Priced so (``plan.titan_eager``): 1.085 .. 1.226, the
-  H100 rows 1.134 / 1.168 (range 1.065 .. 1.309: the published figures lie below it).
+  three fp32 kernels per tensor, ``repeat_kv`` copies the keys and values to the query
+  heads, SwiGLU's product backward is two kernels, and autograd sums the input gradients
+  of q, k, v and of w1, w3 (three adds the fused QKV and gate/up GEMMs do not run):
+  +12.5 ms per 8B block and micro-batch on h100-hbm2e (its 26 forward kernels re-run by
+  the op-level SAC), 0.40 s per step.  Priced so (``plan.titan_eager``): 1.081 .. 1.218,
+  the H100 rows 1.123 / 1.157 (range 1.055 .. 1.224, NVL .. SXM with the attention kernel
+  pinned at FlashAttention-2, which SDPA ran in torch 1963fc83a1: the published figures
+  lie below it; the h100 profile's cuDNN bound stretched it to 1.293 / 1.332).
   The measured 16% of torch.compile (5,762 -> 6,667 TPS/GPU, fusing those kernels) is
   of the same size: not used, it is compiled-row data.
-- Still optimistic everywhere, the A100 rows most (1.085 .. 1.226, the a100 profile
+- Memory (the tables' Memory(GiB), ``train.py``'s logged ``max_reserved_gib``, the
+  caching allocator's reserved peak): the planner's busiest rank 74.7 / 60.7 GiB against
+  82.4 / 67.0 (0.907 / 0.906; reserved holds more than what is allocated).
+- Still optimistic everywhere, the A100 rows most (1.081 .. 1.218, the a100 profile
   prices attention at FlashAttention-2's best 73% of peak and GEMMs at 0.827, no
   measurement of the A100 GEMMs at these shapes).  Unpriced and candidates, in order:
   the 500 W limit of the H100 rows against the measured card's 700 W (the peak's range
@@ -103,25 +113,37 @@ _FSDP = ("torchtitan's FSDP2 (fully_shard per block, bf16 params, fp32 reduce), 
 _H100_ASSUME = (f"{_FSDP}; sequence 8192 and op-level SAC from llama3_8b.toml (9dec370ad2); "
                 f"norm_type rmsnorm (eager); profile h100-hbm2e: peak between NVL and SXM "
                 f"(the midpoint ASSUMED, both ends in the range)")
-_A100_ASSUME = (f"{_FSDP}; sequence and checkpointing from the configs of the doc's commit; "
+_A100_ASSUME = (f"{_FSDP}; local batch and checkpointing from the doc's table, sequence and "
+                f"norm_type from the configs of its commit (the 70Bs' configs are 2D runs': "
+                f"their norm_type ASSUMED for the 1D rows); "
                 f"the A100 cluster's network ASSUMED as the a100 profile's DGX A100 (one "
                 f"200 Gb/s HDR port per GPU)")
 
 
+# torch 1963fc83a1 (2024-12-23, the H100 runs' own): SDPA's priority puts FlashAttention-2
+# first on the H100 (cuDNN opt-in since pytorch/pytorch#138522, 2024-10, until 2.9;
+# plan.fsdp2_cost), so the range's fast end keeps it rather than the h100 profile's
+# cuDNN bound, which that release did not run
+_SDPA_PINNED = {"measured.attention_backend": "flash"}
+
+
 def _row(name, preset, seq, devices, mbs, recompute, tps, profile, cite, assume,
-         mfu=None, norm=None):
-    return dict(source="torchtitan", name=name, preset=preset, profile=profile,
+         mfu=None, norm=None, memory_gib=None):
+    pinned = _SDPA_PINNED if profile == "h100-hbm2e" else None
+    return dict(source="torchtitan", name=name, preset=preset, profile=profile, pinned=pinned,
                 devices=devices, model=dict(seq_len=seq),
                 layout=dict(dp=devices, zero=3, recompute=recompute, micro_batch=mbs,
                             global_batch=mbs * devices, framework="fsdp"),
                 attention="flash", estimate_args=dict(torchtitan_eager=norm),
                 metric="tokens_per_device", published=tps,
                 published_hfu=None, published_mfu=mfu, norm_type=norm, cite=cite,
+                published_memory_gib=memory_gib,
                 assume=assume + (f"; norm_type {norm}" if norm else ""))
 
 
-# benchmarks/llama3_h100_202412_torchtitan.md: table, GPUs, local batch, TPS/GPU
-H100_ROWS = [("Table 1", 8, 2, 5762.0), ("Table 3", 128, 2, 5605.0)]
+# benchmarks/llama3_h100_202412_torchtitan.md: table, GPUs, local batch, TPS/GPU, and its
+# Memory(GiB) column (train.py's logged max_reserved_gib, the caching allocator's peak)
+H100_ROWS = [("Table 1", 8, 2, 5762.0, 82.4), ("Table 3", 128, 2, 5605.0, 67.0)]
 # docs/performance.md (eb6aa6389 / 1ea476e9f): name, preset, sequence, local batch,
 # recompute, WPS, MFU %, the config's norm_type
 A100_ROWS = [("Llama 3 8B", "llama3-8b", 8192, 1, "op", 2973.0, 58.2, "fused_rmsnorm"),
@@ -132,8 +154,8 @@ A100_ROWS = [("Llama 3 8B", "llama3-8b", 8192, 1, "op", 2973.0, 58.2, "fused_rms
              ("Llama 2 70B", "llama2-70b", 4096, 2, "full", 353.0, 50.5, "rmsnorm")]
 
 ROWS = [_row("Llama 3.1 8B", "llama3-8b", 8192, gpus, mbs, "op", tps, "h100-hbm2e", CITE,
-             f"{table}; {_H100_ASSUME}", norm="rmsnorm")
-        for table, gpus, mbs, tps in H100_ROWS] + [
+             f"{table}; {_H100_ASSUME}", norm="rmsnorm", memory_gib=mem)
+        for table, gpus, mbs, tps, mem in H100_ROWS] + [
     _row(name, preset, seq, 64, mbs, rc, tps, "a100", CITE, _A100_ASSUME, mfu, norm)
     for name, preset, seq, mbs, rc, tps, mfu, norm in A100_ROWS]
 
@@ -145,7 +167,8 @@ OOM_ROWS = [_row("Llama 2 70B OOM", "llama2-70b", 4096, 64, 2, "op", None, "a100
 NOTE = ("torchtitan's FSDP2 rows without torch.compile or Float8 (module "
         "published_torchtitan: what is left out and why); H100 rows on profile "
         "h100-hbm2e (96 GB HBM2e, 2.4 TB/s, 500 W; the compute peak between NVL and SXM: "
-        "the midpoint ASSUMED, the range spans both), A100 rows on the a100 profile "
+        "the midpoint ASSUMED, the range spans both; SDPA's FlashAttention-2 at both ends, "
+        "as torch 1963fc83a1 ran it), A100 rows on the a100 profile "
         "(network ASSUMED); tokens per second per GPU as torchtitan logs them")
 
 

@@ -26,7 +26,7 @@ robust properties only, never a fit.
   the prequel's rows at its shape, NCCL over Omni-Path at the cluster's measured
   efficiency) 0.765 .. 0.935, band 0.50 .. 1.20; torchtitan's FSDP2 rows
   (``published_torchtitan``: eager, H100 on profile h100-hbm2e at its peak's midpoint,
-  A100 on the a100 profile) 1.144 .. 1.375 (1.085 .. 1.226 since their Llama block runs
+  A100 on the a100 profile) 1.144 .. 1.375 (1.081 .. 1.218 since their Llama block runs
   torchtitan's eager kernels, plan.titan_eager), band 0.85 .. 1.50: each the measured
   spread widened by about 0.25 either side.
   It catches a clock

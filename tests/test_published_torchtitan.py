@@ -3,8 +3,10 @@ profile of their H100 (``h100-hbm2e``) held to their cited figures.
 
 REGRESSION GUARD, NOT A TARGET: the ratios' band in ``tests/test_published.py``
 (``BANDS["torchtitan"]``, 0.85 .. 1.50) is the spread measured when torchtitan's eager
-kernels were priced (``plan.titan_eager``: 1.085 .. 1.226; the H100 rows 1.134 / 1.168 on
-the midpoint peak, range 1.065 .. 1.309; before, on the fused Llama block, 1.144 .. 1.375)
+kernels were priced (``plan.titan_eager``: 1.081 .. 1.218; the H100 rows 1.123 / 1.157 on
+the midpoint peak, range 1.055 .. 1.224 with SDPA's FlashAttention-2 pinned at both ends;
+first priced without SwiGLU's product backward and autograd's input-gradient sums, 1.085 ..
+1.226; before, on the fused Llama block, 1.144 .. 1.375)
 widened by about 0.25 either side; never tune the planner toward it.
 """
 import importlib.util
@@ -134,10 +136,12 @@ def test_row_predicts_and_fits(results, rid):
 
 
 def test_h100_rows_range_from_the_peak_bounds(results):
-    """On h100-hbm2e the prediction is a range (NVL .. SXM); on the a100 it is a point."""
+    """On h100-hbm2e the prediction is a range (NVL .. SXM, the attention kernel pinned at
+    the release's FlashAttention-2): wide, but at most the peaks' ratio (the compute
+    scales by it, the rest not at all); on the a100 it is a point."""
     for rid, r in results.items():
         if r["row"]["profile"] == "h100-hbm2e":
-            assert r["high"] / r["low"] > 1.15, rid
+            assert 1.08 < r["high"] / r["low"] < SXM / NVL, rid
         else:
             assert r["high"] == pytest.approx(r["low"]), rid
 
@@ -175,6 +179,6 @@ def test_h100_mfu_sentence_agrees_with_tps():
     cfg = wb.plan.presets.get_config("llama3-8b", seq_len=8192)
     n = param_count(cfg).module - cfg.vocab_size * cfg.d_model
     per_token = 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * 8192
-    eager = [tps for _, _, _, tps in T.H100_ROWS]
+    eager = [tps for _, _, _, tps, _ in T.H100_ROWS]
     mfu = [100 * per_token * t / SXM for t in eager + [6667.0, 6514.0]]
     assert round(min(mfu)) == 33 and round(max(mfu)) == 39

@@ -60,22 +60,30 @@ def _cfg(**kw):
 
 
 def test_extra_is_eager_minus_the_fused_ops_it_replaces():
-    """fused_rmsnorm with one micro-batch, op-level SAC: forward extra = the eager RoPE
-    and repeat_kv kernels' seconds - the fused block's two RoPE ops' seconds; backward =
-    their backward less the fused RoPE gradients, plus the forward again (recompute)."""
+    """fused_rmsnorm with one micro-batch, op-level SAC: forward extra = the eager RoPE,
+    repeat_kv and SwiGLU kernels' seconds - the fused block's two RoPE ops' and SwiGLU's
+    seconds; backward = their backward (with autograd's input-gradient sums) less the
+    fused RoPE and SwiGLU gradients, plus the forward again (recompute)."""
     cfg = _cfg()
     lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
     x = E.extra_seconds(cfg, lay, H100, "fused_rmsnorm")
-    t = 2048
-    k = E.kernels("pre_attention", t, 4096, 32, 8, 128)
-    eager_f = sum(compute_time(0, b, H100, "float32", "elementwise", 1) for _, b in k["forward"])
-    eager_b = sum(compute_time(0, b, H100, "float32", "elementwise", 1) for _, b in k["backward"])
+    t, f = 2048, cfg.d_ff
+    ks = [E.kernels("pre_attention", t, 4096, 32, 8, 128),
+          E.kernels("swiglu", t, f, 32, 8, 128), E.kernels("input_grads", t, 4096, 32, 8, 128)]
+    eager_f = sum(compute_time(0, b, H100, "float32", "elementwise", 1)
+                  for k in ks for _, b in k["forward"])
+    eager_b = sum(compute_time(0, b, H100, "float32", "elementwise", 1)
+                  for k in ks for _, b in k["backward"])
     # the fused block's RoPE (plan.llama_layer): read + write e bytes, + cos/sin 2 e s d
     def rope(w, back):
         return compute_time(3 * t * w, 2 * 2 * t * w + (4 if back else 2) * 2 * t * 128,
                             H100, "bfloat16", "elementwise", 1)
-    fused_f = rope(4096, False) + rope(1024, False)
-    fused_b = rope(4096, True) + rope(1024, True)
+
+    def ew(flops, nbytes):       # the fused block's silu / product (plan.llama_layer)
+        return compute_time(flops * t * f, nbytes * 2 * t * f, H100, "bfloat16",
+                            "elementwise", 1)
+    fused_f = rope(4096, False) + rope(1024, False) + ew(4, 2) + ew(1, 3)
+    fused_b = rope(4096, True) + rope(1024, True) + ew(8, 3) + ew(2, 5)
     assert x["forward"] == pytest.approx(eager_f - fused_f, rel=1e-9)
     assert x["backward"] == pytest.approx(eager_b - fused_b + x["forward"], rel=1e-9)
     assert x["forward"] > 0

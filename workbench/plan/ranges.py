@@ -15,7 +15,9 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
   value" (torchtitan, benchmarks/llama3_h100_202412_torchtitan.md): the measured SXM
   card's GEMM and attention rates at the NVL's 835 / 989 of them (slow end) .. the SXM's
-  own (fast end), the profile's point the midpoint; the attention kernels as on ``h100``.
+  own (fast end), the profile's point the midpoint; its other peaks (fp32, fp64, tf32,
+  FP8: the SXM's x the same ratio, one clock ASSUMED) move with it; the attention kernels
+  as on ``h100``.
 - ``a100`` ``kernel_bandwidth.*``: Megatron's unfused attention core and dropout,
   measured on the A100 40GB (1,555 GB/s) and scaled to the 80GB part's 2,039 GB/s as the
   ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
@@ -80,10 +82,16 @@ BOUNDS["a100-jeanzay"] = BOUNDS["a100"] + BOUNDS["a100-jeanzay"]   # the same GP
 _TT_PEAK = ("the H100 NVL's .. the H100 SXM's dense BF16 peak (835 .. 989 TFLOP/s, NVIDIA's "
             "H100 page as torchtitan's get_peak_flops encodes it), the bounds torchtitan's "
             "benchmark text puts on its card's peak; the measured SXM rates scaled alike")
+_TT_CLOCK = ("the profile's other peaks are the h100 (SXM) profile's x the bf16 peak's ratio "
+             "(ASSUMPTION: one clock scales every unit): at the NVL's 835 / 989 of them .. "
+             "the SXM's own (the H100 datasheet), with the bf16 peak")
 BOUNDS["h100-hbm2e"] = BOUNDS["h100"] + tuple(
     (f, 835e12 / 989e12 * x, x, "value", _TT_PEAK)
     for f, x in (("measured.compute_scale", 1.0), ("peak_flops.bfloat16", 989e12),
-                 ("peak_flops.float16", 989e12)))
+                 ("peak_flops.float16", 989e12))) + tuple(
+    (f, 835e12 / 989e12 * x, x, "value", _TT_CLOCK)      # the h100 profile's SXM figures
+    for f, x in (("peak_flops.float32", 67e12), ("peak_flops.float64", 67e12),
+                 ("peak_flops.tf32", 494.5e12), ("peak_flops.float8", 1979e12)))
 
 
 def _get(d: dict, path: str):
@@ -99,18 +107,40 @@ def _set(d: dict, path: str, value) -> None:
     d[last] = value
 
 
+def _check_pinned(profile: Profile, pinned) -> dict:
+    """``pinned`` as a dict: bounded fields of ``profile`` (``BOUNDS``) held at a value."""
+    try:
+        pins = dict(pinned or ())
+    except (TypeError, ValueError):
+        raise ValueError(f"pinned={pinned!r}: give a dict {{field: value}} of bounded "
+                         f"figures, e.g. {{'measured.attention_backend': 'flash'}}, or None")
+    named = {f for f, *_ in BOUNDS.get(profile.name, ())}
+    for f in pins:
+        if f not in named:
+            raise ValueError(f"pinned={dict(pins)!r}: {f!r} is not a bounded figure of "
+                             f"profile {profile.name!r} (its bounds: {sorted(named)}); pin "
+                             f"only those, or give pinned=None")
+    return pins
+
+
 @lru_cache(maxsize=None)
-def profile_at(profile: Profile, end: str) -> Profile:
+def profile_at(profile: Profile, end: str, pinned: tuple = ()) -> Profile:
     """``profile`` with every bounded figure (``BOUNDS``) at its ``end``, "slow" or
-    "fast" (the profile itself where it has no bounds)."""
+    "fast" (the profile itself where it has no bounds); ``pinned``: ((field, value),
+    ...), bounded figures held at that value at both ends (what a run is known to have
+    used, e.g. the attention kernel of a pinned PyTorch release)."""
     if end not in ("slow", "fast"):
         raise ValueError(f"profile_at: end={end!r}; use 'slow' or 'fast'")
+    pins = _check_pinned(profile, pinned)
     bounds = BOUNDS.get(profile.name, ())
     if not bounds:
         return profile
     data = profile.to_dict()
     for field, slow, fast, kind, _ in bounds:
         x = slow if end == "slow" else fast
+        if field in pins:
+            _set(data, field, pins[field])
+            continue
         _set(data, field, x if kind == "value" else _get(data, field) * x)
     data["name"] = f"{profile.name} ({end} end)"
     return Profile.from_dict(data)
@@ -173,20 +203,27 @@ class EstimateRange:
         return "\n".join(lines)
 
 
-def estimate_range(model, layout, cluster, **kwargs) -> EstimateRange:
-    """``estimate(model, layout, cluster, **kwargs)`` with its range (module docstring)."""
+def estimate_range(model, layout, cluster, pinned: "dict | None" = None,
+                   **kwargs) -> EstimateRange:
+    """``estimate(model, layout, cluster, **kwargs)`` with its range (module docstring).
+    ``pinned``: {field: value} of bounded figures a run is known to have used, held at
+    that value at both ends and not varied (e.g. ``{"measured.attention_backend":
+    "flash"}`` for an FSDP run on a PyTorch release whose SDPA ran FlashAttention-2):
+    pin the value the point estimate prices (for ``framework="fsdp"`` the attention
+    kernel is SDPA's, ``plan.fsdp2_cost.sdpa_profile``), or the range may not hold it."""
     from .estimate import estimate
     from .layout import Cluster
     prof = get_profile(cluster.profile)
+    pins = _check_pinned(prof, pinned)
     point = estimate(model, layout, cluster, **kwargs)
-    ends = {end: estimate(model, layout, Cluster(profile_at(prof, end), cluster.devices),
-                          **kwargs) for end in ("slow", "fast")}
-    bounds = BOUNDS.get(prof.name, ())
+    ends = {end: estimate(model, layout, Cluster(profile_at(prof, end, tuple(
+        sorted(pins.items()))), cluster.devices), **kwargs) for end in ("slow", "fast")}
+    bounds = tuple(b for b in BOUNDS.get(prof.name, ()) if b[0] not in pins)
     by_why = {}
     for f, s, q, k, why in bounds:     # one line per source, its fields together
         by_why.setdefault(why, []).append(f"{f} {_fmt(prof, f, s, k)} .. {_fmt(prof, f, q, k)}")
     varied = tuple(f"{', '.join(fs)} ({why})" for why, fs in by_why.items())
-    named = {f for f, *_ in bounds}
+    named = {f for f, *_ in bounds} | set(pins)      # pinned: known, not a guess
     unbounded = tuple(sorted(k for k, v in prof.citations.items()
                              if ("ASSUMPTION" in v or "UNCERTAIN" in v) and k not in named))
     return EstimateRange(point, ends["slow"], ends["fast"], varied, unbounded)

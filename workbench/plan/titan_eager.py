@@ -22,6 +22,13 @@ code at 9dec370ad2 (pytorch/torchtitan, ``torchtitan/models/llama/model.py`` and
   values expanded and reshaped to the query heads, a copy of n_rep x their size
   (``expand(...).reshape(...)`` of a non-contiguous expand), summed back in the
   backward; not priced by the fused block;
+- ``FeedForward``: ``self.w2(F.silu(self.w1(x)) * self.w3(x))``: silu and the product
+  forward as the fused block prices them, but the product's backward is two kernels
+  (``mul`` by each factor, the gradient read twice) where the fused block prices one;
+- autograd's sums of input gradients: q, k and v are three ``nn.Linear`` on one input,
+  w1 and w3 two on another, so the backward adds their input gradients (two and one
+  ``add`` over (tokens, h)), where the fused block (Megatron's fused QKV and gate/up
+  GEMMs) has one input-gradient GEMM each: not priced by it;
 - not a kernel: the transposes around ``F.scaled_dot_product_attention`` (its flash
   kernel takes and returns (batch, sequence, heads, dim) in memory, the (b, heads, s, d)
   tensors being transposed views: ``output.transpose(1, 2).contiguous()`` copies
@@ -31,8 +38,9 @@ What each of these reads and writes is not estimated by hand: :func:`kernels` ru
 same eager code on small CPU tensors under a dispatch mode and records every aten kernel
 (views excluded) and the bytes it reads (each input's storage, at most its size) and
 writes, forward and backward (the autograd formulas, ``derivatives.yaml``, are the same
-on every device), then scales them linearly with the tokens (two sizes measured: the
-bytes are a + c x tokens exactly).  Each kernel is priced as a memory-bound kernel on
+on every device), then scales them linearly with the sequence length at the
+micro-batch's batch (two lengths measured: the bytes are a + c x length exactly; RoPE's
+``freqs_cis`` is per position, broadcast over the batch).  Each kernel is priced as a memory-bound kernel on
 the profile (``compute_time``, one launch), beside the fused ops it replaces priced the
 same way; the difference is added to the block's forward and backward (recompute
 included: with torchtitan's op-level SAC these kernels all re-run, none is on its save
@@ -55,6 +63,7 @@ from ..sim_mesh.cost import compute_time
 __all__ = ["NORM_TYPES", "kernels", "extra_seconds", "check", "assumption"]
 
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm")
+PARTS = ("norm", "pre_attention", "swiglu", "input_grads")
 
 
 def _storage(t):
@@ -129,51 +138,81 @@ def _count(fn, inputs):
 def _leaf(*shape, dtype=torch.bfloat16):
     # values do not matter (bytes are sizes); a private generator leaves torch's RNG alone
     g = torch.Generator().manual_seed(0)
-    return torch.randn(*shape, generator=g, device="cpu").to(dtype).requires_grad_(True)
+    x = torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
+    return x.to(dtype).requires_grad_(True)
 
 
 @lru_cache(maxsize=None)
-def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int):
+def _measure(part: str, rows: int, h: int, heads: int, kv_heads: int, d: int,
+             batch: int = 1):
     # real CPU tensors with autograd on, whatever the caller's mode (no_grad, a default
     # device): the counts are of the eager code's own kernels
     with torch.inference_mode(False), torch.enable_grad():
-        return _measure_part(part, rows, h, heads, kv_heads, d)
+        return _measure_part(part, rows, h, heads, kv_heads, d, batch)
 
 
-def _measure_part(part, rows, h, heads, kv_heads, d):
+def _fan_out(n1, n2, *w):
+    # q, k, v (w[:3]) on one input, w1, w3 (w[3:]) on another: autograd sums the input
+    # gradients of each group (GEMMs thin: theirs are priced by the fused block)
+    return tuple(n1 @ x for x in w[:3]) + tuple(n2 @ x for x in w[3:])
+
+
+def _measure_part(part, rows, h, heads, kv_heads, d, batch=1):
+    if part != "pre_attention":            # (tokens, h): the batch is rows like others
+        rows, batch = rows * batch, 1
     if part == "norm":
         return _count(_rms_norm, (_leaf(rows, h), _leaf(h)))
-    freqs = torch.polar(torch.ones(rows, d // 2, device="cpu"),
-                        torch.linspace(0, 1, rows * (d // 2), device="cpu").view(rows, d // 2))
+    if part == "swiglu":                   # h: the MLP's width on the rank
+        return _count(lambda a, b: torch.nn.functional.silu(a) * b,
+                      (_leaf(rows, h), _leaf(rows, h)))
+    if part == "input_grads":
+        f, b = _count(_fan_out, (_leaf(rows, h), _leaf(rows, h),
+                                 *(_leaf(h, 1) for _ in range(5))))
+        return (tuple(o for o in f if o[0] != "mm"), tuple(o for o in b if o[0] != "mm"))
+    # complex64 as torchtitan's freqs_cis, whatever torch's default dtype (float64 would
+    # give complex128 and promote RoPE's products)
+    f32 = dict(dtype=torch.float32, device="cpu")
+    freqs = torch.polar(torch.ones(rows, d // 2, **f32),
+                        torch.linspace(0, 1, rows * (d // 2), **f32).view(rows, d // 2))
     return _count(lambda q, k, v: _pre_attention(q, k, v, freqs, heads // kv_heads),
-                  (_leaf(1, rows, heads, d), _leaf(1, rows, kv_heads, d),
-                   _leaf(1, rows, kv_heads, d)))
+                  (_leaf(batch, rows, heads, d), _leaf(batch, rows, kv_heads, d),
+                   _leaf(batch, rows, kv_heads, d)))
 
 
 @lru_cache(maxsize=None)
-def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int) -> dict:
+def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int,
+            batch: int = 1) -> dict:
     """The eager kernels of ``part`` ("norm": ``RMSNorm`` over (tokens, h); "pre_attention":
-    RoPE on q and k, ``repeat_kv`` on k and v, the transposes), for ``tokens`` tokens of
+    RoPE on q and k, ``repeat_kv`` on k and v, the transposes; "swiglu": silu and the
+    product over (tokens, h), h the MLP's width; "input_grads": the backward's sums of
+    q, k, v's and w1, w3's input gradients over (tokens, h), GEMMs left out), for
+    ``tokens`` tokens of
     ``heads`` query and ``kv_heads`` key/value heads of dimension ``d`` on one rank:
     ``{"forward":
-    ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens and scaled
-    linearly (module docstring)."""
-    if part not in ("norm", "pre_attention"):
-        raise ValueError(f"kernels: part={part!r}; use 'norm' or 'pre_attention'")
+    ((name, bytes), ...), "backward": ...}``, measured at 8 and 16 tokens per sequence of
+    ``batch`` sequences (``tokens`` of them in all: RoPE's ``freqs_cis``, one row per
+    position, is read once per position, broadcast over the batch) and scaled linearly
+    (module docstring)."""
+    if part not in PARTS:
+        raise ValueError(f"kernels: part={part!r}; use one of {list(PARTS)}")
     for name, v in (("tokens", tokens), ("h", h), ("heads", heads), ("kv_heads", kv_heads),
-                    ("d", d)):
+                    ("d", d), ("batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"kernels: {name}={v!r} must be an int >= 1")
+    if tokens % batch:
+        raise ValueError(f"kernels: tokens={tokens} must be batch={batch} sequences of "
+                         f"equal length; give a multiple of batch")
     if heads % kv_heads or d % 2:
         raise ValueError(f"kernels: heads={heads} must be a multiple of kv_heads={kv_heads} "
                          f"and d={d} even (RoPE pairs)")
-    a, b = (_measure(part, r, h, heads, kv_heads, d) for r in (8, 16))
+    s = tokens // batch
+    a, b = (_measure(part, r, h, heads, kv_heads, d, batch) for r in (8, 16))
     out = {}
     for i, phase in enumerate(("forward", "backward")):
         if [n for n, _ in a[i]] != [n for n, _ in b[i]]:
             raise RuntimeError(f"kernels: {part} {phase} ran other kernels at 8 and 16 "
                                f"tokens; cannot scale")
-        out[phase] = tuple((n, x + (y - x) * (tokens - 8) / 8)
+        out[phase] = tuple((n, x + (y - x) * (s - 8) / 8)
                            for (n, x), (_, y) in zip(a[i], b[i]))
     return out
 
@@ -220,7 +259,7 @@ def check(cfg, norm_type, lay=None) -> None:
     if cfg.dtype != "bfloat16":
         raise ValueError(f"torchtitan_eager={norm_type!r}: torchtitan trains in bf16 "
                          f"(MixedPrecisionPolicy param_dtype); the model's dtype is "
-                         f"{cfg.dtype!r}")
+                         f"{cfg.dtype!r}: give the model dtype='bfloat16'")
 
 
 def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
@@ -236,8 +275,11 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
     e = 2
     fwd_ops = L.forward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False)
     bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none")
-    parts = [kernels("pre_attention", T, h, a // t, g // t, d)]
-    replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad"}
+    parts = [kernels("pre_attention", T, h, a // t, g // t, d, b),
+             kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d),
+             kernels("input_grads", T, h, a // t, g // t, d)]
+    replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad",
+                "silu", "swiglu_mul", "silu_grad", "swiglu_mul_grad"}
     if norm_type == "rmsnorm":
         parts += [kernels("norm", Tn, h, a // t, g // t, d)] * 2
         replaced |= {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
@@ -258,6 +300,8 @@ def assumption(norm_type: str, extra: dict, layers: int) -> str:
         if norm_type == "rmsnorm" else ""
     return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
             f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex, "
-            f"repeat_kv copies) counted from the eager code's aten ops, priced memory-bound "
+            f"repeat_kv copies, silu and the product; backward: the product's two "
+            f"gradients, autograd's sums of q, k, v's and w1, w3's input gradients) "
+            f"counted from the eager code's aten ops, priced memory-bound "
             f"(one kernel per op ASSUMED): +{ms:.1f} ms per block and micro-batch (with "
             f"backward and recompute) x {layers} blocks")
