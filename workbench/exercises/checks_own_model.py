@@ -53,7 +53,7 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     got = _number("answer", answer)
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
-    seen, want, every, unique, trainable = set(), 0, 0, 0, []
+    seen, want, every, unique, trainable, frozen = set(), 0, 0, 0, [], []
     for name, p in model.named_parameters(remove_duplicate=False):
         every += 4 * p.numel()                      # tied weights counted each time they appear
         if id(p) in seen:
@@ -63,6 +63,8 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
         if p.requires_grad:
             want += 4 * p.numel()
             trainable.append((name, 4 * p.numel()))
+        else:
+            frozen.append(name)
     if got == want:
         _ok(f"{want:,} B of fp32 gradients all-reduced per step (every distinct parameter "
             "that requires a gradient, once)")
@@ -70,9 +72,11 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     tied_twice = every - (unique - want)             # tied counted twice, frozen left out
     shown = f"{got:,.0f}" if got == int(got) else f"{got:.4g}"
     raise CheckError(f"your answer is {shown} B; " + _hint(got, want, [
-        (unique, "that counts the frozen parameter too: it has no gradient, DDP skips it"),
-        (every, "that counts the tied weight twice (and the frozen one): a tied weight is "
-                "one parameter, reduced once"),
+        (unique, f"that counts the frozen {', '.join(frozen)} too: "
+                 + ("it has no gradient, DDP skips it" if len(frozen) == 1 else
+                    "they have no gradient, DDP skips them")),
+        (every, f"that counts the tied weight twice (and the frozen {', '.join(frozen)}): a "
+                "tied weight is one parameter, reduced once"),
         (tied_twice, "that counts the tied weight twice: a tied weight is one parameter, "
                      "reduced once"),
         (want / 4, "that is the number of values: each fp32 gradient value is 4 bytes"),
