@@ -97,6 +97,10 @@ def test_like_one_device_tells_an_unseeded_model_to_seed():
 
 @pytest.mark.parametrize("wrong,msg", [(4 * RIGHT, "sum over the 4 ranks"),
                                        (1.5 * RIGHT, "ring all-reduce SENDS"),
+                                       (2 * RIGHT, "twice the gradients"),
+                                       # the rebuild's broadcasts notebook 13 prints: the
+                                       # 3 trainable indices and the count, one length
+                                       (RIGHT + 4 * 4 + 4, "rebuild's two broadcasts"),
                                        (RIGHT / 1e3, "1,000 times too small: a unit slip")])
 def test_ddp_bytes_names_ranks_ring_and_unit_slips(wrong, msg):
     wb.exercises.reset_tries()
@@ -162,3 +166,18 @@ def test_like_one_device_passes_on_a_wrappers_refusal_in_one_line():
                                          "NotImplementedError: .*SyncBatchNorm") as err:
         wb.exercises.check_like_one_device(Normed)
     assert "the check calls" not in str(err.value)
+
+
+def test_like_one_device_wraps_a_model_with_an_unused_parameter_as_torch_ddp_needs(capsys):
+    """A trainable parameter forward never uses: torch's DDP raises at the second step
+    unless find_unused_parameters=True, so the check passes it and says so."""
+    class Spare(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.spare = nn.Parameter(torch.zeros(5))
+    wb.exercises.check_like_one_device(Spare)
+    out = capsys.readouterr().out
+    assert "Correct: Spare" in out and "unused ['spare']" in out
+    assert "find_unused_parameters=True" in out
+    wb.exercises.check_like_one_device(Tiny)             # nothing unused: nothing said
+    assert "unused" not in capsys.readouterr().out

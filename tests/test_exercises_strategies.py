@@ -44,6 +44,9 @@ def test_bucket_sizes(capsys):
     fails("never splits a gradient", ex.check_bucket_sizes,
           [2 * 2**20, 2 * 2**20, sum(BUCKETS) - 4 * 2**20])
     fails("one bucket would hold all", ex.check_bucket_sizes, [sum(BUCKETS)])
+    # torch DDP's default rebuilt buckets (1 MiB, then 25 MiB), which notebook 05 prints
+    fails("PyTorch DDP's default buckets.*bucket_cap_mb=2", ex.check_bucket_sizes,
+          [B3 + W3, B2 + W2 + B1 + W1])
     fails("list of bucket sizes", ex.check_bucket_sizes, 2)
     fails("list of bucket sizes", ex.check_bucket_sizes, [5248000.0, 1052672.0])
 
@@ -75,6 +78,10 @@ def test_zero_max_params(capsys):
           PSI[:2] + [m / (4 + 14 / 64)] + PSI[3:])
     fails("stage 3 limit.*still counted them whole", ex.check_zero_max_params,
           PSI[:3] + [m / (2 + 16 / 64)])
+    fails("stage 0 limit.*fp32 weight alone", ex.check_zero_max_params, [m / 4] + PSI[1:])
+    fails("stage 0 limit.*an A100's memory", ex.check_zero_max_params, [80e9 / 16] + PSI[1:])
+    fails("stage 1 limit.*too high.*4 \\+ 12 / N_d", ex.check_zero_max_params,
+          [PSI[0], m / (2 + 12 / 64)] + PSI[2:])
     fails("one per ZeRO stage", ex.check_zero_max_params, PSI[:3])
     fails("list of 4 numbers", ex.check_zero_max_params, 5)
     fails("should be a number", ex.check_zero_max_params, PSI[:3] + ["big"])

@@ -53,7 +53,7 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     got = _number("answer", answer)
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
-    seen, want, every, unique, trainable = set(), 0, 0, 0, []
+    seen, want, every, unique, trainable, frozen = set(), 0, 0, 0, [], []
     for name, p in model.named_parameters(remove_duplicate=False):
         every += 4 * p.numel()                      # tied weights counted each time they appear
         if id(p) in seen:
@@ -63,6 +63,8 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
         if p.requires_grad:
             want += 4 * p.numel()
             trainable.append((name, 4 * p.numel()))
+        else:
+            frozen.append(name)
     if got == want:
         _ok(f"{want:,} B of fp32 gradients all-reduced per step (every distinct parameter "
             "that requires a gradient, once)")
@@ -70,13 +72,21 @@ def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context
     tied_twice = every - (unique - want)             # tied counted twice, frozen left out
     shown = f"{got:,.0f}" if got == int(got) else f"{got:.4g}"
     raise CheckError(f"your answer is {shown} B; " + _hint(got, want, [
-        (unique, "that counts the frozen parameter too: it has no gradient, DDP skips it"),
-        (every, "that counts the tied weight twice (and the frozen one): a tied weight is "
-                "one parameter, reduced once"),
+        (unique, f"that counts the frozen {', '.join(frozen)} too: "
+                 + ("it has no gradient, DDP skips it" if len(frozen) == 1 else
+                    "they have no gradient, DDP skips them")),
+        (every, f"that counts the tied weight twice (and the frozen {', '.join(frozen)}): a "
+                "tied weight is one parameter, reduced once"),
         (tied_twice, "that counts the tied weight twice: a tied weight is one parameter, "
                      "reduced once"),
         (want / 4, "that is the number of values: each fp32 gradient value is 4 bytes"),
         (want / 2, "the gradients are fp32: 4 bytes per value, not 2"),
+        (2 * want, "that is twice the gradients: each gradient travels once, in one "
+                   "all-reduce buffer (that the all-reduce runs as a reduce-scatter and an "
+                   "all-gather does not change its buffer)"),
+        *((want + 4 * (len(trainable) + 1) + 4 * nb,
+           "that adds the bucket rebuild's two broadcasts (int32 bucket indices, once, "
+           "before step 2): they carry no gradient") for nb in range(1, len(trainable) + 1)),
         (ranks * want, f"that is the sum over the {ranks} ranks: every rank all-reduces a "
                        "buffer of the same size; count one"),
         (2 * (ranks - 1) / ranks * want,
@@ -108,12 +118,19 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
         if not frozen:
             raise CheckError("give your model a frozen parameter (requires_grad=False)")
         batches = [_ids(vocab, 2 * ranks, context, s) for s in range(steps)]
-        results = {}
+        results, unused = {}, []
         for kind in ("one device", "DDP", "FSDP"):
             m = make_model()
             mesh = Mesh.grid(ranks, ["dp"])
-            w = m if kind == "one device" else (DistributedDataParallel if kind == "DDP"
-                                               else FullyShardedDataParallel)(m, mesh)
+            # torch's DDP raises at the second step for a parameter that got no gradient
+            # unless find_unused_parameters=True (Reducer::ensure_prior_reduction_finished):
+            # pass it, as a torchrun script must, when one device left one without a gradient
+            if kind == "one device":
+                w = m
+            elif kind == "DDP":
+                w = DistributedDataParallel(m, mesh, find_unused_parameters=bool(unused))
+            else:
+                w = FullyShardedDataParallel(m, mesh)
             opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
             for ids in batches:
                 opt.zero_grad()
@@ -130,6 +147,9 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                         f"(the check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
                         f"{context}) of token ids in [0, {vocab}), as TinyLM takes them, and "
                         "minimizes the mean of the squared output, a tensor)") from None
+                if kind == "one device":            # trainable, no gradient this step
+                    unused += [n for n, p in m.named_parameters()
+                               if p.requires_grad and p.grad is None and n not in unused]
                 opt.step()
             results[kind] = {n: t.detach().clone() for n, t in m.state_dict().items()} \
                 if kind == "one device" else w.full_state_dict()
@@ -140,4 +160,6 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                 raise CheckError(f"under {kind}, {name} differs from one device's after "
                                  f"{steps} steps; is your forward deterministic (no dropout)?")
     _ok(f"{type(model).__name__} under DDP and FSDP on {ranks} ranks: one device's "
-        f"parameters after {steps} AdamW steps; frozen {frozen} unchanged")
+        f"parameters after {steps} AdamW steps; frozen {frozen} unchanged"
+        + (f"; unused {unused}: DDP wrapped with find_unused_parameters=True, which torch's "
+           "DDP needs for them (without it, it raises at the second step)" if unused else ""))

@@ -76,6 +76,15 @@ def _fill(sizes, limit) -> list[int]:
     return out + ([cur] if cur else [])
 
 
+def _torch_default(sizes) -> list[int]:
+    """torch DDP's default rebuilt buckets over ``sizes`` (in the order backward produced
+    them): the first closes at 1 MiB, the next at 25 MiB (``parallel.strategies.ddp_buckets``,
+    ``torch_policy``: ``_DEFAULT_FIRST_BUCKET_BYTES``, ``_DEFAULT_BUCKET_CAP_MB``)."""
+    first = _fill(sizes, 2**20)[0]
+    k = next(i for i in range(len(sizes) + 1) if sum(sizes[:i]) == first)
+    return [first] + _fill(sizes[k:], 25 * 2**20) if k < len(sizes) else [first]
+
+
 @exercise
 def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                        widths=(256, 1024, 1024, 256)) -> None:
@@ -93,7 +102,11 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
             f"(backward order {', '.join(reversed(names))}), instead of {len(grads_fwd)} "
             "without buckets")
         return
-    if got == want[::-1]:
+    if got == _torch_default(grads_fwd[::-1]) and got != want:
+        msg = ("those are PyTorch DDP's default buckets (a first bucket closed at 1 MiB, "
+               f"then 25 MiB ones); here every bucket closes at bucket_bytes = "
+               f"{bucket_bytes:,d} B, as torch's do with bucket_cap_mb={bucket_bytes / 2**20:g}")
+    elif got == want[::-1]:
         msg = ("right sizes, wrong order: backward produces the last layer's gradients "
                "first, and the buckets fill (and are sent) in that order")
     elif sum(got) == total // 4:
@@ -160,6 +173,11 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
                   (want[s] * 1e9 / 2**30, "did you convert to GiB? Keep bytes: "
                    f"{mem:,.0f}"),
                   (want[s] / 1e9, "give a number of parameters, not billions"),
+                  (mem / 4, "4 B per parameter is an fp32 weight alone; mixed-precision Adam "
+                   "keeps 16 B (2 bf16 weight + 2 bf16 gradient + 12 fp32 master weight, "
+                   "momentum, variance); " + _STAGE_PARTS[s]),
+                  (want[s] * 80e9 / mem, f"80 GB is an A100's memory; the 910B's is "
+                   f"NPU.memory_bytes, {mem:,.0f} bytes"),
                   (mem * per[s], "multiply? psi = memory / bytes per parameter"),
                   (mem / 16 / n_d, "dividing the memory by N_d goes the wrong way: ZeRO "
                    "divides the bytes per parameter, so the model can grow; "
@@ -174,7 +192,9 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
             wrong.append((mem / _zero_bytes(1, 8, s), f"that is N_d = 8, the notebook's mesh; "
                           f"the exercise has N_d = {n_d} devices"))
         raise CheckError(f"your stage {s} limit is {got[s]:.4g} parameters: "
-                         + _hint(got[s], want[s], wrong, rel=0.003),
+                         + _hint(got[s], want[s], wrong, rel=0.003,
+                                 fallback=f"compare each factor with the formula: "
+                                          f"{_STAGE_PARTS[s]}"),
                          expected=f"{want[s]:.4g} for stage {s}")
     _ok(f"on {n_d} devices of {mem / 1e9:g} GB: " + ", ".join(
         f"stage {s} {w / 1e9:.3g}e9" for s, w in enumerate(want)) + " parameters")
