@@ -102,6 +102,8 @@ class DistTensor:
                 raise ValueError(f"local(rank={rank}) in process {me}: on torch.distributed "
                                  "each process holds only its own shard")
             return storage.own(self._local, self.mesh)
+        if rank is None and self.mesh.size == 1:
+            rank = self.mesh.ranks[0]       # one rank: its shard is the only one
         if rank is None:
             raise ValueError("local(rank=None): give the rank whose shard you want, one of "
                              f"{list(self.mesh.ranks)}")
@@ -110,12 +112,31 @@ class DistTensor:
                              f"{list(self.mesh.ranks)}")
         return storage.rank_view(self._local, self.mesh, rank)
 
+    @staticmethod
+    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False,
+                   shape=None, stride=None, grad_placements=None) -> "DistTensor":
+        """DTensor.from_local's signature (:func:`.dtensor_api.dtensor_from_local`): on
+        simulated ranks a list of every rank's local, or one tensor every rank passes."""
+        from .dtensor_api import dtensor_from_local
+        return dtensor_from_local(local_tensor, device_mesh, placements, run_check=run_check,
+                                  shape=shape, stride=stride, grad_placements=grad_placements)
+
     def locals(self) -> list[torch.Tensor]:
         """Every rank's local shard, in mesh (row-major) order (simulation only)."""
         return [self.local(r) for r in self.mesh.ranks]
 
-    def to_local(self) -> torch.Tensor:
-        """This process's shard (torch.distributed), as DTensor.to_local."""
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This process's shard (torch.distributed; on simulated ranks, the shard of a
+        one-rank mesh), as DTensor.to_local, differentiable.  ``grad_placements``: the
+        layout the local gradient has; only this DistTensor's own is built (see
+        :func:`_check_grad_placements`)."""
+        from .dtensor_api import check_grad_placements
+        check_grad_placements(self, grad_placements, "to_local", self.placements)
+        if not storage.holds_own(self.mesh) and self.mesh.size != 1:
+            raise ValueError(f"to_local() on simulated ranks: all {int(self.mesh.size)} ranks of "
+                             f"{self.mesh} live in this one process, so there is no current "
+                             "rank's shard; take one rank's with d.local(rank), every rank's "
+                             "with d.locals(), or the global tensor with d.full_tensor()")
         return self.local()
 
     def full(self) -> torch.Tensor:
@@ -386,7 +407,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                              f"{[str(p) for p in ps]} of a global {tuple(shape)} gives it {want} "
                              "(torch.chunk sizes); fix the shard or pass shape=")
     lead = tuple(1 if p.is_replicate() else n for p, n in zip(ps, mesh.shape))
-    cells = {}
+    cells, copies = {}, {}
     for r, t in zip(mesh.ranks, locals_):
         c = tuple(ci if n > 1 else 0 for ci, n in zip(mesh.coordinate(r), lead))
         if c in cells:
@@ -395,9 +416,13 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                 raise ValueError(f"rank {r} holds a different tensor than its replica along "
                                  f"{axes} under Replicate(); use Partial() if the locals are "
                                  "parts of a sum")
+            if all(t is not u for u in copies[c]):
+                copies[c].append(t)
             continue
-        cells[c] = t
-    cl = Cells(lead, [cells[c] for c in itertools.product(*[range(n) for n in lead])])
+        cells[c], copies[c] = t, [t]
+    from .dtensor_api import share_replicas
+    cl = Cells(lead, [share_replicas(copies[c])
+                      for c in itertools.product(*[range(n) for n in lead])])
     return DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)
 
 

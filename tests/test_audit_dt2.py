@@ -1,0 +1,166 @@
+"""User-trial audit of the DTensor-style API (second pass): what a PyTorch DTensor user
+writes (``init_device_mesh``, ``mesh.size()``, ``mesh["dp", "cp"]``,
+``DistTensor.from_local(..., run_check=, shape=, stride=)``, ``to_local`` /
+``full_tensor(grad_placements=)``) held to PyTorch's DeviceMesh and DTensor, which run
+here under a fake process group and ``LocalTensorMode`` (``tests/dtensor_support.py``)."""
+import pickle
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench import Partial, Replicate, Shard
+
+from tests.dtensor_support import LocalTensor, LocalTensorMode, oracle  # noqa: F401
+from tests.dtensor_support import DReplicate, DShard, DTensor  # noqa: F401
+
+
+# ---- DeviceMesh's names ------------------------------------------------------------------
+
+def test_init_device_mesh_size_names_and_slices_as_device_mesh(oracle):
+    ours = wb.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "cp"))
+    oracle.mesh((2, 2, 2))                  # the fake process group of 8 ranks
+    from torch.distributed.device_mesh import DeviceMesh
+    theirs = DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2),
+                        mesh_dim_names=("dp", "pp", "cp"))
+    assert ours.mesh_dim_names == theirs.mesh_dim_names
+    assert torch.equal(ours.mesh, theirs.mesh)
+    assert ours.size() == theirs.size() == 8
+    for d in range(3):
+        assert ours.size(d) == theirs.size(d)
+    assert ours.size("cp") == 2 and ours.size(-1) == 2
+    assert ours.size == 8 and ours.size + 1 == 9 and isinstance(ours.size, int)   # still an int
+    # this process is rank 0 of the fake group: DeviceMesh's slices through rank 0
+    for names in (("dp",), ("cp",), ("dp", "cp"), ("pp", "cp"), ("dp", "pp", "cp")):
+        key = names[0] if len(names) == 1 else names
+        assert ours[key].ranks == tuple(theirs[key].mesh.flatten().tolist()), names
+        assert ours[key].shape == tuple(theirs[key].mesh.shape)
+        assert ours[key].mesh_dim_names == theirs[key].mesh_dim_names
+    for bad, err in ((("cp", "dp"), KeyError), (("xx",), KeyError), ("xx", KeyError),
+                     (("dp", "dp"), RuntimeError)):
+        with pytest.raises(err):
+            theirs[bad]
+        with pytest.raises(err):
+            ours[bad]
+    with pytest.raises(ValueError, match="'xx' is not a dim"):      # and Mesh.dim's ValueError
+        ours["xx"]
+    assert pickle.loads(pickle.dumps(ours)).size(2) == 2
+
+
+def test_mesh_size_and_current_rank_errors_name_the_fix():
+    mesh = wb.Mesh.grid((2, 3), ["dp", "tp"])
+    with pytest.raises(KeyError, match="no mesh dim of that name"):
+        mesh.size("ep")
+    with pytest.raises(IndexError, match=r"\[-2, 1\]"):
+        mesh.size(2)
+    with pytest.raises(RuntimeError, match="needs to be given"):
+        mesh.get_local_rank()
+    for call in (lambda: mesh.get_local_rank("tp"), mesh.get_coordinate, mesh.get_rank):
+        with pytest.raises(RuntimeError, match=r"no current rank.*mesh.coordinate\(rank\)"):
+            call()
+    one = wb.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    assert one.get_local_rank() == 0 and one.get_coordinate() == (0,) and one.get_rank() == 0
+    with pytest.raises(ValueError, match="one name per mesh dim"):
+        wb.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",))
+    with pytest.raises(TypeError, match="device_type"):
+        wb.init_device_mesh(None, (2, 2))
+
+
+# ---- DistTensor.from_local / to_local / full_tensor ---------------------------------------
+
+def _dtensor_local_grads(placements, shape, w, local_of):
+    """Every rank's local gradient after (d.full_tensor() * w).sum().backward(), d made by
+    DTensor.from_local on a 2x2 fake mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    with LocalTensorMode(4):
+        locs = LocalTensor({r: local_of(r).clone() for r in range(4)}).requires_grad_()
+        d = DTensor.from_local(locs, mesh, placements, shape=shape,
+                               stride=(shape[1], 1))
+        (d.full_tensor() * w).sum().backward()
+        return [locs.grad._local_tensors[r].clone() for r in range(4)]
+
+
+@pytest.mark.parametrize("layout", ["RR", "SR", "PR"])
+def test_from_local_gives_every_replicas_local_its_gradient_as_dtensor(oracle, layout):
+    """Each rank's local of a Replicate mesh dim gets the gradient, as each rank's own
+    DTensor.from_local gives it (was: only the first replica's, the others None)."""
+    oracle.mesh((2, 2))
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 6), torch.randn(5, 6)
+    parts = [x * 0.25, x * 0.75]
+    ours_ps, their_ps, local_of = {
+        "RR": ([Replicate(), Replicate()], [DReplicate(), DReplicate()], lambda r: x),
+        "SR": ([Shard(0), Replicate()], [DShard(0), DReplicate()],
+               lambda r: x.chunk(2, 0)[r // 2]),
+        "PR": ([Partial(), Replicate()], None, lambda r: parts[r // 2]),
+    }[layout]
+    locs = [local_of(r).clone().requires_grad_() for r in range(4)]
+    d = wb.DistTensor.from_local(locs, wb.Mesh.grid((2, 2)), ours_ps, shape=(5, 6))
+    (d.full_tensor() * w).sum().backward()
+    if their_ps is None:
+        from tests.dtensor_support import DPartial
+        their_ps = [DPartial(), DReplicate()]
+    theirs = _dtensor_local_grads(their_ps, (5, 6), w, local_of)
+    for r in range(4):
+        assert locs[r].grad is not None, r
+        torch.testing.assert_close(locs[r].grad, theirs[r])
+
+
+def test_from_local_of_one_tensor_for_every_rank_counts_its_gradient_once():
+    """wb.from_local([t] * 4, ...): the one tensor every rank passes gets the gradient once,
+    as each process's own would (not four times)."""
+    mesh = wb.Mesh.grid((2, 2))
+    t = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(3, 4)
+    d = wb.from_local([t] * 4, mesh, [Replicate(), Replicate()])
+    (d.full() * w).sum().backward()
+    torch.testing.assert_close(t.grad, w)
+
+
+def test_dist_tensor_from_local_takes_dtensors_arguments():
+    mesh = wb.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.arange(20.).reshape(5, 4)
+    locs = wb.distribute_tensor(x, mesh, [Shard(0), Shard(-1)]).locals()
+    d = wb.DistTensor.from_local(locs, mesh, [Shard(0), Shard(-1)], run_check=True,
+                                 shape=(5, 4), stride=(4, 1))
+    assert d.placements == (Shard(0), Shard(1)) and torch.equal(d.full_tensor(), x)
+    # one tensor that every rank passes: DTensor's global of equal blocks (Shard) or sum
+    t = torch.arange(6.).reshape(2, 3)
+    torch.testing.assert_close(
+        wb.DistTensor.from_local(t, mesh, [Shard(0), Replicate()]).full_tensor(),
+        torch.cat([t, t]))
+    torch.testing.assert_close(
+        wb.DistTensor.from_local(t, mesh, [Partial(), Partial()]).full_tensor(), 4 * t)
+    assert wb.DistTensor.from_local(t, mesh).placements == (Replicate(), Replicate())
+    with pytest.raises(RuntimeError, match="pass both shape and stride"):
+        wb.DistTensor.from_local(t, mesh, stride=(3, 1))
+    with pytest.raises(NotImplementedError, match=r"stride \(3, 1\)"):
+        wb.DistTensor.from_local(t, mesh, shape=(2, 3), stride=(1, 2))
+    with pytest.raises(RuntimeError, match="only accepts torch.Tensor"):
+        wb.DistTensor.from_local(d, mesh)
+    with pytest.raises(TypeError, match="device_mesh"):
+        wb.DistTensor.from_local(t)
+    with pytest.raises(ValueError, match="different tensor than its replica"):
+        wb.DistTensor.from_local([t, t, t + 1, t], mesh, [Replicate(), Replicate()])
+
+
+def test_to_local_and_full_tensor_take_grad_placements():
+    one = wb.init_device_mesh("cpu", (1,))
+    x = torch.randn(4, 3)
+    d = wb.distribute_tensor(x, one, [Shard(0)]).requires_grad_()
+    loc = d.to_local(grad_placements=[Partial()])        # one rank: every layout is one
+    assert torch.equal(loc, x)
+    (loc * 2).sum().backward()
+    torch.testing.assert_close(d.grad.full_tensor(), torch.full_like(x, 2.0))
+    mesh = wb.Mesh.grid((2, 2))
+    d = wb.distribute_tensor(x, mesh, [Shard(0), Replicate()]).requires_grad_()
+    y = d.full_tensor(grad_placements=[Replicate(), Replicate()])
+    (y * 3).sum().backward()
+    torch.testing.assert_close(d.grad.full_tensor(), torch.full_like(x, 3.0))
+    with pytest.raises(NotImplementedError, match="grad_placements"):
+        d.full_tensor(grad_placements=[Partial(), Replicate()])
+    with pytest.raises(ValueError, match=r"to_local\(\) on simulated ranks.*d.local\(rank\)"):
+        d.to_local()
+    with pytest.raises(NotImplementedError, match="grad_placements"):
+        d.to_local(grad_placements=[Replicate(), Replicate()])
