@@ -164,3 +164,71 @@ def test_to_local_and_full_tensor_take_grad_placements():
         d.to_local()
     with pytest.raises(NotImplementedError, match="grad_placements"):
         d.to_local(grad_placements=[Replicate(), Replicate()])
+
+
+# ---- distribute_module, nn.Parameter(d), grad_fn ------------------------------------------
+
+def test_distribute_module_with_torchs_partition_fn_trains_as_one_device():
+    """torch's partition_fn pattern (register_parameter(name, nn.Parameter(distribute_tensor
+    (...)))) and input_fn / output_fn hooks give one device's outputs and gradients (was:
+    no distribute_module; nn.Parameter(d) raised AttributeError '_is_param')."""
+    import copy
+    from torch import nn
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref)
+    mesh = wb.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    def shard_first(name, mod, mesh):
+        if name == "0":
+            for pname, p in mod.named_parameters(recurse=False):
+                mod.register_parameter(
+                    pname, nn.Parameter(wb.distribute_tensor(p, mesh, [Shard(0)])))
+
+    calls = []
+
+    def input_fn(mod, inputs, mesh):
+        calls.append("in")
+        return tuple(wb.distribute_tensor(i, mesh, [Replicate()]) for i in inputs)
+
+    def output_fn(mod, outputs, mesh):
+        calls.append("out")
+        return outputs.full_tensor()
+
+    assert wb.distribute_module(model, mesh, shard_first, input_fn, output_fn) is model
+    got = {n: p.placements for n, p in model.named_parameters()}
+    assert got == {"0.weight": (Shard(0),), "0.bias": (Shard(0),),
+                   "2.weight": (Replicate(),), "2.bias": (Replicate(),)}
+    assert all(p.requires_grad for p in model.parameters())
+    x = torch.randn(4, 6)
+    y, y_ref = model(x), ref(x)
+    assert calls == ["in", "out"] and isinstance(y, torch.Tensor)
+    torch.testing.assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=n)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        wb.distribute_module(model, mesh)
+    lin = nn.Linear(3, 2)
+    wb.distribute_module(lin, mesh)                      # default: every parameter replicated
+    assert lin.weight.placements == (Replicate(),) and torch.equal(
+        lin.weight.full_tensor(), lin.weight.full_tensor())
+    with pytest.raises(ValueError, match="input_fn"):
+        wb.distribute_module(nn.Linear(2, 2), mesh, input_fn=lambda a: a)
+    with pytest.raises(TypeError, match="device_mesh"):
+        wb.distribute_module(nn.Linear(2, 2), None)
+
+
+def test_parameter_of_a_dist_tensor_and_grad_fn():
+    mesh = wb.Mesh.grid((2,))
+    from torch import nn
+    d = wb.distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    p = nn.Parameter(d)
+    assert isinstance(p, wb.DistTensor) and p.requires_grad and p.is_leaf and p is not d
+    assert p.placements == d.placements and torch.equal(p.full_tensor(), d.full_tensor())
+    assert p.grad_fn is None and d.grad_fn is None
+    y = p * 2
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == type((torch.ones(1, requires_grad=True) * 2).grad_fn).__name__
+    with torch.no_grad():
+        assert (p * 2).grad_fn is None

@@ -23,6 +23,7 @@ from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorS
                        register_rule, allow_replicate_fallback, explain, parallelize,
                        dist_parameters, clip_grad_norm_, clip_grad_value_)
 from .parallel import distribute_tensor  # noqa: E402  DTensor's name for shard_tensor
+from .parallel import distribute_module  # noqa: E402  DTensor's module API
 from .parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel,  # noqa: E402
                        SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
                        PrepareModuleInputOutput, parallelize_module, loss_parallel)
@@ -52,7 +53,7 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
            "parallelize_module", "loss_parallel", "fully_shard", "MixedPrecisionPolicy",
-           "FSDPModule", "init_device_mesh"]
+           "FSDPModule", "init_device_mesh", "distribute_module"]
 
 
 def __getattr__(name):

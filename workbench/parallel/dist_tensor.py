@@ -45,7 +45,7 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "_view", "__weakref__")
+                 "_view", "_is_param", "__weakref__")   # _is_param: set by nn.Parameter(d)
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -155,6 +155,12 @@ class DistTensor:
     @property
     def requires_grad(self) -> bool:
         return storage.requires_grad(self._local)
+
+    @property
+    def grad_fn(self):
+        """The autograd node that made this value (one rank's local tensor's: every
+        rank's comes from the same op), None for a leaf or a value without history."""
+        return storage.tensors(self._local)[0].grad_fn
 
     @property
     def is_leaf(self) -> bool:
