@@ -232,3 +232,22 @@ def test_parameter_of_a_dist_tensor_and_grad_fn():
     assert y.grad_fn is not None and type(y.grad_fn).__name__ == type((torch.ones(1, requires_grad=True) * 2).grad_fn).__name__
     with torch.no_grad():
         assert (p * 2).grad_fn is None
+
+
+@pytest.mark.parametrize("layout", [[Replicate(), Replicate()], [Shard(1), Replicate()],
+                                    [Partial(), Replicate()]])
+def test_from_local_of_every_ranks_local_keeps_the_gradient_once(layout):
+    """from_local(d.locals()) and from_local of values each rank computed from one
+    replicated tensor: d gets one device's gradient, not one per replica."""
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid((2, 2))
+    x, w = torch.randn(4, 6), torch.randn(4, 6)
+    d = wb.distribute_tensor(x, mesh, [p if not p.is_partial() else Replicate()
+                                       for p in layout]).requires_grad_()
+    back = wb.from_local(d.locals(), mesh, d.placements, shape=d.shape)
+    (back.full_tensor() * w).sum().backward()
+    torch.testing.assert_close(d.grad.full_tensor(), w)
+    d.grad = None
+    doubled = wb.from_local([t * 2 for t in d.locals()], mesh, d.placements, shape=d.shape)
+    (doubled.full_tensor() * w).sum().backward()
+    torch.testing.assert_close(d.grad.full_tensor(), 2 * w)

@@ -54,12 +54,16 @@ class _Replicas(torch.autograd.Function):
 
 def share_replicas(copies: list) -> torch.Tensor:
     """The one local tensor that stands for ``copies`` (distinct tensor objects given
-    for the ranks of one replica group, equal in value): the first, with every copy that
-    requires grad receiving the gradient too."""
-    if len(copies) == 1 or not torch.is_grad_enabled() or \
-            not any(t.requires_grad for t in copies):
+    for the ranks of one replica group, equal in value): the first.  Every other copy
+    that is a leaf requiring grad (a rank's own input, as each process's from_local
+    gets) receives the gradient too.  A copy computed from other tensors does not: it
+    may come from the same replicated storage as the first (``[d.local(r) for r in
+    ranks]`` are views of one tensor), which would then receive the gradient once per
+    rank instead of once."""
+    extra = [t for t in copies[1:] if t.is_leaf and t.requires_grad]
+    if not extra or not torch.is_grad_enabled():
         return copies[0]
-    return _Replicas.apply(*copies)
+    return _Replicas.apply(copies[0], *extra)
 
 
 def dtensor_from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False,
