@@ -251,3 +251,43 @@ def test_from_local_of_every_ranks_local_keeps_the_gradient_once(layout):
     doubled = wb.from_local([t * 2 for t in d.locals()], mesh, d.placements, shape=d.shape)
     (doubled.full_tensor() * w).sum().backward()
     torch.testing.assert_close(d.grad.full_tensor(), 2 * w)
+
+
+# ---- local_map --------------------------------------------------------------------------
+
+def test_local_map_runs_on_local_shards_with_one_devices_values_and_gradients():
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid((3,), ["tp"])
+    x, w, g = torch.randn(7, 4), torch.randn(4, 5), torch.randn(7, 5)   # 7 rows: 3, 3, 1
+    mm = wb.parallel.local_map(lambda a, b: a @ b, out_placements=[Shard(0)],
+                               in_placements=([Shard(0)], [Replicate()]))
+    xd = wb.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    wd = wb.distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    y = mm(xd, wd)
+    assert y.placements == (Shard(0),)
+    torch.testing.assert_close(y.full_tensor(), x @ w)
+    (y.full_tensor() * g).sum().backward()
+    torch.testing.assert_close(xd.grad.full_tensor(), g @ w.T)
+    torch.testing.assert_close(wd.grad.full_tensor(), x.T @ g)       # summed over the ranks
+    total = wb.parallel.local_map(lambda a: a.sum(0), out_placements=[Partial()])(xd)
+    torch.testing.assert_close(total.full_tensor(), x.sum(0))
+    top, rows = wb.parallel.local_map(lambda a: (a.amax(0), a.shape[0]),
+                                      out_placements=([Partial("max")], None))(xd)
+    torch.testing.assert_close(top.full_tensor(), x.amax(0))
+    assert rows == 3                                   # rank 0's, a plain value as torch's
+
+    @wb.parallel.local_map(out_placements=[Shard(0)])
+    def relu(a):
+        return a.relu()
+    torch.testing.assert_close(relu(xd).full_tensor(), x.relu())
+    assert torch.equal(mm(x, w), x @ w)                # no DistTensor: a plain call, as torch
+    xr = wb.distribute_tensor(x, mesh, [Replicate()])
+    with pytest.raises(ValueError, match="redistribute_inputs=True"):
+        mm(xr, wd)
+    again = wb.parallel.local_map(lambda a, b: a @ b, [Shard(0)], ([Shard(0)], [Replicate()]),
+                                  redistribute_inputs=True)(xr, wd)
+    torch.testing.assert_close(again.full_tensor(), x @ w)
+    with pytest.raises(ValueError, match="1 placements for 2 outputs"):
+        wb.parallel.local_map(lambda a: (a, a), out_placements=[Shard(0)])(xd)
+    with pytest.raises(ValueError, match="different tensor than its replica"):
+        wb.parallel.local_map(lambda a: a.sum(), out_placements=[Replicate()])(xd)

@@ -8,6 +8,7 @@ from .dispatch import allow_replicate_fallback
 from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
 from .distribute_module import distribute_module
+from .local_map import local_map
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
 from .tp_prepare import PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput
@@ -30,4 +31,4 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "distribute_tensor", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
            "PrepareModuleInputOutput", "parallelize_module", "loss_parallel",
-           "distribute_module"]
+           "distribute_module", "local_map"]
