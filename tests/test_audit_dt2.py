@@ -291,3 +291,41 @@ def test_local_map_runs_on_local_shards_with_one_devices_values_and_gradients():
         wb.parallel.local_map(lambda a: (a, a), out_placements=[Shard(0)])(xd)
     with pytest.raises(ValueError, match="different tensor than its replica"):
         wb.parallel.local_map(lambda a: a.sum(), out_placements=[Replicate()])(xd)
+
+
+# ---- distribute_tensor of a tensor that requires grad; torch's placement objects ----------
+
+def test_distribute_tensor_of_a_tensor_requiring_grad_is_a_new_leaf_as_dtensors(oracle):
+    """DTensor's distribute_tensor detaches: the result is a leaf whose .grad fills, and no
+    gradient reaches the source (was: a non-leaf, .grad None with torch's warning, the
+    gradient silently on the source tensor)."""
+    from tests.dtensor_support import distribute_tensor as torch_distribute
+    dmesh = oracle.mesh((2,))
+    x = torch.randn(4, 3, requires_grad=True)
+    with LocalTensorMode(2):
+        theirs = torch_distribute(x, dmesh, [DShard(0)])
+        (theirs * 2).sum().backward()
+        their_grad = theirs.grad.full_tensor()
+    assert theirs.is_leaf and theirs.requires_grad and x.grad is None
+    ours = wb.distribute_tensor(x, wb.Mesh.grid((2,)), [Shard(0)])
+    assert ours.is_leaf and ours.requires_grad
+    (ours * 2).sum().backward()
+    assert x.grad is None
+    torch.testing.assert_close(ours.grad.full_tensor(), their_grad)
+    # shard_tensor, the library's own, stays differentiable back to its source
+    y = wb.shard_tensor(x, wb.Mesh.grid((2,)), [Shard(0)])
+    (y * 3).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
+
+def test_torchs_placement_objects_are_accepted():
+    from tests.dtensor_support import DPartial
+    mesh = wb.Mesh.grid((2, 2))
+    x = torch.randn(4, 6)
+    d = wb.distribute_tensor(x, mesh, [DShard(-1), DReplicate()])
+    assert d.placements == (Shard(1), Replicate()) and torch.equal(d.full_tensor(), x)
+    e = d.redistribute(mesh, [DReplicate(), DShard(0)])
+    assert e.placements == (Replicate(), Shard(0)) and torch.equal(e.full_tensor(), x)
+    p = wb.DistTensor.from_local([x] * 4, mesh, [DPartial("avg"), DReplicate()])
+    assert p.placements == (Partial("avg"), Replicate())
+    torch.testing.assert_close(p.full_tensor(), x)

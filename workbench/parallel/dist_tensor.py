@@ -347,13 +347,19 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
 def distribute_tensor(tensor: torch.Tensor, device_mesh: Mesh, placements=None, *,
                       src_data_rank: int | None = 0) -> DistTensor:
     """DTensor's name and signature for :func:`shard_tensor` (``placements=None``:
-    Replicate on every mesh dim, as DTensor's)."""
+    Replicate on every mesh dim, as DTensor's).  As DTensor's, the result is a new leaf
+    of autograd: ``requires_grad`` as ``tensor``'s, its gradient in its own ``.grad``,
+    none flowing back to ``tensor`` (``shard_tensor`` is the differentiable one)."""
     if placements is None:
         if not isinstance(device_mesh, Mesh):
             raise TypeError(f"distribute_tensor(device_mesh={device_mesh!r:.60}): expected a "
                             "workbench Mesh")
         placements = [Replicate()] * device_mesh.ndim
-    return shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
+    if grad:
+        tensor = tensor.detach()
+    out = shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    return out.requires_grad_() if grad else out
 
 
 def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,
