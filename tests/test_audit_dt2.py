@@ -329,3 +329,33 @@ def test_torchs_placement_objects_are_accepted():
     p = wb.DistTensor.from_local([x] * 4, mesh, [DPartial("avg"), DReplicate()])
     assert p.placements == (Partial("avg"), Replicate())
     torch.testing.assert_close(p.full_tensor(), x)
+
+
+# ---- a constant written in place over a value with history ---------------------------------
+
+@pytest.mark.parametrize("write", ["zero_", "fill_", "copy_"])
+@pytest.mark.parametrize("ps", [[Replicate(), Replicate()], [Shard(0), Shard(1)],
+                                [Partial(), Shard(0)]])
+def test_a_constant_written_over_a_non_leaf_keeps_its_history_as_torch(write, ps):
+    """y = d * 2; y.zero_() (fill_, copy_(plain)): y still requires grad and backward
+    gives d zeros there, as torch (was: y lost requires_grad, backward raised 'element 0
+    of tensors does not require grad')."""
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    do = {"zero_": lambda t: t.zero_(), "fill_": lambda t: t.fill_(2.5),
+          "copy_": lambda t: t.copy_(torch.ones(6, dtype=torch.float64))}[write]
+    xr = x.clone().requires_grad_()
+    yr = xr * 2
+    do(yr)
+    ((yr * w).sum() + (xr * w).sum()).backward()
+    d = wb.distribute_tensor(x, wb.Mesh.grid((2, 2)),
+                             [Replicate() if p.is_partial() else p for p in ps])
+    if any(p.is_partial() for p in ps):
+        d = d.redistribute(d.mesh, ps)
+    d.requires_grad_()
+    y = d * 2
+    do(y)
+    assert y.requires_grad and not y.is_leaf and y.grad_fn is not None
+    torch.testing.assert_close(y.full_tensor(), yr.detach())
+    ((y * w).sum() + (d * w).sum()).backward()
+    torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
