@@ -359,3 +359,54 @@ def test_a_constant_written_over_a_non_leaf_keeps_its_history_as_torch(write, ps
     torch.testing.assert_close(y.full_tensor(), yr.detach())
     ((y * w).sum() + (d * w).sum()).backward()
     torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
+
+
+# ---- F.cross_entropy's class weights and probability targets -------------------------------
+
+_CE_CASES = [(kind, red, eps) for kind in ("probs", "probs_weight", "index_weight")
+             for red in ("mean", "sum", "none") for eps in (0.0, 0.1)]
+
+
+@pytest.mark.parametrize("kind,reduction,eps", _CE_CASES)
+def test_cross_entropy_weights_and_probability_targets_equal_torch(kind, reduction, eps):
+    """Was NotImplementedError; now torch's values and gradients over uneven, vocabulary-
+    sharded and 2-d layouts, targets plain or laid out as the logits' rows."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    probs = torch.randn(5, 7, dtype=torch.float64, generator=g).softmax(-1)
+    idx = torch.tensor([0, 6, -100, 3, 3])                      # one ignored target
+    w = torch.rand(7, dtype=torch.float64, generator=g) + 0.5
+    target = idx if kind == "index_weight" else probs
+    weight = None if kind == "probs" else w
+    xr = x.clone().requires_grad_()
+    ref = F.cross_entropy(xr, target, weight=weight, reduction=reduction, label_smoothing=eps)
+    seed = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    (ref * seed).sum().backward()
+    for shape, ps in (((3,), [Shard(0)]), ((3,), [Shard(1)]), ((2, 2), [Shard(0), Shard(1)]),
+                      ((2, 2), [Replicate(), Shard(1)])):
+        mesh = wb.Mesh.grid(shape)
+        d = wb.distribute_tensor(x, mesh, ps).requires_grad_()
+        rows = [p if p.is_shard(0) else Replicate() for p in ps]
+        for t in (target, wb.distribute_tensor(target, mesh, rows)):
+            d.grad = None
+            out = F.cross_entropy(d, t, weight=weight, reduction=reduction,
+                                  label_smoothing=eps)
+            (out * seed).sum().backward()
+            torch.testing.assert_close(out.full_tensor(), ref.detach())
+            torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
+
+
+def test_cross_entropy_other_forms_keep_torchs_errors_and_shapes():
+    import torch.nn.functional as F
+    mesh = wb.Mesh.grid((2,))
+    x = torch.randn(4, 7, 3)
+    d = wb.distribute_tensor(x, mesh, [Shard(2)])
+    probs, w = torch.rand(4, 7, 3).softmax(1), torch.rand(7)
+    torch.testing.assert_close(F.cross_entropy(d, probs, weight=w, reduction="none").full(),
+                               F.cross_entropy(x, probs, weight=w, reduction="none"))
+    one = wb.distribute_tensor(x[:, :, 0][0], mesh, [Shard(0)])      # (C,) logits
+    torch.testing.assert_close(F.cross_entropy(one, torch.tensor(2), weight=w).full(),
+                               F.cross_entropy(x[0, :, 0], torch.tensor(2), weight=w))
+    with pytest.raises(RuntimeError, match="weight tensor should be defined"):
+        F.cross_entropy(d, torch.zeros(4, 3, dtype=torch.long), weight=torch.ones(3))
