@@ -410,3 +410,44 @@ def test_cross_entropy_other_forms_keep_torchs_errors_and_shapes():
                                F.cross_entropy(x[0, :, 0], torch.tensor(2), weight=w))
     with pytest.raises(RuntimeError, match="weight tensor should be defined"):
         F.cross_entropy(d, torch.zeros(4, 3, dtype=torch.long), weight=torch.ones(3))
+
+
+# ---- empty dims and shapes torch refuses ------------------------------------------------------
+
+@pytest.mark.parametrize("ps", [[Replicate(), Replicate()], [Shard(0), Shard(1)],
+                                [Shard(1), Replicate()]])
+def test_empty_dims_as_torch(ps):
+    """logsumexp over a size-0 dim is -inf (was: amax's 'zero-size' error); unbind of a
+    size-0 dim is an empty tuple (was: IndexError inside the view bookkeeping)."""
+    mesh = wb.Mesh.grid((2, 2))
+    x = torch.randn(5, 0)
+    d = wb.distribute_tensor(x, mesh, ps)
+    for dim, keepdim in ((1, False), (1, True), ((0, 1), False)):
+        torch.testing.assert_close(d.logsumexp(dim, keepdim=keepdim).full_tensor(),
+                                   x.logsumexp(dim, keepdim=keepdim))
+    y = torch.randn(0, 7)
+    e = wb.distribute_tensor(y, mesh, ps)
+    assert e.unbind(0) == y.unbind(0) == ()
+    assert [t.full_tensor().shape for t in e.unbind(1)] == [t.shape for t in y.unbind(1)]
+
+
+def test_addmm_addmv_refuse_an_input_that_does_not_fit_the_product_as_torch():
+    """torch's CPU kernels raise where the input does not expand to the product's shape;
+    its meta kernels do not, and the composition broadcast it (a (5, 5) result for a (1, 1)
+    product, silently)."""
+    mesh = wb.Mesh.grid((2,))
+    a = torch.randn(1, 7)
+    d = wb.distribute_tensor(a, mesh, [Replicate()])
+    with pytest.raises(RuntimeError, match="expanded size"):
+        torch.addmm(torch.ones(5, 5), a, a.t())
+    with pytest.raises(RuntimeError, match="expanded size"):
+        torch.addmm(torch.ones(5, 5), d, d.t())
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        torch.addmv(torch.ones(3), a, torch.randn(7))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        torch.addmv(torch.ones(3), d, torch.randn(7))
+    v = torch.randn(7)
+    for bias in (torch.ones(1), torch.ones(())):        # these broadcast, as torch's
+        torch.testing.assert_close(torch.addmm(bias, d, d.t()).full_tensor(),
+                                   torch.addmm(bias, a, a.t()))
+        torch.testing.assert_close(torch.addmv(bias, d, v).full_tensor(), torch.addmv(bias, a, v))
