@@ -451,3 +451,32 @@ def test_addmm_addmv_refuse_an_input_that_does_not_fit_the_product_as_torch():
         torch.testing.assert_close(torch.addmm(bias, d, d.t()).full_tensor(),
                                    torch.addmm(bias, a, a.t()))
         torch.testing.assert_close(torch.addmv(bias, d, v).full_tensor(), torch.addmv(bias, a, v))
+
+
+# ---- DTensor's factories -------------------------------------------------------------------
+
+def test_factories_as_torch_distributed_tensors():
+    """wb.parallel.zeros / ones / empty / full / rand / randn with DTensor's signature
+    (was: missing): the global tensor torch makes (one device's draw), laid out."""
+    mesh = wb.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ps = [Shard(0), Shard(-1)]
+    z = wb.parallel.zeros(5, 6, device_mesh=mesh, placements=ps)
+    assert z.placements == (Shard(0), Shard(1)) and torch.equal(z.full_tensor(), torch.zeros(5, 6))
+    o = wb.parallel.ones((3, 4), dtype=torch.float64, device_mesh=mesh)
+    assert o.placements == (Replicate(), Replicate()) and o.dtype == torch.float64
+    assert torch.equal(o.full_tensor(), torch.ones(3, 4, dtype=torch.float64))
+    f = wb.parallel.full([2, 3], 7, device_mesh=mesh, placements=[Shard(1), Replicate()])
+    ref = torch.full([2, 3], 7)
+    assert f.dtype == ref.dtype and torch.equal(f.full_tensor(), ref)
+    assert wb.parallel.empty(2, 3, device_mesh=mesh).shape == (2, 3)
+    for name in ("rand", "randn"):
+        torch.manual_seed(0)
+        r = getattr(wb.parallel, name)(5, 3, device_mesh=mesh, placements=[Shard(0), Replicate()],
+                                       requires_grad=True)
+        torch.manual_seed(0)
+        assert torch.equal(r.full_tensor(), getattr(torch, name)(5, 3))
+        assert r.is_leaf and r.requires_grad
+    with pytest.raises(TypeError, match="device_mesh"):
+        wb.parallel.zeros(2, 3)
+    with pytest.raises(ValueError, match="Partial"):
+        wb.parallel.ones(2, 3, device_mesh=mesh, placements=[Partial(), Replicate()])

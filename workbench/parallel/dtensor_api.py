@@ -14,7 +14,8 @@ import torch
 
 from .placement import Replicate, normalize_placements
 
-__all__ = ["check_grad_placements", "share_replicas", "dtensor_from_local"]
+__all__ = ["check_grad_placements", "share_replicas", "dtensor_from_local", "zeros",
+           "ones", "empty", "full", "rand", "randn"]
 
 
 def check_grad_placements(x, grad_placements, fn: str, expected) -> None:
@@ -107,3 +108,63 @@ def dtensor_from_local(local_tensor, device_mesh=None, placements=None, *, run_c
     from_ps = tuple(Replicate() if p.is_partial() else p for p in out.placements)
     check_grad_placements(out, grad_placements, "from_local", from_ps)
     return out
+
+
+# ---- DTensor's factories: torch.distributed.tensor.zeros / ones / empty / full / rand / randn
+
+def _size(size, fn):
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in size):
+        raise TypeError(f"{fn}(size={size!r}): give the global shape as non-negative ints, "
+                        "e.g. wb.parallel.zeros(4, 6, device_mesh=mesh, placements=[Shard(0)])")
+    return tuple(size)
+
+
+def _factory(init, fn, size, device_mesh, placements, requires_grad, layout, **kw):
+    """``init`` of the GLOBAL shape (one device's tensor: one device's draw for rand /
+    randn), laid out by ``placements`` (default Replicate), as a new autograd leaf."""
+    from ..sim_mesh.mesh import Mesh
+    from .dist_tensor import shard_tensor
+    if not isinstance(device_mesh, Mesh):
+        raise TypeError(f"{fn}(device_mesh={device_mesh!r:.60}): give the workbench Mesh, "
+                        "e.g. wb.init_device_mesh('cpu', (2, 2))")
+    if layout != torch.strided:
+        raise NotImplementedError(f"{fn}(layout={layout}): DistTensors are strided; leave "
+                                  "layout=torch.strided")
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    ps = normalize_placements(placements, device_mesh, len(size))
+    if any(p.is_partial() for p in ps):
+        raise ValueError(f"{fn}(placements={[str(p) for p in ps]}): a Partial value made by a "
+                         "factory is ambiguous (DTensor fills every rank's part); use Shard or "
+                         "Replicate, then redistribute")
+    out = shard_tensor(init(size, **kw), device_mesh, ps, src_data_rank=None)
+    return out.requires_grad_() if requires_grad else out
+
+
+def _make(init, name):
+    def factory(*size, dtype=None, layout=torch.strided, requires_grad=False,
+                device_mesh=None, placements=None):
+        return _factory(init, name, _size(size, name), device_mesh, placements,
+                        requires_grad, layout, dtype=dtype)
+    factory.__name__ = name
+    factory.__doc__ = (f"DTensor's ``torch.distributed.tensor.{name}(*size, dtype=, "
+                       "requires_grad=, device_mesh=, placements=)``: the global tensor "
+                       f"``torch.{name}(size)`` laid out on ``device_mesh``.")
+    return factory
+
+
+zeros = _make(torch.zeros, "zeros")
+ones = _make(torch.ones, "ones")
+empty = _make(torch.empty, "empty")
+rand = _make(torch.rand, "rand")
+randn = _make(torch.randn, "randn")
+
+
+def full(size, fill_value, *, dtype=None, layout=torch.strided, requires_grad=False,
+         device_mesh=None, placements=None):
+    """DTensor's ``torch.distributed.tensor.full(size, fill_value, ...)``."""
+    return _factory(lambda s, **kw: torch.full(s, fill_value, **kw), "full",
+                    _size((size,), "full"), device_mesh, placements, requires_grad, layout,
+                    dtype=dtype)
