@@ -9,7 +9,7 @@ from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
 from .distribute_module import distribute_module
 from .local_map import local_map
-X
+from .dtensor_api import zeros, ones, empty, full, rand, randn  # torch.distributed.tensor's factories
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
 from .tp_prepare import PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput
