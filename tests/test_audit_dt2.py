@@ -480,3 +480,40 @@ def test_factories_as_torch_distributed_tensors():
         wb.parallel.zeros(2, 3)
     with pytest.raises(ValueError, match="Partial"):
         wb.parallel.ones(2, 3, device_mesh=mesh, placements=[Partial(), Replicate()])
+
+
+# ---- torch.diff and torch.cdist -------------------------------------------------------------
+
+_DIFF_CDIST = {
+    "diff": lambda t: torch.diff(t, dim=0),
+    "diff_n2_method": lambda t: t.diff(n=2),
+    "diff_prepend_append": lambda t: torch.diff(
+        t, dim=0, prepend=torch.zeros(1, 7, dtype=t.dtype), append=torch.ones(2, 7, dtype=t.dtype)),
+    "diff_bool": lambda t: torch.diff(t > 0, dim=1),
+    "cdist": lambda t: torch.cdist(t, t.flip(0) * 2),
+    "cdist_p1": lambda t: torch.cdist(t, t[:3], p=1),
+    "cdist_self": lambda t: torch.cdist(t, t),            # distance 0: gradient 0, as torch
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DIFF_CDIST))
+@pytest.mark.parametrize("shape,ps", [((3,), [Shard(0)]), ((3,), [Shard(1)]),
+                                      ((2, 2), [Shard(0), Shard(1)]),
+                                      ((2, 2), [Partial(), Shard(0)])])
+def test_diff_and_cdist_equal_torch(name, shape, ps):
+    """Was NoRuleError: torch.diff and torch.cdist composed of table ops."""
+    f = _DIFF_CDIST[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    xr = x.clone().requires_grad_()
+    ref = f(xr)
+    mesh = wb.Mesh.grid(shape)
+    d = wb.distribute_tensor(x, mesh, [Replicate() if p.is_partial() else p for p in ps])
+    d = d.redistribute(mesh, ps).detach().requires_grad_()
+    out = f(d)
+    torch.testing.assert_close(out.full_tensor(), ref.detach())
+    if ref.dtype.is_floating_point:
+        w = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+        (ref * w).sum().backward()
+        (out * w).sum().backward()
+        torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
