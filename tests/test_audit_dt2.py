@@ -517,3 +517,17 @@ def test_diff_and_cdist_equal_torch(name, shape, ps):
         (ref * w).sum().backward()
         (out * w).sum().backward()
         torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
+
+
+def test_mesh_size_saves_and_loads_as_a_plain_int():
+    """mesh.size is an int that can be called (DeviceMesh's size()); saved, it loads as a
+    plain int under torch.load's default weights_only=True."""
+    import io
+    mesh = wb.Mesh.grid((2, 3))
+    buf = io.BytesIO()
+    torch.save({"world": mesh.size, "mesh": mesh}, buf)
+    buf.seek(0)
+    got = torch.load(buf)
+    assert type(got["world"]) is int and got["world"] == 6 and got["mesh"].size(1) == 3
+    assert type(pickle.loads(pickle.dumps(mesh.size))) is int
+    assert f"{mesh.size}" == "6" and mesh.size * 2 == 12 and type(mesh.size * 2) is int

@@ -46,7 +46,13 @@ class MeshSize(int):
         return m.shape[m.dim(mesh_dim)]
 
     def __reduce__(self):
-        return (int, (int(self),))      # pickles as the plain int it is
+        return (_plain_int, (int(self),))    # loads as the plain int it is
+
+
+def _plain_int(n) -> int:
+    """What a pickled :class:`MeshSize` loads as (allowed by ``torch.load``'s default
+    ``weights_only=True``, as the library's other saved types are)."""
+    return int(n)
 
 
 class MeshDimNameError(KeyError, ValueError):
@@ -181,3 +187,11 @@ def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None,
     if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
         return backends.mesh(tuple(mesh_shape), mesh_dim_names)
     return Mesh.grid(tuple(mesh_shape), mesh_dim_names)
+
+
+def _allow_in_checkpoints() -> None:
+    import torch
+    torch.serialization.add_safe_globals([_plain_int])
+
+
+_allow_in_checkpoints()
