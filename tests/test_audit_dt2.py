@@ -531,3 +531,26 @@ def test_mesh_size_saves_and_loads_as_a_plain_int():
     assert type(got["world"]) is int and got["world"] == 6 and got["mesh"].size(1) == 3
     assert type(pickle.loads(pickle.dumps(mesh.size))) is int
     assert f"{mesh.size}" == "6" and mesh.size * 2 == 12 and type(mesh.size * 2) is int
+
+
+def test_to_local_of_a_replicated_value_on_simulated_ranks_as_dtensor(oracle):
+    """Every rank holds the same local under Replicate: to_local() gives it, and its
+    gradient is the DistTensor's, as each rank's DTensor.to_local."""
+    dmesh = oracle.mesh((2, 2))
+    x, w = torch.randn(4, 3), torch.randn(4, 3)
+    from tests.dtensor_support import distribute_tensor as torch_distribute
+    with LocalTensorMode(4):
+        theirs = torch_distribute(x.clone().requires_grad_(), dmesh, [DShard(0), DShard(1)])
+        theirs_r = theirs.redistribute(dmesh, [DReplicate(), DReplicate()])
+        (theirs_r.to_local() * w).sum().backward()
+        their_val = theirs_r.to_local()._local_tensors[0].clone()
+        their_grad = theirs.grad.full_tensor()._local_tensors[0].clone()
+    mesh = wb.Mesh.grid((2, 2))
+    d = wb.distribute_tensor(x, mesh, [Shard(0), Shard(1)]).requires_grad_()
+    r = d.redistribute(mesh, [Replicate(), Replicate()])
+    loc = r.to_local()
+    torch.testing.assert_close(loc, their_val)
+    (loc * w).sum().backward()
+    torch.testing.assert_close(d.grad.full_tensor(), their_grad)
+    with pytest.raises(ValueError, match="hold different shards"):
+        d.to_local()

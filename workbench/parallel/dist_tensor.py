@@ -126,18 +126,22 @@ class DistTensor:
         return [self.local(r) for r in self.mesh.ranks]
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
-        """This process's shard (torch.distributed; on simulated ranks, the shard of a
-        one-rank mesh), as DTensor.to_local, differentiable.  ``grad_placements``: the
-        layout the local gradient has; only this DistTensor's own is built (see
-        :func:`_check_grad_placements`)."""
+        """This process's shard (torch.distributed), as DTensor.to_local, differentiable.
+        On simulated ranks: the one local every rank holds alike (a one-rank mesh, or
+        Replicate on every mesh dim of more than one rank); other layouts raise, naming
+        ``local(rank)``.  ``grad_placements``: the layout the local gradient has; only
+        this DistTensor's own is built (:func:`.dtensor_api.check_grad_placements`)."""
         from .dtensor_api import check_grad_placements
         check_grad_placements(self, grad_placements, "to_local", self.placements)
-        if not storage.holds_own(self.mesh) and self.mesh.size != 1:
+        if storage.holds_own(self.mesh):
+            return self.local()
+        if any(not p.is_replicate() and n > 1 for p, n in zip(self.placements, self.mesh.shape)):
             raise ValueError(f"to_local() on simulated ranks: all {int(self.mesh.size)} ranks of "
-                             f"{self.mesh} live in this one process, so there is no current "
-                             "rank's shard; take one rank's with d.local(rank), every rank's "
-                             "with d.locals(), or the global tensor with d.full_tensor()")
-        return self.local()
+                             f"{self.mesh} live in this one process and hold different shards "
+                             f"({[str(p) for p in self.placements]}), so there is no one local "
+                             "tensor; take one rank's with d.local(rank), every rank's with "
+                             "d.locals(), or the global tensor with d.full_tensor()")
+        return self.local(self.mesh.ranks[0])
 
     def full(self) -> torch.Tensor:
         """The global tensor, gathered by a (traced) reshard to Replicate."""
