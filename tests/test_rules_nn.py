@@ -308,10 +308,13 @@ def test_cross_entropy_errors():
     x = wb.shard_tensor(torch.randn(6, 8), MESH4, ["S(1)"])
     with pytest.raises(IndexError, match="out of bounds"):
         F.cross_entropy(x, torch.tensor([0, 1, 2, 3, 4, 9]))
-    with pytest.raises(NotImplementedError, match="weight"):
-        F.cross_entropy(x, T6, weight=torch.ones(8))
-    with pytest.raises(NotImplementedError, match="probability"):
-        F.cross_entropy(x, torch.rand(6, 8))
+    # class weights and probability targets: composed of table ops, torch's values
+    # (tests/test_audit_dt2.py holds them over layouts)
+    w, probs = torch.rand(8) + 0.5, torch.rand(6, 8).softmax(-1)
+    torch.testing.assert_close(F.cross_entropy(x, T6, weight=w).full(),
+                               F.cross_entropy(x.full(), T6, weight=w))
+    torch.testing.assert_close(F.cross_entropy(x, probs).full(),
+                               F.cross_entropy(x.full(), probs))
 
 
 # ---- end to end: Megatron's vocabulary-parallel embedding + LM head + loss -------------------

@@ -17,11 +17,13 @@ _os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .sim_mesh import Mesh, Trace, Event, trace, current_trace, get_profile, list_profiles  # noqa: E402
 from .sim_mesh import collectives  # noqa: E402
+from .sim_mesh import init_device_mesh  # noqa: E402  DeviceMesh's constructor for a Mesh
 from .parallel import (Placement, Replicate, Shard, Partial, DistTensor, TensorSpec,  # noqa: E402
                        shard_tensor, from_local, plan_reshard, reshard, Plan, Step,
                        register_rule, allow_replicate_fallback, explain, parallelize,
                        dist_parameters, clip_grad_norm_, clip_grad_value_)
 from .parallel import distribute_tensor  # noqa: E402  DTensor's name for shard_tensor
+from .parallel import distribute_module  # noqa: E402  DTensor's module API
 from .parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel,  # noqa: E402
                        SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
                        PrepareModuleInputOutput, parallelize_module, loss_parallel)
@@ -51,7 +53,7 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
            "parallelize_module", "loss_parallel", "fully_shard", "MixedPrecisionPolicy",
-           "FSDPModule"]
+           "FSDPModule", "init_device_mesh", "distribute_module"]
 
 
 def __getattr__(name):

@@ -7,6 +7,9 @@ from .rules import register_rule, Strategy, Decision, NoRuleError, infer
 from .dispatch import allow_replicate_fallback
 from .explain import explain, Explanation
 from .module import parallelize, dist_parameters
+from .distribute_module import distribute_module
+from .local_map import local_map
+from .dtensor_api import zeros, ones, empty, full, rand, randn  # torch.distributed.tensor's factories
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
 from .tp_prepare import PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput
@@ -28,4 +31,5 @@ __all__ = ["Placement", "Replicate", "Shard", "Partial", "DistTensor", "TensorSp
            "dist_parameters", "interop", "clip_grad_norm_", "clip_grad_value_", "get_total_norm",
            "distribute_tensor", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "PrepareModuleInputOutput", "parallelize_module", "loss_parallel"]
+           "PrepareModuleInputOutput", "parallelize_module", "loss_parallel",
+           "distribute_module", "local_map"]

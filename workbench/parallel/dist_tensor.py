@@ -45,7 +45,7 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "_view", "__weakref__")
+                 "_view", "_is_param", "__weakref__")   # _is_param: set by nn.Parameter(d)
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -102,6 +102,8 @@ class DistTensor:
                 raise ValueError(f"local(rank={rank}) in process {me}: on torch.distributed "
                                  "each process holds only its own shard")
             return storage.own(self._local, self.mesh)
+        if rank is None and self.mesh.size == 1:
+            rank = self.mesh.ranks[0]       # one rank: its shard is the only one
         if rank is None:
             raise ValueError("local(rank=None): give the rank whose shard you want, one of "
                              f"{list(self.mesh.ranks)}")
@@ -110,13 +112,36 @@ class DistTensor:
                              f"{list(self.mesh.ranks)}")
         return storage.rank_view(self._local, self.mesh, rank)
 
+    @staticmethod
+    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False,
+                   shape=None, stride=None, grad_placements=None) -> "DistTensor":
+        """DTensor.from_local's signature (:func:`.dtensor_api.dtensor_from_local`): on
+        simulated ranks a list of every rank's local, or one tensor every rank passes."""
+        from .dtensor_api import dtensor_from_local
+        return dtensor_from_local(local_tensor, device_mesh, placements, run_check=run_check,
+                                  shape=shape, stride=stride, grad_placements=grad_placements)
+
     def locals(self) -> list[torch.Tensor]:
         """Every rank's local shard, in mesh (row-major) order (simulation only)."""
         return [self.local(r) for r in self.mesh.ranks]
 
-    def to_local(self) -> torch.Tensor:
-        """This process's shard (torch.distributed), as DTensor.to_local."""
-        return self.local()
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This process's shard (torch.distributed), as DTensor.to_local, differentiable.
+        On simulated ranks: the one local every rank holds alike (a one-rank mesh, or
+        Replicate on every mesh dim of more than one rank); other layouts raise, naming
+        ``local(rank)``.  ``grad_placements``: the layout the local gradient has; only
+        this DistTensor's own is built (:func:`.dtensor_api.check_grad_placements`)."""
+        from .dtensor_api import check_grad_placements
+        check_grad_placements(self, grad_placements, "to_local", self.placements)
+        if storage.holds_own(self.mesh):
+            return self.local()
+        if any(not p.is_replicate() and n > 1 for p, n in zip(self.placements, self.mesh.shape)):
+            raise ValueError(f"to_local() on simulated ranks: all {int(self.mesh.size)} ranks of "
+                             f"{self.mesh} live in this one process and hold different shards "
+                             f"({[str(p) for p in self.placements]}), so there is no one local "
+                             "tensor; take one rank's with d.local(rank), every rank's with "
+                             "d.locals(), or the global tensor with d.full_tensor()")
+        return self.local(self.mesh.ranks[0])
 
     def full(self) -> torch.Tensor:
         """The global tensor, gathered by a (traced) reshard to Replicate."""
@@ -134,6 +159,12 @@ class DistTensor:
     @property
     def requires_grad(self) -> bool:
         return storage.requires_grad(self._local)
+
+    @property
+    def grad_fn(self):
+        """The autograd node that made this value (one rank's local tensor's: every
+        rank's comes from the same op), None for a leaf or a value without history."""
+        return storage.tensors(self._local)[0].grad_fn
 
     @property
     def is_leaf(self) -> bool:
@@ -320,13 +351,19 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
 def distribute_tensor(tensor: torch.Tensor, device_mesh: Mesh, placements=None, *,
                       src_data_rank: int | None = 0) -> DistTensor:
     """DTensor's name and signature for :func:`shard_tensor` (``placements=None``:
-    Replicate on every mesh dim, as DTensor's)."""
+    Replicate on every mesh dim, as DTensor's).  As DTensor's, the result is a new leaf
+    of autograd: ``requires_grad`` as ``tensor``'s, its gradient in its own ``.grad``,
+    none flowing back to ``tensor`` (``shard_tensor`` is the differentiable one)."""
     if placements is None:
         if not isinstance(device_mesh, Mesh):
             raise TypeError(f"distribute_tensor(device_mesh={device_mesh!r:.60}): expected a "
                             "workbench Mesh")
         placements = [Replicate()] * device_mesh.ndim
-    return shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
+    if grad:
+        tensor = tensor.detach()
+    out = shard_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    return out.requires_grad_() if grad else out
 
 
 def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=None,
@@ -386,7 +423,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                              f"{[str(p) for p in ps]} of a global {tuple(shape)} gives it {want} "
                              "(torch.chunk sizes); fix the shard or pass shape=")
     lead = tuple(1 if p.is_replicate() else n for p, n in zip(ps, mesh.shape))
-    cells = {}
+    cells, copies = {}, {}
     for r, t in zip(mesh.ranks, locals_):
         c = tuple(ci if n > 1 else 0 for ci, n in zip(mesh.coordinate(r), lead))
         if c in cells:
@@ -395,9 +432,13 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
                 raise ValueError(f"rank {r} holds a different tensor than its replica along "
                                  f"{axes} under Replicate(); use Partial() if the locals are "
                                  "parts of a sum")
+            if all(t is not u for u in copies[c]):
+                copies[c].append(t)
             continue
-        cells[c] = t
-    cl = Cells(lead, [cells[c] for c in itertools.product(*[range(n) for n in lead])])
+        cells[c], copies[c] = t, [t]
+    from .dtensor_api import share_replicas
+    cl = Cells(lead, [share_replicas(copies[c])
+                      for c in itertools.product(*[range(n) for n in lead])])
     return DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)
 
 

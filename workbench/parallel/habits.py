@@ -286,11 +286,12 @@ def _redistribute(self, device_mesh=None, placements=None, *, async_op=False,
 
 
 def _full_tensor(self, *, grad_placements=None):
-    """``d.full_tensor()``: DTensor's name for :meth:`DistTensor.full`."""
-    if grad_placements is not None:
-        raise NotImplementedError("full_tensor(grad_placements=...) on a DistTensor: the "
-                                  "gradient comes back in the DistTensor's own layout; "
-                                  "leave grad_placements=None")
+    """``d.full_tensor()``: DTensor's name for :meth:`DistTensor.full` (differentiable;
+    ``grad_placements``: Replicate, the full tensor's own, or raises, see
+    :func:`.dtensor_api.check_grad_placements`)."""
+    from .dtensor_api import check_grad_placements
+    from .placement import Replicate
+    check_grad_placements(self, grad_placements, "full_tensor", [Replicate()] * self.mesh.ndim)
     return self.full()
 
 

@@ -129,6 +129,21 @@ def _like(y_loc, x_loc, nd: int):
     return [y]
 
 
+class _Overwrite(torch.autograd.Function):
+    """``value`` written over ``old`` (a tensor with history): the result is ``value``
+    and requires grad as torch's in-place result does; ``old`` gets a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, value, old):
+        ctx.old = (old.shape, old.dtype, old.device)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.old
+        return None, torch.zeros(shape, dtype=dtype, device=device)
+
+
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     """Write ``y`` (a DistTensor on x's mesh, or a plain global tensor) into ``x``: values
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
@@ -172,6 +187,12 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
+        if x.requires_grad and not y.requires_grad:
+            # a constant written over a value with history (y.zero_(), y.fill_(v),
+            # y.copy_(plain)): x still requires grad, its old values get none, as torch
+            anchor = storage.tensors(x._local)[0]
+            y = DistTensor(storage.map_tensors(y._local, lambda t: _Overwrite.apply(t, anchor)),
+                           y.mesh, y.placements, y.shape, y.dtype, y.names)
         x._local = y._local
         if x._view is not None:
             x._view = x._view[:2] + (False,)

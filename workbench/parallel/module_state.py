@@ -130,6 +130,19 @@ class ParallelModule:
     def _get_name(self):
         return self._wb_base.__name__
 
+    def register_parameter(self, name, param):
+        """torch's, and a DistTensor (e.g. ``nn.Parameter(distribute_tensor(...))`` in a
+        ``distribute_module`` partition_fn) is registered as a parameter, as a DTensor is."""
+        if not isinstance(param, DistTensor):
+            return super().register_parameter(name, param)
+        if not isinstance(name, str) or not name or "." in name:
+            raise KeyError(f"register_parameter(name={name!r}): give a non-empty name "
+                           "without '.'")
+        if hasattr(self, name) and name not in self._parameters:
+            raise KeyError(f"attribute '{name}' already exists")
+        self._parameters[name] = param
+        self.__dict__.setdefault("_wb_dist_params", {})[name] = param
+
     def __setattr__(self, name, value):
         if isinstance(value, DistTensor) and name in self.__dict__.get("_parameters", {}):
             self._parameters[name] = value      # a DistTensor parameter replaced by another

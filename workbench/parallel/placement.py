@@ -79,9 +79,27 @@ _PAT = re.compile(r"^\s*(?:(R|Replicate)\(?\)?|(?:S|Shard)\((?:dim=)?(-?\d+)\)|"
                   r"(?:P|Partial)(?:\((?:reduce_op=)?['\"]?(\w*)['\"]?\))?)\s*$")
 
 
+def _from_torch(p) -> Placement | None:
+    """torch.distributed.tensor's Replicate / Shard / Partial as ours (a DTensor user's
+    placements work as they are); None for anything else."""
+    if not type(p).__module__.startswith("torch.distributed.tensor"):
+        return None
+    from torch.distributed import tensor as dt
+    if type(p) is dt.Replicate:
+        return Replicate()
+    if type(p) is dt.Shard:
+        return Shard(p.dim)
+    if type(p) is dt.Partial and p.reduce_op in PARTIAL_OPS:
+        return Partial(p.reduce_op)
+    return None
+
+
 def _parse_one(p: PlacementLike) -> Placement:
     if isinstance(p, Placement):
         return p
+    ours = _from_torch(p)
+    if ours is not None:
+        return ours
     if isinstance(p, str):
         m = _PAT.match(p)
         if m:

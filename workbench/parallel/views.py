@@ -78,6 +78,8 @@ def note_views(name, base, outs, attrs) -> None:
     """Remember that the outputs of view op ``name`` are views of ``base``: an alias of
     its memory, or (where the op had to move data, e.g. an uneven shard re-cut) a copy
     that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
+    if not outs:                # x.unbind(d) of a size-0 dim: no view to remember
+        return
     index = _torch_index(attrs["index"]) if name == "getitem" else \
         WHOLE if name in _RESHAPES else None
     indices = _pieces(name, attrs, len(outs)) or (index,) * len(outs)

@@ -18,6 +18,8 @@ import math
 from collections import Counter
 from typing import Iterable, Sequence
 
+from .device_mesh_api import MeshSize, check_names, install, slice_by_names
+
 __all__ = ["Mesh", "MAX_RANKS", "MAX_DIMS"]
 
 MAX_DIMS = 64
@@ -141,7 +143,8 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return len(self._ranks)
+        """The number of ranks; also callable as DeviceMesh's ``size(mesh_dim=None)``."""
+        return MeshSize(self)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -217,7 +220,10 @@ class Mesh:
         """``mesh["tp"]``: 1-d sub-mesh along a named dim through the first rank;
         ``mesh[0]`` / ``mesh[1:]``: index the first dimension like a nested list."""
         if isinstance(key, str):
+            check_names(self, (key,))
             return self.submesh(key)
+        if isinstance(key, tuple):              # DeviceMesh's mesh["dp", "tp"]
+            return slice_by_names(self, key)
         if isinstance(key, bool) or not isinstance(key, (int, slice)):
             raise TypeError(f"mesh[{key!r}]: index with a dim name, an int or a slice")
         if isinstance(key, int) and not -self._shape[0] <= key < self._shape[0]:
@@ -254,6 +260,9 @@ class Mesh:
 
     def overlaps(self, other: "Mesh") -> bool:
         return bool(set(self._ranks) & set(other._ranks))
+
+
+install(Mesh)           # DeviceMesh's names: mesh_dim_names, mesh, get_local_rank, ...
 
 
 def _nest(flat: list, shape: Iterable[int]):

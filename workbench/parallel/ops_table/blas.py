@@ -63,6 +63,20 @@ def same_dtype(name, **tensors):
                            ".to(dtype) first")
 
 
+def _input_fits(name, input, product, a, b) -> None:
+    """torch's CPU / CUDA kernels expand ``input`` to the product's shape and raise where
+    it does not fit; its meta kernels of addmm / addmv do not check (torch 2.13: a (5, 5)
+    input and a (1, 1) product give a (5, 5) meta result): raise as the kernels do."""
+    try:
+        torch.empty(tuple(input.shape), device="meta").expand(tuple(product.shape))
+    except RuntimeError as e:
+        if name == "addmv":
+            raise RuntimeError(f"size mismatch, got input ({', '.join(map(str, input.shape))}), "
+                               f"mat ({'x'.join(map(str, a.shape))}), vec "
+                               f"({', '.join(map(str, b.shape))})") from None
+        raise RuntimeError(str(e)) from None
+
+
 def _checked(fn, product_fn, promotes=False):
     def composed(input, a, b, *, beta=1, alpha=1, out=None):
         if out is not None:
@@ -70,6 +84,7 @@ def _checked(fn, product_fn, promotes=False):
         if not promotes:
             same_dtype(fn.__name__, input=input, mat1=a, mat2=b)
         ref = torch_check(fn, input, a, b, beta=beta, alpha=alpha)
+        _input_fits(fn.__name__, input, torch_check(product_fn, a, b), a, b)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             beta, alpha = int(beta), int(alpha)       # torch truncates them for integers
         res = _update(input, product_fn(a, b), beta, alpha)

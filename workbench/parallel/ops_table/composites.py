@@ -121,6 +121,9 @@ def logsumexp(input, dim, keepdim=False):
                                   input.ndim)))
     if not input.dtype.is_floating_point:
         input = input.to(torch.get_default_dtype())
+    if any(input.shape[d] == 0 for d in dims):       # an empty sum: log(0) = -inf, as torch
+        out = torch.log(torch.exp(input).sum(dims, keepdim=True))
+        return out if keepdim else out.squeeze(dims)
     m = torch.amax(input, dims, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=input.dtype))
     out = torch.log(torch.exp(input - m).sum(dims, keepdim=True)) + m

@@ -35,10 +35,11 @@ from torch.nn import _reduction as _legacy
 from ...sim_mesh import collectives as C
 from .. import layout
 from ..placement import Partial, Replicate, Shard
+from .cross_entropy_forms import cross_entropy_other_forms
 from .loss_pricing import cross_entropy_cost
 from .samples import Sample
 from .strategy import combine
-from .table import register
+from .table import TABLE, register
 
 R = Replicate()
 P = Partial("sum")
@@ -249,3 +250,5 @@ register("cross_entropy", [F.cross_entropy], parse=_cross_entropy_parse, rule=cr
          sample=lambda g: [Sample(F.cross_entropy, (g.rn(5, 7), g.ints(5, lo=0, hi=7))),
                            Sample(F.cross_entropy, (g.rn(4, 5, 3), g.ints(4, 3, lo=0, hi=5)),
                                   {"reduction": "sum"})])
+# probability targets and class weights: composed of table ops (cross_entropy_forms.py)
+TABLE["cross_entropy"].extra["other_form"] = cross_entropy_other_forms

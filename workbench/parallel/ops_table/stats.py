@@ -12,6 +12,7 @@ and trace event):
     F.glu(dim)              a * sigmoid(b), a and b the halves of ``dim``
     rot90(k, dims)          flips and a transpose
     tensordot(a, b, dims)   einsum over the paired dims
+    diff(n, dim)            x[1:] - x[:-1] along dim, n times (prepend / append joined)
 
 torch's own checks run first on meta tensors of the global shapes.
 """
@@ -178,7 +179,24 @@ def tensordot(a, b, dims=2, out=None):
     return torch.einsum(f"{''.join(sa)},{''.join(sb)}->{''.join(keep)}", a, b)
 
 
-STATS = {torch.rot90: rot90, T.rot90: rot90, torch.tensordot: tensordot, torch.nn.functional.glu: glu, torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
+def diff(input, n=1, dim=-1, prepend=None, append=None):
+    """``torch.diff``: ``x[1:] - x[:-1]`` along ``dim`` (after ``prepend`` / ``append``
+    are joined on), ``n`` times; bools give ``!=`` as torch's (narrows and a subtraction:
+    a sharded ``dim`` is regathered by the rules where the two slices meet)."""
+    torch_check(torch.diff, input, n=n, dim=dim, prepend=prepend, append=append)
+    d = dim % max(input.ndim, 1)
+    parts = [p for p in (prepend, input, append) if p is not None]
+    x = torch.cat(parts, d) if len(parts) > 1 else input
+    for _ in range(n):
+        m = x.shape[d]
+        if m == 0:
+            break
+        a, b = x.narrow(d, 1, m - 1), x.narrow(d, 0, m - 1)
+        x = a != b if x.dtype == torch.bool else a - b
+    return x
+
+
+STATS = {torch.diff: diff, T.diff: diff, torch.rot90: rot90, T.rot90: rot90, torch.tensordot: tensordot, torch.nn.functional.glu: glu, torch.std_mean: std_mean, torch.var_mean: var_mean, torch.aminmax: aminmax,
          T.aminmax: aminmax, torch.count_nonzero: count_nonzero, T.count_nonzero: count_nonzero,
          torch.nansum: nansum, T.nansum: nansum, torch.nanmean: nanmean, T.nanmean: nanmean,
          torch.tile: tile, T.tile: tile, torch.hstack: hstack, torch.vstack: vstack,

@@ -158,6 +158,17 @@ def dist(input, other, p=2):
     return vector_norm(input - other, p)
 
 
-NORMS = {torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
+def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
+    """``torch.cdist``: the p-norm distance between every row of ``x1`` (..., P, M) and
+    of ``x2`` (..., R, M), as ``vector_norm(x1[..., :, None, :] - x2[..., None, :, :], p,
+    -1)`` (torch's mm form for p = 2 rounds differently: equal up to rounding; the
+    gradient at distance 0 is 0, as torch's)."""
+    torch.cdist(torch.empty(tuple(x1.shape), dtype=x1.dtype, device="meta"),
+                torch.empty(tuple(x2.shape), dtype=x2.dtype, device="meta"), p,
+                compute_mode=compute_mode)                         # torch's own checks
+    return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+
+
+NORMS = {torch.cdist: cdist, torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
          torch.linalg.norm: linalg_norm, torch.norm: norm, T.norm: norm,
          F.normalize: normalize}
