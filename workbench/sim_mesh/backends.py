@@ -123,6 +123,21 @@ def register(m):
     return m
 
 
+def register_submesh(parent, sub, dims):
+    """Make ``sub`` (``parent``'s ranks along ``dims`` through this process's rank, e.g.
+    ``mesh["dp"]``) distributed with the parent's process groups: each of its groups is
+    one of the parent's along the same dim, so no process group is made (no collective)."""
+    if sub in _MESHES:
+        return sub
+    for fn in _ON_REGISTER:
+        fn()
+    for axis, d in enumerate(dims):
+        for g in sub.groups(axis):
+            _GROUPS[(sub, axis, g)] = _GROUPS[(parent, d, g)]
+    _MESHES.add(sub)
+    return sub
+
+
 def on_register(fn):
     """Call ``fn()`` whenever a mesh becomes distributed (:func:`register`)."""
     _ON_REGISTER.append(fn)

@@ -85,12 +85,17 @@ def check_names(mesh, names: tuple) -> list[int]:
 
 
 def slice_by_names(mesh, names: tuple):
-    """``mesh["dp", "tp"]``: the sub-mesh over those dims through the mesh's first rank
-    (coordinate 0 on the dims left out), as ``mesh["dp"]``."""
+    """``mesh["dp", "tp"]``: the sub-mesh over those dims.  On simulated ranks, through
+    the mesh's first rank (coordinate 0 on the dims left out); under torchrun, through
+    this process's rank, as DeviceMesh's ``__getitem__`` gives it, its process groups
+    the parent's own (:func:`backends.register_submesh`: no new group is made)."""
     from .mesh import Mesh
+    from . import backends
     dims = check_names(mesh, names)
     if len(dims) == mesh.ndim:
         return mesh
+    real = backends.is_distributed(mesh)
+    base = list(mesh.coordinate(backends.rank())) if real else [0] * mesh.ndim
 
     def nest(k, coord):
         if k == len(dims):
@@ -99,9 +104,10 @@ def slice_by_names(mesh, names: tuple):
         for i in range(mesh.shape[dims[k]]):
             coord[dims[k]] = i
             out.append(nest(k + 1, coord))
-        coord[dims[k]] = 0
+        coord[dims[k]] = base[dims[k]]
         return out
-    return Mesh(nest(0, [0] * mesh.ndim), dim_names=list(names))
+    sub = Mesh(nest(0, list(base)), dim_names=list(names))
+    return backends.register_submesh(mesh, sub, dims) if real else sub
 
 
 def _process_rank(mesh, what: str):

@@ -217,11 +217,11 @@ class Mesh:
         return Mesh(list(g), dim_names=[self._names[d]])
 
     def __getitem__(self, key) -> "Mesh":
-        """``mesh["tp"]``: 1-d sub-mesh along a named dim through the first rank;
-        ``mesh[0]`` / ``mesh[1:]``: index the first dimension like a nested list."""
+        """``mesh["tp"]``: 1-d sub-mesh along a named dim through the first rank (under
+        torchrun: through this process's rank, as DeviceMesh's); ``mesh[0]`` /
+        ``mesh[1:]``: index the first dimension like a nested list."""
         if isinstance(key, str):
-            check_names(self, (key,))
-            return self.submesh(key)
+            return slice_by_names(self, (key,))
         if isinstance(key, tuple):              # DeviceMesh's mesh["dp", "tp"]
             return slice_by_names(self, key)
         if isinstance(key, bool) or not isinstance(key, (int, slice)):
