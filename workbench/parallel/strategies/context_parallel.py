@@ -100,8 +100,9 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
             (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
         o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
                                          balanced=balanced, scale=scale)
-        if o_t.dtype != torch.float32:    # the running output in float32, as FlashAttention
-            o_t = o_t.float()             # keeps its accumulator (lse is float32 already)
+        acc = torch.promote_types(o_t.dtype, torch.float32)
+        if o_t.dtype != acc:              # the running output in float32 (float64 inputs:
+            o_t = o_t.to(acc)             # float64), as FlashAttention keeps its accumulator
         if out is None:
             out, lse = o_t, lse_t
         else:                             # online softmax across blocks (FlashAttention-2)
