@@ -113,3 +113,25 @@ def test_ep_model_trains_a_batch_of_one_sequence_as_one_device(shape, names):
         _sgd(model.parameters())
         ref.zero_grad()
         model.zero_grad()
+
+
+# ---- the context-parallel recipe ------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,kw,moe", [("tiny", dict(cp=2), 4), ("gpt-tiny", dict(cp=3), 0),
+                                           ("tiny", dict(cp=2, balanced=False), 0)])
+def test_cp_evaluate_gives_the_logits_in_the_sequences_own_order(preset, kw, moe):
+    """``ContextParallel.evaluate(model, x)`` returned the logits in ring order (rank i's
+    chunks i and 2cp-1-i side by side): 0.55 off one device's logits, while the loss (its
+    targets put in the same order) was right."""
+    from workbench.models import build_model
+    from workbench.models.data import get_batch
+    from workbench.recipes.context_parallel import ContextParallel
+    cfg = _moe_cfg(preset, seq_len=12, moe_experts=moe, moe_capacity_factor=0.75 if moe else None)
+    x, y = get_batch(cfg, 2, 0, 0)
+    ref = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        logits, loss = ref(x, y)
+    s = ContextParallel(**kw)
+    model = s.build_model(cfg, 0).eval()
+    torch.testing.assert_close(s.evaluate(model, x), logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s.evaluate(model, x, y), loss, rtol=1e-5, atol=1e-6)
