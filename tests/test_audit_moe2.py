@@ -135,3 +135,39 @@ def test_cp_evaluate_gives_the_logits_in_the_sequences_own_order(preset, kw, moe
     model = s.build_model(cfg, 0).eval()
     torch.testing.assert_close(s.evaluate(model, x), logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s.evaluate(model, x, y), loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p,B,arch", [(2, 2, "llama"), (3, 1, "gpt")])
+def test_moe_layer_under_context_parallel_routes_ring_ordered_tokens_in_sequence_order(p, B,
+                                                                                      arch):
+    """A MoE layer with a capacity on tokens laid out on the ring (``to_ring_layout``)
+    inside ``context_parallel``: tokens claimed their experts' slots in ring order, so
+    other tokens were dropped than on one device (same count, output 0.25 off)."""
+    from workbench.models import get_config
+    from workbench.models.moe import MoE
+    cfg = get_config("tiny" if arch == "llama" else "gpt-tiny", d_model=16, n_head=2, d_ff=24,
+                     moe_experts=4, moe_topk=2, moe_capacity_factor=0.5, moe_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    ref = MoE(cfg).train()
+    m = MoE(cfg).train()
+    m.load_state_dict(ref.state_dict())
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    wb.parallelize(m, mesh, {})
+    g = torch.Generator().manual_seed(1)
+    n = 4 * p
+    x, gy = torch.randn(B, n, 16, generator=g), torch.randn(B, n, 16, generator=g)
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    (want * gy).sum().backward()
+    X = wb.shard_tensor(x, mesh, [R]).requires_grad_()
+    with cp.context_parallel(mesh, "cp"):
+        y = m(cp.to_ring_layout(X, "cp", 1))
+        y = cp.from_ring_layout(y if y.placements[0] == S(1) else
+                                wb.reshard(y, mesh, [S(1)]), "cp", 1)
+    (y * wb.shard_tensor(gy, mesh, [R])).sum().backward()
+    torch.testing.assert_close(y.full(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(X.grad.full(), xr.grad, rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+        torch.testing.assert_close(_full(b.grad), a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert m.last_stats["dropped"] == ref.last_stats["dropped"] > 0
+    assert torch.equal(m.last_stats["tokens_per_expert"], ref.last_stats["tokens_per_expert"])
