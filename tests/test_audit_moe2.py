@@ -171,3 +171,41 @@ def test_moe_layer_under_context_parallel_routes_ring_ordered_tokens_in_sequence
         torch.testing.assert_close(_full(b.grad), a.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert m.last_stats["dropped"] == ref.last_stats["dropped"] > 0
     assert torch.equal(m.last_stats["tokens_per_expert"], ref.last_stats["tokens_per_expert"])
+
+
+# ---- data-parallel wrappers around a MoE model -----------------------------------------------
+
+def _wrap(kind, model, mesh):
+    if kind == "ddp":
+        return wb.DistributedDataParallel(model, mesh)
+    if kind == "fsdp":
+        return wb.FullyShardedDataParallel(model, mesh)
+    for block in model.layers:
+        wb.fully_shard(block, mesh=mesh)
+    return wb.fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.parametrize("kind,n", [("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fully_shard", 2)])
+def test_data_parallel_wrappers_train_the_load_balancing_loss_once(kind, n):
+    """On simulated ranks the wrappers seed each rank's loss with 1/N and sum the ranks'
+    gradients (torch DDP's average); the load-balancing loss, attached to the router by
+    gradient, bypassed that seed and was counted N times (router gradient off by the
+    whole aux part, total norm 1.4942 for one device's 1.4931 at N = 2)."""
+    from workbench.models import build_model
+    cfg = _moe_cfg(n_layer=1, moe_aux_loss_coef=0.1)
+    mesh = wb.Mesh.grid(n, ["dp"])
+    ref, model = build_model(cfg, seed=0), _wrap(kind, build_model(cfg, seed=0), mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        idx, tgt = (torch.randint(0, 75, (4, cfg.seq_len), generator=g) for _ in range(2))
+        _, want = ref(idx, tgt)
+        _, got = model(wb.shard_tensor(idx, mesh, [S(0)]), wb.shard_tensor(tgt, mesh, [S(0)]))
+        torch.testing.assert_close(_full(got), want, rtol=1e-5, atol=1e-6)
+        want.backward()
+        got.backward()
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9) for m in (ref, model)]
+        torch.testing.assert_close(_full(norms[1]), norms[0], rtol=1e-5, atol=1e-7)
+        for o in opts:
+            o.step()
+            o.zero_grad()

@@ -34,6 +34,7 @@ SPMD layer runs it on DistTensors (rules: ``workbench/parallel/ops_table/moe.py`
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -42,7 +43,8 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from . import _checks
 
-__all__ = ["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss", "capacity", "GATINGS"]
+__all__ = ["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss", "loss_share",
+           "capacity", "GATINGS"]
 
 GATINGS = ("softmax", "sigmoid")
 
@@ -228,15 +230,35 @@ class _AuxLossScaler(torch.autograd.Function):
         return g, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=g.device), None
 
 
+_SHARE = [1.0]      # the loss share of the forward now running (:func:`loss_share`)
+
+
+@contextlib.contextmanager
+def loss_share(share: float):
+    """While one simulated data-parallel rank runs its forward, the share of its loss the
+    wrapper's backward gives it: ``1/N``, where a wrapper joins the N ranks' losses as
+    their mean and then sums the ranks' gradients (``wb.DistributedDataParallel``,
+    ``FullyShardedDataParallel`` on simulated ranks), as torch DDP averages them.  A loss
+    term attached by gradient (:func:`attach_aux_loss`) is not part of the joined loss, so
+    it takes the same share here; without it the N ranks' sum would count it N times."""
+    _SHARE.append(float(share))
+    try:
+        yield
+    finally:
+        _SHARE.pop()
+
+
 def attach_aux_loss(y, aux, scale: float):
     """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
     ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains
     without changing the loss every recipe and pipeline schedule computes (Megatron-LM's
     ``MoEAuxLossAutoScaler``).  The result is a view made by a custom autograd Function, so
     autograd refuses to modify it in place: attach to a tensor the layer itself consumes
-    (``models.moe.MoE`` attaches to the gate weights), not to what it returns."""
+    (``models.moe.MoE`` attaches to the gate weights), not to what it returns.  Inside
+    :func:`loss_share` (a simulated data-parallel rank's forward) ``scale`` is multiplied
+    by that share."""
     if has_torch_function((y, aux)):
         return handle_torch_function(attach_aux_loss, (y, aux), y, aux, scale)
     if not torch.is_grad_enabled() or not aux.requires_grad:
         return y
-    return _AuxLossScaler.apply(y, aux, float(scale))
+    return _AuxLossScaler.apply(y, aux, float(scale) * _SHARE[-1])
