@@ -242,5 +242,13 @@ class ContextParallel(Hybrid):
         with SavedCounter(mesh, params).counting() as saved:
             loss = forward()
         self.last_activation_bytes = saved.bytes
-        loss.backward()
+        with self.backward_context():
+            loss.backward()
         return loss.full().detach()
+
+    def backward_context(self):
+        """Where a step's backward runs: recomputed blocks (recompute "full" /
+        "selective") run their forward again in backward, so attention is on the ring
+        there too (the RoPE tables are the checkpoint's arguments, kept from the forward);
+        also the dry run's (``plan.meta_run``)."""
+        return context_parallel(self.meshes[0], "cp", balanced=self.balanced)
