@@ -245,3 +245,20 @@ def test_cp_dry_run_with_recompute_agrees_with_the_planner(recompute):
     est = estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
     assert dr.memory["total"] == pytest.approx(est.memory["total"], rel=0.05)
+
+
+# ---- pipelines ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(pp=2, schedule="dualpipe"),
+                                dict(pp=2, schedule="dualpipe", microbatches=4)])
+def test_dualpipe_averages_the_load_balancing_loss_over_its_micro_batches(kw):
+    """DualPipe did not scale each micro-batch's load-balancing gradient by 1/m, as the
+    other schedules do (Megatron's MoEAuxLossAutoScaler.set_loss_scale): the aux loss
+    trained m times too hard (step 2's loss 4.1682 for one device's 4.1505)."""
+    from workbench.recipes import Hybrid
+    from workbench.train import train
+    cfg = _moe_cfg(n_layer=2, moe_aux_loss_coef=0.1)
+    want = [r["loss"] for r in train(cfg, steps=3, seed=0, timing=False, batch_size=8)]
+    got = [r["loss"] for r in train(cfg, steps=3, seed=0, timing=False, batch_size=8,
+                                    strategy=Hybrid(**kw))]
+    assert got == pytest.approx(want, rel=1e-5)
