@@ -262,3 +262,76 @@ def test_dualpipe_averages_the_load_balancing_loss_over_its_micro_batches(kw):
     got = [r["loss"] for r in train(cfg, steps=3, seed=0, timing=False, batch_size=8,
                                     strategy=Hybrid(**kw))]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+# ---- Switch's top-1 gate: the router's own probability ----------------------------------------
+
+def _switch_reference(m, x):
+    """Switch Transformer (Fedus et al. 2021, eqs. 1-2) written out: each token to its
+    argmax expert, y = p_i(x) E_i(x), an expert keeping the first C tokens of the sequence
+    (the rest dropped: 0 here, the residual carries them)."""
+    from workbench.ops.moe import capacity
+    B, n, h = x.shape
+    C = capacity(n, m.num_experts, 1, m.capacity_factor)
+    P = dict(m.experts.named_parameters())
+    rows = []
+    for b in range(B):
+        p = torch.softmax(x[b] @ m.router.weight.T, -1)
+        used = [0] * m.num_experts
+        for t in range(n):
+            i = int(p[t].argmax())
+            out = torch.zeros(h)
+            if used[i] < C:
+                used[i] += 1
+                hid = F.silu(x[b, t] @ P["w1"][i]) * (x[b, t] @ P["w3"][i])
+                out = p[t, i] * (hid @ P["w2"][i])
+            rows.append(out)
+    return torch.stack(rows).view(B, n, h)
+
+
+def test_moe_norm_topk_false_is_switchs_top1_gate_and_trains_the_router():
+    """With top-1 the renormalised gate is 1 for every token, so the router learned from
+    the load-balancing loss alone; ``moe_norm_topk=False`` gates by p_i as Switch does
+    (``--moe-no-norm-topk``), forward and every gradient."""
+    from workbench.models import get_config
+    from workbench.models.moe import MoE
+    cfg = get_config("tiny", d_model=16, n_head=2, d_ff=24, moe_experts=4, moe_topk=1,
+                     moe_capacity_factor=1.0, moe_aux_loss_coef=0.0, moe_norm_topk=False)
+    torch.manual_seed(0)
+    m = MoE(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    x, gy = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 16, generator=g)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (m(xa) * gy).sum().backward()
+    got = [xa.grad] + [p.grad.clone() for p in m.parameters()]
+    assert m.last_stats["dropped"] > 0
+    m.zero_grad()
+    (_switch_reference(m, xb) * gy).sum().backward()
+    want = [xb.grad] + [p.grad for p in m.parameters()]
+    torch.testing.assert_close(m(x), _switch_reference(m, x), rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[1].norm() > 0                            # the router's gradient (router.weight)
+    normalized = MoE(cfg.replace(moe_norm_topk=True))
+    normalized.load_state_dict(m.state_dict())
+    xc = x.clone().requires_grad_()
+    normalized(xc).sum().backward()
+    assert normalized.router.weight.grad.abs().max() < 1e-6   # gate 1: no gradient
+
+
+def test_moe_norm_topk_false_with_expert_parallelism_and_its_flag(capsys):
+    from workbench.cli import main
+    from workbench.models import get_config
+    from workbench.recipes import Hybrid
+    from workbench.train import train
+    cfg = _moe_cfg(moe_topk=1, moe_norm_topk=False, moe_gating="sigmoid")
+    want = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False, batch_size=4)]
+    got = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False, batch_size=4,
+                                    strategy=Hybrid(ep=2))]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx([r["loss"] for r in train(
+        cfg.replace(moe_norm_topk=True), steps=2, seed=0, timing=False, batch_size=4)])
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--moe-no-norm-topk"]) == 2
+    assert "--moe-no-norm-topk applies to a mixture-of-experts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="moe_norm_topk='no'"):
+        get_config("tiny", moe_experts=4, moe_norm_topk="no")
