@@ -17,7 +17,8 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
   et al. 2024), GeLU fc2(gelu(x fc1 + b1)) + b2 for the GPT (Switch / GShard's FFN);
 * router: softmax (Mixtral, GShard) or sigmoid with the DeepSeek-V3 normalisation
   (``workbench.ops.moe``), the k gates renormalised to sum 1, or with
-  ``moe_norm_topk=False`` the router's own probabilities (Switch's top-1 gate p_i); each sequence is a routing group: capacity per expert
+  ``moe_norm_topk=False`` the router's own probabilities (Switch's top-1 gate p_i);
+  each sequence is a routing group: capacity per expert
   C = ceil(capacity_factor S k / E) slots per sequence (GShard's group capacity), the
   overflow dropped (the token then passes through the residual only);
   ``moe_capacity_factor=None`` drops nothing;
