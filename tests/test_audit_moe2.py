@@ -335,3 +335,20 @@ def test_moe_norm_topk_false_with_expert_parallelism_and_its_flag(capsys):
     assert "--moe-no-norm-topk applies to a mixture-of-experts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="moe_norm_topk='no'"):
         get_config("tiny", moe_experts=4, moe_norm_topk="no")
+
+
+@pytest.mark.parametrize("zero,preset,moe", [(1, "tiny", 0), (2, "gpt-tiny", 4)])
+def test_dp_x_cp_x_tp_with_sequence_parallelism_and_zero_gives_one_devices_losses(zero, preset,
+                                                                                moe):
+    """ZeRO over dp with cp keeps one copy of each parameter over cp; the sequence-parallel
+    norms' partial gradients were summed over tp in a buffer of one copy per rank and
+    written back at that size: "attempting to assign a gradient of size [2, 2, 2, 32] to
+    a tensor of size [2, 1, 2, 32]" at the first optimizer step."""
+    from workbench.recipes.context_parallel import ContextParallel
+    from workbench.train import train
+    cfg = _moe_cfg(preset, n_head=4, moe_experts=moe, moe_capacity_factor=0.75 if moe else None)
+    want = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False, batch_size=2)]
+    got = [r["loss"] for r in train(cfg, steps=2, seed=0, timing=False, batch_size=2,
+                                    strategy=ContextParallel(cp=2, dp=2, tp=2, sp=True,
+                                                             zero=zero))]
+    assert got == pytest.approx(want, rel=1e-5)
