@@ -352,3 +352,58 @@ def test_dp_x_cp_x_tp_with_sequence_parallelism_and_zero_gives_one_devices_losse
                                     strategy=ContextParallel(cp=2, dp=2, tp=2, sp=True,
                                                              zero=zero))]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_checkpointed_attention_under_context_parallel_recomputes_on_the_ring():
+    """A block checkpointed (torch.utils.checkpoint) inside ``context_parallel``, its
+    backward started by ``torch.autograd.backward`` (a non-scalar gradient; every
+    ``loss.backward()`` under torch.distributed): torch runs a mode's handler with the
+    mode off its stack, so the recomputation ran plain causal attention on ring-ordered
+    tokens ("A different number of tensors was saved during the original forward and
+    recomputation")."""
+    from torch.utils.checkpoint import checkpoint
+    p, n = 2, 8
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
+
+    def attn(a, b, c):
+        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    (attn(*ref_in) * go).sum().backward()
+    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)]).requires_grad_()
+            for t in (q, k, v)]
+    with cp.context_parallel(mesh, "cp"):
+        out = checkpoint(attn, *dist, use_reentrant=False)
+        out.backward(wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [S(2)]))
+    inv = torch.argsort(cp.slot_positions(n, p))
+    for d, r in zip(dist, ref_in):
+        torch.testing.assert_close(d.grad.full()[:, :, inv], r.grad, rtol=1e-5, atol=1e-6)
+
+
+def train_rows(flags):
+    """One device's step records of a ``train`` command line (in this process)."""
+    import contextlib
+    import io
+    import json
+    from workbench.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(flags) == 0
+    return [json.loads(r) for r in buf.getvalue().splitlines() if r.startswith("{")]
+
+
+def test_torchrun_cp_with_recompute_prints_one_devices_losses():
+    import os
+    import sys
+    from tests.torchrun_support import json_rows, run_job
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["train", "--preset", "tiny", "--seed", "0", "--steps", "2", "--recompute", "full"]
+    want = [r["loss"] for r in train_rows(flags)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "workbench", *flags, "--backend", "torch", "--cp", "2"]
+    out = run_job(cmd, timeout=240, cwd=root,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["loss"] for r in json_rows(out.stdout)] == pytest.approx(want, rel=1e-6)
+
