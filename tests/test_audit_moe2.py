@@ -407,3 +407,28 @@ def test_torchrun_cp_with_recompute_prints_one_devices_losses():
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["loss"] for r in json_rows(out.stdout)] == pytest.approx(want, rel=1e-6)
 
+
+
+def test_autograd_grad_of_checkpointed_attention_under_context_parallel():
+    """``torch.autograd.grad`` of a checkpointed block inside ``context_parallel`` raised
+    torch's CheckpointError (recomputation outside the ring), as ``backward`` did."""
+    from torch.utils.checkpoint import checkpoint
+    p, n = 3, 12
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
+
+    def attn(a, b, c):
+        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((attn(*ref_in) * go).sum(), ref_in)
+    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)]).requires_grad_()
+            for t in (q, k, v)]
+    with cp.context_parallel(mesh, "cp"):
+        out = checkpoint(attn, *dist, use_reentrant=False)
+        got = torch.autograd.grad((out * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [S(2)]))
+                                  .sum(), dist)
+    inv = torch.argsort(cp.slot_positions(n, p))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.full()[:, :, inv], b, rtol=1e-5, atol=1e-6)
+    assert all(t.grad is None for t in dist)            # grad accumulates into nothing

@@ -52,6 +52,7 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
+from .context_parallel_autograd import autograd_in_context
 from .context_parallel_comm import await_in_backward, ring_pass, wait
 
 __all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
@@ -177,40 +178,14 @@ class context_parallel(TorchFunctionMode):
             if self._mine(q):
                 return self._ring(func, args, kwargs)
             self._refuse_ring_ordered(func, q, args, kwargs)
-        if func is torch.autograd.backward:
-            return self._backward(func, args, kwargs)
+        if func is torch.autograd.backward or func is torch.autograd.grad:
+            return autograd_in_context(self, func, types, args, kwargs)
         if func is _router() and self.balanced and kwargs.get("capacity") is not None:
             logits = args[0] if args else kwargs.get("logits")
             if isinstance(logits, DistTensor) and logits.mesh == self.mesh \
                     and logits.ndim == 3 and logits.placements[self.axis] == Shard(1):
                 return self._route_in_sequence_order(func, logits, args[1:], kwargs)
         return func(*args, **kwargs)
-
-    def _backward(self, func, args, kwargs):
-        """``torch.autograd.backward`` (``loss.backward()`` under torch.distributed) with
-        this context active: a checkpointed block (recompute "full" / "selective") runs its
-        forward again inside backward, and its attention must run on the ring there too.
-        Torch runs a mode's ``__torch_function__`` with the mode taken off its stack, so the
-        engine is entered here, as ``torch.autograd.backward`` enters it once its
-        arguments are checked (torch 2.13, ``torch/autograd/__init__.py``)."""
-        try:
-            from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-            from torch.autograd.graph import _engine_run_backward
-        except ImportError:             # another torch: the public call, outside the ring
-            return func(*args, **kwargs)
-        tensors = args[0] if args else kwargs["tensors"]
-        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        if not all(type(t) is torch.Tensor for t in tensors):
-            return func(*args, **kwargs)
-        grads = _tensor_or_tensors_to_tuple(kwargs.get("grad_tensors"), len(tensors))
-        grads = _make_grads(tensors, grads, is_grads_batched=False)
-        create = bool(kwargs.get("create_graph", False))
-        retain = kwargs.get("retain_graph")
-        inputs = kwargs.get("inputs")
-        with self:
-            _engine_run_backward(tensors, grads, create if retain is None else retain, create,
-                                 tuple(inputs) if inputs is not None else (),
-                                 allow_unreachable=True, accumulate_grad=True)
 
     def _route_in_sequence_order(self, func, logits, rest, kwargs):
         """A mixture-of-experts router with a capacity on tokens in ring order: tokens
