@@ -63,6 +63,8 @@ class ModelConfig:
                                     # moe_shared_experts x d_ff beside the routed ones
     moe_gating: str = "softmax"     # "softmax" (Mixtral, GShard) | "sigmoid" (DeepSeek-V3)
     moe_aux_loss_coef: float = 0.01  # alpha of the load-balancing loss (Switch: 1e-2)
+    moe_norm_topk: bool = True      # the k gates renormalised to sum 1 (Mixtral, DeepSeek-V3);
+                                    # False: the router's own p_i (Switch's top-1 gate)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -152,6 +154,10 @@ def _check_moe(cfg) -> None:
     if cfg.moe_gating not in ("softmax", "sigmoid"):
         raise ValueError(f"ModelConfig: moe_gating={cfg.moe_gating!r}; use 'softmax' or "
                          "'sigmoid'")
+    if not isinstance(cfg.moe_norm_topk, bool):
+        raise ValueError(f"ModelConfig: moe_norm_topk={cfg.moe_norm_topk!r}; give True (the "
+                         "k gates renormalised to sum 1) or False (the router's own "
+                         "probabilities, Switch's top-1 gate)")
     a = cfg.moe_aux_loss_coef
     if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < math.inf:
         raise ValueError(f"ModelConfig: moe_aux_loss_coef={a!r} must be a number >= 0 "

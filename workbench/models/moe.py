@@ -16,7 +16,9 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
   Megatron-LM's GroupedMLP): SwiGLU w2(silu(x w1) * x w3) for the Llama (Mixtral, Jiang
   et al. 2024), GeLU fc2(gelu(x fc1 + b1)) + b2 for the GPT (Switch / GShard's FFN);
 * router: softmax (Mixtral, GShard) or sigmoid with the DeepSeek-V3 normalisation
-  (``workbench.ops.moe``); each sequence is a routing group: capacity per expert
+  (``workbench.ops.moe``), the k gates renormalised to sum 1, or with
+  ``moe_norm_topk=False`` the router's own probabilities (Switch's top-1 gate p_i);
+  each sequence is a routing group: capacity per expert
   C = ceil(capacity_factor S k / E) slots per sequence (GShard's group capacity), the
   overflow dropped (the token then passes through the residual only);
   ``moe_capacity_factor=None`` drops nothing;
@@ -139,6 +141,7 @@ class MoE(nn.Module):
         E, h, dt = cfg.moe_experts, cfg.d_model, cfg.torch_dtype
         self.num_experts, self.k = E, cfg.moe_topk
         self.gating, self.capacity_factor = cfg.moe_gating, cfg.moe_capacity_factor
+        self.norm_topk = cfg.moe_norm_topk
         self.aux_loss_coef = cfg.moe_aux_loss_coef
         self.aux_loss_scale = 1.0       # 1/m when a recipe averages m micro-batch losses
         self.dropout = cfg.dropout
@@ -155,7 +158,8 @@ class MoE(nn.Module):
         C = capacity(S, E, k, self.capacity_factor)
         logits = self.router(x)                                             # (B, S, E)
         w, e, slot, aux = router_topk(logits, k, self.gating,
-                                      None if self.capacity_factor is None else C)
+                                      None if self.capacity_factor is None else C,
+                                      normalize=self.norm_topk)
         self._last = (e, slot, aux.detach(), C)
         if self.training and self.aux_loss_coef > 0:
             # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m);

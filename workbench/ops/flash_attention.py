@@ -64,7 +64,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     tile_q, tile_k, tile_stats: the reference backend's tile sizes and a
         :class:`TileStats` it fills with the tiles it computed and skipped.
     return_lse: also return the log-sum-exp of each query row's scaled, masked scores,
-        (B, Hq, Sq) in float32, -inf for a row with no key (what FlashAttention keeps
+        (B, Hq, Sq) in float32 (float64 for float64 inputs, as torch's math attention
+        keeps its accumulator), -inf for a row with no key (what FlashAttention keeps
         for backward, and what ring / context-parallel attention needs to merge the
         partial outputs of key blocks).  It is recomputed here with differentiable
         torch ops (one extra Sq x Sk pass), whatever the backend, before dropout.
@@ -115,11 +116,14 @@ class _MetaFused(torch.autograd.Function):
 
 
 def _lse(q, k, c: AttentionCall) -> torch.Tensor:
-    """logsumexp_j(scale * q_i . k_j) over the keys row i may attend: (B, Hq, Sq), fp32."""
+    """logsumexp_j(scale * q_i . k_j) over the keys row i may attend: (B, Hq, Sq), fp32
+    (fp64 for fp64 inputs: a float64 caller, e.g. ring attention's merge, keeps its
+    precision)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, 1)
-    s = (q.float() @ k.float().transpose(-2, -1)) * c.scale      # (B, Hq, Sq, Sk)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * c.scale      # (B, Hq, Sq, Sk)
     if c.mask is not None:
         s = s.masked_fill(~c.mask.dense4(q.shape[2], k.shape[2], q.device), float("-inf"))
     return torch.logsumexp(s, dim=-1)

@@ -12,7 +12,11 @@ sequence do not depend on how the batch is split over ranks or micro-batches.
   - ``gating="softmax"``: p = softmax(logits); the k largest, renormalised to sum 1
     (= softmax over the k chosen logits: Mixtral, Jiang et al. 2024, sec. 2.1; GShard top-2);
   - ``gating="sigmoid"``: s = sigmoid(logits); the k largest, normalised s_i / sum of the
-    k chosen (DeepSeek-V3 technical report, Liu et al. 2024, eqs. 13-15).
+    k chosen (DeepSeek-V3 technical report, Liu et al. 2024, eqs. 13-15);
+  - ``normalize=False``: the k chosen p_i (or s_i) as they are, not renormalised: Switch
+    Transformer's top-1 gate p_i (Fedus et al. 2021, eq. 2; with renormalisation a top-1
+    gate is 1 and the router learns from the load-balancing loss alone), Qwen-MoE's
+    ``norm_topk_prob=False``.
   ``slot``: where each (token, choice) lands in its expert's buffer, -1 when dropped.
   Priority as GShard's Algorithm 1: every token's first choice, in sequence order,
   before any second choice.  With ``capacity`` C an expert takes at most C per group;
@@ -34,6 +38,7 @@ SPMD layer runs it on DistTensors (rules: ``workbench/parallel/ops_table/moe.py`
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -42,7 +47,8 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from . import _checks
 
-__all__ = ["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss", "capacity", "GATINGS"]
+__all__ = ["router_topk", "moe_dispatch", "moe_combine", "attach_aux_loss", "loss_share",
+           "capacity", "GATINGS"]
 
 GATINGS = ("softmax", "sigmoid")
 
@@ -66,12 +72,16 @@ def _int(op, name, v, lo):
         raise ValueError(f"{op}: {name}={v!r} must be an int >= {lo}")
 
 
-def router_topk(logits, k: int, gating: str = "softmax", capacity: int | None = None):
+def router_topk(logits, k: int, gating: str = "softmax", capacity: int | None = None,
+                normalize: bool = True):
     """(G, S, E) router logits -> (weights (G, S, k), experts (G, S, k) int64, slots
-    (G, S, k) int64, -1 = dropped, aux (G,) load-balancing loss per group)."""
+    (G, S, k) int64, -1 = dropped, aux (G,) load-balancing loss per group).
+    ``normalize=False``: the weights are the k chosen probabilities themselves (softmax
+    p_i: Switch's top-1 gate, Fedus et al. 2021, eq. 2; Qwen-MoE's and DeepSeek's
+    ``norm_topk_prob=False``; sigmoid s_i), not renormalised to sum 1."""
     if has_torch_function((logits,)):
         return handle_torch_function(router_topk, (logits,), logits, k, gating=gating,
-                                     capacity=capacity)
+                                     capacity=capacity, normalize=normalize)
     _checks.floating("router_topk", "logits", logits)
     if logits.dim() != 3:
         raise ValueError(f"router_topk: logits.shape={tuple(logits.shape)}; give (groups, "
@@ -85,10 +95,13 @@ def router_topk(logits, k: int, gating: str = "softmax", capacity: int | None = 
         raise ValueError(f"router_topk: gating={gating!r}; use one of {GATINGS}")
     if capacity is not None:
         _int("router_topk", "capacity", capacity, 1)
-    return _router_topk(logits, k, gating, capacity)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"router_topk: normalize={normalize!r}; give True (the k gates "
+                        "renormalised to sum 1) or False (the router's probabilities)")
+    return _router_topk(logits, k, gating, capacity, normalize)
 
 
-def _router_topk(logits, k, gating, cap):
+def _router_topk(logits, k, gating, cap, normalize=True):
     """The router on (..., S, E): every leading dim is a group."""
     S, E = logits.shape[-2], logits.shape[-1]
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))     # gates in fp32
@@ -99,7 +112,7 @@ def _router_topk(logits, k, gating, cap):
         scores = torch.sigmoid(z)                                       # s (..., S, E)
         probs = scores / scores.sum(-1, keepdim=True)                   # s' (DeepSeek-V3)
     top, experts = scores.topk(k, -1)                                   # (..., S, k)
-    weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
+    weights = (top / top.sum(-1, keepdim=True) if normalize else top).to(logits.dtype)
     hot = F.one_hot(experts, E)                                         # (..., S, k, E)
     # k-major priority: first choices of every token, then second choices (GShard)
     order = hot.transpose(-3, -2).reshape(*hot.shape[:-3], k * S, E)     # (..., kS, E)
@@ -228,15 +241,35 @@ class _AuxLossScaler(torch.autograd.Function):
         return g, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=g.device), None
 
 
+_SHARE = [1.0]      # the loss share of the forward now running (:func:`loss_share`)
+
+
+@contextlib.contextmanager
+def loss_share(share: float):
+    """While one simulated data-parallel rank runs its forward, the share of its loss the
+    wrapper's backward gives it: ``1/N``, where a wrapper joins the N ranks' losses as
+    their mean and then sums the ranks' gradients (``wb.DistributedDataParallel``,
+    ``FullyShardedDataParallel`` on simulated ranks), as torch DDP averages them.  A loss
+    term attached by gradient (:func:`attach_aux_loss`) is not part of the joined loss, so
+    it takes the same share here; without it the N ranks' sum would count it N times."""
+    _SHARE.append(float(share))
+    try:
+        yield
+    finally:
+        _SHARE.pop()
+
+
 def attach_aux_loss(y, aux, scale: float):
     """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
     ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains
     without changing the loss every recipe and pipeline schedule computes (Megatron-LM's
     ``MoEAuxLossAutoScaler``).  The result is a view made by a custom autograd Function, so
     autograd refuses to modify it in place: attach to a tensor the layer itself consumes
-    (``models.moe.MoE`` attaches to the gate weights), not to what it returns."""
+    (``models.moe.MoE`` attaches to the gate weights), not to what it returns.  Inside
+    :func:`loss_share` (a simulated data-parallel rank's forward) ``scale`` is multiplied
+    by that share."""
     if has_torch_function((y, aux)):
         return handle_torch_function(attach_aux_loss, (y, aux), y, aux, scale)
     if not torch.is_grad_enabled() or not aux.requires_grad:
         return y
-    return _AuxLossScaler.apply(y, aux, float(scale))
+    return _AuxLossScaler.apply(y, aux, float(scale) * _SHARE[-1])

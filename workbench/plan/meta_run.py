@@ -190,10 +190,12 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         send_bytes = {r: b - b0.get(r, 0) for r, b in tr.bytes_per_rank().items()
                       if b != b0.get(r, 0)}
     t1 = _clock(tr, ranks)
-    if s == n_stages - 1:
-        y.backward()
-    else:
-        torch.autograd.backward([y._local], [torch.empty_like(y._local)])
+    # the recipe's backward context (context parallelism: recomputed attention on the ring)
+    with getattr(h, "backward_context", contextlib.nullcontext)():
+        if s == n_stages - 1:
+            y.backward()
+        else:
+            torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
             "send_bytes": send_bytes,      # per rank: the send's and the receiving mesh's

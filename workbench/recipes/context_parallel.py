@@ -217,6 +217,15 @@ class ContextParallel(Hybrid):
         finally:
             model.rope_cos, model.rope_sin = cos, sin
 
+    def evaluate(self, model, inputs, targets=None) -> torch.Tensor:
+        """The batch's mean loss, forward only; without ``targets`` the logits (B, S, V) in
+        the sequences' own order (the ring layout undone, as the loss's targets follow it)."""
+        out = super().evaluate(model, inputs, targets)
+        if targets is not None:
+            return out
+        inv = torch.argsort(slot_positions(out.shape[1], self.cp, self.balanced))
+        return out.index_select(1, inv.to(out.device))
+
     def forward_backward(self, model, inputs, targets):
         self.check(model.cfg, inputs.shape[0])
         mesh = self.meshes[0]
@@ -233,5 +242,13 @@ class ContextParallel(Hybrid):
         with SavedCounter(mesh, params).counting() as saved:
             loss = forward()
         self.last_activation_bytes = saved.bytes
-        loss.backward()
+        with self.backward_context():
+            loss.backward()
         return loss.full().detach()
+
+    def backward_context(self):
+        """Where a step's backward runs: recomputed blocks (recompute "full" /
+        "selective") run their forward again in backward, so attention is on the ring
+        there too (the RoPE tables are the checkpoint's arguments, kept from the forward);
+        also the dry run's (``plan.meta_run``)."""
+        return context_parallel(self.meshes[0], "cp", balanced=self.balanced)

@@ -29,6 +29,7 @@ import torch
 from ..parallel import schedules as S
 from ..parallel import storage
 from ..sim_mesh.collectives import record_collective
+from .moe import scale_aux_losses
 from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["check_args", "check", "build_twin", "twin_optimizers", "forward_backward",
@@ -139,6 +140,8 @@ def forward_backward(h, model, inputs, targets):
     xs = [h._batch(c, mesh_of(0, i)) for i, c in enumerate(inputs.chunk(m))]
     ts = [h._batch(c, mesh_of(p - 1, i)) for i, c in enumerate(targets.chunk(m))]
     loss_fn = weighted_loss_fn(lambda out, i: h._loss(out, ts[i]), token_weights(targets, m))
+    for copy_ in (model, model1):       # MoE: the load-balancing loss averaged as the loss
+        scale_aux_losses(copy_, m)
     run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
                          params=params)
     return torch.tensor(run.loss)

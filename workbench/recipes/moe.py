@@ -118,6 +118,9 @@ def add_moe_arguments(parser) -> None:
                    help="router gating: softmax (Mixtral) or sigmoid (DeepSeek-V3)")
     g.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
                    help="load-balancing loss coefficient (Switch: 0.01)")
+    g.add_argument("--moe-no-norm-topk", dest="moe_norm_topk", action="store_false",
+                   help="gate each token's k experts by the router's own probabilities "
+                        "(Switch's top-1 gate) instead of renormalising them to sum 1")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size, carved out of the data-parallel ranks: "
                         "--ep 2 --dp 2 is 4 ranks (Megatron-LM's convention)")
@@ -128,7 +131,8 @@ def add_moe_arguments(parser) -> None:
 
 
 MOE_FLAGS = (("moe_experts", 0), ("moe_topk", 2), ("moe_capacity_factor", None),
-             ("moe_shared_experts", 0), ("moe_gating", "softmax"), ("moe_aux_loss_coef", 0.01))
+             ("moe_shared_experts", 0), ("moe_gating", "softmax"), ("moe_aux_loss_coef", 0.01),
+             ("moe_norm_topk", True))
 
 
 def moe_overrides(args) -> dict:
@@ -138,7 +142,9 @@ def moe_overrides(args) -> dict:
     if not given["moe_experts"]:
         stray = [n for n, d in MOE_FLAGS[1:] if given[n] != d]
         if stray:
-            raise ValueError(f"--{stray[0].replace('_', '-')} applies to a mixture-of-experts "
+            flag = ("moe-no-norm-topk" if stray[0] == "moe_norm_topk"
+                    else stray[0].replace("_", "-"))
+            raise ValueError(f"--{flag} applies to a mixture-of-experts "
                              "model; add --moe-experts E (e.g. 4) or leave it out")
         return {}
     return given

@@ -106,13 +106,13 @@ def _unfold(lead, t):
     return t.reshape(*lead, t.shape[0] // math.prod(lead), *t.shape[1:])
 
 
-def _router_local(nd, ctx, logits, k, gating, capacity):
+def _router_local(nd, ctx, logits, k, gating, capacity, normalize=True):
     if ctx is None:
         G, S, _ = logits.shape
         f = torch.empty(G, S, k, dtype=logits.dtype, device="meta")
         i = torch.empty(G, S, k, dtype=torch.int64, device="meta")
         return f, i, i.clone(), torch.empty(G, dtype=logits.dtype, device="meta")
-    return _moe._router_topk(logits, k, gating, capacity)     # leading dims are groups
+    return _moe._router_topk(logits, k, gating, capacity, normalize)   # leading: groups
 
 
 def _dispatch_local(nd, ctx, x, experts, slots, num_experts, capacity):
@@ -189,7 +189,8 @@ def _aux_local(nd, ctx, y, aux, scale):
 
 def _router_sample(g):
     return [Sample(_moe.router_topk, (g.rn(4, 5, 4), 2)),
-            Sample(_moe.router_topk, (g.rn(5, 7, 3), 1), {"gating": "sigmoid", "capacity": 3})]
+            Sample(_moe.router_topk, (g.rn(5, 7, 3), 1), {"gating": "sigmoid", "capacity": 3}),
+            Sample(_moe.router_topk, (g.rn(4, 5, 4), 2), {"capacity": 2, "normalize": False})]
 
 
 def _routes(g, G, S, E, k, cap):
@@ -211,8 +212,9 @@ def _combine_sample(g):
 
 if _moe is not None:
     register("router_topk", [_moe.router_topk],
-             parse=lambda logits, k, gating="softmax", capacity=None:
-                 ((logits,), {"k": int(k), "gating": gating, "capacity": capacity}),
+             parse=lambda logits, k, gating="softmax", capacity=None, normalize=True:
+                 ((logits,), {"k": int(k), "gating": gating, "capacity": capacity,
+                              "normalize": normalize}),
              rule=router_topk_rule, local=_router_local, cost=_router_cost,
              op_class="reduction", n_out=4, meta_check=False, sample=_router_sample)
     register("moe_dispatch", [_moe.moe_dispatch],

@@ -111,7 +111,7 @@ def _slot_block(q, k, v, i, j, ring, causal, balanced, scale):
         seen = [m for m, b in enumerate(kb) if not causal or b <= a]
         if not seen:                                  # skipped: nothing is computed
             outs.append(qc.new_zeros(qc.shape[:-1] + (v.shape[-1],)))
-            lses.append(torch.full(qc.shape[:-1], -math.inf, dtype=torch.float32,
+            lses.append(torch.full(qc.shape[:-1], -math.inf, dtype=_lse_dtype(q.dtype),
                                    device=q.device))
             continue
         ks = torch.cat([k[..., m * c:(m + 1) * c, :] for m in seen], -2)   # (B, Hkv, c*, D)
@@ -130,6 +130,11 @@ def _slot_block(q, k, v, i, j, ring, causal, balanced, scale):
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
+def _lse_dtype(dtype):
+    """The log-sum-exp's dtype: float32, float64 for float64 inputs (flash_attention's)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _MetaBlock(torch.autograd.Function):
     """A block on the meta device (``workbench.plan.dryrun``): the output's and the
     log-sum-exp's shapes, and for backward what FlashAttention-2 keeps (Dao 2023,
@@ -138,7 +143,7 @@ class _MetaBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
-        lse = torch.empty(tuple(q.shape[:-1]), dtype=torch.float32, device=q.device)
+        lse = torch.empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype), device=q.device)
         ctx.save_for_backward(q, k, v, o, lse)
         return o, lse
 
@@ -167,7 +172,8 @@ def _check(q, k, v, ring, step, causal, balanced, scale):
 def ring_attention_step(q, k, v, *, ring: int, step: int, causal: bool = True,
                         balanced: bool = True, scale: float | None = None):
     """Slot i's queries against the K/V laid out in slot i, which came from slot
-    (i - step) mod ring: -> (out (B, Hq, S, Dv), lse (B, Hq, S) float32). See the module
+    (i - step) mod ring: -> (out (B, Hq, S, Dv), lse (B, Hq, S) float32; float64 for
+    float64 inputs). See the module
     docstring; on DistTensors sharded S(2) over ``ring`` ranks, each rank computes its slot."""
     if has_torch_function((q, k, v)):
         return handle_torch_function(ring_attention_step, (q, k, v), q, k, v, ring=ring,
@@ -193,12 +199,12 @@ def _slots(q, k, v, first, blk, ring, step, causal, balanced, scale):
 def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     if ctx is None:                                      # global output shapes only
         return (torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta"),
-                torch.empty(tuple(q.shape[:-1]), dtype=torch.float32, device="meta"))
+                torch.empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype), device="meta"))
     lead = tuple(torch.broadcast_shapes(*(t.shape[:nd] for t in (q, k, v))))
     if q.numel() == 0 or k.numel() == 0:                 # an empty shard: nothing to attend
         shape = lead + tuple(q.shape[nd:-1])
         return (q.new_zeros(shape + (v.shape[-1],)),
-                torch.full(shape, -math.inf, dtype=torch.float32, device=q.device))
+                torch.full(shape, -math.inf, dtype=_lse_dtype(q.dtype), device=q.device))
     q4, k4, v4 = (t.expand(lead + tuple(t.shape[nd:])).reshape((math.prod(lead),) +
                                                                tuple(t.shape[nd:]))
                   for t in (q, k, v))                    # (L, B, H, S_local, D)

@@ -52,6 +52,7 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
+from .context_parallel_autograd import autograd_in_context
 from .context_parallel_comm import await_in_backward, ring_pass, wait
 
 __all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
@@ -100,8 +101,9 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
             (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
         o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
                                          balanced=balanced, scale=scale)
-        if o_t.dtype != torch.float32:    # the running output in float32, as FlashAttention
-            o_t = o_t.float()             # keeps its accumulator (lse is float32 already)
+        acc = torch.promote_types(o_t.dtype, torch.float32)
+        if o_t.dtype != acc:              # the running output in float32 (float64 inputs:
+            o_t = o_t.to(acc)             # float64), as FlashAttention keeps its accumulator
         if out is None:
             out, lse = o_t, lse_t
         else:                             # online softmax across blocks (FlashAttention-2)
@@ -155,7 +157,10 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
 class context_parallel(TorchFunctionMode):
     """``with context_parallel(mesh, "cp"):`` attention on DistTensors whose query is
     sequence-sharded (``Shard(2)``) on mesh dim "cp" runs as :func:`ring_attention`
-    (causal, or no mask); anything else, a mask tensor, dropout, is refused with the fix."""
+    (causal, or no mask); anything else, a mask tensor, dropout, is refused with the fix.
+    A mixture-of-experts router with a capacity (``wb.ops.router_topk``) on tokens
+    sequence-sharded (``Shard(1)``) on "cp", in ring order, routes them in sequence
+    order, as one device does."""
 
     def __init__(self, mesh, mesh_dim="cp", *, balanced: bool = True):
         super().__init__()
@@ -173,7 +178,27 @@ class context_parallel(TorchFunctionMode):
             if self._mine(q):
                 return self._ring(func, args, kwargs)
             self._refuse_ring_ordered(func, q, args, kwargs)
+        if func is torch.autograd.backward or func is torch.autograd.grad:
+            return autograd_in_context(self, func, types, args, kwargs)
+        if func is _router() and self.balanced and kwargs.get("capacity") is not None:
+            logits = args[0] if args else kwargs.get("logits")
+            if isinstance(logits, DistTensor) and logits.mesh == self.mesh \
+                    and logits.ndim == 3 and logits.placements[self.axis] == Shard(1):
+                return self._route_in_sequence_order(func, logits, args[1:], kwargs)
         return func(*args, **kwargs)
+
+    def _route_in_sequence_order(self, func, logits, rest, kwargs):
+        """A mixture-of-experts router with a capacity on tokens in ring order: tokens
+        claim their experts' slots in sequence order (GShard's priority, ``ops/moe.py``),
+        so the router runs on the sequence in its own order and its per-token outputs go
+        back to ring order (the per-sequence aux loss does not depend on the order)."""
+        pos = slot_positions(logits.shape[1], self.mesh.shape[self.axis], True)
+        pos = pos.to(logits.device)                     # ring slot -> original position
+        z = torch.index_select(logits, 1, torch.argsort(pos))
+        kwargs = {n: v for n, v in kwargs.items() if n != "logits"}
+        w, e, slots, aux = func(z, *rest, **kwargs)
+        w, e, slots = (torch.index_select(t, 1, pos) for t in (w, e, slots))
+        return w, e, slots, aux
 
     def _refuse_ring_ordered(self, func, q, args, kwargs):
         """Causal attention on a query of this mesh that is not sequence-sharded on cp:
@@ -231,6 +256,11 @@ class context_parallel(TorchFunctionMode):
 def _flash():
     from ... import ops
     return ops.flash_attention
+
+
+def _router():
+    from ...ops import moe
+    return moe.router_topk
 
 
 # ---- the ring, step by step, as data ------------------------------------------------------------

@@ -50,7 +50,10 @@ averages gives the global mean's.  The simulation keeps those semantics:
 
 * a loss the module returns (one scalar per rank) is joined as the ranks' mean
   (``Partial('avg')``), so backward gives each rank 1/N of its own loss's gradient and
-  the all-reduce sums the rows: the average, whatever the loss sums or averages;
+  the all-reduce sums the rows: the average, whatever the loss sums or averages; a loss
+  term the module attaches by gradient (a MoE layer's load-balancing loss,
+  ``ops.moe.attach_aux_loss``) takes the same 1/N in each rank's forward
+  (``ops.moe.loss_share``);
 * a loss computed outside the module on the joined output is the loss of the global
   batch (a DistTensor, as DTensor computes it).  With a loss that averages over the
   batch (``cross_entropy``'s default) each rank's row already carries the 1/N of the

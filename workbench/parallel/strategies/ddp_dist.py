@@ -249,7 +249,12 @@ class GradReplicas:
         red = C.all_reduce(buf, self.mesh, self.partial_axis, "sum", expanded=True,
                            label="sequence-parallel norm grads")
         for p, piece in zip(part, unpack(red, [p._local.grad.shape[nd:] for p in part], nd)):
-            p._local.grad = self._replica_grad(p, piece.contiguous(), False)
+            # back to the gradient's own lead: a dim it holds once (a parameter replicated
+            # over cp as one copy, ZeRO over dp with context parallelism) stays one copy
+            # (the expanded copies are equal, and so are their sums)
+            keep = tuple(slice(0, 1) if n == 1 else slice(None)
+                         for n in p._local.grad.shape[:nd])
+            p._local.grad = self._replica_grad(p, piece[keep].contiguous(), False)
 
     def _sum(self, t, label):
         """``t`` summed over the data-parallel dim(s): one all-reduce per group."""

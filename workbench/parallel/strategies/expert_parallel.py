@@ -148,6 +148,13 @@ class ExpertParallel:
                             "parallelism runs on DistTensors laid out by the recipe")
         params = {n: p for n, p in module.named_parameters()}
         E = module.num_experts
+        # the batch sharded over dp, whole elsewhere: the rules may have laid the layer's
+        # input out otherwise (a batch of one sequence on two ranks comes replicated from
+        # the embedding's rule); the output goes back to the input's layout
+        laid = list(x.placements)
+        want = [Shard(0)] + [Replicate()] * (x.mesh.ndim - 1)
+        if x.mesh.dim_names[0] == "dp" and laid != want:
+            x = reshard(x, x.mesh, want)
         # the routes laid out as the tokens (the router's rule may choose otherwise: a
         # batch of one sequence over two ranks is replicated there)
         weights, experts, slots = (
@@ -155,8 +162,10 @@ class ExpertParallel:
             tuple(t.placements) == tuple(x.placements)
             else reshard(t, x.mesh, list(x.placements)) for t in (weights, experts, slots))
         if _B.is_distributed(self.mesh):
-            return self._distributed(x, weights, experts, slots, module, params, E)
-        return self._simulated(x, weights, experts, slots, module, params, E)
+            y = self._distributed(x, weights, experts, slots, module, params, E)
+        else:
+            y = self._simulated(x, weights, experts, slots, module, params, E)
+        return y if list(y.placements) == laid else reshard(y, y.mesh, laid)
 
     def _check_input(self, x):
         """x laid out as the recipe gives it: the batch sharded over "dp" (dim 0 of its

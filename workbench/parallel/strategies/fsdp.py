@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.moe import loss_share
 from .. import step_clock
 from ..load_back import flush
 from .flat_shards import flat_padded, unflat
@@ -197,7 +198,10 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
                 for k, (a, kw) in zip(ks, per):
                     self._k, self._seen = k, order if k == ks[0] else []
                     self._enter(self.units[0])
-                    with rank_buffers(self.module, snap if k != ks[0] else None):
+                    # the join averages the ranks' losses: a loss term attached by
+                    # gradient takes each rank's share too (ops/moe.py: loss_share)
+                    with rank_buffers(self.module, snap if k != ks[0] else None), \
+                            loss_share(1.0 if g.distributed else 1 / g.n):
                         outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
         finally:
