@@ -278,7 +278,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
-        blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
+        blocks = [Z.Block(b.numel, 0.0, 0.0, b.parts) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
@@ -405,7 +405,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion)
         comp += acc                         # after each backward (plan.megatron_2021)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
-                                per_module=lay.zero == 3 and lay.engine == "deepspeed") \
+                                per_module=lay.zero == 3 and lay.engine == "deepspeed",
+                                recipe=lay.engine == "workbench") \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)

@@ -41,7 +41,7 @@ from ..parallel.strategies.zero3 import PREFETCH_NUMEL   # DeepSpeed's default, 
 from ..sim_mesh.cost import finish_beside
 
 __all__ = ["Block", "PREFETCH_NUMEL", "PERSISTENCE_NUMEL", "REDUCE_BUCKET_NUMEL",
-           "zero_exposed", "stage_blocks"]
+           "zero_exposed", "stage_blocks", "recipe_blocks"]
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py): a parameter of fewer elements
 # than stage3_param_persistence_threshold (1e5) is not partitioned ("Smaller values use
@@ -55,10 +55,14 @@ REDUCE_BUCKET_NUMEL = 500_000_000
 @dataclass(frozen=True)
 class Block:
     """A module of the stage: ``numel`` parameters on this rank before ZeRO's split,
-    seconds of forward and backward compute (backward with its recompute)."""
+    seconds of forward and backward compute (backward with its recompute); ``parts``:
+    the elements of each of its parameters when their gradients are reduce-scattered one
+    by one (this library's recipe: a hook per parameter), empty when the block's
+    gradient goes in one collective."""
     numel: float
     fwd: float
     bwd: float
+    parts: tuple = ()
 
 
 class _Stream:
@@ -127,7 +131,10 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
             t = max(t, stream.ends.get(i, 0.0))
             _prefetch(stream, gb, order, pos, t, budget)
         t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
-        if backward and bucket is None:
+        if backward and bucket is None and blocks[i].parts:
+            for k, n in enumerate(blocks[i].parts):     # one per parameter, as produced
+                stream.issue(("rs", i, k), n, t)
+        elif backward and bucket is None:
             stream.issue(("rs", i), blocks[i].numel, t)
         elif backward:
             pending += blocks[i].numel
@@ -177,7 +184,7 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
 
 
 def stage_blocks(cfg, lay, stage: int, layer, head, edge,
-                 per_module: bool = False) -> list[Block]:
+                 per_module: bool = False, recipe: bool = False) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
     the embeddings (word V h / t and positions s h) on the first stage, its layers
     (``costs.layer_cost``), the final norm and the head on the last (the head's own
@@ -188,7 +195,10 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
     beside one of them there, which this model does not count (the dry run and the
     estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP).
     ``per_module``: DeepSpeed's granularity, each layer's four weight matrices their own
-    blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered)."""
+    blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered).
+    ``recipe``: this library's recipe's granularity (:func:`recipe_blocks`)."""
+    if recipe:
+        return recipe_blocks(cfg, lay, stage, layer, head, edge)
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
@@ -220,4 +230,58 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
         out.append(Block((h if llama else 2 * h) + own, head.fwd_compute + edge["last"][0],
                          head.bwd_compute + edge["last"][1]))
+    return out
+
+
+def _recipe_modules(cfg, tp: int) -> list[tuple]:
+    """One layer's modules as this library's recipe gathers them, forward order, each as
+    the elements of its parameters (``models.gpt`` / ``models.llama``: GPT's LayerNorm
+    weight and bias, q, k, v, o, fc1, fc2 with their biases, the row-parallel biases
+    whole; Llama's RMSNorm weight and its seven bias-free matrices); their sums are
+    ``memory.zero3_modules``' (unpadded)."""
+    h, f = cfg.d_model, cfg.d_ff
+    if cfg.arch == "llama":
+        from .llama_layer import weight_matrices
+        q, k, v, o, w1, w3, w2 = weight_matrices(cfg, tp)
+        return [(h,), (q,), (k,), (v,), (o,), (h,), (w1,), (w3,), (w2,)]
+    col = (h * h / tp, h / tp)
+    return [(h, h), col, col, col, (h * h / tp, h), (h, h), (h * f / tp, f / tp),
+            (f * h / tp, h)]
+
+
+def recipe_blocks(cfg, lay, stage: int, layer, head, edge) -> list[Block]:
+    """The modules of pipeline ``stage`` as this library's recipe runs ZeRO-2/3
+    (``parallel.strategies.fsdp_dist``: a pre-forward hook per module holding parameters
+    gathers that module's, no persistence threshold, prefetching along the order the
+    forward ran; ``DistTensorFSDP._reduce_scatter_hook`` and ``DataParallel(zero=2)``:
+    one reduce-scatter per parameter as its gradient is produced): the word embedding
+    (and GPT's position table, its own module), each layer's modules
+    (:func:`_recipe_modules`), the final norm and the head (its own V h / t unless tied
+    on one stage).  ASSUMPTION: a layer's compute is shared among its modules in
+    proportion to their parameters (as DeepSpeed's ``per_module`` blocks), the final
+    norm's left in the head's block."""
+    from .memory import stage_params
+    h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
+    llama = cfg.arch == "llama"
+    nl = lay.stage_layers(cfg.n_layer)[stage]
+    out = []
+    if stage == 0:
+        emb = [(V * h / tp,)] + ([] if llama else [(s * h,)])
+        tot = sum(p[0] for p in emb)
+        out += [Block(p[0], edge["first"][0] * p[0] / tot, edge["first"][1] * p[0] / tot, p)
+                for p in emb]
+    mods = _recipe_modules(cfg, tp)
+    tot = sum(sum(p) for p in mods)
+    one = [Block(sum(p), layer.fwd_compute * sum(p) / tot, layer.bwd_compute * sum(p) / tot,
+                 p) for p in mods]
+    out += one * nl
+    if stage == pp - 1:
+        norm = (h,) if llama else (h, h)
+        fwd, bwd = head.fwd_compute + edge["last"][0], head.bwd_compute + edge["last"][1]
+        if pp > 1 or not cfg.tie_embeddings:
+            out += [Block(sum(norm), 0.0, 0.0, norm), Block(V * h / tp, fwd, bwd, (V * h / tp,))]
+        else:
+            out.append(Block(sum(norm), fwd, bwd, norm))
+    assert abs(sum(b.numel for b in out) - stage_params(cfg, tp, pp, stage, nl)) < 1, \
+        "recipe_blocks: the modules' parameters must be the stage's"
     return out
