@@ -52,7 +52,10 @@ the busiest is reported.
 
 Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
 presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
-run of the course's Llama in tests/test_plan_llama.py.
+run of the course's Llama in tests/test_plan_llama.py.  ``dry_run`` runs this library's
+recipe: hold it to ``layout.replace(framework="workbench")``, not to the default
+framework, which keeps more (Megatron-LM's fp32 gradient buffer) or less (its in-place
+cross-entropy) by design (``plan.agree``, tests/test_plan_dryrun_agree.py).
 """
 from __future__ import annotations
 
