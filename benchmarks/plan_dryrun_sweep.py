@@ -10,7 +10,10 @@ own recipe on meta tensors against ``wb.plan.estimate`` of the same layout with
 ``framework="workbench"`` (the recipe the dry run runs) and the attention kernel the
 models run (flash), memory per pipeline stage and step time.  Presets keep their widths
 and sequence lengths; their depth is cut to a few layers per stage so that one row
-costs about a second.
+costs about a second.  Columns: dry run / estimate of the step, of the busiest rank's
+memory, the worst of every stage's total and saved activations; "default fw": what the
+layout's default framework (Megatron-LM for ZeRO 0/1, DeepSpeed for 2/3) holds beyond
+this recipe on the busiest rank, by design (``plan.agree``'s ``framework_gap``).
 """
 from __future__ import annotations
 
@@ -30,14 +33,15 @@ def main(argv=None) -> int:
     profiles = args.profiles or (["a100"] if args.quick else ["a100", "h100", "ascend-910b"])
     bad, n, t0 = 0, 0, time.perf_counter()
     print(f"{'preset':<14} {'profile':<12} {'layout':<52} {'step':>6} {'mem':>6} "
-          f"{'worst stage':>11}")
+          f"{'worst stage':>11} {'default fw':>10}")
     for cfg_name, cfg, lay, cl in sweep_cases(profiles, args.presets):
         a = compare(cfg, lay, cl)
         n += 1
         flag = "" if a.agrees else "  <-- " + "; ".join(a.problems())
         bad += not a.agrees
         print(f"{cfg_name:<14} {cl.profile.name:<12} {lay.short():<52} "
-              f"{a.step_ratio:6.3f} {a.memory_ratio:6.3f} {a.worst_stage_ratio:11.3f}{flag}",
+              f"{a.step_ratio:6.3f} {a.memory_ratio:6.3f} {a.worst_stage_ratio:11.3f} "
+              f"{a.framework_gap.get('total', 0.0) / 1e9:+8.2f}GB{flag}",
               flush=True)
     print(f"{n} rows, {bad} beyond 5% memory / 10% step, "
           f"{time.perf_counter() - t0:.0f} s")

@@ -57,23 +57,28 @@ def test_rows_the_sweep_found(row):
         assert r == pytest.approx(1, abs=MEMORY_RTOL / 5)
 
 
-def test_recipe_blocks_are_the_gathers_the_recipe_issues():
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("gpt", 1), ("gpt", 2)])
+def test_recipe_blocks_are_the_gathers_the_recipe_issues(arch, tp):
     """``zero_cost.recipe_blocks``: one block per module the recipe's ZeRO-3 gathers (the
-    dry run's trace: one all-gather each in the forward), one reduce-scatter per
-    parameter in the backward."""
-    cfg = _small(n_layer=2)
-    lay = Layout(dp=2, micro_batch=1, global_batch=2, zero=3)
-    a = compare(cfg, lay, Cluster("a100", 2))
-    ev = [e for e in a.dry_run.trace.events if 0 in e.ranks]
-    gathers = [e for e in ev if e.name == "all_gather" and e.label == "zero-3 params"]
-    scatters = [e for e in ev if e.name == "reduce_scatter" and e.label == "zero-3 params"]
+    dry run's trace: one all-gather each in the forward, of the module's local shard),
+    one reduce-scatter per parameter in the backward (GPT: weights and biases apart)."""
     from workbench.plan import costs as C
     from workbench.plan.edge_cost import edge_times
-    prof = Cluster("a100", 2).profile
-    layer = C.layer_cost(cfg, 1, 1, False, "none", prof, attention="flash")
-    head = C.head_cost(cfg, 1, 1, False, prof)
-    blocks = recipe_blocks(cfg, lay, 0, layer, head, edge_times(cfg, 1, 1, False, prof))
-    assert len(blocks) == len(gathers) == 1 + 9 * 2 + 2       # embedding, 9 per block, norm, head
+    cfg = _small(n_layer=2) if arch == "llama" else get_config(
+        "gpt3-175b", n_layer=2, d_model=256, n_head=4, seq_len=128, vocab_size=1024)
+    lay = Layout(dp=2, tp=tp, micro_batch=1, global_batch=2, zero=3)
+    cl = Cluster("a100", 2 * tp)
+    dr = compare(cfg, lay, cl).dry_run
+    ev = [e for e in dr.trace.events if 0 in e.ranks and e.label == "zero-3 params"]
+    gathers = [e for e in ev if e.name == "all_gather"]
+    scatters = [e for e in ev if e.name == "reduce_scatter"]
+    layer = C.layer_cost(cfg, 1, tp, False, "none", cl.profile, attention="flash")
+    head = C.head_cost(cfg, 1, tp, False, cl.profile)
+    blocks = recipe_blocks(cfg, lay, 0, layer, head, edge_times(cfg, 1, tp, False,
+                                                               cl.profile))
+    # Llama: embedding, 9 modules per block, final norm, head; GPT: two embeddings, 8
+    # modules per block, final LayerNorm (the head tied to the embedding)
+    assert len(blocks) == len(gathers) == (1 + 9 * 2 + 2 if arch == "llama" else 2 + 8 * 2 + 1)
     assert sum(len(b.parts) for b in blocks) == len(scatters)
     # the bytes each rank sends: (dp - 1) / dp of the module's 16-bit values, dp = 2
     assert [e.bytes for e in gathers] == [b.numel for b in blocks]
