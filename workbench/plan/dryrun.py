@@ -93,8 +93,10 @@ re-runs the attention branch's reduce-scatter and keeps neither branch output, w
 torchtitan saves ``reduce_scatter_tensor``'s outputs (the estimate): the simulator's
 collective is no aten op the policy can save (tp 4: 1.037 against 1.001 without
 recompute).  With ZeRO-3 the recompute's module-by-module gathers, issued in forward
-order as the block's backward starts, are partly exposed in the recipe; the estimate
-does not price that order (1.059 against 1.042 without recompute).
+order as the block's backward starts, without prefetch, are exposed in the recipe; the
+estimate of framework "workbench" prices that order (``zero_cost``'s ``regather``, the
+recipe's modules and per-parameter reduce-scatters: ``zero_cost.recipe_blocks``; GPT
+22B, dp 8, full recompute: 1.078 -> 0.999).
 ZeRO-2/3 as DeepSpeed runs them (``plan.zero_cost``): gradients reduce-scattered every
 micro-batch and waited for at its end, so the tied word embedding's gradient, complete
 only after the embedding's backward, is an exposed tail of every micro-batch.

@@ -134,7 +134,8 @@ def forward_ops(h, a, g, s, b, t, sp, f, e, drop):
     return ops
 
 
-def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True):
+def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True,
+                 main_grad=True):
     """Backward kernels and collectives in execution order (a collective's fourth field
     names the GEMM it runs beside); selective recompute re-runs the attention kernel.
     ``async_allreduce=False``: a column-parallel group's input-gradient all-reduce after
@@ -147,7 +148,9 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=Tr
         return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1, (1, M, K)
 
     def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, into fp32 main_grad (as layer_cost)
-        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1, (1, K, N)
+        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + gb * K * N, 1, (1, K, N)
+
+    gb = 8 if main_grad else e      # main_grad=False: the 16-bit param.grad (layer_cost)
 
     def linear(n, M, K, N):
         return [dgrad(n + "_dgrad", M, K, N), wgrad(n + "_wgrad", M, K, N)]
