@@ -258,7 +258,7 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               profile="a100", tp_ranks=None, attention: str = "materialized",
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
               tp_comm_overlap: bool = False, async_allreduce: bool = True,
-              main_grad: bool = True) -> list:
+              main_grad: bool = True, early_stop: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
@@ -271,7 +271,10 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     run it (module docstring; no effect with ``sp``, whose reduce-scatter Megatron-LM
     always issues beside the weight-gradient GEMM).  ``main_grad=False``: weight
     gradients written in 16 bits (this library's recipe) instead of accumulated into an
-    fp32 ``main_grad`` (Megatron-LM's gradient-accumulation fusion, read and write)."""
+    fp32 ``main_grad`` (Megatron-LM's gradient-accumulation fusion, read and write).
+    ``early_stop``: full recompute by PyTorch's non-reentrant checkpoint, which stops
+    re-running a Llama block once w2's input is back (``llama_layer.full_recompute``;
+    Megatron-LM's own checkpoint re-runs the whole forward)."""
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
@@ -307,13 +310,14 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
-                        bool(tp_comm_overlap), async_allreduce, bool(main_grad)))
+                        bool(tp_comm_overlap), async_allreduce, bool(main_grad),
+                        bool(early_stop)))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
-            async_allreduce=True, main_grad=True) -> tuple:
+            async_allreduce=True, main_grad=True, early_stop=False) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -330,7 +334,9 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
-    if recompute == "full":
+    if recompute == "full" and early_stop and kv_heads is not None:
+        phases.append(("recompute", _llama.full_recompute(fwd)))
+    elif recompute == "full":
         phases.append(("recompute", fwd))
     elif recompute == "op":
         phases.append(("recompute", _llama.op_sac_recompute(fwd)))
@@ -380,7 +386,8 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 profile="a100", tp_ranks=None, attention: str = "materialized",
                 fp8: bool = False, kv_heads: "int | None" = None,
                 dropout: bool = False, tp_comm_overlap: bool = False,
-                async_allreduce: bool = True, main_grad: bool = True) -> LayerTimes:
+                async_allreduce: bool = True, main_grad: bool = True,
+                early_stop: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
@@ -390,7 +397,8 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``; ``async_allreduce=False``:
     Megatron-LM of 2021 (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
-                    fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad)
+                    fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad,
+                    early_stop)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

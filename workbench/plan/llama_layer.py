@@ -75,7 +75,7 @@ from __future__ import annotations
 from ..sim_mesh.kernel_cost import AttentionShape
 
 __all__ = ["forward_ops", "backward_ops", "layer_params", "activation_bytes", "zero3_layer",
-           "weight_matrices", "op_sac_recompute", "op_sac_recomputed_flops"]
+           "weight_matrices", "op_sac_recompute", "op_sac_recomputed_flops", "full_recompute"]
 
 # torchtitan's op-level SAC keeps these forward ops' outputs (module docstring)
 OP_SAC_SAVED = ("q_gemm", "v_gemm", "flash_attention", "w1_gemm", "w2_gemm")
@@ -203,6 +203,19 @@ def op_sac_recompute(fwd_ops) -> list:
               if op[0] in ("w2_gemm", "residual_add_2_dropout"))
     return [op for op in fwd_ops[:end + 1] if op[0] not in OP_SAC_SAVED
             and not (op[0].startswith("tp_out") and op[1] == "reduce_scatter")]
+
+
+def full_recompute(fwd_ops) -> list:
+    """The forward ops a full recompute by PyTorch's non-reentrant checkpoint re-runs
+    (this library's recipe: ``models.llama``'s block under ``torch.utils.checkpoint``,
+    ``use_reentrant=False``): all, in order, up to the last whose output the backward
+    needs, w2's input (the SwiGLU product) without dropout, the residual dropout's mask
+    with it (early stop, as :func:`op_sac_recompute`); the dry run's trace re-runs no w2
+    GEMM.  Megatron-LM's ``CheckpointFunction`` re-runs the whole forward."""
+    last = "residual_add_2_dropout" if any(op[0] == "residual_add_2_dropout"
+                                           for op in fwd_ops) else "swiglu_mul"
+    end = next(i for i, op in enumerate(fwd_ops) if op[0] == last)
+    return list(fwd_ops[:end + 1])
 
 
 def op_sac_recomputed_flops(cfg, batch: int) -> float:
