@@ -16,13 +16,14 @@ framework's cross-entropy from ``plan.frameworks.loss_extra_bytes``; the dry run
 measure it (its meta tensors are never freed, so no peak beyond what autograd saves can
 be read from them).
 
-What is left between them (the sweep, ``benchmarks/plan_dryrun_sweep.py``): within 1%
-on memory wherever the model is wide; at the course's small Llama (h 384) the estimate's
-backward is up to 13% longer per block, because ``layer_cost`` prices every weight-
-gradient GEMM writing into an fp32 ``main_grad`` (read and write, 8 bytes per weight:
-Megatron-LM's gradient-accumulation fusion) where this recipe writes the 16-bit gradient,
-which a memory-bound GEMM at that width feels (step 0.93 with 4 pipeline stages, within
-issue 21's 10%; nil at Llama 2 / 3 widths, 0.96-1.04).
+What the sweep found apart and this library now prices as the recipe runs (framework
+"workbench" only; the published rows' frameworks are unchanged): ZeRO-2/3 gathered per
+module and reduce-scattered per parameter (``zero_cost.recipe_blocks``), the ZeRO-3
+recompute's gathers without prefetch and the whole block it holds
+(``zero_cost``'s ``regather``, ``memory``), the weight gradient written in 16 bits
+(``layer_cost(main_grad=False)``), a Llama block's full recompute stopping at w2's input
+(``llama_layer.full_recompute``), the RoPE tables counted as buffers, not activations
+(``meta_run``).
 
 ``framework_gap``: what the layout's own framework adds or removes against the recipe
 the dry run runs, per memory key, in bytes on the busiest rank, and the step's
