@@ -272,21 +272,29 @@ def test_zero3_overlap_hides_only_what_compute_covers():
     overlap, all but the embedding's first gather and its (tied) gradient's
     reduce-scatter can hide (``plan.zero_cost``)."""
     cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
-    # one gather per layer, one reduce-scatter per layer: this library's recipe
+    # this library's recipe: one gather per module, one reduce-scatter per parameter
+    # (parallel.strategies.fsdp_dist; zero_cost.recipe_blocks)
     lay = P.Layout(dp=8, tp=8, zero=3, recompute="selective", micro_batch=1, global_batch=16,
                    framework="workbench")
     hidden, exposed = (P.estimate(cfg, lay, cl, overlap=o) for o in (True, False))
     assert exposed.comm_bytes == hidden.comm_bytes
     assert hidden.details["dp_sync"] < exposed.details["dp_sync"]
-    L, h, s, V = cfg.n_layer, cfg.d_model, cfg.seq_len, cfg.vocab_size
-    emb, head = V * h / 8 + s * h, 2 * h
-    layer = stage_params(cfg, 8, 1, 0) - emb - head                # all L layers
+    L, h, s, V, f = cfg.n_layer, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.d_ff
+    col = (h * h / 8, h / 8)                       # q, k, v: column-parallel, with bias
+    layer = [(h, h), col, col, col, (h * h / 8, h), (h, h), (h * f / 8, f / 8),
+             (f * h / 8, h)]                       # LayerNorm, q, k, v, o, LayerNorm, fc1, fc2
+    mods = [(V * h / 8,), (s * h,)] + layer * L + [(h, h)]   # embeddings; final LayerNorm
+    assert sum(map(sum, mods)) == stage_params(cfg, 8, 1, 0)
     ranks = lay.dp_ranks()
-    ag, rs = ({n: price(k, 2 * n, ranks, "a100") for n in (emb, layer / L, head)}
-              for k in ("all_gather", "reduce_scatter"))
-    whole = sum((2 * ag[n] + rs[n]) * c for n, c in ((emb, 1), (layer / L, L), (head, 1)))
+
+    def ag(n):
+        return price("all_gather", 2 * n, ranks, "a100")
+
+    def rs(n):
+        return price("reduce_scatter", 2 * n, ranks, "a100")
+    whole = sum(2 * ag(sum(m)) + sum(rs(n) for n in m) for m in mods)
     assert exposed.details["dp_sync"] == pytest.approx(lay.m * whole)
-    assert hidden.details["dp_sync"] >= lay.m * (ag[emb] + rs[emb])
+    assert hidden.details["dp_sync"] >= lay.m * (ag(V * h / 8) + rs(V * h / 8))
 
 
 def test_calibrated_layer_times_are_used_when_present(monkeypatch):

@@ -109,14 +109,18 @@ def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
 @lru_cache(maxsize=None)
 def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
                attention: str = "materialized", fp8: bool = False,
-               tp_comm_overlap: bool = False, async_allreduce: bool = True) -> LayerCost:
+               tp_comm_overlap: bool = False, async_allreduce: bool = True,
+               main_grad: bool = True, early_stop: bool = False) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
     linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
     overlapped as Megatron-LM's ``--tp-comm-overlap`` (``plan.tp_overlap``), the
     communication then the collectives' exposed seconds; ``async_allreduce=False``: the
     backward input-gradient all-reduces on the critical path, as Megatron-LM of 2021 and
-    Megatron-DeepSpeed run them (``layer_cost``, ``plan.megatron_2021``)."""
+    Megatron-DeepSpeed run them (``layer_cost``, ``plan.megatron_2021``);
+    ``main_grad=False``: weight gradients written in 16 bits; ``early_stop``: a Llama
+    block's full recompute as PyTorch's non-reentrant checkpoint stops it
+    (``layer_cost``)."""
     s, h = cfg.seq_len, cfg.d_model
     comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     comm_b = comm_f * (2 if recompute == "full" else 1)
@@ -130,6 +134,10 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["tp_comm_overlap"] = True
     if not async_allreduce:
         extra["async_allreduce"] = False
+    if not main_grad:
+        extra["main_grad"] = False
+    if early_stop:
+        extra["early_stop"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     if tp_comm_overlap:    # what the collectives leave exposed, forward and after

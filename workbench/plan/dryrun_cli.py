@@ -77,6 +77,7 @@ def main_dry_run(args) -> int:
            "device_memory_bytes": cl.memory_bytes,
            "usable_memory_bytes": cl.profile.usable_memory(), "fits": dr.fits,
            "profile": cl.profile.name, "dry_run": True,
+           "framework": dr.framework,        # this library's recipe (plan.dryrun)
            "ms": round((time.perf_counter() - t0) * 1e3, 3)}
     print(json.dumps(rec), flush=True)
     return 0

@@ -53,10 +53,14 @@ the busiest is reported.
 
 Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
 presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
-run of the course's Llama in tests/test_plan_llama.py.
+run of the course's Llama in tests/test_plan_llama.py.  ``dry_run`` runs this library's
+recipe: hold it to ``layout.replace(framework="workbench")``, not to the default
+framework, which keeps more (Megatron-LM's fp32 gradient buffer) or less (its in-place
+cross-entropy) by design (``plan.agree``, tests/test_plan_dryrun_agree.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
@@ -280,7 +284,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
-        blocks = [Z.Block(b.numel, 0.0, 0.0) for b in blocks]
+        blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
@@ -289,7 +293,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
                               prefetch_numel=ahead,
                               loss_waits=lay.engine == "workbench" and not head_live,
-                              stay=stay)
+                              stay=stay, regather=lay.engine == "workbench"
+                              and lay.recompute in ("full", "op"))
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
@@ -323,7 +328,9 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
                              f"leave it None, or use tp=1")
         return EC.layer_cost(cfg, lay, prof, attention, fp8)
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
-                        fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1)
+                        fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
+                        lay.engine != "workbench",   # the recipe: 16-bit param.grad,
+                        lay.engine == "workbench")   # torch.utils.checkpoint's early stop
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -392,6 +399,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
     per_stage = lay.stage_layers(cfg.n_layer)
     edge = edge_times(tcfg, b, tp, sp, prof)       # embeddings; final norm, fp32 cast, loss
+    # this library's ZeRO-3 re-gathers a recomputed layer module by module (zero_cost)
+    regather = lay.engine == "workbench" and lay.zero == 3 and lay.recompute in ("full", "op")
+    remat = layer.bwd_compute - layer_for(cfg, lay.replace(recompute="none"), prof, attention,
+                                          fp8, tp_comm_overlap, async_tp).bwd_compute \
+        if regather else 0.0
 
     stages = {}
     opt_passes = OS.passes(cfg, lay, fusion, overlap_grad_reduce)    # plan.optimizer_step
@@ -417,7 +429,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion)
         comp += acc                         # after each backward (plan.megatron_2021)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
-                                per_module=lay.zero == 3 and lay.engine == "deepspeed") \
+                                per_module=lay.zero == 3 and lay.engine == "deepspeed",
+                                recipe=lay.engine == "workbench", remat=remat) \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)

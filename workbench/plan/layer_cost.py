@@ -178,10 +178,14 @@ def _core(b, ah, s, d, t, T, h, e):
 
 
 def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
-              async_allreduce=True):
+              async_allreduce=True, main_grad=True):
     """Backward kernels and collectives in execution order; a collective tuple's
     sixth field names the GEMM it overlaps ("" = on the critical path: the input
-    gradient's all-reduce without ``async_allreduce``, module docstring)."""
+    gradient's all-reduce without ``async_allreduce``, module docstring).
+    ``main_grad=False``: the weight gradient written in the 16-bit dtype (this library's
+    recipe, autograd's ``param.grad``), not accumulated into Megatron-LM's fp32
+    ``main_grad``."""
+    g = 8 if main_grad else e
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
     S = b * ah * s * s
@@ -190,7 +194,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
         return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1, (1, M, K)
 
     def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, accumulated into fp32 main_grad (read + write)
-        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1, (1, K, N)
+        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + g * K * N, 1, (1, K, N)
 
     def bda(n):                # dropout backward (grad, mask), then the bias gradient
         return [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
@@ -253,7 +257,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
               profile="a100", tp_ranks=None, attention: str = "materialized",
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
-              tp_comm_overlap: bool = False, async_allreduce: bool = True) -> list:
+              tp_comm_overlap: bool = False, async_allreduce: bool = True,
+              main_grad: bool = True, early_stop: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
@@ -264,7 +269,12 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     ``async_allreduce=False``: the backward all-reduce of a column-parallel layer's input
     gradient on the critical path, as Megatron-LM before 2021-09 and Megatron-DeepSpeed
     run it (module docstring; no effect with ``sp``, whose reduce-scatter Megatron-LM
-    always issues beside the weight-gradient GEMM)."""
+    always issues beside the weight-gradient GEMM).  ``main_grad=False``: weight
+    gradients written in 16 bits (this library's recipe) instead of accumulated into an
+    fp32 ``main_grad`` (Megatron-LM's gradient-accumulation fusion, read and write).
+    ``early_stop``: full recompute by PyTorch's non-reentrant checkpoint, which stops
+    re-running a Llama block once w2's input is back (``llama_layer.full_recompute``;
+    Megatron-LM's own checkpoint re-runs the whole forward)."""
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
@@ -300,13 +310,14 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
-                        bool(tp_comm_overlap), async_allreduce))
+                        bool(tp_comm_overlap), async_allreduce, bool(main_grad),
+                        bool(early_stop)))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
-            async_allreduce=True) -> tuple:
+            async_allreduce=True, main_grad=True, early_stop=False) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -315,14 +326,17 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
     if kv_heads is not None:
         fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
-                                  async_allreduce)
+                                  async_allreduce, main_grad)
     else:
         fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
-        bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce)
+        bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce,
+                        main_grad)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
-    if recompute == "full":
+    if recompute == "full" and early_stop and kv_heads is not None:
+        phases.append(("recompute", _llama.full_recompute(fwd)))
+    elif recompute == "full":
         phases.append(("recompute", fwd))
     elif recompute == "op":
         phases.append(("recompute", _llama.op_sac_recompute(fwd)))
@@ -372,7 +386,8 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 profile="a100", tp_ranks=None, attention: str = "materialized",
                 fp8: bool = False, kv_heads: "int | None" = None,
                 dropout: bool = False, tp_comm_overlap: bool = False,
-                async_allreduce: bool = True) -> LayerTimes:
+                async_allreduce: bool = True, main_grad: bool = True,
+                early_stop: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
@@ -382,7 +397,8 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``; ``async_allreduce=False``:
     Megatron-LM of 2021 (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
-                    fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce)
+                    fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad,
+                    early_stop)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

@@ -75,7 +75,7 @@ from __future__ import annotations
 from ..sim_mesh.kernel_cost import AttentionShape
 
 __all__ = ["forward_ops", "backward_ops", "layer_params", "activation_bytes", "zero3_layer",
-           "weight_matrices", "op_sac_recompute", "op_sac_recomputed_flops"]
+           "weight_matrices", "op_sac_recompute", "op_sac_recomputed_flops", "full_recompute"]
 
 # torchtitan's op-level SAC keeps these forward ops' outputs (module docstring)
 OP_SAC_SAVED = ("q_gemm", "v_gemm", "flash_attention", "w1_gemm", "w2_gemm")
@@ -134,7 +134,8 @@ def forward_ops(h, a, g, s, b, t, sp, f, e, drop):
     return ops
 
 
-def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True):
+def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True,
+                 main_grad=True):
     """Backward kernels and collectives in execution order (a collective's fourth field
     names the GEMM it runs beside); selective recompute re-runs the attention kernel.
     ``async_allreduce=False``: a column-parallel group's input-gradient all-reduce after
@@ -147,7 +148,9 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=Tr
         return n, "matmul", 2 * M * K * N, e * (M * N + K * N + M * K), 1, (1, M, K)
 
     def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, into fp32 main_grad (as layer_cost)
-        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + 8 * K * N, 1, (1, K, N)
+        return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + gb * K * N, 1, (1, K, N)
+
+    gb = 8 if main_grad else e      # main_grad=False: the 16-bit param.grad (layer_cost)
 
     def linear(n, M, K, N):
         return [dgrad(n + "_dgrad", M, K, N), wgrad(n + "_wgrad", M, K, N)]
@@ -200,6 +203,19 @@ def op_sac_recompute(fwd_ops) -> list:
               if op[0] in ("w2_gemm", "residual_add_2_dropout"))
     return [op for op in fwd_ops[:end + 1] if op[0] not in OP_SAC_SAVED
             and not (op[0].startswith("tp_out") and op[1] == "reduce_scatter")]
+
+
+def full_recompute(fwd_ops) -> list:
+    """The forward ops a full recompute by PyTorch's non-reentrant checkpoint re-runs
+    (this library's recipe: ``models.llama``'s block under ``torch.utils.checkpoint``,
+    ``use_reentrant=False``): all, in order, up to the last whose output the backward
+    needs, w2's input (the SwiGLU product) without dropout, the residual dropout's mask
+    with it (early stop, as :func:`op_sac_recompute`); the dry run's trace re-runs no w2
+    GEMM.  Megatron-LM's ``CheckpointFunction`` re-runs the whole forward."""
+    last = "residual_add_2_dropout" if any(op[0] == "residual_add_2_dropout"
+                                           for op in fwd_ops) else "swiglu_mul"
+    end = next(i for i, op in enumerate(fwd_ops) if op[0] == last)
+    return list(fwd_ops[:end + 1])
 
 
 def op_sac_recomputed_flops(cfg, batch: int) -> float:

@@ -320,7 +320,15 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
         bucket, grads = _zero3_unreduced_grad_numel(cfg, lay, mods)
         unreduced = 2 * grads       # appear in the backward; the bucket stays allocated
-        mem["buffers"] += 2 * zero3_gathered_numel(mods, PREFETCH_NUMEL) + 2 * (bucket + grads)
+        gathered = zero3_gathered_numel(mods, PREFETCH_NUMEL)
+        if lay.engine == "workbench" and lay.recompute in ("full", "op") and nl:
+            # this library's recipe: a recompute gathers each module of the block as it
+            # re-runs, without prefetch, and keeps it for that module's backward
+            # (``strategies.zero3_clock``: ``_gather_hook`` in a backward, freed by the
+            # module's last reduce-scatter), so the whole block is gathered at once
+            layer = zero3_modules(cfg, lay.tp, 3, 1, lay.dp, 1)    # one middle layer
+            gathered = max(gathered, sum(layer))
+        mem["buffers"] += 2 * gathered + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     if profile is not None:

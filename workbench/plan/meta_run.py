@@ -84,7 +84,8 @@ class SavedCounter:
     A stacked tensor of shape (*mesh, *local) holds ``numel(local)`` elements per rank
     on the lead dims that vary (stride-0 or size-1 ones are a copy every rank holds
     whole); a tensor whose lead dims do not match the mesh (a local kernel that
-    flattened them, (L * B, ...)) holds mesh-size ranks' worth."""
+    flattened them, (L * B, ...)) holds mesh-size ranks' worth.  ``params``: tensors
+    resident anyway (the parameters, and the model's buffers), never counted."""
 
     def __init__(self, mesh, params=()):
         self.shape = tuple(mesh.shape)
@@ -168,7 +169,9 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
     B, S = micro_batch * h.dp, cfg.seq_len
     ranks = mesh.ranks
     t0 = _clock(tr, ranks)
-    counter = SavedCounter(mesh, params)
+    # the model's buffers (the Llama's RoPE tables, sliced into every block) are resident
+    # as its parameters are, allocated once, not per micro-batch: not activations
+    counter = SavedCounter(mesh, list(params) + list(model.buffers()))
     if s == 0:
         x = h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh)
     else:                          # the layout a stage output arrives in (Hybrid's g)

@@ -41,7 +41,7 @@ from ..parallel.strategies.zero3 import PREFETCH_NUMEL   # DeepSpeed's default, 
 from ..sim_mesh.cost import finish_beside
 
 __all__ = ["Block", "PREFETCH_NUMEL", "PERSISTENCE_NUMEL", "REDUCE_BUCKET_NUMEL",
-           "zero_exposed", "stage_blocks"]
+           "zero_exposed", "stage_blocks", "recipe_blocks"]
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py): a parameter of fewer elements
 # than stage3_param_persistence_threshold (1e5) is not partitioned ("Smaller values use
@@ -55,10 +55,16 @@ REDUCE_BUCKET_NUMEL = 500_000_000
 @dataclass(frozen=True)
 class Block:
     """A module of the stage: ``numel`` parameters on this rank before ZeRO's split,
-    seconds of forward and backward compute (backward with its recompute)."""
+    seconds of forward and backward compute (backward with its recompute); ``parts``:
+    the elements of each of its parameters when their gradients are reduce-scattered one
+    by one (this library's recipe: a hook per parameter), empty when the block's
+    gradient goes in one collective."""
     numel: float
     fwd: float
     bwd: float
+    parts: tuple = ()
+    group: int = -1          # the layer it belongs to (recipe_blocks), -1: none
+    remat: float = 0.0       # seconds of its forward re-run inside ``bwd`` (recompute)
 
 
 class _Stream:
@@ -107,27 +113,49 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
          rate: float = 1.0, bucket: "float | None" = None,
-         loss_waits: bool = False, stay=()) -> float:
+         loss_waits: bool = False, stay=(), regather: bool = False) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
     gradients completed since the last reduce-scatter reach ``bucket`` elements, the
     rest at the end, as DeepSpeed's buckets), and the prefetch starts with the backward
     (the root module's pre-backward hook).  ``stay``: indices of blocks still gathered
-    (none of their own gathers issued)."""
+    (none of their own gathers issued).  ``regather``: a layer's backward starts with its
+    recompute, which gathers each of its modules as it re-runs them, in forward order,
+    without prefetch (this library's recipe, ``strategies.zero3_clock``: a gather hook
+    in a backward waits for its module, ``ahead=False``, and the module's backward then
+    reuses that copy and prefetches nothing)."""
     t, pending = 0.0, 0.0
     gb = [Block(0.0, b.fwd, b.bwd) if i in stay else b for i, b in enumerate(blocks)]
+    groups, rerun = {}, set()
+    if regather and gather and backward:
+        for i in sorted(order):
+            if blocks[i].group >= 0:
+                groups.setdefault(blocks[i].group, []).append(i)
     if gather and backward:
         _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
             t = stream.free
     for pos, i in enumerate(order):
-        if gather:
+        g = blocks[i].group if groups else -1
+        if g >= 0:              # a recomputed layer (regather): no prefetch
+            if g not in rerun:
+                rerun.add(g)
+                for j in groups[g]:                  # its forward again, module by module
+                    stream.issue(j, gb[j].numel, t)
+                    t = max(t, stream.ends.get(j, 0.0))
+                    t = stream.compute(t, blocks[j].remat, rate)
+            t = stream.compute(t, blocks[i].bwd - blocks[i].remat, rate)
+        elif gather:
             stream.issue(i, gb[i].numel, t)
             t = max(t, stream.ends.get(i, 0.0))
             _prefetch(stream, gb, order, pos, t, budget)
-        t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
-        if backward and bucket is None:
+        if g < 0:
+            t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
+        if backward and bucket is None and blocks[i].parts:
+            for k, n in enumerate(blocks[i].parts):     # one per parameter, as produced
+                stream.issue(("rs", i, k), n, t)
+        elif backward and bucket is None:
             stream.issue(("rs", i), blocks[i].numel, t)
         elif backward:
             pending += blocks[i].numel
@@ -142,7 +170,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
                  rate: float = 1.0, bucket: "float | None" = None,
-                 loss_waits: bool = False, stay=()) -> tuple[float, float]:
+                 loss_waits: bool = False, stay=(), regather: bool = False
+                 ) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
@@ -157,7 +186,9 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     stream; a tied head's weight is still live, so nothing is gathered before the loss;
     DeepSpeed's loss is local to the rank); ``stay``: indices of blocks kept gathered
     from their forward to their backward (FSDP2's root and torchtitan's last block,
-    ``fsdp2_cost``), not gathered again for backward."""
+    ``fsdp2_cost``), not gathered again for backward; ``regather``: ZeRO-3 with recompute
+    as this library's recipe runs it (:func:`_run`; the blocks' ``group`` and ``remat``,
+    :func:`recipe_blocks`)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -172,12 +203,13 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         fwd = end - sum(b.fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
-               loss_waits, stay)
+               loss_waits, stay, regather and zero == 3)
     return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
 
 
 def stage_blocks(cfg, lay, stage: int, layer, head, edge,
-                 per_module: bool = False) -> list[Block]:
+                 per_module: bool = False, recipe: bool = False,
+                 remat: float = 0.0) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
     the embeddings (word V h / t and positions s h) on the first stage, its layers
     (``costs.layer_cost``), the final norm and the head on the last (the head's own
@@ -188,7 +220,10 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
     beside one of them there, which this model does not count (the dry run and the
     estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP).
     ``per_module``: DeepSpeed's granularity, each layer's four weight matrices their own
-    blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered)."""
+    blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered).
+    ``recipe``: this library's recipe's granularity (:func:`recipe_blocks`)."""
+    if recipe:
+        return recipe_blocks(cfg, lay, stage, layer, head, edge, remat)
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
@@ -220,4 +255,69 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
         own = V * h / tp if pp > 1 or not cfg.tie_embeddings else 0.0
         out.append(Block((h if llama else 2 * h) + own, head.fwd_compute + edge["last"][0],
                          head.bwd_compute + edge["last"][1]))
+    return out
+
+
+def _recipe_modules(cfg, tp: int) -> list[tuple]:
+    """One layer's modules as this library's recipe gathers them, forward order, each as
+    the elements of its parameters (``models.gpt`` / ``models.llama``: GPT's LayerNorm
+    weight and bias, q, k, v, o, fc1, fc2 with their biases, the row-parallel biases
+    whole; Llama's RMSNorm weight and its seven bias-free matrices); their sums are
+    ``memory.zero3_modules``' (unpadded)."""
+    h, f = cfg.d_model, cfg.d_ff
+    if cfg.arch == "llama":
+        from .llama_layer import weight_matrices
+        q, k, v, o, w1, w3, w2 = weight_matrices(cfg, tp)
+        return [(h,), (q,), (k,), (v,), (o,), (h,), (w1,), (w3,), (w2,)]
+    col = (h * h / tp, h / tp)
+    return [(h, h), col, col, col, (h * h / tp, h), (h, h), (h * f / tp, f / tp),
+            (f * h / tp, h)]
+
+
+def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
+                  ) -> list[Block]:
+    """The modules of pipeline ``stage`` as this library's recipe runs ZeRO-2/3
+    (``parallel.strategies.fsdp_dist``: a pre-forward hook per module holding parameters
+    gathers that module's, no persistence threshold, prefetching along the order the
+    forward ran; ``DistTensorFSDP._reduce_scatter_hook`` and ``DataParallel(zero=2)``:
+    one reduce-scatter per parameter as its gradient is produced): the word embedding
+    (and GPT's position table, its own module), each layer's modules
+    (:func:`_recipe_modules`), the final norm and the head (its own V h / t unless tied
+    on one stage).  ASSUMPTION: a layer's compute is shared among its modules in
+    proportion to their parameters (as DeepSpeed's ``per_module`` blocks), the final
+    norm's left in the head's block; so is ``remat``, the seconds of a layer's backward
+    that re-run its forward (recompute), and each module is tagged with its layer
+    (``Block.group``) for ``zero_exposed(regather=True)``."""
+    from .memory import stage_params
+    h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
+    llama = cfg.arch == "llama"
+    nl = lay.stage_layers(cfg.n_layer)[stage]
+    out = []
+    if stage == 0:
+        emb = [(V * h / tp,)] + ([] if llama else [(s * h,)])
+        tot = sum(p[0] for p in emb)
+        out += [Block(p[0], edge["first"][0] * p[0] / tot, edge["first"][1] * p[0] / tot, p)
+                for p in emb]
+    mods = _recipe_modules(cfg, tp)
+    tot = sum(sum(p) for p in mods)
+    # PyTorch's non-reentrant checkpoint stops re-running once every tensor the backward
+    # needs is back (``llama_layer.op_sac_recompute``): a Llama block without dropout
+    # re-runs up to w2's input, so w2 is gathered for its backward as any module, with
+    # prefetch; a GPT block's fc2 re-runs (its dropout mask follows it)
+    rerun = len(mods) - 1 if cfg.arch == "llama" and not cfg.dropout > 0 else len(mods)
+    rtot = sum(sum(p) for p in mods[:rerun])
+    for k in range(nl):
+        out += [Block(sum(p), layer.fwd_compute * sum(p) / tot,
+                      layer.bwd_compute * sum(p) / tot, p, k if j < rerun else -1,
+                      remat * sum(p) / rtot if j < rerun else 0.0)
+                for j, p in enumerate(mods)]
+    if stage == pp - 1:
+        norm = (h,) if llama else (h, h)
+        fwd, bwd = head.fwd_compute + edge["last"][0], head.bwd_compute + edge["last"][1]
+        if pp > 1 or not cfg.tie_embeddings:
+            out += [Block(sum(norm), 0.0, 0.0, norm), Block(V * h / tp, fwd, bwd, (V * h / tp,))]
+        else:
+            out.append(Block(sum(norm), fwd, bwd, norm))
+    assert abs(sum(b.numel for b in out) - stage_params(cfg, tp, pp, stage, nl)) < 1, \
+        "recipe_blocks: the modules' parameters must be the stage's"
     return out

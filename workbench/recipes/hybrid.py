@@ -397,7 +397,8 @@ class Hybrid:
             def forward():
                 logits = self._stage(model, 0, self._batch(inputs, mesh))
                 return self._loss(logits, self._batch(targets, mesh))
-            params = [p for _, p in dist_parameters(model)]
+            params = [p for _, p in dist_parameters(model)] + list(model.buffers())
+            # (buffers, e.g. the RoPE tables: resident, not saved activations)
             # what one rank keeps for backward, counted as the dry run counts it (a broadcast
             # copy the simulator makes of a stacked tensor counted as its source; checkpointed
             # blocks' inputs): plan.meta_run.SavedCounter
