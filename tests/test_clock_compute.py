@@ -17,13 +17,14 @@ FEW = settings(max_examples=40, deadline=None)
 
 def _numbers(data, prefix=""):
     """Paths of every number in a profile's JSON, and of the measurement it prices from
-    (``measured``'s file and kernel): the keys ``citations`` must hold."""
+    (``measured``'s file and kernel) and of the published table it prices attention from
+    (``attention_table``): the keys ``citations`` must hold."""
     for k, v in data.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
             yield from _numbers(v, path + ".")
         elif isinstance(v, (int, float)) and not isinstance(v, bool) or \
-                path.startswith("measured."):
+                path.startswith("measured.") or path == "attention_table" and v:
             yield path
 
 

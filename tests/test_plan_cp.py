@@ -13,7 +13,7 @@ from workbench.plan.ep_cp import layer_cost
 from workbench.plan.layer_cost import layer_ops
 from workbench.plan.memory import layer_activation_bytes, stage_memory
 from workbench.plan.presets import get_config
-from workbench.sim_mesh.cost import compute_time, overlap
+from workbench.sim_mesh.cost import AttentionShape, compute_time, overlap
 
 # Llama 3 8B's layer shape at 32K tokens, 2 layers: priced in milliseconds
 CFG = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
@@ -32,8 +32,10 @@ def test_ring_step_is_max_of_half_block_and_hop():
     s_l, a, d, e = 32768 // 4, 32, 128, 2
     pairs = a * s_l * s_l / 2                  # causal balancing: half a block per step
     nq, nk, lse = a * s_l * d, 8 * s_l * d, 4 * a * s_l
+    # a half block is full attention (no mask inside) at s_l tokens: the fused kernel's
+    # rate for that shape (the a100 profile's attention_table, sim_mesh.fa2_a100)
     half = compute_time(4 * pairs * d, e * (2 * nq + 2 * nk) + lse, A100, "bfloat16",
-                        "attention") + \
+                        "attention", gemm=AttentionShape(a, s_l, d, False, False)) + \
         compute_time(6 * nq, 3 * e * nq + 3 * lse, A100, "bfloat16", "elementwise")
     hop = group_price("send_recv", kv_block_bytes(CFG, lay), (0, 1), A100)
     assert r.steps == 3 and r.half_forward == half and r.hop == hop
@@ -43,7 +45,8 @@ def test_ring_step_is_max_of_half_block_and_hop():
     assert r.forward == 3 * (run + r.merge + out)
     assert 3 * max(half, hop) <= r.forward < 3 * (half + hop)   # about max(half, hop)
     acc = r.half_backward - compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, A100,
-                                         "bfloat16", "attention")
+                                         "bfloat16", "attention",
+                                         gemm=AttentionShape(a, s_l, d, False, True))
     run_b, out_b = overlap(r.half_backward - acc, 2 * hop, A100)
     assert r.backward == pytest.approx(3 * (run_b + acc + out_b), rel=1e-12)
     assert r.forward_exposed_comm == 0.0 and hop < half        # 8K-token blocks hide it

@@ -186,6 +186,10 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
             prof.measured["attention_backend"], prof.measured["attention_backend"])
         out.append(f"attention: {kernel} at the rates measured on the device "
                    f"({prof.measured['file']}); GEMMs at their measured rates")
+    elif attention == "flash" and prof.attention_table:   # a published per-shape table
+        out.append(f"attention: FlashAttention-2 at the rates its author published for "
+                   f"each shape on the A100 ({prof.attention_table}: Dao 2023 Fig. 4, "
+                   f"sim_mesh.fa2_a100); forward and backward split at one ratio ASSUMED")
     elif attention == "flash":     # name the kernel whose rate the profile took
         src = prof.citations.get("efficiency.attention", "no source cited").split(":")[0]
         out.append(f"attention: a fused FlashAttention kernel at "

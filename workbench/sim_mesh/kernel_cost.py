@@ -30,10 +30,15 @@ _MEASURED_GEMM = {"bfloat16", "float16", "float8"}
 
 
 def _measured_peak(profile, dtype, op_class, flops, gemm):
-    """The measured FLOP/s of this kernel on ``profile`` (``sim_mesh.measured``), or
-    None where the profile has no measurement for it."""
+    """The measured FLOP/s of this kernel on ``profile`` (``sim_mesh.measured``; for
+    16-bit attention on a profile with an ``attention_table`` and no measured file, that
+    table's rate, ``sim_mesh.fa2_a100``), or None where the profile has neither."""
     ms = profile.measured
     if not ms:
+        if profile.attention_table and op_class == "attention" and isinstance(
+                gemm, AttentionShape) and dtype_name(dtype) in ("bfloat16", "float16"):
+            from . import fa2_a100        # a published per-shape table (FlashAttention-2)
+            return fa2_a100.rate(gemm.seq, gemm.head_dim, gemm.causal, gemm.backward)
         return None
     from . import measured as _m
     scale = _m.scales(profile)[0]      # a sibling card's factor (1: the measured card)
@@ -134,7 +139,8 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     then divided by ``gemm_efficiency`` (tile and wave quantization), or, on a profile
     with ``measured`` GEMMs (16-bit or FP8), priced at the rate measured for that
     product (K = flops / (2 x batch x rows x columns); a batch as its rows stacked).
-    An ``AttentionShape`` for op class "attention": the measured rate of that fused kernel where the profile has one.
+    An ``AttentionShape`` for op class "attention": the measured rate of that fused kernel where the profile has one
+    (or, in 16 bits, its ``attention_table``'s rate: ``sim_mesh.fa2_a100``).
     """
     for name, v in (("flops", flops), ("bytes_moved", bytes_moved)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \

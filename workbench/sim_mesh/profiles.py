@@ -35,6 +35,9 @@ Conventions (used by ``cost.py`` and ``topology.py``):
   reuse its file with ``"compute_scale"`` (the GEMM and attention rates times it) and
   ``"memory_scale"`` (the measured loss's rate, a memory-bound kernel, times it),
   each cited as the assumption it is (``sim_mesh.measured.scales``).
+- ``attention_table``: the name of a published per-shape table of the fused attention
+  kernel's rates (``sim_mesh.fa2_a100``: FlashAttention-2 on the A100, Dao 2023 Fig. 4),
+  used for 16-bit attention of a known shape where ``measured`` does not price it.
 - ``slow_paths[dtype]``: a dtype the main compute units cannot run, priced on
   another engine (the 910B runs float64 on its AI CPU): ``{"engine", "peak_flops",
   "memory_bandwidth", "launch_overhead"}``.
@@ -239,6 +242,9 @@ class Profile:
     # FP8 GEMMs and fused attention are then priced at their measured rates;
     # optional "compute_scale" / "memory_scale" (numbers): a sibling card's factors
     measured: Mapping[str, "str | float"] = field(default_factory=dict, hash=False)
+    # a published per-shape table of the fused attention kernel's rates
+    # (``sim_mesh.fa2_a100.NAME``), used where ``measured`` does not price it; "": none
+    attention_table: str = ""
 
     def __post_init__(self):
         owner = f"Profile {self.name!r}"
@@ -317,6 +323,10 @@ class Profile:
                                  f"{ms['attention_backend']!r} was not measured in "
                                  f"{ms['file']!r}; use one of {have}")
         object.__setattr__(self, "measured", MappingProxyType(ms))
+        from . import fa2_a100 as _fa2
+        if self.attention_table not in ("", _fa2.NAME):
+            raise ValueError(f"{owner}: attention_table={self.attention_table!r} is not a "
+                             f"table the clock has; use {_fa2.NAME!r} or \"\" (none)")
         slow = {dtype_name(k): dict(v) for k, v in dict(self.slow_paths).items()}
         for k, v in slow.items():
             if set(v) != {"engine", "peak_flops", "memory_bandwidth", "launch_overhead"}:
@@ -407,6 +417,7 @@ class Profile:
                 "gemm_tile": dict(self.gemm_tile),
                 "runtime_memory": dict(self.runtime_memory),
                 "measured": dict(self.measured),
+                "attention_table": self.attention_table,
                 "citations": dict(self.citations)}
 
     @classmethod
@@ -424,7 +435,7 @@ class Profile:
             kw[attr] = Link(**kw[attr])
         optional = {"sources", "notes", "launch_overhead", "efficiency", "memory_efficiency",
                     "kernel_bandwidth", "gemm_tile", "runtime_memory", "measured",
-                    "slow_paths", "topology", "citations"}
+                    "attention_table", "slow_paths", "topology", "citations"}
         missing = sorted(known - set(kw) - optional)
         if missing:
             raise ValueError(f"profile data lacks keys {missing}")

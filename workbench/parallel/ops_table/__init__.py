@@ -6,7 +6,8 @@ Shared machinery:
     strategy.py  what a rule returns and how the cheapest strategy is chosen
                  (``Strategy``, ``combine``, ``infer``, ``register_rule``)
     costs.py     FLOPs and bytes helpers; pricing.py: compute events on the trace
-                 (loss_pricing.py: the loss at a profile's measured rate)
+                 (loss_pricing.py: the loss at a profile's measured rate;
+                 attention_pricing.py: fused attention at the profile's rate for its shape)
     samples.py   the validator's sample calls; checks.py: torch as the judge on meta
     _util.py     dims and stacked-tensor helpers of the local implementations
 

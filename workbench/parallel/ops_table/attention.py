@@ -35,6 +35,7 @@ from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from . import costs
 from ._util import check_number
+from .attention_pricing import with_shape
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -237,7 +238,10 @@ def _attention_cost(ins, outs, layout=None, **attrs):
                                                       attrs.get("causal"), attrs.get("pattern"))
     if busy is not None and busy[1]:
         flops, bflops = flops * busy[0] // busy[1], bflops * busy[0] // busy[1]
-    return costs.Cost(flops, c.bytes + m, bflops, c.backward_bytes + m)
+    out = costs.Cost(flops, c.bytes + m, bflops, c.backward_bytes + m)
+    if ins[3] is not None or attrs.get("pattern") is not None:
+        return out                  # a mask: not the fused kernel a profile prices by shape
+    return with_shape(out, ins[0], bool(attrs.get("causal")))      # attention_pricing.py
 
 
 _attention_cost.wants_layout = True

@@ -36,6 +36,7 @@ from .. import layout as L
 from ..placement import Replicate, Shard
 from . import costs
 from .attention import _heads_line_up
+from .attention_pricing import with_shape
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -286,10 +287,11 @@ def _cost(ins, outs, layout=None, *, ring, step, causal, balanced, **_):
         busiest = max(pairs(*L.shard_bounds(specs[0].shape, mesh, st.inputs[0], r)[2])
                       for r in mesh.ranks)
     saved = sum(costs.nbytes(t) for t in (*ins, *outs))
-    return costs.Cost(2 * busiest * B * H * (D + Dv),
-                      sum(costs.nbytes(t) for t in (*ins, *outs)),
-                      2 * busiest * B * H * (3 * D + 2 * Dv),
-                      costs.backward_bytes(ins, outs, saved))
+    c = costs.Cost(2 * busiest * B * H * (D + Dv), sum(costs.nbytes(t) for t in (*ins, *outs)),
+                   2 * busiest * B * H * (3 * D + 2 * Dv), costs.backward_bytes(ins, outs, saved))
+    # priced at the profile's rate for its shape (attention_pricing.py): the causal mask
+    # runs inside the kernel at step 0 only (later steps: whole blocks, or none)
+    return with_shape(c, q, causal and step == 0)
 
 
 _cost.wants_layout = True
