@@ -127,6 +127,7 @@ def test_mfu(capsys):
     fails("one sequence's", C.check_mfu, want / 1536, t)              # B = 1
     fails("sequence length twice", C.check_mfu, want * 2048, t)       # B = 1536 x 2048
     fails("not the 128 nodes", C.check_mfu, want * 8, t)
+    fails("one device's peak", C.check_mfu, want * 1024, t)          # forgot the devices
     fails("2:4 sparsity", C.check_mfu, want / 2, t)                   # peak 624
     fails("312e12 FLOP/s", C.check_mfu, want * 1e12, t)               # peak as 312
     # the planner's MFU uses the same eq. 7

@@ -223,6 +223,10 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
                            f"{peak_tflops:g}e12 FLOP/s")]
     if devices == 1024:
         wrong.append((want * 8, "divide by all 1,024 devices, not the 128 nodes of 8"))
+    if devices > 1:
+        wrong.append((want * devices, f"that divides by one device's peak: the step's FLOPs "
+                                      f"run on all {devices:,} devices, so divide by "
+                                      f"step time x {devices:,} x peak"))
     if peak_tflops == 312.0:
         wrong.append((want / 2, "624 TFLOP/s is the A100's peak with 2:4 sparsity; its dense "
                                 "bf16 peak is 312"))
