@@ -26,7 +26,9 @@ Three codes, chosen by the layout (:func:`era`):
   tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
   fp32 gradient, 8), ``multi_tensor_l2norm`` (``clip_grads.py:90``, read 4), FusedAdam
   (``optimizer/__init__.py:16``, ``optimizer.py:410``, 28), ``_copy_main_params_to_
-  model_params`` (``:356``, ``multi_tensor_scale`` fp32 -> fp16, read 4 write 2).
+  model_params`` (``:356``, read 4 write 2: a ``copy_`` per tensor, as with bf16, since
+  ``_multi_tensor_copy_this_to_that`` tests ``if overflow_buf:`` (``:53``) and fp16's
+  ``IntTensor([0])`` is False, so apex's ``multi_tensor_scale`` never runs).
   bf16 forces fp32 contiguous buffers (``arguments.py:141-155``): as 2022 below.
 - 2022, Korthikanti et al. (2e90a342f5; the default Megatron with ZeRO 0): local DDP
   with contiguous buffers (on by default, ``arguments.py:700``), fp32 for bf16
@@ -38,15 +40,17 @@ Three codes, chosen by the layout (:func:`era`):
   (fp16; bf16 has none, ``optimizer/__init__.py``), the norm (``clip_grads.py:92``),
   FusedAdam (``optimizer.py:436``), the copy to the model's weights (``:382``; bf16
   has no apex kernel, ``_dummy_overflow_buf = None``: a ``copy_`` per tensor, ``:61``).
-- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1`` over dp x cp > 1; at
-  one data-parallel rank ZeRO-1 is ZeRO-0, the 2022 code, as ``search`` lists it once).
+- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1``, at dp x cp = 1 too:
+  ``get_megatron_optimizer`` builds it whatever the data-parallel size,
+  ``core/optimizer/__init__.py:256``; ``search`` lists ZeRO-0 only there).
   Per step on the
   whole fp32 buffer (``megatron/core/distributed/param_and_grad_buffer.py``):
   ``grad_data.zero_()`` (``:508``, from ``training/training.py:585``), before each
   bucket's reduce-scatter the NaN check ``grad_data.norm(p=2)`` (``:111-118``;
   ``--check-for-nan-in-loss-and-grad`` on by default, ``training/arguments.py:1016``,
-  off for fp16 with a dynamic loss scale, ``:292-295``) and ``grad_data *=
-  1/dp`` (``:122-123``, ``distributed_data_parallel.py:157``, only when dp > 1).  On
+  off for fp16 with a dynamic loss scale, ``:292-295``: fp16 priced with it off,
+  ASSUMPTION) and ``grad_data *= 1/dp`` (``:122-123``, ``distributed_data_parallel.py:
+  156-157``: ``get_data_parallel_world_size()`` without cp, so only when dp > 1).  On
   the rank's shard (``core/optimizer/distrib_optimizer.py``): ``shard_model_grad.float()``
   (``:1520``, a copy only for a 16-bit buffer), unscale with fp16 (``optimizer.py:348``),
   the norm (``clip_grads.py:98``), Adam (``optimizer.py:406``; Transformer Engine's
@@ -134,11 +138,12 @@ class Pass:
 
 def era(lay, fusion: bool) -> str:
     """Which Megatron-LM code a Megatron layout runs (module docstring): the distributed
-    optimizer's with ZeRO-1 over more than one data-parallel rank, Narayanan et al.'s
+    optimizer's with ZeRO-1 (``--use-distributed-optimizer``), Narayanan et al.'s
     without gradient accumulation fusion (``plan.megatron_2021``), else Korthikanti et
-    al.'s.  With dp x cp = 1 ZeRO-1 is ZeRO-0 (the planner's convention: ``search`` lists
-    the stage once), so both price the 2022 code."""
-    if lay.zero == 1 and lay.dp * lay.cp > 1:
+    al.'s.  At dp x cp = 1 ZeRO-1 still runs the distributed optimizer's code (f2e5db402c
+    ``megatron/core/optimizer/__init__.py:256`` has no data-parallel condition), its
+    partition the whole; ``search`` lists ZeRO-0 only there."""
+    if lay.zero == 1:
         return "2024"
     return "2021" if not fusion else "2022"
 
@@ -152,9 +157,9 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
         dist = "megatron/core/distributed/param_and_grad_buffer.py"
         out.append(Pass("zero the fp32/16-bit grad buffer (grad_data.zero_())", g, "psi",
                         f"{src} {dist}:508"))
-        if bf16:                      # fp16 here: dynamic loss scale, check off
+        if not fp16:                  # fp16 here: dynamic loss scale, check off (bf16, fp32: on)
             out.append(Pass("NaN check, grad_data.norm(p=2)", g, "psi", f"{src} {dist}:111-118"))
-        if lay.dp * lay.cp > 1:
+        if lay.dp > 1:                # the factor is 1 / dp without cp (:156-157): 1.0 skips
             out.append(Pass("grad_data *= 1/dp", 2 * g, "psi", f"{src} {dist}:122-123"))
         opt = "megatron/core/optimizer/distrib_optimizer.py"
         copy_in, copy_out = f"{src} {opt}:1520", f"{src} {opt}:1552"
@@ -189,8 +194,10 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
             Pass("FusedAdam (multi_tensor_adam): p, g, m, v read; p, m, v written", ADAM,
                  "shard", adam)]
     if bf16 or fp16:                  # fp32 (FP32Optimizer): no main copy
+        # a copy_ per tensor in every era: 2021/2022's _multi_tensor_copy_this_to_that
+        # tests ``if overflow_buf:``, and fp16's IntTensor([0]) is False (optimizer.py:53)
         out.append(Pass("fp32 main params to 16-bit params", 4 + 2, "shard", copy_out,
-                        per_tensor=bf16 or when == "2024"))
+                        per_tensor=True))
     return out
 
 
@@ -242,8 +249,9 @@ def _zero_today(dtype: str, zero: int) -> list[Pass]:
     return out + [
         Pass("gradient norm, g.double() then its norm, per partition", e + 8 + 8, "shard",
              f"{src}:{at[1]}", per_tensor=True),
-        Pass("flatten the partitions, .to(fp32)", (e + e) + (e + 4), "shard",
-             f"{src}:{at[2]}", kernels=2),
+        # .to(fp32) of an fp32 flat buffer returns it: no copy (fp32 runs: e = 4)
+        Pass("flatten the partitions, .to(fp32)", (e + e) + ((e + 4) if e != 4 else 0),
+             "shard", f"{src}:{at[2]}", kernels=2 if e != 4 else 1),
         Pass("unscale and clip, mul_(1 / combined_scale), always", 4 + 4, "shard",
              f"{src}:{at[3]}"),
         Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard", f"{src}:{at[4]}"),

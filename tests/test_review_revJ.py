@@ -1,0 +1,99 @@
+"""Review revJ of the optstep merge (plan/optimizer_step.py): each defect found against the
+cited framework source, held by a test that fails on the code before the fix.
+
+- Megatron-LM 50a4b5fa02 / 2e90a342f5 ``_multi_tensor_copy_this_to_that`` (optimizer.py:48-62)
+  runs apex's ``multi_tensor_scale`` only ``if overflow_buf:``; fp16's ``_dummy_overflow_buf``
+  is ``torch.cuda.IntTensor([0])`` (:215 / :222), whose truth value is False: the fp32 -> fp16
+  copy is a ``copy_`` per tensor in fp16 as in bf16 (was priced as one launch).
+- f2e5db402c ``gradient_scaling_factor = 1.0 / get_data_parallel_world_size()``
+  (distributed_data_parallel.py:156-157, without context parallelism) and
+  ``if self.gradient_scaling_factor != 1.0`` (param_and_grad_buffer.py:122): dp = 1, cp > 1
+  runs no multiply (was priced 8 B per parameter).
+- f2e5db402c's NaN check (param_and_grad_buffer.py:111-113) is off only for fp16 with a
+  dynamic loss scale (training/arguments.py:292-295): fp32 runs it (was bf16 only).
+- ``--use-distributed-optimizer`` at dp x cp = 1: ``get_megatron_optimizer`` builds the
+  DistributedOptimizer whatever the data-parallel size (core/optimizer/__init__.py:256);
+  was priced as the 2022 non-distributed code (its /= dp pass included).
+- DeepSpeed 38327e07f stage_1_and_2.py:1896 / stage3.py:1898 ``.to(fp32)`` of an fp32
+  flat partition returns it (torch ``Tensor.to`` with the same dtype): no copy (was 8 B).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.models import get_config
+from workbench.plan import Layout
+from workbench.plan import optimizer_step as OS
+from workbench.sim_mesh.cost import compute_time
+from workbench.sim_mesh.profiles import get_profile
+
+A100 = get_profile("a100")
+PSI = 1.3e9
+
+
+def _cfg(dtype):
+    return get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512, dtype=dtype)
+
+
+def _split(table):
+    return (sum(p.nbytes for p in table if p.over == "psi"),
+            sum(p.nbytes for p in table if p.over == "shard"))
+
+
+def test_the_falsy_overflow_buffer_is_what_megatron_tests():
+    # torch's truth value of a one-element zero tensor, the test apex's path depends on
+    assert not bool(torch.tensor([0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fusion,overlap,lay", [(False, False, Layout(dp=4, tp=2, pp=2)),
+                                                (False, True, Layout(dp=4, tp=2)),
+                                                (True, False, Layout(dp=2, tp=4))])
+def test_megatron_fp16_copy_to_model_params_is_a_copy_per_tensor(fusion, overlap, lay):
+    table = OS.passes(_cfg("float16"), lay, fusion, overlap)
+    copy = [p for p in table if "16-bit params" in p.name]
+    assert len(copy) == 1 and copy[0].per_tensor and copy[0].nbytes == 6
+    full, shard = _split(table)
+    launches = sum(96 if p.per_tensor else p.kernels for p in table)
+    assert OS.step_seconds(table, PSI, PSI, A100, tensors=96) == pytest.approx(
+        compute_time(0.0, (full + shard) * PSI, A100, "float32", launches=launches),
+        rel=1e-12)
+    assert launches == 2 * 96 + sum(p.kernels for p in table if not p.per_tensor)
+
+
+def test_distributed_optimizer_scales_by_dp_not_dp_times_cp():
+    names = lambda lay: [p.name for p in OS.passes(_cfg("bfloat16"), lay)]  # noqa: E731
+    assert "grad_data *= 1/dp" not in names(Layout(dp=1, cp=2, tp=4, zero=1))
+    assert "grad_data *= 1/dp" in names(Layout(dp=2, cp=2, tp=2, zero=1))
+    assert _split(OS.passes(_cfg("bfloat16"), Layout(dp=1, cp=2, tp=4, zero=1))) == (8, 38)
+
+
+def test_distributed_optimizer_nan_check_runs_in_fp32():
+    table = OS.passes(_cfg("float32"), Layout(dp=8, zero=1))
+    assert any(p.name.startswith("NaN check") for p in table)
+    assert _split(table) == (4 + 4 + 8, 4 + 28)          # no 16-bit copies in fp32
+    fp16 = OS.passes(_cfg("float16"), Layout(dp=8, zero=1))   # dynamic scale: off
+    assert not any(p.name.startswith("NaN check") for p in fp16)
+
+
+def test_zero1_at_one_data_parallel_rank_runs_the_distributed_optimizer():
+    lay = Layout(dp=1, tp=8, zero=1)
+    assert OS.era(lay, True) == OS.era(lay, False) == "2024"
+    table = OS.passes(_cfg("bfloat16"), lay, True)
+    assert all("f2e5db402c" in p.source for p in table)
+    assert _split(table) == (4 + 4, 4 + 28 + 6)           # zero, NaN check; no 1/dp
+    # ZeRO-0 stays the 2022 code (its /= dp runs even at dp = 1)
+    assert _split(OS.passes(_cfg("bfloat16"), Layout(tp=8), True)) == (12, 38)
+    a = OS.assumption(lay, table)
+    assert "f2e5db402c" in a and "46 B per parameter" in a
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_deepspeed_fp32_partition_is_not_cast(zero):
+    table = OS.passes(_cfg("float32"), Layout(dp=8, zero=zero, framework="deepspeed"))
+    flat = [p for p in table if p.name.startswith("flatten")]
+    assert len(flat) == 1 and flat[0].nbytes == 4 + 4 and flat[0].kernels == 1
+    # norm of g.double() 4+8+8, flatten 4+4, unscale 8, Adam 28, copy 4+4
+    assert _split(table) == (0, 20 + 8 + 8 + 28 + 8)
+    g = torch.ones(3)
+    assert g.to(torch.float32) is g                       # the no-op the count relies on
