@@ -97,3 +97,22 @@ def test_deepspeed_fp32_partition_is_not_cast(zero):
     assert _split(table) == (0, 20 + 8 + 8 + 28 + 8)
     g = torch.ones(3)
     assert g.to(torch.float32) is g                       # the no-op the count relies on
+
+
+def test_deepspeed_0_3_refuses_bf16_naming_the_fix():
+    import workbench as wb
+    lay = Layout(dp=8, zero=3, global_batch=8, framework="deepspeed-0.3")
+    with pytest.raises(ValueError, match=r"dtype='bfloat16'.*model.replace\(dtype='float16'\)"):
+        OS.passes(_cfg("bfloat16"), lay)
+    with pytest.raises(ValueError, match="deepspeed-0.3"):
+        wb.plan.estimate(_cfg("bfloat16"), lay, wb.plan.Cluster("a100", 8))
+    assert _split(OS.passes(_cfg("float16"), lay)) == (0, 80)
+
+
+def test_deepspeed_assumption_names_the_stage_it_did_not_read():
+    for zero, want in ((0, "non-ZeRO optimizer step"), (1, "ZeRO-1 optimizer step")):
+        lay = Layout(dp=2, pp=2, zero=zero, framework="deepspeed") if zero else \
+            Layout(dp=2, zero=0, framework="deepspeed")
+        cfg = _cfg("float16" if zero else "bfloat16")
+        table = OS.passes(cfg, lay)
+        assert len(table) == 1 and want in OS.assumption(lay, table)

@@ -203,6 +203,11 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
 
 def _deepspeed(cfg, lay) -> list[Pass]:
     if lay.engine == "deepspeed-0.3":    # stage3.py's step (module docstring), fp16
+        if cfg.dtype != "float16":      # v0.3.16's runtime has no bfloat16 at all
+            raise ValueError(f"framework='deepspeed-0.3' with model dtype={cfg.dtype!r}: "
+                             f"DeepSpeed v0.3.13-0.3.16 trained in fp16 only (its runtime "
+                             f"has no bfloat16); use model.replace(dtype='float16'), or "
+                             f"framework='deepspeed' for today's ZeRO-3 in {cfg.dtype}")
         src = "microsoft/DeepSpeed v0.3.16 deepspeed/runtime/zero/stage3.py"
         return [Pass("overflow check, float(x.float().sum()) per gradient partition",
                      2 + 4 + 4, "shard", f"{src}:2857/2899", per_tensor=True),
@@ -315,7 +320,8 @@ def assumption(lay, table) -> str:
     elif any("clip" in p.name for p in table):        # FP16_Optimizer: with the unscale
         clip = "; unscale and clip priced as one multiply"
     elif lay.engine == "deepspeed" and len(table) == 1:
-        clip = "; DeepSpeed's ZeRO optimizer step beyond Adam not read (ASSUMPTION)"
+        clip = (f"; DeepSpeed's {f'ZeRO-{lay.zero}' if lay.zero else 'non-ZeRO'} optimizer "
+                f"step beyond Adam not read (ASSUMPTION)")
     elif lay.engine == "workbench":
         clip = ""
     else:
