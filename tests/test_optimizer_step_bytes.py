@@ -110,7 +110,7 @@ def test_deepspeed_bytes_by_hand_and_as_its_modules_price_them():
     z3 = OS.passes(_cfg("float16"), Layout(dp=8, zero=3, framework="deepspeed-0.3"))
     assert _split(z3) == (0, 10 + 18 + 10 + 8 + 28 + 6) == (0, 80)
     assert OS.step_seconds(z3, PSI, PSI / 8, A100, tensors=50) == pytest.approx(
-        compute_time(0.0, 80 * PSI / 8, A100, "float32", launches=2 * 50 + 2 + 3),
+        compute_time(0.0, 80 * PSI / 8, A100, "float32", launches=2 * 2 * 50 + 2 + 3),
         rel=1e-12)
 
 

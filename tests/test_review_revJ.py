@@ -54,11 +54,35 @@ def test_megatron_fp16_copy_to_model_params_is_a_copy_per_tensor(fusion, overlap
     copy = [p for p in table if "16-bit params" in p.name]
     assert len(copy) == 1 and copy[0].per_tensor and copy[0].nbytes == 6
     full, shard = _split(table)
-    launches = sum(96 if p.per_tensor else p.kernels for p in table)
+    launches = sum(96 * p.kernels if p.per_tensor else p.kernels for p in table)
     assert OS.step_seconds(table, PSI, PSI, A100, tensors=96) == pytest.approx(
         compute_time(0.0, (full + shard) * PSI, A100, "float32", launches=launches),
         rel=1e-12)
-    assert launches == 2 * 96 + sum(p.kernels for p in table if not p.per_tensor)
+    # .float() and the copy per tensor; local DDP without buffers: its copy back too
+    looped = 3 if not (fusion or overlap) else 2
+    assert launches == looped * 96 + sum(p.kernels for p in table if not p.per_tensor)
+
+
+def test_local_ddp_copy_back_is_a_copy_per_tensor():
+    # 50a4b5fa02 model/distributed.py:216-218: for buf, synced in zip(...): buf.copy_(synced)
+    table = OS.passes(_cfg("float16"), Layout(dp=4, tp=2, pp=2), False, False)
+    ddp = [p for p in table if p.name.startswith("allreduce_gradients")]
+    assert [(p.nbytes, p.over, p.per_tensor, p.kernels) for p in ddp] == [
+        (8, "psi", False, 2), (4, "psi", True, 1)]
+
+
+@pytest.mark.parametrize("fw,zero,dtype,per_tensor_kernels,flat_kernels", [
+    ("deepspeed-0.3", 3, "float16", 2 + 2, 2 + 1 + 1 + 1),   # float+sum, double+norm
+    ("deepspeed", 1, "float16", 7 + 2, 2 + 1 + 1 + 1),       # _has_inf_or_nan's 7, norm 2
+    ("deepspeed", 3, "float16", 2, 6 + 2 + 1 + 1 + 1),       # flat isinf/isnan checks: 6
+    ("deepspeed", 2, "bfloat16", 2, 2 + 1 + 1 + 1)])
+def test_per_tensor_loops_launch_each_kernel_per_tensor(fw, zero, dtype, per_tensor_kernels,
+                                                        flat_kernels):
+    table = OS.passes(_cfg(dtype), Layout(dp=8, zero=zero, framework=fw))
+    full, shard = _split(table)
+    assert OS.step_seconds(table, PSI, PSI / 8, A100, tensors=50) == pytest.approx(
+        compute_time(0.0, shard * PSI / 8, A100, "float32",
+                     launches=50 * per_tensor_kernels + flat_kernels), rel=1e-12)
 
 
 def test_distributed_optimizer_scales_by_dp_not_dp_times_cp():

@@ -20,8 +20,8 @@ Three codes, chosen by the layout (:func:`era`):
   ``optimizer.py:283``).  Local DDP without contiguous buffers (the pipeline rows,
   ``--DDP-impl local``) all-reduces through a flattened copy
   (``model/distributed.py:212-218``: ``_flatten_dense_tensors`` 2 + 2, ``/= dp`` 2 + 2,
-  the copy back 2 + 2); torch DDP (the pp = 1 rows: ``overlap_grad_reduce``) reduces in
-  its own buckets (not priced here: ASSUMPTION).  Then ``step``: ``main_param.grad =
+  the copy back 2 + 2, a ``copy_`` per tensor); torch DDP (the pp = 1 rows:
+  ``overlap_grad_reduce``) reduces in its own buckets (not priced here: ASSUMPTION).  Then ``step``: ``main_param.grad =
   model_param.grad.float()`` (``optimizer.py:304/307``, read 2 write 4, a kernel per
   tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
   fp32 gradient, 8), ``multi_tensor_l2norm`` (``clip_grads.py:90``, read 4), FusedAdam
@@ -126,8 +126,8 @@ ADAM = 16 + 12          # multi_tensor_adam: read p, g, m, v; write p, m, v (fp3
 class Pass:
     """One pass over parameter-sized memory: ``nbytes`` read + written per element of
     every parameter of the rank (``over="psi"``) or of its partition (``"shard"``),
-    ``kernels`` launches (a launch per parameter tensor if ``per_tensor``); ``source``:
-    where the code runs it."""
+    ``kernels`` launches (that many per parameter tensor if ``per_tensor``: the source
+    loops over tensors); ``source``: where the code runs it."""
     name: str
     nbytes: float
     over: str
@@ -175,8 +175,10 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
                     Pass("allreduce_gradients: buffer_.data /= dp", 2 * g, "psi",
                          f"{src} {dist}:{200 if when == '2022' else 193}")]
         elif not overlap_grad_reduce:  # local DDP, no contiguous buffers
-            out.append(Pass("allreduce_gradients: flatten, /= dp, copy back", 3 * 2 * g,
-                            "psi", f"{src} {dist}:212-218", kernels=3))
+            out += [Pass("allreduce_gradients: flatten, /= dp", 2 * 2 * g, "psi",
+                         f"{src} {dist}:212-213", kernels=2),      # a cat, a div_ per dtype
+                    Pass("allreduce_gradients: copy back, buf.copy_ per tensor", 2 * g,
+                         "psi", f"{src} {dist}:216-218", per_tensor=True)]
         line = {"2021": ("304/307", 330, 90, 410, 356),
                 "2022": ("316", 356, 92, 436, 382)}[when]
         opt = "megatron/optimizer/optimizer.py"
@@ -210,9 +212,9 @@ def _deepspeed(cfg, lay) -> list[Pass]:
                              f"framework='deepspeed' for today's ZeRO-3 in {cfg.dtype}")
         src = "microsoft/DeepSpeed v0.3.16 deepspeed/runtime/zero/stage3.py"
         return [Pass("overflow check, float(x.float().sum()) per gradient partition",
-                     2 + 4 + 4, "shard", f"{src}:2857/2899", per_tensor=True),
+                     2 + 4 + 4, "shard", f"{src}:2857/2899", per_tensor=True, kernels=2),
                 Pass("gradient norm, g.data.double().norm(2) per partition", 2 + 8 + 8,
-                     "shard", f"{src}:2449", per_tensor=True),
+                     "shard", f"{src}:2449", per_tensor=True, kernels=2),
                 Pass("flatten the fp16 partitions, .to(fp32)", (2 + 2) + (2 + 4), "shard",
                      f"{src}:2578", kernels=2),
                 Pass("unscale and clip, mul_(1 / combined_scale)", 4 + 4, "shard",
@@ -243,17 +245,17 @@ def _zero_today(dtype: str, zero: int) -> list[Pass]:
         src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage3.py", (
             "2212-2213", "1797", "1898", "2187", "987", "2071")
         check = Pass("overflow check, isinf / isnan(flat buffer).any()", 2 * (e + 1 + 1),
-                     "shard", f"{src}:{at[0]}", kernels=4)
+                     "shard", f"{src}:{at[0]}", kernels=6)     # isinf any or_, isnan any or_
     else:
         src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage_1_and_2.py", (
             "2003/2032-2036", "1699", "1896", "1985", "1820", "1920")
         check = Pass("overflow check, x.float() isnan isinf logical_or float max",
                      (e + 4) + 2 * (4 + 1) + 3 + (1 + 4) + 4, "shard", f"{src}:{at[0]}",
-                     per_tensor=True)
+                     per_tensor=True, kernels=7)   # the six, and += into the count
     out = [check] if dtype == "float16" else []      # bf16: no loss scaler, no check
     return out + [
         Pass("gradient norm, g.double() then its norm, per partition", e + 8 + 8, "shard",
-             f"{src}:{at[1]}", per_tensor=True),
+             f"{src}:{at[1]}", per_tensor=True, kernels=2),     # .double(), the norm
         # .to(fp32) of an fp32 flat buffer returns it: no copy (fp32 runs: e = 4)
         Pass("flatten the partitions, .to(fp32)", (e + e) + ((e + 4) if e != 4 else 0),
              "shard", f"{src}:{at[2]}", kernels=2 if e != 4 else 1),
@@ -305,7 +307,7 @@ def step_seconds(table, psi: float, updated: float, prof, tensors: int = 1) -> f
     """Seconds of the passes on the roofline (``compute_time``), memory bound, on a rank
     of ``psi`` parameters in ``tensors`` tensors, ``updated`` of them its own."""
     _check(psi, updated, tensors)
-    launches = sum(tensors if p.per_tensor else p.kernels for p in table)
+    launches = sum(tensors * p.kernels if p.per_tensor else p.kernels for p in table)
     return compute_time(0.0, step_bytes(table, psi, updated), prof, "float32",
                         launches=int(launches))
 
