@@ -22,8 +22,8 @@ Three codes, chosen by the layout (:func:`era`):
   (``model/distributed.py:212-218``: ``_flatten_dense_tensors`` 2 + 2, ``/= dp`` 2 + 2,
   the copy back 2 + 2, a ``copy_`` per tensor); torch DDP (the pp = 1 rows:
   ``overlap_grad_reduce``) reduces in its own buckets (not priced here: ASSUMPTION).
-  Then ``step``: ``main_param.grad = model_param.grad.float()`` (``optimizer.py:304/307``, read 2 write 4, a kernel per
-  tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
+  Then ``step``: ``main_param.grad = model_param.grad.float()`` (``optimizer.py:304/307``,
+  read 2 write 4, a kernel per tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
   fp32 gradient, 8), ``multi_tensor_l2norm`` (``clip_grads.py:90``, read 4), FusedAdam
   (``optimizer/__init__.py:16``, ``optimizer.py:410``, 28), ``_copy_main_params_to_
   model_params`` (``:356``, read 4 write 2: a ``copy_`` per tensor, as with bf16, since
