@@ -23,12 +23,13 @@ Three codes, chosen by the layout (:func:`era`):
   the copy back 2 + 2, a ``copy_`` per tensor); torch DDP (the pp = 1 rows:
   ``overlap_grad_reduce``) reduces in its own buckets (not priced here: ASSUMPTION).
   Then ``step``: ``main_param.grad = model_param.grad.float()`` (``optimizer.py:304/307``,
-  read 2 write 4, a kernel per tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
-  fp32 gradient, 8), ``multi_tensor_l2norm`` (``clip_grads.py:90``, read 4), FusedAdam
-  (``optimizer/__init__.py:16``, ``optimizer.py:410``, 28), ``_copy_main_params_to_
-  model_params`` (``:356``, read 4 write 2: a ``copy_`` per tensor, as with bf16, since
-  ``_multi_tensor_copy_this_to_that`` tests ``if overflow_buf:`` (``:53``) and fp16's
-  ``IntTensor([0])`` is False, so apex's ``multi_tensor_scale`` never runs).
+  read 2 write 4, a kernel per tensor), ``_amp_foreach_non_finite_check_and_unscale_``
+  (``:330``, read and write the fp32 gradient, 8), ``multi_tensor_l2norm``
+  (``clip_grads.py:90``, read 4), FusedAdam (``optimizer/__init__.py:16``,
+  ``optimizer.py:410``, 28), ``_copy_main_params_to_model_params`` (``:356``, read 4
+  write 2: a ``copy_`` per tensor, as with bf16, since ``_multi_tensor_copy_this_to_that``
+  tests ``if overflow_buf:`` (``:53``) and fp16's ``IntTensor([0])`` is False, so apex's
+  ``multi_tensor_scale`` never runs).
   bf16 forces fp32 contiguous buffers (``arguments.py:141-155``): as 2022 below.
 - 2022, Korthikanti et al. (2e90a342f5; the default Megatron with ZeRO 0): local DDP
   with contiguous buffers (on by default, ``arguments.py:700``), fp32 for bf16
