@@ -140,3 +140,19 @@ def test_deepspeed_assumption_names_the_stage_it_did_not_read():
         cfg = _cfg("float16" if zero else "bfloat16")
         table = OS.passes(cfg, lay)
         assert len(table) == 1 and want in OS.assumption(lay, table)
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(dp=2, tp=1, pp=2, global_batch=8, recompute="full", zero=1),
+    Layout(dp=2, tp=2, pp=1, global_batch=4, zero=3),
+    Layout(dp=1, tp=4, pp=1, global_batch=2, sp=True)], ids=lambda l: l.short())
+def test_dry_run_and_estimate_price_the_same_step(lay):
+    # the dry run prices the recipe's update with the estimate's framework "workbench"
+    # table (plan.optimizer_step); both read the same parameters per rank
+    import workbench as wb
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024)
+    cl = wb.plan.Cluster("a100", lay.world)
+    dr = wb.plan.dry_run(cfg, lay, cl)
+    est = wb.plan.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+    assert _split(est.details["optimizer_passes"]) == (0, 28)
+    assert dr.breakdown["optimizer"] == pytest.approx(est.details["optimizer"], rel=1e-9)
