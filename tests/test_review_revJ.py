@@ -156,3 +156,13 @@ def test_dry_run_and_estimate_price_the_same_step(lay):
     est = wb.plan.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
     assert _split(est.details["optimizer_passes"]) == (0, 28)
     assert dr.breakdown["optimizer"] == pytest.approx(est.details["optimizer"], rel=1e-9)
+
+
+def test_fp16_distributed_optimizer_states_its_nan_check_assumption():
+    lay = Layout(dp=8, zero=1)
+    fp16 = OS.passes(_cfg("float16"), lay)
+    assert "static --loss-scale runs it: ASSUMPTION" in OS.assumption(lay, fp16)
+    bf16 = OS.passes(_cfg("bfloat16"), lay)
+    assert "static --loss-scale" not in OS.assumption(lay, bf16)
+    old = OS.passes(_cfg("float16"), Layout(dp=8), True)           # 2022: no such check
+    assert "static --loss-scale" not in OS.assumption(Layout(dp=8), old)

@@ -287,7 +287,8 @@ def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> 
     if fw == "workbench":
         return (Pass("mixed-precision AdamW, one fused kernel", MIXED_ADAMW_BYTES, "shard",
                      "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES"),)
-    raise ValueError(f"passes: framework {fw!r} has no optimizer step here")
+    raise ValueError(f"passes: layout framework={fw!r} has no optimizer step here; use "
+                     f"one of 'megatron', 'deepspeed', 'deepspeed-0.3', 'fsdp', 'workbench'")
 
 
 def _check(psi, updated, tensors):
@@ -330,6 +331,10 @@ def assumption(lay, table) -> str:
     else:
         clip = ("; clipping's multiply not priced (it runs only when the norm exceeds "
                 "the limit: ASSUMPTION)")
+    if any(p.source.startswith(_M24) for p in table) and \
+            any(p.name.startswith("unscale") for p in table):       # fp16 (module docstring)
+        clip += ("; the NaN check grad_data.norm not priced (fp16 with a dynamic loss scale "
+                 "turns it off; a static --loss-scale runs it: ASSUMPTION)")
     split = lay.zero >= 1 and lay.dp * lay.cp > 1  # a 1/dp partition to update
     if not split or not shard or not full:         # one figure per parameter
         size = f"{full + shard:g} B per {'partitioned ' if not full and split else ''}" \
