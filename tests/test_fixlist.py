@@ -147,3 +147,125 @@ def test_flash_attention_casts_under_autocast_as_sdpa():
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(TypeError, match="share one dtype"):             # outside autocast
         wb.ops.flash_attention(q, k, v, causal=True)
+
+
+# ---- 2. torch.nn.utils.clip_grad_norm_ & co. on a wb.parallelize'd model -------------------
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8),
+                               torch.nn.LayerNorm(8))
+
+
+def _clip_pair(mesh_shape=(2,), names=("tp",), scale=1.0):
+    """(one-device params, parallelized params): the same model after one backward, with an
+    extra plain parameter beside the DistTensors (a mixed list)."""
+    ref = _mlp()
+    m = copy.deepcopy(ref)
+    mesh = wb.Mesh.grid(mesh_shape, names)
+    wb.parallelize(m, mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    (ref(x).pow(2).sum() * scale).backward()
+    (m(x).pow(2).sum() * scale).backward()
+    extra = [torch.ones(3, requires_grad=True) for _ in range(2)]
+    for e in extra:
+        e.grad = torch.full((3,), 0.5 * scale)
+    return list(ref.parameters()) + extra[:1], list(m.parameters()) + extra[1:]
+
+
+def _same_grads(ps, rs):
+    assert any(isinstance(p, wb.DistTensor) for p in ps)
+    for p, r in zip(ps, rs):
+        torch.testing.assert_close(_full(p.grad), r.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_torch_clip_grad_norm_on_parallelized_model(norm_type, foreach):
+    rs, ps = _clip_pair()
+    want = torch.nn.utils.clip_grad_norm_(rs, 1.0, norm_type, foreach=foreach)
+    got = torch.nn.utils.clip_grad_norm_(iter(ps), 1.0, norm_type, foreach=foreach)
+    assert want.item() > 1.0                           # the clipping scaled the gradients
+    assert type(got) is torch.Tensor and got.dtype == want.dtype
+    torch.testing.assert_close(got, want)
+    _same_grads(ps, rs)
+
+
+def test_torch_clip_grad_norm_on_dp_tp_mesh_and_llama():
+    rs, ps = _clip_pair((2, 2), ("dp", "tp"))
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(ps, 0.5),
+                               torch.nn.utils.clip_grad_norm_(rs, 0.5))
+    _same_grads(ps, rs)
+    idx, tgt = _ids()
+    ref = build_model(_cfg(), seed=0)
+    m = copy.deepcopy(ref)
+    wb.parallelize(m, wb.Mesh.grid((2,), ("tp",)), m.tp_plan(2), mesh_dim="tp")
+    ref(idx, tgt)[1].backward()
+    m(idx, tgt)[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    got = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _same_grads(list(m.parameters()), list(ref.parameters()))
+
+
+def test_torch_get_total_norm_clip_grads_with_norm_and_clip_value():
+    rs, ps = _clip_pair()
+    want = torch.nn.utils.get_total_norm([r.grad for r in rs], 3.0)
+    got = torch.nn.utils.get_total_norm([p.grad for p in ps], 3.0)
+    torch.testing.assert_close(got, want)
+    torch.nn.utils.clip_grads_with_norm_(rs, 0.3, want)
+    torch.nn.utils.clip_grads_with_norm_(ps, 0.3, got)
+    _same_grads(ps, rs)
+    rs, ps = _clip_pair()
+    torch.nn.utils.clip_grad_value_(rs, 0.05)
+    torch.nn.utils.clip_grad_value_(ps, 0.05)
+    _same_grads(ps, rs)
+
+
+def test_torch_clip_grad_norm_error_if_nonfinite_leaves_grads():
+    rs, ps = _clip_pair(scale=math.inf)
+    before = [_full(p.grad).clone() for p in ps]
+    for params in (rs, ps):
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    for p, b in zip(ps, before):
+        torch.testing.assert_close(_full(p.grad), b, equal_nan=True)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(ps, 1.0),     # nan, as torch
+                               torch.nn.utils.clip_grad_norm_(rs, 1.0), equal_nan=True)
+    for p, r in zip(ps, rs):
+        torch.testing.assert_close(_full(p.grad), r.grad, equal_nan=True)
+
+
+def test_torch_clip_grad_norm_of_plain_tensors_is_torchs():
+    assert torch.nn.utils.clip_grad_norm_.__wrapped__ is not None
+    with pytest.warns(UserWarning, match="empty generator"):
+        assert torch.nn.utils.clip_grad_norm_((p for p in []), 1.0).item() == 0.0
+    p = torch.ones(4, requires_grad=True)
+    p.grad = torch.full((4,), 2.0)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(p, 1.0), torch.tensor(4.0))
+    torch.testing.assert_close(p.grad, torch.full((4,), 0.5 / (1 + 2.5e-7)))
+
+
+# ---- 3. a MoE layer's last_stats under simulated data parallelism -------------------------
+@pytest.mark.parametrize("kind,n", [("ddp", 2), ("ddp", 4), ("fsdp", 2)])
+def test_moe_last_stats_under_simulated_dp_are_the_whole_batch(kind, n):
+    """Measured before the fix (ddp, n=2): 32 of 64 dropped on the last rank's rows where
+    one device drops 64 of 128."""
+    from workbench.models.moe import aux_loss, moe_layers
+    cfg = get_config("tiny", n_layer=2, seq_len=16, moe_experts=4, moe_topk=2,
+                     moe_capacity_factor=0.5, moe_aux_loss_coef=0.1)
+    ref, m = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    mesh = wb.Mesh.grid(n, ["dp"])
+    model = wb.DistributedDataParallel(m, mesh) if kind == "ddp" else \
+        wb.FullyShardedDataParallel(m, mesh)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):                  # the second batch's replace the first's
+        idx, tgt = (torch.randint(0, 75, (4, 16), generator=g) for _ in range(2))
+        ref(idx, tgt)
+        model(wb.shard_tensor(idx, mesh, [S(0)]), wb.shard_tensor(tgt, mesh, [S(0)]))
+        for a, b in zip(moe_layers(ref), moe_layers(m)):
+            want, got = a.last_stats, b.last_stats
+            assert want["dropped"] > 0 and want["routed"] == 4 * 16 * 2
+            assert torch.equal(got.pop("tokens_per_expert"), want.pop("tokens_per_expert"))
+            assert got.pop("aux_loss") == pytest.approx(want.pop("aux_loss"), rel=1e-5)
+            assert got == want
+        assert aux_loss(m) == pytest.approx(aux_loss(ref), rel=1e-5)
