@@ -269,3 +269,16 @@ def test_moe_last_stats_under_simulated_dp_are_the_whole_batch(kind, n):
             assert got.pop("aux_loss") == pytest.approx(want.pop("aux_loss"), rel=1e-5)
             assert got == want
         assert aux_loss(m) == pytest.approx(aux_loss(ref), rel=1e-5)
+
+
+def test_torch_foreach_norm_of_dist_tensors():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(5, generator=g)
+    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
+    da = wb.distribute_tensor(a, mesh, [R(), S(0)])
+    for ord in (2, 1, math.inf):
+        got = torch._foreach_norm([da, b], ord)
+        want = torch._foreach_norm([a, b], ord)
+        assert isinstance(got[0], wb.DistTensor) and got[0].placements == (R(), R())
+        torch.testing.assert_close(got[0].full(), want[0])
+        torch.testing.assert_close(got[1], want[1])

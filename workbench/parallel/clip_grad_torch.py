@@ -14,6 +14,8 @@ thin wrapper in their place, in ``torch.nn.utils`` and ``torch.nn.utils.clip_gra
 given any DistTensor (parameter, or gradient for ``get_total_norm``) it runs
 :mod:`.clip_grad`'s version (the same algorithm, norms taken where the shards live),
 otherwise torch's own function, unchanged, with the same arguments.
+``torch._foreach_norm`` of DistTensors (which reaches ``DistTensor.__torch_function__``)
+gives each one's global norm as a replicated DistTensor.
 """
 from __future__ import annotations
 
@@ -52,8 +54,27 @@ def _wrap(orig, ours):
     return f
 
 
+def _foreach_norm(tensors, ord=2, dtype=None):
+    """``torch._foreach_norm`` of a list holding DistTensors: each one's norm over the
+    global tensor (taken where its shards live, :mod:`.clip_grad`), a replicated 0-d
+    DistTensor (as DTensor's, after its ``_NormPartial`` is reduced); plain tensors' as
+    torch's."""
+    from .dtensor_api import dtensor_from_local
+    from .placement import Replicate
+    out = []
+    for t in tensors:
+        if isinstance(t, DistTensor):
+            n = _wb._norm_of(t, float(ord)).to(dtype or t.dtype)
+            out.append(dtensor_from_local(n, t.mesh, [Replicate()] * t.mesh.ndim))
+        else:
+            out.append(torch.linalg.vector_norm(t, ord, dtype=dtype).to(dtype or t.dtype))
+    return out
+
+
 def install() -> None:
     """Route torch's gradient clipping to :mod:`.clip_grad` for DistTensors (idempotent)."""
+    from .habits import COMPOSED
+    COMPOSED.setdefault(torch._foreach_norm, _foreach_norm)
     for cg_name, nnu_name, ours in _TARGETS:
         orig = getattr(_cg, cg_name, None)
         if orig is None or hasattr(orig, "_wb_torch"):
