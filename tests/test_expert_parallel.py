@@ -66,7 +66,7 @@ def test_uneven_all_to_all_counted_against_the_routing():
     with wb.trace() as tr:
         model(X, X)
     layer = model.layers[0].mlp
-    e, slot = layer._last[0].full(), layer._last[1].full()
+    e, slot = layer._last[0][0].full(), layer._last[0][1].full()
     h = CFG.d_model
     want = [[0, 0], [0, 0]]
     for j in range(2):                          # rank j holds sequences 2j, 2j+1

@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.moe import attach_aux_loss, capacity, moe_combine, moe_dispatch, router_topk
+from ..ops.moe import (attach_aux_loss, batch_token, capacity, moe_combine, moe_dispatch,
+                       router_topk)
 from .config import ModelConfig
 
 __all__ = ["MoE", "Experts", "SharedMLP", "aux_loss", "moe_layers"]
@@ -150,7 +151,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedMLP(cfg) if cfg.moe_shared_experts else None
         self.token_dispatcher = None    # expert parallelism's (module docstring)
-        self._last = None
+        self._last = None               # [(e, slot, aux, C)]: the last batch's forwards
+        self._batch = None              # ops.moe.batch_token() of that batch
 
     def forward(self, x):
         B, S, h = x.shape                                                   # (B, S, h)
@@ -160,7 +162,11 @@ class MoE(nn.Module):
         w, e, slot, aux = router_topk(logits, k, self.gating,
                                       None if self.capacity_factor is None else C,
                                       normalize=self.norm_topk)
-        self._last = (e, slot, aux.detach(), C)
+        part, tok = (e, slot, aux.detach(), C), batch_token()
+        if tok is not None and tok is self._batch:      # another simulated rank's rows
+            self._last.append(part)
+        else:
+            self._last, self._batch = [part], tok
         if self.training and self.aux_loss_coef > 0:
             # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m);
             # attached to the gates, which the layer consumes, so that its output is a
@@ -181,12 +187,23 @@ class MoE(nn.Module):
         each expert (before dropping), ``dropped`` assignments over capacity, ``routed``
         all assignments (B S k), ``capacity`` slots per expert per sequence, ``aux_loss``
         (alpha x the batch mean of the per-sequence loss).  Gathered on request (on
-        DistTensors, outside any trace the step records)."""
+        DistTensors, outside any trace the step records).  Under a simulated data-parallel
+        wrapper (``wb.DistributedDataParallel``, ``FullyShardedDataParallel``), which runs
+        this layer once per rank on that rank's rows, the whole batch's: every rank's
+        counts summed and the aux mean over all its sequences, as one device reports
+        (``ops.moe.one_batch``); under torchrun each process's own rows, as torch's."""
         if self._last is None:
             raise RuntimeError("MoE.last_stats: run a forward first")
-        e, slot, aux, C = self._last
-        e, slot, aux = (t.full() if hasattr(t, "full") else t for t in (e, slot, aux))
-        return {"tokens_per_expert": torch.bincount(e.reshape(-1), minlength=self.num_experts),
+        parts = [tuple(t.full() if hasattr(t, "full") else t for t in p[:3]) for p in self._last]
+        C = self._last[0][3]
+        if any(p[3] != C for p in self._last):
+            raise RuntimeError(f"MoE.last_stats: the ranks' forwards of one batch had "
+                               f"capacities {[p[3] for p in self._last]} (sequence lengths "
+                               "differ); read each rank's stats under torchrun instead")
+        e = torch.cat([p[0].reshape(-1) for p in parts])
+        slot = torch.cat([p[1].reshape(-1) for p in parts])
+        aux = torch.cat([p[2].reshape(-1) for p in parts])
+        return {"tokens_per_expert": torch.bincount(e, minlength=self.num_experts),
                 "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
                 "aux_loss": float(aux.float().mean()) * self.aux_loss_coef if aux.numel()
                 else 0.0}

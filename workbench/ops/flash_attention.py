@@ -47,6 +47,20 @@ class AttentionCall:
     stats: TileStats | None
 
 
+def _autocast(q, k, v):
+    """q, k, v as torch's autocast gives them to ``scaled_dot_product_attention``, which
+    is on its lower-precision list (torch 2.13, ``aten/src/ATen/autocast_mode.cpp``,
+    ``KERNEL_CPU(scaled_dot_product_attention, lower_precision_fp)``): floating tensors
+    other than float64 cast to the autocast dtype when autocast is on for their device
+    (e.g. float32 q, k after RoPE with float32 cos/sin, bf16 v from a bf16 linear)."""
+    dev = q.device.type
+    if q.is_meta or not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if torch.is_tensor(t) and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in (q, k, v))
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     mask=None, dropout_p: float = 0.0, scale: float | None = None,
                     tile_q: int | None = None, tile_k: int | None = None,
@@ -78,6 +92,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         return handle_torch_function(
             flash_attention, relevant, q, k, v, causal=causal, mask=mask, dropout_p=dropout_p,
             scale=scale, tile_q=tile_q, tile_k=tile_k, tile_stats=tile_stats)
+    q, k, v = _autocast(q, k, v)
     call = _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, tile_stats)
     if q.is_meta and not return_lse:    # a dry run: shapes, and what a fused kernel keeps
         return _MetaFused.apply(q, k, v)

@@ -259,6 +259,29 @@ def loss_share(share: float):
         _SHARE.pop()
 
 
+_BATCH = [None]     # the batch whose per-rank forwards now run (:func:`one_batch`)
+
+
+@contextlib.contextmanager
+def one_batch():
+    """While a simulated data-parallel wrapper runs its N ranks' forwards of one batch
+    (``wb.DistributedDataParallel``, ``FullyShardedDataParallel`` on simulated ranks): a
+    layer that reports statistics of its last forward (``models.moe.MoE.last_stats``)
+    keeps every rank's part of this batch, as one device's forward over the whole batch
+    counts them, instead of the last rank's alone."""
+    _BATCH.append(object())
+    try:
+        yield
+    finally:
+        _BATCH.pop()
+
+
+def batch_token():
+    """An object naming the batch whose per-rank forwards now run (:func:`one_batch`), or
+    None outside a simulated data-parallel forward."""
+    return _BATCH[-1]
+
+
 def attach_aux_loss(y, aux, scale: float):
     """``y`` unchanged; backward adds ``scale * aux.sum()``'s gradient to the router, as if
     ``scale * aux.sum()`` were added to the loss.  How the load-balancing loss trains

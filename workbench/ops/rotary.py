@@ -29,7 +29,7 @@ from . import _checks
 from .cost import OpCost, nbytes
 from .registry import dispatch, register, register_cost
 
-__all__ = ["rotary_embedding", "rope_cos_sin", "MODES"]
+__all__ = ["rotary_embedding", "rope_cos_sin", "MODES", "result_dtype"]
 
 _OP = "rotary_embedding"
 MODES = ("half", "interleave")
@@ -42,7 +42,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return handle_torch_function(rotary_embedding, (x, cos, sin), x, cos, sin, mode=mode)
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         _checks.floating(_OP, name, t)
-    _checks.same_dtype(_OP, x=x, cos=cos, sin=sin)
     _checks.same_device(_OP, x=x, cos=cos, sin=sin)
     if mode not in MODES:
         raise ValueError(f"{_OP}: mode={mode!r}; use 'half' (NeoX/Llama) or 'interleave' (GPT-J)")
@@ -54,7 +53,24 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)} must broadcast to "
                              f"x.shape={tuple(x.shape)} over the full head dim "
                              f"(build them with wb.ops.rope_cos_sin)")
+    x, cos, sin = promote(x, cos, sin)
     return dispatch(_OP, (x, cos, sin))(x, cos, sin, mode)
+
+
+def result_dtype(x, cos, sin) -> torch.dtype:
+    """The dtype of ``x * cos + rotate(x) * sin`` by torch's type promotion: bf16 ``q``
+    under ``torch.autocast`` (its linear ran in bf16) with float32 cos/sin gives float32,
+    as HF Llama's ``apply_rotary_pos_emb`` does there (its cos/sin take the dtype of the
+    float32 hidden states, ``LlamaRotaryEmbedding.forward``; transformers 4.4x,
+    models/llama/modeling_llama.py).  Mixed dtypes were refused before."""
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def promote(x, cos, sin):
+    """``x``, ``cos``, ``sin`` cast to :func:`result_dtype` (differentiable casts: each
+    gradient comes back in its input's dtype, as torch's promotion gives it)."""
+    dt = result_dtype(x, cos, sin)
+    return tuple(t if t.dtype == dt else t.to(dt) for t in (x, cos, sin))
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, *, base: float = 10000.0, mode: str = "half",

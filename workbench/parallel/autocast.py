@@ -39,7 +39,8 @@ __all__ = ["POLICY", "cast_args", "policy_for"]
 
 # by op-table name, or the torch function's name for compositions (habits.COMPOSED)
 _LOWER = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linear", "matmul",
-          "scaled_dot_product_attention", "addmm", "baddbmm", "addbmm")
+          "scaled_dot_product_attention", "addmm", "baddbmm", "addbmm",
+          "flash_attention")      # wb.ops' scaled_dot_product_attention (the same policy)
 _FP32 = ("prod", "polar", "view_as_complex", "trace", "cross_entropy", "mse_loss", "l1_loss",
          "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "binary_cross_entropy",
          "binary_cross_entropy_with_logits", "margin_ranking_loss", "soft_margin_loss",

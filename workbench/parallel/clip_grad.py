@@ -4,8 +4,8 @@
     norm = wb.clip_grad_norm_(model.parameters(), 1.0)    # a parallelized model's DistTensors
 
 ``torch.nn.utils.clip_grad_norm_`` groups the gradients with a C++ function that takes
-only ``torch.Tensor`` s, so it cannot read a DistTensor (it raises a TypeError naming
-DistTensor).  These functions take the same arguments (plain tensors too) and follow
+only ``torch.Tensor`` s, so by itself it cannot read a DistTensor; :mod:`.clip_grad_torch`
+routes torch's functions here when given DistTensors.  These functions take the same arguments (plain tensors too) and follow
 torch's algorithm (torch 2.13, ``torch/nn/utils/clip_grad.py``): the norm of each
 gradient, the norm of those norms, the gradients scaled in place by
 ``min(max_norm / (total + 1e-6), 1)``.
@@ -29,7 +29,7 @@ from ..sim_mesh import collectives as C
 from . import storage
 from .dist_tensor import DistTensor
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_"]
 
 
 def _as_list(parameters, fn):
@@ -181,4 +181,20 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     v = float(clip_value)
     for g in _leaf_grads(params):
         g.clamp_(min=-v, max=v)
+    return None
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters, max_norm: float, total_norm, foreach=None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` over tensors and DistTensors: every
+    gradient scaled in place by ``min(max_norm / (total_norm + 1e-6), 1)``."""
+    params = _as_list(parameters, "clip_grads_with_norm_")
+    _check_readable(params, "clip_grads_with_norm_")
+    if not any(isinstance(p, DistTensor) for p in params):
+        return torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    if isinstance(total_norm, DistTensor):
+        total_norm = total_norm.full()
+    coef = torch.clamp(float(max_norm) / (torch.as_tensor(total_norm) + 1e-6), max=1.0)
+    for g in _leaf_grads(params):
+        g.mul_(coef.to(g.device))
     return None

@@ -18,10 +18,9 @@ leaf (``requires_grad``) in the module's ``_parameters``, where FSDP2 keeps its 
 parameters: ``named_parameters()``, ``state_dict()`` (DistTensors; ``load_state_dict``
 takes them or full tensors), ``zero_grad()``, ``requires_grad_()`` and ``.to(dtype)`` /
 ``.double()`` work as on one device (:mod:`.module_state`); :func:`dist_parameters`
-lists them for an optimizer.  A DistTensor is not a ``torch.Tensor``, so
-``torch.nn.utils.clip_grad_norm_`` cannot read it (torch raises a TypeError naming
-DistTensor): :func:`workbench.clip_grad_norm_` and :func:`workbench.clip_grad_value_`
-take the same arguments and give one device's answer.
+lists them for an optimizer.  ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+(:mod:`.clip_grad_torch`) and :func:`workbench.clip_grad_norm_` /
+:func:`workbench.clip_grad_value_` take them and give one device's answer.
 """
 from __future__ import annotations
 
@@ -167,8 +166,8 @@ class _Named(tuple):
     def grad(self):
         raise AttributeError(
             "wb.dist_parameters(model) yields (name, DistTensor) pairs, not parameters; "
-            "torch.nn.utils.clip_grad_norm_ cannot read DistTensors either: call "
-            "wb.clip_grad_norm_(model.parameters(), max_norm)")
+            "pass the parameters: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            "max_norm) or wb.clip_grad_norm_(model.parameters(), max_norm)")
 
 
 def dist_parameters(module: nn.Module):

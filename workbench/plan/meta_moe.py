@@ -109,7 +109,7 @@ def measured_routing(cfg, micro_batch: int, ranks: int, seed: int = 0) -> list[l
     with torch.no_grad():
         model(idx)
     layer = moe_layers(model)[0]
-    e, slot, _, _ = layer._last
+    e, slot, _, _ = layer._last[0]          # one forward: one part (models/moe.py)
     out = []
     for r in range(ranks):
         er = e[r * micro_batch:(r + 1) * micro_batch]

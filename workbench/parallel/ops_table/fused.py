@@ -61,7 +61,8 @@ def rotary_rule(x, cos, sin, **_):
 
 def _rotary_local(nd, ctx, x, cos, sin, mode):
     if ctx is None:
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        from ...ops.rotary import result_dtype      # torch's promotion (bf16 q, fp32 cos)
+        return torch.empty(x.shape, dtype=result_dtype(x, cos, sin), device="meta")
     return _ops.rotary_embedding(*_align(nd, x, cos, sin), mode=mode)
 
 

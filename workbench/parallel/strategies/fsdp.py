@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...ops.moe import loss_share
+from ...ops.moe import loss_share, one_batch
 from .. import step_clock
 from ..load_back import flush
 from .flat_shards import flat_padded, unflat
@@ -194,7 +194,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         order, outs = [], []
         snap = None if g.distributed else buffer_snapshot(self.module)   # rank 0's writes kept
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    one_batch():        # a MoE's last_stats: every rank's part (ops/moe.py)
                 for k, (a, kw) in zip(ks, per):
                     self._k, self._seen = k, order if k == ks[0] else []
                     self._enter(self.units[0])

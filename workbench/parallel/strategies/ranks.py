@@ -32,7 +32,7 @@ from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
 from ...sim_mesh.mesh import Mesh
 from ...sim_mesh.trace import current_trace
-from ...ops.moe import loss_share
+from ...ops.moe import loss_share, one_batch
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
 
@@ -198,13 +198,14 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     check_batch_stats(group, module, "DistributedDataParallel", local_ok=True)
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
-    for k, (a, kw) in enumerate(per):
-        # the join averages the ranks' losses: a loss term attached by gradient takes
-        # each rank's share too (ops/moe.py: loss_share)
-        with rank_buffers(module, snap if k != owner else None), \
-                loss_share(1 / group.n):
-            outs.append(torch.func.functional_call(module, params[k], a, kw,
-                                                   tie_weights=True, strict=False))
+    with one_batch():           # a MoE's last_stats: every rank's part (ops/moe.py)
+        for k, (a, kw) in enumerate(per):
+            # the join averages the ranks' losses: a loss term attached by gradient takes
+            # each rank's share too (ops/moe.py: loss_share)
+            with rank_buffers(module, snap if k != owner else None), \
+                    loss_share(1 / group.n):
+                outs.append(torch.func.functional_call(module, params[k], a, kw,
+                                                       tie_weights=True, strict=False))
     return group.join(outs, dim)
 
 
