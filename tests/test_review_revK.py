@@ -1,0 +1,60 @@
+"""Review of the auditdt2 and auditmoe2 merges (revK): each defect found, held to one
+device's plain PyTorch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench import Replicate, Shard
+
+
+# ---- F.cross_entropy with class weights (parallel/ops_table/cross_entropy_forms.py) ----------
+
+@pytest.mark.parametrize("shape,ps", [((2,), [Shard(0)]), ((2,), [Shard(1)]),
+                                      ((2, 2), [Shard(0), Shard(1)])])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_weighted_cross_entropy_of_a_batch_whose_every_target_is_ignored_is_nan_as_torch(
+        shape, ps, eps):
+    """A padded micro-batch (every target ignore_index) under class weights: torch's mean
+    is 0 / 0 = nan; on a batch- or vocabulary-sharded layout the partial sum was divided
+    by the zero weight sum part by part, which the div rule refuses (NotImplementedError)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, dtype=torch.float64, generator=g)
+    w = torch.rand(7, dtype=torch.float64, generator=g) + 0.5
+    mesh = wb.Mesh.grid(shape)
+    d = wb.distribute_tensor(x, mesh, ps).requires_grad_()
+    for t in (torch.full((4,), -100), torch.tensor([1, -100, 3, 3])):
+        xr = x.clone().requires_grad_()
+        want = F.cross_entropy(xr, t, weight=w, label_smoothing=eps)
+        got = F.cross_entropy(d, t, weight=w, label_smoothing=eps)
+        torch.testing.assert_close(got.full_tensor(), want.detach(), equal_nan=True)
+        if not torch.isnan(want):
+            d.grad = None
+            want.backward()
+            got.backward()
+            torch.testing.assert_close(d.grad.full_tensor(), xr.grad)
+
+
+def test_weighted_cross_entropy_of_class_indices_keeps_nll_losss_checks():
+    """Class-index targets with weight=: torch's nll_loss refuses a weight of another
+    dtype than the logits and a weight requiring grad; the composed form converted the
+    one and differentiated the other (a gradient torch does not give)."""
+    mesh = wb.Mesh.grid((2,))
+    x = torch.randn(4, 7, dtype=torch.float64)
+    t = torch.tensor([0, 6, -100, 3])
+    d = wb.distribute_tensor(x, mesh, [Shard(1)])
+    w32 = torch.rand(7)
+    for a in (x, d):
+        with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
+            F.cross_entropy(a, t, weight=w32)
+        with pytest.raises(RuntimeError, match="not differentiable with respect to argument "
+                                               "'weight'"):
+            F.cross_entropy(a, t, weight=w32.double().requires_grad_(), label_smoothing=0.1)
+    wg = torch.rand(7, dtype=torch.float64).requires_grad_()
+    with torch.no_grad():               # torch allows it without grad mode, as here
+        torch.testing.assert_close(F.cross_entropy(d, t, weight=wg).full_tensor(),
+                                   F.cross_entropy(x, t, weight=wg))
+    # probability targets: torch promotes the weight and differentiates it; so do we
+    p = torch.rand(4, 7, dtype=torch.float64).softmax(-1)
+    torch.testing.assert_close(F.cross_entropy(d, p, weight=w32).full_tensor(),
+                               F.cross_entropy(x, p, weight=w32))
