@@ -58,3 +58,46 @@ def test_weighted_cross_entropy_of_class_indices_keeps_nll_losss_checks():
     p = torch.rand(4, 7, dtype=torch.float64).softmax(-1)
     torch.testing.assert_close(F.cross_entropy(d, p, weight=w32).full_tensor(),
                                F.cross_entropy(x, p, weight=w32))
+
+
+# ---- autograd inside context_parallel on a torch without its private entry points ------------
+
+def test_context_parallel_autograd_fallback_without_torchs_private_engine_call(monkeypatch):
+    """context_parallel_autograd.py enters autograd's engine through torch 2.13's private
+    ``_engine_run_backward`` / ``_make_grads`` (both exist: the first half of this test);
+    on a torch without them it falls back to the public call with the ring off.  That
+    fallback was never run by a test: it gives one device's gradients without
+    recomputation, and with a checkpointed block it raises naming the cause (was torch's
+    bare CheckpointError about saved-tensor counts)."""
+    from torch.utils.checkpoint import checkpoint
+    from workbench.parallel.strategies import context_parallel as cp
+    from torch.autograd import _make_grads  # noqa: F401   (torch 2.13 has both)
+    from torch.autograd.graph import _engine_run_backward  # noqa: F401
+    p, n = 3, 12
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
+
+    def attn(a, b, c):
+        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((attn(*ref_in) * go).sum(), ref_in)
+    inv = torch.argsort(cp.slot_positions(n, p))
+
+    def run(ckpt, how):
+        dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [Shard(2)]).requires_grad_()
+                for t in (q, k, v)]
+        with cp.context_parallel(mesh, "cp"):
+            out = checkpoint(attn, *dist, use_reentrant=False) if ckpt else attn(*dist)
+            loss = (out * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [Shard(2)])).sum()
+            if how == "grad":
+                return torch.autograd.grad(loss, dist)
+            torch.autograd.backward([loss])
+            return [t.grad for t in dist]
+
+    monkeypatch.delattr(torch.autograd.graph, "_engine_run_backward")
+    for how in ("grad", "backward"):
+        for a, b in zip(run(False, how), want):
+            torch.testing.assert_close(a.full()[:, :, inv], b, rtol=1e-5, atol=1e-6)
+        with pytest.raises(RuntimeError, match="recomputed its attention outside the ring"):
+            run(True, how)
