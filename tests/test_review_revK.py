@@ -101,3 +101,64 @@ def test_context_parallel_autograd_fallback_without_torchs_private_engine_call(m
             torch.testing.assert_close(a.full()[:, :, inv], b, rtol=1e-5, atol=1e-6)
         with pytest.raises(RuntimeError, match="recomputed its attention outside the ring"):
             run(True, how)
+
+
+# ---- the load-balancing loss's share under the wrappers (ops/moe.py: loss_share) -------------
+
+def _moe_cfg(**kw):
+    from workbench.models import get_config
+    return get_config("tiny", **{**dict(n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8,
+                                        moe_experts=4, moe_topk=2, moe_capacity_factor=0.75,
+                                        moe_aux_loss_coef=0.5), **kw})
+
+
+def test_ddp_gradient_accumulation_with_no_sync_and_zero_trains_the_aux_loss_once():
+    """Two micro-batches accumulated under DistributedDataParallel (the first in
+    no_sync()), the loss divided by 2 by the user as on one device, then a
+    ZeroRedundancyOptimizer step: every gradient, the router's included (its aux-loss
+    part taken 1/N in each rank's forward and not again), and the updated parameters
+    are one device's.  A large alpha (0.5) so that a doubled aux part shows."""
+    from workbench.models import build_model
+    cfg = _moe_cfg()
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ref, model = build_model(cfg, seed=0), wb.DistributedDataParallel(build_model(cfg, seed=0),
+                                                                      mesh)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)      # linear in the gradient
+    o_wb = wb.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, mesh=mesh, lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = [[torch.randint(0, 75, (4, cfg.seq_len), generator=g) for _ in range(2)]
+            for _ in range(2)]
+    for i, (idx, tgt) in enumerate(data):
+        _, loss = ref(idx, tgt)
+        (loss / 2).backward()
+        with model.no_sync() if i == 0 else torch.enable_grad():
+            _, loss = model(wb.shard_tensor(idx, mesh, [Shard(0)]),
+                            wb.shard_tensor(tgt, mesh, [Shard(0)]))
+            (loss / 2).backward()
+    want = dict(ref.named_parameters())
+    got = {n.removeprefix("module."): q for n, q in model.named_parameters()}
+    assert any("router" in n for n in want)
+    def rows(t, like):          # every rank's row of a DDP replica (N, *shape)
+        t = t.full() if hasattr(t, "full") else t
+        return torch.as_tensor(t).detach().reshape(-1, *like.shape)
+    for n, p in want.items():
+        for row in rows(got[n].grad, p):
+            torch.testing.assert_close(row, p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    o_ref.step()
+    o_wb.step()
+    for n, p in want.items():
+        for row in rows(got[n], p):
+            torch.testing.assert_close(row, p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, tp=2), dict(pp=2, dp=2)])
+def test_hybrid_trains_the_aux_loss_as_one_device(kw):
+    """Hybrid's data parallelism runs on DistTensors (no per-rank forward, so no
+    loss_share), its pipelines scale by 1/m: the losses of 3 steps are one device's."""
+    from workbench.recipes import Hybrid
+    from workbench.train import train
+    cfg = _moe_cfg(n_layer=2)
+    want = [r["loss"] for r in train(cfg, steps=3, seed=0, timing=False, batch_size=8)]
+    got = [r["loss"] for r in train(cfg, steps=3, seed=0, timing=False, batch_size=8,
+                                    strategy=Hybrid(**kw))]
+    assert got == pytest.approx(want, rel=1e-5)
