@@ -18,7 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction as _legacy
 
+from ..placement import Replicate
+
 __all__ = ["cross_entropy_other_forms"]
+
+_TYPE = {torch.float64: "Double", torch.float32: "Float", torch.float16: "Half",
+         torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int"}  # c10's names
 
 
 def _meta(t):
@@ -43,6 +48,14 @@ def cross_entropy_other_forms(args, kwargs):
     if w is not None and tuple(w.shape) != (c,):      # torch's message (meta: another)
         raise RuntimeError(f"weight tensor should be defined either for all {c} classes or "
                            f"no classes but got weight tensor of shape: {list(w.shape)}")
+    if not soft:       # nll_loss's checks (the meta call below makes neither)
+        if w.dtype != x.dtype:
+            raise RuntimeError(f"expected scalar type {_TYPE.get(x.dtype, x.dtype)} but found "
+                               f"{_TYPE.get(w.dtype, w.dtype)}")
+        if w.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("The function 'nll_loss_forward' is not differentiable with "
+                               "respect to argument 'weight'. This input cannot have "
+                               "requires_grad True.")
     F.cross_entropy(_meta(x), _meta(t), None if w is None else _meta(w), ignore_index=ignore,
                     reduction=reduction, label_smoothing=eps)       # torch's own checks
     one = x.ndim == 1
@@ -73,4 +86,13 @@ def cross_entropy_other_forms(args, kwargs):
         loss = nll if eps == 0 else (1 - eps) * nll + (eps / c) * smooth
         return loss.squeeze(0) if one else loss
     total = nll.sum() if eps == 0 else (1 - eps) * nll.sum() + (eps / c) * smooth.sum()
-    return total / wt.sum() if reduction == "mean" else total
+    if reduction != "mean":
+        return total
+    ps = getattr(total, "placements", ())
+    if any(p.is_partial() for p in ps):
+        # the sum first (one scalar all-reduce, the one reading the loss would make): a
+        # batch whose every target is ignored (a padded micro-batch) divides 0 by 0, nan
+        # as torch gives it, which the partial parts over 0 cannot give (the rule refuses)
+        total = total.redistribute(total.mesh, [Replicate() if p.is_partial() else p
+                                                for p in ps])
+    return total / wt.sum()

@@ -28,7 +28,7 @@ def autograd_in_context(mode, func, types, args, kwargs):
         from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
         from torch.autograd.graph import _engine_run_backward
     except ImportError:             # another torch: the public call, outside the ring
-        return func(*args, **kwargs)
+        return _outside_the_ring(func, args, kwargs)
     grad = func is torch.autograd.grad
     names = ("outputs", "inputs") if grad else ("tensors",)
     a = dict(zip(names, args))
@@ -63,3 +63,20 @@ def autograd_in_context(mode, func, types, args, kwargs):
         res = tuple(r if r is not None else torch.zeros_like(t, requires_grad=create)
                     for r, t in zip(res, ins))
     return res
+
+
+def _outside_the_ring(func, args, kwargs):
+    """A torch without the private entry points used above: the public call, with the
+    ring off.  Right unless a checkpointed block recomputes attention inside it, which
+    then is not ring attention: torch's checkpoint notices (another number of saved
+    tensors) and that error is given the cause and the fix."""
+    from torch.utils.checkpoint import CheckpointError
+    try:
+        return func(*args, **kwargs)
+    except CheckpointError as e:
+        raise RuntimeError(
+            f"{func.__name__}() inside context_parallel: a checkpointed block recomputed its "
+            "attention outside the ring, as this torch (" + torch.__version__ + ") lacks "
+            "torch.autograd.graph._engine_run_backward / torch.autograd._make_grads (torch "
+            "2.13's) that run the backward with the ring active; call loss.backward() on a "
+            "scalar DistTensor loss, or use recompute='none'") from e
