@@ -282,6 +282,7 @@ class DistributedDataParallel(ModuleWrapper):
     def _reset(self):
         self._book.reset()
         self._pending = []          # (bucket index, work or None, flat or None, trace handles)
+        self._unused_ids = set()    # ids of self._unused marked ready in this backward
         self._callback_queued = False
         self._done = True
 
@@ -306,13 +307,29 @@ class DistributedDataParallel(ModuleWrapper):
             self._callback_queued, self._done = True, False
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish_gradient_synchronization)
+            self._unused_ids = {id(q) for q in self._unused}
             for q in self._unused:          # torch marks them ready at the first hook
                 launch += self._book.mark_ready(q)
+        if id(p) in self._unused_ids:
+            self._refuse_unreached(p)
         if self._static and self._book.backwards == 0:
             self._book.mark_ready(p, launch=False)   # static_graph: all at the end, once
             return
         for b in launch + self._book.mark_ready(p):
             self._launch(b)
+
+    def _refuse_unreached(self, p):
+        """``p`` was marked ready (unused) at the first hook, its bucket maybe sent
+        already, and now receives a gradient: torch's reducer raises ("Expected to mark a
+        variable ready only once"); going on would average zeros in its place."""
+        name = next((n for n, q in self.module.named_parameters() if q is p), "?")
+        self._reset()
+        raise RuntimeError(
+            f"DistributedDataParallel(find_unused_parameters=True): parameter {name!r} "
+            "received a gradient, but the forward's outputs do not reach it, so it was "
+            "reduced as unused (zeros) before its gradient came; return every tensor the "
+            "loss uses from forward (a tensor, list, tuple, dict or dataclass of them), or "
+            "compute the loss inside forward")
 
     @torch.no_grad()
     def _launch(self, b):
@@ -325,7 +342,9 @@ class DistributedDataParallel(ModuleWrapper):
         if not g.distributed:
             # the ranks' rows summed (each row already holds 1/N of the global mean)
             for p in bucket:
-                if p.grad is not None:
+                # a gradient averaged by an earlier backward and not touched by this one
+                # (every row already the average: unused now) is that average, not N times it
+                if p.grad is not None and id(p) not in self._synced:
                     p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
                     self._synced.add(id(p))
             self._pending.append((b, None, None, handles))
@@ -359,6 +378,7 @@ class DistributedDataParallel(ModuleWrapper):
             used = self._used_map()
         if first:                   # a static graph's unused: ready from the first hook
             self._unused = [p for p in book.params if book.index[id(p)] not in book.marked]
+        out = []                    # (parameter, its averaged piece, bucket size)
         for b, work, flat, handles in self._pending:
             self.group.wait(handles)
             if work is None:
@@ -367,17 +387,38 @@ class DistributedDataParallel(ModuleWrapper):
             flat.div_(self.group.n)
             ps = book.buckets[b]
             pieces = [flat] if len(ps) == 1 else unpack(flat, [p.shape for p in ps])
-            for p, piece in zip(ps, pieces):
-                if p.grad is None and used is not None and used[book.index[id(p)]]:
-                    p.grad = piece.clone()      # used on another rank: torch gives it one
-                elif p.grad is None:
-                    continue                    # used on no rank: grad stays None
-                elif self._as_view and len(ps) > 1:
-                    p.grad = piece              # gradient_as_bucket_view: a view of the bucket
-                elif piece is not p.grad:
-                    p.grad.copy_(piece)
+            out += [(p, piece, len(ps)) for p, piece in zip(ps, pieces)]
+        if used is None:
+            self._refuse_used_elsewhere(out)
+        for p, piece, size in out:
+            if p.grad is None and used is not None and used[book.index[id(p)]]:
+                p.grad = piece.clone()          # used on another rank: torch gives it one
+            elif p.grad is None:
+                continue                        # used on no rank: grad stays None
+            elif self._as_view and size > 1:
+                p.grad = piece                  # gradient_as_bucket_view: a view of the bucket
+            elif piece is not p.grad:
+                p.grad.copy_(piece)
         book.backward_done()
         self._reset()
+
+    def _refuse_used_elsewhere(self, out):
+        """torch.distributed without the used-parameter map (``find_unused_parameters=
+        False``): a parameter with no gradient here whose average is not zero was used on
+        another rank.  torch's reducer then never finishes the step (a hang, or "Expected
+        to have finished reduction" at the next forward); keeping ``grad=None`` here while
+        the other ranks step it would let the replicas drift apart, so raise, before any
+        gradient is written."""
+        late = [p for p, piece, _ in out if p.grad is None and bool(piece.any())]
+        if late:
+            names = {id(q): n for n, q in self.module.named_parameters()}
+            self._reset()
+            raise RuntimeError(
+                f"DistributedDataParallel: {[names[id(p)] for p in late][:3]} received no "
+                "gradient on this rank but one on another (the ranks' forwards used "
+                "different parameters), so the replicas would drift apart; pass "
+                "find_unused_parameters=True (torch's argument for a forward that skips "
+                "parameters), or use every parameter on every rank")
 
     def _used_map(self):
         """torch's all-reduce of which parameters each rank used (``local_used_map``, one
