@@ -159,3 +159,21 @@ def test_torchrun_parameter_used_on_one_rank_only_raises(gloo_rows):
     assert isinstance(r0["wb"], dict) and r0["wb"]["b.weight"] is not None
     assert isinstance(r1["wb"], str) and "['b.weight', 'b.bias']" in r1["wb"]
     assert "find_unused_parameters=True" in r1["wb"]
+
+
+# ---- serving: step_cost's dtype defaults -------------------------------------------------
+def test_step_cost_prices_no_quantization_it_was_not_asked_for():
+    """weight_bits=None took the width of dtype: float8 priced int8 weight-only
+    quantization (its bf16 scales and dequantize FLOPs) unasked, float64 raised about a
+    weight_bits=64 nobody gave, and a bad kv_dtype was torch's AttributeError."""
+    from workbench.serve.roofline import step_cost
+    kw = dict(batch=1, new_tokens=1, context=4)
+    for dt in ("float8_e4m3fn", "float64"):
+        with pytest.raises(ValueError, match=rf"step_cost\(dtype='{dt}'\).*give weight_bits"):
+            step_cost("tiny", dtype=dt, **kw)
+    with pytest.raises(ValueError, match=r"step_cost\(kv_dtype='fp9'\): give a torch dtype"):
+        step_cost("tiny", kv_dtype="fp9", **kw)
+    f8 = step_cost("tiny", dtype="float8_e4m3fn", weight_bits=8, **kw)      # asked for
+    assert f8.weight_bits == 8
+    f32 = step_cost("tiny", dtype="float32", **kw)
+    assert f32.weight_bytes == 2 * step_cost("tiny", **kw).weight_bytes    # 4 vs 2 bytes
