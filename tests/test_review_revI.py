@@ -114,7 +114,7 @@ def gloo_rows():
     script = os.path.join(ROOT, "tests", "dist_scripts", "review_revI_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", script, "dataclass_output", "unused_keeps_stale_grad",
-           "loss_outside_output", "used_on_one_rank"]
+           "loss_outside_output", "buckets_after_no_sync", "used_on_one_rank"]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -159,6 +159,28 @@ def test_torchrun_parameter_used_on_one_rank_only_raises(gloo_rows):
     assert isinstance(r0["wb"], dict) and r0["wb"]["b.weight"] is not None
     assert isinstance(r1["wb"], str) and "['b.weight', 'b.bias']" in r1["wb"]
     assert "find_unused_parameters=True" in r1["wb"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["plain", "disttensor"])
+def test_buckets_rebuilt_after_a_no_sync_step_are_torch_ddps(gloo_rows, mode):
+    """A no_sync step (b skipped), then synchronized steps: torch's reducer records the
+    order of the first backward that all-reduces.  DDP's DistTensor mode recorded the
+    no_sync backward's (its hooks marked there too): b's gradients after a's in the
+    rebuilt bucket, torch's before."""
+    want = gloo_rows[("buckets_after_no_sync", 0)]["torch"]
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = Net() if mode == "plain" else wb.parallelize(Net(), mesh, {})
+    ddp = wb.DistributedDataParallel(m, mesh, "dp")
+
+    def step(k, skip_b=False):
+        ddp(wb.shard_tensor(batch(k)[:8], mesh, [wb.Shard(0)]), skip_b=skip_b).mean().backward()
+        ddp.finish_gradient_synchronization()
+    with ddp.no_sync():
+        step(0, skip_b=True)
+    step(1)
+    step(2)
+    assert ddp.bucket_names == want
 
 
 # ---- serving: step_cost's dtype defaults -------------------------------------------------

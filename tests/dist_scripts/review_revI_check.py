@@ -67,10 +67,36 @@ def run(wrap, kw, modes, rank, n):
             for k, p in m.named_parameters()}
 
 
+def torch_buckets_after_no_sync(rank, n):
+    """torch DDP's buckets (a comm hook's bucket.parameters()) at the second synchronized
+    step of: a no_sync step skipping b, then two steps using everything."""
+    m = Net()
+    names = {p: k for k, p in m.named_parameters()}
+    ddp = nn.parallel.DistributedDataParallel(m)
+    log = []
+
+    def hook(state, bucket):
+        log.append([names[p] for p in bucket.parameters()])
+        buf = bucket.buffer().div_(n)
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, hook)
+    with ddp.no_sync():
+        ddp(batch(0, rank, n), "skip_b").mean().backward()
+    for step in (1, 2):
+        log.clear()
+        ddp(batch(step, rank, n)).mean().backward()
+    return log
+
+
 def main():
     wb.distributed.init(timeout_s=60)
     n, rank = dist.get_world_size(), dist.get_rank()
     for name in sys.argv[1:]:
+        if name == "buckets_after_no_sync":
+            print(json.dumps({"case": name, "rank": rank,
+                              "torch": torch_buckets_after_no_sync(rank, n)}), flush=True)
+            continue
         kw, modes = CASES[name]
         row = {"case": name, "rank": rank}
         for who, wrap in (("torch", nn.parallel.DistributedDataParallel),

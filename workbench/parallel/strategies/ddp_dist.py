@@ -138,6 +138,9 @@ class GradReplicas:
         # torch DDP's buckets (.ddp_buckets) when a policy is given and no bucket_bytes:
         # DistributedDataParallel's default; the order is recorded by the grad hooks
         self.book = None
+        # False inside DistTensorDDP.no_sync: torch's reducer records the order of a
+        # backward that all-reduces only (its hooks return early under no_sync)
+        self.mark_ready = True
         if policy is not None and bucket_bytes is None:
             trainable = [p for p in self.params if id(p) in self.hooked]
             lead = (0,) * mesh.ndim
@@ -190,7 +193,7 @@ class GradReplicas:
 
     def _grad_hook(self, p):
         def hook(leaf):             # a gradient backward accumulated: not summed over dp
-            if self.book is not None:
+            if self.book is not None and self.mark_ready:
                 self.book.mark_ready(p, launch=False)   # the order the rebuild takes
             if leaf.grad is not None:
                 leaf.grad = self._replica_grad(p, leaf.grad, False)
@@ -384,10 +387,12 @@ class DistTensorDDP(DistributedDataParallel):
         """Inside the block :meth:`finish_gradient_synchronization` reduces nothing; the
         gradients accumulate locally and the next call after it reduces their sum."""
         old, self._sync_enabled = self._sync_enabled, False
+        self.replicas.mark_ready = False
         try:
             yield
         finally:
             self._sync_enabled = old
+            self.replicas.mark_ready = old
 
     @torch.no_grad()
     def check_replicas(self) -> None:
