@@ -73,6 +73,31 @@ def test_simulated_frozen_then_unused_keeps_its_gradient():
                                    rtol=1e-12, atol=1e-14, msg=name)
 
 
+def test_simulated_static_graph_parameter_unused_at_first_then_used_raises():
+    """static_graph=True takes the first backward's unused parameters as unused for good
+    (ready, as zeros, at the first hook of every later backward).  b skipped at first,
+    then used: torch raises ("Your training graph has changed", held in
+    test_torchrun_a_graph_that_changes_under_static_graph_raises_as_torchs); wb went on,
+    its result hanging on whether b's gradient came before the first hook.  Now it
+    raises, naming b and the fix."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(Net(), mesh, static_graph=True)
+    ddp(wb.shard_tensor(batch(0), mesh, [wb.Shard(0)]), skip_b=True).mean().backward()
+    with pytest.raises(RuntimeError, match=r"static_graph=True\): parameter 'b\.(weight|bias)'"
+                       r".*static_graph=False"):
+        ddp(wb.shard_tensor(batch(1), mesh, [wb.Shard(0)])).mean().backward()
+
+
+def test_register_comm_hook_is_refused_by_name():
+    ddp = wb.DistributedDataParallel(Net(), wb.Mesh.grid(2, ["dp"]))
+
+    def fp16_compress(state, bucket):
+        return None
+    with pytest.raises(NotImplementedError, match=r"register_comm_hook\(hook='fp16_compress'\)"
+                       r".*communication hooks are not built"):
+        ddp.register_comm_hook(None, fp16_compress)
+
+
 # ---- the forward's output, searched as torch DDP searches it ------------------------------
 @dataclasses.dataclass
 class Out:
@@ -114,7 +139,8 @@ def gloo_rows():
     script = os.path.join(ROOT, "tests", "dist_scripts", "review_revI_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", script, "dataclass_output", "unused_keeps_stale_grad",
-           "loss_outside_output", "buckets_after_no_sync", "used_on_one_rank"]
+           "loss_outside_output", "buckets_after_no_sync", "graph_changes_under_static_graph",
+           "used_on_one_rank"]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -148,6 +174,15 @@ def test_torchrun_gradient_reaching_an_unused_parameter_raises_as_torchs(gloo_ro
         assert r["wb"].startswith("RuntimeError: DistributedDataParallel("
                                   "find_unused_parameters=True): parameter 'b."), r["wb"]
         assert "return every tensor the loss uses" in r["wb"]
+
+
+@pytest.mark.slow
+def test_torchrun_a_graph_that_changes_under_static_graph_raises_as_torchs(gloo_rows):
+    for rank in (0, 1):
+        r = gloo_rows[("graph_changes_under_static_graph", rank)]
+        assert r["torch"].startswith("RuntimeError: Your training graph has changed")
+        assert r["wb"].startswith("RuntimeError: DistributedDataParallel(static_graph=True): "
+                                  "parameter 'b."), r["wb"]
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ CASES = {
     "dataclass_output": ({"find_unused_parameters": True}, ["dataclass", "dataclass"]),
     "unused_keeps_stale_grad": ({"find_unused_parameters": True}, ["all", "skip_b"]),
     "loss_outside_output": ({"find_unused_parameters": True}, ["aux"]),
+    "graph_changes_under_static_graph": ({"static_graph": True}, ["skip_b", "all"]),
     "used_on_one_rank": ({}, ["rank0:all"]),
 }
 
