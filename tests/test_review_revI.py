@@ -140,7 +140,8 @@ def gloo_rows():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", script, "dataclass_output", "unused_keeps_stale_grad",
            "loss_outside_output", "buckets_after_no_sync", "graph_changes_under_static_graph",
-           "used_on_one_rank"]
+           "used_on_one_rank", "disttensor_used_on_one_rank",
+           "disttensor_used_on_one_rank_bucket_bytes"]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -234,3 +235,17 @@ def test_step_cost_prices_no_quantization_it_was_not_asked_for():
     assert f8.weight_bits == 8
     f32 = step_cost("tiny", dtype="float32", **kw)
     assert f32.weight_bytes == 2 * step_cost("tiny", **kw).weight_bytes    # 4 vs 2 bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["disttensor_used_on_one_rank",
+                                  "disttensor_used_on_one_rank_bucket_bytes"])
+def test_torchrun_disttensor_mode_parameter_used_on_one_rank_only_raises(gloo_rows, case):
+    """DDP's DistTensor mode left a parameter without a gradient out of its buffers, so the
+    processes' buffers did not line up: with bucket_bytes=1 rank 1's a.weight was summed
+    with rank 0's b.weight (0.053 off torch's, silently) while rank 0 waited on a gloo
+    timeout.  Now every process sends every parameter (zeros where it has no gradient, as
+    torch's buckets), and the rank without b's raises naming it."""
+    r0, r1 = gloo_rows[(case, 0)], gloo_rows[(case, 1)]
+    assert isinstance(r0["wb"], dict) and r0["wb"]["b.weight"] is not None, r0["wb"]
+    assert isinstance(r1["wb"], str) and "['b.weight', 'b.bias']" in r1["wb"], r1["wb"]

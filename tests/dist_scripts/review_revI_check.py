@@ -90,10 +90,30 @@ def torch_buckets_after_no_sync(rank, n):
     return log
 
 
+def disttensor_used_on_one_rank(rank, n, kw):
+    """DDP's DistTensor mode (wb.parallelize over a dp mesh), b used on rank 0 only:
+    each rank's gradients, or its error."""
+    mesh = wb.distributed.mesh(n, ["dp"])
+    ddp = wb.DistributedDataParallel(wb.parallelize(Net(), mesh, {}), mesh, "dp", **kw)
+    x = wb.shard_tensor(torch.cat([batch(0, r, n) for r in range(n)]), mesh, [wb.Shard(0)])
+    try:
+        ddp(x, "all" if rank == 0 else "skip_b").mean().backward()
+        ddp.finish_gradient_synchronization()
+    except RuntimeError as e:
+        return "RuntimeError: " + str(e).splitlines()[0][:300]
+    return {k: None if p.grad is None else p.grad.flatten().tolist()
+            for k, p in ddp.named_parameters()}
+
+
 def main():
     wb.distributed.init(timeout_s=60)
     n, rank = dist.get_world_size(), dist.get_rank()
     for name in sys.argv[1:]:
+        if name.startswith("disttensor_used_on_one_rank"):
+            kw = {"bucket_bytes": 1} if name.endswith("bucket_bytes") else {}
+            print(json.dumps({"case": name, "rank": rank,
+                              "wb": disttensor_used_on_one_rank(rank, n, kw)}), flush=True)
+            continue
         if name == "buckets_after_no_sync":
             print(json.dumps({"case": name, "rank": rank,
                               "torch": torch_buckets_after_no_sync(rank, n)}), flush=True)

@@ -141,6 +141,7 @@ class GradReplicas:
         # False inside DistTensorDDP.no_sync: torch's reducer records the order of a
         # backward that all-reduces only (its hooks return early under no_sync)
         self.mark_ready = True
+        self.names = None                   # the parameters' names, for errors (the wrapper's)
         if policy is not None and bucket_bytes is None:
             trainable = [p for p in self.params if id(p) in self.hooked]
             lead = (0,) * mesh.ndim
@@ -215,15 +216,43 @@ class GradReplicas:
         back as each replica's ``.grad``; partial ones first summed over their dim."""
         # a gradient already summed (finish_gradient_synchronization called twice, or
         # DataParallel.step after it) is not summed again
+        everyone = params is None
         params = [p for p in (self.params if params is None else params)
                   if p._local.grad is not None and
                   not getattr(p._local.grad, "_wb_synced", False)]
+        absent: list = []
+        if self.distributed and everyone:
+            # processes: every one sends the same buffers (torch's bucket contents), a
+            # parameter without a gradient here as zeros; left out, the processes' buffers
+            # would not line up (a hang, or one parameter summed with another)
+            absent = [p for p in self.params if id(p) in self.hooked and p._local.grad is None]
+            keep = {id(p) for p in params + absent}
+            params = [p for p in self.params if id(p) in keep]
         self.sum_partials(params)
-        for p, g in zip(params, self._all_reduce([p._local.grad for p in params], params)):
-            p._local.grad = self._replica_grad(p, g, True)
+        grads = [torch.zeros_like(p._local) if p._local.grad is None else p._local.grad
+                 for p in params]
+        summed = self._all_reduce(grads, params)
+        absent_ids = {id(p) for p in absent}
+        self._refuse_used_elsewhere(params, summed, absent_ids)
+        for p, g in zip(params, summed):
+            if id(p) not in absent_ids:             # no gradient on any rank: stays None
+                p._local.grad = self._replica_grad(p, g, True)
         if self.book is not None and params:
             self.book.backward_done()
             self.book.reset()
+
+    def _refuse_used_elsewhere(self, params, summed, absent) -> None:
+        """A parameter with no gradient on this process whose sum is not zero had one on
+        another: keeping ``grad=None`` here while the others step it lets the replicas drift
+        apart (torch's reducer hangs there), so raise before any gradient is written."""
+        late = [p for p, t in zip(params, summed) if id(p) in absent and bool(t.any())]
+        if late:
+            names = self.names or [f"parameter {i}" for i in range(len(self.params))]
+            which = [n for n, q in zip(names, self.params) if any(q is p for p in late)]
+            raise RuntimeError(
+                f"{self.who}: {which[:3]} received no gradient on this rank but one on "
+                "another (the ranks' forwards used different parameters), so the replicas "
+                "would drift apart; use every parameter on every rank")
 
     @torch.no_grad()
     def rebuild_buckets(self) -> None:
@@ -360,6 +389,8 @@ class DistTensorDDP(DistributedDataParallel):
         self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
                                      partial_dim, "DistributedDataParallel", policy)
         self._names = [name for name, _ in params]
+        if len(self._names) == len(self.replicas.params):   # (a tied weight: one of two)
+            self.replicas.names = self._names
         self.broadcast_from, self._sync_enabled = 0, True
         module._wb_wrapped = "DistributedDataParallel"
 
