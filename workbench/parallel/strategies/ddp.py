@@ -32,7 +32,11 @@ Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
   the end of backward.  With ``find_unused_parameters=True`` the parameters the
   forward's outputs do not reach are ready from the first hook of backward, and the
   ranks all-reduce which parameters they used (one int32 each) after the last bucket,
-  as torch's reducer does.
+  as torch's reducer does.  Where torch's reducer raises or hangs, this one raises too:
+  a gradient reaching a parameter the outputs do not reach (a loss using a tensor
+  forward stored instead of returned), a graph that changes under ``static_graph``, and
+  (torch.distributed, ``find_unused_parameters=False``) a parameter used on some ranks
+  only.
 
 Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
 parameter used nowhere keeps ``grad=None`` (its bucket carries zeros for it, as torch's
