@@ -105,13 +105,20 @@ def step_cost(cfg, *, batch: int, new_tokens: int, context: int, weight_bits: in
     from ..models.config import get_config
     from .kv_cache import _dtype_bytes
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    try:
-        width = 8 * _dtype_bytes(dtype)
-    except (AttributeError, TypeError):
-        raise ValueError(f"step_cost(dtype={dtype!r}): give a torch dtype name, e.g. "
-                         "'bfloat16' or 'float32'") from None
-    weight_bits = width if weight_bits is None else weight_bits
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    for name, v in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        try:
+            width = 8 * _dtype_bytes(v)
+        except (AttributeError, TypeError):
+            raise ValueError(f"step_cost({name}={v!r}): give a torch dtype name, e.g. "
+                             "'bfloat16' or 'float32'") from None
+    width = 8 * _dtype_bytes(dtype)
+    if weight_bits is None and width not in (16, 32):
+        # 8 would price int8 weight-only quantization (scales, dequantize), 64 no weights
+        raise ValueError(f"step_cost(dtype={dtype!r}): weights stored in {width} bits are not "
+                         "priced by default; give weight_bits (32, 16, 8 for int8 with a "
+                         "bf16 scale per row, 4 for int4 with a scale per group_size)")
+    weight_bits = width if weight_bits is None else weight_bits
     for name, v, least in (("batch", batch, 1), ("new_tokens", new_tokens, 1),
                            ("context", context, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:

@@ -32,7 +32,11 @@ Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
   the end of backward.  With ``find_unused_parameters=True`` the parameters the
   forward's outputs do not reach are ready from the first hook of backward, and the
   ranks all-reduce which parameters they used (one int32 each) after the last bucket,
-  as torch's reducer does.
+  as torch's reducer does.  Where torch's reducer raises or hangs, this one raises too:
+  a gradient reaching a parameter the outputs do not reach (a loss using a tensor
+  forward stored instead of returned), a graph that changes under ``static_graph``, and
+  (torch.distributed, ``find_unused_parameters=False``) a parameter used on some ranks
+  only.
 
 Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
 parameter used nowhere keeps ``grad=None`` (its bucket carries zeros for it, as torch's
@@ -102,8 +106,6 @@ running statistics, and its ``eval()`` output, are torch DDP's.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -111,12 +113,11 @@ from torch import nn
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
-from .flat_shards import pack, unpack
 from .laid_out import Rows, laid_out, module_shaped_state_dict
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
-                          ready_order, sync_bucket_indices, torch_policy)
-from .rank_grads import as_rank_rows
+                          ready_order, torch_policy)
+from .ddp_reducer import Reducer
 from .replica_writes import sync_rows
 from .ranks import (ModuleWrapper, RankGroup, check_module, replace_parameter,
                     run_per_rank, state_dict_check, check_not_meta,
@@ -135,7 +136,7 @@ def check_broadcast_buffers(broadcast_buffers) -> None:
             "is built; drop the argument")
 
 
-class DistributedDataParallel(ModuleWrapper):
+class DistributedDataParallel(Reducer, ModuleWrapper):
     """Data parallel training of ``module`` over the ranks along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -242,20 +243,6 @@ class DistributedDataParallel(ModuleWrapper):
             self._unused = [p for p in self._book.params if id(p) not in reached]
         return out
 
-    def _rebuild_buckets(self):
-        """torch's ``Reducer::rebuild_buckets`` before a forward: the buckets in the order
-        the recorded backward produced the gradients, rank 0's sent to every rank."""
-        book, g = self._book, self.group
-        if book.pending is None:
-            return
-        cast = (lambda t: dist.broadcast(t, src=g.global_rank(0), group=g.pg)) \
-            if g.distributed else None
-        buckets = sync_bucket_indices(
-            book.rebuilt_buckets(),
-            lambda n: g.wait(g.record("broadcast", n, "ddp rebuild buckets")), cast)
-        book.rebuild(buckets)
-        self._reset()
-
     def _forward(self, *args, **kwargs):
         g = self.group
         if g.distributed:
@@ -281,125 +268,6 @@ class DistributedDataParallel(ModuleWrapper):
             book.set_order(ready_order(output_tensors(out), views))
         return out
 
-    # ---- gradient synchronization ---------------------------------------------------------
-    def _reset(self):
-        self._book.reset()
-        self._pending = []          # (bucket index, work or None, flat or None, trace handles)
-        self._callback_queued = False
-        self._done = True
-
-    @torch.no_grad()
-    def _before_grad(self, p):
-        """Simulated ranks, before a backward adds to a gradient already averaged (every
-        row the average G): keep G in row 0 only, so that the rows' sum (the all-reduce)
-        gives G plus the ranks' new gradients, as torch DDP's average of G + each rank's
-        does.  Rows not yet averaged (inside no_sync) are summed as they are."""
-        if id(p) in self._synced:
-            self._synced.discard(id(p))
-            if p.grad is not None:
-                p.grad[1:].zero_()
-
-    def _on_grad(self, p):
-        if not self.group.distributed:     # torch's clip_grad_norm_ reads one row's norm
-            p.grad = as_rank_rows(p.grad)
-        if not self._sync_enabled:
-            return
-        launch = []
-        if not self._callback_queued:       # finish by itself at the end of this backward
-            self._callback_queued, self._done = True, False
-            torch.autograd.Variable._execution_engine.queue_callback(
-                self.finish_gradient_synchronization)
-            for q in self._unused:          # torch marks them ready at the first hook
-                launch += self._book.mark_ready(q)
-        if self._static and self._book.backwards == 0:
-            self._book.mark_ready(p, launch=False)   # static_graph: all at the end, once
-            return
-        for b in launch + self._book.mark_ready(p):
-            self._launch(b)
-
-    @torch.no_grad()
-    def _launch(self, b):
-        """All-reduce bucket ``b``'s buffer: every parameter of it (zeros for one without a
-        gradient, as torch's bucket contents)."""
-        bucket = self._book.buckets[b]
-        g = self.group
-        label = "ddp grad" if len(bucket) == 1 else "ddp bucket"
-        handles = g.record("all_reduce", self._book.nbytes(b), label, overlap=True)
-        if not g.distributed:
-            # the ranks' rows summed (each row already holds 1/N of the global mean)
-            for p in bucket:
-                if p.grad is not None:
-                    p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
-                    self._synced.add(id(p))
-            self._pending.append((b, None, None, handles))
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        flat = grads[0] if len(bucket) == 1 else pack(grads)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)
-        self._pending.append((b, work, flat, handles))
-
-    @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        """Launch the buckets still open, wait for every all-reduce, and leave each
-        gradient the average over the data-parallel ranks."""
-        if self._done:
-            return                  # nothing to synchronize (or done at the end of backward)
-        hooked = self._book.index
-        late = [n for n, p in self.module.named_parameters()
-                if p.grad is not None and id(p) not in hooked]
-        if late:
-            raise RuntimeError(f"DistributedDataParallel: {late[:3]} received gradients but "
-                               "were frozen when the wrapper was built, so no rank averages "
-                               "them; set requires_grad before wrapping the module")
-        book = self._book
-        # static_graph's first backward (torch's delay_all_reduce): which parameters each
-        # rank used, then every bucket; find_unused_parameters: the buckets, then the map
-        first = self._static and book.backwards == 0
-        used = self._used_map() if first else None
-        for b in book.rest():
-            self._launch(b)         # buckets with unused parameters
-        if self._find_unused and not self._static:
-            used = self._used_map()
-        if first:                   # a static graph's unused: ready from the first hook
-            self._unused = [p for p in book.params if book.index[id(p)] not in book.marked]
-        for b, work, flat, handles in self._pending:
-            self.group.wait(handles)
-            if work is None:
-                continue
-            work.wait()
-            flat.div_(self.group.n)
-            ps = book.buckets[b]
-            pieces = [flat] if len(ps) == 1 else unpack(flat, [p.shape for p in ps])
-            for p, piece in zip(ps, pieces):
-                if p.grad is None and used is not None and used[book.index[id(p)]]:
-                    p.grad = piece.clone()      # used on another rank: torch gives it one
-                elif p.grad is None:
-                    continue                    # used on no rank: grad stays None
-                elif self._as_view and len(ps) > 1:
-                    p.grad = piece              # gradient_as_bucket_view: a view of the bucket
-                elif piece is not p.grad:
-                    p.grad.copy_(piece)
-        book.backward_done()
-        self._reset()
-
-    def _used_map(self):
-        """torch's all-reduce of which parameters each rank used (``local_used_map``, one
-        int32 each), waited for only when a parameter went unused here (torch's lazy wait
-        in ``finalize_bucket_dense``); on torch.distributed returns it (a parameter used on
-        any rank gets a gradient)."""
-        book, g = self._book, self.group
-        unused = {id(p) for p in self._unused}
-        here = [book.index[id(p)] in book.marked and id(p) not in unused for p in book.params]
-        handles = g.record("all_reduce", 4 * len(book.params), "ddp used params",
-                           overlap=True)
-        if not all(here):
-            g.wait(handles)
-        if not g.distributed:
-            return None
-        used = torch.tensor(here, dtype=torch.int32)
-        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=g.pg)
-        return used.tolist()
-
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Debug: raise if any parameter differs between the ranks' replicas (on
@@ -419,16 +287,6 @@ class DistributedDataParallel(ModuleWrapper):
                 raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
                                    "between ranks; did something update one rank's copy "
                                    "outside the optimizer step?")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (no all-reduce) inside the block; the first
-        backward after it reduces the sum (``DistributedDataParallel.no_sync``)."""
-        old, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = old
 
     # ---- the module's own names -------------------------------------------------------------
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
@@ -495,10 +353,3 @@ class DistributedDataParallel(ModuleWrapper):
         g = self.group
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
         return f"{type(self.module).__name__}, {where}, {len(self._book.buckets)} buckets"
-
-    @property
-    def bucket_names(self) -> list[list[str]]:
-        """The parameters' names in each bucket, in the order the buckets are launched
-        (torch's ``bucket.parameters()`` in a comm hook)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[names[id(p)] for p in ps] for ps in self._book.buckets]

@@ -284,16 +284,24 @@ def sync_bucket_indices(buckets, record, broadcast=None) -> list[list[int]]:
 
 
 def output_tensors(out) -> list:
-    """The tensors of a forward's output (a DistTensor's local tensors), for the graph
-    searches above."""
-    from torch.utils import _pytree as pytree
-    found = []
-    for leaf in pytree.tree_leaves(out):
-        local = getattr(leaf, "_local", None)          # a DistTensor
-        if local is not None and hasattr(local, "items"):
-            found += list(local.items)
-        elif local is not None:
-            found.append(local)
-        elif isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-    return found
+    """The tensors of a forward's output, found as torch DDP's ``_find_tensors``
+    (``torch/nn/parallel/distributed.py``) finds them: a tensor, the items of a list /
+    tuple, the values of a dict (a subclass too: Transformers' ``ModelOutput``), the fields
+    of a dataclass; a DistTensor gives its local tensors.  Anything else holds none (as in
+    torch: with ``find_unused_parameters=True`` every parameter is then unused, and a
+    gradient reaching one raises in :class:`~.ddp.DistributedDataParallel`)."""
+    import dataclasses
+    if isinstance(out, torch.Tensor):
+        return [out]
+    local = getattr(out, "_local", None)               # a DistTensor
+    if local is not None and hasattr(local, "items") and not isinstance(local, dict):
+        return list(local.items)
+    if isinstance(local, torch.Tensor):
+        return [local]
+    if isinstance(out, (list, tuple)):
+        return [t for x in out for t in output_tensors(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in output_tensors(x)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in output_tensors(getattr(out, f.name))]
+    return []
