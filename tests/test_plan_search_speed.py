@@ -147,8 +147,15 @@ def test_zero_at_one_data_parallel_rank_is_listed_once():
                                                             v=1, tp=8, sp=False)):
         for z in ((1, 0), (3, 2)) if kept.pp == 1 else ((1, 0),):
             a, b = (estimate(LLAMA, kept.replace(zero=s), cl) for s in z)
-            assert (a.step_time, a.memory, a.assumptions()) == \
-                (b.step_time, b.memory, b.assumptions())
+            assert a.memory == b.memory
+            if z == (1, 0):
+                # Megatron-LM builds its distributed optimizer at dp 1 too (revJ): the one
+                # difference is its step's passes (plan.optimizer_step), a tie (< 0.1%)
+                assert a.step_time - b.step_time == pytest.approx(
+                    a.details["optimizer"] - b.details["optimizer"], abs=1e-12)
+                assert abs(a.step_time - b.step_time) < 1e-3 * b.step_time
+            else:
+                assert (a.step_time, a.assumptions()) == (b.step_time, b.assumptions())
     r = search(LLAMA, cl, global_batch=8, top=10 ** 6)
     rows = [(lay.replace(zero=0), lay.engine) for lay, _ in r if lay.dp * lay.cp == 1]
     assert rows and len(rows) == len(set(rows))
