@@ -1,0 +1,148 @@
+"""Review defects: (1) a module that checkpoints its own activations
+(torch.utils.checkpoint, reentrant or not; the course's models with recompute="full" /
+"selective") under the data-parallel wrappers on simulated ranks: the recompute in
+backward must see each rank's own parameters, so losses and gradients equal one
+device's; (2) DistTensor.from_local of distinct replicas: each rank's local its own
+gradient, as torch DTensor gives it."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import workbench as wb
+from workbench.models.config import ModelConfig, build_model
+
+V, T, B = 17, 8, 8
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def course_model(recompute, arch="llama"):
+    cfg = ModelConfig(vocab_size=V, seq_len=T, n_layer=2, n_head=2, d_model=32,
+                      recompute=recompute, arch=arch)
+    return build_model(cfg, seed=0)
+
+
+class Checkpointed(nn.Module):
+    """A user's module that checkpoints its middle block itself."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.emb = nn.Embedding(V, 16)
+        self.norm = nn.LayerNorm(16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, V)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.reentrant = reentrant
+
+    def block(self, h):
+        return h + torch.tanh(self.mid(self.norm(h)))
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        logits = self.head(h)
+        return logits, nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+MODELS = {
+    "llama-full": lambda: course_model("full"),
+    "llama-selective": lambda: course_model("selective"),
+    "gpt-full": lambda: course_model("full", "gpt"),
+    "user-nonreentrant": lambda: Checkpointed(False),
+    "user-reentrant": lambda: Checkpointed(True),
+}
+
+
+def one_device_steps(make, steps=2, lr=0.1):
+    m = make()
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    losses, grads = [], []
+    for s in range(steps):
+        ids, y = batch(s)
+        opt.zero_grad()
+        _, loss = m(ids, y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+        opt.step()
+    return losses, grads
+
+
+def shard(mesh, *ts):
+    return [wb.shard_tensor(t, mesh, [wb.Shard(0)]) for t in ts]
+
+
+RECOMPUTING = [m for m in MODELS if m != "user-reentrant"]
+
+
+@pytest.mark.parametrize("name", RECOMPUTING)
+@pytest.mark.parametrize("n", [2, 4])
+def test_ddp_recompute_uses_each_ranks_parameters(name, n):
+    make = MODELS[name]
+    ref_losses, ref_grads = one_device_steps(make)
+    mesh = wb.Mesh.grid(n, ["dp"])
+    ddp = wb.DistributedDataParallel(make(), mesh)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for s in range(2):
+        opt.zero_grad()
+        _, loss = ddp(*shard(mesh, *batch(s)))
+        loss.backward()
+        torch.testing.assert_close(loss.full(), ref_losses[s], rtol=1e-5, atol=1e-6)
+        for pn, p in ddp.named_parameters():
+            for k in range(n):      # every rank's row: the all-reduced mean
+                torch.testing.assert_close(p.grad[k], ref_grads[s][pn], rtol=1e-4,
+                                           atol=1e-6, msg=f"{pn} rank {k}")
+        opt.step()
+    # the module holds its stacked parameters again after backward
+    assert all(isinstance(p, nn.Parameter) and p.shape[0] == n for p in ddp.parameters())
+
+
+@pytest.mark.parametrize("name", ["llama-full", "user-nonreentrant"])
+def test_ddp_with_zero_optimizer_and_recompute(name):
+    make = MODELS[name]
+    one = make()
+    opt1 = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(make(), mesh)
+    opt = wb.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, mesh, lr=1e-2)
+    for s in range(3):
+        ids, y = batch(s)
+        opt1.zero_grad()
+        one(ids, y)[1].backward()
+        opt1.step()
+        opt.zero_grad()
+        ddp(*shard(mesh, ids, y))[1].backward()
+        opt.step()
+    got = ddp.full_state_dict()
+    for pn, p in one.named_parameters():
+        torch.testing.assert_close(got[pn], p.detach(), rtol=1e-4, atol=1e-6, msg=pn)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_ddp_reentrant_checkpoint_on_simulated_ranks_is_refused_by_name(n):
+    mesh = wb.Mesh.grid(n, ["dp"])
+    ddp = wb.DistributedDataParallel(Checkpointed(True), mesh)
+    with pytest.raises(NotImplementedError, match="use_reentrant=False"):
+        ddp(*shard(mesh, *batch(0)))
+    assert all(p.shape[0] == n for p in ddp.parameters())     # the module is whole
+
+
+def test_module_without_checkpoint_gets_no_node_hooks():
+    from workbench.parallel.strategies import rank_recompute as rr
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(course_model("none"), mesh)
+    since = rr.seq_mark() + 1
+    _, loss = ddp(*shard(mesh, *batch(0)))
+    assert rr.checkpoint_nodes([loss._local], since) == ([], [])
+    ddp2 = wb.DistributedDataParallel(course_model("full"), mesh)
+    since = rr.seq_mark() + 1
+    _, loss2 = ddp2(*shard(mesh, *batch(0)))
+    reentrant, plain = rr.checkpoint_nodes([loss2._local], since)
+    assert reentrant == [] and len(plain) > 0
