@@ -146,3 +146,52 @@ def test_module_without_checkpoint_gets_no_node_hooks():
     _, loss2 = ddp2(*shard(mesh, *batch(0)))
     reentrant, plain = rr.checkpoint_nodes([loss2._local], since)
     assert reentrant == [] and len(plain) > 0
+
+
+# ---- (2) from_local of distinct replicas -------------------------------------------------
+
+def test_from_local_of_distinct_nonleaf_replicas_gives_each_leaf_its_gradient():
+    """Each rank's local built from its own leaf (a non-leaf copy): every leaf gets the
+    gradient, as each process's DTensor.from_local gives its own local (was: only rank 0's
+    leaf, the others None)."""
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid(4, ["dp"])
+    x, w = torch.randn(3, 5), torch.randn(3, 5)
+    leaves = [x.clone().requires_grad_() for _ in range(4)]
+    d = wb.DistTensor.from_local([a * 2 for a in leaves], mesh, [wb.Replicate()])
+    (d.full_tensor() * w).sum().backward()
+    # one device / each DTensor rank: d = 2 a, d(loss)/d(a) = 2 w for every rank's a
+    for r, a in enumerate(leaves):
+        assert a.grad is not None, r
+        torch.testing.assert_close(a.grad, 2 * w, msg=f"rank {r}")
+
+
+def test_from_local_of_distinct_nonleaf_replicas_on_a_2d_mesh():
+    torch.manual_seed(1)
+    mesh = wb.Mesh.grid((2, 2))
+    x, w = torch.randn(4, 6), torch.randn(4, 6)
+    leaves = [x.chunk(2, 0)[r // 2].clone().requires_grad_() for r in range(4)]
+    d = wb.DistTensor.from_local([a.sin() for a in leaves], mesh,
+                                 [wb.Shard(0), wb.Replicate()], shape=(4, 6))
+    (d.full_tensor() * w).sum().backward()
+    for r, a in enumerate(leaves):
+        torch.testing.assert_close(a.grad, w.chunk(2, 0)[r // 2] * a.detach().cos(),
+                                   msg=f"rank {r}")
+
+
+def test_from_local_of_copies_of_one_tensor_keeps_the_gradient_once():
+    torch.manual_seed(2)
+    mesh = wb.Mesh.grid(4, ["dp"])
+    t, w = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
+    d = wb.DistTensor.from_local([t * 2 for _ in range(4)], mesh, [wb.Replicate()])
+    (d.full_tensor() * w).sum().backward()
+    torch.testing.assert_close(t.grad, 2 * w)       # once, not 4 times
+
+
+def test_from_local_of_replicas_sharing_some_leaves_is_refused_by_name():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    shared = torch.ones(3, requires_grad=True)
+    leaves = [torch.ones(3, requires_grad=True) for _ in range(2)]
+    with pytest.raises(ValueError, match="detach the shared part"):
+        wb.DistTensor.from_local([a * shared for a in leaves], mesh, [wb.Replicate()])
+    assert all(a.grad is None for a in leaves) and shared.grad is None
