@@ -31,7 +31,8 @@ import contextlib
 
 import torch
 
-__all__ = ["RankScope", "seq_mark", "checkpoint_nodes", "hook_nodes", "reentrant_error"]
+__all__ = ["RankScope", "seq_mark", "checkpoint_nodes", "hook_nodes", "reentrant_error",
+           "refuse_checkpoint"]
 
 
 def seq_mark() -> int:
@@ -142,3 +143,21 @@ def reentrant_error(who: str, n: int) -> NotImplementedError:
         "use_reentrant=False (PyTorch's recommended mode; works here and gives one "
         "device's gradients), or run under torchrun, where each process holds its own "
         "module")
+
+
+def refuse_checkpoint(outputs, since: int, who: str, n: int) -> None:
+    """FullyShardedDataParallel / fully_shard on simulated ranks: a checkpoint region in
+    a rank's forward refused (NotImplementedError naming the fix).  Its recompute in
+    backward would read the module's parameters when they are the shards again, not the
+    rank's gathered weights: the recompute under the sharded wrappers is not built."""
+    from torch.utils import _pytree as pytree
+    reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outputs), since)
+    if reentrant or plain:
+        raise NotImplementedError(
+            f"{who} on {n} simulated ranks: the module checkpoints its own activations "
+            "(torch.utils.checkpoint, e.g. ModelConfig(recompute='full' / 'selective' / "
+            "'op')), whose recompute in backward would read the parameters as shards, "
+            "not the rank's gathered weights; the sharded wrappers do not rebuild them "
+            "for a recompute.  Use wb.DistributedDataParallel (it recomputes with each "
+            "rank's parameters), build the model with recompute='none', or run under "
+            "torchrun (one process per rank)")
