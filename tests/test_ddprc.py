@@ -20,9 +20,9 @@ def batch(seed=0):
     return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
 
 
-def course_model(recompute, arch="llama"):
+def course_model(recompute, arch="llama", **kw):
     cfg = ModelConfig(vocab_size=V, seq_len=T, n_layer=2, n_head=2, d_model=32,
-                      recompute=recompute, arch=arch)
+                      recompute=recompute, arch=arch, **kw)
     return build_model(cfg, seed=0)
 
 
@@ -55,6 +55,8 @@ MODELS = {
     "llama-full": lambda: course_model("full"),
     "llama-selective": lambda: course_model("selective"),
     "gpt-full": lambda: course_model("full", "gpt"),
+    "llama-op": lambda: course_model("op"),             # selective, context_fn (op_sac.py)
+    "moe-full": lambda: course_model("full", moe_experts=4),   # aux loss: each rank's share
     "user-nonreentrant": lambda: Checkpointed(False),
     "user-reentrant": lambda: Checkpointed(True),
 }
@@ -222,3 +224,40 @@ def test_sharded_wrappers_still_train_a_module_without_checkpoint(how):
     _, loss = w(*shard(mesh, *batch(0)))
     loss.backward()
     torch.testing.assert_close(loss.full(), ref_losses[0], rtol=1e-5, atol=1e-6)
+
+
+class _FailOnce(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if _FailOnce.fail:
+            _FailOnce.fail = False
+            raise RuntimeError("backward failed on purpose")
+        return g
+
+
+def test_ddp_backward_that_raises_in_a_recompute_leaves_the_module_usable():
+    class M(Checkpointed):
+        def block(self, h):
+            return _FailOnce.apply(super().block(h))
+
+    mesh = wb.Mesh.grid(2, ["dp"])
+    ddp = wb.DistributedDataParallel(M(False), mesh)
+    _, loss = ddp(*shard(mesh, *batch(0)))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        loss.backward()
+    ddp.zero_grad()
+    _, loss = ddp(*shard(mesh, *batch(0)))        # the stacked parameters again
+    assert all(isinstance(p, nn.Parameter) and p.shape[0] == 2 for p in ddp.parameters())
+    loss.backward()
+    ref_losses, ref_grads = one_device_steps(lambda: Checkpointed(False), steps=1)
+    torch.testing.assert_close(loss.full(), ref_losses[0], rtol=1e-5, atol=1e-6)
+    for pn, p in ddp.named_parameters():
+        torch.testing.assert_close(p.grad[1], ref_grads[0][pn], rtol=1e-4, atol=1e-6, msg=pn)

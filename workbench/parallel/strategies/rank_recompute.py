@@ -12,13 +12,17 @@ the rank's row, and fail on shapes or compute another rank's numbers.
 
 Each process of a torchrun job holds its own module, so its recompute reads its own
 parameters.  Here the same holds because every autograd node created by rank ``k``'s
-forward that may run a recompute gets a pre-hook that puts rank ``k``'s parameters (and the buffers and loss
-share its forward saw) back into the module while the node's backward runs, and a
-post-hook that takes them out again (``torch.autograd.graph.Node.register_prehook`` /
-``register_hook``).  A recompute always runs inside the backward of a node its
-forward made: the reentrant ``CheckpointFunction``'s own node, or (non-reentrant) the
-first node of the region that unpacks a saved tensor (:func:`checkpoint_nodes`); a
-module without a checkpoint gets no hooks and pays one walk of its graph a forward.
+forward that may run a recompute gets a pre-hook that puts rank ``k``'s parameters (and
+the buffers and loss share its forward saw) back into the module while the node's
+backward runs, and a post-hook that takes them out again
+(``torch.autograd.graph.Node.register_prehook`` / ``register_hook``).  A backward that
+raises inside such a node never runs its post-hook: the next wrapped forward puts the
+stacked parameters back first (:func:`close_open_scopes`).
+
+A recompute always runs inside the backward of a node its forward made: the reentrant
+``CheckpointFunction``'s own node, or (non-reentrant) the first node of the region
+that unpacks a saved tensor (:func:`checkpoint_nodes`); a module without a checkpoint
+gets no hooks and pays one walk of its graph a forward.
 
 A reentrant checkpoint on simulated ranks is refused (:func:`reentrant_error`): its
 backward runs one inner backward per rank, so the stacked parameter would get its
@@ -32,7 +36,9 @@ import contextlib
 import torch
 
 __all__ = ["RankScope", "seq_mark", "checkpoint_nodes", "hook_nodes", "reentrant_error",
-           "refuse_checkpoint"]
+           "refuse_checkpoint", "close_open_scopes"]
+
+_OPEN: list = []    # scopes whose pre-hook ran and post-hook has not (yet)
 
 
 def seq_mark() -> int:
@@ -66,11 +72,14 @@ class RankScope:
         if self.ctx is not None:
             stack.enter_context(self.ctx())
         self._held.append((held, held_b, stack))
+        _OPEN.append(self)
 
     def post(self, grad_inputs, grad_outputs):
         if not self._held:
             return
         held, held_b, stack = self._held.pop()
+        if self in _OPEN:
+            _OPEN.remove(self)
         stack.close()
         for m, n, v in held:
             m._parameters[n] = v
@@ -79,6 +88,13 @@ class RankScope:
 
 
 _SAVED_ATTRS: dict = {}      # node type -> its ``_raw_saved_*`` attribute names
+
+
+def close_open_scopes() -> None:
+    """Put back what scopes left open by a backward that raised took out (the post-hook
+    of the node that raised never ran)."""
+    while _OPEN:
+        _OPEN[-1].post(None, None)
 
 
 def _in_checkpoint_region(node) -> bool:

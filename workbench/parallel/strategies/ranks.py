@@ -35,8 +35,8 @@ from ...sim_mesh.trace import current_trace
 from ...ops.moe import loss_share, one_batch
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .rank_recompute import (RankScope, checkpoint_nodes, hook_nodes, reentrant_error,
-                             seq_mark)
+from .rank_recompute import (RankScope, checkpoint_nodes, close_open_scopes, hook_nodes,
+                             reentrant_error, seq_mark)
 
 __all__ = ["RankGroup"]
 
@@ -198,6 +198,7 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     that rank's inputs; join the outputs into DistTensors.  Only rank ``owner``'s
     forward writes the module's buffers (:func:`rank_buffers`)."""
     check_batch_stats(group, module, "DistributedDataParallel", local_ok=True)
+    close_open_scopes()         # a backward that raised inside a recompute: parameters back
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
     stacked = dict(module.named_parameters())
@@ -315,9 +316,11 @@ class ModuleWrapper(torch.nn.Module):
     optimizer built on ``wrapper.parameters()`` steps the module's parameters."""
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        close_open_scopes()     # after a backward that raised in a recompute: the stacked
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse=True):
+        close_open_scopes()
         return self.module.parameters(recurse)
 
     # the module's own tree under its own names, as named_parameters: ``model.modules()``,
