@@ -55,16 +55,53 @@ class _Replicas(torch.autograd.Function):
 
 def share_replicas(copies: list) -> torch.Tensor:
     """The one local tensor that stands for ``copies`` (distinct tensor objects given
-    for the ranks of one replica group, equal in value): the first.  Every other copy
-    that is a leaf requiring grad (a rank's own input, as each process's from_local
-    gets) receives the gradient too.  A copy computed from other tensors does not: it
-    may come from the same replicated storage as the first (``[d.local(r) for r in
-    ranks]`` are views of one tensor), which would then receive the gradient once per
-    rank instead of once."""
-    extra = [t for t in copies[1:] if t.is_leaf and t.requires_grad]
+    for the ranks of one replica group, equal in value): the first.  Each other copy
+    that requires grad and is its rank's own autograd input receives the gradient too,
+    as each process's ``DistTensor.from_local`` gives it: a leaf, or a result computed
+    from leaves no other copy reaches (``[a_r * 2 for a_r in leaves]``).  A copy computed
+    from the same leaves as a kept one stands for the same tensor (``d.locals()`` are
+    views of one stored tensor; ``[t * 2 for t in d.locals()]``): it gets nothing, so
+    those leaves receive the gradient once, not once per rank.  Copies that share some
+    leaves but not all cannot be told apart: refused (ValueError naming the fix)."""
+    extra, kept = [], [(copies[0], _leaves(copies[0]))]
+    for t in copies[1:]:
+        if not t.requires_grad:
+            continue
+        mine = _leaves(t)
+        if any(mine == theirs for _, theirs in kept):
+            continue                    # a copy of a kept one: the gradient once
+        clash = [theirs for _, theirs in kept if mine & theirs]
+        if clash:
+            raise ValueError(
+                "from_local: the replicas of one shard are computed from leaf tensors that "
+                "some replicas share and others do not, so it cannot be told whether they "
+                "are each rank's own input (each gets the gradient, as DTensor) or copies "
+                "of one tensor (it gets the gradient once); build each rank's local from "
+                "its own leaves only (e.g. detach the shared part, or clone a shared leaf "
+                "per rank), or pass the same tensor for every rank")
+        kept.append((t, mine))
+        extra.append(t)
     if not extra or not torch.is_grad_enabled():
         return copies[0]
     return _Replicas.apply(copies[0], *extra)
+
+
+def _leaves(t) -> frozenset:
+    """ids of the leaf tensors requiring grad that ``t``'s value is computed from."""
+    if t.grad_fn is None:
+        return frozenset([id(t)]) if t.requires_grad else frozenset()
+    out, seen, stack = set(), set(), [t.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        v = getattr(n, "variable", None)
+        if v is not None and type(n).__name__ == "AccumulateGrad":
+            out.add(id(v))
+            continue
+        stack.extend(f for f, _ in n.next_functions)
+    return frozenset(out)
 
 
 def dtensor_from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False,

@@ -119,6 +119,7 @@ from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_le
                           ready_order, torch_policy)
 from .ddp_reducer import Reducer
 from .replica_writes import sync_rows
+from .rank_recompute import close_open_scopes
 from .ranks import (ModuleWrapper, RankGroup, check_module, replace_parameter,
                     run_per_rank, state_dict_check, check_not_meta,
                     check_sync_batchnorm_device)
@@ -256,6 +257,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             out = self.module(*args, **kwargs)
             self._sync_buffers_next = torch.is_grad_enabled() and self._sync_enabled
             return out
+        close_open_scopes()     # a backward that raised in a recompute: stacked ones back
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
         params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]

@@ -79,6 +79,7 @@ from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gath
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
+from .rank_recompute import refuse_checkpoint, seq_mark
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
                     check_not_meta,
                     rank_buffers)
@@ -181,6 +182,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         return shard.to(cd) if cd is not None and shard.dtype != cd else shard
 
     # ---- forward: a unit gathers on entry, frees on exit ------------------------------------
+    _who = "FullyShardedDataParallel"     # the name errors give (fully_shard's own)
+
     def forward(self, *args, **kwargs):
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
@@ -201,10 +204,13 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
                     self._enter(self.units[0])
                     # the join averages the ranks' losses: a loss term attached by
                     # gradient takes each rank's share too (ops/moe.py: loss_share)
+                    since = seq_mark() + 1
                     with rank_buffers(self.module, snap if k != ks[0] else None), \
                             loss_share(1.0 if g.distributed else 1 / g.n):
                         outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
+                    if not g.distributed:
+                        refuse_checkpoint(outs[-1], since, self._who, g.n)
         finally:
             self._k = None
             for u in self.units:         # on error too: the shards are the parameters again

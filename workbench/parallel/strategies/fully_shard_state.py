@@ -54,6 +54,8 @@ class FullyShardRoot(FullyShardedDataParallel):
     """The sharded state of a ``fully_shard`` root (module docstring).  Built only by
     :func:`.fully_shard.fully_shard`; the user keeps calling their own module."""
 
+    _who = "fully_shard"
+
     def __init__(self, module, mesh, dim, compute_dtype, units, adopt: dict,
                  reduce_dtype=None):
         object.__setattr__(self, "_adopt", adopt)      # id(shard) -> its meta, reused

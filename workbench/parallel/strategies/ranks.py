@@ -35,6 +35,8 @@ from ...sim_mesh.trace import current_trace
 from ...ops.moe import loss_share, one_batch
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
+from .rank_recompute import (RankScope, checkpoint_nodes, close_open_scopes, hook_nodes,
+                             reentrant_error, seq_mark)
 
 __all__ = ["RankGroup"]
 
@@ -196,16 +198,30 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     that rank's inputs; join the outputs into DistTensors.  Only rank ``owner``'s
     forward writes the module's buffers (:func:`rank_buffers`)."""
     check_batch_stats(group, module, "DistributedDataParallel", local_ok=True)
+    close_open_scopes()         # a backward that raised inside a recompute: parameters back
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
+    stacked = dict(module.named_parameters())
     with one_batch():           # a MoE's last_stats: every rank's part (ops/moe.py)
         for k, (a, kw) in enumerate(per):
             # the join averages the ranks' losses: a loss term attached by gradient takes
             # each rank's share too (ops/moe.py: loss_share)
+            since = seq_mark() + 1
             with rank_buffers(module, snap if k != owner else None), \
                     loss_share(1 / group.n):
+                bufs = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()
+                        if b is not None] if k != owner else []
                 outs.append(torch.func.functional_call(module, params[k], a, kw,
                                                        tie_weights=True, strict=False))
+            # a checkpoint's recompute in backward: with this rank's parameters
+            # (rank_recompute.py)
+            reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outs[-1]), since)
+            if reentrant:
+                raise reentrant_error("DistributedDataParallel", group.n)
+            if reentrant or plain:
+                rows = {id(p): params[k][n] for n, p in stacked.items() if n in params[k]}
+                hook_nodes(reentrant + plain,
+                           RankScope(module, rows, bufs, lambda: loss_share(1 / group.n)))
     return group.join(outs, dim)
 
 
@@ -300,9 +316,11 @@ class ModuleWrapper(torch.nn.Module):
     optimizer built on ``wrapper.parameters()`` steps the module's parameters."""
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        close_open_scopes()     # after a backward that raised in a recompute: the stacked
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse=True):
+        close_open_scopes()
         return self.module.parameters(recurse)
 
     # the module's own tree under its own names, as named_parameters: ``model.modules()``,
