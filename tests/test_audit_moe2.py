@@ -15,6 +15,22 @@ def _full(t):
     return t.full() if hasattr(t, "full") else t
 
 
+def checkpointed_attention_case(p, n):
+    """A causal attention block (``attn``), its inputs q, k, v and output gradient ``go``
+    (seeded), a cp mesh of ``p`` ranks, ``ring(t)``: t ring-ordered and sharded on the
+    sequence, and ``inv``: the permutation back to sequence order."""
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
+
+    def attn(a, b, c):
+        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
+
+    def ring(t):
+        return wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)])
+    return mesh, (q, k, v), go, attn, ring, torch.argsort(cp.slot_positions(n, p))
+
+
 # ---- ring attention: causal SDPA exactly ------------------------------------------------------
 
 @pytest.mark.parametrize("p,balanced,causal,hkv,via", [
@@ -362,21 +378,13 @@ def test_checkpointed_attention_under_context_parallel_recomputes_on_the_ring():
     tokens ("A different number of tensors was saved during the original forward and
     recomputation")."""
     from torch.utils.checkpoint import checkpoint
-    p, n = 2, 8
-    mesh = wb.Mesh(list(range(p)), ["cp"])
-    g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
-
-    def attn(a, b, c):
-        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    mesh, qkv, go, attn, ring, inv = checkpointed_attention_case(2, 8)
+    ref_in = [t.clone().requires_grad_() for t in qkv]
     (attn(*ref_in) * go).sum().backward()
-    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)]).requires_grad_()
-            for t in (q, k, v)]
+    dist = [ring(t).requires_grad_() for t in qkv]
     with cp.context_parallel(mesh, "cp"):
         out = checkpoint(attn, *dist, use_reentrant=False)
-        out.backward(wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [S(2)]))
-    inv = torch.argsort(cp.slot_positions(n, p))
+        out.backward(ring(go))
     for d, r in zip(dist, ref_in):
         torch.testing.assert_close(d.grad.full()[:, :, inv], r.grad, rtol=1e-5, atol=1e-6)
 
@@ -413,22 +421,13 @@ def test_autograd_grad_of_checkpointed_attention_under_context_parallel():
     """``torch.autograd.grad`` of a checkpointed block inside ``context_parallel`` raised
     torch's CheckpointError (recomputation outside the ring), as ``backward`` did."""
     from torch.utils.checkpoint import checkpoint
-    p, n = 3, 12
-    mesh = wb.Mesh(list(range(p)), ["cp"])
-    g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
-
-    def attn(a, b, c):
-        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    mesh, qkv, go, attn, ring, inv = checkpointed_attention_case(3, 12)
+    ref_in = [t.clone().requires_grad_() for t in qkv]
     want = torch.autograd.grad((attn(*ref_in) * go).sum(), ref_in)
-    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)]).requires_grad_()
-            for t in (q, k, v)]
+    dist = [ring(t).requires_grad_() for t in qkv]
     with cp.context_parallel(mesh, "cp"):
         out = checkpoint(attn, *dist, use_reentrant=False)
-        got = torch.autograd.grad((out * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [S(2)]))
-                                  .sum(), dist)
-    inv = torch.argsort(cp.slot_positions(n, p))
+        got = torch.autograd.grad((out * ring(go)).sum(), dist)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.full()[:, :, inv], b, rtol=1e-5, atol=1e-6)
     assert all(t.grad is None for t in dist)            # grad accumulates into nothing

@@ -73,23 +73,16 @@ def test_context_parallel_autograd_fallback_without_torchs_private_engine_call(m
     from workbench.parallel.strategies import context_parallel as cp
     from torch.autograd import _make_grads  # noqa: F401   (torch 2.13 has both)
     from torch.autograd.graph import _engine_run_backward  # noqa: F401
-    p, n = 3, 12
-    mesh = wb.Mesh(list(range(p)), ["cp"])
-    g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
-
-    def attn(a, b, c):
-        return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    from tests.test_audit_moe2 import checkpointed_attention_case
+    mesh, qkv, go, attn, ring, inv = checkpointed_attention_case(3, 12)
+    ref_in = [t.clone().requires_grad_() for t in qkv]
     want = torch.autograd.grad((attn(*ref_in) * go).sum(), ref_in)
-    inv = torch.argsort(cp.slot_positions(n, p))
 
     def run(ckpt, how):
-        dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [Shard(2)]).requires_grad_()
-                for t in (q, k, v)]
+        dist = [ring(t).requires_grad_() for t in qkv]
         with cp.context_parallel(mesh, "cp"):
             out = checkpoint(attn, *dist, use_reentrant=False) if ckpt else attn(*dist)
-            loss = (out * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [Shard(2)])).sum()
+            loss = (out * ring(go)).sum()
             if how == "grad":
                 return torch.autograd.grad(loss, dist)
             torch.autograd.backward([loss])
