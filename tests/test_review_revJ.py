@@ -26,19 +26,8 @@ from workbench.models import get_config
 from workbench.plan import Layout
 from workbench.plan import optimizer_step as OS
 from workbench.sim_mesh.cost import compute_time
-from workbench.sim_mesh.profiles import get_profile
 
-A100 = get_profile("a100")
-PSI = 1.3e9
-
-
-def _cfg(dtype):
-    return get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512, dtype=dtype)
-
-
-def _split(table):
-    return (sum(p.nbytes for p in table if p.over == "psi"),
-            sum(p.nbytes for p in table if p.over == "shard"))
+from tests.test_optimizer_step_bytes import A100, PSI, _cfg, _split  # noqa: F401
 
 
 def test_the_falsy_overflow_buffer_is_what_megatron_tests():
