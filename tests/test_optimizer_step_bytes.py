@@ -9,7 +9,7 @@ holds, "shard": the ones it updates, psi / dp under ZeRO):
 - 2e90a342f5, bf16 (fp32 contiguous buffer): zero 4, /= dp 4+4 (rank); l2norm 4,
   Adam 28, copy 4+2 = 38 (shard): 50; fp16 (16-bit buffer): 2 + 4 and 6+8+4+28+6;
 - f2e5db402c, distributed optimizer, bf16: zero 4, NaN-check norm 4, *= 1/dp 4+4 = 16
-  (rank); 4 + 28 + 6 = 38 (shard); fp16 (dynamic loss scale: no NaN check): 2 + 4
+  (rank; the multiply only with dp > 1); 4 + 28 + 6 = 38 (shard); fp16 (dynamic loss scale: no NaN check): 2 + 4
   (rank), 6 + 8 + 4 + 28 + 6 (shard);
 - DeepSpeed FP16_Optimizer 70 (rank); BF16_Optimizer norm 4 + zero 4 (rank), Adam 28 +
   bf16 copy 6 (shard); v0.3.16's ZeRO-3: 80 (shard); today's ZeRO-1/2/3 (38327e07f) 70
@@ -59,9 +59,10 @@ def _split(table):
     ("float32", Layout(dp=2, tp=4), True, False, (12, 32)),
     # the distributed optimizer of 2024
     ("bfloat16", Layout(dp=8, zero=1), True, True, (16, 38)),
-    # ZeRO-1 at dp x cp = 1 is ZeRO-0 (search lists it once): the 2022 code
-    ("bfloat16", Layout(dp=1, tp=8, zero=1), True, True, (12, 38)),
-    ("bfloat16", Layout(dp=1, cp=2, tp=4, zero=1), True, True, (16, 38)),
+    # ZeRO-1 at dp x cp = 1 still runs the distributed optimizer (no 1/dp multiply:
+    # its factor is 1 / dp without cp, 1.0 here; review revJ)
+    ("bfloat16", Layout(dp=1, tp=8, zero=1), True, True, (8, 38)),
+    ("bfloat16", Layout(dp=1, cp=2, tp=4, zero=1), True, True, (8, 38)),
     ("float16", Layout(dp=8, zero=1), True, True, (6, 52)),
 ])
 def test_megatron_bytes_by_hand(dtype, lay, fusion, overlap, want):
@@ -73,7 +74,7 @@ def test_megatron_bytes_by_hand(dtype, lay, fusion, overlap, want):
 
 def test_megatron_era_follows_the_layout():
     assert OS.era(Layout(dp=8, zero=1), True) == "2024"
-    assert OS.era(Layout(dp=1, zero=1), True) == "2022"
+    assert OS.era(Layout(dp=1, zero=1), True) == "2024"
     assert OS.era(Layout(dp=8), False) == "2021"
     assert OS.era(Layout(dp=8), True) == "2022"
     # the 42-64 B Megatron moves against the 28 B of the fused kernel alone
@@ -109,7 +110,7 @@ def test_deepspeed_bytes_by_hand_and_as_its_modules_price_them():
     z3 = OS.passes(_cfg("float16"), Layout(dp=8, zero=3, framework="deepspeed-0.3"))
     assert _split(z3) == (0, 10 + 18 + 10 + 8 + 28 + 6) == (0, 80)
     assert OS.step_seconds(z3, PSI, PSI / 8, A100, tensors=50) == pytest.approx(
-        compute_time(0.0, 80 * PSI / 8, A100, "float32", launches=2 * 50 + 2 + 3),
+        compute_time(0.0, 80 * PSI / 8, A100, "float32", launches=2 * 2 * 50 + 2 + 3),
         rel=1e-12)
 
 

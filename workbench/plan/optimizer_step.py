@@ -20,13 +20,16 @@ Three codes, chosen by the layout (:func:`era`):
   ``optimizer.py:283``).  Local DDP without contiguous buffers (the pipeline rows,
   ``--DDP-impl local``) all-reduces through a flattened copy
   (``model/distributed.py:212-218``: ``_flatten_dense_tensors`` 2 + 2, ``/= dp`` 2 + 2,
-  the copy back 2 + 2); torch DDP (the pp = 1 rows: ``overlap_grad_reduce``) reduces in
-  its own buckets (not priced here: ASSUMPTION).  Then ``step``: ``main_param.grad =
-  model_param.grad.float()`` (``optimizer.py:304/307``, read 2 write 4, a kernel per
-  tensor), ``_amp_foreach_non_finite_check_and_unscale_`` (``:330``, read and write the
-  fp32 gradient, 8), ``multi_tensor_l2norm`` (``clip_grads.py:90``, read 4), FusedAdam
-  (``optimizer/__init__.py:16``, ``optimizer.py:410``, 28), ``_copy_main_params_to_
-  model_params`` (``:356``, ``multi_tensor_scale`` fp32 -> fp16, read 4 write 2).
+  the copy back 2 + 2, a ``copy_`` per tensor); torch DDP (the pp = 1 rows:
+  ``overlap_grad_reduce``) reduces in its own buckets (not priced here: ASSUMPTION).
+  Then ``step``: ``main_param.grad = model_param.grad.float()`` (``optimizer.py:304/307``,
+  read 2 write 4, a kernel per tensor), ``_amp_foreach_non_finite_check_and_unscale_``
+  (``:330``, read and write the fp32 gradient, 8), ``multi_tensor_l2norm``
+  (``clip_grads.py:90``, read 4), FusedAdam (``optimizer/__init__.py:16``,
+  ``optimizer.py:410``, 28), ``_copy_main_params_to_model_params`` (``:356``, read 4
+  write 2: a ``copy_`` per tensor, as with bf16, since ``_multi_tensor_copy_this_to_that``
+  tests ``if overflow_buf:`` (``:53``) and fp16's ``IntTensor([0])`` is False, so apex's
+  ``multi_tensor_scale`` never runs).
   bf16 forces fp32 contiguous buffers (``arguments.py:141-155``): as 2022 below.
 - 2022, Korthikanti et al. (2e90a342f5; the default Megatron with ZeRO 0): local DDP
   with contiguous buffers (on by default, ``arguments.py:700``), fp32 for bf16
@@ -38,49 +41,29 @@ Three codes, chosen by the layout (:func:`era`):
   (fp16; bf16 has none, ``optimizer/__init__.py``), the norm (``clip_grads.py:92``),
   FusedAdam (``optimizer.py:436``), the copy to the model's weights (``:382``; bf16
   has no apex kernel, ``_dummy_overflow_buf = None``: a ``copy_`` per tensor, ``:61``).
-- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1`` over dp x cp > 1; at
-  one data-parallel rank ZeRO-1 is ZeRO-0, the 2022 code, as ``search`` lists it once).
+- 2024, the distributed optimizer (f2e5db402c, ZeRO-1: ``zero=1``, at dp x cp = 1 too:
+  ``get_megatron_optimizer`` builds it whatever the data-parallel size,
+  ``core/optimizer/__init__.py:256``; ``search`` lists ZeRO-0 only there).
   Per step on the
   whole fp32 buffer (``megatron/core/distributed/param_and_grad_buffer.py``):
   ``grad_data.zero_()`` (``:508``, from ``training/training.py:585``), before each
   bucket's reduce-scatter the NaN check ``grad_data.norm(p=2)`` (``:111-118``;
   ``--check-for-nan-in-loss-and-grad`` on by default, ``training/arguments.py:1016``,
-  off for fp16 with a dynamic loss scale, ``:292-295``) and ``grad_data *=
-  1/dp`` (``:122-123``, ``distributed_data_parallel.py:157``, only when dp > 1).  On
+  off for fp16 with a dynamic loss scale, ``:292-295``: fp16 priced with it off,
+  ASSUMPTION) and ``grad_data *= 1/dp`` (``:122-123``, ``distributed_data_parallel.py:
+  156-157``: ``get_data_parallel_world_size()`` without cp, so only when dp > 1).  On
   the rank's shard (``core/optimizer/distrib_optimizer.py``): ``shard_model_grad.float()``
   (``:1520``, a copy only for a 16-bit buffer), unscale with fp16 (``optimizer.py:348``),
   the norm (``clip_grads.py:98``), Adam (``optimizer.py:406``; Transformer Engine's
   FusedAdam, ``optimizer/__init__.py:8``), the copy into the bf16 parameter buffer
   (``distrib_optimizer.py:1552``, a ``copy_`` per tensor).
 
-Clipping (``multi_tensor_scale`` of the gradients, ``clip_grads.py:114`` / ``:147``)
+Clipping (``multi_tensor_scale`` of the gradients, ``clip_grads.py:113`` / ``:114`` /
+``:147``)
 runs only when the norm exceeds ``--clip-grad``: not priced (ASSUMPTION, as
 ``plan.bf16_optimizer``); nor ``--log-num-zeros-in-grad`` (off by default).
 
-DeepSpeed: its fp16 pipeline engine's ``FP16_Optimizer`` (``plan.deepspeed_step.
-FP16_OPTIMIZER_BYTES``) and its bf16 one's ``BF16_Optimizer`` (``plan.bf16_optimizer``)
-as read there.  Spring 2021's ZeRO-3 (``"deepspeed-0.3"``; v0.3.16
-``deepspeed/runtime/zero/stage3.py``, the same step in v0.3.13), on the rank's partition:
-``has_overflow_partitioned_grads_serial`` (``:2857``) runs ``float(x.float().sum())``
-(``:2899``, read 2 write 4 read 4) on each fp16 gradient partition, ``get_grad_norm_
-direct`` ``g.data.double().norm(2)`` (``:2449``, read 2 write 8 read 8), each with a host
-sync per tensor (not priced); ``_prepare_fp32_grad_for_sub_group`` flattens them and casts
-to fp32 (``:2578``, 2 + 2 then 2 + 4); ``unscale_and_clip_grads`` always multiplies by
-1 / the loss scale (``:2841``, 8); FusedAdam (``:1577``, 28); the fp32 partition copied to
-the fp16 one (``:1581``, 4 + 2): 80 bytes.  DeepSpeed of today without a pipeline
-(``"deepspeed"``, pp = 1, ZeRO 1-3; 38327e07f, v0.16.4+, 2025-02), on the partition, 16-bit
-gradients (e = 2 bytes): ``stage_1_and_2.py`` ``step`` checks overflow only for fp16
-(``has_overflow_partitioned_grads_serial``, ``_has_inf_or_nan``: ``x.float()``, ``isnan``,
-``isinf``, ``logical_or``, ``.float()``, ``max`` per tensor, ``:2003``, ``:2032-2036``,
-28 bytes), ``get_grad_norm_direct`` takes ``vector_norm(g.double())`` per tensor
-(``:1699``, e + 8 + 8), flattens and casts the partition (``:1896``, e + e + e + 4),
-``unscale_and_clip_grads`` multiplies by a clamped factor, always (``:1985``, 8), FusedAdam
-(``:1820``, 28) and copies the fp32 partition into the 16-bit one (``:1920``, 4 + e): 70
-bytes with bf16, 98 with fp16; ``stage3.py`` the same, but its fp16 check is
-``isinf`` / ``isnan(...).any()`` on the flat gradient buffer (``:2212-2213``, 2 (e + 2))
-and its lines ``:1797``, ``:1898``, ``:2187``, ``:987``, ``:2071``: 70 with bf16, 78 with
-fp16.  With a pipeline and ZeRO-1 in fp16 (the 2021 engine) Adam alone, 28 bytes per
-partitioned parameter (ASSUMPTION: that release's ZeRO-1 step not read).
+DeepSpeed (``"deepspeed"``, ``"deepspeed-0.3"``): ``plan.optimizer_step_deepspeed``.
 
 FSDP2 as torchtitan runs it (9dec370ad2): ``clip_grad_norm_(..., foreach=True)``
 (``train.py:311``) over the fp32 gradient shards: ``torch._foreach_norm`` (read 4) and
@@ -98,13 +81,11 @@ MIXED_ADAMW_BYTES`` on the rank's updated parameters, one kernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from ..sim_mesh.cost import compute_time
 from ..sim_mesh.optimizer_cost import MIXED_ADAMW_BYTES, adam_kernels
-from . import bf16_optimizer as BF
-from . import deepspeed_pipe as D
-from . import deepspeed_step as DS
+from . import optimizer_step_deepspeed as DSO
+from .optimizer_pass import ADAM, Pass
 
 __all__ = ["Pass", "MEGATRON", "ERAS", "era", "passes", "step_bytes", "step_seconds",
            "assumption"]
@@ -114,31 +95,16 @@ _M21, _M22, _M24 = ("NVIDIA/Megatron-LM 50a4b5fa02 (2021-04)",
                     "NVIDIA/Megatron-LM f2e5db402c (2024-07)")
 MEGATRON = {"2021": _M21, "2022": _M22, "2024": _M24}
 ERAS = tuple(MEGATRON)
-DEEPSPEED = "microsoft/DeepSpeed 38327e07f (v0.16.4+, 2025-02)"
-ADAM = 16 + 12          # multi_tensor_adam: read p, g, m, v; write p, m, v (fp32)
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One pass over parameter-sized memory: ``nbytes`` read + written per element of
-    every parameter of the rank (``over="psi"``) or of its partition (``"shard"``),
-    ``kernels`` launches (a launch per parameter tensor if ``per_tensor``); ``source``:
-    where the code runs it."""
-    name: str
-    nbytes: float
-    over: str
-    source: str
-    per_tensor: bool = False
-    kernels: int = 1
 
 
 def era(lay, fusion: bool) -> str:
     """Which Megatron-LM code a Megatron layout runs (module docstring): the distributed
-    optimizer's with ZeRO-1 over more than one data-parallel rank, Narayanan et al.'s
+    optimizer's with ZeRO-1 (``--use-distributed-optimizer``), Narayanan et al.'s
     without gradient accumulation fusion (``plan.megatron_2021``), else Korthikanti et
-    al.'s.  With dp x cp = 1 ZeRO-1 is ZeRO-0 (the planner's convention: ``search`` lists
-    the stage once), so both price the 2022 code."""
-    if lay.zero == 1 and lay.dp * lay.cp > 1:
+    al.'s.  At dp x cp = 1 ZeRO-1 still runs the distributed optimizer's code (f2e5db402c
+    ``megatron/core/optimizer/__init__.py:256`` has no data-parallel condition), its
+    partition the whole; ``search`` lists ZeRO-0 only there."""
+    if lay.zero == 1:
         return "2024"
     return "2021" if not fusion else "2022"
 
@@ -152,9 +118,9 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
         dist = "megatron/core/distributed/param_and_grad_buffer.py"
         out.append(Pass("zero the fp32/16-bit grad buffer (grad_data.zero_())", g, "psi",
                         f"{src} {dist}:508"))
-        if bf16:                      # fp16 here: dynamic loss scale, check off
+        if not fp16:                  # fp16 here: dynamic loss scale, check off (bf16, fp32: on)
             out.append(Pass("NaN check, grad_data.norm(p=2)", g, "psi", f"{src} {dist}:111-118"))
-        if lay.dp * lay.cp > 1:
+        if lay.dp > 1:                # the factor is 1 / dp without cp (:156-157): 1.0 skips
             out.append(Pass("grad_data *= 1/dp", 2 * g, "psi", f"{src} {dist}:122-123"))
         opt = "megatron/core/optimizer/distrib_optimizer.py"
         copy_in, copy_out = f"{src} {opt}:1520", f"{src} {opt}:1552"
@@ -170,8 +136,10 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
                     Pass("allreduce_gradients: buffer_.data /= dp", 2 * g, "psi",
                          f"{src} {dist}:{200 if when == '2022' else 193}")]
         elif not overlap_grad_reduce:  # local DDP, no contiguous buffers
-            out.append(Pass("allreduce_gradients: flatten, /= dp, copy back", 3 * 2 * g,
-                            "psi", f"{src} {dist}:212-218", kernels=3))
+            out += [Pass("allreduce_gradients: flatten, /= dp", 2 * 2 * g, "psi",
+                         f"{src} {dist}:212-213", kernels=2),      # a cat, a div_ per dtype
+                    Pass("allreduce_gradients: copy back, buf.copy_ per tensor", 2 * g,
+                         "psi", f"{src} {dist}:216-218", per_tensor=True)]
         line = {"2021": ("304/307", 330, 90, 410, 356),
                 "2022": ("316", 356, 92, 436, 382)}[when]
         opt = "megatron/optimizer/optimizer.py"
@@ -189,65 +157,11 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
             Pass("FusedAdam (multi_tensor_adam): p, g, m, v read; p, m, v written", ADAM,
                  "shard", adam)]
     if bf16 or fp16:                  # fp32 (FP32Optimizer): no main copy
+        # a copy_ per tensor in every era: 2021/2022's _multi_tensor_copy_this_to_that
+        # tests ``if overflow_buf:``, and fp16's IntTensor([0]) is False (optimizer.py:53)
         out.append(Pass("fp32 main params to 16-bit params", 4 + 2, "shard", copy_out,
-                        per_tensor=bf16 or when == "2024"))
+                        per_tensor=True))
     return out
-
-
-def _deepspeed(cfg, lay) -> list[Pass]:
-    if lay.engine == "deepspeed-0.3":    # stage3.py's step (module docstring), fp16
-        src = "microsoft/DeepSpeed v0.3.16 deepspeed/runtime/zero/stage3.py"
-        return [Pass("overflow check, float(x.float().sum()) per gradient partition",
-                     2 + 4 + 4, "shard", f"{src}:2857/2899", per_tensor=True),
-                Pass("gradient norm, g.data.double().norm(2) per partition", 2 + 8 + 8,
-                     "shard", f"{src}:2449", per_tensor=True),
-                Pass("flatten the fp16 partitions, .to(fp32)", (2 + 2) + (2 + 4), "shard",
-                     f"{src}:2578", kernels=2),
-                Pass("unscale and clip, mul_(1 / combined_scale)", 4 + 4, "shard",
-                     f"{src}:2841"),
-                Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard",
-                     f"{src}:1577"),
-                Pass("fp32 partition copied to the fp16 one", 4 + 2, "shard", f"{src}:1581")]
-    if lay.pp > 1 and cfg.dtype == "float16" and lay.zero == 0:
-        src = f"{D.SOURCE} runtime/fp16/fused_optimizer.py (plan.deepspeed_step)"
-        return [Pass(name, b, "psi", src) for name, b in DS.FP16_OPTIMIZER_BYTES]
-    if lay.pp == 1 and lay.zero >= 1:     # today's ZeRO optimizers (module docstring)
-        return _zero_today(cfg.dtype, lay.zero)
-    adam = Pass("Adam on the partition (the planner's 28 B: ASSUMPTION)", ADAM, "shard",
-                "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES")
-    if BF.applies(cfg, lay):
-        src = BF.SOURCE
-        return [Pass("gradient norm, fp32 gradients", BF.FP32_GRAD_BYTES, "psi", src),
-                adam,
-                Pass("update_lp_params, fp32 partition -> bf16", BF.PARTITION_BYTES,
-                     "shard", src),
-                Pass("clear_hp_grads, zero the fp32 buffer", BF.FP32_GRAD_BYTES, "psi", src)]
-    return [adam]
-
-
-def _zero_today(dtype: str, zero: int) -> list[Pass]:
-    e = 2 if dtype in ("bfloat16", "float16") else 4     # the 16-bit gradient partitions
-    if zero == 3:
-        src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage3.py", (
-            "2212-2213", "1797", "1898", "2187", "987", "2071")
-        check = Pass("overflow check, isinf / isnan(flat buffer).any()", 2 * (e + 1 + 1),
-                     "shard", f"{src}:{at[0]}", kernels=4)
-    else:
-        src, at = f"{DEEPSPEED} deepspeed/runtime/zero/stage_1_and_2.py", (
-            "2003/2032-2036", "1699", "1896", "1985", "1820", "1920")
-        check = Pass("overflow check, x.float() isnan isinf logical_or float max",
-                     (e + 4) + 2 * (4 + 1) + 3 + (1 + 4) + 4, "shard", f"{src}:{at[0]}",
-                     per_tensor=True)
-    out = [check] if dtype == "float16" else []      # bf16: no loss scaler, no check
-    return out + [
-        Pass("gradient norm, g.double() then its norm, per partition", e + 8 + 8, "shard",
-             f"{src}:{at[1]}", per_tensor=True),
-        Pass("flatten the partitions, .to(fp32)", (e + e) + (e + 4), "shard",
-             f"{src}:{at[2]}", kernels=2),
-        Pass("unscale and clip, mul_(1 / combined_scale), always", 4 + 4, "shard",
-             f"{src}:{at[3]}"),
-        Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard", f"{src}:{at[4]}"),
-        Pass("fp32 partition copied to the 16-bit one", 4 + e, "shard", f"{src}:{at[5]}")]
 
 
 def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> tuple:
@@ -258,7 +172,7 @@ def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> 
     if fw == "megatron":
         return tuple(_megatron(cfg.dtype, lay, era(lay, fusion), overlap_grad_reduce))
     if fw in ("deepspeed", "deepspeed-0.3"):
-        return tuple(_deepspeed(cfg, lay))
+        return tuple(DSO.passes(cfg, lay))
     if fw == "fsdp":
         k = adam_kernels(decoupled=True, weight_decay=0.1, fused=False, foreach=True)
         src = "pytorch/torchtitan 9dec370ad2 train.py:311; torch 2.13 "
@@ -271,7 +185,8 @@ def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> 
     if fw == "workbench":
         return (Pass("mixed-precision AdamW, one fused kernel", MIXED_ADAMW_BYTES, "shard",
                      "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES"),)
-    raise ValueError(f"passes: framework {fw!r} has no optimizer step here")
+    raise ValueError(f"passes: layout framework={fw!r} has no optimizer step here; use "
+                     f"one of 'megatron', 'deepspeed', 'deepspeed-0.3', 'fsdp', 'workbench'")
 
 
 def _check(psi, updated, tensors):
@@ -292,7 +207,7 @@ def step_seconds(table, psi: float, updated: float, prof, tensors: int = 1) -> f
     """Seconds of the passes on the roofline (``compute_time``), memory bound, on a rank
     of ``psi`` parameters in ``tensors`` tensors, ``updated`` of them its own."""
     _check(psi, updated, tensors)
-    launches = sum(tensors if p.per_tensor else p.kernels for p in table)
+    launches = sum(tensors * p.kernels if p.per_tensor else p.kernels for p in table)
     return compute_time(0.0, step_bytes(table, psi, updated), prof, "float32",
                         launches=int(launches))
 
@@ -307,12 +222,17 @@ def assumption(lay, table) -> str:
     elif any("clip" in p.name for p in table):        # FP16_Optimizer: with the unscale
         clip = "; unscale and clip priced as one multiply"
     elif lay.engine == "deepspeed" and len(table) == 1:
-        clip = "; DeepSpeed's ZeRO optimizer step beyond Adam not read (ASSUMPTION)"
+        clip = (f"; DeepSpeed's {f'ZeRO-{lay.zero}' if lay.zero else 'non-ZeRO'} optimizer "
+                f"step beyond Adam not read (ASSUMPTION)")
     elif lay.engine == "workbench":
         clip = ""
     else:
         clip = ("; clipping's multiply not priced (it runs only when the norm exceeds "
                 "the limit: ASSUMPTION)")
+    if any(p.source.startswith(_M24) for p in table) and \
+            any(p.name.startswith("unscale") for p in table):       # fp16 (module docstring)
+        clip += ("; the NaN check grad_data.norm not priced (fp16 with a dynamic loss scale "
+                 "turns it off; a static --loss-scale runs it: ASSUMPTION)")
     split = lay.zero >= 1 and lay.dp * lay.cp > 1  # a 1/dp partition to update
     if not split or not shard or not full:         # one figure per parameter
         size = f"{full + shard:g} B per {'partitioned ' if not full and split else ''}" \
