@@ -140,6 +140,13 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["early_stop"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
+    if recompute == "full" and early_stop and tp > 1 and not any(
+            o["phase"] == "recompute" and o["name"] == "tp_out_2" for o in lt.ops):
+        # the early stop (llama_layer.full_recompute) re-runs the block up to w2's input:
+        # not its closing all-reduce (reduce-scatter with sp), which 2 x / 3 x above count
+        k, n = ("reduce_scatter" if sp else "all_reduce"), 2 * s * b * h
+        comm_b -= group_price(k, n, tuple(range(tp)), profile)
+        sent -= wire_bytes(k, n, tp)
     if tp_comm_overlap:    # what the collectives leave exposed, forward and after
         comm_f, comm_b = (sum(o["exposed"] for o in lt.ops if o["op_class"] in _KINDS
                               and (o["phase"] == "forward") == fwd) for fwd in (True, False))
