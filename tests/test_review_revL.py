@@ -31,3 +31,21 @@ def test_moe_last_stats_after_a_recomputing_backward_under_ddp_are_the_whole_bat
         assert g["dropped"] == w["dropped"] and g["capacity"] == w["capacity"]
         assert abs(g["aux_loss"] - w["aux_loss"]) < 1e-6
     assert abs(aux_loss(ddp.module) - want_aux) < 1e-6
+
+
+def test_from_local_of_rows_of_one_stacked_leaf_gives_every_row_its_gradient():
+    # each rank's local a view of its own row of one leaf: the same leaves, other memory,
+    # so each rank's own input (as each process's DTensor.from_local); was: row 0 alone
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid(4, ["dp"])
+    x, w = torch.randn(3, 5), torch.randn(3, 5)
+    s = torch.stack([x] * 4).requires_grad_()
+    d = wb.DistTensor.from_local([s[r] for r in range(4)], mesh, [wb.Replicate()])
+    (d.full_tensor() * w).sum().backward()
+    for r in range(4):
+        torch.testing.assert_close(s.grad[r], w, msg=f"rank {r}")
+    # views of the same place (one tensor given for every rank): the gradient once
+    t = torch.randn(3, 5, requires_grad=True)
+    d = wb.DistTensor.from_local([t[:] for _ in range(4)], mesh, [wb.Replicate()])
+    (d.full_tensor() * w).sum().backward()
+    torch.testing.assert_close(t.grad, w)
