@@ -163,7 +163,14 @@ class MoE(nn.Module):
                                       None if self.capacity_factor is None else C,
                                       normalize=self.norm_topk)
         part, tok = (e, slot, aux.detach(), C), batch_token()
-        if tok is not None and tok is self._batch:      # another simulated rank's rows
+        if torch._C._current_graph_task_id() != -1:
+            # an activation checkpoint's recompute in backward (torch.utils.checkpoint
+            # reruns this forward inside the autograd engine, where the graph task id is
+            # set; torch 2.13 torch/utils/checkpoint.py reads the same id): it routes the
+            # same tokens again, one simulated rank at a time outside one_batch, so it
+            # would replace the batch's stats with one rank's rows; the forward's stand
+            pass
+        elif tok is not None and tok is self._batch:    # another simulated rank's rows
             self._last.append(part)
         else:
             self._last, self._batch = [part], tok

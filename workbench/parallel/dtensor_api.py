@@ -68,9 +68,12 @@ def share_replicas(copies: list) -> torch.Tensor:
         if not t.requires_grad:
             continue
         mine = _leaves(t)
-        if any(mine == theirs for _, theirs in kept):
+        if any(mine == theirs and not _other_part(t, k) for k, theirs in kept):
             continue                    # a copy of a kept one: the gradient once
-        clash = [theirs for _, theirs in kept if mine & theirs]
+        # views of other parts of one tensor (``[s[r] for r in ranks]`` of a stacked
+        # leaf ``s``): each rank's own input, as its process's from_local gives it
+        clash = [theirs for k, theirs in kept if mine & theirs
+                 and not (mine == theirs and _other_part(t, k))]
         if clash:
             raise ValueError(
                 "from_local: the replicas of one shard are computed from leaf tensors that "
@@ -84,6 +87,14 @@ def share_replicas(copies: list) -> torch.Tensor:
     if not extra or not torch.is_grad_enabled():
         return copies[0]
     return _Replicas.apply(copies[0], *extra)
+
+
+def _other_part(a, b) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage at different places (their
+    elements are different memory: the same leaves, yet not copies of one tensor)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return (a.data_ptr(), a.stride(), a.shape) != (b.data_ptr(), b.stride(), b.shape)
 
 
 def _leaves(t) -> frozenset:
