@@ -16,7 +16,10 @@ from ddp_buckets_models import (STEPS, batch, cases, dist_tensor_cases, loss,  #
                                 make)
 
 
-def torch_run(name, kw, rank, n):
+def torch_run(name, kw, rank, n, zero_grad=False):
+    """torch's DDP on the case's model, a comm hook logging each bucket's parameters;
+    ``zero_grad``: a zero_grad(set_to_none=True) before each step (the optimizer loop's
+    habit)."""
     m = make(name)
     names = {p: k for k, p in m.named_parameters()}
     ddp = nn.parallel.DistributedDataParallel(m, **kw)
@@ -30,27 +33,8 @@ def torch_run(name, kw, rank, n):
     ddp.register_comm_hook(None, hook)
     for step in range(STEPS):
         log.append([])
-        x = batch(name, step).chunk(n)[rank]
-        loss(ddp(x)).backward()
-    return log, m
-
-
-def torch_run_steps(name, kw, rank, n):
-    """torch's DDP with a zero_grad before each step (the optimizer loop's habit)."""
-    m = make(name)
-    names = {p: k for k, p in m.named_parameters()}
-    ddp = nn.parallel.DistributedDataParallel(m, **kw)
-    log = []
-
-    def hook(state, bucket):
-        log[-1].append([names[p] for p in bucket.parameters()])
-        buf = bucket.buffer().div_(n)
-        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-
-    ddp.register_comm_hook(None, hook)
-    for step in range(STEPS):
-        log.append([])
-        ddp.zero_grad(set_to_none=True)
+        if zero_grad:
+            ddp.zero_grad(set_to_none=True)
         loss(ddp(batch(name, step).chunk(n)[rank])).backward()
     return log, m
 
@@ -112,7 +96,7 @@ def main():
             buckets, got = dist_tensor_run(name, kw, n)
             # torch's all steps accumulate (no zero_grad there): compare the last step's
             # buckets only, and the gradients of one step against a fresh torch run
-            log, tm = torch_run_steps(name, kw, rank, n)
+            log, tm = torch_run(name, kw, rank, n, zero_grad=True)
             ref = {k: p.grad for k, p in tm.named_parameters()}
             diff = max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
             if rank == 0:
