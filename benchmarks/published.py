@@ -68,8 +68,13 @@ is here only when its number was read from the source itself:
   examples/megatron-turing-nlg/README.md, not from the paper's own text: a secondary
   source).  Layout from the paper's sec. 2.3 as quoted there: 8-way tensor slicing,
   35-way pipeline (so data parallelism 8, 10, 12), 105 layers, h 20,480, 128 heads,
-  sequence 2,048.  ASSUMED: fp16, micro-batch 1, full recompute, 1F1B (DeepSpeed's
-  pipeline engine), no ZeRO, vocabulary padded to 51,200.  These rows hold data
+  sequence 2,048.  Precision and GPUs from the paper's own sec. 2.3, read as quoted
+  verbatim in public notes: "Model training is done with mixed precision using 16-bit
+  bfloat on NVIDIA's Selene supercomputer with 560 DGX A100 nodes. Each cluster node has
+  8 NVIDIA 80-GB A100 GPUs" (bf16 on 80 GB parts; cli99's README says 40 GB: a misquote,
+  which these rows do not follow).  ASSUMED: micro-batch 1, full recompute (sec. 2.1
+  names checkpointing each transformer block as the common strategy), 1F1B (DeepSpeed's
+  pipeline engine), vocabulary padded to 51,200.  These rows hold data
   parallelism growing at a fixed model: the DP sync the issue says is underpriced.
   Read together (least squares, not used by the planner): the published steps are
   378 s / dp + 12.7 s, i.e. 0.197 s per micro-batch and stage (1,920 / dp micro-batches)
@@ -103,6 +108,21 @@ is here only when its number was read from the source itself:
   (``plan.megatron_2021``).  Priced so, the steps are 321 s / dp + 5.9 s (0.167 s per
   micro-batch and stage, 0.030 s short of the published 0.197): the rows read 1.301 /
   1.313 / 1.364, and Narayanan's 'GPT 530B' 1.081 (Table 1: 1.039 .. 1.127).
+  The precision was the next: the rows were priced in fp16 (FP16_Optimizer, autograd's
+  16-bit accumulation) where the paper's sec. 2.3 says bf16.  DeepSpeed had no bf16 path
+  in 2021 (its first, ZeRO-2 only, is 648f7bfa5 of 2021-11-01, after the run; v0.5.4's
+  pipeline engine knows fp16 only), so the run used code not public then; Megatron-
+  DeepSpeed of the time (f0131ce0, 2021-08, ``megatron/arguments.py``) says "bfloat16
+  requires gradient accumulation and all-reduce to be done in fp32", and the first public
+  bf16 pipeline path, written by the same team (``BF16_Optimizer``, 2022,
+  ``plan.bf16_optimizer``), accumulates each micro-batch's gradients into an fp32 buffer
+  (18 bytes per parameter per micro-batch: 19 ms on a 3-layer 530B stage) and shards
+  the optimizer as ZeRO-1 does: ASSUMED as what ran.  Priced so, the steps are
+  347 s / dp + 6.5 s (0.181 s per micro-batch and stage): the rows read 1.203 / 1.213
+  / 1.259.  Left unexplained: 0.016 s per micro-batch and ~6 s per step.  The published
+  steps also fit (m + p - 1) x 0.392 s with m = 960 / dp micro-batches of 2 samples
+  (60.4, 51.0, 44.7 s against 60.1, 50.2, 44.4): a micro-batch of 2 (the paper does not
+  state it) would read 1.163 / 1.148 / 1.167; that fit is a suspicion, not an input.
 
 - ``torchtitan``: torchtitan's FSDP2 runs without torch.compile or Float8 (PyTorch's own
   benchmark tables: Llama 3.1 8B on 8 and 128 H100s of 96 GB HBM2e at 500 W, profile
@@ -271,21 +291,26 @@ def _h100_rows():
 
 MT_NLG = [(280, 60.1, 126.0), (350, 50.2, 121.0), (420, 44.4, 113.0)]   # nodes, s, TFLOP/s
 MT_NLG_CITE = ("Smith et al. 2022 (MT-NLG 530B) sec. 2.4, as quoted by cli99/llm-analysis "
-               "examples/megatron-turing-nlg/README.md (secondary source)")
+               "examples/megatron-turing-nlg/README.md (secondary source); precision and "
+               "GPUs: sec. 2.3 ('mixed precision using 16-bit bfloat', '8 NVIDIA 80-GB A100 "
+               "GPUs'), as quoted verbatim in public notes")
 
 
 def _mt_nlg_rows():
     for nodes, _, tflops in MT_NLG:
         gpus = 8 * nodes
+        # bf16: the paper's sec. 2.3 (module docstring); DeepSpeed's pipeline engine runs
+        # bf16 only through BF16_Optimizer (plan.bf16_optimizer), whose states are zero=1
         yield dict(source="mt_nlg", name="MT-NLG 530B", profile="a100", devices=gpus,
-                   model=dict(d_model=20480, n_layer=105, n_head=128, dtype="float16"),
-                   layout=dict(dp=gpus // 280, tp=8, pp=35, sp=False, zero=0,
+                   model=dict(d_model=20480, n_layer=105, n_head=128, dtype="bfloat16"),
+                   layout=dict(dp=gpus // 280, tp=8, pp=35, sp=False, zero=1,
                                recompute="full", micro_batch=1, global_batch=1920,
                                schedule="1f1b", v=1, framework="deepspeed"),
                    metric="tflops_per_device", published=tflops, published_hfu=None,
                    cite=MT_NLG_CITE,
-                   assume="fp16, micro-batch 1, full recompute, 1F1B, no ZeRO, vocabulary "
-                          "51,200 ASSUMED")
+                   assume="bf16 (sec. 2.3) run as DeepSpeed's BF16_Optimizer of 2022 does "
+                          "(the 2021 code is not public); micro-batch 1, full recompute, "
+                          "1F1B, vocabulary 51,200 ASSUMED")
 
 
 # Narayanan et al. SC'21 Table 2, "ZeRO-3 without Model Parallelism" (sec. 5.2):
@@ -349,9 +374,12 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "config ASSUMED",
          "bloom": _bloom.NOTE,
          "torchtitan": _titan.NOTE,
-         "mt_nlg": "figures quoted by a secondary source; fp16, micro-batch 1, full "
-                   "recompute, 1F1B, no ZeRO, vocabulary 51,200 ASSUMED; DeepSpeed's "
-                   "pipeline engine and data parallelism (framework='deepspeed')"}
+         "mt_nlg": "figures quoted by a secondary source; bf16 as the paper's sec. 2.3 "
+                   "says, priced as DeepSpeed's BF16_Optimizer (2022: fp32 gradient "
+                   "accumulation every micro-batch, states sharded as ZeRO-1) since the "
+                   "2021 bf16 code is not public; micro-batch 1, full recompute, 1F1B, "
+                   "vocabulary 51,200 ASSUMED; DeepSpeed's pipeline engine and data "
+                   "parallelism (framework='deepspeed')"}
 
 
 def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:

@@ -20,7 +20,9 @@ robust properties only, never a fit.
   1.432 .. 1.501 (1.430 .. 1.498 since DeepSpeed's pipeline engine is priced from its
   source, plan.deepspeed_step; 1.301 .. 1.364 since its Megatron-DeepSpeed layers run
   as their source does, without the async TP all-reduce and the fused gradient
-  accumulation of later Megatron-LM, plan.megatron_2021), band 1.15 .. 1.80; Narayanan Table 2's ZeRO-3 rows
+  accumulation of later Megatron-LM, plan.megatron_2021; 1.203 .. 1.259 since they run
+  bf16 as the paper's sec. 2.3 says, through DeepSpeed's BF16_Optimizer, tests/
+  test_mtnlg2.py: band unchanged), band 1.15 .. 1.80; Narayanan Table 2's ZeRO-3 rows
   (DeepSpeed of spring 2021, ``plan.zero3_2021``, a secondary source's encoding) 0.896 ..
   1.402, band 0.65 .. 1.65; BLOOM-176B on Jean Zay (``published_bloom``: the final run and
   the prequel's rows at its shape, NCCL over Omni-Path at the cluster's measured
