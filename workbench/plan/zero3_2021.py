@@ -46,7 +46,11 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   ``copy_`` per chunk), in the model's 16 bits.  Every parameter with a gradient has
   its hook (``create_reduce_and_remove_grad_hooks``), the persistent ones too: a bias
   or a norm's weight of h elements is its own reduce-scatter of h / p per chunk (12 per
-  GPT layer, 4 of them matrices).  The epilogue reduces the last bucket and
+  GPT layer, 4 of them matrices).  Before a bucket's reduce-scatters ``average_tensor``
+  divides by the world size on the reduction stream (``tensor.div_``), which c10d's NCCL
+  stream then waits for: the whole ipg buffer (``reduce_bucket_size`` elements however
+  full) and the extra-large gradient (``predivide_seconds``; hidden behind the NCCL
+  stream on the published rows).  The epilogue reduces the last bucket and
   synchronizes the reduction stream.
 - **the persistent parameters** are released after every backward too
   (``backward`` -> ``_partition_all_parameters``: every gathered parameter,
