@@ -158,6 +158,17 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   communication grows with the GPU count (the host's loops over p chunks per
   collective) and its NCCL rings run at 107-150 GB/s of bus bandwidth (eight NICs per
   node, as nccl-tests measure rings across DGX A100s).  Unexplained.
+  Where the predicted steps go (``benchmarks/zero3_2021_breakdown.py``): the
+  simulation is nearly serial (prefetching stops once the tied embedding and the
+  module running hold ``stage3_max_live_parameters``: it overlaps only fc1's gather at
+  175B, nothing at 530B), so a step is the compute + NCCL's gathers and
+  reduce-scatters + the host's loops over p chunks + ``_post_step``'s reassembly.  The
+  last two grow with p (175B: 11 + 5, 23 + 9, 45 + 19 s of host work at 384, 768,
+  1,536) and make the 1,536-GPU step rise; the published step less the predicted one
+  is +14, +12, -8 s (175B) and +67, +49, +48 s (530B).  The same DeepSpeed code paths
+  (one list all-gather per parameter, one list reduce-scatter per gradient, the
+  synchronous reassembly) are in every release to v0.5.x (summer 2021), so the
+  release the authors ran does not change this.
 
 Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed

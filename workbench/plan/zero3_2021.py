@@ -46,7 +46,11 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   ``copy_`` per chunk), in the model's 16 bits.  Every parameter with a gradient has
   its hook (``create_reduce_and_remove_grad_hooks``), the persistent ones too: a bias
   or a norm's weight of h elements is its own reduce-scatter of h / p per chunk (12 per
-  GPT layer, 4 of them matrices).  The epilogue reduces the last bucket and
+  GPT layer, 4 of them matrices).  Before a bucket's reduce-scatters ``average_tensor``
+  divides by the world size on the reduction stream (``tensor.div_``), which c10d's NCCL
+  stream then waits for: the whole ipg buffer (``reduce_bucket_size`` elements however
+  full) and the extra-large gradient (``predivide_seconds``; hidden behind the NCCL
+  stream on the published rows).  The epilogue reduces the last bucket and
   synchronizes the reduction stream.
 - **the persistent parameters** are released after every backward too
   (``backward`` -> ``_partition_all_parameters``: every gathered parameter,
@@ -95,7 +99,7 @@ from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
 __all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective",
-           "post_step_gather"]
+           "post_step_gather", "predivide_seconds"]
 
 FRAMEWORK = "deepspeed-0.3"
 
@@ -233,6 +237,19 @@ def list_collective(kind: str, numel: float, p: int, price: float, t: float,
     return host, copied, copied + price
 
 
+def predivide_seconds(numels, mem_bw: float) -> float:
+    """GPU seconds of ``average_tensor``'s pre-division before one bucket's
+    reduce-scatters (DeepSpeed v0.3.13 ``stage3.py``: ``reduce_ipg_grads`` passes
+    ``[self.ipg_buffer[self.ipg_index]]`` plus the extra-large parameter's gradient,
+    and ``average_tensor`` runs ``tensor.div_(world_size)`` on each, on the reduction
+    stream): the whole ipg buffer (``reduce_bucket_size`` elements, however full) and
+    every gradient of the bucket above that size (the one ``reduce_independent_p_g_
+    buckets_and_remove_grads`` kept out of the buffer), each 16-bit element read and
+    written at ``mem_bw``."""
+    large = sum(n for n in numels if n > REDUCE_BUCKET_NUMEL)
+    return 2 * 2 * (REDUCE_BUCKET_NUMEL + large) / mem_bw
+
+
 def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
              keep=None, persistent_gathered: bool = True) -> dict:
     """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
@@ -248,13 +265,19 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     gathers, rs_count, sent = 0, 0, 0.0
     bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
+    work = dict.fromkeys(("ag_loop", "rs_loop", "record_copy", "release", "nccl",
+                          "predivide"), 0.0)   # seconds of work by kind (not exposure)
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
         fill = 2 * size[pid] / mem_bw                 # torch.zeros of the whole parameter
         t = max(t, gpu, nccl) + fill + SYNC_S         # then torch.cuda.synchronize()
-        t, start, nccl = list_collective("all_gather", size[pid], p, ag_price(size[pid]),
-                                         t, t, nccl, mem_bw)
+        price = ag_price(size[pid])
+        t, start, nccl = list_collective("all_gather", size[pid], p, price, t, t, nccl,
+                                         mem_bw)
+        work["ag_loop"] += p * AG_LOOP_S
+        work["record_copy"] += p * RECORD_COPY_S
+        work["nccl"] += price
         busy.append((start, nccl))
         inflight[pid] = nccl
         live += size[pid]
@@ -262,12 +285,21 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         sent += wire_bytes("all_gather", 2 * size[pid], p)
 
     def reduce(numels, ready):
-        """reduce_ipg_grads: one list reduce-scatter per parameter of the bucket."""
+        """reduce_ipg_grads: one list reduce-scatter per parameter of the bucket, after
+        ``average_tensor``'s pre-division (:func:`predivide_seconds`) on the reduction
+        stream, which c10d's NCCL stream waits for."""
         nonlocal t, nccl, rs_count, sent, rs_end
         t = max(t, rs_end)                            # reduction_stream.synchronize()
+        div = predivide_seconds(numels, mem_bw)
+        work["predivide"] += div
+        ready = max(ready, t + div)
         for numel in numels:
-            t, start, nccl = list_collective("reduce_scatter", numel, p, rs_price(numel),
-                                             t, ready, nccl, mem_bw)
+            price = rs_price(numel)
+            t, start, nccl = list_collective("reduce_scatter", numel, p, price, t, ready,
+                                             nccl, mem_bw)
+            work["rs_loop"] += p * RS_LOOP_S
+            work["record_copy"] += p * RECORD_COPY_S
+            work["nccl"] += price
             busy.append((start, nccl))
             rs_count += 1
             sent += wire_bytes("reduce_scatter", 2 * numel, p)
@@ -318,14 +350,16 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
             if pid not in held and not keep[i] and pid in avail \
                     and size[pid] >= PERSISTENCE_NUMEL:
                 t = max(t, gpu) + RELEASE_S           # _partition_param's blocking copy
+                work["release"] += RELEASE_S
                 avail.discard(pid)
                 live -= size[pid]
     if bucket:                                        # the epilogue
         reduce(bucket, ready)
     # _partition_all_parameters: each parameter still gathered released (a blocking copy)
     end = max(t, gpu, nccl, rs_end) + len(avail) * RELEASE_S
+    work["release"] += len(avail) * RELEASE_S
     return {"seconds": end, "compute": compute, "gathers": gathers,
-            "reduce_scatters": rs_count, "sent": sent}
+            "reduce_scatters": rs_count, "sent": sent, "work": work}
 
 
 def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
