@@ -138,7 +138,10 @@ def test_copies_on_the_compute_stream_of_every_micro_batch(monkeypatch):
     def gather(n):               # the cast and the copy-in of a shard of n / 8
         return t(6 * n / 8, "all_gather_cast") + t(4 * n / 8, "all_gather_copy_in")
     again = units[1:-2]          # the blocks but the last: the root and it stay gathered
-    side = sum(gather(n) + (m - 1) / m * t(12 * n / 8, "grad_accumulate") for n in units) \
+    # the root's parameters (embedding, final norm, head) one group: one gather, one
+    # reduce-scatter and their side copies (plan.fsdp2_root)
+    groups = [units[0] + units[-1]] + units[1:-1]
+    side = sum(gather(n) + (m - 1) / m * t(12 * n / 8, "grad_accumulate") for n in groups) \
         + sum(gather(n) for n in again)
     assert on.details["dp_sync"] - off.details["dp_sync"] == pytest.approx(m * side,
                                                                            rel=1e-9)

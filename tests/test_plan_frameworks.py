@@ -125,7 +125,7 @@ def test_fsdp_prices_fully_shard_per_block():
     ZeRO-3 (``zero_cost``), so the exposure is what that model gives for those
     collectives and units, and the bytes sent are those gathers + 1 fp32
     reduce-scatter per micro-batch."""
-    from workbench.plan import costs as C, fsdp2_cost as FS, zero_cost as Z
+    from workbench.plan import costs as C, fsdp2_cost as FS, fsdp2_root as FR, zero_cost as Z
     from workbench.plan.edge_cost import edge_times
     from workbench.sim_mesh.cost import overlap_rate, wire_bytes
     cfg = get_config("gpt3-175b", n_layer=8)
@@ -143,17 +143,20 @@ def test_fsdp_prices_fully_shard_per_block():
     # FSDP2's copies (plan.fsdp2_cost): on the blocks' compute, and in series with the
     # gathers and reduce-scatters on the comm stream
     cp = FS.stage_copies(blocks, 8, True, True, 8, lay.m, cl.profile)
-    blocks = cp["blocks"]
+    assert cp["stay"] == (0, 8, 9)     # the root (embeddings; norm + head), the last block
+    # the root's parameters one unit, gathered first, reduce-scattered last
+    # (plan.fsdp2_root): at index 0, the embedding's and head's units now empty
+    blocks, stay = FR.root_unit(cp["blocks"], cp["stay"], True, True, 8, cl.profile)
+    assert stay == (0, 1, 9, 10)
     fwd, bwd = Z.zero_exposed(
         blocks, 3, lambda n: C.group_price("all_gather", 2 * n, ranks, cl.profile)
         + cp["gather_extra"](n),
         lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
         + cp["reduce_extra"](n),
-        prefetch_numel=1, rate=overlap_rate(cl.profile), stay=(0, 8, 9))
-    assert cp["stay"] == (0, 8, 9)     # the root (embeddings; norm + head), the last block
+        prefetch_numel=1, rate=overlap_rate(cl.profile), stay=stay)
     assert est.details["dp_sync"] == pytest.approx(lay.m * (fwd + bwd), rel=1e-12)
     psi = stage_params(cfg, 8, 1, 0)
-    kept = blocks[0].numel + blocks[8].numel + blocks[9].numel
+    kept = blocks[0].numel + blocks[9].numel
     sent = lay.m * (wire_bytes("all_gather", 2 * psi, 8)
                     + wire_bytes("all_gather", 2 * (psi - kept), 8)
                     + wire_bytes("reduce_scatter", 4 * psi, 8))
@@ -164,7 +167,7 @@ def test_fsdp_prices_fully_shard_per_block():
         + cp["gather_extra"](n),
         lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
         + cp["reduce_extra"](n),
-        rate=overlap_rate(cl.profile), stay=(0, 8, 9))
+        rate=overlap_rate(cl.profile), stay=stay)
     assert sum(wide) <= fwd + bwd
 
 

@@ -69,6 +69,7 @@ from . import frameworks as F
 from . import stage_sync as S
 from . import zero_cost as Z
 from . import fsdp2_cost as FS
+from . import fsdp2_root as FR
 from . import deepspeed_step as DS
 from . import zero3_2021 as Z21
 from . import ep_cp as EC
@@ -439,6 +440,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                      prof)
             blocks, side = copies["blocks"] if blocks else None, (
                 copies["gather_extra"], copies["reduce_extra"], copies["stay"])
+            if blocks:      # the root's parameters: one unit, first and last (fsdp2_root)
+                blocks, stay = FR.root_unit(blocks, side[2], s == 0, s == pp - 1,
+                                            lay.dp * lay.cp, prof)
+                side = side[:2] + (stay,)
             comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
@@ -509,6 +514,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + M21.assumption(cfg, lay, async_tp or tp == 1, fusion)
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
+        + ((FR.ASSUMPTION,) if slow["copies"] and lay.dp * lay.cp > 1 else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof)),
