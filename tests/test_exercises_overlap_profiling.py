@@ -86,6 +86,9 @@ def test_fusion_needs_the_memory_efficiency():
     no_eff = 1000 * (4096 / p.memory_bandwidth + p.launch_overhead) * 1e6
     assert round(no_eff, 1) == 5002.6 and round(right_u, 1) == 5003.0
     fails(C.check_fusion_us, no_eff, right_f, match="x memory_efficiency")
+    # the message tells the two apart, not "5003 us ... expected 5003 us"
+    fails(C.check_fusion_us, no_eff, right_f, match=r"is 5002\.6 us: ")
+    fails(C.check_fusion_us, no_eff, right_f, match=r"expected 5003 us")      # 3rd try
     fails(C.check_fusion_us, 1000 * p.launch_overhead * 1e6, right_f, match="launches alone")
     fails(C.check_fusion_us, right_u, p.launch_overhead * 1e6, match="launch alone")
     C.check_fusion_us(round(right_u, 1), right_f)
