@@ -120,6 +120,7 @@ def test_top_op_and_idle_share():
     C.check_top_op("mm", tr)
     fails(C.check_top_op, "add", tr, match="most FREQUENT")
     fails(C.check_top_op, "gelu", tr, match="no compute event")
+    fails(C.check_top_op, "aten::mm", tr, match=r"not aten's kernels\): add, mm( \(|$)")
     C.check_idle_share(4 / 11, tr, rank=0)         # busy 7 of 11 us
     C.check_idle_share(1 - tr.busy(0, "compute") / tr.time(), tr)
     fails(C.check_idle_share, 7 / 11, tr, match="BUSY share")
