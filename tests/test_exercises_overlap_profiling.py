@@ -86,6 +86,9 @@ def test_fusion_needs_the_memory_efficiency():
     no_eff = 1000 * (4096 / p.memory_bandwidth + p.launch_overhead) * 1e6
     assert round(no_eff, 1) == 5002.6 and round(right_u, 1) == 5003.0
     fails(C.check_fusion_us, no_eff, right_f, match="x memory_efficiency")
+    # the message tells the two apart, not "5003 us ... expected 5003 us"
+    fails(C.check_fusion_us, no_eff, right_f, match=r"is 5002\.6 us: ")
+    fails(C.check_fusion_us, no_eff, right_f, match=r"expected 5003 us")      # 3rd try
     fails(C.check_fusion_us, 1000 * p.launch_overhead * 1e6, right_f, match="launches alone")
     fails(C.check_fusion_us, right_u, p.launch_overhead * 1e6, match="launch alone")
     C.check_fusion_us(round(right_u, 1), right_f)
@@ -117,6 +120,7 @@ def test_top_op_and_idle_share():
     C.check_top_op("mm", tr)
     fails(C.check_top_op, "add", tr, match="most FREQUENT")
     fails(C.check_top_op, "gelu", tr, match="no compute event")
+    fails(C.check_top_op, "aten::mm", tr, match=r"not aten's kernels\): add, mm( \(|$)")
     C.check_idle_share(4 / 11, tr, rank=0)         # busy 7 of 11 us
     C.check_idle_share(1 - tr.busy(0, "compute") / tr.time(), tr)
     fails(C.check_idle_share, 7 / 11, tr, match="BUSY share")

@@ -87,10 +87,21 @@ def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02
     if math.isclose(got, want, rel_tol=rel):
         _ok(f"{name} = {got:.4g}{sep}{unit}{what}")
         return
-    raise CheckError(f"your {name} is {got:.4g}{sep}{unit}: "
+    mine, right = _apart(got, want)
+    raise CheckError(f"your {name} is {mine}{sep}{unit}: "
                      + _hint(got, want, wrong, hint_rel, fallback,
                              share=unit == "" or unit.startswith("of ")),
-                     expected=f"{want:.4g}{sep}{unit}")
+                     expected=f"{right}{sep}{unit}")
+
+
+def _apart(got: float, want: float) -> tuple:
+    """``got`` and ``want`` to 4 significant digits, or to as many more as tell them apart
+    (a wrong 5002.6 beside an expected 5003.0 must not read "5003, expected 5003")."""
+    for digits in range(4, 10):
+        mine, right = f"{got:.{digits}g}", f"{want:.{digits}g}"
+        if mine != right:
+            break
+    return mine, right
 
 
 def _chunks(n: int, k: int) -> list:

@@ -171,7 +171,8 @@ def check_top_op(name, tr) -> None:
         return
     if name not in per:
         raise CheckError(f"no compute event in the trace is called {name!r}; the names are "
-                         f"the events' .name", expected=repr(want))
+                         f"the events' .name, the ops the library ran (not aten's kernels): "
+                         f"{', '.join(sorted(per))}", expected=repr(want))
     hint = (" it is the most FREQUENT op; sum the durations, not the counts"
             if name == most and most != want else " sum each name's durations")
     raise CheckError(f"{name!r} has {per[name] * 1e6:.1f} us of compute:{hint}",
