@@ -48,14 +48,19 @@ there is nvidia-smi's MiB / 1024 (GiB); read as 1e9 bytes the ratios rise by 7.4
 What the comparison says (measured when this module was written; ``tests/
 test_published_bloom.py`` guards the spread, never a target):
 
-- time: 0.765 .. 0.935 (median 0.789) at the Omni-Path efficiency the cluster's own
-  benchmark measured, 1.13 .. 1.32 at InfiniBand's: every published figure inside the
-  range.  At the measured efficiency one activation crossing a stage boundary costs 46.5
-  ms (4 per micro-batch on a middle stage: 187 of its 803 ms), the DP sync 16.7 s and
-  the fp32 tied-gradient all-reduce 5.7 s; the layers' compute is 587 ms per micro-batch.
-  The published 104.7 s leaves about 22 s beside compute and bubble, so the training's
-  network ran 2-3x faster than the January 2022 benchmark (the 02-25 PCIe/NUMA fix
-  between them): the network figure, not the layers, is the component to measure.
+- time: 1.032 .. 1.198 (median 1.064; the final run 1.063).  The network: the cluster's
+  all-reduce benchmark (January 2022, 40.54 Gbps bus bandwidth) ran, by NCCL's own log
+  in the same file, 2 ring channels through ONE Omni-Path adapter per direction per
+  node (GPU 0 <- NET/IB/1, GPU 7 -> NET/IB/3): 0.405 of one adapter, where the profile
+  used to read it as 0.101 of the node's four (bloom3; before: 0.758 .. 0.917, median
+  0.782, every row pessimistic).  At 0.405 one activation crossing a stage boundary
+  costs 11.6 ms (two GPUs per adapter; 4 per micro-batch on a middle stage: 48 of its
+  671 ms), the DP sync 4.2 s and the fp32 tied-gradient all-reduce 1.4 s; the layers'
+  compute is 595 ms per micro-batch.  The range's fast end is the 0.846 the same NCCL
+  reached on one adapter of the cluster's V100 nodes the same day (4 ring channels);
+  the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
+  ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
+  sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
 - memory: stage 0's peak plus the context is 0.767 .. 0.827 of nvidia-smi's reading.
   What the planner counts there (final layout): bf16 weights 8.0 GB, bf16 gradients 8.0,
   Adam on the 1/8 partition 6.0, BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3,
@@ -151,8 +156,10 @@ OOM_ROWS = [_row(f"{n} OOM dp{dp}-tp{tp}-pp{pp}-mb{mbs}", h, l, a, dp, tp, pp, m
 NOTE = ("the final run's log line and the 2022-02-28 prequel rows at the final shape "
         "(iteration 2, CUDA_LAUNCH_BLOCKING=1 as the hang workaround); " + _ASSUME
         + "; on profile a100-jeanzay: NCCL over Omni-Path at the efficiency the "
-        "cluster's own all-reduce benchmark measured (0.101 of line rate, January 2022; "
-        "the range's fast end 0.96); Megatron-DeepSpeed's pipeline as DeepSpeed v0.5.4's "
+        "cluster's own all-reduce benchmark measured on one adapter (0.405 of its line "
+        "rate, January 2022, rings through one adapter per direction as NCCL's log "
+        "shows; the range's fast end 0.846, the V100 nodes'); Megatron-DeepSpeed's "
+        "pipeline as DeepSpeed v0.5.4's "
         "engine (plan.deepspeed_pipe) with the BF16_Optimizer of DeepSpeed 56c522386")
 
 

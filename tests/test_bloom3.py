@@ -1,0 +1,96 @@
+"""Jean Zay's network as NCCL's log of the cluster's own benchmark shows it (bloom3).
+
+bigscience-workshop/bigscience (9e64edec2a) experiments/bandwidth/all_reduce_bench-a100-n4.txt:
+NCCL 2.10.3 built 2 ring channels for 32 ranks on 4 A100 nodes, both entering each node
+at GPU 0 through NET/IB/1 and leaving from GPU 7 through NET/IB/3: one Omni-Path adapter
+per direction carried the measured 40.54 Gbps bus bandwidth (``topology.ring_nics = 1``,
+``inter_node.efficiency = 0.405`` of one 12.5 GB/s adapter).  The same script and NCCL on
+4 V100 nodes (all_reduce_bench-32gb-n4.txt) reached 84.59 Gbps with every ring channel
+entering a node through one adapter: the range's fast end, 0.846.
+"""
+import dataclasses
+
+import pytest
+
+from workbench.plan.ranges import BOUNDS
+from workbench.sim_mesh import topology as T
+from workbench.sim_mesh.cost import price
+from workbench.sim_mesh.profiles import Profile, Topology, get_profile
+
+JZ = get_profile("a100-jeanzay")
+A100_BUSBW_GBPS = 40.54      # all_reduce_bench-a100-n4.txt, median of 160 lines
+V100_BUSBW_GBPS = 84.59      # all_reduce_bench-32gb-n4.txt, median of 80 lines
+ADAPTER = 100e9 / 8          # Intel OPA 100 Series: 100 Gb/s per port
+
+
+def _busbw(kind, n, ranks, profile=JZ):
+    p = len(ranks)
+    t = price(kind, n, list(ranks), profile)
+    return n / t * {"all_reduce": 2 * (p - 1) / p}.get(kind, 1.0) * 8 / 1e9
+
+
+def test_efficiency_is_one_adapters_share_of_the_benchmark():
+    assert JZ.inter_node.efficiency == pytest.approx(A100_BUSBW_GBPS / 100, abs=5e-4)
+    assert JZ.topology.ring_nics == 1 and JZ.topology.nics_per_node == 4
+    assert "NET/IB/1" in JZ.citations["topology.ring_nics"]
+    assert "NET/IB/3" in JZ.citations["inter_node.efficiency"]
+
+
+def test_benchmark_case_is_capped_at_one_adapter():
+    """32 ranks, 8 per node: without the cap the ring would drive 8 ranks' shares of the
+    node's 4 adapters (4 x the measured rate); with it, the measured 40.5 Gbps."""
+    assert _busbw("all_reduce", 4e9, range(32)) == pytest.approx(A100_BUSBW_GBPS, rel=0.01)
+    free = dataclasses.replace(JZ, topology=dataclasses.replace(JZ.topology, ring_nics=None))
+    assert _busbw("all_reduce", 4e9, range(32), free) == pytest.approx(
+        4 * A100_BUSBW_GBPS, rel=0.01)
+
+
+def test_dp_group_of_two_ranks_per_node_gets_one_adapter():
+    """BLOOM's DP group (tp 4: ranks t + 4 d, 2 per node on 4 nodes) drives 2 ranks'
+    shares = one adapter: the benchmark's per-adapter rate, bounded by the cap too."""
+    ranks = [4 * d for d in range(8)]
+    assert T.group_of(ranks, JZ).per_node == (2, 2, 2, 2)
+    assert T._flat_link(JZ, T.group_of(ranks, JZ)).bandwidth == pytest.approx(
+        ADAPTER * 0.405, rel=1e-12)
+    assert _busbw("all_reduce", 8e9, ranks) == pytest.approx(A100_BUSBW_GBPS, rel=0.01)
+
+
+def test_pipeline_send_gets_half_an_adapter():
+    """A stage boundary: each of a node's 8 GPUs sends to its peer 4 nodes on; 2 GPUs
+    share each of the 4 adapters."""
+    n = 29.36e6
+    t = price("send_recv", n, [0, 32], JZ)
+    assert n / t == pytest.approx(ADAPTER * 0.405 / 2, rel=0.01)
+
+
+def test_profiles_without_the_cap_are_unchanged():
+    a100 = get_profile("a100")
+    assert a100.topology.ring_nics is None
+    g = T.group_of(range(32), a100)          # 8 ranks on each of 4 nodes, 8 NICs each
+    nic = a100.inter_node.effective_bandwidth
+    assert T._flat_link(a100, g).bandwidth == pytest.approx(
+        min(a100.intra_node.effective_bandwidth, 8 * nic), rel=1e-12)
+
+
+def test_range_spans_the_two_adapter_measurements():
+    (field, slow, fast, kind, why), = [b for b in BOUNDS["a100-jeanzay"]
+                                       if b[0] == "inter_node.efficiency"]
+    assert (slow, kind) == (JZ.inter_node.efficiency, "value")
+    assert fast == pytest.approx(V100_BUSBW_GBPS / 100, abs=5e-4)
+    assert "all_reduce_bench-32gb-n4.txt" in why
+
+
+def test_ring_nics_validated():
+    for bad in (0, -1, True, 1.5, "1"):
+        with pytest.raises(ValueError, match="ring_nics"):
+            Topology(ring_nics=bad)
+    with pytest.raises(ValueError, match=r"ring_nics=5 exceeds the node's 4 NICs"):
+        dataclasses.replace(JZ, topology=dataclasses.replace(JZ.topology, ring_nics=5))
+
+
+def test_ring_nics_round_trips():
+    data = JZ.to_dict()
+    assert data["topology"]["ring_nics"] == 1
+    back = Profile.from_dict(data)
+    assert back.topology.ring_nics == 1 and back == JZ
+    assert "ring_nics" not in get_profile("a100").to_dict()["topology"]
