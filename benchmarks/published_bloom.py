@@ -61,21 +61,34 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's peak plus the context is 0.767 .. 0.827 of nvidia-smi's reading.
+- memory: stage 0's peak plus the context is 0.776 .. 0.832 of nvidia-smi's reading
+  (0.767 .. 0.827 before DeepSpeed's partitioned pipeline outputs were counted, bloom3).
   What the planner counts there (final layout): bf16 weights 8.0 GB, bf16 gradients 8.0,
   Adam on the 1/8 partition 6.0, BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3,
-  activations 7.8, the embedding gradient's fp32 cast 3.6; not counted: the allocator's
-  cached segments (the 8 GB bf16 copy of the fp32 gradients made at every DP sync, after
-  the pipeline's activations, is one), the backward's gradient temporaries, the
-  embedding LayerNorm's saved input.
+  activations 8.1 (12 micro-batches in flight: 5 layer inputs, the embedding's dropout
+  mask and the engine's 1/4 output partition, ``plan.deepspeed_pipe_memory``), the
+  embedding gradient's fp32 cast 3.6.  Not counted: the allocator's cached segments (the
+  8 GB bf16 copy of the fp32 gradients made at every DP sync, after the pipeline's
+  activations, is one; the per-tensor bf16 weights BF16_Optimizer frees when it
+  flattens them into one buffer, 8 GB, are another), the backward's gradient
+  temporaries, and the embedding LayerNorm's saved input (bigscience-workshop/Megatron-
+  DeepSpeed b1359ee0 ``--embed-layernorm``: VocabParallelEmbedding runs a
+  MixedFusedLayerNorm whose autograd function saves its input, 2 s b h per micro-batch
+  in flight, 1.4 GB on stage 0: sourced, but the planner's ModelConfig has no embedding
+  LayerNorm to count it on).  The same ratio holds for the prequel's other shapes
+  (195B, 184B, 178B, 203B at 0.78 .. 0.83): a missing share of about a fifth that does
+  not depend on the shape, what an allocator's cache would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
   fitting, 54 GB on its busiest rank of 74 usable; the same table's neighbours do not
   explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage 0
-  where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB.  No
-  component read in DeepSpeed 56c522386 (BF16_Optimizer, the pipeline engine's buffers,
-  its activation checkpointing) or Megatron-DeepSpeed accounts for the difference; it
-  is reported, not fitted (``tests/test_published_bloom.py``: xfail, strict).
+  where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB; the
+  planner prices the 203B and the 206B's stage 0 alike (55.5 GiB each with the
+  context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
+  (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s one-tensor
+  buckets, the pipeline engine's buffers, its activation checkpointing) or
+  Megatron-DeepSpeed accounts for the difference; it is reported, not fitted
+  (``tests/test_published_bloom.py``: xfail, strict).
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the

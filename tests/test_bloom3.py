@@ -94,3 +94,47 @@ def test_ring_nics_round_trips():
     back = Profile.from_dict(data)
     assert back.topology.ring_nics == 1 and back == JZ
     assert "ring_nics" not in get_profile("a100").to_dict()["topology"]
+
+
+# ---- DeepSpeed's pipeline keeps each in-flight output as a 1/t partition -------------
+
+def _ds_layout(**kw):
+    import workbench as wb
+    cfg = wb.models.get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512,
+                               dtype="bfloat16")
+    lay = wb.plan.Layout(**{**dict(dp=2, tp=4, pp=4, zero=1, recompute="full",
+                                   global_batch=32, micro_batch=2, framework="deepspeed"),
+                            **kw})
+    return cfg, lay
+
+
+def test_partitioned_outputs_counted_on_every_stage_but_the_last():
+    """DeepSpeed 56c522386 _exec_forward_pass: PartitionedTensor(...).clone() of 1/t of
+    the output, held until the micro-batch's backward: 2 s b h / t per micro-batch."""
+    from workbench.plan import deepspeed_pipe_memory as DPM
+    from workbench.plan import memory as MEM
+    cfg, lay = _ds_layout()
+    s, b, h, t = cfg.seq_len, 2, cfg.d_model, 4
+    for stage in range(lay.pp):
+        held = MEM.in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
+        got = DPM.partitioned_output_bytes(cfg, lay, stage, held)
+        want = 0.0 if stage == lay.pp - 1 else held * 2 * s * b * h / t
+        assert got == want, stage
+        nl = lay.stage_layers(cfg.n_layer)[stage]
+        per = MEM.layer_activation_bytes(cfg, b, t, False, "full")
+        edge = MEM._edge_activation_bytes(cfg, b, t, False, stage, lay.pp, held, 1)
+        act = MEM.stage_memory(cfg, lay, stage)["activations"]
+        assert act == pytest.approx(per * nl * held + edge + want, rel=1e-12), stage
+    assert DPM.partitioned_output_bytes(cfg, lay, 0, 4) == 4 * 2 * s * b * h / t
+
+
+def test_partitioned_outputs_only_where_the_engine_partitions():
+    from workbench.plan import deepspeed_pipe_memory as DPM
+    cfg, _ = _ds_layout()
+    for kw in (dict(tp=1), dict(framework="megatron"), dict(pp=1, dp=8)):
+        _, lay = _ds_layout(**kw)
+        assert DPM.partitioned_output_bytes(cfg, lay, 0, 4) == 0.0, kw
+    _, lay = _ds_layout()
+    for bad in (-1, True, "2", None):
+        with pytest.raises(ValueError, match="held"):
+            DPM.partitioned_output_bytes(cfg, lay, 0, bad)

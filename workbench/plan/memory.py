@@ -28,7 +28,9 @@ without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
 5as^2b -> 2as^2b) gives :func:`layer_activation_bytes`.  Times the micro-batches a
 stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
 mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
-for the loss (4 s b V / t), counted the same way.
+for the loss (4 s b V / t), counted the same way; DeepSpeed's pipeline engine also
+keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t
+(``plan.deepspeed_pipe_memory``).
 
 ``comm_buffers``: the communication library's device buffers for the communicators
 the layout creates (NCCL's per channel and peer, HCCL's per communicator:
@@ -49,6 +51,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from . import bf16_optimizer as _bf16
+from . import deepspeed_pipe_memory as _ds_pipe
 from . import ep_cp as _ep_cp
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -340,6 +343,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
+    act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
     if _bf16.applies(cfg, lay):       # its fp32 cast of a gradient; its bf16 copy for the sync
