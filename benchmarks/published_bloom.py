@@ -76,15 +76,15 @@ test_published_bloom.py`` guards the spread, never a target):
   MixedFusedLayerNorm whose autograd function saves its input, 2 s b h per micro-batch
   in flight, 1.4 GB on stage 0: sourced, but the planner's ModelConfig has no embedding
   LayerNorm to count it on).  The same ratio holds for the prequel's other shapes
-  (195B, 184B, 178B, 203B at 0.78 .. 0.83): a missing share of about a fifth that does
+  (195B, 184B, 178B, 203B: 0.786 .. 0.839 over their 11 rows): a missing share of about a fifth that does
   not depend on the shape, what an allocator's cache would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
   fitting, 54 GB on its busiest rank of 74 usable; the same table's neighbours do not
   explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage 0
   where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB; the
-  planner prices the 203B and the 206B's stage 0 alike (55.5 GiB each with the
-  context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
+  planner prices the 203B's and the 206B's stage 0 alike (55.8 and 55.9 GiB with
+  the context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
   (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s one-tensor
   buckets, the pipeline engine's buffers, its activation checkpointing) or
   Megatron-DeepSpeed accounts for the difference; it is reported, not fitted
