@@ -61,29 +61,28 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's peak plus the context is 0.776 .. 0.832 of nvidia-smi's reading
-  (0.767 .. 0.827 before DeepSpeed's partitioned pipeline outputs were counted, bloom3).
-  What the planner counts there (final layout): bf16 weights 8.0 GB, bf16 gradients 8.0,
-  Adam on the 1/8 partition 6.0, BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3,
-  activations 8.1 (12 micro-batches in flight: 5 layer inputs, the embedding's dropout
-  mask and the engine's 1/4 output partition, ``plan.deepspeed_pipe_memory``), the
-  embedding gradient's fp32 cast 3.6.  Not counted: the allocator's cached segments (the
-  8 GB bf16 copy of the fp32 gradients made at every DP sync, after the pipeline's
-  activations, is one; the per-tensor bf16 weights BF16_Optimizer frees when it
-  flattens them into one buffer, 8 GB, are another), the backward's gradient
-  temporaries, and the embedding LayerNorm's saved input (bigscience-workshop/Megatron-
-  DeepSpeed b1359ee0 ``--embed-layernorm``: VocabParallelEmbedding runs a
-  MixedFusedLayerNorm whose autograd function saves its input, 2 s b h per micro-batch
-  in flight, 1.4 GB on stage 0: sourced, but the planner's ModelConfig has no embedding
-  LayerNorm to count it on).  The same ratio holds for the prequel's other shapes
-  (195B, 184B, 178B, 203B: 0.786 .. 0.839 over their 11 rows): a missing share of about a fifth that does
-  not depend on the shape, what an allocator's cache would leave.
+- memory: stage 0's peak plus the context is 0.812 .. 0.855 of nvidia-smi's reading
+  (0.767 .. 0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the
+  embedding LayerNorm's saved input).  What the planner counts there (final layout):
+  bf16 weights 8.0 GB, bf16 gradients 8.0, Adam on the 1/8 partition 6.0,
+  BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3, activations 9.5 (12 micro-batches in
+  flight: 5 layer inputs, the embedding's dropout mask, the input its LayerNorm saves,
+  bigscience-workshop/Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``:
+  ``ModelConfig.embed_norm``, and the engine's 1/4 output partition,
+  ``plan.deepspeed_pipe_memory``), the embedding gradient's fp32 cast 3.6.  Not counted:
+  the allocator's cached segments (the 8 GB bf16 copy of the fp32 gradients made at
+  every DP sync, after the pipeline's activations, is one; the per-tensor bf16 weights
+  BF16_Optimizer frees when it flattens them into one buffer, 8 GB, are another: how
+  much of them later allocations reuse is the allocator's, not modelled), the
+  backward's gradient temporaries.  The same ratio holds for the prequel's other shapes
+  (195B, 184B, 178B, 203B: 0.807 .. 0.856 over their 11 rows): a missing share of about
+  a sixth that does not depend on the shape, what an allocator's cache would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
-  fitting, 54 GB on its busiest rank of 74 usable; the same table's neighbours do not
+  fitting, 59.8 GB on its busiest rank of 74.4 usable; the same table's neighbours do not
   explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage 0
   where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB; the
-  planner prices the 203B's and the 206B's stage 0 alike (55.8 and 55.9 GiB with
+  planner prices the 203B's and the 206B's stage 0 alike (57.1 and 57.2 GiB with
   the context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
   (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s one-tensor
   buckets, the pipeline engine's buffers, its activation checkpointing) or
@@ -112,9 +111,11 @@ CITE = (f"{BIGSCIENCE} train/tr11-176B-ml/README.md (final run, iteration 85376)
 LABEL = "achieved TFLOP/s per GPU (hardware, with recompute: eq. 3)"
 VOCAB = 250880                          # --pad-vocab-size-to 250880
 _ASSUME = ("bf16, BF16_Optimizer (DeepSpeed's own ZeRO-1, plan.bf16_optimizer), full "
-           "recompute, embedding partitioned as a layer, tied embeddings, dropout 0.1; "
-           "ALiBi and the embedding LayerNorm priced as learned positions and no "
-           "LayerNorm (ASSUMPTION: both well under 1% of a stage's work)")
+           "recompute, embedding partitioned as a layer, tied embeddings, dropout 0.1, "
+           "the embedding LayerNorm (--embed-layernorm: ModelConfig.embed_norm; the final "
+           "run's slurm, ASSUMED for the 02-28 rows, whose flags the text does not list); "
+           "ALiBi priced as learned positions (ASSUMPTION: well under 1% of a stage's "
+           "work)")
 
 
 def _stages(n_layer: int, pp: int) -> tuple:
@@ -129,7 +130,8 @@ def _stages(n_layer: int, pp: int) -> tuple:
 def _row(name, h, l, a, dp, tp, pp, mbs, tflops, mem_gib, cite, gbs=2048, dtype="bfloat16",
          stages=True, assume=_ASSUME):
     return dict(source="bloom", name=name, profile="a100-jeanzay", devices=dp * tp * pp,
-                model=dict(d_model=h, n_layer=l, n_head=a, dtype=dtype, vocab_size=VOCAB),
+                model=dict(d_model=h, n_layer=l, n_head=a, dtype=dtype, vocab_size=VOCAB,
+                           embed_norm=assume is _ASSUME),
                 layout=dict(dp=dp, tp=tp, pp=pp, sp=False, zero=1, recompute="full",
                             micro_batch=mbs, global_batch=gbs, schedule="1f1b", v=1,
                             framework="deepspeed",

@@ -138,3 +138,87 @@ def test_partitioned_outputs_only_where_the_engine_partitions():
     for bad in (-1, True, "2", None):
         with pytest.raises(ValueError, match="held"):
             DPM.partitioned_output_bytes(cfg, lay, 0, bad)
+
+
+# ---- BLOOM's LayerNorm on the embeddings (ModelConfig.embed_norm) --------------------
+# bigscience-workshop/Megatron-DeepSpeed b1359ee0 (2021-11-18) "add layernorm in
+# Embedding (#191)": --embed-layernorm gives VocabParallelEmbedding on the first stage a
+# MixedFusedLayerNorm after the all-reduce, before the embedding dropout; its autograd
+# function (megatron/model/fused_layer_norm.py) saves its input: 2 s b h bytes a
+# micro-batch.  tr11-176B-ml.slurm sets --embed-layernorm.
+
+def _gpt(**kw):
+    import workbench as wb
+    return wb.models.get_config("tiny").replace(
+        **{**dict(arch="gpt", embed_norm=True, dropout=0.0, tie_embeddings=False), **kw})
+
+
+def test_embed_norm_is_validated():
+    with pytest.raises(ValueError, match="embed_norm=1 must be True or False"):
+        _gpt(embed_norm=1)
+    with pytest.raises(ValueError, match="arch='llama' has none"):
+        _gpt(arch="llama")
+
+
+def test_embed_norm_model_normalises_the_embeddings():
+    import torch
+    import torch.nn.functional as F
+    from workbench.models import build_model, param_count
+    cfg = _gpt()
+    m, m0 = build_model(cfg, seed=3), build_model(cfg.replace(embed_norm=False), seed=3)
+    n, n0 = (sum(p.numel() for p in x.parameters()) for x in (m, m0))
+    assert n - n0 == 2 * cfg.d_model
+    pc = param_count(cfg)
+    assert pc.module == n == sum(pc.terms.values())
+    assert pc.megatron + sum(pc.differences.values()) == n
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        m.emb_norm.weight.uniform_(0.5, 1.5)
+        m.emb_norm.bias.uniform_(-0.1, 0.1)
+        x = m.tok_emb(idx) + m.pos_emb(torch.arange(9))
+        x = F.layer_norm(x, (cfg.d_model,), m.emb_norm.weight, m.emb_norm.bias, cfg.norm_eps)
+        for block in m.layers:
+            x = block(x)
+        want = m.lm_head(m.norm(x))
+        got, _ = m(idx)
+        torch.testing.assert_close(got, want)
+        stages = m.pipeline_stages(2)
+        assert "emb_norm" in stages[0]["modules"] and "emb_norm" not in stages[1]["modules"]
+        mid = m.stage_forward(stages[0], idx, True, False)
+        torch.testing.assert_close(m.stage_forward(stages[1], mid, False, True), got)
+
+
+def test_embed_norm_priced_on_the_first_stage():
+    import workbench as wb
+    from workbench.plan import memory as MEM
+    from workbench.plan.edge_cost import edge_times
+    from workbench.sim_mesh.profiles import get_profile
+    cfg = wb.models.get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512,
+                               dtype="bfloat16", dropout=0.1)
+    on = cfg.replace(embed_norm=True)
+    lay = wb.plan.Layout(dp=2, tp=4, pp=4, zero=1, recompute="full", global_batch=32,
+                         micro_batch=2, framework="deepspeed")
+    s, b, h, t = cfg.seq_len, 2, cfg.d_model, 4
+    assert MEM.stage_params(on, 4, 4, 0) - MEM.stage_params(cfg, 4, 4, 0) == 2 * h
+    assert MEM.stage_params(on, 4, 4, 1) == MEM.stage_params(cfg, 4, 4, 1)
+    held = MEM.in_flight(lay.schedule, lay.pp, lay.m, lay.v, 0)
+    d0 = MEM.stage_memory(on, lay, 0)["activations"] - MEM.stage_memory(cfg, lay, 0)["activations"]
+    assert d0 == pytest.approx(held * 2 * s * b * h, rel=1e-12)       # no SP: whole
+    assert MEM.stage_memory(on, lay, 1)["activations"] == MEM.stage_memory(cfg, lay, 1)["activations"]
+    prof = get_profile("a100-jeanzay")
+    e1, e0 = edge_times(on, b, t, False, prof), edge_times(cfg, b, t, False, prof)
+    assert e1["last"] == e0["last"]
+    assert all(x1 > x0 for x1, x0 in zip(e1["first"], e0["first"]))
+
+
+def test_bloom_rows_have_the_embedding_layernorm():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published_bloom.py"
+    spec = importlib.util.spec_from_file_location("pb_bloom3", path)
+    B = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(B)
+    assert all(r["model"]["embed_norm"] for r in B.ROWS)
+    assert [r["model"]["embed_norm"] for r in B.OOM_ROWS] == [
+        r["model"]["dtype"] == "bfloat16" for r in B.OOM_ROWS]

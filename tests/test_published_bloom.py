@@ -4,9 +4,9 @@ and DeepSpeed's BF16_Optimizer (``plan.bf16_optimizer``) held to their cited fig
 REGRESSION GUARDS, NOT TARGETS: the ratios' bands are the spread measured when this file
 was written (time 0.765 .. 0.935 on the profile's Omni-Path efficiency read as the node's
 four adapters; 1.032 .. 1.198 since NCCL's log of the same benchmark showed one adapter
-per direction carrying it, bloom3; memory against nvidia-smi 0.767 .. 0.827, 0.776 ..
-0.832 with DeepSpeed's partitioned pipeline outputs) widened by about 0.25 either side;
-never tune the planner toward them.
+per direction carrying it, bloom3; memory against nvidia-smi 0.767 .. 0.827, 0.812 ..
+0.855 with DeepSpeed's partitioned pipeline outputs and the embedding LayerNorm's saved
+input) widened by about 0.25 either side; never tune the planner toward them.
 """
 import importlib.util
 import statistics

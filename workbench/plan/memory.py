@@ -27,8 +27,9 @@ accounting with d_ff = f instead of 4h (the MLP's 19 sbh is 3 sbh + 4 sbf) and
 without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
 5as^2b -> 2as^2b) gives :func:`layer_activation_bytes`.  Times the micro-batches a
 stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
-mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
-for the loss (4 s b V / t), counted the same way; DeepSpeed's pipeline engine also
+mask (and the input of its LayerNorm with ``cfg.embed_norm``, BLOOM's, 2 sbh) and the
+last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits for the loss
+(4 s b V / t), counted the same way; DeepSpeed's pipeline engine also
 keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t
 (``plan.deepspeed_pipe_memory``).
 
@@ -139,7 +140,7 @@ def _gathered_numel(numels: tuple, prefetch) -> int:
 def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
                   layers: "int | None" = None) -> list[int]:
     """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
-    word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
+    word and position embeddings (and their LayerNorm, ``embed_norm``); per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
     head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
     h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     llama = cfg.arch == "llama"
@@ -153,6 +154,7 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
     mods = []
     if stage == 0:
         mods += [V * h // tp] + ([] if llama else [s * h])
+        mods += [2 * h] if getattr(cfg, "embed_norm", False) else []   # BLOOM's LN
     mods += layer * (cfg.n_layer // pp if layers is None else layers)
     if stage == pp - 1:
         mods.append(h if llama else 2 * h)
@@ -170,6 +172,7 @@ def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None)
     n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
     if stage == 0:
         n += V * h / tp + (0 if llama else s * h)
+        n += 2 * h if getattr(cfg, "embed_norm", False) else 0    # BLOOM's embedding LN
     if stage == pp - 1:
         n += h if llama else 2 * h
         if pp > 1 or not cfg.tie_embeddings:
@@ -257,6 +260,8 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
     out = 0.0
     if stage == 0 and cfg.dropout > 0:
         out += s * b * h / t_sp * held                 # embedding dropout mask, 1 byte
+    if stage == 0 and getattr(cfg, "embed_norm", False):
+        out += 2 * s * b * h / t_sp * held             # the embedding LayerNorm's input
     if stage == pp - 1:
         # final-LN input, head input, fp32 logits, for each micro-batch between its
         # forward and backward through the head: 1 with 1F1B schedules, m with GPipe
