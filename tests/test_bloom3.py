@@ -222,3 +222,19 @@ def test_bloom_rows_have_the_embedding_layernorm():
     assert all(r["model"]["embed_norm"] for r in B.ROWS)
     assert [r["model"]["embed_norm"] for r in B.OOM_ROWS] == [
         r["model"]["dtype"] == "bfloat16" for r in B.OOM_ROWS]
+
+
+def test_embed_norm_plan_and_dry_run_agree():
+    """The planner's LayerNorm (params, saved input, kernels) is the model's: the dry run
+    of the same layout, which runs the GPT itself on the modeled clock, agrees."""
+    from workbench.plan import Cluster, Layout
+    from workbench.plan.agree import MEMORY_RTOL, STEP_RTOL, compare
+    from workbench.plan.presets import get_config as preset
+    cfg = preset("gpt-22b", n_layer=4).replace(dtype="bfloat16", dropout=0.1,
+                                               embed_norm=True)
+    lay = Layout(dp=2, pp=2, tp=2, micro_batch=1, global_batch=8, recompute="full")
+    a = compare(cfg, lay, Cluster("a100", lay.world))
+    assert a.agrees, a.problems()
+    assert abs(a.step_ratio - 1) <= STEP_RTOL
+    for r in a.stage_ratios + a.activation_ratios:
+        assert r == pytest.approx(1, abs=MEMORY_RTOL / 5)
