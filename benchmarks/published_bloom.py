@@ -48,29 +48,46 @@ there is nvidia-smi's MiB / 1024 (GiB); read as 1e9 bytes the ratios rise by 7.4
 What the comparison says (measured when this module was written; ``tests/
 test_published_bloom.py`` guards the spread, never a target):
 
-- time: 0.765 .. 0.935 (median 0.789) at the Omni-Path efficiency the cluster's own
-  benchmark measured, 1.13 .. 1.32 at InfiniBand's: every published figure inside the
-  range.  At the measured efficiency one activation crossing a stage boundary costs 46.5
-  ms (4 per micro-batch on a middle stage: 187 of its 803 ms), the DP sync 16.7 s and
-  the fp32 tied-gradient all-reduce 5.7 s; the layers' compute is 587 ms per micro-batch.
-  The published 104.7 s leaves about 22 s beside compute and bubble, so the training's
-  network ran 2-3x faster than the January 2022 benchmark (the 02-25 PCIe/NUMA fix
-  between them): the network figure, not the layers, is the component to measure.
-- memory: stage 0's peak plus the context is 0.767 .. 0.827 of nvidia-smi's reading.
-  What the planner counts there (final layout): bf16 weights 8.0 GB, bf16 gradients 8.0,
-  Adam on the 1/8 partition 6.0, BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3,
-  activations 7.8, the embedding gradient's fp32 cast 3.6; not counted: the allocator's
-  cached segments (the 8 GB bf16 copy of the fp32 gradients made at every DP sync, after
-  the pipeline's activations, is one), the backward's gradient temporaries, the
-  embedding LayerNorm's saved input.
+- time: 1.032 .. 1.198 (median 1.064; the final run 1.063).  The network: the cluster's
+  all-reduce benchmark (January 2022, 40.54 Gbps bus bandwidth) ran, by NCCL's own log
+  in the same file, 2 ring channels through ONE Omni-Path adapter per direction per
+  node (GPU 0 <- NET/IB/1, GPU 7 -> NET/IB/3): 0.405 of one adapter, where the profile
+  used to read it as 0.101 of the node's four (bloom3; before: 0.758 .. 0.917, median
+  0.782, every row pessimistic).  At 0.405 one activation crossing a stage boundary
+  costs 11.6 ms (two GPUs per adapter; 4 per micro-batch on a middle stage: 48 of its
+  671 ms), the DP sync 4.2 s and the fp32 tied-gradient all-reduce 1.4 s; the layers'
+  compute is 595 ms per micro-batch.  The range's fast end is the 0.846 the same NCCL
+  reached on one adapter of the cluster's V100 nodes the same day (4 ring channels);
+  the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
+  ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
+  sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
+- memory: stage 0's peak plus the context is 0.812 .. 0.855 of nvidia-smi's reading
+  (0.767 .. 0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the
+  embedding LayerNorm's saved input).  What the planner counts there (final layout):
+  bf16 weights 8.0 GB, bf16 gradients 8.0, Adam on the 1/8 partition 6.0,
+  BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3, activations 9.5 (12 micro-batches in
+  flight: 5 layer inputs, the embedding's dropout mask, the input its LayerNorm saves,
+  bigscience-workshop/Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``:
+  ``ModelConfig.embed_norm``, and the engine's 1/4 output partition,
+  ``plan.deepspeed_pipe_memory``), the embedding gradient's fp32 cast 3.6.  Not counted:
+  the allocator's cached segments (the 8 GB bf16 copy of the fp32 gradients made at
+  every DP sync, after the pipeline's activations, is one; the per-tensor bf16 weights
+  BF16_Optimizer frees when it flattens them into one buffer, 8 GB, are another: how
+  much of them later allocations reuse is the allocator's, not modelled), the
+  backward's gradient temporaries.  The same ratio holds for the prequel's other shapes
+  (195B, 184B, 178B, 203B: 0.807 .. 0.856 over their 11 rows): a missing share of about
+  a sixth that does not depend on the shape, what an allocator's cache would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
-  fitting, 54 GB on its busiest rank of 74 usable; the same table's neighbours do not
+  fitting, 59.8 GB on its busiest rank of 74.4 usable; the same table's neighbours do not
   explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage 0
-  where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB.  No
-  component read in DeepSpeed 56c522386 (BF16_Optimizer, the pipeline engine's buffers,
-  its activation checkpointing) or Megatron-DeepSpeed accounts for the difference; it
-  is reported, not fitted (``tests/test_published_bloom.py``: xfail, strict).
+  where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB; the
+  planner prices the 203B's and the 206B's stage 0 alike (57.1 and 57.2 GiB with
+  the context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
+  (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s one-tensor
+  buckets, the pipeline engine's buffers, its activation checkpointing) or
+  Megatron-DeepSpeed accounts for the difference; it is reported, not fitted
+  (``tests/test_published_bloom.py``: xfail, strict).
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the
@@ -94,9 +111,11 @@ CITE = (f"{BIGSCIENCE} train/tr11-176B-ml/README.md (final run, iteration 85376)
 LABEL = "achieved TFLOP/s per GPU (hardware, with recompute: eq. 3)"
 VOCAB = 250880                          # --pad-vocab-size-to 250880
 _ASSUME = ("bf16, BF16_Optimizer (DeepSpeed's own ZeRO-1, plan.bf16_optimizer), full "
-           "recompute, embedding partitioned as a layer, tied embeddings, dropout 0.1; "
-           "ALiBi and the embedding LayerNorm priced as learned positions and no "
-           "LayerNorm (ASSUMPTION: both well under 1% of a stage's work)")
+           "recompute, embedding partitioned as a layer, tied embeddings, dropout 0.1, "
+           "the embedding LayerNorm (--embed-layernorm: ModelConfig.embed_norm; the final "
+           "run's slurm, ASSUMED for the 02-28 rows, whose flags the text does not list); "
+           "ALiBi priced as learned positions (ASSUMPTION: well under 1% of a stage's "
+           "work)")
 
 
 def _stages(n_layer: int, pp: int) -> tuple:
@@ -111,7 +130,8 @@ def _stages(n_layer: int, pp: int) -> tuple:
 def _row(name, h, l, a, dp, tp, pp, mbs, tflops, mem_gib, cite, gbs=2048, dtype="bfloat16",
          stages=True, assume=_ASSUME):
     return dict(source="bloom", name=name, profile="a100-jeanzay", devices=dp * tp * pp,
-                model=dict(d_model=h, n_layer=l, n_head=a, dtype=dtype, vocab_size=VOCAB),
+                model=dict(d_model=h, n_layer=l, n_head=a, dtype=dtype, vocab_size=VOCAB,
+                           embed_norm=assume is _ASSUME),
                 layout=dict(dp=dp, tp=tp, pp=pp, sp=False, zero=1, recompute="full",
                             micro_batch=mbs, global_batch=gbs, schedule="1f1b", v=1,
                             framework="deepspeed",
@@ -151,8 +171,10 @@ OOM_ROWS = [_row(f"{n} OOM dp{dp}-tp{tp}-pp{pp}-mb{mbs}", h, l, a, dp, tp, pp, m
 NOTE = ("the final run's log line and the 2022-02-28 prequel rows at the final shape "
         "(iteration 2, CUDA_LAUNCH_BLOCKING=1 as the hang workaround); " + _ASSUME
         + "; on profile a100-jeanzay: NCCL over Omni-Path at the efficiency the "
-        "cluster's own all-reduce benchmark measured (0.101 of line rate, January 2022; "
-        "the range's fast end 0.96); Megatron-DeepSpeed's pipeline as DeepSpeed v0.5.4's "
+        "cluster's own all-reduce benchmark measured on one adapter (0.405 of its line "
+        "rate, January 2022, rings through one adapter per direction as NCCL's log "
+        "shows; the range's fast end 0.846, the V100 nodes'); Megatron-DeepSpeed's "
+        "pipeline as DeepSpeed v0.5.4's "
         "engine (plan.deepspeed_pipe) with the BF16_Optimizer of DeepSpeed 56c522386")
 
 

@@ -12,7 +12,8 @@ Two architectures (``arch``):
   optionally grouped-query attention (Ainslie et al. 2023);
 - "gpt" (Megatron-LM's GPT, Shoeybi et al. 2019; Radford et al. 2019): LayerNorm
   with bias, biases on every linear, a GeLU MLP of width d_ff = 4h, learned
-  position embeddings, lm head tied to the token embedding (``tie_embeddings``).
+  position embeddings, lm head tied to the token embedding (``tie_embeddings``),
+  optionally a LayerNorm on the embeddings (``embed_norm``: BLOOM's).
 
 Megatron's closed form (Narayanan et al. 2021, eq. 2) counts the GPT.
 :func:`param_count` counts the real module and lists, term by term, why it
@@ -65,6 +66,9 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01  # alpha of the load-balancing loss (Switch: 1e-2)
     moe_norm_topk: bool = True      # the k gates renormalised to sum 1 (Mixtral, DeepSeek-V3);
                                     # False: the router's own p_i (Switch's top-1 gate)
+    embed_norm: bool = False        # gpt: a LayerNorm on the embeddings, before their dropout
+                                    # (BLOOM's word_embeddings_layernorm; Megatron-DeepSpeed
+                                    # --embed-layernorm)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -107,6 +111,12 @@ class ModelConfig:
         if self.recompute == "op" and (self.arch != "llama" or self.moe_experts):
             raise ValueError(op_recompute_error(self))
         _check_moe(self)
+        if not isinstance(self.embed_norm, bool):
+            raise ValueError(f"ModelConfig: embed_norm={self.embed_norm!r} must be True or False")
+        if self.embed_norm and self.arch != "gpt":
+            raise ValueError(f"ModelConfig: embed_norm=True is a LayerNorm on the GPT's "
+                             f"embeddings (BLOOM); arch={self.arch!r} has none: use "
+                             f"arch='gpt' or embed_norm=False")
 
     @property
     def head_dim(self) -> int:
@@ -272,6 +282,9 @@ def param_count(cfg: ModelConfig | str) -> ParamCount:
             "final LayerNorm (eq. 2 omits it): +2 h": 2 * h,
             "untied lm head: +V h": untied,
         }
+        if cfg.embed_norm:                   # BLOOM's LayerNorm on the embeddings
+            terms["embedding LayerNorm (2 h)"] = 2 * h
+            differences["embedding LayerNorm (eq. 2 has none): +2 h"] = 2 * h
         if cfg.moe_experts:
             _moe_terms(cfg, terms, differences, "GeLU MLP (l (2 h d_ff + d_ff + h))",
                        "MLP: d_ff != 4h: l (2 h + 1)(d_ff - 4 h)",

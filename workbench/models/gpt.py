@@ -183,7 +183,8 @@ class GPTBlock(nn.Module):
 
 
 class GPT(Splittable, nn.Module):
-    """Token and position embeddings, ``n_layer`` blocks, final LayerNorm, lm head
+    """Token and position embeddings (then a LayerNorm with ``cfg.embed_norm``, BLOOM),
+    ``n_layer`` blocks, final LayerNorm, lm head
     (tied to the token embedding when ``cfg.tie_embeddings``, as Megatron's GPT; no
     bias).  Deterministic init from ``seed`` without touching the global RNG."""
 
@@ -202,6 +203,9 @@ class GPT(Splittable, nn.Module):
                                         _weight=torch.empty(cfg.seq_len, cfg.d_model, dtype=dt))
             self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layer))
             self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt)
+            if cfg.embed_norm:                 # BLOOM: a LayerNorm on the embeddings
+                self.emb_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt)
+                self.FIRST_MODULES = GPT.FIRST_MODULES + ("emb_norm",)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -224,6 +228,8 @@ class GPT(Splittable, nn.Module):
             x = self.tok_emb(x) + self.pos_emb(pos)                         # (B, S, h)
             if layout is not None:
                 x = layout(x)
+            if self.cfg.embed_norm:
+                x = self.emb_norm(x)
             x = dropout(x, self.cfg.dropout, self.training, 0)
         for i in stage["layers"]:
             x = self.layers[i](x)                                           # (B, S, h)
@@ -269,7 +275,10 @@ class GPT(Splittable, nn.Module):
             pos = check_position_ids("GPT", position_ids, B, S, self.cfg.seq_len)  # (B, S)
         keep = check_logits_to_keep("GPT", logits_to_keep, S, targets is not None)
         p = self.cfg.dropout if self.training else 0.0
-        x = dropout(self.tok_emb(idx) + self.pos_emb(pos), p, self.training, 0)  # (B, S, h)
+        x = self.tok_emb(idx) + self.pos_emb(pos)                           # (B, S, h)
+        if self.cfg.embed_norm:
+            x = self.emb_norm(x)
+        x = dropout(x, p, self.training, 0)
         for block in self.layers:
             x = block(x, cache=cache)
         if keep is not None:                    # the head on the kept positions only

@@ -2,7 +2,8 @@
 
 ``costs.layer_cost`` prices the transformer layers and ``costs.head_cost`` the lm-head
 GEMM; what runs around them was not priced: on the first stage the token and position
-embedding lookups, their sum and the embedding dropout; on the last stage the final
+embedding lookups, their sum, the LayerNorm on it (``cfg.embed_norm``, BLOOM) and the
+embedding dropout; on the last stage the final
 LayerNorm, the logits' cast to float32 for the loss (Megatron computes the
 vocabulary-parallel cross-entropy in fp32, as ``models.gpt.GPT`` does) and the
 cross-entropy itself.  A Llama (``arch="llama"``) has no position table (RoPE, priced in
@@ -48,12 +49,14 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
         parts.append(_price("embedding", [_meta(s, dtype=i64), _meta(s, h, dtype=dt)],
                             [_meta(s, h, dtype=dt)], profile, dt))
         parts.append(_price("add", [act, _meta(s, h, dtype=dt)], [act], profile, dt))
+    tn = _meta(b, s // tp if sp else s, h, dtype=dt)                   # norm: s/t tokens with SP
+    w = _meta(h, dtype=dt)
+    if getattr(cfg, "embed_norm", False):              # BLOOM's LayerNorm on the embeddings
+        parts.append(_price("layer_norm", [tn, w, w], [tn], profile, dt, normalized_shape=(h,)))
     if cfg.dropout > 0:
         ts = _meta(b, s // tp if sp else s, h, dtype=dt)
         parts.append(_price("mul", [ts, ts], [ts], profile, dt))      # x * mask
     first = tuple(map(sum, zip(*parts)))
-    tn = _meta(b, s // tp if sp else s, h, dtype=dt)                   # norm: s/t tokens with SP
-    w = _meta(h, dtype=dt)
     if llama:
         ln = _price("rms_norm", [tn, w], [tn], profile, dt, normalized_shape=(h,),
                     eps=cfg.norm_eps)

@@ -27,8 +27,11 @@ accounting with d_ff = f instead of 4h (the MLP's 19 sbh is 3 sbh + 4 sbf) and
 without dropout (no 1-byte masks, no separate dropout output: 34 -> 32 sbh,
 5as^2b -> 2as^2b) gives :func:`layer_activation_bytes`.  Times the micro-batches a
 stage holds at once (:func:`in_flight`), plus the first stage's embedding dropout
-mask and the last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits
-for the loss (4 s b V / t), counted the same way.
+mask (and the input of its LayerNorm with ``cfg.embed_norm``, BLOOM's, 2 sbh) and the
+last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits for the loss
+(4 s b V / t), counted the same way; DeepSpeed's pipeline engine also
+keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t
+(``plan.deepspeed_pipe_memory``).
 
 ``comm_buffers``: the communication library's device buffers for the communicators
 the layout creates (NCCL's per channel and peer, HCCL's per communicator:
@@ -49,6 +52,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from . import bf16_optimizer as _bf16
+from . import deepspeed_pipe_memory as _ds_pipe
 from . import ep_cp as _ep_cp
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -136,7 +140,7 @@ def _gathered_numel(numels: tuple, prefetch) -> int:
 def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
                   layers: "int | None" = None) -> list[int]:
     """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
-    word and position embeddings; per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
+    word and position embeddings (and their LayerNorm, ``embed_norm``); per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
     head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
     h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     llama = cfg.arch == "llama"
@@ -150,6 +154,7 @@ def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
     mods = []
     if stage == 0:
         mods += [V * h // tp] + ([] if llama else [s * h])
+        mods += [2 * h] if getattr(cfg, "embed_norm", False) else []   # BLOOM's LN
     mods += layer * (cfg.n_layer // pp if layers is None else layers)
     if stage == pp - 1:
         mods.append(h if llama else 2 * h)
@@ -167,6 +172,7 @@ def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None)
     n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
     if stage == 0:
         n += V * h / tp + (0 if llama else s * h)
+        n += 2 * h if getattr(cfg, "embed_norm", False) else 0    # BLOOM's embedding LN
     if stage == pp - 1:
         n += h if llama else 2 * h
         if pp > 1 or not cfg.tie_embeddings:
@@ -254,6 +260,8 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
     out = 0.0
     if stage == 0 and cfg.dropout > 0:
         out += s * b * h / t_sp * held                 # embedding dropout mask, 1 byte
+    if stage == 0 and getattr(cfg, "embed_norm", False):
+        out += 2 * s * b * h / t_sp * held             # the embedding LayerNorm's input
     if stage == pp - 1:
         # final-LN input, head input, fp32 logits, for each micro-batch between its
         # forward and backward through the head: 1 with 1F1B schedules, m with GPipe
@@ -340,6 +348,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
+    act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
     if _bf16.applies(cfg, lay):       # its fp32 cast of a gradient; its bf16 copy for the sync

@@ -23,9 +23,10 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   ASSUMPTION says: the slow end keeps the measured rate unscaled (the kernels may not
   speed up with the faster memory); apex's LayerNorm, measured on a GA100 and kept as
   is on the 80GB part (ASSUMPTION): the fast end scales it by 2,039 / 1,555.
-- ``a100-jeanzay`` ``inter_node.efficiency`` (MEASURED on 4 nodes in January 2022,
-  UNCERTAIN for later runs): the measured 0.101 is the slow end, NCCL's 0.96 per
-  InfiniBand NIC the fast end; the A100 kernels' bounds as on ``a100``.
+- ``a100-jeanzay`` ``inter_node.efficiency`` (MEASURED on 4 A100 nodes in January 2022,
+  UNCERTAIN for later runs): the measured 0.405 of one Omni-Path adapter is the slow end,
+  the 0.846 the same NCCL reached on one adapter of the cluster's V100 nodes the same day
+  the fast end; the A100 kernels' bounds as on ``a100``.
 - ``ascend-910b`` ``intra_node.bandwidth`` (UNCERTAIN: "if 56 GB/s is per direction,
   double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, between
   the A100's and H100's best-shape bursts, MAMF 0.86 / 0.80): 0.80 .. 0.86.
@@ -67,10 +68,11 @@ BOUNDS = {
                             "dropout_forward", "dropout_backward"))
     + tuple((f"kernel_bandwidth.{k}", 1.0, 1 / _A100_40GB, "scale", _LN_GA100)
             for k in ("layer_norm_forward", "layer_norm_backward")),
-    "a100-jeanzay": (("inter_node.efficiency", 0.101, 0.96, "value",
-                      "NCCL over Jean Zay's Omni-Path as the cluster's own all-reduce "
-                      "benchmark measured it in January 2022 (5.07 of 50 GB/s per node) .. "
-                      "NCCL's peak per InfiniBand NIC (0.96, the a100 profile's)"),),
+    "a100-jeanzay": (("inter_node.efficiency", 0.405, 0.846, "value",
+                      "NCCL 2.10.3 over one Jean Zay Omni-Path adapter as the cluster's own "
+                      "all-reduce benchmarks measured it in January 2022: 5.07 of 12.5 GB/s "
+                      "on the A100 nodes (2 ring channels) .. 10.57 on the V100 nodes (4 "
+                      "channels; experiments/bandwidth/all_reduce_bench-32gb-n4.txt)"),),
     "ascend-910b": (("intra_node.bandwidth", 1.0, 2.0, "scale",
                      "56 GB/s read as both directions .. as one direction (UNCERTAIN in "
                      "the profile: 'double it')"),

@@ -180,8 +180,11 @@ def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
     out = [Entry("root", wte if tied else (), 0.0, "f"),
            Entry("wte", wte, edge["first"][0], "f")]
     pos = cfg.arch != "llama"
+    emb_ln = (("emb_ln.w", h), ("emb_ln.b", h)) if cfg.embed_norm else ()   # BLOOM's
     if pos:
         out.append(Entry("wpe", (("wpe", s * h),), 0.0, "f"))
+    if emb_ln:
+        out.append(Entry("emb_ln", emb_ln, 0.0, "f"))
     for k in range(cfg.n_layer):
         out += layer_entries(k, "f", fwd_l, mods)
     final = (("lnf.w", h),) if cfg.arch == "llama" else (("lnf.w", h), ("lnf.b", h))
@@ -195,6 +198,8 @@ def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
         if full:
             out += layer_entries(k, "r", fwd_l, mods)
         out += layer_entries(k, "b", bwd_l, mods[::-1])
+    if emb_ln:
+        out.append(Entry("emb_ln", emb_ln, 0.0, "b"))
     if pos:
         out.append(Entry("wpe", (("wpe", s * h),), 0.0, "b"))
     out.append(Entry("wte", wte, edge["first"][1], "b"))

@@ -130,7 +130,7 @@ def trace_gathers(modules, prefetch=PREFETCH_NUMEL, max_live=MAX_LIVE_NUMEL,
 
 def gpt_modules(cfg, tp: int):
     """A pipeline-free GPT's modules as DeepSpeed's hooks see them, forward order: the
-    word and position embeddings, per layer LayerNorm, the fused QKV, the projection,
+    word and position embeddings (and their LayerNorm, ``embed_norm``), per layer LayerNorm, the fused QKV, the projection,
     LayerNorm, fc1, fc2 (weights and biases, tensor-parallel shards), the final
     LayerNorm, and the head (tied: the word embedding again, Megatron-DeepSpeed's
     ``parallel_lm_logits`` on ``word_embeddings.weight``; untied: its own weight)."""
@@ -138,6 +138,8 @@ def gpt_modules(cfg, tp: int):
         raise ValueError(f"gpt_modules: arch={cfg.arch!r}; it lists a GPT's modules")
     h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     mods = [[("wte", V * h // tp)], [("wpe", s * h)]]
+    if cfg.embed_norm:                       # BLOOM's LayerNorm on the embeddings
+        mods.append([("emb_ln.w", h), ("emb_ln.b", h)])
     for k in range(cfg.n_layer):
         mods += [[(f"{k}.ln1.w", h), (f"{k}.ln1.b", h)],
                  [(f"{k}.qkv.w", 3 * h * h // tp), (f"{k}.qkv.b", 3 * h // tp)],

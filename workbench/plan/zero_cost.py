@@ -281,7 +281,8 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     gathers that module's, no persistence threshold, prefetching along the order the
     forward ran; ``DistTensorFSDP._reduce_scatter_hook`` and ``DataParallel(zero=2)``:
     one reduce-scatter per parameter as its gradient is produced): the word embedding
-    (and GPT's position table, its own module), each layer's modules
+    (and GPT's position table and embedding LayerNorm, modules of their own), each
+    layer's modules
     (:func:`_recipe_modules`), the final norm and the head (its own V h / t unless tied
     on one stage).  ASSUMPTION: a layer's compute is shared among its modules in
     proportion to their parameters (as DeepSpeed's ``per_module`` blocks), the final
@@ -295,9 +296,11 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     out = []
     if stage == 0:
         emb = [(V * h / tp,)] + ([] if llama else [(s * h,)])
-        tot = sum(p[0] for p in emb)
-        out += [Block(p[0], edge["first"][0] * p[0] / tot, edge["first"][1] * p[0] / tot, p)
-                for p in emb]
+        if getattr(cfg, "embed_norm", False):
+            emb.append((h, h))                     # BLOOM's LayerNorm on the embeddings
+        tot = sum(sum(p) for p in emb)
+        out += [Block(sum(p), edge["first"][0] * sum(p) / tot, edge["first"][1] * sum(p) / tot,
+                      p) for p in emb]
     mods = _recipe_modules(cfg, tp)
     tot = sum(sum(p) for p in mods)
     # PyTorch's non-reentrant checkpoint stops re-running once every tensor the backward

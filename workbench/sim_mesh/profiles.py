@@ -152,6 +152,9 @@ class Topology:
     # protocol names as ``protocols``, whose base_latency the ring shares); empty: the
     # alpha-beta ring and tree on the inter-node link
     net_protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
+    # NICs of a node that one communicator's rings cross the node boundary on, each
+    # direction (``topology.py``'s flat link); None: one per rank of the group on the node
+    ring_nics: Optional[int] = None
 
     def __post_init__(self):
         if self.library not in LIBRARIES:
@@ -162,6 +165,8 @@ class Topology:
         _count("Topology", "intra_links", self.intra_links)
         if self.nics_per_node is not None:
             _count("Topology", "nics_per_node", self.nics_per_node)
+        if self.ring_nics is not None:
+            _count("Topology", "ring_nics", self.ring_nics)
         protos = {}
         for name, v in dict(self.protocols).items():
             if not isinstance(v, Mapping) or set(v) != set(PROTOCOL_KEYS):
@@ -343,10 +348,14 @@ class Profile:
             raise ValueError(f"{owner}: a full mesh of {self.devices_per_node} devices has "
                              f"{self.devices_per_node - 1} links per device, not "
                              f"intra_links={t.intra_links}")
+        if t.ring_nics is not None and t.ring_nics > (t.nics_per_node or self.devices_per_node):
+            raise ValueError(f"{owner}: topology.ring_nics={t.ring_nics} exceeds the node's "
+                             f"{t.nics_per_node or self.devices_per_node} NICs; give at most "
+                             f"nics_per_node, or None (one per rank of the group)")
         if t.nics_per_node is None:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
-                t.protocols, t.sm_count, t.collective_sms, t.net_protocols))
+                t.protocols, t.sm_count, t.collective_sms, t.net_protocols, t.ring_nics))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -411,7 +420,8 @@ class Profile:
                              "protocols": {k: dict(v) for k, v in t.protocols.items()},
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms,
                              "net_protocols": {k: dict(v)
-                                               for k, v in t.net_protocols.items()}},
+                                               for k, v in t.net_protocols.items()},
+                             **({} if t.ring_nics is None else {"ring_nics": t.ring_nics})},
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),

@@ -15,7 +15,10 @@ what one rank can push:
 - Between nodes, each device has its own NIC (rail-optimized: DGX A100 8 x HDR,
   DGX H100 8 x NDR, Atlas 800T A2 8 x 200GE RoCE), so ``k`` ranks of a node drive
   ``k`` NICs at once: a flat ring across nodes (NCCL) crosses each node boundary on
-  k rails, bounded by min(intra rate, k x NIC).
+  k rails, bounded by min(intra rate, k x NIC).  Where NICs are shared (fewer than
+  devices: ``nics_per_node``) each rank drives its share, and where the library is
+  seen to route a communicator's rings through fewer NICs (``Topology.ring_nics``:
+  Jean Zay's NCCL log, one Omni-Path adapter per direction) at most that many.
 
 Algorithms (n bytes, the size convention of ``cost.py``; alpha, beta from the links):
 
@@ -144,11 +147,16 @@ def _rates(profile: Profile, g: Group):
 
 
 def _flat_link(profile: Profile, g: Group) -> Link:
-    """The one link a flat (ring, halving-doubling) algorithm is bounded by."""
+    """The one link a flat (ring, halving-doubling) algorithm is bounded by: across
+    nodes the group's k ranks of a node drive k NICs' shares, at most ``ring_nics``
+    whole NICs where the profile says the library's rings cross a node on fewer."""
     ring_intra, _, nic = _rates(profile, g)
     if g.nodes == 1:
         return Link("intra", ring_intra, profile.intra_node.latency)
-    return Link("flat", min(ring_intra, g.local * nic), profile.inter_node.latency)
+    cap = profile.topology.ring_nics
+    rate = min(ring_intra, g.local * nic,
+               math.inf if cap is None else cap * profile.inter_node.effective_bandwidth)
+    return Link("flat", rate, profile.inter_node.latency)
 
 
 _RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1,
