@@ -111,3 +111,35 @@ def test_window_tiles_common_miscounts_are_named():
     fails("first query tiles have fewer key tiles", ex.check_window_tiles, 8 * 3)
     fails("a window of 384 keys", ex.check_window_tiles, 26)
     fails("draw the 8 x 8 grid", ex.check_window_tiles, 22)
+
+
+def rescale_only(which):
+    """The earlier sums rescaled when the max rises, but only ``which`` of l and acc."""
+    def update(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        r, p = torch.exp(m - safe), torch.exp(s - safe)
+        l_old = l * r if which == "l" else l
+        acc_old = acc * r if which == "acc" else acc
+        return m_new, l_old + p.sum(-1, keepdim=True), acc_old + p @ v
+    return update
+
+
+def test_online_softmax_rescaling_only_one_of_l_and_acc_is_told_which():
+    fails("you rescale l but not acc", ex.check_online_softmax, rescale_only("l"))
+    fails("you rescale acc but not l", ex.check_online_softmax, rescale_only("acc"))
+
+
+def test_online_softmax_nan_on_a_masked_first_tile_is_told_the_fix():
+    fails("Where m_new is -inf, subtract 0 instead", ex.check_online_softmax, nan_on_empty)
+
+
+def old_max(m, l, acc, s, v):
+    """exp(s - m_old): m_old is -inf on the first tile, so every term is inf."""
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    p = torch.exp(s - m)
+    return m_new, l + p.sum(-1, keepdim=True), acc + p @ v
+
+
+def test_online_softmax_nan_on_finite_scores_is_not_blamed_on_masking():
+    fails("where the scores are finite", ex.check_online_softmax, old_max)

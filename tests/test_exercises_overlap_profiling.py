@@ -32,6 +32,7 @@ def test_hidden_share():
     fails(C.check_hidden_share, "x", match="should be a number")
     fails(C.check_hidden_share, 52.5, match="percentage")            # 52.5% for 0.525
     fails(C.check_hidden_share, 0.25 * 0.7, match=r"the other \(1 - 1/k\)")   # 1/k, not 1 - 1/k
+    fails(C.check_hidden_share, -0.525, match="between 0 \\(none hidden\\) and 1")   # a sign slip
     for c, m, k in [(1.2, 2.0, 4), (3.0, 1.0, 8), (1.0, 1.0, 1)]:
         want = expected_hidden_share(c, m, k)
         C.check_hidden_share(want, compute_ms=c, comm_ms=m, k=k)

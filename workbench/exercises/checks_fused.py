@@ -45,7 +45,7 @@ def _cases():
     yield s + 1000.0, v, 4                # exp(1000) overflows even float64: needs the max
 
 
-_LARGE = 5                                # the index of the large-scores case in _cases()
+_FIRST_MASKED, _LARGE = 4, 5                # indices in _cases(): a masked first tile, large scores
 
 
 def _run(update, scores, values, width):
@@ -71,28 +71,32 @@ def _run(update, scores, values, width):
     return m, l, acc, changed
 
 
-def _without_rescale(scores, values, width):
-    """The common mistake, for the hint: each tile's terms taken against the new max,
-    but the earlier sums never rescaled."""
+def _without_rescale(scores, values, width, *, rescale_l=False, rescale_acc=False):
+    """The common mistakes, for the hint: each tile's terms taken against the new max,
+    but the earlier sums never rescaled (or only ``l``, or only ``acc``)."""
     m = torch.full((scores.shape[0], 1), -math.inf, dtype=scores.dtype)
     l = torch.zeros_like(m)
     acc = torch.zeros(scores.shape[0], values.shape[1], dtype=scores.dtype)
     for j in range(0, scores.shape[1], width):
         s, v = scores[:, j:j + width], values[j:j + width]
-        m = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-        l, acc = l + p.sum(-1, keepdim=True), acc + p @ v
+        m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        r, p = torch.exp(m - safe), torch.exp(s - safe)
+        l = (l * r if rescale_l else l) + p.sum(-1, keepdim=True)
+        acc = (acc * r if rescale_acc else acc) + p @ v
+        m = m_new
     return acc / l
 
 
 def _rescale_grows(update) -> bool:
     """Whether ``update`` multiplies the earlier sums by exp(m_new - m_old), which grows
     them, instead of exp(m_old - m_new): one probe where the max rises from 0 to 1 with
-    l = 1, so l becomes e^-1 + 1 when right and e + 1 with the sign flipped."""
+    l = 2, so l becomes 2 e^-1 + 1 when right and 2 e + 1 with the sign flipped (and
+    2 + e for exp(s - m_old) without a rescale: l = 1 could not tell that one apart)."""
     one = torch.ones(1, 1, dtype=torch.float64)
     try:
-        out = update(0 * one, one, one, one, 0 * one)      # m, l, acc; a tile s = 1, v = 0
-        return abs(float(out[1]) - (math.e + 1)) < 1e-9
+        out = update(0 * one, 2 * one, one, one, 0 * one)  # m, l, acc; a tile s = 1, v = 0
+        return abs(float(out[1]) - (2 * math.e + 1)) < 1e-9
     except Exception:                                      # the cases already said what
         return False
 
@@ -133,16 +137,34 @@ def check_online_softmax(update) -> None:
                              "exp(s - m_new), which is what m is for")
         if not torch.isfinite(got).all() and _rescale_grows(update):
             raise CheckError(_SIGN_HINT)
+        if not torch.isfinite(got).all() and k != _FIRST_MASKED:
+            raise CheckError("your output has nan or inf where the scores are finite or only "
+                             "some keys masked (exp(-inf - m) = 0 is fine; nan comes from "
+                             "-inf - (-inf), inf - inf or 0 / 0): print m, l and acc after "
+                             "each tile to see where it starts")
         if not torch.isfinite(got).all():
-            raise CheckError("your output has nan or inf: with m = -inf at the start (or a "
-                             "fully masked tile), exp(m_old - m_new) is exp(-inf - x) = 0, but "
-                             "exp(-inf - (-inf)) is nan; take the new max first and use it")
+            raise CheckError("your output has nan or inf: while every score of a row so far "
+                             "is masked (a masked first tile), m_new is still -inf and "
+                             "exp(-inf - (-inf)) is nan. Where m_new is -inf, subtract 0 instead "
+                             "(torch.where(torch.isfinite(m_new), m_new, 0.0)): then "
+                             "exp(m_old - 0) and exp(s - 0) are 0 for that row, as they "
+                             "should be")
         err = (got - want).abs().max().item()
         if err > 1e-9:
             if torch.allclose(got, _without_rescale(s, v, width), atol=1e-9, equal_nan=True):
                 hint = ("the max rose in a later tile and your earlier terms were not "
                         "rescaled: multiply l and acc by exp(m_old - m_new) before adding the "
                         "new tile's terms")
+            elif torch.allclose(got, _without_rescale(s, v, width, rescale_l=True),
+                                atol=1e-9, equal_nan=True):
+                hint = ("you rescale l but not acc: when the max rises, acc's earlier terms "
+                        "exp(s - m_old) v must become exp(s - m_new) v too: multiply acc by "
+                        "exp(m_old - m_new) as well")
+            elif torch.allclose(got, _without_rescale(s, v, width, rescale_acc=True),
+                                atol=1e-9, equal_nan=True):
+                hint = ("you rescale acc but not l: when the max rises, l's earlier terms "
+                        "exp(s - m_old) must become exp(s - m_new) too: multiply l by "
+                        "exp(m_old - m_new) as well")
             elif _rescale_grows(update):
                 hint = _SIGN_HINT
             elif torch.allclose(acc, want, atol=1e-9):

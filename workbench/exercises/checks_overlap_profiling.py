@@ -27,6 +27,10 @@ def check_hidden_share(share, compute_ms: float = 1.4, comm_ms: float = 2.0,
     is cut into k chunks that pipeline: (1 - 1/k) min(1, C/M) (latency ignored)."""
     want = (1 - 1 / k) * min(1.0, compute_ms / comm_ms)
     ratio = compute_ms / comm_ms
+    if _number("hidden share", share) < 0:
+        raise CheckError(f"your hidden share is {_number('hidden share', share):.4g}: a share "
+                         "of the communication is between 0 (none hidden) and 1 (all of it); "
+                         "check the sign of each factor", expected=f"{want:.4g} of M")
     _check_number("hidden share", share, want, "of M", [
         ((1 - 1 / k), "that is the share when compute covers all the communication; here "
                       "C < M, so at most C/M of it can hide"),
