@@ -36,7 +36,9 @@ every micro-batch's backward, in one kernel per parameter tensor:
   tensor), as ``plan.megatron_2021`` prices the same hook before the fusion.
 
 Not priced here: the embedding lookup's own backward (``edge_cost``), the once-per-step
-passes over the buffer (``plan.optimizer_step``).
+passes over the buffer (``plan.optimizer_step``).  A MoE layer is counted as the dense
+GPT layer (ASSUMPTION: its router weight and any expert biases, a few tensors of at most
+h x experts elements, not counted; microseconds per micro-batch).
 """
 from __future__ import annotations
 
