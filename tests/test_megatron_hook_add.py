@@ -71,6 +71,9 @@ def test_nothing_without_the_fusion_or_outside_megatron():
     assert HA.assumption(_lay(framework="workbench"), True) == ()
     assert HA.assumption(_lay(), False) == ()
     assert "main_grad" in HA.assumption(_lay(), True)[0]
+    assert "ASSUMPTION" not in HA.assumption(_lay(), True, _cfg())[0]
+    moe = _cfg(moe_experts=8)
+    assert "MoE layers counted as the dense layer" in HA.assumption(_lay(), True, moe)[0]
 
 
 def test_bad_arguments_refused():

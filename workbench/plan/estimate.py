@@ -508,7 +508,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
-        + M21.assumption(cfg, lay, async_tp or tp == 1, fusion) + HA.assumption(lay, fusion)
+        + M21.assumption(cfg, lay, async_tp or tp == 1, fusion) + HA.assumption(lay, fusion, cfg)
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())

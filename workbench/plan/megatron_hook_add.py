@@ -90,10 +90,13 @@ def hook_add_seconds(cfg, lay, stage: int, layers: int, prof, fusion: bool) -> f
     return compute_time(0.0, (e + 2 * g) * n, prof, cfg.dtype, "elementwise", launches=k)
 
 
-def assumption(lay, fusion: bool) -> tuple:
-    """The line ``Estimate.assumptions`` carries where the hook is priced."""
+def assumption(lay, fusion: bool, cfg=None) -> tuple:
+    """The line ``Estimate.assumptions`` carries where the hook is priced (``cfg``: a MoE
+    model's layers are counted as dense, said so)."""
     if not fusion or lay.engine != "megatron":
         return ()
+    moe = ("; MoE layers counted as the dense layer, router and expert biases left out "
+           "(ASSUMPTION)" if getattr(cfg, "moe_experts", 0) else "")
     return ("Megatron-LM's DDP hook adds the 16-bit gradients of the embeddings, norms and "
             "biases into main_grad after every micro-batch (plan.megatron_hook_add: "
-            + SOURCE + "), memory bound",)
+            + SOURCE + "), memory bound" + moe,)
