@@ -61,6 +61,11 @@ is here only when its number was read from the source itself:
   all-gather (0.16 s) only the first forward (0.06 s): at least 0.31 s exposed beside
   0.71 s of compute, against 0.89 s measured.  In bf16 (Megatron-LM forces fp32 for bf16
   at f2e5db402c; ASSUMED as that) the H100 rows would read 0.919 .. 1.234.
+  Not the TP overlap: all the 32B's TP collectives exposed per step are 0.04 s.  The
+  micro-batch is not given: at micro-batch 2 (4) the DP sync would hide under a twice
+  (four times) longer last backward and first forward, and the 32B read 0.92 (1.09);
+  not used (no source).  The fused attention's rate is TE's own of 2024 (cuDNN 9.3 on an
+  H100 SXM, tests/test_h100mg.py): not the small rows' gap either.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per

@@ -76,6 +76,7 @@ from . import ep_cp as EC
 from . import tp_overlap as TPO
 from . import comm_memory as CM
 from . import megatron_2021 as M21
+from . import megatron_hook_add as HA
 from . import titan_eager as TE
 from . import optimizer_step as OS
 from .layout import Cluster, Layout, attention_for, check_layout
@@ -427,8 +428,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             fwd += head.fwd_compute + head.fwd_comm
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s, n_layers)
-        acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion)
-        comp += acc                         # after each backward (plan.megatron_2021)
+        acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion) \
+            + HA.hook_add_seconds(cfg, lay, s, n_layers, prof, fusion)
+        comp += acc             # after each backward (plan.megatron_2021, megatron_hook_add)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed",
                                 recipe=lay.engine == "workbench", remat=remat) \
@@ -511,7 +513,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
-        + M21.assumption(cfg, lay, async_tp or tp == 1, fusion)
+        + M21.assumption(cfg, lay, async_tp or tp == 1, fusion) + HA.assumption(lay, fusion, cfg)
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())
         + ((FR.ASSUMPTION,) if slow["copies"] and lay.dp * lay.cp > 1 else ())
