@@ -31,6 +31,10 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, between
   the A100's and H100's best-shape bursts, MAMF 0.86 / 0.80): 0.80 .. 0.86.
 
+The A100 profiles' slow end also paces the job's device work by the slowest of its
+devices (``plan.variability``: the expected maximum of a per-device slowdown measured on
+219 A100 40GB GPUs, an ASSUMPTION for the 80GB SXM parts, never in the point estimate).
+
 Memory: the communication library's buffers (``plan.comm_memory``) are a range, from
 NCCL 2.22+'s lazily connected algorithms to everything connected at init as before
 (``EstimateRange.memory``).
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..sim_mesh.profiles import Profile, get_profile
+from . import variability as VAR
 
 __all__ = ["BOUNDS", "EstimateRange", "estimate_range", "profile_at", "ranking_ranges"]
 
@@ -225,6 +230,9 @@ def estimate_range(model, layout, cluster, pinned: "dict | None" = None,
     for f, s, q, k, why in bounds:     # one line per source, its fields together
         by_why.setdefault(why, []).append(f"{f} {_fmt(prof, f, s, k)} .. {_fmt(prof, f, q, k)}")
     varied = tuple(f"{', '.join(fs)} ({why})" for why, fs in by_why.items())
+    if prof.name in VAR.PROFILES:      # the slowest device paces the job (plan.variability)
+        ends["slow"] = VAR.stretch(ends["slow"], cluster.devices)
+        varied += (VAR.range_line(cluster.devices, ends["slow"].details["straggler"]["factor"]),)
     named = {f for f, *_ in bounds} | set(pins)      # pinned: known, not a guess
     unbounded = tuple(sorted(k for k, v in prof.citations.items()
                              if ("ASSUMPTION" in v or "UNCERTAIN" in v) and k not in named))
