@@ -155,7 +155,8 @@ ROWS = [_row("BLOOM 176B", 14336, 70, 112, 8, 4, 12, 2, 149.77, None, _FINAL)] +
 _OOM = f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md"
 _FP16 = ("fp16 with DeepSpeed's ZeRO-1 (02-21: ZS=1), before the BF16 optimizer; the "
          "embedding beside the first and last stages' layers (partitioning "
-         "'type:transformer', the rebalancing came 02-28): ASSUMED from the text's order")
+         "'type:transformer', the rebalancing came 02-28): ASSUMED from the text's order; "
+         "no embedding LayerNorm (ASSUMED: the 02-25 flags are not listed)")
 # layouts the prequel reports "OOM": name, hidden, layers, heads, DP, TP, PP, MBS, GBS, dtype
 OOM = [("184B", 12288, 100, 64, 16, 4, 6, 2, 2048, "bfloat16"),     # 02-28
        ("184B", 12288, 100, 64, 16, 4, 6, 1, 2048, "bfloat16"),     # 02-28

@@ -68,7 +68,9 @@ class ModelConfig:
                                     # False: the router's own p_i (Switch's top-1 gate)
     embed_norm: bool = False        # gpt: a LayerNorm on the embeddings, before their dropout
                                     # (BLOOM's word_embeddings_layernorm; Megatron-DeepSpeed
-                                    # --embed-layernorm)
+                                    # --embed-layernorm); here on token + position, where
+                                    # --embed-layernorm normalises the token embedding before
+                                    # a position table is added (BLOOM, ALiBi, has none)
 
     def __post_init__(self):
         if self.arch not in ARCHS:

@@ -16,7 +16,12 @@ the 2024 ``torch/distributed/_composable/fsdp/`` had the same hooks):
   model had gathered the head as a unit of its own, prefetched behind the last block);
 - the root is not resharded after forward (``FSDPState._lazy_init``: "For the root, do
   not reshard after forward", ``post_forward_mesh_info = None``): gathered once per step
-  (``fsdp2_cost``'s ``stay``, unchanged);
+  (``fsdp2_cost``'s ``stay``, unchanged).  In the 2024 FSDP2 the rows ran this is
+  unconditional; torch 2.13 does it only when ``reshard_after_forward`` is left to its
+  default (``_auto_reshard_after_forward``), and torchtitan 9dec370ad2 passes it
+  explicitly (``reshard_after_forward=not pp_enabled``), so on a current torch that
+  root is resharded after forward and gathered again for the backward (not priced:
+  the rows' torch is 2024's);
 - backward: a group's post-backward (the reduce-scatter copy-in, the reduce-scatter) runs
   when autograd has the gradients of the module's forward inputs
   (``FSDPParamGroup._register_post_backward_hook``: ``RegisterPostBackwardFunction`` on

@@ -18,7 +18,8 @@ every micro-batch's backward, in one kernel per parameter tensor:
   LayerNorm or a bias.  The same hook at 2e90a342f5 (2022-05, Korthikanti et al.'s
   code; ``megatron/model/distributed.py``) adds every non-None ``param.grad``.
 - So per micro-batch, on a rank: the word embedding's V h / t and the learned position
-  table's s h (first stage), each layer's LayerNorm weights and biases and its linear
+  table's s h (first stage; with ``cfg.embed_norm`` BLOOM's embedding LayerNorm's
+  weight and bias too, a LayerNorm like the layers'), each layer's LayerNorm weights and biases and its linear
   biases (a GPT layer: two LayerNorms' weight and bias, the QKV, projection, fc1 and fc2
   biases: 8 tensors; a Llama block: its two RMSNorm weights), and the final norm (last
   stage).  The untied output layer is a fused ``ColumnParallelLinear``: nothing.  A tied
@@ -65,6 +66,8 @@ def hook_elements(cfg, tp: int, pp: int, stage: int, layers: int) -> tuple[float
         n, k = n + V * h / tp, k + 1                        # the word embedding
         if not llama:
             n, k = n + s * h, k + 1                         # the learned position table
+        if getattr(cfg, "embed_norm", False):
+            n, k = n + 2 * h, k + 2                         # BLOOM's LayerNorm (w, b)
     if stage == pp - 1:
         n, k = n + (h if llama else 2 * h), k + (1 if llama else 2)   # final norm
     return n, k

@@ -418,7 +418,8 @@ def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:
     from .frameworks import FSDP_PREFETCH_UNITS, FSDP_REDUCE_BYTES
     h, V, s, tp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp
     llama = cfg.arch == "llama"
-    units = [V * h / tp + (0 if llama else s * h)] if stage == 0 else []
+    units = [V * h / tp + (0 if llama else s * h)
+             + (2 * h if getattr(cfg, "embed_norm", False) else 0)] if stage == 0 else []
     units += [layer_params(cfg, tp)] * nl
     if stage == lay.pp - 1:
         units.append((h if llama else 2 * h)

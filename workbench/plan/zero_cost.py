@@ -211,9 +211,9 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
                  per_module: bool = False, recipe: bool = False,
                  remat: float = 0.0) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
-    the embeddings (word V h / t and positions s h) on the first stage, its layers
-    (``costs.layer_cost``), the final norm and the head on the last (the head's own
-    V h / t unless tied to the embedding on one stage); their parameters sum to
+    the embeddings (word V h / t, positions s h, ``embed_norm``'s 2 h) on the first
+    stage, its layers (``costs.layer_cost``), the final norm and the head on the last
+    (the head's own V h / t unless tied to the embedding on one stage); their parameters sum to
     ``memory.stage_params``.  Their seconds are compute only, and only compute hides
     ZeRO's collectives here; on the simulated clock the tensor-parallel collectives run
     on their own group's stream (``sim_mesh.trace``), so a ZeRO collective may also run
@@ -228,9 +228,10 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
     llama = cfg.arch == "llama"
-    if stage == 0:      # word embedding (and GPT's position table)
-        out.append(Block(V * h / tp + (0 if llama else s * h), edge["first"][0],
-                         edge["first"][1]))
+    if stage == 0:      # word embedding (and GPT's position table, BLOOM's LayerNorm)
+        out.append(Block(V * h / tp + (0 if llama else s * h)
+                         + (2 * h if getattr(cfg, "embed_norm", False) else 0),
+                         edge["first"][0], edge["first"][1]))
     if per_module:
         # DeepSpeed ZeRO-3 gathers module by module (each nn.Linear its own fetch) and
         # never the parameters under PERSISTENCE_NUMEL (biases, norms: not partitioned);
