@@ -130,6 +130,14 @@ is here only when its number was read from the source itself:
   A100s), its eager Llama block priced from its source (``plan.titan_eager``): the module
   ``published_torchtitan`` (its docstring says what was read where and what is left out).
 
+Each source's collectives are priced by the NCCL release it ran (``NCCL``:
+``wb.sim_mesh.nccl_tuning.with_nccl``; NCCL's tuning constants differ by release, e.g.
+an inter-node Simple ring step of 9.6 us in 2.8-2.11, 28 us in 2.12-2.13, 14 us from
+2.18): Narayanan's rows 2.8.3 (Megatron-LM's README names it), BLOOM 2.10.3 (the
+cluster's own benchmark log), the others ASSUMED with the reason printed.  Against the
+profiles' own tables (2.12.7 for the A100, NCCL master for the H100) no row moves by
+more than 0.002: at these sizes the versions' differences are not where the gaps lie.
+
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s

@@ -33,6 +33,18 @@ treeCorrectionFactor and the ring Simple all_reduce's "plateau" factor of
 ``ncclTopoGetAlgoTime`` (x1.9 on its latency across nodes; x1.4 on sm80+ from 2.18).
 A profile's own tables (its JSON) are left as they are: ``topology.nccl_version``
 names the release they follow.
+
+The channel count those caps multiply: NCCL 2.8.3's ring search (src/graph/search.cc:
+speedArray from the GPU-to-NIC path width, each channel taking ``speed`` of one NIC's
+width, channels duplicated only when speedIntra >= 25 GB/s; init.cc: the tuning model
+gets the graph's nChannels, before ncclTopoPostset doubles them) would give a DGX A100
+across nodes 8 ring channels at 24 GB/s (one per 200 Gb/s NIC: 25 GB/s wide), if its
+PCIe paths are as wide as the NIC; those widths are read from the machine at run time
+(sysfs), not from a constant, so the caps stay unmodeled.  Measured with them at 8
+channels (ring LL128 18.3 / 15.2 / 16.9 GB/s per channel for all_gather /
+reduce_scatter / all_reduce in 2.8.3, 20.0 from 2.10; tree 16.0 / 17.8): the published
+table's ZeRO-3 rows move by -0.003 .. -0.036, others by <= 0.002.  The ring plateau
+factor moves no published row by more than 0.001.
 """
 from __future__ import annotations
 
