@@ -135,6 +135,14 @@ is here only when its number was read from the source itself:
   A100s), its eager Llama block priced from its source (``plan.titan_eager``): the module
   ``published_torchtitan`` (its docstring says what was read where and what is left out).
 
+Each source's collectives are priced by the NCCL release it ran (``NCCL``:
+``wb.sim_mesh.nccl_tuning.with_nccl``; NCCL's tuning constants differ by release, e.g.
+an inter-node Simple ring step of 9.6 us in 2.8-2.11, 28 us in 2.12-2.13, 14 us from
+2.18): Narayanan's rows 2.8.3 (Megatron-LM's README names it), BLOOM 2.10.3 (the
+cluster's own benchmark log), the others ASSUMED with the reason printed.  Against the
+profiles' own tables (2.12.7 for the A100, NCCL master for the H100) no row moves by
+more than 0.002: at these sizes the versions' differences are not where the gaps lie.
+
 Left out for want of a source text: Korthikanti Table 5's iteration times, the 530B
 on 2,240 GPUs of its abstract (global batch not stated), the GPT-3 strong-scaling
 figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B tokens/s
@@ -199,6 +207,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import workbench as wb  # noqa: E402
+from workbench.sim_mesh import nccl_tuning  # noqa: E402
 
 NARAYANAN = ("Narayanan et al. SC'21 Table 1, as NVIDIA/Megatron-LM README "
              "images/cases_april2021.png (50a4b5fa02); layout: examples/sc21/run_table_1.sh "
@@ -398,6 +407,43 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                    "parallelism (framework='deepspeed')"}
 
 
+# The NCCL release each source ran, as (version, why): its collectives are priced by
+# that release's tuning model (``wb.sim_mesh.nccl_tuning.with_nccl``), cited or ASSUMED
+_TORCH_NCCL = ("ASSUMED: the nvidia-nccl-cu12 release torch's nightlies pinned then "
+               "(2.20.5 published 2024-03-06, 2.21.5 2024-04-03, 2.22.3 2024-06-19)")
+NCCL = {
+    ("narayanan", "a100"): ("2.8.3", "Megatron-LM README at 50a4b5fa02 (line 44): 'tested "
+                            "with NGC's PyTorch container version 20.12, which uses ... nccl "
+                            "2.8.3' (2.8.3 .. 2.9.9 price alike)"),
+    ("narayanan_zero3", "a100"): ("2.8.3", "ASSUMED: the container of the same paper's "
+                                  "Megatron rows (NGC 20.12, NCCL 2.8.3; 2.8.3 .. 2.9.9 "
+                                  "price alike)"),
+    ("korthikanti", "a100"): ("2.12.7", "ASSUMED: the README of 2022-05-19 recommends the "
+                              "latest NGC container (22.0x: NCCL 2.12; 2.12.7 .. 2.13.4 "
+                              "price alike)"),
+    ("mt_nlg", "a100"): ("2.10.3", "ASSUMED: bf16 communication needs NCCL >= 2.10.3 (the "
+                         "first release whose nccl.h has ncclBfloat16) and the run was in "
+                         "2021, before 2.12.7 (2022-03-02); 2.10.3 and 2.11.4 price alike"),
+    ("megatron_h100", "h100"): ("2.21.5", "ASSUMED: the NGC PyTorch containers of mid-2024 "
+                                "(NCCL 2.21)"),
+    ("bloom", "a100-jeanzay"): ("2.10.3", "the cluster's own all_reduce_bench-a100-n4.txt "
+                                "(bigscience, 2022-01-28): 'NCCL version 2.10.3'; the run's "
+                                "torch 1.11 was chosen for its bf16-capable NCCL (tr11 "
+                                "README), 2.10.3 and 2.11.4 price alike"),
+    ("torchtitan", "a100"): ("2.20.5", _TORCH_NCCL + ": torch 2.4 nightlies, April 2024"),
+    ("torchtitan", "h100-hbm2e"): ("2.21.5", _TORCH_NCCL + ": torch 2.6 nightlies, "
+                                   "December 2024"),
+}
+
+
+def cluster(row):
+    """The row's Cluster: its profile with the collective tables of the NCCL release
+    its source ran (``NCCL``)."""
+    version = NCCL[(row["source"], row["profile"])][0]
+    return wb.plan.Cluster(nccl_tuning.with_nccl(row["profile"], version),
+                           row["devices"])
+
+
 def readme_hfu_over_mfu(h, l, s=2048, V=51200) -> float:
     """HFU / MFU as the Megatron-LM README's table has it for selective recompute:
     (1 + s/3h + V/12hL) / (1 + s/6h + V/12hL) (the attention core's forward and
@@ -413,11 +459,10 @@ def build(row):
     ``preset`` (``wb.plan.presets``) is that model with ``row["model"]`` applied."""
     if "preset" in row:
         cfg = wb.plan.presets.get_config(row["preset"], **row["model"])
-        return cfg, wb.plan.Layout(**row["layout"]), wb.plan.Cluster(row["profile"],
-                                                                     row["devices"])
+        return cfg, wb.plan.Layout(**row["layout"]), cluster(row)
     cfg = wb.models.ModelConfig(**{**dict(arch="gpt", vocab_size=51200, seq_len=2048,
                                           tie_embeddings=True, dropout=0.1), **row["model"]})
-    return cfg, wb.plan.Layout(**row["layout"]), wb.plan.Cluster(row["profile"], row["devices"])
+    return cfg, wb.plan.Layout(**row["layout"]), cluster(row)
 
 
 def _metric(row, est, cl, cfg) -> float:
@@ -493,6 +538,8 @@ def main():
         print(f"  ratio predicted / published: median {s['median']:.3f}, range "
               f"{s['min']:.3f} .. {s['max']:.3f} over {s['n']} rows")
         print(f"  assumptions: {NOTES[source]}")
+        for key in sorted({(source, r["row"]["profile"]) for r in rows}):
+            print(f"  NCCL {NCCL[key][0]} on {key[1]}: {NCCL[key][1]}")
     print("\n".join(_bloom.memory_lines()))   # BLOOM's measured memory and OOM layouts
     print("\n".join(_titan.oom_lines()))      # torchtitan's OOM layout
     print("\nbias (ratio predicted / published; > 1: optimistic) by")

@@ -18,13 +18,15 @@ FEW = settings(max_examples=40, deadline=None)
 def _numbers(data, prefix=""):
     """Paths of every number in a profile's JSON, and of the measurement it prices from
     (``measured``'s file and kernel) and of the published table it prices attention from
-    (``attention_table``): the keys ``citations`` must hold."""
+    (``attention_table``) and the NCCL release its collective tables follow
+    (``topology.nccl_version``): the keys ``citations`` must hold."""
     for k, v in data.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
             yield from _numbers(v, path + ".")
         elif isinstance(v, (int, float)) and not isinstance(v, bool) or \
-                path.startswith("measured.") or path == "attention_table" and v:
+                path.startswith("measured.") or path in ("attention_table",
+                                                         "topology.nccl_version") and v:
             yield path
 
 

@@ -64,6 +64,7 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
+from ..sim_mesh import nccl_tuning as NT
 from . import costs as C
 from . import frameworks as F
 from . import stage_sync as S
@@ -519,7 +520,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + ((FR.ASSUMPTION,) if slow["copies"] and lay.dp * lay.cp > 1 else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
-        + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof)),
+        + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
+        + NT.assumptions(prof),
         "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}

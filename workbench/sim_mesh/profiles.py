@@ -155,8 +155,14 @@ class Topology:
     # NICs of a node that one communicator's rings cross the node boundary on, each
     # direction (``topology.py``'s flat link); None: one per rank of the group on the node
     ring_nics: Optional[int] = None
+    # the NCCL release whose tuning model the two tables follow ("": not stated;
+    # ``nccl_tuning.with_nccl`` derives them for another release)
+    nccl_version: str = ""
 
     def __post_init__(self):
+        if not isinstance(self.nccl_version, str):
+            raise ValueError(f"Topology: nccl_version={self.nccl_version!r} must be a "
+                             f"release string such as '2.12.7' (or '')")
         if self.library not in LIBRARIES:
             raise ValueError(f"Topology: library={self.library!r}: use one of {list(LIBRARIES)}")
         if self.intra_fabric not in FABRICS:
@@ -355,7 +361,8 @@ class Profile:
         if t.nics_per_node is None:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
-                t.protocols, t.sm_count, t.collective_sms, t.net_protocols, t.ring_nics))
+                t.protocols, t.sm_count, t.collective_sms, t.net_protocols, t.ring_nics,
+                t.nccl_version))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -421,7 +428,8 @@ class Profile:
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms,
                              "net_protocols": {k: dict(v)
                                                for k, v in t.net_protocols.items()},
-                             **({} if t.ring_nics is None else {"ring_nics": t.ring_nics})},
+                             **({} if t.ring_nics is None else {"ring_nics": t.ring_nics}),
+                             "nccl_version": t.nccl_version},
                 "sources": list(self.sources), "notes": self.notes,
                 "kernel_bandwidth": dict(self.kernel_bandwidth),
                 "gemm_tile": dict(self.gemm_tile),

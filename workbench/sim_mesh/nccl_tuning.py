@@ -1,0 +1,291 @@
+"""NCCL's tuning model at the release a run used: the clock's collective constants per version.
+
+The clock prices NCCL's rings and trees with NCCL's own tuning model (``topology.py``:
+src/graph/tuning.cc, ``ncclTopoTuneModel``), from the constants in a profile's
+``topology.protocols`` / ``topology.net_protocols``.  Those constants change between
+releases, and published runs used different releases: an inter-node Simple ring step is
+9.6 us in NCCL 2.8-2.11, 28 us in 2.12-2.13 and 14 us from 2.18; the ring LL factor is
+1/4 or 1/3 up to 2.20 and 0.5 from 2.21; the LL intra-node step is x1.8 across nodes up
+to 2.17, while from 2.18 every ring step across nodes is at least the network overhead
+(1 us on Intel hosts, 2 us on AMD, x3 for Simple).  :func:`with_nccl` returns a profile
+whose two tables are NCCL ``version``'s, derived by :func:`tables` from the constants
+below (read from NVIDIA/nccl at each release tag; every figure cites file:line) and the
+rules of that release's ``ncclTopoTuneModel``:
+
+ring, one node (``protocols``): base = baseLat[Ring][p]; step = hwLat[NVLINK][Ring][p];
+  bandwidth factor LL 1/3 (all_reduce 1/4) up to 2.20, 0.5 from 2.21, both capped at
+  llMaxBws[gpu][N1] / the profile's effective NVLink rate; LL128 0.92; Simple 1;
+ring, several nodes (``net_protocols``): intra step = hwLat[NVLINK][Ring][p] (LL x1.8
+  up to 2.17; from 2.18 at least the network overhead); inter step = hwLat[NET][Ring][p]
+  (one rank per node: the same, 2.8-2.21); factor LL 1/4 (0.5 from 2.21) capped at
+  llMaxBws[cpu][N4], LL128 0.92 (0.7 with one rank per node), Simple 1;
+tree (all_reduce across nodes): base = baseLat[Tree][p]; intra = hwLat[NVLINK][Tree][p]
+  (LL x1.8 up to 2.17); inter = hwLat[NET][Tree][p]; factor 0.92, x 1/3.8 for LL (capped
+  as the ring's), x 0.915 (2.8-2.9) or 120/128 (2.10 on) for LL128.
+
+Not modeled, in every version (as before): the per-channel bandwidth caps
+(ll128MaxBwPerCh / perChMaxRingLL128Bws, perChMaxTreeBws: x the channel count, which
+NCCL's graph search (src/graph/search.cc) picks at run time from the node's topology, so
+no constant here gives it), the 235 GB/s sm80 cap of 2.8-2.17 (the profiles' NVLink
+efficiency stands in), the all_reduce ring's 2N inter-node steps of 2.12 on (2(N-1)
+here, as 2.8-2.11 count), the graph's latencyInter (0), the tree's
+treeCorrectionFactor and the ring Simple all_reduce's "plateau" factor of
+``ncclTopoGetAlgoTime`` (x1.9 on its latency across nodes; x1.4 on sm80+ from 2.18).
+A profile's own tables (its JSON) are left as they are: ``topology.nccl_version``
+names the release they follow.
+
+The channel count those caps multiply: NCCL 2.8.3's ring search (src/graph/search.cc:
+speedArray from the GPU-to-NIC path width, each channel taking ``speed`` of one NIC's
+width, channels duplicated only when speedIntra >= 25 GB/s; init.cc: the tuning model
+gets the graph's nChannels, before ncclTopoPostset doubles them) would give a DGX A100
+across nodes 8 ring channels at 24 GB/s (one per 200 Gb/s NIC: 25 GB/s wide), if its
+PCIe paths are as wide as the NIC; those widths are read from the machine at run time
+(sysfs), not from a constant, so the caps stay unmodeled.  Measured with them at 8
+channels (ring LL128 18.3 / 15.2 / 16.9 GB/s per channel for all_gather /
+reduce_scatter / all_reduce in 2.8.3, 20.0 from 2.10; tree 16.0 / 17.8): the published
+table's ZeRO-3 rows move by -0.003 .. -0.036, others by <= 0.002.  The ring plateau
+factor moves no published row by more than 0.001.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .profiles import Profile, get_profile
+
+__all__ = ["VERSIONS", "Constants", "constants", "tables", "with_nccl", "host_of",
+           "assumptions", "PROTOCOLS"]
+
+PROTOCOLS = ("LL", "LL128", "Simple")
+_US = 1e-6
+_GB = 1e9
+_TC = "src/graph/tuning.cc"
+
+
+@dataclass(frozen=True)
+class Constants:
+    """One release's tuning constants (us, GB/s, as tuning.cc writes them; (LL, LL128,
+    Simple) triples) and the rules of its ``ncclTopoTuneModel`` that the clock prices."""
+    version: str
+    tag: str
+    commit: str
+    date: str
+    same_as: tuple          # releases whose tuning.cc prices these terms identically
+    base_tree: tuple
+    base_ring: tuple
+    nvlink_tree: tuple      # hwLat[NVLINK][Tree]
+    nvlink_ring: tuple      # hwLat[NVLINK][Ring]
+    net_tree: tuple         # hwLat[NET][Tree]
+    net_ring: tuple         # hwLat[NET][Ring]
+    ll_max_one_node: dict   # llMaxBws[gpu][N1], GB/s
+    ll_max_nodes: dict      # llMaxBws[cpu][N4] (3 nodes or more), GB/s
+    ring_ll: tuple          # (factor, all_reduce factor) of the ring LL bus bandwidth
+    ring_ll_nodes: float    # the same across nodes
+    ll_intra_x: float       # LL's intra-node latency factor across nodes (1.8 or 1)
+    net_overhead: dict      # getNetOverhead by cpu, us ({}: none in this release)
+    ll128_one_per_node: float   # ring LL128 factor when ppn < 2
+    tree_ll128: float       # the tree's LL128 factor across nodes (after x 0.92)
+    lines: dict             # what -> "src/graph/tuning.cc:N"
+
+
+def _cite(c: Constants, what: str) -> str:
+    return f"NVIDIA/nccl {c.tag} ({c.commit}, {c.date}) {c.lines[what]}"
+
+
+_OLD_CPU = {"amd": 19.0, "intel": 20.4}   # llMaxBws[AMD|Intel][N4], 2.8.3 .. 2.21.5
+
+VERSIONS: dict[str, Constants] = {}
+for _c in (
+    Constants("2.8.3", "v2.8.3-1", "920dbe5b35", "2020-11-17",
+              ("2.8.3", "2.8.4", "2.9.6", "2.9.8", "2.9.9"),
+              base_tree=(4.4, 4.4, 0.0), base_ring=(3.6, 10.0, 8.4),
+              nvlink_tree=(0.52, 1.25, 28.0), nvlink_ring=(0.47, 1.9, 3.4),
+              net_tree=(5.0, 8.5, 28.0), net_ring=(2.7, 4.0, 9.6),
+              ll_max_one_node={"ampere": 87.7}, ll_max_nodes=_OLD_CPU,
+              ring_ll=(1 / 3, 1 / 4), ring_ll_nodes=1 / 4, ll_intra_x=1.8, net_overhead={},
+              ll128_one_per_node=0.7, tree_ll128=0.915,
+              lines={"baseLat": f"{_TC}:56", "hwLat NVLINK": f"{_TC}:65",
+                     "hwLat NET": f"{_TC}:69", "llMaxBws": f"{_TC}:75",
+                     "ring LL": f"{_TC}:125", "ring LL128": f"{_TC}:126",
+                     "tree": f"{_TC}:127", "tree LL": f"{_TC}:128",
+                     "tree LL128": f"{_TC}:129", "LL x1.8": f"{_TC}:141",
+                     "nInterSteps": f"{_TC}:112"}),
+    Constants("2.10.3", "v2.10.3-1", "7e51592129", "2021-07-08", ("2.10.3", "2.11.4"),
+              base_tree=(4.4, 4.4, 0.0), base_ring=(3.6, 10.0, 8.4),
+              nvlink_tree=(0.52, 1.25, 28.0), nvlink_ring=(0.47, 1.9, 3.4),
+              net_tree=(5.0, 8.5, 28.0), net_ring=(2.7, 4.0, 9.6),
+              ll_max_one_node={"ampere": 87.7}, ll_max_nodes=_OLD_CPU,
+              ring_ll=(1 / 3, 1 / 4), ring_ll_nodes=1 / 4, ll_intra_x=1.8, net_overhead={},
+              ll128_one_per_node=0.7, tree_ll128=120 / 128,
+              lines={"baseLat": f"{_TC}:56", "hwLat NVLINK": f"{_TC}:65",
+                     "hwLat NET": f"{_TC}:69", "llMaxBws": f"{_TC}:74",
+                     "ring LL": f"{_TC}:128", "ring LL128": f"{_TC}:129",
+                     "tree": f"{_TC}:130", "tree LL": f"{_TC}:131",
+                     "tree LL128": f"{_TC}:132", "LL x1.8": f"{_TC}:142",
+                     "nInterSteps": f"{_TC}:115"}),
+    Constants("2.12.7", "v2.12.7-1", "3c223c105a", "2022-03-02",
+              ("2.12.7", "2.12.10", "2.12.12", "2.13.4"),
+              base_tree=(4.4, 4.4, 0.0), base_ring=(3.6, 10.0, 8.4),
+              nvlink_tree=(0.52, 1.25, 28.0), nvlink_ring=(0.47, 1.9, 3.4),
+              net_tree=(5.0, 8.5, 28.0), net_ring=(2.7, 4.0, 28.0),
+              ll_max_one_node={"ampere": 87.7}, ll_max_nodes=_OLD_CPU,
+              ring_ll=(1 / 3, 1 / 4), ring_ll_nodes=1 / 4, ll_intra_x=1.8, net_overhead={},
+              ll128_one_per_node=0.7, tree_ll128=120 / 128,
+              lines={"baseLat": f"{_TC}:56", "hwLat NVLINK": f"{_TC}:65",
+                     "hwLat NET": f"{_TC}:69", "llMaxBws": f"{_TC}:74",
+                     "ring LL": f"{_TC}:127", "ring LL128": f"{_TC}:128",
+                     "tree": f"{_TC}:129", "tree LL": f"{_TC}:130",
+                     "tree LL128": f"{_TC}:131", "LL x1.8": f"{_TC}:142",
+                     "nInterSteps": f"{_TC}:114"}),
+    Constants("2.20.5", "v2.20.5-1", "48bb7fec79", "2024-02-26", ("2.20.3", "2.20.5"),
+              base_tree=(6.8, 14.0, 0.0), base_ring=(6.6, 14.0, 8.4),
+              nvlink_tree=(0.6, 1.25, 28.0), nvlink_ring=(0.6, 1.9, 3.4),
+              net_tree=(5.0, 8.5, 28.0), net_ring=(2.7, 4.0, 14.0),
+              ll_max_one_node={"ampere": 87.7, "hopper": 87.7}, ll_max_nodes=_OLD_CPU,
+              ring_ll=(1 / 3, 1 / 4), ring_ll_nodes=1 / 4, ll_intra_x=1.0,
+              net_overhead={"intel": 1.0, "amd": 2.0},
+              ll128_one_per_node=0.7, tree_ll128=120 / 128,
+              lines={"baseLat": f"{_TC}:57", "hwLat NVLINK": f"{_TC}:67",
+                     "hwLat NET": f"{_TC}:75", "llMaxBws": f"{_TC}:87-89",
+                     "getNetOverhead": f"{_TC}:115-116", "ring LL": f"{_TC}:181",
+                     "ring LL128": f"{_TC}:182", "tree": f"{_TC}:183",
+                     "tree LL": f"{_TC}:184", "tree LL128": f"{_TC}:185",
+                     "netOverhead": f"{_TC}:244-248", "nInterSteps": f"{_TC}:162"}),
+    Constants("2.21.5", "v2.21.5-1", "ab2b89c4c3", "2024-04-02", ("2.21.5",),
+              base_tree=(6.8, 14.0, 0.0), base_ring=(6.6, 14.0, 8.4),
+              nvlink_tree=(0.6, 1.25, 28.0), nvlink_ring=(0.6, 1.9, 3.4),
+              net_tree=(5.0, 8.5, 28.0), net_ring=(2.7, 4.0, 14.0),
+              ll_max_one_node={"ampere": 87.7, "hopper": 141.0}, ll_max_nodes=_OLD_CPU,
+              ring_ll=(0.5, 0.5), ring_ll_nodes=0.5, ll_intra_x=1.0,
+              net_overhead={"intel": 1.0, "amd": 2.0},
+              ll128_one_per_node=0.7, tree_ll128=120 / 128,
+              lines={"baseLat": f"{_TC}:57", "hwLat NVLINK": f"{_TC}:67",
+                     "hwLat NET": f"{_TC}:75", "llMaxBws": f"{_TC}:87-89",
+                     "getNetOverhead": f"{_TC}:115-116", "ring LL": f"{_TC}:180",
+                     "ring LL128": f"{_TC}:181", "tree": f"{_TC}:182",
+                     "tree LL": f"{_TC}:183", "tree LL128": f"{_TC}:184",
+                     "netOverhead": f"{_TC}:243-247", "nInterSteps": f"{_TC}:161"}),
+):
+    for _v in _c.same_as:
+        VERSIONS[_v] = _c
+
+# (GPU family, host CPU vendor) of each built-in NVIDIA profile: llMaxBws is indexed by
+# the GPU inside a node and by the CPU across nodes, getNetOverhead by the CPU
+_HOSTS = {
+    "a100": ("ampere", "amd", "DGX A100: AMD EPYC 7742 (DGX A100 user guide)"),
+    "a100-jeanzay": ("ampere", "amd", "ASSUMPTION: AMD as the a100 profile's DGX A100 "
+                     "(the profile's own LL cap citation)"),
+    "h100": ("hopper", "intel", "DGX H100: Intel Xeon 8480C (DGX H100 user guide)"),
+    "h100-hbm2e": ("hopper", "intel", "ASSUMPTION: Intel as the h100 profile's DGX H100 "
+                   "(the profile's own LL cap citation)"),
+}
+
+
+def host_of(profile: Profile) -> tuple[str, str, str]:
+    """(GPU family, CPU vendor, why) of a built-in NVIDIA profile."""
+    if profile.name not in _HOSTS:
+        raise ValueError(f"with_nccl: profile {profile.name!r} has no known GPU family and "
+                         f"host CPU for NCCL's tuning model; use one of {sorted(_HOSTS)}")
+    return _HOSTS[profile.name]
+
+
+def constants(version: str) -> Constants:
+    """The tuning constants of NCCL ``version`` ("2.8.3", "2.10.3", ...)."""
+    if not isinstance(version, str) or version.strip().lstrip("v").split("-")[0] \
+            not in VERSIONS:
+        raise ValueError(f"nccl_version={version!r} is not a release read here; use one of "
+                         f"{sorted(VERSIONS, key=lambda v: tuple(map(int, v.split('.'))))}")
+    return VERSIONS[version.strip().lstrip("v").split("-")[0]]
+
+
+def tables(version: str, gpu: str, cpu: str, nvlink_busbw: float):
+    """(protocols, net_protocols): the profile tables (``profiles.PROTOCOL_KEYS``,
+    ``NET_PROTOCOL_KEYS``; seconds, fractions, bytes/s) of NCCL ``version`` for a node of
+    ``gpu`` ("ampere" | "hopper") GPUs on NVSwitch with ``cpu`` ("amd" | "intel") hosts;
+    ``nvlink_busbw``: the profile's effective NVLink rate (bytes/s), against which
+    llMaxBws[gpu][N1] caps the one-node LL factor (module docstring)."""
+    c = constants(version)
+    if gpu not in c.ll_max_one_node:
+        raise ValueError(f"gpu={gpu!r}: NCCL {c.version}'s llMaxBws has "
+                         f"{sorted(c.ll_max_one_node)}")
+    if cpu not in c.ll_max_nodes:
+        raise ValueError(f"cpu={cpu!r}: use one of {sorted(c.ll_max_nodes)}")
+    cap1 = c.ll_max_one_node[gpu] * _GB / nvlink_busbw
+    protos, net = {}, {}
+    for i, p in enumerate(PROTOCOLS):
+        f, far = (min(c.ring_ll[0], cap1), min(c.ring_ll[1], cap1)) if p == "LL" else \
+            (0.92, 0.92) if p == "LL128" else (1.0, 1.0)
+        protos[p] = {"base_latency": c.base_ring[i] * _US,
+                     "step_latency": c.nvlink_ring[i] * _US,
+                     "bandwidth_factor": f, "all_reduce_bandwidth_factor": far}
+        x = c.ll_intra_x if p == "LL" else 1.0
+        overhead = c.net_overhead.get(cpu, 0.0) * (3 if p == "Simple" else 1)
+        ring_f = c.ring_ll_nodes if p == "LL" else 0.92 if p == "LL128" else 1.0
+        tree_f = 0.92 * (1 / 3.8 if p == "LL" else c.tree_ll128 if p == "LL128" else 1.0)
+        net[p] = {"intra_step_latency": max(c.nvlink_ring[i] * x, overhead) * _US,
+                  "inter_step_latency": c.net_ring[i] * _US,
+                  "inter_step_latency_one_per_node": c.net_ring[i] * _US,
+                  "bandwidth_factor": ring_f,
+                  "bandwidth_factor_one_per_node": c.ll128_one_per_node
+                  if p == "LL128" else ring_f,
+                  "max_bandwidth": c.ll_max_nodes[cpu] * _GB if p == "LL" else 0.0,
+                  "tree_base_latency": c.base_tree[i] * _US,
+                  "tree_intra_latency": c.nvlink_tree[i] * x * _US,
+                  "tree_inter_latency": c.net_tree[i] * _US,
+                  "tree_bandwidth_factor": tree_f}
+    return protos, net
+
+
+def _citations(c: Constants, gpu: str, cpu: str, why: str) -> dict:
+    from .profiles import NET_PROTOCOL_KEYS, PROTOCOL_KEYS
+    out = {}
+    for p in PROTOCOLS:
+        one = (
+            f"{_cite(c, 'baseLat')} baseLat[Ring][{p}]; {_cite(c, 'hwLat NVLINK')} "
+            f"hwLat[NVLINK][Ring][{p}]; factor: {_cite(c, 'ring LL')} (LL, capped at "
+            f"llMaxBws[{gpu}][N1], {_cite(c, 'llMaxBws')}), {_cite(c, 'ring LL128')}")
+        nodes = (
+            f"{_cite(c, 'hwLat NET')} hwLat[NET][Ring|Tree][{p}]; "
+            f"{_cite(c, 'hwLat NVLINK')}; "
+            + (f"LL x{c.ll_intra_x} {_cite(c, 'LL x1.8')}; " if c.ll_intra_x != 1 else
+               f"network overhead {c.net_overhead[cpu]} us ({cpu}) "
+               f"{_cite(c, 'getNetOverhead')}, {_cite(c, 'netOverhead')}; ")
+            + f"LL cap llMaxBws[{cpu}][N4] {_cite(c, 'llMaxBws')}; tree "
+              f"{_cite(c, 'tree')}, {_cite(c, 'tree LL')}, {_cite(c, 'tree LL128')}; host: "
+              f"{why}")
+        out.update({f"topology.protocols.{p}.{k}": one for k in PROTOCOL_KEYS})
+        out.update({f"topology.net_protocols.{p}.{k}": nodes for k in NET_PROTOCOL_KEYS})
+    return out
+
+
+def with_nccl(profile: "str | Profile", version: str) -> Profile:
+    """``profile`` with its collective tables (``topology.protocols``,
+    ``topology.net_protocols``) those of NCCL ``version``'s tuning model (module
+    docstring), ``topology.nccl_version`` set to it; everything else unchanged."""
+    prof = get_profile(profile)
+    if prof.topology.library != "nccl":
+        raise ValueError(f"with_nccl: profile {prof.name!r} runs "
+                         f"{prof.topology.library!r}, not NCCL")
+    c = constants(version)
+    gpu, cpu, why = host_of(prof)
+    protos, net = tables(c.version, gpu, cpu, prof.intra_node.effective_bandwidth)
+    cites = {k: v for k, v in prof.citations.items()
+             if not k.startswith(("topology.protocols.", "topology.net_protocols."))}
+    cites.update(_citations(c, gpu, cpu, why))
+    cites["topology.nccl_version"] = (f"NCCL {version}: the tables of {c.tag} "
+                                      f"(sim_mesh/nccl_tuning.py; the same for "
+                                      f"{', '.join(c.same_as)})")
+    topo = replace(prof.topology, protocols=protos, net_protocols=net,
+                   nccl_version=version.strip().lstrip("v").split("-")[0])
+    return replace(prof, topology=topo, citations=cites)
+
+
+def assumptions(profile: Profile) -> tuple:
+    """One line for an estimate's ``details["assumptions"]``: the NCCL release whose
+    tuning model prices its collectives, and what that model leaves out."""
+    t = profile.topology
+    if t.library != "nccl" or not t.protocols:
+        return ()
+    v = t.nccl_version or "unstated"
+    return (f"collectives priced by NCCL {v}'s tuning model (src/graph/tuning.cc; "
+            f"sim_mesh/nccl_tuning.py): per-channel bandwidth caps, the tree's correction "
+            f"factors and the ring all_reduce's plateau factor not modeled",)
