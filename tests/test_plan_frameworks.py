@@ -101,6 +101,11 @@ def test_estimate_says_what_it_assumed():
                     overlap=False)
     assert ds.assumptions()[0].startswith("DeepSpeed") and \
         "not overlapped" in " ".join(ds.assumptions())
+    assert "ZeRO-3 gathers module by module" in ds.assumptions()[0]
+    # ZeRO-1 (MT-NLG, BLOOM) and no ZeRO: the line names the stage, not ZeRO-3's gathers
+    for z in (0, 1):
+        line = P.estimate(cfg, lay.replace(zero=z, framework="deepspeed"), cl).assumptions()[0]
+        assert "ZeRO-3" not in line and line.endswith(f"ZeRO-{z}" if z else "no ZeRO"), line
 
 
 def test_close_step_times_are_a_tie():

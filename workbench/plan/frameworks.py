@@ -159,8 +159,7 @@ def loss_extra_bytes(framework: str, tp: int = 1) -> int:
 
 _FRAMEWORK_WORDS = {
     "megatron": "Megatron-LM: gradients in a {g} buffer, reduced {when}",
-    "deepspeed": "DeepSpeed: gradients reduced in 16 bits, ZeRO-3 gathers module by module "
-                 "(1e5-element persistence, 5e7 prefetch, 5e8 reduce buckets)",
+    "deepspeed": "DeepSpeed: gradients reduced in 16 bits{z3}",
     "fsdp": "PyTorch FSDP2 (fully_shard per block, torchtitan's policy): bf16 all-gather "
             "of one block, prefetched one block ahead, re-gathered for backward, gradients "
             "reduce-scattered in fp32 every micro-batch; all-gather and reduce-scatter "
@@ -180,7 +179,10 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
     when = ("module by module in the last backward (overlap_grad_reduce)"
             if overlap_grad_reduce else "after the pipeline flush")
     g = "fp32" if grad_reduce_bytes(lay.engine, cfg.dtype) == 4 else "16-bit"
-    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when)]
+    z3 = (", ZeRO-3 gathers module by module (1e5-element persistence, 5e7 prefetch, "
+          "5e8 reduce buckets)" if lay.zero == 3 else f", ZeRO-{lay.zero}" if lay.zero else
+          ", no ZeRO")
+    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when, z3=z3)]
     if attention == "flash" and prof.measured:   # the kernel measured on the device
         kernel = {"cudnn": "cuDNN's fused attention", "flash": "FlashAttention-2"}.get(
             prof.measured["attention_backend"], prof.measured["attention_backend"])
