@@ -74,3 +74,112 @@ def test_stride_of_a_bad_dim_is_torchs_index_error():
         d.stride(2)
     with pytest.raises(IndexError):
         torch.randn(4, 6).stride(2)                  # torch's own: IndexError too
+
+
+# ---- items 1-3: DDP and a parameter skipped by some or all ranks, held to torch's DDP -----
+import json                                                                 # noqa: E402
+import os                                                                   # noqa: E402
+import sys                                                                  # noqa: E402
+
+from torch import nn                                                        # noqa: E402
+
+from tests.torchrun_support import json_rows, run_job                       # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(4, 4).double(), nn.Linear(4, 4).double(),
+                                  nn.Linear(4, 2).double())
+
+    def forward(self, x, skip_b=False):
+        y = torch.tanh(self.a(x))
+        return self.c(y if skip_b else torch.tanh(self.b(y)))
+
+
+@pytest.mark.parametrize("mode", ["plain", "plain_bucket_bytes", "disttensor"])
+def test_simulated_parameter_unused_everywhere_raises_at_the_next_forward(mode):
+    """find_unused_parameters=False, b skipped by every rank: torch's reducer never
+    finishes, and its next forward raises "Expected to have finished reduction ...
+    Parameter indices which did not receive grad for rank k: 2 3" (the torchrun test
+    below holds torch's own).  Was: accepted silently."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = Net()
+    if mode == "disttensor":
+        m = wb.parallelize(m, mesh, {})
+    ddp = wb.DistributedDataParallel(m, mesh, **({"bucket_bytes": 1}
+                                                 if mode.endswith("bytes") else {}))
+    x = wb.shard_tensor(torch.randn(6, 4, dtype=torch.float64), mesh, [wb.Shard(0)])
+    ddp(x, skip_b=True).mean().backward()
+    ddp.finish_gradient_synchronization()
+    with torch.no_grad():
+        ddp(x, skip_b=True)                              # no grad: no reducer, as torch
+    with pytest.raises(RuntimeError, match=r"Expected to have finished reduction in the "
+                       r"prior iteration(.|\n)*find_unused_parameters=True(.|\n)*did not "
+                       r"receive grad for any rank: 2 3 \('b.weight', 'b.bias'\)"):
+        ddp(x, skip_b=True)
+    ok = wb.DistributedDataParallel(Net(), mesh, find_unused_parameters=True)
+    for _ in range(2):                                   # torch's argument: trains
+        ok(x, skip_b=True).mean().backward()
+    assert ok.module.b.weight.grad is None
+
+
+@pytest.fixture(scope="module")
+def gloo_rows():
+    script = os.path.join(ROOT, "tests", "dist_scripts", "fixlist2_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", script, "A_unused_everywhere", "B_used_rank0",
+           "C_zero_used_rank0", "D_stale_then_rank0", "E_zero_used_rank0_strict"]
+    out = run_job(cmd, timeout=240, cwd=ROOT,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r["case"], r["rank"]): r for r in json_rows(out.stdout)}
+
+
+UNFINISHED = "RuntimeError: DistributedDataParallel: Expected to have finished reduction"
+
+
+@pytest.mark.slow
+def test_torchrun_unused_everywhere_raises_as_torchs(gloo_rows):
+    for rank in (0, 1):
+        r = gloo_rows[("A_unused_everywhere", rank)]
+        assert r["torch"].startswith("RuntimeError: Expected to have finished reduction")
+        for who in ("wb", "wbdt"):
+            assert r[who].startswith(UNFINISHED), r[who]
+            assert f"did not receive grad for rank {rank}: 2 3 ('b.weight', 'b.bias')" in r[who]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["B_used_rank0", "C_zero_used_rank0", "D_stale_then_rank0"])
+def test_torchrun_find_unused_gradients_are_torch_ddps(gloo_rows, case):
+    """find_unused_parameters=True, b used on rank 0 only (B; C: with an exactly zero
+    gradient; D: after a step that used it, a stale .grad on rank 1): torch gives both ranks
+    b's average.  Was, DistTensor mode: B raised, C left rank 1's grad None (rank 0 stepped
+    b, rank 1 did not); by value, not by hook."""
+    for rank in (0, 1):
+        r = gloo_rows[(case, rank)]
+        assert isinstance(r["torch"], dict), r["torch"]
+        for who in ("wb", "wbdt"):
+            assert isinstance(r[who], dict), (who, r[who])
+            assert r[who].keys() == r["torch"].keys()
+            for k, want in r["torch"].items():
+                got = r[who][k]
+                assert (got is None) == (want is None), (who, k)
+                assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, (case, who, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["E_zero_used_rank0_strict"])
+def test_torchrun_strict_rank_that_skipped_raises_whatever_its_grad_holds(gloo_rows, case):
+    """find_unused_parameters=False, b skipped on rank 1 only, where torch's reducer waits
+    forever: rank 1 raises at its next forward although b's average is exactly zero.  Was:
+    passed silently with b's grad None on rank 1 and zeros on rank 0 (the replicas drift
+    at a weight-decay step).  (F_stale_strict in the script, a stale .grad on rank 1, hangs
+    rank 0 in a collective there: not run yet.)"""
+    r = gloo_rows[(case, 1)]
+    for who in ("wb", "wbdt"):
+        assert r[who].startswith(UNFINISHED), (who, r[who])
+        assert "for rank 1: 2 3 ('b.weight', 'b.bias')" in r[who]

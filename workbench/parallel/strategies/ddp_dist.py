@@ -106,8 +106,11 @@ class DistTensorDDP(DistributedDataParallel):
             raise NotImplementedError(f"broadcast_from={broadcast_from!r} over DistTensor "
                                       "parameters: the replicas start from dp rank 0's copy")
         object.__setattr__(self, "module", module)
+        static = bool(torch_kwargs.get("static_graph", False))
         self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
-                                     partial_dim, "DistributedDataParallel", policy)
+                                     partial_dim, "DistributedDataParallel", policy,
+                                     find_unused=None if static else
+                                     bool(torch_kwargs.get("find_unused_parameters", False)))
         self._names = [name for name, _ in params]
         if len(self._names) == len(self.replicas.params):   # (a tied weight: one of two)
             self.replicas.names = self._names
@@ -116,6 +119,7 @@ class DistTensorDDP(DistributedDataParallel):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self.replicas.ensure_prior_reduction_finished()     # torch's rebuild_buckets does
             self.replicas.rebuild_buckets()
         return self.module(*args, **kwargs)
 
