@@ -132,7 +132,8 @@ def gloo_rows():
     script = os.path.join(ROOT, "tests", "dist_scripts", "fixlist2_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", script, "A_unused_everywhere", "B_used_rank0",
-           "C_zero_used_rank0", "D_stale_then_rank0", "E_zero_used_rank0_strict"]
+           "C_zero_used_rank0", "D_stale_then_rank0", "E_zero_used_rank0_strict",
+           "F_stale_strict"]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -172,14 +173,21 @@ def test_torchrun_find_unused_gradients_are_torch_ddps(gloo_rows, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["E_zero_used_rank0_strict"])
+@pytest.mark.parametrize("case", ["E_zero_used_rank0_strict", "F_stale_strict"])
 def test_torchrun_strict_rank_that_skipped_raises_whatever_its_grad_holds(gloo_rows, case):
     """find_unused_parameters=False, b skipped on rank 1 only, where torch's reducer waits
-    forever: rank 1 raises at its next forward although b's average is exactly zero.  Was:
-    passed silently with b's grad None on rank 1 and zeros on rank 0 (the replicas drift
-    at a weight-decay step).  (F_stale_strict in the script, a stale .grad on rank 1, hangs
-    rank 0 in a collective there: not run yet.)"""
+    forever: rank 1 raises, although b's average is exactly zero (E) or its .grad holds an
+    earlier step's (F).  Was: E passed silently with b's grad None on rank 1 and zeros on
+    rank 0 (the replicas drift at a weight-decay step); F (DistTensor mode) sent the stale
+    gradient as a new one and overwrote it with the sum.  At the next forward with torch's
+    text; or at once, in the DistTensor mode, where the sum shows rank 0's gradient (F)."""
     r = gloo_rows[(case, 1)]
     for who in ("wb", "wbdt"):
+        if case == "F_stale_strict" and who == "wbdt":
+            assert r[who].startswith("RuntimeError: DistributedDataParallel: ['b.weight', "
+                                     "'b.bias'] received no gradient on this rank but one "
+                                     "on another"), r[who]
+            assert "find_unused_parameters=True" in r[who]
+            continue
         assert r[who].startswith(UNFINISHED), (who, r[who])
         assert "for rank 1: 2 3 ('b.weight', 'b.bias')" in r[who]

@@ -35,12 +35,13 @@ def run(wrap, kw, modes, rank, n, dt=False):
         ddp = wrap(m, **kw)
     for step, mode in enumerate(modes):
         mode = mode.split("|")[0 if rank == 0 else 1] if "|" in mode else mode
-        if dt:
-            x = wb.shard_tensor(torch.cat([batch(step, r, n) for r in range(n)]), mesh, [wb.Shard(0)])
-        else:
-            x = batch(step, rank, n)
         if mode == "none":
             continue
+        if dt:
+            # this process's rows (from_local: no collective, so one rank may stop early)
+            x = wb.DistTensor.from_local(batch(step, rank, n), mesh, [wb.Shard(0)])
+        else:
+            x = batch(step, rank, n)
         if mode == "fwd":                   # the next forward only (grad enabled)
             ddp(x, "all")
             continue

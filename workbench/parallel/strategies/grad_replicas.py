@@ -226,7 +226,9 @@ class GradReplicas:
         by dp rank 0 only, as :meth:`_before_grad` keeps it, so the sum is G plus the other
         ranks' new gradients (torch's average of G and each rank's G + g)."""
         g = p._local.grad
-        if g is None:
+        if g is None or not self.find_unused:
+            # (find_unused_parameters=False: torch's reducer never sends it; zeros, so that
+            # a nonzero sum says another rank used it)
             return torch.zeros_like(p._local)
         if getattr(g, "_wb_synced", False) and \
                 any(_B.local_index(self.mesh, a) != 0 for a in self.axes):
