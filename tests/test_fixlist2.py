@@ -76,6 +76,51 @@ def test_stride_of_a_bad_dim_is_torchs_index_error():
         torch.randn(4, 6).stride(2)                  # torch's own: IndexError too
 
 
+
+@pytest.mark.parametrize("mesh_shape,names", MESHES)
+def test_take_is_one_devices_take(mesh_shape, names):
+    """torch.take on DistTensors (was NoRuleError): the input gathered (a flat position
+    mixes every dim), the index's placement passed to the output; values, gradient,
+    negative and out-of-range positions as torch's."""
+    mesh = wb.Mesh.grid(mesh_shape, names)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    idx = torch.randint(-30, 30, (4, 3), generator=g)
+    rep = [wb.Replicate()] * mesh.ndim
+    for px in (rep, [wb.Shard(0)] * mesh.ndim, [wb.Shard(1)] + rep[1:]):
+        for pi in (rep, [wb.Shard(0)] * mesh.ndim, [wb.Shard(1)] * mesh.ndim):
+            leaf = x.clone().requires_grad_()
+            out = torch.take(wb.shard_tensor(leaf, mesh, px), wb.shard_tensor(idx, mesh, pi))
+            ref = torch.take(x, idx)
+            assert out.shape == ref.shape and out.dtype == ref.dtype
+            torch.testing.assert_close(out.full(), ref, rtol=0, atol=0)
+            (out * torch.arange(12.).reshape(4, 3).double()).sum().backward()
+            want = torch.zeros(30, dtype=torch.float64).index_add_(
+                0, idx.reshape(-1) % 30, torch.arange(12.).double()).reshape(5, 6)
+            torch.testing.assert_close(leaf.grad, want)
+    d = wb.shard_tensor(x, mesh, rep)
+    assert torch.equal(d.take(idx).full(), x.take(idx))         # the method, a plain index
+    with pytest.raises(IndexError, match="tried to access index 30 on a tensor of 30"):
+        torch.take(d, torch.tensor([30]))
+    with pytest.raises(RuntimeError, match="Expected a long tensor for index"):
+        torch.take(d, torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("call", [lambda d: torch.quantile(d, 0.3, dim=0),
+                                  lambda d: torch.searchsorted(d[:, 0], torch.tensor([0.1]))])
+def test_quantile_and_searchsorted_refuse_naming_the_op_and_the_workarounds(call):
+    """No rule here (a quantile needs the sorted whole dim, searchsorted a sorted sequence
+    whole): refused by name, with the two workarounds, each of which gives torch's."""
+    from workbench.parallel.ops_table.strategy import NoRuleError
+    x = torch.sort(torch.randn(6, 4, generator=torch.Generator().manual_seed(2)), 0).values
+    d = wb.shard_tensor(x, wb.Mesh.grid(2, ["a"]), [wb.Shard(0)])
+    with pytest.raises(NoRuleError, match=r"(quantile|searchsorted)\(\) has no SPMD rule"
+                       r"(.|\n)*allow_replicate_fallback(.|\n)*full_tensor\(\)"):
+        call(d)
+    with wb.allow_replicate_fallback():
+        torch.testing.assert_close(call(d).full(), call(x))
+    torch.testing.assert_close(call(d.full_tensor()), call(x))
+
 # ---- items 1-3: DDP and a parameter skipped by some or all ranks, held to torch's DDP -----
 import json                                                                 # noqa: E402
 import os                                                                   # noqa: E402
