@@ -118,7 +118,9 @@ def test_bad_compute_dtype_is_named():
 def test_on_a_2d_mesh_along_its_second_dim(wrapper):
     """dp is the mesh's second dim; the module is replicated along the first."""
     mesh = wb.Mesh.grid((2, 2), ("tp", "dp"))
-    w = getattr(wb, wrapper)(make(), mesh, dim="dp")
+    # the toy's unused parameter: torch DDP trains it only with find_unused_parameters
+    kw = {"find_unused_parameters": True} if wrapper == "DistributedDataParallel" else {}
+    w = getattr(wb, wrapper)(make(), mesh, dim="dp", **kw)
     opt = torch.optim.AdamW(w.parameters(), lr=1e-3, weight_decay=0.1)
     ps = [wb.Replicate(), wb.Shard(0)]
     with wb.trace() as tr:

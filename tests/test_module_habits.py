@@ -154,6 +154,7 @@ def test_parallelized_clip_grad_value_and_torchs_own_clip_error(tp):
 # ---- DistributedDataParallel (+ ZeroRedundancyOptimizer) ------------------------------------
 def ddp_setup(n=4, **kw):
     mesh = wb.Mesh.grid(n, ["dp"])
+    kw.setdefault("find_unused_parameters", True)   # the toy's unused parameter, as torch's
     return mesh, wb.DistributedDataParallel(make(), mesh, **kw), make()
 
 

@@ -121,6 +121,7 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
 SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_distops_more.py)
 SAMPLES.update(DATADEP_SAMPLES)    # masked_select, unique... (tests/test_distops_datadep.py)
 SAMPLES.update(CONV_SAMPLES)       # conv, pooling, batch/group norm (tests/test_distops_conv.py)
+SAMPLES["take"] = (lambda x: torch.take(x, torch.tensor([[-1, 9], [0, 23]])), [X])   # fixlist2
 M2 = wb.Mesh.grid(2, ["a"])
 
 

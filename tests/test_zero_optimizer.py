@@ -8,7 +8,8 @@ from tests.dist_scripts.wrappers_model import data, loss_fn, make, one_device, w
 
 
 def ddp_run(mesh, opt_cls, zero: bool, **kw):
-    ddp = wb.DistributedDataParallel(make(), mesh)
+    # the toy's unused parameter: torch DDP trains it only with find_unused_parameters
+    ddp = wb.DistributedDataParallel(make(), mesh, find_unused_parameters=True)
     opt = wb.ZeroRedundancyOptimizer(ddp.parameters(), opt_cls, mesh, **kw) if zero \
         else opt_cls(ddp.parameters(), **kw)
     for ids, y in data(5):

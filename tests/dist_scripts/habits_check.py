@@ -21,7 +21,8 @@ def wrap(kind, m, mesh):
         return wb.FullyShardedDataParallel(m, mesh)
     if kind == "fsdp_units":
         return wb.FullyShardedDataParallel(m, mesh, units={nn.Linear}, prefetch=True)
-    return wb.DistributedDataParallel(m, mesh)
+    # the toy's unused parameter: torch DDP trains it only with find_unused_parameters
+    return wb.DistributedDataParallel(m, mesh, find_unused_parameters=True)
 
 
 def clipped_training(kind, norm_type, n, k):

@@ -69,7 +69,9 @@ def wrapped(kind, opt_name, mesh=None, compute_dtype=None, bucket_bytes=None, st
         w = wb.FullyShardedDataParallel(m, mesh, compute_dtype=compute_dtype,
                                         units={nn.Linear}, prefetch=True)
     else:
-        w = wb.DistributedDataParallel(m, mesh, bucket_bytes=bucket_bytes)
+        # the toy's unused parameter: torch DDP trains it only with find_unused_parameters
+        w = wb.DistributedDataParallel(m, mesh, bucket_bytes=bucket_bytes,
+                                       find_unused_parameters=True)
     if kind == "zero":
         cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
         kw = dict(lr=0.05, momentum=0.9) if opt_name == "sgd" else dict(lr=1e-3, weight_decay=0.1)

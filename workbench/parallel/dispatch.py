@@ -131,7 +131,8 @@ def _no_rule(func, args, kwargs, name):
             f"{name}() is in the op table but its SPMD rule was removed: register one with "
             f"@workbench.register_rule({name!r}) (see notebook 04)")
     fallback = ("run it inside `with workbench.allow_replicate_fallback():` to gather its "
-                "inputs and run it replicated (recorded in the trace)")
+                "inputs and run it replicated (recorded in the trace), or call it on the "
+                "global tensors (`d.full_tensor()`)")
     table = ("add it to the op table with its callables, parse, rule, local implementation "
              "and cost (workbench.parallel.ops_table.table.register; tests/test_op_toy.py "
              "shows one)")

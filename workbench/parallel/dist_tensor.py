@@ -77,6 +77,23 @@ class DistTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def stride(self, dim: int | None = None):
+        """The global tensor's strides, as DTensor's (:mod:`.strides`)."""
+        from .strides import global_stride
+        st = global_stride(self)
+        if dim is None:
+            return st
+        n = len(st)
+        if type(dim) is not int or not -n <= dim < n:
+            raise IndexError(f"stride({dim!r}): dimension out of range for a {n}-d DistTensor"
+                             + (f" (expected a dim in [{-n}, {n - 1}])" if n else ""))
+        return st[dim]
+
+    def is_contiguous(self, memory_format=torch.contiguous_format) -> bool:
+        """torch's ``is_contiguous`` of the global tensor's strides (:mod:`.strides`)."""
+        from .strides import is_contiguous
+        return is_contiguous(self, memory_format)
+
     @property
     def spec(self) -> TensorSpec:
         if self._spec is None:

@@ -81,15 +81,24 @@ class StepPricer:
         self.weight_bytes = (c.n_layer * self.layer_params + self.head_params) \
             * self.weight_bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(c, self.dtype)
+        # what the server holds (kv_capacity): every parameter, not only those a step
+        # multiplies by: the embedding table (and the head, untied), norms, biases, GPT's
+        # position table; the linears at weight_bits, the rest in dtype (quantize_model's
+        # split: a head tied to the embedding stays in dtype)
+        from .roofline import resident_weights
+        quantized, other = resident_weights(c)
+        self.resident_bytes = quantized * self.weight_bits // 8 + other * self.itemsize
 
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the
-        device memory (vLLM's ``gpu_memory_utilization`` default, 0.9)."""
+        device memory (vLLM's ``gpu_memory_utilization`` default, 0.9).  The weights are
+        every parameter the server holds (``resident_bytes``: the embedding and an untied
+        head too), not only the ones a step reads (``weight_bytes``)."""
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
                 or not 0 < utilization <= 1:
             raise ValueError(f"kv_capacity(utilization={utilization!r}): give the share of the "
                              "device memory to use, in (0, 1] (vLLM's default 0.9)")
-        free = self.profile.memory_bytes * utilization - self.weight_bytes
+        free = self.profile.memory_bytes * utilization - self.resident_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 
     def terms(self, prefill=(), decode=()) -> tuple:

@@ -38,7 +38,8 @@ from ..sim_mesh.cost import explain_compute
 from ..sim_mesh.profiles import get_profile
 from .kv_cache import kv_bytes_per_token
 
-__all__ = ["StepCost", "step_cost", "decode_vs_prefill", "linear_weights", "ridge"]
+__all__ = ["StepCost", "step_cost", "decode_vs_prefill", "linear_weights", "resident_weights",
+           "ridge"]
 
 
 def _linear_shapes(cfg) -> list[tuple[int, int]]:
@@ -58,6 +59,28 @@ def linear_weights(cfg) -> int:
     """P: the weights of every linear a token's forward multiplies by (the lm head
     included, tied or not), counted on the model built on the meta device."""
     return sum(o * i for o, i in _linear_shapes(cfg))
+
+
+def resident_weights(cfg) -> tuple[int, int]:
+    """(quantizable, other): the parameters a server holds, each tensor once, counted on
+    the model built on the meta device.  Quantizable: every ``nn.Linear`` weight but a
+    head tied to the embedding (``quantize.quantize_model``'s choice); other: everything
+    else (embedding tables, the tied head with them, norms, biases, a position table).
+    Their sum is ``param_count(cfg).module``."""
+    from ..models.config import build_model
+    _linear_shapes(cfg)                 # the same refusal of a mixture of experts
+    with torch.device("meta"):
+        model = build_model(cfg)
+    tied = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+            for p in m.parameters()}
+    lin = {id(m.weight): m.weight.numel() for m in model.modules()
+           if isinstance(m, nn.Linear) and id(m.weight) not in tied}
+    seen, other = set(lin), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            other += p.numel()
+    return sum(lin.values()), other
 
 
 def ridge(profile="h100", dtype="bfloat16") -> float:

@@ -47,6 +47,7 @@ FAMILIES += ("diagonal",)           # diagonal (trace, diag: composites.py)
 FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex / polar
 FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]: replicated
 FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling, BN / GN / IN
+FAMILIES += ("take",)               # torch.take: the input whole, the index sharded
 
 
 def load():

@@ -35,6 +35,7 @@ from ..placement import Partial, Replicate, Shard
 from . import costs
 from ._util import align, is_tensor
 from .samples import Sample
+from ..strides import canonical_contiguous
 from .strategy import Strategy, combine
 from .table import register
 
@@ -295,9 +296,12 @@ UNARY = {
               lambda g: [(g.rn(7, 3, dtype=torch.float64),)]),
     "contiguous": ((T.contiguous,), None, mul_rule, X),
 }
+# contiguous: shards with a contiguous tensor's strides, size-1 dims too (d.stride(), .strides)
+_LOCALS = {"contiguous": lambda nd, ctx, x, **kw: canonical_contiguous(x, **kw)}
 for _n, (_fs, _fl, _rule, _args) in UNARY.items():
     _register(_n, _fs, _rule, _fl, op_class="data_movement" if _fl is None else "elementwise",
-              sample=_args and (lambda g, f=_fs[0], a=_args: [Sample(f, x) for x in a(g)]))
+              sample=_args and (lambda g, f=_fs[0], a=_args: [Sample(f, x) for x in a(g)]),
+              local=_LOCALS.get(_n))
 
 register("positive", [torch.positive, T.positive], parse=_parse, rule=mul_rule,
          local=_local(torch.positive), cost=costs.view, op_class="view")

@@ -34,9 +34,12 @@ Data Parallel Training", VLDB; ``torch.nn.parallel.DistributedDataParallel``):
   ranks all-reduce which parameters they used (one int32 each) after the last bucket,
   as torch's reducer does.  Where torch's reducer raises or hangs, this one raises too:
   a gradient reaching a parameter the outputs do not reach (a loss using a tensor
-  forward stored instead of returned), a graph that changes under ``static_graph``, and
+  forward stored instead of returned), a graph that changes under ``static_graph``,
   (torch.distributed, ``find_unused_parameters=False``) a parameter used on some ranks
-  only.
+  only, and (``find_unused_parameters=False``) a trainable parameter a backward left
+  without a gradient (no hook ran; a stale ``.grad`` does not count): the next forward
+  with grad enabled raises torch's "Expected to have finished reduction in the prior
+  iteration", naming it (:mod:`.unfinished`).
 
 Frozen parameters (``requires_grad=False``) get no hook and stay frozen; a
 parameter used nowhere keeps ``grad=None`` (its bucket carries zeros for it, as torch's

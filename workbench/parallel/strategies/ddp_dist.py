@@ -19,10 +19,16 @@ hooks saw, 1 MiB then 25 MiB, ``bucket_cap_mb`` honoured), over each rank's loca
 contiguous buffer, Megatron-LM's ``DistributedDataParallel`` without overlap).
 ``GradReplicas`` without a policy (``DataParallel``, the hybrid recipe) keeps
 ``bucket_bytes=None`` as one all-reduce per gradient.  Unlike torch's reducer, on
-simulated ranks a parameter with no gradient is left out of its bucket's message (no
-``find_unused_parameters`` map is exchanged); on torch.distributed every process sends it
-as zeros (the processes' buffers must line up), and one with no gradient here but one on
-another rank raises (the replicas would drift apart).
+simulated ranks a parameter with no gradient is left out of its bucket's message.  Which
+parameters a backward used is read from the grad hooks, as torch's reducer reads it (not
+from ``.grad``: a stale one from an earlier step, or an exact zero, changes nothing).
+With ``find_unused_parameters=True`` the processes all-reduce that map (torch's
+``local_used_map``, one int32 each, every step): a parameter used on some ranks gets the
+average on all (a skipping rank sends its ``.grad``, zeros if None, as torch's bucket
+holds it), one used nowhere keeps its ``.grad``.  With ``find_unused_parameters=False``
+(torch's reducer then never finishes: it raises at the next forward, or hangs) a skipping
+rank sends zeros; it raises at once if the sum shows another rank's gradient, else at its
+next forward with torch's "Expected to have finished reduction" (:mod:`.unfinished`).
 
 The reduction runs when :meth:`DistTensorDDP.finish_gradient_synchronization` is called,
 after every backward of the step: Megatron-LM's ``overlap_grad_reduce=False``, which a
@@ -106,8 +112,11 @@ class DistTensorDDP(DistributedDataParallel):
             raise NotImplementedError(f"broadcast_from={broadcast_from!r} over DistTensor "
                                       "parameters: the replicas start from dp rank 0's copy")
         object.__setattr__(self, "module", module)
+        static = bool(torch_kwargs.get("static_graph", False))
         self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
-                                     partial_dim, "DistributedDataParallel", policy)
+                                     partial_dim, "DistributedDataParallel", policy,
+                                     find_unused=None if static else
+                                     bool(torch_kwargs.get("find_unused_parameters", False)))
         self._names = [name for name, _ in params]
         if len(self._names) == len(self.replicas.params):   # (a tied weight: one of two)
             self.replicas.names = self._names
@@ -116,6 +125,7 @@ class DistTensorDDP(DistributedDataParallel):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self.replicas.ensure_prior_reduction_finished()     # torch's rebuild_buckets does
             self.replicas.rebuild_buckets()
         return self.module(*args, **kwargs)
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .ddp_buckets import sync_bucket_indices
 from .flat_shards import pack, unpack
 from .rank_grads import as_rank_rows
+from .unfinished import prior_reduction_error
 
 __all__ = ["Reducer"]
 
@@ -34,6 +35,7 @@ class Reducer:
     def _rebuild_buckets(self):
         """torch's ``Reducer::rebuild_buckets`` before a forward: the buckets in the order
         the recorded backward produced the gradients, rank 0's sent to every rank."""
+        self._ensure_prior_reduction_finished()
         book, g = self._book, self.group
         if book.pending is None:
             return
@@ -44,6 +46,19 @@ class Reducer:
             lambda n: g.wait(g.record("broadcast", n, "ddp rebuild buckets")), cast)
         book.rebuild(buckets)
         self._reset()
+
+    def _ensure_prior_reduction_finished(self):
+        """torch's ``Reducer::ensure_prior_reduction_finished`` (run by ``rebuild_buckets``
+        before a forward with grad enabled): the last backward left trainable parameters
+        without a gradient under ``find_unused_parameters=False``, so torch's reducer never
+        finished it; raise as torch does, naming them (:func:`.unfinished.prior_reduction_error`)."""
+        left = getattr(self, "_unfinished", None)
+        if left:
+            self._unfinished = None
+            names = {id(q): n for n, q in self.module.named_parameters()}
+            rank = dist.get_rank(self.group.pg) if self.group.distributed else None
+            raise prior_reduction_error([(i, names.get(id(self._book.params[i]), "?"))
+                                         for i in left], rank)
 
     # ---- gradient synchronization ---------------------------------------------------------
     def _reset(self):
@@ -162,9 +177,18 @@ class Reducer:
             ps = book.buckets[b]
             pieces = [flat] if len(ps) == 1 else unpack(flat, [p.shape for p in ps])
             out += [(p, piece, len(ps)) for p, piece in zip(ps, pieces)]
+        unmarked = set()
+        if not self._find_unused and not self._static:
+            # find_unused_parameters=False: a trainable parameter no hook marked in this
+            # backward (here: on any rank) leaves torch's reducer unfinished; the next
+            # forward raises as torch's (a stale .grad from an earlier step changes nothing:
+            # marked is the hooks', not the values')
+            unmarked = {i for i in range(len(book.params)) if i not in book.marked}
         if used is None:
             self._refuse_used_elsewhere(out)
         for p, piece, size in out:
+            if book.index[id(p)] in unmarked:
+                continue                        # torch's reduction never finished: as it is
             if p.grad is None and used is not None and used[book.index[id(p)]]:
                 p.grad = piece.clone()          # used on another rank: torch gives it one
             elif p.grad is None:
@@ -175,6 +199,7 @@ class Reducer:
                 p.grad.copy_(piece)
         book.backward_done()
         self._reset()
+        self._unfinished = sorted(unmarked) or None
 
     def _refuse_used_elsewhere(self, out):
         """torch.distributed without the used-parameter map (``find_unused_parameters=
@@ -183,6 +208,8 @@ class Reducer:
         to have finished reduction" at the next forward); keeping ``grad=None`` here while
         the other ranks step it would let the replicas drift apart, so raise, before any
         gradient is written."""
+        # no gradient here and a nonzero average: used on another rank (a zero average
+        # says nothing, unmarked parameters are refused at the next forward)
         late = [p for p, piece, _ in out if p.grad is None and bool(piece.any())]
         if late:
             names = {id(q): n for n, q in self.module.named_parameters()}

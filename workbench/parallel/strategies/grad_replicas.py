@@ -20,6 +20,7 @@ from .flat_shards import pack, unpack
 from .rank_grads import ReplicaGrad, as_replica_grad
 from .ddp_buckets import BucketBook, sync_bucket_indices
 from .ranks import bucket_order
+from .unfinished import prior_reduction_error
 
 __all__ = ["GradReplicas"]
 
@@ -31,7 +32,8 @@ class GradReplicas:
     them (:mod:`.flat_dims`).  ``who`` names the caller in errors."""
 
     def __init__(self, params, mesh, dim="dp", bucket_bytes=None, partial_grads=(),
-                 partial_dim="tp", who: str = "DistributedDataParallel", policy=None):
+                 partial_dim="tp", who: str = "DistributedDataParallel", policy=None,
+                 find_unused=None):
         params = [p for _, p in params] if params and isinstance(params[0], tuple) \
             else list(params)
         # a tensor listed twice (a tied weight from two modules) is one parameter
@@ -98,6 +100,12 @@ class GradReplicas:
         # backward that all-reduces only (its hooks return early under no_sync)
         self.mark_ready = True
         self.names = None                   # the parameters' names, for errors (the wrapper's)
+        # DistributedDataParallel's find_unused_parameters (None: not DDP, or static_graph:
+        # no check): which parameters each backward used is read from the hooks
+        # (self.used, torch's local_used_map), never from the gradients' values
+        self.find_unused = find_unused
+        self.used: set = set()              # ids of parameters whose hook ran since the sum
+        self.unfinished = None              # find_unused=False: [index] no hook marked
         if policy is not None and bucket_bytes is None:
             trainable = [p for p in self.params if id(p) in self.hooked]
             lead = (0,) * mesh.ndim
@@ -150,6 +158,7 @@ class GradReplicas:
 
     def _grad_hook(self, p):
         def hook(leaf):             # a gradient backward accumulated: not summed over dp
+            self.used.add(id(p))
             if self.book is not None and self.mark_ready:
                 self.book.mark_ready(p, launch=False)   # the order the rebuild takes
             if leaf.grad is not None:
@@ -177,25 +186,72 @@ class GradReplicas:
                   if p._local.grad is not None and
                   not getattr(p._local.grad, "_wb_synced", False)]
         absent: list = []
+        # by the hooks (DDP): the trainable parameters no backward since the last sum used
+        # here, whatever their .grad holds (None, or a stale one from an earlier step)
+        unmarked = [p for p in self.params if id(p) in self.hooked and id(p) not in self.used] \
+            if self.find_unused is not None and everyone else None
         if self.distributed and everyone:
             # processes: every one sends the same buffers (torch's bucket contents), a
             # parameter without a gradient here as zeros; left out, the processes' buffers
             # would not line up (a hang, or one parameter summed with another)
-            absent = [p for p in self.params if id(p) in self.hooked and p._local.grad is None]
+            absent = unmarked if unmarked is not None else \
+                [p for p in self.params if id(p) in self.hooked and p._local.grad is None]
             keep = {id(p) for p in params + absent}
             params = [p for p in self.params if id(p) in keep]
         self.sum_partials(params)
-        grads = [torch.zeros_like(p._local) if p._local.grad is None else p._local.grad
+        absent_ids = {id(p) for p in absent}
+        grads = [self._absent_grad(p) if id(p) in absent_ids else p._local.grad
                  for p in params]
         summed = self._all_reduce(grads, params)
-        absent_ids = {id(p) for p in absent}
-        self._refuse_used_elsewhere(params, summed, absent_ids)
+        # every process all-reduces the map each step (torch's), whether it skipped any
+        used = self._used_map() if self.find_unused and self.distributed and everyone else None
+        if not self.find_unused:
+            self._refuse_used_elsewhere(params, summed, absent_ids)
         for p, g in zip(params, summed):
-            if id(p) not in absent_ids:             # no gradient on any rank: stays None
-                p._local.grad = self._replica_grad(p, g, True)
+            if id(p) in absent_ids and not (used is not None and used[id(p)]):
+                continue        # used on no rank (or find_unused=False): left as it is
+            p._local.grad = self._replica_grad(p, g, True)
+        if unmarked and self.find_unused is False:
+            # torch's reducer is left waiting for them: the next forward raises
+            ids = {id(p) for p in unmarked}
+            self.unfinished = [i for i, p in enumerate(self.params) if id(p) in ids]
+        self.used = set()
         if self.book is not None and params:
             self.book.backward_done()
             self.book.reset()
+
+    def _absent_grad(self, p):
+        """What a parameter no hook marked here sends (torch's bucket contents: its .grad,
+        zeros if None).  A stale gradient already summed (every replica the sum G) is sent
+        by dp rank 0 only, as :meth:`_before_grad` keeps it, so the sum is G plus the other
+        ranks' new gradients (torch's average of G and each rank's G + g)."""
+        g = p._local.grad
+        if g is None or not self.find_unused:
+            # (find_unused_parameters=False: torch's reducer never sends it; zeros, so that
+            # a nonzero sum says another rank used it)
+            return torch.zeros_like(p._local)
+        if getattr(g, "_wb_synced", False) and \
+                any(_B.local_index(self.mesh, a) != 0 for a in self.axes):
+            return torch.zeros_like(g)
+        return g
+
+    def _used_map(self) -> dict:
+        """torch's all-reduce of which parameters each rank used (``local_used_map``, one
+        int32 per trainable parameter, ``find_unused_parameters=True``): {id: used on any
+        rank}.  Processes only (simulated ranks run one forward: used by all or by none)."""
+        ps = [p for p in self.params if id(p) in self.hooked]
+        here = torch.tensor([id(p) in self.used for p in ps], dtype=torch.int32)
+        summed = self._sum(here.reshape((1,) * self.mesh.ndim + (-1,)), "ddp used params")
+        return {id(p): bool(u) for p, u in zip(ps, summed.reshape(-1).tolist())}
+
+    def ensure_prior_reduction_finished(self) -> None:
+        """Before a forward with grad enabled: raise torch's error for a backward that left
+        parameters unmarked under ``find_unused_parameters=False`` (:mod:`.unfinished`)."""
+        left, self.unfinished = self.unfinished, None
+        if left:
+            names = self.names or [f"parameter {i}" for i in range(len(self.params))]
+            rank = _B.rank() if self.distributed else None
+            raise prior_reduction_error([(i, names[i]) for i in left], rank)
 
     def _refuse_used_elsewhere(self, params, summed, absent) -> None:
         """A parameter with no gradient on this process whose sum is not zero had one on
@@ -208,7 +264,8 @@ class GradReplicas:
             raise RuntimeError(
                 f"{self.who}: {which[:3]} received no gradient on this rank but one on "
                 "another (the ranks' forwards used different parameters), so the replicas "
-                "would drift apart; use every parameter on every rank")
+                "would drift apart; pass find_unused_parameters=True (torch's argument for a "
+                "forward that skips parameters), or use every parameter on every rank")
 
     @torch.no_grad()
     def rebuild_buckets(self) -> None:
