@@ -121,8 +121,12 @@ def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
         raise CheckError("no communication, but the output differs from one device's: "
                          "a rule is wrong (please report it)")
     outs = " -> ".join(f"{r.op} {_fmt(r.outputs[0])}" for r in table.rows)
+    b0 = params["0.bias"]
+    note = (f" (0.bias stays {_fmt(b0.placements)}: every rank stores all {hidden} values and "
+            f"cuts out its {hidden // tp}; Megatron splits it with the weight, ['S(0)'])"
+            if all(p.is_replicate() for p in b0.placements) else "")
     _ok(f"{outs} with no forward communication; the output is {y.notation()}: one all-reduce "
-        "when it is needed whole (Megatron's g)")
+        f"when it is needed whole (Megatron's g){note}")
 
 
 # ---- 04 SPMD propagation: a rule for cumsum ------------------------------------------------------
