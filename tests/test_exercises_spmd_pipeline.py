@@ -26,7 +26,8 @@ def test_mlp_plan(capsys):
     col, row = {"0.weight": ["S(0)"], "0.bias": ["S(0)"]}, {"2.weight": ["S(1)"]}
     out = passes(capsys, ex.check_mlp_plan, {**col, **row})
     assert "linear [S(1)] -> relu [S(1)] -> linear [P(sum)]" in out and "{U_tp}" in out
-    passes(capsys, ex.check_mlp_plan, {"0.weight": ["S(0)"], "2.weight": ["S(1)"]})  # bias R
+    out = passes(capsys, ex.check_mlp_plan, {"0.weight": ["S(0)"], "2.weight": ["S(1)"]})
+    assert "0.bias stays [R]: every rank stores all 64 values and cuts out its 16" in out
     passes(capsys, ex.check_mlp_plan, {"0": "colwise", "2": "rowwise"}, styles=True)
     # section 5 of notebook 04 shows the styles: the exercise asks for placements
     fails(r"your plan names styles .*section 5 already wrote", ex.check_mlp_plan,
@@ -115,10 +116,28 @@ def test_cumsum_rule_right(capsys, cumsum_slot):
      r"accepts P\(max\).*not with max"),
     (lambda x, dim: solution(x, dim)[::-1],                  # P(sum) first, R last: a tie
      r"x \[R\].*offers \[R\] -> \[R\], but lists it after \[P\(sum\)\] -> \[P\(sum\)\]"
-     r".*x is kept on one rank, zeros on the others.*before the Partial one"),
+     r".*x is kept on one rank, zeros on the others.*before the Partial one"),    (lambda x, dim: solution(x, dim)[1:],                    # no R -> R: x [R] is cut
+     r"x \[R\] of shape \(4, 8\).*offers no strategy that uses x as it is.*cumsum comes out "
+     r"\[S\(0\)\], sharded where x was replicated.*Offer \[R\] -> \[R\] too"),
+    (lambda x, dim: solution(x, dim)[1:-1] + solution(x, dim)[:1] + solution(x, dim)[-1:],
+     r"x \[R\].*offers \[R\] -> \[R\], but lists it after \[S\(0\)\] -> \[S\(0\)\]"
+     r".*each rank cuts its slice of x.*keep x as it is first"),    # S before R: a tie
 ])
 def test_cumsum_rule_wrong(options, match, cumsum_slot):
     fails(match, ex.check_cumsum_rule, register(rule_from(options)))
+
+
+def test_the_librarys_own_rule_passes_negative_dims_included(capsys):
+    """The library's cumsum rule (the op table's) passes the exercise's check, whose cases
+    ask infer with dim=-1: a rule must wrap a negative dim itself, as infer hands it the
+    user's dim (the dispatcher's parse wraps it before a run).  Softmax, on the same helper,
+    decides alike for dim=-1 and dim=1."""
+    passes(capsys, ex.check_cumsum_rule, RULES["cumsum"])
+    spec = wb.TensorSpec((4, 8), wb.Mesh.grid(4, ["x"]), ["S(1)"])
+    for op in ("softmax", "cumsum"):
+        neg, pos = (wb.spmd.infer(op, spec, dim=d) for d in (-1, 1))
+        assert [c.strategy for c in neg.candidates] == [c.strategy for c in pos.candidates], op
+        assert neg.inputs[0] != (Sh(1),), op        # the scanned dim is never left sharded
 
 
 def test_cumsum_rule_mistakes_in_the_code(cumsum_slot):

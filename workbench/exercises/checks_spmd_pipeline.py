@@ -121,8 +121,12 @@ def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
         raise CheckError("no communication, but the output differs from one device's: "
                          "a rule is wrong (please report it)")
     outs = " -> ".join(f"{r.op} {_fmt(r.outputs[0])}" for r in table.rows)
+    b0 = params["0.bias"]
+    note = (f" (0.bias stays {_fmt(b0.placements)}: every rank stores all {hidden} values and "
+            f"cuts out its {hidden // tp}; Megatron splits it with the weight, ['S(0)'])"
+            if all(p.is_replicate() for p in b0.placements) else "")
     _ok(f"{outs} with no forward communication; the output is {y.notation()}: one all-reduce "
-        "when it is needed whole (Megatron's g)")
+        f"when it is needed whole (Megatron's g){note}")
 
 
 # ---- 04 SPMD propagation: a rule for cumsum ------------------------------------------------------
@@ -321,6 +325,23 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
                     f"free ({how}), but every rank then holds a "
                     f"whole-size tensor and a reduction comes later. x can be used as it is: "
                     f"{_fmt(as_is[0].inputs[0])} -> {_fmt(as_is[0].outputs[0])} "
+                    f"({as_is[0].note})")
+            # free but a change of layout: a replicated x cut into shards (a local slice), so
+            # the cumsum comes out sharded where x was whole
+            if as_is and got.strategy.inputs[0] != tuple(ps):
+                cut = (f"so each rank cuts its slice of x (free) and the cumsum comes out "
+                       f"{_fmt(got.strategy.outputs[0])}, sharded where x was replicated: an "
+                       f"op that needs it whole then pays an all-gather")
+                if offered:
+                    raise CheckError(
+                        f"for {where} your rule offers {_fmt(ps)} -> "
+                        f"{_fmt(offered[0].strategy.outputs[0])}, but lists it after "
+                        f"{_fmt(got.strategy.inputs[0])} -> {_fmt(got.strategy.outputs[0])}: "
+                        f"both are free, and a tie goes to the rule's first strategy, {cut}. "
+                        f"List the options that keep x as it is first")
+                raise CheckError(
+                    f"for {where} your rule offers no strategy that uses x as it is, {cut}. "
+                    f"Offer {_fmt(as_is[0].inputs[0])} -> {_fmt(as_is[0].outputs[0])} too "
                     f"({as_is[0].note})")
     spec = TensorSpec((4, 8), Mesh.grid(4, ["x"]), ["S(1)"])
     dec = infer(op, spec, dim=1)

@@ -143,7 +143,11 @@ for _k, _fs, _parse, _rule in (("sum", (torch.sum, T.sum), _sum_parse, sum_rule)
 # ---- softmax, log_softmax: along one dim ---------------------------------------------
 
 def along_dim_options(x, dim, keepdim=True, linear=False):
-    """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear."""
+    """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear.
+    A negative dim counts from the end (the dispatcher's parse has wrapped it already;
+    ``spmd.infer`` hands the rule the user's dim as given)."""
+    if dim is not None and x.ndim:
+        dim = dim % x.ndim
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if (dim is None or d != dim) and x.shape[d] > 1 and dim is not None:
