@@ -147,3 +147,32 @@ def test_planner_and_clock_agree(profile):
     assert r.backward.exposed == pytest.approx(
         ops["tp_grad_qkv"].exposed + ops["tp_grad_fc1"].exposed, rel=1e-9)
     assert r.backward.exposed > 0
+
+
+@pytest.mark.parametrize("async_allreduce", [True, False])
+def test_the_layer_cost_charges_what_is_exposed(async_allreduce):
+    """``costs.layer_cost``'s communication is the TP collectives' exposed time, its compute
+    the rest of the layer: the backward's all-reduces beside their wgrad GEMMs are compute
+    time where hidden; before 2021-09 (``async_allreduce=False``) all of each is charged."""
+    from workbench.models import get_config
+    from workbench.plan import costs
+    from workbench.plan.layer_cost import layer_times
+    from workbench.sim_mesh.profiles import get_profile
+    cfg = get_config("gpt-22b")
+    prof = get_profile("a100")
+    kw = dict(h=cfg.d_model, a=cfg.n_head, s=cfg.seq_len, b=1, tp=8, recompute="none",
+              ffn=cfg.d_ff, dtype=cfg.dtype, profile=prof, tp_ranks=list(range(8)),
+              async_allreduce=async_allreduce)
+    ops = layer_ops(**kw)
+    lt = layer_times(**kw)
+    c = costs.layer_cost(cfg, 1, 8, False, "none", prof, async_allreduce=async_allreduce)
+    one = costs.group_price("all_reduce", 2 * cfg.seq_len * cfg.d_model, tuple(range(8)), prof)
+    bwd = [o for o in ops if o.phase == "backward" and o.op_class == "all_reduce"]
+    assert [o.seconds for o in bwd] == pytest.approx([one, one], rel=1e-12)
+    assert c.fwd_comm == pytest.approx(2 * one, rel=1e-12)
+    assert c.bwd_comm == pytest.approx(sum(o.exposed for o in bwd), rel=1e-12)
+    assert c.bwd_compute + c.bwd_comm == pytest.approx(lt.backward, rel=1e-12)
+    if async_allreduce:
+        assert c.bwd_comm < 2 * one                        # hidden beside fc1's, qkv's wgrad
+    else:
+        assert c.bwd_comm == pytest.approx(2 * one, rel=1e-12)
