@@ -58,7 +58,8 @@ def test_chunk_matmul_priced_as_a_gemm_with_a_launch(name, k):
 
 def test_multi_copy_ffn_forward_and_backward_priced_per_kernel_class():
     """FFN of one copy (b=1, S, H, F/p): up GEMM, GeLU (elementwise), down GEMM; its
-    backward dX (two GEMMs + GeLU') and dW (two GEMMs) are priced too."""
+    backward as Megatron-LM runs it: w2's dX and dW, GeLU' and w1's dX, then w1's dW
+    beside the all-reduce (``overlap_multicopy_kernels``)."""
     prof = get_profile("a100")
     b, S, H, heads, F, p = 2, 1024, 2048, 16, 8192, 4
     mesh = wb.Mesh.grid(p, ("tp",))
@@ -68,13 +69,15 @@ def test_multi_copy_ffn_forward_and_backward_priced_per_kernel_class():
     def mm(m, k, n):
         return gemm_roofline(m, k, n, (m * k + k * n + m * n) * e, prof)
     fwd = mm(T, H, Fl) + roofline(8 * T * Fl, 2 * T * Fl * e, prof, "elementwise") + mm(T, Fl, H)
-    dx = mm(T, H, Fl) + roofline(10 * T * Fl, 3 * T * Fl * e, prof, "elementwise") + mm(T, Fl, H)
-    dw = mm(Fl, T, H) + mm(H, T, Fl)
+    down = mm(T, H, Fl) + mm(Fl, T, H)
+    dx = roofline(10 * T * Fl, 3 * T * Fl * e, prof, "elementwise") + mm(T, Fl, H)
+    dw = mm(H, T, Fl)
     got = {e.label: e.args.get("alone", e.duration)      # priced alone (trace.py)
            for e in r.forward.events + r.backward.events if e.stream == "compute"}
     assert got["ffn A"] == pytest.approx(fwd, rel=1e-12)
+    assert got["w2 dX dW A"] == pytest.approx(down, rel=1e-12)
     assert got["ffn dX B"] == pytest.approx(dx, rel=1e-12)
-    assert got["ffn dW A"] == pytest.approx(dw, rel=1e-12)
+    assert got["w1 dW A"] == pytest.approx(dw, rel=1e-12)
     phases = {e.args["phase"] for e in r.backward.events if e.stream == "compute"}
     assert phases == {"backward"}
 

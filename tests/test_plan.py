@@ -302,14 +302,19 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
     from collections import namedtuple
 
     from workbench.plan import costs
-    LT = namedtuple("LayerTimes", "forward backward combined breakdown")
+    LT = namedtuple("LayerTimes", "forward backward combined ops")
     seen = {}
+    # the priced collectives: what each leaves exposed is the layer's communication
+    ops = ({"name": "tp_out_1", "phase": "forward", "op_class": "all_reduce", "exposed": 0.9e-3},
+           {"name": "fc1_gemm", "phase": "forward", "op_class": "matmul", "exposed": 2e-3},
+           {"name": "tp_grad_fc1", "phase": "backward", "op_class": "all_reduce",
+            "exposed": 0.1e-3})
 
     def fake(h, a, s, b, tp, sp=False, recompute="none", ffn=None, dtype="bfloat16",
              profile="a100", tp_ranks=None):
         seen.update(h=h, a=a, s=s, b=b, tp=tp, sp=sp, recompute=recompute, ffn=ffn,
                     tp_ranks=tp_ranks)
-        return LT(7.7e-3, 11.9e-3, 19.6e-3, {})
+        return LT(7.7e-3, 11.9e-3, 19.6e-3, ops)
     monkeypatch.setattr(costs, "_layer_times", fake)
     costs.layer_cost.cache_clear()
     try:
@@ -321,8 +326,8 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
                         ffn=4 * 6144, tp_ranks=list(range(8)))
     assert c.fwd_compute + c.fwd_comm == pytest.approx(7.7e-3)
     assert c.bwd_compute + c.bwd_comm == pytest.approx(11.9e-3)
-    assert c.fwd_comm > 0 and c.fwd_comm == costs._tp_comm(2 * 2048 * 4 * 6144, 8, False,
-                                                           A100.profile)[0]
+    assert (c.fwd_comm, c.bwd_comm) == (0.9e-3, 0.1e-3)
+    assert c.comm_bytes == costs._tp_comm(2 * 2048 * 4 * 6144, 8, False, A100.profile)[1] * 2
 
 
 def test_zero3_counts_its_working_copies():

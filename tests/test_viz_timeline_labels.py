@@ -20,7 +20,7 @@ from workbench.viz.timeline_labels import (MARKS, fits, key_lines,  # noqa: E402
 @pytest.fixture(scope="module")
 def notebook10():
     """Notebook 10's multi-copy layer (hidden 8,192, FFN 32,768, seq 4,096, micro-batch 2,
-    tp 8, two copies, ascend-910b): its all-reduces and attention dW are short bars."""
+    tp 8, two copies, ascend-910b): its all-reduces and wqkv dW are short bars."""
     return multi_copy_estimate(2, seq=4096, hidden=8192, heads=64, ffn=32768,
                                mesh=wb.Mesh.grid(8, ("tp",)), axis="tp", copies=2,
                                profile="ascend-910b")
@@ -60,7 +60,7 @@ def test_every_bar_of_the_multicopy_step_is_named(notebook10, step):
         assert entries["attention A"] == "①" and entries["attention B"] == "②"
         assert named[next(w for w, l in bars.items() if l == "attention A" and w[1] == 1)] == "①"
     else:
-        assert {"attention dW A", "attention dW B"} <= set(entries)
+        assert {"wqkv dW A", "wqkv dW B"} <= set(entries)
 
 
 def test_the_key_sits_under_the_axis_label_inside_the_figure(notebook10):

@@ -18,9 +18,15 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   per layer two all-reduces of 2 s b h bytes forward and two backward; with sequence
   parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
   recompute repeats the forward's in backward.  Priced with ``sim_mesh.cost.price`` on
-  the TP group's ranks (consecutive: see ``layout``).  Not overlapped with compute
-  (Megatron-LM 2021-22 issues them synchronously) unless ``tp_comm_overlap``
-  (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``).
+  the TP group's ranks (consecutive: see ``layout``).  The forward's block the compute
+  stream (Megatron-LM issues them synchronously) unless ``tp_comm_overlap``
+  (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``); in backward the all-reduce
+  (SP: reduce-scatter) of a column-parallel linear's input gradient runs beside THAT
+  linear's weight-gradient GEMM (Megatron-LM since 16c90445e7, 2021-09:
+  ``LinearWithGradAccumulationAndAsyncCommunication``; ``layer_cost``), and SP's
+  re-gathering of its input beside its input-gradient GEMM.  A ``LayerCost``'s comm is
+  what the collectives leave exposed, op by op, its compute the rest of the layer's time
+  (as ``plan.ep_cp`` splits a layer with experts or context parallelism).
 """
 from __future__ import annotations
 
@@ -82,10 +88,10 @@ def model_and_hardware_flops(cfg, batch: int, recompute: str) -> tuple[float, fl
 @dataclass(frozen=True)
 class LayerCost:
     """One layer, one micro-batch, one TP rank: seconds and bytes sent."""
-    fwd_compute: float
-    fwd_comm: float
-    bwd_compute: float          # backward, with its recompute
-    bwd_comm: float
+    fwd_compute: float          # the compute stream's seconds (GEMMs stretched beside
+    fwd_comm: float             # a collective included); comm: what the collectives
+    bwd_compute: float          # leave on the critical path (exposed); backward: with
+    bwd_comm: float             # its recompute
     comm_bytes: float           # bytes this rank sends, forward + backward
 
     @property
@@ -114,16 +120,15 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
     linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
-    overlapped as Megatron-LM's ``--tp-comm-overlap`` (``plan.tp_overlap``), the
-    communication then the collectives' exposed seconds; ``async_allreduce=False``: the
+    overlapped as Megatron-LM's ``--tp-comm-overlap`` (``plan.tp_overlap``); the
+    communication is the collectives' exposed seconds; ``async_allreduce=False``: the
     backward input-gradient all-reduces on the critical path, as Megatron-LM of 2021 and
     Megatron-DeepSpeed run them (``layer_cost``, ``plan.megatron_2021``);
     ``main_grad=False``: weight gradients written in 16 bits; ``early_stop``: a Llama
     block's full recompute as PyTorch's non-reentrant checkpoint stops it
     (``layer_cost``)."""
     s, h = cfg.seq_len, cfg.d_model
-    comm_f, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
-    comm_b = comm_f * (2 if recompute == "full" else 1)
+    _, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     sent = sent_f * (3 if recompute == "full" else 2)
     extra = {} if attention == "materialized" else {"attention": attention}
     if fp8:
@@ -143,13 +148,13 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     if recompute == "full" and early_stop and tp > 1 and not any(
             o["phase"] == "recompute" and o["name"] == "tp_out_2" for o in lt.ops):
         # the early stop (llama_layer.full_recompute) re-runs the block up to w2's input:
-        # not its closing all-reduce (reduce-scatter with sp), which 2 x / 3 x above count
-        k, n = ("reduce_scatter" if sp else "all_reduce"), 2 * s * b * h
-        comm_b -= group_price(k, n, tuple(range(tp)), profile)
-        sent -= wire_bytes(k, n, tp)
-    if tp_comm_overlap:    # what the collectives leave exposed, forward and after
-        comm_f, comm_b = (sum(o["exposed"] for o in lt.ops if o["op_class"] in _KINDS
-                              and (o["phase"] == "forward") == fwd) for fwd in (True, False))
+        # not its closing all-reduce (reduce-scatter with sp), which 3 x above counts
+        sent -= wire_bytes("reduce_scatter" if sp else "all_reduce", 2 * s * b * h, tp)
+    # what the collectives leave exposed, forward and after (module docstring): the
+    # backward's input-gradient collectives hidden beside their linear's weight gradient
+    # (all of it on the critical path with async_allreduce=False), the recompute's as run
+    comm_f, comm_b = (sum(o["exposed"] for o in lt.ops if o["op_class"] in _KINDS
+                          and (o["phase"] == "forward") == fwd) for fwd in (True, False))
     return LayerCost(max(lt.forward - comm_f, 0.0), min(comm_f, lt.forward),
                      max(lt.backward - comm_b, 0.0), min(comm_b, lt.backward), sent)
 

@@ -27,7 +27,15 @@ input gradient once autograd has run the linear's backward (both GEMMs), on the
 critical path (``plan.megatron_2021``). While they overlap, the
 collective's kernel holds some of the SMs (``cost.overlap``: NCCL's 16 of the
 A100's 108), so the GEMM is stretched and the pair costs more than
-max(GEMM, collective). Every other collective is on the critical path.
+max(GEMM, collective). Every other collective is on the critical path.  The rule is per
+linear: the row-parallel linear's weight gradient runs before the collective is issued
+and hides none of it, and the LayerNorm backward after it waits for it (as the
+DistTensor recipe's clock, ``ops_table.pricing.wgrad_overlap``, and the multi-copy
+layer, ``overlap_multicopy_kernels``, run it).  Left out: Megatron-LM's linear also sums
+its bias gradient (``grad_output.sum(dim=0)``, QKV's: fc1's comes from the fused
+bias-GeLU) after the weight-gradient GEMM and before ``handle.wait()``; it is priced here
+before the GEMMs, on the critical path, so it hides nothing (at most its own time: 22 us
+of Table 4's 19.4 ms layer, whose collectives are hidden anyway).
 
 Recompute: "selective" re-runs the attention core (Q K^T, softmax, dropout, P V,
 permute: Megatron's checkpointed ``CoreAttention``) before its backward; "full"

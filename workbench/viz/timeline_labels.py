@@ -2,7 +2,7 @@
 circled number in the bar and the label in a key under the axis ("① attention A").
 
 A short bar (notebook 10's all-reduce of one copy, "attention A"; a short backward
-kernel, "attention dW A") keeps its name this way instead of losing it.  One number per
+kernel, "wqkv dW A") keeps its name this way instead of losing it.  One number per
 distinct label: the same label on several ranks or bars reads with one key entry.  A bar
 too narrow even for its number (under ``MARK_PT`` points) stays unmarked, as do labels
 past the tenth keyed one (the font has circled numbers ① to ⑩ only); ``place_labels``

@@ -14,11 +14,16 @@ the weights: while A's all-reduce runs, B computes, and the other way round::
     compute | A.attn | B.attn | A.ffn  | B.ffn  |
     comm             | A.ar   | B.ar   | A.ar   | B.ar  <- only the last one shows
 
-Backward runs the blocks in reverse; each copy computes its input gradient
-(dX), starts that all-reduce, then computes its weight gradients (dW) while it
-runs (as Megatron-LM's async tensor-parallel all-reduce does), then the other
-copy follows.  Forward can hide at most 3 of 4 all-reduces (the last waits for
-the layer's end); backward also hides the last one behind B's attention dW.
+Backward runs the blocks in reverse, copy by copy, each block as Megatron-LM runs
+it (``wgrad="per_linear"``, ``overlap_multicopy_kernels``): the row-parallel linear's
+input and weight gradients, the core's backward, the column-parallel linear's input
+gradient (dX); then that dX's all-reduce starts and the same linear's weight gradient
+(dW) runs beside it, as Megatron-LM's async tensor-parallel all-reduce does; the copy's
+next block waits for it.  While it runs the other copy computes as well.
+``wgrad="block"``: the idealization that defers all of the block's dW beside the
+all-reduce (not Megatron-LM's; an upper bound).  Forward can hide at most 3 of 4
+all-reduces (the last waits for the layer's end); backward also hides the last one
+behind B's dW of wqkv.
 
 Values are exact: each copy is a slice of the batch and every sample's math is
 the same, so the output and the input gradient equal the single-copy layer's
@@ -26,12 +31,7 @@ bit for bit.  Weight gradients are the sum of the copies' gradients, a
 different order of summing the batch than one matmul over it: equal up to
 floating-point rounding.
 
-Modeled costs (per rank, per copy; ``cost.compute_time`` of each kernel with its op
-class and one launch, summed): matmuls
-2mkn FLOPs reading inputs and writing outputs once; attention scores are
-computed in full (S x S, masked causally, as written here; a causal
-FlashAttention kernel would skip half); softmax and GeLU count their memory
-traffic; residual adds are not priced.
+Modeled costs: ``overlap_multicopy_kernels``.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...sim_mesh import cost as _cost
 from ...sim_mesh.collectives import all_reduce, expand_replicas, record_collective
 from .overlap import OverlapReport, _quiet, _recording
+from .overlap_multicopy_kernels import WGRAD, backward_steps, kernels, record_compute
 
 __all__ = ["LayerParams", "init_layer", "tp_layer", "MultiCopyResult", "multi_copy_layer",
            "multi_copy_estimate"]
@@ -131,48 +131,7 @@ def tp_layer(x, params: LayerParams, mesh, axis):
     return h
 
 
-# ---- modeled costs -----------------------------------------------------------------------
-
-def _mm(m, k, n, e):
-    return 2 * m * k * n, (m * k + k * n + m * n) * e, "matmul", (1, m, n)
-
-
-def _kernels(b, S, H, a, d, Fl, e) -> dict[str, list[tuple[int, int, str]]]:
-    """(flops, bytes, op class) of each kernel, per rank and copy; a = local heads,
-    Fl = F/p. The attention core runs unfused (as written in ``_attention_partial``):
-    two batched GEMMs (class "matmul") around a softmax (class "norm", as the op
-    table classes it); GeLU is "elementwise"."""
-    T, Hl, SS = b * S, a * d, b * a * S * S
-    # the batched GEMMs with their output shapes (batch x heads, rows, columns), as
-    # plan.layer_cost prices Megatron's unfused core: scores (S x S; q k^T and, in the
-    # backward, dP) or a head's context / gradient (S x d; p v, dV, dQ, dK)
-    scores = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul", (b * a, S, S))
-    context = (2 * SS * d, (2 * T * Hl + SS) * e, "matmul", (b * a, S, d))
-    return {
-        "attention": [_mm(T, H, 3 * Hl, e), scores, (5 * SS, 2 * SS * e, "norm"), context,
-                      _mm(T, Hl, H, e)],
-        "ffn": [_mm(T, H, Fl, e), (8 * T * Fl, 2 * T * Fl * e, "elementwise"), _mm(T, Fl, H, e)],
-        "attention dX": [_mm(T, H, Hl, e), scores, context, (5 * SS, 3 * SS * e, "norm"),
-                         context, context, _mm(T, 3 * Hl, H, e)],
-        "attention dW": [_mm(Hl, T, H, e), _mm(H, T, 3 * Hl, e)],
-        "ffn dX": [_mm(T, H, Fl, e), (10 * T * Fl, 3 * T * Fl * e, "elementwise"),
-                   _mm(T, Fl, H, e)],
-        "ffn dW": [_mm(Fl, T, H, e), _mm(H, T, Fl, e)],
-    }
-
-
-def _compute(tr, mesh, what, kernels, dtype, label):
-    """One compute event per block phase: the sum of its kernels, each priced on the
-    roofline at its class's efficiency (a GEMM with its shape: tile and wave
-    quantization, or the device's measured rate) plus one launch."""
-    ks = kernels[what]
-    dur = sum(_cost.compute_time(k[0], k[1], tr.profile, dtype, op_class=k[2], launches=1,
-                                 gemm=k[3] if len(k) > 3 else None) for k in ks)
-    phase = "backward" if what.endswith(("dX", "dW")) else "forward"
-    tr.record_compute(mesh.ranks, what, dur, flops=sum(k[0] for k in ks),
-                      bytes=sum(k[1] for k in ks), label=label,
-                      args={"phase": phase, "kernels": len(ks)})
-
+# ---- modeled costs (overlap_multicopy_kernels) -----------------------------------------
 
 def _all_reduce_async(tr, mesh, ax, t, label):
     nd = mesh.ndim
@@ -190,15 +149,22 @@ class MultiCopyResult:
     forward: OverlapReport
     backward: OverlapReport
     copies: int
+    wgrad: str = "per_linear"    # what the backward all-reduce hides behind (WGRAD)
 
 
 def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, grad_out=None,
-                     profile=None) -> MultiCopyResult:
+                     profile=None, wgrad: str = "per_linear") -> MultiCopyResult:
     """Forward and backward of :func:`tp_layer` with the batch cut in ``copies``.
 
     ``grad_out`` is dL/d(out) (ones when omitted).  The events go to the current
     trace, or to a fresh one on ``profile``; ``copies=1`` is the baseline whose
-    forward hides nothing."""
+    forward hides nothing.  ``wgrad``: what each backward all-reduce hides behind,
+    "per_linear" (Megatron-LM: the column-parallel linear's own weight gradient) or
+    "block" (the idealization: the whole block's; ``overlap_multicopy_kernels``)."""
+    if wgrad not in WGRAD:
+        raise ValueError(f"multi_copy_layer: wgrad={wgrad!r}: use 'per_linear' (Megatron-LM: "
+                         f"the all-reduce beside its own linear's weight gradient) or 'block' "
+                         f"(the whole block's weight gradients beside it, an idealization)")
     ax = mesh.dim(axis)
     nd, p = mesh.ndim, mesh.shape[ax]
     if x.dim() != nd + 3 or x.shape[ax] != 1:
@@ -219,7 +185,7 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
     a, d = params.heads // p, H // params.heads
     Fl, e = params.w1.shape[-1], x.element_size()
     xs = x.detach().tensor_split(copies, dim=nd)                   # (*lead, b_c, S, H)
-    kern = [_kernels(c.shape[nd], S, H, a, d, Fl, e) for c in xs]
+    kern = [kernels(c.shape[nd], S, H, a, d, Fl, e) for c in xs]
     with _recording(profile) as tr:
         # ---- forward: block by block, copy by copy --------------------------------------
         n0, h, pending, saved = len(tr.events), list(xs), [[] for _ in xs], {}
@@ -232,7 +198,8 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
                 with torch.enable_grad():
                     inp = h[c].expand(rep_shape[:nd] + list(h[c].shape[nd:])).requires_grad_()
                     part = _block(name, inp, wa, wb, a)                 # (*lead, b_c, S, H)
-                _compute(tr, mesh, name, kern[c], x.dtype, f"{name} {_copy(c)}")
+                record_compute(tr, mesh, name, (name,), kern[c], x.dtype,
+                               f"{name} {_copy(c)}", "forward")
                 pending[c] = _all_reduce_async(tr, mesh, ax, part, f"{name} {_copy(c)}")
                 saved[name, c] = inp, part                         # for the backward
                 h[c] = h[c] + _quiet(all_reduce, part.detach(), mesh, ax)
@@ -240,7 +207,7 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
             for hd in hs:
                 tr.wait(hd)
         n1 = len(tr.events)
-        # ---- backward: blocks reversed; per copy dX, start its all-reduce, then dW -------
+        # ---- backward: blocks reversed; per copy the steps up to dX, its all-reduce, dW ---
         g = list(grad_out.tensor_split(copies, dim=nd))
         grads = {}
         pending = [[] for _ in xs]
@@ -250,9 +217,14 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
                 for hd in pending[c]:
                     tr.wait(hd)
                 gi, *gw = torch.autograd.grad(part, [inp, *leaves[name]], g[c].expand_as(part))
-                _compute(tr, mesh, f"{name} dX", kern[c], x.dtype, f"{name} dX {_copy(c)}")
+                before, beside = backward_steps(name, wgrad)
+                for step, keys in before:
+                    record_compute(tr, mesh, step, keys, kern[c], x.dtype,
+                                   f"{step} {_copy(c)}", "backward")
                 pending[c] = _all_reduce_async(tr, mesh, ax, gi, f"{name} dX {_copy(c)}")
-                _compute(tr, mesh, f"{name} dW", kern[c], x.dtype, f"{name} dW {_copy(c)}")
+                for step, keys in beside:
+                    record_compute(tr, mesh, step, keys, kern[c], x.dtype,
+                                   f"{step} {_copy(c)}", "backward")
                 g[c] = g[c] + _quiet(all_reduce, gi, mesh, ax)     # residual + all-reduced dX
                 for wname, gv in zip(_names(name), gw):
                     grads[wname] = gv if wname not in grads else grads[wname] + gv
@@ -264,7 +236,7 @@ def multi_copy_layer(x, params: LayerParams, mesh, axis, *, copies: int = 2, gra
         bwd = OverlapReport.from_events(tr.events[n1:], "multi-copy backward", copies,
                                         tr.profile.name)
     return MultiCopyResult(torch.cat(h, nd), torch.cat(g, nd),
-                           {n: grads[n] for n in LayerParams.NAMES}, fwd, bwd, copies)
+                           {n: grads[n] for n in LayerParams.NAMES}, fwd, bwd, copies, wgrad)
 
 
 def _copy(c: int) -> str:
@@ -277,11 +249,11 @@ def _names(block):
 
 
 def multi_copy_estimate(batch: int, seq: int, hidden: int, heads: int, ffn: int, mesh, axis,
-                        *, copies: int = 2, profile=None,
-                        dtype=torch.bfloat16) -> MultiCopyResult:
+                        *, copies: int = 2, profile=None, dtype=torch.bfloat16,
+                        wgrad: str = "per_linear") -> MultiCopyResult:
     """:func:`multi_copy_layer` on meta tensors: the modeled timeline of a layer of any
     size, at no cost (the result's tensors hold shapes only)."""
     ax = mesh.dim(axis)
     params = init_layer(hidden, heads, ffn, mesh, ax, dtype=dtype, device="meta")
     x = torch.empty(*[1] * mesh.ndim, batch, seq, hidden, dtype=dtype, device="meta")
-    return multi_copy_layer(x, params, mesh, ax, copies=copies, profile=profile)
+    return multi_copy_layer(x, params, mesh, ax, copies=copies, profile=profile, wgrad=wgrad)
