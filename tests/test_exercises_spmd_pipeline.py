@@ -214,8 +214,14 @@ def test_min_microbatches(capsys):
     fails("1F1B: your m is 63.*exactly 10%", ex.check_min_microbatches, 63, 32)
     fails(r"1F1B: your m is 71.*did you use \(p-1\)/m", ex.check_min_microbatches, 71, 32)
     fails("1F1B: your m is 56.*measures 11.11%", ex.check_min_microbatches, 56, 32)
-    fails(r"interleaved 1F1B \(v=2\): your m is 40.*\(p-1\)/m", ex.check_min_microbatches,
-          64, 40)
+    fails(r"interleaved 1F1B \(v=2\): your m is 40.*did you use \(p-1\)/\(v m\), the bubble "
+          r"over the ideal time", ex.check_min_microbatches, 64, 40)
+    # too many, but not the ideal-time answer: no guess at (p-1)/m, the rule to find it
+    fails(r"1F1B: your m is 65: .*a smaller m also is: find the first m at which "
+          r"\(p-1\)/\(m\+p-1\) drops below 10%(?!.*did you use)", ex.check_min_microbatches, 65, 32)
+    fails(r"interleaved 1F1B \(v=2\): your m is 48: .*find the first m at which "
+          r"\(p-1\)/\(v m\+p-1\) drops below 10% \(m a multiple of p\)", ex.check_min_microbatches,
+          64, 48)
     fails(r"interleaved 1F1B \(v=2\): your m is 24.*12.73%", ex.check_min_microbatches, 64, 24)
     fails(r"your m is 64: .* the one plain 1F1B needs: with v=2 chunks .*\(p-1\)/\(v m\+p-1\)",
           ex.check_min_microbatches, 64, 64)                 # v left out of the formula

@@ -168,14 +168,16 @@ def test_widget_redraws_and_still_shows_a_static_figure_headless():
     assert count(artists(w.figure, "blocks")[0]) == 2 * n
     w.controls["m"].value = 5                              # 5 % 3 != 0: the error, not a crash
     assert w.figure is None and "multiple" in w.message and "multiple" in w.status.value
-    assert w.image.layout.visibility == "hidden"
+    assert w.image.layout.display == "none"        # collapsed: the message under the controls
     assert "multiple" in w._repr_mimebundle_()["text/plain"]
     image = w.image
     w.controls["m"].value = 6
     # the same image widget, its PNG replaced in place; the caption printed once, below it
     assert w.image is image and w.image.value == V._png(w.figure)
     assert w.message == V.bubble_caption(simulate(interleaved_1f1b(3, 6, 2), f=1.0, b=1.0, w=1.0))
-    assert w.status.value == f"<pre>{w.message}</pre>" and artists(w.figure, "caption") == []
+    assert w.image.layout.display is None
+    assert w.status.value == f"<pre{V._WRAP}>{w.message}</pre>"
+    assert artists(w.figure, "caption") == []
     with pytest.raises(ValueError, match=r"schedule='2F2B'"):
         V.pipeline_widget(schedule="2F2B")
 

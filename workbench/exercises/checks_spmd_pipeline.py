@@ -453,10 +453,14 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
     a, b = _int("m_1f1b", m_1f1b), _int("m_interleaved", m_interleaved)
     want_a = next(m for m in range(1, 10_000) if (p - 1) / (m + p - 1) < target)
     want_b = next(m for m in range(p, 10_000, p) if (p - 1) / (v * m + p - 1) < target)
-    for got, want, name, build, formula in (
-            (a, want_a, "1F1B", lambda m: one_f_one_b(p, m), "(p-1)/(m+p-1)"),
-            (b, want_b, f"interleaved 1F1B (v={v})", lambda m: interleaved_1f1b(p, m, v),
-             "(p-1)/(v m+p-1)")):
+    # the answers over the ideal time instead of the step: (p-1)/m and (1/v)(p-1)/m
+    ideal_a = next(m for m in range(1, 10_000) if (p - 1) / m < target)
+    ideal_b = next(m for m in range(p, 10_000, p) if (p - 1) / (v * m) < target)
+    for got, want, ideal, name, build, formula, over_ideal in (
+            (a, want_a, ideal_a, "1F1B", lambda m: one_f_one_b(p, m), "(p-1)/(m+p-1)",
+             "(p-1)/m"),
+            (b, want_b, ideal_b, f"interleaved 1F1B (v={v})",
+             lambda m: interleaved_1f1b(p, m, v), "(p-1)/(v m+p-1)", "(p-1)/(v m)")):
         if got == want:
             continue
         if got < 1:
@@ -470,10 +474,14 @@ def check_min_microbatches(m_1f1b, m_interleaved, p: int = 8, v: int = 2,
             hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but that m is "
                     f"the one plain 1F1B needs: with v={v} chunks the pipeline fills and drains "
                     f"v times faster, so the share of the step is {formula}")
+        elif frac < target and got == ideal:
+            hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but a smaller m "
+                    f"also is: did you use {over_ideal}, the bubble over the ideal time? The "
+                    f"share of the step is {formula}")
         elif frac < target:
             hint = (f"with m={got} the bubble is {frac:.2%}, below {target:.0%}, but a smaller m "
-                    "also is" + (": did you use (p-1)/m, the bubble over the ideal time? The "
-                                 f"share of the step is {formula}" if got > want else ""))
+                    f"also is: find the first m at which {formula} drops below {target:.0%}"
+                    + (" (m a multiple of p)" if name != "1F1B" else ""))
         elif math.isclose(frac, target):
             hint = f"with m={got} the bubble is exactly {target:.0%}; below means less than"
         else:

@@ -269,6 +269,10 @@ def _busy_until(start, duration, t) -> np.ndarray:
     return done[i] + partial
 
 
+_WRAP = ' style="white-space: pre-wrap; word-break: normal; overflow-wrap: break-word"'
+"""The status line wraps at spaces, not inside a word (JupyterLab's own style breaks anywhere)."""
+
+
 class PipelineExplorer:
     """Sliders for p, m, v and a dropdown of schedules, redrawing the Gantt chart.
 
@@ -330,8 +334,10 @@ class PipelineExplorer:
             self.figure, self.result, self.message = None, None, str(err)
         if self.figure is not None:
             self.image.value = _png(self.figure)          # in place: no emptied output
-        self.image.layout.visibility = "visible" if self.figure is not None else "hidden"
-        self.status.value = f"<pre>{html.escape(self.message)}</pre>"
+        # an error collapses the figure, so that its message stands right under the
+        # controls (a hidden figure kept its height: a blank screen, the message below it)
+        self.image.layout.display = None if self.figure is not None else "none"
+        self.status.value = f"<pre{_WRAP}>{html.escape(self.message)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
