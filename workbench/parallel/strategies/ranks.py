@@ -335,6 +335,26 @@ class ModuleWrapper(torch.nn.Module):
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    def __getattr__(self, name):
+        # as torch DDP, the wrapper has no attribute of the module's (``ddp.module.fc``);
+        # but its names are the module's, so torch.distributed.checkpoint.state_dict's
+        # helpers look them up here and failed with a bare AttributeError: say why
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None or name.startswith("_") or not hasattr(module, name):
+                raise
+            cls = type(self).__name__
+            raise AttributeError(
+                f"'{cls}' object has no attribute {name!r}: the wrapped module's is "
+                f"{cls}.module.{name}; named_parameters() gives the module's own names, so "
+                "torch.distributed.checkpoint.state_dict's helpers (which look those names "
+                "up on the wrapper) do not know this wrapper: use wb.checkpoint."
+                "get_model_state_dict / get_optimizer_state_dict / get_state_dict / "
+                "set_model_state_dict / set_optimizer_state_dict / set_state_dict (torch's "
+                "signatures)") from None
+
     def get_submodule(self, target: str = ""):
         """By the names ``named_modules`` gives (``get_parameter`` / ``get_buffer`` too)."""
         return self.module.get_submodule(target)
