@@ -66,7 +66,8 @@ class FSDPStateDict:
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
         for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
-        The DistTensors are copies, also with ``keep_vars``; a write into one reaches the
+        The DistTensors are copies, also with ``keep_vars`` (which gives them their
+        parameter's ``requires_grad``, as torch's parameters); a write into one reaches the
         shards before the next forward, step or state dict (:func:`..load_back.flush`),
         or raises there when the shards changed since it was taken."""
         flush()                     # a write into an earlier state_dict()'s copies
@@ -82,6 +83,10 @@ class FSDPStateDict:
                 ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
             dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
+            if keep_vars and t.requires_grad:
+                # torch's keep_vars values are the parameters: `v.requires_grad` tells a
+                # trainable one from a frozen one (saving only what trains, as LoRA does)
+                dt.requires_grad_(True)
             # a copy (FSDP2's are the shards): a load in place cuts it into the shards
             out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v), source=t)
         if destination is None:         # DCP reads it too (..dcp_interop)
