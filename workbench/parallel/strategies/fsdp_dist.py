@@ -290,7 +290,20 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                     _, _, tmpl, shard = self.entries[i]
                     full[i] = self._gather(tmpl, shard.detach()).full()
                 out[qname] = full[i].clone()
-        return out
+            # the module's state_dict() keys in its order: its buffers (persistent ones)
+            # and extra state too, as FSDP1's FULL_STATE_DICT and a plain module's
+            whole = {}
+            for name, v in self.module.state_dict(keep_vars=True).items():
+                if name in out:
+                    whole[name] = out.pop(name)
+                elif isinstance(v, DistTensor):
+                    whole[name] = v.full().detach().clone()
+                elif isinstance(v, torch.Tensor):
+                    whole[name] = v.detach().clone()
+                else:
+                    whole[name] = v
+        whole.update(out)
+        return whole
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The module's ``state_dict()``: its own names, each parameter a DistTensor of

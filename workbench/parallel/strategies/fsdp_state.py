@@ -27,7 +27,7 @@ from ..load_back import flush, mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
-from .ranks import state_dict_check
+from .ranks import set_extra_states, state_dict_check
 
 __all__ = ["FSDPStateDict"]
 
@@ -41,7 +41,8 @@ class FSDPStateDict:
         flush()                     # a write into an earlier state_dict()'s copies
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
-            out[name] = self._full(t).clone() if id(t) in self._meta else t.detach().clone()
+            out[name] = self._full(t).clone() if id(t) in self._meta else \
+                t.detach().clone() if isinstance(t, torch.Tensor) else t    # extra state
         return out
 
     def _full(self, shard):
@@ -74,8 +75,9 @@ class FSDPStateDict:
         out = {} if destination is None else destination
         mesh, ax = self._dist_mesh()
         for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) not in self._meta:
-                out[prefix + name] = t if keep_vars else t.detach()
+            if id(t) not in self._meta:     # a buffer, or a module's extra state (as it is)
+                out[prefix + name] = t if keep_vars or not isinstance(
+                    t, torch.Tensor) else t.detach()
                 continue
             full = self._full(t)
             ps = [Replicate()] * mesh.ndim
@@ -117,10 +119,14 @@ class FSDPStateDict:
                 if id(t) in self._meta else t
         missing, unexpected = state_dict_check("FullyShardedDataParallel", mine, state_dict,
                                                strict)
+        extra = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             if name not in state_dict:
                 continue
             v = state_dict[name]
+            if not isinstance(t, torch.Tensor):     # set_extra_state's, as torch's
+                extra[name] = v
+                continue
             if isinstance(v, DistTensor):
                 v = v.full()
             v = torch.as_tensor(v).detach()
@@ -128,5 +134,6 @@ class FSDPStateDict:
                 t.copy_(v.clone())
                 continue
             self._store(t, v)
+        set_extra_states(self.module, extra)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

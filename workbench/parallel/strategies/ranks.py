@@ -390,8 +390,19 @@ def state_dict_check(owner, mine: dict, given, strict: bool):
     tensor); raises torch's ``load_state_dict`` error first when ``strict`` and a key
     differs, or when a shape does (before anything is copied)."""
     from ..module_state import check_state_dict
-    check_state_dict(owner, {k: tuple(v.shape) for k, v in mine.items()}, given, strict)
+    # a module's get_extra_state() (any object, no shape) under "..._extra_state"
+    check_state_dict(owner, {k: tuple(v.shape) if isinstance(v, torch.Tensor) or
+                             hasattr(v, "placements") else None for k, v in mine.items()},
+                     given, strict)
     return [k for k in mine if k not in given], [k for k in given.keys() if k not in mine]
+
+
+def set_extra_states(module: nn.Module, extra: dict) -> None:
+    """``{"<submodule>._extra_state": value}``: each submodule's ``set_extra_state(value)``,
+    as torch's ``load_state_dict`` calls it."""
+    suffix = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+    for key, v in extra.items():
+        module.get_submodule(key[:-len(suffix)].rstrip(".")).set_extra_state(v)
 
 
 def bucket_order(sizes, bucket_bytes) -> list[list[int]]:
