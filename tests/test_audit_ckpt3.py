@@ -442,3 +442,23 @@ def test_full_state_dict_over_tensor_parallel_loads_into_the_plain_module(cls):
     assert plain.load_state_dict(full) == ([], [])
     for k, v in want.items():
         assert torch.equal(plain.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("a,b", [("fsdp", "ddp"), ("fully_shard", "plain"), ("plain", "fsdp"),
+                                 ("zero", "fully_shard")])
+def test_torchs_dcp_with_these_helpers_resumes_on_another_wrapper(tmp_path, reference, a, b):
+    # torch's own recipe: dcp.save of get_state_dict's dicts, dcp.load into another
+    # model's, set_state_dict (a dict of DistTensors is read by DCP as Stateful: before,
+    # dcp.save refused get_model_state_dict's DistTensors)
+    import torch.distributed.checkpoint as dcp
+    _, want = reference
+    m, o, wx = BUILD[a]()
+    got = _steps(m, o, wx, range(2))
+    msd, osd = get_state_dict(m, o)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path, no_dist=True)
+    m2, o2, wx2 = BUILD[b]()
+    tm, to = get_state_dict(m2, o2)
+    dcp.load({"model": tm, "optim": to}, checkpoint_id=tmp_path, no_dist=True)
+    set_state_dict(m2, o2, model_state_dict=tm, optim_state_dict=to)
+    got += _steps(m2, o2, wx2, range(2, 4))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

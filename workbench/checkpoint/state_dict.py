@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from ..parallel.dcp_interop import as_stateful
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
@@ -203,7 +204,9 @@ def get_model_state_dict(model: nn.Module, *, submodules=None,
         k = _fqn(k, prefixes)
         if k not in frozen:
             out[k] = _value(v, options)
-    return {} if _rank0_only(options) else out
+    # holding DistTensors: torch's dcp.save / dcp.load read it as Stateful (full tensors,
+    # loaded back into the model), as the wrappers' own state_dict()
+    return {} if _rank0_only(options) else as_stateful(out)
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None,
