@@ -462,3 +462,14 @@ def test_torchs_dcp_with_these_helpers_resumes_on_another_wrapper(tmp_path, refe
     set_state_dict(m2, o2, model_state_dict=tm, optim_state_dict=to)
     got += _steps(m2, o2, wx2, range(2, 4))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def test_a_torch_optimizer_over_a_recipes_storage_is_refused_naming_the_way():
+    from workbench.models.config import get_config
+    from workbench.recipes.hybrid import Hybrid
+    st = Hybrid(dp=2)
+    model = st.build_model(get_config("tiny"), 0)
+    opt = torch.optim.AdamW([q for o in st.build_optimizer(model, 1e-3, 0.0)
+                             for q in o.parameters()], lr=1e-3)
+    with pytest.raises(ValueError, match="not among model.named_parameters.*save_training"):
+        get_optimizer_state_dict(model, opt)

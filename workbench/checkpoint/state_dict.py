@@ -131,7 +131,10 @@ def _param_fqns(model, opts, name) -> list[list[str]]:
                     raise ValueError(
                         f"{name}: parameter {k} of param_groups[{g}] of optimizers[{i}] "
                         f"(shape {tuple(p.shape)}) is not among model.named_parameters(); "
-                        "build the optimizer over the (wrapped) model's parameters()")
+                        "build the optimizer over the (wrapped) model's parameters() (a "
+                        "recipe's stage optimizers' parameters(), Hybrid's, are its layout's "
+                        "storage: such a run moves with wb.checkpoint.training."
+                        "save_training / resume_training)")
                 row.append(fqn[id(p)])
         out.append(row)
     return out
