@@ -473,3 +473,59 @@ def test_a_torch_optimizer_over_a_recipes_storage_is_refused_naming_the_way():
                              for q in o.parameters()], lr=1e-3)
     with pytest.raises(ValueError, match="not among model.named_parameters.*save_training"):
         get_optimizer_state_dict(model, opt)
+
+
+def _tp_net(seed=0):
+    from tests.test_fully_shard import tp_model
+    return tp_model(seed)
+
+
+def _fsdp_over_tp():
+    m = _tp_net()
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    f = wb.FullyShardedDataParallel(m, mesh, dim="dp")
+    return f, torch.optim.AdamW(f.parameters(), lr=1e-2), mesh
+
+
+def _tp_steps(m, o, mesh, which):
+    from tests.test_fully_shard import V, batches
+    from torch.nn import functional as F
+    data, out = batches(k=4), []
+    for i in which:
+        ids, y = data[i]
+        o.zero_grad()
+        logits = m(wb.shard_tensor(ids, mesh, ["S(0)", "R"]) if mesh is not None else ids)
+        loss = F.cross_entropy(_full(logits).reshape(-1, V), y.reshape(-1))
+        loss.backward()
+        o.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("direction", ["fsdp_to_plain", "plain_to_fsdp"])
+def test_fsdp_over_tensor_parallel_optimizer_state_dict_has_one_devices_shapes(direction):
+    # wb.FullyShardedDataParallel(parallelized model): torch.optim's state_dict() over its
+    # shards gave the flat chunks' storage ((dp, tp, chunk): exp_avg (2, 1, 40) for a
+    # (10, 8) weight), so neither a plain optimizer nor another layout could take it
+    p = _tp_net()
+    po = torch.optim.AdamW(p.parameters(), lr=1e-2)
+    want = _tp_steps(p, po, None, range(4))
+    f, fo, mesh = _fsdp_over_tp()
+    p, po = _tp_net(), None
+    po = torch.optim.AdamW(p.parameters(), lr=1e-2)
+    a, b = ((f, fo, mesh), (p, po, None)) if direction == "fsdp_to_plain" else \
+        ((p, po, None), (f, fo, mesh))
+    got = _tp_steps(*a, range(2))
+    osd = copy.deepcopy(a[1].state_dict())
+    shapes = {n: tuple(q.shape) for n, q in _tp_net().named_parameters()}
+    names = [n for n, _ in _tp_net().named_parameters()]
+    for i, st in osd["state"].items():
+        assert tuple(st["exp_avg"].shape) == shapes[names[i]], names[i]
+    msd = {k: _full(v) for k, v in a[0].state_dict().items()}
+    b[0].load_state_dict(msd)
+    b[1].load_state_dict(osd)
+    got += _tp_steps(*b, range(2, 4))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -162,6 +162,13 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                     e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
         module._wb_wrapped = "FullyShardedDataParallel"
         install_habits(self)
+        if type(self) is DistTensorFSDP:
+            # wb.FullyShardedDataParallel(parallelized model): an optimizer's state_dict()
+            # over the shards in one device's shapes, as fully_shard's and the plain
+            # module's (it gave the flat chunks' storage, (dp, tp, chunk), which no other
+            # layout's optimizer takes); Zero3's stage optimizers keep the storage's
+            from .fsdp_dist_habits import module_shaped_optimizer_states
+            module_shaped_optimizer_states(self)
 
     def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:
         """Each dp rank's chunk of a template's local storage ``loc`` (flattened, padded;
