@@ -529,3 +529,81 @@ def test_fsdp_over_tensor_parallel_optimizer_state_dict_has_one_devices_shapes(d
     b[1].load_state_dict(osd)
     got += _tp_steps(*b, range(2, 4))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def _ddp_over_tp():
+    m = _tp_net()
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
+                                    "blocks.*.down": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    d = wb.DistributedDataParallel(m, mesh, dim="dp")
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    real = opt.step
+
+    def step(*args, **kwargs):          # DDP's DistTensor mode sums before the step
+        d.finish_gradient_synchronization()
+        return real(*args, **kwargs)
+    opt.step = step
+    return d, opt, mesh
+
+
+@pytest.mark.parametrize("direction", ["ddp_to_plain", "plain_to_ddp"])
+def test_ddp_over_tensor_parallel_optimizer_state_dict_has_one_devices_shapes(direction):
+    # DDP's DistTensor mode: ddp.parameters() are the replicas' storage ((dp, tp, local):
+    # (2, 1, 10, 8) for a (10, 8) weight) and torch.optim's state_dict() gave that shape
+    p = _tp_net()
+    want = _tp_steps(p, torch.optim.AdamW(p.parameters(), lr=1e-2), None, range(4))
+    d, do, mesh = _ddp_over_tp()
+    p = _tp_net()
+    po = torch.optim.AdamW(p.parameters(), lr=1e-2)
+    a, b = ((d, do, mesh), (p, po, None)) if direction == "ddp_to_plain" else \
+        ((p, po, None), (d, do, mesh))
+    got = _tp_steps(*a, range(2))
+    osd = copy.deepcopy(a[1].state_dict())
+    shapes = [tuple(q.shape) for q in _tp_net().parameters()]
+    assert [tuple(st["exp_avg"].shape) for st in osd["state"].values()] == shapes
+    msd = {k[len("module."):] if k.startswith("module.") else k: _full(v)
+           for k, v in a[0].state_dict().items()}
+    b[0].load_state_dict({("module." + k if b[0] is d else k): v for k, v in msd.items()})
+    b[1].load_state_dict(osd)
+    got += _tp_steps(*b, range(2, 4))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("when", ["before_forward", "before_step"])
+def test_ddp_over_tensor_parallel_a_random_init_of_its_replicas_raises(when):
+    # nn.init on ddp.parameters() (the replicas' storage) drew each dp rank's copy on its
+    # own: the ranks then trained different models with no error
+    from tests.test_fully_shard import V, batches
+    from torch.nn import functional as F
+    d, opt, mesh = _ddp_over_tp()
+    ids, y = batches(k=1)[0]
+    if when == "before_step":
+        F.cross_entropy(_full(d(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))).reshape(-1, V),
+                        y.reshape(-1)).backward()
+    with torch.no_grad():
+        nn.init.normal_(next(iter(d.parameters())))
+    with pytest.raises(RuntimeError, match="replicas of 'emb.weight' differ.*before wrapping"):
+        if when == "before_step":
+            opt.step()
+        else:
+            d(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))
+
+
+def test_ddp_over_tensor_parallel_writes_alike_and_dist_inits_train_as_one_device():
+    p = _tp_net()
+    d, opt, mesh = _ddp_over_tp()
+    with torch.no_grad():
+        for q in d.parameters():
+            q.mul_(0.5)                 # every replica alike
+        for q in p.parameters():
+            q.mul_(0.5)
+    torch.manual_seed(3)
+    nn.init.normal_(d.module.head.weight, std=0.2)      # the DistTensor: one device's draw
+    torch.manual_seed(3)
+    nn.init.normal_(p.head.weight, std=0.2)
+    want = _tp_steps(p, torch.optim.AdamW(p.parameters(), lr=1e-2), None, range(2))
+    got = _tp_steps(d, opt, mesh, range(2))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    d.check_replicas()

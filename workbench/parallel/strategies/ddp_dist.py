@@ -55,6 +55,7 @@ from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .ddp_buckets import torch_policy
+from .ddp_dist_habits import check_written_replicas, install as install_habits
 from .grad_replicas import GradReplicas
 from .ranks import bucket_order, check_module
 from .torch_kwargs import ddp_torch_kwargs
@@ -114,8 +115,10 @@ class DistTensorDDP(DistributedDataParallel):
             self.replicas.names = self._names
         self.broadcast_from, self._sync_enabled = 0, True
         module._wb_wrapped = "DistributedDataParallel"
+        install_habits(self)            # the replicas as one device's parameters
 
     def forward(self, *args, **kwargs):
+        check_written_replicas(self)    # a write that left the replicas different: raise
         if torch.is_grad_enabled():
             self.replicas.rebuild_buckets()
         return self.module(*args, **kwargs)
