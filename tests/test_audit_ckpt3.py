@@ -607,3 +607,23 @@ def test_ddp_over_tensor_parallel_writes_alike_and_dist_inits_train_as_one_devic
     got = _tp_steps(d, opt, mesh, range(2))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     d.check_replicas()
+
+
+@pytest.mark.parametrize("b", ["fsdp", "fully_shard", "ddp"])
+def test_model_then_optimizer_state_dicts_taken_apart_load_in_place(tmp_path, reference, b):
+    # torchtitan's order (the model's Stateful, then the optimizers'): the fresh
+    # optimizer's state init (a step at lr 0) came after FSDP's state-dict copies were
+    # taken, so the in-place load refused them as "written after the model changed"
+    _, want = reference
+    m, o, wx = _fsdp()
+    got = _steps(m, o, wx, range(2))
+    wb.checkpoint.save(tmp_path, {"model": get_model_state_dict(m),
+                                  "optim": get_optimizer_state_dict(m, o)})
+    m2, o2, wx2 = BUILD[b]()
+    tm = get_model_state_dict(m2)
+    to = get_optimizer_state_dict(m2, o2)
+    wb.checkpoint.load(tmp_path, {"model": tm, "optim": to})
+    set_model_state_dict(m2, tm)
+    set_optimizer_state_dict(m2, o2, to)
+    got += _steps(m2, o2, wx2, range(2, 4))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

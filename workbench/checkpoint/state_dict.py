@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ..parallel.dcp_interop import as_stateful
 from ..parallel.dist_tensor import DistTensor
+from ..parallel.load_back import values_kept
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
            "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
@@ -186,7 +187,8 @@ def _init_optim_state(optim) -> None:
         if "lr" in g:
             lrs.append(g["lr"])
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optim.step()
+    with values_kept(p for g in optim.param_groups for p in g["params"]):
+        optim.step()                    # state_dict() copies taken before stay current
     for g in optim.param_groups:
         if "lr" in g:
             g["lr"] = lrs.pop(0)
