@@ -21,6 +21,11 @@ a 2 x 2 mesh).  Two habits of one device would read that storage as the paramete
   write made since the last look first).  Writes through the
   module's DistTensor parameters (``nn.init.normal_(model.fc.weight)``: one device's draw,
   laid out) and ``ddp.load_state_dict`` keep the replicas equal.
+
+``model.<name>.requires_grad_(flag)`` (the module's DistTensor parameter) sets the flag
+on its replica in place, as torch sets a parameter's (it made a new leaf, which no
+optimizer held: a parameter frozen then unfrozen stopped training with no error); one
+frozen when the wrapper was built is refused unfreezing, as ``ddp.requires_grad_``.
 """
 from __future__ import annotations
 
@@ -58,6 +63,12 @@ class _Replicas:
 def install(ddp) -> None:
     """The replicas of ``ddp`` (a :class:`~.ddp_dist.DistTensorDDP` on simulated ranks)
     as one device's parameters (module docstring)."""
+    for name, p in zip(ddp._names, ddp.replicas.params):
+        # model.<name>.requires_grad_(flag): on the replica itself, the leaf the optimizer
+        # and the gradient hooks hold (a new leaf left the old one stepped by nothing: a
+        # parameter frozen then unfrozen silently stopped training)
+        p._local._wb_keep_leaf = True
+        p._local._wb_on_requires_grad = _refuse_late_unfreeze(ddp, p, name)
     if ddp.replicas.distributed:
         return                          # one replica per process: its own storage
     for name, p in zip(ddp._names, ddp.replicas.params):
@@ -66,6 +77,16 @@ def install(ddp) -> None:
         loc._wb_store = lambda v, loc=loc, how=how: how.store(v, loc)
         loc._wb_replicas = (name, ddp.replicas.axes)
         _SEEN[loc] = loc._version
+
+
+def _refuse_late_unfreeze(ddp, p, name):
+    def hook(flag: bool) -> None:
+        if flag and id(p) not in ddp.replicas.hooked:
+            raise ValueError(f"{name}.requires_grad_(True): it was frozen when "
+                             "DistributedDataParallel was built, so its gradients would not "
+                             "be summed over the data-parallel ranks; set requires_grad "
+                             "before wrapping the module")
+    return hook
 
 
 @torch.no_grad()
