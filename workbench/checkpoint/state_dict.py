@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from ..parallel.dcp_interop import as_stateful
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.load_back import values_kept
+from .flat_optim import flatten as _flatten, unflatten as _unflatten
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
            "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
@@ -323,50 +324,3 @@ def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,
     out = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return out
-
-
-# ---- the flattened form (torch's flatten_optimizer_state_dict) ---------------------------
-
-def _flatten(osd: dict) -> dict:
-    out = {}
-
-    def put(prefix, v):
-        if isinstance(v, dict):
-            for n, x in v.items():
-                put(f"{prefix}.{n}", x)
-        else:
-            out[prefix] = v
-    for f, st in osd["state"].items():
-        put(f"state.{f}", st)
-    for g in osd["param_groups"]:
-        for f in g["params"]:
-            for n, v in g.items():
-                if n != "params":
-                    out[f"param_groups.{f}.{n}"] = v
-    return out
-
-
-def _unflatten(flat: dict, fqns: list[str]) -> dict:
-    state, groups = {}, []
-    for f in fqns:
-        p = f"state.{f}."
-        st = {}
-        for k, v in flat.items():
-            if k.startswith(p):
-                *path, last = k[len(p):].split(".")
-                d = st
-                for n in path:
-                    d = d.setdefault(n, {})
-                d[last] = v
-        if st:
-            state[f] = st
-        p = f"param_groups.{f}."
-        hyper = {k[len(p):]: v for k, v in flat.items() if k.startswith(p)}
-        if hyper:
-            for g in groups:
-                if {n: v for n, v in g.items() if n != "params"} == hyper:
-                    g["params"].append(f)
-                    break
-            else:
-                groups.append({**hyper, "params": [f]})
-    return {"state": state, "param_groups": groups}
