@@ -19,6 +19,9 @@ with ``torch.distributed.checkpoint.load`` and one written by DCP loads here.
   truncated or changed file is a :class:`CheckpointError` naming the file, raised
   before the target changes.
 * :func:`verify`: every file's sha256, read whole.
+* :mod:`.state_dict`: ``torch.distributed.checkpoint.state_dict``'s helpers
+  (``get_state_dict`` / ``set_state_dict``...: one device's FQNs, full or sharded values)
+  on workbench's wrappers too.
 * :mod:`.training`: the training state (model, optimizer, step, RNG) of a ``train`` run,
   for ``python -m workbench train --save DIR`` / ``--resume DIR``.
 """
@@ -29,8 +32,14 @@ import os
 from .format import CheckpointError, read_metadata
 from .reader import LoadReport, Read, load
 from .writer import save
+from .state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                         get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                         set_state_dict)
 
-__all__ = ["save", "load", "verify", "CheckpointError", "LoadReport", "Read", "read_metadata"]
+__all__ = ["save", "load", "verify", "CheckpointError", "LoadReport", "Read", "read_metadata",
+           "StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
+           "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
+           "set_state_dict"]
 
 
 def verify(path) -> dict:

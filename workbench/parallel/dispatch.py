@@ -136,6 +136,15 @@ def _no_rule(func, args, kwargs, name):
     table = ("add it to the op table with its callables, parse, rule, local implementation "
              "and cost (workbench.parallel.ops_table.table.register; tests/test_op_toy.py "
              "shows one)")
+    if (name.endswith("_") and not name.startswith("__") or name == "__setitem__") and args \
+            and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DistTensor):
+        # plain.copy_(dist): e.g. a plain module's load_state_dict of FSDP's state dict
+        raise NoRuleError(
+            f"{name}() writes into a plain torch.Tensor from a DistTensor: a plain tensor "
+            "cannot take a DistTensor's layout (DTensor refuses mixed torch.Tensor and DTensor "
+            "too); write its full value, t.copy_(d.full()) (DTensor's full_tensor()), or load "
+            "a state dict of DistTensors into a plain module with "
+            "wb.checkpoint.set_model_state_dict(module, sd), which gathers them")
     if e is not None and e.rule is not None:
         # register_rule alone makes a rule to study with wb.spmd.infer, not an op that runs
         raise NoRuleError(

@@ -194,8 +194,28 @@ class DistTensor:
                             "point tensors can require gradients")
         if flag and not self.is_leaf and self.requires_grad:
             return self                 # a result of ops: torch keeps its history
-        self._local = storage.map_tensors(self._local,
-                                          lambda t: t.detach().requires_grad_(flag))
+        ts = storage.tensors(self._local)
+        if all(t.is_leaf and t.__dict__.get("_wb_keep_leaf") for t in ts):
+            # a wrapper's leaves (DDP's replicas: the tensors its optimizer and hooks
+            # hold): the flag set on them, as torch sets a parameter's, not new leaves
+            for t in ts:
+                hook = t.__dict__.get("_wb_on_requires_grad")
+                if hook is not None:
+                    hook(flag)          # may refuse, before anything changes
+            for t in ts:
+                t.requires_grad_(flag)
+            return self
+
+        def leaf(t):
+            out = t.detach().requires_grad_(flag)
+            # what a wrapper told the storage (fsdp_dist_habits: a template's
+            # ``_wb_stale`` and the hook that passes the flag on to its shard) stays
+            out.__dict__.update({k: v for k, v in t.__dict__.items() if k.startswith("_wb_")})
+            hook = t.__dict__.get("_wb_on_requires_grad")
+            if hook is not None:
+                hook(flag)
+            return out
+        self._local = storage.map_tensors(self._local, leaf)
         return self
 
     @property

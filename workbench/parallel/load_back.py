@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["mark", "write_back", "flush"]
+__all__ = ["mark", "write_back", "flush", "values_kept"]
 
 _BACK = WeakIdKeyDictionary()      # state-dict value -> {tag: how to write it back}
 _WATCH = WeakIdKeyDictionary()     # a copy -> [its versions, its source, the source's version]
@@ -147,6 +147,32 @@ def _write_back(value) -> bool:
 
 def _step_pre_hook(optimizer, args, kwargs) -> None:
     flush()
+
+
+class values_kept:
+    """A block that writes ``tensors`` without changing their values (torch's
+    ``_init_optim_state``: one optimizer step at ``lr`` 0, which ``get_optimizer_state_dict``
+    takes to give a fresh optimizer its states): the copies handed out before it stay
+    current, as torch's (views of the parameters) do.  A tensor whose values did change
+    (compared bitwise with a copy taken before) keeps its copies stale."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def __enter__(self):
+        flush(release=False)            # a write into a copy lands first
+        with torch.no_grad():
+            self.before = {id(t): (t, t.detach().clone(), t._version) for t in self.tensors}
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        for v, w in list(_WATCH.items()):
+            got = self.before.get(id(w[1]))
+            if got is not None and w[2] == got[2] and _same(got[0].detach(), got[1]):
+                w[2] = w[1]._version
+        return False
 
 
 register_optimizer_step_pre_hook(_step_pre_hook)

@@ -228,7 +228,8 @@ class ParallelModule:
             raise NotImplementedError("load_state_dict(assign=True) on a parallelized module: "
                                       "its parameters are DistTensors laid out by the plan; "
                                       "load with assign=False (copies into them)")
-        expected = {k: tuple(v.shape) for k, v in self.state_dict(keep_vars=True).items()}
+        expected = {k: tuple(v.shape) if hasattr(v, "shape") else None   # None: extra state
+                    for k, v in self.state_dict(keep_vars=True).items()}
         check_state_dict(self._get_name(), expected, state_dict, strict)
         return super().load_state_dict(state_dict, strict)
 
@@ -335,6 +336,8 @@ def check_state_dict(owner: str, expected: dict, given, strict: bool) -> None:
                           + ", ".join(f'"{k}"' for k in unexpected) + ". ")
     for k, shape in expected.items():
         v = given.get(k) if hasattr(given, "get") else None
+        if shape is None:               # a module's extra state (get_extra_state)
+            continue
         if v is not None and hasattr(v, "shape") and tuple(v.shape) != tuple(shape):
             if not (len(shape) == 0 and tuple(v.shape) == (1,)):
                 errors.append(f"size mismatch for {k}: copying a param with shape "

@@ -124,7 +124,7 @@ from .ddp_reducer import Reducer
 from .replica_writes import sync_rows
 from .rank_recompute import close_open_scopes
 from .ranks import (ModuleWrapper, RankGroup, check_module, replace_parameter,
-                    run_per_rank, state_dict_check, check_not_meta,
+                    run_per_rank, state_dict_check, check_not_meta, set_extra_states,
                     check_sync_batchnorm_device)
 
 __all__ = ["DistributedDataParallel"]
@@ -320,7 +320,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
                 # one replica's row: a load in place (wb.checkpoint.load) writes every row
                 out[prefix + "module." + name] = mark(t, lambda v, p=p: p.copy_(v.clone()))
                 continue
-            out[prefix + "module." + name] = t if keep_vars else t.detach()
+            # (a module's get_extra_state() may be any object: as it is, as torch's)
+            out[prefix + "module." + name] = t if keep_vars or not isinstance(
+                t, torch.Tensor) else t.detach()
         return out
 
     @torch.no_grad()
@@ -338,11 +340,16 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
                                                strict)
         own = dict(self.module.state_dict(keep_vars=True))
+        extra = {}
         for key, v in state_dict.items():
             if key in mine:
+                if not isinstance(own[key[len("module."):]], torch.Tensor):
+                    extra[key[len("module."):]] = v     # set_extra_state's, as torch's
+                    continue
                 if isinstance(v, DistTensor):   # e.g. FSDP's Shard(0) state dict: gathered
                     v = v.full()
                 own[key[len("module."):]].copy_(torch.as_tensor(v).detach().clone())
+        set_extra_states(self.module, extra)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
@@ -351,6 +358,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             rows = isinstance(t, nn.Parameter) and not self.group.distributed
+            if not isinstance(t, torch.Tensor):     # a module's extra state
+                out[name] = t
+                continue
             out[name] = (t[self.broadcast_from] if rows else t).detach().clone()
         return out
 

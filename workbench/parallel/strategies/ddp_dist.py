@@ -57,9 +57,11 @@ import contextlib
 import torch
 from torch import nn
 
+from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .ddp_buckets import torch_policy
+from .ddp_dist_habits import check_written_replicas, install as install_habits
 from .grad_replicas import GradReplicas
 from .ranks import bucket_order, check_module
 from .torch_kwargs import ddp_torch_kwargs
@@ -122,8 +124,10 @@ class DistTensorDDP(DistributedDataParallel):
             self.replicas.names = self._names
         self.broadcast_from, self._sync_enabled = 0, True
         module._wb_wrapped = "DistributedDataParallel"
+        install_habits(self)            # the replicas as one device's parameters
 
     def forward(self, *args, **kwargs):
+        check_written_replicas(self)    # a write that left the replicas different: raise
         if torch.is_grad_enabled():
             self.replicas.ensure_prior_reduction_finished()     # torch's rebuild_buckets does
             self.replicas.rebuild_buckets()
@@ -207,10 +211,16 @@ class DistTensorDDP(DistributedDataParallel):
         """{the module's own name: the full tensor} (dp rank 0's replica), buffers too."""
         from ...sim_mesh.trace import suspend
         with suspend():                 # a tp-sharded one is gathered: not the step's traffic
-            out = {name: p.full().detach().clone() for name, p in
-                   zip(self._names, self.replicas.params)}
-        for name, b in self.module.named_buffers():
-            out[name] = b.detach().clone()
+            full = {name: p.full().detach().clone() for name, p in
+                    zip(self._names, self.replicas.params)}
+            out = {}                    # the module's state_dict() keys, in its order
+            for name, v in self.module.state_dict(keep_vars=True).items():
+                if name in full:
+                    out[name] = full[name]
+                elif isinstance(v, (torch.Tensor, DistTensor)):
+                    out[name] = (v.full() if isinstance(v, DistTensor) else v).detach().clone()
+                else:                   # a module's extra state, as it is
+                    out[name] = v
         return out
 
     @property

@@ -162,6 +162,13 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                     e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
         module._wb_wrapped = "FullyShardedDataParallel"
         install_habits(self)
+        if type(self) is DistTensorFSDP:
+            # wb.FullyShardedDataParallel(parallelized model): an optimizer's state_dict()
+            # over the shards in one device's shapes, as fully_shard's and the plain
+            # module's (it gave the flat chunks' storage, (dp, tp, chunk), which no other
+            # layout's optimizer takes); Zero3's stage optimizers keep the storage's
+            from .fsdp_dist_habits import module_shaped_optimizer_states
+            module_shaped_optimizer_states(self)
 
     def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:
         """Each dp rank's chunk of a template's local storage ``loc`` (flattened, padded;
@@ -290,7 +297,20 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                     _, _, tmpl, shard = self.entries[i]
                     full[i] = self._gather(tmpl, shard.detach()).full()
                 out[qname] = full[i].clone()
-        return out
+            # the module's state_dict() keys in its order: its buffers (persistent ones)
+            # and extra state too, as FSDP1's FULL_STATE_DICT and a plain module's
+            whole = {}
+            for name, v in self.module.state_dict(keep_vars=True).items():
+                if name in out:
+                    whole[name] = out.pop(name)
+                elif isinstance(v, DistTensor):
+                    whole[name] = v.full().detach().clone()
+                elif isinstance(v, torch.Tensor):
+                    whole[name] = v.detach().clone()
+                else:
+                    whole[name] = v
+        whole.update(out)
+        return whole
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The module's ``state_dict()``: its own names, each parameter a DistTensor of

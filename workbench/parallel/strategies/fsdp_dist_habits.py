@@ -123,6 +123,10 @@ def install_habits(fsdp) -> None:
         for t in storage.tensors(tmpl._local):
             t._wb_clip_refuse = msg
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
+            # model.<name>.requires_grad_(False) (a parameter from named_parameters()):
+            # its shard, the leaf the optimizer steps, frozen too (it was not: the
+            # frozen parameter went on training)
+            t._wb_on_requires_grad = shard.requires_grad_
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
     if not fsdp.async_:                 # torch.distributed: the gathered copies go stale

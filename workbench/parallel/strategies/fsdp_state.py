@@ -27,7 +27,7 @@ from ..load_back import flush, mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
-from .ranks import state_dict_check
+from .ranks import set_extra_states, state_dict_check
 
 __all__ = ["FSDPStateDict"]
 
@@ -41,7 +41,8 @@ class FSDPStateDict:
         flush()                     # a write into an earlier state_dict()'s copies
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
-            out[name] = self._full(t).clone() if id(t) in self._meta else t.detach().clone()
+            out[name] = self._full(t).clone() if id(t) in self._meta else \
+                t.detach().clone() if isinstance(t, torch.Tensor) else t    # extra state
         return out
 
     def _full(self, shard):
@@ -66,15 +67,17 @@ class FSDPStateDict:
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
         for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
-        The DistTensors are copies, also with ``keep_vars``; a write into one reaches the
+        The DistTensors are copies, also with ``keep_vars`` (which gives them their
+        parameter's ``requires_grad``, as torch's parameters); a write into one reaches the
         shards before the next forward, step or state dict (:func:`..load_back.flush`),
         or raises there when the shards changed since it was taken."""
         flush()                     # a write into an earlier state_dict()'s copies
         out = {} if destination is None else destination
         mesh, ax = self._dist_mesh()
         for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) not in self._meta:
-                out[prefix + name] = t if keep_vars else t.detach()
+            if id(t) not in self._meta:     # a buffer, or a module's extra state (as it is)
+                out[prefix + name] = t if keep_vars or not isinstance(
+                    t, torch.Tensor) else t.detach()
                 continue
             full = self._full(t)
             ps = [Replicate()] * mesh.ndim
@@ -82,6 +85,10 @@ class FSDPStateDict:
                 ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
             dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
+            if keep_vars and t.requires_grad:
+                # torch's keep_vars values are the parameters: `v.requires_grad` tells a
+                # trainable one from a frozen one (saving only what trains, as LoRA does)
+                dt.requires_grad_(True)
             # a copy (FSDP2's are the shards): a load in place cuts it into the shards
             out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v), source=t)
         if destination is None:         # DCP reads it too (..dcp_interop)
@@ -112,10 +119,14 @@ class FSDPStateDict:
                 if id(t) in self._meta else t
         missing, unexpected = state_dict_check("FullyShardedDataParallel", mine, state_dict,
                                                strict)
+        extra = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             if name not in state_dict:
                 continue
             v = state_dict[name]
+            if not isinstance(t, torch.Tensor):     # set_extra_state's, as torch's
+                extra[name] = v
+                continue
             if isinstance(v, DistTensor):
                 v = v.full()
             v = torch.as_tensor(v).detach()
@@ -123,5 +134,6 @@ class FSDPStateDict:
                 t.copy_(v.clone())
                 continue
             self._store(t, v)
+        set_extra_states(self.module, extra)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
-from .replica_writes import before_write, handed_out
+from .replica_writes import after_write, before_write, handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
 
@@ -81,7 +81,10 @@ class LaidOutParameter(nn.Parameter):
             target = kwargs.get("out")
         if func is init.normal_ and isinstance(target, LaidOutParameter) and \
                 getattr(target, "_wb_store", None) is not None:
-            return _one_draw(func, target, args, kwargs)
+            before_write(target)
+            out = _one_draw(func, target, args, kwargs)
+            after_write(target)         # every row the draw (DDP): what is seen now
+            return out
         if isinstance(target, LaidOutParameter):
             raise RuntimeError(
                 f"in-place init of a parameter after wrapping: {target._wb_layout}, so "
@@ -89,9 +92,14 @@ class LaidOutParameter(nn.Parameter):
                 "rank's copy its own draw, a fan-in read from that shape).  Initialize the "
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
-        if args and isinstance(args[0], LaidOutParameter) and _in_place(func):
-            before_write(args[0])       # a write through one row's handle first (DDP)
-            args = _module_shaped_operands(func, args)
+        p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
+        if isinstance(p, LaidOutParameter) and _in_place(func):
+            before_write(p)             # a write through one row's handle first (DDP)
+            args = _module_shaped_operands(func, args) if args else args
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            after_write(p)              # the rows now, written alike: what is seen (DDP)
+            return out
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

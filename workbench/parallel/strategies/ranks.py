@@ -335,6 +335,26 @@ class ModuleWrapper(torch.nn.Module):
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    def __getattr__(self, name):
+        # as torch DDP, the wrapper has no attribute of the module's (``ddp.module.fc``);
+        # but its names are the module's, so torch.distributed.checkpoint.state_dict's
+        # helpers look them up here and failed with a bare AttributeError: say why
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None or name.startswith("_") or not hasattr(module, name):
+                raise
+            cls = type(self).__name__
+            raise AttributeError(
+                f"'{cls}' object has no attribute {name!r}: the wrapped module's is "
+                f"{cls}.module.{name}; named_parameters() gives the module's own names, so "
+                "torch.distributed.checkpoint.state_dict's helpers (which look those names "
+                "up on the wrapper) do not know this wrapper: use wb.checkpoint."
+                "get_model_state_dict / get_optimizer_state_dict / get_state_dict / "
+                "set_model_state_dict / set_optimizer_state_dict / set_state_dict (torch's "
+                "signatures)") from None
+
     def get_submodule(self, target: str = ""):
         """By the names ``named_modules`` gives (``get_parameter`` / ``get_buffer`` too)."""
         return self.module.get_submodule(target)
@@ -370,8 +390,19 @@ def state_dict_check(owner, mine: dict, given, strict: bool):
     tensor); raises torch's ``load_state_dict`` error first when ``strict`` and a key
     differs, or when a shape does (before anything is copied)."""
     from ..module_state import check_state_dict
-    check_state_dict(owner, {k: tuple(v.shape) for k, v in mine.items()}, given, strict)
+    # a module's get_extra_state() (any object, no shape) under "..._extra_state"
+    check_state_dict(owner, {k: tuple(v.shape) if isinstance(v, torch.Tensor) or
+                             hasattr(v, "placements") else None for k, v in mine.items()},
+                     given, strict)
     return [k for k in mine if k not in given], [k for k in given.keys() if k not in mine]
+
+
+def set_extra_states(module: nn.Module, extra: dict) -> None:
+    """``{"<submodule>._extra_state": value}``: each submodule's ``set_extra_state(value)``,
+    as torch's ``load_state_dict`` calls it."""
+    suffix = nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+    for key, v in extra.items():
+        module.get_submodule(key[:-len(suffix)].rstrip(".")).set_extra_state(v)
 
 
 def bucket_order(sizes, bucket_bytes) -> list[list[int]]:

@@ -45,7 +45,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["sync_rows", "sync_optimizer_rows", "handed_out", "before_write"]
+__all__ = ["sync_rows", "sync_optimizer_rows", "handed_out", "before_write", "after_write"]
 
 _SEEN = WeakIdKeyDictionary()       # rows -> [version counter, the row] when last equal
 _VIEWS = WeakIdKeyDictionary()      # the tensors an optimizer's state_dict() gave -> True
@@ -78,7 +78,8 @@ def rows_of(p):
 def _sync(key, t, n: int, src: int, what: str) -> None:
     """``t`` (``n`` rows on dim 0) looked at when its version counter moved: rows
     compared with the copy of the value they all held at the last look; only row ``src``
-    changed: copied into every row; every row changed alike (an optimizer step): kept;
+    changed (or it and every other row alike, by a write through ``.data``): copied into
+    every row; every row changed alike (an optimizer step): kept;
     otherwise a ``RuntimeError``.  Then the copy is taken again (kept under ``key``, the
     tensor handed out: ``t`` may be a fresh plain view of it)."""
     seen = _SEEN.get(key)
@@ -97,7 +98,12 @@ def _sync(key, t, n: int, src: int, what: str) -> None:
     old = b[0 if src else 1] if seen is None or seen[1] is None else \
         _bits(seen[1]).reshape(-1)
     changed = (b != old).any(1).nonzero().flatten().tolist()
-    if changed != [src]:
+    # every other row changed alike besides row src: a write of every row that no version
+    # counter saw (``p.data.mul_(0.5)``: ``.data`` has its own), then one through row src's
+    # handle (a checkpoint loaded in place): as every process, row src's value
+    others = b[[i for i in range(n) if i != src]]
+    alike = src in changed and bool((others == others[0]).all())
+    if changed != [src] and not alike:
         raise RuntimeError(
             f"DistributedDataParallel: the replicas of {what} differ between the "
             f"simulated ranks (rows {changed} changed since they were last equal, not "
@@ -165,6 +171,14 @@ def before_write(p) -> None:
     changed, and no longer alike)."""
     if not _STEPPING[0] and rows_of(p) is not None:
         sync_rows([(f"the parameter of shape {p._wb_shape}", p)])
+
+
+def after_write(p) -> None:
+    """After that op: its rows, written alike, are the value a later look compares with
+    (else ``p.zero_()`` then a write through one row's handle, e.g. a checkpoint loaded in
+    place into ``ddp.state_dict()``, found every row changed since they were last seen
+    equal and raised)."""
+    before_write(p)
 
 
 _STEPPING = [0]             # inside a torch.optim step (its writes keep the rows equal)
