@@ -531,13 +531,13 @@ def test_fsdp_over_tensor_parallel_optimizer_state_dict_has_one_devices_shapes(d
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
 
-def _ddp_over_tp():
+def _ddp_over_tp(**torch_kwargs):
     m = _tp_net()
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
     wb.parallelize_module(m, mesh, {"blocks.*.up": wb.ColwiseParallel(),
                                     "blocks.*.down": wb.RowwiseParallel()})
     wb.parallelize(m, mesh)
-    d = wb.DistributedDataParallel(m, mesh, dim="dp")
+    d = wb.DistributedDataParallel(m, mesh, dim="dp", **torch_kwargs)
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     real = opt.step
 
@@ -679,12 +679,25 @@ def test_over_tensor_parallel_freezing_a_module_parameter_is_one_devices(make, m
     if mode == "freeze":
         p.head.weight.requires_grad_(False)
     want = _tp_steps(p, torch.optim.AdamW(p.parameters(), lr=1e-2), None, range(3))
-    w, opt, mesh = make()
+    # a parameter frozen after wrapping gets no gradient: torch's DDP then needs
+    # find_unused_parameters=True (without it, it raises at the next forward, as ours does:
+    # test_ddp_over_tensor_parallel_frozen_after_wrapping_needs_find_unused)
+    w, opt, mesh = (_ddp_over_tp(find_unused_parameters=True) if make is _ddp_over_tp
+                    and mode == "freeze" else make())
     w.module.head.weight.requires_grad_(False)
     if mode != "freeze":
         w.module.head.weight.requires_grad_(True)
     got = _tp_steps(w, opt, mesh, range(3))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def test_ddp_over_tensor_parallel_frozen_after_wrapping_needs_find_unused():
+    # torch's DDP: a parameter that stops getting a gradient after wrapping is an unused
+    # parameter; without find_unused_parameters=True the next forward raises
+    w, opt, mesh = _ddp_over_tp()
+    w.module.head.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction"):
+        _tp_steps(w, opt, mesh, range(3))
 
 
 def test_ddp_over_tensor_parallel_a_parameter_frozen_at_wrapping_is_refused_unfreezing():

@@ -23,7 +23,8 @@ def build(kind):
     elif kind == "fsdp":
         w = wb.FullyShardedDataParallel(m, None)
     else:
-        w = wb.DistributedDataParallel(m, None)
+        # the toy's unused parameter: torch DDP trains it only with find_unused_parameters
+        w = wb.DistributedDataParallel(m, None, find_unused_parameters=True)
     return w, optimizer("adamw", w.parameters())
 
 
