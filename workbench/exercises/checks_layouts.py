@@ -89,10 +89,19 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
     try:
         if isinstance(sizes, (str, bytes)):
             raise TypeError(sizes)
-        got = [int(n) for n in sizes]
+        raw = list(sizes)
+        got = [int(n) for n in raw]
+        whole = all(float(n) == g for n, g in zip(raw, got))
     except (TypeError, ValueError):
         raise CheckError(f"sizes should be a list of 4 ints, e.g. [1, 2, 3, 4], got "
                          f"{sizes!r}") from None
+    if not whole:
+        raise CheckError(f"your sizes {raw} are not whole numbers: a rank holds whole rows "
+                         "(torch.chunk gives each piece ceil(n / k) rows until they run out), "
+                         "never part of one")
+    if len(got) != 4:
+        raise CheckError(f"give one size per rank: mesh22 has 4 ranks, your list has "
+                         f"{len(got)}")
     if got == want:
         _ok(f"{want}: dp splits {rows} rows first, then tp splits each piece (torch.chunk)")
         return
