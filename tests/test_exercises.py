@@ -131,6 +131,7 @@ def test_notation(capsys):
     fails("named dp and tp", ex.check_notation, "bf16[I, J_y]{U_x}")     # the x, y mesh's names
     fails("first one, on mesh dim dp", ex.check_notation, "bf16[I, J_tp]{U_tp}")
     passes(capsys, ex.check_notation, "bf16[I, J_{tp}]{U_{dp}}")        # braced subscripts
+    fails("with letters, I for dim 0", ex.check_notation, "bf16[16, 64_tp]{U_dp}")   # sizes
 
 
 def test_nested_rows(capsys):

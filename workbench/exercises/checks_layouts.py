@@ -68,6 +68,9 @@ def check_notation(text) -> None:
         msg = "Partial over dp is written {U_dp} after the brackets (unreduced over dp)"
     elif not got.startswith("bf16["):
         msg = "the dtype comes first, short: bf16 for torch.bfloat16"
+    elif re.search(r"[\[,]\d", got):
+        msg = ("name the dims with letters, I for dim 0 and J for dim 1, not with their sizes "
+               "(the shape stands apart: TensorSpec's repr prints it first)")
     elif "J_tp" not in got:
         msg = "Shard(1) on tp subscripts the second dim: J_tp"
     elif "I_" in got:
