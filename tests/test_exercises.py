@@ -57,6 +57,8 @@ def test_training_days(capsys):
     fails("multiply by the utilisation instead of dividing", ex.check_training_days,
           6 * 7e9 * 2e12 * 0.4 / (1024 * 313e12) / 86400)
     fails("should be a number", ex.check_training_days, "7.6")
+    fails(r"percentage \(40\)\? 40% of peak is 0.4", ex.check_training_days,
+          6 * 7e9 * 2e12 / (1024 * 313e12 * 40) / 86400)
 
 
 def test_zero2_memory(capsys):
@@ -69,6 +71,7 @@ def test_zero2_memory(capsys):
     fails("bytes: divide by 1e9", ex.check_zero2_memory_gb, 26.25e9)
     fails("GiB", ex.check_zero2_memory_gb, 26.25e9 / 2**30)
     fails("weights twice", ex.check_zero2_memory_gb, (2 * 7e9 + 16 * 7e9 / 8) / 1e9)
+    fails("fp32 master copy", ex.check_zero2_memory_gb, (2 * 7e9 + (2 + 8) * 7e9 / 8) / 1e9)
 
 
 def test_zero2_memory_weights_only():
@@ -93,6 +96,9 @@ def test_allreduce_seconds(capsys):
     fails("7 links, one to each peer", ex.check_allreduce_seconds,
           2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / (196e9 / 8))
     fails("bf16, 2 bytes", ex.check_allreduce_seconds, 2 * t)
+    fails("alpha is 3 us = 3e-06 s", ex.check_allreduce_seconds,
+          2 * 7 * 3 + 2 * 7 / 8 * 14e9 / 28e9)
+    fails("no bits", ex.check_allreduce_seconds, 2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 * 8 / 28e9)
 
 
 def test_allreduce_formula_agrees_with_the_cost_model():
@@ -125,6 +131,7 @@ def test_notation(capsys):
     fails("named dp and tp", ex.check_notation, "bf16[I, J_y]{U_x}")     # the x, y mesh's names
     fails("first one, on mesh dim dp", ex.check_notation, "bf16[I, J_tp]{U_tp}")
     passes(capsys, ex.check_notation, "bf16[I, J_{tp}]{U_{dp}}")        # braced subscripts
+    fails("with letters, I for dim 0", ex.check_notation, "bf16[16, 64_tp]{U_dp}")   # sizes
 
 
 def test_nested_rows(capsys):
@@ -137,6 +144,9 @@ def test_nested_rows(capsys):
     fails(r"FIRST pieces.*5 rows in 2 are \(3, 2\)", ex.check_nested_rows, [2, 3, 2, 3])
     fails("wrong order", ex.check_nested_rows, [2, 2, 3, 3])
     fails("list of 4 ints", ex.check_nested_rows, 10)
+    fails(r"not whole numbers.*never part of one", ex.check_nested_rows, [2.5] * 4)
+    passes(capsys, ex.check_nested_rows, [3.0, 2.0, 3.0, 2.0])
+    fails("4 ranks, your list has 2", ex.check_nested_rows, [5, 5])
 
 
 # ---- 03 collectives and reshard --------------------------------------------------------------------

@@ -179,6 +179,9 @@ def check_training_days(days, params: float = 7e9, tokens: float = 2e12, n_devic
                       f"{utilization:.0%} of their peak"),
         (utilization ** 2, "did you multiply by the utilisation instead of dividing? The "
                            "devices deliver u x peak, so the time is FLOPs / (n x peak x u)"),
+        (1 / 100, f"100 times too small: did you write the utilisation as a "
+                  f"percentage ({utilization * 100:g})? {utilization:.0%} of peak is "
+                  f"{utilization:g}"),
         (86400, "that is seconds: divide by 86,400 s per day"),
         (24, "that is hours: divide by 24"),
         (peak / fp32, f"did you use the float32 peak ({fp32 / 1e12:g} TFLOP/s)? Training runs "
@@ -210,6 +213,11 @@ def check_zero2_memory_gb(gb, params: float = 7e9, n_d: int = 8, stage: int = 2)
               (2 * params / 1e9, "that counts only the bf16 weights (2 bytes per "
                "parameter); add gradients (2) and Adam's fp32 master weights, momentum and "
                "variance (12)")]
+    adam8 = [8 * params, 2 * params, 2 * params]         # Adam's states less the fp32 master
+    hints.append((sum(b / n_d if i < stage else b for i, b in enumerate(adam8)) / 1e9,
+                  "that gives Adam 8 bytes per parameter (momentum and variance); mixed "
+                  "precision also keeps an fp32 master copy of the weights (4): 12 bytes of "
+                  "optimizer state"))
     if stage == 2:
         hints.append((2 * params / 1e9 + 16 * params / n_d / 1e9,
                       "that counts the bf16 weights twice: whole (2 psi) and again in the "
@@ -243,4 +251,8 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
          f"or split the {HCCS_TOTAL / 1e9:g} GB/s over {p} links? Each NPU has {p - 1} links, "
          f"one to each peer: {link_bandwidth / 1e9:g} GB/s each"),
         (2 * want, "twice too much: the gradients are bf16, 2 bytes each (14e9 bytes for 7e9)"),
+        (2 * (p - 1) * alpha * 1e6 + 2 * (p - 1) / p * nbytes * b,
+         f"alpha is {alpha * 1e6:g} us = {alpha:g} s: give every term in seconds"),
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
+         "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
     ])

@@ -68,6 +68,9 @@ def check_notation(text) -> None:
         msg = "Partial over dp is written {U_dp} after the brackets (unreduced over dp)"
     elif not got.startswith("bf16["):
         msg = "the dtype comes first, short: bf16 for torch.bfloat16"
+    elif re.search(r"[\[,]\d", got):
+        msg = ("name the dims with letters, I for dim 0 and J for dim 1, not with their sizes "
+               "(the shape stands apart: TensorSpec's repr prints it first)")
     elif "J_tp" not in got:
         msg = "Shard(1) on tp subscripts the second dim: J_tp"
     elif "I_" in got:
@@ -89,10 +92,19 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
     try:
         if isinstance(sizes, (str, bytes)):
             raise TypeError(sizes)
-        got = [int(n) for n in sizes]
+        raw = list(sizes)
+        got = [int(n) for n in raw]
+        whole = all(float(n) == g for n, g in zip(raw, got))
     except (TypeError, ValueError):
         raise CheckError(f"sizes should be a list of 4 ints, e.g. [1, 2, 3, 4], got "
                          f"{sizes!r}") from None
+    if not whole:
+        raise CheckError(f"your sizes {raw} are not whole numbers: a rank holds whole rows "
+                         "(torch.chunk gives each piece ceil(n / k) rows until they run out), "
+                         "never part of one")
+    if len(got) != 4:
+        raise CheckError(f"give one size per rank: mesh22 has 4 ranks, your list has "
+                         f"{len(got)}")
     if got == want:
         _ok(f"{want}: dp splits {rows} rows first, then tp splits each piece (torch.chunk)")
         return
