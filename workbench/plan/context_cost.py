@@ -37,7 +37,8 @@ as s_l, so a long enough block always hides it.  The gradients of the weights, w
 every cp rank holds whole, are reduced over the dp x cp ranks (``Layout.grad_ranks``),
 and the optimizer states shard over them (Megatron-LM's distributed optimizer).
 The ring's clock here is the one ``strategies.context_parallel`` runs on (tests/
-test_plan_cp.py holds the half block and the hop to its trace).
+test_plan_cp.py holds the half block and the hop to its trace, tests/test_ringbwd.py the
+backward's blocks, accumulations and K/V and dK/dV hops).
 """
 from __future__ import annotations
 

@@ -32,9 +32,10 @@ previous step's dK/dV and this step's K/V.
 :func:`ring_attention_function` is that torch.autograd.Function over the DistTensors'
 local tensors. Its forward runs the ring's forward (``context_parallel.ring_attention``:
 per-step blocks and the merge, on DistTensors, traced as always) and keeps q, k, v, O and
-L; its backward moves K/V and dK/dV as above, and under a trace records each step's
-block backward (the op table's ``ring_attention_step`` backward cost, captured from the
-forward), the accumulations, the sends, and the final wait.
+L; its backward moves K/V and dK/dV as above, and under a trace records the sends, the
+accumulations and the final wait, and each step's block backward when the forward ran
+under a trace too (as every op's backward event: the op table's ``ring_attention_step``
+backward cost, captured from the forward).
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
                                               f"{label}: K/V again (backward)", record)
             gq, gk, gv = _step_grads(q, K, V, o, lse, do, delta, coords, axis, nd, t, p,
                                      info["causal"], info["balanced"], info["scale"])
-            if record and ctx.costs:
+            if record and ctx.costs and t < len(ctx.costs):
                 _record_block(tr, mesh, *ctx.costs[t])
             dq = gq if dq is None else dq + gq
             if t > 0:
