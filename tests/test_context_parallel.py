@@ -77,11 +77,13 @@ def test_the_k_v_ring_is_counted_and_overlapped_with_the_block_compute():
     assert len(steps) == 4
     for s, c in zip(sends, steps):              # step t's send runs beside step t's block
         assert s.start < c.end and c.start < s.end
-    # backward: dK/dV travel the ring back, p-1 sends of the same size
+    # backward (torch's ring, tests/test_ringbwd.py): K/V round again, p-1 sends, and the
+    # float32 dK/dV with them, p sends (fp32 inputs: the same size)
     with wb.trace("a100") as tr2:
         out.sum().backward()
     back = [e for e in tr2.events if e.name == "send_recv"]
-    assert len(back) == 3 and all(e.bytes == block and "dK/dV" in e.label for e in back)
+    assert len(back) == 3 + 4 and all(e.bytes == block for e in back)
+    assert sum("dK/dV" in e.label for e in back) == 4
     steps_b = [e for e in tr2.events if e.name == "ring_attention_step"]
     assert any(s.start < c.end and c.start < s.end for s in back for c in steps_b)   # beside
 
@@ -97,7 +99,7 @@ def test_the_owner_waits_for_its_dk_dv_in_backward():
         cp.ring_attention(*d, "cp").sum().backward()
     back = [e for e in tr.events if "dK/dV" in e.label]
     last_compute = max(e.end for e in tr.events if e.stream == "compute")
-    assert len(back) == 3 and back[-1].end > last_compute
+    assert len(back) == 4 and back[-1].end > last_compute
     assert all(tr.now(r) == back[-1].end for r in range(4))
 
 
@@ -208,7 +210,8 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
         cp.ring_attention(*dist, "cp")
     assert r["cp"]["bytes_per_rank"] == tr.bytes_per_rank("send_recv")[0] == 2 * 3 * 4 * 16 * 4
     assert r["sp"]["bytes_per_rank"] == 4 * 3 * 16 * 32 * 4 // 4        # 4 (p-1)/p b S h e
-    # forward and backward: the K/V blocks out, dK/dV back (as the simulator counts them)
+    # forward and backward: the K/V blocks out, again in backward, and the dK/dV (as the
+    # simulator counts them)
     d = [t.detach().requires_grad_() for t in dist]
     with wb.trace("a100") as tr2:
         cp.ring_attention(*d, "cp").sum().backward()

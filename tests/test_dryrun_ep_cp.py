@@ -30,7 +30,7 @@ CASES = [(MOE, Layout(dp=2, ep=2, global_batch=2)),
          (MOE, Layout(dp=2, ep=2, pp=2, global_batch=8)),
          (CFG, Layout(cp=2, global_batch=1)),
          (CFG, Layout(cp=4, global_batch=1)),
-         (CFG, Layout(cp=2, tp=2, global_batch=1))]     # measured: step 1.08x, total 1.005x
+         (CFG, Layout(cp=2, tp=2, global_batch=1))]     # measured: step 1.047x, total 1.0001x
 
 
 def _pair(cfg, lay, **kw):
@@ -94,17 +94,17 @@ def test_cp_ring_is_traced_and_the_sequence_split():
     assert dr.memory["activations"] < one.memory["activations"]
 
 
-@pytest.mark.parametrize("cp,low,high", [(2, 1.20, 1.35), (4, 1.90, 2.15)])
-def test_cp_ring_keeps_more_than_the_planner_counts(cp, low, high):
-    """The runtime's ring attention keeps each step's q / K / V blocks and fp32 partial
-    outputs for backward; the planner (as Transformer Engine) keeps q, k, v, o and the lse
-    and sends K/V round again.  Measured: activations 1.27x (cp 2) and 2.03x (cp 4) the
-    estimate, growing with the ring's steps; model states equal, so the total stays
-    within 5% here (test above)."""
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_ring_keeps_what_the_planner_counts(cp):
+    """The runtime's ring attention keeps q, k, v, the output and the lse for backward and
+    sends K/V round again (torch's ring, ``context_parallel_backward.py``), as the planner
+    (and Transformer Engine) does. Measured: activations 1.012x (cp 2) and 1.032x (cp 4)
+    the estimate (autograd through the merge, which kept each step's blocks and fp32
+    partial outputs, gave 1.27x and 2.03x)."""
     lay = Layout(cp=cp, global_batch=1)
     dr, est = _pair(CFG, lay)
     ratio = dr.memory["activations"] / est.memory["activations"]
-    assert low < ratio < high
+    assert 1.0 <= ratio < 1.05
 
 
 def test_moe_without_ep_runs_the_dense_dispatch_buffers():

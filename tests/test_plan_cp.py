@@ -47,8 +47,21 @@ def test_ring_step_is_max_of_half_block_and_hop():
     acc = r.half_backward - compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, A100,
                                          "bfloat16", "attention",
                                          gemm=AttentionShape(a, s_l, d, False, True))
-    run_b, out_b = overlap(r.half_backward - acc, 2 * hop, A100)
-    assert r.backward == pytest.approx(3 * (run_b + acc + out_b), rel=1e-12)
+    # backward as torch's ring runs it (tests/test_ringbwd.py): dQ, dK, dV added in fp32
+    # each step; steps 1, 2 beside the previous step's fp32 dK/dV and this step's K/V,
+    # step 3 beside the dK/dV alone; the owner waits for its block's dK/dV at the end
+    assert acc == pytest.approx(r.accumulate, rel=1e-12)
+    assert r.accumulate == compute_time(nq + 2 * nk, 3 * 4 * (nq + 2 * nk), A100,
+                                        "bfloat16", "elementwise")
+    grad = group_price("send_recv", 2 * kv_block_bytes(CFG, lay), (0, 1), A100)
+    assert r.hop_grad == grad
+    run_b, out_b = overlap(r.half_backward - acc, grad + hop, A100)
+    run_l, out_l = overlap(r.half_backward - acc, grad, A100)
+    assert r.backward == pytest.approx(2 * (run_b + acc + out_b) + run_l + acc + out_l
+                                       + acc + grad, rel=1e-12)
+    assert r.backward_exposed_comm == pytest.approx(2 * out_b + out_l + grad, rel=1e-12)
+    n = kv_block_bytes(CFG, lay)
+    assert r.sent_backward == 3 * n + 4 * 2 * n           # K/V again, fp32 dK/dV home
     assert r.forward_exposed_comm == 0.0 and hop < half        # 8K-token blocks hide it
     # short blocks across nodes do not (ring ranks 0, 8, ..: one per node): the transfer
     # grows as s_l, the attention as s_l^2

@@ -21,8 +21,15 @@ partial outputs by their log-sum-exp (``flash_attention(return_lse=True)``):
   transfer is double-buffered behind the compute (Liu et al. 2023 sec. 3); exactly, the
   block runs beside the copy on the SMs the copy leaves it (``cost.overlap``: NCCL's
   kernel holds some), so it is stretched, and whatever of the transfer outlasts it shows;
-- backward: the same ring, each step's K/V and its dK/dV (2x the bytes) against the
-  half block's backward (Dao 2023, 2.5x the forward's FLOPs).
+- backward, as PyTorch's ring runs it (torch 2.13, ``_templated_ring_attention_backward``;
+  ``strategies.context_parallel_backward``): the rank keeps only q, k, v, o and the lse,
+  so the K/V blocks go round again (cp - 1 hops), and each step's half block backward
+  (Dao 2023, 2.5x the forward's FLOPs, against the merged o and lse) adds its dK/dV to
+  the float32 dK/dV that arrived with the block and sends them on (cp hops of
+  2 b s_l (g / t) d x 4 bytes: twice a 16-bit K/V block); the ring's one stream runs
+  the previous step's dK/dV and this step's K/V beside each block, the last step's
+  dK/dV alone, and the owner waits for its own block's dK/dV at the end (exposed);
+  every step adds dQ, dK, dV into float32 accumulators (read two, write one).
 
 So ring attention costs about (cp - 1) max(t_half, t_kv) beyond one causal block forward;
 the exchange is hidden when t_half >= t_kv: attention grows as s_l^2 and the transfer
@@ -30,7 +37,8 @@ as s_l, so a long enough block always hides it.  The gradients of the weights, w
 every cp rank holds whole, are reduced over the dp x cp ranks (``Layout.grad_ranks``),
 and the optimizer states shard over them (Megatron-LM's distributed optimizer).
 The ring's clock here is the one ``strategies.context_parallel`` runs on (tests/
-test_plan_cp.py holds the half block and the hop to its trace).
+test_plan_cp.py holds the half block and the hop to its trace, tests/test_ringbwd.py the
+backward's blocks, accumulations and K/V and dK/dV hops).
 """
 from __future__ import annotations
 
@@ -85,16 +93,18 @@ class RingTimes:
     """Ring attention beyond the causal block of step 0, per layer and micro-batch."""
     steps: int                  # cp - 1
     half_forward: float         # one half block's forward + merge (s)
-    half_backward: float        # its backward + dK/dV accumulation (s)
+    half_backward: float        # its backward + the dQ/dK/dV accumulation (s)
     hop: float                  # one K/V block over the slowest hop of the ring (s)
     forward: float              # steps x the pair's time (module docstring)
-    backward: float             # the same with 2 hops per step
+    backward: float             # the backward ring (module docstring), step 0's block aside
     forward_exposed_comm: float  # the part of ``forward`` the transfer adds
     backward_exposed_comm: float
     sent_forward: float         # bytes a rank sends per forward
     sent_backward: float
     pairs: float                # query-key pairs of one half block (all heads of the rank)
     merge: float                # of ``half_forward``: merging the step's output by its lse
+    hop_grad: float = 0.0       # one float32 dK/dV block over the slowest hop (s)
+    accumulate: float = 0.0     # of ``half_backward``: adding a step's dQ, dK, dV in fp32
 
 
 @lru_cache(maxsize=None)
@@ -119,18 +129,33 @@ def ring_times(cfg, lay, prof) -> RingTimes:
     merge = _cost.compute_time(6 * nq, 3 * e * nq + 3 * lse, prof, cfg.dtype, "elementwise")
     bwd = _cost.compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, prof, cfg.dtype,
                              "attention", gemm=_cost.AttentionShape(*shape, False, True))
-    acc = _cost.compute_time(2 * nk, 3 * 4 * 2 * nk, prof, cfg.dtype, "elementwise")
+    # a step's dQ, dK, dV added into float32 accumulators: read two, write one
+    a = max(e, 4)                                   # float32 (float64 for float64)
+    acc = _cost.compute_time(nq + 2 * nk, 3 * a * (nq + 2 * nk), prof, cfg.dtype, "elementwise")
     ranks = ring_ranks(lay)
     n = kv_block_bytes(cfg, lay)
-    hop = max(C.group_price("send_recv", n, (ranks[i], ranks[(i + 1) % cp]), prof)
-              for i in range(cp))
+    ng = n // e * a                                 # the dK/dV block in float32
+
+    def slowest(nbytes):
+        return max(C.group_price("send_recv", nbytes, (ranks[i], ranks[(i + 1) % cp]), prof)
+                   for i in range(cp))
+    hop, hop_g = slowest(n), slowest(ng)
     k = cp - 1
     hf, hb = fwd + merge, bwd + acc
-    # the block beside its transfer: stretched by the SMs the copy holds, the transfer's
+    # the block beside its transfer: stretched by the SMs the copy leaves it, the transfer's
     # rest exposed (cost.overlap, as the clock runs a kernel beside a collective)
     f_run, f_out = _cost.overlap(fwd, hop, prof)
-    b_run, b_out = _cost.overlap(bwd, 2 * hop, prof)
-    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), k * (b_run + acc + b_out),
-                     k * f_out, k * b_out,
-                     k * wire_bytes("send_recv", n, 2), 2 * k * wire_bytes("send_recv", n, 2),
-                     pairs, merge)
+    # backward: steps 1 .. k-1 beside the previous dK/dV and this step's K/V, step k beside
+    # the last dK/dV but one; the owner then waits for its own block's dK/dV
+    b_run, b_out = _cost.overlap(bwd, hop_g + hop, prof)
+    l_run, l_out = _cost.overlap(bwd, hop_g, prof)
+    if k:
+        b_exposed = (k - 1) * b_out + l_out + hop_g
+        backward = (k - 1) * (b_run + acc + b_out) + (l_run + acc + l_out) + acc + hop_g
+    else:                                           # one rank: no ring
+        b_exposed = backward = 0.0
+    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), backward,
+                     k * f_out, b_exposed,
+                     k * wire_bytes("send_recv", n, 2),
+                     k * wire_bytes("send_recv", n, 2) + bool(k) * cp * wire_bytes("send_recv", ng, 2),
+                     pairs, merge, hop_g, acc)

@@ -24,9 +24,7 @@ activations): the runtime's cost, reported as it is.
 
 What the runtime does that the planner does not price (the dry run measures the
 runtime; tests/test_dryrun_ep_cp.py): the EP un-permute keeps one R x h buffer more per
-MoE block; the ring attention keeps each step's blocks and fp32 partial outputs for
-backward (the planner, as Transformer Engine, keeps q, k, v, o and the lse and sends
-K/V round again in backward); with dp > 1 the cp recipe all-reduces a gradient over cp
+MoE block; with dp > 1 the cp recipe all-reduces a gradient over cp
 per use rather than once over dp x cp.
 """
 from __future__ import annotations

@@ -52,7 +52,7 @@ from . import backward_split
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
-           "wgrad_overlap", "graph_sink", "backward_parts", "needs_grad"]
+           "record_backward_now", "wgrad_overlap", "graph_sink", "backward_parts", "needs_grad"]
 
 
 @dataclass(frozen=True)
@@ -325,6 +325,13 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None)
             for r in ranks:
                 seen[r] = (evs[0].end, tr.last_compute(r)[0])
     return record
+
+
+def record_backward_now(name, op_class, ranks, cost: Cost, dtype) -> None:
+    """Record ``cost``'s backward kernel on the current trace now: for a hand-written
+    backward that runs an op's backward kernel itself (ring attention's blocks,
+    ``strategies/context_parallel_backward.py``)."""
+    _record_backward(name, op_class, ranks, cost, dtype)()
 
 
 def on_backward(outs, entry, mesh, cost: Cost, dtype, needs=None, inputs=None):

@@ -17,15 +17,12 @@ The merge by log-sum-exp is FlashAttention's online softmax across blocks (Dao 2
 FlashAttention-2, eq. for the rescaled running output): exact, whatever the order of the
 blocks. Each rank sends and receives p-1 K/V blocks forward (2 (p-1) tensors: K and V).
 
-Backward (what autograd runs here, and what moves): each step's block gradient gives
-dQ (kept), and dK, dV for the K/V block the rank held at that step. Those belong to the
-block's owner, so they travel the ring BACK: the gradient of "rank i+1 received rank i's
-block" is "rank i receives the dK/dV rank i+1 accumulated", p-1 sends of (dK, dV) per
-rank, each accumulating the local contribution on the way home (TransformerEngine's
-backward does the same, and also re-circulates K/V forward because it does not keep the
-blocks; autograd here keeps each step's K/V block for backward instead, p blocks). On
-the clock each dK/dV send is async beside the next block's backward, and the owner's
-compute waits for the last one before K's and V's producers get their gradient.
+Backward, as PyTorch's ring runs it (``context_parallel_backward.py``): the ring keeps
+only q, k, v, the merged output and the merged log-sum-exp; each step's block backward
+runs against those global statistics (every block's gradient exact up to one kernel's
+rounding), dQ accumulates in float32 where it is, the K/V blocks go round again (p-1
+sends) and each block's float32 dK/dV travel with it, back to the owner (p sends), which
+waits for them at the end; cast to the input dtype once.
 
 Causal load balancing: with a causal mask, contiguous slots would give rank p-1 2p-1 times
 the work of rank 0. The sequence is cut into 2p chunks and rank i holds chunks i and
@@ -52,8 +49,10 @@ from ..placement import Replicate, Shard
 from ..reshard import reshard
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
+from .. import storage
 from .context_parallel_autograd import autograd_in_context
-from .context_parallel_comm import await_in_backward, ring_pass, wait
+from .context_parallel_backward import ring_attention_function
+from .context_parallel_comm import ring_pass, wait
 
 __all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
            "from_ring_layout", "ring_order", "slot_positions", "slot_chunks",
@@ -87,20 +86,35 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
     is sharded over ``mesh_dim`` in the ring layout (``balanced``: rank i holds chunks i
     and 2p-1-i, :func:`to_ring_layout`; else contiguous slots), by passing K/V blocks
     around the ring. Returns the output (B, Hq, S, Dv), laid out as q. Equal to
-    ``flash_attention(q, k, v, causal=causal)`` of the sequences in their original order."""
+    ``flash_attention(q, k, v, causal=causal)`` of the sequences in their original order.
+    Its backward is the ring's (``context_parallel_backward.py``): each block's backward
+    against the merged output and log-sum-exp, dK/dV passed round with K/V."""
     mesh, axis = _check_inputs(q, k, v, mesh_dim, "ring_attention")
     p = mesh.shape[axis]
     check_ring(q.shape[2], p, balanced, "ring_attention")
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
-    box: list = []                        # backward: the dK/dV sends, awaited by K/V's owner
-    k, v = await_in_backward([k, v], box)
-    out = lse = None
+
+    def forward(q, k, v):
+        return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
+    if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
+                                              for t in (q, k, v)):
+        return forward(q, k, v)[0]
+    q, k, v, expand = _aligned(q, k, v, axis)
+    return ring_attention_function(forward, q, k, v, axis=axis, ring=p, causal=causal,
+                                   balanced=balanced, scale=scale, label=label, expand=expand)
+
+
+def _ring_forward(q, k, v, axis, p, causal, balanced, scale, label):
+    """The ring's forward on DistTensors: (output in q's dtype, merged log-sum-exp, the
+    blocks' dtype)."""
+    out = lse = kdtype = None
     for t in range(p):
         handles = ()
         if t < p - 1:                     # the next step's K/V, sent while this step computes
-            (k_next, v_next), handles = ring_pass([k, v], axis, label=label, box=box)
+            (k_next, v_next), handles = ring_pass([k, v], axis, label=label)
         o_t, lse_t = ring_attention_step(q, k, v, ring=p, step=t, causal=causal,
                                          balanced=balanced, scale=scale)
+        kdtype = o_t.dtype
         acc = torch.promote_types(o_t.dtype, torch.float32)
         if o_t.dtype != acc:              # the running output in float32 (float64 inputs:
             o_t = o_t.to(acc)             # float64), as FlashAttention keeps its accumulator
@@ -115,7 +129,32 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
         if t < p - 1:
             wait(handles)
             k, v = k_next, v_next
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse, kdtype
+
+
+def _aligned(q, k, v, axis):
+    """q, k, v laid out alike off the ring's mesh dim (what ``ring_attention_step``'s rule
+    would ask): q's batch or heads may be sharded there (anything else, and a Partial q,
+    is resharded to Replicate); k and v follow q, resharded, except a single K/V head
+    (GQA) replicated beside q's sharded heads: each rank gets its own copy (``expand``)."""
+    mesh = q.mesh
+    ok = (Replicate(), Shard(0), Shard(1))
+    ps = [p if a == axis or p in ok else Replicate() for a, p in enumerate(q.placements)]
+    if tuple(ps) != q.placements:
+        q = reshard(q, mesh, ps)
+    out, expand = [q], [()]
+    for t in (k, v):
+        want, ax = list(t.placements), []
+        for a, p in enumerate(q.placements):
+            if a == axis or t.placements[a] == p:
+                continue
+            if p == Shard(1) and t.placements[a].is_replicate() and t.shape[1] == 1:
+                ax.append(a)
+            else:
+                want[a] = p
+        out.append(t if tuple(want) == t.placements else reshard(t, mesh, want))
+        expand.append(tuple(ax))
+    return (*out, tuple(expand))
 
 
 # ---- laying a sequence out on the ring --------------------------------------------------------

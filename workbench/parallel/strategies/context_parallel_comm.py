@@ -17,7 +17,7 @@ from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 
-__all__ = ["ring_pass", "wait", "await_in_backward"]
+__all__ = ["ring_pass", "pass_on", "wait", "await_in_backward"]
 
 
 # ---- moving K/V around the ring -------------------------------------------------------------
@@ -107,6 +107,18 @@ def ring_pass(tensors, mesh_dim, *, label: str = "ring attention K/V", box=None)
     moved = _RingPass.apply((mesh, axis, label, [] if box is None else box), *locs)
     out = [DistTensor(m, mesh, t.placements, t.shape, t.dtype) for m, t in zip(moved, tensors)]
     return out, handles
+
+
+def pass_on(locs, mesh, axis: int, label: str, record: bool = True):
+    """Local tensors (the stacked form, or this process's own) to the next rank along mesh
+    dim ``axis``, outside autograd (ring attention's backward moves K/V and dK/dV so:
+    ``context_parallel_backward.py``), as one async send/recv on the clock when ``record``
+    and a trace is on. Returns (the moved tensors, handles)."""
+    handles = []
+    if record and current_trace() is not None:
+        handles = _record(mesh, axis, sum(storage.rank_bytes(l, mesh.ndim) for l in locs),
+                          label)
+    return [_shift(l, mesh, axis, 1) for l in locs], handles
 
 
 def wait(handles) -> None:

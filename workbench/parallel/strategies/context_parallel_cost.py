@@ -21,11 +21,14 @@ b sequences, hidden size h, K/V width h_kv = h * n_kv_head / n_head, e bytes per
   time is what each step's send takes beyond its block.
 
 Over a training step (forward and backward): SP's backward mirrors its forward (2x);
-CP's backward sends the dK/dV blocks back around the ring (2x the forward:
-``step_bytes_per_rank``, what this library's ring sends and the simulator counts: autograd
-keeps each step's K/V block for backward); TransformerEngine's ``AttnFuncWithCPAndKVP2P``
-keeps only its own block and passes the K/V blocks around again beside dK/dV (3x the
-forward: ``step_bytes_per_rank_te``). Per layer CP sends
+CP's backward, as PyTorch's ring runs it (torch 2.13, ``_templated_ring_attention_backward``,
+and this library's, ``context_parallel_backward.py``), keeps only its own K/V block,
+passes the K/V blocks round again (p-1 sends) and sends each block's dK/dV along with it
+in float32 (p sends, back to the owner): ``step_bytes_per_rank`` = the forward's
+(p-1) blocks + (p-1) blocks + p float32 blocks (4p-2 blocks in 16 bits, 3p-2 in float32),
+what the simulator counts; TransformerEngine's ``AttnFuncWithCPAndKVP2P`` is counted as
+3x the forward (``step_bytes_per_rank_te``: K/V again and dK/dV in the input dtype, p-1
+sends each). Per layer CP sends
 2 (p-1)/p b S h_kv e against SP's 4 (p-1)/p b S h e: never more, and hidden behind
 attention once S/p passes the threshold above.
 
@@ -94,7 +97,9 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     peak = prof.peak(dtype)
     bw = _cost.link_for(ranks if p > 1 else (0, 1), prof).bandwidth
     min_c = e * peak * h_kv / (2 * bw * h) * attn_fraction
-    cp = {"bytes_per_rank": (p - 1) * block, "step_bytes_per_rank": 2 * (p - 1) * block,
+    grad_block = block // e * max(e, 4)                     # dK/dV in float32
+    back = (p - 1) * block + p * grad_block if p > 1 else 0
+    cp = {"bytes_per_rank": (p - 1) * block, "step_bytes_per_rank": (p - 1) * block + back,
           "step_bytes_per_rank_te": 3 * (p - 1) * block,
           "comm_s": (p - 1) * step_comm,
           "exposed_s": (p - 1) * exposed_step, "step_comm_s": step_comm,
