@@ -331,7 +331,8 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
                         lay.engine != "workbench",   # the recipe: 16-bit param.grad,
-                        lay.engine == "workbench")   # torch.utils.checkpoint's early stop
+                        lay.engine == "workbench",   # torch.utils.checkpoint's early stop,
+                        split_qkv=lay.engine == "workbench")    # the GPT's wq, wk, wv
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
