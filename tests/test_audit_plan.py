@@ -370,3 +370,39 @@ def test_equal_dry_runs_compare_equal():
     a, b = P.dry_run(cfg, lay, cl), P.dry_run(cfg, lay, cl)
     assert a == b and a.step_time == b.step_time
     assert a != P.dry_run(cfg, lay.replace(recompute="full"), cl)
+
+
+# ---- the command lines name their flags, not the Python arguments --------------------
+@pytest.mark.parametrize("argv,want,python_name", [
+    (["plan", "--model", "gpt3-175b", "--devices", "7", "--global-batch", "5"],
+     "and --global-batch 5; try a --global-batch that is a multiple", "global_batch"),
+    (["plan", "--profile", "a1000", "--devices", "8", "--global-batch", "8"],
+     "Cluster: --profile a1000 is not known", "profile="),
+    (["train", "--preset", "gpt3-175b", "--dry-run", "--tp", "5"],
+     "Layout: --tp 5 does not divide n_head=96", "tp="),
+    (["train", "--preset", "gpt3-175b", "--dry-run", "--dp", "2", "--batch-size", "3",
+      "--micro-batch", "1"], "--batch-size 3 is not divisible by --micro-batch x dp = 1 x 2 "
+                             "= 2; --dp 2 does not divide it", "global_batch"),
+    (["train", "--preset", "tiny", "--dry-run", "--dp", "2", "--zero", "3", "--pp", "2"],
+     "Layout: --zero 3 with --pp 2", "zero="),
+])
+def test_cli_errors_name_the_flags(capsys, argv, want, python_name):
+    """Were: "global_batch=5", "Layout: tp=5 ..." on the command line, which has
+    --global-batch (plan) and --batch-size, --tp (train --dry-run)."""
+    from workbench.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert want in err and python_name not in err
+
+
+def test_cli_flags_keep_the_layouts_dp_apart_from_the_flag_with_ep():
+    """--dp 2 --ep 2 is Layout(dp=4): its "dp=4" is not the --dp the user gave."""
+    from workbench.plan.cli_flags import as_flags, dry_run_flags
+    msg = "micro_batch x dp = 1 x 4 = 4; dp=4 does not divide it"
+    assert as_flags(msg, dry_run_flags(ep=2)) == "--micro-batch x dp = 1 x 4 = 4; dp=4 does " \
+                                                 "not divide it"
+    assert as_flags(msg, dry_run_flags()).endswith("; --dp 4 does not divide it")
+    assert as_flags("schedule='interleaved_1f1b' with v=1", dry_run_flags()) == \
+        "--schedule interleaved with v=1"
+    assert as_flags("max_micro_batch=0 and micro_batch=2", {"micro_batch": "--micro-batch"}) \
+        == "max_micro_batch=0 and --micro-batch 2"
