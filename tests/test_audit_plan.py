@@ -406,3 +406,45 @@ def test_cli_flags_keep_the_layouts_dp_apart_from_the_flag_with_ep():
         "--schedule interleaved with v=1"
     assert as_flags("max_micro_batch=0 and micro_batch=2", {"micro_batch": "--micro-batch"}) \
         == "max_micro_batch=0 and --micro-batch 2"
+
+
+# ---- plan.memory's public functions: what they would misread -------------------------
+@pytest.mark.parametrize("call,match", [
+    (lambda M: M.model_state_bytes(1e9, 8, 1, k=-12), r"k=-12; give the optimizer's bytes"),
+    (lambda M: M.model_state_bytes("1e9", 8, 1), r"psi='1e9'; give the parameters"),
+    (lambda M: M.stage_params(get_config("gpt3-175b"), 8, 8, 9), r"stage=9; give a pipeline"),
+    (lambda M: M.stage_params(get_config("gpt3-175b"), 0, 8, 0), r"tp=0; give the tensor"),
+    (lambda M: M.layer_params(get_config("gpt3-175b"), 0), r"layer_params: tp=0"),
+    (lambda M: M.stage_params(get_config("gpt3-175b"), 8, 8, 0, -1), r"layers=-1"),
+    (lambda M: M.in_flight("1f1b", 4, 8, 2, 0), r"in_flight: v=2; v > 1 model chunks"),
+    (lambda M: M.in_flight("interleaved_1f1b", 4, 8, 1, 0), r"in_flight: v=1"),
+    (lambda M: M.in_flight("interleaved_1f1b", 4, 6, 2, 0), r"in_flight: m=6; interleaved"),
+    (lambda M: M.stage_memory(get_config("gpt3-175b"), P.Layout(tp=5), 0),
+     r"tp=5 does not divide n_head=96"),
+    (lambda M: M.stage_memory(get_config("gpt3-175b"), P.Layout(pp=5), 0),
+     r"pp x v = 5 x 1 does not divide n_layer=96"),
+    (lambda M: M.stage_memory(get_config("tiny"), P.Layout(), 0), r"dtype='float32'"),
+    (lambda M: M.stage_memory(LLAMA, P.Layout(), 0, "materialized"),
+     r"attention='materialized' with arch='llama'"),
+])
+def test_memory_functions_refuse_more_of_what_they_would_misread(call, match):
+    """Were: a negative optimizer (k=-12); a TypeError (psi a str); stage 9 of 8 priced;
+    ZeroDivisionError (tp=0); a negative stage (layers=-1); v=2 with 1F1B and v=1 or m=6
+    (pp 4) interleaved priced; tp=5 on 96 heads as 19.2 heads a rank, pp=5 on 96 layers
+    dropping one, a float32 model as 16-bit, a Llama's "materialized" attention silently
+    priced as its fused kernel."""
+    from workbench.plan import memory as M
+    with pytest.raises(ValueError, match=match):
+        call(M)
+
+
+def test_stage_memory_takes_a_profile_by_name():
+    """Was: AttributeError ('str' object has no attribute 'name') for profile="a100"."""
+    from workbench.plan import memory as M
+    from workbench.sim_mesh.profiles import get_profile
+    cfg, lay = get_config("gpt3-175b"), P.Layout(dp=16, tp=8, pp=8, global_batch=1536)
+    assert M.stage_memory(cfg, lay, 0, profile="a100") == \
+        M.stage_memory(cfg, lay, 0, profile=get_profile("a100"))
+    # the default attention is the estimate's: materialized for a GPT, flash for a Llama
+    assert M.stage_memory(cfg, lay, 0) == M.stage_memory(cfg, lay, 0, "materialized")
+    assert M.stage_memory(LLAMA, P.Layout(), 0) == M.stage_memory(LLAMA, P.Layout(), 0, "flash")
