@@ -461,3 +461,16 @@ def test_a_middle_stage_without_layers_is_refused():
     est = P.estimate(SMALL_GPT, lay.replace(framework="workbench"), cl, attention="flash")
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
     assert dr.memory["total"] == pytest.approx(est.memory["total"], rel=0.05)
+
+
+def test_dry_run_prices_the_send_of_a_chunk_whose_receiver_ran_ahead():
+    """Was 0: interleaved pp 2, chunk 1 -> 2 lands on mesh 0, which had already run chunk
+    0's backward, and the send was measured as the clocks' advance (910B, v 2: dry run /
+    estimate 0.880, now 0.925)."""
+    lay = P.Layout(pp=2, global_batch=4, schedule="interleaved_1f1b", v=2)
+    cl = P.Cluster("ascend-910b", 2)
+    dr = P.dry_run(SMALL_GPT, lay, cl)
+    assert dr.stages[1]["send"] == pytest.approx(dr.stages[0]["send"], rel=1e-9)
+    assert dr.stages[0]["send"] > 0
+    est = P.estimate(SMALL_GPT, lay.replace(framework="workbench"), cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
