@@ -474,3 +474,18 @@ def test_dry_run_prices_the_send_of_a_chunk_whose_receiver_ran_ahead():
     assert dr.stages[0]["send"] > 0
     est = P.estimate(SMALL_GPT, lay.replace(framework="workbench"), cl, attention="flash")
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
+
+
+def test_recipe_estimate_prices_each_expert_gemm_as_the_runtime_runs_it():
+    """Was 1.186 (dry run / estimate, the H100; tests/test_dryrun_ep_cp.py's MoE, dp 2
+    ep 2): the estimate of framework "workbench" priced the experts as one grouped GEMM
+    at the rate of their rows stacked, the library's MoE runs one GEMM per local expert
+    (``strategies.expert_parallel_clock``), each at its own (narrower) shape's measured
+    rate; Megatron-LM's layer (the default framework) keeps the grouped GEMM."""
+    cfg = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
+                     d_ff=2816, seq_len=1024).replace(moe_experts=8, moe_topk=2)
+    lay, cl = P.Layout(dp=2, ep=2, global_batch=2), P.Cluster("h100", 2)
+    dr = P.dry_run(cfg, lay, cl)
+    est = P.estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.05)     # measured: 0.982
+    assert P.estimate(cfg, lay, cl).details["layer"] != est.details["layer"]
