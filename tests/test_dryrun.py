@@ -182,7 +182,7 @@ def test_dry_run_flags_refused_without_dry_run(capsys):
     assert "--micro-batch applies to --dry-run only" in capsys.readouterr().err
     assert main(["train", "--preset", "gpt-tiny", "--dry-run", "--dp", "3",
                  "--batch-size", "8"]) == 2
-    assert "--batch-size 8 does not divide into dp=3" in capsys.readouterr().err
+    assert "--batch-size 8 does not divide into --dp 3 x 1" in capsys.readouterr().err
 
 
 # what ZeRO's per-micro-batch collectives change in the step (ZeRO-k minus the same layout

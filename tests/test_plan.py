@@ -257,7 +257,7 @@ def test_cli_plan(capsys):
     out = capsys.readouterr().out
     assert "step s" in out and "#1 beats #2" in out
     assert main(["plan", "--model", "gpt-22b", "--profile", "tpu", "--devices", "64"]) == 2
-    assert "error: Cluster: profile='tpu'" in capsys.readouterr().err
+    assert "error: Cluster: --profile tpu is not known" in capsys.readouterr().err
 
 
 def test_search_says_when_nothing_fits():

@@ -96,7 +96,8 @@ def _plan(args) -> int:
                          global_batch=args.global_batch, top=args.top,
                          max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from .plan.cli_flags import PLAN_FLAGS, as_flags     # global_batch= as --global-batch
+        print(f"error: {as_flags(str(e), PLAN_FLAGS)}", file=sys.stderr)
         return 2
     print(f"{args.model} ({cfg.n_layer} layers, h={cfg.d_model}, {cfg.n_head} heads, "
           f"s={cfg.seq_len}), global batch {args.global_batch}")

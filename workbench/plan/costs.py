@@ -116,7 +116,8 @@ def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
 def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
                attention: str = "materialized", fp8: bool = False,
                tp_comm_overlap: bool = False, async_allreduce: bool = True,
-               main_grad: bool = True, early_stop: bool = False) -> LayerCost:
+               main_grad: bool = True, early_stop: bool = False,
+               split_qkv: bool = False) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
     linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
@@ -126,7 +127,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     Megatron-DeepSpeed run them (``layer_cost``, ``plan.megatron_2021``);
     ``main_grad=False``: weight gradients written in 16 bits; ``early_stop``: a Llama
     block's full recompute as PyTorch's non-reentrant checkpoint stops it
-    (``layer_cost``)."""
+    (``layer_cost``); ``split_qkv``: a GPT layer's query, key and value projections as
+    three GEMMs, as this library's GPT runs them (``layer_cost._forward``)."""
     s, h = cfg.seq_len, cfg.d_model
     _, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     sent = sent_f * (3 if recompute == "full" else 2)
@@ -143,6 +145,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["main_grad"] = False
     if early_stop:
         extra["early_stop"] = True
+    if split_qkv and cfg.arch == "gpt":
+        extra["split_qkv"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     if recompute == "full" and early_stop and tp > 1 and not any(

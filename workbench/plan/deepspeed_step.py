@@ -87,8 +87,15 @@ FP16_OPTIMIZER_BYTES = (("overflow check, x.float().sum() per gradient", 2 + 4 +
 DP_BUCKET_COPY_BYTES = 12
 
 
-def check(cfg, lay) -> None:
+def check(cfg, lay, overlap_grad_reduce: bool = False) -> None:
     """Refuse what DeepSpeed's 2021 pipeline engine did not run."""
+    if overlap_grad_reduce:
+        raise ValueError(f"overlap_grad_reduce=True with framework='deepspeed' and "
+                         f"pp={lay.pp}: DeepSpeed's pipeline engine reduces the gradients "
+                         f"after the flush (its ReduceGrads instruction: "
+                         f"buffered_allreduce_fallback), it has no overlapped reduction; "
+                         f"use overlap_grad_reduce=False, or framework='megatron' "
+                         f"(--overlap-grad-reduce)")
     if lay.schedule != "1f1b" or lay.v != 1:
         raise ValueError(f"framework='deepspeed' with pp={lay.pp}: DeepSpeed's pipeline "
                          f"engine runs its TrainSchedule (1F1B order), not "

@@ -139,14 +139,17 @@ class DryRun:
     step_time: float              # seconds per optimizer step
     memory: dict                  # bytes on the busiest rank, keys as Estimate.memory
     fits: bool                    # memory["total"] <= the profile's usable memory
-    trace: object = field(repr=False)      # the Trace of the real runs (step 2 and 3)
+    # the Trace of the real runs (step 2 and 3); not compared: two equal dry runs are
+    # equal (their numbers, timelines and stages), each with its own trace and ledgers
+    trace: object = field(repr=False, compare=False)
     timeline: dict = field(repr=False)     # per pipeline rank: times, bytes (module doc)
     stages: dict = field(repr=False)       # per distinct stage: what was measured
     per_rank: list = field(repr=False)     # memory dict per pipeline rank
     breakdown: dict = field(repr=False)    # seconds: pipeline, dp_sync, optimizer, tied
-    pipeline: object = field(repr=False)   # the schedule simulator's result
+    pipeline: object = field(repr=False, compare=False)   # the schedule simulator's result
     comm_bytes: int = 0                    # bytes the busiest rank sends per step
-    gathered: dict = field(default_factory=dict, repr=False)  # ZeRO-3: stage -> its ledger
+    gathered: dict = field(default_factory=dict, repr=False,
+                           compare=False)  # ZeRO-3: stage -> its ledger
     framework: str = "workbench"           # what ran: this library's recipe (module doc)
 
     def __str__(self):

@@ -63,7 +63,9 @@ def main_dry_run(args) -> int:
         cl = Cluster(profile=getattr(args, "profile", None) or "a100", devices=lay.world)
         dr = dry_run(cfg, lay, cl, seed=args.seed)
     except (ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from .cli_flags import as_flags, dry_run_flags     # Layout's tp= as --tp
+        print(f"error: {as_flags(str(e), dry_run_flags(getattr(args, 'ep', 1) or 1))}",
+              file=sys.stderr)
         return 2
     mem = dr.memory
     rec = {"step": 0, "loss": None, "tokens": lay.global_batch * cfg.seq_len, "lr": args.lr,

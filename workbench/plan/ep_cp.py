@@ -118,7 +118,8 @@ def _mini(lay):
     """The fields a layer's price depends on, as a small hashable layout."""
     from .layout import Layout
     return Layout(dp=lay.ep, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
-                  micro_batch=lay.micro_batch, ep=lay.ep, cp=lay.cp)
+                  micro_batch=lay.micro_batch, ep=lay.ep, cp=lay.cp,
+                  framework="workbench" if lay.engine == "workbench" else None)
 
 
 def _price_moe(ops, phase, lay, prof, dt):
@@ -136,8 +137,16 @@ def _price_moe(ops, phase, lay, prof, dt):
         else:
             name, cls, flops, nbytes, launches = op[:5]
             gemm = op[5] if len(op) > 5 else None
-            out.append((name, phase, cls, _cost.compute_time(flops, nbytes, prof, dt, cls,
-                                                             launches, None, gemm), 0, False))
+            if lay.framework == "workbench" and cls == "matmul" and gemm and gemm[0] > 1:
+                # this library's experts (models.moe): one GEMM per local expert, each at
+                # its own shape's rate, as the runtime's clock prices them
+                # (strategies.expert_parallel_clock), where a grouped GEMM runs them as one
+                k, one = gemm[0], (1,) + tuple(gemm[1:])
+                t = k * _cost.compute_time(flops / k, nbytes / k, prof, dt, cls, 0, None, one) \
+                    + _cost.compute_time(0, 0, prof, dt, cls, launches)
+            else:
+                t = _cost.compute_time(flops, nbytes, prof, dt, cls, launches, None, gemm)
+            out.append((name, phase, cls, t, 0, False))
     return out
 
 

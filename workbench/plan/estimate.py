@@ -80,6 +80,7 @@ from . import megatron_2021 as M21
 from . import megatron_hook_add as HA
 from . import titan_eager as TE
 from . import optimizer_step as OS
+from . import fp8 as _fp8
 from .layout import Cluster, Layout, attention_for, check_layout
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
@@ -333,7 +334,8 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
                         lay.engine != "workbench",   # the recipe: 16-bit param.grad,
-                        lay.engine == "workbench")   # torch.utils.checkpoint's early stop
+                        lay.engine == "workbench",   # torch.utils.checkpoint's early stop,
+                        split_qkv=lay.engine == "workbench")    # the GPT's wq, wk, wv
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -372,6 +374,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                    gradient_accumulation_fusion)
     if not isinstance(fp8, bool):
         raise ValueError(f"fp8={fp8!r} must be True or False")
+    if fp8:
+        _fp8.check_framework(layout)       # the recipe has no FP8 path (plan.fp8)
     if not isinstance(overlap_grad_reduce, bool):
         raise ValueError(f"overlap_grad_reduce={overlap_grad_reduce!r} must be True or False")
     if not isinstance(overlap, bool):      # "no" would read as True
@@ -381,7 +385,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
                        EC.applies(model, layout))
     if layout.engine == "deepspeed" and layout.pp > 1:
-        DS.check(model, layout)            # DeepSpeed's pipeline engine: plan.deepspeed_step
+        DS.check(model, layout, overlap_grad_reduce)    # its pipeline engine: deepspeed_step
     cfg, lay, prof = model, layout, cluster.profile
     if lay.engine == "fsdp":      # the attention kernel SDPA runs (plan.fsdp2_cost)
         prof = FS.sdpa_profile(prof)

@@ -20,9 +20,19 @@ MFU stays relative to the model dtype's (16-bit) peak, as published FP8 runs rep
 """
 from __future__ import annotations
 
-__all__ = ["with_fp8_casts", "FP8"]
+__all__ = ["with_fp8_casts", "FP8", "check_framework"]
 
 FP8 = "float8"
+
+
+def check_framework(layout) -> None:
+    """Refuse ``fp8=True`` for this library's recipe (framework "workbench"), which has no
+    FP8 path: its models' linears run in the model's 16-bit dtype (``models.gpt``,
+    ``models.llama``), so the dry run could not hold such an estimate."""
+    if layout.engine == "workbench":
+        raise ValueError("fp8=True with framework='workbench': this library's recipe runs "
+                         "its GEMMs in the model's 16-bit dtype (no FP8 path); use "
+                         "framework='megatron' (Transformer Engine's FP8) or fp8=False")
 
 
 def _is_layer_gemm(op) -> bool:

@@ -132,11 +132,16 @@ def _attention(b, ah, s, d, t, T, h, e, attention):
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
-def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
+def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
     kernel][, gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
     and ``gemm`` a matmul's output (batch, rows, columns) for tile and wave
-    quantization (``cost.gemm_efficiency``)."""
+    quantization (``cost.gemm_efficiency``).  ``split_qkv``: the query, key and value
+    projections as three GEMMs of h / t columns each, as this library's GPT runs them
+    (``models.gpt.GPTAttention``: ``wq``, ``wk``, ``wv``), where Megatron-LM runs one
+    fused [h, 3h / t] GEMM; the same FLOPs, but a narrower product runs at a lower rate
+    where the profile measured GEMMs by shape (the H100: 3.1x the fused GEMM's time at
+    h = 1024, s b = 1024)."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
 
@@ -156,8 +161,11 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized"):
     ops = [ln("layernorm_1")]
     if comm_in:
         ops.append(("sp_all_gather_1", *comm_in))
-    ops += [gemm("qkv_gemm", T, h, hq),
-            ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
+    if split_qkv:       # nn.Linear's bias in its GEMM's epilogue (addmm): no kernel of its own
+        ops += [gemm(x + "_gemm", T, h, hq // 3) for x in "qkv"]
+    else:
+        ops += [gemm("qkv_gemm", T, h, hq),
+                ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
     ops += _attention(b, ah, s, d, t, T, h, e, attention)
     ops += [gemm("proj_gemm", T, h // t, h), ("tp_out_1", *comm_out), bda("bias_dropout_add_1"),
             ln("layernorm_2")]
@@ -186,13 +194,15 @@ def _core(b, ah, s, d, t, T, h, e):
 
 
 def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
-              async_allreduce=True, main_grad=True):
+              async_allreduce=True, main_grad=True, split_qkv=False):
     """Backward kernels and collectives in execution order; a collective tuple's
     sixth field names the GEMM it overlaps ("" = on the critical path: the input
     gradient's all-reduce without ``async_allreduce``, module docstring).
     ``main_grad=False``: the weight gradient written in the 16-bit dtype (this library's
     recipe, autograd's ``param.grad``), not accumulated into Megatron-LM's fp32
-    ``main_grad``."""
+    ``main_grad``.  ``split_qkv``: :func:`_forward`'s; autograd runs the three linears'
+    backward last-created first (v, k, q), each its dgrad then its wgrad, and the input
+    gradient's collective waits for all three dgrads (beside q's wgrad)."""
     g = 8 if main_grad else e
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
@@ -218,10 +228,21 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     ag = ("all_gather", T * h * e)
     out_grad = [("sp_grad_all_gather", *ag, "")] if sp else []   # backward of reduce-scatter
 
+    # the fused QKV's gradient: dQ, dK, dV concatenated, then its bias's sum; split
+    # (this library's GPT), each linear's bias gradient is summed by its wgrad
+    qkv_grads = [] if split_qkv else [
+        ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
+        ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+
     def column(n, N, dgrad_name, wgrad_name):
         comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp else []
         comm += [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
                   wgrad_name if sp or async_allreduce else "")]
+        if n == "qkv" and split_qkv:     # wq, wk, wv apart (docstring)
+            comm = [c[:3] + ({"qkv_dgrad": "v_dgrad", "qkv_wgrad": "q_wgrad"}.get(c[3], c[3]),)
+                    for c in comm]
+            return comm, [g for x in "vkq" for g in (dgrad(x + "_dgrad", T, h, N // 3),
+                                                     wgrad(x + "_wgrad", T, h, N // 3))]
         return comm, [dgrad(dgrad_name, T, h, N), wgrad(wgrad_name, T, h, N)]
 
     ops = bda("bias_dropout_add_2") + out_grad
@@ -238,9 +259,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
         _, _, bf, bb = _flash(b, ah, s, d, e)
         ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
                 ("flash_attention_grad", "attention", bf, bb, 1,
-                 _cost.AttentionShape(b * ah, s, d, True, True)),
-                ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),
-                ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+                 _cost.AttentionShape(b * ah, s, d, True, True))] + qkv_grads
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
         return ops + gemms + comm + ln("layernorm_1")
     core = "attention_core_backward"   # the measured rate of these kernels (_core)
@@ -254,9 +273,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
             ("qk_baddbmm_grad_query", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
              core, (b * ah, s, d)),
             ("qk_baddbmm_grad_key", "matmul", 2 * S * d, e * (S + 2 * b * ah * s * d), 1,
-             core, (b * ah, s, d)),
-            ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
-            ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+             core, (b * ah, s, d))] + qkv_grads
     comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
     return ops + gemms + comm + ln("layernorm_1")
 
@@ -266,7 +283,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               profile="a100", tp_ranks=None, attention: str = "materialized",
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
               tp_comm_overlap: bool = False, async_allreduce: bool = True,
-              main_grad: bool = True, early_stop: bool = False) -> list:
+              main_grad: bool = True, early_stop: bool = False,
+              split_qkv: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
@@ -282,7 +300,9 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     fp32 ``main_grad`` (Megatron-LM's gradient-accumulation fusion, read and write).
     ``early_stop``: full recompute by PyTorch's non-reentrant checkpoint, which stops
     re-running a Llama block once w2's input is back (``llama_layer.full_recompute``;
-    Megatron-LM's own checkpoint re-runs the whole forward)."""
+    Megatron-LM's own checkpoint re-runs the whole forward).  ``split_qkv``: a GPT
+    layer's query, key and value projections as three GEMMs, as this library's GPT runs
+    them (``_forward``; a Llama block's are apart already)."""
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
@@ -319,13 +339,14 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
                         bool(tp_comm_overlap), async_allreduce, bool(main_grad),
-                        bool(early_stop)))
+                        bool(early_stop), bool(split_qkv) and kv_heads is None))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
-            async_allreduce=True, main_grad=True, early_stop=False) -> tuple:
+            async_allreduce=True, main_grad=True, early_stop=False,
+            split_qkv=False) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -336,9 +357,9 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
                                   async_allreduce, main_grad)
     else:
-        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention)
+        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv)
         bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce,
-                        main_grad)
+                        main_grad, split_qkv)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -395,7 +416,7 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 fp8: bool = False, kv_heads: "int | None" = None,
                 dropout: bool = False, tp_comm_overlap: bool = False,
                 async_allreduce: bool = True, main_grad: bool = True,
-                early_stop: bool = False) -> LayerTimes:
+                early_stop: bool = False, split_qkv: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
@@ -406,7 +427,7 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     Megatron-LM of 2021 (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
                     fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad,
-                    early_stop)
+                    early_stop, split_qkv)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

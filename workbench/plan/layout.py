@@ -149,6 +149,12 @@ class Layout:
                     isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in st):
                 raise ValueError(f"Layout: stages={self.stages!r} must list the layers of each "
                                  f"of the pp={self.pp} pipeline stages, ints >= 0")
+            empty = [i for i, n in enumerate(st[1:-1], 1) if n == 0]
+            if empty:       # no layer, no embedding, no head: a stage of nothing
+                raise ValueError(f"Layout: stages={list(st)}: middle stage {empty[0]} holds "
+                                 f"no layer (only the first and last hold the embedding "
+                                 f"and the head); give each middle stage >= 1 layer, or "
+                                 f"lower pp")
             if self.schedule == "interleaved_1f1b":
                 raise ValueError("Layout: uneven stages (stages=...) with "
                                  "schedule='interleaved_1f1b' are not modeled; use '1f1b' "

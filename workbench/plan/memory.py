@@ -56,7 +56,8 @@ from . import deepspeed_pipe_memory as _ds_pipe
 from . import ep_cp as _ep_cp
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
-from .layout import SCHEDULES, Layout
+from .layout import SCHEDULES, Cluster, Layout, attention_for, check_layout
+from ..sim_mesh.profiles import get_profile
 
 __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
@@ -77,6 +78,11 @@ def _is_int(v, lo):
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
+def _is_number(v):
+    """A real number that is not a bool (nan fails every comparison, so ``>= 0`` too)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
     """{"params", "grads", "optimizer"} bytes per rank for ``psi`` parameters under ZeRO
     ``zero`` over ``dp`` ranks (ZeRO Figure 1: psi=7.5e9, N_d=64 -> 120, 31.4, 16.6,
@@ -85,7 +91,10 @@ def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
            "ZeRO stages are 0, 1, 2 or 3")
     _check("model_state_bytes", "dp", dp, _is_int(dp, 1), "give the data-parallel ranks, "
            "an int >= 1")
-    _check("model_state_bytes", "psi", psi, psi >= 0, "give the parameters, >= 0")
+    _check("model_state_bytes", "psi", psi, _is_number(psi) and psi >= 0,
+           "give the parameters, a number >= 0")
+    _check("model_state_bytes", "k", k, _is_number(k) and k >= 0,
+           f"give the optimizer's bytes per parameter, a number >= 0 (Adam: {K_ADAM})")
     return {"params": 2 * psi / (dp if zero >= 3 else 1),
             "grads": 2 * psi / (dp if zero >= 2 else 1),
             "optimizer": k * psi / (dp if zero >= 1 else 1)}
@@ -94,6 +103,8 @@ def model_state_bytes(psi: float, dp: int, zero: int, k: int = K_ADAM) -> dict:
 def layer_params(cfg, tp: int) -> float:
     """Parameters of one layer on one tensor-parallel rank (Llama: ``llama_layer``; a MoE:
     all but its routed experts, which ``ep_cp.expert_states`` counts over ep)."""
+    _check("layer_params", "tp", tp, _is_int(tp, 1), "give the tensor-parallel ranks, an "
+           "int >= 1")
     if getattr(cfg, "moe_experts", 0):
         from .moe_cost import dense_layer_params
         return dense_layer_params(cfg, tp)
@@ -167,6 +178,13 @@ def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None)
     """Parameters on a rank of pipeline ``stage`` (0 .. pp-1): its n_layer / pp layers
     (``layers``: that many), plus the embeddings on the first stage and the final
     LayerNorm and head on the last (Llama: no position table, an RMSNorm of h)."""
+    _check("stage_params", "tp", tp, _is_int(tp, 1), "give the tensor-parallel ranks, an "
+           "int >= 1")
+    _check("stage_params", "pp", pp, _is_int(pp, 1), "give the pipeline stages, an int >= 1")
+    _check("stage_params", "stage", stage, _is_int(stage, 0) and stage < pp,
+           f"give a pipeline stage in 0 .. pp - 1 = {pp - 1}")
+    _check("stage_params", "layers", layers, layers is None or _is_int(layers, 0),
+           "give the stage's layers, an int >= 0, or None (n_layer / pp)")
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     llama = cfg.arch == "llama"
     n = (cfg.n_layer // pp if layers is None else layers) * layer_params(cfg, tp)
@@ -238,6 +256,12 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
         _check("in_flight", name, v, _is_int(v, 1), "give an int >= 1")
     _check("in_flight", "stage", stage, _is_int(stage, 0) and stage < pp,
            f"give a pipeline stage in 0 .. pp - 1 = {pp - 1}")
+    _check("in_flight", "v", v, (v > 1) == (schedule == "interleaved_1f1b"),
+           "v > 1 model chunks per device with schedule='interleaved_1f1b' only, v = 1 "
+           "with '1f1b' or 'gpipe' (as Layout)")
+    if schedule == "interleaved_1f1b" and m % pp:
+        _check("in_flight", "m", m, False, f"interleaved 1F1B needs m a multiple of "
+               f"pp={pp} (Megatron-LM's rule, as Layout)")
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved_1f1b":
@@ -277,7 +301,7 @@ def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
 _LAST: list = [(None, None, None, None, {})]    # (cfg, layout, attention, profile, answers)
 
 
-def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
+def stage_memory(cfg, layout, stage: int, attention: "str | None" = None,
                  profile=None) -> dict:
     """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
     "workspace", "total"} bytes on a rank of ``stage`` of ``layout`` (a
@@ -286,7 +310,12 @@ def stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     communication library's (NCCL / HCCL, ``comm_memory``; only with a ``profile``, the
     hardware's: without one the key is absent and ``total`` leaves them out),
     ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
-    it (:func:`workspace_bytes`) (module docstring)."""
+    it (:func:`workspace_bytes`) (module docstring).  ``attention``: as
+    ``plan.estimate``'s (None: "materialized" for a GPT, "flash" for a Llama, whose
+    block is modeled with the fused kernel only); ``profile``: a Profile or its name."""
+    if isinstance(profile, str):         # a profile's name, as Cluster takes it
+        profile = get_profile(profile)
+    attention = attention_for(cfg, attention)    # a Llama's "materialized": refused
     if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
         return _stage_memory(cfg, layout, stage, attention, profile)
     last = _LAST[0]
@@ -307,6 +336,10 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
            "give a workbench.plan.Layout")
     _check("stage_memory", "stage", stage, _is_int(stage, 0) and stage < lay.pp,
            f"give a pipeline stage in 0 .. pp - 1 = {lay.pp - 1}")
+    # the estimate's checks of the model against the layout (16-bit weights; tp dividing
+    # the heads, d_ff and the vocabulary; pp x v the layers): tp=5 on 96 heads was priced
+    # as 19.2 heads a rank, pp=5 on 96 layers dropped one, a float32 model as 16-bit
+    check_layout(cfg, lay, Cluster("a100" if profile is None else profile, lay.world))
     nl = lay.stage_layers(cfg.n_layer)[stage]
     psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp * lay.cp, lay.zero)     # cp ranks shard it too

@@ -186,10 +186,13 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
     send, send_bytes = 0.0, {}
     if s < n_stages - 1:           # the activation to the next stage (and its gradient back)
         dst = h.meshes[(s + 1) % h.pp]
-        c0 = max(_clock(tr, ranks), _clock(tr, dst.ranks))
-        b0 = tr.bytes_per_rank()
+        b0, n0 = tr.bytes_per_rank(), len(tr.events)
         _send(y.detach(), dst, list(y.placements), f"stage {s} -> {s + 1}")
-        send = max(_clock(tr, ranks), _clock(tr, dst.ranks)) - c0
+        # the send's own events, first start to last end: not the clocks' advance, which
+        # is nothing when the receiving mesh already ran a later chunk (interleaved pp 2:
+        # chunk 1 -> 2 lands on mesh 0, whose clock is past chunk 0's backward)
+        sent = tr.events[n0:]
+        send = max(e.end for e in sent) - min(e.start for e in sent) if sent else 0.0
         send_bytes = {r: b - b0.get(r, 0) for r, b in tr.bytes_per_rank().items()
                       if b != b0.get(r, 0)}
     t1 = _clock(tr, ranks)
