@@ -11,7 +11,9 @@ Per mesh dim:
     other dims pass; P(sum) passes cumsum (linear), not softmax.
 
 Dims are wrapped by the parsers (an out-of-range dim is PyTorch's IndexError, never a
-wrap), so they reach the rules non-negative.
+wrap), and by the rules again: ``wb.spmd.infer`` hands a rule the user's dims as given
+(``dim=-1``), and a rule must decide for them what the dispatcher decides for the wrapped
+dim (``tests/test_negdim.py``).
 """
 from __future__ import annotations
 
@@ -36,9 +38,7 @@ R = Replicate()
 def _norm_dims(dim, ndim):
     if dim is None:
         return tuple(range(ndim))
-    if isinstance(dim, int):
-        dim = (dim,)
-    return tuple(sorted(dim))
+    return tuple(sorted(wrap_dims(dim, ndim)))
 
 
 def reduction_options(x, dim, keepdim, kind):
@@ -64,6 +64,7 @@ def reduction_options(x, dim, keepdim, kind):
 
 def _reduction_rule(kind):
     def rule(x, dim=None, keepdim=False, **_):
+        dim = _dims(dim, x.ndim)          # as the parse: () is every dim, -1 the last
         return combine(x.mesh.ndim, [reduction_options(x, dim, keepdim, kind)] * x.mesh.ndim, 1)
     rule.__doc__ = f"{kind} over dims: sharded reduced dims give partial results."
     return rule
@@ -145,9 +146,9 @@ for _k, _fs, _parse, _rule in (("sum", (torch.sum, T.sum), _sum_parse, sum_rule)
 def along_dim_options(x, dim, keepdim=True, linear=False):
     """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear.
     A negative dim counts from the end (the dispatcher's parse has wrapped it already;
-    ``spmd.infer`` hands the rule the user's dim as given)."""
-    if dim is not None and x.ndim:
-        dim = dim % x.ndim
+    ``spmd.infer`` hands the rule the user's dim as given); out of range, torch's IndexError."""
+    if dim is not None:
+        dim = wrap_dim(dim, x.ndim)
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if (dim is None or d != dim) and x.shape[d] > 1 and dim is not None:

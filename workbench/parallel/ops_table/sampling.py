@@ -29,7 +29,8 @@ Per mesh dim:
 P(sum) passes none of them (argmax of a sum is not the argmax of its parts).  The
 vocabulary-parallel strategies gather inside the op, so they are offered only for even
 splits (as cross_entropy's; Megatron pads the vocabulary to a multiple of tp).
-Dims are wrapped by the parsers, so they reach the rules non-negative.
+Dims are wrapped by the parsers, and by the rules again (``wb.spmd.infer`` hands a rule
+the user's ``dim=-1`` as given).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ R = Replicate()
 def _vocab_parallel(x, dim, n_out: int = 1):
     """The option "dim sharded -> R, gathered inside the op" (:func:`_even_and_enough`
     keeps it only where the split is even and every rank holds enough entries)."""
-    if dim is None or x.shape[dim] < 2:
+    if dim is None or x.ndim == 0 or x.shape[dim] < 2:
         return None
     return ((Shard(dim),), (R,) * n_out, "vocabulary parallel: each rank's best "
             "(value, global index), all-gathered inside the op")
@@ -100,6 +101,7 @@ def arg_rule(x, dim=None, keepdim=False, **_):
     dims pass; dim=None (over the flattened tensor): replicated."""
     if dim is None:
         return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    dim = wrap_dim(dim, x.ndim)
     opts = along_dim_options(x, dim, keepdim)
     vp = _vocab_parallel(x, dim)
     if vp is not None:
@@ -143,6 +145,7 @@ for _n, _largest in (("argmax", True), ("argmin", False)):
 def topk_rule(x, k, dim, **_):
     """topk(k, dim): dim whole, or vocabulary parallel (each rank's k best gathered);
     other dims pass to both outputs (values, indices)."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim)]
     vp = _vocab_parallel(x, dim, n_out=2)
     if vp is not None:
