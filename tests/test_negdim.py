@@ -299,3 +299,44 @@ def test_roll_repeated_dim_and_no_dims():
           wb.spmd.infer("roll", x, shifts=(1,), dims=(0,)))
     _same(wb.spmd.infer("roll", x, shifts=(1,), dims=()),
           wb.spmd.infer("roll", x, shifts=(1,), dims=None))
+
+
+# ---- a 0-d tensor along its dim 0 (or -1) runs on DistTensors as torch runs it -----------
+
+ZERO_D = {
+    "sum": lambda a, d: torch.sum(a, d), "sum_keepdim": lambda a, d: torch.sum(a, d, keepdim=True),
+    "mean": lambda a, d: torch.mean(a, d), "amax": lambda a, d: torch.amax(a, d),
+    "amin": lambda a, d: torch.amin(a, (d,)), "any": lambda a, d: torch.any(a, d),
+    "all": lambda a, d: torch.all(a, d), "softmax": lambda a, d: torch.softmax(a, d),
+    "log_softmax": lambda a, d: torch.log_softmax(a, d), "cumsum": lambda a, d: torch.cumsum(a, d),
+    "argmax": lambda a, d: torch.argmax(a, d), "argmin": lambda a, d: torch.argmin(a, d, True),
+    "topk": lambda a, d: torch.topk(a, 1, d), "gather": lambda a, d: torch.gather(
+        a, d, a.new_zeros((), dtype=torch.int64) if isinstance(a, torch.Tensor) else
+        wb.shard_tensor(torch.tensor(0), a.mesh, [Replicate()]))}
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("name", sorted(ZERO_D))
+def test_zero_d_tensor_along_dim_0(name, dim):
+    """torch.sum(x0d, 0), softmax, cumsum, argmax, topk, gather... on a 0-d DistTensor:
+    torch's value (they crashed: the local op asked for a dim the stacked shards lack)."""
+    fn = ZERO_D[name]
+    t = torch.tensor(-1.5)
+    x = wb.shard_tensor(t.clone(), _mesh("2"), [Replicate()])
+    got, ref = fn(x, dim), fn(t, dim)
+    got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
+    for g, r in zip(got, ref):
+        assert g.full().shape == r.shape and g.full().dtype == r.dtype
+        torch.testing.assert_close(g.full(), r)
+
+
+def test_zero_d_softmax_cumsum_sum_and_grad():
+    t = torch.tensor(2.0, requires_grad=True)
+    x = wb.shard_tensor(t.detach().clone(), _mesh("2"), [Replicate()])
+    x.requires_grad_(True)
+    y = torch.cumsum(torch.softmax(x, -1) * 3.0, 0).sum(0)
+    ref = torch.cumsum(torch.softmax(t, -1) * 3.0, 0).sum(0)
+    torch.testing.assert_close(y.full(), ref.detach())
+    y.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad.full(), t.grad)

@@ -57,6 +57,8 @@ def _gather_local(nd, ctx, x, index, dim):
     lead = torch.broadcast_shapes(x.shape[:nd], index.shape[:nd])
     x = x.expand(lead + tuple(x.shape[nd:]))
     index = index.expand(lead + tuple(index.shape[nd:]))
+    if x.dim() == nd:                 # 0-d x and index along dim 0 (as torch)
+        return torch.gather(x.unsqueeze(-1), nd, index.unsqueeze(-1)).squeeze(-1)
     return torch.gather(x, dim + nd, index)
 
 

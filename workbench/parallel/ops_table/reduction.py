@@ -91,7 +91,9 @@ def _minmax_parse(x, dim=(), keepdim=False):
 def _reduction(kind):
     def local(nd, ctx, x, dim=None, keepdim=False, dtype=None):
         ln = x.dim() - nd
-        dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
+        # a 0-d tensor's dim 0 (or -1) is the tensor itself: reduced as dim=None
+        dims = tuple(range(nd, x.dim())) if dim is None or ln == 0 else \
+            tuple(d + nd for d in dim)
         if not dims:                  # a 0-d tensor: reducing it is the identity (and cast)
             if kind == "sum" and dtype is None and not x.dtype.is_floating_point:
                 return x.to(torch.int64)
@@ -104,7 +106,7 @@ def _reduction(kind):
             if ctx is None:
                 return x.mean(dims, keepdim=keepdim, dtype=dtype)
             shape = ctx.in_specs[0].shape
-            n = math.prod(shape[d] for d in (range(ln) if dim is None else dim))
+            n = math.prod(shape[d] for d in (range(ln) if dim is None or ln == 0 else dim))
             return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
         if any(x.shape[d] == 0 for d in dims):       # an empty shard: max's identity
             shape = x.sum(dims, keepdim=keepdim).shape
@@ -173,6 +175,8 @@ def _softmax_parse(x, dim=None, _stacklevel=3, dtype=None):
 
 def _softmax_local(fn):
     def local(nd, ctx, x, dim, dtype=None):
+        if x.dim() == nd:             # a 0-d tensor along its dim 0 (as torch)
+            return fn(x.unsqueeze(-1), nd, dtype=dtype).squeeze(-1)
         return fn(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
     return local
 
@@ -200,6 +204,8 @@ def _cumsum_parse(x, dim, *, dtype=None):
 
 
 def _cumsum_local(nd, ctx, x, dim, dtype=None):
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0 (as torch)
+        return torch.cumsum(x.unsqueeze(-1), nd, dtype=dtype).squeeze(-1)
     return torch.cumsum(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
 
 

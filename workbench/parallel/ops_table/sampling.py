@@ -119,6 +119,8 @@ def _arg_local(fn, largest):
             flat = x.reshape(tuple(x.shape[:nd]) + (-1,))
             out = fn(flat, nd)
             return out.reshape(tuple(x.shape[:nd]) + (1,) * (x.dim() - nd)) if keepdim else out
+        if x.dim() == nd:             # a 0-d tensor along its dim 0: index 0 (as torch)
+            return fn(x.unsqueeze(-1), nd)
         d = shift(dim, x.dim() - nd, nd)
         if ctx is None or not any(p.is_shard(dim) for p in ctx.in_specs[0].placements):
             return fn(x, d, keepdim=keepdim)
@@ -160,6 +162,8 @@ def _topk_parse(x, k, dim=-1, largest=True, sorted=True):
 
 
 def _topk_local(nd, ctx, x, k, dim, largest, sorted):
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0: itself, index 0
+        return tuple(t.squeeze(-1) for t in torch.topk(x.unsqueeze(-1), k, nd, largest, sorted))
     d = shift(dim, x.dim() - nd, nd)
     if ctx is None or not any(p.is_shard(dim) for p in ctx.in_specs[0].placements):
         return tuple(torch.topk(x, k, d, largest, sorted))
