@@ -340,3 +340,30 @@ def test_zero_d_softmax_cumsum_sum_and_grad():
     y.backward()
     ref.backward()
     torch.testing.assert_close(x.grad.full(), t.grad)
+
+
+# ---- other attrs infer takes as the user writes them ----------------------------------------
+
+def test_reshape_shape_with_minus_one_and_a_wrong_size():
+    """reshape(shape=(-1, 6)) infers the -1 as torch (it raised 'list index out of range');
+    a size that does not fit is torch's own RuntimeError."""
+    x = wb.TensorSpec((4, 6), _mesh("2"), [Shard(1)])
+    _same(wb.spmd.infer("reshape", x, shape=(-1, 6)), wb.spmd.infer("reshape", x, shape=(4, 6)))
+    _same(wb.spmd.infer("view", x, shape=(2, -1)), wb.spmd.infer("view", x, shape=(2, 12)))
+    with pytest.raises(RuntimeError) as ref:
+        torch.zeros(4, 6).reshape(5, 6)
+    with pytest.raises(RuntimeError, match=re.escape(str(ref.value))):
+        wb.spmd.infer("reshape", x, shape=(5, 6))
+
+
+@pytest.mark.parametrize("op,extra", [("layer_norm", (None, None)), ("rms_norm", (None,))])
+def test_norm_normalized_shape_int_is_torchs_type_error(op, extra):
+    """F.layer_norm(x, 6) is a TypeError in torch; infer said "object of type 'int' has no
+    len()": now torch's words and the fix."""
+    x = wb.TensorSpec((4, 6), _mesh("2"), [Shard(0)])
+    with pytest.raises(TypeError, match="must be tuple of ints, not int"):
+        getattr(torch.nn.functional, op)(torch.zeros(4, 6), 6)
+    with pytest.raises(TypeError, match=r"must be tuple of ints, not int: give e.g. "
+                                        r"normalized_shape=\(6,\)"):
+        wb.spmd.infer(op, x, *extra, normalized_shape=6)
+    assert wb.spmd.infer(op, x, *extra, normalized_shape=(6,)).outputs[0] == (Shard(0),)
