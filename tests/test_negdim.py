@@ -367,3 +367,18 @@ def test_norm_normalized_shape_int_is_torchs_type_error(op, extra):
                                         r"normalized_shape=\(6,\)"):
         wb.spmd.infer(op, x, *extra, normalized_shape=6)
     assert wb.spmd.infer(op, x, *extra, normalized_shape=(6,)).outputs[0] == (Shard(0),)
+
+
+@pytest.mark.parametrize("idx", [(slice(None), 2), (slice(1, 3),), slice(1, 3), -1,
+                                 (Ellipsis, None, slice(0, 6, 2)), (), (slice(None), -6)])
+def test_getitem_index_as_the_user_writes_it(idx):
+    """infer("getitem", x, index=(slice(None), 2)) raised "unhashable type: 'slice'": the
+    index is frozen for the cache and normalized by the rule, as the parse does."""
+    from workbench.parallel.ops_table.shape import normalize_index
+    x = wb.TensorSpec((4, 6), _mesh("2x2"), [Shard(1), Shard(0)])
+    _same(wb.spmd.infer("getitem", x, index=idx),
+          wb.spmd.infer("getitem", x, index=normalize_index((4, 6), idx)))
+    with pytest.raises(IndexError) as ref:
+        torch.zeros(4, 6)[:, 9]
+    with pytest.raises(IndexError, match=re.escape(str(ref.value))):
+        wb.spmd.infer("getitem", x, index=(slice(None), 9))

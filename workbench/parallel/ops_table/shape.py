@@ -260,8 +260,8 @@ def normalize_index(shape, idx) -> tuple:
             d += 1
         elif isinstance(i, int) and not isinstance(i, bool):
             if not -shape[d] <= i < shape[d]:
-                raise IndexError(f"x[{idx}]: index {i} is out of bounds for dim {d} of "
-                                 f"size {shape[d]}")
+                raise IndexError(f"x[{idx}]: index {i} is out of bounds for dimension {d} "
+                                 f"with size {shape[d]}")                 # torch's words
             out.append(("int", i % shape[d]))
             d += 1
         else:
@@ -273,8 +273,17 @@ def normalize_index(shape, idx) -> tuple:
     return tuple(out)
 
 
+def _normalized(index, ndim) -> bool:
+    """``index`` is :func:`normalize_index`'s form (one tagged tuple per input dim)."""
+    return isinstance(index, tuple) and all(
+        isinstance(i, tuple) and i and i[0] in ("all", "slice", "int", "new") for i in index
+    ) and sum(1 for i in index if i[0] != "new") == ndim
+
+
 def getitem_rule(x, index, **_):
     """x[idx]: S(d) passes where idx takes all of d; a slice or int of d needs d whole."""
+    if not _normalized(index, x.ndim):        # infer: the index as the user writes it
+        index = normalize_index(tuple(x.shape), index)
     smap, d, o = [], 0, 0
     for item in index:
         if item[0] == "new":

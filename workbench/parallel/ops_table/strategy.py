@@ -182,18 +182,33 @@ def infer_on(profile: str, op: str, *specs, **attrs) -> Decision:
     return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name)
 
 
+class _Slice(tuple):
+    """A slice as a hashable cache key (``index=(slice(1, 4),)`` for getitem)."""
+
+
 def _freeze(v):
-    if isinstance(v, list):
+    if isinstance(v, list) or type(v) is tuple:
         return tuple(_freeze(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return _Slice((_freeze(v.start), _freeze(v.stop), _freeze(v.step)))
+    return v
+
+
+def _thaw(v):
+    """The attribute as the user gave it (a frozen slice back to a slice)."""
+    if isinstance(v, _Slice):
+        return slice(*v)
+    if type(v) is tuple and any(isinstance(x, (tuple, _Slice)) for x in v):
+        return tuple(_thaw(x) for x in v)
     return v
 
 
 @lru_cache(maxsize=8192)
 def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
     rule = get_rule(op)
-    attrs = dict(frozen_attrs)
+    attrs = {k: _thaw(v) for k, v in frozen_attrs}
     strategies = list(rule(*specs, **attrs))
     if not strategies:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "
