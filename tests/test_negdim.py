@@ -58,15 +58,9 @@ def _idx(x, shape=None):
     return wb.TensorSpec(shape, x.mesh, [Replicate()] * x.mesh.ndim, torch.int64)
 
 
-def _one(d):
-    return d[0]
-
-
-def _red(kind):
-    def build(x, draw, d):
-        return (x,), {"dim": tuple(d) if draw(st.booleans()) or len(d) > 1 else d[0],
-                      "keepdim": draw(st.booleans()), "dtype": None}
-    return build
+def _red(x, draw, d):
+    return (x,), {"dim": tuple(d) if draw(st.booleans()) or len(d) > 1 else d[0],
+                  "keepdim": draw(st.booleans()), "dtype": None}
 
 
 def _chunks(x, d):
@@ -78,7 +72,7 @@ def _t(shape, dtype=torch.float32):
 
 
 CASES = {
-    **{k: Case("some", _red(k), lambda t, d, k=k: getattr(torch, k)(t, tuple(d)))
+    **{k: Case("some", _red, lambda t, d, k=k: getattr(torch, k)(t, tuple(d)))
        for k in ("sum", "mean", "amax", "amin")},
     **{k: Case("some", lambda x, draw, d: ((x,), {"dim": tuple(d), "keepdim": draw(st.booleans())}),
                lambda t, d, k=k: getattr(torch, k)(t, tuple(d)))
@@ -138,10 +132,10 @@ CASES = {
     "index_add": Case("one", lambda x, draw, d: ((x, _idx(x, (x.shape[d[0] % x.ndim],)), x),
                                                  {"dim": d[0], "alpha": 1}),
                       lambda t, d: torch.index_add(t, d[0], _t(1, torch.int64), t)),
-    **{k: Case("one", lambda x, draw, d: ((x,), {"sorted": True, "return_inverse": False,
-                                                 "return_counts": False, "dim": d[0], "n_out": 1}),
-               lambda t, d: torch.unique(t, dim=d[0]))
-       for k in ("unique", "unique_consecutive")},
+    **{k: Case("one", lambda x, draw, d, more=more: ((x,), {
+        **more, "return_inverse": False, "return_counts": False, "dim": d[0], "n_out": 1}),
+        lambda t, d: torch.unique(t, dim=d[0]))
+       for k, more in (("unique", {"sorted": True}), ("unique_consecutive", {}))},
 }
 
 DIM_NAMES = ("dim", "dims", "dim1", "dim2")
@@ -382,3 +376,81 @@ def test_getitem_index_as_the_user_writes_it(idx):
         torch.zeros(4, 6)[:, 9]
     with pytest.raises(IndexError, match=re.escape(str(ref.value))):
         wb.spmd.infer("getitem", x, index=(slice(None), 9))
+
+
+@pytest.mark.parametrize("op,attrs,bad", [("sum", {"dims": -1}, "dims=-1"),
+                                          ("mean", {"dim": -1, "keep": True}, "keep=True"),
+                                          ("softmax", {"dims": -1}, "dims=-1"),
+                                          ("cat", {"dims": 1}, "dims=1")])
+def test_an_attribute_the_op_does_not_take_is_a_type_error(op, attrs, bad):
+    """infer("sum", x, dims=-1) reduced every dim (the rule's **_ swallowed the typo, dim
+    stayed None); torch.sum(x, dims=-1) is a TypeError, and so is infer's now."""
+    x = wb.TensorSpec((4, 6), _mesh("2"), [Shard(1)])
+    specs = (x, x) if op == "cat" else (x,)
+    with pytest.raises(TypeError):
+        getattr(torch, op)(*(([torch.zeros(4, 6)] * 2,) if op == "cat" else (torch.zeros(4, 6),)),
+                           **attrs)
+    with pytest.raises(TypeError, match=f"unexpected attribute {re.escape(bad)}; {op} takes "):
+        wb.spmd.infer(op, *specs, **attrs)
+    from workbench.parallel.ops_table.strategy import infer_on
+    with pytest.raises(TypeError, match="unexpected attribute"):
+        infer_on("a100", op, *specs, **attrs)
+
+
+# ---- NumPy's names: torch's C-bound functions and Tensor methods take axis= / keepdims= ----
+
+NUMPY_NAMES = {
+    "sum": lambda a: torch.sum(a, axis=-1), "sum_keepdims": lambda a: torch.sum(a, -1, keepdims=True),
+    "mean": lambda a: torch.mean(a, axis=0), "amax": lambda a: torch.amax(a, axis=-1),
+    "any": lambda a: torch.any(a > 0, axis=1), "all": lambda a: torch.all(a > 0, -1, keepdims=True),
+    "softmax": lambda a: torch.softmax(a, axis=-1), "cumsum": lambda a: torch.cumsum(a, axis=-1),
+    "cat": lambda a: torch.cat([a, a], axis=-1), "stack": lambda a: torch.stack([a, a], axis=-1),
+    "argmax": lambda a: torch.argmax(a, axis=-1), "prod": lambda a: torch.prod(a, axis=-1),
+    "sort": lambda a: torch.sort(a, axis=-1), "std": lambda a: torch.std(a, axis=-1),
+    "logsumexp": lambda a: torch.logsumexp(a, axis=-1), "topk": lambda a: torch.topk(a, 1, axis=-1),
+    "max": lambda a: torch.max(a, axis=-1), "Tensor.sum": lambda a: a.sum(axis=-1),
+    "Tensor.mean": lambda a: a.mean(-1, keepdims=True), "squeeze": lambda a: a[None].squeeze(axis=0),
+    "unbind": lambda a: torch.unbind(a, axis=-1)}
+
+
+@pytest.mark.parametrize("ps", [[Shard(1)], [Shard(0)]], ids=["S1", "S0"])
+@pytest.mark.parametrize("name", sorted(NUMPY_NAMES))
+def test_numpy_names_axis_and_keepdims(name, ps):
+    """torch.sum(x, axis=-1), x.mean(-1, keepdims=True)... (torch's argument parser takes
+    NumPy's names) on DistTensors: torch's values (they raised "unexpected keyword
+    argument 'axis'")."""
+    fn = NUMPY_NAMES[name]
+    t = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    x = wb.shard_tensor(t.clone(), _mesh("2"), ps)
+    got, ref = fn(x), fn(t)
+    got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.full(), r)
+
+
+def test_numpy_names_not_on_python_functions():
+    """F.softmax is a Python function: torch refuses axis= there, and so do we."""
+    t = torch.randn(4, 6)
+    x = wb.shard_tensor(t.clone(), _mesh("2"), [Shard(0)])
+    for a in (t, x):
+        with pytest.raises(TypeError, match="axis"):
+            torch.nn.functional.softmax(a, axis=-1)
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_topk_of_one_on_the_sharded_dim(dim):
+    """topk(k=1) of a dim sharded evenly (vocabulary parallel) returned no values (the
+    k == 1 branch was argmax's): AttributeError 'NoneType' has no attribute 'shape'."""
+    t = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    x = wb.shard_tensor(t.clone(), _mesh("2"), [Shard(1)])
+    v, i = torch.topk(x, 1, dim)
+    rv, ri = torch.topk(t, 1, dim)
+    torch.testing.assert_close(v.full(), rv)
+    torch.testing.assert_close(i.full(), ri)
+
+
+def test_infer_takes_numpy_names_as_torch():
+    x = wb.TensorSpec((4, 6), _mesh("2"), [Shard(1)])
+    _same(wb.spmd.infer("sum", x, axis=-1, keepdims=True),
+          wb.spmd.infer("sum", x, dim=1, keepdim=True))
+    _same(wb.spmd.infer("softmax", x, axis=-1), wb.spmd.infer("softmax", x, dim=1))

@@ -76,7 +76,7 @@ def _even_and_enough(strategies, x, dim, need):
     return keep
 
 
-def _gather_best(nd, ctx, vals, idx, dim, k, largest):
+def _gather_best(nd, ctx, vals, idx, dim, k, largest, arg=False):
     """vals, idx (lead.., k along stacked ``dim``) of each rank's slice -> the k best
     over the ranks that shard ``dim`` (global indices), by all-gathers along ``dim``."""
     spec = ctx.in_specs[0]
@@ -84,7 +84,7 @@ def _gather_best(nd, ctx, vals, idx, dim, k, largest):
     for a in axes:
         vals = C.all_gather(vals, ctx.mesh, a, dim - nd, label="argmax/topk: (value, index)")
         idx = C.all_gather(idx, ctx.mesh, a, dim - nd, label="argmax/topk: (value, index)")
-    if k == 1:                          # argmax / argmin: first best, NaN wins (as torch)
+    if arg:                             # argmax / argmin: first best, NaN wins (as torch)
         nan = vals.isnan()
         best = vals.amax(dim, keepdim=True) if largest else vals.amin(dim, keepdim=True)
         win = torch.where(nan.any(dim, keepdim=True), nan, vals == best)
@@ -128,7 +128,7 @@ def _arg_local(fn, largest):
         j = fn(x, d, keepdim=True)
         v = x.gather(d, j)
         j = j + ctx.offsets(ctx.in_specs[0], dim, like=x)
-        _, out = _gather_best(nd, ctx, v, j, d, 1, largest)
+        _, out = _gather_best(nd, ctx, v, j, d, 1, largest, arg=True)
         return out if keepdim else out.squeeze(d)
     return local
 
