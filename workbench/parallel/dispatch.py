@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +195,27 @@ def _writes(func, args, kwargs):
     return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
 
 
+_NUMPY_NAMES = (("axis", "dim"), ("keepdims", "keepdim"))
+_BUILTIN = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+
+
+def _numpy_names(func, kwargs):
+    """torch.sum(x, axis=-1, keepdims=True): torch's argument parser takes NumPy's names
+    for dim and keepdim on its C-bound functions and Tensor methods (torch/csrc/utils/
+    python_arg_parser.cpp, numpy_compatibility_arg_names), not on Python ones (F.softmax);
+    the parses name only torch's own. Both names given: left for the parse to refuse."""
+    if not isinstance(func, _BUILTIN):
+        return kwargs
+    out = dict(kwargs)
+    for np_name, name in _NUMPY_NAMES:
+        if np_name in out and name not in out:
+            out[name] = out.pop(np_name)
+    return out
+
+
 def dispatch(func, args, kwargs):
+    if kwargs and ("axis" in kwargs or "keepdims" in kwargs):
+        kwargs = _numpy_names(func, kwargs)
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)

@@ -41,6 +41,7 @@ P = Partial("sum")
 
 def scatter_add_rule(x, index, src, *, dim, **_):
     """scatter_add: dims other than ``dim`` pass where x, index and src agree; linear."""
+    dim = wrap_dim(dim, x.ndim)           # infer hands the user's dim=-1 as given
     opts = [((R, R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and index.shape[d] > 1 and x.shape[d] == index.shape[d] == src.shape[d]:
@@ -74,6 +75,7 @@ register("scatter_add", [torch.scatter_add, T.scatter_add], parse=_scatter_add_p
 
 def index_add_rule(x, index, source, *, dim, alpha, **_):
     """index_add: dims other than ``dim`` pass in x and source; index replicated; linear."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [((R, R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and x.shape[d] > 1:
@@ -107,6 +109,7 @@ register("index_add", [torch.index_add, T.index_add], parse=_index_add_parse,
 
 def index_fill_rule(x, index, *, dim, value, **_):
     """index_fill: dims other than ``dim`` pass; P(max/min) pass, P(sum/avg) for 0."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [((R, R), (R,), "replicated")]
     opts += [((Shard(d), R), (Shard(d),), f"dim {d} sharded passes")
              for d in range(x.ndim) if d != dim and x.shape[d] > 1]

@@ -33,10 +33,13 @@ DATA_DEPENDENT = ("masked_select", "nonzero", "argwhere", "unique", "unique_cons
                   "bool_mask_index")
 
 
-def replicate_rule(*specs, n_out=1, **_):
+def replicate_rule(*specs, n_out=1, dim=None, **_):
     """Every tensor input Replicate, every output Replicate: the only layout in which
     each rank can compute a result whose length depends on every element."""
     mesh = next(s for s in specs if s is not None).mesh
+    if dim is not None:               # unique(dim=): out of range is torch's IndexError
+        from ._util import wrap_dim
+        wrap_dim(dim, max(specs[0].ndim, 1))
     from ..placement import Replicate
     r = (Replicate(),) * mesh.ndim
     return [Strategy(tuple(None if s is None else r for s in specs), (r,) * n_out,

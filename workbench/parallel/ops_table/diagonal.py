@@ -27,6 +27,8 @@ R = Replicate()
 
 def diagonal_rule(x, *, offset, dim1, dim2, **_):
     """diagonal: dim1 and dim2 whole; the other dims pass (renumbered); Partials pass."""
+    _, attrs = _diagonal_parse(x, offset, dim1, dim2)     # wrapped (infer: as the user gave)
+    dim1, dim2 = attrs["dim1"], attrs["dim2"]
     kept = [d for d in range(x.ndim) if d not in (dim1, dim2)]
     opts = [((R,), (R,), "replicated")]
     opts += [((Shard(d),), (Shard(j),), f"dim {d} not on the diagonal: passes")

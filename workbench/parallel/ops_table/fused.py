@@ -36,6 +36,7 @@ R = Replicate()
 
 def swiglu_rule(x, dim, **_):
     """swiglu(dim): other dims pass; dim (gate | up halves) must be whole."""
+    dim = wrap_dim(dim, x.ndim)           # infer hands the user's dim=-1 as given
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and x.shape[d] > 1:

@@ -39,6 +39,7 @@ def _per_dim(mesh, opts, n_in):
 
 def gather_rule(x, index, *, dim, **_):
     """gather along an unsharded dim; other dims pass where x and index line up."""
+    dim = wrap_dim(dim, x.ndim)           # infer hands the user's dim=-1 as given
     opts = [((R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and index.shape[d] > 1 and x.shape[d] == index.shape[d]:
@@ -56,6 +57,8 @@ def _gather_local(nd, ctx, x, index, dim):
     lead = torch.broadcast_shapes(x.shape[:nd], index.shape[:nd])
     x = x.expand(lead + tuple(x.shape[nd:]))
     index = index.expand(lead + tuple(index.shape[nd:]))
+    if x.dim() == nd:                 # 0-d x and index along dim 0 (as torch)
+        return torch.gather(x.unsqueeze(-1), nd, index.unsqueeze(-1)).squeeze(-1)
     return torch.gather(x, dim + nd, index)
 
 
@@ -67,6 +70,7 @@ register("gather", [torch.gather, T.gather], parse=_gather_parse, rule=gather_ru
 
 def scatter_rule(x, index, src=None, *, dim, **_):
     """scatter along an unsharded dim; other dims pass where x, index, src line up."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [((R, R, None if src is None else R), (R,), "replicated")]
     for d in range(x.ndim):
         same = x.shape[d] == index.shape[d] and (src is None or src.shape[d] == index.shape[d])
@@ -106,6 +110,7 @@ register("scatter", [torch.scatter, T.scatter], parse=_scatter_parse, rule=scatt
 
 def index_select_rule(x, index, *, dim, **_):
     """index_select: dim whole, index replicated; other dims pass; linear in x."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [((R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and x.shape[d] > 1:

@@ -63,6 +63,10 @@ def _with_none(opts, specs):
 
 
 def _check_k(op, x, normalized_shape):
+    if not isinstance(normalized_shape, (tuple, list, torch.Size)):     # as torch's F.{op}
+        raise TypeError(f"{op}(): argument 'normalized_shape' must be tuple of ints, not "
+                        f"{type(normalized_shape).__name__}: give e.g. normalized_shape="
+                        f"({x.shape[-1] if x.ndim else 1},)")
     k = len(normalized_shape)
     if k == 0 or k > x.ndim or tuple(x.shape[x.ndim - k:]) != tuple(normalized_shape):
         raise ValueError(f"{op}: normalized_shape={tuple(normalized_shape)} must equal the "

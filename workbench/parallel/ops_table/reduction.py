@@ -11,7 +11,9 @@ Per mesh dim:
     other dims pass; P(sum) passes cumsum (linear), not softmax.
 
 Dims are wrapped by the parsers (an out-of-range dim is PyTorch's IndexError, never a
-wrap), so they reach the rules non-negative.
+wrap), and by the rules again: ``wb.spmd.infer`` hands a rule the user's dims as given
+(``dim=-1``), and a rule must decide for them what the dispatcher decides for the wrapped
+dim (``tests/test_negdim.py``).
 """
 from __future__ import annotations
 
@@ -36,9 +38,7 @@ R = Replicate()
 def _norm_dims(dim, ndim):
     if dim is None:
         return tuple(range(ndim))
-    if isinstance(dim, int):
-        dim = (dim,)
-    return tuple(sorted(dim))
+    return tuple(sorted(wrap_dims(dim, ndim)))
 
 
 def reduction_options(x, dim, keepdim, kind):
@@ -64,6 +64,7 @@ def reduction_options(x, dim, keepdim, kind):
 
 def _reduction_rule(kind):
     def rule(x, dim=None, keepdim=False, **_):
+        dim = _dims(dim, x.ndim)          # as the parse: () is every dim, -1 the last
         return combine(x.mesh.ndim, [reduction_options(x, dim, keepdim, kind)] * x.mesh.ndim, 1)
     rule.__doc__ = f"{kind} over dims: sharded reduced dims give partial results."
     return rule
@@ -90,7 +91,9 @@ def _minmax_parse(x, dim=(), keepdim=False):
 def _reduction(kind):
     def local(nd, ctx, x, dim=None, keepdim=False, dtype=None):
         ln = x.dim() - nd
-        dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
+        # a 0-d tensor's dim 0 (or -1) is the tensor itself: reduced as dim=None
+        dims = tuple(range(nd, x.dim())) if dim is None or ln == 0 else \
+            tuple(d + nd for d in dim)
         if not dims:                  # a 0-d tensor: reducing it is the identity (and cast)
             if kind == "sum" and dtype is None and not x.dtype.is_floating_point:
                 return x.to(torch.int64)
@@ -103,7 +106,7 @@ def _reduction(kind):
             if ctx is None:
                 return x.mean(dims, keepdim=keepdim, dtype=dtype)
             shape = ctx.in_specs[0].shape
-            n = math.prod(shape[d] for d in (range(ln) if dim is None else dim))
+            n = math.prod(shape[d] for d in (range(ln) if dim is None or ln == 0 else dim))
             return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
         if any(x.shape[d] == 0 for d in dims):       # an empty shard: max's identity
             shape = x.sum(dims, keepdim=keepdim).shape
@@ -145,9 +148,9 @@ for _k, _fs, _parse, _rule in (("sum", (torch.sum, T.sum), _sum_parse, sum_rule)
 def along_dim_options(x, dim, keepdim=True, linear=False):
     """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear.
     A negative dim counts from the end (the dispatcher's parse has wrapped it already;
-    ``spmd.infer`` hands the rule the user's dim as given)."""
-    if dim is not None and x.ndim:
-        dim = dim % x.ndim
+    ``spmd.infer`` hands the rule the user's dim as given); out of range, torch's IndexError."""
+    if dim is not None:
+        dim = wrap_dim(dim, x.ndim)
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if (dim is None or d != dim) and x.shape[d] > 1 and dim is not None:
@@ -172,6 +175,8 @@ def _softmax_parse(x, dim=None, _stacklevel=3, dtype=None):
 
 def _softmax_local(fn):
     def local(nd, ctx, x, dim, dtype=None):
+        if x.dim() == nd:             # a 0-d tensor along its dim 0 (as torch)
+            return fn(x.unsqueeze(-1), nd, dtype=dtype).squeeze(-1)
         return fn(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
     return local
 
@@ -199,6 +204,8 @@ def _cumsum_parse(x, dim, *, dtype=None):
 
 
 def _cumsum_local(nd, ctx, x, dim, dtype=None):
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0 (as torch)
+        return torch.cumsum(x.unsqueeze(-1), nd, dtype=dtype).squeeze(-1)
     return torch.cumsum(x, shift(dim, x.dim() - nd, nd), dtype=dtype)
 
 

@@ -14,7 +14,8 @@ Per mesh dim:
 
 A dim that must be whole and is sharded is gathered first (the reshard planner's
 all-gather, recorded in the trace). Dims are wrapped by the parsers (an out-of-range
-dim is torch's IndexError), so they reach the rules non-negative.
+dim is torch's IndexError), and by the rules again (``wb.spmd.infer`` hands a rule the
+user's ``dims=(-1,)`` as given).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ R = Replicate()
 def reorder_rule(x, *, dims, **_):
     """flip / roll over ``dims`` (None: every dim): those dims whole, the others pass;
     every Partial passes (a permutation of the elements)."""
-    moved = set(range(x.ndim)) if dims is None else set(dims)
+    moved = set(range(x.ndim)) if dims is None else set(wrap_dims(dims, x.ndim))
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if d not in moved and x.shape[d] > 1:
@@ -118,6 +119,9 @@ def _roll_local(nd, ctx, x, shifts, dims):
 
 
 def _roll_rule(x, *, shifts, dims, **_):
+    if dims is not None:              # a dim may be rolled twice (as torch): once here
+        dims = (dims,) if isinstance(dims, int) else dims
+        dims = tuple(sorted({wrap_dim(d, x.ndim) for d in dims})) or None   # (): flattened
     return reorder_rule(x, dims=dims)
 
 
@@ -137,11 +141,12 @@ register("roll", [torch.roll, T.roll], parse=_roll_parse, rule=_roll_rule, local
 def repeat_interleave_rule(x, *, repeats, dim, **_):
     """repeat_interleave: other dims pass; dim passes S(dim) where chunks line up; every
     Partial passes (copies of the parts are parts of the copies)."""
+    dim = None if dim is None else wrap_dim(dim, x.ndim)
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if x.shape[d] > 1 and (dim is not None and d != dim):
             opts.append(((Shard(d),), (Shard(d),), f"dim {d} not repeated: passes"))
-    if dim is not None and x.shape[dim] > 1:
+    if dim is not None and x.ndim and x.shape[dim] > 1:
         opts.append(((Shard(dim),), (Shard(dim),), "each shard's rows repeated in place"))
     opts += [((Partial(op),), (Partial(op),), f"copies of P({op}) are P({op})")
              for op in ("sum", "avg", "max", "min")]

@@ -92,6 +92,9 @@ def reshape_rule(x, shape, **_):
     """reshape(shape): a shard of a group's leading dim passes to the group's leading
     output dim when the ranks' blocks line up (torch.chunk sizes); P passes."""
     shape = tuple(shape)
+    if any(s < 0 for s in shape) or math.prod(shape) != x.shape.numel():
+        # infer hands the user's shape as given: -1 inferred, a wrong size torch's error
+        shape = tuple(_meta(x).reshape(shape).shape)
     smap = [((gi[0],), go[0]) for gi, go in view_groups(tuple(x.shape), shape)]
     note = "leading dim {d} of its group sharded: its blocks are the blocks of dim {o}"
     sts = combine(x.mesh.ndim, shape_options([x], 1, smap, note), 1)

@@ -29,7 +29,8 @@ Per mesh dim:
 P(sum) passes none of them (argmax of a sum is not the argmax of its parts).  The
 vocabulary-parallel strategies gather inside the op, so they are offered only for even
 splits (as cross_entropy's; Megatron pads the vocabulary to a multiple of tp).
-Dims are wrapped by the parsers, so they reach the rules non-negative.
+Dims are wrapped by the parsers, and by the rules again (``wb.spmd.infer`` hands a rule
+the user's ``dim=-1`` as given).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ R = Replicate()
 def _vocab_parallel(x, dim, n_out: int = 1):
     """The option "dim sharded -> R, gathered inside the op" (:func:`_even_and_enough`
     keeps it only where the split is even and every rank holds enough entries)."""
-    if dim is None or x.shape[dim] < 2:
+    if dim is None or x.ndim == 0 or x.shape[dim] < 2:
         return None
     return ((Shard(dim),), (R,) * n_out, "vocabulary parallel: each rank's best "
             "(value, global index), all-gathered inside the op")
@@ -75,7 +76,7 @@ def _even_and_enough(strategies, x, dim, need):
     return keep
 
 
-def _gather_best(nd, ctx, vals, idx, dim, k, largest):
+def _gather_best(nd, ctx, vals, idx, dim, k, largest, arg=False):
     """vals, idx (lead.., k along stacked ``dim``) of each rank's slice -> the k best
     over the ranks that shard ``dim`` (global indices), by all-gathers along ``dim``."""
     spec = ctx.in_specs[0]
@@ -83,7 +84,7 @@ def _gather_best(nd, ctx, vals, idx, dim, k, largest):
     for a in axes:
         vals = C.all_gather(vals, ctx.mesh, a, dim - nd, label="argmax/topk: (value, index)")
         idx = C.all_gather(idx, ctx.mesh, a, dim - nd, label="argmax/topk: (value, index)")
-    if k == 1:                          # argmax / argmin: first best, NaN wins (as torch)
+    if arg:                             # argmax / argmin: first best, NaN wins (as torch)
         nan = vals.isnan()
         best = vals.amax(dim, keepdim=True) if largest else vals.amin(dim, keepdim=True)
         win = torch.where(nan.any(dim, keepdim=True), nan, vals == best)
@@ -100,6 +101,7 @@ def arg_rule(x, dim=None, keepdim=False, **_):
     dims pass; dim=None (over the flattened tensor): replicated."""
     if dim is None:
         return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    dim = wrap_dim(dim, x.ndim)
     opts = along_dim_options(x, dim, keepdim)
     vp = _vocab_parallel(x, dim)
     if vp is not None:
@@ -117,6 +119,8 @@ def _arg_local(fn, largest):
             flat = x.reshape(tuple(x.shape[:nd]) + (-1,))
             out = fn(flat, nd)
             return out.reshape(tuple(x.shape[:nd]) + (1,) * (x.dim() - nd)) if keepdim else out
+        if x.dim() == nd:             # a 0-d tensor along its dim 0: index 0 (as torch)
+            return fn(x.unsqueeze(-1), nd)
         d = shift(dim, x.dim() - nd, nd)
         if ctx is None or not any(p.is_shard(dim) for p in ctx.in_specs[0].placements):
             return fn(x, d, keepdim=keepdim)
@@ -124,7 +128,7 @@ def _arg_local(fn, largest):
         j = fn(x, d, keepdim=True)
         v = x.gather(d, j)
         j = j + ctx.offsets(ctx.in_specs[0], dim, like=x)
-        _, out = _gather_best(nd, ctx, v, j, d, 1, largest)
+        _, out = _gather_best(nd, ctx, v, j, d, 1, largest, arg=True)
         return out if keepdim else out.squeeze(d)
     return local
 
@@ -143,6 +147,7 @@ for _n, _largest in (("argmax", True), ("argmin", False)):
 def topk_rule(x, k, dim, **_):
     """topk(k, dim): dim whole, or vocabulary parallel (each rank's k best gathered);
     other dims pass to both outputs (values, indices)."""
+    dim = wrap_dim(dim, x.ndim)
     opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim)]
     vp = _vocab_parallel(x, dim, n_out=2)
     if vp is not None:
@@ -157,6 +162,8 @@ def _topk_parse(x, k, dim=-1, largest=True, sorted=True):
 
 
 def _topk_local(nd, ctx, x, k, dim, largest, sorted):
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0: itself, index 0
+        return tuple(t.squeeze(-1) for t in torch.topk(x.unsqueeze(-1), k, nd, largest, sorted))
     d = shift(dim, x.dim() - nd, nd)
     if ctx is None or not any(p.is_shard(dim) for p in ctx.in_specs[0].placements):
         return tuple(torch.topk(x, k, d, largest, sorted))

@@ -14,7 +14,8 @@ None of them computes anything, so every one is linear: ``P(op) -> P(op)``
     reshape / view       ``reshape.py``
 
 Local ops run on stacked shards (``nd`` leading device axes), so user dims shift by
-``nd``.
+``nd``. The rules wrap a negative dim as the parsers do (``wb.spmd.infer`` hands a rule
+the user's ``dim=-1`` as given); out of range, torch's IndexError.
 """
 from __future__ import annotations
 
@@ -74,8 +75,21 @@ COPY = dict(cost=costs.movement, op_class="data_movement")
 
 def permute_rule(x, dims, **_):
     """permute(dims): S(dims[j]) -> S(j); P passes (a relabeling of dims)."""
+    dims = _perm_dims(dims, x.ndim)
     smap = [((d,), j) for j, d in enumerate(dims) if x.shape[d] > 1]
     return combine(x.mesh.ndim, shape_options([x], 1, smap, "dim {d} sharded moves to dim {o}"), 1)
+
+
+def _perm_dims(dims, ndim):
+    """``dims`` wrapped, checked to be a permutation of the ``ndim`` dims (torch's words)."""
+    dims = tuple(wrap_dim(d, ndim) for d in dims)
+    if len(dims) != ndim:
+        raise RuntimeError("permute(sparse_coo): number of dimensions in the tensor input does "
+                           "not match the length of the desired ordering of dimensions i.e. "
+                           f"input.dim() = {ndim} is not equal to len(dims) = {len(dims)}")
+    if len(set(dims)) != len(dims):
+        raise RuntimeError("permute(): duplicate dims are not allowed.")
+    return dims
 
 
 def _permute_local(nd, ctx, x, dims):
@@ -120,6 +134,7 @@ register("transpose", [torch.transpose, T.transpose, torch.swapaxes, T.swapaxes,
 
 def cat_rule(*xs, dim, **_):
     """cat(dim): a shard on another dim passes (all inputs split alike); dim whole."""
+    dim = wrap_dim(dim, xs[0].ndim)
     smap = [((d,) * len(xs), d) for d in range(xs[0].ndim)
             if d != dim and xs[0].shape[d] > 1]
     return combine(xs[0].mesh.ndim, shape_options(xs, 1, smap, "dim {d} sharded passes"),
@@ -128,6 +143,7 @@ def cat_rule(*xs, dim, **_):
 
 def stack_rule(*xs, dim, **_):
     """stack(dim): S(d) -> S(d if d < dim else d + 1); the new dim is whole."""
+    dim = wrap_dim(dim, xs[0].ndim + 1)             # a dim of the output
     smap = [((d,) * len(xs), d if d < dim else d + 1) for d in range(xs[0].ndim)
             if xs[0].shape[d] > 1]
     return combine(xs[0].mesh.ndim, shape_options(xs, 1, smap, "dim {d} sharded -> dim {o}"),
@@ -164,6 +180,7 @@ register("stack", [torch.stack], parse=lambda t, dim=0, *, out=None:
 
 def split_rule(x, sizes, dim, **_):
     """split(sizes, dim): every piece keeps a shard on another dim; dim must be whole."""
+    dim = wrap_dim(dim, x.ndim)
     smap = [((d,), d) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
     return combine(x.mesh.ndim, shape_options([x], len(sizes), smap, "dim {d} sharded passes"), 1,
                    n_outputs=len(sizes))
@@ -171,6 +188,7 @@ def split_rule(x, sizes, dim, **_):
 
 def unbind_rule(x, dim, **_):
     """unbind(dim): S(d) -> S(d if d < dim else d - 1) on every piece; dim whole."""
+    dim = wrap_dim(dim, x.ndim)
     smap = [((d,), d if d < dim else d - 1) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
     return combine(x.mesh.ndim, shape_options([x], x.shape[dim], smap, "dim {d} sharded -> {o}"), 1,
                    n_outputs=x.shape[dim])
@@ -242,8 +260,8 @@ def normalize_index(shape, idx) -> tuple:
             d += 1
         elif isinstance(i, int) and not isinstance(i, bool):
             if not -shape[d] <= i < shape[d]:
-                raise IndexError(f"x[{idx}]: index {i} is out of bounds for dim {d} of "
-                                 f"size {shape[d]}")
+                raise IndexError(f"x[{idx}]: index {i} is out of bounds for dimension {d} "
+                                 f"with size {shape[d]}")                 # torch's words
             out.append(("int", i % shape[d]))
             d += 1
         else:
@@ -255,8 +273,17 @@ def normalize_index(shape, idx) -> tuple:
     return tuple(out)
 
 
+def _normalized(index, ndim) -> bool:
+    """``index`` is :func:`normalize_index`'s form (one tagged tuple per input dim)."""
+    return isinstance(index, tuple) and all(
+        isinstance(i, tuple) and i and i[0] in ("all", "slice", "int", "new") for i in index
+    ) and sum(1 for i in index if i[0] != "new") == ndim
+
+
 def getitem_rule(x, index, **_):
     """x[idx]: S(d) passes where idx takes all of d; a slice or int of d needs d whole."""
+    if not _normalized(index, x.ndim):        # infer: the index as the user writes it
+        index = normalize_index(tuple(x.shape), index)
     smap, d, o = [], 0, 0
     for item in index:
         if item[0] == "new":

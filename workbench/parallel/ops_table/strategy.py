@@ -20,6 +20,7 @@ replaces the rule of an op, or adds a rule to study with :func:`infer` (notebook
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
-from .table import RULES, on_change
+from .table import RULES, TABLE, on_change
 from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer", "infer_on",
@@ -170,7 +171,10 @@ def _profile_name():
 
 def infer(op: str, *specs, **attrs) -> Decision:
     """Decide placements for ``op`` on inputs ``specs`` (TensorSpec, or None for
-    non-tensor arguments), without running anything."""
+    non-tensor arguments), without running anything. ``attrs``: the op's attributes as
+    torch names them (``dim=-1``, ``keepdim=True``); a name the op does not take is a
+    TypeError (a rule would ignore it: ``dims=-1`` on sum would reduce every dim)."""
+    _check_attr_names(op, len(specs), attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, _profile_name())
 
@@ -178,22 +182,73 @@ def infer(op: str, *specs, **attrs) -> Decision:
 def infer_on(profile: str, op: str, *specs, **attrs) -> Decision:
     """:func:`infer` priced on the hardware profile named ``profile`` (not the current
     trace's): what the dispatcher decides when it runs under that profile's clock."""
+    _check_attr_names(op, len(specs), attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name)
 
 
+def _check_attr_names(op, n_specs, attrs):
+    """Every attribute in ``attrs`` is one the op's rule or local implementation names,
+    where they list them (a local without ``**kwargs``: the dispatcher's parse gives it
+    every attribute, so the names it takes are all the op has). NumPy's ``axis`` /
+    ``keepdims`` are renamed in place to torch's ``dim`` / ``keepdim``, as torch's
+    argument parser takes them (``torch.sum(x, axis=-1)``)."""
+    names = _attr_names(TABLE[op].rule, TABLE[op].local, n_specs) if op in TABLE else None
+    for np_name, name in (("axis", "dim"), ("keepdims", "keepdim")):   # as torch's parser
+        if np_name in attrs and name not in attrs and names and name in names:
+            attrs[name] = attrs.pop(np_name)
+    bad = sorted(set(attrs) - names) if names is not None else []
+    if bad:
+        raise TypeError(f"infer({op!r}): unexpected attribute {bad[0]}={attrs[bad[0]]!r}; "
+                        f"{op} takes {', '.join(sorted(names)) or 'no attributes'}")
+
+
+@lru_cache(maxsize=1024)
+def _attr_names(rule, local, n_specs):
+    """The attribute names ``rule`` and ``local`` take after their ``n_specs`` tensor
+    inputs, or None where they cannot be told (no local, or one taking ``**kwargs``)."""
+    if local is None or rule is None:
+        return None
+    names = set()
+    for fn, skip in ((rule, 0), (local, 2)):      # local(nd, ctx, *inputs, **attrs)
+        try:
+            ps = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        if fn is local and any(p.kind is p.VAR_KEYWORD for p in ps):
+            return None
+        pos = [p.name for p in ps[skip:] if p.kind is p.POSITIONAL_OR_KEYWORD]
+        names |= set(pos[n_specs:]) | {p.name for p in ps if p.kind is p.KEYWORD_ONLY}
+    return frozenset(names)
+
+
+class _Slice(tuple):
+    """A slice as a hashable cache key (``index=(slice(1, 4),)`` for getitem)."""
+
+
 def _freeze(v):
-    if isinstance(v, list):
+    if isinstance(v, list) or type(v) is tuple:
         return tuple(_freeze(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return _Slice((_freeze(v.start), _freeze(v.stop), _freeze(v.step)))
+    return v
+
+
+def _thaw(v):
+    """The attribute as the user gave it (a frozen slice back to a slice)."""
+    if isinstance(v, _Slice):
+        return slice(*v)
+    if type(v) is tuple and any(isinstance(x, (tuple, _Slice)) for x in v):
+        return tuple(_thaw(x) for x in v)
     return v
 
 
 @lru_cache(maxsize=8192)
 def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
     rule = get_rule(op)
-    attrs = dict(frozen_attrs)
+    attrs = {k: _thaw(v) for k, v in frozen_attrs}
     strategies = list(rule(*specs, **attrs))
     if not strategies:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "

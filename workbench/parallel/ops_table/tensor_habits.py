@@ -133,7 +133,10 @@ def _logical_parse(x, dim=None, keepdim=False):
 
 def _logical_local(fn):
     def local(nd, ctx, x, dim=None, keepdim=False):
-        dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
+        if x.dim() == nd:             # a 0-d tensor's dim 0: the elementwise test (torch)
+            dims = ()
+        else:
+            dims = tuple(range(nd, x.dim())) if dim is None else tuple(d + nd for d in dim)
         return fn(x, dims, keepdim=keepdim)
     return local
 
