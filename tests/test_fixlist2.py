@@ -47,6 +47,18 @@ def _placements(mesh, ndim):
     return out
 
 
+def _order_lost(d):
+    """Every shard holds at most one element of a dim of more than one, beside another
+    such dim (the case strides.py refuses), counted from the layout by hand."""
+    from workbench.parallel import layout
+    big = [i for i, n in enumerate(d.shape) if n > 1]
+    most = [0] * d.ndim
+    for r in d.mesh.ranks:
+        for i, (_, n) in enumerate(layout.shard_bounds(tuple(d.shape), d.mesh, d.placements, r)):
+            most[i] = max(most[i], n)
+    return len(big) > 1 and any(most[i] <= 1 for i in big)
+
+
 @pytest.mark.parametrize("mesh_shape,names", MESHES)
 @pytest.mark.parametrize("shape", [(4, 6), (5, 7), (1, 3), (6,), (3, 4, 5)])
 def test_stride_and_is_contiguous_are_the_global_tensors(mesh_shape, names, shape):
@@ -59,6 +71,12 @@ def test_stride_and_is_contiguous_are_the_global_tensors(mesh_shape, names, shap
         d = wb.shard_tensor(x, mesh, pl)
         for view, f in VIEWS.items():
             got, want = f(d), f(x)
+            if _order_lost(got):               # revO: the shards cannot tell: raises
+                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
+                    got.stride()
+                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
+                    got.is_contiguous()
+                continue
             assert got.is_contiguous() == want.is_contiguous(), (pl, view)
             for k in range(-want.ndim, want.ndim):
                 if want.shape[k] > 1:

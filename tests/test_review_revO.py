@@ -1,0 +1,40 @@
+"""revO: review of this session's merges (fixlist2, auditck3, ovl10, nbr0304c), each defect
+held to plain PyTorch."""
+import pytest
+import torch
+
+import workbench as wb
+
+
+def _x(*shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+# ---- strides.py: a dim every shard holds one element of has lost its place -----------------
+@pytest.mark.parametrize("mesh_n,shape,pl,f", [
+    (3, (3, 2), 1, lambda t: t.t()),                 # uneven (1, 1, 0), transposed: read (3, 1)
+    (3, (3, 2), 0, lambda t: t.t().exp()),           # even (1, 1, 1): exp's shard (1, 1)
+    (3, (3, 4, 2), 2, lambda t: t.permute(2, 0, 1)),
+    (4, (3, 4, 2), 0, lambda t: t.permute(1, 0, 2)),
+])
+def test_stride_raises_where_the_shards_lost_a_dims_place(mesh_n, shape, pl, f):
+    """Was: the transposed tensor read as contiguous ((3, 1) for torch's (1, 2)): a wrong
+    stride and a wrong is_contiguous()."""
+    x = _x(*shape)
+    d = f(wb.shard_tensor(x, wb.Mesh.grid((mesh_n,), ["a"]), [wb.Shard(pl)]))
+    for ask in (d.stride, d.is_contiguous, lambda: d.stride(0)):
+        with pytest.raises(NotImplementedError, match=r"at most one element of dim \d.*full_tensor"):
+            ask()
+
+
+@pytest.mark.parametrize("shape,pl,f", [
+    ((5, 2), 0, lambda t: t.t()), ((5, 2), 0, lambda t: t.t().exp()),
+    ((2, 7, 3), 1, lambda t: t.permute(2, 0, 1).neg()), ((6,), 0, lambda t: t.exp()),
+    ((3, 1), 0, lambda t: t.t().exp()),              # one dim of more than one: no order
+])
+def test_stride_still_given_where_a_shard_holds_more(shape, pl, f):
+    x = _x(*shape)
+    d = f(wb.shard_tensor(x, wb.Mesh.grid((3,), ["a"]), [wb.Shard(pl)]))
+    want = f(x)
+    assert d.is_contiguous() == want.is_contiguous()
+    assert all(d.stride(k) == want.stride(k) for k in range(want.ndim) if want.shape[k] > 1)
