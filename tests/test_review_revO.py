@@ -38,3 +38,40 @@ def test_stride_still_given_where_a_shard_holds_more(shape, pl, f):
     want = f(x)
     assert d.is_contiguous() == want.is_contiguous()
     assert all(d.stride(k) == want.stride(k) for k in range(want.ndim) if want.shape[k] > 1)
+
+
+# ---- spmd.infer: a negative dim counts from the end, an out-of-range one raises ------------
+def _spec_s1():
+    return wb.shard_tensor(_x(4, 6), wb.Mesh.grid((2,), ["a"]), [wb.Shard(1)]).spec
+
+
+def _idx_spec(shape):
+    return wb.shard_tensor(torch.zeros(shape, dtype=torch.long), wb.Mesh.grid((2,), ["a"]),
+                           [wb.Replicate()]).spec
+
+
+@pytest.mark.parametrize("op,args,kw,dimkey", [
+    ("sum", (), {}, "dim"), ("amax", (), {}, "dim"), ("softmax", (), {}, "dim"),
+    ("flip", (), {}, "dims"), ("roll", (), {"shifts": (1,)}, "dims"),
+    ("index_select", (lambda: _idx_spec((3,)),), {}, "dim"),
+    ("gather", (lambda: _idx_spec((4, 6)),), {}, "dim"),
+    ("argmax", (), {}, "dim"), ("topk", (), {"k": 2}, "dim"), ("cumsum", (), {}, "dim"),
+])
+def test_spmd_infer_negative_dim_is_the_dim_from_the_end(op, args, kw, dimkey):
+    """Was (sum, amax, flip, roll, index_select, gather): dim -1 of a [S(1)] (4, 6) input
+    taken as no dim at all: sum gave [S(0)] ('kept dim 1 sharded passes') for torch's
+    reduction over the sharded dim (P(sum)); flip / index_select let the sharded dim pass.
+    argmax / topk: 'no reshard plan to [S(-1)]'.  Out of range: wrapped (dim 2 of a 2-d
+    input read as dim 0) where torch raises IndexError."""
+    s = _spec_s1()
+    a = tuple(f() for f in args)
+    wrap = (lambda d: (d,)) if dimkey == "dims" else (lambda d: d)
+    neg = wb.spmd.infer(op, s, *a, **kw, **{dimkey: wrap(-1)})
+    pos = wb.spmd.infer(op, s, *a, **kw, **{dimkey: wrap(1)})
+    assert str(neg) == str(pos)
+    assert "dim 1 sharded passes" not in str(neg).splitlines()[0]
+    if op == "sum":
+        assert "output [P(sum)]" in str(neg).splitlines()[0]
+    for bad in (2, -3):
+        with pytest.raises(IndexError, match=rf"Dimension out of range.*got {bad}"):
+            wb.spmd.infer(op, s, *a, **kw, **{dimkey: wrap(bad)})

@@ -39,6 +39,7 @@ def _per_dim(mesh, opts, n_in):
 
 def gather_rule(x, index, *, dim, **_):
     """gather along an unsharded dim; other dims pass where x and index line up."""
+    dim = wrap_dim(dim, x.ndim)          # negative: from the end (spmd.infer)
     opts = [((R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and index.shape[d] > 1 and x.shape[d] == index.shape[d]:
@@ -106,6 +107,7 @@ register("scatter", [torch.scatter, T.scatter], parse=_scatter_parse, rule=scatt
 
 def index_select_rule(x, index, *, dim, **_):
     """index_select: dim whole, index replicated; other dims pass; linear in x."""
+    dim = wrap_dim(dim, x.ndim)          # negative: from the end (spmd.infer)
     opts = [((R, R), (R,), "replicated")]
     for d in range(x.ndim):
         if d != dim and x.shape[d] > 1:

@@ -36,9 +36,7 @@ R = Replicate()
 def _norm_dims(dim, ndim):
     if dim is None:
         return tuple(range(ndim))
-    if isinstance(dim, int):
-        dim = (dim,)
-    return tuple(sorted(dim))
+    return tuple(sorted(wrap_dims(dim, ndim)))     # negative: from the end (spmd.infer)
 
 
 def reduction_options(x, dim, keepdim, kind):
@@ -146,8 +144,8 @@ def along_dim_options(x, dim, keepdim=True, linear=False):
     """dim whole; other dims pass (shifted when dim is dropped); P(sum) if linear.
     A negative dim counts from the end (the dispatcher's parse has wrapped it already;
     ``spmd.infer`` hands the rule the user's dim as given)."""
-    if dim is not None and x.ndim:
-        dim = dim % x.ndim
+    if dim is not None:                  # out of range: torch's IndexError (never wraps)
+        dim = wrap_dim(dim, x.ndim)
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if (dim is None or d != dim) and x.shape[d] > 1 and dim is not None:

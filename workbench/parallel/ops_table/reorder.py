@@ -36,7 +36,7 @@ R = Replicate()
 def reorder_rule(x, *, dims, **_):
     """flip / roll over ``dims`` (None: every dim): those dims whole, the others pass;
     every Partial passes (a permutation of the elements)."""
-    moved = set(range(x.ndim)) if dims is None else set(dims)
+    moved = set(range(x.ndim)) if dims is None else set(wrap_dims(dims, x.ndim))  # spmd.infer
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
         if d not in moved and x.shape[d] > 1:

@@ -100,6 +100,7 @@ def arg_rule(x, dim=None, keepdim=False, **_):
     dims pass; dim=None (over the flattened tensor): replicated."""
     if dim is None:
         return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
+    dim = wrap_dim(dim, x.ndim)                  # negative: from the end (spmd.infer)
     opts = along_dim_options(x, dim, keepdim)
     vp = _vocab_parallel(x, dim)
     if vp is not None:
@@ -143,6 +144,7 @@ for _n, _largest in (("argmax", True), ("argmin", False)):
 def topk_rule(x, k, dim, **_):
     """topk(k, dim): dim whole, or vocabulary parallel (each rank's k best gathered);
     other dims pass to both outputs (values, indices)."""
+    dim = wrap_dim(dim, x.ndim)                  # negative: from the end (spmd.infer)
     opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim)]
     vp = _vocab_parallel(x, dim, n_out=2)
     if vp is not None:
