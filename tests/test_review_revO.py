@@ -75,3 +75,40 @@ def test_spmd_infer_negative_dim_is_the_dim_from_the_end(op, args, kw, dimkey):
     for bad in (2, -3):
         with pytest.raises(IndexError, match=rf"Dimension out of range.*got {bad}"):
             wb.spmd.infer(op, s, *a, **kw, **{dimkey: wrap(bad)})
+
+
+# ---- DDP: torch's "Expected to have finished reduction" stays raised ------------------------
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 2).double()
+
+    def forward(self, x, skip_b=False):
+        y = torch.tanh(self.a(x))
+        return y[:, :2] if skip_b else self.b(y)
+
+
+@pytest.mark.parametrize("mode", ["plain", "disttensor"])
+def test_ddp_unfinished_reduction_raises_at_every_later_forward(mode):
+    """torch's reducer stays unfinished: every later forward with grad raises again
+    (measured: torch 2.13 DDP on a 1-process gloo group raises at forwards 1, 2, 3).
+    Was: raised once, then the next forward trained on as if nothing had happened.
+    A no_sync step that skips b leaves nothing unfinished (torch: no reducer armed)."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    m = _Net()
+    if mode == "disttensor":
+        m = wb.parallelize(m, mesh, {})
+    ddp = wb.DistributedDataParallel(m, mesh)
+    x = wb.shard_tensor(torch.randn(6, 4, dtype=torch.float64), mesh, [wb.Shard(0)])
+    with ddp.no_sync():
+        ddp(x, skip_b=True).mean().backward()
+    ddp(x).mean().backward()
+    ddp.finish_gradient_synchronization()
+    ddp(x, skip_b=True).mean().backward()
+    ddp.finish_gradient_synchronization()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"Expected to have finished reduction"):
+            ddp(x)
+    with torch.no_grad():
+        ddp(x)                                           # no grad: no reducer, as torch
