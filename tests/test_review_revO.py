@@ -112,3 +112,32 @@ def test_ddp_unfinished_reduction_raises_at_every_later_forward(mode):
             ddp(x)
     with torch.no_grad():
         ddp(x)                                           # no grad: no reducer, as torch
+
+
+# ---- DDP (DistTensor mode): the replicas' in-place write check ------------------------------
+def _dt_ddp():
+    mesh = wb.Mesh.grid(2, ["dp"])
+    torch.manual_seed(0)
+    m = wb.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                       mesh, {})
+    ddp = wb.DistributedDataParallel(m, mesh)
+    return ddp, wb.shard_tensor(torch.randn(6, 4), mesh, [wb.Shard(0)])
+
+
+def test_ddp_replica_check_takes_equal_nans_as_equal():
+    """A manual update that makes every replica NaN (a diverged run) keeps them equal:
+    torch's DDP trains on (NaN loss); was: 'the replicas of '0.weight' differ', blaming
+    an init.  A write that does differ still raises."""
+    ddp, x = _dt_ddp()
+    ddp(x).sum().backward()
+    ddp.finish_gradient_synchronization()
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.sub_(0.1 * p.grad)                          # manual SGD: equal on every rank
+            p.mul_(float("nan"))
+    assert bool(ddp(x).full_tensor().isnan().all())
+    ddp.check_replicas()
+    with torch.no_grad():
+        next(iter(ddp.parameters()))[0].fill_(1.0)        # dp rank 0's copy only
+    with pytest.raises(RuntimeError, match="replicas of '0.weight' differ"):
+        ddp(x)
