@@ -13,12 +13,15 @@ from workbench.sim_mesh.profiles import get_profile
     # tiny (Llama, untied, fp32): linears 2 x (4 x 64 x 64 + 3 x 64 x 192) + head 75 x 64
     # = 111,296; embedding 75 x 64 + norms 2 x 2 x 64 + 64 = 5,120
     ("tiny", None, (111_296 + 5_120) * 4),
-    ("tiny", 8, 111_296 * 1 + 5_120 * 4),
+    # int8: one fp32 scale per output row (revO): 2 x (4 x 64 + 192 + 192 + 64) + 75 = 1,483
+    ("tiny", 8, 111_296 * 1 + (5_120 + 1_483) * 4),
     # gpt-tiny (tied head, d_ff = 4 h = 256): linears 2 x (4 x 64 x 64 + 2 x 64 x 256)
     # = 98,304 (the tied head is the embedding: kept in dtype); embedding 75 x 64, position
     # table 64 x 64, biases 2 x (4 x 64 + 256 + 64), LayerNorms 2 x 2 x 128 + 128 = 10,688
     ("gpt-tiny", None, (98_304 + 10_688) * 4),
-    ("gpt-tiny", 4, 98_304 // 2 + 10_688 * 4),
+    # int4: one scale per row and group of 32 inputs (revO): 2 x (4 x 64 x 2 + 256 x 2
+    # + 64 x 8) = 3,072
+    ("gpt-tiny", 4, 98_304 // 2 + (10_688 + 3_072) * 4),
 ])
 def test_kv_capacity_leaves_room_for_every_weight_held(name, bits, want):
     """Was: memory - the linears' bytes only (the embedding, and norms, biases, the

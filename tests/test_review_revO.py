@@ -141,3 +141,19 @@ def test_ddp_replica_check_takes_equal_nans_as_equal():
         next(iter(ddp.parameters()))[0].fill_(1.0)        # dp rank 0's copy only
     with pytest.raises(RuntimeError, match="replicas of '0.weight' differ"):
         ddp(x)
+
+
+# ---- serve: the KV cache's room leaves room for the quantized weights' scales ---------------
+@pytest.mark.parametrize("name,bits", [("tiny", 8), ("tiny", 4), ("gpt-tiny", 8),
+                                       ("gpt-tiny", 4), ("tiny", None)])
+def test_resident_bytes_are_the_quantized_models_measured_bytes(name, bits):
+    """Was: the scales quantize_model stores (int8: one per row, int4: one per row and
+    group of 32) left out: tiny int8 131,776 B where the quantized model holds 137,708,
+    so kv_capacity overstated the room (by 1/16 of the weights' bytes at int4)."""
+    from workbench.models.config import build_model, get_config
+    from workbench.serve.batching import StepPricer
+    from workbench.serve.quantize import quantize_model, weight_bytes
+    torch.manual_seed(0)
+    m = build_model(get_config(name))
+    q = quantize_model(m, bits) if bits else m
+    assert StepPricer(name, "a100", weight_bits=bits).resident_bytes == weight_bytes(q)["total"]
