@@ -157,3 +157,29 @@ def test_resident_bytes_are_the_quantized_models_measured_bytes(name, bits):
     m = build_model(get_config(name))
     q = quantize_model(m, bits) if bits else m
     assert StepPricer(name, "a100", weight_bits=bits).resident_bytes == weight_bytes(q)["total"]
+
+
+# ---- checkpoint.state_dict: StateDictOptions.dsd_fqn_modifiers refused, never ignored -------
+def test_state_dict_helpers_refuse_fqn_modifier_hooks():
+    """torch's get_model_state_dict drops the names a module's _fqn_modifiers() returns
+    from the keys ('wrapped.lin.weight' -> 'lin.weight'); ours kept them: a dict torch's
+    helpers would not load.  Was: the option ignored."""
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wrapped = torch.nn.Module()
+            self.wrapped.lin = torch.nn.Linear(2, 2)
+
+        def _fqn_modifiers(self):
+            return {"wrapped": "wrapped"}
+
+    m = torch.nn.Sequential(Holder())
+    for call in (lambda: wb.checkpoint.get_model_state_dict(m),
+                 lambda: wb.checkpoint.set_model_state_dict(m, {}),
+                 lambda: wb.checkpoint.get_state_dict(m, torch.optim.SGD(m.parameters(), 0.1))):
+        with pytest.raises(NotImplementedError, match=r"module '0' defines _fqn_modifiers"):
+            call()
+    plain = torch.nn.Linear(2, 2)                                  # no hook: unchanged
+    assert list(wb.checkpoint.get_model_state_dict(plain)) == ["weight", "bias"]
+    opts = wb.checkpoint.StateDictOptions(dsd_fqn_modifiers="_none_defines_this")
+    assert "0.wrapped.lin.weight" in wb.checkpoint.get_model_state_dict(m, options=opts)
