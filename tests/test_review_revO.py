@@ -183,3 +183,17 @@ def test_state_dict_helpers_refuse_fqn_modifier_hooks():
     assert list(wb.checkpoint.get_model_state_dict(plain)) == ["weight", "bias"]
     opts = wb.checkpoint.StateDictOptions(dsd_fqn_modifiers="_none_defines_this")
     assert "0.wrapped.lin.weight" in wb.checkpoint.get_model_state_dict(m, options=opts)
+
+
+# ---- torch.take: a non-long index gets torch's own message ----------------------------------
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.bfloat16])
+def test_take_index_dtype_error_is_torchs(dtype):
+    """Was: 'but got Int32' / 'Int16' / 'Uint8' where torch says Int / Short / Byte."""
+    x = _x(2, 3)
+    idx = torch.tensor([0, 1]).to(dtype)
+    with pytest.raises(RuntimeError) as want:
+        torch.take(x, idx)
+    d = wb.shard_tensor(x, wb.Mesh.grid((2,), ["a"]), [wb.Shard(0)])
+    with pytest.raises(RuntimeError) as got:
+        torch.take(d, idx)
+    assert str(got.value) == str(want.value)
