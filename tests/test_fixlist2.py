@@ -13,12 +13,15 @@ from workbench.sim_mesh.profiles import get_profile
     # tiny (Llama, untied, fp32): linears 2 x (4 x 64 x 64 + 3 x 64 x 192) + head 75 x 64
     # = 111,296; embedding 75 x 64 + norms 2 x 2 x 64 + 64 = 5,120
     ("tiny", None, (111_296 + 5_120) * 4),
-    ("tiny", 8, 111_296 * 1 + 5_120 * 4),
+    # int8: one fp32 scale per output row (revO): 2 x (4 x 64 + 192 + 192 + 64) + 75 = 1,483
+    ("tiny", 8, 111_296 * 1 + (5_120 + 1_483) * 4),
     # gpt-tiny (tied head, d_ff = 4 h = 256): linears 2 x (4 x 64 x 64 + 2 x 64 x 256)
     # = 98,304 (the tied head is the embedding: kept in dtype); embedding 75 x 64, position
     # table 64 x 64, biases 2 x (4 x 64 + 256 + 64), LayerNorms 2 x 2 x 128 + 128 = 10,688
     ("gpt-tiny", None, (98_304 + 10_688) * 4),
-    ("gpt-tiny", 4, 98_304 // 2 + 10_688 * 4),
+    # int4: one scale per row and group of 32 inputs (revO): 2 x (4 x 64 x 2 + 256 x 2
+    # + 64 x 8) = 3,072
+    ("gpt-tiny", 4, 98_304 // 2 + (10_688 + 3_072) * 4),
 ])
 def test_kv_capacity_leaves_room_for_every_weight_held(name, bits, want):
     """Was: memory - the linears' bytes only (the embedding, and norms, biases, the
@@ -47,6 +50,18 @@ def _placements(mesh, ndim):
     return out
 
 
+def _order_lost(d):
+    """Every shard holds at most one element of a dim of more than one, beside another
+    such dim (the case strides.py refuses), counted from the layout by hand."""
+    from workbench.parallel import layout
+    big = [i for i, n in enumerate(d.shape) if n > 1]
+    most = [0] * d.ndim
+    for r in d.mesh.ranks:
+        for i, (_, n) in enumerate(layout.shard_bounds(tuple(d.shape), d.mesh, d.placements, r)):
+            most[i] = max(most[i], n)
+    return len(big) > 1 and any(most[i] <= 1 for i in big)
+
+
 @pytest.mark.parametrize("mesh_shape,names", MESHES)
 @pytest.mark.parametrize("shape", [(4, 6), (5, 7), (1, 3), (6,), (3, 4, 5)])
 def test_stride_and_is_contiguous_are_the_global_tensors(mesh_shape, names, shape):
@@ -59,6 +74,12 @@ def test_stride_and_is_contiguous_are_the_global_tensors(mesh_shape, names, shap
         d = wb.shard_tensor(x, mesh, pl)
         for view, f in VIEWS.items():
             got, want = f(d), f(x)
+            if _order_lost(got):               # revO: the shards cannot tell: raises
+                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
+                    got.stride()
+                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
+                    got.is_contiguous()
+                continue
             assert got.is_contiguous() == want.is_contiguous(), (pl, view)
             for k in range(-want.ndim, want.ndim):
                 if want.shape[k] > 1:

@@ -95,6 +95,14 @@ def _check(model, submodules, options, name) -> StateDictOptions:
     if not isinstance(options, StateDictOptions):
         raise TypeError(f"{name}(options={options!r}): give a StateDictOptions("
                         "full_state_dict=..., cpu_offload=..., ...)")
+    hook = getattr(options, "dsd_fqn_modifiers", None)
+    odd = [n for n, m in model.named_modules() if hook and hasattr(m, hook)] if hook else []
+    if odd:     # torch drops the names those hooks return from the keys: not built here
+        raise NotImplementedError(
+            f"{name}: module {odd[0] or type(model).__name__!r} defines "
+            f"{hook}() (StateDictOptions.dsd_fqn_modifiers), whose names torch drops "
+            "from the state dict's keys; not applied here: rename the keys yourself, or "
+            "give StateDictOptions(dsd_fqn_modifiers=...) a name no module defines")
     if options.broadcast_from_rank0 and not options.full_state_dict:
         raise ValueError("full_state_dict must be True when broadcast_from_rank0 is True.")
     if options.broadcast_from_rank0 and dist.is_available() and dist.is_initialized():

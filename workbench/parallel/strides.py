@@ -10,9 +10,10 @@ tensor's for a contiguous layout, a transposed tensor's for a transposed one.  (
 that skips elements, ``x[:, ::2]``, is dense here where one device's view is not: every
 op here makes new shards.)  A dim a shard holds one element of is ambiguous in that order
 (its stride says nothing): it is put inside the dims of equal stride, which gives the
-contiguous and transposed layouts right; a non-contiguous layout whose shards all hold one
-element of a dim the mesh splits unevenly can then get that dim's place wrong (its
-``is_contiguous()`` stays right).
+contiguous and transposed layouts right where some shard holds more; a layout whose
+shards all hold at most one element of a dim (of more than one) has lost that dim's place: torch's ops give a
+size-1 dim any stride (``exp`` of a transposed (2, 1) shard reads (1, 1), a contiguous
+one's), so that case raises rather than guess (:func:`_refuse_ambiguous`).
 """
 from __future__ import annotations
 
@@ -37,11 +38,39 @@ def global_stride(d) -> tuple[int, ...]:
     order = list(range(len(shape)))
     if t is not None:                   # outermost first; a tie: a size-1 dim inside
         order.sort(key=lambda i: (-t.stride(i), t.size(i) == 1, i))     # size 1: inner
+        _refuse_ambiguous(d, t, shape)
     out, acc = [0] * len(shape), 1
     for i in reversed(order):
         out[i] = acc
         acc *= max(shape[i], 1)
     return tuple(out)
+
+
+def _refuse_ambiguous(d, t, shape) -> None:
+    """Raise where the shards cannot tell the order: every shard holds at most one element
+    of a dim of more than one (its stride in a shard is arbitrary: torch's own ops give a
+    size-1 dim any stride) while another dim of more than one element exists, so that the
+    dim could sit anywhere among them (a transpose then reads as contiguous)."""
+    big = [i for i, n in enumerate(shape) if n > 1]
+    if len(big) < 2:
+        return
+    most = [max(s.size(i) for s in _shards(d)) for i in range(len(shape))]
+    lost = [i for i in big if most[i] <= 1]
+    if lost:
+        i = lost[0]
+        raise NotImplementedError(
+            f"stride()/is_contiguous() of a DistTensor of shape {tuple(shape)} with "
+            f"placements {tuple(d.placements)}: every shard holds at most one element of dim "
+            f"{i} (size {shape[i]}), so the shards cannot tell that dim's place in the "
+            f"layout; ask the global tensor instead (d.full_tensor().stride()), or "
+            f"redistribute so that dim {i} is split into pieces of more than one element")
+
+
+def _shards(d) -> list:
+    """Every shard this process can see (its own on torch.distributed)."""
+    if storage.holds_own(d.mesh):
+        return [d.local()]
+    return [s for s in d.locals() if s.numel()]
 
 
 def is_contiguous(d, memory_format=torch.contiguous_format) -> bool:

@@ -85,9 +85,11 @@ class StepPricer:
         # multiplies by: the embedding table (and the head, untied), norms, biases, GPT's
         # position table; the linears at weight_bits, the rest in dtype (quantize_model's
         # split: a head tied to the embedding stays in dtype)
-        from .roofline import resident_weights
+        # (and the quantized linears' scales, in dtype: quantize_model's default groups)
+        from .roofline import resident_scales, resident_weights
         quantized, other = resident_weights(c)
-        self.resident_bytes = quantized * self.weight_bits // 8 + other * self.itemsize
+        scales = resident_scales(c, weight_bits) if weight_bits else 0
+        self.resident_bytes = quantized * self.weight_bits // 8 + (other + scales) * self.itemsize
 
     def kv_capacity(self, utilization: float = 0.9) -> int:
         """Tokens of KV cache that fit beside the weights in ``utilization`` of the

@@ -39,7 +39,7 @@ from ..sim_mesh.profiles import get_profile
 from .kv_cache import kv_bytes_per_token
 
 __all__ = ["StepCost", "step_cost", "decode_vs_prefill", "linear_weights", "resident_weights",
-           "ridge"]
+           "resident_scales", "ridge"]
 
 
 def _linear_shapes(cfg) -> list[tuple[int, int]]:
@@ -81,6 +81,22 @@ def resident_weights(cfg) -> tuple[int, int]:
             seen.add(id(p))
             other += p.numel()
     return sum(lin.values()), other
+
+
+def resident_scales(cfg, bits: int, group_size: int = 32) -> int:
+    """The scales ``quantize.quantize_model(bits, group_size)`` stores beside the
+    quantizable weights of :func:`resident_weights` (each in the weight's dtype): int8 one
+    per output row, int4 one per row and group of ``group_size`` inputs (``quantize``)."""
+    from ..models.config import build_model
+    if bits not in (8, 4):
+        raise ValueError(f"resident_scales(bits={bits!r}): give 8 or 4")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    tied = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+            for p in m.parameters()}
+    shapes = {id(m.weight): m.weight.shape for m in model.modules()
+              if isinstance(m, nn.Linear) and id(m.weight) not in tied}
+    return sum(o if bits == 8 else o * (i // group_size) for o, i in shapes.values())
 
 
 def ridge(profile="h100", dtype="bfloat16") -> float:

@@ -34,10 +34,15 @@ def take_rule(x, index, **_):
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 2)
 
 
+def _scalar_name(dtype) -> str:
+    """torch's name of a dtype in its messages: Int, Short, Byte, BFloat16, Float."""
+    return torch.empty(0, dtype=dtype).type().replace("torch.", "").replace("Tensor", "")
+
+
 def _parse(x, index):
     if index.dtype != torch.int64:
         raise RuntimeError(f"take(): Expected a long tensor for index, but got "
-                           f"{str(index.dtype).replace('torch.', '').capitalize()}")
+                           f"{_scalar_name(index.dtype)}")
     return (x, index), {}
 
 

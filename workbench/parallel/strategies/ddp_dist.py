@@ -61,7 +61,7 @@ from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .ddp_buckets import torch_policy
-from .ddp_dist_habits import check_written_replicas, install as install_habits
+from .ddp_dist_habits import check_written_replicas, install as install_habits, replicas_equal
 from .grad_replicas import GradReplicas
 from .ranks import bucket_order, check_module
 from .torch_kwargs import ddp_torch_kwargs
@@ -166,7 +166,7 @@ class DistTensorDDP(DistributedDataParallel):
             loc = p._local
             if self.replicas.distributed:
                 continue                  # one replica per process: nothing to compare here
-            if not all(bool((loc == loc.narrow(ax, 0, 1)).all()) for ax in self.replicas.axes):
+            if not replicas_equal(loc, self.replicas.axes):              # NaN == NaN
                 raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
                                    "between ranks; did something update one rank's copy "
                                    "outside the optimizer step?")

@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dist_tensor import DistTensor, shard_tensor
 
-__all__ = ["install", "check_written_replicas"]
+__all__ = ["install", "check_written_replicas", "replicas_equal"]
 
 _SEEN = WeakIdKeyDictionary()       # a replica storage -> its version when last found equal
 
@@ -89,13 +89,23 @@ def _refuse_late_unfreeze(ddp, p, name):
     return hook
 
 
+def replicas_equal(loc, axes) -> bool:
+    """Every replica along ``axes`` equals the first; NaN equals NaN (a diverged run's
+    replicas are equal NaNs: torch's DDP trains on, so must this, with no error)."""
+    for ax in axes:
+        ref = loc.narrow(ax, 0, 1)
+        if not bool(((loc == ref) | (loc.isnan() & ref.isnan())).all()):
+            return False
+    return True
+
+
 @torch.no_grad()
 def _check(loc) -> None:
     """``loc`` (a replica storage), written since last seen: its replicas equal, or raise."""
     if _SEEN.get(loc, loc._version) == loc._version:
         return
     name, axes = loc._wb_replicas
-    if not all(bool((loc == loc.narrow(ax, 0, 1)).all()) for ax in axes):
+    if not replicas_equal(loc, axes):
         raise RuntimeError(
             f"DistributedDataParallel: the replicas of {name!r} differ between the "
             "data-parallel ranks since they were last equal: ddp.parameters() are the "

@@ -53,8 +53,7 @@ class Reducer:
         without a gradient under ``find_unused_parameters=False``, so torch's reducer never
         finished it; raise as torch does, naming them (:func:`.unfinished.prior_reduction_error`)."""
         left = getattr(self, "_unfinished", None)
-        if left:
-            self._unfinished = None
+        if left:                        # kept: every later forward raises again, as torch's
             names = {id(q): n for n, q in self.module.named_parameters()}
             rank = dist.get_rank(self.group.pg) if self.group.distributed else None
             raise prior_reduction_error([(i, names.get(id(self._book.params[i]), "?"))

@@ -246,8 +246,9 @@ class GradReplicas:
 
     def ensure_prior_reduction_finished(self) -> None:
         """Before a forward with grad enabled: raise torch's error for a backward that left
-        parameters unmarked under ``find_unused_parameters=False`` (:mod:`.unfinished`)."""
-        left, self.unfinished = self.unfinished, None
+        parameters unmarked under ``find_unused_parameters=False`` (:mod:`.unfinished`).
+        Kept: every later forward raises it again, as torch's (its reducer stays unfinished)."""
+        left = self.unfinished
         if left:
             names = self.names or [f"parameter {i}" for i in range(len(self.params))]
             rank = _B.rank() if self.distributed else None
