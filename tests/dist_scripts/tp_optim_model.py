@@ -1,7 +1,8 @@
 """One small tensor-parallel program, run under torchrun (tp_optim_state_check.py) and on
 simulated ranks (tests/test_tpoptstate.py): an MLP language model whose blocks' up / down
 projections are column / row parallel (14 hidden features: uneven tensor-parallel shards
-raise on torch.distributed; 5 model features: FSDP's flat chunks padded), wrapped in wb.DistributedDataParallel or wb.FullyShardedDataParallel over the dp
+raise on torch.distributed; 5 model features: FSDP's flat chunks padded), wrapped in
+wb.DistributedDataParallel, wb.FullyShardedDataParallel or wb.fully_shard over the dp
 dim, trained with torch.optim.AdamW over the wrapper's parameters()."""
 import torch
 from torch import nn
@@ -48,14 +49,18 @@ def adamw(params):
 
 def wrapped(kind, mesh):
     """The program's model on ``mesh`` (dims ("dp", "tp")): the TP plan, then ``kind``
-    ("ddp" or "fsdp") over "dp"; and AdamW over the wrapper's parameters()."""
+    ("ddp", "fsdp" or "fully_shard") over "dp"; and AdamW over the wrapper's parameters()."""
     m = make()
     wb.parallelize_module(m, mesh, PLAN)
     wb.parallelize(m, mesh)
     if kind == "ddp":
         w = wb.DistributedDataParallel(m, mesh, dim="dp")
-    else:
+    elif kind == "fsdp":
         w = wb.FullyShardedDataParallel(m, mesh, dim="dp")
+    else:                                       # torchtitan's order: blocks, then the root
+        for b in m.blocks:
+            wb.fully_shard(b, mesh=mesh["dp"])
+        w = wb.fully_shard(m, mesh=mesh["dp"])
     return w, adamw(w.parameters())
 
 

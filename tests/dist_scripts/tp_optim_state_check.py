@@ -1,13 +1,13 @@
 """Run under torchrun (gloo, 2 processes): torch.optim's state_dict() over
-wb.DistributedDataParallel / wb.FullyShardedDataParallel wrapping a tensor-parallel model
-(tp_optim_model.py) on a (1, 2) and a (2, 1) ("dp", "tp") mesh.  After 2 AdamW steps
-rank 0 saves the optimizer's state_dict() and the full model state dict (torch.save), and
-every rank wb.checkpoint.get_state_dict's dicts (wb.checkpoint.save);
-tests/test_tpoptstate.py loads them into one device and the simulated ranks.  Here: each
-state's shape, the run's 3 more steps, one device's 2-step checkpoint loaded into each
-wrapper (torch's load_state_dict) and each wb.checkpoint one into another wrapper on the
-other mesh (wb.checkpoint.load + set_state_dict), 3 more steps, all against one device's
-5.  Every rank prints one JSON line per case."""
+wb.DistributedDataParallel / wb.FullyShardedDataParallel / wb.fully_shard of a
+tensor-parallel model (tp_optim_model.py) on a (1, 2) and a (2, 1) ("dp", "tp") mesh.
+After 2 AdamW steps rank 0 saves the optimizer's state_dict() and the full model state
+dict (torch.save), and every rank wb.checkpoint.get_state_dict's dicts
+(wb.checkpoint.save); tests/test_tpoptstate.py loads them into one device and the
+simulated ranks. Here: each state's shape, the run's 3 more steps, one device's 2-step
+checkpoint loaded into each wrapper (torch's load_state_dict) and each wb.checkpoint one
+into another wrapper on the other mesh (wb.checkpoint.load + set_state_dict), 3 more
+steps, all against one device's 5. Every rank prints one JSON line per case."""
 import json
 import os
 import sys
@@ -19,7 +19,8 @@ import workbench as wb  # noqa: E402
 from workbench.checkpoint import get_state_dict, set_model_state_dict, set_state_dict  # noqa: E402
 from tp_optim_model import full_weights, make, max_err, one_device, steps, wrapped  # noqa: E402
 
-CASES = [("ddp", (1, 2)), ("ddp", (2, 1)), ("fsdp", (1, 2)), ("fsdp", (2, 1))]
+CASES = [("ddp", (1, 2)), ("ddp", (2, 1)), ("fsdp", (1, 2)), ("fsdp", (2, 1)),
+         ("fully_shard", (1, 2)), ("fully_shard", (2, 1))]
 
 
 def name_of(kind, shape):
@@ -55,7 +56,7 @@ def main(root):
         row["from_one_device"] = max_err(full_weights(w), want)
         print(json.dumps(row), flush=True)
     torch.distributed.barrier()
-    # each wb.checkpoint into the other wrapper on the other mesh (ddp 1x2 -> fsdp 2x1 ...)
+    # each wb.checkpoint into another wrapper on the other mesh (ddp 1x2 -> fully_shard 2x1 ...)
     for (kind, shape), (other, oshape) in zip(CASES, CASES[::-1]):
         omesh = wb.distributed.mesh(oshape, ["dp", "tp"])
         w, o = wrapped(other, omesh)
