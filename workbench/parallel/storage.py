@@ -386,6 +386,14 @@ def local_step(loc, shape, mesh, old_ps, new_ps, i: int, label: str = ""):
     x = for_layout(loc, shape, mesh, old_ps, new_ps)
     if isinstance(x, Cells) or _B.is_distributed(mesh):
         y = _per_rank(kind, x, shape, mesh, old_ps, i, new, label)
+        # torch.distributed: a replica tagged one copy per rank on other dims (DDP's dp)
+        # stays so (C.expand_replicas skips them); untagged, its next meeting with the
+        # dp-sharded batch all-reduced its gradient over dp, then DDP summed it again:
+        # a row-parallel linear's bias got twice one device's gradient on a dp x tp mesh
+        had = tuple(a for a in getattr(loc, "_wb_replica_axes", ())
+                    if a != i and new_ps[a].is_replicate())
+        if had and isinstance(y, torch.Tensor):
+            _B.tag(y, had)
     else:
         y = _STACKED[kind](x, shape, mesh, old_ps, i, new, label)
     return settle(y, shape, mesh, new_ps)

@@ -10,7 +10,11 @@ a 2 x 2 mesh).  Two habits of one device would read that storage as the paramete
   the shapes); each replica now says how its storage and the parameter's global tensor
   map (``_wb_shape`` / ``_wb_full`` / ``_wb_store``, read by
   :func:`.laid_out._module_shaped_states` and :func:`.laid_out._lay_out_loaded_states`),
-  so the states come in one device's shapes and go back, as over FSDP's shards;
+  so the states come in one device's shapes and go back, as over FSDP's shards.  Under
+  torch.distributed too (each process's replica ``(1, 1, *local)``: its tensor-parallel
+  shard; the global tensor gathered over tp, a collective every process of the mesh
+  joins as it takes the same ``state_dict()``): a checkpoint saved under torchrun loads
+  into a plain optimizer, another layout or the simulated ranks, and back;
 * an in-place write of ``ddp.parameters()`` that is not the same on every replica (a
   random ``nn.init`` draws each rank's copy on its own; a fan-in init reads the storage's
   shape) left the replicas different, and the ranks then trained N different models
@@ -69,12 +73,12 @@ def install(ddp) -> None:
         # parameter frozen then unfrozen silently stopped training)
         p._local._wb_keep_leaf = True
         p._local._wb_on_requires_grad = _refuse_late_unfreeze(ddp, p, name)
-    if ddp.replicas.distributed:
-        return                          # one replica per process: its own storage
     for name, p in zip(ddp._names, ddp.replicas.params):
         loc, how = p._local, _Replicas(p)
         loc._wb_shape, loc._wb_full = how.shape, how.full
         loc._wb_store = lambda v, loc=loc, how=how: how.store(v, loc)
+        if ddp.replicas.distributed:
+            continue                    # one replica per process: none to tell apart
         loc._wb_replicas = (name, ddp.replicas.axes)
         _SEEN[loc] = loc._version
 

@@ -87,8 +87,11 @@ class _TPChunks:
         fsdp, tmpl = self.fsdp, self.fsdp.entries[self.i][2]
         nd = fsdp.mesh.ndim
         with suspend():
-            loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
-            loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
+            if fsdp.async_:
+                loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
+                loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
+            else:                       # torch.distributed: this process's local shard
+                loc = fsdp._gather(tmpl, t.detach())._local.detach()
             return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, t.dtype).full()
 
     @torch.no_grad()
@@ -100,12 +103,15 @@ class _TPChunks:
 
 
 def module_shaped_optimizer_states(fsdp) -> None:
-    """On simulated ranks, each shard says how its storage and the parameter's global
-    tensor map (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
-    ``fully_shard`` (:mod:`.fully_shard_tp`); ``Zero3``'s stage optimizers keep the
-    storage's shapes, which their own ``load_state_dict`` checks."""
-    if not fsdp.async_:
-        return
+    """Each shard says how its storage and the parameter's global tensor map
+    (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
+    ``fully_shard`` (:mod:`.fully_shard_tp`) too; ``Zero3``'s stage optimizers keep the
+    storage's shapes, which their own ``load_state_dict`` checks.  Under torch.distributed
+    as on simulated ranks (each process's ``(1, 1, chunk)`` gathered over dp, then its
+    tensor-parallel shards over tp: collectives every process joins, as each takes the
+    same ``state_dict()``), so a checkpoint saved under torchrun loads into a plain
+    optimizer, another layout or the simulated ranks of the same program (it kept the
+    storage's shapes there, which none of them takes)."""
     for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
         if isinstance(tmpl._local, torch.Tensor):
             how = _TPChunks(fsdp, i)

@@ -75,7 +75,10 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
         raise NotImplementedError(f"fully_shard({name}): its DistTensor parameters live on "
                                   f"{len(meshes)} meshes; one mesh is built")
     full = meshes.pop()
-    if mesh is None or dim not in full.dim_names or full.submesh(dim) != mesh:
+    # full[dim]: under torchrun the dp slice through this process (DeviceMesh's), which
+    # is the user's world_mesh["dp"]; submesh(dim) is the one through the first rank (it
+    # alone was taken: every process off rank 0's dp slice was refused)
+    if mesh is None or dim not in full.dim_names or mesh not in (full.submesh(dim), full[dim]):
         raise ValueError(
             f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
             f"pass that mesh's data-parallel dim, mesh=world_mesh['dp'] (torchtitan's order: "

@@ -309,7 +309,9 @@ def _laid_out_params(optimizer):
 def _module_shaped_states(optimizer, state_dict):
     """``optimizer.state_dict()`` over a wrapper's parameters: each state tensor of the
     storage's shape given in the module's shape (DDP: rank ``broadcast_from``'s row;
-    FSDP: the chunks gathered, the padding dropped), as one device's optimizer holds it,
+    FSDP: the chunks gathered, the padding dropped; under torch.distributed each
+    process's part gathered, a collective: every process takes the same ``state_dict()``,
+    as torch's full optimizer state dict), as one device's optimizer holds it,
     so the checkpoint loads into a plain optimizer, another rank count, or this one
     (:func:`_lay_out_loaded_states` lays it out again).  New dicts: the optimizer's own
     states are untouched."""
