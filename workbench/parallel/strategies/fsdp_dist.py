@@ -59,6 +59,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
+from .fsdp_dist_views import dp_minor, view_template
 from .fsdp_dist_habits import install_habits
 from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
@@ -132,13 +133,24 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             if not p.placements[self.axis].is_replicate():
                 raise ValueError(f"{qname} is {p.placements[self.axis]} on the dp dim; "
                                  "FullyShardedDataParallel shards parameters replicated there")
+            if not isinstance(p._local, torch.Tensor):
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel over DistTensor parameters: {qname} (shape "
+                    f"{tuple(p.shape)}, {[str(q) for q in p.placements]} on {mesh}) has "
+                    "uneven tensor-parallel shards (torch.chunk sizes differ), which the flat "
+                    "dp shards are not built for; choose sizes divisible by the tp degree")
             loc = p._local.detach()
             if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
                 loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
+            chunk = self.chunk_of(loc)
+            if not _B.is_distributed(mesh):     # stored so the template can view it
+                chunk = dp_minor(chunk, self.axis)
             # the shard is the leaf an optimizer steps (frozen stays frozen)
-            shard = laid_out(self.chunk_of(loc), p.requires_grad,
+            shard = laid_out(chunk, p.requires_grad,
                              f"it holds each dp rank's flat chunk of {qname}'s local shards "
                              f"(the {tuple(p.shape)} DistTensor)")
+            if not _B.is_distributed(mesh):     # the module's parameter: the shards' value
+                view_template(p, shard, self.axis, qname)
             step_clock.hold([shard], mesh.ranks, mesh.ndim)          # an optimizer's step over it: on the clock
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)

@@ -41,6 +41,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
+from .fsdp_dist_views import relink
 from .rank_grads import as_replica_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
@@ -125,9 +126,11 @@ def install_habits(fsdp) -> None:
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
-    if not fsdp.async_:                 # torch.distributed: the gathered copies go stale
-        for i, (_, _, _, shard) in enumerate(fsdp.entries):
+    for i, (_, _, _, shard) in enumerate(fsdp.entries):
+        if not fsdp.async_:             # torch.distributed: the gathered copies go stale
             shard._wb_refresh = (fsdp, i)
+        else:                           # simulated: the templates view the shards
+            shard._wb_relink = (fsdp, i)
     for m in fsdp.module.modules():
         items = fsdp._by_mod.get(id(m))
         if not items:
@@ -179,6 +182,8 @@ def _cut(fsdp, i: int, value) -> None:
     if err:
         raise RuntimeError(err)
     shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
+    if fsdp.async_:
+        relink(fsdp, i)
 
 
 def _load_hooks(fsdp, items):
@@ -199,6 +204,8 @@ def _load_hooks(fsdp, items):
         for _, i in todo:
             tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
             shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
+            if fsdp.async_:
+                relink(fsdp, i)
         todo.clear()
     return pre, post
 
@@ -231,3 +238,30 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_refresh_after_step)
+
+
+@torch.no_grad()
+def _relink_after_step(optimizer, args, kwargs) -> None:
+    """After any ``torch.optim`` step over simulated ZeRO-3 shards: each stepped shard's
+    template a view of it again where the step replaced its storage (``p.data = ...``;
+    :func:`.fsdp_dist_views.relink`, no copy where it still is one), and the module's
+    attributes (the copies the last forward gathered, every place of a tied weight) back
+    to the template (``_parameters``'): outside forward ``module.weight`` is the module's
+    parameter, as FSDP2's sharded parameter outside forward (``fully_shard``'s own
+    attributes read the shards, :mod:`.fully_shard_attrs`).  A global step post-hook, as
+    :func:`_refresh_after_step`; nothing gathered, nothing traced."""
+    todo = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_wb_relink", None)
+            if ref is not None:
+                todo.setdefault(id(ref[0]), (ref[0], set()))[1].add(ref[1])
+    for fsdp, idx in todo.values():
+        for i in sorted(idx):
+            relink(fsdp, i)
+            for mod, attr in fsdp._places[i]:   # the gathered copy off: _parameters'
+                if "_wb_fs_attrs" not in mod.__dict__:
+                    mod.__dict__.pop(attr, None)
+
+
+register_optimizer_step_post_hook(_relink_after_step)
