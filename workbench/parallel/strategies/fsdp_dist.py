@@ -201,7 +201,16 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         # dp-sharded batch gives the copy an expand_replicas (an all-reduce in backward) on
         # top of the gather's reduce-scatter, and every gradient came out dp times too big
         _B.tag(full, (self.axis,))
+        full._wb_stale = self._gathered_message()
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
+
+    def _gathered_message(self) -> str:
+        # what an in-place write to a gathered copy (a module's attribute from its forward
+        # to the optimizer step) raises (parallel/inplace.py reads ``_wb_stale``)
+        return (f"this DistTensor is the copy of a parameter that {type(self).__name__}'s "
+                "forward gathered from its flat shards; a write to it would not reach the "
+                "shards: initialize before wrapping, or load values with "
+                "module.load_state_dict (it cuts them into the shards)")
 
     # fully_shard's MixedPrecisionPolicy over DistTensors (:mod:`.fully_shard_tp`): the
     # dtype a forward gathers and computes in, and the one gradients are reduced in
@@ -233,6 +242,7 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         full = full.expand(tuple(lead) + local)
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
+        full._wb_stale = self._gathered_message()
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------

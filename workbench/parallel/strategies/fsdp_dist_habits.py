@@ -2,9 +2,11 @@
 
 :class:`.fsdp_dist.DistTensorFSDP` (and ``Zero3``) moves each DistTensor parameter into
 flat shards (the ``nn.Parameter`` s an optimizer steps); the module's ``_parameters`` keep
-the DistTensors ``wb.parallelize`` made, as templates (placements, shapes) that stop
-tracking the trained values.  What a user calls on the module itself must not read those
-stale templates silently, so :func:`install_habits` makes:
+the DistTensors ``wb.parallelize`` made, as templates (placements, shapes).  On simulated
+ranks a template's storage is a view of its shard (:mod:`.fsdp_dist_views`), so it reads
+the values the optimizer wrote last; under torch.distributed it is a copy, refreshed
+after each step (below).  What a user calls on the module itself must reach the shards,
+so :func:`install_habits` makes:
 
 * ``module.state_dict()`` (and ``fsdp.state_dict()``): each parameter a DistTensor of the
   template's placements gathered from the shards now (FSDP2's ``state_dict()`` gives its
@@ -15,9 +17,15 @@ stale templates silently, so :func:`install_habits` makes:
 * ``module.zero_grad()`` / ``requires_grad_()``: the shards' gradients and flags
   (:class:`~workbench.parallel.module_state.ParallelModule` reads ``_wb_shards``);
   ``module.to(dtype)`` raises (the shards would stay as they are);
-* each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
-  the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
-  shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
+* each template's storage tensors carry ``_wb_stale`` (a message), as do the copies a
+  forward gathers (a module's attribute until the optimizer step,
+  :meth:`.fsdp_dist.DistTensorFSDP._gather`): an in-place write to either (``nn.init``
+  on ``module.weight`` after wrapping) is not built (it would not reach the shards under
+  torch.distributed, nor from a gathered copy), so DistTensor's in-place writes refuse it
+  (``parallel/inplace.py``);
+* on simulated ranks, after an optimizer step the module's attributes are the templates
+  again (:func:`_relink_after_step`), and a template whose shard got new storage
+  (``p.data = ...``, ``vector_to_parameters``) views it again;
 * on torch.distributed the templates (``model.named_parameters()``) hold the values at
   wrapping and the module's attributes (``wb.dist_parameters(model)``) the copies the
   last forward gathered; an optimizer step over the shards gathers the parameters again
@@ -33,6 +41,8 @@ stale templates silently, so :func:`install_habits` makes:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -41,7 +51,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
-from .fsdp_dist_views import relink
+from .fsdp_dist_views import VIEW_NOTE, relink
 from .rank_grads import as_replica_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
@@ -51,8 +61,8 @@ def _clip_message(fsdp) -> str:
     who = "Zero3" if type(fsdp).__name__ == "Zero3" else "FullyShardedDataParallel"
     var = "zero3" if who == "Zero3" else "fsdp"
     return (f"{who} keeps this parameter's values and gradient in its flat shards; the "
-            "module's DistTensor is only its layout (its value at wrapping, no gradient), "
-            "so clipping it would do nothing.  Clip the shards: "
+            "module's DistTensor is its layout and value with no gradient, so clipping it "
+            "would do nothing.  Clip the shards: "
             f"torch.nn.utils.clip_grad_norm_({var}.parameters(), max_norm)")
 
 
@@ -117,9 +127,9 @@ def module_shaped_optimizer_states(fsdp) -> None:
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
     stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
-             "into flat shards (its value at wrapping); a write to it would not reach the "
-             "shards the forward reads: initialize before wrapping, or load values with "
-             "module.load_state_dict (it cuts them into the shards)")
+             "into flat shards (it reads their values; an in-place write to it is not built, "
+             "it would not reach the shards the forward reads): initialize before wrapping, "
+             "or load values with module.load_state_dict (it cuts them into the shards)")
     for _, _, tmpl, shard in fsdp.entries:
         for t in storage.tensors(tmpl._local):
             t._wb_clip_refuse = msg
@@ -131,6 +141,8 @@ def install_habits(fsdp) -> None:
             shard._wb_refresh = (fsdp, i)
         else:                           # simulated: the templates view the shards
             shard._wb_relink = (fsdp, i)
+            shard._wb_on_data_set = functools.partial(relink, fsdp, i)
+            shard._wb_view_note = VIEW_NOTE
     for m in fsdp.module.modules():
         items = fsdp._by_mod.get(id(m))
         if not items:

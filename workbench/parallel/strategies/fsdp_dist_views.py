@@ -31,7 +31,14 @@ import torch
 from .. import storage
 from .flat_shards import unflat
 
-__all__ = ["dp_minor", "view_template", "relink", "is_view"]
+__all__ = ["dp_minor", "view_template", "relink", "is_view", "VIEW_NOTE"]
+
+# what a .view() that the dp-minor storage cannot give says (laid_out.LaidOutParameter)
+VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stored with "
+             "each tensor-parallel coordinate's dp chunks side by side so that the module's "
+             "parameter is a view of it (fsdp_dist_views): a view across its mesh axes does "
+             "not exist; use .reshape (a copy), e.g. torch.cat([p.reshape(-1) for p in "
+             "fsdp.parameters()]) for torch.nn.utils.parameters_to_vector")
 
 # what a template's storage tensors carry for the habits (fsdp_dist_habits.install_habits)
 _MARKS = ("_wb_stale", "_wb_clip_refuse")
@@ -92,5 +99,6 @@ def relink(fsdp, i: int) -> None:
     if is_view(tmpl, shard):
         return
     if not shard.detach().movedim(fsdp.axis, -2).is_contiguous():
-        shard.data = dp_minor(shard.detach(), fsdp.axis)
+        with torch._C.DisableTorchFunctionSubclass():    # not this hook again
+            shard.data = dp_minor(shard.detach(), fsdp.axis)
     view_template(tmpl, shard, fsdp.axis, fsdp.names[i])
