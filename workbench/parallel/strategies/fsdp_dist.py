@@ -44,7 +44,10 @@ The shards are ``nn.Parameter``s under the module's own qualified names
 (:meth:`DistTensorFSDP.named_parameters`, a tied weight one shard), laid out as the
 plain-module FSDP's (:mod:`.flat_shards`), so any ``torch.optim`` optimizer steps them
 (elementwise ones exactly as on one device); call :meth:`finish_gradient_synchronization`
-before its ``step()`` so the clock counts the reduce-scatters as waited for.
+before its ``step()`` so the clock counts the reduce-scatters as waited for.  On simulated
+ranks each shard is stored with the dp chunks of every tensor-parallel coordinate side by
+side, and the module's own DistTensor parameters are views of it
+(:mod:`.fsdp_dist_views`): ``model.named_parameters()`` reads the values stepped last.
 """
 from __future__ import annotations
 
