@@ -300,3 +300,22 @@ def test_a_view_the_shards_storage_cannot_give_says_why_and_what_to_use():
         torch.nn.utils.parameters_to_vector(w.parameters())
     vec = torch.cat([p.reshape(-1) for p in w.parameters()])
     assert vec.numel() == sum(p.numel() for p in w.parameters())
+
+
+def test_a_loss_term_on_a_weight_outside_forward_reaches_the_shard_or_raises():
+    # after a step, module.weight is the copy the forward gathered, a view of the shard
+    # with autograd to it: a weight penalty gives the shard one device's gradient (it had
+    # the value before the step); the templates (model.parameters()) have no autograd to
+    # the shards: a gradient reaching one raises instead of being dropped
+    model, w, opt, mesh, pl = wrapped("fsdp")
+    ref, ropt = reference()
+    step(w, opt, mesh, pl, ref, ropt, 0)
+    (model[0].weight.full() ** 2).sum().backward()
+    (ref[0].weight ** 2).sum().backward()
+    got = torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9)
+    torch.testing.assert_close(got, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    opt.zero_grad()
+    with pytest.raises(RuntimeError,
+                       match=r"gradient reached [02]\.(weight|bias) .*would not reach"):
+        sum((p.full() ** 2).sum() for p in model.parameters()).backward()
+    assert all(p.grad is None for p in model.parameters())

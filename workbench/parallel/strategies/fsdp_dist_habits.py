@@ -23,9 +23,11 @@ so :func:`install_habits` makes:
   on ``module.weight`` after wrapping) is not built (it would not reach the shards under
   torch.distributed, nor from a gathered copy), so DistTensor's in-place writes refuse it
   (``parallel/inplace.py``);
-* on simulated ranks, after an optimizer step the module's attributes are the templates
-  again (:func:`_relink_after_step`), and a template whose shard got new storage
-  (``p.data = ...``, ``vector_to_parameters``) views it again;
+* on simulated ranks a template whose shard got new storage (``p.data = ...``,
+  ``vector_to_parameters``, an optimizer assigning ``.data``) views it again, and the
+  module's attributes gathered from the old storage are dropped (they read the template);
+  a gradient reaching a template (a loss term on ``model.parameters()`` outside forward)
+  raises: it would not reach the shards (:mod:`.fsdp_dist_views`);
 * on torch.distributed the templates (``model.named_parameters()``) hold the values at
   wrapping and the module's attributes (``wb.dist_parameters(model)``) the copies the
   last forward gathered; an optimizer step over the shards gathers the parameters again
@@ -256,12 +258,11 @@ register_optimizer_step_post_hook(_refresh_after_step)
 def _relink_after_step(optimizer, args, kwargs) -> None:
     """After any ``torch.optim`` step over simulated ZeRO-3 shards: each stepped shard's
     template a view of it again where the step replaced its storage (``p.data = ...``;
-    :func:`.fsdp_dist_views.relink`, no copy where it still is one), and the module's
-    attributes (the copies the last forward gathered, every place of a tied weight) back
-    to the template (``_parameters``'): outside forward ``module.weight`` is the module's
-    parameter, as FSDP2's sharded parameter outside forward (``fully_shard``'s own
-    attributes read the shards, :mod:`.fully_shard_attrs`).  A global step post-hook, as
-    :func:`_refresh_after_step`; nothing gathered, nothing traced."""
+    :func:`.fsdp_dist_views.relink`, nothing done where it still is one).  The module's
+    attributes, the copies the last forward gathered, are views of the shards too (with
+    autograd to them: a loss term on ``module.weight`` gives the shard its gradient), so
+    they stay.  A global step post-hook, as :func:`_refresh_after_step`; nothing gathered,
+    nothing traced."""
     todo = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -271,9 +272,6 @@ def _relink_after_step(optimizer, args, kwargs) -> None:
     for fsdp, idx in todo.values():
         for i in sorted(idx):
             relink(fsdp, i)
-            for mod, attr in fsdp._places[i]:   # the gathered copy off: _parameters'
-                if "_wb_fs_attrs" not in mod.__dict__:
-                    mod.__dict__.pop(attr, None)
 
 
 register_optimizer_step_post_hook(_relink_after_step)

@@ -78,10 +78,26 @@ def view_template(tmpl, shard: torch.Tensor, axis: int, name: str) -> None:
     nd = shard.dim() - 1
     loc = _view(shard, axis, t.shape[nd:])
     loc.requires_grad_(t.requires_grad)
+    loc.register_post_accumulate_grad_hook(_refuse_grad(name))
     for k in _MARKS:
         if hasattr(t, k):
             setattr(loc, k, getattr(t, k))
     tmpl._local = loc
+
+
+def _refuse_grad(name: str):
+    """A gradient accumulated into a template (a loss term on ``model.parameters()``
+    outside forward: the template is a leaf, its storage the shard's, its autograd not)
+    would never reach the shard an optimizer steps: raise rather than drop it."""
+    def hook(t):
+        t.grad = None
+        raise RuntimeError(
+            f"a gradient reached {name} as the module holds it (ZeRO-3's template of the "
+            "parameter, whose values live in the wrapper's flat shards): it would not reach "
+            "the shards the optimizer steps.  Build the loss term in the forward, or on the "
+            "module's attribute after a forward (module.weight: the gathered copy, whose "
+            "gradient reaches the shards)")
+    return hook
 
 
 def is_view(tmpl, shard: torch.Tensor) -> bool:
@@ -102,3 +118,6 @@ def relink(fsdp, i: int) -> None:
         with torch._C.DisableTorchFunctionSubclass():    # not this hook again
             shard.data = dp_minor(shard.detach(), fsdp.axis)
     view_template(tmpl, shard, fsdp.axis, fsdp.names[i])
+    for mod, attr in fsdp._places[i]:   # a forward's gathered copy viewed the old storage
+        if "_wb_fs_attrs" not in mod.__dict__:      # (fully_shard's attributes gather)
+            mod.__dict__.pop(attr, None)
