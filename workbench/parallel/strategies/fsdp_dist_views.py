@@ -77,8 +77,9 @@ def view_template(tmpl, shard: torch.Tensor, axis: int, name: str) -> None:
     (t,) = old
     nd = shard.dim() - 1
     loc = _view(shard, axis, t.shape[nd:])
-    loc.requires_grad_(t.requires_grad)
+    loc.requires_grad_(True)            # (a hook needs it; it stays when frozen after)
     loc.register_post_accumulate_grad_hook(_refuse_grad(name))
+    loc.requires_grad_(t.requires_grad)
     for k in _MARKS:
         if hasattr(t, k):
             setattr(loc, k, getattr(t, k))
