@@ -44,7 +44,10 @@ The shards are ``nn.Parameter``s under the module's own qualified names
 (:meth:`DistTensorFSDP.named_parameters`, a tied weight one shard), laid out as the
 plain-module FSDP's (:mod:`.flat_shards`), so any ``torch.optim`` optimizer steps them
 (elementwise ones exactly as on one device); call :meth:`finish_gradient_synchronization`
-before its ``step()`` so the clock counts the reduce-scatters as waited for.
+before its ``step()`` so the clock counts the reduce-scatters as waited for.  On simulated
+ranks each shard is stored with the dp chunks of every tensor-parallel coordinate side by
+side, and the module's own DistTensor parameters are views of it
+(:mod:`.fsdp_dist_views`): ``model.named_parameters()`` reads the values stepped last.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
+from .fsdp_dist_views import dp_minor, view_template
 from .fsdp_dist_habits import install_habits
 from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
@@ -132,13 +136,24 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             if not p.placements[self.axis].is_replicate():
                 raise ValueError(f"{qname} is {p.placements[self.axis]} on the dp dim; "
                                  "FullyShardedDataParallel shards parameters replicated there")
+            if not isinstance(p._local, torch.Tensor):
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel over DistTensor parameters: {qname} (shape "
+                    f"{tuple(p.shape)}, {[str(q) for q in p.placements]} on {mesh}) has "
+                    "uneven tensor-parallel shards (torch.chunk sizes differ), which the flat "
+                    "dp shards are not built for; choose sizes divisible by the tp degree")
             loc = p._local.detach()
             if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
                 loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
+            chunk = self.chunk_of(loc)
+            if not _B.is_distributed(mesh):     # stored so the template can view it
+                chunk = dp_minor(chunk, self.axis)
             # the shard is the leaf an optimizer steps (frozen stays frozen)
-            shard = laid_out(self.chunk_of(loc), p.requires_grad,
+            shard = laid_out(chunk, p.requires_grad,
                              f"it holds each dp rank's flat chunk of {qname}'s local shards "
                              f"(the {tuple(p.shape)} DistTensor)")
+            if not _B.is_distributed(mesh):     # the module's parameter: the shards' value
+                view_template(p, shard, self.axis, qname)
             step_clock.hold([shard], mesh.ranks, mesh.ndim)          # an optimizer's step over it: on the clock
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)
@@ -196,7 +211,16 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         # dp-sharded batch gives the copy an expand_replicas (an all-reduce in backward) on
         # top of the gather's reduce-scatter, and every gradient came out dp times too big
         _B.tag(full, (self.axis,))
+        full._wb_stale = self._gathered_message()
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
+
+    def _gathered_message(self) -> str:
+        # what an in-place write to a gathered copy (a module's attribute from its forward
+        # to the optimizer step) raises (parallel/inplace.py reads ``_wb_stale``)
+        return (f"this DistTensor is the copy of a parameter that {type(self).__name__}'s "
+                "forward gathered from its flat shards; a write to it would not reach the "
+                "shards: initialize before wrapping, or load values with "
+                "module.load_state_dict (it cuts them into the shards)")
 
     # fully_shard's MixedPrecisionPolicy over DistTensors (:mod:`.fully_shard_tp`): the
     # dtype a forward gathers and computes in, and the one gradients are reduced in
@@ -228,6 +252,7 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         full = full.expand(tuple(lead) + local)
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
+        full._wb_stale = self._gathered_message()
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------

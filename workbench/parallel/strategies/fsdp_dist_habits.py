@@ -2,9 +2,11 @@
 
 :class:`.fsdp_dist.DistTensorFSDP` (and ``Zero3``) moves each DistTensor parameter into
 flat shards (the ``nn.Parameter`` s an optimizer steps); the module's ``_parameters`` keep
-the DistTensors ``wb.parallelize`` made, as templates (placements, shapes) that stop
-tracking the trained values.  What a user calls on the module itself must not read those
-stale templates silently, so :func:`install_habits` makes:
+the DistTensors ``wb.parallelize`` made, as templates (placements, shapes).  On simulated
+ranks a template's storage is a view of its shard (:mod:`.fsdp_dist_views`), so it reads
+the values the optimizer wrote last; under torch.distributed it is a copy, refreshed
+after each step (below).  What a user calls on the module itself must reach the shards,
+so :func:`install_habits` makes:
 
 * ``module.state_dict()`` (and ``fsdp.state_dict()``): each parameter a DistTensor of the
   template's placements gathered from the shards now (FSDP2's ``state_dict()`` gives its
@@ -15,9 +17,17 @@ stale templates silently, so :func:`install_habits` makes:
 * ``module.zero_grad()`` / ``requires_grad_()``: the shards' gradients and flags
   (:class:`~workbench.parallel.module_state.ParallelModule` reads ``_wb_shards``);
   ``module.to(dtype)`` raises (the shards would stay as they are);
-* each template's storage tensors carry ``_wb_stale`` (a message): an in-place write to
-  the template (``nn.init`` on ``module.weight`` after wrapping) would not reach the
-  shards, so DistTensor's in-place writes should refuse it (``parallel/inplace.py``);
+* each template's storage tensors carry ``_wb_stale`` (a message), as do the copies a
+  forward gathers (a module's attribute until the optimizer step,
+  :meth:`.fsdp_dist.DistTensorFSDP._gather`): an in-place write to either (``nn.init``
+  on ``module.weight`` after wrapping) is not built (it would not reach the shards under
+  torch.distributed, nor from a gathered copy), so DistTensor's in-place writes refuse it
+  (``parallel/inplace.py``);
+* on simulated ranks a template whose shard got new storage (``p.data = ...``,
+  ``vector_to_parameters``, an optimizer assigning ``.data``) views it again, and the
+  module's attributes gathered from the old storage are dropped (they read the template);
+  a gradient reaching a template (a loss term on ``model.parameters()`` outside forward)
+  raises: it would not reach the shards (:mod:`.fsdp_dist_views`);
 * on torch.distributed the templates (``model.named_parameters()``) hold the values at
   wrapping and the module's attributes (``wb.dist_parameters(model)``) the copies the
   last forward gathered; an optimizer step over the shards gathers the parameters again
@@ -33,6 +43,8 @@ stale templates silently, so :func:`install_habits` makes:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -41,6 +53,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
+from .fsdp_dist_views import VIEW_NOTE, relink
 from .rank_grads import as_replica_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
@@ -50,8 +63,8 @@ def _clip_message(fsdp) -> str:
     who = "Zero3" if type(fsdp).__name__ == "Zero3" else "FullyShardedDataParallel"
     var = "zero3" if who == "Zero3" else "fsdp"
     return (f"{who} keeps this parameter's values and gradient in its flat shards; the "
-            "module's DistTensor is only its layout (its value at wrapping, no gradient), "
-            "so clipping it would do nothing.  Clip the shards: "
+            "module's DistTensor is its layout and value with no gradient, so clipping it "
+            "would do nothing.  Clip the shards: "
             f"torch.nn.utils.clip_grad_norm_({var}.parameters(), max_norm)")
 
 
@@ -122,9 +135,9 @@ def module_shaped_optimizer_states(fsdp) -> None:
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
     stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
-             "into flat shards (its value at wrapping); a write to it would not reach the "
-             "shards the forward reads: initialize before wrapping, or load values with "
-             "module.load_state_dict (it cuts them into the shards)")
+             "into flat shards (it reads their values; an in-place write to it is not built, "
+             "it would not reach the shards the forward reads): initialize before wrapping, "
+             "or load values with module.load_state_dict (it cuts them into the shards)")
     for _, _, tmpl, shard in fsdp.entries:
         for t in storage.tensors(tmpl._local):
             t._wb_clip_refuse = msg
@@ -135,9 +148,13 @@ def install_habits(fsdp) -> None:
             t._wb_on_requires_grad = shard.requires_grad_
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
-    if not fsdp.async_:                 # torch.distributed: the gathered copies go stale
-        for i, (_, _, _, shard) in enumerate(fsdp.entries):
+    for i, (_, _, _, shard) in enumerate(fsdp.entries):
+        if not fsdp.async_:             # torch.distributed: the gathered copies go stale
             shard._wb_refresh = (fsdp, i)
+        else:                           # simulated: the templates view the shards
+            shard._wb_relink = (fsdp, i)
+            shard._wb_on_data_set = functools.partial(relink, fsdp, i)
+            shard._wb_view_note = VIEW_NOTE
     for m in fsdp.module.modules():
         items = fsdp._by_mod.get(id(m))
         if not items:
@@ -189,6 +206,8 @@ def _cut(fsdp, i: int, value) -> None:
     if err:
         raise RuntimeError(err)
     shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
+    if fsdp.async_:
+        relink(fsdp, i)
 
 
 def _load_hooks(fsdp, items):
@@ -209,6 +228,8 @@ def _load_hooks(fsdp, items):
         for _, i in todo:
             tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
             shard.copy_(fsdp.chunk_of(storage.tensors(tmpl._local)[0].detach()))
+            if fsdp.async_:
+                relink(fsdp, i)
         todo.clear()
     return pre, post
 
@@ -241,3 +262,26 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_refresh_after_step)
+
+
+@torch.no_grad()
+def _relink_after_step(optimizer, args, kwargs) -> None:
+    """After any ``torch.optim`` step over simulated ZeRO-3 shards: each stepped shard's
+    template a view of it again where the step replaced its storage (``p.data = ...``;
+    :func:`.fsdp_dist_views.relink`, nothing done where it still is one).  The module's
+    attributes, the copies the last forward gathered, are views of the shards too (with
+    autograd to them: a loss term on ``module.weight`` gives the shard its gradient), so
+    they stay.  A global step post-hook, as :func:`_refresh_after_step`; nothing gathered,
+    nothing traced."""
+    todo = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "_wb_relink", None)
+            if ref is not None:
+                todo.setdefault(id(ref[0]), (ref[0], set()))[1].add(ref[1])
+    for fsdp, idx in todo.values():
+        for i in sorted(idx):
+            relink(fsdp, i)
+
+
+register_optimizer_step_post_hook(_relink_after_step)

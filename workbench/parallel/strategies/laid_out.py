@@ -49,6 +49,7 @@ from .replica_writes import after_write, before_write, handed_out
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
 
 _T = torch.Tensor
+_DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
 _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
             _T.log_normal_, _T.geometric_, _T.random_, init.uniform_, init.normal_,
             init.kaiming_uniform_}
@@ -93,15 +94,26 @@ class LaidOutParameter(nn.Parameter):
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
-        if isinstance(p, LaidOutParameter) and _in_place(func):
+        written = isinstance(p, LaidOutParameter) and _in_place(func)
+        if written:
             before_write(p)             # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
+        try:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
+        except RuntimeError as e:
+            note = getattr(args[0], "_wb_view_note", None) if args and func is _T.view \
+                else None
+            if note is None:
+                raise
+            raise RuntimeError(f"{e}  ({note})") from None
+        if written:
             after_write(p)              # the rows now, written alike: what is seen (DDP)
-            return out
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        if func == _DATA_SET and args and isinstance(args[0], LaidOutParameter):
+            after = getattr(args[0], "_wb_on_data_set", None)   # p.data = t: new storage
+            if after is not None:       # (fsdp_dist_views: the module's view follows it)
+                after()
+        return out
 
 
 def _one_draw(func, p, args, kwargs):
