@@ -155,7 +155,11 @@ def test_zero_at_one_data_parallel_rank_is_listed_once():
                     a.details["optimizer"] - b.details["optimizer"], abs=1e-12)
                 assert abs(a.step_time - b.step_time) < 1e-3 * b.step_time
             else:
-                assert (a.step_time, a.assumptions()) == (b.step_time, b.assumptions())
+                # the same estimate; the framework line names the stage it was asked for
+                # (frameworks.assumptions: only ZeRO-3 says it gathers module by module)
+                assert (a.step_time, a.assumptions()[1:]) == (b.step_time, b.assumptions()[1:])
+                assert a.assumptions()[0].split(", ZeRO")[0] == \
+                    b.assumptions()[0].split(", ZeRO")[0]
     r = search(LLAMA, cl, global_batch=8, top=10 ** 6)
     rows = [(lay.replace(zero=0), lay.engine) for lay, _ in r if lay.dp * lay.cp == 1]
     assert rows and len(rows) == len(set(rows))
