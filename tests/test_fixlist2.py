@@ -147,23 +147,13 @@ import json                                                                 # no
 import os                                                                   # noqa: E402
 import sys                                                                  # noqa: E402
 
-from torch import nn                                                        # noqa: E402
 
 from tests.torchrun_support import json_rows, run_job                       # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = (nn.Linear(4, 4).double(), nn.Linear(4, 4).double(),
-                                  nn.Linear(4, 2).double())
-
-    def forward(self, x, skip_b=False):
-        y = torch.tanh(self.a(x))
-        return self.c(y if skip_b else torch.tanh(self.b(y)))
+from tests.test_review_revI import Net                                      # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["plain", "plain_bucket_bytes", "disttensor"])
