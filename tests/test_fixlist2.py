@@ -147,7 +147,6 @@ import json                                                                 # no
 import os                                                                   # noqa: E402
 import sys                                                                  # noqa: E402
 
-
 from tests.torchrun_support import json_rows, run_job                       # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
