@@ -212,6 +212,8 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         # top of the gather's reduce-scatter, and every gradient came out dp times too big
         _B.tag(full, (self.axis,))
         full._wb_stale = self._gathered_message()
+        full._wb_on_requires_grad = tmpl.requires_grad_     # (as in _gather_math)
+        full._wb_data_of = tmpl
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
 
     def _gathered_message(self) -> str:
@@ -253,6 +255,13 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
         full._wb_stale = self._gathered_message()
+        # module.weight.requires_grad_(False) after a forward (the attribute is this copy
+        # until the next one): the parameter frozen, and through its hook the shard the
+        # optimizer steps (the copy alone was: the parameter went on training)
+        full._wb_on_requires_grad = tmpl.requires_grad_
+        # its .data is the parameter's (habits._get_data): module.weight.data.mul_(2)
+        # after a forward wrote a throwaway copy (the training never saw it)
+        full._wb_data_of = tmpl
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------

@@ -1,0 +1,66 @@
+"""Review of the z3tp / tpoptstate merges (ZeRO-3 / FSDP over DistTensors beside tensor
+parallelism), held to a plain single-device torch model: freezing a parameter through
+the module's attribute after a forward, and ``.data =`` on the module's parameter."""
+import pytest
+import torch
+
+from tests.test_z3tp import assert_reads, reference, step, wrapped
+
+
+@pytest.mark.parametrize("dims", [(2, 2), (3, 2)], ids=["dp2-tp2", "dp3-tp2-padded"])
+def test_freezing_the_modules_attribute_after_a_forward_freezes_the_shard(dims):
+    # after a forward model[0].bias is the copy the forward gathered (until the next
+    # one): requires_grad_(False) on it left the shard training (the bias went on
+    # moving, every later value off torch's)
+    model, w, opt, mesh, pl = wrapped("fsdp", dims)
+    ref, ropt = reference()
+    step(w, opt, mesh, pl, ref, ropt, 0)
+    model[0].bias.requires_grad_(False)
+    ref[0].bias.requires_grad_(False)
+    assert [p.requires_grad for p in w.parameters()] == [True, False, True, True]
+    assert [p.requires_grad for p in model.parameters()] == [True, False, True, True]
+    frozen = ref[0].bias.detach().clone()
+    for k in (1, 2):
+        step(w, opt, mesh, pl, ref, ropt, k)
+        assert_reads(model, ref, f"frozen bias, step {k + 1}")
+    torch.testing.assert_close(ref[0].bias.detach(), frozen)
+    sd, rsd = opt.state_dict(), ropt.state_dict()
+    for i, st in rsd["state"].items():
+        for key, v in st.items():
+            torch.testing.assert_close(sd["state"][i][key], v, msg=f"{i} {key}")
+
+
+@pytest.mark.parametrize("via", ["named_parameters", "attribute after forward"])
+def test_assigning_data_to_the_modules_parameter_raises_and_changes_nothing(via):
+    # model.<p>.data = ... replaced the template's storage only: the module's
+    # parameters read the new values while the shards (forward, state_dict, optimizer)
+    # kept the old ones, silently
+    model, w, opt, mesh, pl = wrapped("fsdp")
+    ref, ropt = reference()
+    if via != "named_parameters":
+        step(w, opt, mesh, pl, ref, ropt, 0)
+    p = dict(model.named_parameters())["0.weight"] if via == "named_parameters" \
+        else model[0].weight
+    with pytest.raises(RuntimeError, match=r"DistTensor\.data = .*shards.*load_state_dict"):
+        with torch.no_grad():
+            p.data = p.data * 2
+    assert_reads(model, ref, "after the refused assignment")
+    step(w, opt, mesh, pl, ref, ropt, 3)
+    assert_reads(model, ref, "and a step")
+
+
+@pytest.mark.parametrize("dims", [(2, 2), (3, 2)], ids=["dp2-tp2", "dp3-tp2-padded"])
+def test_writing_the_attributes_data_after_a_forward_reaches_the_shards(dims):
+    # model[0].weight.data.mul_(2) after a forward (the attribute: the gathered copy, a
+    # stride-0 expand that .data cloned) wrote a throwaway clone: the training and every
+    # read kept the old values.  Through named_parameters() it already worked.
+    model, w, opt, mesh, pl = wrapped("fsdp", dims)
+    ref, ropt = reference()
+    step(w, opt, mesh, pl, ref, ropt, 0)
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)
+        ref[0].weight.data.mul_(2)
+    assert_reads(model, ref, "after .data.mul_")
+    for k in (1, 2):
+        step(w, opt, mesh, pl, ref, ropt, k)
+        assert_reads(model, ref, f"and step {k + 1}")
