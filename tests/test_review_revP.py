@@ -4,15 +4,17 @@ the module's attribute after a forward, and ``.data =`` on the module's paramete
 import pytest
 import torch
 
+import workbench as wb
 from tests.test_z3tp import assert_reads, reference, step, wrapped
 
 
-@pytest.mark.parametrize("dims", [(2, 2), (3, 2)], ids=["dp2-tp2", "dp3-tp2-padded"])
-def test_freezing_the_modules_attribute_after_a_forward_freezes_the_shard(dims):
+@pytest.mark.parametrize("kind,dims", [("fsdp", (2, 2)), ("fsdp", (3, 2)), ("zero3", (2, 2))],
+                         ids=["dp2-tp2", "dp3-tp2-padded", "zero3-dp2-tp2"])
+def test_freezing_the_modules_attribute_after_a_forward_freezes_the_shard(kind, dims):
     # after a forward model[0].bias is the copy the forward gathered (until the next
     # one): requires_grad_(False) on it left the shard training (the bias went on
     # moving, every later value off torch's)
-    model, w, opt, mesh, pl = wrapped("fsdp", dims)
+    model, w, opt, mesh, pl = wrapped(kind, dims)
     ref, ropt = reference()
     step(w, opt, mesh, pl, ref, ropt, 0)
     model[0].bias.requires_grad_(False)
@@ -24,6 +26,8 @@ def test_freezing_the_modules_attribute_after_a_forward_freezes_the_shard(dims):
         step(w, opt, mesh, pl, ref, ropt, k)
         assert_reads(model, ref, f"frozen bias, step {k + 1}")
     torch.testing.assert_close(ref[0].bias.detach(), frozen)
+    if opt is None:
+        return
     sd, rsd = opt.state_dict(), ropt.state_dict()
     for i, st in rsd["state"].items():
         for key, v in st.items():
@@ -64,3 +68,27 @@ def test_writing_the_attributes_data_after_a_forward_reaches_the_shards(dims):
     for k in (1, 2):
         step(w, opt, mesh, pl, ref, ropt, k)
         assert_reads(model, ref, f"and step {k + 1}")
+
+
+def test_fully_shard_attribute_outside_forward_frozen_freezes_the_shard():
+    # fully_shard after TP: module.weight read outside a forward is a fresh gathered
+    # clone; requires_grad_(False) on it froze the clone only (the shard trained on:
+    # blocks.0.up.weight off torch's at the next step, every parameter after two)
+    from tests.test_audit_tp_fsdp import _loss
+    from tests.test_fully_shard import batches, tp_model, wrap_tp_fsdp
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m, ref = wrap_tp_fsdp(tp_model(), mesh), tp_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for k, (ids, y) in enumerate(batches(k=3)):
+        for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+            o.zero_grad()
+            _loss(model, me, ids, y).backward()
+            o.step()
+        if k == 0:
+            m.blocks[0].up.weight.requires_grad_(False)
+            ref.blocks[0].up.weight.requires_grad_(False)
+            assert not dict(m.named_parameters())["blocks.0.up.weight"].requires_grad
+        want = dict(ref.named_parameters())
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), want[n].detach(), msg=f"{k} {n}")
