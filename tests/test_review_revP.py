@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.test_z3tp import assert_reads, reference, step, wrapped
+from tests.test_z3tp import assert_reads, data, reference, step, wrapped
 
 
 @pytest.mark.parametrize("kind,dims", [("fsdp", (2, 2)), ("fsdp", (3, 2)), ("zero3", (2, 2))],
@@ -92,3 +92,28 @@ def test_fully_shard_attribute_outside_forward_frozen_freezes_the_shard():
         want = dict(ref.named_parameters())
         for n, p in m.named_parameters():
             torch.testing.assert_close(p.full_tensor(), want[n].detach(), msg=f"{k} {n}")
+
+
+def test_clipping_the_attributes_after_a_forward_raises_instead_of_doing_nothing():
+    # clip_grad_norm_ over [model[0].weight, ...] after a backward (the gathered copies,
+    # which hold no gradient) returned 0 and clipped nothing; the templates
+    # (model.parameters()) already raised.  torch clips the module's gradients.
+    from tests.test_audit_tp_fsdp import _loss
+    from tests.test_fully_shard import batches, tp_model, wrap_tp_fsdp
+    model, w, opt, mesh, pl = wrapped("fsdp")
+    x, y = data(0)
+    ((w(wb.shard_tensor(x, mesh, pl)) - wb.shard_tensor(y, mesh, pl)) ** 2).mean().backward()
+    w.finish_gradient_synchronization()
+    before = [p.grad.clone() for p in w.parameters()]
+    attrs = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    for ps in (attrs, model.parameters()):
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(fsdp\.parameters\(\)"):
+            torch.nn.utils.clip_grad_norm_(ps, 1e-3)
+    assert all(torch.equal(p.grad, b) for p, b in zip(w.parameters(), before))
+    # fully_shard after TP: an attribute read outside the forward
+    fmesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = wrap_tp_fsdp(tp_model(), fmesh)
+    ids, yy = next(iter(batches(k=1)))
+    _loss(m, fmesh, ids, yy).backward()
+    with pytest.raises(RuntimeError, match=r"flat shards"):
+        torch.nn.utils.clip_grad_norm_([m.blocks[0].up.weight], 1e-3)
