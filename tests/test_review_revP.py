@@ -117,3 +117,22 @@ def test_clipping_the_attributes_after_a_forward_raises_instead_of_doing_nothing
     _loss(m, fmesh, ids, yy).backward()
     with pytest.raises(RuntimeError, match=r"flat shards"):
         torch.nn.utils.clip_grad_norm_([m.blocks[0].up.weight], 1e-3)
+
+
+@pytest.mark.slow
+def test_torchrun_2x2_fsdp_data_writes_raise_and_freezing_the_attribute_freezes():
+    # under torch.distributed the template has its own storage and a step sets the
+    # module's attribute to a fresh gathered clone: model.<p>.data.mul_(2) (through
+    # named_parameters or the attribute) was silently lost (blocks.0.up.weight 0.457 off
+    # one device's after the next step), and requires_grad_(False) on the attribute
+    # froze the clone only (the weight 0.0101 off).  Now the write raises, the freeze
+    # reaches the shard.
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(4, "review_revP_check.py", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["how"]: r["result"] for r in json_rows(out.stdout)}
+    assert list(rows) == ["named", "attribute", "freeze attribute"]
+    for how in ("named", "attribute"):
+        assert isinstance(rows[how], str) and rows[how].startswith("raised: mul_: ") and \
+            "would not reach the shards" in rows[how], rows[how]
+    assert rows["freeze attribute"] == {}

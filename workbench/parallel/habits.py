@@ -81,8 +81,15 @@ def _get_data(self) -> DistTensor:
         if keep_leaf:
             loc = storage.map_tensors(loc, lambda t: t.detach().requires_grad_())
         self._local = loc
-    loc = storage.map_tensors(self._local, lambda t: t.detach())
+    loc = storage.map_tensors(self._local, lambda t: _alias(t))
     return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    out = t.detach()
+    if t.__dict__.get("_wb_data_stale"):        # a torch.distributed ZeRO-3 template: its
+        out._wb_stale = t._wb_stale             # storage is not the shards' (writes raise)
+    return out
 
 
 def _set_data(self, value) -> None:
