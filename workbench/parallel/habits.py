@@ -69,6 +69,10 @@ def _array(self, dtype=None, copy=None):
 def _get_data(self) -> DistTensor:
     """A detached alias (as ``Tensor.data``): writes into it reach ``self``."""
     from .inplace import _writable
+    for t in storage.tensors(self._local):
+        of = getattr(t, "_wb_data_of", None)    # a ZeRO-3 forward's gathered copy: the
+        if of is not None:                      # parameter's data (fsdp_dist._gather)
+            return _get_data(of)
     if not _writable(self._local):
         # several elements share one memory location (a stride-0 copy): give self its
         # own memory first, so that the alias can be written
@@ -77,8 +81,15 @@ def _get_data(self) -> DistTensor:
         if keep_leaf:
             loc = storage.map_tensors(loc, lambda t: t.detach().requires_grad_())
         self._local = loc
-    loc = storage.map_tensors(self._local, lambda t: t.detach())
+    loc = storage.map_tensors(self._local, lambda t: _alias(t))
     return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    out = t.detach()
+    if t.__dict__.get("_wb_data_stale"):        # a torch.distributed ZeRO-3 template: its
+        out._wb_stale = t._wb_stale             # storage is not the shards' (writes raise)
+    return out
 
 
 def _set_data(self, value) -> None:
@@ -88,6 +99,10 @@ def _set_data(self, value) -> None:
         raise TypeError(f"DistTensor.data = {type(value).__name__}: give a DistTensor (its data "
                         "is laid out over ranks), e.g. d.data = wb.shard_tensor(t, d.mesh, "
                         "d.placements), or write values with d.copy_(t)")
+    for t in storage.tensors(self._local):
+        stale = getattr(t, "_wb_stale", None)   # a ZeRO-3 template or gathered copy
+        if stale:                               # (fsdp_dist_habits): new data would not
+            raise RuntimeError(f"DistTensor.data = ...: {stale}")   # reach the shards
     keep = self.requires_grad
     loc = storage.map_tensors(value._local, lambda t: t.detach())
     if keep:

@@ -58,7 +58,7 @@ from torch import nn
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
-from .. import step_clock
+from .. import step_clock, storage
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
@@ -212,6 +212,9 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         # top of the gather's reduce-scatter, and every gradient came out dp times too big
         _B.tag(full, (self.axis,))
         full._wb_stale = self._gathered_message()
+        full._wb_on_requires_grad = tmpl.requires_grad_     # (as in _gather_math)
+        full._wb_data_of = tmpl
+        _refuse_clip_as(full, tmpl)
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, tmpl.dtype)
 
     def _gathered_message(self) -> str:
@@ -253,6 +256,14 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
         full._wb_stale = self._gathered_message()
+        # module.weight.requires_grad_(False) after a forward (the attribute is this copy
+        # until the next one): the parameter frozen, and through its hook the shard the
+        # optimizer steps (the copy alone was: the parameter went on training)
+        full._wb_on_requires_grad = tmpl.requires_grad_
+        # its .data is the parameter's (habits._get_data): module.weight.data.mul_(2)
+        # after a forward wrote a throwaway copy (the training never saw it)
+        full._wb_data_of = tmpl
+        _refuse_clip_as(full, tmpl)
         return DistTensor(full, mesh, tmpl.placements, tmpl.shape, full.dtype)
 
     # ---- the optimizer: the shards are the parameters --------------------------------------
@@ -363,3 +374,14 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
     def extra_repr(self) -> str:
         return (f"{type(self.module).__name__}, DistTensor parameters on {self.mesh}, "
                 f"dp={self.n}, prefetch_numel={self.prefetch_numel}")
+
+
+def _refuse_clip_as(t: torch.Tensor, tmpl: DistTensor) -> None:
+    """A gathered copy (the module's attribute after a forward) holds no gradient, as its
+    template: clip_grad_norm_ over the attributes gave 0 and clipped nothing; now it
+    raises the template's message (clip the shards)."""
+    for s in storage.tensors(tmpl._local):
+        msg = getattr(s, "_wb_clip_refuse", None)
+        if msg:
+            t._wb_clip_refuse = msg
+            return

@@ -146,6 +146,8 @@ def install_habits(fsdp) -> None:
             # its shard, the leaf the optimizer steps, frozen too (it was not: the
             # frozen parameter went on training)
             t._wb_on_requires_grad = shard.requires_grad_
+            if not fsdp.async_:         # its own storage: a write through .data would not
+                t._wb_data_stale = True     # reach the shards (habits._get_data refuses)
         if not fsdp.async_ and shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
     for i, (_, _, _, shard) in enumerate(fsdp.entries):
@@ -257,6 +259,12 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
                                    "not fit its template's storage")
             for a, b in zip(mine, theirs):      # model.named_parameters(): the templates
                 a.detach().copy_(b)
+                # the attribute below answers as the forward's gathered copy does
+                # (fsdp_dist._gather): its flag, .data and clipping the parameter's
+                b._wb_stale = fsdp._gathered_message()
+                b._wb_on_requires_grad, b._wb_data_of = tmpl.requires_grad_, tmpl
+                if getattr(a, "_wb_clip_refuse", None):
+                    b._wb_clip_refuse = a._wb_clip_refuse
             for mod, attr in fsdp._places[i]:   # wb.dist_parameters: the attributes
                 object.__setattr__(mod, attr, fresh)
 

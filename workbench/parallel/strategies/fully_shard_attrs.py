@@ -63,6 +63,11 @@ class _ShardedAttr:
         g = fsdp._gather(fsdp.entries[i][2], shard)
         # its own storage (the gather may be a view of the shard's, which a step moves)
         value = type(g)(g._local.clone(), g.mesh, g.placements, g.shape, g.dtype)
+        # value.requires_grad_(False) freezes the parameter and its shard (the clone lost
+        # the gather's hook, and the shard went on training: test_review_revP)
+        value._local._wb_on_requires_grad = fsdp.entries[i][2].requires_grad_
+        if getattr(g._local, "_wb_clip_refuse", None):  # no gradient: clip the shards
+            value._local._wb_clip_refuse = g._local._wb_clip_refuse
         # a write into it (nn.init after fully_shard, p.mul_(2)) reaches the shards before
         # the next forward, state dict or optimizer step, as a state_dict() copy's
         return mark(value, lambda v, fsdp=fsdp, i=i: _cut(fsdp, i, v), source=shard)
