@@ -62,6 +62,8 @@ __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 def _clip_message(fsdp) -> str:
     who = "Zero3" if type(fsdp).__name__ == "Zero3" else "FullyShardedDataParallel"
     var = "zero3" if who == "Zero3" else "fsdp"
+    if getattr(fsdp.module, "_wb_fully_shard", None) is not None:
+        who, var = "fully_shard", "model"   # its parameters() are the model's own (FSDP2)
     return (f"{who} keeps this parameter's values and gradient in its flat shards; the "
             "module's DistTensor is its layout and value with no gradient, so clipping it "
             "would do nothing.  Clip the shards: "
