@@ -70,6 +70,25 @@ def test_like_one_device_catches_a_model_that_differs_per_rank():
         wb.exercises.check_like_one_device(Noisy)
 
 
+def test_ddp_bytes_without_the_model_says_so():
+    # found in the browser: check_ddp_bytes(grad_bytes) showed a TypeError traceback
+    # through the checker (feedback.py) instead of a message
+    wb.exercises.reset_tries()
+    with pytest.raises(CheckError, match="pass the model too"):
+        wb.exercises.check_ddp_bytes(RIGHT)
+
+
+def test_like_one_device_names_rows_mixed_across_the_batch():
+    # found in the browser: a forward that mixes the batch's rows (x - x.mean(0)) was told
+    # only "is your forward deterministic (no dropout)?", which it is
+    class Centered(Tiny):
+        def forward(self, ids):
+            x = self.tok[ids]                                  # (B, T, W)
+            return (x - x.mean(0)) @ self.tok.T                # mixes the rows of the batch
+    with pytest.raises(CheckError, match="differs from one device.*mix rows"):
+        wb.exercises.check_like_one_device(Centered)
+
+
 def test_ddp_bytes_without_a_formula_says_how_to_count():
     """Exercise 1 counts parameters; a wrong count that matches no known mistake is told
     how to count, not to "compare each factor with the formula"."""

@@ -229,6 +229,20 @@ def test_hybrid_state_bytes(capsys):
     fails("should be a number", ex.check_hybrid_state_bytes, "300 kB")
 
 
+def test_hybrid_state_bytes_shows_the_answer_as_given_and_names_a_unit_slip():
+    # found in the browser: 315.52 (kB) read "your count is 316 B", 0.31552 (MB) "0 B", and
+    # neither was named as a unit slip; a wrong 315520.4 read as the right "315,520 B"
+    want = V0 * 10
+    fails(r"your count is 315\.52 B: 1,000 times too small: a unit slip",
+          ex.check_hybrid_state_bytes, want / 1e3)
+    fails(r"your count is 0\.31552 B: a million times too small: a unit slip",
+          ex.check_hybrid_state_bytes, want / 1e6)
+    fails(r"your count is 315,520\.4 B: count the values", ex.check_hybrid_state_bytes,
+          want + 0.4)
+    fails(r"your count is 315,520,000 B: 1,000 times too large", ex.check_hybrid_state_bytes,
+          want * 1e3)
+
+
 def test_best_layout(capsys):
     from workbench.recipes.hybrid import Hybrid
     # on the 910B's HCCS full mesh an all-reduce of the tiny model's gradients takes two
@@ -251,3 +265,13 @@ def test_best_layout(capsys):
     fails("must use all 8 ranks", ex.check_best_layout, (2, 2, 1))
     fails("as \\(dp, tp, pp\\)", ex.check_best_layout, (4, 2))
     fails("as \\(dp, tp, pp\\)", ex.check_best_layout, "fast")
+
+
+def test_best_layout_takes_three_ints_only(capsys):
+    # found in the browser: int() truncated (8.9, 1, 1) to the answer (8, 1, 1) and read the
+    # string "811" digit by digit: both passed
+    import numpy as np
+    for wrong in ((8.9, 1, 1), "811", (8.0, 1.0, 1.0), (True, 8, 1), ("8", "1", "1")):
+        fails("a tuple of three ints", ex.check_best_layout, wrong)
+    passes(capsys, ex.check_best_layout, [8, 1, 1])
+    passes(capsys, ex.check_best_layout, np.array([8, 1, 1]))

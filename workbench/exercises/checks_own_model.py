@@ -44,12 +44,16 @@ def _build(make_model) -> nn.Module:
 
 
 @exercise
-def check_ddp_bytes(answer, make_model, ranks: int = 4, vocab: int = 32, context: int = 16):
+def check_ddp_bytes(answer, make_model=None, ranks: int = 4, vocab: int = 32,
+                    context: int = 16):
     """Exercise 1: the bytes of gradients DDP all-reduces per step (buffer bytes, fp32).
 
     The expected value is counted by hand from the module's parameters (4 bytes per
     value of every distinct parameter that requires a gradient), not from the library;
     ``tests/test_exercises_own_model.py`` holds it to what DDP's trace records."""
+    if make_model is None:                      # not a TypeError through the checker
+        raise CheckError("pass the model too: check_ddp_bytes(grad_bytes, Counted), the "
+                         "class (or a function that builds it) whose gradients you counted")
     got = _number("answer", answer)
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
@@ -158,7 +162,9 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
         for name, want in ref.items():
             if not torch.allclose(results[kind][name], want, rtol=1e-5, atol=1e-6):
                 raise CheckError(f"under {kind}, {name} differs from one device's after "
-                                 f"{steps} steps; is your forward deterministic (no dropout)?")
+                                 f"{steps} steps: each rank sees only its own rows of the "
+                                 "batch; does your forward mix rows (a mean, a norm or a "
+                                 "softmax over dim 0), or draw random numbers?")
     _ok(f"{type(model).__name__} under DDP and FSDP on {ranks} ranks: one device's "
         f"parameters after {steps} AdamW steps; frozen {frozen} unchanged"
         + (f"; unused {unused}: DDP wrapped with find_unused_parameters=True, which torch's "

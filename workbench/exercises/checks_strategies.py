@@ -29,7 +29,7 @@ from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
-from .checks import _chunks, _hint, _number, _ok, _zero_bytes
+from .checks import _chunks, _hint, _number, _ok, _scale_slip, _zero_bytes
 from .feedback import CheckError, exercise
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
@@ -530,10 +530,15 @@ def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2,
                   "rest"))
     wrong.append((want / 4, "that is the number of fp32 values (weights, gradients, Adam's "
                   "m and v), not bytes: each value is 4 B"))
+    # a count of bytes is whole: show the answer as given (315.52 must not read "316 B")
+    shown = f"{got:,.0f}" if got == int(got) else f"{got:,}"
     for value, text in wrong:
         if math.isclose(got, value, rel_tol=1e-6):
-            raise CheckError(f"your count is {got:,.0f} B: {text}", expected=f"{want:,d} B")
-    raise CheckError(f"your count is {got:,.0f} B: count the values a "
+            raise CheckError(f"your count is {shown} B: {text}", expected=f"{want:,d} B")
+    slip = _scale_slip(got, want, 1e-6, share=False) if got else None
+    if slip:                                   # kB or MB given for bytes
+        raise CheckError(f"your count is {shown} B: {slip}", expected=f"{want:,d} B")
+    raise CheckError(f"your count is {shown} B: count the values a "
                      f"rank of stage {stage} holds (p.local(rank).numel() for its parameters), "
                      f"then 4 B weight + 4 B gradient + 8 B Adam per value; {_SPLITS[zero]} "
                      f"(dp={dp})", expected=f"{want:,d} B")
@@ -581,12 +586,21 @@ def check_best_layout(layout, preset: str = "tiny", batch: int = 8,
     from ..recipes.hybrid import Hybrid
     if isinstance(layout, Hybrid):
         layout = (layout.dp, layout.tp, layout.pp)
+    # three whole numbers: int() would truncate (8.9, 1, 1) to the answer and read the
+    # string "811" digit by digit
+    if isinstance(layout, (str, bytes)):
+        raise CheckError(f"give the layout as (dp, tp, pp), a tuple of three ints, got "
+                         f"{layout!r}")
     try:
-        got = tuple(int(v) for v in layout)
-    except (TypeError, ValueError):
+        items = list(layout)
+    except TypeError:
         raise CheckError(f"give the layout as (dp, tp, pp), got {layout!r}") from None
-    if len(got) != 3:
+    if len(items) != 3:
         raise CheckError(f"give the layout as (dp, tp, pp), got {layout!r}")
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items):
+        raise CheckError(f"give the layout as (dp, tp, pp), a tuple of three ints, got "
+                         f"{layout!r}")
+    got = tuple(int(v) for v in items)
     cfg = get_config(preset)
     if math.prod(got) != world:
         raise CheckError(f"dp x tp x pp = {math.prod(got)}; the layout must use all "
