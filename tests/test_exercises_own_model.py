@@ -78,6 +78,15 @@ def test_ddp_bytes_without_the_model_says_so():
         wb.exercises.check_ddp_bytes(RIGHT)
 
 
+def test_ddp_bytes_shows_the_answer_as_given():
+    # found in the browser: 15.552 (kB) read "your answer is 15.55 B" and a wrong
+    # 15552.0001 "1.555e+04 B", which reads as a round 15,550
+    for wrong, shown in ((RIGHT + 0.0001, "1,312.0001"), (10 * RIGHT + 0.5, "13,120.5")):
+        wb.exercises.reset_tries()
+        with pytest.raises(CheckError, match=f"your answer is {shown} B"):
+            wb.exercises.check_ddp_bytes(wrong, Tiny)
+
+
 def test_like_one_device_names_rows_mixed_across_the_batch():
     # found in the browser: a forward that mixes the batch's rows (x - x.mean(0)) was told
     # only "is your forward deterministic (no dropout)?", which it is

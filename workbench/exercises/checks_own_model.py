@@ -74,7 +74,8 @@ def check_ddp_bytes(answer, make_model=None, ranks: int = 4, vocab: int = 32,
             "that requires a gradient, once)")
         return
     tied_twice = every - (unique - want)             # tied counted twice, frozen left out
-    shown = f"{got:,.0f}" if got == int(got) else f"{got:.4g}"
+    # as given: 15.552 must not read "15.55 B", nor 15552.0001 "1.555e+04 B"
+    shown = f"{got:,.0f}" if got == int(got) else f"{got:,}"
     raise CheckError(f"your answer is {shown} B; " + _hint(got, want, [
         (unique, f"that counts the frozen {', '.join(frozen)} too: "
                  + ("it has no gradient, DDP skips it" if len(frozen) == 1 else
