@@ -182,6 +182,23 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   (one list all-gather per parameter, one list reduce-scatter per gradient, the
   synchronous reassembly) are in every release to v0.5.x (summer 2021), so the
   release the authors ran does not change this.
+  What NCCL 2.8.3 does at 48-280 nodes, read from its source (NVIDIA/nccl v2.8.3-1):
+  all_gather and reduce_scatter are rings only (src/graph/tuning.cc:117, the tree
+  priced for all_reduce alone), NCCL's bus bandwidth beyond two nodes is the graph's
+  inter-node speed x its channels whatever the node count (:120-121), only the ring
+  latency grows ((p - N) NVLink steps + (N - 1) network steps, :109-114, :152), and
+  the thread threshold that sheds channels for small operations (src/enqueue.cc:
+  307-311; NCCL_SIMPLE_THREAD_THRESHOLD 64 bytes a thread, src/include/comm.h:31, x the
+  rank count for LL only, tuning.cc:235) sheds none for the matrices (300 MB and up;
+  the biases, latency-bound, run on fewer): the clock prices all of this already.  A component measurement of ring all_gather /
+  reduce_scatter bus bandwidth on DGX A100s (or any 8 x HDR node) at tens to hundreds
+  of nodes was not found (NVIDIA/nccl and nccl-tests issues: few-node figures, 192 GB/s
+  all_reduce busbw on DGX A100s (nccl #812, node count not stated), an H100 user's
+  reduce_scatter falling 360 -> 260 GB/s from 4 to 128 nodes (nccl #1229, no size, no
+  A100); NVIDIA's DGX SuperPOD reference architecture and the Azure NDv4 notes as
+  stored here: no per-node-count table), so the network at that scale stays unpriced
+  and every estimate whose data-parallel group spans three nodes or more says so
+  (``nccl_tuning.scale_assumption``).
 
 Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed
@@ -396,7 +413,9 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
-                            "config ASSUMED",
+                            "config ASSUMED; NCCL across 48-280 nodes at its few-node "
+                            "per-NIC rate, no measurement at that scale found (UNCERTAIN: "
+                            "sim_mesh.nccl_tuning.scale_assumption)",
          "bloom": _bloom.NOTE,
          "torchtitan": _titan.NOTE,
          "mt_nlg": "figures quoted by a secondary source; bf16 as the paper's sec. 2.3 "

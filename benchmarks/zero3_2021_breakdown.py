@@ -11,7 +11,9 @@ beside the compute in the micro-batch), ``_post_step``'s gather of the persisten
 parameters, and the work behind them: the host's per-chunk loops (DeepSpeed's
 ``narrow`` loops, c10d's ``recordStream`` + ``copy_`` per chunk), the blocking releases,
 NCCL's seconds as the clock prices them (and their bus bandwidth), the gradient
-pre-division.  Work is not exposure: the loops of one collective overlap the NCCL
+pre-division.  ``nodes``: the nodes the data-parallel group spans (NCCL's bus bandwidth
+is priced alike at all of them: ``sim_mesh.nccl_tuning.scale_assumption``).  Work is
+not exposure: the loops of one collective overlap the NCCL
 time of another.  The last column is the published step less the predicted one.
 
 Nothing here feeds the planner; it shows where the predicted time goes (the loops
@@ -54,6 +56,7 @@ def breakdown(row) -> dict:
     w = sim["work"]
     published = est.step_time * r["ratio"]
     return dict(name=row["name"], gpus=row["devices"], mb=lay.micro_batch,
+                nodes=len({r // prof.devices_per_node for r in ranks}),
                 published=published, predicted=est.step_time, compute=sim["compute"],
                 exposed=sim["seconds"] - sim["compute"], post_step=post,
                 host_loops=w["ag_loop"] + w["rs_loop"] + w["record_copy"],
@@ -67,12 +70,13 @@ def main():
             "release", "nccl", "predivide", "busbw", "gap")
     print("narayanan_zero3 rows, seconds per step (busbw: GB/s of NCCL's all-gathers and "
           "reduce-scatters as the clock prices them)")
-    print(f"  {'row':10} {'GPUs':>5} {'mb':>3} " + " ".join(f"{c:>10}" for c in cols))
+    print(f"  {'row':10} {'GPUs':>5} {'nodes':>5} {'mb':>3} "
+          + " ".join(f"{c:>10}" for c in cols))
     for row in P.ROWS:
         if row["source"] != "narayanan_zero3":
             continue
         b = breakdown(row)
-        print(f"  {b['name']:10} {b['gpus']:5d} {b['mb']:3d} "
+        print(f"  {b['name']:10} {b['gpus']:5d} {b['nodes']:5d} {b['mb']:3d} "
               + " ".join(f"{b[c]:10.1f}" for c in cols))
 
 

@@ -23,6 +23,9 @@ SOURCE = {
             "{ .47, 1.9, 3.4 }, /* CollNet (LL/LL128/Simple)*/ {  .5, 1.2, 4.0 } },",
         69: "  { /* Tree (LL/LL128/Simple)*/ { 5.0, 8.5, 28 }, /* Ring (LL/LL128/Simple)*/ "
             "{ 2.7, 4.0, 9.6 }, /* CollNet (LL/LL128/Simple)*/ { 5.0, 5.0, 10.7 } }",
+        120: "        float speed = nNodes <= 2 || a == NCCL_ALGO_COLLNET ? "
+             "graphs[a]->speedIntra : graphs[a]->speedInter;",
+        121: "        float busBw = graphs[a]->nChannels * speed;",
         129: "        if (a == NCCL_ALGO_TREE && p == NCCL_PROTO_LL128) busBw = std::min(busBw "
              "* (nNodes == 1 ? 7.0/9.0 : 0.915 /*120.0/128.0*/), "
              "ll128MaxBwPerCh[coll]*graphs[a]->nChannels);",
@@ -32,6 +35,8 @@ SOURCE = {
             "{ 2.7, 4.0, 9.6 }, /* CollNet (LL/LL128/Simple)*/ { 5.0, 5.0, 10.7 } }",
     },
     "2.12.7": {
+        122: "        float speed = nNodes <= 2 || a == NCCL_ALGO_COLLNET ? "
+             "graphs[a]->speedIntra : graphs[a]->speedInter;",
         69: "  { /* Tree (LL/LL128/Simple)*/ { 5.0, 8.5, 28 }, /* Ring (LL/LL128/Simple)*/ "
             "{ 2.7, 4.0, 28 }, /* CollNet (LL/LL128/Simple)*/ { 5.0, 5.0, 10.7 } }",
     },
@@ -44,6 +49,8 @@ SOURCE = {
         89: "  /* Hopper-N1/AMD-N2/AMD-N4) */ {141.0, 45.0 /*avg of ring & tree*/, 35.0}",
         116: "  if (cpuArch == NCCL_TOPO_CPU_ARCH_X86 && cpuVendor == NCCL_TOPO_CPU_VENDOR_AMD) "
              "return 2.0;",
+        174: "        float bw = nNodes <= 2 || collnet ? graphs[a]->bwIntra : "
+             "graphs[a]->bwInter;",
         180: "        if (a == NCCL_ALGO_RING && p == NCCL_PROTO_LL) { busBw = std::min(llMaxBw, "
              "busBw * .5); }",
     },
@@ -162,6 +169,38 @@ def test_estimate_states_the_version():
     assert any("NCCL 2.8.3's tuning model" in a for a in est.assumptions())
     base = wb.plan.estimate(cfg, lay, wb.plan.Cluster("a100", 16))
     assert any("NCCL 2.12.7's tuning model" in a for a in base.assumptions())
+
+
+def test_scale_assumption_follows_the_source_and_the_clock():
+    """Beyond two nodes NCCL's tuning model takes the graph's inter-node speed x channels
+    whatever the node count (the quoted lines: ``nNodes <= 2`` .. ``speedInter``), and so
+    does the clock: a ring's bus bandwidth (from the time of 2n bytes less that of n) is
+    the same over 3 and over 280 DGX A100 nodes, only its latency grows.  The estimate says so
+    (UNCERTAIN) from three nodes on, naming the node count and the per-NIC rate."""
+    for version, line in (("2.8.3", 120), ("2.12.7", 122), ("2.21.5", 174)):
+        assert "nNodes <= 2" in SOURCE[version][line] and "Inter" in SOURCE[version][line]
+    prof = NT.with_nccl("a100", "2.8.3")
+    n = 4e9
+    busbw = []
+    for nodes in (3, 280):          # per protocol: the choice itself moves with the latency
+        g = topo.Group((8,) * nodes)
+        t1, t2 = (topo._net_protocols("all_gather", x, g, prof) for x in (n, 2 * n))
+        busbw.append({p: (g.p - 1) / g.p * n / (t2[p] - t1[p]) for p in t1})
+    for p in NT.PROTOCOLS:
+        assert busbw[0][p] == pytest.approx(busbw[1][p], rel=1e-9), p
+    assert NT.scale_assumption(prof, 2) == () and NT.scale_assumption(prof, 1) == ()
+    (line,) = NT.scale_assumption(prof, 3)
+    assert line.startswith("UNCERTAIN") and "3 nodes" in line and "24 GB/s per NIC" in line
+    assert NT.scale_assumption(get_profile("ascend-910b"), 64) == ()
+    import workbench as wb
+    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=512, seq_len=128, n_layer=2,
+                                n_head=4, d_model=256, dtype="bfloat16")
+
+    def lines(dp):
+        est = wb.plan.estimate(cfg, wb.plan.Layout(dp=dp, tp=1, pp=1),
+                               wb.plan.Cluster(prof, dp))
+        return [a for a in est.assumptions() if a.startswith("UNCERTAIN: NCCL across")]
+    assert lines(16) == [] and lines(24) == list(NT.scale_assumption(prof, 3))
 
 
 # NCCL's own selection (ncclTopoTuneModel + ncclTopoGetAlgoTime), written from the

@@ -201,6 +201,12 @@ def _simulate(lay: Layout, stages: dict, m: int):
                     b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
 
+def _dp_nodes(lay: Layout, prof) -> int:
+    """Nodes the first stage's data-parallel group spans (``Layout.grad_ranks``): the
+    widest collective group of a layout (tensor parallelism stays inside a node)."""
+    return len({r // prof.devices_per_node for r in lay.grad_ranks(0, 0)})
+
+
 def _stage_name(s: int, pp: int, uneven: bool) -> str:
     """The key of stage ``s`` in ``details["stages"]``."""
     if pp == 1:
@@ -525,7 +531,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
-        + NT.assumptions(prof),
+        + NT.scale_assumption(prof, _dp_nodes(lay, prof)) + NT.assumptions(prof),
         "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,
         "fsdp2_copies": {k: slow["copies"][k] for k in ("forward", "backward", "bytes")}

@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from .profiles import Profile, get_profile
 
 __all__ = ["VERSIONS", "Constants", "constants", "tables", "with_nccl", "host_of",
-           "assumptions", "PROTOCOLS"]
+           "assumptions", "scale_assumption", "PROTOCOLS"]
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 _US = 1e-6
@@ -289,3 +289,29 @@ def assumptions(profile: Profile) -> tuple:
     return (f"collectives priced by NCCL {v}'s tuning model (src/graph/tuning.cc; "
             f"sim_mesh/nccl_tuning.py): per-channel bandwidth caps, the tree's correction "
             f"factors and the ring all_reduce's plateau factor not modeled",)
+
+
+def scale_assumption(profile: Profile, nodes: int) -> tuple:
+    """One line for an estimate whose largest collective group spans ``nodes`` nodes, when
+    that is more than two: NCCL's tuning model gives a ring or tree across three nodes or
+    more the bus bandwidth of the graph's inter-node speed x its channels whatever the node
+    count (``float speed = nNodes <= 2 || ... ? speedIntra : speedInter; float busBw =
+    graphs[a]->nChannels * speed``, NVIDIA/nccl v2.8.3-1 src/graph/tuning.cc:120-121; the
+    same in 2.12.7 at :122-123, ``bwInter`` in 2.21.5 at :174-177), and only its ring and
+    tree latencies grow with the ranks; the profiles' per-NIC rates are few-node figures
+    (``inter_node`` citations: nccl-tests issue #119's per-NIC peak, Jean Zay's four-node
+    benchmark).  No collective measurement on A100 or H100 nodes at tens to hundreds of
+    nodes was found (searched: the NCCL and nccl-tests issue trackers, NVIDIA's DGX
+    SuperPOD reference architecture and blogs, the Azure NDv4 performance notes), so
+    fabric contention, routing and stragglers at that scale are not priced: the line
+    says so.  () for other libraries or at most two nodes."""
+    if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
+        return ()
+    nic = profile.inter_node.effective_bandwidth / 1e9
+    return (f"UNCERTAIN: NCCL across {nodes} nodes priced at {nic:.0f} GB/s per NIC (a "
+            f"few-node figure, the profile's inter_node citations) with a bus bandwidth that "
+            f"does not fall with the node count (NCCL's tuning model, src/graph/tuning.cc: "
+            f"speedInter x nChannels beyond two nodes; only the ring/tree latency grows): "
+            f"fabric contention, routing and stragglers at {nodes} nodes not modeled, no "
+            f"collective measurement at that scale found (sim_mesh/nccl_tuning.py "
+            f"scale_assumption)",)
