@@ -117,11 +117,11 @@ def test_three_digit_rounding_passes(capsys):
     passes(capsys, C.check_ep_tp_mb, 117, 470)
     passes(capsys, C.check_ep_tp_mb, 117.4, 469)
     passes(capsys, C.check_ring_kv_mb, 503)
-    # rounded further (2 digits), or a little off: named as rounding, not as a formula error
-    fails("did you round too far", C.check_ep_tp_mb, 120, 470)
-    fails("did you round too far", C.check_ep_tp_mb, 117, 460)
-    fails("did you round too far", C.check_ring_kv_mb, 500 * 0.99)
-    # a mistake is still named, however near the 2% band it lies
+    # rounded further (2 digits), or a little off: rounding named first, then the formula
+    fails("rounded too far", C.check_ep_tp_mb, 120, 470)
+    fails("rounded too far", C.check_ep_tp_mb, 117, 460)
+    fails("rounded too far", C.check_ring_kv_mb, 500 * 0.99)
+    # a known mistake is still named where it matches (within 2%), inside the 3% band too
     fails("in MiB", C.check_ep_tp_mb, 112, 470)
     fails("cp - 1 steps pass", C.check_ring_kv_mb, 536.9)
 

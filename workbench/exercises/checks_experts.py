@@ -28,10 +28,10 @@ MIB_HINT = ("that is in MiB (2^20 bytes); the exercise's MB is 10^6 bytes: divid
 # A value the notebook prints to 4 significant digits (117.4 MB) and a student rounds to 3
 # (117) is right: accept within 0.5% (the largest error of a 3-digit rounding), well inside
 # the 4.6% to the nearest mistake above.  Beyond it, but within 3% and matching no mistake,
-# the answer is most likely rounded too far: say so rather than "compare each factor".
+# the answer is most likely rounded too far: say so first, then "compare each factor".
 REL = 0.005
-ROUNDED = ("close, but not within 0.5%: did you round too far? Give it to 3 significant "
-           "digits or more")
+ROUNDED = ("close, but more than 0.5% off: rounded too far? Give 3 significant digits or "
+           "more; if not, compare each factor with the formula")
 
 
 # ---- routing: capacity and dropped tokens ---------------------------------------------------
