@@ -233,9 +233,15 @@ def test_cp_vs_sp_formulas_match_what_the_simulator_counts():
 def test_ring_record_renders_as_text_and_a_figure():
     from workbench.viz.ring import draw_ring, render_ring_text
     text = render_ring_text(cp.ring_schedule(2))
-    assert text.splitlines()[1:] == [
-        "step 0: rank 0 q(0,3) kv(0,3) [D . F D] -> 1 | rank 1 q(1,2) kv(1,2) [D . F D] -> 0",
-        "step 1: rank 0 q(0,3) kv(1,2) [. . F F]      | rank 1 q(1,2) kv(0,3) [F . F .]     "]
+    assert text.splitlines()[2:] == [
+        "               step 0            step 1",
+        "rank 0 q(0,3)  kv(0,3) D.FD ->1  kv(1,2) ..FF",
+        "rank 1 q(1,2)  kv(1,2) D.FD ->0  kv(0,3) F.F."]
+    # ranks down, steps across: p = 4, the notebook's ring, fits 90 characters (a step per
+    # line ran to 180 and wrapped in JupyterLab); the rows are the ranks' query chunks
+    wide = render_ring_text(cp.ring_schedule(4)).splitlines()
+    assert max(map(len, wide)) <= 90 and len(wide) == 2 + 1 + 4
+    assert wide[3].startswith("rank 0 q(0,7)  kv(0,7) D.FD ->1  kv(3,4) ..FF ->1")
     import doctest
     import workbench.viz.ring as ring_viz
     assert doctest.testmod(ring_viz).failed == 0

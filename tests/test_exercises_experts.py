@@ -110,6 +110,22 @@ def test_ring_kv_mb(capsys):
     passes(capsys, C.check_ring_kv_mb, 7 * block * 2 / 1e6, cp=8)
 
 
+def test_three_digit_rounding_passes(capsys):
+    """The notebook prints 117.4, 469.8 and 503.3 MB; a student's 117, 470 and 503 are
+    right (3 significant digits: at most 0.5% off).  Before, 117 MB read "too low: compare
+    each factor with the formula", sending a right answer hunting for a wrong factor."""
+    passes(capsys, C.check_ep_tp_mb, 117, 470)
+    passes(capsys, C.check_ep_tp_mb, 117.4, 469)
+    passes(capsys, C.check_ring_kv_mb, 503)
+    # rounded further (2 digits), or a little off: rounding named first, then the formula
+    fails("rounded too far", C.check_ep_tp_mb, 120, 470)
+    fails("rounded too far", C.check_ep_tp_mb, 117, 460)
+    fails("rounded too far", C.check_ring_kv_mb, 500 * 0.99)
+    # a known mistake is still named where it matches (within 2%), inside the 3% band too
+    fails("in MiB", C.check_ep_tp_mb, 112, 470)
+    fails("cp - 1 steps pass", C.check_ring_kv_mb, 536.9)
+
+
 def test_value_only_from_the_third_try():
     for n in range(1, REVEAL_AFTER + 1):
         with pytest.raises(CheckError) as err:

@@ -67,6 +67,19 @@ def test_load_reads_agree_with_a_real_checkpoint(tmp_path, capsys):
     fails("list of rank numbers", C.check_load_reads, "3, 4, 5")
 
 
+def test_load_reads_takes_numpy_and_torch_integers(capsys):
+    """A student who computes the ranks with NumPy or torch (np.arange, a tensor, a range)
+    gives integers; before, [np.int64(3), ...] read "give a list of rank numbers (ints)"."""
+    import numpy as np
+    for ranks in ([3, 4, 5], range(3, 6), np.arange(3, 6), list(np.arange(3, 6)),
+                  torch.tensor([3, 4, 5]), list(torch.tensor([3, 4, 5])), (5, 4, 3)):
+        passes(capsys, C.check_load_reads, ranks)
+    fails("not saved rank 1", C.check_load_reads, np.array([1]))
+    for bad in ("3, 4, 5", 3, [3.0, 4.0, 5.0], np.array([3.0, 4.0, 5.0]), [True, 4, 5],
+                np.array([[3, 4, 5]]), torch.tensor(3), None, {3: 1}):
+        fails("list of rank numbers", C.check_load_reads, bad)
+
+
 class OneSecond(StepPricer):
     def seconds(self, prefill=(), decode=()):
         return 1.0

@@ -10,6 +10,7 @@ answer.
 from __future__ import annotations
 
 import math
+import operator
 
 from .checks import _chunks, _hint, _number, _ok
 from .feedback import CheckError, exercise
@@ -52,9 +53,7 @@ def check_load_reads(ranks, rank: int = 1, rows: int = 16, saved: int = 8,
     """The saved ranks whose files rank ``rank`` reads when ``rows`` rows saved
     ``Shard(0)`` over ``saved`` ranks are loaded ``Shard(0)`` over ``loaded`` ranks
     (``torch.chunk`` sizes both times)."""
-    if not isinstance(ranks, (list, tuple, set)) or \
-            not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise CheckError(f"give a list of rank numbers (ints), got {ranks!r}")
+    ranks = _rank_numbers(ranks)
     def bounds(n, k):
         sizes, out, start = _chunks(rows, n), [], 0
         for s in sizes:
@@ -97,6 +96,25 @@ def check_load_reads(ranks, rank: int = 1, rows: int = 16, saved: int = 8,
                          expected=str(want))
     raise CheckError(f"{got} overlap rank {rank}'s rows, but {missing} more saved rank(s) do "
                      f"too: {chunk}", expected=str(want))
+
+
+def _rank_numbers(ranks) -> list:
+    """``ranks`` as a list of Python ints: a list, tuple, set, range, NumPy array or 1-d
+    tensor of integers (NumPy's and torch's integers too: ``operator.index``); anything
+    else (a string, a number, floats, bools) is a CheckError."""
+    bad = CheckError(f"give a list of rank numbers (ints), got {ranks!r}")
+    if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__") or \
+            getattr(ranks, "ndim", 1) != 1:
+        raise bad
+    out = []
+    for r in ranks:
+        if isinstance(r, bool):
+            raise bad
+        try:
+            out.append(operator.index(r))
+        except TypeError:
+            raise bad from None
+    return out
 
 
 @exercise

@@ -5,10 +5,12 @@ Renders data only: the rows come from
 decides which block is where or what the causal mask skips).
 
     >>> from workbench.parallel.strategies.context_parallel import ring_schedule
-    >>> print(render_ring_text(ring_schedule(2)))       # doctest: +NORMALIZE_WHITESPACE
-    ring attention, p=2 (q chunks | K/V chunks held; F full, D diagonal, . skipped)
-    step 0: rank 0 q(0,3) kv(0,3) [D . F D] -> 1 | rank 1 q(1,2) kv(1,2) [D . F D] -> 0
-    step 1: rank 0 q(0,3) kv(1,2) [. . F F]      | rank 1 q(1,2) kv(0,3) [F . F .]
+    >>> print(render_ring_text(ring_schedule(2)))
+    ring attention, p=2: per rank and step, the K/V chunks held, the chunk pairs
+    (q x kv, row by row: F full, D diagonal, . skipped), ->j: K/V sent on to rank j
+                   step 0            step 1
+    rank 0 q(0,3)  kv(0,3) D.FD ->1  kv(1,2) ..FF
+    rank 1 q(1,2)  kv(1,2) D.FD ->0  kv(0,3) F.F.
 
 Figures are deterministic (fixed colours and sizes, no pyplot state).
 """
@@ -28,21 +30,25 @@ def _steps(rows):
 
 
 def render_ring_text(rows) -> str:
-    """One line per step: each rank's query chunks, the K/V chunks it holds, its chunk
-    pairs (F full, D diagonal, . skipped) and where it sends its K/V next."""
+    """A table, a row per rank (its query chunks) and a column per step: the K/V chunks the
+    rank holds, its chunk pairs (F full, D diagonal, . skipped) and the rank it sends
+    those K/V chunks to next.  Ranks down and steps across, as :func:`draw_ring` draws
+    them, so that p = 4 fits a notebook's width (about 90 characters) unwrapped."""
     p, n, grid = _steps(rows)
-    lines = [f"ring attention, p={p} (q chunks | K/V chunks held; F full, D diagonal, "
-             ". skipped)"]
-    for t in range(n):
-        cells = []
-        for i in range(p):
-            r = grid[(t, i)]
-            marks = " ".join(_MARK[k] for *_, k in r["pairs"])
-            send = f" -> {r['send_to']}" if r["send_to"] is not None else "     "
-            q = ",".join(map(str, r["q_chunks"]))
-            kv = ",".join(map(str, r["kv_chunks"]))
-            cells.append(f"rank {i} q({q}) kv({kv}) [{marks}]{send}")
-        lines.append(f"step {t}: " + " | ".join(cells))
+    def entry(r):
+        marks = "".join(_MARK[k] for *_, k in r["pairs"])
+        send = f" ->{r['send_to']}" if r["send_to"] is not None else ""
+        return f"kv({','.join(map(str, r['kv_chunks']))}) {marks}{send}"
+    heads = [f"rank {i} q({','.join(map(str, grid[(0, i)]['q_chunks']))})" for i in range(p)]
+    cells = {(t, i): entry(grid[(t, i)]) for t in range(n) for i in range(p)}
+    w0 = max(map(len, heads))
+    w = max(max(map(len, cells.values())), len(f"step {n - 1}"))
+    lines = [f"ring attention, p={p}: per rank and step, the K/V chunks held, the chunk pairs",
+             "(q x kv, row by row: F full, D diagonal, . skipped), ->j: K/V sent on to rank j",
+             " " * w0 + "".join(f"  {f'step {t}':<{w}}" for t in range(n)).rstrip()]
+    for i in range(p):
+        lines.append((heads[i].ljust(w0)
+                      + "".join(f"  {cells[(t, i)]:<{w}}" for t in range(n))).rstrip())
     return "\n".join(lines)
 
 
