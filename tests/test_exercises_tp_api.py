@@ -36,7 +36,8 @@ def test_torch_styles_pass(capsys):
 
 @pytest.mark.parametrize("plan, match", [
     ({"mlp.w1": Col(), "mlp.w3": Col(), "mlp.w2": Row()},
-     "backward sends 2 all-reduces .* where Megatron's f sends 1.*PrepareModuleInput"),
+     "backward sends 2 all-reduces .* where Megatron's f sends 1.*which of section 6's "
+     "styles is f"),
     ({**RIGHT, "mlp.w2": Col()}, "w2 got ColwiseParallel.*gather the whole hidden"),
     ({**RIGHT, "mlp.w1": Row()}, "w1 got RowwiseParallel.*SiLU of a partial sum"),
     ({**RIGHT, "mlp.w3": Row()}, "w3 got RowwiseParallel"),
@@ -51,6 +52,25 @@ def test_torch_styles_pass(capsys):
 ])
 def test_wrong_plans_named(plan, match):
     fails(match, ex.check_tp_mlp_plan, plan)
+
+
+def test_the_first_message_keeps_the_answer_back(capsys):
+    """The commonest slip (no PrepareModuleInput) once named the whole answer line in its
+    first message; now it says what is wrong, and the answer shows from try 3 or on
+    reveal, as for every other check."""
+    from workbench.exercises.feedback import CheckError, reset_tries
+    plan = {"mlp.w1": Col(), "mlp.w3": Col(), "mlp.w2": Row()}
+    reset_tries()
+    messages = []
+    for _ in range(3):
+        with pytest.raises(CheckError) as err:
+            ex.check_tp_mlp_plan(plan)
+        messages.append(str(err.value))
+    assert all("PrepareModuleInput" not in m and "desired_input_layouts" not in m
+               for m in messages[:2]), messages[:2]
+    assert "expected 'mlp': PrepareModuleInput(input_layouts=(Replicate(),)" in messages[2]
+    assert "PrepareModuleInput" in ex.reveal("check_tp_mlp_plan")
+    reset_tries()
 
 
 def test_not_a_plan():

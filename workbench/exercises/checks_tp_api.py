@@ -177,8 +177,11 @@ def check_tp_mlp_plan(plan, tp: int = 2, batch: int = 2) -> None:
                          "the input gradient where Megatron's f sends 1: w1 and w3 each "
                          "entered the tensor-parallel region on their own, and each one's "
                          "input gradient is a partial sum reduced by itself. Let the input "
-                         "enter once, before the MLP: 'mlp': PrepareModuleInput(input_layouts="
-                         "(Replicate(),), desired_input_layouts=(Replicate(),))")
+                         "enter once, for both: which of section 6's styles is f, and on "
+                         "which module must it sit?",
+                         expected="'mlp': PrepareModuleInput(input_layouts=(Replicate(),), "
+                                  "desired_input_layouts=(Replicate(),)) beside w1, w3 "
+                                  "colwise and w2 rowwise")
     if big_b != ["all_reduce"]:
         raise CheckError(f"backward sent {', '.join(big_b) or 'nothing'} of the activation; "
                          "Megatron's f sends one all-reduce of the input gradient")
