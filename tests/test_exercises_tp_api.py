@@ -24,6 +24,13 @@ def test_right_plan_passes(capsys):
     passes(capsys, ex.check_tp_mlp_plan, {"mlp": enter(), "mlp.w[13]": Col(), "mlp.w2": Row()})
 
 
+def test_torch_styles_wrong_w2_input_named():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import parallel as tp
+    fails("w2 says its input arrives \\[R\\]", ex.check_tp_mlp_plan,
+          {**RIGHT, "mlp.w2": tp.RowwiseParallel(input_layouts=Replicate())})
+
+
 def test_torch_styles_pass(capsys):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import parallel as tp
@@ -49,6 +56,10 @@ def test_torch_styles_pass(capsys):
     ({**RIGHT, "attn.wq": Col()}, "'attn.wq' names no module of the MLP half"),
     ({**RIGHT, "mlp.w2": In(input_layouts=(S(1),), desired_input_layouts=(R(),))},
      "mlp.w2 is not in your plan"),
+    # passed as Correct (found in the browser review): in torch w2 would take the local
+    # slice w1/w3 hand on for the whole tensor
+    ({**RIGHT, "mlp.w2": Row(input_layouts=R())}, "w2 says its input arrives \\[R\\].*Shard\\(-1\\)"),
+    ({**RIGHT, "mlp.w*2": Row(input_layouts=S(1))}, "w2 says its input arrives \\[S\\(1\\)\\]"),
 ])
 def test_wrong_plans_named(plan, match):
     fails(match, ex.check_tp_mlp_plan, plan)
