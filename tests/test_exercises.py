@@ -1,7 +1,9 @@
 """The exercise checks: right answers pass, wrong answers are told what is wrong."""
 import re
 
+import numpy as np
 import pytest
+import torch
 
 import workbench as wb
 import workbench.exercises as ex
@@ -25,6 +27,13 @@ def test_welcome_mesh(capsys):
     fails("dim_names", ex.check_welcome_mesh, wb.Mesh.grid((2, 4)))
     fails("neighbours", ex.check_welcome_mesh,
           wb.Mesh([[0, 2, 4, 6], [1, 3, 5, 7]], ["dp", "tp"]))
+    # ranks 1..8 are neighbours too: name the numbering (the browser review of 00 found the
+    # neighbours message given to this answer, and the first message naming the solution call)
+    fails("ranks 0 to 7", ex.check_welcome_mesh, wb.Mesh([[1, 2, 3, 4], [5, 6, 7, 8]], ["dp", "tp"]))
+    with pytest.raises(ex.CheckError) as err:
+        ex.reset_tries()
+        ex.check_welcome_mesh(wb.Mesh([[0, 2, 4, 6], [1, 3, 5, 7]], ["dp", "tp"]))
+    assert "Mesh.grid((2, 4)" not in str(err.value)
 
 
 def test_tp_group(capsys):
@@ -36,6 +45,14 @@ def test_tp_group(capsys):
     fails("wrong order", ex.check_tp_group, (7, 6, 5, 4))
     fails("same dp coordinate", ex.check_tp_group, (0, 1, 2, 3))
     fails("sequence of ranks", ex.check_tp_group, 5)
+    # wrong answers that passed as Correct (int() of a string's digits, of floats), and one
+    # that showed a ValueError traceback through the checker (found in the browser review)
+    fails("sequence of ranks \\(ints\\)", ex.check_tp_group, "4567")
+    fails("sequence of ranks \\(ints\\)", ex.check_tp_group, [4.2, 5.2, 6.2, 7.2])
+    fails("sequence of ranks \\(ints\\)", ex.check_tp_group, ("dp", "tp"))
+    fails("sequence of ranks \\(ints\\)", ex.check_tp_group, {"tp": (4, 5, 6, 7)})
+    passes(capsys, ex.check_tp_group, torch.tensor([4, 5, 6, 7]))
+    passes(capsys, ex.check_tp_group, np.array([4, 5, 6, 7]))
 
 
 # ---- 01 why distribute ---------------------------------------------------------------------------

@@ -49,6 +49,9 @@ def test_bucket_sizes(capsys):
           [B3 + W3, B2 + W2 + B1 + W1])
     fails("list of bucket sizes", ex.check_bucket_sizes, 2)
     fails("list of bucket sizes", ex.check_bucket_sizes, [5248000.0, 1052672.0])
+    # whole-valued floats: say why a list of byte counts is refused (the browser review of
+    # notebook 05 found "should be a list of bucket sizes in bytes" alone a puzzle)
+    fails("give each as an int", ex.check_bucket_sizes, [5248000.0, 1052672.0])
 
 
 def test_bucket_sizes_leave_the_global_random_state_alone():
@@ -111,6 +114,10 @@ def test_zero3_traffic(capsys):
     fails("ZeRO-3 bytes.*what ZeRO-1 and 2 send", ex.check_zero3_traffic, dp, dp)
     fails("ZeRO-3 bytes.*drop \\(N-1\\)/N", ex.check_zero3_traffic, dp, 3 * n)
     fails("should be a number", ex.check_zero3_traffic, "30 GB", z3)
+    # the notebook's own p = 8 for the exercise's N_d = 64 (its mesh has 8 ranks)
+    fails("DP bytes.*N = 8 .the notebook's p.; the exercise has N = 64",
+          ex.check_zero3_traffic, 2 * 7 / 8 * n, 3 * 7 / 8 * n)
+    fails("ZeRO-3 bytes.*N = 8 .the notebook's p.", ex.check_zero3_traffic, dp, 3 * 7 / 8 * n)
 
 
 # ---- 06 tensor and sequence parallel -----------------------------------------------------------
@@ -129,6 +136,12 @@ def test_tp_sp_layer_bytes(capsys):
     fails("TP\\+SP bytes.*4 all-gathers AND 4", ex.check_tp_sp_layer_bytes, tp, sp / 2)
     fails("TP\\+SP bytes.*not of a 1/t slice", ex.check_tp_sp_layer_bytes, tp, sp / 8)
     fails("TP\\+SP bytes.*half an all-reduce", ex.check_tp_sp_layer_bytes, tp, 2 * sp)
+    # section 1's t = 2 for the exercise's t = 8; and the answer in MiB (the Correct line's unit)
+    fails("TP bytes.*t = 2 .section 1's t.; the exercise has t = 8",
+          ex.check_tp_sp_layer_bytes, 4 * 2 * N6 / 2, 8 * N6 / 2)
+    fails("TP\\+SP bytes.*t = 2", ex.check_tp_sp_layer_bytes, tp, 8 * N6 / 2)
+    fails("TP bytes.*2\\^20 times too small.*MiB", ex.check_tp_sp_layer_bytes,
+          tp / 2**20, sp / 2**20)
 
 
 def _f(x):
@@ -156,6 +169,16 @@ def test_sp_f_g(capsys):
           lambda y: wb.reshard(y * 2, y.mesh, [wb.Shard(1)]))
     fails("f raised ZeroDivisionError", ex.check_sp_f_g, lambda x: 1 / 0, _g)
     fails("pass two functions", ex.check_sp_f_g, _f, None)
+
+
+def test_sp_f_g_on_another_mesh_is_refused():
+    """f or g that reshards onto the notebook's global 2-rank ``mesh`` instead of the input's
+    own 4-rank one: the browser review of notebook 06 found such an f passed as Correct."""
+    two = wb.Mesh.grid(2, ["tp"])
+    fails("f returned a DistTensor on Mesh\\(tp=2.*reshard onto x.mesh", ex.check_sp_f_g,
+          lambda x: wb.reshard(x, two, [wb.Replicate()]), _g)
+    fails("g returned a DistTensor on Mesh\\(tp=2.*reshard onto y.mesh", ex.check_sp_f_g,
+          _f, lambda y: wb.reshard(y, two, [wb.Shard(1)]))
 
 
 def test_sp_f_g_gathered_by_hand_is_refused():

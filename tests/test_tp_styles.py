@@ -519,6 +519,18 @@ def test_tied_embedding_and_head():
         wb.parallelize_module(bad, mesh, {"head": wb.ColwiseParallel()})
 
 
+def test_a_parent_style_and_a_child_style_on_one_parameter():
+    """SequenceParallel on a block and ColwiseParallel on its linear reach one parameter by
+    two keys: the refusal called it "one tied parameter", naming '0.weight' twice (found
+    with notebook 06's exercise 4, a SequenceParallel on "mlp"); it is two styles for one
+    parameter."""
+    mesh = wb.Mesh.grid(2, ["tp"])
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="keys '' and '0' both lay out '0.weight'.*one style"):
+        wb.parallelize_module(seq, mesh, {"": wb.SequenceParallel(), "0": wb.ColwiseParallel()})
+    assert not any(isinstance(p, wb.DistTensor) for p in seq.parameters())      # untouched
+
+
 def test_pytorch_style_objects_accepted():
     """torchtitan's plan written with torch.distributed.tensor.parallel's own classes runs
     through wb.parallelize_module: the same layouts and values as ours."""

@@ -17,6 +17,7 @@ agree.  The exercise's numbers are the keyword defaults of its check.
 from __future__ import annotations
 
 import math
+import operator
 
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
@@ -75,6 +76,12 @@ def _scale_slip(got: float, want: float, rel: float, share: bool) -> str | None:
             if math.isclose(ratio, r, rel_tol=rel):
                 return (f"{words} times too {how}: a unit slip? (s, ms, us; B, KB, MB, GB): "
                         "give it in the unit the exercise asks for")
+    # binary units lie 2.4% (KiB), 4.9% (MiB), 7.4% (GiB) from the decimal ones: distinct
+    for factor, words in ((2**10, "1,024"), (2**20, "2^20"), (2**30, "2^30")):
+        for r, how in ((factor, "large"), (1 / factor, "small")):
+            if math.isclose(ratio, r, rel_tol=min(rel, 0.01)):
+                return (f"{words} times too {how}: a unit slip? (B, KiB, MiB, GiB): give "
+                        "it in the unit the exercise asks for")
     return None
 
 
@@ -127,8 +134,12 @@ def check_welcome_mesh(mesh) -> None:
         raise CheckError(f"your mesh's dim_names are {mesh.dim_names}: name the mesh dims as "
                          "the exercise does, data parallel first", expected="('dp', 'tp')")
     if mesh.tolist() != [[0, 1, 2, 3], [4, 5, 6, 7]]:
-        raise CheckError(f"your ranks are {mesh.tolist()}: ranks of one tp group are "
-                         "neighbours (they share a node); try wb.Mesh.grid((2, 4), ['dp', 'tp'])",
+        if sorted(r for row in mesh.tolist() for r in row) != list(range(8)):
+            hint = "the 8 devices are ranks 0 to 7"
+        else:
+            hint = ("ranks of one tp group are neighbours (they share a node): number them row "
+                    "by row, as wb.Mesh.grid does")
+        raise CheckError(f"your ranks are {mesh.tolist()}: {hint}",
                          expected="[[0, 1, 2, 3], [4, 5, 6, 7]]")
     _ok(f"{mesh}")
 
@@ -140,9 +151,11 @@ def check_tp_group(group, rank: int = 5) -> None:
     want = tuple(range(4 * row, 4 * row + 4))
     dp_group = (col, col + 4)
     try:
-        got = tuple(int(r) for r in group)
+        if isinstance(group, (str, bytes, dict)):
+            raise TypeError
+        got = tuple(operator.index(r) for r in group)    # ints only: 4.2 is no rank
     except TypeError:
-        raise CheckError(f"group should be a sequence of ranks, got {group!r}") from None
+        raise CheckError(f"group should be a sequence of ranks (ints), got {group!r}") from None
     if got == want:
         _ok(f"rank {rank}'s tp group is {want}")
         return

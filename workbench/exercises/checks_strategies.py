@@ -50,8 +50,21 @@ def _ints(name, value, what="ints") -> list[int]:
     except TypeError:
         raise CheckError(f"{name} should be a list of {what}, got {value!r}") from None
     if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items):
-        raise CheckError(f"{name} should be a list of {what}, got {value!r}")
+        whole = all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                    and float(v).is_integer() for v in items)
+        raise CheckError(f"{name} should be a list of {what}, got {value!r}"
+                         + (": give each as an int (int(x)), not a float" if whole else ""))
     return [int(v) for v in items]
+
+
+def _other_n(total, n, nb_n, letter, where) -> list:
+    """The (value, message) of the slip that takes the notebook's group size ``nb_n`` (a
+    variable already defined above the exercise) for the exercise's ``n``: ``total`` (the
+    bytes before the (n-1)/n factor) times (nb_n-1)/nb_n."""
+    if n == nb_n:
+        return []
+    return [((nb_n - 1) * total / nb_n, f"that takes {letter} = {nb_n} ({where}); the "
+             f"exercise has {letter} = {n}")]
 
 
 # ---- 05 data parallel: gradient buckets --------------------------------------------------------
@@ -226,7 +239,8 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                          (2 * want_dp, f"the gradients are {elem} bytes each (bf16), "
                           f"{n:,d} bytes in all"),
                          (want_dp / n_d, "each rank sends 2 (N-1)/N of the WHOLE gradient, "
-                          "not of its shard")], rel=1e-4), expected=f"DP {want_dp:.4g} B")
+                          "not of its shard")] + _other_n(2 * n, n_d, 8, "N", "the notebook's p"),
+            rel=1e-4), expected=f"DP {want_dp:.4g} B")
     if not math.isclose(b, want_z3, rel_tol=1e-4):
         raise CheckError(f"your ZeRO-3 bytes are {b:.4g}: " + _hint(
             b, want_z3, [(2 * want_dp, "2x DP counts an all-reduce's worth twice; ZeRO-3 "
@@ -238,7 +252,7 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                          (3 * n, "did you drop (N-1)/N? Each collective sends (N-1)/N n"),
                          (2 * want_z3, f"the values are {elem} bytes each (bf16)"),
                          (n_d * want_z3, f"that is summed over the {n_d} ranks; give what "
-                          f"each rank sends")],
+                          f"each rank sends")] + _other_n(3 * n, n_d, 8, "N", "the notebook's p"),
             rel=1e-4), expected=f"ZeRO-3 {want_z3:.4g} B")
     _ok(f"DP {want_dp / 1e9:.2f} GB, ZeRO-3 {want_z3 / 1e9:.2f} GB per rank per step: "
         f"{want_z3 / want_dp:.1f}x")
@@ -269,7 +283,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                          (want_tp / 4, "that is one all-reduce; a layer has 4 per step: 2 "
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
-                          "not a 1/t slice")], rel=1e-4), expected=f"TP {want_tp:.4g} B")
+                          "not a 1/t slice")] + _other_n(8 * n, tp, 2, "t", "section 1's t"),
+            rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
         raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
             b, want_sp, [(want_sp / 2, "half of it: SP has 4 all-gathers AND 4 "
@@ -277,7 +292,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                          (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
                           "the whole b s h, not of a 1/t slice"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
-                          "sends (t-1)/t n, half an all-reduce")], rel=1e-4),
+                          "sends (t-1)/t n, half an all-reduce")]
+            + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways: sequence parallelism "
         "replaces each all-reduce by an all-gather + a reduce-scatter of the same total")
@@ -292,6 +308,17 @@ def _run(fn, x, what):
         except Exception as e:          # the student's code: any error is an answer
             raise CheckError(f"your {what} raised {type(e).__name__}: {e}") from None
     return out, [(e.name, e.bytes, e.args.get("buffer_bytes")) for e in tr.collectives()]
+
+
+def _same_mesh(what, out, mesh) -> None:
+    """f and g change a layout on the tensor-parallel group they are given, never the group:
+    a result on another mesh (the notebook's 2-rank ``mesh`` instead of ``x.mesh``) is a
+    different program, whatever its placements say."""
+    if out.mesh != mesh:
+        arg = "x" if what == "f" else "y"
+        raise CheckError(f"{what} returned a DistTensor on {out.mesh}, but its input lives on "
+                         f"{mesh}: {what} changes the layout on the input's own tensor-parallel "
+                         f"group, so reshard onto {arg}.mesh, not onto another mesh")
 
 
 @exercise
@@ -315,6 +342,7 @@ def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
     if not isinstance(out, DistTensor):
         raise CheckError(f"f returned a {type(out).__name__}; return a DistTensor, e.g. "
                          "wb.reshard(x, x.mesh, [...])")
+    _same_mesh("f", out, mesh)
     if out.placements != (Replicate(),):
         raise CheckError(f"f returns {fmt_placements(out.placements)}; the column-parallel "
                          "linear multiplies every token by its weight columns, so every rank "
@@ -334,6 +362,7 @@ def check_sp_f_g(f, g, tp: int = 4, shape=(2, 8, 16)) -> None:
     out, colls_g = _run(g, y, "g")
     if not isinstance(out, DistTensor):
         raise CheckError(f"g returned a {type(out).__name__}; return a DistTensor")
+    _same_mesh("g", out, mesh)
     ps = out.placements
     if ps != (Shard(1),):
         hint = {(Replicate(),): "that is tensor parallelism's g, an all-reduce (2 (t-1)/t n "

@@ -13,6 +13,7 @@ the activation forward (g) and one backward (f), counted in the trace.
 from __future__ import annotations
 
 import copy
+import fnmatch
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..parallel.tp_api import parallelize_module
 from ..parallel.tp_from_torch import from_torch_style, is_torch_style
 from ..parallel.tp_prepare import PrepareModuleInput
+from ..parallel.tp_styles import RowwiseParallel
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.trace import trace
 from .checks import _ok
@@ -99,6 +101,17 @@ def _apply(plan, tp: int):
                          "parallelism the residual stream is whole on every rank: "
                          "input_layouts=(Replicate(),). (torch would take each rank's whole "
                          "tensor for a shard and gather a sequence t times too long)")
+    for key, style in plan.items():
+        if is_torch_style(style):
+            style = from_torch_style(style)
+        if (isinstance(style, RowwiseParallel) and _matches(key, "mlp.w2")
+                and style.input_layouts[0] not in (Shard(-1), Shard(2))):
+            raise CheckError(f"your RowwiseParallel for w2 says its input arrives "
+                             f"{fmt_placements(style.input_layouts)}, but w1 and w3 hand it "
+                             "the hidden activation split over its features, Shard(-1). (In "
+                             "torch ColwiseParallel hands on each rank's local slice, and w2 "
+                             "would take that slice for the whole tensor: wrong shapes.) Keep "
+                             "RowwiseParallel's default input_layouts")
     cfg = get_config("tiny")
     torch.manual_seed(0)
     ref = MLPHalf(cfg)
@@ -112,6 +125,13 @@ def _apply(plan, tp: int):
         raise CheckError(f"parallelize_module refused your plan: {type(e).__name__}: {e}") \
             from None
     return cfg, ref, model, mesh
+
+
+def _matches(key: str, name: str) -> bool:
+    """Whether plan ``key`` names module ``name`` (fnmatch per dotted token, as torch and
+    ``parallelize_module`` resolve it)."""
+    a, b = key.split("."), name.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(n, k) for k, n in zip(a, b))
 
 
 def _messages(tr):
@@ -177,8 +197,11 @@ def check_tp_mlp_plan(plan, tp: int = 2, batch: int = 2) -> None:
                          "the input gradient where Megatron's f sends 1: w1 and w3 each "
                          "entered the tensor-parallel region on their own, and each one's "
                          "input gradient is a partial sum reduced by itself. Let the input "
-                         "enter once, before the MLP: 'mlp': PrepareModuleInput(input_layouts="
-                         "(Replicate(),), desired_input_layouts=(Replicate(),))")
+                         "enter once, for both: which of section 6's styles is f, and on "
+                         "which module must it sit?",
+                         expected="'mlp': PrepareModuleInput(input_layouts=(Replicate(),), "
+                                  "desired_input_layouts=(Replicate(),)) beside w1, w3 "
+                                  "colwise and w2 rowwise")
     if big_b != ["all_reduce"]:
         raise CheckError(f"backward sent {', '.join(big_b) or 'nothing'} of the activation; "
                          "Megatron's f sends one all-reduce of the input gradient")

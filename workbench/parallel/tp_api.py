@@ -44,12 +44,18 @@ def _resolve(module, key: str, full: str) -> list:
     return [m for child in hits for m in _resolve(child, rest, full)]
 
 
-def _check_tie(seen: dict, param, p, name: str, md: int) -> None:
+def _check_tie(seen: dict, param, p, name: str, md: int, key: str, owner) -> None:
     """A parameter shared by two modules (tied weights) stays one DistTensor: both styles
-    must lay it out alike (here or in an earlier call)."""
+    must lay it out alike (here or in an earlier call).  One parameter of one module
+    reached by two keys (a style on a parent, e.g. SequenceParallel on an MLP, and one on
+    its child) that lay it out differently is not a tie: two styles for one parameter."""
     dt = getattr(param, "_wb_dist", None)
-    first = seen.setdefault(id(param), (name, p) if dt is None else
-                            ("an earlier parallelize_module call", dt.placements[md]))
+    first = seen.setdefault(id(param), (name, p, key, owner) if dt is None else
+                            ("an earlier parallelize_module call", dt.placements[md], None, None))
+    if first[1] != p and first[3] is owner and first[2] != key:
+        raise ValueError(f"parallelize_plan keys {first[2]!r} and {key!r} both lay out "
+                         f"{name!r} (a style on a module lays out its submodules' parameters "
+                         "too): give each parameter one style")
     if first[1] != p:
         raise ValueError(f"parallelize_plan: {first[0]!r} and {name!r} are one tied parameter "
                          f"but get {first[1]!r} and {p!r} on the tp dim; give both modules styles "
@@ -105,7 +111,8 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
                                      f"the parameters of one {type(mod).__name__}: give it one "
                                      "style")
             for pname, param, p in style._planned(mod):
-                _check_tie(tied, param, p, f"{key}.{pname}" if key else pname, md)
+                owner = mod.get_submodule(pname.rpartition(".")[0])
+                _check_tie(tied, param, p, f"{key}.{pname}" if key else pname, md, key, owner)
             todo.append((style, mod))
     for style, mod in todo:
         style._apply(mod, device_mesh, md)
