@@ -64,12 +64,14 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's reserved memory plus the context is 0.914 .. 0.981 of nvidia-smi's
+- memory: stage 0's reserved memory plus the context is 0.915 .. 0.982 of nvidia-smi's
   reading (0.812 .. 0.855 with the live peak alone, before ``plan.allocator``; 0.767 ..
   0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the embedding
   LayerNorm's saved input).  What the planner counts there (final layout, GiB): bf16
   weights 7.5, bf16 gradients 7.5, Adam on the 1/8 partition 5.6, BF16_Optimizer's fp32
-  gradients 14.9, NCCL 1.2, activations 8.9 (12 micro-batches in flight: 5 layer inputs,
+  gradients 14.9, NCCL 1.2 (``plan.comm_memory``: the cluster's own NCCL 2.10.3 log,
+  2 channels across nodes, no GPUDirect RDMA, rings and trees connected at init; the
+  TP group and DeepSpeed's slice group 0.56 each), activations 8.9 (12 micro-batches in flight: 5 layer inputs,
   the embedding's dropout mask, the input its LayerNorm saves, bigscience-workshop/
   Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``: ``ModelConfig.embed_norm``, and the
   engine's 1/4 output partition, ``plan.deepspeed_pipe_memory``), the embedding
@@ -80,14 +82,14 @@ test_published_bloom.py`` guards the spread, never a target):
   fragmentation of the segments the activations and the per-tensor bf16 weights
   BF16_Optimizer frees when it flattens them (8 GB) leave, the backward's gradient
   temporaries.  The prequel's other shapes (195B, 184B, 178B, 203B, 12 rows with a
-  reading) go from 0.807 .. 0.856 to 0.908 .. 0.983 alike; the micro-batch-4 rows are
-  the lowest (0.914 here), as fragmentation that grows with the activations would leave.
+  reading) go from 0.807 .. 0.856 to 0.919 .. 0.984 alike; the micro-batch-4 rows are
+  the lowest (0.915 here), as fragmentation that grows with the activations would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
   fitting, 55.7 GiB live on its busiest rank of 69.2 usable; the same table's neighbours
   do not explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on
   stage 0 where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79
-  GB; the planner prices the 203B's and the 206B's stage 0 alike (65.6 and 65.8 GiB
+  GB; the planner prices the 203B's and the 206B's stage 0 alike (65.6 and 65.9 GiB
   reserved with the context; bloom3 read the 203B row too).  No component read in
   DeepSpeed 56c522386 (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s
   one-tensor buckets, the pipeline engine's buffers, its activation checkpointing),

@@ -6,7 +6,8 @@ was written (time 0.765 .. 0.935 on the profile's Omni-Path efficiency read as t
 four adapters; 1.032 .. 1.198 since NCCL's log of the same benchmark showed one adapter
 per direction carrying it, bloom3; memory against nvidia-smi 0.767 .. 0.827, 0.812 ..
 0.855 with DeepSpeed's partitioned pipeline outputs and the embedding LayerNorm's saved
-input, 0.914 .. 0.981 with the caching allocator's cached sync segment, plan.allocator)
+input, 0.915 .. 0.982 with the caching allocator's cached sync segment, plan.allocator,
+and Jean Zay's own NCCL log in plan.comm_memory)
 widened by about 0.25 either side; never tune the planner toward them.
 """
 import importlib.util
