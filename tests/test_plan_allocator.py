@@ -81,6 +81,7 @@ def test_estimate_reports_reserved_memory_and_judges_fits_on_the_live_peak():
     assert est.details["reserved_memory"] == est.memory["total"] + cache
     assert est.fits == (est.memory["total"] <= cl.profile.usable_memory())
     assert any("caching allocator" in a for a in est.assumptions())
+    assert f"reserved {est.details['reserved_memory'] / 1e9:.1f} GB" in est.explain()
     # the live keys are unchanged: the cache is no part of total
     assert est.memory["total"] == pytest.approx(
         sum(v for k, v in est.memory.items() if k != "total"))
@@ -88,3 +89,4 @@ def test_estimate_reports_reserved_memory_and_judges_fits_on_the_live_peak():
     meg = wb.plan.estimate(cfg, lay.replace(framework="megatron"), cl)
     assert meg.details["reserved_memory"] == meg.memory["total"]
     assert not any("caching allocator" in a for a in meg.assumptions())
+    assert "reserved" not in meg.explain()

@@ -161,7 +161,10 @@ class Estimate:
                if self.memory.get("workspace") else "")
             + f" = {gb['total']:.1f} GB"
             f" ({'fits' if self.fits else 'does NOT fit'} in {d['usable_memory'] / 1e9:.1f} GB "
-            f"usable: {d['memory_margin']})",
+            f"usable: {d['memory_margin']})"
+            + (f"; reserved {d['reserved_memory'] / 1e9:.1f} GB with the caching "
+               f"allocator's cached segment {busy['allocator_cache'] / 1e9:.1f} "
+               f"(plan.allocator)" if busy.get("allocator_cache") else ""),
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
