@@ -51,7 +51,9 @@ places a network connection's send and receive buffers in host memory
 NVLink (P2P) edges of a ring or tree hold device memory, 12 MiB per channel with P2P
 read ("via P2P/IPC/read": ``src/transport/p2p.cc`` lines 156-159 and 204-207, the sender's
 ncclSendMem + Simple 4 MiB and the receiver's LL + LL128, each rounded to CUDA_IPC_MIN),
-(members on the node - 1) / members of a rank's ring and tree edges on average.
+(members on the node - 1) / members of a rank's ring and tree edges on average.  The 2
+channels are ASSUMED for that cluster's communicators with fewer GPUs per node too (the
+log is of 8 a node); its in-node communicators keep the A100 node's figures (ASSUMED).
 
 DeepSpeed's pipeline engine (``framework="deepspeed"``, pp > 1; microsoft/DeepSpeed
 56c522386 ``runtime/pipe/topology.py`` ``PipelineParallelGrid``, ``p2p.py``) uses groups
