@@ -102,10 +102,11 @@ test_published_bloom.py`` guards the spread, never a target):
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the
-prequel's other model shapes (heads and layers per stage differ from the final model's;
-their fused-softmax constraints moved TFLOPs by up to 30% between head counts, which the
-planner does not model) and its fp16 / 02-17..02-27 tables (a different optimizer and
-partitioning: only their OOM verdicts are used).
+TFLOPs of the prequel's other model shapes (heads and layers per stage differ from the
+final model's; their fused-softmax constraints moved TFLOPs by up to 30% between head
+counts, which the planner does not model: their memory readings are ``MEMORY_ROWS``,
+compared as the final shape's) and its fp16 / 02-17..02-27 tables (a different
+optimizer and partitioning: only their OOM verdicts are used).
 """
 from __future__ import annotations
 
@@ -159,9 +160,33 @@ PREQUEL_0228 = [(4, 8, 12, 2, 64, 40, 121.63, 128.92), (8, 4, 12, 2, 64, 59, 102
                 (8, 4, 12, 2, 112, 59, 104.50, 150.05), (8, 4, 12, 2, 128, 60, 105.89, 148.08),
                 (8, 4, 12, 4, 64, 73, 102.27, 153.33)]
 
+# the same section's other shapes with a memory reading: name, NHIDDEN, NLAYERS, and per
+# layout DP, TP, PP, MBS, NHEADS, Mem (GB), sec/it, TFLOPs (rows whose Mem is blank are
+# left out)
+PREQUEL_0228_SHAPES = [
+    ("195B", 12288, 106, [(8, 4, 12, 2, 64, 67, 116.54, 149.75),
+                          (8, 4, 12, 2, 96, 65, 118.79, 146.90),
+                          (8, 4, 12, 2, 128, 67, 121.42, 143.73),
+                          (8, 4, 12, 4, 96, 79, 120.34, 145.01)]),
+    ("184B", 12288, 100, [(8, 8, 6, 2, 64, 61, 139.72, 117.91),
+                          (8, 8, 6, 4, 64, 72, 120.96, 136.20)]),
+    ("178B", 13312, 82, [(4, 8, 12, 4, 64, 52, 111.79, 141.76),
+                         (8, 4, 12, 2, 64, 63, 104.45, 151.71),
+                         (8, 4, 12, 2, 104, 62, 123.71, 128.10),
+                         (8, 4, 12, 2, 128, 60, 108.78, 145.68),
+                         (8, 4, 12, 4, 64, 74, 104.82, 151.18)]),
+    ("203B", 13312, 94, [(8, 4, 12, 2, 128, 67, 124.10, 146.12)])]
+
 ROWS = [_row("BLOOM 176B", 14336, 70, 112, 8, 4, 12, 2, 149.77, None, _FINAL)] + [
     _row(f"176B a{a}-tp{tp}-mb{mbs}", 14336, 70, a, dp, tp, pp, mbs, tflops, mem, _P0228)
     for dp, tp, pp, mbs, a, mem, _, tflops in PREQUEL_0228]
+
+# memory readings only (not in the time comparison: module docstring)
+MEMORY_ROWS = [_row(f"{n} a{a}-dp{dp}-tp{tp}-mb{mbs}", h, l, a, dp, tp, pp, mbs, tflops, mem,
+                    f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md, 02-28, "
+                    f"NHIDDEN={h}; NLAYERS={l}")
+               for n, h, l, rows in PREQUEL_0228_SHAPES
+               for dp, tp, pp, mbs, a, mem, _, tflops in rows]
 
 _OOM = f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md"
 _FP16 = ("fp16 with DeepSpeed's ZeRO-1 (02-21: ZS=1), before the BF16 optimizer; the "
@@ -222,7 +247,7 @@ def memory_lines() -> list[str]:
            f"within the usable memory"]
     out.append(f"  {'row':<29}{'layout':<52}{'Mem':>6}{'predicted':>10}{'ratio':>7}"
                f"{'busiest':>9}  fits  published")
-    for row in ROWS + OOM_ROWS:
+    for row in ROWS + MEMORY_ROWS + OOM_ROWS:
         m = memory(row)
         if row["published_mem_gib"] is None and row["published"] is not None:
             continue                         # the final run: no memory published
