@@ -34,7 +34,8 @@ get_grads_for_reduction())``: the flat fp32 buffer of each parameter group, one 
 each (``allreduce_no_retain`` buckets of at least 5e8 elements; ``allreduce_bucket``'s
 ``self.flatten`` of one tensor is a view, torch/csrc/utils/tensor_flatten.h), cast
 ``tensor.to(communication_data_type)``: a bf16 copy of the weight-decay group in ONE
-block, 2 bytes per parameter (Megatron's groups: all but the biases and LayerNorm
+block, 2 bytes per parameter (Megatron's groups, bigscience-workshop/Megatron-DeepSpeed
+b1359ee0 megatron/optimizer/__init__.py lines 26-47: all but the biases and LayerNorm
 weights, under 0.1% of a BLOOM stage's parameters: taken as all of them).  Before it,
 the largest blocks freed on the rank are each parameter's fp32 gradient cast in
 ``update_hp_grads`` (4 bytes x the largest parameter), the per-tensor bf16 weights
