@@ -53,7 +53,7 @@ from . import bf16_optimizer as _bf16
 
 __all__ = ["SOURCE", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER",
            "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size", "segment_bytes",
-           "new_segment_bytes", "cached_bytes", "assumption"]
+           "new_segment_bytes", "largest_freed_bytes", "cached_bytes", "assumption"]
 
 SOURCE = ("pytorch/pytorch v1.11.0 c10/cuda/CUDACachingAllocator.cpp "
           "(DeviceCachingAllocator::malloc: get_free_block, alloc_block, "
