@@ -3,7 +3,9 @@ reads (``reserved``) against the planner's live peak (``memory["total"]``).
 
 Source: pytorch/pytorch v1.11.0 (BLOOM-176B's torch, bigscience-workshop/bigscience
 train/tr11-176B-ml/README.md: "PyTorch-1.11 w/ CUDA-11.5"), ``c10/cuda/
-CUDACachingAllocator.cpp``:
+CUDACachingAllocator.cpp`` (by function: the v1.11.0 tree was not at hand, too large to
+fetch here; the malloc order below was read in that era's copies, e.g. torch_npu's port
+of it, and is unchanged in pytorch's later ones):
 
 - sizes: ``round_size`` rounds a request up to a multiple of ``kMinBlockSize`` = 512 B;
   ``get_allocation_size`` asks cudaMalloc for a new segment of ``kSmallBuffer`` = 2 MiB
