@@ -40,10 +40,13 @@ snapshot with: pdsh -w jean-zay-iam01 ... nvidia-smi"; the 02-17 tables: "max me
 used by the first (last) nodes with the word embedding matrix"): the caching allocator's
 reserved memory plus the CUDA context, of the ranks of pipeline stage 0 (Megatron-
 DeepSpeed's rank order puts tp x dp = 32 consecutive ranks, 4 nodes, on stage 0).  It is
-compared with the planner's stage-0 peak plus the profile's context (1,573 MiB,
-measured by BigScience on a 40GB A100): live tensors at the peak, so a ratio below 1 is
-what the allocator's cached free blocks and fragmentation leave.  ASSUMPTION: "GB"
-there is nvidia-smi's MiB / 1024 (GiB); read as 1e9 bytes the ratios rise by 7.4%.
+compared with the planner's stage-0 reserved memory plus the profile's context (1,573
+MiB, measured by BigScience on a 40GB A100): the live peak plus the segment PyTorch
+1.11's caching allocator keeps for BF16_Optimizer's bf16 gradient copy at the DP sync
+(``plan.allocator``: 2 bytes per parameter in one block, larger than any block freed
+before it), so a ratio below 1 is what the fragmentation of the other cached segments
+leaves (not measured, not counted).  ASSUMPTION: "GB" there is nvidia-smi's MiB / 1024
+(GiB); read as 1e9 bytes the ratios rise by 7.4%.
 
 What the comparison says (measured when this module was written; ``tests/
 test_published_bloom.py`` guards the spread, never a target):
@@ -61,40 +64,49 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's peak plus the context is 0.812 .. 0.855 of nvidia-smi's reading
-  (0.767 .. 0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the
-  embedding LayerNorm's saved input).  What the planner counts there (final layout):
-  bf16 weights 8.0 GB, bf16 gradients 8.0, Adam on the 1/8 partition 6.0,
-  BF16_Optimizer's fp32 gradients 16.0, NCCL 1.3, activations 9.5 (12 micro-batches in
-  flight: 5 layer inputs, the embedding's dropout mask, the input its LayerNorm saves,
-  bigscience-workshop/Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``:
-  ``ModelConfig.embed_norm``, and the engine's 1/4 output partition,
-  ``plan.deepspeed_pipe_memory``), the embedding gradient's fp32 cast 3.6.  Not counted:
-  the allocator's cached segments (the 8 GB bf16 copy of the fp32 gradients made at
-  every DP sync, after the pipeline's activations, is one; the per-tensor bf16 weights
-  BF16_Optimizer frees when it flattens them into one buffer, 8 GB, are another: how
-  much of them later allocations reuse is the allocator's, not modelled), the
-  backward's gradient temporaries.  The same ratio holds for the prequel's other shapes
-  (195B, 184B, 178B, 203B: 0.807 .. 0.856 over their 11 rows): a missing share of about
-  a sixth that does not depend on the shape, what an allocator's cache would leave.
+- memory: stage 0's reserved memory plus the context is 0.915 .. 0.982 of nvidia-smi's
+  reading (0.812 .. 0.855 with the live peak alone, before ``plan.allocator``; 0.767 ..
+  0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the embedding
+  LayerNorm's saved input).  What the planner counts there (final layout, GiB): bf16
+  weights 7.5, bf16 gradients 7.5, Adam on the 1/8 partition 5.6, BF16_Optimizer's fp32
+  gradients 14.9, NCCL 1.2 (``plan.comm_memory``: the cluster's own NCCL 2.10.3 log,
+  2 channels across nodes, no GPUDirect RDMA, rings and trees connected at init; the
+  TP group and DeepSpeed's slice group 0.56 each), activations 8.9 (12 micro-batches in flight: 5 layer inputs,
+  the embedding's dropout mask, the input its LayerNorm saves, bigscience-workshop/
+  Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``: ``ModelConfig.embed_norm``, and the
+  engine's 1/4 output partition, ``plan.deepspeed_pipe_memory``), the embedding
+  gradient's fp32 cast 3.4; and the allocator's cached segment for the DP sync's bf16
+  copy of the fp32 gradients, 7.5 (made after the pipeline's activations are freed, but
+  no freed block is as large: ``torch`` 1.11 does not merge blocks of different
+  segments, so it is a cudaMalloc of its own, kept cached).  Not counted: the
+  fragmentation of the segments the activations and the per-tensor bf16 weights
+  BF16_Optimizer frees when it flattens them (8 GB) leave, the backward's gradient
+  temporaries.  The prequel's other shapes (195B, 184B, 178B, 203B, 12 rows with a
+  reading) go from 0.807 .. 0.856 to 0.919 .. 0.984 alike; the micro-batch-4 rows are
+  the lowest (0.915 here), as fragmentation that grows with the activations would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
-  fitting, 59.8 GB on its busiest rank of 74.4 usable; the same table's neighbours do not
-  explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage 0
-  where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79 GB; the
-  planner prices the 203B's and the 206B's stage 0 alike (57.1 and 57.2 GiB with
-  the context; bloom3 read the 203B row too).  No component read in DeepSpeed 56c522386
-  (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s one-tensor
-  buckets, the pipeline engine's buffers, its activation checkpointing) or
-  Megatron-DeepSpeed accounts for the difference; it is reported, not fitted
-  (``tests/test_published_bloom.py``: xfail, strict).
+  fitting, 55.7 GiB live on its busiest rank of 69.2 usable; the same table's neighbours
+  do not explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on
+  stage 0 where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79
+  GB; the planner prices the 203B's and the 206B's stage 0 alike (65.6 and 65.9 GiB
+  reserved with the context; bloom3 read the 203B row too).  No component read in
+  DeepSpeed 56c522386 (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s
+  one-tensor buckets, the pipeline engine's buffers, its activation checkpointing),
+  Megatron-DeepSpeed or torch 1.11's caching allocator (whose cached segments are
+  released before it reports out of memory, so they do not decide ``fits``) accounts
+  for the difference; it is reported, not fitted (``tests/test_published_bloom.py``:
+  xfail, strict).  The 79 GB reading of a run that ran also says the card holds 80 GiB
+  (nvidia-smi's 81,920 MiB), where the profile's ``memory_bytes`` is the datasheet's 80
+  GB read as 8e10 bytes: left as it is (every A100 row reads it).
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the
-prequel's other model shapes (heads and layers per stage differ from the final model's;
-their fused-softmax constraints moved TFLOPs by up to 30% between head counts, which the
-planner does not model) and its fp16 / 02-17..02-27 tables (a different optimizer and
-partitioning: only their OOM verdicts are used).
+TFLOPs of the prequel's other model shapes (heads and layers per stage differ from the
+final model's; their fused-softmax constraints moved TFLOPs by up to 30% between head
+counts, which the planner does not model: their memory readings are ``MEMORY_ROWS``,
+compared as the final shape's) and its fp16 / 02-17..02-27 tables (a different
+optimizer and partitioning: only their OOM verdicts are used).
 """
 from __future__ import annotations
 
@@ -148,9 +160,33 @@ PREQUEL_0228 = [(4, 8, 12, 2, 64, 40, 121.63, 128.92), (8, 4, 12, 2, 64, 59, 102
                 (8, 4, 12, 2, 112, 59, 104.50, 150.05), (8, 4, 12, 2, 128, 60, 105.89, 148.08),
                 (8, 4, 12, 4, 64, 73, 102.27, 153.33)]
 
+# the same section's other shapes with a memory reading: name, NHIDDEN, NLAYERS, and per
+# layout DP, TP, PP, MBS, NHEADS, Mem (GB), sec/it, TFLOPs (rows whose Mem is blank are
+# left out)
+PREQUEL_0228_SHAPES = [
+    ("195B", 12288, 106, [(8, 4, 12, 2, 64, 67, 116.54, 149.75),
+                          (8, 4, 12, 2, 96, 65, 118.79, 146.90),
+                          (8, 4, 12, 2, 128, 67, 121.42, 143.73),
+                          (8, 4, 12, 4, 96, 79, 120.34, 145.01)]),
+    ("184B", 12288, 100, [(8, 8, 6, 2, 64, 61, 139.72, 117.91),
+                          (8, 8, 6, 4, 64, 72, 120.96, 136.20)]),
+    ("178B", 13312, 82, [(4, 8, 12, 4, 64, 52, 111.79, 141.76),
+                         (8, 4, 12, 2, 64, 63, 104.45, 151.71),
+                         (8, 4, 12, 2, 104, 62, 123.71, 128.10),
+                         (8, 4, 12, 2, 128, 60, 108.78, 145.68),
+                         (8, 4, 12, 4, 64, 74, 104.82, 151.18)]),
+    ("203B", 13312, 94, [(8, 4, 12, 2, 128, 67, 124.10, 146.12)])]
+
 ROWS = [_row("BLOOM 176B", 14336, 70, 112, 8, 4, 12, 2, 149.77, None, _FINAL)] + [
     _row(f"176B a{a}-tp{tp}-mb{mbs}", 14336, 70, a, dp, tp, pp, mbs, tflops, mem, _P0228)
     for dp, tp, pp, mbs, a, mem, _, tflops in PREQUEL_0228]
+
+# memory readings only (not in the time comparison: module docstring)
+MEMORY_ROWS = [_row(f"{n} a{a}-dp{dp}-tp{tp}-mb{mbs}", h, l, a, dp, tp, pp, mbs, tflops, mem,
+                    f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md, 02-28, "
+                    f"NHIDDEN={h}; NLAYERS={l}")
+               for n, h, l, rows in PREQUEL_0228_SHAPES
+               for dp, tp, pp, mbs, a, mem, _, tflops in rows]
 
 _OOM = f"{BIGSCIENCE} train/tr11-176B-ml/chronicles-prequel.md"
 _FP16 = ("fp16 with DeepSpeed's ZeRO-1 (02-21: ZS=1), before the BF16 optimizer; the "
@@ -181,28 +217,37 @@ NOTE = ("the final run's log line and the 2022-02-28 prequel rows at the final s
 
 def memory(row) -> dict:
     """The planner's memory of ``row`` on pipeline stage 0 (the ranks whose memory the
-    prequel read): ``predicted`` (its peak plus the profile's CUDA context, bytes),
-    ``measured`` (the Mem column in bytes, GiB read) or None, their ratio, and ``fits``."""
+    prequel read): ``predicted`` (its reserved memory, the live peak plus the caching
+    allocator's cached segment ``cache``, plus the profile's CUDA context, bytes),
+    ``live`` (the live peak plus the context), ``measured`` (the Mem column in bytes, GiB
+    read) or None, their ratio, and ``fits`` (the busiest rank's live peak)."""
     cfg = wb.models.ModelConfig(**{**dict(arch="gpt", seq_len=2048, tie_embeddings=True,
                                           dropout=0.1), **row["model"]})
     cl = wb.plan.Cluster(row["profile"], row["devices"])
     est = wb.plan.estimate(cfg, wb.plan.Layout(**row["layout"]), cl)
     first = est.details["stages"]["first" if row["layout"]["pp"] > 1 else "only"]
-    pred = first["memory"]["total"] + cl.profile.runtime_memory["context_bytes"]
+    # reserved: the live peak plus the caching allocator's cached segment for
+    # BF16_Optimizer's bf16 gradient copy (plan.allocator), then the CUDA context
+    live = first["memory"]["total"]
+    pred = live + first["allocator_cache"] + cl.profile.runtime_memory["context_bytes"]
     gib = row.get("published_mem_gib")
     meas = None if gib is None else gib * 2 ** 30
     return dict(row=row, estimate=est, predicted=pred, measured=meas, fits=est.fits,
+                live=live + cl.profile.runtime_memory["context_bytes"],
+                cache=first["allocator_cache"],
                 ratio=None if meas is None else pred / meas,
                 busiest=est.memory["total"], usable=est.details["usable_memory"])
 
 
 def memory_lines() -> list[str]:
     """The memory comparison and the OOM verdicts, as ``published.py`` prints them."""
-    out = [f"\n{CITE}\n  memory: the planner's stage-0 peak + CUDA context against nvidia-smi "
-           f"('Mem', GiB read); fits: the busiest rank's peak within the usable memory"]
+    out = [f"\n{CITE}\n  memory: the planner's stage-0 reserved memory (live peak + the "
+           f"caching allocator's cached sync segment, plan.allocator) + CUDA context "
+           f"against nvidia-smi ('Mem', GiB read); fits: the busiest rank's live peak "
+           f"within the usable memory"]
     out.append(f"  {'row':<29}{'layout':<52}{'Mem':>6}{'predicted':>10}{'ratio':>7}"
                f"{'busiest':>9}  fits  published")
-    for row in ROWS + OOM_ROWS:
+    for row in ROWS + MEMORY_ROWS + OOM_ROWS:
         m = memory(row)
         if row["published_mem_gib"] is None and row["published"] is not None:
             continue                         # the final run: no memory published

@@ -123,3 +123,55 @@ def test_the_assumption_names_each_librarys_own_range():
     assert "without .. with the world's communicator" in npu and "NCCL" not in npu
     gpu = CM.assumption(CM.comm_buffer_bytes(GPT, lay, 0, A100), A100)
     assert "NCCL 2.22+'s lazy connection" in gpu and "HCCL" not in gpu
+
+
+def test_communicators_of_deepspeeds_pipeline():
+    """DeepSpeed 56c522386's PipelineParallelGrid and p2p.py: one 2-rank communicator
+    per pipeline neighbour (torch's send / recv), the slice group beside Megatron's TP
+    one (PartitionedTensor.full's all-gather), the pipe group's loss broadcast and the
+    grid's model-parallel group; Megatron's layout keeps one pipeline communicator."""
+    ds = Layout(dp=4, tp=8, pp=4, zero=1, global_batch=64, framework="deepspeed")
+    names = {s: [(c["name"], c["ranks"]) for c in CM.communicators(GPT, ds, s, 8)]
+             for s in (0, 1, 3)}
+    assert names[1] == [("TP", 8), ("DP", 4), ("PP pair", 2), ("PP pair", 2),
+                        ("slice (TP ranks)", 8), ("pipe", 4), ("model parallel", 32),
+                        ("world", 128)]
+    assert names[0].count(("PP pair", 2)) == 1 and ("embedding", 2) in names[0]
+    pipe = next(c for c in CM.communicators(GPT, ds, 1, 8) if c["name"] == "pipe")
+    assert pipe["small"]                     # a loss broadcast: one algorithm at point
+    # on the A100 profile: the slice group holds what the TP group does; each pair its
+    # own network p2p buffers (2 x 2 channels x 16 steps x 128 KiB, as the one PP comm)
+    got = dict(((n, i), b) for i, (n, _, b) in enumerate(
+        CM.comm_buffer_bytes(GPT, ds, 1, A100)["comms"]))
+    assert got[("slice (TP ranks)", 4)] == got[("TP", 0)] == 24 * 12 * MiB
+    assert got[("PP pair", 2)] == got[("PP pair", 3)] == 2 * 2 * 16 * 128 * 1024
+    meg = [c["name"] for c in CM.communicators(GPT, ds.replace(framework="megatron"), 1, 8)]
+    assert meg == ["TP", "DP", "PP", "model parallel", "world"]
+
+
+def test_jean_zay_counts_its_own_nccl_log():
+    """bigscience all_reduce_bench-a100-n4.txt (NCCL 2.10.3): 2 channels across nodes,
+    rings and trees connected at init, network connections without GDRDMA (host
+    memory, net.cc): on BLOOM's stage 0 only NVLink edges hold device memory: TP and
+    the slice group 24 channels x (ring + tree) x 12 MiB each; DP (2 of its 8 ranks on
+    the node) 2 x 12 MiB x 1/2 x 2; the world (8 a node) 2 x 12 MiB x 7/8 x 2; the
+    model-parallel group (4 a node) 2 x 12 MiB x 3/4 x 2; pipeline pairs, the pipe
+    group and the tied embedding's pair cross nodes only: nothing on the device."""
+    jz = get_profile("a100-jeanzay")
+    cfg = get_config("gpt3-175b", n_layer=70, d_model=14336, n_head=112,
+                     vocab_size=250880, dtype="bfloat16")
+    lay = Layout(dp=8, tp=4, pp=12, zero=1, recompute="full", micro_batch=2,
+                 global_batch=2048, framework="deepspeed",
+                 stages=(5,) + (6,) * 10 + (5,))
+    got = CM.comm_buffer_bytes(cfg, lay, 0, jz)
+    b = {n: v for n, _, v in got["comms"]}
+    assert b["TP"] == b["slice (TP ranks)"] == 24 * 2 * 12 * MiB
+    assert b["DP"] == 2 * 12 * MiB * 2 // 2
+    assert b["world"] == 2 * 12 * MiB * 7 / 8 * 2
+    assert b["model parallel"] == 2 * 12 * MiB * 3 / 4 * 2
+    assert b["PP pair"] == b["pipe"] == b["embedding"] == 0.0
+    assert got["point"] == sum(b.values())
+    assert "all_reduce_bench-a100-n4" in CM.assumption(got, jz)
+    # the same layout on the a100 profile (GPUDirect RDMA, lazily connected) differs
+    a = {n: v for n, _, v in CM.comm_buffer_bytes(cfg, lay, 0, A100)["comms"]}
+    assert a["PP pair"] > 0 and a["TP"] == 24 * 12 * MiB

@@ -36,6 +36,38 @@ NCCL (NVIDIA/nccl 2.30.7, 5067397c26; the same defaults since 2.12):
   (``NCCL_SHARED_STEPS``) x 128 KiB (``NCCL_P2P_NET_CHUNKSIZE``), in device memory with
   GPUDirect RDMA (``src/transport/net.cc``, ``sharedNetBuffersInit``).
 
+A cluster whose own NCCL log is read (``_CLUSTERS``): Jean Zay (profile ``a100-jeanzay``,
+BLOOM-176B's), bigscience-workshop/bigscience 9e64edec2a experiments/bandwidth/
+all_reduce_bench-a100-n4.txt, 32 ranks on 4 nodes: "NCCL version 2.10.3+cuda11.3"
+(line 121), "Channel 00/02" (260) and "2 coll channels, 2 p2p channels, 1 p2p channels
+per peer" (581): 2 channels across nodes; "Connected all rings" (397) then "Connected
+all trees" (579) during init: NCCL 2.10.3 connects both algorithms of every
+communicator when it is created (``src/init.cc`` v2.10.3 7e51592129, lines 771-790),
+not lazily; every network connection "via NET/IB/<n>" with no "/GDRDMA" (e.g. line
+312): without GPUDirect RDMA ``src/transport/net.cc`` (v2.10.3, lines 96 and 171)
+places a network connection's send and receive buffers in host memory
+(``ncclCudaHostCalloc``), and the network peers' shared p2p buffers too
+(``ncclProxySharedBuffersInit``, ``src/proxy.cc`` line 487): on that cluster only the
+NVLink (P2P) edges of a ring or tree hold device memory, 12 MiB per channel with P2P
+read ("via P2P/IPC/read": ``src/transport/p2p.cc`` lines 156-159 and 204-207, the sender's
+ncclSendMem + Simple 4 MiB and the receiver's LL + LL128, each rounded to CUDA_IPC_MIN),
+(members on the node - 1) / members of a rank's ring and tree edges on average.  The 2
+channels are ASSUMED for that cluster's communicators with fewer GPUs per node too (the
+log is of 8 a node); its in-node communicators keep the A100 node's figures (ASSUMED).
+
+DeepSpeed's pipeline engine (``framework="deepspeed"``, pp > 1; microsoft/DeepSpeed
+56c522386 ``runtime/pipe/topology.py`` ``PipelineParallelGrid``, ``p2p.py``) uses groups
+of its own beside Megatron's tensor-parallel one: the data-parallel group (gradient
+all-reduce), the "slice" group (the same ranks as tensor parallelism, a communicator of
+its own: ``PartitionedTensor.full()``'s all-gather of each stage's 1/t outputs,
+``runtime/utils.py``), the pipe group (``_aggregate_total_loss``' loss broadcast), the
+model-parallel group of t x p ranks (``get_global_norm_of_tensors``' all-reduce), the
+tied modules' group (``ReduceTiedGrads``); activations go through ``dist.send`` /
+``dist.recv`` (torch >= 1.8, ``p2p.can_send_recv``), for which torch's
+ProcessGroupNCCL makes a 2-rank communicator per peer pair (``pointToPoint``:
+``getKeySendRecv(rank_, peer)``, torch v1.11.0 ``torch/csrc/distributed/c10d/
+ProcessGroupNCCL.cpp``): one per pipeline neighbour, each with its own p2p buffers.
+
 HCCL (Ascend): "each communicator occupies 2 x HCCL_BUFFSIZE memory, used for receiving
 and sending", HCCL_BUFFSIZE 200 MB by default (Huawei CANN, environment variables,
 ``HCCL_BUFFSIZE``; the MB are 1024 x 1024 bytes, as its own sizing rule divides by).
@@ -64,7 +96,8 @@ ASSUMPTIONS (with their range, ``comm_buffer_bytes``'s ``low`` .. ``high``):
   gradient norm, and the world's default group, used at least by barriers), each a
   communicator of its own (``new_group``; FSDP's 1-D mesh is the default group itself).
   Network-crossing ring channels counted as NVLink ones (the sender's LL128 and Simple
-  buffers with GPUDirect RDMA add up to 10 MiB on a node's boundary ranks).
+  buffers with GPUDirect RDMA add up to 10 MiB on a node's boundary ranks), but on a
+  cluster whose log shows no GPUDirect RDMA (``_CLUSTERS``), where they hold none.
 """
 from __future__ import annotations
 
@@ -102,6 +135,14 @@ _NCCL = {
                                   one=(2, 2, 4), net_peer=2, nvls=False),
 }
 _HCCL = ("HCCS",)
+# clusters whose own NCCL log gives these (module docstring): ring channels (low, point,
+# high) across nodes, GPUDirect RDMA, both algorithms connected at init
+_CLUSTERS = {
+    "a100-jeanzay": dict(nodes=(2, 2, 2), one=(2, 2, 2), gdr=False, init_trees=True,
+                         log="bigscience experiments/bandwidth/all_reduce_bench-a100-n4."
+                             "txt (NCCL 2.10.3: 2 channels across nodes, no GDRDMA, "
+                             "rings and trees connected at init)"),
+}
 
 
 def library(profile) -> tuple[str, dict | None, bool]:
@@ -110,7 +151,7 @@ def library(profile) -> tuple[str, dict | None, bool]:
     if any(link.startswith(h) for h in _HCCL) or profile.name.startswith("ascend"):
         return "HCCL", None, True
     if link in _NCCL:
-        return "NCCL", _NCCL[link], True
+        return "NCCL", {**_NCCL[link], **_CLUSTERS.get(profile.name, {})}, True
     return "NCCL", _NCCL["NVLink 3 via NVSwitch"], False
 
 
@@ -156,11 +197,26 @@ def communicators(cfg, lay, stage: int, per_node: int) -> list[dict]:
             near |= {(stage - 1) % pp, (stage + 1) % pp}
         near.discard(stage)
         step = tp * cp * dp
-        add("PP", "p2p", lay.rank(0, 0, 0, 0), step, pp,
-            sorted(lay.rank(0, 0, s, 0) for s in near))
+        if lay.engine == "deepspeed":
+            # DeepSpeed's pipeline (module docstring): dist.send / recv, one 2-rank
+            # communicator per neighbour pair; the slice group's all-gather of the 1/t
+            # outputs; the pipe group's loss broadcast
+            for s in sorted(near):
+                peer = lay.rank(0, 0, s, 0)
+                lo, hi = sorted((me, peer))
+                add("PP pair", "p2p", lo, hi - lo, 2, [peer])
+            add("slice (TP ranks)", "collective", me, 1, tp)
+            add("pipe", "collective", lay.rank(0, 0, 0, 0), step, pp)
+            if out and out[-1]["name"] == "pipe":
+                out[-1]["small"] = True
+        else:
+            add("PP", "p2p", lay.rank(0, 0, 0, 0), step, pp,
+                sorted(lay.rank(0, 0, s, 0) for s in near))
         if cfg.tie_embeddings and stage in (0, pp - 1):
             add("embedding", "collective", lay.rank(0, 0, 0, 0), step * (pp - 1), 2)
-        if lay.engine == "megatron":            # clip_grad_norm's all-reduce, found_inf
+        if lay.engine in ("megatron", "deepspeed"):
+            # Megatron-LM's clip_grad_norm all-reduce and found_inf; DeepSpeed's grid's
+            # model-parallel group, get_global_norm_of_tensors' all-reduce
             local = sum(1 for s in range(pp)
                         if lay.rank(0, 0, s, 0) // per_node == me // per_node)
             t_local, _ = _span(me, 1, tp, per_node)
@@ -180,20 +236,26 @@ def _nccl_bytes(c: dict, fig: dict, end: str) -> float:
     "high" (module docstring)."""
     k = ("low", "point", "high").index(end)
     local, nodes = c["local"], c["nodes"]
+    gdr = fig.get("gdr", True)
     ring = (fig["one"] if local == 1 and nodes > 1 else
             fig["nodes"] if nodes > 1 else fig["node"])[k]
     if c["kind"] == "p2p":
         per_peer = _P2P_NODE_CHANNELS if nodes == 1 else fig["net_peer"]
         out = c["peers_local"] * per_peer * NCCL_CONNECTION_BYTES
-        if c["peers_remote"]:
+        if c["peers_remote"] and gdr:       # without GDR the shared buffers are host memory
             p2p_channels = 1 << (ring - 1).bit_length()       # pow2Up (paths.cc)
             out += p2p_channels * _P2P_NET_BYTES_PER_CHANNEL
         return float(out)
     # a group of small all-reduces only (the world's barrier, the gradient norm) connects
-    # the one algorithm they run at point
+    # the one algorithm they run at point; a release that connects everything at init
+    # (the cluster's log) has its trees whatever it runs
     small = c.get("small", False)
-    trees = 0 if end == "low" else (1 if end == "high" or (nodes > 1 and not small) else 0)
-    out = ring * NCCL_CONNECTION_BYTES * (1 + trees)
+    trees = 1 if fig.get("init_trees") else \
+        0 if end == "low" else (1 if end == "high" or (nodes > 1 and not small) else 0)
+    per_channel = NCCL_CONNECTION_BYTES
+    if not gdr and nodes > 1:               # only the NVLink edges hold device memory
+        per_channel *= (local - 1) / local
+    out = ring * per_channel * (1 + trees)
     if fig["nvls"] and local >= 2 and end != "low" and not (small and end == "point"):
         out += local * (NCCL_NVLS_HEAD_BYTES if end == "point" else _NVLS_HEAD_BYTES_2_19)
     return float(out)
@@ -237,7 +299,8 @@ def _comm_buffer_bytes(cfg, lay, stage: int, profile) -> dict:
                 rows.append((c["name"], c["ranks"], b))
         ends[end] = tot
     return dict(ends, library=lib, comms=rows, known=known,
-                gpu=None if fig is None else fig["gpu"])
+                gpu=None if fig is None else fig["gpu"],
+                cluster=None if fig is None else fig.get("log"))
 
 
 def assumption(detail: dict, profile) -> str:
@@ -254,6 +317,8 @@ def assumption(detail: dict, profile) -> str:
         how = (f"NCCL: 12 MiB per ring channel and per p2p channel and peer, NVLS "
                f"32 MiB per GPU of the node, channels as on an {detail['gpu']} node "
                f"(ASSUMED, plan/comm_memory.py)")
+        if detail.get("cluster"):
+            how += f"; this cluster's own NCCL log: {detail['cluster']}"
         if not detail["known"]:
             how += (f"; profile {profile.name}'s interconnect "
                     f"{profile.intra_node.name!r} is not one comm_memory knows: "

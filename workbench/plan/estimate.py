@@ -49,7 +49,9 @@ MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x p
 devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
 recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
-the busiest is reported.
+the busiest is reported (its live peak; ``details["reserved_memory"]`` adds what PyTorch's
+caching allocator keeps cached beyond it, ``plan.allocator``, what nvidia-smi reads less
+the context).
 
 Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
 presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
@@ -76,6 +78,7 @@ from . import zero3_2021 as Z21
 from . import ep_cp as EC
 from . import tp_overlap as TPO
 from . import comm_memory as CM
+from . import allocator as AL
 from . import megatron_2021 as M21
 from . import megatron_hook_add as HA
 from . import titan_eager as TE
@@ -158,7 +161,10 @@ class Estimate:
                if self.memory.get("workspace") else "")
             + f" = {gb['total']:.1f} GB"
             f" ({'fits' if self.fits else 'does NOT fit'} in {d['usable_memory'] / 1e9:.1f} GB "
-            f"usable: {d['memory_margin']})",
+            f"usable: {d['memory_margin']})"
+            + (f"; reserved {d['reserved_memory'] / 1e9:.1f} GB with the caching "
+               f"allocator's cached segment {busy['allocator_cache'] / 1e9:.1f} "
+               f"(plan.allocator)" if busy.get("allocator_cache") else ""),
             f"  MFU {self.mfu:.1%} (model FLOPs {d['model_flops']:.3g}), HFU {self.hfu:.1%}, "
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
@@ -473,6 +479,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
                             memory=stage_memory(cfg, lay, s, attention, prof),
+                            # what PyTorch's caching allocator keeps reserved beyond the
+                            # live peak (plan.allocator): nvidia-smi's reading less the
+                            # context is memory["total"] + allocator_cache
+                            allocator_cache=AL.cached_bytes(cfg, lay, s, psi, n_layers),
                             copies=copies)
 
     tied = 0.0
@@ -531,6 +541,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
+        + ((AL.assumption(busiest["allocator_cache"]),) if busiest["allocator_cache"]
+           else ())
         + NT.scale_assumption(prof, _dp_nodes(lay, prof)) + NT.assumptions(prof),
         "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,
@@ -542,6 +554,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         else None,
         "model": cfg,
         "usable_memory": prof.usable_memory(),
+        # the busiest rank's reserved memory (plan.allocator): its live peak plus the
+        # segments the caching allocator keeps for transients no cached block can serve
+        "reserved_memory": busiest["memory"]["total"] + busiest["allocator_cache"],
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
         "grad_accumulation": slow["grad_accumulation"],   # per micro-batch (megatron_2021)
