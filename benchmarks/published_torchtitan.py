@@ -80,6 +80,19 @@ What the comparison says (measured when this module was written; the band in
   spans NVL .. SXM datasheet figures, not a power-capped clock); eager mode's host
   launch overhead (about 1 us per kernel assumed; PyTorch's dispatcher in eager mode
   costs more per op, not measured here); the A100 cluster's network (not stated).
+- The single-GPU compute under these rows, held to component measurements (later): on
+  the H100 the planner's one-GPU step of a 1.7B GPT is the measured one
+  (``benchmarks/gpu_step.py --compare``: 0.3925 / 0.3927 s) and its Llama 3 8B layer 0.93
+  of the measured plain-PyTorch layer (``tests/test_measured.py``); on the A100 the layer
+  holds Korthikanti's Table 4 within 3%, and the GEMM shape model it relies on (tile and
+  wave quantization from one large product's rate) errs both ways against the H100's 240
+  measured layer GEMMs (median measured / model 1.03), so neither explains 1.07 .. 1.19.
+  The A100's fp32 loss now runs at the H100's measured rate scaled by the HBM bandwidths
+  (``parallel/ops_table/loss_pricing.py``; it was priced 3.9x faster): Llama 3 8B 1.163 ->
+  1.155, the others by 0.002 at most.  Still unpriced, without an A100 source: the power
+  cap of the cluster (Touvron et al. 2023, "Llama 2", sec. 2.2.1: 400 W on RSC, 350 W in
+  production; which ran these rows is not stated; the MAMF table's A100 PCIe, a 300 W
+  part, reads 0.93 .. 0.96 of the 400 W SXM's best burst), FSDP2's eager host overhead.
 
 Left out, for want of what the planner prices or of a pinned configuration:
 

@@ -9,7 +9,8 @@ matmul whose cost the op table splits (``ops_table/pricing.py``'s :class:`SplitC
 its dgrad and wgrad GEMMs, two of each, the dgrad left out when the first input does
 not require grad (the graph's data), the wgrad when the second does not (a frozen
 weight).  Each kernel's time is the roofline
-time of its FLOPs and bytes (``pricing._time``, the dispatcher's) without the launch; the
+time of its FLOPs and bytes (``pricing._time``, the dispatcher's), or the profile's measured
+time of the kernel where it has one (the loss, ``loss_pricing``), without the launch; the
 launches are priced apart (``profiles.launch_overhead``, as ``schedule.replay`` records
 them).
 """
@@ -64,13 +65,18 @@ def op_kernels(graph, mesh, profile, node, specs, cand, backward: bool) -> Kerne
     dtype = pricing.pricing_dtype(specs, out_dtypes)
     lt = launch_time(profile, dtype)
     fwd = bwd = None
+    # a kernel the profile measured (the loss: loss_pricing) at its measured price, launch
+    # included, as the dispatcher records it (pricing.record_forward)
+    measured = pricing._measured(cost, profile)
     if cost.flops or cost.bytes:
-        t = pricing._time(cost.flops, cost.bytes, profile, dtype, entry.op_class, launches=1)
+        t = measured[0] if measured else pricing._time(cost.flops, cost.bytes, profile,
+                                                       dtype, entry.op_class, launches=1)
         fwd = (max(t - lt, 0.0), 1)
     needs = tuple(vid is not None and graph.values[vid].requires_grad for vid in node.inputs)
     parts = pricing.backward_parts(cost, needs) if backward else []
     if parts:
-        t = pricing._time(sum(p[1] for p in parts), sum(p[2] for p in parts), profile,
-                          dtype, entry.op_class, launches=1)
+        t = measured[1] if measured and len(parts) == 1 else pricing._time(
+            sum(p[1] for p in parts), sum(p[2] for p in parts), profile, dtype,
+            entry.op_class, launches=1)
         bwd = (max(t - lt, 0.0), len(parts))
     return Kernels(cost, dtype, fwd, bwd)

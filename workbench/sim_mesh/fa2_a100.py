@@ -39,6 +39,17 @@ by 1.19 .. 1.41x), where forward + backward runs at 203:
 and at each shape, with C its Fig. 4 rate, F = C (1 + 2.5 / r) / 3.5 and B = r F (so
 forward + backward takes exactly Fig. 4's time).  ASSUMPTION: r is the same at every
 shape (the H100 file's rows of the same code at batch x heads >= 16 give 0.74 .. 0.98).
+UNCERTAIN, and read but not used: a forward-only measurement of the same kernels on an A100
+of unstated variant (liangan1/GPU_travel performance/flash-attn/README.md at 07d0469e8a,
+``flash_attn_func`` fp16, head dimension 128, 32 query heads, clocks falling from 1,410 to
+about 1,200 MHz "due to the power limit"): 143.7 / 156.3 TFLOP/s causal and 179.1 / 184.0
+full at sequence 1k (batch 16) / 4k (batch 1), 0.80 .. 0.95 of this split's forward
+(150.7 / 196.0 causal, 196.0 / 222.1 full).  Against Fig. 4's forward + backward they
+would put the backward above the forward at 4k (r 1.09 full, 1.16 causal), which no row
+of the same code on the H100 does at 32 heads (r 0.74 .. 0.87): read as a slower card than
+Dao's, the split is kept.  Only the forward / backward balance is at stake (the pair
+takes Fig. 4's time either way): a recompute that re-runs the forward would take up to
+1 / 0.80 of what this table gives.
 
 Between grid points the rate is interpolated linearly in log2(sequence) and
 log2(head dimension), as ``sim_mesh.measured`` does; beyond the grid (sequence < 512 or

@@ -9,7 +9,11 @@ float32 logits carries a :class:`LossCost`, which the clock
 (``pricing.record_forward`` and the backward event) prices with
 :func:`cross_entropy_times` instead of the roofline, and the planner
 (``plan.edge_cost``) prices the loss with the same function: the training clock, the
-dry run and the estimate price it alike.
+dry run and the estimate price it alike.  A profile without a measured file may carry
+the pair's rate from a card that measured it (``kernel_bandwidth[KERNEL]``, cited in the
+profile as the assumption it is): the A100's is the H100's rate times the ratio of their
+datasheet HBM bandwidths (the pair is memory-bound; the roofline priced it about 4x
+faster than the H100 ran it).
 """
 from __future__ import annotations
 
@@ -20,7 +24,14 @@ import torch
 
 from .costs import Cost, reduction
 
-__all__ = ["LossCost", "cross_entropy_cost", "cross_entropy_times"]
+__all__ = ["LossCost", "cross_entropy_cost", "cross_entropy_times", "cross_entropy_rate",
+           "KERNEL"]
+
+# the measurement file's name of the pair and its bytes per logit (gpu_components.py:
+# bytes = 4 x tokens x vocabulary, the fp32 logits once); a profile without a measured
+# file may carry the pair's rate as kernel_bandwidth[KERNEL] in those bytes
+KERNEL = "cross_entropy_fwd_bwd_fp32"
+_BYTES_PER_LOGIT = 4
 
 # log_softmax (5 FLOPs per logit, see reduction.py) then the pick of the target;
 # backward 2 x forward (the convention of costs.py)
@@ -54,8 +65,9 @@ def cross_entropy_cost(ins, outs, **attrs) -> Cost:
 
 def cross_entropy_times(rows: int, vocab: int, profile) -> "tuple[float, float] | None":
     """(forward, backward) seconds of ``F.cross_entropy`` on float32 logits of ``rows`` x
-    ``vocab`` (int64 targets) at the profile's measured rate of the loss; None where the
-    profile measured none (the roofline prices it then).
+    ``vocab`` (int64 targets) at the profile's rate of the loss (:func:`cross_entropy_rate`:
+    measured, or carried from a measured card); None where it has none (the roofline
+    prices it then).
 
     The pair (cast and cross-entropy, forward and backward) takes ``rows x vocab /
     rate`` seconds in all, split between forward and backward as the op table's
@@ -68,15 +80,27 @@ def cross_entropy_times(rows: int, vocab: int, profile) -> "tuple[float, float] 
     cross-entropy (torch ops in float32) runs at the rate measured for PyTorch's
     ``F.cross_entropy``; a model whose logits are float32 without a cast still pays the
     pair's time less the cast's price."""
+    rate = cross_entropy_rate(profile)
+    return None if rate is None else _times(rows, vocab, profile, rate)
+
+
+def cross_entropy_rate(profile) -> "float | None":
+    """Logits per second of the pair (cast and cross-entropy, forward and backward) on
+    ``profile``: its measured file's rate (times a sibling card's ``memory_scale``), else
+    its ``kernel_bandwidth[KERNEL]`` (bytes per second counted as the measurement file
+    counts them, 4 bytes per fp32 logit: a rate a profile carries from a measured card,
+    cited there, as the A100's from the H100's file), else None (the roofline prices
+    the loss)."""
     from ...sim_mesh import measured as _measured
     from ...sim_mesh.profiles import get_profile
     prof = get_profile(profile)
     ms = prof.measured
     rate = _measured.cross_entropy_rate(ms["file"]) if ms else None
-    if not rate:
-        return None
-    # a sibling card's memory factor on the measured rate (1: the measured card)
-    return _times(rows, vocab, profile, rate * _measured.scales(prof)[1])
+    if rate:
+        # a sibling card's memory factor on the measured rate (1: the measured card)
+        return rate * _measured.scales(prof)[1]
+    bw = prof.kernel_bandwidth.get(KERNEL)
+    return bw / _BYTES_PER_LOGIT if bw else None
 
 
 def _meta(*shape, dtype=torch.float32):

@@ -46,6 +46,7 @@ import torch
 
 from ...sim_mesh import cost as _cost
 from ...sim_mesh.backward_pass import in_weight_pass
+from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
 from .. import layout, storage
 from . import backward_split
@@ -189,6 +190,16 @@ def _measured(cost, profile):
     return m(profile) if m is not None else None
 
 
+def _unlaunched(seconds, profile, dtype, sunk=None):
+    """A measured kernel's seconds inside a graph sink (``sunk``; default: recorded now):
+    less its host launch, which a kernel timed back to back paid (and the roofline floor
+    of the measured price holds: ``loss_pricing``), as the roofline path drops it there
+    (``_time``)."""
+    if not (_SINK[-1] if sunk is None else sunk):
+        return seconds
+    return max(seconds - get_profile(profile).compute_path(dtype)[3], 0.0)
+
+
 # predicates (entry -> bool) that may drop a forward event: an op whose kernel did not run
 # (a selective checkpoint's recompute served it from its cache: models.op_sac)
 SKIP_FORWARD: list = []
@@ -200,8 +211,8 @@ def record_forward(tr, entry, mesh, cost: Cost, dtype) -> None:
     if SKIP_FORWARD and SKIP_FORWARD[-1](entry):
         return
     measured = _measured(cost, tr.profile)
-    dur = measured[0] if measured else _time(cost.flops, cost.bytes, tr.profile, dtype,
-                                             entry.op_class, getattr(cost, "gemm", None))
+    dur = _unlaunched(measured[0], tr.profile, dtype) if measured else _time(
+        cost.flops, cost.bytes, tr.profile, dtype, entry.op_class, getattr(cost, "gemm", None))
     tr.record_compute(mesh.ranks, entry.name, dur, flops=cost.flops, bytes=cost.bytes,
                       label="forward", args={"op_class": entry.op_class, "phase": "forward",
                                              **({"sunk": True} if _SINK[-1] else {})})
@@ -304,8 +315,8 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None)
         if not isinstance(cost, SplitCost):
             ((_, flops, nbytes, _),) = parts
             measured = _measured(cost, tr.profile)
-            dur = measured[1] if measured else _time(flops, nbytes, tr.profile, dtype,
-                                                     op_class, launches=launches)
+            dur = (_unlaunched(measured[1], tr.profile, dtype, not launches) if measured
+                   else _time(flops, nbytes, tr.profile, dtype, op_class, launches=launches))
             tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
                               label="backward",
                               args={"op_class": op_class, "phase": "backward", **sunk})
