@@ -133,3 +133,44 @@ def test_fully_shard_attributes_carry_one_devices_gradients():
         assert g is not None, n
         torch.testing.assert_close(g.full(), q.grad, msg=n)
 
+
+# ---- 3. wb.spmd.infer without the attribute the rule needs --------------------------------
+
+def _spec(shape=(4, 6), ps=None):
+    return wb.TensorSpec(shape, wb.Mesh.grid((2,), ["x"]), ps or [wb.Shard(0)])
+
+
+@pytest.mark.parametrize("op,need,torch_names", [
+    ("transpose", "dims", "dim0=, dim1="), ("unsqueeze", "shape", "dim="),
+    ("permute", "dims", None), ("softmax", "dim", "dim=, dtype=")])
+def test_infer_without_a_required_attribute_names_it_and_the_fix(op, need, torch_names):
+    # was a bare TypeError from the rule: permute_rule() missing 1 required positional
+    # argument: 'dims'
+    with pytest.raises(TypeError) as e:
+        wb.spmd.infer(op, _spec())
+    msg = str(e.value)
+    assert msg.startswith(f"infer({op!r}): missing attribute {need!r}"), msg
+    assert f"e.g. {need}=" in msg, msg          # an example, from the op's own parse
+    if torch_names:
+        assert f"or torch's arguments ({torch_names})" in msg, msg
+
+
+def test_infer_takes_torchs_own_arguments_through_the_ops_parse():
+    # transpose(dim0, dim1) / unsqueeze(dim) as torch names them: the rule's dims / shape,
+    # what the dispatcher decides for the same call on a DistTensor
+    mesh = wb.Mesh.grid((2,), ["x"])
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [wb.Shard(0)])
+    for op, kw, call in (("transpose", dict(dim0=0, dim1=1), lambda t: t.transpose(0, 1)),
+                         ("transpose", dict(dim0=-1, dim1=0), lambda t: t.transpose(-1, 0)),
+                         ("unsqueeze", dict(dim=0), lambda t: t.unsqueeze(0)),
+                         ("unsqueeze", dict(dim=-1), lambda t: t.unsqueeze(-1))):
+        d = wb.spmd.infer(op, _spec(), **kw)
+        y = call(x)
+        assert d.outputs == (tuple(y.placements),), (op, kw, d.outputs, y.placements)
+        torch.testing.assert_close(y.full(), call(x.full()))
+    assert wb.spmd.infer("transpose", _spec(), dims=(1, 0)).outputs == ((wb.Shard(1),),)
+    with pytest.raises(TypeError, match=r"unexpected attribute dims=0; unsqueeze takes shape"):
+        wb.spmd.infer("unsqueeze", _spec(), dims=0)
+    with pytest.raises(TypeError, match=r"missing attribute 'dim', which cat's rule needs"):
+        wb.spmd.infer("cat", _spec(), _spec())
+
