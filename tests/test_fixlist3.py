@@ -174,3 +174,62 @@ def test_infer_takes_torchs_own_arguments_through_the_ops_parse():
     with pytest.raises(TypeError, match=r"missing attribute 'dim', which cat's rule needs"):
         wb.spmd.infer("cat", _spec(), _spec())
 
+
+# ---- 4. set_model_state_dict with an empty state dict --------------------------------------
+
+_TORCH_EMPTY = r"""
+import json, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+out = {}
+for name, kw in %s:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    before = [v.clone() for v in m.state_dict().values()]
+    try:
+        r = set_model_state_dict(m, {}, options=StateDictOptions(**kw))
+        res = [list(r.missing_keys), list(r.unexpected_keys)]
+    except Exception as e:
+        res = type(e).__name__
+    same = all(torch.equal(a, b) for a, b in zip(before, m.state_dict().values()))
+    out[name] = [res, same]
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+_EMPTY_CASES = [("strict", {}), ("not strict", dict(strict=False)),
+                ("strict, frozen ignored", dict(ignore_frozen_params=True))]
+
+
+def test_set_model_state_dict_with_an_empty_dict_does_what_torch_does():
+    # torch 2.13: strict (the default) raises RuntimeError; strict=False loads nothing and
+    # reports no key; here strict=False reported every key missing
+    import json
+    import subprocess
+    import sys
+    from torch import nn
+    from workbench.checkpoint import StateDictOptions
+    run = subprocess.run([sys.executable, "-c", _TORCH_EMPTY % repr(_EMPTY_CASES)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    want = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, kw in _EMPTY_CASES:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+        before = [v.clone() for v in m.state_dict().values()]
+        try:
+            r = wb.checkpoint.set_model_state_dict(m, {}, options=StateDictOptions(**kw))
+            res = [list(r.missing_keys), list(r.unexpected_keys)]
+        except RuntimeError as e:
+            assert "model_state_dict={}" in str(e) and "strict=False" in str(e), str(e)
+            res = "RuntimeError"
+        same = all(torch.equal(a, b) for a, b in zip(before, m.state_dict().values()))
+        assert [res, same] == want[name], (name, res, want[name])
+    # on a wrapper over DistTensors too: nothing loaded, nothing reported
+    model, w, _, mesh, pl = wrapped("fsdp")
+    ref, _ = reference()
+    r = wb.checkpoint.set_model_state_dict(model, {}, options=StateDictOptions(strict=False))
+    assert (r.missing_keys, r.unexpected_keys) == ([], [])
+    assert_reads(model, ref, "after an empty load")
+
