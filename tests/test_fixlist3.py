@@ -233,3 +233,52 @@ def test_set_model_state_dict_with_an_empty_dict_does_what_torch_does():
     assert (r.missing_keys, r.unexpected_keys) == ([], [])
     assert_reads(model, ref, "after an empty load")
 
+
+# ---- 5. the NIC share and the CP threshold priced on the clock's link rates ---------------
+
+def test_nic_assist_reads_ring_nics_as_the_clock_prices_a_ring_across_nodes():
+    # Jean Zay's NCCL routes its rings through one Omni-Path adapter per node
+    # (topology.ring_nics = 1): the clock prices a ring crossing nodes at that one
+    # adapter's rate, but nic_assist gave the node's 8 ranks 4 adapters' share (4x the
+    # NIC rate, a 1.07 % NIC share where the clock's rate gives 0.27 %)
+    from workbench.sim_mesh import topology as T
+    from workbench.sim_mesh.nic_assist import nic_assisted, nic_share
+    from workbench.sim_mesh.profiles import get_profile
+    for name in ("a100-jeanzay", "a100", "ascend-910b"):
+        prof = get_profile(name)
+        k = prof.devices_per_node
+        r = nic_assisted("all_reduce", 2 ** 28, range(k), name)
+        across = T.flat_link(prof, T.group_of(range(2 * k), prof)).bandwidth  # 2 nodes x k
+        inside = T.flat_link(prof, T.group_of(range(2), prof)).bandwidth      # in one node
+        # a ring over 2 nodes runs at the node's k ranks' NIC rate, or the intra link's
+        assert min(inside, k * r.nic_rate) == pytest.approx(across), name
+        assert r.nic_share == pytest.approx(r.nic_rate / (r.nic_rate + r.intra_rate))
+        assert nic_share(name) == pytest.approx(r.nic_share)
+    jz = get_profile("a100-jeanzay")
+    assert nic_share("a100-jeanzay") == pytest.approx(
+        jz.inter_node.effective_bandwidth / 8 /
+        (jz.inter_node.effective_bandwidth / 8 + jz.intra_node.effective_bandwidth))
+    with pytest.raises(ValueError, match=r"nic_share\(p=9\).*\[1, 8\]"):
+        nic_share("a100", 9)
+
+
+@pytest.mark.parametrize("profile", ["a100", "h100", "ascend-910b"])
+def test_cp_hiding_threshold_reads_the_rate_its_sends_are_priced_at(profile):
+    # min_tokens_per_rank used link_for(...).bandwidth, the line rate (300 GB/s on an A100
+    # node), while each ring step's send is priced at the library's effective rate (235
+    # GB/s; one 28 GB/s HCCS link on the 910B's full mesh, against 196): the threshold was
+    # 1.28x (7x on the 910B) too low.  At the threshold, a K/V block's send takes as long
+    # (bandwidth term, from the clock's own price) as its attention block at peak FLOP/s
+    from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
+    from workbench.sim_mesh import cost as C
+    from workbench.sim_mesh.profiles import get_profile
+    S, h, p, n_head, kv = 131072, 4096, 8, 32, 8
+    r = cp_vs_sp(S, h, p, profile, n_head=n_head, n_kv_head=kv)
+    c = r["cp"]["min_tokens_per_rank"]
+    block = 2 * c * (h * kv // n_head) * 2                       # K and V, bf16, b = 1
+    per_byte = max((C.price("send_recv", 2e9, (i, (i + 1) % p), profile) -
+                    C.price("send_recv", 1e9, (i, (i + 1) % p), profile)) / 1e9
+                   for i in range(p))                            # the slowest pair's slope
+    attn = 0.5 * 4 * c * c * h / get_profile(profile).peak("bfloat16")  # causal half block
+    assert block * per_byte == pytest.approx(attn, rel=1e-9)
+
