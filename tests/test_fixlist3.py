@@ -282,3 +282,99 @@ def test_cp_hiding_threshold_reads_the_rate_its_sends_are_priced_at(profile):
     attn = 0.5 * 4 * c * c * h / get_profile(profile).peak("bfloat16")  # causal half block
     assert block * per_byte == pytest.approx(attn, rel=1e-9)
 
+
+# ---- 6. quantile / searchsorted on DistTensors ---------------------------------------------
+
+_M22 = (2, 2)
+
+
+@pytest.mark.parametrize("pl", [["S(0)", "S(1)"], ["S(1)", "R"], ["R", "S(0)"]])
+@pytest.mark.parametrize("fn", [torch.quantile, torch.nanquantile], ids=["quantile", "nan"])
+def test_quantile_gives_torchs_values_and_gradients(pl, fn):
+    # was NoRuleError: quantile() has no SPMD rule for DistTensors
+    mesh = wb.Mesh.grid(_M22, ["a", "b"])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 7, generator=g)          # 7 columns: uneven shards (4, 3)
+    x[1, 2] = float("nan") if fn is torch.nanquantile else x[1, 2]
+    qv = torch.tensor([0.0, 0.3, 1.0])
+    for q, kw in ((0.3, dict(dim=1)), (qv, dict(dim=0, keepdim=True)), (0.5, {}),
+                  (qv, dict(keepdim=True)), (0.75, dict(dim=-1, interpolation="nearest")),
+                  (0.4, dict(dim=0, interpolation="midpoint"))):
+        xr = x.clone().requires_grad_()
+        d = wb.shard_tensor(x, mesh, pl).requires_grad_()
+        with wb.trace() as tr:
+            y = fn(d, q, **kw)
+        ref = fn(xr, q, **kw)
+        assert tuple(y.shape) == tuple(ref.shape), kw
+        torch.testing.assert_close(y.full(), ref.detach(), equal_nan=True)
+        w = torch.randn(ref.shape, generator=g)
+        (ref.nan_to_num() * w).sum().backward()
+        (y.full().nan_to_num() * w).sum().backward()
+        torch.testing.assert_close(d.grad.full(), xr.grad, msg=str(kw))
+        # a row is whole where the quantile reads it: a sharded reduced dim is gathered
+        dim = kw.get("dim")
+        red = [a for a, p in enumerate(pl) if p != "R" and (dim is None or
+                                                            int(p[2]) == dim % 2)]
+        if red:
+            assert tr.counts().get("all_gather", 0) + tr.counts().get("all_to_all", 0) > 0
+        else:
+            assert not tr.collectives(), kw
+
+
+def test_quantile_with_an_empty_shard_of_another_dim():
+    # 4 columns on 3 ranks are 2, 2, 0 (torch.chunk): the empty rank's torch.quantile
+    # raised "input tensor must be non-empty" (found by the validator)
+    mesh = wb.Mesh.grid((3,), ["a"])
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(6))
+    for q in (0.6, torch.tensor([0.1, 0.8])):
+        d = wb.shard_tensor(x, mesh, ["S(1)"]).requires_grad_()
+        y = torch.quantile(d, q, dim=0, keepdim=True)
+        xr = x.clone().requires_grad_()
+        ref = torch.quantile(xr, q, dim=0, keepdim=True)
+        torch.testing.assert_close(y.full(), ref.detach())
+        y.full().sum().backward()
+        ref.sum().backward()
+        torch.testing.assert_close(d.grad.full(), xr.grad)
+
+
+def test_quantile_bad_input_is_torchs_error_or_names_the_fix():
+    mesh = wb.Mesh.grid((2,), ["a"])
+    d = wb.shard_tensor(torch.randn(4, 6), mesh, ["S(0)"])
+    with pytest.raises(RuntimeError, match=r"q values must be in the range \[0, 1\]"):
+        torch.quantile(d, torch.tensor([0.5, 1.5]), dim=1)
+    with pytest.raises(RuntimeError, match="must be either float or double"):
+        torch.quantile(wb.shard_tensor(torch.ones(4, 6, dtype=torch.int64), mesh, ["S(0)"]),
+                       0.5)
+    with pytest.raises(NotImplementedError, match=r"q=DistTensor.*q\.full\(\)"):
+        torch.quantile(d, wb.shard_tensor(torch.tensor([0.5]), mesh, ["R"]))
+
+
+@pytest.mark.parametrize("right,int32", [(False, False), (True, True)])
+def test_searchsorted_gives_torchs_positions(right, int32):
+    mesh = wb.Mesh.grid(_M22, ["a", "b"])
+    g = torch.Generator().manual_seed(4)
+    seq = torch.sort(torch.randn(9, generator=g)).values
+    seq[-1] = float("nan")                      # sorted last: the search dim stays whole
+    v = torch.cat([seq[:3], torch.randn(9, generator=g)]).reshape(3, 4)   # ties too
+    kw = dict(right=right, out_int32=int32)
+    for pls, plv in ((["S(0)", "R"], ["S(0)", "S(1)"]), (["R", "R"], ["S(1)", "R"]),
+                     (["R", "S(0)"], ["R", "R"])):
+        s, dv = wb.shard_tensor(seq, mesh, pls), wb.shard_tensor(v, mesh, plv)
+        for got, want in ((torch.searchsorted(s, dv, **kw), torch.searchsorted(seq, v, **kw)),
+                          (torch.searchsorted(s, 0.1, **kw), torch.searchsorted(seq, 0.1, **kw)),
+                          (torch.searchsorted(s, dv, sorter=wb.shard_tensor(
+                              torch.arange(9), mesh, pls), **kw),
+                           torch.searchsorted(seq, v, **kw))):
+            assert got.dtype == want.dtype and torch.equal(got.full(), want), (pls, plv)
+    # N-D: row i of the values in row i of the sequence; rows sharded on both
+    seq2 = torch.sort(torch.randn(6, 5, generator=g), dim=1).values
+    v2 = torch.randn(6, 3, generator=g)
+    for pl in (["S(0)", "S(1)"], ["S(1)", "S(0)"]):
+        with wb.trace() as tr:
+            y = torch.searchsorted(wb.shard_tensor(seq2, mesh, pl), wb.shard_tensor(v2, mesh, pl),
+                                   side="right" if right else "left")
+        assert torch.equal(y.full(), torch.searchsorted(seq2, v2, right=right))
+    assert y.placements == (wb.Shard(1), wb.Shard(0))           # rows stay sharded
+    with pytest.raises(RuntimeError, match="side and right can't be set to opposites"):
+        torch.searchsorted(wb.shard_tensor(seq, mesh, ["R", "R"]), 0.1, side="left",
+                           right=True)
