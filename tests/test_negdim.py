@@ -93,6 +93,11 @@ CASES = {
                                                       "stable": False, "n_out": n}),
                lambda t, d: torch.sort(t, d[0]))
        for k, n in (("sort", 2), ("argsort", 1), ("msort", 2))},
+    **{k: Case("one", lambda x, draw, d: ((x,), {"q": 0.5, "dim": d[0],
+                                                 "keepdim": draw(st.booleans()),
+                                                 "interpolation": "linear"}),
+               lambda t, d, k=k: getattr(torch, k)(t, 0.5, d[0]))
+       for k in ("quantile", "nanquantile")},                               # fixlist3
     "topk": Case("one", lambda x, draw, d: ((x,), {"k": 1, "dim": d[0], "largest": True,
                                                    "sorted": True}),
                  lambda t, d: torch.topk(t, 1, d[0])),

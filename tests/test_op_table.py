@@ -122,6 +122,12 @@ SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_disto
 SAMPLES.update(DATADEP_SAMPLES)    # masked_select, unique... (tests/test_distops_datadep.py)
 SAMPLES.update(CONV_SAMPLES)       # conv, pooling, batch/group norm (tests/test_distops_conv.py)
 SAMPLES["take"] = (lambda x: torch.take(x, torch.tensor([[-1, 9], [0, 23]])), [X])   # fixlist2
+SAMPLES["quantile"] = (lambda x: torch.quantile(x, 0.3, dim=1), [X])        # fixlist3
+SAMPLES["nanquantile"] = (lambda x: torch.nanquantile(x, torch.tensor([0.2, 0.9]), dim=0),
+                          [X])
+SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
+                           [torch.sort(torch.randn(8, generator=torch.Generator()
+                                                   .manual_seed(5))).values, X])
 M2 = wb.Mesh.grid(2, ["a"])
 
 

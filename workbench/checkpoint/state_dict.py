@@ -259,11 +259,28 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
                          options: StateDictOptions | None = None):
     """``model.load_state_dict`` of a state dict keyed by FQN, of DistTensors or full
     tensors from any layout; returns torch's ``(missing_keys, unexpected_keys)`` (the
-    model's own keys, as torch's)."""
+    model's own keys, as torch's).  An empty dict, as torch's: refused when
+    ``options.strict`` (torch's exceptions kept), else nothing loaded, no key reported
+    (torch's own result holds two empty dicts there; here the documented empty lists)."""
     options = _check(model, None, options, "set_model_state_dict")
     if not isinstance(model_state_dict, dict):
         raise TypeError(f"set_model_state_dict(model_state_dict={type(model_state_dict).__name__})"
                         ": give a dict {fqn: tensor}, e.g. get_model_state_dict(model)")
+    if not model_state_dict and not options.broadcast_from_rank0:
+        # torch 2.13 (cf30153c, torch/distributed/checkpoint/state_dict.py:415-428
+        # _verify_state_dict, :566-567 _load_model_state_dict): an empty dict is refused
+        # when strict (unless frozen parameters are ignored or a full state dict is
+        # offloaded to CPU), else nothing is loaded and no key is reported; it listed
+        # every key as missing (strict=False) here
+        if options.strict and not options.ignore_frozen_params and \
+                not (options.cpu_offload and options.full_state_dict):
+            raise RuntimeError(
+                "set_model_state_dict(model_state_dict={}): the state dict is empty and "
+                "options.strict is True (torch's words: the option indicates that model "
+                "state_dict is required to save or load, but model state_dict is empty); "
+                "give get_model_state_dict(model)'s dict, or StateDictOptions(strict=False) "
+                "to load nothing")
+        return nn.modules.module._IncompatibleKeys([], [])
     prefixes = _prefixes(model)
     own = model.state_dict(keep_vars=True)
     key = {_fqn(k, prefixes): k for k in own}

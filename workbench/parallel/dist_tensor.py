@@ -221,6 +221,9 @@ class DistTensor:
     @property
     def grad(self) -> "DistTensor | None":
         ts = storage.tensors(self._local)
+        of = _grad_source(ts)
+        if of is not None:          # a ZeRO-3 / FSDP parameter: its shard's gradient
+            return of.get()         # (strategies/fsdp_dist_views.GradOf)
         if all(t.grad is None for t in ts):
             return None
         g = storage.map_tensors(self._local,
@@ -231,6 +234,10 @@ class DistTensor:
     def grad(self, value) -> None:
         if value is not None:
             raise ValueError("set .grad to None (zero_grad); assign gradients through backward()")
+        of = _grad_source(storage.tensors(self._local))
+        if of is not None:
+            of.clear()
+            return
         for t in storage.tensors(self._local):
             t.grad = None
 
@@ -244,7 +251,29 @@ class DistTensor:
                      _SUM if p.is_partial() else p for p in self.placements)
 
     def detach(self) -> "DistTensor":
-        loc = storage.map_tensors(self._local, lambda t: t.detach())
+        """A new DistTensor on the same storage, with no history (as ``Tensor.detach``):
+        an in-place write to it (``p.detach().zero_()``, a common init idiom) writes
+        ``self``.  A ZeRO-3 / FSDP parameter's storage is not always its values' home
+        (``strategies/fsdp_dist_habits``): the copy a forward gathered (the module's
+        attribute until the next forward) detaches to its parameter's template, whose
+        storage views the flat shards on simulated ranks, so the write reaches them as
+        in FSDP2 (its module parameters are DTensor views of the shards); where the
+        storage is a copy (the template under torch.distributed, a gathered copy in
+        another dtype) the result keeps the ``_wb_stale`` mark, so a write raises its
+        message (``inplace._assign``) instead of being lost.  Before, the detach dropped
+        the mark and ``model.fc.weight.detach().zero_()`` after a forward changed nothing."""
+        ts = storage.tensors(self._local)
+        of = ts[0].__dict__.get("_wb_data_of") if ts else None
+        if of is not None and of.dtype == self.dtype and of.shape == self.shape:
+            return of.detach()
+
+        def det(t):
+            out = t.detach()
+            d = t.__dict__
+            if d.get("_wb_stale") and (d.get("_wb_data_stale") or "_wb_data_of" in d):
+                out._wb_stale = d["_wb_stale"]
+            return out
+        loc = storage.map_tensors(self._local, det)
         return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False,
@@ -323,6 +352,19 @@ class DistTensor:
 
 
 # ---- construction -------------------------------------------------------------------------
+
+def _grad_source(ts):
+    """Where a wrapper keeps this parameter's gradient (``GradOf`` of
+    ``strategies/fsdp_dist_views``): set on a ZeRO-3 / FSDP template's storage, reached
+    from the copy a forward gathered through ``_wb_data_of``; None for any other tensor."""
+    if not ts:
+        return None
+    d = ts[0].__dict__
+    of = d.get("_wb_grad_of")
+    if of is None and d.get("_wb_data_of") is not None:
+        return _grad_source(storage.tensors(d["_wb_data_of"]._local))
+    return of
+
 
 def _stack_cells(cells: Cells, nd: int) -> torch.Tensor:
     """Cells of equal shapes as one stack (kept for callers; see storage.to_stacked)."""

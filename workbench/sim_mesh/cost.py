@@ -51,7 +51,7 @@ from .kernel_cost import AttentionShape, compute_time, explain_compute, finish_b
     gemm_efficiency, overlap, overlap_rate
 from .profiles import Link, Profile, get_profile
 
-__all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time",
+__all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "send_link",
            "hierarchical_time", "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
            "bus_bandwidth", "overlap", "overlap_rate", "finish_beside", "gemm_efficiency"]
 
@@ -177,6 +177,20 @@ def link_for(ranks, profile) -> Link:
     ranks share a node (node = rank // devices_per_node), else the inter-node one."""
     profile = get_profile(profile)
     return profile.intra_node if len(_layout(ranks, profile)) == 1 else profile.inter_node
+
+
+def send_link(ranks, profile) -> Link:
+    """The link ``price("send_recv", n, ranks, profile)`` prices a send between the two
+    ``ranks`` on (``topology.py``): inside a node the switch port (one HCCS link on a
+    full mesh) at the library's efficiency; across nodes the node's NIC share, capped at
+    ``Topology.ring_nics`` adapters where the profile sets it.  :func:`link_for` is the
+    raw link (line rate); a threshold set against a send's time reads this one."""
+    profile = get_profile(profile)
+    g = _topo.group_of(ranks, profile)
+    if g.p != 2:
+        raise ValueError(f"send_link(ranks={list(ranks)!r:.60}): give the two ranks of one "
+                         "send")
+    return _topo.flat_link(profile, g)
 
 
 def choose(kind: str, nbytes: float, ranks, profile) -> "_topo.Choice":

@@ -16,8 +16,11 @@ The model (an opt-in price; ``cost.price`` and the clock's "auto" are unchanged)
   link, each part a collective of the same kind over the same k ranks, both at once;
 - the fast part is priced by the clock as the library runs it
   (``cost.price(kind, (1 - s) n, ranks, profile)``), the NIC part as a ring over the k
-  ranks on their NICs (``cost.collective_time`` on a link of the NIC's effective rate
-  and the inter-node latency);
+  ranks on their NICs (``cost.collective_time`` on a link of each rank's NIC rate as the
+  clock prices a ring crossing nodes, ``topology.nic_rate``: its share of the node's
+  NICs at their effective rate, at most ``Topology.ring_nics`` adapters shared by the k
+  where the profile says the library routes its rings through fewer, and the
+  inter-node latency);
 - the collective ends when the slower part does: max of the two;
 - s defaults to the bandwidth-proportional split s = B_nic / (B_nic + B_intra) (the
   per-rank effective rates: the NIC's, and the fast link's), the split at which the two
@@ -77,16 +80,23 @@ class NicAssist:
                 f"{self.baseline * us:.1f} us on the fast link alone ({self.speedup:.3f}x)")
 
 
-def _rates(profile):
-    t = profile.topology
+def _rates(profile, p: int):
     intra = profile.intra_node.effective_bandwidth   # a switch port, or all HCCS links (mesh)
-    nic = profile.inter_node.effective_bandwidth * t.nics_per_node / profile.devices_per_node
-    return intra, nic
+    # each of the p ranks' share of the node's NICs, as the clock prices a ring crossing
+    # nodes (topology.nic_rate): at most Topology.ring_nics adapters shared by the p where
+    # the profile sets it (it was ignored here: Jean Zay's NIC ring got 4 adapters' share)
+    return intra, _topo.nic_rate(profile, p)
 
 
-def nic_share(profile) -> float:
-    """The bandwidth-proportional share of the bytes on the NICs: B_nic / (B_nic + B_intra)."""
-    intra, nic = _rates(get_profile(profile))
+def nic_share(profile, p: int | None = None) -> float:
+    """The bandwidth-proportional share of the bytes on the NICs: B_nic / (B_nic + B_intra),
+    for a tensor-parallel group of ``p`` ranks of one node (default: the whole node)."""
+    profile = get_profile(profile)
+    p = profile.devices_per_node if p is None else p
+    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= profile.devices_per_node:
+        raise ValueError(f"nic_share(p={p!r}): give the tensor-parallel group's size, an int "
+                         f"in [1, {profile.devices_per_node}] (the ranks of one node)")
+    intra, nic = _rates(profile, p)
     return nic / (nic + intra)
 
 
@@ -104,12 +114,12 @@ def nic_assisted(kind: str, nbytes: float, ranks, profile=None,
                          f"for a tensor-parallel group inside one node (whose NICs idle); "
                          f"across nodes the NICs already carry the traffic")
     if share is None:
-        share = nic_share(profile)
+        share = nic_share(profile, g.p)
     if isinstance(share, bool) or not isinstance(share, (int, float)) \
             or not math.isfinite(share) or not 0 <= share <= 1:
         raise ValueError(f"share={share!r} must be the fraction of the bytes on the NICs, in "
-                         f"[0, 1] (None: bandwidth-proportional, {nic_share(profile):.3f})")
-    intra, nic = _rates(profile)
+                         f"[0, 1] (None: bandwidth-proportional, {nic_share(profile, g.p):.3f})")
+    intra, nic = _rates(profile, g.p)
     base = _cost.price(kind, nbytes, list(ranks), profile)
     fast = _cost.price(kind, (1 - share) * nbytes, list(ranks), profile) if share < 1 else 0.0
     link = Link("NICs via the leaf switch", nic, profile.inter_node.latency)

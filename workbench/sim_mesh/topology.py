@@ -86,7 +86,8 @@ from . import cost as _cost  # cost imports this module too: use it at call time
 from .profiles import Link, Profile
 
 __all__ = ["PRICE_ALGORITHMS", "PIPELINE_CHUNKS", "Group", "Choice", "group_of",
-           "algorithm_time", "choose", "protocol_of", "phase_times", "pipelined_seconds"]
+           "algorithm_time", "choose", "protocol_of", "phase_times", "pipelined_seconds",
+           "flat_link", "nic_rate"]
 
 PRICE_ALGORITHMS = ("ring", "tree", "halving_doubling", "mesh", "pairwise",
                     "hierarchical", "pipelined")
@@ -146,17 +147,30 @@ def _rates(profile: Profile, g: Group):
     return ring_intra, link, nic
 
 
-def _flat_link(profile: Profile, g: Group) -> Link:
+def nic_rate(profile: Profile, k: int) -> float:
+    """Bytes/s each of ``k`` ranks of one node pushes through the NICs when all send at
+    once: its share of the node's NICs (``nics_per_node / devices_per_node`` of one, at
+    the library's efficiency), and where the library routes its rings through fewer
+    adapters (``Topology.ring_nics``) the k share those: at most ``ring_nics`` adapters'
+    rate over k."""
+    _, _, nic = _rates(profile, Group((k,)))
+    cap = profile.topology.ring_nics
+    return nic if cap is None else min(nic, cap * profile.inter_node.effective_bandwidth / k)
+
+
+def flat_link(profile: Profile, g: Group) -> Link:
     """The one link a flat (ring, halving-doubling) algorithm is bounded by: across
     nodes the group's k ranks of a node drive k NICs' shares, at most ``ring_nics``
-    whole NICs where the profile says the library's rings cross a node on fewer."""
-    ring_intra, _, nic = _rates(profile, g)
+    whole NICs where the profile says the library's rings cross a node on fewer
+    (:func:`nic_rate`)."""
+    ring_intra, _, _ = _rates(profile, g)
     if g.nodes == 1:
         return Link("intra", ring_intra, profile.intra_node.latency)
-    cap = profile.topology.ring_nics
-    rate = min(ring_intra, g.local * nic,
-               math.inf if cap is None else cap * profile.inter_node.effective_bandwidth)
+    rate = min(ring_intra, g.local * nic_rate(profile, g.local))
     return Link("flat", rate, profile.inter_node.latency)
+
+
+_flat_link = flat_link          # the name tests and notes used before it was public
 
 
 _RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1,
@@ -199,10 +213,10 @@ def _net_protocols(kind, n, g, profile, algorithm="ring"):
       2 n / min(busbw x factor, cap) (tuning.cc converts a tree's bus bandwidth to
       algorithm bandwidth x 0.5).
 
-    busbw is the flat ring's bottleneck rate (``_flat_link``: NVLink or the node's
+    busbw is the flat ring's bottleneck rate (``flat_link``: NVLink or the node's
     NICs, each at NCCL's efficiency); the per-channel caps are not modeled."""
     net, protos = profile.topology.net_protocols, profile.topology.protocols
-    rate = _flat_link(profile, g).bandwidth
+    rate = flat_link(profile, g).bandwidth
     p, nodes = g.p, g.nodes
     one = p // nodes == 1
     out = {}
@@ -237,7 +251,7 @@ def _ring(kind, n, g, profile):
         return min(_ring_protocols(kind, n, g.p, profile).values())
     if _uses_net_model(kind, g, profile):
         return min(_net_protocols(kind, n, g, profile).values())
-    return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "ring")
+    return _cost.collective_time(kind, n, g.p, flat_link(profile, g), "ring")
 
 
 def protocol_of(kind: str, n: float, g: Group, profile: Profile,
@@ -342,11 +356,11 @@ def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: s
     if g.p == 1 or n == 0:
         return 0.0
     if kind == "send_recv":
-        return _cost.collective_time("send_recv", n, 2, _flat_link(profile, g))
+        return _cost.collective_time("send_recv", n, 2, flat_link(profile, g))
     if algorithm == "ring":
         return _ring(kind, n, g, profile)
     if algorithm == "halving_doubling":
-        return _cost.collective_time(kind, n, g.p, _flat_link(profile, g), "tree")
+        return _cost.collective_time(kind, n, g.p, flat_link(profile, g), "tree")
     if algorithm == "tree":
         if kind != "all_reduce":
             raise ValueError(f"algorithm='tree' (NCCL's double binary tree) exists for "
@@ -356,7 +370,7 @@ def algorithm_time(kind: str, n: float, g: Group, profile: Profile, algorithm: s
             return min(_net_protocols(kind, n, g, profile, "tree").values())
         ai, ae = profile.intra_node.latency, profile.inter_node.latency
         depth = (g.nodes - 1).bit_length()
-        rate = _flat_link(profile, g).bandwidth
+        rate = flat_link(profile, g).bandwidth
         return 2 * (depth * ae + (g.local - 1) * ai) + 2 * n / rate
     if algorithm == "mesh":
         if profile.topology.intra_fabric != "full_mesh" or g.nodes != 1:

@@ -48,6 +48,7 @@ FAMILIES += ("complex",)            # view_as_complex / view_as_real / complex /
 FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]: replicated
 FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling, BN / GN / IN
 FAMILIES += ("take",)               # torch.take: the input whole, the index sharded
+FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in a sorted dim
 
 
 def load():

@@ -174,7 +174,7 @@ def infer(op: str, *specs, **attrs) -> Decision:
     non-tensor arguments), without running anything. ``attrs``: the op's attributes as
     torch names them (``dim=-1``, ``keepdim=True``); a name the op does not take is a
     TypeError (a rule would ignore it: ``dims=-1`` on sum would reduce every dim)."""
-    _check_attr_names(op, len(specs), attrs)
+    attrs = _check_attr_names(op, specs, attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, _profile_name())
 
@@ -182,25 +182,119 @@ def infer(op: str, *specs, **attrs) -> Decision:
 def infer_on(profile: str, op: str, *specs, **attrs) -> Decision:
     """:func:`infer` priced on the hardware profile named ``profile`` (not the current
     trace's): what the dispatcher decides when it runs under that profile's clock."""
-    _check_attr_names(op, len(specs), attrs)
+    attrs = _check_attr_names(op, specs, attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name)
 
 
-def _check_attr_names(op, n_specs, attrs):
-    """Every attribute in ``attrs`` is one the op's rule or local implementation names,
-    where they list them (a local without ``**kwargs``: the dispatcher's parse gives it
-    every attribute, so the names it takes are all the op has). NumPy's ``axis`` /
-    ``keepdims`` are renamed in place to torch's ``dim`` / ``keepdim``, as torch's
-    argument parser takes them (``torch.sum(x, axis=-1)``)."""
+def _check_attr_names(op, specs, attrs) -> dict:
+    """``attrs`` as the op's rule takes them, checked.  Every attribute is one the op's
+    rule or local implementation names, where they list them (a local without
+    ``**kwargs``: the dispatcher's parse gives it every attribute, so the names it takes
+    are all the op has). NumPy's ``axis`` / ``keepdims`` are renamed in place to torch's
+    ``dim`` / ``keepdim``, as torch's argument parser takes them (``torch.sum(x,
+    axis=-1)``).  Torch's own arguments where the rule names them otherwise
+    (``transpose``'s ``dim0`` / ``dim1``, the rule's ``dims`` permutation; ``unsqueeze``'s
+    ``dim``, the rule's ``shape``) go through the op's parse on meta tensors of the
+    specs, as the dispatcher's call would.  A required attribute left out raises naming
+    it, both spellings and an example (it was a bare ``TypeError`` from the rule:
+    ``permute_rule() missing 1 required positional argument: 'dims'``)."""
+    n_specs = len(specs)
     names = _attr_names(TABLE[op].rule, TABLE[op].local, n_specs) if op in TABLE else None
     for np_name, name in (("axis", "dim"), ("keepdims", "keepdim")):   # as torch's parser
         if np_name in attrs and name not in attrs and names and name in names:
             attrs[name] = attrs.pop(np_name)
     bad = sorted(set(attrs) - names) if names is not None else []
     if bad:
-        raise TypeError(f"infer({op!r}): unexpected attribute {bad[0]}={attrs[bad[0]]!r}; "
-                        f"{op} takes {', '.join(sorted(names)) or 'no attributes'}")
+        parsed = _torch_attrs(op, specs, attrs)
+        if parsed is None:
+            raise TypeError(f"infer({op!r}): unexpected attribute {bad[0]}={attrs[bad[0]]!r}; "
+                            f"{op} takes {', '.join(sorted(names)) or 'no attributes'}"
+                            f"{_torch_names_note(op, n_specs)}")
+        attrs = parsed
+    rule = TABLE[op].rule if op in TABLE else None
+    missing = [n for n in _required_names(rule, n_specs) if n not in attrs]
+    if missing:
+        raise TypeError(
+            f"infer({op!r}): missing attribute {missing[0]!r}, which {op}'s rule needs; give "
+            f"it by name as the rule takes it ({op} takes {', '.join(sorted(names or missing))}"
+            f"{_example(op)}){_torch_names_note(op, n_specs)}")
+    return attrs
+
+
+@lru_cache(maxsize=1024)
+def _required_names(rule, n_specs) -> tuple:
+    """The attributes ``rule`` cannot do without (no default, after its tensor inputs)."""
+    if rule is None:
+        return ()
+    try:
+        ps = list(inspect.signature(rule).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    pos = [p for p in ps if p.kind is p.POSITIONAL_OR_KEYWORD][n_specs:]
+    if any(p.kind is p.VAR_POSITIONAL for p in ps):     # cat_rule(*xs, dim): keywords only
+        pos = []
+    return tuple(p.name for p in pos + [p for p in ps if p.kind is p.KEYWORD_ONLY]
+                 if p.default is p.empty)
+
+
+def _torch_names(op, n_specs) -> tuple:
+    """The argument names of the op's parse (torch's, e.g. ``dim0``, ``dim1``) after its
+    tensor inputs, or () where it has none to tell."""
+    e = TABLE.get(op)
+    return _parse_names(e.parse, e.rule, n_specs) if e is not None else ()
+
+
+@lru_cache(maxsize=1024)
+def _parse_names(parse, rule, n_specs) -> tuple:
+    try:
+        ps = list(inspect.signature(parse).parameters.values())
+        if any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(rule).parameters.values()):
+            return ()           # cat_rule(*xs): its parse takes the tensors as one list
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is p.VAR_POSITIONAL for p in ps[:n_specs]):
+        return ()
+    return tuple(p.name for p in ps[n_specs:]
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and
+                 not p.name.startswith("_") and p.name != "out")
+
+
+def _torch_names_note(op, n_specs) -> str:
+    torch_names = _torch_names(op, n_specs)
+    return (f", or torch's arguments ({', '.join(f'{n}=' for n in torch_names)}), which "
+            "infer turns into the rule's through the op's parse") if torch_names else ""
+
+
+def _example(op) -> str:
+    """``; e.g. dims=(1, 0, 2), as transpose(float32[5, 3, 4], 0, 1) parses``: the op's
+    first validator sample through its parse, or '' where it has none."""
+    e = TABLE.get(op)
+    if e is None or e.parse is None or not callable(e.sample):
+        return ""
+    try:
+        from .samples import Gen
+        smp = e.sample(Gen(0))[0]
+        _, attrs = e.parse(*smp.args, **smp.kwargs)
+    except Exception:   # an example is a courtesy: the error says what is missing anyway
+        return ""
+    return f"; e.g. {', '.join(f'{k}={v!r}' for k, v in attrs.items())}, as {smp} parses"
+
+
+def _torch_attrs(op, specs, attrs):
+    """``attrs`` named as torch's call names them, turned into the rule's by the op's
+    parse on meta tensors of ``specs``; None where that does not apply."""
+    import torch
+    e = TABLE.get(op)
+    if e is None or e.parse is None or not attrs or any(s is None for s in specs) or \
+            not set(attrs) <= set(_torch_names(op, len(specs))):
+        return None
+    metas = [torch.empty(tuple(s.shape), dtype=s.dtype, device="meta") for s in specs]
+    try:
+        _, parsed = e.parse(*metas, **attrs)
+    except TypeError:
+        return None
+    return dict(parsed)
 
 
 @lru_cache(maxsize=1024)

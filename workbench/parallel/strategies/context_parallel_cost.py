@@ -16,8 +16,8 @@ b sequences, hidden size h, K/V width h_kv = h * n_kv_head / n_head, e bytes per
   2 (p-1) b (S/p) h_kv e bytes per rank per layer. A step's block is 4 b (S/p)^2 h FLOPs
   (Q K^T and P V; half of it under the causal mask with load balancing), so the exchange
   hides entirely when the block computes longer than it sends: S/p >= e F h_kv / (2 B h)
-  for full attention, twice that for a causal half block (F: attention FLOP/s, B: link
-  bandwidth; Liu et al. 2023 state it as block size >= FLOPS / bandwidth). The exposed
+  for full attention, twice that for a causal half block (F: attention FLOP/s, B: the
+  rate a step's send is priced at, the link's effective bandwidth; Liu et al. 2023 state it as block size >= FLOPS / bandwidth). The exposed
   time is what each step's send takes beyond its block.
 
 Over a training step (forward and backward): SP's backward mirrors its forward (2x);
@@ -62,8 +62,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     ``exposed_s`` (the part not hidden behind compute), ``step_bytes_per_rank`` (forward
     and backward; CP's also as TransformerEngine sends it, ``step_bytes_per_rank_te``);
     CP also ``step_comm_s``, ``step_compute_s`` and
-    ``min_tokens_per_rank`` (S/p above which the ring hides, at peak FLOP/s and link
-    bandwidth)."""
+    ``min_tokens_per_rank`` (S/p above which the ring hides, at peak FLOP/s and the
+    effective rate the ring's sends are priced at, ``cost.send_link``)."""
     for name, v in (("S", S), ("h", h), ("p", p), ("n_head", n_head), ("batch", batch)):
         _positive(name, v)
     kv = n_head if n_kv_head is None else n_kv_head
@@ -95,7 +95,11 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     exposed_step = max(0.0, step_comm - step_compute)
     attn_fraction = 1.0 / work                              # F / B threshold, in tokens
     peak = prof.peak(dtype)
-    bw = _cost.link_for(ranks if p > 1 else (0, 1), prof).bandwidth
+    # the rate the step's send is priced at (the slowest pair of the ring, as step_comm):
+    # the library's effective rate, not the line rate link_for gives (it read 300 GB/s on
+    # an A100 node where the sends run at 0.783 of it)
+    bw = min(_cost.send_link((i, (i + 1) % p), prof).bandwidth for i in range(p)) \
+        if p > 1 else _cost.send_link((0, 1), prof).bandwidth
     min_c = e * peak * h_kv / (2 * bw * h) * attn_fraction
     grad_block = block // e * max(e, 4)                     # dK/dV in float32
     back = (p - 1) * block + p * grad_block if p > 1 else 0

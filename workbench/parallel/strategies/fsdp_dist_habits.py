@@ -35,8 +35,13 @@ so :func:`install_habits` makes:
   they hold the values the shards hold now, as on simulated ranks (where the templates
   are views of the shards) and as FSDP2's parameters (its sharded DTensors, stepped in
   place); before, they were one step (or, the templates, every step) old;
-* ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (the
-  templates have no gradient: the clip would be a silent no-op); torch's own
+* ``p.grad`` of a module's parameter (and of its attribute): on simulated ranks a view
+  of the shard's gradient in the parameter's layout (:class:`.fsdp_dist_views.GradOf`),
+  as FSDP2's parameters carry their sharded gradients; under torch.distributed reading
+  one that exists raises, naming the shards (it was None, silently);
+* ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (a clip
+  through the templates is not built; before their ``.grad`` existed it was a silent
+  no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
   on simulated ranks (each shard once); under torch.distributed a shard's norm is partial,
   so it raises there.
@@ -53,20 +58,18 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
-from .fsdp_dist_views import VIEW_NOTE, relink
+from .fsdp_dist_views import VIEW_NOTE, GradOf, relink, wrapper_names
 from .rank_grads import as_replica_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
 
 def _clip_message(fsdp) -> str:
-    who = "Zero3" if type(fsdp).__name__ == "Zero3" else "FullyShardedDataParallel"
-    var = "zero3" if who == "Zero3" else "fsdp"
-    if getattr(fsdp.module, "_wb_fully_shard", None) is not None:
-        who, var = "fully_shard", "model"   # its parameters() are the model's own (FSDP2)
+    who, var = wrapper_names(fsdp)
     return (f"{who} keeps this parameter's values and gradient in its flat shards; the "
-            "module's DistTensor is its layout and value with no gradient, so clipping it "
-            "would do nothing.  Clip the shards: "
+            "module's DistTensor is its layout and value (its .grad a view of the shard's "
+            "on simulated ranks), and a clip over it is not built.  "
+            "Clip the shards: "
             f"torch.nn.utils.clip_grad_norm_({var}.parameters(), max_norm)")
 
 
@@ -140,8 +143,10 @@ def install_habits(fsdp) -> None:
              "into flat shards (it reads their values; an in-place write to it is not built, "
              "it would not reach the shards the forward reads): initialize before wrapping, "
              "or load values with module.load_state_dict (it cuts them into the shards)")
-    for _, _, tmpl, shard in fsdp.entries:
+    for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
         for t in storage.tensors(tmpl._local):
+            # model.<p>.grad: a view of the shard's gradient (fsdp_dist_views.GradOf)
+            t._wb_grad_of = GradOf(fsdp, i)
             t._wb_clip_refuse = msg
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
             # model.<name>.requires_grad_(False) (a parameter from named_parameters()):

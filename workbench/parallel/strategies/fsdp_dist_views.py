@@ -31,7 +31,8 @@ import torch
 from .. import storage
 from .flat_shards import unflat
 
-__all__ = ["dp_minor", "view_template", "relink", "is_view", "VIEW_NOTE"]
+__all__ = ["dp_minor", "view_template", "relink", "is_view", "VIEW_NOTE", "GradOf",
+           "wrapper_names"]
 
 # what a .view() that the dp-minor storage cannot give says (laid_out.LaidOutParameter)
 VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stored with "
@@ -41,7 +42,7 @@ VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stor
              "fsdp.parameters()]) for torch.nn.utils.parameters_to_vector")
 
 # what a template's storage tensors carry for the habits (fsdp_dist_habits.install_habits)
-_MARKS = ("_wb_stale", "_wb_clip_refuse")
+_MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of")
 
 
 def dp_minor(chunk: torch.Tensor, axis: int) -> torch.Tensor:
@@ -122,3 +123,56 @@ def relink(fsdp, i: int) -> None:
     for mod, attr in fsdp._places[i]:   # a forward's gathered copy viewed the old storage
         if "_wb_fs_attrs" not in mod.__dict__:      # (fully_shard's attributes gather)
             mod.__dict__.pop(attr, None)
+
+
+def wrapper_names(fsdp) -> tuple:
+    """(what the user called, the variable a message names) for the DistTensor-mode
+    wrapper ``fsdp``: ``fully_shard``'s parameters() are the model's own (FSDP2)."""
+    if getattr(fsdp.module, "_wb_fully_shard", None) is not None:
+        return "fully_shard", "model"
+    if type(fsdp).__name__ == "Zero3":
+        return "Zero3", "zero3"
+    return "FullyShardedDataParallel", "fsdp"
+
+
+class GradOf:
+    """Entry ``i``'s gradient as the module's parameter answers it (``p.grad``, read by
+    ``DistTensor.grad`` from a storage's ``_wb_grad_of``): a DistTensor of the template's
+    placements whose storage views the shard's gradient, as the template views the shard
+    (``torch.optim``'s ``AccumulateGrad`` gives a dense parameter's gradient its strides,
+    so it is stored dp-minor too; one that is not, e.g. assigned, is stored so first).
+    FSDP2's module parameters are its sharded DTensors, whose ``.grad`` is the sharded
+    gradient; here it was None after every backward (the template is not the leaf
+    autograd reaches), so a loop logging ``p.grad.norm()`` over ``model.named_parameters()``
+    read nothing.  A write into it (``p.grad.zero_()``, ``p.grad.mul_(c)``) reaches the
+    shard's gradient; ``p.grad = None`` clears it.  Under torch.distributed the shard is
+    this process's chunk and the template a copy: reading it raises, naming the shards."""
+
+    def __init__(self, fsdp, i: int):
+        self.fsdp, self.i = fsdp, i
+
+    def get(self):
+        from ..dist_tensor import DistTensor
+        fsdp, i = self.fsdp, self.i
+        tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
+        g = shard.grad
+        if g is None:
+            return None
+        if not fsdp.async_:
+            who, var = wrapper_names(fsdp)
+            raise RuntimeError(
+                f"{fsdp.names[i]}.grad read from the module under torch.distributed: "
+                f"{who} keeps the gradient in its flat dp shards (this process holds 1/"
+                f"{fsdp.n} of it) and the module's parameter is a copy, so it has no view "
+                f"of it; read the shards' gradients, [p.grad for p in {var}.parameters()], "
+                f"or clip them with torch.nn.utils.clip_grad_norm_({var}.parameters(), "
+                "max_norm)")
+        if not g.detach().movedim(fsdp.axis, -2).is_contiguous():
+            with torch.no_grad():
+                g = shard.grad = dp_minor(g.detach(), fsdp.axis)
+        nd = shard.dim() - 1
+        loc = _view(g.detach(), fsdp.axis, storage.tensors(tmpl._local)[0].shape[nd:])
+        return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, g.dtype)
+
+    def clear(self) -> None:
+        self.fsdp.entries[self.i][3].grad = None

@@ -60,6 +60,7 @@ class _ShardedAttr:
                 "(every process) or the shards in model.parameters()")
         from ..load_back import mark
         from .fsdp_dist_habits import _cut
+        from .fsdp_dist_views import GradOf
         g = fsdp._gather(fsdp.entries[i][2], shard)
         # its own storage (the gather may be a view of the shard's, which a step moves)
         value = type(g)(g._local.clone(), g.mesh, g.placements, g.shape, g.dtype)
@@ -68,6 +69,9 @@ class _ShardedAttr:
         value._local._wb_on_requires_grad = fsdp.entries[i][2].requires_grad_
         if getattr(g._local, "_wb_clip_refuse", None):  # no gradient: clip the shards
             value._local._wb_clip_refuse = g._local._wb_clip_refuse
+        # value.grad: the shard's gradient (FSDP2's module.weight is the sharded parameter,
+        # with its gradient), a view of it in the parameter's layout; it was None
+        value._local._wb_grad_of = GradOf(fsdp, i)
         # a write into it (nn.init after fully_shard, p.mul_(2)) reaches the shards before
         # the next forward, state dict or optimizer step, as a state_dict() copy's
         return mark(value, lambda v, fsdp=fsdp, i=i: _cut(fsdp, i, v), source=shard)
