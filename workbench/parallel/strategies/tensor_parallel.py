@@ -11,6 +11,12 @@ row-parallel one needs one operator before the region and one after it:
   identity).  Under sequence parallelism a reduce-scatter onto the sequence dim
   (backward: all-gather).
 
+Under sequence parallelism the linears reading f's gathered copy keep its sequence SHARD
+for their weight gradient and all-gather it again in backward, beside the first input-
+gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``;
+Korthikanti et al. sec. 4.2.2 count those inputs at 2 sbh / t): ``ops_table.linear_regather``.
+``regather=False`` keeps the gathered copy instead, as PyTorch's DTensor does.
+
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
 module's own forward is untouched.  This is the one copy used by the hybrid recipe
 and the torchrun activation check.
