@@ -171,3 +171,15 @@ def test_recompute_and_split_backward_train_like_one_device(kw):
         return out
     strategy = Hybrid(**kw, microbatches=2) if "schedule" in kw else Hybrid(**kw)
     assert losses(strategy) == pytest.approx(losses(SingleDevice()), rel=1e-5)
+
+
+def test_double_backward_raises_not_a_wrong_number():
+    """The re-gathering linear's backward is differentiable once: a gradient of a gradient
+    through it raises (torch's once_differentiable) instead of silently dropping terms."""
+    mesh = wb.Mesh.grid(2, ["tp"])
+    layer = _layer(mesh, True)
+    X, pl = _input(mesh)
+    x = wb.shard_tensor(X, mesh, pl).requires_grad_()
+    (gx,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (gx ** 2).sum().backward()

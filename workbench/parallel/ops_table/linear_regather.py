@@ -34,6 +34,7 @@ on its own, and what PyTorch's DTensor ``SequenceParallel`` + ``ColwiseParallel`
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...sim_mesh import cost as _cost
 
@@ -110,6 +111,7 @@ class RegatheredLinear(torch.autograd.Function):
         return local(nd, lctx, x, w, b)
 
     @staticmethod
+    @once_differentiable       # a double backward raises (the gradients carry no graph)
     def backward(ctx, g):
         shard, w, b = ctx.saved_tensors
         x = ctx.rg.gather(shard)
