@@ -251,8 +251,9 @@ def test_ring_record_renders_as_text_and_a_figure():
 
 def test_cp_vs_sp_sequence_parallel_bytes_match_what_the_simulator_counts():
     """Korthikanti et al.'s SP volume per layer (2 all-gathers + 2 reduce-scatters of the
-    (b, S, h) activation forward, their mirror backward) against Megatron SP as the hybrid
-    recipe runs it: one more layer adds exactly step_bytes_per_rank to rank 0's traffic."""
+    (b, S, h) activation forward, their mirror backward, and the 2 all-gathers again of the
+    column-parallel inputs' kept shards) against Megatron SP as the hybrid recipe runs it:
+    one more layer adds exactly step_bytes_per_rank to rank 0's traffic."""
     from workbench.models.config import get_config
     from workbench.models.data import get_batch
     from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
@@ -271,4 +272,6 @@ def test_cp_vs_sp_sequence_parallel_bytes_match_what_the_simulator_counts():
     cfg, one = sp_bytes(1)
     _, two = sp_bytes(2)
     r = cp_vs_sp(cfg.seq_len, cfg.d_model, 2, n_head=cfg.n_head, batch=2, dtype="float32")
-    assert two - one == r["sp"]["step_bytes_per_rank"] == 2 * r["sp"]["bytes_per_rank"]
+    assert two - one == r["sp"]["step_bytes_per_rank"] == \
+        2 * r["sp"]["bytes_per_rank"] + r["sp"]["regather_bytes_per_rank"]
+    assert r["sp"]["regather_bytes_per_rank"] == r["sp"]["bytes_per_rank"] // 2

@@ -122,17 +122,26 @@ def test_tensor_parallel_moves_megatrons_four_all_reduces_per_layer():
 
 def test_sequence_parallel_swaps_each_all_reduce_for_gather_and_scatter():
     """Korthikanti et al. 2022: with sequence parallelism each all-reduce becomes an
-    all-gather plus a reduce-scatter of the same total volume."""
+    all-gather plus a reduce-scatter of the same total volume; on top, as Megatron-LM
+    runs it (sec. 4.2.2), each column-parallel region's input is all-gathered again in
+    backward (its shard was kept, not the gathered copy): one more all-gather of b s h
+    per region, beside the input-gradient GEMM."""
     cfg = get_config("tiny", dropout=0.0)
     tr = _step_trace(Hybrid(tp=2, sp=True), cfg)
     bsh = BATCH * cfg.seq_len * cfg.d_model * 4
     big = [e for e in tr.collectives() if e.args["buffer_bytes"] == bsh and
            ("f:" in e.label or "on tp" in e.label and "P(sum)" in e.label)]
+    again = [e for e in big if e.label == "f: re-gather"]
+    big = [e for e in big if e not in again]
     kinds = sorted(e.name for e in big)
     assert kinds.count("all_gather") == 4 * cfg.n_layer
     assert kinds.count("reduce_scatter") == 4 * cfg.n_layer
     assert "all_reduce" not in kinds
     assert sum(e.bytes for e in big) == 4 * cfg.n_layer * bsh   # = the TP all-reduces' bytes
+    assert len(again) == 2 * cfg.n_layer                        # attention and MLP regions
+    assert {e.name for e in again} == {"all_gather"} and \
+        {e.args["overlaps"] for e in again} == {"dgrad"}
+    assert sum(e.bytes for e in again) == 2 * cfg.n_layer * bsh // 2   # (p-1)/p n, p = 2
 
 
 def test_step_report_counts_activations_per_rank():

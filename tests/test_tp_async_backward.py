@@ -88,11 +88,21 @@ def test_f_all_reduce_hidden_by_the_wgrad(dp):
 
 def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
     """Sequence parallel: f all-gathers the sequence forward; its backward reduce-scatter
-    of the input gradient (Korthikanti et al. sec. 4.2.2) runs beside the wgrad too."""
+    of the input gradient (Korthikanti et al. sec. 4.2.2) runs beside the wgrad too.
+    fc1 kept the sequence SHARD of its input, so its backward first all-gathers it again
+    (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``: issued before
+    the dgrad GEMM, waited for before the wgrad GEMM); the reduce-scatter queues behind
+    it on the tp group's stream, so both start when the dgrad and the gather are done."""
     tr, _, _ = _run(sp=True)
     dgrad, wgrad = _fc1_backward(tr)
     rs = _f_all_reduce(tr, "reduce_scatter")
-    assert rs.start == dgrad.end and rs.args["overlaps"] == "wgrad"
+    (ag,) = [e for e in tr.events if e.label == "f: re-gather" and 0 in e.ranks]
+    assert ag.name == "all_gather" and ag.args["overlaps"] == "dgrad"
+    assert ag.start == dgrad.start                      # issued with the dgrad
+    assert ag.duration == pytest.approx(
+        sim_cost.price("all_gather", T * H * 2, [0, 1], "a100"), rel=1e-12)
+    assert wgrad.start == rs.start == max(dgrad.end, ag.end)
+    assert rs.args["overlaps"] == "wgrad"
     assert rs.duration == pytest.approx(
         sim_cost.price("reduce_scatter", T * H * 2, [0, 1], "a100"), rel=1e-12)
     hidden = min(rs.end, wgrad.end) - wgrad.start

@@ -43,7 +43,9 @@ for sequence parallelism): an input brought to Replicate enters the tp region th
 Megatron's ``f`` (:func:`.strategies.tensor_parallel.megatron_f`: from Shard(seq) an
 all-gather whose backward is a reduce-scatter; from Replicate a copy whose backward is one
 all-reduce), and the partial sums of a row-parallel output leave through ``g`` (an
-all-reduce, or a reduce-scatter onto Shard(1)).
+all-reduce, or a reduce-scatter onto Shard(1)).  As in torch, a linear keeps the
+all-gathered input for its weight gradient (``megatron_f(regather=False)``), where
+Megatron-LM's recipe keeps the sequence shard and all-gathers it again in backward.
 """
 from __future__ import annotations
 
@@ -111,7 +113,11 @@ def _put(x, mesh: Mesh, md: int, p: Placement, what: str, enter: bool = False):
             if cur.is_partial():
                 x = reshard(x, mesh, ps)
                 cur = ps[md]
-            return megatron_f(x, md, sp=cur.is_shard(), seq_dim=cur.dim if cur.is_shard() else 1)
+            # regather=False: the linears keep the gathered input, as DTensor's autograd
+            # does (the redistributed Replicate input is what aten.mm saves); Megatron-LM's
+            # recipe (strategies.tensor_parallel) keeps the shard and gathers it again
+            return megatron_f(x, md, sp=cur.is_shard(),
+                              seq_dim=cur.dim if cur.is_shard() else 1, regather=False)
         return x if ps == x.placements else reshard(x, mesh, ps)
     if isinstance(x, torch.Tensor):
         ps = [Replicate()] * mesh.ndim

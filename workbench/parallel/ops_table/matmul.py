@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import Partial, Replicate, Shard
-from . import costs
+from . import costs, linear_regather
 from ._util import align
 from .samples import Sample
 from .strategy import combine
@@ -266,6 +266,16 @@ class _RankLinear(torch.autograd.Function):
 
 
 def _linear_local(nd, ctx, x, w, b=None):
+    held = linear_regather.of(x)
+    if held is not None and torch.is_grad_enabled():
+        # sequence parallelism's gathered input: keep its shard, gather again in backward
+        rg, shard = held
+        return linear_regather.RegatheredLinear.apply(rg, _linear_plain, nd, ctx, shard,
+                                                      x, w, b)
+    return _linear_plain(nd, ctx, x, w, b)
+
+
+def _linear_plain(nd, ctx, x, w, b=None):
     if nd and _same_on_every_rank(x, nd) and not _same_on_every_rank(w, nd) and x.dim() > nd:
         # Column-parallel with a replicated input: every rank multiplies the same x by its
         # slice of the weight. One GEMM with all the slices side by side does exactly that

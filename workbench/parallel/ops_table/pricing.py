@@ -49,7 +49,7 @@ from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
 from .. import layout, storage
-from . import backward_split
+from . import backward_split, linear_regather
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
@@ -290,7 +290,8 @@ def backward_parts(cost: Cost, needs=None) -> list:
     return parts
 
 
-def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None):
+def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
+                     regather=None):
     launches = 0 if _SINK[-1] else 1          # as when the forward ran
     sunk = {"sunk": True} if not launches else {}
     whole = backward_parts(cost, needs)
@@ -312,7 +313,13 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None)
         done.update(q[0] for q in parts)
         if not parts:
             return
+        # a sequence-parallel input kept as its shard: gathered again beside the dgrad,
+        # waited for by the wgrad (linear_regather); only where a wgrad runs
+        waits = linear_regather.trace_regather(tr, regather) if regather is not None and \
+            any(q[0] in ("wgrad", None) for q in parts) else []
         if not isinstance(cost, SplitCost):
+            for h in waits:
+                tr.wait(h)
             ((_, flops, nbytes, _),) = parts
             measured = _measured(cost, tr.profile)
             dur = (_unlaunched(measured[1], tr.profile, dtype, not launches) if measured
@@ -325,6 +332,9 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None)
         # plan.layer_cost); a bias's sum alone is a reduction
         evs = []
         for part, flops, nbytes, gemm in parts:
+            if part == "wgrad":
+                for h in waits:
+                    tr.wait(h)
             cls = "reduction" if part == "bias" else op_class
             dur = _time(flops, nbytes, tr.profile, dtype, cls, gemm, launches=launches)
             evs.append(tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
@@ -360,8 +370,9 @@ def on_backward(outs, entry, mesh, cost: Cost, dtype, needs=None, inputs=None):
         return outs
     edges = backward_split.edges_of(inputs) if (
         inputs is not None and isinstance(cost, SplitCost)) else None
+    marked = linear_regather.of(inputs[0]) if inputs and entry.name == "linear" else None
     record = _record_backward(entry.name, entry.op_class, mesh.ranks, cost, dtype, needs,
-                              edges)
+                              edges, marked[0] if marked is not None else None)
     res = _BackwardCompute.apply(record, *[t for _, _, t in slots])
     for (j, k, _), r in zip(slots, res):
         held[j][k] = r

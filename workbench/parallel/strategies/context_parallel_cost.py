@@ -20,7 +20,11 @@ b sequences, hidden size h, K/V width h_kv = h * n_kv_head / n_head, e bytes per
   rate a step's send is priced at, the link's effective bandwidth; Liu et al. 2023 state it as block size >= FLOPS / bandwidth). The exposed
   time is what each step's send takes beyond its block.
 
-Over a training step (forward and backward): SP's backward mirrors its forward (2x);
+Over a training step (forward and backward): SP's backward mirrors its forward (2x), and
+all-gathers the two column-parallel inputs again, whose sequence shards the linears kept
+for their weight gradients (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``
+with ``sequence_parallel``; this library's ``ops_table/linear_regather.py``): 2 more
+all-gathers, ``regather_bytes_per_rank``;
 CP's backward, as PyTorch's ring runs it (torch 2.13, ``_templated_ring_attention_backward``,
 and this library's, ``context_parallel_backward.py``), keeps only its own K/V block,
 passes the K/V blocks round again (p-1 sends) and sends each block's dK/dV along with it
@@ -115,7 +119,9 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     rs = _cost.price("reduce_scatter", act, ranks, prof)
     sp_bytes = 2 * _cost.wire_bytes("all_gather", act, p) + \
         2 * _cost.wire_bytes("reduce_scatter", act, p)
-    sp = {"bytes_per_rank": sp_bytes, "step_bytes_per_rank": 2 * sp_bytes,
+    regather = 2 * _cost.wire_bytes("all_gather", act, p)   # backward: the kept shards
+    sp = {"bytes_per_rank": sp_bytes, "step_bytes_per_rank": 2 * sp_bytes + regather,
+          "regather_bytes_per_rank": regather,
           "comm_s": 2 * ag + 2 * rs, "exposed_s": 2 * ag + 2 * rs}
 
     winner = "cp" if cp["exposed_s"] < sp["exposed_s"] else "sp"

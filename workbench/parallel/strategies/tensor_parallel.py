@@ -11,6 +11,12 @@ row-parallel one needs one operator before the region and one after it:
   identity).  Under sequence parallelism a reduce-scatter onto the sequence dim
   (backward: all-gather).
 
+Under sequence parallelism the linears reading f's gathered copy keep its sequence SHARD
+for their weight gradient and all-gather it again in backward, beside the first input-
+gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``;
+Korthikanti et al. sec. 4.2.2 count those inputs at 2 sbh / t): ``ops_table.linear_regather``.
+``regather=False`` keeps the gathered copy instead, as PyTorch's DTensor does.
+
 :func:`tensor_parallel_region` registers both on a module as forward hooks, so the
 module's own forward is untouched.  This is the one copy used by the hybrid recipe
 and the torchrun activation check.
@@ -37,16 +43,23 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
 from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.grid import Stacked, ops_for
-from ...sim_mesh.trace import current_trace
+from ...sim_mesh.trace import current_trace, suspend
 from ..dist_tensor import DistTensor
+from ..ops_table import linear_regather as _regather
 from ..placement import Replicate, Shard
 from ..reshard import reshard
 
 __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_parallel_norms"]
 
 
-def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
+def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
+               regather: bool = True) -> DistTensor:
     """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence).
+
+    Under sp the linears reading the gathered copy keep ``x``'s sequence shard for their
+    weight gradient and all-gather it again in backward, as Megatron-LM does
+    (``ops_table.linear_regather``); ``regather=False`` keeps the gathered copy instead
+    (2 s b h per rank where the shard is 2 s b h / t; no all-gather in backward).
 
     ``x`` is first brought to the layout f starts from on tp: Replicate, or Shard(seq_dim)
     under sp. Any other (a Partial, or a shard the op table's cost chose, e.g. the
@@ -59,21 +72,49 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) 
         ps[tp_axis] = want
         x = reshard(x, x.mesh, ps)
     mesh, loc = x.mesh, x._local
+    shard = loc
     if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
         if sp:      # S(seq_dim) on tp -> every rank the whole sequence
             loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
                                label="f: all-gather")
+            if regather and _B.is_distributed(mesh):
+                loc = _regathered(loc, shard, mesh, tp_axis, seq_dim, blocking=True)
         else:
             loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
     elif sp:
         ax = mesh.dim(tp_axis)
         loc = C.all_gather(loc, mesh, ax, seq_dim, label="f: all-gather")
         loc = _expand_async(loc, mesh, ax, "reduce_scatter", "f: all-gather")
+        if regather:
+            loc = _regathered(loc, shard, mesh, ax, seq_dim, blocking=False)
     else:
         loc = _expand_async(loc, mesh, mesh.dim(tp_axis), "all_reduce", "f: grad all-reduce")
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
+
+
+def _regathered(loc, shard, mesh, axis: int, seq_dim: int, blocking: bool):
+    """``loc`` (the gathered copy of ``shard``) marked so that the linears reading it
+    keep ``shard`` and gather it again in backward (``ops_table.linear_regather``)."""
+    if not (torch.is_grad_enabled() and loc.requires_grad):
+        return loc
+    if blocking:                          # torch.distributed: this process's group
+        def rebuild(s):
+            with suspend():
+                return C.all_gather(s, mesh, axis, seq_dim, expanded=True)
+        groups = [_B.group(mesh, axis)[1]]
+        nb = loc.numel() * loc.element_size()
+    else:                                 # stacked shards: the view f made, unrecorded
+        F, n = ops_for(shard), mesh.shape[axis]
+
+        def rebuild(s):
+            return F.expand(F.all_gather(s, mesh.ndim, axis, seq_dim, n), axis, n)
+        groups = mesh.groups(axis)
+        nb = F.rank_bytes(loc, mesh.ndim)
+    rg = _regather.Regather(rebuild, groups, mesh.dim_names[axis], nb, "f: re-gather",
+                            blocking)
+    return _regather.mark(loc, shard, rg)
 
 
 class _AsyncGradCollective(torch.autograd.Function):
@@ -137,13 +178,19 @@ def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) 
     return reshard(y, y.mesh, ps)
 
 
-def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int = 1):
-    """Put f before ``module`` (on its first argument) and g after it; returns the hooks."""
+def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int = 1,
+                           regather: bool = True):
+    """Put f before ``module`` (on its first argument) and g after it; returns the hooks.
+    ``regather`` (sp only): :func:`megatron_f`'s."""
     ax = mesh.dim(tp)
+    if not isinstance(regather, bool):
+        raise TypeError(f"regather={regather!r}: give True (keep the sequence shard and "
+                        "all-gather it again in backward, as Megatron-LM) or False (keep "
+                        "the gathered input)")
 
     def f(mod, args):
         x, *rest = args
-        return (megatron_f(x, ax, sp, seq_dim), *rest)
+        return (megatron_f(x, ax, sp, seq_dim, regather), *rest)
 
     def g(mod, args, out):
         return megatron_g(out, ax, sp, seq_dim)

@@ -1,0 +1,157 @@
+"""A linear that keeps the SHARD of its all-gathered input and gathers it again in backward.
+
+Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) all-gathers the sequence
+shards before each column-parallel linear (Megatron's ``f``).  The linear needs that
+whole-sequence input again for its weight gradient, but keeping it would undo what
+sequence parallelism saves: Table 2's ``sbh (34/t + ...)`` counts the column-parallel
+linears' inputs at ``2 sbh / t``.  Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` (megatron/core/tensor_parallel/
+layers.py) therefore saves the sequence-parallel input (``ctx.save_for_backward(input,
+weight)`` of the shard when ``sequence_parallel``) and, in backward, all-gathers it
+again, asynchronously, while the input-gradient GEMM runs (``handle = all_gather(...,
+async_op=True)``; ``grad_input = grad_output.matmul(weight)``; ``handle.wait()``), then
+computes the weight gradient from the gathered input.
+
+Here:
+
+* :func:`mark` (called by ``strategies.tensor_parallel.megatron_f``) notes on the
+  gathered local tensor how to rebuild it from its shard (:class:`Regather`);
+* the ``linear`` op's local (``matmul._linear_local``) runs :class:`RegatheredLinear`
+  for a marked input: forward as before, but autograd keeps the shard (and the weight),
+  not the gathered input; backward gathers the shard again (ONE gather per marked
+  tensor and backward, shared by every linear reading it: the query, key and value
+  projections are one fused QKV GEMM in Megatron-LM) and runs the local linear's own
+  backward on it, so the gradients are the ones the plain linear gives;
+* the clock (``pricing``): a linear whose input is marked records the re-gather on the
+  tp group when its backward starts, beside its input-gradient GEMM, and its
+  weight-gradient GEMM waits for it (:func:`trace_regather`).  On torch.distributed the
+  gather blocks (the backends' collectives are synchronous), so it is recorded blocking.
+
+``megatron_f(..., regather=False)`` keeps the gathered input instead (what autograd does
+on its own, and what PyTorch's DTensor ``SequenceParallel`` + ``ColwiseParallel`` keep):
+2 sbh per column-parallel input on every rank, and no all-gather in backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ...sim_mesh import cost as _cost
+
+__all__ = ["Regather", "mark", "of", "RegatheredLinear", "trace_regather"]
+
+
+class Regather:
+    """How to rebuild a gathered input in backward: ``rebuild(shard)`` returns the local
+    tensor the forward's linear read (same shape and strides), moving the data without
+    recording; ``groups``, ``mesh_dim``, ``nbytes`` (the gathered buffer per rank, the
+    cost model's all-gather convention), ``label`` and ``blocking`` say how the clock
+    records it.  Holds no tensor beyond the backward that uses it (the shard is saved by
+    autograd, so ``torch.utils.checkpoint`` may drop and recompute it)."""
+
+    def __init__(self, rebuild, groups, mesh_dim: str, nbytes: int, label: str,
+                 blocking: bool):
+        self.rebuild, self.groups, self.mesh_dim = rebuild, groups, mesh_dim
+        self.nbytes, self.label, self.blocking = int(nbytes), label, blocking
+        self.gathered = None          # the re-gathered input, during one backward
+        self.handles = None           # its collectives on the clock, during one backward
+
+    def gather(self, shard):
+        if self.gathered is None:
+            with torch.no_grad():
+                self.gathered = self.rebuild(shard.detach())
+        return self.gathered
+
+    def release(self) -> None:
+        self.gathered = self.handles = None
+
+
+class _Release(torch.autograd.Function):
+    """Identity; its backward (after every linear reading the tensor: their input
+    gradients all flow through it) drops the re-gathered input."""
+
+    @staticmethod
+    def forward(ctx, rg, x):
+        ctx.rg = rg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.rg.release()
+        return None, g
+
+
+def mark(gathered, shard, rg: Regather):
+    """``gathered`` (a local tensor that requires grad), marked so that the linears
+    reading it keep ``shard`` instead (module docstring).  Returns the tensor to hand
+    on (an identity view of ``gathered``)."""
+    if not (torch.is_grad_enabled() and gathered.requires_grad):
+        return gathered                   # no backward: nothing is kept either way
+    out = _Release.apply(rg, gathered)
+    if hasattr(gathered, "_wb_replica_axes"):     # torch.distributed: one copy per rank
+        out._wb_replica_axes = gathered._wb_replica_axes
+    out._wb_regather = (rg, shard)
+    return out
+
+
+def of(x):
+    """``(Regather, shard)`` of a marked local tensor, else None."""
+    return getattr(x, "_wb_regather", None)
+
+
+class RegatheredLinear(torch.autograd.Function):
+    """``local(nd, ctx, x, w, b)`` (the linear op's local) on the gathered ``x``, keeping
+    ``shard`` for backward in its place (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rg, local, nd, lctx, shard, x, w, b):
+        ctx.rg, ctx.local, ctx.nd, ctx.lctx = rg, local, nd, lctx
+        ctx.x_layout = _layout(x)
+        ctx.save_for_backward(shard, w, b)
+        return local(nd, lctx, x, w, b)
+
+    @staticmethod
+    @once_differentiable       # a double backward raises (the gradients carry no graph)
+    def backward(ctx, g):
+        shard, w, b = ctx.saved_tensors
+        x = ctx.rg.gather(shard)
+        if _layout(x) != ctx.x_layout:      # the same local linear runs on it again
+            raise RuntimeError(f"linear: the re-gathered input is laid out {_layout(x)}; "
+                               f"the forward read {ctx.x_layout}")
+        need = ctx.needs_input_grad[5:8]
+        leaves = [None if t is None else t.detach().requires_grad_(n)
+                  for t, n in zip((x, w, b), need)]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        with torch.enable_grad():         # the local linear's own backward, on the leaves
+            y = ctx.local(ctx.nd, ctx.lctx, *leaves)
+            grads = iter(torch.autograd.grad(y, wanted, g, allow_unused=True)
+                         if wanted else ())
+        out = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+        return (None, None, None, None, None, *out)
+
+
+def _layout(t) -> tuple:
+    """Shape, and the strides of the dims longer than 1 (which alone locate elements)."""
+    return tuple(t.shape), tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def trace_regather(tr, rg: Regather) -> list:
+    """Record ``rg``'s all-gather on ``tr`` at most once per backward (every linear
+    reading the input waits for the same one), issued now on the tp groups' comm stream
+    beside the input-gradient GEMM recorded next; returns the handles the
+    weight-gradient GEMM waits for.  Called only where a weight-gradient GEMM runs: in a
+    split backward (zero-bubble) that is ``W``, which then gathers the input again."""
+    if rg.handles is not None:
+        return rg.handles
+    hs = []
+    for g in rg.groups:
+        if len(g) == 1:
+            continue
+        hs.append(tr.record_collective(
+            g, "all_gather", _cost.price("all_gather", rg.nbytes, g, tr.profile),
+            bytes=_cost.wire_bytes("all_gather", rg.nbytes, len(g)), label=rg.label,
+            args={"mesh_dim": rg.mesh_dim, "buffer_bytes": rg.nbytes,
+                  "overlaps": "" if rg.blocking else "dgrad"},
+            overlap=not rg.blocking))
+    rg.handles = hs
+    return hs
