@@ -320,18 +320,21 @@ def _backward(out, grad, inputs=None, retain=False, weights=None):
     """Backward from ``out`` with ``grad``; only into ``inputs`` when given (the input
     gradient of a split backward); only into ``weights`` when given (W)."""
     if isinstance(out, DistTensor):
-        if not out.is_even:
-            raise NotImplementedError("pipeline backward of uneven stage outputs: use a batch "
-                                      "that divides the mesh")
-        o = out._local
         if grad is not None:
-            g = grad._local
+            # the output's local tensors and their gradients, per cell where the shards
+            # are uneven (a micro-batch of 5 rows on 2 data-parallel ranks), the gradient
+            # laid out as the output (DistTensor.backward's own seeding)
+            o, g = out._seed(grad, "backward")
         else:
+            o = out._local
             g = torch.ones_like(o) if o.numel() == 1 else None
+            o, g = [o], [g]
     else:
-        o, g = out, grad
-        if g is None:
-            g = torch.ones_like(o)
+        o, g = [out], [torch.ones_like(out) if grad is None else grad]
+    if not any(t.requires_grad for t in o):
+        # nothing behind this output trains (a first stage whose parameters are all
+        # frozen, fed data): one device's backward would not reach it either
+        return
     if inputs is not None:
         # (backward, not autograd.grad: the engine then tells the pricing which GEMM
         # gradients it runs, ops_table.backward_split; it accumulates into .grad alike)
@@ -340,7 +343,11 @@ def _backward(out, grad, inputs=None, retain=False, weights=None):
             torch.autograd.backward(o, g, retain_graph=True, inputs=leaves)
         return
     if weights is not None:
-        with weight_pass():             # the clock prices only the kernels B left out
-            torch.autograd.backward(o, g, retain_graph=retain, inputs=_leaves(weights))
+        # W: the gradients of the stage's trainable parameters (none for a stage without
+        # any, a ReLU or a frozen block: its graph is simply freed)
+        leaves = [t for t in _leaves(weights) if t.requires_grad]
+        if leaves:
+            with weight_pass():         # the clock prices only the kernels B left out
+                torch.autograd.backward(o, g, retain_graph=retain, inputs=leaves)
         return
     torch.autograd.backward(o, g, retain_graph=retain)
