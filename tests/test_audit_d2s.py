@@ -119,3 +119,48 @@ def test_pipeline_micro_batches_uneven_over_a_stages_data_parallel_ranks(schedul
     run, stages = _pipeline(sched, copy.deepcopy(mods), X, T, 2, mesh_size=2, place=Sh(0))
     assert run.loss == pytest.approx(want, rel=1e-6)
     _assert_one_devices_grads(stages, ref)
+
+
+def _two_stages():
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    torch.manual_seed(0)
+    stages = [wb.parallelize(nn.Linear(4, 4), meshes[0]),
+              wb.parallelize(nn.Linear(4, 4), meshes[1])]
+    X, T = _data()
+    xs = [wb.shard_tensor(c, meshes[0], [R]) for c in X.chunk(4)]
+    ts = [wb.shard_tensor(c, meshes[1], [R]) for c in T.chunk(4)]
+    return stages, meshes, xs, ts
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda o, t: F.mse_loss(o, t, reduction="none"), ValueError, r"shape \(2, 4\).*reduction='mean'"),
+    (lambda o, t: 1.0, TypeError, "returned a float.*one-element tensor")],
+    ids=["per-sample", "float"])
+def test_pipeline_loss_fn_must_return_one_number(forward_only, bad, err, match):
+    # A per-sample loss (reduction="none") raised torch's "only one element tensors can
+    # be converted to Python scalars" from inside the executor; a Python float an
+    # AttributeError ('float' object has no attribute 'detach'). Both now name loss_fn,
+    # what it returned and the fix, before any backward ran.
+    stages, meshes, xs, ts = _two_stages()
+    with pytest.raises(err, match=match):
+        S.run_pipeline(S.one_f_one_b(2, 4), stages, meshes, xs,
+                       lambda out, i: bad(out, ts[i]), forward_only=forward_only)
+    assert all(q.grad is None for st in stages for q in st.parameters())
+
+
+def test_pipeline_stage_returning_a_tuple_names_the_tuple():
+    # the refusal said "parallelize each stage's module on its mesh": it was parallelized
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, y * 2
+    stages, meshes, xs, ts = _two_stages()
+    stages[0] = wb.parallelize(Two(), meshes[0])
+    with pytest.raises(TypeError, match="stages\\[0\\] returned a tuple of 2.*one DistTensor"):
+        S.run_pipeline(S.one_f_one_b(2, 4), stages, meshes, xs,
+                       lambda out, i: F.mse_loss(out, ts[i]))

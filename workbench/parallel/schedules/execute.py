@@ -38,7 +38,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
-from .execute_checks import check_even_microbatches, check_sendable, check_weights
+from .execute_checks import check_even_microbatches, check_sendable, check_weights, stage_loss
 from .simulate import simulate
 from .validate import validate
 
@@ -263,7 +263,7 @@ def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineR
         if s == last:
             outputs[a.mb] = out
             if loss_fn is not None:
-                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+                losses[a.mb] = float(_value(stage_loss(loss_fn, out, a.mb)))
         else:
             stage_out[(s, a.mb)] = out
         done.append((r, a))
@@ -289,7 +289,7 @@ def _grad_of(x):
 def last_stage_loss(loss_fn, out, mb: int, m: int):
     """The last stage's loss of micro-batch ``mb``: (loss / m to backpropagate, its value).
     A partial loss is reduced first, so every rank seeds the same gradient."""
-    loss = loss_fn(out, mb)
+    loss = stage_loss(loss_fn, out, mb)
     if isinstance(loss, DistTensor) and any(q.is_partial() for q in loss.placements):
         loss = reshard(loss, loss.mesh, loss._grad_placements())
     return loss * (1.0 / m), float(_value(loss))

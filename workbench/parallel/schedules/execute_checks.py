@@ -9,17 +9,41 @@ import torch
 
 from ..dist_tensor import DistTensor
 
-__all__ = ["check_even_microbatches", "check_sendable", "check_weights"]
+__all__ = ["check_even_microbatches", "check_sendable", "check_weights", "stage_loss"]
 
 
 def check_sendable(out, slot: int) -> None:
     """A stage's output goes to the next stage's mesh: a DistTensor (it says where it is)."""
+    if isinstance(out, (tuple, list, dict)):
+        raise TypeError(f"stages[{slot}] returned a {type(out).__name__} of {len(out)}: "
+                        "run_pipeline sends one DistTensor from a stage to the next; return "
+                        "one tensor (torch.cat the outputs, or keep the stage boundary where "
+                        "the model carries a single activation)")
     if not isinstance(out, DistTensor):
         raise TypeError(f"stages[{slot}] returned a {type(out).__name__}: run_pipeline sends "
                         "DistTensors from one stage's mesh to the next; parallelize each "
                         "stage's module on its mesh (wb.parallelize(module, meshes[r])) and "
                         "give DistTensor micro-batches (wb.shard_tensor(x, meshes[0], ['R'])), "
                         "as notebook 07 does")
+
+
+def stage_loss(loss_fn, out, mb: int):
+    """``loss_fn(out, mb)``, checked to be one number: each micro-batch backpropagates one
+    scalar loss (a per-sample loss, ``reduction="none"``, raised deep inside with torch's
+    "only one element tensors can be converted to Python scalars"; a Python float, an
+    AttributeError)."""
+    loss = loss_fn(out, mb)
+    if not isinstance(loss, (torch.Tensor, DistTensor)):
+        raise TypeError(f"loss_fn(output, {mb}) returned a {type(loss).__name__}: "
+                        "run_pipeline backpropagates each micro-batch's loss, so loss_fn "
+                        "must return a one-element tensor computed from the output "
+                        "(e.g. F.cross_entropy(output, targets[i]))")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn(output, {mb}) returned a tensor of shape "
+                         f"{tuple(loss.shape)}: run_pipeline backpropagates one scalar loss "
+                         "per micro-batch (weighed 1/m); reduce it in loss_fn, e.g. "
+                         "reduction='mean' (or loss.mean())")
+    return loss
 
 
 def check_weights(stages, params) -> None:

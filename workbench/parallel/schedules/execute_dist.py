@@ -21,7 +21,7 @@ from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .execute_checks import check_sendable
+from .execute_checks import check_sendable, stage_loss
 
 __all__ = ["run_pipeline_dist"]
 
@@ -116,7 +116,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
                 continue
             outputs[a.mb] = out
             if loss_fn is not None:         # a partial loss reduced over the last mesh
-                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+                losses[a.mb] = float(_value(stage_loss(loss_fn, out, a.mb)))
             continue
         if a.kind == "F":
             if s == 0:
