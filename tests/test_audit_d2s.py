@@ -164,3 +164,69 @@ def test_pipeline_stage_returning_a_tuple_names_the_tuple():
     with pytest.raises(TypeError, match="stages\\[0\\] returned a tuple of 2.*one DistTensor"):
         S.run_pipeline(S.one_f_one_b(2, 4), stages, meshes, xs,
                        lambda out, i: F.mse_loss(out, ts[i]))
+
+
+# ---- dynamic to static: wb.compile on ordinary user programs ---------------------------
+
+def test_compile_a_draw_from_a_torch_generator_runs_eagerly():
+    # torch.export lifts a torch.Generator the program draws from into its constants, and
+    # capture read it as a tensor: AttributeError "'torch._C.Generator' object has no
+    # attribute 'is_meta'" out of wb.compile. It is a random draw: a graph break that
+    # names it, and the program runs eagerly with one device's values.
+    mesh = wb.Mesh.grid((2,))
+    gen = torch.Generator()
+
+    def noisy(t):                   # a random scale, one per call
+        return t * torch.rand((), generator=gen)
+
+    x = wb.shard_tensor(torch.randn(4, 6), mesh, [Sh(0)])
+    prog = wb.compile(noisy, x)
+    assert prog.eager and "random" in str(prog)
+    gen.manual_seed(0)
+    got = prog(x).full()
+    gen.manual_seed(0)
+    torch.testing.assert_close(got, noisy(x.full()))
+
+
+def test_compile_captures_dot_T_and_mT():
+    # x @ w.T, the commonest spelling of a linear, was a graph break ("getset_descriptor.
+    # __get__ has no entry in the op table"): the whole program ran eagerly. .T is the
+    # permute DistTensor.T runs, .mT the transpose of the last two dims.
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 6))
+            self.v = nn.Parameter(torch.randn(3, 4, 5))
+
+        def forward(self, x):
+            return (x @ self.w.T) @ self.v.mT.sum(0)
+
+    torch.manual_seed(0)
+    ref = M()
+    m = wb.parallelize(copy.deepcopy(ref), wb.Mesh.grid((2,)), {"w": ["S(0)"]})
+    xp = torch.randn(4, 6)
+    x = wb.shard_tensor(xp, wb.Mesh.grid((2,)), [R])
+    for method in ("auto", "trace"):
+        m.zero_grad()
+        prog = wb.compile(m, x, method=method)
+        assert not prog.eager, str(prog)
+        prog(x).sum().backward()
+        r = copy.deepcopy(ref)
+        r(xp).sum().backward()
+        torch.testing.assert_close(prog(x).full(), r(xp))
+        torch.testing.assert_close(m.w.grad.full(), r.w.grad)
+        torch.testing.assert_close(m.v.grad.full(), r.v.grad)
+
+
+def test_compile_an_error_on_meta_tensors_names_the_users_line():
+    # a shape error met while capturing was reported as "graph break at ?:0"
+    def bad(a, b):
+        h = a * 2
+        return h @ b            # (4, 6) @ (5, 3)
+
+    x = wb.shard_tensor(torch.randn(4, 6), wb.Mesh.grid((2,)), [Sh(0)])
+    prog = wb.compile(bad, x, torch.randn(5, 3))
+    brk = prog.breaks[0]
+    assert brk.line == bad.__code__.co_firstlineno + 2 and "h @ b" in str(prog)
+    with pytest.raises(RuntimeError):           # eager's own error when it runs
+        prog(x, torch.randn(5, 3))
