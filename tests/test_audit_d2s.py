@@ -230,3 +230,67 @@ def test_compile_an_error_on_meta_tensors_names_the_users_line():
     assert brk.line == bad.__code__.co_firstlineno + 2 and "h @ b" in str(prog)
     with pytest.raises(RuntimeError):           # eager's own error when it runs
         prog(x, torch.randn(5, 3))
+
+
+class _Attention(nn.Module):
+    def __init__(self, d=16, h=2, seq=8):
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).triu(1))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.h, D // self.h).transpose(1, 2)
+                   for t in self.qkv(x).split(D, -1))
+        s = (q @ k.transpose(-2, -1)) * (D // self.h) ** -0.5
+        return torch.softmax(s.masked_fill(self.mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("change", ["fill_", "replace"])
+def test_compile_fused_attention_refuses_a_changed_mask(change):
+    # O1's fusion pass turns softmax(q k^T * d^-0.5 masked by the causal buffer) @ v into
+    # flash_attention(causal=True) and the graph no longer reads the buffer: after
+    # model.mask.fill_(False) (bidirectional) or a new mask, the compiled program kept
+    # computing causal attention, 1.556 off eager; O0 followed the buffer. Now refused.
+    torch.manual_seed(0)
+    m = _Attention()
+    xp = torch.randn(2, 8, 16)
+    x = wb.shard_tensor(xp, wb.Mesh.grid((2,)), [Sh(0)])
+    prog = wb.compile(m, x, level="O1")
+    assert "attention x1" in prog.passes()
+    torch.testing.assert_close(prog(x).full(), m(xp), atol=1e-6, rtol=1e-5)
+    m.mask = torch.ones(8, 8, dtype=torch.bool).triu(1)      # the same mask: still runs
+    torch.testing.assert_close(prog(x).full(), m(xp), atol=1e-6, rtol=1e-5)
+    if change == "fill_":
+        m.mask.fill_(False)
+    else:
+        m.mask = torch.ones(8, 8, dtype=torch.bool).tril(-1)
+    with pytest.raises(ValueError, match="'mask' was a causal mask.*compile again"):
+        prog(x)
+    o0 = wb.compile(m, x, level="O0")                          # O0 reads the buffer
+    torch.testing.assert_close(o0(x).full(), m(xp))
+
+
+_MASK = torch.ones(8, 8, dtype=torch.bool).triu(1)
+
+
+def _attend(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * 4 ** -0.5
+    return torch.softmax(s.masked_fill(_MASK, float("-inf")), -1) @ v
+
+
+def test_compile_fused_attention_refuses_a_changed_global_mask():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    mesh = wb.Mesh.grid((2,))
+    qd, kd, vd = (wb.shard_tensor(t, mesh, [Sh(0)]) for t in (q, k, v))
+    prog = wb.compile(_attend, qd, kd, vd, level="O1")
+    assert "attention x1" in prog.passes()
+    torch.testing.assert_close(prog(qd, kd, vd).full(), _attend(q, k, v), atol=1e-6, rtol=1e-5)
+    try:
+        _MASK.fill_(False)
+        with pytest.raises(ValueError, match="causal mask.*compile again"):
+            prog(qd, kd, vd)
+    finally:
+        _MASK.copy_(torch.ones(8, 8, dtype=torch.bool).triu(1))

@@ -277,6 +277,7 @@ class CompiledProgram:
         if self.module is not None:         # buffers and tensor attributes as they are now
             bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
                                                       if v in g.consts}, g.values))
+        self._check_held(g, bind)
         if self.level != "O2":
             return self._result(execute_program(g, self.program, self.mesh, bind))
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward
@@ -290,6 +291,22 @@ class CompiledProgram:
         with graph_sink():
             return self._result(execute_program(g, self.program, self.mesh, bind,
                                                 self._grad_buckets()))
+
+    def _check_held(self, g, bind) -> None:
+        """Refuse a call after a constant that a pass relied on changed (a fused
+        attention's causal mask, a buffer filled or replaced since): the graph no longer
+        reads it, so it would silently keep the value of the capture."""
+        for vid, (want, why) in g.held.items():
+            now = bind.get(vid)
+            if now is None or (now.shape == want.shape and now.dtype == want.dtype and
+                               torch.equal(now.detach().cpu(), want)):
+                continue
+            where = getattr(self, "_attrs", {}).get(vid)
+            name = (f"module tensor {'.'.join(x for x in where if x)!r}" if where else
+                    f"the constant %{vid} ({g.values[vid].name})")
+            raise ValueError(f"compiled program: {name} was {why}; it has changed since, and "
+                             "the graph does not read it: compile again (or at level='O0', "
+                             "which keeps the ops that read it)")
 
     def _result(self, out):
         """A program of plain tensors only (inputs and parameters: no DistTensor; it ran

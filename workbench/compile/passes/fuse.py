@@ -7,7 +7,9 @@
     softmax(q @ k^T * d^-0.5 [masked causal]) @ v -> wb.ops.flash_attention(q, k, v)
 
 A pattern matches only where its inner results are read by nothing else (else the fused
-op would have to write them too).  The fused op computes the same function (its
+op would have to write them too).  A constant the fused op stands for (the causal mask
+of attention: a buffer the user may later change) is held in ``graph.held`` and checked
+on every call.  The fused op computes the same function (its
 rounding may differ: fused kernels keep intermediates in float32); each fusion names
 what it replaced in the node's note, and the graph is printed before and after.
 """
@@ -177,7 +179,7 @@ def _attention(v: _View, n):
         return None
     inner = [sm]
     s = _ref(sm.args[0])
-    causal = False
+    causal, held = False, {}
     mf = v.prod(s, "masked_fill")
     if mf is not None and v.single(s):
         mask = v.g.consts.get(_ref(mf.args[1]))
@@ -186,6 +188,8 @@ def _attention(v: _View, n):
                 not torch.equal(mask.bool(), torch.ones_like(mask, dtype=torch.bool).triu(1)):
             return None
         causal = True
+        held = {_ref(mf.args[1]): (mask.clone(), "a causal mask at capture, which the fusion "
+                                   "pass made flash_attention(causal=True)")}
         inner.append(mf)
         s = _ref(mf.args[0])
     sc = v.prod(s, ("mul", "div")) if v.single(s) else None
@@ -206,7 +210,7 @@ def _attention(v: _View, n):
     if not math.isclose(c, want, rel_tol=1e-6):
         return None
     return (_ops.flash_attention, (q, k, vv), {"causal": causal} if causal else {},
-            "fused attention" + (" (causal)" if causal else ""), inner + [sc, qk, kt])
+            "fused attention" + (" (causal)" if causal else ""), inner + [sc, qk, kt], held)
 
 
 PATTERNS = (("attention", _attention), ("rms_norm", _rms), ("swiglu", _swiglu),
@@ -226,9 +230,12 @@ def fuse(prog, graph):
                 hit = pat(v, n)
                 if hit is None:
                     continue
-                func, args, kwargs, note, dead = hit
+                func, args, kwargs, note, dead, *held = hit
                 if any(d.grad != n.grad for d in dead):   # a no_grad block's edge
                     continue
+                # a constant whose value the fused op stands for (the causal mask, a
+                # module's buffer): each call checks it still holds it (program.py)
+                g.held.update(held[0] if held else {})
                 g.nodes[k] = _make(g, n.nid, func, args, kwargs, n.outs, note, n.source)
                 g.nodes[k].grad = n.grad
                 drop = {d.nid for d in dead}
