@@ -337,3 +337,29 @@ def test_compile_fusion_leaves_near_misses_alone(name):
     got, want = prog(*dargs).full(), fn(*args)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want)
+
+
+def test_compile_a_broken_modules_child_refusal_names_the_module_compiled():
+    # a module whose forward breaks runs eagerly and calls its compiled children; a batch
+    # of another size was refused as "compiled program (Linear) ... compile it again": a
+    # Linear the user never compiled. The refusal names the child and the module to compile.
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if h.abs().amax() > 100:          # a graph break
+                h = h / 2
+            return self.out(h)
+
+    torch.manual_seed(0)
+    m = Gate()
+    mesh = wb.Mesh.grid((2,))
+    prog = wb.compile(m, wb.shard_tensor(torch.randn(4, 4), mesh, [Sh(0)]))
+    assert prog.eager and set(prog.parts) == {"lin", "out"}
+    x6 = wb.shard_tensor(torch.randn(6, 4), mesh, [Sh(0)])
+    with pytest.raises(ValueError, match="the child 'lin' of Gate.*compile Gate again"):
+        prog(x6)

@@ -167,6 +167,8 @@ class CompiledProgram:
                 self.parts = compile_children(self.module, example_inputs, lambda m, a, pn: (
                     CompiledProgram(m, a, level, mesh, pn, profile, method, beam,
                                     memory_limit)))
+                for name, part in self.parts.items():   # (its refusals name the parent)
+                    part._part = (type(self.module).__name__, name)
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
             where = getattr(e, "where", None) or ("?", 0, "")
@@ -241,17 +243,26 @@ class CompiledProgram:
                     return self.fn(*args, **kwargs)
             return self.fn(*args, **kwargs)
         args = positional(self.fn, args, kwargs, len(self._example))
+        self._check_signature(args)
+        return self._run(args)
+
+    def _check_signature(self, args) -> None:
         got = [_signature(a) for a in args]
         if got != self._example:
             diff = [i for i in range(max(len(got), len(self._example)))
                     if got[i:i + 1] != self._example[i:i + 1]]
             what = type(self.fn).__name__ if self.module is not None else \
                 getattr(self.fn, "__qualname__", type(self.fn).__name__)
+            part = getattr(self, "_part", None)     # a compiled child of an eager module
+            what, fix = (what, "it") if part is None else \
+                (f"{what}, the child {part[1]!r} of {part[0]}, which runs eagerly", part[0])
             raise ValueError(f"compiled program ({what}) called with inputs of other "
                              "shapes, dtypes, "
                              "placements or meshes, or other Python values, than it was "
                              f"compiled for (argument {', '.join(map(str, diff))}: "
-                             f"{got} vs {self._example}); compile it again for these")
+                             f"{got} vs {self._example}); compile {fix} again for these")
+
+    def _run(self, args):
         if self.module is not None:
             check_module_tree(self.module, self._tree)
             check_training_flags(self.module, self._modes)
