@@ -363,3 +363,30 @@ def test_compile_a_broken_modules_child_refusal_names_the_module_compiled():
     x6 = wb.shard_tensor(torch.randn(6, 4), mesh, [Sh(0)])
     with pytest.raises(ValueError, match="the child 'lin' of Gate.*compile Gate again"):
         prog(x6)
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_pipeline_first_stage_taking_several_inputs(form):
+    # run_pipeline's inputs are "whatever stage 0 accepts": a (features, mask) pair or a
+    # dict raised AttributeError "'tuple' object has no attribute 'shape'" (the keyed
+    # dropout rows read inputs[i].shape). The rows are the first tensor's.
+    torch.manual_seed(0)
+    mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    X, T = _data()
+    M = (torch.arange(32).reshape(8, 4) % 3 != 0).float()
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    want = F.mse_loss(ref[1](ref[0](X) * M), T)
+    want.backward()
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    s0, s1 = (wb.parallelize(copy.deepcopy(m), meshes[i]) for i, m in enumerate(mods))
+    pairs = [(wb.shard_tensor(a, meshes[0], [R]), wb.shard_tensor(b, meshes[0], [R]))
+             for a, b in zip(X.chunk(4), M.chunk(4))]
+    if form == "tuple":
+        xs, first = pairs, (lambda xm: s0(xm[0]) * xm[1])
+    else:
+        xs, first = [{"x": a, "mask": b} for a, b in pairs], (lambda d: s0(d["x"]) * d["mask"])
+    ts = [wb.shard_tensor(c, meshes[1], [R]) for c in T.chunk(4)]
+    run = S.run_pipeline(S.one_f_one_b(2, 4), [first, s1], meshes, xs,
+                         lambda out, i: F.mse_loss(out, ts[i]))
+    assert run.loss == pytest.approx(want.item(), rel=1e-6)
+    _assert_one_devices_grads([s0, s1], ref)

@@ -31,14 +31,14 @@ from typing import Callable, Sequence
 import torch
 
 from ...sim_mesh import cost as _cost
-from ...sim_mesh import rng
 from ...sim_mesh.backward_pass import weight_pass
 from ...sim_mesh.trace import current_trace, suspend
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
-from .execute_checks import check_even_microbatches, check_sendable, check_weights, stage_loss
+from .execute_checks import (check_even_microbatches, check_sendable, check_weights,
+                             microbatch_rows, stage_loss)
 from .simulate import simulate
 from .validate import validate
 
@@ -199,7 +199,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                           f"F{a.mb} stage {s - 1}->{s}", ready=made.pop((s - 1, a.mb), None))
                 x = _detach_leaf(x)
             stage_in[key] = x
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+            with microbatch_rows(x, a.mb, m):     # keyed dropout: its rows
                 out = stages[slot](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
@@ -256,7 +256,7 @@ def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineR
         else:
             prev = stage_out.pop((s - 1, a.mb))
             x = _send(prev, meshes[r], prev.placements, f"F{a.mb} stage {s - 1}->{s}")
-        with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+        with microbatch_rows(x, a.mb, m):
             out = stages[slot](x)
         if s != last:
             check_sendable(out, slot)

@@ -5,11 +5,14 @@ for a split backward (``W`` computes only those), DistTensors between stages.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..dist_tensor import DistTensor
 
-__all__ = ["check_even_microbatches", "check_sendable", "check_weights", "stage_loss"]
+__all__ = ["check_even_microbatches", "check_sendable", "check_weights", "stage_loss",
+           "microbatch_rows"]
 
 
 def check_sendable(out, slot: int) -> None:
@@ -63,9 +66,23 @@ def check_weights(stages, params) -> None:
 
 
 def _rows(x):
-    """The leading size of a micro-batch (None when it has no shape)."""
+    """The leading size of a micro-batch: of the tensor, or of the first tensor in a
+    tuple, list or dict of them (stage 0 may take several inputs); None when none has
+    a shape."""
+    if isinstance(x, (tuple, list)):
+        return next((r for r in map(_rows, x) if r is not None), None)
+    if isinstance(x, dict):
+        return _rows(list(x.values()))
     shape = getattr(x, "shape", None)
     return shape[0] if shape is not None and len(shape) else None
+
+
+def microbatch_rows(x, mb: int, m: int):
+    """``rng.rows`` of micro-batch ``mb`` of ``m`` (keyed dropout draws its rows of the
+    batch's mask); no key for a micro-batch without a leading size."""
+    from ...sim_mesh import rng
+    n = _rows(x)
+    return rng.rows(mb * n, m * n) if n is not None else contextlib.nullcontext()
 
 
 def check_even_microbatches(inputs) -> None:

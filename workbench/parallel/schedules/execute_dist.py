@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import cost as _cost
-from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .execute_checks import check_sendable, stage_loss
+from .execute_checks import check_sendable, microbatch_rows, stage_loss
 
 __all__ = ["run_pipeline_dist"]
 
@@ -108,7 +107,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
         key = (s, a.mb)
         if a.kind == "F" and forward_only:
             x = inputs[a.mb] if s == 0 else recv((s - 1) % p, _tag(1, s, a.mb))
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+            with microbatch_rows(x, a.mb, m):
                 out = stages[s](x)
             if s != last:
                 check_sendable(out, s)
@@ -124,7 +123,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             else:
                 x = recv((s - 1) % p, _tag(1, s, a.mb)).detach().requires_grad_()
             stage_in[key] = x
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+            with microbatch_rows(x, a.mb, m):     # keyed dropout: its rows
                 out = stages[s](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
