@@ -390,3 +390,49 @@ def test_pipeline_first_stage_taking_several_inputs(form):
                          lambda out, i: F.mse_loss(out, ts[i]))
     assert run.loss == pytest.approx(want.item(), rel=1e-6)
     _assert_one_devices_grads([s0, s1], ref)
+
+
+def _fn_stages(bias=True):
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    torch.manual_seed(0)
+    mods = [nn.Linear(4, 4, bias=bias), nn.Linear(4, 4, bias=bias)]
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    st = [wb.parallelize(copy.deepcopy(m), meshes[i]) for i, m in enumerate(mods)]
+    X, T = _data()
+    xs = [wb.shard_tensor(c, meshes[0], [R]) for c in X.chunk(4)]
+    ts = [wb.shard_tensor(c, meshes[1], [R]) for c in T.chunk(4)]
+    return ref, st, meshes, xs, ts, X, T
+
+
+@pytest.mark.parametrize("as_functions", [True, False], ids=["functions", "modules"])
+def test_pipeline_split_backward_params_flat_list_is_refused(as_functions):
+    # params=[every parameter] (one flat list, not one list per stage) with a stage of one
+    # weight each: function stages trained silently with no gradient at all (W walked a
+    # DistTensor as its weights); module stages raised "params[0] leaves out ['weight']"
+    # about the weight the user had given
+    ref, st, meshes, xs, ts, X, T = _fn_stages(bias=False)
+    stages = [(lambda x, s=s: s(x)) for s in st] if as_functions else st
+    flat = [q for s in st for q in s.parameters()]
+    with pytest.raises(TypeError, match=r"params\[0\] is a DistTensor, not a list.*one list "
+                                        "per stage"):
+        S.run_pipeline(S.zb_h1(2, 4), stages, meshes, xs,
+                       lambda out, i: F.mse_loss(out, ts[i]), params=flat)
+    assert all(q.grad is None for q in flat)
+
+
+def test_pipeline_split_backward_function_stage_weight_left_out_is_refused():
+    # a function stage's params that leave out its bias: W computed the weights only and
+    # the biases silently got no gradient (one device's are nonzero); now refused at the
+    # stage's first forward, before any backward
+    ref, st, meshes, xs, ts, X, T = _fn_stages()
+    stages = [(lambda x, s=s: s(x)) for s in st]
+    with pytest.raises(ValueError, match=r"stages\[0\] computes with 1 trainable tensor.*"
+                                         r"add them to params\[0\]"):
+        S.run_pipeline(S.zb_h1(2, 4), stages, meshes, xs,
+                       lambda out, i: F.mse_loss(out, ts[i]), params=[[s.weight] for s in st])
+    assert all(q.grad is None for s in st for q in s.parameters())
+    # listed whole, the function stages train as one device
+    F.mse_loss(ref(X), T).backward()
+    S.run_pipeline(S.zb_h1(2, 4), stages, meshes, xs, lambda out, i: F.mse_loss(out, ts[i]),
+                   params=[list(s.parameters()) for s in st])
+    _assert_one_devices_grads(st, ref)

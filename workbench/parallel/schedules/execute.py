@@ -37,8 +37,8 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
-from .execute_checks import (check_even_microbatches, check_sendable, check_weights,
-                             microbatch_rows, stage_loss)
+from .execute_checks import (check_even_microbatches, check_graph_weights, check_sendable,
+                             check_weights, microbatch_rows, stage_loss)
 from .simulate import simulate
 from .validate import validate
 
@@ -181,6 +181,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
     losses = [0.0] * m
     done = []
     last = schedule.stages - 1
+    checked: set = set()         # slots whose graph's weights were checked (split backward)
     for _, r, i in order:
         a: Action = schedule.actions[r][i]
         s, slot = schedule.stage(r, a.chunk), schedule.slot(r, a.chunk)
@@ -208,6 +209,9 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                 tr = current_trace()
                 if tr is not None:
                     made[key] = {q: tr.now(q) for q in out.mesh.ranks}
+            if schedule.split_backward and slot not in checked:
+                check_graph_weights(out, x, params[slot], slot)
+                checked.add(slot)
             stage_out[key] = out
         else:
             out = stage_out[key]

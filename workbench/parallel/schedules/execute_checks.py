@@ -51,7 +51,15 @@ def stage_loss(loss_fn, out, mb: int):
 
 def check_weights(stages, params) -> None:
     """A split backward's ``W`` computes the gradients of ``params[slot]`` only: a trainable
-    parameter of a module stage left out of them would silently get none."""
+    parameter of a module stage left out of them would silently get none.  Each entry is
+    a list of the stage's tensors (a flat list of every stage's parameters gave a function
+    stage's W one DistTensor to walk: no weight got a gradient, silently)."""
+    for slot, ps in enumerate(params):
+        if isinstance(ps, (torch.Tensor, DistTensor)) or not isinstance(ps, (list, tuple)) or \
+                not all(isinstance(q, (torch.Tensor, DistTensor)) for q in ps):
+            raise TypeError(f"params[{slot}] is a {type(ps).__name__}, not a list of "
+                            "tensors: give one list per stage, "
+                            "params=[list(stage.parameters()) for stage in stages]")
     for slot, st in enumerate(stages):
         if not isinstance(st, torch.nn.Module):
             continue                    # a function: its parameters are the caller's word
@@ -97,3 +105,44 @@ def check_even_microbatches(inputs) -> None:
                      f"are the same size: split a batch whose size divides by m={len(rows)} "
                      f"(e.g. {sum(rows) - sum(rows) % len(rows)} rows) into equal "
                      "micro-batches")
+
+
+def check_graph_weights(out, x, weights, slot: int) -> None:
+    """The trainable tensors behind a stage's output (its autograd graph's leaves) must be
+    its input or among ``weights``: a split backward's ``W`` computes only those, so a
+    function stage's weight left out of ``params[slot]`` got no gradient, silently (a
+    module stage is checked by :func:`check_weights` before the run)."""
+    from .execute import _leaves
+    t = out._local if isinstance(out, DistTensor) else out
+    roots = [r for r in _storage_tensors(t) if r.grad_fn is not None]
+    known = {id(q) for q in _leaves(list(weights))}
+    known |= {id(q) for q in _leaves(_flat(x))}
+    seen, todo, missing = set(), [r.grad_fn for r in roots], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)         # AccumulateGrad: a leaf
+        if var is not None and id(var) not in known:
+            missing.append(tuple(var.shape))
+        todo.extend(f for f, _ in fn.next_functions)
+    if missing:
+        raise ValueError(f"stages[{slot}] computes with {len(missing)} trainable tensor(s) "
+                         f"(local shapes {missing[:3]}) that params[{slot}] leaves out: the "
+                         "split backward's W computes only the listed weights' gradients, "
+                         f"so these would get none; add them to params[{slot}]")
+
+
+def _flat(x) -> list:
+    """The tensors and DistTensors in ``x`` (a stage input: one, or a tuple, list or dict)."""
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _flat(y)]
+    if isinstance(x, dict):
+        return _flat(list(x.values()))
+    return [x] if isinstance(x, (torch.Tensor, DistTensor)) else []
+
+
+def _storage_tensors(t):
+    from .. import storage
+    return storage.tensors(t) if not isinstance(t, torch.Tensor) else [t]

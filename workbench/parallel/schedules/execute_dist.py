@@ -20,7 +20,7 @@ from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .execute_checks import check_sendable, microbatch_rows, stage_loss
+from .execute_checks import check_graph_weights, check_sendable, microbatch_rows, stage_loss
 
 __all__ = ["run_pipeline_dist"]
 
@@ -79,6 +79,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
     last = p * v - 1
     pending, losses = [], torch.zeros(m)
     stage_in, stage_out = {}, {}
+    checked: set = set()          # stages whose graph's weights were checked (split backward)
     tr = current_trace()
 
     def send(t: DistTensor, q: int, tag: int):
@@ -130,6 +131,9 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             else:
                 check_sendable(out, s)
                 send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
+            if schedule.split_backward and params is not None and s not in checked:
+                check_graph_weights(out, x, params[s], s)
+                checked.add(s)
             stage_out[key] = out
             continue
         out = stage_out[key]
