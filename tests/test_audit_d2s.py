@@ -436,3 +436,30 @@ def test_pipeline_split_backward_function_stage_weight_left_out_is_refused():
     S.run_pipeline(S.zb_h1(2, 4), stages, meshes, xs, lambda out, i: F.mse_loss(out, ts[i]),
                    params=[list(s.parameters()) for s in st])
     _assert_one_devices_grads(st, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1", "zb_v", "interleaved"])
+def test_pipeline_zero_costs_order_runs(schedule):
+    # run_pipeline(costs=dict(f=0, b=0)) (simulate takes costs >= 0) raised KeyError (0, 0):
+    # every simulated start was 0 and the order sorted by start ran rank 0's B0 before the
+    # gradient it needs. The order is now the starts' order, each action after what it needs
+    # (the same order as before wherever actions take time).
+    torch.manual_seed(0)
+    v = 2 if schedule in ("zb_v", "interleaved") else 1
+    mods = [nn.Linear(4, 4) for _ in range(2 * v)]
+    X, T = _data()
+    want, ref = _one_device(mods, X, T)
+    sched = {"1f1b": S.one_f_one_b, "gpipe": S.gpipe, "zb_h1": S.zb_h1, "zb_v": S.zb_v,
+             "interleaved": lambda p, m: S.interleaved_1f1b(p, m, 2)}[schedule](2, 4)
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    stages = [wb.parallelize(mod, meshes[sched.placement(s, 0)[0]])
+              for s, mod in enumerate(copy.deepcopy(mods))]
+    last = meshes[sched.placement(len(mods) - 1, 0)[0]]
+    xs = [wb.shard_tensor(c, meshes[0], [R]) for c in X.chunk(4)]
+    ts = [wb.shard_tensor(c, last, [R]) for c in T.chunk(4)]
+    run = S.run_pipeline(sched, stages, meshes, xs, lambda out, i: F.mse_loss(out, ts[i]),
+                         params=[list(st.parameters()) for st in stages],
+                         costs=dict(f=0.0, b=0.0, w=0.0) if sched.split_backward
+                         else dict(f=0.0, b=0.0))
+    assert run.loss == pytest.approx(want, rel=1e-6)
+    _assert_one_devices_grads(stages, ref)

@@ -168,8 +168,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
         costs.setdefault("w", costs.get("b", 1.0))
     check_even_microbatches(inputs)
     sim = simulate(schedule, **costs)
-    order = sorted(((sim.starts[r][i], r, i) for r in range(p)
-                    for i in range(len(schedule.actions[r]))))
+    order = run_order(schedule, sim)
     if forward_only:
         with torch.no_grad():
             return _forward_only(schedule, stages, meshes, inputs, loss_fn, order)
@@ -233,6 +232,39 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def run_order(schedule: Schedule, sim) -> list:
+    """[(start, rank, index)]: the actions in the order of their simulated starts (rank
+    first at a tie), each after the actions it needs.  Sorting the starts alone is that
+    order while every action takes time; with zero costs (``costs=dict(f=0, b=0)``) every
+    start is 0 and rank 0's B0 sorted before the last rank's, whose gradient it needs
+    (KeyError (0, 0))."""
+    p, last = schedule.p, schedule.stages - 1
+    rows = schedule.actions
+    pos, order = [0] * p, []
+    made, grads = set(), set()          # (stage, mb) whose F / B has run
+    total = sum(len(row) for row in rows)
+    while len(order) < total:
+        best = None
+        for r in range(p):
+            i = pos[r]
+            if i == len(rows[r]):
+                continue
+            a = rows[r][i]
+            s = schedule.stage(r, a.chunk)
+            ready = (a.kind == "W" or
+                     (a.kind == "F" and (s == 0 or (s - 1, a.mb) in made)) or
+                     (a.kind == "B" and (s == last or (s + 1, a.mb) in grads)))
+            if ready and (best is None or (sim.starts[r][i], r) < best[:2]):
+                best = (sim.starts[r][i], r, i, a, s)
+        if best is None:                # (validate() refused such a schedule already)
+            raise RuntimeError(f"schedule {schedule.name}: no action can run next")
+        t, r, i, a, s = best
+        (made if a.kind == "F" else grads if a.kind == "B" else set()).add((s, a.mb))
+        pos[r] += 1
+        order.append((t, r, i))
+    return order
 
 
 def _wait_all(handles) -> None:
