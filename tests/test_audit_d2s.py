@@ -463,3 +463,13 @@ def test_pipeline_zero_costs_order_runs(schedule):
                          else dict(f=0.0, b=0.0))
     assert run.loss == pytest.approx(want, rel=1e-6)
     _assert_one_devices_grads(stages, ref)
+
+
+def test_simulate_a_string_cost_is_refused():
+    # simulate(f="12") read the string as a list: per-rank costs 1.0 and 2.0, silently
+    # (f="1" was refused as "<list of 1>" needing p entries)
+    sched = S.one_f_one_b(2, 4)
+    for bad in ("12", "1"):
+        with pytest.raises(ValueError, match="give a number"):
+            S.simulate(sched, f=bad)
+    assert S.simulate(sched, f=[1, 2]).makespan == S.simulate(sched, f=[1.0, 2.0]).makespan
