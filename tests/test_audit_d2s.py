@@ -473,3 +473,36 @@ def test_simulate_a_string_cost_is_refused():
         with pytest.raises(ValueError, match="give a number"):
             S.simulate(sched, f=bad)
     assert S.simulate(sched, f=[1, 2]).makespan == S.simulate(sched, f=[1.0, 2.0]).makespan
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("frozen", ["tok_emb", "layers.0"])
+def test_hybrid_zero_bubble_with_frozen_parameters_as_one_device(schedule, frozen):
+    # fine-tuning habit: model.<part>.requires_grad_(False) before build_optimizer. With a
+    # split backward (zb-h1, zb-v) the recipe's W backpropagated into the frozen weights:
+    # RuntimeError "can't retain_grad on Tensor that has requires_grad=False"
+    from workbench.models import build_model, get_batch, get_config
+    from workbench.recipes.hybrid import Hybrid
+    cfg = get_config("tiny").replace(n_layer=4)
+    ref = build_model(cfg, seed=0).train()
+    st = Hybrid(pp=2, schedule=schedule)
+    model = st.build_model(cfg, 0)
+    for m in (ref, model):
+        for n, q in m.named_parameters():
+            if n.startswith(frozen):
+                q.requires_grad_(False)
+    opts = st.build_optimizer(model, 3e-3, 0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    want = ref(x, y)[1]
+    want.backward()
+    got = st.forward_backward(model, x, y)
+    st.finish_gradient_synchronization(opts)
+    assert float(got) == pytest.approx(want.item(), rel=1e-6)
+    grads = dict(model.named_parameters())
+    for n, q in ref.named_parameters():
+        g = grads[n].grad
+        if q.grad is None:
+            assert g is None, n
+        else:
+            torch.testing.assert_close(g.full() if isinstance(g, wb.DistTensor) else g,
+                                       q.grad, atol=1e-6, rtol=1e-5, msg=n)
