@@ -80,9 +80,12 @@ def _user_frame(tb=None):
     """(file, line, code) of the innermost frame outside torch and this package (of the
     stack now, or of the traceback ``tb`` of an exception)."""
     frames = traceback.extract_stack() if tb is None else traceback.extract_tb(tb)
+    # (an exception raised inside workbench, wb.reshard on a meta tensor, is the user's
+    # call of it that raised)
+    ours = _HERE if tb is None else os.path.dirname(_HERE)
     for fr in reversed(frames):
         f = os.path.abspath(fr.filename)
-        if f.startswith(_TORCH) or f.startswith(_HERE) or "/contextlib.py" in f:
+        if f.startswith(_TORCH) or f.startswith(ours) or "/contextlib.py" in f:
             continue
         return f, fr.lineno or 0, (fr.line or "").strip()
     return "?", 0, ""
