@@ -522,3 +522,19 @@ def test_compile_a_library_error_on_meta_tensors_names_the_users_call():
     assert prog.eager and prog.breaks[0].line == f.__code__.co_firstlineno + 1
     assert "wb.reshard(a * 2" in str(prog)
     torch.testing.assert_close(prog(x).full(), f(x).full())
+
+
+def test_pipeline_stage_meshes_of_two_shapes_are_refused():
+    # a 2-rank first stage sending to a 1-rank last stage: the values arrived, but the
+    # trace recorded only rank 0's send (0 -> 2) and gradient (2 -> 0): rank 1's shard moved
+    # for free on the clock. Stage meshes must share one shape (as under torch.distributed).
+    torch.manual_seed(0)
+    meshes = [wb.Mesh([0, 1], ["dp"]), wb.Mesh([2], ["dp"])]
+    st = [wb.parallelize(nn.Linear(4, 4), meshes[i]) for i in range(2)]
+    X, T = _data()
+    xs = [wb.shard_tensor(c, meshes[0], [Sh(0)]) for c in X.chunk(2)]
+    ts = [wb.shard_tensor(c, meshes[1], [Sh(0)]) for c in T.chunk(2)]
+    with pytest.raises(ValueError, match=r"meshes\[1\] has shape \(1,\) and meshes\[0\] \(2,\)"):
+        S.run_pipeline(S.one_f_one_b(2, 2), st, meshes, xs, lambda out, i: F.mse_loss(out, ts[i]))
+    with pytest.raises(TypeError, match=r"meshes\[0\] is a int"):
+        S.run_pipeline(S.one_f_one_b(2, 2), st, [0, 1], xs, lambda out, i: F.mse_loss(out, ts[i]))

@@ -37,8 +37,8 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
-from .execute_checks import (check_even_microbatches, check_graph_weights, check_sendable,
-                             check_weights, microbatch_rows, stage_loss)
+from .execute_checks import (check_even_microbatches, check_graph_weights, check_meshes,
+                             check_sendable, check_weights, microbatch_rows, stage_loss)
 from .simulate import simulate
 from .validate import validate
 
@@ -155,6 +155,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                          f"p={p}, v={v} needs p*v={p * v}")
     if len(meshes) != p:
         raise ValueError(f"meshes has {len(meshes)} entries; give one mesh per rank (p={p})")
+    check_meshes(meshes)
     if len(inputs) != m:
         raise ValueError(f"inputs has {len(inputs)} micro-batches; the schedule has m={m}")
     if schedule.split_backward and not forward_only and (params is None or

@@ -12,7 +12,27 @@ import torch
 from ..dist_tensor import DistTensor
 
 __all__ = ["check_even_microbatches", "check_sendable", "check_weights", "stage_loss",
-           "microbatch_rows"]
+           "microbatch_rows", "check_meshes", "check_graph_weights"]
+
+
+def check_meshes(meshes) -> None:
+    """Every stage's mesh is a Mesh of one shape: each rank sends its shard to the rank at
+    its place in the next stage's mesh (as under torch.distributed, where each process
+    has one partner).  Stage meshes of two sizes moved the data, but the trace recorded
+    only the pairs the shorter mesh has: a (2,)-rank stage sending to a (1,)-rank one
+    showed rank 1 sending nothing."""
+    from ...sim_mesh.mesh import Mesh
+    for i, mesh in enumerate(meshes):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"meshes[{i}] is a {type(mesh).__name__}: give one wb.Mesh per "
+                            f"pipeline rank, e.g. [wb.Mesh([r], ['pp']) for r in range(p)]")
+    shapes = [tuple(mesh.shape) for mesh in meshes]
+    if len(set(shapes)) > 1:
+        i = next(i for i, s in enumerate(shapes) if s != shapes[0])
+        raise ValueError(f"meshes[{i}] has shape {shapes[i]} and meshes[0] {shapes[0]}: "
+                         "run_pipeline sends each rank's shard to the rank at its place in "
+                         "the next stage's mesh, so every stage needs a mesh of one shape "
+                         "(wb.recipes.hybrid.stage_meshes(dp, tp, pp) builds them)")
 
 
 def check_sendable(out, slot: int) -> None:
