@@ -62,6 +62,10 @@ T = torch.Tensor
 _RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
            torch.randn_like, torch.randint_like, torch.normal, torch.bernoulli,
            torch.multinomial, T.normal_, T.uniform_, T.bernoulli_, T.random_}
+# attributes that are ops: ``x.T`` reverses the dims (as DistTensor.T does: a permute),
+# ``x.mT`` swaps the last two (the property's getter is what the mode sees)
+_ALIASES = {T.T.__get__: lambda t: (T.permute, (t, tuple(reversed(range(t.ndim)))), {}),
+            T.mT.__get__: lambda t: (T.transpose, (t, -2, -1), {})}
 _VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index__,
                 T.nonzero, T.numpy}
 
@@ -72,11 +76,16 @@ def _meta_like(x, requires_grad=None):
     return t.requires_grad_(bool(rg) and x.dtype.is_floating_point)
 
 
-def _user_frame():
-    """(file, line, code) of the innermost frame outside torch and this package."""
-    for fr in reversed(traceback.extract_stack()):
+def _user_frame(tb=None):
+    """(file, line, code) of the innermost frame outside torch and this package (of the
+    stack now, or of the traceback ``tb`` of an exception)."""
+    frames = traceback.extract_stack() if tb is None else traceback.extract_tb(tb)
+    # (an exception raised inside workbench, wb.reshard on a meta tensor, is the user's
+    # call of it that raised)
+    ours = _HERE if tb is None else os.path.dirname(_HERE)
+    for fr in reversed(frames):
         f = os.path.abspath(fr.filename)
-        if f.startswith(_TORCH) or f.startswith(_HERE) or "/contextlib.py" in f:
+        if f.startswith(_TORCH) or f.startswith(ours) or "/contextlib.py" in f:
             continue
         return f, fr.lineno or 0, (fr.line or "").strip()
     return "?", 0, ""
@@ -206,6 +215,10 @@ class _Tracer(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._made(out, leaves)
             return out
+        alias = _ALIASES.get(func)
+        if alias is not None:               # x.T, x.mT: the op they are
+            func, args, kwargs = alias(*args)
+            name = func.__name__
         if func in _VALUE_FUNCS:
             f, line, code = _user_frame()
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
@@ -450,10 +463,12 @@ def _capture_trace(fn, args):
         except (Broken, CaptureError):
             raise
         except Exception as e:    # noqa: BLE001 (code that needs real DistTensors or data)
+            where = _user_frame(e.__traceback__)     # the user's line that raised
             raise CaptureError(
                 "capture runs the program on meta tensors of the global shapes (plain "
                 f"tensors, no data) and it raised {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}",
+                where=where if where[0] != "?" else None) from None
     missing = [t for t in _leaves(out, []) if id(t) not in tracer.ids]
     if missing:
         raise CaptureError("the program returns a tensor it did not compute from its inputs "

@@ -173,8 +173,12 @@ def capture_export(fn, args):
             else:                   # buffers and constant tensors
                 data = ep.state_dict.get(s.target) if s.target in ep.state_dict \
                     else ep.constants.get(s.target)
-                if data is None or data.is_meta:
-                    raise Unmapped(f"constant {s.target!r} has no data")
+                if not isinstance(data, torch.Tensor) or data.is_meta:
+                    # (a torch.Generator the program draws from is lifted as a constant
+                    # too: tracing then names the random draw)
+                    raise Unmapped(f"constant {s.target!r} has no data" if data is None or
+                                   isinstance(data, torch.Tensor) else
+                                   f"constant {s.target!r} is a {type(data).__name__}")
                 vid = g.value(data.shape, data.dtype, "const", s.target)
                 g.consts[vid] = data
             env[node.name] = Ref(vid)

@@ -91,6 +91,8 @@ class Graph:
     output: Any = None                              # the result's structure, tensors as Ref
     method: str = ""                                # "export" or "trace"
     notes: list = field(default_factory=list)       # what capture had to say
+    held: dict = field(default_factory=dict)        # const vid -> (its value, why): what a
+                                                    # pass relied on, checked on each call
 
     def value(self, shape, dtype, kind, name, producer=None, requires_grad=False) -> int:
         v = Value(len(self.values), torch.Size(shape), dtype, kind, name, producer,
@@ -117,6 +119,7 @@ class Graph:
         g.values = [copy.copy(v) for v in self.values]
         g.nodes = [copy.copy(n) for n in self.nodes]
         g.notes = list(self.notes)
+        g.held = dict(self.held)
         return g
 
     def __str__(self) -> str:

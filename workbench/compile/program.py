@@ -167,6 +167,8 @@ class CompiledProgram:
                 self.parts = compile_children(self.module, example_inputs, lambda m, a, pn: (
                     CompiledProgram(m, a, level, mesh, pn, profile, method, beam,
                                     memory_limit)))
+                for name, part in self.parts.items():   # (its refusals name the parent)
+                    part._part = (type(self.module).__name__, name)
             return
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
             where = getattr(e, "where", None) or ("?", 0, "")
@@ -241,17 +243,26 @@ class CompiledProgram:
                     return self.fn(*args, **kwargs)
             return self.fn(*args, **kwargs)
         args = positional(self.fn, args, kwargs, len(self._example))
+        self._check_signature(args)
+        return self._run(args)
+
+    def _check_signature(self, args) -> None:
         got = [_signature(a) for a in args]
         if got != self._example:
             diff = [i for i in range(max(len(got), len(self._example)))
                     if got[i:i + 1] != self._example[i:i + 1]]
             what = type(self.fn).__name__ if self.module is not None else \
                 getattr(self.fn, "__qualname__", type(self.fn).__name__)
+            part = getattr(self, "_part", None)     # a compiled child of an eager module
+            what, fix = (what, "it") if part is None else \
+                (f"{what}, the child {part[1]!r} of {part[0]}, which runs eagerly", part[0])
             raise ValueError(f"compiled program ({what}) called with inputs of other "
                              "shapes, dtypes, "
                              "placements or meshes, or other Python values, than it was "
                              f"compiled for (argument {', '.join(map(str, diff))}: "
-                             f"{got} vs {self._example}); compile it again for these")
+                             f"{got} vs {self._example}); compile {fix} again for these")
+
+    def _run(self, args):
         if self.module is not None:
             check_module_tree(self.module, self._tree)
             check_training_flags(self.module, self._modes)
@@ -277,6 +288,7 @@ class CompiledProgram:
         if self.module is not None:         # buffers and tensor attributes as they are now
             bind.update(bind_attributes(self.module, {v: w for v, w in self._attrs.items()
                                                       if v in g.consts}, g.values))
+        self._check_held(g, bind)
         if self.level != "O2":
             return self._result(execute_program(g, self.program, self.mesh, bind))
         # O2: the whole graph is launched once (graph / task sink); its kernels, forward
@@ -290,6 +302,22 @@ class CompiledProgram:
         with graph_sink():
             return self._result(execute_program(g, self.program, self.mesh, bind,
                                                 self._grad_buckets()))
+
+    def _check_held(self, g, bind) -> None:
+        """Refuse a call after a constant that a pass relied on changed (a fused
+        attention's causal mask, a buffer filled or replaced since): the graph no longer
+        reads it, so it would silently keep the value of the capture."""
+        for vid, (want, why) in g.held.items():
+            now = bind.get(vid)
+            if now is None or (now.shape == want.shape and now.dtype == want.dtype and
+                               torch.equal(now.detach().cpu(), want)):
+                continue
+            where = getattr(self, "_attrs", {}).get(vid)
+            name = (f"module tensor {'.'.join(x for x in where if x)!r}" if where else
+                    f"the constant %{vid} ({g.values[vid].name})")
+            raise ValueError(f"compiled program: {name} was {why}; it has changed since, and "
+                             "the graph does not read it: compile again (or at level='O0', "
+                             "which keeps the ops that read it)")
 
     def _result(self, out):
         """A program of plain tensors only (inputs and parameters: no DistTensor; it ran

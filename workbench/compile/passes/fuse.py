@@ -7,7 +7,9 @@
     softmax(q @ k^T * d^-0.5 [masked causal]) @ v -> wb.ops.flash_attention(q, k, v)
 
 A pattern matches only where its inner results are read by nothing else (else the fused
-op would have to write them too).  The fused op computes the same function (its
+op would have to write them too).  A constant the fused op stands for (the causal mask
+of attention: a buffer the user may later change) is held in ``graph.held`` and checked
+on every call.  The fused op computes the same function (its
 rounding may differ: fused kernels keep intermediates in float32); each fusion names
 what it replaced in the node's note, and the graph is printed before and after.
 """
@@ -119,10 +121,13 @@ def _rms(v: _View, n):
             rs = v.prod(rr, "rsqrt") if rr is not None and v.single(rr) else None
             ad = v.prod(_ref(rs.args[0]), "add") if rs is not None and \
                 v.single(_ref(rs.args[0])) else None
-            if ad is None or len(ad.args) != 2 or not _scalar(ad.args[1]):
+            # (add(m, eps, alpha=a) adds a * eps: not the pattern)
+            if ad is None or len(ad.args) != 2 or not _scalar(ad.args[1]) or ad.kwargs:
                 continue
             mn = v.prod(_ref(ad.args[0]), "mean") if v.single(_ref(ad.args[0])) else None
-            if mn is None:
+            # (a mean in another dtype, mean(..., dtype=float64), makes the result that
+            # dtype: rms_norm keeps x's)
+            if mn is None or mn.kwargs.get("dtype") is not None:
                 continue
             dim = mn.args[1] if len(mn.args) > 1 else mn.kwargs.get("dim")
             keep = mn.args[2] if len(mn.args) > 2 else mn.kwargs.get("keepdim", False)
@@ -138,7 +143,10 @@ def _rms(v: _View, n):
                 (pw.op == "square" and pw.args[0] == x) or \
                 (pw.op == "mul" and pw.args[0] == x and pw.args[1] == x)
             wv = v.g.values[rw]
-            if not sq or len(wv.shape) != 1 or wv.shape[0] != xv.shape[-1]:
+            # x and w of one dtype: bfloat16 activations times a float32 weight promote
+            # to float32 eagerly, and rms_norm takes one dtype
+            if not sq or len(wv.shape) != 1 or wv.shape[0] != xv.shape[-1] or \
+                    wv.dtype != xv.dtype:
                 continue
             return (_ops.rms_norm, (x, w), {"eps": float(ad.args[1])}, "fused rms_norm",
                     [m1, rs, ad, mn, pw])
@@ -175,9 +183,11 @@ def _attention(v: _View, n):
     sm = v.prod(rp, "softmax") if rp is not None and v.single(rp) else None
     if sm is None or (sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")) not in (-1, 3):
         return None
+    if len(sm.args) > 2 or sm.kwargs.get("dtype") is not None:    # softmax in another dtype
+        return None
     inner = [sm]
     s = _ref(sm.args[0])
-    causal = False
+    causal, held = False, {}
     mf = v.prod(s, "masked_fill")
     if mf is not None and v.single(s):
         mask = v.g.consts.get(_ref(mf.args[1]))
@@ -186,6 +196,8 @@ def _attention(v: _View, n):
                 not torch.equal(mask.bool(), torch.ones_like(mask, dtype=torch.bool).triu(1)):
             return None
         causal = True
+        held = {_ref(mf.args[1]): (mask.clone(), "a causal mask at capture, which the fusion "
+                                   "pass made flash_attention(causal=True)")}
         inner.append(mf)
         s = _ref(mf.args[0])
     sc = v.prod(s, ("mul", "div")) if v.single(s) else None
@@ -199,14 +211,15 @@ def _attention(v: _View, n):
         return None
     q, k = qk.args[0], kt.args[0]
     qv = v.g.values[_ref(q)]
-    if len(qv.shape) != 4:
-        return None
+    if len(qv.shape) != 4 or _ref(k) is None or _ref(vv) is None or \
+            len({qv.dtype, v.g.values[_ref(k)].dtype, v.g.values[_ref(vv)].dtype}) != 1:
+        return None                     # flash_attention takes q, k, v of one dtype
     want = qv.shape[-1] ** -0.5
     c = sc.args[1] if sc.op == "mul" else 1 / sc.args[1]
     if not math.isclose(c, want, rel_tol=1e-6):
         return None
     return (_ops.flash_attention, (q, k, vv), {"causal": causal} if causal else {},
-            "fused attention" + (" (causal)" if causal else ""), inner + [sc, qk, kt])
+            "fused attention" + (" (causal)" if causal else ""), inner + [sc, qk, kt], held)
 
 
 PATTERNS = (("attention", _attention), ("rms_norm", _rms), ("swiglu", _swiglu),
@@ -226,9 +239,12 @@ def fuse(prog, graph):
                 hit = pat(v, n)
                 if hit is None:
                     continue
-                func, args, kwargs, note, dead = hit
+                func, args, kwargs, note, dead, *held = hit
                 if any(d.grad != n.grad for d in dead):   # a no_grad block's edge
                     continue
+                # a constant whose value the fused op stands for (the causal mask, a
+                # module's buffer): each call checks it still holds it (program.py)
+                g.held.update(held[0] if held else {})
                 g.nodes[k] = _make(g, n.nid, func, args, kwargs, n.outs, note, n.source)
                 g.nodes[k].grad = n.grad
                 drop = {d.nid for d in dead}

@@ -31,14 +31,14 @@ from typing import Callable, Sequence
 import torch
 
 from ...sim_mesh import cost as _cost
-from ...sim_mesh import rng
 from ...sim_mesh.backward_pass import weight_pass
 from ...sim_mesh.trace import current_trace, suspend
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
-from .execute_checks import check_even_microbatches, check_sendable, check_weights
+from .execute_checks import (check_even_microbatches, check_graph_weights, check_meshes,
+                             check_sendable, check_weights, microbatch_rows, stage_loss)
 from .simulate import simulate
 from .validate import validate
 
@@ -155,6 +155,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                          f"p={p}, v={v} needs p*v={p * v}")
     if len(meshes) != p:
         raise ValueError(f"meshes has {len(meshes)} entries; give one mesh per rank (p={p})")
+    check_meshes(meshes)
     if len(inputs) != m:
         raise ValueError(f"inputs has {len(inputs)} micro-batches; the schedule has m={m}")
     if schedule.split_backward and not forward_only and (params is None or
@@ -168,8 +169,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
         costs.setdefault("w", costs.get("b", 1.0))
     check_even_microbatches(inputs)
     sim = simulate(schedule, **costs)
-    order = sorted(((sim.starts[r][i], r, i) for r in range(p)
-                    for i in range(len(schedule.actions[r]))))
+    order = run_order(schedule, sim)
     if forward_only:
         with torch.no_grad():
             return _forward_only(schedule, stages, meshes, inputs, loss_fn, order)
@@ -181,6 +181,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
     losses = [0.0] * m
     done = []
     last = schedule.stages - 1
+    checked: set = set()         # slots whose graph's weights were checked (split backward)
     for _, r, i in order:
         a: Action = schedule.actions[r][i]
         s, slot = schedule.stage(r, a.chunk), schedule.slot(r, a.chunk)
@@ -199,7 +200,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                           f"F{a.mb} stage {s - 1}->{s}", ready=made.pop((s - 1, a.mb), None))
                 x = _detach_leaf(x)
             stage_in[key] = x
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+            with microbatch_rows(x, a.mb, m):     # keyed dropout: its rows
                 out = stages[slot](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
@@ -208,6 +209,9 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                 tr = current_trace()
                 if tr is not None:
                     made[key] = {q: tr.now(q) for q in out.mesh.ranks}
+            if schedule.split_backward and slot not in checked:
+                check_graph_weights(out, x, params[slot], slot)
+                checked.add(slot)
             stage_out[key] = out
         else:
             out = stage_out[key]
@@ -229,6 +233,39 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
                 grad_in[(s - 1, a.mb)] = gx_moved
         done.append((r, a))
     return PipelineRun(losses, done)
+
+
+def run_order(schedule: Schedule, sim) -> list:
+    """[(start, rank, index)]: the actions in the order of their simulated starts (rank
+    first at a tie), each after the actions it needs.  Sorting the starts alone is that
+    order while every action takes time; with zero costs (``costs=dict(f=0, b=0)``) every
+    start is 0 and rank 0's B0 sorted before the last rank's, whose gradient it needs
+    (KeyError (0, 0))."""
+    p, last = schedule.p, schedule.stages - 1
+    rows = schedule.actions
+    pos, order = [0] * p, []
+    made, grads = set(), set()          # (stage, mb) whose F / B has run
+    total = sum(len(row) for row in rows)
+    while len(order) < total:
+        best = None
+        for r in range(p):
+            i = pos[r]
+            if i == len(rows[r]):
+                continue
+            a = rows[r][i]
+            s = schedule.stage(r, a.chunk)
+            ready = (a.kind == "W" or
+                     (a.kind == "F" and (s == 0 or (s - 1, a.mb) in made)) or
+                     (a.kind == "B" and (s == last or (s + 1, a.mb) in grads)))
+            if ready and (best is None or (sim.starts[r][i], r) < best[:2]):
+                best = (sim.starts[r][i], r, i, a, s)
+        if best is None:                # (validate() refused such a schedule already)
+            raise RuntimeError(f"schedule {schedule.name}: no action can run next")
+        t, r, i, a, s = best
+        (made if a.kind == "F" else grads if a.kind == "B" else set()).add((s, a.mb))
+        pos[r] += 1
+        order.append((t, r, i))
+    return order
 
 
 def _wait_all(handles) -> None:
@@ -256,14 +293,14 @@ def _forward_only(schedule, stages, meshes, inputs, loss_fn, order) -> PipelineR
         else:
             prev = stage_out.pop((s - 1, a.mb))
             x = _send(prev, meshes[r], prev.placements, f"F{a.mb} stage {s - 1}->{s}")
-        with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+        with microbatch_rows(x, a.mb, m):
             out = stages[slot](x)
         if s != last:
             check_sendable(out, slot)
         if s == last:
             outputs[a.mb] = out
             if loss_fn is not None:
-                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+                losses[a.mb] = float(_value(stage_loss(loss_fn, out, a.mb)))
         else:
             stage_out[(s, a.mb)] = out
         done.append((r, a))
@@ -289,7 +326,7 @@ def _grad_of(x):
 def last_stage_loss(loss_fn, out, mb: int, m: int):
     """The last stage's loss of micro-batch ``mb``: (loss / m to backpropagate, its value).
     A partial loss is reduced first, so every rank seeds the same gradient."""
-    loss = loss_fn(out, mb)
+    loss = stage_loss(loss_fn, out, mb)
     if isinstance(loss, DistTensor) and any(q.is_partial() for q in loss.placements):
         loss = reshard(loss, loss.mesh, loss._grad_placements())
     return loss * (1.0 / m), float(_value(loss))
@@ -320,18 +357,21 @@ def _backward(out, grad, inputs=None, retain=False, weights=None):
     """Backward from ``out`` with ``grad``; only into ``inputs`` when given (the input
     gradient of a split backward); only into ``weights`` when given (W)."""
     if isinstance(out, DistTensor):
-        if not out.is_even:
-            raise NotImplementedError("pipeline backward of uneven stage outputs: use a batch "
-                                      "that divides the mesh")
-        o = out._local
         if grad is not None:
-            g = grad._local
+            # the output's local tensors and their gradients, per cell where the shards
+            # are uneven (a micro-batch of 5 rows on 2 data-parallel ranks), the gradient
+            # laid out as the output (DistTensor.backward's own seeding)
+            o, g = out._seed(grad, "backward")
         else:
+            o = out._local
             g = torch.ones_like(o) if o.numel() == 1 else None
+            o, g = [o], [g]
     else:
-        o, g = out, grad
-        if g is None:
-            g = torch.ones_like(o)
+        o, g = [out], [torch.ones_like(out) if grad is None else grad]
+    if not any(t.requires_grad for t in o):
+        # nothing behind this output trains (a first stage whose parameters are all
+        # frozen, fed data): one device's backward would not reach it either
+        return
     if inputs is not None:
         # (backward, not autograd.grad: the engine then tells the pricing which GEMM
         # gradients it runs, ops_table.backward_split; it accumulates into .grad alike)
@@ -340,7 +380,11 @@ def _backward(out, grad, inputs=None, retain=False, weights=None):
             torch.autograd.backward(o, g, retain_graph=True, inputs=leaves)
         return
     if weights is not None:
-        with weight_pass():             # the clock prices only the kernels B left out
-            torch.autograd.backward(o, g, retain_graph=retain, inputs=_leaves(weights))
+        # W: the gradients of the stage's trainable parameters (none for a stage without
+        # any, a ReLU or a frozen block: its graph is simply freed)
+        leaves = [t for t in _leaves(weights) if t.requires_grad]
+        if leaves:
+            with weight_pass():         # the clock prices only the kernels B left out
+                torch.autograd.backward(o, g, retain_graph=retain, inputs=leaves)
         return
     torch.autograd.backward(o, g, retain_graph=retain)

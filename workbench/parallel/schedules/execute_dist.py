@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import cost as _cost
-from ...sim_mesh import rng
 from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .execute_checks import check_sendable
+from .execute_checks import check_graph_weights, check_sendable, microbatch_rows, stage_loss
 
 __all__ = ["run_pipeline_dist"]
 
@@ -80,6 +79,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
     last = p * v - 1
     pending, losses = [], torch.zeros(m)
     stage_in, stage_out = {}, {}
+    checked: set = set()          # stages whose graph's weights were checked (split backward)
     tr = current_trace()
 
     def send(t: DistTensor, q: int, tag: int):
@@ -108,7 +108,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
         key = (s, a.mb)
         if a.kind == "F" and forward_only:
             x = inputs[a.mb] if s == 0 else recv((s - 1) % p, _tag(1, s, a.mb))
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):
+            with microbatch_rows(x, a.mb, m):
                 out = stages[s](x)
             if s != last:
                 check_sendable(out, s)
@@ -116,7 +116,7 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
                 continue
             outputs[a.mb] = out
             if loss_fn is not None:         # a partial loss reduced over the last mesh
-                losses[a.mb] = float(_value(loss_fn(out, a.mb)))
+                losses[a.mb] = float(_value(stage_loss(loss_fn, out, a.mb)))
             continue
         if a.kind == "F":
             if s == 0:
@@ -124,13 +124,16 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
             else:
                 x = recv((s - 1) % p, _tag(1, s, a.mb)).detach().requires_grad_()
             stage_in[key] = x
-            with rng.rows(a.mb * x.shape[0], m * x.shape[0]):     # keyed dropout: its rows
+            with microbatch_rows(x, a.mb, m):     # keyed dropout: its rows
                 out = stages[s](x)
             if s == last:
                 out, losses[a.mb] = last_stage_loss(loss_fn, out, a.mb, m)
             else:
                 check_sendable(out, s)
                 send(out, (s + 1) % p, _tag(1, s + 1, a.mb))
+            if schedule.split_backward and params is not None and s not in checked:
+                check_graph_weights(out, x, params[s], s)
+                checked.add(s)
             stage_out[key] = out
             continue
         out = stage_out[key]

@@ -294,6 +294,8 @@ def _cost(arg: str, value, s: Schedule):
         v = float(value)
         return lambda a, r: v
     try:
+        if isinstance(value, (str, bytes)):      # "1" is not a list of costs
+            raise TypeError
         vals = [float(x) for x in value]
     except (TypeError, ValueError):
         raise ValueError(f"simulate({arg}={value!r}): give a number, a list of p={s.p} numbers "
