@@ -118,6 +118,7 @@ def test_bar_labels_are_never_crossed_covered_or_clipped(case):
     assert covered(fig) == []
     values = sorted(float(t.get_text().split()[0].replace(",", "")) for t in found(fig, "value"))
     assert values == sorted(v for d in case["groups"].values() for v in d.values())
+    assert C.to_png(fig) == C.to_png(C.bars(**case))          # the same PNG every time
 
 
 def test_a_label_moved_past_the_line_stays_in_its_row():
