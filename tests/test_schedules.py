@@ -149,6 +149,9 @@ def test_generator_argument_errors():
         gpipe(2, 2.5)
     with pytest.raises(ValueError, match=r"interleaved_1f1b\(m=6, p=4\).*multiple.*use m=8 or m=4"):
         interleaved_1f1b(4, 6, 2)
+    # m < p: one multiple to offer, not "use m=16 or m=16" (the 07 explorer at p=16, m=8)
+    with pytest.raises(ValueError, match=r"multiple.*Megatron-LM requires it too\); use m=16$"):
+        interleaved_1f1b(16, 8, 2)
     assert interleaved_1f1b(3, 5, 1) == one_f_one_b(3, 5)        # v == 1 is plain 1F1B
 
 
