@@ -125,3 +125,11 @@ def test_a_label_moved_past_the_line_stays_in_its_row():
     fig = C.bars({"a": {"x": 70.0, "y": 10.0}}, unit="GB", hline=(80.0, "one A100"), log=True)
     moved, kept = found(fig, "value")
     assert moved.xy == (80.0, 0.0) and kept.xy == (10.0, 1.0)       # past the line, same row
+
+
+def test_bar_numbers_keep_their_precision():
+    """Notebook 17's step-time bars read "15.4 s" beside "16 s" (15.996 rounded): a
+    rounded-away zero is kept; an exact 70 or a paper's 1.9 gets none added."""
+    fig = C.bars({"a": {"x": 15.996, "y": 70.0, "z": 1.9, "w": 0.10449, "v": 2794.4}}, unit="s")
+    assert [t.get_text() for t in found(fig, "value")] == ["16.0 s", "70 s", "1.9 s",
+                                                            "0.104 s", "2,794 s"]

@@ -319,3 +319,14 @@ def test_block_numbers_read_on_their_block(sched):
     for t in labels:
         x, y = t.get_position()
         assert wcag(t.get_color(), fills[(round(x, 6), round(y))]) >= 4.5, t.get_text()
+
+
+def test_legend_of_many_chunks_names_the_first_and_the_lightest():
+    """Notebook 17's v = 12 legend had 24 chunk swatches in 4 rows, neighbours too alike to
+    tell apart: beyond 4 chunks it names chunk 0 and the lightest, the rest between."""
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(8, 16, 12)))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["F chunk 0", "F chunk 11 (1-10 between)", "B chunk 0",
+                      "B chunk 11 (1-10 between)", "bubble"]
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(4, 8, 4)))          # 4: one per chunk
+    assert len(fig.legends[0].get_texts()) == 2 * 4 + 1

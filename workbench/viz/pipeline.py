@@ -44,6 +44,7 @@ MAX_LABELS = 400          # above this many blocks, micro-batch numbers are not 
 AXES_WIDTH_IN = 10 * (0.9 - 0.08)   # the Gantt axes' width: figure width x (right - left)
 LABEL_CHAR_IN = 7 * 0.64 / 72       # a digit at 7 pt: DejaVu Sans digits are 0.64 em wide
 LABEL_PAD_IN = 0.03                 # white space a label keeps inside its block
+LEGEND_CHUNKS = 4                   # a legend swatch per chunk up to this many chunks
 MEMORY_CMAP_END = 0.6               # plasma(0.6) has a 3.4:1 contrast on white (memory_colors)
 
 
@@ -165,9 +166,15 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     if caption:
         ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right",
                 va="bottom", gid="caption", **FONT)
-    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else f"{k} chunk {c}")
+    # beyond LEGEND_CHUNKS chunks the shades step too finely to match by eye (v = 12 gave
+    # 24 swatches in 4 rows): the first and the lightest chunk only, the rest between them
+    shown = [c for c in range(s.v)
+             if s.v <= LEGEND_CHUNKS or c in (0, s.v - 1)]
+    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else
+                     f"{k} chunk {c}" + (f" (1-{c - 1} between)" if c > 1 and s.v > LEGEND_CHUNKS
+                                         else ""))
                for i, k in enumerate(KINDS) if (bl.kind == i).any()
-               for c in range(s.v) if ((bl.kind == i) & (bl.chunk == c)).any()]
+               for c in shown if ((bl.kind == i) & (bl.chunk == c)).any()]
     handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
     ncols = min(len(handles), 7)
     fig.legend(handles=handles, loc="lower center", ncols=ncols, frameon=False, prop=FONT)
