@@ -149,6 +149,9 @@ def test_generator_argument_errors():
         gpipe(2, 2.5)
     with pytest.raises(ValueError, match=r"interleaved_1f1b\(m=6, p=4\).*multiple.*use m=8 or m=4"):
         interleaved_1f1b(4, 6, 2)
+    # m < p: one multiple to offer, not "use m=16 or m=16" (the 07 explorer at p=16, m=8)
+    with pytest.raises(ValueError, match=r"multiple.*Megatron-LM requires it too\); use m=16$"):
+        interleaved_1f1b(16, 8, 2)
     assert interleaved_1f1b(3, 5, 1) == one_f_one_b(3, 5)        # v == 1 is plain 1F1B
 
 
@@ -270,3 +273,23 @@ def test_large_schedule_is_linear_time():
     r = simulate(one_f_one_b(64, 1024))
     assert time.perf_counter() - t < 5.0        # O(N^2) would take minutes; benchmark: < 1 s
     assert r.peak_inflight[0] == 64 and len(r.blocks) == 2 * 64 * 1024
+
+
+def test_printed_schedule_fits_a_notebook_line_and_keeps_every_action():
+    """Notebook 07 printed interleaved 1F1B (p=4, m=8, v=2) in lines of 135 characters,
+    which JupyterLab broke inside tokens (``F3c`` / ``1``).  Long rows are now cut into
+    parts of the same positions on every rank, no line over 100 characters, and the parts
+    joined give back every rank's row."""
+    from workbench.parallel.schedules.actions import TEXT_WIDTH
+    for s in (interleaved_1f1b(4, 8, 2), one_f_one_b(12, 32), zb_h1(8, 24),
+              interleaved_1f1b(4, 12, 3)):
+        text = str(s).splitlines()
+        assert max(map(len, text)) <= TEXT_WIDTH == 100, s
+        rows = {}
+        for line in text[1:]:
+            if line.startswith("rank"):
+                head, tokens = line.split(":", 1)
+                rows.setdefault(head, []).extend(tokens.split())
+        assert [f"{h}: " + " ".join(t) for h, t in rows.items()] == s.to_text()
+    short = gpipe(2, 2)                             # short rows: as before, one line a rank
+    assert str(short).splitlines()[1:] == short.to_text()

@@ -5,6 +5,8 @@ import pytest
 import workbench as wb
 from workbench.viz import charts as C
 
+from .figure_checks import covered, crossed
+
 
 def found(fig, gid):
     return fig.findobj(lambda a: a.get_gid() == gid)
@@ -88,3 +90,46 @@ def test_tile_grid_colours_each_tile_by_its_kind():
 def test_deterministic_png():
     make = lambda: C.lines([1, 2], {"a": [1.0, 2.0]})   # noqa: E731
     assert C.to_png(make()) == C.to_png(make())
+
+
+# ---- readable labels: no reference line through a number, nothing clipped or covered ----
+# notebook 01 (GPT-3 against one A100, log axis), 05 (ZeRO, linear), 14 (an even share)
+CASES = [dict(groups={"model states": {"GPT-3": 2794.0},
+                      "activations per GPU": {"none": 275.0, "tp": 55.6, "tp+sp": 34.4,
+                                              "tp+sp+selective": 10.3, "full": 4.83}},
+              unit="GB", hline=(80.0, "one A100 (80 GB)"), log=True),
+         dict(groups={"formula": {"stage 0": 120.0, "stage 1": 31.4, "stage 2": 16.6,
+                                  "stage 3": 1.88}},
+              unit="GB", hline=(80.0, "one A100 (80 GB)")),
+         dict(groups={"token-slots routed": {f"expert {i}": float(n) for i, n in
+                                             enumerate([70, 56, 45, 108, 44, 87, 43, 59])}},
+              hline=(64.0, "even share")),
+         dict(groups={"a": {"x": 77.0, "y": 1000.0}}, unit="GB",               # label at the
+              hline=(995.0, "a reference line with a long label"))]             # right edge
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bar_labels_are_never_crossed_covered_or_clipped(case):
+    """Notebook 01's "55.6 GB" was crossed by the dashed 80 GB line, its "one A100 (80 GB)"
+    sat on the GPT-3 bar: a value label starts right of the line where the line would run
+    through it, the line's label has a row of its own, the legend sits below the plot."""
+    fig = C.bars(**case)
+    assert crossed(fig, {"hline"}) == []
+    assert covered(fig) == []
+    values = sorted(float(t.get_text().split()[0].replace(",", "")) for t in found(fig, "value"))
+    assert values == sorted(v for d in case["groups"].values() for v in d.values())
+    assert C.to_png(fig) == C.to_png(C.bars(**case))          # the same PNG every time
+
+
+def test_a_label_moved_past_the_line_stays_in_its_row():
+    fig = C.bars({"a": {"x": 70.0, "y": 10.0}}, unit="GB", hline=(80.0, "one A100"), log=True)
+    moved, kept = found(fig, "value")
+    assert moved.xy == (80.0, 0.0) and kept.xy == (10.0, 1.0)       # past the line, same row
+
+
+def test_bar_numbers_keep_their_precision():
+    """Notebook 17's step-time bars read "15.4 s" beside "16 s" (15.996 rounded): a
+    rounded-away zero is kept; an exact 70 or a paper's 1.9 gets none added."""
+    fig = C.bars({"a": {"x": 15.996, "y": 70.0, "z": 1.9, "w": 0.10449, "v": 2794.4}}, unit="s")
+    assert [t.get_text() for t in found(fig, "value")] == ["16.0 s", "70 s", "1.9 s",
+                                                            "0.104 s", "2,794 s"]

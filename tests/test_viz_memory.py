@@ -6,6 +6,8 @@ import workbench as wb
 from workbench.plan.memory import model_state_bytes, stage_memory
 from workbench.viz.memory import PARTS, memory_bars, memory_widget, stage_rows
 
+from .figure_checks import covered, crossed
+
 GPT3 = wb.models.get_config("gpt3-175b")
 
 
@@ -149,3 +151,18 @@ def test_every_part_in_the_legend_inside_the_figure():
     for total, bar_end in zip(_gids(fig, "total"), [s for s in segs if s.get_hatch()]):
         text_box = total.get_bbox_patch().get_window_extent(renderer)
         assert text_box.x0 > bar_end.get_window_extent(renderer).x1
+
+
+def test_no_line_runs_through_a_total():
+    """Notebook 17's 910B choice: 58.5 GB of a 64 GB device, 60.0 GB usable; the dotted
+    usable line and the dashed limit ran through "58.5 GB".  A total starts right of the
+    last line it would meet; every label stays inside the plot and off the bars."""
+    rows = {"first": {"params": 21.5e9, "activations": 37.0e9},
+            "middle": {"params": 20.5e9, "activations": 34.0e9},
+            "last": {"params": 21.5e9, "activations": 31.9e9}}
+    fig = memory_bars(rows, limit=64e9, usable=60e9, limit_label="910B")
+    assert crossed(fig, {"limit", "usable"}) == []
+    assert covered(fig, "segment") == []
+    totals = _gids(fig, "total")
+    assert [t.get_text() for t in totals] == ["58.5 GB", "54.5 GB", "53.4 GB"]
+    assert totals[0].xy[0] == 64.0                                   # past both lines

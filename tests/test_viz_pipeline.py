@@ -271,3 +271,62 @@ def test_large_schedule_draws_without_labels():
 def test_module_examples_run():
     import doctest
     assert doctest.testmod(V).failed == 0
+
+
+def wcag(a, b):
+    """WCAG 2.1 contrast ratio, written here apart from the module's (held to it below)."""
+    def lum(c):
+        c = np.array(to_rgba(c)[:3])
+        c = np.where(c <= 0.03928, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+        return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_memory_lines_read_on_white(p):
+    """The activations-in-flight lines were viridis: the last rank's pale yellow had a
+    1.3:1 contrast on the white page.  Every line now has at least 3:1 (WCAG 2.1's
+    minimum for graphics), and neighbouring ranks differ."""
+    fig = V.draw_pipeline(simulate(one_f_one_b(p, 2 * p)))
+    lines = [ln for ln in fig.axes[1].get_lines() if str(ln.get_gid()).startswith("memory-")]
+    assert len(lines) == p
+    colors = [ln.get_color() for ln in lines]
+    assert min(wcag(c, "white") for c in colors) >= 3.0, colors
+    assert all(not np.allclose(to_rgba(a), to_rgba(b)) for a, b in zip(colors, colors[1:]))
+
+
+def test_contrast_is_wcag():
+    assert V.contrast("black", "white") == pytest.approx(21.0)
+    assert V.contrast("#767676", "white") == pytest.approx(4.54, abs=0.01)   # WCAG's example
+    for c in ("#3a78b5", "#e8862a", (0.2, 0.5, 0.1)):
+        assert V.contrast(c, "white") == pytest.approx(wcag(c, "white"))
+
+
+@pytest.mark.parametrize("sched", [interleaved_1f1b(4, 8, 2), zb_h1(4, 8), one_f_one_b(4, 8)])
+def test_block_numbers_read_on_their_block(sched):
+    """White on the backward's orange was 2.7:1; each number is now black or white,
+    whichever reads better on its block: at least 4.5:1 (WCAG AA for text)."""
+    r = simulate(sched, f=1, b=1, w=1 if sched.split_backward else None)
+    fig = V.draw_pipeline(r)
+    (blocks,) = artists(fig, "blocks")
+    fills = {}
+    for path, face in zip(rects(blocks), blocks.get_facecolors()):
+        for x0, x1, y in path:
+            fills[(round((x0 + x1) / 2, 6), round(y))] = face
+    labels = artists(fig, "labels")
+    assert labels
+    for t in labels:
+        x, y = t.get_position()
+        assert wcag(t.get_color(), fills[(round(x, 6), round(y))]) >= 4.5, t.get_text()
+
+
+def test_legend_of_many_chunks_names_the_first_and_the_lightest():
+    """Notebook 17's v = 12 legend had 24 chunk swatches in 4 rows, neighbours too alike to
+    tell apart: beyond 4 chunks it names chunk 0 and the lightest, the rest between."""
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(8, 16, 12)))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["F chunk 0", "F chunk 11 (1-10 between)", "B chunk 0",
+                      "B chunk 11 (1-10 between)", "bubble"]
+    fig = V.draw_pipeline(simulate(interleaved_1f1b(4, 8, 4)))          # 4: one per chunk
+    assert len(fig.legends[0].get_texts()) == 2 * 4 + 1

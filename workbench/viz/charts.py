@@ -6,12 +6,14 @@ the roofline's two lines, which are the profile's own peak and bandwidth.
     >>> show(fig)                     # PNG only in a notebook  # doctest: +SKIP
 
 Deterministic, as the other figures: fixed colours and sizes, no pyplot state.  Artists
-carry gids for tests: "bar", "line", "reference", "hline", "point", "roof".
+carry gids for tests: "bar", "value" (a bar's number), "line", "reference", "hline",
+"hline_label", "point", "roof".
 """
 from __future__ import annotations
 
 import math
 
+from .bar_labels import end_label, place_labels
 from .placements import RC, show, to_png
 from .ticks import log_axis
 
@@ -39,11 +41,24 @@ def _finite(name, values):
             raise ValueError(f"{name}: every value must be a finite number, got {v!r}")
 
 
+def _value(v: float) -> str:
+    """A bar's number: whole above 100 (2,794), else 3 significant digits, keeping a
+    rounded-away zero (15.996 s is "16.0", not "16", which reads as exact beside "15.4")
+    but adding none to a number given exactly (70 tokens, a paper's 1.9 GB)."""
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    text = f"{v:.3g}"
+    return text if float(text) == v else f"{v:#.3g}"
+
+
 def bars(groups: dict, *, unit: str = "", title: str = "", hline=None, log: bool = False,
          width: float = 7.5, dpi: int = 100):
     """Horizontal bars, one panel row per group: ``groups`` maps a group title to
     {label: value}.  ``hline`` = (value, label) draws a reference line (e.g. a device's
-    memory); ``log`` a log axis.  Each bar is labelled with its value."""
+    memory), labelled in a row of its own above the bars; ``log`` a log axis.  Each bar is
+    labelled with its value, right of the bar or, where the reference line would run
+    through the number, right of the line (:mod:`.bar_labels`); the legend sits below
+    the plot, where it covers nothing."""
     import matplotlib
     if not groups:
         raise ValueError("bars(groups={}): give at least one group {title: {label: value}}")
@@ -51,35 +66,42 @@ def bars(groups: dict, *, unit: str = "", title: str = "", hline=None, log: bool
     _finite("bars", [v for _, _, v in rows])
     if log and any(v <= 0 for _, _, v in rows):
         raise ValueError("bars(log=True): every value must be > 0 on a log axis")
+    top = -1.3 if hline is not None else -0.8          # a row above the bars for its label
+    ncols = 2 if len(groups) > 1 and max(map(len, groups)) <= 40 else 1
     with matplotlib.rc_context(RC):
-        fig = _figure(width, 0.8 + 0.32 * len(rows) + 0.3 * len(groups), dpi)
+        fig = _figure(width, 0.8 + 0.32 * len(rows) + 0.3 * len(groups)     # + the legend's
+                      + (0.16 if hline is not None else 0) + 0.2 * -(-len(groups) // ncols), dpi)
         ax = fig.add_subplot(1, 1, 1)
-        y, ticks, labels = 0.0, [], []
+        y, ticks, labels, ends = 0.0, [], [], []
         for gi, (g, d) in enumerate(groups.items()):
             color = SERIES_COLORS[gi % len(SERIES_COLORS)]
             for k, v in d.items():
                 ax.barh(y, v, color=color, height=0.7, gid="bar",
                         label=g if k == next(iter(d)) else None)
-                ax.text(v, y, f" {v:,.0f} {unit}" if abs(v) >= 100 else f" {v:.3g} {unit}", va="center", ha="left", fontsize=9)
+                ends.append(end_label(ax, v, y, f"{_value(v)} {unit}".strip(), fontsize=9,
+                                      gid="value"))
                 ticks.append(y)
                 labels.append(k)
                 y += 1
             y += 0.5
         ax.set_yticks(ticks, labels, fontsize=9)
-        ax.set_ylim(y - 0.5, -0.8)
+        ax.set_ylim(y - 0.5, top)
         if log:
             ax.set_xscale("log")
             log_axis(ax.xaxis, 10)
+        fixed = []
         if hline is not None:
             value, text = hline
             ax.axvline(value, color="#333333", linestyle="--", linewidth=1.0, gid="hline")
-            ax.text(value, -0.7, f" {text}", ha="left", va="top", fontsize=9)
+            fixed.append(end_label(ax, value, (top - 0.35) / 2, text, fontsize=9,
+                                   gid="hline_label"))
         hi = max(v for _, _, v in rows + [("", "", hline[0] if hline else 0)])
         ax.set_xlim(right=hi * (8 if log else 1.3))
         ax.set_xlabel(unit, fontsize=9)
-        ax.legend(loc="lower right", fontsize=9, frameon=False)
+        fig.legend(loc="outside lower center", fontsize=9, frameon=False, ncols=ncols)
         if title:
             ax.set_title(title, fontsize=10)
+        place_labels(fig, ax, ends, [hline[0]] if hline is not None else [], fixed)
     return fig
 
 

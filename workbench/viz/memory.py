@@ -19,6 +19,7 @@ import base64
 import html
 import math
 
+from .bar_labels import end_label, place_labels
 from .placements import RC, show, to_png
 
 __all__ = ["PARTS", "PART_COLORS", "memory_bars", "stage_rows", "memory_widget",
@@ -73,6 +74,7 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
         fig = Figure(figsize=(width, 1.6 + 0.42 * len(rows)), dpi=dpi, layout="constrained")
         ax = fig.add_subplot(1, 1, 1)
         used = [p for p in PARTS if any(d.get(p, 0.0) > 0 for d in rows.values())]
+        ends = []
         for y, (label, parts) in enumerate(rows.items()):
             left = 0.0
             for p in PARTS:
@@ -83,21 +85,24 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
                             **_EDGE.get(p, {}))
                     left += v
             over = cap is not None and totals[label] > cap
-            # a few points right of the bar: its white box must not cover the bar's end
-            ax.annotate(f"{totals[label] / unit:,.1f} {unit_name}", (left, y), xytext=(3, 0),
-                        textcoords="offset points", va="center", ha="left", fontsize=9,
-                        color="#c00000" if over else "#222222",
-                        fontweight="bold" if over else "normal", gid="total",
-                        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
+            # a few points right of the bar (or of a line that would cross the number):
+            # its white box must not cover the bar's end
+            ends.append(end_label(ax, left, y, f"{totals[label] / unit:,.1f} {unit_name}",
+                                  fontsize=9, color="#c00000" if over else "#222222",
+                                  fontweight="bold" if over else "normal", gid="total",
+                                  bbox=dict(facecolor="white", edgecolor="none", pad=0.5,
+                                            alpha=0.85)))
         ax.set_yticks(range(len(rows)), list(rows), fontsize=9)
-        ax.set_ylim(len(rows) - (0.4 if usable is None else 0.05), -0.9)
+        ax.set_ylim(len(rows) - (0.4 if usable is None else 0.05), -1.05)   # a row for the limit
         hi = max(list(totals.values()) + [limit or 0.0, usable or 0.0]) / unit
         right = hi * 1.35 or 1.0        # room for the totals and the limit label
         ax.set_xlim(0, right)
+        fixed, lines = [], [x / unit for x in (limit, usable) if x is not None]
         if limit is not None:
             ax.axvline(limit / unit, color="#333333", linestyle="--", linewidth=1.0, gid="limit")
-            label = ax.text(limit / unit, -0.75, f" {limit_label} {limit / unit:g} {unit_name} ",
-                            ha="left", va="center", fontsize=9, gid="limit_label")
+            fixed.append(end_label(ax, limit / unit, -0.7,
+                                   f"{limit_label} {limit / unit:g} {unit_name}", fontsize=9,
+                                   gid="limit_label"))
         if usable is not None:
             ax.axvline(usable / unit, color="#333333", linestyle=":", linewidth=1.2,
                        gid="usable")
@@ -120,13 +125,9 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
             legend.remove()
             legend = fig.legend(loc="outside lower center", fontsize=8.5, frameon=False,
                                 ncols=ncols)
-        if limit is not None:
-            # right of the line where it fits inside the axes, else left of it: never past
-            # the edge (measured on a layout-only draw, legend and title in place)
-            fig.draw_without_rendering()
-            if label.get_window_extent().x1 > ax.bbox.x1:
-                label.set_text(f"{limit_label} {limit / unit:g} {unit_name} ")
-                label.set_horizontalalignment("right")
+        # no line through a total, every label inside the plot (measured on a layout-only
+        # draw, legend and title in place): the axis widens where one would not fit
+        place_labels(fig, ax, ends, lines, fixed)
     return fig
 
 

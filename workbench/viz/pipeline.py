@@ -32,7 +32,8 @@ from ..parallel.schedules import (KINDS, SCHEDULES, Schedule, SimulationResult, 
                                   simulate)
 
 __all__ = ["KIND_COLORS", "BUBBLE_COLOR", "PipelineFigure", "draw_pipeline", "render_text",
-           "bubble_caption", "pipeline_widget", "PipelineExplorer"]
+           "bubble_caption", "pipeline_widget", "PipelineExplorer", "memory_colors",
+           "text_color", "contrast"]
 
 KIND_COLORS = {"F": "#3a78b5",     # forward
                "B": "#e8862a",     # backward (input gradient when split)
@@ -43,6 +44,8 @@ MAX_LABELS = 400          # above this many blocks, micro-batch numbers are not 
 AXES_WIDTH_IN = 10 * (0.9 - 0.08)   # the Gantt axes' width: figure width x (right - left)
 LABEL_CHAR_IN = 7 * 0.64 / 72       # a digit at 7 pt: DejaVu Sans digits are 0.64 em wide
 LABEL_PAD_IN = 0.03                 # white space a label keeps inside its block
+LEGEND_CHUNKS = 4                   # a legend swatch per chunk up to this many chunks
+MEMORY_CMAP_END = 0.6               # plasma(0.6) has a 3.4:1 contrast on white (memory_colors)
 
 
 class PipelineFigure(Figure):
@@ -79,6 +82,23 @@ def bubble_caption(result: SimulationResult) -> str:
         return (f"bubble from each rank's start: measured "
                 f"{result.span_bubble_fraction:.2%} | {formula}")
     return f"bubble: measured {result.bubble_fraction:.2%} | {formula}"
+
+
+def contrast(a, b) -> float:
+    """WCAG 2.1 contrast ratio of two colours, 1 (none) to 21 (black on white)."""
+    def lum(c):
+        c = np.array(to_rgb(c))
+        c = np.where(c <= 0.03928, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+        return float(c @ [0.2126, 0.7152, 0.0722])
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def text_color(fill) -> str:
+    """Black or white, whichever reads better on ``fill``: white on the forward's blue
+    (4.6:1), black on the backward's orange (white there was 2.7:1) and on lighter
+    chunks."""
+    return "white" if contrast("white", fill) > contrast("black", fill) else "black"
 
 
 def _shade(kind: int, chunk: int, v: int) -> tuple:
@@ -130,12 +150,13 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
                       autolim=False)
     if len(bl) <= max_labels:
         inch = AXES_WIDTH_IN / (res.makespan or 1.0)          # inches per time unit
-        for r, t, d, mb, c in zip(bl.rank.tolist(), bl.start.tolist(), bl.duration.tolist(),
-                                  bl.mb.tolist(), bl.chunk.tolist()):
+        for r, t, d, mb, k, c in zip(bl.rank.tolist(), bl.start.tolist(),
+                                     bl.duration.tolist(), bl.mb.tolist(), bl.kind.tolist(),
+                                     bl.chunk.tolist()):
             if d * inch < LABEL_CHAR_IN * len(str(mb)) + LABEL_PAD_IN:
                 continue                # too narrow: the numbers would run into each other
             ax.text(t + d / 2, r, str(mb), ha="center", va="center", fontsize=7,
-                    color="white" if c == 0 else "black", gid="labels")
+                    color=text_color(_shade(k, c, s.v)), gid="labels")
 
     ax.set_xlim(0, res.makespan or 1.0)
     ax.set_ylim(s.p - 0.5, -0.5)                                    # rank 0 on top
@@ -145,9 +166,15 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     if caption:
         ax.text(1.0, 1.01, bubble_caption(res), transform=ax.transAxes, ha="right",
                 va="bottom", gid="caption", **FONT)
-    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else f"{k} chunk {c}")
+    # beyond LEGEND_CHUNKS chunks the shades step too finely to match by eye (v = 12 gave
+    # 24 swatches in 4 rows): the first and the lightest chunk only, the rest between them
+    shown = [c for c in range(s.v)
+             if s.v <= LEGEND_CHUNKS or c in (0, s.v - 1)]
+    handles = [Patch(color=_shade(i, c, s.v), label=k if s.v == 1 else
+                     f"{k} chunk {c}" + (f" (1-{c - 1} between)" if c > 1 and s.v > LEGEND_CHUNKS
+                                         else ""))
                for i, k in enumerate(KINDS) if (bl.kind == i).any()
-               for c in range(s.v) if ((bl.kind == i) & (bl.chunk == c)).any()]
+               for c in shown if ((bl.kind == i) & (bl.chunk == c)).any()]
     handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
     ncols = min(len(handles), 7)
     fig.legend(handles=handles, loc="lower center", ncols=ncols, frameon=False, prop=FONT)
@@ -177,19 +204,28 @@ def _rects(rank, start, duration, h) -> Path:
     return Path(verts.reshape(-1, 2), codes.astype(Path.code_type))
 
 
+def memory_colors(p: int) -> list:
+    """One colour per rank for the activations-in-flight lines: matplotlib's plasma from
+    its dark end to MEMORY_CMAP_END, evenly spaced, rank 0 darkest.  Every one has at
+    least a 3:1 contrast on white (WCAG 2.1's minimum for graphics, SC 1.4.11), whatever
+    p: the full map ends in pale yellow (1.2:1), which vanished on the white page."""
+    from matplotlib import colormaps
+    cmap = colormaps["plasma"]
+    return [cmap(MEMORY_CMAP_END * r / max(p - 1, 1)) for r in range(p)]
+
+
 def _draw_memory(ax, res: SimulationResult, row_label: str = "rank") -> None:
-    """Step lines of activations in flight, one per rank (fixed colours from viridis).
+    """Step lines of activations in flight, one per rank (fixed colours: memory_colors).
 
     Counted in model chunks where a rank holds v > 1 of them (interleaved): the peak
     is then also given in micro-batches' worth, a chunk holding 1/v of a stage's layers."""
-    from matplotlib import colormaps
     from matplotlib.ticker import MaxNLocator
     p, v = res.schedule.p, res.schedule.v
-    cmap = colormaps["viridis"]
+    colors = memory_colors(p)
     for r, (times, counts) in enumerate(res.memory):
         t = np.append(times, res.makespan)
         c = np.append(counts, counts[-1])
-        ax.step(t, c, where="post", color=cmap(r / max(p - 1, 1)), linewidth=1.0,
+        ax.step(t, c, where="post", color=colors[r], linewidth=1.2,
                 label=f"{row_label} {r}" if p <= 8 else None, gid=f"memory-{r}")
     peak = max(res.peak_inflight)
     ax.axhline(peak, color="#555555", linestyle="--", linewidth=0.8, gid="peak")

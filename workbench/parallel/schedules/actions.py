@@ -41,6 +41,7 @@ __all__ = ["Action", "Schedule", "Transfer", "transfers", "KINDS", "LAYOUTS"]
 
 KINDS = ("F", "B", "W")
 LAYOUTS = ("interleaved", "v", "dualpipe")
+TEXT_WIDTH = 100      # characters a printed schedule's line may take (Schedule.__str__)
 _TOKEN = re.compile(r"^([FBW])(\d+)(?:c(\d+))?$")
 
 
@@ -222,12 +223,28 @@ class Schedule:
                 for r, row in enumerate(self.actions)]
 
     def __str__(self) -> str:
+        """The head line and one row per rank; rows longer than TEXT_WIDTH characters are
+        cut into parts of the same positions on every rank, one column per position (a
+        notebook's output area breaks a longer line anywhere, even inside ``F3c1``)."""
         head = f"{self.name}: p={self.p} m={self.m} v={self.v}"
         if self.split_backward:
             head += " (backward split into B and W)"
         if self.layout != "interleaved":
             head += f" [{self.layout} layout]"
-        return "\n".join([head] + self.to_text())
+        rows = self.to_text()
+        if max(map(len, rows), default=0) <= TEXT_WIDTH:
+            return "\n".join([head] + rows)
+        tokens = [[str(a) for a in row] for row in self.actions]
+        cell = max(len(t) for row in tokens for t in row) + 1
+        prefix = len(rows[0]) - len(rows[0].split(": ", 1)[1])       # "rank 0: "
+        per = max(1, (TEXT_WIDTH - prefix + 1) // cell)
+        n = max(map(len, tokens))
+        lines = [head + f"   (rows in {-(-n // per)} parts of {per} actions)"]
+        for lo in range(0, n, per):
+            lines.append(f"positions {lo}-{min(lo + per, n) - 1}:")
+            lines += [rows[r][:prefix] + "".join(t.ljust(cell) for t in row[lo:lo + per]).rstrip()
+                      for r, row in enumerate(tokens)]
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         lay = f", layout={self.layout!r}" if self.layout != "interleaved" else ""

@@ -38,9 +38,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     if v == 1:
         return one_f_one_b(p, m)
     if m % p:
+        up, down = (m // p + 1) * p, m // p * p      # the multiples of p either side of m
+        fix = f"use m={up} or m={down}" if down else f"use m={up}"     # m < p: no m below
         raise ValueError(f"interleaved_1f1b(m={m}, p={p}): the number of micro-batches must be "
-                         f"a multiple of the pipeline size (Megatron-LM requires it too); "
-                         f"use m={(m // p + 1) * p} or m={max(p, m // p * p)}")
+                         f"a multiple of the pipeline size (Megatron-LM requires it too); {fix}")
     total = m * v                                # forwards (and backwards) per rank
 
     def fwd(k: int) -> Action:
