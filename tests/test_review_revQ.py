@@ -58,3 +58,24 @@ def test_reserved_memory_counts_the_sync_copy_once(recompute):
     # fits stays on the live peak
     assert est.fits == (est.memory["total"] <= wb.plan.Cluster("a100", 16).profile
                         .usable_memory())
+
+
+def test_a_bool_mask_is_no_list_of_ranks():
+    """check_load_reads took each element with operator.index, which reads a torch bool
+    as 0 or 1: a WRONG mask of saved ranks (rank 0 of 4 loaded reads saved ranks 0 and 1;
+    this mask marks 0 and 2) became ranks {0, 1} and printed "Correct".  Its docstring
+    and check_tp_group's refuse bools; a bool array or tensor is refused alike now."""
+    from workbench.exercises.checks import check_tp_group
+    from workbench.exercises.checks_serve import check_load_reads
+    from workbench.exercises.feedback import CheckError
+    np = pytest.importorskip("numpy")
+    wrong = [True, False, True, False, False, False, False, False]
+    for mask in (torch.tensor(wrong), np.array(wrong)):
+        with pytest.raises(CheckError, match="rank numbers"):
+            check_load_reads(mask, rank=0, loaded=4)
+    with pytest.raises(CheckError, match="ints"):
+        check_tp_group(torch.tensor([True] * 4), rank=1)
+    # integers of any kind still pass (the right answer: saved ranks 0 and 1)
+    for ok in ([0, 1], np.array([0, 1]), torch.tensor([0, 1]), range(2)):
+        check_load_reads(ok, rank=0, loaded=4)
+    check_tp_group(torch.arange(4, 8))
