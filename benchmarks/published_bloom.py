@@ -217,8 +217,9 @@ NOTE = ("the final run's log line and the 2022-02-28 prequel rows at the final s
 
 def memory(row) -> dict:
     """The planner's memory of ``row`` on pipeline stage 0 (the ranks whose memory the
-    prequel read): ``predicted`` (its reserved memory, the live peak plus the caching
-    allocator's cached segment ``cache``, plus the profile's CUDA context, bytes),
+    prequel read): ``predicted`` (its reserved memory, ``plan.allocator.reserved_bytes``:
+    the pipeline phase's live peak plus the caching allocator's cached segment ``cache``,
+    plus the profile's CUDA context, bytes),
     ``live`` (the live peak plus the context), ``measured`` (the Mem column in bytes, GiB
     read) or None, their ratio, and ``fits`` (the busiest rank's live peak)."""
     cfg = wb.models.ModelConfig(**{**dict(arch="gpt", seq_len=2048, tie_embeddings=True,
@@ -226,10 +227,10 @@ def memory(row) -> dict:
     cl = wb.plan.Cluster(row["profile"], row["devices"])
     est = wb.plan.estimate(cfg, wb.plan.Layout(**row["layout"]), cl)
     first = est.details["stages"]["first" if row["layout"]["pp"] > 1 else "only"]
-    # reserved: the live peak plus the caching allocator's cached segment for
-    # BF16_Optimizer's bf16 gradient copy (plan.allocator), then the CUDA context
+    # reserved: the pipeline phase's live peak plus the caching allocator's cached segment
+    # for BF16_Optimizer's bf16 gradient copy (plan.allocator), then the CUDA context
     live = first["memory"]["total"]
-    pred = live + first["allocator_cache"] + cl.profile.runtime_memory["context_bytes"]
+    pred = first["reserved_memory"] + cl.profile.runtime_memory["context_bytes"]
     gib = row.get("published_mem_gib")
     meas = None if gib is None else gib * 2 ** 30
     return dict(row=row, estimate=est, predicted=pred, measured=meas, fits=est.fits,

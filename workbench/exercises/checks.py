@@ -65,6 +65,15 @@ def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FOR
     return ("too high" if got > want else "too low") + ": " + fallback
 
 
+def _rank(r) -> int:
+    """``r`` as a rank number: a Python, NumPy or torch integer (``operator.index``).  A
+    bool is no rank, nor an element of a bool array or tensor (a mask), which
+    ``operator.index`` would read as 0 or 1: TypeError, as for a float."""
+    if isinstance(r, bool) or str(getattr(r, "dtype", "")) in ("bool", "torch.bool"):
+        raise TypeError(f"{r!r} is a bool, not a rank")
+    return operator.index(r)
+
+
 def _scale_slip(got: float, want: float, rel: float, share: bool) -> str | None:
     """The diagnosis when ``got`` is ``want`` in another unit: a percentage given for a
     share, or off by exactly 10^3, 10^6 or 10^9 (s/ms/us, B/KB/MB/GB)."""
@@ -153,7 +162,7 @@ def check_tp_group(group, rank: int = 5) -> None:
     try:
         if isinstance(group, (str, bytes, dict)):
             raise TypeError
-        got = tuple(operator.index(r) for r in group)    # ints only: 4.2 is no rank
+        got = tuple(_rank(r) for r in group)    # ints only: 4.2 and True are no ranks
     except TypeError:
         raise CheckError(f"group should be a sequence of ranks (ints), got {group!r}") from None
     if got == want:

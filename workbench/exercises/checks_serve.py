@@ -10,9 +10,8 @@ answer.
 from __future__ import annotations
 
 import math
-import operator
 
-from .checks import _chunks, _hint, _number, _ok
+from .checks import _chunks, _hint, _number, _ok, _rank
 from .feedback import CheckError, exercise
 
 __all__ = ["check_decode_floor_ms", "check_load_reads", "check_static_useful_share"]
@@ -100,18 +99,16 @@ def check_load_reads(ranks, rank: int = 1, rows: int = 16, saved: int = 8,
 
 def _rank_numbers(ranks) -> list:
     """``ranks`` as a list of Python ints: a list, tuple, set, range, NumPy array or 1-d
-    tensor of integers (NumPy's and torch's integers too: ``operator.index``); anything
-    else (a string, a number, floats, bools) is a CheckError."""
+    tensor of integers (NumPy's and torch's integers too: ``checks._rank``); anything
+    else (a string, a number, floats, bools, a bool mask) is a CheckError."""
     bad = CheckError(f"give a list of rank numbers (ints), got {ranks!r}")
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__") or \
             getattr(ranks, "ndim", 1) != 1:
         raise bad
     out = []
     for r in ranks:
-        if isinstance(r, bool):
-            raise bad
         try:
-            out.append(operator.index(r))
+            out.append(_rank(r))     # a bool mask's elements are no rank numbers
         except TypeError:
             raise bad from None
     return out

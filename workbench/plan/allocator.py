@@ -25,8 +25,12 @@ of it, and is unchanged in pytorch's later ones):
 
 So a transient that is larger than every block freed before it grows the reserved memory
 by its own segment while the device has room, and keeps it: the reserved peak is the live
-peak plus that segment.  It does not make a layout run out of memory (the allocator
-releases whole cached segments and retries first), so ``fits`` stays on the live peak.
+peak of the phase before it (whose segments stay cached) plus that segment
+(:func:`reserved_bytes`).  Where the transient itself sets the live peak (a stage with few
+activations in flight: ``memory.stage_memory`` counts the copy in its ``workspace``), the
+live peak already holds the copy, which lives in that segment: it is not counted twice.
+It does not make a layout run out of memory (the allocator releases whole cached
+segments and retries first), so ``fits`` stays on the live peak.
 
 The one such transient read from a source here (:func:`cached_bytes`): DeepSpeed's
 BF16_Optimizer (``plan.bf16_optimizer``, DeepSpeed 56c522386) all-reduces its fp32
@@ -55,7 +59,8 @@ from . import bf16_optimizer as _bf16
 
 __all__ = ["SOURCE", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER",
            "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size", "segment_bytes",
-           "new_segment_bytes", "largest_freed_bytes", "cached_bytes", "assumption"]
+           "new_segment_bytes", "largest_freed_bytes", "cached_bytes", "reserved_bytes",
+           "assumption"]
 
 SOURCE = ("pytorch/pytorch v1.11.0 c10/cuda/CUDACachingAllocator.cpp "
           "(DeviceCachingAllocator::malloc: get_free_block, alloc_block, "
@@ -130,11 +135,33 @@ def cached_bytes(cfg, lay, stage: int, psi: float, layers: int) -> float:
     return float(new_segment_bytes(sync, largest_freed_bytes(cfg, lay, stage, layers)))
 
 
+def reserved_bytes(cfg, lay, stage: int, psi: float, layers: int, memory: dict,
+                   attention: str = "materialized") -> float:
+    """The reserved peak of a rank of ``stage`` whose live memory is ``memory``
+    (``memory.stage_memory``): the live peak of the pipeline phase, whose segments stay
+    cached, plus the segment :func:`cached_bytes` adds at the DP sync; at least the live
+    peak.  ``memory["workspace"]`` holds the sync's bf16 copy where the copy sets the
+    peak (``sync - activations``): that share is the copy itself, inside the new segment,
+    so the pipeline phase's peak takes the workspace without it (the loss's, a
+    recompute's, ``update_hp_grads``' fp32 cast; ``memory.workspace_bytes``)."""
+    cache = cached_bytes(cfg, lay, stage, psi, layers)
+    if not cache:
+        return memory["total"]
+    from .ep_cp import token_cfg
+    from .memory import workspace_bytes
+    during, _ = _bf16.transient_bytes(psi, _bf16.largest_numel(cfg, lay.tp, lay.pp, stage,
+                                                               layers))
+    pipe_ws = min(max(workspace_bytes(token_cfg(cfg, lay), lay, stage, attention), during),
+                  memory["workspace"])
+    pipeline = memory["total"] - memory["workspace"] + pipe_ws
+    return max(memory["total"], pipeline + cache)
+
+
 def assumption(cache: float) -> str:
     """The line ``Estimate.assumptions`` gives for the allocator's cached segment."""
-    return (f"reserved memory (what nvidia-smi reads, less the CUDA context): the live "
-            f"peak + {cache / 1e9:.2f} GB that PyTorch's caching allocator keeps cached "
-            f"for BF16_Optimizer's bf16 gradient copy at the DP sync, larger than every "
-            f"block freed before it ({SOURCE}); fragmentation not counted (ASSUMED in "
-            f"the usable memory); fits is judged on the live peak (cached segments are "
-            f"released before an out-of-memory error)")
+    return (f"reserved memory (what nvidia-smi reads, less the CUDA context): the "
+            f"pipeline phase's live peak + {cache / 1e9:.2f} GB that PyTorch's caching "
+            f"allocator keeps cached for BF16_Optimizer's bf16 gradient copy at the DP "
+            f"sync, larger than every block freed before it ({SOURCE}); fragmentation "
+            f"not counted (ASSUMED in the usable memory); fits is judged on the live "
+            f"peak (cached segments are released before an out-of-memory error)")

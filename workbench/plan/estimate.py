@@ -474,15 +474,18 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = OS.step_seconds(opt_passes, psi, updated, prof,
                               M21.TENSORS_PER_LAYER * max(n_layers, 1))
+        mem = stage_memory(cfg, lay, s, attention, prof)
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
-                            memory=stage_memory(cfg, lay, s, attention, prof),
+                            memory=mem,
                             # what PyTorch's caching allocator keeps reserved beyond the
-                            # live peak (plan.allocator): nvidia-smi's reading less the
-                            # context is memory["total"] + allocator_cache
+                            # pipeline phase's live peak (plan.allocator), and the
+                            # reserved peak: nvidia-smi's reading less the context
                             allocator_cache=AL.cached_bytes(cfg, lay, s, psi, n_layers),
+                            reserved_memory=AL.reserved_bytes(cfg, lay, s, psi, n_layers, mem,
+                                                              attention),
                             copies=copies)
 
     tied = 0.0
@@ -554,9 +557,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         else None,
         "model": cfg,
         "usable_memory": prof.usable_memory(),
-        # the busiest rank's reserved memory (plan.allocator): its live peak plus the
-        # segments the caching allocator keeps for transients no cached block can serve
-        "reserved_memory": busiest["memory"]["total"] + busiest["allocator_cache"],
+        # the busiest rank's reserved memory (plan.allocator): its pipeline phase's live
+        # peak plus the segment the caching allocator keeps for a transient no cached block
+        # can serve (the transient counted once where it sets the live peak)
+        "reserved_memory": busiest["reserved_memory"],
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),
         "grad_accumulation": slow["grad_accumulation"],   # per micro-batch (megatron_2021)
