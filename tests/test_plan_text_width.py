@@ -25,8 +25,8 @@ CASES = [(model_config("gpt3-175b"), "ascend-910b", 1024, 1536),
          (model_config("gpt-22b"), "a100", 64, 64)]
 
 
-@pytest.fixture(scope="module", params=range(len(CASES)), ids=lambda i: CASES[i][0].name
-                if hasattr(CASES[i][0], "name") else str(i))
+@pytest.fixture(scope="module", params=range(len(CASES)),
+                ids=["gpt3-910b", "mixtral-h100", "llama2-7b-dp1", "gpt22b-a100"])
 def ranking(request):
     cfg, prof, n, gb = CASES[request.param]
     return search(cfg, Cluster(prof, n), global_batch=gb, top=4)
@@ -108,3 +108,12 @@ def test_wrap_keeps_a_figure_beside_its_name_and_indents_continuations():
         assert any(unit in x for x in joined), (unit, out)
     short = "a line of 100 characters or fewer stays as it is"
     assert wrap(short) == short and wrap(line) == wrap(wrap(line))
+
+
+def test_none_fits_says_so_within_the_width(monkeypatch):
+    r = search(model_config("gpt3-175b"), Cluster("a100", 8), global_batch=8, top=3)
+    assert not r and r.least is not None
+    text = str(r)
+    flat = _unwrapped(monkeypatch, lambda: str(r))
+    assert _longest(flat) > WIDTH >= _longest(text) and text.split() == flat.split()
+    assert f"{r.least[0] / 1e9:.1f} GB on the busiest rank" in " ".join(text.split())
