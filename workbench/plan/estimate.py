@@ -85,6 +85,7 @@ from . import titan_eager as TE
 from . import optimizer_step as OS
 from . import fp8 as _fp8
 from .layout import Cluster, Layout, attention_for, check_layout
+from .text_width import wrap
 from .edge_cost import edge_times
 from .memory import memory_margin, stage_memory, stage_params
 
@@ -123,7 +124,8 @@ class Estimate:
         return _simulate(lay, st, m)
 
     def explain(self) -> str:
-        """How the step time and the memory were put together, term by term."""
+        """How the step time and the memory were put together, term by term; lines wrapped
+        at ``WIDTH`` (100) characters, continuations indented (``text_width.wrap``)."""
         d, lay, b = self.details, self.layout, self.breakdown
         st = d["stages"]
         slow = next(v for v in st.values() if v["stage"] == d["slowest_stage"])
@@ -139,7 +141,7 @@ class Estimate:
                if d.get("deepspeed_pipe") else "(uneven stages: the schedule simulated, "
                "less m x the slowest stage)" if lay.stages is not None and lay.pp > 1
                else "(sum of stage times - slowest) / v")
-        return "\n".join([
+        return wrap("\n".join([
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
             f"communication {b['communication']:.3f} + bubble {b['bubble']:.3f}",
             f"  one layer, one micro-batch: forward {ly.fwd_compute * ms:.2f} ms compute + "
@@ -169,7 +171,7 @@ class Estimate:
             f"{self.tflops_per_device:.0f} TFLOP/s per device, "
             f"{self.comm_bytes / 1e9:.1f} GB sent per device per step",
             f"  assumed: {'; '.join(self.assumptions())}"] + EC.explain_lines(self)
-            + DS.explain_lines(self))
+            + DS.explain_lines(self)))
 
     def assumptions(self) -> list[str]:
         """What this estimate rests on beyond cited measurements: the framework behaviour

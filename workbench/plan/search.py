@@ -20,6 +20,7 @@ from .estimate import estimate
 from .layout import Cluster, Layout, attention_for, check_model
 from .memory import stage_memory
 from .step_floor import best_first, step_floor
+from .text_width import wrap
 from . import ep_cp as _ep_cp
 
 __all__ = ["search", "Ranking", "candidate_layouts"]
@@ -30,6 +31,9 @@ _FIELDS = ("dp", "tp", "pp", "schedule", "v", "sp", "zero", "recompute", "micro_
 # layer clock is held to 5.4% on Korthikanti et al.'s Table 4, and published end-to-end
 # runs differ from it by far more: benchmarks/published.py)
 TIE = 0.01
+# the table's abbreviations (its legend spells them out)
+_SCHED = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "i1f1b"}
+_RC = {"selective": "sel"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -89,33 +93,42 @@ class Ranking(list):
         self.least = least          # (bytes, Layout): the smallest busiest rank tried
 
     def table(self) -> str:
-        head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'schedule':<18} {'sp':<3} {'zero':>4} "
-                f"{'recompute':<9} {'mb':>3} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} "
-                f"{'mem GB':>7} {'compute':>8} {'comm':>7} {'bubble':>7}")
+        """One row per layout, at most ``WIDTH`` (100) characters wide, and a legend:
+        the schedule and the recompute mode abbreviated (``_SCHED``, ``_RC``), each
+        unit stated once."""
         # expert / context parallel columns when a layout here uses them (plan.ep_cp)
         xc = any(lay.ep > 1 or lay.cp > 1 for lay, _ in self)
-        if xc:
-            head = head.replace(" schedule", f" {'ep':>3} {'cp':>3} schedule", 1)
+        head = (f"{'#':>2} {'dp':>4} {'tp':>2} {'pp':>3} " + (f"{'ep':>2} {'cp':>2} " if xc else "")
+                + f"{'sched':<5} {'v':>2} {'sp':<3} {'zero':>4} {'rc':<4} {'mb':>2} "
+                f"{'step':>6} {'TFLOP/s':>7} {'MFU':>5} {'GB':>5} {'compute':>7} {'comm':>6} "
+                f"{'bubble':>6}")
         rows = [head]
         for i, (lay, e) in enumerate(self, 1):
-            sched = lay.schedule + (f" v={lay.v}" if lay.v > 1 else "")
             b = e.breakdown
-            rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} "
-                        + (f"{lay.ep:>3} {lay.cp:>3} " if xc else "") + f"{sched:<18} "
-                        f"{'yes' if lay.sp else 'no':<3} {lay.zero:>4} {lay.recompute:<9} "
-                        f"{lay.micro_batch:>3} {e.step_time:>8.3f} {e.tflops_per_device:>8.1f} "
-                        f"{e.mfu:>6.1%} {e.memory['total'] / 1e9:>7.1f} {b['compute']:>8.3f} "
-                        f"{b['communication']:>7.3f} {b['bubble']:>7.3f}")
-        return "\n".join(rows)
+            rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>2} {lay.pp:>3} "
+                        + (f"{lay.ep:>2} {lay.cp:>2} " if xc else "")
+                        + f"{_SCHED[lay.schedule]:<5} {lay.v:>2} {'yes' if lay.sp else 'no':<3} "
+                        f"{lay.zero:>4} {_RC.get(lay.recompute, lay.recompute):<4} "
+                        f"{lay.micro_batch:>2} {e.step_time:>6.3f} {e.tflops_per_device:>7.1f} "
+                        f"{e.mfu:>5.1%} {e.memory['total'] / 1e9:>5.1f} {b['compute']:>7.3f} "
+                        f"{b['communication']:>6.3f} {b['bubble']:>6.3f}")
+        legend = ("step = compute + comm (communication) + bubble, seconds per step; GB: "
+                  "the busiest rank's memory\nTFLOP/s per device; "
+                  + "; ".join(f"{a}: {s}, v chunks per device" for s, a in _SCHED.items()
+                              if s != a)
+                  + "; rc: recompute, " + ", ".join(f"{a}: {r}" for r, a in _RC.items()))
+        return "\n".join(rows + [wrap(legend)])
 
     def explain(self) -> list[str]:
         """Why each layout beats the next: the layout fields that differ and, term by
         term (compute, communication, bubble), what #i saves and what it pays; two step
-        times closer than ``TIE`` are printed as a tie."""
+        times closer than ``TIE`` are printed as a tie.  One string per pair, wrapped at
+        ``WIDTH`` characters (continuations indented: ``text_width.wrap``)."""
         out = []
         for i in range(len(self) - 1):
             (la, ea), (lb, eb) = self[i], self[i + 1]
-            diff = [f"{f} {getattr(lb, f)} -> {getattr(la, f)}" for f in _FIELDS
+            # no-break spaces: a field's change stays on one line (text_width.wrap)
+            diff = [f"{f}\u00a0{getattr(lb, f)} -> {getattr(la, f)}" for f in _FIELDS
                     if getattr(la, f) != getattr(lb, f)]
             delta = {k: ea.breakdown[k] - eb.breakdown[k] for k in ea.breakdown}
             saves = [k for k in delta if delta[k] < 0]
@@ -141,8 +154,8 @@ class Ranking(list):
                     why += (f": its lower {main} outweighs its higher {' and '.join(pays)}"
                              if pays else f": mostly lower {main}")
             sep = ": " if head.endswith("tie") else " " if head.endswith("with") else " by "
-            out.append(f"{head}{sep}{why}; changes from #{i + 2}: {', '.join(diff) or 'none'}"
-                       f" ({terms or 'no term differs'})")
+            out.append(wrap(f"{head}{sep}{why}; changes from #{i + 2}: "
+                            f"{', '.join(diff) or 'none'} ({terms or 'no term differs'})"))
         return out
 
     def __str__(self):
@@ -151,11 +164,11 @@ class Ranking(list):
                  f"{self.seconds:.1f} s"]
         if not self and self.least:
             need, lay = self.least
-            return lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on the "
-                               f"busiest rank, is {lay.short()}; add devices or shrink the "
-                               f"global batch or model")
-        return "\n".join(lines + [self.table(), *_ep_cp.table_notes(self), *_zero_note(self),
-                                  *self.explain()])
+            return wrap(lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on "
+                                    f"the busiest rank, is {lay.short()}; add devices or "
+                                    f"shrink the global batch or model"))
+        return wrap("\n".join(lines + [self.table(), *_ep_cp.table_notes(self),
+                                       *_zero_note(self), *self.explain()]))
 
 
 def _zero_note(ranking) -> list:
