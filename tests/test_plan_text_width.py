@@ -117,3 +117,10 @@ def test_none_fits_says_so_within_the_width(monkeypatch):
     flat = _unwrapped(monkeypatch, lambda: str(r))
     assert _longest(flat) > WIDTH >= _longest(text) and text.split() == flat.split()
     assert f"{r.least[0] / 1e9:.1f} GB on the busiest rank" in " ".join(text.split())
+
+
+def test_cluster_names_one_node_in_the_singular():
+    """'8 x a100 (1 nodes of 8, ...)' read wrong (left by tablewidth)."""
+    from workbench.plan.layout import Cluster
+    assert str(Cluster("a100", 8)) == "8 x a100 (1 node of 8, 80 GB each)"
+    assert str(Cluster("a100", 16)).startswith("16 x a100 (2 nodes of 8,")

@@ -58,7 +58,8 @@ class Cluster:
         return self.profile.memory_bytes
 
     def __str__(self):
-        return (f"{self.devices} x {self.profile.name} ({self.nodes} nodes of "
+        nodes = f"{self.nodes} node{'' if self.nodes == 1 else 's'}"
+        return (f"{self.devices} x {self.profile.name} ({nodes} of "
                 f"{self.profile.devices_per_node}, {self.memory_bytes / 1e9:g} GB each)")
 
 
