@@ -219,7 +219,8 @@ def memory(row) -> dict:
     """The planner's memory of ``row`` on pipeline stage 0 (the ranks whose memory the
     prequel read): ``predicted`` (its reserved memory, ``plan.allocator.reserved_bytes``:
     the pipeline phase's live peak plus the caching allocator's cached segment ``cache``,
-    plus the profile's CUDA context, bytes),
+    plus the profile's CUDA context, bytes; None where the allocator is not modelled: the
+    fp16 rows, which run DeepSpeed's FP16_Optimizer, not BF16_Optimizer),
     ``live`` (the live peak plus the context), ``measured`` (the Mem column in bytes, GiB
     read) or None, their ratio, and ``fits`` (the busiest rank's live peak)."""
     cfg = wb.models.ModelConfig(**{**dict(arch="gpt", seq_len=2048, tie_embeddings=True,
@@ -230,13 +231,14 @@ def memory(row) -> dict:
     # reserved: the pipeline phase's live peak plus the caching allocator's cached segment
     # for BF16_Optimizer's bf16 gradient copy (plan.allocator), then the CUDA context
     live = first["memory"]["total"]
-    pred = first["reserved_memory"] + cl.profile.runtime_memory["context_bytes"]
+    reserved = first["reserved_memory"]            # None: not modelled (plan.allocator)
+    pred = None if reserved is None else reserved + cl.profile.runtime_memory["context_bytes"]
     gib = row.get("published_mem_gib")
     meas = None if gib is None else gib * 2 ** 30
     return dict(row=row, estimate=est, predicted=pred, measured=meas, fits=est.fits,
                 live=live + cl.profile.runtime_memory["context_bytes"],
                 cache=first["allocator_cache"],
-                ratio=None if meas is None else pred / meas,
+                ratio=None if meas is None or pred is None else pred / meas,
                 busiest=est.memory["total"], usable=est.details["usable_memory"])
 
 
@@ -245,7 +247,8 @@ def memory_lines() -> list[str]:
     out = [f"\n{CITE}\n  memory: the planner's stage-0 reserved memory (live peak + the "
            f"caching allocator's cached sync segment, plan.allocator) + CUDA context "
            f"against nvidia-smi ('Mem', GiB read); fits: the busiest rank's live peak "
-           f"within the usable memory"]
+           f"within the usable memory; predicted '-': the allocator not modelled "
+           f"(FP16_Optimizer rows)"]
     out.append(f"  {'row':<29}{'layout':<52}{'Mem':>6}{'predicted':>10}{'ratio':>7}"
                f"{'busiest':>9}  fits  published")
     for row in ROWS + MEMORY_ROWS + OOM_ROWS:
@@ -257,7 +260,9 @@ def memory_lines() -> list[str]:
         ok = "ran" if row["published"] is not None else "OOM"
         flag = "" if (m["fits"] == (ok == "ran")) else "  <- disagrees"
         out.append(f"  {row['name']:<29}{m['estimate'].layout.short():<52}{meas:>6}"
-                   f"{m['predicted'] / 2 ** 30:9.1f}G{ratio}{m['busiest'] / 2 ** 30:8.1f}G  "
+                   + (f"{m['predicted'] / 2 ** 30:9.1f}G" if m["predicted"] is not None
+                      else f"{'-':>10}")
+                   + f"{ratio}{m['busiest'] / 2 ** 30:8.1f}G  "
                    f"{str(m['fits']):<5} {ok}{flag}")
     return out
 

@@ -263,12 +263,18 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                             hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
-    """Bytes each rank sends per transformer layer per training step: tensor parallel
-    (Megatron's 4 all-reduces of b s h) and tensor + sequence parallel (4 all-gathers and
-    4 reduce-scatters of b s h), ``elem``-byte activations, ring algorithms."""
+    """Bytes each rank sends per transformer layer per training step, counting Megatron's
+    f and g only, as Korthikanti et al. 2022 (sec. 4.2.2) compare them and as notebook
+    06's exercise 1 asks: tensor parallel (4 all-reduces of b s h) and tensor + sequence
+    parallel (4 all-gathers and 4 reduce-scatters of b s h), ``elem``-byte activations,
+    ring algorithms.  Not counted: the 2 backward re-gathers of the column-parallel inputs
+    that Megatron-LM and the course's recipe send on top with sequence parallelism
+    (``parallel.ops_table.linear_regather``; PyTorch's DTensor styles send none); an
+    answer that includes them is refused with a hint."""
     n = batch * seq * hidden * elem
     want_tp = 4 * (2 * (tp - 1) * n // tp)                      # 4 ring all-reduces
     want_sp = 4 * 2 * ((tp - 1) * n // tp)                      # 4 all-gathers + 4 r-scatters
+    regathers = 2 * ((tp - 1) * n // tp)        # backward re-gathers: not asked (docstring)
     a, b = _number("tp_bytes", tp_bytes), _number("sp_bytes", sp_bytes)
     t = tp
     if not math.isclose(a, want_tp, rel_tol=1e-4):
@@ -287,7 +293,11 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
         raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
-            b, want_sp, [(want_sp / 2, "half of it: SP has 4 all-gathers AND 4 "
+            b, want_sp, [(want_sp + regathers, "that includes the 2 backward re-gathers "
+                          "of the column-parallel inputs (section 4); the question counts "
+                          "f and g only, as Korthikanti et al. compare them: leave the "
+                          "re-gathers out"),
+                         (want_sp / 2, "half of it: SP's f and g send 4 all-gathers AND 4 "
                           "reduce-scatters per layer per step, each (t-1)/t n"),
                          (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
                           "the whole b s h, not of a 1/t slice"),
@@ -295,8 +305,10 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "sends (t-1)/t n, half an all-reduce")]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
-    _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways: sequence parallelism "
-        "replaces each all-reduce by an all-gather + a reduce-scatter of the same total")
+    _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
+        "sequence parallelism replaces each all-reduce by an all-gather + a reduce-scatter "
+        f"of the same total (Megatron's 2 backward re-gathers, {regathers / 2**20:.0f} MiB, "
+        "come on top)")
 
 
 # ---- 06 sequence parallel: f and g ----------------------------------------------------------

@@ -49,6 +49,12 @@ BF16_Optimizer frees when it flattens them (2 bytes x each), and a layer's activ
 (bounded by the whole layer's without recompute; the last stage's fp32 logits): for
 BLOOM's stages 8 GB against at most 3.6 GB, so the copy is a segment of its own.
 
+Modelled only there: for every other framework (Megatron-LM, FSDP2 / torchtitan,
+DeepSpeed without a bf16 pipeline, this library's recipe) no source read here says which
+transients outgrow the cached blocks, so :func:`cached_bytes` and :func:`reserved_bytes`
+return None (``Estimate.details["reserved_memory"]`` is None: not modelled), never the
+live peak presented as what nvidia-smi reads.
+
 Not counted (no measurement): the fragmentation of the segments the pipeline phase
 leaves partly used (``Profile.runtime_memory["fragmentation"]``, an ASSUMPTION kept back
 from the usable memory).
@@ -57,7 +63,7 @@ from __future__ import annotations
 
 from . import bf16_optimizer as _bf16
 
-__all__ = ["SOURCE", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER",
+__all__ = ["SOURCE", "modelled", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER",
            "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size", "segment_bytes",
            "new_segment_bytes", "largest_freed_bytes", "cached_bytes", "reserved_bytes",
            "assumption"]
@@ -72,6 +78,12 @@ SMALL_BUFFER = 2 * MiB       # kSmallBuffer: a small-pool segment
 LARGE_BUFFER = 20 * MiB      # kLargeBuffer: a segment for requests below kMinLargeAlloc
 MIN_LARGE_ALLOC = 10 * MiB   # kMinLargeAlloc
 ROUND_LARGE = 2 * MiB        # kRoundLarge
+
+
+def modelled(cfg, lay) -> bool:
+    """Whether the caching allocator's reserved memory is modelled for ``lay``: DeepSpeed's
+    BF16_Optimizer pipelines only (module docstring)."""
+    return _bf16.applies(cfg, lay)
 
 
 def _bytes(fn: str, n) -> int:
@@ -124,27 +136,30 @@ def cached_bytes(cfg, lay, stage: int, psi: float, layers: int) -> float:
     """Bytes the caching allocator keeps reserved beyond the live peak on a rank of
     ``stage`` (``psi`` parameters in ``layers`` layers) for the transients a source
     names: BF16_Optimizer's bf16 copy of its fp32 gradients at the DP sync, a segment of
-    its own when it exceeds every block freed before it; 0 for other frameworks (not
-    read) (module docstring)."""
+    its own when it exceeds every block freed before it; None where not modelled
+    (other frameworks: no transient read, :func:`modelled`; module docstring)."""
     if isinstance(psi, bool) or not isinstance(psi, (int, float)) or not psi >= 0:
         raise ValueError(f"cached_bytes: psi={psi!r} must be the stage's parameters, a "
                          f"number >= 0")
-    if not _bf16.applies(cfg, lay):
-        return 0.0
+    if not modelled(cfg, lay):
+        return None
     _, sync = _bf16.transient_bytes(psi, 0.0)
     return float(new_segment_bytes(sync, largest_freed_bytes(cfg, lay, stage, layers)))
 
 
 def reserved_bytes(cfg, lay, stage: int, psi: float, layers: int, memory: dict,
-                   attention: str = "materialized") -> float:
+                   attention: str = "materialized") -> "float | None":
     """The reserved peak of a rank of ``stage`` whose live memory is ``memory``
     (``memory.stage_memory``): the live peak of the pipeline phase, whose segments stay
     cached, plus the segment :func:`cached_bytes` adds at the DP sync; at least the live
     peak.  ``memory["workspace"]`` holds the sync's bf16 copy where the copy sets the
     peak (``sync - activations``): that share is the copy itself, inside the new segment,
     so the pipeline phase's peak takes the workspace without it (the loss's, a
-    recompute's, ``update_hp_grads``' fp32 cast; ``memory.workspace_bytes``)."""
+    recompute's, ``update_hp_grads``' fp32 cast; ``memory.workspace_bytes``).  None where
+    the allocator is not modelled (:func:`modelled`)."""
     cache = cached_bytes(cfg, lay, stage, psi, layers)
+    if cache is None:
+        return None
     if not cache:
         return memory["total"]
     from .ep_cp import token_cfg

@@ -117,7 +117,7 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
                attention: str = "materialized", fp8: bool = False,
                tp_comm_overlap: bool = False, async_allreduce: bool = True,
                main_grad: bool = True, early_stop: bool = False,
-               split_qkv: bool = False) -> LayerCost:
+               split_qkv: bool = False, regather: bool = True) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
     linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
@@ -128,7 +128,9 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     ``main_grad=False``: weight gradients written in 16 bits; ``early_stop``: a Llama
     block's full recompute as PyTorch's non-reentrant checkpoint stops it
     (``layer_cost``); ``split_qkv``: a GPT layer's query, key and value projections as
-    three GEMMs, as this library's GPT runs them (``layer_cost._forward``)."""
+    three GEMMs, as this library's GPT runs them (``layer_cost._forward``);
+    ``regather=False``: with ``sp``, no backward all-gather of the column-parallel inputs
+    (PyTorch DTensor keeps the gathered input: torchtitan, ``llama_layer.backward_ops``)."""
     s, h = cfg.seq_len, cfg.d_model
     _, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
     sent = sent_f * (3 if recompute == "full" else 2)
@@ -147,6 +149,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["early_stop"] = True
     if split_qkv and cfg.arch == "gpt":
         extra["split_qkv"] = True
+    if not regather:
+        extra["regather"] = False
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     if recompute == "full" and early_stop and tp > 1 and not any(

@@ -114,6 +114,14 @@ def _groups(lay):
     return {"tp": tuple(range(tp)), "ep": tuple(tp * cp * d for d in range(lay.ep))}
 
 
+def _regathers(model, lay) -> bool:
+    """A sequence-parallel input re-gathered in backward: all but torchtitan's dense block
+    (``framework="fsdp"``: DTensor keeps the gathered input, ``llama_layer.backward_ops``;
+    a MoE block is priced with the re-gather, as ``memory`` counts its activations)."""
+    from .memory import _regather
+    return _regather(model, lay)
+
+
 def _mini(lay):
     """The fields a layer's price depends on, as a small hashable layout."""
     from .layout import Layout
@@ -151,7 +159,7 @@ def _price_moe(ops, phase, lay, prof, dt):
 
 
 @lru_cache(maxsize=4096)
-def _layer(model, lay, prof, attention, fp8):
+def _layer(model, lay, prof, attention, fp8, regather=True):
     from .layer_cost import layer_ops
     tcfg = token_cfg(model, lay)
     moe = M.moe_of(model)
@@ -159,7 +167,7 @@ def _layer(model, lay, prof, attention, fp8):
     extra = dict(kv_heads=model.n_kv_head, dropout=model.dropout > 0) if llama else {}
     ops = layer_ops(model.d_model, model.n_head, tcfg.seq_len, lay.micro_batch, lay.tp,
                     lay.sp, lay.recompute, model.d_ff, model.dtype, prof,
-                    list(range(lay.tp)), attention, fp8, **extra)
+                    list(range(lay.tp)), attention, fp8, regather=regather, **extra)
     rows = []
     for o in ops:
         if moe is not None and o.name in M.MLP_OPS:
@@ -192,7 +200,8 @@ def _layer(model, lay, prof, attention, fp8):
 
 def layer_cost(model, lay, prof, attention, fp8=False) -> "C.LayerCost":
     """One layer, one micro-batch, one rank, with EP and CP (module docstring)."""
-    rows, _ = _layer(model, _mini(lay), prof, attention, fp8)
+    # torchtitan (FSDP2 + DTensor TP) keeps the gathered input: no backward re-gather
+    rows, _ = _layer(model, _mini(lay), prof, attention, fp8, _regathers(model, lay))
 
     def total(phases, coll):
         return sum(r[3] for r in rows if (r[1] in phases) and r[5] == coll)
@@ -206,7 +215,7 @@ def layer_detail(model, lay, prof, attention, fp8=False) -> dict:
     """The MoE's all-to-alls and TP collectives and the ring, per layer and micro-batch:
     what ``Estimate.explain`` prints (seconds, bytes one rank sends)."""
     mini = _mini(lay)
-    rows, ring = _layer(model, mini, prof, attention, fp8)
+    rows, ring = _layer(model, mini, prof, attention, fp8, _regathers(model, lay))
     a2a = [r for r in rows if r[2] == "all_to_all"]
     out = {"a2a_seconds": sum(r[3] for r in a2a), "a2a_bytes": sum(r[4] for r in a2a),
            "a2a_count": len(a2a), "ring": ring}

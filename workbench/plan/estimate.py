@@ -51,7 +51,9 @@ per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which count
 recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
 the busiest is reported (its live peak; ``details["reserved_memory"]`` adds what PyTorch's
 caching allocator keeps cached beyond it, ``plan.allocator``, what nvidia-smi reads less
-the context).
+the context, for DeepSpeed's BF16_Optimizer pipelines only: None, not modelled, for every
+other framework, whose reserved memory nvidia-smi reads above the live peak by an amount
+no source here gives).
 
 Models: Megatron's GPT (``arch="gpt"``) and the Llama (``arch="llama"``: Llama 2 / 3
 presets), whose block ``layer_cost`` prices with ``llama_layer``'s ops; held to the dry
@@ -87,7 +89,7 @@ from . import fp8 as _fp8
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
-from .memory import memory_margin, stage_memory, stage_params
+from .memory import _regather, memory_margin, stage_memory, stage_params
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -97,7 +99,9 @@ class Estimate:
     """What :func:`estimate` predicts for one layout (see the module docstring)."""
     layout: Layout
     step_time: float                 # seconds per optimizer step
-    memory: dict                     # bytes on the busiest rank
+    memory: dict                     # bytes on the busiest rank, live (details
+                                     # ["reserved_memory"]: the allocator's reserved
+                                     # peak where modelled, else None)
     fits: bool                       # memory["total"] <= the profile's usable memory
     tflops_per_device: float         # hardware TFLOP/s per device (with recompute)
     mfu: float
@@ -349,7 +353,9 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
                         lay.engine != "workbench",   # the recipe: 16-bit param.grad,
                         lay.engine == "workbench",   # torch.utils.checkpoint's early stop,
-                        split_qkv=lay.engine == "workbench")    # the GPT's wq, wk, wv
+                        split_qkv=lay.engine == "workbench",    # the GPT's wq, wk, wv;
+                        # torchtitan's DTensor TP keeps the gathered input: no re-gather
+                        regather=_regather(cfg, lay))
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -484,7 +490,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                             memory=mem,
                             # what PyTorch's caching allocator keeps reserved beyond the
                             # pipeline phase's live peak (plan.allocator), and the
-                            # reserved peak: nvidia-smi's reading less the context
+                            # reserved peak: nvidia-smi's reading less the context;
+                            # None where not modelled (all but BF16_Optimizer pipelines)
                             allocator_cache=AL.cached_bytes(cfg, lay, s, psi, n_layers),
                             reserved_memory=AL.reserved_bytes(cfg, lay, s, psi, n_layers, mem,
                                                               attention),
@@ -561,7 +568,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "usable_memory": prof.usable_memory(),
         # the busiest rank's reserved memory (plan.allocator): its pipeline phase's live
         # peak plus the segment the caching allocator keeps for a transient no cached block
-        # can serve (the transient counted once where it sets the live peak)
+        # can serve (the transient counted once where it sets the live peak); None where
+        # the allocator is not modelled (every framework but DeepSpeed's BF16_Optimizer
+        # pipelines): memory["total"] is then the live peak only, not nvidia-smi's reading
         "reserved_memory": busiest["reserved_memory"],
         "memory_margin": memory_margin(prof),
         "grad_reduce_bytes": F.grad_reduce_bytes(lay.engine, cfg.dtype),

@@ -194,7 +194,7 @@ def _core(b, ah, s, d, t, T, h, e):
 
 
 def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
-              async_allreduce=True, main_grad=True, split_qkv=False):
+              async_allreduce=True, main_grad=True, split_qkv=False, regather=True):
     """Backward kernels and collectives in execution order; a collective tuple's
     sixth field names the GEMM it overlaps ("" = on the critical path: the input
     gradient's all-reduce without ``async_allreduce``, module docstring).
@@ -202,7 +202,9 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     recipe, autograd's ``param.grad``), not accumulated into Megatron-LM's fp32
     ``main_grad``.  ``split_qkv``: :func:`_forward`'s; autograd runs the three linears'
     backward last-created first (v, k, q), each its dgrad then its wgrad, and the input
-    gradient's collective waits for all three dgrads (beside q's wgrad)."""
+    gradient's collective waits for all three dgrads (beside q's wgrad).  ``regather``:
+    with ``sp``, the column-parallel inputs all-gathered again in backward (Megatron-LM;
+    False: DTensor keeps the gathered input, no re-gather: ``llama_layer.backward_ops``)."""
     g = 8 if main_grad else e
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
@@ -235,7 +237,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
         ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
 
     def column(n, N, dgrad_name, wgrad_name):
-        comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp else []
+        comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp and regather else []
         comm += [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
                   wgrad_name if sp or async_allreduce else "")]
         if n == "qkv" and split_qkv:     # wq, wk, wv apart (docstring)
@@ -284,7 +286,7 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
               tp_comm_overlap: bool = False, async_allreduce: bool = True,
               main_grad: bool = True, early_stop: bool = False,
-              split_qkv: bool = False) -> list:
+              split_qkv: bool = False, regather: bool = True) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
@@ -302,7 +304,9 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     re-running a Llama block once w2's input is back (``llama_layer.full_recompute``;
     Megatron-LM's own checkpoint re-runs the whole forward).  ``split_qkv``: a GPT
     layer's query, key and value projections as three GEMMs, as this library's GPT runs
-    them (``_forward``; a Llama block's are apart already)."""
+    them (``_forward``; a Llama block's are apart already).  ``regather=False``: with
+    ``sp``, no all-gather of the column-parallel inputs in backward, as PyTorch DTensor's
+    sequence parallelism runs (torchtitan; ``llama_layer.backward_ops``)."""
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
@@ -339,14 +343,15 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
                         bool(tp_comm_overlap), async_allreduce, bool(main_grad),
-                        bool(early_stop), bool(split_qkv) and kv_heads is None))
+                        bool(early_stop), bool(split_qkv) and kv_heads is None,
+                        bool(regather)))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
             async_allreduce=True, main_grad=True, early_stop=False,
-            split_qkv=False) -> tuple:
+            split_qkv=False, regather=True) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -355,11 +360,11 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
     if kv_heads is not None:
         fwd = _llama.forward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout)
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
-                                  async_allreduce, main_grad)
+                                  async_allreduce, main_grad, regather)
     else:
         fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv)
         bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce,
-                        main_grad, split_qkv)
+                        main_grad, split_qkv, regather)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -416,7 +421,8 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 fp8: bool = False, kv_heads: "int | None" = None,
                 dropout: bool = False, tp_comm_overlap: bool = False,
                 async_allreduce: bool = True, main_grad: bool = True,
-                early_stop: bool = False, split_qkv: bool = False) -> LayerTimes:
+                early_stop: bool = False, split_qkv: bool = False,
+                regather: bool = True) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
@@ -427,7 +433,7 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     Megatron-LM of 2021 (``layer_ops``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
                     fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad,
-                    early_stop, split_qkv)
+                    early_stop, split_qkv, regather)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,

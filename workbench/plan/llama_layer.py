@@ -43,7 +43,10 @@ Collectives: as Megatron's GPT (``layer_cost``): the row-parallel o and w2 end i
 all-reduce (sequence parallel: reduce-scatter; the column-parallel inputs all-gathered),
 and in backward the input gradient of each column-parallel group (q, k, v; w1, w3: one
 all-reduce for the summed gradient of their shared input) runs beside the group's last
-weight-gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``).
+weight-gradient GEMM (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``);
+with sequence parallelism each group's input is all-gathered again in backward beside
+the first input-gradient GEMM autograd runs (v's, w3's: :func:`backward_ops`), except
+where DTensor keeps the gathered input (torchtitan: ``regather=False``).
 
 Activations kept for backward (16-bit unless said; the accounting of Korthikanti et al.
 2022 sec. 4.1 applied to these ops, and what the dry run measures of the course's
@@ -135,12 +138,29 @@ def forward_ops(h, a, g, s, b, t, sp, f, e, drop):
 
 
 def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=True,
-                 main_grad=True):
+                 main_grad=True, regather=True):
     """Backward kernels and collectives in execution order (a collective's fourth field
     names the GEMM it runs beside); selective recompute re-runs the attention kernel.
     ``async_allreduce=False``: a column-parallel group's input-gradient all-reduce after
     its GEMMs, on the critical path, as ``layer_cost``'s GPT layer (Megatron-DeepSpeed
-    under DeepSpeed: ``plan.megatron_2021``)."""
+    under DeepSpeed: ``plan.megatron_2021``).
+
+    With sequence parallelism, ``regather=True`` (Megatron-LM and this library's recipe,
+    ``parallel.ops_table.linear_regather``): each column-parallel group's input is
+    all-gathered again in backward, issued when the group's first linear starts its
+    backward (``trace_regather``, called from the first ``RegatheredLinear.backward``
+    autograd runs) and so beside the first input-gradient GEMM: autograd runs the
+    linears reading one input last-created first, v before k and q, w3 before w1, so
+    the attention's re-gather runs beside ``v_dgrad`` and the MLP's beside ``w3_dgrad``
+    (the input gradient's reduce-scatter waits for the group's last dgrad, beside its
+    last wgrad, q's and w1's).  ``regather=False`` (PyTorch DTensor's
+    ``SequenceParallel`` + ``ColwiseParallel``, torchtitan; torch 2.13.0
+    ``torch/distributed/tensor/parallel/style.py:116`` redistributes the input to
+    Replicate through the ``Redistribute`` autograd function, ``_redistribute.py:1876``,
+    whose backward only redistributes the gradient, and ``aten.mm`` saves the gathered
+    input): no all-gather in backward (measured with ``CommDebugMode`` on a 2-rank fake
+    process group: 2 reduce-scatters, 0 all-gathers for two ColwiseParallel linears on
+    a SequenceParallel norm); :func:`activation_bytes` keeps the gathered inputs."""
     T, Tn, ah, gh, d, ft = _dims(h, a, g, s, b, t, sp, f)
     hq, hk = ah * d, gh * d
 
@@ -168,7 +188,8 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=Tr
         return out + ([("sp_grad_all_gather_" + n, "all_gather", T * h * e, "")] if sp else [])
 
     def column(n, dgrad_name, wgrad_name):
-        comm = [("sp_regather_" + n, "all_gather", T * h * e, dgrad_name)] if sp else []
+        comm = [("sp_regather_" + n, "all_gather", T * h * e, dgrad_name)] \
+            if sp and regather else []
         return comm + [("tp_grad_" + n, "reduce_scatter" if sp else "all_reduce", T * h * e,
                         wgrad_name if sp or async_allreduce else "")]
 
@@ -177,7 +198,7 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=Tr
     ops += [("swiglu_mul_grad", "elementwise", 2 * T * ft, 5 * e * T * ft, 1)]
     ops += linear("w3", T, h, ft)
     ops += [("silu_grad", "elementwise", 8 * T * ft, 3 * e * T * ft, 1)]
-    ops += linear("w1", T, h, ft) + column("mlp", "w1_dgrad", "w1_wgrad") + norm("mlp_norm")
+    ops += linear("w1", T, h, ft) + column("mlp", "w3_dgrad", "w1_wgrad") + norm("mlp_norm")
     ops += branch_out("attn") + linear("o", T, hq, h)
     if recompute == "selective":
         ops += [("recompute:flash_attention", "attention", ff, fb, 1,
@@ -186,7 +207,7 @@ def backward_ops(h, a, g, s, b, t, sp, f, e, drop, recompute, async_allreduce=Tr
              AttentionShape(b * ah, s, d, True, True)), rope("rope_k", hk),
             rope("rope_q", hq)]
     ops += linear("v", T, h, hk) + linear("k", T, h, hk) + linear("q", T, h, hq)
-    return ops + column("attn", "q_dgrad", "q_wgrad") + norm("attn_norm")
+    return ops + column("attn", "v_dgrad", "q_wgrad") + norm("attn_norm")
 
 
 def op_sac_recompute(fwd_ops) -> list:
@@ -248,9 +269,15 @@ def zero3_layer(cfg, tp: int) -> list[int]:
     return [h, q, k, v, o, h, w1, w3, w2]
 
 
-def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str) -> float:
+def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
+                     regather: bool = True) -> float:
     """Bytes one block keeps for backward on one rank (module docstring); full recompute
-    keeps the block's input, 2 s b h (/ t with sequence parallelism)."""
+    keeps the block's input, 2 s b h (/ t with sequence parallelism).  ``regather=False``
+    (DTensor's sequence parallelism, torchtitan: :func:`backward_ops`): without
+    checkpointing ("none", "selective") the column-parallel linears keep their
+    all-gathered inputs, the two norms' outputs whole, 2 T h each, not their 2 T h / t
+    shards; op-level SAC and full recompute re-run the all-gather (it is not on
+    torchtitan's save list), so they keep what they kept."""
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.d_ff
     hk = cfg.n_kv_head * cfg.head_dim
     T, t_sp = s * b, (tp if sp else 1)
@@ -265,4 +292,8 @@ def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str) -> float:
     outside = 8 * T * h + 8 * T                        # norms' inputs and outputs, 1 / rms
     if cfg.dropout > 0:
         outside += 2 * T * h                           # two one-byte dropout masks
-    return (inside + lse) / tp + outside / t_sp
+    gathered = 0.0
+    if sp and tp > 1 and not regather:                 # the norms' outputs kept gathered
+        outside -= 4 * T * h
+        gathered = 4 * T * h
+    return (inside + lse) / tp + outside / t_sp + gathered

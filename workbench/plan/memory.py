@@ -199,10 +199,14 @@ def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None)
 
 
 def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
-                           attention: str = "materialized") -> float:
+                           attention: str = "materialized", regather: bool = True) -> float:
     """Activation bytes one layer keeps for backward on one rank (module docstring).
     ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
-    log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b."""
+    log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b.
+    ``regather=False`` (torchtitan's DTensor sequence parallelism keeps the all-gathered
+    input of each column-parallel group, no re-gather in backward:
+    ``llama_layer.backward_ops``): without recompute those inputs count whole, 2 s b h
+    each, not 2 s b h / t."""
     fn = "layer_activation_bytes"
     _check(fn, "recompute", recompute, recompute in ("none", "selective", "full", "op"),
            "use 'none', 'selective', 'full' or 'op'")
@@ -211,12 +215,17 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     _check(fn, "b", b, _is_int(b, 1), "give the micro-batch, an int >= 1")
     _check(fn, "tp", tp, _is_int(tp, 1), "give the tensor-parallel ranks, an int >= 1")
     _check(fn, "sp", sp, isinstance(sp, bool), "give True or False")
+    _check(fn, "regather", regather, isinstance(regather, bool), "give True or False")
+    if getattr(cfg, "moe_experts", 0) and sp and tp > 1 and not regather:
+        raise ValueError("layer_activation_bytes: regather=False (DTensor's kept gathered "
+                         "inputs) is modeled for dense blocks; a MoE block with sp: give "
+                         "regather=True")
     if getattr(cfg, "moe_experts", 0):
         from .moe_cost import activation_bytes as moe_activation_bytes
         return moe_activation_bytes(cfg, b, tp, sp, recompute)
     if cfg.arch == "llama":
         from .llama_layer import activation_bytes
-        return activation_bytes(cfg, b, tp, sp, recompute)
+        return activation_bytes(cfg, b, tp, sp, recompute, regather)
     s, h, a, f = cfg.seq_len, cfg.d_model, cfg.n_head, cfg.d_ff
     drop = cfg.dropout > 0
     t = tp
@@ -230,13 +239,24 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     # QKV and fc1 inputs 2sbh each, two LayerNorm inputs 4sbh, two dropout masks sbh each.
     inside = 8 * s * b * h + 4 * s * b * f
     outside = (8 + (2 if drop else 0)) * s * b * h
+    gathered = 0.0
+    if sp and t > 1 and not regather:        # the QKV and fc1 inputs kept gathered
+        outside -= 4 * s * b * h
+        gathered = 4 * s * b * h
     if recompute == "selective":
         core = 0.0
     elif attention == "flash":
         core = 4 * a * s * b
     else:
         core = (5 if drop else 2) * a * s * s * b     # softmax out, dropout mask + out
-    return (inside + core) / t + outside / (t if sp else 1)
+    return (inside + core) / t + outside / (t if sp else 1) + gathered
+
+
+def _regather(cfg, lay) -> bool:
+    """Whether a layer's sequence-parallel inputs are re-gathered in backward (Megatron-LM,
+    this library's recipe) or kept gathered: torchtitan's DTensor TP
+    (``framework="fsdp"``, ``llama_layer.backward_ops``); a MoE block as before."""
+    return lay.engine != "fsdp" or bool(getattr(cfg, "moe_experts", 0))
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
@@ -377,7 +397,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
-                                       attention)
+                                       attention, _regather(cfg, lay))
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
@@ -416,8 +436,9 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
     rc = lay.recompute
     remat = 0.0
     if rc != "none":
-        remat = max(0.0, layer_activation_bytes(cfg, b, tp, sp, "none", attention)
-                    - layer_activation_bytes(cfg, b, tp, sp, rc, attention) - unreduced)
+        rg = _regather(cfg, lay)
+        remat = max(0.0, layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
+                    - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg) - unreduced)
     loss = 0.0
     if stage == lay.pp - 1:
         loss = loss_extra_bytes(lay.engine, tp) * cfg.seq_len * b * cfg.vocab_size / tp

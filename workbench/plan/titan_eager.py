@@ -274,7 +274,10 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
     T, Tn = b * s, (b * s) // t if sp else b * s
     e = 2
     fwd_ops = L.forward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False)
-    bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none")
+    # torchtitan's DTensor TP keeps the gathered input: no backward re-gather
+    # (llama_layer.backward_ops; only the replaced ops below are read from this list)
+    bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none",
+                             regather=False)
     parts = [kernels("pre_attention", T, h, a // t, g // t, d, b),
              kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d),
              kernels("input_grads", T, h, a // t, g // t, d)]
