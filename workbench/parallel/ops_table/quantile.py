@@ -69,6 +69,13 @@ def _parse_for(fn):
             raise RuntimeError(f"{name}() interpolation must be one of linear, lower, higher, "
                                f"midpoint or nearest. Got {interpolation}")
         if isinstance(q, torch.Tensor):
+            if q.requires_grad and torch.is_grad_enabled():
+                # torch differentiates through q (its lerp weight); q is read here as
+                # floats, so q.grad would stay None, silently
+                raise NotImplementedError(
+                    f"{name}(q=tensor that requires grad) on a DistTensor: the gradient "
+                    "to q is not built (torch gives one); pass q.detach(), or compute "
+                    "the quantile on plain tensors if q must be trained")
             vals = [float(v) for v in q.detach().reshape(-1).tolist()]
             if any(not 0 <= v <= 1 for v in vals):       # torch checks this on CPU only
                 raise RuntimeError(f"{name}() q values must be in the range [0, 1]")
