@@ -25,3 +25,36 @@ def test_quantile_q_requiring_grad_raises_instead_of_a_missing_gradient(fn):
     with torch.no_grad():
         y = fn(wb.shard_tensor(x, mesh, ["S(1)"]), q2, dim=0)
     torch.testing.assert_close(y.full(), fn(x, q2.detach(), dim=0))
+
+
+# ---- sequence parallelism's re-gathering linear: checks that held (kept as guards) ---------
+
+def _sp_layer(mesh, regather, dtype):
+    from workbench.models.gpt import GPTLayer, TP_PLAN
+    from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+    torch.manual_seed(0)
+    layer = GPTLayer(32, 4, dropout=0.0, dtype=dtype)
+    wb.parallelize(layer, mesh, TP_PLAN, mesh_dim="tp")
+    for m in (layer.attn, layer.mlp):
+        tensor_parallel_region(m, mesh, "tp", sp=True, seq_dim=0, regather=regather)
+    return layer
+
+
+def test_sp_regather_bf16_layer_used_twice_and_inference_match_the_gathered_path():
+    # bf16 parameters, the same layer applied twice in one forward (its linears each read
+    # two marked inputs), dp2 x tp2: gradients equal the keep-the-gathered-input path's
+    # bit for bit; an inference_mode forward gives the same output on both paths
+    X = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+    got, outs = {}, {}
+    for regather in (True, False):
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        layer = _sp_layer(mesh, regather, torch.bfloat16)
+        pl = [wb.Replicate(), wb.Shard(0)]
+        x = wb.shard_tensor(X.bfloat16(), mesh, pl).requires_grad_()
+        (layer(layer(x)).float() ** 2).sum().backward()
+        got[regather] = {n: p.grad.full() for n, p in wb.dist_parameters(layer)}
+        got[regather]["x"] = x.grad.full()
+        with torch.inference_mode():
+            outs[regather] = layer(wb.shard_tensor(X.bfloat16(), mesh, pl)).full()
+    assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
+    assert torch.equal(outs[True], outs[False])
