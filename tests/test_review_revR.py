@@ -58,3 +58,44 @@ def test_sp_regather_bf16_layer_used_twice_and_inference_match_the_gathered_path
             outs[regather] = layer(wb.shard_tensor(X.bfloat16(), mesh, pl)).full()
     assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
     assert torch.equal(outs[True], outs[False])
+
+
+# ---- FSDP over DistTensors: module gradients with tied weights (held; kept as a guard) -----
+
+def test_fsdp_tied_weight_module_grads_and_steps_equal_one_device():
+    # a weight shared by two linears: the module's p.grad (GradOf, fixlist3) is the sum of
+    # both uses' gradients, over two micro-batches of accumulation, and three AdamW steps
+    # over the wrapper's shards train the module as one device does
+    from torch import nn
+
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6))
+        m[2].weight = m[0].weight
+        return m
+    ref, mesh = make(), wb.Mesh.grid((2, 2), ["dp", "tp"])
+    model = wb.parallelize(make(), mesh, {}, mesh_dim="tp")
+    w = wb.FullyShardedDataParallel(model, mesh, "dp")
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    pl, g = [wb.Shard(0), wb.Replicate()], torch.Generator().manual_seed(1)
+    for step in range(3):
+        for _ in range(2):                               # two micro-batches accumulated
+            x = torch.randn(4, 6, generator=g)
+            (w(wb.shard_tensor(x, mesh, pl)) ** 2).mean().backward()
+            (ref(x) ** 2).mean().backward()
+        want = dict(ref.named_parameters())
+        got = dict(model.named_parameters())
+        assert list(got) == list(want)                   # the tied weight listed once
+        for n, p in got.items():
+            torch.testing.assert_close(p.grad.full(), want[n].grad, msg=f"{step} {n}")
+        torch.testing.assert_close(model[2].weight.grad.full(), ref[2].weight.grad)
+        w.finish_gradient_synchronization()
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=True)
+        ropt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.full().detach(), dict(ref.named_parameters())[n].detach(),
+                                   msg=n)
