@@ -80,6 +80,16 @@ def _scale_slip(got: float, want: float, rel: float, share: bool) -> str | None:
     ratio = got / want
     if share and math.isclose(ratio, 100, rel_tol=rel):
         return "that reads as a percentage: give the share as a fraction between 0 and 1"
+    if share:
+        # a share has no unit, so 1,000x or 1,024x off is no unit slip (check_mfu(mfu/1024)
+        # read "a unit slip? (B, KiB, MiB, GiB)"): something was divided or multiplied
+        # once too often, such as the device count
+        for factor in (1e3, 1e6, 1e9, 2**10, 2**20, 2**30):
+            for r, how, op in ((factor, "large", "multiplied"), (1 / factor, "small", "divided")):
+                if math.isclose(ratio, r, rel_tol=min(rel, 0.01)):
+                    return (f"{factor:,.0f} times too {how}: a share has no unit; was "
+                            f"something {op} in once too often (the device count?)")
+        return None
     for factor, words in ((1e3, "1,000"), (1e6, "a million"), (1e9, "a billion")):
         for r, how in ((factor, "large"), (1 / factor, "small")):
             if math.isclose(ratio, r, rel_tol=rel):

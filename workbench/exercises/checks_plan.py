@@ -253,6 +253,12 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
         got = _number(f"{name}'s communication", got)
         if math.isclose(got, want, rel_tol=0.01):
             continue
+        other = want_b if name == "A" else want_a
+        if not math.isclose(want_a, want_b, rel_tol=0.01) and \
+                math.isclose(got, other, rel_tol=0.01):
+            raise CheckError(f"your TP communication for layout {name} is {got:.4g} ms: that "
+                             f"is layout {'B' if name == 'A' else 'A'}'s figure; give A's "
+                             "first, then B's", expected=f"{want:.4g} ms")
         wrong = [(layers * 4 * t_ms, "full recompute runs the forward again in the backward, "
                                      "with its two all-reduces"),
                  (L // (16 if name == "B" else 8) * per_layer * t_ms,
