@@ -89,3 +89,32 @@ def test_moe_block_under_fsdp_keeps_the_gathered_input(recompute):
     assert (_regather(cfg, meg), _regather(cfg, titan)) == (True, False)
     with pytest.raises(ValueError, match="zero=3 with a MoE model is not modeled"):
         stage_memory(cfg, titan, 0, "flash")
+
+
+# 3. A tie and a win on either side of the 1% read differently (the share was rounded to
+#    one decimal after the verdict: "tie: ... (1.0%)" above "beats ... by ... (1.0%)").
+
+def test_a_tie_reads_under_the_threshold_and_a_win_over_it():
+    import dataclasses
+    import re
+
+    from workbench.plan import Cluster, Layout, estimate
+    from workbench.plan.presets import get_config as preset
+    from workbench.plan.search import TIE, Ranking
+    cfg, cl = preset("gpt-22b"), Cluster("a100", 64)
+    a = Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    b = a.replace(recompute="full")
+    ea, eb = estimate(cfg, a, cl), estimate(cfg, b, cl)
+    shares = {}
+    for frac in (0.0096, 0.0104, 0.00999, 0.01001):
+        # the share is gap / (the slower's step time): the slower's time for that share
+        slow = dataclasses.replace(eb, step_time=ea.step_time / (1 - frac))
+        line = Ranking([(a, ea), (b, slow)]).explain()[0]
+        tie = line.startswith("#1 and #2 tie: ")
+        assert tie == (frac < TIE), line
+        pct = float(re.search(r"s/step \(([\d.]+)%\)", line).group(1))
+        assert (pct / 100 < TIE) == tie, line          # the figure reads as the verdict
+        assert pct == pytest.approx(100 * frac, abs=0.006), line
+        shares[frac] = pct
+    assert shares[0.0096] == 0.96 and shares[0.0104] == 1.04
+    assert len(set(shares.values())) == 4
