@@ -118,3 +118,27 @@ def test_a_tie_reads_under_the_threshold_and_a_win_over_it():
         shares[frac] = pct
     assert shares[0.0096] == 0.96 and shares[0.0104] == 1.04
     assert len(set(shares.values())) == 4
+
+
+# 4. The ranges printed under the CLI's table, an estimate range's and an estimate's own
+#    str kept to text_width.WIDTH (were up to 2,313 and ~150 characters a line), every word
+#    kept.
+
+def test_ranges_and_estimate_str_keep_to_the_width():
+    from workbench.plan import Cluster, Layout, estimate, search
+    from workbench.plan.presets import get_config as preset
+    from workbench.plan.ranges import estimate_range, ranking_ranges
+    from workbench.plan.text_width import WIDTH
+    cfg, cl = preset("gpt-22b"), Cluster("a100", 64)
+    lay = Layout(dp=8, tp=8, recompute="selective", sp=True, global_batch=16)
+    ranking = search(cfg, cl, 16, top=2)
+    texts = [ranking_ranges(ranking, cfg), str(estimate_range(cfg, lay, cl)),
+             str(estimate(cfg, lay, cl))]
+    for text in texts:
+        assert max(len(line) for line in text.splitlines()) <= WIDTH, text
+    # a continuation is indented under its line; the first line of each entry is not
+    r = texts[0].splitlines()
+    assert r[0].startswith("range: ") and any(line.startswith("    ") for line in r)
+    est = texts[2].splitlines()
+    assert len(est) > 1 and all(line.startswith("    ") for line in est[1:])
+    assert " ".join(texts[2].split()).startswith(f"{lay.short()}: ")

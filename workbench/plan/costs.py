@@ -20,8 +20,8 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
   each way instead, and in backward two more all-gathers that re-gather the
   column-parallel inputs (Megatron-LM; none where PyTorch DTensor keeps the gathered
   input, ``regather=False``); full recompute repeats the forward's in backward.  The
-  bytes sent are those of the collectives ``layer_times`` prices.  Priced with ``sim_mesh.cost.price`` on
-  the TP group's ranks (consecutive: see ``layout``).  The forward's block the compute
+  bytes sent are those of the collectives ``layer_times`` prices.  Priced with
+  ``sim_mesh.cost.price`` on the TP group's ranks (consecutive: see ``layout``).  The forward's block the compute
   stream (Megatron-LM issues them synchronously) unless ``tp_comm_overlap``
   (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``); in backward the all-reduce
   (SP: reduce-scatter) of a column-parallel linear's input gradient runs beside THAT
