@@ -304,11 +304,15 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
     from workbench.plan import costs
     LT = namedtuple("LayerTimes", "forward backward combined ops")
     seen = {}
-    # the priced collectives: what each leaves exposed is the layer's communication
-    ops = ({"name": "tp_out_1", "phase": "forward", "op_class": "all_reduce", "exposed": 0.9e-3},
-           {"name": "fc1_gemm", "phase": "forward", "op_class": "matmul", "exposed": 2e-3},
+    # the priced collectives: what each leaves exposed is the layer's communication, their
+    # buffers the bytes it sends
+    n = 2 * 2048 * 4 * 6144
+    ops = ({"name": "tp_out_1", "phase": "forward", "op_class": "all_reduce", "exposed": 0.9e-3,
+            "bytes": n},
+           {"name": "fc1_gemm", "phase": "forward", "op_class": "matmul", "exposed": 2e-3,
+            "bytes": 3 * n},
            {"name": "tp_grad_fc1", "phase": "backward", "op_class": "all_reduce",
-            "exposed": 0.1e-3})
+            "exposed": 0.1e-3, "bytes": n})
 
     def fake(h, a, s, b, tp, sp=False, recompute="none", ffn=None, dtype="bfloat16",
              profile="a100", tp_ranks=None):
@@ -327,7 +331,7 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
     assert c.fwd_compute + c.fwd_comm == pytest.approx(7.7e-3)
     assert c.bwd_compute + c.bwd_comm == pytest.approx(11.9e-3)
     assert (c.fwd_comm, c.bwd_comm) == (0.9e-3, 0.1e-3)
-    assert c.comm_bytes == costs._tp_comm(2 * 2048 * 4 * 6144, 8, False, A100.profile)[1] * 2
+    assert c.comm_bytes == 2 * 2 * 7 * n // 8      # the two all-reduces' 2 (t - 1) / t n
 
 
 def test_zero3_counts_its_working_copies():

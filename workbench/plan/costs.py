@@ -15,10 +15,13 @@ Per transformer layer and micro-batch of b sequences, on one of t tensor-paralle
 - Time: ``workbench.plan.layer_cost.layer_times``, the layer op by op on the profile
   (checked against Korthikanti et al.'s Table 4, not fitted to it).
 - Tensor-parallel communication (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2):
-  per layer two all-reduces of 2 s b h bytes forward and two backward; with sequence
-  parallelism two all-gathers and two reduce-scatters of 2 s b h each way instead; full
-  recompute repeats the forward's in backward.  Priced with ``sim_mesh.cost.price`` on
-  the TP group's ranks (consecutive: see ``layout``).  The forward's block the compute
+  per layer two all-reduces of e s b h bytes (e bytes an element) forward and two
+  backward; with sequence parallelism two all-gathers and two reduce-scatters of e s b h
+  each way instead, and in backward two more all-gathers that re-gather the
+  column-parallel inputs (Megatron-LM; none where PyTorch DTensor keeps the gathered
+  input, ``regather=False``); full recompute repeats the forward's in backward.  The
+  bytes sent are those of the collectives ``layer_times`` prices.  Priced with
+  ``sim_mesh.cost.price`` on the TP group's ranks (consecutive: see ``layout``).  The forward's block the compute
   stream (Megatron-LM issues them synchronously) unless ``tp_comm_overlap``
   (Megatron-LM's ``--tp-comm-overlap``: ``plan.tp_overlap``); in backward the all-reduce
   (SP: reduce-scatter) of a column-parallel linear's input gradient runs beside THAT
@@ -99,19 +102,6 @@ class LayerCost:
         return self.fwd_compute + self.fwd_comm + self.bwd_compute + self.bwd_comm
 
 
-def _tp_comm(nbytes: float, tp: int, sp: bool, profile) -> tuple[float, float]:
-    """(seconds, bytes sent) of one layer's forward TP collectives."""
-    ranks = tuple(range(tp))
-    if tp == 1:
-        return 0.0, 0.0
-    if sp:
-        kinds = ("all_gather", "reduce_scatter")
-        t = 2 * sum(group_price(k, nbytes, ranks, profile) for k in kinds)
-        return t, 2 * sum(wire_bytes(k, nbytes, tp) for k in kinds)
-    return (2 * group_price("all_reduce", nbytes, ranks, profile),
-            2 * wire_bytes("all_reduce", nbytes, tp))
-
-
 @lru_cache(maxsize=None)
 def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
                attention: str = "materialized", fp8: bool = False,
@@ -132,8 +122,6 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     ``regather=False``: with ``sp``, no backward all-gather of the column-parallel inputs
     (PyTorch DTensor keeps the gathered input: torchtitan, ``llama_layer.backward_ops``)."""
     s, h = cfg.seq_len, cfg.d_model
-    _, sent_f = _tp_comm(2 * s * b * h, tp, sp, profile)
-    sent = sent_f * (3 if recompute == "full" else 2)
     extra = {} if attention == "materialized" else {"attention": attention}
     if fp8:
         extra["fp8"] = True
@@ -153,11 +141,13 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["regather"] = False
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
-    if recompute == "full" and early_stop and tp > 1 and not any(
-            o["phase"] == "recompute" and o["name"] == "tp_out_2" for o in lt.ops):
-        # the early stop (llama_layer.full_recompute) re-runs the block up to w2's input:
-        # not its closing all-reduce (reduce-scatter with sp), which 3 x above counts
-        sent -= wire_bytes("reduce_scatter" if sp else "all_reduce", 2 * s * b * h, tp)
+    # bytes sent: every collective the layer runs, where it runs (forward, recompute,
+    # backward), in the activations' dtype: with sp and ``regather`` the backward's two
+    # all-gathers of the column-parallel inputs too (Megatron-LM, the course's recipe:
+    # ``parallel.ops_table.linear_regather``), and an early-stopped recompute without
+    # its closing all-reduce (``llama_layer.full_recompute``)
+    sent = sum(wire_bytes(o["op_class"], int(o["bytes"]), tp) for o in lt.ops
+               if o["op_class"] in _KINDS)
     # what the collectives leave exposed, forward and after (module docstring): the
     # backward's input-gradient collectives hidden beside their linear's weight gradient
     # (all of it on the critical path with async_allreduce=False), the recompute's as run

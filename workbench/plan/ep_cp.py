@@ -117,7 +117,7 @@ def _groups(lay):
 def _regathers(model, lay) -> bool:
     """A sequence-parallel input re-gathered in backward: all but torchtitan's dense block
     (``framework="fsdp"``: DTensor keeps the gathered input, ``llama_layer.backward_ops``;
-    a MoE block is priced with the re-gather, as ``memory`` counts its activations)."""
+    a MoE block's attention alike; its MLP's ops are ``moe_cost``'s)."""
     from .memory import _regather
     return _regather(model, lay)
 

@@ -185,11 +185,11 @@ class Estimate:
 
     def __str__(self):
         b = self.breakdown
-        return (f"{self.layout.short()}: {self.step_time:.3f} s/step, "
-                f"{self.tflops_per_device:.0f} TFLOP/s/device, MFU {self.mfu:.1%}, "
-                f"memory {self.memory['total'] / 1e9:.1f} GB"
-                f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
-                f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
+        return wrap(f"{self.layout.short()}: {self.step_time:.3f} s/step, "
+                    f"{self.tflops_per_device:.0f} TFLOP/s/device, MFU {self.mfu:.1%}, "
+                    f"memory {self.memory['total'] / 1e9:.1f} GB"
+                    f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
+                    f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
 
 
 def pipeline_bubble(stage_times, v: int = 1) -> float:

@@ -216,13 +216,9 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     _check(fn, "tp", tp, _is_int(tp, 1), "give the tensor-parallel ranks, an int >= 1")
     _check(fn, "sp", sp, isinstance(sp, bool), "give True or False")
     _check(fn, "regather", regather, isinstance(regather, bool), "give True or False")
-    if getattr(cfg, "moe_experts", 0) and sp and tp > 1 and not regather:
-        raise ValueError("layer_activation_bytes: regather=False (DTensor's kept gathered "
-                         "inputs) is modeled for dense blocks; a MoE block with sp: give "
-                         "regather=True")
     if getattr(cfg, "moe_experts", 0):
         from .moe_cost import activation_bytes as moe_activation_bytes
-        return moe_activation_bytes(cfg, b, tp, sp, recompute)
+        return moe_activation_bytes(cfg, b, tp, sp, recompute, regather)
     if cfg.arch == "llama":
         from .llama_layer import activation_bytes
         return activation_bytes(cfg, b, tp, sp, recompute, regather)
@@ -255,8 +251,9 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
 def _regather(cfg, lay) -> bool:
     """Whether a layer's sequence-parallel inputs are re-gathered in backward (Megatron-LM,
     this library's recipe) or kept gathered: torchtitan's DTensor TP
-    (``framework="fsdp"``, ``llama_layer.backward_ops``); a MoE block as before."""
-    return lay.engine != "fsdp" or bool(getattr(cfg, "moe_experts", 0))
+    (``framework="fsdp"``, ``llama_layer.backward_ops``), a MoE block's attention as a
+    dense block's (``moe_cost.activation_bytes``)."""
+    return lay.engine != "fsdp"
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:

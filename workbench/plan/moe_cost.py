@@ -140,19 +140,26 @@ def layer_flops(cfg, b: int) -> tuple[float, float]:
     return 2 * b * s * per_token, 4 * b * s * s * h
 
 
-def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str) -> float:
+def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
+                     regather: bool = True) -> float:
     """Bytes one MoE block keeps for backward on one rank (16-bit unless said): the dense
     block's (``llama_layer.activation_bytes``) less its SwiGLU's four T f / t tensors, plus
     the router's fp32 probabilities (4 T_n E), the experts' input rows (2 M h, whole on
     each TP rank after the gather), their SwiGLU's four tensors (8 M f / t), their output
     rows kept for the probabilities' gradient (2 R h) and the shared experts' SwiGLU
-    (8 T S f / t).  Full recompute keeps the block input only, as the dense block."""
+    (8 T S f / t).  Full recompute keeps the block input only, as the dense block.
+    ``regather=False`` (DTensor's sequence parallelism, as for the dense block): without
+    checkpointing the attention's column-parallel input kept gathered, 2 T h, not its
+    2 T h / t shard; the MoE's own tensors as above (ASSUMPTION: its router reads the
+    sequence shard, Megatron-Core's layout, whatever the framework)."""
     from .llama_layer import activation_bytes as dense
     base = dense(cfg, b, tp, sp, recompute)
     if recompute == "full":
         return base
     m, h = moe_of(cfg), cfg.d_model
     T = cfg.seq_len * b
+    if sp and tp > 1 and not regather and recompute != "op":
+        base += 2 * T * h - 2 * T * h / tp          # the attention's norm output, whole
     Tn = T / (tp if sp else 1)
     M, R = m.c * m.topk * T, m.c * m.topk * Tn
     moe = 4 * Tn * m.experts + 2 * M * h + 8 * M * m.d_ff / tp + 2 * R * h \

@@ -51,6 +51,7 @@ from functools import lru_cache
 
 from ..sim_mesh.profiles import Profile, get_profile
 from . import variability as VAR
+from .text_width import wrap
 
 __all__ = ["BOUNDS", "EstimateRange", "estimate_range", "profile_at", "ranking_ranges"]
 
@@ -207,7 +208,7 @@ class EstimateRange:
         if self.unbounded:
             lines.append(f"  not in the range (ASSUMED, no bound stated): "
                          f"{', '.join(self.unbounded)}")
-        return "\n".join(lines)
+        return wrap("\n".join(lines))      # at text_width.WIDTH, continuations indented
 
 
 def estimate_range(model, layout, cluster, pinned: "dict | None" = None,
@@ -269,4 +270,4 @@ def ranking_ranges(ranking, model, **kwargs) -> str:
         lines.append(f"not in the range (ASSUMED, no bound stated): "
                      f"{', '.join(first.unbounded)}")
     lines.append(f"#1 assumes: {'; '.join(first.estimate.assumptions())}")
-    return "\n".join(lines)
+    return wrap("\n".join(lines))          # at text_width.WIDTH, continuations indented

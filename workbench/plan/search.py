@@ -36,6 +36,18 @@ _SCHED = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "i1f1b"}
 _RC = {"selective": "sel"}
 
 
+def _share(frac: float) -> str:
+    """``frac`` as a percentage with the fewest digits (one at least) that keep it off
+    ``TIE`` and on its side: a tie of 0.96% and a win of 1.04% print "0.96%" and "1.04%",
+    not "1.0%" both (the verdict is taken before rounding)."""
+    for d in range(1, 7):
+        text = f"{frac:.{d}%}"
+        shown = float(text[:-1])
+        if shown != round(100 * TIE, d) and (shown < 100 * TIE) == (frac < TIE):
+            return text
+    return text
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -141,14 +153,14 @@ class Ranking(list):
                 why = "the same step time and memory"
             elif 0 < gap < TIE * eb.step_time:
                 head = f"#{i + 1} and #{i + 2} tie"
-                why = (f"{gap:.3f} s/step ({gap / eb.step_time:.1%}), under the {TIE:.0%} "
+                why = (f"{gap:.3f} s/step ({_share(gap / eb.step_time)}), under the {TIE:.0%} "
                        f"the model can rank (an assumption)")
             elif gap <= 0:
                 head = f"#{i + 1} and #{i + 2} tie on step time; #{i + 1} comes first with"
                 why = (f"less memory ({ea.memory['total'] / 1e9:.3f} vs "
                        f"{eb.memory['total'] / 1e9:.3f} GB)")
             else:
-                why = f"{gap:.3f} s/step ({gap / eb.step_time:.1%})"
+                why = f"{gap:.3f} s/step ({_share(gap / eb.step_time)})"
                 if saves:
                     main = min(saves, key=delta.get)
                     why += (f": its lower {main} outweighs its higher {' and '.join(pays)}"
