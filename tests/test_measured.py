@@ -181,3 +181,140 @@ def test_the_tile_model_the_a100_relies_on_is_not_optimistic_on_the_measured_car
     assert len(ratios) == 240
     assert min(ratios) < 0.8 and max(ratios) > 1.5          # wrong both ways, shape by shape
     assert 1.0 <= statistics.median(ratios) <= 1.06        # not optimistic on the whole
+
+
+# Agrawal et al., Vidur (MLSys 2024), microsoft/vidur at 7d47513363ec447a741ac5e47241580b47724fbf,
+# data/profiling/compute/{a100,h100}/<org>/<model>/mlp.csv: the kernel time of each Linear of a
+# Llama layer, profiled by vidur/profiling/mlp (fp16 weights, dummy-initialised uniform in
+# +-1e-3, torch.inference_mode(); the GPU kernels inside each record_function range of one
+# 20-layer forward, read from its Kineto trace: vidur/profiling/utils/record_function_tracer.py),
+# column time_stats.<op>.median (ms, the median over the 20 layers), the file's line given.
+# Rows: (model, line, op, M tokens, N out features, K in features, ms); x (M, K) @ W^T (K, N).
+# Lines 2 / 67 / 197 are tensor-parallel 1, 263 / 523 / 653 tensor-parallel 2 (W sliced).
+# mlp_down_proj is left out: its input, SiLU(gate) x up of those tiny weights, underflows fp16
+# to exactly zero (emulated on the CPU for a 64-token Llama 2 7B layer, fp32 accumulation: every
+# element 0), and zeros draw less switching power, so run faster (He 2024); on the H100 those
+# rows read 1.09 of our measured rate (median) where the other three read 0.99-1.04.
+VIDUR_A100 = (
+    ("Llama-2-7b-hf", 2, "attn_pre_proj", 4096, 12288, 4096, 1.911),
+    ("Llama-2-7b-hf", 2, "attn_post_proj", 4096, 4096, 4096, 0.611),
+    ("Llama-2-7b-hf", 2, "mlp_up_proj", 4096, 22016, 4096, 3.3655),
+    ("Llama-2-7b-hf", 263, "attn_pre_proj", 4096, 6144, 4096, 0.9215),
+    ("Llama-2-7b-hf", 263, "attn_post_proj", 4096, 4096, 2048, 0.315),
+    ("Llama-2-7b-hf", 263, "mlp_up_proj", 4096, 11008, 4096, 1.6015),
+    ("Llama-2-70b-hf", 2, "attn_pre_proj", 4096, 10240, 8192, 2.872),
+    ("Llama-2-70b-hf", 2, "attn_post_proj", 4096, 8192, 8192, 2.377),
+    ("Llama-2-70b-hf", 2, "mlp_up_proj", 4096, 57344, 8192, 15.9405),
+    ("Llama-2-70b-hf", 263, "attn_pre_proj", 4096, 5120, 8192, 1.411),
+    ("Llama-2-70b-hf", 263, "attn_post_proj", 4096, 8192, 4096, 1.276),
+    ("Llama-2-70b-hf", 263, "mlp_up_proj", 4096, 28672, 8192, 7.97),
+    ("CodeLlama-34b-Instruct-hf", 2, "attn_pre_proj", 4096, 10240, 8192, 2.842),
+    ("CodeLlama-34b-Instruct-hf", 2, "attn_post_proj", 4096, 8192, 8192, 2.367),
+    ("CodeLlama-34b-Instruct-hf", 2, "mlp_up_proj", 4096, 44032, 8192, 12.1265),
+    ("CodeLlama-34b-Instruct-hf", 263, "attn_pre_proj", 4096, 5120, 8192, 1.426),
+    ("CodeLlama-34b-Instruct-hf", 263, "attn_post_proj", 4096, 8192, 4096, 1.286),
+    ("CodeLlama-34b-Instruct-hf", 263, "mlp_up_proj", 4096, 22016, 8192, 6.1905),
+    ("Meta-Llama-3-8B", 67, "attn_pre_proj", 16384, 6144, 4096, 4.046),
+    ("Meta-Llama-3-8B", 67, "attn_post_proj", 16384, 4096, 4096, 2.5685),
+    ("Meta-Llama-3-8B", 67, "mlp_up_proj", 16384, 28672, 4096, 16.7235),
+    ("Meta-Llama-3-8B", 197, "attn_pre_proj", 4096, 6144, 4096, 1.013),
+    ("Meta-Llama-3-8B", 197, "attn_post_proj", 4096, 4096, 4096, 0.625),
+    ("Meta-Llama-3-8B", 197, "mlp_up_proj", 4096, 28672, 4096, 4.127),
+    ("Meta-Llama-3-8B", 523, "attn_pre_proj", 16384, 3072, 4096, 1.972),
+    ("Meta-Llama-3-8B", 523, "attn_post_proj", 16384, 4096, 2048, 1.356),
+    ("Meta-Llama-3-8B", 523, "mlp_up_proj", 16384, 14336, 4096, 8.956),
+    ("Meta-Llama-3-8B", 653, "attn_pre_proj", 4096, 3072, 4096, 0.444),
+    ("Meta-Llama-3-8B", 653, "attn_post_proj", 4096, 4096, 2048, 0.334),
+    ("Meta-Llama-3-8B", 653, "mlp_up_proj", 4096, 14336, 4096, 2.2045),
+    ("Meta-Llama-3-70B", 67, "attn_pre_proj", 16384, 10240, 8192, 11.213),
+    ("Meta-Llama-3-70B", 67, "attn_post_proj", 16384, 8192, 8192, 8.8785),
+    ("Meta-Llama-3-70B", 67, "mlp_up_proj", 16384, 57344, 8192, 68.289),
+    ("Meta-Llama-3-70B", 197, "attn_pre_proj", 4096, 10240, 8192, 2.964),
+    ("Meta-Llama-3-70B", 197, "attn_post_proj", 4096, 8192, 8192, 2.475),
+    ("Meta-Llama-3-70B", 197, "mlp_up_proj", 4096, 57344, 8192, 16.5495),
+    ("Meta-Llama-3-70B", 523, "attn_pre_proj", 16384, 5120, 8192, 5.957),
+    ("Meta-Llama-3-70B", 523, "attn_post_proj", 16384, 8192, 4096, 5.2045),
+    ("Meta-Llama-3-70B", 523, "mlp_up_proj", 16384, 28672, 8192, 32.623),
+    ("Meta-Llama-3-70B", 653, "attn_pre_proj", 4096, 5120, 8192, 1.4775),
+    ("Meta-Llama-3-70B", 653, "attn_post_proj", 4096, 8192, 4096, 1.329),
+    ("Meta-Llama-3-70B", 653, "mlp_up_proj", 4096, 28672, 8192, 8.2455),
+)
+VIDUR_H100 = (
+    ("Llama-2-7b-hf", 2, "attn_pre_proj", 4096, 12288, 4096, 0.584),
+    ("Llama-2-7b-hf", 2, "attn_post_proj", 4096, 4096, 4096, 0.193),
+    ("Llama-2-7b-hf", 2, "mlp_up_proj", 4096, 22016, 4096, 0.987),
+    ("Llama-2-7b-hf", 263, "attn_pre_proj", 4096, 6144, 4096, 0.2815),
+    ("Llama-2-7b-hf", 263, "attn_post_proj", 4096, 4096, 2048, 0.102),
+    ("Llama-2-7b-hf", 263, "mlp_up_proj", 4096, 11008, 4096, 0.499),
+    ("Llama-2-70b-hf", 2, "attn_pre_proj", 4096, 10240, 8192, 0.9825),
+    ("Llama-2-70b-hf", 2, "attn_post_proj", 4096, 8192, 8192, 0.7885),
+    ("Llama-2-70b-hf", 2, "mlp_up_proj", 4096, 57344, 8192, 5.6685),
+    ("Llama-2-70b-hf", 263, "attn_pre_proj", 4096, 5120, 8192, 0.493),
+    ("Llama-2-70b-hf", 263, "attn_post_proj", 4096, 8192, 4096, 0.4045),
+    ("Llama-2-70b-hf", 263, "mlp_up_proj", 4096, 28672, 8192, 2.756),
+    ("CodeLlama-34b-Instruct-hf", 2, "attn_pre_proj", 4096, 10240, 8192, 0.96),
+    ("CodeLlama-34b-Instruct-hf", 2, "attn_post_proj", 4096, 8192, 8192, 0.771),
+    ("CodeLlama-34b-Instruct-hf", 2, "mlp_up_proj", 4096, 44032, 8192, 4.219),
+    ("CodeLlama-34b-Instruct-hf", 263, "attn_pre_proj", 4096, 5120, 8192, 0.4935),
+    ("CodeLlama-34b-Instruct-hf", 263, "attn_post_proj", 4096, 8192, 4096, 0.388),
+    ("CodeLlama-34b-Instruct-hf", 263, "mlp_up_proj", 4096, 22016, 8192, 2.107),
+)
+
+
+def _vidur_rates(rows):
+    """(FLOP/s, (M, N, K)) of each transcribed Vidur row: 2 M N K over its median kernel time."""
+    return [(2.0 * m * n * k / (ms * 1e-3), (m, n, k)) for _, _, _, m, n, k, ms in rows]
+
+
+def test_vidurs_kernel_times_reproduce_the_measured_h100():
+    """The method check: Vidur's H100 figures (an SXM part as far as can be told: the repo's
+    H100 node is a DGX, and an H100 NVL, 835 TFLOP/s dense, would have to sustain 0.9 of its
+    peak to match the fastest) against the same products in the H100 file, timed back to back on
+    random bf16 data: median 1.03 of our rate (0.97 .. 1.12). Kernel times read from one
+    traced forward agree with sustained back-to-back timing within a few per cent, so what
+    separates Vidur's A100 figures from the a100 profile (next test) is not the method."""
+    import statistics
+    ratios = [rate / measured.gemm_rate(FILE, m, n, k)
+              for rate, (m, n, k) in _vidur_rates(VIDUR_H100)]
+    assert len(ratios) == 18
+    assert 0.98 <= statistics.median(ratios) <= 1.06
+    assert 0.95 <= min(ratios) and max(ratios) <= 1.15
+
+
+def test_the_a100_model_against_vidurs_a100_layer_gemms():
+    """The only published per-shape A100 GEMM set found at transformer shapes (issue 21,
+    branch a100gemm): 42 Llama layer GEMMs timed by Vidur on an A100 80GB, held to the a100
+    profile's price (258 TFLOP/s x the tile / wave factor, cost.gemm_efficiency).
+
+    Which A100 is NOT stated per file: docs/profiling.md (lines 30, 81, 83) keeps one compute
+    folder for both its A100 nodes, "a100_pair_nvlink: Azure Standard_NC96ads_A100_v4 with 4
+    80GB A100 PCIe GPUs" and "a100_dgx: A100 DGX with 8 80GB A100s", and the Llama 3 rows
+    came with "Support Llama3 8B and 70B ... on a100_pairwise_nvlink" (commit 1478250): most
+    likely the 300 W PCIe card, not the profile's 400 W SXM (He 2024's 258 is an SXM under its
+    400 W cap; the MAMF table's best-shape bursts: PCIe 252.9 / 256.4 against SXM 271.2 /
+    267.9). So these rows price no A100 here; they show:
+
+    - the level: measured / model median 0.91 (0.79 .. 1.01); the card's own plateau
+      (products the tile model fills to 0.98 or more) 232.5 TFLOP/s = 0.90 of 258. Either
+      the PCIe card's power cap or an SXM ceiling 10% lower than He's; these files cannot
+      tell which (Mu Li, mli/transformers-benchmarks README: "A100 80GB" fp16 matmul 230
+      TFLOP/s at n = 8192, SKU not stated, is the same 0.89 and as ambiguous);
+    - the shape: held to that plateau instead, the tile / wave factor errs both ways by at
+      most 13% (0.87 .. 1.12, median 1.01), as on the H100 (test_the_tile_model_the_a100_
+      relies_on_is_not_optimistic_on_the_measured_card): the shape model is not what makes
+      the A100 rows optimistic."""
+    import statistics
+    a100 = get_profile("a100")
+    rates = _vidur_rates(VIDUR_A100)
+    assert len(rates) == 42
+    model = [cost.compute_time(2.0 * m * n * k, 0, a100, "float16", "matmul", launches=0,
+                               gemm=(1, m, n)) for _, (m, n, k) in rates]
+    ratios = [rate * t / (2.0 * m * n * k) for (rate, (m, n, k)), t in zip(rates, model)]
+    assert 0.88 <= statistics.median(ratios) <= 0.94
+    assert min(ratios) > 0.75 and max(ratios) < 1.05        # the model is above almost every row
+    eff = [cost.gemm_efficiency((1, m, n), a100) for _, (m, n, k) in rates]
+    plateau = statistics.median(r for (r, _), e in zip(rates, eff) if e >= 0.98)
+    assert 0.88 <= plateau / (a100.peak_flops["float16"] * a100.efficiency["matmul"]) <= 0.92
+    shape = [r / (plateau * e) for (r, _), e in zip(rates, eff)]
+    assert 0.97 <= statistics.median(shape) <= 1.05
+    assert 0.85 <= min(shape) and max(shape) <= 1.15
