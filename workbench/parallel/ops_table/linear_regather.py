@@ -38,7 +38,8 @@ from torch.autograd.function import once_differentiable
 
 from ...sim_mesh import cost as _cost
 
-__all__ = ["Regather", "mark", "of", "RegatheredLinear", "trace_regather"]
+__all__ = ["Regather", "CastRegather", "mark", "carry_cast", "of", "RegatheredLinear",
+           "trace_regather"]
 
 
 class Regather:
@@ -97,6 +98,58 @@ def mark(gathered, shard, rg: Regather):
 def of(x):
     """``(Regather, shard)`` of a marked local tensor, else None."""
     return getattr(x, "_wb_regather", None)
+
+
+class CastRegather:
+    """``base``'s re-gathered input cast from ``src`` to ``dtype``: the mark of a marked
+    tensor's cast (``torch.autocast``'s cast of the gathered input before a linear,
+    ``parallel.autocast``).  The shard kept is still ``base``'s (the norm's output, in its
+    own dtype), gathered again in ``src`` once per backward (``base``'s gather and clock
+    handles, shared with every other linear reading the tensor) and cast for each linear
+    that reads it, as Megatron-LM's linear under autocast does: its autograd function
+    (``LinearWithGradAccumulationAndAsyncCommunication``, ``@custom_fwd`` without
+    ``cast_inputs``) saves the uncast shard, gathers it again in backward, and its
+    weight-gradient GEMM casts the gathered input under the forward's autocast state
+    (``@custom_bwd``).  ``copies``: the lead axes along which the forward cast one copy
+    and expanded it to every rank (``autocast._cast``), done again here so the linear
+    reads the layout it read in forward."""
+
+    def __init__(self, base, src: torch.dtype, dtype: torch.dtype, copies=()):
+        self.base, self.src, self.dtype, self.copies = base, src, dtype, tuple(copies)
+
+    def __getattr__(self, name):          # groups, mesh_dim, nbytes, label, blocking
+        return getattr(self.base, name)
+
+    @property
+    def handles(self):
+        return self.base.handles
+
+    @handles.setter
+    def handles(self, hs):
+        self.base.handles = hs
+
+    def gather(self, shard):
+        with torch.no_grad():               # each linear's own cast, dropped after it
+            g = self.base.gather(shard)
+            shape = g.shape
+            for a in self.copies:
+                g = g.narrow(a, 0, 1)
+            return g.to(self.dtype).expand(shape)
+
+    def release(self) -> None:
+        self.base.release()
+
+
+def carry_cast(src, out, copies=()):
+    """Mark ``out`` (the local tensor of a cast of the local tensor ``src``) as ``src``
+    is, re-gathered then cast (:class:`CastRegather`); ``out`` unchanged if ``src`` is
+    not marked or ``out`` takes no part in autograd."""
+    held = of(src)
+    if held is None or out is src or not (torch.is_grad_enabled() and out.requires_grad):
+        return out
+    rg, shard = held
+    out._wb_regather = (CastRegather(rg, src.dtype, out.dtype, copies), shard)
+    return out
 
 
 class RegatheredLinear(torch.autograd.Function):

@@ -1,0 +1,106 @@
+"""Defects left by earlier sessions (fixlist4), each held to a reference that does not
+use the code under test: plain PyTorch, the fp32 path's structure, wire bytes counted in
+a traced run."""
+from collections import Counter
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.models.gpt import GPTLayer, TP_PLAN
+from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+
+S, B, H, A = 16, 2, 32, 4
+_BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+# ---- 1. sequence parallelism's re-gather under bf16 autocast ----------------------------
+
+def _sp_layer(regather):
+    mesh = wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    layer = GPTLayer(H, A, dropout=0.0, dtype=torch.float32)
+    wb.parallelize(layer, mesh, TP_PLAN, mesh_dim="tp")
+    for m in (layer.attn, layer.mlp):
+        tensor_parallel_region(m, mesh, "tp", sp=True, seq_dim=0, regather=regather)
+    X = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0))
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0)]).requires_grad_()
+    return layer, x
+
+
+def _kept_activations(layer, x, autocast):
+    """What autograd saves while the QKV and fc1 linears run, their weights and biases
+    (and autocast's copies of them) left out."""
+    wshapes = {tuple(p._local.shape) for _, p in wb.dist_parameters(layer)}
+    on, kept = [False], []
+
+    def pack(t):
+        if on[0] and tuple(t.shape) not in wshapes:
+            kept.append(t)
+        return t
+    hooks = []
+    for n in ("attn.qkv", "mlp.fc1"):
+        m = layer.get_submodule(n)
+        hooks += [m.register_forward_pre_hook(lambda *a: on.__setitem__(0, True)),
+                  m.register_forward_hook(lambda *a: on.__setitem__(0, False))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast(**_BF16, enabled=autocast):
+        layer(x)
+    for h in hooks:
+        h.remove()
+    return [(tuple(t.shape), t.stride(), t.dtype) for t in kept]
+
+
+def _collectives(layer, x, autocast):
+    with wb.trace("a100") as tr:
+        with torch.autocast(**_BF16, enabled=autocast):
+            y = layer(x)
+        (y.float() ** 2).sum().backward()
+    colls = Counter((e.name, e.label) for e in tr.events
+                    if e.name in ("all_gather", "all_reduce", "reduce_scatter"))
+    regather = [e.bytes for e in tr.events if e.label == "f: re-gather"]
+    casts = [e for e in tr.events if e.args.get("part") == "regather cast"]
+    return colls, regather, casts
+
+
+def test_autocast_keeps_the_sequence_shard_as_fp32_does():
+    """Under bf16 autocast the QKV and fc1 linears keep their input's sequence shard
+    (2 sbh / t, the norm's fp32 output, as Megatron-LM's linear saves its uncast input)
+    and gather it again in backward, exactly as the fp32 run does.  Before the fix the
+    autocast cast dropped the mark: the whole gathered bf16 input was kept (32 x 32
+    each), no re-gather ran, and the cast's collapsed copy was expanded again with a
+    second traced all-reduce of the gathered input's gradient ('linear input')."""
+    layer, x = _sp_layer(True)
+    fp32 = _kept_activations(layer, x, False)
+    assert fp32 == [((2, S // 2, B, H), (S // 2 * B * H, B * H, H, 1), torch.float32)] * 2
+    assert _kept_activations(layer, x, True) == fp32
+    c32, rg32, casts32 = _collectives(layer, x, False)
+    c16, rg16, casts16 = _collectives(layer, x, True)
+    assert c16 == c32 and rg16 == rg32 and len(rg32) == 2
+    # the re-gathered fp32 input cast once per linear reading it, beside its wgrad
+    assert len(casts32) == 0 and len(casts16) == 2
+    assert all(e.bytes == S * B * H * (4 + 2) for e in casts16)
+
+
+def test_autocast_regather_gradients_equal_keeping_the_gathered_input():
+    """Under autocast the re-gathering linears give the gradients of the keep-the-
+    gathered-input path bit for bit, and one device's under the same autocast within
+    bf16's tolerance (plain PyTorch reference)."""
+    got = {}
+    for regather in (True, False):
+        layer, x = _sp_layer(regather)
+        with torch.autocast(**_BF16):
+            y = layer(x)
+        (y.float() ** 2).sum().backward()
+        got[regather] = {n: p.grad.full() for n, p in wb.dist_parameters(layer)}
+        got[regather]["x"] = x.grad.full()
+    assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
+    torch.manual_seed(0)
+    ref = GPTLayer(H, A, dropout=0.0, dtype=torch.float32)
+    X = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with torch.autocast(**_BF16):
+        y = ref(X)
+    (y.float() ** 2).sum().backward()
+    torch.testing.assert_close(got[True]["x"], X.grad, rtol=2e-2, atol=2e-2)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[True][n].float(), p.grad, rtol=2e-2, atol=5e-2, msg=n)
