@@ -104,3 +104,84 @@ def test_autocast_regather_gradients_equal_keeping_the_gathered_input():
     torch.testing.assert_close(got[True]["x"], X.grad, rtol=2e-2, atol=2e-2)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[True][n].float(), p.grad, rtol=2e-2, atol=5e-2, msg=n)
+
+
+# ---- 2. a weights-only backward releases the re-gathered input -------------------------
+
+def test_weights_only_backward_releases_the_regathered_input():
+    """``torch.autograd.grad(loss, weights)`` never runs the gathered input's own
+    backward (the attention's: nothing below it is wanted), which is where the re-gathered
+    input was dropped: it stayed alive, with the clock handles, as long as the graph.
+    After the fix it is freed when that backward ends (a weak reference to it dies while
+    the graph is retained), and a second backward over the retained graph records both
+    re-gathers again (before: 1 of 2, the attention's waited on the first backward's)."""
+    import weakref
+
+    from workbench.parallel.ops_table import linear_regather
+
+    layer, x = _sp_layer(True)
+    found = []
+    h = layer.attn.qkv.register_forward_pre_hook(
+        lambda m, a: found.append(linear_regather.of(a[0]._local)[0]) and None)
+    with wb.trace("a100"):
+        loss = (layer(x) ** 2).sum()
+    h.remove()
+    (rg,) = found
+    rebuilt = []
+    rebuild = rg.rebuild
+
+    def tracked(s):
+        out = rebuild(s)
+        rebuilt.append(weakref.ref(out))
+        return out
+    rg.rebuild = tracked
+    # the linears' weights: ln1's parameters (below the attention's gathered input) not
+    ws = [p for n, p in wb.dist_parameters(layer) if n.endswith("weight") and "ln" not in n]
+    counts = []
+    for _ in range(2):
+        with wb.trace("a100") as tr:
+            grads = torch.autograd.grad(loss, ws, retain_graph=True)
+        counts.append(sum(e.label == "f: re-gather" for e in tr.events))
+        assert len(rebuilt) == len(counts) and rebuilt[-1]() is None     # freed
+        assert rg.gathered is None and rg.handles is None
+    assert counts == [2, 2]
+    # the weights' gradients are the full backward's
+    full = torch.autograd.grad(loss, ws)
+    assert all(torch.equal(a.full(), b.full()) for a, b in zip(grads, full))
+
+
+def test_an_input_that_needs_no_grad_still_keeps_only_its_shard():
+    """Frozen norms below the attention and an input that needs no gradient: the gathered
+    input needs none either, but the QKV linear's weight trains and keeps its input.
+    Before the fix such an input was not marked (the whole gathered input kept, one
+    re-gather of two in backward); now it keeps the shard, is gathered again and
+    released when the backward ends, with the gradients of the keep-the-gathered-input
+    path bit for bit."""
+    from workbench.parallel.ops_table import linear_regather
+
+    got, counts = {}, {}
+    for regather in (True, False):
+        layer, x = _sp_layer(regather)
+        x = x.detach()
+        for n, p in wb.dist_parameters(layer):
+            if n.startswith("ln"):
+                p.requires_grad_(False)
+        if regather:
+            kept = _kept_activations(layer, x, False)
+            assert kept == [((2, S // 2, B, H), (S // 2 * B * H, B * H, H, 1),
+                             torch.float32)] * 2
+            found = []
+            h = layer.attn.qkv.register_forward_pre_hook(
+                lambda m, a: found.append(linear_regather.of(a[0]._local)) and None)
+        with wb.trace("a100") as tr:
+            (layer(x) ** 2).sum().backward()
+        counts[regather] = sum(e.label == "f: re-gather" for e in tr.events)
+        if regather:
+            h.remove()
+            (rg, _), = found
+            assert rg.gathered is None and rg.handles is None
+        got[regather] = {n: p.grad.full() for n, p in wb.dist_parameters(layer)
+                         if p.grad is not None}
+    assert counts == {True: 2, False: 0}
+    assert got[True].keys() == got[False].keys() and len(got[True]) == 8
+    assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
