@@ -185,3 +185,79 @@ def test_an_input_that_needs_no_grad_still_keeps_only_its_shard():
     assert counts == {True: 2, False: 0}
     assert got[True].keys() == got[False].keys() and len(got[True]) == 8
     assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
+
+
+# ---- 3. the planner's head and embedding collectives in the model's dtype ---------------
+
+@pytest.mark.parametrize("dtype,sp", [("float32", False), ("float32", True),
+                                      ("bfloat16", False)])
+def test_head_and_embedding_collectives_are_priced_in_the_model_dtype(dtype, sp):
+    """``costs.head_cost`` / ``embedding_comm``: the bytes sent equal the wire bytes the
+    recipe's traced step sends for the same collectives (tp = 2, one layer): the
+    vocabulary-parallel embedding's all-reduce (SP: reduce-scatter) of its output, the
+    head input's backward all-reduce and cross-entropy's three fp32 all-reduces.  Before
+    the fix both priced 2 bytes an element: an fp32 model's embedding 16384 bytes where
+    the step sends 32768.  (With SP the recipe's head backward is an all-reduce where the
+    planner prices Megatron's reduce-scatter: only the embedding is compared there.)"""
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    from workbench.plan import Cluster
+    from workbench.plan import costs as C
+    from workbench.recipes.hybrid import Hybrid
+
+    cfg = get_config("tiny", vocab_size=128, dropout=0.0, n_layer=1, dtype=dtype)
+    b = 2
+    h = Hybrid(tp=2, sp=sp)
+    h.check(cfg, b)
+    torch.manual_seed(0)
+    model = h.build_model(cfg, 0)
+    x, y = get_batch(cfg, b, 0, 0)
+    with wb.trace("a100") as tr:
+        h.forward_backward(model, x, y)
+    ev = sorted((e for e in tr.events if 0 in e.ranks and e.stream == "comm"),
+                key=lambda e: e.start)
+    prof = Cluster("a100", 2).profile
+    first = ev[0]               # the embedding's, the step's first collective
+    assert first.name == ("reduce_scatter" if sp else "all_reduce")
+    assert C.embedding_comm(cfg, b, 2, sp, prof)[1] == first.bytes
+    assert first.args["buffer_bytes"] == cfg.torch_dtype.itemsize * cfg.seq_len * b * \
+        cfg.d_model
+    if not sp:
+        head = [e for e in ev if e.label == "linear input" or
+                e.label.startswith("cross_entropy")]
+        assert len(head) == 4
+        assert C.head_cost(cfg, b, 2, sp, prof).comm_bytes == sum(e.bytes for e in head)
+
+
+# ---- 4. the timeline caption prints a small nonzero time -------------------------------
+
+def test_caption_prints_a_small_hidden_time_with_its_digits():
+    """A 5 ms step that hid 0.312 us of 1 ms of communication: the caption printed
+    'comm hidden 0.0% (0.000 of 1.000 ms)', a nonzero time as zero.  Now every figure
+    keeps 3 significant digits where 3 decimals would print 0.000 (and the share the
+    digits that tell it from 0% / 100%); an exact zero, or float noise of the clock's
+    subtraction, still reads 0.000; ordinary figures are unchanged."""
+    from workbench.parallel.strategies.overlap import OverlapReport
+    from workbench.viz import timeline as T
+
+    hid = 3.12e-7
+    rep = OverlapReport("t", 1, total=5e-3, compute=5e-3, comm=1e-3, exposed=1e-3 - hid)
+    cap = T.caption(rep)
+    assert "(0.000 " not in cap and "0.0%" not in cap
+    share, hidden = cap.split("comm hidden ")[1].split(" (")
+    assert float(share.rstrip("%")) / 100 == pytest.approx(hid / 1e-3, rel=5e-3)
+    assert float(hidden.split(" of ")[0]) == pytest.approx(hid * 1e3, rel=5e-3)
+    assert cap.endswith("| exposed 1.000 ms | total 5.000 ms")
+    # the mirror image: all but 0.312 us hidden is not '100.0%' with 'exposed 0.000'
+    rep = OverlapReport("t", 1, total=5e-3, compute=5e-3, comm=1e-3, exposed=hid)
+    cap = T.caption(rep)
+    assert "100.0%" not in cap and "exposed 0.000 " not in cap
+    assert float(cap.split("exposed ")[1].split(" ")[0]) == pytest.approx(hid * 1e3, rel=5e-3)
+    # zero and float noise read 0.000; ordinary figures as before
+    for noise in (0.0, 1e-21):
+        rep = OverlapReport("t", 1, total=5e-3, compute=5e-3, comm=1e-3, exposed=noise)
+        assert T.caption(rep) == ("comm hidden 100.0% (1.000 of 1.000 ms) | exposed 0.000 "
+                                  "ms | total 5.000 ms")
+    rep = OverlapReport("t", 1, total=1.19e-3, compute=1e-3, comm=0.68e-3, exposed=0.17e-3)
+    assert T.caption(rep) == ("comm hidden 75.0% (0.510 of 0.680 ms) | exposed 0.170 ms "
+                              "| total 1.190 ms")
