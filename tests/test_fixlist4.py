@@ -319,3 +319,54 @@ def test_compile_captures_detach_and_composites(name, xdim):
             torch.testing.assert_close(a, r.grad)
     if name == "detach":
         assert "detach" in [n.op for n in prog.graph.nodes]
+
+
+# ---- 6. exercise checkers: diagnoses only for the mistake made -------------------------
+
+# stage 0 of Hybrid(2, 2, 2) on "tiny": rank 0 holds 31,552 values (tests/
+# test_exercises_strategies.py); all of them cut in two halves (even numels) over dp = 2
+_V0 = 31552
+
+
+def test_hybrid_state_bytes_names_every_split_a_count_fits():
+    """Cutting the weights (4 B) and the gradients (4 B) over dp cuts as many bytes as
+    ZeRO-1's cut of Adam's m and v (8 B): 4/2 + 4/2 + 8 = 4 + 4 + 8/2 = 12 B a value.
+    The checker called such an answer 'the count of ZeRO-1' only because the numbers
+    coincide; now it names both splits the count fits.  A count only one split gives
+    keeps its one diagnosis."""
+    from tests.exercise_helpers import fails
+    from workbench.exercises import checks_strategies as ex
+
+    fails(r"fits 2 splits \(the same bytes either way, so the count cannot tell which you "
+          r"made\): ZeRO-1's \(Adam's m and v split\) or the weights and the gradients split "
+          r"over dp with Adam's m and v whole; here ZeRO-2", ex.check_hybrid_state_bytes,
+          (4 / 2 + 4 / 2 + 8) * _V0)
+    # one split only: no ZeRO (16 B), ZeRO-3 (8 B), each named alone as before
+    fails(r"that is the count without ZeRO: nothing is split", ex.check_hybrid_state_bytes,
+          16 * _V0)
+    fails(r"that is the count of ZeRO-3: ZeRO-3 splits", ex.check_hybrid_state_bytes,
+          8 * _V0)
+    # the weights alone or the gradients alone cut: 14 B, never called a ZeRO stage
+    with pytest.raises(Exception) as e:
+        from tests.exercise_helpers import reset_tries
+        reset_tries()
+        ex.check_hybrid_state_bytes((4 / 2 + 4 + 8) * _V0)
+    assert "ZeRO-1" not in str(e.value).split("; here")[0] and "fits 2 splits" in str(e.value)
+
+
+def test_tp_sp_layer_bytes_names_bits_for_bytes():
+    """An answer in bits (8 x the bytes) got only the generic 'too high' hint; now it is
+    named, for the TP and for the TP + SP count alike (the expected values computed here
+    from Korthikanti et al.'s counts: 4 all-reduces of 2 (t-1)/t n; 4 all-gathers + 4
+    reduce-scatters of (t-1)/t n; n = b s h x 2 B)."""
+    from tests.exercise_helpers import fails
+    from workbench.exercises import checks_strategies as ex
+
+    n, t = 1 * 2048 * 12288 * 2, 8
+    tp, sp = 4 * 2 * (t - 1) * n // t, 8 * (t - 1) * n // t
+    fails(r"your TP bytes .*: 8 times too large: that is bits, not bytes",
+          ex.check_tp_sp_layer_bytes, 8 * tp, sp)
+    fails(r"your TP\+SP bytes .*: 8 times too large: that is bits, not bytes",
+          ex.check_tp_sp_layer_bytes, tp, 8 * sp)
+    fails(r"your TP bytes .*: 8 times too large: that is bits", ex.check_tp_sp_layer_bytes,
+          8 * tp, 8 * sp)
