@@ -370,3 +370,33 @@ def test_tp_sp_layer_bytes_names_bits_for_bytes():
           ex.check_tp_sp_layer_bytes, tp, 8 * sp)
     fails(r"your TP bytes .*: 8 times too large: that is bits", ex.check_tp_sp_layer_bytes,
           8 * tp, 8 * sp)
+
+
+# ---- 7. the torchtitan memory comparison compares like with like -----------------------
+
+def test_published_memory_compares_the_allocators_counter_like_with_like(capsys):
+    """torchtitan's memory column is the caching allocator's reserved peak, which holds
+    neither the CUDA context nor NCCL's buffers.  The comparison added both (the 0.78 GB
+    context and ``comm_buffers``) to the planner's peak; now the planner's figure is its
+    peak less the NCCL buffers, over one less the fragmentation allowance, and the header
+    says what is compared."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "published_memory.py"
+    spec = importlib.util.spec_from_file_location("published_memory_fl4", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = mod.ROWS[0]
+    r = mod.predict(row)
+    m = r["estimate"].memory
+    frag = wb.plan.Cluster("h100", 8).profile.runtime_memory["fragmentation"]
+    assert m["comm_buffers"] > 0
+    want = (m["total"] - m["comm_buffers"]) / (1 - frag)
+    assert r["reserved_gib"] * mod.GiB == pytest.approx(want, rel=1e-12)
+    assert r["ratio"] == pytest.approx(want / mod.GiB / row["published_gib"], rel=1e-12)
+    mod.ROWS = [row]
+    mod.main()
+    out = capsys.readouterr().out
+    assert "no CUDA context and no NCCL buffers" in out and "like with like" in out
+    assert f"{r['ratio']:.3f}" in out
