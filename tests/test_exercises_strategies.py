@@ -242,7 +242,8 @@ def test_hybrid_state_bytes(capsys):
     assert "315,520 B" in out and "rank 0" in out
     passes(capsys, ex.check_hybrid_state_bytes, V0 * (8 + 4), stage=0, zero=1)
     fails("without ZeRO", ex.check_hybrid_state_bytes, 16 * V0)
-    fails("of ZeRO-1", ex.check_hybrid_state_bytes, 12 * V0)
+    fails("fits 2 splits .*ZeRO-1's .* or the weights and the gradients split",
+          ex.check_hybrid_state_bytes, 12 * V0)                # the same bytes: fixlist4
     fails("of ZeRO-3", ex.check_hybrid_state_bytes, 8 * V0)
     fails("mixed-precision count", ex.check_hybrid_state_bytes, V0 * (2 + 1 + 6))
     fails("that is stage 1", ex.check_hybrid_state_bytes, 31616 * 10)

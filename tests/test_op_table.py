@@ -128,6 +128,7 @@ SAMPLES["nanquantile"] = (lambda x: torch.nanquantile(x, torch.tensor([0.2, 0.9]
 SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
                            [torch.sort(torch.randn(8, generator=torch.Generator()
                                                    .manual_seed(5))).values, X])
+SAMPLES["detach"] = (torch.detach, [X])                                     # fixlist4
 M2 = wb.Mesh.grid(2, ["a"])
 
 

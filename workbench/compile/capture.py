@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
+from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref
 from .guards import state_writes
@@ -224,6 +225,12 @@ class _Tracer(TorchFunctionMode):
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
         hit = BY_FUNC.get(func)
+        if hit is None and func in COMPOSITES:
+            # a torch function the dispatcher runs as a composition of table ops (var,
+            # std, logsumexp, F.normalize, addmm, mse_loss...: ops_table/composites.py):
+            # captured as those ops, each with its rule and cost, as eager runs them
+            with self:
+                return COMPOSITES[func](*args, **kwargs)
         if hit is None and (name == "__setitem__" or kwargs.get("out") is not None or
                             (name.endswith("_") and not name.startswith("_"))):
             f, line, code = _user_frame()

@@ -260,6 +260,9 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
 
 # ---- 06 tensor and sequence parallel: bytes per layer -------------------------------------------
 
+_BITS = ("8 times too large: that is bits, not bytes (each activation is elem bytes of 8 "
+         "bits): give the bytes")
+
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                             hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
@@ -289,7 +292,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                          (want_tp / 4, "that is one all-reduce; a layer has 4 per step: 2 "
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
-                          "not a 1/t slice")] + _other_n(8 * n, tp, 2, "t", "section 1's t"),
+                          "not a 1/t slice"),
+                         (8 * want_tp, _BITS)] + _other_n(8 * n, tp, 2, "t", "section 1's t"),
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
         raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
@@ -302,7 +306,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                          (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
                           "the whole b s h, not of a 1/t slice"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
-                          "sends (t-1)/t n, half an all-reduce")]
+                          "sends (t-1)/t n, half an all-reduce"),
+                         (8 * want_sp, _BITS)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
@@ -513,35 +518,70 @@ def _stage_model(dp, tp, pp, preset):
     return model, st
 
 
-def _state_bytes(dp, tp, pp, zero, stage, preset, mixed=False):
+def _state_bytes(dp, tp, pp, zero, stage, preset, mixed=False, split=None):
     """By hand: the values the stage's first rank holds (its tp shards), times 4 B weight
     + 4 B gradient + 8 B Adam m, v (fp32; mixed: 2 + 2 + 12), the ZeRO-split parts cut
-    by torch.chunk over dp (Rajbhandari et al. 2020); this rank is dp coordinate 0."""
-    model, st = _stage_model(dp, tp, pp, preset)
+    by torch.chunk over dp (Rajbhandari et al. 2020); this rank is dp coordinate 0.
+    ``split``: which of (weights, gradients, Adam's m and v) are cut over dp, in place of
+    ``zero``'s (ZeRO-k cuts the last k of them... ZeRO-1 Adam's, ZeRO-2 the gradients too,
+    ZeRO-3 everything)."""
+    key = (dp, tp, pp, preset)
+    if key not in _MODELS:          # one build per layout (a wrong answer prices 9 counts)
+        _MODELS.clear()
+        _MODELS[key] = _stage_model(dp, tp, pp, preset)
+    model, st = _MODELS[key]
     rank = st.meshes[stage].ranks[0]
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
+    cut = _ZERO_SPLITS[zero] if split is None else split
     total = 0
     for _, p in dist_parameters(model):
         if rank not in p.mesh.ranks:
             continue
         n = p.local(rank).numel()
         share = _chunks(n, dp)[0]
-        total += (w * (share if zero >= 3 else n) + g * (share if zero >= 2 else n)
-                  + opt * (share if zero >= 1 else n))
+        total += sum(b * (share if c else n) for b, c in zip((w, g, opt), cut))
     return total, model, st
+
+
+_MODELS: dict = {}
 
 
 _SPLITS = {0: "nothing is split over dp (plain data parallelism)",
            1: "ZeRO-1 splits Adam's m and v (8 B per value) over the dp ranks",
            2: "ZeRO-2 splits Adam's m and v and the gradients over the dp ranks",
            3: "ZeRO-3 splits weights, gradients and Adam's m and v over the dp ranks"}
+# which of (weights, gradients, Adam's m and v) ZeRO-k cuts over dp
+_ZERO_SPLITS = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True),
+                3: (True, True, True)}
+_PARTS = ("the weights", "the gradients", "Adam's m and v")
+
+
+def _split_text(split, short: bool = False) -> str:
+    """What a (weights, gradients, Adam) cut counts: a ZeRO stage's count, or the parts it
+    cuts and keeps whole (``short``: a phrase to name beside another)."""
+    cut = " and ".join(p for p, c in zip(_PARTS, split) if c)
+    whole = " and ".join(p for p, c in zip(_PARTS, split) if not c)
+    for z, zcut in _ZERO_SPLITS.items():
+        if zcut == split:
+            if short:
+                return "no ZeRO (nothing split)" if z == 0 else f"ZeRO-{z}'s ({cut} split)"
+            return f"the count {'without ZeRO' if z == 0 else f'of ZeRO-{z}'}: {_SPLITS[z]}"
+    if short:
+        return f"{cut} split over dp with {whole} whole"
+    return f"the count with {cut} split over dp and {whole} whole"
 
 
 @exercise
 def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2, tp: int = 2,
                              pp: int = 2, preset: str = "tiny") -> None:
     """Model-state bytes (fp32 weights, gradients, Adam m and v) each rank of pipeline
-    ``stage`` holds in Hybrid(dp, tp, pp, zero), as ``memory()`` counts them."""
+    ``stage`` holds in Hybrid(dp, tp, pp, zero), as ``memory()`` counts them.
+
+    A wrong answer is named by the split it counts: a ZeRO stage's, or another cut of
+    (weights, gradients, Adam).  Two cuts can give the same count (the weights and the
+    gradients are 4 B each, Adam's m and v 8 B: cutting the weights and gradients cuts as
+    many bytes as ZeRO-1's cut of Adam); such an answer is named as both, since the
+    count alone cannot tell which mistake it is."""
     got = _number("nbytes", nbytes)
     want, model, st = _state_bytes(dp, tp, pp, zero, stage, preset)
     if got == want:
@@ -549,10 +589,21 @@ def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2,
         _ok(f"{want:,d} B on each rank of stage {stage} (rank {rank}: its tp shard of the "
             f"parameters; {_SPLITS[zero]})")
         return
-    wrong = [(_state_bytes(dp, tp, pp, z, stage, preset)[0],
-              f"that is the count {'without ZeRO' if z == 0 else f'of ZeRO-{z}'}: "
-              f"{_SPLITS[z]}; here {_SPLITS[zero]}")
-             for z in range(4) if z != zero]
+    here = f"here {_SPLITS[zero]}"
+    splits = {}
+    for cut in [(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]:
+        if cut != _ZERO_SPLITS[zero]:
+            splits.setdefault(_state_bytes(dp, tp, pp, zero, stage, preset, split=cut)[0],
+                              []).append(cut)
+    wrong = []
+    for value, cuts in splits.items():
+        cuts.sort(key=lambda c: c not in _ZERO_SPLITS.values())   # a ZeRO stage first
+        if len(cuts) == 1:
+            wrong.append((value, f"that is {_split_text(cuts[0])}; {here}"))
+        else:
+            wrong.append((value, f"that count fits {len(cuts)} splits (the same bytes either "
+                          "way, so the count cannot tell which you made): "
+                          + " or ".join(_split_text(c, short=True) for c in cuts) + f"; {here}"))
     wrong.append((_state_bytes(dp, tp, pp, zero, stage, preset, mixed=True)[0],
                   "that is the mixed-precision count (2 + 2 + 12 B); this run is fp32: 4 B "
                   "weight, 4 B gradient, 8 B Adam m and v"))

@@ -119,6 +119,39 @@ def _promote_type(args, kwargs):
     return cur
 
 
+def _cast(x, to):
+    """``x.to(to)``, keeping a DistTensor's per-rank copies and its sequence-parallel mark.
+
+    A replicated tensor that ``C.expand_replicas`` (Megatron's ``f``) gave every rank
+    its own copy is held stacked, one copy per rank; the cast, announced Replicate, keeps
+    the first copy (``storage.keep_first_replica``), and the next op that works per rank
+    would expand it again with a second traced all-reduce of its gradient, where the
+    copies' gradients are summed once, by ``f``'s backward (recorded there).  Each rank
+    casts its own copy, as torch's autocast does on each process: the cast's copy is
+    expanded back to every rank here, untraced.  A sequence-parallel input stays marked
+    (``ops_table.linear_regather.CastRegather``), so the linear reading it keeps the
+    uncast shard, as without autocast.  Over torch.distributed the cast is left as it
+    is (the copy is this process's)."""
+    from .dist_tensor import DistTensor
+    from .ops_table import linear_regather
+    y = x.to(to)
+    if not (isinstance(x, DistTensor) and isinstance(y, DistTensor)) or y is x:
+        return y
+    src, out = x._local, y._local
+    if type(src) is not torch.Tensor or type(out) is not torch.Tensor or \
+            storage.holds_own(x.mesh):
+        return y
+    nd = x.mesh.ndim
+    copies = tuple(a for a in range(nd) if x.placements[a].is_replicate()
+                   and src.shape[a] > 1 and out.shape[a] == 1)
+    if copies:
+        out = out.expand(tuple(src.shape[:nd]) + tuple(out.shape[nd:]))
+    linear_regather.carry_cast(src, out, copies)
+    if out is y._local:
+        return y
+    return DistTensor(out, y.mesh, y.placements, y.shape, y.dtype)
+
+
 def cast_args(kind: str, args, kwargs):
     """``args`` and ``kwargs`` with torch's autocast cast applied (tensors in a list or
     tuple argument too, as ``cat``'s)."""
@@ -135,7 +168,7 @@ def cast_args(kind: str, args, kwargs):
         if _eligible(x):
             to = want(x)
             if to is not None and x.dtype != to:
-                return x.to(to)
+                return _cast(x, to)
         return x
 
     def arg(a):

@@ -180,7 +180,7 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
                        gemm=(1, T, h)) + \
         compute_time(flops, e * (T * Vt + T * h + Vt * h), profile, cfg.dtype, "matmul",
                      gemm=(1, Vt, h))
-    ranks, n = tuple(range(tp)), 2 * s * b * h
+    ranks, n = tuple(range(tp)), e * s * b * h      # the head's input, in the model's dtype
     ce = 3 * group_price("all_reduce", 4 * s * b, ranks, profile)
     ce_sent = 3 * (wire_bytes("all_reduce", 4 * s * b, tp) if tp > 1 else 0)
     if tp == 1:
@@ -197,9 +197,10 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
 
 def embedding_comm(cfg, b: int, tp: int, sp: bool, profile) -> tuple[float, float]:
     """(seconds, bytes sent) of the vocabulary-parallel embedding's forward collective:
-    an all-reduce of its 2 s b h output (a reduce-scatter with sequence parallelism)."""
+    an all-reduce of its e s b h output, e bytes an element of the model's dtype (a
+    reduce-scatter with sequence parallelism)."""
     if tp == 1:
         return 0.0, 0.0
     kind = "reduce_scatter" if sp else "all_reduce"
-    n = 2 * cfg.seq_len * b * cfg.d_model
+    n = cfg.torch_dtype.itemsize * cfg.seq_len * b * cfg.d_model
     return group_price(kind, n, tuple(range(tp)), profile), wire_bytes(kind, n, tp)

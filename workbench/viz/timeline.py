@@ -15,6 +15,7 @@ communication), fixed sizes and fonts.
 from __future__ import annotations
 
 import io
+import math
 from typing import Iterable
 
 from matplotlib.collections import PolyCollection
@@ -82,10 +83,37 @@ def caption(report: OverlapReport, span: float | None = None) -> str:
                              or not span > 0):
         raise ValueError(f"caption(span={span!r}): give the axis's length in seconds (> 0), "
                          "or None for the step's own")
-    u, s = time_unit(span or report.total or report.comm)
-    return (f"comm hidden {report.hidden_share:.1%} ({report.hidden * s:.3f} of "
-            f"{report.comm * s:.3f} {u}) | exposed {report.exposed * s:.3f} {u} | "
-            f"total {report.total * s:.3f} {u}")
+    ref = span or report.total or report.comm
+    u, s = time_unit(ref)
+
+    def t(x):
+        return _digits(x * s, ref * s)
+    return (f"comm hidden {_share(report.hidden_share)} ({t(report.hidden)} of "
+            f"{t(report.comm)} {u}) | exposed {t(report.exposed)} {u} | "
+            f"total {t(report.total)} {u}")
+
+
+# below this share of the caption's reference time a figure is float noise of the
+# clock's subtractions (hidden = comm - exposed), printed as 0
+_NOISE = 1e-9
+
+
+def _digits(v: float, ref: float) -> str:
+    """``v`` with 3 decimals, or, where those would print a nonzero time as 0.000,
+    with the decimals that show its 3 significant digits (0.000312)."""
+    if abs(v) < 5e-4 and abs(v) > _NOISE * abs(ref):
+        return f"{v:.{min(2 - math.floor(math.log10(abs(v))), 15)}f}"
+    return f"{0.0 if abs(v) <= _NOISE * abs(ref) else v:.3f}"
+
+
+def _share(x: float) -> str:
+    """A share as 75.0%; one that is not 0 or 1 but would print as 0.0% or 100.0% gets
+    3 significant digits of its distance from them (0.0312%, 99.9688%)."""
+    text = f"{x:.1%}"
+    if text in ("0.0%", "100.0%") and _NOISE < x < 1 - _NOISE:
+        d = 2 - math.floor(math.log10(min(x, 1 - x) * 100))
+        text = f"{x:.{min(d, 13)}%}"
+    return text
 
 
 def _ranks(events: Iterable[Event], ranks) -> list[int]:

@@ -38,7 +38,8 @@ from torch.autograd.function import once_differentiable
 
 from ...sim_mesh import cost as _cost
 
-__all__ = ["Regather", "mark", "of", "RegatheredLinear", "trace_regather"]
+__all__ = ["Regather", "CastRegather", "mark", "carry_cast", "of", "RegatheredLinear",
+           "trace_regather"]
 
 
 class Regather:
@@ -60,10 +61,31 @@ class Regather:
         if self.gathered is None:
             with torch.no_grad():
                 self.gathered = self.rebuild(shard.detach())
+            release_after_backward(self)
         return self.gathered
 
     def release(self) -> None:
         self.gathered = self.handles = None
+        self._queued = False
+
+    _queued = False
+
+
+def release_after_backward(rg) -> None:
+    """Drop ``rg``'s re-gathered input and clock handles when the backward pass running
+    now ends (``queue_callback`` of torch's autograd engine, as torch's DDP reducer
+    finalizes its buckets), whatever it computed.  :class:`_Release` drops them earlier,
+    once every linear reading the input has run its backward, but runs only when the
+    input's own gradient is wanted: a weights-only backward
+    (``torch.autograd.grad(loss, weights)``) never reaches it, and would otherwise keep
+    the gathered input, and the handles a later backward's clock would wait on, until
+    the graph is freed."""
+    while isinstance(rg, CastRegather):      # the state lives on the base
+        rg = rg.base
+    if rg._queued or torch._C._current_graph_task_id() == -1:     # not in a backward
+        return
+    rg._queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(rg.release)
 
 
 class _Release(torch.autograd.Function):
@@ -82,12 +104,14 @@ class _Release(torch.autograd.Function):
 
 
 def mark(gathered, shard, rg: Regather):
-    """``gathered`` (a local tensor that requires grad), marked so that the linears
-    reading it keep ``shard`` instead (module docstring).  Returns the tensor to hand
-    on (an identity view of ``gathered``)."""
-    if not (torch.is_grad_enabled() and gathered.requires_grad):
+    """``gathered`` (a local tensor), marked so that the linears reading it keep
+    ``shard`` instead (module docstring).  Returns the tensor to hand on (an identity
+    view of ``gathered``).  An input that needs no gradient (frozen norms below it) is
+    marked too: a linear whose weight trains still keeps its input."""
+    if not torch.is_grad_enabled():
         return gathered                   # no backward: nothing is kept either way
-    out = _Release.apply(rg, gathered)
+    out = _Release.apply(rg, gathered) if gathered.requires_grad else \
+        gathered.view_as(gathered)        # (no gradient: released after the backward)
     if hasattr(gathered, "_wb_replica_axes"):     # torch.distributed: one copy per rank
         out._wb_replica_axes = gathered._wb_replica_axes
     out._wb_regather = (rg, shard)
@@ -97,6 +121,58 @@ def mark(gathered, shard, rg: Regather):
 def of(x):
     """``(Regather, shard)`` of a marked local tensor, else None."""
     return getattr(x, "_wb_regather", None)
+
+
+class CastRegather:
+    """``base``'s re-gathered input cast from ``src`` to ``dtype``: the mark of a marked
+    tensor's cast (``torch.autocast``'s cast of the gathered input before a linear,
+    ``parallel.autocast``).  The shard kept is still ``base``'s (the norm's output, in its
+    own dtype), gathered again in ``src`` once per backward (``base``'s gather and clock
+    handles, shared with every other linear reading the tensor) and cast for each linear
+    that reads it, as Megatron-LM's linear under autocast does: its autograd function
+    (``LinearWithGradAccumulationAndAsyncCommunication``, ``@custom_fwd`` without
+    ``cast_inputs``) saves the uncast shard, gathers it again in backward, and its
+    weight-gradient GEMM casts the gathered input under the forward's autocast state
+    (``@custom_bwd``).  ``copies``: the lead axes along which the forward cast one copy
+    and expanded it to every rank (``autocast._cast``), done again here so the linear
+    reads the layout it read in forward."""
+
+    def __init__(self, base, src: torch.dtype, dtype: torch.dtype, copies=()):
+        self.base, self.src, self.dtype, self.copies = base, src, dtype, tuple(copies)
+
+    def __getattr__(self, name):          # groups, mesh_dim, nbytes, label, blocking
+        return getattr(self.base, name)
+
+    @property
+    def handles(self):
+        return self.base.handles
+
+    @handles.setter
+    def handles(self, hs):
+        self.base.handles = hs
+
+    def gather(self, shard):
+        with torch.no_grad():               # each linear's own cast, dropped after it
+            g = self.base.gather(shard)
+            shape = g.shape
+            for a in self.copies:
+                g = g.narrow(a, 0, 1)
+            return g.to(self.dtype).expand(shape)
+
+    def release(self) -> None:
+        self.base.release()
+
+
+def carry_cast(src, out, copies=()):
+    """Mark ``out`` (the local tensor of a cast of the local tensor ``src``) as ``src``
+    is, re-gathered then cast (:class:`CastRegather`); ``out`` unchanged if ``src`` is
+    not marked or autograd is off."""
+    held = of(src)
+    if held is None or out is src or not torch.is_grad_enabled():
+        return out
+    rg, shard = held
+    out._wb_regather = (CastRegather(rg, src.dtype, out.dtype, copies), shard)
+    return out
 
 
 class RegatheredLinear(torch.autograd.Function):
@@ -154,4 +230,5 @@ def trace_regather(tr, rg: Regather) -> list:
                   "overlaps": "" if rg.blocking else "dgrad"},
             overlap=not rg.blocking))
     rg.handles = hs
+    release_after_backward(rg)
     return hs

@@ -305,6 +305,13 @@ for _n, (_fs, _fl, _rule, _args) in UNARY.items():
 
 register("positive", [torch.positive, T.positive], parse=_parse, rule=mul_rule,
          local=_local(torch.positive), cost=costs.view, op_class="view")
+# detach: the same values on the same storage, cut from autograd: every placement passes
+# (R, S and P alike: no value changes) and no kernel runs.  Reached through the op table
+# by ``torch.detach(d)`` and by a compiled program (``wb.compile`` captures ``x.detach()``);
+# ``d.detach()`` on a DistTensor is its own method (the in-place init idioms it keeps).
+register("detach", [torch.detach, T.detach], parse=_parse, rule=mul_rule,
+         local=_local(torch.detach), cost=costs.view, op_class="view",
+         sample=lambda g: [Sample(torch.detach, (g.rn(5, 6),))])
 
 # ---- binary: name -> (callables, reversed dunder, FLOPs per element, rule, sample) ----------
 _BUG10 = "issue 10: P(sum) + scalar adds the scalar on every rank"

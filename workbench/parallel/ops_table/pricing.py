@@ -320,6 +320,8 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
         if not isinstance(cost, SplitCost):
             for h in waits:
                 tr.wait(h)
+            if waits and isinstance(regather, linear_regather.CastRegather):
+                _record_regather_cast(tr, ranks, regather, launches, sunk)
             ((_, flops, nbytes, _),) = parts
             measured = _measured(cost, tr.profile)
             dur = (_unlaunched(measured[1], tr.profile, dtype, not launches) if measured
@@ -335,6 +337,8 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
             if part == "wgrad":
                 for h in waits:
                     tr.wait(h)
+                if waits and isinstance(regather, linear_regather.CastRegather):
+                    _record_regather_cast(tr, ranks, regather, launches, sunk)
             cls = "reduction" if part == "bias" else op_class
             dur = _time(flops, nbytes, tr.profile, dtype, cls, gemm, launches=launches)
             evs.append(tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
@@ -346,6 +350,19 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
             for r in ranks:
                 seen[r] = (evs[0].end, tr.last_compute(r)[0])
     return record
+
+
+def _record_regather_cast(tr, ranks, rg, launches, sunk) -> None:
+    """Autocast's cast of the re-gathered input before the wgrad GEMM
+    (``linear_regather.CastRegather``): reads the gathered buffer, writes it in the
+    autocast dtype."""
+    n = rg.nbytes // rg.src.itemsize
+    nbytes = n * (rg.src.itemsize + rg.dtype.itemsize)
+    tr.record_compute(ranks, "to", _time(0, nbytes, tr.profile, rg.dtype, "elementwise",
+                                         launches=launches),
+                      flops=0, bytes=nbytes, label="backward",
+                      args={"op_class": "elementwise", "phase": "backward",
+                            "part": "regather cast", **sunk})
 
 
 def record_backward_now(name, op_class, ranks, cost: Cost, dtype) -> None:

@@ -97,7 +97,7 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
 def _regathered(loc, shard, mesh, axis: int, seq_dim: int, blocking: bool):
     """``loc`` (the gathered copy of ``shard``) marked so that the linears reading it
     keep ``shard`` and gather it again in backward (``ops_table.linear_regather``)."""
-    if not (torch.is_grad_enabled() and loc.requires_grad):
+    if not torch.is_grad_enabled():
         return loc
     if blocking:                          # torch.distributed: this process's group
         def rebuild(s):
