@@ -384,4 +384,6 @@ def _refuse_clip_as(t: torch.Tensor, tmpl: DistTensor) -> None:
         msg = getattr(s, "_wb_clip_refuse", None)
         if msg:
             t._wb_clip_refuse = msg
+            if getattr(s, "_wb_clip_shard", None) is not None:     # simulated: clip it
+                t._wb_clip_shard = s._wb_clip_shard
             return

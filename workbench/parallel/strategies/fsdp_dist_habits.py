@@ -39,12 +39,15 @@ so :func:`install_habits` makes:
   of the shard's gradient in the parameter's layout (:class:`.fsdp_dist_views.GradOf`),
   as FSDP2's parameters carry their sharded gradients; under torch.distributed reading
   one that exists raises, naming the shards (it was None, silently);
-* ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (a clip
-  through the templates is not built; before their ``.grad`` existed it was a silent
-  no-op); torch's own
+* ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` (and ``wb.``'s,
+  ``clip_grad_value_``, over the templates or the module's attributes after a forward):
+  on simulated ranks each is read as its shard (``_wb_clip_shard``,
+  :func:`..clip_grad._to_shards`), so it gives one device's norm and clips the shards, as
+  FSDP2's ``model.parameters()`` (its sharded DTensors) do (it raised, naming the
+  shards; before their ``.grad`` existed it was a silent no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
   on simulated ranks (each shard once); under torch.distributed a shard's norm is partial,
-  so it raises there.
+  so both raise there.
 """
 from __future__ import annotations
 
@@ -148,6 +151,8 @@ def install_habits(fsdp) -> None:
             # model.<p>.grad: a view of the shard's gradient (fsdp_dist_views.GradOf)
             t._wb_grad_of = GradOf(fsdp, i)
             t._wb_clip_refuse = msg
+            if fsdp.async_:             # simulated: a clip over it clips the shard
+                t._wb_clip_shard = shard    # (clip_grad._to_shards), as FSDP2's
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
             # model.<name>.requires_grad_(False) (a parameter from named_parameters()):
             # its shard, the leaf the optimizer steps, frozen too (it was not: the

@@ -69,6 +69,8 @@ class _ShardedAttr:
         value._local._wb_on_requires_grad = fsdp.entries[i][2].requires_grad_
         if getattr(g._local, "_wb_clip_refuse", None):  # no gradient: clip the shards
             value._local._wb_clip_refuse = g._local._wb_clip_refuse
+            if getattr(g._local, "_wb_clip_shard", None) is not None:
+                value._local._wb_clip_shard = g._local._wb_clip_shard
         # value.grad: the shard's gradient (FSDP2's module.weight is the sharded parameter,
         # with its gradient), a view of it in the parameter's layout; it was None
         value._local._wb_grad_of = GradOf(fsdp, i)
