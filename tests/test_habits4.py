@@ -115,3 +115,62 @@ def test_torch_clip_value_over_the_modules_parameters_clamps_the_shards():
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full(), r.grad, msg=n)
 
+
+# ---- 1. DistributedDataParallel's names are torch DDP's ------------------------------------
+def bn_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def torch_ddp_names(m):
+    """torch DDP registers the module as its child ``module``: its names (as
+    ``nn.parallel.DistributedDataParallel`` gives them; checked against torch's own under
+    torchrun in dist_scripts/habits_check.py)."""
+    holder = nn.Module()
+    holder.module = m
+    return ([n for n, _ in holder.named_parameters()], [n for n, _ in holder.named_buffers()],
+            [n for n, _ in holder.named_modules()], list(holder.state_dict()))
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["plain", "beside-tp"])
+def test_ddp_names_are_torch_ddps_and_name_its_state_dict_keys(tp):
+    """``named_parameters()`` / ``named_buffers()`` / ``named_modules()`` gave the module's
+    own names while ``state_dict()`` had torch DDP's ``module.`` keys: a name from one was
+    not a key of the other, nor torch DDP's name."""
+    params, buffers, modules, keys = torch_ddp_names(bn_mlp())
+    if tp:
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        m = wb.parallelize(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), mesh,
+                           {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+        params, _, modules, keys = torch_ddp_names(
+            nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+        ddp = wb.DistributedDataParallel(m, mesh, "dp")
+    else:
+        ddp = wb.DistributedDataParallel(bn_mlp(), wb.Mesh.grid(2, ["dp"]))
+        assert [n for n, _ in ddp.named_buffers()] == buffers
+    assert [n for n, _ in ddp.named_parameters()] == params      # was without "module."
+    assert [n for n, _ in ddp.named_modules()] == modules
+    assert [n for n, _ in ddp.named_children()] == ["module"]
+    assert list(ddp.state_dict()) == keys
+    assert set(params) <= set(keys)
+    assert [n for n, _ in ddp.named_parameters(prefix="x")] == ["x." + n for n in params]
+    assert list(ddp.named_parameters(recurse=False)) == []        # torch DDP holds none
+    assert ddp.get_submodule("module.0") is ddp.module[0]
+    if not tp:
+        assert all(ddp.get_parameter(n) is p for n, p in ddp.named_parameters())
+    # the optimizer's param_groups by name (a weight-decay split): the state dict's keys
+    sd = ddp.state_dict()
+    for n, _ in ddp.named_parameters():
+        assert n in sd, n
+    # a torch DDP checkpoint (its keys, one device's tensors) loads, and ours loads into
+    # a plain module once the prefix is taken off, as torch documents for its own
+    ref = bn_mlp() if not tp else nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    assert not ddp.load_state_dict({"module." + k: v for k, v in ref.state_dict().items()}
+                                   ).missing_keys
+    plain = bn_mlp() if not tp else nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    sd = {k: v.full() if isinstance(v, wb.DistTensor) else v for k, v in ddp.state_dict().items()}
+    nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")   # torch's habit
+    plain.load_state_dict(sd)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[k], v, msg=k)
+

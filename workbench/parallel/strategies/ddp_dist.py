@@ -135,8 +135,11 @@ class DistTensorDDP(DistributedDataParallel):
 
     # ---- what an optimizer steps ------------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """(``"module." +`` the module's own name, its replica), torch DDP's names."""
+        if not recurse:
+            return
         for name, p in zip(self._names, self.replicas.params):
-            yield prefix + name, p._local
+            yield self._child_prefix(prefix) + "." + name, p._local
 
     def parameters(self, recurse=True):
         return (p for _, p in self.named_parameters())
