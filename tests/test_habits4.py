@@ -46,8 +46,9 @@ def test_tied_weight_stays_one_object_after_a_forward_over_disttensors(kind):
     torch.testing.assert_close(out, ref(ids()))
     out.sum().backward()
     ref(ids()).sum().backward()
-    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9),
-                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(w.parameters(), 1e9), want)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9), want)
     assert m.head.weight is m.emb.weight
 
 
@@ -174,3 +175,22 @@ def test_ddp_names_are_torch_ddps_and_name_its_state_dict_keys(tp):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(plain.state_dict()[k], v, msg=k)
 
+
+@pytest.mark.slow
+def test_torchrun_2x2_clip_over_zero3_shards_and_the_modules_parameters_is_one_devices():
+    """Under torchrun each process's ZeRO-3 shard holds 1/dp of its tensor-parallel
+    storage; torch's clip_grad_norm_ over the shards raised ("the combined norm over
+    DistTensor shards is not built for this mode"), and over the module's parameters
+    raised naming the shards.  Now the shards' partial norms are reduced over the mesh's
+    groups (a tp-replicated copy counted once): one device's norm and clipped step."""
+    from tests.test_ddp_torchrun import json_rows, torchrun
+    out = torchrun(4, "habits4_clip_check.py", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(out.stdout)
+    assert len(rows) == 4 * 3 * 2 * 2                   # ranks x wrappers x params x norms
+    for r in rows:
+        assert "raised" not in r, r
+        got, want = r["norm"]
+        assert abs(got - want) <= 1e-5 * want and r["params"] < 1e-6, r
+    for case in {tuple(r["case"]) for r in rows}:       # every rank clips by one norm
+        assert len({r["norm"][0] for r in rows if tuple(r["case"]) == case}) == 1, case

@@ -103,22 +103,22 @@ def _to_shards(params):
     """``params`` with each DistTensor that stands for a ZeRO-3 shard (the module's own
     parameter under ``FullyShardedDataParallel`` / ``Zero3`` over DistTensors, or the
     copy a forward gathered: its storage carries ``_wb_clip_shard``) replaced by that
-    shard, each shard once (a tied weight: one).  FSDP2's ``model.parameters()`` are the
-    sharded parameters with their gradients, so torch's ``clip_grad_norm_`` over them is
-    the clip over the shards; here it raised (the shards were where to clip).  Under
-    torch.distributed the shard's own refusal speaks (its norm is a part)."""
-    out, seen = [], set()
+    shard.  FSDP2's ``model.parameters()`` are the sharded parameters with their
+    gradients, so torch's ``clip_grad_norm_`` over them is the clip over the shards; here
+    it raised (the shards were where to clip).  One entry for one (a parameter given
+    twice counts twice, as torch counts a tensor given twice); under torch.distributed
+    the shards' partial norms are reduced over the ranks
+    (:func:`.strategies.fsdp_dist_habits._shard_norm_grad`)."""
+    out = []
     for p in params:
         if isinstance(p, DistTensor):
             shard = next((getattr(t, "_wb_clip_shard", None) for t in
                           storage.tensors(p._local)
                           if getattr(t, "_wb_clip_shard", None) is not None), None)
             if shard is not None:
-                if id(shard) not in seen:
-                    seen.add(id(shard))
-                    out.append(shard)
+                out.append(shard)
                 continue
-        out.append(p)                   # (as torch: a tensor given twice counts twice)
+        out.append(p)
     return out
 
 
