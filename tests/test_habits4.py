@@ -194,3 +194,21 @@ def test_torchrun_2x2_clip_over_zero3_shards_and_the_modules_parameters_is_one_d
         assert abs(got - want) <= 1e-5 * want and r["params"] < 1e-6, r
     for case in {tuple(r["case"]) for r in rows}:       # every rank clips by one norm
         assert len({r["norm"][0] for r in rows if tuple(r["case"]) == case}) == 1, case
+
+
+def test_ddp_over_disttensors_lists_a_tied_weight_under_each_name_without_dedup():
+    """torch DDP's named_parameters(remove_duplicate=False) gives a tied weight under
+    each of its names; the DistTensor mode gave it once (its first name)."""
+    m, plain = tied(), tied()
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    wb.parallelize(m, mesh)
+    ddp = wb.DistributedDataParallel(m, mesh, "dp")
+    want, _, _, _ = torch_ddp_names(plain)
+    assert [n for n, _ in ddp.named_parameters()] == want
+    every = list(ddp.named_parameters(remove_duplicate=False))
+    assert [n for n, _ in every] == [
+        "module." + n for n, _ in plain.named_parameters(remove_duplicate=False)]
+    assert every[0][1] is every[-1][1]                   # emb.weight is head.weight
+    m.double()
+    assert [n for n, _ in ddp.named_parameters()] == want        # the replicas kept
+    assert all(p.dtype == torch.float64 for p in ddp.parameters())
