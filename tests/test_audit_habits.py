@@ -65,11 +65,18 @@ def _init(m):
 def test_apply_and_modules_reach_the_wrapped_module(kind):
     ref = mlp()
     w, mesh = wrap(kind, mlp())
-    assert [n for n, _ in w.named_modules()] == [n for n, _ in ref.named_modules()]
-    assert [n for n, _ in w.named_children()] == [n for n, _ in ref.named_children()]
+    # DDP's names are torch DDP's (the module its child "module"), FSDP's the module's own
+    pre = "module." if kind != "fsdp" else ""
+    want = [""] + [pre + n for n, _ in ref.named_modules()][1:] if pre else \
+        [n for n, _ in ref.named_modules()]
+    if pre:
+        want.insert(1, "module")
+    assert [n for n, _ in w.named_modules()] == want
+    assert [n for n, _ in w.named_children()] == \
+        (["module"] if pre else [n for n, _ in ref.named_children()])
     assert sum(isinstance(m, nn.Linear) for m in w.modules()) == 2
-    assert w.get_submodule("0") is w.module[0]   # was an AttributeError, by these names
-    assert w.get_parameter("2.bias") is w.module[2].bias
+    assert w.get_submodule(pre + "0") is w.module[0]   # was an AttributeError
+    assert w.get_parameter(pre + "2.bias") is w.module[2].bias
     assert w.apply(_init) is w                   # was a silent no-op: no child to visit
     ref.apply(_init)
     with torch.no_grad():                        # the habit over modules() too
@@ -89,7 +96,8 @@ def test_apply_and_modules_reach_the_wrapped_module(kind):
 def test_buffers_are_listed_and_double_converts_once(kind):
     ref = mlp(0, nn.BatchNorm1d(8))
     w, _ = wrap(kind, mlp(0, nn.BatchNorm1d(8)))
-    assert [n for n, _ in w.named_buffers()] == [n for n, _ in ref.named_buffers()]
+    pre = "module." if kind != "fsdp" else ""       # torch DDP's names
+    assert [n for n, _ in w.named_buffers()] == [pre + n for n, _ in ref.named_buffers()]
     assert w.double() is w
     assert all(b.dtype == torch.float64 for n, b in w.named_buffers() if "num_batches" not in n)
     assert all(p.dtype == torch.float64 for p in w.parameters())

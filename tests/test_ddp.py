@@ -25,7 +25,7 @@ def test_parameters_are_the_modules_own_and_every_rank_has_a_copy():
     m = make()
     names = [n for n, _ in m.named_parameters()]
     ddp = wb.DistributedDataParallel(m, wb.Mesh.grid(4, ["dp"]))
-    assert [n for n, _ in ddp.named_parameters()] == names
+    assert [n for n, _ in ddp.named_parameters()] == ["module." + n for n in names]   # torch's
     assert all(isinstance(p, nn.Parameter) and p.shape[0] == 4 for p in ddp.parameters())
     assert m.head.weight is m.emb.weight                # still tied
     assert not m.frozen.requires_grad

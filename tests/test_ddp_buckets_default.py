@@ -170,7 +170,7 @@ def test_each_bucket_launches_when_its_last_gradient_is_ready_and_in_order():
                 hooks = [p.register_post_accumulate_grad_hook(
                     lambda p, k=k: seen.append((k, sum(e.label.startswith("ddp b")
                                                        for e in tr.collectives()))))
-                    for k, p in ddp.named_parameters()]
+                    for k, p in ddp.module.named_parameters()]
                 out = ddp(wb.shard_tensor(batch("reordered", step), mesh, [wb.Shard(0)]))
                 names = ddp.bucket_names
                 loss(out).backward()

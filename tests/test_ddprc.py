@@ -97,7 +97,7 @@ def test_ddp_recompute_uses_each_ranks_parameters(name, n):
         _, loss = ddp(*shard(mesh, *batch(s)))
         loss.backward()
         torch.testing.assert_close(loss.full(), ref_losses[s], rtol=1e-5, atol=1e-6)
-        for pn, p in ddp.named_parameters():
+        for pn, p in ddp.module.named_parameters():
             for k in range(n):      # every rank's row: the all-reduced mean
                 torch.testing.assert_close(p.grad[k], ref_grads[s][pn], rtol=1e-4,
                                            atol=1e-6, msg=f"{pn} rank {k}")
@@ -259,5 +259,5 @@ def test_ddp_backward_that_raises_in_a_recompute_leaves_the_module_usable():
     loss.backward()
     ref_losses, ref_grads = one_device_steps(lambda: Checkpointed(False), steps=1)
     torch.testing.assert_close(loss.full(), ref_losses[0], rtol=1e-5, atol=1e-6)
-    for pn, p in ddp.named_parameters():
+    for pn, p in ddp.module.named_parameters():
         torch.testing.assert_close(p.grad[1], ref_grads[0][pn], rtol=1e-4, atol=1e-6, msg=pn)

@@ -96,8 +96,9 @@ def test_the_replicas_are_the_optimizers_parameters_one_per_rank():
     model = wb.parallelize(mlp(), mesh, PLAN, mesh_dim="tp")
     ddp = wb.DistributedDataParallel(model, mesh, "dp")
     names = [n for n, _ in ddp.named_parameters()]
-    assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    w = dict(ddp.named_parameters())["0.weight"]
+    assert names == ["module.0.weight", "module.0.bias", "module.2.weight",
+                     "module.2.bias"]                       # torch DDP's names
+    w = dict(ddp.named_parameters())["module.0.weight"]
     assert w.is_leaf and w.requires_grad and w.shape == (2, 2, 16, 16)   # (dp, tp, 32/2, 16)
     assert type(wb.DistributedDataParallel(mlp(), wb.Mesh.grid(2, ["dp"]))) is \
         wb.DistributedDataParallel                  # a plain module: the per-rank wrapper

@@ -248,7 +248,7 @@ def test_ddp_zero_grad_requires_grad_and_double():
     with pytest.raises(ValueError, match=r"\['frozen'\].*before wrapping"):
         ddp.requires_grad_(True)                # 'frozen' was frozen when DDP was built
     for n, p in ddp.named_parameters():
-        p.requires_grad_(n != "frozen")
+        p.requires_grad_(n != "module.frozen")          # torch DDP's names
     assert ddp.double() is ddp
     ref.double()
     assert {p.dtype for p in ddp.parameters()} == {torch.float64}

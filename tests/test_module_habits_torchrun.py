@@ -42,3 +42,12 @@ def test_clip_grad_norm_state_dicts_and_sum_losses_on_gloo():
         got, want = r["tp_norm"]
         assert abs(got - want) <= 1e-6 * want and r["tp_grads"] < 1e-6, r
         assert r["tp_loaded"] and r["tp_double"] < 1e-12, r
+    # DDP's names are torch DDP's ("module." everywhere, habits4: named_parameters(),
+    # named_buffers() and named_modules() gave the module's own), on the process group and
+    # on simulated ranks; each one's state dict loads into the other
+    names = [r for r in rows if "names_torch" in r]
+    assert len(names) == 2
+    for r in names:
+        assert r["names_wb"] == r["names_torch"] == r["names_sim"], r
+        assert r["names_torch"][0][0] == "module.0.weight", r
+        assert r["into_ours"] and r["into_torch"], r

@@ -94,10 +94,11 @@ def test_fully_shard_attribute_outside_forward_frozen_freezes_the_shard():
             torch.testing.assert_close(p.full_tensor(), want[n].detach(), msg=f"{k} {n}")
 
 
-def test_clipping_the_attributes_after_a_forward_raises_instead_of_doing_nothing():
+def test_clipping_the_attributes_after_a_forward_clips_the_shards():
     # clip_grad_norm_ over [model[0].weight, ...] after a backward (the gathered copies,
-    # which hold no gradient) returned 0 and clipped nothing; the templates
-    # (model.parameters()) already raised.  torch clips the module's gradients.
+    # which hold no gradient) returned 0 and clipped nothing; then it raised, as the
+    # templates (model.parameters()) did.  torch clips the module's gradients: now both
+    # clip the shards (habits4), as clip_grad_norm_(fsdp.parameters()) does.
     from tests.test_audit_tp_fsdp import _loss
     from tests.test_fully_shard import batches, tp_model, wrap_tp_fsdp
     model, w, opt, mesh, pl = wrapped("fsdp")
@@ -105,21 +106,23 @@ def test_clipping_the_attributes_after_a_forward_raises_instead_of_doing_nothing
     ((w(wb.shard_tensor(x, mesh, pl)) - wb.shard_tensor(y, mesh, pl)) ** 2).mean().backward()
     w.finish_gradient_synchronization()
     before = [p.grad.clone() for p in w.parameters()]
+    total = torch.nn.utils.get_total_norm(before)
     attrs = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
     for ps in (attrs, model.parameters()):
-        with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(fsdp\.parameters\(\)"):
-            torch.nn.utils.clip_grad_norm_(ps, 1e-3)
+        torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(ps, 1e9), total)
     assert all(torch.equal(p.grad, b) for p, b in zip(w.parameters(), before))
+    torch.nn.utils.clip_grad_norm_(attrs, total.item() / 2)
+    for p, b in zip(w.parameters(), before):
+        torch.testing.assert_close(p.grad, b * (total.item() / 2) / (total + 1e-6))
     # fully_shard after TP: an attribute read outside the forward
     fmesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
     m = wrap_tp_fsdp(tp_model(), fmesh)
     ids, yy = next(iter(batches(k=1)))
     _loss(m, fmesh, ids, yy).backward()
-    # the message names fully_shard and the model's own parameters() (FSDP2's), not an
-    # fsdp wrapper the user never made
-    with pytest.raises(RuntimeError, match=r"fully_shard keeps .*flat shards.*"
-                       r"clip_grad_norm_\(model\.parameters\(\)"):
-        torch.nn.utils.clip_grad_norm_([m.blocks[0].up.weight], 1e-3)
+    # (it raised, naming model.parameters()): the attribute clips its own shard
+    shard = dict(m.named_parameters())["blocks.0.up.weight"]
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_([m.blocks[0].up.weight], 1e9),
+                               torch.nn.utils.clip_grad_norm_([shard], 1e9))
 
 
 @pytest.mark.slow

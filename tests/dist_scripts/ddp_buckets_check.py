@@ -75,7 +75,8 @@ def dist_tensor_run(name, kw, n):
         buckets.append(ddp.bucket_names)
         loss(out).backward()
         ddp.finish_gradient_synchronization()
-    return buckets, {k: p.grad.reshape(p.shape[1:]) for k, p in ddp.named_parameters()}
+    return buckets, {k[len("module."):]: p.grad.reshape(p.shape[1:])   # torch DDP's names
+                     for k, p in ddp.named_parameters()}
 
 
 def main():

@@ -126,6 +126,31 @@ def tensor_parallel(n, k):
             "tp_double": (y - other.double()(x.double())).abs().max().item()}
 
 
+def ddp_names_against_torchs(n, k):
+    """torch's own DDP and wb's on the process group (and wb's on simulated ranks): the
+    names of named_parameters / named_buffers / named_modules / state_dict, and each
+    one's state_dict loaded into the other (values equal)."""
+    def bn():
+        torch.manual_seed(k)                # different per rank: DDP broadcasts rank 0's
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    td, wd = nn.parallel.DistributedDataParallel(bn()), wb.DistributedDataParallel(bn(), None)
+    sim = wb.DistributedDataParallel(bn(), wb.Mesh.grid(n, ["dp"]))
+
+    def names(m):
+        return [[x for x, _ in m.named_parameters()], [x for x, _ in m.named_buffers()],
+                [x for x, _ in m.named_modules()], list(m.state_dict())]
+    torch.manual_seed(99)
+    other = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    td.load_state_dict({"module." + x: v for x, v in other.state_dict().items()})
+    wd.load_state_dict(td.state_dict())                     # torch DDP's checkpoint into ours
+    into_ours = all(torch.equal(wd.state_dict()[x], v) for x, v in td.state_dict().items())
+    td2 = nn.parallel.DistributedDataParallel(bn())
+    td2.load_state_dict(wd.state_dict())                    # ours into torch DDP
+    into_torch = all(torch.equal(td2.state_dict()[x], v) for x, v in wd.state_dict().items())
+    return {"rank": k, "names_torch": names(td), "names_wb": names(wd),
+            "names_sim": names(sim), "into_ours": into_ours, "into_torch": into_torch}
+
+
 def main():
     wb.distributed.init(timeout_s=60)
     n, k = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -142,6 +167,7 @@ def main():
     print(json.dumps({"rank": k, "sum_loss": max((got[nm] - sim[nm]).abs().max().item()
                                                  for nm in sim)}), flush=True)
     print(json.dumps(tensor_parallel(n, k)), flush=True)
+    print(json.dumps(ddp_names_against_torchs(n, k)), flush=True)
     wb.distributed.shutdown()
 
 

@@ -101,8 +101,8 @@ def disttensor_used_on_one_rank(rank, n, kw):
         ddp.finish_gradient_synchronization()
     except RuntimeError as e:
         return "RuntimeError: " + str(e).splitlines()[0][:300]
-    return {k: None if p.grad is None else p.grad.flatten().tolist()
-            for k, p in ddp.named_parameters()}
+    return {k[len("module."):]: None if p.grad is None else p.grad.flatten().tolist()
+            for k, p in ddp.named_parameters()}             # torch DDP's names: "module."
 
 
 def main():

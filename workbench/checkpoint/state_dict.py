@@ -34,10 +34,12 @@ with torch's semantics:
 Differences, as the wrappers' own ``state_dict()``: an optimizer's states come in one
 device's shapes (full tensors, not DTensor shards); the deprecated ``submodules=``
 argument raises (filter the returned dict instead).  torch's own helpers do not know
-``wb.DistributedDataParallel`` / ``wb.FullyShardedDataParallel`` (they look the names up
-as attributes of the wrapper) nor DistTensors (``full_state_dict=True`` raises
-``Unexpected value type``): use these.  A recipe's stage optimizers (``Hybrid``) are not
-``torch.optim`` optimizers: their training state moves between layouts with
+``wb.FullyShardedDataParallel`` (they look the names up as attributes of the wrapper)
+nor DistTensors (``full_state_dict=True`` raises ``Unexpected value type``); over
+``wb.DistributedDataParallel`` (torch DDP's names) they keep the ``module.`` prefix, which
+they drop for torch's own DDP class only: use these.  A recipe's stage optimizers
+(``Hybrid``) are not ``torch.optim`` optimizers: their training state moves between
+layouts with
 :mod:`.training` (``train --save`` / ``--resume``).
 """
 from __future__ import annotations

@@ -99,6 +99,29 @@ def _norm_of(g, p: float) -> torch.Tensor:
     return torch.linalg.vector_norm(g, p)
 
 
+def _to_shards(params):
+    """``params`` with each DistTensor that stands for a ZeRO-3 shard (the module's own
+    parameter under ``FullyShardedDataParallel`` / ``Zero3`` over DistTensors, or the
+    copy a forward gathered: its storage carries ``_wb_clip_shard``) replaced by that
+    shard.  FSDP2's ``model.parameters()`` are the sharded parameters with their
+    gradients, so torch's ``clip_grad_norm_`` over them is the clip over the shards; here
+    it raised (the shards were where to clip).  One entry for one (a parameter given
+    twice counts twice, as torch counts a tensor given twice); under torch.distributed
+    the shards' partial norms are reduced over the ranks
+    (:func:`.strategies.fsdp_dist_habits._shard_norm_grad`)."""
+    out = []
+    for p in params:
+        if isinstance(p, DistTensor):
+            shard = next((getattr(t, "_wb_clip_shard", None) for t in
+                          storage.tensors(p._local)
+                          if getattr(t, "_wb_clip_shard", None) is not None), None)
+            if shard is not None:
+                out.append(shard)
+                continue
+        out.append(p)
+    return out
+
+
 def _check_readable(params, fn: str) -> None:
     """Raise where a DistTensor's gradient is not the model's: its storage marked by a
     wrapper (``_wb_clip_refuse``: Zero3's templates, ZeRO-1/2's replicas), or a replica's
@@ -158,7 +181,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over tensors and DistTensors: returns the total
     norm of the gradients, which are scaled in place so it is at most ``max_norm``."""
-    params = _as_list(parameters, "clip_grad_norm_")
+    params = _to_shards(_as_list(parameters, "clip_grad_norm_"))
     _check_readable(params, "clip_grad_norm_")
     if not any(isinstance(p, DistTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
@@ -174,7 +197,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     """``torch.nn.utils.clip_grad_value_`` over tensors and DistTensors: every gradient
     element clamped to ``[-clip_value, clip_value]`` in place."""
-    params = _as_list(parameters, "clip_grad_value_")
+    params = _to_shards(_as_list(parameters, "clip_grad_value_"))
     _check_readable(params, "clip_grad_value_")
     if not any(isinstance(p, DistTensor) for p in params):
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
@@ -188,7 +211,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
 def clip_grads_with_norm_(parameters, max_norm: float, total_norm, foreach=None) -> None:
     """``torch.nn.utils.clip_grads_with_norm_`` over tensors and DistTensors: every
     gradient scaled in place by ``min(max_norm / (total_norm + 1e-6), 1)``."""
-    params = _as_list(parameters, "clip_grads_with_norm_")
+    params = _to_shards(_as_list(parameters, "clip_grads_with_norm_"))
     _check_readable(params, "clip_grads_with_norm_")
     if not any(isinstance(p, DistTensor) for p in params):
         return torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)

@@ -59,6 +59,9 @@ def mark_stage_optimizers(opts) -> None:
             for _, _, tmpl, _ in o.entries:
                 for t in storage.tensors(tmpl._local):
                     t._wb_clip_refuse = _UNREDUCED_HINT
+                    # not read as the stage's shard (clip_grad._to_shards): one stage's
+                    # clip alone is the per-stage clip the hint refuses
+                    t.__dict__.pop("_wb_clip_shard", None)
 
 
 def _kind(o) -> str:

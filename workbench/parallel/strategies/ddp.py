@@ -97,7 +97,8 @@ module's own shapes (rank ``broadcast_from``'s rows) and ``ddp.module.load_state
 takes them, as torch's; a write into those rows (``sd[k].copy_(t)``, DCP's load in
 place, ``optimizer.state_dict()``'s states) reaches every row before the next forward
 or step (:mod:`.replica_writes`), and a row written on its own raises there;
-``ddp.modules()``, ``ddp.apply(fn)``, ``ddp.buffers()`` are the module's.  Buffers a
+``ddp.modules()`` (the wrapper, then the module's, as torch DDP's), ``ddp.apply(fn)``,
+``ddp.buffers()`` reach the module's.  Buffers a
 forward writes change once a step, from rank ``broadcast_from``
 (torch DDP broadcasts that rank's buffers before each forward); a plain BatchNorm in
 training normalizes each rank's rows by that rank's own statistics, as torch DDP does
@@ -144,8 +145,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
     """Data parallel training of ``module`` over the ranks along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
-    The module's parameters stay its own ``nn.Parameter``s under their own names
-    (no ``module.`` prefix): ``ddp.parameters()`` is ``module.parameters()``.  On a
+    The module's parameters stay its own ``nn.Parameter``s; ``ddp.parameters()`` is
+    ``module.parameters()`` and, as torch DDP's, ``named_parameters()``,
+    ``named_buffers()``, ``named_modules()`` name them ``"module." +`` their own.  On a
     simulated mesh each parameter holds one row per rank (shape ``(N, *shape)``);
     :meth:`state_dict` gives one rank's tensors under torch DDP's keys (``module.``
     prefix), :meth:`full_state_dict` under the module's own names.
@@ -293,9 +295,46 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
                                    "between ranks; did something update one rank's copy "
                                    "outside the optimizer step?")
 
-    # ---- the module's own names -------------------------------------------------------------
+    # ---- torch DDP's names: the module is its child "module" ---------------------------------
+    # torch DDP registers the module as its child, so named_parameters(), named_buffers(),
+    # named_modules() and state_dict() all carry "module."; these gave the module's own
+    # names (state_dict() alone had the prefix), so a name from ddp.named_parameters()
+    # was not a key of ddp.state_dict() nor of torch DDP's named_parameters()
+    @staticmethod
+    def _child_prefix(prefix: str) -> str:
+        return prefix + ("." if prefix else "") + "module"
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """(``"module." +`` the module's own name, parameter), as torch DDP's."""
+        close_open_scopes()     # after a backward that raised in a recompute
+        if not recurse:         # torch DDP holds no parameter of its own
+            return iter(())
+        return self.module.named_parameters(self._child_prefix(prefix), True,
+                                            remove_duplicate)
+
     def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+        if not recurse:
+            return iter(())
+        return self.module.named_buffers(self._child_prefix(prefix), True, remove_duplicate)
+
+    def named_children(self):
+        yield "module", self.module
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        """The wrapper (``prefix``), then the module's tree under ``"module"``: torch's."""
+        if memo is None:
+            memo = set()
+        if self in memo and remove_duplicate:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        yield from self.module.named_modules(memo, self._child_prefix(prefix),
+                                             remove_duplicate)
+
+    def get_submodule(self, target: str = ""):
+        """By ``named_modules()``'s names (``"module.fc"``), as torch's."""
+        return nn.Module.get_submodule(self, target)
 
     def requires_grad_(self, requires_grad: bool = True):
         hooked = self._book.index

@@ -135,8 +135,15 @@ class DistTensorDDP(DistributedDataParallel):
 
     # ---- what an optimizer steps ------------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        for name, p in zip(self._names, self.replicas.params):
-            yield prefix + name, p._local
+        """(``"module." +`` the module's own name, its replica), torch DDP's names (a tied
+        weight under each of its names with ``remove_duplicate=False``, as torch's)."""
+        if not recurse:
+            return
+        mine = {id(p) for p in self.replicas.params}
+        for name, p in self.module.named_parameters(self._child_prefix(prefix), True,
+                                                    remove_duplicate):
+            if id(p) in mine:
+                yield name, p._local
 
     def parameters(self, recurse=True):
         return (p for _, p in self.named_parameters())

@@ -220,7 +220,8 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
     def _gathered_message(self) -> str:
         # what an in-place write to a gathered copy (a module's attribute from its forward
         # to the optimizer step) raises (parallel/inplace.py reads ``_wb_stale``)
-        return (f"this DistTensor is the copy of a parameter that {type(self).__name__}'s "
+        from .fsdp_dist_views import wrapper_names      # the name the user called
+        return (f"this DistTensor is the copy of a parameter that {wrapper_names(self)[0]}'s "
                 "forward gathered from its flat shards; a write to it would not reach the "
                 "shards: initialize before wrapping, or load values with "
                 "module.load_state_dict (it cuts them into the shards)")
@@ -384,4 +385,6 @@ def _refuse_clip_as(t: torch.Tensor, tmpl: DistTensor) -> None:
         msg = getattr(s, "_wb_clip_refuse", None)
         if msg:
             t._wb_clip_refuse = msg
+            if getattr(s, "_wb_clip_shard", None) is not None:     # simulated: clip it
+                t._wb_clip_shard = s._wb_clip_shard
             return

@@ -39,12 +39,15 @@ so :func:`install_habits` makes:
   of the shard's gradient in the parameter's layout (:class:`.fsdp_dist_views.GradOf`),
   as FSDP2's parameters carry their sharded gradients; under torch.distributed reading
   one that exists raises, naming the shards (it was None, silently);
-* ``wb.clip_grad_norm_(module.parameters(), ...)``: raises naming the shards (a clip
-  through the templates is not built; before their ``.grad`` existed it was a silent
-  no-op); torch's own
+* ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` (and ``wb.``'s,
+  ``clip_grad_value_``, over the templates or the module's attributes after a forward):
+  each is read as its shard (``_wb_clip_shard``,
+  :func:`..clip_grad._to_shards`), so it gives one device's norm and clips the shards, as
+  FSDP2's ``model.parameters()`` (its sharded DTensors) do (it raised, naming the
+  shards; before their ``.grad`` existed it was a silent no-op); torch's own
   ``clip_grad_norm_(fsdp.parameters(), ...)`` reads the shards and gives the total norm
   on simulated ranks (each shard once); under torch.distributed a shard's norm is partial,
-  so it raises there.
+  reduced over the mesh's groups when torch combines the norms (:func:`_shard_norm_grad`).
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
 from .fsdp_dist_views import VIEW_NOTE, GradOf, relink, wrapper_names
-from .rank_grads import as_replica_grad
+from .rank_grads import as_shard_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
@@ -139,7 +142,7 @@ def module_shaped_optimizer_states(fsdp) -> None:
 
 def install_habits(fsdp) -> None:
     msg = _clip_message(fsdp)
-    stale = (f"this DistTensor is {type(fsdp).__name__}'s template of a parameter it moved "
+    stale = (f"this DistTensor is {wrapper_names(fsdp)[0]}'s template of a parameter it moved "
              "into flat shards (it reads their values; an in-place write to it is not built, "
              "it would not reach the shards the forward reads): initialize before wrapping, "
              "or load values with module.load_state_dict (it cuts them into the shards)")
@@ -148,6 +151,8 @@ def install_habits(fsdp) -> None:
             # model.<p>.grad: a view of the shard's gradient (fsdp_dist_views.GradOf)
             t._wb_grad_of = GradOf(fsdp, i)
             t._wb_clip_refuse = msg
+            t._wb_clip_shard = shard    # a clip over it clips the shard (clip_grad.
+            #                             _to_shards), as over FSDP2's model.parameters()
             t._wb_stale = stale         # for DistTensor's in-place writes to refuse
             # model.<name>.requires_grad_(False) (a parameter from named_parameters()):
             # its shard, the leaf the optimizer steps, frozen too (it was not: the
@@ -156,7 +161,7 @@ def install_habits(fsdp) -> None:
             if not fsdp.async_:         # its own storage: a write through .data would not
                 t._wb_data_stale = True     # reach the shards (habits._get_data refuses)
         if not fsdp.async_ and shard.requires_grad:
-            shard.register_post_accumulate_grad_hook(_refuse_norm(fsdp))
+            shard.register_post_accumulate_grad_hook(_shard_norm_grad(fsdp, tmpl))
     for i, (_, _, _, shard) in enumerate(fsdp.entries):
         if not fsdp.async_:             # torch.distributed: the gathered copies go stale
             shard._wb_refresh = (fsdp, i)
@@ -178,17 +183,22 @@ def install_habits(fsdp) -> None:
     fsdp.module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: flush())
 
 
-def _refuse_norm(fsdp):
-    names = fsdp.mesh.dim_names
-    msg = (f"torch.nn.utils.clip_grad_norm_ over {type(fsdp).__name__}'s shards under "
-           f"torch.distributed: this process holds 1/{fsdp.n} of each parameter on "
-           f"{names[fsdp.axis]!r} (and its tensor-parallel shard), so its norm is a part; "
-           "the combined norm over DistTensor shards is not built for this mode: clip on "
-           "simulated ranks, or use wb.FullyShardedDataParallel on a plain module "
-           "(its shards' norms are reduced over the ranks)")
+def _shard_norm_grad(fsdp, tmpl):
+    """torch.distributed: each process's shard holds 1/dp of its tensor-parallel local
+    storage, so its gradient's norm is a part: a :class:`.rank_grads.ShardGrad`, whose
+    partial norms torch's ``clip_grad_norm_`` reduces over every mesh dim's group in turn
+    (FSDP2's ``_NormPartial`` of DTensor shards), a copy held on several ranks of a
+    dim the parameter is replicated on (not dp) counted on that dim's rank 0 only.  It
+    raised ("not built for this mode")."""
+    from ...sim_mesh import backends as _B
+    mesh = fsdp.mesh
+    coord = _B.coordinate(mesh)
+    skip = any(coord[a] != 0 for a in range(mesh.ndim)
+               if a != fsdp.axis and tmpl.placements[a].is_replicate())
+    groups = tuple(_B.group(mesh, a)[0] for a in range(mesh.ndim))
 
     def hook(shard):
-        shard.grad = as_replica_grad(shard.grad, (), True, "", msg)
+        shard.grad = as_shard_grad(shard.grad, groups, skip)
     return hook
 
 
@@ -272,6 +282,8 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
                 b._wb_on_requires_grad, b._wb_data_of = tmpl.requires_grad_, tmpl
                 if getattr(a, "_wb_clip_refuse", None):
                     b._wb_clip_refuse = a._wb_clip_refuse
+                if getattr(a, "_wb_clip_shard", None) is not None:
+                    b._wb_clip_shard = a._wb_clip_shard
             for mod, attr in fsdp._places[i]:   # wb.dist_parameters: the attributes
                 object.__setattr__(mod, attr, fresh)
 

@@ -42,7 +42,7 @@ VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stor
              "fsdp.parameters()]) for torch.nn.utils.parameters_to_vector")
 
 # what a template's storage tensors carry for the habits (fsdp_dist_habits.install_habits)
-_MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of")
+_MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of", "_wb_clip_shard")
 
 
 def dp_minor(chunk: torch.Tensor, axis: int) -> torch.Tensor:

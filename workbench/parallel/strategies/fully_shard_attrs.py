@@ -21,6 +21,14 @@ before the next forward, state dict or optimizer step (:mod:`..load_back`, as a
 ``state_dict()`` copy's).  Under
 torch.distributed that gather would be a collective one process alone cannot run, so a
 read outside forward raises there, naming ``state_dict()``.
+
+Identity: outside forward each read is a new gather, so ``model.head.weight is
+model.head.weight`` (and, for a tied weight, ``model.head.weight is model.emb.weight``)
+is False there, where FSDP2's attribute is the one sharded parameter (True); inside a
+forward every place of a tied weight reads the one copy its pre-hook gathered.  Values
+and gradients are one device's either way; code that tells parameters apart by identity
+should use ``model.parameters()`` / ``named_parameters()`` (the shards: a tied weight
+once), as torch's optimizers do.
 """
 from __future__ import annotations
 
@@ -69,6 +77,8 @@ class _ShardedAttr:
         value._local._wb_on_requires_grad = fsdp.entries[i][2].requires_grad_
         if getattr(g._local, "_wb_clip_refuse", None):  # no gradient: clip the shards
             value._local._wb_clip_refuse = g._local._wb_clip_refuse
+            if getattr(g._local, "_wb_clip_shard", None) is not None:
+                value._local._wb_clip_shard = g._local._wb_clip_shard
         # value.grad: the shard's gradient (FSDP2's module.weight is the sharded parameter,
         # with its gradient), a view of it in the parameter's layout; it was None
         value._local._wb_grad_of = GradOf(fsdp, i)

@@ -178,6 +178,10 @@ def _shard_norm(t, ord_, dtype):
             "norm_type 2, 1 or inf, or gather the gradients (full_state_dict) first")
     with torch._C.DisableTorchFunctionSubclass():
         n = torch.linalg.vector_norm(t, ord_, dtype=dtype)
+        if getattr(t, "_wb_norm_skip", False):
+            # a copy another rank also holds (ZeRO-3 over DistTensors: a parameter
+            # replicated on a tensor-parallel dim): counted once, on that dim's rank 0
+            n = torch.zeros_like(n)
     out = n.as_subclass(PartialNorm)
     out._wb_pg, out._wb_ord = t._wb_pg, float(ord_)
     return out
@@ -190,12 +194,21 @@ def _mixed():
         "wrapper's parameters on their own (fsdp.parameters())")
 
 
-def as_shard_grad(t, pg):
+def as_shard_grad(t, pg, skip: bool = False):
+    """``t`` as a :class:`ShardGrad` whose partial norm is reduced over ``pg`` (a process
+    group, or a tuple of them, one after the other: the groups of several mesh dims);
+    ``skip``: this rank's copy is counted by another rank's (its norm part is zero)."""
     if t is None:
         return None
     out = t if isinstance(t, ShardGrad) else t.as_subclass(ShardGrad)
     out._wb_pg = pg
+    if skip:
+        out._wb_norm_skip = True
     return out
+
+
+def _groups(pg):
+    return pg if isinstance(pg, tuple) else (pg,)
 
 
 class PartialNorm(torch.Tensor):
@@ -239,14 +252,17 @@ def _reduce(x, ord_, pg):
         x = x.detach().reshape(-1)
         if ord_ == math.inf:
             v = x.amax() if x.numel() else torch.tensor(0.0)
-            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=pg)
+            for g in _groups(pg):
+                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=g)
             return v
         if ord_ == -math.inf:
             v = x.amin() if x.numel() else torch.tensor(math.inf)
-            dist.all_reduce(v, op=dist.ReduceOp.MIN, group=pg)
+            for g in _groups(pg):
+                dist.all_reduce(v, op=dist.ReduceOp.MIN, group=g)
             return v
         v = x.sum() if ord_ == 0 else x.pow(ord_).sum()
-        dist.all_reduce(v, op=dist.ReduceOp.SUM, group=pg)
+        for g in _groups(pg):        # the groups of each dim in turn: the whole mesh's sum
+            dist.all_reduce(v, op=dist.ReduceOp.SUM, group=g)
         return v if ord_ == 0 else v.pow(1.0 / ord_)
 
 
@@ -255,13 +271,13 @@ def _full(x):
     with torch._C.DisableTorchFunctionSubclass():
         ord_, pg = x._wb_ord, x._wb_pg
         v = x.detach().clone()
-        if ord_ == math.inf:
-            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=pg)
-            return v
-        if ord_ == -math.inf:
-            dist.all_reduce(v, op=dist.ReduceOp.MIN, group=pg)
+        if ord_ in (math.inf, -math.inf):
+            for g in _groups(pg):
+                dist.all_reduce(v, op=dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN,
+                                group=g)
             return v
         if ord_ != 0:
             v = v.pow(ord_)
-        dist.all_reduce(v, op=dist.ReduceOp.SUM, group=pg)
+        for g in _groups(pg):
+            dist.all_reduce(v, op=dist.ReduceOp.SUM, group=g)
         return v if ord_ == 0 else v.pow(1.0 / ord_)

@@ -310,10 +310,17 @@ def rank_buffers(module, snapshot: dict | None):
             m._buffers[name] = b
 
 
+def _ddp_class():
+    from .ddp import DistributedDataParallel
+    return DistributedDataParallel
+
+
 class ModuleWrapper(torch.nn.Module):
     """What the data-parallel wrappers share: they keep the wrapped ``module`` and
-    answer with its own names (no ``module.`` prefix), so any ``torch.optim``
-    optimizer built on ``wrapper.parameters()`` steps the module's parameters."""
+    answer with its own names (no ``module.`` prefix, as torch FSDP1's
+    ``named_parameters``; ``DistributedDataParallel`` overrides them with torch DDP's
+    ``module.`` names), so any ``torch.optim`` optimizer built on ``wrapper.parameters()``
+    steps the module's parameters."""
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         close_open_scopes()     # after a backward that raised in a recompute: the stacked
@@ -346,6 +353,10 @@ class ModuleWrapper(torch.nn.Module):
             if module is None or name.startswith("_") or not hasattr(module, name):
                 raise
             cls = type(self).__name__
+            if isinstance(self, _ddp_class()):      # torch DDP's names ("module.<name>")
+                raise AttributeError(
+                    f"'{cls}' object has no attribute {name!r}: the wrapped module's is "
+                    f"{cls}.module.{name}, as torch DDP's") from None
             raise AttributeError(
                 f"'{cls}' object has no attribute {name!r}: the wrapped module's is "
                 f"{cls}.module.{name}; named_parameters() gives the module's own names, so "

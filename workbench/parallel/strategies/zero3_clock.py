@@ -224,6 +224,12 @@ class Zero3Clock:
                     self._wait("F", mod)
             for attr, i in self._by_mod[id(module)]:
                 _, _, tmpl, shard = self.entries[i]
-                object.__setattr__(module, attr, self._gather(tmpl, shard, cast=True))
+                copy = self._gather(tmpl, shard, cast=True)
+                # every place of a tied weight holds this one copy (FSDP2's
+                # _setattr_on_modules sets a parameter on its shared modules too): each
+                # module kept its own gather, so model.head.weight is model.emb.weight
+                # went False after a forward (torch's stays True)
+                for mod2, attr2 in self._places[i]:
+                    object.__setattr__(mod2, attr2, copy)
         return hook
 
