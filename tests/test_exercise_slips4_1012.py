@@ -120,3 +120,18 @@ def test_a_number_as_a_tensor_is_told_to_pass_item_and_numpy_floats_are_numbers(
     fails(r"x\.item\(\)", C.check_hidden_share, torch.tensor(0.525))
     passes(capsys, C.check_hidden_share, np.float32(0.525))
     fails("should be a number", C.check_hidden_share, np.bool_(True))
+
+
+def test_top_op_type_message_gives_a_name_of_the_trace():
+    """12, exercise 2: a non-str answer read "a str, e.g. 'mm'", an aten kernel's name that
+    the same check then refuses ("not aten's kernels")."""
+    msg = _message(C.check_top_op, None, _step_trace())
+    assert "'mm'" not in msg and ".name" in msg
+
+
+def test_idle_share_over_the_busy_time_is_named():
+    """12, exercise 3: idle / busy (0.1463 for 0.1276) got only "too high: take the step
+    from the first event's start ..."."""
+    tr = _step_trace()
+    busy = tr.busy(0, "compute")
+    fails("over BUSY time", C.check_idle_share, (tr.time() - busy) / busy, tr)

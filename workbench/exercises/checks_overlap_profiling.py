@@ -176,7 +176,8 @@ def check_top_op(name, tr) -> None:
     """The op name with the most modeled compute time in trace ``tr`` (all its events,
     each counted once however many ranks ran it)."""
     if not isinstance(name, str):
-        raise CheckError(f"name should be an op name (a str, e.g. 'mm'), got {name!r}")
+        raise CheckError(f"name should be an op name (a str: an event's .name, e.g. 'add'), "
+                         f"got {name!r}")
     per = {}
     count = {}
     for e in _compute_events(tr):
@@ -242,6 +243,8 @@ def check_idle_share(share, tr, rank: int = 0) -> None:
         (want / 1e6, "you divided seconds (tr.time(), Event.duration) by microseconds "
                      "(the Chrome trace's us): put both in one unit"),
         *distinct,
+        (want * step / busy, "that is idle time over BUSY time; the share is of the whole "
+                             "step: divide by the step's length"),
         (want * (t1 - t0) * 1e6, "that is the idle TIME in microseconds: divide it by the "
                                  "step's length for a share between 0 and 1"),
         (want * (t1 - t0), "that is the idle TIME in seconds: divide it by the step's "
