@@ -202,8 +202,22 @@ def test_latency_and_weight_rereads_give_an_optimal_k():
         assert r.hidden_share == pytest.approx(r.expected)
         assert r.hidden_share <= min(1.0, r.compute / r.comm) + 1e-9  # chunks' own C/M
     text = str(sw)
-    assert text.splitlines()[0].split()[:3] == ["op", "profile", "M"]
-    assert len(text.splitlines()) == 1 + len(sw.rows)
+    assert text.splitlines()[0] == "op matmul_all_reduce"          # one op per sweep
+    assert text.splitlines()[1].split()[:2] == ["profile", "M"]
+    assert len(text.splitlines()) == 2 + len(sw.rows)
+
+
+def test_printed_sweep_and_report_fit_a_notebook_line():
+    """Notebook 10 printed the sweep 110 characters wide (its op repeated on every row)
+    and a report 117 wide; JupyterLab wraps past about 100, mid-word."""
+    mesh = wb.Mesh.grid(8, ("tp",))
+    sw = overlap_sweep("matmul_reduce_scatter", [(16384, 8192, 32768)], mesh, "tp", [1, 32],
+                       ["ascend-910b", "a100"])
+    assert max(len(line) for line in str(sw).splitlines()) <= 100, str(sw)
+    x, w = meta_inputs("matmul_reduce_scatter", (16384, 8192, 32768), mesh, "tp")
+    _, rep = matmul_reduce_scatter(x, w, mesh, "tp", 32, profile="ascend-910b")
+    assert max(len(line) for line in str(rep).splitlines()) <= 100, str(rep)
+    assert "hidden" in str(rep) and str(rep).startswith("matmul_reduce_scatter k=32 on")
 
 
 def test_sweep_over_profiles_and_sizes_varies_the_ratio():

@@ -166,3 +166,19 @@ def test_no_line_runs_through_a_total():
     totals = _gids(fig, "total")
     assert [t.get_text() for t in totals] == ["58.5 GB", "54.5 GB", "53.4 GB"]
     assert totals[0].xy[0] == 64.0                                   # past both lines
+
+
+def test_usable_label_stays_inside_when_the_bars_run_far_past_the_device():
+    """GPipe or ZeRO-0 at PP = 1 in notebook 11's widget (400 GB bars): the usable line
+    lies near 0 and its label ran left out of the axes, over the row names (found in the
+    browser); it moves right of the lines and says which one it names."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    for rows in ({"stage 0 (only)": {"params": 400e9}},
+                 {"a": {"params": 62e9}, "b": {"params": 30e9}}):
+        fig = memory_bars(rows, limit=64e9, usable=60e9)
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        (label,) = fig.findobj(lambda a: a.get_gid() == "usable_label")
+        box, edge = label.get_window_extent(canvas.get_renderer()), fig.axes[0].bbox
+        assert edge.x0 <= box.x0 and box.x1 <= edge.x1, (rows, box, edge)
+        assert "usable 60.0 GB" in label.get_text()

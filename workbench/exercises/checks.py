@@ -17,6 +17,7 @@ agree.  The exercise's numbers are the keyword defaults of its check.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 from ..sim_mesh.mesh import Mesh
@@ -39,9 +40,30 @@ def _ok(msg: str) -> None:
 
 
 def _number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise CheckError(f"{name} should be a number, got {value!r}")
+    """``value`` as a float: a Python or NumPy real number (``numbers.Real``: a float32
+    from NumPy is a number too), finite, not a bool.  A tensor or an array is told to
+    pass its number (``.item()``) rather than only that it is no number."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool") \
+            or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        how = (": pass a Python number, e.g. x.item()" if hasattr(value, "item")
+               and not isinstance(value, numbers.Real) else "")
+        raise CheckError(f"{name} should be a number, got {value!r}{how}")
     return float(value)
+
+
+def _whole(value) -> int | None:
+    """``value`` as an int where it is a whole number: a Python, NumPy or torch integer
+    (``operator.index``) or a float with no fraction (4.0 is the answer 4); None for
+    anything else (a bool, a string, 4.5)."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    return None
 
 
 FORMULA = "compare each factor with the formula"
@@ -53,9 +75,11 @@ def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FOR
     (value that mistake gives, what to say).  Otherwise only the direction, and
     ``fallback``, what to redo (an exercise without a formula names its own method):
     the ratio would give the expected value away.  A unit slip is named (``share``: the
-    answer is a fraction, so 100 times it is a percentage)."""
-    for value, text in wrong:
-        if math.isclose(got, value, rel_tol=rel):
+    answer is a fraction, so 100 times it is a percentage).  A mistake given as (value,
+    text, tolerance) is matched within its own tolerance instead of ``rel`` (one that
+    lies very close to the expected value, where ``rel`` would swallow rounded answers)."""
+    for value, text, *own in wrong:
+        if math.isclose(got, value, rel_tol=own[0] if own else rel):
             return text
     if not want:
         return "it should be 0"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from ..sim_mesh.profiles import get_profile
-from .checks import _check_number, _hint, _number, _ok
+from .checks import _check_number, _hint, _number, _ok, _whole
 from .feedback import CheckError, exercise
 
 __all__ = ["check_zero_states_gb", "check_least_recompute", "check_biggest_micro_batch",
@@ -144,8 +144,10 @@ def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str 
     if memory_gb is None:
         memory_gb = _usable_gb("a100")
     per_dp = global_batch // dp
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+    whole = _whole(b)               # 2.0, numpy.int64(2) and torch.tensor(2) are 2
+    if whole is None or whole < 1:
         raise CheckError(f"the micro-batch should be an int >= 1, got {b!r}")
+    b = whole
     if per_dp % b:
         raise CheckError(f"b={b} does not divide global_batch / dp = {per_dp}: each pipeline "
                          f"gets {per_dp} sequences per step, in m = {per_dp} / b micro-batches")

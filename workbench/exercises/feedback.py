@@ -15,6 +15,7 @@ value is shown too, so that the value is not the first thing a student reads::
 from __future__ import annotations
 
 import functools
+import inspect
 
 __all__ = ["CheckError", "REVEAL_AFTER", "exercise", "reveal", "reset_tries"]
 
@@ -50,9 +51,15 @@ def exercise(fn):
     """Count the wrong tries of check ``fn``; add the expected value to its message from
     try ``REVEAL_AFTER`` on.  A right answer resets the count."""
     name = fn.__name__
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def check(*args, **kwargs):
+        try:                        # a call the check cannot take: say how to call it,
+            signature.bind(*args, **kwargs)      # not a TypeError through its source
+        except TypeError as err:
+            raise CheckError(f"{name}({_params(signature)}): {err}; call it as the "
+                             "exercise's cell does") from None
         try:
             out = fn(*args, **kwargs)
         except CheckError as err:
@@ -69,6 +76,12 @@ def exercise(fn):
         _tries.pop(name, None)
         return out
     return check
+
+
+def _params(signature) -> str:
+    """A check's parameters as a student writes them: names and defaults, no annotations."""
+    return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+                     for p in signature.parameters.values())
 
 
 def reveal(check) -> str:

@@ -103,11 +103,14 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
             fixed.append(end_label(ax, limit / unit, -0.7,
                                    f"{limit_label} {limit / unit:g} {unit_name}", fontsize=9,
                                    gid="limit_label"))
+        usable_label = None
         if usable is not None:
             ax.axvline(usable / unit, color="#333333", linestyle=":", linewidth=1.2,
                        gid="usable")
-            ax.text(usable / unit, len(rows) - 0.3, f"usable {usable / unit:.1f} {unit_name} ",
-                    ha="right", va="center", fontsize=8.5, color="#333333", gid="usable_label")
+            usable_label = ax.text(usable / unit, len(rows) - 0.3,
+                                   f"usable {usable / unit:.1f} {unit_name} ", ha="right",
+                                   va="center", fontsize=8.5, color="#333333",
+                                   gid="usable_label")
         ax.set_xlabel(unit_name, fontsize=9)
         ax.tick_params(labelsize=9)
         # at most 3 a row: five entries in one row ran past the figure's edges; fewer
@@ -128,7 +131,22 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
         # no line through a total, every label inside the plot (measured on a layout-only
         # draw, legend and title in place): the axis widens where one would not fit
         place_labels(fig, ax, ends, lines, fixed)
+        if usable_label is not None:
+            _keep_inside(fig, ax, usable_label, max(lines))
     return fig
+
+
+def _keep_inside(fig, ax, label, right_of: float) -> None:
+    """The usable line's label sits left of its line; where the bars run far past the
+    device (GPipe, no ZeRO at PP = 1) the line lies near 0 and the label would run left
+    out of the axes, over the row names: move it right of the rightmost line, saying
+    which line it names."""
+    fig.draw_without_rendering()
+    if label.get_window_extent().x0 >= ax.bbox.x0:
+        return
+    label.set_text(f" {label.get_text().strip()} (dotted)")
+    label.set_x(right_of)
+    label.set_horizontalalignment("left")
 
 
 def _first_row(rows, part):

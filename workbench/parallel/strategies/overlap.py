@@ -42,6 +42,8 @@ from ...sim_mesh.trace import Event, current_trace, trace
 __all__ = ["OverlapReport", "exposed_intervals", "expected_hidden_share",
            "matmul_all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "OPS"]
 
+WIDTH = 100         # printed lines at most this wide (JupyterLab wraps at about 100-105)
+
 
 # ---- measuring overlap on the modeled clock ------------------------------------------
 
@@ -130,9 +132,14 @@ class OverlapReport:
         return cls(kind, k, total, compute, comm, exposed, rank, profile, events)
 
     def __str__(self) -> str:
-        return (f"{self.kind} k={self.k} on {self.profile}: total {_ms(self.total)}, "
-                f"compute {_ms(self.compute)}, comm {_ms(self.comm)}, "
-                f"exposed {_ms(self.exposed)}, hidden {self.hidden_share:.1%}")
+        """One line, or two where one would be wider than ``WIDTH`` characters (JupyterLab
+        wraps a text output at about 100, mid-word): the op, then its times, indented."""
+        head = f"{self.kind} k={self.k} on {self.profile}:"
+        body = (f"total {_ms(self.total)}, compute {_ms(self.compute)}, "
+                f"comm {_ms(self.comm)}, exposed {_ms(self.exposed)}, "
+                f"hidden {self.hidden_share:.1%}")
+        one = f"{head} {body}"
+        return one if len(one) <= WIDTH else f"{head}\n  {body}"
 
 
 def _ms(t: float) -> str:

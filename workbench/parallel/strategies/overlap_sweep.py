@@ -79,12 +79,18 @@ class Sweep:
     rows: tuple
 
     def __str__(self) -> str:
-        head = (f"{'op':<22}{'profile':<13}{'M x K x N':<20}{'C/M':>6}{'k':>4}"
-                f"{'total ms':>10}{'exposed ms':>11}{'hidden':>8}{'formula':>8}{'speedup':>8}")
-        lines = [head]
-        for r in self.rows:
-            shp = "x".join(str(s) for s in r.shape)
-            lines.append(f"{r.op:<22}{r.profile:<13}{shp:<20}{r.ratio:>6.2f}{r.k:>4}"
+        """The table: the op on a line of its own (a sweep runs one op), then one row per
+        (profile, shape, k), the text columns as wide as their longest entry, so that a
+        row stays under 100 characters (JupyterLab wraps wider text mid-word)."""
+        shapes = ["x".join(str(s) for s in r.shape) for r in self.rows]
+        wp = max([len("profile")] + [len(r.profile) for r in self.rows]) + 2
+        ws = max([len("M x K x N")] + [len(s) for s in shapes]) + 2
+        ops = sorted({r.op for r in self.rows})
+        lines = [f"op {', '.join(ops)}",
+                 f"{'profile':<{wp}}{'M x K x N':<{ws}}{'C/M':>5}{'k':>4}{'total ms':>10}"
+                 f"{'exposed ms':>11}{'hidden':>8}{'formula':>8}{'speedup':>8}"]
+        for r, shp in zip(self.rows, shapes):
+            lines.append(f"{r.profile:<{wp}}{shp:<{ws}}{r.ratio:>5.2f}{r.k:>4}"
                          f"{r.total * 1e3:>10.3f}{r.exposed * 1e3:>11.3f}"
                          f"{r.hidden_share:>8.1%}{r.expected:>8.1%}{r.speedup:>7.2f}x")
         return "\n".join(lines)
