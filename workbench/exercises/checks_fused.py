@@ -9,6 +9,7 @@ to a count by hand over the tile grid, element by element.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -56,12 +57,17 @@ def _run(update, scores, values, width):
     acc = torch.zeros(rows, d, dtype=scores.dtype)
     changed = False
     for j in range(0, scores.shape[1], width):
-        before = (m, l, acc)
-        out = update(m, l, acc, scores[:, j:j + width], values[j:j + width])
+        before = (m.clone(), l.clone(), acc.clone())     # an update may work in place
+        out = update(m, l, acc, scores[:, j:j + width].clone(), values[j:j + width].clone())
         if not (isinstance(out, tuple) and len(out) == 3):
             raise CheckError(f"update must return the tuple (m, l, acc), got "
                              f"{type(out).__name__}")
         m, l, acc = out
+        if (isinstance(l, torch.Tensor) and isinstance(acc, torch.Tensor) and d != 1
+                and tuple(l.shape) == (rows, d) and tuple(acc.shape) == (rows, 1)):
+            raise CheckError(f"your update returned l of shape {tuple(l.shape)} and acc of "
+                             f"shape {tuple(acc.shape)}: l and acc swapped? Return them in "
+                             "the order (m, l, acc)")
         for name, t, shape in (("m", m, (rows, 1)), ("l", l, (rows, 1)), ("acc", acc, (rows, d))):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 raise CheckError(f"your update returned {name} of shape "
@@ -86,6 +92,11 @@ def _without_rescale(scores, values, width, *, rescale_l=False, rescale_acc=Fals
         acc = (acc * r if rescale_acc else acc) + p @ v
         m = m_new
     return acc / l
+
+
+def _short(t: torch.Tensor) -> str:
+    """A column of per-row values, short: [0.43, 1.2, 0.87]."""
+    return "[" + ", ".join(f"{x:.3g}" for x in t.flatten().tolist()) + "]"
 
 
 def _rescale_grows(update) -> bool:
@@ -149,6 +160,21 @@ def check_online_softmax(update) -> None:
                              "(torch.where(torch.isfinite(m_new), m_new, 0.0)): then "
                              "exp(m_old - 0) and exp(s - 0) are 0 for that row, as they "
                              "should be")
+        row_max = s.max(dim=-1, keepdim=True).values
+        if not torch.equal(m, row_max):
+            if torch.equal(m, torch.full_like(m, s.max().item())) and len(set(row_max.flatten(
+                    ).tolist())) > 1:
+                hint = ("m holds one max per query row: a max taken over other rows' scores "
+                        "can lie far above this row's, and exp(s - m) of this row then "
+                        "underflows to 0 (l = 0, acc / l nan)")
+            else:
+                hint = ("m is the running max, max(m_old, rowmax(s)): the largest score of "
+                        "its row so far. A tile's own max can be lower than an earlier "
+                        "tile's, or -inf for a masked tile: the earlier terms, rescaled by "
+                        "exp(m_old - m_new), then blow up or are lost")
+            raise CheckError(f"after the last tile m is not each row's largest score "
+                             f"({_short(m)} where the rows' maxima are {_short(row_max)}): "
+                             f"{hint}")
         err = (got - want).abs().max().item()
         if err > 1e-9:
             if torch.allclose(got, _without_rescale(s, v, width), atol=1e-9, equal_nan=True):
@@ -197,8 +223,15 @@ def _window_tiles_by_hand(seq: int, window: int, tile: int) -> int:
 def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int = 128) -> None:
     """How many of the (seq/tile)^2 tiles a tiled attention computes under a causal
     sliding window of ``window`` keys (query i sees keys i-window+1..i)."""
-    if isinstance(computed, bool) or not isinstance(computed, int):
-        raise CheckError(f"give a number of tiles (an int), got {computed!r}")
+    if isinstance(computed, bool) or not isinstance(computed, numbers.Integral):
+        whole = False
+        try:                                  # 21.0, torch.tensor(21): the count, not an int
+            whole = not isinstance(computed, (bool, str)) and float(computed).is_integer()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        raise CheckError(f"give a number of tiles (an int), got {computed!r}"
+                         + (": give it as an int, int(x)" if whole else ""))
+    computed = int(computed)                  # numpy's integers too
     want = _window_tiles_by_hand(seq, window, tile)
     n = -(-seq // tile)
     if computed == want:

@@ -188,10 +188,13 @@ def _strategy_error(st, mesh, shape, dim) -> str | None:
         return (f"your rule lets the scanned dim stay sharded ({what}) for a cumsum over "
                 f"dim {dim}: each rank scans only its own piece, so rank 1's values miss the "
                 f"sums of rank 0's piece. The scanned dim must be whole on every rank{hint}")
-    bad_partial = [p for p in ins if p.is_partial() and p.reduce_op != "sum"]
+    # linear: a sum or a mean of the ranks' pieces passes (PyTorch DTensor's linear
+    # pointwise rules keep P(sum) and P(avg): torch/distributed/tensor/_ops/_pointwise_ops.py,
+    # _UNARY_LINEAR_RULES); max and min do not
+    bad_partial = [p for p in ins if p.is_partial() and p.reduce_op not in ("sum", "avg")]
     if bad_partial:
         return (f"your rule accepts {bad_partial[0]} ({what}): cumsum is linear, so it "
-                f"commutes with a sum, but not with {bad_partial[0].reduce_op}")
+                f"commutes with a sum (and a mean), but not with {bad_partial[0].reduce_op}")
     outs_local = [torch.cumsum(t, d) for t in locs]
     try:
         y = from_local(outs_local, mesh, outs, shape=shape)
@@ -264,9 +267,21 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
                 dec = infer(op, spec, dim=dim)
             except Exception as e:          # the student's code: any error is an answer
                 sig = ""
-                if isinstance(e, TypeError):
+                if isinstance(e, TypeError) and "argument" in str(e):
                     sig = (" The dispatcher calls rule(x, dim=...): one TensorSpec per tensor "
                            "input, the attributes as keywords.")
+                elif isinstance(e, TypeError) and "'NoneType'" in str(e):
+                    sig = (" Does your rule return anything? It returns the list of "
+                           "strategies that combine(...) builds.")
+                elif isinstance(e, (TypeError, IndexError)):
+                    sig = (" combine(x.mesh.ndim, per_dim, 1) takes one list of options per "
+                           "mesh dim ([options] * x.mesh.ndim); an option is (input "
+                           "placements, output placements, note), each a tuple even for one "
+                           "placement, such as ((R,), (R,), 'replicated'); the last argument "
+                           "counts the tensor inputs (cumsum has 1).")
+                elif isinstance(e, AttributeError) and "'TensorSpec'" in str(e):
+                    sig = (" x is a TensorSpec, a shape and placements without data: it has "
+                           "x.shape, x.ndim, x.mesh and x.placements.")
                 elif isinstance(e, AttributeError) and "inputs" in str(e):
                     sig = (" A rule returns Strategy objects: build them from per-mesh-dim "
                            "options with combine(x.mesh.ndim, [options] * x.mesh.ndim, 1).")

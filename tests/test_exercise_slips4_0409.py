@@ -1,0 +1,164 @@
+"""Checker slips found in the browser review of notebooks 04 and 09 (nbr0409): wrong answers
+that passed, right answers that were refused, and hints that named the wrong mistake."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_fused as F
+from workbench.exercises import checks_spmd_pipeline as P
+from workbench.exercises.feedback import CheckError, reset_tries
+from workbench.parallel.rules import RULES, combine
+
+from .exercise_helpers import fails, passes
+
+R, S = wb.Replicate(), wb.Shard
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    saved = RULES.get("cumsum")
+    yield
+    reset_tries()
+    RULES["cumsum"] = saved
+
+
+# ---- 09 exercise 1: the online-softmax update --------------------------------------------------
+
+def _safe(m):
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def tile_max_only(m, l, acc, s, v):
+    """m_new = the tile's own max, not max(m_old, rowmax(s)): exact while nothing
+    overflows, but a masked tile sets m to -inf and the next tile wipes the earlier terms."""
+    m_new = s.max(dim=-1, keepdim=True).values
+    r, p = torch.exp(m - _safe(m_new)), torch.exp(s - _safe(m_new))
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def max_over_all_rows(m, l, acc, s, v):
+    """One max shared by every query row (s.max() over the whole tile)."""
+    m_new = torch.maximum(m, s.max()).expand_as(m)
+    r, p = torch.exp(m - _safe(m_new)), torch.exp(s - _safe(m_new))
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def in_place(m, l, acc, s, v):
+    """A right update that writes into the tensors it was given."""
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    r, p = torch.exp(m - _safe(m_new)), torch.exp(s - _safe(m_new))
+    l.mul_(r).add_(p.sum(-1, keepdim=True))
+    acc.mul_(r).add_(p @ v)
+    m.copy_(m_new)
+    return m, l, acc
+
+
+def l_acc_swapped(m, l, acc, s, v):
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    r, p = torch.exp(m - _safe(m_new)), torch.exp(s - _safe(m_new))
+    return m_new, acc * r + p @ v, l * r + p.sum(-1, keepdim=True)
+
+
+def test_a_tile_max_that_forgets_the_running_max_does_not_pass():
+    """Passed before: acc / l came out right on every case (no masked tile in the middle),
+    though m was not the running max."""
+    fails(r"m is not each row's largest score(.|\n)*running max, max\(m_old, rowmax\(s\)\)",
+          F.check_online_softmax, tile_max_only)
+    # what the check says happens: a masked tile between two finite ones loses the first
+    g = torch.Generator().manual_seed(0)
+    s, v = torch.randn(2, 12, generator=g, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    s[:, 4:8] = -math.inf
+    m, l, acc, _ = F._run(tile_max_only, s, v, 4)
+    assert not torch.allclose(acc / l, torch.softmax(s, -1) @ v)
+
+
+def test_one_max_for_all_rows_does_not_pass():
+    """Passed before: a max over every row is exact on scores of one scale."""
+    fails(r"one max per query row", F.check_online_softmax, max_over_all_rows)
+
+
+def test_an_in_place_update_is_right(capsys):
+    """Refused before with "returns m, l and acc unchanged" (the check compared the
+    mutated tensors with themselves)."""
+    passes(capsys, F.check_online_softmax, in_place)
+
+
+def test_l_and_acc_swapped_is_named():
+    """Said only "returned l of shape (3, 5); it keeps the shape (3, 1)"."""
+    fails(r"l and acc swapped\? Return them in the order \(m, l, acc\)",
+          F.check_online_softmax, l_acc_swapped)
+
+
+# ---- 09 exercise 2: the sliding-window tile count -----------------------------------------------
+
+def test_a_numpy_integer_count_is_an_int(capsys):
+    """np.int64(21) (a count summed over a numpy grid) was refused: 'give ... an int'."""
+    passes(capsys, F.check_window_tiles, np.int64(21))
+    fails(r"your count is 36", F.check_window_tiles, np.int64(36))
+    fails(r"an int\), got 21.0: give it as an int, int\(x\)", F.check_window_tiles, 21.0)
+    fails(r"give it as an int, int\(x\)", F.check_window_tiles, torch.tensor(21))
+    fails(r"an int\), got True$", F.check_window_tiles, True)
+    fails(r"an int\), got '21'$", F.check_window_tiles, "21")
+
+
+# ---- 04 exercise 2: the cumsum rule -------------------------------------------------------------
+
+def _register(options):
+    @wb.register_rule("cumsum", override=True)
+    def rule(x, dim):
+        return options(x, dim % x.ndim)
+    return rule
+
+
+def _base(x, dim):
+    return ([((R,), (R,), "replicated")]
+            + [((S(d),), (S(d),), "passes") for d in range(x.ndim) if d != dim]
+            + [((wb.Partial(),), (wb.Partial(),), "linear")])
+
+
+def test_a_mean_of_partials_passes_cumsum(capsys):
+    """Refused before: "cumsum is linear, so it commutes with a sum, but not with avg"; a
+    mean is linear too (PyTorch DTensor keeps P(avg) through its linear pointwise ops)."""
+    avg = wb.Partial("avg")
+    rule = _register(lambda x, d: combine(
+        x.mesh.ndim, [_base(x, d) + [((avg,), (avg,), "linear")]] * x.mesh.ndim, 1))
+    passes(capsys, P.check_cumsum_rule, rule)
+    mx = wb.Partial("max")
+    rule = _register(lambda x, d: combine(
+        x.mesh.ndim, [_base(x, d) + [((mx,), (mx,), "no")]] * x.mesh.ndim, 1))
+    fails(r"accepts P\(max\)(.|\n)*not with max", P.check_cumsum_rule, rule)
+
+
+def test_a_malformed_combine_is_not_blamed_on_the_signature():
+    """A TypeError from combine (options not tuples, no list per mesh dim) was answered
+    "The dispatcher calls rule(x, dim=...)"; an IndexError (combine's input count 2)
+    got no hint at all."""
+    rule = _register(lambda x, d: combine(
+        x.mesh.ndim, [[(R, R, "r")] + _base(x, d)[1:]] * x.mesh.ndim, 1))
+    with pytest.raises(CheckError) as err:
+        P.check_cumsum_rule(rule)
+    assert "calls rule(x, dim=...)" not in str(err.value)
+    assert "each a tuple even for one placement" in str(err.value)
+    reset_tries()
+    rule = _register(lambda x, d: combine(x.mesh.ndim, [_base(x, d)] * x.mesh.ndim, 2))
+    fails(r"IndexError(.|\n)*the last argument counts the tensor inputs \(cumsum has 1\)",
+          P.check_cumsum_rule, rule)
+    rule = _register(lambda x, d: None)
+    fails(r"Does your rule return anything\?", P.check_cumsum_rule, rule)
+
+    @wb.register_rule("cumsum", override=True)
+    def no_dim(x):
+        return combine(x.mesh.ndim, [[((R,), (R,), "r")]] * x.mesh.ndim, 1)
+    fails(r"calls rule\(x, dim=...\)", P.check_cumsum_rule, no_dim)
+
+
+def test_a_tensor_method_on_the_spec_names_what_a_spec_has():
+    """x.dim() on the TensorSpec: a bare AttributeError before."""
+    @wb.register_rule("cumsum", override=True)
+    def rule(x, dim):
+        return combine(x.mesh.ndim, [_base(x, dim % x.dim())] * x.mesh.ndim, 1)
+    fails(r"x.shape, x.ndim, x.mesh and x.placements", P.check_cumsum_rule, rule)
