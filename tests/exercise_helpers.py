@@ -13,8 +13,10 @@ def fails(match, fn, *args, **kw):
 
 
 def passes(capsys, fn, *args, **kw):
-    """``fn`` accepts the answer and prints one "Correct: ..." line."""
+    """``fn`` accepts the answer and prints one "Correct: ..." line (wrapped at
+    text_width.WIDTH by some checks: then its continuations are indented)."""
     fn(*args, **kw)
     out = capsys.readouterr().out
-    assert out.startswith("Correct: ") and out.count("\n") == 1
+    assert out.startswith("Correct: ") and out.endswith("\n")
+    assert all(line.startswith("    ") for line in out.splitlines()[1:]), out
     return out

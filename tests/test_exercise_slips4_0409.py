@@ -162,3 +162,43 @@ def test_a_tensor_method_on_the_spec_names_what_a_spec_has():
     def rule(x, dim):
         return combine(x.mesh.ndim, [_base(x, dim % x.dim())] * x.mesh.ndim, 1)
     fails(r"x.shape, x.ndim, x.mesh and x.placements", P.check_cumsum_rule, rule)
+
+
+# ---- printed lines within text_width.WIDTH (JupyterLab breaks longer ones mid-word) --------------
+
+def _widest(text: str) -> int:
+    return max(len(line) for line in text.replace("\x1b[1;31m", "").replace("\x1b[0m", "")
+               .splitlines())
+
+
+def test_decisions_and_reasons_print_within_the_width():
+    """04 printed wb.spmd.infer's decision and explain's reasons in lines of up to 158
+    characters (JupyterLab broke 'cheapes|t', '14|4 B')."""
+    from workbench.text_width import WIDTH
+    mesh = wb.Mesh.grid(4, ["x"])
+    a, b = wb.TensorSpec((8, 12), mesh, [R]), wb.TensorSpec((12, 6), mesh, [S(0)])
+    dec = wb.spmd.infer("matmul", a, b)
+    assert _widest(str(dec)) <= WIDTH
+    assert " ".join(str(dec).split()).startswith(" ".join(f"matmul: {dec.reason}".split()))
+    x = wb.shard_tensor(torch.randn(8, 12), mesh, [R])
+    y = wb.shard_tensor(torch.randn(12, 6), mesh, [S(0)])
+    table = wb.explain(lambda p, q: torch.softmax(torch.relu(p @ q), dim=-1).sum(), x, y)
+    assert _widest(table.reasons()) <= WIDTH
+    assert " ".join(table.reasons().split()) == " ".join(
+        " ".join(f"{r.op}: {r.reason}" for r in table.rows).split())
+
+
+def test_feedback_prints_within_the_width(capsys):
+    """A wrong answer's "Not yet: ..." (up to 400 characters on one line) and 04/09's
+    "Correct: ..." lines (up to 300) now wrap at spaces."""
+    from workbench.text_width import WIDTH
+    with pytest.raises(CheckError) as err:
+        P.check_mlp_plan({"0.weight": ["S(1)"], "2.weight": ["S(0)"]})
+    (shown,) = err.value._render_traceback_()
+    assert _widest(shown) <= WIDTH and shown.startswith("\x1b[1;31mNot yet:\x1b[0m with your plan")
+    for check, answer in ((P.check_mlp_plan, {"0.weight": ["S(0)"], "2.weight": ["S(1)"]}),
+                          (F.check_window_tiles, 21)):
+        out = passes(capsys, check, answer)
+        assert _widest(out) <= WIDTH, out
+    out = passes(capsys, F.check_online_softmax, in_place)
+    assert _widest(out) <= WIDTH, out

@@ -13,13 +13,14 @@ import numbers
 
 import torch
 
+from ..text_width import wrap
 from .feedback import CheckError, exercise
 
 __all__ = ["check_online_softmax", "check_window_tiles"]
 
 
 def _ok(msg: str) -> None:
-    print("Correct: " + msg)
+    print(wrap("Correct: " + msg))          # within text_width.WIDTH, continuations indented
 
 
 def _cases():
@@ -235,8 +236,8 @@ def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int =
     want = _window_tiles_by_hand(seq, window, tile)
     n = -(-seq // tile)
     if computed == want:
-        _ok(f"{want} of {n * n} tiles ({want / (n * n):.0%}); a causal mask alone computes "
-            f"{n * (n + 1) // 2}: the work grows with seq x window, not seq^2")
+        _ok(f"{want} of {n * n} tiles ({want / (n * n):.0%}), causal alone {n * (n + 1) // 2}: "
+            f"the work grows with seq x window, not seq^2")
         return
     if computed == n * (n + 1) // 2:
         hint = "that is the causal mask alone; the window also skips the tiles far left"

@@ -33,6 +33,7 @@ from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one
                                   simulate, validate)
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
+from ..text_width import wrap
 from .feedback import CheckError, exercise
 
 __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
@@ -41,8 +42,10 @@ __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
 R = Replicate()
 
 
-def _ok(msg: str) -> None:
-    print("Correct: " + msg)
+def _ok(msg: str, wrapped: bool = False) -> None:
+    """Print the one "Correct: ..." line; ``wrapped``: within text_width.WIDTH characters,
+    continuations indented (04's checks; 07's lines keep their stored form)."""
+    print(wrap("Correct: " + msg) if wrapped else "Correct: " + msg)
 
 
 def _fmt(ps) -> str:
@@ -126,7 +129,7 @@ def check_mlp_plan(plan, d: int = 16, hidden: int = 64, tp: int = 4,
             f"cuts out its {hidden // tp}; Megatron splits it with the weight, ['S(0)'])"
             if all(p.is_replicate() for p in b0.placements) else "")
     _ok(f"{outs} with no forward communication; the output is {y.notation()}: one all-reduce "
-        f"when it is needed whole (Megatron's g){note}")
+        f"when it is needed whole (Megatron's g){note}", wrapped=True)
 
 
 # ---- 04 SPMD propagation: a rule for cumsum ------------------------------------------------------
@@ -362,7 +365,7 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
     dec = infer(op, spec, dim=1)
     _ok(f"{len(seen)} strategies computed right, the cheapest always offered; e.g. x [S(1)], "
         f"cumsum over dim 1: {_fmt(dec.inputs[0])} -> {_fmt(dec.outputs[0])}, "
-        f"{dec.chosen.bytes:,d} B")
+        f"{dec.chosen.bytes:,d} B", wrapped=True)
 
 
 # ---- 07 pipelines: a schedule by hand -----------------------------------------------------------

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+from ..text_width import wrap
+
 __all__ = ["CheckError", "REVEAL_AFTER", "exercise", "reveal", "reset_tries"]
 
 REVEAL_AFTER = 3            # the wrong try from which the expected value is shown
@@ -35,8 +37,10 @@ class CheckError(AssertionError):
         self.expected = expected
 
     def _render_traceback_(self) -> list:
-        """What IPython prints instead of a traceback: the message alone."""
-        return [f"\x1b[1;31mNot yet:\x1b[0m {self}"]
+        """What IPython prints instead of a traceback: the message alone, wrapped at
+        ``text_width.WIDTH`` characters at spaces (JupyterLab would break its words)."""
+        text = wrap(f"Not yet: {self}")
+        return ["\x1b[1;31mNot yet:\x1b[0m" + text[len("Not yet:"):]]
 
 
 def _name(check) -> str:

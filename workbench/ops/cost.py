@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from . import registry
+from ..text_width import WIDTH
 
 __all__ = ["OpCost", "cost"]
 
@@ -76,10 +77,15 @@ class OpCost:
                             for f in fields(self) if f.name != "op"))
 
     def __str__(self) -> str:
-        return (f"{self.op}: {_si(self.flops, 'FLOP')} forward, "
+        """One line; where it would pass ``text_width.WIDTH`` characters, the memory kept
+        for backward goes on a second, indented line."""
+        work = (f"{self.op}: {_si(self.flops, 'FLOP')} forward, "
                 f"moves {_si(self.bytes_fused, 'B')} fused vs {_si(self.bytes_unfused, 'B')} "
-                f"unfused ({self.traffic_ratio:.1f}x), keeps {_si(self.saved_bytes_fused, 'B')} "
-                f"vs {_si(self.saved_bytes_unfused, 'B')} for backward")
+                f"unfused ({self.traffic_ratio:.1f}x),")
+        kept = (f"keeps {_si(self.saved_bytes_fused, 'B')} vs "
+                f"{_si(self.saved_bytes_unfused, 'B')} for backward")
+        one = f"{work} {kept}"
+        return one if len(one) <= WIDTH else f"{work}\n    {kept}"
 
 
 def cost(op: str | Callable, *args, **kwargs) -> OpCost:

@@ -16,6 +16,7 @@ import html
 from dataclasses import dataclass
 
 from ..sim_mesh.trace import current_trace, trace
+from ..text_width import wrap
 from .dispatch import explain_hooks
 from .ops_table.table import TABLE
 from .placement import fmt_placements
@@ -77,7 +78,8 @@ class Explanation:
         return "\n".join(rows)
 
     def reasons(self) -> str:
-        return "\n".join(f"{r.op}: {r.reason}" for r in self.rows)
+        """Each op's reason, one per op, within ``text_width.WIDTH`` characters a line."""
+        return wrap("\n".join(f"{r.op}: {r.reason}" for r in self.rows))
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in self.HEAD + ("why",))

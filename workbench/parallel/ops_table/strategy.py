@@ -29,6 +29,7 @@ from typing import Sequence
 
 from ...sim_mesh.profiles import get_profile
 from ...sim_mesh.trace import current_trace
+from ...text_width import wrap
 from .table import RULES, TABLE, on_change
 from ..placement import Replicate, fmt_placements
 
@@ -106,12 +107,14 @@ class Decision:
         return self.chosen.strategy.outputs
 
     def __str__(self) -> str:
+        """The reason, then the candidates (``*`` the chosen), each line within
+        ``text_width.WIDTH`` characters (continuations indented)."""
         lines = [f"{self.op}: {self.reason}"]
         for i, c in enumerate(self.candidates[:8]):
             lines.append(f"  {'*' if i == 0 else ' '} {c}")
         if len(self.candidates) > 8:
             lines.append(f"    ... {len(self.candidates) - 8} more")
-        return "\n".join(lines)
+        return wrap("\n".join(lines))
 
 
 def register_rule(*names: str, override: bool = False):
