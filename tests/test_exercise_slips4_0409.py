@@ -202,3 +202,16 @@ def test_feedback_prints_within_the_width(capsys):
         assert _widest(out) <= WIDTH, out
     out = passes(capsys, F.check_online_softmax, in_place)
     assert _widest(out) <= WIDTH, out
+
+
+def test_reveal_alone_in_a_cell_shows_its_line_once(capsys):
+    """reveal(...) as a cell's last line printed its text, then IPython showed the
+    returned str again as Out[n] ('check_window_tiles expects 21 tiles' twice)."""
+    from IPython.core.formatters import DisplayFormatter
+    from workbench.exercises.feedback import reveal
+    with pytest.raises(CheckError):
+        F.check_window_tiles(36)
+    text = reveal("check_window_tiles")
+    assert capsys.readouterr().out == "check_window_tiles expects 21 tiles\n"
+    assert text == "check_window_tiles expects 21 tiles" and isinstance(text, str)
+    assert DisplayFormatter().format(text) == ({}, {})       # nothing more under the cell

@@ -88,9 +88,17 @@ def _params(signature) -> str:
                      for p in signature.parameters.values())
 
 
+class _Printed(str):
+    """Text already printed: as a cell's last value it shows no second time."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 def reveal(check) -> str:
     """Print (and return) the expected value of ``check``'s exercise, as its last wrong
-    try computed it."""
+    try computed it.  The returned text is a ``str`` that a notebook does not display
+    again as the cell's value (``reveal(...)`` alone in a cell showed it twice)."""
     name = _name(check)
     if name not in _expected:
         text = (f"{name} has no wrong try yet: run it once with your answer, then "
@@ -98,7 +106,7 @@ def reveal(check) -> str:
     else:
         text = f"{name} expects {_expected[name]}"
     print(text)
-    return text
+    return _Printed(text)
 
 
 def reset_tries() -> None:
