@@ -215,3 +215,12 @@ def test_reveal_alone_in_a_cell_shows_its_line_once(capsys):
     assert capsys.readouterr().out == "check_window_tiles expects 21 tiles\n"
     assert text == "check_window_tiles expects 21 tiles" and isinstance(text, str)
     assert DisplayFormatter().format(text) == ({}, {})       # nothing more under the cell
+
+
+def test_a_plan_that_cannot_shard_a_parameter_names_it():
+    """04 exercise 1 with "0.bias": ["S(1)"]: "parallelize rejected your plan: Shard(1) on a
+    1-d tensor: dim must be in [-1, 0]" did not say which parameter was 1-d."""
+    fails(r"plan for '0.bias' \(shape \(64,\)\): Shard\(1\) on a 1-d tensor", P.check_mlp_plan,
+          {"0.weight": ["S(0)"], "0.bias": ["S(1)"], "2.weight": ["S(1)"]})
+    fails(r"plan for '0.weight' \(shape \(64, 16\)\): Shard\(2\)", P.check_mlp_plan,
+          {"0.weight": ["S(2)"], "2.weight": ["S(1)"]})

@@ -140,12 +140,16 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
                              "(or untie them before parallelize)")
     # every DistTensor first (shard_tensor may refuse a placement), then every write
     made = {}
-    for _, _, _, param, ps in todo:
+    for _, _, full, param, ps in todo:
         if id(param) in made:
             continue
         dt = getattr(param, "_wb_dist", None)       # tied with a module of an earlier call
         if dt is None or dt.mesh != mesh or list(dt.placements) != list(ps):
-            dt = shard_tensor(param.detach(), mesh, ps)
+            try:
+                dt = shard_tensor(param.detach(), mesh, ps)
+            except ValueError as e:                 # name the parameter: which one is 1-d?
+                raise ValueError(f"plan for {full!r} (shape {tuple(param.shape)}): {e}"
+                                 ) from None
             if param.requires_grad:
                 dt.requires_grad_()
         made[id(param)] = dt
