@@ -224,3 +224,25 @@ def test_a_plan_that_cannot_shard_a_parameter_names_it():
           {"0.weight": ["S(0)"], "0.bias": ["S(1)"], "2.weight": ["S(1)"]})
     fails(r"plan for '0.weight' \(shape \(64, 16\)\): Shard\(2\)", P.check_mlp_plan,
           {"0.weight": ["S(2)"], "2.weight": ["S(1)"]})
+
+
+def _right(m, l, acc, s, v):
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    r, p = torch.exp(m - _safe(m_new)), torch.exp(s - _safe(m_new))
+    return m_new, l * r + p.sum(-1, keepdim=True), acc * r + p @ v
+
+
+def test_numpy_and_float32_updates_are_told_why():
+    """numpy arrays were told "returned m of shape (3, 1); it keeps the shape (3, 1)";
+    float32 tensors, "m is not each row's largest score" (or a formula for an error of
+    4e-8)."""
+    fails(r"returned m as numpy.ndarray: return torch tensors", F.check_online_softmax,
+          lambda *a: tuple(t.numpy() for t in _right(*a)))
+    fails(r"returned m in torch.float32, given torch.float64: keep the inputs' dtype",
+          F.check_online_softmax, lambda *a: tuple(t.float() for t in _right(*a)))
+
+    def acc_through_float32(*a):
+        m, l, acc = _right(*a)
+        return m, l, acc.float().double()
+    fails(r"close, but not to float64's precision", F.check_online_softmax,
+          acc_through_float32)

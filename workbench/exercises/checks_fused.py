@@ -70,7 +70,14 @@ def _run(update, scores, values, width):
                              f"shape {tuple(acc.shape)}: l and acc swapped? Return them in "
                              "the order (m, l, acc)")
         for name, t, shape in (("m", m, (rows, 1)), ("l", l, (rows, 1)), ("acc", acc, (rows, d))):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            if not isinstance(t, torch.Tensor):
+                raise CheckError(f"your update returned {name} as {type(t).__module__}."
+                                 f"{type(t).__name__}: return torch tensors, as it is given")
+            if t.dtype != scores.dtype:
+                raise CheckError(f"your update returned {name} in {t.dtype}, given "
+                                 f"{scores.dtype}: keep the inputs' dtype (a tensor you make "
+                                 "takes dtype=s.dtype, or torch.zeros_like / torch.full_like)")
+            if tuple(t.shape) != shape:
                 raise CheckError(f"your update returned {name} of shape "
                                  f"{tuple(getattr(t, 'shape', ()))}; it keeps the shape "
                                  f"{shape} (one value per query row)")
@@ -197,6 +204,9 @@ def check_online_softmax(update) -> None:
             elif torch.allclose(acc, want, atol=1e-9):
                 hint = ("acc must stay unnormalised (a sum of exp(s - m) v); divide by l only "
                         "once, at the end (FlashAttention-2's change to the first version)")
+            elif err < 1e-5:
+                hint = ("close, but not to float64's precision: does a step go through float32 "
+                        "(a tensor made without dtype=s.dtype, a .float())?")
             else:
                 hint = ("the new max is max(m_old, rowmax(s)); then l = l exp(m_old - m_new) + "
                         "rowsum(exp(s - m_new)), acc = acc exp(m_old - m_new) + exp(s - m_new) v")
