@@ -527,3 +527,13 @@ def test_a_stateful_object_below_the_top_is_named(tmp_path):
     wb.checkpoint.save(tmp_path, {"model": m})
     with pytest.raises(wb.checkpoint.CheckpointError, match=r"'run.model' is a Sequential"):
         wb.checkpoint.load(tmp_path, {"run": {"model": _mlp(1)}}, strict=False)
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_arguments_in_torch_dcps_order_are_named(tmp_path, op):
+    """dcp.save(state_dict, checkpoint_id=path) is torch's order; given that way here the
+    error was os.fspath's 'expected str, bytes or os.PathLike object, not dict'."""
+    wb.checkpoint.save(tmp_path, {"w": torch.ones(2)})
+    with pytest.raises(TypeError, match=rf"the directory comes first here: "
+                                        rf"wb.checkpoint.{op}\(path, state\)"):
+        getattr(wb.checkpoint, op)({"w": torch.zeros(2)}, tmp_path)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["CheckpointError", "METADATA", "TRAILER", "flatten", "set_element", "sha256",
-           "is_stateful", "stateful_to_state_dict",
+           "is_stateful", "stateful_to_state_dict", "check_path",
            "dump_metadata", "read_metadata", "BytesStorageMetadata", "ChunkStorageMetadata",
            "Metadata", "MetadataIndex", "TensorProperties", "TensorStorageMetadata",
            "_StorageInfo", "data_file", "is_data_file"]
@@ -85,6 +85,21 @@ def _terminal(v) -> bool:
         if _tensorlike(e):
             return False
     return True
+
+
+def check_path(op: str, path, state) -> str:
+    """``path`` as a string; the arguments in torch DCP's order (``dcp.save(state_dict,
+    checkpoint_id=path)``) are a TypeError naming workbench's (directory first)."""
+    if isinstance(path, Mapping):
+        raise TypeError(f"wb.checkpoint.{op}(path, state): the first argument is a "
+                        f"{type(path).__name__}, the second a {type(state).__name__}; the "
+                        f"directory comes first here: wb.checkpoint.{op}(path, state) (torch's "
+                        f"order is dcp.{op}(state_dict, checkpoint_id=path))")
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"wb.checkpoint.{op}(path={path!r:.60}): give the checkpoint's "
+                        "directory, a str or os.PathLike") from None
 
 
 def is_stateful(v) -> bool:

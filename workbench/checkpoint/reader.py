@@ -178,7 +178,7 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
     ``state_dict`` and ``load_state_dict`` (a module, an optimizer: DCP's ``Stateful``) is
     read into its ``state_dict()``, then given to its ``load_state_dict``, as ``dcp.load``
     does.  Returns what was read."""
-    path = os.fspath(path)
+    path = F.check_path("load", path, state)
     md = F.read_metadata(path)
     given, state = state, F.stateful_to_state_dict(state)   # a module: its state_dict()
     flat, paths = F.flatten(state)

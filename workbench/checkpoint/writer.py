@@ -127,7 +127,7 @@ def save(path, state, *, fsync: bool = True) -> None:
     Each rank writes its own pieces; one ``.metadata`` file records global shapes,
     dtypes, chunk offsets, the meshes and placements, and a sha256 of every file.  On
     torch.distributed every process calls it with its own state (a collective)."""
-    path = os.fspath(path)
+    path = F.check_path("save", path, state)
     flat, paths = F.flatten(F.stateful_to_state_dict(state))
     for key, value in flat.items():
         if isinstance(value, (torch.Tensor, DistTensor)) and value.device.type == "meta":
