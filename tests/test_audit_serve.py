@@ -537,3 +537,33 @@ def test_arguments_in_torch_dcps_order_are_named(tmp_path, op):
     with pytest.raises(TypeError, match=rf"the directory comes first here: "
                                         rf"wb.checkpoint.{op}\(path, state\)"):
         getattr(wb.checkpoint, op)({"w": torch.zeros(2)}, tmp_path)
+
+
+# ---- serving a mixture of experts from its training checkpoint -------------------------------
+
+def test_the_serve_cli_serves_a_moe_checkpoint_with_trains_moe_flags(tmp_path, capsys):
+    """`train --moe-experts 4 --save DIR` then `serve --checkpoint DIR`: serve had no
+    --moe-* flags (argparse refused them), and without them the error was the loader's
+    '... not in the checkpoint; pass strict=False to leave it as it is' (which would leave
+    the experts at their init)."""
+    from workbench.models.data import TOKENIZER
+    from workbench.serve.cli import load_served
+    from workbench.train import train
+    cfg = get_config("tiny", moe_experts=4)
+    d = str(tmp_path)
+    train(cfg, steps=1, seed=0, timing=False, save=d)
+    one = build_model(cfg, seed=3).eval()
+    sd = one.state_dict()
+    wb.checkpoint.load(d, {"model": sd})
+    one.load_state_dict(sd)
+    want = TOKENIZER.decode(generate(one, TOKENIZER.encode("The fox")[None], 8)[0])
+    capsys.readouterr()
+    assert main(["serve", "--checkpoint", d, "--prompt", "The fox", "--max-new-tokens", "8",
+                 "--moe-experts", "4", "--tp", "2"]) == 0
+    assert capsys.readouterr().out.strip() == want.strip()
+    assert main(["serve", "--checkpoint", d, "--prompt", "The fox"]) == 2
+    err = capsys.readouterr().err
+    assert "'layers.0.mlp.w1.weight' is not in the checkpoint" in err and "--moe-*" in err
+    assert "strict=False" not in err
+    with pytest.raises(ValueError, match=r"has shape \(8, 64\) here and \(4, 64\)"):
+        load_served(get_config("tiny", moe_experts=8), d)
