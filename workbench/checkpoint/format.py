@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from ..parallel.dist_tensor import DistTensor
 
 __all__ = ["CheckpointError", "METADATA", "TRAILER", "flatten", "set_element", "sha256",
+           "is_stateful", "stateful_to_state_dict", "check_path",
            "dump_metadata", "read_metadata", "BytesStorageMetadata", "ChunkStorageMetadata",
            "Metadata", "MetadataIndex", "TensorProperties", "TensorStorageMetadata",
            "_StorageInfo", "data_file", "is_data_file"]
@@ -86,6 +87,41 @@ def _terminal(v) -> bool:
     return True
 
 
+def check_path(op: str, path, state) -> str:
+    """``path`` as a string; the arguments in torch DCP's order (``dcp.save(state_dict,
+    checkpoint_id=path)``) are a TypeError naming workbench's (directory first)."""
+    if isinstance(path, Mapping):
+        raise TypeError(f"wb.checkpoint.{op}(path, state): the first argument is a "
+                        f"{type(path).__name__}, the second a {type(state).__name__}; the "
+                        f"directory comes first here: wb.checkpoint.{op}(path, state) (torch's "
+                        f"order is dcp.{op}(state_dict, checkpoint_id=path))")
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"wb.checkpoint.{op}(path={path!r:.60}): give the checkpoint's "
+                        "directory, a str or os.PathLike") from None
+
+
+def is_stateful(v) -> bool:
+    """DCP's ``Stateful`` (``torch.distributed.checkpoint.stateful``: an object with
+    ``state_dict`` and ``load_state_dict``, e.g. an ``nn.Module``, an optimizer, an LR
+    scheduler), other than a mapping (a dict is traversed as one: a module's
+    ``state_dict()`` holding DistTensors, :class:`~workbench.parallel.dcp_interop.
+    DistStateDict`, keeps its shards) and a class."""
+    return not isinstance(v, (Mapping, type)) and not _tensorlike(v) and \
+        callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def stateful_to_state_dict(state: Mapping) -> dict:
+    """A shallow copy of ``state`` where each top-level :func:`is_stateful` value is its
+    ``state_dict()`` (DCP's ``_stateful_to_state_dict`` on save, and the targets its
+    ``load`` fills before it calls their ``load_state_dict``)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state={type(state).__name__}: give a dict (a state dict: "
+                        "{name: tensor, DistTensor, nested dict or Python value})")
+    return {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
+
+
 def flatten(state: Mapping) -> tuple[dict, dict]:
     """(``{"a.b.0": leaf}``, ``{"a.b.0": ("a", "b", 0)}``): DCP's ``flatten_state_dict``
     keys and mapping (torch 2.13 ``_nested_dict.py`` / ``_traverse.py``), with DistTensors
@@ -101,6 +137,14 @@ def flatten(state: Mapping) -> tuple[dict, dict]:
                 visit(path + (str(k),), x)
         elif _terminal(v):
             key = ".".join(map(str, path))
+            if is_stateful(v):
+                # pickled whole, a load would put a new object in the container and
+                # leave this one as it was: silently not restored
+                raise CheckpointError(
+                    f"state: {key!r} is a {type(v).__name__} (it has state_dict and "
+                    "load_state_dict); only a top-level entry is read through them, as "
+                    "torch.distributed.checkpoint does: put it at the top of the dict, "
+                    f"or give its state_dict() here")
             if key in flat:
                 raise ValueError(f"state: two entries flatten to the key {key!r}; rename one")
             flat[key], paths[key] = v, path

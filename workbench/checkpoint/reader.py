@@ -174,9 +174,13 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
     """Fill ``state`` in place from the checkpoint at ``path`` (``dcp.load``'s contract):
     tensors and DistTensors are copied into (any mesh and placements: each rank reads
     only the chunks that overlap its shard), Python values are replaced in the dict.
-    ``strict``: every key of ``state`` must be in the checkpoint.  Returns what was read."""
-    path = os.fspath(path)
+    ``strict``: every key of ``state`` must be in the checkpoint.  A top-level value with
+    ``state_dict`` and ``load_state_dict`` (a module, an optimizer: DCP's ``Stateful``) is
+    read into its ``state_dict()``, then given to its ``load_state_dict``, as ``dcp.load``
+    does.  Returns what was read."""
+    path = F.check_path("load", path, state)
     md = F.read_metadata(path)
+    given, state = state, F.stateful_to_state_dict(state)   # a module: its state_dict()
     flat, paths = F.flatten(state)
     if strict:
         _check_empty(state, md, path)
@@ -244,6 +248,11 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
             write_back(target)
     for p, obj in objects:
         F.set_element(state, p, obj)
+    for k, v in given.items():          # DCP's load: a Stateful loads what its dict got
+        if F.is_stateful(v):
+            v.load_state_dict(state[k])
+        else:
+            given[k] = state[k]
     return report
 
 

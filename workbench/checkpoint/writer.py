@@ -120,13 +120,15 @@ def _write_file(directory: str, name: str, blobs: list[bytes], fsync: bool) -> d
 
 def save(path, state, *, fsync: bool = True) -> None:
     """Save ``state`` (a state dict: tensors, DistTensors, nested dicts and lists,
-    Python values) to the directory ``path`` in DCP's format, atomically.
+    Python values) to the directory ``path`` in DCP's format, atomically.  A top-level
+    value with ``state_dict`` and ``load_state_dict`` (a module, an optimizer: DCP's
+    ``Stateful``) is saved as its ``state_dict()``, as ``dcp.save`` does.
 
     Each rank writes its own pieces; one ``.metadata`` file records global shapes,
     dtypes, chunk offsets, the meshes and placements, and a sha256 of every file.  On
     torch.distributed every process calls it with its own state (a collective)."""
-    path = os.fspath(path)
-    flat, paths = F.flatten(state)
+    path = F.check_path("save", path, state)
+    flat, paths = F.flatten(F.stateful_to_state_dict(state))
     for key, value in flat.items():
         if isinstance(value, (torch.Tensor, DistTensor)) and value.device.type == "meta":
             raise F.CheckpointError(f"save: {key!r} is on the meta device (a shape, no "

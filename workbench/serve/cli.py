@@ -13,7 +13,8 @@ layout by ``wb.checkpoint.load``, each rank reading only its shards.
 
 ``--checkpoint`` reads the ``model`` entry of a ``train --save`` checkpoint (or of any
 ``wb.checkpoint.save(path, {"model": model.state_dict()})``); the model's shape is
-``--preset``'s (the one it was trained with).  Without ``--checkpoint`` the model is
+``--preset``'s (the one it was trained with; a mixture of experts also takes train's
+``--moe-*`` flags, served dropless).  Without ``--checkpoint`` the model is
 ``--preset`` initialised from ``--seed``, untrained (for testing).
 
 ``--requests FILE`` runs a serving benchmark instead (:mod:`.bench_cli`: the file's
@@ -51,6 +52,16 @@ def add_serve_arguments(p) -> None:
     g.add_argument("--backend", default="sim", choices=["sim", "torch"],
                    help="sim: all ranks in this process; torch: one rank per process "
                         "(torchrun --nproc-per-node dp x tp)")
+    m = p.add_argument_group("mixture of experts: the model the checkpoint was trained with "
+                             "(train's --moe-* flags; served dropless)")
+    m.add_argument("--moe-experts", type=int, default=0,
+                   help="routed experts per block (0: dense MLP)")
+    m.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    m.add_argument("--moe-shared-experts", type=int, default=0, help="always-on experts")
+    m.add_argument("--moe-gating", default="softmax", choices=["softmax", "sigmoid"],
+                   help="router gating: softmax (Mixtral) or sigmoid (DeepSeek-V3)")
+    m.add_argument("--moe-no-norm-topk", dest="moe_norm_topk", action="store_false",
+                   help="the k gates are the router's own probabilities (train's flag)")
     from .bench_cli import add_bench_arguments
     add_bench_arguments(p)
 
@@ -92,8 +103,16 @@ def load_served(preset, checkpoint=None, *, dp: int = 1, tp: int = 1, seed: int 
     if checkpoint is not None:
         import torch
 
-        from ..checkpoint import load
+        from ..checkpoint import load, read_metadata
+        from ..checkpoint.training import model_mismatch
         sd = served.model.state_dict()
+        # another model's checkpoint (e.g. trained with --moe-experts): named before the
+        # load, whose own message would suggest strict=False (weights left at their init)
+        bad = model_mismatch(read_metadata(checkpoint).state_dict_metadata,
+                             {k: v.shape for k, v in sd.items()}, every=not distributed)
+        if bad:
+            raise ValueError(f"--checkpoint {checkpoint}: {bad} (in Python: load_served("
+                             "get_config(preset, moe_experts=...), checkpoint))")
         load(checkpoint, {"model": sd})
         with torch.no_grad():
             served.model.load_state_dict(sd)
@@ -116,7 +135,9 @@ def _check(args) -> str | None:
 
 # the flags only one mode reads, with their defaults (a flag the mode ignores is an error)
 _TEXT_FLAGS = {"checkpoint": None, "max_new_tokens": 40, "temperature": 0.0, "top_k": None,
-               "top_p": None, "seed": 0, "dp": 1, "tp": 1, "backend": "sim"}
+               "top_p": None, "seed": 0, "dp": 1, "tp": 1, "backend": "sim",
+               "moe_experts": 0, "moe_topk": 2, "moe_shared_experts": 0,
+               "moe_gating": "softmax", "moe_norm_topk": True}
 _BENCH_FLAGS = {"profile": "a100", "max_batch": 32, "token_budget": 512}
 
 
@@ -165,7 +186,10 @@ def main_serve(args) -> int:
             from ..sim_mesh import backends
             backends.init()
         prompt = TOKENIZER.encode(args.prompt)[None]                       # (1, S)
-        served = load_served(args.preset, args.checkpoint, dp=args.dp, tp=args.tp,
+        from ..models.config import get_config
+        from ..recipes.moe import moe_overrides
+        cfg = get_config(args.preset, **moe_overrides(args))
+        served = load_served(cfg, args.checkpoint, dp=args.dp, tp=args.tp,
                              seed=args.seed, distributed=distributed)
         # one prompt: every dp replica serves a copy of it (rows are split over dp)
         idx = prompt.expand(args.dp, -1).contiguous() if args.dp > 1 else prompt
