@@ -62,6 +62,14 @@ def _check(model, idx, max_new_tokens, use_cache):
                          "with S >= 1 (a prompt of at least one token)")
     if idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"generate: idx of dtype {idx.dtype}; give token ids (torch.long)")
+    ids = idx.full_tensor() if isinstance(idx, DistTensor) else idx
+    v = model.cfg.vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"generate: idx holds token id {bad}, outside the vocabulary "
+                         f"[0, {v}) of this model (cfg.vocab_size={v}); encode the prompt "
+                         "with the model's tokenizer (e.g. the course's models.data "
+                         "Tokenizer.encode)")
     cf = getattr(model.cfg, "moe_capacity_factor", None)
     if use_cache and getattr(model.cfg, "moe_experts", 0) and cf is not None:
         raise ValueError(f"generate: a mixture of experts with moe_capacity_factor={cf}: its "
