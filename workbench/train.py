@@ -89,7 +89,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
 
     Returns one record per step: ``{"step", "loss", "tokens", "lr"}`` plus ``"ms"``
     (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far; a
-    mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py).
+    mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py), except
+    with pp > 1, where no layer's forward sees the whole batch and the record leaves them out.
     The losses are a pure function of the arguments: same seed, same losses.
     ``recompute`` ("none" | "full" | "selective" | "op") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",
