@@ -34,8 +34,13 @@ class CheckError(AssertionError):
         self.expected = expected
 
     def _render_traceback_(self) -> list:
-        """What IPython prints instead of a traceback: the message alone."""
-        return [f"\x1b[1;31mNot yet:\x1b[0m {self}"]
+        """What IPython prints instead of a traceback: the message alone, in lines of at
+        most ``text_width.WIDTH`` characters (JupyterLab breaks a longer line mid-word,
+        "co" / "ls 0:3"), continuations indented."""
+        from ..plan.text_width import wrap
+        head = "Not yet:"
+        text = wrap(f"{head} {self}")
+        return [f"\x1b[1;31m{head}\x1b[0m{text[len(head):]}"]
 
 
 def _name(check) -> str:
