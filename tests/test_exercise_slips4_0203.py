@@ -107,3 +107,11 @@ def test_allgather_rejects_p_alphas_on_the_910b():
           RIGHT["910b"], 8 * 3e-6 + 7 / 8 * N / 300e9)
     reset_tries()
     C.check_allgather_times(2.12e-3, 2.17e-4)              # 2118.2 us, 216.7 us rounded
+
+
+def test_notation_ignores_any_whitespace_and_sizes_take_no_bool(capsys):
+    """"bf16[I, J_tp]{U_dp}\\n" (a trailing newline, a tab) read "compare each part"; a True
+    among the sizes was read as 1 row ("add up to 9")."""
+    passes(capsys, C.check_notation, "bf16[I, J_tp]{U_dp}\n")
+    passes(capsys, C.check_notation, "bf16[I,\tJ_tp]{U_dp}")
+    fails("a list of 4 ints", C.check_nested_rows, [3, 2, 3, True])

@@ -58,7 +58,8 @@ def check_notation(text) -> None:
     want = "bf16[I, J_tp]{U_dp}"                                # by hand
     if not isinstance(text, str):
         raise CheckError(f"give the notation as a string, e.g. 'f32[I_dp, J]', got {text!r}")
-    got = re.sub(r"_\{(\w+)\}", r"_\1", text.replace(" ", ""))     # J_{tp} reads as J_tp
+    # J_{tp} reads as J_tp; no whitespace counts (a trailing newline read "compare each part")
+    got = re.sub(r"_\{(\w+)\}", r"_\1", re.sub(r"\s", "", text))
     if got == want.replace(" ", ""):
         _ok(want)
         return
@@ -93,6 +94,8 @@ def check_nested_rows(sizes, rows: int = 10) -> None:
         if isinstance(sizes, (str, bytes)):
             raise TypeError(sizes)
         raw = list(sizes)
+        if any(isinstance(n, bool) for n in raw):       # True read as 1 row
+            raise TypeError(sizes)
         got = [int(n) for n in raw]
         whole = all(float(n) == g for n, g in zip(raw, got))
     except (TypeError, ValueError):
