@@ -256,3 +256,21 @@ def test_legend_names_the_axis_of_the_copies():
     text = render_text(wb.TensorSpec((4, 3), mesh, ["P(sum)", "S(1)"]))
     assert "copies" not in text and "reduced over x (Partial)" in text
     assert "along x, y" in render_text(wb.TensorSpec((4, 3), mesh, ["R", "R"]))
+
+
+def test_reshard_figure_keeps_to_a_jupyterlab_output_width():
+    """Notebook 03's plans drew one row 14.5-16 inches wide: JupyterLab showed it at 55%,
+    its 9 pt text as 5 pt.  Rows now wrap at max_width (8.2 in), the same scale in each,
+    and a step's long line breaks before its arrow instead of being clipped."""
+    plan = wb.plan_reshard(wb.TensorSpec((4, 3), MESH23, ["S(0)", "S(1)"]), MESH23, ["R", "R"],
+                           profile="ascend-910b")
+    fig = vp.draw_reshard(plan)
+    assert fig.get_figwidth() <= 8.2
+    assert len(texts(fig, "step")) == 2 and len(found(fig, "block")) == 6 + 3 + 1
+    mesh = wb.Mesh.grid((2, 2, 2), ["dp", "cp", "tp"])
+    wide = wb.plan_reshard(wb.TensorSpec((8, 16, 16), mesh, ["S(0)", "S(1)", "R"]), mesh,
+                           ["S(0)", "R", "S(2)"])
+    fig = vp.draw_reshard(wide)
+    assert fig.get_figwidth() <= 8.2
+    first = texts(fig, "step")[0].splitlines()
+    assert first[1:3] == ["[S(0), S(1), R]", "-> [S(0), S(1), S(2)]"]

@@ -29,6 +29,18 @@ def _step_lines(plan) -> list:
     return out
 
 
+def _fit(text: str, chars: int) -> str:
+    """``text`` with each line longer than ``chars`` broken before its " -> "."""
+    out = []
+    for line in text.split("\n"):
+        if len(line) > chars and " -> " in line:
+            head, tail = line.split(" -> ", 1)
+            out += [head, "-> " + tail]
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def render_reshard_text(plan) -> str:
     """Before, the plan's steps, after: a terminal picture of a reshard Plan."""
     before = placement_layout(plan.shape, plan.src_mesh, plan.src, plan.dtype)
@@ -51,36 +63,62 @@ def _stages(plan) -> list:
     return out
 
 
-def draw_reshard(plan, *, facet_size: float = 2.2, dpi: int = 100, max_facets: int = 8):
+def draw_reshard(plan, *, facet_size: float = 1.8, dpi: int = 100, max_facets: int = 8,
+                 max_width: float = 8.2):
     """A Figure of a reshard Plan, left to right: the layout before, each step (its
     collective, the placement and notation edit, bytes and modeled time) and the layout
-    it leaves, up to the layout after; the total below."""
+    it leaves, up to the layout after; the total above.
+
+    A row is at most ``max_width`` inches wide (8.2: about 820 px, what a JupyterLab
+    output shows unscaled in a 1280 px window with the file browser open); longer plans go
+    on in the next row, which then starts with its step's arrow.  (One row of 14-16 inches
+    was shown at 55% in JupyterLab: its 9 pt text read as 5 pt.)"""
     import matplotlib
     stages = _stages(plan)
     lines = _step_lines(plan)
     steps, total = lines[:-1], lines[-1]
     cols = [min(len(lay.facets()), 4) for _, lay in stages]
-    rows = max(-(-len(lay.facets()) // c) for (_, lay), c in zip(stages, cols))
+    frows = max(-(-len(lay.facets()) // c) for (_, lay), c in zip(stages, cols))
     meshes = [i == 0 or lay.mesh != stages[i - 1][1].mesh for i, (_, lay) in enumerate(stages)]
-    widths = []
+    items = []                                         # (kind, index, width in facets)
     for i, c in enumerate(cols):
         if i:
-            widths.append(1.15)                                  # the step between
-        widths.append(c + (0.8 if meshes[i] else 0.1))
+            items.append(("step", i - 1, 1.15))        # the step between
+        items.append(("layout", i, c + (0.8 if meshes[i] else 0.1)))
+    rows, row, used = [], [], 0.0                      # greedy: fill a row, then wrap
+    for it in items:
+        if row and facet_size * (used + it[2]) + 0.6 > max_width:
+            rows.append(row)
+            row, used = [], 0.0
+        row.append(it)
+        used += it[2]
+    rows.append(row)
+    units = max(sum(it[2] for it in r) for r in rows)
     with matplotlib.rc_context(RC):
-        fig = _figure(facet_size * sum(widths) + 0.6, facet_size * rows + 1.9, dpi)
-        subs = fig.subfigures(1, len(widths), width_ratios=widths)
-        for i, (name, lay) in enumerate(stages):
-            _draw_layout(subs[2 * i], lay, f"{name}\n{lay.notation}\n"
-                         f"{fmt_placements(lay.placements)}", max_facets, mesh_panel=meshes[i])
-        for i, (text, gid) in enumerate(steps):
-            ax = subs[2 * i + 1].add_subplot(1, 1, 1)
-            ax.set_axis_off()
-            ax.set_xlim(0, 1)
-            ax.set_ylim(0, 1)
-            ax.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5),
-                        arrowprops=dict(arrowstyle="-|>", color="#555555", linewidth=1.5))
-            ax.text(0.5, 0.56, text, ha="center", va="bottom", fontsize=9, gid=gid,
-                    wrap=True)
+        fig = _figure(facet_size * units + 0.6, (facet_size * frows + 1.7) * len(rows) + 0.3, dpi)
+        for r, rowfig in zip(rows, fig.subfigures(len(rows), 1, squeeze=False)[:, 0]):
+            widths = [it[2] for it in r]
+            if sum(widths) < units - 1e-9:
+                widths.append(units - sum(widths))     # blank: the same scale in every row
+            subs = rowfig.subfigures(1, len(widths), width_ratios=widths, squeeze=False)[0]
+            for sub, (kind, i, _) in zip(subs, r):
+                if kind == "layout":
+                    name, lay = stages[i]
+                    _draw_layout(sub, lay, f"{name}\n{lay.notation}\n"
+                                 f"{fmt_placements(lay.placements)}", max_facets,
+                                 mesh_panel=meshes[i])
+                    continue
+                text, gid = steps[i]
+                ax = sub.add_subplot(1, 1, 1)
+                ax.set_axis_off()
+                ax.set_xlim(0, 1)
+                ax.set_ylim(0, 1)
+                ax.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5),
+                            arrowprops=dict(arrowstyle="-|>", color="#555555", linewidth=1.5))
+                # a line wider than the step's column breaks before its arrow (about
+                # 0.55 em a character at 9 pt): clipped, it also squeezed the arrow
+                chars = int(1.15 * facet_size * 72 / (9 * 0.55))
+                ax.text(0.5, 0.56, _fit(text, chars), ha="center", va="bottom", fontsize=9,
+                        gid=gid)
         fig.suptitle(total[0].replace("\n", ", "), fontsize=10, fontweight="bold", gid="total")
     return fig
