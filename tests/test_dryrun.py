@@ -6,8 +6,6 @@ allocate nothing and run a 1,024-rank mesh.
 """
 import json
 import resource
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -141,12 +139,14 @@ def test_bad_layout_names_the_fix():
         dry_run(CFG, Layout(dp=1, tp=3, pp=1), Cluster("a100", 3))
 
 
-def test_train_cli_prints_one_json_line(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "workbench", "train", "--preset", "gpt-tiny", "--dry-run",
-         "--dp", "2", "--tp", "2", "--pp", "2", "--batch-size", "8", "--profile", "h100"],
-        capture_output=True, text=True, timeout=300, check=True)
-    lines = out.stdout.strip().splitlines()
+# The CLI runs in this process (``python -m workbench`` is ``sys.exit(main())``, run as a
+# process by the torchrun tests, tests/test_distributed_engine.py): no second interpreter
+# and torch import per test
+def test_train_cli_prints_one_json_line(capsys):
+    from workbench.cli import main
+    assert main(["train", "--preset", "gpt-tiny", "--dry-run", "--dp", "2", "--tp", "2",
+                 "--pp", "2", "--batch-size", "8", "--profile", "h100"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     rec = json.loads(lines[0])
     assert rec["loss"] is None and rec["dry_run"] is True and rec["profile"] == "h100"
@@ -155,12 +155,11 @@ def test_train_cli_prints_one_json_line(tmp_path):
     assert len(rec["peak_bytes_per_rank"]) == 2 and rec["fits"] is True
 
 
-def test_train_cli_refuses_an_unknown_schedule():
-    out = subprocess.run(
-        [sys.executable, "-m", "workbench", "train", "--preset", "gpt-tiny", "--dry-run",
-         "--pp", "2", "--schedule", "zb-h1", "--batch-size", "8"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "--schedule zb-h1" in out.stderr
+def test_train_cli_refuses_an_unknown_schedule(capsys):
+    from workbench.cli import main
+    assert main(["train", "--preset", "gpt-tiny", "--dry-run", "--pp", "2", "--schedule",
+                 "zb-h1", "--batch-size", "8"]) == 2
+    assert "--schedule zb-h1" in capsys.readouterr().err
 
 
 def test_meta_attention_keeps_what_flash_attention_keeps():

@@ -10,8 +10,6 @@ and refuses ep with sp, so the EP cases run tp = 1; routing is balanced on meta 
 measured apart.
 """
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -156,11 +154,12 @@ def test_what_is_not_run_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("flags", [["--moe-experts", "4", "--ep", "2", "--dp", "1"],
                                    ["--cp", "2"], ["--cp", "2", "--tp", "2"]])
-def test_train_cli_dry_runs_ep_and_cp(flags):
-    out = subprocess.run(
-        [sys.executable, "-m", "workbench", "train", "--preset", "tiny", "--dry-run",
-         "--batch-size", "2", *flags],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rec = json.loads(out.stdout.strip().splitlines()[-1])
+def test_train_cli_dry_runs_ep_and_cp(flags, capsys):
+    # in this process (``python -m workbench`` is ``sys.exit(main())``): no second
+    # interpreter and torch import per case
+    from workbench.cli import main
+    rc = main(["train", "--preset", "tiny", "--dry-run", "--batch-size", "2", *flags])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    rec = json.loads(out.out.strip().splitlines()[-1])
     assert rec["dry_run"] is True and rec["modeled_ms"] > 0 and rec["fits"] is True

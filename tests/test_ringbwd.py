@@ -183,7 +183,7 @@ def test_the_backward_ring_is_the_planners():
     from workbench.models.config import ModelConfig
     from workbench.plan import Cluster, Layout
     from workbench.plan.context_cost import ring_times
-    p, H, S, D = 4, 8, 4096, 64
+    p, H, S, D = 4, 8, 2048, 64
     cfg = ModelConfig(arch="llama", d_model=H * D, n_head=H, seq_len=S, vocab_size=100,
                       n_layer=1, dtype="bfloat16")
     r = ring_times(cfg, Layout(dp=1, cp=p), Cluster("a100", 8).profile)

@@ -1,10 +1,17 @@
 """Every rule, every input placement combination, on meshes of 2, 4 and 2x2 ranks,
 uneven shapes included, Partial inputs from unequal parts: the result gathered from
-the shards equals one device's (see tests/spmd_harness.py)."""
+the shards equals one device's (see tests/spmd_harness.py).
+
+One case is thinned where two placements take one path: linear's x of shape (3, 5, 6) has
+two batch dims, which its rule treats alike (one einsum letter each). On the 2 x 2 mesh,
+placements that shard the second batch dim (dim 1) meet every weight placement but a
+replicated bias only; every bias placement meets every other placement of x (2,448 of
+the 3,600 combinations there)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+import workbench as wb
 from tests.spmd_harness import check_op
 
 torch.manual_seed(0)
@@ -42,7 +49,19 @@ CASES = {
 }
 
 
+def _linear_skip(mesh, combo):
+    """On the 2 x 2 mesh, x sharded on its second batch dim: a replicated bias only."""
+    xps, _, bps = combo
+    return mesh.ndim == 2 and wb.Shard(1) in xps and bps != (wb.Replicate(), wb.Replicate())
+
+
+# name: (skip, the number of combinations checked: meshes 2 and 4, then 2 x 2)
+SKIP = {"linear": (_linear_skip, 2 * 5 * 4 * 3 + 16 * 16 * 9 + 9 * 16 * 1)}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rule_exhaustive(name):
     fn, inputs = CASES[name]
-    assert check_op(fn, inputs) > 0
+    skip, want = SKIP.get(name, (lambda mesh, combo: False, None))
+    checked = check_op(fn, inputs, skip=skip)
+    assert checked > 0 and checked == (want or checked)
