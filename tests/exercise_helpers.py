@@ -13,10 +13,14 @@ def fails(match, fn, *args, **kw):
 
 
 def passes(capsys, fn, *args, **kw):
-    """``fn`` accepts the answer and prints one "Correct: ..." line (wrapped at
-    text_width.WIDTH by some checks: then its continuations are indented)."""
+    """``fn`` accepts the answer and prints one "Correct: ..." line, wrapped at
+    text_width.WIDTH (continuations indented); returns it as one line, the wrapping's
+    line breaks and indents read as the one space they replaced."""
+    from workbench.text_width import WIDTH
     fn(*args, **kw)
     out = capsys.readouterr().out
     assert out.startswith("Correct: ") and out.endswith("\n")
-    assert all(line.startswith("    ") for line in out.splitlines()[1:]), out
-    return out
+    lines = out.splitlines()
+    assert all(len(line) <= WIDTH for line in lines), out
+    assert all(line.startswith("    ") for line in lines[1:]), out
+    return " ".join(line.strip() for line in lines) + "\n"

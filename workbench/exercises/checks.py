@@ -22,6 +22,7 @@ import operator
 
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
+from ..text_width import wrap
 from .feedback import CheckError, exercise
 
 __all__ = ["CheckError", "check_welcome_mesh", "check_tp_group", "check_training_days",
@@ -36,7 +37,9 @@ HCCS_LINKS, HCCS_TOTAL, HCCS_ALPHA = 7, 196e9, 3e-6
 
 
 def _ok(msg: str) -> None:
-    print("Correct: " + msg)
+    """Print the one "Correct: ..." line, within text_width.WIDTH characters, continuations
+    indented (JupyterLab breaks a longer line mid-word)."""
+    print(wrap("Correct: " + msg))
 
 
 def _number(name: str, value) -> float:

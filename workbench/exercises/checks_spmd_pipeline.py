@@ -42,10 +42,10 @@ __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
 R = Replicate()
 
 
-def _ok(msg: str, wrapped: bool = False) -> None:
-    """Print the one "Correct: ..." line; ``wrapped``: within text_width.WIDTH characters,
-    continuations indented (04's checks; 07's lines keep their stored form)."""
-    print(wrap("Correct: " + msg) if wrapped else "Correct: " + msg)
+def _ok(msg: str, wrapped: bool = True) -> None:
+    """Print the one "Correct: ..." line within text_width.WIDTH characters, continuations
+    indented (JupyterLab breaks a longer line mid-word)."""
+    print(wrap("Correct: " + msg))
 
 
 def _fmt(ps) -> str:
