@@ -42,3 +42,75 @@ def test_sharded_input_still_split_and_bad_lead_dims_raise():
         saved_activation_bytes(lambda t: t * t, dx, lead_dims=2)
     with pytest.raises(ValueError, match="mesh="):
         saved_activation_bytes(lambda t: t * t, x.clone().requires_grad_(), lead_dims=1)
+
+
+# ---- 2. the re-gathering linear keeps what torch's linear keeps -----------------------
+
+from workbench.models.gpt import GPTLayer, TP_PLAN                       # noqa: E402
+from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region  # noqa: E402
+
+S, B, H, A = 16, 2, 32, 4
+_BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def _sp_layer(regather=True, mesh=None):
+    mesh = mesh or wb.Mesh.grid(2, ["tp"])
+    torch.manual_seed(0)
+    layer = GPTLayer(H, A, dropout=0.0, dtype=torch.float32)
+    wb.parallelize(layer, mesh, TP_PLAN, mesh_dim="tp")
+    for m in (layer.attn, layer.mlp):
+        tensor_parallel_region(m, mesh, "tp", sp=True, seq_dim=0, regather=regather)
+    X = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0))
+    x = wb.shard_tensor(X, mesh, [wb.Shard(0)]).requires_grad_()
+    return layer, x
+
+
+def _saved_in(layer, x, names, autocast):
+    """(shape, dtype) of what autograd saves while the named linears run."""
+    on, kept = [False], []
+    hooks = []
+    for n in names:
+        m = layer.get_submodule(n)
+        hooks += [m.register_forward_pre_hook(lambda *a: on.__setitem__(0, True)),
+                  m.register_forward_hook(lambda *a: on.__setitem__(0, False))]
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (kept.append(t) if on[0] else None) or t, lambda t: t), \
+            torch.autocast(**_BF16, enabled=autocast):
+        layer(x)
+    for h in hooks:
+        h.remove()
+    return [(tuple(t.shape), t.dtype) for t in kept]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_regathered_linear_keeps_no_bias(autocast):
+    """torch's F.linear (with or without bf16 autocast) keeps its input and weight, not
+    its bias (checked here on one device); the SP re-gathering QKV and fc1 linears kept
+    the bias too (under autocast its bf16 copy: memory torch frees).  Per linear now:
+    the input's sequence shard and the weight, as torch's input and weight."""
+    names = ("attn.qkv", "mlp.fc1")
+    torch.manual_seed(0)
+    ref = GPTLayer(H, A, dropout=0.0, dtype=torch.float32)
+    ref_saved = _saved_in(ref, torch.randn(S, B, H), names, autocast)
+    bias_shapes = {tuple(ref.get_submodule(n).bias.shape) for n in names}
+    assert len(ref_saved) == 4 and not {s for s, _ in ref_saved} & bias_shapes
+    layer, x = _sp_layer()
+    got = _saved_in(layer, x, names, autocast)
+    bias_local = {tuple(layer.get_submodule(n).bias._local.shape) for n in names}
+    assert len(got) == len(ref_saved) and not {s for s, _ in got} & bias_local, got
+    wd = torch.bfloat16 if autocast else torch.float32
+    assert sorted(str(d) for _, d in got) == sorted(map(str, [torch.float32] * 2 + [wd] * 2)), got
+
+
+def test_regathered_linear_bias_gradient_unchanged():
+    """The bias gradient (and every other) of the re-gathering path equals the
+    keep-the-gathered-input path's under autocast, bit for bit."""
+    got = {}
+    for regather in (True, False):
+        layer, x = _sp_layer(regather)
+        with torch.autocast(**_BF16):
+            y = layer(x)
+        (y.float() ** 2).sum().backward()
+        got[regather] = {n: p.grad.full() for n, p in wb.dist_parameters(layer)}
+    assert any("bias" in n for n in got[True])
+    assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
