@@ -114,3 +114,49 @@ def test_regathered_linear_bias_gradient_unchanged():
         got[regather] = {n: p.grad.full() for n, p in wb.dist_parameters(layer)}
     assert any("bias" in n for n in got[True])
     assert all(torch.equal(got[True][n], got[False][n]) for n in got[True])
+
+
+# ---- 3. SP: the LM head runs and is priced as Megatron-LM's ---------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sp_head_traced_collectives_are_the_priced_ones(tied):
+    """tp = 2 with sequence parallelism, one layer, a vocabulary that divides by tp: the
+    head is Megatron-LM's ColumnParallelLinear with sequence_parallel, so the traced step
+    runs, for the head: the final norm's sequence all-gather (forward), vocab-parallel
+    cross-entropy's three fp32 all-reduces, and in backward the re-gather of the kept
+    shard and the input gradient's reduce-scatter; ``costs.head_cost`` prices those same
+    bytes.  Before, the dispatcher gathered the head's weight instead (logits sharded
+    on the batch: no cross-entropy all-reduce) and all-reduced the head input's
+    gradient ('linear input'), and the planner priced no re-gather."""
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    from workbench.plan import Cluster
+    from workbench.plan import costs as C
+    from workbench.recipes.hybrid import Hybrid
+
+    cfg = get_config("tiny", vocab_size=128, dropout=0.0, n_layer=1, tie_embeddings=tied)
+    b = 2
+    h = Hybrid(tp=2, sp=True)
+    h.check(cfg, b)
+    torch.manual_seed(0)
+    model = h.build_model(cfg, 0)
+    x, y = get_batch(cfg, b, 0, 0)
+    with wb.trace("a100") as tr:
+        h.forward_backward(model, x, y)
+    ev = sorted((e for e in tr.events if 0 in e.ranks and e.stream == "comm"),
+                key=lambda e: e.start)
+    names = [(e.name, e.label) for e in ev]
+    assert ("all_reduce", "linear input") not in names, names
+    ce = [e for e in ev if e.label.startswith("cross_entropy")]
+    assert [e.name for e in ce] == ["all_reduce"] * 3
+    i = ev.index(ce[0])
+    fwd_gather = [e for e in ev[:i] if e.label == "f: all-gather"][-1]   # the head's f
+    assert fwd_gather.name == "all_gather"
+    bwd = ev[i + 3:]
+    regather = next(e for e in bwd if e.label == "f: re-gather")
+    rs = next(e for e in bwd if e.name == "reduce_scatter" and e.label == "f: all-gather")
+    head = [fwd_gather, *ce, regather, rs]
+    n = cfg.torch_dtype.itemsize * cfg.seq_len * b * cfg.d_model
+    assert fwd_gather.args["buffer_bytes"] == n
+    prof = Cluster("a100", 2).profile
+    assert C.head_cost(cfg, b, 2, True, prof).comm_bytes == sum(e.bytes for e in head)
