@@ -74,6 +74,14 @@ ROWS = [
 ]
 
 
+def allocator_reserved(est, cluster) -> tuple[float, float]:
+    """(allocator, reserved) bytes of an estimate, like torch.cuda's reserved peak
+    (``predict``): the planner's peak less its NCCL ``comm_buffers``, and that over one
+    less ``cluster``'s profile's fragmentation allowance.  No CUDA context in either."""
+    allocator = est.memory["total"] - est.memory.get("comm_buffers", 0)
+    return allocator, allocator / (1 - cluster.profile.runtime_memory["fragmentation"])
+
+
 def predict(row) -> dict:
     """The estimate of a row on the h100 profile and its memory against the published
     reserved peak, like with like.  ``reserved_bytes.all.peak`` is the caching
@@ -86,9 +94,7 @@ def predict(row) -> dict:
     cfg = wb.plan.presets.get_config(row["preset"], seq_len=row["seq_len"])
     cl = wb.plan.Cluster("h100", row["devices"])
     est = wb.plan.estimate(cfg, wb.plan.Layout(**row["layout"]), cl)
-    rt = cl.profile.runtime_memory
-    allocator = est.memory["total"] - est.memory.get("comm_buffers", 0)
-    reserved = allocator / (1 - rt["fragmentation"])
+    allocator, reserved = allocator_reserved(est, cl)
     return {"estimate": est, "peak_gib": est.memory["total"] / GiB,
             "allocator_gib": allocator / GiB, "reserved_gib": reserved / GiB,
             "ratio": reserved / GiB / row["published_gib"]}

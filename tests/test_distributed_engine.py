@@ -61,9 +61,15 @@ def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     activations: equal to Korthikanti Table 2's TP and TP+SP rows plus the LayerNorm
     statistics the script explains (under SP each column-parallel linear keeps its input's
     sequence shard and gathers it again in backward, as Megatron-LM; with
-    ``regather=False`` it keeps the gathered input, 2 x (2 sbh - 2 sbh / t) more)."""
+    ``regather=False`` it keeps the gathered input, 2 x (2 sbh - 2 sbh / t) more).
+    Under bf16 autocast over an fp32 layer (fixlist5 #5) the linears keep the shard and
+    gather it again too, with the fp32 run's collectives and one device's x gradient:
+    before, autocast's cast dropped the mark (the gathered bf16 input kept, no re-gather)
+    and the untagged cast was expanded again with a second 'linear input' all-reduce."""
     out = run_job(TORCHRUN + ["--nproc-per-node=2", "-m", "workbench.tools.activation_check"],
                   timeout=240, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [s for s in out.stdout.splitlines() if " counted " in s]
     assert len(lines) == 3 and all(s.endswith("equal True") for s in lines), out.stdout
+    auto = [s for s in out.stdout.splitlines() if "under bf16 autocast" in s]
+    assert len(auto) == 1 and auto[0].endswith("ok True"), out.stdout

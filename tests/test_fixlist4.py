@@ -197,8 +197,8 @@ def test_head_and_embedding_collectives_are_priced_in_the_model_dtype(dtype, sp)
     vocabulary-parallel embedding's all-reduce (SP: reduce-scatter) of its output, the
     head input's backward all-reduce and cross-entropy's three fp32 all-reduces.  Before
     the fix both priced 2 bytes an element: an fp32 model's embedding 16384 bytes where
-    the step sends 32768.  (With SP the recipe's head backward is an all-reduce where the
-    planner prices Megatron's reduce-scatter: only the embedding is compared there.)"""
+    the step sends 32768.  (With SP only the embedding is compared here; the SP head,
+    Megatron's, is held to the trace in tests/test_fixlist5.py.)"""
     from workbench.models.config import get_config
     from workbench.models.data import get_batch
     from workbench.plan import Cluster

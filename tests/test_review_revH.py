@@ -130,13 +130,22 @@ def test_pinned_refuses_what_is_not_a_bounded_figure(bad):
 
 def test_torchtitan_h100_rows_carry_every_figure_of_their_table_row():
     """Tables 1 and 3's 'FSDP' rows: GPUs, local and global batch, TPS/GPU and the Memory
-    (GiB) column (train.py's max_reserved_gib), which was not transcribed.  The planner's
-    busiest-rank total (allocations, fragmentation, context) is held to the caching
-    allocator's reserved peak: at or under it, within 20% (measured 0.907 / 0.906)."""
+    (GiB) column (train.py's max_reserved_gib), which was not transcribed.  That column is
+    the caching allocator's reserved peak, which holds neither the CUDA context nor NCCL's
+    buffers but does hold the allocator's fragmentation; it is compared like with like
+    (``published_memory.allocator_reserved``): the planner's busiest-rank total less its
+    comm_buffers, over one less the profile's fragmentation allowance.  At or under the
+    published figure, within 20% (measured 0.946 / 0.943; the planner's raw total, NCCL
+    buffers in and no fragmentation, read 0.907 / 0.906)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import published_memory as M
     import published_torchtitan as T
+    import workbench as wb
+    # the same quantity benchmarks/published_memory.py holds to the same table rows
+    theirs = {row["devices"]: M.predict(row)["reserved_gib"] for row in M.ROWS
+              if row["table"].startswith(("Table 1 ", "Table 3 "))}
     want = {8: (2, 16, 5762.0, 82.4), 128: (2, 256, 5605.0, 67.0)}
     rows = [r for r in T.ROWS if r["profile"] == "h100-hbm2e"]
     assert sorted(r["devices"] for r in rows) == [8, 128]
@@ -146,7 +155,9 @@ def test_torchtitan_h100_rows_carry_every_figure_of_their_table_row():
                 r["published_memory_gib"]) == want[r["devices"]]
         assert lay["recompute"] == "op" and r["model"]["seq_len"] == 8192
         e = T.estimate(r)
-        ratio = e.memory["total"] / 2 ** 30 / r["published_memory_gib"]
+        _, reserved = M.allocator_reserved(e, wb.plan.Cluster(r["profile"], r["devices"]))
+        assert reserved / 2 ** 30 == pytest.approx(theirs[r["devices"]], rel=0.01)
+        ratio = reserved / 2 ** 30 / r["published_memory_gib"]
         assert 0.8 <= ratio <= 1.0, (r["devices"], ratio)
 
 

@@ -130,17 +130,26 @@ def _cast(x, to):
     casts its own copy, as torch's autocast does on each process: the cast's copy is
     expanded back to every rank here, untraced.  A sequence-parallel input stays marked
     (``ops_table.linear_regather.CastRegather``), so the linear reading it keeps the
-    uncast shard, as without autocast.  Over torch.distributed the cast is left as it
-    is (the copy is this process's)."""
+    uncast shard, as without autocast.  Over torch.distributed each process holds its
+    own copy already (``_wb_replica_axes``, ``backends.tag``): the process casts it and
+    the cast stays tagged and marked the same way (the dispatched cast would keep the
+    gradient of the first rank's copy only, and the linear would expand the untagged
+    result again: a second all-reduce, and the gathered input kept whole)."""
     from .dist_tensor import DistTensor
     from .ops_table import linear_regather
     y = x.to(to)
     if not (isinstance(x, DistTensor) and isinstance(y, DistTensor)) or y is x:
         return y
     src, out = x._local, y._local
-    if type(src) is not torch.Tensor or type(out) is not torch.Tensor or \
-            storage.holds_own(x.mesh):
+    if type(src) is not torch.Tensor or type(out) is not torch.Tensor:
         return y
+    if storage.holds_own(x.mesh):
+        tags = getattr(src, "_wb_replica_axes", ())
+        if tags:                          # this process's copy, cast by this process
+            out = src.to(to)
+            out._wb_replica_axes = tags
+        linear_regather.carry_cast(src, out)
+        return y if out is y._local else DistTensor(out, y.mesh, y.placements, y.shape, y.dtype)
     nd = x.mesh.ndim
     copies = tuple(a for a in range(nd) if x.placements[a].is_replicate()
                    and src.shape[a] > 1 and out.shape[a] == 1)

@@ -164,10 +164,16 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
     forward, twice that backward (vocabulary-parallel, Megatron), priced as matmuls
     (op class "matmul", ``cost.compute_time``'s tile and wave quantization); the loss
     kernels are the edge costs' (``edge_cost.py``); communication: the
-    head input's all-reduce in backward (all-gather forward and reduce-scatter backward
-    with sequence parallelism) and vocab-parallel cross-entropy's three all-reduces of
-    s b fp32 values (max, sum of exp, target logit; Megatron's
-    ``vocab_parallel_cross_entropy``)."""
+    head input's all-reduce in backward (with sequence parallelism: all-gather forward,
+    and in backward the re-gather of the kept sequence shard for the weight gradient,
+    issued beside the input-gradient GEMM, and the input gradient's reduce-scatter:
+    Megatron-LM's output layer is a ``ColumnParallelLinear`` (megatron/core/models/gpt/
+    gpt_model.py) whose ``LinearWithGradAccumulationAndAsyncCommunication`` saves the
+    shard under ``sequence_parallel`` and all-gathers it again asynchronously before the
+    dgrad GEMM, as ``parallel/ops_table/linear_regather.py`` reads it; only the part of
+    that gather longer than the dgrad GEMM is exposed) and vocab-parallel
+    cross-entropy's three all-reduces of s b fp32 values (max, sum of exp, target logit;
+    Megatron's ``vocab_parallel_cross_entropy``)."""
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     T, Vt = s * b, V // tp
     flops = 2 * T * h * Vt
@@ -176,8 +182,9 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
     # logits [T, V/t] = x [T, h] @ w^T; backward dx [T, h] = dlogits @ w, dw [V/t, h]
     fwd = compute_time(flops, e * (T * h + Vt * h + T * Vt), profile, cfg.dtype, "matmul",
                        gemm=(1, T, Vt))
-    bwd = compute_time(flops, e * (T * Vt + Vt * h + T * h), profile, cfg.dtype, "matmul",
-                       gemm=(1, T, h)) + \
+    dgrad = compute_time(flops, e * (T * Vt + Vt * h + T * h), profile, cfg.dtype, "matmul",
+                         gemm=(1, T, h))
+    bwd = dgrad + \
         compute_time(flops, e * (T * Vt + T * h + Vt * h), profile, cfg.dtype, "matmul",
                      gemm=(1, Vt, h))
     ranks, n = tuple(range(tp)), e * s * b * h      # the head's input, in the model's dtype
@@ -187,8 +194,8 @@ def head_cost(cfg, b: int, tp: int, sp: bool, profile) -> LayerCost:
         return LayerCost(fwd, 0.0, bwd, 0.0, 0.0)
     if sp:
         f_c = group_price("all_gather", n, ranks, profile)
-        b_c = group_price("reduce_scatter", n, ranks, profile)
-        sent = wire_bytes("all_gather", n, tp) + wire_bytes("reduce_scatter", n, tp)
+        b_c = group_price("reduce_scatter", n, ranks, profile) + max(0.0, f_c - dgrad)
+        sent = 2 * wire_bytes("all_gather", n, tp) + wire_bytes("reduce_scatter", n, tp)
     else:
         f_c, b_c = 0.0, group_price("all_reduce", n, ranks, profile)
         sent = wire_bytes("all_reduce", n, tp)

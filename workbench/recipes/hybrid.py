@@ -49,7 +49,8 @@ from ..parallel.module_state import adopt
 from ..parallel.placement import Replicate, Shard
 from ..parallel.reshard import reshard
 from ..parallel.strategies.data_parallel import DataParallel
-from ..parallel.strategies.tensor_parallel import sequence_parallel_norms, tensor_parallel_region
+from ..parallel.strategies.tensor_parallel import (megatron_f, sequence_parallel_norms,
+                                                   tensor_parallel_region)
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_sizes, check_world
 from . import dualpipe as _dualpipe
@@ -284,6 +285,20 @@ class Hybrid:
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
+            if self.sp and self.tp > 1 and "norm" in stage["modules"] and "tok_emb" in plan:
+                # SP, vocabulary-parallel head: Megatron's output layer is a
+                # ColumnParallelLinear with sequence_parallel (megatron/core/models/gpt/
+                # gpt_model.py output_layer; tensor_parallel/layers.py
+                # LinearWithGradAccumulationAndAsyncCommunication): it all-gathers the
+                # final norm's sequence shards, keeps the shard and gathers it again in
+                # backward, and reduce-scatters the input gradient; the logits stay
+                # vocabulary-sharded for the vocab-parallel cross-entropy.  Megatron's f
+                # on the head's input does exactly that (without it the dispatcher's
+                # cheapest plan gathered the head's weight and all-reduced its input's
+                # gradient; plan.costs.head_cost prices Megatron's)
+                ax = mesh.dim("tp")
+                model.get_submodule("norm").register_forward_hook(
+                    lambda mod, args, out, ax=ax: megatron_f(out, ax, True, seq_dim=1))
         if getattr(cfg, "tie_embeddings", False) and len(self.stages) == 1 \
                 and hasattr(model, "lm_head") and self._own(self._mesh_of(0)):
             # one stage: ``stage_forward`` reads the tied head from the embedding's table,

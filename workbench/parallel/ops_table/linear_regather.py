@@ -183,13 +183,22 @@ class RegatheredLinear(torch.autograd.Function):
     def forward(ctx, rg, local, nd, lctx, shard, x, w, b):
         ctx.rg, ctx.local, ctx.nd, ctx.lctx = rg, local, nd, lctx
         ctx.x_layout = _layout(x)
-        ctx.save_for_backward(shard, w, b)
+        # torch's linear keeps its input and weight, not the bias (no gradient depends
+        # on the bias's values; under autocast its bf16 copy is not kept either):
+        # keep the bias's layout only, and a zero stand-in of it runs the backward
+        ctx.b_layout = None if b is None else (b.shape, b.stride(), b.dtype, b.device)
+        ctx.save_for_backward(shard, w)
         return local(nd, lctx, x, w, b)
 
     @staticmethod
     @once_differentiable       # a double backward raises (the gradients carry no graph)
     def backward(ctx, g):
-        shard, w, b = ctx.saved_tensors
+        shard, w = ctx.saved_tensors
+        b = None
+        if ctx.b_layout is not None:
+            shape, stride, dtype, device = ctx.b_layout
+            span = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+            b = torch.zeros(span, dtype=dtype, device=device).as_strided(shape, stride)
         x = ctx.rg.gather(shard)
         if _layout(x) != ctx.x_layout:      # the same local linear runs on it again
             raise RuntimeError(f"linear: the re-gathered input is laid out {_layout(x)}; "
