@@ -137,8 +137,9 @@ class CastRegather:
     and expanded it to every rank (``autocast._cast``), done again here so the linear
     reads the layout it read in forward."""
 
-    def __init__(self, base, src: torch.dtype, dtype: torch.dtype, copies=()):
+    def __init__(self, base, src: torch.dtype, dtype: torch.dtype, copies=(), layout=None):
         self.base, self.src, self.dtype, self.copies = base, src, dtype, tuple(copies)
+        self.layout = layout      # (shape, strides) of the forward's cast: laid out again
 
     def __getattr__(self, name):          # groups, mesh_dim, nbytes, label, blocking
         return getattr(self.base, name)
@@ -157,7 +158,10 @@ class CastRegather:
             shape = g.shape
             for a in self.copies:
                 g = g.narrow(a, 0, 1)
-            return g.to(self.dtype).expand(shape)
+            c = g.to(self.dtype).expand(shape)
+            if self.layout is None or c.stride() == self.layout[1]:
+                return c
+            return _laid_out(c, *self.layout)
 
     def release(self) -> None:
         self.base.release()
@@ -171,8 +175,24 @@ def carry_cast(src, out, copies=()):
     if held is None or out is src or not torch.is_grad_enabled():
         return out
     rg, shard = held
-    out._wb_regather = (CastRegather(rg, src.dtype, out.dtype, copies), shard)
+    out._wb_regather = (CastRegather(rg, src.dtype, out.dtype, copies,
+                                     (tuple(out.shape), out.stride())), shard)
     return out
+
+
+def _laid_out(c, shape, stride):
+    """``c``'s values in the layout ``(shape, stride)`` the forward's cast had: its
+    stride-0 dims (one copy expanded to every rank, read once) taken at index 0 and
+    expanded again, the others at the forward's strides.  ``Tensor.to`` lays a cast of a
+    non-dense tensor out afresh, so under a dp x tp mesh the cast in backward gave other
+    strides than the forward's (dp 512 where the forward read 1024) and the re-gathering
+    linear raised ('the re-gathered input is laid out ...')."""
+    one = [a for a, (n, st) in enumerate(zip(shape, stride)) if st == 0 and n > 1]
+    for a in one:
+        c = c.narrow(a, 0, 1)
+    buf = torch.empty_strided(c.shape, stride, dtype=c.dtype, device=c.device)
+    buf.copy_(c)
+    return buf.expand(shape)
 
 
 class RegatheredLinear(torch.autograd.Function):

@@ -146,7 +146,9 @@ class DistTensorDDP(DistributedDataParallel):
                 yield name, p._local
 
     def parameters(self, recurse=True):
-        return (p for _, p in self.named_parameters())
+        # recurse=False: none, as torch DDP's (it holds no parameter of its own); it gave
+        # every replica while named_parameters(recurse=False) gave none
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
     # ---- gradient synchronization ---------------------------------------------------------
     def finish_gradient_synchronization(self) -> None:
