@@ -186,7 +186,7 @@ def repeat_rule(x, *, reps, **_):
 def _repeat_parse(x, *reps):
     if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)):
         reps = tuple(reps[0])
-    torch.empty(tuple(x.shape), device="meta").repeat(*reps)        # torch's own checks
+    torch.empty(tuple(x.shape), device="meta").repeat(reps)         # torch's own checks
     return (x,), {"reps": tuple(int(r) for r in reps)}
 
 
