@@ -33,3 +33,18 @@ def test_repeat_keeps_torchs_checks():
     except RuntimeError:
         return
     raise AssertionError("repeat with fewer repeats than dims returned a result")
+
+
+def test_searchsorted_of_a_python_float_in_an_int_sequence_promotes_as_torch():
+    # silent before: the scalar was cast to the sequence's dtype (2.5 -> 2), position 1
+    # where torch (the scalar wrapped as a number, compared promoted) gives 2
+    seq = torch.tensor([1, 2, 3, 4])
+    f32 = torch.tensor([0.0, 0.1, 0.2], dtype=torch.float32)
+    for s, v in ((seq, 2.5), (seq, 2), (f32, 0.1), (f32.double(), 0.1)):
+        for ps in ([Replicate()], [Shard(0)]):
+            d = wb.shard_tensor(s, MESH, ps)
+            for right in (False, True):
+                got = torch.searchsorted(d, v, right=right)
+                want = torch.searchsorted(s, v, right=right)
+                assert got.full().dtype == want.dtype
+                assert torch.equal(got.full(), want), (s, v, ps, right)
