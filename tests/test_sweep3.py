@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 import workbench as wb
-from workbench.parallel.placement import Replicate, Shard
+from workbench.parallel.placement import Partial, Replicate, Shard
+from workbench.parallel.validate import distribute
 
 MESH = wb.Mesh.grid(2)
 
@@ -48,3 +49,34 @@ def test_searchsorted_of_a_python_float_in_an_int_sequence_promotes_as_torch():
                 want = torch.searchsorted(s, v, right=right)
                 assert got.full().dtype == want.dtype
                 assert torch.equal(got.full(), want), (s, v, ps, right)
+
+
+def test_quantile_of_a_0d_tensor_along_its_dim_is_torchs():
+    # torch.quantile(0-d, q, dim=0) is the element; the local searched dim 1 of the
+    # stacked local tensors: a raw IndexError
+    x = torch.tensor(0.7, dtype=torch.float64)
+    q1 = torch.tensor([0.2, 0.9], dtype=torch.float64)
+    for ps in ([Replicate()], [Partial("sum")]):
+        d = distribute(x, MESH, ps, seed=3)
+        for call in (lambda t: torch.quantile(t, 0.3, 0), lambda t: torch.quantile(t, q1, -1),
+                     lambda t: torch.quantile(t, 0.3, 0, keepdim=True),
+                     lambda t: torch.nanquantile(t, q1, 0, keepdim=True)):
+            got, want = call(d).full(), call(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+
+
+def test_dim_ops_of_a_0d_tensor_are_torchs():
+    # var / std / logsumexp read input.shape[0] of a 0-d tensor, scatter scattered along
+    # dim 1 of the stacked local: raw IndexErrors where torch takes dim 0 / -1
+    x = torch.tensor(0.7, dtype=torch.float64)
+    calls = [lambda t: t.var(0, correction=0), lambda t: torch.std(t, -1, correction=0),
+             lambda t: t.logsumexp(0), lambda t: torch.logsumexp(t, -1, keepdim=True),
+             lambda t: t.scatter(0, torch.tensor(0), 5.0),
+             lambda t: t.scatter(-1, torch.tensor(0), torch.tensor(2.5, dtype=torch.float64))]
+    for ps in ([Replicate()], [Partial("sum")]):
+        d = distribute(x, MESH, ps, seed=3)
+        for call in calls:
+            got, want = call(d).full(), call(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)

@@ -50,6 +50,8 @@ def _var_args(input, args, kwargs, fn):
 def var(input, *args, **kwargs):
     """``sum((x - mean)^2) / max(N - correction, 0)`` over ``dim`` (torch.var)."""
     dims, correction, keepdim = _var_args(input, args, kwargs, "var")
+    if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
+        input, dims, keepdim = input.reshape(1), (0,), False
     n = math.prod(input.shape[d] for d in dims)
     if n - correction <= 0:
         if input.requires_grad and torch.is_grad_enabled():
@@ -121,6 +123,8 @@ def logsumexp(input, dim, keepdim=False):
                                   input.ndim)))
     if not input.dtype.is_floating_point:
         input = input.to(torch.get_default_dtype())
+    if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
+        input, dims, keepdim = input.reshape(1), (0,), False
     if any(input.shape[d] == 0 for d in dims):       # an empty sum: log(0) = -inf, as torch
         out = torch.log(torch.exp(input).sum(dims, keepdim=True))
         return out if keepdim else out.squeeze(dims)
