@@ -3,6 +3,7 @@ generator, tests/random_programs_more.py), each in its smallest form."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import workbench as wb
 from workbench.parallel.placement import Partial, Replicate, Shard
@@ -80,3 +81,30 @@ def test_dim_ops_of_a_0d_tensor_are_torchs():
             got, want = call(d).full(), call(x)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want)
+
+
+def test_linear_of_a_1d_input_has_torchs_shape_values_and_gradients():
+    # silent before: F.linear(vector, w) on DistTensors (any layout computed by the general
+    # path: x and w both replicated, or x S(0) with w S(1)) held (1, n) local results under
+    # a (n,) shape: .full() was (1, n), and a later reduce-scatter or gather failed
+    # (sweep seed 600022: a (2, 3, 1) mesh, uneven shards)
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*s, dtype=torch.float64) for s in ((3,), (2, 3), (2,)))
+    g = torch.randn(2, dtype=torch.float64)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    (F.linear(xr, wr, br) * g).sum().backward()
+    for mesh, px, pw in ((MESH, [Replicate()], [Replicate()]), (MESH, [Shard(0)], [Shard(1)]),
+                         (wb.Mesh([[[0], [1], [2]], [[3], [4], [5]]]),
+                          [Replicate(), Partial("avg"), Replicate()],
+                          [Replicate(), Replicate(), Partial("max")])):
+        dx = distribute(x, mesh, px, seed=1).requires_grad_()
+        dw = distribute(w, mesh, pw, seed=2).requires_grad_()
+        db = distribute(b, mesh, [Replicate()] * mesh.ndim, seed=3).requires_grad_()
+        y = F.linear(dx, dw, db)
+        assert y.full().shape == (2,)
+        torch.testing.assert_close(y.full(), F.linear(x, w, b))
+        (y * g).sum().backward()
+        if not any(p.is_partial() for p in px + pw):
+            torch.testing.assert_close(dx.grad.full(), xr.grad)
+            torch.testing.assert_close(dw.grad.full(), wr.grad)
+        torch.testing.assert_close(db.grad.full(), br.grad)
