@@ -108,3 +108,17 @@ def test_linear_of_a_1d_input_has_torchs_shape_values_and_gradients():
             torch.testing.assert_close(dx.grad.full(), xr.grad)
             torch.testing.assert_close(dw.grad.full(), wr.grad)
         torch.testing.assert_close(db.grad.full(), br.grad)
+
+
+def test_gradient_of_sgn_on_uneven_shards_gathers():
+    # sweep seed 600019: torch's sgn backward on real inputs gives ZeroTensors
+    # (at::_efficientzerotensor); reshard's memory-sharing check asked them for a data
+    # pointer: a raw RuntimeError from .grad.full()
+    mesh = wb.Mesh([[1, 6, 3, 7], [0, 2, 4, 5]])
+    x = torch.tensor([[-1.5, -0.13, 0.85, 1.2, 2.7]], dtype=torch.float64)
+    d = distribute(x, mesh, [Shard(1), Shard(1)], seed=6).requires_grad_()
+    r = x.clone().requires_grad_()
+    (torch.sgn(d) * 2).sum().backward()
+    (torch.sgn(r) * 2).sum().backward()
+    torch.testing.assert_close(d.grad.full(), r.grad)
+    assert d.grad.local(0).shape == (1, 1)
