@@ -122,3 +122,17 @@ def test_gradient_of_sgn_on_uneven_shards_gathers():
     (torch.sgn(r) * 2).sum().backward()
     torch.testing.assert_close(d.grad.full(), r.grad)
     assert d.grad.local(0).shape == (1, 1)
+
+
+def test_max_and_min_along_a_dim_of_a_bool_tensor_are_torchs():
+    # sweep seed 600815: torch.max(bool, dim) is defined; ours took argmax of the bool
+    # tensor, which torch refuses: a raw RuntimeError
+    x = torch.tensor([[True, False, True], [False, False, True]])
+    for ps in ([Replicate()], [Shard(0)], [Shard(1)]):
+        d = wb.shard_tensor(x, MESH, ps)
+        for fn in (torch.max, torch.min):
+            for dim, keep in ((0, False), (1, True), (-1, False)):
+                got, want = fn(d, dim, keepdim=keep), fn(x, dim, keepdim=keep)
+                assert torch.equal(got[0].full(), want[0]) and torch.equal(got[1].full(), want[1])
+        got, want = torch.max(d[0, 0], 0), torch.max(x[0, 0], 0)
+        assert torch.equal(got[0].full(), want[0]) and torch.equal(got[1].full(), want[1])
