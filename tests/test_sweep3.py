@@ -136,3 +136,16 @@ def test_max_and_min_along_a_dim_of_a_bool_tensor_are_torchs():
                 assert torch.equal(got[0].full(), want[0]) and torch.equal(got[1].full(), want[1])
         got, want = torch.max(d[0, 0], 0), torch.max(x[0, 0], 0)
         assert torch.equal(got[0].full(), want[0]) and torch.equal(got[1].full(), want[1])
+
+
+def test_mse_loss_of_a_bool_input_promotes_as_torch():
+    # sweep seed 600218: F.mse_loss(bool, float64) is defined in torch (promoted); the
+    # composite's input - target raised on the bool tensor
+    x = torch.tensor([[True, False], [False, True]])
+    y = torch.tensor([[0.5, -1.0], [2.0, 0.25]], dtype=torch.float64)
+    dx, dy = wb.shard_tensor(x, MESH, [Shard(0)]), wb.shard_tensor(y, MESH, [Replicate()])
+    for red in ("mean", "sum", "none"):
+        want = F.mse_loss(x, y, reduction=red)
+        got = F.mse_loss(dx, dy, reduction=red).full()
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)

@@ -88,6 +88,9 @@ def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", we
                                   "are not supported; use reduction=")
     if tuple(input.shape) != tuple(target.shape):
         torch.broadcast_shapes(tuple(input.shape), tuple(target.shape))   # torch's error
+    if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises
+        dt = torch.promote_types(input.dtype, target.dtype)
+        input, target = input.to(dt), target.to(dt)
     d = input - target
     return _reduce(d * d, reduction, "mse_loss")
 
