@@ -149,3 +149,16 @@ def test_mse_loss_of_a_bool_input_promotes_as_torch():
         got = F.mse_loss(dx, dy, reduction=red).full()
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
+
+
+def test_bucketize_of_a_python_number_is_torchs():
+    # torch.bucketize(2.5, boundaries) is defined; ours raised "ValueError: max() arg is an
+    # empty sequence" from the rule (the number had no spec)
+    for b in (torch.tensor([1, 2, 3, 4]), torch.tensor([0.0, 0.1, 0.2])):
+        for ps in ([Replicate()], [Shard(0)]):
+            d = wb.shard_tensor(b, MESH, ps)
+            for v in (2.5, 2, 0.1):
+                for right in (False, True):
+                    got = torch.bucketize(v, d, right=right).full()
+                    want = torch.bucketize(v, b, right=right)
+                    assert got.dtype == want.dtype and torch.equal(got, want), (b, v, right)
