@@ -170,13 +170,16 @@ def _template(p, cur, k, table):
     rng = p.rng
     nm, d, r = cur
     nd = r.dim()
-    if nd == 0 and any(s in table[k] for s in ("{d", "{a", "{o")):
+    if nd == 0 and any(s in table[k] for s in ("{a", "{o")):
         return None
     if table is SHAPE and nd < 2:
         return None
     args = dict(k=rng.random() < 0.3, q=round(rng.random(), 2), c=round(rng.uniform(-2, 2), 2),
                 s=rng.randint(-3, 3), o=rng.randint(-2, 2))
-    if nd:
+    if not nd:                   # a 0-d tensor takes dim 0 / -1 (its one element)
+        args["d0"] = rng.choice([0, -1])
+        args["d"] = (args["d0"],)
+    else:
         args["d0"] = rng.randrange(-nd, nd)
         args["d"] = _dims(rng, nd)
         a, b = rng.sample(range(nd), 2) if nd >= 2 else (0, 0)

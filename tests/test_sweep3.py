@@ -162,3 +162,22 @@ def test_bucketize_of_a_python_number_is_torchs():
                     got = torch.bucketize(v, d, right=right).full()
                     want = torch.bucketize(v, b, right=right)
                     assert got.dtype == want.dtype and torch.equal(got, want), (b, v, right)
+
+
+def test_std_gradient_over_a_constant_slice_is_torchs_zero():
+    # silent before (sweep seed 600053): std as sqrt(var) gave a nan gradient where the
+    # std is 0 (one element, or equal values); torch's std_backward gives 0
+    xs = [torch.tensor(0.3, dtype=torch.float64), torch.tensor([[0.3, 0.3], [0.2, 0.5]],
+                                                                 dtype=torch.float64)]
+    for x in xs:
+        for ps in ([Replicate()], [Shard(0)] if x.dim() else [Partial("sum")]):
+            for corr in (0, 1) if x.dim() else (0,):     # (one element, correction 1:
+                r = x.clone().requires_grad_()             # refused with grad, documented)
+                d = distribute(x, MESH, ps, seed=2).requires_grad_()
+                want = torch.std(r, -1, correction=corr)
+                got = torch.std(d, -1, correction=corr)
+                torch.testing.assert_close(got.full(), want.detach(), equal_nan=True)
+                want.sum().backward()
+                got.sum().backward()
+                if not any(p.is_partial() for p in ps):
+                    torch.testing.assert_close(d.grad.full(), r.grad)

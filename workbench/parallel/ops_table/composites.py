@@ -67,8 +67,13 @@ def var(input, *args, **kwargs):
 
 
 def std(input, *args, **kwargs):
-    """``sqrt(var)`` (torch.std)."""
-    return torch.sqrt(var(input, *args, **kwargs))
+    """``sqrt(var)`` (torch.std), with torch's gradient where the std is 0 (a constant
+    slice, one element): 0, not sqrt's 0 * inf = nan (torch's std_backward masks it:
+    ``(grad / (result * 2)).masked_fill_(result == 0, 0)``, FunctionsManual.cpp)."""
+    v = var(input, *args, **kwargs)
+    nonzero = v != 0                  # a nan / inf variance keeps its sqrt
+    one, zero = torch.ones((), dtype=v.dtype), torch.zeros((), dtype=v.dtype)
+    return torch.where(nonzero, torch.sqrt(torch.where(nonzero, v, one)), zero)
 
 
 def _reduce(loss, reduction, fn):
