@@ -1,6 +1,8 @@
 """Random SPMD programs (tests/random_programs.py) equal one device, forward and backward:
 random meshes (1-3 dims, up to 8 ranks, random rank order), tensors (0-4 dims), nested
-shards and Partial of every reduce op, chains of 33 op kinds.  The generator keeps off
+shards and Partial of every reduce op, chains drawn from 33 op kinds and the 201 more of
+tests/random_programs_more.py (type promotion, in-place writes, views written in place);
+every step's gathered value and every rank's local shard are held to one device.  The generator keeps off
 nothing for correctness (the bugs of issue 10 it once avoided are fixed and each is
 reproduced below).  benchmarks/random_sweep.py runs 2,000 of
 these programs with nothing kept off."""

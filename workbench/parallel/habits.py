@@ -256,10 +256,12 @@ def _extremum(kind):
         if not -n <= dim < n:
             raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, "
                              f"{n - 1}], but got {dim})")
+        # torch.max(bool, dim) is defined, argmax(bool) is not: the indices of its 0 / 1
+        key = dispatch(T.to, (input, torch.uint8), None) if input.dtype == torch.bool else input
         if input.ndim == 0:
-            idx = dispatch(torch.argmax, (input,), None)
+            idx = dispatch(torch.argmax, (key,), None)
             return result((dispatch(T.clone, (input,), None), idx))
-        idx = dispatch(arg, (input, dim, True), None)
+        idx = dispatch(arg, (key, dim, True), None)
         values = dispatch(torch.gather, (input, dim, idx), None)
         if not keepdim:
             values = dispatch(T.squeeze, (values, dim), None)

@@ -297,8 +297,12 @@ def _reduces(plan, t) -> bool:
 
 
 def _shares_memory(a, b) -> bool:
-    ptrs = {x.untyped_storage().data_ptr() for x in storage.tensors(b._local)}
-    return any(x.untyped_storage().data_ptr() in ptrs for x in storage.tensors(a._local))
+    # a ZeroTensor (torch's gradient of sgn on real inputs, at::_efficientzerotensor) has
+    # no memory to share, and torch refuses to give its data pointer
+    def ptrs(t):
+        return {x.untyped_storage().data_ptr() for x in storage.tensors(t._local)
+                if not x._is_zerotensor()}
+    return bool(ptrs(a) & ptrs(b))
 
 
 _PLANS: dict = {}    # (t.spec, placements as given, profile name) -> plan on t's own mesh

@@ -50,6 +50,8 @@ def _var_args(input, args, kwargs, fn):
 def var(input, *args, **kwargs):
     """``sum((x - mean)^2) / max(N - correction, 0)`` over ``dim`` (torch.var)."""
     dims, correction, keepdim = _var_args(input, args, kwargs, "var")
+    if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
+        input, dims, keepdim = input.reshape(1), (0,), False
     n = math.prod(input.shape[d] for d in dims)
     if n - correction <= 0:
         if input.requires_grad and torch.is_grad_enabled():
@@ -65,8 +67,13 @@ def var(input, *args, **kwargs):
 
 
 def std(input, *args, **kwargs):
-    """``sqrt(var)`` (torch.std)."""
-    return torch.sqrt(var(input, *args, **kwargs))
+    """``sqrt(var)`` (torch.std), with torch's gradient where the std is 0 (a constant
+    slice, one element): 0, not sqrt's 0 * inf = nan (torch's std_backward masks it:
+    ``(grad / (result * 2)).masked_fill_(result == 0, 0)``, FunctionsManual.cpp)."""
+    v = var(input, *args, **kwargs)
+    nonzero = v != 0                  # a nan / inf variance keeps its sqrt
+    one, zero = torch.ones((), dtype=v.dtype), torch.zeros((), dtype=v.dtype)
+    return torch.where(nonzero, torch.sqrt(torch.where(nonzero, v, one)), zero)
 
 
 def _reduce(loss, reduction, fn):
@@ -86,6 +93,9 @@ def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", we
                                   "are not supported; use reduction=")
     if tuple(input.shape) != tuple(target.shape):
         torch.broadcast_shapes(tuple(input.shape), tuple(target.shape))   # torch's error
+    if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises
+        dt = torch.promote_types(input.dtype, target.dtype)
+        input, target = input.to(dt), target.to(dt)
     d = input - target
     return _reduce(d * d, reduction, "mse_loss")
 
@@ -121,6 +131,8 @@ def logsumexp(input, dim, keepdim=False):
                                   input.ndim)))
     if not input.dtype.is_floating_point:
         input = input.to(torch.get_default_dtype())
+    if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
+        input, dims, keepdim = input.reshape(1), (0,), False
     if any(input.shape[d] == 0 for d in dims):       # an empty sum: log(0) = -inf, as torch
         out = torch.log(torch.exp(input).sum(dims, keepdim=True))
         return out if keepdim else out.squeeze(dims)

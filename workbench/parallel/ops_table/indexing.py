@@ -97,6 +97,10 @@ def _scatter_local(nd, ctx, x, index, src, dim, value):
     ts = [t for t in (x, index, src) if t is not None]
     lead = torch.broadcast_shapes(*(t.shape[:nd] for t in ts))
     x, index = (t.expand(lead + tuple(t.shape[nd:])) for t in (x, index))
+    if x.dim() == nd:            # a 0-d x (dim 0 / -1): its one element, as torch's
+        x, index = x.unsqueeze(-1), index.reshape(lead + (1,))
+        src = None if src is None else src.reshape(tuple(src.shape[:nd]) + (1,))
+        return _scatter_local(nd, ctx, x, index, src, 0, value).squeeze(-1)
     if src is None:
         return torch.scatter(x, dim + nd, index, value)
     return torch.scatter(x, dim + nd, index, src.expand(lead + tuple(src.shape[nd:])))
@@ -186,7 +190,7 @@ def repeat_rule(x, *, reps, **_):
 def _repeat_parse(x, *reps):
     if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)):
         reps = tuple(reps[0])
-    torch.empty(tuple(x.shape), device="meta").repeat(*reps)        # torch's own checks
+    torch.empty(tuple(x.shape), device="meta").repeat(reps)         # torch's own checks
     return (x,), {"reps": tuple(int(r) for r in reps)}
 
 

@@ -300,8 +300,13 @@ def _linear_plain(nd, ctx, x, w, b=None):
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return _RankLinear.apply(x, w)
         return torch.bmm(x, w.transpose(1, 2))
+    vec = nd and x.dim() - nd == 1        # a 1-d input: torch's linear gives (n,), not (1, n)
+    if vec:
+        x = x.unsqueeze(nd)                                                 # (lead, 1, k)
     x, w2 = align(nd, x, w.transpose(-1, -2))
     y = _dense_grad(_batched(x, w2), nd)
+    if vec:
+        y = y.squeeze(-2)                                                   # (lead, n)
     if b is not None:
         y, b = align(nd, y, b)
         y = y + b

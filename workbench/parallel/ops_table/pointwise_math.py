@@ -125,6 +125,11 @@ def _bucketize_rule(x, boundaries, **_):
 def _bucketize_parse(input, boundaries, *, out_int32=False, right=False, out=None):
     if out is not None:
         raise TypeError("bucketize(out=...) on a DistTensor: assign the result")
+    if isinstance(input, (int, float)) and not isinstance(input, bool):
+        # one value: torch wraps it as a number (searchsorted_scalar_tensor), compared in
+        # the promoted dtype; a 0-d tensor of that dtype is compared the same way
+        input = torch.tensor(input, dtype=torch.result_type(
+            torch.empty((), dtype=boundaries.dtype), input))
     return (input, boundaries), {"out_int32": bool(out_int32), "right": bool(right)}
 
 

@@ -94,7 +94,8 @@ def _local_for(fn):
     def local(nd, ctx, x, q, dim, keepdim, interpolation):
         qt = torch.tensor(q, dtype=x.dtype, device=x.device) if isinstance(q, tuple) else q
         lead = tuple(x.shape[:nd])
-        if dim is None:                             # every element of each rank's copy
+        if dim is None or x.dim() == nd:            # every element of each rank's copy
+            # (a 0-d input along dim 0 / -1 is its one element, as torch's)
             flat = x.reshape(lead + (-1,))
             out = fn(flat, qt, dim=nd, keepdim=False, interpolation=interpolation)
             if isinstance(q, tuple):

@@ -87,8 +87,10 @@ def _parse(sorted_sequence, input, *, out_int32=False, right=False, side=None, o
 def _local(nd, ctx, seq, values=None, sorter=None, *, right, out_int32, scalar=None):
     m = seq.dim() - nd
     if values is None:                                  # a scalar value
-        values = torch.full(tuple(seq.shape[:nd]), scalar, dtype=seq.dtype,
-                            device=seq.device)
+        # torch wraps the scalar as a number (searchsorted_scalar_tensor): the search
+        # compares in the promoted dtype (2.5 in an int64 sequence is not 2)
+        values = torch.full(tuple(seq.shape[:nd]), scalar, device=seq.device,
+                            dtype=torch.result_type(seq, scalar))
     ts = [seq, values] + ([sorter] if sorter is not None else [])
     lead = torch.broadcast_shapes(*[tuple(t.shape[:nd]) for t in ts])
     seq, values, *rest = [t.expand(lead + tuple(t.shape[nd:])).contiguous() for t in ts]
