@@ -29,3 +29,14 @@ def test_ids_at_the_edges_generate():
     out = generate(m, torch.tensor([[0, cfg.vocab_size - 1]]), 3)
     assert out.shape == (1, 5)
     assert int(out.min()) >= 0 and int(out.max()) < cfg.vocab_size
+
+
+def test_a_placed_prompt_is_checked_on_its_ranks_without_a_collective():
+    from workbench.serve import serve_model
+    cfg = wb.models.get_config("tiny")
+    s = serve_model(cfg, seed=0, dp=2, tp=2)
+    bad = torch.tensor([[1, 2], [3, 80]])
+    with wb.trace() as tr:
+        with pytest.raises(ValueError, match=r"token id 80, outside the vocabulary \[0, 75\)"):
+            generate(s.model, s.place(bad), 2)
+    assert not [e for e in tr.events if e.stream == "comm"]

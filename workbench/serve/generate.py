@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel import storage
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.placement import Replicate, Shard
 from ..parallel.reshard import reshard
@@ -62,10 +63,17 @@ def _check(model, idx, max_new_tokens, use_cache):
                          "with S >= 1 (a prompt of at least one token)")
     if idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"generate: idx of dtype {idx.dtype}; give token ids (torch.long)")
-    ids = idx.full_tensor() if isinstance(idx, DistTensor) else idx
+    # each rank checks the ids it holds (no collective: a serving rank checks its own)
+    if isinstance(idx, DistTensor):
+        held = [idx.to_local()] if storage.holds_own(idx.mesh) else idx.locals()
+    else:
+        held = [idx]
+    held = [t for t in held if t.numel()]
     v = model.cfg.vocab_size
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    lo = min((int(t.min()) for t in held), default=0)
+    hi = max((int(t.max()) for t in held), default=0)
+    if lo < 0 or hi >= v:
+        bad = lo if lo < 0 else hi
         raise ValueError(f"generate: idx holds token id {bad}, outside the vocabulary "
                          f"[0, {v}) of this model (cfg.vocab_size={v}); encode the prompt "
                          "with the model's tokenizer (e.g. the course's models.data "
