@@ -300,11 +300,16 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     same in 2.12.7 at :122-123, ``bwInter`` in 2.21.5 at :174-177), and only its ring and
     tree latencies grow with the ranks; the profiles' per-NIC rates are few-node figures
     (``inter_node`` citations: nccl-tests issue #119's per-NIC peak, Jean Zay's four-node
-    benchmark).  No collective measurement on A100 or H100 nodes at tens to hundreds of
-    nodes was found (searched: the NCCL and nccl-tests issue trackers, NVIDIA's DGX
-    SuperPOD reference architecture and blogs, the Azure NDv4 performance notes), so
-    fabric contention, routing and stragglers at that scale are not priced: the line
-    says so.  () for other libraries or at most two nodes."""
+    benchmark).  Measured at scale (tests/test_nccl_scale.py), and agreeing with this
+    pricing: the tree's latency across 32 A100 nodes (NVIDIA/nccl issue #652: all_reduce
+    of 8-128 B in 62.9-65.5 us, the clock 67.5 us) and the fall of an H100 cluster's
+    reduce-scatter bus bandwidth from 360 to 260 GB/s between 4 and 128 nodes (NVIDIA/nccl
+    issue #1229, no message size given), which the ring's per-step latency gives within
+    5% at every node count for a 2 GiB reduce-scatter.  No bus bandwidth measured on A100
+    nodes at 48 to 280 nodes was found (searched: the NCCL and nccl-tests issue trackers,
+    NVIDIA's DGX SuperPOD and dgxc-benchmarking material, Azure's AI-benchmarking-guide
+    and NDv4 notes), so fabric contention, routing and stragglers there are not priced:
+    the line says so.  () for other libraries or at most two nodes."""
     if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
         return ()
     nic = profile.inter_node.effective_bandwidth / 1e9
@@ -312,6 +317,8 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
             f"few-node figure, the profile's inter_node citations) with a bus bandwidth that "
             f"does not fall with the node count (NCCL's tuning model, src/graph/tuning.cc: "
             f"speedInter x nChannels beyond two nodes; only the ring/tree latency grows): "
-            f"fabric contention, routing and stragglers at {nodes} nodes not modeled, no "
-            f"collective measurement at that scale found (sim_mesh/nccl_tuning.py "
+            f"at scale that latency agrees with NVIDIA/nccl issues #652 (A100, 32 nodes) "
+            f"and #1229 (H100, 4-128 nodes; tests/test_nccl_scale.py), no bus bandwidth "
+            f"measured at that scale on A100 found: fabric contention, routing and "
+            f"stragglers at {nodes} nodes not modeled (sim_mesh/nccl_tuning.py "
             f"scale_assumption)",)
