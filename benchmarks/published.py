@@ -414,8 +414,9 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
                             "config ASSUMED; NCCL across 48-280 nodes at its few-node "
-                            "per-NIC rate, no measurement at that scale found (UNCERTAIN: "
-                            "sim_mesh.nccl_tuning.scale_assumption)",
+                            "per-NIC rate: its tree latency agrees with NVIDIA/nccl #652 (32 "
+                            "nodes), no A100 bus bandwidth measured at 48-280 nodes found "
+                            "(UNCERTAIN: sim_mesh.nccl_tuning.scale_assumption)",
          "bloom": _bloom.NOTE,
          "torchtitan": _titan.NOTE,
          "mt_nlg": "figures quoted by a secondary source; bf16 as the paper's sec. 2.3 "
