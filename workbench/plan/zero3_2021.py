@@ -25,6 +25,22 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   gathered parameters number fewer than ``stage3_max_live_parameters``; then the next
   not-gathered parameters of the recorded trace, one collective each, until they reach
   ``stage3_prefetch_bucket_size`` elements.
+- **the live-parameter counter** behind that check (``total_available_parameter_numel``)
+  is raised when ``fetch_sub_module`` or the prefetch gathers a parameter (``:391``,
+  ``:329``) and lowered when one is released (``:439``) or, at the end of each backward,
+  by ``_partition_all_parameters`` -> ``release_and_reset_parameter`` for every parameter
+  then gathered (``:461``), the persistent ones included; but ``_post_step`` gathers the
+  persistent parameters through ``Init._all_gather`` (``:2344``; partition_parameters.py
+  ``:473-495``), which never raises it.  So the counter starts step 2 (the first with a
+  recorded trace, so the first that prefetches) at 0, not at the persistent parameters'
+  elements P, and every later step 1 x P lower: step k at -(k - 2) P (micro-batches after
+  the step's first: one P lower still).  The same lines in v0.3.16 (stage3.py ``:359``,
+  ``:424``, ``:475``, ``:497``, ``:2726``) and to v0.5.x.  It opens the prefetch check
+  as a run goes on (GPT 530B, P = 28 M a step, the tied embedding's 1.05e9 held: the
+  check opens at the LayerNorms from step 4, at the projection, prefetching fc1, from
+  step 19, before every matrix from step 80; tests/test_z3big.py).  Which step the
+  published throughput was measured at is not known: the estimate prices step 2
+  (``COUNTER_STEP``, ASSUMED; later steps prefetch more and are faster).
 - **release** after a module's forward / backward unless the trace uses the module again
   within ``stage3_max_reuse_distance`` elements (``_keep_for_later``), or the parameter
   is persistent (fewer than ``stage3_param_persistence_threshold`` elements: biases,
@@ -98,8 +114,8 @@ from dataclasses import dataclass
 from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
-__all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective",
-           "post_step_gather", "predivide_seconds"]
+__all__ = ["FRAMEWORK", "COUNTER_STEP", "Entry", "gpt_trace", "simulate", "dp_sync",
+           "list_collective", "post_step_gather", "predivide_seconds", "counter_start"]
 
 FRAMEWORK = "deepspeed-0.3"
 
@@ -110,6 +126,10 @@ MAX_LIVE_NUMEL = 1_000_000_000
 MAX_REUSE_NUMEL = 1_000_000_000
 PERSISTENCE_NUMEL = 100_000
 REDUCE_BUCKET_NUMEL = 67_108_860
+# the step whose live-parameter counter the estimate prices (module docstring: it drifts
+# down by the persistent parameters' elements each step): 2, the first that prefetches,
+# ASSUMED (the published runs' measured step is not stated)
+COUNTER_STEP = 2
 
 # host seconds, measured by benchmarks/host_chunk_overhead.py (module docstring)
 AG_LOOP_S = 6.9e-6         # _allgather_param's loop, per rank
@@ -255,14 +275,30 @@ def predivide_seconds(numels, mem_bw: float) -> float:
     return 2 * 2 * (REDUCE_BUCKET_NUMEL + large) / mem_bw
 
 
+def counter_start(trace, step: int, first: bool) -> float:
+    """DeepSpeed v0.3's live-parameter counter when a micro-batch of optimizer step
+    ``step`` (>= 2) starts (module docstring): -(step - 2) x the persistent parameters'
+    elements for the step's first micro-batch (``_post_step``'s gather of them is not
+    counted), one more of those lower for the others."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 2:
+        raise ValueError(f"step={step!r}: the optimizer step priced, an int >= 2 (step 1 "
+                         f"records the trace and prefetches nothing)")
+    size = {pid: n for e in trace for pid, n in e.params}
+    persistent = sum(n for n in size.values() if n < PERSISTENCE_NUMEL)
+    return -float((step - 2 + (0 if first else 1)) * persistent)
+
+
 def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
-             keep=None, persistent_gathered: bool = True) -> dict:
+             keep=None, persistent_gathered: bool = True,
+             step: int = COUNTER_STEP) -> dict:
     """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
-    its compute seconds, the gathers and reduce-scatters it ran and their wire bytes.
+    its compute seconds, the gathers (``prefetches`` of them issued by the prefetch) and
+    reduce-scatters it ran and their wire bytes.
     ``ag_price(numel)`` / ``rs_price(numel)``: NCCL's seconds on that many 16-bit
     elements; ``rate``: compute's speed beside a collective; ``persistent_gathered``:
     the persistent parameters are there when it starts (the step's first micro-batch,
-    after ``_post_step``), else each is gathered at its first use."""
+    after ``_post_step``), else each is gathered at its first use; ``step``: the
+    optimizer step, whose live-parameter counter starts at :func:`counter_start`."""
     keep = _keep(trace) if keep is None else keep
     t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
     busy, inflight = [], {}
@@ -313,7 +349,10 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     held = {pid for e in trace if e.module == "root" for pid, _ in e.params}
     persistent = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
     avail = set(persistent) if persistent_gathered else set()
-    live = sum(size[pid] for pid in avail)
+    # total_available_parameter_numel: _post_step's gather of the persistent ones is not
+    # counted, and each step starts lower (counter_start)
+    live = counter_start(trace, step, persistent_gathered)
+    prefetches = 0
     last_b = {pid: i for i, e in enumerate(trace) if e.phase == "b" for pid, _ in e.params}
     compute = 0.0
     for i, e in enumerate(trace):
@@ -339,6 +378,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                     break
             for pid in chosen:
                 gather(pid)
+            prefetches += len(chosen)
         busy = [iv for iv in busy if iv[1] > min(t, gpu)]
         gpu = finish_beside(max(t, gpu), e.compute, rate, busy)
         compute += e.compute
@@ -364,7 +404,8 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     end = max(t, gpu, nccl, rs_end) + len(avail) * RELEASE_S
     work["release"] += len(avail) * RELEASE_S
     return {"seconds": end, "compute": compute, "gathers": gathers,
-            "reduce_scatters": rs_count, "sent": sent, "work": work}
+            "prefetches": prefetches, "reduce_scatters": rs_count, "sent": sent,
+            "work": work}
 
 
 def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
