@@ -103,6 +103,30 @@ release the blocking ``torch.ones(1).half().to(device)`` 21 us beyond the wait f
 compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts
 of 2021 (torch 1.8, an AMD EPYC 7742) cost the same.
 
+Read for GPT 530B's shapes (h = 20,480: every matrix above ``reduce_bucket_size``, fc1
+and fc2's 1.68e9 elements above ``stage3_max_live_parameters``) and left out as
+negligible or already priced (v0.3.13 line numbers): a gradient above the bucket is kept
+out of the ipg buffer (no copy, ``stage3.py:1452-1453``) and reduced alone by
+``reduce_ipg_grads`` (``:1689-1716``: the pre-division, priced), its reduce-scatter a
+``narrow`` per rank with a ``torch.zeros`` + copy only for the padded last chunk
+(partition_parameters.py ``:733-771``); ``partition_previous_reduced_grads`` copies the
+rank's partition of each gradient (``:1606-1687``) into ``grads_in_partition``, which
+``_release_ipg_buffers`` drops every step (``:1182-1188``) so its ``torch.zeros`` of the
+rank's partition (1.7 GB at 640 ranks, about 1 ms) recurs; ``fetch_sub_module`` gathers
+a parameter whole whatever its size (``:357-411``) and ``get_params_to_prefetch`` adds
+whole parameters until the bucket is reached (``:205-216``); no
+``torch.cuda.empty_cache`` in the ZeRO-3 path (only 1-bit Adam's, v0.3.13 and v0.3.16);
+``see_memory_usage`` and ``print_rank_0`` return at once unless forced
+(runtime/utils.py ``:548-550``, ``stage3.py:42-44``); ``LinearFunctionForZeroStage3``
+replaces ``F.linear`` only while the model is built (partition_parameters.py
+``:192-194``, restored ``:213-214``); activation checkpointing: Megatron-LM-v1.1.5-ZeRO3
+(7b5abd576e ``megatron/initialize.py:108-117``) runs DeepSpeed's, and the example script
+(44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on only ``partition_activations``,
+which with one model-parallel rank is a clone of each checkpointed input
+(activation_checkpointing/checkpointing.py ``:452-455``) and a one-rank all-gather in
+backward (``:284-307``): about 0.15 s a step at 530B, micro-batch 4 (each 335 MB,
+read and written once or twice a layer).
+
 Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
 gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
 current buffers), the loss scaler's overflow check.
