@@ -14,7 +14,11 @@ NCCL's seconds as the clock prices them (and their bus bandwidth), the gradient
 pre-division.  ``nodes``: the nodes the data-parallel group spans (NCCL's bus bandwidth
 is priced alike at all of them: ``sim_mesh.nccl_tuning.scale_assumption``).  Work is
 not exposure: the loops of one collective overlap the NCCL
-time of another.  The last column is the published step less the predicted one.
+time of another.  ``gap``: the published step less the predicted one.  ``prefetch``:
+the gathers the prefetch issued in the step priced (step 2, ``zero3_2021.COUNTER_STEP``);
+``late``: the predicted step at a late step (10,000), where DeepSpeed's live-parameter
+counter has drifted low enough for every gather to be a prefetch (``plan.zero3_2021``'s
+docstring: the counter loses the persistent parameters' elements every step).
 
 Nothing here feeds the planner; it shows where the predicted time goes (the loops
 over p chunks grow with the data-parallel size, the rest does not).
@@ -53,6 +57,15 @@ def breakdown(row) -> dict:
                      prof.memory_bandwidth, overlap_rate(prof))
     post, _ = Z.post_step_gather(trace, p, lambda n: C.group_price(
         "all_gather", 2 * n, ranks, prof))
+    late = {}
+    quiet = tuple((lambda n, k=kind: C.group_price(k, 2 * n, ranks, prof))
+                  for kind in ("all_gather", "reduce_scatter"))   # not counted in moved
+    for first in (True, False):      # the step's first micro-batch, the others
+        a, b = (Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+                           persistent_gathered=first, step=k)["seconds"]
+                for k in (Z.COUNTER_STEP, 10_000))
+        late[first] = a - b
+    saved = late[True] + (lay.m - 1) * late[False]
     w = sim["work"]
     published = est.step_time * r["ratio"]
     return dict(name=row["name"], gpus=row["devices"], mb=lay.micro_batch,
@@ -62,12 +75,13 @@ def breakdown(row) -> dict:
                 host_loops=w["ag_loop"] + w["rs_loop"] + w["record_copy"],
                 release=w["release"], nccl=w["nccl"], predivide=w["predivide"],
                 busbw=(moved["all_gather"] + moved["reduce_scatter"]) / w["nccl"] / 1e9,
-                gap=published - est.step_time)
+                gap=published - est.step_time, prefetch=sim["prefetches"],
+                late=est.step_time - saved)
 
 
 def main():
     cols = ("published", "predicted", "compute", "exposed", "post_step", "host_loops",
-            "release", "nccl", "predivide", "busbw", "gap")
+            "release", "nccl", "predivide", "busbw", "gap", "prefetch", "late")
     print("narayanan_zero3 rows, seconds per step (busbw: GB/s of NCCL's all-gathers and "
           "reduce-scatters as the clock prices them)")
     print(f"  {'row':10} {'GPUs':>5} {'nodes':>5} {'mb':>3} "

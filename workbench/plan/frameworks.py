@@ -168,7 +168,9 @@ _FRAMEWORK_WORDS = {
                      "parameter on a list of dp chunks (dp copies each, host-synchronous "
                      "fetches), per-parameter reduce-scatter, DeepSpeedExamples' Megatron "
                      "ZeRO-3 config ASSUMED; host cost per chunk measured on the H100 "
-                     "machine's host (plan.zero3_2021)",
+                     "machine's host; the prefetch's live-parameter counter as at step 2 "
+                     "ASSUMED (it drifts lower every step, opening the prefetch: later "
+                     "steps are faster) (plan.zero3_2021)",
     "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
                  "gather per layer"}
 

@@ -25,6 +25,22 @@ What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` an
   gathered parameters number fewer than ``stage3_max_live_parameters``; then the next
   not-gathered parameters of the recorded trace, one collective each, until they reach
   ``stage3_prefetch_bucket_size`` elements.
+- **the live-parameter counter** behind that check (``total_available_parameter_numel``)
+  is raised when ``fetch_sub_module`` or the prefetch gathers a parameter (``:391``,
+  ``:329``) and lowered when one is released (``:439``) or, at the end of each backward,
+  by ``_partition_all_parameters`` -> ``release_and_reset_parameter`` for every parameter
+  then gathered (``:461``), the persistent ones included; but ``_post_step`` gathers the
+  persistent parameters through ``Init._all_gather`` (``:2344``; partition_parameters.py
+  ``:473-495``), which never raises it.  So the counter starts step 2 (the first with a
+  recorded trace, so the first that prefetches) at 0, not at the persistent parameters'
+  elements P, and every later step 1 x P lower: step k at -(k - 2) P (micro-batches after
+  the step's first: one P lower still).  The same lines in v0.3.16 (stage3.py ``:359``,
+  ``:424``, ``:475``, ``:497``, ``:2726``) and to v0.5.x.  It opens the prefetch check
+  as a run goes on (GPT 530B, P = 28 M a step, the tied embedding's 1.05e9 held: the
+  check opens at the LayerNorms from step 4, at the projection, prefetching fc1, from
+  step 19, before every matrix from step 80; tests/test_z3big.py).  Which step the
+  published throughput was measured at is not known: the estimate prices step 2
+  (``COUNTER_STEP``, ASSUMED; later steps prefetch more and are faster).
 - **release** after a module's forward / backward unless the trace uses the module again
   within ``stage3_max_reuse_distance`` elements (``_keep_for_later``), or the parameter
   is persistent (fewer than ``stage3_param_persistence_threshold`` elements: biases,
@@ -87,6 +103,30 @@ release the blocking ``torch.ones(1).half().to(device)`` 21 us beyond the wait f
 compute stream; one ``torch.cuda.synchronize`` 9.6 us.  ASSUMPTION: the DGX A100 hosts
 of 2021 (torch 1.8, an AMD EPYC 7742) cost the same.
 
+Read for GPT 530B's shapes (h = 20,480: every matrix above ``reduce_bucket_size``, fc1
+and fc2's 1.68e9 elements above ``stage3_max_live_parameters``) and left out as
+negligible or already priced (v0.3.13 line numbers): a gradient above the bucket is kept
+out of the ipg buffer (no copy, ``stage3.py:1452-1453``) and reduced alone by
+``reduce_ipg_grads`` (``:1689-1716``: the pre-division, priced), its reduce-scatter a
+``narrow`` per rank with a ``torch.zeros`` + copy only for the padded last chunk
+(partition_parameters.py ``:733-771``); ``partition_previous_reduced_grads`` copies the
+rank's partition of each gradient (``:1606-1687``) into ``grads_in_partition``, which
+``_release_ipg_buffers`` drops every step (``:1182-1188``) so its ``torch.zeros`` of the
+rank's partition (1.7 GB at 640 ranks, about 1 ms) recurs; ``fetch_sub_module`` gathers
+a parameter whole whatever its size (``:357-411``) and ``get_params_to_prefetch`` adds
+whole parameters until the bucket is reached (``:205-216``); no
+``torch.cuda.empty_cache`` in the ZeRO-3 path (only 1-bit Adam's, v0.3.13 and v0.3.16);
+``see_memory_usage`` and ``print_rank_0`` return at once unless forced
+(runtime/utils.py ``:548-550``, ``stage3.py:42-44``); ``LinearFunctionForZeroStage3``
+replaces ``F.linear`` only while the model is built (partition_parameters.py
+``:192-194``, restored ``:213-214``); activation checkpointing: Megatron-LM-v1.1.5-ZeRO3
+(7b5abd576e ``megatron/initialize.py:108-117``) runs DeepSpeed's, and the example script
+(44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on only ``partition_activations``,
+which with one model-parallel rank is a clone of each checkpointed input
+(activation_checkpointing/checkpointing.py ``:452-455``) and a one-rank all-gather in
+backward (``:284-307``): about 0.15 s a step at 530B, micro-batch 4 (each 335 MB,
+read and written once or twice a layer).
+
 Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
 gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
 current buffers), the loss scaler's overflow check.
@@ -98,8 +138,8 @@ from dataclasses import dataclass
 from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
-__all__ = ["FRAMEWORK", "Entry", "gpt_trace", "simulate", "dp_sync", "list_collective",
-           "post_step_gather", "predivide_seconds"]
+__all__ = ["FRAMEWORK", "COUNTER_STEP", "Entry", "gpt_trace", "simulate", "dp_sync",
+           "list_collective", "post_step_gather", "predivide_seconds", "counter_start"]
 
 FRAMEWORK = "deepspeed-0.3"
 
@@ -110,6 +150,10 @@ MAX_LIVE_NUMEL = 1_000_000_000
 MAX_REUSE_NUMEL = 1_000_000_000
 PERSISTENCE_NUMEL = 100_000
 REDUCE_BUCKET_NUMEL = 67_108_860
+# the step whose live-parameter counter the estimate prices (module docstring: it drifts
+# down by the persistent parameters' elements each step): 2, the first that prefetches,
+# ASSUMED (the published runs' measured step is not stated)
+COUNTER_STEP = 2
 
 # host seconds, measured by benchmarks/host_chunk_overhead.py (module docstring)
 AG_LOOP_S = 6.9e-6         # _allgather_param's loop, per rank
@@ -255,14 +299,30 @@ def predivide_seconds(numels, mem_bw: float) -> float:
     return 2 * 2 * (REDUCE_BUCKET_NUMEL + large) / mem_bw
 
 
+def counter_start(trace, step: int, first: bool) -> float:
+    """DeepSpeed v0.3's live-parameter counter when a micro-batch of optimizer step
+    ``step`` (>= 2) starts (module docstring): -(step - 2) x the persistent parameters'
+    elements for the step's first micro-batch (``_post_step``'s gather of them is not
+    counted), one more of those lower for the others."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 2:
+        raise ValueError(f"step={step!r}: the optimizer step priced, an int >= 2 (step 1 "
+                         f"records the trace and prefetches nothing)")
+    size = {pid: n for e in trace for pid, n in e.params}
+    persistent = sum(n for n in size.values() if n < PERSISTENCE_NUMEL)
+    return -float((step - 2 + (0 if first else 1)) * persistent)
+
+
 def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
-             keep=None, persistent_gathered: bool = True) -> dict:
+             keep=None, persistent_gathered: bool = True,
+             step: int = COUNTER_STEP) -> dict:
     """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
-    its compute seconds, the gathers and reduce-scatters it ran and their wire bytes.
+    its compute seconds, the gathers (``prefetches`` of them issued by the prefetch) and
+    reduce-scatters it ran and their wire bytes.
     ``ag_price(numel)`` / ``rs_price(numel)``: NCCL's seconds on that many 16-bit
     elements; ``rate``: compute's speed beside a collective; ``persistent_gathered``:
     the persistent parameters are there when it starts (the step's first micro-batch,
-    after ``_post_step``), else each is gathered at its first use."""
+    after ``_post_step``), else each is gathered at its first use; ``step``: the
+    optimizer step, whose live-parameter counter starts at :func:`counter_start`."""
     keep = _keep(trace) if keep is None else keep
     t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
     busy, inflight = [], {}
@@ -313,7 +373,10 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     held = {pid for e in trace if e.module == "root" for pid, _ in e.params}
     persistent = {pid for pid, n in size.items() if n < PERSISTENCE_NUMEL}   # ds_persist
     avail = set(persistent) if persistent_gathered else set()
-    live = sum(size[pid] for pid in avail)
+    # total_available_parameter_numel: _post_step's gather of the persistent ones is not
+    # counted, and each step starts lower (counter_start)
+    live = counter_start(trace, step, persistent_gathered)
+    prefetches = 0
     last_b = {pid: i for i, e in enumerate(trace) if e.phase == "b" for pid, _ in e.params}
     compute = 0.0
     for i, e in enumerate(trace):
@@ -339,6 +402,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                     break
             for pid in chosen:
                 gather(pid)
+            prefetches += len(chosen)
         busy = [iv for iv in busy if iv[1] > min(t, gpu)]
         gpu = finish_beside(max(t, gpu), e.compute, rate, busy)
         compute += e.compute
@@ -364,7 +428,8 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     end = max(t, gpu, nccl, rs_end) + len(avail) * RELEASE_S
     work["release"] += len(avail) * RELEASE_S
     return {"seconds": end, "compute": compute, "gathers": gathers,
-            "reduce_scatters": rs_count, "sent": sent, "work": work}
+            "prefetches": prefetches, "reduce_scatters": rs_count, "sent": sent,
+            "work": work}
 
 
 def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
