@@ -124,6 +124,18 @@ def test_row_label_names_the_rows_and_the_memory_lines():
         V.draw_pipeline(r, row_label="")
 
 
+def test_time_unit_labels_the_time_axis():
+    """Notebook 17 draws a planner estimate's pipeline, timed in seconds, and its prose
+    said "the time axis is in seconds" under an axis labelled only "time (modeled)"."""
+    r = simulate(one_f_one_b(2, 4), f=0.5, b=1.0)
+    assert V.draw_pipeline(r, time_unit="s").axes[-1].get_xlabel() == "time (modeled, s)"
+    assert V.draw_pipeline(r).axes[-1].get_xlabel() == "time (modeled)"
+    assert V.draw_pipeline(r, memory=False, time_unit="ms").axes[0].get_xlabel() == \
+        "time (modeled, ms)"
+    with pytest.raises(ValueError, match="time_unit=''"):
+        V.draw_pipeline(r, time_unit="")
+
+
 def test_draw_accepts_a_schedule_and_is_deterministic():
     a = V.draw_pipeline(one_f_one_b(3, 4), f=1, b=2)
     b = V.draw_pipeline(simulate(one_f_one_b(3, 4), f=1, b=2))

@@ -211,9 +211,11 @@ def check_mfu(mfu, step_time: float, devices: int = 1024, peak_tflops: float = 3
                       "FLOPs only: eq. 7 over (step time x devices x peak)"))
     wrong += [(4 / 3 * want, "that counts the recomputed forward: that is HFU; MFU counts the "
                             "model's FLOPs only (3 passes: forward and a backward twice as long)"),
-             (6 * _gpt3_params() * global_batch * GPT3["s"] / peak,
-              "6ND leaves out attention's s^2 terms and the head: use eq. 7, "
-              "72 B s L h^2 (1 + s/(6h) + V/(12 L h))"),
+             (6 * _gpt3_params() * global_batch * GPT3["s"] / peak,    # = eq. 7 less s/(6h)
+              "that leaves out the s/(6h) term, attention's scores and their product with "
+              "the values (as 6ND does): use eq. 7, 72 B s L h^2 (1 + s/(6h) + V/(12 L h))"),
+             (flops, "that is the step's model FLOPs; MFU divides them by what the devices "
+                     "could do in the step: step time x devices x peak"),
              (100 * want, "give a fraction (0.5 for 50%), not a percent"),
              (want / 3, "that is the forward's FLOPs only: eq. 7's 72 = 3 x 24 counts the "
                         "forward and the backward, twice as long"),
@@ -268,6 +270,10 @@ def check_tp_comm_ms(a_ms, b_ms, faster, t8_ms: float, t16_ms: float,
                  (L * per_layer * t_ms, "a device runs only its stage's L / p layers"),
                  (per_layer * t_ms, f"that is one layer's; a device of layout {name} runs "
                                     f"its stage's {layers} layers (L / p)"),
+                 (L / 128 * per_layer * t_ms, "L / (t p) is a device's share of the compute; "
+                                              "each all-reduce moves a whole layer's output, "
+                                              f"and a device runs its stage's L / p = {layers} "
+                                              "layers"),
                  (layers * 2 * t_ms, "count the backward's all-reduces too"),
                  *[(layers * k * t_ms, f"count a layer's all-reduces again: two in the "
                                        f"forward, two in the backward{more}, {per_layer} "

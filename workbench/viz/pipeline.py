@@ -109,7 +109,8 @@ def _shade(kind: int, chunk: int, v: int) -> tuple:
 
 def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
                   max_labels: int = MAX_LABELS, dpi: int = 100,
-                  caption: bool = True, row_label: str = "rank") -> PipelineFigure:
+                  caption: bool = True, row_label: str = "rank",
+                  time_unit: "str | None" = None) -> PipelineFigure:
     """Gantt chart of ``data`` (a SimulationResult, or a Schedule simulated with f, b, w, p2p).
 
     Top: one row per rank (rank 0 on top); F, B, W blocks in fixed colours with the
@@ -117,13 +118,17 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     later model chunks, idle time shaded, and the measured bubble next to the
     published formula (``caption=False`` leaves it to the caller, e.g. a widget that
     prints it).  ``row_label`` names a row ("stage" where each pipeline rank is a group
-    of devices).  Bottom (``memory=True``): activations in flight per rank.
+    of devices); ``time_unit`` the unit of the times simulated ("s" for a planner
+    estimate's ``pipeline()``; None: the schedule's own units).  Bottom (``memory=True``): activations in flight per rank.
     Artists carry gids for tests and tools: "blocks" (a collection with one
     compound path of rectangles per kind and chunk), "bubbles", "labels", "caption".
     """
     if not isinstance(row_label, str) or not row_label:
         raise ValueError(f"draw_pipeline: row_label={row_label!r} must be a non-empty str, "
                          "e.g. 'rank' or 'stage'")
+    if time_unit is not None and (not isinstance(time_unit, str) or not time_unit):
+        raise ValueError(f"draw_pipeline: time_unit={time_unit!r} must be a non-empty str "
+                         "such as 's' or 'ms', or None for the schedule's own units")
     res = _result(data, f, b, w, p2p)
     s, bl = res.schedule, res.blocks
     height = 1.6 + min(0.32 * s.p, 6.0)
@@ -178,7 +183,8 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     handles.append(Patch(color=BUBBLE_COLOR, label="bubble"))
     ncols = min(len(handles), 7)
     fig.legend(handles=handles, loc="lower center", ncols=ncols, frameon=False, prop=FONT)
-    (axm or ax).set_xlabel("time (modeled)", **FONT)
+    (axm or ax).set_xlabel("time (modeled)" if time_unit is None
+                           else f"time (modeled, {time_unit})", **FONT)
     if axm is not None:
         _draw_memory(axm, res, row_label)
     # the legend sits below the time axis: each row past the first (interleaved, v >= 4:
