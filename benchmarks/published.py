@@ -423,7 +423,10 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "userbuffers at NCCL's price ASSUMED); GEMMs, the attention "
                           "(cuDNN's fused kernel, as Transformer Engine runs it) and the loss "
                           "at the rates measured on an H100 (sim_mesh/measurements): the "
-                          "range column goes down to FlashAttention-2's measured rates",
+                          "range column goes down to FlashAttention-2's measured rates; "
+                          "attention dropout (Megatron-LM's default 0.1, arguments.py:947 at "
+                          "f2e5db402c) not priced inside the fused kernel, whose rates were "
+                          "measured without dropout (UNCERTAIN: no measurement with it)",
          "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
