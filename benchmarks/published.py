@@ -66,6 +66,21 @@ is here only when its number was read from the source itself:
   (four times) longer last backward and first forward, and the 32B read 0.92 (1.09);
   not used (no source).  The fused attention's rate is TE's own of 2024 (cuDNN 9.3 on an
   H100 SXM, tests/test_h100mg.py): not the small rows' gap either.
+  ``benchmarks/h100_breakdown.py`` prints each row's terms (tests/test_h100rows.py): from
+  16B to 32B only the DP term jumps (0.11 -> 0.38 s; compute 0.70 -> 0.71, TP exposed
+  0.01 -> 0.04): the 16B's DP group has two ranks per node (two NICs: its fp32
+  reduce-scatter 0.17 s), the 32B's one (0.32 s), for the same 4e9 gradients per rank.
+  Neither is the loss the 1.7B's gap: Megatron-LM's unfused vocabulary-parallel
+  cross-entropy (cross_entropy.py at f2e5db402c; --cross-entropy-loss-fusion is off by
+  default) moves 52 bytes per logit, which at the measured copy rate is the measured
+  pair's time within 2%; nor the loss's per-micro-batch DP all-reduce and NaN check
+  (pretrain_gpt.py:136-145, under 0.1 ms); nor TE's ring exchange on the copy engines
+  (userbuffers.cu: ``cudaMemcpyAsync`` when ``use_ce``), whose NVLink rate (371-377 GB/s
+  one way, 740-749 both, p2pBandwidthLatencyTest on an H100 SXM, NVIDIA/nccl #1264) is
+  the profile's intra-node rate (370): the NCCL point-to-point price it has now.  A
+  1.75B GPT in plain PyTorch measured 0.393 s for the same 4 micro-batches on one H100
+  (h100-sxm-80gb-gpt-step.json), the README's run 0.452 s at dp 48: the gap is in what
+  the run does beyond the kernels priced here, not found in the sources read.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per
@@ -408,7 +423,10 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "userbuffers at NCCL's price ASSUMED); GEMMs, the attention "
                           "(cuDNN's fused kernel, as Transformer Engine runs it) and the loss "
                           "at the rates measured on an H100 (sim_mesh/measurements): the "
-                          "range column goes down to FlashAttention-2's measured rates",
+                          "range column goes down to FlashAttention-2's measured rates; "
+                          "attention dropout (Megatron-LM's default 0.1, arguments.py:947 at "
+                          "f2e5db402c) not priced inside the fused kernel, whose rates were "
+                          "measured without dropout (UNCERTAIN: no measurement with it)",
          "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
