@@ -74,16 +74,18 @@ FORMULA = "compare each factor with the formula"
 
 def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FORMULA,
           share: bool = False) -> str:
-    """The text of the first common mistake whose value matches ``got``: ``wrong`` holds
-    (value that mistake gives, what to say).  Otherwise only the direction, and
+    """The text of the common mistake whose value lies closest to ``got`` (within its
+    tolerance): ``wrong`` holds (value that mistake gives, what to say).  Otherwise only the direction, and
     ``fallback``, what to redo (an exercise without a formula names its own method):
     the ratio would give the expected value away.  A unit slip is named (``share``: the
     answer is a fraction, so 100 times it is a percentage).  A mistake given as (value,
     text, tolerance) is matched within its own tolerance instead of ``rel`` (one that
     lies very close to the expected value, where ``rel`` would swallow rounded answers)."""
-    for value, text, *own in wrong:
-        if math.isclose(got, value, rel_tol=own[0] if own else rel):
-            return text
+    near = [(abs(got - value) / max(abs(value), abs(got), 1e-300), i, text)
+            for i, (value, text, *own) in enumerate(wrong)
+            if math.isclose(got, value, rel_tol=own[0] if own else rel)]
+    if near:        # the closest mistake (two may lie within rel of one answer)
+        return min(near)[2]
     if not want:
         return "it should be 0"
     slip = _scale_slip(got, want, rel, share)
