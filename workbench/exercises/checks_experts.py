@@ -129,6 +129,7 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
                   "the rank's own tokens x k rows"),
         (2 * want_ep, "that counts the backward's two all-to-alls too (the gradients' way "
                       "back); the exercise asks for the forward's dispatch and combine"),
+        (p * want_ep, f"that is summed over the {p} ranks; give what one rank sends"),
     ])
     four = ("count four collectives (the attention's all-gather and reduce-scatter too, or "
             "the backward's)? The MoE layer's forward has one all-gather before the experts "
@@ -145,6 +146,7 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
                       "gathered tokens" + _or_did_you([(k == 2, four)])),
         (want_tp * 2, "did you " + four),
         (want_tp / MIB, MIB_HINT),
+        (p * want_tp, f"that is summed over the {p} ranks; give what one rank sends"),
     ])
     _ok(f"EP sends {want_ep:.4g} MB, TP {want_tp:.4g} MB per rank: k / p = {k}/{p} of it")
 
