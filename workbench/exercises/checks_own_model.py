@@ -109,8 +109,8 @@ def check_ddp_bytes(answer, make_model=None, ranks: int = 4, vocab: int = 32,
 
 def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int = 32,
                           context: int = 16):
-    """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, ends
-    with one device's parameters after ``steps`` AdamW steps."""
+    """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, gives one
+    device's loss at every step and one device's parameters after ``steps`` AdamW steps."""
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
         again = make_model().state_dict()
