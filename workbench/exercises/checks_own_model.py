@@ -7,10 +7,12 @@ by hand (exercise 1) or come from one device's training run with plain torch.opt
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from ..parallel.dist_tensor import shard_tensor
+from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.strategies.ddp import DistributedDataParallel
 from ..parallel.strategies.fsdp import FullyShardedDataParallel
 from ..sim_mesh.mesh import Mesh
@@ -107,8 +109,8 @@ def check_ddp_bytes(answer, make_model=None, ranks: int = 4, vocab: int = 32,
 
 def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int = 32,
                           context: int = 16):
-    """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, ends
-    with one device's parameters after ``steps`` AdamW steps."""
+    """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, gives one
+    device's loss at every step and one device's parameters after ``steps`` AdamW steps."""
     with torch.random.fork_rng(devices=[]):
         model = _build(make_model)
         again = make_model().state_dict()
@@ -123,7 +125,7 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
         if not frozen:
             raise CheckError("give your model a frozen parameter (requires_grad=False)")
         batches = [_ids(vocab, 2 * ranks, context, s) for s in range(steps)]
-        results, unused = {}, []
+        results, losses, unused = {}, {}, []
         for kind in ("one device", "DDP", "FSDP"):
             m = make_model()
             mesh = Mesh.grid(ranks, ["dp"])
@@ -142,7 +144,8 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                 x = ids if kind == "one device" else shard_tensor(ids, mesh, ["S(0)"])
                 try:
                     out = w(x)
-                    (out.float() ** 2).mean().backward()
+                    loss = (out.float() ** 2).mean()
+                    loss.backward()
                 except Exception as e:                  # the student's model, or a refusal
                     if kind != "one device":            # it runs alone: the wrapper refused
                         raise CheckError(f"under {kind}, training your model raised "
@@ -152,6 +155,8 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                         f"(the check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
                         f"{context}) of token ids in [0, {vocab}), as TinyLM takes them, and "
                         "minimizes the mean of the squared output, a tensor)") from None
+                losses.setdefault(kind, []).append(
+                    (loss.full() if isinstance(loss, DistTensor) else loss).item())
                 if kind == "one device":            # trainable, no gradient this step
                     unused += [n for n, p in m.named_parameters()
                                if p.requires_grad and p.grad is None and n not in unused]
@@ -160,6 +165,15 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                 if kind == "one device" else w.full_state_dict()
     ref = results["one device"]
     for kind in ("DDP", "FSDP"):
+        # the losses first: AdamW's first steps move each value by about lr times the sign of
+        # its gradient, so the parameters alone let a forward that sums the batch's rows pass
+        for step, (got, want) in enumerate(zip(losses[kind], losses["one device"]), 1):
+            if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+                raise CheckError(f"under {kind}, the loss of step {step} differs from one "
+                                 f"device's ({got:.6g} against {want:.6g}): each rank sees "
+                                 "only its own rows of the batch; does your forward mix rows "
+                                 "(a sum, a mean, a norm or a softmax over dim 0), or draw "
+                                 "random numbers?")
         for name, want in ref.items():
             if not torch.allclose(results[kind][name], want, rtol=1e-5, atol=1e-6):
                 raise CheckError(f"under {kind}, {name} differs from one device's after "

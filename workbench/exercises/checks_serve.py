@@ -26,6 +26,10 @@ def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: flo
     ``bandwidth`` bytes/s."""
     want = weight_params * 2 / bandwidth * 1e3
     bf16, int8 = _number("bf16_ms", bf16_ms), _number("int8_ms", int8_ms)
+    if math.isclose(bf16, want / 2, rel_tol=0.01) and math.isclose(int8, want, rel_tol=0.01):
+        raise CheckError(f"your bf16 floor ({bf16:.4g} ms) is half your int8 one: did you swap "
+                         "the two answers? A bf16 weight is 2 bytes, an int8 one 1",
+                         expected=f"{want:.4g} ms")
     if not math.isclose(bf16, want, rel_tol=0.01):
         wrong = [(want * 8, "that counts bits: a bf16 weight is 2 bytes"),
                  (want * 1e12, f"the bandwidth is in bytes per second ({bandwidth / 1e12:g} "
