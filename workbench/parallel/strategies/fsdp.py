@@ -62,9 +62,22 @@ tensors of the module's shapes, and ``fsdp.module.load_state_dict`` / ``p.copy_(
 ``optimizer.load_state_dict`` take them (:mod:`.laid_out`; on torch.distributed the
 chunks all-gathered, so every process calls them, as FSDP's own ``state_dict()``); buffers a
 forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
-(:func:`.ranks.check_batch_stats`), and ``no_sync()`` raises (accumulate without it).
+(:func:`.ranks.check_batch_stats`).
+
+``no_sync()`` is FSDP1's (torch 2.13 ``torch/distributed/fsdp/fully_sharded_data_parallel.py``
+``no_sync``, ``_runtime_utils.py`` ``_post_backward_hook``: with ``_sync_gradients`` False
+the unsharded gradient stays in the flat parameter's ``.grad`` and nothing is
+reduce-scattered): inside it each rank's backward keeps its unsharded gradients, summed
+over the block's backwards in the dtype they arrive in (the compute dtype, as FSDP1's
+unsharded ``.grad`` in ``param_dtype``), and communicates nothing; the first backward
+outside it adds them to its own and reduce-scatters the sum once, so the shards then hold
+one device's accumulated gradient.  Memory: the unsharded gradients are kept meanwhile
+(FSDP1's note: "higher memory usage because FSDP will accumulate the full model gradients
+(instead of gradient shards)"), counted by :meth:`unsynced_bytes`.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -140,6 +153,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             u.module.register_forward_hook(lambda m, a, o, u=u: self._exit(u))
         object.__setattr__(self, "gathered", GatheredBytes())
         self._k, self._order, self._prefetched, self._owners = None, [], {}, {}
+        self._sync_enabled = True        # False inside no_sync()
+        object.__setattr__(self, "_unsynced", {})      # (unit index, rank) -> [grad]
         module._wb_wrapped = "FullyShardedDataParallel"
 
     _casts_inputs = True     # fully_shard's root: its policy's cast_forward_inputs
@@ -325,7 +340,37 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         flats.update(zip(todo, self._all_gather(call, k, shards, "re-gather")))
         return flats
 
+    # ---- no_sync(): each rank's unsharded gradients held, their sum reduced later -------
+    def _syncs(self, unit) -> bool:
+        """Does ``unit``'s backward reduce-scatter now (False: hold the gradients)?"""
+        return self._sync_enabled
+
+    def _held_dtype(self, grads):
+        """The held gradients' dtype: as they arrive (FSDP1's unsharded ``.grad``)."""
+        return grads
+
     def _reduce_scatter(self, call, k, grads, needs):
+        key = (call.unit.index, k)
+        if not self._syncs(call.unit):   # nothing sent: rank k's unsharded gradients held
+            call.cache.pop(k, None)
+            call.done.add(k)
+            held = self._unsynced.setdefault(key, [None] * len(grads))
+            for i, (gr, need) in enumerate(zip(self._held_dtype(grads), needs)):
+                if need and gr is not None:
+                    held[i] = gr.detach().clone() if held[i] is None else held[i] + gr
+            return (None,) * len(grads)
+        held = self._unsynced.pop(key, None)
+        if held is not None:             # the synced backward: its gradients plus the held
+            grads = tuple(h if gr is None else gr if h is None else gr + h
+                          for gr, h in zip(grads, held))
+        return self._reduce_scatter_now(call, k, grads, needs)
+
+    def unsynced_bytes(self) -> int:
+        """Bytes of unsharded gradients held for the next synced backward (all ranks)."""
+        return sum(g.numel() * g.element_size() for v in self._unsynced.values()
+                   for g in v if g is not None)
+
+    def _reduce_scatter_now(self, call, k, grads, needs):
         """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
         g = self.group
         call.cache.pop(k, None)
@@ -368,14 +413,16 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         rd = self.reduce_dtype
         return tuple(g if g is None or rd is None or g.dtype == rd else g.to(rd) for g in grads)
 
+    @contextlib.contextmanager
     def no_sync(self):
-        """Not built (FSDP1's ``no_sync`` keeps unsharded gradients until the next synced
-        backward): raises, naming what gives the same gradients."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.no_sync() is not built here; accumulate over "
-            "micro-batches without it: each backward reduce-scatters its gradients onto the "
-            "shards, where they add up (FSDP2's default, set_requires_gradient_sync(True)), "
-            "so the shards hold the same summed gradients at the last micro-batch")
+        """FSDP1's ``no_sync`` (module docstring): inside the block no backward
+        communicates; each rank's unsharded gradients are held and the first backward
+        after it reduce-scatters their sum onto the shards."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
