@@ -78,6 +78,7 @@ def test_ddp_dist_reduces_once_per_synced_backward_finish_after_it_reduces_nothi
         ddp.finish_gradient_synchronization()            # still valid: nothing left to do
         ddp.finish_gradient_synchronization()
     assert reductions(tr) == []
+    ddp.zero_grad()
     with wb.trace() as tr:                               # the next step: one again
         mse(ddp(dist(x, mesh)), dist(y, mesh)).backward()
     assert reductions(tr) == ONE
@@ -174,3 +175,76 @@ def test_fsdp_over_disttensors_no_sync_still_raises():
     with pytest.raises(NotImplementedError, match="not built"):
         with fsdp.no_sync():
             pass
+
+
+# ---- 3. fully_shard over DistTensors: the attribute outside forward is one object ----------
+def _tp_fully_shard():
+    from tests.test_fully_shard import tp_model, wrap_tp_fsdp
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    return wrap_tp_fsdp(tp_model(), mesh), tp_model(), mesh
+
+
+def _loss(m, mesh, ids, y):
+    from tests.test_audit_tp_fsdp import _loss
+    return _loss(m, mesh, ids, y)
+
+
+def test_fully_shard_attribute_is_one_live_object_as_fsdp2():
+    from tests.test_fully_shard import batches as tp_batches
+    m, ref, mesh = _tp_fully_shard()
+    list(m.parameters())                                 # the sharded state built
+    w = m.blocks[0].up.weight
+    assert w is m.blocks[0].up.weight                    # was False: a new gather per read
+    assert m.blocks[1].up.weight is m.blocks[1].up.weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for ids, y in tp_batches(k=2):
+        for model, o, me in ((m, opt, mesh), (ref, ropt, None)):
+            o.zero_grad()
+            _loss(model, me, ids, y).backward()
+            o.step()
+    assert w is m.blocks[0].up.weight
+    # a reference kept across the steps reads the stepped value (FSDP2's is the parameter)
+    torch.testing.assert_close(w.full(), ref.blocks[0].up.weight.detach())
+    torch.testing.assert_close(w.grad.full(), ref.blocks[0].up.weight.grad)
+
+
+def test_fully_shard_writes_through_the_kept_attribute_reach_the_shards():
+    m, ref, mesh = _tp_fully_shard()
+    list(m.parameters())                                 # the sharded state built
+    w, rw = m.blocks[1].down.weight, ref.blocks[1].down.weight
+    torch.manual_seed(3)
+    torch.nn.init.normal_(w)
+    torch.manual_seed(3)
+    torch.nn.init.normal_(rw)
+    torch.testing.assert_close(m.state_dict()["blocks.1.down.weight"].full(), rw.detach())
+    w.data.copy_(torch.ones(w.shape))                    # through .data: the shards
+    with torch.no_grad():
+        rw.data.copy_(torch.ones(rw.shape))
+        w.mul_(2)                                        # in place under no_grad
+        rw.mul_(2)
+    assert w is m.blocks[1].down.weight
+    from tests.test_fully_shard import batches as tp_batches
+    ids, y = tp_batches(k=1)[0]
+    torch.testing.assert_close(_loss(m, mesh, ids, y), _loss(ref, None, ids, y))
+    # a loss term on the kept attribute gives the shards one device's gradient
+    m.zero_grad()
+    ref.zero_grad()
+    (w ** 2).sum().backward()
+    (rw ** 2).sum().backward()
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+
+
+def test_fully_shard_tied_weight_outside_forward_is_one_object():
+    from tests.test_habits4 import ids, tied
+    mesh = wb.Mesh.grid((2, 1), ["dp", "tp"])
+    m, ref = tied(), tied()
+    wb.parallelize(m, mesh)
+    wb.fully_shard(m, mesh=mesh["dp"])
+    list(m.parameters())                                 # the sharded state built
+    assert m.head.weight is m.emb.weight                 # was False (FSDP2: True)
+    torch.testing.assert_close(m(wb.shard_tensor(ids(), mesh, ["S(0)", "R"])).full(),
+                               ref(ids()))
+    assert m.head.weight is m.emb.weight
+    torch.testing.assert_close(m.emb.weight.full(), ref.emb.weight.detach())
