@@ -70,7 +70,7 @@ def test_ddp_dist_ordinary_loop_steps_as_one_device():
 
 def test_ddp_dist_reduces_once_per_synced_backward_finish_after_it_reduces_nothing():
     mesh, model, ddp = ddp_dist(bucket_bytes=float("inf"))   # one bucket: one all-reduce
-    (x, y), _ = batches(2)[0], None
+    x, y = batches(2)[0]
     with wb.trace() as tr:
         mse(ddp(dist(x, mesh)), dist(y, mesh)).backward()
     assert reductions(tr) == ONE                         # was []: reduced in finish() only

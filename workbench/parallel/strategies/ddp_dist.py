@@ -131,6 +131,11 @@ class DistTensorDDP(DistributedDataParallel):
             self.replicas.names = self._names
         self.broadcast_from, self._sync_enabled = 0, True
         self._finish_queued = False     # the end-of-backward reduction is queued
+        self.replicas.unsynced_hint = (
+            "torch.nn.utils.clip_grad_norm_ over DistributedDataParallel's replicas before "
+            "their gradients are summed over the data-parallel ranks (each rank would clip "
+            "by its own gradient): a backward outside no_sync() sums them when it returns "
+            "(or call finish_gradient_synchronization() after leaving no_sync()), then clip")
         for p in self.replicas.params:  # after GradReplicas' own hooks (registered first)
             if id(p) in self.replicas.hooked:
                 p._local.register_post_accumulate_grad_hook(self._queue_finish)

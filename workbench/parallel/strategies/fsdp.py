@@ -64,20 +64,10 @@ chunks all-gathered, so every process calls them, as FSDP's own ``state_dict()``
 forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
 (:func:`.ranks.check_batch_stats`).
 
-``no_sync()`` is FSDP1's (torch 2.13 ``torch/distributed/fsdp/fully_sharded_data_parallel.py``
-``no_sync``, ``_runtime_utils.py`` ``_post_backward_hook``: with ``_sync_gradients`` False
-the unsharded gradient stays in the flat parameter's ``.grad`` and nothing is
-reduce-scattered): inside it each rank's backward keeps its unsharded gradients, summed
-over the block's backwards in the dtype they arrive in (the compute dtype, as FSDP1's
-unsharded ``.grad`` in ``param_dtype``), and communicates nothing; the first backward
-outside it adds them to its own and reduce-scatters the sum once, so the shards then hold
-one device's accumulated gradient.  Memory: the unsharded gradients are kept meanwhile
-(FSDP1's note: "higher memory usage because FSDP will accumulate the full model gradients
-(instead of gradient shards)"), counted by :meth:`unsynced_bytes`.
+``no_sync()`` is FSDP1's (:mod:`.fsdp_no_sync`): unsharded gradients held, their sum
+reduce-scattered by the first backward after it.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -90,6 +80,7 @@ from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
+from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .rank_recompute import refuse_checkpoint, seq_mark
@@ -100,7 +91,7 @@ from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
+class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -340,36 +331,6 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         flats.update(zip(todo, self._all_gather(call, k, shards, "re-gather")))
         return flats
 
-    # ---- no_sync(): each rank's unsharded gradients held, their sum reduced later -------
-    def _syncs(self, unit) -> bool:
-        """Does ``unit``'s backward reduce-scatter now (False: hold the gradients)?"""
-        return self._sync_enabled
-
-    def _held_dtype(self, grads):
-        """The held gradients' dtype: as they arrive (FSDP1's unsharded ``.grad``)."""
-        return grads
-
-    def _reduce_scatter(self, call, k, grads, needs):
-        key = (call.unit.index, k)
-        if not self._syncs(call.unit):   # nothing sent: rank k's unsharded gradients held
-            call.cache.pop(k, None)
-            call.done.add(k)
-            held = self._unsynced.setdefault(key, [None] * len(grads))
-            for i, (gr, need) in enumerate(zip(self._held_dtype(grads), needs)):
-                if need and gr is not None:
-                    held[i] = gr.detach().clone() if held[i] is None else held[i] + gr
-            return (None,) * len(grads)
-        held = self._unsynced.pop(key, None)
-        if held is not None:             # the synced backward: its gradients plus the held
-            grads = tuple(h if gr is None else gr if h is None else gr + h
-                          for gr, h in zip(grads, held))
-        return self._reduce_scatter_now(call, k, grads, needs)
-
-    def unsynced_bytes(self) -> int:
-        """Bytes of unsharded gradients held for the next synced backward (all ranks)."""
-        return sum(g.numel() * g.element_size() for v in self._unsynced.values()
-                   for g in v if g is not None)
-
     def _reduce_scatter_now(self, call, k, grads, needs):
         """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
         g = self.group
@@ -412,17 +373,6 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         shard's own dtype (the fp32 master), as FSDP2 does after the reduce-scatter."""
         rd = self.reduce_dtype
         return tuple(g if g is None or rd is None or g.dtype == rd else g.to(rd) for g in grads)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """FSDP1's ``no_sync`` (module docstring): inside the block no backward
-        communicates; each rank's unsharded gradients are held and the first backward
-        after it reduce-scatters their sum onto the shards."""
-        old, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = old
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold

@@ -92,7 +92,7 @@ class FullyShardRoot(FullyShardedDataParallel):
         return super()._pack(t)
 
     # ---- set_requires_gradient_sync(False): accumulate unreduced (the wrapper's no_sync
-    # machinery, :meth:`.fsdp.FullyShardedDataParallel._reduce_scatter`), per unit ------
+    # machinery, :class:`.fsdp_no_sync.NoSync`), per unit ----------------------------------
     def _syncs(self, unit) -> bool:
         return self._state(unit).requires_gradient_sync
 
