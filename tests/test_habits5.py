@@ -140,7 +140,8 @@ def test_fsdp_no_sync_accumulates_as_one_device(compute_dtype):
     fsdp = wb.FullyShardedDataParallel(two_blocks(), mesh, units=[nn.Sequential],
                                        compute_dtype=compute_dtype)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
-    per_step = None
+    size = torch.empty((), dtype=compute_dtype or torch.float32).element_size()
+    held_bytes = sum(-(-p.numel() // 3) * 3 * size for p in ref.parameters())
     for step in micro_batches(2, 3):
         ropt.zero_grad()
         for x, y in step:
@@ -152,7 +153,8 @@ def test_fsdp_no_sync_accumulates_as_one_device(compute_dtype):
                     xd, yd = (wb.shard_tensor(t, mesh, [wb.Shard(0)]) for t in (x, y))
                     mse(fsdp(xd), yd).backward()
             assert grad_collectives(tr) == []    # no communication inside no_sync
-            assert fsdp.unsynced_bytes() > 0     # the unsharded gradients, kept (FSDP1)
+            # the unsharded gradients, kept (FSDP1's note): every rank's, padded to 3 chunks
+            assert fsdp.unsynced_bytes() == 3 * held_bytes
             x, y = step[-1]
             xd, yd = (wb.shard_tensor(t, mesh, [wb.Shard(0)]) for t in (x, y))
             mse(fsdp(xd), yd).backward()
