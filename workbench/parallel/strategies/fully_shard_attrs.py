@@ -36,7 +36,10 @@ no view exists (uneven cells) keeps the fresh gather per read (writes reach the 
 before the next forward, state dict or step, as above).  Inside a forward every place of a
 tied weight reads the one copy its pre-hook gathered (FSDP2's unsharded parameter, another
 object there too).  ``model.parameters()`` / ``named_parameters()`` are the flat shards
-(what an optimizer steps), not these DistTensors.
+(what an optimizer steps), not these DistTensors.  Before the sharded state is built (built
+lazily, at the first forward or ``parameters()``: :mod:`.fully_shard_tp`) the attribute is
+the module's own DistTensor, another object than the one read after it (FSDP2 shards at
+``fully_shard``; a reference taken before is its template, whose writes and gradients raise).
 """
 from __future__ import annotations
 
