@@ -2,6 +2,7 @@
 ZeroRedundancyOptimizer) on simulated ranks, held to plain single-process PyTorch on
 the same seeded model and data: each test pins a defect the audit found (a silent
 no-op, a silently wrong number, or an unhelpful error) and its fix."""
+import contextlib
 import io
 
 import pytest
@@ -213,11 +214,8 @@ def test_another_in_place_op_with_a_module_shaped_tensor_raises_on_fsdp_chunks()
 
 
 # ---- accumulation, checkpoints ------------------------------------------------------------
-def test_fsdp_no_sync_raises_naming_what_gives_the_same_gradients():
-    w, _ = wrap("fsdp", mlp())
-    with pytest.raises(NotImplementedError, match="without it"):
-        with w.no_sync():
-            pass
+# (FullyShardedDataParallel.no_sync() raised "not built": built, FSDP1's, held to one
+# device in tests/test_habits5.py)
 
 
 def test_fsdp_sharded_state_dict_loads_with_torch_load_defaults():
@@ -277,27 +275,32 @@ def test_dist_ddp_step_before_the_gradients_are_summed_raises_and_after_is_one_d
     mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
     data = batches(2)
 
-    def run(finish):
+    def run(finish, unsynced=False):
         model = wb.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
         ddp = wb.DistributedDataParallel(model, mesh, "dp")
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
         for x, y in data:
             x, y = (wb.shard_tensor(t, mesh, [wb.Shard(0), wb.Replicate()]) for t in (x, y))
             opt.zero_grad()
-            ((ddp(x) - y) ** 2).mean().backward()
+            with ddp.no_sync() if unsynced else contextlib.nullcontext():
+                ((ddp(x) - y) ** 2).mean().backward()
             if finish:
                 ddp.finish_gradient_synchronization()
-            opt.step()                           # without finish: was a silent drift
+            # without finish: summed at the end of backward, as torch DDP (habits5);
+            # unsummed (a backward inside no_sync): was a silent drift, raises
+            opt.step()
         return ddp
 
     before = {k: v.full().clone() for k, v in run(True).module.state_dict().items()}
+    plain = {k: v.full().clone() for k, v in run(False).module.state_dict().items()}
     with pytest.raises(RuntimeError, match=r"AdamW.step\(\).*finish_gradient_synchronization"):
-        run(False)
+        run(False, unsynced=True)
     ref = mlp()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     train(ref, ropt, data)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(before[k], v, rtol=1e-6, atol=1e-6, msg=k)
+        torch.testing.assert_close(plain[k], v, rtol=1e-6, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("norm_type", [float("-inf"), 0.0, 0.5])

@@ -111,6 +111,9 @@ def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_pa
         # bitwise (the same sums of two), fully_shard against FSDP2 to rounding
         assert r["ddp"] == [0.0, 0.0, 0.0] and r["zero"] == [0.0, 0.0, 0.0], r
         assert max(r["fully_shard"]) < 1e-6, r
+        # FullyShardedDataParallel.no_sync (FSDP1's, habits5: it raised "not built")
+        # against FSDP2's set_requires_gradient_sync(False) on the same job
+        assert max(r["fsdp_no_sync"]) < 1e-6, r
         # the optimizer's states in the parameters' own shapes; resumed == uninterrupted
         assert r["ckpt_shapes"] == [[], [3], [3, 7], [7], [7, 5]], r
         assert r["ckpt_resumed"] == r["ckpt_whole"], r

@@ -99,11 +99,16 @@ def torch_wrappers(n, k):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     out = {}
-    for name in ("ddp", "zero", "fully_shard"):
+    for name in ("ddp", "zero", "fully_shard", "fsdp_no_sync"):
         runs = []
         for ours in (False, True):
             m = mlp()
-            if name == "fully_shard":
+            if name == "fsdp_no_sync" and ours:
+                # FSDP1's no_sync (habits5): held unsharded, the sum reduce-scattered once;
+                # against FSDP2's set_requires_gradient_sync(False), the same math
+                w = wb.FullyShardedDataParallel(m, units=[m[0]])
+                opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+            elif name in ("fully_shard", "fsdp_no_sync"):
                 shard = wb.fully_shard if ours else fully_shard
                 shard(m[0])
                 shard(m)
@@ -113,7 +118,8 @@ def torch_wrappers(n, k):
                 opt = torch.optim.AdamW(w.parameters(), lr=1e-2) if name == "ddp" else \
                     (wb.ZeroRedundancyOptimizer if ours else TorchZero)(
                         w.parameters(), torch.optim.AdamW, lr=1e-2)
-            norms = ddp_loop(w, opt, n, k, fsdp2=name == "fully_shard")
+            norms = ddp_loop(w, opt, n, k, fsdp2=name == "fully_shard" or
+                             (name == "fsdp_no_sync" and not ours))
             states = []
             if name == "zero":
                 opt.consolidate_state_dict(0)

@@ -73,8 +73,7 @@ def dist_tensor_run(name, kw, n):
         ddp.zero_grad(set_to_none=True)
         out = ddp(wb.shard_tensor(batch(name, step), mesh, [wb.Shard(0)]))
         buckets.append(ddp.bucket_names)
-        loss(out).backward()
-        ddp.finish_gradient_synchronization()
+        loss(out).backward()        # summed when backward returns, as torch DDP (habits5)
     return buckets, {k[len("module."):]: p.grad.reshape(p.shape[1:])   # torch DDP's names
                      for k, p in ddp.named_parameters()}
 

@@ -48,7 +48,7 @@ once.
 
 A module whose parameters are DistTensors (``wb.parallelize``, e.g. tensor parallel on
 another mesh dim) runs in DDP's DistTensor mode (:mod:`.ddp_dist`): one forward over the
-DistTensors, the gradients reduced in :meth:`finish_gradient_synchronization`.
+DistTensors, the gradients reduced at the end of backward too (after it, not overlapped).
 
 torch DDP *averages* the gradients over the ranks: each rank backpropagates its own
 loss and every parameter ends with the mean of the ranks' gradients, so a loss that

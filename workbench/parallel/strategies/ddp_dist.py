@@ -3,8 +3,7 @@
     wb.parallelize(model, mesh, tp_plan, mesh_dim="tp")      # mesh dims ("dp", "tp")
     ddp = wb.DistributedDataParallel(model, mesh, "dp")      # torch DDP's buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)       # every rank's replica
-    loss = ddp(x).mean(); loss.backward()                    # x: Shard(0) on "dp"
-    ddp.finish_gradient_synchronization(); opt.step()
+    loss = ddp(x).mean(); loss.backward(); opt.step()        # x: Shard(0) on "dp"
 
 A module whose parameters are DistTensors (``wb.parallelize``: PyTorch's 2-D layout, DDP
 over the dp dim of a mesh whose other dims shard the parameters) runs its own forward
@@ -30,11 +29,19 @@ holds it), one used nowhere keeps its ``.grad``.  With ``find_unused_parameters=
 rank sends zeros; it raises at once if the sum shows another rank's gradient, else at its
 next forward with torch's "Expected to have finished reduction" (:mod:`.unfinished`).
 
-The reduction runs when :meth:`DistTensorDDP.finish_gradient_synchronization` is called,
-after every backward of the step: Megatron-LM's ``overlap_grad_reduce=False``, which a
-pipeline needs (its micro-batches' backwards all accumulate first; Megatron then reduces in
-``finalize_model_grads``).  Launching buckets during backward (PyTorch DDP's overlap) is
-built for plain modules (:mod:`.ddp`) only: ``overlap_grad_reduce=True`` raises here.
+The reduction runs by itself at the end of every backward that reached the module's
+parameters outside :meth:`~DistTensorDDP.no_sync`, as torch DDP's (its reducer's
+finalize is queued on the autograd engine by the first grad hook,
+``Variable._execution_engine.queue_callback``, ``torch/csrc/distributed/c10d/reducer.cpp``
+``Reducer::mark_variable_ready``): an ordinary ``loss.backward(); opt.step()`` loop steps
+the summed gradients.  Inside ``no_sync()`` nothing is reduced; the next backward outside
+it reduces the accumulated sum (torch's semantics).  The buckets are all-reduced after
+backward, not during it (Megatron-LM's ``overlap_grad_reduce=False``); launching them
+during backward (PyTorch DDP's overlap) is built for plain modules (:mod:`.ddp`) only:
+``overlap_grad_reduce=True`` raises here.  :meth:`DistTensorDDP.
+finish_gradient_synchronization` stays (a pipeline's micro-batches run their backwards
+inside ``no_sync()`` but the last, or call it after): it reduces only what no backward
+reduced yet, never twice.
 
 :class:`GradReplicas` is the one copy of this reduction: ``DataParallel`` (the course's
 optimizer-style name, :mod:`.data_parallel`) and the hybrid recipe run on it.  Sequence
@@ -123,6 +130,15 @@ class DistTensorDDP(DistributedDataParallel):
         if len(self._names) == len(self.replicas.params):   # (a tied weight: one of two)
             self.replicas.names = self._names
         self.broadcast_from, self._sync_enabled = 0, True
+        self._finish_queued = False     # the end-of-backward reduction is queued
+        self.replicas.unsynced_hint = (
+            "torch.nn.utils.clip_grad_norm_ over DistributedDataParallel's replicas before "
+            "their gradients are summed over the data-parallel ranks (each rank would clip "
+            "by its own gradient): a backward outside no_sync() sums them when it returns "
+            "(or call finish_gradient_synchronization() after leaving no_sync()), then clip")
+        for p in self.replicas.params:  # after GradReplicas' own hooks (registered first)
+            if id(p) in self.replicas.hooked:
+                p._local.register_post_accumulate_grad_hook(self._queue_finish)
         module._wb_wrapped = "DistributedDataParallel"
         install_habits(self)            # the replicas as one device's parameters
 
@@ -151,15 +167,29 @@ class DistTensorDDP(DistributedDataParallel):
         return (p for _, p in self.named_parameters(recurse=recurse))
 
     # ---- gradient synchronization ---------------------------------------------------------
+    def _queue_finish(self, leaf) -> None:
+        """A replica's gradient was accumulated: outside ``no_sync()``, reduce at the end of
+        this backward (once per backward, as torch's reducer queues its finalize)."""
+        if self._sync_enabled and not self._finish_queued:
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._finish_queued = False
+        self.finish_gradient_synchronization()
+
     def finish_gradient_synchronization(self) -> None:
-        """Sum every gradient over the data-parallel ranks (in buckets), in place."""
-        if self._sync_enabled:
+        """Sum every gradient over the data-parallel ranks (in buckets), in place.  Run by
+        itself at the end of each backward outside ``no_sync()``; a call with nothing
+        new since (no backward reached the parameters) reduces nothing."""
+        if self._sync_enabled and self.replicas.used:
             self.replicas.reduce()
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Inside the block :meth:`finish_gradient_synchronization` reduces nothing; the
-        gradients accumulate locally and the next call after it reduces their sum."""
+        """Inside the block the backwards reduce nothing (nor does
+        :meth:`finish_gradient_synchronization`); the gradients accumulate locally and the
+        first backward after it reduces their sum (torch DDP's ``no_sync``)."""
         old, self._sync_enabled = self._sync_enabled, False
         self.replicas.mark_ready = False
         try:

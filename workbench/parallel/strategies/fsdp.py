@@ -62,7 +62,10 @@ tensors of the module's shapes, and ``fsdp.module.load_state_dict`` / ``p.copy_(
 ``optimizer.load_state_dict`` take them (:mod:`.laid_out`; on torch.distributed the
 chunks all-gathered, so every process calls them, as FSDP's own ``state_dict()``); buffers a
 forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
-(:func:`.ranks.check_batch_stats`), and ``no_sync()`` raises (accumulate without it).
+(:func:`.ranks.check_batch_stats`).
+
+``no_sync()`` is FSDP1's (:mod:`.fsdp_no_sync`): unsharded gradients held, their sum
+reduce-scattered by the first backward after it.
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
 from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
                          plan_units, reduce_scatter, tree_cast)
+from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .rank_recompute import refuse_checkpoint, seq_mark
@@ -87,7 +91,7 @@ from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
+class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -140,6 +144,8 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
             u.module.register_forward_hook(lambda m, a, o, u=u: self._exit(u))
         object.__setattr__(self, "gathered", GatheredBytes())
         self._k, self._order, self._prefetched, self._owners = None, [], {}, {}
+        self._sync_enabled = True        # False inside no_sync()
+        object.__setattr__(self, "_unsynced", {})      # (unit index, rank) -> [grad]
         module._wb_wrapped = "FullyShardedDataParallel"
 
     _casts_inputs = True     # fully_shard's root: its policy's cast_forward_inputs
@@ -325,7 +331,7 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         flats.update(zip(todo, self._all_gather(call, k, shards, "re-gather")))
         return flats
 
-    def _reduce_scatter(self, call, k, grads, needs):
+    def _reduce_scatter_now(self, call, k, grads, needs):
         """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
         g = self.group
         call.cache.pop(k, None)
@@ -367,15 +373,6 @@ class FullyShardedDataParallel(FSDPStateDict, ModuleWrapper):
         shard's own dtype (the fp32 master), as FSDP2 does after the reduce-scatter."""
         rd = self.reduce_dtype
         return tuple(g if g is None or rd is None or g.dtype == rd else g.to(rd) for g in grads)
-
-    def no_sync(self):
-        """Not built (FSDP1's ``no_sync`` keeps unsharded gradients until the next synced
-        backward): raises, naming what gives the same gradients."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.no_sync() is not built here; accumulate over "
-            "micro-batches without it: each backward reduce-scatters its gradients onto the "
-            "shards, where they add up (FSDP2's default, set_requires_gradient_sync(True)), "
-            "so the shards hold the same summed gradients at the last micro-batch")
 
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold

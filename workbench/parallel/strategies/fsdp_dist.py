@@ -296,6 +296,16 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             if e[3].grad is not None:
                 e[3].grad = None if set_to_none else e[3].grad.zero_()
 
+    def no_sync(self):
+        """Not built over DistTensor parameters (the plain-module wrapper's FSDP1
+        ``no_sync`` holds its gradients in its own reduce path, which this mode does not
+        run): raises, naming what gives the same gradients."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.no_sync() over DistTensor parameters is not built; "
+            "accumulate over micro-batches without it: each backward reduce-scatters its "
+            "gradients onto the shards, where they add up to the same sum (or use "
+            "fully_shard's set_requires_gradient_sync(False), built on simulated ranks)")
+
     def finish_gradient_synchronization(self) -> None:
         """Wait (on the simulated clock) for every gradient reduce-scatter launched in
         backward, recording those of gradients set without backward's hook (a split

@@ -22,17 +22,32 @@ before the next forward, state dict or optimizer step (:mod:`..load_back`, as a
 torch.distributed that gather would be a collective one process alone cannot run, so a
 read outside forward raises there, naming ``state_dict()``.
 
-Identity: outside forward each read is a new gather, so ``model.head.weight is
-model.head.weight`` (and, for a tied weight, ``model.head.weight is model.emb.weight``)
-is False there, where FSDP2's attribute is the one sharded parameter (True); inside a
-forward every place of a tied weight reads the one copy its pre-hook gathered.  Values
-and gradients are one device's either way; code that tells parameters apart by identity
-should use ``model.parameters()`` / ``named_parameters()`` (the shards: a tied weight
-once), as torch's optimizers do.
+Identity (simulated ranks): outside forward the attribute is one DistTensor per parameter
+(:func:`_outside_forward`), as FSDP2's is its one sharded parameter: ``m.w is m.w``, and
+for a tied weight ``model.head.weight is model.emb.weight``, hold there (each read was a
+new gather: False).  Its storage is a view of the dp shards with autograd to them (the
+shards are stored dp-minor so that such a view exists, :mod:`.fsdp_dist_views`), so it
+reads the value the optimizer wrote last whenever it is read (a reference kept across a
+step too), a write into it (``nn.init.normal_(m.w)``, ``m.w.data.copy_(t)``, ``with
+torch.no_grad(): m.w.mul_(2)``) is a write into the shards, at once, and a loss term on it
+gives the shards its gradient.  It is rebuilt (a new object) only when the shard's storage
+was replaced (``.to(dtype)``, an optimizer assigning ``.data``).  A shard laid out so that
+no view exists (uneven cells) keeps the fresh gather per read (writes reach the shards
+before the next forward, state dict or step, as above).  Inside a forward every place of a
+tied weight reads the one copy its pre-hook gathered (FSDP2's unsharded parameter, another
+object there too).  ``model.parameters()`` / ``named_parameters()`` are the flat shards
+(what an optimizer steps), not these DistTensors.  Before the sharded state is built (built
+lazily, at the first forward or ``parameters()``: :mod:`.fully_shard_tp`) the attribute is
+the module's own DistTensor, another object than the one read after it (FSDP2 shards at
+``fully_shard``; a reference taken before is its template, whose writes and gradients raise).
 """
 from __future__ import annotations
 
 import torch
+
+from .. import storage
+from ..dist_tensor import DistTensor
+from .flat_shards import unflat
 
 __all__ = ["install"]
 
@@ -60,6 +75,9 @@ class _ShardedAttr:
                 (fsdp.__dict__.get("_wb_in_forward") or
                  torch._C._current_graph_task_id() != -1):
             return live[0]
+        v = _outside_forward(fsdp, i)
+        if v is not None:
+            return v
         if not fsdp.async_:
             raise RuntimeError(
                 f"{type(obj).__name__}.{self.name} read outside forward under "
@@ -94,6 +112,54 @@ class _ShardedAttr:
 
     def __delete__(self, obj):
         obj.__dict__["_wb_fs_live"].pop(self.name, None)
+
+
+def _outside_forward(fsdp, i: int):
+    """Entry ``i``'s one DistTensor outside forward (module docstring): its storage a view
+    of the shard, differentiable to it; None where the shard has no such view (uneven
+    cells, torch.distributed: one process holds 1/N of it)."""
+    from .fsdp_dist import _refuse_clip_as
+    from .fsdp_dist_views import GradOf, is_view
+    tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
+    if not fsdp.async_ or not is_view(tmpl, shard):
+        return None
+    values = fsdp.__dict__.setdefault("_wb_fs_values", {})
+    v = values.get(i)
+    if v is not None and _views(v._local, shard):
+        return v
+    local = tuple(storage.tensors(tmpl._local)[0].shape[fsdp.mesh.ndim:])
+    with torch.enable_grad():           # (read under no_grad too: autograd to the shard)
+        loc = _grad_view(shard, fsdp.axis, local)
+    if loc is None:
+        return None
+    loc._wb_on_requires_grad = tmpl.requires_grad_      # v.requires_grad_(False): frozen
+    loc._wb_grad_of = GradOf(fsdp, i)                   # v.grad: the shard's, laid out
+    _refuse_clip_as(loc, tmpl)
+    if v is None or v.dtype != loc.dtype:
+        v = values[i] = DistTensor(loc, tmpl.mesh, tmpl.placements, tmpl.shape, loc.dtype)
+    else:
+        v._local = loc                  # the shard's storage was replaced: the same object
+    return v
+
+
+def _grad_view(shard, axis: int, local):
+    """The template's local tensor ``(*mesh dims with dp of size 1, *local)`` as a view of
+    ``shard`` with autograd to it (:func:`.fsdp_dist_views._view`, not detached)."""
+    nd = shard.dim() - 1
+    base = shard.movedim(axis, -2)                  # (*other dims, n, c)
+    if not base.is_contiguous():
+        return None
+    loc = unflat(base.flatten(-2), tuple(local), nd - 1).unsqueeze(axis)
+    if loc.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
+        return None
+    return loc
+
+
+def _views(loc, shard) -> bool:
+    """``loc`` (a value's storage) is still a view of ``shard`` as it is now."""
+    return loc._base is not None and \
+        loc.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr() and \
+        loc.dtype == shard.dtype and loc.requires_grad == shard.requires_grad
 
 
 def install(fsdp) -> None:

@@ -61,7 +61,6 @@ class FullyShardRoot(FullyShardedDataParallel):
         object.__setattr__(self, "_adopt", adopt)      # id(shard) -> its meta, reused
         super().__init__(module, mesh, dim, compute_dtype=compute_dtype, units=units,
                          reduce_dtype=reduce_dtype)
-        object.__setattr__(self, "_unsynced", {})      # (unit index, rank) -> [grad]
 
     def _shard(self, name, p):
         meta = self._adopt.get(id(p))
@@ -92,25 +91,10 @@ class FullyShardRoot(FullyShardedDataParallel):
                 return t                 # kept alive by autograd: no re-gather
         return super()._pack(t)
 
-    # ---- set_requires_gradient_sync(False): accumulate unreduced ------------------------
-    def _reduce_scatter(self, call, k, grads, needs):
-        key = (call.unit.index, k)
-        if not self._state(call.unit).requires_gradient_sync:
-            call.cache.pop(k, None)
-            call.done.add(k)
-            held = self._unsynced.setdefault(key, [None] * len(grads))
-            grads = self._to_reduce_dtype(grads)   # FSDP2 accumulates in reduce_dtype
-            for i, (g, need) in enumerate(zip(grads, needs)):
-                if need and g is not None:
-                    held[i] = g.detach().clone() if held[i] is None else held[i] + g
-            return (None,) * len(grads)
-        held = self._unsynced.pop(key, None)
-        if held is not None:             # the sync step: this backward's plus the held
-            grads = tuple(h if g is None else g if h is None else g + h
-                          for g, h in zip(grads, held))
-        return super()._reduce_scatter(call, k, grads, needs)
+    # ---- set_requires_gradient_sync(False): accumulate unreduced (the wrapper's no_sync
+    # machinery, :class:`.fsdp_no_sync.NoSync`), per unit ----------------------------------
+    def _syncs(self, unit) -> bool:
+        return self._state(unit).requires_gradient_sync
 
-    def unsynced_bytes(self) -> int:
-        """Bytes of unsharded gradients held for the next synced backward (all ranks)."""
-        return sum(g.numel() * g.element_size() for v in self._unsynced.values()
-                   for g in v if g is not None)
+    def _held_dtype(self, grads):
+        return self._to_reduce_dtype(grads)     # FSDP2 accumulates in reduce_dtype

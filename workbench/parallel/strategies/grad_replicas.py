@@ -341,9 +341,10 @@ class GradReplicas:
 def _refuse_unsummed_step(optimizer, args, kwargs) -> None:
     """A ``torch.optim`` step over replicas whose gradients are not summed over the
     data-parallel ranks yet would step each rank by its own gradient (the replicas drift
-    apart, silently): here the sum runs in ``finish_gradient_synchronization()``
-    (Megatron-LM's ``overlap_grad_reduce=False``), not by itself at the end of backward as
-    in torch DDP.  A global optimizer step pre-hook (``torch.optim.optimizer.
+    apart, silently): ``DataParallel`` sums in ``finish_gradient_synchronization()``
+    (Megatron-LM's ``overlap_grad_reduce=False``); ``DistributedDataParallel`` sums by
+    itself at the end of backward, as torch DDP, except inside ``no_sync()``.  A global
+    optimizer step pre-hook (``torch.optim.optimizer.
     register_optimizer_step_pre_hook``), so any optimizer over the replicas is checked."""
     for group in optimizer.param_groups:
         for p in group["params"]:

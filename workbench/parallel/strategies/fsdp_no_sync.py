@@ -1,0 +1,69 @@
+"""``FullyShardedDataParallel.no_sync()``: FSDP1's gradient accumulation without
+communication, and the machinery ``fully_shard``'s ``set_requires_gradient_sync(False)``
+shares (:class:`~.fully_shard_state.FullyShardRoot`: per unit, held in ``reduce_dtype``).
+
+FSDP1 (torch 2.13 ``torch/distributed/fsdp/fully_sharded_data_parallel.py`` ``no_sync``;
+``_runtime_utils.py`` ``_post_backward_hook``: with ``_sync_gradients`` False the
+unsharded gradient stays in the flat parameter's ``.grad`` and nothing is
+reduce-scattered): inside the block each rank's backward keeps its unsharded gradients,
+summed over the block's backwards in the dtype they arrive in (the compute dtype, as
+FSDP1's unsharded ``.grad`` in ``param_dtype``), and communicates nothing; the first
+backward outside it adds them to its own and reduce-scatters the sum once, so the shards
+then hold one device's accumulated gradient.  Memory: the unsharded gradients are kept
+meanwhile (FSDP1's note: "higher memory usage because FSDP will accumulate the full model
+gradients (instead of gradient shards)"), counted by :meth:`NoSync.unsynced_bytes`.
+A unit that runs inside the block but not in the synced backward keeps its held
+gradients until a later synced backward of it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["NoSync"]
+
+
+class NoSync:
+    """A mixin of :class:`~.fsdp.FullyShardedDataParallel`, reading what its constructor
+    sets (``_sync_enabled``, ``_unsynced``: (unit index, rank) -> [held gradient]) and
+    calling its ``_reduce_scatter_now`` (the unit's reduction) and ``_to_reduce_dtype``."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """FSDP1's ``no_sync`` (module docstring): inside the block no backward
+        communicates; each rank's unsharded gradients are held and the first backward
+        after it reduce-scatters their sum onto the shards."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    def _syncs(self, unit) -> bool:
+        """Does ``unit``'s backward reduce-scatter now (False: hold the gradients)?"""
+        return self._sync_enabled
+
+    def _held_dtype(self, grads):
+        """The held gradients' dtype: as they arrive (FSDP1's unsharded ``.grad``)."""
+        return grads
+
+    def _reduce_scatter(self, call, k, grads, needs):
+        """Rank k's part of the unit's gradient reduction, or (not syncing) held."""
+        key = (call.unit.index, k)
+        if not self._syncs(call.unit):   # nothing sent: rank k's unsharded gradients held
+            call.cache.pop(k, None)
+            call.done.add(k)
+            held = self._unsynced.setdefault(key, [None] * len(grads))
+            for i, (gr, need) in enumerate(zip(self._held_dtype(grads), needs)):
+                if need and gr is not None:
+                    held[i] = gr.detach().clone() if held[i] is None else held[i] + gr
+            return (None,) * len(grads)
+        held = self._unsynced.pop(key, None)
+        if held is not None:             # the synced backward: its gradients plus the held
+            grads = tuple(h if gr is None else gr if h is None else gr + h
+                          for gr, h in zip(grads, held))
+        return self._reduce_scatter_now(call, k, grads, needs)
+
+    def unsynced_bytes(self) -> int:
+        """Bytes of unsharded gradients held for the next synced backward (all ranks)."""
+        return sum(g.numel() * g.element_size() for v in self._unsynced.values()
+                   for g in v if g is not None)
