@@ -56,3 +56,71 @@ def test_plural_quantities_read_are_in_the_check_messages():
     fails(r"^your compiled bytes are 1920 B: that is the op-by-op count",
           K.check_greedy_vs_whole_bytes, 384 + 1536, 1920)
     fails(r"^your MFU is 200: ", P.check_mfu, 200.0, 1.0)       # a singular name keeps "is"
+
+
+# ---- 3. torch.nanmedian: its own rule, torch's kernel on whole rows ---------------------
+
+def _random_placements(rng, ndim, mesh_ndim):
+    return [rng.choice([wb.Replicate()] + [wb.Shard(d) for d in range(ndim)])
+            for _ in range(mesh_ndim)]
+
+
+def test_nanmedian_equals_torch_over_random_placements():
+    """Values (NaN where a row is all NaN), indices (torch's pick among ties) and the
+    input gradient equal torch.nanmedian's, on uneven shards of a (2, 3) mesh, for the
+    dim form (keepdim both ways) and the no-dim form (whose backward spreads the gradient
+    over the elements equal to the median).  Before: NoRuleError (not in the op table)."""
+    import random
+    rng = random.Random(0)
+    mesh = wb.Mesh.grid((2, 3), ["a", "b"])
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        x = torch.randn(5, 7, generator=g)
+        x[x > 0.7] = float("nan")
+        x[trial % 5] = float("nan")                       # a row of NaNs
+        x[(trial + 2) % 5, :4] = 0.5                      # ties
+        pl = _random_placements(rng, 2, 2)
+        dim, keepdim = [0, 1, -1, None][trial % 4], rng.choice([False, True])
+        X = x.clone().requires_grad_()
+        d = wb.shard_tensor(x, mesh, pl).requires_grad_()
+        if dim is None:
+            want, got = torch.nanmedian(X), torch.nanmedian(d)
+            wv, gv = want, got
+        else:
+            want, got = torch.nanmedian(X, dim, keepdim), d.nanmedian(dim, keepdim=keepdim)
+            assert type(got) is torch.return_types.nanmedian
+            assert torch.equal(got.indices.full(), want.indices), (pl, dim, keepdim)
+            wv, gv = want.values, got.values
+        assert torch.equal(gv.full().isnan(), wv.isnan())
+        assert torch.equal(gv.full().nan_to_num(), wv.nan_to_num()), (pl, dim, keepdim)
+        w = torch.randn(wv.shape, generator=g)
+        (wv.nan_to_num() * w).sum().backward()
+        (gv.nan_to_num() * wb.shard_tensor(w, mesh, [wb.Replicate()] * 2)).sum().backward()
+        assert torch.equal(d.grad.full(), X.grad), (pl, dim, keepdim)
+
+
+def test_nanmedian_bad_calls_and_integers_as_torch():
+    mesh = wb.Mesh.grid(2, ["x"])
+    xi = torch.tensor([[3, 1, 2, 2], [5, 4, 4, 1]])
+    d = wb.shard_tensor(xi, mesh, [wb.Shard(1)])
+    r, w = torch.nanmedian(d, 1), torch.nanmedian(xi, 1)
+    assert torch.equal(r.values.full(), w.values) and torch.equal(r.indices.full(), w.indices)
+    assert torch.equal(torch.nanmedian(d).full(), torch.nanmedian(xi))
+    for bad in (lambda t: torch.nanmedian(t, 2), lambda t: torch.nanmedian(t, dim=None)):
+        want = _torch_outcome(lambda: bad(xi))
+        got = _torch_outcome(lambda: bad(d))
+        assert got[0] is want[0] and got[1].startswith(want[1].split(" (")[0][:40])
+
+
+def test_from_local_replicas_with_nans_are_the_same_tensor():
+    """Replicated locals holding NaN in the same places are one tensor (the validator lays
+    out nanmedian's NaN samples this way); before the fix torch.equal (NaN != NaN) made
+    from_local raise 'rank 1 holds a different tensor than its replica'.  A NaN in one
+    replica only still raises."""
+    from workbench.parallel.dist_tensor import from_local
+    mesh = wb.Mesh.grid(2, ["x"])
+    t = torch.tensor([1.0, float("nan"), 3.0])
+    d = from_local([t.clone(), t.clone()], mesh, [wb.Replicate()])
+    assert torch.equal(d.full().isnan(), t.isnan())
+    with pytest.raises(ValueError, match="holds a different tensor"):
+        from_local([t.clone(), t.nan_to_num()], mesh, [wb.Replicate()])
