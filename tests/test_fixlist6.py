@@ -175,3 +175,62 @@ def test_einsum_bad_equations_raise_torchs_errors():
         want = _torch_outcome(lambda: torch.einsum(eq, x))
         assert want[0] is RuntimeError
         assert _torch_outcome(lambda: torch.einsum(eq, d))[:2] == want[:2], eq
+
+
+# ---- 1. sequence parallelism's re-gather on uneven dp shards ----------------------------
+
+def _sp_layer_on(shape, B, regather, S=8, H=16, A=4):
+    from workbench.models.gpt import GPTLayer, TP_PLAN
+    from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+    mesh = wb.Mesh.grid(shape, ["dp", "tp"])
+    torch.manual_seed(0)
+    layer = GPTLayer(H, A, dropout=0.0, dtype=torch.float32)
+    wb.parallelize(layer, mesh, TP_PLAN, mesh_dim="tp")
+    for m in (layer.attn, layer.mlp):
+        tensor_parallel_region(m, mesh, "tp", sp=True, seq_dim=0, regather=regather)
+    X = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0))
+    return layer, X, wb.shard_tensor(X, mesh, [wb.Shard(1), wb.Shard(0)])
+
+
+def _saved_elements(layer, x):
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    return y, sum(kept.values())
+
+
+def test_uneven_dp_shards_refuse_the_regather_instead_of_keeping_the_gathered_input():
+    """Batch 4 on dp = 3 (chunks 2, 2, 0): the shards are held per rank (Cells) and the
+    re-gather is not done there.  Before the fix the layer ran and kept exactly what
+    regather=False keeps (the whole gathered inputs: the saving asked for silently
+    missing); now it raises naming the layout and both fixes, the input untouched.
+    regather=False, and inference (no backward, nothing kept), still run, equal to one
+    device; an even batch (3 on dp = 3) keeps less with the re-gather than without."""
+    layer, X, x = _sp_layer_on((3, 2), 4, True)
+    before = x.full().clone()
+    with pytest.raises(ValueError, match=r"\(8, 4, 16\) laid out \['S\(1\)', 'S\(0\)'\] on "
+                       r"mesh \{'dp': 3, 'tp': 2\} has uneven shards \(dim 1 \(4\) over dp=3: "
+                       r"2, 2, 0\).*make dim 1 a multiple of 3, or pass regather=False"):
+        layer(x)
+    assert torch.equal(x.full(), before)
+    with torch.no_grad():
+        y = layer(x)
+    from workbench.models.gpt import GPTLayer
+    torch.manual_seed(0)
+    ref = GPTLayer(16, 4, dropout=0.0, dtype=torch.float32)
+    torch.testing.assert_close(y.full(), ref(X), rtol=1e-5, atol=1e-5)
+    layer, X, x = _sp_layer_on((3, 2), 4, False)
+    x.requires_grad_()
+    (layer(x) ** 2).sum().backward()
+    Xr = X.clone().requires_grad_()
+    (ref(Xr) ** 2).sum().backward()
+    torch.testing.assert_close(x.grad.full(), Xr.grad, rtol=1e-4, atol=1e-4)
+    kept = {}
+    for regather in (True, False):
+        layer, X, x = _sp_layer_on((3, 2), 3, regather)
+        _, kept[regather] = _saved_elements(layer, x.requires_grad_())
+    assert kept[True] < kept[False]
