@@ -153,7 +153,7 @@ def test_unitless_number_has_no_stray_space(capsys):
     assert msg.endswith(f"(expected {want:.4g})")
     # a number with a unit keeps its space
     reset_tries()
-    with pytest.raises(CheckError, match=r"your ZeRO-2 model states is 50 GB: "):
+    with pytest.raises(CheckError, match=r"your ZeRO-2 model states are 50 GB: "):
         C.check_zero_states_gb(50.0)
 
 

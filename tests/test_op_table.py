@@ -129,6 +129,8 @@ SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
                            [torch.sort(torch.randn(8, generator=torch.Generator()
                                                    .manual_seed(5))).values, X])
 SAMPLES["detach"] = (torch.detach, [X])                                     # fixlist4
+SAMPLES["nanmedian"] = (lambda x: tuple(torch.nanmedian(x, 1)), [X])        # fixlist6
+SAMPLES["nanmedian_all"] = (torch.nanmedian, [X])
 M2 = wb.Mesh.grid(2, ["a"])
 
 

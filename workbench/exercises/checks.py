@@ -134,16 +134,17 @@ def _scale_slip(got: float, want: float, rel: float, share: bool) -> str | None:
 
 
 def _check_number(name, got, want, unit, wrong, rel=0.01, what="", hint_rel=0.02,
-                  fallback=FORMULA):
+                  fallback=FORMULA, verb="is"):
     """Accept ``got`` within ``rel`` of ``want``; otherwise name the mistake among
-    ``wrong`` it matches within ``hint_rel`` (no wider than the mistakes lie apart)."""
+    ``wrong`` it matches within ``hint_rel`` (no wider than the mistakes lie apart).
+    ``verb``: "are" for a plural ``name`` ("your ZeRO-2 model states are 50 GB")."""
     got = _number(name, got)
     sep = " " if unit else ""                     # a share has no unit: no stray space
     if math.isclose(got, want, rel_tol=rel):
         _ok(f"{name} = {got:.4g}{sep}{unit}{what}")
         return
     mine, right = _apart(got, want)
-    raise CheckError(f"your {name} is {mine}{sep}{unit}: "
+    raise CheckError(f"your {name} {verb} {mine}{sep}{unit}: "
                      + _hint(got, want, wrong, hint_rel, fallback,
                              share=unit == "" or unit.startswith("of ")),
                      expected=f"{right}{sep}{unit}")

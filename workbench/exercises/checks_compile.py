@@ -146,7 +146,7 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
     same_case = (f"that is section 2's case (16 x 32 on 4 ranks); now apply your formula to "
                  f"a ({rows}, {cols}) tensor on {p} ranks")
     with contextlib.redirect_stdout(io.StringIO()):     # one "Correct" line for both
-        _check_number("op-by-op bytes", greedy, want_g, "B", [
+        _check_number("op-by-op bytes", greedy, want_g, "B", verb="are", wrong=[
             *([(s2_g, same_case)] if other else []),
             (want_w, "that is the compiled program's count; op by op, the softmax first moves "
                      "its input to S(0) with an all_to_all (each rank sends (p-1)/p of its "
@@ -166,7 +166,7 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
                          "sends added up (nor bits)"),
             (want_g / elem, "count bytes (4 per float32), not elements")],
             hint_rel=HINT_REL)
-    _check_number("compiled bytes", whole, want_w, "B", [
+    _check_number("compiled bytes", whole, want_w, "B", verb="are", wrong=[
         *([(s2_w, same_case)] if other else []),
         (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
                  "tensor, so the only collective is one all_gather"),

@@ -69,7 +69,7 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) 
         wrong.append((_zero_states(psi, 64, stage) / 1e9,
                       f"that is N_d = 64, the paper's Figure 1 printed above; this cluster "
                       f"has N_d = {n_d}"))
-    _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=0.01)
+    _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=0.01, verb="are")
 
 
 def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: int = 16,

@@ -115,14 +115,6 @@ def _spec_of(x, mesh):
 _as_dist = as_dist
 
 
-def _meta(x):
-    if isinstance(x, (DistTensor, TensorSpec)):
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
-    if isinstance(x, torch.Tensor):
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
-    return x
-
-
 def _no_rule(func, args, kwargs, name):
     if _FALLBACK[-1]:
         return _fallback(func, args, kwargs)
@@ -478,7 +470,7 @@ from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E40
 
 
 def _out_shapes(opdef, dec, inputs, attrs):
-    metas = [_meta(x) for x in inputs]
-    out = opdef.local(0, None, *metas, **attrs)
+    # on meta tensors of the global shapes; a meta error judged again by eager
+    out = checks.on_meta(lambda *xs: opdef.local(0, None, *xs, **attrs), inputs)
     outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
     return tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)

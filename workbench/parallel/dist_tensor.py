@@ -366,6 +366,16 @@ def _grad_source(ts):
     return of
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, a NaN equal to a NaN in the same place (replicas of a tensor with
+    NaNs are the same tensor; torch.equal says no, as NaN != NaN)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _stack_cells(cells: Cells, nd: int) -> torch.Tensor:
     """Cells of equal shapes as one stack (kept for callers; see storage.to_stacked)."""
     return storage.to_stacked(cells)
@@ -506,7 +516,7 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     for r, t in zip(mesh.ranks, locals_):
         c = tuple(ci if n > 1 else 0 for ci, n in zip(mesh.coordinate(r), lead))
         if c in cells:
-            if check_replicas and not torch.equal(cells[c], t):
+            if check_replicas and not _same_values(cells[c], t):
                 axes = [mesh.dim_names[i] for i, p in enumerate(ps) if p.is_replicate()]
                 raise ValueError(f"rank {r} holds a different tensor than its replica along "
                                  f"{axes} under Replicate(); use Partial() if the locals are "

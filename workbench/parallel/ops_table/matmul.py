@@ -342,9 +342,37 @@ def _einsum_parse(eq, *ops):
                                   "two-operand einsums (the rule is for one operand or two)")
     eq = eq.replace(" ", "")
     if "..." in eq or "->" not in eq:
-        raise NotImplementedError(f"einsum({eq!r}) on DistTensors: write the output explicitly "
-                                  "and name every dim (no '...'), e.g. 'bij,bjk->bik'")
+        torch.einsum(eq, *[torch.empty(tuple(o.shape), dtype=o.dtype, device="meta")
+                           for o in ops])            # torch's own errors first
+        eq = explicit_equation(eq, [len(o.shape) for o in ops])
     return tuple(ops), {"equation": eq}
+
+
+def explicit_equation(eq: str, ndims) -> str:
+    """``eq`` with every dim named and the output written out, as torch.einsum reads it:
+    each operand's ``...`` stands for its dims that no letter names, right-aligned across
+    the operands (broadcast as torch.einsum broadcasts them: a size-1 dim against n); the
+    output's ``...`` for all of them; no ``->``: the ``...`` dims, then the letters used
+    once, in sorted order (torch.einsum's implicit mode: 'A'-'Z' before 'a'-'z').  The
+    new letters are ones the equation does not use ("...ij,...jk->...ik" on a 4-d and a
+    3-d operand: "abij,bjk->abik")."""
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    named = [len(t.replace("...", "")) for t in terms]
+    extra = [n - k if "..." in t else 0 for t, n, k in zip(terms, ndims, named)]
+    E = max(extra, default=0)
+    fresh = [c for c in string.ascii_letters if c not in eq][:E]
+    if len(fresh) < E:
+        raise ValueError(f"einsum({eq!r}): its '...' stands for {E} dims and only "
+                         f"{len(fresh)} letters are left to name them; name the dims")
+    terms = [t.replace("...", "".join(fresh[E - e:])) for t, e in zip(terms, extra)]
+    if arrow:
+        out = rhs.replace("...", "".join(fresh))
+    else:
+        letters = "".join(t for t in lhs.split(",")).replace("...", "")
+        out = "".join(fresh) + "".join(sorted(c for c in set(letters)
+                                              if letters.count(c) == 1))
+    return ",".join(terms) + "->" + out
 
 
 def _einsum_local(nd, ctx, *ops, equation):
@@ -358,4 +386,7 @@ register("einsum", [torch.einsum], parse=_einsum_parse, rule=einsum_rule,
          sample=lambda g: [Sample(torch.einsum, ("bij,bjk->bik", g.rn(2, 3, 5), g.rn(2, 5, 3))),
                            Sample(torch.einsum, ("ij->ji", g.rn(5, 6))),
                            Sample(torch.einsum, ("ii->i", g.rn(5, 5))),
-                           Sample(torch.einsum, ("bij->b", g.rn(3, 5, 2)))])
+                           Sample(torch.einsum, ("bij->b", g.rn(3, 5, 2))),
+                           Sample(torch.einsum, ("...ij,...jk->...ik", g.rn(1, 5, 3),
+                                                 g.rn(3, 3, 2))),
+                           Sample(torch.einsum, ("i...,i", g.rn(5, 3), g.rn(5)))])

@@ -287,8 +287,13 @@ def _cost(ins, outs, layout=None, *, ring, step, causal, balanced, **_):
         busiest = max(pairs(*L.shard_bounds(specs[0].shape, mesh, st.inputs[0], r)[2])
                       for r in mesh.ranks)
     saved = sum(costs.nbytes(t) for t in (*ins, *outs))
+    # backward reads dO and the saved q, k, v, O, lse and writes dq, dk, dv: no gradient of
+    # the lse is read (FlashAttention-2's backward, Dao 2023 Algorithm 2: inputs Q, K, V,
+    # O, dO, L; the ring's backward hands each step the merged lse, not a dlse), as
+    # plan.context_cost.ring_times counts it
     c = costs.Cost(2 * busiest * B * H * (D + Dv), sum(costs.nbytes(t) for t in (*ins, *outs)),
-                   2 * busiest * B * H * (3 * D + 2 * Dv), costs.backward_bytes(ins, outs, saved))
+                   2 * busiest * B * H * (3 * D + 2 * Dv),
+                   costs.backward_bytes(ins, outs[:1], saved))
     # priced at the profile's rate for its shape (attention_pricing.py): the causal mask
     # runs inside the kernel at step 0 only (later steps: whole blocks, or none)
     return with_shape(c, q, causal and step == 0)

@@ -1,5 +1,6 @@
 """Sorting along one dim: ``sort`` (values and indices), ``argsort``, ``msort``
-(``topk``, ``argmax``: ``sampling.py``).
+(``topk``, ``argmax``: ``sampling.py``); the selections ``kthvalue`` and ``median``
+(composed of sort) and ``nanmedian`` (its own rule: torch's kernel on whole rows).
 
 Per mesh dim:
 
@@ -132,3 +133,107 @@ def median(input, dim=None, keepdim=False, *, out=None):
 
 SELECTIONS = {torch.kthvalue: kthvalue, T.kthvalue: kthvalue, torch.median: median,
               T.median: median}
+
+
+# ---- nanmedian: torch's own kernel on whole rows ----------------------------------------
+# torch.nanmedian is the lower median of the non-NaN elements (NaN for a row of NaNs),
+# with the index torch's kernel picks among equal values: a sort cannot reproduce that
+# pick, so the reduced dim is made whole (S(dim) -> R) and every rank runs torch.nanmedian
+# on its rows, as sort does.  Over every element (no dim) the tensor is made whole and
+# torch.nanmedian(x) runs as is (its backward spreads the gradient evenly over the
+# elements equal to the median, not to one index as the dim form's does).
+#
+#   nanmedian(dim)   R -> R, R;  S(d), d != dim -> S(d'), S(d')  (d' = d shifted when
+#                    keepdim=False drops dim);  S(dim) -> whole;  no Partial passes
+#   nanmedian()      whole -> R
+
+def _nanmedian_rule(x, dim, keepdim=False, **_):
+    opts = [(ins, outs * 2, note) for ins, outs, note in along_dim_options(x, dim, keepdim)]
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1, n_outputs=2)
+
+
+def _nanmedian_parse(input, dim=None, keepdim=False):
+    if dim is None:                  # (the other form: :func:`_nanmedian_alone`), as torch
+        raise TypeError("nanmedian(): argument 'dim' must be int, not NoneType (give a "
+                        "dim, or call torch.nanmedian(x) for the median of every element)")
+    return (input,), {"dim": wrap_dim(dim, max(input.ndim, 1)), "keepdim": bool(keepdim)}
+
+
+def _nanmedian_local(nd, ctx, x, dim, keepdim=False):
+    if x.dim() == nd:                 # a 0-d tensor along its dim 0 (as torch)
+        v, i = torch.nanmedian(x.unsqueeze(-1), nd, keepdim=False)
+        return v, i
+    v, i = torch.nanmedian(x, shift(dim, x.dim() - nd, nd), keepdim=keepdim)
+    return v, i
+
+
+def _select_cost(ins, outs, dim=None, **_):
+    """torch's CPU kernel selects, it does not sort: ``median_with_indices_impl``
+    (pytorch aten/src/ATen/native/Sorting.cpp, commit fc55308874, L641-L740) runs
+    ``std::nth_element`` on each row, linear on average.  Compares per row of n: Hoare's
+    FIND for the median, 2 (1 + ln 2) n ~ 3.39 n expected (Knuth, "Mathematical analysis
+    of algorithms", IFIP Congress 1971: 2n + 2k ln(n/k) + 2(n-k) ln(n/(n-k)) at k = n/2).
+    ASSUMPTION: one compare is one FLOP (std::nth_element's introselect in libstdc++ is
+    Hoare's FIND until its depth limit)."""
+    x = ins[0]
+    f = math.ceil(2 * (1 + math.log(2)) * x.numel())
+    return costs.Cost(f, costs.nbytes(x) + sum(costs.nbytes(o) for o in outs), 0,
+                      costs.backward_bytes(ins, outs[:1], costs.nbytes(outs[-1])))
+
+
+def _with_nans(g):
+    x = g.rn(5, 6)
+    x[x > 0.8] = float("nan")                   # NaNs to skip, a row of NaNs, ties
+    x[2] = float("nan")
+    x[4, :3] = 0.25
+    return x
+
+
+def _nanmedian_sample(g):
+    x = _with_nans(g)
+    return [Sample(torch.nanmedian, (x, 1)),
+            Sample(torch.nanmedian, (x, 0), {"keepdim": True}),
+            Sample(torch.nanmedian, (g.ints(7, 3), -2))]
+
+
+_NANMEDIAN = register("nanmedian", [torch.nanmedian, T.nanmedian], parse=_nanmedian_parse,
+                      rule=_nanmedian_rule, local=_nanmedian_local, cost=_select_cost,
+                      op_class="reduction", n_out=2, sample=_nanmedian_sample)
+_NANMEDIAN.extra["result_type"] = torch.return_types.nanmedian
+
+
+def _nanmedian_all(input):
+    """``torch.nanmedian(input)``: the table's callable for the no-dim form."""
+    return torch.nanmedian(input)
+
+
+def _whole_rule(x, **_):
+    from ..placement import Replicate
+    R = Replicate()
+    return combine(x.mesh.ndim, [[((R,), (R,), "whole: the median of every element")]]
+                   * x.mesh.ndim, 1)
+
+
+def _nanmedian_all_local(nd, ctx, x):
+    lead = tuple(x.shape[:nd])
+    if all(n == 1 for n in lead):
+        return torch.nanmedian(x.reshape(x.shape[nd:])).reshape(lead)
+    rows = x.reshape((-1,) + tuple(x.shape[nd:]))          # a copy per rank: each alone
+    return torch.stack([torch.nanmedian(r) for r in rows.unbind(0)]).reshape(lead)
+
+
+register("nanmedian_all", [_nanmedian_all], parse=lambda input: ((input,), {}),
+         rule=_whole_rule, local=_nanmedian_all_local, cost=_select_cost,
+         op_class="reduction",
+         sample=lambda g: [Sample(_nanmedian_all, (_with_nans(g),))])
+
+
+def _nanmedian_alone(args, kwargs):
+    """``torch.nanmedian(x)`` (no dim): the median of every element (``nanmedian_all``)."""
+    if len(args) + len(kwargs) != 1 or kwargs and "input" not in kwargs:
+        return NotImplemented
+    from ..dispatch import dispatch
+    return dispatch(_nanmedian_all, (args[0] if args else kwargs["input"],), None)
+
+
+_NANMEDIAN.extra["other_form"] = _nanmedian_alone

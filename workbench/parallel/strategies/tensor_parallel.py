@@ -73,6 +73,9 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
         x = reshard(x, x.mesh, ps)
     mesh, loc = x.mesh, x._local
     shard = loc
+    if sp and regather and torch.is_grad_enabled() and not _B.is_distributed(mesh) \
+            and ops_for(loc) is not Stacked:
+        raise _uneven_regather(x, tp_axis, seq_dim)
     if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
         if sp:      # S(seq_dim) on tp -> every rank the whole sequence
             loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
@@ -92,6 +95,30 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
+
+
+def _uneven_regather(x, tp_axis: int, seq_dim: int) -> ValueError:
+    """The error for a re-gather over uneven shards: the simulator holds them as one
+    tensor per rank (``Cells``), where the re-gathering linear (which keeps ONE shard per
+    gathered input) has no place to keep them; it would keep the whole gathered input
+    instead, silently undoing what ``regather=True`` asks for."""
+    from ...sim_mesh.grid import chunk_bounds
+    mesh, uneven, fix = x.mesh, [], []
+    for i, p in enumerate(x.placements):
+        if p.is_shard():
+            n, L = mesh.shape[i], x.shape[p.dim]
+            sizes = [chunk_bounds(L, n, k)[1] for k in range(n)]
+            if len(set(sizes)) > 1:
+                uneven.append(f"dim {p.dim} ({L}) over {mesh.dim_names[i]}={n}: "
+                              f"{', '.join(map(str, sizes))}")
+                fix.append(f"dim {p.dim} a multiple of {n}")
+    return ValueError(
+        f"megatron_f(sp=True, regather=True): the input {tuple(x.shape)} laid out "
+        f"{[str(p) for p in x.placements]} on mesh {dict(zip(mesh.dim_names, mesh.shape))} "
+        f"has uneven shards ({'; '.join(uneven)}), which the re-gather of the sequence "
+        f"shard in backward does not support; make {' and '.join(fix) or 'the shards even'}"
+        f", or pass regather=False to keep the gathered input (2 s b h per rank, no "
+        f"all-gather in backward)")
 
 
 def _regathered(loc, shard, mesh, axis: int, seq_dim: int, blocking: bool):
