@@ -477,8 +477,37 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
 from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E402
 
 
+_OUT_SHAPES: dict = {}   # (local, multi, n_out, inputs, attrs, global state) -> result
+on_change(_OUT_SHAPES.clear)
+
+
 def _out_shapes(opdef, dec, inputs, attrs):
+    """The outputs' global shapes and dtypes: the local implementation on meta tensors of
+    the global shapes (no mesh: ``nd`` 0).  Memoized on what that call reads (the
+    inputs' shapes and dtypes, constants by type and value, the attributes, the default
+    dtype), not on placements: every layout of the same shapes asks again."""
+    # (_meta makes meta tensors of top-level tensor inputs only: a tensor elsewhere, in a
+    # list or an attribute, reaches the local as it is, and is not memoized)
+    key = None
+    if all(isinstance(x, (DistTensor, torch.Tensor)) or type(x) in checks.ATOMS
+           for x in inputs):
+        sa = checks.signature(tuple(inputs))
+        sk = checks.signature(tuple(sorted(attrs.items())), tensors=False) if attrs else ()
+        if sa is not None and sk is not None:
+            key = (opdef.local, opdef.multi, opdef.n_out, sa, sk, torch.get_default_dtype(),
+                   torch.is_grad_enabled())
+    try:
+        hit = _OUT_SHAPES.get(key) if key is not None else None
+    except TypeError:                    # an unhashable value after all
+        key = hit = None
+    if hit is not None:
+        return hit
     metas = [_meta(x) for x in inputs]
     out = opdef.local(0, None, *metas, **attrs)
     outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
-    return tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)
+    res = tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)
+    if key is not None:
+        if len(_OUT_SHAPES) > 4096:
+            _OUT_SHAPES.clear()
+        _OUT_SHAPES[key] = res
+    return res
