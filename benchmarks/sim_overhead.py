@@ -1,9 +1,9 @@
 """How much does simulating many ranks cost over the same arithmetic on one device?
 
     OMP_NUM_THREADS=1 python benchmarks/sim_overhead.py [--rounds 5] [--min-time 0.3]
-                        [--timer wall|cpu] [--dtensor] [--only step|coll]
+                        [--timer wall|cpu] [--dtensor] [--only step|coll|ops]
 
-Two measurements, each printed as a ratio workbench / plain torch:
+Three measurements, each printed beside plain torch:
 
 1. **A tensor-parallel MLP step** (column-parallel then row-parallel linear, Megatron
    style, forward and backward) on 8 simulated ranks (``wb.shard_tensor`` DistTensors,
@@ -19,6 +19,26 @@ Two measurements, each printed as a ratio workbench / plain torch:
      ``x.sum(0)``; P -> S(0) (reduce-scatter) against ``x.sum(0)`` viewed as 64 chunks;
    * the stacked collectives of ``workbench.sim_mesh.collectives``: ``all_gather``
      against ``torch.cat``, ``all_reduce`` and ``reduce_scatter`` as above.
+
+3. **Microseconds per dispatched op** (``--only ops``; the simulator's overhead, task
+   "simperf"): four workloads, each timed per call and divided by the number of
+   DistTensor ops it dispatches (counted once, untimed, by watching
+   ``workbench.parallel.dispatch.dispatch`` with ``sys.setprofile``; ``wb.reshard``
+   calls counted as ops too).  The floor is the same computation in plain torch on one
+   device divided by the same count:
+
+   * ``elementwise 2x2``: ``(x * 2 + y).tanh() * x - y`` then ``.relu().sum()`` on a
+     (8, 16) tensor sharded [Shard(0), Replicate()] on a 2x2 mesh (forward, no grad);
+   * ``matmul + reshard``: ``x @ w`` with x [Shard(0), Replicate()] and w
+     [Replicate(), Shard(1)] on a 2x2 mesh, then ``wb.reshard`` of the product to
+     [Replicate(), Replicate()] (two all-gathers);
+   * ``GPT fwd+bwd Hybrid``: ``Hybrid(dp=2, tp=2).forward_backward`` of the ``gpt-tiny``
+     model on a batch of 4 (one device: the same model's ``model(x, y)`` and backward);
+   * ``... under wb.trace``: the same step inside ``wb.trace()`` (events and the clock).
+
+   This part has no target: it is the figure to watch when the dispatcher changes.
+   Compare two versions on the same machine back to back (``--timer cpu`` on a loaded
+   one), e.g. by running this file from an export of each checkout.
 
 Targets (issue "Before wave 3"): the toy step at most 2.0x one device, the large step
 at most 1.05x, every small collective on 64 ranks at most 2x its torch equivalent.
@@ -232,6 +252,95 @@ def run_collectives(args) -> int:
     return misses
 
 
+# ---- 3. microseconds per dispatched op -------------------------------------------------
+
+def count_ops(fn) -> int:
+    """DistTensor ops one call of ``fn`` dispatches: calls of the dispatcher's entry
+    point (and of ``wb.reshard``), watched with ``sys.setprofile`` (untimed)."""
+    import importlib
+    D = importlib.import_module("workbench.parallel.dispatch")
+    RS = importlib.import_module("workbench.parallel.reshard")
+    codes = {D.dispatch.__code__, RS.reshard.__code__}
+    n = [0]
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            n[0] += 1
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def ops_cases():
+    """(name, workbench fn, plain-torch fn) for the per-op workloads."""
+    from workbench.models.config import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.recipes.hybrid import Hybrid
+    R, S = wb.Replicate(), wb.Shard
+    mesh = wb.Mesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    X, Y = torch.randn(8, 16), torch.randn(8, 16)
+    x, y = wb.shard_tensor(X, mesh, [S(0), R]), wb.shard_tensor(Y, mesh, [S(0), R])
+
+    def ew(a, b):
+        with torch.no_grad():
+            return ((a * 2 + b).tanh() * a - b).relu().sum()
+    torch.testing.assert_close(ew(x, y).full(), ew(X, Y))
+
+    A, W = torch.randn(16, 32), torch.randn(32, 24)
+    a, w = wb.shard_tensor(A, mesh, [S(0), R]), wb.shard_tensor(W, mesh, [R, S(1)])
+
+    def mm():
+        with torch.no_grad():
+            return wb.reshard(a @ w, mesh, [R, R])
+
+    def mm_plain():
+        with torch.no_grad():
+            return A @ W
+    torch.testing.assert_close(mm().full(), mm_plain())
+
+    cfg = get_config("gpt-tiny")
+    st = Hybrid(dp=2, tp=2)
+    model = st.build_model(cfg, 0)
+    one = build_model(cfg, 0)
+    inp, tgt = get_batch(cfg, 4, 0, 0)
+
+    def gpt():
+        model.zero_grad(set_to_none=True)
+        return st.forward_backward(model, inp, tgt)
+
+    def gpt_plain():
+        one.zero_grad(set_to_none=True)
+        _, loss = one(inp, tgt)
+        loss.backward()
+        return loss.detach()
+
+    def gpt_traced():
+        with wb.trace():
+            return gpt()
+    torch.testing.assert_close(gpt(), gpt_plain(), rtol=1e-5, atol=1e-5)
+    return [("elementwise 2x2 (8x16)", lambda: ew(x, y), lambda: ew(X, Y)),
+            ("matmul + reshard 2x2", mm, mm_plain),
+            ("GPT fwd+bwd Hybrid(dp2,tp2)", gpt, gpt_plain),
+            ("  ... under wb.trace()", gpt_traced, gpt_plain)]
+
+
+def run_ops(args) -> int:
+    print("\n3. microseconds per dispatched DistTensor op (no target)")
+    head = (f"{'workload':<30}{'ops':>6}{'workbench':>13}{'us/op':>9}{'torch':>13}"
+            f"{'floor us/op':>13}{'ratio':>8}")
+    print(head)
+    print("-" * len(head))
+    for name, ours, base in ops_cases():
+        n = count_ops(ours)
+        r, to, tb = interleaved(ours, base, args.rounds, args.min_time)
+        print(f"{name:<30}{n:>6}{fmt_t(to):>13}{to / n * 1e6:>9.1f}{fmt_t(tb):>13}"
+              f"{tb / n * 1e6:>13.2f}{r:>7.1f}x", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
@@ -239,7 +348,7 @@ def main(argv=None) -> int:
                     help="seconds per blocked_autorange (default 0.3; the large step >= 1)")
     ap.add_argument("--dtensor", action="store_true",
                     help="also time PyTorch DTensor under LocalTensorMode (slow)")
-    ap.add_argument("--only", choices=["step", "coll"], help="run one of the two parts")
+    ap.add_argument("--only", choices=["step", "coll", "ops"], help="run one of the three parts")
     ap.add_argument("--timer", choices=["wall", "cpu"], default="wall",
                     help="wall clock (default) or this process's CPU time (time.process_time: "
                          "less disturbed by other work on a loaded machine)")
@@ -256,6 +365,8 @@ def main(argv=None) -> int:
         misses += run_steps(args)
     if args.only in (None, "coll"):
         misses += run_collectives(args)
+    if args.only in (None, "ops"):
+        misses += run_ops(args)
     if hasattr(os, "getloadavg"):
         print("\nload average after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"{misses} row(s) missed the target")

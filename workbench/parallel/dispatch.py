@@ -469,8 +469,37 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
 from ..sim_mesh.profiles import DEFAULT_PROFILE as _DEFAULT_PROFILE  # noqa: E402
 
 
+_OUT_SHAPES: dict = {}   # (local, multi, n_out, inputs, attrs, global state) -> result
+on_change(_OUT_SHAPES.clear)
+
+
 def _out_shapes(opdef, dec, inputs, attrs):
+    """The outputs' global shapes and dtypes: the local implementation on meta tensors of
+    the global shapes (no mesh: ``nd`` 0).  Memoized on what that call reads (the
+    inputs' shapes and dtypes, constants by type and value, the attributes, the default
+    dtype), not on placements: every layout of the same shapes asks again."""
+    # (only top-level tensors and constants are memoized: a tensor elsewhere, in a list or
+    # an attribute, is not)
+    key = None
+    if all(isinstance(x, (DistTensor, torch.Tensor)) or type(x) in checks.ATOMS
+           for x in inputs):
+        sa = checks.signature(tuple(inputs))
+        sk = checks.signature(tuple(sorted(attrs.items())), tensors=False) if attrs else ()
+        if sa is not None and sk is not None:
+            key = (opdef.local, opdef.multi, opdef.n_out, sa, sk, torch.get_default_dtype(),
+                   torch.is_grad_enabled())
+    try:
+        hit = _OUT_SHAPES.get(key) if key is not None else None
+    except TypeError:                    # an unhashable value after all
+        key = hit = None
+    if hit is not None:
+        return hit
     # on meta tensors of the global shapes; a meta error judged again by eager
     out = checks.on_meta(lambda *xs: opdef.local(0, None, *xs, **attrs), inputs)
     outs = out if (opdef.multi or opdef.n_out > 1) else (out,)
-    return tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)
+    res = tuple(torch.Size(o.shape) for o in outs), tuple(o.dtype for o in outs)
+    if key is not None:
+        if len(_OUT_SHAPES) > 4096:
+            _OUT_SHAPES.clear()
+        _OUT_SHAPES[key] = res
+    return res

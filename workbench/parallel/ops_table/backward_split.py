@@ -35,8 +35,20 @@ def edges_of(inputs) -> "tuple | None":
     out = []
     for x in inputs:
         ts = storage.tensors(x) if isinstance(x, (torch.Tensor, storage.Cells)) else []
-        out.append(tuple(get_gradient_edge(t).node for t in ts if t.requires_grad))
+        out.append(tuple(_node(t) for t in ts if t.requires_grad))
     return tuple(out)
+
+
+def _node(t):
+    """``get_gradient_edge(t).node`` (torch 2.13, torch/autograd/graph.py:190-200,
+    ``_get_grad_fn_or_grad_acc``): a non-leaf's ``grad_fn``, a leaf's accumulator.  Read
+    directly: ``get_gradient_edge`` also makes an ownership token (a ``view_as``) for a
+    Python-defined node, which only the edge holds and ``.node`` drops; one view per GEMM
+    input per traced call, for nothing."""
+    fn = t.grad_fn
+    if fn is not None:
+        return fn
+    return get_gradient_edge(t).node      # a leaf: its accumulator (no token is made)
 
 
 def _executes(node) -> bool:

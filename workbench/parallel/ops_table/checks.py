@@ -64,11 +64,68 @@ def _flat(out):
     return []
 
 
+ATOMS = _ATOMS = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype,
+          torch.device, torch.layout, torch.memory_format)
+
+
+def signature(x, tensors: bool = True):
+    """A hashable key of everything :func:`_to_meta` keeps of ``x`` (a tensor's shape and
+    dtype, the type and value of anything else, lists and tuples element by element), or
+    None where ``x`` holds something else (then nothing is memoized).  ``tensors=False``:
+    None where it holds a tensor."""
+    from ..dist_tensor import DistTensor
+    if isinstance(x, (DistTensor, torch.Tensor)):
+        return (0, tuple(x.shape), x.dtype) if tensors else None
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        out = [type(x)]
+        for y in x:
+            s = signature(y, tensors)
+            if s is None:
+                return None
+            out.append(s)
+        return tuple(out)
+    if type(x) in _ATOMS or type(x) is torch.Size:
+        return (type(x), x)
+    if type(x) is slice:
+        parts = (signature(x.start, tensors), signature(x.stop, tensors),
+                 signature(x.step, tensors))
+        return None if None in parts else (slice, parts)
+    return None
+
+
+def call_key(func, args, kwargs):
+    """The key of a meta call of ``func`` on ``args`` and ``kwargs`` (None: not
+    memoizable): their signatures, and the global state a meta call reads (the default
+    dtype a Python float becomes; grad mode)."""
+    sa = signature(tuple(args))
+    sk = signature(tuple(sorted(kwargs.items()))) if kwargs else ()
+    if sa is None or sk is None:
+        return None
+    return (func, sa, sk, torch.get_default_dtype(), torch.is_grad_enabled())
+
+
+_MEMO: dict = {}        # call_key -> torch's (shape, dtype) per output (successes only)
+
+
 def torch_meta_outputs(func, args, kwargs):
     """(shape, dtype) of every tensor ``func`` returns on meta inputs (torch's errors
-    propagate unchanged; a meta error judged again by eager: :func:`on_meta`)."""
+    propagate unchanged; a meta error judged again by eager: :func:`on_meta`).  Memoized on :func:`call_key` (a meta call depends on nothing
+    else): every placement of the same global shapes asks again.  A call that raised is
+    not kept, so it raises again."""
+    try:
+        key = call_key(func, args, kwargs)
+        hit = _MEMO.get(key) if key is not None else None
+    except TypeError:           # an unhashable value after all
+        key = hit = None
+    if hit is not None:
+        return list(hit)
     out = on_meta(func, args, kwargs)
-    return [(tuple(t.shape), t.dtype) for t in _flat(out)]
+    res = [(tuple(t.shape), t.dtype) for t in _flat(out)]
+    if key is not None:
+        if len(_MEMO) > 4096:
+            _MEMO.clear()
+        _MEMO[key] = tuple(res)
+    return res
 
 
 def check_outputs(name, ours, theirs):

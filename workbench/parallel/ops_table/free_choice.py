@@ -119,7 +119,11 @@ def choose(op: str, specs: tuple, attrs: dict, check: bool = False):
     dec = _free(key) if _ON[-1] else None
     if dec is None:
         COUNTS["full"] += 1
-        return _st._infer_cached(*key)
+        try:
+            return _st._infer_cached(*key)
+        finally:
+            _st._HANDOFF[0] = None
+    _st._HANDOFF[0] = None          # (only a full decision made at once takes it)
     COUNTS["free"] += 1
     if check and dec.full().chosen != dec.chosen:
         raise AssertionError(f"{op}: the zero-communication shortcut chose {dec.chosen}, "
@@ -141,6 +145,7 @@ def _free(key):
     if mesh is None or rule is None:
         return None
     strategies = list(rule(*specs, **dict(frozen)))
+    _st.hand_off(op, specs, frozen, rule, strategies)   # the full decision's, if it follows
     seen = set()
     for st in strategies:
         k = (st.inputs, st.outputs)
@@ -197,13 +202,10 @@ def _deferred(mesh, st, profile):
     """(time, bytes) of the reductions ``st`` defers, as ``strategy.strategy_cost`` ranks
     them."""
     dt, db = 0.0, 0
-    deferred = getattr(st, "deferred", ())
-    if deferred:
-        prof = _st.get_profile(profile)
-        for i, nb in deferred:
-            g = mesh.groups(i)
-            dt += max(_cost.price("reduce_scatter", nb, grp, prof) for grp in g)
-            db += _cost.wire_bytes("reduce_scatter", nb, len(g[0]))
+    for i, nb in getattr(st, "deferred", ()):
+        t_, b_ = _st.deferred_price(mesh, i, nb, profile)
+        dt += t_
+        db += b_
     return dt, db
 
 

@@ -152,16 +152,20 @@ def combine(mesh_ndim: int, per_dim: Sequence[Sequence[tuple]], n_inputs: int,
     sizes = [len(o) for o in per_dim]
     if math.prod(sizes) > limit:
         per_dim = [o[:max(1, int(limit ** (1 / mesh_ndim)))] for o in per_dim]
+    # (the transposes below are zip(*...), one C call per strategy instead of a generator
+    # per input: the first call of an op on a new layout builds every combination, e.g.
+    # 49 of linear's on a 2 x 2 mesh; the strategies are the same)
     for combo in itertools.product(*per_dim):
-        ins = []
-        for k in range(n_inputs):
-            if combo[0][0][k] is None:
-                ins.append(None)
-            else:
-                ins.append(tuple(c[0][k] for c in combo))
-        outs = tuple(tuple(c[1][j] for c in combo) for j in range(n_outputs))
+        first = combo[0][0]
+        cols = list(zip(*[c[0] for c in combo]))[:n_inputs]
+        # (an option short of an input's placement: cols[k] raises the IndexError the
+        # generator did; short of an output's: the generator below raises it)
+        ins = tuple(None if first[k] is None else cols[k] for k in range(n_inputs))
+        outs = tuple(zip(*[c[1] for c in combo]))[:n_outputs]
+        if len(outs) < n_outputs:
+            outs = tuple(tuple(c[1][j] for c in combo) for j in range(n_outputs))
         notes = [c[2] for c in combo if len(c) > 2 and c[2]]
-        out.append(Strategy(tuple(ins), outs, "; ".join(notes)))
+        out.append(Strategy(ins, outs, "; ".join(notes)))
     return out
 
 
@@ -342,11 +346,28 @@ def _thaw(v):
     return v
 
 
+# free_choice.choose hands the strategies its shortcut got from the rule to the full
+# decision that follows at once, when the rule saw the very same arguments (these
+# objects, attributes needing no thaw): the rule runs once per new layout, not twice.
+# One slot, cleared by every read and by choose() after the call.
+_HANDOFF: list = [None]     # (op, specs, frozen_attrs, rule, strategies) or None
+
+
+def hand_off(op, specs, frozen_attrs, rule, strategies) -> None:
+    if all(_thaw(v) is v for _, v in frozen_attrs):
+        _HANDOFF[0] = (op, specs, frozen_attrs, rule, strategies)
+
+
 @lru_cache(maxsize=8192)
 def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
     rule = get_rule(op)
     attrs = {k: _thaw(v) for k, v in frozen_attrs}
-    strategies = list(rule(*specs, **attrs))
+    handed, _HANDOFF[0] = _HANDOFF[0], None
+    if handed is not None and handed[0] == op and handed[1] is specs and \
+            handed[2] is frozen_attrs and handed[3] is rule:
+        strategies = handed[4]     # free_choice's call of the rule, on the same arguments
+    else:
+        strategies = list(rule(*specs, **attrs))
     if not strategies:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
@@ -387,8 +408,6 @@ def strategy_cost(specs, st: Strategy, profile: str):
     but the padded partial must be reduced later: it is ranked as the reduce-scatter it
     defers (the deferred part), so a free-looking detour does not win by accident."""
     from ..reshard import plan_reshard_cached
-    from ...sim_mesh import cost as _cost
-    prof = get_profile(profile)
     plans, t, b, dt, db = [], 0.0, 0, 0.0, 0
     for spec, req in zip(specs, st.inputs):
         if spec is None or req is None:
@@ -400,15 +419,40 @@ def strategy_cost(specs, st: Strategy, profile: str):
         b += p.total_bytes
         for s_ in p.steps:
             if s_.kind == "local_pad":
-                g = spec.mesh.groups(s_.mesh_dim)
-                dt += max(_cost.price("reduce_scatter", s_.buffer_bytes, grp, prof) for grp in g)
-                db += _cost.wire_bytes("reduce_scatter", s_.buffer_bytes, len(g[0]))
+                t_, b_ = deferred_price(spec.mesh, s_.mesh_dim, s_.buffer_bytes, profile)
+                dt += t_
+                db += b_
     mesh = next(s for s in specs if s is not None).mesh
     for i, nb in getattr(st, "deferred", ()):
-        g = mesh.groups(i)
-        dt += max(_cost.price("reduce_scatter", nb, grp, prof) for grp in g)
-        db += _cost.wire_bytes("reduce_scatter", nb, len(g[0]))
+        t_, b_ = deferred_price(mesh, i, nb, profile)
+        dt += t_
+        db += b_
     return plans, t, b, dt, db
+
+
+_DEFERRED: dict = {}
+
+
+def deferred_price(mesh, mesh_dim, nb, profile: str):
+    """(seconds, wire bytes) of the reduce-scatter of ``nb`` bytes over mesh dim
+    ``mesh_dim`` of ``mesh`` on the profile named ``profile``, as the chooser ranks a
+    deferred reduction: the slowest group's price (``cost.price``) and
+    ``cost.wire_bytes``.  Memoized on (mesh (by value), dim, nb and its type, profile
+    name): every candidate of a new layout asks again (bounded; profiles by name are the
+    built-in ones, which do not change)."""
+    key = (mesh, mesh_dim, nb, type(nb), profile)
+    hit = _DEFERRED.get(key) if type(profile) is str else None   # a Profile: not memoized
+    if hit is None:
+        from ...sim_mesh import cost as _cost
+        prof = get_profile(profile)
+        g = mesh.groups(mesh_dim)
+        hit = (max(_cost.price("reduce_scatter", nb, grp, prof) for grp in g),
+               _cost.wire_bytes("reduce_scatter", nb, len(g[0])))
+        if type(profile) is str:
+            if len(_DEFERRED) > 4096:
+                _DEFERRED.clear()
+            _DEFERRED[key] = hit
+    return hit
 
 
 def _reason(op, specs, cands) -> str:
