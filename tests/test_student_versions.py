@@ -135,6 +135,30 @@ def test_nbgrader_generate_assignment_agrees(nbgrader_release, student_dir, path
     assert sum("raise NotImplementedError()" in s for s in code(theirs)) >= 2
 
 
+# Smaller inputs for the longest cells before a first exercise (the same code runs, on
+# fewer steps / sweep points): this test checks that the student version runs up to its
+# stub, not the cells' numbers, which nbval checks on the full inputs (tests/run_all.py).
+# Each text must occur exactly once before the first exercise, so a notebook edit that
+# moves it fails here instead of silently running the full input.
+SMALLER = {
+    "05_data_parallel_and_zero.ipynb": [
+        ("sweep = [2**k for k in range(12, 24, 2)] + [8 * N]",   # 7 bucket sizes x 2 profiles
+         "sweep = [2**k for k in range(12, 14, 2)] + [8 * N]")],
+    "15_train_to_serve.ipynb": [
+        ('records = train("tiny", steps=150, seed=0,',           # 150 training steps
+         'records = train("tiny", steps=3, seed=0,')],
+}
+
+
+def _smaller(nb, name, cells):
+    for old, new in SMALLER.get(name, []):
+        hits = [i for i in cells if old in nb.cells[i].source]
+        assert len(hits) == 1 and nb.cells[hits[0]].source.count(old) == 1, (
+            f"{name}: {old!r} is not in exactly one cell before the first exercise "
+            f"(cells {hits}); update SMALLER in {__file__}")
+        nb.cells[hits[0]].source = nb.cells[hits[0]].source.replace(old, new)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
     """Every cell before the first exercise runs; the first exercise cell stops with
@@ -148,6 +172,7 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
     stubs = [i for i in code if "# YOUR CODE HERE" in nb.cells[i].source]
     assert stubs, f"{path.name} has no exercise (no {BEGIN!r} region in a code cell)"
     first = stubs[0]
+    _smaller(nb, path.name, [i for i in code if i < first])
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
                                      resources={"metadata": {"path": str(student_dir)}})
     failed = None
