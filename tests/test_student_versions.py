@@ -2,6 +2,7 @@
 generated notebook runs up to its first exercise, where it stops with the
 NotImplementedError of the stub and nowhere before."""
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -160,11 +161,21 @@ def _smaller(nb, name, cells):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
+def test_student_version_runs_up_to_its_first_exercise(student_dir, path, monkeypatch):
     """Every cell before the first exercise runs; the first exercise cell stops with
     the stub's NotImplementedError."""
     nbclient = pytest.importorskip("nbclient")
     from nbclient.exceptions import CellExecutionError
+    from nbformat.v4 import new_code_cell
+
+    import workbench
+    # the kernel starts in student_dir: a relative PYTHONPATH entry (PYTHONPATH=. from a
+    # checkout) would resolve there, and the kernel would import another workbench (an
+    # installed one) than the one under test
+    mine = str(Path(workbench.__file__).resolve().parent.parent)
+    entries = [str(Path(e).resolve()) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+               if e]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([mine] + entries))
     nb = nbformat.read(student_dir / path.name, as_version=4)
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     assert not [ln for i in code for ln in nb.cells[i].source.splitlines()
@@ -183,6 +194,12 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
             except CellExecutionError as err:
                 failed = (i, err.ename, str(err).splitlines()[-1] if str(err) else "")
                 break
+        which = new_code_cell("import workbench; print(workbench.__file__)")
+        nb.cells.append(which)
+        client.execute_cell(which, len(nb.cells) - 1)
+    ran = "".join(o.get("text", "") for o in which.outputs).strip()
+    assert Path(ran).resolve() == Path(workbench.__file__).resolve(), (
+        f"the kernel ran {ran}, not the workbench under test {workbench.__file__}")
     assert failed is not None and failed[:2] == (first, "NotImplementedError"), (
         f"{path.name}: expected the first failure in cell {first} (the first exercise) to be "
         f"NotImplementedError, got {failed}")
