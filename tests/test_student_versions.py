@@ -2,6 +2,7 @@
 generated notebook runs up to its first exercise, where it stops with the
 NotImplementedError of the stub and nowhere before."""
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -135,12 +136,46 @@ def test_nbgrader_generate_assignment_agrees(nbgrader_release, student_dir, path
     assert sum("raise NotImplementedError()" in s for s in code(theirs)) >= 2
 
 
+# Smaller inputs for the longest cells before a first exercise (the same code runs, on
+# fewer steps / sweep points): this test checks that the student version runs up to its
+# stub, not the cells' numbers, which nbval checks on the full inputs (tests/run_all.py).
+# Each text must occur exactly once before the first exercise, so a notebook edit that
+# moves it fails here instead of silently running the full input.
+SMALLER = {
+    "05_data_parallel_and_zero.ipynb": [
+        ("sweep = [2**k for k in range(12, 24, 2)] + [8 * N]",   # 7 bucket sizes x 2 profiles
+         "sweep = [2**k for k in range(12, 14, 2)] + [8 * N]")],
+    "15_train_to_serve.ipynb": [
+        ('records = train("tiny", steps=150, seed=0,',           # 150 training steps
+         'records = train("tiny", steps=3, seed=0,')],
+}
+
+
+def _smaller(nb, name, cells):
+    for old, new in SMALLER.get(name, []):
+        hits = [i for i in cells if old in nb.cells[i].source]
+        assert len(hits) == 1 and nb.cells[hits[0]].source.count(old) == 1, (
+            f"{name}: {old!r} is not in exactly one cell before the first exercise "
+            f"(cells {hits}); update SMALLER in {__file__}")
+        nb.cells[hits[0]].source = nb.cells[hits[0]].source.replace(old, new)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
+def test_student_version_runs_up_to_its_first_exercise(student_dir, path, monkeypatch):
     """Every cell before the first exercise runs; the first exercise cell stops with
     the stub's NotImplementedError."""
     nbclient = pytest.importorskip("nbclient")
     from nbclient.exceptions import CellExecutionError
+    from nbformat.v4 import new_code_cell
+
+    import workbench
+    # the kernel starts in student_dir: a relative PYTHONPATH entry (PYTHONPATH=. from a
+    # checkout) would resolve there, and the kernel would import another workbench (an
+    # installed one) than the one under test
+    mine = str(Path(workbench.__file__).resolve().parent.parent)
+    entries = [str(Path(e).resolve()) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+               if e]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([mine] + entries))
     nb = nbformat.read(student_dir / path.name, as_version=4)
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     assert not [ln for i in code for ln in nb.cells[i].source.splitlines()
@@ -148,6 +183,7 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
     stubs = [i for i in code if "# YOUR CODE HERE" in nb.cells[i].source]
     assert stubs, f"{path.name} has no exercise (no {BEGIN!r} region in a code cell)"
     first = stubs[0]
+    _smaller(nb, path.name, [i for i in code if i < first])
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
                                      resources={"metadata": {"path": str(student_dir)}})
     failed = None
@@ -158,6 +194,12 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path):
             except CellExecutionError as err:
                 failed = (i, err.ename, str(err).splitlines()[-1] if str(err) else "")
                 break
+        which = new_code_cell("import workbench; print(workbench.__file__)")
+        nb.cells.append(which)
+        client.execute_cell(which, len(nb.cells) - 1)
+    ran = "".join(o.get("text", "") for o in which.outputs).strip()
+    assert Path(ran).resolve() == Path(workbench.__file__).resolve(), (
+        f"the kernel ran {ran}, not the workbench under test {workbench.__file__}")
     assert failed is not None and failed[:2] == (first, "NotImplementedError"), (
         f"{path.name}: expected the first failure in cell {first} (the first exercise) to be "
         f"NotImplementedError, got {failed}")

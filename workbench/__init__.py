@@ -34,12 +34,19 @@ from .parallel.strategies.fully_shard import (fully_shard, MixedPrecisionPolicy,
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
 from .parallel import schedules  # noqa: E402  wb.schedules.one_f_one_b(p, m), ...
-from . import ops, npu, exercises  # noqa: E402
-from . import models, plan  # noqa: E402  wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
-from . import recipes  # noqa: E402  wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
-from . import serve  # noqa: E402  wb.serve.generate(model, idx, n): KV cache, any layout
+from . import ops, npu  # noqa: E402  (the parallel layer imports both already)
 from .sim_mesh import backends as distributed  # noqa: E402  wb.distributed.init() under torchrun
-from . import compile  # noqa: E402  wb.compile(fn, *inputs, level="O1"): a callable package
+
+# The layers above parallel are imported on first use (PEP 562 module __getattr__ below):
+# every process that imports workbench (each torchrun worker, notebook kernel, subprocess)
+# pays only for the layers it uses.  None of them registers anything at import that the
+# layers below read (they import sim_mesh/parallel/ops, never the other way).
+#   wb.plan.estimate(cfg, wb.plan.Layout(...), cluster)
+#   wb.recipes.Hybrid(dp=2, tp=2, pp=2): models x strategies
+#   wb.serve.generate(model, idx, n): KV cache, any layout
+#   wb.compile(fn, *inputs, level="O1"): a callable package
+#   wb.checkpoint.save / load (torch.distributed.checkpoint takes about 0.5 s to import)
+_LAZY = ("exercises", "models", "plan", "recipes", "serve", "compile", "checkpoint")
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "list_profiles",
@@ -57,9 +64,11 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
 
 
 def __getattr__(name):
-    # wb.checkpoint.save / load: imported on first use (torch.distributed.checkpoint
-    # takes about 0.5 s to import)
-    if name == "checkpoint":
+    if name in _LAZY:
         import importlib
-        return importlib.import_module(".checkpoint", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
