@@ -98,6 +98,9 @@ CASES = {
                                                  "interpolation": "linear"}),
                lambda t, d, k=k: getattr(torch, k)(t, 0.5, d[0]))
        for k in ("quantile", "nanquantile")},                               # fixlist3
+    "nanmedian": Case("one", lambda x, draw, d: ((x,), {"dim": d[0],
+                                                         "keepdim": draw(st.booleans())}),
+                      lambda t, d: torch.nanmedian(t, d[0])),                # fixlist6
     "topk": Case("one", lambda x, draw, d: ((x,), {"k": 1, "dim": d[0], "largest": True,
                                                    "sorted": True}),
                  lambda t, d: torch.topk(t, 1, d[0])),
