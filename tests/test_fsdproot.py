@@ -151,3 +151,27 @@ def test_fully_shard_root_follows_reshard_after_forward(reshard):
     labels = [e.label for e in tr.collectives() if e.name == "all_gather"]
     assert ("fsdp re-gather root" in labels) is (reshard is True)
     assert labels.count("fsdp re-gather blocks.0") == 1
+
+
+class UnusedRoot(nn.Module):
+    """The root's only parameter never reaches the loss: its reduce-scatter never comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Parameter(torch.randn(5))
+        self.blk = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.blk(x)
+
+
+def test_the_root_is_freed_when_backward_ends_without_its_reduce_scatter():
+    # FSDP2 reshards the root in its final callback (_root_post_backward_final_callback),
+    # which runs even when none of its gradients came; so here: nothing alive after backward
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid(2, ["dp"])
+    f = wb.FullyShardedDataParallel(UnusedRoot(), mesh, units=[nn.Linear])
+    out = f(wb.shard_tensor(torch.randn(4, 4), mesh, ["S(0)"]))
+    assert f.gathered.alive() == 2 * 4 * 6          # 2 ranks x fp32 x padded (6,) copy
+    out.full().sum().backward()
+    assert f.gathered.alive() == 0

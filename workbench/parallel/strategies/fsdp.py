@@ -236,7 +236,34 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             self._owners.clear()
             self._prefetched.clear()
         self._order = order
+        self._release_at_backward_end(outs)
         return outs[0] if g.distributed else g.join(outs, dim)
+
+    def _release_at_backward_end(self, outs):
+        """The weights a kept unit holds (the root's, ``call.cache``) freed when the
+        backward through ``outs`` ends, even where its reduce-scatter never comes (no
+        trainable parameter of it reached the loss): FSDP2 reshards in the root's final
+        callback (``_root_post_backward_final_callback``, queued by its pre-backward hook
+        on the outputs), here queued by a hook on each output likewise."""
+        calls = [c for c in self._calls.values() if c.cache]
+        if not calls:
+            return
+        from torch.autograd import Variable
+        from torch.utils import _pytree as pytree
+        queued = []
+
+        def free():
+            queued.clear()
+            for c in calls:
+                c.cache.clear()
+
+        def hook(grad):
+            if not queued:
+                queued.append(True)
+                Variable._execution_engine.queue_callback(free)
+        for t in pytree.tree_leaves(outs):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
 
     def _enter(self, unit):
         k = self._k
