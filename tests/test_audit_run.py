@@ -114,6 +114,14 @@ def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_pa
         # FullyShardedDataParallel.no_sync (FSDP1's, habits5: it raised "not built")
         # against FSDP2's set_requires_gradient_sync(False) on the same job
         assert max(r["fsdp_no_sync"]) < 1e-6, r
+        # the all-gathers of the loop's 4 forward-backward passes, [in forward, in
+        # backward] for [torch's FSDP2, ours]: forward gathers the root and the block m[0]
+        # (8); in backward the root is gathered by neither (kept from forward, torch's
+        # root rule); FSDP2 re-gathers m[0] whole (4), ours only what autograd saved, and
+        # m[0]'s linear saved no weight (its input needs no gradient): 0.  Before
+        # fsdproot FullyShardedDataParallel re-gathered the root's saved head: [8, 4]
+        assert r["fully_shard_gathers"] == [[8, 4], [8, 0]], r
+        assert r["fsdp_no_sync_gathers"] == [[8, 4], [8, 0]], r
         # the optimizer's states in the parameters' own shapes; resumed == uninterrupted
         assert r["ckpt_shapes"] == [[], [3], [3, 7], [7], [7, 5]], r
         assert r["ckpt_resumed"] == r["ckpt_whole"], r

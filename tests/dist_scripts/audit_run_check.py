@@ -118,8 +118,23 @@ def torch_wrappers(n, k):
                 opt = torch.optim.AdamW(w.parameters(), lr=1e-2) if name == "ddp" else \
                     (wb.ZeroRedundancyOptimizer if ours else TorchZero)(
                         w.parameters(), torch.optim.AdamW, lr=1e-2)
-            norms = ddp_loop(w, opt, n, k, fsdp2=name == "fully_shard" or
-                             (name == "fsdp_no_sync" and not ours))
+            # the all-gathers of the loop, [in forward, in backward]: FSDP2's and ours both
+            # send them with dist.all_gather_single (torch 2.13 _fsdp_collectives.py
+            # DefaultAllGather; fsdp_units.all_gather), counted by wrapping it for the
+            # loop's length; inside autograd's engine (a graph task running) is backward
+            real, count = dist.all_gather_single, [0, 0]
+
+            def counted(*a, **kw):
+                count[torch._C._current_graph_task_id() != -1] += 1
+                return real(*a, **kw)
+            dist.all_gather_single = counted
+            try:
+                norms = ddp_loop(w, opt, n, k, fsdp2=name == "fully_shard" or
+                                 (name == "fsdp_no_sync" and not ours))
+            finally:
+                dist.all_gather_single = real
+            if name in ("fully_shard", "fsdp_no_sync"):
+                out.setdefault(name + "_gathers", []).append(count)
             states = []
             if name == "zero":
                 opt.consolidate_state_dict(0)

@@ -18,10 +18,15 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   only their geometry for backward and all-gathers them again when backward first
   needs them; when the unit's backward ends its gradients are reduce-scattered (the
   average over ranks) onto the shards and the re-gathered weights freed.  The
-  parameters of no unit (the root) are gathered for the whole forward.  Gathered
+  parameters of no unit form the root unit: gathered at the start of forward and, as
+  in torch, kept gathered until its gradients are reduce-scattered at the end of
+  backward, so its backward re-gathers nothing (FSDP2 does not reshard the root after
+  forward unless ``reshard_after_forward`` is given, torch 2.13
+  ``_fully_shard/_fsdp_state.py:203-207``; FSDP1's ``FULL_SHARD`` does not free the
+  root's flat parameter after forward, ``_runtime_utils.py:493-500``).  Gathered
   weights alive at once: the root's plus one unit's (``prefetch=True``: plus the next
   unit's, gathered one unit early in forward and in backward); :attr:`gathered` counts
-  them.  Without ``units`` the whole module is one unit;
+  them.  Without ``units`` the whole module is the root: one all-gather per step;
 * ``compute_dtype`` (e.g. ``torch.bfloat16``): the shards are cast before the
   all-gather, so forward, backward and both collectives run in it, while the
   shards (master weights), their gradients and the optimizer states stay fp32
@@ -33,9 +38,10 @@ Trillion Parameter Models", P_os+g+p) in the form of PyTorch FSDP (Zhao et al. 2
   default ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; FSDP2's
   ``foreach_reduce``, torch 2.13 ``_fsdp_collectives.py``).
 
-Per step: all-gather forward + all-gather backward + reduce-scatter, 1.5x the all-reduce
-volume of DDP; one collective per unit and phase, labelled ``fsdp params|re-gather|grad
-<unit>`` (``root`` for the root unit): the unit's shards are copied into one buffer,
+Per step and unit but the root: all-gather forward + all-gather backward + reduce-scatter,
+1.5x the all-reduce volume of DDP (the root: all-gather + reduce-scatter, 1x); one
+collective per unit and phase, labelled ``fsdp params|re-gather|grad <unit>`` (``root``
+for the root unit, which has no re-gather): the unit's shards are copied into one buffer,
 all-gathered and copied out per parameter (FSDP2's ``foreach_all_gather`` /
 ``foreach_all_gather_copy_out``; its gradients likewise, laid out rank-major for the
 reduce-scatter, ``foreach_reduce``: torch 2.13,
@@ -217,6 +223,10 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
                     self._exit(self.units[0])
                     if not g.distributed:
                         refuse_checkpoint(outs[-1], since, self._who, g.n)
+        except BaseException:            # no backward will come: the kept weights freed
+            for call in self._calls.values():
+                call.cache.clear()
+            raise
         finally:
             self._k = None
             for u in self.units:         # on error too: the shards are the parameters again
@@ -226,7 +236,34 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             self._owners.clear()
             self._prefetched.clear()
         self._order = order
+        self._release_at_backward_end(outs)
         return outs[0] if g.distributed else g.join(outs, dim)
+
+    def _release_at_backward_end(self, outs):
+        """The weights a kept unit holds (the root's, ``call.cache``) freed when the
+        backward through ``outs`` ends, even where its reduce-scatter never comes (no
+        trainable parameter of it reached the loss): FSDP2 reshards in the root's final
+        callback (``_root_post_backward_final_callback``, queued by its pre-backward hook
+        on the outputs), here queued by a hook on each output likewise."""
+        calls = [c for c in self._calls.values() if c.cache]
+        if not calls:
+            return
+        from torch.autograd import Variable
+        from torch.utils import _pytree as pytree
+        queued = []
+
+        def free():
+            queued.clear()
+            for c in calls:
+                c.cache.clear()
+
+        def hook(grad):
+            if not queued:
+                queued.append(True)
+                Variable._execution_engine.queue_callback(free)
+        for t in pytree.tree_leaves(outs):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
 
     def _enter(self, unit):
         k = self._k
@@ -276,6 +313,10 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             return call, []
         cast = (lambda s: s) if self.reduce_dtype is not None else self._cast
         flats = GatherUnit.apply(self, call, k, pre, *[cast(s) for _, s, _ in unit.params])
+        if not self._reshards(unit) and torch.is_grad_enabled() and \
+                any(s.requires_grad for _, s, _ in unit.params):
+            # kept gathered (the root): alive until its reduce-scatter frees call.cache
+            call.cache.setdefault(k, {}).update((i, f.detach()) for i, f in enumerate(flats))
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
             shape, _ = self._meta[id(s)]
@@ -303,6 +344,14 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         return flats
 
     # ---- backward: re-gather on first use, reduce-scatter when the unit is done -----------
+    def _reshards(self, unit) -> bool:
+        """Whether ``unit``'s gathered weights are freed after its forward (and gathered
+        again in backward): every unit but the root.  Torch keeps the root gathered: FSDP2
+        sets the root's ``post_forward_mesh_info = None`` when ``reshard_after_forward`` was
+        not given (torch 2.13 ``_fully_shard/_fsdp_state.py:203-207``), FSDP1 does not free
+        the root's flat parameter after forward (``_runtime_utils.py:493-500``)."""
+        return unit.index != 0
+
     def _pack(self, t):
         if not self._owners or t.layout != torch.strided:
             return t
@@ -310,6 +359,8 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         if hit is None:
             return t
         call, k, i = hit
+        if not self._reshards(call.unit):
+            return t                     # kept gathered: autograd saves it, no re-gather
         call.packed.setdefault(k, set()).add(i)
         return Regather(call, k, i, t)
 

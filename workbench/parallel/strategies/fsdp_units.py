@@ -6,9 +6,10 @@ gradients are reduce-scattered when its backward ends (PyTorch FSDP's
 ``auto_wrap_policy=ModuleWrapPolicy({Block})`` / FSDP2's ``fully_shard(block)`` on each
 block; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
 Parallel", VLDB, which splits a model into such "FSDP units").  The parameters no
-unit holds form the root unit (the wrapped module itself), gathered for the whole
-forward.  With one unit per block the gathered weights alive at once are the root
-unit's plus one block's (plus the next block's with prefetch), not the whole model's.
+unit holds form the root unit (the wrapped module itself), gathered from the start of
+forward to the end of its backward (torch keeps the root gathered: no re-gather).
+With one unit per block the gathered weights alive at once are the root unit's plus
+one block's (plus the next block's with prefetch), not the whole model's.
 
 :class:`GatheredBytes` counts it: it keeps a weak reference to the storage of every
 gathered tensor and sums the bytes of those still alive (a storage is freed only when

@@ -25,8 +25,6 @@ On top of the wrapper, per unit:
 """
 from __future__ import annotations
 
-import torch
-
 from .fsdp import FullyShardedDataParallel
 
 __all__ = ["FSState", "FullyShardRoot"]
@@ -80,16 +78,10 @@ class FullyShardRoot(FullyShardedDataParallel):
         return unit.module._wb_fully_shard
 
     def _reshards(self, unit) -> bool:
+        """``reshard_after_forward`` per unit (None: the wrapper's rule, the root kept); a
+        kept unit's backward re-gathers nothing (the wrapper's ``_pack``)."""
         v = self._state(unit).reshard_after_forward
         return (unit.index != 0) if v is None else v
-
-    # ---- reshard_after_forward=False: what forward gathered is what backward reads -----
-    def _pack(self, t):
-        if self._owners and t.layout == torch.strided:
-            hit = self._owners.get(t.untyped_storage().data_ptr())
-            if hit is not None and not self._reshards(hit[0].unit):
-                return t                 # kept alive by autograd: no re-gather
-        return super()._pack(t)
 
     # ---- set_requires_gradient_sync(False): accumulate unreduced (the wrapper's no_sync
     # machinery, :class:`.fsdp_no_sync.NoSync`), per unit ----------------------------------
