@@ -28,10 +28,12 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json_rows(out.stdout)
     assert rows[-1] == {"drift_found": True}
-    # FSDP with one unit per block: per process, root (emb + head) plus one block forward,
-    # the head's and one block's weight in backward (what they saved); all freed after
+    # FSDP with one unit per block: per process, root (emb + head) plus one block forward;
+    # in backward the root still whole (kept gathered from forward to the end of backward,
+    # as torch's FSDP keeps the root: fsdproot) plus one block's re-gathered weight (what
+    # it saved); all freed after.  (Before fsdproot: the head's re-gathered weight only.)
     pad = (-16 * 16) % n + 16 * 16, (-10 * 16) % n + 10 * 16
-    assert rows[-2] == {"memory": [4 * (2 * pad[1] + pad[0]), 4 * (pad[1] + pad[0]), 0]}
+    assert rows[-2] == {"memory": [4 * (2 * pad[1] + pad[0]), 4 * (2 * pad[1] + pad[0]), 0]}
     rows = rows[:-2]
     assert len(rows) == 10
     for r in rows:
