@@ -24,3 +24,12 @@ def passes(capsys, fn, *args, **kw):
     assert all(len(line) <= WIDTH for line in lines), out
     assert all(line.startswith("    ") for line in lines[1:]), out
     return " ".join(line.strip() for line in lines) + "\n"
+
+
+def message(fn, *args, **kw) -> str:
+    """The CheckError message ``fn`` gives for a wrong answer (a first try: the counts of
+    earlier tries are reset)."""
+    reset_tries()
+    with pytest.raises(CheckError) as err:
+        fn(*args, **kw)
+    return str(err.value)

@@ -9,9 +9,9 @@ import torch
 import workbench as wb
 from workbench.exercises import checks_overlap_profiling as C
 from workbench.exercises import checks_plan as P
-from workbench.exercises.feedback import CheckError, reset_tries
+from workbench.exercises.feedback import reset_tries
 
-from .exercise_helpers import fails, passes
+from .exercise_helpers import fails, passes, message as _message
 
 
 @pytest.fixture(autouse=True)
@@ -19,13 +19,6 @@ def _fresh():
     reset_tries()
     yield
     reset_tries()
-
-
-def _message(fn, *args, **kw) -> str:
-    reset_tries()
-    with pytest.raises(CheckError) as err:
-        fn(*args, **kw)
-    return str(err.value)
 
 
 def test_hidden_share_given_as_hidden_time_is_named():

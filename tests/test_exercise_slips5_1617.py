@@ -6,9 +6,9 @@ import pytest
 
 from workbench.exercises import checks_compile as C
 from workbench.exercises import checks_plan as P
-from workbench.exercises.feedback import CheckError, reset_tries
+from workbench.exercises.feedback import reset_tries
 
-from .exercise_helpers import fails
+from .exercise_helpers import fails, message as _message
 
 # 16, exercise 2: a (24, 64) float32 tensor on 8 ranks
 FULL, RANKS = 24 * 64 * 4, 8
@@ -28,13 +28,6 @@ def _fresh():
     reset_tries()
     yield
     reset_tries()
-
-
-def _message(fn, *args, **kw) -> str:
-    reset_tries()
-    with pytest.raises(CheckError) as err:
-        fn(*args, **kw)
-    return str(err.value)
 
 
 def test_compiled_bytes_of_the_whole_tensor_is_not_called_the_op_by_op_count():
