@@ -84,6 +84,32 @@ def test_ddp_dist_reduces_once_per_synced_backward_finish_after_it_reduces_nothi
     assert reductions(tr) == ONE
 
 
+class _Boom(torch.autograd.Function):
+    """Identity whose backward raises (a user's failing hook or op)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def test_ddp_dist_reduces_again_after_a_backward_that_raised():
+    # the failed backward queued its reduction (the last layer's weights had accumulated)
+    # and never ran it; every later backward then reduced nothing, silently
+    mesh, model, ddp = ddp_dist(bucket_bytes=float("inf"))
+    (x, y), (x2, y2) = batches(2)
+    mid = _Boom.apply(ddp.module[1](ddp.module[0](dist(x, mesh))))
+    with pytest.raises(RuntimeError, match="boom"):
+        mse(ddp.module[2](mid), dist(y, mesh)).backward()
+    ddp.zero_grad()
+    with wb.trace() as tr:
+        mse(ddp(dist(x2, mesh)), dist(y2, mesh)).backward()
+    assert reductions(tr) == ONE                         # was []
+
+
 def test_ddp_dist_no_sync_then_a_synced_backward_reduces_the_sum_once():
     ref = mlp()
     data = batches(3)

@@ -144,6 +144,9 @@ class DistTensorDDP(DistributedDataParallel):
 
     def forward(self, *args, **kwargs):
         check_written_replicas(self)    # a write that left the replicas different: raise
+        # a backward that raised after queueing its reduction never ran the callback: a new
+        # iteration queues afresh (else no later backward would reduce, silently)
+        self._finish_queued = False
         if torch.is_grad_enabled():
             self.replicas.ensure_prior_reduction_finished()     # torch's rebuild_buckets does
             self.replicas.rebuild_buckets()
