@@ -205,6 +205,11 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()
         check_batch_stats(g, self.module, "FullyShardedDataParallel")
+        for call in getattr(self, "_calls", {}).values():
+            # a kept root from a forward whose backward never ended (it raised, or was never
+            # run): its copy would stay counted alive (``gathered``) for good; what a pending
+            # backward still needs autograd saved itself
+            call.cache.clear()
         self._calls, self._counts, self._by_rank, self._active, self._next = {}, {}, {}, {}, {}
         order, outs = [], []
         snap = None if g.distributed else buffer_snapshot(self.module)   # rank 0's writes kept
