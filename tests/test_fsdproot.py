@@ -15,6 +15,8 @@ from torch import nn
 
 import workbench as wb
 
+from .test_habits5 import _Boom      # identity whose backward raises
+
 
 class Block(nn.Module):
     def __init__(self, w):
@@ -175,18 +177,6 @@ def test_the_root_is_freed_when_backward_ends_without_its_reduce_scatter():
     assert f.gathered.alive() == 2 * 4 * 6          # 2 ranks x fp32 x padded (6,) copy
     out.full().sum().backward()
     assert f.gathered.alive() == 0
-
-
-class _Boom(torch.autograd.Function):
-    """Identity whose backward raises (a user's failing op)."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("boom")
 
 
 def test_a_root_kept_by_a_backward_that_raised_is_freed_by_the_next_forward():
