@@ -248,6 +248,13 @@ def check_training_days(days, params: float = 7e9, tokens: float = 2e12, n_devic
         (24, "that is hours: divide by 24"),
         (peak / fp32, f"did you use the float32 peak ({fp32 / 1e12:g} TFLOP/s)? Training runs "
                       f"in bf16: {peak / 1e12:g} TFLOP/s"),
+        # without the devices read "1,024 times too large: a unit slip? (B, KiB, ...)"
+        (n_devices, f"that is the time on one device: the {n_devices:,} devices share the "
+                    "FLOPs, so divide by their number too"),
+        (1 / 6, "one sixth of it: did you count N x D FLOPs? Training costs 6ND: 2 per "
+                "parameter per token forward, 4 backward"),
+        (1e12, "a trillion times too large: is the peak in TFLOP/s? The formula wants FLOP/s "
+               f"({peak / 1e12:g} TFLOP/s = {peak:.3g} FLOP/s)"),
     ]], what=f" (6ND = {flops:.3g} FLOPs)")
 
 
@@ -267,14 +274,28 @@ def check_zero2_memory_gb(gb, params: float = 7e9, n_d: int = 8, stage: int = 2)
     """Model-state GB (1e9 bytes) per device with mixed-precision Adam under ZeRO ``stage``."""
     want = _zero_bytes(params, n_d, stage) / 1e9
     others = {s: _zero_bytes(params, n_d, s) / 1e9 for s in (0, 1, 2, 3) if s != stage}
+    weights_only = ("it counts only the bf16 weights (2 bytes per parameter); add gradients "
+                    "(2) and Adam's fp32 master weights, momentum and variance (12)")
     hints = [(others[s], f"that is ZeRO stage {s}" + (" (no partitioning: 16 bytes per "
              "parameter on every device)" if s == 0 else "") + f"; stage {stage} partitions "
-             + _ZERO_SPLIT[stage]) for s in others]
+             + _ZERO_SPLIT[stage]
+             # 2 psi is also stage 3 on 8 ranks (16 psi / 8): name both, the weights alone
+             # read only "that is ZeRO stage 3"
+             + (f"; or {weights_only}" if math.isclose(others[s], 2 * params / 1e9) else ""))
+             for s in others]
     hints += [(want * 1e9, "that is bytes: divide by 1e9 for GB"),
               (want * 1e9 / 2**30, "that is GiB (2**30 bytes); the papers use GB = 1e9 bytes"),
-              (2 * params / 1e9, "that counts only the bf16 weights (2 bytes per "
-               "parameter); add gradients (2) and Adam's fp32 master weights, momentum and "
-               "variance (12)")]
+              (2 * params / 1e9, "that " + weights_only.removeprefix("it "))]
+    # the gradients left out (2 psi + 12 psi / N_d) lies 0.2% from the GiB answer and read
+    # "that is GiB"; 4-byte weights kept whole read "compare each factor"
+    hints.append((_zero_bytes(params, n_d, stage) / 1e9 - 2 * params / (n_d if stage >= 2
+                                                                        else 1) / 1e9,
+                  "that leaves out the bf16 gradients (2 bytes per parameter)"
+                  + (f", which stage {stage} partitions too" if stage >= 2 else "")))
+    hints.append((_zero_bytes(params, n_d, stage) / 1e9 + 2 * params / (n_d if stage >= 3
+                                                                        else 1) / 1e9,
+                  "that keeps 4-byte weights; with mixed precision the weights are bf16 (2 "
+                  "bytes), and the fp32 master copy is one of Adam's 12 bytes"))
     adam8 = [8 * params, 2 * params, 2 * params]         # Adam's states less the fp32 master
     hints.append((sum(b / n_d if i < stage else b for i, b in enumerate(adam8)) / 1e9,
                   "that gives Adam 8 bytes per parameter (momentum and variance); mixed "
@@ -297,6 +318,7 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
     2(p-1) a + 2(p-1)/p n / B, with B ONE HCCS link (a ring uses one per direction)."""
     b = 1 / link_bandwidth
     want = 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * b
+    port = get_profile("ascend-910b").inter_node.bandwidth       # only a slip's figure
     _check_number("all-reduce time", seconds, want, "s", [
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / HCCS_TOTAL,
          f"that uses {HCCS_TOTAL / 1e9:g} GB/s, the {HCCS_LINKS} HCCS links added together. A "
@@ -315,6 +337,11 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
         (2 * want, "twice too much: the gradients are bf16, 2 bytes each (14e9 bytes for 7e9)"),
         (2 * (p - 1) * alpha * 1e6 + 2 * (p - 1) / p * nbytes * b,
          f"alpha is {alpha * 1e6:g} us = {alpha:g} s: give every term in seconds"),
+        # print(NPU) shows the RoCE port beside HCCS; at 25 GB/s it read "did you drop the
+        # (p-1)/p factor, or split the 196 GB/s over 8 links?" (2% away)
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / port,
+         f"that uses {port / 1e9:g} GB/s, the port between servers; the {p} NPUs of one "
+         f"server talk over HCCS, and a ring uses one HCCS link per direction"),
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
          "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
     ])

@@ -63,15 +63,26 @@ def check_notation(text) -> None:
     if got == want.replace(" ", ""):
         _ok(want)
         return
-    if any(f"_{name}" in got for name in ("x", "y")):
+    dtype = got.split("[", 1)[0]
+    if got.startswith("TensorSpec("):
+        # the whole repr pasted read "the dtype comes first", as did another dtype
+        msg = ("that is TensorSpec's repr, with the shape; the notation is only the dtype, "
+               "[dims] and {U_...}")
+    elif any(f"_{name}" in got for name in ("x", "y")):
         msg = "mesh22's dims are named dp and tp (x and y were the other mesh's names)"
     elif "{U_" not in got:
         msg = "Partial over dp is written {U_dp} after the brackets (unreduced over dp)"
+    elif dtype and dtype != "bf16" and "[" in got:
+        msg = ("write the dtype's short name, lower case: bf16 for torch.bfloat16"
+               if dtype.lower().removeprefix("torch.") in ("bf16", "bfloat16") else
+               f"{dtype} is not this tensor's dtype: it is torch.bfloat16, short bf16")
     elif not got.startswith("bf16["):
         msg = "the dtype comes first, short: bf16 for torch.bfloat16"
     elif re.search(r"[\[,]\d", got):
         msg = ("name the dims with letters, I for dim 0 and J for dim 1, not with their sizes "
                "(the shape stands apart: TensorSpec's repr prints it first)")
+    elif re.search(r"\[J", got):
+        msg = "the dims come in order: I for dim 0, then J for dim 1"
     elif "J_tp" not in got:
         msg = "Shard(1) on tp subscripts the second dim: J_tp"
     elif "I_" in got:
