@@ -98,3 +98,14 @@ def test_notation_of_another_dtype_or_a_pasted_repr_is_named():
     assert "repr" in msg and "comes first" not in msg
     msg = message(L.check_notation, "bf16[J_tp, I]{U_dp}")
     assert "order" in msg and "compare each part" not in msg
+
+
+def test_training_days_with_the_a100_peak_left_in_peak_does_not_pass(capsys):
+    """01's cell before the exercises sets ``peak = A100.peak("bfloat16")``: a student who
+    reuses ``peak`` gets 7.608 days where 7.583 is due (the 910B's 313 TFLOP/s), 0.3% off,
+    and the 1% tolerance passed it.  Rounded right answers still pass."""
+    msg = message(C.check_training_days, _days(peak=312e12))
+    assert "A100" in msg
+    for rounded in (7.58, 7.6, 7.583):
+        reset_tries()
+        passes(capsys, C.check_training_days, rounded)
