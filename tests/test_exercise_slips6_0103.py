@@ -109,3 +109,25 @@ def test_training_days_with_the_a100_peak_left_in_peak_does_not_pass(capsys):
     for rounded in (7.58, 7.6, 7.583):
         reset_tries()
         passes(capsys, C.check_training_days, rounded)
+
+
+def _ring_all_gather(p, bandwidth, n=64 * 2**20, alpha=3e-6):
+    return (p - 1) * alpha + (p - 1) / p * n / bandwidth
+
+
+def test_allgather_with_the_notebooks_p_of_4_is_named():
+    """03 sets p = 4 in section 1 (the table on 4 ranks); a ring formula that reuses it read
+    only "too low: compare each factor", on either device."""
+    msg = message(L.check_allgather_times, _ring_all_gather(4, 28e9), _ring_all_gather(8, 300e9))
+    assert "p = 4" in msg and "compare each factor" not in msg
+    msg = message(L.check_allgather_times, _ring_all_gather(8, 28e9), _ring_all_gather(4, 300e9))
+    assert "p = 4" in msg and "compare each factor" not in msg
+
+
+def test_allreduce_with_the_notebooks_a100_beta_or_4_mib_n_is_named():
+    """01 sets n = 4 MiB and beta = 1 / 300 GB/s (the A100's NVLink) in section 3; the
+    exercise's formula reusing either read only "too low: compare each factor"."""
+    msg = message(C.check_allreduce_seconds, _ring_all_reduce(300e9))
+    assert "A100" in msg and "compare each factor" not in msg
+    msg = message(C.check_allreduce_seconds, _ring_all_reduce(28e9, n=4 * 2**20))
+    assert "14e9" in msg.replace("1.4e+10", "14e9") and "compare each factor" not in msg

@@ -325,7 +325,8 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
     2(p-1) a + 2(p-1)/p n / B, with B ONE HCCS link (a ring uses one per direction)."""
     b = 1 / link_bandwidth
     want = 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * b
-    port = get_profile("ascend-910b").inter_node.bandwidth       # only a slip's figure
+    port = get_profile("ascend-910b").inter_node.bandwidth       # only slips' figures
+    nvlink = get_profile("a100").intra_node.bandwidth
     _check_number("all-reduce time", seconds, want, "s", [
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / HCCS_TOTAL,
          f"that uses {HCCS_TOTAL / 1e9:g} GB/s, the {HCCS_LINKS} HCCS links added together. A "
@@ -349,6 +350,14 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / port,
          f"that uses {port / 1e9:g} GB/s, the port between servers; the {p} NPUs of one "
          f"server talk over HCCS, and a ring uses one HCCS link per direction"),
+        # 01's section 3 leaves n = 4 MiB and beta = 1 / (the A100's NVLink) in the
+        # notebook: reused, each read only "too low: compare each factor"
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / nvlink,
+         f"that uses {nvlink / 1e9:g} GB/s, the A100's NVLink (the notebook's beta is the "
+         f"A100's); the 910B's ring runs on one HCCS link"),
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * 2**20 * b,
+         f"n is this model's gradients, {nbytes:.3g} bytes (the notebook's n, 4 MiB, was "
+         "section 3's all-reduce)"),
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
          "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
     ])

@@ -256,6 +256,9 @@ def check_allgather_times(t_910b, t_a100, nbytes: int = 64 * 2**20, p: int = 8) 
              "(each rank holds its own chunk already): (p-1) alpha, not p alpha"),
             (p * a + nbytes / bw, f"that counts p steps of n/p; a ring of p ranks takes p-1 "
              "(each rank holds its own chunk already)"),
+            # 03's section 1 leaves p = 4 in the notebook: reused, it read "compare each factor"
+            *([(3 * a + 3 / 4 * nbytes / bw, f"that is a ring of p = 4 (the notebook's p from "
+                f"section 1); the server has {p} devices")] if p != 4 else []),
             ((p - 1) * a + (p - 1) / p * nbytes * 1e6 / 2**20 / bw,
              "did you use MB (1e6 bytes) for MiB (2**20 bytes)?"),
             ((p - 1) * a * 1e6 + (p - 1) / p * nbytes / bw, "alpha is 3 us = 3e-6 s: give "
