@@ -107,3 +107,18 @@ def test_state_bytes_split_over_the_stage_mesh_is_named():
     """Gradients and Adam split over the stage's 4 ranks (dp x tp) instead of dp's 2 got
     only the generic hint."""
     fails("dp group", C.check_hybrid_state_bytes, VALUES * 4 + VALUES * 12 / 4)
+
+
+def test_reveal_keeps_to_the_printed_width(capsys):
+    """reveal printed the expected plan of 06's exercise 4 as one line of 160 characters,
+    which JupyterLab breaks mid-word; the checks' own messages keep to 100."""
+    from workbench.exercises.feedback import reveal
+    from workbench.text_width import WIDTH
+    plan = {"mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel()}
+    message(T.check_tp_mlp_plan, plan)
+    capsys.readouterr()
+    text = reveal("check_tp_mlp_plan")
+    out = capsys.readouterr().out
+    assert "PrepareModuleInput" in out and out == text + "\n"
+    assert all(len(line) <= WIDTH for line in out.splitlines()), out
