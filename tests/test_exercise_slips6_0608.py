@@ -122,3 +122,10 @@ def test_reveal_keeps_to_the_printed_width(capsys):
     out = capsys.readouterr().out
     assert "PrepareModuleInput" in out and out == text + "\n"
     assert all(len(line) <= WIDTH for line in out.splitlines()), out
+
+
+def test_zb_bubble_given_as_the_per_rank_tuple_is_named():
+    """``simulate(...).bubble_time`` (the exercise names it to confirm with) passed whole
+    read "bubble should be a number, got (9.0, 9.0, 9.0, 9.0)"."""
+    from workbench.parallel.schedules import simulate, zb_h1
+    fails("per rank", P.check_zb_bubble, simulate(zb_h1(4, 8), f=2, b=2, w=1).bubble_time)

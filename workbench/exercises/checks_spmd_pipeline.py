@@ -533,6 +533,10 @@ def check_zb_bubble(bubble, p: int = 4, m: int = 8, f: float = 2.0, b: float = 2
     """ZB-H1's idle time per rank with per-micro-batch costs f (forward), b (input
     gradient), w (weight gradient): (p-1)(f + b - w), as the simulator measures it."""
     from ..parallel.schedules import zb_h1
+    if isinstance(bubble, (tuple, list)) and len(bubble) == p:
+        raise CheckError(f"bubble should be one number; {tuple(bubble)!r} holds one idle time "
+                         "per rank (SimulationResult.bubble_time): give the idle time of one "
+                         "rank (under ZB-H1 every rank idles as long)")
     bubble = _number("bubble", bubble)      # a Python or NumPy number (a tensor: .item())
     want = (p - 1) * (f + b - w)            # Qi et al. 2024, sec. 3.1 (w <= f, b)
     if math.isclose(bubble, want, rel_tol=1e-6):
