@@ -129,3 +129,10 @@ def test_zb_bubble_given_as_the_per_rank_tuple_is_named():
     read "bubble should be a number, got (9.0, 9.0, 9.0, 9.0)"."""
     from workbench.parallel.schedules import simulate, zb_h1
     fails("per rank", P.check_zb_bubble, simulate(zb_h1(4, 8), f=2, b=2, w=1).bubble_time)
+
+
+def test_layer_bytes_for_all_96_layers_is_named():
+    """The bytes of GPT-3's 96 layers, where the exercise asks for one, got only "too
+    high: compare each factor with the formula"."""
+    fails("96 layers", C.check_tp_sp_layer_bytes, 96 * TP, 96 * SP)
+    fails("96 layers", C.check_tp_sp_layer_bytes, TP, 96 * SP)

@@ -279,7 +279,8 @@ _BITS = ("8 times too large: that is bits, not bytes (each activation is elem by
 
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
-                            hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
+                            hidden: int = 12288, tp: int = 8, elem: int = 2,
+                            model_layers: int = 96) -> None:
     """Bytes each rank sends per transformer layer per training step, counting Megatron's
     f and g only, as Korthikanti et al. 2022 (sec. 4.2.2) compare them and as notebook
     06's exercise 1 asks: tensor parallel (4 all-reduces of b s h) and tensor + sequence
@@ -287,8 +288,11 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     ring algorithms.  Not counted: the 2 backward re-gathers of the column-parallel inputs
     that Megatron-LM and the course's recipe send on top with sequence parallelism
     (``parallel.ops_table.linear_regather``; PyTorch's DTensor styles send none); an
-    answer that includes them is refused with a hint."""
+    answer that includes them is refused with a hint.  ``model_layers`` (GPT-3's 96) names
+    an answer for the whole model instead of one layer."""
     n = batch * seq * hidden * elem
+    whole_model = (f"that is all {model_layers} layers of the model; the question asks for "
+                   "one layer")
     want_tp = 4 * (2 * (tp - 1) * n // tp)                      # 4 ring all-reduces
     want_sp = 4 * 2 * ((tp - 1) * n // tp)                      # 4 all-gathers + 4 r-scatters
     regathers = 2 * ((tp - 1) * n // tp)        # backward re-gathers: not asked (docstring)
@@ -307,7 +311,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
                           "not a 1/t slice"),
-                         (8 * want_tp, _BITS)] + _other_n(8 * n, tp, 2, "t", "section 1's t"),
+                         (8 * want_tp, _BITS), (model_layers * want_tp, whole_model)]
+            + _other_n(8 * n, tp, 2, "t", "section 1's t"),
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
         raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
@@ -324,7 +329,7 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "holds its own 1/t"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
                           "sends (t-1)/t n, half an all-reduce"),
-                         (8 * want_sp, _BITS)]
+                         (8 * want_sp, _BITS), (model_layers * want_sp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
