@@ -136,3 +136,13 @@ def test_layer_bytes_for_all_96_layers_is_named():
     high: compare each factor with the formula"."""
     fails("96 layers", C.check_tp_sp_layer_bytes, 96 * TP, 96 * SP)
     fails("96 layers", C.check_tp_sp_layer_bytes, TP, 96 * SP)
+
+
+def test_hand_schedule_with_split_backward_is_not_called_slow():
+    """07 ex1 written with B and W (section 4's split), in the best order, was timed with
+    w = 1 on top of b = 1 and read "takes 14 time units ... a faster one exists"."""
+    from workbench.parallel.schedules import Schedule
+    rows = ["F0 F1 B0 W0 F2 B1 W1 B2 W2", "F0 F1 B0 W0 F2 B1 W1 B2 W2",
+            "F0 B0 W0 F1 B1 W1 F2 B2 W2"]
+    msg = message(P.check_hand_schedule, Schedule.from_text(rows))
+    assert "faster" not in msg and "B and W" in msg
