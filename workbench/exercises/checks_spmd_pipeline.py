@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import operator
 
 import torch
 
@@ -34,6 +35,7 @@ from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..text_width import wrap
+from .checks import _number
 from .feedback import CheckError, exercise
 
 __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
@@ -435,7 +437,12 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
         validate(schedule)
     except ScheduleError as e:
         raise CheckError(f"your schedule cannot run: {e}") from None
-    w = 1.0 if schedule.split_backward else None
+    if schedule.split_backward:
+        # timed with w = 1 on top of b = 1 it read "a faster one exists" for the best order
+        raise CheckError("your schedule splits each backward into B and W (section 4); this "
+                         "exercise has one backward per micro-batch, B, as long as a forward "
+                         "(f = b = 1): write F's and B's only")
+    w = None
     got = simulate(schedule, w=w)
     timeline = "\n" + render_text(got).split("\n", 1)[1] + "\n"   # the rows and the bubble
     try:
@@ -458,9 +465,21 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
 # ---- 07 pipelines: how many micro-batches --------------------------------------------------------
 
 def _int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int: a Python, NumPy or torch integer (np.argmax over a table of
+    bubbles gives np.int64); not a bool, not a float (64.0 is said to be one)."""
+    got = _whole_int(value)
+    if got is None:
         raise CheckError(f"{name} should be an int (a number of micro-batches), got {value!r}")
-    return value
+    return got
+
+
+def _whole_int(value):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @exercise
@@ -519,9 +538,11 @@ def check_zb_bubble(bubble, p: int = 4, m: int = 8, f: float = 2.0, b: float = 2
     """ZB-H1's idle time per rank with per-micro-batch costs f (forward), b (input
     gradient), w (weight gradient): (p-1)(f + b - w), as the simulator measures it."""
     from ..parallel.schedules import zb_h1
-    if isinstance(bubble, bool) or not isinstance(bubble, (int, float)) or \
-            not math.isfinite(bubble):
-        raise CheckError(f"bubble should be a number of time units, got {bubble!r}")
+    if isinstance(bubble, (tuple, list)) and len(bubble) == p:
+        raise CheckError(f"bubble should be one number; {tuple(bubble)!r} holds one idle time "
+                         "per rank (SimulationResult.bubble_time): give the idle time of one "
+                         "rank (under ZB-H1 every rank idles as long)")
+    bubble = _number("bubble", bubble)      # a Python or NumPy number (a tensor: .item())
     want = (p - 1) * (f + b - w)            # Qi et al. 2024, sec. 3.1 (w <= f, b)
     if math.isclose(bubble, want, rel_tol=1e-6):
         sim = simulate(zb_h1(p, m), f=f, b=b, w=w)
@@ -537,7 +558,14 @@ def check_zb_bubble(bubble, p: int = 4, m: int = 8, f: float = 2.0, b: float = 2
              ((p - 1) * (f + b - 2 * w), "that is ZB-H2's, (p-1)(f+b-2w), at the price of "
               "2p-1 activations in flight"),
              (p * (f + b - w), "p(f+b-w) counts p gaps: a pipeline of p stages idles "
-              "through p-1 of them")]
+              "through p-1 of them"),
+             (m * (f + b + w) + want, "that is the whole step (its makespan); the bubble is "
+              "the part of it each rank idles"),
+             (100 * want / (m * (f + b + w) + want), "that is the bubble's share of the step "
+              "as a percentage; give the idle time per rank, in the units of f, b, w")]
+    if (f, b, w) != (1, 1, 1):      # section 4's costs in place of the exercise's
+        wrong.append(((p - 1) * (1 + 1 - 1), f"that is with f = b = w = 1, section 4's costs; "
+                      f"the exercise has f={f:g}, b={b:g}, w={w:g}"))
     # with some costs two mistakes give one number (p=4, f=b=2, w=1: (p-1)(f+b) = p(f+b-w)
     # = 12): name every mistake it matches, not only the first
     named = [text for value, text in wrong if math.isclose(bubble, value, rel_tol=1e-6)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 from torch import nn
@@ -37,11 +38,24 @@ __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
            "check_hybrid_groups", "check_hybrid_state_bytes", "check_best_layout"]
 
 
+def _index(value) -> int | None:
+    """``value`` as an int: a Python, NumPy or torch integer (``operator.index``: a 0-d
+    integer tensor read off ``Mesh.mesh``, as off torch's ``DeviceMesh.mesh``, is a rank);
+    None for a bool (or a bool tensor: a mask, not a number), a float or anything else."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _int(name, value, what="an int") -> int:
-    """``value`` as an int (Python or numpy integers; not bools, not floats)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """``value`` as an int (Python, NumPy or torch integers; not bools, not floats)."""
+    got = _index(value)
+    if got is None:
         raise CheckError(f"{name} should be {what}, got {value!r}")
-    return int(value)
+    return got
 
 
 def _ints(name, value, what="ints") -> list[int]:
@@ -49,12 +63,12 @@ def _ints(name, value, what="ints") -> list[int]:
         items = list(value)
     except TypeError:
         raise CheckError(f"{name} should be a list of {what}, got {value!r}") from None
-    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items):
+    if not all(_index(v) is not None for v in items):
         whole = all(isinstance(v, numbers.Real) and not isinstance(v, bool)
                     and float(v).is_integer() for v in items)
         raise CheckError(f"{name} should be a list of {what}, got {value!r}"
                          + (": give each as an int (int(x)), not a float" if whole else ""))
-    return [int(v) for v in items]
+    return [_index(v) for v in items]
 
 
 def _other_n(total, n, nb_n, letter, where) -> list:
@@ -265,7 +279,8 @@ _BITS = ("8 times too large: that is bits, not bytes (each activation is elem by
 
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
-                            hidden: int = 12288, tp: int = 8, elem: int = 2) -> None:
+                            hidden: int = 12288, tp: int = 8, elem: int = 2,
+                            model_layers: int = 96) -> None:
     """Bytes each rank sends per transformer layer per training step, counting Megatron's
     f and g only, as Korthikanti et al. 2022 (sec. 4.2.2) compare them and as notebook
     06's exercise 1 asks: tensor parallel (4 all-reduces of b s h) and tensor + sequence
@@ -273,8 +288,11 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     ring algorithms.  Not counted: the 2 backward re-gathers of the column-parallel inputs
     that Megatron-LM and the course's recipe send on top with sequence parallelism
     (``parallel.ops_table.linear_regather``; PyTorch's DTensor styles send none); an
-    answer that includes them is refused with a hint."""
+    answer that includes them is refused with a hint.  ``model_layers`` (GPT-3's 96) names
+    an answer for the whole model instead of one layer."""
     n = batch * seq * hidden * elem
+    whole_model = (f"that is all {model_layers} layers of the model; the question asks for "
+                   "one layer")
     want_tp = 4 * (2 * (tp - 1) * n // tp)                      # 4 ring all-reduces
     want_sp = 4 * 2 * ((tp - 1) * n // tp)                      # 4 all-gathers + 4 r-scatters
     regathers = 2 * ((tp - 1) * n // tp)        # backward re-gathers: not asked (docstring)
@@ -293,7 +311,8 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
                           "not a 1/t slice"),
-                         (8 * want_tp, _BITS)] + _other_n(8 * n, tp, 2, "t", "section 1's t"),
+                         (8 * want_tp, _BITS), (model_layers * want_tp, whole_model)]
+            + _other_n(8 * n, tp, 2, "t", "section 1's t"),
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
         raise CheckError(f"your TP+SP bytes are {b:.4g}: " + _hint(
@@ -305,9 +324,12 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "reduce-scatters per layer per step, each (t-1)/t n"),
                          (want_sp / t, "the all-gathers and reduce-scatters move (t-1)/t of "
                           "the whole b s h, not of a 1/t slice"),
+                         (8 * n, f"did you drop (t-1)/t? Each all-gather or reduce-scatter "
+                          f"sends (t-1)/t n = {(t - 1) / t:g} n per rank: a rank already "
+                          "holds its own 1/t"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
                           "sends (t-1)/t n, half an all-reduce"),
-                         (8 * want_sp, _BITS)]
+                         (8 * want_sp, _BITS), (model_layers * want_sp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
@@ -620,6 +642,21 @@ def check_hybrid_state_bytes(nbytes, stage: int = 0, zero: int = 2, dp: int = 2,
     wrong.append((whole * per_value, "that counts the whole stage; each rank holds only its "
                   f"tp shard (1/{tp}) of the attention and MLP weights, and copies of the "
                   "rest"))
+    everything = sum(p.numel() for _, p in dist_parameters(model))
+    if pp > 1:
+        wrong.append((everything * per_value, f"that counts the whole model; a rank of stage "
+                      f"{stage} holds only that stage's parameters, and of those its tp shard "
+                      "(p.local(rank) for the parameters on its mesh)"))
+    # the ZeRO-cut parts split over the stage mesh's dp x tp ranks, not over dp alone
+    w_g_o = (4, 4, 8)
+    over_mesh = sum(sum(b * (_chunks(n, dp * tp)[0] if c else n)
+                        for b, c in zip(w_g_o, _ZERO_SPLITS[zero]))
+                    for n in (p.local(rank).numel() for _, p in dist_parameters(model)
+                              if rank in p.mesh.ranks))
+    if zero and tp > 1:
+        wrong.append((over_mesh, f"that splits over the stage's {dp * tp} ranks (dp x tp); "
+                      f"ZeRO splits over the dp group ({dp} ranks): the tp ranks hold "
+                      "different shards, nothing to split between them"))
     wrong.append((want / 4, "that is the number of fp32 values (weights, gradients, Adam's "
                   "m and v), not bytes: each value is 4 B"))
     # a count of bytes is whole: show the answer as given (315.52 must not read "316 B")

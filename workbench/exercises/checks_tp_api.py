@@ -25,7 +25,7 @@ from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..parallel.tp_api import parallelize_module
 from ..parallel.tp_from_torch import from_torch_style, is_torch_style
 from ..parallel.tp_prepare import PrepareModuleInput
-from ..parallel.tp_styles import RowwiseParallel
+from ..parallel.tp_styles import ColwiseParallel, RowwiseParallel
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.trace import trace
 from .checks import _ok
@@ -101,9 +101,24 @@ def _apply(plan, tp: int):
                          "parallelism the residual stream is whole on every rank: "
                          "input_layouts=(Replicate(),). (torch would take each rank's whole "
                          "tensor for a shard and gather a sequence t times too long)")
+    if isinstance(enter, PrepareModuleInput) and enter.desired_input_layouts \
+            and enter.desired_input_layouts[0] not in (None, Replicate()):
+        raise CheckError(f"your PrepareModuleInput hands the MLP its input as "
+                         f"{fmt_placements(enter.desired_input_layouts[:1])}: w1 and w3 would "
+                         "each gather it back, since a column-parallel linear multiplies every "
+                         "token by its weight columns. f hands the block the input as the "
+                         "column-parallel linears need it: check desired_input_layouts")
     for key, style in plan.items():
         if is_torch_style(style):
             style = from_torch_style(style)
+        lin = next((n for n in ("w1", "w3") if _matches(key, f"mlp.{n}")), None)
+        if (isinstance(style, ColwiseParallel) and lin
+                and style.output_layouts[0] not in (Shard(-1), Shard(2))):
+            raise CheckError(f"your ColwiseParallel for {lin} makes its output "
+                             f"{fmt_placements(style.output_layouts)}: that gathers the hidden "
+                             "activation (b s d_ff) on every rank, which w2 splits again. Keep "
+                             "ColwiseParallel's default output_layouts, the hidden features "
+                             "split, as RowwiseParallel takes them")
         if (isinstance(style, RowwiseParallel) and _matches(key, "mlp.w2")
                 and style.input_layouts[0] not in (Shard(-1), Shard(2))):
             raise CheckError(f"your RowwiseParallel for w2 says its input arrives "
@@ -207,9 +222,10 @@ def check_tp_mlp_plan(plan, tp: int = 2, batch: int = 2) -> None:
                          "Megatron's f sends one all-reduce of the input gradient")
     others = [k for k, b in fwd + bwd if b != n]
     if others:
-        raise CheckError(f"besides Megatron's two all-reduces your plan sends {others}: "
-                         "leave the norm out of the plan and let w1/w3 and w2 keep their "
-                         "default layouts")
+        raise CheckError(f"besides Megatron's two all-reduces your plan sends "
+                         f"{', '.join(others)}: let w1, w3 and w2 keep their styles' default "
+                         "layouts" + (", and leave the norm out of the plan"
+                                      if "mlp_norm" in plan else ""))
     share = 2 * (tp - 1) * n // tp
     _ok(f"w1, w3 colwise, w2 rowwise, the input entering once: one all-reduce forward (g) "
         f"and one backward (f), {share:,d} B per rank each, the output and every gradient "

@@ -97,7 +97,7 @@ class _Printed(str):
 
 def reveal(check) -> str:
     """Print (and return) the expected value of ``check``'s exercise, as its last wrong
-    try computed it.  The returned text is a ``str`` that a notebook does not display
+    try computed it, wrapped at ``text_width.WIDTH`` characters.  The returned text is a ``str`` that a notebook does not display
     again as the cell's value (``reveal(...)`` alone in a cell showed it twice)."""
     name = _name(check)
     if name not in _expected:
@@ -105,6 +105,7 @@ def reveal(check) -> str:
                 f"reveal({name!r}) shows what it expects")
     else:
         text = f"{name} expects {_expected[name]}"
+    text = wrap(text)           # at text_width.WIDTH, as the checks' messages
     print(text)
     return _Printed(text)
 
