@@ -1,0 +1,115 @@
+"""Items left by earlier sessions (fixlist7): each test failed before its fix."""
+import pytest
+import torch
+
+import workbench as wb
+
+
+# ---- 1. Hybrid exposes sequence parallelism's ``regather`` ---------------------------------
+
+def _hybrid_sp_step(regather, seq, **kw):
+    """One forward/backward of Hybrid(tp=2, sp=True) on a batch ``seq`` tokens long; the
+    gradients (by name, gathered) and the loss."""
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    from workbench.recipes.hybrid import Hybrid
+
+    cfg = get_config("tiny", vocab_size=128, dropout=0.0, n_layer=1)
+    h = Hybrid(tp=2, sp=True, regather=regather, **kw)
+    h.check(cfg, 2)
+    torch.manual_seed(0)
+    model = h.build_model(cfg, 0)
+    x, y = get_batch(cfg, 2, 0, 0)
+    opts = h.build_optimizer(model, 1e-3, 0.0)
+    loss = h.forward_backward(model, x[:, :seq], y[:, :seq])
+    h.finish_gradient_synchronization(opts)     # the sp norms' partial gradients summed
+    grads = {n: (p.grad.full() if hasattr(p.grad, "full") else p.grad).clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return loss, grads
+
+
+def test_hybrid_regather_false_runs_an_uneven_sequence_the_error_told_to():
+    """A 7-token batch on tp=2 with sp (shards 4, 3): the re-gather refuses uneven shards,
+    and its error told a Hybrid user to 'pass regather=False', which Hybrid did not take
+    (TypeError: unexpected keyword).  Now Hybrid(regather=False) runs it, its gradients
+    equal those of a model that keeps the default on an even batch... held to one device
+    below: the same step on tp=1 (no sp), and the error names Hybrid."""
+    from workbench.recipes.hybrid import Hybrid
+
+    with pytest.raises(ValueError, match=r"^Hybrid\(sp=True, regather=True\): the input "
+                       r"\(2, 7, 64\).*dim 1 \(7\) over tp=2: 4, 3.*make dim 1 a multiple "
+                       r"of 2, or pass regather=False to Hybrid to keep"):
+        _hybrid_sp_step(True, 7)
+    loss, grads = _hybrid_sp_step(False, 7)
+    # one device: the same model and batch with no tp
+    from workbench.models.config import get_config
+    from workbench.models.data import get_batch
+    cfg = get_config("tiny", vocab_size=128, dropout=0.0, n_layer=1)
+    h1 = Hybrid()
+    h1.check(cfg, 2)
+    torch.manual_seed(0)
+    m1 = h1.build_model(cfg, 0)
+    x, y = get_batch(cfg, 2, 0, 0)
+    ref_loss = h1.forward_backward(m1, x[:, :7], y[:, :7])
+    torch.testing.assert_close(torch.as_tensor(float(loss)), torch.as_tensor(float(ref_loss)),
+                               rtol=1e-5, atol=1e-5)
+    ref = {n: (p.grad.full() if hasattr(p.grad, "full") else p.grad)
+           for n, p in m1.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(grads[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_hybrid_regather_default_and_checks():
+    """Same name and default as the layer's; a non-bool, or regather=False without sp,
+    refused by name."""
+    import inspect
+    from workbench.parallel.strategies.tensor_parallel import tensor_parallel_region
+    from workbench.recipes.context_parallel import ContextParallel
+    from workbench.recipes.hybrid import Hybrid
+
+    want = inspect.signature(tensor_parallel_region).parameters["regather"].default
+    assert inspect.signature(Hybrid).parameters["regather"].default is want is True
+    assert Hybrid(tp=2, sp=True).regather is True
+    assert ContextParallel(cp=2, tp=2, sp=True, regather=False).regather is False
+    with pytest.raises(TypeError, match=r"Hybrid\(regather=1\): give True or False"):
+        Hybrid(tp=2, sp=True, regather=1)
+    with pytest.raises(ValueError, match=r"Hybrid\(regather=False\) with sp=False"):
+        Hybrid(tp=2, regather=False)
+
+
+def test_hybrid_regather_false_keeps_the_gathered_input_on_an_even_batch():
+    """On an even batch both settings give the same gradients; regather=False records no
+    backward re-gather, the default records them (Megatron-LM's)."""
+    counts, grads = {}, {}
+    for rg in (True, False):
+        with wb.trace("a100") as tr:
+            _, grads[rg] = _hybrid_sp_step(rg, 8)
+        counts[rg] = sum(e.label == "f: re-gather" for e in tr.events)
+    assert counts[False] == 0 < counts[True]
+    for n in grads[True]:
+        torch.testing.assert_close(grads[False][n], grads[True][n], rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_region_error_names_its_own_entry_point():
+    """Called directly, the layer's error names tensor_parallel_region, whose regather
+    the caller sets (was megatron_f, which the caller never called); megatron_f called
+    directly still names itself."""
+    from workbench.models.gpt import GPTLayer, TP_PLAN
+    from workbench.parallel.strategies.tensor_parallel import (megatron_f,
+                                                               tensor_parallel_region)
+
+    mesh = wb.Mesh.grid((1, 2), ["dp", "tp"])
+    torch.manual_seed(0)
+    layer = GPTLayer(16, 4, dropout=0.0, dtype=torch.float32)
+    wb.parallelize(layer, mesh, TP_PLAN, mesh_dim="tp")
+    for m in (layer.attn, layer.mlp):
+        tensor_parallel_region(m, mesh, "tp", sp=True, seq_dim=0)
+    X = torch.randn(7, 2, 16, generator=torch.Generator().manual_seed(0))
+    x = wb.shard_tensor(X, mesh, [wb.Replicate(), wb.Shard(0)])
+    with pytest.raises(ValueError, match=r"^tensor_parallel_region\(sp=True, regather=True\)"
+                       r".*pass regather=False to tensor_parallel_region to keep"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"^megatron_f\(sp=True, regather=True\)"
+                       r".*pass regather=False to megatron_f to keep"):
+        megatron_f(x, 1, sp=True, seq_dim=0)
