@@ -113,3 +113,118 @@ def test_tensor_parallel_region_error_names_its_own_entry_point():
     with pytest.raises(ValueError, match=r"^megatron_f\(sp=True, regather=True\)"
                        r".*pass regather=False to megatron_f to keep"):
         megatron_f(x, 1, sp=True, seq_dim=0)
+
+
+# ---- 2. fully_shard over DistTensors, then init before the first forward (torchtitan) ----
+
+def _tp_fully_shard():
+    from tests.test_fully_shard import tp_model, wrap_tp_fsdp
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    return wrap_tp_fsdp(tp_model(), mesh), tp_model(), mesh
+
+
+def _init(mod):                 # torchtitan's init_weights habit, through model.apply
+    if isinstance(mod, torch.nn.Linear):
+        torch.nn.init.normal_(mod.weight, std=0.3)
+        if mod.bias is not None:
+            torch.nn.init.zeros_(mod.bias)
+    elif isinstance(mod, torch.nn.Embedding):
+        torch.nn.init.normal_(mod.weight, std=1.0)
+
+
+def _trains_as_one_device(m, ref, mesh, steps=2):
+    """The first forwards' losses and the optimizer's steps: one device's."""
+    from tests.test_audit_tp_fsdp import _loss
+    from tests.test_fully_shard import batches
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for ids, y in batches(k=steps):
+        got, want = _loss(m, mesh, ids, y), _loss(ref, None, ids, y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for o, loss in ((opt, got), (ropt, want)):
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    sd = m.state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(sd[n].full(), p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("how", ["apply", "reset_parameters", "params_copy", "data_copy"])
+def test_init_after_fully_shard_before_the_first_forward_is_one_devices(how):
+    """torchtitan's order: fully_shard, then init, then the optimizer and the first
+    forward.  model.apply(init), reset_parameters (read through the attributes) and
+    p.copy_(t) over named_parameters() already reached the shards; p.data.copy_(t) (t of
+    the module's shape) failed before with torch's broadcasting error ('The size of
+    tensor a (40) must match the size of tensor b (8)'): torch's .data is a plain tensor
+    of the flat chunks' shape, outside the parameter's guards."""
+    from tests.test_fully_shard import tp_model
+    m, ref, mesh = _tp_fully_shard()
+    src = tp_model(3).state_dict()
+    for model in (m, ref):
+        torch.manual_seed(5)
+        if how == "apply":
+            model.apply(_init)
+        elif how == "reset_parameters":
+            for mod in model.modules():
+                if hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
+        elif how == "params_copy":
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(src[n])
+        else:
+            for n, p in model.named_parameters():
+                p.data.copy_(src[n])
+    _trains_as_one_device(m, ref, mesh)
+
+
+def test_random_fill_through_data_raises_instead_of_each_chunk_its_own_draw():
+    """p.data.normal_(0, 0.2) over named_parameters() (Hugging Face's _init_weights
+    habit): before, each dp rank's flat chunk took its own draw, silently (the model
+    then differed from one device's same init by up to 0.95); now it raises as p.normal_
+    does, naming the fix, the values untouched.  nn.init.normal_(p.data) is one device's
+    draw, as nn.init.normal_(p); elementwise writes through .data stay one device's."""
+    m, ref, mesh = _tp_fully_shard()
+    params = dict(m.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    for fill in (lambda t: t.normal_(0.0, 0.2), lambda t: t.uniform_(-0.2, 0.2)):
+        with pytest.raises(RuntimeError, match="in-place init of a parameter after "
+                           "wrapping: .*Initialize the module before wrapping"):
+            with torch.no_grad():
+                fill(params["blocks.0.up.weight"].data)
+    for n, p in params.items():
+        assert torch.equal(p.detach(), before[n]), n
+    for model in (m, ref):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.data.zero_()
+                else:
+                    torch.nn.init.normal_(p.data, std=0.2)
+                p.data.mul_(1.5)
+    _trains_as_one_device(m, ref, mesh)
+
+
+def test_data_of_ddp_rows_keeps_the_guard_too():
+    """The same .data alias on DistributedDataParallel's rows (simulated ranks): a random
+    fill raised through p but drew each row on its own through p.data; now it raises,
+    and p.data.copy_(t) of the module's shape is every row's."""
+    mesh = wb.Mesh.grid(2, ["dp"])
+    torch.manual_seed(0)
+    ddp = wb.DistributedDataParallel(torch.nn.Linear(6, 4), mesh)
+    p = ddp.module.weight
+    with pytest.raises(RuntimeError, match="Initialize the module before wrapping"):
+        with torch.no_grad():
+            p.data.uniform_(-1, 1)
+    t = torch.arange(24.0).reshape(4, 6)
+    p.data.copy_(t)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    ref = torch.nn.Linear(6, 4)
+    with torch.no_grad():
+        ref.weight.copy_(t)
+        ref.bias.copy_(ddp.module.bias.full_tensor())
+    out = ddp(wb.shard_tensor(torch.cat([x, x]), mesh, [wb.Shard(0)]))
+    out = out.full() if isinstance(out, wb.DistTensor) else out
+    torch.testing.assert_close(out[:3], ref(x))
