@@ -228,3 +228,49 @@ def test_data_of_ddp_rows_keeps_the_guard_too():
     out = ddp(wb.shard_tensor(torch.cat([x, x]), mesh, [wb.Shard(0)]))
     out = out.full() if isinstance(out, wb.DistTensor) else out
     torch.testing.assert_close(out[:3], ref(x))
+
+
+# ---- 3. a unit slip's parenthesis is not split by the wrapping ---------------------------
+
+def _shown(err) -> list:
+    import re
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err._render_traceback_())).splitlines()
+
+
+def test_unit_slip_parenthesis_stays_on_one_line():
+    """check_training_days(7583) (days given in... 1,000 times too many) showed "a unit
+    slip? (s, ms, us; B," / "KB, MB, GB): ..." in the notebook; each of _scale_slip's
+    parenthesised unit lists now sits whole on one line, whatever text comes before it,
+    every line within WIDTH and word for word the message."""
+    from workbench.exercises.checks import _scale_slip
+    from workbench.exercises.feedback import CheckError, reset_tries
+    from workbench.text_width import WIDTH
+
+    reset_tries()
+    with pytest.raises(CheckError) as err:
+        wb.exercises.check_training_days(7.583e3)
+    assert any("(s, ms, us; B, KB, MB, GB):" in line for line in _shown(err.value))
+    slips = [_scale_slip(r, 1.0, 1e-6, False) for r in (1e3, 1e-6, 1e9, 2**10, 2**-20)]
+    assert all(slips)
+    for slip in slips:
+        phrase = slip[slip.index("("):slip.index(")") + 2]       # with its ":"
+        for k in range(0, 120, 3):                  # the phrase at every place of a line
+            e = CheckError("your answer " + "ab " * (k // 3) + "is 12 units: " + slip)
+            lines = _shown(e)
+            assert max(map(len, lines)) <= WIDTH
+            assert " ".join(lines).split() == ("Not yet: " + str(e)).split()
+            assert any(phrase in line for line in lines), (k, lines)
+
+
+def test_keep_parens_leaves_a_phrase_longer_than_a_line_to_break():
+    """A parenthesised phrase longer than a continuation line is wrapped at its spaces
+    (its inner phrases kept whole), nothing dropped; without keep_parens nothing changes."""
+    from workbench.text_width import HANG, WIDTH, wrap
+    inner = "(kept as one)"
+    text = "x " * 30 + "(" + "word " * 30 + inner + " " + "word " * 10 + ") end"
+    out = wrap(text, keep_parens=True)
+    assert max(map(len, out.splitlines())) <= WIDTH
+    assert out.split() == text.split()
+    assert any(inner in line for line in out.splitlines())
+    assert wrap(text) == wrap(text, keep_parens=False)
+    assert len("(" + "word " * 30) > WIDTH - HANG        # so it had to break
