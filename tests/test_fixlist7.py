@@ -274,3 +274,41 @@ def test_keep_parens_leaves_a_phrase_longer_than_a_line_to_break():
     assert any(inner in line for line in out.splitlines())
     assert wrap(text) == wrap(text, keep_parens=False)
     assert len("(" + "word " * 30) > WIDTH - HANG        # so it had to break
+
+
+# ---- 5. attention dropout inside cuDNN's fused attention (Megatron-LM's GPT layer) --------
+
+def test_fused_attention_prices_its_dropout_at_the_measured_cudnn_ratio(monkeypatch):
+    """Megatron's GPT layer runs attention dropout 0.1 inside the fused kernel; its
+    time was priced as the dropout-free kernel's.  Now the h100 profile's cuDNN rate is
+    slowed by TransformerEngine #3312's measured 0.614 / 0.594 ms (forward and
+    backward); a kernel without dropout, and the FlashAttention-2 rates (no sm90
+    measurement with dropout), keep theirs."""
+    import dataclasses
+    from workbench.plan import layer_cost as L
+    from workbench.sim_mesh import kernel_cost as K
+    from workbench.sim_mesh.profiles import get_profile
+
+    prof = get_profile("h100")
+    assert prof.measured["attention_backend"] == "cudnn"
+    fa2 = dataclasses.replace(prof, measured=dict(prof.measured, attention_backend="flash"))
+    for backward in (False, True):
+        plain = K.AttentionShape(32, 4096, 128, True, backward)
+        drop = K.AttentionShape(32, 4096, 128, True, backward, True)
+        r0 = K._measured_peak(prof, torch.bfloat16, "attention", 1.0, plain)
+        r1 = K._measured_peak(prof, torch.bfloat16, "attention", 1.0, drop)
+        assert r0 / r1 == pytest.approx(0.614 / 0.594, rel=1e-12)
+        assert K._measured_peak(fa2, torch.bfloat16, "attention", 1.0, plain) == \
+            K._measured_peak(fa2, torch.bfloat16, "attention", 1.0, drop)
+
+    def flash_seconds():
+        L._priced.cache_clear()
+        ops = L.layer_ops(4096, 32, 4096, 1, 1, profile="h100", attention="flash")
+        return {o.name: o.seconds for o in ops if o.name.startswith("flash_attention")}
+    got = flash_seconds()
+    monkeypatch.setattr(K, "CUDNN_DROPOUT_TIME", 1.0)
+    free = flash_seconds()
+    L._priced.cache_clear()
+    assert set(got) == {"flash_attention", "flash_attention_grad"}
+    for name in got:
+        assert got[name] / free[name] == pytest.approx(0.614 / 0.594, rel=1e-3), name
