@@ -425,8 +425,10 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "at the rates measured on an H100 (sim_mesh/measurements): the "
                           "range column goes down to FlashAttention-2's measured rates; "
                           "attention dropout (Megatron-LM's default 0.1, arguments.py:947 at "
-                          "f2e5db402c) not priced inside the fused kernel, whose rates were "
-                          "measured without dropout (UNCERTAIN: no measurement with it)",
+                          "f2e5db402c) inside cuDNN's fused kernel at 1.034x its measured "
+                          "dropout-free time (NVIDIA/TransformerEngine #3312: H200, TE 2.15, "
+                          "sbhd, sequence 1024, forward + backward; UNCERTAIN: one shape, "
+                          "not the rows' TE; the FlashAttention-2 end of the range unpriced)",
          "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "

@@ -38,8 +38,10 @@ class CheckError(AssertionError):
 
     def _render_traceback_(self) -> list:
         """What IPython prints instead of a traceback: the message alone, wrapped at
-        ``text_width.WIDTH`` characters at spaces (JupyterLab would break its words)."""
-        text = wrap(f"Not yet: {self}")
+        ``text_width.WIDTH`` characters at spaces (JupyterLab would break its words), a
+        parenthesised phrase that fits on a line kept whole ("a unit slip? (s, ms, us; B,
+        KB, MB, GB)" broke after "B,")."""
+        text = wrap(f"Not yet: {self}", keep_parens=True)
         return ["\x1b[1;31mNot yet:\x1b[0m" + text[len("Not yet:"):]]
 
 

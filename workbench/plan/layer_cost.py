@@ -127,8 +127,9 @@ def _attention(b, ah, s, d, t, T, h, e, attention):
     if attention == "materialized":
         return _core(b, ah, s, d, t, T, h, e)
     ff, fb, _, _ = _flash(b, ah, s, d, e)
+    # Megatron's GPT layer: attention dropout (0.1 by default) inside the fused kernel
     return [("flash_attention", "attention", ff, fb, 1,
-             _cost.AttentionShape(b * ah, s, d, True, False)),
+             _cost.AttentionShape(b * ah, s, d, True, False, True)),
             ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
@@ -261,7 +262,7 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
         _, _, bf, bb = _flash(b, ah, s, d, e)
         ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
                 ("flash_attention_grad", "attention", bf, bb, 1,
-                 _cost.AttentionShape(b * ah, s, d, True, True))] + qkv_grads
+                 _cost.AttentionShape(b * ah, s, d, True, True, True))] + qkv_grads
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
         return ops + gemms + comm + ln("layernorm_1")
     core = "attention_core_backward"   # the measured rate of these kernels (_core)

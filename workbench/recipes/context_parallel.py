@@ -75,7 +75,7 @@ class ContextParallel(Hybrid):
     name = "context_parallel"
 
     def __init__(self, cp=2, dp=1, tp=1, pp=1, sp=False, zero=0, balanced: bool = True,
-                 distributed: bool = False, **unused):
+                 distributed: bool = False, regather: bool = True, **unused):
         if not _int(cp) or cp < 1:
             raise ValueError(f"ContextParallel(cp={cp!r}): give an int >= 1, the number of "
                              "ranks the sequence is sharded over")
@@ -92,7 +92,8 @@ class ContextParallel(Hybrid):
         if unused:
             raise TypeError(f"ContextParallel: unknown arguments {sorted(unused)}")
         check_world(dp * cp, tp, 1, f"dp={dp}, cp={cp}, tp={tp}")
-        super().__init__(dp=dp, tp=tp, pp=1, sp=sp, zero=zero, distributed=False)
+        super().__init__(dp=dp, tp=tp, pp=1, sp=sp, zero=zero, distributed=False,
+                         regather=regather)
         self.cp, self.balanced, self.distributed = cp, balanced, distributed
         self.meshes = [cp_mesh(dp, cp, tp)]
         if distributed:                 # one rank per process on torch.distributed
@@ -135,7 +136,8 @@ class ContextParallel(Hybrid):
         if self.tp > 1:
             for name in model.tp_regions(self.stages[0]["layers"]):
                 tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
-                                       seq_dim=1)
+                                       seq_dim=1, regather=self.regather,
+                                       origin=type(self).__name__)
         # SP: the norms' gradients are partial sums over tp, summed once per step
         self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
                           if self.sp else []}

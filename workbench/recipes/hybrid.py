@@ -111,20 +111,26 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distributed):
+def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distributed,
+                regather=True):
     """Hybrid's arguments, before any mesh is built (microseconds whatever the values)."""
     for n, v in (("dp", dp), ("tp", tp), ("pp", pp)):
         if not _int(v) or v < 1:
             raise ValueError(f"Hybrid({n}={v!r}): give an int >= 1, the number of ranks "
                              f"along {n} (1: no {n})")
     check_world(dp, tp, pp, f"Hybrid(dp={dp}, tp={tp}, pp={pp})")
-    for n, v in (("sp", sp), ("distributed", distributed)):
+    for n, v in (("sp", sp), ("distributed", distributed), ("regather", regather)):
         if not isinstance(v, bool):
             raise TypeError(f"Hybrid({n}={v!r}): give True or False")
     if sp and tp == 1:
         raise ValueError("Hybrid: sp=True needs tp > 1: sequence parallelism shards the "
                          "tensor-parallel region's norms and dropouts over tp; add tp=2 or "
                          "leave sp False")
+    if not regather and not sp:
+        raise ValueError("Hybrid(regather=False) with sp=False: regather says what sequence "
+                         "parallelism's linears keep for backward (the sequence shard, "
+                         "gathered again, or the gathered input); add sp=True (and tp > 1) "
+                         "or leave regather True")
     if not _int(zero) or zero not in (0, 1, 2, 3):
         raise ValueError(f"Hybrid(zero={zero!r}): give the ZeRO stage, 0 (plain data "
                          "parallel), 1, 2 or 3")
@@ -155,9 +161,10 @@ class Hybrid:
 
     def __init__(self, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b",
                  microbatches=None, virtual=None, distributed: bool = False,
-                 stage_sizes=None, ep=1, ep_chunks=1):
+                 stage_sizes=None, ep=1, ep_chunks=1, regather: bool = True):
         _check_args(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
-                    microbatches=microbatches, virtual=virtual, distributed=distributed)
+                    microbatches=microbatches, virtual=virtual, distributed=distributed,
+                    regather=regather)
         # expert parallelism (recipes/moe.py): ep ranks carved out of dp x ep data-parallel
         # ranks; self.dp is the dense layers' data-parallel size, self.edp the experts'
         check_ep(ep, ep_chunks, zero, sp)
@@ -170,6 +177,10 @@ class Hybrid:
         if ep > 1:
             check_world(dp, tp, pp, f"Hybrid(dp={self.edp}, ep={ep}, tp={tp}, pp={pp})")
         self.dp, self.tp, self.pp, self.sp, self.zero = dp, tp, pp, sp, zero
+        # sp: the column-parallel linears keep the sequence shard and all-gather it again
+        # in backward (Megatron-LM), or keep the gathered input (regather=False, as
+        # PyTorch's DTensor): tensor_parallel.megatron_f's ``regather``
+        self.regather = regather
         self.schedule_name = schedule
         self.v = virtual or (2 if schedule in ("interleaved", "zb-v") else 1)
         self._m = microbatches
@@ -277,7 +288,8 @@ class Hybrid:
             if self.tp > 1:
                 for name in model.tp_regions(stage["layers"]):
                     tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
-                                           seq_dim=1)
+                                           seq_dim=1, regather=self.regather,
+                                           origin=type(self).__name__)
                 keep_residual_layout(model, stage["layers"])     # MoE layers (recipes/moe.py)
             # SP: norm gradients summed over tp once per step, as Megatron-LM does
             # (ZeRO-3 shards them instead: there they keep the per-micro-batch all-reduce)
@@ -298,7 +310,9 @@ class Hybrid:
                 # gradient; plan.costs.head_cost prices Megatron's)
                 ax = mesh.dim("tp")
                 model.get_submodule("norm").register_forward_hook(
-                    lambda mod, args, out, ax=ax: megatron_f(out, ax, True, seq_dim=1))
+                    lambda mod, args, out, ax=ax: megatron_f(
+                        out, ax, True, seq_dim=1, regather=self.regather,
+                        origin=type(self).__name__))
         if getattr(cfg, "tie_embeddings", False) and len(self.stages) == 1 \
                 and hasattr(model, "lm_head") and self._own(self._mesh_of(0)):
             # one stage: ``stage_forward`` reads the tied head from the embedding's table,

@@ -24,6 +24,20 @@ class AttentionShape(NamedTuple):
     head_dim: int
     causal: bool
     backward: bool
+    dropout: bool = False   # attention dropout inside the kernel (CUDNN_DROPOUT_TIME)
+
+
+# cuDNN's fused attention with attention dropout 0.1 against without: forward + backward
+# through Transformer Engine's DotProductAttention (the FusedAttention backend forced,
+# qkv_format "sbhd" as Megatron-LM runs it), bf16, 4 sequences x 1024 tokens, 16 heads,
+# head dim 128, median of 50 iterations: 0.594 ms at p = 0.0, 0.614 ms at p = 0.1 on an
+# H200 (sm90, the H100's SM; TE 2.15.0): NVIDIA/TransformerEngine issue #3312 (table,
+# "H200 (sm90) | 2.15.0 | sbhd"), also quoted in PR #3313.  One ratio for the forward and
+# the backward (only their sum was measured).  UNCERTAIN: one shape (sequence 1024, the
+# rows' is 4096), TE 2.15 (a 2024 run's cuDNN and TE were not measured); the measured
+# FlashAttention-2 rates (the range's slow end) get no factor: no sm90 measurement of
+# FA2 with dropout was found (PR #3313: FA2 1.05x with p = 0.1 on a GB200, sm100)
+CUDNN_DROPOUT_TIME = 0.614 / 0.594
 
 
 _MEASURED_GEMM = {"bfloat16", "float16", "float8"}
@@ -43,8 +57,10 @@ def _measured_peak(profile, dtype, op_class, flops, gemm):
     from . import measured as _m
     scale = _m.scales(profile)[0]      # a sibling card's factor (1: the measured card)
     if op_class == "attention" and isinstance(gemm, AttentionShape):
-        return scale * _m.attention_rate(ms["file"], ms["attention_backend"], gemm.bh,
-                                         gemm.seq, gemm.head_dim, gemm.causal, gemm.backward)
+        backend = ms["attention_backend"]
+        slow = CUDNN_DROPOUT_TIME if gemm.dropout and backend == "cudnn" else 1.0
+        return scale * _m.attention_rate(ms["file"], backend, gemm.bh, gemm.seq,
+                                         gemm.head_dim, gemm.causal, gemm.backward) / slow
     if op_class != "matmul" or gemm is None or isinstance(gemm, AttentionShape):
         return None
     name = dtype_name(dtype)

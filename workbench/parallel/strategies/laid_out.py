@@ -12,7 +12,9 @@ values; FSDP cuts the module's values), so these parameters are a subclass of
 methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``...; the
 ``nn.init`` functions torch lets a subclass override; ``torch.eye(out=...)``) and passes
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
-``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.
+``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
+keeps these guards (:class:`_LaidOutData`: torch's ``.data`` is a plain tensor, which
+drew each rank's chunk on its own).
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -50,6 +52,7 @@ __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "
 
 _T = torch.Tensor
 _DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
+_DATA_GET = _T.data.__get__     # ``p.data``: an alias that keeps the guards (_data_alias)
 _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
             _T.log_normal_, _T.geometric_, _T.random_, init.uniform_, init.normal_,
             init.kaiming_uniform_}
@@ -80,13 +83,13 @@ class LaidOutParameter(nn.Parameter):
             target = args[0] if args else kwargs.get("tensor")
         elif func is torch.eye:
             target = kwargs.get("out")
-        if func is init.normal_ and isinstance(target, LaidOutParameter) and \
+        if func is init.normal_ and isinstance(target, _LAID_OUT) and \
                 getattr(target, "_wb_store", None) is not None:
-            before_write(target)
+            before_write(_owner(target))
             out = _one_draw(func, target, args, kwargs)
-            after_write(target)         # every row the draw (DDP): what is seen now
+            after_write(_owner(target))     # every row the draw (DDP): what is seen now
             return out
-        if isinstance(target, LaidOutParameter):
+        if isinstance(target, _LAID_OUT):
             raise RuntimeError(
                 f"in-place init of a parameter after wrapping: {target._wb_layout}, so "
                 f"{getattr(func, '__name__', func)} would not give one device's values (each "
@@ -94,9 +97,9 @@ class LaidOutParameter(nn.Parameter):
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
-        written = isinstance(p, LaidOutParameter) and _in_place(func)
+        written = isinstance(p, _LAID_OUT) and _in_place(func)
         if written:
-            before_write(p)             # a write through one row's handle first (DDP)
+            before_write(_owner(p))     # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
         try:
             with torch._C.DisableTorchFunctionSubclass():
@@ -108,12 +111,48 @@ class LaidOutParameter(nn.Parameter):
                 raise
             raise RuntimeError(f"{e}  ({note})") from None
         if written:
-            after_write(p)              # the rows now, written alike: what is seen (DDP)
+            after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
+        if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
+            return _data_alias(args[0], out)
         if func == _DATA_SET and args and isinstance(args[0], LaidOutParameter):
             after = getattr(args[0], "_wb_on_data_set", None)   # p.data = t: new storage
             if after is not None:       # (fsdp_dist_views: the module's view follows it)
                 after()
         return out
+
+
+class _LaidOutData(torch.Tensor):
+    """``p.data`` of a :class:`LaidOutParameter`: the same storage (a plain tensor's
+    class, as torch's ``.data``), under the same guards.  torch's ``.data`` escaped them:
+    ``p.data.normal_(0, 0.02)`` (Hugging Face's ``_init_weights``) drew each rank's row
+    or chunk on its own, silently (FSDP: not one device's values), and ``p.data.copy_(t)``
+    of the module's shape failed with a broadcasting error naming the storage's shape.
+    Here they do what ``p``'s own do: ``normal_`` raises naming the fix, ``t`` is laid
+    out as ``p``, ``nn.init.normal_(p.data)`` is one device's draw."""
+
+    __torch_function__ = LaidOutParameter.__torch_function__
+
+
+_LAID_OUT = (LaidOutParameter, _LaidOutData)
+_ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
+          "_wb_src", "_wb_view_note")
+
+
+def _data_alias(p, plain):
+    """``p.data`` (``plain``, torch's) as a :class:`_LaidOutData` carrying ``p``'s layout
+    (read now: a later ``p.data = t`` gives the next alias the new one)."""
+    alias = torch.Tensor._make_subclass(_LaidOutData, plain, False)
+    for k in _ATTRS:
+        if hasattr(p, k):
+            setattr(alias, k, getattr(p, k))
+    alias._wb_param = p
+    return alias
+
+
+def _owner(t):
+    """The parameter a write through ``t`` (it, or its ``.data`` alias) is a write into:
+    the replicas' checks (:mod:`.replica_writes`) keep their records by parameter."""
+    return getattr(t, "_wb_param", t)
 
 
 def _one_draw(func, p, args, kwargs):

@@ -53,13 +53,15 @@ __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_paral
 
 
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
-               regather: bool = True) -> DistTensor:
+               regather: bool = True, *, origin: str = "megatron_f") -> DistTensor:
     """Enter a tp region: each tp rank its own copy of ``x`` (sp: the whole sequence).
 
     Under sp the linears reading the gathered copy keep ``x``'s sequence shard for their
     weight gradient and all-gather it again in backward, as Megatron-LM does
     (``ops_table.linear_regather``); ``regather=False`` keeps the gathered copy instead
     (2 s b h per rank where the shard is 2 s b h / t; no all-gather in backward).
+    ``origin``: the entry point whose ``regather`` argument the uneven-shard error tells
+    the user to set (``tensor_parallel_region``, ``Hybrid``... name themselves).
 
     ``x`` is first brought to the layout f starts from on tp: Replicate, or Shard(seq_dim)
     under sp. Any other (a Partial, or a shard the op table's cost chose, e.g. the
@@ -75,7 +77,7 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     shard = loc
     if sp and regather and torch.is_grad_enabled() and not _B.is_distributed(mesh) \
             and ops_for(loc) is not Stacked:
-        raise _uneven_regather(x, tp_axis, seq_dim)
+        raise _uneven_regather(x, tp_axis, seq_dim, origin)
     if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
         if sp:      # S(seq_dim) on tp -> every rank the whole sequence
             loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
@@ -97,11 +99,12 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     return DistTensor(loc, mesh, ps, x.shape, x.dtype)
 
 
-def _uneven_regather(x, tp_axis: int, seq_dim: int) -> ValueError:
+def _uneven_regather(x, tp_axis: int, seq_dim: int, origin: str) -> ValueError:
     """The error for a re-gather over uneven shards: the simulator holds them as one
     tensor per rank (``Cells``), where the re-gathering linear (which keeps ONE shard per
     gathered input) has no place to keep them; it would keep the whole gathered input
-    instead, silently undoing what ``regather=True`` asks for."""
+    instead, silently undoing what ``regather=True`` asks for.  ``origin``: where the
+    user sets ``regather`` (megatron_f's own argument, or the entry point that called it)."""
     from ...sim_mesh.grid import chunk_bounds
     mesh, uneven, fix = x.mesh, [], []
     for i, p in enumerate(x.placements):
@@ -113,12 +116,12 @@ def _uneven_regather(x, tp_axis: int, seq_dim: int) -> ValueError:
                               f"{', '.join(map(str, sizes))}")
                 fix.append(f"dim {p.dim} a multiple of {n}")
     return ValueError(
-        f"megatron_f(sp=True, regather=True): the input {tuple(x.shape)} laid out "
+        f"{origin}(sp=True, regather=True): the input {tuple(x.shape)} laid out "
         f"{[str(p) for p in x.placements]} on mesh {dict(zip(mesh.dim_names, mesh.shape))} "
         f"has uneven shards ({'; '.join(uneven)}), which the re-gather of the sequence "
         f"shard in backward does not support; make {' and '.join(fix) or 'the shards even'}"
-        f", or pass regather=False to keep the gathered input (2 s b h per rank, no "
-        f"all-gather in backward)")
+        f", or pass regather=False to {origin} to keep the gathered input (2 s b h per "
+        f"rank, no all-gather in backward)")
 
 
 def _regathered(loc, shard, mesh, axis: int, seq_dim: int, blocking: bool):
@@ -206,9 +209,10 @@ def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) 
 
 
 def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int = 1,
-                           regather: bool = True):
+                           regather: bool = True, *, origin: str = "tensor_parallel_region"):
     """Put f before ``module`` (on its first argument) and g after it; returns the hooks.
-    ``regather`` (sp only): :func:`megatron_f`'s."""
+    ``regather`` (sp only): :func:`megatron_f`'s; ``origin``: the entry point named by
+    its uneven-shard error (a recipe calling this names itself)."""
     ax = mesh.dim(tp)
     if not isinstance(regather, bool):
         raise TypeError(f"regather={regather!r}: give True (keep the sequence shard and "
@@ -217,7 +221,7 @@ def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int
 
     def f(mod, args):
         x, *rest = args
-        return (megatron_f(x, ax, sp, seq_dim, regather), *rest)
+        return (megatron_f(x, ax, sp, seq_dim, regather, origin=origin), *rest)
 
     def g(mod, args, out):
         return megatron_g(out, ax, sp, seq_dim)
