@@ -212,8 +212,10 @@ class MoE(nn.Module):
         aux = torch.cat([p[2].reshape(-1) for p in parts])
         return {"tokens_per_expert": torch.bincount(e, minlength=self.num_experts),
                 "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
-                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef if aux.numel()
-                else 0.0}
+                # the mean in the loss's own precision, at least float32 (a float64
+                # model's in float64)
+                "aux_loss": float(aux.to(torch.promote_types(aux.dtype, torch.float32))
+                                  .mean()) * self.aux_loss_coef if aux.numel() else 0.0}
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -58,6 +58,12 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int
     Switch: "expert capacity = tokens per batch / experts x capacity factor"), at most
     ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops).
     At least 1 (a group of no tokens has empty buffers of one slot)."""
+    _int("capacity", "tokens", tokens, 0)
+    _int("capacity", "num_experts", num_experts, 1)
+    _int("capacity", "k", k, 1)
+    if k > num_experts:
+        raise ValueError(f"capacity: k={k} > num_experts={num_experts}: a token picks k "
+                         f"distinct experts; lower k to at most {num_experts} or add experts")
     if factor is None:
         return max(1, tokens)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) \

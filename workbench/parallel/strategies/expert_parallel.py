@@ -61,10 +61,16 @@ __all__ = ["ExpertParallel", "expert_parallel", "expert_mesh", "check_expert_par
 def expert_mesh(mesh: Mesh, ep: int, dp: str = "dp") -> Mesh:
     """The ``(edp, ep, rest...)`` view of ``mesh``'s ranks whose dim ``dp`` holds
     edp x ep ranks: rank i along dp is (i // ep, i % ep)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert_mesh: ep={ep!r}; give an int >= 1, the ranks the experts "
+                         "are split over (1: none)")
     d = mesh.dim(dp)
     n = mesh.shape[d]
     if n % ep:
-        raise ValueError(f"ep={ep} does not divide the {n} data-parallel ranks of the mesh")
+        divisors = [i for i in range(1, n + 1) if n % i == 0]
+        raise ValueError(f"expert_mesh: ep={ep} does not divide the {n} data-parallel ranks "
+                         f"of the mesh (dim {dp!r}); the ep group is carved out of them: use "
+                         f"ep in {divisors}, or a mesh whose {dp!r} dim is a multiple of {ep}")
     ranks = torch.tensor(mesh.ranks).reshape(mesh.shape).movedim(d, 0)
     ranks = ranks.reshape(n // ep, ep, *ranks.shape[1:])
     names = [x for i, x in enumerate(mesh.dim_names) if i != d]

@@ -2,8 +2,8 @@
 chunked and overlapped (the CANN article's fused all-to-all with expert compute;
 DeepSpeed-TED, Singh et al. 2023; Tutel, Hwang et al. 2023).
 
-``record_layer`` puts one layer on a trace, per ep group: the count exchange, then the
-dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
+``record_layer`` puts one layer on a trace, per ep group: the count exchange (forward
+only), then the dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
 tokens is the straggler the combine waits for), the combine all-to-all.  With ``chunks``
 n > 1 the exchange runs in n pieces as a two-stage pipeline: the dispatch of piece c+1
 and the combine of piece c-1 on the comm stream while the experts compute piece c.
@@ -74,12 +74,23 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
     ``per_expert``: weights a token multiplies (2 FLOPs each); ``w_bytes``: a rank's expert
     weights, read once per piece; ``gemms``: kernels per expert (SwiGLU 3, GeLU MLP 2).
     Not priced: the permutation's gathers and scatters (memory-bound copies of the
-    tokens, small beside the GEMMs)."""
+    tokens, small beside the GEMMs).
+
+    The counts go first in the forward only: each rank's E int64 row counts per expert
+    (the dispatcher's ``per_expert``, which the distributed path sends; Megatron-LM
+    gathers the same ``num_local_tokens_per_expert`` before its all-to-all, NVIDIA/
+    Megatron-LM d98e8a64dd megatron/core/transformer/moe/token_dispatcher.py:543-575).
+    The backward exchanges reuse the forward's split sizes, reversed, and send no counts
+    (Megatron-LM's ``_AllToAll.backward``, megatron/core/tensor_parallel/mappings.py:
+    469-480; torch's ``all_to_all_single`` autograd likewise)."""
     mult = 2 if phase == "backward" else 1
+    item = torch.empty((), dtype=dtype).element_size()
     for g, matrix, got in plan:
         p = len(g)
-        C.record_collective("all_to_all", None, None, 8 * p, f"EP counts ({phase})",
-                            groups=[g])
+        if phase != "backward":
+            experts = p * max(1, w_bytes // max(1, per_expert * item))    # E = ep x local
+            C.record_collective("all_to_all", None, None, 8 * experts,
+                                f"EP counts ({phase})", groups=[g])
         piece = [[b // chunks for b in row] for row in matrix]
         back = [list(r) for r in zip(*piece)]
         comp = []
