@@ -13,7 +13,8 @@ the papers, in float64 (outputs and every gradient, the router's included, to 1e
 * expert parallelism over dp, over dp x tp, several experts per rank: the same numbers,
   and the all-to-alls carrying exactly the rows that kept a slot (dispatch and combine,
   forward and backward), the per-expert counts exchanged once, in the forward;
-* bad arguments refused naming the value and the fix, inputs untouched.
+* bad arguments refused naming the value and the fix, inputs untouched;
+* the planner's all-to-all bytes and activations held to the dry run with a capacity.
 
 Every random configuration is drawn from a seeded ``random.Random``."""
 import math
@@ -295,3 +296,39 @@ def test_bad_moe_arguments_are_refused_and_leave_the_inputs_untouched():
         assert type(p) is torch.nn.Parameter and torch.equal(p, before[n]), n
     assert m.token_dispatcher is None
     torch.testing.assert_close(m(x), m(x))           # and it still runs
+
+
+# ---- the planner and the dry run ------------------------------------------------------------
+
+@pytest.mark.parametrize("k,cf,lay", [(2, 1.25, dict(dp=2, ep=2, global_batch=2)),
+                                      (1, 2.0, dict(dp=4, ep=2, global_batch=4)),
+                                      (2, 0.5, dict(dp=4, ep=4, global_batch=4))])
+def test_planner_all_to_all_bytes_and_activations_are_the_dry_runs_with_a_capacity(k, cf,
+                                                                                   lay):
+    """With a capacity factor c > 1 the planner padded every expert to c k T / E rows
+    (``moe_pad_expert_input_to_capacity``, off by default in Megatron-Core); the runtime
+    sends and computes the rows that kept a slot, k T under balanced routing: the
+    estimate's all-to-all bytes were 1.25x the dry run's at c = 1.25 (10,485,760 against
+    8,388,608 per layer) and 2x at c = 2 (activations 0.94x and 0.82x of it)."""
+    from workbench.plan import Cluster, Layout, dry_run, estimate
+    from workbench.plan.ep_cp import layer_detail
+    cfg = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
+                     d_ff=2816, seq_len=1024, moe_experts=8, moe_topk=k,
+                     moe_capacity_factor=cf)
+    lay = Layout(**lay)
+    cl = Cluster("a100", lay.world)
+    dr = dry_run(cfg, lay, cl)
+    est = estimate(cfg, lay.replace(framework="workbench"), cl, attention="flash")
+    sent = sum(sum(b for j, b in enumerate(ev.args["send_bytes"][0]) if j)
+               for ev in dr.trace.events
+               if (ev.label or "").startswith(("EP dispatch", "EP combine")) and 0 in ev.ranks)
+    planned = layer_detail(cfg, lay.replace(framework="workbench"), cl.profile, "flash")
+    assert planned["a2a_count"] == 4                          # dispatch, combine; fwd, bwd
+    assert sent == cfg.n_layer * planned["a2a_bytes"]
+    # activations: the planner's count plus the un-permute's R h buffer it does not count
+    # (tests/test_dryrun_ep_cp.py's _moe_rows_surplus), R = min(c, 1) k T rows
+    T = cfg.seq_len * lay.micro_batch
+    extra = 2 * min(cf, 1.0) * k * T * cfg.d_model * cfg.n_layer
+    assert dr.memory["activations"] == pytest.approx(est.memory["activations"] + extra,
+                                                     rel=0.05)
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
