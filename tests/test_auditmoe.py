@@ -302,7 +302,7 @@ def test_bad_moe_arguments_are_refused_and_leave_the_inputs_untouched():
 
 @pytest.mark.parametrize("k,cf,lay", [(2, 1.25, dict(dp=2, ep=2, global_batch=2)),
                                       (1, 2.0, dict(dp=4, ep=2, global_batch=4)),
-                                      (2, 0.5, dict(dp=4, ep=4, global_batch=4))])
+                                      (2, 0.5, dict(dp=4, ep=4, global_batch=4, zero=1))])
 def test_planner_all_to_all_bytes_and_activations_are_the_dry_runs_with_a_capacity(k, cf,
                                                                                    lay):
     """With a capacity factor c > 1 the planner padded every expert to c k T / E rows
@@ -332,3 +332,7 @@ def test_planner_all_to_all_bytes_and_activations_are_the_dry_runs_with_a_capaci
     assert dr.memory["activations"] == pytest.approx(est.memory["activations"] + extra,
                                                      rel=0.05)
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
+    # the experts' states per rank (E / ep experts, ZeRO-1 over the expert-data-parallel
+    # ranks) beside the dense ones: exactly the planner's
+    for key in ("params", "grads", "optimizer"):
+        assert dr.memory[key] == est.memory[key], key

@@ -25,9 +25,9 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
 * shared experts (DeepSeek-V3, Liu et al. 2024, eq. 12; DeepSeekMoE, Dai et al. 2024):
   ``moe_shared_experts`` n_s always-on experts, run as one dense MLP of n_s d_ff.
 
-**The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; GShard's l_aux),
-per sequence, averaged over the batch: alpha E sum_i f_i P_i with alpha =
-``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
+**The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; with k > 1 every
+choice counted in f_i, as Megatron-LM's, not GShard's first choices only), per sequence,
+averaged over the batch: alpha E sum_i f_i P_i with alpha = ``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
 each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
 ``wb.ops.attach_aux_loss`` (Megatron-LM's ``MoEAuxLossAutoScaler``), so that
 ``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
