@@ -27,8 +27,8 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
 
 **The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; with k > 1 every
 choice counted in f_i, as Megatron-LM's, not GShard's first choices only), per sequence,
-averaged over the batch: alpha E sum_i f_i P_i with alpha = ``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
-each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
+averaged over the batch: alpha E sum_i f_i P_i with alpha = ``moe_aux_loss_coef``.  It
+is part of the training objective through its gradient: each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
 ``wb.ops.attach_aux_loss`` (Megatron-LM's ``MoEAuxLossAutoScaler``), so that
 ``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
 the loss (one device, every parallel recipe, every pipeline schedule), while the
