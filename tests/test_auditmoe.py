@@ -336,3 +336,38 @@ def test_planner_all_to_all_bytes_and_activations_are_the_dry_runs_with_a_capaci
     # ranks) beside the dense ones: exactly the planner's
     for key in ("params", "grads", "optimizer"):
         assert dr.memory[key] == est.memory[key], key
+
+
+@pytest.mark.parametrize("chunks", [3, 4])
+def test_chunked_exchange_sends_every_routed_row_once(chunks):
+    """With ``chunks`` n the clock's pieces were each matrix entry's bytes // n and each
+    rank's rows // n: rows the router kept went missing from the trace when n did not
+    divide them (and the pieces carried fractions of a row).  The pieces now split each
+    entry's rows as evenly as whole rows go, and add up to what was routed; the experts'
+    FLOPs likewise."""
+    c = dict(arch="llama", E=4, k=2, gating="softmax", cf=None, norm=True, alpha=0.0,
+             shared=0, B=2, S=7)
+    m, x, gy = _layer(c, 11)
+    _, _, _, _, routes = _reference_grads(m, c, x, gy)
+    mesh = wb.Mesh.grid((2, 1), ["dp", "tp"])
+    m.token_dispatcher = expert_parallel(m.experts, expert_mesh(mesh, 2), chunks)
+    parallelize(m, mesh, {})
+    with wb.trace() as tr:
+        y = m(wb.shard_tensor(x, mesh, [Sh(0), R]).requires_grad_())
+        (y * wb.shard_tensor(gy, mesh, [Sh(0), R])).sum().backward()
+    sent = [[0, 0], [0, 0]]                       # rows sequence b's rank sends each rank
+    for b, _, _, e, kept in routes:
+        sent[b][e // 2] += kept
+    assert any(n % chunks for row in sent for n in row)          # the case at stake
+    per_expert = 3 * 8 * 12                                       # SwiGLU: 3 h d_ff
+    for phase, mult in (("forward", 1), ("backward", 2)):
+        for label, want in (("dispatch", sent), ("combine", [list(r) for r in zip(*sent)])):
+            evs = [ev for ev in tr.events if ev.label == f"EP {label} ({phase})"]
+            assert len(evs) == chunks
+            total = [[sum(ev.args["send_bytes"][i][j] for ev in evs) for j in range(2)]
+                     for i in range(2)]
+            assert total == [[8 * 8 * n for n in row] for row in want], (phase, label)
+            for ev in evs:                         # whole rows in every piece
+                assert all(b % 64 == 0 for row in ev.args["send_bytes"] for b in row)
+        flops = sum(ev.flops for ev in tr.events if ev.name == f"experts {phase}")
+        assert flops == mult * 2 * per_expert * c["B"] * c["S"] * c["k"]
