@@ -78,19 +78,18 @@ def reference(x, router_weight, P, arch, E, k, gating, cf, normalize):
     return torch.stack(ys), torch.stack(auxes), routes
 
 
-def _draw(seed, layouts=None):
+def _draw(seed, lay=None):
     """One seeded configuration: arch, E, k, gating, capacity factor, gate normalisation,
-    alpha, shared experts, batch and sequence length (and an EP layout)."""
+    alpha, shared experts, batch and sequence length; ``lay`` (edp, ep, tp): E a multiple
+    of ep (one to three experts per rank) and whole sequences per rank."""
     rnd = random.Random(seed)
-    lay = rnd.choice(layouts) if layouts else (1, 1, 1)
-    per = lay[1]
-    E = per * rnd.choice([1, 2, 3]) if layouts else rnd.choice([2, 3, 4, 6])
-    E = max(E, 2)
-    return dict(lay=lay, arch=rnd.choice(["llama", "gpt"]), E=E, k=rnd.randint(1, min(E, 3)),
+    edp, ep, _ = lay or (1, 1, 1)
+    E = max(2, ep * rnd.choice([1, 2, 3])) if lay else rnd.choice([2, 3, 4, 6])
+    return dict(arch=rnd.choice(["llama", "gpt"]), E=E, k=rnd.randint(1, min(E, 3)),
                 gating=rnd.choice(["softmax", "sigmoid"]),
                 cf=rnd.choice([None, 0.5, 1.0, 1.25]), norm=rnd.choice([True, False]),
                 alpha=rnd.choice([0.0, 0.01, 0.5]), shared=rnd.choice([0, 1]),
-                B=lay[0] * lay[1] * rnd.randint(1, 2), S=rnd.randint(1, 7))
+                B=edp * ep * rnd.randint(1, 2), S=rnd.randint(2, 8))
 
 
 def _layer(c, seed):
@@ -202,8 +201,9 @@ def test_micro_batches_with_aux_loss_scale_give_the_whole_batchs_gradients(m_mic
 LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1)]   # (edp, ep, tp)
 
 
-@pytest.mark.parametrize("seed", range(100, 108))
-def test_expert_parallel_is_the_reference_and_sends_the_routed_rows(seed):
+@pytest.mark.parametrize("seed,lay", [(100 + i, lay) for i, lay in enumerate(LAYOUTS)] +
+                         [(121, (1, 4, 1)), (137, (1, 2, 2))])     # capacity 0.5: drops
+def test_expert_parallel_is_the_reference_and_sends_the_routed_rows(seed, lay):
     """Every layout of ``LAYOUTS`` (ep over dp, ep x tp, several experts per rank): output
     and gradients in float64; each all-to-all's matrix of bytes per (source, destination)
     is the rows that kept a slot (dropped ones are not sent), the combine its transpose,
@@ -211,10 +211,11 @@ def test_expert_parallel_is_the_reference_and_sends_the_routed_rows(seed):
     only.  The simulated dispatcher recorded a second count exchange in the backward
     (which reuses the forward's split sizes: Megatron-LM's ``_AllToAll.backward``, torch's
     ``all_to_all_single`` autograd), and its counts as p int64 instead of E."""
-    c = _draw(seed, LAYOUTS)
-    edp, ep, tp = c["lay"]
+    c = _draw(seed, lay)
+    edp, ep, tp = lay
     m, x, gy = _layer(c, seed)
     want_y, want_gx, want, _, routes = _reference_grads(m, c, x, gy)
+    assert c["cf"] != 0.5 or not all(r[4] for r in routes)      # drops where meant
     mesh = wb.Mesh.grid((edp * ep, tp), ["dp", "tp"])
     m.token_dispatcher = expert_parallel(m.experts, expert_mesh(mesh, ep))
     parallelize(m, mesh, {})
