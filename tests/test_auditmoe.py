@@ -176,6 +176,26 @@ def test_switch_top1_aux_loss_and_its_gradient_by_hand():
     assert W.grad.abs().max() > 1e-3
 
 
+def test_softmax_then_top_k_renormalised_is_mixtrals_softmax_over_the_top_k_logits():
+    """The code's claim (ops/moe.py): p = softmax(logits), the k largest renormalised, equals
+    Mixtral's G(x) = softmax(TopK(x W_g)) (Jiang et al. 2024, sec. 2.1), gradients included;
+    without renormalisation the gates are the k probabilities themselves (Switch eq. 2)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 6, generator=g, dtype=F64)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    w, e, _, _ = router_topk(a, 2)
+    top, idx = b.topk(2, -1)
+    ref = torch.softmax(top, -1)
+    assert torch.equal(e, idx)
+    _close(w, ref, "gates")
+    gw = torch.randn(w.shape, generator=g, dtype=F64)
+    (w * gw).sum().backward()
+    (ref * gw).sum().backward()
+    _close(a.grad, b.grad, "d logits")
+    w1, e1, _, _ = router_topk(logits, 2, normalize=False)
+    _close(w1, torch.softmax(logits, -1).gather(-1, e1), "Switch's p_i")
+
+
 @pytest.mark.parametrize("m_micro", [2, 3])
 def test_micro_batches_with_aux_loss_scale_give_the_whole_batchs_gradients(m_micro):
     """``aux_loss_scale = 1/m`` on m micro-batches whose losses are averaged: the sum of
