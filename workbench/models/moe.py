@@ -25,10 +25,10 @@ Per block (``ModelConfig`` fields ``moe_*``), on x (B, S, h):
 * shared experts (DeepSeek-V3, Liu et al. 2024, eq. 12; DeepSeekMoE, Dai et al. 2024):
   ``moe_shared_experts`` n_s always-on experts, run as one dense MLP of n_s d_ff.
 
-**The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; GShard's l_aux),
-per sequence, averaged over the batch: alpha E sum_i f_i P_i with alpha =
-``moe_aux_loss_coef``.  It is part of the training objective through its gradient:
-each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
+**The auxiliary load-balancing loss** (Switch, Fedus et al. 2021, eq. 4; with k > 1 every
+choice counted in f_i, as Megatron-LM's, not GShard's first choices only), per sequence,
+averaged over the batch: alpha E sum_i f_i P_i with alpha = ``moe_aux_loss_coef``.  It
+is part of the training objective through its gradient: each layer attaches alpha x (mean of its sequences' aux) to its gate weights with
 ``wb.ops.attach_aux_loss`` (Megatron-LM's ``MoEAuxLossAutoScaler``), so that
 ``loss.backward()`` trains on ``lm loss + sum over MoE layers of alpha aux`` whatever runs
 the loss (one device, every parallel recipe, every pipeline schedule), while the
@@ -212,8 +212,10 @@ class MoE(nn.Module):
         aux = torch.cat([p[2].reshape(-1) for p in parts])
         return {"tokens_per_expert": torch.bincount(e, minlength=self.num_experts),
                 "dropped": int((slot < 0).sum()), "routed": e.numel(), "capacity": C,
-                "aux_loss": float(aux.float().mean()) * self.aux_loss_coef if aux.numel()
-                else 0.0}
+                # the mean in the loss's own precision, at least float32 (a float64
+                # model's in float64)
+                "aux_loss": float(aux.to(torch.promote_types(aux.dtype, torch.float32))
+                                  .mean()) * self.aux_loss_coef if aux.numel() else 0.0}
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

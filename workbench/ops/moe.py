@@ -22,8 +22,11 @@ sequence do not depend on how the batch is split over ranks or micro-batches.
   before any second choice.  With ``capacity`` C an expert takes at most C per group;
   the rest are dropped (they add nothing: the residual carries the token).
   ``aux``: the load-balancing loss per group, the Switch Transformer's form (Fedus et al.
-  2021, eq. 4-6; GShard's l_aux): E * sum_i f_i P_i with f_i the fraction of the group's
-  S k assignments routed to expert i (counted before dropping; not differentiable) and
+  2021, eq. 4-6): E * sum_i f_i P_i with f_i the fraction of the group's S k assignments
+  routed to expert i (counted before dropping; not differentiable; for k > 1 every choice
+  counts, as Megatron-LM's ``switch_load_balancing_loss_func``, NVIDIA/Megatron-LM
+  d98e8a64dd megatron/core/transformer/moe/moe_utils.py:63-87, where GShard's l_aux,
+  Algorithm 1, counts first choices only) and
   P_i the mean over the group's tokens of the router's probability of i (softmax p;
   sigmoid: s normalised over all experts, DeepSeek-V3 eqs. 17-20).  It is 1 when the
   routing is perfectly uniform.
@@ -58,6 +61,12 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int
     Switch: "expert capacity = tokens per batch / experts x capacity factor"), at most
     ``tokens`` (a token picks an expert once); ``factor=None``: ``tokens`` (no drops).
     At least 1 (a group of no tokens has empty buffers of one slot)."""
+    _int("capacity", "tokens", tokens, 0)
+    _int("capacity", "num_experts", num_experts, 1)
+    _int("capacity", "k", k, 1)
+    if k > num_experts:
+        raise ValueError(f"capacity: k={k} > num_experts={num_experts}: a token picks k "
+                         f"distinct experts; lower k to at most {num_experts} or add experts")
     if factor is None:
         return max(1, tokens)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) \

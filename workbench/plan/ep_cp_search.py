@@ -51,7 +51,8 @@ def assumptions(model, lay) -> tuple:
     moe = M.moe_of(model)
     if moe is not None:
         cap = ("dropless" if moe.capacity_factor is None else
-               f"capacity factor {moe.capacity_factor:g}, experts padded to capacity")
+               f"capacity factor {moe.capacity_factor:g}: the rows over capacity dropped, "
+               f"none padded (Megatron-Core's default)")
         out += [f"MoE: routing perfectly balanced over the {moe.experts} experts ({cap}); "
                 f"real routers are not (plan/moe_cost.py)",
                 "MoE: the all-to-all dispatch and combine are not overlapped with the "

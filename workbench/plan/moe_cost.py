@@ -16,7 +16,8 @@ as the dense layers are (``--expert-tensor-parallel-size`` defaults to the TP si
 with TP, sequence parallelism is required (Megatron-LM ``arguments.py``: "When using
 MoE and tensor parallelism, sequence parallelism must be used").  On one rank, with
 T_n tokens entering the block (s b / (cp tp)), R = c k T_n routed rows and M = c k T
-rows through its experts after the TP all-gather (T = s b / cp):
+rows through its experts after the TP all-gather (T = s b / cp; c = min(1, capacity
+factor), below):
 
     router GEMM (T_n x h x E), softmax / top-k, permute (R rows of h)
     all-to-all dispatch over ep:    R h bytes-per-element per rank
@@ -29,9 +30,13 @@ rows through its experts after the TP all-gather (T = s b / cp):
 Each all-to-all moves (ep - 1) / ep of its buffer off the rank (``cost.wire_bytes``; the
 pairwise exchange of GShard, Lepikhin et al. 2020 sec. 3.2, and DeepSpeed-MoE,
 Rajbhandari et al. 2022 sec. 5): T_n k h e (ep - 1) / ep bytes per direction,
-dispatch and combine forward, their gradients backward.  The capacity factor c pads
-each expert's rows to c k T / E (Megatron-LM's ``--moe-pad-expert-input-to-capacity``);
-None is dropless, c = 1 on average.  ASSUMPTIONS (stated in every estimate's
+dispatch and combine forward, their gradients backward.  A capacity factor c caps each
+expert at c k T / E rows and drops the rest, without padding to it (Megatron-Core's
+default, ``moe_pad_expert_input_to_capacity=False``: NVIDIA/Megatron-LM d98e8a64dd
+megatron/core/transformer/transformer_config.py:917-921; the runtime's dispatcher sends
+the rows that kept a slot, ``parallel.strategies.expert_parallel``), so under balanced
+routing an expert takes min(c, 1) k T / E rows: ``MoE.c`` = min(c, 1), 1 when dropless
+(None).  ASSUMPTIONS (stated in every estimate's
 assumptions): routing perfectly balanced (the load-balancing loss's aim; real routers
 are not: notebook 14 shows by how much) and the all-to-alls not overlapped with the
 experts (Megatron-LM's default; ``--overlap-moe-expert-parallel-comm`` came later).
@@ -65,9 +70,10 @@ class MoE:
 
     @property
     def c(self) -> float:
-        """Rows per routed token-slot each expert processes: the capacity factor (padded),
-        1 when dropless."""
-        return 1.0 if self.capacity_factor is None else float(self.capacity_factor)
+        """Rows per routed token-slot each expert processes under balanced routing: min(c,
+        1) for a capacity factor c (the rows over capacity dropped, none padded: module
+        docstring), 1 when dropless."""
+        return 1.0 if self.capacity_factor is None else min(1.0, float(self.capacity_factor))
 
 
 def moe_of(cfg) -> "MoE | None":

@@ -43,7 +43,7 @@ else:
         """``ModelConfig`` with the MoE fields the planner reads (module docstring)."""
         moe_experts: int = 0                    # routed experts E (0: dense)
         moe_topk: int = 2                       # experts per token k
-        moe_capacity_factor: float | None = None  # rows per expert c k T / E; None: dropless
+        moe_capacity_factor: float | None = None  # at most c k T / E rows an expert; None: dropless
         moe_shared_experts: int = 0             # experts every token runs (DeepSeekMoE)
         moe_d_ff: int | None = None             # one expert's SwiGLU width (None: d_ff)
 

@@ -61,10 +61,16 @@ __all__ = ["ExpertParallel", "expert_parallel", "expert_mesh", "check_expert_par
 def expert_mesh(mesh: Mesh, ep: int, dp: str = "dp") -> Mesh:
     """The ``(edp, ep, rest...)`` view of ``mesh``'s ranks whose dim ``dp`` holds
     edp x ep ranks: rank i along dp is (i // ep, i % ep)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert_mesh: ep={ep!r}; give an int >= 1, the ranks the experts "
+                         "are split over (1: none)")
     d = mesh.dim(dp)
     n = mesh.shape[d]
     if n % ep:
-        raise ValueError(f"ep={ep} does not divide the {n} data-parallel ranks of the mesh")
+        divisors = [i for i in range(1, n + 1) if n % i == 0]
+        raise ValueError(f"expert_mesh: ep={ep} does not divide the {n} data-parallel ranks "
+                         f"of the mesh (dim {dp!r}); the ep group is carved out of them: use "
+                         f"ep in {divisors}, or a mesh whose {dp!r} dim is a multiple of {ep}")
     ranks = torch.tensor(mesh.ranks).reshape(mesh.shape).movedim(d, 0)
     ranks = ranks.reshape(n // ep, ep, *ranks.shape[1:])
     names = [x for i, x in enumerate(mesh.dim_names) if i != d]
@@ -223,9 +229,14 @@ class ExpertParallel:
 
     def _distributed(self, x, w, e, s, module, params, E):
         """One process: its tokens out and back by torch.distributed's all_to_all_single
-        with split sizes, after an all-to-all of its per-expert counts (Megatron-LM's
-        ``tokens_per_expert`` exchange); the collectives block, so nothing overlaps."""
-        import torch.distributed as dist
+        with split sizes, after its per-expert counts are gathered (Megatron-LM gathers
+        ``num_local_tokens_per_expert`` over the ep group before its all-to-all: NVIDIA/
+        Megatron-LM d98e8a64dd megatron/core/transformer/moe/token_dispatcher.py:570-575);
+        the collectives block, so nothing overlaps.  The counts are gathered over every
+        dim of the expert mesh, not the ep group alone, so that each process's modeled
+        clock records every group's exchange and expert GEMMs as the simulator does
+        (``_record``); the gathers themselves are the clock's bookkeeping, not on it (the
+        trace has the count exchange of each ep group, 8 E bytes, as the simulator's)."""
         self._check_input(x)
         lx, lw, le, ls = (t._local for t in (x, w, e, s))
         B, S, h = lx.shape[-3:]
@@ -233,25 +244,42 @@ class ExpertParallel:
         xs, ws = lx.reshape(B * S, h), lw.reshape(B * S, -1)
         rows, assign, per_dest, per_expert = self._permute(
             xs, le.reshape(B * S, -1), ls.reshape(B * S, -1), E)
-        pg, g = _B.group(self.mesh, self.ax)
+        every = self._all_counts(per_expert)          # (*expert mesh shape, E)
+        coord = _B.coordinate(self.mesh)
+        _, g = _B.group(self.mesh, self.ax)
         me, El = g.index(_B.rank()), E // self.ep
-        mine = torch.tensor(per_expert, dtype=torch.int64)      # (ep x El) by destination
-        got = torch.empty_like(mine)
-        dist.all_to_all_single(got, mine, group=pg)             # counts first: (source, El)
-        C.record_collective("all_to_all", self.mesh, self.ax, 8 * E, "EP counts (forward)",
-                            groups=[g])
+
+        def counts_of(j):                             # ep rank j of my group's E counts
+            c = list(coord)
+            c[self.ax] = j
+            return every[tuple(c)].tolist()
         counts = [[0] * E for _ in g]                # source j's counts, at my experts' slots
-        for j, c in enumerate(got.view(len(g), El).tolist()):
-            counts[j][me * El:(me + 1) * El] = c
-        recv = C.all_to_all_v(list(rows.split(per_dest)), self.mesh, self.ax,
-                              label="EP dispatch (forward)",
+        for j in range(len(g)):
+            counts[j][me * El:(me + 1) * El] = counts_of(j)[me * El:(me + 1) * El]
+        recv = C.all_to_all_v(list(rows.split(per_dest)), self.mesh, self.ax, record=False,
                               recv_rows=[sum(c) for c in counts])
         pr = {n: p._local.reshape(p._local.shape[self.mesh.ndim:]) for n, p in params.items()}
         outs = self._experts_on(module, pr, recv, counts, me, E)
-        back = C.all_to_all_v(outs, self.mesh, self.ax, label="EP combine (forward)",
-                              recv_rows=per_dest)
+        back = C.all_to_all_v(outs, self.mesh, self.ax, record=False, recv_rows=per_dest)
         y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
+        # every group's send rows, as the simulator's ``last_send_rows`` (tp copies: index 0)
+        send_rows = {}
+        for a in range(self.mesh.shape[0]):
+            per_rank = every[a].reshape(self.ep, -1, E)[:, 0]          # (ep, E), tp index 0
+            send_rows[a] = per_rank.view(self.ep, self.ep, El).sum(-1).tolist()
+        self.last_send_rows = send_rows
+        y = self._record(y, send_rows, module, x)
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
+
+    def _all_counts(self, per_expert):
+        """Every rank's per-expert row counts, gathered dim by dim over the expert mesh:
+        an int64 tensor of shape (*mesh.shape, E)."""
+        t = torch.tensor(per_expert, dtype=torch.int64)
+        for ax in reversed(range(self.mesh.ndim)):
+            pg, g = _B.group(self.mesh, ax)
+            t = _B._all_gather(t.unsqueeze(0), pg, len(g), 0) if len(g) > 1 else \
+                t.unsqueeze(0)
+        return t
 
     # ---- the clock -------------------------------------------------------------------------
     def _record(self, y, send_rows, module, x):

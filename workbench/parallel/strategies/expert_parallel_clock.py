@@ -2,8 +2,8 @@
 chunked and overlapped (the CANN article's fused all-to-all with expert compute;
 DeepSpeed-TED, Singh et al. 2023; Tutel, Hwang et al. 2023).
 
-``record_layer`` puts one layer on a trace, per ep group: the count exchange, then the
-dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
+``record_layer`` puts one layer on a trace, per ep group: the count exchange (forward
+only), then the dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
 tokens is the straggler the combine waits for), the combine all-to-all.  With ``chunks``
 n > 1 the exchange runs in n pieces as a two-stage pipeline: the dispatch of piece c+1
 and the combine of piece c-1 on the comm stream while the experts compute piece c.
@@ -74,39 +74,66 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
     ``per_expert``: weights a token multiplies (2 FLOPs each); ``w_bytes``: a rank's expert
     weights, read once per piece; ``gemms``: kernels per expert (SwiGLU 3, GeLU MLP 2).
     Not priced: the permutation's gathers and scatters (memory-bound copies of the
-    tokens, small beside the GEMMs)."""
+    tokens, small beside the GEMMs).
+
+    The counts go first in the forward only: each rank's E int64 row counts per expert
+    (the dispatcher's ``per_expert``, which the distributed path sends; Megatron-LM
+    gathers the same ``num_local_tokens_per_expert`` before its all-to-all, NVIDIA/
+    Megatron-LM d98e8a64dd megatron/core/transformer/moe/token_dispatcher.py:543-575).
+    The backward exchanges reuse the forward's split sizes, reversed, and send no counts
+    (Megatron-LM's ``_AllToAll.backward``, megatron/core/tensor_parallel/mappings.py:
+    469-480; torch's ``all_to_all_single`` autograd likewise)."""
     mult = 2 if phase == "backward" else 1
+    item = torch.empty((), dtype=dtype).element_size()
     for g, matrix, got in plan:
         p = len(g)
-        C.record_collective("all_to_all", None, None, 8 * p, f"EP counts ({phase})",
-                            groups=[g])
-        piece = [[b // chunks for b in row] for row in matrix]
-        back = [list(r) for r in zip(*piece)]
-        comp = []
-        for r, n in enumerate(got):
-            flops = mult * 2 * n * per_expert // chunks
-            nbytes = w_bytes + 2 * n * row_bytes // chunks
-            comp.append((flops, nbytes, _experts_time(flops, nbytes, n // chunks, per_expert,
-                                                      w_bytes, row_bytes, dtype, gemms,
-                                                      mult, tr.profile)))
+        if phase != "backward":
+            experts = p * max(1, w_bytes // max(1, per_expert * item))    # E = ep x local
+            C.record_collective("all_to_all", None, None, 8 * experts,
+                                f"EP counts ({phase})", groups=[g])
+        # each entry's rows split over the pieces as evenly as whole rows go (its bytes
+        # when they are not whole rows), so that the pieces add up to what was routed
+        pieces = [[[_share(b, row_bytes, c, chunks) for b in row] for row in matrix]
+                  for c in range(chunks)]
+        comp = []                               # comp[c][r]: rank r's experts on piece c
+        for c in range(chunks):
+            comp.append([])
+            for n in got:
+                rows = n * (c + 1) // chunks - n * c // chunks
+                flops = mult * 2 * rows * per_expert
+                nbytes = w_bytes + 2 * rows * row_bytes
+                comp[c].append((flops, nbytes, _experts_time(
+                    flops, nbytes, rows, per_expert, w_bytes, row_bytes, dtype, gemms, mult,
+                    tr.profile)))
         ov = chunks > 1
-        nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=ov)
+        nxt = C.record_all_to_all_v(pieces[0], g, f"EP dispatch ({phase})", overlap=ov)
         combines = []
         for c in range(chunks):
             h_now = nxt
             if c + 1 < chunks:                  # next piece's dispatch beside this compute
-                nxt = C.record_all_to_all_v(piece, g, f"EP dispatch ({phase})", overlap=True)
+                nxt = C.record_all_to_all_v(pieces[c + 1], g, f"EP dispatch ({phase})",
+                                            overlap=True)
             if h_now is not None and ov:
                 tr.wait(h_now)
-            for r, (flops, nbytes, dur) in zip(g, comp):
+            for r, (flops, nbytes, dur) in zip(g, comp[c]):
                 tr.record_compute([r], f"experts {phase}", dur, flops=flops, bytes=nbytes,
                                   label=f"chunk {c + 1}/{chunks}",
                                   args={"op_class": "matmul", "phase": phase})
+            back = [list(r) for r in zip(*pieces[c])]
             combines.append(C.record_all_to_all_v(back, g, f"EP combine ({phase})",
                                                   overlap=ov))
         for hc in combines:
             if hc is not None and ov:
                 tr.wait(hc)
+
+
+def _share(nbytes: int, row_bytes: int, c: int, chunks: int) -> int:
+    """Bytes of piece c of ``chunks`` of an exchange of ``nbytes``: whole rows, split as
+    evenly as they go (the first pieces one row fewer), or the bytes themselves when they
+    are not whole rows; the pieces add up to ``nbytes``."""
+    unit = row_bytes if row_bytes > 0 and nbytes % row_bytes == 0 else 1
+    n = nbytes // unit
+    return unit * (n * (c + 1) // chunks - n * c // chunks)
 
 
 def exchange_report(rows, row_bytes: int, per_expert: int, experts_per_rank: int,
