@@ -116,3 +116,31 @@ def test_train_records_still_count_every_step():
     with h.measure_activations():
         h.forward_backward(model, x, y)
     assert rows[0]["activation_bytes"] == rows[1]["activation_bytes"] == h.last_activation_bytes
+
+
+def test_saved_counter_and_the_shared_rule_differ_where_its_docstring_says():
+    """plan.meta_run.SavedCounter uses the shared layout rule (memory._ranks_splitting)
+    but not saved_activation_bytes itself; two of the documented reasons, measured."""
+    from workbench.parallel.strategies.memory import saved_activation_bytes
+    mesh = wb.Mesh.grid(2, ["dp"])
+    # a local kernel flattened the lead dims: the shared rule raises, the counter splits
+    # the storage over the mesh's ranks
+    x = torch.randn(2, 4, 8, requires_grad=True)          # (mesh, B, h)
+
+    def flat():
+        return x.reshape(8, 8).exp().sum()                 # exp keeps its (8, 8) output
+    with pytest.raises(ValueError, match="no lead axes matching the mesh"):
+        saved_activation_bytes(flat, lead_dims=1, mesh=mesh)
+    with meta_run.SavedCounter(mesh, [x]).counting() as c:
+        flat()
+    assert c.bytes == 8 * 8 * 4 // 2
+    # a stacked view (1, B, S) of a plain (B, S) batch whose B equals the mesh size: the
+    # shared rule reads the base first (B taken for ranks), the counter the view itself
+    tok = torch.randn(2, 64, requires_grad=True)
+
+    def view():
+        return tok.unsqueeze(0).sin().sum()                # sin keeps its input
+    _, rep = saved_activation_bytes(view, lead_dims=1, mesh=mesh)
+    with meta_run.SavedCounter(mesh).counting() as c:
+        view()
+    assert rep.bytes == 2 * 64 * 4 // 2 and c.bytes == 2 * 64 * 4
