@@ -193,7 +193,7 @@ class _NoTrace:
 
 def _measuring(strategy):
     """The activations a step keeps, counted for its record (``Hybrid.measure_activations``;
-    off outside ``train``: the count costs a quarter of a step on the simulator)."""
+    off outside ``train``: the count costs a third of a step on the simulator)."""
     measure = getattr(strategy, "measure_activations", None)
     return measure() if measure is not None else contextlib.nullcontext()
 
