@@ -21,7 +21,7 @@ Three measurements, each printed beside plain torch:
      against ``torch.cat``, ``all_reduce`` and ``reduce_scatter`` as above.
 
 3. **Microseconds per dispatched op** (``--only ops``; the simulator's overhead, task
-   "simperf"): four workloads, each timed per call and divided by the number of
+   "simperf"): five workloads, each timed per call and divided by the number of
    DistTensor ops it dispatches (counted once, untimed, by watching
    ``workbench.parallel.dispatch.dispatch`` with ``sys.setprofile``; ``wb.reshard``
    calls counted as ops too).  The floor is the same computation in plain torch on one
@@ -34,7 +34,9 @@ Three measurements, each printed beside plain torch:
      [Replicate(), Replicate()] (two all-gathers);
    * ``GPT fwd+bwd Hybrid``: ``Hybrid(dp=2, tp=2).forward_backward`` of the ``gpt-tiny``
      model on a batch of 4 (one device: the same model's ``model(x, y)`` and backward);
-   * ``... under wb.trace``: the same step inside ``wb.trace()`` (events and the clock).
+   * ``... under wb.trace``: the same step inside ``wb.trace()`` (events and the clock);
+   * ``... + measure_activations()``: and the activations it keeps counted
+     (``Hybrid.measure_activations``, what ``wb.train`` runs each step for its records).
 
    This part has no target: it is the figure to watch when the dispatcher changes.
    Compare two versions on the same machine back to back (``--timer cpu`` on a loaded
@@ -320,11 +322,16 @@ def ops_cases():
     def gpt_traced():
         with wb.trace():
             return gpt()
+
+    def gpt_measured():
+        with wb.trace(), st.measure_activations():
+            return gpt()
     torch.testing.assert_close(gpt(), gpt_plain(), rtol=1e-5, atol=1e-5)
     return [("elementwise 2x2 (8x16)", lambda: ew(x, y), lambda: ew(X, Y)),
             ("matmul + reshard 2x2", mm, mm_plain),
             ("GPT fwd+bwd Hybrid(dp2,tp2)", gpt, gpt_plain),
-            ("  ... under wb.trace()", gpt_traced, gpt_plain)]
+            ("  ... under wb.trace()", gpt_traced, gpt_plain),
+            ("  ... + measure_activations()", gpt_measured, gpt_plain)]
 
 
 def run_ops(args) -> int:

@@ -155,7 +155,7 @@ def test_step_report_counts_activations_per_rank():
         strategy.check(cfg, BATCH)
         model = strategy.build_model(cfg, 0)
         opt = strategy.build_optimizer(model, LR, 0.0)
-        with wb.trace() as tr:
+        with wb.trace() as tr, strategy.measure_activations():
             strategy.forward_backward(model, x, y)
         return strategy.step_report(tr, opt)["activation_bytes"]
 

@@ -24,6 +24,7 @@ masks are keyed by (step, call) (:mod:`workbench.sim_mesh.rng`), so they are too
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -155,7 +156,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
             inputs, targets = get_batch(cfg, batch_size, seed, step)         # (B, S) each
             # dropout masks keyed by (this step, the call): the same for every layout
             key = int(torch.randint(0, 2**62, ()))
-            with _step_trace(strategy) as tr, rng.keyed(key):
+            with _step_trace(strategy) as tr, rng.keyed(key), _measuring(strategy):
                 loss = strategy.forward_backward(model, inputs, targets)
                 strategy.optimizer_step(optimizer)
             rec = {"step": step, "loss": float(loss), "tokens": (step + 1) * inputs.numel(),
@@ -188,6 +189,13 @@ class _NoTrace:
 
     def __exit__(self, *exc):
         return False
+
+
+def _measuring(strategy):
+    """The activations a step keeps, counted for its record (``Hybrid.measure_activations``;
+    off outside ``train``: the count costs a third of a step on the simulator)."""
+    measure = getattr(strategy, "measure_activations", None)
+    return measure() if measure is not None else contextlib.nullcontext()
 
 
 def _step_trace(strategy):

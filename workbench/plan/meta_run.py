@@ -35,6 +35,7 @@ from ..models import op_sac
 from ..parallel.dist_tensor import DistTensor, shard_tensor
 from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
+from ..parallel.strategies.memory import _ranks_splitting
 
 __all__ = ["SavedCounter", "run_stage"]
 
@@ -83,9 +84,36 @@ class SavedCounter:
 
     A stacked tensor of shape (*mesh, *local) holds ``numel(local)`` elements per rank
     on the lead dims that vary (stride-0 or size-1 ones are a copy every rank holds
-    whole); a tensor whose lead dims do not match the mesh (a local kernel that
-    flattened them, (L * B, ...)) holds mesh-size ranks' worth.  ``params``: tensors
-    resident anyway (the parameters, and the model's buffers), never counted."""
+    whole): the layout rule of ``parallel.strategies.memory.saved_activation_bytes``,
+    the same function (``_ranks_splitting``).  ``params``: tensors resident anyway (the
+    parameters, and the model's buffers), never counted.
+
+    Why not ``saved_activation_bytes`` itself (task simperf2, measured per saved tensor
+    on the dry runs of tiny dp2 tp2, tp2 sp, tp2 full, dp2 selective, cp2, cp2 tp2 full
+    and gpt-tiny dp2 tp2, micro-batch 2: 166 of 231 tensors counted alike, 61 raise
+    there, 4 differ).  Using it raised in three CP / full-recompute dry runs and moved a
+    plan-vs-dry-run row to 1.124x (task simperf); it differs:
+
+    * a saved tensor whose lead dims a local kernel flattened ((L * B, ...): the CPU
+      flash kernel's output and logsumexp, cross-entropy's (B * S, V) log-softmax, the
+      loss) matches no mesh layout: it RAISES there (2 to 6 per run above); here its
+      storage is split over every rank (mesh-size ranks' worth, an ASSUMPTION: the
+      flattened rows keep each rank's rows apart, as a batch-leading flatten does);
+    * a storage that copies another (``_Provenance``: the broadcast copies the simulator
+      makes of a stacked tensor, which a device never makes; 1 to 9 per run) is counted
+      once, in its source's layout, and not at all when the source is a parameter; it
+      counts the copy's own layout (3 of the 4 that differ: a RoPE table's per-rank
+      gather, half the bytes) or raises on a flattened copy, and it counted the
+      simulator's weight copies as activations (commit 1431019, with the flattened dims
+      taken for ranks: tiny dp 2 gave 1,564,756 B where one rank keeps 2,854,938);
+    * a view is read in its own layout first, its storage's first tensor second; it
+      reads the view's ``_base`` first, whose lead dim can equal the mesh size by chance:
+      cp 2, the (B=2, S) token batch under its (1, B, S) stacked view, 512 B per rank
+      there where each rank holds the whole 1,024;
+    * on the meta device (every dry run) it counts nothing (it skips meta tensors, and
+      keys storages by data_ptr, 0 for each of them); this keys the storage object;
+    * checkpointed regions' inputs and selective checkpointing's saved outputs are not
+      saved tensors: only this counter's ``counting`` sees them."""
 
     def __init__(self, mesh, params=()):
         self.shape = tuple(mesh.shape)
@@ -96,12 +124,10 @@ class SavedCounter:
         self.prov = _Provenance()
 
     def _per_rank(self, t) -> int | None:
-        nd = len(self.shape)
-        if t.dim() < nd or any(t.shape[i] not in (1, n) and t.stride(i) != 0
-                               for i, n in enumerate(self.shape)):
-            return None
-        ranks = math.prod(n for n, s in zip(t.shape[:nd], t.stride()[:nd]) if s != 0)
-        return t.untyped_storage().nbytes() // max(1, ranks)
+        """Bytes of ``t``'s storage one rank holds, by the shared layout rule; None if
+        ``t`` has no lead axes matching the mesh."""
+        ranks = _ranks_splitting(t, self.shape)
+        return None if ranks is None else t.untyped_storage().nbytes() // max(1, ranks)
 
     def add(self, t) -> None:
         t = getattr(t, "_local", t)

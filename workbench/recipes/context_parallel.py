@@ -51,7 +51,7 @@ from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
                                                    tensor_parallel_region)
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
-from .hybrid import ONE_BUFFER, Hybrid
+from .hybrid import _FAILED_STEP, ONE_BUFFER, Hybrid
 from .moe import keep_sequence_order
 
 __all__ = ["ContextParallel", "cp_mesh"]
@@ -229,6 +229,7 @@ class ContextParallel(Hybrid):
         return out.index_select(1, inv.to(out.device))
 
     def forward_backward(self, model, inputs, targets):
+        self._activations = _FAILED_STEP        # until this step's own figure
         self.check(model.cfg, inputs.shape[0])
         mesh = self.meshes[0]
         check_ring(inputs.shape[1], self.cp, self.balanced, f"cp={self.cp}")
@@ -236,15 +237,8 @@ class ContextParallel(Hybrid):
         def forward():
             logits = self._stage(model, 0, self._batch(inputs, mesh))
             return self._loss(logits, self._batch(targets, mesh))
-        params = [p for _, p in dist_parameters(model)] + list(model.buffers())
-        # (buffers, e.g. the RoPE tables: resident, not saved activations)
-        # what one rank keeps for backward, counted as the dry run counts it (a broadcast
-        # copy the simulator makes of a stacked tensor counted as its source; checkpointed
-        # blocks' inputs): plan.meta_run.SavedCounter
-        from ..plan.meta_run import SavedCounter
-        with SavedCounter(mesh, params).counting() as saved:
-            loss = forward()
-        self.last_activation_bytes = saved.bytes
+        # the activations counted inside strategy.measure_activations() (Hybrid's)
+        loss = self._forward_counted(model, mesh, forward)
         with self.backward_context():
             loss.backward()
         return loss.full().detach()

@@ -34,6 +34,7 @@ dropout included (``train`` keys the masks: :mod:`workbench.sim_mesh.rng`).
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 
@@ -152,6 +153,18 @@ def _check_args(*, dp, tp, pp, sp, zero, schedule, microbatches, virtual, distri
         raise ValueError(f"Hybrid(virtual={virtual}) with schedule={schedule!r}: model chunks "
                          "per rank need the interleaved schedule; add schedule='interleaved' "
                          "or leave virtual None")
+
+
+# why ``last_activation_bytes`` has no figure (it raises with these words)
+_NO_STEP = "no forward_backward has run yet"
+_NOT_MEASURED = ("the last forward_backward did not count its activations (the count watches "
+                 "every op of the forward, a third of a step's time, so it runs only when "
+                 "asked): run the step inside `with strategy.measure_activations():` "
+                 "(wb.train does)")
+_FAILED_STEP = "the last forward_backward raised before its activations were counted"
+_PIPELINE_ACTIVATIONS = ("the last forward_backward ran a pipeline (pp > 1 or virtual stages), "
+                         "whose activation peak depends on the schedule: see "
+                         "workbench.parallel.schedules.simulate, or the dry run's memory")
 
 
 class Hybrid:
@@ -412,11 +425,13 @@ class Hybrid:
         return F.cross_entropy(flat, targets.reshape(B * S_))
 
     def forward_backward(self, model, inputs, targets):
+        self._activations = _FAILED_STEP        # until this step's own figure (or reason)
         if not torch.is_grad_enabled():
             raise RuntimeError("Hybrid.forward_backward under torch.no_grad(): a training "
                                "step needs gradients; to evaluate use "
                                "strategy.evaluate(model, inputs, targets) (forward only)")
         if self.schedule_name == "dualpipe":
+            self._activations = _PIPELINE_ACTIVATIONS
             return _dualpipe.forward_backward(self, model, inputs, targets)
         self.check(model.cfg, inputs.shape[0])
         n_stages = len(self.stage_layers)
@@ -426,17 +441,11 @@ class Hybrid:
             def forward():
                 logits = self._stage(model, 0, self._batch(inputs, mesh))
                 return self._loss(logits, self._batch(targets, mesh))
-            params = [p for _, p in dist_parameters(model)] + list(model.buffers())
-            # (buffers, e.g. the RoPE tables: resident, not saved activations)
-            # what one rank keeps for backward, counted as the dry run counts it (a broadcast
-            # copy the simulator makes of a stacked tensor counted as its source; checkpointed
-            # blocks' inputs): plan.meta_run.SavedCounter
-            from ..plan.meta_run import SavedCounter
-            with SavedCounter(mesh, params).counting() as saved:
-                loss = forward()
-            self.last_activation_bytes = saved.bytes      # what one rank keeps for backward
+            loss = self._forward_counted(model, mesh, forward)
             loss.backward()
             return loss.full().detach()
+        # no count of a pipeline's activations: the peak depends on the schedule
+        self._activations = _PIPELINE_ACTIVATIONS
         stages = [lambda x, s=s: self._stage(model, s, x) for s in range(n_stages)]
         m = self.m
         first, last = self.meshes[0], self._mesh_of(n_stages - 1)
@@ -451,6 +460,51 @@ class Hybrid:
                                    token_weights(targets, m))
         run = S.run_pipeline(sched, stages, self.meshes, xs, loss_fn, params=params)
         return torch.tensor(run.loss)
+
+    # ---- the activations a step keeps for backward: counted when asked -----------------
+    @contextlib.contextmanager
+    def measure_activations(self):
+        """Count, in every one-stage :meth:`forward_backward` inside the block, the bytes
+        one rank keeps for backward (``last_activation_bytes``, the ``activation_bytes``
+        of :meth:`step_report`), as the dry run counts them
+        (:class:`workbench.plan.meta_run.SavedCounter`).  Off by default: the count
+        watches every op of the forward (``benchmarks/sim_overhead.py --only ops``: a
+        traced gpt-tiny Hybrid(dp=2, tp=2) step 3.4x plain torch's time, 5.1x with the
+        count); ``wb.train`` turns it on for its records."""
+        before = getattr(self, "_measuring", False)
+        self._measuring = True
+        try:
+            yield self
+        finally:
+            self._measuring = before
+
+    @property
+    def last_activation_bytes(self) -> int:
+        """The bytes one rank kept for backward in the last :meth:`forward_backward`
+        (one stage, run inside :meth:`measure_activations`); raises otherwise, never a
+        figure of an earlier step."""
+        got = getattr(self, "_activations", _NO_STEP)
+        if isinstance(got, str):
+            raise RuntimeError(f"{type(self).__name__}.last_activation_bytes: {got}")
+        return got
+
+    def _forward_counted(self, model, mesh, forward):
+        """``forward()``, its saved activations counted when :meth:`measure_activations`
+        is on (else the count is marked missing, so that no earlier step's is read)."""
+        if not getattr(self, "_measuring", False):
+            self._activations = _NOT_MEASURED
+            return forward()
+        self._activations = _FAILED_STEP
+        params = [p for _, p in dist_parameters(model)] + list(model.buffers())
+        # (buffers, e.g. the RoPE tables: resident, not saved activations)
+        # what one rank keeps for backward, counted as the dry run counts it (a broadcast
+        # copy the simulator makes of a stacked tensor counted as its source; checkpointed
+        # blocks' inputs): plan.meta_run.SavedCounter
+        from ..plan.meta_run import SavedCounter
+        with SavedCounter(mesh, params).counting() as saved:
+            loss = forward()
+        self._activations = saved.bytes               # what one rank keeps for backward
+        return loss
 
     def evaluate(self, model, inputs, targets=None) -> torch.Tensor:
         """The batch's mean loss, forward only (``torch.distributed.pipelining``'s
@@ -499,7 +553,8 @@ class Hybrid:
     def step_report(self, tr, optimizers) -> dict:
         """What one step cost on the modeled clock: time, bytes each rank sent (the
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
-        and, without a pipeline, the activation bytes a rank keeps for backward."""
+        and, without a pipeline, the activation bytes a rank keeps for backward (run the
+        step inside :meth:`measure_activations`: without it this raises)."""
         per_rank = tr.bytes_per_rank()
         held: dict = {}                # a rank with several chunks (interleaved, zb-v,
         for o in optimizers:           # dualpipe) holds the states of each of them, and
@@ -513,5 +568,5 @@ class Hybrid:
         if len(self.stage_layers) == 1:
             # activations autograd kept for backward, per rank (counted without pipelining;
             # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)
-            rec["activation_bytes"] = self.last_activation_bytes
+            rec["activation_bytes"] = self.last_activation_bytes   # raises if not counted
         return rec

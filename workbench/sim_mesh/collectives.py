@@ -33,6 +33,7 @@ from . import cost as _cost
 from . import reduce_scatter_op as _rs
 from .backward_pass import in_weight_pass
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
+from .profiles import profile_memo as _profile_memo
 from .trace import current_trace
 
 __all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "padded_all_reduce",
@@ -60,19 +61,38 @@ def record_collective(kind: str, mesh, axis: int | None, nbytes: int, label: str
     tr = current_trace()
     if tr is None:
         return []
-    if groups is None:
-        groups = mesh.groups(axis)
-    handles = []
-    for g in groups:
-        p = len(g)
-        if p == 1:
-            continue                  # one rank: nothing moves, nothing to record
-        dur = _cost.price(kind, nbytes, g, tr.profile)
-        handles.append(tr.record_collective(
-            g, kind, dur, bytes=_cost.wire_bytes(kind, nbytes, p), label=label,
-            args={"mesh_dim": mesh.dim_names[axis] if axis is not None else "",
-                  "buffer_bytes": int(nbytes)}, overlap=overlap))
-    return handles
+    return [tr.record_collective(g, kind, dur, bytes=wire, label=label,
+                                 args={"mesh_dim": mesh.dim_names[axis] if axis is not None
+                                       else "", "buffer_bytes": int(nbytes)},
+                                 overlap=overlap)
+            for g, dur, wire in _priced_groups(kind, mesh, axis, nbytes, groups, tr.profile)]
+
+
+_PRICED_MAX = 1 << 14           # collectives remembered per profile; then it starts again
+
+
+def _priced_groups(kind, mesh, axis, nbytes, groups, profile) -> tuple:
+    """(group, seconds, bytes each rank sends) of every group of more than one rank along
+    mesh ``axis`` (or of ``groups``): ``cost.price`` and ``cost.wire_bytes``, memoized
+    per profile on the mesh's own groups (the trace prices the same collectives every
+    step; the types of nbytes and axis in the key, so that a bool still raises)."""
+    key = (kind, type(nbytes), nbytes, mesh, type(axis), axis) if groups is None else None
+    memo = _profile_memo("collective_groups", profile) if key is not None else None
+    try:
+        got = memo.get(key) if memo is not None else None
+    except TypeError:                   # a mesh-like object that does not hash: not kept
+        memo, got = None, None
+    if got is not None:
+        return got
+    got = tuple((g, _cost.price(kind, nbytes, g, profile),
+                 _cost.wire_bytes(kind, nbytes, len(g)))
+                for g in (mesh.groups(axis) if groups is None else groups)
+                if len(g) > 1)          # one rank: nothing moves, nothing to record
+    if memo is not None:
+        if len(memo) >= _PRICED_MAX:
+            memo.clear()
+        memo[key] = got
+    return got
 
 
 class _BackwardEvent(torch.autograd.Function):

@@ -50,6 +50,7 @@ from . import topology as _topo
 from .kernel_cost import AttentionShape, compute_time, explain_compute, finish_beside, \
     gemm_efficiency, overlap, overlap_rate
 from .profiles import Link, Profile, get_profile
+from .profiles import profile_memo as _profile_memo
 
 __all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "send_link",
            "hierarchical_time", "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
@@ -211,11 +212,26 @@ def price(kind: str, nbytes: float, ranks, profile, algorithm: str = "auto") -> 
     says why it does not apply to this group. p == 1 or nbytes == 0 costs 0.0.
     """
     profile = get_profile(profile)
-    g = _topo.group_of(ranks, profile)
+    g = _topo.group_of(ranks, profile)          # checks the ranks (memoized)
+    # memoized per profile (a trace prices the same collectives every step); nbytes's
+    # type in the key, so that a bool still raises
+    key = (kind, type(nbytes), nbytes, g, algorithm)
+    memo = _profile_memo("price", profile)
+    got = memo.get(key)
+    if got is not None:
+        return got
     _check(kind, nbytes, g.p)
     if algorithm == "auto":
-        return _topo.choose(kind, nbytes, g, profile).seconds
-    return _topo.algorithm_time(kind, nbytes, g, profile, algorithm)
+        got = _topo.choose(kind, nbytes, g, profile).seconds
+    else:
+        got = _topo.algorithm_time(kind, nbytes, g, profile, algorithm)
+    if len(memo) >= _PRICE_MAX:
+        memo.clear()
+    memo[key] = got
+    return got
+
+
+_PRICE_MAX = 1 << 16            # collectives remembered per profile; then it starts again
 
 
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .profiles import OP_CLASSES, dtype_name, get_profile
+from .profiles import OP_CLASSES, dtype_name, get_profile, profile_memo
 
 __all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate",
            "finish_beside", "AttentionShape"]
@@ -170,9 +170,29 @@ def compute_time(flops: float, bytes_moved: float, profile, dtype,
     if kernel is not None and (not isinstance(kernel, str) or not kernel):
         raise ValueError(f"kernel={kernel!r} must be a kernel name (a str) or None")
     profile = get_profile(profile)
+    if gemm is not None and not isinstance(gemm, AttentionShape):
+        _gemm_shape(gemm)               # a bad shape raises, memoized or not
+    # memoized per profile once the arguments are known good (the clock prices the same
+    # kernels every step); the gemm's type is in the key: an AttentionShape is a tuple
+    key = (flops, bytes_moved, dtype, op_class, launches, kernel, type(gemm), gemm)
+    memo = profile_memo("compute_time", profile)
+    try:
+        got = memo.get(key)
+    except TypeError:                    # an unhashable gemm (a list): priced, not kept
+        memo, got = None, None
+    if got is not None:
+        return got
     engine, peak, bandwidth, launch = _rates(profile, dtype, op_class, kernel)
     peak = _peak(profile, engine, peak, dtype, op_class, flops, gemm)
-    return max(flops / peak, bytes_moved / bandwidth) + launches * launch
+    got = max(flops / peak, bytes_moved / bandwidth) + launches * launch
+    if memo is not None:
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        memo[key] = got
+    return got
+
+
+_MEMO_MAX = 1 << 16             # kernels remembered per profile; then it starts again
 
 
 def _peak(profile, engine, peak, dtype, op_class, flops, gemm):

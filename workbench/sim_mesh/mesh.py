@@ -62,7 +62,7 @@ class Mesh:
         dim_names: one name per dimension; defaults to ``("d0", "d1", ...)``.
     """
 
-    __slots__ = ("_ranks", "_shape", "_names", "_strides", "_index", "_hash")
+    __slots__ = ("_ranks", "_shape", "_names", "_strides", "_index", "_hash", "_groups")
 
     def __init__(self, ranks, dim_names: Sequence[str] | None = None):
         flat, shape = _flatten(ranks)
@@ -102,6 +102,7 @@ class Mesh:
         self._strides = tuple(reversed(strides))
         self._index = {r: i for i, r in enumerate(flat)}
         self._hash = hash((self._ranks, self._shape, self._names))
+        self._groups = {}           # dim -> its process groups (a mesh never changes)
 
     # ---- construction ----------------------------------------------------
     @classmethod
@@ -196,11 +197,18 @@ class Mesh:
     def groups(self, d: int | str) -> list[tuple[int, ...]]:
         """All process groups along mesh dimension ``d`` (each a tuple of ranks)."""
         d = self.dim(d)
+        try:
+            known = self._groups.get(d)
+        except AttributeError:          # a mesh unpickled from before the memo
+            self._groups, known = {}, None
+        if known is not None:
+            return list(known)          # a new list each call: the caller may change it
         out = []
         for i, r in enumerate(self._ranks):
             if (i // self._strides[d]) % self._shape[d] == 0:
                 out.append(tuple(self._ranks[i + k * self._strides[d]]
                                  for k in range(self._shape[d])))
+        self._groups[d] = tuple(out)
         return out
 
     def group_of(self, rank: int, d: int | str) -> tuple[int, ...]:

@@ -530,3 +530,24 @@ def get_profile(p: "str | Profile | None" = None) -> Profile:
 
 
 _BY_NAME: dict = {}
+
+
+# ---- memo tables per profile ------------------------------------------------------------
+# A Profile is immutable (frozen, its mappings read-only copies), so a price is a pure
+# function of the profile and plain data, and the clock asks the same prices every step.
+# Hashing a Profile walks its fields (about 1.5 us), so a table is found by the profile's
+# identity; the entry holds the profile, so that its id is not reused while it lives.
+_MEMOS: dict = {}               # (table name, id(profile)) -> (profile, table)
+_MEMOS_MAX = 64                 # tables remembered (names x profiles); then it starts again
+
+
+def profile_memo(name: str, profile: Profile) -> dict:
+    """The memo table ``name`` of ``profile`` (a plain dict the caller fills and bounds)."""
+    got = _MEMOS.get((name, id(profile)))
+    if got is not None and got[0] is profile:
+        return got[1]
+    if len(_MEMOS) >= _MEMOS_MAX:
+        _MEMOS.clear()
+    table: dict = {}
+    _MEMOS[(name, id(profile))] = (profile, table)
+    return table

@@ -127,14 +127,34 @@ class Choice:
     candidates: MappingProxyType = field(hash=False)  # algorithm -> seconds, read-only
 
 
+# (ranks, devices per node) -> Group: a trace prices the same groups again and again,
+# and counting their nodes (the Counter) cost more than the rest of ``cost.price``
+_GROUPS: dict = {}
+_GROUPS_MAX = 4096              # distinct groups remembered; then it starts again
+
+
 def group_of(ranks, profile: Profile) -> Group:
+    """Where ``ranks`` sit on ``profile``'s nodes (memoized on the tuple of ranks)."""
+    memo = type(ranks) is tuple
+    if memo:
+        key = (ranks, profile.devices_per_node)
+        hit = _GROUPS.get(key)
+        # only a tuple of ints is a hit: (True, 2) and (1.0, 2) are equal keys to (1, 2),
+        # and they must raise below
+        if hit is not None and all(type(r) is int for r in ranks):
+            return hit
     out = list(ranks)
     if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
         raise ValueError(f"ranks={ranks!r} must be a non-empty list of ints >= 0")
     if len(set(out)) != len(out):
         raise ValueError(f"ranks={ranks!r} holds a rank twice; list each rank once")
     counts = Counter(r // profile.devices_per_node for r in out)
-    return Group(tuple(counts[n] for n in sorted(counts)))
+    g = Group(tuple(counts[n] for n in sorted(counts)))
+    if memo and all(type(r) is int for r in ranks):
+        if len(_GROUPS) >= _GROUPS_MAX:
+            _GROUPS.clear()
+        _GROUPS[key] = g
+    return g
 
 
 def _rates(profile: Profile, g: Group):
