@@ -287,7 +287,7 @@ def test_fused_attention_prices_its_dropout_at_the_measured_cudnn_ratio(monkeypa
     import dataclasses
     from workbench.plan import layer_cost as L
     from workbench.sim_mesh import kernel_cost as K
-    from workbench.sim_mesh.profiles import get_profile
+    from workbench.sim_mesh.profiles import clear_memos, get_profile
 
     prof = get_profile("h100")
     assert prof.measured["attention_backend"] == "cudnn"
@@ -307,8 +307,12 @@ def test_fused_attention_prices_its_dropout_at_the_measured_cudnn_ratio(monkeypa
         return {o.name: o.seconds for o in ops if o.name.startswith("flash_attention")}
     got = flash_seconds()
     monkeypatch.setattr(K, "CUDNN_DROPOUT_TIME", 1.0)
-    free = flash_seconds()
-    L._priced.cache_clear()
+    clear_memos()                        # the clock's memos hold the measured ratio's prices
+    try:
+        free = flash_seconds()
+    finally:
+        L._priced.cache_clear()
+        clear_memos()                    # and now the patched ones: not for later tests
     assert set(got) == {"flash_attention", "flash_attention_grad"}
     for name in got:
         assert got[name] / free[name] == pytest.approx(0.614 / 0.594, rel=1e-3), name

@@ -541,6 +541,13 @@ _MEMOS: dict = {}               # (table name, id(profile)) -> (profile, table)
 _MEMOS_MAX = 64                 # tables remembered (names x profiles); then it starts again
 
 
+def clear_memos() -> None:
+    """Forget every per-profile memo (``profile_memo``): what the clock priced is kept
+    per profile object, so code that changes a module-level constant the pricing reads
+    (a test's ``monkeypatch.setattr``) must call this before and after."""
+    _MEMOS.clear()
+
+
 def profile_memo(name: str, profile: Profile) -> dict:
     """The memo table ``name`` of ``profile`` (a plain dict the caller fills and bounds)."""
     got = _MEMOS.get((name, id(profile)))
