@@ -1,0 +1,140 @@
+"""Checker slips found in the browser review of notebooks 04 and 05 (nbv0405): hints that
+named the wrong mistake, or none."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.exercises import checks_spmd_pipeline as P
+from workbench.exercises.feedback import reset_tries
+from workbench.parallel.rules import RULES, combine
+
+from .exercise_helpers import message, passes
+
+R, S, Pa = wb.Replicate(), wb.Shard, wb.Partial()
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    saved = RULES.get("cumsum")
+    yield
+    reset_tries()
+    RULES["cumsum"] = saved
+
+
+def _cumsum_opts(x, d):
+    d = d % x.ndim
+    opts = [((R,), (R,), "replicated")]
+    opts += [((S(k),), (S(k),), "other dim") for k in range(x.ndim) if k != d]
+    opts.append(((Pa,), (Pa,), "linear"))
+    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 1)
+
+
+# ---- 04 exercise 2: the cumsum rule --------------------------------------------------------------
+
+def test_a_rule_whose_attribute_is_misnamed_is_told_its_signature():
+    """Before: `def cumsum_rule(x, d)` got the dispatcher's message, 'missing attribute
+    'd' ... (cumsum takes d, dim, dtype; ...)', which reads as if cumsum took a `d`, with the
+    signature hint only at the end of five lines."""
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x, d):
+        return _cumsum_opts(x, d)
+    msg = message(P.check_cumsum_rule, cumsum_rule)
+    assert msg.startswith("your rule takes (x, d)"), msg
+    assert "rule(x, dim=...)" in msg and "cumsum takes" not in msg, msg
+
+
+def test_a_rule_without_the_dim_parameter_is_told_its_signature():
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x):
+        return _cumsum_opts(x, -1)
+    msg = message(P.check_cumsum_rule, cumsum_rule)
+    assert msg.startswith("your rule takes (x)"), msg
+
+
+def test_a_rule_taking_attributes_as_keywords_still_passes(capsys):
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x, **attrs):
+        return _cumsum_opts(x, attrs["dim"])
+    assert passes(capsys, P.check_cumsum_rule, cumsum_rule).startswith("Correct: 25 strategies")
+
+
+# ---- 05 exercise 1: gradient buckets -------------------------------------------------------------
+
+W1, B1, W2, B2, W3, B3 = 256 * 1024 * 4, 1024 * 4, 1024 * 1024 * 4, 1024 * 4, 1024 * 256 * 4, 256 * 4
+
+
+def test_buckets_closed_before_the_gradient_that_overflows_them_are_named():
+    """Before: the generic 'fill a bucket with whole gradients ...'; the slip is reading the
+    cap as a ceiling (close before the gradient that would pass it)."""
+    msg = message(wb.exercises.check_bucket_sizes, [B3 + W3 + B2, W2, B1 + W1])
+    assert "stops before the gradient that would take it past bucket_bytes" in msg, msg
+
+
+def test_buckets_of_two_byte_gradients_are_named():
+    """Before: 'your buckets hold 3,150,336 B in all; the gradients are 6,300,672 B'."""
+    msg = message(wb.exercises.check_bucket_sizes, [(B3 + W3 + B2 + W2) // 2, (B1 + W1) // 2])
+    assert "2 bytes per value" in msg and "fp32" in msg, msg
+
+
+@pytest.mark.parametrize("scale, unit", [(2**20, "MiB"), (1e6, "MB")])
+def test_buckets_in_mib_or_mb_are_named(scale, unit):
+    """Before: 'sizes should be a list of bucket sizes in bytes, got [5.00..., 1.00...]'."""
+    msg = message(wb.exercises.check_bucket_sizes,
+                  [(B3 + W3 + B2 + W2) / scale, (B1 + W1) / scale])
+    assert f"reads as {unit}" in msg and "in bytes" in msg, msg
+
+
+def test_buckets_as_a_tensor_or_as_strings_say_what_to_pass():
+    """Before: 'should be a list of bucket sizes in bytes, got tensor([5248000, 1052672])'
+    with no word on what to change (the same for a list of strings)."""
+    right = [B3 + W3 + B2 + W2, B1 + W1]
+    assert ".tolist()" in message(wb.exercises.check_bucket_sizes, torch.tensor(right))
+    assert "not a str" in message(wb.exercises.check_bucket_sizes, [str(b) for b in right])
+
+
+# ---- 05 exercise 2: the largest model that fits ---------------------------------------------------
+
+MEM = 64e9
+
+
+@pytest.mark.parametrize("stage, per_param", [(0, 12), (1, 4 + 8 / 64), (2, 2 + 10 / 64),
+                                              (3, 12 / 64)])
+def test_twelve_bytes_of_model_states_are_named(stage, per_param):
+    """K = 8 (no fp32 master weight), or 12 B in all at stage 0: before, 'too high: compare
+    each factor with the formula'."""
+    psi = [MEM / 16, MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 64)]
+    psi[stage] = MEM / per_param
+    msg = message(wb.exercises.check_zero_max_params, psi)
+    assert f"stage {stage} limit" in msg and "K = 12" in msg, msg
+
+
+def test_a_limit_given_as_a_string_says_so():
+    msg = message(wb.exercises.check_zero_max_params,
+                  ["4e9", MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 64)])
+    assert "not a str" in msg, msg
+
+
+# ---- 05 exercise 3: ZeRO-3's traffic ------------------------------------------------------------
+
+N_BYTES = 7.5e9 * 2
+
+
+def test_swapped_traffic_answers_are_named():
+    """Before: 'your DP bytes are 4.43e+10: too high: compare each factor with the formula'."""
+    msg = message(wb.exercises.check_zero3_traffic, 3 * 63 / 64 * N_BYTES, 2 * 63 / 64 * N_BYTES)
+    assert "swapped" in msg, msg
+
+
+def test_traffic_in_bits_is_named():
+    for dp, z3, which in ((8 * 2 * 63 / 64 * N_BYTES, 3 * 63 / 64 * N_BYTES, "DP"),
+                          (2 * 63 / 64 * N_BYTES, 8 * 3 * 63 / 64 * N_BYTES, "ZeRO-3")):
+        msg = message(wb.exercises.check_zero3_traffic, dp, z3)
+        assert msg.startswith(f"your {which} bytes") and "bits, not bytes" in msg, msg
+
+
+def test_one_and_a_half_times_the_wrong_base_is_named():
+    """1.5 x (N-1)/N n: the ratio applied to one collective's share, not to DP's traffic;
+    before: 'too low: compare each factor with the formula'."""
+    msg = message(wb.exercises.check_zero3_traffic, 2 * 63 / 64 * N_BYTES, 1.5 * 63 / 64 * N_BYTES)
+    assert "1.5x is ZeRO-3 against DP" in msg, msg
