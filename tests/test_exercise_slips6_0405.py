@@ -138,3 +138,36 @@ def test_one_and_a_half_times_the_wrong_base_is_named():
     before: 'too low: compare each factor with the formula'."""
     msg = message(wb.exercises.check_zero3_traffic, 2 * 63 / 64 * N_BYTES, 1.5 * 63 / 64 * N_BYTES)
     assert "1.5x is ZeRO-3 against DP" in msg, msg
+
+
+# ---- 04 after exercise 2: torch.cumsum runs with the student's rule -------------------------------
+
+def test_torch_cumsum_runs_with_a_rule_that_names_only_dim():
+    """Notebook 04 says that once `cumsum_rule(x, dim)` is registered, torch.cumsum on a
+    DistTensor runs with it.  Before, the dispatcher handed the rule every attribute its
+    parse gives (dim and dtype): TypeError: cumsum_rule() got an unexpected keyword
+    argument 'dtype', from inside torch.cumsum."""
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x, dim):
+        return _cumsum_opts(x, dim)
+    torch.manual_seed(0)
+    X = torch.randn(4, 8)
+    mesh = wb.Mesh.grid(4, ["x"])
+    for ps, dtype in (([S(1)], None), ([S(0)], torch.float64)):
+        xs = wb.shard_tensor(X, mesh, ps)
+        with wb.trace("ascend-910b") as tr:
+            y = torch.cumsum(xs, dim=1, dtype=dtype)
+        assert torch.equal(y.full(), torch.cumsum(X, 1, dtype=dtype))
+        # the student's rule decided: S(1) must be made whole on the scanned dim (the
+        # all-to-all to [S(0)] its options allow), S(0) stays
+        assert y.placements == (S(0),)
+        assert [e.name for e in tr.collectives()] == (["all_to_all"] if ps == [S(1)] else [])
+
+
+def test_a_rule_missing_a_required_attribute_still_raises():
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x, axis):
+        return _cumsum_opts(x, axis)
+    xs = wb.shard_tensor(torch.randn(4, 8), wb.Mesh.grid(4, ["x"]), [S(0)])
+    with pytest.raises(TypeError, match="axis"):
+        torch.cumsum(xs, dim=1)
