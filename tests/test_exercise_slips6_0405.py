@@ -171,3 +171,14 @@ def test_a_rule_missing_a_required_attribute_still_raises():
     xs = wb.shard_tensor(torch.randn(4, 8), wb.Mesh.grid(4, ["x"]), [S(0)])
     with pytest.raises(TypeError, match="axis"):
         torch.cumsum(xs, dim=1)
+
+
+def test_the_strategies_of_one_call_instead_of_the_rule_say_so():
+    """Before: the repr of every Strategy of the list, 363 characters, and no word that the
+    rule was called rather than passed."""
+    @wb.register_rule("cumsum", override=True)
+    def cumsum_rule(x, dim):
+        return _cumsum_opts(x, dim)
+    strategies = cumsum_rule(wb.TensorSpec((4, 8), wb.Mesh.grid(4, ["x"]), [S(0)]), 1)
+    msg = message(P.check_cumsum_rule, strategies)
+    assert "without calling it" in msg and "Strategy(" not in msg, msg

@@ -267,8 +267,11 @@ def check_cumsum_rule(rule, op: str = "cumsum") -> None:
     """Your rule for ``torch.cumsum(x, dim)``: registered with one decorator, every strategy
     it offers computes the right values, and it offers the cheapest one for every input."""
     if not callable(rule):
+        got = (f"{type(rule).__name__} of {len(rule)} strategies, what a call of your rule "
+               f"returns: pass the function itself, check_cumsum_rule(cumsum_rule), without "
+               f"calling it" if isinstance(rule, (list, tuple)) else repr(rule))
         raise CheckError(f"pass your rule function (the one under @wb.register_rule), got "
-                         f"{rule!r}")
+                         f"{got}")
     if RULES.get(op) is not rule:
         raise CheckError(
             f"no rule is registered for {op!r}: put @wb.register_rule({op!r}, override=True) "
