@@ -182,3 +182,19 @@ def test_the_strategies_of_one_call_instead_of_the_rule_say_so():
     strategies = cumsum_rule(wb.TensorSpec((4, 8), wb.Mesh.grid(4, ["x"]), [S(0)]), 1)
     msg = message(P.check_cumsum_rule, strategies)
     assert "without calling it" in msg and "Strategy(" not in msg, msg
+
+
+def test_a_dict_of_answers_is_told_to_be_a_list():
+    """Before: list(d) read the dict's keys: 'your buckets are [0, 1]: your buckets hold 1 B
+    in all', 'your stage 0 limit is 0 parameters: too low'."""
+    psi = [MEM / 16, MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 64)]
+    assert "got a dict" in message(wb.exercises.check_zero_max_params, dict(enumerate(psi)))
+    assert "got a dict" in message(wb.exercises.check_bucket_sizes,
+                                   {0: B3 + W3 + B2 + W2, 1: B1 + W1})
+
+
+def test_n_d_minus_one_is_named():
+    """64 - 1 devices: before, 'too low: compare each factor with the formula'."""
+    psi = [MEM / 16, MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 63)]
+    msg = message(wb.exercises.check_zero_max_params, psi)
+    assert "stage 3 limit" in msg and "N_d - 1 = 63" in msg, msg

@@ -48,6 +48,9 @@ def _ints(name, value, what="ints") -> list[int]:
     if isinstance(value, torch.Tensor):
         raise CheckError(f"{name} should be a list of {what}, got a tensor: pass "
                          "its .tolist()")
+    if isinstance(value, dict):
+        raise CheckError(f"{name} should be a list of {what}, got a dict (a list of it would "
+                         f"be its keys): pass a list, e.g. list(d.values())")
     try:
         items = list(value)
     except TypeError:
@@ -202,6 +205,9 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
     """The most parameters whose mixed-precision Adam model states fit in one device's
     memory under ZeRO stages 0, 1, 2, 3 with ``n_d`` data-parallel ranks (activations
     and buffers ignored)."""
+    if isinstance(psi, dict):
+        raise CheckError("psi should be a list of 4 numbers, stages 0 to 3; got a dict (a list "
+                         "of it would be its keys): pass a list, e.g. list(d.values())")
     try:
         got = [float(_number(f"psi[{s}]", v)) for s, v in enumerate(psi)]
     except TypeError:
@@ -249,6 +255,10 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
                       "mixed-precision Adam keeps 16: 2 (bf16 weight) + 2 (bf16 gradient) + "
                       "K = 12 (fp32 master weight, momentum and variance, 4 B each); "
                       + _STAGE_PARTS[s]))
+        if s:
+            wrong.append((mem / _zero_bytes(1, n_d - 1, s), f"that divides by N_d - 1 = "
+                          f"{n_d - 1}; the parts ZeRO splits are shared by all N_d = {n_d} "
+                          f"devices"))
         if n_d != 8:
             wrong.append((mem / _zero_bytes(1, 8, s), f"that is N_d = 8, the notebook's mesh; "
                           f"the exercise has N_d = {n_d} devices"))
