@@ -198,3 +198,9 @@ def test_n_d_minus_one_is_named():
     psi = [MEM / 16, MEM / (4 + 12 / 64), MEM / (2 + 14 / 64), MEM / (16 / 63)]
     msg = message(wb.exercises.check_zero_max_params, psi)
     assert "stage 3 limit" in msg and "N_d - 1 = 63" in msg, msg
+
+
+def test_a_spent_iterator_is_shown_by_its_items():
+    """Before: 'got <generator object <genexpr> at 0x...>: give each as an int'."""
+    msg = message(wb.exercises.check_bucket_sizes, (float(b) for b in (B3 + W3 + B2 + W2, B1 + W1)))
+    assert "got [5248000.0, 1052672.0]" in msg and "generator" not in msg, msg

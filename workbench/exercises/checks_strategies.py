@@ -59,7 +59,8 @@ def _ints(name, value, what="ints") -> list[int]:
         whole = all(isinstance(v, numbers.Real) and not isinstance(v, bool)
                     and float(v).is_integer() for v in items)
         text = any(isinstance(v, str) for v in items)
-        raise CheckError(f"{name} should be a list of {what}, got {value!r}"
+        shown = value if isinstance(value, (list, tuple)) else items   # (not a spent iterator)
+        raise CheckError(f"{name} should be a list of {what}, got {shown!r}"
                          + (": give each as an int (int(x)), not a float" if whole else
                             ": give each as an int, not a str (no quotes)" if text else ""))
     return [int(v) for v in items]
@@ -178,12 +179,10 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
 def _unit_slip(sizes, total) -> None:
     """Bucket sizes given in MiB or MB (fractions, or whole numbers far below a byte
     count), said as such rather than only "should be a list of ints"."""
-    try:
-        items = [float(v) for v in sizes if isinstance(v, numbers.Real)
-                 and not isinstance(v, bool)]
-    except TypeError:
-        return
-    if not items or len(items) != len(list(sizes)):
+    if not isinstance(sizes, (list, tuple)):
+        return                          # (an iterator is read once, by _ints)
+    items = [float(v) for v in sizes if isinstance(v, numbers.Real) and not isinstance(v, bool)]
+    if not items or len(items) != len(sizes):
         return
     for scale, unit in ((2**20, "MiB"), (1e6, "MB"), (2**10, "KiB"), (1e3, "KB")):
         if math.isclose(sum(items) * scale, total, rel_tol=0.01):
