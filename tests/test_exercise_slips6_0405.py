@@ -61,7 +61,9 @@ def test_a_rule_taking_attributes_as_keywords_still_passes(capsys):
 
 # ---- 05 exercise 1: gradient buckets -------------------------------------------------------------
 
-W1, B1, W2, B2, W3, B3 = 256 * 1024 * 4, 1024 * 4, 1024 * 1024 * 4, 1024 * 4, 1024 * 256 * 4, 256 * 4
+W1, B1 = 256 * 1024 * 4, 1024 * 4                    # fp32 bytes of each gradient
+W2, B2 = 1024 * 1024 * 4, 1024 * 4
+W3, B3 = 1024 * 256 * 4, 256 * 4
 
 
 def test_buckets_closed_before_the_gradient_that_overflows_them_are_named():
@@ -93,7 +95,7 @@ def test_buckets_as_a_tensor_or_as_strings_say_what_to_pass():
     assert "not a str" in message(wb.exercises.check_bucket_sizes, [str(b) for b in right])
 
 
-# ---- 05 exercise 2: the largest model that fits ---------------------------------------------------
+# ---- 05 exercise 2: the largest model that fits --------------------------------------------------
 
 MEM = 64e9
 
@@ -140,7 +142,7 @@ def test_one_and_a_half_times_the_wrong_base_is_named():
     assert "1.5x is ZeRO-3 against DP" in msg, msg
 
 
-# ---- 04 after exercise 2: torch.cumsum runs with the student's rule -------------------------------
+# ---- 04 after exercise 2: torch.cumsum runs with the student's rule ------------------------------
 
 def test_torch_cumsum_runs_with_a_rule_that_names_only_dim():
     """Notebook 04 says that once `cumsum_rule(x, dim)` is registered, torch.cumsum on a
