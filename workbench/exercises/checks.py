@@ -49,7 +49,9 @@ def _number(name: str, value) -> float:
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool") \
             or not isinstance(value, numbers.Real) or not math.isfinite(value):
         how = (": pass a Python number, e.g. x.item()" if hasattr(value, "item")
-               and not isinstance(value, numbers.Real) else "")
+               and not isinstance(value, numbers.Real) else
+               ": give the number itself, not a str (no quotes)" if isinstance(value, str)
+               else "")
         raise CheckError(f"{name} should be a number, got {value!r}{how}")
     return float(value)
 

@@ -17,6 +17,7 @@ published formulas.  The student's own answer is interpreted with the library
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 import operator
@@ -246,19 +247,40 @@ def _cumsum_cases():
     yield m22, (4, 4, 6), 1
 
 
+def _check_rule_signature(rule) -> None:
+    """A rule the dispatcher cannot call as rule(x, dim=...): said in its own words (the
+    dispatcher's error lists the rule's parameters beside torch's, which reads as if cumsum
+    took them all)."""
+    try:
+        sig = inspect.signature(rule)
+    except (TypeError, ValueError):
+        return                                  # a builtin or a C callable: let infer try
+    try:
+        sig.bind(None, dim=1)
+    except TypeError:
+        params = ", ".join(sig.parameters)
+        raise CheckError(f"your rule takes ({params}); the dispatcher calls rule(x, dim=...): "
+                         "x first (a TensorSpec), then cumsum's attribute by its torch name, "
+                         "as a keyword") from None
+
+
 @exercise
 def check_cumsum_rule(rule, op: str = "cumsum") -> None:
     """Your rule for ``torch.cumsum(x, dim)``: registered with one decorator, every strategy
     it offers computes the right values, and it offers the cheapest one for every input."""
     if not callable(rule):
+        got = (f"{type(rule).__name__} of {len(rule)} strategies, what a call of your rule "
+               f"returns: pass the function itself, check_cumsum_rule(cumsum_rule), without "
+               f"calling it" if isinstance(rule, (list, tuple)) else repr(rule))
         raise CheckError(f"pass your rule function (the one under @wb.register_rule), got "
-                         f"{rule!r}")
+                         f"{got}")
     if RULES.get(op) is not rule:
         raise CheckError(
             f"no rule is registered for {op!r}: put @wb.register_rule({op!r}, override=True) "
             f"on the line above `def {getattr(rule, '__name__', 'rule')}`" if op not in RULES else
             f"the rule registered for {op!r} is not your function: decorate it with "
             f"@wb.register_rule({op!r}, override=True) (override=True replaces an older one)")
+    _check_rule_signature(rule)
     profile = get_profile(None).name
     seen = set()
     for mesh, shape, dim in _cumsum_cases():

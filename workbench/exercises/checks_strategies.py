@@ -59,6 +59,18 @@ def _int(name, value, what="an int") -> int:
 
 
 def _ints(name, value, what="ints") -> list[int]:
+    if isinstance(value, torch.Tensor):
+        # a 1-d integer tensor (a column of Mesh.mesh, as of torch's DeviceMesh.mesh) is
+        # read as its ints; a mask, a float or a 2-d tensor is not a list of ints
+        if value.dim() != 1 or value.dtype == torch.bool or value.is_floating_point() \
+                or value.is_complex():
+            raise CheckError(f"{name} should be a list of {what}, got a tensor of "
+                             f"{value.dtype} and shape {tuple(value.shape)}: pass a list "
+                             "of ints (its .tolist() if it holds them)")
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, dict):
+        raise CheckError(f"{name} should be a list of {what}, got a dict (a list of it would "
+                         f"be its keys): pass a list, e.g. list(d.values())")
     try:
         items = list(value)
     except TypeError:
@@ -66,8 +78,11 @@ def _ints(name, value, what="ints") -> list[int]:
     if not all(_index(v) is not None for v in items):
         whole = all(isinstance(v, numbers.Real) and not isinstance(v, bool)
                     and float(v).is_integer() for v in items)
-        raise CheckError(f"{name} should be a list of {what}, got {value!r}"
-                         + (": give each as an int (int(x)), not a float" if whole else ""))
+        text = any(isinstance(v, str) for v in items)
+        shown = value if isinstance(value, (list, tuple)) else items   # (not a spent iterator)
+        raise CheckError(f"{name} should be a list of {what}, got {shown!r}"
+                         + (": give each as an int (int(x)), not a float" if whole else
+                            ": give each as an int, not a str (no quotes)" if text else ""))
     return [_index(v) for v in items]
 
 
@@ -103,6 +118,19 @@ def _fill(sizes, limit) -> list[int]:
     return out + ([cur] if cur else [])
 
 
+def _fill_below(sizes, limit) -> list[int]:
+    """Buckets closed BEFORE the gradient that would take them past ``limit`` (a bucket
+    never above the cap): the usual misreading of DDP's rule, which closes a bucket after
+    the gradient that brings it to the cap or more."""
+    out, cur = [], 0
+    for s in sizes:
+        if cur and cur + s > limit:
+            out.append(cur)
+            cur = 0
+        cur += s
+    return out + ([cur] if cur else [])
+
+
 def _torch_default(sizes) -> list[int]:
     """torch DDP's default rebuilt buckets over ``sizes`` (in the order backward produced
     them): the first closes at 1 MiB, the next at 25 MiB (``parallel.strategies.ddp_buckets``,
@@ -117,12 +145,13 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                        widths=(256, 1024, 1024, 256)) -> None:
     """The bytes of each gradient bucket bucketed DP all-reduces, in the order sent, for
     the MLP of ``widths`` (Linear layers with biases, fp32) and ``bucket_bytes``."""
-    got = _ints("sizes", sizes, "bucket sizes in bytes")
     grads_fwd = []                                              # registration order, by hand
     for a, b in zip(widths, widths[1:]):
         grads_fwd += [a * b * 4, b * 4]                         # fp32 weight, bias
     want = _fill(grads_fwd[::-1], bucket_bytes)                 # backward: last layer first
     total = sum(grads_fwd)
+    _unit_slip(sizes, total)
+    got = _ints("sizes", sizes, "bucket sizes in bytes")
     names = [f"{'W' if k % 2 == 0 else 'b'}{k // 2 + 1}" for k in range(len(grads_fwd))]
     if got == want:
         _ok(f"{len(want)} all-reduces of {', '.join(f'{b:,d}' for b in want)} B per step "
@@ -138,6 +167,9 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                "first, and the buckets fill (and are sent) in that order")
     elif sum(got) == total // 4:
         msg = "those are numbers of values: a fp32 gradient takes 4 bytes per value"
+    elif sum(got) == total // 2:
+        msg = ("those are 2 bytes per value (bf16 or fp16); the MLP trains in fp32: 4 bytes "
+               "per gradient value")
     elif sum(got) == total - 4 * sum(widths[1:]):
         msg = "the biases are missing: every parameter has a gradient to reduce"
     elif sum(got) != total:
@@ -149,6 +181,10 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
     elif len(got) == 1:
         msg = (f"one bucket would hold all {total:,d} B; with bucket_bytes = "
                f"{bucket_bytes:,d} a bucket is sent as soon as it holds that much")
+    elif got == _fill_below(grads_fwd[::-1], bucket_bytes):
+        msg = ("each of your buckets stops before the gradient that would take it past "
+               "bucket_bytes; DDP's bucket takes that gradient too, and closes once it holds "
+               "bucket_bytes or more")
     elif all(b == bucket_bytes for b in got[:-1]):
         msg = ("a bucket never splits a gradient: it takes whole gradients and closes "
                "after the one that brings it to bucket_bytes or more")
@@ -158,6 +194,20 @@ def check_bucket_sizes(sizes, bucket_bytes: int = 2 * 2**20,
                f"bucket_bytes = {bucket_bytes:,d} B; what remains at the end is the last "
                "bucket")
     raise CheckError(f"your buckets are {got}: {msg}", expected=str(want))
+
+
+def _unit_slip(sizes, total) -> None:
+    """Bucket sizes given in MiB or MB (fractions, or whole numbers far below a byte
+    count), said as such rather than only "should be a list of ints"."""
+    if not isinstance(sizes, (list, tuple)):
+        return                          # (an iterator is read once, by _ints)
+    items = [float(v) for v in sizes if isinstance(v, numbers.Real) and not isinstance(v, bool)]
+    if not items or len(items) != len(sizes):
+        return
+    for scale, unit in ((2**20, "MiB"), (1e6, "MB"), (2**10, "KiB"), (1e3, "KB")):
+        if math.isclose(sum(items) * scale, total, rel_tol=0.01):
+            raise CheckError(f"your bucket sizes add up to {sum(items):g}: that reads as "
+                             f"{unit}; give each bucket's size in bytes, as an int")
 
 
 # ---- 05 ZeRO: the largest model whose states fit ------------------------------------------------
@@ -174,6 +224,9 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
     """The most parameters whose mixed-precision Adam model states fit in one device's
     memory under ZeRO stages 0, 1, 2, 3 with ``n_d`` data-parallel ranks (activations
     and buffers ignored)."""
+    if isinstance(psi, dict):
+        raise CheckError("psi should be a list of 4 numbers, stages 0 to 3; got a dict (a list "
+                         "of it would be its keys): pass a list, e.g. list(d.values())")
     try:
         got = [float(_number(f"psi[{s}]", v)) for s, v in enumerate(psi)]
     except TypeError:
@@ -215,6 +268,16 @@ def check_zero_max_params(psi, n_d: int = 64, profile: str = "ascend-910b") -> N
                                    (2, 16, "split the weights too (16 / N_d) but still counted "
                                     "them whole (2 B)")):
             wrong.append((mem / (whole + split / n_d), f"you {what}; {_STAGE_PARTS[s]}"))
+        # K = 8: fp32 momentum and variance without the fp32 master weight
+        k8 = {0: 12, 1: 4 + 8 / n_d, 2: 2 + 10 / n_d, 3: 12 / n_d}[s]
+        wrong.append((mem / k8, "that counts 12 B of model states per parameter where "
+                      "mixed-precision Adam keeps 16: 2 (bf16 weight) + 2 (bf16 gradient) + "
+                      "K = 12 (fp32 master weight, momentum and variance, 4 B each); "
+                      + _STAGE_PARTS[s]))
+        if s:
+            wrong.append((mem / _zero_bytes(1, n_d - 1, s), f"that divides by N_d - 1 = "
+                          f"{n_d - 1}; the parts ZeRO splits are shared by all N_d = {n_d} "
+                          f"devices"))
         if n_d != 8:
             wrong.append((mem / _zero_bytes(1, 8, s), f"that is N_d = 8, the notebook's mesh; "
                           f"the exercise has N_d = {n_d} devices"))
@@ -240,6 +303,10 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
     want_z3 = 3 * ((n_d - 1) * n // n_d)                        # 2 all-gathers + reduce-scatter
     a, b = _number("dp_bytes", dp_bytes), _number("zero3_bytes", zero3_bytes)
     share = (n_d - 1) / n_d
+    if math.isclose(a, want_z3, rel_tol=1e-4) and math.isclose(b, want_dp, rel_tol=1e-4):
+        raise CheckError("your two numbers are right but swapped: the first argument is what "
+                         "plain DP sends, the second ZeRO-3's")
+    bits = "8 times too large: that is bits, not bytes; give the bytes"
     if not math.isclose(a, want_dp, rel_tol=1e-4):
         raise CheckError(f"your DP bytes are {a:.4g}: " + _hint(
             a, want_dp, [(2 * n, f"did you drop (N-1)/N? Each rank sends {n_d - 1} of "
@@ -253,7 +320,8 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                          (2 * want_dp, f"the gradients are {elem} bytes each (bf16), "
                           f"{n:,d} bytes in all"),
                          (want_dp / n_d, "each rank sends 2 (N-1)/N of the WHOLE gradient, "
-                          "not of its shard")] + _other_n(2 * n, n_d, 8, "N", "the notebook's p"),
+                          "not of its shard"),
+                         (8 * want_dp, bits)] + _other_n(2 * n, n_d, 8, "N", "the notebook's p"),
             rel=1e-4), expected=f"DP {want_dp:.4g} B")
     if not math.isclose(b, want_z3, rel_tol=1e-4):
         raise CheckError(f"your ZeRO-3 bytes are {b:.4g}: " + _hint(
@@ -266,7 +334,10 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
                          (3 * n, "did you drop (N-1)/N? Each collective sends (N-1)/N n"),
                          (2 * want_z3, f"the values are {elem} bytes each (bf16)"),
                          (n_d * want_z3, f"that is summed over the {n_d} ranks; give what "
-                          f"each rank sends")] + _other_n(3 * n, n_d, 8, "N", "the notebook's p"),
+                          f"each rank sends"),
+                         (1.5 * share * n, "1.5x is ZeRO-3 against DP, whose all-reduce sends "
+                          "2 (N-1)/N n; ZeRO-3 sends three (N-1)/N n pieces"),
+                         (8 * want_z3, bits)] + _other_n(3 * n, n_d, 8, "N", "the notebook's p"),
             rel=1e-4), expected=f"ZeRO-3 {want_z3:.4g} B")
     _ok(f"DP {want_dp / 1e9:.2f} GB, ZeRO-3 {want_z3 / 1e9:.2f} GB per rank per step: "
         f"{want_z3 / want_dp:.1f}x")

@@ -144,7 +144,7 @@ def _free(key):
     rule = _st.RULES.get(op)
     if mesh is None or rule is None:
         return None
-    strategies = list(rule(*specs, **dict(frozen)))
+    strategies = _st.call_rule(rule, specs, dict(frozen))
     _st.hand_off(op, specs, frozen, rule, strategies)   # the full decision's, if it follows
     seen = set()
     for st in strategies:

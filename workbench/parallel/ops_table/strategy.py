@@ -353,6 +353,32 @@ def _thaw(v):
 _HANDOFF: list = [None]     # (op, specs, frozen_attrs, rule, strategies) or None
 
 
+@lru_cache(maxsize=1024)
+def _rule_keywords(rule):
+    """The attribute names ``rule`` takes by keyword, or None where it takes any
+    (``**kwargs``) or they cannot be told."""
+    try:
+        ps = inspect.signature(rule).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in ps):
+        return None
+    return frozenset(p.name for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def call_rule(rule, specs, attrs) -> list:
+    """``rule(*specs, **attrs)``, given only the attributes the rule names.  The
+    dispatcher's parse hands every attribute of the op (cumsum: ``dim`` and ``dtype``); a
+    rule registered with :func:`register_rule` names those its placements depend on
+    (notebook 04's ``cumsum_rule(x, dim)``), and one it does not name cannot change its
+    strategies.  (It raised ``TypeError: cumsum_rule() got an unexpected keyword argument
+    'dtype'`` from inside ``torch.cumsum``.)  A required attribute left out still raises."""
+    names = _rule_keywords(rule)
+    if names is not None and not names.issuperset(attrs):
+        attrs = {k: v for k, v in attrs.items() if k in names}
+    return list(rule(*specs, **attrs))
+
+
 def hand_off(op, specs, frozen_attrs, rule, strategies) -> None:
     if all(_thaw(v) is v for _, v in frozen_attrs):
         _HANDOFF[0] = (op, specs, frozen_attrs, rule, strategies)
@@ -367,7 +393,7 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
             handed[2] is frozen_attrs and handed[3] is rule:
         strategies = handed[4]     # free_choice's call of the rule, on the same arguments
     else:
-        strategies = list(rule(*specs, **attrs))
+        strategies = call_rule(rule, specs, attrs)
     if not strategies:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
