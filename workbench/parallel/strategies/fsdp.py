@@ -305,7 +305,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             j = self._counts.get((unit.index, k), 0)
             self._counts[(unit.index, k)] = j + 1
             call = self._calls.setdefault((unit.index, j), UnitCall(unit))
-            call.left += 1
+            call.entered += 1
             self._by_rank.setdefault(k, []).append(call)
             call.by_rank[k] = self._by_rank[k]
             self._next[(unit.index, k)] = call
@@ -407,8 +407,10 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             call.recorded.add("grad")
             g.record("reduce_scatter", nb, label)
         call.grads[k] = grads
-        call.left -= 1
-        if call.left:                    # the last rank's backward brings the sum
+        # the last rank's backward brings the sum; counted, not used up, so that a second
+        # backward through the same graph (``retain_graph=True``) reduces again (a
+        # countdown left every later one with no gradient, silently)
+        if len(call.grads) < call.entered:
             return (None,) * len(grads)
         out = []
         for i, need in enumerate(needs):
