@@ -5,8 +5,13 @@ before its fix.
 1. a forward under ``torch.inference_mode()`` between training steps (evaluation) on
    simulated ranks raised ``AttributeError: 'NoneType' object has no attribute
    '_sequence_nr'`` (DDP, FSDP, fully_shard, DDP + ZeroRedundancyOptimizer);
+   and the output's ``is_inference()`` had no rule;
 2. ``loss.backward(retain_graph=True); loss.backward()`` through FSDP / fully_shard
    left the gradient of the first backward only (the second reduced nothing, silently);
+3. ``ZeroRedundancyOptimizer``: its ``param_groups`` lacked the optimizer's hyperparameters
+   (``betas``...) and ``add_param_group`` raised, where torch's takes both;
+4. ``ZeroRedundancyOptimizer(partition="chunks")`` refused parameter groups (dicts) with a
+   misleading error.
 """
 import pytest
 import torch
@@ -96,6 +101,7 @@ def test_an_inference_mode_forward_between_steps_is_one_devices(kind):
             want = ref(x)
             got = w(dist(x, mesh))           # raised AttributeError (_sequence_nr)
         assert not got.requires_grad
+        assert got.is_inference() and want.is_inference()   # NoRuleError: no SPMD rule
         close(got.full(), want)
     assert_same_model(w, ref)
     if kind.startswith("fsdp") or kind == "fully_shard":
