@@ -11,7 +11,10 @@ before its fix.
 3. ``ZeroRedundancyOptimizer``: its ``param_groups`` lacked the optimizer's hyperparameters
    (``betas``...) and ``add_param_group`` raised, where torch's takes both;
 4. ``ZeroRedundancyOptimizer(partition="chunks")`` refused parameter groups (dicts) with a
-   misleading error.
+   misleading error;
+5. ``DataParallel`` / ``Zero3`` (the hybrid recipe's stage optimizers): ``dp.lr = x`` was a
+   copy no step read (silently the first lr: 0.0127 off one device after 3 steps) and
+   ``param_groups`` (nanoGPT's schedule) did not exist.
 """
 import pytest
 import torch
@@ -210,3 +213,44 @@ def test_zero_chunks_takes_parameter_groups_as_torch_optim(overlap_comm):
     with pytest.raises(NotImplementedError, match="build a new one with every group"):
         opt.add_param_group({"params": [wp["0.bias"]]})       # was torch's TypeError
     assert len(opt.param_groups) == 2
+
+
+# ---- 5. the course's optimizer-style objects: a learning-rate schedule reaches the step ----
+def dp_setup(zero):
+    from workbench.parallel.strategies.data_parallel import DataParallel
+    from workbench.parallel.strategies.zero3 import Zero3
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    model = wb.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    if zero == 3:
+        z = Zero3(model, mesh, "dp", lr=0.01, weight_decay=0.1)
+        return mesh, model, z, z
+    return mesh, model, model, DataParallel([p for _, p in wb.dist_parameters(model)], mesh,
+                                            zero=zero, lr=0.01, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["param_groups", "attribute"])
+def test_data_parallel_and_zero3_lr_changes_reach_the_step(zero, how):
+    ref = mlp()
+    ropt = wb.ops.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    mesh, model, run, opt = dp_setup(zero)
+    place = [wb.Shard(0), wb.Replicate()]
+    for i, (x, y) in enumerate(batches(3)):
+        lr = 0.01 * 0.5 ** i                 # a decaying schedule (nanoGPT's loop sets it)
+        for g in ropt.param_groups:
+            g["lr"] = lr
+        if how == "param_groups":            # AttributeError: no param_groups
+            for g in opt.param_groups:
+                g["lr"] = lr
+        else:
+            opt.lr = lr                      # a copy no step read: silently the first lr
+        assert opt.lr == lr and opt.param_groups[0]["lr"] == lr
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+        opt.zero_grad()
+        mse(run(wb.shard_tensor(x, mesh, place)), wb.shard_tensor(y, mesh, place)).backward()
+        opt.step()
+    assert opt.wd == 0.1 and opt.betas == (0.9, 0.999)
+    for k, v in ref.state_dict().items():
+        close(model.state_dict()[k].full(), v)
