@@ -181,6 +181,22 @@ def test_zero_add_param_group_trains_the_new_group_as_one_device(n):
     with pytest.raises(ValueError, match="more than one parameter group"):   # torch's check
         opt.add_param_group({"params": [wp["0.bias"]]})
     assert len(opt.param_groups) == 2
+    # its state dict resumes on an optimizer built with both groups (another partition)
+    _, w2 = wrap("zero", mlp(seed=5), n)
+    w2.load_state_dict(w.state_dict())
+    wp2 = by_name(w2)
+    opt2 = optimizer("zero", w2, mesh, params=[{"params": [wp2[k] for k in first]},
+                                               {"params": [wp2["0.weight"], wp2["0.bias"]]}],
+                     lr=1.0, momentum=0.0)
+    opt2.load_state_dict(got)
+    for o in (ropt, opt2):
+        o.zero_grad()
+    x, y = batches(5)[4]
+    mse(ref(x), y).backward()
+    ropt.step()
+    mse(w2(dist(x, mesh)), dist(y, mesh)).backward()
+    opt2.step()
+    assert_same_model(w2, ref)
 
 
 # ---- 4. ZeroRedundancyOptimizer(partition="chunks"): parameter groups ---------------------
