@@ -270,3 +270,18 @@ def test_data_parallel_and_zero3_lr_changes_reach_the_step(zero, how):
     assert opt.wd == 0.1 and opt.betas == (0.9, 0.999)
     for k, v in ref.state_dict().items():
         close(model.state_dict()[k].full(), v)
+
+
+def test_zero_chunks_step_without_gradients_says_why():
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    model = wb.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    place = [wb.Shard(0), wb.Replicate()]
+    x, y = batches(1)[0]
+    mse(model(wb.shard_tensor(x, mesh, place)), wb.shard_tensor(y, mesh, place)).backward()
+    opt = wb.ZeroRedundancyOptimizer([p for _, p in wb.dist_parameters(model)],
+                                     torch.optim.SGD, mesh, "dp", partition="chunks", lr=0.1)
+    before = {k: v.full().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="build it before the first backward"):
+        opt.step()                          # ValueError: torch.cat(): expected a non-empty list
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.full(), before[k])

@@ -338,6 +338,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                                       "step() without one")
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
         live = self.live()
+        if not live:        # (it failed inside torch.cat, saying nothing of why)
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(partition='chunks').step(): no parameter has a "
+                "gradient; call loss.backward() first (the optimizer gives each parameter "
+                "data-parallel replicas when it is built: gradients of a backward run "
+                "before that are not on them, so build it before the first backward)")
         params = [self.params[i] for i in live]
         shards = self._reduce_grads(live)
         # my shard of the parameters, from the replica (the replicas are the truth: an
