@@ -285,3 +285,46 @@ def test_zero_chunks_step_without_gradients_says_why():
         opt.step()                          # ValueError: torch.cat(): expected a non-empty list
     for k, v in model.state_dict().items():
         assert torch.equal(v.full(), before[k])
+
+
+# ---- 6. FSDP1's no_sync: a zero_grad drops the held gradients ----------------------------
+@pytest.mark.parametrize("kind", ["fsdp", "fsdp_units"])
+@pytest.mark.parametrize("how", ["model", "optimizer", "optimizer_set_to_none_false"])
+def test_fsdp_zero_grad_after_no_sync_drops_the_held_gradients(kind, how):
+    """A micro-batch accumulated under no_sync, then discarded with zero_grad (a skipped
+    batch): the next step is the next batch's alone, as one device and FSDP1 (whose
+    zero_grad clears the unsharded .grad it accumulates in)."""
+    ref = mlp()
+    mesh, w = wrap(kind, mlp())
+    opt = torch.optim.SGD(w.parameters(), lr=1.0)
+    (x0, y0), (x1, y1) = batches(2)
+    with w.no_sync():
+        mse(w(dist(x0, mesh)), dist(y0, mesh)).backward()
+    assert w.unsynced_bytes() > 0
+    if how == "model":
+        w.zero_grad()
+    else:
+        opt.zero_grad(set_to_none=how == "optimizer")
+    mse(w(dist(x1, mesh)), dist(y1, mesh)).backward()  # added the held x0 gradients
+    assert w.unsynced_bytes() == 0
+    opt.step()
+    mse(ref(x1), y1).backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    assert_same_model(w, ref)
+
+
+def test_fsdp_no_sync_without_zero_grad_still_accumulates():
+    ref = mlp()
+    mesh, w = wrap("fsdp_units", mlp())
+    opt = torch.optim.SGD(w.parameters(), lr=1.0)
+    bs = batches(3)
+    for i, (x, y) in enumerate(bs):
+        if i < 2:
+            with w.no_sync():
+                mse(w(dist(x, mesh)), dist(y, mesh)).backward()
+        else:
+            mse(w(dist(x, mesh)), dist(y, mesh)).backward()
+        mse(ref(x), y).backward()
+    opt.step()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    assert_same_model(w, ref)

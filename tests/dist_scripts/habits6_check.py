@@ -4,7 +4,9 @@
   against torch's own DDP + ZeroRedundancyOptimizer doing the same (parameters, and the
   groups' keys);
 * a forward under ``torch.inference_mode()`` between FSDP steps, and a second backward
-  through a retained graph, against one device.
+  through a retained graph, against one device;
+* ``optimizer.zero_grad()`` after an FSDP ``no_sync()`` backward drops the held gradients
+  (FSDP1's), against one device.
 Every rank prints one JSON line per case."""
 import json
 import os
@@ -86,10 +88,28 @@ def fsdp_inference_and_retain():
             "params": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
 
 
+def fsdp_zero_grad_after_no_sync():
+    ref = mlp()
+    f = wb.FullyShardedDataParallel(mlp(), None, units={nn.Linear})
+    opt = torch.optim.SGD(f.parameters(), lr=1.0)
+    (x0, y0), (x1, y1) = batches(2)
+    with f.no_sync():
+        mse(f(mine(x0)), mine(y0)).backward()
+    opt.zero_grad()                     # drops the held gradients, as FSDP1's
+    mse(f(mine(x1)), mine(y1)).backward()
+    opt.step()
+    mse(ref(x1), y1).backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    full = f.full_state_dict()
+    return {"case": "fsdp_zero_grad_after_no_sync",
+            "params": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+
+
 def main():
     wb.distributed.init(timeout_s=120)
     rank = dist.get_rank()
-    for case in (zero_add_param_group, fsdp_inference_and_retain):
+    for case in (zero_add_param_group, fsdp_inference_and_retain,
+                 fsdp_zero_grad_after_no_sync):
         try:
             row = case()
         except Exception as e:          # noqa: BLE001  (reported, not hidden)

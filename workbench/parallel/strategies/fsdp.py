@@ -204,6 +204,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()
+        self._drop_cleared()        # held no_sync gradients a zero_grad cleared: dropped
         check_batch_stats(g, self.module, "FullyShardedDataParallel")
         for call in getattr(self, "_calls", {}).values():
             # a kept root from a forward whose backward never ended (it raised, or was never
