@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 __all__ = ["NoSync"]
 
 
@@ -95,7 +97,6 @@ class NoSync:
 
     def _zero_shard_grad(self, shard):
         from .rank_grads import as_chunk_rows, as_shard_grad
-        import torch
         z = torch.zeros_like(shard)
         if self.group.distributed:
             return as_shard_grad(z, self.group.pg)
