@@ -143,6 +143,8 @@ _FACTS = {
     "nelement": lambda self: self.numel(),
     "ndimension": lambda self: self.ndim,
     "get_device": lambda self: self.device.index if self.device.type != "cpu" else -1,
+    # made under torch.inference_mode(): every shard is an inference tensor
+    "is_inference": lambda self: all(t.is_inference() for t in storage.tensors(self._local)),
     "numpy": _numpy,
     "cpu": _cpu,
 }

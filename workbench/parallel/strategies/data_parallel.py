@@ -45,6 +45,40 @@ from .zero_optimizer_dist import ChunkedZeroOptimizer
 __all__ = ["DataParallel", "MemoryReport"]
 
 
+class Hyper:
+    """An AdamW hyperparameter of an optimizer-style object (``dp.lr``, ``dp.wd``...), read
+    from and written to its optimizer's parameter groups: ``dp.lr = 1e-4`` sets the next
+    step's lr, as ``for g in dp.param_groups: g["lr"] = 1e-4`` does (a copy kept beside the
+    optimizer took the write and no step read it)."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        groups = obj.param_groups
+        return groups[0][self.key] if groups else obj.__dict__["_hyper"][self.key]
+
+    def __set__(self, obj, value) -> None:
+        for g in obj.param_groups:
+            g[self.key] = value
+        obj.__dict__["_hyper"][self.key] = value
+
+
+class AdamWHypers:
+    """``lr``, ``betas``, ``eps``, ``wd`` and ``param_groups`` of an object whose
+    ``optimizer`` (an AdamW, or None) steps its parameters: torch.optim's habit
+    (nanoGPT's schedule writes ``g["lr"]`` for each of ``optimizer.param_groups``)."""
+    lr, betas, eps, wd = Hyper("lr"), Hyper("betas"), Hyper("eps"), Hyper("weight_decay")
+
+    @property
+    def param_groups(self) -> list:
+        """The optimizer's parameter groups (a change reaches the next step)."""
+        opt = self.__dict__.get("optimizer")
+        return [] if opt is None else opt.param_groups
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes per rank of model states, as held (plain data)."""
@@ -60,7 +94,7 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer
 
 
-class DataParallel:
+class DataParallel(AdamWHypers):
     """Data parallel training of ``params`` (DistTensor leaves, replicated on ``dp``): the
     course's optimizer-style name over the data-parallel wrappers' DistTensor engines.
 
@@ -92,7 +126,7 @@ class DataParallel:
                                       "several mesh dims at once is not built; give one "
                                       "data-parallel dim, or zero=0")
         self.zero = zero
-        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.__dict__["_hyper"] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.step_count = 0             # step() calls
         adamw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if zero == 0:

@@ -204,6 +204,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()
+        self._drop_cleared()        # held no_sync gradients a zero_grad cleared: dropped
         check_batch_stats(g, self.module, "FullyShardedDataParallel")
         for call in getattr(self, "_calls", {}).values():
             # a kept root from a forward whose backward never ended (it raised, or was never
@@ -305,7 +306,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             j = self._counts.get((unit.index, k), 0)
             self._counts[(unit.index, k)] = j + 1
             call = self._calls.setdefault((unit.index, j), UnitCall(unit))
-            call.left += 1
+            call.entered += 1
             self._by_rank.setdefault(k, []).append(call)
             call.by_rank[k] = self._by_rank[k]
             self._next[(unit.index, k)] = call
@@ -407,8 +408,10 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
             call.recorded.add("grad")
             g.record("reduce_scatter", nb, label)
         call.grads[k] = grads
-        call.left -= 1
-        if call.left:                    # the last rank's backward brings the sum
+        # the last rank's backward brings the sum; counted, not used up, so that a second
+        # backward through the same graph (``retain_graph=True``) reduces again (a
+        # countdown left every later one with no gradient, silently)
+        if len(call.grads) < call.entered:
             return (None,) * len(grads)
         out = []
         for i, need in enumerate(needs):

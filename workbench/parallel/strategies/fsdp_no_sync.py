@@ -14,10 +14,25 @@ meanwhile (FSDP1's note: "higher memory usage because FSDP will accumulate the f
 gradients (instead of gradient shards)"), counted by :meth:`NoSync.unsynced_bytes`.
 A unit that runs inside the block but not in the synced backward keeps its held
 gradients until a later synced backward of it.
+
+``zero_grad`` drops them, as FSDP1's drops its unsharded ``.grad`` (``model.zero_grad()``
+clears the flat parameter's; ``optimizer.zero_grad()`` the original parameters' views of
+it, and ``_reset_flat_param_grad_info_if_needed``, torch 2.13 ``_flat_param.py:2448-2475``,
+then frees the flat one) and as one device drops what it accumulated: each trainable shard
+whose unit holds gradients shows a gradient meanwhile (a zero one where it had none), and
+the next forward drops the held gradients of a shard whose gradient was cleared or
+written since (``optimizer.zero_grad()``, ``set_to_none=False`` too).  Before, they were
+added to the next synced backward's, silently.  ``fully_shard``'s
+``set_requires_gradient_sync(False)`` keeps FSDP2's semantics instead: the shards' ``.grad``
+stays None meanwhile and the held gradients outlive a ``zero_grad`` (FSDP2 keeps them on
+its unsharded parameters, which no ``zero_grad`` reaches, and reduces them in the next
+synced backward: torch 2.13 ``_fsdp_param_group.py:620-632``).
 """
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 __all__ = ["NoSync"]
 
@@ -56,12 +71,56 @@ class NoSync:
             for i, (gr, need) in enumerate(zip(self._held_dtype(grads), needs)):
                 if need and gr is not None:
                     held[i] = gr.detach().clone() if held[i] is None else held[i] + gr
+                    self._mark_held(call.unit, i)
             return (None,) * len(grads)
         held = self._unsynced.pop(key, None)
         if held is not None:             # the synced backward: its gradients plus the held
             grads = tuple(h if gr is None else gr if h is None else gr + h
                           for gr, h in zip(grads, held))
+            self._synced(call.unit)
         return self._reduce_scatter_now(call, k, grads, needs)
+
+    _zero_grad_drops_held = True     # FSDP1's; fully_shard (FSDP2): False
+
+    def _mark_held(self, unit, i) -> None:
+        """Shard ``i`` of ``unit`` has held gradients: it shows a gradient (a zero one
+        where it had none), whose identity and version the next forward compares."""
+        if not self._zero_grad_drops_held:
+            return
+        shard = unit.params[i][1]
+        marks = self.__dict__.setdefault("_held_marks", {})
+        if id(shard) in marks and shard.grad is marks[id(shard)][3]:
+            return
+        if shard.grad is None:
+            shard.grad = self._zero_shard_grad(shard)
+        marks[id(shard)] = (unit.index, i, shard, shard.grad, shard.grad._version)
+
+    def _zero_shard_grad(self, shard):
+        from .rank_grads import as_chunk_rows, as_shard_grad
+        z = torch.zeros_like(shard)
+        if self.group.distributed:
+            return as_shard_grad(z, self.group.pg)
+        return as_chunk_rows(z, self._meta[id(shard)][1])
+
+    def _drop_cleared(self) -> None:
+        """At a forward: the held gradients of each shard whose gradient was cleared or
+        written since they were held (a ``zero_grad``) are dropped, as one device's."""
+        marks = self.__dict__.get("_held_marks")
+        if not marks:
+            return
+        for sid, (u, i, shard, g, version) in list(marks.items()):
+            if shard.grad is g and g._version == version:
+                continue
+            del marks[sid]
+            for (ui, _), held in self._unsynced.items():
+                if ui == u:
+                    held[i] = None
+
+    def _synced(self, unit) -> None:
+        """``unit``'s held gradients went into a reduction: its marks go."""
+        marks = self.__dict__.get("_held_marks")
+        for sid in [sid for sid, m in (marks or {}).items() if m[0] == unit.index]:
+            del marks[sid]
 
     def unsynced_bytes(self) -> int:
         """Bytes of unsharded gradients held for the next synced backward (all ranks)."""

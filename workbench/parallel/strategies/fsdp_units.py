@@ -121,7 +121,7 @@ class UnitCall:
     the weights re-gathered for backward."""
 
     def __init__(self, unit):
-        self.unit, self.left, self.grads = unit, 0, {}
+        self.unit, self.entered, self.grads = unit, 0, {}   # entered: ranks (simulated)
         self.cache, self.packed, self.ptrs, self.recorded, self.done = {}, {}, {}, set(), set()
         self.by_rank = {}               # rank -> its entries in forward order (prefetch)
 

@@ -53,6 +53,7 @@ class FullyShardRoot(FullyShardedDataParallel):
     :func:`.fully_shard.fully_shard`; the user keeps calling their own module."""
 
     _who = "fully_shard"
+    _zero_grad_drops_held = False    # FSDP2: held gradients outlive zero_grad (fsdp_no_sync)
 
     def __init__(self, module, mesh, dim, compute_dtype, units, adopt: dict,
                  reduce_dtype=None):

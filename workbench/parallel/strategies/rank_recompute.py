@@ -43,8 +43,10 @@ _OPEN: list = []    # scopes whose pre-hook ran and post-hook has not (yet)
 
 def seq_mark() -> int:
     """The sequence number of a new autograd node of this thread: the nodes a forward
-    makes after it have larger numbers (each new node takes the thread's next one)."""
-    with torch.enable_grad():
+    makes after it have larger numbers (each new node takes the thread's next one).
+    Outside inference mode too: a forward under ``torch.inference_mode()`` makes no node,
+    but the probe needs one (it raised AttributeError there)."""
+    with torch.inference_mode(False), torch.enable_grad():
         return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
 
 

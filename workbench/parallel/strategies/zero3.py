@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from ...ops.adamw import AdamW as _AdamW
-from .data_parallel import MemoryReport
+from .data_parallel import AdamWHypers, MemoryReport
 from .fsdp_dist import PREFETCH_NUMEL, DistTensorFSDP
 
 __all__ = ["Zero3", "PREFETCH_NUMEL"]
 
 
-class Zero3(DistTensorFSDP):
+class Zero3(AdamWHypers, DistTensorFSDP):
     """ZeRO-3 over the ``dp`` dim of ``mesh`` for a module parallelized with
     :func:`workbench.parallelize` (its DistTensor parameters replicated on dp);
     ``prefetch_numel``: elements gathered ahead (DeepSpeed's default; 0: none)."""
@@ -47,7 +47,7 @@ class Zero3(DistTensorFSDP):
             raise ValueError(f"prefetch_numel={prefetch_numel!r}: give the elements to "
                              "gather ahead, an int >= 0 (0: no prefetch)")
         super().__init__(module, mesh, dp, prefetch=prefetch_numel)
-        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.__dict__["_hyper"] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.step_count = 0
         # AdamW (wb.ops.adamw, as Zero3 always ran) as a torch.optim optimizer over the
         # shards; any other torch.optim optimizer over parameters() steps them the same way

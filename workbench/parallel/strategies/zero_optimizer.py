@@ -73,28 +73,57 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(kwargs))
         self.group = g = RankGroup(mesh, dim, "ZeroRedundancyOptimizer")
         self.optimizer_class = optimizer_class
-        plist = [p for grp in self.param_groups for p in grp["params"]]
-        self.rows = {id(p): (not g.distributed and p.dim() > 0 and p.shape[0] == g.n and
-                             getattr(p, "_wb_rows", None) == g.n) for p in plist}
-        # partition: largest first, each to the least loaded rank (PyTorch's greedy rule)
-        load = [0] * g.n
-        self.owner = {}
-        for p in sorted(plist, key=lambda p: -self._numel(p)):
-            k = min(range(g.n), key=lambda r: load[r])
-            self.owner[id(p)] = k
-            load[k] += self._numel(p)
+        self.rows, self.owner, self._load = {}, {}, [0] * g.n
+        self._partition([p for grp in self.param_groups for p in grp["params"]])
         self._views = {}                 # (id(p), k) -> the leaf rank k's optimizer steps
         ranks = [g.k] if g.distributed else range(g.n)
         self.optimizers = {k: self._build(k) for k in ranks}
+        self._fill_groups()
         self._built = True
 
+    def _partition(self, plist) -> None:
+        """Give each of ``plist`` an owner: largest first, each to the least loaded rank
+        (PyTorch's greedy rule, torch 2.13 ``zero_redundancy_optimizer.py:651-700``)."""
+        g = self.group
+        for p in plist:
+            self.rows[id(p)] = (not g.distributed and p.dim() > 0 and p.shape[0] == g.n and
+                                getattr(p, "_wb_rows", None) == g.n)
+        for p in sorted(plist, key=lambda p: -self._numel(p)):
+            k = min(range(g.n), key=lambda r: self._load[r])
+            self.owner[id(p)] = k
+            self._load[k] += self._numel(p)
+
+    def _fill_groups(self) -> None:
+        """Each group holds every hyperparameter the local optimizers use (``betas``,
+        ``eps``, ``weight_decay``... from ``optimizer_class``'s defaults), as torch's copies
+        them in (``_sync_param_groups(self.optim.param_groups, self.param_groups)``, torch
+        2.13 ``zero_redundancy_optimizer.py:1591``): ``opt.param_groups[0]["betas"]`` reads."""
+        inner = next((o for o in self.optimizers.values() if o is not None), None)
+        if inner is None:
+            return
+        for grp, own in zip(self.param_groups, inner.param_groups):
+            for o, v in own.items():
+                if o != "params":
+                    grp.setdefault(o, v)
+
     def add_param_group(self, param_group) -> None:
-        if getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it first
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer.add_param_group: the parameters were partitioned "
-                "over the ranks when it was built; build a new ZeroRedundancyOptimizer with "
-                "every group (a group added here would never be stepped)")
-        super().add_param_group(param_group)
+        """As torch's: the new group's parameters are partitioned over the ranks (the old
+        groups keep their owners and states) and each rank's optimizer takes its share
+        (torch 2.13 ``zero_redundancy_optimizer.py:467-511``), e.g. layers unfrozen while
+        fine-tuning."""
+        super().add_param_group(param_group)     # torch.optim's checks and defaults
+        if not getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it
+            return
+        grp = self.param_groups[-1]
+        self._partition(grp["params"])
+        hyper = {o: v for o, v in grp.items() if o != "params"}
+        for k, opt in self.optimizers.items():
+            if opt is None:                 # owned nothing so far: built over every group
+                self.optimizers[k] = self._build(k)
+            else:
+                opt.add_param_group({**hyper, "params": [self._view(p, k) for p in grp["params"]
+                                                         if self.owner[id(p)] == k]})
+        self._fill_groups()
 
     def _numel(self, p):
         return p[0].numel() if self.rows[id(p)] else p.numel()

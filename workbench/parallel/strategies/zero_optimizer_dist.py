@@ -117,8 +117,9 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         if mesh is None:
             raise ValueError("ZeroRedundancyOptimizer(partition='chunks', mesh=None): pass the "
                              "mesh the DistTensor parameters live on")
-        self.replicas = r = GradReplicas(list(params), mesh, dim, None, partial_grads,
-                                         partial_dim, "ZeroRedundancyOptimizer")
+        spec = _param_groups(params)        # [(hyperparameters, params)], torch's groups
+        self.replicas = r = GradReplicas([p for _, ps in spec for p in ps], mesh, dim, None,
+                                         partial_grads, partial_dim, "ZeroRedundancyOptimizer")
         self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
         self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
         nd = mesh.ndim
@@ -131,9 +132,19 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
                                     requires_grad=p.requires_grad) for p in self.params]
         step_clock.hold(self.shards, mesh.ranks, nd)          # the inner optimizer's step: on the clock
-        torch.optim.Optimizer.__init__(self, self.shards, dict(kwargs))
+        # each group's shards, in the order of its parameters (GradReplicas keeps it)
+        at = [0]
+        for _, ps in spec:
+            at.append(at[-1] + len(ps))
+        torch.optim.Optimizer.__init__(self, [{**h, "params": self.shards[a:b]} for (h, _), a, b
+                                              in zip(spec, at, at[1:])], dict(kwargs))
         self.optimizer_class = optimizer_class
-        self._inner = optimizer_class(self.shards, **kwargs)
+        self._inner = optimizer_class([{**h, "params": self.shards[a:b]} for (h, _), a, b
+                                       in zip(spec, at, at[1:])], **kwargs)
+        # every hyperparameter the inner optimizer uses (betas...), as torch's
+        # ZeroRedundancyOptimizer copies its local optimizer's groups in
+        _copy_hyper(self._inner.param_groups, self.param_groups)
+        self._built = True
         self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
         self._pending: list = []                       # (trace, handle) to wait for in step
         if overlap_comm and not self.distributed:
@@ -144,6 +155,14 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             # model.zero_grad() reaches the shard that replaced the gradient (ZeRO-2's in
             # backward; ZeRO-1's too once clip_grad_norm_ / reduce_grads_ made it)
             p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
+
+    def add_param_group(self, param_group) -> None:
+        if getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it first
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer(partition='chunks').add_param_group: its buffers and "
+                "gradient hooks are laid out over the parameters it was built with; build a "
+                "new one with every group (a list of dicts, as torch.optim takes)")
+        torch.optim.Optimizer.add_param_group(self, param_group)
 
     @property
     def optimizer(self):
@@ -319,6 +338,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                                       "step() without one")
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
         live = self.live()
+        if not live:        # (it failed inside torch.cat, saying nothing of why)
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(partition='chunks').step(): no parameter has a "
+                "gradient; call loss.backward() first (the optimizer gives each parameter "
+                "data-parallel replicas when it is built: gradients of a backward run "
+                "before that are not on them, so build it before the first backward)")
         params = [self.params[i] for i in live]
         shards = self._reduce_grads(live)
         # my shard of the parameters, from the replica (the replicas are the truth: an
@@ -370,6 +395,29 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     def shard_numel(self) -> list[int]:
         """Elements of each parameter's shard per rank (padded numel / N_d)."""
         return [s.shape[-1] for s in self.shards]
+
+
+def _param_groups(params) -> list:
+    """``params`` as torch.optim takes them (tensors, or dicts with ``"params"`` and a
+    group's hyperparameters) -> [(hyperparameters, [params])]."""
+    params = list(params)
+    if not any(isinstance(p, dict) for p in params):
+        return [({}, params)]
+    if not all(isinstance(p, dict) for p in params):
+        raise TypeError("ZeroRedundancyOptimizer(params=...): give DistTensor parameters or "
+                        "parameter groups (dicts with 'params'), not a mix of both")
+    spec, seen = [], set()
+    for i, grp in enumerate(params):
+        if "params" not in grp:
+            raise ValueError(f"ZeroRedundancyOptimizer: parameter group {i} has no 'params' "
+                             "key; give {'params': [...], 'lr': ...}")
+        ps = grp["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        if seen & {id(p) for p in ps}:
+            raise ValueError("some parameters appear in more than one parameter group")
+        seen |= {id(p) for p in ps}
+        spec.append(({k: v for k, v in grp.items() if k != "params"}, ps))
+    return spec
 
 
 def _copy_hyper(src, dst) -> None:
