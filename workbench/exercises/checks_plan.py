@@ -25,13 +25,15 @@ K = 12                      # bytes of Adam state per parameter (ZeRO sec. 3.1)
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _zero_states(psi: float, n_d: int, stage: int, grad_bytes: int = 2) -> float:
+def _zero_states(psi: float, n_d: int, stage: int, grad_bytes: int = 2, k: int = K) -> float:
     """Bytes of model states per GPU (ZeRO Figure 1): (2 + 2 + K) psi, then the optimizer,
     the gradients and the weights split over the N_d data-parallel GPUs stage by stage.
-    ``grad_bytes=4``: Megatron-LM's fp32 gradient buffer (a student's slip here)."""
+    Students' slips here: ``grad_bytes=4``, Megatron-LM's fp32 gradient buffer;
+    ``grad_bytes=0``, the gradients left out; ``k=8``, Adam's two states without the fp32
+    copy of the weights."""
     g = grad_bytes
-    return [(2 + g + K) * psi, (2 + g) * psi + K * psi / n_d,
-            2 * psi + (g + K) * psi / n_d, (2 + g + K) * psi / n_d][stage]
+    return [(2 + g + k) * psi, (2 + g) * psi + k * psi / n_d,
+            2 * psi + (g + k) * psi / n_d, (2 + g + k) * psi / n_d][stage]
 
 
 def _usable_gb(profile: str) -> float:
@@ -58,7 +60,15 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) 
               (want * 1e9 / 2**30, "use GB = 1e9 bytes, as the ZeRO paper does"),
               (_zero_states(psi, n_d, stage, grad_bytes=4) / 1e9,
                "that counts 4-byte (fp32) gradients, Megatron-LM's buffer; the exercise "
-               "counts ZeRO's 16-bit gradients, 2 bytes per parameter")]
+               "counts ZeRO's 16-bit gradients, 2 bytes per parameter"),
+              # 19.69 GB at stage 2: within 2% of the GiB slip (20.08), which it was called
+              (_zero_states(psi, n_d, stage, k=8) / 1e9,
+               "that counts K = 8 bytes of optimizer state (Adam's momentum and variance); "
+               "mixed-precision Adam also keeps an fp32 copy of the weights: K = 12"),
+              (_zero_states(psi, n_d, stage, grad_bytes=0) / 1e9,
+               "you left out the 16-bit gradients (2 bytes per parameter): stage "
+               f"{stage} " + ("keeps them whole on every GPU" if stage < 2 else
+                              "splits them, each GPU keeps 2 psi / N_d"))]
     if stage in (1, 2):
         whole = (4 if stage == 1 else 2) * psi
         kept = "16-bit weights and gradients (4 psi)" if stage == 1 else "16-bit weights (2 psi)"
