@@ -130,3 +130,16 @@ def test_printed_lines_fit_the_notebook_width(name):
             for line in "".join(o.get("text", "") or o.get("data", {}).get("text/plain", ""))
             .splitlines() if len(line) > WIDTH]
     assert not long, f"cells (index, characters) printing lines over {WIDTH}: {long}"
+
+
+# ---- 09 exercise 1 ----------------------------------------------------------------------------
+
+def test_online_softmax_tuple_of_the_wrong_length_says_how_many():
+    """An update returning (m, l) read "update must return the tuple (m, l, acc), got
+    tuple": a tuple was what it returned; the message now counts the values.  An update
+    without a return statement read "got NoneType"."""
+    msg = message(F.check_online_softmax, lambda m, l, acc, s, v: (m, l))
+    assert "2 values" in msg
+    assert "list of 3 values" in message(F.check_online_softmax,
+                                         lambda m, l, acc, s, v: [m, l, acc])
+    assert "return m, l, acc" in message(F.check_online_softmax, lambda m, l, acc, s, v: None)

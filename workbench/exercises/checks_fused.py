@@ -60,9 +60,14 @@ def _run(update, scores, values, width):
     for j in range(0, scores.shape[1], width):
         before = (m.clone(), l.clone(), acc.clone())     # an update may work in place
         out = update(m, l, acc, scores[:, j:j + width].clone(), values[j:j + width].clone())
+        if out is None:
+            raise CheckError("your update returned None: end it with return m, l, acc (the new "
+                             "values)")
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise CheckError(f"update must return the tuple (m, l, acc), got "
-                             f"{type(out).__name__}")
+            n = (f" of {len(out)} value{'s' * (len(out) != 1)}"
+                 if isinstance(out, (tuple, list)) else "")   # "got tuple" read as right
+            raise CheckError(f"update must return the tuple (m, l, acc), got a "
+                             f"{type(out).__name__}{n}")
         m, l, acc = out
         if (isinstance(l, torch.Tensor) and isinstance(acc, torch.Tensor) and d != 1
                 and tuple(l.shape) == (rows, d) and tuple(acc.shape) == (rows, 1)):
