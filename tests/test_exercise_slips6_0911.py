@@ -143,3 +143,27 @@ def test_online_softmax_tuple_of_the_wrong_length_says_how_many():
     assert "list of 3 values" in message(F.check_online_softmax,
                                          lambda m, l, acc, s, v: [m, l, acc])
     assert "return m, l, acc" in message(F.check_online_softmax, lambda m, l, acc, s, v: None)
+
+
+# ---- 11 exercise 3 ----------------------------------------------------------------------------
+
+def test_biggest_micro_batch_names_the_slip_behind_b_1():
+    """b = 1 is what a count without ZeRO-1 (16 bytes per parameter) or with the
+    no-recompute row gives; it read only "a bigger divisor fits too: activations grow
+    linearly in b", which the student's own count contradicted."""
+    msg = message(P.check_biggest_micro_batch, 1)
+    assert "ZeRO-1" in msg and "10 + 24/t" in msg
+
+
+@pytest.mark.parametrize("b, slip", [(6, "sequence parallelism"), (32, "min(p, m)")])
+def test_biggest_micro_batch_names_the_slip_behind_a_too_big_b(b, slip):
+    """b = 6 (Table 2's SP row, sbh 34/t) and b = 32 (one micro-batch in flight) read the
+    same "too big: model states do not grow with b" as any other."""
+    msg = message(P.check_biggest_micro_batch, b)
+    assert "too big" in msg and slip in msg and "do not grow with b" not in msg
+
+
+def test_biggest_micro_batch_right_answer_and_plain_too_big_hold(capsys):
+    assert "b = 2" in passes(capsys, P.check_biggest_micro_batch, 2)
+    msg = message(P.check_biggest_micro_batch, 4)          # no slip gives 4: the old hint
+    assert "do not grow with b" in msg and "Check your count" not in msg

@@ -179,14 +179,48 @@ def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str 
             f"buffers and the peak workspace. Do they fit in those {spare:.1f} GB? The "
             f"notebook asks the planner next")
         return
+    # a slip in the count that makes b the largest fit: name it (b = 1 is what ZeRO-1
+    # forgotten gives, and the no-recompute row; b = 6 the SP row; b = 32 one micro-batch)
+    named = [text for slip, text in _MICRO_BATCH_SLIPS
+             if recompute == "selective" and (slip != "zero" or zero > 0) and b == max(
+                 (d for d in range(1, per_dp + 1) if per_dp % d == 0 and _slipped_gb(
+                     slip, d, tp, pp, dp, zero, global_batch) <= memory_gb), default=None)]
     if got_gb > memory_gb:
-        hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "
-                f"with b; activations do, min(p, m) micro-batches of them on the first stage")
+        hint = f"b = {b} needs about {got_gb:.0f} GB: too big. " + (
+            "Check your count: " + "; or ".join(named) if named else "Model states do not grow with b; activations "
+            "do, min(p, m) micro-batches of them on the first stage")
+    elif named:
+        hint = (f"b = {b} fits (about {got_gb:.0f} GB), and by the exercise's count a bigger "
+                f"divisor of {per_dp} fits too. Check your count: " + "; or ".join(named))
     else:
         hint = (f"b = {b} fits (about {got_gb:.0f} GB); by the exercise's count a bigger "
                 f"divisor of {per_dp} fits too: activations grow linearly in b (the exercise "
                 f"asks for that count's answer; the planner's own comes after it)")
     raise CheckError(hint, expected=f"b = {want}")
+
+
+_MICRO_BATCH_SLIPS = (
+    ("zero", "ZeRO-1 splits the optimizer states over the N_d ranks (4 + 12/N_d bytes per "
+             "parameter, not 16)"),
+    ("none", "selective recompute keeps sbh(10 + 24/t), without the attention core's "
+             "5as/(ht)"),
+    ("sp", "sbh(34/t) is the row with sequence parallelism, which this layout does not use"),
+    ("one", "1F1B's first stage holds min(p, m) micro-batches at once, not one"),
+)
+
+
+def _slipped_gb(slip: str, b: int, tp: int, pp: int, dp: int, zero: int,
+                global_batch: int) -> float:
+    """:func:`gpt3_first_stage_gb` with selective recompute, counted with one slip."""
+    if slip == "zero":
+        return gpt3_first_stage_gb("selective", b, tp, pp, dp, 0, global_batch)
+    if slip == "none":
+        return gpt3_first_stage_gb("none", b, tp, pp, dp, zero, global_batch)
+    L, h, s, V = (GPT3[k] for k in ("L", "h", "s", "V"))
+    states = _zero_states(L / pp * 12 * h * h / tp + V * h / tp + s * h, dp, zero)
+    per_layer = s * b * h * (34 / tp if slip == "sp" else 10 + 24 / tp)
+    held = 1 if slip == "one" else min(pp, global_batch // (dp * b))
+    return (states + per_layer * (L / pp) * held) / 1e9
 
 
 def _gpt3_model_flops(batch: int) -> float:
