@@ -60,9 +60,14 @@ def _run(update, scores, values, width):
     for j in range(0, scores.shape[1], width):
         before = (m.clone(), l.clone(), acc.clone())     # an update may work in place
         out = update(m, l, acc, scores[:, j:j + width].clone(), values[j:j + width].clone())
+        if out is None:
+            raise CheckError("your update returned None: end it with return m, l, acc (the new "
+                             "values)")
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise CheckError(f"update must return the tuple (m, l, acc), got "
-                             f"{type(out).__name__}")
+            n = (f" of {len(out)} value{'s' * (len(out) != 1)}"
+                 if isinstance(out, (tuple, list)) else "")   # "got tuple" read as right
+            raise CheckError(f"update must return the tuple (m, l, acc), got a "
+                             f"{type(out).__name__}{n}")
         m, l, acc = out
         if (isinstance(l, torch.Tensor) and isinstance(acc, torch.Tensor) and d != 1
                 and tuple(l.shape) == (rows, d) and tuple(acc.shape) == (rows, 1)):
@@ -217,17 +222,24 @@ def check_online_softmax(update) -> None:
         "row of scores")
 
 
-def _window_tiles_by_hand(seq: int, window: int, tile: int) -> int:
-    """Tiles with at least one kept (query i, key j): j <= i and i - j < window."""
+def _window_tile_kinds(seq: int, window: int, tile: int) -> tuple[int, int]:
+    """(whole, partial): tiles whose every (query i, key j) is kept (j <= i and
+    i - j < window), and tiles with some kept and some masked."""
     n = -(-seq // tile)
-    count = 0
+    whole = partial = 0
     for a in range(n):
         for b in range(n):
             rows = range(a * tile, min((a + 1) * tile, seq))
             cols = range(b * tile, min((b + 1) * tile, seq))
-            if any(0 <= i - j < window for i in rows for j in cols):
-                count += 1
-    return count
+            kept = [0 <= i - j < window for i in rows for j in cols]
+            whole += all(kept)
+            partial += any(kept) and not all(kept)
+    return whole, partial
+
+
+def _window_tiles_by_hand(seq: int, window: int, tile: int) -> int:
+    """Tiles with at least one kept (query i, key j): j <= i and i - j < window."""
+    return sum(_window_tile_kinds(seq, window, tile))
 
 
 @exercise
@@ -266,6 +278,15 @@ def check_window_tiles(computed, seq: int = 1024, window: int = 256, tile: int =
     elif window > tile and computed == _window_tiles_by_hand(seq, window + tile, tile):
         hint = (f"that is the count for a window of {window + tile} keys (the figure of "
                 f"section 3); this window is {window} keys")
+    elif computed == n * n - want:
+        hint = ("that is the number of tiles SKIPPED; the exercise asks how many are "
+                "computed")
+    elif computed == _window_tile_kinds(seq, window, tile)[0]:
+        hint = ("you counted only the tiles kept whole; a partial tile (on the diagonal, "
+                "and at the window's far edge) is computed too, with the element-wise mask")
+    elif computed == _window_tile_kinds(seq, window, tile)[1]:
+        hint = ("you counted only the partial tiles; the tiles kept whole are computed "
+                "too")
     else:
         hint = (f"draw the {n} x {n} grid: in query tile a, which key tiles hold a key j with "
                 "0 <= i - j < window for some query i of the tile?")

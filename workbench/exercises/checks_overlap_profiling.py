@@ -48,7 +48,12 @@ def check_hidden_share(share, compute_ms: float = 1.4, comm_ms: float = 2.0,
         (min(1.0, ratio) / k, "you multiplied by 1/k, the last chunk that stays exposed; "
                               "the chunks that can hide are the other (1 - 1/k)"),
         (1 - ratio, "that is the part of M that is longer than C, not the hidden share"),
-    ], rel=1e-3, hint_rel=0.005,
+        (1 - want, "that is the share left EXPOSED; the hidden share is the rest of M"),
+        ((1 - want) * comm_ms, "that is the EXPOSED time in ms; give the HIDDEN share of the "
+                               "communication, a fraction of M"),
+    ] + [((1 - 1 / j) * min(1.0, ratio), f"that is the share for k = {j} chunks; here "
+                                         f"k = {k}") for j in (k - 1, k + 1) if j >= 1],
+        rel=1e-3, hint_rel=0.005,
         fallback=("a share of the communication is at most 1 (all of it hidden): compare "
                   "each factor with the formula" if _number("hidden share", share) > 1
                   else "compare each factor with the formula"))

@@ -25,13 +25,15 @@ K = 12                      # bytes of Adam state per parameter (ZeRO sec. 3.1)
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _zero_states(psi: float, n_d: int, stage: int, grad_bytes: int = 2) -> float:
+def _zero_states(psi: float, n_d: int, stage: int, grad_bytes: int = 2, k: int = K) -> float:
     """Bytes of model states per GPU (ZeRO Figure 1): (2 + 2 + K) psi, then the optimizer,
     the gradients and the weights split over the N_d data-parallel GPUs stage by stage.
-    ``grad_bytes=4``: Megatron-LM's fp32 gradient buffer (a student's slip here)."""
+    Students' slips here: ``grad_bytes=4``, Megatron-LM's fp32 gradient buffer;
+    ``grad_bytes=0``, the gradients left out; ``k=8``, Adam's two states without the fp32
+    copy of the weights."""
     g = grad_bytes
-    return [(2 + g + K) * psi, (2 + g) * psi + K * psi / n_d,
-            2 * psi + (g + K) * psi / n_d, (2 + g + K) * psi / n_d][stage]
+    return [(2 + g + k) * psi, (2 + g) * psi + k * psi / n_d,
+            2 * psi + (g + k) * psi / n_d, (2 + g + k) * psi / n_d][stage]
 
 
 def _usable_gb(profile: str) -> float:
@@ -58,7 +60,15 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) 
               (want * 1e9 / 2**30, "use GB = 1e9 bytes, as the ZeRO paper does"),
               (_zero_states(psi, n_d, stage, grad_bytes=4) / 1e9,
                "that counts 4-byte (fp32) gradients, Megatron-LM's buffer; the exercise "
-               "counts ZeRO's 16-bit gradients, 2 bytes per parameter")]
+               "counts ZeRO's 16-bit gradients, 2 bytes per parameter"),
+              # 19.69 GB at stage 2: within 2% of the GiB slip (20.08), which it was called
+              (_zero_states(psi, n_d, stage, k=8) / 1e9,
+               "that counts K = 8 bytes of optimizer state (Adam's momentum and variance); "
+               "mixed-precision Adam also keeps an fp32 copy of the weights: K = 12"),
+              (_zero_states(psi, n_d, stage, grad_bytes=0) / 1e9,
+               "you left out the 16-bit gradients (2 bytes per parameter): stage "
+               f"{stage} " + ("keeps them whole on every GPU" if stage < 2 else
+                              "splits them, each GPU keeps 2 psi / N_d"))]
     if stage in (1, 2):
         whole = (4 if stage == 1 else 2) * psi
         kept = "16-bit weights and gradients (4 psi)" if stage == 1 else "16-bit weights (2 psi)"
@@ -169,14 +179,48 @@ def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str 
             f"buffers and the peak workspace. Do they fit in those {spare:.1f} GB? The "
             f"notebook asks the planner next")
         return
+    # a slip in the count that makes b the largest fit: name it (b = 1 is what ZeRO-1
+    # forgotten gives, and the no-recompute row; b = 6 the SP row; b = 32 one micro-batch)
+    named = [text for slip, text in _MICRO_BATCH_SLIPS
+             if recompute == "selective" and (slip != "zero" or zero > 0) and b == max(
+                 (d for d in range(1, per_dp + 1) if per_dp % d == 0 and _slipped_gb(
+                     slip, d, tp, pp, dp, zero, global_batch) <= memory_gb), default=None)]
     if got_gb > memory_gb:
-        hint = (f"b = {b} needs about {got_gb:.0f} GB: too big. Model states do not grow "
-                f"with b; activations do, min(p, m) micro-batches of them on the first stage")
+        hint = f"b = {b} needs about {got_gb:.0f} GB: too big. " + (
+            "Check your count: " + "; or ".join(named) if named else "Model states do not grow with b; activations "
+            "do, min(p, m) micro-batches of them on the first stage")
+    elif named:
+        hint = (f"b = {b} fits (about {got_gb:.0f} GB), and by the exercise's count a bigger "
+                f"divisor of {per_dp} fits too. Check your count: " + "; or ".join(named))
     else:
         hint = (f"b = {b} fits (about {got_gb:.0f} GB); by the exercise's count a bigger "
                 f"divisor of {per_dp} fits too: activations grow linearly in b (the exercise "
                 f"asks for that count's answer; the planner's own comes after it)")
     raise CheckError(hint, expected=f"b = {want}")
+
+
+_MICRO_BATCH_SLIPS = (
+    ("zero", "ZeRO-1 splits the optimizer states over the N_d ranks (4 + 12/N_d bytes per "
+             "parameter, not 16)"),
+    ("none", "selective recompute keeps sbh(10 + 24/t), without the attention core's "
+             "5as/(ht)"),
+    ("sp", "sbh(34/t) is the row with sequence parallelism, which this layout does not use"),
+    ("one", "1F1B's first stage holds min(p, m) micro-batches at once, not one"),
+)
+
+
+def _slipped_gb(slip: str, b: int, tp: int, pp: int, dp: int, zero: int,
+                global_batch: int) -> float:
+    """:func:`gpt3_first_stage_gb` with selective recompute, counted with one slip."""
+    if slip == "zero":
+        return gpt3_first_stage_gb("selective", b, tp, pp, dp, 0, global_batch)
+    if slip == "none":
+        return gpt3_first_stage_gb("none", b, tp, pp, dp, zero, global_batch)
+    L, h, s, V = (GPT3[k] for k in ("L", "h", "s", "V"))
+    states = _zero_states(L / pp * 12 * h * h / tp + V * h / tp + s * h, dp, zero)
+    per_layer = s * b * h * (34 / tp if slip == "sp" else 10 + 24 / tp)
+    held = 1 if slip == "one" else min(pp, global_batch // (dp * b))
+    return (states + per_layer * (L / pp) * held) / 1e9
 
 
 def _gpt3_model_flops(batch: int) -> float:

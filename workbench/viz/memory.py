@@ -20,7 +20,7 @@ import html
 import math
 
 from .bar_labels import end_label, place_labels
-from .placements import RC, show, to_png
+from .placements import PRE_WRAP, RC, show, to_png
 
 __all__ = ["PARTS", "PART_COLORS", "memory_bars", "stage_rows", "memory_widget",
            "MemoryExplorer", "show"]
@@ -256,7 +256,8 @@ class MemoryExplorer:
         if self.figure is not None:
             self.image.value = to_png(self.figure)
         self.image.layout.visibility = "visible" if self.figure is not None else "hidden"
-        self.status.value = f"<pre>{html.escape(self.message)}</pre>"
+        # wrapped at spaces: a message that is no layout runs to about 180 characters
+        self.status.value = f"<pre{PRE_WRAP}>{html.escape(self.message)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = dict(self.box._repr_mimebundle_(**kwargs))

@@ -30,6 +30,7 @@ from matplotlib.path import Path
 
 from ..parallel.schedules import (KINDS, SCHEDULES, Schedule, SimulationResult, formula_bubble,
                                   simulate)
+from .placements import PRE_WRAP
 
 __all__ = ["KIND_COLORS", "BUBBLE_COLOR", "PipelineFigure", "draw_pipeline", "render_text",
            "bubble_caption", "pipeline_widget", "PipelineExplorer", "memory_colors",
@@ -311,8 +312,8 @@ def _busy_until(start, duration, t) -> np.ndarray:
     return done[i] + partial
 
 
-_WRAP = ' style="white-space: pre-wrap; word-break: normal; overflow-wrap: break-word"'
-"""The status line wraps at spaces, not inside a word (JupyterLab's own style breaks anywhere)."""
+_WRAP = PRE_WRAP
+"""The status line wraps at spaces, not inside a word (``placements.PRE_WRAP``)."""
 
 
 class PipelineExplorer:

@@ -379,6 +379,11 @@ def draw_placements(x, mesh=None, placements=None, *, title: str | None = None,
 
 # ---- notebooks ----------------------------------------------------------------------------
 
+# a widget's text line (<pre>) wraps at spaces, not inside a word (JupyterLab's own style
+# breaks anywhere)
+PRE_WRAP = ' style="white-space: pre-wrap; word-break: normal; overflow-wrap: break-word"'
+
+
 def to_png(fig) -> bytes:
     """The figure as PNG bytes, rendered with Agg (no pyplot, no metadata)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
