@@ -51,6 +51,7 @@ from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # n
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from .reshard import execute
+from . import reshard_backward as _rb
 from .ops_table.strategy import NoRuleError, infer
 
 __all__ = ["dispatch", "allow_replicate_fallback", "explain_hooks", "force_candidate"]
@@ -399,6 +400,14 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             locs.append(x)
             continue
         t = x if type(x) is DistTensor else _as_dist(x, mesh)
+        if type(x) is DistTensor and (axes or plan is not None and plan.steps) and \
+                _rb.KEY in getattr(t._local, "__dict__", ()):
+            # a reshard's gathered result: its gradient's way back recorded as one
+            # redistribution (reshard_backward.py)
+            loc = _rb.convert(t, plan, axes, mesh, even, f"{opdef.name} input")
+            if loc is not None:
+                locs.append(loc)
+                continue
         if plan is not None and plan.steps:
             t = execute(plan, t)
         loc = t._local

@@ -38,6 +38,7 @@ from .spec import TensorSpec
 from .placement import (Replicate, check_partial_dtype, fmt_placements,
                         normalize_placements)
 from .reshard_search import _moves as _search_moves, _pops, plan_steps
+from . import reshard_backward as _rb
 
 __all__ = ["Step", "Plan", "plan_reshard", "reshard"]
 
@@ -279,6 +280,8 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
         # local steps slice or expand t's memory; the result gets its own (as DTensor's
         # Shard._replicate_to_shard clones), so that writing into it leaves t alone
         out._local = storage.map_tensors(out._local, torch.clone)
+    if out is not t and out.mesh is t.mesh:
+        _rb.mark(out, plan.src)      # its gradient's way back: reshard_backward.py
     return out
 
 

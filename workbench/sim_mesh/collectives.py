@@ -32,12 +32,15 @@ from . import backends as _B
 from . import cost as _cost
 from . import reduce_scatter_op as _rs
 from .backward_pass import in_weight_pass
+from . import grad_record as _gr
+from .grad_record import mute_backward, on_backward_steps
 from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
 from .profiles import profile_memo as _profile_memo
 from .trace import current_trace
 
 __all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "padded_all_reduce",
            "broadcast", "expand_replicas", "send_recv", "record_collective", "nbytes_of",
+           "on_backward_steps", "mute_backward",
            "chunk_bounds",
            "REDUCE_OPS", "all_to_all_v", "all_to_all_v_time", "record_all_to_all_v"]
 
@@ -115,6 +118,8 @@ class _BackwardEvent(torch.autograd.Function):
 
 def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
     """Attach a backward event to x (a tensor or Cells) if it takes part in autograd."""
+    if _gr.MUTED and _gr.muted(mesh, axis):
+        return x
     if isinstance(x, torch.Tensor):            # the stacked form: one tensor
         if x.requires_grad and torch.is_grad_enabled():
             return _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups), x)

@@ -1,0 +1,157 @@
+"""The backward of a user's reshard, as DTensor's: the gradient redistributed back, once.
+
+PyTorch DTensor (torch 2.13, git cf30153, torch/distributed/tensor/_redistribute.py:1771-1862,
+``_redistribute_backward``): ``Redistribute.backward`` takes the gradient in whatever
+placements the next ops' backward gave it (summed over them by autograd) and
+redistributes it to the input's placements (a Partial target is kept Replicate where the
+gradient is sharded or replicated).  An op that read the resharded tensor converted it at
+the aten level, below autograd, so that conversion has no backward of its own.  After
+``reshard(x, [Replicate()])`` of an ``x`` laid out ``[Shard(1)]``, a linear whose weight
+is sharded by rows gives the input a Partial gradient: one reduce-scatter to ``Shard(1)``.
+
+Here every collective records its own conjugate (``sim_mesh.collectives``), and the two
+meet on the gathered tensor: the all-gather's output is one compact copy, the dispatcher
+gives every rank its own view of it (``expand_replicas``, an all-reduce in backward), and
+the all-gather's backward then slices locally.  The same numbers, but a reduce-scatter's
+communication recorded as an all-reduce (twice its bytes), once per op reading it.
+Likewise an op that slices the gathered copy to another dim (an all-gather in backward,
+then the local slice to the source's dim) where DTensor moves one all-to-all.
+
+So :func:`mark` gives a reshard's result that gathered some mesh dim (``S(d) -> R``) a
+backward event of its own, whose steps are planned when the gradient passes; where the
+dispatcher converts it for an op (:func:`convert`) along a replicated mesh dim (gives
+every rank its view, or slices it), the per-collective events along that dim are muted
+and the op's use is noted instead: Partial where every rank used its own view, ``S(k)``
+where the op sliced it (Replicate, where it used the one copy, needs nothing).  In
+backward the event records the reshard planner's plan from those placements back to the
+source's ``S(d)`` (and to Replicate on the dims that were replicated already: the
+all-reduce of Megatron's ``f``).  The gradients themselves are autograd's, unchanged.
+
+Not covered (each collective's own event, as before): torch.distributed meshes, results
+held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
+Partial source: its gradient is all-reduced (the op that made the Partial value computes
+its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
+it Partial for that op's own backward rule to reduce); and the op's OWN all-gather of a
+shard it then expands (a sharded input, or a reshard to another shard first: an all-reduce
+then a local slice, where DTensor reduce-scatters).  Recording that one as a reduce-scatter
+too moves the eager step of the parallelized models (notebook 16's tiny Llama on a 2x2
+mesh, 346.37 -> 350.88 us on its profile), so it is left to a change that re-checks them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sim_mesh import backends as _B
+from ..sim_mesh import collectives as C
+from ..sim_mesh.profiles import DEFAULT_PROFILE
+from ..sim_mesh.trace import current_trace
+from . import storage
+from .dist_tensor import DistTensor
+from .placement import Partial, Replicate
+from .spec import TensorSpec
+
+__all__ = ["mark", "convert", "KEY"]
+
+KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
+
+
+class _Way:
+    """A reshard result's way back: the layout it has, the one its gradient goes back
+    to, and the placements the ops reading it give the gradient (``uses``)."""
+    __slots__ = ("mesh", "shape", "dtype", "dst", "back", "axes", "uses")
+
+    def __init__(self, mesh, shape, dtype, dst, back, axes):
+        self.mesh, self.shape, self.dtype = mesh, shape, dtype
+        self.dst, self.back, self.axes = dst, back, axes
+        self.uses: list = []
+
+    def steps(self):
+        """The collectives that bring the gradient back (when it passes)."""
+        tr = current_trace()
+        if tr is None or not self.uses:
+            return []
+        from .reshard import plan_reshard_cached
+        out = []
+        for grad in _merged(self.uses):
+            plan = plan_reshard_cached(TensorSpec(self.shape, self.mesh, grad, self.dtype,
+                                                  _trusted=True), self.back, tr.profile.name)
+            names = self.mesh.dim_names
+            out += [(s.kind, self.mesh, s.mesh_dim, s.buffer_bytes,
+                     f"reshard backward {s.src[s.mesh_dim]}->{s.dst[s.mesh_dim]} on "
+                     f"{names[s.mesh_dim]}") for s in plan.steps if s.bytes]
+        return out
+
+
+def _merged(uses):
+    """One gradient layout for all the uses (autograd sums their gradients): per mesh dim
+    Partial if any use left it Partial, else the one sharding they agree on; each use's
+    own where two uses sharded the same mesh dim differently."""
+    out = []
+    for i in range(len(uses[0])):
+        ps = {u[i] for u in uses if not u[i].is_replicate()}
+        if len(ps) > 1 and not any(p.is_partial() for p in ps):
+            return uses
+        out.append(Partial() if len(ps) > 1 else ps.pop() if ps else Replicate())
+    return [tuple(out)]
+
+
+def mark(out: DistTensor, src) -> DistTensor:
+    """``out`` (a reshard's result from placements ``src`` on its own mesh) with its way
+    back, where it gathered some mesh dim and a gradient will pass (simulated, stacked)."""
+    loc = out._local
+    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
+            or _B.is_distributed(out.mesh):
+        return out
+    dst = tuple(out.placements)
+    if not any(a.is_shard() and b.is_replicate() for a, b in zip(src, dst)):
+        return out
+    # the mesh dims it holds one copy of: gathered ones go back to the source's shard, the
+    # others (replicated, or all-reduced from Partial) stay replicated
+    axes = tuple(i for i, b in enumerate(dst) if b.is_replicate() and loc.shape[i] == 1)
+    back = tuple(a if i in axes and a.is_shard() else b
+                 for i, (a, b) in enumerate(zip(src, dst)))
+    way = _Way(out.mesh, tuple(out.shape), out.dtype, dst, back, axes)
+    y = C.on_backward_steps(loc, way.steps)
+    y.__dict__[KEY] = way
+    out._local = y
+    return out
+
+
+def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):
+    """The local an op runs on, for input ``t`` (marked by :func:`mark`) that the op's
+    strategy converts by ``plan`` (None or a reshard plan) then expands along mesh dims
+    ``expand``, its gradient's way back noted on ``t``'s mark.  None where the op uses the
+    one copy on every marked dim, or ``t`` is not laid out as marked any more (the caller
+    runs the ordinary path)."""
+    from .reshard import execute
+    loc = t._local
+    way = loc.__dict__[KEY]
+    if tuple(t.placements) != way.dst or tuple(t.shape) != way.shape or \
+            not (way.mesh is t.mesh or way.mesh == t.mesh) or not torch.is_grad_enabled():
+        return None
+    final = plan.dst if plan is not None and plan.steps else way.dst
+    grad, moved = list(way.dst), []
+    for i in way.axes:
+        p = final[i]
+        if p.is_shard():
+            grad[i] = p                            # the op sliced it: its gradient S(k)
+        elif p.is_replicate() and i in expand:
+            grad[i] = Partial()                    # every rank its own view: partial sums
+        else:
+            continue       # one copy used (or R -> P, whose other ranks hold zeros): R
+        moved.append(i)
+    if not moved:
+        return None
+    grad = tuple(grad)
+    if grad not in way.uses:
+        way.uses.append(grad)
+    with C.mute_backward(mesh, moved):
+        x = t
+        if plan is not None and plan.steps:
+            x = execute(plan, x)
+        out = x._local
+        if not even or type(out) is not torch.Tensor:
+            out = storage.for_run(out, mesh, even)
+        if expand:
+            out = C.expand_replicas(out, mesh, expand, label=label)
+    return out

@@ -1,0 +1,72 @@
+"""Recording a gradient's communication as one redistribution, not collective by collective.
+
+Each collective attaches its backward event to its output (``collectives._on_backward``):
+the conjugate collective, recorded when the gradient passes.  Where several of them meet
+on one tensor (a reshard's all-gather whose output the next op expands, or slices again)
+their conjugates, recorded one by one, are not what the gradient's redistribution moves
+(an all-reduce then a local slice, where one reduce-scatter does).  A caller that knows
+the redistribution silences the per-collective events along some mesh dims while it builds
+the forward (:class:`mute_backward`) and records the redistribution's steps itself, once
+(:func:`on_backward_steps`).  See ``workbench.parallel.reshard_backward``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .backward_pass import in_weight_pass
+
+__all__ = ["mute_backward", "muted", "on_backward_steps"]
+
+MUTED: list = []            # (mesh, frozenset of mesh axes), innermost last
+
+
+class mute_backward:
+    """Inside, no backward event is attached along ``axes`` of ``mesh``."""
+
+    def __init__(self, mesh, axes):
+        self.item = (mesh, frozenset(axes))
+
+    def __enter__(self):
+        MUTED.append(self.item)
+        return self
+
+    def __exit__(self, *exc):
+        MUTED.remove(self.item)
+
+
+def muted(mesh, axis) -> bool:
+    for m, axes in MUTED:
+        if axis in axes and (m is mesh or m == mesh):
+            return True
+    return False
+
+
+class _BackwardSteps(torch.autograd.Function):
+    """Identity whose backward records several collectives, in order (``steps``, or what
+    ``steps()`` returns when the gradient passes)."""
+
+    @staticmethod
+    def forward(ctx, steps, x):
+        ctx.steps = steps
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if getattr(ctx, "recorded", False) and in_weight_pass():
+            return None, g               # a split backward's W walking B's graph again
+        ctx.recorded = True
+        from .collectives import record_collective
+        steps = ctx.steps() if callable(ctx.steps) else ctx.steps
+        for kind, mesh, axis, nbytes, label in steps:
+            record_collective(kind, mesh, axis, nbytes, label)
+        return None, g
+
+
+def on_backward_steps(x: torch.Tensor, steps):
+    """``x`` (a stacked tensor) through an identity whose backward records ``steps``, each
+    ``(kind, mesh, axis, buffer bytes, label)``, or the steps a callable ``steps`` returns
+    then (what the gradient's users asked for meanwhile); ``x`` itself where no gradient
+    passes."""
+    if not steps or not (x.requires_grad and torch.is_grad_enabled()):
+        return x
+    return _BackwardSteps.apply(steps if callable(steps) else tuple(steps), x)
