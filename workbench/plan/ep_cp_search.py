@@ -95,7 +95,7 @@ def explain_lines(est) -> list:
                    f"(ep=1): no all-to-all")
     elif "ep_ranks" in d:
         out.append(f"  experts over ep={lay.ep}: {d['a2a_count']} all-to-alls per layer and "
-                   f"micro-batch (dispatch, combine, their gradients) "
+                   f"micro-batch (dispatch, combine, their gradients; the counts) "
                    f"{d['a2a_seconds'] * ms:.2f} ms, {d['a2a_bytes'] / 1e6:.1f} MB sent, "
                    f"{d['ep_link']}")
     r = d["ring"]
