@@ -103,3 +103,16 @@ def test_runtime_layout_refuses_what_it_does_not_price():
                  Layout(dp=2, ep=2, tp=2, global_batch=2, framework="workbench"), cl)
     with pytest.raises(ValueError, match=r"tp=2 and sp=True.*sp=False"):
         dry_run(MOE, Layout(dp=2, ep=2, tp=2, sp=True, global_batch=2), cl)
+
+
+def test_train_cli_dry_runs_ep_x_tp(capsys):
+    """``python -m workbench train --dry-run`` with --ep 2 --tp 2 (before: refused)."""
+    import json
+
+    from workbench.cli import main
+    rc = main(["train", "--preset", "tiny", "--dry-run", "--batch-size", "2",
+               "--moe-experts", "4", "--ep", "2", "--dp", "1", "--tp", "2"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    rec = json.loads(out.out.strip().splitlines()[-1])
+    assert rec["dry_run"] is True and rec["modeled_ms"] > 0 and rec["fits"] is True
