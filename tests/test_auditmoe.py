@@ -343,8 +343,11 @@ def test_planner_all_to_all_bytes_and_activations_are_the_dry_runs_with_a_capaci
     sent = sum(sum(b for j, b in enumerate(ev.args["send_bytes"][0]) if j)
                for ev in dr.trace.events
                if (ev.label or "").startswith(("EP dispatch", "EP combine")) and 0 in ev.ranks)
+    # and the forward's per-expert counts, priced since task moetp (tests/test_moetp.py)
+    sent += sum(ev.bytes for ev in dr.trace.events
+                if ev.label == "EP counts (forward)" and 0 in ev.ranks)
     planned = layer_detail(cfg, lay.replace(framework="workbench"), cl.profile, "flash")
-    assert planned["a2a_count"] == 4                          # dispatch, combine; fwd, bwd
+    assert planned["a2a_count"] == 5                  # dispatch, combine; fwd, bwd; counts
     assert sent == cfg.n_layer * planned["a2a_bytes"]
     # activations: the planner's count plus the un-permute's R h buffer it does not count
     # (tests/test_dryrun_ep_cp.py's _moe_rows_surplus), R = min(c, 1) k T rows

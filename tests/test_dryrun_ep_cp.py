@@ -3,9 +3,10 @@
 the planner (``wb.plan.estimate``) as tests/test_dryrun.py and tests/test_plan_llama.py
 hold the dense models: memory within 5%, step time within 10%.
 
-Like with like: the planner prices a MoE's experts split over tp with sequence
-parallelism (Megatron-Core's default), the runtime keeps experts whole on every tp rank
-and refuses ep with sp, so the EP cases run tp = 1; routing is balanced on meta tensors
+Like with like: by default the planner prices a MoE's experts split over tp with
+sequence parallelism (Megatron-Core's default), the runtime keeps experts whole on every
+tp rank and refuses ep with sp, so the EP cases here run tp = 1 (ep x tp, priced as the
+runtime runs it: tests/test_moetp.py); routing is balanced on meta tensors
 (``plan.meta_moe``), the planner's assumption; the uneven routing of a random router is
 measured apart.
 """
@@ -142,7 +143,7 @@ def test_uneven_routing_is_measured_and_slower():
 
 
 def test_what_is_not_run_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"MoE model with tp=2.*tp=1"):
+    with pytest.raises(ValueError, match=r"MoE model with tp=2 and sp=True.*sp=False"):
         dry_run(MOE, Layout(dp=2, tp=2, ep=2, sp=True, global_batch=2), Cluster("a100", 4))
     with pytest.raises(ValueError, match=r"cp=2 with pp=2"):
         dry_run(CFG, Layout(cp=2, pp=2, global_batch=2), Cluster("a100", 4))

@@ -177,7 +177,9 @@ def _check(model, lay: Layout, cl: Cluster, routing="balanced"):
                          f"(or None), and compare it with estimate(..., "
                          f"layout.replace(framework='workbench'))")
     if getattr(model, "arch", None) in ("gpt", "llama") and model.dtype in _MIXED:
-        check_layout(model, lay, cl)           # the planner's checks: same errors
+        # the planner's checks, same errors, of the layout as the runtime runs it
+        own = isinstance(lay, Layout) and lay.framework is None
+        check_layout(model, lay.replace(framework="workbench") if own else lay, cl)
     else:
         if not isinstance(lay, Layout) or not isinstance(cl, Cluster):
             raise ValueError("dry_run(model, layout, cluster): give a wb.plan.Layout and a "

@@ -7,10 +7,15 @@
 - ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=)`` (``recipes.context_parallel``:
   ring attention, causal load balancing), the rank order tp, cp, dp of ``plan.ep_cp``.
 
+- a MoE model with tp > 1 (sp=False): the runtime keeps the MoE MLP whole on every tp
+  rank (router, experts, shared experts: ``models.split.tp_plan``), the experts split
+  over ep only; the planner prices that layout as ``Layout(framework="workbench",
+  sp=False)`` (``plan.moe_cost``: ``mlp_tp``), and the dry run compares with it.
+
 Refused with the fix (the runtime does not run them, or not as the planner prices them):
-a MoE model with tp > 1 (the planner prices experts split over tp with sequence
-parallelism, Megatron-Core's default; the runtime keeps each expert whole on every tp
-rank and refuses ep with sp: no like-for-like comparison), cp with pp > 1, sp or
+a MoE model with tp > 1 and sp (the planner prices Megatron-Core's experts split over
+tp with sequence parallelism; the runtime refuses ep with sp and keeps the MLP whole on
+every tp rank: no like-for-like comparison), cp with pp > 1, sp or
 ZeRO-3 or ep > 1 (``ContextParallel`` does not build them; a MoE model under cp runs
 its experts with ep = 1, routed in sequence order: ``recipes.moe.keep_sequence_order``,
 measured on tests/test_dryrun_ep_cp.py's model at cp 2: 1.51x the step, the dense
@@ -36,12 +41,12 @@ _SCHEDULE = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"
 
 def check(model, lay) -> None:
     moe = bool(getattr(model, "moe_experts", 0))
-    if moe and lay.tp > 1:
-        raise ValueError(f"dry_run: a MoE model with tp={lay.tp}: the planner prices experts "
-                         f"split over tp with sequence parallelism (Megatron-Core), the "
-                         f"runtime's expert parallelism keeps experts whole on each tp rank "
-                         f"and refuses sp; dry-run it with tp=1 (ep over the dp ranks), or "
-                         f"use wb.plan.estimate")
+    if moe and lay.tp > 1 and lay.sp:
+        raise ValueError(f"dry_run: a MoE model with tp={lay.tp} and sp=True: the planner "
+                         f"prices experts split over tp with sequence parallelism "
+                         f"(Megatron-Core), the runtime keeps the MoE MLP whole on each tp "
+                         f"rank and refuses ep with sp; dry-run it with sp=False (estimate: "
+                         f"framework='workbench', sp=False), or use wb.plan.estimate")
     if lay.cp > 1:
         bad = [(n, v) for n, v in (("pp", lay.pp), ("sp", lay.sp)) if v not in (1, False)]
         if lay.zero == 3:

@@ -20,6 +20,9 @@ or across nodes as the ranks fall), plus ring attention beyond the causal block
 (``context_cost``).  Not modeled, refused with the fix: ZeRO-2/3 with EP or CP
 (Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
 MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
+A MoE with tp > 1 takes sp (Megatron-Core: experts split over tp), or
+``framework="workbench"`` with sp=False (this library's runtime: the MoE MLP whole on
+every tp rank; ``moe_cost.mlp_tp``).
 """
 from __future__ import annotations
 
@@ -73,11 +76,20 @@ def check_layout(model, lay) -> None:
         if lay.zero >= 2:
             raise ValueError(f"Layout: zero={lay.zero} with a MoE model is not modeled; use "
                              f"zero<=1 (Megatron-LM's distributed optimizer)")
-        if lay.tp > 1 and not lay.sp:
+        if lay.tp > 1 and not lay.sp and lay.engine != "workbench":
             raise ValueError(f"Layout: a MoE model with tp={lay.tp} needs sp=True (Megatron-LM: "
                              f"'When using MoE and tensor parallelism, sequence parallelism "
-                             f"must be used'); set sp=True")
-        if moe.d_ff % lay.tp or (moe.shared and (moe.shared * moe.d_ff) % lay.tp):
+                             f"must be used'); set sp=True, or framework='workbench' with "
+                             f"sp=False for this library's runtime (the MoE MLP whole on "
+                             f"every tp rank: plan/moe_cost.py)")
+        if lay.tp > 1 and not lay.sp and moe.shared:
+            raise ValueError(f"Layout: framework='workbench', tp={lay.tp}, sp=False with "
+                             f"moe_shared_experts={moe.shared} is not priced (the runtime keeps "
+                             f"the shared experts whole on every tp rank; the planner's layer "
+                             f"parameters split them); use moe_shared_experts=0, tp=1, or "
+                             f"framework='megatron' with sp=True")
+        mt = M.mlp_tp(lay.tp, lay.sp)
+        if moe.d_ff % mt or (moe.shared and (moe.shared * moe.d_ff) % mt):
             raise ValueError(f"Layout: tp={lay.tp} must divide the expert width moe_d_ff="
                              f"{moe.d_ff} (experts are tensor-parallel as the dense MLP); "
                              f"choose another tp")
@@ -177,11 +189,11 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
                      wire_bytes(o.op_class, int(o.bytes), lay.tp) if coll else 0, coll))
     if moe is not None:
         e = tcfg.torch_dtype.itemsize
-        fwd = M.forward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e)
+        fwd = M.forward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e, lay.sp)
         rows += _price_moe(fwd, "forward", lay, prof, tcfg.dtype)
         if lay.recompute == "full":
             rows += _price_moe(fwd, "recompute", lay, prof, tcfg.dtype)
-        rows += _price_moe(M.backward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e),
+        rows += _price_moe(M.backward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e, lay.sp),
                            "backward", lay, prof, tcfg.dtype)
     ring = None
     if lay.cp > 1:
@@ -230,13 +242,14 @@ def layer_detail(model, lay, prof, attention, fp8=False) -> dict:
 
 def expert_states(model, lay, layers: int, grad_extra: int = 0) -> dict:
     """{"params", "grads", "optimizer", "buffers"} bytes of the routed experts of
-    ``layers`` layers on one rank: E / ep experts per layer, split by t, their ZeRO-1
+    ``layers`` layers on one rank: E / ep experts per layer, split by ``moe_cost.mlp_tp``
+    (t; whole on the runtime's layout, framework "workbench" with sp=False), their ZeRO-1
     optimizer states over the expert-data-parallel group of dp x cp / ep ranks;
     ``grad_extra`` bytes per parameter of the framework's gradient buffer."""
     if not getattr(model, "moe_experts", 0):
         return {}
     from .memory import model_state_bytes
-    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep)
+    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep, lay.sp)
     out = model_state_bytes(psi, lay.dp * lay.cp // lay.ep, lay.zero)
     out["buffers"] = grad_extra * psi
     return out
@@ -248,7 +261,7 @@ def expert_sync(model, lay, prof, stage: int, layers: int, grad_bytes: int):
     all-reduce; ZeRO-1: a reduce-scatter and the updated weights' all-gather)."""
     if M.moe_of(model) is None:
         return 0.0, 0.0, 0.0
-    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep)
+    psi = layers * M.rank_expert_params(model, lay.tp, lay.ep, lay.sp)
     ranks = tuple(lay.rank(0, d, stage, c) for d in range(0, lay.dp, lay.ep)
                   for c in range(lay.cp))
     n = len(ranks)

@@ -57,6 +57,11 @@ def assumptions(model, lay) -> tuple:
                 f"real routers are not (plan/moe_cost.py)",
                 "MoE: the all-to-all dispatch and combine are not overlapped with the "
                 "experts (Megatron-Core's default alltoall dispatcher)"]
+        if lay.ep > 1 and lay.engine != "workbench":
+            out.append(f"MoE: the per-expert counts ({moe.experts} int64 a rank, forward) "
+                       f"priced as this library's all-to-all over ep; Megatron-Core "
+                       f"all-gathers them over tp x ep (plan/moe_cost.py): both "
+                       f"latency-bound")
     mat, core = C.layer_flops(model, 1)
     if core > 0.2 * (mat + core):
         out.append(f"MFU and HFU count attention as 4 b s^2 h per layer (Korthikanti eq. 7), "
@@ -90,7 +95,7 @@ def explain_lines(est) -> list:
                    f"(ep=1): no all-to-all")
     elif "ep_ranks" in d:
         out.append(f"  experts over ep={lay.ep}: {d['a2a_count']} all-to-alls per layer and "
-                   f"micro-batch (dispatch, combine, their gradients) "
+                   f"micro-batch (dispatch, combine, their gradients; the counts) "
                    f"{d['a2a_seconds'] * ms:.2f} ms, {d['a2a_bytes'] / 1e6:.1f} MB sent, "
                    f"{d['ep_link']}")
     r = d["ring"]

@@ -27,6 +27,34 @@ factor), below):
     all-to-all combine over ep:     R h
     unpermute: the k outputs of a token weighted by their router probabilities, summed
 
+**Experts under tensor parallelism: two layouts.**  Megatron-Core (the planner's
+default) splits each expert over an expert-tensor-parallel group whose size defaults to
+the TP size (NVIDIA/Megatron-LM d98e8a64dd megatron/core/model_parallel_config.py:130-133,
+"Default is None, which will be set to the value of tensor_model_parallel_size", set at
+:506-507; megatron/training/arguments.py:587-588 likewise) and requires sequence
+parallelism with MoE and TP in training (megatron/core/transformer/moe/moe_layer.py:
+636-640 raises without it; megatron/training/yaml_arguments.py:336-338): the diagram
+above.  This library's runtime (``recipes.hybrid``, ``models.split.tp_plan``: a MoE
+block's router and experts are left out of the TP plan) keeps the whole MoE MLP on every
+TP rank and refuses expert parallelism with sequence parallelism
+(``recipes.moe.check_ep``): each TP rank routes the same T tokens, runs its E / ep
+experts whole (f, not f / t) on the same c k T rows, and exchanges them over ep; no TP
+collective in the MLP.  The planner prices that layout when asked by its name,
+``Layout(framework="workbench", sp=False)`` with tp > 1 (``mlp_tp`` = 1; Megatron refuses
+tp > 1 without sp for a MoE, so the two never meet), and the dry run holds it to the
+runtime (tests/test_moetp.py).
+
+**The count exchange.**  Before its dispatch each rank sends the ep group its E int64
+per-expert row counts, once per MoE layer, forward only (the split sizes the all-to-alls
+need; the backward reuses them): Megatron-Core gathers ``num_local_tokens_per_expert``
+over its tp x ep group (NVIDIA/Megatron-LM d98e8a64dd megatron/core/transformer/moe/
+token_dispatcher.py:543, 566-570); the runtime records an all-to-all of 8 E bytes per
+rank over the ep group (``strategies.expert_parallel_clock.record_layer``).  Priced as
+the runtime records it (``ep_counts``: 8 E bytes, all-to-all over ep, at the
+collective's price, its latency at that size) for both layouts, so estimate and dry run
+send the same bytes; ASSUMPTION for Megatron: its all-gather over tp x ep (E t ep int64
+received) priced as that all-to-all (both latency-bound at E int64).
+
 Each all-to-all moves (ep - 1) / ep of its buffer off the rank (``cost.wire_bytes``; the
 pairwise exchange of GShard, Lepikhin et al. 2020 sec. 3.2, and DeepSpeed-MoE,
 Rajbhandari et al. 2022 sec. 5): T_n k h e (ep - 1) / ep bytes per direction,
@@ -50,7 +78,11 @@ from dataclasses import dataclass
 
 __all__ = ["MoE", "moe_of", "check_moe", "expert_params", "dense_layer_params",
            "rank_expert_params", "layer_flops", "activation_bytes", "forward_ops",
-           "backward_ops", "MLP_OPS"]
+           "backward_ops", "MLP_OPS", "mlp_tp", "COUNT_BYTES"]
+
+# bytes of one per-expert row count (int64: the runtime's ``ExpertParallel._permute`` counts,
+# Megatron-Core's ``routing_map.sum(dim=0).long()``, token_dispatcher.py:543)
+COUNT_BYTES = 8
 
 # the dense Llama MLP's kernels (plan.llama_layer's names), which a MoE block replaces
 MLP_OPS = frozenset({
@@ -117,24 +149,32 @@ def check_moe(cfg) -> None:
                          f"arch='llama'")
 
 
+def mlp_tp(tp: int, sp: bool = True) -> int:
+    """The ranks one expert (and the shared experts) is split over: Megatron-Core's expert
+    tensor-parallel size, its default the TP size, with sequence parallelism; 1 without
+    (this library's runtime, the MoE MLP whole on every TP rank: module docstring)."""
+    return tp if sp else 1
+
+
 def expert_params(cfg) -> int:
     """Parameters of one routed expert: w1, w3 (h x f) and w2 (f x h), no biases."""
     return 3 * cfg.d_model * moe_of(cfg).d_ff
 
 
-def dense_layer_params(cfg, tp: int) -> float:
+def dense_layer_params(cfg, tp: int, sp: bool = True) -> float:
     """Parameters of one MoE block on one TP rank outside the routed experts: q, k, v, o
     split by t, the two RMSNorm weights and the router (h x E) whole (Megatron-Core's
-    router is not tensor-parallel), the shared experts split by t."""
+    router is not tensor-parallel), the shared experts split by ``mlp_tp``."""
     from .llama_layer import weight_matrices
     m, h = moe_of(cfg), cfg.d_model
     attn = sum(weight_matrices(cfg, tp)[:4])
-    return attn + 2 * h + h * m.experts + 3 * h * m.d_ff * m.shared / tp
+    return attn + 2 * h + h * m.experts + 3 * h * m.d_ff * m.shared / mlp_tp(tp, sp)
 
 
-def rank_expert_params(cfg, tp: int, ep: int) -> float:
-    """Routed-expert parameters of one block on one rank: E / ep experts, each split by t."""
-    return moe_of(cfg).experts // ep * expert_params(cfg) / tp
+def rank_expert_params(cfg, tp: int, ep: int, sp: bool = True) -> float:
+    """Routed-expert parameters of one block on one rank: E / ep experts, each split over
+    ``mlp_tp`` ranks (t with sp, Megatron-Core; whole without, this library's runtime)."""
+    return moe_of(cfg).experts // ep * expert_params(cfg) / mlp_tp(tp, sp)
 
 
 def layer_flops(cfg, b: int) -> tuple[float, float]:
@@ -168,33 +208,46 @@ def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
         base += 2 * T * h - 2 * T * h / tp          # the attention's norm output, whole
     Tn = T / (tp if sp else 1)
     M, R = m.c * m.topk * T, m.c * m.topk * Tn
-    moe = 4 * Tn * m.experts + 2 * M * h + 8 * M * m.d_ff / tp + 2 * R * h \
-        + 8 * T * m.shared * m.d_ff / tp
+    mt = mlp_tp(tp, sp)
+    moe = 4 * Tn * m.experts + 2 * M * h + 8 * M * m.d_ff / mt + 2 * R * h \
+        + 8 * T * m.shared * m.d_ff / mt
     return base - 8 * T * cfg.d_ff / tp + moe
 
 
-def _dims(cfg, b, tp, ep, e):
+def _dims(cfg, b, tp, ep, e, sp=True):
     m, h = moe_of(cfg), cfg.d_model
     T = cfg.seq_len * b
-    Tn = T // tp
+    mt = mlp_tp(tp, sp)
+    Tn = T // mt
     El = m.experts // ep
     M, R = m.c * m.topk * T, m.c * m.topk * Tn
-    ft = m.d_ff // tp
+    ft = m.d_ff // mt
     Me = -(-int(round(M)) // El)          # rows per local expert (ceil)
     return m, h, T, Tn, El, M, R, ft, Me
 
 
-def forward_ops(cfg, b, tp, ep, e) -> list:
+def _no_tp(ops, tp, sp) -> list:
+    """``ops`` without the MLP's TP collectives when the MLP is whole on every TP rank
+    (``mlp_tp`` 1 with tp > 1: nothing to gather or reduce)."""
+    if tp == 1 or mlp_tp(tp, sp) > 1:
+        return ops
+    return [o for o in ops if not (len(o) == 4 and o[3] == "tp")]
+
+
+def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
     """The MoE MLP's forward kernels and collectives on one rank (module docstring), as
     tuples: compute (name, class, FLOPs, bytes, launches[, gemm output]) and collective
-    (name, kind, bytes, group) with group "tp" or "ep"."""
-    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e)
+    (name, kind, bytes, group) with group "tp" or "ep".  ``sp=False`` with tp > 1: the
+    runtime's layout, the MLP whole on every TP rank (``mlp_tp``)."""
+    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e, sp)
     E, k = m.experts, m.topk
     ops = [("router_gemm", "matmul", 2 * Tn * h * E, e * (Tn * h + h * E + Tn * E), 1,
             (1, Tn, E)),
            # softmax and top-k in fp32 (Megatron-Core's --moe-router-dtype fp32)
            ("router_softmax_topk", "elementwise", 6 * Tn * E, e * Tn * E + 8 * Tn * E
             + 12 * Tn * k, 1),
+           # the per-expert row counts (int64), forward only (module docstring)
+           ("ep_counts", "all_to_all", COUNT_BYTES * E, "ep"),
            ("permute", "data_movement", 0, e * (Tn * h + R * h), 1),
            ("ep_dispatch", "all_to_all", e * R * h, "ep"),
            ("etp_all_gather", "all_gather", e * M * h, "tp"),
@@ -210,7 +263,7 @@ def forward_ops(cfg, b, tp, ep, e) -> list:
            ("ep_combine", "all_to_all", e * R * h, "ep"),
            ("unpermute", "elementwise", 2 * R * h, e * (R * h + Tn * h) + 4 * R, 1)]
     if m.shared:
-        fs = m.shared * m.d_ff // tp
+        fs = m.shared * m.d_ff // mlp_tp(tp, sp)
         ops += [("shared_sp_all_gather", "all_gather", e * T * h, "tp"),
                 ("shared_w1", "matmul", 2 * T * h * fs, e * (T * h + h * fs + T * fs), 1,
                  (1, T, fs)),
@@ -222,15 +275,16 @@ def forward_ops(cfg, b, tp, ep, e) -> list:
                  (1, T, h)),
                 ("shared_tp_out", "reduce_scatter", e * T * h, "tp"),
                 ("shared_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
-    return ops
+    return _no_tp(ops, tp, sp)
 
 
-def backward_ops(cfg, b, tp, ep, e) -> list:
+def backward_ops(cfg, b, tp, ep, e, sp=True) -> list:
     """The MoE MLP's backward kernels and collectives, in execution order: each forward
     GEMM's input and weight gradients (the weight gradient into an fp32 buffer, as
     ``layer_cost``), each collective's transpose (all-to-all for all-to-all, all-gather
-    for reduce-scatter and back)."""
-    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e)
+    for reduce-scatter and back); no count exchange (the forward's split sizes are
+    reused)."""
+    m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e, sp)
     E = m.experts
 
     def grads(n, M_, K, N, batch, per):       # y[M, N] = x[M, K] @ w[K, N], per-expert rows
@@ -241,7 +295,7 @@ def backward_ops(cfg, b, tp, ep, e) -> list:
 
     ops = []
     if m.shared:
-        fs = m.shared * m.d_ff // tp
+        fs = m.shared * m.d_ff // mlp_tp(tp, sp)
         ops += [("shared_sp_grad_all_gather", "all_gather", e * T * h, "tp")]
         ops += grads("shared_w2", T, fs, h, 1, T)
         ops += [("shared_swiglu_mul_grad", "elementwise", 2 * T * fs, 5 * e * T * fs, 1)]
@@ -264,4 +318,4 @@ def backward_ops(cfg, b, tp, ep, e) -> list:
             ("router_softmax_grad", "elementwise", 4 * Tn * E, 12 * Tn * E, 1)]
     ops += grads("router", Tn, h, E, 1, Tn)
     ops += [("moe_input_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
-    return ops
+    return _no_tp(ops, tp, sp)

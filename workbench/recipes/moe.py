@@ -9,8 +9,10 @@ ranks.  ``Hybrid(dp=d, ep=e)`` runs the dense layers data parallel over d x e ra
 the same ranks seen as an (edp=d, ep=e, tp) mesh: each ep rank owns E / e experts, the
 d ranks of an "expert data parallel" group hold the same experts and reduce their
 gradients among themselves.  So ``--ep 2 --dp 2`` is 4 ranks and ``--ep 2 --tp 2`` is
-4 ranks (dense layers: dp 2 x tp 2; experts: ep 2, replicated over tp, Megatron's expert
-tensor parallel size 1): ``--dp`` counts the expert-data-parallel replicas, as
+4 ranks (dense layers: dp 2 x tp 2; experts: ep 2, whole and replicated over tp, every
+tp rank routing the same tokens; not Megatron-Core's default, which splits each expert
+over tp with sequence parallelism: the planner prices both, ``plan.moe_cost``
+``mlp_tp``): ``--dp`` counts the expert-data-parallel replicas, as
 Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
 
 * :func:`scale_aux_losses`: a pipeline averages m micro-batch losses, so each layer's

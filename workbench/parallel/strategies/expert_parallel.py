@@ -7,7 +7,8 @@ ranks).  The dense layers see ``dp_total = edp x ep`` data-parallel ranks, each 
 own slice of the batch; the experts see the same ranks as an ``(edp, ep, tp)`` mesh
 (:func:`expert_mesh`): expert e lives on ep rank ``e // (E / ep)``, replicated over edp
 (the "expert data parallel" group: their gradients are reduced over edp only) and over
-tp (Megatron's expert tensor parallel size 1).  Rank i of the dense mesh's dp dim is
+tp (each tp rank the whole experts and the same tokens; Megatron-Core's default splits
+each expert over tp instead).  Rank i of the dense mesh's dp dim is
 (edp, ep) = (i // ep, i % ep).
 
 One layer's forward on each ep group (per rank j, its tokens x_j and routes):
