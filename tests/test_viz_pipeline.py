@@ -194,6 +194,27 @@ def test_widget_redraws_and_still_shows_a_static_figure_headless():
         V.pipeline_widget(schedule="2F2B")
 
 
+def test_widget_text_names_the_choice_within_the_notebook_width():
+    """Shown as text (nbval, a static viewer), the explorer was ipywidgets' VBox repr: 111
+    characters cut at the dropdown's options (notebook 07), naming neither p, m, v nor the
+    bubble; it is now the call that rebuilds the choice and under it the caption or the
+    error, in lines of at most text_width.WIDTH."""
+    pytest.importorskip("ipywidgets")
+    from workbench.text_width import WIDTH
+    w = V.pipeline_widget(p=4, m=8, v=2, schedule="1F1B")
+    text = w._repr_mimebundle_()["text/plain"]
+    assert text == ("pipeline_widget(p=4, m=8, v=2, schedule='1F1B')\n"
+                    + V.bubble_caption(simulate(one_f_one_b(4, 8))))
+    w.controls["schedule"].value = "Interleaved 1F1B"
+    w.controls["m"].value = 5                              # 5 % 4 != 0: the error, wrapped
+    text = w._repr_mimebundle_()["text/plain"]
+    assert text.startswith("pipeline_widget(p=4, m=5, v=2, schedule='Interleaved 1F1B')\n")
+    assert " ".join(text.split()).endswith(" ".join(w.message.split()))
+    assert len(text) > WIDTH and max(len(line) for line in text.splitlines()) <= WIDTH
+    costs = V.pipeline_widget(p=2, m=2, f=1.0, b=2.0, w=None)._repr_mimebundle_()["text/plain"]
+    assert costs.startswith("pipeline_widget(p=2, m=2, v=2, schedule='1F1B', b=2.0, w=None)\n")
+
+
 def test_v_slider_is_enabled_only_where_used_and_labels_fit():
     pytest.importorskip("ipywidgets")
     w = V.pipeline_widget(p=4, m=8, v=2, schedule="1F1B")

@@ -30,6 +30,7 @@ from matplotlib.path import Path
 
 from ..parallel.schedules import (KINDS, SCHEDULES, Schedule, SimulationResult, formula_bubble,
                                   simulate)
+from ..text_width import wrap
 from .placements import PRE_WRAP
 
 __all__ = ["KIND_COLORS", "BUBBLE_COLOR", "PipelineFigure", "draw_pipeline", "render_text",
@@ -120,7 +121,8 @@ def draw_pipeline(data, *, f=1.0, b=1.0, w=None, p2p=0.0, memory: bool = True,
     published formula (``caption=False`` leaves it to the caller, e.g. a widget that
     prints it).  ``row_label`` names a row ("stage" where each pipeline rank is a group
     of devices); ``time_unit`` the unit of the times simulated ("s" for a planner
-    estimate's ``pipeline()``; None: the schedule's own units).  Bottom (``memory=True``): activations in flight per rank.
+    estimate's ``pipeline()``; None: the schedule's own units).  Bottom
+    (``memory=True``): activations in flight per rank.
     Artists carry gids for tests and tools: "blocks" (a collection with one
     compound path of rectangles per kind and chunk), "bubbles", "labels", "caption".
     """
@@ -323,9 +325,11 @@ class PipelineExplorer:
     page does not jump); the line of text below it gives the measured bubble beside
     its formula, or what is wrong when a choice cannot be built (printed once: the
     live figure carries no caption).  The v slider is enabled only for the schedule
-    that uses it; its chunks cost 1/v of a stage's f, b, w each (the same work).  Displayed where no widget front end runs (nbval, nbconvert, a
-    static viewer) its display data also carries a PNG of the current figure, with
-    the caption drawn in.
+    that uses it; its chunks cost 1/v of a stage's f, b, w each (the same work).
+    Displayed where no widget front end runs (nbval, nbconvert, a static viewer) its
+    display data also carries a PNG of the current figure, with the caption drawn in,
+    and as plain text the call that rebuilds the current choice beside that caption
+    (:meth:`describe`).
     """
 
     USES_V = ("Interleaved 1F1B",)
@@ -382,14 +386,28 @@ class PipelineExplorer:
         self.image.layout.display = None if self.figure is not None else "none"
         self.status.value = f"<pre{_WRAP}>{html.escape(self.message)}</pre>"
 
+    def describe(self) -> str:
+        """The call that rebuilds the current choice, and under it the caption (or the
+        error), in lines of at most ``text_width.WIDTH`` characters::
+
+            pipeline_widget(p=4, m=8, v=2, schedule='1F1B')
+            bubble: measured 27.27% | formula (p-1)/(m+p-1) = 27.27%
+
+        Costs are named where they differ from the default 1.0."""
+        c = {k: w.value for k, w in self.controls.items()}
+        costs = "".join(f", {k}={x!r}" for k, x in self.costs.items() if x != 1.0)
+        return wrap(f"pipeline_widget(p={c['p']}, m={c['m']}, v={c['v']}, "
+                    f"schedule={c['schedule']!r}{costs})\n{self.message}")
+
     def _repr_mimebundle_(self, **kwargs):
-        """The widget view, plus a PNG (or the error) for front ends that cannot show widgets."""
+        """The widget view, plus a PNG and :meth:`describe` as text for front ends that
+        cannot show widgets (ipywidgets' own text, the VBox's repr cut at 110 characters,
+        named none of the choices past the dropdown's options)."""
         bundle = dict(self.box._repr_mimebundle_(**kwargs))
         if self.result is not None:
             static = draw_pipeline(self.result, dpi=self.dpi)        # the caption drawn in
             bundle["image/png"] = base64.b64encode(_png(static)).decode("ascii")
-        else:
-            bundle["text/plain"] = self.message
+        bundle["text/plain"] = self.describe()
         return bundle
 
 
