@@ -13,8 +13,8 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 ``nn.init`` functions torch lets a subclass override; ``torch.eye(out=...)``) and passes
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
-keeps these guards (:class:`_LaidOutData`: torch's ``.data`` is a plain tensor, which
-drew each rank's chunk on its own).
+and ``p.detach()`` keep these guards (:class:`_LaidOutData`: torch's are plain tensors,
+which drew each rank's row or chunk on its own).
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -53,6 +53,7 @@ __all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "
 _T = torch.Tensor
 _DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
 _DATA_GET = _T.data.__get__     # ``p.data``: an alias that keeps the guards (_data_alias)
+_DETACH = (_T.detach, torch.detach)     # ``p.detach()``: the same alias as ``p.data``
 _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
             _T.log_normal_, _T.geometric_, _T.random_, init.uniform_, init.normal_,
             init.kaiming_uniform_}
@@ -114,6 +115,8 @@ class LaidOutParameter(nn.Parameter):
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
             return _data_alias(args[0], out)
+        if func in _DETACH and args and isinstance(args[0], _LAID_OUT):
+            return _data_alias(_owner(args[0]), out)    # p.detach(), p.data.detach()
         if func == _DATA_SET and args and isinstance(args[0], LaidOutParameter):
             after = getattr(args[0], "_wb_on_data_set", None)   # p.data = t: new storage
             if after is not None:       # (fsdp_dist_views: the module's view follows it)
@@ -128,7 +131,9 @@ class _LaidOutData(torch.Tensor):
     or chunk on its own, silently (FSDP: not one device's values), and ``p.data.copy_(t)``
     of the module's shape failed with a broadcasting error naming the storage's shape.
     Here they do what ``p``'s own do: ``normal_`` raises naming the fix, ``t`` is laid
-    out as ``p``, ``nn.init.normal_(p.data)`` is one device's draw."""
+    out as ``p``, ``nn.init.normal_(p.data)`` is one device's draw.  ``p.detach()`` is
+    the same alias (torch's a plain tensor too: ``p.detach().normal_()`` and
+    ``nn.init.*_(p.detach())`` drew each rank's row or chunk on its own, silently)."""
 
     __torch_function__ = LaidOutParameter.__torch_function__
 
