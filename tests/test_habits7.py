@@ -258,3 +258,10 @@ def test_autograd_grad_over_simulated_ddp_raises():
     mse(ref(x), y).backward()
     for (n, p), q in zip(w.named_parameters(), ref.parameters()):
         close(p.grad[0], q.grad)
+
+
+def test_get_parameter_of_fully_shard_over_dist_tensors_is_named_parameters():
+    from tests.test_fixlist7 import _tp_fully_shard
+    m, _, _ = _tp_fully_shard()
+    for name, p in m.named_parameters():
+        assert m.get_parameter(name) is p

@@ -79,6 +79,8 @@ class LaidOutParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.grad:
+            _check_autograd_grad(args, kwargs)
         target = None
         if func in _GUARDED:            # nn.init's overrides pass the tensor by keyword
             target = args[0] if args else kwargs.get("tensor")
@@ -122,6 +124,27 @@ class LaidOutParameter(nn.Parameter):
             if after is not None:       # (fsdp_dist_views: the module's view follows it)
                 after()
         return out
+
+
+def _check_autograd_grad(args, kwargs) -> None:
+    """``torch.autograd.grad(loss, ddp.parameters())`` on simulated ranks: each rank's row
+    would be its own gradient (a loss the wrapper joins as the ranks' mean: / N), never
+    all-reduced (DDP reduces in the hooks ``.grad`` accumulation fires), so not the
+    average DDP trains with.  torch DDP does not support it either (torch 2.13
+    ``torch/nn/parallel/distributed.py:648-651``, the class docstring's warning: "This module
+    doesn't work with torch.autograd.grad() (i.e. it will only work if gradients are to
+    be accumulated in .grad attributes of parameters)"), so it raises, nothing run."""
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    rows = [p for p in inputs if isinstance(p, _LAID_OUT) and getattr(p, "_wb_rows", None)]
+    if rows:
+        raise RuntimeError(
+            "torch.autograd.grad over DistributedDataParallel's parameters: "
+            f"{rows[0]._wb_layout}, and each row would get its own rank's gradient, not "
+            "all-reduced (DDP averages the gradients in the hooks that .grad accumulation "
+            "fires); torch DDP does not support torch.autograd.grad either (it works only "
+            "when gradients accumulate in .grad).  Call loss.backward() and read p.grad "
+            "(every row the ranks' average)")
 
 
 class _LaidOutData(torch.Tensor):
@@ -415,6 +438,19 @@ def _laid_out_items(m, prefix):
     for name, p in m._parameters.items():
         if getattr(p, "_wb_full", None) is not None:
             yield prefix + name, p
+
+
+def module_shaped(v):
+    """A state-dict value as a checkpoint holds it: a :class:`LaidOutParameter` (what
+    ``ddp.state_dict(keep_vars=True)`` gives, as torch's: the parameter itself) as its
+    module-shaped value, marked so that a load in place writes every row or chunk
+    (``wb.checkpoint``: the same values as ``state_dict()``'s); any other value as is."""
+    if not isinstance(v, _LAID_OUT) or getattr(v, "_wb_full", None) is None:
+        return v
+    p = _owner(v)
+    with torch._C.DisableTorchFunctionSubclass():
+        full = p._wb_full(p.detach())
+    return mark(full, lambda val, p=p: p.copy_(val.clone()))
 
 
 def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:

@@ -180,8 +180,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Each rank steps the parameters it owns, then every parameter is broadcast from
         its owner.  ``closure`` (re-evaluates the loss: zero_grad, forward, backward) runs
         once, with grad enabled, before the update, and its loss is returned, as torch's
-        (torch 2.13 ``zero_redundancy_optimizer.py`` ``step``: the local optimizer's
-        ``step(closure)``, which calls it once, e.g. ``torch/optim/sgd.py``); on simulated
+        (torch 2.13 ``zero_redundancy_optimizer.py:1148`` ``step`` -> ``:1103`` the local
+        optimizer's ``step(closure=closure)``, which calls it once: ``optim/sgd.py:116``,
+        under ``torch.enable_grad()``); on simulated
         ranks it runs once for all of them (its forward is every rank's)."""
         loss = run_closure(self.optimizer_class, closure)
         g = self.group
