@@ -220,6 +220,12 @@ def test_ddp_state_dict_keep_vars_gives_the_parameters_as_torch():
     assert list(sd) == list(params)
     for k, p in params.items():
         assert sd[k] is p                   # was a view of one row
+    # a keep_vars dict loads, as torch's (another wrapper's parameters: their values)
+    _, w2 = wrap("ddp", mlp(seed=7))
+    w2.load_state_dict(sd)
+    for k, v in w2.state_dict().items():
+        close(v, w.state_dict()[k])
+    w.load_state_dict(w.state_dict(keep_vars=True))
     # keep_vars=False still gives one device's tensors, and a load still takes them
     ref = mlp(seed=4)
     w.load_state_dict({"module." + k: v for k, v in ref.state_dict().items()})

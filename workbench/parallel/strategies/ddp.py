@@ -120,7 +120,7 @@ from torch import nn
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
-from .laid_out import Rows, laid_out, module_shaped_state_dict
+from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
                           ready_order, torch_policy)
@@ -380,6 +380,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
                                       "the parameters are hooked and bucketed; load with "
                                       "assign=False (copies into them)")
         mine = self.state_dict()        # the module's shapes (keep_vars=True: the rows)
+        # a keep_vars=True dict (the parameters themselves, every rank's row): their
+        # module-shaped values, as torch loads its keep_vars dict
+        state_dict = {k: module_shaped(v) for k, v in state_dict.items()}
         missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
                                                strict)
         own = dict(self.module.state_dict(keep_vars=True))
