@@ -19,6 +19,9 @@ which drew each rank's row or chunk on its own).
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
 
+``torch.autograd.grad`` over DDP's rows raises (:func:`_check_autograd_grad`: each row
+would be its own rank's gradient, never averaged; torch DDP does not support it).
+
 Not caught: ``nn.init.orthogonal_`` (it draws into a fresh tensor and copies it in) and
 ``nn.init.dirac_`` (indexing): initialize before wrapping.
 
@@ -48,7 +51,8 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .replica_writes import after_write, before_write, handed_out
 
-__all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
+__all__ = ["LaidOutParameter", "laid_out", "module_shaped", "module_shaped_state_dict", "Rows",
+           "Chunks"]
 
 _T = torch.Tensor
 _DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
