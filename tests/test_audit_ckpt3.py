@@ -285,8 +285,9 @@ def test_keep_vars_values_say_which_parameters_train(tmp_path, which):
             p.zero_()
     wb.checkpoint.load(tmp_path, {k: v for k, v in m2.state_dict(keep_vars=True).items()
                                   if v.requires_grad})
-    for k in trainable:
-        assert torch.equal(_full(m2.state_dict()[k]), _full(sd[k])), k
+    saved = m.state_dict()      # (DDP's keep_vars values are its parameters, as torch's:
+    for k in trainable:         # every rank's row; state_dict() gives the module's shape)
+        assert torch.equal(_full(m2.state_dict()[k]), _full(saved[k])), k
 
 
 WRITES = {

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from ..parallel.dist_tensor import DistTensor
+from ..parallel.strategies.laid_out import module_shaped
 
 __all__ = ["CheckpointError", "METADATA", "TRAILER", "flatten", "set_element", "sha256",
            "is_stateful", "stateful_to_state_dict", "check_path",
@@ -147,7 +148,9 @@ def flatten(state: Mapping) -> tuple[dict, dict]:
                     f"or give its state_dict() here")
             if key in flat:
                 raise ValueError(f"state: two entries flatten to the key {key!r}; rename one")
-            flat[key], paths[key] = v, path
+            # a wrapper's parameter itself (ddp.state_dict(keep_vars=True), as torch's):
+            # its module-shaped value, loaded back into every rank's row or chunk
+            flat[key], paths[key] = module_shaped(v), path
         else:                                   # a list or tuple holding tensors
             for i, x in enumerate(v):
                 visit(path + (i,), x)

@@ -175,6 +175,20 @@ class ParallelModule:
         return self._named_members(_params_or_shards, prefix=prefix, recurse=recurse,
                                    remove_duplicate=remove_duplicate)
 
+    def get_parameter(self, target: str):
+        """torch's, and a DistTensor parameter (not an ``nn.Parameter``, which torch's
+        refused: "`weight` is not an nn.Parameter") is returned as ``named_parameters()``
+        gives it under that name (its shard where ``fully_shard`` moved it into one)."""
+        path, _, name = target.rpartition(".")
+        mod = self.get_submodule(path)
+        if not isinstance(mod, ParallelModule) or \
+                not isinstance(mod._parameters.get(name), DistTensor):
+            return super().get_parameter(target)
+        if not _HIDING[0]:
+            from .strategies.fully_shard_tp import build_above
+            build_above(mod)
+        return dict(_params_or_shards(mod))[name]
+
     # ---- .to(dtype), .double(), .half(), .float(), .cpu(): each local shard as torch would
     def _apply(self, fn, recurse=True):
         sharded = [m for m in (self.modules() if recurse else [self]) if _shards(m)]

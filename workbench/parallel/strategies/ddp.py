@@ -86,8 +86,11 @@ On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
 
 State dicts follow torch DDP: ``state_dict()`` keys are ``"module." +`` the module's own
 names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the module's
-own shape), ``load_state_dict`` takes them (full tensors, copied into every rank's
-copy), keys and shapes checked before anything is copied.  ``torch.nn.utils.
+own shape; ``keep_vars=True``: the parameters themselves, as torch's), ``load_state_dict``
+takes them (full tensors, copied into every rank's copy), keys and shapes checked before
+anything is copied.  ``torch.autograd.grad(loss, ddp.parameters())`` raises on simulated
+ranks (each row would be its own rank's gradient, never averaged; torch DDP documents that
+it does not work with ``autograd.grad``): call ``loss.backward()``.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
 the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
 ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
@@ -117,7 +120,7 @@ from torch import nn
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
-from .laid_out import Rows, laid_out, module_shaped_state_dict
+from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
                           ready_order, torch_policy)
@@ -349,13 +352,14 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{``prefix + "module." +`` the module's own name: tensor}, as torch DDP (whose
         module is its child); each tensor the one a rank holds (on simulated ranks, rank
-        ``broadcast_from``'s row, a view)."""
+        ``broadcast_from``'s row, a view).  ``keep_vars=True`` gives each parameter itself,
+        the object ``parameters()`` gives (torch's ``nn.Module.state_dict``; on simulated
+        ranks it holds every rank's row: ``(N, *shape)``), buffers as they are."""
         out = {} if destination is None else destination
         rows = not self.group.distributed
         for name, t in self.module.state_dict(keep_vars=True).items():
-            if rows and isinstance(t, nn.Parameter):
-                p, t = t, t[self.broadcast_from]
-                t = t if keep_vars else t.detach()
+            if rows and isinstance(t, nn.Parameter) and not keep_vars:
+                p, t = t, t[self.broadcast_from].detach()
                 # one replica's row: a load in place (wb.checkpoint.load) writes every row
                 out[prefix + "module." + name] = mark(t, lambda v, p=p: p.copy_(v.clone()))
                 continue
@@ -375,7 +379,10 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             raise NotImplementedError("DistributedDataParallel.load_state_dict(assign=True): "
                                       "the parameters are hooked and bucketed; load with "
                                       "assign=False (copies into them)")
-        mine = self.state_dict(keep_vars=True)
+        mine = self.state_dict()        # the module's shapes (keep_vars=True: the rows)
+        # a keep_vars=True dict (the parameters themselves, every rank's row): their
+        # module-shaped values, as torch loads its keep_vars dict
+        state_dict = {k: module_shaped(v) for k, v in state_dict.items()}
         missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
                                                strict)
         own = dict(self.module.state_dict(keep_vars=True))

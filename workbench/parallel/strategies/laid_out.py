@@ -13,11 +13,14 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 ``nn.init`` functions torch lets a subclass override; ``torch.eye(out=...)``) and passes
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
-keeps these guards (:class:`_LaidOutData`: torch's ``.data`` is a plain tensor, which
-drew each rank's chunk on its own).
+and ``p.detach()`` keep these guards (:class:`_LaidOutData`: torch's are plain tensors,
+which drew each rank's row or chunk on its own).
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
+
+``torch.autograd.grad`` over DDP's rows raises (:func:`_check_autograd_grad`: each row
+would be its own rank's gradient, never averaged; torch DDP does not support it).
 
 Not caught: ``nn.init.orthogonal_`` (it draws into a fresh tensor and copies it in) and
 ``nn.init.dirac_`` (indexing): initialize before wrapping.
@@ -48,11 +51,13 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .replica_writes import after_write, before_write, handed_out
 
-__all__ = ["LaidOutParameter", "laid_out", "module_shaped_state_dict", "Rows", "Chunks"]
+__all__ = ["LaidOutParameter", "laid_out", "module_shaped", "module_shaped_state_dict", "Rows",
+           "Chunks"]
 
 _T = torch.Tensor
 _DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
 _DATA_GET = _T.data.__get__     # ``p.data``: an alias that keeps the guards (_data_alias)
+_DETACH = (_T.detach, torch.detach)     # ``p.detach()``: the same alias as ``p.data``
 _GUARDED = {_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
             _T.log_normal_, _T.geometric_, _T.random_, init.uniform_, init.normal_,
             init.kaiming_uniform_}
@@ -78,6 +83,8 @@ class LaidOutParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.grad:
+            _check_autograd_grad(args, kwargs)
         target = None
         if func in _GUARDED:            # nn.init's overrides pass the tensor by keyword
             target = args[0] if args else kwargs.get("tensor")
@@ -114,11 +121,34 @@ class LaidOutParameter(nn.Parameter):
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
             return _data_alias(args[0], out)
+        if func in _DETACH and args and isinstance(args[0], _LAID_OUT):
+            return _data_alias(_owner(args[0]), out)    # p.detach(), p.data.detach()
         if func == _DATA_SET and args and isinstance(args[0], LaidOutParameter):
             after = getattr(args[0], "_wb_on_data_set", None)   # p.data = t: new storage
             if after is not None:       # (fsdp_dist_views: the module's view follows it)
                 after()
         return out
+
+
+def _check_autograd_grad(args, kwargs) -> None:
+    """``torch.autograd.grad(loss, ddp.parameters())`` on simulated ranks: each rank's row
+    would be its own gradient (a loss the wrapper joins as the ranks' mean: / N), never
+    all-reduced (DDP reduces in the hooks ``.grad`` accumulation fires), so not the
+    average DDP trains with.  torch DDP does not support it either (torch 2.13
+    ``torch/nn/parallel/distributed.py:648-651``, the class docstring's warning: "This module
+    doesn't work with torch.autograd.grad() (i.e. it will only work if gradients are to
+    be accumulated in .grad attributes of parameters)"), so it raises, nothing run."""
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    rows = [p for p in inputs if isinstance(p, _LAID_OUT) and getattr(p, "_wb_rows", None)]
+    if rows:
+        raise RuntimeError(
+            "torch.autograd.grad over DistributedDataParallel's parameters: "
+            f"{rows[0]._wb_layout}, and each row would get its own rank's gradient, not "
+            "all-reduced (DDP averages the gradients in the hooks that .grad accumulation "
+            "fires); torch DDP does not support torch.autograd.grad either (it works only "
+            "when gradients accumulate in .grad).  Call loss.backward() and read p.grad "
+            "(every row the ranks' average)")
 
 
 class _LaidOutData(torch.Tensor):
@@ -128,7 +158,9 @@ class _LaidOutData(torch.Tensor):
     or chunk on its own, silently (FSDP: not one device's values), and ``p.data.copy_(t)``
     of the module's shape failed with a broadcasting error naming the storage's shape.
     Here they do what ``p``'s own do: ``normal_`` raises naming the fix, ``t`` is laid
-    out as ``p``, ``nn.init.normal_(p.data)`` is one device's draw."""
+    out as ``p``, ``nn.init.normal_(p.data)`` is one device's draw.  ``p.detach()`` is
+    the same alias (torch's a plain tensor too: ``p.detach().normal_()`` and
+    ``nn.init.*_(p.detach())`` drew each rank's row or chunk on its own, silently)."""
 
     __torch_function__ = LaidOutParameter.__torch_function__
 
@@ -410,6 +442,19 @@ def _laid_out_items(m, prefix):
     for name, p in m._parameters.items():
         if getattr(p, "_wb_full", None) is not None:
             yield prefix + name, p
+
+
+def module_shaped(v):
+    """A state-dict value as a checkpoint holds it: a :class:`LaidOutParameter` (what
+    ``ddp.state_dict(keep_vars=True)`` gives, as torch's: the parameter itself) as its
+    module-shaped value, marked so that a load in place writes every row or chunk
+    (``wb.checkpoint``: the same values as ``state_dict()``'s); any other value as is."""
+    if not isinstance(v, _LAID_OUT) or getattr(v, "_wb_full", None) is None:
+        return v
+    p = _owner(v)
+    with torch._C.DisableTorchFunctionSubclass():
+        full = p._wb_full(p.detach())
+    return mark(full, lambda val, p=p: p.copy_(val.clone()))
 
 
 def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:

@@ -43,7 +43,29 @@ from .. import step_clock
 from .ranks import RankGroup
 from .torch_kwargs import zero_torch_kwargs
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "run_closure"]
+
+
+def run_closure(optimizer_class, closure):
+    """``step(closure)``'s closure run once with grad enabled (as ``torch.optim``'s
+    optimizers run it), its loss returned; None without one.  An optimizer that calls
+    its closure several times within a step (``torch.optim.LBFGS``: the line search
+    re-evaluates the loss, each owner over its own share of the parameters) raises
+    first, nothing changed."""
+    if closure is None:
+        return None
+    if issubclass(optimizer_class, torch.optim.LBFGS):
+        raise NotImplementedError(
+            f"ZeroRedundancyOptimizer({optimizer_class.__name__}).step(closure): "
+            f"{optimizer_class.__name__} re-evaluates the closure inside its step, over the "
+            "whole model's flat gradient, which a partition of the parameters does not "
+            "hold; use an elementwise optimizer (SGD, Adam, AdamW...) or the plain "
+            f"torch.optim.{optimizer_class.__name__} over the wrapper's parameters")
+    if not callable(closure):
+        raise TypeError(f"step(closure={closure!r}): give a callable that re-evaluates "
+                        "the model and returns the loss, or no closure")
+    with torch.enable_grad():
+        return closure()
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -155,9 +177,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is not None:
-            raise NotImplementedError("ZeroRedundancyOptimizer.step(closure=...): a closure "
-                                      "would run forward once per rank; call step() without one")
+        """Each rank steps the parameters it owns, then every parameter is broadcast from
+        its owner.  ``closure`` (re-evaluates the loss: zero_grad, forward, backward) runs
+        once, with grad enabled, before the update, and its loss is returned, as torch's
+        (torch 2.13 ``zero_redundancy_optimizer.py:1148`` ``step`` -> ``:1103`` the local
+        optimizer's ``step(closure=closure)``, which calls it once: ``optim/sgd.py:116``,
+        under ``torch.enable_grad()``); on simulated
+        ranks it runs once for all of them (its forward is every rank's)."""
+        loss = run_closure(self.optimizer_class, closure)
         g = self.group
         for k, opt in self.optimizers.items():
             if opt is None:
@@ -180,6 +207,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     dist.broadcast(p.data, src=g.global_rank(k), group=g.pg)
                 elif self.rows[id(p)]:
                     p.data.copy_(p.data[k:k + 1].expand_as(p))
+        return loss
 
     # ---- state dicts: the unsharded optimizer's format (torch's consolidate_state_dict) ------
     def _flat_params(self):

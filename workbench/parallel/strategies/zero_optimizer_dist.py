@@ -49,7 +49,7 @@ from .ddp_dist import GradReplicas
 from .flat_shards import flat_padded, pack_rank_major, unflat, unpack
 from .optim_layout import check_state_shapes
 from .torch_kwargs import zero_torch_kwargs
-from .zero_optimizer import ZeroRedundancyOptimizer
+from .zero_optimizer import ZeroRedundancyOptimizer, run_closure
 
 __all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter", "ELEMENTWISE"]
 
@@ -332,10 +332,9 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     def step(self, closure=None):
         """Reduce-scatter the gradients (ZeRO-2: wait for those launched in backward),
         step the shards with ``optimizer``, all-gather them back into every replica; the
-        replicas' gradients are then cleared."""
-        if closure is not None:
-            raise NotImplementedError("ZeroRedundancyOptimizer.step(closure=...): call "
-                                      "step() without one")
+        replicas' gradients are then cleared.  ``closure`` runs first, once, with grad
+        enabled, and its loss is returned (as torch's ``step(closure)``)."""
+        loss = run_closure(self.optimizer_class, closure)   # once, grad enabled: torch's
         mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
         live = self.live()
         if not live:        # (it failed inside torch.cat, saying nothing of why)
@@ -371,6 +370,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         for p, s in zip(params, ps):
             p._local.grad = None
             s.grad = None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``: gradients to None, or (``set_to_none=
