@@ -44,13 +44,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_torchrun_ep_prints_one_devices_losses(capsys):
     """...and the simulated ranks' modeled step and bytes: under torchrun the expert GEMMs
     were missing from the modeled clock (each process knew its own rows only), 0.173 ms a
-    step for the simulator's 0.193 (auditmoe)."""
+    step for the simulator's 0.193 (auditmoe); with tp, f's input-gradient all-reduce was
+    recorded blocking after the wgrad, not beside it as on the simulated ranks: ep 2 x tp 2
+    0.2056 ms for 0.2035 (tdclock; failed before)."""
     one = _losses(capsys)
-    assert main(["train", *MOE, "--seed", "0", "--ep", "2", "--dp", "2"]) == 0
+    assert main(["train", *MOE, "--seed", "0", "--ep", "2", "--tp", "2"]) == 0
     sim = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            "-m", "workbench", "train", *MOE, "--seed", "0", "--backend", "torch",
-           "--ep", "2", "--dp", "2"]
+           "--ep", "2", "--tp", "2"]
     out = run_job(cmd, timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]

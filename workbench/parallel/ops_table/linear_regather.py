@@ -25,7 +25,8 @@ Here:
 * the clock (``pricing``): a linear whose input is marked records the re-gather on the
   tp group when its backward starts, beside its input-gradient GEMM, and its
   weight-gradient GEMM waits for it (:func:`trace_regather`).  On torch.distributed the
-  gather blocks (the backends' collectives are synchronous), so it is recorded blocking.
+  gather blocks (the backends' collectives are synchronous) but is recorded the same
+  way: the clock prices the program, not the executor (task tdclock).
 
 ``megatron_f(..., regather=False)`` keeps the gathered input instead (what autograd does
 on its own, and what PyTorch's DTensor ``SequenceParallel`` + ``ColwiseParallel`` keep):
