@@ -114,24 +114,6 @@ def test_memory_widget_message_wraps_at_spaces():
     assert "white-space: pre-wrap" in style and "word-break: normal" in style
 
 
-# ---- stored outputs of 09, 10, 11 -------------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["09_fused_operators", "10_overlap", "11_memory_and_recompute"])
-def test_printed_lines_fit_the_notebook_width(name):
-    """10's batch-1 cell printed the library's error as one 351-character line, which
-    JupyterLab broke inside words; every printed line stays within text_width.WIDTH."""
-    import json
-    from pathlib import Path
-
-    from workbench.text_width import WIDTH
-    cells = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / f"{name}.ipynb")
-                       .read_text())["cells"]
-    long = [(i, len(line)) for i, c in enumerate(cells) for o in c.get("outputs", [])
-            for line in "".join(o.get("text", "") or o.get("data", {}).get("text/plain", ""))
-            .splitlines() if len(line) > WIDTH]
-    assert not long, f"cells (index, characters) printing lines over {WIDTH}: {long}"
-
-
 # ---- 09 exercise 1 ----------------------------------------------------------------------------
 
 def test_online_softmax_tuple_of_the_wrong_length_says_how_many():
