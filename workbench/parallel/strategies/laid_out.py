@@ -14,7 +14,11 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
 and ``p.detach()`` keep these guards (:class:`_LaidOutData`: torch's are plain tensors,
-which drew each rank's row or chunk on its own).
+which drew each rank's row or chunk on its own), and so does every view of the storage
+(``p.view(-1)``, ``p[0]``, ``p.flatten()``, ``p.T``, ``p.narrow``, ``p.unbind()``...:
+:class:`_LaidOutView`, random fills raise, elementwise writes write what it views).  A
+reshape that must copy (a non-contiguous storage: fully_shard over DistTensors keeps its
+chunks dp-minor) gives a copy, as torch's: a write into it does not reach ``p``.
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -106,7 +110,8 @@ class LaidOutParameter(nn.Parameter):
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         written = isinstance(p, _LAID_OUT) and _in_place(func)
-        if written:
+        view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
+        if written and not view:
             before_write(_owner(p))     # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
         try:
@@ -118,7 +123,7 @@ class LaidOutParameter(nn.Parameter):
             if note is None:
                 raise
             raise RuntimeError(f"{e}  ({note})") from None
-        if written:
+        if written and not view:
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
             return _data_alias(args[0], out)
@@ -179,8 +184,8 @@ class _LaidOutView(torch.Tensor):
     so there is no one device's draw to give it), and an elementwise write
     (``zero_``, ``fill_``, ``mul_``, ``copy_``) writes the elements it views, as
     torch's; on DDP's rows a write into rank ``broadcast_from``'s row (``p[0]``) is
-    copied into every row right after (:func:`.replica_writes.after_write`), a write
-    into another row alone raises there.  It carries no ``_wb_store``: a tensor of the
+    copied into every row before anything reads them as replicas, a write into another
+    row alone raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  It carries no ``_wb_store``: a tensor of the
     module's shape is not laid out for it (torch's broadcasting applies).  A new tensor
     computed from it (``p.view(-1) * 2``, ``.clone()``) is plain; it stays attached to
     autograd as torch's view (``Tensor.as_subclass``)."""
