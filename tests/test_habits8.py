@@ -102,3 +102,16 @@ def test_keep_vars_gives_the_parameters_themselves(kind):
     with torch.no_grad():
         ref[2].bias.zero_()
     train_as_one_device(kind, w, mesh, ref)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "fully_shard"])
+def test_a_keep_vars_dict_loads_as_torchs(kind):
+    """Another wrapper's keep_vars dict (its parameters) loads as their values, as torch's
+    load_state_dict does (a guard: with the parameters as values, the chunks' shape
+    failed the size check before load_state_dict read them as module-shaped)."""
+    mesh, w = wrap(kind, mlp())
+    _, src = wrap(kind, mlp(seed=3))
+    w.load_state_dict(src.state_dict(keep_vars=True))
+    got = {k: v.full() if isinstance(v, wb.DistTensor) else v for k, v in w.state_dict().items()}
+    for k, v in mlp(seed=3).state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)

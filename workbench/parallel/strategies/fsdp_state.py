@@ -27,6 +27,7 @@ from ..load_back import flush, mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
+from .laid_out import module_shaped
 from .ranks import set_extra_states, state_dict_check
 
 __all__ = ["FSDPStateDict"]
@@ -119,6 +120,9 @@ class FSDPStateDict:
                                       " the parameters are the shards; load with assign=False"
                                       " (copies each rank's chunk into them)")
         flush(release=False)        # a write into a state_dict() copy lands first, as torch's
+        # a keep_vars=True dict (the parameters themselves, the chunks): their module-shaped
+        # values, as torch loads its keep_vars dict
+        state_dict = {k: module_shaped(v) for k, v in state_dict.items()}
         mine = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             mine[name] = torch.empty(self._meta[id(t)][0], device="meta") \
