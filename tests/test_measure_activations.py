@@ -144,3 +144,23 @@ def test_saved_counter_and_the_shared_rule_differ_where_its_docstring_says():
     with meta_run.SavedCounter(mesh).counting() as c:
         view()
     assert rep.bytes == 2 * 64 * 4 // 2 and c.bytes == 2 * 64 * 4
+
+
+def test_saved_counter_splits_a_flattened_tensor_over_the_axes_its_inputs_vary_along():
+    """Task savedtp.  Before: a saved tensor without mesh lead axes was split over every
+    rank, so one computed from tp-replicated inputs (the loss's log-softmax on a
+    non-vocab-parallel head, the expert-parallel layer's per-group tensors taken at tp
+    index 0) was counted 1/tp of what each tp rank holds: 64 and 2 x 32 bytes here where
+    each rank holds 128 (and tiny tp 2's (64, 75) log-softmax 9,600 B, not 19,200)."""
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    x = torch.randn(2, 1, 4, 8, requires_grad=True)       # (dp, tp replicated, B, h)
+    with meta_run.SavedCounter(mesh, [x]).counting() as c:
+        x.reshape(8, 8).exp().sum()                        # flattened: (dp B, h)
+    assert c.bytes == 8 * 8 * 4 // 2                       # split over dp only
+    with meta_run.SavedCounter(mesh, [x]).counting() as c:
+        sum(x[i, 0].exp().sum() for i in range(2))         # one piece per dp rank
+    assert c.bytes == 2 * (4 * 8 * 4 // 2)                  # = the 128 B one rank holds
+    y = torch.randn(2, 2, 4, 8, requires_grad=True)       # varies over dp and tp
+    with meta_run.SavedCounter(mesh, [y]).counting() as c:
+        y.reshape(16, 8).exp().sum()
+    assert c.bytes == 16 * 8 * 4 // 4

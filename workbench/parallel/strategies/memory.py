@@ -49,15 +49,24 @@ def _mesh_shape(objs):
     return None
 
 
-def _ranks_splitting(t, mesh_shape):
-    """How many ranks split ``t``'s storage, if ``t`` is laid out as (*mesh, *local):
-    the product of the lead axes that really vary (a stride-0 or size-1 lead axis is a
-    copy every rank holds whole); None if ``t`` has no such lead axes."""
+def _varying_axes(t, mesh_shape):
+    """The mesh axes along which ``t``, laid out as (*mesh, *local), really varies (a
+    stride-0 or size-1 lead axis is a copy every rank holds whole); None if ``t`` has no
+    such lead axes."""
     nd = len(mesh_shape)
     if t.dim() < nd or any(t.shape[i] not in (1, n) and t.stride(i) != 0
                            for i, n in enumerate(mesh_shape)):
         return None
-    return math.prod(n for n, s in zip(t.shape[:nd], t.stride()[:nd]) if s != 0 and n > 1)
+    return frozenset(i for i, (n, s) in enumerate(zip(t.shape[:nd], t.stride()[:nd]))
+                     if s != 0 and n > 1)
+
+
+def _ranks_splitting(t, mesh_shape):
+    """How many ranks split ``t``'s storage, if ``t`` is laid out as (*mesh, *local):
+    the product of the lead axes that really vary (``_varying_axes``); None if ``t`` has
+    no such lead axes."""
+    axes = _varying_axes(t, mesh_shape)
+    return None if axes is None else math.prod(mesh_shape[i] for i in axes)
 
 
 def saved_activation_bytes(fn, *args, params=(), lead_dims: int = 0, mesh=None, **kwargs):
