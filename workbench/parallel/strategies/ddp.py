@@ -359,7 +359,8 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         rows = not self.group.distributed
         for name, t in self.module.state_dict(keep_vars=True).items():
             if rows and isinstance(t, nn.Parameter) and not keep_vars:
-                p, t = t, t[self.broadcast_from].detach()
+                with torch._C.DisableTorchFunctionSubclass():   # a plain view, as torch's
+                    p, t = t, t[self.broadcast_from].detach()       # (not laid_out's guarded one)
                 # one replica's row: a load in place (wb.checkpoint.load) writes every row
                 out[prefix + "module." + name] = mark(t, lambda v, p=p: p.copy_(v.clone()))
                 continue

@@ -56,11 +56,12 @@ def _view(shard: torch.Tensor, axis: int, local) -> torch.Tensor:
     """The template's local storage ``(*mesh dims with dp of size 1, *local)`` as a view of
     ``shard`` (raises if the shard is not stored dp-minor)."""
     nd = shard.dim() - 1
-    base = shard.detach().movedim(axis, -2)         # (*other dims, n, c), contiguous
-    if not base.is_contiguous():
-        raise RuntimeError("the shard is not stored dp-minor")
-    flat = base.flatten(-2)                         # (*other dims, n * c): a view
-    loc = unflat(flat, tuple(local), nd - 1).unsqueeze(axis)
+    with torch._C.DisableTorchFunctionSubclass():   # a plain view, as before (not
+        base = shard.detach().movedim(axis, -2)     # laid_out's guarded one for users)
+        if not base.is_contiguous():                # (*other dims, n, c), contiguous
+            raise RuntimeError("the shard is not stored dp-minor")
+        flat = base.flatten(-2)                     # (*other dims, n * c): a view
+        loc = unflat(flat, tuple(local), nd - 1).unsqueeze(axis)
     if loc.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
         raise RuntimeError("the template would be a copy of its shard")
     return loc

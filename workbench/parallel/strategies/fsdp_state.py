@@ -27,6 +27,7 @@ from ..load_back import flush, mark
 from ..placement import Replicate, Shard
 from .flat_shards import flat_padded, unflat
 from .fsdp_units import all_gather
+from .laid_out import module_shaped
 from .ranks import set_extra_states, state_dict_check
 
 __all__ = ["FSDPStateDict"]
@@ -67,10 +68,11 @@ class FSDPStateDict:
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """{the module's own name: a DistTensor ``Shard(0)`` on the data-parallel dim}
         for the parameters, plain tensors for the buffers (FSDP2's sharded state dict).
-        The DistTensors are copies, also with ``keep_vars`` (which gives them their
-        parameter's ``requires_grad``, as torch's parameters); a write into one reaches the
-        shards before the next forward, step or state dict (:func:`..load_back.flush`),
-        or raises there when the shards changed since it was taken."""
+        The DistTensors are copies; a write into one reaches the shards before the next
+        forward, step or state dict (:func:`..load_back.flush`), or raises there when the
+        shards changed since it was taken.  ``keep_vars=True`` gives the parameters
+        themselves (the objects ``parameters()`` gives, as FSDP2's: its sharded
+        parameters), not copies a write would miss."""
         flush()                     # a write into an earlier state_dict()'s copies
         out = {} if destination is None else destination
         mesh, ax = self._dist_mesh()
@@ -79,16 +81,21 @@ class FSDPStateDict:
                 out[prefix + name] = t if keep_vars or not isinstance(
                     t, torch.Tensor) else t.detach()
                 continue
+            if keep_vars:
+                # torch FSDP2 (2.13 torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
+                # :909-930, a state-dict pre-hook _to_sharded() puts each FSDPParam's
+                # sharded_param, _fsdp_param.py:325-333, back on the module; then
+                # nn.Module._save_to_state_dict keeps the parameter itself): the very
+                # objects parameters() gives, so here the shard parameter itself (its
+                # storage's shape; a write into it is a write into the parameter)
+                out[prefix + name] = t
+                continue
             full = self._full(t)
             ps = [Replicate()] * mesh.ndim
             if full.dim() > 0 and full.shape[0] % self.group.n == 0:
                 ps[ax] = Shard(0)       # else Replicate (see the module's docstring)
             # every rank holds the full tensor here: no broadcast (src_data_rank=None)
             dt = shard_tensor(full.clone(), mesh, ps, src_data_rank=None)
-            if keep_vars and t.requires_grad:
-                # torch's keep_vars values are the parameters: `v.requires_grad` tells a
-                # trainable one from a frozen one (saving only what trains, as LoRA does)
-                dt.requires_grad_(True)
             # a copy (FSDP2's are the shards): a load in place cuts it into the shards
             out[prefix + name] = mark(dt, lambda v, t=t: self._store(t, v), source=t)
         if destination is None:         # DCP reads it too (..dcp_interop)
@@ -113,6 +120,9 @@ class FSDPStateDict:
                                       " the parameters are the shards; load with assign=False"
                                       " (copies each rank's chunk into them)")
         flush(release=False)        # a write into a state_dict() copy lands first, as torch's
+        # a keep_vars=True dict (the parameters themselves, the chunks): their module-shaped
+        # values, as torch loads its keep_vars dict
+        state_dict = {k: module_shaped(v) for k, v in state_dict.items()}
         mine = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             mine[name] = torch.empty(self._meta[id(t)][0], device="meta") \

@@ -146,10 +146,11 @@ def _grad_view(shard, axis: int, local):
     """The template's local tensor ``(*mesh dims with dp of size 1, *local)`` as a view of
     ``shard`` with autograd to it (:func:`.fsdp_dist_views._view`, not detached)."""
     nd = shard.dim() - 1
-    base = shard.movedim(axis, -2)                  # (*other dims, n, c)
-    if not base.is_contiguous():
-        return None
-    loc = unflat(base.flatten(-2), tuple(local), nd - 1).unsqueeze(axis)
+    with torch._C.DisableTorchFunctionSubclass():   # a plain view (not laid_out's guarded
+        base = shard.movedim(axis, -2)              # one): the module's value, as before
+        if not base.is_contiguous():                # (*other dims, n, c)
+            return None
+        loc = unflat(base.flatten(-2), tuple(local), nd - 1).unsqueeze(axis)
     if loc.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
         return None
     return loc

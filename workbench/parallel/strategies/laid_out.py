@@ -14,7 +14,11 @@ methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``..
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
 ``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
 and ``p.detach()`` keep these guards (:class:`_LaidOutData`: torch's are plain tensors,
-which drew each rank's row or chunk on its own).
+which drew each rank's row or chunk on its own), and so does every view of the storage
+(``p.view(-1)``, ``p[0]``, ``p.flatten()``, ``p.T``, ``p.narrow``, ``p.unbind()``...:
+:class:`_LaidOutView`, random fills raise, elementwise writes write what it views).  A
+reshape that must copy (a non-contiguous storage: fully_shard over DistTensors keeps its
+chunks dp-minor) gives a copy, as torch's: a write into it does not reach ``p``.
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -98,14 +102,16 @@ class LaidOutParameter(nn.Parameter):
             return out
         if isinstance(target, _LAID_OUT):
             raise RuntimeError(
-                f"in-place init of a parameter after wrapping: {target._wb_layout}, so "
+                f"in-place init of a parameter after wrapping: {target._wb_layout}"
+                f"{' (this tensor is a view of it)' if isinstance(target, _LaidOutView) else ''}, so "
                 f"{getattr(func, '__name__', func)} would not give one device's values (each "
                 "rank's copy its own draw, a fan-in read from that shape).  Initialize the "
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         written = isinstance(p, _LAID_OUT) and _in_place(func)
-        if written:
+        view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
+        if written and not view:
             before_write(_owner(p))     # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
         try:
@@ -117,16 +123,19 @@ class LaidOutParameter(nn.Parameter):
             if note is None:
                 raise
             raise RuntimeError(f"{e}  ({note})") from None
-        if written:
+        if written and not view:
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
             return _data_alias(args[0], out)
-        if func in _DETACH and args and isinstance(args[0], _LAID_OUT):
+        if func in _DETACH and args and isinstance(args[0], (LaidOutParameter, _LaidOutData)):
             return _data_alias(_owner(args[0]), out)    # p.detach(), p.data.detach()
         if func == _DATA_SET and args and isinstance(args[0], LaidOutParameter):
             after = getattr(args[0], "_wb_on_data_set", None)   # p.data = t: new storage
             if after is not None:       # (fsdp_dist_views: the module's view follows it)
                 after()
+            return out
+        if args and isinstance(args[0], _LAID_OUT) and not written:
+            return _guard_views(args[0], out)
         return out
 
 
@@ -165,7 +174,45 @@ class _LaidOutData(torch.Tensor):
     __torch_function__ = LaidOutParameter.__torch_function__
 
 
-_LAID_OUT = (LaidOutParameter, _LaidOutData)
+class _LaidOutView(torch.Tensor):
+    """A view of a :class:`LaidOutParameter`'s storage (``p.view(-1)``, ``p[0]``,
+    ``p.flatten()``, ``p.T``, ``p.narrow(...)``, ``p.unbind()``..., of ``p`` itself or of
+    its ``.data`` / ``detach()`` alias, or of another such view): torch's are plain
+    tensors, so ``p.view(-1).normal_()`` or ``nn.init.normal_(p[0])`` drew each rank's
+    row or chunk on its own, silently.  Here a random fill through it raises as through
+    ``p`` (nothing written; ``nn.init.normal_`` too: a view is not the module's shape,
+    so there is no one device's draw to give it), and an elementwise write
+    (``zero_``, ``fill_``, ``mul_``, ``copy_``) writes the elements it views, as
+    torch's; on DDP's rows a write into rank ``broadcast_from``'s row (``p[0]``) is
+    copied into every row before anything reads them as replicas, a write into another
+    row alone raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  It carries no ``_wb_store``: a tensor of the
+    module's shape is not laid out for it (torch's broadcasting applies).  A new tensor
+    computed from it (``p.view(-1) * 2``, ``.clone()``) is plain; it stays attached to
+    autograd as torch's view (``Tensor.as_subclass``)."""
+
+    __torch_function__ = LaidOutParameter.__torch_function__
+
+
+_LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
+
+
+def _guard_views(src, out):
+    """``out`` (a function's result on ``src``) with each tensor that shares ``src``'s
+    storage made a :class:`_LaidOutView` (also in a tuple or list: ``p.unbind()``,
+    ``p.chunk(n)``, ``p.split(k)``); anything else as it is."""
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        got = [_guard_views(src, o) for o in out]
+        return type(out)(got) if type(out) in (tuple, list) else out
+    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, _LAID_OUT) or \
+            out.numel() == 0:
+        return out
+    with torch._C.DisableTorchFunctionSubclass():
+        if out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+            return out
+        view = out.as_subclass(_LaidOutView)
+    view._wb_layout = src._wb_layout
+    view._wb_param = _owner(src)
+    return view
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
           "_wb_src", "_wb_view_note")
 
@@ -461,8 +508,12 @@ def _state_dict_hook(m, state_dict, prefix, local_metadata) -> None:
     for key, p in _laid_out_items(m, prefix):
         v = state_dict.get(key)
         if v is not None and v is not p:       # keep_vars=False: p.detach()
-            # DDP's: one replica's row; a load in place writes every row (..load_back)
-            state_dict[key] = mark(p._wb_full(v), lambda val, p=p: p.copy_(val.clone()))
+            # DDP's: one replica's row; a load in place writes every row (..load_back);
+            # a plain tensor as torch's (not a guarded view: a write through one row's
+            # handle is the replicas' checks' business, .replica_writes)
+            with torch._C.DisableTorchFunctionSubclass():
+                full = p._wb_full(v)
+            state_dict[key] = mark(full, lambda val, p=p: p.copy_(val.clone()))
 
 
 def _load_hook(m, state_dict, prefix, local_metadata, strict, missing_keys,
