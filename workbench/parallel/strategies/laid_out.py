@@ -114,6 +114,20 @@ class LaidOutParameter(nn.Parameter):
         if written and not view:
             before_write(_owner(p))     # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
+        if func in _AUTOGRAD_RUNS:
+            # backward / grad run user code (checkpoint's recomputed forward, hooks) that
+            # needs torch-function dispatch of other subclasses (DistTensor): not under
+            # DisableTorchFunctionSubclass; the views are read as plain tensors (the same
+            # autograd graph: Tensor.as_subclass)
+            plain = lambda t: t.as_subclass(torch.Tensor) if isinstance(t, _LaidOutView) \
+                else t      # noqa: E731
+            args = tuple(tuple(plain(t) for t in a) if isinstance(a, (tuple, list)) else
+                         plain(a) for a in args)
+            kwargs = {k: tuple(plain(t) for t in v) if isinstance(v, (tuple, list)) else
+                      plain(v) for k, v in kwargs.items()}
+            if not any(isinstance(t, _LAID_OUT) for a in (*args, *kwargs.values())
+                       for t in (a if isinstance(a, (tuple, list)) else (a,))):
+                return func(*args, **kwargs)
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -194,6 +208,7 @@ class _LaidOutView(torch.Tensor):
 
 
 _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
+_AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 
 def _guard_views(src, out):
