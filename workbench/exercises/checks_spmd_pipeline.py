@@ -37,6 +37,7 @@ from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..text_width import wrap
 from .checks import _number
+from .checks_strategies import _index
 from .feedback import CheckError, exercise
 
 __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
@@ -495,13 +496,7 @@ def _int(name, value) -> int:
     return got
 
 
-def _whole_int(value):
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+_whole_int = _index      # a Python, NumPy or torch integer; None for a bool or a float
 
 
 @exercise
