@@ -20,26 +20,8 @@ from torch import nn
 
 import workbench as wb
 
-from .test_habits6 import batches, close, mlp, mse  # noqa: F401  (the same tiny MLP and data)
-
-
-def wrap(kind, model, n=4):
-    mesh = wb.Mesh.grid(n, ["dp"])
-    if kind == "ddp":
-        return mesh, wb.DistributedDataParallel(model, mesh)
-    if kind == "fsdp":
-        return mesh, wb.FullyShardedDataParallel(model, mesh)
-    assert kind == "fully_shard"
-    wb.fully_shard(model[0], mesh=mesh)
-    return mesh, wb.fully_shard(model, mesh=mesh)
-
-
-def full(w) -> dict:
-    out = {}
-    for k, v in w.state_dict().items():
-        v = v.full() if isinstance(v, wb.DistTensor) else v
-        out[k.removeprefix("module.")] = v.detach().clone()
-    return out
+from .test_habits6 import (batches, close, full, mlp, mse,  # noqa: F401  (the same tiny
+                           wrap)                          # MLP, data and wrappers)
 
 
 def dist(x, mesh):
