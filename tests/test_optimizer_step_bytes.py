@@ -159,3 +159,34 @@ def test_estimate_prices_its_framework_step():
     mine = wb.plan.estimate(cfg, lay.replace(framework="workbench"), cl)
     assert _split(mine.details["optimizer_passes"]) == (0, 28)
     assert est.details["optimizer"] > mine.details["optimizer"]
+
+
+def test_the_adam_update_runs_at_the_rate_the_h100_measured_for_it():
+    """The Adam pass of each framework at ``kernel_bandwidth["adamw_fused_fp32"]``: the
+    H100 file's fused AdamW (7.52 GB in 3.056 ms, 2,459.8 GB/s, 0.815 of the card's plain
+    copy), not the copy's rate the other passes move at; a profile without the
+    measurement (the A100's) prices every pass as before.  Failed before the Adam pass
+    named its kernel (all 92 B of torchtitan's step at the copy rate: 8% faster)."""
+    import json
+    from importlib import resources
+    raw = json.loads(resources.files("workbench.sim_mesh").joinpath(
+        "measurements", "h100-sxm-80gb.json").read_text())
+    row = next(r for r in raw["memory_bound"] if r["kernel"] == "adamw_fused_fp32")
+    measured = row["bytes"] / row["seconds"]                      # bytes: 28 per parameter
+    assert row["bytes"] == 28 * row["shape"][0]
+    h100, hbm2e = get_profile("h100"), get_profile("h100-hbm2e")
+    assert h100.kernel_bandwidth["adamw_fused_fp32"] == pytest.approx(measured, rel=1e-4)
+    assert hbm2e.kernel_bandwidth["adamw_fused_fp32"] == pytest.approx(
+        measured * 2.4 / 3.35, rel=1e-4)                          # the HBM ratio, as its others
+    copy = h100.memory_bandwidth * h100.memory_efficiency
+    fsdp = OS.passes(_cfg("bfloat16"), Layout(dp=8, zero=3, framework="fsdp"))
+    adam = [p for p in fsdp if p.kernel == "adamw_fused_fp32"]
+    assert [p.nbytes for p in adam] == [80]                       # foreach AdamW, 8 kernels
+    launch = h100.launch_overhead
+    want = 80 * PSI / measured + 12 * PSI / copy + (8 + 2) * launch
+    assert OS.step_seconds(fsdp, PSI, PSI, h100) == pytest.approx(want, rel=1e-3)
+    mega = OS.passes(_cfg("bfloat16"), Layout(dp=8, zero=1), True)
+    assert [p.nbytes for p in mega if p.kernel] == [28]           # FusedAdam alone
+    # the A100 has no such measurement: every pass at its memory rate, one compute_time
+    assert OS.step_seconds(fsdp, PSI, PSI, A100) == pytest.approx(
+        compute_time(0.0, 92 * PSI, A100, "float32", launches=10), rel=1e-12)

@@ -7,7 +7,13 @@ it reads plus those it writes per parameter element, over either every parameter
 rank (``over="psi"``: gradient buffers are whole on every rank) or only the rank's
 partition (``over="shard"``: psi / dp under ZeRO-1/2/3, else psi), priced on the
 roofline by ``sim_mesh.cost.compute_time`` with one launch per pass, or one per
-parameter tensor where the source loops over tensors (``per_tensor``).  Communication
+parameter tensor where the source loops over tensors (``per_tensor``).  The Adam update
+(``Pass.kernel = "adamw_fused_fp32"``) moves at the rate the profile measured for it where
+it has one (the H100's: ``torch.optim.AdamW(fused=True)``, a multi_tensor_apply kernel,
+2,459.8 GB/s, 0.815 of the card's plain copy, ``sim_mesh/measurements/h100-sxm-80gb.json``;
+FusedAdam and torch's foreach AdamW, multi_tensor_apply kernels too, ASSUMED at that
+rate); every other pass, and Adam on a profile without the measurement, at the profile's
+memory rate (``memory_bandwidth x memory_efficiency``, a plain copy's).  Communication
 (the DP reduction, the distributed optimizer's all-gather) is priced elsewhere.
 
 Megatron-LM (``Float16OptimizerWithFloat16Params``; apex / Transformer Engine
@@ -85,7 +91,7 @@ import math
 from ..sim_mesh.cost import compute_time
 from ..sim_mesh.optimizer_cost import MIXED_ADAMW_BYTES, adam_kernels
 from . import optimizer_step_deepspeed as DSO
-from .optimizer_pass import ADAM, Pass
+from .optimizer_pass import ADAM, ADAM_KERNEL, Pass
 
 __all__ = ["Pass", "MEGATRON", "ERAS", "era", "passes", "step_bytes", "step_seconds",
            "assumption"]
@@ -155,7 +161,7 @@ def _megatron(dtype: str, lay, when: str, overlap_grad_reduce: bool) -> list[Pas
                         4 + 4, "shard", unscale))
     out += [Pass("gradient norm (multi_tensor_l2norm)", 4, "shard", norm),
             Pass("FusedAdam (multi_tensor_adam): p, g, m, v read; p, m, v written", ADAM,
-                 "shard", adam)]
+                 "shard", adam, kernel=ADAM_KERNEL)]
     if bf16 or fp16:                  # fp32 (FP32Optimizer): no main copy
         # a copy_ per tensor in every era: 2021/2022's _multi_tensor_copy_this_to_that
         # tests ``if overflow_buf:``, and fp16's IntTensor([0]) is False (optimizer.py:53)
@@ -181,7 +187,8 @@ def passes(cfg, lay, fusion: bool = True, overlap_grad_reduce: bool = False) -> 
                 Pass("clip_grad_norm_: torch._foreach_mul_ (unconditional)", 4 + 4, "shard",
                      src + "torch/nn/utils/clip_grad.py"),
                 Pass(f"AdamW foreach, weight decay 0.1 ({k.accesses} fp32 accesses)",
-                     4 * k.accesses, "shard", src + "torch/optim/adam.py", kernels=k.launches))
+                     4 * k.accesses, "shard", src + "torch/optim/adam.py", kernels=k.launches,
+                     kernel=ADAM_KERNEL))
     if fw == "workbench":
         return (Pass("mixed-precision AdamW, one fused kernel", MIXED_ADAMW_BYTES, "shard",
                      "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES"),)
@@ -205,11 +212,18 @@ def step_bytes(table, psi: float, updated: float) -> float:
 
 def step_seconds(table, psi: float, updated: float, prof, tensors: int = 1) -> float:
     """Seconds of the passes on the roofline (``compute_time``), memory bound, on a rank
-    of ``psi`` parameters in ``tensors`` tensors, ``updated`` of them its own."""
+    of ``psi`` parameters in ``tensors`` tensors, ``updated`` of them its own: each
+    pass at its kernel's measured rate where the profile has one (``Pass.kernel``: the
+    Adam update at ``kernel_bandwidth["adamw_fused_fp32"]``), the others at the
+    profile's memory rate (module docstring)."""
     _check(psi, updated, tensors)
-    launches = sum(tensors * p.kernels if p.per_tensor else p.kernels for p in table)
-    return compute_time(0.0, step_bytes(table, psi, updated), prof, "float32",
-                        launches=int(launches))
+    total = 0.0
+    for kernel in dict.fromkeys(p.kernel for p in table):
+        group = [p for p in table if p.kernel == kernel]
+        launches = sum(tensors * p.kernels if p.per_tensor else p.kernels for p in group)
+        total += compute_time(0.0, step_bytes(group, psi, updated), prof, "float32",
+                              launches=int(launches), kernel=kernel)
+    return total
 
 
 def assumption(lay, table) -> str:

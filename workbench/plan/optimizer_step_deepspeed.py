@@ -32,7 +32,7 @@ from __future__ import annotations
 from . import bf16_optimizer as BF
 from . import deepspeed_pipe as D
 from . import deepspeed_step as DS
-from .optimizer_pass import ADAM, Pass
+from .optimizer_pass import ADAM, ADAM_KERNEL, Pass
 
 __all__ = ["DEEPSPEED", "passes"]
 
@@ -57,7 +57,7 @@ def passes(cfg, lay) -> list[Pass]:
                 Pass("unscale and clip, mul_(1 / combined_scale)", 4 + 4, "shard",
                      f"{src}:2841"),
                 Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard",
-                     f"{src}:1577"),
+                     f"{src}:1577", kernel=ADAM_KERNEL),
                 Pass("fp32 partition copied to the fp16 one", 4 + 2, "shard", f"{src}:1581")]
     if lay.pp > 1 and cfg.dtype == "float16" and lay.zero == 0:
         src = f"{D.SOURCE} runtime/fp16/fused_optimizer.py (plan.deepspeed_step)"
@@ -65,7 +65,7 @@ def passes(cfg, lay) -> list[Pass]:
     if lay.pp == 1 and lay.zero >= 1:     # today's ZeRO optimizers (module docstring)
         return _zero_today(cfg.dtype, lay.zero)
     adam = Pass("Adam on the partition (the planner's 28 B: ASSUMPTION)", ADAM, "shard",
-                "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES")
+                "sim_mesh.optimizer_cost.MIXED_ADAMW_BYTES", kernel=ADAM_KERNEL)
     if BF.applies(cfg, lay):
         src = BF.SOURCE
         return [Pass("gradient norm, fp32 gradients", BF.FP32_GRAD_BYTES, "psi", src),
@@ -98,5 +98,6 @@ def _zero_today(dtype: str, zero: int) -> list[Pass]:
              "shard", f"{src}:{at[2]}", kernels=2 if e != 4 else 1),
         Pass("unscale and clip, mul_(1 / combined_scale), always", 4 + 4, "shard",
              f"{src}:{at[3]}"),
-        Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard", f"{src}:{at[4]}"),
+        Pass("FusedAdam: p, g, m, v read; p, m, v written", ADAM, "shard", f"{src}:{at[4]}",
+             kernel=ADAM_KERNEL),
         Pass("fp32 partition copied to the 16-bit one", 4 + e, "shard", f"{src}:{at[5]}")]
