@@ -25,6 +25,9 @@ fp32 reduce-scatter of 4e9 gradients runs through one 400 Gb/s NIC (0.32 s) wher
 16B's (two ranks per node, tp 4) runs through two (0.17 s), against a last backward of
 0.12 s in both; the published 32B step leaves 0.11 s of room, which no overlap of a
 0.32 s reduce-scatter with a 0.12 s backward gives.
+
+The 1.7B row's step kernel by kernel, each charge beside the component figure it rests
+on (and torchtitan's Llama 3.1 8B on 8 H100 beside it): ``benchmarks/step_audit.py``.
 """
 import os
 import sys
