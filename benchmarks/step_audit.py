@@ -89,10 +89,14 @@ Run per step but not priced, with what bounds each:
   every micro-batch (``pretrain_gpt.py:136-141``, on by default, ``arguments.py:1016``)
   and all-reduces two floats over the 48 data-parallel ranks on the compute stream
   (``pretrain_gpt.py:145``: 41 us by the planner's NCCL model, 0.16 ms a step; the
-  clipping norm's scalar all-reduce over 8 ranks in torchtitan, 15 us).  A sync costs
+  clipping norm's scalar all-reduce over 8 ranks in torchtitan, 15 us); and before each
+  gradient bucket's reduce-scatter in the last backward, ``assert not norm.isnan()`` on
+  the bucket's norm (``megatron/core/distributed/param_and_grad_buffer.py:111-118``),
+  a host sync per bucket of max(40M, 1M x dp) = 48M parameters
+  (``distributed_data_parallel.py:51-54``): about 37 for the 1.7B.  A sync costs
   a launch latency plus the first kernels' host time (no measurement of that gap
-  found; tens of us ASSUMED): with the all-reduces under 0.1% of either step, not
-  priced;
+  found; tens of us ASSUMED): 41 syncs a step, about 1-2 ms of the 1.7B's 452 ms, one
+  a step of the 8B's 2.8 s; not priced;
 - the data loader (torchtitan tokenizes on the host inside the loop, ``train.py:259``)
   runs while the GPU drains the previous step's queue, bar the sync above: not priced;
 - the host's Python and dispatcher time per op: at 0.01 .. 10 ms of GPU time per kernel
