@@ -80,6 +80,19 @@ assumption holds within 1%.  (PyTorch's pair moves 36 B per logit by the same co
 at 0.70 of the copy rate: its softmax reads the row more than once.  Were Megatron's
 simple passes as slow per byte, 13.3 ms: an upper bound, 16 ms per 1.7B step.)
 
+Charged but not run, found reading the code: with Transformer Engine (as ``published.py``
+assumes for the README's runs), the 1.7B's QKV bias is added in its GEMM's epilogue and
+its gradient comes out of the weight-gradient GEMM (Megatron builds ``linear_qkv`` with
+``skip_bias_add=False``, f2e5db402c ``megatron/core/transformer/attention.py:379-390``,
+so ``te_return_bias`` is False; NVIDIA/TransformerEngine v1.8
+``pytorch/module/layernorm_linear.py:268-275`` passes the bias to ``tex.gemm``, and
+``:636-645`` takes ``grad_bias`` from the wgrad GEMM, ``cpp_extensions/gemm.py:213-247``),
+where the planner's op list (Megatron's own linear, held to Korthikanti's Table 4)
+charges a ``qkv_bias_add`` and a ``qkv_bias_grad`` kernel: 0.052 ms per layer and
+micro-batch, 5.0 ms of the 1.7B step (its ratio would go 1.173 -> about 1.19).  Not
+changed here: the layer has no Transformer Engine switch, and the runs' TE release is
+not stated.
+
 Run per step but not priced, with what bounds each:
 
 - host syncs: torchtitan reads ``loss.item()`` every 10th step only (``train.py:337``,
