@@ -18,11 +18,12 @@ the same in v0.3.16, a12aaedc9e):
   then finds ``sub_module.id != sub_module_trace[step_id]`` ("Tracing failed.
   Prefetching is disabled", v0.3.14 ``:198-202``) and ``get_reuse_distance_in_numel``
   the same ("Tracing failed. Cannot tell if the sub_module ... is reused", ``:233-238``,
-  returning 1e12): nothing is prefetched and no module keeps its parameters for a
-  reuse (the root's tied embedding is released at the root's post-forward and gathered
-  again by its pre-backward hook).  Two consecutive trace entries of one module with
-  parameters would escape it; Megatron's parent modules (the layer, the MLP) sit
-  between a recomputed matrix and its backward, so none does.  Diagnosed by a user in
+  returning 1e12): no module prefetches or keeps its parameters for a reuse but the
+  root, whose own step id (0, taken before the reset) still matches
+  ``sub_module_trace[0]``: its forward hook prefetches as before, and it keeps the
+  tied embedding from its forward to its backward.  Two consecutive trace entries of one module with parameters
+  would escape it too; Megatron's parent modules (the layer, the MLP) sit between a
+  recomputed matrix and its backward, so none does.  Diagnosed by a user in
   microsoft/DeepSpeed issue #1069 (2021-05-27: "this causes the rest of the step ids
   in the forward pass to be off by 1, which was causing the prefetches to be
   skipped"); fixed after v0.3.16 (PR #1170 and its successors).
@@ -376,9 +377,8 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     after ``_post_step``), else each is gathered at its first use; ``step``: the
     optimizer step, whose live-parameter counter starts at :func:`counter_start`;
     ``version``: the DeepSpeed release (:func:`behaviour`): from v0.3.14 the trace is off
-    by one, so nothing is prefetched, no module keeps its parameters for a reuse and the
-    root releases the tied embedding after the forward (gathered again at its backward
-    entry); from v0.3.15 each fetch runs, per parameter of the module, a norm over it on
+    by one, so no module but the root (the first entry) prefetches or keeps its
+    parameters for a reuse; from v0.3.15 each fetch runs, per parameter of the module, a norm over it on
     the compute stream and waits for it (``.item()``, priced as ``SYNC_S``)."""
     shifted, norms = behaviour(version)
     if shifted:
@@ -441,14 +441,6 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     compute = 0.0
     for i, e in enumerate(trace):
         mine = [pid for pid, _ in e.params]
-        if shifted and e.module == "root" and e.phase == "b":
-            # not kept for the reuse: released at the root's post-forward hook
-            for pid in mine:
-                if pid in avail:
-                    t = max(t, gpu) + RELEASE_S
-                    work["release"] += RELEASE_S
-                    avail.discard(pid)
-                    live -= size[pid]
         need = [pid for pid in mine if pid not in avail and pid not in inflight]
         waits = any(pid in inflight for pid in mine)
         for pid in need:
@@ -463,7 +455,9 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                 gpu = max(t, gpu) + norm
                 t = gpu + SYNC_S
                 work["norm"] += norm + SYNC_S
-        if not shifted and not inflight and live < MAX_LIVE_NUMEL:   # prefetch_next_...
+        # prefetch_next_sub_modules; off by one (v0.3.14 on), only the root's entry finds
+        # itself in the trace (its step id 0 is taken before the reset)
+        if (not shifted or i == 0) and not inflight and live < MAX_LIVE_NUMEL:
             ahead, chosen = 0.0, []
             for later in trace[i:]:
                 for pid, n in later.params:
