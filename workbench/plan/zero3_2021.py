@@ -21,12 +21,13 @@ the same in v0.3.16, a12aaedc9e):
   returning 1e12): no module prefetches or keeps its parameters for a reuse but the
   root, whose own step id (0, taken before the reset) still matches
   ``sub_module_trace[0]``: its forward hook prefetches as before, and it keeps the
-  tied embedding from its forward to its backward.  Two consecutive trace entries of one module with parameters
-  would escape it too; Megatron's parent modules (the layer, the MLP) sit between a
-  recomputed matrix and its backward, so none does.  Diagnosed by a user in
-  microsoft/DeepSpeed issue #1069 (2021-05-27: "this causes the rest of the step ids
-  in the forward pass to be off by 1, which was causing the prefetches to be
-  skipped"); fixed after v0.3.16 (PR #1170 and its successors).
+  tied embedding from its forward to its backward.  Two consecutive trace entries of
+  one module with parameters would escape it too; Megatron's parent modules (the
+  layer, the MLP) sit between a recomputed matrix and its backward, so none does.
+  Diagnosed by a user in microsoft/DeepSpeed issue #1069 (2021-05-27: "this causes
+  the rest of the step ids in the forward pass to be off by 1, which was causing the
+  prefetches to be skipped"); the same hooks through v0.5.10, until PR #1453
+  (4912e0ad7, 2022-01-20, v0.6.0) replaced the coordinator.
 - **v0.3.15 on (2021-04-19, 2c2a7f31bc): a norm per fetched parameter.**  The
   ZeRO-Infinity commit 0d4a54a04 adds to ``fetch_sub_module``, for every parameter of
   the module (its own, the persistent ones too), ``print_rank_0(f"... norm
@@ -39,10 +40,10 @@ the same in v0.3.16, a12aaedc9e):
   debug printing").
 
 The version priced (``VERSION``) is v0.3.13's behaviour, ASSUMED from the dates: the
-paper's first version (2021-04-09) reports the runs, which predate PR #867's merge two
-days earlier at the latest by the time a paper takes to write; the paper names no
-version.  With v0.3.14-0.3.16's hooks the same rows are slower
-(``benchmarks/zero3_2021_breakdown.py``, columns ``v0.3.14`` and ``v0.3.16``).
+paper names no version, and its first version (2021-04-09) already reports the runs,
+while PR #867 was merged on 2021-04-07 and first released in v0.3.14 on 04-08.  With
+v0.3.14-0.3.16's hooks the same rows are slower (``benchmarks/zero3_2021_breakdown.py``,
+columns ``v0.3.14`` and ``v0.3.16``).  What v0.3.13 does, per micro-batch:
 
 - **one collective per parameter**: ``PartitionedParameterCoordinator._all_gather``
   calls ``param.all_gather(param_list, async_op=True)``, which loops over the list and
@@ -347,8 +348,8 @@ def behaviour(version: str) -> tuple:
     """(trace off by one, norm per fetched parameter) of DeepSpeed ``version`` (module
     docstring: v0.3.14's root reset hook, v0.3.15's debug-print norm)."""
     if version not in VERSIONS:
-        raise ValueError(f"version={version!r}: the DeepSpeed release whose ZeRO-3 hooks are "
-                         f"priced; use one of {sorted(VERSIONS)}")
+        raise ValueError(f"version={version!r}: the DeepSpeed release whose ZeRO-3 hooks "
+                         f"are priced; use one of {sorted(VERSIONS)}")
     return VERSIONS[version]
 
 
@@ -378,8 +379,9 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     optimizer step, whose live-parameter counter starts at :func:`counter_start`;
     ``version``: the DeepSpeed release (:func:`behaviour`): from v0.3.14 the trace is off
     by one, so no module but the root (the first entry) prefetches or keeps its
-    parameters for a reuse; from v0.3.15 each fetch runs, per parameter of the module, a norm over it on
-    the compute stream and waits for it (``.item()``, priced as ``SYNC_S``)."""
+    parameters for a reuse; from v0.3.15 each fetch runs, per parameter of the module,
+    a norm over it on the compute stream and waits for it (``.item()``, priced as
+    ``SYNC_S``)."""
     shifted, norms = behaviour(version)
     if shifted:
         keep = [False] * len(trace)
@@ -391,7 +393,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
     work = dict.fromkeys(("ag_loop", "rs_loop", "record_copy", "release", "nccl",
-                          "predivide", "norm"), 0.0)   # seconds of work by kind (not exposure)
+                          "predivide", "norm"), 0.0)   # seconds of work by kind, not exposed
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
