@@ -176,7 +176,7 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   DeepSpeed of that time ran ZeRO-3 (``framework="deepspeed-0.3"``, ``plan.zero3_2021``:
   v0.3.13-0.3.16 read from its source, host costs per chunk measured; v0.3.13's hooks
   ASSUMED from the dates: from v0.3.14 the trace is off by one and nothing but the
-  root prefetches, 2.6-9.4 s slower a step, the breakdown's ``v0.3.14`` / ``v0.3.16``
+  root prefetches, 2.6-9.3 s slower a step, the breakdown's ``v0.3.14`` / ``v0.3.16``
   columns).  ASSUMED: fp16,
   full recompute, micro-batch = batch / GPUs, DeepSpeedExamples' Megatron ZeRO-3
   config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
