@@ -174,7 +174,10 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   cli99/llm-analysis's reproduction script (examples/megatron-lm/run_train_zero.sh,
   b60b392f74; its README shows the table as an image): a secondary source.  Priced as
   DeepSpeed of that time ran ZeRO-3 (``framework="deepspeed-0.3"``, ``plan.zero3_2021``:
-  v0.3.13-0.3.16 read from its source, host costs per chunk measured).  ASSUMED: fp16,
+  v0.3.13-0.3.16 read from its source, host costs per chunk measured; v0.3.13's hooks
+  ASSUMED from the dates: from v0.3.14 the trace is off by one and nothing but the
+  root prefetches, 2.6-9.3 s slower a step, the breakdown's ``v0.3.14`` / ``v0.3.16``
+  columns).  ASSUMED: fp16,
   full recompute, micro-batch = batch / GPUs, DeepSpeedExamples' Megatron ZeRO-3
   config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
   gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
@@ -395,8 +398,9 @@ def _zero3_2021_rows():
                    metric="tflops_per_device", published=tflops, published_hfu=None,
                    cite=ZERO3_2021_CITE,
                    assume="fp16, full recompute, one micro-batch per step, DeepSpeed "
-                          "v0.3.13-0.3.16 with DeepSpeedExamples' Megatron ZeRO-3 config "
-                          "ASSUMED")
+                          "v0.3.13's hooks (v0.3.14-0.3.16's trace is off by one: "
+                          "zero3_2021.VERSIONS) with DeepSpeedExamples' Megatron ZeRO-3 "
+                          "config ASSUMED")
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # its sibling modules

@@ -19,6 +19,10 @@ the gathers the prefetch issued in the step priced (step 2, ``zero3_2021.COUNTER
 ``late``: the predicted step at a late step (10,000), where DeepSpeed's live-parameter
 counter has drifted low enough for every gather to be a prefetch (``plan.zero3_2021``'s
 docstring: the counter loses the persistent parameters' elements every step).
+``v0.3.14`` / ``v0.3.16``: the predicted step with those releases' hooks instead of
+v0.3.13's (``zero3_2021.VERSIONS``: from v0.3.14 the trace is off by one, so nothing is
+prefetched and nothing kept for a reuse; from v0.3.15 a norm and a host wait per fetched
+parameter); the estimate prices v0.3.13 (``zero3_2021.VERSION``, ASSUMED from the dates).
 
 Nothing here feeds the planner; it shows where the predicted time goes (the loops
 over p chunks grow with the data-parallel size, the rest does not).
@@ -66,6 +70,13 @@ def breakdown(row) -> dict:
                 for k in (Z.COUNTER_STEP, 10_000))
         late[first] = a - b
     saved = late[True] + (lay.m - 1) * late[False]
+    other = {}
+    for v in ("0.3.14", "0.3.16"):
+        d = [Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+                        persistent_gathered=first, version=v)["seconds"]
+             - Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+                          persistent_gathered=first)["seconds"] for first in (True, False)]
+        other[v] = est.step_time + d[0] + (lay.m - 1) * d[1]
     w = sim["work"]
     published = est.step_time * r["ratio"]
     return dict(name=row["name"], gpus=row["devices"], mb=lay.micro_batch,
@@ -76,12 +87,14 @@ def breakdown(row) -> dict:
                 release=w["release"], nccl=w["nccl"], predivide=w["predivide"],
                 busbw=(moved["all_gather"] + moved["reduce_scatter"]) / w["nccl"] / 1e9,
                 gap=published - est.step_time, prefetch=sim["prefetches"],
-                late=est.step_time - saved)
+                late=est.step_time - saved, **{"v0.3.14": other["0.3.14"],
+                                                "v0.3.16": other["0.3.16"]})
 
 
 def main():
     cols = ("published", "predicted", "compute", "exposed", "post_step", "host_loops",
-            "release", "nccl", "predivide", "busbw", "gap", "prefetch", "late")
+            "release", "nccl", "predivide", "busbw", "gap", "prefetch", "late", "v0.3.14",
+            "v0.3.16")
     print("narayanan_zero3 rows, seconds per step (busbw: GB/s of NCCL's all-gathers and "
           "reduce-scatters as the clock prices them)")
     print(f"  {'row':10} {'GPUs':>5} {'nodes':>5} {'mb':>3} "

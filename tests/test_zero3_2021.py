@@ -187,3 +187,47 @@ def test_later_micro_batches_gather_the_persistent_parameters_again():
     rest = Z.simulate(tr, 64, _price, _price, 2e12, persistent_gathered=False)
     assert rest["gathers"] - first["gathers"] == 2 * 8 + 2
     assert rest["seconds"] > first["seconds"]
+
+
+def test_v0314_trace_off_by_one_prefetches_and_keeps_nothing():
+    # v0.3.14's root pre-forward reset (7b46d11fa) leaves every module one step behind
+    # its recorded trace: get_params_to_prefetch and get_reuse_distance_in_numel both
+    # find "Tracing failed" (v0.3.14 stage3.py:198-202, :233-238).  175B shapes, two
+    # layers, prefetch open (step 10,000): v0.3.13 prefetches and keeps fc2 from its
+    # recomputation to its backward; v0.3.14 gathers fc2 again and prefetches only at
+    # the root (its own step id 0, taken before the reset, still matches): the
+    # positions' table and layer 0's QKV (6.04e7 elements reached); the root keeps the
+    # tied embedding from its forward to its backward in both
+    tr = _trace(_gpt(12288))
+    old = Z.simulate(tr, 64, _price, _price, 2e12, step=10_000)
+    new = Z.simulate(tr, 64, _price, _price, 2e12, step=10_000, version="0.3.14")
+    assert old["prefetches"] > 2 and new["prefetches"] == 2
+    assert new["gathers"] == 1 + 2 + 2 * (4 + 4 + 4)
+    assert old["gathers"] == 1 + 2 + 2 * (4 + 4 + 3)
+    assert new["reduce_scatters"] == old["reduce_scatters"]
+    assert new["seconds"] > old["seconds"]
+    assert Z.simulate(tr, 64, _price, _price, 2e12, version="0.3.13") == \
+        Z.simulate(tr, 64, _price, _price, 2e12)           # the default is v0.3.13
+    assert Z.VERSION == "0.3.13"
+
+
+def test_v0315_norm_per_fetched_parameter():
+    # v0.3.15's fetch_sub_module builds f"... norm {param.norm()}" for each of the
+    # module's own parameters (v0.3.16 stage3.py:441-445) on every fetch: a read of the
+    # 16-bit parameter at the memory bandwidth, then .item()'s wait (SYNC_S); the root's
+    # tied embedding is external to it (not its own), so the root runs none
+    bw = 1e12
+    tr = [Z.Entry("root", (("wte", 10**6),), 0.0, "f"),
+          Z.Entry("A", (("a", 2 * 10**6), ("a.b", 1000)), 0.0, "f"),
+          Z.Entry("B", (("b", 4 * 10**6),), 0.0, "f")]
+    r14 = Z.simulate(tr, 8, lambda n: 0.0, lambda n: 0.0, bw, version="0.3.14")
+    r16 = Z.simulate(tr, 8, lambda n: 0.0, lambda n: 0.0, bw, version="0.3.16")
+    want = 2 * (2 * 10**6 + 1000 + 4 * 10**6) / bw + 3 * Z.SYNC_S
+    assert r16["work"]["norm"] == pytest.approx(want) and r14["work"]["norm"] == 0.0
+    assert r16["seconds"] - r14["seconds"] == pytest.approx(want)
+    assert Z.behaviour("0.3.15") == Z.behaviour("0.3.16") == (True, True)
+
+
+def test_unknown_version_raises():
+    with pytest.raises(ValueError, match=r"version='0.4.0'.*0.3.13"):
+        Z.simulate(_trace(_gpt(4096)), 8, _price, _price, 2e12, version="0.4.0")

@@ -164,7 +164,9 @@ _FRAMEWORK_WORDS = {
             "of one block, prefetched one block ahead, re-gathered for backward, gradients "
             "reduce-scattered in fp32 every micro-batch; all-gather and reduce-scatter "
             "share the network as one stream (ASSUMPTION)",
-    "deepspeed-0.3": "DeepSpeed v0.3.13-0.3.16 (spring 2021) ZeRO-3: one all-gather per "
+    "deepspeed-0.3": "DeepSpeed v0.3.13-0.3.16 (spring 2021) ZeRO-3, v0.3.13's hooks ASSUMED "
+                     "from the dates (v0.3.14-0.3.16's trace is off by one: no prefetch, no "
+                     "reuse keeping, slower): one all-gather per "
                      "parameter on a list of dp chunks (dp copies each, host-synchronous "
                      "fetches), per-parameter reduce-scatter, DeepSpeedExamples' Megatron "
                      "ZeRO-3 config ASSUMED; host cost per chunk measured on the H100 "

@@ -2,10 +2,48 @@
 
 The version: DeepSpeed v0.3.13 (2021-03-16, the first release with ZeRO-3) to v0.3.16
 (2021-04-29); Narayanan et al. (SC'21, arXiv 2104.04473 v1 of 2021-04-09) compare PTD-P
-with "ZeRO-3 without model parallelism" of that time.  The three files below are the same
-in every one of those releases where it matters here (``git diff v0.3.13 v0.3.16``).
-What they do, per micro-batch, read from ``deepspeed/runtime/zero/stage3.py`` and
-``partition_parameters.py`` (microsoft/DeepSpeed, tag v0.3.13):
+with "ZeRO-3 without model parallelism" of that time.  What they do, per micro-batch,
+read from ``deepspeed/runtime/zero/stage3.py`` and ``partition_parameters.py``
+(microsoft/DeepSpeed, tag v0.3.13, 12a53b4383); the releases after it differ in two
+places that change the step (``simulate``'s ``version``; everything else below reads
+the same in v0.3.16, a12aaedc9e):
+
+- **v0.3.14 on (2021-04-08, 0cd9abf204): the trace is off by one.**  Commit 7b46d11fa
+  (PR #867, merged 2021-04-07) adds a forward pre-hook on the root module that resets
+  the trace's step id (``_pre_forward_hook``, v0.3.14 ``stage3.py:1041-1052``; v0.3.16
+  ``:1370-1382``), registered after ``_register_hooks_recursively`` gave the root its
+  own pre-forward hook (``:1131``), so every forward runs the root's hook first (its
+  ``increment_step``: step id 1) and then the reset (0): each later module meets the
+  step id of the module before it in the recorded trace.  ``get_params_to_prefetch``
+  then finds ``sub_module.id != sub_module_trace[step_id]`` ("Tracing failed.
+  Prefetching is disabled", v0.3.14 ``:198-202``) and ``get_reuse_distance_in_numel``
+  the same ("Tracing failed. Cannot tell if the sub_module ... is reused", ``:233-238``,
+  returning 1e12): no module prefetches or keeps its parameters for a reuse but the
+  root, whose own step id (0, taken before the reset) still matches
+  ``sub_module_trace[0]``: its forward hook prefetches as before, and it keeps the
+  tied embedding from its forward to its backward.  Two consecutive trace entries of
+  one module with parameters would escape it too; Megatron's parent modules (the
+  layer, the MLP) sit between a recomputed matrix and its backward, so none does.
+  Diagnosed by a user in microsoft/DeepSpeed issue #1069 (2021-05-27: "this causes
+  the rest of the step ids in the forward pass to be off by 1, which was causing the
+  prefetches to be skipped"); the same hooks through v0.5.10, until PR #1453
+  (4912e0ad7, 2022-01-20, v0.6.0) replaced the coordinator.
+- **v0.3.15 on (2021-04-19, 2c2a7f31bc): a norm per fetched parameter.**  The
+  ZeRO-Infinity commit 0d4a54a04 adds to ``fetch_sub_module``, for every parameter of
+  the module (its own, the persistent ones too), ``print_rank_0(f"... norm
+  {param.norm()}", force=False)`` (v0.3.16 ``stage3.py:441-445``): the f-string is
+  built whether or not it prints, so each fetch runs a norm over the whole gathered
+  parameter (16-bit, read once at the memory bandwidth) and formats the 0-dim result,
+  which PyTorch's ``Tensor.__format__`` does through ``.item()``: a device-to-host copy
+  the host waits for (priced as one ``torch.cuda.synchronize``, ``SYNC_S``, ASSUMED).
+  Removed by microsoft/DeepSpeed PR #1188 (2021-06: "Removing the norm computation in
+  debug printing").
+
+The version priced (``VERSION``) is v0.3.13's behaviour, ASSUMED from the dates: the
+paper names no version, and its first version (2021-04-09) already reports the runs,
+while PR #867 was merged on 2021-04-07 and first released in v0.3.14 on 04-08.  With
+v0.3.14-0.3.16's hooks the same rows are slower (``benchmarks/zero3_2021_breakdown.py``,
+columns ``v0.3.14`` and ``v0.3.16``).  What v0.3.13 does, per micro-batch:
 
 - **one collective per parameter**: ``PartitionedParameterCoordinator._all_gather``
   calls ``param.all_gather(param_list, async_op=True)``, which loops over the list and
@@ -138,10 +176,17 @@ from dataclasses import dataclass
 from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
-__all__ = ["FRAMEWORK", "COUNTER_STEP", "Entry", "gpt_trace", "simulate", "dp_sync",
-           "list_collective", "post_step_gather", "predivide_seconds", "counter_start"]
+__all__ = ["FRAMEWORK", "COUNTER_STEP", "VERSION", "VERSIONS", "Entry", "gpt_trace",
+           "simulate", "dp_sync", "list_collective", "post_step_gather",
+           "predivide_seconds", "counter_start", "behaviour"]
 
 FRAMEWORK = "deepspeed-0.3"
+# the release whose hooks the estimate prices, ASSUMED from the dates (module docstring)
+VERSION = "0.3.13"
+# release -> (trace off by one: no prefetch, no reuse keeping; a norm + .item() per
+# fetched parameter), read from each tag's stage3.py (module docstring)
+VERSIONS = {"0.3.13": (False, False), "0.3.14": (True, False),
+            "0.3.15": (True, True), "0.3.16": (True, True)}
 
 # DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_3_config.json
 # (44be774aad); persistence: deepspeed/runtime/zero/constants.py v0.3.13 (module docstring)
@@ -299,6 +344,15 @@ def predivide_seconds(numels, mem_bw: float) -> float:
     return 2 * 2 * (REDUCE_BUCKET_NUMEL + large) / mem_bw
 
 
+def behaviour(version: str) -> tuple:
+    """(trace off by one, norm per fetched parameter) of DeepSpeed ``version`` (module
+    docstring: v0.3.14's root reset hook, v0.3.15's debug-print norm)."""
+    if version not in VERSIONS:
+        raise ValueError(f"version={version!r}: the DeepSpeed release whose ZeRO-3 hooks "
+                         f"are priced; use one of {sorted(VERSIONS)}")
+    return VERSIONS[version]
+
+
 def counter_start(trace, step: int, first: bool) -> float:
     """DeepSpeed v0.3's live-parameter counter when a micro-batch of optimizer step
     ``step`` (>= 2) starts (module docstring): -(step - 2) x the persistent parameters'
@@ -314,7 +368,7 @@ def counter_start(trace, step: int, first: bool) -> float:
 
 def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0,
              keep=None, persistent_gathered: bool = True,
-             step: int = COUNTER_STEP) -> dict:
+             step: int = COUNTER_STEP, version: str = VERSION) -> dict:
     """One micro-batch of ``trace`` on a rank of ``p`` (module docstring): its seconds,
     its compute seconds, the gathers (``prefetches`` of them issued by the prefetch) and
     reduce-scatters it ran and their wire bytes.
@@ -322,7 +376,15 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     elements; ``rate``: compute's speed beside a collective; ``persistent_gathered``:
     the persistent parameters are there when it starts (the step's first micro-batch,
     after ``_post_step``), else each is gathered at its first use; ``step``: the
-    optimizer step, whose live-parameter counter starts at :func:`counter_start`."""
+    optimizer step, whose live-parameter counter starts at :func:`counter_start`;
+    ``version``: the DeepSpeed release (:func:`behaviour`): from v0.3.14 the trace is off
+    by one, so no module but the root (the first entry) prefetches or keeps its
+    parameters for a reuse; from v0.3.15 each fetch runs, per parameter of the module,
+    a norm over it on the compute stream and waits for it (``.item()``, priced as
+    ``SYNC_S``)."""
+    shifted, norms = behaviour(version)
+    if shifted:
+        keep = [False] * len(trace)
     keep = _keep(trace) if keep is None else keep
     t = gpu = nccl = 0.0            # host, compute stream, NCCL stream: free at
     busy, inflight = [], {}
@@ -331,7 +393,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
     work = dict.fromkeys(("ag_loop", "rs_loop", "record_copy", "release", "nccl",
-                          "predivide"), 0.0)   # seconds of work by kind (not exposure)
+                          "predivide", "norm"), 0.0)   # seconds of work by kind, not exposed
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
@@ -389,7 +451,15 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
             t = max(t, gpu, nccl) + SYNC_S
             avail.update(inflight)
             inflight.clear()
-        if not inflight and live < MAX_LIVE_NUMEL:    # prefetch_next_sub_modules
+        if norms and e.module != "root":   # the root's parameter is external, not its own
+            for pid in mine:                          # param.norm() in the debug f-string
+                norm = 2 * size[pid] / mem_bw
+                gpu = max(t, gpu) + norm
+                t = gpu + SYNC_S
+                work["norm"] += norm + SYNC_S
+        # prefetch_next_sub_modules; off by one (v0.3.14 on), only the root's entry finds
+        # itself in the trace (its step id 0 is taken before the reset)
+        if (not shifted or i == 0) and not inflight and live < MAX_LIVE_NUMEL:
             ahead, chosen = 0.0, []
             for later in trace[i:]:
                 for pid, n in later.params:
