@@ -30,6 +30,10 @@ def check_decode_floor_ms(bf16_ms, int8_ms, weight_params: float, bandwidth: flo
         raise CheckError(f"your bf16 floor ({bf16:.4g} ms) is half your int8 one: did you swap "
                          "the two answers? A bf16 weight is 2 bytes, an int8 one 1",
                          expected=f"{want:.4g} ms")
+    for name, got, right in (("bf16", bf16, want), ("int8", int8, want / 2)):
+        if not math.isclose(got, right, rel_tol=0.01) and math.isclose(got, right, rel_tol=0.05):
+            raise CheckError(f"your {name} decode floor is {got:.4g} ms: close, but not within "
+                             "1%: did you round? Give it unrounded", expected=f"{right:.4g} ms")
     if not math.isclose(bf16, want, rel_tol=0.01):
         wrong = [(want * 8, "that counts bits: a bf16 weight is 2 bytes"),
                  (want * 1e12, f"the bandwidth is in bytes per second ({bandwidth / 1e12:g} "
@@ -142,7 +146,11 @@ def check_static_useful_share(share, outputs=(12, 3, 7, 2)) -> None:
              (1 / want, "that is computed over needed: give needed over computed"),
              (1 - want, padded),
              (o_not_o_minus_1, "a request of o tokens needs o - 1 decode tokens: the "
-              "prefill samples its first")]
+              "prefill samples its first"),
+             (sum(o - 1 for o in outputs), "that is the count of decode tokens the requests "
+              "needed; the share divides it by those the batch computed"),
+             (n * (top - 1), "that is the count of decode tokens the batch computed; the "
+              "share is the needed ones over it")]
     if math.isclose(got, want, rel_tol=0.02) and \
             not any(math.isclose(got, v, rel_tol=0.005) for v, _ in wrong):
         raise CheckError(f"your share is {got:.4g}: close, but not within 0.5%: did you "
@@ -151,5 +159,7 @@ def check_static_useful_share(share, outputs=(12, 3, 7, 2)) -> None:
     raise CheckError(f"your share is {got:.4g}: "
                      + _hint(got, want, wrong, 0.005, share=True,
                              fallback="count each request's decode tokens and the batch's, "
-                                      "slot by slot"),
+                                      "slot by slot" if 0 <= got <= 1 else
+                                      "a share lies between 0 and 1: the decode tokens the "
+                                      "requests needed over those the batch computed"),
                      expected=f"{want:.4g}")
