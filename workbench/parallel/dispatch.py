@@ -15,7 +15,8 @@ operator here.  For one call, reading the op's entry in the op table
    collectives are recorded in the trace);
 4. replicated inputs that meet per-rank computation are given per-rank views
    (:func:`collectives.expand_replicas`; their backward is the gradient
-   all-reduce, traced);
+   all-reduce, traced; a shard the op gathered itself gets DTensor's one
+   reduce-scatter back instead, ``reshard_backward.gather``);
 5. the local op runs once on the stacked local tensors of all ranks (or per
    rank when shards are uneven) and the result is wrapped with the announced
    output placements; under a trace, the entry's cost on the busiest rank is
@@ -405,6 +406,13 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             # a reshard's gathered result: its gradient's way back recorded as one
             # redistribution (reshard_backward.py)
             loc = _rb.convert(t, plan, axes, mesh, even, f"{opdef.name} input")
+            if loc is not None:
+                locs.append(loc)
+                continue
+        elif axes and plan is not None and plan.steps and type(x) is DistTensor:
+            # the op gathers a shard itself and gives every rank a view: the gradient's
+            # way back recorded once, as DTensor's (reshard_backward.gather)
+            loc = _rb.gather(t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:
                 locs.append(loc)
                 continue

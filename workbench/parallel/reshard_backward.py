@@ -1,4 +1,4 @@
-"""The backward of a user's reshard, as DTensor's: the gradient redistributed back, once.
+"""The backward of a reshard, as DTensor's: the gradient redistributed back, once.
 
 PyTorch DTensor (torch 2.13, git cf30153, torch/distributed/tensor/_redistribute.py:1771-1862,
 ``_redistribute_backward``): ``Redistribute.backward`` takes the gradient in whatever
@@ -27,17 +27,33 @@ backward the event records the reshard planner's plan from those placements back
 source's ``S(d)`` (and to Replicate on the dims that were replicated already: the
 all-reduce of Megatron's ``f``).  The gradients themselves are autograd's, unchanged.
 
+The op's OWN reshard (:func:`gather`): an op whose strategy asks for Replicate from a
+sharded input gathers it itself and gives every rank a view.  DTensor runs that
+redistribute inside the op's dispatch, below autograd (``_dispatch.py``): the op's backward
+gives the input a Partial gradient, autograd sums the uses' gradients, and one
+redistribution takes the sum to the input's layout (``P -> S(d)``: a reduce-scatter).  The
+same identity node sits on the input itself, once per input, local and layout however many
+ops gather it (q, k and v of one sequence-parallel input: one reduce-scatter, not three
+all-reduces).  Notebook 16's eager tiny Llama on a 2x2 mesh (a100): 350.88 -> 337.61 us, 55
+-> 53 collectives: each MLP norm output's two all-reduces (4.82 us each) become one
+reduce-scatter (4.17 us), and the layer-1 q/k/v weights, gathered over tp, are
+reduce-scattered over tp then all-reduced over dp at half the bytes (4.17 + 4.68 us, not
+2 x 4.82): the order of FSDP2's HSDP (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py:618-662), where DTensor's mesh-dim order all-reduces first.
+
 Not covered (each collective's own event, as before): torch.distributed meshes, results
 held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
 its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
-it Partial for that op's own backward rule to reduce); and the op's OWN all-gather of a
-shard it then expands (a sharded input, or a reshard to another shard first: an all-reduce
-then a local slice, where DTensor reduce-scatters).  Recording that one as a reduce-scatter
-too moves the eager step of the parallelized models (notebook 16's tiny Llama on a 2x2
-mesh, 346.37 -> 350.88 us on its profile), so it is left to a change that re-checks them.
+it Partial for that op's own backward rule to reduce); a replicated input given per rank
+by several ops (Megatron's ``f``: one all-reduce per op, where DTensor sums first and
+reduces once); an input written in place between two ops that gather it (two meeting
+points: one reduce-scatter each).  The compiled program (``workbench.compile``) runs its
+reshards as steps of their own and prices them as before.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -50,7 +66,7 @@ from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
 
-__all__ = ["mark", "convert", "KEY"]
+__all__ = ["mark", "convert", "gather", "KEY"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -58,12 +74,13 @@ KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 class _Way:
     """A reshard result's way back: the layout it has, the one its gradient goes back
     to, and the placements the ops reading it give the gradient (``uses``)."""
-    __slots__ = ("mesh", "shape", "dtype", "dst", "back", "axes", "uses")
+    __slots__ = ("mesh", "shape", "dtype", "dst", "back", "axes", "uses", "label")
 
-    def __init__(self, mesh, shape, dtype, dst, back, axes):
+    def __init__(self, mesh, shape, dtype, dst, back, axes, label="reshard backward"):
         self.mesh, self.shape, self.dtype = mesh, shape, dtype
         self.dst, self.back, self.axes = dst, back, axes
         self.uses: list = []
+        self.label = label
 
     def steps(self):
         """The collectives that bring the gradient back (when it passes)."""
@@ -77,7 +94,7 @@ class _Way:
                                                   _trusted=True), self.back, tr.profile.name)
             names = self.mesh.dim_names
             out += [(s.kind, self.mesh, s.mesh_dim, s.buffer_bytes,
-                     f"reshard backward {s.src[s.mesh_dim]}->{s.dst[s.mesh_dim]} on "
+                     f"{self.label} {s.src[s.mesh_dim]}->{s.dst[s.mesh_dim]} on "
                      f"{names[s.mesh_dim]}") for s in plan.steps if s.bytes]
         return out
 
@@ -154,4 +171,78 @@ def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):
             out = storage.for_run(out, mesh, even)
         if expand:
             out = C.expand_replicas(out, mesh, expand, label=label)
+    return out
+
+
+# ---- the op's own gather (module docstring) -------------------------------------------
+
+_GATHERED: dict = {}        # id(DistTensor) -> (weakref, {(axes, placements): entry})
+
+
+def _entries(t) -> dict:
+    key = id(t)
+    hit = _GATHERED.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+
+    def gone(ref, key=key):
+        if _GATHERED.get(key, (None,))[0] is ref:
+            del _GATHERED[key]
+    out: dict = {}
+    _GATHERED[key] = (weakref.ref(t, gone), out)
+    return out
+
+
+def _source(t, axes, back):
+    """``t``'s local through its way's identity node: the one made for ``t``'s present
+    local and layout if there is one (every op gathering it meets there), else a new
+    one."""
+    loc = t._local
+    ways = _entries(t)
+    key = (axes, tuple(t.placements))
+    hit = ways.get(key)
+    if hit is not None and hit[0] is loc and hit[1] == loc._version and \
+            hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
+        return hit[2], hit[3]
+    way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
+               label="grad of a gathered input")
+    y = C.on_backward_steps(loc, way.steps)
+    ways[key] = (loc, loc._version, y, way)
+    return y, way
+
+
+def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
+    """The local an op runs on, for input ``t`` that the op's own reshard ``plan`` gathers
+    (``S(d) -> R``) along some mesh dims of ``expand`` (the dims it then gives every rank
+    a view of): the gradient's way back from the ranks' partial sums to ``t``'s layout
+    recorded once, as DTensor's (module docstring), not an all-reduce per op
+    and a local slice.  None where that is not the case (the caller runs the ordinary
+    path): no gather given per rank, no gradient, uneven shards or cells, a
+    torch.distributed mesh."""
+    from .reshard import execute
+    loc = t._local
+    if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
+            not torch.is_grad_enabled() or _B.is_distributed(mesh) or \
+            not (t.mesh is mesh or t.mesh == mesh):
+        return None
+    src = plan.src
+    if not any(src[i].is_shard() for i in expand):
+        return None
+    # the dims the gradient comes back along as partial sums: gathered ones, and
+    # replicated ones held once (expand_replicas skips a dim already one copy per rank:
+    # its gradient's sum is recorded where that copy was made); a Partial source keeps
+    # its own all-reduce (see the module docstring)
+    axes = tuple(i for i in expand if src[i].is_shard() or
+                 (src[i].is_replicate() and loc.shape[i] == 1))
+    y, way = _source(t, axes, src)
+    with C.mute_backward(mesh, axes):
+        out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype, t.names))
+        out = out._local
+        if type(out) is not torch.Tensor or any(out.shape[i] != 1 for i in axes):
+            raise AssertionError(f"{label}: the gathered copy is not one compact copy "
+                                 "along the dims it is given per rank")
+        out = C.expand_replicas(out, mesh, expand, label=label)
+    grad = tuple(Partial() if i in axes else p for i, p in enumerate(src))
+    if grad not in way.uses:
+        way.uses.append(grad)
     return out
