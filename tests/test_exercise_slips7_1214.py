@@ -1,0 +1,95 @@
+"""Checker slips found in the browser review of notebooks 00, 12, 13 and 14 (nbv1214): an
+unordered answer that passed an "in mesh order" check, and mistakes named wrongly or as a
+raw error.  Each test failed before its fix."""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.exercises import checks_experts as E
+from workbench.exercises.feedback import reset_tries
+
+from .exercise_helpers import fails, message
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_tries()
+    yield
+    reset_tries()
+
+
+def test_tp_group_refuses_a_set():
+    """00, exercise 2 asks for the group "in mesh order" and names a reordered tuple as
+    wrong, yet ``{4, 5, 6, 7}`` passed: a set has no order, it iterated 4, 5, 6, 7 by the
+    accident of small ints hashing to themselves (``{7, 6, 5, 4}`` passed too)."""
+    fails("a set has no order", wb.exercises.check_tp_group, {7, 6, 5, 4})
+    fails("a set has no order", wb.exercises.check_tp_group, frozenset({4, 5, 6, 7}))
+
+
+def test_ring_kv_mb_twice_names_fp32_too():
+    """14, exercise 3: K and V counted at 4 bytes a value (fp32) give 1,007 MB, which the
+    check named only "that counts a backward too"; the student who slipped on the dtype
+    was sent looking for a backward they never counted."""
+    fp32 = 15 * 2 * 8192 * 8 * 128 * 4 / 1e6
+    text = message(E.check_ring_kv_mb, fp32)
+    assert "backward" in text and "4 bytes" in text and "bf16" in text, text
+
+
+def test_ep_tp_mb_twice_names_fp32_too():
+    """14, exercise 2: EP's and TP's bytes at 4 bytes a value (fp32) were named "that counts
+    the backward's two all-to-alls too" (EP) and "did you count four collectives" (TP)."""
+    tokens, h, k, p = 4096, 4096, 2, 8
+    ep, tp = (2 * tokens * k * h * 2 * (p - 1) / p / 1e6, 2 * p * tokens * h * 2 * (p - 1) / p / 1e6)
+    text = message(E.check_ep_tp_mb, 2 * ep, tp)
+    assert "backward" in text and "4 bytes" in text and "bf16" in text, text
+    text = message(E.check_ep_tp_mb, ep, 2 * tp)
+    assert "four collectives" in text and "4 bytes" in text and "bf16" in text, text
+
+
+def test_dropped_slots_says_a_count_is_whole():
+    """14, exercise 1: 35.4 token-slots read "too high: capacity = ..." (the formula again);
+    a count of slots is a whole number, and the message now says so first."""
+    loads = [70, 56, 45, 108, 44, 87, 43, 59]
+    fails("whole number", E.check_dropped_slots, 35.4, loads, capacity_factor=1.25)
+
+
+class _AllFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(32, 16) * 0.1, requires_grad=False)
+
+    def forward(self, ids):                                   # (B, T) int64
+        return self.table[ids]                                # (B, T, 16)
+
+
+class _ReturnsAFloat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(32, 16) * 0.1)
+        self.scale = nn.Parameter(torch.ones(16), requires_grad=False)
+
+    def forward(self, ids):
+        return (self.table[ids] * self.scale).sum().item()    # a Python float, no graph
+
+
+class _ReturnsATuple(_ReturnsAFloat):
+    def forward(self, ids):
+        return (self.table[ids] * self.scale) @ self.table.T, None   # (logits, extra)
+
+
+def test_like_one_device_names_a_model_with_nothing_to_train():
+    """13, exercise 2: a model whose every parameter is frozen got torch's own "element 0
+    of tensors does not require grad and does not have a grad_fn" through the check."""
+    text = message(wb.exercises.check_like_one_device, _AllFrozen)
+    assert "trains" in text and "element 0" not in text, text
+
+
+@pytest.mark.parametrize("model, kind", [(_ReturnsAFloat, "float"), (_ReturnsATuple, "tuple")])
+def test_like_one_device_names_a_forward_that_returns_no_tensor(model, kind):
+    """13, exercise 2: a forward returning a float or a (logits, extra) tuple got
+    "'float' object has no attribute 'float'" (the check's own .float() call)."""
+    text = message(wb.exercises.check_like_one_device, model)
+    assert f"returned a {kind}, not a tensor" in text and "attribute" not in text, text
