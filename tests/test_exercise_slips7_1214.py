@@ -93,3 +93,17 @@ def test_like_one_device_names_a_forward_that_returns_no_tensor(model, kind):
     "'float' object has no attribute 'float'" (the check's own .float() call)."""
     text = message(wb.exercises.check_like_one_device, model)
     assert f"returned a {kind}, not a tensor" in text and "attribute" not in text, text
+
+
+@pytest.mark.parametrize("other", ["h100", "a100"])
+def test_fusion_us_names_another_profiles_figures(other):
+    """12, exercise 1 asks for the Ascend 910B; the cell just above it loops over
+    ascend-910b, a100 and h100 and leaves ``p`` at h100's profile.  A student who reuses
+    that ``p`` (or reads the A100's) got "too low: compare each factor with the formula"
+    for 1,001-1,002 us: every factor of their formula was right, the profile was not."""
+    p = wb.get_profile(other)
+    bw = p.memory_bandwidth * p.memory_efficiency
+    unfused = 1000 * (4096 / bw + p.launch_overhead) * 1e6
+    fused = (1000 * 4096 / bw + p.launch_overhead) * 1e6
+    fails("another profile.*ascend-910b", wb.exercises.check_fusion_us, unfused, fused)
+    fails("another profile.*ascend-910b", wb.exercises.check_fusion_us, 5003.0, fused)
