@@ -107,3 +107,18 @@ def test_fusion_us_names_another_profiles_figures(other):
     fused = (1000 * 4096 / bw + p.launch_overhead) * 1e6
     fails("another profile.*ascend-910b", wb.exercises.check_fusion_us, unfused, fused)
     fails("another profile.*ascend-910b", wb.exercises.check_fusion_us, 5003.0, fused)
+
+
+LOADS = [70, 56, 45, 108, 44, 87, 43, 59]          # 14's router: 256 tokens, k = 2
+
+
+@pytest.mark.parametrize("answer, match", [
+    (0, "no expert over its capacity.*512 token-slots as tokens"),   # C = ceil(1.25 x 512 x 2 / 8)
+    (512 - 35, "kept"),                                              # routed - dropped
+    (100 * 35 / 512, "percent"),                                     # the dropped share, in %
+])
+def test_dropped_slots_names_more_slips(answer, match):
+    """14, exercise 1: three slips read only "too high / too low: capacity = ...": 0 (a
+    capacity of 160 from the 512 token-slots taken as tokens: no expert over it), 477 (the
+    slots kept, not dropped) and 6.84 (the dropped share in percent)."""
+    fails(match, E.check_dropped_slots, answer, LOADS, capacity_factor=1.25)

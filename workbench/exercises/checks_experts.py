@@ -79,7 +79,15 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
                                                 "its other experts; do not divide by k",
         sum(max(0, C - n) for n in loads): "that is the unused capacity (the padding) of "
                                            "the underloaded experts, not what overflows",
+        tokens * k - want: "that is the token-slots kept; the question asks for those "
+                           "dropped",
     }
+    if want and max(loads) <= _capacity(tokens * k, E, k, capacity_factor):
+        # the tokens x k slots taken as the tokens: a capacity no expert reaches
+        wrong.setdefault(0, f"no expert over its capacity: yours is at least the busiest "
+                            f"expert's {max(loads)} slots; did you take the {tokens * k} "
+                            f"token-slots as tokens? C = ceil(c x tokens x k / E) with the "
+                            f"{tokens} tokens")
     hint = wrong.get(int(got)) if float(got).is_integer() else None
     if hint is None and want and math.isclose(got * k, want, rel_tol=1e-9):
         hint = ("dropping is per token-slot: a token keeps its other experts; do not divide "
@@ -87,6 +95,9 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
     if hint is None and 0 < got < 1 and math.isclose(got * tokens * k, want, rel_tol=1e-3):
         hint = (f"that is the dropped share of the {tokens * k} token-slots; give the count "
                 f"of slots")
+    if hint is None and want and math.isclose(got, 100 * want / (tokens * k), rel_tol=1e-2):
+        hint = (f"that is the dropped share in percent of the {tokens * k} token-slots; "
+                f"give the count of slots")
     if hint is None and got > 1 and not float(got).is_integer():
         hint = "a count of token-slots is a whole number"
     raise CheckError(f"your count is {got:g} token-slots: "
