@@ -122,3 +122,33 @@ def test_dropped_slots_names_more_slips(answer, match):
     capacity of 160 from the 512 token-slots taken as tokens: no expert over it), 477 (the
     slots kept, not dropped) and 6.84 (the dropped share in percent)."""
     fails(match, E.check_dropped_slots, answer, LOADS, capacity_factor=1.25)
+
+
+def _tiny_step_trace():
+    """12's simulated step, on a smaller scale: the tiny Llama on dp 2 x tp 2, traced."""
+    from workbench.models import get_batch, get_config
+    from workbench.recipes.hybrid import Hybrid
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    tokens, targets = get_batch(cfg, 4, seed=0, step=0)
+    strategy = Hybrid(dp=2, tp=2, pp=1)
+    model = strategy.build_model(cfg, seed=0)
+    with wb.trace("ascend-910b") as tr:
+        strategy.forward_backward(model, tokens, targets)
+    return tr
+
+
+def test_top_op_names_max_over_the_keys_and_the_least():
+    """12, exercise 2: ``max(per_name)`` (the alphabetically last key, 'silu') and
+    ``min(per_name, key=per_name.get)`` read "'silu' has 20.7 us of compute: sum each
+    name's durations", which the student had done: the slip was the max itself."""
+    tr = _tiny_step_trace()
+    per = {}
+    for e in tr.events:
+        if e.stream == "compute":
+            per[e.name] = per.get(e.name, 0.0) + e.duration
+    assert max(per) != max(per, key=per.get)
+    fails(r"alphabetically last.*key=", wb.exercises.check_top_op, max(per), tr)
+    least = min(per, key=per.get)
+    assert least != max(per)
+    fails(r"LEAST", wb.exercises.check_top_op, least, tr)

@@ -217,7 +217,11 @@ def check_top_op(name, tr) -> None:
                          f"the events' .name, the ops the library ran (not aten's kernels): "
                          f"{', '.join(sorted(per))}", expected=repr(want))
     hint = (" it is the most FREQUENT op; sum the durations, not the counts"
-            if name == most and most != want else " sum each name's durations")
+            if name == most and most != want else
+            " it is the alphabetically last name: max(d) of a dict compares its keys; "
+            "max(d, key=d.get) compares their values" if name == max(per) else
+            " it is the op with the LEAST compute time" if name == min(per, key=per.get)
+            else " sum each name's durations")
     raise CheckError(f"{name!r} has {per[name] * 1e6:.1f} us of compute:{hint}",
                      expected=repr(want))
 
