@@ -40,7 +40,8 @@ def test_ep_tp_mb_twice_names_fp32_too():
     """14, exercise 2: EP's and TP's bytes at 4 bytes a value (fp32) were named "that counts
     the backward's two all-to-alls too" (EP) and "did you count four collectives" (TP)."""
     tokens, h, k, p = 4096, 4096, 2, 8
-    ep, tp = (2 * tokens * k * h * 2 * (p - 1) / p / 1e6, 2 * p * tokens * h * 2 * (p - 1) / p / 1e6)
+    ep = 2 * tokens * k * h * 2 * (p - 1) / p / 1e6            # bf16: 2 bytes a value
+    tp = 2 * p * tokens * h * 2 * (p - 1) / p / 1e6
     text = message(E.check_ep_tp_mb, 2 * ep, tp)
     assert "backward" in text and "4 bytes" in text and "bf16" in text, text
     text = message(E.check_ep_tp_mb, ep, 2 * tp)
