@@ -28,13 +28,6 @@ ALLOWED = {
         "only by cutting names further or dropping a column of torch's",
     ("06_tensor_and_sequence_parallel", "3469c77c", "source"): LEFT,
     ("06_tensor_and_sequence_parallel", "a8c5865d", "source"): LEFT,
-    ("13_your_own_model", "f9e57555", "source"): LEFT,
-    ("13_your_own_model", "cbf6435f", "source"): LEFT,
-    ("13_your_own_model", "816c9473", "source"): LEFT,
-    ("14_experts_and_long_context", "bd187887", "source"): LEFT,
-    ("14_experts_and_long_context", "308135d5", "source"): LEFT,
-    ("14_experts_and_long_context", "a574c815", "source"): LEFT,
-    ("14_experts_and_long_context", "a67ad2f9", "source"): LEFT,
 }
 
 

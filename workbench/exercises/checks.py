@@ -204,6 +204,9 @@ def check_tp_group(group, rank: int = 5) -> None:
     try:
         if isinstance(group, (str, bytes, dict)):
             raise TypeError
+        if isinstance(group, (set, frozenset)):     # {7, 6, 5, 4} iterates 4, 5, 6, 7
+            raise CheckError(f"your group {group!r} is a set, and a set has no order: give "
+                             "the ranks as a tuple or a list, in mesh order")
         got = tuple(_rank(r) for r in group)    # ints only: 4.2 and True are no ranks
     except TypeError:
         raise CheckError(f"group should be a sequence of ranks (ints), got {group!r}") from None

@@ -30,6 +30,8 @@ MIB_HINT = ("that is in MiB (2^20 bytes); the exercise's MB is 10^6 bytes: divid
 # the 4.6% to the nearest mistake above.  Beyond it, but within 3% and matching no mistake,
 # the answer is most likely rounded too far: say so first, then "compare each factor".
 REL = 0.005
+# twice the answer is also every value counted at fp32's 4 bytes: name both causes
+FP32 = "count 4 bytes a value (fp32; the values are bf16, 2 bytes each)"
 ROUNDED = ("close, but more than 0.5% off: rounded too far? Give 3 significant digits or "
            "more; if not, compare each factor with the formula")
 
@@ -77,7 +79,15 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
                                                 "its other experts; do not divide by k",
         sum(max(0, C - n) for n in loads): "that is the unused capacity (the padding) of "
                                            "the underloaded experts, not what overflows",
+        tokens * k - want: "that is the token-slots kept; the question asks for those "
+                           "dropped",
     }
+    if want and max(loads) <= _capacity(tokens * k, E, k, capacity_factor):
+        # the tokens x k slots taken as the tokens: a capacity no expert reaches
+        wrong.setdefault(0, f"no expert over its capacity: yours is at least the busiest "
+                            f"expert's {max(loads)} slots; did you take the {tokens * k} "
+                            f"token-slots as tokens? C = ceil(c x tokens x k / E) with the "
+                            f"{tokens} tokens")
     hint = wrong.get(int(got)) if float(got).is_integer() else None
     if hint is None and want and math.isclose(got * k, want, rel_tol=1e-9):
         hint = ("dropping is per token-slot: a token keeps its other experts; do not divide "
@@ -85,6 +95,11 @@ def check_dropped_slots(dropped, loads, tokens: int = 256, k: int = 2,
     if hint is None and 0 < got < 1 and math.isclose(got * tokens * k, want, rel_tol=1e-3):
         hint = (f"that is the dropped share of the {tokens * k} token-slots; give the count "
                 f"of slots")
+    if hint is None and want and math.isclose(got, 100 * want / (tokens * k), rel_tol=1e-2):
+        hint = (f"that is the dropped share in percent of the {tokens * k} token-slots; "
+                f"give the count of slots")
+    if hint is None and got > 1 and not float(got).is_integer():
+        hint = "a count of token-slots is a whole number"
     raise CheckError(f"your count is {got:g} token-slots: "
                      + (hint or ("too high" if got > want else "too low")
                         + ": capacity = ceil(capacity_factor x tokens x k / E), then sum "
@@ -128,12 +143,13 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (want_tp, "that is TP's figure: did you swap the two answers? EP's all-to-alls carry "
                   "the rank's own tokens x k rows"),
         (2 * want_ep, "that counts the backward's two all-to-alls too (the gradients' way "
-                      "back); the exercise asks for the forward's dispatch and combine"),
+                      "back); the exercise asks for the forward's dispatch and combine"
+                      + _or_did_you([(e == 2, FP32)])),
         (p * want_ep, f"that is summed over the {p} ranks; give what one rank sends"),
     ])
     four = ("count four collectives (the attention's all-gather and reduce-scatter too, or "
-            "the backward's)? The MoE layer's forward has one all-gather before the experts "
-            "and one reduce-scatter after")
+            "the backward's: the MoE layer's forward has one all-gather before the experts "
+            "and one reduce-scatter after)")
     _verify("TP volume", tp_mb, want_tp, "MB", [
         (want_tp / 2, "sequence parallelism gathers the input (all-gather) and scatters the "
                       "output (reduce-scatter): two collectives"
@@ -143,8 +159,8 @@ def check_ep_tp_mb(ep_mb, tp_mb, tokens: int = 4096, h: int = 4096, k: int = 2, 
         (2 * p * tokens * h * e / 1e6, "a ring all-gather or reduce-scatter sends (p-1)/p "
                                        "of its buffer per rank"),
         (want_tp * k, "TP does not copy a token per expert: all experts' slices see the same "
-                      "gathered tokens" + _or_did_you([(k == 2, four)])),
-        (want_tp * 2, "did you " + four),
+                      "gathered tokens" + _or_did_you([(k == 2, four), (e == 2, FP32)])),
+        (want_tp * 2, "did you " + four + "?" + _or_did_you([(e == 2, FP32)])),
         (want_tp / MIB, MIB_HINT),
         (p * want_tp, f"that is summed over the {p} ranks; give what one rank sends"),
     ])
@@ -208,7 +224,8 @@ def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int =
         (want / MIB, MIB_HINT),
         (want * layers, f"that is all {layers} layers; the exercise asks for one layer's "
                         "forward"),
-        (want * 2, "that counts a backward too; the exercise asks for one layer's forward"),
+        (want * 2, "that counts a backward too; the exercise asks for one layer's forward"
+                   + _or_did_you([(e == 2, FP32)])),
         *decimal_k,
     ])
     _ok(f"K/V sent = {want:.4g} MB")

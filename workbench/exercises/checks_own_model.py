@@ -124,6 +124,9 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         if not frozen:
             raise CheckError("give your model a frozen parameter (requires_grad=False)")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise CheckError("every parameter of your model is frozen: give it one that "
+                             "trains (requires_grad=True), or there is nothing to train")
         batches = [_ids(vocab, 2 * ranks, context, s) for s in range(steps)]
         results, losses, unused = {}, {}, []
         for kind in ("one device", "DDP", "FSDP"):
@@ -144,8 +147,9 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                 x = ids if kind == "one device" else shard_tensor(ids, mesh, ["S(0)"])
                 try:
                     out = w(x)
-                    loss = (out.float() ** 2).mean()
-                    loss.backward()
+                    if isinstance(out, (torch.Tensor, DistTensor)):   # else named below
+                        loss = (out.float() ** 2).mean()
+                        loss.backward()
                 except Exception as e:                  # the student's model, or a refusal
                     if kind != "one device":            # it runs alone: the wrapper refused
                         raise CheckError(f"under {kind}, training your model raised "
@@ -155,6 +159,10 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
                         f"(the check calls model(ids) with ids an int64 tensor ({2 * ranks}, "
                         f"{context}) of token ids in [0, {vocab}), as TinyLM takes them, and "
                         "minimizes the mean of the squared output, a tensor)") from None
+                if not isinstance(out, (torch.Tensor, DistTensor)):
+                    raise CheckError(f"your forward returned a {type(out).__name__}, not a "
+                                     "tensor: return the output tensor itself (as TinyLM "
+                                     "returns its logits (B, T, V))")
                 losses.setdefault(kind, []).append(
                     (loss.full() if isinstance(loss, DistTensor) else loss).item())
                 if kind == "one device":            # trainable, no gradient this step
