@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from tests.dist_scripts.sp_norms_model import MICRO, STEPS, run
+import workbench as wb
+from tests.dist_scripts.sp_norms_model import MICRO, STEPS, run, run_no_sync
 from tests.torchrun_support import run_job
 from workbench.recipes.hybrid import Hybrid
 
@@ -31,6 +32,11 @@ def one():
 @pytest.fixture(scope="module")
 def sim():
     return run(Hybrid(dp=2, tp=2, sp=True))
+
+
+@pytest.fixture(scope="module")
+def no_sync():
+    return run_no_sync(), run_no_sync(wb.Mesh.grid((2, 2), ["dp", "tp"]))
 
 
 def _close(got, want, what, rtol=1e-5, atol=1e-6):
@@ -66,10 +72,27 @@ def test_simulated_clip_records_the_norms_all_reduce_over_the_model_parallel_gro
         assert ["all_reduce", "clip_grad norm over tp x pp", 1] in counts
 
 
+def _no_sync_held(r, one):
+    """DDP, the first micro-batch in no_sync(), SGD after wb.clip_grad_norm_: one device's
+    norms and parameters (the LayerNorm's weight and bias included), one sum over tp of
+    the norms' gradients a step."""
+    assert r["norms"] == pytest.approx(one["norms"], rel=1e-6)
+    assert min(one["norms"]) > 10 * 0.05
+    _close(r["params"], one["params"], "param", atol=1e-7)
+    for counts in r["collectives"]:
+        labels = {lab: n for kind, lab, n in counts}
+        assert labels["sequence-parallel norm grads"] == 1 and labels["dp bucket"] == 1
+
+
+def test_simulated_ddp_no_sync_accumulates_the_partial_norm_gradients(no_sync):
+    _no_sync_held(no_sync[1], no_sync[0])
+
+
 @pytest.mark.slow
-def test_torchrun_runs_the_simulators_program(sim, one, tmp_path):
+def test_torchrun_runs_the_simulators_program(sim, one, no_sync, tmp_path):
     """4 gloo processes: the same gradients, norms and parameters as the simulated ranks
-    and one device, the same collectives of rank 0, the same modeled step.  Failed
+    and one device, the same collectives of rank 0, the same modeled step; and DDP's
+    no_sync() accumulation (run_no_sync) the same on both.  Failed
     before: 6 'rms_norm input' all-reduces a step where the simulator has one
     'sequence-parallel norm grads'; 0.3147 ms for the simulator's 0.2874."""
     path = tmp_path / "torchrun.pt"
@@ -85,3 +108,5 @@ def test_torchrun_runs_the_simulators_program(sim, one, tmp_path):
     _close(got["params"], sim["params"], "param vs simulator", atol=5e-6)
     assert got["collectives"] == sim["collectives"]
     assert got["modeled_ms"] == pytest.approx(sim["modeled_ms"], rel=1e-9)
+    _no_sync_held(got["no_sync"], no_sync[0])
+    assert got["no_sync"]["collectives"] == no_sync[1]["collectives"]

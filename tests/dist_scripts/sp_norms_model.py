@@ -6,6 +6,7 @@ steps of two micro-batches each (gradient accumulation), the gradients clipped b
 total norm (small ``max_norm``: every step clips), then AdamW.  ``run`` returns, per step,
 the total norm, the clipped gradients and, after the last step, the parameters: full
 tensors, by name, equal on every process."""
+import contextlib
 from collections import Counter
 
 import torch
@@ -63,3 +64,65 @@ def collectives(tr) -> list:
     seen = Counter((e.name, e.label) for e in tr.events
                    if e.stream != "compute" and 0 in e.ranks)
     return sorted([k, lab, n] for (k, lab), n in seen.items())
+
+
+# ---- the same under wb.DistributedDataParallel: no_sync() for the first micro-batch ----------
+
+class Block(torch.nn.Module):
+    """x + MLP(LayerNorm(x)), the MLP Megatron's tp region (column- then row-parallel)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 8))
+        with torch.no_grad():                   # a weight and bias whose gradients matter
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):                       # (B, S, H)
+        return x + self.mlp(self.norm(x))
+
+
+def _data(i):
+    return torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(i))
+
+
+def run_no_sync(mesh=None):
+    """``Block`` on ``mesh`` (dims ("dp", "tp"), sequence parallel; None: one device) under
+    DDP, SGD (a gradient off by a factor shows), two steps of two micro-batches (the first
+    inside ``no_sync()``), clipped by ``wb.clip_grad_norm_``: per step the norm and rank
+    0's collectives, then the parameters (full tensors, by name)."""
+    from torch import nn
+    from workbench.parallel.strategies.tensor_parallel import (sequence_parallel_norms,
+                                                               tensor_parallel_region)
+    m = Block()
+    if mesh is not None:
+        wb.parallelize(m, mesh, {"mlp.0": "colwise", "mlp.2": "rowwise"}, mesh_dim="tp")
+        tensor_parallel_region(m.mlp, mesh, "tp", sp=True, seq_dim=1)
+        norms = sequence_parallel_norms(m, mesh, nn.LayerNorm)
+        ddp = wb.DistributedDataParallel(m, mesh, "dp", partial_grads=norms)
+        params = [p for _, p in wb.dist_parameters(m)]
+    else:
+        ddp, params = m, list(m.parameters())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+
+    def loss(i):
+        x = _data(i) if mesh is None else wb.shard_tensor(_data(i), mesh, [wb.Shard(0),
+                                                                            wb.Shard(1)])
+        return ddp(x).pow(2).mean()
+    out = {"norms": [], "collectives": []}
+    for step in range(STEPS):
+        with wb.trace("a100") as tr:
+            with ddp.no_sync() if mesh is not None else contextlib.nullcontext():
+                loss(step * MICRO).backward()
+            loss(step * MICRO + 1).backward()
+            out["norms"].append(float(wb.clip_grad_norm_(params, MAX_NORM)))
+            opt.step()
+            opt.zero_grad()
+        out["collectives"].append(collectives(tr))
+    with suspend():
+        out["params"] = {k: v.detach().clone() for k, v in m.state_dict().items()} \
+            if mesh is None else ddp.full_state_dict()
+    return out
