@@ -37,9 +37,16 @@ def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
     lines = json_rows(out.stdout)
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
-    sim = [r["loss"] for r in train("tiny", steps=3, seed=0, timing=False,
-                                    strategy=Hybrid(**kw))]
-    assert [r["loss"] for r in lines] == pytest.approx(sim, rel=1e-5)
+    recs = train("tiny", steps=3, seed=0, timing=False, strategy=Hybrid(**kw))
+    assert [r["loss"] for r in lines] == pytest.approx([r["loss"] for r in recs], rel=1e-5)
+    if kw == dict(dp=2, tp=2, sp=True):
+        # the same program, the same modeled step: under torchrun each norm's gradient
+        # was all-reduced over tp in backward, here once per step (Megatron-LM's);
+        # 0.2571 ms for 0.2389 before (task sptorchrun).  (ZeRO-3 and the pipelines
+        # still differ: 0.4495 ms for 0.3486 at dp 4 zero 3.)
+        for key in ("modeled_ms", "comm_bytes"):
+            assert [r[key] for r in lines] == pytest.approx([r[key] for r in recs],
+                                                            rel=1e-9), key
 
 
 def test_wrong_process_count_is_a_clear_error():

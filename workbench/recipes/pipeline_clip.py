@@ -14,7 +14,8 @@ together; ``max`` for the inf-norm) and scales every gradient by the one coeffic
 ``min(max_norm / (total + 1e-6), 1)``, as ``torch.nn.utils.clip_grad_norm_`` does on one
 device.  Here each stage's optimizer gives its stage's norm (its gradients summed over
 dp first, as its own ``clip_grad_norm_`` does), the stage norms combine into the total
-(a scalar all-reduce over the pipeline ranks, recorded in the trace), and every stage's
+(a scalar all-reduce over the model-parallel group, tensor and pipeline ranks, recorded
+in the trace: :func:`_record_norm_all_reduce`), and every stage's
 gradients are scaled by the same coefficient.  Under torchrun (each process one rank of
 one stage) the same clip is :mod:`workbench.recipes.pipeline_clip_dist`'s.
 """
@@ -160,13 +161,45 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0,
     # gradients' dtype, as torch's total
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0]) for n in norms]), p) \
         if norms else torch.tensor(0.0)
-    if meshes is not None and len(meshes) > 1:     # each rank's part over the pipeline
-        record_collective("all_reduce", meshes[0], None, 4, label="clip_grad norm over pp",
-                          groups=[list(g) for g in zip(*(m.ranks for m in meshes))])
+    if meshes is not None:
+        _record_norm_all_reduce(opts, meshes)
     coef = clip_coef(total, max_norm, p, error_if_nonfinite)
     for _, scale in parts:
         scale(coef)
     return total
+
+
+def model_parallel_grid(meshes):
+    """The (dp, mp) mesh over every stage's ranks (stage meshes of dims ("dp", "tp")): row
+    d holds the ranks at dp coordinate d of every stage and tp coordinate (stage-major),
+    Megatron-LM's model-parallel group (pipeline x tensor).  Not registered on
+    torch.distributed (:func:`.pipeline_clip_dist.model_parallel_mesh` registers it)."""
+    from ..sim_mesh.mesh import Mesh
+    dp, tp = meshes[0].shape
+    rows = [[m.rank_at((d, t)) for m in meshes for t in range(tp)] for d in range(dp)]
+    return Mesh(rows, ["dp", "mp"])
+
+
+def _record_norm_all_reduce(opts, meshes) -> None:
+    """The scalar all-reduce that combines the ranks' parts of the norm.  Megatron-LM's
+    ``get_grad_norm_fp32`` (``megatron/core/optimizer/clip_grads.py``) all-reduces each
+    rank's ``sum |g|^p`` over the model-parallel group, tensor and pipeline ranks
+    together, whenever that group has more than one rank (tp > 1 without a pipeline
+    too); the torchrun clip records that one (:mod:`.pipeline_clip_dist`), so plain data
+    parallelism on ("dp", "tp") stage meshes records it here too (before, a pipeline's
+    pp-only groups, and nothing at pp = 1: tiny dp 2 x tp 2 sp, a 4.54 us all-reduce
+    over tp that torchrun's step had and the simulator's did not).  ZeRO's and others'
+    shard norms record their own dims (``ChunkedZeroOptimizer.grad_norm``): those keep
+    the pipeline's scalar all-reduce over pp only, as before."""
+    plain = all(_kind(o) == "dp" for o in opts) and \
+        all(tuple(m.dim_names) == ("dp", "tp") for m in meshes)
+    if plain:
+        mp = model_parallel_grid(meshes)
+        if mp.shape[1] > 1:
+            record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over tp x pp")
+    elif len(meshes) > 1:                   # each rank's part over the pipeline
+        record_collective("all_reduce", meshes[0], None, 4, label="clip_grad norm over pp",
+                          groups=[list(g) for g in zip(*(m.ranks for m in meshes))])
 
 
 # ---- the hybrid recipe's (Hybrid.clip_grad_norm_ / clip_grad_value_) ---------------------

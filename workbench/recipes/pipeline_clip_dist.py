@@ -35,7 +35,7 @@ from ..parallel.clip_grad import _local_power
 from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import record_collective
 from ..sim_mesh.mesh import Mesh
-from .pipeline_clip import clip_coef
+from .pipeline_clip import clip_coef, model_parallel_grid
 
 __all__ = ["clip_norm_dist", "clip_value_dist", "model_parallel_mesh"]
 
@@ -47,9 +47,7 @@ def model_parallel_mesh(meshes) -> Mesh:
     d of every stage and tp coordinate (stage-major), Megatron-LM's model-parallel group
     (pipeline x tensor).  Registered on torch.distributed (collective: every process calls
     it, in the same order, as the clip does)."""
-    dp, tp = meshes[0].shape
-    rows = [[m.rank_at((d, t)) for m in meshes for t in range(tp)] for d in range(dp)]
-    return _B.register(Mesh(rows, ["dp", "mp"]))
+    return _B.register(model_parallel_grid(meshes))
 
 
 def _check_kinds(h, optimizers, fn: str) -> list:
@@ -129,11 +127,11 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
     x = x.clone()
     mp = model_parallel_mesh(h.meshes)
     if h.zero:      # ZeRO: each dp rank holds its own chunk; the parts of every rank
-        record_collective("all_reduce", mp, None, 4, label="clip_grad norm over pp",
+        record_collective("all_reduce", mp, None, 4, label="clip_grad norm over dp x tp x pp",
                           groups=[mp.ranks])
         dist.all_reduce(x, op=_OPS[op])
     else:           # the dp ranks hold the same sums: the model-parallel group's
-        record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over pp")
+        record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over tp x pp")
         dist.all_reduce(x, op=_OPS[op], group=_B.group(mp, 1)[0])
     total = x if op != "sum" else x.pow(1.0 / p)
     # in the gradients' dtype, as torch's total: stage 0's first gradient's (the

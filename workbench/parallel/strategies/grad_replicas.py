@@ -80,7 +80,8 @@ class GradReplicas:
                 # from_local/shard_tensor do not check that processes agree)
                 for a in self.axes:
                     _B.broadcast_(loc, mesh, a, 0)
-                loc._wb_replica_axes = self.axes
+                # (a tag the parameter had kept: sequence_parallel_norms' tp copies)
+                _B.tag(loc, tuple(getattr(p._local, "_wb_replica_axes", ())) + self.axes)
             elif any(loc.shape[a] == 1 for a in self.axes):
                 shape = list(loc.shape)
                 for a in self.axes:

@@ -33,9 +33,11 @@ one, as Megatron-LM issues them).  Anything else recorded between
 them on the ranks' compute streams, or uneven shards, leave it blocking.  On
 torch.distributed the all-reduce runs blocking (the executor's), but the clock records
 it as here (:func:`_expand_dist_async`; sp: :func:`_gather_dist_async` and the
-re-gather), so that both executors report the same step.  (Under sp torchrun still
-differs: :func:`sequence_parallel_norms` all-reduces each norm's gradient in backward
-there, once per step here; tiny dp 2 x tp 2 sp, 0.2571 ms against 0.2389.)
+re-gather), so that both executors report the same step.  Under sp both run
+Megatron-LM's program for the norms too: :func:`sequence_parallel_norms` keeps each
+norm's gradient partial per tp rank and the optimizer sums it once per step (on
+torch.distributed it had been all-reduced in backward, every micro-batch: tiny dp 2 x tp 2
+sp read 0.2571 ms for the simulator's 0.2389; the same 0.2389 now, task sptorchrun).
 """
 from __future__ import annotations
 
@@ -236,8 +238,9 @@ def _gather_dist_async(x, mesh, axis: int, dim: int, label: str):
     reduce-scatters the gradient over the process group, blocking), its backward recorded
     as the simulator records f's under sp (:func:`_expand_async`): async beside the wgrad.
     Recorded blocking (with the re-gather), tiny dp 2 x tp 2 sp read 0.2661 ms here for
-    the simulator's 0.2389; 0.2571 now, the rest the norms' gradient all-reduces
-    (module docstring; task tdclock).  ``dim``: the dim of the local tensor, lead axes left out."""
+    the simulator's 0.2389; 0.2571 then, the rest the norms' gradient all-reduces
+    (task tdclock), summed once per step since (module docstring; task sptorchrun).
+    ``dim``: the dim of the local tensor, lead axes left out."""
     pg, g = _B.group(mesh, axis)
     nd = mesh.ndim
     lead = tuple(x.shape[:nd])
@@ -284,11 +287,18 @@ def sequence_parallel_norms(module, mesh, norm_classes, tp="tp") -> list:
     step, after the pipeline flush (``finalize_model_grads``: ``_allreduce_layernorm_grads``
     in megatron/core/distributed/finalize_model_grads.py), not every micro-batch.  Here
     each such parameter gets one copy per tp rank (so no per-micro-batch all-reduce is
-    inserted and each rank keeps its partial gradient); the optimizer sums them
-    (``DataParallel(partial_grads=...)``).  ``norm_classes``: the module classes that are
-    norms (a model says which: ``model.norm_classes()``, ``workbench/models/split.py``;
-    this layer knows no model).  Returns those DistTensors (none on torch.distributed,
-    where the per-micro-batch all-reduce stays)."""
+    inserted and each rank keeps its partial gradient, summed over the micro-batches); the
+    optimizer sums them over tp in one buffer, before the data-parallel reduce and before
+    a clip reads them (``DataParallel(partial_grads=...)``, ``GradReplicas.sum_partials``).
+    On the simulated ranks the copies are real storage (a tp axis of size tp); on
+    torch.distributed each process's parameter already is its own copy: it is marked so
+    (``_wb_replica_axes``, which ``collectives.expand_replicas`` reads), and the same sum
+    runs at the same point, one all-reduce over the tp process group per step.  Until it
+    has run the gradients are partial: an optimizer that is not given them as
+    ``partial_grads`` would step each rank by its own part, on both executors.
+    ``norm_classes``: the module classes that are norms (a model says which:
+    ``model.norm_classes()``, ``workbench/models/split.py``; this layer knows no model).
+    Returns the parameters it marked (a second call marks none)."""
     given = norm_classes
     norm_classes = (given,) if isinstance(given, type) else \
         tuple(given) if isinstance(given, (tuple, list, set, frozenset)) else ()
@@ -296,15 +306,23 @@ def sequence_parallel_norms(module, mesh, norm_classes, tp="tp") -> list:
                                    for c in norm_classes):
         raise TypeError(f"norm_classes={given!r}: give the model's norm layer classes "
                         "(nn.Module subclasses), e.g. model.norm_classes()")
-    if _B.is_distributed(mesh):
-        return []
     ax, n = mesh.dim(tp), mesh.shape[mesh.dim(tp)]
+    dist = _B.is_distributed(mesh)
     out = []
     for mod in module.modules():
         if not isinstance(mod, norm_classes):
             continue
         for p in getattr(mod, "_wb_dist_params", {}).values():
-            if not p.placements[ax].is_replicate() or p._local.shape[ax] != 1:
+            if not p.placements[ax].is_replicate():
+                continue
+            if dist:
+                # this process's copy is already its own: marked one copy per tp rank,
+                # C.expand_replicas inserts no all-reduce of its gradient in backward
+                if ax not in getattr(p._local, "_wb_replica_axes", ()):
+                    _B.tag(p._local, (ax,))
+                    out.append(p)
+                continue
+            if p._local.shape[ax] != 1:
                 continue
             loc = p._local.detach()
             shape = list(loc.shape)
