@@ -90,7 +90,8 @@ own shape; ``keep_vars=True``: the parameters themselves, as torch's), ``load_st
 takes them (full tensors, copied into every rank's copy), keys and shapes checked before
 anything is copied.  ``torch.autograd.grad(loss, ddp.parameters())`` raises on simulated
 ranks (each row would be its own rank's gradient, never averaged; torch DDP documents that
-it does not work with ``autograd.grad``): call ``loss.backward()``.  ``torch.nn.utils.
+it does not work with ``autograd.grad``; over DistTensors too, each replica's own share:
+``..autograd._check_replicas``): call ``loss.backward()``.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
 the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
 ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
