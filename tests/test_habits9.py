@@ -8,7 +8,12 @@ says it pins behaviour that already held.
    it).  Now a write into such a copy raises; reading it is torch's copy;
 2. ``torch.autograd.grad(loss, ddp.parameters())`` (or the module's DistTensor parameters)
    under DDP over DistTensors returned each replica's own gradient share, never averaged
-   (0.034 off one device's): raises as over plain DDP's rows (habits7).
+   (0.034 off one device's): raises as over plain DDP's rows (habits7);
+3. ``head.weight = wte.weight`` (or a new ``nn.Parameter``) after wrapping: FSDP /
+   fully_shard put their own shard back at the forward (the tie undone, 1.9 off one
+   device's tied model), DDP a bare KeyError: the forward raises, naming the fix;
+4. (a pin, no fix) ``fully_shard``'s ``set_requires_gradient_sync(False)`` + ``zero_grad``
+   + a synced step: equal to torch FSDP2's on gloo, bitwise.
 """
 import pytest
 import torch
@@ -117,3 +122,132 @@ def test_autograd_grad_over_ddp_over_dist_tensors_raises(which):
     sd = dict(ddp.module.named_parameters())
     for n, q in ref.named_parameters():
         torch.testing.assert_close(sd[n].grad.full(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- 3. a parameter assigned on the module after wrapping (weight tying) -----------------
+class LM(nn.Module):
+    """nanoGPT's shape in miniature: an embedding, a block, a head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(10, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+
+    def forward(self, ids):                                 # (B, T) -> (B, T, 10)
+        return self.head(torch.tanh(self.mid(self.wte(ids))))
+
+
+def lm_wrap(kind, m, n=2):
+    mesh = wb.Mesh.grid(n, ["dp"])
+    if kind == "ddp":
+        return mesh, wb.DistributedDataParallel(m, mesh), m
+    if kind == "fsdp":
+        return mesh, wb.FullyShardedDataParallel(m, mesh), m
+    wb.fully_shard(m.mid, mesh=mesh)
+    return mesh, wb.fully_shard(m, mesh=mesh), m
+
+
+def lm_loss(out, y):
+    out = out.full() if isinstance(out, wb.DistTensor) else out
+    return nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1))
+
+
+def lm_batches(k=2):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 10, (4, 3), generator=g))
+            for _ in range(k)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
+@pytest.mark.parametrize("how", ["tie", "new_parameter"])
+def test_a_parameter_assigned_after_wrapping_raises(kind, how):
+    """Before: FSDP / fully_shard put their own head shard back at the forward (the tie
+    undone, 1.9 off one device's tied model after two steps), silently; DDP: a bare
+    KeyError.  Now the forward raises naming the parameter, the module as the user left
+    it."""
+    mesh, w, inner = lm_wrap(kind, LM())
+    if how == "tie":
+        inner.head.weight = inner.wte.weight
+    else:
+        inner.head.weight = nn.Parameter(torch.zeros(10, 6))
+    assigned = inner.head.weight
+    ids, y = lm_batches(1)[0]
+    with pytest.raises(RuntimeError, match="parameter 'head.weight' was assigned after "
+                       "wrapping.*Tie or replace parameters before wrapping"):
+        w(wb.shard_tensor(ids, mesh, [wb.Shard(0)]))
+    assert inner.head.weight is assigned
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
+def test_a_tie_before_wrapping_trains_as_one_device(kind):
+    """nanoGPT's order (tied in __init__, then wrapped): unchanged, one device's."""
+    ref, m = LM(), LM()
+    ref.head.weight = ref.wte.weight
+    m.head.weight = m.wte.weight
+    mesh, w, inner = lm_wrap(kind, m)
+    opt, ropt = (torch.optim.SGD(x.parameters(), lr=0.5) for x in (w, ref))
+    for ids, y in lm_batches():
+        for o, model, xx in ((opt, w, wb.shard_tensor(ids, mesh, [wb.Shard(0)])), (ropt, ref, ids)):
+            o.zero_grad()
+            lm_loss(model(xx), y).backward()
+            o.step()
+    assert inner.head.weight is inner.wte.weight
+    got = full(w)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+# ---- 4. fully_shard: set_requires_gradient_sync(False), zero_grad, then a synced step -----
+@pytest.mark.parametrize("how", ["none", "model", "optimizer", "set_to_none_false"])
+def test_fully_shard_held_gradients_outlive_zero_grad_as_fsdp2(how):
+    """Pins what held already (no fix): FSDP2 keeps the gradients of a backward under
+    set_requires_gradient_sync(False) on its unsharded parameters, which no zero_grad
+    reaches, and reduce-scatters them with the next synced backward's (torch 2.13
+    _fsdp_param_group.py:603-626); measured on gloo, wb.fully_shard equals torch's
+    fully_shard bitwise (test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs).  On
+    simulated ranks: one device's step over both batches' gradients."""
+    from .test_habits6 import batches
+    from .test_habits7 import dist
+    mesh, w = wrap("fully_shard", mlp(), 2)
+    opt = torch.optim.SGD(w.parameters(), lr=1.0)
+    (x0, y0), (x1, y1) = batches(2)
+    w.set_requires_gradient_sync(False)
+    mse(w(dist(x0, mesh)), dist(y0, mesh)).backward()
+    w.set_requires_gradient_sync(True)
+    if how == "model":
+        w.zero_grad()
+    elif how == "optimizer":
+        opt.zero_grad()
+    elif how == "set_to_none_false":
+        opt.zero_grad(set_to_none=False)
+    mse(w(dist(x1, mesh)), dist(y1, mesh)).backward()
+    opt.step()
+    ref = mlp()
+    for x, y in ((x0, y0), (x1, y1)):
+        mse(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    got = full(w)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
+    """2 gloo processes: wb.fully_shard's held gradients after a zero_grad are torch
+    FSDP2's, bitwise; a tie after wrapping: torch DDP raises (its reducer), wb's DDP and
+    fully_shard raise (torch FSDP2 follows the tie: not built here, .replaced_params)."""
+    from tests.test_ddp_torchrun import torchrun
+    from tests.torchrun_support import json_rows
+    out = torchrun(2, "habits9_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["case"]: r for r in json_rows(out.stdout)}
+    assert len(rows) == 8, rows
+    for how in ("none", "model", "optimizer", "set_to_none_false"):
+        r = rows[f"grad_sync_{how}"]
+        assert r["wb_vs_torch"] == 0.0 and r["torch_one_device_both"] < 1e-6, r
+    assert "Expected to have finished reduction" in rows["tie_torch_ddp"]["raised"]
+    for w in ("wb_ddp", "wb_fully_shard"):
+        assert "was assigned after wrapping" in rows[f"tie_{w}"]["raised"], rows
+    assert rows["tie_torch_fsdp2"]["tied"] and rows["tie_torch_fsdp2"]["one_device"] < 1e-6

@@ -122,6 +122,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
+from .replaced_params import check_named, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
                           ready_order, torch_policy)
@@ -207,6 +208,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             self._hooks += [p.register_hook(lambda grad, p=p: self._before_grad(p))
                             for p in trainable]
         self._reset()
+        self._places = snapshot(module)     # a tie after wrapping: raise (.replaced_params)
         module._wb_wrapped = "DistributedDataParallel"
 
     # ---- construction ----------------------------------------------------------------------
@@ -244,6 +246,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        check_named(self.module, self._places, "DistributedDataParallel")
         if torch.is_grad_enabled():
             self._rebuild_buckets()
         out = self._forward(*args, **kwargs)

@@ -90,6 +90,7 @@ from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .rank_recompute import refuse_checkpoint, seq_mark
+from .replaced_params import check_places
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
                     check_not_meta,
                     rank_buffers)
@@ -197,6 +198,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     _who = "FullyShardedDataParallel"     # the name errors give (fully_shard's own)
 
     def forward(self, *args, **kwargs):
+        check_places(self.units, self._who)     # a tie after wrapping: raise (.replaced_params)
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
         if cd is not None and self._casts_inputs:
