@@ -13,7 +13,10 @@ says it pins behaviour that already held.
    fully_shard put their own shard back at the forward (the tie undone, 1.9 off one
    device's tied model), DDP a bare KeyError: the forward raises, naming the fix;
 4. (a pin, no fix) ``fully_shard``'s ``set_requires_gradient_sync(False)`` + ``zero_grad``
-   + a synced step: equal to torch FSDP2's on gloo, bitwise.
+   + a synced step: equal to torch FSDP2's on gloo, bitwise;
+5. an optimizer built before wrapping (nanoGPT's order) stepped the replaced tensors, which
+   get no gradient: nothing trained (0.020 off one device), silently; torch's DDP trains.
+   Now it follows the wrapper's parameters (and its states from before) at its next step.
 """
 import pytest
 import torch
@@ -237,13 +240,14 @@ def test_fully_shard_held_gradients_outlive_zero_grad_as_fsdp2(how):
 def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     """2 gloo processes: wb.fully_shard's held gradients after a zero_grad are torch
     FSDP2's, bitwise; a tie after wrapping: torch DDP raises (its reducer), wb's DDP and
-    fully_shard raise (torch FSDP2 follows the tie: not built here, .replaced_params)."""
+    fully_shard raise (torch FSDP2 follows the tie: not built here, .replaced_params); an
+    optimizer built before wrapping trains as one device on wb's DDP and fully_shard."""
     from tests.test_ddp_torchrun import torchrun
     from tests.torchrun_support import json_rows
     out = torchrun(2, "habits9_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["case"]: r for r in json_rows(out.stdout)}
-    assert len(rows) == 8, rows
+    assert len(rows) == 12, rows
     for how in ("none", "model", "optimizer", "set_to_none_false"):
         r = rows[f"grad_sync_{how}"]
         assert r["wb_vs_torch"] == 0.0 and r["torch_one_device_both"] < 1e-6, r
@@ -251,3 +255,43 @@ def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     for w in ("wb_ddp", "wb_fully_shard"):
         assert "was assigned after wrapping" in rows[f"tie_{w}"]["raised"], rows
     assert rows["tie_torch_fsdp2"]["tied"] and rows["tie_torch_fsdp2"]["one_device"] < 1e-6
+    # an optimizer built before wrapping: torch DDP's and ours train as one device (wb
+    # fully_shard's optimizer follows its shards; torch FSDP2's steps the old tensors)
+    for w in ("torch_ddp", "wb_ddp", "wb_fully_shard"):
+        assert rows[f"opt_before_{w}"]["one_device"] < 1e-6, rows
+
+
+# ---- 5. an optimizer built before wrapping (nanoGPT's order) -------------------------------
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_units", "fully_shard"])
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_an_optimizer_built_before_wrapping_trains_as_one_device(kind, steps_before):
+    """nanoGPT: optimizer = model.configure_optimizers(...); model = DDP(model).  torch DDP
+    keeps the parameters (one device's, on gloo); here the wrapper's new tensors took
+    their place and the optimizer stepped the old ones, which get no gradient: nothing
+    trained (0.020 off one device after two AdamW steps), silently.  Now the optimizer
+    follows them at its next step, its states from a step before wrapping too."""
+    from .test_habits6 import batches
+    from .test_habits7 import dist
+    ref, m = mlp(), mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    bs = batches(3)
+    for x, y in bs[:steps_before]:
+        for o, model in ((opt, m), (ropt, ref)):
+            o.zero_grad()
+            mse(model(x), y).backward()
+            o.step()
+    mesh, w = wrap(kind, m)
+    for x, y in bs[steps_before:]:
+        opt.zero_grad()
+        mse(w(dist(x, mesh)), dist(y, mesh)).backward()
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+    got = full(w)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6)
+    params = {id(p) for p in w.parameters()}
+    assert all(id(p) in params for g in opt.param_groups for p in g["params"])
+    assert opt.state_dict()["param_groups"] == ropt.state_dict()["param_groups"]

@@ -8,7 +8,10 @@ Rank 0 prints one JSON line per case.
   gradients (FSDP2 keeps the held gradients on its unsharded parameters, which no
   ``zero_grad`` reaches);
 * ``tie_<wrapper>``: ``head.weight = wte.weight`` after wrapping: what torch's DDP and
-  FSDP2 do (raise, or train as one device's tied model) and what wb's do.
+  FSDP2 do (raise, or train as one device's tied model) and what wb's do;
+* ``opt_before_<wrapper>``: the optimizer built before wrapping (nanoGPT's order), two
+  AdamW steps: the parameters' largest difference to one device's (torch's DDP keeps the
+  parameters; torch's FSDP2 replaces them and trains nothing, 0.020 off).
 """
 import json
 import os
@@ -96,6 +99,28 @@ def tie(wrapper):
     return {"one_device": diff(got, ref.state_dict()), "tied": m.head.weight is m.wte.weight}
 
 
+def opt_before(wrapper):
+    m = mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    if wrapper in ("torch_ddp", "wb_ddp"):
+        w = TorchDDP(m) if wrapper == "torch_ddp" else wb.DistributedDataParallel(m)
+    else:
+        fs = torch_fully_shard if wrapper == "torch_fsdp2" else wb.fully_shard
+        fs(m[0])
+        w = fs(m)
+    ref = mlp()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for x, y in batches(2):
+        opt.zero_grad()
+        mse(w(mine(x)), mine(y)).backward()
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+    got = {k: full(v).detach() for k, v in m.state_dict().items()}
+    return {"one_device": diff(got, ref.state_dict())}
+
+
 def main():
     dist.init_process_group("gloo")
     rows = []
@@ -106,6 +131,7 @@ def main():
                      "wb_one_device_both": diff(a, want), "torch_one_device_both": diff(b, want)})
     for wrapper in ("torch_ddp", "wb_ddp", "torch_fsdp2", "wb_fully_shard"):
         rows.append({"case": f"tie_{wrapper}", **tie(wrapper)})
+        rows.append({"case": f"opt_before_{wrapper}", **opt_before(wrapper)})
     if dist.get_rank() == 0:
         for r in rows:
             print(json.dumps(r), flush=True)

@@ -122,7 +122,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
-from .replaced_params import check_named, snapshot
+from .replaced_params import check_named, mark_successor, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
                           ready_order, torch_policy)
@@ -232,6 +232,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             step_clock.hold([rows], g.ranks, 1)     # an optimizer's step: on their clock
             rows._wb_src = bf               # the row the state dicts give (.replica_writes)
             replace_parameter(m, p, rows)
+            mark_successor(p, rows)         # an optimizer built before: follows (.replaced_params)
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
         sync_rows(m.named_parameters())        # the rows' value now: a later write is seen
 

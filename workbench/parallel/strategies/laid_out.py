@@ -56,6 +56,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place
+from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped", "module_shaped_state_dict", "Rows",
@@ -376,7 +377,9 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
     scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``); it first refuses an
     optimizer whose update reads a parameter whole where the storage would mislead it
-    (:func:`_check_whole_parameter_optimizer`)."""
+    (:func:`_check_whole_parameter_optimizer`).  Before all, an optimizer built before
+    wrapping follows the parameters the wrapper replaced (:mod:`.replaced_params`)."""
+    follow_successors(optimizer)
     _check_whole_parameter_optimizer(optimizer)
     for p in _laid_out_params(optimizer):
         if p not in optimizer.state:

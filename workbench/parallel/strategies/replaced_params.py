@@ -23,7 +23,7 @@ the parameter and the fix (tie or replace before wrapping).
 """
 from __future__ import annotations
 
-__all__ = ["check_places", "check_named", "snapshot"]
+__all__ = ["check_places", "check_named", "snapshot", "mark_successor", "follow_successors"]
 
 _FIX = ("the wrapper laid out the module's parameters when it was built, so it would not "
         "follow the change (its forward would use its own parameter there, or none).  Tie or "
@@ -68,3 +68,44 @@ def check_named(module, snap: list, who: str) -> None:
     if len(have) != len({n for n, _ in snap}):
         extra = next(n for n in have if n not in {n for n, _ in snap})
         _raise(who, extra, have[extra], new=True)
+
+
+# ---- an optimizer built before wrapping (nanoGPT's order) ----------------------------------
+# nanoGPT's train.py builds the optimizer from the plain model, then wraps it in DDP
+# (``optimizer = model.configure_optimizers(...)``; ``model = DDP(model, ...)``).  torch's
+# DDP keeps the module's parameters, so that optimizer trains (one device's parameters,
+# measured on gloo, torch 2.13); here DDP's rows and FSDP's / fully_shard's chunks are new
+# tensors, and the optimizer stepped the old ones, which never get a gradient: nothing
+# trained (0.020 off one device after two AdamW steps, habits9), silently.  torch's FSDP2
+# replaces the parameters too and trains nothing the same way (measured on gloo); its docs
+# ask for the optimizer after fully_shard.  Here the wrapper leaves on each parameter it
+# replaced its successor, and before any step the optimizer's groups and states follow it
+# (:func:`follow_successors`): states of the module's shape (a step taken before wrapping)
+# are then laid out as the new parameter by the next step pre-hook
+# (:func:`.laid_out._lay_out_loaded_states`), so the run goes on as on one device.
+
+
+def mark_successor(old, new) -> None:
+    """``old`` (a module's parameter) was replaced by ``new`` when a wrapper laid it out."""
+    if new is not old:
+        old._wb_successor = new
+
+
+def _last(p):
+    while getattr(p, "_wb_successor", None) is not None:
+        p = p._wb_successor
+    return p
+
+
+def follow_successors(optimizer) -> None:
+    """The optimizer's parameters that a wrapper replaced, swapped for what replaced them
+    in its groups (in place: the same lists) and its state (moved to the new key)."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            if getattr(p, "_wb_successor", None) is None:
+                continue
+            new = _last(p)
+            params[i] = new
+            if p in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(p)
