@@ -11,7 +11,8 @@ says it pins behaviour that already held.
    (0.034 off one device's): raises as over plain DDP's rows (habits7);
 3. ``head.weight = wte.weight`` (or a new ``nn.Parameter``) after wrapping: FSDP /
    fully_shard put their own shard back at the forward (the tie undone, 1.9 off one
-   device's tied model), DDP a bare KeyError: the forward raises, naming the fix;
+   device's tied model), DDP a bare KeyError, fully_shard over DistTensors dropped a plain
+   ``nn.Parameter`` assigned over one (0.17 off): the forward raises, naming the fix;
 4. (a pin, no fix) ``fully_shard``'s ``set_requires_gradient_sync(False)`` + ``zero_grad``
    + a synced step: equal to torch FSDP2's on gloo, bitwise;
 5. an optimizer built before wrapping (nanoGPT's order) stepped the replaced tensors, which
@@ -295,3 +296,21 @@ def test_an_optimizer_built_before_wrapping_trains_as_one_device(kind, steps_bef
     params = {id(p) for p in w.parameters()}
     assert all(id(p) in params for g in opt.param_groups for p in g["params"])
     assert opt.state_dict()["param_groups"] == ropt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("when", ["before_first_forward", "after_first_forward"])
+def test_a_plain_parameter_assigned_over_fully_shard_dist_tensors_raises(when):
+    """fully_shard over tensor-parallel DistTensors: m.bias = nn.Parameter(t) after
+    wrapping was dropped (the shards built from, or put back as, the old DistTensor: 0.17
+    off one device's forward with the new bias), silently; now the forward raises."""
+    from tests.test_habits5 import PLAN, batches, dist, mlp as mlp16
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    model = wb.parallelize(mlp16(), mesh, PLAN, mesh_dim="tp")
+    wb.fully_shard(model, mesh=mesh["dp"])
+    x, _ = batches(1)[0]
+    if when == "after_first_forward":
+        model(dist(x, mesh))
+    model[2].bias = nn.Parameter(torch.zeros(16))
+    with pytest.raises(RuntimeError, match="parameter '2.bias' was assigned after wrapping"):
+        model(dist(x, mesh))
+    assert type(model[2]._parameters["bias"]) is nn.Parameter

@@ -23,7 +23,8 @@ the parameter and the fix (tie or replace before wrapping).
 """
 from __future__ import annotations
 
-__all__ = ["check_places", "check_named", "snapshot", "mark_successor", "follow_successors"]
+__all__ = ["check_places", "check_named", "snapshot", "mark_successor", "follow_successors",
+           "check_dist_places"]
 
 _FIX = ("the wrapper laid out the module's parameters when it was built, so it would not "
         "follow the change (its forward would use its own parameter there, or none).  Tie or "
@@ -50,6 +51,24 @@ def check_places(units, who: str) -> None:
                 now = m._parameters.get(attr)
                 if now is not shard:
                     _raise(who, name, now)
+
+
+def check_dist_places(module, who: str, entries=None) -> None:
+    """A module of DistTensor parameters (``wb.parallelize``: each held in ``_parameters``
+    and ``_wb_dist_params`` alike): a plain tensor assigned over one (``m.bias =
+    nn.Parameter(t)`` registers it in ``_parameters`` only) raises; ``entries`` (FSDP over
+    DistTensors: ``(name, places, template)``) also, each place still holds its template.
+    Before: FSDP over DistTensors built its shards from the templates and put them back,
+    the assigned tensor dropped (0.17 off one device's forward, habits9), silently."""
+    for mname, m in module.named_modules():
+        for attr, t in getattr(m, "_wb_dist_params", {}).items():
+            now = m._parameters.get(attr)
+            if now is not t:
+                _raise(who, f"{mname}.{attr}" if mname else attr, now)
+    for name, places, tmpl in entries or ():
+        for m, attr in places:
+            if getattr(m, "_wb_dist_params", {}).get(attr) is not tmpl:
+                _raise(who, name, m._parameters.get(attr))
 
 
 def snapshot(module) -> list:
