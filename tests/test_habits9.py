@@ -17,7 +17,9 @@ says it pins behaviour that already held.
    + a synced step: equal to torch FSDP2's on gloo, bitwise;
 5. an optimizer built before wrapping (nanoGPT's order) stepped the replaced tensors, which
    get no gradient: nothing trained (0.020 off one device), silently; torch's DDP trains.
-   Now it follows the wrapper's parameters (and its states from before) at its next step.
+   Now it follows the wrapper's parameters (and its states from before) at its next step;
+6. torch FSDP1's ``model.clip_grad_norm_(max_norm)`` raised AttributeError on
+   ``FullyShardedDataParallel``: one device's total norm and clipping now.
 """
 import pytest
 import torch
@@ -314,3 +316,44 @@ def test_a_plain_parameter_assigned_over_fully_shard_dist_tensors_raises(when):
     with pytest.raises(RuntimeError, match="parameter '2.bias' was assigned after wrapping"):
         model(dist(x, mesh))
     assert type(model[2]._parameters["bias"]) is nn.Parameter
+
+
+# ---- 6. FSDP1's model.clip_grad_norm_ -------------------------------------------------------
+def _fsdp_over_dist_tensors():
+    from tests.test_habits5 import PLAN, mlp as mlp16
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    model = wb.parallelize(mlp16(), mesh, PLAN, mesh_dim="tp")
+    put = lambda t: wb.shard_tensor(t, mesh, [wb.Shard(0), wb.Replicate()])    # noqa: E731
+    return model, wb.FullyShardedDataParallel(model, mesh, "dp"), mlp16(), put
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "fsdp_units", "fsdp_dist"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_fsdp1_clip_grad_norm_method_is_torchs(kind, norm_type):
+    """torch FSDP1 loops clip with model.clip_grad_norm_(max_norm) (AttributeError before):
+    one device's total norm returned, the gradients clipped as one device's."""
+    from .test_habits6 import batches
+    from .test_habits7 import dist
+    from tests.test_habits5 import batches as batches16
+    if kind == "fsdp_dist":
+        model, w, ref, put = _fsdp_over_dist_tensors()
+        data = batches16(2)
+    else:
+        ref, (mesh, w) = mlp(), wrap(kind, mlp())
+        model, data = w, batches(2)
+        put = lambda t: dist(t, mesh)   # noqa: E731
+    opt, ropt = (torch.optim.SGD(x.parameters(), lr=0.5) for x in (w, ref))
+    for x, y in data:
+        opt.zero_grad()
+        mse(w(put(x)), put(y)).backward()
+        got = w.clip_grad_norm_(0.05, norm_type)
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+        ropt.step()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        g = sd[k].full() if isinstance(sd[k], wb.DistTensor) else sd[k]
+        torch.testing.assert_close(g, v, rtol=1e-5, atol=1e-6)

@@ -439,6 +439,16 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
         """The reduce-scatters run inside backward (synchronously), so the shards hold
         their averaged gradients once ``backward()`` returns; kept for DDP's API."""
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch FSDP1's ``model.clip_grad_norm_(max_norm, norm_type)`` (torch 2.13
+        ``torch/distributed/fsdp/fully_sharded_data_parallel.py`` ``clip_grad_norm_``: the
+        total norm of the full gradients, every gradient scaled by ``max_norm / (total +
+        1e-6)`` where that is below 1, the total returned).  The shards' gradients already
+        give one device's norm to ``torch.nn.utils.clip_grad_norm_`` (``_hook_shards``), so
+        it is that call over the wrapper's parameters; FSDP1 loops call the method (it
+        raised AttributeError)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
     def extra_repr(self) -> str:
         g = self.group
         where = "torch.distributed" if g.distributed else f"{g.n} simulated ranks"
