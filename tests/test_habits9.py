@@ -19,7 +19,9 @@ says it pins behaviour that already held.
    get no gradient: nothing trained (0.020 off one device), silently; torch's DDP trains.
    Now it follows the wrapper's parameters (and its states from before) at its next step;
 6. torch FSDP1's ``model.clip_grad_norm_(max_norm)`` raised AttributeError on
-   ``FullyShardedDataParallel``: one device's total norm and clipping now.
+   ``FullyShardedDataParallel``: one device's total norm and clipping now;
+7. nanoGPT's ``model.require_backward_grad_sync = False`` (its no_sync) was an attribute
+   nothing read: every micro-batch all-reduced (3x the collectives), silently.
 """
 import pytest
 import torch
@@ -250,7 +252,7 @@ def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     out = torchrun(2, "habits9_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["case"]: r for r in json_rows(out.stdout)}
-    assert len(rows) == 12, rows
+    assert len(rows) == 13, rows
     for how in ("none", "model", "optimizer", "set_to_none_false"):
         r = rows[f"grad_sync_{how}"]
         assert r["wb_vs_torch"] == 0.0 and r["torch_one_device_both"] < 1e-6, r
@@ -262,6 +264,9 @@ def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     # fully_shard's optimizer follows its shards; torch FSDP2's steps the old tensors)
     for w in ("torch_ddp", "wb_ddp", "wb_fully_shard"):
         assert rows[f"opt_before_{w}"]["one_device"] < 1e-6, rows
+    # nanoGPT's require_backward_grad_sync: torch DDP's numbers, no_sync()'s all-reduces
+    r = rows["grad_sync_flag"]
+    assert r["wb_vs_torch"] == 0.0 and r["all_reduces"][0] == r["all_reduces"][1] > 0, r
 
 
 # ---- 5. an optimizer built before wrapping (nanoGPT's order) -------------------------------
@@ -357,3 +362,50 @@ def test_fsdp1_clip_grad_norm_method_is_torchs(kind, norm_type):
     for k, v in ref.state_dict().items():
         g = sd[k].full() if isinstance(sd[k], wb.DistTensor) else sd[k]
         torch.testing.assert_close(g, v, rtol=1e-5, atol=1e-6)
+
+
+# ---- 7. nanoGPT's require_backward_grad_sync flag ------------------------------------------
+@pytest.mark.parametrize("kind", ["ddp", "ddp_dist"])
+def test_require_backward_grad_sync_is_no_sync_as_torch_ddps(kind):
+    """nanoGPT: model.require_backward_grad_sync = (micro_step == steps - 1) instead of
+    no_sync().  It was a plain attribute nothing read: every micro-batch all-reduced (the
+    same gradients, 3x the all-reduces in the trace), silently; now it is torch DDP's
+    flag, the same collectives and numbers as no_sync()."""
+    import contextlib
+    from .test_habits6 import batches
+    from .test_habits7 import dist
+    from tests.test_habits5 import batches as batches16, ddp_dist, dist as dist16, mlp as mlp16
+    counts, params = {}, {}
+    for how in ("flag", "no_sync"):
+        if kind == "ddp":
+            mesh, w = wrap("ddp", mlp())
+            data, put, model, ref = batches(6), (lambda t: dist(t, mesh)), w, mlp()
+        else:
+            mesh, model, w = ddp_dist()
+            data, put, ref = batches16(6), (lambda t: dist16(t, mesh)), mlp16()
+        opt, ropt = (torch.optim.AdamW(x.parameters(), lr=0.01) for x in (w, ref))
+        with wb.trace() as tr:
+            for s in range(2):
+                for micro in range(3):
+                    x, y = data[3 * s + micro]
+                    if how == "flag":
+                        w.require_backward_grad_sync = micro == 2
+                        ctx = contextlib.nullcontext()
+                    else:
+                        ctx = w.no_sync() if micro < 2 else contextlib.nullcontext()
+                    with ctx:
+                        (mse(w(put(x)), put(y)) / 3).backward()
+                    (mse(ref(x), y) / 3).backward()
+                for o in (opt, ropt):
+                    o.step()
+                    o.zero_grad()
+        counts[how] = sum(e.name == "all_reduce" for e in tr.collectives())
+        sd = model.state_dict()
+        params[how] = {k: v.full() if isinstance(v, wb.DistTensor) else v for k, v in sd.items()}
+        for k, v in ref.state_dict().items():
+            key = ("module." + k) if kind == "ddp" else k
+            torch.testing.assert_close(params[how][key], v, rtol=1e-6, atol=1e-6)
+    assert counts["flag"] == counts["no_sync"] > 0, counts
+    assert w.require_backward_grad_sync is True
+    with pytest.raises(TypeError, match="give True or False"):
+        w.require_backward_grad_sync = 1

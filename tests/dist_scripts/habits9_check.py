@@ -11,7 +11,10 @@ Rank 0 prints one JSON line per case.
   FSDP2 do (raise, or train as one device's tied model) and what wb's do;
 * ``opt_before_<wrapper>``: the optimizer built before wrapping (nanoGPT's order), two
   AdamW steps: the parameters' largest difference to one device's (torch's DDP keeps the
-  parameters; torch's FSDP2 replaces them and trains nothing, 0.020 off).
+  parameters; torch's FSDP2 replaces them and trains nothing, 0.020 off);
+* ``grad_sync_flag``: nanoGPT's ``model.require_backward_grad_sync = (micro == 2)`` over
+  three micro-batches, two AdamW steps: wb's DDP against torch's (parameters, and wb's
+  all-reduces against no_sync()'s).
 """
 import json
 import os
@@ -121,6 +124,29 @@ def opt_before(wrapper):
     return {"one_device": diff(got, ref.state_dict())}
 
 
+def flag_run(wrapper, how):
+    import contextlib
+    m = mlp()
+    w = TorchDDP(m) if wrapper == "torch" else wb.DistributedDataParallel(m)
+    opt = torch.optim.AdamW(w.parameters(), lr=0.01)
+    data = batches(6)
+    with wb.trace() as tr:
+        for s in range(2):
+            for micro in range(3):
+                x, y = data[3 * s + micro]
+                ctx = contextlib.nullcontext()
+                if how == "flag":
+                    w.require_backward_grad_sync = micro == 2
+                elif micro < 2:
+                    ctx = w.no_sync()
+                with ctx:
+                    (mse(w(mine(x)), mine(y)) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+    return ({k: v.detach().clone() for k, v in m.state_dict().items()},
+            sum(e.name == "all_reduce" for e in tr.collectives()))
+
+
 def main():
     dist.init_process_group("gloo")
     rows = []
@@ -132,6 +158,9 @@ def main():
     for wrapper in ("torch_ddp", "wb_ddp", "torch_fsdp2", "wb_fully_shard"):
         rows.append({"case": f"tie_{wrapper}", **tie(wrapper)})
         rows.append({"case": f"opt_before_{wrapper}", **opt_before(wrapper)})
+    (a, na), (b, _), (_, nb) = (flag_run("wb", "flag"), flag_run("torch", "flag"),
+                                flag_run("wb", "no_sync"))
+    rows.append({"case": "grad_sync_flag", "wb_vs_torch": diff(a, b), "all_reduces": [na, nb]})
     if dist.get_rank() == 0:
         for r in rows:
             print(json.dumps(r), flush=True)
