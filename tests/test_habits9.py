@@ -21,7 +21,10 @@ says it pins behaviour that already held.
 6. torch FSDP1's ``model.clip_grad_norm_(max_norm)`` raised AttributeError on
    ``FullyShardedDataParallel``: one device's total norm and clipping now;
 7. nanoGPT's ``model.require_backward_grad_sync = False`` (its no_sync) was an attribute
-   nothing read: every micro-batch all-reduced (3x the collectives), silently.
+   nothing read: every micro-batch all-reduced (3x the collectives), silently;
+8. an EMA folding ``model.parameters()`` into its tensors in place (``AveragedModel``,
+   timm's ``mul_().add_()``, ``lerp_``, ``copy_``) raised torch's broadcasting error over
+   DDP's rows / FSDP's chunks: now one device's EMA.
 """
 import pytest
 import torch
@@ -252,7 +255,7 @@ def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     out = torchrun(2, "habits9_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["case"]: r for r in json_rows(out.stdout)}
-    assert len(rows) == 13, rows
+    assert len(rows) == 14, rows
     for how in ("none", "model", "optimizer", "set_to_none_false"):
         r = rows[f"grad_sync_{how}"]
         assert r["wb_vs_torch"] == 0.0 and r["torch_one_device_both"] < 1e-6, r
@@ -267,6 +270,8 @@ def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
     # nanoGPT's require_backward_grad_sync: torch DDP's numbers, no_sync()'s all-reduces
     r = rows["grad_sync_flag"]
     assert r["wb_vs_torch"] == 0.0 and r["all_reduces"][0] == r["all_reduces"][1] > 0, r
+    # an EMA of the wrapped model's parameters (each process's chunk gathered): torch DDP's
+    assert rows["ema"]["wb_fsdp"] < 1e-6 and rows["ema"]["wb_fully_shard"] < 1e-6, rows
 
 
 # ---- 5. an optimizer built before wrapping (nanoGPT's order) -------------------------------
@@ -409,3 +414,46 @@ def test_require_backward_grad_sync_is_no_sync_as_torch_ddps(kind):
     assert w.require_backward_grad_sync is True
     with pytest.raises(TypeError, match="give True or False"):
         w.require_backward_grad_sync = 1
+
+
+# ---- 8. an EMA of the weights folded in place from the wrapped model -----------------------
+EMA_UPDATES = {
+    "AveragedModel": None,      # torch.optim.swa_utils, get_ema_multi_avg_fn: _foreach_lerp_
+    "timm_v2": lambda e, m: [a.mul_(0.9).add_(b.detach(), alpha=0.1)
+                             for a, b in zip(e.parameters(), m.parameters())],
+    "lerp": lambda e, m: [a.lerp_(b.detach(), 0.1) for a, b in zip(e.parameters(),
+                                                                  m.parameters())],
+    "copy": lambda e, m: [a.copy_(b) for a, b in zip(e.parameters(), m.parameters())]}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
+@pytest.mark.parametrize("style", list(EMA_UPDATES))
+def test_an_ema_folds_in_the_wrapped_models_weights_as_one_devices(kind, style):
+    """The EMA (built from the plain model, as timm's before DDP) folds model.parameters()
+    into its own tensors in place: on torch's DDP the module's parameters; here the rows /
+    chunks failed with torch's broadcasting error ('output with shape [8, 6] doesn't match
+    the broadcast shape [4, 8, 6]').  Now a wrapped parameter read into a plain tensor of
+    its module's shape is its module value: one device's EMA."""
+    import copy
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    from .test_habits6 import batches
+    from .test_habits7 import dist
+    ref, m = mlp(), mlp()
+    if style == "AveragedModel":
+        ema, rema = (AveragedModel(x, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for x in (m, ref))
+        update = lambda e, model: e.update_parameters(model)     # noqa: E731
+    else:
+        ema, rema = copy.deepcopy(m), copy.deepcopy(ref)
+        update = EMA_UPDATES[style]
+    mesh, w = wrap(kind, m)
+    opt, ropt = (torch.optim.SGD(x.parameters(), lr=0.1) for x in (w, ref))
+    for x, y in batches(3):
+        for o, model, e, xx, yy in ((opt, w, ema, dist(x, mesh), dist(y, mesh)),
+                                    (ropt, ref, rema, x, y)):
+            o.zero_grad()
+            mse(model(xx), yy).backward()
+            o.step()
+            with torch.no_grad():
+                update(e, model)
+    for a, b in zip(ema.parameters(), rema.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

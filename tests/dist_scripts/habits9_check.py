@@ -14,7 +14,9 @@ Rank 0 prints one JSON line per case.
   parameters; torch's FSDP2 replaces them and trains nothing, 0.020 off);
 * ``grad_sync_flag``: nanoGPT's ``model.require_backward_grad_sync = (micro == 2)`` over
   three micro-batches, two AdamW steps: wb's DDP against torch's (parameters, and wb's
-  all-reduces against no_sync()'s).
+  all-reduces against no_sync()'s);
+* ``ema``: ``AveragedModel`` (torch's EMA, ``_foreach_lerp_``) of the plain model updated
+  from the wrapped one: wb's FSDP / fully_shard against torch's DDP (largest difference).
 """
 import json
 import os
@@ -147,6 +149,26 @@ def flag_run(wrapper, how):
             sum(e.name == "all_reduce" for e in tr.collectives()))
 
 
+def ema(wrapper):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    m = mlp()
+    avg = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    if wrapper == "torch_ddp":
+        w = TorchDDP(m)
+    elif wrapper == "wb_fsdp":
+        w = wb.FullyShardedDataParallel(m)
+    else:
+        wb.fully_shard(m[0])
+        w = wb.fully_shard(m)
+    opt = torch.optim.SGD(w.parameters(), lr=0.1)
+    for x, y in batches(3):
+        opt.zero_grad()
+        mse(w(mine(x)), mine(y)).backward()
+        opt.step()
+        avg.update_parameters(w)
+    return [p.detach().clone() for p in avg.parameters()]
+
+
 def main():
     dist.init_process_group("gloo")
     rows = []
@@ -161,6 +183,9 @@ def main():
     (a, na), (b, _), (_, nb) = (flag_run("wb", "flag"), flag_run("torch", "flag"),
                                 flag_run("wb", "no_sync"))
     rows.append({"case": "grad_sync_flag", "wb_vs_torch": diff(a, b), "all_reduces": [na, nb]})
+    want = ema("torch_ddp")
+    rows.append({"case": "ema", **{w: max((a - b).abs().max().item() for a, b in
+                                          zip(ema(w), want)) for w in ("wb_fsdp", "wb_fully_shard")}})
     if dist.get_rank() == 0:
         for r in rows:
             print(json.dumps(r), flush=True)

@@ -22,6 +22,9 @@ chunks dp-minor) gives a copy, as torch's, which reads as one and refuses writes
 device the parameter is contiguous and the reshape a view that writes it:
 :mod:`.laid_out_copies`).
 
+Read into a plain tensor of the module's shape by an in-place op (an EMA's
+``ema.copy_(p)``, ``_foreach_lerp_``), ``p`` is its module value (:mod:`.laid_out_reads`).
+
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
 
@@ -56,6 +59,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place
+from .laid_out_reads import module_shaped_sources
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -113,6 +117,8 @@ class LaidOutParameter(nn.Parameter):
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
+        if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
+            args, kwargs = module_shaped_sources(func, args, kwargs, _LAID_OUT)
         written = isinstance(p, _LAID_OUT) and in_place(func)
         view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
         if written and not view:
