@@ -185,7 +185,8 @@ def main():
     rows.append({"case": "grad_sync_flag", "wb_vs_torch": diff(a, b), "all_reduces": [na, nb]})
     want = ema("torch_ddp")
     rows.append({"case": "ema", **{w: max((a - b).abs().max().item() for a, b in
-                                          zip(ema(w), want)) for w in ("wb_fsdp", "wb_fully_shard")}})
+                                          zip(ema(w), want))
+                                   for w in ("wb_fsdp", "wb_fully_shard")}})
     if dist.get_rank() == 0:
         for r in rows:
             print(json.dumps(r), flush=True)
