@@ -74,6 +74,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
                                   "the batch of gradients instead")
     outs, gos = _seeds(outputs, grad_outputs, "grad")
     ins, flat, spans = _inputs(inputs)
+    _check_replicas(flat)
     gs = torch.autograd.grad(outs, flat, gos, retain_graph=retain_graph,
                              create_graph=create_graph, allow_unused=allow_unused,
                              materialize_grads=materialize_grads)
@@ -89,6 +90,27 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
             loc = storage.map_tensors(x._local, lambda t: _or_zeros(next(it), t))
             res.append(DistTensor(loc, x.mesh, x._grad_placements(), x.shape))
     return tuple(res)
+
+
+def _check_replicas(flat) -> None:
+    """``torch.autograd.grad(loss, ddp.parameters())`` (or the module's DistTensor
+    parameters) under DDP over DistTensors on simulated ranks: each data-parallel replica
+    would get its own rank's gradient (its share of the joined loss), never summed (the
+    sum runs in the hooks that ``.grad`` accumulation fires), so not the average DDP
+    trains with (0.034 off one device's in habits9's MLP).  torch DDP does not support
+    ``torch.autograd.grad`` either (torch 2.13 ``torch/nn/parallel/distributed.py``, the
+    class docstring: "This module doesn't work with torch.autograd.grad()"): raise before
+    anything runs, as over plain DDP's rows (``strategies/laid_out.py``).  A replica
+    storage carries ``_wb_replicas`` = (the parameter's name, the dp axes)."""
+    for t in flat:
+        rep = getattr(t, "_wb_replicas", None)
+        if rep is not None:
+            raise RuntimeError(
+                f"torch.autograd.grad over DistributedDataParallel's replicas of {rep[0]!r}: "
+                "each data-parallel replica would get its own rank's gradient, not the "
+                "average (DDP sums them in the hooks that .grad accumulation fires); torch "
+                "DDP does not support torch.autograd.grad either (it works only when "
+                "gradients accumulate in .grad).  Call loss.backward() and read p.grad")
 
 
 def _or_zeros(g, like):

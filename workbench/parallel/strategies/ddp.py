@@ -90,7 +90,8 @@ own shape; ``keep_vars=True``: the parameters themselves, as torch's), ``load_st
 takes them (full tensors, copied into every rank's copy), keys and shapes checked before
 anything is copied.  ``torch.autograd.grad(loss, ddp.parameters())`` raises on simulated
 ranks (each row would be its own rank's gradient, never averaged; torch DDP documents that
-it does not work with ``autograd.grad``): call ``loss.backward()``.  ``torch.nn.utils.
+it does not work with ``autograd.grad``; over DistTensors too, each replica's own share:
+``..autograd._check_replicas``): call ``loss.backward()``.  ``torch.nn.utils.
 clip_grad_norm_(ddp.parameters(), ...)`` gives one device's norm: on simulated ranks
 the gradients are :class:`~.rank_grads.RankRows`, whose norm is one rank's.  On simulated
 ranks a random ``nn.init`` of a parameter after wrapping raises (:mod:`.laid_out`: each
@@ -121,6 +122,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
+from .replaced_params import check_named, mark_successor, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
                           ready_order, torch_policy)
@@ -206,6 +208,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             self._hooks += [p.register_hook(lambda grad, p=p: self._before_grad(p))
                             for p in trainable]
         self._reset()
+        self._places = snapshot(module)     # a tie after wrapping: raise (.replaced_params)
         module._wb_wrapped = "DistributedDataParallel"
 
     # ---- construction ----------------------------------------------------------------------
@@ -229,6 +232,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             step_clock.hold([rows], g.ranks, 1)     # an optimizer's step: on their clock
             rows._wb_src = bf               # the row the state dicts give (.replica_writes)
             replace_parameter(m, p, rows)
+            mark_successor(p, rows)         # an optimizer built before: follows (.replaced_params)
         module_shaped_state_dict(m)            # m.state_dict(): rank bf's row, as torch DDP's
         sync_rows(m.named_parameters())        # the rows' value now: a later write is seen
 
@@ -243,6 +247,7 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        check_named(self.module, self._places, "DistributedDataParallel")
         if torch.is_grad_enabled():
             self._rebuild_buckets()
         out = self._forward(*args, **kwargs)

@@ -188,6 +188,10 @@ class DistTensorDDP(DistributedDataParallel):
         if self._sync_enabled and self.replicas.used:
             self.replicas.reduce()
 
+    def _set_sync(self, flag: bool) -> None:
+        """``require_backward_grad_sync = flag``: ``no_sync()``'s switches, left set."""
+        self._sync_enabled = self.replicas.mark_ready = flag
+
     @contextlib.contextmanager
     def no_sync(self):
         """Inside the block the backwards reduce nothing (nor does

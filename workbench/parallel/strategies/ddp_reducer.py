@@ -247,6 +247,25 @@ class Reducer:
             "averaged (torch's default, allreduce_hook).  Leave the hook out, or run torch's "
             "own DistributedDataParallel for compression hooks")
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag that ``no_sync()`` clears (torch 2.13
+        ``torch/nn/parallel/distributed.py:1680-1685``); nanoGPT's train.py sets it by
+        hand instead of ``no_sync()``: ``model.require_backward_grad_sync = (micro_step ==
+        gradient_accumulation_steps - 1)``.  False: the backwards reduce nothing, as inside
+        ``no_sync()``.  (It was a plain attribute nothing read: every micro-batch was
+        all-reduced, the gradients the same sum but N times the traffic, silently.)"""
+        return self._sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, flag: bool) -> None:
+        if not isinstance(flag, bool):
+            raise TypeError(f"require_backward_grad_sync = {flag!r}: give True or False")
+        self._set_sync(flag)
+
+    def _set_sync(self, flag: bool) -> None:
+        self._sync_enabled = flag
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no all-reduce) inside the block; the first

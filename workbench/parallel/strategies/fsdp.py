@@ -90,6 +90,7 @@ from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .rank_recompute import refuse_checkpoint, seq_mark
+from .replaced_params import check_places
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
                     check_not_meta,
                     rank_buffers)
@@ -197,6 +198,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     _who = "FullyShardedDataParallel"     # the name errors give (fully_shard's own)
 
     def forward(self, *args, **kwargs):
+        check_places(self.units, self._who)     # a tie after wrapping: raise (.replaced_params)
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
         if cd is not None and self._casts_inputs:
@@ -436,6 +438,16 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     def finish_gradient_synchronization(self) -> None:
         """The reduce-scatters run inside backward (synchronously), so the shards hold
         their averaged gradients once ``backward()`` returns; kept for DDP's API."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch FSDP1's ``model.clip_grad_norm_(max_norm, norm_type)`` (torch 2.13
+        ``torch/distributed/fsdp/fully_sharded_data_parallel.py`` ``clip_grad_norm_``: the
+        total norm of the full gradients, every gradient scaled by ``max_norm / (total +
+        1e-6)`` where that is below 1, the total returned).  The shards' gradients already
+        give one device's norm to ``torch.nn.utils.clip_grad_norm_`` (``_hook_shards``), so
+        it is that call over the wrapper's parameters; FSDP1 loops call the method (it
+        raised AttributeError)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def extra_repr(self) -> str:
         g = self.group

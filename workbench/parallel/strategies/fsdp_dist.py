@@ -62,6 +62,7 @@ from .. import step_clock, storage
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
 from .flat_shards import flat_padded, tensor_places, unflat
+from .replaced_params import check_dist_places
 from .fsdp_dist_views import dp_minor, view_template
 from .fsdp_dist_habits import install_habits
 from .laid_out import laid_out
@@ -113,6 +114,7 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             raise ValueError(f"prefetch={prefetch!r}: True (DeepSpeed's {PREFETCH_NUMEL:.0e} "
                              "elements ahead), False (none), or the elements to gather ahead, "
                              "an int >= 0")
+        check_dist_places(module, "FullyShardedDataParallel")   # (.replaced_params)
         params = list(dist_parameters(module))
         if not params:
             raise ValueError("FullyShardedDataParallel over DistTensor parameters: the module "
@@ -328,7 +330,13 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         self.live.free_all()
 
     def forward(self, *args, **kwargs):
+        self.check_places()
         return self.module(*args, **kwargs)
+
+    def check_places(self, who: str = "FullyShardedDataParallel") -> None:
+        """A parameter assigned on the module since wrapping: raise (.replaced_params)."""
+        check_dist_places(self.module, who, [(n, places, e[2]) for n, places, e in
+                                             zip(self.names, self._places, self.entries)])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

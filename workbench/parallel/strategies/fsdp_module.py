@@ -107,6 +107,8 @@ class FSDPModule:
         if st.tp is not None:            # over DistTensor parameters: hooks on the modules
             w = built(self)
             if w.module is self:         # the last step's reduce-scatters waited (clock)
+                if not w.__dict__.get("_wb_in_forward"):
+                    w.check_places("fully_shard")   # assigned since: raise (.replaced_params)
                 w.finish_gradient_synchronization()
             d = w.__dict__               # module.weight: the gathered copy while inside
             if not d.get("_wb_in_forward"):      # a new forward: copies before it not read

@@ -24,6 +24,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .flat_shards import pack, pack_rank_major, tensor_places, unpack
+from .replaced_params import mark_successor
 
 __all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "reduce_scatter",
            "plan_units", "GatheredBytes", "tree_cast"]
@@ -87,6 +88,7 @@ def plan_units(module, units, shards_of):
         homes = {id(owner.get(id(m), out[0])) for m, _ in places}
         unit = owner.get(id(places[0][0]), out[0]) if len(homes) == 1 else out[0]
         shard = shards_of(name, p)
+        mark_successor(p, shard)        # an optimizer built before: follows (.replaced_params)
         for m, attr in places:
             m._parameters[attr] = shard
         unit.params.append((name, shard, places))

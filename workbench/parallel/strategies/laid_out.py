@@ -18,7 +18,12 @@ which drew each rank's row or chunk on its own), and so does every view of the s
 (``p.view(-1)``, ``p[0]``, ``p.flatten()``, ``p.T``, ``p.narrow``, ``p.unbind()``...:
 :class:`_LaidOutView`, random fills raise, elementwise writes write what it views).  A
 reshape that must copy (a non-contiguous storage: fully_shard over DistTensors keeps its
-chunks dp-minor) gives a copy, as torch's: a write into it does not reach ``p``.
+chunks dp-minor) gives a copy, as torch's, which reads as one and refuses writes (on one
+device the parameter is contiguous and the reshape a view that writes it:
+:mod:`.laid_out_copies`).
+
+Read into a plain tensor of the module's shape by an in-place op (an EMA's
+``ema.copy_(p)``, ``_foreach_lerp_``), ``p`` is its module value (:mod:`.laid_out_reads`).
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -53,6 +58,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
+from .laid_out_copies import guard_copy, in_place
+from .laid_out_reads import module_shaped_sources
+from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped", "module_shaped_state_dict", "Rows",
@@ -109,7 +117,9 @@ class LaidOutParameter(nn.Parameter):
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
-        written = isinstance(p, _LAID_OUT) and _in_place(func)
+        if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
+            args, kwargs = module_shaped_sources(func, args, kwargs, _LAID_OUT)
+        written = isinstance(p, _LAID_OUT) and in_place(func)
         view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
         if written and not view:
             before_write(_owner(p))     # a write through one row's handle first (DDP)
@@ -149,7 +159,7 @@ class LaidOutParameter(nn.Parameter):
                 after()
             return out
         if args and isinstance(args[0], _LAID_OUT) and not written:
-            return _guard_views(args[0], out)
+            return _guard_views(args[0], out, func)
         return out
 
 
@@ -211,10 +221,11 @@ _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 
-def _guard_views(src, out):
-    """``out`` (a function's result on ``src``) with each tensor that shares ``src``'s
+def _guard_views(src, out, func=None):
+    """``out`` (``func``'s result on ``src``) with each tensor that shares ``src``'s
     storage made a :class:`_LaidOutView` (also in a tuple or list: ``p.unbind()``,
-    ``p.chunk(n)``, ``p.split(k)``); anything else as it is."""
+    ``p.chunk(n)``, ``p.split(k)``), a reshape that had to copy a non-contiguous storage a
+    :class:`.laid_out_copies.LaidOutCopy` (writes into it raise); anything else as it is."""
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
         got = [_guard_views(src, o) for o in out]
         return type(out)(got) if type(out) in (tuple, list) else out
@@ -222,8 +233,11 @@ def _guard_views(src, out):
             out.numel() == 0:
         return out
     with torch._C.DisableTorchFunctionSubclass():
-        if out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
-            return out
+        shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    if not shares:
+        copy = guard_copy(src, _owner(src), func, out)
+        return out if copy is None else copy
+    with torch._C.DisableTorchFunctionSubclass():
         view = out.as_subclass(_LaidOutView)
     view._wb_layout = src._wb_layout
     view._wb_param = _owner(src)
@@ -265,15 +279,6 @@ def _one_draw(func, p, args, kwargs):
         with torch.no_grad():
             p.copy_(p._wb_store(fresh))
     return p
-
-
-_IOPS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
-         "__imod__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
-
-
-def _in_place(func) -> bool:
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("_")) or name in _IOPS
 
 
 def _module_shaped_operands(func, args):
@@ -378,7 +383,9 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
     scalar states: ``_SCALAR_STATES``) are left as they are.  A global step pre-hook
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``); it first refuses an
     optimizer whose update reads a parameter whole where the storage would mislead it
-    (:func:`_check_whole_parameter_optimizer`)."""
+    (:func:`_check_whole_parameter_optimizer`).  Before all, an optimizer built before
+    wrapping follows the parameters the wrapper replaced (:mod:`.replaced_params`)."""
+    follow_successors(optimizer)
     _check_whole_parameter_optimizer(optimizer)
     for p in _laid_out_params(optimizer):
         if p not in optimizer.state:
