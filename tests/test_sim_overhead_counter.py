@@ -63,8 +63,8 @@ LAYOUTS = {
 }
 
 
-def _counted(monkeypatch, layout, plain: bool):
-    """(records, [what each SavedCounter recorded]) of a 2-step wb.train run, with the
+def _counted(monkeypatch, layout, plain: bool, steps: int = 2):
+    """(records, [what each SavedCounter recorded]) of a ``steps``-step wb.train run, with the
     fast or the plain provenance mode; storages named by first appearance."""
     made = []
     base = meta_run.SavedCounter
@@ -77,7 +77,8 @@ def _counted(monkeypatch, layout, plain: bool):
             made.append(self)
     monkeypatch.setattr(meta_run, "SavedCounter", Watched)
     preset, strategy, kw = LAYOUTS[layout]
-    recs = T.train(preset, steps=2, strategy=strategy(), batch_size=4, timing=False, **kw)
+    recs = T.train(preset, steps=steps, strategy=strategy(), batch_size=4, timing=False,
+                   **kw)
     monkeypatch.setattr(meta_run, "SavedCounter", base)
     out = []
     for c in made:
@@ -102,7 +103,7 @@ def _counted(monkeypatch, layout, plain: bool):
 def test_fast_counter_records_what_the_plain_one_does(monkeypatch, layout):
     # warm first: a process's first run of a layout runs a few ops later runs do not
     # (caches being built: 170 storages in gpt-tiny's first counted forward, 166 after)
-    _counted(monkeypatch, layout, plain=False)
+    _counted(monkeypatch, layout, plain=False, steps=1)
     recs_fast, fast = _counted(monkeypatch, layout, plain=False)
     recs_plain, plain = _counted(monkeypatch, layout, plain=True)
     assert len(fast) == 2 and all(f["items"] for f in fast)      # both steps were counted
