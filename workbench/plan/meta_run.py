@@ -29,7 +29,6 @@ import contextlib
 import math
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..models import op_sac
@@ -70,6 +69,15 @@ class _Provenance(TorchDispatchMode):
         self.made: dict[int, str] = {}           # storage id -> the op that made it
         self.mesh_shape = mesh_shape
         self.axes: dict[int, frozenset | None] = {}   # storage id -> axes it varies along
+        self._layouts: dict = {}    # (shape, stride) -> _varying_axes (a function of them)
+
+    def _axes_of(self, t):
+        """``_varying_axes(t, self.mesh_shape)``, once per (shape, stride): it reads no more."""
+        key = (t.shape, t.stride())
+        got = self._layouts.get(key, self)
+        if got is self:
+            got = self._layouts[key] = _varying_axes(t, self.mesh_shape)
+        return got
 
     def storage_axes(self, t):
         """The axes ``t``'s storage varies along: recorded, else its first tensor's (or
@@ -82,15 +90,15 @@ class _Provenance(TorchDispatchMode):
             return self.axes[key]
         for cand in (self.first.get(key), t._base, t):
             if cand is not None:
-                axes = _varying_axes(cand, self.mesh_shape)
+                axes = self._axes_of(cand)
                 if axes is not None:
                     return axes
         return None
 
     def _derive(self, out, inputs):
-        own = _varying_axes(out, self.mesh_shape)
-        if own is not None and all(t.dim() == 0 or _varying_axes(t, self.mesh_shape)
-                                   is not None for t in inputs):
+        own = self._axes_of(out)
+        if own is not None and all(t.dim() == 0 or self._axes_of(t) is not None
+                                   for t in inputs):
             return own
         ins = [a for a in map(self.storage_axes, inputs) if a is not None]
         return frozenset().union(*ins) if ins else own
@@ -100,25 +108,67 @@ class _Provenance(TorchDispatchMode):
             key = self.parent[key]
         return key
 
+    # Fast path (task simperf3: the mode watches every aten op of a counted forward, ~400
+    # in a gpt-tiny step, and was ~45% of a wb.train step): the work is the same, done
+    # only where it can change what is recorded, so every record is the same as before
+    # (tests/test_sim_overhead_counter.py holds it to the plain version). The inputs are
+    # gathered only for an output whose storage is new (a view's is not), by a walk that
+    # finds the tensors ``pytree.tree_leaves`` finds in aten's arguments (tensors, lists
+    # and tuples of them, kwargs); an op's name is looked up once.
+    _names: dict = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # no torch.compile frame runs in here: skip the per-op torch._disable_dynamo
+        # wrapper TorchDispatchMode puts around __torch_dispatch__ (torch 2.13
+        # utils/_python_dispatch.py __init_subclass__, _should_skip_dynamo's docstring)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [a for a in pytree.tree_leaves((args, kwargs or {}))
-                  if isinstance(a, torch.Tensor)] if self.mesh_shape is not None else []
+        name = self._names.get(func)
+        if name is None:
+            name = self._names[func] = func.overloadpacket.__name__
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        name = func.overloadpacket.__name__
         copy = src is not None and name in _COPIES and isinstance(out, torch.Tensor) \
             and out.dtype == src.dtype
+        inputs = None
+        first = self.first
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if not isinstance(t, torch.Tensor):
                 continue
             key = t.untyped_storage()._cdata
             if copy and key != src.untyped_storage()._cdata:
                 self.parent.setdefault(key, self.root(src.untyped_storage()._cdata))
-            if self.mesh_shape is not None and key not in self.first:
+            if key in first:
+                continue
+            if self.mesh_shape is not None:
+                if inputs is None:
+                    inputs = _tensor_args(args, kwargs)
                 self.axes[key] = self._derive(t, inputs)
-            self.first.setdefault(key, t)
+            first[key] = t
             self.made.setdefault(key, name)
         return out
+
+
+def _tensor_args(args, kwargs) -> list:
+    """The tensors among an op's arguments, in ``pytree.tree_leaves`` order (lists,
+    tuples and dicts opened at any depth)."""
+    found: list = []
+
+    def walk(a):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+    walk(args)
+    if kwargs:
+        walk(kwargs)
+    return found
 
 
 class SavedCounter:

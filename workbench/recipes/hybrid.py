@@ -468,9 +468,10 @@ class Hybrid:
         one rank keeps for backward (``last_activation_bytes``, the ``activation_bytes``
         of :meth:`step_report`), as the dry run counts them
         (:class:`workbench.plan.meta_run.SavedCounter`).  Off by default: the count
-        watches every op of the forward (``benchmarks/sim_overhead.py --only ops``: a
-        traced gpt-tiny Hybrid(dp=2, tp=2) step 3.4x plain torch's time, 5.1x with the
-        count); ``wb.train`` turns it on for its records."""
+        watches every op of the forward (``benchmarks/sim_overhead.py --only ops --timer
+        cpu``, task simperf3, load 5-7: a traced gpt-tiny Hybrid(dp=2, tp=2) step 3.6-3.7x
+        plain torch's time, 5.0-5.5x with the count); ``wb.train`` turns it on for its
+        records."""
         before = getattr(self, "_measuring", False)
         self._measuring = True
         try:
