@@ -52,7 +52,10 @@ is here only when its number was read from the source itself:
   dropout 0.1.  The estimate overlaps the DP sync as those two flags do
   (``overlap_grad_reduce=True``) and the TP communication as ``--tp-comm-overlap`` does
   with Transformer Engine's default userbuffers methods (``tp_comm_overlap=True``,
-  ``plan.tp_overlap``: no effect at tp = 1).  GEMMs, the fused attention (cuDNN's) and the
+  ``plan.tp_overlap``: no effect at tp = 1), and prices the layer as Megatron-LM's
+  default ``--transformer-impl transformer_engine`` runs it (``transformer_engine=True``,
+  ``layer_cost.TE_SOURCES``: QKV bias in the GEMMs' epilogues, q, k, v copied for TE's
+  fused attention).  GEMMs, the fused attention (cuDNN's) and the
   loss are priced at rates measured on one H100 (``sim_mesh/measurements``,
   ``benchmarks/gpu_components.py``): component measurements, not these rows.
   The 32B row (tp 8, pp 1: one rank per node in each DP group, one 400G NIC) bounds the
@@ -344,7 +347,7 @@ def _h100_rows():
                    layout=dict(dp=dp, tp=tp, pp=pp, sp=tp > 1, zero=1, recompute="none",
                                micro_batch=1, global_batch=gbs, schedule="1f1b", v=1),
                    attention="flash", overlap_grad_reduce=True, tp_comm_overlap=True,
-                   metric="model_tflops_per_device",
+                   transformer_engine=True, metric="model_tflops_per_device",
                    published=float(tflops), published_hfu=None, cite=H100_CITE,
                    assume="bf16, micro-batch 1, no recompute, flash attention, 1F1B assumed")
 
@@ -432,7 +435,10 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "f2e5db402c) inside cuDNN's fused kernel at 1.034x its measured "
                           "dropout-free time (NVIDIA/TransformerEngine #3312: H200, TE 2.15, "
                           "sbhd, sequence 1024, forward + backward; UNCERTAIN: one shape, "
-                          "not the rows' TE; the FlashAttention-2 end of the range unpriced)",
+                          "not the rows' TE; the FlashAttention-2 end of the range "
+                          "unpriced); the layer as Megatron-LM's default "
+                          "--transformer-impl transformer_engine runs it (estimate's "
+                          "transformer_engine, layer_cost.TE_SOURCES)",
          "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
@@ -530,6 +536,7 @@ def predict(row) -> dict:
                                  attention=row.get("attention", "materialized"),
                                  overlap_grad_reduce=row.get("overlap_grad_reduce", False),
                                  tp_comm_overlap=row.get("tp_comm_overlap", False),
+                                 transformer_engine=row.get("transformer_engine", False),
                                  **row.get("megatron_args", {}),
                                  **row.get("estimate_args", {}),
                                  pinned=row.get("pinned"))

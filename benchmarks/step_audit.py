@@ -32,7 +32,7 @@ wo, w3), dgrad, wgrad (Megatron: into                         layers' own shapes
 fp32 main_grad, read + write)
 attention: SDPA's FlashAttention-2 (torch     461.1     61.3  meas. flash / cudnn rates at
 1963fc83a1) / TE's cuDNN fused attention                      s 8192 / 4096, causal; priced
-fused-block element-wise: norms, RoPE,        198.9     48.1  bytes at the copy rate (0.901
+fused-block element-wise: norms, RoPE,        198.9     44.3  bytes at the copy rate (0.901
 silu / GeLU, SwiGLU product, bias,                            of HBM, meas.); LayerNorm,
 dropout, residual adds (fwd, rec., bwd)                       dropout at meas. rates;
                                                               priced
@@ -63,7 +63,7 @@ of the shard), TE FusedAdam (28 B)                            GB/s, 0.815 of the
                                                               fixed (``optimizer_step``)
 FSDP2 / DDP collectives left exposed           33.5      9.8  NCCL 2.21's tuning model;
                                                               priced (not audited here)
-step: the estimate's                         2576.0    385.1  ratio 1.104 / 1.173
+step: the estimate's                         2576.0    381.2  ratio 1.104 / 1.185
       the published                          2843.5    451.9
 ==========================================  =======  =======  ==============================
 
@@ -80,18 +80,21 @@ assumption holds within 1%.  (PyTorch's pair moves 36 B per logit by the same co
 at 0.70 of the copy rate: its softmax reads the row more than once.  Were Megatron's
 simple passes as slow per byte, 13.3 ms: an upper bound, 16 ms per 1.7B step.)
 
-Charged but not run, found reading the code: with Transformer Engine (as ``published.py``
-assumes for the README's runs), the 1.7B's QKV bias is added in its GEMM's epilogue and
-its gradient comes out of the weight-gradient GEMM (Megatron builds ``linear_qkv`` with
-``skip_bias_add=False``, f2e5db402c ``megatron/core/transformer/attention.py:379-390``,
-so ``te_return_bias`` is False; NVIDIA/TransformerEngine v1.8
-``pytorch/module/layernorm_linear.py:268-275`` passes the bias to ``tex.gemm``, and
-``:636-645`` takes ``grad_bias`` from the wgrad GEMM, ``cpp_extensions/gemm.py:213-247``),
-where the planner's op list (Megatron's own linear, held to Korthikanti's Table 4)
-charges a ``qkv_bias_add`` and a ``qkv_bias_grad`` kernel: 0.052 ms per layer and
-micro-batch, 5.0 ms of the 1.7B step (its ratio would go 1.173 -> about 1.19).  Not
-changed here: the layer has no Transformer Engine switch, and the runs' TE release is
-not stated.
+Charged but not run, found reading the code (priced since: ``layer_cost.TE_SOURCES``,
+``estimate(..., transformer_engine=True)`` for the README's rows, Megatron-LM's default
+``--transformer-impl``): with Transformer Engine, the 1.7B's QKV bias is added in its
+GEMM's epilogue and its gradient comes out of the weight-gradient GEMM (Megatron builds
+``linear_qkv`` with ``skip_bias_add=False``, f2e5db402c
+``megatron/core/transformer/attention.py:379-390``, so ``te_return_bias`` is False;
+NVIDIA/TransformerEngine v1.8 ``pytorch/module/layernorm_linear.py:268-275`` passes the
+bias to ``tex.gemm``, and ``:636-645`` takes ``grad_bias`` from the wgrad GEMM,
+``cpp_extensions/gemm.py:213-247``), where the planner's op list (Megatron's own linear,
+held to Korthikanti's Table 4) charges a ``qkv_bias_add`` and a ``qkv_bias_grad``
+kernel: 0.052 ms per layer and micro-batch, 5.0 ms of the 1.7B step. Reading on
+(TE_SOURCES), TE's path also copies q, k, v to contiguous bshd for its fused attention
+(+3.5 ms; Megatron's ``TEDotProductAttention`` with the default ``apply_rope_fusion``)
+and drops the context permute at micro-batch 1 (-2.3 ms): -3.8 ms net, ratio 1.173 ->
+1.185 (the table above is after it; TE v1.8 ASSUMED, the runs' release is not stated).
 
 Run per step but not priced, with what bounds each:
 
@@ -196,7 +199,7 @@ def megatron_loss_check(profile="h100", tokens: int = 4096, vocab: int = 131072)
             / _per_logit(PYTORCH_CE_BYTES)}
 
 
-def _layer_ops(cfg, lay, prof, attention, tp_comm_overlap):
+def _layer_ops(cfg, lay, prof, attention, tp_comm_overlap, transformer_engine=False):
     """The op list ``estimate`` prices one layer with (``costs.layer_cost``, its cache
     bypassed, calls ``_layer_times`` once; its ops are read here)."""
     got = []
@@ -208,7 +211,8 @@ def _layer_ops(cfg, lay, prof, attention, tp_comm_overlap):
         return lt
     C._layer_times, C.layer_cost = spy, cached.__wrapped__
     try:
-        layer_for(cfg, lay, prof, attention, False, tp_comm_overlap)
+        layer_for(cfg, lay, prof, attention, False, tp_comm_overlap,
+                  transformer_engine=transformer_engine)
     finally:
         C._layer_times, C.layer_cost = inner, cached
     if len(got) != 1:
@@ -229,7 +233,7 @@ def audit(r) -> dict:
         raise ValueError("step_audit: rows with tp = pp = 1 only (one stage, no TP ops)")
     m, n = d["micro_batches"], cfg.n_layer
     ops = _layer_ops(cfg, lay, prof, r.get("attention", "flash"),
-                     r.get("tp_comm_overlap", False))
+                     r.get("tp_comm_overlap", False), r.get("transformer_engine", False))
     fam = {"layer GEMMs": 0.0, "attention": 0.0, "layer element-wise": 0.0,
            "TP collectives": 0.0}
     for o in ops:

@@ -107,7 +107,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
                attention: str = "materialized", fp8: bool = False,
                tp_comm_overlap: bool = False, async_allreduce: bool = True,
                main_grad: bool = True, early_stop: bool = False,
-               split_qkv: bool = False, regather: bool = True) -> LayerCost:
+               split_qkv: bool = False, regather: bool = True,
+               transformer_engine: bool = False) -> LayerCost:
     """Cost of one transformer layer for one micro-batch (module docstring);
     ``attention="flash"`` prices a fused attention kernel (``layer_cost``); ``fp8`` the
     linears' GEMMs in FP8 (``plan.fp8``); ``tp_comm_overlap``: the TP collectives
@@ -120,7 +121,9 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     (``layer_cost``); ``split_qkv``: a GPT layer's query, key and value projections as
     three GEMMs, as this library's GPT runs them (``layer_cost._forward``);
     ``regather=False``: with ``sp``, no backward all-gather of the column-parallel inputs
-    (PyTorch DTensor keeps the gathered input: torchtitan, ``llama_layer.backward_ops``)."""
+    (PyTorch DTensor keeps the gathered input: torchtitan, ``llama_layer.backward_ops``);
+    ``transformer_engine``: Megatron-LM's Transformer Engine spec
+    (``layer_cost.TE_SOURCES``)."""
     s, h = cfg.seq_len, cfg.d_model
     extra = {} if attention == "materialized" else {"attention": attention}
     if fp8:
@@ -139,6 +142,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
         extra["split_qkv"] = True
     if not regather:
         extra["regather"] = False
+    if transformer_engine:
+        extra["transformer_engine"] = True
     lt = _layer_times(h, cfg.n_head, s, b, tp, sp=sp, recompute=recompute, ffn=cfg.d_ff,
                       dtype=cfg.dtype, profile=profile, tp_ranks=list(range(tp)), **extra)
     # bytes sent: every collective the layer runs, where it runs (forward, recompute,

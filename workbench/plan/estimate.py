@@ -86,6 +86,7 @@ from . import megatron_hook_add as HA
 from . import titan_eager as TE
 from . import optimizer_step as OS
 from . import fp8 as _fp8
+from . import layer_cost as LC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
@@ -338,11 +339,18 @@ def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
 
 
 def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
-              tp_comm_overlap: bool = False, async_allreduce: bool = True):
+              tp_comm_overlap: bool = False, async_allreduce: bool = True,
+              transformer_engine: bool = False):
     """One layer's ``costs.LayerCost`` for one micro-batch on a rank of ``lay``, as
     :func:`estimate` prices it (``prof``: the profile it prices on), with EP and CP
-    (``plan.ep_cp``) or without; ``async_allreduce=False``: ``plan.megatron_2021``."""
+    (``plan.ep_cp``) or without; ``async_allreduce=False``: ``plan.megatron_2021``;
+    ``transformer_engine``: Megatron-LM's TE spec (``layer_cost.TE_SOURCES``)."""
     if EC.applies(cfg, lay):
+        if transformer_engine:
+            raise ValueError(f"layout {lay.short()}: transformer_engine=True is modeled "
+                             f"for Megatron-LM's dense GPT layer (layer_cost.TE_SOURCES), "
+                             f"not with expert / context parallelism: give "
+                             f"transformer_engine=False")
         if not async_allreduce and lay.tp > 1:
             raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
                              f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
@@ -355,7 +363,7 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
                         lay.engine == "workbench",   # torch.utils.checkpoint's early stop,
                         split_qkv=lay.engine == "workbench",    # the GPT's wq, wk, wv;
                         # torchtitan's DTensor TP keeps the gathered input: no re-gather
-                        regather=_regather(cfg, lay))
+                        regather=_regather(cfg, lay), transformer_engine=transformer_engine)
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
@@ -363,7 +371,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
              fp8: bool = False, tp_comm_overlap: bool = False,
              async_tensor_model_parallel_allreduce: "bool | None" = None,
              gradient_accumulation_fusion: "bool | None" = None,
-             torchtitan_eager: "str | None" = None) -> Estimate:
+             torchtitan_eager: "str | None" = None,
+             transformer_engine: bool = False) -> Estimate:
     """Predict one training step of ``model`` (a ``ModelConfig``, arch "gpt" or "llama":
     ``plan.llama_layer``) with ``layout`` on ``cluster`` (module docstring).
     ``attention="flash"`` counts a fused attention kernel's activations and time instead
@@ -387,8 +396,16 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     DeepSpeed's pipeline engine runs Megatron-DeepSpeed's layers, which have neither:
     ``plan.megatron_2021``).  ``torchtitan_eager``: a Llama block as torchtitan runs it
     without torch.compile, its ``norm_type`` ("rmsnorm": the eager RMSNorm;
-    "fused_rmsnorm"): ``plan.titan_eager``; None: the fused block (the course's Llama)."""
+    "fused_rmsnorm"): ``plan.titan_eager``; None: the fused block (the course's Llama).
+    ``transformer_engine=True``: a GPT layer as Megatron-LM runs it with Transformer Engine
+    (its default ``--transformer-impl`` since 2024; ``layer_cost.TE_SOURCES``: the QKV bias
+    in its GEMMs' epilogues, the fused attention's q, k, v copies); needs
+    ``framework="megatron"`` and ``attention="flash"``; the default prices Megatron's own
+    linears (Korthikanti et al. 2022's layer).  ``tp_comm_overlap`` and ``fp8`` are TE's
+    features too, but do not imply it."""
     check_layout(model, layout, cluster)
+    if not isinstance(transformer_engine, bool):
+        raise ValueError(f"transformer_engine={transformer_engine!r} must be True or False")
     TE.check(model, torchtitan_eager, layout)
     async_tp, fusion = M21.resolve(layout, async_tensor_model_parallel_allreduce,
                                    gradient_accumulation_fusion)
@@ -415,7 +432,15 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         raise ValueError(f"fp8=True on profile {prof.name!r}, which has no FP8 peak "
                          f"(peak_flops['float8']): FP8 tensor cores are the H100's; use "
                          f"Cluster('h100', ...) or fp8=False")
-    layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap, async_tp)
+    if transformer_engine and (lay.engine != "megatron" or attention != "flash"
+                               or cfg.arch != "gpt"):
+        raise ValueError(f"transformer_engine=True prices Megatron-LM's GPT layer with "
+                         f"Transformer Engine's fused attention; got framework="
+                         f"{lay.engine!r}, attention={attention!r}, arch={cfg.arch!r}: use "
+                         f"framework='megatron', attention='flash' and a GPT model, or "
+                         f"transformer_engine=False")
+    layer = layer_for(cfg, lay, prof, attention, fp8, tp_comm_overlap, async_tp,
+                      transformer_engine)
     eager = None
     if torchtitan_eager is not None:    # torchtitan's eager kernels (plan.titan_eager)
         eager = TE.extra_seconds(cfg, lay, prof, torchtitan_eager)
@@ -429,7 +454,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     # this library's ZeRO-3 re-gathers a recomputed layer module by module (zero_cost)
     regather = lay.engine == "workbench" and lay.zero == 3 and lay.recompute in ("full", "op")
     remat = layer.bwd_compute - layer_for(cfg, lay.replace(recompute="none"), prof, attention,
-                                          fp8, tp_comm_overlap, async_tp).bwd_compute \
+                                          fp8, tp_comm_overlap, async_tp,
+                                          transformer_engine).bwd_compute \
         if regather else 0.0
 
     stages = {}
@@ -546,6 +572,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (("FP8 GEMMs as Transformer Engine runs them (plan/fp8.py); MFU against the "
             "16-bit peak",) if fp8 else ()) + EC.assumptions(cfg, lay)
         + ((TPO.ASSUMPTION,) if tp_comm_overlap and tp > 1 else ())
+        + ((LC.TE_ASSUMPTION,) if transformer_engine else ())
         + M21.assumption(cfg, lay, async_tp or tp == 1, fusion) + HA.assumption(lay, fusion, cfg)
         + (FS.assumptions(slow["copies"], m, prof is not cluster.profile)
            if slow["copies"] else ())

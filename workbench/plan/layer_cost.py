@@ -41,6 +41,13 @@ Recompute: "selective" re-runs the attention core (Q K^T, softmax, dropout, P V,
 permute: Megatron's checkpointed ``CoreAttention``) before its backward; "full"
 re-runs the whole layer forward, collectives included, before the backward.
 
+Transformer Engine (``transformer_engine=True``; Megatron-LM's default
+``--transformer-impl transformer_engine`` with its mcore GPT spec, as of 2024: the
+H100 rows): TE's ``LayerNormLinear`` / ``Linear`` run the linears and its
+``DotProductAttention`` (cuDNN's fused kernel on the H100) the core; Megatron keeps its own
+fused bias-GeLU and bias-dropout-add.  What that changes, term by term, is ``TE_SOURCES``
+(each with its source); what it leaves is listed there too.
+
 Every op carries its FLOPs and bytes (by dtype), its op class and launches, and is
 priced with ``cost.compute_time``; collectives with ``cost.price`` on the TP group.
 FLOPs of GEMMs are exact (2 M N K); FLOPs of memory-bound kernels are approximate
@@ -57,10 +64,68 @@ from . import fp8 as _fp8
 from . import llama_layer as _llama
 from . import tp_overlap as _tpo
 
-__all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE"]
+__all__ = ["OpCost", "LayerTimes", "layer_ops", "layer_times", "RECOMPUTE", "TE_SOURCES",
+           "TE_ASSUMPTION"]
 
 RECOMPUTE = ("none", "selective", "full", "op")   # "op": Llama only (llama_layer)
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+# What Megatron-LM's GPT layer runs with Transformer Engine, read at NVIDIA/Megatron-LM
+# f2e5db402c (2024-07-15, the H100 README rows) and NVIDIA/TransformerEngine v1.8 (the
+# NGC 24.07 container's; the run's TE release is not stated: ASSUMED); "MG" =
+# megatron/core/..., "TE" = transformer_engine/... .
+# term -> (what the layer prices, source)
+TE_SOURCES = {
+    "spec": ("Megatron's TE spec: linear_qkv and linear_fc1 are "
+             "TELayerNormColumnParallelLinear, linear_proj / linear_fc2 "
+             "TERowParallelLinear, the core TEDotProductAttention",
+             "MG training/arguments.py:668 (--transformer-impl default "
+             "'transformer_engine'); pretrain_gpt.py:52-76; MG models/gpt/"
+             "gpt_layer_specs.py:46-70, 111-120"),
+    "qkv_bias": ("no qkv_bias_add kernel: the bias is read by the QKV GEMM (e h / t * 3 "
+                 "bytes more) and its gradient written by the weight-gradient GEMM (fp32 "
+                 "main_grad's dtype), no qkv_bias_grad reduction",
+                 "MG transformer/attention.py:379-390 (linear_qkv skip_bias_add=False, so "
+                 "te_return_bias False: custom_layers/transformer_engine.py:219, 271); TE "
+                 "pytorch/module/layernorm_linear.py:268-276 (tex.gemm bias=, use_bias=), "
+                 ":636-647 (wgrad GEMM grad=True, use_bias=ctx.use_bias -> grad_bias), "
+                 "cpp_extensions/gemm.py:213-216 (grad_bias in out's dtype), "
+                 "common/gemm/cublaslt_gemm.cu:188-192 (CUBLASLT_EPILOGUE_BGRADB / BIAS); "
+                 "FP8: base.py:705 fp8_cast_transpose_bgrad_fused (the bias gradient "
+                 "inside the output gradient's cast); the epilogue's own time beyond its "
+                 "bytes ASSUMED nil (no measurement)"),
+    "qkv_layout": ("q, k, v copied to contiguous bshd (three copies, 2 e T 3h/t bytes) "
+                   "before the fused kernel and its output returned as a transpose view; "
+                   "dQ, dK, dV come back as three tensors and are still concatenated "
+                   "(qkv_split_grad); the context copied to contiguous (forward: "
+                   "linear_proj's input; backward: the output gradient) only where b > 1",
+                   "MG custom_layers/transformer_engine.py:503-516, 552-555 (with "
+                   "config.apply_rope_fusion, on by default: arguments.py:1131-1133, "
+                   "--no-rope-fusion not given ASSUMED; whatever the position embedding); "
+                   "TE pytorch/attention.py:2262-2364 (_get_qkv_layout: bshd_bshd_bshd), "
+                   "csrc/extensions/attention.cu:887-985 (separate dQ, dK, dV), "
+                   "attention.py:1919-2027 (_SplitAlongDim.backward: torch.cat unless "
+                   "views of one buffer), :3719 (d_out.contiguous()), "
+                   "module/base.py:564-607 (prepare_forward: inp.contiguous()); TE 1.8 "
+                   "picks cuDNN's fused attention on sm90: attention.py:5158-5170"),
+    "layernorm": ("unchanged: TE's layernorm_fwd writes ln_out (saved for the wgrad, "
+                  "all-gathered with sp), layernorm_bwd reads it back: the same bytes as "
+                  "apex's kernels, at the rate the profile measured for LayerNorm (TE's "
+                  "own kernel not measured: ASSUMED alike)",
+                  "TE pytorch/module/layernorm_linear.py:122-140, 673-682"),
+    "bias_gelu": ("unchanged: fc1's bias is returned (skip_bias_add=True) and added with "
+                  "the GeLU by Megatron's fused bias_gelu_impl; its gradient summed by "
+                  "autograd (no TE epilogue, no GELU_AUX)",
+                  "MG transformer/mlp.py:67-75, 98-106"),
+    "bias_dropout_add": ("unchanged: proj's and fc2's biases returned (skip_bias_add=True) "
+                         "to Megatron's fused bias-dropout-add",
+                         "MG transformer/attention.py:106-114; mlp.py:82-90; "
+                         "gpt_layer_specs.py:67-69 (get_bias_dropout_add)"),
+}
+TE_ASSUMPTION = ("Megatron-LM's layer with Transformer Engine (layer_cost.TE_SOURCES): QKV "
+                 "bias in its GEMMs' epilogues, q, k, v copied to bshd for the fused "
+                 "attention (--no-rope-fusion not given ASSUMED); TE v1.8 ASSUMED (release "
+                 "not stated); TE's LayerNorm at the measured LayerNorm rate ASSUMED")
 
 
 @dataclass(frozen=True)
@@ -123,17 +188,23 @@ def _flash(b, ah, s, d, e):
         c.saved_bytes_fused
 
 
-def _attention(b, ah, s, d, t, T, h, e, attention):
+def _attention(b, ah, s, d, t, T, h, e, attention, te=False):
+    """The attention core's forward kernels (what selective recompute re-runs).  ``te``:
+    Megatron-LM's ``TEDotProductAttention`` (``TE_SOURCES``): the three ``transpose(0, 1)
+    .contiguous()`` copies of q, k, v into bshd before TE's fused (cuDNN) kernel, whose
+    output goes back as a ``transpose`` view (no permute here: :func:`_forward`)."""
     if attention == "materialized":
         return _core(b, ah, s, d, t, T, h, e)
     ff, fb, _, _ = _flash(b, ah, s, d, e)
     # Megatron's GPT layer: attention dropout (0.1 by default) inside the fused kernel
-    return [("flash_attention", "attention", ff, fb, 1,
-             _cost.AttentionShape(b * ah, s, d, True, False, True)),
-            ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
+    fa = ("flash_attention", "attention", ff, fb, 1,
+          _cost.AttentionShape(b * ah, s, d, True, False, True))
+    if te:   # q, k, v: each T x h / t read (strided) and written
+        return [("qkv_transpose", "data_movement", 0, 2 * e * T * 3 * h // t, 3), fa]
+    return [fa, ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
-def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False):
+def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False, te=False):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
     kernel][, gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
     and ``gemm`` a matmul's output (batch, rows, columns) for tile and wave
@@ -142,7 +213,9 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False)
     (``models.gpt.GPTAttention``: ``wq``, ``wk``, ``wv``), where Megatron-LM runs one
     fused [h, 3h / t] GEMM; the same FLOPs, but a narrower product runs at a lower rate
     where the profile measured GEMMs by shape (the H100: 3.1x the fused GEMM's time at
-    h = 1024, s b = 1024)."""
+    h = 1024, s b = 1024).  ``te``: the layer as Megatron-LM runs it with Transformer
+    Engine (``TE_SOURCES``): the QKV bias in its GEMM's epilogue, the attention core as
+    :func:`_attention` says, the context copied to contiguous only where b > 1."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
 
@@ -164,10 +237,16 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False)
         ops.append(("sp_all_gather_1", *comm_in))
     if split_qkv:       # nn.Linear's bias in its GEMM's epilogue (addmm): no kernel of its own
         ops += [gemm(x + "_gemm", T, h, hq // 3) for x in "qkv"]
+    elif te:            # cuBLASLt's BIAS epilogue: the GEMM reads the bias, no kernel
+        n, c, fl, nb, la, sh = gemm("qkv_gemm", T, h, hq)
+        ops.append((n, c, fl, nb + e * hq, la, sh))
     else:
         ops += [gemm("qkv_gemm", T, h, hq),
                 ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
-    ops += _attention(b, ah, s, d, t, T, h, e, attention)
+    ops += _attention(b, ah, s, d, t, T, h, e, attention, te)
+    if te and b > 1:    # linear_proj's prepare_forward: inp.contiguous() of the transposed
+        # [s, b, h / t] context (a view, already contiguous where b = 1)
+        ops.append(("context_permute", "data_movement", 0, 2 * e * T * h // t, 1))
     ops += [gemm("proj_gemm", T, h // t, h), ("tp_out_1", *comm_out), bda("bias_dropout_add_1"),
             ln("layernorm_2")]
     if comm_in:
@@ -195,7 +274,8 @@ def _core(b, ah, s, d, t, T, h, e):
 
 
 def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
-              async_allreduce=True, main_grad=True, split_qkv=False, regather=True):
+              async_allreduce=True, main_grad=True, split_qkv=False, regather=True,
+              te=False):
     """Backward kernels and collectives in execution order; a collective tuple's
     sixth field names the GEMM it overlaps ("" = on the critical path: the input
     gradient's all-reduce without ``async_allreduce``, module docstring).
@@ -205,7 +285,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     backward last-created first (v, k, q), each its dgrad then its wgrad, and the input
     gradient's collective waits for all three dgrads (beside q's wgrad).  ``regather``:
     with ``sp``, the column-parallel inputs all-gathered again in backward (Megatron-LM;
-    False: DTensor keeps the gathered input, no re-gather: ``llama_layer.backward_ops``)."""
+    False: DTensor keeps the gathered input, no re-gather: ``llama_layer.backward_ops``).
+    ``te``: :func:`_forward`'s; the QKV bias gradient out of the weight-gradient GEMM's
+    epilogue (written in the weight gradient's dtype), the output gradient copied to
+    contiguous only where b > 1, dQ, dK, dV still concatenated (``TE_SOURCES``)."""
     g = 8 if main_grad else e
     T, Tn = s * b, (s * b // t if sp else s * b)
     ah, d, hq = a // t, h // a, 3 * h // t
@@ -234,8 +317,9 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     # the fused QKV's gradient: dQ, dK, dV concatenated, then its bias's sum; split
     # (this library's GPT), each linear's bias gradient is summed by its wgrad
     qkv_grads = [] if split_qkv else [
-        ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1),   # cat of dQ, dK, dV
-        ("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1)]
+        ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1)]   # cat of dQ, dK, dV
+    if not split_qkv and not te:     # TE: cuBLASLt's BGRADB epilogue of the wgrad GEMM
+        qkv_grads.append(("qkv_bias_grad", "reduction", T * hq, e * T * hq, 1))
 
     def column(n, N, dgrad_name, wgrad_name):
         comm = [("sp_regather_" + n, *ag, dgrad_name)] if sp and regather else []
@@ -246,7 +330,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
                     for c in comm]
             return comm, [g for x in "vkq" for g in (dgrad(x + "_dgrad", T, h, N // 3),
                                                      wgrad(x + "_wgrad", T, h, N // 3))]
-        return comm, [dgrad(dgrad_name, T, h, N), wgrad(wgrad_name, T, h, N)]
+        w = wgrad(wgrad_name, T, h, N)
+        if n == "qkv" and te:            # + the bias gradient the epilogue writes
+            w = w[:3] + (w[3] + (4 if main_grad else e) * N,) + w[4:]
+        return comm, [dgrad(dgrad_name, T, h, N), w]
 
     ops = bda("bias_dropout_add_2") + out_grad
     ops += [dgrad("fc2_dgrad", T, f // t, h), wgrad("fc2_wgrad", T, f // t, h)]
@@ -257,11 +344,12 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     ops += [dgrad("proj_dgrad", T, h // t, h), wgrad("proj_wgrad", T, h // t, h)]
     if recompute == "selective":
         ops += [("recompute:" + o[0],) + o[1:]
-                for o in _attention(b, ah, s, d, t, T, h, e, attention)]
+                for o in _attention(b, ah, s, d, t, T, h, e, attention, te)]
     if attention == "flash":
         _, _, bf, bb = _flash(b, ah, s, d, e)
-        ops += [("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1),
-                ("flash_attention_grad", "attention", bf, bb, 1,
+        ops += [] if te and b == 1 else [
+            ("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1)]
+        ops += [("flash_attention_grad", "attention", bf, bb, 1,
                  _cost.AttentionShape(b * ah, s, d, True, True, True))] + qkv_grads
         comm, gemms = column("qkv", hq, "qkv_dgrad", "qkv_wgrad")
         return ops + gemms + comm + ln("layernorm_1")
@@ -287,7 +375,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
               tp_comm_overlap: bool = False, async_allreduce: bool = True,
               main_grad: bool = True, early_stop: bool = False,
-              split_qkv: bool = False, regather: bool = True) -> list:
+              split_qkv: bool = False, regather: bool = True,
+              transformer_engine: bool = False) -> list:
     """Every op of one layer on one TP rank, priced: a list of ``OpCost``.
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
@@ -307,7 +396,18 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     layer's query, key and value projections as three GEMMs, as this library's GPT runs
     them (``_forward``; a Llama block's are apart already).  ``regather=False``: with
     ``sp``, no all-gather of the column-parallel inputs in backward, as PyTorch DTensor's
-    sequence parallelism runs (torchtitan; ``llama_layer.backward_ops``)."""
+    sequence parallelism runs (torchtitan; ``llama_layer.backward_ops``).
+    ``transformer_engine``: the GPT layer as Megatron-LM's Transformer Engine spec runs it
+    (``TE_SOURCES``: fused attention, Megatron's own fused kernels around TE's linears)."""
+    if not isinstance(transformer_engine, bool):
+        raise ValueError(f"layer_times: transformer_engine={transformer_engine!r} must be "
+                         f"True or False")
+    if transformer_engine and (kv_heads is not None or attention != "flash" or split_qkv):
+        raise ValueError(f"layer_times: transformer_engine=True prices Megatron-LM's GPT "
+                         f"layer with Transformer Engine's fused attention (TE_SOURCES); "
+                         f"got kv_heads={kv_heads!r}, attention={attention!r}, "
+                         f"split_qkv={split_qkv!r}: give kv_heads=None, attention='flash', "
+                         f"split_qkv=False, or transformer_engine=False")
     if not isinstance(async_allreduce, bool):
         raise ValueError(f"layer_times: async_allreduce={async_allreduce!r} must be True or "
                          f"False")
@@ -345,14 +445,14 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                         ranks, attention, bool(fp8), kv_heads, bool(dropout),
                         bool(tp_comm_overlap), async_allreduce, bool(main_grad),
                         bool(early_stop), bool(split_qkv) and kv_heads is None,
-                        bool(regather)))
+                        bool(regather), transformer_engine))
 
 
 @lru_cache(maxsize=4096)
 def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
             fp8=False, kv_heads=None, dropout=False, tp_comm_overlap=False,
             async_allreduce=True, main_grad=True, early_stop=False,
-            split_qkv=False, regather=True) -> tuple:
+            split_qkv=False, regather=True, te=False) -> tuple:
     e = _ITEMSIZE[dt]
     if recompute == "op" and kv_heads is None:
         raise ValueError("layer_times: recompute='op' (torchtitan's op-level selective "
@@ -363,9 +463,9 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
                                   async_allreduce, main_grad, regather)
     else:
-        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv)
+        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv, te)
         bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce,
-                        main_grad, split_qkv, regather)
+                        main_grad, split_qkv, regather, te)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -423,7 +523,7 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 dropout: bool = False, tp_comm_overlap: bool = False,
                 async_allreduce: bool = True, main_grad: bool = True,
                 early_stop: bool = False, split_qkv: bool = False,
-                regather: bool = True) -> LayerTimes:
+                regather: bool = True, transformer_engine: bool = False) -> LayerTimes:
     """Forward, backward (recompute included) and combined seconds of one GPT layer
     with hidden size h, a heads, sequence s, micro-batch b on tp tensor-parallel
     ranks (``tp_ranks``: their global ranks, default 0..tp-1), sequence parallel
@@ -431,10 +531,11 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     Priced ops are cached per (shape, layout, dtype, profile): a planner may call
     this for thousands of layouts.  ``kv_heads`` (and ``dropout``): a Llama block
     (``layer_ops``); ``tp_comm_overlap``: ``plan.tp_overlap``; ``async_allreduce=False``:
-    Megatron-LM of 2021 (``layer_ops``)."""
+    Megatron-LM of 2021 (``layer_ops``); ``transformer_engine``: Megatron-LM's Transformer
+    Engine spec (``TE_SOURCES``)."""
     ops = layer_ops(h, a, s, b, tp, sp, recompute, ffn, dtype, profile, tp_ranks, attention,
                     fp8, kv_heads, dropout, tp_comm_overlap, async_allreduce, main_grad,
-                    early_stop, split_qkv, regather)
+                    early_stop, split_qkv, regather, transformer_engine)
     fwd = sum(o.exposed for o in ops if o.phase == "forward")
     bwd = sum(o.exposed for o in ops if o.phase != "forward")
     return LayerTimes(fwd, bwd, fwd + bwd,
