@@ -94,6 +94,15 @@ def check_layout(model, lay) -> None:
                              f"{moe.d_ff} (experts are tensor-parallel as the dense MLP); "
                              f"choose another tp")
     X.check_cp(model, lay.cp)
+    if lay.engine == "workbench" and lay.cp > 1 and lay.dp > 1 and lay.zero >= 1:
+        # the runtime (recipes/context_parallel.py) shards ZeRO over dp alone and sums the
+        # cp replicas' gradients per use; the planner shards over dp x cp (Megatron-Core's
+        # distributed optimizer): measured 2x the optimizer states, 1.34x the step
+        raise ValueError(f"Layout: framework='workbench' with dp={lay.dp}, cp={lay.cp}, "
+                         f"zero={lay.zero} is not priced: this library's ContextParallel "
+                         f"shards the optimizer states over dp alone (ZeRO over dp x cp is "
+                         f"not built), the planner over dp x cp; use zero=0, dp=1 (ZeRO over "
+                         f"cp), or framework='megatron'")
     if lay.cp > 1 and (model.seq_len // lay.cp * lay.micro_batch) % lay.tp and lay.sp:
         raise ValueError(f"Layout: sp=True splits the s / cp x b = "
                          f"{model.seq_len // lay.cp * lay.micro_batch} tokens of a rank over "
