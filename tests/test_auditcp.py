@@ -173,3 +173,18 @@ def test_bad_arguments_of_the_ring_name_the_fix():
         cp.ring_attention(q, q, q, "cp", causal=1)
     with pytest.raises(ValueError, match="does not divide by 4"):          # odd S refused
         cp.to_ring_layout(wb.shard_tensor(torch.randn(1, 6, 4), mesh, [wb.Replicate()]), "cp")
+
+
+@pytest.mark.parametrize("names,B,H,Hkv,grad", [(["dp", "cp"], 3, 2, 2, True),
+                                                (["dp", "cp"], 3, 2, 2, False),
+                                                (["cp", "tp"], 1, 3, 3, True)])
+def test_uneven_batch_or_head_shards_are_refused_with_the_fix(names, B, H, Hkv, grad):
+    """Was, with gradients on: RuntimeError 'stack expects each tensor to be equal size'
+    (a batch of 3 over dp=2, 3 heads over tp=2), naming neither the tensor nor the fix."""
+    mesh = wb.Mesh.grid((2, 2), names)
+    g = torch.Generator().manual_seed(0)
+    d = [wb.shard_tensor(cp.ring_order(torch.randn(B, h, 8, 4, generator=g), 2, 2), mesh,
+                         _layout(mesh)).requires_grad_(grad) for h in (H, Hkv, Hkv)]
+    with pytest.raises(ValueError, match=r"q \(shape .*does not divide by 2: the ring needs "
+                                         r"even shards"):
+        cp.ring_attention(*d, "cp")

@@ -104,10 +104,27 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
         return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
     if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
                                               for t in (q, k, v)):
+        _check_even(q, k, v)
         return forward(q, k, v)[0]
     q, k, v, expand = _aligned(q, k, v, axis)
+    _check_even(q, k, v)
     return ring_attention_function(forward, q, k, v, axis=axis, ring=p, causal=causal,
                                    balanced=balanced, scale=scale, label=label, expand=expand)
+
+
+def _check_even(*ts):
+    """Every sharded dim of q, k, v divides by its mesh dim: the ring moves one block per
+    rank, all of one shape (uneven batch or heads shards are refused with the fix)."""
+    for name, t in zip("qkv", ts):
+        for a, pl in enumerate(t.placements):
+            n = t.mesh.shape[a]
+            if pl.is_shard() and t.shape[pl.dim] % n:
+                raise ValueError(
+                    f"ring_attention: {name} (shape {tuple(t.shape)}) is {pl} on mesh dim "
+                    f"{t.mesh.dim_names[a]!r} of {n} ranks, and its dim {pl.dim} "
+                    f"({t.shape[pl.dim]}) does not divide by {n}: the ring needs even shards; "
+                    f"use a batch (dp) or a head count (tp) that is a multiple of {n}, or "
+                    f"replicate that dim")
 
 
 def _ring_forward(q, k, v, axis, p, causal, balanced, scale, label):
