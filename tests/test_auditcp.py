@@ -16,6 +16,7 @@ import workbench as wb
 from workbench.models.config import get_config
 from workbench.parallel.strategies import context_parallel as cp
 from workbench.parallel.ops_table.ring_attention import slot_chunks
+from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
 from workbench.plan import Cluster, Layout, dry_run, estimate
 
 F64 = torch.float64
@@ -156,7 +157,8 @@ def test_a_slot_outside_the_ring_is_refused(call, match):
 def test_bad_arguments_of_the_ring_name_the_fix():
     """Was: context_parallel(balanced=1) accepted (an error only at the first attention,
     naming ring_attention_step); to_ring_layout(dim=5) an IndexError ('tuple index out of
-    range'); ring_attention(scale='a') float()'s message, naming no argument."""
+    range'); ring_attention(scale='a') float()'s message, naming no argument;
+    ring_schedule(causal='no') and cp_vs_sp(causal='no') priced the causal ring."""
     mesh = wb.Mesh.grid(2, ["cp"])
     with pytest.raises(TypeError, match=r"context_parallel\(balanced=1\)"):
         cp.context_parallel(mesh, "cp", balanced=1)
@@ -171,6 +173,10 @@ def test_bad_arguments_of_the_ring_name_the_fix():
         cp.ring_attention(q, q, q, "cp", scale="a")
     with pytest.raises(TypeError, match=r"causal=1"):
         cp.ring_attention(q, q, q, "cp", causal=1)
+    with pytest.raises(TypeError, match=r"ring_schedule: causal='no'"):     # was: causal
+        cp.ring_schedule(4, causal="no")
+    with pytest.raises(TypeError, match=r"cp_vs_sp: causal='no'"):         # was: causal
+        cp_vs_sp(4096, 4096, 2, causal="no")
     with pytest.raises(ValueError, match="does not divide by 4"):          # odd S refused
         cp.to_ring_layout(wb.shard_tensor(torch.randn(1, 6, 4), mesh, [wb.Replicate()]), "cp")
 

@@ -349,6 +349,9 @@ def ring_schedule(p: int, *, causal: bool = True, balanced: bool = True) -> list
     fraction of a whole block it computes (``work``)."""
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"ring_schedule: p={p!r}; give the number of cp ranks, an int >= 1")
+    for name, b in (("causal", causal), ("balanced", balanced)):
+        if not isinstance(b, bool):
+            raise TypeError(f"ring_schedule: {name}={b!r}; give True or False")
     rows = []
     for t in range(p):
         for i in range(p):

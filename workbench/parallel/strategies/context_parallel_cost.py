@@ -70,6 +70,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     effective rate the ring's sends are priced at, ``cost.send_link``)."""
     for name, v in (("S", S), ("h", h), ("p", p), ("n_head", n_head), ("batch", batch)):
         _positive(name, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"cp_vs_sp: causal={causal!r}; give True or False")
     kv = n_head if n_kv_head is None else n_kv_head
     _positive("n_kv_head", kv)
     if n_head % kv or h % n_head:
