@@ -120,16 +120,20 @@ def test_the_planner_refuses_to_price_workbench_zero_over_dp_with_cp():
     """Was: estimate(framework='workbench') of dp=2, cp=2, zero=1 sharded the optimizer
     states over dp x cp (Megatron-Core's distributed optimizer) while the runtime it prices
     (ContextParallel) shards them over dp alone: the dry run measured 2.0x the optimizer
-    states and 1.34x the step, silently. Now refused with the fix (estimate and dry run),
-    skipped by search; Megatron's own layout is still priced."""
+    states and 1.34x the step, silently. Now estimate and stage_memory refuse it with the
+    fix and search skips it; the dry run still measures the runtime as it is, and
+    Megatron's own layout is still priced."""
+    from workbench.plan.memory import stage_memory
     lay = Layout(dp=2, cp=2, zero=1, global_batch=4)
     cl = Cluster("a100", 4)
-    for call in (lambda: estimate(CFG, lay.replace(framework="workbench"), cl,
-                                  attention="flash"),
-                 lambda: dry_run(CFG, lay, cl)):
+    own = lay.replace(framework="workbench")
+    for call in (lambda: estimate(CFG, own, cl, attention="flash"),
+                 lambda: stage_memory(CFG, own, 0, "flash")):
         with pytest.raises(ValueError, match=r"dp=2, cp=2, zero=1 is not priced.*use zero=0"):
             call()
-    assert estimate(CFG, lay, cl, attention="flash").step_time > 0      # Megatron: dp x cp
+    mega = estimate(CFG, lay, cl, attention="flash")                      # dp x cp = 4 ways
+    dr = dry_run(CFG, lay, cl)                                           # dp alone: 2 ways
+    assert dr.memory["optimizer"] == pytest.approx(2 * mega.memory["optimizer"], rel=1e-6)
     from workbench.plan.ep_cp_search import candidates
     from workbench.plan.search import candidate_layouts
 
@@ -194,3 +198,17 @@ def test_uneven_batch_or_head_shards_are_refused_with_the_fix(names, B, H, Hkv, 
     with pytest.raises(ValueError, match=r"q \(shape .*does not divide by 2: the ring needs "
                                          r"even shards"):
         cp.ring_attention(*d, "cp")
+
+
+def test_the_dry_run_of_cp_with_sequence_parallelism_runs_sp():
+    """Was: dry_run(Layout(cp=2, tp=2, sp=True)) built ContextParallel without sp (its
+    check read sp=True as 1, "not refused", and the recipe was not given it): the trace had
+    no reduce-scatter and 1.103x the estimate's activations. Now the recipe runs SP inside
+    each cp rank (Megatron-LM's layout): activations 1.003x, step 1.053x (measured)."""
+    lay = Layout(cp=2, tp=2, sp=True, global_batch=1)
+    cl = Cluster("a100", 4)
+    dr = dry_run(CFG, lay, cl)
+    est = estimate(CFG, lay.replace(framework="workbench"), cl, attention="flash")
+    assert "reduce_scatter" in {e.name for e in dr.trace.events}
+    assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.05)
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
