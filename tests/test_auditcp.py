@@ -162,7 +162,8 @@ def test_bad_arguments_of_the_ring_name_the_fix():
     """Was: context_parallel(balanced=1) accepted (an error only at the first attention,
     naming ring_attention_step); to_ring_layout(dim=5) an IndexError ('tuple index out of
     range'); ring_attention(scale='a') float()'s message, naming no argument;
-    ring_schedule(causal='no') and cp_vs_sp(causal='no') priced the causal ring."""
+    ring_schedule(causal='no') and cp_vs_sp(causal='no') priced the causal ring;
+    flash_attention(tile_stats=...) under context_parallel left the stats empty."""
     mesh = wb.Mesh.grid(2, ["cp"])
     with pytest.raises(TypeError, match=r"context_parallel\(balanced=1\)"):
         cp.context_parallel(mesh, "cp", balanced=1)
@@ -177,6 +178,10 @@ def test_bad_arguments_of_the_ring_name_the_fix():
         cp.ring_attention(q, q, q, "cp", scale="a")
     with pytest.raises(TypeError, match=r"causal=1"):
         cp.ring_attention(q, q, q, "cp", causal=1)
+    from workbench.ops.flash_reference import TileStats
+    stats = TileStats()
+    with cp.context_parallel(mesh, "cp"), pytest.raises(ValueError, match="tile_stats"):
+        wb.ops.flash_attention(q, q, q, causal=True, tile_stats=stats)    # was: left empty
     with pytest.raises(TypeError, match=r"ring_schedule: causal='no'"):     # was: causal
         cp.ring_schedule(4, causal="no")
     with pytest.raises(TypeError, match=r"cp_vs_sp: causal='no'"):         # was: causal

@@ -319,6 +319,10 @@ class context_parallel(TorchFunctionMode):
                              "use cp=1")
         if a.get("return_lse"):
             raise NotImplementedError(f"{where}: return_lse=True under context parallelism")
+        if a.get("tile_stats") is not None:        # the ring runs its own kernels
+            raise ValueError(f"{where}: tile_stats counts the reference kernel's tiles of one "
+                             "call; the ring runs one kernel per step and chunk, which it "
+                             "does not fill. Fix: count tiles outside context_parallel (cp=1)")
         if sdpa and not a.get("enable_gqa", False) and q.shape[1] != k.shape[1]:
             raise ValueError(f"{where}: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
                              "enable_gqa=True for grouped-query attention")
