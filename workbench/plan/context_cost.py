@@ -2,15 +2,17 @@
 
 With ``cp`` context-parallel ranks the sequence of s tokens is split in 2 cp chunks and
 rank i holds chunks i and 2 cp - 1 - i (the causal load balancing of Megatron-Core's
-context parallelism, ``megatron/core/transformer/dot_product_attention`` with
-Transformer Engine's ``attn_forward_func_with_cp``; Brandon et al. 2023 show the
-imbalance it removes): s_l = s / cp tokens per rank.  Everything but attention is
-token-wise, so on a rank it is the model at sequence s_l: its GEMMs, norms, collectives
-and activations (``token_cfg``; K and V of the other ranks are not kept: backward sends
-them round again).  Attention is ring attention (Liu et al. 2023, "Ring Attention with
-Blockwise Transformers"): in cp steps each rank attends its queries to one K/V block
-while it passes that block to its neighbour and receives the next, and merges the
-partial outputs by their log-sum-exp (``flash_attention(return_lse=True)``):
+context parallelism, ``megatron/core/transformer/dot_product_attention`` with Transformer
+Engine's ``attn_forward_func_with_cp``, NVIDIA/TransformerEngine d0067d0d
+``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``:4924;
+Brandon et al. 2023 show the imbalance it removes): s_l = s / cp tokens per rank.
+Everything but attention is token-wise, so on a rank it is the model at sequence s_l: its
+GEMMs, norms, collectives and activations (``token_cfg``; K and V of the other ranks are
+not kept: backward sends them round again).  Attention is ring attention (Liu et al.
+2023, "Ring Attention with Blockwise Transformers"): in cp steps each rank attends its
+queries to one K/V block while it passes that block to its neighbour and receives the
+next, and merges the partial outputs by their log-sum-exp
+(``flash_attention(return_lse=True)``):
 
 - step 0, its own block: causal, s_l (s_l + 1) / 2 query-key pairs per head (the fused
   kernel at s_l, already in the layer's ops);

@@ -35,8 +35,8 @@ from . import costs as C
 from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
-__all__ = ["check_fields", "check_layout", "check_estimate", "applies", "token_cfg",
-           "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
+__all__ = ["check_fields", "check_layout", "check_estimate", "check_priced", "applies",
+           "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
 
@@ -100,9 +100,26 @@ def check_layout(model, lay) -> None:
                          f"tp={lay.tp}; it must divide")
 
 
+def check_priced(lay) -> None:
+    """What the planner does not price of this library's own runtime under cp (estimate,
+    stage memory; the dry run still measures it): the runtime (``recipes/context_parallel.py``)
+    shards ZeRO over dp alone with dp > 1 and sums the cp replicas' gradients per use, the
+    planner over dp x cp (Megatron-Core's distributed optimizer). Measured on
+    tests/test_dryrun_ep_cp.py's model at dp 2, cp 2, zero 1: 2.0x the optimizer states,
+    1.34x the step."""
+    if lay.engine == "workbench" and lay.cp > 1 and lay.dp > 1 and lay.zero >= 1:
+        raise ValueError(f"Layout: framework='workbench' with dp={lay.dp}, cp={lay.cp}, "
+                         f"zero={lay.zero} is not priced: this library's ContextParallel "
+                         f"shards the optimizer states over dp alone (ZeRO over dp x cp is "
+                         f"not built), the planner over dp x cp; use zero=0, dp=1 (ZeRO over "
+                         f"cp), or framework='megatron' (wb.plan.dry_run measures the "
+                         f"runtime as it is)")
+
+
 def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
     """What ``estimate`` refuses of ep and cp (module docstring)."""
     X.check_cp(model, lay.cp, attention)
+    check_priced(lay)
     if M.moe_of(model) is not None:
         if fp8:
             raise ValueError("fp8=True with a MoE model is not modeled; use fp8=False")

@@ -39,6 +39,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                 continue
             if cp > 1 and lay.sp and (s // cp * lay.micro_batch) % lay.tp:
                 continue
+            if cp > 1 and lay.dp > 1 and lay.zero >= 1 and lay.engine == "workbench":
+                continue            # refused by estimate (plan.ep_cp.check_layout)
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
             for ep in eps:

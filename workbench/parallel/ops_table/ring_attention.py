@@ -74,6 +74,9 @@ def check_ring(S: int, ring: int, balanced: bool, where: str = _OP) -> None:
 
 def slot_chunks(i: int, ring: int, balanced: bool = True) -> tuple[int, ...]:
     """The chunks slot (rank) ``i`` holds: (i, 2 ring - 1 - i) balanced, else (i,)."""
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < ring:
+        raise ValueError(f"slot_chunks: i={i!r}; give a slot (rank) of the ring of {ring!r}, "
+                         f"an int in [0, ring - 1]")
     return (i, 2 * ring - 1 - i) if balanced else (i,)
 
 
@@ -81,6 +84,9 @@ def slot_positions(S: int, ring: int, balanced: bool = True, i: int | None = Non
     """Original token positions of slot ``i`` (all slots in order when ``i`` is None: the
     permutation that lays a sequence out on the ring, ``x[:, slot_positions(S, p)]``)."""
     check_ring(S, ring, balanced, "slot_positions")
+    if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < ring):
+        raise ValueError(f"slot_positions: i={i!r}; give a slot (rank) of the ring, an int in "
+                         f"[0, {ring - 1}], or None for every slot")
     c = S // (2 * ring if balanced else ring)
     slots = range(ring) if i is None else (i,)
     return torch.cat([torch.arange(ch * c, (ch + 1) * c) for s in slots

@@ -90,6 +90,12 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
     Its backward is the ring's (``context_parallel_backward.py``): each block's backward
     against the merged output and log-sum-exp, dK/dV passed round with K/V."""
     mesh, axis = _check_inputs(q, k, v, mesh_dim, "ring_attention")
+    for name, b in (("causal", causal), ("balanced", balanced)):
+        if not isinstance(b, bool):
+            raise TypeError(f"ring_attention: {name}={b!r}; give True or False")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"ring_attention: scale={scale!r}; give a float (the scores' factor, "
+                        "1/sqrt(head_dim) when None) or None")
     p = mesh.shape[axis]
     check_ring(q.shape[2], p, balanced, "ring_attention")
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
@@ -98,10 +104,27 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
         return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
     if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
                                               for t in (q, k, v)):
+        _check_even(q, k, v)
         return forward(q, k, v)[0]
     q, k, v, expand = _aligned(q, k, v, axis)
+    _check_even(q, k, v)
     return ring_attention_function(forward, q, k, v, axis=axis, ring=p, causal=causal,
                                    balanced=balanced, scale=scale, label=label, expand=expand)
+
+
+def _check_even(*ts):
+    """Every sharded dim of q, k, v divides by its mesh dim: the ring moves one block per
+    rank, all of one shape (uneven batch or heads shards are refused with the fix)."""
+    for name, t in zip("qkv", ts):
+        for a, pl in enumerate(t.placements):
+            n = t.mesh.shape[a]
+            if pl.is_shard() and t.shape[pl.dim] % n:
+                raise ValueError(
+                    f"ring_attention: {name} (shape {tuple(t.shape)}) is {pl} on mesh dim "
+                    f"{t.mesh.dim_names[a]!r} of {n} ranks, and its dim {pl.dim} "
+                    f"({t.shape[pl.dim]}) does not divide by {n}: the ring needs even shards; "
+                    f"use a batch (dp) or a head count (tp) that is a multiple of {n}, or "
+                    f"replicate that dim")
 
 
 def _ring_forward(q, k, v, axis, p, causal, balanced, scale, label):
@@ -164,11 +187,21 @@ def ring_order(t: torch.Tensor, ring: int, dim: int = 1, balanced: bool = True) 
     return t.index_select(dim, slot_positions(t.shape[dim], ring, balanced).to(t.device))
 
 
+def _seq_dim(x, dim, where) -> int:
+    """``dim`` as a non-negative sequence dim of ``x``, or an error naming the range."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"{where}: dim={dim!r} on a {x.ndim}-d tensor (shape "
+                         f"{tuple(x.shape)}); give the sequence dim, an int in "
+                         f"[{-x.ndim}, {x.ndim - 1}]")
+    return dim % x.ndim
+
+
 def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = True):
     """``x`` (whole along sequence ``dim`` on ``mesh_dim``) in ring order, sharded over
     ``mesh_dim``: rank i then holds chunks i and 2p-1-i (``balanced``), or slot i."""
     axis = x.mesh.dim(mesh_dim)
     p = x.mesh.shape[axis]
+    dim = _seq_dim(x, dim, "to_ring_layout")
     if not x.placements[axis].is_replicate():
         raise ValueError(f"to_ring_layout: x is {x.placements[axis]} on mesh dim "
                          f"{x.mesh.dim_names[axis]!r}; give it whole (Replicate) there")
@@ -184,6 +217,7 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
     ``mesh_dim`` (an all-gather, then a local reordering)."""
     axis = x.mesh.dim(mesh_dim)
     p = x.mesh.shape[axis]
+    dim = _seq_dim(x, dim, "from_ring_layout")
     ps = list(x.placements)
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
@@ -202,6 +236,9 @@ class context_parallel(TorchFunctionMode):
     order, as one device does."""
 
     def __init__(self, mesh, mesh_dim="cp", *, balanced: bool = True):
+        if not isinstance(balanced, bool):
+            raise TypeError(f"context_parallel(balanced={balanced!r}): give True (rank i holds "
+                            "chunks i and 2cp-1-i) or False (contiguous slots)")
         super().__init__()
         self.mesh, self.axis, self.balanced = mesh, mesh.dim(mesh_dim), balanced
         self.name = mesh.dim_names[self.axis]
@@ -282,6 +319,10 @@ class context_parallel(TorchFunctionMode):
                              "use cp=1")
         if a.get("return_lse"):
             raise NotImplementedError(f"{where}: return_lse=True under context parallelism")
+        if a.get("tile_stats") is not None:        # the ring runs its own kernels
+            raise ValueError(f"{where}: tile_stats counts the reference kernel's tiles of one "
+                             "call; the ring runs one kernel per step and chunk, which it "
+                             "does not fill. Fix: count tiles outside context_parallel (cp=1)")
         if sdpa and not a.get("enable_gqa", False) and q.shape[1] != k.shape[1]:
             raise ValueError(f"{where}: q has {q.shape[1]} heads and k {k.shape[1]}; pass "
                              "enable_gqa=True for grouped-query attention")
@@ -312,6 +353,9 @@ def ring_schedule(p: int, *, causal: bool = True, balanced: bool = True) -> list
     fraction of a whole block it computes (``work``)."""
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise ValueError(f"ring_schedule: p={p!r}; give the number of cp ranks, an int >= 1")
+    for name, b in (("causal", causal), ("balanced", balanced)):
+        if not isinstance(b, bool):
+            raise TypeError(f"ring_schedule: {name}={b!r}; give True or False")
     rows = []
     for t in range(p):
         for i in range(p):

@@ -32,7 +32,10 @@ in float32 (p sends, back to the owner): ``step_bytes_per_rank`` = the forward's
 (p-1) blocks + (p-1) blocks + p float32 blocks (4p-2 blocks in 16 bits, 3p-2 in float32),
 what the simulator counts; TransformerEngine's ``AttnFuncWithCPAndKVP2P`` is counted as
 3x the forward (``step_bytes_per_rank_te``: K/V again and dK/dV in the input dtype, p-1
-sends each). Per layer CP sends
+sends each: NVIDIA/TransformerEngine d0067d0d,
+``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``:2397-2399,
+the backward's p2p buffers in kv's dtype, and :2487-2495, K/V alone at step 0, dK/dV alone
+at step p-1, both between, outside fp8). Per layer CP sends
 2 (p-1)/p b S h_kv e against SP's 4 (p-1)/p b S h e: never more, and hidden behind
 attention once S/p passes the threshold above.
 
@@ -70,6 +73,8 @@ def cp_vs_sp(S: int, h: int, p: int, profile="a100", *, n_head: int = 32,
     effective rate the ring's sends are priced at, ``cost.send_link``)."""
     for name, v in (("S", S), ("h", h), ("p", p), ("n_head", n_head), ("batch", batch)):
         _positive(name, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"cp_vs_sp: causal={causal!r}; give True or False")
     kv = n_head if n_kv_head is None else n_kv_head
     _positive("n_kv_head", kv)
     if n_head % kv or h % n_head:
