@@ -79,11 +79,17 @@ def test_gpipe_order_is_torch_pipelinings(p, m):
     assert _ours(gpipe(p, m)) == [_torch_rows(order[r], p) for r in range(p)]
 
 
-@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 7), (1, 3)])
-def test_1f1b_and_gpipe_hold_p_minus_stage_and_m_micro_batches(p, m):
-    # Narayanan et al. 2021 sec. 2.2.1: stage s of 1F1B holds at most p - s micro-batches
-    assert simulate(one_f_one_b(p, m)).peak_inflight == tuple(min(p - s, m) for s in range(p))
-    assert simulate(gpipe(p, m)).peak_inflight == (m,) * p
+@pytest.mark.parametrize("p,m,v", [(4, 8, 1), (4, 2, 1), (3, 7, 1), (1, 3, 1), (4, 8, 2),
+                                   (4, 4, 2), (2, 6, 3)])
+def test_planners_in_flight_is_the_simulated_peak_on_every_stage(p, m, v):
+    # the planner's activation memory (plan.memory.in_flight, micro-batches of a stage's
+    # layers) against what the schedule simulation counts (chunks of 1/v of them)
+    from workbench.plan.memory import in_flight
+    cases = [("gpipe", gpipe(p, m)), ("1f1b", one_f_one_b(p, m))] if v == 1 else \
+        [("interleaved_1f1b", interleaved_1f1b(p, m, v))]
+    for name, sched in cases:
+        peak = simulate(sched).peak_inflight
+        assert tuple(in_flight(name, p, m, v, s) * v for s in range(p)) == peak, name
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 2), (2, 4, 3), (4, 12, 2), (4, 4, 2), (3, 6, 3)])
@@ -207,3 +213,28 @@ def test_an_empty_stage_is_one_device():
         st = Hybrid(pp=2, microbatches=2, stage_sizes=sizes)
         assert float(st.forward_backward(st.build_model(cfg, 0), x, y)) == \
             pytest.approx(want, rel=1e-6)
+
+
+# ---- point-to-point messages of one pipelined step --------------------------------------------
+@pytest.mark.parametrize("kw,edges", [
+    (dict(pp=2), 1), (dict(pp=2, schedule="gpipe"), 1), (dict(pp=4, microbatches=4), 3),
+    (dict(pp=2, schedule="interleaved", microbatches=4), 3),    # p v - 1 stage edges
+    (dict(pp=2, schedule="zb-h1", microbatches=4), 1),          # W sends nothing
+    (dict(pp=2, schedule="zb-v", microbatches=4), 2),           # the V's turn is on one rank
+    (dict(pp=2, schedule="dualpipe", microbatches=4), 1),       # each copy m/2, p - 1 edges
+    (dict(pp=2, tp=2, microbatches=2), 1), (dict(pp=2, tp=2, sp=True, microbatches=2), 1)],
+    ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()) if isinstance(a, dict) else str(a))
+def test_p2p_messages_and_bytes_per_step(kw, edges):
+    # one activation and one gradient per micro-batch per cross-rank stage edge, on every
+    # tp rank; each (B / m) x seq x d_model float32 values (a 1/tp sequence shard with sp)
+    from workbench.sim_mesh.trace import trace
+    cfg = get_config("tiny").replace(n_layer=4, dropout=0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0)
+    with trace() as tr:
+        st.forward_backward(model, x, y)
+    sends = [e for e in tr.collectives() if e.name == "send_recv"]
+    assert len(sends) == 2 * st.m * edges * st.tp
+    want = (8 // st.m) * cfg.seq_len * cfg.d_model * 4 // (st.tp if st.sp else 1)
+    assert {e.bytes for e in sends} == {want}
