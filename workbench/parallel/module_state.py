@@ -201,6 +201,8 @@ class ParallelModule:
             super()._apply(fn, recurse)
         for v in _unique(held):                 # a tied weight: converted once
             _convert(v, fn)
+        for hook in self.__dict__.get("_wb_apply_hooks", ()):     # e.g. DualPipe's copy 1
+            hook(fn)
         return self
 
     # ---- requires_grad_: in place on each shard, its gradient kept (as torch) -----------

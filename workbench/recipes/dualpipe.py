@@ -76,6 +76,8 @@ def build_twin(h, model, cfg, seed: int) -> None:
     # model.zero_grad() clears copy 1's gradients too (module_state's hook), and
     # model.load_state_dict(...) loads copy 1 too (left as it was, the copies would differ)
     model.__dict__.setdefault("_wb_zero_grad_hooks", []).append(h._twin[1].zero_grad)
+    # model.to(dtype) / .double() / .half() converts copy 1 too (module_state's hook)
+    model.__dict__.setdefault("_wb_apply_hooks", []).append(h._twin[1]._apply)
     model.register_load_state_dict_post_hook(_load_twin(h._twin[1]))
     # and a load in place into model.state_dict() (wb.checkpoint.load) reaches copy 1 too
     model.register_state_dict_post_hook(_mark_twin(h._twin[1]))
@@ -129,6 +131,7 @@ def forward_backward(h, model, inputs, targets):
     i < m/2 enters at rank 0 (copy 0), the others at rank pp - 1 (copy 1)."""
     h.check(model.cfg, inputs.shape[0])
     _begin_backward(h)
+    _follow_copy0(h)
     twin, model1 = h._twin
     p, m = h.pp, h.m
     sched = S.dualpipe(p, m)
@@ -145,6 +148,35 @@ def forward_backward(h, model, inputs, targets):
     run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
                          params=params)
     return torch.tensor(run.loss)
+
+
+@torch.no_grad()
+def _follow_copy0(h) -> None:
+    """Copy 1 made equal to copy 0 (the model the user holds) before a step: an in-place
+    change of the model's parameters (``p.mul_(0.5)``, ``nn.init.*_``, ``p.requires_grad_(
+    False)``) reached copy 0 only, and the micro-batches fed from rank pp - 1 ran on the old
+    weights (a silently different loss).  The optimizer steps keep the copies equal, so
+    after the first step this compares and copies nothing."""
+    from ..sim_mesh.trace import suspend
+    twin, model1 = h._twin
+    with suspend():                     # a copy between the model's copies: no step traffic
+        for s in range(h.pp):
+            a = _grad_leaves(h._stage_params(h._copy0, s))
+            b = _grad_leaves(twin._stage_params(model1, s))
+            if len(a) != len(b):
+                raise RuntimeError(f"dualpipe: stage {s}'s copies hold {len(a)} and {len(b)} "
+                                   "tensors; they were built differently")
+            for x, y in zip(a, b):
+                if x.dtype != y.dtype or x.shape != y.shape:
+                    raise RuntimeError(
+                        f"dualpipe: stage {s}'s copy 1 holds a {y.dtype} {tuple(y.shape)} "
+                        f"tensor where the model holds {x.dtype} {tuple(x.shape)}: the model "
+                        "was changed around Hybrid (e.g. a parameter replaced); convert it "
+                        "with model.to(dtype), which converts copy 1 too")
+                if y.is_leaf and y.requires_grad != x.requires_grad:
+                    y.requires_grad_(x.requires_grad)
+                if not torch.equal(x, y):
+                    y.copy_(x)
 
 
 def sum_copies_once(h) -> None:

@@ -212,6 +212,12 @@ class Hybrid:
         self.device = torch.device("cpu")
         self.profile = None            # the trace's default hardware profile
         # layers per pipeline stage when uneven (None: n_layer / pp each; 1F1B / GPipe)
+        if stage_sizes is not None and (
+                not isinstance(stage_sizes, (list, tuple))
+                or any(not _int(k) or k < 0 for k in stage_sizes)):
+            raise ValueError(f"Hybrid(stage_sizes={stage_sizes!r}): give a list of pp={pp} "
+                             "layer counts, ints >= 0 adding up to n_layer (e.g. "
+                             "stage_sizes=[1, 3]: pp=2, n_layer=4)")
         if stage_sizes is not None and (len(stage_sizes) != pp or self.v != 1):
             raise ValueError(f"stage_sizes={stage_sizes!r}: give the layers of each of the "
                              f"pp={pp} stages (uneven stages are not interleaved)")
