@@ -1,0 +1,76 @@
+"""Small defects found by the session's helpers (fixlist8), each held to one device or to
+torch's own behaviour."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.models import build_model, get_batch, get_config
+from workbench.recipes.hybrid import Hybrid
+
+
+def _full(v):
+    return v.full() if isinstance(v, wb.DistTensor) else v
+
+
+# ---- 1. Hybrid.build_optimizer after a backward keeps the gradients -------------------------
+@pytest.mark.parametrize("kw", [dict(pp=1), dict(pp=2), dict(dp=2), dict(dp=2, zero=1),
+                                dict(dp=2, zero=2), dict(dp=2, tp=2, sp=True),
+                                dict(dp=2, tp=2, sp=True, zero=1)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_build_optimizer_after_backward_keeps_gradients(kw):
+    # was: build_optimizer made new replica leaves and dropped every .grad (21 of 21), so a
+    # torch.optim step over .parameters() silently skipped every parameter
+    torch.manual_seed(0)
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
+    ref = build_model(cfg, seed=0).train().double()
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0).double()
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref(x, y)[1].backward()
+    st.forward_backward(model, x, y)
+    opts = st.build_optimizer(model, 1e-3, 0.0)
+    assert all(q.grad is not None for q in model.parameters())
+    if not kw.get("zero"):      # (ZeRO sums in its own step)
+        st.finish_gradient_synchronization(opts)
+        grads = {n: _full(q.grad) for n, q in model.named_parameters()}
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(grads[n], q.grad, rtol=0, atol=1e-12, msg=n)
+    if kw.get("zero"):          # ZeRO shards the moments: the stages' own AdamW step
+        torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0).step()
+        st.optimizer_step(opts)
+    else:                       # a user's torch.optim optimizer over the replicas
+        torch.optim.SGD(ref.parameters(), lr=0.5).step()
+        torch.optim.SGD([q for o in opts for q in o.parameters()], lr=0.5).step()
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(state[n], q.detach(), rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=1), dict(dp=2)], ids=["pp1", "dp2"])
+def test_torch_optim_step_right_after_late_build_optimizer(kw):
+    # as torch (DDP and optimizers leave .grad alone): the step needs no sync call; the
+    # gradient was already the whole batch's.  Was: every parameter skipped, unchanged
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
+    ref = build_model(cfg, seed=0).train().double()
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0).double()
+    x, y = get_batch(cfg, 8, 0, 1)
+    ref(x, y)[1].backward()
+    st.forward_backward(model, x, y)
+    opts = st.build_optimizer(model, 1e-3, 0.0)
+    torch.optim.SGD([q for o in opts for q in o.parameters()], lr=0.5).step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(state[n], q.detach(), rtol=0, atol=1e-12, msg=n)
+
+
+def test_build_optimizer_after_backward_zero3_raises():
+    # ZeRO-3's shards are new leaves that cannot hold the earlier gradient: raise, not drop
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
+    st = Hybrid(dp=2, zero=3)
+    model = st.build_model(cfg, 0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    st.forward_backward(model, x, y)
+    with pytest.raises(RuntimeError, match="already have a gradient"):
+        st.build_optimizer(model, 1e-3, 0.0)
