@@ -74,3 +74,16 @@ def test_build_optimizer_after_backward_zero3_raises():
     st.forward_backward(model, x, y)
     with pytest.raises(RuntimeError, match="already have a gradient"):
         st.build_optimizer(model, 1e-3, 0.0)
+
+
+# ---- 3. fully_shard's meta-device error names fully_shard ------------------------------------
+def test_fully_shard_meta_error_names_fully_shard():
+    # was: "FullyShardedDataParallel: the module's parameters ... are on the meta device"
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    cls = type(m)
+    with pytest.raises(ValueError, match=r"^fully_shard: .*meta device"):
+        wb.fully_shard(m, mesh=wb.Mesh([0, 1], dim_names=["dp"]))
+    assert type(m) is cls and not hasattr(m, "_wb_fully_shard")     # left untouched
+    with pytest.raises(ValueError, match=r"^FullyShardedDataParallel: .*meta device"):
+        wb.FullyShardedDataParallel(m, wb.Mesh([0, 1], dim_names=["dp"]))

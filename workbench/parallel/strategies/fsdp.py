@@ -125,7 +125,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
                  units=None, prefetch: bool = False, reduce_dtype=None):
         super().__init__()
         check_module(module, "FullyShardedDataParallel")
-        check_not_meta(module, "FullyShardedDataParallel")
+        check_not_meta(module, self._who)     # fully_shard names itself
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and
                                               compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype={compute_dtype!r}: give a floating-point torch "
