@@ -87,3 +87,15 @@ def test_fully_shard_meta_error_names_fully_shard():
     assert type(m) is cls and not hasattr(m, "_wb_fully_shard")     # left untouched
     with pytest.raises(ValueError, match=r"^FullyShardedDataParallel: .*meta device"):
         wb.FullyShardedDataParallel(m, wb.Mesh([0, 1], dim_names=["dp"]))
+
+
+# ---- 4. lines over 100 characters (STYLE.md) --------------------------------------------------
+@pytest.mark.parametrize("path", ["workbench/exercises/checks.py", "workbench/plan/memory.py",
+                                  "workbench/plan/context_cost.py"])
+def test_lines_fit_100_characters(path):
+    # was: checks.py:80 (107), memory.py:154 (125), context_cost.py:162 (103)
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    long = [i for i, line in enumerate(text.splitlines(), 1) if len(line) > 100]
+    assert long == [], f"{path}: lines {long} exceed 100 characters"
+
