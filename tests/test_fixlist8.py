@@ -99,3 +99,100 @@ def test_lines_fit_100_characters(path):
     long = [i for i, line in enumerate(text.splitlines(), 1) if len(line) > 100]
     assert long == [], f"{path}: lines {long} exceed 100 characters"
 
+
+# ---- 2. FSDP1's summon_full_params and state_dict_type --------------------------------------
+FSDP = wb.FullyShardedDataParallel
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def _fsdp(units=None):
+    import copy
+    ref = _mlp()
+    return ref, FSDP(copy.deepcopy(ref), wb.Mesh([0, 1], dim_names=["dp"]), units=units)
+
+
+@pytest.mark.parametrize("units", [None, {torch.nn.Linear}], ids=["root", "units"])
+def test_summon_full_params_after_a_step_is_one_device(units):
+    # was: AttributeError (no summon_full_params)
+    ref, fs = _fsdp(units)
+    x, y = torch.randn(6, 5), torch.randn(6, 3)
+    opt = torch.optim.SGD(fs.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(fs(x), y).backward()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    opt.step()
+    ref_opt.step()
+    shards = [tuple(p.shape) for p in fs.parameters()]
+    with FSDP.summon_full_params(fs, writeback=False):
+        got = dict(fs.named_parameters())
+        assert list(got) == [n for n, _ in ref.named_parameters()]
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(got[n], q, rtol=1e-6, atol=1e-7, msg=n)
+    assert [tuple(p.shape) for p in fs.parameters()] == shards       # the shards again
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+def test_summon_full_params_writeback(writeback):
+    ref, fs = _fsdp({torch.nn.Linear})
+    opt = torch.optim.SGD(fs.parameters(), lr=0.1)       # built before: its leaves kept
+    with FSDP.summon_full_params(fs, writeback=writeback):
+        with torch.no_grad():
+            fs.module[0].weight.mul_(2.0)
+            fs.module[2].bias.fill_(0.5)
+    if writeback:
+        with torch.no_grad():
+            ref[0].weight.mul_(2.0)
+            ref[2].bias.fill_(0.5)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(_full(fs(x)), ref(x), rtol=1e-6, atol=1e-6)
+    assert all(any(p is q for q in opt.param_groups[0]["params"]) for p in fs.parameters())
+    sd = {k: v.full() for k, v in fs.state_dict().items()}
+    for n, q in ref.state_dict().items():
+        torch.testing.assert_close(sd[n], q, msg=n)
+
+
+def test_summon_full_params_refusals_leave_the_shards():
+    ref, fs = _fsdp()
+    shards = list(fs.parameters())
+    with pytest.raises(NotImplementedError, match="rank0_only=True"):
+        with FSDP.summon_full_params(fs, rank0_only=True):
+            pass
+    with pytest.raises(NotImplementedError, match="with_grads=True"):
+        with FSDP.summon_full_params(fs, with_grads=True):
+            pass
+    with pytest.raises(ValueError, match="neither is nor holds"):
+        with FSDP.summon_full_params(ref):
+            pass
+    with pytest.raises(RuntimeError, match="forward inside summon_full_params"):
+        with FSDP.summon_full_params(fs):
+            fs(torch.randn(2, 5))
+    with pytest.raises(KeyError):                       # an error inside: shards back
+        with FSDP.summon_full_params(fs):
+            raise KeyError("x")
+    assert all(p is q for p, q in zip(fs.parameters(), shards))
+    with FSDP.summon_full_params(fs, writeback=False):   # usable again afterwards
+        assert tuple(fs.module[0].weight.shape) == (7, 5)
+
+
+def test_state_dict_type_full_state_dict():
+    # was: AttributeError (no state_dict_type)
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    ref, fs = _fsdp()
+    assert isinstance(next(iter(fs.state_dict().values())), wb.DistTensor)
+    cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(fs, StateDictType.FULL_STATE_DICT, cfg):
+        sd = fs.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    for n, q in ref.state_dict().items():
+        assert type(sd[n]) is torch.Tensor and sd[n].shape == q.shape, n
+        torch.testing.assert_close(sd[n], q, msg=n)
+    assert isinstance(next(iter(fs.state_dict().values())), wb.DistTensor)   # restored
+    fs.load_state_dict(sd)
+    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+        with pytest.raises(NotImplementedError, match=kind.name):
+            with FSDP.state_dict_type(fs, kind):
+                pass
