@@ -65,6 +65,34 @@ def test_torch_optim_step_right_after_late_build_optimizer(kw):
         torch.testing.assert_close(state[n], q.detach(), rtol=0, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("kw", [dict(dp=2, tp=2, sp=True), dict(dp=2, zero=2)],
+                         ids=["dp2-tp2-sp", "dp2-zero2"])
+def test_gradient_accumulation_across_a_late_build_optimizer(kw):
+    # two backwards, the wrap between them, no zero_grad: the sum of both batches' gradients
+    # (was: the first batch's dropped)
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
+    ref = build_model(cfg, seed=0).train().double()
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0).double()
+    for step in range(2):
+        x, y = get_batch(cfg, 8, 0, step)
+        ref(x, y)[1].backward()
+        st.forward_backward(model, x, y)
+        if step == 0:
+            opts = st.build_optimizer(model, 1e-3, 0.0)
+    if kw.get("zero"):
+        torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0).step()
+        st.optimizer_step(opts)
+        got, want = {k: _full(v) for k, v in model.state_dict().items()}, \
+            {n: q.detach() for n, q in ref.named_parameters()}
+    else:
+        st.finish_gradient_synchronization(opts)
+        got = {n: _full(q.grad) for n, q in model.named_parameters()}
+        want = {n: q.grad for n, q in ref.named_parameters()}
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-12, msg=n)
+
+
 def test_build_optimizer_after_backward_zero3_raises():
     # ZeRO-3's shards are new leaves that cannot hold the earlier gradient: raise, not drop
     cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
