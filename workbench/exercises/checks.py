@@ -77,9 +77,9 @@ FORMULA = "compare each factor with the formula"
 def _hint(got: float, want: float, wrong, rel: float = 0.02, fallback: str = FORMULA,
           share: bool = False) -> str:
     """The text of the common mistake whose value lies closest to ``got`` (within its
-    tolerance): ``wrong`` holds (value that mistake gives, what to say).  Otherwise only the direction, and
-    ``fallback``, what to redo (an exercise without a formula names its own method):
-    the ratio would give the expected value away.  A unit slip is named (``share``: the
+    tolerance): ``wrong`` holds (value that mistake gives, what to say).  Otherwise only
+    the direction, and ``fallback``, what to redo (an exercise without a formula names its
+    own method): the ratio would give the expected value away.  A unit slip is named (``share``: the
     answer is a fraction, so 100 times it is a percentage).  A mistake given as (value,
     text, tolerance) is matched within its own tolerance instead of ``rel`` (one that
     lies very close to the expected value, where ``rel`` would swallow rounded answers)."""

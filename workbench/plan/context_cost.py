@@ -159,5 +159,6 @@ def ring_times(cfg, lay, prof) -> RingTimes:
     return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), backward,
                      k * f_out, b_exposed,
                      k * wire_bytes("send_recv", n, 2),
-                     k * wire_bytes("send_recv", n, 2) + bool(k) * cp * wire_bytes("send_recv", ng, 2),
+                     k * wire_bytes("send_recv", n, 2)
+                     + bool(k) * cp * wire_bytes("send_recv", ng, 2),
                      pairs, merge, hop_g, acc)

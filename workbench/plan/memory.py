@@ -151,8 +151,9 @@ def _gathered_numel(numels: tuple, prefetch) -> int:
 def zero3_modules(cfg, tp: int, pp: int, stage: int, dp: int,
                   layers: "int | None" = None) -> list[int]:
     """Elements of each module ZeRO-3 gathers on a rank of ``stage``, forward order (GPT:
-    word and position embeddings (and their LayerNorm, ``embed_norm``); per layer LN, q, k, v, o, LN, fc1, fc2; final LN; the
-    head's tied copy when pp > 1 or an untied head), each padded to a multiple of dp."""
+    word and position embeddings (and their LayerNorm, ``embed_norm``); per layer LN, q,
+    k, v, o, LN, fc1, fc2; final LN; the head's tied copy when pp > 1 or an untied head),
+    each padded to a multiple of dp."""
     h, f, V, s = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
     llama = cfg.arch == "llama"
     qkv = h * h // tp + h // tp

@@ -71,7 +71,9 @@ forward writes change once a step (rank 0's), a BatchNorm on batch statistics ra
 (:func:`.ranks.check_batch_stats`).
 
 ``no_sync()`` is FSDP1's (:mod:`.fsdp_no_sync`): unsharded gradients held, their sum
-reduce-scattered by the first backward after it.
+reduce-scattered by the first backward after it.  So are the static context managers
+``FullyShardedDataParallel.summon_full_params(module, writeback=True, ...)`` and
+``state_dict_type(module, StateDictType.FULL_STATE_DICT)`` (:mod:`.fsdp_summon`).
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gath
                          plan_units, reduce_scatter, tree_cast)
 from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
+from .fsdp_summon import SummonFullParams
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .rank_recompute import refuse_checkpoint, seq_mark
 from .replaced_params import check_places
@@ -98,7 +101,7 @@ from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
+class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWrapper):
     """Fully sharded data parallel training of ``module`` along ``dim`` of ``mesh``
     (``mesh=None``: the default torch.distributed process group).
 
@@ -125,7 +128,7 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
                  units=None, prefetch: bool = False, reduce_dtype=None):
         super().__init__()
         check_module(module, "FullyShardedDataParallel")
-        check_not_meta(module, "FullyShardedDataParallel")
+        check_not_meta(module, self._who)     # fully_shard names itself
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and
                                               compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype={compute_dtype!r}: give a floating-point torch "
@@ -198,6 +201,9 @@ class FullyShardedDataParallel(FSDPStateDict, NoSync, ModuleWrapper):
     _who = "FullyShardedDataParallel"     # the name errors give (fully_shard's own)
 
     def forward(self, *args, **kwargs):
+        if getattr(self, "_wb_summoned", False):    # torch refuses it too
+            raise RuntimeError(f"{self._who}: forward inside summon_full_params(); run it "
+                               "after the context exits")
         check_places(self.units, self._who)     # a tie after wrapping: raise (.replaced_params)
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype

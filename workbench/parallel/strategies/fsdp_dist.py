@@ -122,6 +122,15 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         if mesh is None or mesh != params[0][1].mesh:
             raise ValueError(f"FullyShardedDataParallel(mesh={mesh!r}): the module's DistTensor "
                              f"parameters live on {params[0][1].mesh}; pass that mesh")
+        graded = [n for n, p in params if p.grad is not None]
+        if graded:
+            # the shards are new leaves: a gradient from a backward before the wrap would
+            # be dropped, and a torch.optim step after it would skip the parameter
+            raise RuntimeError(
+                f"FullyShardedDataParallel over DistTensor parameters: {graded[:3]} already "
+                f"have a gradient ({len(graded)} of {len(params)}; a backward ran before the "
+                "wrap), which the dp shards do not keep; wrap (build_optimizer) before the "
+                "first backward, or clear the gradients first (model.zero_grad())")
         self.prefetch_numel = prefetch
         object.__setattr__(self, "module", module)
         self.mesh = mesh

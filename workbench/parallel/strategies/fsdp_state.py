@@ -75,6 +75,9 @@ class FSDPStateDict:
         parameters), not copies a write would miss."""
         flush()                     # a write into an earlier state_dict()'s copies
         out = {} if destination is None else destination
+        cfg = getattr(self, "_wb_full_sd", None)
+        if cfg is not None:         # inside state_dict_type(FULL_STATE_DICT) (.fsdp_summon)
+            return self._full_state_dict_as(cfg, out, prefix)
         mesh, ax = self._dist_mesh()
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) not in self._meta:     # a buffer, or a module's extra state (as it is)
@@ -101,6 +104,17 @@ class FSDPStateDict:
         if destination is None:         # DCP reads it too (..dcp_interop)
             from ..dcp_interop import as_stateful
             return as_stateful(out)
+        return out
+
+    def _full_state_dict_as(self, cfg, out, prefix) -> dict:
+        """FSDP1's FULL_STATE_DICT under ``cfg`` (a ``FullStateDictConfig``): full tensors,
+        on CPU with ``offload_to_cpu``, and none on ranks but 0 with ``rank0_only``."""
+        full = self.full_state_dict()           # every process: the gathers
+        if cfg.rank0_only and self.group.distributed and _B.rank() != 0:
+            return out
+        for name, v in full.items():
+            out[prefix + name] = v.cpu() if cfg.offload_to_cpu and \
+                isinstance(v, torch.Tensor) else v
         return out
 
     def _store(self, t, v) -> None:

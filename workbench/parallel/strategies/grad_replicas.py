@@ -33,7 +33,7 @@ class GradReplicas:
 
     def __init__(self, params, mesh, dim="dp", bucket_bytes=None, partial_grads=(),
                  partial_dim="tp", who: str = "DistributedDataParallel", policy=None,
-                 find_unused=None):
+                 find_unused=None, carry_summed: bool = True):
         params = [p for _, p in params] if params and isinstance(params[0], tuple) \
             else list(params)
         # a tensor listed twice (a tied weight from two modules) is one parameter
@@ -69,10 +69,18 @@ class GradReplicas:
                                      f"dim {mesh.dim_names[a]!r}; parameters must be "
                                      "replicated there")
         self.hooked: set = set()            # ids of the parameters trainable when wrapped
+        carried = []                        # (parameter, the gradient it had before)
         for p in self.params:
             # one replica per data-parallel rank (the dp axis becomes real storage; on
             # torch.distributed every process already is one replica)
             trainable = p.requires_grad          # frozen parameters stay frozen
+            old_grad = p._local.grad             # a backward before the wrap: kept below
+            if old_grad is not None and self.distributed:
+                raise RuntimeError(
+                    f"{who}: a parameter already has a gradient (a backward ran before "
+                    "the wrap); on torch.distributed it is not known whether it was summed "
+                    "over the data-parallel ranks. Wrap (build_optimizer) before the first "
+                    "backward, or clear the gradients first (model.zero_grad())")
             loc = p._local.detach()
             if self.distributed:
                 loc = loc.clone()
@@ -88,6 +96,8 @@ class GradReplicas:
                     shape[a] = mesh.shape[a]
                 loc = loc.expand(shape).clone()
             p._local = loc.requires_grad_(trainable)
+            if old_grad is not None:
+                carried.append((p, old_grad))
             step_clock.hold([p._local], mesh.ranks, mesh.ndim)       # an optimizer's step over it: on the clock
             if trainable:
                 self.hooked.add(id(p))
@@ -118,6 +128,33 @@ class GradReplicas:
             "are summed over the data-parallel ranks (each rank would clip by its own "
             f"gradient): call {who}.finish_gradient_synchronization() after backward, then "
             "clip (inside no_sync() nothing is summed)")
+        for p, g in carried:
+            p._local.grad = self._carried_grad(p, g, carry_summed)
+
+    @torch.no_grad()
+    def _carried_grad(self, p, g, summed: bool):
+        """The gradient ``p`` had before the wrap, on its replicas: torch's DDP and
+        optimizers leave ``.grad`` alone, so a step after the wrap still sees it (before,
+        the new replica leaves dropped it and a torch.optim step skipped every parameter).
+        One copy on the data-parallel dims (the simulator's replicated parameter) already
+        holds the sum over them: each replica gets that sum, marked summed, unless a
+        partial one (``partial_grads``) still needs its sum over ``partial_dim``, or the
+        owner sums every gradient whatever its mark (ZeRO's reduce-scatter: ``summed``
+        False); then dp rank 0 keeps it and the others hold zeros, so the next sum gives
+        it back.  A gradient with a real copy per dp rank is each rank's own: unsummed."""
+        nd = self.mesh.ndim
+        shape = tuple(p._local.shape)
+        one_copy = all(g.shape[a] == 1 for a in self.axes)
+        if not one_copy:
+            return self._replica_grad(p, g.detach().clone(), False)
+        out = g.detach().expand(shape[:nd] + tuple(g.shape[nd:])).clone()
+        pa = self.partial_axis
+        if not summed or (id(p) in self._partial and g.shape[pa] > 1):
+            keep = torch.zeros(shape[:nd], dtype=torch.bool)
+            keep[tuple(slice(0, 1) if a in self.axes else slice(None) for a in range(nd))] = True
+            out.masked_fill_(~keep.reshape(shape[:nd] + (1,) * (out.dim() - nd)), 0)
+            return self._replica_grad(p, out, False)
+        return self._replica_grad(p, out, True)
 
     # ---- gradients torch's clip_grad_norm_ reads as one device (rank_grads.ReplicaGrad) ----
     def _replica_grad(self, p, g, synced: bool):

@@ -119,7 +119,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                              "mesh the DistTensor parameters live on")
         spec = _param_groups(params)        # [(hyperparameters, params)], torch's groups
         self.replicas = r = GradReplicas([p for _, ps in spec for p in ps], mesh, dim, None,
-                                         partial_grads, partial_dim, "ZeroRedundancyOptimizer")
+                                         partial_grads, partial_dim, "ZeroRedundancyOptimizer",
+                                         carry_summed=False)     # step() sums every one
         self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
         self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
         nd = mesh.ndim
