@@ -18,17 +18,9 @@ from workbench.parallel.strategies import context_parallel as cp
 from workbench.parallel.ops_table.ring_attention import slot_chunks
 from workbench.parallel.strategies.context_parallel_cost import cp_vs_sp
 from workbench.plan import Cluster, Layout, dry_run, estimate
+from tests.test_context_parallel import _layout          # the cp / dp / tp placements
 
 F64 = torch.float64
-
-
-def _layout(mesh):
-    ps = [wb.Replicate()] * mesh.ndim
-    ps[mesh.dim("cp")] = wb.Shard(2)
-    for name, d in (("dp", 0), ("tp", 1)):
-        if name in mesh.dim_names:
-            ps[mesh.dim(name)] = wb.Shard(d)
-    return ps
 
 
 def _ring_vs_sdpa(shape, names, B, Hq, Hkv, S, D, Dv, causal, balanced, scale):

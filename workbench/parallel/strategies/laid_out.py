@@ -58,7 +58,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
-from .laid_out_copies import guard_copy, in_place
+from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import module_shaped_sources
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
@@ -226,22 +226,18 @@ def _guard_views(src, out, func=None):
     storage made a :class:`_LaidOutView` (also in a tuple or list: ``p.unbind()``,
     ``p.chunk(n)``, ``p.split(k)``), a reshape that had to copy a non-contiguous storage a
     :class:`.laid_out_copies.LaidOutCopy` (writes into it raise); anything else as it is."""
-    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-        got = [_guard_views(src, o) for o in out]
-        return type(out)(got) if type(out) in (tuple, list) else out
-    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, _LAID_OUT) or \
-            out.numel() == 0:
-        return out
-    with torch._C.DisableTorchFunctionSubclass():
-        shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
-    if not shares:
-        copy = guard_copy(src, _owner(src), func, out)
-        return out if copy is None else copy
-    with torch._C.DisableTorchFunctionSubclass():
-        view = out.as_subclass(_LaidOutView)
-    view._wb_layout = src._wb_layout
-    view._wb_param = _owner(src)
-    return view
+    def wrap(t, shares):
+        if not shares:
+            copy = guard_copy(src, _owner(src), func, t)
+            return t if copy is None else copy
+        with torch._C.DisableTorchFunctionSubclass():
+            view = t.as_subclass(_LaidOutView)
+        view._wb_layout = src._wb_layout
+        view._wb_param = _owner(src)
+        return view
+    return map_sharers(src, out, _LAID_OUT, wrap)
+
+
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
           "_wb_src", "_wb_view_note")
 

@@ -72,21 +72,33 @@ class LaidOutCopy(torch.Tensor):
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 
-def _keep(src, out):
-    """``out`` with each tensor sharing ``src``'s storage (a view of the copy) a
-    :class:`LaidOutCopy` too; anything else as it is."""
+def map_sharers(src, out, skip, wrap):
+    """``out`` (an op's result on ``src``; also a tuple or list of tensors: ``p.unbind()``,
+    ``p.chunk(n)``, ``p.split(k)``) with ``wrap(t, shares)`` applied to each tensor that is
+    not ``src``, not empty and not already a ``skip`` class; ``shares``: whether ``t`` is a
+    view of ``src``'s storage.  Anything else as it is."""
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-        got = [_keep(src, o) for o in out]
+        got = [map_sharers(src, o, skip, wrap) for o in out]
         return type(out)(got) if type(out) in (tuple, list) else out
-    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, LaidOutCopy) or \
+    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, skip) or \
             out.numel() == 0:
         return out
     with torch._C.DisableTorchFunctionSubclass():
-        if out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
-            return out
-        view = out.as_subclass(LaidOutCopy)
-    view._wb_layout, view._wb_call = src._wb_layout, src._wb_call
-    return view
+        shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    return wrap(out, shares)
+
+
+def _keep(src, out):
+    """``out`` with each tensor sharing ``src``'s storage (a view of the copy) a
+    :class:`LaidOutCopy` too; anything else as it is."""
+    def wrap(t, shares):
+        if not shares:
+            return t
+        with torch._C.DisableTorchFunctionSubclass():
+            view = t.as_subclass(LaidOutCopy)
+        view._wb_layout, view._wb_call = src._wb_layout, src._wb_call
+        return view
+    return map_sharers(src, out, LaidOutCopy, wrap)
 
 
 def guard_copy(src, owner, func, out):
