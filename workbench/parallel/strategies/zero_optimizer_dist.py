@@ -79,10 +79,11 @@ def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: 
     launches before the wgrad GEMM that made this gradient (``Trace.defer``); its
     handles go to ``pending`` as ``(trace, handle)``."""
     ready = max(tr.now(r) for r in mesh.ranks)
+    own = _B.rank() if _B.is_distributed(mesh) else None    # a process: its group's only
 
     def record():
         for g in mesh.groups(axis):
-            if len(g) > 1:
+            if len(g) > 1 and (own is None or own in g):
                 pending.append((tr, tr.record_collective(
                     g, "reduce_scatter", _cost.price("reduce_scatter", nbytes, g, tr.profile),
                     bytes=_cost.wire_bytes("reduce_scatter", nbytes, len(g)), label=label,
