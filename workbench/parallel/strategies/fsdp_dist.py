@@ -38,7 +38,8 @@ accumulates its gradient and ``step`` waits for them (a recompute in backward ga
 each module as it reruns, without prefetch, and its backward reuses that copy).  The
 gathered copies one rank holds, prefetched ones included, are counted over the clock in
 ``live`` (:mod:`.zero3_clock`).  On torch.distributed the collectives are blocking calls
-and this stays blocking.
+(each gather at its module, each reduce-scatter in backward); they run unrecorded there,
+and the clock records the program's, from the same hooks (task tdclock2).
 
 The shards are ``nn.Parameter``s under the module's own qualified names
 (:meth:`DistTensorFSDP.named_parameters`, a tied weight one shard), laid out as the
