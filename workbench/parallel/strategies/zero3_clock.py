@@ -211,17 +211,17 @@ class Zero3Clock:
     def _gather_hook(self, mod):
         def hook(module, args):
             flush()             # a write into a state_dict() copy: into the shards first
-            if self.async_:
-                if torch._C._current_graph_task_id() != -1:     # a recompute in backward:
-                    self._wait("B", mod, ahead=False)           # gathered as it runs
-                    self._have_b.add(id(mod))
-                else:
-                    if mod in self._seen:
-                        self._seen = []                         # a new forward
-                    self._seen.append(mod)
-                    if len(self._seen) == len(self.order):
-                        self.order = list(self._seen)           # the order forward ran
-                    self._wait("F", mod)
+            # on both executors (torch.distributed: the real gathers unrecorded, _gather)
+            if torch._C._current_graph_task_id() != -1:     # a recompute in backward:
+                self._wait("B", mod, ahead=False)           # gathered as it runs
+                self._have_b.add(id(mod))
+            else:
+                if mod in self._seen:
+                    self._seen = []                         # a new forward
+                self._seen.append(mod)
+                if len(self._seen) == len(self.order):
+                    self.order = list(self._seen)           # the order forward ran
+                self._wait("F", mod)
             for attr, i in self._by_mod[id(module)]:
                 _, _, tmpl, shard = self.entries[i]
                 copy = self._gather(tmpl, shard, cast=True)
