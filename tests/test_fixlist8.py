@@ -13,6 +13,19 @@ def _full(v):
 
 
 # ---- 1. Hybrid.build_optimizer after a backward keeps the gradients -------------------------
+def _late_build(kw, batch):
+    """A one-device float64 reference and ``Hybrid(**kw)``'s model after one backward each,
+    the stage optimizers built only then."""
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
+    ref = build_model(cfg, seed=0).train().double()
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0).double()
+    x, y = get_batch(cfg, 8, 0, batch)
+    ref(x, y)[1].backward()
+    st.forward_backward(model, x, y)
+    return ref, st, model, st.build_optimizer(model, 1e-3, 0.0)
+
+
 @pytest.mark.parametrize("kw", [dict(pp=1), dict(pp=2), dict(dp=2), dict(dp=2, zero=1),
                                 dict(dp=2, zero=2), dict(dp=2, tp=2, sp=True),
                                 dict(dp=2, tp=2, sp=True, zero=1)],
@@ -21,14 +34,7 @@ def test_build_optimizer_after_backward_keeps_gradients(kw):
     # was: build_optimizer made new replica leaves and dropped every .grad (21 of 21), so a
     # torch.optim step over .parameters() silently skipped every parameter
     torch.manual_seed(0)
-    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
-    ref = build_model(cfg, seed=0).train().double()
-    st = Hybrid(**kw)
-    model = st.build_model(cfg, 0).double()
-    x, y = get_batch(cfg, 8, 0, 0)
-    ref(x, y)[1].backward()
-    st.forward_backward(model, x, y)
-    opts = st.build_optimizer(model, 1e-3, 0.0)
+    ref, st, model, opts = _late_build(kw, 0)
     assert all(q.grad is not None for q in model.parameters())
     if not kw.get("zero"):      # (ZeRO sums in its own step)
         st.finish_gradient_synchronization(opts)
@@ -50,14 +56,7 @@ def test_build_optimizer_after_backward_keeps_gradients(kw):
 def test_torch_optim_step_right_after_late_build_optimizer(kw):
     # as torch (DDP and optimizers leave .grad alone): the step needs no sync call; the
     # gradient was already the whole batch's.  Was: every parameter skipped, unchanged
-    cfg = get_config("tiny").replace(n_layer=2, dropout=0.0)
-    ref = build_model(cfg, seed=0).train().double()
-    st = Hybrid(**kw)
-    model = st.build_model(cfg, 0).double()
-    x, y = get_batch(cfg, 8, 0, 1)
-    ref(x, y)[1].backward()
-    st.forward_backward(model, x, y)
-    opts = st.build_optimizer(model, 1e-3, 0.0)
+    ref, st, model, opts = _late_build(kw, 1)
     torch.optim.SGD([q for o in opts for q in o.parameters()], lr=0.5).step()
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
     state = {k: _full(v) for k, v in model.state_dict().items()}

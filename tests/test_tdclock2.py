@@ -33,37 +33,21 @@ def test_torchrun_pipeline_waits_for_the_other_stages_messages():
     assert got["modeled_ms"] == pytest.approx(sim["modeled_ms"], rel=1e-9)
 
 
+# Failed before (step 1, torchrun's modeled ms for the simulator's): ZeRO-3 0.39172 for
+# 0.282729 (the program gathers each module's parameters ahead of use, DeepSpeed's prefetch,
+# and reduce-scatters each gradient as backward makes it; the clock on torch.distributed
+# recorded gloo's blocking calls instead, each gather waited for at its module); ZeRO-2
+# 0.140474 for 0.158215 (the program reduce-scatters each gradient as backward accumulates
+# it, DeepSpeed's overlap_comm; on torch.distributed the gradients stay for one
+# reduce-scatter in step, gloo's calls blocking, and the clock recorded that one).
 @pytest.mark.slow
-def test_torchrun_zero3_records_the_programs_prefetched_gathers():
-    """tiny, dp 2, ZeRO-3, 2 steps, 2 gloo processes: the simulator's modeled step.  The
-    program gathers each module's parameters ahead of use (DeepSpeed's prefetch) and
-    reduce-scatters each gradient as backward makes it; the clock on torch.distributed
-    recorded gloo's blocking calls instead (each gather waited for at its module).
-    Failed before: 0.39172 ms for the simulator's 0.282729 (step 1)."""
-    sim = train("tiny", steps=2, seed=0, strategy=Hybrid(dp=2, zero=3), timing=False)
+@pytest.mark.parametrize("zero", [3, 2])
+def test_torchrun_zero_records_the_programs_collectives(zero):
+    """tiny, dp 2, ZeRO-3 / ZeRO-2, 2 steps, 2 gloo processes: the simulator's modeled step."""
+    sim = train("tiny", steps=2, seed=0, strategy=Hybrid(dp=2, zero=zero), timing=False)
     out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node=2", "-m", "workbench", "train", "--preset", "tiny",
-                   "--seed", "0", "--steps", "2", "--dp", "2", "--zero", "3",
-                   "--backend", "torch"], timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json_rows(out.stdout)
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in sim], rel=1e-5)
-    for key in ("modeled_ms", "comm_bytes", "state_bytes"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in sim], rel=1e-9), key
-
-
-@pytest.mark.slow
-def test_torchrun_zero2_records_the_reduce_scatters_launched_in_backward():
-    """tiny, dp 2, ZeRO-2, 2 steps, 2 gloo processes: the simulator's modeled step.  The
-    program reduce-scatters each gradient as backward accumulates it (DeepSpeed's
-    overlap_comm); on torch.distributed the gradients stay for one reduce-scatter in
-    step (gloo's calls block), and the clock recorded that one.  Failed before: 0.140474
-    ms for the simulator's 0.158215 (step 1)."""
-    sim = train("tiny", steps=2, seed=0, strategy=Hybrid(dp=2, zero=2), timing=False)
-    out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "-m", "workbench", "train", "--preset", "tiny",
-                   "--seed", "0", "--steps", "2", "--dp", "2", "--zero", "2",
+                   "--seed", "0", "--steps", "2", "--dp", "2", "--zero", str(zero),
                    "--backend", "torch"], timeout=240, cwd=ROOT,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
