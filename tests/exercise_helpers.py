@@ -33,3 +33,15 @@ def message(fn, *args, **kw) -> str:
     with pytest.raises(CheckError) as err:
         fn(*args, **kw)
     return str(err.value)
+
+
+@pytest.fixture
+def fresh_cumsum_rule():
+    """Tries reset before and after a test, and the "cumsum" rule a test registers (as a
+    student's notebook 04 does) put back as it was."""
+    from workbench.parallel.rules import RULES
+    reset_tries()
+    saved = RULES.get("cumsum")
+    yield
+    reset_tries()
+    RULES["cumsum"] = saved

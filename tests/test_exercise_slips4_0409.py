@@ -10,20 +10,16 @@ import workbench as wb
 from workbench.exercises import checks_fused as F
 from workbench.exercises import checks_spmd_pipeline as P
 from workbench.exercises.feedback import CheckError, reset_tries
-from workbench.parallel.rules import RULES, combine
+from workbench.parallel.rules import combine
 
-from .exercise_helpers import fails, passes
+from .exercise_helpers import fails, fresh_cumsum_rule, passes  # noqa: F401 (a fixture)
 
 R, S = wb.Replicate(), wb.Shard
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    reset_tries()
-    saved = RULES.get("cumsum")
-    yield
-    reset_tries()
-    RULES["cumsum"] = saved
+def _fresh(fresh_cumsum_rule):
+    """Tries and the "cumsum" rule restored around each test (exercise_helpers)."""
 
 
 # ---- 09 exercise 1: the online-softmax update --------------------------------------------------

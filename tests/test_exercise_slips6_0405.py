@@ -5,21 +5,16 @@ import torch
 
 import workbench as wb
 from workbench.exercises import checks_spmd_pipeline as P
-from workbench.exercises.feedback import reset_tries
-from workbench.parallel.rules import RULES, combine
+from workbench.parallel.rules import combine
 
-from .exercise_helpers import message, passes
+from .exercise_helpers import fresh_cumsum_rule, message, passes  # noqa: F401 (a fixture)
 
 R, S, Pa = wb.Replicate(), wb.Shard, wb.Partial()
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    reset_tries()
-    saved = RULES.get("cumsum")
-    yield
-    reset_tries()
-    RULES["cumsum"] = saved
+def _fresh(fresh_cumsum_rule):
+    """Tries and the "cumsum" rule restored around each test (exercise_helpers)."""
 
 
 def _cumsum_opts(x, d):

@@ -8,27 +8,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workbench as wb  # noqa: E402
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
-
-
-def batches(k):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g))
-            for _ in range(k)]
-
-
-def mine(t):
-    return t.chunk(dist.get_world_size())[dist.get_rank()]
+from habits6_check import batches, mine, mlp  # noqa: E402  (the same model, data, rows)
 
 
 def zero_closure():
