@@ -38,7 +38,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..sim_mesh import backends as _B
-from ..sim_mesh import collectives as C
 from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
@@ -51,7 +50,6 @@ from .ops_table.table import BY_FUNC, TABLE, on_change
 from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # noqa: F401
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
-from .reshard import execute
 from . import reshard_backward as _rb
 from .ops_table.strategy import NoRuleError, infer
 
@@ -416,14 +414,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             if loc is not None:
                 locs.append(loc)
                 continue
-        if plan is not None and plan.steps:
-            t = execute(plan, t)
-        loc = t._local
-        if not even or type(loc) is not torch.Tensor:
-            loc = storage.for_run(loc, mesh, even)
-        if axes:
-            loc = C.expand_replicas(loc, mesh, axes, label=f"{opdef.name} input")
-        locs.append(loc)
+        locs.append(_rb.local_for_op(t, plan, mesh, even, axes, f"{opdef.name} input"))
     out_shapes = prep.out_shapes
     ctx = prep.ctx
     if ctx is None:

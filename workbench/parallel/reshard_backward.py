@@ -59,7 +59,6 @@ import torch
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
-from ..sim_mesh.profiles import DEFAULT_PROFILE
 from ..sim_mesh.trace import current_trace
 from . import storage
 from .dist_tensor import DistTensor
@@ -163,14 +162,22 @@ def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     if grad not in way.uses:
         way.uses.append(grad)
     with C.mute_backward(mesh, moved):
-        x = t
-        if plan is not None and plan.steps:
-            x = execute(plan, x)
-        out = x._local
-        if not even or type(out) is not torch.Tensor:
-            out = storage.for_run(out, mesh, even)
-        if expand:
-            out = C.expand_replicas(out, mesh, expand, label=label)
+        return local_for_op(t, plan, mesh, even, expand, label)
+
+
+def local_for_op(t, plan, mesh, even, expand, label):
+    """The local tensor an op runs on: ``t`` resharded by ``plan`` (None or no steps: as
+    it is), laid out for the run (uneven shards: ``storage.for_run``), and expanded to one
+    copy per rank over the replicated mesh dims ``expand`` (``collectives.expand_replicas``,
+    whose backward sums the copies' gradients)."""
+    if plan is not None and plan.steps:
+        from .reshard import execute          # (reshard imports this module)
+        t = execute(plan, t)
+    out = t._local
+    if not even or type(out) is not torch.Tensor:
+        out = storage.for_run(out, mesh, even)
+    if expand:
+        out = C.expand_replicas(out, mesh, expand, label=label)
     return out
 
 
