@@ -146,6 +146,12 @@ is here only when its number was read from the source itself:
   steps also fit (m + p - 1) x 0.392 s with m = 960 / dp micro-batches of 2 samples
   (60.4, 51.0, 44.7 s against 60.1, 50.2, 44.4): a micro-batch of 2 (the paper does not
   state it) would read 1.163 / 1.148 / 1.167; that fit is a suspicion, not an input.
+  A phase-by-phase audit of the engine's step (``benchmarks/mtnlg_audit.py``) found three
+  terms unpriced, now priced from their source lines (each micro-batch's load and TP
+  broadcast on the first and last stage, the weight all-gather's shards and PyTorch's
+  copy-out, the bf16 norm's all-reduce over tp x pp): 14-19 ms a step, ratios 1.202 /
+  1.212 / 1.258 -> 1.201 / 1.212 / 1.258.  What is left, 6.4 s per step whatever dp is,
+  is in no phase of the engine's source; the DP sync it would take is 14x the priced.
 
 - ``torchtitan``: torchtitan's FSDP2 runs without torch.compile or Float8 (PyTorch's own
   benchmark tables: Llama 3.1 8B on 8 and 128 H100s of 96 GB HBM2e at 500 W, profile

@@ -53,6 +53,23 @@ What it moves:
   parameter / dp); ``all_gather_dp_groups`` all-gathers the bf16 partitions over the dp
   group (2 bytes per element); ``clear_hp_grads`` zeroes the fp32 buffer (4):
   :data:`STEP_BYTES`, :data:`PARTITION_BYTES`.
+- ``all_gather_dp_groups`` (``runtime/utils.py:981-1019``) cuts the partition into
+  ``max(1, partition x dp // allgather_bucket_size)`` shards (the engine passes
+  ``zero_allgather_bucket_size()``, default 5e8 elements: ``runtime/zero/constants.py:71``;
+  ASSUMED for MT-NLG, whose config is not public; BLOOM's sets none) and calls
+  ``dist.all_gather(shard_list, ...)`` with a LIST of dp output views per shard: PyTorch's
+  ``ProcessGroupNCCL::allgather`` gathers into a flat temporary
+  (``flatten_for_scatter_gather``) and then copies each of the dp chunks out to its view on
+  the NCCL stream ("Copy the flattened output tensors to the outputs", pytorch/pytorch
+  cf1380dfb6 ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``; the same flat buffer
+  and copy-out ASSUMED in the torch 1.x releases these runs used, not read at them):
+  read 2 + write 2 bytes per parameter, :data:`ALLGATHER_COPY_BYTES`, dp copy kernels
+  per shard, on the step's tail (the next forward waits for the NCCL stream).
+- the gradient norm (``step`` -> ``get_global_norm_of_tensors(..., mpu=self.mpu)``,
+  ``bf16_optimizer.py:341-344``, ``runtime/utils.py:923-930``) sums each gradient's
+  ``t.float().norm().item()`` on the host (a host sync per tensor, not priced) and
+  all-reduces the 4-byte sum over the model-parallel group, every tp x pp rank of one
+  replica (``plan.deepspeed_step.step_collectives``).
 """
 from __future__ import annotations
 
@@ -60,8 +77,9 @@ from ..sim_mesh.cost import compute_time
 from . import costs as C
 
 __all__ = ["SOURCE", "FP32_GRAD_BYTES", "HP_GRAD_BYTES", "REDUCE_COPY_BYTES", "STEP_BYTES",
-           "PARTITION_BYTES", "applies", "state_bytes", "largest_numel", "transient_bytes",
-           "micro_batch_seconds", "dp_sync", "step_seconds", "tied_bytes", "ASSUMPTION"]
+           "PARTITION_BYTES", "ALLGATHER_COPY_BYTES", "ALLGATHER_BUCKET", "applies",
+           "state_bytes", "largest_numel", "transient_bytes", "micro_batch_seconds",
+           "allgather_shards", "dp_sync", "step_seconds", "tied_bytes", "ASSUMPTION"]
 
 SOURCE = "microsoft/DeepSpeed 56c522386 (2022-04-19, PR #1801, v0.6.2) BF16_Optimizer"
 FP32_GRAD_BYTES = 4          # fp32_groups_gradients_flat: the whole group, not partitioned
@@ -70,10 +88,15 @@ REDUCE_COPY_BYTES = (4 + 2) + (2 + 2) + (2 + 4)   # cast to bf16, mul_(1/dp), co
 STEP_BYTES = 4 + 4           # the norm reads the fp32 gradients; clear_hp_grads zeroes them
 PARTITION_BYTES = 4 + 2      # update_lp_params: fp32 partition -> bf16 weights (per psi/dp)
 KERNELS_PER_LAYER = 2 * 12   # update_hp_grads: .to() and add_() on each of a GPT layer's 12
+ALLGATHER_COPY_BYTES = 2 + 2  # ProcessGroupNCCL::allgather's copy-out of its flat buffer
+ALLGATHER_BUCKET = 500_000_000   # zero_allgather_bucket_size() default (elements)
 ASSUMPTION = (f"DeepSpeed bf16 pipeline: {SOURCE} (fp32 gradient buffer of 4 bytes per "
               f"parameter unpartitioned, fp32 accumulation every micro-batch, bf16 "
-              f"all-reduce of it, bf16 all-gather of the updated weights); gradient "
-              f"clipping not priced (runs only when the norm exceeds the limit)")
+              f"all-reduce of it, bf16 all-gather of the updated weights in shards of "
+              f"zero_allgather_bucket_size's default 5e8 elements, copied out of "
+              f"PyTorch's flat buffer as its ProcessGroupNCCL does at cf1380dfb6: both "
+              f"ASSUMED for the run); gradient clipping not priced (runs only when the "
+              f"norm exceeds the limit)")
 
 
 def applies(cfg, lay) -> bool:
@@ -111,16 +134,26 @@ def micro_batch_seconds(psi: float, layers: int, prof) -> float:
                         launches=KERNELS_PER_LAYER * max(layers, 1))
 
 
+def allgather_shards(psi: float) -> int:
+    """``all_gather_dp_groups``' shard count for a rank of ``psi`` parameters: its
+    partition (psi / dp) x dp // the bucket, at least 1 (module docstring)."""
+    return max(1, int(psi // ALLGATHER_BUCKET))
+
+
 def dp_sync(psi: float, lay, prof, stage: int) -> float:
     """Seconds of ``ReduceGrads`` and the step's weight all-gather on a rank of ``stage``:
     the bf16 all-reduce of the fp32 buffer with its copies, then the all-gather of the
-    updated bf16 partitions (module docstring)."""
+    updated bf16 partitions, shard by shard, each copied out of PyTorch's flat buffer
+    (module docstring)."""
     if lay.dp == 1:
         return 0.0
     ranks = tuple(lay.dp_ranks(0, stage))
+    shards = allgather_shards(psi)
     return (C.group_price("all_reduce", 2 * psi, ranks, prof)
             + compute_time(0.0, REDUCE_COPY_BYTES * psi, prof, "float32", launches=3)
-            + C.group_price("all_gather", 2 * psi, ranks, prof))
+            + shards * C.group_price("all_gather", 2 * psi / shards, ranks, prof)
+            + compute_time(0.0, ALLGATHER_COPY_BYTES * psi, prof, "bfloat16",
+                           launches=shards * lay.dp))
 
 
 def step_seconds(psi: float, dp: int, adam: float, prof) -> float:

@@ -26,6 +26,19 @@ is_model_parallel``; n = 2 s b h bytes of fp16 activation):
 - the backward's input gradient is partitioned and sent likewise (``SendGrad``).
 
 Without tensor slicing the whole activation crosses and is cloned twice on receipt.
+
+Per micro-batch on the first and the last stage (``LoadMicroBatch``, ``_exec_load_micro_
+batch`` -> ``_next_batch`` -> Megatron-DeepSpeed's ``get_batch_pipe``, acc3e9b5
+``pretrain_gpt.py:118-150``; :func:`data_load`): ``mpu.broadcast_data``
+(``megatron/mpu/data.py:33-110``) broadcasts the sizes (8 int64) and then the tokens
+(b (s + 1) int64) from TP rank 0 over the TP group, with a host sync between
+(``sizes_cuda.cpu()``, not priced); the tokens and labels are sliced ``contiguous()``
+(read + write 8 + 8 bytes per token each) and ``get_ltor_masks_and_position_ids``
+(``megatron/utils.py:147-200``; --reset-attention-mask off, Megatron's default) builds the
+causal mask on the GPU: ``torch.ones`` (write 4 s^2), ``tril`` (4 + 4), ``< 0.5`` (4 + 1),
+and the loss mask ``ones`` (4 per token): :data:`MASK_BYTES`, :data:`TOKEN_BYTES`; the
+first stage then ``clone()``s its inputs, the bool mask's s^2 (1 + 1) and the tokens and
+positions (8 + 8 each per token).
 Activation checkpointing through ``deepspeed.checkpointing`` (Megatron-DeepSpeed's
 ``--deepspeed-activation-checkpointing``) adds nothing unless ``--partition-activations``
 (off by default, ``megatron/arguments.py``), which :func:`partitioned_checkpoint` prices:
@@ -58,13 +71,17 @@ broadcast over the pipeline group.
 
 With bf16 the engine runs ``BF16_Optimizer`` instead (DeepSpeed 56c522386, 2022, the
 release BLOOM-176B trained with): its fp32 gradient accumulation every micro-batch, the
-bf16 all-reduce of its whole fp32 gradient buffer, the fp32 tied gradient and its step's
-passes are ``plan.bf16_optimizer``'s.  Stages may hold uneven layer counts (``Layout.
-stages``): Megatron-DeepSpeed's ``--pp-partition-method 'type:transformer|embedding'``
-counts each embedding as a layer, so the first and last stages hold one layer fewer.
+bf16 all-reduce of its whole fp32 gradient buffer, the fp32 tied gradient, its step's
+passes and its weight all-gather are ``plan.bf16_optimizer``'s; its step's norm is
+all-reduced (4 bytes) over the model-parallel group only (``step_collectives``).
+Stages may hold uneven layer counts (``Layout.stages``): Megatron-DeepSpeed's
+``--pp-partition-method 'type:transformer|embedding'`` counts each embedding as a layer,
+so the first and last stages hold one layer fewer.
 
-Not priced: host-side Python and launch gaps after the host syncs named above, and the
-one-time shape exchange of the first step (``first_output_send``).
+Not priced: host-side Python and launch gaps after the host syncs named above (and
+``ThroughputTimer.start``'s ``torch.cuda.synchronize()`` at every forward, v0.5.4
+``pipe/engine.py:556``), and the one-time shape exchange of the first step
+(``first_output_send``).  The phase-by-phase audit: ``benchmarks/mtnlg_audit.py``.
 """
 from __future__ import annotations
 
@@ -73,8 +90,9 @@ from . import costs as C
 from . import bf16_optimizer as BF
 from . import deepspeed_pipe as D
 
-__all__ = ["FP16_OPTIMIZER_BYTES", "DP_BUCKET_COPY_BYTES", "meta_bytes", "crossing",
-           "gather", "stage_extras", "partitioned_checkpoint", "fp16_optimizer",
+__all__ = ["FP16_OPTIMIZER_BYTES", "DP_BUCKET_COPY_BYTES", "MASK_BYTES", "TOKEN_BYTES",
+           "meta_bytes", "crossing", "gather", "stage_extras", "data_load",
+           "partitioned_checkpoint", "fp16_optimizer",
            "step_collectives", "pipeline_step", "check", "assumptions", "explain_lines"]
 
 # bytes per parameter FP16_Optimizer.step moves (module docstring), read + written
@@ -85,6 +103,12 @@ FP16_OPTIMIZER_BYTES = (("overflow check, x.float().sum() per gradient", 2 + 4 +
                         ("fp32 weights copied to fp16", 4 + 2))
 # buffered_allreduce_fallback: flatten (read 2, write 2), scale (2 + 2), unflatten (2 + 2)
 DP_BUCKET_COPY_BYTES = 12
+# get_batch_pipe's GPU work per micro-batch (module docstring): bytes per mask element
+# (s^2 of them), per token; and the first stage's clones
+MASK_BYTES = 4 + (4 + 4) + (4 + 1)
+TOKEN_BYTES = (8 + 8) + (8 + 8) + 4
+FIRST_CLONE_MASK_BYTES, FIRST_CLONE_TOKEN_BYTES = 1 + 1, (8 + 8) + (8 + 8)
+SIZES_BYTES = 8 * 8                       # _MAX_DATA_DIM int64 sizes of the one key
 
 
 def check(cfg, lay, overlap_grad_reduce: bool = False) -> None:
@@ -163,6 +187,26 @@ def stage_extras(s: int, n: float, lay, prof, dtype) -> dict:
     return out
 
 
+def data_load(cfg, lay, prof, first: bool) -> tuple[float, float, int]:
+    """(copy seconds, broadcast seconds, bytes sent by TP rank 0) of one micro-batch's
+    ``LoadMicroBatch`` on the first (``first``) or the last stage (module docstring)."""
+    s, tokens = cfg.seq_len, lay.micro_batch * cfg.seq_len
+    nbytes = MASK_BYTES * s * s + TOKEN_BYTES * tokens
+    launches = 7                  # contiguous x2, ones, tril, < 0.5, loss-mask ones, arange
+    if first:
+        nbytes += FIRST_CLONE_MASK_BYTES * s * s + FIRST_CLONE_TOKEN_BYTES * tokens
+        launches += 3
+    copy = _copy(nbytes, prof, cfg.dtype, launches=launches)
+    if lay.tp == 1:
+        return copy, 0.0, 0
+    tp = tuple(lay.tp_ranks())
+    data = 8 * lay.micro_batch * (s + 1)
+    comm = C.group_price("broadcast", SIZES_BYTES, tp, prof) \
+        + C.group_price("broadcast", data, tp, prof)
+    return copy, comm, wire_bytes("broadcast", SIZES_BYTES, lay.tp) \
+        + wire_bytes("broadcast", data, lay.tp)
+
+
 def partitioned_checkpoint(n_layers: int, n: float, lay, prof, dtype) -> tuple[float, float]:
     """(copy seconds, all-gather seconds) per micro-batch that ``--partition-activations``
     would add to a stage of ``n_layers`` checkpointed layers (module docstring); not in
@@ -182,10 +226,15 @@ def fp16_optimizer(psi: float, prof) -> float:
                  launches=len(FP16_OPTIMIZER_BYTES))
 
 
-def step_collectives(lay, prof, fp16: bool) -> float:
+def step_collectives(lay, prof, fp16: bool, bf16: bool = False) -> float:
     """Seconds of the step's small collectives (module docstring): with ``fp16`` the
     overflow flag and the norm over the model-parallel group and the norm over the
-    data-parallel group; always the loss's all-reduce and broadcast."""
+    data-parallel group; with ``bf16`` (``BF16_Optimizer``) the norm over the
+    model-parallel group alone (its gradients are already all-reduced over dp:
+    ``plan.bf16_optimizer``); always the loss's all-reduce and broadcast."""
+    if fp16 and bf16:
+        raise ValueError("step_collectives: fp16=True and bf16=True: the engine runs "
+                         "FP16_Optimizer or BF16_Optimizer, not both; pass one")
     mp = tuple(lay.rank(t, 0, s) for s in range(lay.pp) for t in range(lay.tp))
     dp = tuple(lay.dp_ranks(0, lay.pp - 1))
     pipe = tuple(lay.rank(0, 0, s) for s in range(lay.pp))
@@ -196,6 +245,8 @@ def step_collectives(lay, prof, fp16: bool) -> float:
         t += C.group_price("all_reduce", 1, mp, prof) + C.group_price("all_reduce", 4, mp, prof)
         if lay.dp > 1:
             t += C.group_price("all_reduce", 4, dp, prof)
+    if bf16:
+        t += C.group_price("all_reduce", 4, mp, prof)
     return t
 
 
@@ -227,6 +278,11 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
             + gathers * wire_bytes("all_gather", n, lay.tp)
         hp = BF.micro_batch_seconds(d["psi"], lay.stage_layers(cfg.n_layer)[s], prof) \
             if bf16 else 0.0              # update_hp_grads after each backward
+        load_copy, load_comm, load_sent = data_load(cfg, lay, prof, s == 0) \
+            if s in (0, p - 1) else (0.0, 0.0, 0)     # LoadMicroBatch, before the forward
+        e["fwd_copy"] += load_copy
+        e["fwd_comm"] += load_comm
+        sent += load_sent
         comp = d["compute"] + e["fwd_copy"] + e["bwd_copy"] + hp
         comm = d["comm"] - 2 * p2p_t + e["fwd_comm"] + e["bwd_comm"] + e["crossings"] * x
         dp = d["dp"]
@@ -248,7 +304,7 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
         ends.append(start + r["dp"])
     last, done = max(finish), max(ends)
     opt = max(r["optimizer"] for r in rows)
-    coll = step_collectives(lay, prof, fp16)
+    coll = step_collectives(lay, prof, fp16, bf16)
     slow = max(rows, key=lambda r: r["time"])
     breakdown = {"compute": m * slow["compute"] + opt,
                  "communication": m * slow["comm"] + (done - last) + coll,
