@@ -57,6 +57,8 @@ def check(model, lay) -> None:
             bad.append(("zero", 3))
         if lay.ep > 1:
             bad.append(("ep", lay.ep))
+        if lay.cp_comm == "a2a" and lay.tp > 1:
+            bad.append(("tp", lay.tp))          # ContextParallel(cp_comm="a2a") is tp = 1
         if bad:
             n, v = bad[0]
             raise ValueError(f"dry_run: cp={lay.cp} with {n}={v} is not run by the context-"
@@ -69,7 +71,8 @@ def recipe(lay):
     """The recipe the layout describes (module docstring)."""
     if lay.cp > 1:
         from ..recipes.context_parallel import ContextParallel
-        return ContextParallel(cp=lay.cp, dp=lay.dp, tp=lay.tp, sp=lay.sp, zero=lay.zero)
+        return ContextParallel(cp=lay.cp, dp=lay.dp, tp=lay.tp, sp=lay.sp, zero=lay.zero,
+                               cp_comm=lay.cp_comm)
     from ..recipes.hybrid import Hybrid
     return Hybrid(dp=lay.dp // lay.ep, ep=lay.ep, tp=lay.tp, pp=lay.pp, sp=lay.sp,
                   zero=lay.zero, schedule=_SCHEDULE[lay.schedule], microbatches=lay.m,
