@@ -139,6 +139,8 @@ def test_heads_that_do_not_divide_by_cp_are_refused_with_the_fix():
         Layout(cp=2, cp_comm="ulysses")
     cfg = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
                      d_ff=2816, seq_len=1024)
+    with pytest.raises(ValueError, match="cp_comm='a2a' with tp=2"):
+        dry_run(cfg, Layout(cp=2, tp=2, global_batch=1, cp_comm="a2a"), Cluster("a100", 4))
     with pytest.raises(ValueError, match=r"key/value 4.*cp_comm='p2p'"):
         estimate(cfg, Layout(cp=8, global_batch=1, cp_comm="a2a"), Cluster("a100", 8),
                  attention="flash")
@@ -169,6 +171,14 @@ def test_planner_agrees_with_the_dry_run(lay):
     assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
     for k in ("params", "grads", "optimizer", "buffers", "total"):
         assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
+    # what a layer keeps beyond the ring's: the output twice (context_cost.a2a_saved_bytes),
+    # as the runtime measures it (before it was counted: activations 1.032x at cp 2)
+    ring = lay.replace(cp_comm="p2p")
+    more = dr.memory["activations"] - dry_run(CFG, ring, cl).memory["activations"]
+    want = est.memory["activations"] - estimate(CFG, ring.replace(framework="workbench"), cl,
+                                                attention="flash").memory["activations"]
+    assert want == CFG.n_layer * 1024 // lay.cp * 16 * 64 * 2 and more == pytest.approx(
+        want, rel=0.01)
     d = est.details["ep_cp"]
     assert d["ring"] is None and d["cp_a2a"].sent_forward == sum(
         (lay.cp - 1) * n // lay.cp for n in d["cp_a2a"].blocks)

@@ -52,7 +52,7 @@ from ..sim_mesh.cost import wire_bytes
 from . import costs as C
 
 __all__ = ["token_cfg", "ring_ranks", "kv_block_bytes", "RingTimes", "ring_times",
-           "check_cp", "A2ATimes", "a2a_times", "check_cp_comm"]
+           "check_cp", "A2ATimes", "a2a_times", "check_cp_comm", "a2a_saved_bytes"]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -177,8 +177,12 @@ def ring_times(cfg, lay, prof) -> RingTimes:
 # (dO in, dQ, dK, dV out). Each all-to-all is priced as the clock prices one (``cost.price``
 # on the cp ranks' links, sim_mesh's NCCL model) on a rank's (b, s / cp, heads / tp, d)
 # block; what a rank keeps for backward (q, k, v, o and the lse, head-sharded) has the
-# elements of the ring's (b s (H / tp / cp) d = b (s / cp) (H / tp) d), so the activations
-# are the ring's (``token_cfg``).
+# elements of the ring's (b s (H / tp / cp) d = b (s / cp) (H / tp) d) (``token_cfg``),
+# plus one output block: the kernel keeps its head-sharded output (``out_part``,
+# context_parallel.py:4566-4576 ``save_for_backward``) and the output projection keeps
+# the all-to-all'd one, where the ring's output is one tensor kept by both
+# (``a2a_saved_bytes``; measured on the dry run: 1.008 blocks per layer more than the
+# ring, at cp 2 and cp 4, tests/test_ulysses.py).
 
 
 def check_cp_comm(cfg, lay) -> None:
@@ -220,3 +224,14 @@ def a2a_times(cfg, lay, prof) -> A2ATimes:
     t = sum(C.group_price("all_to_all", n, ranks, prof) for n in blocks)
     sent = sum(wire_bytes("all_to_all", n, cp) for n in blocks)
     return A2ATimes(t, t, sent, sent, blocks)
+
+
+def a2a_saved_bytes(cfg, lay) -> int:
+    """Bytes a layer keeps for backward with ``cp_comm="a2a"`` beyond the ring's (comment
+    above): the attention output twice, head-sharded and sequence-sharded, one block
+    b (s / cp) (H / tp) d e; none where the attention core is recomputed ("selective",
+    "full": the kernel's output is not kept)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.recompute in ("selective", "full"):
+        return 0
+    return lay.micro_batch * (cfg.seq_len // lay.cp) * (cfg.n_head // lay.tp) \
+        * cfg.head_dim * _ITEMSIZE[cfg.dtype]

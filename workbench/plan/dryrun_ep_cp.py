@@ -4,8 +4,10 @@
   the expert-parallel group out of the data-parallel ranks, as the planner's layout:
   ``recipes.moe``), its MoE layers routed on meta tensors by :mod:`.meta_moe` (balanced
   by default, what the planner assumes; or given counts);
-- ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=, sp=)`` (``recipes.context_parallel``:
-  ring attention, causal load balancing), the rank order tp, cp, dp of ``plan.ep_cp``.
+- ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=, sp=, cp_comm=)``
+  (``recipes.context_parallel``: ring attention, or DeepSpeed-Ulysses' all-to-all with
+  ``cp_comm="a2a"`` at tp = 1; causal load balancing), the rank order tp, cp, dp of
+  ``plan.ep_cp``.
 
 - a MoE model with tp > 1 (sp=False): the runtime keeps the MoE MLP whole on every tp
   rank (router, experts, shared experts: ``models.split.tp_plan``), the experts split
@@ -57,14 +59,17 @@ def check(model, lay) -> None:
             bad.append(("zero", 3))
         if lay.ep > 1:
             bad.append(("ep", lay.ep))
-        if lay.cp_comm == "a2a" and lay.tp > 1:
-            bad.append(("tp", lay.tp))          # ContextParallel(cp_comm="a2a") is tp = 1
         if bad:
             n, v = bad[0]
             raise ValueError(f"dry_run: cp={lay.cp} with {n}={v} is not run by the context-"
                              f"parallel recipe (recipes.context_parallel: dp x cp x tp with or "
                              f"without sp, no pp, ZeRO-3 or ep); change {n}, or use "
                              f"wb.plan.estimate")
+        if lay.cp_comm == "a2a" and lay.tp > 1:
+            raise ValueError(f"dry_run: cp_comm='a2a' with tp={lay.tp} is not run by the "
+                             f"context-parallel recipe (ContextParallel(cp_comm='a2a') is "
+                             f"tp = 1: the all-to-all over heads already split on tp is not "
+                             f"built); use tp=1, cp_comm='p2p', or wb.plan.estimate")
 
 
 def recipe(lay):
