@@ -183,3 +183,24 @@ def test_planner_agrees_with_the_dry_run(lay):
     assert d["ring"] is None and d["cp_a2a"].sent_forward == sum(
         (lay.cp - 1) * n // lay.cp for n in d["cp_a2a"].blocks)
     assert "DeepSpeed-Ulysses" in est.explain()
+
+
+def test_train_cli_cp_comm(capsys):
+    """``python -m workbench train --cp 2 --cp-comm a2a`` trains as one device; its dry run
+    runs; ``--cp-comm a2a`` without cp is refused (exit 2)."""
+    import json
+    from workbench.cli import main
+
+    def run(*flags):
+        assert main(["train", "--preset", "tiny", "--steps", "1", "--seed", "0", *flags]) == 0
+        return [json.loads(s) for s in capsys.readouterr().out.splitlines()
+                if s.startswith("{")][0]
+    a2a, ring = run("--cp", "2", "--cp-comm", "a2a"), run("--cp", "2")
+    assert a2a["loss"] == pytest.approx(run()["loss"], rel=1e-6)
+    assert a2a["comm_bytes"] != ring["comm_bytes"]      # the flag reached the recipe
+    assert main(["train", "--preset", "tiny", "--dry-run", "--batch-size", "2", "--cp", "2",
+                 "--cp-comm", "a2a"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["dry_run"] is True and rec["modeled_ms"] > 0
+    assert main(["train", "--preset", "tiny", "--cp-comm", "a2a"]) == 2
+    assert "--cp-comm a2a with --cp 1" in capsys.readouterr().err

@@ -27,6 +27,14 @@ dot_product_attention/context_parallel.py``:4246-4249), as DeepSpeed does for it
 divides the K/V heads). The hierarchical "a2a+p2p" (a2a inside, ring across:
 ``context_parallel.py``:5020) is not built.
 
+Megatron-Core names the choice ``cp_comm_type`` (NVIDIA/Megatron-LM d98e8a64:
+``megatron/training/arguments.py``:3221 ``--cp-comm-type`` p2p | a2a | allgather | a2a+p2p,
+per layer; ``megatron/core/transformer/transformer_config.py``:1030;
+``megatron/core/extensions/transformer_engine.py``:2063-2153 hands it to TE's
+``DotProductAttention``, whose ``attn_forward_func_with_cp`` (TE ``context_parallel.py``:
+4924, :5123) runs ``AttnFuncWithCPAndQKVOA2A`` (:4170) for "a2a"): this library's
+``cp_comm`` keyword takes the same names ("p2p", "a2a").
+
 Layout: the sequence may be in the ring's load-balanced order (rank i holds chunks i and
 2p-1-i, :func:`~.context_parallel.to_ring_layout`); after the all-to-all each rank holds
 the whole sequence in that order and puts it back in sequence order before attention
