@@ -53,7 +53,7 @@ from ..ops_table.ring_attention import slot_positions
 
 __all__ = ["ulysses_attention", "check_ulysses_heads", "ulysses_bytes", "CP_COMMS"]
 
-CP_COMMS = ("p2p", "a2a")       # Megatron-LM's --cp-comm-type names (a2a+p2p, all_gather: not built)
+CP_COMMS = ("p2p", "a2a")   # Megatron-LM's --cp-comm-type names (a2a+p2p, all_gather: not built)
 
 
 def check_ulysses_heads(hq: int, hkv: int, cp: int, where: str) -> None:
