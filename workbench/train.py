@@ -248,6 +248,9 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: the sequence sharded over cp ranks, ring "
                         "attention (workbench.recipes.context_parallel)")
+    g.add_argument("--cp-comm", default="p2p", choices=["p2p", "a2a"],
+                   help="with --cp: p2p (ring attention) or a2a (DeepSpeed-Ulysses' "
+                        "all-to-all over heads), Megatron-LM's --cp-comm-type")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     g.add_argument("--schedule", default="1f1b",
                    choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"],
@@ -298,7 +301,8 @@ def strategy_from_args(args) -> Strategy:
                                  "backend's device; leave --device at cpu")
             return ContextParallel(cp=cp, dp=parallel["dp"], tp=parallel["tp"],
                                    pp=parallel["pp"], sp=parallel["sp"], zero=parallel["zero"],
-                                   distributed=distributed)
+                                   distributed=distributed,
+                                   cp_comm=getattr(args, "cp_comm", "p2p"))
         return Hybrid(dp=parallel["dp"], tp=parallel["tp"], pp=parallel["pp"], sp=parallel["sp"],
                       zero=parallel["zero"], schedule=parallel["schedule"],
                       distributed=distributed, ep=ep, ep_chunks=ep_chunks)

@@ -88,6 +88,11 @@ def _check_unused(args) -> None:
     if ep_chunks != 1 and getattr(args, "ep", 1) == 1:
         raise ValueError(f"--ep-chunks {ep_chunks}: the all-to-all it splits runs with expert "
                          "parallelism only; add --ep 2 (and --moe-experts E) or leave it out")
+    cp_comm = getattr(args, "cp_comm", "p2p")
+    if cp_comm != "p2p" and getattr(args, "cp", 1) == 1:
+        raise ValueError(f"--cp-comm {cp_comm} with --cp 1: it chooses how the context-"
+                         "parallel ranks attend, and there are none; add --cp 2 or leave "
+                         "--cp-comm out")
     schedule = getattr(args, "schedule", "1f1b")
     if schedule != "1f1b" and getattr(args, "pp", 1) == 1:
         raise ValueError(f"--schedule {schedule} with --pp 1: a schedule orders the pipeline "

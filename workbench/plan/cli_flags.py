@@ -23,7 +23,8 @@ PLAN_FLAGS = {"global_batch": "--global-batch", "max_micro_batch": "--max-micro-
 # the Layout fields python -m workbench train --dry-run sets (plan.dryrun_cli)
 _TRAIN = {"global_batch": "--batch-size", "micro_batch": "--micro-batch", "tp": "--tp",
           "pp": "--pp", "zero": "--zero", "recompute": "--recompute", "schedule": "--schedule",
-          "sp": "--sp", "cp": "--cp", "ep": "--ep", "profile": "--profile"}
+          "sp": "--sp", "cp": "--cp", "ep": "--ep", "profile": "--profile",
+          "cp_comm": "--cp-comm"}
 
 # a Layout value the flag spells otherwise (plan.dryrun_cli._SCHEDULES)
 _VALUES = {("--schedule", "interleaved_1f1b"): "interleaved"}

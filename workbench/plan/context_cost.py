@@ -52,7 +52,7 @@ from ..sim_mesh.cost import wire_bytes
 from . import costs as C
 
 __all__ = ["token_cfg", "ring_ranks", "kv_block_bytes", "RingTimes", "ring_times",
-           "check_cp"]
+           "check_cp", "A2ATimes", "a2a_times", "check_cp_comm", "a2a_saved_bytes"]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -162,3 +162,76 @@ def ring_times(cfg, lay, prof) -> RingTimes:
                      k * wire_bytes("send_recv", n, 2)
                      + bool(k) * cp * wire_bytes("send_recv", ng, 2),
                      pairs, merge, hop_g, acc)
+
+
+# ---- cp_comm="a2a": DeepSpeed-Ulysses (strategies.context_parallel_a2a) --------------------
+#
+# Megatron-LM's ``--cp-comm-type a2a`` (megatron/training/arguments.py:3221 at NVIDIA/
+# Megatron-LM d98e8a64) runs Transformer Engine's ``AttnFuncWithCPAndQKVOA2A``
+# (NVIDIA/TransformerEngine d0067d0d, transformer_engine/pytorch/attention/
+# dot_product_attention/context_parallel.py:4170): q, k, v all-to-all'd from s / cp
+# tokens of every head to s tokens of (heads / tp) / cp heads (``flash_attn_a2a_communicate``,
+# :387; issued back to back and each waited for before the attention kernel, :423-431 and
+# :4339 before the kernel at :4400: on the critical path), the attention kernel over the
+# whole sequence on the rank's heads, the output all-to-all'd back; backward the same four
+# (dO in, dQ, dK, dV out). Each all-to-all is priced as the clock prices one (``cost.price``
+# on the cp ranks' links, sim_mesh's NCCL model) on a rank's (b, s / cp, heads / tp, d)
+# block; what a rank keeps for backward (q, k, v, o and the lse, head-sharded) has the
+# elements of the ring's (b s (H / tp / cp) d = b (s / cp) (H / tp) d) (``token_cfg``),
+# plus one output block: the kernel keeps its head-sharded output (``out_part``,
+# context_parallel.py:4566-4576 ``save_for_backward``) and the output projection keeps
+# the all-to-all'd one, where the ring's output is one tensor kept by both
+# (``a2a_saved_bytes``; measured on the dry run: 1.008 blocks per layer more than the
+# ring, at cp 2 and cp 4, tests/test_ulysses.py).
+
+
+def check_cp_comm(cfg, lay) -> None:
+    """Raise ValueError naming the heads and the fix unless ``lay.cp_comm="a2a"`` can give
+    each cp rank whole heads of its tp rank (Transformer Engine: ``num_heads % cp_size``
+    for q and k/v, context_parallel.py:4246)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a":
+        return
+    hq, hkv = cfg.n_head // lay.tp, (getattr(cfg, "n_kv_head", None) or cfg.n_head) // lay.tp
+    if hq % lay.cp or hkv % lay.cp:
+        good = [c for c in range(2, hkv + 1) if hq % c == 0 and hkv % c == 0]
+        raise ValueError(f"Layout: cp_comm='a2a' with cp={lay.cp}: each tp rank's heads (query "
+                         f"{hq}, key/value {hkv} at tp={lay.tp}) must divide by cp (the "
+                         f"all-to-all gives each cp rank whole heads; Transformer Engine's "
+                         f"condition); use cp_comm='p2p' (the ring), or a cp in {good or '[]'}")
+
+
+@dataclass(frozen=True)
+class A2ATimes:
+    """DeepSpeed-Ulysses' four all-to-alls of one layer and micro-batch on one rank."""
+    forward: float              # q, k, v in, the output back (s)
+    backward: float             # dO in, dQ, dK, dV back (s)
+    sent_forward: float         # bytes a rank sends per forward
+    sent_backward: float
+    blocks: tuple               # the four blocks' bytes (q, k, v, o) on a rank
+
+
+@lru_cache(maxsize=None)
+def a2a_times(cfg, lay, prof) -> A2ATimes:
+    """The all-to-alls of ``cp_comm="a2a"`` (comment above), priced on ``prof`` over the
+    cp ranks of one group (stride tp, Megatron-LM's rank order)."""
+    e = _ITEMSIZE[cfg.dtype]
+    b, tp, cp = lay.micro_batch, lay.tp, lay.cp
+    s_l, d = cfg.seq_len // cp, cfg.head_dim
+    ah, gh = cfg.n_head // tp, (getattr(cfg, "n_kv_head", None) or cfg.n_head) // tp
+    q, kv = b * s_l * ah * d * e, b * s_l * gh * d * e
+    blocks = (q, kv, kv, q)
+    ranks = ring_ranks(lay)
+    t = sum(C.group_price("all_to_all", n, ranks, prof) for n in blocks)
+    sent = sum(wire_bytes("all_to_all", n, cp) for n in blocks)
+    return A2ATimes(t, t, sent, sent, blocks)
+
+
+def a2a_saved_bytes(cfg, lay) -> int:
+    """Bytes a layer keeps for backward with ``cp_comm="a2a"`` beyond the ring's (comment
+    above): the attention output twice, head-sharded and sequence-sharded, one block
+    b (s / cp) (H / tp) d e; none where the attention core is recomputed ("selective",
+    "full": the kernel's output is not kept)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.recompute in ("selective", "full"):
+        return 0
+    return lay.micro_batch * (cfg.seq_len // lay.cp) * (cfg.n_head // lay.tp) \
+        * cfg.head_dim * _ITEMSIZE[cfg.dtype]

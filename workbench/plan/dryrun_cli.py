@@ -44,7 +44,8 @@ def layout_from_args(args):
     v = 2 if args.schedule == "interleaved" else 1
     return Layout(dp=dp, tp=tp, pp=pp, sp=bool(args.sp), zero=args.zero,
                   recompute=getattr(args, "recompute", "none") or "none", micro_batch=mb,
-                  global_batch=batch, schedule=_SCHEDULES[args.schedule], v=v, ep=ep, cp=cp)
+                  global_batch=batch, schedule=_SCHEDULES[args.schedule], v=v, ep=ep, cp=cp,
+                  cp_comm=getattr(args, "cp_comm", "p2p"))
 
 
 def main_dry_run(args) -> int:

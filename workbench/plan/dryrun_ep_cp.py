@@ -4,8 +4,10 @@
   the expert-parallel group out of the data-parallel ranks, as the planner's layout:
   ``recipes.moe``), its MoE layers routed on meta tensors by :mod:`.meta_moe` (balanced
   by default, what the planner assumes; or given counts);
-- ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=, sp=)`` (``recipes.context_parallel``:
-  ring attention, causal load balancing), the rank order tp, cp, dp of ``plan.ep_cp``.
+- ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=, sp=, cp_comm=)``
+  (``recipes.context_parallel``: ring attention, or DeepSpeed-Ulysses' all-to-all with
+  ``cp_comm="a2a"`` at tp = 1; causal load balancing), the rank order tp, cp, dp of
+  ``plan.ep_cp``.
 
 - a MoE model with tp > 1 (sp=False): the runtime keeps the MoE MLP whole on every tp
   rank (router, experts, shared experts: ``models.split.tp_plan``), the experts split
@@ -63,13 +65,19 @@ def check(model, lay) -> None:
                              f"parallel recipe (recipes.context_parallel: dp x cp x tp with or "
                              f"without sp, no pp, ZeRO-3 or ep); change {n}, or use "
                              f"wb.plan.estimate")
+        if lay.cp_comm == "a2a" and lay.tp > 1:
+            raise ValueError(f"dry_run: cp_comm='a2a' with tp={lay.tp} is not run by the "
+                             f"context-parallel recipe (ContextParallel(cp_comm='a2a') is "
+                             f"tp = 1: the all-to-all over heads already split on tp is not "
+                             f"built); use tp=1, cp_comm='p2p', or wb.plan.estimate")
 
 
 def recipe(lay):
     """The recipe the layout describes (module docstring)."""
     if lay.cp > 1:
         from ..recipes.context_parallel import ContextParallel
-        return ContextParallel(cp=lay.cp, dp=lay.dp, tp=lay.tp, sp=lay.sp, zero=lay.zero)
+        return ContextParallel(cp=lay.cp, dp=lay.dp, tp=lay.tp, sp=lay.sp, zero=lay.zero,
+                               cp_comm=lay.cp_comm)
     from ..recipes.hybrid import Hybrid
     return Hybrid(dp=lay.dp // lay.ep, ep=lay.ep, tp=lay.tp, pp=lay.pp, sp=lay.sp,
                   zero=lay.zero, schedule=_SCHEDULE[lay.schedule], microbatches=lay.m,

@@ -51,6 +51,10 @@ def check_fields(lay) -> None:
     """What ``Layout`` checks of ep and cp without the model."""
     _int("ep", lay.ep)
     _int("cp", lay.cp)
+    if lay.cp_comm not in ("p2p", "a2a"):
+        raise ValueError(f"Layout: cp_comm={lay.cp_comm!r}; give 'p2p' (ring attention) or "
+                         f"'a2a' (DeepSpeed-Ulysses), Megatron-LM's --cp-comm-type names "
+                         f"('a2a+p2p' and 'all_gather' are not modeled)")
     if lay.dp % lay.ep:
         raise ValueError(f"Layout: ep={lay.ep} must divide dp={lay.dp}: the expert-parallel "
                          f"group is carved out of the data-parallel ranks; use an ep dividing "
@@ -94,6 +98,7 @@ def check_layout(model, lay) -> None:
                              f"{moe.d_ff} (experts are tensor-parallel as the dense MLP); "
                              f"choose another tp")
     X.check_cp(model, lay.cp)
+    X.check_cp_comm(model, lay)
     if lay.cp > 1 and (model.seq_len // lay.cp * lay.micro_batch) % lay.tp and lay.sp:
         raise ValueError(f"Layout: sp=True splits the s / cp x b = "
                          f"{model.seq_len // lay.cp * lay.micro_batch} tokens of a rank over "
@@ -155,7 +160,7 @@ def _mini(lay):
     """The fields a layer's price depends on, as a small hashable layout."""
     from .layout import Layout
     return Layout(dp=lay.ep, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
-                  micro_batch=lay.micro_batch, ep=lay.ep, cp=lay.cp,
+                  micro_batch=lay.micro_batch, ep=lay.ep, cp=lay.cp, cp_comm=lay.cp_comm,
                   framework="workbench" if lay.engine == "workbench" else None)
 
 
@@ -213,7 +218,9 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
         rows += _price_moe(M.backward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e, lay.sp),
                            "backward", lay, prof, tcfg.dtype)
     ring = None
-    if lay.cp > 1:
+    if lay.cp > 1 and lay.cp_comm == "a2a":
+        rows = _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows)
+    elif lay.cp > 1:
         ring = X.ring_times(model, lay, prof)
         for phase in [o.phase for o in ops if o.name == "flash_attention"]:
             rows.append(("cp_ring_attention", phase, "attention",
@@ -225,6 +232,39 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
         rows.append(("cp_ring_kv_grad_exposed", "backward", "send_recv",
                      ring.backward_exposed_comm, ring.sent_backward, True))
     return tuple(rows), ring
+
+
+_ATTN = ("flash_attention", "flash_attention_grad", "recompute:flash_attention")
+
+
+def _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows):
+    """``cp_comm="a2a"`` (``context_cost``'s comment): the attention kernels over the whole
+    sequence on (heads / tp) / cp heads, priced as the layer prices its own (``layer_ops``
+    at s tokens and tp x cp head groups, its attention rows only), and the four
+    all-to-alls forward (beside each forward and full recompute of the kernel) and
+    backward, exposed."""
+    from .layer_cost import layer_ops
+    full = layer_ops(model.d_model, model.n_head, model.seq_len, lay.micro_batch,
+                     lay.tp * lay.cp, False, lay.recompute, model.d_ff, model.dtype, prof,
+                     list(range(lay.tp * lay.cp)), attention, fp8, regather=regather, **extra)
+    whole = {}
+    for o in full:
+        if o.name in _ATTN:
+            whole.setdefault((o.name, o.phase), []).append(o.exposed)
+    out, seen = [], {}
+    for r in rows:
+        key = (r[0], r[1])
+        if r[0] in _ATTN:
+            i = seen.get(key, 0)
+            seen[key] = i + 1
+            r = (r[0], r[1], r[2], whole[key][i], r[4], r[5])
+        out.append(r)
+    a2a = X.a2a_times(model, lay, prof)
+    for phase in [o.phase for o in ops if o.name == "flash_attention"]:
+        out.append(("cp_a2a_qkv_o", phase, "all_to_all", a2a.forward, a2a.sent_forward, True))
+    out.append(("cp_a2a_qkv_o_grad", "backward", "all_to_all", a2a.backward,
+                a2a.sent_backward, True))
+    return out
 
 
 def layer_cost(model, lay, prof, attention, fp8=False) -> "C.LayerCost":
@@ -245,9 +285,11 @@ def layer_detail(model, lay, prof, attention, fp8=False) -> dict:
     what ``Estimate.explain`` prints (seconds, bytes one rank sends)."""
     mini = _mini(lay)
     rows, ring = _layer(model, mini, prof, attention, fp8, _regathers(model, lay))
-    a2a = [r for r in rows if r[2] == "all_to_all"]
+    a2a = [r for r in rows if r[2] == "all_to_all" and not r[0].startswith("cp_")]
     out = {"a2a_seconds": sum(r[3] for r in a2a), "a2a_bytes": sum(r[4] for r in a2a),
            "a2a_count": len(a2a), "ring": ring}
+    if lay.cp > 1 and lay.cp_comm == "a2a":
+        out["cp_a2a"] = X.a2a_times(model, mini, prof)
     if M.moe_of(model) is not None:
         ranks = _groups(mini)["ep"]
         out["ep_ranks"] = ranks

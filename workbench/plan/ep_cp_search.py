@@ -70,7 +70,12 @@ def assumptions(model, lay) -> tuple:
                    f"{core / (mat + core):.0%} of the layers' FLOPs at s = {model.seq_len}, "
                    f"twice what the causal kernel the time is priced on computes: read them "
                    f"as up to 2x high (HFU can pass 100%)")
-    if lay.cp > 1:
+    if lay.cp > 1 and lay.cp_comm == "a2a":
+        out.append("CP: DeepSpeed-Ulysses' four all-to-alls per layer forward and four "
+                   "backward on the critical path, as Transformer Engine waits for q, k, v "
+                   "before the kernel (plan/context_cost.py); reordering the 2 cp chunks "
+                   "after the all-to-all assumed free")
+    elif lay.cp > 1:
         out.append("CP: ring attention's K/V exchange double-buffered behind each half "
                    "block, which the copy's SMs stretch (plan/context_cost.py); routing "
                    "of the sequence into 2 cp chunks (causal balancing) assumed free")
@@ -100,6 +105,11 @@ def explain_lines(est) -> list:
                    f"micro-batch (dispatch, combine, their gradients; the counts) "
                    f"{d['a2a_seconds'] * ms:.2f} ms, {d['a2a_bytes'] / 1e6:.1f} MB sent, "
                    f"{d['ep_link']}")
+    u = d.get("cp_a2a")
+    if u is not None:
+        out.append(f"  all-to-all attention over cp={lay.cp} (DeepSpeed-Ulysses): 4 "
+                   f"all-to-alls forward {u.forward * ms:.2f} ms, 4 backward "
+                   f"{u.backward * ms:.2f} ms, {u.sent_forward / 1e6:.1f} MB sent each way")
     r = d["ring"]
     if r is not None:
         hidden = "hidden" if r.hop <= r.half_forward else "NOT hidden"

@@ -93,6 +93,8 @@ class Layout:
     stages: tuple | None = None     # layers per pipeline stage (None: n_layer / pp each)
     ep: int = 1                     # expert parallel: experts split over ep of the dp ranks
     cp: int = 1                     # context parallel: the sequence split over cp ranks
+    cp_comm: str = "p2p"            # cp's attention: "p2p" ring or "a2a" (DeepSpeed-Ulysses),
+    #                                 Megatron-LM's --cp-comm-type (plan.context_cost)
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "v"):
@@ -212,6 +214,7 @@ class Layout:
         out += f" zero{self.zero}" if self.zero else ""
         out += f" stages{list(self.stages)}" if self.stages is not None else ""
         out += (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
+        out += " a2a" if self.cp_comm == "a2a" else ""
         return out + (f" {self.framework}" if self.framework is not None else "")
 
 

@@ -53,6 +53,7 @@ from functools import lru_cache
 
 from . import bf16_optimizer as _bf16
 from . import deepspeed_pipe_memory as _ds_pipe
+from . import context_cost as _cc
 from . import ep_cp as _ep_cp
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -397,6 +398,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention, _regather(cfg, lay))
+    per_layer += _cc.a2a_saved_bytes(cfg, lay)     # cp_comm="a2a": its output twice
     act = per_layer * nl * held
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)

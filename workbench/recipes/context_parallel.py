@@ -11,7 +11,10 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   (:func:`~workbench.parallel.strategies.context_parallel.to_ring_layout`): rank i of cp
   holds chunks i and 2cp-1-i of every sequence (causal load balancing), so every op but
   attention runs on cp-sharded tokens unchanged;
-* attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs);
+* attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs),
+  or with ``cp_comm="a2a"`` as DeepSpeed-Ulysses' all-to-all attention (Megatron-LM's
+  ``--cp-comm-type a2a``: ``strategies.context_parallel_a2a``; tp = 1 only, the heads
+  dividing by cp; the ring layout stays, each rank reorders the gathered sequence);
 * with sequence parallelism (``sp``, tp > 1) each cp rank's tokens are sharded over tp
   as well (Megatron-LM runs SP inside each cp rank): the rules put Megatron SP's
   all-gathers and reduce-scatters on tp around the linears, the ring stays on cp, and
@@ -45,6 +48,7 @@ from ..parallel.module import dist_parameters, parallelize
 from ..parallel.placement import Replicate, Shard
 from ..parallel.strategies.context_parallel import (check_ring, context_parallel,
                                                     slot_positions, to_ring_layout)
+from ..parallel.strategies.context_parallel_a2a import CP_COMMS, check_ulysses_heads
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.reshard import reshard
 from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
@@ -70,12 +74,14 @@ def _int(v) -> bool:
 
 class ContextParallel(Hybrid):
     """DP x CP x TP training (see the module docstring); ``balanced``: causal load
-    balancing (rank i holds chunks i and 2cp-1-i), else contiguous slots."""
+    balancing (rank i holds chunks i and 2cp-1-i), else contiguous slots; ``cp_comm``:
+    "p2p" (ring attention) or "a2a" (DeepSpeed-Ulysses), Megatron-LM's --cp-comm-type."""
 
     name = "context_parallel"
 
     def __init__(self, cp=2, dp=1, tp=1, pp=1, sp=False, zero=0, balanced: bool = True,
-                 distributed: bool = False, regather: bool = True, **unused):
+                 distributed: bool = False, regather: bool = True, cp_comm: str = "p2p",
+                 **unused):
         if not _int(cp) or cp < 1:
             raise ValueError(f"ContextParallel(cp={cp!r}): give an int >= 1, the number of "
                              "ranks the sequence is sharded over")
@@ -89,12 +95,22 @@ class ContextParallel(Hybrid):
             raise NotImplementedError(f"cp={cp} with zero=3: not built yet; use zero 0, 1 or 2")
         if not isinstance(balanced, bool):
             raise TypeError(f"ContextParallel(balanced={balanced!r}): give True or False")
+        if cp_comm not in CP_COMMS:
+            raise ValueError(f"ContextParallel(cp_comm={cp_comm!r}): give one of {CP_COMMS} "
+                             "(Megatron-LM's --cp-comm-type: the ring, or DeepSpeed-Ulysses' "
+                             "all-to-all)")
+        if cp_comm == "a2a" and tp > 1:
+            raise NotImplementedError(
+                f"ContextParallel(cp_comm='a2a', tp={tp}): the all-to-all over cp with heads "
+                "already split over tp is not built (the placements would put cp's head split "
+                "outside tp's); use cp_comm='p2p' with tp, or tp=1")
         if unused:
             raise TypeError(f"ContextParallel: unknown arguments {sorted(unused)}")
         check_world(dp * cp, tp, 1, f"dp={dp}, cp={cp}, tp={tp}")
         super().__init__(dp=dp, tp=tp, pp=1, sp=sp, zero=zero, distributed=False,
                          regather=regather)
         self.cp, self.balanced, self.distributed = cp, balanced, distributed
+        self.cp_comm = cp_comm
         self.meshes = [cp_mesh(dp, cp, tp)]
         if distributed:                 # one rank per process on torch.distributed
             from ..sim_mesh import backends as _B
@@ -107,6 +123,9 @@ class ContextParallel(Hybrid):
     def check(self, cfg, batch_size: int) -> None:
         super().check(cfg, batch_size)
         check_ring(cfg.seq_len, self.cp, self.balanced, f"cp={self.cp} (seq_len={cfg.seq_len})")
+        if self.cp_comm == "a2a":
+            check_ulysses_heads(cfg.n_head, getattr(cfg, "n_kv_head", None) or cfg.n_head,
+                                self.cp, f"ContextParallel(cp={self.cp})")
         if self.sp and (cfg.seq_len // self.cp) % self.tp:
             raise ValueError(f"cp={self.cp} with sp and tp={self.tp}: each cp rank's "
                              f"{cfg.seq_len // self.cp} tokens do not divide by tp; use a "
@@ -189,7 +208,8 @@ class ContextParallel(Hybrid):
 
     def _stage(self, model, s, x):
         """The model's stage with attention on the ring and positions in ring order."""
-        with context_parallel(self.meshes[0], "cp", balanced=self.balanced), \
+        with context_parallel(self.meshes[0], "cp", balanced=self.balanced,
+                              cp_comm=self.cp_comm), \
                 self._ring_positions(model, x.shape[1]):
             return super()._stage(model, s, x)
 
@@ -248,4 +268,5 @@ class ContextParallel(Hybrid):
         "selective") run their forward again in backward, so attention is on the ring
         there too (the RoPE tables are the checkpoint's arguments, kept from the forward);
         also the dry run's (``plan.meta_run``)."""
-        return context_parallel(self.meshes[0], "cp", balanced=self.balanced)
+        return context_parallel(self.meshes[0], "cp", balanced=self.balanced,
+                                cp_comm=self.cp_comm)

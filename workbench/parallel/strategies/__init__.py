@@ -10,7 +10,8 @@ per-chunk mode (:mod:`.zero_optimizer_dist`), ``Zero3``
 (:mod:`.zero3`) is FSDP over DistTensors with its own AdamW.
 
 Also: tensor and sequence parallel (:mod:`.tensor_parallel`), context parallelism (ring
-attention with causal load balancing, :mod:`.context_parallel`; CP against SP as data,
+attention with causal load balancing, :mod:`.context_parallel`; DeepSpeed-Ulysses'
+all-to-all attention, ``cp_comm="a2a"``, :mod:`.context_parallel_a2a`; CP against SP as data,
 :mod:`.context_parallel_cost`; gradients summed over dp x cp as one group,
 :mod:`.flat_dims`), expert parallelism (a MoE layer's experts over an ep dim,
 tokens by uneven all-to-all, :mod:`.expert_parallel`; its chunked overlap on the clock,

@@ -36,7 +36,9 @@ tables, learned position ids) must follow the same order.
 ``context_parallel(mesh, "cp")`` is PyTorch's ``torch.distributed.tensor.experimental.
 context_parallel`` idea: while it is active, attention on DistTensors whose query is
 sequence-sharded on that mesh dim (``wb.ops.flash_attention``, ``F.scaled_dot_product_
-attention``) runs as :func:`ring_attention`; every other op runs as usual.
+attention``) runs as :func:`ring_attention`; every other op runs as usual. With
+``cp_comm="a2a"`` (Megatron-LM's ``--cp-comm-type a2a``) it runs as DeepSpeed-Ulysses'
+all-to-all attention instead (:mod:`.context_parallel_a2a`).
 """
 from __future__ import annotations
 
@@ -53,10 +55,11 @@ from .. import storage
 from .context_parallel_autograd import autograd_in_context
 from .context_parallel_backward import ring_attention_function
 from .context_parallel_comm import ring_pass, wait
+from .context_parallel_a2a import CP_COMMS, ulysses_attention
 
 __all__ = ["ring_attention", "ring_pass", "context_parallel", "to_ring_layout",
            "from_ring_layout", "ring_order", "slot_positions", "slot_chunks",
-           "ring_schedule", "check_ring", "wait"]
+           "ring_schedule", "check_ring", "wait", "ulysses_attention"]
 
 
 # ---- ring attention ---------------------------------------------------------------------------
@@ -233,14 +236,20 @@ class context_parallel(TorchFunctionMode):
     (causal, or no mask); anything else, a mask tensor, dropout, is refused with the fix.
     A mixture-of-experts router with a capacity (``wb.ops.router_topk``) on tokens
     sequence-sharded (``Shard(1)``) on "cp", in ring order, routes them in sequence
-    order, as one device does."""
+    order, as one device does. ``cp_comm``: "p2p" (the ring) or "a2a" (DeepSpeed-Ulysses:
+    :func:`~.context_parallel_a2a.ulysses_attention`), Megatron-LM's ``--cp-comm-type``."""
 
-    def __init__(self, mesh, mesh_dim="cp", *, balanced: bool = True):
+    def __init__(self, mesh, mesh_dim="cp", *, balanced: bool = True, cp_comm: str = "p2p"):
         if not isinstance(balanced, bool):
             raise TypeError(f"context_parallel(balanced={balanced!r}): give True (rank i holds "
                             "chunks i and 2cp-1-i) or False (contiguous slots)")
+        if cp_comm not in CP_COMMS:
+            raise ValueError(f"context_parallel(cp_comm={cp_comm!r}): give one of {CP_COMMS} "
+                             "(Megatron-LM's --cp-comm-type; 'a2a+p2p' and 'all_gather' are "
+                             "not built)")
         super().__init__()
         self.mesh, self.axis, self.balanced = mesh, mesh.dim(mesh_dim), balanced
+        self.cp_comm = cp_comm
         self.name = mesh.dim_names[self.axis]
 
     def _mine(self, q) -> bool:
@@ -329,6 +338,9 @@ class context_parallel(TorchFunctionMode):
         if not self._mine(k) or not self._mine(v):
             raise ValueError(f"{where}: q is sequence-sharded on {self.name!r} but k or v is "
                              "not; shard all three the same way")
+        if self.cp_comm == "a2a":
+            return ulysses_attention(q, k, v, self.axis, causal=causal,
+                                     balanced=self.balanced, scale=a.get("scale"))
         return ring_attention(q, k, v, self.axis, causal=causal, balanced=self.balanced,
                               scale=a.get("scale"))
 

@@ -1,0 +1,164 @@
+"""Context parallelism by all-to-all: DeepSpeed-Ulysses (``cp_comm="a2a"``).
+
+The ring (:mod:`.context_parallel`) keeps each rank's queries and passes K/V blocks round.
+DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
+Enabling Training of Extreme Long Sequence Transformer Models", arXiv 2309.14509, sec. 3)
+turns the sequence-sharded q, k, v into head-sharded full sequences by one all-to-all
+each, runs ordinary attention on the rank's heads, and turns the output back:
+
+    q, k, v: (B, H, S/p, D) on each rank  --all-to-all-->  (B, H/p, S, D)     3 all-to-alls
+    o = attention(q, k, v)  on the rank's H/p heads, the whole sequence         (local)
+    o: (B, H/p, S, D)  --all-to-all-->  (B, H, S/p, D)                          1 all-to-all
+
+Backward is the same four all-to-alls in reverse (dO in, dQ, dK, dV out): each is the
+backward of the reshard ``Shard(2) -> Shard(1)`` on the cp mesh dim (an all-to-all whose
+gradient is the inverse all-to-all, traced and priced by the clock as every reshard).
+Per layer a rank sends (p-1)/p of each of its four (B, H, S/p, D) blocks: 4 B S H D e
+(p-1)/p^2 bytes forward, as many backward; the paper's "aggregate communication volume
+per link of 4Nh/P" (sec. 3.2, N = S, h = H D, counted per element) is that figure
+without the (p-1)/p a rank keeps: constant when S and p grow together.
+
+The degree is bounded by the heads: every rank needs whole heads. Transformer Engine
+refuses cp_comm_type='a2a' unless both the query heads and the K/V heads divide by cp
+(NVIDIA/TransformerEngine d0067d0d ``transformer_engine/pytorch/attention/
+dot_product_attention/context_parallel.py``:4246-4249), as DeepSpeed does for its heads
+(microsoft/DeepSpeed 38327e07 ``deepspeed/sequence/layer.py``:34); so does this module
+(GQA with fewer K/V heads than cp ranks: the fix is cp_comm="p2p", the ring, or a cp that
+divides the K/V heads). The hierarchical "a2a+p2p" (a2a inside, ring across:
+``context_parallel.py``:5020) is not built.
+
+Megatron-Core names the choice ``cp_comm_type`` (NVIDIA/Megatron-LM d98e8a64:
+``megatron/training/arguments.py``:3221 ``--cp-comm-type`` p2p | a2a | allgather | a2a+p2p,
+per layer; ``megatron/core/transformer/transformer_config.py``:1030;
+``megatron/core/extensions/transformer_engine.py``:2063-2153 hands it to TE's
+``DotProductAttention``, whose ``attn_forward_func_with_cp`` (TE ``context_parallel.py``:
+4924, :5123) runs ``AttnFuncWithCPAndQKVOA2A`` (:4170) for "a2a"): this library's
+``cp_comm`` keyword takes the same names ("p2p", "a2a").
+
+Layout: the sequence may be in the ring's load-balanced order (rank i holds chunks i and
+2p-1-i, :func:`~.context_parallel.to_ring_layout`); after the all-to-all each rank holds
+the whole sequence in that order and puts it back in sequence order before attention
+(a local reordering), as Transformer Engine's a2a path reorders the chunks after its
+all-to-all (``context_parallel.py``:4338, ``reorder_seq_chunks_for_a2a_before_attn``).
+Load balancing does not matter here: every rank attends the whole sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dist_tensor import DistTensor
+from ..placement import Shard
+from ..reshard import reshard
+from ..ops_table.ring_attention import slot_positions
+
+__all__ = ["ulysses_attention", "check_ulysses_heads", "ulysses_bytes", "CP_COMMS"]
+
+CP_COMMS = ("p2p", "a2a")   # Megatron-LM's --cp-comm-type names (a2a+p2p, all_gather: not built)
+
+
+def check_ulysses_heads(hq: int, hkv: int, cp: int, where: str) -> None:
+    """Raise ValueError naming the heads and the fix unless both head counts divide by cp
+    (module docstring: Transformer Engine's and DeepSpeed's condition)."""
+    for name, h in (("query", hq), ("key/value", hkv)):
+        if h % cp:
+            good = [c for c in range(2, hkv + 1) if hq % c == 0 and hkv % c == 0]
+            raise ValueError(
+                f"{where}: cp_comm='a2a' (DeepSpeed-Ulysses) gives each of the cp={cp} ranks "
+                f"whole heads, but the {name} heads ({h}; q {hq}, k/v {hkv}) do not divide by "
+                f"{cp}. Fix: use cp_comm='p2p' (ring attention, no head limit), or a cp "
+                f"dividing both head counts ({good or 'none > 1'})")
+
+
+def ulysses_bytes(shape_q, shape_kv_k, shape_kv_v, p: int, itemsize: int) -> int:
+    """Bytes one rank sends in the forward's four all-to-alls of q (B, Hq, S, D), k, v
+    and the output (q's shape, v's head dim): (p-1)/p of each local (S/p) block."""
+    def block(shape):
+        n = 1
+        for s in shape:
+            n *= s
+        return n // p * itemsize * (p - 1) // p
+    out = tuple(shape_q[:3]) + (shape_kv_v[3],)
+    return sum(block(s) for s in (shape_q, shape_kv_k, shape_kv_v, out))
+
+
+def _check_inputs(q, k, v, axis, where):
+    mesh = q.mesh
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, DistTensor):
+            raise TypeError(f"{where}: {name} is a {type(t).__name__}; give DistTensors whose "
+                            f"sequence (dim 2) is sharded over the cp mesh dim")
+        if t.mesh != mesh:
+            raise ValueError(f"{where}: q, k, v live on different meshes; reshard them onto one")
+        if t.ndim != 4 or t.placements[axis] != Shard(2):
+            raise ValueError(f"{where}: {name} (shape {tuple(t.shape)}, placements "
+                             f"{list(t.placements)}) must be 4-d (batch, heads, seq, head_dim) "
+                             f"with its sequence sharded, Shard(2), on mesh dim "
+                             f"{mesh.dim_names[axis]!r}; reshard it")
+        for a, pl in enumerate(t.placements):
+            if a != axis and pl.is_shard() and pl.dim in (1, 2):
+                raise ValueError(
+                    f"{where}: {name} is {pl} on mesh dim {mesh.dim_names[a]!r} as well: the "
+                    f"all-to-all needs whole heads and the whole sequence off the cp dim. "
+                    f"Fix: replicate dims 1 and 2 on {mesh.dim_names[a]!r} (shard the batch "
+                    f"there instead), or use cp_comm='p2p' (the ring), which takes heads "
+                    f"sharded on tp")
+            if pl.is_partial():
+                raise ValueError(f"{where}: {name} is {pl} on mesh dim {mesh.dim_names[a]!r}; "
+                                 f"reduce it first (reshard to Replicate)")
+    p = mesh.shape[axis]
+    check_ulysses_heads(q.shape[1], k.shape[1], p, where)
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{where}: q has {q.shape[1]} heads, k {k.shape[1]} and v "
+                         f"{v.shape[1]}: grouped-query attention needs k and v alike and "
+                         f"their heads dividing q's")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[2] % p:
+            raise ValueError(f"{where}: {name}'s sequence ({t.shape[2]}) does not divide by "
+                             f"cp={p}: the all-to-all moves equal blocks; pad the sequence "
+                             f"to a multiple of {p}")
+        for a, pl in enumerate(t.placements):
+            n = mesh.shape[a]
+            if pl.is_shard() and t.shape[pl.dim] % n:
+                raise ValueError(f"{where}: {name} (shape {tuple(t.shape)}) is {pl} on mesh "
+                                 f"dim {mesh.dim_names[a]!r} of {n} ranks: dim {pl.dim} does "
+                                 f"not divide; use a multiple of {n}")
+    return p
+
+
+def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: bool = False,
+                      scale: float | None = None):
+    """DeepSpeed-Ulysses attention (module docstring) of q (B, Hq, S, D) against k, v
+    (B, Hkv, S, D*), DistTensors whose sequence is sharded (``Shard(2)``) over
+    ``mesh_dim``; ``balanced``: the sequence is in the ring's load-balanced order
+    (:func:`~.context_parallel.to_ring_layout`), else contiguous. Returns the output
+    (B, Hq, S, Dv), laid out as q; equal to ``flash_attention(q, k, v, causal=causal)``
+    of the sequences in their own order. Four all-to-alls forward, four backward."""
+    where = "ulysses_attention"
+    for name, b in (("causal", causal), ("balanced", balanced)):
+        if not isinstance(b, bool):
+            raise TypeError(f"{where}: {name}={b!r}; give True or False")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{where}: scale={scale!r}; give a float or None (1/sqrt(head_dim))")
+    if not isinstance(q, DistTensor):
+        raise TypeError(f"{where}: q is a {type(q).__name__}; give DistTensors whose sequence "
+                        "(dim 2) is sharded over the cp mesh dim")
+    axis = q.mesh.dim(mesh_dim)
+    p = _check_inputs(q, k, v, axis, where)
+    mesh = q.mesh
+
+    def to(t, dim):
+        ps = list(t.placements)
+        ps[axis] = Shard(dim)
+        return reshard(t, mesh, ps)
+    # the sequence gathered, the heads scattered: one all-to-all each (Shard(2) -> Shard(1))
+    hq, hk, hv = (to(t, 1) for t in (q, k, v))
+    S = q.shape[2]
+    pos = slot_positions(S, p, True).to(q.device) if balanced else None
+    if pos is not None:             # ring order -> sequence order, locally on each rank
+        inv = torch.argsort(pos)
+        hq, hk, hv = (torch.index_select(t, 2, inv) for t in (hq, hk, hv))
+    from ... import ops
+    o = ops.flash_attention(hq, hk, hv, causal=causal, scale=scale)
+    if pos is not None:
+        o = torch.index_select(o, 2, pos)
+    return to(o, 2)                 # the heads gathered, the sequence scattered back
