@@ -29,8 +29,9 @@ import torch
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import grid
+from ..sim_mesh import padded as _padded
 from ..sim_mesh.grid import Cells
-from . import layout
+from . import dist_uneven, layout
 from .placement import Partial, Replicate, Shard
 
 __all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
@@ -53,9 +54,10 @@ def holds_own(mesh) -> bool:
 
 
 def holds_uneven(mesh) -> bool:
-    """True where uneven shards can be held (as cells): everywhere but torch.distributed,
-    where one process holds one shard and collectives need equal sizes."""
-    return not _B.is_distributed(mesh)
+    """True where uneven shards can be held: everywhere.  The simulator holds them as
+    cells; on torch.distributed a process holds its own shard whatever its length, and
+    the collectives pad it to the group's largest (``sim_mesh/padded.py``, as DTensor)."""
+    return True
 
 
 def own_coord(mesh):
@@ -161,6 +163,8 @@ def for_run(loc, mesh, even: bool):
     per op for every rank), cells otherwise (once per cell)."""
     if even:
         return to_stacked(loc) if isinstance(loc, Cells) else loc
+    if _B.is_distributed(mesh):
+        return loc                      # this process's shard, whatever its length
     return to_cells(loc, mesh.ndim)
 
 
@@ -407,9 +411,15 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
         pg, group = _B.group(mesh, i)
         t = own(x, mesh)
         if kind == "slice":             # the backward gathers the gradient across processes
-            y = _B.SliceOwn.apply(t, pg, n, coord[i], new.dim)
-            y = C._on_backward(y, "all_gather", mesh, i, t.numel() * t.element_size(),
-                               label, groups=[group])
+            new_ps = old_ps[:i] + (new,) + old_ps[i + 1:]
+            sizes = None if _is_even(shape, mesh, new_ps) else \
+                dist_uneven.pieces(shape, mesh, new_ps, i, new.dim, coord)
+            y = _B.SliceOwn.apply(t, pg, n, coord[i], new.dim) if sizes is None or \
+                len(set(sizes)) <= 1 else _padded.SliceOwn.apply(t, pg, sizes, coord[i], new.dim)
+            # the bytes the simulator records: the largest rank's block (uneven: not ours)
+            nb = t.numel() * t.element_size() if _is_even(shape, mesh, old_ps) else \
+                layout.local_numel_max(tuple(shape), mesh, old_ps) * t.element_size()
+            y = C._on_backward(y, "all_gather", mesh, i, nb, label, groups=[group])
         elif kind == "partial":          # every process keeps the gradient of its copy
             y = _B.KeepOnFirst.apply(t, coord[i]) if new.reduce_op == "sum" else t
         else:
