@@ -16,9 +16,12 @@ operator here.  For one call, reading the op's entry in the op table
 4. replicated inputs that meet per-rank computation are given per-rank views
    (:func:`collectives.expand_replicas`; their backward is the gradient
    all-reduce, traced; a shard the op gathered itself gets DTensor's one
-   reduce-scatter back instead, ``reshard_backward.gather``);
+   reduce-scatter back instead, ``reshard_backward.gather``, on torch.distributed
+   ``gather_backward_dist.gather``);
 5. the local op runs once on the stacked local tensors of all ranks (or per
-   rank when shards are uneven) and the result is wrapped with the announced
+   rank when shards are uneven; on torch.distributed, on this process's shard,
+   uneven or not: the collectives pad, ``sim_mesh/padded.py``) and the result is
+   wrapped with the announced
    output placements; under a trace, the entry's cost on the busiest rank is
    recorded as a forward compute event, and as a backward one when the
    gradient passes (``ops_table/pricing.py``).

@@ -8,7 +8,7 @@ A DistTensor's ``_local`` takes one of three forms:
 * **cells**: uneven shards (``torch.chunk`` sizes differ), a :class:`Cells` grid of the
   same leading shape holding one tensor per cell;
 * **own**: on torch.distributed, this process's shard only, stacked with every leading
-  axis of size 1.
+  axis of size 1; uneven shards too (the collectives pad them: ``sim_mesh/padded.py``).
 
 Only this module asks which form it holds.  ``dist_tensor.py`` and ``reshard.py`` call
 the functions below: make a stack from a global tensor (:func:`from_global`), a rank's
@@ -34,7 +34,7 @@ from ..sim_mesh.grid import Cells
 from . import dist_uneven, layout
 from .placement import Partial, Replicate, Shard
 
-__all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
+__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "replicated",
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
            "map_tensors", "device", "seeds_partial", "seed_like", "local_step", "run_per_cell",
@@ -51,13 +51,6 @@ def form(loc, mesh) -> str:
 def holds_own(mesh) -> bool:
     """True on torch.distributed: a DistTensor on ``mesh`` holds this process's shard."""
     return _B.is_distributed(mesh)
-
-
-def holds_uneven(mesh) -> bool:
-    """True where uneven shards can be held: everywhere.  The simulator holds them as
-    cells; on torch.distributed a process holds its own shard whatever its length, and
-    the collectives pad it to the group's largest (``sim_mesh/padded.py``, as DTensor)."""
-    return True
 
 
 def own_coord(mesh):
