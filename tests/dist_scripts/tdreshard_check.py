@@ -45,6 +45,20 @@ def uneven_1d(mesh):
             "grad_x": _diff(X.grad, rx.grad), "grad_w": _diff(W.grad, rw.grad)}
 
 
+def empty_shard(mesh):
+    """One row over 2 ranks (torch.chunk gives 1 and 0): the second rank holds an empty
+    shard; the gather pads it, the gradient's slice keeps it empty."""
+    (Z,) = _inputs((1, 3))
+    ref = Z.clone().requires_grad_()
+    Z.requires_grad_()
+    z = wb.shard_tensor(Z, mesh, [wb.Shard(0)])
+    r = wb.reshard(z * 3.0, mesh, [wb.Replicate()])
+    out = (r * r).sum()
+    out.backward()
+    ((ref * 3.0) ** 2).sum().backward()
+    return {"out": _diff(out.full(), ((ref * 3.0) ** 2).sum()), "grad": _diff(Z.grad, ref.grad)}
+
+
 def uneven_2d(mesh):
     """A 2 x 2 mesh, a (5, 7) tensor sharded on both dims (3/2 and 4/3): all-to-all on
     one mesh dim while the other shards too, gathers, and the gradient back."""
@@ -110,6 +124,7 @@ def gather_2d(mesh):
 
 # (name, mesh shape, mesh dim names, program): meshes over ranks 0 ..
 PROGRAMS = [("uneven_1d", (2,), ("tp",), uneven_1d),
+            ("empty_shard", (2,), ("tp",), empty_shard),
             ("uneven_2d", (2, 2), ("dp", "tp"), uneven_2d),
             ("gather_even", (2,), ("tp",), gather_even),
             ("gather_uneven", (2,), ("tp",), gather_uneven),
