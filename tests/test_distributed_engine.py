@@ -39,16 +39,19 @@ def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
     recs = train("tiny", steps=3, seed=0, timing=False, strategy=Hybrid(**kw))
     assert [r["loss"] for r in lines] == pytest.approx([r["loss"] for r in recs], rel=1e-5)
-    if kw in (dict(dp=2, tp=2, sp=True), dict(dp=4, zero=3), dict(tp=2, pp=2, schedule="zb-h1")):
-        # the same program, the same modeled step: under torchrun each norm's gradient
-        # was all-reduced over tp in backward, here once per step (Megatron-LM's);
-        # 0.2571 ms for 0.2389 before (task sptorchrun).  ZeRO-3's gathers were recorded
-        # as gloo blocks (0.4495 ms for 0.3486 at dp 4 zero 3), and a pipeline stage waited
-        # for no message (task tdclock2).  dp 2 x tp 2 x pp 2 sp differs in its program:
-        # the last stage's logits layout (0.56319 ms for 0.648783; tests/test_tdclock2.py)
-        for key in ("modeled_ms", "comm_bytes"):
-            assert [r[key] for r in lines] == pytest.approx([r[key] for r in recs],
-                                                            rel=1e-9), key
+    # the same program, the same modeled step: under torchrun each norm's gradient
+    # was all-reduced over tp in backward, here once per step (Megatron-LM's);
+    # 0.2571 ms for 0.2389 before (task sptorchrun).  ZeRO-3's gathers were recorded
+    # as gloo blocks (0.4495 ms for 0.3486 at dp 4 zero 3), and a pipeline stage waited
+    # for no message (task tdclock2).  dp 2 x tp 2 x pp 2 sp took an even layout for the
+    # last stage's 75-word logits (0.56319 ms for 0.648783; task tdreshard: uneven shards
+    # now run padded, tests/test_tdreshard.py).  Its comm_bytes are rank 0's own (stage
+    # 0's 519,936 B for the simulator's 641,888, the busiest rank's, stage 1's;
+    # recipes/hybrid.py step_report): not compared here.
+    keys = ("modeled_ms",) if n == 8 else ("modeled_ms", "comm_bytes")
+    for key in keys:
+        assert [r[key] for r in lines] == pytest.approx([r[key] for r in recs],
+                                                        rel=1e-9), key
 
 
 def test_wrong_process_count_is_a_clear_error():

@@ -16,9 +16,12 @@ operator here.  For one call, reading the op's entry in the op table
 4. replicated inputs that meet per-rank computation are given per-rank views
    (:func:`collectives.expand_replicas`; their backward is the gradient
    all-reduce, traced; a shard the op gathered itself gets DTensor's one
-   reduce-scatter back instead, ``reshard_backward.gather``);
+   reduce-scatter back instead, ``reshard_backward.gather``, on torch.distributed
+   ``gather_backward_dist.gather``);
 5. the local op runs once on the stacked local tensors of all ranks (or per
-   rank when shards are uneven) and the result is wrapped with the announced
+   rank when shards are uneven; on torch.distributed, on this process's shard,
+   uneven or not: the collectives pad, ``sim_mesh/padded.py``) and the result is
+   wrapped with the announced
    output placements; under a trace, the entry's cost on the busiest rank is
    recorded as a forward compute event, and as a backward one when the
    gradient passes (``ops_table/pricing.py``).
@@ -51,6 +54,7 @@ from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # n
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from . import reshard_backward as _rb
+from . import gather_backward_dist as _gbd
 from .ops_table.strategy import NoRuleError, infer
 
 __all__ = ["dispatch", "allow_replicate_fallback", "explain_hooks", "force_candidate"]
@@ -88,11 +92,7 @@ def _forced(entry, prep, inputs, specs, attrs, mesh):
     cand = _FORCE[-1](prep.dec)
     if cand is None or cand is prep.cand:
         return prep
-    forced = _prepare(entry, prep.dec, inputs, specs, attrs, mesh, cand=cand)
-    if not forced.even and not storage.holds_uneven(mesh):
-        raise ValueError(f"{entry.name}: the forced candidate has uneven shards, which "
-                         "torch.distributed cannot run; force an even one")
-    return forced
+    return _prepare(entry, prep.dec, inputs, specs, attrs, mesh, cand=cand)
 
 
 @contextlib.contextmanager
@@ -339,7 +339,7 @@ class _Prepared:
     out_shapes: tuple
     even: bool
     expand: tuple          # per input: mesh axes to expand (replicated meeting per-rank work)
-    cand: Any = None       # the candidate that runs (the decision's, or an even one)
+    cand: Any = None       # the candidate that runs (the decision's, or a forced one)
     out_dtypes: tuple = ()
     cost: Any = None       # the op's cost on the busiest rank (computed when first traced)
     ctx: Any = None        # the local implementation's Ctx (made on the first run)
@@ -359,15 +359,10 @@ def _is_even(cand, specs, out_shapes, mesh) -> bool:
 
 def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     out_shapes, out_dtypes = _out_shapes(opdef, dec, inputs, attrs)
-    forced, cand = cand is not None, cand or dec.chosen
+    cand = cand or dec.chosen
+    # uneven shards run on both executors (torch.distributed pads its collectives,
+    # sim_mesh/padded.py): the same candidate everywhere
     even = _is_even(cand, specs, out_shapes, mesh)
-    if not even and not forced and not storage.holds_uneven(mesh):
-        # one process per rank holds one shard: take the cheapest candidate with even
-        # shards (uneven ones would need padded collectives)
-        for c in dec.candidates:
-            if _is_even(c, specs, out_shapes, mesh):
-                cand, even = c, True
-                break
     st = cand.strategy
     diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
@@ -390,9 +385,6 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
     even = prep.even
-    if not even and not storage.holds_uneven(mesh):
-        raise NotImplementedError(f"{opdef.name} on uneven shards over torch.distributed: "
-                                  "pad the tensors so every mesh dim divides them")
     locs = []
     for x, spec, plan, axes in zip(inputs, specs, cand.plans, prep.expand):
         if spec is None:
@@ -409,8 +401,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                 continue
         elif axes and plan is not None and plan.steps and type(x) is DistTensor:
             # the op gathers a shard itself and gives every rank a view: the gradient's
-            # way back recorded once, as DTensor's (reshard_backward.gather)
-            loc = _rb.gather(t, plan, axes, mesh, even, f"{opdef.name} input")
+            # way back recorded once, as DTensor's (reshard_backward.gather; on
+            # torch.distributed, run once too: gather_backward_dist.gather)
+            loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
+                t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:
                 locs.append(loc)
                 continue
@@ -424,10 +418,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                          TensorSpec(spec.shape, mesh, plan.dst, spec.dtype, _trusted=True)
                          for spec, plan in zip(specs, cand.plans))
         ctx = Ctx(mesh, in_specs, outs_ps, out_shapes,
-                  coord=storage.own_coord(mesh) if even else None)
+                  coord=storage.own_coord(mesh))   # None on simulated ranks
         if not _FORCE:
             prep.ctx = ctx
-    if even:
+    if even or ctx.coord is not None:      # (one process's shard: one cell)
         out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
     else:
         out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)

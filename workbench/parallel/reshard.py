@@ -32,7 +32,7 @@ from ..sim_mesh import cost as _cost
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import DEFAULT_PROFILE, get_profile
 from ..sim_mesh.trace import current_trace
-from . import layout, storage
+from . import dist_uneven, layout, storage
 from .dist_tensor import DistTensor, shard_tensor
 from .spec import TensorSpec
 from .placement import (Replicate, check_partial_dtype, fmt_placements,
@@ -408,14 +408,21 @@ def _collective_loc(loc, t, ps, s: Step):
     x = storage.for_layout(loc, t.shape, t.mesh, ps, s.dst)
     i, old, new = s.mesh_dim, s.src[s.mesh_dim], s.dst[s.mesh_dim]
     label = f"{old}->{new} on {t.mesh.dim_names[i]}" if current_trace() is not None else ""
+    kw = {}
+    if storage.holds_own(t.mesh) and not (storage._is_even(t.shape, t.mesh, ps) and
+                                          storage._is_even(t.shape, t.mesh, s.dst)):
+        # one process, one shard: the members' lengths for the padded collectives, and
+        # the bytes of the layout's largest buffer (what the simulator records)
+        kw = dist_uneven.step_kwargs(s.kind, t.shape, t.dtype, t.mesh, ps, s.dst, i,
+                                     storage.own_coord(t.mesh))
     if s.kind == "all_gather":
-        y = C.all_gather(x, t.mesh, i, old.dim, label=label)
+        y = C.all_gather(x, t.mesh, i, old.dim, label=label, **kw)
     elif s.kind == "all_reduce":
-        y = C.all_reduce(x, t.mesh, i, old.reduce_op, label=label)
+        y = C.all_reduce(x, t.mesh, i, old.reduce_op, label=label, **kw)
     elif s.kind == "reduce_scatter":
-        y = C.reduce_scatter(x, t.mesh, i, new.dim, old.reduce_op, label=label)
+        y = C.reduce_scatter(x, t.mesh, i, new.dim, old.reduce_op, label=label, **kw)
     elif s.kind == "all_to_all":
-        y = C.all_to_all(x, t.mesh, i, new.dim, old.dim, label=label)
+        y = C.all_to_all(x, t.mesh, i, new.dim, old.dim, label=label, **kw)
     else:
         raise ValueError(f"unknown step {s.kind!r}")
     return storage.settle(y, t.shape, t.mesh, s.dst)

@@ -8,7 +8,7 @@ A DistTensor's ``_local`` takes one of three forms:
 * **cells**: uneven shards (``torch.chunk`` sizes differ), a :class:`Cells` grid of the
   same leading shape holding one tensor per cell;
 * **own**: on torch.distributed, this process's shard only, stacked with every leading
-  axis of size 1.
+  axis of size 1; uneven shards too (the collectives pad them: ``sim_mesh/padded.py``).
 
 Only this module asks which form it holds.  ``dist_tensor.py`` and ``reshard.py`` call
 the functions below: make a stack from a global tensor (:func:`from_global`), a rank's
@@ -29,11 +29,12 @@ import torch
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import grid
+from ..sim_mesh import padded as _padded
 from ..sim_mesh.grid import Cells
-from . import layout
+from . import dist_uneven, layout
 from .placement import Partial, Replicate, Shard
 
-__all__ = ["Cells", "form", "holds_own", "holds_uneven", "is_cells", "from_global", "replicated",
+__all__ = ["Cells", "form", "holds_own", "is_cells", "from_global", "replicated",
            "from_own", "rank_view", "own", "own_coord", "rank_bytes", "to_cells", "to_stacked",
            "for_layout", "for_run", "settle", "tensors", "with_tensors", "requires_grad",
            "map_tensors", "device", "seeds_partial", "seed_like", "local_step", "run_per_cell",
@@ -50,12 +51,6 @@ def form(loc, mesh) -> str:
 def holds_own(mesh) -> bool:
     """True on torch.distributed: a DistTensor on ``mesh`` holds this process's shard."""
     return _B.is_distributed(mesh)
-
-
-def holds_uneven(mesh) -> bool:
-    """True where uneven shards can be held (as cells): everywhere but torch.distributed,
-    where one process holds one shard and collectives need equal sizes."""
-    return not _B.is_distributed(mesh)
 
 
 def own_coord(mesh):
@@ -161,6 +156,8 @@ def for_run(loc, mesh, even: bool):
     per op for every rank), cells otherwise (once per cell)."""
     if even:
         return to_stacked(loc) if isinstance(loc, Cells) else loc
+    if _B.is_distributed(mesh):
+        return loc                      # this process's shard, whatever its length
     return to_cells(loc, mesh.ndim)
 
 
@@ -407,9 +404,15 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
         pg, group = _B.group(mesh, i)
         t = own(x, mesh)
         if kind == "slice":             # the backward gathers the gradient across processes
-            y = _B.SliceOwn.apply(t, pg, n, coord[i], new.dim)
-            y = C._on_backward(y, "all_gather", mesh, i, t.numel() * t.element_size(),
-                               label, groups=[group])
+            new_ps = old_ps[:i] + (new,) + old_ps[i + 1:]
+            sizes = None if _is_even(shape, mesh, new_ps) else \
+                dist_uneven.pieces(shape, mesh, new_ps, i, new.dim, coord)
+            y = _B.SliceOwn.apply(t, pg, n, coord[i], new.dim) if sizes is None or \
+                len(set(sizes)) <= 1 else _padded.SliceOwn.apply(t, pg, sizes, coord[i], new.dim)
+            # the bytes the simulator records: the largest rank's block (uneven: not ours)
+            nb = t.numel() * t.element_size() if _is_even(shape, mesh, old_ps) else \
+                layout.local_numel_max(tuple(shape), mesh, old_ps) * t.element_size()
+            y = C._on_backward(y, "all_gather", mesh, i, nb, label, groups=[group])
         elif kind == "partial":          # every process keeps the gradient of its copy
             y = _B.KeepOnFirst.apply(t, coord[i]) if new.reduce_op == "sum" else t
         else:

@@ -291,9 +291,9 @@ class SliceOwn(torch.autograd.Function):
 
 
 def _uneven(x, n, k, dim):
-    raise NotImplementedError(f"a dim of {x.shape[dim]} split over {n} processes: uneven "
-                              "shards are not supported on torch.distributed yet; pad the "
-                              "tensor so the mesh divides it")
+    raise ValueError(f"SliceOwn: a dim of {x.shape[dim]} split over {n} processes is uneven; "
+                     "use sim_mesh.padded.SliceOwn with the pieces' lengths "
+                     "(parallel/dist_uneven.pieces)")
 
 
 class KeepOnFirst(torch.autograd.Function):

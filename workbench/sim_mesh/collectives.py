@@ -30,6 +30,7 @@ import torch
 
 from . import backends as _B
 from . import cost as _cost
+from . import padded as _padded
 from . import reduce_scatter_op as _rs
 from .backward_pass import in_weight_pass
 from . import grad_record as _gr
@@ -179,13 +180,16 @@ def _check_op(op):
 
 # ---- the collectives ------------------------------------------------------------------
 
-def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, label: str = ""):
-    """Every rank gets ``op`` over its group's tensors (P -> R)."""
+def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, label: str = "",
+               nbytes=None):
+    """Every rank gets ``op`` over its group's tensors (P -> R).  ``nbytes``
+    (torch.distributed): the bytes to record, where the layout's largest shard is not
+    this process's (uneven shards; the simulator records the largest)."""
     _check_op(op)
     if _B.is_distributed(mesh):
         y = _dist("all_reduce", x, mesh, axis, label,
                   lambda l, pg, n, k: _B.AllReduce.apply(l, pg, n, op, expanded),
-                  bwd=expanded)
+                  bwd=expanded, nbytes=nbytes)
         return _B.tag(y, (axis,)) if expanded else y
     F, axis = _check(x, mesh, axis, "all_reduce")
     n = mesh.shape[axis]
@@ -199,12 +203,17 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
     return y
 
 
-def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: str = ""):
-    """Concatenate the group's shards along local ``dim`` (S(dim) -> R)."""
+def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: str = "",
+               sizes=None, nbytes=None):
+    """Concatenate the group's shards along local ``dim`` (S(dim) -> R).  ``sizes``
+    (torch.distributed, uneven shards): the members' lengths along ``dim``
+    (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s."""
     if _B.is_distributed(mesh):
-        y = _dist("all_gather", x, mesh, axis, label,
-                  lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded),
-                  out_bytes=True, bwd=expanded)
+        fn = (lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded)) \
+            if _even(sizes) else \
+            (lambda l, pg, n, k: _padded.AllGather.apply(l, pg, tuple(sizes), k, dim, expanded))
+        y = _dist("all_gather", x, mesh, axis, label, fn, out_bytes=True, bwd=expanded,
+                  nbytes=nbytes)
         return _B.tag(y, (axis,)) if expanded else y
     F, axis = _check(x, mesh, axis, "all_gather")
     dim = _dim(x, mesh.ndim, dim, "all_gather", "dim")
@@ -252,12 +261,20 @@ def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
     return y + 0
 
 
-def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str = ""):
-    """Reduce over the group, then rank k keeps chunk k of local ``dim`` (P -> S(dim))."""
+def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str = "",
+                   sizes=None, nbytes=None):
+    """Reduce over the group, then rank k keeps chunk k of local ``dim`` (P -> S(dim)).
+    ``sizes``, ``nbytes``: as :func:`all_gather`'s."""
     _check_op(op)
     if _B.is_distributed(mesh):
+        if not _even(sizes):
+            return _dist("reduce_scatter", x, mesh, axis, label,
+                         lambda l, pg, n, k: _padded.ReduceScatter.apply(l, pg, tuple(sizes),
+                                                                         dim, op),
+                         nbytes=nbytes)
         return _dist("reduce_scatter", x, mesh, axis, label,
-                     lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op))
+                     lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op),
+                     nbytes=nbytes)
     F, axis = _check(x, mesh, axis, "reduce_scatter")
     nd, n = mesh.ndim, mesh.shape[axis]
     dim = _dim(x, nd, dim, "reduce_scatter", "dim")
@@ -273,12 +290,22 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     return _on_backward(y, "all_gather", mesh, axis, nb, label)
 
 
-def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = ""):
+def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = "",
+               sizes=None, nbytes=None):
     """Rank k splits local ``split_dim`` in n, sends piece j to rank j, and concatenates
-    what it receives along ``concat_dim`` (S(concat_dim) -> S(split_dim))."""
+    what it receives along ``concat_dim`` (S(concat_dim) -> S(split_dim)).  ``sizes``
+    (torch.distributed, uneven shards): the members' lengths along ``split_dim`` after
+    and along ``concat_dim`` before (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s."""
     if _B.is_distributed(mesh):
+        if sizes is not None and not (_even(sizes[0]) and _even(sizes[1])):
+            split, concat = tuple(sizes[0]), tuple(sizes[1])
+            return _dist("all_to_all", x, mesh, axis, label,
+                         lambda l, pg, n, k: _padded.AllToAll.apply(l, pg, k, split, concat,
+                                                                    split_dim, concat_dim),
+                         nbytes=nbytes)
         return _dist("all_to_all", x, mesh, axis, label,
-                     lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim))
+                     lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim),
+                     nbytes=nbytes)
     F, axis = _check(x, mesh, axis, "all_to_all")
     split_dim = _dim(x, mesh.ndim, split_dim, "all_to_all", "split_dim")
     concat_dim = _dim(x, mesh.ndim, concat_dim, "all_to_all", "concat_dim")
@@ -343,7 +370,13 @@ _BWD = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_
         "all_reduce": "all_reduce"}
 
 
-def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True):
+def _even(sizes) -> bool:
+    """No sizes given, or all the same: the even collective runs."""
+    return sizes is None or len(set(sizes)) <= 1
+
+
+def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True,
+          nbytes=None):
     """Run a collective on torch.distributed: x is this process's stacked local
     (every leading axis of size 1)."""
     if isinstance(x, Cells):
@@ -356,7 +389,7 @@ def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True
     y = fn(x.reshape(x.shape[nd:]), pg, len(g), k)
     y = y.reshape(lead + tuple(y.shape))
     if record:
-        nb = (y if out_bytes else x).numel() * x.element_size()
+        nb = (y if out_bytes else x).numel() * x.element_size() if nbytes is None else nbytes
         record_collective(kind, mesh, axis, nb, label, groups=[g])
         if bwd and kind in _BWD:
             y = _on_backward(y, _BWD[kind], mesh, axis, nb, label, groups=[g])

@@ -1,0 +1,161 @@
+"""The op's own gather on torch.distributed: the gradient's way back once, as DTensor's.
+
+An op whose strategy asks for Replicate from a sharded input gathers it and gives every
+rank its own view.  PyTorch DTensor runs that redistribute inside the op's dispatch,
+below autograd (torch 2.13, git cf30153, torch/distributed/tensor/_dispatch.py; the
+gradient's way back: _redistribute.py:1771-1862 ``Redistribute.backward``): every use's
+backward gives the input a Partial gradient, autograd sums the uses, and one
+redistribution takes the sum to the input's layout (``P -> S(d)``: one reduce-scatter).
+The simulator records that program (:func:`.reshard_backward.gather`).  On
+torch.distributed each use's gather had its own backward instead: an all-reduce of the
+gathered gradient (``expand_replicas``, Megatron's ``f``) then the local slice, once per
+op (q, k and v of one input: three all-reduces of the whole, for one reduce-scatter).
+
+Here the input's local meets a stand-in for its gathered copy (:class:`_Meet`, one per
+input and layout, as the simulator's identity node): each use's gathered copy carries its
+gradient to the stand-in (:class:`_Use`), autograd sums them, and the stand-in's backward
+runs the reshard planner's plan from the summed Partial gradient back to the input's
+layout, on the process groups, recording the steps the simulator records.  The forward
+gathers are each op's, as before.
+
+Covered where the simulator covers it (even shards, a stacked local that takes part in
+autograd) and the op's plan is all-gathers along the dims it then gives every rank a view
+of; other plans keep each collective's own backward (the ordinary path).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..sim_mesh import backends as _B
+from ..sim_mesh import collectives as C
+from ..sim_mesh.profiles import DEFAULT_PROFILE
+from ..sim_mesh.trace import current_trace, suspend
+from . import layout
+from .dist_tensor import DistTensor
+from .placement import Partial
+from .spec import TensorSpec
+
+__all__ = ["gather"]
+
+LABEL = "grad of a gathered input"     # the simulator's label (reshard_backward._source)
+
+
+class _Way:
+    """One input's way back: its layout and the Partial layout of the summed gradient."""
+    __slots__ = ("mesh", "shape", "dtype", "back", "grad")
+
+    def __init__(self, mesh, shape, dtype, back, grad):
+        self.mesh, self.shape, self.dtype, self.back, self.grad = mesh, shape, dtype, back, grad
+
+
+class _Meet(torch.autograd.Function):
+    """The input's local -> a stand-in of its gathered copy's shape (zeros, stride 0, no
+    memory).  Backward: the uses' summed gradient redistributed to the input's layout."""
+
+    @staticmethod
+    def forward(ctx, x, way, gathered_shape):
+        ctx.way = way
+        return x.new_zeros(()).expand(gathered_shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _redistribute(ctx.way, g), None, None
+
+
+class _Use(torch.autograd.Function):
+    """One op's gathered copy (computed without autograd) on the stand-in: its gradient
+    goes to the stand-in as it is (a Partial sum: each rank used its own view)."""
+
+    @staticmethod
+    def forward(ctx, stand_in, gathered):
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _redistribute(way, g):
+    from .reshard import execute, plan_reshard_cached    # (reshard imports dispatch)
+    tr = current_trace()
+    plan = plan_reshard_cached(TensorSpec(way.shape, way.mesh, way.grad, way.dtype,
+                                          _trusted=True), way.back,
+                               tr.profile.name if tr is not None else DEFAULT_PROFILE)
+    if tr is not None:                     # the steps, as the simulator labels them
+        names = way.mesh.dim_names
+        for s in plan.steps:
+            if s.bytes:
+                d = s.mesh_dim
+                C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
+                                    f"{LABEL} {s.src[d]}->{s.dst[d]} on {names[d]}",
+                                    groups=[_B.group(way.mesh, d)[1]])
+    with suspend(), torch.no_grad():       # recorded above, once
+        t = DistTensor(g.contiguous(), way.mesh, way.grad, way.shape, way.dtype)
+        return execute(plan, t)._local
+
+
+_STAND_INS: dict = {}       # id(DistTensor) -> (weakref, {(axes, placements): entry})
+
+
+def _stand_in(t, axes, gathered_shape):
+    """``t``'s stand-in for its gathered copy along ``axes``: the one made for its present
+    local and layout if there is one (every op gathering it meets there), else a new one."""
+    key = id(t)
+    hit = _STAND_INS.get(key)
+    if hit is None or hit[0]() is not t:
+        def gone(ref, key=key):
+            if _STAND_INS.get(key, (None,))[0] is ref:
+                del _STAND_INS[key]
+        hit = _STAND_INS[key] = (weakref.ref(t, gone), {})
+    ways = hit[1]
+    loc = t._local
+    k = (axes, tuple(t.placements))
+    got = ways.get(k)
+    if got is not None and got[0] is loc and got[1] == loc._version and \
+            tuple(got[2].shape) == tuple(gathered_shape):
+        return got[2]
+    grad = tuple(Partial() if i in axes else p for i, p in enumerate(t.placements))
+    way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), grad)
+    y = _Meet.apply(loc, way, tuple(gathered_shape))
+    ways[k] = (loc, loc._version, y)
+    return y
+
+
+def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
+    """The local an op runs on, for input ``t`` (torch.distributed) that the op's own
+    reshard ``plan`` gathers (``S(d) -> R``) along some mesh dims of ``expand``: the
+    gradient's way back recorded and run once for all such uses (module docstring).
+    None where that is not the case (the caller runs the ordinary path)."""
+    from .reshard import execute
+    loc = t._local
+    if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
+            not torch.is_grad_enabled() or not _B.is_distributed(mesh) or \
+            not (t.mesh is mesh or t.mesh == mesh) or \
+            not layout.is_even(t.shape, mesh, t.placements):
+        return None          # (uneven shards: the simulator's cells keep their own way)
+    src = plan.src
+    if not any(src[i].is_shard() for i in expand):
+        return None
+    had = tuple(getattr(loc, "_wb_replica_axes", ()))
+    # the dims the gradient comes back along as partial sums: gathered ones, and
+    # replicated ones held once (a dim already one copy per rank, tagged, had its sum
+    # recorded where that copy was made), as the simulator's
+    axes = tuple(i for i in expand if src[i].is_shard() or
+                 (src[i].is_replicate() and i not in had))
+    if any(s.kind != "all_gather" or s.mesh_dim not in axes for s in plan.steps):
+        return None
+    with torch.no_grad():                  # each op's forward gather, recorded as before
+        gathered = execute(plan, DistTensor(loc.detach(), t.mesh, t.placements, t.shape,
+                                            t.dtype, t.names))._local
+    want = layout.local_shape(t.shape, mesh, plan.dst, _B.rank())
+    if tuple(gathered.shape[mesh.ndim:]) != tuple(want):
+        raise AssertionError(f"{label}: the gathered copy has shape "
+                             f"{tuple(gathered.shape)}, not the layout's {tuple(want)}")
+    out = _Use.apply(_stand_in(t, axes, gathered.shape), gathered)
+    _B.tag(out, had + axes)
+    rest = [i for i in expand if i not in axes and i not in had]
+    if rest:                               # Partial dims: their own all-reduce, as before
+        out = C.expand_replicas(out, mesh, rest, label=label)
+    return out
