@@ -266,7 +266,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     @torch.no_grad()
     def _reduce_grads(self, live) -> list:
         """Each live parameter's gradient shard, summed over dp: ZeRO-2's (reduce-scattered
-        in backward, waited for now), then one reduce-scatter of the rest in one buffer."""
+        in backward, waited for now), then one reduce-scatter of the rest in one buffer.
+        A gradient another wrapper already summed (marked ``_wb_synced``: every replica
+        holds the sum, e.g. ``DistributedDataParallel`` wrapped over this optimizer's
+        replicas, torch's DDP + ZeroRedundancyOptimizer habit) is not summed again: each
+        rank takes its chunk of it (was: summed twice, dp x the gradient)."""
         from ...sim_mesh.trace import current_trace, suspend
         mesh, ax = self.mesh, self.axis
         for i in live:                  # the replicas converted after the shards were cut
@@ -276,7 +280,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                     f"but the optimizer's shard of it is {self.shards[i].dtype} (the model "
                     "was converted with .to(dtype) after the optimizer was built); build "
                     "the optimizer after converting the model")
-        self.replicas.sum_partials([self.params[i] for i in live])
+        synced = {i for i in live if getattr(self.params[i]._local.grad, "_wb_synced", False)}
+        self.replicas.sum_partials([self.params[i] for i in live if i not in synced])
         tr = current_trace()
         if tr is not None:
             tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
@@ -285,8 +290,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 tr.wait(h)
         self._pending = []
         clocked, self._clocked = self._clocked, set()
-        grads = [self.params[i]._local.grad for i in live]
+        grads = [None if i in synced else self.params[i]._local.grad for i in live]
         shards = [self._gshard.pop(i, None) for i in live]
+        for j, i in enumerate(live):    # already the sum over dp: this rank's chunk of it
+            if i in synced:
+                mine = _fit(self._my_chunk(self.params[i]._local.grad), self.shards[i])
+                shards[j] = mine if shards[j] is None else shards[j] + mine
         todo = [j for j, g in enumerate(grads) if g is not None]
         if todo:     # gradients not reduced in backward: one reduce-scatter of one buffer
             buf = self._pack([self._flat(grads[j]) for j in todo])
@@ -432,6 +441,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     def shard_numel(self) -> list[int]:
         """Elements of each parameter's shard per rank (padded numel / N_d)."""
         return [s.shape[-1] for s in self.shards]
+
+
+def _fit(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with each lead axis as ``like`` holds it: one copy where ``like`` has one,
+    expanded where ``t`` has one copy and ``like`` several (equal copies either way)."""
+    for a in range(like.dim() - 1):
+        if like.shape[a] == 1 and t.shape[a] != 1:
+            t = t.narrow(a, 0, 1)
+    return t.expand_as(like)
 
 
 def _param_groups(params) -> list:
