@@ -100,3 +100,53 @@ def test_ddp_over_zero_chunks_clip_reads_the_model_norm(overlap_comm):
     opt.step()
     torch.optim.SGD(m.parameters(), lr=0.1).step()
     _assert_one_device(model, {n: p.detach() for n, p in m.named_parameters()})
+
+
+# ---- 2. AveragedModel(wrapped, avg_fn=...) -------------------------------------------------
+AVG_FNS = {
+    "ema": lambda: torch.optim.swa_utils.get_ema_avg_fn(0.9),     # decay * e + (1 - d) * p
+    "swa": torch.optim.swa_utils.get_swa_avg_fn,                  # e + (p - e) / (n + 1)
+    "own": lambda: (lambda e, p, n: torch.lerp(p * 0.5, e, 0.75) + 0.5 * p)}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_units", "fully_shard"])
+@pytest.mark.parametrize("avg", list(AVG_FNS))
+def test_averaged_model_with_an_avg_fn_is_one_devices(kind, avg):
+    # was: torch's broadcasting error ("output with shape [8, 6] doesn't match the
+    # broadcast shape [4, 8, 6]" on DDP's rows, "size of tensor a (6) must match ... (12)"
+    # on FSDP's chunks): the avg_fn's 0.1 * p was a plain tensor of the storage's shape
+    from torch.optim.swa_utils import AveragedModel
+    from tests.test_habits6 import batches, mlp, mse, wrap
+    from tests.test_habits7 import dist
+    ref, m = mlp(), mlp()
+    ema, rema = (AveragedModel(x, avg_fn=AVG_FNS[avg]()) for x in (m, ref))
+    mesh, w = wrap(kind, m)
+    opt, ropt = (torch.optim.SGD(x.parameters(), lr=0.1) for x in (w, ref))
+    for x, y in batches(3):
+        for o, model, e, xx, yy in ((opt, w, ema, dist(x, mesh), dist(y, mesh)),
+                                    (ropt, ref, rema, x, y)):
+            o.zero_grad()
+            mse(model(xx), yy).backward()
+            o.step()
+            e.update_parameters(model)
+    assert int(ema.n_averaged) == 3
+    for a, b in zip(ema.parameters(), rema.parameters()):
+        assert type(a) is type(b) and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_pointwise_reads_keep_plain_what_was_plain():
+    # a copy of the storage stays plain and storage-shaped (habits7), a scaled parameter
+    # keeps the storage's values; beside the module's shape it is one device's value
+    from tests.test_habits6 import mlp, wrap
+    mesh, w = wrap("ddp", mlp())
+    p = w.module[0].weight
+    with torch.no_grad():
+        assert type(p.detach().clone()) is torch.Tensor
+        assert type(-p) is torch.Tensor and (-p).shape == p.shape     # unary: plain
+        half = p * 0.5
+        torch.testing.assert_close(half.as_subclass(torch.Tensor), p.detach() * 0.5)
+        one = torch.ones(8, 6)
+        got = half + one
+        assert got.shape == (8, 6) and type(got) is torch.Tensor
+        torch.testing.assert_close(got, p.detach()[0] * 0.5 + 1)
