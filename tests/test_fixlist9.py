@@ -150,3 +150,25 @@ def test_pointwise_reads_keep_plain_what_was_plain():
         got = half + one
         assert got.shape == (8, 6) and type(got) is torch.Tensor
         torch.testing.assert_close(got, p.detach()[0] * 0.5 + 1)
+
+
+# ---- 4. ZeRO-1/2's clip: one all-reduce over every rank (Megatron-LM's distributed optimizer)
+@pytest.mark.parametrize("kw", [dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, zero=2),
+                                dict(dp=2, pp=2, zero=1), dict(dp=2, pp=2, zero=2)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_zero_clip_records_one_all_reduce_over_every_rank(kw):
+    # the torchrun clip's program (pipeline_clip_dist): was one all-reduce per mesh dim of
+    # each stage (dp 2 x tp 2: (0, 2), (1, 3), (0, 1), (2, 3)), then one over pp
+    from workbench.models import get_batch, get_config
+    from workbench.recipes.hybrid import Hybrid
+    cfg = get_config("tiny")
+    h = Hybrid(**kw)
+    model = h.build_model(cfg, 0)
+    opts = h.build_optimizer(model, 1e-3, 0.0)
+    x, y = get_batch(cfg, 8, 0, 0)
+    h.forward_backward(model, x, y)
+    with wb.trace() as tr:
+        h.clip_grad_norm_(opts, 0.01)
+    ev = [(e.name, e.label, sorted(e.ranks)) for e in tr.collectives() if e.name == "all_reduce"]
+    assert ev == [("all_reduce", "clip_grad norm over dp x tp x pp", [0, 1, 2, 3])]
+

@@ -332,12 +332,23 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         return total
 
     @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, record: bool = True) -> torch.Tensor:
         """The total norm of the model's gradients, nothing scaled: the gradients are
-        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined.  A
-        pipeline combines its stages' norms before scaling (Megatron-LM's
-        ``get_grad_norm_fp32`` all-reduces over the model-parallel group):
-        :func:`workbench.recipes.pipeline_clip.clip_grad_norm_`."""
+        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined by one
+        scalar all-reduce over every rank of the mesh: Megatron-LM's distributed optimizer
+        reduces its gradient statistics over all its ranks, dp and model-parallel together
+        (``megatron/core/optimizer/distrib_optimizer.py:796-802``
+        ``get_grad_stats_parallel_group``, ``clip_grads.py:55-140`` ``get_grad_norm_fp32``:
+        one ``all_reduce`` of ``sum |g|^p`` on that group; NVIDIA/Megatron-LM d98e8a6);
+        DeepSpeed's ZeRO-1/2 all-reduces over dp and then over the model-parallel group
+        (``deepspeed/runtime/zero/stage_1_and_2.py:2054-2098`` ``get_grad_norm_direct``,
+        deepspeedai/DeepSpeed edaa722: two all-reduces where Megatron has one); this
+        library's ZeRO-1/2 is Megatron's (one contiguous buffer, module docstring), and so
+        is its torchrun clip (:mod:`workbench.recipes.pipeline_clip_dist`).  Was: one
+        all-reduce per mesh dim (Hybrid dp 2 x tp 2: four events where torchrun records
+        one).
+        ``record=False``: a pipeline records the one over every stage's ranks instead
+        (:func:`workbench.recipes.pipeline_clip.clip_grad_norm_`)."""
         p = float(norm_type)
         if self.distributed:
             raise NotImplementedError("ZeroRedundancyOptimizer(partition='chunks')."
@@ -352,9 +363,9 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
                     gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
             norms.append(torch.linalg.vector_norm(gs, p))
-        for a in range(self.mesh.ndim):         # the ranks' parts combined: a scalar each
-            if self.mesh.shape[a] > 1:
-                C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
+        if record:                              # the ranks' parts combined: one scalar
+            C.record_collective("all_reduce", self.mesh, None, 4, "clip_grad norm over " +
+                                " x ".join(self.mesh.dim_names), groups=[self.mesh.ranks])
         return torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
             torch.tensor(0.0)
 
