@@ -172,3 +172,40 @@ def test_zero_clip_records_one_all_reduce_over_every_rank(kw):
     ev = [(e.name, e.label, sorted(e.ranks)) for e in tr.collectives() if e.name == "all_reduce"]
     assert ev == [("all_reduce", "clip_grad norm over dp x tp x pp", [0, 1, 2, 3])]
 
+
+# ---- 3 and 4 on torch.distributed: one gloo launch (tests/dist_scripts/fixlist9_check.py) --
+@pytest.mark.slow
+def test_torchrun_reports_and_clips_as_the_simulator():
+    """2 gloo processes.  report (tiny, pp 2, one step): every process's step_report is the
+    simulator's record (the slowest rank's modeled step, the largest state bytes); was each
+    process's own, rank 0's printed: state_bytes 930816 for the simulator's 931840 (stage 1
+    holds the head), and rank 1's modeled_ms 0.273639 for 0.305441.  zero<k>_clip (tiny,
+    dp 2, ZeRO-1/2, one step with Hybrid.clip_grad_norm_): the same collectives (name,
+    label, ranks) as the simulator's trace; was the simulator's 'clip_grad norm' against
+    torchrun's 'clip_grad norm over dp x tp x pp'."""
+    import importlib.util
+    import os
+    from tests.test_ddp_torchrun import torchrun
+    from tests.torchrun_support import json_rows
+    out = torchrun(2, "fixlist9_check.py", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    assert len(rows) == 6, sorted(rows)
+    path = os.path.join(os.path.dirname(__file__), "dist_scripts", "fixlist9_check.py")
+    spec = importlib.util.spec_from_file_location("fixlist9_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sim = mod.report(False)
+    for rank in (0, 1):
+        got = rows[rank, "report"]
+        assert got["loss"] == pytest.approx(sim["loss"], rel=1e-6)
+        for key in ("modeled_ms", "comm_bytes", "state_bytes"):
+            assert got[key] == sim[key], (rank, key, got[key], sim[key])
+    for zero in (1, 2):
+        want = mod.zero_clip(False, zero)
+        for rank in (0, 1):
+            got = rows[rank, f"zero{zero}_clip"]
+            assert got["collectives"] == want["collectives"], (zero, rank)
+            assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+            assert got["params"] == pytest.approx(want["params"], rel=1e-6)
+            assert got["modeled_ms"] == pytest.approx(want["modeled_ms"], rel=1e-9)
