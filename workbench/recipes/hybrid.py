@@ -561,7 +561,12 @@ class Hybrid:
         """What one step cost on the modeled clock: time, bytes each rank sent (the
         busiest rank), model-state bytes per rank (parameters, gradients, Adam states)
         and, without a pipeline, the activation bytes a rank keeps for backward (run the
-        step inside :meth:`measure_activations`: without it this raises)."""
+        step inside :meth:`measure_activations`: without it this raises).  Each figure is
+        the largest over the ranks, as the simulator's trace holds every rank's clock; on
+        torch.distributed a process's trace holds its own ranks', so every process calls
+        this and the figures are gathered (one all-reduce MAX over the world, not traced):
+        every process reports the simulator's record (was: each its own, rank 0's printed;
+        pp 2 rank 0's modeled step and state bytes, not the slowest and the largest)."""
         per_rank = tr.bytes_per_rank()
         held: dict = {}                # a rank with several chunks (interleaved, zb-v,
         for o in optimizers:           # dualpipe) holds the states of each of them, and
@@ -569,11 +574,18 @@ class Hybrid:
             mesh = getattr(o, "mesh", None)
             for r in (mesh.ranks if mesh is not None else (("optimizer", id(o)),)):
                 held[r] = held.get(r, 0) + total
-        rec = {"modeled_ms": round(tr.time() * 1e3, 6),
+        rec = {"modeled_ms": tr.time(),
                "comm_bytes": max(per_rank.values(), default=0),
                "state_bytes": max(held.values(), default=0)}
         if len(self.stage_layers) == 1:
             # activations autograd kept for backward, per rank (counted without pipelining;
             # with a pipeline the peak depends on the schedule: see run_pipeline/simulate)
             rec["activation_bytes"] = self.last_activation_bytes   # raises if not counted
+        if self.distributed:            # the slowest / largest over every process
+            import torch.distributed as dist
+            top = torch.tensor([float(v) for v in rec.values()], dtype=torch.float64)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            rec = {k: v if k == "modeled_ms" else int(v)
+                   for k, v in zip(rec, top.tolist())}
+        rec["modeled_ms"] = round(rec["modeled_ms"] * 1e3, 6)
         return rec

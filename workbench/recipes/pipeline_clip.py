@@ -110,8 +110,9 @@ def stage_grad_norm(o, norm_type: float, foreach=None):
     step would do first), and their total norm: ``(norm, scale)``, ``scale(coef)``
     multiplying them all in place."""
     kind = _kind(o)
-    if kind == "zero":                  # ZeRO-1/2: reduce-scattered into the shards
-        return o.optimizer.grad_norm(norm_type), o.optimizer.scale_grads_
+    if kind == "zero":                  # ZeRO-1/2: reduce-scattered into the shards (the
+        # parts' all-reduce: one over every stage's ranks, _record_norm_all_reduce)
+        return o.optimizer.grad_norm(norm_type, record=False), o.optimizer.scale_grads_
     # plain DP: the replicas' gradients summed over dp now (ReplicaGrads: torch's norm
     # reads one copy); Zero3: the shards already hold the reduced gradients
     grads = _stage_grads(o)
@@ -190,10 +191,18 @@ def _record_norm_all_reduce(opts, meshes) -> None:
     pp-only groups, and nothing at pp = 1: tiny dp 2 x tp 2 sp, a 4.54 us all-reduce
     over tp that torchrun's step had and the simulator's did not).  ZeRO's and others'
     shard norms record their own dims (``ChunkedZeroOptimizer.grad_norm``): those keep
-    the pipeline's scalar all-reduce over pp only, as before."""
-    plain = all(_kind(o) == "dp" for o in opts) and \
-        all(tuple(m.dim_names) == ("dp", "tp") for m in meshes)
-    if plain:
+    the pipeline's scalar all-reduce over pp only, as before.  ZeRO-1/2 (Megatron-LM's
+    distributed optimizer, :meth:`~workbench.parallel.strategies.zero_optimizer_dist.
+    ChunkedZeroOptimizer.grad_norm`): one all-reduce over every rank of every stage, dp
+    included, as the torchrun clip records it (was: one per stage mesh dim, then one
+    over pp)."""
+    grid = all(tuple(m.dim_names) == ("dp", "tp") for m in meshes)
+    plain = all(_kind(o) == "dp" for o in opts) and grid
+    if grid and opts and all(_kind(o) == "zero" for o in opts):
+        mp = model_parallel_grid(meshes)
+        record_collective("all_reduce", mp, None, 4, label="clip_grad norm over dp x tp x pp",
+                          groups=[mp.ranks])
+    elif plain:
         mp = model_parallel_grid(meshes)
         if mp.shape[1] > 1:
             record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over tp x pp")

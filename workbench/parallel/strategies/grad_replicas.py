@@ -141,11 +141,13 @@ class GradReplicas:
         partial one (``partial_grads``) still needs its sum over ``partial_dim``, or the
         owner sums every gradient whatever its mark (ZeRO's reduce-scatter: ``summed``
         False); then dp rank 0 keeps it and the others hold zeros, so the next sum gives
-        it back.  A gradient with a real copy per dp rank is each rank's own: unsummed."""
+        it back.  A gradient with a real copy per dp rank is each rank's own (unsummed)
+        unless marked summed (``_wb_synced``: an earlier wrapper's replicas, every copy the
+        sum), which is carried as the one-copy sum is (was: summed again, dp x)."""
         nd = self.mesh.ndim
         shape = tuple(p._local.shape)
         one_copy = all(g.shape[a] == 1 for a in self.axes)
-        if not one_copy:
+        if not one_copy and not getattr(g, "_wb_synced", False):
             return self._replica_grad(p, g.detach().clone(), False)
         out = g.detach().expand(shape[:nd] + tuple(g.shape[nd:])).clone()
         pa = self.partial_axis

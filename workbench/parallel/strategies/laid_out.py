@@ -23,7 +23,9 @@ device the parameter is contiguous and the reshape a view that writes it:
 :mod:`.laid_out_copies`).
 
 Read into a plain tensor of the module's shape by an in-place op (an EMA's
-``ema.copy_(p)``, ``_foreach_lerp_``), ``p`` is its module value (:mod:`.laid_out_reads`).
+``ema.copy_(p)``, ``_foreach_lerp_``), ``p`` is its module value, and so is it in an
+out-of-place pointwise op beside a tensor of the module's shape (a custom
+``AveragedModel(avg_fn=...)``'s ``0.1 * ema + 0.9 * p``: :mod:`.laid_out_reads`).
 
 ``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
 module's shape written into every row or chunk (:func:`_one_draw`).
@@ -59,7 +61,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
-from .laid_out_reads import module_shaped_sources
+from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -118,7 +120,9 @@ class LaidOutParameter(nn.Parameter):
                 "or load full tensors with the wrapper's load_state_dict")
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
-            args, kwargs = module_shaped_sources(func, args, kwargs, _LAID_OUT)
+            args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
+        # an EMA's avg_fn: 0.1 * ema + 0.9 * p, one device's (laid_out_reads)
+        args, kwargs, keep = pointwise_reads(func, args, kwargs, _READS)
         written = isinstance(p, _LAID_OUT) and in_place(func)
         view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
         if written and not view:
@@ -129,8 +133,8 @@ class LaidOutParameter(nn.Parameter):
             # needs torch-function dispatch of other subclasses (DistTensor): not under
             # DisableTorchFunctionSubclass; the views are read as plain tensors (the same
             # autograd graph: Tensor.as_subclass)
-            plain = lambda t: t.as_subclass(torch.Tensor) if isinstance(t, _LaidOutView) \
-                else t      # noqa: E731
+            plain = lambda t: t.as_subclass(torch.Tensor) if isinstance(  # noqa: E731
+                t, (_LaidOutView, LaidOutValue)) else t
             args = tuple(tuple(plain(t) for t in a) if isinstance(a, (tuple, list)) else
                          plain(a) for a in args)
             kwargs = {k: tuple(plain(t) for t in v) if isinstance(v, (tuple, list)) else
@@ -147,6 +151,8 @@ class LaidOutParameter(nn.Parameter):
             if note is None:
                 raise
             raise RuntimeError(f"{e}  ({note})") from None
+        if keep is not None:
+            return keep_layout(out, keep)
         if written and not view:
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
@@ -218,6 +224,8 @@ class _LaidOutView(torch.Tensor):
 
 
 _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
+LaidOutValue.__torch_function__ = LaidOutParameter.__torch_function__
+_READS = _LAID_OUT + (LaidOutValue,)     # read as their module values (laid_out_reads)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 

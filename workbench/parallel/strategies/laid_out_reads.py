@@ -13,12 +13,33 @@ storage shape other than the module's whose module shape is the target's, reads 
 module's value (``_wb_full``: DDP's rank ``broadcast_from`` row, FSDP's chunks gathered,
 the padding dropped; on torch.distributed a gather every process joins, as the same
 update runs on each).  Elementwise on the module's tensor, as on one device.
+
+An out-of-place pointwise op (aten's ``pointwise`` tag, torch 2.13
+``aten/src/ATen/native/tags.yaml``: each output element reads only the same element of
+each input) does the same with a result the user's own code computes: a custom
+``AveragedModel(model, avg_fn=...)`` copies ``avg_fn(p_ema, p, n)`` into ``p_ema``, e.g.
+torch's own ``get_ema_avg_fn``: ``decay * p_ema + (1 - decay) * p``, or ``get_swa_avg_fn``:
+``p_ema + (p - p_ema) / (n + 1)`` (torch 2.13 ``torch/optim/swa_utils.py``).  Given a
+plain tensor of the module's shape, a laid-out operand is read as its module value (the result is
+one device's, of the module's shape); with a number (or a 0-d tensor) and otherwise only
+the same storage, the result keeps the storage's layout (:class:`LaidOutValue`: every
+rank's row or chunk of the value, read as the module's value by the next such op or
+in-place read), so ``0.1 * p`` met with ``0.9 * p_ema`` is one device's sum.  Before,
+``0.1 * p`` was a plain tensor of the storage's shape and the sum failed with torch's
+broadcasting error (FSDP's chunks) or was the rows' shape, which ``copy_`` refused (DDP).
+A copy (``clone()``) or a unary op stays plain: a copy of the storage reads as it.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["module_shaped_sources"]
+__all__ = ["module_shaped_sources", "pointwise_reads", "LaidOutValue"]
+
+
+class LaidOutValue(torch.Tensor):
+    """A value computed pointwise from a laid-out parameter and numbers only (``0.9 * p``):
+    stored as the parameter is (``_wb_full`` reads its module value), plain otherwise.
+    Its ``__torch_function__`` is the parameters' (set by :mod:`.laid_out`)."""
 
 
 def _source(a, like, laid_out):
@@ -55,3 +76,71 @@ def module_shaped_sources(func, args, kwargs, laid_out):
     args = (target,) + tuple(_source(a, target, laid_out) for a in args[1:])
     kwargs = {k: _source(v, target, laid_out) for k, v in kwargs.items()}
     return args, kwargs
+
+
+_ATEN_NAMES = {"truediv": "div", "radd": "add", "rmul": "mul", "rtruediv": "div",
+               "rpow": "pow"}
+_POINTWISE: dict = {}
+
+
+def _is_pointwise(func) -> bool:
+    """Is ``func`` (``torch.mul``, ``Tensor.__rmul__``...) an out-of-place op whose aten op
+    carries the ``pointwise`` tag?  In-place ones (``mul_``) are the other path's."""
+    hit = _POINTWISE.get(func)
+    if hit is None:
+        name = getattr(func, "__name__", "")
+        if name.startswith("__") and name.endswith("__"):
+            name = name[2:-2]
+            name = _ATEN_NAMES.get(name, name)
+        op = None if name.startswith("_") or name.endswith("_") else \
+            getattr(torch.ops.aten, name, None)
+        hit = _POINTWISE[func] = op is not None and any(
+            torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads())
+    return hit
+
+
+def _layout_of(t, reads):
+    """``t``'s read-back (``_wb_full``) where it is stored otherwise than its module shape."""
+    full = getattr(t, "_wb_full", None)
+    if not isinstance(t, reads) or full is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return full if tuple(t.shape) != getattr(t, "_wb_shape", None) else None
+
+
+def pointwise_reads(func, args, kwargs, reads):
+    """``(args, kwargs, keep)`` for an out-of-place pointwise ``func`` (module docstring):
+    laid-out operands read as module values where a plain operand has their module shape;
+    ``keep`` the operand whose layout the result keeps where the others are numbers, 0-d
+    tensors or of its very layout; else ``(args, kwargs, None)`` unchanged."""
+    if not _is_pointwise(func):
+        return args, kwargs, None
+    flat = list(args) + list(kwargs.values())
+    lays = [t for t in flat if isinstance(t, torch.Tensor) and _layout_of(t, reads)]
+    if not lays:
+        return args, kwargs, None
+    like = next((t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, reads)
+                 and t.dim() > 0 and any(tuple(t.shape) == a._wb_shape for a in lays)), None)
+    if like is not None:        # a plain tensor of the module's shape: one device's op
+        return (tuple(_source(a, like, reads) for a in args),
+                {k: _source(v, like, reads) for k, v in kwargs.items()}, None)
+    full = _layout_of(lays[0], reads)
+    number = lambda t: isinstance(t, (int, float)) and not isinstance(t, bool) or \
+        isinstance(t, torch.Tensor) and t.dim() == 0        # noqa: E731
+    # (a copy, clone(), or a unary op stays plain: a storage's copy reads as the storage)
+    same = any(number(t) for t in flat) and all(
+        not isinstance(t, torch.Tensor) or t.dim() == 0 or
+        _layout_of(t, reads) == full and t.shape == lays[0].shape for t in flat)
+    return args, kwargs, lays[0] if same else None
+
+
+def keep_layout(out, src):
+    """``out`` (a pointwise result of ``src``'s storage shape) as a :class:`LaidOutValue`
+    read back as ``src`` is."""
+    if not isinstance(out, torch.Tensor) or out.shape != src.shape:
+        return out
+    with torch._C.DisableTorchFunctionSubclass():
+        v = out.as_subclass(LaidOutValue)
+    v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
+    v._wb_layout = getattr(src, "_wb_layout", "laid out")
+    return v

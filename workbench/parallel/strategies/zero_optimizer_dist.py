@@ -266,7 +266,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     @torch.no_grad()
     def _reduce_grads(self, live) -> list:
         """Each live parameter's gradient shard, summed over dp: ZeRO-2's (reduce-scattered
-        in backward, waited for now), then one reduce-scatter of the rest in one buffer."""
+        in backward, waited for now), then one reduce-scatter of the rest in one buffer.
+        A gradient another wrapper already summed (marked ``_wb_synced``: every replica
+        holds the sum, e.g. ``DistributedDataParallel`` wrapped over this optimizer's
+        replicas, torch's DDP + ZeroRedundancyOptimizer habit) is not summed again: each
+        rank takes its chunk of it (was: summed twice, dp x the gradient)."""
         from ...sim_mesh.trace import current_trace, suspend
         mesh, ax = self.mesh, self.axis
         for i in live:                  # the replicas converted after the shards were cut
@@ -276,7 +280,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                     f"but the optimizer's shard of it is {self.shards[i].dtype} (the model "
                     "was converted with .to(dtype) after the optimizer was built); build "
                     "the optimizer after converting the model")
-        self.replicas.sum_partials([self.params[i] for i in live])
+        synced = {i for i in live if getattr(self.params[i]._local.grad, "_wb_synced", False)}
+        self.replicas.sum_partials([self.params[i] for i in live if i not in synced])
         tr = current_trace()
         if tr is not None:
             tr.flush()                      # ZeRO-2's deferred reduce-scatters recorded
@@ -285,8 +290,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 tr.wait(h)
         self._pending = []
         clocked, self._clocked = self._clocked, set()
-        grads = [self.params[i]._local.grad for i in live]
+        grads = [None if i in synced else self.params[i]._local.grad for i in live]
         shards = [self._gshard.pop(i, None) for i in live]
+        for j, i in enumerate(live):    # already the sum over dp: this rank's chunk of it
+            if i in synced:
+                mine = _fit(self._my_chunk(self.params[i]._local.grad), self.shards[i])
+                shards[j] = mine if shards[j] is None else shards[j] + mine
         todo = [j for j, g in enumerate(grads) if g is not None]
         if todo:     # gradients not reduced in backward: one reduce-scatter of one buffer
             buf = self._pack([self._flat(grads[j]) for j in todo])
@@ -323,12 +332,23 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         return total
 
     @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, record: bool = True) -> torch.Tensor:
         """The total norm of the model's gradients, nothing scaled: the gradients are
-        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined.  A
-        pipeline combines its stages' norms before scaling (Megatron-LM's
-        ``get_grad_norm_fp32`` all-reduces over the model-parallel group):
-        :func:`workbench.recipes.pipeline_clip.clip_grad_norm_`."""
+        reduce-scattered now (kept for :meth:`step`) and the shards' parts combined by one
+        scalar all-reduce over every rank of the mesh: Megatron-LM's distributed optimizer
+        reduces its gradient statistics over all its ranks, dp and model-parallel together
+        (``megatron/core/optimizer/distrib_optimizer.py:796-802``
+        ``get_grad_stats_parallel_group``, ``clip_grads.py:55-140`` ``get_grad_norm_fp32``:
+        one ``all_reduce`` of ``sum |g|^p`` on that group; NVIDIA/Megatron-LM d98e8a6);
+        DeepSpeed's ZeRO-1/2 all-reduces over dp and then over the model-parallel group
+        (``deepspeed/runtime/zero/stage_1_and_2.py:2054-2098`` ``get_grad_norm_direct``,
+        deepspeedai/DeepSpeed edaa722: two all-reduces where Megatron has one); this
+        library's ZeRO-1/2 is Megatron's (one contiguous buffer, module docstring), and so
+        is its torchrun clip (:mod:`workbench.recipes.pipeline_clip_dist`).  Was: one
+        all-reduce per mesh dim (Hybrid dp 2 x tp 2: four events where torchrun records
+        one).
+        ``record=False``: a pipeline records the one over every stage's ranks instead
+        (:func:`workbench.recipes.pipeline_clip.clip_grad_norm_`)."""
         p = float(norm_type)
         if self.distributed:
             raise NotImplementedError("ZeroRedundancyOptimizer(partition='chunks')."
@@ -343,9 +363,9 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
                     gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
             norms.append(torch.linalg.vector_norm(gs, p))
-        for a in range(self.mesh.ndim):         # the ranks' parts combined: a scalar each
-            if self.mesh.shape[a] > 1:
-                C.record_collective("all_reduce", self.mesh, a, 4, "clip_grad norm")
+        if record:                              # the ranks' parts combined: one scalar
+            C.record_collective("all_reduce", self.mesh, None, 4, "clip_grad norm over " +
+                                " x ".join(self.mesh.dim_names), groups=[self.mesh.ranks])
         return torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
             torch.tensor(0.0)
 
@@ -432,6 +452,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     def shard_numel(self) -> list[int]:
         """Elements of each parameter's shard per rank (padded numel / N_d)."""
         return [s.shape[-1] for s in self.shards]
+
+
+def _fit(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with each lead axis as ``like`` holds it: one copy where ``like`` has one,
+    expanded where ``t`` has one copy and ``like`` several (equal copies either way)."""
+    for a in range(like.dim() - 1):
+        if like.shape[a] == 1 and t.shape[a] != 1:
+            t = t.narrow(a, 0, 1)
+    return t.expand_as(like)
 
 
 def _param_groups(params) -> list:
