@@ -27,6 +27,7 @@ from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.placement import fmt_placements
+from ..parallel import reshard_backward as _rb
 from ..parallel.reshard import execute, plan_reshard_cached
 from ..parallel.spec import TensorSpec
 from .graph import map_refs
@@ -119,7 +120,12 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 raise RuntimeError(f"reshard %{ins.vid}: not available in "
                                    f"{fmt_placements(ins.src)}")
             t = src if isinstance(src, DistTensor) else as_dist(src, mesh)
-            have[ins.dst] = execute(ins.plan, t)
+            out = execute(ins.plan, t)
+            if out is not t and out.mesh is t.mesh:
+                # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
+                # gathered copy read per rank reduce-scatters once (grad_ways.py)
+                _rb.mark(out, ins.plan.src)
+            have[ins.dst] = out
             if ins.why.startswith("pinned"):
                 cur[ins.vid] = ins.dst
             continue

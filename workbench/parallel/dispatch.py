@@ -407,9 +407,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             if loc is not None:
                 locs.append(loc)
                 continue
-        elif axes and plan is not None and plan.steps and type(x) is DistTensor:
-            # the op gathers a shard itself and gives every rank a view: the gradient's
-            # way back recorded once, as DTensor's (reshard_backward.gather)
+        elif axes and type(x) is DistTensor:
+            # the op gives every rank a view of one copy (gathered by its own reshard, or
+            # replicated): the gradient's way back recorded once per input, as DTensor's
+            # (reshard_backward.gather)
             loc = _rb.gather(t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:
                 locs.append(loc)

@@ -200,10 +200,10 @@ def _entries(t) -> dict:
     return out
 
 
-def _source(t, axes, back):
+def _source(t, axes, back, label):
     """``t``'s local through its way's identity node: the one made for ``t``'s present
-    local and layout if there is one (every op gathering it meets there), else a new
-    one."""
+    local and layout if there is one (every op reading it per rank meets there), else a
+    new one."""
     loc = t._local
     ways = _entries(t)
     key = (axes, tuple(t.placements))
@@ -212,39 +212,45 @@ def _source(t, axes, back):
             hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
         return hit[2], hit[3]
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
-               label="grad of a gathered input")
+               label=label)
     y = C.on_backward_steps(loc, way.steps)
     ways[key] = (loc, loc._version, y, way)
     return y, way
 
 
 def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
-    """The local an op runs on, for input ``t`` that the op's own reshard ``plan`` gathers
-    (``S(d) -> R``) along some mesh dims of ``expand`` (the dims it then gives every rank
-    a view of): the gradient's way back from the ranks' partial sums to ``t``'s layout
-    recorded once, as DTensor's (module docstring), not an all-reduce per op
-    and a local slice.  None where that is not the case (the caller runs the ordinary
-    path): no gather given per rank, no gradient, uneven shards or cells, a
-    torch.distributed mesh."""
+    """The local an op runs on, for input ``t`` that the op gives every rank a view of
+    along mesh dims ``expand``, after its own reshard ``plan`` (None or no steps: as it
+    is): where ``t`` is one copy along some of them (gathered by the plan, ``S(d) -> R``,
+    or replicated and held once), the gradient's way back from the ranks' partial sums
+    to ``t``'s layout is recorded once per input, as DTensor's (module docstring), not an
+    all-reduce per op reading it (and a local slice).  None where that is not the case
+    (the caller runs the ordinary path): no such dim, no gradient, uneven shards or
+    cells, a torch.distributed mesh."""
     from .reshard import execute
     loc = t._local
     if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
             not torch.is_grad_enabled() or _B.is_distributed(mesh) or \
             not (t.mesh is mesh or t.mesh == mesh):
         return None
-    src = plan.src
-    if not any(src[i].is_shard() for i in expand):
-        return None
+    steps = plan is not None and bool(plan.steps)
+    src = plan.src if steps else tuple(t.placements)
     # the dims the gradient comes back along as partial sums: gathered ones, and
     # replicated ones held once (expand_replicas skips a dim already one copy per rank:
     # its gradient's sum is recorded where that copy was made); a Partial source keeps
     # its own all-reduce (see the module docstring)
     axes = tuple(i for i in expand if src[i].is_shard() or
                  (src[i].is_replicate() and loc.shape[i] == 1))
-    y, way = _source(t, axes, src)
+    if not axes:
+        return None
+    gathered = any(src[i].is_shard() for i in axes)
+    y, way = _source(t, axes, src, "grad of a gathered input" if gathered else
+                     "grad of a replicated input")
     with C.mute_backward(mesh, axes):
-        out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype, t.names))
-        out = out._local
+        out = y
+        if steps:
+            out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
+                                           t.names))._local
         if type(out) is not torch.Tensor or any(out.shape[i] != 1 for i in axes):
             raise AssertionError(f"{label}: the gathered copy is not one compact copy "
                                  "along the dims it is given per rank")
