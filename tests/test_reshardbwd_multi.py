@@ -128,3 +128,47 @@ def test_reduced_after_every_reader():
     red = [k for k, e in enumerate(ev) if e.name == "all_reduce"]
     assert len(linear_bwd) == 3 and len(red) == 1, [(e.name, e.label) for e in ev]
     assert red[0] > max(linear_bwd)
+
+
+# ---- compiled programs record what eager records ----------------------------------------
+
+class _QKV(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(256, 1024, bias=False, dtype=torch.float64)
+                                  for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+@pytest.mark.parametrize("src", [[R()], [S(0)]], ids=["R", "S0"])
+def test_compiled_records_and_prices_what_eager_records(src):
+    """Column-parallel q, k, v reading one input, replicated or sharded: eager records one
+    reduction of its gradient (an all-reduce; a reduce-scatter for the op's own gather).
+    Before, the compiled program ran and priced one all-reduce per reader (3 x 8,192 B:
+    for S(0), where eager reduce-scatters once), and the search's estimate priced
+    likewise.  Now the run, its schedule and the search's estimate are eager's."""
+    mesh = wb.Mesh.grid((4,), ["tp"])
+    x_plain = _values((4, 256), 5)
+    runs = []
+    for level in (None, "O1"):
+        m = wb.parallelize(_QKV(), mesh, {k: "colwise" for k in ("q", "k", "v")})
+        x = wb.shard_tensor(x_plain, mesh, src).requires_grad_()
+        f = m if level is None else wb.compile(m, x, level=level, profile=PROFILE)
+        with wb.trace(PROFILE) as tr:
+            out = f(x)
+            n = len(tr.collectives())
+            out.sum().backward()
+        runs.append((Counter((e.name, e.args["buffer_bytes"]) for e in tr.collectives()[n:]
+                             if 0 in e.ranks), out.full(), x.grad.full()))
+    (eager, e_out, e_grad), (comp, c_out, c_grad) = runs
+    want = "all_reduce" if src[0].is_replicate() else "reduce_scatter"
+    assert eager == comp == Counter({(want, 4 * 256 * 8): 1})
+    priced = Counter((it.coll, it.nbytes) for it in f.schedule.items
+                     if it.kind == "comm" and it.phase == "backward")
+    assert priced == comp
+    assert f.assignment.time == pytest.approx(f.step().time, rel=1e-12, abs=0)
+    torch.testing.assert_close(c_out, e_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c_grad, e_grad, rtol=1e-12, atol=1e-12)

@@ -37,7 +37,9 @@ class GradWays:
         self.of_node = {}          # nid -> [(key, pos, dims)]
 
     def reshard(self, ins):
-        self.made_by[(ins.vid, tuple(ins.dst))] = ins
+        # (a pinned copy is the value's own layout from then on: lower.py marks it not)
+        self.made_by[(ins.vid, tuple(ins.dst))] = None if ins.why.startswith("pinned") \
+            else ins
 
     def read(self, node, strategy):
         """Node ``node`` (forward order) reads its inputs laid out as ``strategy`` asks."""
@@ -87,9 +89,10 @@ class GradWays:
             # shards on the dims it gathered
             back = tuple(a if b.is_replicate() and a.is_shard() else b
                          for a, b in zip(ins.src, ins.dst))
-        # a parameter's (or input's) own all-reduce is bucketable (buckets.py expands the
-        # parameter itself); a gathered copy's way back is the dispatcher's, unbucketed
-        leaf = v.kind in ("param", "input") and ins is None
+        # a parameter's (or input's) all-reduce is bucketable: buckets.py expands the
+        # tensor the readers read (the parameter, or its gathered copy) and counts the
+        # bytes priced here (a gathered copy's: its shard's, the slice first, as eager)
+        leaf = v.kind in ("param", "input")
         out = []
         for grad in _merged(grp["uses"]):
             plan = plan_reshard_cached(TensorSpec(tuple(v.shape), self.mesh, grad, v.dtype,
