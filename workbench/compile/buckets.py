@@ -3,7 +3,8 @@ the ``bucket`` pass chose (``passes/bucket.py``), one collective per bucket.
 
 Run op by op, a parameter replicated over a mesh dim where its op's outputs diverge is
 given one copy per rank (``collectives.expand_replicas``) and its gradient is all-reduced
-over that dim as soon as backward reaches it: one collective per parameter and use.
+over that dim once backward has summed its readers' gradients: one collective per
+parameter (``workbench/parallel/reshard_backward.py``).
 PyTorch's DDP reducer instead marks each gradient ready and launches a bucket's
 all-reduce once every gradient in it is ready (Li et al. 2020, Sec. 3.2.3;
 ``torch/csrc/distributed/c10d/reducer.cpp``, ``Reducer::mark_variable_ready``).

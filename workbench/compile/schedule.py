@@ -5,9 +5,10 @@ ahead: the forward in program order, then the backward in reverse, each op's ker
 priced by the op table's cost on the busiest rank (``ops_table/pricing.py``, the
 dispatcher's own), each reshard's collectives and their backward (all_gather <->
 reduce_scatter, all_to_all <-> all_to_all, all_reduce <-> all_reduce, a local slice's
-all_gather), and the all-reduce of every gradient whose input was replicated where the
+all_gather), and the reduction of every gradient whose input was replicated where the
 op's outputs diverge (a parameter's: data parallelism's gradient all-reduce; an
-activation's: Megatron's ``f``).  :func:`replay` records the schedule into a
+activation's: Megatron's ``f``), once per input copy however many ops read it, as eager
+records it (``grad_ways.py``).  :func:`replay` records the schedule into a
 :class:`~workbench.sim_mesh.trace.Trace` with the clock's own rules (blocking collectives
 stall compute; async ones run on the comm stream beside it until waited for).
 

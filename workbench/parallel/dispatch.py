@@ -15,8 +15,9 @@ operator here.  For one call, reading the op's entry in the op table
    collectives are recorded in the trace);
 4. replicated inputs that meet per-rank computation are given per-rank views
    (:func:`collectives.expand_replicas`; their backward is the gradient
-   all-reduce, traced; a shard the op gathered itself gets DTensor's one
-   reduce-scatter back instead, ``reshard_backward.gather``);
+   all-reduce, traced once per input however many ops read it, and a shard the
+   op gathered itself gets DTensor's one reduce-scatter back instead:
+   ``reshard_backward.gather``);
 5. the local op runs once on the stacked local tensors of all ranks (or per
    rank when shards are uneven) and the result is wrapped with the announced
    output placements; under a trace, the entry's cost on the busiest rank is

@@ -45,11 +45,18 @@ Not covered (each collective's own event, as before): torch.distributed meshes, 
 held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
 its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
-it Partial for that op's own backward rule to reduce); a replicated input given per rank
-by several ops (Megatron's ``f``: one all-reduce per op, where DTensor sums first and
-reduces once); an input written in place between two ops that gather it (two meeting
-points: one reduce-scatter each).  The compiled program (``workbench.compile``) runs its
-reshards as steps of their own and prices them as before.
+it Partial for that op's own backward rule to reduce); an input written in place between
+two ops that gather it (two meeting points: one reduce-scatter each).
+
+A REPLICATED input read per rank by several ops (x read by the column-parallel q, k and v,
+or gate and up of a SwiGLU) goes through :func:`gather` too: held once along the dims the
+ops give every rank a view of, it gets the same identity node, so the readers' Partial
+gradients are summed first and all-reduced once (label "grad of a replicated input"), as
+DTensor's ``P + P -> P`` then one redistribution, and as Megatron-LM's one fused QKV / fc1
+behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per reader.
+(The tensor-parallel styles' own ``f``, ``tensor_parallel.py``, is unchanged.)  The
+compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
+prices these reductions once per input copy (``compile/grad_ways.py``).
 """
 from __future__ import annotations
 
