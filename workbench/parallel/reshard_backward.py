@@ -220,6 +220,8 @@ def _source(t, axes, back, label):
         return hit[2], hit[3]
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
                label=label)
+    # every reader's gradient: Partial along the dims it is given per rank (the key's)
+    way.uses.append(tuple(Partial() if i in axes else p for i, p in enumerate(back)))
     y = C.on_backward_steps(loc, way.steps)
     ways[key] = (loc, loc._version, y, way)
     return y, way
@@ -251,8 +253,8 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     if not axes:
         return None
     gathered = any(src[i].is_shard() for i in axes)
-    y, way = _source(t, axes, src, "grad of a gathered input" if gathered else
-                     "grad of a replicated input")
+    y, _ = _source(t, axes, src, "grad of a gathered input" if gathered else
+                   "grad of a replicated input")
     with C.mute_backward(mesh, axes):
         out = y
         if steps:
@@ -261,8 +263,4 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
         if type(out) is not torch.Tensor or any(out.shape[i] != 1 for i in axes):
             raise AssertionError(f"{label}: the gathered copy is not one compact copy "
                                  "along the dims it is given per rank")
-        out = C.expand_replicas(out, mesh, expand, label=label)
-    grad = tuple(Partial() if i in axes else p for i, p in enumerate(src))
-    if grad not in way.uses:
-        way.uses.append(grad)
-    return out
+        return C.expand_replicas(out, mesh, expand, label=label)
