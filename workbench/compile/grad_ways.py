@@ -54,7 +54,9 @@ class GradWays:
                 continue
             ps = tuple(req)
             ins = self.made_by.get((vid, ps))
-            key = (vid, ps, id(ins))
+            # a reshard's marked copy: one way back for all its readers; the value's own
+            # layout: one per set of dims read per rank (reshard_backward.gather's key)
+            key = (vid, ps, id(ins)) if ins is not None else (vid, ps, None, dims)
             grp = self.groups.setdefault(key, dict(uses=[], readers=0, members=[], ins=ins,
                                                    vid=vid, ps=ps))
             use = tuple(Partial() if i in dims else p for i, p in enumerate(ps))

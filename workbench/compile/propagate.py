@@ -218,7 +218,8 @@ class _Pricer:
                     not any(req[i].is_replicate() for i in diverge) or \
                     (plan is not None and plan.steps and tuple(req) != ps):
                 continue
-            key = ("read", tuple(req))
+            key = ("read", tuple(req),
+                   tuple(i for i in diverge if req[i].is_replicate()))   # (gather's key)
             if key in seen.get(vid, ()) or key in first:
                 shared.append(pos)
             else:
