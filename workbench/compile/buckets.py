@@ -3,7 +3,8 @@ the ``bucket`` pass chose (``passes/bucket.py``), one collective per bucket.
 
 Run op by op, a parameter replicated over a mesh dim where its op's outputs diverge is
 given one copy per rank (``collectives.expand_replicas``) and its gradient is all-reduced
-over that dim as soon as backward reaches it: one collective per parameter and use.
+over that dim once backward has summed its readers' gradients: one collective per
+parameter (``workbench/parallel/reshard_backward.py``).
 PyTorch's DDP reducer instead marks each gradient ready and launches a bucket's
 all-reduce once every gradient in it is ready (Li et al. 2020, Sec. 3.2.3;
 ``torch/csrc/distributed/c10d/reducer.cpp``, ``Reducer::mark_variable_ready``).
@@ -39,14 +40,14 @@ class _Ready(torch.autograd.Function):
     """Identity; its backward marks one gradient of a bucket ready."""
 
     @staticmethod
-    def forward(ctx, reducer, keys, x):
-        ctx.reducer, ctx.keys = reducer, keys
+    def forward(ctx, reducer, keys, grad_of, x):
+        ctx.reducer, ctx.keys, ctx.grad_of = reducer, keys, grad_of
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.reducer.ready(ctx.keys, g)
-        return None, None, g
+        ctx.reducer.ready(ctx.keys, g, ctx.grad_of)
+        return None, None, None, g
 
 
 class GradBuckets:
@@ -69,16 +70,22 @@ class GradBuckets:
         self.launched = [False] * len(self.buckets)
         self.handles = []
         self._queued = False
+        self.held: dict = {}        # id of an expanded tensor -> (the tensor, its bytes)
+        self.counted = set()        # (id, mesh dim) of the gradients already in a bucket
 
     def axes(self, nid, pos) -> tuple:
         """The mesh dims along which input ``pos`` of node ``nid`` is reduced in a bucket."""
         return tuple(i for i in range(self.mesh.ndim) if (nid, pos, i) in self.of)
 
-    def expand(self, nid, positions, local, axes):
+    def expand(self, nid, positions, local, axes, nbytes=None):
         """``local`` (a parameter's stacked local tensor, input ``positions`` of node
         ``nid``: one tensor read twice is expanded once, its gradient summed once) with one
         copy per rank along ``axes``, each behind its bucket's marker; None where it cannot
-        be done here (the dispatcher then expands it, and reduces it, itself)."""
+        be done here (the dispatcher then expands it, and reduces it, itself).  A tensor
+        read by several ops counts its gradient's bytes once per mesh dim (autograd sums the
+        readers' gradients first, as eager reduces once: ``grad_ways.py``); ``nbytes``: what
+        one rank's gradient holds when it is reduced (a gathered copy's: its shard's, sliced
+        first, as eager's ``reshard_backward.mark``), else the copy's own size."""
         if not isinstance(local, torch.Tensor) or not local.requires_grad \
                 or not torch.is_grad_enabled():
             return None
@@ -86,12 +93,15 @@ class GradBuckets:
         for a in axes:
             if local.shape[a] != 1:
                 return None
+        src = local
+        self.held.setdefault(id(src), (src, nbytes))
         for a in axes:
             keys = tuple((nid, p, a) for p in positions if (nid, p, a) in self.of)
-            local = _Ready.apply(self, keys, F.expand(local, a, self.mesh.shape[a]))
+            local = _Ready.apply(self, keys, (id(src), a),
+                                 F.expand(local, a, self.mesh.shape[a]))
         return local
 
-    def ready(self, keys, grad):
+    def ready(self, keys, grad, grad_of=None):
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -102,8 +112,12 @@ class GradBuckets:
                                    "one backward (backward through the same output twice?);"
                                    " run the program again for each backward")
             self.ready_keys[b].add(key)
-        # the gradient of the per-rank copies: one rank's copy is what travels
-        self.nbytes[b] += grad[(0,) * self.mesh.ndim].numel() * grad.element_size()
+        if grad_of not in self.counted:
+            self.counted.add(grad_of)
+            nb = self.held.get(grad_of[0], (None, None))[1] if grad_of else None
+            # the gradient of the per-rank copies: one rank's copy is what travels
+            self.nbytes[b] += nb if nb is not None else \
+                grad[(0,) * self.mesh.ndim].numel() * grad.element_size()
         if len(self.ready_keys[b]) == len(self.buckets[b][0]):
             self._launch(b)
 
@@ -129,5 +143,6 @@ class GradBuckets:
         # ready for another backward through the same graph (retain_graph=True)
         self.ready_keys = [set() for _ in self.buckets]
         self.nbytes = [0] * len(self.buckets)
+        self.counted = set()
         self.launched = [False] * len(self.buckets)
         self.handles, self._queued = [], False

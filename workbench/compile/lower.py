@@ -27,6 +27,7 @@ from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.placement import fmt_placements
+from ..parallel import reshard_backward as _rb
 from ..parallel.reshard import execute, plan_reshard_cached
 from ..parallel.spec import TensorSpec
 from .graph import map_refs
@@ -119,7 +120,13 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 raise RuntimeError(f"reshard %{ins.vid}: not available in "
                                    f"{fmt_placements(ins.src)}")
             t = src if isinstance(src, DistTensor) else as_dist(src, mesh)
-            have[ins.dst] = execute(ins.plan, t)
+            out = execute(ins.plan, t)
+            if out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
+                # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
+                # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
+                # copy is the value's layout from then on: reduced as such)
+                _rb.mark(out, ins.plan.src)
+            have[ins.dst] = out
             if ins.why.startswith("pinned"):
                 cur[ins.vid] = ins.dst
             continue
@@ -175,7 +182,12 @@ def _bucketed(arg, graph, n, st, mesh, gb):
         if not isinstance(t, DistTensor):
             continue
         here = tuple(p for p, v in enumerate(n.inputs) if v == vid)
-        loc = gb.expand(n.nid, here, t._local, axes)
+        way = getattr(t._local, "__dict__", {}).get(_rb.KEY)     # a gathered copy
+        nb = None
+        if way is not None:
+            from .propagate import _local_bytes
+            nb = _local_bytes(way.shape, mesh, way.back, way.dtype)
+        loc = gb.expand(n.nid, here, t._local, axes, nb)
         if loc is not None:
             swap[vid] = DistTensor(loc, t.mesh, t.placements, t.shape, t.dtype, t.names)
     if not swap:

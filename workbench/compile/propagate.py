@@ -36,7 +36,7 @@ import torch
 
 from ..parallel.ops_table.strategy import infer_on
 from ..parallel.ops_table.table import TABLE
-from ..parallel.placement import Replicate, normalize_placements
+from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
@@ -161,10 +161,14 @@ class _Pricer:
         self._compute[key] = t
         return t
 
-    def backward_comm(self, node, specs, cand, reused=()) -> float:
+    def backward_comm(self, node, specs, cand, reused=(), shared=()) -> float:
         """The transposes of the forward plans (but the ``reused`` positions': the
-        program runs their reshard once, for an earlier consumer), and the expanded
-        replicas' all-reduces."""
+        program runs their reshard once, for an earlier consumer), and the gradient
+        reduction of each input read per rank, once per input copy: with its first reader
+        in program order (not the ``reused`` positions, whose copy an earlier consumer's
+        reshard made, nor the ``shared`` ones, a copy an earlier op read per rank), the
+        reshard planner's plan from the Partial gradient back to the copy's layout (a
+        gathered copy's: the source's shards), as the run records it (``grad_ways.py``)."""
         t = 0.0
         st = cand.strategy
         if node.nid not in self.backward:
@@ -183,21 +187,53 @@ class _Pricer:
                     nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
                     t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
-            for i in diverge:
-                if req[i].is_replicate():
-                    nb = _local_bytes(spec.shape, self.mesh, req, spec.dtype)
-                    t += max(_cost.price("all_reduce", nb, g, self.profile)
-                             for g in self.mesh.groups(i))
+            dims = [i for i in diverge if req[i].is_replicate()]
+            if dims and pos not in reused and pos not in shared:
+                t += self.grad_reduction(vid, plan, tuple(req), dims)
         return t
 
-    def price(self, node, specs, cand, reused=()) -> NodeCost:
+    def grad_reduction(self, vid, plan, req, dims) -> float:
+        """The time of one input copy's gradient reduction (``backward_comm``)."""
+        src = plan.src if plan is not None and plan.steps else req
+        back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
+            if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
+        grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
+        p = plan_reshard_cached(self.spec(vid, grad), back, self.pname)
+        return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
+                       for g in self.mesh.groups(s.mesh_dim)) for s in p.steps if s.bytes)
+
+    def shared_reads(self, node, in_ps, cand, seen):
+        """The input positions of ``node`` that read per rank a copy an earlier op read
+        per rank (``seen``: the (vid, layout) copies read so far, the value's own layout,
+        not a reshard's), and the copies it reads so first."""
+        st = cand.strategy
+        if node.nid not in self.backward:
+            return (), ()
+        diverge = [i for i in range(self.mesh.ndim)
+                   if any(not ps[i].is_replicate() for ps in st.outputs)]
+        shared, first = [], []
+        for pos, (vid, ps, req, plan) in enumerate(zip(node.inputs, in_ps, st.inputs,
+                                                       cand.plans)):
+            if vid is None or req is None or not self.g.values[vid].requires_grad or \
+                    not any(req[i].is_replicate() for i in diverge) or \
+                    (plan is not None and plan.steps and tuple(req) != ps):
+                continue
+            key = ("read", tuple(req),
+                   tuple(i for i in diverge if req[i].is_replicate()))   # (gather's key)
+            if key in seen.get(vid, ()) or key in first:
+                shared.append(pos)
+            else:
+                first.append((vid, key))
+        return tuple(shared), tuple(first)
+
+    def price(self, node, specs, cand, reused=(), shared=()) -> NodeCost:
         """``reused``: the input positions whose layout an earlier reshard (or a pin)
         already made: the program reads that copy (``passes/reshards.py``), so their
         plan costs no communication, forward or backward, and no memory again."""
         reused = tuple(sorted(reused))
         fwd = cand.time if not reused else sum(
             p.total_time for k, p in enumerate(cand.plans) if p is not None and k not in reused)
-        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused),
+        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused, shared),
                         self.compute(node, specs, cand), self.memory(node, specs, cand, reused),
                         reused)
 
@@ -296,11 +332,15 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     pl = initial(graph, placements, mesh)
     choice, costs = {}, {}
     pin_cost = 0.0
+    seen: dict = {}              # vid -> the copies read per rank so far (shared_reads)
     for n in graph.nodes:
         in_ps = tuple(None if v is None else pl[v] for v in n.inputs)
         specs, dec = pr.decision(n, in_ps)
         c = dec.chosen
-        choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c)
+        shared, first = pr.shared_reads(n, in_ps, c, seen)
+        for vid, key in first:
+            seen.setdefault(vid, set()).add(key)
+        choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c, shared=shared)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does

@@ -5,9 +5,10 @@ ahead: the forward in program order, then the backward in reverse, each op's ker
 priced by the op table's cost on the busiest rank (``ops_table/pricing.py``, the
 dispatcher's own), each reshard's collectives and their backward (all_gather <->
 reduce_scatter, all_to_all <-> all_to_all, all_reduce <-> all_reduce, a local slice's
-all_gather), and the all-reduce of every gradient whose input was replicated where the
+all_gather), and the reduction of every gradient whose input was replicated where the
 op's outputs diverge (a parameter's: data parallelism's gradient all-reduce; an
-activation's: Megatron's ``f``).  :func:`replay` records the schedule into a
+activation's: Megatron's ``f``), once per input copy however many ops read it, as eager
+records it (``grad_ways.py``).  :func:`replay` records the schedule into a
 :class:`~workbench.sim_mesh.trace.Trace` with the clock's own rules (blocking collectives
 stall compute; async ones run on the comm stream beside it until waited for).
 
@@ -31,6 +32,7 @@ from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
 from .propagate import BACKWARD_OF, _local_bytes
+from .grad_ways import GradWays
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
 
@@ -119,12 +121,14 @@ def build_schedule(prog) -> Schedule:
     fwd_of = {}                  # nid -> (compute item index or -1)
     from .propagate import _Pricer
     pr = _Pricer(g, mesh, a.profile)
+    ways = GradWays(g, mesh, pr.pname)     # the gradient reductions, one per input copy
     bwd = []                     # per Run, in forward order: (node, specs, cand, dtype, cost)
     pending = []
     pinned = {}                  # producer nid -> the pinned reshards of its outputs
     attached = []                # the reshards the program runs for the next op's inputs
     for ins in prog.program:
         if isinstance(ins, Reshard):
+            ways.reshard(ins)
             for s in ins.plan.steps:
                 if s.kind in _COLL:
                     pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
@@ -142,6 +146,7 @@ def build_schedule(prog) -> Schedule:
         n = g.nodes[ins.nid]
         entry = TABLE[n.op]
         c = a.choice[n.nid]
+        ways.read(n, c.strategy)
         specs = tuple(None if v is None else pr.spec(v, ps) for v, ps in
                       zip(n.inputs, c.strategy.inputs))
         kn = op_kernels(g, mesh, prof, n, specs, c, n.nid in pr.backward)
@@ -186,20 +191,17 @@ def build_schedule(prog) -> Schedule:
             items.append(Item("compute", n.name, "backward", kernel=kern, launches=nl,
                               op_class=entry.op_class, kernels=nl, dtype=kn.dtype))
         st = c.strategy
-        diverge = [i for i in range(mesh.ndim)
-                   if any(not ps[i].is_replicate() for ps in st.outputs)]
+        # the gradients of the inputs read per rank, once per input copy after its last
+        # reader's backward (grad_ways.py: eager's reshard_backward)
+        for kind, i, nb, vid, members in ways.steps(n.nid):
+            leaf = g.values[vid].kind in ("param", "input")
+            items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}", "backward",
+                              coll=kind, mesh_dim=i, nbytes=nb, grad=bool(members),
+                              after=here, members=members))
         for pos, (vid, spec, plan, req) in enumerate(zip(n.inputs, specs_in, c.plans,
                                                          st.inputs)):
             if vid is None or not g.values[vid].requires_grad:
                 continue
-            leaf = g.values[vid].kind in ("param", "input")
-            for i in diverge:
-                if req[i].is_replicate():
-                    nb = _local_bytes(spec.shape, mesh, req, spec.dtype)
-                    items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}",
-                                      "backward", coll="all_reduce", mesh_dim=i, nbytes=nb,
-                                      grad=leaf, after=here,
-                                      members=((n.nid, pos, i),) if leaf else ()))
             # the backward of the reshard the program ran for this input (one per
             # producer and layout: a consumer reading a layout an earlier reshard made,
             # or the pin's, runs none, and autograd passes the summed gradient back

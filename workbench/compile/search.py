@@ -208,11 +208,15 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
                 reused.append(pos)
             else:
                 made.setdefault(vid, set()).add(req)
-        nc = pr.price(n, specs, c, reused)
+        # a copy an earlier op read per rank: its gradient reduction priced there
+        shared, first = pr.shared_reads(n, in_ps, c, avail)
+        nc = pr.price(n, specs, c, reused, shared)
         new = dict(pl)
         new_av = {v: set(a) for v, a in avail.items()}
         for v, a in made.items():
             new_av.setdefault(v, set()).update(a)
+        for v, key in first:
+            new_av.setdefault(v, set()).add(key)
         extra = 0.0
         for vid, ps in zip(n.outs, c.strategy.outputs):
             new[vid] = tuple(ps)

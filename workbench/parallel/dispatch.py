@@ -15,9 +15,10 @@ operator here.  For one call, reading the op's entry in the op table
    collectives are recorded in the trace);
 4. replicated inputs that meet per-rank computation are given per-rank views
    (:func:`collectives.expand_replicas`; their backward is the gradient
-   all-reduce, traced; a shard the op gathered itself gets DTensor's one
-   reduce-scatter back instead, ``reshard_backward.gather``, on torch.distributed
-   ``gather_backward_dist.gather``);
+   all-reduce, traced once per input however many ops read it, and a shard the
+   op gathered itself gets DTensor's one reduce-scatter back instead:
+   ``reshard_backward.gather``; on torch.distributed ``gather_backward_dist.gather``
+   for the gathered shard, the replicated input still one all-reduce per op);
 5. the local op runs once on the stacked local tensors of all ranks (or per
    rank when shards are uneven; on torch.distributed, on this process's shard,
    uneven or not: the collectives pad, ``sim_mesh/padded.py``) and the result is
@@ -399,10 +400,12 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             if loc is not None:
                 locs.append(loc)
                 continue
-        elif axes and plan is not None and plan.steps and type(x) is DistTensor:
-            # the op gathers a shard itself and gives every rank a view: the gradient's
-            # way back recorded once, as DTensor's (reshard_backward.gather; on
-            # torch.distributed, run once too: gather_backward_dist.gather)
+        elif axes and type(x) is DistTensor and not (
+                storage.holds_own(mesh) and (plan is None or not plan.steps)):
+            # the op gives every rank a view of one copy (gathered by its own reshard, or
+            # replicated): the gradient's way back recorded once per input, as DTensor's
+            # (reshard_backward.gather; on torch.distributed, a gathered shard only:
+            # gather_backward_dist.gather)
             loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
                 t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:

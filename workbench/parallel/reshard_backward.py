@@ -45,11 +45,18 @@ Not covered (each collective's own event, as before): torch.distributed meshes, 
 held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
 its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
-it Partial for that op's own backward rule to reduce); a replicated input given per rank
-by several ops (Megatron's ``f``: one all-reduce per op, where DTensor sums first and
-reduces once); an input written in place between two ops that gather it (two meeting
-points: one reduce-scatter each).  The compiled program (``workbench.compile``) runs its
-reshards as steps of their own and prices them as before.
+it Partial for that op's own backward rule to reduce); an input written in place between
+two ops that gather it (two meeting points: one reduce-scatter each).
+
+A REPLICATED input read per rank by several ops (x read by the column-parallel q, k and v,
+or gate and up of a SwiGLU) goes through :func:`gather` too: held once along the dims the
+ops give every rank a view of, it gets the same identity node, so the readers' Partial
+gradients are summed first and all-reduced once (label "grad of a replicated input"), as
+DTensor's ``P + P -> P`` then one redistribution, and as Megatron-LM's one fused QKV / fc1
+behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per reader.
+(The tensor-parallel styles' own ``f``, ``tensor_parallel.py``, is unchanged.)  The
+compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
+prices these reductions once per input copy (``compile/grad_ways.py``).
 """
 from __future__ import annotations
 
@@ -200,10 +207,10 @@ def _entries(t) -> dict:
     return out
 
 
-def _source(t, axes, back):
+def _source(t, axes, back, label):
     """``t``'s local through its way's identity node: the one made for ``t``'s present
-    local and layout if there is one (every op gathering it meets there), else a new
-    one."""
+    local and layout if there is one (every op reading it per rank meets there), else a
+    new one."""
     loc = t._local
     ways = _entries(t)
     key = (axes, tuple(t.placements))
@@ -212,44 +219,48 @@ def _source(t, axes, back):
             hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
         return hit[2], hit[3]
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
-               label="grad of a gathered input")
+               label=label)
+    # every reader's gradient: Partial along the dims it is given per rank (the key's)
+    way.uses.append(tuple(Partial() if i in axes else p for i, p in enumerate(back)))
     y = C.on_backward_steps(loc, way.steps)
     ways[key] = (loc, loc._version, y, way)
     return y, way
 
 
 def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
-    """The local an op runs on, for input ``t`` that the op's own reshard ``plan`` gathers
-    (``S(d) -> R``) along some mesh dims of ``expand`` (the dims it then gives every rank
-    a view of): the gradient's way back from the ranks' partial sums to ``t``'s layout
-    recorded once, as DTensor's (module docstring), not an all-reduce per op
-    and a local slice.  None where that is not the case (the caller runs the ordinary
-    path): no gather given per rank, no gradient, uneven shards or cells, a
-    torch.distributed mesh."""
+    """The local an op runs on, for input ``t`` that the op gives every rank a view of
+    along mesh dims ``expand``, after its own reshard ``plan`` (None or no steps: as it
+    is): where ``t`` is one copy along some of them (gathered by the plan, ``S(d) -> R``,
+    or replicated and held once), the gradient's way back from the ranks' partial sums
+    to ``t``'s layout is recorded once per input, as DTensor's (module docstring), not an
+    all-reduce per op reading it (and a local slice).  None where that is not the case
+    (the caller runs the ordinary path): no such dim, no gradient, uneven shards or
+    cells, a torch.distributed mesh."""
     from .reshard import execute
     loc = t._local
     if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
             not torch.is_grad_enabled() or _B.is_distributed(mesh) or \
             not (t.mesh is mesh or t.mesh == mesh):
         return None
-    src = plan.src
-    if not any(src[i].is_shard() for i in expand):
-        return None
+    steps = plan is not None and bool(plan.steps)
+    src = plan.src if steps else tuple(t.placements)
     # the dims the gradient comes back along as partial sums: gathered ones, and
     # replicated ones held once (expand_replicas skips a dim already one copy per rank:
     # its gradient's sum is recorded where that copy was made); a Partial source keeps
     # its own all-reduce (see the module docstring)
     axes = tuple(i for i in expand if src[i].is_shard() or
                  (src[i].is_replicate() and loc.shape[i] == 1))
-    y, way = _source(t, axes, src)
+    if not axes:
+        return None
+    gathered = any(src[i].is_shard() for i in axes)
+    y, _ = _source(t, axes, src, "grad of a gathered input" if gathered else
+                   "grad of a replicated input")
     with C.mute_backward(mesh, axes):
-        out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype, t.names))
-        out = out._local
+        out = y
+        if steps:
+            out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
+                                           t.names))._local
         if type(out) is not torch.Tensor or any(out.shape[i] != 1 for i in axes):
             raise AssertionError(f"{label}: the gathered copy is not one compact copy "
                                  "along the dims it is given per rank")
-        out = C.expand_replicas(out, mesh, expand, label=label)
-    grad = tuple(Partial() if i in axes else p for i, p in enumerate(src))
-    if grad not in way.uses:
-        way.uses.append(grad)
-    return out
+        return C.expand_replicas(out, mesh, expand, label=label)
