@@ -1,6 +1,10 @@
 """Running a torchrun job from a test, the same way in every test file."""
 import json
+import os
 import subprocess
+import sys
+
+SEVERAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "several.py")
 
 # A gloo worker thread that still holds finished async work when the interpreter tears
 # down can abort the process ("terminate called without an active exception": the race
@@ -34,3 +38,29 @@ def json_rows(text: str) -> list:
         rows.append(row)
         i = text.find("{", end)
     return rows
+
+
+def run_several(n: int, parts: list[str], **kwargs):
+    """One torchrun launch of ``n`` processes running ``parts`` one after another
+    (tests/dist_scripts/several.py: a part is a script with its arguments or ``-m module
+    args``, one string); returns the finished job (:func:`run_job`) and, when it succeeded,
+    each part's stdout (:func:`split_parts`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n}", SEVERAL, *parts]
+    out = run_job(cmd, **kwargs)
+    return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
+
+
+def split_parts(stdout: str, n: int) -> list[str]:
+    """A launch of ``n`` parts' output cut at the markers: one text per part (each read with
+    :func:`json_rows`); raises if a marker is missing."""
+    out, start = [], 0
+    for k in range(n):
+        mark = json.dumps({"part_done": k})
+        end = stdout.find(mark, start)
+        if end == -1:
+            raise ValueError(f"no {mark} in the output after part {k - 1}'s: the job "
+                             f"ended in part {k}?\n{stdout[start:][-2000:]}")
+        out.append(stdout[start:end])
+        start = end + len(mark)
+    return out
