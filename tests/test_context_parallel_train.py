@@ -84,13 +84,13 @@ TORCHRUN_CP = [("tiny", ["--tp", "2"]),
 
 
 @pytest.fixture(scope="module")
-def torchrun_cp():
+def torchrun_cp(tmp_path_factory):
     """Both 4-process runs in one torchrun launch (tests/dist_scripts/several.py: each
     process's start-up, most of a launch's time, paid once): each run's stdout."""
     parts = [" ".join(["-m", "workbench", "train", "--preset", preset, "--seed", "0",
                        "--steps", "2", "--backend", "torch", "--cp", "2", *flags])
              for preset, flags in TORCHRUN_CP]
-    out, texts = run_several(4, parts, timeout=400, cwd=ROOT,
+    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, cwd=ROOT,
                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     return texts

@@ -27,11 +27,11 @@ TWO = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py"]
 
 
 @pytest.fixture(scope="module")
-def two_processes():
+def two_processes(tmp_path_factory):
     """The 2-process scripts in one launch (tests/dist_scripts/several.py: each process's
     start-up, most of a launch's time, paid once): the job and each script's stdout."""
-    out, texts = run_several(2, [os.path.join(SCRIPTS, s) for s in TWO], timeout=400,
-                             env=ENV, cwd=ROOT)
+    out, texts = run_several(2, [os.path.join(SCRIPTS, s) for s in TWO], tmp_path_factory,
+                             timeout=400, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out, dict(zip(TWO, texts))
 

@@ -37,12 +37,12 @@ FOUR = [flags for n, flags, _ in CASES if n == 4]
 
 
 @pytest.fixture(scope="module")
-def four_processes():
+def four_processes(tmp_path_factory):
     """The 4-process training runs and the DTensor interop check in one launch
     (tests/dist_scripts/several.py: each process's start-up, most of a launch's time, paid
     once): the job and each part's stdout, the interop check's last."""
     parts = [" ".join([*TRAIN, "--steps", "3", *flags]) for flags in FOUR] + [INTEROP]
-    out, texts = run_several(4, parts, timeout=400, env=ENV, cwd=ROOT)
+    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out, texts
 

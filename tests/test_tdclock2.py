@@ -19,10 +19,10 @@ PARTS = {"pp": TRAIN + " ".join([*ARGS, "--pp", "2"]),
 
 
 @pytest.fixture(scope="module")
-def two_processes():
+def two_processes(tmp_path_factory):
     """The three 2-process runs in one torchrun launch (tests/dist_scripts/several.py:
     each process's start-up, most of a launch's time, paid once): each run's stdout."""
-    out, texts = run_several(2, list(PARTS.values()), timeout=400, cwd=ROOT,
+    out, texts = run_several(2, list(PARTS.values()), tmp_path_factory, timeout=400, cwd=ROOT,
                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(zip(PARTS, texts))

@@ -1,4 +1,5 @@
 """Running a torchrun job from a test, the same way in every test file."""
+import hashlib
 import json
 import os
 import subprocess
@@ -40,14 +41,33 @@ def json_rows(text: str) -> list:
     return rows
 
 
-def run_several(n: int, parts: list[str], **kwargs):
+def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
     """One torchrun launch of ``n`` processes running ``parts`` one after another
     (tests/dist_scripts/several.py: a part is a script with its arguments or ``-m module
     args``, one string); returns the finished job (:func:`run_job`) and, when it succeeded,
-    each part's stdout (:func:`split_parts`)."""
+    each part's stdout (:func:`split_parts`).
+
+    With ``tmp_path_factory`` (the fixture), the pytest-xdist workers of one session share
+    the launch: xdist's load scheduling may hand a module's tests to both workers, and each
+    would run the module's fixture; the first runs the job, under a file lock, and leaves
+    its output for the other (pytest-xdist's documented recipe for a session's one-time
+    work; filelock comes with torch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={n}", SEVERAL, *parts]
-    out = run_job(cmd, **kwargs)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if tmp_path_factory is None or worker is None:
+        out = run_job(cmd, **kwargs)
+    else:
+        from filelock import FileLock
+        key = hashlib.sha256(json.dumps([n, parts]).encode()).hexdigest()[:16]
+        path = tmp_path_factory.getbasetemp().parent / f"several-{key}.json"
+        with FileLock(str(path) + ".lock"):
+            if path.is_file():
+                out = subprocess.CompletedProcess(cmd, **json.loads(path.read_text()))
+            else:
+                out = run_job(cmd, **kwargs)
+                path.write_text(json.dumps({"returncode": out.returncode, "stdout": out.stdout,
+                                            "stderr": out.stderr}))
     return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
 
 
