@@ -47,20 +47,24 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
     args``, one string); returns the finished job (:func:`run_job`) and, when it succeeded,
     each part's stdout (:func:`split_parts`).
 
-    With ``tmp_path_factory`` (the fixture), the pytest-xdist workers of one session share
-    the launch: xdist's load scheduling may hand a module's tests to both workers, and each
-    would run the module's fixture; the first runs the job, under a file lock, and leaves
-    its output for the other (pytest-xdist's documented recipe for a session's one-time
-    work; filelock comes with torch)."""
+    With ``tmp_path_factory`` (the fixture), the same launch (``n`` and ``parts``) runs
+    once a test session, whichever modules' fixtures ask for it, on whichever
+    pytest-xdist worker (xdist's load scheduling may hand one module's tests to both
+    workers, each running the module's fixture): the first runs the job, under a file
+    lock, and leaves its output for the others in the session's temporary root
+    (pytest-xdist's documented recipe for a session's one-time work; filelock comes with
+    torch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={n}", SEVERAL, *parts]
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if tmp_path_factory is None or worker is None:
+    if tmp_path_factory is None:
         out = run_job(cmd, **kwargs)
     else:
         from filelock import FileLock
         key = hashlib.sha256(json.dumps([n, parts]).encode()).hexdigest()[:16]
-        path = tmp_path_factory.getbasetemp().parent / f"several-{key}.json"
+        root = tmp_path_factory.getbasetemp()          # the session's; under xdist a worker's
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            root = root.parent
+        path = root / f"several-{key}.json"
         with FileLock(str(path) + ".lock"):
             if path.is_file():
                 out = subprocess.CompletedProcess(cmd, **json.loads(path.read_text()))
@@ -69,6 +73,22 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
                 path.write_text(json.dumps({"returncode": out.returncode, "stdout": out.stdout,
                                             "stderr": out.stderr}))
     return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
+
+
+# the 2 x 2 dp x tp checks over tp_optim_model.py (4 processes, timeout_s 120), one launch
+# a session for the four test files that hold them to one device (run_several)
+TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
+          "habits4_clip_check.py"]
+
+
+def tp_2x2(tmp_path_factory, script: str):
+    """The session's one launch of every :data:`TP_2X2` script: the job and ``script``'s
+    stdout ("" when the job failed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out, texts = run_several(4, [os.path.join(root, "tests", "dist_scripts", s) for s in TP_2X2],
+                             tmp_path_factory, timeout=500, cwd=root,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    return out, texts[TP_2X2.index(script)] if texts else ""
 
 
 def split_parts(stdout: str, n: int) -> list[str]:
