@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job, run_several
+from tests.torchrun_support import json_rows, run_job, two_proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
@@ -21,19 +21,15 @@ def torchrun(n, script, *args, timeout=240):
     return run_job(cmd, timeout=timeout, env=ENV, cwd=ROOT)
 
 
-# this file's 2-process scripts, in one torchrun launch (the first's timeout_s, 120 s, is
-# the process group's)
-TWO = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py"]
-
-
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """The 2-process scripts in one launch (tests/dist_scripts/several.py: each process's
-    start-up, most of a launch's time, paid once): the job and each script's stdout."""
-    out, texts = run_several(2, [os.path.join(SCRIPTS, s) for s in TWO], tmp_path_factory,
-                             timeout=400, env=ENV, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out, dict(zip(TWO, texts))
+    """This file's 2-process scripts' stdout from the session's one launch of the
+    2-process checks (torchrun_support.TWO_PROC): the job and each script's text."""
+    texts = {}
+    for s in ("zero_grads_check.py", "wrappers_check.py", "replicas_check.py"):
+        out, texts[s] = two_proc(tmp_path_factory, s)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out, texts
 
 
 @pytest.mark.slow

@@ -75,20 +75,38 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
     return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
 
 
-# the 2 x 2 dp x tp checks over tp_optim_model.py (4 processes, timeout_s 120), one launch
-# a session for the four test files that hold them to one device (run_several)
+# Scripts that share one launch a session (run_several), each test reading its own
+# script's rows: the first script's timeout_s is the process group's (120 s in both).
+# The rows of each script of TP_2X2 and of TWO_PROC were checked equal with the group run
+# in its order and in the reverse order (task testspeed4).
+# The 2 x 2 dp x tp checks over tp_optim_model.py, 4 processes:
 TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
           "habits4_clip_check.py"]
+# 2-process checks without arguments that init and shut down through wb.distributed
+# (habits7_check and habits9_check call init_process_group / destroy_process_group
+# themselves: they keep their own launches)
+TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "habits_check.py",
+            "habits6_check.py", "cnn_check.py", "datadep_check.py", "generate_check.py",
+            "engine_tp_check.py", "tp_styles_check.py"]
+
+
+def shared(group: list[str], tmp_path_factory, script: str):
+    """The session's one launch of every script in ``group`` (:data:`TP_2X2`, 4 processes,
+    or :data:`TWO_PROC`, 2): the job and ``script``'s stdout ("" when the job failed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    n = 4 if group is TP_2X2 else 2
+    out, texts = run_several(n, [os.path.join(root, "tests", "dist_scripts", s) for s in group],
+                             tmp_path_factory, timeout=500, cwd=root,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    return out, texts[group.index(script)] if texts else ""
 
 
 def tp_2x2(tmp_path_factory, script: str):
-    """The session's one launch of every :data:`TP_2X2` script: the job and ``script``'s
-    stdout ("" when the job failed)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out, texts = run_several(4, [os.path.join(root, "tests", "dist_scripts", s) for s in TP_2X2],
-                             tmp_path_factory, timeout=500, cwd=root,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
-    return out, texts[TP_2X2.index(script)] if texts else ""
+    return shared(TP_2X2, tmp_path_factory, script)
+
+
+def two_proc(tmp_path_factory, script: str):
+    return shared(TWO_PROC, tmp_path_factory, script)
 
 
 def split_parts(stdout: str, n: int) -> list[str]:

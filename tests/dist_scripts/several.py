@@ -16,7 +16,8 @@ the rows printed before it (every rank's, flushed before the barrier) are part k
 ``tests.torchrun_support.split_parts`` cuts the output there.
 
 The process group stays up from the first part's ``wb.distributed.init()`` to the end:
-the parts' ``wb.distributed.shutdown()`` does nothing until the last part has run (a
+a part's ``wb.distributed.shutdown()`` forgets its meshes and their groups, as shutdown
+does, but ends the group only after the last part (a
 second ``init_process_group`` after ``destroy_process_group`` in the same torchrun job
 rendezvouses on the store keys of the first and connects to the old group's closed
 ports: gloo's connectFullMesh fails).  A later part's ``init()`` finds the group
@@ -47,7 +48,15 @@ def main(parts: list[str]) -> None:
 
     from workbench.sim_mesh import backends
     shutdown = backends.shutdown
-    backends.shutdown = lambda: None
+
+    def between_parts():
+        # what shutdown() forgets besides the group: the meshes registered as distributed
+        # (a later part's simulated Mesh.grid equal to one by value would read as
+        # distributed) and their groups
+        backends._GROUPS.clear()
+        backends._MESHES.clear()
+
+    backends.shutdown = between_parts
     try:
         for k, part in enumerate(parts):
             _run(part)
