@@ -4,12 +4,11 @@ losses, on simulated ranks and under torchrun (gloo); bad combinations are refus
 import contextlib
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import json_rows, run_several
 from workbench.cli import main
 from workbench.models.config import build_model, get_config
 from workbench.models.data import get_batch
@@ -80,17 +79,26 @@ def test_bad_cp_combinations_are_refused_with_the_fix(flags, msg, capsys):
     assert err.startswith("error: ") and msg in err
 
 
-@pytest.mark.parametrize("preset,flags", [
-    ("tiny", ["--tp", "2"]),
-    ("gpt-tiny", ["--dp", "2"])])       # gradients over one dp x cp process group
-def test_torchrun_cp_prints_one_devices_losses(preset, flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "workbench", "train", "--preset", preset, "--seed", "0", "--steps", "2",
-           "--backend", "torch", "--cp", "2", *flags]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+TORCHRUN_CP = [("tiny", ["--tp", "2"]),
+               ("gpt-tiny", ["--dp", "2"])]     # gradients over one dp x cp process group
+
+
+@pytest.fixture(scope="module")
+def torchrun_cp(tmp_path_factory):
+    """Both 4-process runs in one torchrun launch (tests/dist_scripts/several.py: each
+    process's start-up, most of a launch's time, paid once): each run's stdout."""
+    parts = [" ".join(["-m", "workbench", "train", "--preset", preset, "--seed", "0",
+                       "--steps", "2", "--backend", "torch", "--cp", "2", *flags])
+             for preset, flags in TORCHRUN_CP]
+    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, cwd=ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    return texts
+
+
+@pytest.mark.parametrize("preset,flags", TORCHRUN_CP)
+def test_torchrun_cp_prints_one_devices_losses(preset, flags, torchrun_cp):
+    rows = json_rows(torchrun_cp[TORCHRUN_CP.index((preset, flags))])
     assert [r["step"] for r in rows] == [0, 1]                  # rank 0 prints
     assert [r["loss"] for r in rows] == pytest.approx(one_device(preset), rel=1e-6)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import json_rows, run_job, two_proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
@@ -21,12 +21,28 @@ def torchrun(n, script, *args, timeout=240):
     return run_job(cmd, timeout=timeout, env=ENV, cwd=ROOT)
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """This file's 2-process scripts' stdout from the session's one launch of the
+    2-process checks (torchrun_support.TWO_PROC): the job and each script's text."""
+    texts = {}
+    for s in ("zero_grads_check.py", "wrappers_check.py", "replicas_check.py"):
+        out, texts[s] = two_proc(tmp_path_factory, s)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out, texts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
-def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
-    out = torchrun(n, "wrappers_check.py")
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n, request):
+    if n == 2:
+        out, texts = request.getfixturevalue("two_processes")
+        text = texts["wrappers_check.py"]
+    else:
+        out = torchrun(n, "wrappers_check.py")
+        assert out.returncode == 0, out.stderr[-3000:]
+        text = out.stdout
+    rows = json_rows(text)
     assert rows[-1] == {"drift_found": True}
     # FSDP with one unit per block: per process, root (emb + head) plus one block forward;
     # in backward the root still whole (kept gathered from forward to the end of backward,
@@ -51,10 +67,8 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n):
 
 
 @pytest.mark.slow
-def test_shard_tensor_broadcasts_and_from_local_checks_replicas_on_gloo():
-    out = torchrun(2, "replicas_check.py")
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
+def test_shard_tensor_broadcasts_and_from_local_checks_replicas_on_gloo(two_processes):
+    rows = sorted(json_rows(two_processes[1]["replicas_check.py"]), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1]
     zeros, ones = [[0.0] * 3] * 2, [[1.0] * 3] * 2      # rank k's own x is full of k
     for k, r in enumerate(rows):
@@ -85,15 +99,13 @@ def test_bad_src_data_rank_is_named_on_simulated_ranks_too():
 
 
 @pytest.mark.slow
-def test_zero_gradients_on_gloo_equal_the_simulations():
+def test_zero_gradients_on_gloo_equal_the_simulations(two_processes):
     """One step of tiny at dp 2 under ZeRO-1, 2, 3: the sum of squares of Adam's first
     moments (0.1 times the gradient shards, over the whole model) equals the simulator's,
     layout by layout; ZeRO-3's were once 4 times it (every gradient doubled: the gathered
     parameter's backward reduced over dp twice) where the losses could not show it."""
     import subprocess
-    out = torchrun(2, "zero_grads_check.py")
-    assert out.returncode == 0, out.stderr[-3000:]
-    (got,) = json_rows(out.stdout)
+    (got,) = json_rows(two_processes[1]["zero_grads_check.py"])
     sim = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zero_grads_check.py")],
                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=240)
     assert sim.returncode == 0, sim.stderr[-3000:]

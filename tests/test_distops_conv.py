@@ -452,12 +452,11 @@ CONV_SAMPLES = {
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_too():
+def test_on_torch_distributed_too(tmp_path_factory):
     # one process per rank (gloo): batch norm's all-reduces are the process group's
-    from tests.test_ddp_torchrun import torchrun
-    from tests.torchrun_support import json_rows
-    out = torchrun(2, "cnn_check.py")
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "cnn_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert len(rows) == 2 and all(all(v for key, v in r.items() if key != "rank")
                                   for r in rows), rows

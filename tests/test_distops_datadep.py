@@ -310,11 +310,11 @@ def test_where_of_a_condition_alone_is_nonzero_as_tuple():
 
 
 @pytest.mark.slow
-def test_on_gloo_each_process_holding_its_shard():
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "datadep_check.py")
+def test_on_gloo_each_process_holding_its_shard(tmp_path_factory):
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "datadep_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert len(rows) == 2 and all(all(v for key, v in r.items() if key != "rank")
                                   for r in rows), rows
 

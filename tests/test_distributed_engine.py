@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import json_rows, run_job, run_several
 from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
@@ -15,9 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
+TRAIN = ["-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--backend", "torch"]
+INTEROP = os.path.join(ROOT, "tests", "dist_scripts", "interop_check.py")
+
+
 def torchrun(n, *args, timeout=240):
-    cmd = TORCHRUN + [f"--nproc-per-node={n}", "-m", "workbench", "train", "--preset", "tiny",
-                      "--seed", "0", "--backend", "torch", *args]
+    cmd = TORCHRUN + [f"--nproc-per-node={n}", *TRAIN, *args]
     return run_job(cmd, timeout=timeout, env=ENV, cwd=ROOT)
 
 
@@ -30,12 +33,31 @@ CASES = [  # (processes, flags, the same layout in the simulator)
 ]
 
 
-@pytest.mark.parametrize("n,flags,kw", CASES, ids=[" ".join(c[1]) for c in CASES])
-def test_torchrun_processes_print_the_simulations_losses(n, flags, kw):
-    out = torchrun(n, "--steps", "3", *flags)
+FOUR = [flags for n, flags, _ in CASES if n == 4]
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """The 4-process training runs and the DTensor interop check in one launch
+    (tests/dist_scripts/several.py: each process's start-up, most of a launch's time, paid
+    once): the job and each part's stdout, the interop check's last."""
+    parts = [" ".join([*TRAIN, "--steps", "3", *flags]) for flags in FOUR] + [INTEROP]
+    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out, texts
+
+
+@pytest.mark.parametrize("n,flags,kw", CASES, ids=[" ".join(c[1]) for c in CASES])
+def test_torchrun_processes_print_the_simulations_losses(n, flags, kw, request):
+    if n == 4:
+        out, texts = request.getfixturevalue("four_processes")
+        text = texts[FOUR.index(flags)]
+    else:
+        out = torchrun(n, "--steps", "3", *flags)
+        assert out.returncode == 0, out.stderr[-3000:]
+        text = out.stdout
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
-    lines = json_rows(out.stdout)
+    lines = json_rows(text)
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
     recs = train("tiny", steps=3, seed=0, timing=False, strategy=Hybrid(**kw))
     assert [r["loss"] for r in lines] == pytest.approx([r["loss"] for r in recs], rel=1e-5)
@@ -60,12 +82,8 @@ def test_wrong_process_count_is_a_clear_error():
     assert "launch torchrun --nproc-per-node 4" in out.stderr
 
 
-def test_dtensor_interop_on_the_real_process_group():
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts",
-                          "interop_check.py")
-    out = run_job(TORCHRUN + ["--nproc-per-node=4", script], timeout=240, env=ENV, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "interop ok" in out.stdout
+def test_dtensor_interop_on_the_real_process_group(four_processes):
+    assert "interop ok" in four_processes[1][-1]
 
 
 def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():

@@ -45,15 +45,15 @@ def test_detach_write_reaches_the_shards_as_one_devices(kind, dims, when, via):
 
 
 @pytest.mark.slow
-def test_torchrun_2x2_fsdp_detach_write_raises_instead_of_being_lost():
+def test_torchrun_2x2_fsdp_detach_write_raises_instead_of_being_lost(tmp_path_factory):
     # under torch.distributed the template and the attribute are copies (their own
     # storage): p.detach().zero_() was silently lost (blocks.0.up.weight 0.446 off one
     # device's after the next step before any forward, 0.457 after a step); it raises
     # the template's message now
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(4, "fixlist3_check.py", timeout=300)
+    from tests.torchrun_support import json_rows, tp_2x2
+    out, text = tp_2x2(tmp_path_factory, "fixlist3_check.py")      # one launch: the 2 x 2 checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["how"]: r["result"] for r in json_rows(out.stdout)}
+    rows = {r["how"]: r["result"] for r in json_rows(text)}
     assert list(rows) == ["named before a forward", "named", "attribute", "named grad",
                           "attribute grad"]
     for how in ("named before a forward", "named", "attribute"):

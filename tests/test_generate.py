@@ -162,12 +162,12 @@ def test_every_layout_gives_one_devices_tokens(models, preset, layout):
 
 
 @pytest.mark.slow
-def test_torchrun_gives_one_devices_tokens(models):
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "generate_check.py")
+def test_torchrun_gives_one_devices_tokens(models, tmp_path_factory):
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "generate_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
-    assert len(rows) == 1, out.stdout
+    rows = json_rows(text)
+    assert len(rows) == 1, text
     want = {p: generate(models[p], PROMPT, 6).tolist() for p in PRESETS}
     want_s = generate(models["tiny"], PROMPT, 6, generator=seeded(7), temperature=0.9,
                       top_k=30, top_p=0.9).tolist()

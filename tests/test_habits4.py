@@ -177,16 +177,17 @@ def test_ddp_names_are_torch_ddps_and_name_its_state_dict_keys(tp):
 
 
 @pytest.mark.slow
-def test_torchrun_2x2_clip_over_zero3_shards_and_the_modules_parameters_is_one_devices():
+def test_torchrun_2x2_clip_over_zero3_shards_and_the_modules_parameters_is_one_devices(
+        tmp_path_factory):
     """Under torchrun each process's ZeRO-3 shard holds 1/dp of its tensor-parallel
     storage; torch's clip_grad_norm_ over the shards raised ("the combined norm over
     DistTensor shards is not built for this mode"), and over the module's parameters
     raised naming the shards.  Now the shards' partial norms are reduced over the mesh's
     groups (a tp-replicated copy counted once): one device's norm and clipped step."""
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(4, "habits4_clip_check.py", timeout=300)
+    from tests.torchrun_support import json_rows, tp_2x2
+    out, text = tp_2x2(tmp_path_factory, "habits4_clip_check.py")   # one launch: 2 x 2 checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert len(rows) == 4 * 3 * 2 * 2                   # ranks x wrappers x params x norms
     for r in rows:
         assert "raised" not in r, r

@@ -6,14 +6,14 @@ AttributeError); optimizer.zero_grad() after an FSDP no_sync() backward drops th
 gradients (they were added to the next step's)."""
 import pytest
 
-from tests.test_ddp_torchrun import json_rows, torchrun
+from tests.torchrun_support import json_rows, two_proc
 
 
 @pytest.mark.slow
-def test_zero_add_param_group_and_fsdp_inference_mode_on_gloo():
-    out = torchrun(2, "habits6_check.py")
+def test_zero_add_param_group_and_fsdp_inference_mode_on_gloo(tmp_path_factory):
+    out, text = two_proc(tmp_path_factory, "habits6_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert len(rows) == 6 and not [r for r in rows if "raised" in r], rows
     for r in rows:
         if r["case"] == "zero_add_param_group":

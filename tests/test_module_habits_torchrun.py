@@ -6,14 +6,14 @@ a plain model's loads; a summed loss the module returns is averaged as on simula
 ranks; a parallelized module clips with wb.clip_grad_norm_, loads and converts."""
 import pytest
 
-from tests.test_ddp_torchrun import json_rows, torchrun
+from tests.torchrun_support import json_rows, two_proc
 
 
 @pytest.mark.slow
-def test_clip_grad_norm_state_dicts_and_sum_losses_on_gloo():
-    out = torchrun(2, "habits_check.py")
+def test_clip_grad_norm_state_dicts_and_sum_losses_on_gloo(tmp_path_factory):
+    out, text = two_proc(tmp_path_factory, "habits_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     cases = [r for r in rows if "case" in r]
     assert len(cases) == 2 * 4 * 2                      # 2 ranks x 4 wrappers x 2 norms
     for r in cases:

@@ -126,17 +126,17 @@ def test_clipping_the_attributes_after_a_forward_clips_the_shards():
 
 
 @pytest.mark.slow
-def test_torchrun_2x2_fsdp_data_writes_raise_and_freezing_the_attribute_freezes():
+def test_torchrun_2x2_fsdp_data_writes_raise_and_freezing_the_attribute_freezes(tmp_path_factory):
     # under torch.distributed the template has its own storage and a step sets the
     # module's attribute to a fresh gathered clone: model.<p>.data.mul_(2) (through
     # named_parameters or the attribute) was silently lost (blocks.0.up.weight 0.457 off
     # one device's after the next step), and requires_grad_(False) on the attribute
     # froze the clone only (the weight 0.0101 off).  Now the write raises, the freeze
     # reaches the shard.
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(4, "review_revP_check.py", timeout=300)
+    from tests.torchrun_support import json_rows, tp_2x2
+    out, text = tp_2x2(tmp_path_factory, "review_revP_check.py")      # one launch: the 2 x 2 checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["how"]: r["result"] for r in json_rows(out.stdout)}
+    rows = {r["how"]: r["result"] for r in json_rows(text)}
     assert list(rows) == ["named", "attribute", "freeze attribute"]
     for how in ("named", "attribute"):
         assert isinstance(rows[how], str) and rows[how].startswith("raised: mul_: ") and \

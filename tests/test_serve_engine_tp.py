@@ -212,14 +212,14 @@ def test_the_sharded_cache_adds_no_communication():
 
 
 @pytest.mark.slow
-def test_torchrun_engine_gives_the_simulations_tokens():
+def test_torchrun_engine_gives_the_simulations_tokens(tmp_path_factory):
     """One process per tp rank (gloo): the same tokens, preemptions and bytes per rank as
     the simulated mesh."""
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "engine_tp_check.py")
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "engine_tp_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
-    assert len(rows) == 1, out.stdout
+    rows = json_rows(text)
+    assert len(rows) == 1, text
     ps, news = prompts(0, [1, 3, 4, 5, 11, 2]), [9, 8, 9, 3, 8, 5]
     want = {}
     for preset in ("tiny", "gpt-tiny"):

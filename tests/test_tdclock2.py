@@ -3,31 +3,39 @@
 carry the sender's modeled time (workbench/parallel/schedules/execute_dist.py), so a stage
 waits for its activations and gradients as the simulated ranks wait for them."""
 import os
-import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import json_rows, run_several
 from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--preset", "tiny", "--seed", "0", "--steps", "1"]
+TRAIN = "-m workbench train --backend torch "
+PARTS = {"pp": TRAIN + " ".join([*ARGS, "--pp", "2"]),
+         3: TRAIN + "--preset tiny --seed 0 --steps 2 --dp 2 --zero 3",
+         2: TRAIN + "--preset tiny --seed 0 --steps 2 --dp 2 --zero 2"}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The three 2-process runs in one torchrun launch (tests/dist_scripts/several.py:
+    each process's start-up, most of a launch's time, paid once): each run's stdout."""
+    out, texts = run_several(2, list(PARTS.values()), tmp_path_factory, timeout=400, cwd=ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(zip(PARTS, texts))
 
 
 @pytest.mark.slow
-def test_torchrun_pipeline_waits_for_the_other_stages_messages():
+def test_torchrun_pipeline_waits_for_the_other_stages_messages(two_processes):
     """tiny, pp 2, 1F1B, 4 micro-batches, 2 gloo processes: rank 0's record holds the
     simulator's loss, bytes and modeled step.  Failed before: 0.207911 ms for the
     simulator's 0.305441 (stage 0 never waited for stage 1's gradients: its backwards ran
     at its own clock, and the receives were not recorded)."""
     sim = train("tiny", steps=1, seed=0, strategy=Hybrid(pp=2), timing=False)[0]
-    out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "-m", "workbench", "train", *ARGS, "--pp", "2",
-                   "--backend", "torch"], timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json_rows(out.stdout)[-1]
+    got = json_rows(two_processes["pp"])[-1]
     assert got["loss"] == pytest.approx(sim["loss"], rel=1e-6)
     assert got["comm_bytes"] == sim["comm_bytes"]
     assert got["modeled_ms"] == pytest.approx(sim["modeled_ms"], rel=1e-9)
@@ -42,16 +50,10 @@ def test_torchrun_pipeline_waits_for_the_other_stages_messages():
 # reduce-scatter in step, gloo's calls blocking, and the clock recorded that one).
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [3, 2])
-def test_torchrun_zero_records_the_programs_collectives(zero):
+def test_torchrun_zero_records_the_programs_collectives(zero, two_processes):
     """tiny, dp 2, ZeRO-3 / ZeRO-2, 2 steps, 2 gloo processes: the simulator's modeled step."""
     sim = train("tiny", steps=2, seed=0, strategy=Hybrid(dp=2, zero=zero), timing=False)
-    out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "-m", "workbench", "train", "--preset", "tiny",
-                   "--seed", "0", "--steps", "2", "--dp", "2", "--zero", str(zero),
-                   "--backend", "torch"], timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json_rows(out.stdout)
+    got = json_rows(two_processes[zero])
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in sim], rel=1e-5)
     for key in ("modeled_ms", "comm_bytes", "state_bytes"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in sim], rel=1e-9), key

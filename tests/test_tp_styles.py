@@ -475,11 +475,11 @@ def test_failed_plan_changes_nothing():
 
 
 @pytest.mark.slow
-def test_torchtitan_plan_under_torchrun():
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "tp_styles_check.py")
+def test_torchtitan_plan_under_torchrun(tmp_path_factory):
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "tp_styles_check.py")      # one launch: 2-process checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert sorted(r["rank"] for r in rows) == [0, 1]
     for r in rows:
         got, want = r["loss"]

@@ -127,16 +127,16 @@ def test_a_torchrun_wb_checkpoint_resumes_on_the_simulated_ranks(saved, want, ca
 
 
 @pytest.mark.slow
-def test_torchrun_2x2_wrappers_over_tensor_parallel_take_one_devices_sgd_step():
+def test_torchrun_2x2_wrappers_over_tensor_parallel_take_one_devices_sgd_step(tmp_path_factory):
     # the RowwiseParallel bias (blocks.*.down.bias) got twice one device's gradient under
     # DDP / FSDP / fully_shard on a 2 x 2 dp x tp torchrun mesh (SGD: 0.019 / 0.024 off at
     # lr 0.5; AdamW nearly hides it, its exp_avg exactly 2x): the bias's R -> P(sum) on tp
     # dropped its replica's dp tag (storage.local_step), so its gradient was all-reduced
     # over dp in backward and DDP's sum came on top
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(4, "tp_grad_2x2_check.py", timeout=300)
+    from tests.torchrun_support import json_rows, tp_2x2
+    out, text = tp_2x2(tmp_path_factory, "tp_grad_2x2_check.py")      # one launch: the 2 x 2 checks
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert [r["kind"] for r in rows] == ["ddp", "fsdp", "fully_shard"]
     for r in rows:
         assert r["off"] == {}, r
