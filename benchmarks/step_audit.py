@@ -268,19 +268,25 @@ def audit(r) -> dict:
                 families=fam, listed=sum(fam.values()))
 
 
-def main():
-    out = [audit(row(*k)) for k in ROWS]
+def print_families(out, script: str, label_w: int, col_w: int) -> None:
+    """The audits' table: each kernel family's ms per step for each row, their sum, the
+    estimate's and the published step, and the ratio."""
     names = list(out[0]["families"])
-    print("The step's kernel families as the planner prices them, ms per step "
-          "(benchmarks/step_audit.py)")
-    print(f"  {'':<32}" + "".join(f"{x['name']:>20}" for x in out))
+    print(f"The step's kernel families as the planner prices them, ms per step ({script})")
+    print(f"  {'':<{label_w}}" + "".join(f"{x['name']:>{col_w}}" for x in out))
     for k in names:
-        print(f"  {k:<32}" + "".join(f"{1e3 * x['families'][k]:>20.1f}" for x in out))
+        print(f"  {k:<{label_w}}" + "".join(f"{1e3 * x['families'][k]:>{col_w}.1f}"
+                                             for x in out))
     for label, key in (("sum of the above", "listed"), ("estimate's step", "predicted"),
                        ("published step", "published")):
-        print(f"  {label:<32}" + "".join(f"{1e3 * x[key]:>20.1f}" for x in out))
-    print(f"  {'ratio predicted / published':<32}" + "".join(f"{x['ratio']:>20.3f}"
-                                                             for x in out))
+        print(f"  {label:<{label_w}}" + "".join(f"{1e3 * x[key]:>{col_w}.1f}" for x in out))
+    print(f"  {'ratio predicted / published':<{label_w}}" +
+          "".join(f"{x['ratio']:>{col_w}.3f}" for x in out))
+
+
+def main():
+    out = [audit(row(*k)) for k in ROWS]
+    print_families(out, "benchmarks/step_audit.py", 32, 20)
     ce = megatron_loss_check()
     print(f"Megatron's cross-entropy, 4,096 x 131,072 logits on the H100: "
           f"{_per_logit(MEGATRON_CE_BYTES)} B per logit at the copy rate "

@@ -153,17 +153,7 @@ def bound(r) -> dict:
 
 def main():
     out = [audit(SA.row(*k)) for k in ROWS]
-    names = list(out[0]["families"])
-    print("The step's kernel families as the planner prices them, ms per step "
-          "(benchmarks/tp8_audit.py)")
-    print(f"  {'':<34}" + "".join(f"{x['name']:>16}" for x in out))
-    for k in names:
-        print(f"  {k:<34}" + "".join(f"{1e3 * x['families'][k]:>16.1f}" for x in out))
-    for label, key in (("sum of the above", "listed"), ("estimate's step", "predicted"),
-                       ("published step", "published")):
-        print(f"  {label:<34}" + "".join(f"{1e3 * x[key]:>16.1f}" for x in out))
-    print(f"  {'ratio predicted / published':<34}" + "".join(f"{x['ratio']:>16.3f}"
-                                                             for x in out))
+    SA.print_families(out, "benchmarks/tp8_audit.py", 34, 16)
     print(f"  {'parameters per GPU (G)':<34}" + "".join(f"{x['psi'] / 1e9:>16.2f}"
                                                         for x in out))
     print(f"  {'DP bytes sent per GPU (GB)':<34}" + "".join(f"{x['dp_sent'] / 1e9:>16.1f}"

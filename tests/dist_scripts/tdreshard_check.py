@@ -74,14 +74,14 @@ def uneven_2d(mesh):
     return {"out": _diff(out.full(), (torch.sin(ref) ** 2).sum()), "grad": _diff(X.grad, ref.grad)}
 
 
-def _gathered_twice(mesh, rows):
+def _gathered_twice(mesh, rows, x_pl=(wb.Shard(0),), w_pl=(wb.Shard(1),)):
     X, W1, W2 = _inputs((rows, 6), (6, 8), (6, 8))
     refs = [t.clone().requires_grad_() for t in (X, W1, W2)]
     for t in (X, W1, W2):
         t.requires_grad_()
-    x = wb.shard_tensor(X, mesh, [wb.Shard(0)])
-    w1 = wb.shard_tensor(W1, mesh, [wb.Shard(1)])
-    w2 = wb.shard_tensor(W2, mesh, [wb.Shard(1)])
+    x = wb.shard_tensor(X, mesh, list(x_pl))
+    w1 = wb.shard_tensor(W1, mesh, list(w_pl))
+    w2 = wb.shard_tensor(W2, mesh, list(w_pl))
     out = ((x @ w1) * (x @ w2)).sum()        # each matmul gathers x itself
     out.backward()
     rx, r1, r2 = refs
@@ -106,20 +106,7 @@ def gather_2d(mesh):
     """dp x tp: the input sharded on tp, replicated on dp (held once), gathered by two
     matmuls whose weights shard their columns over both mesh dims: the summed gradient
     goes back on both dims (Partial on each)."""
-    X, W1, W2 = _inputs((4, 6), (6, 8), (6, 8))
-    refs = [t.clone().requires_grad_() for t in (X, W1, W2)]
-    for t in (X, W1, W2):
-        t.requires_grad_()
-    x = wb.shard_tensor(X, mesh, [wb.Replicate(), wb.Shard(0)])
-    w1 = wb.shard_tensor(W1, mesh, [wb.Shard(1), wb.Shard(1)])
-    w2 = wb.shard_tensor(W2, mesh, [wb.Shard(1), wb.Shard(1)])
-    out = ((x @ w1) * (x @ w2)).sum()
-    out.backward()
-    rx, r1, r2 = refs
-    ((rx @ r1) * (rx @ r2)).sum().backward()
-    return {"out": _diff(out.full(), ((rx @ r1) * (rx @ r2)).sum()),
-            "grad_x": _diff(X.grad, rx.grad), "grad_w1": _diff(W1.grad, r1.grad),
-            "grad_w2": _diff(W2.grad, r2.grad)}
+    return _gathered_twice(mesh, 4, (wb.Replicate(), wb.Shard(0)), (wb.Shard(1), wb.Shard(1)))
 
 
 # (name, mesh shape, mesh dim names, program): meshes over ranks 0 ..
