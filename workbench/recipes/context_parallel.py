@@ -30,10 +30,19 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   gradients over its data-parallel group "with context parallel"
   (``parallel_state.get_data_parallel_group(with_context_parallel=True)``, the group of
   its ``DistributedDataParallel``; :mod:`~workbench.parallel.strategies.flat_dims`).
-  ZeRO 1/2 shard the optimizer states over one dim only here: with dp they shard over
-  dp, and the parameters are replicated over cp, so each one meeting cp-sharded tokens
-  has its gradient summed over cp by the all-reduce that replication implies (traced,
-  per use); without dp they shard over cp.
+  ZeRO 1/2 shard the optimizer states over that same dp x cp group (cp alone without
+  dp): one reduce-scatter of the gradient buffer and one all-gather of the updated
+  parameters over dp*cp ranks (:class:`~workbench.parallel.strategies.zero_optimizer_dist.
+  ChunkedZeroOptimizer` on the merged group).  Megatron-Core's distributed optimizer
+  shards over the same group (NVIDIA/Megatron-LM d98e8a6:
+  ``megatron/core/process_groups_config.py:373-378`` takes ``dp_cp_group`` /
+  ``intra_dp_cp_group`` from ``get_data_parallel_group(with_context_parallel=True)``,
+  ``megatron/core/optimizer/__init__.py:1204`` builds the dense optimizer on it, of
+  dp*cp ranks with one optimizer instance, ``parallel_state.py:927-929``); torchtitan
+  shards FSDP2 over "fsdp" = dp_shard x cp (pytorch/torchtitan b5bcd76:
+  ``torchtitan/distributed/parallel_dims.py:225-228,281``, the mesh
+  ``models/llama3/parallelize.py:62-65`` hands ``fully_shard``; older torchtitan named
+  it "dp_shard_cp").
 """
 from __future__ import annotations
 
@@ -165,10 +174,10 @@ class ContextParallel(Hybrid):
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
-        """Data parallelism over dp x cp; ZeRO over dp, or cp when there is no dp
+        """Data parallelism over dp x cp, ZeRO 1/2 sharded over the same dp x cp ranks
         (module docstring)."""
         params = [p for _, p in dist_parameters(model)]
-        dims = "cp" if self.dp == 1 else ("dp", "cp") if self.zero == 0 else "dp"
+        dims = "cp" if self.dp == 1 else ("dp", "cp")
         return [DataParallel(params, self.meshes[0], dims,
                              zero=self.zero, bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                              lr=lr, weight_decay=weight_decay,
