@@ -151,3 +151,40 @@ def test_checkpoint_states_of_zero_over_dp_x_cp_are_one_devices():
         g = got[name]["exp_avg"]
         g = g.full() if isinstance(g, DistTensor) else g
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---- the planner: framework="workbench" prices ZeRO over dp x cp, the dry run agrees --------
+PLAN_CFG = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
+                      d_ff=2816, seq_len=1024)      # tests/test_dryrun_ep_cp.py's blocks
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, cp=2, zero=1),
+                                dict(dp=2, cp=2, zero=1, cp_comm="a2a"),
+                                dict(dp=2, cp=2, zero=2),
+                                dict(dp=2, cp=2, tp=2, sp=True, zero=1)],
+                         ids=["zero1", "zero1-a2a", "zero2", "tp2sp-zero1"])
+def test_dry_run_agrees_with_the_estimate_on_zero_over_dp_x_cp(kw):
+    """As tests/test_dryrun_ep_cp.py's bounds: step within 10%, memory within 5%. Measured
+    dry run / estimate: step 1.041x, 1.026x, 1.028x, 1.075x; optimizer states 1.000x
+    (was, ZeRO over dp alone at zero 1: 2.0x the states, 1.34x the step, and refused)."""
+    from workbench.plan import Cluster, Layout, dry_run, estimate
+    lay = Layout(global_batch=4, framework="workbench", **kw)
+    cl = Cluster("a100", lay.world)
+    dr = dry_run(PLAN_CFG, lay, cl)
+    est = estimate(PLAN_CFG, lay, cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.10)
+    for k in ("params", "grads", "optimizer", "activations", "total"):
+        assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
+    # the states over dp x cp: a quarter of dp = 1, cp = 1's (one rank, every state)
+    one = estimate(PLAN_CFG, Layout(global_batch=1, tp=kw.get("tp", 1), sp=kw.get("sp", False),
+                                    zero=1, framework="workbench"),
+                   Cluster("a100", kw.get("tp", 1)), attention="flash")
+    assert est.memory["optimizer"] == pytest.approx(one.memory["optimizer"] / 4, rel=1e-6)
+
+
+def test_the_planner_still_refuses_zero2_with_cp_where_the_runtime_is_not_it():
+    from workbench.plan import Layout
+    with pytest.raises(ValueError, match=r"zero=2 with ep=1, cp=2.*or framework='workbench'"):
+        Layout(dp=2, cp=2, zero=2, global_batch=4)
+    with pytest.raises(ValueError, match=r"zero=3 with ep=1, cp=2.*use zero<=1$"):
+        Layout(dp=2, cp=2, zero=3, global_batch=4, framework="workbench")
