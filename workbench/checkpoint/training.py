@@ -154,7 +154,7 @@ def _chunks_cut(inner):
 
 
 def _zero3_gather(z, tmpl):
-    return _gather_chunks(z.mesh, z.axis, tmpl)
+    return _gather_chunks(z.mesh, z.axis, tmpl, z.gather_compact)
 
 
 def _zero3_cut(z):

@@ -204,8 +204,8 @@ class Zero3Clock:
             if skips_reduce(self, i):            # set_requires_gradient_sync(False): held
                 tr = None
             if tr is not None:        # after the input gradient's collective (zero_optimizer_dist)
-                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
-                                     self._pending)
+                defer_reduce_scatter(tr, self.group_mesh, self.group_axis, nb,
+                                     "zero-3 params", self._pending)
         return hook
 
     def _gather_hook(self, mod):
