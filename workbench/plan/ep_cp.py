@@ -65,6 +65,10 @@ def check_fields(lay) -> None:
                          f"{lay.dp} or a dp that is a multiple of {lay.ep}")
     own = lay.zero == 2 and lay.ep == 1 and lay.framework == "workbench"
     if (lay.ep > 1 or lay.cp > 1) and lay.zero >= 2 and not own:
+        # (ZeRO-3 with cp runs, ContextParallel(zero=3), but is not priced: its dry run
+        # gave 0.76-0.87x the estimate's step on tests/test_dryrun_ep_cp.py's blocks, dp 2
+        # x cp 2, memory 1.000x; the exposed gathers with s / cp tokens of compute to hide
+        # them behind are what differ)
         raise ValueError(f"Layout: zero={lay.zero} with ep={lay.ep}, cp={lay.cp} is not "
                          f"modeled (Megatron-LM's distributed optimizer, ZeRO-1, is what runs "
                          f"expert and context parallelism; this library's runtime runs ZeRO-2 "
