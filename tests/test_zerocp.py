@@ -218,6 +218,32 @@ def test_zero3_checkpoint_states_over_dp_x_cp_are_one_devices():
         torch.testing.assert_close(g, opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_clip_grad_norm_over_dp_x_cp_shards_is_one_devices(zero):
+    """The shards' parts (each rank's chunk, no copy counted twice) give one device's
+    total norm, and the clipped step one device's parameters."""
+    torch.manual_seed(0)
+    model = build_model(CFG, seed=0).train()
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    x, y = get_batch(CFG, B, 0, 0)
+    model(x, y)[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    opt.step()
+    s = ContextParallel(cp=2, dp=2, zero=zero)
+    torch.manual_seed(0)
+    m2 = s.build_model(CFG, 0)
+    opts = s.build_optimizer(m2, LR, WD)
+    with s.measure_activations():
+        s.forward_backward(m2, x, y)
+    got = s.clip_grad_norm_(opts, 0.1)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert float(want) > 0.1                    # so the clip scaled every gradient
+    s.optimizer_step(opts)
+    for name, p in dist_parameters(m2):
+        torch.testing.assert_close(p.full().detach(), dict(model.named_parameters())[name]
+                                   .detach(), rtol=2e-5, atol=5e-6, msg=name)
+
+
 # ---- the planner: framework="workbench" prices ZeRO over dp x cp, the dry run agrees --------
 PLAN_CFG = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4,
                       d_ff=2816, seq_len=1024)      # tests/test_dryrun_ep_cp.py's blocks
