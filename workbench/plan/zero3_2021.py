@@ -177,7 +177,7 @@ from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
 __all__ = ["FRAMEWORK", "COUNTER_STEP", "VERSION", "VERSIONS", "Entry", "gpt_trace",
-           "simulate", "dp_sync", "list_collective", "post_step_gather",
+           "simulate", "dp_sync", "dp_sync_parts", "list_collective", "post_step_gather",
            "predivide_seconds", "counter_start", "behaviour"]
 
 FRAMEWORK = "deepspeed-0.3"
@@ -392,8 +392,11 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     gathers, rs_count, sent = 0, 0, 0.0
     bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
+    # seconds of work by kind, not exposed: the host's loops and waits, the GPU's fills,
+    # copies and NCCL kernels ("nccl" = "nccl_ag" + "nccl_rs"; benchmarks/zero3_audit.py)
     work = dict.fromkeys(("ag_loop", "rs_loop", "record_copy", "release", "nccl",
-                          "predivide", "norm"), 0.0)   # seconds of work by kind, not exposed
+                          "nccl_ag", "nccl_rs", "fill", "chunk_copy", "sync",
+                          "predivide", "norm"), 0.0)
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
@@ -402,9 +405,13 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         price = ag_price(size[pid])
         t, start, nccl = list_collective("all_gather", size[pid], p, price, t, t, nccl,
                                          mem_bw)
+        work["fill"] += fill
+        work["sync"] += SYNC_S
         work["ag_loop"] += p * AG_LOOP_S
         work["record_copy"] += p * RECORD_COPY_S
+        work["chunk_copy"] += 2 * 2 * size[pid] / mem_bw
         work["nccl"] += price
+        work["nccl_ag"] += price
         busy.append((start, nccl))
         inflight[pid] = nccl
         live += size[pid]
@@ -426,7 +433,9 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                                              nccl, mem_bw)
             work["rs_loop"] += p * RS_LOOP_S
             work["record_copy"] += p * RECORD_COPY_S
+            work["chunk_copy"] += 2 * 2 * numel / mem_bw
             work["nccl"] += price
+            work["nccl_rs"] += price
             busy.append((start, nccl))
             rs_count += 1
             sent += wire_bytes("reduce_scatter", 2 * numel, p)
@@ -449,6 +458,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
             gather(pid)
         if need or waits:                             # _synchronize_communication
             t = max(t, gpu, nccl) + SYNC_S
+            work["sync"] += SYNC_S
             avail.update(inflight)
             inflight.clear()
         if norms and e.module != "root":   # the root's parameter is external, not its own
@@ -506,11 +516,21 @@ def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
     """(exposed seconds, bytes sent) per step of DeepSpeed v0.3 ZeRO-3's data-parallel
     collectives for ``lay`` (zero 3, pp 1, tp 1): each micro-batch simulated
     (:func:`simulate`) less its compute, times the micro-batches."""
+    d = dp_sync_parts(cfg, lay, prof, layer, head, edge)
+    return d["exposed"], d["sent"]
+
+
+def dp_sync_parts(cfg, lay, prof, layer, head, edge) -> dict:
+    """:func:`dp_sync`'s pieces (``benchmarks/zero3_audit.py`` prints them): the step's
+    first micro-batch simulated (``first``), the others' (``rest``, the same dict when
+    m = 1), ``_post_step``'s gather (``post`` seconds), the step's ``seconds``, its
+    ``exposed`` part (less the micro-batches' compute) and the bytes ``sent``."""
     if lay.zero != 3 or lay.pp != 1 or lay.tp != 1 or getattr(lay, "cp", 1) != 1:
         raise ValueError(f"framework={FRAMEWORK!r}: layout {lay.short()}; DeepSpeed v0.3's "
                          f"ZeRO-3 is priced without model parallelism (zero=3, tp=pp=cp=1)")
     if lay.dp == 1:
-        return 0.0, 0.0
+        return {"first": None, "rest": None, "post": 0.0, "seconds": 0.0, "exposed": 0.0,
+                "sent": 0.0}
     ranks = tuple(lay.grad_ranks(0, 0))
 
     def ag(n):
@@ -527,7 +547,8 @@ def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
     post, post_sent = post_step_gather(trace, p, ag)
     seconds = first["seconds"] + (lay.m - 1) * rest["seconds"] + post
     sent = first["sent"] + (lay.m - 1) * rest["sent"] + post_sent
-    return seconds - lay.m * first["compute"], sent
+    return {"first": first, "rest": rest, "post": post, "seconds": seconds,
+            "exposed": seconds - lay.m * first["compute"], "sent": sent}
 
 
 def post_step_gather(trace, p: int, ag_price) -> tuple[float, float]:
