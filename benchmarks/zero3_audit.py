@@ -47,6 +47,19 @@ WORK = (
      "RELEASE_S 21 us, meas."),
     ("norm", "v0.3.15+ debug-print norm + .item() per fetch (not in v0.3.13)",
      "0 at v0.3.13"),
+    ("checkpoint_copies", "partition_activations at mp 1: clone; zeros, copy, 1-rank "
+     "all-gather (ck:446-455, :284-309)", "4 + 14 B/elem, copy rate"),
+)
+# the step's host terms outside the hooks (zero3_2021.step_host_seconds)
+HOST = (
+    ("waits", "host waits: .item() / float() per gradient partition (overflow, norm), "
+     "timers, loss f-string", "SYNC_S each"),
+    ("h2d", "blocking one-element host-to-device copies (ByteTensor, FloatTensor, "
+     "zeros(1).cuda(), batch sizes)", "RELEASE_S each"),
+    ("loops", "per-tensor host loops: averaged_gradients narrow, unflatten narrow + view",
+     "NARROW_S, meas."),
+    ("all_reduces", "scalar all-reduces: overflow flag, norm (dp), reduce_losses (world)",
+     "NCCL 2.8.3 tuning model"),
 )
 
 
@@ -78,6 +91,8 @@ def audit(name: str, devices: int) -> dict:
         micro - sum(work.values())
     phases["_post_step: persistent parameters gathered, reassembled (s3:2339-2349)"] = \
         d["post"]
+    for k, label, _ in HOST:
+        phases[label] = d["host"][k]
     phases["optimizer passes: overflow check, norm, flatten, unscale, Adam, copy"] = \
         est.details["optimizer"]
     rest_step = est.step_time - sum(phases.values())
@@ -119,11 +134,11 @@ def main():
         print(f"  {label:<{w}}" + "".join(f"{x[key]:>17.2f}" for x in out))
     print(f"  {'ratio predicted / published':<{w}}" + "".join(f"{x['ratio']:>17.3f}"
                                                              for x in out))
-    for label, key in (("all-gathers (prefetched) / reduce-scatters a micro-batch",
-                        None),):
-        print(f"  {label:<{w}}" + "".join(
-            f"{str(x['gathers']) + ' (' + str(x['prefetches']) + ') / ' + str(x['reduce_scatters']):>17}"
-            for x in out))
+    label = "all-gathers (prefetched) / reduce-scatters a micro-batch"
+    print(f"  {label:<{w}}" + "".join(
+        f" {x['gathers']:>5}({x['prefetches']:>3}) /{x['reduce_scatters']:>5}" for x in out))
+    print("  figures: " + "; ".join(f"{lab.split(':')[0].split(' (')[0]}: {fig}"
+                                   for _, lab, fig in WORK + HOST))
     print("  what the published step needs, one term at a time (held out, not an input):")
     for label, key, fmt in (("published - predicted, s", "gap", "{:>17.1f}"),
                             ("NCCL seconds x", "nccl", "{:>17.2f}"),
