@@ -157,17 +157,31 @@ whole parameters until the bucket is reached (``:205-216``); no
 ``see_memory_usage`` and ``print_rank_0`` return at once unless forced
 (runtime/utils.py ``:548-550``, ``stage3.py:42-44``); ``LinearFunctionForZeroStage3``
 replaces ``F.linear`` only while the model is built (partition_parameters.py
-``:192-194``, restored ``:213-214``); activation checkpointing: Megatron-LM-v1.1.5-ZeRO3
-(7b5abd576e ``megatron/initialize.py:108-117``) runs DeepSpeed's, and the example script
-(44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on only ``partition_activations``,
-which with one model-parallel rank is a clone of each checkpointed input
-(activation_checkpointing/checkpointing.py ``:452-455``) and a one-rank all-gather in
-backward (``:284-307``): about 0.15 s a step at 530B, micro-batch 4 (each 335 MB,
-read and written once or twice a layer).
+``:192-194``, restored ``:213-214``).
 
-Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
-gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
-current buffers), the loss scaler's overflow check.
+Priced beside the hooks (found by ``benchmarks/zero3_audit.py``, each from its source
+line, ``CKPT_*`` and ``step_host_seconds``' constants): activation checkpointing:
+Megatron-LM-v1.1.5-ZeRO3 (7b5abd576e ``megatron/initialize.py:108-117``) runs
+DeepSpeed's, and the example script (44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on
+only ``partition_activations``, which with one model-parallel rank is a clone of each
+checkpointed input (activation_checkpointing/checkpointing.py ``:446-455``) and, in
+backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``): 0.18 s a
+step at 530B, micro-batch 4, on the compute stream (``partition_activation_seconds``,
+``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
+overflow check's ``float()``, the norm's ``.item()``), the timers' synchronizes of
+``wall_clock_breakdown`` and Megatron's, the blocking one-element copies, the per-tensor
+narrow loops and the scalar all-reduces (``step_host_seconds``): 0.03 s a step.  The
+script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is not followed: the trace
+checkpoints every layer (ASSUMPTION, as the planner's memory does).
+
+Not modeled: the parent modules' hooks (no parameters of their own) and the host's
+Python in the hooks (no measurement: to explain the 530B rows alone each of a step's
+4,316 host waits would have to cost 11-16 ms more, ``benchmarks/zero3_audit.py``); the
+memory of the gathered copies as this version holds them (``memory.stage_memory``
+counts DeepSpeed's current buffers, not c10d's flat buffer of each list all-gather and
+reduce-scatter, a whole parameter each: 3.4 GB at 530B); the caching allocator's
+retries near the memory limit (no figure for them; the 530B rows at 25 and 42 GB are as
+optimistic as the one at 75 GB).
 """
 from __future__ import annotations
 
@@ -248,16 +262,16 @@ CKPT_FORWARD_KERNELS, CKPT_BACKWARD_KERNELS = 1, 4
 #   (megatron/mpu/data.py:54): 1; 29 in all.
 # Blocking host-to-device copies from pageable memory (priced as RELEASE_S, the measured
 # ``torch.ones(1).half().to(device)``): per step ``torch.zeros(1).cuda()`` for gpu_sum
-# (:2472), ``torch.cuda.ByteTensor([overflow])`` (:2488), ``torch.cuda.FloatTensor([norm])``
+# (:2472), ``torch.cuda.ByteTensor([overflow])`` (:2477), ``torch.cuda.FloatTensor([norm])``
 # (:1979): 3; per micro-batch broadcast_data's ``torch.cuda.LongTensor(sizes)`` and the
 # batch's ``.cuda()`` (data.py:49, :97): 2.  Per parameter tensor, host loops at the
 # measured NARROW_S:
 # independent_gradient_partition_epilogue's ``param.grad.data.narrow`` (:1298-1304) and
 # _unflatten_partitioned_parameters' narrow + view (torch's _unflatten_dense_tensors;
 # :2299-2305).  Collectives: the overflow flag (1 byte, MAX) and the squared norm (4 bytes,
-# SUM) all-reduced over the data-parallel group (:2489-2493, :1981-1983), Megatron's
+# SUM) all-reduced over the data-parallel group (:2478-2480, :1981-1983), Megatron's
 # reduce_losses (4 bytes over the world, every micro-batch: pretrain_gpt2.py:94,
-# megatron/utils.py:31-38); the model-parallel all-reduces (:2497-2498, :1985-1986) run
+# megatron/utils.py:31-38); the model-parallel all-reduces (:2493-2494, :1985-1986) run
 # on a one-rank group: not priced.
 OPT_WAITS_PER_TENSOR = 2
 STEP_WAITS = 9
