@@ -36,7 +36,7 @@ gather buffer per parameter: torch.zeros    0.46 / 1.38  2 B/elem at HBM, then t
 of the whole parameter, then                             host's synchronize; priced
 torch.cuda.synchronize (pp:607-611)
 allocator near the limit (530B / 640 at     -            no figure for cudaMalloc retries;
-74.9 of 75.2 GB usable as priced)                        NOT priced; the 530B rows at 25
+74.8 of 75.2 GB usable as priced)                        NOT priced; the 530B rows at 25
                                                          and 42 GB are as optimistic
 all-gather, one NCCL call per parameter     6.1 / 17.4   NCCL 2.8.3's tuning model; at
 on a list of p chunks (pp:596-636), not a                530B every matrix is 0.4-1.7e9

@@ -237,7 +237,8 @@ REASSEMBLE_S = 2 * NARROW_S + 0.48 * NARROW_S + 6.1e-6
 # (read + write), ``dist.all_gather(partitions, ...)`` on the one-rank group: NCCL copies
 # the input into c10d's flat output buffer (a one-rank all-gather out of place is a
 # device copy: read + write) and c10d copies the buffer back out to the list's view
-# (read + write).  The attention mask, the last argument, is not partitioned (``args[:-1]``).
+# (read + write).  The attention mask, the last argument, is not partitioned
+# (``args[:-1]``).
 CKPT_FORWARD_BYTES = 2 + 2
 CKPT_BACKWARD_BYTES = 2 + (2 + 2) + (2 + 2) + (2 + 2)
 CKPT_FORWARD_KERNELS, CKPT_BACKWARD_KERNELS = 1, 4
