@@ -53,6 +53,7 @@ side, and the module's own DistTensor parameters are views of it
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -365,12 +366,20 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         backward, recording those of gradients set without backward's hook (a split
         backward's W pass).  The shards already hold the reduced gradients (the math
         runs in autograd); call it before a torch.optim optimizer's ``step()`` (as
-        ``Zero3.step()`` does), so the clock counts the reduce-scatters as waited for."""
+        ``Zero3.step()`` does), so the clock counts the reduce-scatters as waited for.
+        Called again before a new gradient (``Hybrid.clip_grad_norm_``'s, then the step's),
+        it records nothing: each gradient is reduce-scattered once, as FSDP's
+        ``clip_grad_norm_`` then ``optimizer.step()`` do (was: every gradient's
+        reduce-scatter recorded a second time, 21 phantom ones on tiny, dp 2)."""
         from ...sim_mesh.trace import current_trace
         tr = current_trace()
         for i, e in enumerate(self.entries):
-            if e[3].grad is not None and i not in self._reduced:
+            g = e[3].grad
+            if g is not None and i not in self._reduced and \
+                    (i not in self._synced or self._synced[i]() is not g):
                 self._reduce_scatter_hook(i)(e[3])
+        self._synced = {i: weakref.ref(e[3].grad) for i, e in enumerate(self.entries)
+                        if e[3].grad is not None}
         if tr is not None:
             tr.flush()                    # the reduce-scatters deferred in backward
         for t, h in self._pending + [p for v in self._inflight.values() for p in v]:
