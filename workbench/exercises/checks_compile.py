@@ -19,7 +19,7 @@ import torch
 
 from ..sim_mesh.profiles import get_profile
 from .checks import _check_number, _number, _ok, _scale_slip
-from .feedback import CheckError, exercise
+from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_no_graph_break", "check_greedy_vs_whole_bytes", "check_sink_saving_us"]
 
@@ -46,9 +46,11 @@ def check_no_graph_break(fn) -> None:
     try:                                 # eagerly first: the student's own errors, as answers
         fn(wb.shard_tensor(small, mesh, [wb.Shard(0)]))
     except Exception as e:
-        why = (": replace the stub with your code" if isinstance(e, NotImplementedError)
-               else f": {e}" if str(e) else "")
-        raise CheckError(f"your function raised {type(e).__name__}{why}") from None
+        msg = raised("your function", e)
+        if isinstance(e, TypeError) and re.search(r"got \((float|int|bool)\b", str(e)):
+            msg += (" (a Python number where a tensor goes: .item() or float() read the "
+                    "tensor's value; keep it a tensor, x.abs().amax())")
+        raise CheckError(msg) from None
     prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
     if prog.eager:
         raise CheckError(_break_feedback(prog.breaks[0]))

@@ -31,7 +31,7 @@ from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
 from .checks import _chunks, _hint, _number, _ok, _scale_slip, _zero_bytes
-from .feedback import CheckError, exercise
+from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
            "check_tp_sp_layer_bytes", "check_sp_f_g", "check_sp_max_microbatch",
@@ -416,7 +416,7 @@ def _run(fn, x, what):
         try:
             out = fn(x)
         except Exception as e:          # the student's code: any error is an answer
-            raise CheckError(f"your {what} raised {type(e).__name__}: {e}") from None
+            raise CheckError(raised(f"your {what}", e)) from None
     return out, [(e.name, e.bytes, e.args.get("buffer_bytes")) for e in tr.collectives()]
 
 
@@ -513,6 +513,9 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
     ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
     which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
+    if isinstance(b, float) and b.is_integer():     # 20e9 // x: floor division of floats
+        raise CheckError(f"b should be an int, got {b!r}, a float: `//` of floats gives a "
+                         "float (20e9 // x is one); pass int(...) of it")
     b = _int("b", b, "an int (a number of whole sequences: round down)")
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight

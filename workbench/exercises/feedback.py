@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 from ..text_width import wrap
 
-__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "reveal", "reset_tries"]
+__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "raised", "reveal", "reset_tries"]
 
 REVEAL_AFTER = 3            # the wrong try from which the expected value is shown
 _tries: dict = {}           # check name -> wrong tries since its last right answer
@@ -82,6 +83,19 @@ def exercise(fn):
         _tries.pop(name, None)
         return out
     return check
+
+
+def raised(what: str, err: BaseException) -> str:
+    """What to tell a student whose own code (``what``: "your function", "your f") raised
+    ``err`` inside a check: the stub's bare NotImplementedError asks for the code (it read
+    "raised NotImplementedError: " with nothing after the colon), and a message of several
+    lines (torch's list of an op's overloads) is cut to its first line."""
+    name = type(err).__name__
+    if isinstance(err, NotImplementedError) and not str(err).strip():
+        return f"{what} raised {name}: replace the stub with your code"
+    lines = str(err).strip().splitlines()
+    first = re.sub(r",? *but expected one of:?$", "", lines[0]).rstrip(": ") if lines else ""
+    return f"{what} raised {name}" + (f": {first}" if first else "")
 
 
 def _params(signature) -> str:
