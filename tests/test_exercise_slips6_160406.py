@@ -63,3 +63,26 @@ def test_sp_max_microbatch_float_from_floor_division_says_int():
     assert b == 1.0 and isinstance(b, float)
     fails(r"should be an int.*`//` of floats gives a float.*int\(", S.check_sp_max_microbatch, b)
     fails(r"should be an int \(a number of whole sequences", S.check_sp_max_microbatch, 1.5)
+
+
+# 16, exercise 2: a (24, 64) float32 tensor on 8 ranks
+FULL, RANKS = 24 * 64 * 4, 8
+GREEDY = (RANKS - 1) / RANKS * FULL / RANKS + (RANKS - 1) / RANKS * FULL     # 6048 B
+WHOLE = (RANKS - 1) / RANKS * FULL                                            # 5376 B
+BYTES = dict(rows=24, cols=64, p=8)
+
+
+def test_greedy_bytes_with_a_whole_all_gather_is_named():
+    """The all_to_all right and the all_gather sending the whole tensor (672 + 6,144 B)
+    read only "too high: compare each factor with the formula"."""
+    fails(r"all_gather.*keeps its own shard", C.check_greedy_vs_whole_bytes,
+          (RANKS - 1) / RANKS * FULL / RANKS + FULL, WHOLE, **BYTES)
+
+
+def test_one_over_p_instead_of_p_minus_one_over_p_is_named():
+    """1/p of each buffer (96 + 768 B op by op; 768 B compiled, one shard) read only "too
+    low: compare each factor with the formula"."""
+    fails(r"\(p-1\)/p of its buffer.*not 1/p", C.check_greedy_vs_whole_bytes,
+          FULL / RANKS / RANKS + FULL / RANKS, WHOLE, **BYTES)
+    fails(r"one shard, 1/p of the tensor", C.check_greedy_vs_whole_bytes,
+          GREEDY, FULL / RANKS, **BYTES)

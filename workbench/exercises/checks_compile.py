@@ -162,6 +162,11 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
                                  "the whole tensor"),
             (_ring(full / p, p) * 2, "the all_gather's buffer is the whole gathered tensor: each "
                                      "rank sends (p-1)/p of it, not (p-1)/p of one shard"),
+            (_ring(full / p, p) + full, "the all_gather: a rank keeps its own shard and "
+                                        "sends the other p - 1, (p-1)/p of the tensor, not "
+                                        "all of it"),
+            (full / p / p + full / p, "each collective sends (p-1)/p of its buffer (all but "
+                                      "the rank's own piece), not 1/p of it"),
             (_ring(full / p, p) + (p - 1) * full, "the all_gather sends p - 1 shards of "
                                                   "full/p bytes, (p-1)/p of the tensor, not p - 1 "
                                                   "whole copies of it"),
@@ -176,6 +181,8 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
         (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
                  "tensor, so the only collective is one all_gather"),
         (full, "an all_gather sends (p-1)/p of the buffer from each rank"),
+        (full / p, "that is one shard, 1/p of the tensor; in an all_gather each rank sends "
+                   "the p - 1 shards the others lack, (p-1)/p of it"),
         (_ring(full / p, p), "that is (p-1)/p of one shard; an all_gather's buffer is the whole "
                              "gathered tensor: each rank sends p - 1 shards of full/p bytes"),
         ((p - 1) * full, "each rank sends p - 1 shards of full/p bytes, (p-1)/p of the tensor, "
