@@ -86,3 +86,14 @@ def test_one_over_p_instead_of_p_minus_one_over_p_is_named():
           FULL / RANKS / RANKS + FULL / RANKS, WHOLE, **BYTES)
     fails(r"one shard, 1/p of the tensor", C.check_greedy_vs_whole_bytes,
           GREEDY, FULL / RANKS, **BYTES)
+
+
+def test_tp_sp_layer_bytes_in_values_not_bytes_is_named():
+    """06, exercise 1: n counted in values (no x 2 for bf16) halves both answers; the check
+    read "half of it: either only the forward's 2 all-reduces ..., or (t-1)/t n per
+    all-reduce", nothing on bytes per value."""
+    n_values = 1 * 2048 * 12288
+    tp = 4 * 2 * (8 - 1) / 8 * n_values
+    fails(r"both are 1/2 of the bytes: n counts the activation's values.*2 bytes",
+          S.check_tp_sp_layer_bytes, tp, tp)
+    fails(r"half of it: either only the forward", S.check_tp_sp_layer_bytes, tp, 2 * tp)

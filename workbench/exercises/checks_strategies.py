@@ -369,6 +369,12 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     regathers = 2 * ((tp - 1) * n // tp)        # backward re-gathers: not asked (docstring)
     a, b = _number("tp_bytes", tp_bytes), _number("sp_bytes", sp_bytes)
     t = tp
+    if elem > 1 and all(math.isclose(v, w / elem, rel_tol=1e-4)
+                        for v, w in ((a, want_tp), (b, want_sp))):
+        # both 1/elem of their bytes: n counted values (each half-answer has hints of its own)
+        raise CheckError(f"both are 1/{elem} of the bytes: n counts the activation's values; "
+                         f"each is {elem} bytes (bf16)",
+                         expected=f"TP {want_tp:.4g} B, TP+SP {want_sp:.4g} B")
     if not math.isclose(a, want_tp, rel_tol=1e-4):
         raise CheckError(f"your TP bytes are {a:.4g}: " + _hint(
             a, want_tp, [(want_tp / 2, "half of it: either only the forward's 2 all-reduces "
