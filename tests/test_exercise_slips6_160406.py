@@ -97,3 +97,19 @@ def test_tp_sp_layer_bytes_in_values_not_bytes_is_named():
     fails(r"both are 1/2 of the bytes: n counts the activation's values.*2 bytes",
           S.check_tp_sp_layer_bytes, tp, tp)
     fails(r"half of it: either only the forward", S.check_tp_sp_layer_bytes, tp, 2 * tp)
+
+
+def test_reveal_after_wrong_code_answers_does_not_say_no_wrong_try():
+    """16, exercise 1 (a function) and 06, exercise 4 (a plan): after wrong tries,
+    reveal() read "has no wrong try yet: run it once with your answer", since their
+    messages carry no single expected value."""
+    import workbench as wb
+    from workbench.exercises.feedback import CheckError
+
+    for _ in range(3):
+        with pytest.raises(CheckError):
+            C.check_no_graph_break(lambda x: torch.relu(x / x.abs().amax()))
+    text = wb.exercises.reveal("check_no_graph_break")
+    assert "no wrong try yet" not in text and "no value to reveal" in text
+    reset_tries()
+    assert "no wrong try yet" in wb.exercises.reveal("check_no_graph_break")

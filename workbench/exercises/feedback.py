@@ -116,7 +116,12 @@ def reveal(check) -> str:
     try computed it, wrapped at ``text_width.WIDTH`` characters.  The returned text is a ``str`` that a notebook does not display
     again as the cell's value (``reveal(...)`` alone in a cell showed it twice)."""
     name = _name(check)
-    if name not in _expected:
+    if name not in _expected and _tries.get(name):
+        # wrong tries refused before a value was compared, or whose answer is code or a
+        # plan: no one value to show
+        text = (f"{name} has no value to reveal for your tries: their messages say what to "
+                "change (an answer that is code or a plan has no single value)")
+    elif name not in _expected:
         text = (f"{name} has no wrong try yet: run it once with your answer, then "
                 f"reveal({name!r}) shows what it expects")
     else:
