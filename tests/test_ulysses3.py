@@ -23,3 +23,58 @@ def test_unfused_attention_refusal_names_the_cp_method(comm, says, not_says):
     assert says in msg and not_says not in msg and "attention='flash'" in msg
     assert f"cp_comm={comm!r}" in msg
     estimate(GPT, lay, Cluster("a100", 2), attention="flash")       # the fix runs
+
+
+# test_ulysses.py's blocks at 8K tokens: the ring tried at cp 2 (4,096 tokens a rank), the
+# all-to-all wherever each tp rank's 16 query and 4 K/V heads divide by cp
+LONG = get_config("llama2-7b", n_layer=2, d_model=1024, n_head=16, n_kv_head=4, d_ff=2816,
+                  seq_len=8192)
+
+
+def _candidates(cfg, n):
+    from workbench.plan import ep_cp_search
+    from workbench.plan.search import candidate_layouts
+    return list(ep_cp_search.candidates(cfg, Cluster("a100", n), n, 16, "flash",
+                                        candidate_layouts))
+
+
+def test_search_tries_the_all_to_all_where_the_heads_allow():
+    """Before: search never tried cp_comm='a2a' (no candidate had it)."""
+    lays = _candidates(LONG, 8)
+    a2a = [lay for lay in lays if lay.cp_comm == "a2a"]
+    assert a2a and all(lay.cp > 1 for lay in a2a)
+    for lay in a2a:             # legal: every tp rank's heads divide by cp
+        assert (16 // lay.tp) % lay.cp == 0 and (4 // lay.tp) % lay.cp == 0
+        assert not (lay.engine == "workbench" and lay.tp > 1)   # not built: dry_run refuses
+    # the all-to-all has no per-rank floor (it hides nothing): cp 4 (2,048 tokens a rank)
+    # by all-to-all only; every ring layout at cp 2 has its all-to-all twin where legal
+    assert {lay.cp for lay in a2a} == {2, 4}
+    assert all(lay.cp_comm == "a2a" for lay in lays if lay.cp == 4)
+    ring = {lay for lay in lays if lay.cp == 2 and lay.cp_comm == "p2p"}
+    twins = {lay.replace(cp_comm="p2p") for lay in a2a if lay.cp == 2}
+    assert twins == {lay for lay in ring if (4 // lay.tp) % 2 == 0
+                     and not (lay.engine == "workbench" and lay.tp > 1)} and twins
+    # each one estimates (none refused)
+    for lay in a2a[:: max(1, len(a2a) // 6)]:
+        assert estimate(LONG, lay, Cluster("a100", 8), attention="flash").step_time > 0
+    # GQA with 2 K/V heads: cp 4 cannot split them, so no cp 4 at all (2,048 tokens a rank
+    # is under the ring's floor); short sequences: no all-to-all
+    assert not [lay for lay in _candidates(LONG.replace(n_kv_head=2), 8) if lay.cp == 4]
+    assert not [lay for lay in _candidates(LONG.replace(seq_len=4096), 8)
+                if lay.cp_comm == "a2a"]
+
+
+def test_ranking_marks_the_all_to_all():
+    """The table's cp cell reads 2a for cp_comm='a2a' (before: the same "2" as the ring, two
+    rows alike), the legend says so, and explain names the change of cp_comm."""
+    from workbench.plan.search import Ranking
+    cl = Cluster("a100", 4)
+    lays = [Layout(dp=2, cp=2, global_batch=2, cp_comm=c, framework="megatron")
+            for c in ("a2a", "p2p")]
+    r = Ranking([(lay, estimate(LONG, lay, cl, attention="flash")) for lay in lays],
+                cluster=cl)
+    rows = r.table().splitlines()
+    assert rows[0].split()[5] == "cp" and rows[1].split()[5] == "2a"
+    assert rows[2].split()[5] == "2"
+    assert "cp Na: N ranks by all-to-all" in r.table()
+    assert "cp_comm p2p -> a2a" in r.explain()[0]
