@@ -78,3 +78,50 @@ def test_ranking_marks_the_all_to_all():
     assert rows[2].split()[5] == "2"
     assert "cp Na: N ranks by all-to-all" in r.table()
     assert "cp_comm p2p -> a2a" in r.explain()[0]
+
+
+def test_a2a_exercise_refuses_the_typical_slips(capsys):
+    """Notebook 14's exercise 4: one rank's forward all-to-all bytes, Llama 3 8B at 128K on
+    cp 8. The right value (and a 3-digit rounding) passes; each slip gets its hint."""
+    from workbench.exercises import checks_experts as C
+
+    from .exercise_helpers import fails, passes
+    unit = 131072 // 8 * 128 * 2                  # one head of a rank's block, bytes
+    want = 7 / 8 * unit * (32 + 8 + 8 + 32) / 1e6
+    passes(capsys, C.check_a2a_mb, want)
+    passes(capsys, C.check_a2a_mb, round(want))
+    fails("keeps the 1 / cp", C.check_a2a_mb, want * 8 / 7)
+    fails("the output goes back too", C.check_a2a_mb, 7 / 8 * unit * 48 / 1e6)
+    fails("k and v travel too", C.check_a2a_mb, 7 / 8 * unit * 64 / 1e6)
+    fails("grouped-query.*ring's cp - 1 K/V hops", C.check_a2a_mb, 7 / 8 * unit * 128 / 1e6)
+    fails("q and the output have the query heads", C.check_a2a_mb, 7 / 8 * unit * 32 / 1e6)
+    fails("s / cp tokens", C.check_a2a_mb, want * 8)
+    fails("in MiB", C.check_a2a_mb, want * 1e6 / 2 ** 20)
+    fails("all 32 layers", C.check_a2a_mb, want * 32)
+    fails("backward's four", C.check_a2a_mb, want * 2)
+    fails("bytes, not values", C.check_a2a_mb, want / 2)
+    fails("128,000", C.check_a2a_mb, want * (128000 // 8) / (131072 // 8))
+    fails("rounded too far", C.check_a2a_mb, want * 0.985)
+    # where the ring's bytes differ from the all-heads slip (MHA), the ring is named alone
+    fails("that is the ring's", C.check_a2a_mb, 3 * 2 * 131072 // 4 * 8 * 128 * 2 / 1e6,
+          cp=4, heads=8)
+
+
+def test_a2a_exercise_formula_is_the_planners():
+    """The check's hand formula (it must not call the library) is what the planner prices."""
+    import io
+    from contextlib import redirect_stdout
+
+    from workbench.exercises import checks_experts as C
+    from workbench.exercises.feedback import reset_tries
+    from workbench.plan.context_cost import a2a_times
+    from workbench.plan.presets import get_config as plan_config
+    from workbench.sim_mesh.profiles import get_profile
+    for s, p in ((131072, 8), (32768, 4), (16384, 2)):
+        cfg = plan_config("llama3-8b", seq_len=s)
+        mb = a2a_times(cfg, Layout(cp=p, cp_comm="a2a"), get_profile("a100")).sent_forward / 1e6
+        reset_tries()
+        with redirect_stdout(io.StringIO()) as out:
+            C.check_a2a_mb(mb, seq_len=s, cp=p)
+        assert out.getvalue().startswith("Correct")
+    reset_tries()
