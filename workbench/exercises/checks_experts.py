@@ -252,7 +252,7 @@ def check_a2a_mb(a2a_mb, seq_len: int = 131072, cp: int = 8, heads: int = 32,
     decimal_k = [(want * (kk * 1000 // cp) / s_l, f"that takes {kk}K tokens as "
                   f"{kk * 1000:,}; the sequence is {seq_len:,} tokens ({kk} x 1,024)", REL)] \
         if seq_len % 1024 == 0 else []
-    _verify("all-to-all bytes", a2a_mb, want, "MB", [
+    _verify("all-to-all volume", a2a_mb, want, "MB", [
         (want / keep, "a rank keeps the 1 / cp of each block that stays its own: it sends "
                       "(cp - 1) / cp of it"),
         (keep * unit * (heads + 2 * kv_heads) / 1e6, "the output goes back too: four "
@@ -276,4 +276,4 @@ def check_a2a_mb(a2a_mb, seq_len: int = 131072, cp: int = 8, heads: int = 32,
          "count bytes, not values"),
         *decimal_k,
     ])
-    _ok(f"all-to-all bytes = {want:.4g} MB a rank, the ring's {ring:.4g} MB for the same cp")
+    _ok(f"all-to-all volume = {want:.4g} MB a rank, the ring's {ring:.4g} MB for the same cp")
