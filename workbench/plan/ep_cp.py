@@ -119,7 +119,7 @@ def check_layout(model, lay) -> None:
 
 def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
     """What ``estimate`` refuses of ep and cp (module docstring)."""
-    X.check_cp(model, lay.cp, attention)
+    X.check_cp(model, lay.cp, attention, lay.cp_comm)
     if M.moe_of(model) is not None:
         if fp8:
             raise ValueError("fp8=True with a MoE model is not modeled; use fp8=False")

@@ -35,8 +35,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     sequence in 2 cp chunks, flash attention; the ring at least ``CP_MIN_TOKENS`` per rank,
     the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
-    every ep dividing its dp and the experts; ZeRO <= 1 with either, sequence parallelism
-    with a MoE's TP."""
+    every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 over dp x cp
+    with framework='workbench', as its runtime shards), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -51,14 +51,17 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
             if moe is None and cp == 1:
                 yield lay
                 continue
-            if lay.zero >= 2 or (moe is not None and lay.tp > 1 and not lay.sp):
+            if moe is not None and lay.tp > 1 and not lay.sp:
                 continue
             if cp > 1 and lay.sp and (s // cp * lay.micro_batch) % lay.tp:
                 continue
-            if cp > 1 and lay.dp > 1 and lay.zero >= 1 and lay.engine == "workbench":
-                continue            # refused by estimate (plan.ep_cp.check_layout)
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
+            if lay.zero >= 2:       # what plan.ep_cp.check_layout accepts: this library's
+                # runtime's ZeRO-2 over dp x cp (recipes.context_parallel); ZeRO-3 with cp
+                # and ZeRO-2 with ep are refused there
+                if not (lay.zero == 2 and moe is None and lay.framework == "workbench"):
+                    continue
             comms = [m for m, ok in (("p2p", cp in ring), ("a2a", cp in a2a and (
                 hq // lay.tp) % cp == 0 and (hkv // lay.tp) % cp == 0 and not (
                     lay.engine == "workbench" and lay.tp > 1))) if ok] if cp > 1 else ["p2p"]

@@ -78,7 +78,6 @@ from . import fsdp2_root as FR
 from . import deepspeed_step as DS
 from . import zero3_2021 as Z21
 from . import ep_cp as EC
-from . import context_cost as _cc
 from . import tp_overlap as TPO
 from . import comm_memory as CM
 from . import allocator as AL
@@ -419,8 +418,6 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     if not isinstance(overlap, bool):      # "no" would read as True
         raise ValueError(f"overlap={overlap!r} must be True or False")
     attention = attention_for(model, attention)
-    # cp's kernel, named with the cp_comm in use (ep_cp.check_estimate repeats it without)
-    _cc.check_cp(model, layout.cp, attention, layout.cp_comm)
     EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
     TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
                        EC.applies(model, layout))
