@@ -62,6 +62,7 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
+from .laid_out_whole import whole_reads
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -118,6 +119,9 @@ class LaidOutParameter(nn.Parameter):
                 "rank's copy its own draw, a fan-in read from that shape).  Initialize the "
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
+        done, whole = whole_reads(func, args, kwargs, _READS)
+        if done:                # p.numel(), p.sum(), p.norm(): the module's (laid_out_whole)
+            return whole
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
@@ -247,7 +251,7 @@ def _guard_views(src, out, func=None):
 
 
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
-          "_wb_src", "_wb_view_note")
+          "_wb_src", "_wb_view_note", "_wb_here")
 
 
 def _data_alias(p, plain):
@@ -375,6 +379,7 @@ def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
     if how is not None:
         p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
         p._wb_same_draw = getattr(how, "same_draw", None)
+        p._wb_here = isinstance(how, (Rows, Chunks))     # every rank's storage in this process
     return p
 
 

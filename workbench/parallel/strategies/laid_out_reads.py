@@ -78,6 +78,7 @@ def module_shaped_sources(func, args, kwargs, laid_out):
     return args, kwargs
 
 
+_COPIES = (torch.clone, torch.Tensor.clone)
 _ATEN_NAMES = {"truediv": "div", "radd": "add", "rmul": "mul", "rtruediv": "div",
                "rpow": "pow"}
 _POINTWISE: dict = {}
@@ -131,6 +132,10 @@ def pointwise_reads(func, args, kwargs, reads):
     same = any(number(t) for t in flat) and all(
         not isinstance(t, torch.Tensor) or t.dim() == 0 or
         _layout_of(t, reads) == full and t.shape == lays[0].shape for t in flat)
+    # a unary op (p.abs(), p.square()): the layout kept, so a reduction of it reads the
+    # module's values (laid_out_whole); a copy (clone) stays plain
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    same = same or (func not in _COPIES and len(tensors) == 1 and tensors[0] is lays[0])
     return args, kwargs, lays[0] if same else None
 
 
@@ -143,4 +148,5 @@ def keep_layout(out, src):
         v = out.as_subclass(LaidOutValue)
     v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
     v._wb_layout = getattr(src, "_wb_layout", "laid out")
+    v._wb_here = getattr(src, "_wb_here", False)
     return v

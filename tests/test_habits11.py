@@ -1,0 +1,133 @@
+"""A PyTorch user's habits on the wrappers, round 11 (habits11): reductions over wrapped
+parameters.  Each test holds a habit to plain PyTorch on one device (torch's DDP keeps the
+module's parameters; FSDP2's DTensor answers the full tensor's numel and reductions) and
+failed before its fix.
+
+1. ``sum(p.numel() for p in model.parameters())`` (nanoGPT's ``get_num_params``, HF's
+   ``num_parameters``) gave 232 for 58 on simulated DDP (one row per rank), 60 on FSDP /
+   fully_shard (the 2-element bias padded to 4); ``p.norm()`` 2x, ``p.sum()`` 4x,
+   ``get_total_norm`` 4.0265 for 2.0133 (DDP), the bias's ``p.mean()`` half (FSDP),
+   silently.  Now every reduction reads the module's value;
+2. an L2 penalty ``sum(p.pow(2).sum())`` in the loss was 4x the penalty with 4x its
+   gradient on DDP;
+3. ``torch.equal(p, w)`` / ``torch.allclose`` against the module's tensor: False (shapes).
+"""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb  # noqa: F401
+
+from .test_habits6 import wrap
+
+KINDS = ["ddp", "fsdp", "fsdp_units", "fully_shard"]
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))   # 58 parameters
+
+
+def _copy(m):
+    import copy
+    return copy.deepcopy(m)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- 1. numel and reductions of the parameters -------------------------------------------
+READS = {
+    "norm": lambda p: p.norm(), "sum": lambda p: p.sum(), "mean": lambda p: p.mean(),
+    "abs_mean": lambda p: p.abs().mean(), "min": lambda p: p.min(),
+    "argmin": lambda p: p.argmin(), "std": lambda p: p.std(),
+    "sum_dim0": lambda p: p.sum(0), "amax_last": lambda p: p.amax(-1),
+    "torch.norm": lambda p: torch.norm(p), "data_norm": lambda p: p.data.norm(),
+    "detach_sum": lambda p: p.detach().sum(), "square_sum": lambda p: p.square().sum(),
+    "pow_sum": lambda p: p.pow(2).sum(), "count_nonzero": lambda p: p.count_nonzero(),
+    "positive": lambda p: (p > 0).sum(),
+}
+# what read each layout wrong before: DDP's equal rows (a max, a mean of them is right),
+# FSDP's zero padding (a sum, a norm of it is right; the parameters are shifted to be
+# positive, so the padding is the smallest element)
+ROWS = ["norm", "sum", "std", "sum_dim0", "amax_last", "torch.norm", "data_norm",
+        "detach_sum", "square_sum", "pow_sum", "count_nonzero", "positive"]
+CHUNKS = ["mean", "abs_mean", "min", "argmin", "std", "sum_dim0", "amax_last"]
+CASES = [(k, r) for k in KINDS for r in (ROWS if k == "ddp" else CHUNKS)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_numel_counts_the_module_parameters(kind):
+    """Before: 232 (DDP), 60 (FSDP / fully_shard) for 58."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    want = sum(p.numel() for p in ref.parameters())
+    assert want == 58
+    assert sum(p.numel() for p in w.parameters()) == want
+    assert sum(p.nelement() for p in w.parameters()) == want
+    assert sum(p.numel() * p.element_size() for p in w.parameters()) == 4 * want
+    assert sum(p.data.numel() for p in w.parameters()) == want
+    # HF's num_parameters(only_trainable=True)
+    assert sum(p.numel() for p in w.parameters() if p.requires_grad) == want
+
+
+@pytest.mark.parametrize("kind,read", CASES)
+def test_a_reduction_of_a_parameter_reads_the_module_value(kind, read):
+    """Before: DDP's rows read as one tensor (norm 2x, sum 4x, sum(0) over the ranks), FSDP's
+    padding as elements (the bias's mean half, min 0), silently."""
+    ref = model()
+    with torch.no_grad():
+        for q in ref.parameters():
+            q.abs_().add_(0.1)
+    mesh, w = wrap(kind, _copy(ref))
+    for (n, p), q in zip(w.named_parameters(), ref.parameters()):
+        with torch.no_grad():
+            got, want = READS[read](p), READS[read](q)
+        assert type(got) is torch.Tensor, n
+        close(got, want)
+
+
+def test_total_norm_of_the_parameters_is_one_devices():
+    """Before: 4.0265 for 2.0133 (DDP; FSDP's was right: its padding is zeros)."""
+    ref = model()
+    mesh, w = wrap("ddp", model())
+    want = nn.utils.get_total_norm(list(ref.parameters()))
+    assert abs(float(want) - 2.0133) < 1e-4
+    close(nn.utils.get_total_norm(list(w.parameters())), want)
+    close(nn.utils.get_total_norm(list(w.parameters()), foreach=True), want)
+    close(torch.stack([p.norm() for p in w.parameters()]).norm(), want)
+
+
+# ---- 2. a penalty on the parameters in the loss -------------------------------------------
+def test_an_l2_penalty_in_the_loss_is_one_devices():
+    """Before (DDP): the penalty 16.2 for 4.05 and each gradient off (the rows summed);
+    FSDP's was right (its padding is zeros)."""
+    kind = "ddp"
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+    def step(m, params):
+        out = m(x)
+        out = out.full() if isinstance(out, wb.DistTensor) else out
+        penalty = sum(p.pow(2).sum() for p in params)
+        (((out - y) ** 2).mean() + 0.1 * penalty).backward()
+        return penalty.detach()
+
+    ref = model()
+    want = step(ref, list(ref.parameters()))
+    mesh, w = wrap(kind, model())
+    close(step(w, list(w.parameters())), want)
+    for (n, p), q in zip(w.named_parameters(), ref.parameters()):
+        close(p.grad.norm(), q.grad.norm())
+
+
+# ---- 3. comparing a parameter with the module's tensor ------------------------------------
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_equal_and_allclose_against_the_module_tensor(kind):
+    """Before: False on FSDP / fully_shard (the chunks' shape is not the module's)."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    for p, q in zip(w.parameters(), ref.parameters()):
+        assert torch.equal(p, q.detach()) and torch.allclose(p, q.detach())
+        assert not torch.equal(p, q.detach() + 1)

@@ -1,0 +1,114 @@
+"""A reduction over a wrapped parameter (or its gradient) reads the module's value.
+
+On simulated ranks ``DistributedDataParallel`` stores a parameter as one row per rank
+(``(N, *shape)``) and ``FullyShardedDataParallel`` / ``fully_shard`` as flat chunks padded
+with zeros (``(N, chunk)``), :mod:`.laid_out`.  Every reduction a user's loop takes of a
+parameter read that storage as the parameter, silently: measured on
+``Sequential(Linear(4, 8), ReLU, Linear(8, 2))`` over 4 ranks, ``sum(p.numel())`` (nanoGPT's
+``get_num_params``, Hugging Face's ``num_parameters``, every "model has X params") gave 232
+for 58 (DDP) and 60 (FSDP: the 2-element bias padded to 4), ``get_total_norm`` 4.0265 for
+2.0133 (DDP), ``p.norm()`` 2x, ``p.sum()`` 4x (DDP), the bias's ``p.mean()`` half (FSDP's
+padding), and an L2 penalty ``sum(p.pow(2).sum())`` added to the loss was 4x the
+penalty with 4x its gradient (DDP).  torch's own wrappers answer as one device: torch DDP's
+parameters are the module's (torch 2.13 ``torch/nn/parallel/distributed.py``: it
+broadcasts and keeps ``module``'s parameters), FSDP2's are DTensors whose ``numel()`` and
+reductions are the full tensor's (``torch/distributed/tensor/_api.py``, its ``numel`` is the
+global shape's; a reduction's ``Partial`` result is reduced on use).
+
+Here the functions of :data:`WHOLE` (``numel`` / ``nelement``, and the reductions:
+``sum``, ``mean``, ``norm``, ``linalg.vector_norm``, ``max``, ``std``, ``all``,
+``count_nonzero``...; with or without ``dim``, whose dims are the module's) given such a
+storage run on its module value (``_wb_full``: DDP's rank ``broadcast_from`` row, FSDP's
+chunks joined and the padding dropped; differentiable, so a penalty in the loss gets one
+device's gradient), and the storage's ``shape`` stays the storage's (the wrapper's own code
+and torch's optimizers read it).  A unary pointwise op (``p.abs()``, ``p.square()``) keeps
+the layout (:mod:`.laid_out_reads`), so ``p.abs().mean()`` reads the module's values too.
+Only where this process holds every rank's storage (``_wb_here``); on torch.distributed a
+FSDP parameter is this process's chunk, as torch FSDP1's ``use_orig_params`` parameter is
+this rank's piece.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["WHOLE", "NUMEL", "whole_reads", "storage_shape", "storage_numel"]
+
+_T = torch.Tensor
+_NAMES = ("sum", "nansum", "mean", "nanmean", "norm", "max", "min", "amax", "amin",
+          "aminmax", "prod", "std", "var", "std_mean", "var_mean", "all", "any",
+          "count_nonzero", "median", "nanmedian", "logsumexp", "argmax", "argmin",
+          "quantile", "nanquantile", "histc", "kthvalue", "topk", "sort", "argsort",
+          "msort", "unique", "cumsum", "cumprod", "cummax", "cummin", "dist", "equal",
+          "allclose", "numel", "nelement")
+NUMEL = {f for f in (_T.numel, torch.numel, _T.nelement)}
+WHOLE = {getattr(o, n) for n in _NAMES for o in (torch, _T) if hasattr(o, n)} | {
+    torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm,
+    torch._foreach_norm}
+
+
+_COMPARE = {torch.equal, torch.allclose, _T.equal, _T.allclose, torch.dist, _T.dist}
+
+
+def storage_shape(t) -> tuple:
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(t.shape)
+
+
+def storage_numel(t) -> int:
+    """The elements ``t``'s storage holds (every rank's row or chunk, padding too), which
+    the wrappers' byte counts read; ``t.numel()`` is the module's."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.numel()
+
+
+def _here(t, reads) -> bool:
+    """Is ``t`` a storage laid out otherwise than its module shape, held whole here?"""
+    return isinstance(t, reads) and getattr(t, "_wb_full", None) is not None and \
+        getattr(t, "_wb_here", False) and storage_shape(t) != getattr(t, "_wb_shape", None)
+
+
+def _module_value(t, reads):
+    """``t``'s module value where :func:`_here`; else None."""
+    if not _here(t, reads):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return t._wb_full(t)
+
+
+def whole_reads(func, args, kwargs, reads):
+    """``(True, result)`` of ``func`` (one of :data:`WHOLE`) with every laid-out operand
+    (also in a list: ``torch._foreach_norm``) read as its module value; ``(False, None)``
+    where ``func`` is not such a reduction or no operand is laid out."""
+    if func not in WHOLE:
+        return False, None
+    if func in NUMEL:
+        t = args[0] if args else kwargs.get("input")
+        if not _here(t, reads):
+            return False, None
+        return True, math.prod(t._wb_shape)
+    if func in _COMPARE:
+        # two storages of one layout compare as they are; a laid-out operand meets a
+        # plain tensor of its module shape as its module value (torch.equal(p, ref_w))
+        flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        lays = [a for a in flat if _here(a, reads)]
+        if not any(not isinstance(a, reads) and tuple(a.shape) == t._wb_shape
+                   for a in flat for t in lays):
+            return False, None
+    hit = False
+
+    def one(a):
+        nonlocal hit
+        v = _module_value(a, reads) if isinstance(a, torch.Tensor) else None
+        if v is None:
+            return a
+        hit = True
+        return v
+    new = tuple([one(x) for x in a] if isinstance(a, (list, tuple)) else one(a)
+                for a in args)
+    kw = {k: one(v) for k, v in kwargs.items()}
+    if not hit:
+        return False, None
+    with torch._C.DisableTorchFunctionSubclass():
+        return True, func(*new, **kw)
