@@ -131,3 +131,52 @@ def test_equal_and_allclose_against_the_module_tensor(kind):
     for p, q in zip(w.parameters(), ref.parameters()):
         assert torch.equal(p, q.detach()) and torch.allclose(p, q.detach())
         assert not torch.equal(p, q.detach() + 1)
+
+
+# ---- 4. reductions of the gradients (grad-norm / grad-stat logging) -----------------------
+GRAD_READS = {
+    "numel": lambda g: torch.tensor(float(g.numel())), "sum": lambda g: g.sum(),
+    "mean": lambda g: g.mean(), "abs_mean": lambda g: g.abs().mean(),
+    "pow_sum": lambda g: g.pow(2).sum(), "std": lambda g: g.std(),
+    "zeros": lambda g: (g == 0).sum(), "sum_dim0": lambda g: g.sum(0),
+}
+
+
+def _backward(m):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    out = m(x)
+    out = out.full() if isinstance(out, wb.DistTensor) else out
+    ((out - y) ** 2).mean().backward()
+
+
+# what read each layout wrong before (a mean of DDP's equal rows, a sum of FSDP's zero
+# padding is right)
+GRAD_CASES = [("ddp", r) for r in ["numel", "sum", "pow_sum", "std", "sum_dim0"]] + [
+    (k, r) for k in ["fsdp", "fully_shard"] for r in ["numel", "mean", "abs_mean", "std",
+                                                      "zeros", "sum_dim0"]]
+
+
+@pytest.mark.parametrize("kind,read", GRAD_CASES)
+def test_a_reduction_of_a_gradient_reads_one_devices_gradient(kind, read):
+    """Before: DDP's rows read as one tensor (numel 4x, sum 4x...), FSDP's padding as
+    elements (numel 60 for 58, the bias's mean off), silently."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    _backward(ref)
+    _backward(w)
+    for (n, p), q in zip(w.named_parameters(), ref.parameters()):
+        close(GRAD_READS[read](p.grad).float(), GRAD_READS[read](q.grad).float())
+
+
+def test_a_reduction_of_an_unsynchronized_ddp_gradient_raises():
+    """Before: inside no_sync() the rows differ (each rank's own gradient) and p.grad.sum()
+    was their sum, silently; torch.distributed would give each rank its own."""
+    mesh, w = wrap("ddp", model())
+    with w.no_sync():
+        _backward(w)
+    p = next(w.parameters())
+    with pytest.raises(RuntimeError, match="rows differ.*finish_gradient_synchronization"):
+        p.grad.sum()
+    with pytest.raises(RuntimeError, match="rows differ"):
+        p.grad.abs().mean()

@@ -188,11 +188,11 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             for _, s, _ in u.params:
                 if s.requires_grad and id(s) not in self._hooked:
                     self._hooked.add(id(s))
-                    numel = self._meta[id(s)][1]
+                    shape, numel = self._meta[id(s)]
                     s.register_post_accumulate_grad_hook(
-                        lambda s, numel=numel: setattr(s, "grad", as_shard_grad(s.grad, pg)
-                                                       if dist_ else
-                                                       as_chunk_rows(s.grad, numel)))
+                        lambda s, numel=numel, shape=shape: setattr(
+                            s, "grad", as_shard_grad(s.grad, pg) if dist_ else
+                            as_chunk_rows(s.grad, numel, shape)))
 
     def _cast(self, shard):
         cd = self.compute_dtype
