@@ -180,3 +180,35 @@ def test_a_reduction_of_an_unsynchronized_ddp_gradient_raises():
         p.grad.sum()
     with pytest.raises(RuntimeError, match="rows differ"):
         p.grad.abs().mean()
+
+
+# ---- 5. nanoGPT's configure_optimizers, parameters_to_vector ------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_dim_is_the_module_parameters(kind):
+    """nanoGPT's weight-decay groups (``p.dim() >= 2``).  Before: every DDP bias 2-d (rows),
+    every FSDP parameter 2-d (chunks): the biases decayed, silently."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    want = [n for n, p in ref.named_parameters() if p.dim() >= 2]
+    assert [n.removeprefix("module.") for n, p in w.named_parameters() if p.dim() >= 2] == want
+    assert [p.ndim for p in w.parameters()] == [p.ndim for p in ref.parameters()]
+    assert [p.data.dim() for p in w.parameters()] == [p.dim() for p in ref.parameters()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_to_vector_is_one_devices(kind):
+    """Before: 232 elements (DDP: every row), 60 (FSDP: the padding)."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    want = nn.utils.parameters_to_vector(ref.parameters())
+    got = nn.utils.parameters_to_vector(w.parameters())
+    assert type(got) is torch.Tensor
+    close(got, want)
+    # p.view(-1) is a view of the parameter: a write reaches it (every rank's copy)
+    p = next(w.parameters())
+    with torch.no_grad():
+        p.view(-1).mul_(2.0)
+    close(p.sum(), 2 * next(ref.parameters()).sum())
+    out = w(torch.ones(2, 4))
+    ref[0].weight.data.mul_(2.0)
+    close(out.full() if isinstance(out, wb.DistTensor) else out, ref(torch.ones(2, 4)))

@@ -62,7 +62,7 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
-from .laid_out_whole import whole_reads
+from .laid_out_whole import module_dims, module_flat_view, whole_reads
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -122,6 +122,12 @@ class LaidOutParameter(nn.Parameter):
         done, whole = whole_reads(func, args, kwargs, _READS)
         if done:                # p.numel(), p.sum(), p.norm(): the module's (laid_out_whole)
             return whole
+        dims = module_dims(func, args, _PARAMS)
+        if dims is not None:    # p.dim(), p.ndim: the module's (laid_out_whole)
+            return dims
+        flat = module_flat_view(func, args, _PARAMS)
+        if flat is not None:    # p.view(-1): the module's flat parameter (parameters_to_vector)
+            return _guard_views(args[0], flat, func)
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
@@ -228,6 +234,7 @@ class _LaidOutView(torch.Tensor):
 
 
 _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
+_PARAMS = (LaidOutParameter, _LaidOutData)
 LaidOutValue.__torch_function__ = LaidOutParameter.__torch_function__
 _READS = _LAID_OUT + (LaidOutValue,)     # read as their module values (laid_out_reads)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)

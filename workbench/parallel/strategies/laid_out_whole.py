@@ -33,7 +33,8 @@ import math
 
 import torch
 
-__all__ = ["WHOLE", "NUMEL", "whole_reads", "storage_shape", "storage_numel"]
+__all__ = ["WHOLE", "NUMEL", "whole_reads", "module_dims", "module_flat_view", "storage_shape",
+           "storage_numel"]
 
 _T = torch.Tensor
 _NAMES = ("sum", "nansum", "mean", "nanmean", "norm", "max", "min", "amax", "amin",
@@ -75,6 +76,42 @@ def _module_value(t, reads):
         return None
     with torch._C.DisableTorchFunctionSubclass():
         return t._wb_full(t)
+
+
+_DIMS = (_T.dim, _T.ndimension)
+_NDIM = _T.ndim.__get__         # compared with ==: a fresh method-wrapper each time
+
+
+def module_dims(func, args, params) -> int | None:
+    """``p.dim()`` / ``p.ndim`` of a laid-out parameter (or its ``.data``: ``params``) held
+    here: the module's number of dims, as torch DDP's parameter and FSDP2's DTensor
+    answer (nanoGPT's ``configure_optimizers`` decays the ``p.dim() >= 2`` parameters:
+    DDP's rows made every bias 2-d, FSDP's chunks every parameter).  None otherwise."""
+    if not args or not (func in _DIMS or func == _NDIM) or not isinstance(args[0], params) \
+            or not _here(args[0], params):
+        return None
+    return len(args[0]._wb_shape)
+
+
+def module_flat_view(func, args, params):
+    """``p.view(-1)`` of a laid-out parameter (or its ``.data``) held here, as the view of
+    the module's flat parameter (DDP: rank ``broadcast_from``'s row; FSDP: the chunks'
+    elements before the padding), which ``torch.nn.utils.parameters_to_vector`` joins
+    (it gave every row, or the padding: 232 or 60 elements for 58).  None otherwise (a
+    storage that is not contiguous: torch's view error)."""
+    if func is not _T.view or len(args) != 2 or not isinstance(args[0], params) or \
+            not _here(args[0], params):
+        return None
+    p, size = args
+    size = tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,)
+    if size not in ((-1,), (math.prod(p._wb_shape),)):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        if not p.is_contiguous():
+            return None
+        flat = p._wb_full(p).reshape(-1)
+        return flat if flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() \
+            else None
 
 
 def whole_reads(func, args, kwargs, reads):
