@@ -12,6 +12,8 @@ failed before its fix.
    gradient on DDP;
 3. ``torch.equal(p, w)`` / ``torch.allclose`` against the module's tensor: False (shapes).
 """
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -139,6 +141,11 @@ GRAD_READS = {
     "mean": lambda g: g.mean(), "abs_mean": lambda g: g.abs().mean(),
     "pow_sum": lambda g: g.pow(2).sum(), "std": lambda g: g.std(),
     "zeros": lambda g: (g == 0).sum(), "sum_dim0": lambda g: g.sum(0),
+    # an alias, copy or cast of it: Lightning's grad_norm (p.grad.data.norm()), fairseq's
+    # clip (torch.norm(p.grad.detach(), p=2, dtype=torch.float32)), a saved copy
+    "data_norm": lambda g: g.data.norm(), "clone_sum": lambda g: g.clone().sum(),
+    "detach_norm": lambda g: torch.norm(g.detach(), p=2, dtype=torch.float32),
+    "double_norm": lambda g: g.double().norm(), "detach_mean": lambda g: g.detach().mean(),
 }
 
 
@@ -152,9 +159,10 @@ def _backward(m):
 
 # what read each layout wrong before (a mean of DDP's equal rows, a sum of FSDP's zero
 # padding is right)
-GRAD_CASES = [("ddp", r) for r in ["numel", "sum", "pow_sum", "std", "sum_dim0"]] + [
+GRAD_CASES = [("ddp", r) for r in ["numel", "sum", "pow_sum", "std", "sum_dim0", "data_norm",
+                                    "clone_sum", "detach_norm", "double_norm"]] + [
     (k, r) for k in ["fsdp", "fully_shard"] for r in ["numel", "mean", "abs_mean", "std",
-                                                      "zeros", "sum_dim0"]]
+                                                      "zeros", "sum_dim0", "detach_mean"]]
 
 
 @pytest.mark.parametrize("kind,read", GRAD_CASES)
@@ -212,3 +220,26 @@ def test_parameters_to_vector_is_one_devices(kind):
     out = w(torch.ones(2, 4))
     ref[0].weight.data.mul_(2.0)
     close(out.full() if isinstance(out, wb.DistTensor) else out, ref(torch.ones(2, 4)))
+
+
+# ---- 6. fully_shard under torch.distributed (one gloo launch) ------------------------------
+@pytest.mark.slow
+def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
+    """``wb.fully_shard`` on 2 gloo processes against torch's FSDP2 ``fully_shard``.  Before:
+    each process's chunk read as the parameter: numel 29 for 58, dims [1, 1, 1, 1], norms,
+    means and the total norm of the chunk (1.3647 / 1.4802 for 2.0133), silently.  Now the
+    module's (a gathered read); with autograd recording, or ``parameters_to_vector``, it
+    raises naming what to call."""
+    from tests.torchrun_support import json_rows, run_several
+    out, texts = run_several(2, [os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                              "habits11_check.py")], tmp_path_factory)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["case"]: r for r in json_rows(texts[0])}
+    for k in ["numel", "dims", "norm", "mean", "abs_max", "total_norm"]:
+        r = rows[k]
+        assert r["wb"] == pytest.approx(r["one"], abs=1e-6), r
+        assert r["torch"] == pytest.approx(r["one"], abs=1e-6), r
+    assert rows["numel"]["wb"] == 58
+    assert "NotImplementedError: a reduction of a fully_shard parameter under " \
+        "torch.distributed with autograd recording" in rows["raises"]["grad_norm"]
+    assert "p.full_tensor()" in rows["raises"]["p2v"]

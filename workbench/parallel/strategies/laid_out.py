@@ -258,7 +258,7 @@ def _guard_views(src, out, func=None):
 
 
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
-          "_wb_src", "_wb_view_note", "_wb_here")
+          "_wb_src", "_wb_view_note", "_wb_here", "_wb_gathers")
 
 
 def _data_alias(p, plain):

@@ -149,4 +149,5 @@ def keep_layout(out, src):
     v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
     v._wb_layout = getattr(src, "_wb_layout", "laid out")
     v._wb_here = getattr(src, "_wb_here", False)
+    v._wb_gathers = getattr(src, "_wb_gathers", False)
     return v

@@ -23,9 +23,19 @@ chunks joined and the padding dropped; differentiable, so a penalty in the loss 
 device's gradient), and the storage's ``shape`` stays the storage's (the wrapper's own code
 and torch's optimizers read it).  A unary pointwise op (``p.abs()``, ``p.square()``) keeps
 the layout (:mod:`.laid_out_reads`), so ``p.abs().mean()`` reads the module's values too.
-Only where this process holds every rank's storage (``_wb_here``); on torch.distributed a
-FSDP parameter is this process's chunk, as torch FSDP1's ``use_orig_params`` parameter is
-this rank's piece.
+``p.dim()`` / ``p.ndim`` are the module's too (nanoGPT's weight-decay groups,
+:func:`module_dims`) and ``p.view(-1)`` is the view of the module's flat parameter
+(``parameters_to_vector``, :func:`module_flat_view`); ``p.shape`` / ``len(p)`` / ``p[i]``
+stay the storage's.
+
+Where this process holds every rank's storage (``_wb_here``: simulated ranks), and for
+``fully_shard`` under torch.distributed (``_wb_gathers``: FSDP2's parameters are DTensors,
+measured on gloo: numel 58, dims ``[2, 1, 2, 1]``, the full norms on every process), whose
+reductions gather the chunks (an all-gather every process joins, as reading FSDP2's
+``Partial`` result does) and raise with autograd recording (the gather has no gradient)
+or for ``p.view(-1)`` (no view of the whole exists there).  ``FullyShardedDataParallel``
+under torch.distributed keeps this process's chunk, as torch FSDP1's ``use_orig_params``
+parameter is this rank's flat piece.
 """
 from __future__ import annotations
 
@@ -65,15 +75,27 @@ def storage_numel(t) -> int:
 
 
 def _here(t, reads) -> bool:
-    """Is ``t`` a storage laid out otherwise than its module shape, held whole here?"""
+    """Is ``t`` a storage laid out otherwise than its module shape whose reads are the
+    module's: held whole here (``_wb_here``), or gathered (``_wb_gathers``)?"""
     return isinstance(t, reads) and getattr(t, "_wb_full", None) is not None and \
-        getattr(t, "_wb_here", False) and storage_shape(t) != getattr(t, "_wb_shape", None)
+        (getattr(t, "_wb_here", False) or getattr(t, "_wb_gathers", False)) and \
+        storage_shape(t) != getattr(t, "_wb_shape", None)
 
 
 def _module_value(t, reads):
-    """``t``'s module value where :func:`_here`; else None."""
+    """``t``'s module value where :func:`_here`; else None.  Gathered (``fully_shard``
+    under torch.distributed: an all-gather every process of the group joins, as FSDP2's
+    DTensor reduces its ``Partial`` result on use), it carries no gradient, so a
+    reduction that autograd would record raises (a penalty in the loss would get none)."""
     if not _here(t, reads):
         return None
+    if not getattr(t, "_wb_here", False) and torch.is_grad_enabled() and t.requires_grad:
+        raise NotImplementedError(
+            "a reduction of a fully_shard parameter under torch.distributed with autograd "
+            f"recording ({t._wb_layout}): its module value is gathered from every process, "
+            "and the gather carries no gradient, so a penalty built from it would get none. "
+            "Read it under torch.no_grad() (or of p.detach()) for logging; for a penalty in "
+            "the loss use the optimizer's weight_decay")
     with torch._C.DisableTorchFunctionSubclass():
         return t._wb_full(t)
 
@@ -106,6 +128,13 @@ def module_flat_view(func, args, params):
     size = tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,)
     if size not in ((-1,), (math.prod(p._wb_shape),)):
         return None
+    if not getattr(p, "_wb_here", False):
+        raise NotImplementedError(
+            f"p.view(-1) of a fully_shard parameter under torch.distributed: {p._wb_layout}, "
+            "this process's chunk, so it is no view of the whole parameter (FSDP2's DTensor "
+            "gives one; parameters_to_vector over the chunks would join each process's "
+            "own).  Read the whole parameter with p.full_tensor() (a copy, gathered: every "
+            "process calls it)")
     with torch._C.DisableTorchFunctionSubclass():
         if not p.is_contiguous():
             return None

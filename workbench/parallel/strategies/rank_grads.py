@@ -96,15 +96,25 @@ class _NormedGrad(torch.Tensor):
         return out
 
 
+_T = torch.Tensor
+# a gradient's alias, copy or cast: Lightning's grad_norm reads p.grad.data.norm(), fairseq's
+# clip torch.norm(p.grad.detach()), torch.optim's SGD keeps torch.clone(grad) (2x on DDP)
+_COPIES = {_T.detach, torch.detach, _T.clone, torch.clone, _T.to, _T.float, _T.double,
+           _T.half, _T.bfloat16, _T.type_as, _T.contiguous, _T.cpu}
+_DATA_GET = _T.data.__get__     # compared with ==: a fresh method-wrapper each time
+
+
 def _keep_grad(func, args, kwargs, out):
     """``out`` as the gradient's subclass where ``func`` is pointwise over that one
-    gradient and numbers (``g.abs()``, ``g * 2``, ``g * g``; not a copy: ``clone``)."""
-    if not isinstance(out, torch.Tensor) or func in (torch.clone, torch.Tensor.clone):
+    gradient and numbers (``g.abs()``, ``g * 2``, ``g * g``), or its alias, copy or cast
+    (``g.data``, ``g.detach()``, ``g.clone()``, ``g.float()``: :data:`_COPIES`)."""
+    if not isinstance(out, torch.Tensor):
         return out
     flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     g = flat[0] if flat else None
     if not isinstance(g, _WHOLE_GRADS) or any(a is not g for a in flat) or \
-            out.shape != g.shape or not _is_pointwise(func):
+            out.shape != g.shape or \
+            not (func in _COPIES or func == _DATA_GET or _is_pointwise(func)):
         return out
     kept = out.as_subclass(type(g))
     for k in ("_wb_numel", "_wb_shape"):
