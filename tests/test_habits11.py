@@ -101,6 +101,31 @@ def test_total_norm_of_the_parameters_is_one_devices():
     close(torch.stack([p.norm() for p in w.parameters()]).norm(), want)
 
 
+# a copy, a cast, a change since a copy: "weight change since init" logging
+COPIES = {
+    "clone_norm": lambda p, p0: p.detach().clone().norm(),
+    "double_sum": lambda p, p0: p.double().sum(),
+    "change_norm": lambda p, p0: (p - p0).norm(),
+    "change_numel": lambda p, p0: torch.tensor(float((p.detach() - p0).numel())),
+}
+
+
+@pytest.mark.parametrize("read", list(COPIES))
+def test_a_reduction_of_a_copy_of_a_ddp_parameter_reads_the_module_value(read):
+    """Before: the copy a plain tensor of the rows, its norm 2x, its sum 4x (DDP)."""
+    ref = model()
+    mesh, w = wrap("ddp", model())
+    p0s = [p.detach().clone() for p in w.parameters()]
+    q0s = [q.detach().clone() for q in ref.parameters()]
+    with torch.no_grad():
+        for p, q in zip(w.parameters(), ref.parameters()):
+            p.add_(0.5)
+            q.add_(0.5)
+    for p, p0, q, q0 in zip(w.parameters(), p0s, ref.parameters(), q0s):
+        with torch.no_grad():
+            close(COPIES[read](p, p0).double(), COPIES[read](q, q0).double())
+
+
 # ---- 2. a penalty on the parameters in the loss -------------------------------------------
 def test_an_l2_penalty_in_the_loss_is_one_devices():
     """Before (DDP): the penalty 16.2 for 4.05 and each gradient off (the rows summed);
