@@ -268,3 +268,25 @@ def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     assert "NotImplementedError: a reduction of a fully_shard parameter under " \
         "torch.distributed with autograd recording" in rows["raises"]["grad_norm"]
     assert "p.full_tensor()" in rows["raises"]["p2v"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_to_parameters_raises_naming_the_fix_and_copy_writes(kind):
+    """Before: torch's shape error naming the storage's shape ("shape '[4, 8, 4]' is
+    invalid for input of size 32", DDP) or, on FSDP's chunks, nothing said what to do.
+    The fix it names (p.copy_ of the module's shape) gives one device's parameters."""
+    ref = model(1)
+    vec = nn.utils.parameters_to_vector(ref.parameters()).detach()
+    mesh, w = wrap(kind, model())
+    before = nn.utils.parameters_to_vector(w.parameters()).clone()
+    with pytest.raises(RuntimeError, match=r"vector_to_parameters.*p\.copy_"):
+        nn.utils.vector_to_parameters(vec, w.parameters())
+    close(nn.utils.parameters_to_vector(w.parameters()), before)     # nothing written
+    i = 0
+    with torch.no_grad():
+        for p, q in zip(w.parameters(), ref.parameters()):
+            p.copy_(vec[i:i + q.numel()].view(q.shape))
+            i += q.numel()
+    close(nn.utils.parameters_to_vector(w.parameters()), vec)
+    out = w(torch.ones(2, 4))
+    close(out.full() if isinstance(out, wb.DistTensor) else out, ref(torch.ones(2, 4)))

@@ -62,7 +62,7 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
-from .laid_out_whole import module_dims, module_flat_view, whole_reads
+from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -122,6 +122,7 @@ class LaidOutParameter(nn.Parameter):
         done, whole = whole_reads(func, args, kwargs, _READS)
         if done:                # p.numel(), p.sum(), p.norm(): the module's (laid_out_whole)
             return whole
+        check_view_as(func, args, _PARAMS)     # vector_to_parameters: raises naming the fix
         dims = module_dims(func, args, _PARAMS)
         if dims is not None:    # p.dim(), p.ndim: the module's (laid_out_whole)
             return dims

@@ -43,8 +43,8 @@ import math
 
 import torch
 
-__all__ = ["WHOLE", "NUMEL", "whole_reads", "module_dims", "module_flat_view", "storage_shape",
-           "storage_numel"]
+__all__ = ["WHOLE", "NUMEL", "whole_reads", "module_dims", "module_flat_view", "check_view_as",
+           "storage_shape", "storage_numel"]
 
 _T = torch.Tensor
 _NAMES = ("sum", "nansum", "mean", "nanmean", "norm", "max", "min", "amax", "amin",
@@ -141,6 +141,24 @@ def module_flat_view(func, args, params):
         flat = p._wb_full(p).reshape(-1)
         return flat if flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() \
             else None
+
+
+def check_view_as(func, args, params) -> None:
+    """``t.view_as(p)`` of a plain ``t`` of ``p``'s module numel, ``p`` a laid-out parameter
+    held here: what ``torch.nn.utils.vector_to_parameters`` does before ``p.data = ...``
+    (which would swap the storage for the module's shape).  torch raised its shape error
+    naming the storage's shape; this names the fix (``p.copy_``: every rank's copy)."""
+    if func is not _T.view_as or len(args) != 2 or isinstance(args[0], params) or \
+            not isinstance(args[1], params) or not _here(args[1], params):
+        return
+    p = args[1]
+    if args[0].numel() == math.prod(p._wb_shape):
+        raise RuntimeError(
+            f"t.view_as(p) of a wrapped parameter (torch.nn.utils.vector_to_parameters): "
+            f"{p._wb_layout}, not the module's shape {p._wb_shape}, and p.data = t would "
+            "replace that storage.  Write the values in: with torch.no_grad(): "
+            f"p.copy_(t.view({p._wb_shape})) for each parameter (every rank's copy), or "
+            "load them with the wrapper's load_state_dict")
 
 
 def whole_reads(func, args, kwargs, reads):
