@@ -142,8 +142,12 @@ def test_pointwise_reads_keep_plain_what_was_plain():
     mesh, w = wrap("ddp", mlp())
     p = w.module[0].weight
     with torch.no_grad():
-        assert type(p.detach().clone()) is torch.Tensor
-        assert type(-p) is torch.Tensor and (-p).shape == p.shape     # unary: plain
+        # a copy keeps the storage's shape; its reductions read the module's (habits11)
+        assert p.detach().clone().shape == p.shape
+        assert p.detach().clone().sum() == p.detach()[0].sum()
+        # unary: the storage's shape, its layout kept (habits11: a reduction of it, e.g.
+        # p.abs().mean(), reads the module's values)
+        assert (-p).shape == p.shape and (-p).sum() == -p.detach()[0].sum()
         half = p * 0.5
         torch.testing.assert_close(half.as_subclass(torch.Tensor), p.detach() * 0.5)
         one = torch.ones(8, 6)

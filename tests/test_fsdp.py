@@ -7,6 +7,7 @@ from torch import nn
 
 import workbench as wb
 from tests.dist_scripts.wrappers_model import data, loss_fn, make, one_device, wrapped
+from workbench.parallel.strategies.laid_out_whole import storage_numel
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -60,7 +61,8 @@ def test_collectives_gather_forward_reduce_scatter_backward_root_kept():
     ev = [e for e in tr.collectives() if e.label.startswith("fsdp")]
     # one collective per unit (here the root, the whole module), in bf16 (2 bytes), over
     # the padded flat parameters: frozen 8, unused 4, emb 96, hid.weight 64, hid.bias 8
-    padded = {n: p.numel() for n, p in fsdp.named_parameters()}
+    # (the storage's elements: p.numel() is the module's, as torch FSDP2's DTensor's)
+    padded = {n: storage_numel(p) for n, p in fsdp.named_parameters()}
     assert [x for x in fwd if x.startswith("fsdp")] == ["fsdp params root"]
     assert ev[0].args["buffer_bytes"] == 2 * sum(padded.values()) == 2 * 180
     # backward: the root (here the whole module) stays gathered from forward, as torch's

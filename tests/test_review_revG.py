@@ -69,7 +69,11 @@ def test_muon_over_laid_out_storage_refused_before_the_step(wrapper):
         params = list(w.parameters())
     else:
         w = wb.DistributedDataParallel(lin, mesh)
-        params = [lin.bias]                          # (2, 5) rows: 2-d for Muon
+        # habits11: p.ndim is the module's, so Muon refuses the 1-d bias at construction,
+        # as on one device; the weight's (2, 5, 3) rows it takes, and the step refuses
+        with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+            torch.optim.Muon([lin.bias], lr=0.1)
+        params = [lin.weight]
     opt = torch.optim.Muon(params, lr=0.1)
     out = w(torch.randn(4, 3))
     (out.full() if isinstance(out, wb.DistTensor) else out).sum().backward()

@@ -133,7 +133,9 @@ class Reducer:
                 # a gradient averaged by an earlier backward and not touched by this one
                 # (every row already the average: unused now) is that average, not N times it
                 if p.grad is not None and id(p) not in self._synced:
-                    p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
+                    # (over the storage's rows: p.grad.sum() is one device's, .rank_grads)
+                    with torch._C.DisableTorchFunctionSubclass():
+                        p.grad.copy_(p.grad.sum(0, keepdim=True).expand_as(p.grad))
                     self._synced.add(id(p))
             self._pending.append((b, None, None, handles))
             return

@@ -92,6 +92,7 @@ from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .fsdp_summon import SummonFullParams
 from .rank_grads import as_chunk_rows, as_shard_grad
+from .laid_out_whole import storage_numel
 from .rank_recompute import refuse_checkpoint, seq_mark
 from .replaced_params import check_places
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
@@ -187,11 +188,11 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             for _, s, _ in u.params:
                 if s.requires_grad and id(s) not in self._hooked:
                     self._hooked.add(id(s))
-                    numel = self._meta[id(s)][1]
+                    shape, numel = self._meta[id(s)]
                     s.register_post_accumulate_grad_hook(
-                        lambda s, numel=numel: setattr(s, "grad", as_shard_grad(s.grad, pg)
-                                                       if dist_ else
-                                                       as_chunk_rows(s.grad, numel)))
+                        lambda s, numel=numel, shape=shape: setattr(
+                            s, "grad", as_shard_grad(s.grad, pg) if dist_ else
+                            as_chunk_rows(s.grad, numel, shape)))
 
     def _cast(self, shard):
         cd = self.compute_dtype
@@ -347,7 +348,9 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         if not shards:
             return ()
         g = self.group
-        nb = sum(s.numel() * s.element_size() for s in shards) * (g.n if g.distributed else 1)
+        # the storage's elements (padding too), not the module's (p.numel(): laid_out_whole)
+        nb = sum(storage_numel(s) * s.element_size() for s in shards) * \
+            (g.n if g.distributed else 1)
         if g.distributed or what not in call.recorded:
             call.recorded.add(what)
             g.record("all_gather", nb, f"fsdp {what} {call.unit.name or 'root'}")

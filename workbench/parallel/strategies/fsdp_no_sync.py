@@ -100,7 +100,7 @@ class NoSync:
         z = torch.zeros_like(shard)
         if self.group.distributed:
             return as_shard_grad(z, self.group.pg)
-        return as_chunk_rows(z, self._meta[id(shard)][1])
+        return as_chunk_rows(z, self._meta[id(shard)][1], self._meta[id(shard)][0])
 
     def _drop_cleared(self) -> None:
         """At a forward: the held gradients of each shard whose gradient was cleared or

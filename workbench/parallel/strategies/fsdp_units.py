@@ -24,6 +24,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .flat_shards import pack, pack_rank_major, tensor_places, unpack
+from .laid_out_whole import storage_numel
 from .replaced_params import mark_successor
 
 __all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "reduce_scatter",
@@ -163,7 +164,8 @@ def all_gather(shards, g):
     collective: copied into one buffer, all-gathered, copied out into one flat tensor
     per shard (PyTorch FSDP2's ``foreach_all_gather`` and its copy-out)."""
     buf = pack(shards) if len(shards) > 1 else shards[0].contiguous()
-    out = torch.empty(buf.numel() * g.n, dtype=buf.dtype)
+    # the chunk's elements (a fully_shard shard's numel() is the module's: laid_out_whole)
+    out = torch.empty(storage_numel(buf) * g.n, dtype=buf.dtype)
     dist.all_gather_single(out, buf, group=g.pg)
     # the copy-out gives tensors only this program holds (gloo's worker thread may still
     # hold ``out`` for a moment after the call returns), so their liveness

@@ -219,6 +219,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     for u in root.units:
         for _, shard, _ in u.params:
             shard._wb_fs_owner = root
+            # torch.distributed: numel() / dim() / a reduction read the module's parameter,
+            # the chunks gathered (FSDP2's DTensor: its full tensor's; .laid_out_whole)
+            shard._wb_gathers = root.group.distributed
     module._wb_fully_shard = state
     for m in units:
         m._wb_fully_shard.owner, m._wb_fully_shard.wrapper = root, None

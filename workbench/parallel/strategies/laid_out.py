@@ -62,6 +62,7 @@ from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
+from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
@@ -118,6 +119,16 @@ class LaidOutParameter(nn.Parameter):
                 "rank's copy its own draw, a fan-in read from that shape).  Initialize the "
                 "module before wrapping it (the wrapper starts every rank from its values), "
                 "or load full tensors with the wrapper's load_state_dict")
+        done, whole = whole_reads(func, args, kwargs, _READS)
+        if done:                # p.numel(), p.sum(), p.norm(): the module's (laid_out_whole)
+            return whole
+        check_view_as(func, args, _PARAMS)     # vector_to_parameters: raises naming the fix
+        dims = module_dims(func, args, _PARAMS)
+        if dims is not None:    # p.dim(), p.ndim: the module's (laid_out_whole)
+            return dims
+        flat = module_flat_view(func, args, _PARAMS)
+        if flat is not None:    # p.view(-1): the module's flat parameter (parameters_to_vector)
+            return _guard_views(args[0], flat, func)
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
@@ -224,6 +235,7 @@ class _LaidOutView(torch.Tensor):
 
 
 _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
+_PARAMS = (LaidOutParameter, _LaidOutData)
 LaidOutValue.__torch_function__ = LaidOutParameter.__torch_function__
 _READS = _LAID_OUT + (LaidOutValue,)     # read as their module values (laid_out_reads)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
@@ -247,7 +259,7 @@ def _guard_views(src, out, func=None):
 
 
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
-          "_wb_src", "_wb_view_note")
+          "_wb_src", "_wb_view_note", "_wb_here", "_wb_gathers")
 
 
 def _data_alias(p, plain):
@@ -375,6 +387,7 @@ def laid_out(t: torch.Tensor, requires_grad: bool, layout: str, shape=None,
     if how is not None:
         p._wb_shape, p._wb_full, p._wb_store = tuple(shape), how.full, how.store
         p._wb_same_draw = getattr(how, "same_draw", None)
+        p._wb_here = isinstance(how, (Rows, Chunks))     # every rank's storage in this process
     return p
 
 

@@ -27,7 +27,10 @@ rank's row or chunk of the value, read as the module's value by the next such op
 in-place read), so ``0.1 * p`` met with ``0.9 * p_ema`` is one device's sum.  Before,
 ``0.1 * p`` was a plain tensor of the storage's shape and the sum failed with torch's
 broadcasting error (FSDP's chunks) or was the rows' shape, which ``copy_`` refused (DDP).
-A copy (``clone()``) or a unary op stays plain: a copy of the storage reads as it.
+A unary op (``p.abs()``), a copy or a cast (``p.detach().clone()``, ``p.double()``) and an
+op over storages of that one layout (``p - p0`` of such a copy) keep it too, so their
+reductions read the module's values (:mod:`.laid_out_whole`; habits11: they were plain
+storages, ``(p - p0).norm()`` and ``p.detach().clone().norm()`` 2x on 4 DDP ranks).
 """
 from __future__ import annotations
 
@@ -78,6 +81,8 @@ def module_shaped_sources(func, args, kwargs, laid_out):
     return args, kwargs
 
 
+_T = torch.Tensor
+_CASTS = {_T.clone, torch.clone, _T.to, _T.float, _T.double, _T.half, _T.bfloat16}
 _ATEN_NAMES = {"truediv": "div", "radd": "add", "rmul": "mul", "rtruediv": "div",
                "rpow": "pow"}
 _POINTWISE: dict = {}
@@ -113,7 +118,7 @@ def pointwise_reads(func, args, kwargs, reads):
     laid-out operands read as module values where a plain operand has their module shape;
     ``keep`` the operand whose layout the result keeps where the others are numbers, 0-d
     tensors or of its very layout; else ``(args, kwargs, None)`` unchanged."""
-    if not _is_pointwise(func):
+    if not (_is_pointwise(func) or func in _CASTS):
         return args, kwargs, None
     flat = list(args) + list(kwargs.values())
     lays = [t for t in flat if isinstance(t, torch.Tensor) and _layout_of(t, reads)]
@@ -125,22 +130,23 @@ def pointwise_reads(func, args, kwargs, reads):
         return (tuple(_source(a, like, reads) for a in args),
                 {k: _source(v, like, reads) for k, v in kwargs.items()}, None)
     full = _layout_of(lays[0], reads)
-    number = lambda t: isinstance(t, (int, float)) and not isinstance(t, bool) or \
-        isinstance(t, torch.Tensor) and t.dim() == 0        # noqa: E731
-    # (a copy, clone(), or a unary op stays plain: a storage's copy reads as the storage)
-    same = any(number(t) for t in flat) and all(
-        not isinstance(t, torch.Tensor) or t.dim() == 0 or
-        _layout_of(t, reads) == full and t.shape == lays[0].shape for t in flat)
+    # numbers, 0-d tensors and storages of this very layout (a unary op: p.abs(); a copy or
+    # cast: p.detach().clone(), p.double(); p - p0 of such a copy): the layout kept, so a
+    # reduction of the result reads the module's values (laid_out_whole)
+    same = all(not isinstance(t, torch.Tensor) or t.dim() == 0 or
+               _layout_of(t, reads) == full and t.shape == lays[0].shape for t in flat)
     return args, kwargs, lays[0] if same else None
 
 
 def keep_layout(out, src):
     """``out`` (a pointwise result of ``src``'s storage shape) as a :class:`LaidOutValue`
     read back as ``src`` is."""
-    if not isinstance(out, torch.Tensor) or out.shape != src.shape:
+    if not isinstance(out, torch.Tensor) or out is src or out.shape != src.shape:
         return out
     with torch._C.DisableTorchFunctionSubclass():
         v = out.as_subclass(LaidOutValue)
     v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
     v._wb_layout = getattr(src, "_wb_layout", "laid out")
+    v._wb_here = getattr(src, "_wb_here", False)
+    v._wb_gathers = getattr(src, "_wb_gathers", False)
     return v

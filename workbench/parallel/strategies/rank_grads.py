@@ -39,6 +39,9 @@ import torch.distributed as dist
 __all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
            "as_rank_rows", "as_chunk_rows", "as_replica_grad", "as_shard_grad"]
 
+from .laid_out_reads import _is_pointwise
+from .laid_out_whole import WHOLE, storage_shape, whole_reads
+
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
 
@@ -62,11 +65,20 @@ def _norm_args(func, args, kwargs):
 
 class _NormedGrad(torch.Tensor):
     """A gradient whose norms (``_NORMS``: what torch's clip and get_total_norm call) are
-    the subclass's ``_norm``; every other op runs on the plain tensor."""
+    the subclass's ``_norm``; where the subclass says how (``_wb_full``: :class:`RankRows`,
+    :class:`ChunkRows`), ``numel()`` and the other reductions read the gradient one device
+    holds (:mod:`.laid_out_whole`), and a unary op or one with numbers only
+    (``g.abs()``, ``g.pow(2)``) keeps the subclass, so ``g.abs().mean()`` does too;
+    every other op runs on the plain tensor (plain results)."""
     MIXED_OK = True     # may a _foreach_norm list hold plain tensors beside these?
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in WHOLE and func not in _NORMS and getattr(cls, "_wb_here", False):
+            done, out = whole_reads(func, args, kwargs, _WHOLE_GRADS)
+            if done:
+                return out
         if func in _NORMS:
             parsed = _norm_args(func, args, kwargs)
             if parsed is not None:
@@ -78,27 +90,73 @@ class _NormedGrad(torch.Tensor):
                 return tuple(cls._norm(t, ord_, dtype) if isinstance(t, cls) else
                              _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
                              for t in x)      # torch._foreach_norm returns a tuple
-        return _plain(func, args, kwargs)
+        out = _plain(func, args, kwargs)
+        if getattr(cls, "_wb_here", False):
+            out = _keep_grad(func, args, kwargs, out)
+        return out
+
+
+_T = torch.Tensor
+# a gradient's alias, copy or cast: Lightning's grad_norm reads p.grad.data.norm(), fairseq's
+# clip torch.norm(p.grad.detach()), torch.optim's SGD keeps torch.clone(grad) (2x on DDP)
+_COPIES = {_T.detach, torch.detach, _T.clone, torch.clone, _T.to, _T.float, _T.double,
+           _T.half, _T.bfloat16, _T.type_as, _T.contiguous, _T.cpu}
+_DATA_GET = _T.data.__get__     # compared with ==: a fresh method-wrapper each time
+
+
+def _keep_grad(func, args, kwargs, out):
+    """``out`` as the gradient's subclass where ``func`` is pointwise over that one
+    gradient and numbers (``g.abs()``, ``g * 2``, ``g * g``), or its alias, copy or cast
+    (``g.data``, ``g.detach()``, ``g.clone()``, ``g.float()``: :data:`_COPIES`)."""
+    if not isinstance(out, torch.Tensor):
+        return out
+    flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    g = flat[0] if flat else None
+    if not isinstance(g, _WHOLE_GRADS) or any(a is not g for a in flat) or \
+            out.shape != g.shape or \
+            not (func in _COPIES or func == _DATA_GET or _is_pointwise(func)):
+        return out
+    kept = out.as_subclass(type(g))
+    for k in ("_wb_numel", "_wb_shape"):
+        if k in g.__dict__:
+            setattr(kept, k, g.__dict__[k])
+    return kept
 
 
 class RankRows(_NormedGrad):
     """A simulated DDP gradient: row k is rank k's (equal after averaging)."""
+    _wb_here = True
 
     @staticmethod
     def _norm(t, ord_, dtype):
         return _row_norm(t, ord_, dtype)
 
+    @property
+    def _wb_shape(self):
+        return storage_shape(self)[1:]
 
-def _row_norm(t, ord_, dtype):
+    @staticmethod
+    def _wb_full(t):
+        """One row (they must be equal: :func:`_row_norm`'s check)."""
+        _same_rows(t, "a reduction")
+        return t[0]
+
+
+def _same_rows(t, what="a norm") -> None:
     with torch._C.DisableTorchFunctionSubclass():
         first = t[:1]
         same = (t == first) | (t.isnan() & first.isnan())     # a NaN is a NaN on every rank
         if not bool(same.all()):
             raise RuntimeError(
-                "a norm of a simulated DistributedDataParallel gradient whose ranks' rows "
+                f"{what} of a simulated DistributedDataParallel gradient whose ranks' rows "
                 "differ (not averaged yet, e.g. inside no_sync()): on torch.distributed each "
-                "rank would clip by its own norm.  Clip after the backward that synchronizes "
-                "(ddp.finish_gradient_synchronization() has run)")
+                "rank would read its own gradient.  Read it after the backward that "
+                "synchronizes (ddp.finish_gradient_synchronization() has run)")
+
+
+def _row_norm(t, ord_, dtype):
+    _same_rows(t)
+    with torch._C.DisableTorchFunctionSubclass():
         return torch.linalg.vector_norm(t[0], ord_, dtype=dtype)
 
 
@@ -111,18 +169,31 @@ class ChunkRows(_NormedGrad):
     each, the last padded with zeros (``_wb_numel``: the parameter's elements); its norm
     is the unpadded elements' (the padding would be the smallest |g| of order -inf)."""
 
+    _wb_here = True
+
     @staticmethod
     def _norm(t, ord_, dtype):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(t.reshape(-1)[:t._wb_numel], ord_, dtype=dtype)
 
+    @staticmethod
+    def _wb_full(t):
+        """The parameter's elements (the padding dropped), in its shape."""
+        return t.reshape(-1)[:t._wb_numel].view(t._wb_shape)
 
-def as_chunk_rows(t, numel: int):
+
+def as_chunk_rows(t, numel: int, shape=None):
+    """``t`` as a :class:`ChunkRows` of a parameter of ``numel`` elements (``shape``: the
+    parameter's; None: read as flat)."""
     if t is None:
         return None
     out = t if isinstance(t, ChunkRows) else t.as_subclass(ChunkRows)
     out._wb_numel = numel
+    out._wb_shape = (numel,) if shape is None else tuple(shape)
     return out
+
+
+_WHOLE_GRADS = (RankRows, ChunkRows)
 
 
 class ReplicaGrad(_NormedGrad):
