@@ -105,19 +105,23 @@ def test_a_buffer_on_two_submodules_is_one_constant_and_both_come_back():
 
 
 def test_a_failed_export_puts_the_buffers_back():
-    """An op export cannot map (here aten.slice): capture traces instead, and the module
-    keeps its own buffer."""
-    class Sliced(_Scaled):
+    """Export stops at a data-dependent branch (a graph break): the module keeps its own
+    buffer, and runs eagerly with it."""
+    class Branchy(_Scaled):
         def forward(self, x):
-            return self.lin(x)[:, :4] * self.scale[:4]
+            y = self.lin(x) * self.scale
+            if y.sum() > 0:
+                y = y * 2
+            return y
 
     mesh = wb.Mesh.grid((2,), ("dp",))
-    m = Sliced()
+    m = Branchy()
     xp, x = _x((4, 8), mesh)
     buf = m.scale
-    prog = wb.compile(m, x, profile=PROFILE)
-    assert prog.graph.method == "trace" and "slice" in prog.graph.notes[0]
+    prog = wb.compile(m, x, profile=PROFILE, method="export")
+    assert prog.breaks and "y.sum() > 0" in prog.breaks[0].code
     assert m.scale is buf and not buf.is_meta
+    assert all(not p.is_meta for p in m.parameters())
     torch.testing.assert_close(prog(x).full(), m(xp))
 
 
