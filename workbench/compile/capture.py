@@ -332,6 +332,31 @@ def meta_twins(module):
 
 
 @contextlib.contextmanager
+def meta_buffers(module):
+    """Swap every buffer of ``module`` for a meta twin (a buffer registered twice shares
+    one twin), as :func:`meta_twins` does the parameters: ``torch.export`` runs the program
+    on fake tensors of the twins' device, and a CPU buffer beside meta parameters fails it
+    (FakeTensorDeviceMismatchError).  Yields {full name: original buffer} (every name);
+    puts the originals back after, whatever happens inside."""
+    saved, twins, originals = [], {}, {}
+    try:
+        for mname, mod in module.named_modules(remove_duplicate=False):
+            for bname, b in list(mod._buffers.items()):
+                if b is None:
+                    continue
+                saved.append((mod, bname, b))
+                tw = twins.get(id(b))
+                if tw is None:
+                    tw = twins[id(b)] = _meta_like(b, False)
+                originals[f"{mname}.{bname}" if mname else bname] = b
+                mod._buffers[bname] = tw
+        yield originals
+    finally:
+        for mod, bname, b in saved:
+            mod._buffers[bname] = b
+
+
+@contextlib.contextmanager
 def _meta_parameters(module, graph, tracer, placements):
     """:func:`meta_twins`, each twin registered as a parameter value of ``graph`` and
     tracked by ``tracer``."""

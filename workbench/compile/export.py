@@ -1,10 +1,11 @@
 """Capture by ``torch.export``: the ATen graph of a program, mapped onto the op table.
 
 ``torch.export.export(module, args, strict=False)`` runs the program on fake tensors
-(here made from meta inputs and meta parameters: no data moves) and returns an
+(here made from meta inputs, parameters and buffers: no data moves) and returns an
 ``ExportedProgram`` whose graph calls ATen overloads (``aten.linear.default``,
-``aten.softmax.int``).  Each is mapped to the torch callable of an op-table entry with
-the arguments that callable takes (:data:`ADAPT`; most ATen signatures are the torch
+``aten.softmax.int``; a buffer is a constant of the graph, the module's own tensor).
+Each is mapped to the torch callable of an op-table entry with the arguments that
+callable takes (:data:`ADAPT`; most ATen signatures are the torch
 function's, a few differ: ``aten.embedding(weight, ids)`` is ``F.embedding(ids,
 weight)``), and the mapping is checked on meta tensors against the shape export
 recorded.  An op with no mapping raises :class:`Unmapped` (capture then traces instead).
@@ -26,7 +27,8 @@ from torch import nn
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, Node, Ref
-from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_twins
+from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_twins, \
+    meta_buffers
 
 __all__ = ["capture_export", "Unmapped", "ADAPT"]
 
@@ -89,6 +91,9 @@ ADAPT = {
     aten.unsqueeze.default: _same(torch.unsqueeze),
     aten.permute.default: _same(torch.permute),
     aten.cat.default: _same(torch.cat),
+    aten.split.Tensor: _same(torch.split),
+    aten.masked_fill.Scalar: _same(torch.masked_fill),
+    aten.chunk.default: _same(torch.chunk),
     aten.clone.default: _same(torch.clone),
     aten.dropout.default: lambda a, k: (F.dropout, (a[0], a[1], a[2]), {}),
     aten.scaled_dot_product_attention.default: _same(F.scaled_dot_product_attention),
@@ -127,7 +132,7 @@ def capture_export(fn, args):
     placements = {}
     margs = [(_meta_like(a, bool(getattr(a, "requires_grad", False)))
               if isinstance(a, (DistTensor, torch.Tensor)) else a) for a in args]
-    with meta_twins(module) as rows:
+    with meta_twins(module) as rows, meta_buffers(module) as buffers:
         by_name = {full: p for full, p, _, _ in rows}   # every name, tied ones too
         try:
             with _quiet(), warnings.catch_warnings():
@@ -144,6 +149,7 @@ def capture_export(fn, args):
     sig = ep.graph_signature
     env = {}                     # fx node name -> Ref (or tuple of Refs)
     metas = {}                   # vid -> meta tensor
+    buffer_vids = {}             # id(buffer) -> its const vid
     user_i = 0
     from torch.export.graph_signature import InputKind
     specs = {s.arg.name: s for s in sig.input_specs}
@@ -171,7 +177,13 @@ def capture_export(fn, args):
                 g.inputs.append(vid)
                 placements[vid] = (a.mesh, tuple(a.placements)) if isinstance(a, DistTensor) else a
             else:                   # buffers and constant tensors
-                data = ep.state_dict.get(s.target) if s.target in ep.state_dict \
+                # (a buffer was exported as its meta twin: the graph holds the module's
+                # own; one registered on two modules is one constant, as tracing makes it)
+                if s.target in buffers and id(buffers[s.target]) in buffer_vids:
+                    env[node.name] = Ref(buffer_vids[id(buffers[s.target])])
+                    continue
+                data = buffers[s.target].detach() if s.target in buffers else \
+                    ep.state_dict.get(s.target) if s.target in ep.state_dict \
                     else ep.constants.get(s.target)
                 if not isinstance(data, torch.Tensor) or data.is_meta:
                     # (a torch.Generator the program draws from is lifted as a constant
@@ -181,6 +193,8 @@ def capture_export(fn, args):
                                    f"constant {s.target!r} is a {type(data).__name__}")
                 vid = g.value(data.shape, data.dtype, "const", s.target)
                 g.consts[vid] = data
+                if s.target in buffers:
+                    buffer_vids[id(buffers[s.target])] = vid
             env[node.name] = Ref(vid)
             metas[vid] = torch.empty(val.shape, dtype=val.dtype, device="meta")
         elif node.op == "call_function":

@@ -12,9 +12,10 @@ torch/distributed/tensor/_redistribute.py:1771-1862).
 
 The compiled program runs through the same dispatcher (``lower.execute_program`` marks
 its reshards as ``wb.reshard`` does), and :class:`GradWays` prices what that run records:
-the readers of one tensor (a value in one layout, made by the same reshard or none) are
-grouped; the group's steps are emitted with the backward of its first reader in forward
-order (the last to run in backward, where autograd has summed them).  Assumed, as the
+the readers of one tensor (a value in one layout, made by the same reshard, by the same
+gather run again for another reader as O0 keeps it, or by none) are grouped; the group's
+steps are emitted with the backward of its first reader in forward order (the last to
+run in backward, where autograd has summed them).  Assumed, as the
 schedule assumed before: a replicated value is held once along its replicated mesh dims.
 """
 from __future__ import annotations
@@ -54,9 +55,12 @@ class GradWays:
                 continue
             ps = tuple(req)
             ins = self.made_by.get((vid, ps))
-            # a reshard's marked copy: one way back for all its readers; the value's own
-            # layout: one per set of dims read per rank (reshard_backward.gather's key)
-            key = (vid, ps, id(ins)) if ins is not None else (vid, ps, None, dims)
+            # a reshard's marked copy: one way back for all its readers (and for those of
+            # the same gather repeated, O0's: lower.execute_program reads the first copy);
+            # another reshard's copy: its own; the value's own layout: one per set of dims
+            # read per rank (reshard_backward.gather's key)
+            key = (vid, ps, "gathered", ins.src) if ins is not None and _gathers(ins) else \
+                (vid, ps, id(ins)) if ins is not None else (vid, ps, None, dims)
             grp = self.groups.setdefault(key, dict(uses=[], readers=0, members=[], ins=ins,
                                                    vid=vid, ps=ps))
             use = tuple(Partial() if i in dims else p for i, p in enumerate(ps))
@@ -107,6 +111,12 @@ class GradWays:
                     if bucket else ()
                 out.append((s.kind, s.mesh_dim, s.buffer_bytes, vid, members))
         return out
+
+
+def _gathers(ins) -> bool:
+    """Whether reshard ``ins`` gathers a mesh dim (``S(d) -> R``: reshard_backward.mark
+    gives its copy a way back)."""
+    return any(a.is_shard() and b.is_replicate() for a, b in zip(ins.src, ins.dst))
 
 
 def _merged(uses):

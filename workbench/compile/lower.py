@@ -7,8 +7,11 @@ The program is a list of instructions, in order:
 * ``Run(nid, strategy)``: the op, on inputs already laid out as its strategy requires.
 
 Each consumer gets its own reshard from the placements its input was made in, as the
-dispatcher does it op by op; the ``cancel_reshards`` pass (``passes/reshards.py``) then
-removes the ones that bring a tensor back to a layout it already has.
+dispatcher does it op by op; the ``cancel_reshards`` pass (``passes/reshards.py``, from O1)
+then removes the ones that bring a tensor back to a layout it already has.  Where one is
+left (O0), a gather run again for a second consumer records its collective, as eager
+does, and the consumer reads the first copy: autograd sums the readers' gradients there
+and reduces them once, as eager's meet on the gathered input (``reshard_backward.gather``).
 
 Running: every tensor is a DistTensor of the simulated mesh (or, under torch.distributed,
 of this process's rank); each ``Reshard`` runs its plan (``wb.reshard``, traced), each
@@ -112,6 +115,7 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
             x = as_dist(x, mesh)              # dispatcher takes it (gradients flow back)
         avail[vid] = {tuple(x.placements): x}
     cur = {vid: next(iter(d)) for vid, d in avail.items()}
+    gathered = {}                    # (vid, src, dst) -> (source tensor, its marked copy)
     for ins in prog:
         if isinstance(ins, Reshard):
             have = avail[ins.vid]
@@ -120,12 +124,26 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 raise RuntimeError(f"reshard %{ins.vid}: not available in "
                                    f"{fmt_placements(ins.src)}")
             t = src if isinstance(src, DistTensor) else as_dist(src, mesh)
+            key = (ins.vid, ins.src, ins.dst)
+            again = gathered.get(key)
+            if again is not None and again[0] is src and not ins.why.startswith("pinned"):
+                # the same gather again (O0 keeps each consumer's reshard): eager runs
+                # the collective again, and its readers' gradients meet on the source
+                # (reshard_backward.gather: one reduction, as DTensor's P + P -> P);
+                # here they meet on the first copy (equal values), whose way back
+                # reduces once (grad_ways.py: one group per gathered value)
+                with torch.no_grad():
+                    execute(ins.plan, t)
+                have[ins.dst] = again[1]
+                continue
             out = execute(ins.plan, t)
             if out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
                 # copy is the value's layout from then on: reduced as such)
                 _rb.mark(out, ins.plan.src)
+                if _rb.KEY in getattr(out._local, "__dict__", {}):
+                    gathered[key] = (src, out)
             have[ins.dst] = out
             if ins.why.startswith("pinned"):
                 cur[ins.vid] = ins.dst

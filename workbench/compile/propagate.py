@@ -23,7 +23,8 @@ once), so a consumer reading a layout already made pays nothing for it
 layout stays readable.  On these terms the whole-graph assignment's :attr:`Assignment.time`
 is the O1 ``prog.step()`` (blocking collectives in series with the kernels), tested in
 ``tests/test_compile_estimate_agrees.py``.  :func:`greedy` prices the dispatcher (and O0,
-which keeps every reshard): each consumer pays its own.
+which keeps every reshard): each consumer pays its own, but the gradient of a gather
+repeated for a second consumer is reduced once (its readers meet, as eager's do).
 
 Search (DP on live layouts, beam on DAGs, memory as the tie-break and ``memory_limit``):
 :mod:`.search`.
@@ -226,6 +227,25 @@ class _Pricer:
                 first.append((vid, key))
         return tuple(shared), tuple(first)
 
+    def repeated_gathers(self, node, in_ps, cand, made):
+        """The input positions of ``node`` whose reshard repeats a gather an earlier op
+        ran (``made``: the (vid, source layout, layout) gathers so far; the dispatcher and
+        O0 run each consumer's own): eager's readers of one gathered value meet on it and
+        its gradient is reduced once (``reshard_backward.gather``; O0's run reads the
+        first copy, ``lower.execute_program``), priced with the first gather's reader.
+        Adds this node's new gathers to ``made``."""
+        out = []
+        for pos, (vid, ps, req, plan) in enumerate(zip(node.inputs, in_ps,
+                                                       cand.strategy.inputs, cand.plans)):
+            if vid is None or req is None or plan is None or not plan.steps or \
+                    not any(a.is_shard() and b.is_replicate() for a, b in zip(ps, req)):
+                continue
+            key = (vid, tuple(ps), tuple(req))
+            if key in made:
+                out.append(pos)
+            made.add(key)
+        return tuple(out)
+
     def price(self, node, specs, cand, reused=(), shared=()) -> NodeCost:
         """``reused``: the input positions whose layout an earlier reshard (or a pin)
         already made: the program reads that copy (``passes/reshards.py``), so their
@@ -333,6 +353,7 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     choice, costs = {}, {}
     pin_cost = 0.0
     seen: dict = {}              # vid -> the copies read per rank so far (shared_reads)
+    gathers: set = set()         # the gathers run so far (repeated_gathers)
     for n in graph.nodes:
         in_ps = tuple(None if v is None else pl[v] for v in n.inputs)
         specs, dec = pr.decision(n, in_ps)
@@ -340,6 +361,7 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         shared, first = pr.shared_reads(n, in_ps, c, seen)
         for vid, key in first:
             seen.setdefault(vid, set()).add(key)
+        shared += pr.repeated_gathers(n, in_ps, c, gathers)
         choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c, shared=shared)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
