@@ -22,6 +22,9 @@ training step the last stage's replicated lm_head weight (75 x 64) had its one
 all-reduce over tp (19,200 B) recorded six collectives later on torchrun in the first
 micro-batch of step 2 (the fused AdamW left the weight's version counter 0, so its
 meeting point from step 1 was reused; the simulator's foreach AdamW bumps it).
+gather_mixed (x gathered over tp by the matmuls and replicated, held once, over dp: one
+reduce-scatter then one all-reduce for both readers) passed before too: it pins the mixed
+case.
 """
 import os
 import sys
