@@ -125,6 +125,7 @@ PROGRAMS = [("uneven_1d", (2,), ("tp",), uneven_1d),
             ("gather_2d", (2, 2), ("dp", "tp"), gather_2d),
             ("gather_mixed", (2, 2), ("dp", "tp"), gather_mixed)]
 TRAIN = dict(dp=2, tp=2, pp=2, sp=True)       # tiny, 8 ranks, 2 steps
+TRAIN_ZB = dict(TRAIN, schedule="zb-h1")      # the same under a split backward (B, W)
 TRAIN_STEPS = 2
 
 
@@ -210,6 +211,13 @@ def main():
     except Exception as e:           # noqa: BLE001
         import traceback
         row = {"case": "train", "rank": rank, "raised": traceback.format_exc()[-2000:]}
+    print(json.dumps(row), flush=True)
+    try:                             # zero bubble: each micro-batch's W reduces what it must
+        recs, tr, _ = trained(Hybrid(**TRAIN_ZB, distributed=True))
+        row = {"case": "train_zb", "rank": rank, "records": recs, "comm": comm_of(tr, rank)}
+    except Exception:                # noqa: BLE001
+        import traceback
+        row = {"case": "train_zb", "rank": rank, "raised": traceback.format_exc()[-2000:]}
     print(json.dumps(row), flush=True)
     torch.distributed.barrier()
     wb.distributed.shutdown()
