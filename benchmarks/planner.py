@@ -16,12 +16,15 @@ A mixture of experts (issue 18): Mixtral-8x7B (``plan.presets``, 32K context) on
 
     python benchmarks/planner.py --model mixtral-8x7b --profile h100 --devices 64 --global-batch 256
 
-(on the 2-core machine at load average 5: 16,701 layouts tried, 2,328 fit, 1.8 s cold.
-At the paper's 32K tokens the best is dp1 tp2 pp8 cp4, 27.5 s/step: context parallelism
+(on the 2-core machine at load average 8-10: 24,981 layouts tried, 3,206 fit, 2.1 s cold;
+16,701 and 2,328, 1.5 s at load average 2, before the search tried the all-to-all,
+``cp_comm="a2a"``, whose cp4a of the best layout ranks #3, 29.7 s/step, its all-to-alls
+waited for where the ring hides its hops.
+At the paper's 32K tokens the best is dp1 tp2 pp8 cp4, 27.9 s/step: context parallelism
 beats expert parallelism, which is carved out of dp here (Megatron-Core's folding of EP
 over CP is not modeled) and leaves too little room for the 32K-token activations.  At
 the 4,096 tokens of Megatron-LM's Mixtral example (``--seq-len 4096``): 6,111 tried,
-2,505 fit, 1.1 s; the best is dp16 pp4 interleaved v=4 ep8, 2.65 s/step, 51.8% MFU, its
+2,505 fit, 1.6 s; the best is dp16 pp4 interleaved v=4 ep8, 2.66 s/step, 51.7% MFU, its
 four all-to-alls per layer and micro-batch 0.76 ms inside one node.  The top layout's
 ``explain()`` follows the table.)
 
@@ -29,11 +32,12 @@ Long context (issue 18): Llama 3 8B at 128K tokens (``llama3-8b-128k``) on 256 A
 
     python benchmarks/planner.py --model llama3-8b-128k --devices 256 --global-batch 64
 
-(18,480 layouts tried, 5,581 fit, 3.0 s cold at load average 6.7; the best dp16 tp4 cp4
-with SP and ZeRO-1, no recompute, 25.3 s/step: each rank keeps 32K tokens' activations
-and its ring's K/V hops hide behind the half blocks.  Its MFU prints above 100%: the
-count takes attention as 4 b s^2 h per layer, 83% of the FLOPs at 128K, twice what the
-causal kernel computes; the table says so under it.)
+(22,536 layouts tried, 5,976 fit, 2.2 s cold at load average 8-10 (18,480 and 5,581
+before the search tried ``cp_comm="a2a"``: Llama 3's 8 K/V heads allow it at cp 2 on tp 4);
+the best dp16 tp4 cp4 with SP and ZeRO-1, no recompute, 28.4 s/step: each rank keeps 32K
+tokens' activations and its ring's K/V hops hide behind the half blocks.  Its MFU, 92.7%,
+reads high: the count takes attention as 4 b s^2 h per layer, 83% of the FLOPs at 128K,
+twice what the causal kernel computes; the table says so under it.)
 
 Target (issue 21): the search in under 10 s on a 2-core machine; GPT-3 175B on 1,024
 A100s: 13,464 layouts tried, 3,965 fit, 141 of them estimated (``plan.step_floor``),

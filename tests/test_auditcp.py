@@ -108,34 +108,23 @@ def test_dry_run_agrees_with_the_planner_on_more_cp_layouts(cfg, lay):
         assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
 
 
-def test_the_planner_refuses_to_price_workbench_zero_over_dp_with_cp():
+def test_the_planner_prices_workbench_zero_over_dp_x_cp_as_the_runtime_runs_it():
     """Was: estimate(framework='workbench') of dp=2, cp=2, zero=1 sharded the optimizer
     states over dp x cp (Megatron-Core's distributed optimizer) while the runtime it prices
-    (ContextParallel) shards them over dp alone: the dry run measured 2.0x the optimizer
-    states and 1.34x the step, silently. Now estimate and stage_memory refuse it with the
-    fix and search skips it; the dry run still measures the runtime as it is, and
-    Megatron's own layout is still priced."""
+    (ContextParallel) sharded them over dp alone (the dry run measured 2.0x the optimizer
+    states and 1.34x the step), so the estimate refused it. The runtime now shards over
+    dp x cp (tests/test_zerocp.py): estimate and stage_memory price it, the dry run
+    agrees, and Megatron's layout holds the same optimizer states."""
     from workbench.plan.memory import stage_memory
     lay = Layout(dp=2, cp=2, zero=1, global_batch=4)
     cl = Cluster("a100", 4)
-    own = lay.replace(framework="workbench")
-    for call in (lambda: estimate(CFG, own, cl, attention="flash"),
-                 lambda: stage_memory(CFG, own, 0, "flash")):
-        with pytest.raises(ValueError, match=r"dp=2, cp=2, zero=1 is not priced.*use zero=0"):
-            call()
+    own = estimate(CFG, lay.replace(framework="workbench"), cl, attention="flash")
+    assert stage_memory(CFG, lay.replace(framework="workbench"), 0, "flash")["optimizer"] \
+        == pytest.approx(own.memory["optimizer"], rel=1e-6)
     mega = estimate(CFG, lay, cl, attention="flash")                      # dp x cp = 4 ways
-    dr = dry_run(CFG, lay, cl)                                           # dp alone: 2 ways
-    assert dr.memory["optimizer"] == pytest.approx(2 * mega.memory["optimizer"], rel=1e-6)
-    from workbench.plan.ep_cp_search import candidates
-    from workbench.plan.search import candidate_layouts
-
-    def base(model, cluster, gb, mb, cp=1):
-        for one in candidate_layouts(model, cluster, gb, mb, cp=cp):
-            yield one.replace(framework="workbench")
-    big = CFG.replace(seq_len=8192)
-    seen = list(candidates(big, Cluster("a100", 4), 4, 1, "flash", base))
-    assert any(l.cp > 1 for l in seen)
-    assert not any(l.cp > 1 and l.dp > 1 and l.zero >= 1 for l in seen)
+    dr = dry_run(CFG, lay, cl)                                           # dp x cp = 4 ways
+    assert dr.memory["optimizer"] == pytest.approx(mega.memory["optimizer"], rel=1e-6)
+    assert dr.memory["optimizer"] == pytest.approx(own.memory["optimizer"], rel=1e-6)
 
 
 @pytest.mark.parametrize("call,match", [

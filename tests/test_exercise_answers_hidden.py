@@ -440,6 +440,7 @@ EXERCISES = [
     ("14", "check_dropped_slots", _dropped_slots),
     ("14", "check_ep_tp_mb", _ep_tp_mb),
     ("14", "check_ring_kv_mb", _numbers_of(E.check_ring_kv_mb, -1.0, unit="MB")),
+    ("14", "check_a2a_mb", _numbers_of(E.check_a2a_mb, -1.0, unit="MB")),
     ("15", "check_decode_floor_ms", _decode_floor),
     ("15", "check_load_reads", _list_of(E.check_load_reads, [0])),
     ("15", "check_static_useful_share", lambda nb: number(

@@ -27,7 +27,8 @@ def _fresh():
 
 
 def test_every_check_is_exported():
-    assert set(C.__all__) == {"check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb"}
+    assert set(C.__all__) == {"check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb",
+                              "check_a2a_mb"}
     assert all(getattr(wb.exercises, name) is getattr(C, name) for name in C.__all__)
 
 

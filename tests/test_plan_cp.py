@@ -133,6 +133,7 @@ def test_128k_llama_on_256_a100s_uses_cp(monkeypatch):
     assert "note: MFU and HFU count attention" in str(r)
     # why: without cp, 131,072 tokens' activations fit only with full recompute
     monkeypatch.setattr(ep_cp_search, "CP_MIN_TOKENS", 10 ** 9)
+    monkeypatch.setattr(ep_cp_search, "CP_A2A_MIN_SEQ", 10 ** 9)     # nor the all-to-all
     no_cp = search(cfg, cl, global_batch=32, top=3)
     assert all(lay.cp == 1 and lay.recompute == "full" for lay, _ in no_cp)
     assert r[0][0].recompute != "full" and e.step_time < no_cp[0][1].step_time

@@ -10,7 +10,7 @@ import pytest
 from workbench.models.config import get_config as model_config
 from workbench.plan import Cluster, search
 from workbench.plan.presets import get_config
-from workbench.plan.search import _RC, _SCHED, TIE
+from workbench.plan.search import _RC, _SCHED, TIE, _cp
 from workbench.plan.text_width import WIDTH, wrap
 
 # the modules (``workbench.plan`` binds the names ``search`` and ``estimate`` to functions)
@@ -59,7 +59,7 @@ def test_the_table_keeps_a_row_per_layout_and_every_number(ranking):
     for i, (lay, e) in enumerate(ranking, 1):
         b = e.breakdown
         want = ([str(i), str(lay.dp), str(lay.tp), str(lay.pp)]
-                + ([str(lay.ep), str(lay.cp)] if xc else [])
+                + ([str(lay.ep), _cp(lay)] if xc else [])
                 + [_SCHED[lay.schedule], str(lay.v), "yes" if lay.sp else "no", str(lay.zero),
                    _RC.get(lay.recompute, lay.recompute), str(lay.micro_batch),
                    f"{e.step_time:.3f}", f"{e.tflops_per_device:.1f}", f"{e.mfu:.1%}",

@@ -118,24 +118,27 @@ def _replica_copies(g: DistTensor, leaf):
     return g._local.expand_as(leaf).clone()
 
 
-def _gather_chunks(mesh, axis, tmpl):
+def _gather_chunks(mesh, axis, tmpl, gather=None):
     """ZeRO 1-3 keep a flat chunk per dp rank: all-gathered over dp (not traced: not the
-    step's traffic), unpadded, a DistTensor in ``tmpl``'s (the parameter's) layout."""
+    step's traffic), unpadded, a DistTensor in ``tmpl``'s (the parameter's) layout.
+    ``gather``: the all-gather to use (ZeRO 1-2 over dp x cp: its merged group's)."""
     from ..parallel.strategies.flat_shards import unflat
     from ..sim_mesh import collectives as C
     from ..sim_mesh.trace import suspend
     nd = mesh.ndim
+    gather = gather or (lambda s: C.all_gather(s, mesh, axis, 0))
 
     def f(s):                                   # s: (lead, chunk)
         with suspend():
-            full = C.all_gather(s.detach(), mesh, axis, 0)       # (lead, dp one copy, n * c)
+            full = gather(s.detach())           # (lead, dp one copy, n * c)
         loc = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
         return DistTensor(loc, mesh, tmpl.placements, tmpl.shape, s.dtype)
     return f
 
 
 def _chunks_gather(inner, p):
-    return _gather_chunks(inner.mesh, inner.axis, p)
+    return _gather_chunks(inner.mesh, inner.axis, p,
+                          lambda s: inner._all_gather(s, expanded=False))
 
 
 def _chunks_cut(inner):
@@ -143,14 +146,15 @@ def _chunks_cut(inner):
         loc = g._local
         if not inner.distributed:               # every dp rank's copy, each takes its chunk
             lead = list(loc.shape)
-            lead[inner.axis] = inner.n
+            for a in inner.axes:                # (dp x cp: a copy on each of their ranks)
+                lead[a] = inner.mesh.shape[a]
             loc = loc.expand(lead)
         return inner._my_chunk(loc)
     return f
 
 
 def _zero3_gather(z, tmpl):
-    return _gather_chunks(z.mesh, z.axis, tmpl)
+    return _gather_chunks(z.mesh, z.axis, tmpl, z.gather_compact)
 
 
 def _zero3_cut(z):

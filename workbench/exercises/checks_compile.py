@@ -19,7 +19,7 @@ import torch
 
 from ..sim_mesh.profiles import get_profile
 from .checks import _check_number, _number, _ok, _scale_slip
-from .feedback import CheckError, exercise
+from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_no_graph_break", "check_greedy_vs_whole_bytes", "check_sink_saving_us"]
 
@@ -46,9 +46,11 @@ def check_no_graph_break(fn) -> None:
     try:                                 # eagerly first: the student's own errors, as answers
         fn(wb.shard_tensor(small, mesh, [wb.Shard(0)]))
     except Exception as e:
-        why = (": replace the stub with your code" if isinstance(e, NotImplementedError)
-               else f": {e}" if str(e) else "")
-        raise CheckError(f"your function raised {type(e).__name__}{why}") from None
+        msg = raised("your function", e)
+        if isinstance(e, TypeError) and re.search(r"got \((float|int|bool)\b", str(e)):
+            msg += (" (a Python number where a tensor goes: .item() or float() read the "
+                    "tensor's value; keep it a tensor, x.abs().amax())")
+        raise CheckError(msg) from None
     prog = wb.compile(fn, wb.shard_tensor(small, mesh, [wb.Shard(0)]), method="trace")
     if prog.eager:
         raise CheckError(_break_feedback(prog.breaks[0]))
@@ -160,6 +162,11 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
                                  "the whole tensor"),
             (_ring(full / p, p) * 2, "the all_gather's buffer is the whole gathered tensor: each "
                                      "rank sends (p-1)/p of it, not (p-1)/p of one shard"),
+            (_ring(full / p, p) + full, "the all_gather: a rank keeps its own shard and "
+                                        "sends the other p - 1, (p-1)/p of the tensor, not "
+                                        "all of it"),
+            (full / p / p + full / p, "each collective sends (p-1)/p of its buffer (all but "
+                                      "the rank's own piece), not 1/p of it"),
             (_ring(full / p, p) + (p - 1) * full, "the all_gather sends p - 1 shards of "
                                                   "full/p bytes, (p-1)/p of the tensor, not p - 1 "
                                                   "whole copies of it"),
@@ -174,6 +181,8 @@ def check_greedy_vs_whole_bytes(greedy, whole, rows: int = 16, cols: int = 32, p
         (want_g, "that is the op-by-op count; compiled, the softmax runs on the gathered "
                  "tensor, so the only collective is one all_gather"),
         (full, "an all_gather sends (p-1)/p of the buffer from each rank"),
+        (full / p, "that is one shard, 1/p of the tensor; in an all_gather each rank sends "
+                   "the p - 1 shards the others lack, (p-1)/p of it"),
         (_ring(full / p, p), "that is (p-1)/p of one shard; an all_gather's buffer is the whole "
                              "gathered tensor: each rank sends p - 1 shards of full/p bytes"),
         ((p - 1) * full, "each rank sends p - 1 shards of full/p bytes, (p-1)/p of the tensor, "

@@ -5,7 +5,8 @@ As in :mod:`.checks`: a right answer prints one "Correct: ..." line, a wrong one
 expected value from the third wrong try on or with ``wb.exercises.reveal(...)``.
 Expected values come from the formulas written out here (GShard's capacity, Lepikhin et
 al. 2020 sec. 2.2; the pairwise all-to-all and ring all-gather / reduce-scatter volumes,
-Thakur et al. 2005; ring attention's K/V blocks, Liu et al. 2023), never from
+Thakur et al. 2005; ring attention's K/V blocks, Liu et al. 2023; DeepSpeed-Ulysses'
+all-to-alls, Jacobs et al. 2023 sec. 3.2), never from
 ``workbench.ops.moe`` or ``workbench.plan``: a bug there must not become the right answer.
 The loads an exercise starts from (a router's counts) are arguments of the check.
 """
@@ -16,7 +17,7 @@ import math
 from .checks import _hint, _number, _ok
 from .feedback import CheckError, exercise
 
-__all__ = ["check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb"]
+__all__ = ["check_dropped_slots", "check_ep_tp_mb", "check_ring_kv_mb", "check_a2a_mb"]
 
 
 # MB here is 10^6 bytes; a student who divides by 2^20 (MiB) is 4.6% low, apart from every
@@ -229,3 +230,50 @@ def check_ring_kv_mb(kv_mb, seq_len: int = 131072, cp: int = 16, kv_heads: int =
         *decimal_k,
     ])
     _ok(f"K/V sent = {want:.4g} MB")
+
+
+# ---- DeepSpeed-Ulysses' all-to-alls ---------------------------------------------------------
+
+@exercise
+def check_a2a_mb(a2a_mb, seq_len: int = 131072, cp: int = 8, heads: int = 32,
+                 kv_heads: int = 8, head_dim: int = 128, micro_batch: int = 1,
+                 bytes_per_value: int = 2, layers: int = 32) -> None:
+    """MB one rank sends in one layer's forward with ``cp_comm="a2a"`` (DeepSpeed-Ulysses,
+    Jacobs et al. 2023 sec. 3.2): four all-to-alls, q and the output (``heads``), k and v
+    (``kv_heads``), each of the rank's s / cp tokens, of which it keeps its own 1 / cp and
+    sends (cp - 1) / cp.  ``layers`` only names the mistake of counting every layer."""
+    e, s_l = bytes_per_value, seq_len // cp
+    unit = micro_batch * s_l * head_dim * e               # one head of the rank's block
+    keep = (cp - 1) / cp
+    want = keep * unit * (2 * heads + 2 * kv_heads) / 1e6
+    ring = (cp - 1) * 2 * unit * kv_heads / 1e6           # the ring's K/V, for the same cp
+    same_as_ring = math.isclose(ring, keep * unit * 4 * heads / 1e6, rel_tol=1e-9)
+    kk = seq_len // 1024
+    decimal_k = [(want * (kk * 1000 // cp) / s_l, f"that takes {kk}K tokens as "
+                  f"{kk * 1000:,}; the sequence is {seq_len:,} tokens ({kk} x 1,024)", REL)] \
+        if seq_len % 1024 == 0 else []
+    _verify("all-to-all volume", a2a_mb, want, "MB", [
+        (want / keep, "a rank keeps the 1 / cp of each block that stays its own: it sends "
+                      "(cp - 1) / cp of it"),
+        (keep * unit * (heads + 2 * kv_heads) / 1e6, "the output goes back too: four "
+                                                     "all-to-alls, q, k, v and o"),
+        (keep * unit * 2 * heads / 1e6, "k and v travel too: four all-to-alls, q, k, v and o"),
+        (keep * unit * 4 * heads / 1e6, "grouped-query attention: k and v have kv_heads "
+                                        "heads, q and the output the query heads"
+                                        + _or_did_you([(same_as_ring, "count the ring's "
+                                                        "cp - 1 K/V hops")])),
+        *([] if same_as_ring else [(ring, "that is the ring's cp - 1 K/V hops; the "
+                                          "all-to-all moves q, k, v and o once each")]),
+        (keep * unit * 4 * kv_heads / 1e6, "q and the output have the query heads, not "
+                                           "kv_heads"),
+        (want * cp, "a rank's block holds its s / cp tokens, not the whole sequence"),
+        (want / MIB, MIB_HINT),
+        (want * layers, f"that is all {layers} layers; the exercise asks for one layer's "
+                        "forward"),
+        (want * 2, "that counts the backward's four too; the exercise asks for one layer's "
+                   "forward" + _or_did_you([(e == 2, FP32)])),
+        (want / 2, "count bytes, not values (2 bytes each)" if e == 2 else
+         "count bytes, not values"),
+        *decimal_k,
+    ])
+    _ok(f"all-to-all volume = {want:.4g} MB a rank, the ring's {ring:.4g} MB for the same cp")

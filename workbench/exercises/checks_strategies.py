@@ -31,7 +31,7 @@ from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
 from .checks import _chunks, _hint, _number, _ok, _scale_slip, _zero_bytes
-from .feedback import CheckError, exercise
+from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
            "check_tp_sp_layer_bytes", "check_sp_f_g", "check_sp_max_microbatch",
@@ -369,6 +369,12 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     regathers = 2 * ((tp - 1) * n // tp)        # backward re-gathers: not asked (docstring)
     a, b = _number("tp_bytes", tp_bytes), _number("sp_bytes", sp_bytes)
     t = tp
+    if elem > 1 and all(math.isclose(v, w / elem, rel_tol=1e-4)
+                        for v, w in ((a, want_tp), (b, want_sp))):
+        # both 1/elem of their bytes: n counted values (each half-answer has hints of its own)
+        raise CheckError(f"both are 1/{elem} of the bytes: n counts the activation's values; "
+                         f"each is {elem} bytes (bf16)",
+                         expected=f"TP {want_tp:.4g} B, TP+SP {want_sp:.4g} B")
     if not math.isclose(a, want_tp, rel_tol=1e-4):
         raise CheckError(f"your TP bytes are {a:.4g}: " + _hint(
             a, want_tp, [(want_tp / 2, "half of it: either only the forward's 2 all-reduces "
@@ -416,7 +422,7 @@ def _run(fn, x, what):
         try:
             out = fn(x)
         except Exception as e:          # the student's code: any error is an answer
-            raise CheckError(f"your {what} raised {type(e).__name__}: {e}") from None
+            raise CheckError(raised(f"your {what}", e)) from None
     return out, [(e.name, e.bytes, e.args.get("buffer_bytes")) for e in tr.collectives()]
 
 
@@ -513,6 +519,9 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
     ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
     which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
+    if isinstance(b, float) and b.is_integer():     # 20e9 // x: floor division of floats
+        raise CheckError(f"b should be an int, got {b!r}, a float: `//` of floats gives a "
+                         "float (20e9 // x is one); pass int(...) of it")
     b = _int("b", b, "an int (a number of whole sequences: round down)")
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 from ..text_width import wrap
 
-__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "reveal", "reset_tries"]
+__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "raised", "reveal", "reset_tries"]
 
 REVEAL_AFTER = 3            # the wrong try from which the expected value is shown
 _tries: dict = {}           # check name -> wrong tries since its last right answer
@@ -84,6 +85,19 @@ def exercise(fn):
     return check
 
 
+def raised(what: str, err: BaseException) -> str:
+    """What to tell a student whose own code (``what``: "your function", "your f") raised
+    ``err`` inside a check: the stub's bare NotImplementedError asks for the code (it read
+    "raised NotImplementedError: " with nothing after the colon), and a message of several
+    lines (torch's list of an op's overloads) is cut to its first line."""
+    name = type(err).__name__
+    if isinstance(err, NotImplementedError) and not str(err).strip():
+        return f"{what} raised {name}: replace the stub with your code"
+    lines = str(err).strip().splitlines()
+    first = re.sub(r",? *but expected one of:?$", "", lines[0]).rstrip(": ") if lines else ""
+    return f"{what} raised {name}" + (f": {first}" if first else "")
+
+
 def _params(signature) -> str:
     """A check's parameters as a student writes them: names and defaults, no annotations."""
     return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}"
@@ -102,7 +116,12 @@ def reveal(check) -> str:
     try computed it, wrapped at ``text_width.WIDTH`` characters.  The returned text is a ``str`` that a notebook does not display
     again as the cell's value (``reveal(...)`` alone in a cell showed it twice)."""
     name = _name(check)
-    if name not in _expected:
+    if name not in _expected and _tries.get(name):
+        # wrong tries refused before a value was compared, or whose answer is code or a
+        # plan: no one value to show
+        text = (f"{name} has no value to reveal for your tries: their messages say what to "
+                "change (an answer that is code or a plan has no single value)")
+    elif name not in _expected:
         text = (f"{name} has no wrong try yet: run it once with your answer, then "
                 f"reveal({name!r}) shows what it expects")
     else:

@@ -71,7 +71,16 @@ class _Meet(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _redistribute(ctx.way, g), None, None
+        # a split backward's W walking B's graph again (sim_mesh.backward_pass): the same
+        # values again (W's weights upstream need them), recorded once, by B, as the
+        # simulator's node (grad_record._BackwardSteps); was recorded by both, two
+        # reduce-scatters per micro-batch where the whole backward has one.  A node that
+        # only W runs (a weight's, met by every micro-batch) records in each W.
+        from ..sim_mesh.backward_pass import in_weight_pass
+        again = in_weight_pass() and getattr(ctx, "in_b", False)
+        if not in_weight_pass():
+            ctx.in_b = True
+        return _redistribute(ctx.way, g, record=not again), None, None
 
 
 class _Use(torch.autograd.Function):
@@ -87,13 +96,13 @@ class _Use(torch.autograd.Function):
         return g, None
 
 
-def _redistribute(way, g):
+def _redistribute(way, g, record=True):
     from .reshard import execute, plan_reshard_cached    # (reshard imports dispatch)
     tr = current_trace()
     plan = plan_reshard_cached(TensorSpec(way.shape, way.mesh, way.grad, way.dtype,
                                           _trusted=True), way.back,
                                tr.profile.name if tr is not None else DEFAULT_PROFILE)
-    if tr is not None:                     # the steps, as the simulator labels them
+    if tr is not None and record:          # the steps, as the simulator labels them
         names = way.mesh.dim_names
         for s in plan.steps:
             if s.bytes:

@@ -62,8 +62,9 @@ def token_cfg(cfg, cp: int):
     return cfg if cp == 1 else cfg.replace(seq_len=cfg.seq_len // cp)
 
 
-def check_cp(cfg, cp: int, attention: "str | None" = None) -> None:
-    """Raise ValueError naming the fix when ``cp`` cannot split ``cfg``'s sequence."""
+def check_cp(cfg, cp: int, attention: "str | None" = None, cp_comm: str = "p2p") -> None:
+    """Raise ValueError naming the fix when ``cp`` cannot split ``cfg``'s sequence, or when
+    ``attention`` is not the fused kernel that ``cp_comm``'s attention runs on."""
     if cp == 1:
         return
     if cfg.seq_len % (2 * cp):
@@ -73,9 +74,20 @@ def check_cp(cfg, cp: int, attention: "str | None" = None) -> None:
                          f"i holds chunks i and 2cp-1-i, the causal load balancing); use a cp "
                          f"in {good} or a seq_len divisible by {2 * cp}")
     if attention is not None and attention != "flash":
-        raise ValueError(f"cp={cp} runs ring attention, which merges partial outputs by the "
-                         f"fused kernel's log-sum-exp; attention={attention!r} materializes "
-                         f"the scores: give attention='flash'")
+        if cp_comm == "a2a":
+            # Ulysses itself takes any attention (Jacobs et al. 2023 sec. 3), but what runs it
+            # is fused: ulysses_attention calls ops.flash_attention, and Transformer Engine
+            # disables its unfused attention under context parallelism (NVIDIA/
+            # TransformerEngine d0067d0d, transformer_engine/pytorch/attention/
+            # dot_product_attention/utils.py:1169-1173)
+            raise ValueError(f"cp={cp} with cp_comm='a2a' runs all-to-all (DeepSpeed-Ulysses) "
+                             f"attention, whose kernel over the rank's heads is the fused one "
+                             f"(this library's ulysses_attention, Transformer Engine's "
+                             f"context parallelism); attention={attention!r} materializes the "
+                             f"scores: give attention='flash'")
+        raise ValueError(f"cp={cp} with cp_comm={cp_comm!r} runs ring attention, which merges "
+                         f"partial outputs by the fused kernel's log-sum-exp; attention="
+                         f"{attention!r} materializes the scores: give attention='flash'")
 
 
 def ring_ranks(lay, s: int = 0) -> tuple:

@@ -33,10 +33,9 @@ activations): the runtime's cost, reported as it is.
 
 What the runtime does that the planner does not price (the dry run measures the
 runtime; tests/test_dryrun_ep_cp.py): the EP un-permute keeps one R x h buffer more per
-MoE block; with dp > 1 and ZeRO the cp recipe shards the optimizer states over dp alone
-and all-reduces a gradient over cp per use rather than once over dp x cp (measured at dp
-2, cp 2, zero 1: 2.0x the optimizer states, 1.34x the step), which the estimate refuses
-to price for framework="workbench" (``plan.ep_cp.check_priced``).
+MoE block.  (With dp > 1 and ZeRO the cp recipe shards the optimizer states over dp x cp,
+as the planner prices it: tests/test_zerocp.py; was over dp alone, 2.0x the optimizer
+states and 1.34x the step at dp 2, cp 2, zero 1.)
 """
 from __future__ import annotations
 

@@ -6,13 +6,24 @@ from __future__ import annotations
 from . import costs as C
 from . import moe_cost as M
 
-__all__ = ["CP_MIN_TOKENS", "candidates", "assumptions", "table_notes", "explain_lines"]
+__all__ = ["CP_MIN_TOKENS", "CP_A2A_MIN_SEQ", "candidates", "assumptions", "table_notes",
+           "explain_lines"]
 
-# search: cp is tried while each rank keeps at least this many tokens of a sequence.
-# ASSUMPTION (a bound on the search, not a law): below it the K/V exchange of a ring
-# step outlasts the half block it hides behind on the profiles here (context_cost);
-# Megatron-Core's guide recommends CP for sequences of 8K tokens and more.
+# search: the ring (cp_comm="p2p") is tried while each rank keeps at least this many tokens
+# of a sequence.  ASSUMPTION (a bound on the search, not a law): below it the K/V exchange
+# of a ring step outlasts the half block it hides behind on the profiles here
+# (context_cost); Megatron-Core's guide recommends CP for sequences of 8K tokens and more.
 CP_MIN_TOKENS = 4096
+# The all-to-all (cp_comm="a2a", DeepSpeed-Ulysses) hides nothing: its four all-to-alls per
+# layer wait before the kernel at every length (context_cost), so the ring's per-rank
+# reason does not carry over.  What they cost against the attention they split is set by
+# the whole sequence: a rank sends ~4 b (s / cp) (H / tp) d e bytes and computes ~2 b
+# (H / tp / cp) s^2 d FLOPs, a ratio ~ 1 / s whatever cp (Jacobs et al. 2023 sec. 3.2).
+# So a2a is tried at every cp its heads allow (each tp rank's query and K/V heads divide
+# by cp: context_cost.check_cp_comm) on sequences of at least this many tokens.
+# ASSUMPTION (a bound on the search, not a law): Megatron-Core's guide's "Long Sequences
+# (8K+ Tokens)" for CP (NVIDIA/Megatron-LM d98e8a64 docs/user-guide/parallelism-guide.md:31).
+CP_A2A_MIN_SEQ = 8192
 
 
 def _divisors(n):
@@ -21,30 +32,43 @@ def _divisors(n):
 
 def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     """``search``'s layouts with ep and cp: for each cp (dividing the devices, the
-    sequence in 2 cp chunks, at least ``CP_MIN_TOKENS`` per rank, flash attention) the
-    dense candidates (``base``) of devices / cp, each with every ep dividing its dp and
-    the experts; ZeRO <= 1 with either, sequence parallelism with a MoE's TP."""
+    sequence in 2 cp chunks, flash attention; the ring at least ``CP_MIN_TOKENS`` per rank,
+    the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
+    rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
+    every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 over dp x cp
+    with framework='workbench', as its runtime shards), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
+    hq, hkv = model.n_head, getattr(model, "n_kv_head", None) or model.n_head
+    ring = {c for c in _divisors(n) if c > 1 and s // c >= CP_MIN_TOKENS}
+    a2a = {c for c in _divisors(n) if c > 1 and s >= CP_A2A_MIN_SEQ and hkv % c == 0}
     cps = [c for c in _divisors(n) if c == 1 or (
-        attention == "flash" and s % (2 * c) == 0 and s // c >= CP_MIN_TOKENS)]
+        attention == "flash" and s % (2 * c) == 0 and c in ring | a2a)]
     for cp in cps:
         cl = cluster if cp == 1 else Cluster(cluster.profile, n // cp)
         for lay in base(model, cl, global_batch, max_micro_batch, cp=cp):
             if moe is None and cp == 1:
                 yield lay
                 continue
-            if lay.zero >= 2 or (moe is not None and lay.tp > 1 and not lay.sp):
+            if moe is not None and lay.tp > 1 and not lay.sp:
                 continue
             if cp > 1 and lay.sp and (s // cp * lay.micro_batch) % lay.tp:
                 continue
-            if cp > 1 and lay.dp > 1 and lay.zero >= 1 and lay.engine == "workbench":
-                continue            # refused by estimate (plan.ep_cp.check_layout)
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
+            if lay.zero >= 2:       # what plan.ep_cp.check_layout accepts: this library's
+                # runtime's ZeRO-2 over dp x cp (recipes.context_parallel); ZeRO-3 with cp
+                # and ZeRO-2 with ep are refused there
+                if not (lay.zero == 2 and moe is None and lay.framework == "workbench"):
+                    continue
+            comms = [m for m, ok in (("p2p", cp in ring), ("a2a", cp in a2a and (
+                hq // lay.tp) % cp == 0 and (hkv // lay.tp) % cp == 0 and not (
+                    lay.engine == "workbench" and lay.tp > 1))) if ok] if cp > 1 else ["p2p"]
+            # (a2a with tp > 1 is not built in this library's runtime: dryrun_ep_cp refuses it)
             for ep in eps:
-                yield lay.replace(ep=ep, cp=cp)
+                for comm in comms:
+                    yield lay.replace(ep=ep, cp=cp, cp_comm=comm)
 
 
 def assumptions(model, lay) -> tuple:

@@ -359,7 +359,6 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     # the heads, d_ff and the vocabulary; pp x v the layers): tp=5 on 96 heads was priced
     # as 19.2 heads a rank, pp=5 on 96 layers dropped one, a float32 model as 16-bit
     check_layout(cfg, lay, Cluster("a100" if profile is None else profile, lay.world))
-    _ep_cp.check_priced(lay)
     nl = lay.stage_layers(cfg.n_layer)[stage]
     psi = stage_params(cfg, lay.tp, lay.pp, stage, nl)
     mem = model_state_bytes(psi, lay.dp * lay.cp, lay.zero)     # cp ranks shard it too

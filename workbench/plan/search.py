@@ -26,7 +26,7 @@ from . import ep_cp as _ep_cp
 __all__ = ["search", "Ranking", "candidate_layouts"]
 
 _FIELDS = ("dp", "tp", "pp", "schedule", "v", "sp", "zero", "recompute", "micro_batch",
-           "framework", "ep", "cp")
+           "framework", "ep", "cp", "cp_comm")
 # ASSUMPTION: step times closer than this share are a tie the model cannot rank (its
 # layer clock is held to 5.4% on Korthikanti et al.'s Table 4, and published end-to-end
 # runs differ from it by far more: benchmarks/published.py)
@@ -95,6 +95,11 @@ def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batc
                                              v=v)
 
 
+def _cp(lay) -> str:
+    """The table's cp cell: the degree, "a" after it for ``cp_comm="a2a"``."""
+    return f"{lay.cp}a" if lay.cp > 1 and lay.cp_comm == "a2a" else str(lay.cp)
+
+
 class Ranking(list):
     """``[(Layout, Estimate), ...]``, fastest first, with how the search went
     (``tried``, ``fitting``, ``seconds``) and :meth:`explain`."""
@@ -110,7 +115,9 @@ class Ranking(list):
         unit stated once."""
         # expert / context parallel columns when a layout here uses them (plan.ep_cp)
         xc = any(lay.ep > 1 or lay.cp > 1 for lay, _ in self)
-        head = (f"{'#':>2} {'dp':>4} {'tp':>2} {'pp':>3} " + (f"{'ep':>2} {'cp':>2} " if xc else "")
+        # cp "4a": cp_comm="a2a", the all-to-all (DeepSpeed-Ulysses); "4": the ring
+        a2a = any(lay.cp > 1 and lay.cp_comm == "a2a" for lay, _ in self)
+        head = (f"{'#':>2} {'dp':>4} {'tp':>2} {'pp':>3} " + (f"{'ep':>2} {'cp':>3} " if xc else "")
                 + f"{'sched':<5} {'v':>2} {'sp':<3} {'zero':>4} {'rc':<4} {'mb':>2} "
                 f"{'step':>6} {'TFLOP/s':>7} {'MFU':>5} {'GB':>5} {'compute':>7} {'comm':>6} "
                 f"{'bubble':>6}")
@@ -118,7 +125,7 @@ class Ranking(list):
         for i, (lay, e) in enumerate(self, 1):
             b = e.breakdown
             rows.append(f"{i:>2} {lay.dp:>4} {lay.tp:>2} {lay.pp:>3} "
-                        + (f"{lay.ep:>2} {lay.cp:>2} " if xc else "")
+                        + (f"{lay.ep:>2} {_cp(lay):>3} " if xc else "")
                         + f"{_SCHED[lay.schedule]:<5} {lay.v:>2} {'yes' if lay.sp else 'no':<3} "
                         f"{lay.zero:>4} {_RC.get(lay.recompute, lay.recompute):<4} "
                         f"{lay.micro_batch:>2} {e.step_time:>6.3f} {e.tflops_per_device:>7.1f} "
@@ -128,7 +135,9 @@ class Ranking(list):
                   "the busiest rank's memory\nTFLOP/s per device; "
                   + "; ".join(f"{a}: {s}, v chunks per device" for s, a in _SCHED.items()
                               if s != a)
-                  + "; rc: recompute, " + ", ".join(f"{a}: {r}" for r, a in _RC.items()))
+                  + "; rc: recompute, " + ", ".join(f"{a}: {r}" for r, a in _RC.items())
+                  + ("; cp\u00a0Na: N ranks by all-to-all (cp_comm='a2a', DeepSpeed-Ulysses), a "
+                     "bare N by the ring" if a2a else ""))
         return "\n".join(rows + [wrap(legend)])
 
     def explain(self) -> list[str]:

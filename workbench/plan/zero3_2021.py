@@ -157,17 +157,31 @@ whole parameters until the bucket is reached (``:205-216``); no
 ``see_memory_usage`` and ``print_rank_0`` return at once unless forced
 (runtime/utils.py ``:548-550``, ``stage3.py:42-44``); ``LinearFunctionForZeroStage3``
 replaces ``F.linear`` only while the model is built (partition_parameters.py
-``:192-194``, restored ``:213-214``); activation checkpointing: Megatron-LM-v1.1.5-ZeRO3
-(7b5abd576e ``megatron/initialize.py:108-117``) runs DeepSpeed's, and the example script
-(44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on only ``partition_activations``,
-which with one model-parallel rank is a clone of each checkpointed input
-(activation_checkpointing/checkpointing.py ``:452-455``) and a one-rank all-gather in
-backward (``:284-307``): about 0.15 s a step at 530B, micro-batch 4 (each 335 MB,
-read and written once or twice a layer).
+``:192-194``, restored ``:213-214``).
 
-Not modeled: the parent modules' hooks (no parameters of their own), the memory of the
-gathered copies as this version holds them (``memory.stage_memory`` counts DeepSpeed's
-current buffers), the loss scaler's overflow check.
+Priced beside the hooks (found by ``benchmarks/zero3_audit.py``, each from its source
+line, ``CKPT_*`` and ``step_host_seconds``' constants): activation checkpointing:
+Megatron-LM-v1.1.5-ZeRO3 (7b5abd576e ``megatron/initialize.py:108-117``) runs
+DeepSpeed's, and the example script (44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on
+only ``partition_activations``, which with one model-parallel rank is a clone of each
+checkpointed input (activation_checkpointing/checkpointing.py ``:446-455``) and, in
+backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``): 0.18 s a
+step at 530B, micro-batch 4, on the compute stream (``partition_activation_seconds``,
+``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
+overflow check's ``float()``, the norm's ``.item()``), the timers' synchronizes of
+``wall_clock_breakdown`` and Megatron's, the blocking one-element copies, the per-tensor
+narrow loops and the scalar all-reduces (``step_host_seconds``): 0.03 s a step.  The
+script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is not followed: the trace
+checkpoints every layer (ASSUMPTION, as the planner's memory does).
+
+Not modeled: the parent modules' hooks (no parameters of their own) and the host's
+Python in the hooks (no measurement: to explain the 530B rows alone each of a step's
+4,316 host waits would have to cost 11-16 ms more, ``benchmarks/zero3_audit.py``); the
+memory of the gathered copies as this version holds them (``memory.stage_memory``
+counts DeepSpeed's current buffers, not c10d's flat buffer of each list all-gather and
+reduce-scatter, a whole parameter each: 3.4 GB at 530B); the caching allocator's
+retries near the memory limit (no figure for them; the 530B rows at 25 and 42 GB are as
+optimistic as the one at 75 GB).
 """
 from __future__ import annotations
 
@@ -177,7 +191,8 @@ from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
 from . import costs as C
 
 __all__ = ["FRAMEWORK", "COUNTER_STEP", "VERSION", "VERSIONS", "Entry", "gpt_trace",
-           "simulate", "dp_sync", "list_collective", "post_step_gather",
+           "simulate", "dp_sync", "dp_sync_parts", "list_collective",
+           "partition_activation_seconds", "step_host_seconds", "post_step_gather",
            "predivide_seconds", "counter_start", "behaviour"]
 
 FRAMEWORK = "deepspeed-0.3"
@@ -213,15 +228,105 @@ NARROW_S = 3.9e-6
 REASSEMBLE_S = 2 * NARROW_S + 0.48 * NARROW_S + 6.1e-6
 
 
+# DeepSpeed v0.3.13 activation_checkpointing/checkpointing.py with partition_activations
+# and one model-parallel rank (Megatron-LM-v1.1.5-ZeRO3 passes its mpu, so mp_group is a
+# one-rank group, not None): bytes per 16-bit element of a checkpointed layer's input.
+# Forward, CheckpointFunction.forward (:446-455): ``item.detach().contiguous().view(-1)
+# .narrow(0, start, size).clone()``, the whole input at mp 1 (read + write).  Backward,
+# get_full_inputs (:284-309): ``torch.zeros`` of the input (write), ``part_i.copy_(item)``
+# (read + write), ``dist.all_gather(partitions, ...)`` on the one-rank group: NCCL copies
+# the input into c10d's flat output buffer (a one-rank all-gather out of place is a
+# device copy: read + write) and c10d copies the buffer back out to the list's view
+# (read + write).  The attention mask, the last argument, is not partitioned
+# (``args[:-1]``).
+CKPT_FORWARD_BYTES = 2 + 2
+CKPT_BACKWARD_BYTES = 2 + (2 + 2) + (2 + 2) + (2 + 2)
+CKPT_FORWARD_KERNELS, CKPT_BACKWARD_KERNELS = 1, 4
+
+# Host waits of a step outside the hooks, each priced as one SYNC_S (the drain itself is
+# the GPU work before it, priced where that work is), read at v0.3.13 and the example's
+# Megatron (DeepSpeedExamples 7b5abd576e Megatron-LM-v1.1.5-ZeRO3) and configuration
+# (44be774aad ds_zero_stage_3_config.json: "wall_clock_breakdown": true):
+# - per fp16 parameter tensor, in the optimizer step: has_overflow_partitioned_grads_serial
+#   -> _has_inf_or_nan's ``float(x.float().sum())`` (stage3.py:2461-2466, :2506) and
+#   get_grad_norm_direct's ``param_norm.item()`` (:1976-1977): 2;
+# - per step: overlap_comm's ``_has_inf_or_nan(self.gpu_sum)`` (:2471), the overflow flag's
+#   and the norm's ``.item()`` after their all-reduces (:2496, :1988), the optimizer_step
+#   timer's start and stop (:2366, :2386; deepspeed/utils/timer.py:29-39 synchronize), the
+#   engine's step and step_microstep timers (engine.py:1089-1090, :1123-1124): 9;
+# - per micro-batch: the engine's forward / forward_microstep timers (engine.py:899-900,
+#   :912-913) and its six backward timers (:974-1016), each started and stopped: 16;
+#   Megatron's timers batch generator (pretrain_gpt2.py:84-87), forward, backward,
+#   backward-backward, optimizer (training.py:274-283, :321-342; megatron/global_vars.py
+#   :167, :174 synchronize): 10; its f-string of the loss and the reduced loss
+#   (training.py:323, two CUDA scalars read): 2; broadcast_data's ``sizes_cuda.cpu()``
+#   (megatron/mpu/data.py:54): 1; 29 in all.
+# Blocking host-to-device copies from pageable memory (priced as RELEASE_S, the measured
+# ``torch.ones(1).half().to(device)``): per step ``torch.zeros(1).cuda()`` for gpu_sum
+# (:2472), ``torch.cuda.ByteTensor([overflow])`` (:2477), ``torch.cuda.FloatTensor([norm])``
+# (:1979): 3; per micro-batch broadcast_data's ``torch.cuda.LongTensor(sizes)`` and the
+# batch's ``.cuda()`` (data.py:49, :97): 2.  Per parameter tensor, host loops at the
+# measured NARROW_S:
+# independent_gradient_partition_epilogue's ``param.grad.data.narrow`` (:1298-1304) and
+# _unflatten_partitioned_parameters' narrow + view (torch's _unflatten_dense_tensors;
+# :2299-2305).  Collectives: the overflow flag (1 byte, MAX) and the squared norm (4 bytes,
+# SUM) all-reduced over the data-parallel group (:2478-2480, :1981-1983), Megatron's
+# reduce_losses (4 bytes over the world, every micro-batch: pretrain_gpt2.py:94,
+# megatron/utils.py:31-38); the model-parallel all-reduces (:2493-2494, :1985-1986) run
+# on a one-rank group: not priced.
+OPT_WAITS_PER_TENSOR = 2
+STEP_WAITS = 9
+MICRO_BATCH_WAITS = 29
+STEP_H2D = 3
+MICRO_BATCH_H2D = 2
+
+
+def partition_activation_seconds(cfg, micro_batch: int, prof) -> tuple[float, float]:
+    """(forward, backward) seconds per layer and micro-batch of DeepSpeed's activation
+    checkpointing with ``partition_activations`` at one model-parallel rank
+    (``CKPT_FORWARD_BYTES`` / ``CKPT_BACKWARD_BYTES`` per element of the layer's input,
+    b x s x h in 16 bits, at the profile's copy rate with their launches)."""
+    from ..sim_mesh.kernel_cost import compute_time
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch!r}: sequences per micro-batch, an "
+                         f"int >= 1")
+    n = micro_batch * cfg.seq_len * cfg.d_model
+    return (compute_time(0.0, CKPT_FORWARD_BYTES * n, prof, "float16",
+                         launches=CKPT_FORWARD_KERNELS),
+            compute_time(0.0, CKPT_BACKWARD_BYTES * n, prof, "float16",
+                         launches=CKPT_BACKWARD_KERNELS))
+
+
+def step_host_seconds(trace, m: int, dp_all_reduce, world_all_reduce) -> dict:
+    """Seconds of a step's host waits, blocking copies, per-tensor loops and scalar
+    all-reduces outside the module hooks (the constants' comment): ``m`` micro-batches;
+    ``dp_all_reduce(nbytes)`` / ``world_all_reduce(nbytes)``: NCCL's seconds over the
+    data-parallel group / all ranks.  Returns each part and their ``total``."""
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"m={m!r}: micro-batches per step, an int >= 1")
+    tensors = len({pid for e in trace for pid, _ in e.params})
+    out = {"waits": (OPT_WAITS_PER_TENSOR * tensors + STEP_WAITS + MICRO_BATCH_WAITS * m)
+           * SYNC_S,
+           "h2d": (STEP_H2D + MICRO_BATCH_H2D * m) * RELEASE_S,
+           "loops": tensors * (NARROW_S + (1 + 0.48) * NARROW_S),
+           "all_reduces": dp_all_reduce(1) + dp_all_reduce(4) + m * world_all_reduce(4)}
+    out["total"] = sum(out.values())
+    return out
+
+
 @dataclass(frozen=True)
 class Entry:
     """One module's turn in the recorded trace: its id, the partitioned parameters it
     uses ((id, elements), persistent ones left out), its compute seconds, and its phase
-    ("f" forward, "r" recomputed forward inside the backward, "b" backward)."""
+    ("f" forward, "r" recomputed forward inside the backward, "b" backward); ``copies``:
+    seconds of DeepSpeed's own copies on the compute stream before it (activation
+    checkpointing's partitioned input, :func:`partition_activation_seconds`), not
+    counted as compute."""
     module: str
     params: tuple
     compute: float
     phase: str
+    copies: float = 0.0
 
 
 def _layer_modules(cfg) -> list[tuple[str, tuple]]:
@@ -243,7 +348,8 @@ def _layer_modules(cfg) -> list[tuple[str, tuple]]:
             ("fc2", (("fc2.w", f * h), ("fc2.b", h)))]
 
 
-def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
+def gpt_trace(cfg, layer, head, edge, recompute: str,
+              checkpoint_copies: tuple = (0.0, 0.0)) -> list[Entry]:
     """One micro-batch's trace as DeepSpeed records it (module docstring), tp = pp = 1:
     the root (holding the tied word embedding), the embeddings, each layer's modules
     with parameters (``_layer_modules``; the persistent ones, biases and norms, are
@@ -251,7 +357,11 @@ def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
     final norm, the head; the backward from the head down, each layer's modules
     recomputed first when ``recompute == "full"``.  A module's share of the layer's
     compute is its share of the layer's partitioned weights (as ``zero_cost.
-    stage_blocks``); the norms' is left in the matrices'."""
+    stage_blocks``); the norms' is left in the matrices'.  ``checkpoint_copies``:
+    (forward, backward) seconds a layer's checkpointed input costs DeepSpeed's
+    activation checkpointing (:func:`partition_activation_seconds`), charged before the
+    layer's first module in the forward and before its recomputation (full recompute
+    only)."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     mods = _layer_modules(cfg)
     big = {m: sum(n for _, n in ps if n >= PERSISTENCE_NUMEL) for m, ps in mods}
@@ -262,9 +372,14 @@ def gpt_trace(cfg, layer, head, edge, recompute: str) -> list[Entry]:
     tied = cfg.tie_embeddings
     wte = (("wte", V * h),)
 
+    if not full:
+        checkpoint_copies = (0.0, 0.0)
+
     def layer_entries(k, phase, share, order):
+        first = {"f": checkpoint_copies[0], "r": checkpoint_copies[1]}.get(phase, 0.0)
         return [Entry(f"{k}.{m}", tuple((f"{k}.{pid}", n) for pid, n in ps),
-                      share * big[m] / tot, phase) for m, ps in order]
+                      share * big[m] / tot, phase, first if j == 0 else 0.0)
+                for j, (m, ps) in enumerate(order)]
 
     out = [Entry("root", wte if tied else (), 0.0, "f"),
            Entry("wte", wte, edge["first"][0], "f")]
@@ -392,8 +507,11 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
     gathers, rs_count, sent = 0, 0, 0.0
     bucket, ready = [], 0.0         # the gradients not yet reduced, ready at
     rs_end = 0.0
+    # seconds of work by kind, not exposed: the host's loops and waits, the GPU's fills,
+    # copies and NCCL kernels ("nccl" = "nccl_ag" + "nccl_rs"; benchmarks/zero3_audit.py)
     work = dict.fromkeys(("ag_loop", "rs_loop", "record_copy", "release", "nccl",
-                          "predivide", "norm"), 0.0)   # seconds of work by kind, not exposed
+                          "nccl_ag", "nccl_rs", "fill", "chunk_copy", "sync",
+                          "predivide", "norm", "checkpoint_copies"), 0.0)
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
@@ -402,9 +520,13 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         price = ag_price(size[pid])
         t, start, nccl = list_collective("all_gather", size[pid], p, price, t, t, nccl,
                                          mem_bw)
+        work["fill"] += fill
+        work["sync"] += SYNC_S
         work["ag_loop"] += p * AG_LOOP_S
         work["record_copy"] += p * RECORD_COPY_S
+        work["chunk_copy"] += 2 * 2 * size[pid] / mem_bw
         work["nccl"] += price
+        work["nccl_ag"] += price
         busy.append((start, nccl))
         inflight[pid] = nccl
         live += size[pid]
@@ -426,7 +548,9 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                                              nccl, mem_bw)
             work["rs_loop"] += p * RS_LOOP_S
             work["record_copy"] += p * RECORD_COPY_S
+            work["chunk_copy"] += 2 * 2 * numel / mem_bw
             work["nccl"] += price
+            work["nccl_rs"] += price
             busy.append((start, nccl))
             rs_count += 1
             sent += wire_bytes("reduce_scatter", 2 * numel, p)
@@ -449,6 +573,7 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
             gather(pid)
         if need or waits:                             # _synchronize_communication
             t = max(t, gpu, nccl) + SYNC_S
+            work["sync"] += SYNC_S
             avail.update(inflight)
             inflight.clear()
         if norms and e.module != "root":   # the root's parameter is external, not its own
@@ -474,8 +599,9 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
                 gather(pid)
             prefetches += len(chosen)
         busy = [iv for iv in busy if iv[1] > min(t, gpu)]
-        gpu = finish_beside(max(t, gpu), e.compute, rate, busy)
+        gpu = finish_beside(max(t, gpu), e.copies + e.compute, rate, busy)
         compute += e.compute
+        work["checkpoint_copies"] += e.copies
         if e.phase == "b":      # the gradient hooks: once, when the gradient is whole
             for pid, n in e.params:
                 if last_b[pid] != i:
@@ -506,11 +632,21 @@ def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
     """(exposed seconds, bytes sent) per step of DeepSpeed v0.3 ZeRO-3's data-parallel
     collectives for ``lay`` (zero 3, pp 1, tp 1): each micro-batch simulated
     (:func:`simulate`) less its compute, times the micro-batches."""
+    d = dp_sync_parts(cfg, lay, prof, layer, head, edge)
+    return d["exposed"], d["sent"]
+
+
+def dp_sync_parts(cfg, lay, prof, layer, head, edge) -> dict:
+    """:func:`dp_sync`'s pieces (``benchmarks/zero3_audit.py`` prints them): the step's
+    first micro-batch simulated (``first``), the others' (``rest``, the same dict when
+    m = 1), ``_post_step``'s gather (``post`` seconds), the step's ``seconds``, its
+    ``exposed`` part (less the micro-batches' compute) and the bytes ``sent``."""
     if lay.zero != 3 or lay.pp != 1 or lay.tp != 1 or getattr(lay, "cp", 1) != 1:
         raise ValueError(f"framework={FRAMEWORK!r}: layout {lay.short()}; DeepSpeed v0.3's "
                          f"ZeRO-3 is priced without model parallelism (zero=3, tp=pp=cp=1)")
     if lay.dp == 1:
-        return 0.0, 0.0
+        return {"first": None, "rest": None, "post": 0.0, "host": None, "seconds": 0.0,
+                "exposed": 0.0, "sent": 0.0}
     ranks = tuple(lay.grad_ranks(0, 0))
 
     def ag(n):
@@ -519,15 +655,21 @@ def dp_sync(cfg, lay, prof, layer, head, edge) -> tuple[float, float]:
     def rs(n):
         return C.group_price("reduce_scatter", 2 * n, ranks, prof)
 
-    trace = gpt_trace(cfg, layer, head, edge, lay.recompute)
+    trace = gpt_trace(cfg, layer, head, edge, lay.recompute,
+                      partition_activation_seconds(cfg, lay.micro_batch, prof))
     p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof)
     first = simulate(trace, p, ag, rs, bw, rate)
     rest = simulate(trace, p, ag, rs, bw, rate, persistent_gathered=False) \
         if lay.m > 1 else first
     post, post_sent = post_step_gather(trace, p, ag)
-    seconds = first["seconds"] + (lay.m - 1) * rest["seconds"] + post
+    world = tuple(range(lay.world))
+    host = step_host_seconds(trace, lay.m,
+                             lambda b: C.group_price("all_reduce", b, ranks, prof),
+                             lambda b: C.group_price("all_reduce", b, world, prof))
+    seconds = first["seconds"] + (lay.m - 1) * rest["seconds"] + post + host["total"]
     sent = first["sent"] + (lay.m - 1) * rest["sent"] + post_sent
-    return seconds - lay.m * first["compute"], sent
+    return {"first": first, "rest": rest, "post": post, "host": host, "seconds": seconds,
+            "exposed": seconds - lay.m * first["compute"], "sent": sent}
 
 
 def post_step_gather(trace, p: int, ag_price) -> tuple[float, float]:

@@ -30,10 +30,22 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   gradients over its data-parallel group "with context parallel"
   (``parallel_state.get_data_parallel_group(with_context_parallel=True)``, the group of
   its ``DistributedDataParallel``; :mod:`~workbench.parallel.strategies.flat_dims`).
-  ZeRO 1/2 shard the optimizer states over one dim only here: with dp they shard over
-  dp, and the parameters are replicated over cp, so each one meeting cp-sharded tokens
-  has its gradient summed over cp by the all-reduce that replication implies (traced,
-  per use); without dp they shard over cp.
+  ZeRO 1/2 shard the optimizer states over that same dp x cp group (cp alone without
+  dp): one reduce-scatter of the gradient buffer and one all-gather of the updated
+  parameters over dp*cp ranks (:class:`~workbench.parallel.strategies.zero_optimizer_dist.
+  ChunkedZeroOptimizer` on the merged group).  Megatron-Core's distributed optimizer
+  shards over the same group (NVIDIA/Megatron-LM d98e8a6:
+  ``megatron/core/process_groups_config.py:373-378`` takes ``dp_cp_group`` /
+  ``intra_dp_cp_group`` from ``get_data_parallel_group(with_context_parallel=True)``,
+  ``megatron/core/optimizer/__init__.py:1204`` builds the dense optimizer on it, of
+  dp*cp ranks with one optimizer instance, ``parallel_state.py:927-929``); torchtitan
+  shards FSDP2 over "fsdp" = dp_shard x cp (pytorch/torchtitan b5bcd76:
+  ``torchtitan/distributed/parallel_dims.py:225-228,281``, the mesh
+  ``models/llama3/parallelize.py:62-65`` hands ``fully_shard``; older torchtitan named
+  it "dp_shard_cp").  ZeRO-3 is that FSDP: :class:`~workbench.recipes.zero3_stage.
+  Zero3Stage` over (dp, cp), each rank holding chunk d * cp + c of every parameter, the
+  layers' all-gathers and reduce-scatters over the dp*cp ranks (with sequence
+  parallelism the norms' tp partial gradients are summed per use, as Hybrid's ZeRO-3).
 """
 from __future__ import annotations
 
@@ -41,6 +53,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..models.config import build_model as _build
 from ..parallel.dist_tensor import shard_tensor
@@ -57,6 +70,7 @@ from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
 from .hybrid import _FAILED_STEP, ONE_BUFFER, Hybrid
 from .moe import keep_sequence_order
+from .zero3_stage import Zero3Stage
 
 __all__ = ["ContextParallel", "cp_mesh"]
 
@@ -91,8 +105,6 @@ class ContextParallel(Hybrid):
         if sp and tp == 1:
             raise ValueError(f"cp={cp} with sp and tp=1: sequence parallelism shards each cp "
                              "rank's tokens over tp; give tp > 1 or leave sp off")
-        if zero == 3:
-            raise NotImplementedError(f"cp={cp} with zero=3: not built yet; use zero 0, 1 or 2")
         if not isinstance(balanced, bool):
             raise TypeError(f"ContextParallel(balanced={balanced!r}): give True or False")
         if cp_comm not in CP_COMMS:
@@ -157,18 +169,25 @@ class ContextParallel(Hybrid):
                 tensor_parallel_region(model.get_submodule(name), mesh, "tp", self.sp,
                                        seq_dim=1, regather=self.regather,
                                        origin=type(self).__name__)
-        # SP: the norms' gradients are partial sums over tp, summed once per step
+        # SP: the norms' gradients are partial sums over tp, summed once per step (ZeRO-3:
+        # per use, as Hybrid's, the gathered copies' reduce-scatter sums them over dp x cp)
         self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
-                          if self.sp else []}
+                          if self.sp and self.zero != 3 else []}
         # MoE layers: route in sequence order, hand the ring its layout back (recipes/moe.py)
         keep_sequence_order(model, "cp", self.balanced)
         return model
 
     def build_optimizer(self, model, lr: float, weight_decay: float):
-        """Data parallelism over dp x cp; ZeRO over dp, or cp when there is no dp
-        (module docstring)."""
+        """Data parallelism over dp x cp, ZeRO 1/2 sharded over the same dp x cp ranks,
+        ZeRO-3 (FullyShardedDataParallel over the DistTensors) too (module docstring)."""
+        dims = "cp" if self.dp == 1 else ("dp", "cp")
+        self._shards = {}
+        if self.zero == 3:
+            holder = nn.ModuleList([model.get_submodule(n) for n in self.stages[0]["modules"]])
+            opt = Zero3Stage(holder, self.meshes[0], dims, lr=lr, weight_decay=weight_decay)
+            self._shards[0] = [e[3] for e in opt.entries]
+            return [opt]
         params = [p for _, p in dist_parameters(model)]
-        dims = "cp" if self.dp == 1 else ("dp", "cp") if self.zero == 0 else "dp"
         return [DataParallel(params, self.meshes[0], dims,
                              zero=self.zero, bucket_bytes=ONE_BUFFER if self.zero == 0 else None,
                              lr=lr, weight_decay=weight_decay,

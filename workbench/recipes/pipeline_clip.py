@@ -195,10 +195,15 @@ def _record_norm_all_reduce(opts, meshes) -> None:
     distributed optimizer, :meth:`~workbench.parallel.strategies.zero_optimizer_dist.
     ChunkedZeroOptimizer.grad_norm`): one all-reduce over every rank of every stage, dp
     included, as the torchrun clip records it (was: one per stage mesh dim, then one
-    over pp)."""
+    over pp).  ZeRO-3 the same (each dp rank holds its chunk of the reduced gradients):
+    FSDP's ``clip_grad_norm_`` all-reduces ``sum |g|^p`` over its sharding group once
+    (torch 2.13, ``torch/distributed/fsdp/fully_sharded_data_parallel.py:1188-1189``),
+    Megatron-LM's over its gradient-statistics group (``clip_grads.py:132-133``,
+    NVIDIA/Megatron-LM d98e8a6), and so does the torchrun clip (was: none at pp = 1,
+    one over pp only with a pipeline)."""
     grid = all(tuple(m.dim_names) == ("dp", "tp") for m in meshes)
     plain = all(_kind(o) == "dp" for o in opts) and grid
-    if grid and opts and all(_kind(o) == "zero" for o in opts):
+    if grid and opts and all(_kind(o) in ("zero", "zero3") for o in opts):
         mp = model_parallel_grid(meshes)
         record_collective("all_reduce", mp, None, 4, label="clip_grad norm over dp x tp x pp",
                           groups=[mp.ranks])

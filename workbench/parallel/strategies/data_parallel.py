@@ -100,8 +100,10 @@ class DataParallel(AdamWHypers):
 
     Args:
         params: the model's DistTensor parameters (e.g. ``wb.dist_parameters(model)``).
-        mesh: their mesh; ``dp`` names its data-parallel dimension, or (zero 0) a tuple of
-            adjacent dims summed over as one group (("dp", "cp"): :mod:`.flat_dims`).
+        mesh: their mesh; ``dp`` names its data-parallel dimension, or a tuple of adjacent
+            dims summed over as one group (("dp", "cp"): :mod:`.flat_dims`; ZeRO 1-2 then
+            shard over all their ranks, as Megatron-Core's distributed optimizer does over
+            its data-parallel group with context parallel).
         zero: 0 (plain DP: ``DistributedDataParallel``'s engine, :mod:`.ddp_dist`), 1 or 2
             (``ZeroRedundancyOptimizer(partition="chunks")``); ZeRO-3 is :class:`.zero3.Zero3`.
         bucket_bytes: for plain DP, all-reduce gradients in buckets of this size
@@ -121,10 +123,6 @@ class DataParallel(AdamWHypers):
         if zero == 3:
             raise NotImplementedError("DataParallel(zero=3): ZeRO-3 is Zero3(module, mesh, "
                                       "'dp') (FullyShardedDataParallel over DistTensors)")
-        if isinstance(dp, (tuple, list)) and zero:
-            raise NotImplementedError(f"DataParallel(dp={tuple(dp)!r}, zero={zero}): ZeRO over "
-                                      "several mesh dims at once is not built; give one "
-                                      "data-parallel dim, or zero=0")
         self.zero = zero
         self.__dict__["_hyper"] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.step_count = 0             # step() calls

@@ -53,6 +53,7 @@ side, and the module's own DistTensor parameters are views of it
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ from ...sim_mesh import collectives as C
 from .. import step_clock, storage
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
+from .flat_dims import flatten_dims
 from .flat_shards import flat_padded, tensor_places, unflat
 from .replaced_params import check_dist_places
 from .fsdp_dist_views import dp_minor, view_template
@@ -136,18 +138,29 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         object.__setattr__(self, "module", module)
         self.mesh = mesh
         # the data-parallel group the wrappers use (ranks.RankGroup): its size, its axis
-        # and the recording of the collectives on the simulated clock
-        self.group = RankGroup(mesh, dim, "FullyShardedDataParallel")
-        self.axis, self.n = self.group.axis, self.group.n
+        # and the recording of the collectives on the simulated clock.  ``dim`` may be a
+        # tuple of adjacent dims (context parallelism's ("dp", "cp"), as torchtitan shards
+        # FSDP2 over dp_shard x cp): shards over all their ranks, each collective one per
+        # group on the merged dim (flat_dims), the shard index k = d * cp + c
+        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        if not dims:
+            raise ValueError("FullyShardedDataParallel(dim=()): name the data-parallel mesh "
+                             "dim(s), e.g. 'dp'")
+        self.axes = tuple(sorted({mesh.dim(d) for d in dims}))
+        self.group_mesh, self.group_axis = flatten_dims(mesh, self.axes)
+        self.group = RankGroup(self.group_mesh, self.group_axis, "FullyShardedDataParallel")
+        self.axis, self.n = self.axes[0], self.group.n
         self.entries = []           # (module, name, template DistTensor, shard Parameter)
         self.names = []             # the qualified name of each entry's parameter
         self._places = []           # every (module, attr) holding it (tied weights: several)
         nd = mesh.ndim
         for qname, p, places in tensor_places(module, lambda m: getattr(m, "_wb_dist_params",
                                                                          {})):
-            if not p.placements[self.axis].is_replicate():
-                raise ValueError(f"{qname} is {p.placements[self.axis]} on the dp dim; "
-                                 "FullyShardedDataParallel shards parameters replicated there")
+            bad = [a for a in self.axes if not p.placements[a].is_replicate()]
+            if bad:
+                raise ValueError(f"{qname} is {p.placements[bad[0]]} on the dp dim "
+                                 f"{mesh.dim_names[bad[0]]!r}; FullyShardedDataParallel "
+                                 "shards parameters replicated there")
             if not isinstance(p._local, torch.Tensor):
                 raise NotImplementedError(
                     f"FullyShardedDataParallel over DistTensor parameters: {qname} (shape "
@@ -156,16 +169,18 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
                     "dp shards are not built for; choose sizes divisible by the tp degree")
             loc = p._local.detach()
             if _B.is_distributed(mesh):         # the replicas start from dp rank 0's values
-                loc = _B.broadcast_(loc.clone(), mesh, self.axis, 0)
+                loc = loc.clone()
+                for a in self.axes:
+                    loc = _B.broadcast_(loc, mesh, a, 0)
             chunk = self.chunk_of(loc)
             if not _B.is_distributed(mesh):     # stored so the template can view it
-                chunk = dp_minor(chunk, self.axis)
+                chunk = dp_minor(chunk, self.axes)
             # the shard is the leaf an optimizer steps (frozen stays frozen)
             shard = laid_out(chunk, p.requires_grad,
                              f"it holds each dp rank's flat chunk of {qname}'s local shards "
                              f"(the {tuple(p.shape)} DistTensor)")
             if not _B.is_distributed(mesh):     # the module's parameter: the shards' value
-                view_template(p, shard, self.axis, qname)
+                view_template(p, shard, self.axes, qname)
             step_clock.hold([shard], mesh.ranks, mesh.ndim)          # an optimizer's step over it: on the clock
             self.entries.append((places[0][0], places[0][1], p, shard))
             self.names.append(qname)
@@ -202,15 +217,32 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
     def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:
         """Each dp rank's chunk of a template's local storage ``loc`` (flattened, padded;
         rank k of dp keeps chunk k: the dp axis becomes the shard index)."""
-        nd = self.mesh.ndim
+        nd, axes = self.mesh.ndim, self.axes
         flat = flat_padded(loc, self.n, nd)
         if _B.is_distributed(self.mesh):
-            k = _B.local_index(self.mesh, self.axis)
+            k = _B.local_index(self.group_mesh, self.group_axis)
             return flat.unflatten(-1, (self.n, -1)).select(-2, k).contiguous()
-        if flat.shape[self.axis] != 1:          # one copy per dp rank: rank 0's
-            flat = flat.narrow(self.axis, 0, 1)
-        return flat.unflatten(-1, (self.n, -1)).squeeze(self.axis) \
-            .movedim(nd - 1, self.axis).contiguous()
+        for a in axes:
+            if flat.shape[a] != 1:              # one copy per dp rank: rank 0's
+                flat = flat.narrow(a, 0, 1)
+        chunks = flat.unflatten(-1, (self.n, -1))
+        for a in reversed(axes):
+            chunks = chunks.squeeze(a)          # (*other dims, n, c)
+        # k = d * cp + c (the merged group's order) back onto the dp (and cp) axes
+        return chunks.movedim(nd - len(axes), axes[0]).unflatten(
+            axes[0], tuple(self.mesh.shape[a] for a in axes)).contiguous()
+
+    def gather_compact(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's chunk side by side, one copy on the dp dim(s), on the simulated
+        ranks (not recorded by itself: inside ``suspend`` or the clock's hooks)."""
+        nd, gm = self.mesh.ndim, self.group_mesh
+        if gm is self.mesh:
+            return C.all_gather(shard, self.mesh, self.axis, 0)
+        a, b = self.axes[0], self.axes[-1] + 1
+        lead = tuple(shard.shape[:nd])
+        flat = shard.reshape(lead[:a] + (self.n,) + lead[b:] + tuple(shard.shape[nd:]))
+        full = C.all_gather(flat, gm, self.group_axis, 0)
+        return full.reshape(lead[:a] + (1,) * (b - a) + lead[b:] + tuple(full.shape[gm.ndim:]))
 
     def _gather(self, tmpl: DistTensor, shard: torch.Tensor, cast: bool = False) -> DistTensor:
         nd, mesh = self.mesh.ndim, self.mesh
@@ -222,14 +254,17 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         # simulated ranks.  Recorded here as gloo's calls block, each gather waited for at
         # its module and each reduce-scatter in backward, tiny dp 4 zero 3 read 0.449549 ms
         # for the simulator's 0.348613 (task tdclock2).
-        full = C._dist("all_gather", shard, mesh, self.axis, "zero-3 params",
+        gm = self.group_mesh
+        full = C._dist("all_gather", shard.reshape((1,) * gm.ndim + tuple(shard.shape[nd:])),
+                       gm, self.group_axis, "zero-3 params",
                        lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, 0, k, True),
                        record=False)
-        full = unflat(full, tmpl._local.shape[nd:], nd)
+        full = unflat(full.reshape((1,) * nd + tuple(full.shape[gm.ndim:])),
+                      tmpl._local.shape[nd:], nd)
         # the views above dropped the gather's mark: without it the first op meeting the
         # dp-sharded batch gives the copy an expand_replicas (an all-reduce in backward) on
         # top of the gather's reduce-scatter, and every gradient came out dp times too big
-        _B.tag(full, (self.axis,))
+        _B.tag(full, self.axes)
         full._wb_stale = self._gathered_message()
         full._wb_on_requires_grad = tmpl.requires_grad_     # (as in _gather_math)
         full._wb_data_of = tmpl
@@ -261,17 +296,18 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         cast to ``reduce_dtype`` (``_fsdp_collectives.py``): the copies are summed in
         ``reduce_dtype`` (the cast after the expand) or in ``param_dtype`` (before)."""
         from ...sim_mesh.trace import suspend
-        nd, mesh, ax = self.mesh.ndim, self.mesh, self.axis
+        nd, mesh = self.mesh.ndim, self.mesh
         compute = (self.param_dtype if cast else None) or shard.dtype
         red = (self.reduce_dtype or self.param_dtype) if cast else None
         if red is not None and shard.dtype != red:
             shard = shard.to(red)
         with suspend():
-            full = C.all_gather(shard, mesh, ax, 0)          # compact: one copy on dp
+            full = self.gather_compact(shard)                # compact: one copy on dp
         local = tuple(tmpl._local.shape[nd:])
         full = unflat(full, local, nd)
         lead = list(full.shape[:nd])
-        lead[ax] = self.n
+        for a in self.axes:
+            lead[a] = mesh.shape[a]
         full = full.expand(tuple(lead) + local)
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
@@ -330,12 +366,20 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         backward, recording those of gradients set without backward's hook (a split
         backward's W pass).  The shards already hold the reduced gradients (the math
         runs in autograd); call it before a torch.optim optimizer's ``step()`` (as
-        ``Zero3.step()`` does), so the clock counts the reduce-scatters as waited for."""
+        ``Zero3.step()`` does), so the clock counts the reduce-scatters as waited for.
+        Called again before a new gradient (``Hybrid.clip_grad_norm_``'s, then the step's),
+        it records nothing: each gradient is reduce-scattered once, as FSDP's
+        ``clip_grad_norm_`` then ``optimizer.step()`` do (was: every gradient's
+        reduce-scatter recorded a second time, 21 phantom ones on tiny, dp 2)."""
         from ...sim_mesh.trace import current_trace
         tr = current_trace()
         for i, e in enumerate(self.entries):
-            if e[3].grad is not None and i not in self._reduced:
+            g = e[3].grad
+            if g is not None and i not in self._reduced and \
+                    (i not in self._synced or self._synced[i]() is not g):
                 self._reduce_scatter_hook(i)(e[3])
+        self._synced = {i: weakref.ref(e[3].grad) for i, e in enumerate(self.entries)
+                        if e[3].grad is not None}
         if tr is not None:
             tr.flush()                    # the reduce-scatters deferred in backward
         for t, h in self._pending + [p for v in self._inflight.values() for p in v]:

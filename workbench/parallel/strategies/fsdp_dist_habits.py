@@ -56,7 +56,6 @@ import functools
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ...sim_mesh import collectives as C
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
@@ -88,7 +87,7 @@ def gathered(fsdp, i: int) -> DistTensor:
             return DistTensor(d._local.detach().clone(), fsdp.mesh, tmpl.placements,
                               tmpl.shape, shard.dtype)
         nd = fsdp.mesh.ndim
-        full = C.all_gather(shard.detach(), fsdp.mesh, fsdp.axis, 0)   # one copy on dp
+        full = fsdp.gather_compact(shard.detach())                     # one copy on dp
         full = unflat(full, tuple(tmpl._local.shape[nd:]), nd).clone()
     return DistTensor(full, fsdp.mesh, tmpl.placements, tmpl.shape, shard.dtype)
 
@@ -109,7 +108,7 @@ class _TPChunks:
         nd = fsdp.mesh.ndim
         with suspend():
             if fsdp.async_:
-                loc = C.all_gather(t.detach(), fsdp.mesh, fsdp.axis, 0)    # one copy on dp
+                loc = fsdp.gather_compact(t.detach())                      # one copy on dp
                 loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
             else:                       # torch.distributed: this process's local shard
                 loc = fsdp._gather(tmpl, t.detach())._local.detach()
@@ -194,7 +193,7 @@ def _shard_norm_grad(fsdp, tmpl):
     mesh = fsdp.mesh
     coord = _B.coordinate(mesh)
     skip = any(coord[a] != 0 for a in range(mesh.ndim)
-               if a != fsdp.axis and tmpl.placements[a].is_replicate())
+               if a not in fsdp.axes and tmpl.placements[a].is_replicate())
     groups = tuple(_B.group(mesh, a)[0] for a in range(mesh.ndim))
 
     def hook(shard):

@@ -45,30 +45,47 @@ VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stor
 _MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of", "_wb_clip_shard")
 
 
-def dp_minor(chunk: torch.Tensor, axis: int) -> torch.Tensor:
-    """``chunk`` (``(*mesh dims, c)``, dp at ``axis``) with the same shape and values,
-    stored with the dp axis innermost before ``c``: each other coordinate's chunks side
-    by side in memory."""
-    return chunk.movedim(axis, -2).contiguous().movedim(-2, axis)
+def _moves(axis) -> tuple:
+    """(the data-parallel axes, where they go innermost before ``c``): ``axis`` an int, or
+    a tuple of adjacent axes (dp x cp: :mod:`.flat_dims`), the first slowest."""
+    axes = (axis,) if isinstance(axis, int) else tuple(sorted(axis))
+    return axes, tuple(range(-len(axes) - 1, -1))
 
 
-def _view(shard: torch.Tensor, axis: int, local) -> torch.Tensor:
+def dp_minor(chunk: torch.Tensor, axis) -> torch.Tensor:
+    """``chunk`` (``(*mesh dims, c)``, dp at ``axis``, or at the adjacent axes of a tuple)
+    with the same shape and values, stored with the dp axis (axes) innermost before ``c``:
+    each other coordinate's chunks side by side in memory."""
+    src, dst = _moves(axis)
+    return chunk.movedim(src, dst).contiguous().movedim(dst, src)
+
+
+def is_dp_minor(t: torch.Tensor, axis) -> bool:
+    """Is ``t`` stored as :func:`dp_minor` stores it?"""
+    src, dst = _moves(axis)
+    return t.detach().movedim(src, dst).is_contiguous()
+
+
+def _view(shard: torch.Tensor, axis, local) -> torch.Tensor:
     """The template's local storage ``(*mesh dims with dp of size 1, *local)`` as a view of
     ``shard`` (raises if the shard is not stored dp-minor)."""
     nd = shard.dim() - 1
+    src, dst = _moves(axis)
     with torch._C.DisableTorchFunctionSubclass():   # a plain view, as before (not
-        base = shard.detach().movedim(axis, -2)     # laid_out's guarded one for users)
+        base = shard.detach().movedim(src, dst)     # laid_out's guarded one for users)
         if not base.is_contiguous():                # (*other dims, n, c), contiguous
             raise RuntimeError("the shard is not stored dp-minor")
-        flat = base.flatten(-2)                     # (*other dims, n * c): a view
-        loc = unflat(flat, tuple(local), nd - 1).unsqueeze(axis)
+        flat = base.flatten(dst[0])                 # (*other dims, n * c): a view
+        loc = unflat(flat, tuple(local), nd - len(src))
+        for a in src:
+            loc = loc.unsqueeze(a)
     if loc.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
         raise RuntimeError("the template would be a copy of its shard")
     return loc
 
 
 @torch.no_grad()
-def view_template(tmpl, shard: torch.Tensor, axis: int, name: str) -> None:
+def view_template(tmpl, shard: torch.Tensor, axis, name: str) -> None:
     """Point the DistTensor ``tmpl``'s storage at ``shard`` (stored by :func:`dp_minor`):
     the same values, shape of the local tensor and ``requires_grad``; its dp axis of size
     1 (one copy, every dp rank's)."""
@@ -117,10 +134,10 @@ def relink(fsdp, i: int) -> None:
     tmpl, shard = fsdp.entries[i][2], fsdp.entries[i][3]
     if is_view(tmpl, shard):
         return
-    if not shard.detach().movedim(fsdp.axis, -2).is_contiguous():
+    if not is_dp_minor(shard, fsdp.axes):
         with torch._C.DisableTorchFunctionSubclass():    # not this hook again
-            shard.data = dp_minor(shard.detach(), fsdp.axis)
-    view_template(tmpl, shard, fsdp.axis, fsdp.names[i])
+            shard.data = dp_minor(shard.detach(), fsdp.axes)
+    view_template(tmpl, shard, fsdp.axes, fsdp.names[i])
     for mod, attr in fsdp._places[i]:   # a forward's gathered copy viewed the old storage
         if "_wb_fs_attrs" not in mod.__dict__:      # (fully_shard's attributes gather)
             mod.__dict__.pop(attr, None)
@@ -168,11 +185,11 @@ class GradOf:
                 f"of it; read the shards' gradients, [p.grad for p in {var}.parameters()], "
                 f"or clip them with torch.nn.utils.clip_grad_norm_({var}.parameters(), "
                 "max_norm)")
-        if not g.detach().movedim(fsdp.axis, -2).is_contiguous():
+        if not is_dp_minor(g, fsdp.axes):
             with torch.no_grad():
-                g = shard.grad = dp_minor(g.detach(), fsdp.axis)
+                g = shard.grad = dp_minor(g.detach(), fsdp.axes)
         nd = shard.dim() - 1
-        loc = _view(g.detach(), fsdp.axis, storage.tensors(tmpl._local)[0].shape[nd:])
+        loc = _view(g.detach(), fsdp.axes, storage.tensors(tmpl._local)[0].shape[nd:])
         return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, g.dtype)
 
     def clear(self) -> None:

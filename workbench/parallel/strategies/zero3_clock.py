@@ -76,6 +76,10 @@ class Zero3Clock:
         self._inflight: dict = {}           # (phase, id(module)) -> [(trace, handles)]
         self._pending: list = []            # (trace, handle) of gradient reduce-scatters
         self._reduced: set = set()          # entries whose reduce-scatter was recorded
+        # entry -> weakref of the gradient the last finish_gradient_synchronization
+        # waited for (a second finish before a new gradient, a clip's then the step's,
+        # records no second reduce-scatter of it)
+        self._synced: dict = {}
         self._have_b: set = set()           # modules gathered for a recompute in backward
         # the gathered copies a rank holds: freed after a module's forward, and after its
         # backward (its trainable parameters' gradients produced; a module with none
@@ -204,8 +208,8 @@ class Zero3Clock:
             if skips_reduce(self, i):            # set_requires_gradient_sync(False): held
                 tr = None
             if tr is not None:        # after the input gradient's collective (zero_optimizer_dist)
-                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-3 params",
-                                     self._pending)
+                defer_reduce_scatter(tr, self.group_mesh, self.group_axis, nb,
+                                     "zero-3 params", self._pending)
         return hook
 
     def _gather_hook(self, mod):

@@ -17,6 +17,10 @@ steps, so each rank holds 1/N_d of the optimizer states.  The replicas' gradient
   distributed optimizer shards one contiguous gradient buffer the same way,
   ``megatron/core/distributed/param_and_grad_buffer.py``); after the step the updated
   shards come back to every replica in one all-gather.  Same bytes as DP's all-reduce.
+  ``dim`` may name several adjacent mesh dims (context parallelism's ("dp", "cp")): the
+  chunks are cut over all their ranks, each collective one per group on the merged dim
+  (:mod:`.flat_dims`), as Megatron-Core shards over its data-parallel group with context
+  parallel (``recipes/context_parallel.py`` cites it).
 * ``overlap_comm=True`` (ZeRO-2, DeepSpeed's ``overlap_comm``): each gradient's
   reduce-scatter is launched from a post-accumulate-grad hook as soon as backward has
   produced it, async on the simulated clock (the dp group's comm stream), and only the
@@ -125,6 +129,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                                          carry_summed=False)     # step() sums every one
         self.params, self.mesh, self.axis, self.n = r.params, mesh, r.axis, r.n
         self.distributed, self.stage = r.distributed, 2 if overlap_comm else 1
+        # several data-parallel dims (context parallelism's ("dp", "cp")): the chunks are
+        # cut over all their ranks at once, one collective on the merged group (flat_dims)
+        self.axes = tuple(sorted(r.axes))
+        self.group_mesh, self.group_axis = r._flat, r._flat_axis
         nd = mesh.ndim
         # the replicas' gradients are summed inside step(): a clip before it would read
         # each rank's own gradient (or none: ZeRO-2 keeps only the shard)
@@ -180,13 +188,58 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         """(lead..., *local) -> (lead..., numel padded to a multiple of N_d)."""
         return flat_padded(t, self.n, self.mesh.ndim)
 
-    def _my_chunk(self, loc):
-        """Each rank's chunk of ``loc`` (rank k of dp keeps chunk k of the flat tensor)."""
-        chunks = self._flat(loc).unflatten(-1, (self.n, -1))
-        ax, nd = self.axis, self.mesh.ndim
+    def _to_group(self, t: torch.Tensor) -> torch.Tensor:
+        """Stacked ``t`` (lead axes: the mesh's) with its data-parallel dims merged into
+        the group's one (each at full size: a replicated copy expanded), as
+        :func:`.flat_dims.all_reduce_dims` lays it out; one dim: ``t`` itself."""
+        gm, nd = self.group_mesh, self.mesh.ndim
+        if gm is self.mesh:
+            return t
+        rest = tuple(t.shape[nd:])
         if self.distributed:
-            return chunks.select(-2, _B.local_index(self.mesh, ax)).contiguous()
-        return torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax).contiguous()
+            return t.reshape((1,) * gm.ndim + rest)
+        lead = list(t.shape[:nd])
+        for a in self.axes:
+            lead[a] = self.mesh.shape[a]
+        a, b = self.axes[0], self.axes[-1] + 1
+        return t.expand(tuple(lead) + rest).reshape(
+            tuple(lead[:a]) + (self.n,) + tuple(lead[b:]) + rest)
+
+    def _from_group(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_to_group`: the merged dim back to the mesh's dims (one
+        copy on each where the group's dim holds one)."""
+        gm, nd = self.group_mesh, self.mesh.ndim
+        if gm is self.mesh:
+            return t
+        rest = tuple(t.shape[gm.ndim:])
+        if self.distributed:
+            return t.reshape((1,) * nd + rest)
+        lead, ga = list(t.shape[:gm.ndim]), self.group_axis
+        mid = [self.mesh.shape[a] if lead[ga] > 1 else 1 for a in self.axes]
+        return t.reshape(tuple(lead[:ga] + mid + lead[ga + 1:]) + rest)
+
+    def _my_chunk(self, loc):
+        """Each rank's chunk of ``loc`` (rank k of the data-parallel group keeps chunk k of
+        the flat tensor; over dp x cp, k counts the group's ranks, cp fastest)."""
+        chunks = self._to_group(self._flat(loc).unflatten(-1, (self.n, -1)))
+        ax, nd = self.group_axis, self.group_mesh.ndim
+        if self.distributed:
+            mine = chunks.select(-2, _B.local_index(self.group_mesh, ax))
+        else:
+            mine = torch.diagonal(chunks, dim1=ax, dim2=nd).movedim(-1, ax)
+        return self._from_group(mine).contiguous()
+
+    def _reduce_scatter(self, buf, label: str = ""):
+        """``buf`` (stacked, lead axes the mesh's) summed over the data-parallel group, rank
+        k keeping chunk k: one reduce-scatter per group."""
+        return self._from_group(C.reduce_scatter(self._to_group(buf), self.group_mesh,
+                                                 self.group_axis, 0, "sum", label=label))
+
+    def _all_gather(self, buf, label: str = "", expanded: bool = True):
+        """Every rank's ``buf`` (its chunks) side by side on every rank of the group."""
+        return self._from_group(C.all_gather(self._to_group(buf), self.group_mesh,
+                                             self.group_axis, 0, expanded=expanded,
+                                             label=label))
 
     def _pack(self, flats):
         """Padded flat tensors (lead, N_d * c_i) -> one buffer laid out rank-major (chunk k
@@ -214,15 +267,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             from ...sim_mesh.trace import current_trace, suspend
             g = leaf.grad
             with suspend(), torch.no_grad():     # the math; recorded below as async
-                gs = C.reduce_scatter(self._flat(g), self.mesh, self.axis, 0, "sum")
+                gs = self._reduce_scatter(self._flat(g))
             gs = self._unpack(gs, [self.shards[i]])[0]
             self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
             tr = current_trace()
             leaf.grad = None
             if tr is not None:
-                defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-2 grad (async)",
-                                     self._pending)
+                defer_reduce_scatter(tr, self.group_mesh, self.group_axis, nb,
+                                     "zero-2 grad (async)", self._pending)
         return hook
 
     def _clock_hook(self, i):
@@ -239,8 +292,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             self._clocked.add(i)
             g = leaf.grad
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
-            defer_reduce_scatter(tr, self.mesh, self.axis, nb, "zero-2 grad (async)",
-                                 self._pending)
+            defer_reduce_scatter(tr, self.group_mesh, self.group_axis, nb,
+                                 "zero-2 grad (async)", self._pending)
         return hook
 
     def _zero_shard_hook(self, i):
@@ -272,7 +325,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         replicas, torch's DDP + ZeroRedundancyOptimizer habit) is not summed again: each
         rank takes its chunk of it (was: summed twice, dp x the gradient)."""
         from ...sim_mesh.trace import current_trace, suspend
-        mesh, ax = self.mesh, self.axis
+        mesh, ax = self.group_mesh, self.group_axis
         for i in live:                  # the replicas converted after the shards were cut
             if self.params[i]._local.dtype != self.shards[i].dtype:
                 raise RuntimeError(
@@ -303,15 +356,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             on_clock = [j for j in todo if live[j] in clocked]
             if on_clock:    # torch.distributed: those recorded in backward (_clock_hook)
                 with suspend():
-                    red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=label)
+                    red = self._reduce_scatter(buf, label)
                 rest = [j for j in todo if live[j] not in clocked]
                 if rest and tr is not None:     # the others' one buffer, as simulated
-                    nb = sum(math.prod(self._flat(grads[j]).shape[mesh.ndim:])
+                    nb = sum(math.prod(self._flat(grads[j]).shape[self.mesh.ndim:])
                              for j in rest) * buf.element_size()
                     C.record_collective("reduce_scatter", mesh, ax, nb, label,
                                         groups=[_B.group(mesh, ax)[1]])
             else:
-                red = C.reduce_scatter(buf, mesh, ax, 0, "sum", label=label)
+                red = self._reduce_scatter(buf, label)
             for j, gs in zip(todo, self._unpack(red, [self.shards[live[j]] for j in todo])):
                 shards[j] = gs if shards[j] is None else shards[j] + gs
         return shards
@@ -360,7 +413,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         norms = []
         for i, gs in self.reduce_grads_().items():
             for a, pl in enumerate(self.params[i].placements):
-                if a != self.axis and not pl.is_shard() and gs.shape[a] > 1:
+                if a not in self.axes and not pl.is_shard() and gs.shape[a] > 1:
                     gs = gs.narrow(a, 0, 1)     # a replicated dim: one copy
             norms.append(torch.linalg.vector_norm(gs, p))
         if record:                              # the ranks' parts combined: one scalar
@@ -392,7 +445,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         replicas' gradients are then cleared.  ``closure`` runs first, once, with grad
         enabled, and its loss is returned (as torch's ``step(closure)``)."""
         loss = run_closure(self.optimizer_class, closure)   # once, grad enabled: torch's
-        mesh, ax, nd = self.mesh, self.axis, self.mesh.ndim
+        nd = self.mesh.ndim
         live = self.live()
         if not live:        # (it failed inside torch.cat, saying nothing of why)
             raise RuntimeError(
@@ -412,8 +465,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self.optimizer.step()
         # the updated shards, gathered back in one buffer
         ps = [self.shards[i] for i in live]
-        full = C.all_gather(torch.cat([self.replicas.lead(s) for s in ps], dim=-1), mesh, ax,
-                            0, expanded=True, label=f"zero-{self.stage} params")
+        full = self._all_gather(torch.cat([self.replicas.lead(s) for s in ps], dim=-1),
+                                f"zero-{self.stage} params")
         full = full.unflatten(-1, (self.n, -1))
         off = 0
         for p, s in zip(params, ps):        # rank-major: chunk k of each, back whole

@@ -1,0 +1,248 @@
+"""Every phase of a DeepSpeed v0.3.13 ZeRO-3 step, what the planner charges for it, and
+the figure it rests on: an audit of Narayanan et al.'s GPT 530B rows against the GPT 175B
+rows at the same micro-batch.
+
+    PYTHONPATH=$PWD python benchmarks/zero3_audit.py        # ~3 s
+
+Rows (``benchmarks/published.py``, ``narayanan_zero3``): GPT 175B (h 12,288, 96 layers)
+on 384 / 768 / 1,536 A100s and GPT 530B (h 20,480, 105 layers) on 640 / 1,120 / 2,240,
+micro-batch 4 / 2 / 1, one micro-batch a step, fp16, full recompute, ``framework=
+"deepspeed-0.3"`` (``plan.zero3_2021``: DeepSpeed v0.3.13, 12a53b4383, with
+DeepSpeedExamples' Megatron ZeRO-3 config 44be774aad and Megatron-LM-v1.1.5-ZeRO3
+7b5abd576e).  The script splits each estimate's step into the engine's phases with the
+planner's own functions (``zero3_2021.dp_sync_parts``: the simulated micro-batches'
+work by kind, ``_post_step``, ``step_host_seconds``) and prints them, per step; they add
+up to the estimate's step (``tests/test_i21z3530.py``).  The simulation runs host, compute
+stream and NCCL stream as three lanes, so the work of one phase runs beside another's:
+the ``hidden`` line is what ran beside, the balance.
+
+What the engine does that differs between 175B and 530B, read at v0.3.13
+(s3 = ``runtime/zero/stage3.py``, pp = ``runtime/zero/partition_parameters.py``, ck =
+``runtime/activation_checkpointing/checkpointing.py``), whether the planner prices it,
+and its charge (s per step, 175B / 384 vs 530B / 640, this script's output of
+2026-11-28, after the terms this audit added):
+
+==========================================  ===========  ==================================
+phase (source)                              175B / 530B  figure; verdict
+==========================================  ===========  ==================================
+per-layer sizes vs stage3_max_live (1e9)    578 / 0      the live counter as s3:293-299,
+and prefetch bucket (6.04e7): at 530B the   prefetches   :312-334, :357-411 keep it
+tied embedding alone (1.05e9) holds the     a micro-     (zero3_2021.simulate); priced:
+counter above the limit, so nothing is      batch        530B is fully serial; fc1/fc2
+prefetched; fc1 / fc2 (1.68e9) are                       (1.68e9) gathered whole
+gathered whole (s3:357-411), and the                     (``:357-411``), reuse distance
+reuse distance (1e9) keeps no matrix                     keeps none: 11 gathers a layer
+gather buffer per parameter: torch.zeros    0.46 / 1.38  2 B/elem at HBM, then the
+of the whole parameter, then                             host's synchronize; priced
+torch.cuda.synchronize (pp:607-611)
+allocator near the limit (530B / 640 at     -            no figure for cudaMalloc retries;
+74.8 of 75.2 GB usable as priced)                        NOT priced; the 530B rows at 25
+                                                         and 42 GB are as optimistic
+all-gather, one NCCL call per parameter     6.1 / 17.4   NCCL 2.8.3's tuning model; at
+on a list of p chunks (pp:596-636), not a                530B every matrix is 0.4-1.7e9
+coalesced bucket; c10d's flat buffer and                 elements: bandwidth-bound, a
+copy-out per chunk                          1.3 / 3.8    bucket would not change it;
+                                                         priced
+DeepSpeed's loops over p chunks (pp:623-    2.8+3.3 /    measured per chunk (AG 6.9,
+629, :741-768) and c10d's recordStream +    5.1+6.1;     RS 7.5, c10d 6.1 us); priced;
+copy_ per chunk (host)                      5.2 / 9.5    grow with p, not with h
+reduce-scatter per gradient, every matrix   2.6 / 7.1    NCCL 2.8.3; the pre-division
+above reduce_bucket_size (6.7e7): its own                (s3:1496-1505) 0.4 / 1.2 s,
+bucket, contiguous_gradients' copy skipped               hidden; priced
+(s3:1431-1468, :1689-1716)
+the fp16 optimizer: overflow check          0.02 / 0.04  bytes at HBM (80 B/param of the
+float(x.float().sum()) per partition                     partition); the 2 host waits
+(s3:2461-2506), norm g.double().norm(2)                  per tensor and 2 scalar
++ .item() per partition (s3:1941-1997),                  all-reduces were NOT priced:
+flatten, unscale, Adam, copy                             added, 0.03 s
+_post_step: persistent parameters           4.7 / 8.5    measured per-chunk copies;
+gathered and reassembled (s3:2339-2349)                  priced
+partition_activations at mp 1 (ck:446-     0.10 / 0.18   4 + 14 B/elem at the copy rate;
+455, :284-309): clone; zeros, copy,                      was NOT priced: added
+one-rank all-gather
+CPU-side Python per sub-module hook         -            no measurement found; NOT priced
+(s3:1062-1180; ~11 modules a layer, 6                    (ASSUMPTION: cheap beside the
+hook calls each a micro-batch)                           100 ms GEMMs they wait for)
+compute: layers, embedding, head, loss      51.3 / 145.5 layer clock (Korthikanti Table 4
+                                                         within 5.4%); not re-audited
+step: the estimate's / the published        67.6 / 188.4 ratio 1.207 / 1.356
+                                            81.6 / 255.5
+==========================================  ===========  ==================================
+
+Reading.  Every phase v0.3.13 runs in a step is priced from a source line and a
+component figure; the three found unpriced (the optimizer's per-tensor host waits and
+scalar all-reduces, the other host waits of the loop, partition_activations' copies)
+add 0.05-0.08 s to 67-188 s steps and move the six rows by 0.001 or less (before /
+after: 1.208 / 1.224 / 0.894 / 1.357 / 1.376 / 1.356 -> 1.207 / 1.223 / 0.893 / 1.356 /
+1.375 / 1.356).  What differs at 530B is priced already: no prefetch at all (the tied
+embedding fills the live limit), 11 gathers a layer, 3x the bytes; the host loops grow
+with p, not with h.  So the 530B step is, as priced, the sum of its parts (compute 145.5
+s, NCCL 24.5 s, host loops 20.6 s, ``_post_step`` 8.5 s, less 17.4 s run beside) and
+the published one is 67 s longer.
+
+What the published steps would need, one term at a time (held-out figures read, not an
+input; the script's last lines): the NCCL seconds x 3.73 / 2.83 / 2.52 at 640 / 1,120 /
+2,240 GPUs (a bus bandwidth of 42 / 51 / 49 GB/s where NCCL 2.8.3's tuning model over
+eight HDR NICs a node gives 158 / 145 / 123), the compute x 1.46 / 1.67 / 2.32, or each
+of the 4,316 host waits 15.6 / 11.4 / 11.2 ms longer.  None is one figure across the
+530B rows and the 175B rows beside them (NCCL x 2.60 / 2.19 / 0.40, compute x 1.27 /
+1.47 / 0.40, waits 3.6 / 3.1 / -2.0 ms: the 175B / 1,536 step is already too long,
+from its host loops over 1,536 chunks).  The NCCL reading is the nearest to one figure
+for the 530B rows (42-51 GB/s, about two HDR NICs' worth a node where a ring over eight
+is priced), as the published table's own note found (19-21 GB/s of bytes sent per GPU
+over the whole step); no nccl-tests measurement of A100 rings at 80-280 nodes was
+found to support it (``sim_mesh.nccl_tuning.scale_assumption``), so nothing is changed.
+
+Nothing here feeds the planner.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import published as P  # noqa: E402
+from workbench.plan import zero3_2021 as Z  # noqa: E402
+from workbench.plan.edge_cost import edge_times  # noqa: E402
+from workbench.plan.estimate import EC  # noqa: E402
+
+# (175B GPUs, 530B GPUs) at micro-batch 4, 2, 1 (published.py's narayanan_zero3 rows)
+PAIRS = ((384, 640), (768, 1120), (1536, 2240))
+
+# the simulation's work kinds (zero3_2021.simulate), in the step's order, with what runs
+# them and the figure each is priced from
+WORK = (
+    ("fill", "gather buffer: torch.zeros of the whole parameter (pp:607-609)",
+     "2 B/elem at HBM"),
+    ("sync", "torch.cuda.synchronize after it, _synchronize_communication (pp:611, "
+     "s3:483-493)", "SYNC_S 9.6 us, meas."),
+    ("ag_loop", "DeepSpeed's all-gather loop: narrow, get_rank, append, per rank "
+     "(pp:623-629)", "AG_LOOP_S 6.9 us, meas."),
+    ("rs_loop", "DeepSpeed's reduce-scatter loop per rank (pp:741-768)",
+     "RS_LOOP_S 7.5 us, meas."),
+    ("record_copy", "c10d's recordStream + copy_ per chunk (host, ProcessGroupNCCL)",
+     "RECORD_COPY_S 6.1 us, meas."),
+    ("chunk_copy", "c10d's chunk copies on the GPU (out of / into its flat buffer)",
+     "4 B/elem at HBM"),
+    ("nccl_ag", "NCCL all-gather, one per parameter (list of p chunks)",
+     "NCCL 2.8.3 tuning model"),
+    ("nccl_rs", "NCCL reduce-scatter, one per gradient (s3:1689-1716)",
+     "NCCL 2.8.3 tuning model"),
+    ("predivide", "average_tensor's div_ of the ipg buffer + large grads (s3:1496-1505)",
+     "4 B/elem at HBM"),
+    ("release", "release: torch.ones(1).half().to(device), blocking (pp:531)",
+     "RELEASE_S 21 us, meas."),
+    ("norm", "v0.3.15+ debug-print norm + .item() per fetch (not in v0.3.13)",
+     "0 at v0.3.13"),
+    ("checkpoint_copies", "partition_activations at mp 1: clone; zeros, copy, 1-rank "
+     "all-gather (ck:446-455, :284-309)", "4 + 14 B/elem, copy rate"),
+)
+# the step's host terms outside the hooks (zero3_2021.step_host_seconds)
+HOST = (
+    ("waits", "host waits: .item() / float() per gradient partition (overflow, norm), "
+     "timers, loss f-string", "SYNC_S each"),
+    ("h2d", "blocking one-element host-to-device copies (ByteTensor, FloatTensor, "
+     "zeros(1).cuda(), batch sizes)", "RELEASE_S each"),
+    ("loops", "per-tensor host loops: averaged_gradients narrow, unflatten narrow + view",
+     "NARROW_S, meas."),
+    ("all_reduces", "scalar all-reduces: overflow flag, norm (dp), reduce_losses (world)",
+     "NCCL 2.8.3 tuning model"),
+)
+
+
+def audit(name: str, devices: int) -> dict:
+    """Seconds per step of each phase of the ``narayanan_zero3`` row ``name`` on
+    ``devices`` GPUs on the planner's clock; ``listed`` (their sum) equals the estimate's
+    step."""
+    row = next(r for r in P.ROWS if r["source"] == "narayanan_zero3"
+               and r["name"] == name and r["devices"] == devices)
+    cfg, lay, cl = P.build(row)
+    res = P.predict(row)
+    est, prof = res["estimate"], cl.profile
+    if lay.engine != Z.FRAMEWORK:
+        raise ValueError(f"zero3_audit: row {name!r} does not run {Z.FRAMEWORK!r}")
+    tcfg = EC.token_cfg(cfg, lay)
+    edge = edge_times(tcfg, lay.micro_batch, lay.tp, lay.sp, prof)
+    d = Z.dp_sync_parts(cfg, lay, prof, est.details["layer"], est.details["head"], edge)
+    first, rest, m = d["first"], d["rest"], lay.m
+    stage = next(iter(est.details["stages"].values()))
+    phases = {"compute: layers fwd, recompute, bwd; embedding, head, loss":
+              m * first["compute"],
+              "compute: the estimate's rest (gradient accumulation)":
+              m * stage["compute"] - m * first["compute"]}
+    work = {k: first["work"][k] + (m - 1) * rest["work"][k] for k, _, _ in WORK}
+    for k, label, _ in WORK:
+        phases[label] = work[k]
+    micro = first["seconds"] + (m - 1) * rest["seconds"] - m * first["compute"]
+    phases["hidden: work run beside other work (negative), compute slowed beside NCCL"] = \
+        micro - sum(work.values())
+    phases["_post_step: persistent parameters gathered, reassembled (s3:2339-2349)"] = \
+        d["post"]
+    for k, label, _ in HOST:
+        phases[label] = d["host"][k]
+    phases["optimizer passes: overflow check, norm, flatten, unscale, Adam, copy"] = \
+        est.details["optimizer"]
+    rest_step = est.step_time - sum(phases.values())
+    phases["the estimate's other terms"] = rest_step
+    return dict(name=f"{name} / {devices}", mb=lay.micro_batch, m=m, p=lay.dp,
+                ratio=res["ratio"], predicted=est.step_time,
+                published=est.step_time * res["ratio"], phases=phases,
+                listed=sum(phases.values()), work=work,
+                exposed=micro, compute=m * first["compute"],
+                sent=first["sent"] + (m - 1) * rest["sent"],
+                gathers=first["gathers"], prefetches=first["prefetches"],
+                reduce_scatters=first["reduce_scatters"])
+
+
+def needs(a: dict) -> dict:
+    """What the row would need for the published step, one term at a time (held-out
+    figures read, not an input of the planner): the NCCL seconds scaled by ``nccl``,
+    the compute by ``compute``, or each host wait (``sync`` + ``release`` events) costing
+    ``per_wait`` seconds more."""
+    gap = a["published"] - a["predicted"]
+    nccl = a["work"]["nccl_ag"] + a["work"]["nccl_rs"]
+    waits = a["work"]["sync"] / Z.SYNC_S + a["work"]["release"] / Z.RELEASE_S
+    return {"gap": gap, "nccl": (nccl + gap) / nccl, "compute": (a["compute"] + gap)
+            / a["compute"], "per_wait": gap / waits, "waits": waits,
+            "busbw": a["sent"] / nccl / 1e9, "busbw_needed": a["sent"] / (nccl + gap) / 1e9}
+
+
+def main():
+    out = [audit(n, k) for pair in PAIRS for n, k in zip(("GPT 175B", "GPT 530B"), pair)]
+    print("A DeepSpeed v0.3.13 ZeRO-3 step, phase by phase, as the planner prices it: "
+          "seconds per step (benchmarks/zero3_audit.py; pp = partition_parameters.py, "
+          "s3 = stage3.py at v0.3.13 12a53b4383)")
+    w = 78
+    print(f"  {'':<{w}}" + "".join(f"{x['name']:>17}" for x in out))
+    print(f"  {'micro-batch size, micro-batches':<{w}}"
+          + "".join(f"{str(x['mb']) + ' x ' + str(x['m']):>17}" for x in out))
+    for k in out[0]["phases"]:
+        print(f"  {k[:w]:<{w}}" + "".join(f"{x['phases'][k]:>17.2f}" for x in out))
+    for label, key in (("sum of the above", "listed"), ("estimate's step", "predicted"),
+                       ("published step", "published")):
+        print(f"  {label:<{w}}" + "".join(f"{x[key]:>17.2f}" for x in out))
+    print(f"  {'ratio predicted / published':<{w}}" + "".join(f"{x['ratio']:>17.3f}"
+                                                             for x in out))
+    label = "all-gathers (prefetched) / reduce-scatters a micro-batch"
+    print(f"  {label:<{w}}" + "".join(
+        f" {x['gathers']:>5}({x['prefetches']:>3}) /{x['reduce_scatters']:>5}" for x in out))
+    print("  figures: " + "; ".join(f"{lab.split(':')[0].split(' (')[0]}: {fig}"
+                                   for _, lab, fig in WORK + HOST))
+    print("  what the published step needs, one term at a time (held out, not an input):")
+    for label, key, fmt in (("published - predicted, s", "gap", "{:>17.1f}"),
+                            ("NCCL seconds x", "nccl", "{:>17.2f}"),
+                            ("  its bus bandwidth priced, GB/s", "busbw", "{:>17.1f}"),
+                            ("  the bus bandwidth that would need, GB/s", "busbw_needed",
+                             "{:>17.1f}"),
+                            ("compute x", "compute", "{:>17.2f}"),
+                            ("host waits (sync + release) in the step", "waits", "{:>17.0f}"),
+                            ("each host wait longer by, ms", "per_wait", "{:>17.2f}")):
+        vals = [needs(x)[key] * (1e3 if key == "per_wait" else 1) for x in out]
+        print(f"    {label:<{w - 2}}" + "".join(fmt.format(v) for v in vals))
+    return out
+
+
+if __name__ == "__main__":
+    main()
