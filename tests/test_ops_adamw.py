@@ -136,3 +136,24 @@ def test_mismatched_lists_are_named():
         ops.adamw(p, [g[0], g[0]], m, v, 1, lr=0.1)
     with pytest.raises(TypeError, match=r"exp_avgs\[0\] must be a floating-point tensor"):
         ops.adamw(p, g, [m[0].long(), m[1]], v, 1, lr=0.1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "unfused", "native"])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_every_path_bumps_the_version_of_what_it_writes(backend, contiguous):
+    """A step writes params and moments in place; autograd's version counter says so on
+    every path, as for any in-place op (torch.autograd.graph.increment_version).  Failed
+    before on the native path for contiguous tensors: torch._fused_adamw_ left p._version
+    0 (the foreach kernels, taken for non-contiguous ones, bump it), so a gradient way's
+    meeting point from the last step (gather_backward_dist._stand_in) was reused."""
+    params, grads, exp_avgs, exp_avg_sqs = state([(4, 6), (5,)])
+    if not contiguous:
+        params = [p.t() if p.dim() == 2 else p for p in params]
+        grads, exp_avgs, exp_avg_sqs = ([t.t() if t.dim() == 2 else t for t in seq]
+                                        for seq in (grads, exp_avgs, exp_avg_sqs))
+    before = [[t._version for t in seq] for seq in (params, exp_avgs, exp_avg_sqs)]
+    with ops.use(backend):
+        ops.adamw(params, grads, exp_avgs, exp_avg_sqs, 3, **HYPER)
+    after = [[t._version for t in seq] for seq in (params, exp_avgs, exp_avg_sqs)]
+    for b, a in zip(before, after):
+        assert all(y > x for x, y in zip(b, a)), (before, after)

@@ -109,14 +109,23 @@ def gather_2d(mesh):
     return _gathered_twice(mesh, 4, (wb.Replicate(), wb.Shard(0)), (wb.Shard(1), wb.Shard(1)))
 
 
+def gather_mixed(mesh):
+    """The same with 2 rows: the matmuls gather x itself over tp (cheaper than the weight)
+    and give every rank a view over dp, where x is replicated and held once: one
+    reduce-scatter over tp, then one all-reduce over dp, for both readers."""
+    return _gathered_twice(mesh, 2, (wb.Replicate(), wb.Shard(0)), (wb.Shard(1), wb.Shard(1)))
+
+
 # (name, mesh shape, mesh dim names, program): meshes over ranks 0 ..
 PROGRAMS = [("uneven_1d", (2,), ("tp",), uneven_1d),
             ("empty_shard", (2,), ("tp",), empty_shard),
             ("uneven_2d", (2, 2), ("dp", "tp"), uneven_2d),
             ("gather_even", (2,), ("tp",), gather_even),
             ("gather_uneven", (2,), ("tp",), gather_uneven),
-            ("gather_2d", (2, 2), ("dp", "tp"), gather_2d)]
+            ("gather_2d", (2, 2), ("dp", "tp"), gather_2d),
+            ("gather_mixed", (2, 2), ("dp", "tp"), gather_mixed)]
 TRAIN = dict(dp=2, tp=2, pp=2, sp=True)       # tiny, 8 ranks, 2 steps
+TRAIN_ZB = dict(TRAIN, schedule="zb-h1")      # the same under a split backward (B, W)
 TRAIN_STEPS = 2
 
 
@@ -202,6 +211,13 @@ def main():
     except Exception as e:           # noqa: BLE001
         import traceback
         row = {"case": "train", "rank": rank, "raised": traceback.format_exc()[-2000:]}
+    print(json.dumps(row), flush=True)
+    try:                             # zero bubble: each micro-batch's W reduces what it must
+        recs, tr, _ = trained(Hybrid(**TRAIN_ZB, distributed=True))
+        row = {"case": "train_zb", "rank": rank, "records": recs, "comm": comm_of(tr, rank)}
+    except Exception:                # noqa: BLE001
+        import traceback
+        row = {"case": "train_zb", "rank": rank, "raised": traceback.format_exc()[-2000:]}
     print(json.dumps(row), flush=True)
     torch.distributed.barrier()
     wb.distributed.shutdown()

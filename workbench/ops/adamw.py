@@ -129,6 +129,15 @@ def _native(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, w
             steps = [torch.tensor(float(step), device=device)] * len(idx)
             torch._fused_adamw_(*sub, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+            # the fused kernel writes p, m and v in place without bumping their version
+            # counters (torch 2.13: torch.optim.AdamW(fused=True).step() leaves
+            # p._version 0, foreach 2): bumped here, as torch.autograd.graph.
+            # increment_version's docstring asks of a kernel autograd does not know
+            # writes, so what reads ``_version`` to know a tensor was written (the
+            # gradient ways' meeting points, reshard_backward._source and
+            # gather_backward_dist._stand_in; load_back) sees the step on both paths
+            torch.autograd.graph.increment_version([t for seq in sub[:1] + sub[2:]
+                                                    for t in seq])
         else:
             _foreach(*sub, step, lr, beta1, beta2, eps, wd)
 

@@ -400,12 +400,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             if loc is not None:
                 locs.append(loc)
                 continue
-        elif axes and type(x) is DistTensor and not (
-                storage.holds_own(mesh) and (plan is None or not plan.steps)):
+        elif axes and type(x) is DistTensor:
             # the op gives every rank a view of one copy (gathered by its own reshard, or
             # replicated): the gradient's way back recorded once per input, as DTensor's
-            # (reshard_backward.gather; on torch.distributed, a gathered shard only:
-            # gather_backward_dist.gather)
+            # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather)
             loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
                 t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:

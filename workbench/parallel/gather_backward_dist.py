@@ -18,9 +18,16 @@ runs the reshard planner's plan from the summed Partial gradient back to the inp
 layout, on the process groups, recording the steps the simulator records.  The forward
 gathers are each op's, as before.
 
+A REPLICATED input held once along dims the op gives every rank a view of (x read by the
+column-parallel q, k and v; not tagged ``_wb_replica_axes`` there, the simulator's
+``loc.shape[i] == 1``) meets the same stand-in, with no plan or alongside a gathered dim:
+the readers' Partial gradients summed, then one ``P -> R`` all-reduce per dim (label
+"grad of a replicated input"), as the simulator's; before, one all-reduce per reader.
+
 Covered where the simulator covers it (even shards, a stacked local that takes part in
-autograd) and the op's plan is all-gathers along the dims it then gives every rank a view
-of; other plans keep each collective's own backward (the ordinary path).
+autograd) and the op's plan is none, or all-gathers along the dims it then gives every
+rank a view of; other plans keep each collective's own backward (the ordinary path; the
+simulator runs them with the way's dims muted).
 """
 from __future__ import annotations
 
@@ -39,15 +46,18 @@ from .spec import TensorSpec
 
 __all__ = ["gather"]
 
-LABEL = "grad of a gathered input"     # the simulator's label (reshard_backward._source)
+LABEL = "grad of a gathered input"     # the simulator's labels (reshard_backward.gather)
+LABEL_REPLICATED = "grad of a replicated input"
 
 
 class _Way:
-    """One input's way back: its layout and the Partial layout of the summed gradient."""
-    __slots__ = ("mesh", "shape", "dtype", "back", "grad")
+    """One input's way back: its layout, the Partial layout of the summed gradient, and
+    the label its steps are recorded under (the simulator's)."""
+    __slots__ = ("mesh", "shape", "dtype", "back", "grad", "label")
 
-    def __init__(self, mesh, shape, dtype, back, grad):
+    def __init__(self, mesh, shape, dtype, back, grad, label=LABEL):
         self.mesh, self.shape, self.dtype, self.back, self.grad = mesh, shape, dtype, back, grad
+        self.label = label
 
 
 class _Meet(torch.autograd.Function):
@@ -98,7 +108,7 @@ def _redistribute(way, g, record=True):
             if s.bytes:
                 d = s.mesh_dim
                 C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
-                                    f"{LABEL} {s.src[d]}->{s.dst[d]} on {names[d]}",
+                                    f"{way.label} {s.src[d]}->{s.dst[d]} on {names[d]}",
                                     groups=[_B.group(way.mesh, d)[1]])
     with suspend(), torch.no_grad():       # recorded above, once
         t = DistTensor(g.contiguous(), way.mesh, way.grad, way.shape, way.dtype)
@@ -108,7 +118,7 @@ def _redistribute(way, g, record=True):
 _STAND_INS: dict = {}       # id(DistTensor) -> (weakref, {(axes, placements): entry})
 
 
-def _stand_in(t, axes, gathered_shape):
+def _stand_in(t, axes, gathered_shape, label=LABEL):
     """``t``'s stand-in for its gathered copy along ``axes``: the one made for its present
     local and layout if there is one (every op gathering it meets there), else a new one."""
     key = id(t)
@@ -126,17 +136,20 @@ def _stand_in(t, axes, gathered_shape):
             tuple(got[2].shape) == tuple(gathered_shape):
         return got[2]
     grad = tuple(Partial() if i in axes else p for i, p in enumerate(t.placements))
-    way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), grad)
+    way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), grad, label)
     y = _Meet.apply(loc, way, tuple(gathered_shape))
     ways[k] = (loc, loc._version, y)
     return y
 
 
 def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
-    """The local an op runs on, for input ``t`` (torch.distributed) that the op's own
-    reshard ``plan`` gathers (``S(d) -> R``) along some mesh dims of ``expand``: the
-    gradient's way back recorded and run once for all such uses (module docstring).
-    None where that is not the case (the caller runs the ordinary path)."""
+    """The local an op runs on, for input ``t`` (torch.distributed) that the op gives
+    every rank a view of along mesh dims ``expand``, after its own reshard ``plan`` (None
+    or no steps: as it is): where ``t`` is one copy along some of them (gathered by the
+    plan, ``S(d) -> R``, or replicated and held once), the gradient's way back from the
+    ranks' partial sums is recorded and run once for all such uses (module docstring), as
+    the simulator's :func:`.reshard_backward.gather`.  None where that is not the case
+    (the caller runs the ordinary path)."""
     from .reshard import execute
     loc = t._local
     if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
@@ -144,25 +157,30 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
             not (t.mesh is mesh or t.mesh == mesh) or \
             not layout.is_even(t.shape, mesh, t.placements):
         return None          # (uneven shards: the simulator's cells keep their own way)
-    src = plan.src
-    if not any(src[i].is_shard() for i in expand):
-        return None
+    steps = plan is not None and bool(plan.steps)
+    src = plan.src if steps else tuple(t.placements)
     had = tuple(getattr(loc, "_wb_replica_axes", ()))
     # the dims the gradient comes back along as partial sums: gathered ones, and
     # replicated ones held once (a dim already one copy per rank, tagged, had its sum
-    # recorded where that copy was made), as the simulator's
+    # recorded where that copy was made: the simulator's ``loc.shape[i] == 1``)
     axes = tuple(i for i in expand if src[i].is_shard() or
                  (src[i].is_replicate() and i not in had))
-    if any(s.kind != "all_gather" or s.mesh_dim not in axes for s in plan.steps):
+    if not axes:
         return None
-    with torch.no_grad():                  # each op's forward gather, recorded as before
-        gathered = execute(plan, DistTensor(loc.detach(), t.mesh, t.placements, t.shape,
-                                            t.dtype, t.names))._local
-    want = layout.local_shape(t.shape, mesh, plan.dst, _B.rank())
-    if tuple(gathered.shape[mesh.ndim:]) != tuple(want):
-        raise AssertionError(f"{label}: the gathered copy has shape "
-                             f"{tuple(gathered.shape)}, not the layout's {tuple(want)}")
-    out = _Use.apply(_stand_in(t, axes, gathered.shape), gathered)
+    if steps and any(s.kind != "all_gather" or s.mesh_dim not in axes for s in plan.steps):
+        return None          # (a step outside them keeps its own backward: ordinary path)
+    if steps:
+        with torch.no_grad():              # each op's forward gather, recorded as before
+            gathered = execute(plan, DistTensor(loc.detach(), t.mesh, t.placements,
+                                                t.shape, t.dtype, t.names))._local
+        want = layout.local_shape(t.shape, mesh, plan.dst, _B.rank())
+        if tuple(gathered.shape[mesh.ndim:]) != tuple(want):
+            raise AssertionError(f"{label}: the gathered copy has shape "
+                                 f"{tuple(gathered.shape)}, not the layout's {tuple(want)}")
+    else:
+        gathered = loc.detach()            # replicated: the one copy, as it is
+    kind = LABEL if any(src[i].is_shard() for i in axes) else LABEL_REPLICATED
+    out = _Use.apply(_stand_in(t, axes, gathered.shape, kind), gathered)
     _B.tag(out, had + axes)
     rest = [i for i in expand if i not in axes and i not in had]
     if rest:                               # Partial dims: their own all-reduce, as before

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["weight_pass", "in_weight_pass"]
+__all__ = ["weight_pass", "in_weight_pass", "micro_batch", "recorded_by_b", "mark_recorded"]
 
 _W: list = [False]
+_MB: list = [None]          # the micro-batch whose B or W runs (pipeline executors)
 
 
 @contextlib.contextmanager
@@ -34,3 +35,31 @@ def weight_pass():
 def in_weight_pass() -> bool:
     """True inside :func:`weight_pass`."""
     return _W[-1]
+
+
+@contextlib.contextmanager
+def micro_batch(key):
+    """The ``B`` or ``W`` of micro-batch ``key`` runs inside (the pipeline executors'
+    ``backward_action``): a node several micro-batches share (an input's gradient way,
+    made in the first forward that reads it: ``reshard_backward._source``) is recorded
+    once per micro-batch, as it runs (:func:`recorded_by_b`)."""
+    _MB.append(key)
+    try:
+        yield
+    finally:
+        _MB.pop()
+
+
+def mark_recorded(ctx) -> None:
+    """Note on a backward node's ``ctx`` that it recorded its events in this pass."""
+    ctx.recorded = True
+    ctx.recorded_in = _MB[-1]
+
+
+def recorded_by_b(ctx) -> bool:
+    """True inside :func:`weight_pass` where this micro-batch's ``B`` recorded the node
+    already (:func:`mark_recorded`): ``W`` walking ``B``'s graph again.  A node made in
+    an earlier micro-batch's forward and recorded there records again: its gradient
+    passes (and is reduced, on torch.distributed) in every micro-batch's backward."""
+    return in_weight_pass() and getattr(ctx, "recorded", False) and \
+        getattr(ctx, "recorded_in", None) == _MB[-1]

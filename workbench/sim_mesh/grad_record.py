@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backward_pass import in_weight_pass
+from .backward_pass import mark_recorded, recorded_by_b
 
 __all__ = ["mute_backward", "muted", "on_backward_steps"]
 
@@ -52,9 +52,9 @@ class _BackwardSteps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if getattr(ctx, "recorded", False) and in_weight_pass():
+        if recorded_by_b(ctx):
             return None, g               # a split backward's W walking B's graph again
-        ctx.recorded = True
+        mark_recorded(ctx)               # (per micro-batch: a way's node is shared)
         from .collectives import record_collective
         steps = ctx.steps() if callable(ctx.steps) else ctx.steps
         for kind, mesh, axis, nbytes, label in steps:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...sim_mesh import cost as _cost
-from ...sim_mesh.backward_pass import weight_pass
+from ...sim_mesh.backward_pass import micro_batch, weight_pass
 from ...sim_mesh.trace import current_trace, suspend
 from .. import storage
 from ..dist_tensor import DistTensor
@@ -336,6 +336,11 @@ def backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot=None
     """B (the whole backward, or only the input gradient when the schedule splits it)
     or W (the weight gradients) of stage ``s`` for one micro-batch (``slot``: the index
     of its parameters in ``params``, ``s`` when None)."""
+    with micro_batch(key):      # (a node shared by micro-batches records in each one)
+        _backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot)
+
+
+def _backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot) -> None:
     if a.kind == "B" and schedule.split_backward:
         if s > 0:
             _backward(out, g, inputs=[x], retain=True)
