@@ -425,9 +425,12 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
 # moment factored over its last two dims, a 1-d one does not).  On DDP's rows (N, *shape)
 # LBFGS counts every replica (Adafactor factors each row as one device: exact); on FSDP's
 # chunks ((N, chunk), or (chunk,) per process) Adafactor factors the chunks' shape, not the
-# parameter's (LBFGS: the chunks partition the parameters, padding 0 stays 0: exact)
-_WHOLE = {"LBFGS": ("rows", "its flat gradient, dot products and |g|_1 run over every "
-                    "parameter's storage, so each replica counts once more"),
+# parameter's, and LBFGS (whose flat update was exact on the chunks while ``p.numel()`` was
+# the storage's) now cuts its flat vector by ``p.numel()``, the module's (laid_out_whole),
+# and views each piece as the storage: misaligned wherever a chunk is padded, so refused
+_WHOLE = {"LBFGS": ("any", "its flat gradient, dot products and |g|_1 run over the "
+                    "parameters' storage (each replica counted once more on DDP's rows) "
+                    "while its flat vector is cut by p.numel(), the module's"),
           "Adafactor": ("chunks", "it factors a parameter's second moment by its shape, and "
                         "here the storage's shape is the flat chunks'"),
           # torch 2.13 torch/optim/_muon.py: each 2-d parameter's update orthogonalized
