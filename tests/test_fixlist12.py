@@ -44,3 +44,15 @@ def test_zero3_buffers_at_dp1_cp2_are_priced_over_the_cp_group(monkeypatch):
     # the same block gathered whole on every rank, whatever splits the 4 or 2 ranks' group
     assert got[1] == pytest.approx(got[2], rel=0.01)
 
+
+# ---- 2. ContextParallel(cp=1) refuses at construction, naming the recipe that runs it ----
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_context_parallel_cp1_is_refused_with_the_fix(zero):
+    """Was: ContextParallel(cp=1) built, then every zero stage raised in attention (the
+    ring context refusing a query replicated on the 1-rank cp dim), after the model and
+    optimizer were built. Now the constructor refuses and names Hybrid."""
+    from workbench.recipes.context_parallel import ContextParallel
+    with pytest.raises(ValueError, match=r"ContextParallel\(cp=1\).*use cp >= 2.*"
+                                         rf"Hybrid\(dp=2, tp=1, sp=False, zero={zero}\)"):
+        ContextParallel(cp=1, dp=2, zero=zero)
+    ContextParallel(cp=2, dp=1, zero=zero)          # cp >= 2 still builds
