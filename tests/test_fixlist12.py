@@ -56,3 +56,55 @@ def test_context_parallel_cp1_is_refused_with_the_fix(zero):
                                          rf"Hybrid\(dp=2, tp=1, sp=False, zero={zero}\)"):
         ContextParallel(cp=1, dp=2, zero=zero)
     ContextParallel(cp=2, dp=1, zero=zero)          # cp >= 2 still builds
+
+
+# ---- 3. Hybrid(sp, zero=3) runs outside measure_activations --------------------------------
+TINY = get_config("tiny", seq_len=16, n_layer=1, d_model=32, n_head=4, d_ff=64)
+LR, WD, BATCH = 1e-2, 0.1, 4
+
+
+def _one_device_step():
+    import torch
+
+    from workbench.models.config import build_model
+    from workbench.models.data import get_batch
+    from workbench.ops.adamw import AdamW
+    torch.manual_seed(0)
+    model = build_model(TINY, seed=0).train()
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    x, y = get_batch(TINY, BATCH, 0, 0)
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("measured", [False, True], ids=["plain", "measured"])
+def test_hybrid_sp_zero3_step_outside_measure_activations_is_one_devices(measured):
+    """Was: outside measure_activations the sequence-parallel linear's re-gathering backward
+    (ops_table/linear_regather.RegatheredLinear) got ZeRO-3's gathered weight back from
+    autograd as its laid-out view subclass, whose detach() leaf the local linear did not
+    read: the weight's gradient was None (AttributeError in zero3_clock's reduce-scatter
+    hook). Under measure_activations the saved-tensor hooks handed back a plain alias,
+    which is why train() never saw it. Now the leaves are plain tensors either way."""
+    import contextlib
+
+    import torch
+
+    from workbench.models.data import get_batch
+    from workbench.parallel.module import dist_parameters
+    from workbench.recipes.hybrid import Hybrid
+    want = _one_device_step()
+    torch.manual_seed(0)
+    s = Hybrid(dp=2, tp=2, sp=True, zero=3)
+    s.check(TINY, BATCH)
+    model = s.build_model(TINY, 0)
+    opts = s.build_optimizer(model, LR, WD)
+    x, y = get_batch(TINY, BATCH, 0, 0)
+    with s.measure_activations() if measured else contextlib.nullcontext():
+        s.forward_backward(model, x, y)
+    s.optimizer_step(opts)
+    got = {n: p.full().detach() for n, p in dist_parameters(model)}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-6, msg=name)
