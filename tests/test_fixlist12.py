@@ -108,3 +108,43 @@ def test_hybrid_sp_zero3_step_outside_measure_activations_is_one_devices(measure
     assert set(got) == set(want)
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-6, msg=name)
+
+
+# ---- 4. the simulator counts the ring layout's residual chunk as one rank's tokens ----------
+def test_cp_activation_count_keeps_one_ranks_tokens_of_the_residual(monkeypatch):
+    """By hand, tiny llama (1 layer, h 32, s 16), batch 4, ContextParallel(dp=2, cp=2):
+    each rank keeps 4 / dp = 2 sequences of 16 / cp = 8 tokens of its ring chunk; every
+    saved residual-stream tensor (last dim h) is 2 x 8 x 32 x 4 B = 2048 B a rank, and
+    the ring-ordered targets 2 x 8 x 8 B = 128 B. Was: the simulator's SavedCounter
+    counted the ring layout's chunk (a copy of the embedding's ring-ordered output, whole
+    on every cp rank) in its source's layout: 4096 B (and the targets' 256 B); torchrun's
+    4 processes count 2048 (and 128). Step totals: simulator 45244 B, now 43068; torchrun
+    43164 (the 96 B left: the ring's 16-position index, int64, held whole by every rank
+    and split over every rank by the counter's no-lead-axes ASSUMPTION)."""
+    import torch
+
+    import workbench.plan.meta_run as mr
+    from workbench.models.data import get_batch
+    from workbench.recipes.context_parallel import ContextParallel
+    made = []
+
+    class Recording(mr.SavedCounter):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+    monkeypatch.setattr(mr, "SavedCounter", Recording)
+    torch.manual_seed(0)
+    s = ContextParallel(cp=2, dp=2)
+    s.check(TINY, BATCH)
+    model = s.build_model(TINY, 0)
+    s.build_optimizer(model, LR, WD)
+    x, y = get_batch(TINY, BATCH, 0, 0)
+    with s.measure_activations():
+        s.forward_backward(model, x, y)
+    items = made[-1].items
+    assert s.last_activation_bytes == sum(b for b, *_ in items)
+    hidden = [b for b, shape, dtype, _ in items
+              if dtype == torch.float32 and shape and shape[-1] == TINY.d_model]
+    assert len(hidden) >= 6 and set(hidden) == {2 * 8 * 32 * 4}, hidden
+    targets = [b for b, shape, dtype, op in items if dtype == torch.int64 and op == "index_select"]
+    assert targets == [2 * 8 * 8], targets
