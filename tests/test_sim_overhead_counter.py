@@ -46,6 +46,8 @@ class PlainProvenance(meta_run._Provenance):
             key = t.untyped_storage()._cdata
             if copy and key != src.untyped_storage()._cdata:
                 self.parent.setdefault(key, self.root(src.untyped_storage()._cdata))
+                # (task fixlist12: a copy also keeps the view of its source it read)
+                self.via.setdefault(key, self.via.get(src.untyped_storage()._cdata, src))
             if self.mesh_shape is not None and key not in self.first:
                 self.axes[key] = self._derive(t, inputs)
             self.first.setdefault(key, t)

@@ -46,8 +46,8 @@ def _run(strategy, steps=2, traced_step=None):
     tr = None
     for step in range(steps):
         x, y = get_batch(CFG, B, 0, step)
-        # as train() runs a step (its activations counted: Hybrid(tp=2, sp=True, zero=3)
-        # outside the count raises in backward, on main too; not this task's)
+        # as train() runs a step (its activations counted; outside the count
+        # Hybrid(tp=2, sp=True, zero=3) raised in backward until task fixlist12)
         with strategy.measure_activations():
             strategy.forward_backward(model, x, y)
         if step == traced_step:

@@ -299,7 +299,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             mem["params"] += ms.params
             mem["grads"] += ms.grads
             mem["optimizer"] += ms.optimizer
-        if lay.zero == 3 and lay.dp > 1:
+        if lay.zero == 3 and lay.dp * lay.cp > 1:      # ZeRO shards over dp x cp
             # ZeRO-3's working copies (not optimizer state, not saved for backward): the
             # gathered weights the recipe's ledger (Zero3.live) measured at its peak over
             # the stage's forward and backward; plus one layer's whole 16-bit gradient

@@ -370,14 +370,14 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     for k, v in _ep_cp.expert_states(cfg, lay, nl, grad_buffer_extra_bytes(
             lay.engine, cfg.dtype)).items():             # a MoE's experts over ep
         mem[k] += v
-    if lay.zero == 3 and lay.dp > 1 and lay.engine != "fsdp":
+    if lay.zero == 3 and lay.dp * lay.cp > 1 and lay.engine != "fsdp":   # over dp x cp
         # working copies ZeRO-3 gathers: the whole 16-bit weights of the module computing
         # and of those prefetched (zero3_gathered_numel, the rule the recipe's ledger
         # follows), and the gradients not yet reduce-scattered (DeepSpeed: its bucket and
         # the largest parameter's; this library's recipe: one layer's,
         # _zero3_unreduced_grad_numel)
         from .zero_cost import PREFETCH_NUMEL
-        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp, nl)
+        mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp * lay.cp, nl)
         bucket, grads = _zero3_unreduced_grad_numel(cfg, lay, mods)
         unreduced = 2 * grads       # appear in the backward; the bucket stays allocated
         gathered = zero3_gathered_numel(mods, PREFETCH_NUMEL)
@@ -386,7 +386,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
             # re-runs, without prefetch, and keeps it for that module's backward
             # (``strategies.zero3_clock``: ``_gather_hook`` in a backward, freed by the
             # module's last reduce-scatter), so the whole block is gathered at once
-            layer = zero3_modules(cfg, lay.tp, 3, 1, lay.dp, 1)    # one middle layer
+            layer = zero3_modules(cfg, lay.tp, 3, 1, lay.dp * lay.cp, 1)   # a middle layer
             gathered = max(gathered, sum(layer))
         mem["buffers"] += 2 * gathered + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:

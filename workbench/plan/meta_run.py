@@ -67,6 +67,9 @@ class _Provenance(TorchDispatchMode):
         self.parent: dict[int, int] = {}
         self.first: dict[int, torch.Tensor] = {}
         self.made: dict[int, str] = {}           # storage id -> the op that made it
+        # storage id of a copy -> the view of a copy-free storage that its first copy
+        # read (the elements it holds, in their (*mesh, *local) layout)
+        self.via: dict[int, torch.Tensor] = {}
         self.mesh_shape = mesh_shape
         self.axes: dict[int, frozenset | None] = {}   # storage id -> axes it varies along
         self._layouts: dict = {}    # (shape, stride) -> _varying_axes (a function of them)
@@ -139,7 +142,9 @@ class _Provenance(TorchDispatchMode):
                 continue
             key = t.untyped_storage()._cdata
             if copy and key != src.untyped_storage()._cdata:
-                self.parent.setdefault(key, self.root(src.untyped_storage()._cdata))
+                skey = src.untyped_storage()._cdata
+                self.parent.setdefault(key, self.root(skey))
+                self.via.setdefault(key, self.via.get(skey, src))
             if key in first:
                 continue
             if self.mesh_shape is not None:
@@ -246,7 +251,16 @@ class SavedCounter:
         per = self._per_rank(t)
         if not self.local:  # (torch.distributed: no broadcast copies; a copy is the
             #                 process's own, counted at its own size, once)
-            if per is None or root != key:
+            via = self.prov.via.get(key) if root != key else None
+            if via is not None and self._per_rank(via) is not None:
+                # a copy: as the view of its source it copied, which says how many ranks
+                # split those elements (a broadcast copy's view is stride 0 on the ranks
+                # it was expanded over: the source's share; a split's, as the ring
+                # layout's local chunks of a sequence whole on every cp rank, varies over
+                # them: 1/cp of it).  Counted in the source storage's own layout, the
+                # ring's residual chunk was counted as the whole sequence (cp x)
+                per = self._per_rank(via)
+            elif per is None or root != key:
                 per = self._per_rank(src) if self._per_rank(src) is not None else per
             if per is None:      # no lead axes: the axes its inputs vary along
                 axes = self.prov.storage_axes(src)

@@ -97,8 +97,16 @@ class ContextParallel(Hybrid):
                  distributed: bool = False, regather: bool = True, cp_comm: str = "p2p",
                  **unused):
         if not _int(cp) or cp < 1:
-            raise ValueError(f"ContextParallel(cp={cp!r}): give an int >= 1, the number of "
+            raise ValueError(f"ContextParallel(cp={cp!r}): give an int >= 2, the number of "
                              "ranks the sequence is sharded over")
+        if cp == 1:
+            # the ring's layout and attention assume a sequence split over the cp dim: at
+            # cp = 1 attention refused a query replicated on it (every zero stage), so
+            # refuse here, before a model is built, with the recipe that runs this layout
+            raise ValueError(f"ContextParallel(cp=1): the sequence is not split, so there is "
+                             f"no context parallelism to run; use cp >= 2, or for plain data "
+                             f"/ tensor parallelism Hybrid(dp={dp!r}, tp={tp!r}, sp={sp!r}, "
+                             f"zero={zero!r}) (workbench.recipes.hybrid)")
         if pp != 1:
             raise NotImplementedError(f"cp={cp} with pp={pp}: context parallelism with "
                                       "pipeline stages is not built yet; use pp=1")

@@ -225,8 +225,16 @@ class RegatheredLinear(torch.autograd.Function):
             raise RuntimeError(f"linear: the re-gathered input is laid out {_layout(x)}; "
                                f"the forward read {ctx.x_layout}")
         need = ctx.needs_input_grad[5:8]
-        leaves = [None if t is None else t.detach().requires_grad_(n)
-                  for t, n in zip((x, w, b), need)]
+        # plain tensors, whatever subclass autograd hands back: ZeRO-3's gathered weight
+        # is a view of a laid-out parameter's storage (strategies.laid_out._LaidOutView),
+        # and autograd returns a saved input as that object (no saved-tensor hooks) or as
+        # a plain detached alias (under hooks: measure_activations' SavedCounter).  The
+        # subclass's detach() leaf was not what the local linear read, so its weight
+        # gradient came back None (Hybrid(dp=2, tp=2, sp=True, zero=3) outside
+        # measure_activations: AttributeError in zero3_clock's reduce-scatter hook)
+        with torch._C.DisableTorchFunctionSubclass():
+            leaves = [None if t is None else t.detach().requires_grad_(n)
+                      for t, n in zip((x, w, b), need)]
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         with torch.enable_grad():         # the local linear's own backward, on the leaves
             y = ctx.local(ctx.nd, ctx.lctx, *leaves)
