@@ -21,10 +21,12 @@ without the (p-1)/p a rank keeps: constant when S and p grow together.
 The degree is bounded by the heads: every rank needs whole heads. Transformer Engine
 refuses cp_comm_type='a2a' unless both the query heads and the K/V heads divide by cp
 (NVIDIA/TransformerEngine d0067d0d ``transformer_engine/pytorch/attention/
-dot_product_attention/context_parallel.py``:4246-4249), as DeepSpeed does for its heads
-(microsoft/DeepSpeed 38327e07 ``deepspeed/sequence/layer.py``:34); so does this module
-(GQA with fewer K/V heads than cp ranks: the fix is cp_comm="p2p", the ring, or a cp that
-divides the K/V heads). The hierarchical "a2a+p2p" (a2a inside, ring across:
+dot_product_attention/context_parallel.py``:4246-4249), as DeepSpeed of 2023 did for its
+heads (microsoft/DeepSpeed 38327e07 ``deepspeed/sequence/layer.py``:34); so does this
+module (GQA with fewer K/V heads than cp ranks: the fix is cp_comm="p2p", the ring, or a cp
+that divides the K/V heads).  DeepSpeed since deals heads out unevenly and asserts only
+more heads than ranks (deepspeedai/DeepSpeed edaa7221 ``deepspeed/sequence/layer.py``:
+190-254: 7 heads over 4 ranks as 2, 2, 2, 1); uneven heads are not built here. The hierarchical "a2a+p2p" (a2a inside, ring across:
 ``context_parallel.py``:5020) is not built.
 
 Megatron-Core names the choice ``cp_comm_type`` (NVIDIA/Megatron-LM d98e8a64:
