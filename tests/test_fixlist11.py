@@ -96,15 +96,16 @@ def test_split_backward_on_simulated_ranks_reduces_the_activation_once_per_micro
     # both (ZB-H1's order on one stage) against one backward per micro-batch.  The
     # activation h (read by two matmuls that gather it: one meeting point) has its summed
     # gradient reduce-scattered once per micro-batch: by B, whose node W walks again
-    # (grad_record._BackwardSteps: recorded once).  (The weight v's node, shared by the
-    # micro-batches and run by W only, is recorded by the first W only here: 1 for the
-    # whole backward's 2, the simulator gap branch tdreshard3 fixes, 4b62992.)
+    # (grad_record._BackwardSteps: recorded once).  The weight v's node, shared by the
+    # micro-batches and run by W only, is recorded by each micro-batch's W (its key,
+    # backward_pass.micro_batch, as the pipeline executors give it): 2, as the whole
+    # backward (tdreshard3's fix; the program ran without keys and v read 1 until habits12).
     prog = _prog()
     mesh = wb.Mesh.grid((2,), ["tp"])
     whole, split = (prog.split_backward(mesh, k) for k in (False, True))
     assert whole["diff"] < 1e-5 and split["diff"] < 1e-5       # both plain PyTorch's
     assert _grad_ways(whole) == {H_WAY: 2, V_WAY: 2}
-    assert _grad_ways(split)[H_WAY] == 2
+    assert _grad_ways(split) == {H_WAY: 2, V_WAY: 2}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 from workbench.models import get_batch, get_config  # noqa: E402
 from workbench.recipes.hybrid import Hybrid  # noqa: E402
-from workbench.sim_mesh.backward_pass import weight_pass  # noqa: E402
+from workbench.sim_mesh.backward_pass import micro_batch, weight_pass  # noqa: E402
 from workbench.sim_mesh.trace import trace  # noqa: E402
 
 
@@ -60,11 +60,16 @@ def split_backward(mesh, split, mbs=2):
             out = ((h @ w1) * (h @ w2)).sum() + (h @ v).sum()   # each matmul gathers h
             seeds.append(out._seed(torch.ones(()), "backward"))
             xs.append(xl)
-        for (o, gr), xl in zip(seeds, xs):          # B (or the whole backward)
-            torch.autograd.backward(o, gr, retain_graph=split, inputs=[xl] if split else None)
+        # each micro-batch's B and W under its key, as the pipeline executors run them
+        # (sim_mesh.backward_pass.micro_batch: a node the micro-batches share is recorded
+        # once per micro-batch, on both executors: recorded_by_b)
+        for k, ((o, gr), xl) in enumerate(zip(seeds, xs)):     # B (or the whole backward)
+            with micro_batch(k):
+                torch.autograd.backward(o, gr, retain_graph=split,
+                                        inputs=[xl] if split else None)
         if split:
-            for o, gr in seeds:                         # W
-                with weight_pass():
+            for k, (o, gr) in enumerate(seeds):                # W
+                with micro_batch(k), weight_pass():
                     torch.autograd.backward(o, gr, inputs=[A, W1, W2, V])
     refs = [t.detach().clone().requires_grad_() for t in (A, W1, W2, V)]
     rx = [X.clone().requires_grad_() for X in Xs]

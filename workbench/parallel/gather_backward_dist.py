@@ -72,14 +72,15 @@ class _Meet(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         # a split backward's W walking B's graph again (sim_mesh.backward_pass): the same
-        # values again (W's weights upstream need them), recorded once, by B, as the
-        # simulator's node (grad_record._BackwardSteps); was recorded by both, two
+        # values again (W's weights upstream need them), recorded once per micro-batch,
+        # by the shared rule the simulator's node follows (grad_record._BackwardSteps:
+        # recorded_by_b / mark_recorded); was recorded by both B and W, two
         # reduce-scatters per micro-batch where the whole backward has one.  A node that
         # only W runs (a weight's, met by every micro-batch) records in each W.
-        from ..sim_mesh.backward_pass import in_weight_pass
-        again = in_weight_pass() and getattr(ctx, "in_b", False)
-        if not in_weight_pass():
-            ctx.in_b = True
+        from ..sim_mesh.backward_pass import mark_recorded, recorded_by_b
+        again = recorded_by_b(ctx)
+        if not again:
+            mark_recorded(ctx)
         return _redistribute(ctx.way, g, record=not again), None, None
 
 
