@@ -248,6 +248,11 @@ def test_parameters_to_vector_is_one_devices(kind):
 
 
 # ---- 6. fully_shard under torch.distributed (one gloo launch) ------------------------------
+# the launch test_habits12 shares (its gradients' reads): one a session (run_several)
+GLOO_PARTS = [os.path.join(os.path.dirname(__file__), "dist_scripts", s)
+              for s in ("habits11_check.py", "habits12_check.py")]
+
+
 @pytest.mark.slow
 def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     """``wb.fully_shard`` on 2 gloo processes against torch's FSDP2 ``fully_shard``.  Before:
@@ -256,8 +261,7 @@ def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     module's (a gathered read); with autograd recording, or ``parameters_to_vector``, it
     raises naming what to call."""
     from tests.torchrun_support import json_rows, run_several
-    out, texts = run_several(2, [os.path.join(os.path.dirname(__file__), "dist_scripts",
-                                              "habits11_check.py")], tmp_path_factory)
+    out, texts = run_several(2, GLOO_PARTS, tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["case"]: r for r in json_rows(texts[0])}
     for k in ["numel", "dims", "norm", "mean", "abs_max", "total_norm"]:

@@ -191,7 +191,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
                     shape, numel = self._meta[id(s)]
                     s.register_post_accumulate_grad_hook(
                         lambda s, numel=numel, shape=shape: setattr(
-                            s, "grad", as_shard_grad(s.grad, pg) if dist_ else
+                            s, "grad", as_shard_grad(s.grad, pg, param=s) if dist_ else
                             as_chunk_rows(s.grad, numel, shape)))
 
     def _cast(self, shard):

@@ -99,7 +99,7 @@ class NoSync:
         from .rank_grads import as_chunk_rows, as_shard_grad
         z = torch.zeros_like(shard)
         if self.group.distributed:
-            return as_shard_grad(z, self.group.pg)
+            return as_shard_grad(z, self.group.pg, param=shard)
         return as_chunk_rows(z, self._meta[id(shard)][1], self._meta[id(shard)][0])
 
     def _drop_cleared(self) -> None:

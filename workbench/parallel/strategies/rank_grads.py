@@ -75,12 +75,15 @@ class _NormedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in WHOLE and func not in _NORMS and getattr(cls, "_wb_here", False):
+        # ShardGrad: per gradient, where it gathers (fully_shard's: _wb_gathers)
+        whole = getattr(cls, "_wb_here", False) or cls is ShardGrad
+        parsed = _norm_args(func, args, kwargs) if func in _NORMS else None
+        if func in WHOLE and whole and (func not in _NORMS or (
+                cls is ShardGrad and _gathered_norm(func, args, parsed))):
             done, out = whole_reads(func, args, kwargs, _WHOLE_GRADS)
             if done:
                 return out
         if func in _NORMS:
-            parsed = _norm_args(func, args, kwargs)
             if parsed is not None:
                 x, ord_, dtype = parsed
                 if func is not torch._foreach_norm:
@@ -91,9 +94,27 @@ class _NormedGrad(torch.Tensor):
                              _plain(torch.linalg.vector_norm, (t, ord_), {"dtype": dtype})
                              for t in x)      # torch._foreach_norm returns a tuple
         out = _plain(func, args, kwargs)
-        if getattr(cls, "_wb_here", False):
+        if whole:
             out = _keep_grad(func, args, kwargs, out)
         return out
+
+
+def _gathers(t) -> bool:
+    """Is ``t`` a ``fully_shard`` gradient under torch.distributed whose reads gather
+    (:func:`as_shard_grad`'s ``param``), as FSDP2's DTensor gradient reads its full tensor?"""
+    return isinstance(t, ShardGrad) and getattr(t, "_wb_gathers", False)
+
+
+def _gathered_norm(func, args, parsed) -> bool:
+    """A norm of a gathering gradient read from the gathered whole: along dims (a partial
+    norm is the whole tensor's only), or of order 0 / -inf (the padding zeros' count or
+    smallest |g| would enter a per-shard part).  Other norms stay partial
+    (:func:`_shard_norm`), reduced on use, as FSDP2's ``_NormPartial``."""
+    if func is torch._foreach_norm:
+        return False
+    if not args or not _gathers(args[0]):
+        return False
+    return parsed is None or float(parsed[1]) in (0.0, -math.inf)
 
 
 _T = torch.Tensor
@@ -112,12 +133,13 @@ def _keep_grad(func, args, kwargs, out):
         return out
     flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     g = flat[0] if flat else None
-    if not isinstance(g, _WHOLE_GRADS) or any(a is not g for a in flat) or \
+    if not isinstance(g, _WHOLE_GRADS) or (isinstance(g, ShardGrad) and not _gathers(g)) or \
+            any(a is not g for a in flat) or \
             out.shape != g.shape or \
             not (func in _COPIES or func == _DATA_GET or _is_pointwise(func)):
         return out
     kept = out.as_subclass(type(g))
-    for k in ("_wb_numel", "_wb_shape"):
+    for k in _KEPT:
         if k in g.__dict__:
             setattr(kept, k, g.__dict__[k])
     return kept
@@ -193,7 +215,9 @@ def as_chunk_rows(t, numel: int, shape=None):
     return out
 
 
-_WHOLE_GRADS = (RankRows, ChunkRows)
+# the attributes a kept alias / copy carries (ShardGrad's: its group, how it gathers)
+_KEPT = ("_wb_numel", "_wb_shape", "_wb_pg", "_wb_norm_skip", "_wb_full", "_wb_gathers",
+         "_wb_layout")
 
 
 class ReplicaGrad(_NormedGrad):
@@ -240,6 +264,11 @@ class ShardGrad(_NormedGrad):
 
 
 def _shard_norm(t, ord_, dtype):
+    if float(ord_) in (0.0, -math.inf) and _gathers(t):
+        # fully_shard's: the norm of the gathered whole, the same on every process
+        # (FSDP2's _NormPartial of the unpadded local shards gives that value)
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(t._wb_full(t), ord_, dtype=dtype)
     if float(ord_) in (0.0, -math.inf):
         # a flat shard holds padding zeros and pieces of several parameters: its count of
         # nonzeros or its smallest |g| is no part of any parameter's norm
@@ -258,6 +287,9 @@ def _shard_norm(t, ord_, dtype):
     return out
 
 
+_WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad)     # ShardGrad: where _gathers
+
+
 def _mixed():
     return RuntimeError(
         "clip_grad_norm_ over FullyShardedDataParallel's shards together with other "
@@ -265,16 +297,25 @@ def _mixed():
         "wrapper's parameters on their own (fsdp.parameters())")
 
 
-def as_shard_grad(t, pg, skip: bool = False):
+def as_shard_grad(t, pg, skip: bool = False, param=None):
     """``t`` as a :class:`ShardGrad` whose partial norm is reduced over ``pg`` (a process
     group, or a tuple of them, one after the other: the groups of several mesh dims);
-    ``skip``: this rank's copy is counted by another rank's (its norm part is zero)."""
+    ``skip``: this rank's copy is counted by another rank's (its norm part is zero);
+    ``param``: the shard ``t`` is the gradient of, where that shard's reads gather
+    (``fully_shard``'s, ``_wb_gathers``): then ``numel()`` is the module parameter's and
+    the other reductions of :data:`.laid_out_whole.WHOLE` read the chunks gathered (an
+    all-gather every process joins), as FSDP2's ``p.grad``, a DTensor, answers its full
+    tensor's (torch 2.13 ``torch/distributed/tensor/_api.py``); before, this process's
+    chunk (numel 29 for 58 on 2 processes)."""
     if t is None:
         return None
     out = t if isinstance(t, ShardGrad) else t.as_subclass(ShardGrad)
     out._wb_pg = pg
     if skip:
         out._wb_norm_skip = True
+    if param is not None and getattr(param, "_wb_gathers", False):
+        out._wb_full, out._wb_shape = param._wb_full, param._wb_shape
+        out._wb_gathers, out._wb_layout = True, f"the gradient of {param._wb_layout}"
     return out
 
 
