@@ -14,7 +14,7 @@ from .test_habits11 import GLOO_PARTS
 CASES = ["numel", "nelement", "sum", "mean", "abs_mean", "pow_sum", "std", "max", "min",
          "zeros", "sum_dim0", "norm", "norm_inf", "norm_dim0", "data_norm", "clone_sum",
          "detach_norm", "double_mean", "detach_mean", "clip_2", "clip_inf", "clip_1_foreach",
-         "total_0", "total_-inf"]
+         "total_0", "total_-inf", "sgd_clip_steps"]
 
 
 def _flat(v):
@@ -29,7 +29,9 @@ def test_fully_shard_gradient_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     ``max`` / ``(g == 0).sum()`` / ``sum(0)``, and ``g.data.norm()`` / ``g.detach()``'s norm
     (Lightning's, fairseq's logging) this process's chunk's (the last weight's norm 0.1794
     for 0.3041); torch's ``get_total_norm`` of order 0 / -inf raised.  Now every read is
-    the full gradient's, as torch's FSDP2 and one device give."""
+    the full gradient's, as torch's FSDP2 and one device give; and a loop that clips and
+    steps SGD with momentum (its buffer a clone of the gradient) still trains as one
+    device (``sgd_clip_steps``: the parameters after two steps)."""
     from tests.torchrun_support import json_rows, run_several
     out, texts = run_several(2, GLOO_PARTS, tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -67,6 +67,20 @@ def grads(m, x, y):
     return out
 
 
+def steps(m, x, y):
+    """Two steps of a loop that clips and steps SGD with momentum (torch.optim keeps
+    torch.clone(grad) as the buffer: a kept gradient subclass here): the parameters after,
+    flattened."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+        opt.step()
+    return [v for p in m.parameters()
+            for v in (p.full_tensor() if hasattr(p, "full_tensor") else p).reshape(-1).tolist()]
+
+
 def main():
     if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
         dist.init_process_group("gloo")
@@ -83,6 +97,12 @@ def main():
     wb.fully_shard(w[0])
     wb.fully_shard(w)
     mine = grads(w, mine_x, mine_y)
+    one["sgd_clip_steps"] = steps(model(), x, y)
+    for c, f in ((None, torch_fully_shard), ("wb", wb.fully_shard)):
+        m = model()
+        f(m[0])
+        f(m)
+        (mine if c else theirs)["sgd_clip_steps"] = steps(m, mine_x, mine_y)
     if k == 0:
         for c in one:
             print(json.dumps({"case": c, "one": one[c], "torch": theirs[c], "wb": mine[c]}))

@@ -33,9 +33,10 @@ Where this process holds every rank's storage (``_wb_here``: simulated ranks), a
 measured on gloo: numel 58, dims ``[2, 1, 2, 1]``, the full norms on every process), whose
 reductions gather the chunks (an all-gather every process joins, as reading FSDP2's
 ``Partial`` result does) and raise with autograd recording (the gather has no gradient)
-or for ``p.view(-1)`` (no view of the whole exists there).  ``FullyShardedDataParallel``
-under torch.distributed keeps this process's chunk, as torch FSDP1's ``use_orig_params``
-parameter is this rank's flat piece.
+or for ``p.view(-1)`` (no view of the whole exists there); so do their gradients
+(:func:`.rank_grads.as_shard_grad`'s ``param``: FSDP2's ``p.grad`` is a DTensor too).
+``FullyShardedDataParallel`` under torch.distributed keeps this process's chunk, as
+torch FSDP1's ``use_orig_params`` parameter is this rank's flat piece.
 """
 from __future__ import annotations
 

@@ -27,7 +27,11 @@ unchanged (the same storage, plain results; the optimizer's math is untouched):
 * :class:`ShardGrad`: the shard's norm as a :class:`PartialNorm`, reduced over the ranks
   when torch takes the norm of the stacked norms (a scalar all-reduce of the p-th powers,
   as FSDP2's per-shard norms come back ``_NormPartial`` and are reduced on use: torch
-  2.13, ``torch/distributed/tensor/_ops/_math_ops.py``).
+  2.13, ``torch/distributed/tensor/_ops/_math_ops.py``).  A ``fully_shard`` gradient
+  (``as_shard_grad(param=...)``) also answers ``numel()`` and the other reductions as the
+  full gradient's, gathered (FSDP2's ``p.grad`` is a DTensor), as its parameter does
+  (:mod:`.laid_out_whole`); ``FullyShardedDataParallel``'s stays this process's chunk
+  (FSDP1's flat piece).
 """
 from __future__ import annotations
 
