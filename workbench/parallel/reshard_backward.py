@@ -207,13 +207,16 @@ def _entries(t) -> dict:
     return out
 
 
-def _source(t, axes, back, label):
+def _source(t, axes, back, label, grad=None):
     """``t``'s local through its way's identity node: the one made for ``t``'s present
-    local and layout if there is one (every op reading it per rank meets there), else a
-    new one."""
+    local and layout and the readers' gradient layout ``grad`` (default: ``back`` with
+    Partial on ``axes``) if there is one (every op reading it per rank meets there), else
+    a new one."""
     loc = t._local
     ways = _entries(t)
-    key = (axes, tuple(t.placements))
+    if grad is None:
+        grad = tuple(Partial() if i in axes else p for i, p in enumerate(back))
+    key = (axes, tuple(t.placements), grad)
     hit = ways.get(key)
     if hit is not None and hit[0] is loc and hit[1] == loc._version and \
             hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
@@ -221,7 +224,7 @@ def _source(t, axes, back, label):
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
                label=label)
     # every reader's gradient: Partial along the dims it is given per rank (the key's)
-    way.uses.append(tuple(Partial() if i in axes else p for i, p in enumerate(back)))
+    way.uses.append(grad)
     y = C.on_backward_steps(loc, way.steps)
     ways[key] = (loc, loc._version, y, way)
     return y, way
@@ -253,9 +256,23 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     if not axes:
         return None
     gathered = any(src[i].is_shard() for i in axes)
+    # a plan that also moves other mesh dims (local_slice(dp) then all_gather(tp)): each
+    # reader's gradient leaves it in the plan's layout there (S(k) on dp, Partial on tp);
+    # their collectives' own backward (an all-gather over dp of a tp shard, per reader)
+    # would need the one reduction over tp first, which cannot run.  So the readers'
+    # gradients meet in the plan's layout and the one redistribution brings the sum back
+    # along every dim the plan moved, reducing first (the tp reduce-scatter, then the dp
+    # all-gather), as DTensor (redistributes the readers' summed gradient once, below
+    # autograd: module docstring).  A Partial source, or such a dim also given per rank,
+    # keeps each collective's own backward there (the ordinary path).
+    other = sorted({s.mesh_dim for s in plan.steps} - set(axes)) if steps else []
+    if any(src[i].is_partial() or i in expand for i in other):
+        return None
+    grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
+                 for i, p in enumerate(src))
     y, _ = _source(t, axes, src, "grad of a gathered input" if gathered else
-                   "grad of a replicated input")
-    with C.mute_backward(mesh, axes):
+                   "grad of a replicated input", grad)
+    with C.mute_backward(mesh, tuple(axes) + tuple(other)):
         out = y
         if steps:
             out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
