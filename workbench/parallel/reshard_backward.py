@@ -48,6 +48,15 @@ its local backward from the whole gradient, design (b) of the DESIGN note; DTens
 it Partial for that op's own backward rule to reduce); an input written in place between
 two ops that gather it (two meeting points: one reduce-scatter each).
 
+An op's plan that also moves a mesh dim it does not give every rank a view of (x
+``[R, S(0)]`` on dp x tp, sliced over dp to ``S(1)`` then gathered over tp): each reader's
+gradient is ``[S(1), P]``; the readers meet in that layout and the one redistribution
+takes the sum back to ``[R, S(0)]``, reducing first (reduce-scatter over tp, then
+all-gather over dp), the plan's every dim muted.  Recorded before: the slice's own
+backward (an all-gather over dp of a tp shard) per reader, then one reduce-scatter over
+tp, an order no processes can run (tdreshard4).  A Partial source there, or such a dim
+also given per rank, takes the ordinary path.
+
 A REPLICATED input read per rank by several ops (x read by the column-parallel q, k and v,
 or gate and up of a SwiGLU) goes through :func:`gather` too: held once along the dims the
 ops give every rank a view of, it gets the same identity node, so the readers' Partial
