@@ -120,3 +120,21 @@ def test_dtensor_reduces_the_readers_sum_once(oracle):  # noqa: F811
     _, after = _x_grad_program(ev)
     assert theirs.count("reduce_scatter") == 1
     assert [k for k, _, d in after if d == "tp"] == ["reduce_scatter"]
+
+
+@pytest.mark.parametrize("w2", [[R(), R()], [S(1), S(1)], [R(), S(1)]],
+                         ids=["RR", "S1S1", "RS1"])
+def test_readers_with_other_plans_equal_one_device(w2):
+    """A second reader whose plan differs (its gradient meets elsewhere, or on its own
+    node keyed by its layout): values and gradient still one device's."""
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    x = wb.shard_tensor(_values(X, 0), mesh, SRC).requires_grad_()
+    ws = [wb.shard_tensor(_values(W, 1), mesh, WP), wb.shard_tensor(_values(W, 2), mesh, w2)]
+    with wb.trace("a100"):
+        out = _op(x, *ws)
+        (out * 1.5).sum().backward()
+    xs = _values(X, 0).requires_grad_()
+    ref = _op(xs, _values(W, 1), _values(W, 2))
+    (ref * 1.5).sum().backward()
+    torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad.full(), xs.grad, rtol=1e-12, atol=1e-12)
