@@ -138,3 +138,32 @@ def test_readers_with_other_plans_equal_one_device(w2):
     (ref * 1.5).sum().backward()
     torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad.full(), xs.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_eager_records_what_the_compiled_program_runs_and_prices():
+    """The compiled program (O1) makes one reshard of x for both matmuls and runs and prices
+    its gradient's way back as reduce-scatter over tp then all-gather over dp (128 B each).
+    Eager recorded two all-gathers over dp (128 B) and one reduce-scatter of 256 B: it
+    failed before; now the same backward collectives, kinds and bytes."""
+    from collections import Counter
+
+    def fn(x, w1, w2):
+        return _op(x, w1, w2).sum()
+
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    runs = []
+    for level in (None, "O1"):
+        x = wb.shard_tensor(_values(X, 0), mesh, SRC).requires_grad_()
+        ws = [wb.shard_tensor(_values(W, k + 1), mesh, WP) for k in range(2)]
+        f = fn if level is None else wb.compile(fn, x, *ws, level=level, profile="a100")
+        with wb.trace("a100") as tr:
+            out = f(x, *ws)
+            n = len(tr.events)
+            out.backward()
+        runs.append((Counter((e.name, e.args["buffer_bytes"]) for e in tr.events[n:]
+                             if e.stream == "comm" and 0 in e.ranks), x.grad.full()))
+    (eager, e_grad), (comp, c_grad) = runs
+    priced = Counter((it.coll, it.nbytes) for it in f.schedule.items
+                     if it.kind == "comm" and it.phase == "backward")
+    assert eager == comp == priced, (eager, comp, priced)
+    torch.testing.assert_close(e_grad, c_grad, rtol=1e-12, atol=1e-12)
