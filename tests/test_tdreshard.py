@@ -24,7 +24,11 @@ micro-batch of step 2 (the fused AdamW left the weight's version counter 0, so i
 meeting point from step 1 was reused; the simulator's foreach AdamW bumps it).
 gather_mixed (x gathered over tp by the matmuls and replicated, held once, over dp: one
 reduce-scatter then one all-reduce for both readers) passed before too: it pins the mixed
-case.
+case.  gather_sliced (x [R, S(0)] read by two matmuls whose plan slices it over dp then
+gathers it over tp; tdreshard4): the simulator now reduces the readers' summed gradient
+first (reduce-scatter over tp, then all-gather over dp); torch.distributed took the
+ordinary path (each collective's own backward, per reader) and its collectives differed:
+failed before gather_backward_dist took such plans, passes after.
 """
 import os
 import sys

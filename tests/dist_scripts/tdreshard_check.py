@@ -116,6 +116,28 @@ def gather_mixed(mesh):
     return _gathered_twice(mesh, 2, (wb.Replicate(), wb.Shard(0)), (wb.Shard(1), wb.Shard(1)))
 
 
+def gather_sliced(mesh):
+    """x [R, S(0)] read by two matmuls whose weights are [S(0), S(1)]: each op's plan
+    slices x over dp (to S(1)) then gathers it over tp.  The readers' gradients meet in
+    that layout ([S(1), P]) and one redistribution reduces first: a reduce-scatter over
+    tp, then an all-gather over dp (tdreshard4; the simulator recorded the dp slice's
+    all-gather per reader before the one reduce-scatter, torch.distributed all-reduced
+    per reader)."""
+    X, W1, W2 = (t * 0.5 for t in _inputs((4, 8), (8, 32), (8, 32)))   # (float32 sums)
+    refs = [t.clone().requires_grad_() for t in (X, W1, W2)]
+    for t in (X, W1, W2):
+        t.requires_grad_()
+    x = wb.shard_tensor(X, mesh, [wb.Replicate(), wb.Shard(0)])
+    w1, w2 = (wb.shard_tensor(W, mesh, [wb.Shard(0), wb.Shard(1)]) for W in (W1, W2))
+    out = ((x @ w1) * (x @ w2)).sum()
+    out.backward()
+    rx, r1, r2 = refs
+    ((rx @ r1) * (rx @ r2)).sum().backward()
+    return {"out": _diff(out.full(), ((rx @ r1) * (rx @ r2)).sum()),
+            "grad_x": _diff(X.grad, rx.grad), "grad_w1": _diff(W1.grad, r1.grad),
+            "grad_w2": _diff(W2.grad, r2.grad)}
+
+
 # (name, mesh shape, mesh dim names, program): meshes over ranks 0 ..
 PROGRAMS = [("uneven_1d", (2,), ("tp",), uneven_1d),
             ("empty_shard", (2,), ("tp",), empty_shard),
@@ -123,7 +145,8 @@ PROGRAMS = [("uneven_1d", (2,), ("tp",), uneven_1d),
             ("gather_even", (2,), ("tp",), gather_even),
             ("gather_uneven", (2,), ("tp",), gather_uneven),
             ("gather_2d", (2, 2), ("dp", "tp"), gather_2d),
-            ("gather_mixed", (2, 2), ("dp", "tp"), gather_mixed)]
+            ("gather_mixed", (2, 2), ("dp", "tp"), gather_mixed),
+            ("gather_sliced", (2, 2), ("dp", "tp"), gather_sliced)]
 TRAIN = dict(dp=2, tp=2, pp=2, sp=True)       # tiny, 8 ranks, 2 steps
 TRAIN_ZB = dict(TRAIN, schedule="zb-h1")      # the same under a split backward (B, W)
 TRAIN_STEPS = 2

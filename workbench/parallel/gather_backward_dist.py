@@ -26,8 +26,10 @@ the readers' Partial gradients summed, then one ``P -> R`` all-reduce per dim (l
 
 Covered where the simulator covers it (even shards, a stacked local that takes part in
 autograd) and the op's plan is none, or all-gathers along the dims it then gives every
-rank a view of; other plans keep each collective's own backward (the ordinary path; the
-simulator runs them with the way's dims muted).
+rank a view of, and may also move other mesh dims that are not Partial nor given per rank
+(local_slice(dp) then all_gather(tp)): the uses' gradients meet in the plan's layout
+there and the stand-in's one redistribution reduces first, as the simulator's.  Other
+plans keep each collective's own backward (the ordinary path, as on the simulator).
 """
 from __future__ import annotations
 
@@ -119,9 +121,12 @@ def _redistribute(way, g, record=True):
 _STAND_INS: dict = {}       # id(DistTensor) -> (weakref, {(axes, placements): entry})
 
 
-def _stand_in(t, axes, gathered_shape, label=LABEL):
-    """``t``'s stand-in for its gathered copy along ``axes``: the one made for its present
+def _stand_in(t, axes, gathered_shape, label=LABEL, grad=None):
+    """``t``'s stand-in for its gathered copy along ``axes`` (its uses' gradient laid out
+    ``grad``; default: ``t``'s layout, Partial on ``axes``): the one made for its present
     local and layout if there is one (every op gathering it meets there), else a new one."""
+    if grad is None:
+        grad = tuple(Partial() if i in axes else p for i, p in enumerate(t.placements))
     key = id(t)
     hit = _STAND_INS.get(key)
     if hit is None or hit[0]() is not t:
@@ -131,12 +136,11 @@ def _stand_in(t, axes, gathered_shape, label=LABEL):
         hit = _STAND_INS[key] = (weakref.ref(t, gone), {})
     ways = hit[1]
     loc = t._local
-    k = (axes, tuple(t.placements))
+    k = (axes, tuple(t.placements), grad)
     got = ways.get(k)
     if got is not None and got[0] is loc and got[1] == loc._version and \
             tuple(got[2].shape) == tuple(gathered_shape):
         return got[2]
-    grad = tuple(Partial() if i in axes else p for i, p in enumerate(t.placements))
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), grad, label)
     y = _Meet.apply(loc, way, tuple(gathered_shape))
     ways[k] = (loc, loc._version, y)
@@ -168,8 +172,16 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
                  (src[i].is_replicate() and i not in had))
     if not axes:
         return None
-    if steps and any(s.kind != "all_gather" or s.mesh_dim not in axes for s in plan.steps):
+    # a plan that also moves other mesh dims (local_slice(dp) then all_gather(tp)): the
+    # uses' gradients meet in the plan's layout there and the one redistribution takes
+    # their sum back, reducing first, as the simulator's (reshard_backward.gather); a
+    # Partial source or such a dim also given per rank: the ordinary path, as there
+    other = sorted({s.mesh_dim for s in plan.steps} - set(axes)) if steps else []
+    if any(src[i].is_partial() or i in expand for i in other) or \
+            any(s.kind != "all_gather" for s in plan.steps if s.mesh_dim in axes):
         return None          # (a step outside them keeps its own backward: ordinary path)
+    grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
+                 for i, p in enumerate(src))
     if steps:
         with torch.no_grad():              # each op's forward gather, recorded as before
             gathered = execute(plan, DistTensor(loc.detach(), t.mesh, t.placements,
@@ -181,7 +193,7 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     else:
         gathered = loc.detach()            # replicated: the one copy, as it is
     kind = LABEL if any(src[i].is_shard() for i in axes) else LABEL_REPLICATED
-    out = _Use.apply(_stand_in(t, axes, gathered.shape, kind), gathered)
+    out = _Use.apply(_stand_in(t, axes, gathered.shape, kind, grad), gathered)
     _B.tag(out, had + axes)
     rest = [i for i in expand if i not in axes and i not in had]
     if rest:                               # Partial dims: their own all-reduce, as before

@@ -48,6 +48,15 @@ its local backward from the whole gradient, design (b) of the DESIGN note; DTens
 it Partial for that op's own backward rule to reduce); an input written in place between
 two ops that gather it (two meeting points: one reduce-scatter each).
 
+An op's plan that also moves a mesh dim it does not give every rank a view of (x
+``[R, S(0)]`` on dp x tp, sliced over dp to ``S(1)`` then gathered over tp): each reader's
+gradient is ``[S(1), P]``; the readers meet in that layout and the one redistribution
+takes the sum back to ``[R, S(0)]``, reducing first (reduce-scatter over tp, then
+all-gather over dp), the plan's every dim muted.  Recorded before: the slice's own
+backward (an all-gather over dp of a tp shard) per reader, then one reduce-scatter over
+tp, an order no processes can run (tdreshard4).  A Partial source there, or such a dim
+also given per rank, takes the ordinary path.
+
 A REPLICATED input read per rank by several ops (x read by the column-parallel q, k and v,
 or gate and up of a SwiGLU) goes through :func:`gather` too: held once along the dims the
 ops give every rank a view of, it gets the same identity node, so the readers' Partial
@@ -207,13 +216,16 @@ def _entries(t) -> dict:
     return out
 
 
-def _source(t, axes, back, label):
+def _source(t, axes, back, label, grad=None):
     """``t``'s local through its way's identity node: the one made for ``t``'s present
-    local and layout if there is one (every op reading it per rank meets there), else a
-    new one."""
+    local and layout and the readers' gradient layout ``grad`` (default: ``back`` with
+    Partial on ``axes``) if there is one (every op reading it per rank meets there), else
+    a new one."""
     loc = t._local
     ways = _entries(t)
-    key = (axes, tuple(t.placements))
+    if grad is None:
+        grad = tuple(Partial() if i in axes else p for i, p in enumerate(back))
+    key = (axes, tuple(t.placements), grad)
     hit = ways.get(key)
     if hit is not None and hit[0] is loc and hit[1] == loc._version and \
             hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
@@ -221,7 +233,7 @@ def _source(t, axes, back, label):
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
                label=label)
     # every reader's gradient: Partial along the dims it is given per rank (the key's)
-    way.uses.append(tuple(Partial() if i in axes else p for i, p in enumerate(back)))
+    way.uses.append(grad)
     y = C.on_backward_steps(loc, way.steps)
     ways[key] = (loc, loc._version, y, way)
     return y, way
@@ -253,9 +265,23 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     if not axes:
         return None
     gathered = any(src[i].is_shard() for i in axes)
+    # a plan that also moves other mesh dims (local_slice(dp) then all_gather(tp)): each
+    # reader's gradient leaves it in the plan's layout there (S(k) on dp, Partial on tp);
+    # their collectives' own backward (an all-gather over dp of a tp shard, per reader)
+    # would need the one reduction over tp first, which cannot run.  So the readers'
+    # gradients meet in the plan's layout and the one redistribution brings the sum back
+    # along every dim the plan moved, reducing first (the tp reduce-scatter, then the dp
+    # all-gather), as DTensor (redistributes the readers' summed gradient once, below
+    # autograd: module docstring).  A Partial source, or such a dim also given per rank,
+    # keeps each collective's own backward there (the ordinary path).
+    other = sorted({s.mesh_dim for s in plan.steps} - set(axes)) if steps else []
+    if any(src[i].is_partial() or i in expand for i in other):
+        return None
+    grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
+                 for i, p in enumerate(src))
     y, _ = _source(t, axes, src, "grad of a gathered input" if gathered else
-                   "grad of a replicated input")
-    with C.mute_backward(mesh, axes):
+                   "grad of a replicated input", grad)
+    with C.mute_backward(mesh, tuple(axes) + tuple(other)):
         out = y
         if steps:
             out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
