@@ -10,6 +10,7 @@ import pytest
 import workbench as wb
 from workbench.plan import costs as C
 from workbench.plan import zero3_2021 as Z
+from tests.test_zero3_2021 import _gpt, _trace as _zero3_trace
 from workbench.plan.edge_cost import edge_times
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -24,13 +25,7 @@ def _audit_module():
 
 
 def _trace(h=4096, layers=2, mb=1):
-    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=51200, seq_len=2048,
-                                tie_embeddings=True, dropout=0.1, d_model=h,
-                                n_layer=layers, n_head=h // 128, dtype="float16")
-    prof = wb.plan.Cluster("a100", 8).profile
-    layer = C.layer_cost(cfg, mb, 1, False, "full", prof, "materialized", False)
-    head = C.head_cost(cfg, mb, 1, False, prof)
-    return Z.gpt_trace(cfg, layer, head, edge_times(cfg, mb, 1, False, prof), "full")
+    return _zero3_trace(_gpt(h, layers), "full", mb)
 
 
 @pytest.mark.parametrize("name,devices", [("GPT 175B", 1536), ("GPT 530B", 2240)])

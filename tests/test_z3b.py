@@ -2,20 +2,12 @@
 bucket's reduce-scatters and the per-step work counters, against their source rules."""
 import pytest
 
-import workbench as wb
-from workbench.plan import costs as C
 from workbench.plan import zero3_2021 as Z
-from workbench.plan.edge_cost import edge_times
+from tests.test_zero3_2021 import _gpt, _trace as _zero3_trace
 
 
 def _trace(h=12288, layers=2, mb=1):
-    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=51200, seq_len=2048,
-                                tie_embeddings=True, dropout=0.1, d_model=h,
-                                n_layer=layers, n_head=h // 128, dtype="float16")
-    prof = wb.plan.Cluster("a100", 8).profile
-    layer = C.layer_cost(cfg, mb, 1, False, "full", prof, "materialized", False)
-    head = C.head_cost(cfg, mb, 1, False, prof)
-    return Z.gpt_trace(cfg, layer, head, edge_times(cfg, mb, 1, False, prof), "full")
+    return _zero3_trace(_gpt(h, layers), "full", mb)
 
 
 def test_predivide_is_the_whole_ipg_buffer_and_each_large_gradient():

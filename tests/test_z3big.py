@@ -3,20 +3,12 @@ counter behind the prefetch check, against DeepSpeed v0.3.13's stage3.py (module
 docstring of ``plan.zero3_2021``)."""
 import pytest
 
-import workbench as wb
-from workbench.plan import costs as C
 from workbench.plan import zero3_2021 as Z
-from workbench.plan.edge_cost import edge_times
+from tests.test_zero3_2021 import _gpt, _trace as _zero3_trace
 
 
 def _trace_530b(layers):
-    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=51200, seq_len=2048,
-                                tie_embeddings=True, dropout=0.1, d_model=20480,
-                                n_layer=layers, n_head=128, dtype="float16")
-    prof = wb.plan.Cluster("a100", 8).profile
-    layer = C.layer_cost(cfg, 1, 1, False, "full", prof, "materialized", False)
-    head = C.head_cost(cfg, 1, 1, False, prof)
-    return Z.gpt_trace(cfg, layer, head, edge_times(cfg, 1, 1, False, prof), "full")
+    return _zero3_trace(_gpt(20480, layers), "full", 1)
 
 
 def _ag(n):                     # a ring at 150 GB/s over 640 ranks, 16-bit elements
