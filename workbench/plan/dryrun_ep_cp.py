@@ -6,7 +6,7 @@
   by default, what the planner assumes; or given counts);
 - ``Layout(cp=c)``: ``ContextParallel(cp=c, dp=, tp=, sp=, cp_comm=)``
   (``recipes.context_parallel``: ring attention, or DeepSpeed-Ulysses' all-to-all with
-  ``cp_comm="a2a"`` at tp = 1; causal load balancing), the rank order tp, cp, dp of
+  ``cp_comm="a2a"``, with tp too; causal load balancing), the rank order tp, cp, dp of
   ``plan.ep_cp``.
 
 - a MoE model with tp > 1 (sp=False): the runtime keeps the MoE MLP whole on every tp
@@ -64,11 +64,6 @@ def check(model, lay) -> None:
                              f"parallel recipe (recipes.context_parallel: dp x cp x tp with or "
                              f"without sp, no pp, ZeRO-3 or ep); change {n}, or use "
                              f"wb.plan.estimate")
-        if lay.cp_comm == "a2a" and lay.tp > 1:
-            raise ValueError(f"dry_run: cp_comm='a2a' with tp={lay.tp} is not run by the "
-                             f"context-parallel recipe (ContextParallel(cp_comm='a2a') is "
-                             f"tp = 1: the all-to-all over heads already split on tp is not "
-                             f"built); use tp=1, cp_comm='p2p', or wb.plan.estimate")
 
 
 def recipe(lay):

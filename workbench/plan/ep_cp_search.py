@@ -63,9 +63,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                 if not (lay.zero == 2 and moe is None and lay.framework == "workbench"):
                     continue
             comms = [m for m, ok in (("p2p", cp in ring), ("a2a", cp in a2a and (
-                hq // lay.tp) % cp == 0 and (hkv // lay.tp) % cp == 0 and not (
-                    lay.engine == "workbench" and lay.tp > 1))) if ok] if cp > 1 else ["p2p"]
-            # (a2a with tp > 1 is not built in this library's runtime: dryrun_ep_cp refuses it)
+                hq // lay.tp) % cp == 0 and (hkv // lay.tp) % cp == 0)) if ok] \
+                if cp > 1 else ["p2p"]
             for ep in eps:
                 for comm in comms:
                     yield lay.replace(ep=ep, cp=cp, cp_comm=comm)

@@ -13,8 +13,9 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   attention runs on cp-sharded tokens unchanged;
 * attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs),
   or with ``cp_comm="a2a"`` as DeepSpeed-Ulysses' all-to-all attention (Megatron-LM's
-  ``--cp-comm-type a2a``: ``strategies.context_parallel_a2a``; tp = 1 only, the heads
-  dividing by cp; the ring layout stays, each rank reorders the gathered sequence);
+  ``--cp-comm-type a2a``: ``strategies.context_parallel_a2a``; each tp rank's heads
+  dividing by cp, split further over cp as Megatron-LM with Transformer Engine does; the
+  ring layout stays, each rank reorders the gathered sequence);
 * with sequence parallelism (``sp``, tp > 1) each cp rank's tokens are sharded over tp
   as well (Megatron-LM runs SP inside each cp rank): the rules put Megatron SP's
   all-gathers and reduce-scatters on tp around the linears, the ring stays on cp, and
@@ -119,11 +120,6 @@ class ContextParallel(Hybrid):
             raise ValueError(f"ContextParallel(cp_comm={cp_comm!r}): give one of {CP_COMMS} "
                              "(Megatron-LM's --cp-comm-type: the ring, or DeepSpeed-Ulysses' "
                              "all-to-all)")
-        if cp_comm == "a2a" and tp > 1:
-            raise NotImplementedError(
-                f"ContextParallel(cp_comm='a2a', tp={tp}): the all-to-all over cp with heads "
-                "already split over tp is not built (the placements would put cp's head split "
-                "outside tp's); use cp_comm='p2p' with tp, or tp=1")
         if unused:
             raise TypeError(f"ContextParallel: unknown arguments {sorted(unused)}")
         check_world(dp * cp, tp, 1, f"dp={dp}, cp={cp}, tp={tp}")
@@ -145,7 +141,8 @@ class ContextParallel(Hybrid):
         check_ring(cfg.seq_len, self.cp, self.balanced, f"cp={self.cp} (seq_len={cfg.seq_len})")
         if self.cp_comm == "a2a":
             check_ulysses_heads(cfg.n_head, getattr(cfg, "n_kv_head", None) or cfg.n_head,
-                                self.cp, f"ContextParallel(cp={self.cp})")
+                                self.cp, f"ContextParallel(cp={self.cp}, tp={self.tp})",
+                                self.tp)
         if self.sp and (cfg.seq_len // self.cp) % self.tp:
             raise ValueError(f"cp={self.cp} with sp and tp={self.tp}: each cp rank's "
                              f"{cfg.seq_len // self.cp} tokens do not divide by tp; use a "
