@@ -45,15 +45,13 @@ def test_search_tries_the_all_to_all_where_the_heads_allow():
     assert a2a and all(lay.cp > 1 for lay in a2a)
     for lay in a2a:             # legal: every tp rank's heads divide by cp
         assert (16 // lay.tp) % lay.cp == 0 and (4 // lay.tp) % lay.cp == 0
-        assert not (lay.engine == "workbench" and lay.tp > 1)   # not built: dry_run refuses
     # the all-to-all has no per-rank floor (it hides nothing): cp 4 (2,048 tokens a rank)
     # by all-to-all only; every ring layout at cp 2 has its all-to-all twin where legal
     assert {lay.cp for lay in a2a} == {2, 4}
     assert all(lay.cp_comm == "a2a" for lay in lays if lay.cp == 4)
     ring = {lay for lay in lays if lay.cp == 2 and lay.cp_comm == "p2p"}
     twins = {lay.replace(cp_comm="p2p") for lay in a2a if lay.cp == 2}
-    assert twins == {lay for lay in ring if (4 // lay.tp) % 2 == 0
-                     and not (lay.engine == "workbench" and lay.tp > 1)} and twins
+    assert twins == {lay for lay in ring if (4 // lay.tp) % 2 == 0} and twins
     # each one estimates (none refused)
     for lay in a2a[:: max(1, len(a2a) // 6)]:
         assert estimate(LONG, lay, Cluster("a100", 8), attention="flash").step_time > 0
