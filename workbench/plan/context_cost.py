@@ -194,7 +194,11 @@ def ring_times(cfg, lay, prof) -> RingTimes:
 # context_parallel.py:4566-4576 ``save_for_backward``) and the output projection keeps
 # the all-to-all'd one, where the ring's output is one tensor kept by both
 # (``a2a_saved_bytes``; measured on the dry run: 1.008 blocks per layer more than the
-# ring, at cp 2 and cp 4, tests/test_ulysses.py).
+# ring, at cp 2 and cp 4, tests/test_ulysses.py).  With tp the blocks are of the tp rank's
+# heads (H / tp, H_kv / tp), the all-to-all on its cp group only (the tp groups side by
+# side), as the runtime runs it (``strategies.context_parallel_a2a``: each tp rank's heads
+# split further over cp): dry run / estimate step 1.032x at cp 2 tp 2, 1.037x with sp,
+# the all-to-all bytes a rank sends equal (tests/test_ulysses4.py).
 
 
 def check_cp_comm(cfg, lay) -> None:
