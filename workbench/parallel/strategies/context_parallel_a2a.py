@@ -35,9 +35,9 @@ size``) the heads are split over tp first: each tp rank holds heads / tp of q an
 ``DotProductAttention`` likewise, ``dot_product_attention.py``:739 at d0067d0d), and the
 all-to-all over the cp group (the ranks of one tp rank, stride tp in Megatron's rank order
 "tp-cp-ep-dp-pp", ``parallel_state.py``:617) splits those tp-local heads further: TE views
-the rank's (b, h, s / cp, d) as (b, cp, h / cp, s / cp, d) and sends piece c to cp rank c
-(``context_parallel.py``:456-467), so cp rank c of tp rank t attends heads
-t h / tp + c h / (tp cp) + [0, h / (tp cp)), and TE's condition (:4246) is on the tp-local
+the rank's (b, H / tp, s / cp, d) block as (b, cp, H / (tp cp), s / cp, d) and sends piece c
+to cp rank c (``context_parallel.py``:456-467), so cp rank c of tp rank t attends heads
+t H / tp + c H / (tp cp) + [0, H / (tp cp)), and TE's condition (:4246) is on the tp-local
 heads: (H / tp) and (H_kv / tp) divisible by cp.  Here the same: one all-to-all per tensor
 over cp of each rank's own block (:func:`_swap`), nothing on tp; that layout is not a
 placement list (tp's head split outside cp's, where the mesh order (dp, cp, tp) puts cp
