@@ -207,3 +207,95 @@ def test_chunk_breaks_the_reuse_of_the_first_layers_fc2():
     two = Z.simulate(Z.gpt_trace(cfg, layer, head, edge, "full", chunk=2), 64,
                      lambda n: 1e-3, lambda n: 1e-3, 2e12)
     assert two["gathers"] == one["gathers"] + 1
+
+
+# -- the 530B ZeRO-3 memory audit (benchmarks/zero3_audit.py, memory section) ------
+
+def _audit():
+    from tests.test_i21z3530 import _audit_module
+    return _audit_module()
+
+
+def test_memory_audit_terms_against_their_sources():
+    A = _audit()
+    a = A.memory_audit("GPT 530B", 640)
+    t = {k.split(":")[0].split(",")[0]: v for k, v in a["terms"].items()}
+    h, f, V, s, b = 20480, 4 * 20480, 51200, 2048, 4
+    inp = 2 * s * b * h
+    # the planner's side is stage_memory's total, term for term
+    assert a["planner"] == pytest.approx(a["total"], rel=1e-12)
+    assert a["source"] == pytest.approx(sum(v[1] for v in a["terms"].values()), rel=1e-12)
+    # stage3.py:2535-2546: two ipg buffers of reduce_bucket_size fp16 (overlap_comm)
+    assert t["reduce bucket (ipg_buffer)"][1] == 2 * 2 * Z.REDUCE_BUCKET_NUMEL
+    # the tied embedding held by the root + fc2 (f h) kept from its recompute
+    assert t["gathered parameters"][1] == 2 * (V * h + f * h)
+    # the previous chunk's qkv weight gradient (3 h^2), freed at fc2's hook (pp:848)
+    assert t["the previous extra-large gradient"][1] == 2 * 3 * h * h
+    assert t["the head's gradient of the tied embedding"][1] == 2 * V * h
+    # initialize.py:105-106: ceil(105 / 2) = 53 checkpoints; a chunk of 2 layers re-run
+    assert t["checkpointed chunk inputs (partition at mp 1 = whole)"][1] == 53 * inp
+    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=V, seq_len=s, tie_embeddings=True,
+                                dropout=0.1, d_model=h, n_layer=105, n_head=128,
+                                dtype="float16")
+    none = layer_activation_bytes(cfg, b, 1, False, "none")
+    assert t["the chunk's recomputed layers (k x none"][1] == pytest.approx(2 * none - inp)
+    assert t["head"][1] == 0.0
+    # fc2's bias hook: the previous gradient freed, fc2's input released, c10d's flat
+    # copy of fc2's gradient (a whole parameter) live
+    assert a["alt"] == pytest.approx(a["source"] - 2 * 3 * h * h + 2 * f * h - 2 * s * b * f)
+    # the source's peak is above the profile's usable memory: why the planner does not
+    # count it (the capacity, 80e9 B where the device has 80 GiB, is the suspect)
+    assert max(a["source"], a["alt"]) > a["usable"] > a["planner"]
+
+
+def test_tied_embedding_gradient_waits_in_autograd_measured():
+    # one leaf used by the embedding and the head: autograd holds the head's gradient
+    # in the leaf's input buffer until the embedding's backward adds its own, so during
+    # the layers' backward V x h more bytes are live than when the head's gradient is
+    # reduced and freed as it lands (an untied head under ZeRO-3's hook)
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.seen = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    key, n = st.data_ptr(), st.nbytes()
+                    if key in self.seen or n == 0:
+                        continue
+                    self.seen.add(key)
+                    self.live += n
+
+                    def fin(k=key, n=n):
+                        self.live -= n
+                        self.seen.discard(k)
+                    weakref.finalize(st, fin)
+            return out
+
+    def live_in_layer_backward(tied, V=512, h=32, n=16):
+        torch.manual_seed(0)
+        emb = torch.nn.Parameter(torch.randn(V, h))
+        head = emb if tied else torch.nn.Parameter(torch.randn(V, h))
+        if not tied:
+            head.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        mid = torch.nn.Linear(h, h)
+        idx = torch.randint(0, V, (n,))
+        seen, mode = {}, Live()
+
+        def hook(g):
+            seen["bytes"] = mode.live
+            return g
+        with mode:
+            x = emb[idx]
+            x.register_hook(hook)          # after the layer's backward
+            loss = (mid(x) @ head.t()).logsumexp(-1).sum()
+            loss.backward()
+        return seen["bytes"]
+
+    assert live_in_layer_backward(True) - live_in_layer_backward(False) == 512 * 32 * 4

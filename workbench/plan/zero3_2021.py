@@ -165,9 +165,9 @@ Megatron-LM-v1.1.5-ZeRO3 (7b5abd576e ``megatron/initialize.py:108-117``) runs
 DeepSpeed's, and the example script (44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on
 only ``partition_activations``, which with one model-parallel rank is a clone of each
 checkpointed input (activation_checkpointing/checkpointing.py ``:446-455``) and, in
-backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``): 0.18 s a
-step at 530B, micro-batch 4, on the compute stream (``partition_activation_seconds``,
-``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
+backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``), one
+per checkpointed chunk: 0.09 s a step at 530B, micro-batch 4, chunks of 2, on the
+compute stream (``partition_activation_seconds``, ``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
 overflow check's ``float()``, the norm's ``.item()``), the timers' synchronizes of
 ``wall_clock_breakdown`` and Megatron's, the blocking one-element copies, the per-tensor
 narrow loops and the scalar all-reduces (``step_host_seconds``): 0.03 s a step.  The
@@ -179,11 +179,16 @@ one per chunk.
 Not modeled: the parent modules' hooks (no parameters of their own) and the host's
 Python in the hooks (no measurement: to explain the 530B rows alone each of a step's
 4,316 host waits would have to cost 11-16 ms more, ``benchmarks/zero3_audit.py``); the
-memory of the gathered copies as this version holds them (``memory.stage_memory``
-counts DeepSpeed's current buffers, not c10d's flat buffer of each list all-gather and
-reduce-scatter, a whole parameter each: 3.4 GB at 530B); the caching allocator's
-retries near the memory limit (no figure for them; the 530B rows at 25 and 42 GB are as
-optimistic as the one at 75 GB).
+memory as this version holds it (``memory.stage_memory`` counts DeepSpeed's current
+buffers; ``benchmarks/zero3_audit.py``'s memory section reads v0.3.13's backward peak
+term by term: at 530B / 640 the planner overcounts the prefetched module and the
+head's saved tensors and undercounts the second ipg buffer, the previous extra-large
+gradient, the tied embedding's gradient held by autograd and fc2's weight gradient
+beside the recomputed chunk: 78.3 GB against its 73.8, above the a100 profile's usable
+75.2 GB, which takes the device's 80 GiB as 80e9 B; c10d's flat buffer of a list
+collective, a whole parameter, is live after that row's peak, at the peak at 1,120 and
+2,240 GPUs); the caching allocator's retries near the memory limit (no figure for
+them; the 530B rows at 25 and 42 GB are as optimistic as the one at 74 GB).
 """
 from __future__ import annotations
 
