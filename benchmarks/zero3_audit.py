@@ -156,7 +156,12 @@ is above the profile's usable 75.2 GB, which rests on memory_bytes = 80e9 B (a10
 :12) where the device holds 80 GiB (the profile's own note: 81920 MiB; usable 80.8 GB
 with the same 5% and 0.78 GB).  The planner's memory is left as it was: counting the
 source's terms would call this row, which ran, out of memory until the capacity is
-corrected (notebooks 11, 14 and 17 read it).
+corrected (notebooks 11, 14 and 17 read it).  The peak is read at the step the clock
+prices (``zero3_2021.COUNTER_STEP`` = 2); the live counter drifts down each step
+(``zero3_2021`` docstring): once the check opens before the matrices (step 80 at 530B)
+the module after the one running is prefetched too (as the planner's window counts,
+beside the held embedding it leaves out), and the source's peak rises by fc1's 3.36 GB,
+prefetched during fc2's backward.
 
 Nothing here feeds the planner.
 """
