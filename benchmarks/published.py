@@ -204,9 +204,9 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   module running hold ``stage3_max_live_parameters``: it overlaps only fc1's gather at
   175B, nothing at 530B), so a step is the compute + NCCL's gathers and
   reduce-scatters + the host's loops over p chunks + ``_post_step``'s reassembly.  The
-  last two grow with p (175B: 11 + 5, 23 + 9, 45 + 19 s of host work at 384, 768,
+  last two grow with p (175B: 12 + 5, 23 + 9, 46 + 19 s of host work at 384, 768,
   1,536) and make the 1,536-GPU step rise; the published step less the predicted one
-  is +14, +12, -8 s (175B) and +67, +49, +48 s (530B).  The same DeepSpeed code paths
+  is +13, +11, -10 s (175B) and +66, +47, +44 s (530B).  The same DeepSpeed code paths
   (one list all-gather per parameter, one list reduce-scatter per gradient, the
   synchronous reassembly) are in every release to v0.5.x (summer 2021), so the
   release the authors ran does not change this.
