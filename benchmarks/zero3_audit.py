@@ -97,7 +97,9 @@ The figures above were read before the rows took the example script's
 ``--checkpoint-num-layers 2`` (``Layout.recompute_num_layers``, branch i21mem); with it
 the script prints 626 / 0 prefetches, partition_activations 0.05 / 0.09 s, steps 68.2 /
 190.0 s, ratios 1.197 / 1.345 (the chunk's first layer's fc2 is no longer kept for its
-backward: one more gather per chunk).
+backward: one more gather per chunk); for the 530B rows at 640 / 1,120 / 2,240 the
+published step needs NCCL x 3.56 / 2.70 / 2.35, compute x 1.45 / 1.65 / 2.22, or each
+host wait 14.7 / 10.6 / 9.9 ms longer: the reading below stands.
 
 Memory (``memory_audit``, printed last): every term of a rank's memory at GPT 530B /
 640 (micro-batch 4, chunks of 2 layers), as ``memory.stage_memory`` counts it and as
