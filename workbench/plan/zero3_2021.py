@@ -167,10 +167,11 @@ only ``partition_activations``, which with one model-parallel rank is a clone of
 checkpointed input (activation_checkpointing/checkpointing.py ``:446-455``) and, in
 backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``), one
 per checkpointed chunk: 0.09 s a step at 530B, micro-batch 4, chunks of 2, on the
-compute stream (``partition_activation_seconds``, ``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
-overflow check's ``float()``, the norm's ``.item()``), the timers' synchronizes of
-``wall_clock_breakdown`` and Megatron's, the blocking one-element copies, the per-tensor
-narrow loops and the scalar all-reduces (``step_host_seconds``): 0.03 s a step.  The
+compute stream (``partition_activation_seconds``, ``Entry.copies``); the optimizer
+step's host waits per fp16 parameter tensor (the overflow check's ``float()``, the
+norm's ``.item()``), the timers' synchronizes of ``wall_clock_breakdown`` and
+Megatron's, the blocking one-element copies, the per-tensor narrow loops and the scalar
+all-reduces (``step_host_seconds``): 0.03 s a step.  The
 script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is the layout's
 ``recompute_num_layers`` (``plan.recompute_chunks``): the trace recomputes a chunk of
 two layers, then runs their backwards (``gpt_trace``'s ``chunk``), its checkpoint copies
