@@ -187,8 +187,9 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   ASSUMED from the dates: from v0.3.14 the trace is off by one and nothing but the
   root prefetches, 2.6-9.3 s slower a step, the breakdown's ``v0.3.14`` / ``v0.3.16``
   columns).  ASSUMED: fp16,
-  full recompute, micro-batch = batch / GPUs, DeepSpeedExamples' Megatron ZeRO-3
-  config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
+  full recompute in chunks of two layers (the example script's ``--checkpoint-num-layers
+  2``, ``Layout.recompute_num_layers``), micro-batch = batch / GPUs, DeepSpeedExamples'
+  Megatron ZeRO-3 config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
   gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
   188, 1.6x to 4.3x the published figures.
   Read together (not used by the planner): from 768 to 2,240 GPUs the published steps
@@ -203,9 +204,9 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   module running hold ``stage3_max_live_parameters``: it overlaps only fc1's gather at
   175B, nothing at 530B), so a step is the compute + NCCL's gathers and
   reduce-scatters + the host's loops over p chunks + ``_post_step``'s reassembly.  The
-  last two grow with p (175B: 11 + 5, 23 + 9, 45 + 19 s of host work at 384, 768,
+  last two grow with p (175B: 12 + 5, 23 + 9, 46 + 19 s of host work at 384, 768,
   1,536) and make the 1,536-GPU step rise; the published step less the predicted one
-  is +14, +12, -8 s (175B) and +67, +49, +48 s (530B).  The same DeepSpeed code paths
+  is +13, +11, -10 s (175B) and +66, +47, +44 s (530B).  The same DeepSpeed code paths
   (one list all-gather per parameter, one list reduce-scatter per gradient, the
   synchronous reassembly) are in every release to v0.5.x (summer 2021), so the
   release the authors ran does not change this.
@@ -403,10 +404,12 @@ def _zero3_2021_rows():
                    devices=gpus, model=dict(d_model=h, n_layer=l, n_head=a, dtype="float16"),
                    layout=dict(dp=gpus, tp=1, pp=1, sp=False, zero=3, recompute="full",
                                micro_batch=gbs // gpus, global_batch=gbs, schedule="1f1b",
-                               v=1, framework="deepspeed-0.3"),
+                               v=1, framework="deepspeed-0.3", recompute_num_layers=2),
                    metric="tflops_per_device", published=tflops, published_hfu=None,
                    cite=ZERO3_2021_CITE,
-                   assume="fp16, full recompute, one micro-batch per step, DeepSpeed "
+                   assume="fp16, full recompute in chunks of 2 layers (the example "
+                          "script's --checkpoint-num-layers 2), one micro-batch per step, "
+                          "DeepSpeed "
                           "v0.3.13's hooks (v0.3.14-0.3.16's trace is off by one: "
                           "zero3_2021.VERSIONS) with DeepSpeedExamples' Megatron ZeRO-3 "
                           "config ASSUMED")
@@ -447,6 +450,14 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                           "transformer_engine, layer_cost.TE_SOURCES)",
          "narayanan_zero3": "figures encoded by a secondary source; fp16, full "
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
+                            "recompute in chunks of 2 layers as DeepSpeedExamples' "
+                            "ds_pretrain_gpt2-zero3.sh:47 (44be774aad, --checkpoint-num-layers "
+                            "2; plan.recompute_chunks: at 530B's 105 layers its Megatron "
+                            "runs layer 0 again in the last chunk, NOT priced) ASSUMED; "
+                            "memory as the planner counts ZeRO-3 today: v0.3.13's own "
+                            "backward peak, read term by term (benchmarks/zero3_audit.py), "
+                            "is 78.3 GB at 530B/640, above the profile's 75.2 GB usable "
+                            "(80e9 B where the A100 holds 80 GiB): UNCERTAIN; "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "
                             "config ASSUMED; NCCL across 48-280 nodes at its few-node "

@@ -57,7 +57,8 @@ def breakdown(row) -> dict:
 
     edge = edge_times(cfg, lay.micro_batch, 1, False, prof)
     trace = Z.gpt_trace(cfg, est.details["layer"], est.details["head"], edge, lay.recompute,
-                        Z.partition_activation_seconds(cfg, lay.micro_batch, prof))
+                        Z.partition_activation_seconds(cfg, lay.micro_batch, prof),
+                        lay.recompute_num_layers)
     sim = Z.simulate(trace, p, price("all_gather"), price("reduce_scatter"),
                      prof.memory_bandwidth, overlap_rate(prof))
     post, _ = Z.post_step_gather(trace, p, lambda n: C.group_price(

@@ -93,6 +93,78 @@ is priced), as the published table's own note found (19-21 GB/s of bytes sent pe
 over the whole step); no nccl-tests measurement of A100 rings at 80-280 nodes was
 found to support it (``sim_mesh.nccl_tuning.scale_assumption``), so nothing is changed.
 
+The figures above were read before the rows took the example script's
+``--checkpoint-num-layers 2`` (``Layout.recompute_num_layers``, branch i21mem); with it
+the script prints 626 / 0 prefetches, partition_activations 0.05 / 0.09 s, steps 68.2 /
+190.0 s, ratios 1.197 / 1.345 (the chunk's first layer's fc2 is no longer kept for its
+backward: one more gather per chunk); for the 530B rows at 640 / 1,120 / 2,240 the
+published step needs NCCL x 3.56 / 2.70 / 2.35, compute x 1.45 / 1.65 / 2.22, or each
+host wait 14.7 / 10.6 / 9.9 ms longer: the reading below stands.
+
+Memory (``memory_audit``, printed last): every term of a rank's memory at GPT 530B /
+640 (micro-batch 4, chunks of 2 layers), as ``memory.stage_memory`` counts it and as
+v0.3.13 holds it at its backward peak, read from the source: the weight gradient of
+fc2 of a chunk's last layer, the chunk's first backward op, when both layers'
+recomputed activations are live (ck = checkpointing.py; GB = 1e9 B; script output of
+2026-11-28):
+
+=============================================  =====  =====  ===============================
+term (source)                                  plan.  v0.3   verdict
+=============================================  =====  =====  ===============================
+params, grads, optimizer partitions: 2 + 2 +   13.24  13.24  agree: s3:873-900 (fp16 flat,
+12 B / partitioned parameter                                 ds_tensor views), s3:1606-1635
+                                                             grads_in_partition
+NCCL communicator buffers                      0.91   0.91   plan.comm_memory, not re-read
+reduce bucket: two ipg buffers (overlap_comm,  0.13   0.27   UNDER: s3:2535-2546, config.py
+True by default at stage 3)                                  :89-94, constants.py:55
+gathered parameters: the root's tied           6.71   5.45   OVER: the planner's window
+embedding (held all micro-batch) + fc2 (kept                 holds fc1 + fc2 (today's
+from its recompute); nothing prefetched (the                 prefetch); v0.3.13 at 530B
+live counter above 1e9, s3:293-297, :312-334)                prefetches nothing
+fc2's weight gradient, whole (above the        3.36   3.36   agree (s3:1452-1453)
+bucket: kept out of it)
+the previous extra-large gradient (the last    0      2.52   UNDER: reduced at the next
+chunk's qkv), freed at fc2's hook                            hook, freed at the one after
+                                                             (s3:1433-1436, :1693-1694,
+                                                             pp:848)
+the head's gradient of the tied embedding,     0      2.10   UNDER: one leaf, two uses:
+held by autograd until the embedding's                       measured (tests/test_i21mem.py)
+backward
+c10d's flat buffer (whole parameter) of a      0      0      not live at this instant: fc2's
+list all-gather / reduce-scatter                             reduce-scatter starts at its
+                                                             bias's hook, after the previous
+                                                             gradient and fc2's input are
+                                                             freed (77.83 there)
+checkpointed inputs, one per chunk (53)        17.78  17.78  agree: ck:441-455, :538
+embedding dropout mask                         0.17   0.17   agree
+head: final-LN and head inputs, fp32 logits    2.35   0      OVER: freed by the head's
+                                                             backward, before the layers'
+the chunk's two layers recomputed, less its    29.19  32.55  UNDER: the planner subtracts the
+input                                                        unreduced gradient (3.36), but
+                                                             fc2's wgrad is allocated while
+                                                             all of them are live
+sum                                            73.84  78.34  usable 75.22 (a100.json)
+=============================================  =====  =====  ===============================
+
+Reading.  Two terms are overcounted (the prefetched module, 1.26 GB; the head's saved
+tensors at the backward peak, 2.35 GB), four undercounted (the second ipg buffer, the
+previous extra-large gradient, the tied embedding's gradient in autograd's buffer, the
+unreduced-gradient subtraction: 8.1 GB); c10d's flat buffer is real but not live at
+this row's peak (at micro-batch 2 and 1, 1,120 and 2,240 GPUs, it is: 47.6 and 31.5 GB
+at fc2's bias hook against 47.4 and 31.0 at its weight gradient).  So the audit does not
+support counting c10d's buffer alone, nor finds room for it: v0.3.13's peak, 78.3 GB
+(79.7 with fc2's input-gradient temporary, which the planner leaves out everywhere),
+is above the profile's usable 75.2 GB, which rests on memory_bytes = 80e9 B (a100.json
+:12) where the device holds 80 GiB (the profile's own note: 81920 MiB; usable 80.8 GB
+with the same 5% and 0.78 GB).  The planner's memory is left as it was: counting the
+source's terms would call this row, which ran, out of memory until the capacity is
+corrected (notebooks 11, 14 and 17 read it).  The peak is read at the step the clock
+prices (``zero3_2021.COUNTER_STEP`` = 2); the live counter drifts down each step
+(``zero3_2021`` docstring): once the check opens before the matrices (step 80 at 530B)
+the module after the one running is prefetched too (as the planner's window counts,
+beside the held embedding it leaves out), and the source's peak rises by fc1's 3.36 GB,
+prefetched during fc2's backward.
+
 Nothing here feeds the planner.
 """
 from __future__ import annotations
@@ -244,5 +316,107 @@ def main():
     return out
 
 
+# -- memory ------------------------------------------------------------------------
+# The peak of a v0.3.13 step, read from the source (module docstring, "Memory"): the
+# weight gradient of the last layer's fc2 in a checkpointed chunk, the chunk's first
+# backward op, when its k layers' recomputed activations are all live.
+def memory_audit(name: str = "GPT 530B", devices: int = 640) -> dict:
+    """Bytes per rank of each memory term of the ``narayanan_zero3`` row, as the planner
+    counts them (``memory.stage_memory``) and as DeepSpeed v0.3.13 holds them at its
+    backward peak (the module docstring's "Memory" table): ``terms`` maps a term to
+    (planner bytes, source bytes, source lines); ``planner`` / ``source`` their sums;
+    ``alt``: the source's bytes at the next hook (fc2's bias), where c10d's flat
+    buffer of fc2's gradient is live; ``usable``: the profile's usable memory."""
+    from workbench.plan import memory as M
+    from workbench.plan.recompute_chunks import largest_chunk, saved_inputs
+    from workbench.plan.zero_cost import PREFETCH_NUMEL
+    row = next(r for r in P.ROWS if r["source"] == "narayanan_zero3"
+               and r["name"] == name and r["devices"] == devices)
+    cfg, lay, cl = P.build(row)
+    if lay.engine != Z.FRAMEWORK or lay.pp != 1 or lay.tp != 1:
+        raise ValueError(f"memory_audit: row {name!r} / {devices} is not {Z.FRAMEWORK!r} "
+                         f"at tp = pp = 1")
+    prof = cl.profile
+    mem = M.stage_memory(cfg, lay, 0, "materialized", prof)
+    s, b, h, V, f = cfg.seq_len, lay.micro_batch, cfg.d_model, cfg.vocab_size, cfg.d_ff
+    k, L, p = lay.recompute_num_layers, cfg.n_layer, lay.dp
+    mods = M.zero3_modules(cfg, 1, 1, 0, p, L)
+    bucket, grad = M._zero3_unreduced_grad_numel(cfg, lay, mods)
+    gathered = M.zero3_gathered_numel(mods, PREFETCH_NUMEL)
+    big = [n for _, ps in Z._layer_modules(cfg) for _, n in ps if n > Z.REDUCE_BUCKET_NUMEL]
+    largest, last_reduced = max(big), big[0]     # fc2 (f h); qkv (3 h^2), last in backward
+    none = M.layer_activation_bytes(cfg, b, 1, False, "none")
+    inp = 2 * s * b * h
+    live = largest_chunk(L, 1, k)
+    remat_planner = max(0.0, live * none - inp - 2 * grad)
+    head = 4 * s * b * h + 4 * s * b * V
+    emb = s * b * h if cfg.dropout > 0 else 0.0
+    saved = saved_inputs(L, 1, k) * inp
+    terms = {
+        "params, grads, optimizer: 2 + 2 + 12 B per partitioned parameter":
+            (mem["params"] + mem["grads"] + mem["optimizer"],
+             mem["params"] + mem["grads"] + mem["optimizer"],
+             "s3:873-900 fp16 flat, ds_tensor views; s3:1606-1635 grads_in_partition; "
+             "fp32 flat + Adam m, v"),
+        "NCCL's communicator buffers": (mem["comm_buffers"], mem["comm_buffers"],
+                                        "plan.comm_memory (not re-audited)"),
+        "reduce bucket (ipg_buffer): 2 buffers with overlap_comm":
+            (2 * bucket, 2 * 2 * Z.REDUCE_BUCKET_NUMEL,
+             "s3:2535-2546; overlap_comm True for ZeRO-3 (zero/config.py:89-94, "
+             "constants.py:55)"),
+        "gathered parameters: tied embedding held + the module running (+ prefetched)":
+            (2 * gathered, 2 * (V * h + largest),
+             "root's external wte (Megatron-LM-v1.1.5-ZeRO3 gpt2_model.py), no prefetch: "
+             "counter > 1e9 (s3:293-297, :312-334); fc2 kept for its backward (reuse "
+             "distance 0)"),
+        "the module's weight gradient, whole until its reduce (extra-large)":
+            (2 * grad, 2 * largest, "s3:1452-1453 kept out of the bucket"),
+        "the previous extra-large gradient, freed at the next reduce_ipg_grads":
+            (0.0, 2 * last_reduced,
+             "s3:1433-1436 -> :1693-1694 partition_previous_reduced_grads -> "
+             "pp:848 param.grad.data = partition"),
+        "the head's gradient of the tied embedding, held by autograd until the "
+        "embedding's backward adds its own":
+            (0.0, 2 * V * h if cfg.tie_embeddings else 0.0,
+             "one leaf, two uses (gpt2_model.py parallel_lm_logits): autograd sums them "
+             "in the leaf's input buffer before its AccumulateGrad"),
+        "c10d's flat buffer of a list reduce-scatter / all-gather (whole parameter)":
+            (0.0, 0.0, "ProcessGroupNCCL 1.8 flatten; not live at this instant: "
+             "see 'alt'"),
+        "checkpointed chunk inputs (partition at mp 1 = whole), one per chunk":
+            (saved, saved, "ck:441-455, :538; initialize.py:105-106"),
+        "embedding dropout mask": (emb, emb, "Megatron embedding dropout"),
+        "head: final-LN and head inputs, fp32 logits (freed by the head's backward)":
+            (head, 0.0, "autograd frees them before the layers' backward"),
+        "the chunk's recomputed layers (k x none, less its input)":
+            (remat_planner, live * none - inp,
+             "ck:629-686; the planner subtracts the unreduced gradient, which fc2's "
+             "wgrad allocates while all of them are live"),
+    }
+    planner = sum(v[0] for v in terms.values())
+    source = sum(v[1] for v in terms.values())
+    # fc2's bias hook: reduce_ipg_grads frees the previous gradient (pp:848) and c10d
+    # flattens fc2's gradient (a whole copy); fc2's saved input (2 s b f) is released
+    alt = source - 2 * last_reduced + 2 * largest - 2 * s * b * f
+    return dict(name=f"{name} / {devices}", terms=terms, planner=planner, source=source,
+                alt=alt, total=mem["total"], usable=prof.usable_memory(),
+                temporaries=2 * s * b * f)
+
+
+def print_memory(a: dict) -> None:
+    print(f"\nMemory of {a['name']} per rank at v0.3.13's backward peak (fc2's weight "
+          f"gradient in a chunk's backward), GB: the planner's / the source's")
+    w = 80
+    for term, (mine, src, where) in a["terms"].items():
+        print(f"  {term[:w]:<{w}} {mine / 1e9:>7.2f} {src / 1e9:>7.2f}  {where}")
+    label = f"sum (the planner: stage_memory total {a['total'] / 1e9:.2f})"
+    print(f"  {label:<{w}} {a['planner'] / 1e9:>7.2f} {a['source'] / 1e9:>7.2f}")
+    print(f"  at fc2's bias hook (c10d's flat buffer live, the previous gradient and "
+          f"fc2's input freed): {a['alt'] / 1e9:.2f}; gradient temporaries neither "
+          f"counts (fc2's input gradient): {a['temporaries'] / 1e9:.2f}; usable "
+          f"{a['usable'] / 1e9:.2f} (a100.json: 80e9 B less 5% and 0.78 GB)")
+
+
 if __name__ == "__main__":
     main()
+    print_memory(memory_audit())

@@ -176,6 +176,11 @@ def _check(model, lay: Layout, cl: Cluster, routing="balanced"):
                          f"this library's own Hybrid recipe: give framework='workbench' "
                          f"(or None), and compare it with estimate(..., "
                          f"layout.replace(framework='workbench'))")
+    if isinstance(lay, Layout) and lay.recompute_num_layers != 1:
+        raise ValueError(f"dry_run: layout recompute_num_layers={lay.recompute_num_layers}; "
+                         f"the course's blocks checkpoint one block each (plan."
+                         f"recompute_chunks), so the dry run cannot run chunks of layers: "
+                         f"give recompute_num_layers=1, or use wb.plan.estimate")
     if getattr(model, "arch", None) in ("gpt", "llama") and model.dtype in _MIXED:
         # the planner's checks, same errors, of the layout as the runtime runs it
         own = isinstance(lay, Layout) and lay.framework is None

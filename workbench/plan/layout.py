@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from ..sim_mesh.profiles import Profile, get_profile
 from .frameworks import resolve as _resolve_framework
 from . import ep_cp as _ep_cp
+from . import recompute_chunks as _chunks
 
 __all__ = ["Cluster", "Layout", "SCHEDULES", "check_layout", "check_model", "attention_for"]
 
@@ -78,7 +79,10 @@ class Layout:
     :attr:`engine`).  ``stages``: the layers of each pipeline stage when they are
     uneven (Megatron-LM's ``--decoder-first-pipeline-num-layers`` /
     ``--decoder-last-pipeline-num-layers``: fewer layers beside the embedding or the
-    head, which weigh as layers do); 1F1B or GPipe only."""
+    head, which weigh as layers do); 1F1B or GPipe only.  ``recompute_num_layers``: with
+    recompute="full", the layers of one checkpointed chunk (Megatron-LM's
+    ``--recompute-method uniform --recompute-num-layers``, Megatron-DeepSpeed's
+    ``--checkpoint-num-layers``; ``plan.recompute_chunks``), 1 by default."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -95,6 +99,7 @@ class Layout:
     cp: int = 1                     # context parallel: the sequence split over cp ranks
     cp_comm: str = "p2p"            # cp's attention: "p2p" ring or "a2a" (DeepSpeed-Ulysses),
     #                                 Megatron-LM's --cp-comm-type (plan.context_cost)
+    recompute_num_layers: int = 1   # full recompute in chunks of k layers (plan.recompute_chunks)
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "v"):
@@ -145,6 +150,7 @@ class Layout:
             raise ValueError(f"Layout: global_batch={gb} is not divisible by micro_batch x dp = "
                              f"{self.micro_batch} x {dp} = {per_step}; {fix}")
         _resolve_framework(self.framework, self.zero)
+        _chunks.check_field(self)
         _ep_cp.check_fields(self)
         if self.stages is not None:
             st = tuple(self.stages) if isinstance(self.stages, (list, tuple)) else None
@@ -210,6 +216,7 @@ class Layout:
         out = f"dp{self.dp} tp{self.tp} pp{self.pp}"
         out += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
         out += f" mb{self.micro_batch} rc:{self.recompute}"
+        out += f" chunk{self.recompute_num_layers}" if self.recompute_num_layers != 1 else ""
         out += " sp" if self.sp else ""
         out += f" zero{self.zero}" if self.zero else ""
         out += f" stages{list(self.stages)}" if self.stages is not None else ""
@@ -266,6 +273,7 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
                          + (f" (ep={lay.ep} is carved out of dp, not a factor of its own)"
                             if lay.ep > 1 else ""))
     _ep_cp.check_layout(model, lay)
+    _chunks.check_layout(model, lay)
     if lay.recompute == "op" and (model.arch != "llama" or getattr(model, "moe_experts", 0)):
         raise ValueError(f"Layout: recompute='op' (torchtitan's op-level selective "
                          f"checkpointing) is modeled for dense Llama blocks, not "

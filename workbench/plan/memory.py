@@ -55,6 +55,7 @@ from . import bf16_optimizer as _bf16
 from . import deepspeed_pipe_memory as _ds_pipe
 from . import context_cost as _cc
 from . import ep_cp as _ep_cp
+from . import recompute_chunks as _chunks
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
 from .layout import SCHEDULES, Cluster, Layout, attention_for, check_layout
@@ -397,8 +398,10 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
                                        attention, _regather(cfg, lay))
-    per_layer += _cc.a2a_saved_bytes(cfg, lay)     # cp_comm="a2a": its output twice
-    act = per_layer * nl * held
+    # full recompute in chunks of k layers keeps one input per chunk (recompute_chunks)
+    saved = nl if lay.recompute_num_layers == 1 else \
+        _chunks.saved_inputs(nl, lay.v, lay.recompute_num_layers)
+    act = (per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl) * held   # a2a: output twice
     act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
@@ -426,6 +429,8 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       ``--recompute-num-layers 1``, torchtitan's per-block checkpoint): with full
       recompute one layer's activations beyond its kept input, with selective recompute
       one layer's attention core (Korthikanti et al. 2022, sec. 5: the recomputed part);
+      with ``recompute_num_layers`` = k, the largest chunk's k layers of activations,
+      less the chunk's input that ``activations`` keeps (``recompute_chunks``);
       less ``unreduced``, the whole gradients ZeRO-3's ``buffers`` already hold: they
       appear as that backward frees the recomputed tensors, whose peak is at its start,
       so the two peaks do not add up (DeepSpeed's reduce bucket, allocated once, is not
@@ -437,7 +442,10 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
     remat = 0.0
     if rc != "none":
         rg = _regather(cfg, lay)
-        remat = max(0.0, layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
+        k = lay.recompute_num_layers
+        live = 1 if k == 1 else _chunks.largest_chunk(
+            lay.stage_layers(cfg.n_layer)[stage], lay.v, k)
+        remat = max(0.0, live * layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
                     - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg) - unreduced)
     loss = 0.0
     if stage == lay.pp - 1:

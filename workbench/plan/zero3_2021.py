@@ -165,23 +165,31 @@ Megatron-LM-v1.1.5-ZeRO3 (7b5abd576e ``megatron/initialize.py:108-117``) runs
 DeepSpeed's, and the example script (44be774aad ``ds_pretrain_gpt2-zero3.sh``) turns on
 only ``partition_activations``, which with one model-parallel rank is a clone of each
 checkpointed input (activation_checkpointing/checkpointing.py ``:446-455``) and, in
-backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``): 0.18 s a
-step at 530B, micro-batch 4, on the compute stream (``partition_activation_seconds``,
-``Entry.copies``); the optimizer step's host waits per fp16 parameter tensor (the
-overflow check's ``float()``, the norm's ``.item()``), the timers' synchronizes of
-``wall_clock_breakdown`` and Megatron's, the blocking one-element copies, the per-tensor
-narrow loops and the scalar all-reduces (``step_host_seconds``): 0.03 s a step.  The
-script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is not followed: the trace
-checkpoints every layer (ASSUMPTION, as the planner's memory does).
+backward, a fill, a copy and a one-rank all-gather's two copies (``:284-309``), one
+per checkpointed chunk: 0.09 s a step at 530B, micro-batch 4, chunks of 2, on the
+compute stream (``partition_activation_seconds``, ``Entry.copies``); the optimizer
+step's host waits per fp16 parameter tensor (the overflow check's ``float()``, the
+norm's ``.item()``), the timers' synchronizes of ``wall_clock_breakdown`` and
+Megatron's, the blocking one-element copies, the per-tensor narrow loops and the scalar
+all-reduces (``step_host_seconds``): 0.03 s a step.  The
+script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is the layout's
+``recompute_num_layers`` (``plan.recompute_chunks``): the trace recomputes a chunk of
+two layers, then runs their backwards (``gpt_trace``'s ``chunk``), its checkpoint copies
+one per chunk.
 
 Not modeled: the parent modules' hooks (no parameters of their own) and the host's
 Python in the hooks (no measurement: to explain the 530B rows alone each of a step's
 4,316 host waits would have to cost 11-16 ms more, ``benchmarks/zero3_audit.py``); the
-memory of the gathered copies as this version holds them (``memory.stage_memory``
-counts DeepSpeed's current buffers, not c10d's flat buffer of each list all-gather and
-reduce-scatter, a whole parameter each: 3.4 GB at 530B); the caching allocator's
-retries near the memory limit (no figure for them; the 530B rows at 25 and 42 GB are as
-optimistic as the one at 75 GB).
+memory as this version holds it (``memory.stage_memory`` counts DeepSpeed's current
+buffers; ``benchmarks/zero3_audit.py``'s memory section reads v0.3.13's backward peak
+term by term: at 530B / 640 the planner overcounts the prefetched module and the
+head's saved tensors and undercounts the second ipg buffer, the previous extra-large
+gradient, the tied embedding's gradient held by autograd and fc2's weight gradient
+beside the recomputed chunk: 78.3 GB against its 73.8, above the a100 profile's usable
+75.2 GB, which takes the device's 80 GiB as 80e9 B; c10d's flat buffer of a list
+collective, a whole parameter, is live after that row's peak, at the peak at 1,120 and
+2,240 GPUs); the caching allocator's retries near the memory limit (no figure for
+them; the 530B rows at 25 and 42 GB are as optimistic as the one at 74 GB).
 """
 from __future__ import annotations
 
@@ -349,7 +357,7 @@ def _layer_modules(cfg) -> list[tuple[str, tuple]]:
 
 
 def gpt_trace(cfg, layer, head, edge, recompute: str,
-              checkpoint_copies: tuple = (0.0, 0.0)) -> list[Entry]:
+              checkpoint_copies: tuple = (0.0, 0.0), chunk: int = 1) -> list[Entry]:
     """One micro-batch's trace as DeepSpeed records it (module docstring), tp = pp = 1:
     the root (holding the tied word embedding), the embeddings, each layer's modules
     with parameters (``_layer_modules``; the persistent ones, biases and norms, are
@@ -361,7 +369,11 @@ def gpt_trace(cfg, layer, head, edge, recompute: str,
     (forward, backward) seconds a layer's checkpointed input costs DeepSpeed's
     activation checkpointing (:func:`partition_activation_seconds`), charged before the
     layer's first module in the forward and before its recomputation (full recompute
-    only)."""
+    only).  ``chunk``: ``--checkpoint-num-layers`` (``plan.recompute_chunks``): the layers
+    are checkpointed in chunks of ``chunk``, so the backward recomputes a chunk's layers
+    in forward order (each module gathered as the recompute re-runs it) and then runs
+    their backwards, last layer first; the checkpoint copies are one per chunk (its
+    input), charged before its first layer."""
     h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
     mods = _layer_modules(cfg)
     big = {m: sum(n for _, n in ps if n >= PERSISTENCE_NUMEL) for m, ps in mods}
@@ -375,8 +387,17 @@ def gpt_trace(cfg, layer, head, edge, recompute: str,
     if not full:
         checkpoint_copies = (0.0, 0.0)
 
+    from .recompute_chunks import chunk_sizes
+    starts, k0 = set(), 0           # each chunk's first layer: its input is checkpointed
+    spans = []
+    for n in chunk_sizes(cfg.n_layer, chunk if full else 1):
+        starts.add(k0)
+        spans.append(range(k0, k0 + n))
+        k0 += n
+
     def layer_entries(k, phase, share, order):
         first = {"f": checkpoint_copies[0], "r": checkpoint_copies[1]}.get(phase, 0.0)
+        first = first if k in starts else 0.0
         return [Entry(f"{k}.{m}", tuple((f"{k}.{pid}", n) for pid, n in ps),
                       share * big[m] / tot, phase, first if j == 0 else 0.0)
                 for j, (m, ps) in enumerate(order)]
@@ -398,10 +419,12 @@ def gpt_trace(cfg, layer, head, edge, recompute: str,
             Entry("root", wte if tied else (), 0.0, "b"),
             Entry("head", head_p, head.bwd_compute + edge["last"][1], "b"),
             Entry("lnf", final, 0.0, "b")]
-    for k in reversed(range(cfg.n_layer)):
-        if full:
-            out += layer_entries(k, "r", fwd_l, mods)
-        out += layer_entries(k, "b", bwd_l, mods[::-1])
+    for span in reversed(spans):
+        if full:                    # CheckpointFunction.backward: the chunk re-run, then
+            for k in span:          # torch.autograd.backward through it
+                out += layer_entries(k, "r", fwd_l, mods)
+        for k in reversed(span):
+            out += layer_entries(k, "b", bwd_l, mods[::-1])
     if emb_ln:
         out.append(Entry("emb_ln", emb_ln, 0.0, "b"))
     if pos:
@@ -656,7 +679,8 @@ def dp_sync_parts(cfg, lay, prof, layer, head, edge) -> dict:
         return C.group_price("reduce_scatter", 2 * n, ranks, prof)
 
     trace = gpt_trace(cfg, layer, head, edge, lay.recompute,
-                      partition_activation_seconds(cfg, lay.micro_batch, prof))
+                      partition_activation_seconds(cfg, lay.micro_batch, prof),
+                      lay.recompute_num_layers)
     p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof)
     first = simulate(trace, p, ag, rs, bw, rate)
     rest = simulate(trace, p, ag, rs, bw, rate, persistent_gathered=False) \
