@@ -30,7 +30,7 @@ from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
-from .checks import _chunks, _hint, _number, _ok, _scale_slip, _zero_bytes
+from .checks import _chunks, _hint, _number, _ok, _scale_slip, _whole, _zero_bytes
 from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
@@ -519,10 +519,12 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
     ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
     which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
-    if isinstance(b, float) and b.is_integer():     # 20e9 // x: floor division of floats
-        raise CheckError(f"b should be an int, got {b!r}, a float: `//` of floats gives a "
-                         "float (20e9 // x is one); pass int(...) of it")
-    b = _int("b", b, "an int (a number of whole sequences: round down)")
+    # a whole float is its int, as in notebook 11's check_biggest_micro_batch: 20e9 // x,
+    # the floor division of floats, rounds down right and gives 1.0, the answer 1
+    whole = _whole(b)
+    if whole is None:
+        raise CheckError(f"b should be a whole number of sequences, got {b!r}: round down")
+    b = whole
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight
     want = int(budget_bytes // stage)
@@ -540,8 +542,11 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
                f"keeps {in_flight} micro-batches in flight (the warm-up sends p forwards "
                "before the first backward; notebook 7)")
     elif b == want + 1:
-        msg = (f"round down: b = {b} needs {b * stage / 1e9:.2f} GB, more than "
-               f"{budget_bytes / 1e9:g} GB")
+        msg = (f"b = {b} needs {b * stage / 1e9:.2f} GB, more than {budget_bytes / 1e9:g} GB: "
+               f"round down")
+        if b == int(budget_bytes * 2**30 / 1e9 // stage):   # the unit slip gives it too
+            msg += (f"; and 1 GB is 1e9 bytes here, not 2**30 (a GiB): the budget is "
+                    f"{budget_bytes:,.0f} bytes")
     elif b == int(budget_bytes // (per(case) * in_flight)):
         msg = f"that fits ONE layer; the stage holds {layers}"
     elif b == int(budget_bytes * 2**30 / 1e9 // stage):
@@ -550,7 +555,8 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
         # several slips give this b (0: nothing fits): name them together, not one guess
         msg = (f"b = {b} is what you get without sequence parallelism or without selective "
                f"recompute (one sequence of either needs over {budget_bytes / 1e9:g} GB); the "
-               f"exercise has both: 34 sbh / t per layer")
+               f"exercise has both: 34 sbh / t per layer, in bytes already (Table 2 counts "
+               f"16-bit activations: no factor of 2 or 4 bytes on top)")
     elif b == others["tp+selective"]:
         msg = ("that is tensor parallelism with selective recompute but without SP: 10 sbh "
                "of the 34 (norms, dropouts, residuals) stays whole on every rank; SP splits "
