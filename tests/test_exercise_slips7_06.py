@@ -4,6 +4,7 @@ import pytest
 
 from workbench.exercises import checks_plan as P
 from workbench.exercises import checks_strategies as S
+from workbench.exercises import checks_tp_api as T
 from workbench.exercises.feedback import reset_tries
 from workbench.sim_mesh import estimates
 
@@ -56,3 +57,42 @@ def test_sp_max_microbatch_bytes_counted_twice_is_named():
     assert int(20e9 // (2 * STAGE)) == 0
     msg = message(S.check_sp_max_microbatch, 0)
     assert "bytes already" in msg and "without sequence parallelism" in msg, msg
+
+
+def test_sp_max_microbatch_string_is_not_told_to_round_down():
+    """b = "1" (a str) read "got '1': round down", a hint for a fraction."""
+    msg = message(S.check_sp_max_microbatch, "1")
+    assert "round down" not in msg and "give an int" in msg, msg
+
+
+# notebook 06, exercise 1: one GPT-3 layer, bf16, t = 8 (the checker's defaults)
+N = 1 * 2048 * 12288 * 2                                    # bytes of one b s h activation
+TP, SP = 4 * 2 * 7 / 8 * N, 8 * 7 / 8 * N                   # 4 all-reduces; 4 AG + 4 RS
+
+
+def test_tp_sp_bytes_forward_only_is_named():
+    """Both answers for the forward only (2 all-reduces; 2 AG + 2 RS) are half of each, as
+    values in place of bytes are; the check named only the bytes, to a student who had
+    counted them and left out the backward."""
+    msg = message(S.check_tp_sp_layer_bytes, TP / 2, SP / 2)
+    assert "only the forward" in msg and "2 bytes" in msg, msg
+
+
+def test_tp_sp_bytes_summed_over_ranks_is_named():
+    """Every rank's bytes summed (x t = 8) read "8 times too large: that is bits, not
+    bytes", to a student who had counted bytes."""
+    for tp, sp, which in ((8 * TP, SP, "TP"), (TP, 8 * SP, r"TP\+SP")):
+        fails(rf"your {which} bytes .*bits, not bytes, or the sum over all 8 ranks",
+              S.check_tp_sp_layer_bytes, tp, sp)
+
+
+def test_tp_mlp_plan_names_a_style_that_lays_out_no_weight():
+    """06, exercise 4: PrepareModuleInput put on mlp.w1 (in place of ColwiseParallel) read
+    "mlp.w1 is not in your plan", though the plan had a key for it."""
+    from workbench import ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel
+    enter = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+    msg = message(T.check_tp_mlp_plan, {"mlp.w1": enter, "mlp.w3": ColwiseParallel(),
+                                        "mlp.w2": RowwiseParallel()})
+    assert "not in your plan" not in msg, msg
+    assert "gives mlp.w1 PrepareModuleInput, which lays out no weight" in msg, msg
+

@@ -347,6 +347,9 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
 
 _BITS = ("8 times too large: that is bits, not bytes (each activation is elem bytes of 8 "
          "bits): give the bytes")
+# with t = 8 (the exercise's), 8 times is also every rank's bytes summed
+_BITS_OR_RANKS = ("8 times too large: that is bits, not bytes, or the sum over all 8 ranks: "
+                  "give the bytes one rank sends")
 
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
@@ -372,8 +375,10 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     if elem > 1 and all(math.isclose(v, w / elem, rel_tol=1e-4)
                         for v, w in ((a, want_tp), (b, want_sp))):
         # both 1/elem of their bytes: n counted values (each half-answer has hints of its own)
+        forward = ("; or only the forward: backward sends as many again (f's all-reduces; "
+                   "SP's conjugates)" if elem == 2 else "")
         raise CheckError(f"both are 1/{elem} of the bytes: n counts the activation's values; "
-                         f"each is {elem} bytes (bf16)",
+                         f"each is {elem} bytes (bf16)" + forward,
                          expected=f"TP {want_tp:.4g} B, TP+SP {want_sp:.4g} B")
     if not math.isclose(a, want_tp, rel_tol=1e-4):
         raise CheckError(f"your TP bytes are {a:.4g}: " + _hint(
@@ -388,7 +393,7 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
                           "not a 1/t slice"),
-                         (8 * want_tp, _BITS), (model_layers * want_tp, whole_model)]
+                         (8 * want_tp, _BITS if tp != 8 else _BITS_OR_RANKS), (model_layers * want_tp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"),
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
@@ -406,7 +411,7 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "holds its own 1/t"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
                           "sends (t-1)/t n, half an all-reduce"),
-                         (8 * want_sp, _BITS), (model_layers * want_sp, whole_model)]
+                         (8 * want_sp, _BITS if tp != 8 else _BITS_OR_RANKS), (model_layers * want_sp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
@@ -523,7 +528,10 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     # the floor division of floats, rounds down right and gives 1.0, the answer 1
     whole = _whole(b)
     if whole is None:
-        raise CheckError(f"b should be a whole number of sequences, got {b!r}: round down")
+        fraction = isinstance(b, numbers.Real) and not isinstance(b, bool) \
+            and math.isfinite(b)             # 20e9 / x: a share of a sequence
+        raise CheckError(f"b should be a whole number of sequences, got {b!r}"
+                         + (": round down" if fraction else ": give an int"))
     b = whole
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight
