@@ -96,3 +96,12 @@ def test_tp_mlp_plan_names_a_style_that_lays_out_no_weight():
     assert "not in your plan" not in msg, msg
     assert "gives mlp.w1 PrepareModuleInput, which lays out no weight" in msg, msg
 
+
+
+def test_sp_max_microbatch_warm_up_counted_as_in_notebook_7():
+    """b = 15 (one micro-batch in flight) was told "the warm-up sends p forwards before the
+    first backward"; notebook 7 defines rank r's warm-up as p - r - 1 forwards (7 on the
+    first of 8 stages), the 8th being the steady state's first."""
+    msg = message(S.check_sp_max_microbatch, 15)
+    assert "warm-up sends p forwards" not in msg, msg
+    assert "warm-up of p - 1 forwards" in msg and "8 micro-batches in flight" in msg, msg

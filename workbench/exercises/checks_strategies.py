@@ -547,8 +547,9 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
               ("tp+selective", "tp+sp", "tp", "none", "full")}
     if b == int(budget_bytes // one):
         msg = (f"that fits ONE micro-batch's activations; under 1F1B the first stage "
-               f"keeps {in_flight} micro-batches in flight (the warm-up sends p forwards "
-               "before the first backward; notebook 7)")
+               f"keeps {in_flight} micro-batches in flight (its warm-up of p - 1 forwards "
+               "and the steady state's first forward come before its first backward; "
+               "notebook 7)")
     elif b == want + 1:
         msg = (f"b = {b} needs {b * stage / 1e9:.2f} GB, more than {budget_bytes / 1e9:g} GB: "
                f"round down")
