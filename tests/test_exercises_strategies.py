@@ -198,7 +198,7 @@ def test_sp_max_microbatch(capsys):
     fails("round down", ex.check_sp_max_microbatch, 2)
     fails("fits ONE layer", ex.check_sp_max_microbatch, int(20e9 // (8 * per / 12)))
     fails("34 s h / t", ex.check_sp_max_microbatch, 100)
-    fails("should be an int", ex.check_sp_max_microbatch, 1.0)
+    fails("should be a whole number", ex.check_sp_max_microbatch, 1.5)
     # 0 comes from leaving out SP or selective recompute alike: both named, not one guess
     with pytest.raises(CheckError) as err:
         ex.check_sp_max_microbatch(0)

@@ -55,7 +55,7 @@ def test_torch_styles_pass(capsys):
     ({**RIGHT, "mlp": enter(S(1))}, "arrives \\[S\\(1\\)\\].*input_layouts=\\(Replicate\\(\\),\\)"),
     ({**RIGHT, "attn.wq": Col()}, "'attn.wq' names no module of the MLP half"),
     ({**RIGHT, "mlp.w2": In(input_layouts=(S(1),), desired_input_layouts=(R(),))},
-     "mlp.w2 is not in your plan"),
+     "your plan gives mlp.w2 PrepareModuleInput, which lays out no weight.*Rowwise"),
     # passed as Correct (found in the browser review): in torch w2 would take the local
     # slice w1/w3 hand on for the whole tensor
     ({**RIGHT, "mlp.w2": Row(input_layouts=R())}, "w2 says its input arrives \\[R\\].*Shard\\(-1\\)"),

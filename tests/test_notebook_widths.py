@@ -26,8 +26,6 @@ ALLOWED = {
         "torch's profiler table: the 20-character name column (already cut from torch's 55) "
         "and six fixed 12-character columns, each followed by 2 spaces, make 106; narrower "
         "only by cutting names further or dropping a column of torch's",
-    ("06_tensor_and_sequence_parallel", "3469c77c", "source"): LEFT,
-    ("06_tensor_and_sequence_parallel", "a8c5865d", "source"): LEFT,
 }
 
 

@@ -274,3 +274,22 @@ def test_reshard_figure_keeps_to_a_jupyterlab_output_width():
     assert fig.get_figwidth() <= 8.2
     first = texts(fig, "step")[0].splitlines()
     assert first[1:3] == ["[S(0), S(1), R]", "-> [S(0), S(1), S(2)]"]
+
+
+@pytest.mark.parametrize("shape, placements", [((64, 256), ["S(1)"]), ((12, 32), ["S(1)"])])
+def test_wide_tensor_sits_under_its_title(shape, placements):
+    """Notebook 06's (h, 4h) weight and (T, V) logits: every facet row was a whole facet
+    width tall, so a wide tensor's blocks sat about 1.2 in below the title, in a band of
+    white space (seen in JupyterLab, nbfix06).  The figure is as tall as its blocks and mesh
+    need, and the blocks start right under the title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = vp.draw_placements(wb.TensorSpec(shape, wb.Mesh.grid(4, ["tp"]), placements),
+                             title="a wide tensor")
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig._suptitle.get_window_extent(renderer)
+    blocks = found(fig, "block")[0].axes.get_window_extent(renderer)
+    gap_in = (title.y0 - blocks.y1) / fig.dpi
+    assert gap_in < 0.6, f"{gap_in:.2f} in of white space between the title and the blocks"
+    tall = vp.draw_placements(wb.TensorSpec((256, 64), wb.Mesh.grid(2, ["tp"]), ["S(0)"]))
+    assert fig.get_size_inches()[1] < tall.get_size_inches()[1]   # a tall one keeps its height

@@ -30,7 +30,7 @@ from ..parallel.placement import Partial, Replicate, Shard, fmt_placements
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import trace
-from .checks import _chunks, _hint, _number, _ok, _scale_slip, _zero_bytes
+from .checks import _chunks, _hint, _number, _ok, _scale_slip, _whole, _zero_bytes
 from .feedback import CheckError, exercise, raised
 
 __all__ = ["check_bucket_sizes", "check_zero_max_params", "check_zero3_traffic",
@@ -347,6 +347,9 @@ def check_zero3_traffic(dp_bytes, zero3_bytes, params: float = 7.5e9, n_d: int =
 
 _BITS = ("8 times too large: that is bits, not bytes (each activation is elem bytes of 8 "
          "bits): give the bytes")
+# with t = 8 (the exercise's), 8 times is also every rank's bytes summed
+_BITS_OR_RANKS = ("8 times too large: that is bits, not bytes, or the sum over all 8 ranks: "
+                  "give the bytes one rank sends")
 
 @exercise
 def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
@@ -372,8 +375,10 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
     if elem > 1 and all(math.isclose(v, w / elem, rel_tol=1e-4)
                         for v, w in ((a, want_tp), (b, want_sp))):
         # both 1/elem of their bytes: n counted values (each half-answer has hints of its own)
+        forward = ("; or only the forward: backward sends as many again (f's all-reduces; "
+                   "SP's conjugates)" if elem == 2 else "")
         raise CheckError(f"both are 1/{elem} of the bytes: n counts the activation's values; "
-                         f"each is {elem} bytes (bf16)",
+                         f"each is {elem} bytes (bf16)" + forward,
                          expected=f"TP {want_tp:.4g} B, TP+SP {want_sp:.4g} B")
     if not math.isclose(a, want_tp, rel_tol=1e-4):
         raise CheckError(f"your TP bytes are {a:.4g}: " + _hint(
@@ -388,7 +393,7 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "forward (g), 2 backward (f)"),
                          (want_tp / t, "each all-reduce moves the whole b s h activation, "
                           "not a 1/t slice"),
-                         (8 * want_tp, _BITS), (model_layers * want_tp, whole_model)]
+                         (8 * want_tp, _BITS if tp != 8 else _BITS_OR_RANKS), (model_layers * want_tp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"),
             rel=1e-4), expected=f"TP {want_tp:.4g} B")
     if not math.isclose(b, want_sp, rel_tol=1e-4):
@@ -406,7 +411,7 @@ def check_tp_sp_layer_bytes(tp_bytes, sp_bytes, seq: int = 2048, batch: int = 1,
                           "holds its own 1/t"),
                          (2 * want_sp, "twice too much: each all-gather or reduce-scatter "
                           "sends (t-1)/t n, half an all-reduce"),
-                         (8 * want_sp, _BITS), (model_layers * want_sp, whole_model)]
+                         (8 * want_sp, _BITS if tp != 8 else _BITS_OR_RANKS), (model_layers * want_sp, whole_model)]
             + _other_n(8 * n, tp, 2, "t", "section 1's t"), rel=1e-4),
                          expected=f"TP+SP {want_sp:.4g} B")
     _ok(f"{want_tp / 2**20:.0f} MiB per layer per step both ways, counting f and g: "
@@ -519,10 +524,15 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
     """The largest micro-batch whose activations (Korthikanti et al. 2022, Table 2,
     ``case``) for ``layers`` layers fit in ``budget_bytes`` on the first pipeline stage,
     which under 1F1B holds ``in_flight`` (= p) micro-batches at once."""
-    if isinstance(b, float) and b.is_integer():     # 20e9 // x: floor division of floats
-        raise CheckError(f"b should be an int, got {b!r}, a float: `//` of floats gives a "
-                         "float (20e9 // x is one); pass int(...) of it")
-    b = _int("b", b, "an int (a number of whole sequences: round down)")
+    # a whole float is its int, as in notebook 11's check_biggest_micro_batch: 20e9 // x,
+    # the floor division of floats, rounds down right and gives 1.0, the answer 1
+    whole = _whole(b)
+    if whole is None:
+        fraction = isinstance(b, numbers.Real) and not isinstance(b, bool) \
+            and math.isfinite(b)             # 20e9 / x: a share of a sequence
+        raise CheckError(f"b should be a whole number of sequences, got {b!r}"
+                         + (": round down" if fraction else ": give an int"))
+    b = whole
     per = lambda c: _activation_bytes(seq, hidden, heads, tp, c)  # noqa: E731
     stage = layers * per(case) * in_flight
     want = int(budget_bytes // stage)
@@ -537,11 +547,15 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
               ("tp+selective", "tp+sp", "tp", "none", "full")}
     if b == int(budget_bytes // one):
         msg = (f"that fits ONE micro-batch's activations; under 1F1B the first stage "
-               f"keeps {in_flight} micro-batches in flight (the warm-up sends p forwards "
-               "before the first backward; notebook 7)")
+               f"keeps {in_flight} micro-batches in flight (its warm-up of p - 1 forwards "
+               "and the steady state's first forward come before its first backward; "
+               "notebook 7)")
     elif b == want + 1:
-        msg = (f"round down: b = {b} needs {b * stage / 1e9:.2f} GB, more than "
-               f"{budget_bytes / 1e9:g} GB")
+        msg = (f"b = {b} needs {b * stage / 1e9:.2f} GB, more than {budget_bytes / 1e9:g} GB: "
+               f"round down")
+        if b == int(budget_bytes * 2**30 / 1e9 // stage):   # the unit slip gives it too
+            msg += (f"; and 1 GB is 1e9 bytes here, not 2**30 (a GiB): the budget is "
+                    f"{budget_bytes:,.0f} bytes")
     elif b == int(budget_bytes // (per(case) * in_flight)):
         msg = f"that fits ONE layer; the stage holds {layers}"
     elif b == int(budget_bytes * 2**30 / 1e9 // stage):
@@ -550,7 +564,8 @@ def check_sp_max_microbatch(b, budget_bytes: float = 20e9, layers: int = 12, seq
         # several slips give this b (0: nothing fits): name them together, not one guess
         msg = (f"b = {b} is what you get without sequence parallelism or without selective "
                f"recompute (one sequence of either needs over {budget_bytes / 1e9:g} GB); the "
-               f"exercise has both: 34 sbh / t per layer")
+               f"exercise has both: 34 sbh / t per layer, in bytes already (Table 2 counts "
+               f"16-bit activations: no factor of 2 or 4 bytes on top)")
     elif b == others["tp+selective"]:
         msg = ("that is tensor parallelism with selective recompute but without SP: 10 sbh "
                "of the 34 (norms, dropouts, residuals) stays whole on every rank; SP splits "

@@ -53,7 +53,7 @@ _ROW = ("RowwiseParallel: its weight Shard(1) splits the input features, the hid
         "activation w1 and w3 leave split, and each rank's product is a partial sum")
 
 
-def _layouts_wrong(model) -> str | None:
+def _layouts_wrong(model, plan) -> str | None:
     """What is wrong with the parameters' tp layouts, or None."""
     want = {"mlp.w1.weight": Shard(0), "mlp.w3.weight": Shard(0), "mlp.w2.weight": Shard(1)}
     for name, p in model.named_parameters():
@@ -67,8 +67,12 @@ def _layouts_wrong(model) -> str | None:
             continue
         lin = name.split(".")[1]
         if got is None:
-            return (f"mlp.{lin} is not in your plan, so its weight stays whole on every rank; "
-                    f"give it " + (_COL if lin != "w2" else _ROW))
+            style = next((type(v).__name__ for k, v in plan.items()
+                          if isinstance(k, str) and _matches(k, f"mlp.{lin}")), None)
+            why = (f"mlp.{lin} is not in your plan" if style is None else
+                   f"your plan gives mlp.{lin} {style}, which lays out no weight")
+            return (f"{why}, so its weight stays whole on every rank; give it "
+                    + (_COL if lin != "w2" else _ROW))
         if got != want[name]:
             if lin == "w2":
                 return ("w2 got ColwiseParallel: it contracts over the hidden features, which "
@@ -162,7 +166,7 @@ def check_tp_mlp_plan(plan, tp: int = 2, batch: int = 2) -> None:
     (``PrepareModuleInput``), so that one step sends one all-reduce of the activation
     forward and one backward."""
     cfg, ref, model, mesh = _apply(plan, tp)
-    wrong = _layouts_wrong(model)
+    wrong = _layouts_wrong(model, plan)
     if wrong:
         raise CheckError(wrong)
     g = torch.Generator().manual_seed(1)

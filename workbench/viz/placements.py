@@ -372,9 +372,25 @@ def draw_placements(x, mesh=None, placements=None, *, title: str | None = None,
     ncols, nrows = min(n, 4), -(-n // min(n, 4))
     with matplotlib.rc_context(RC):
         fig = _figure(facet_size * (ncols + 0.8) + 0.4,
-                      facet_size * nrows + 0.6 + 0.18 * len(_legend(lay)), dpi)
+                      facet_size * nrows * _row_height(lay, nrows) + 0.6
+                      + 0.18 * len(_legend(lay)), dpi)
         _draw_layout(fig, lay, title, max_facets)
     return fig
+
+
+def _row_height(lay: Layout, nrows: int) -> float:
+    """The height of one row of facets, in facet widths: the taller of a facet's block grid
+    (its box aspect, as ``_draw_blocks`` sets it) and the mesh panel's share (0.8 of a
+    facet wide, square ranks), at least 0.45 (a 1-d tensor's copies and dots need it) and
+    at most 1.  A whole facet width for every row left a wide tensor (a (64, 256) weight,
+    a (12, 32) logits matrix) far below its title, in a band of white space."""
+    rcuts, ccuts = _grid_cuts(lay)
+    blocks = min(4.0, max(0.25, (rcuts[-1] or 1) / (ccuts[-1] or 1)))
+    shape = lay.mesh.shape
+    rows = shape[-2] if len(shape) >= 2 else 1
+    panels = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    mesh = 0.8 * (rows + 0.2) / (panels * (shape[-1] + 0.5) - 0.5 + 0.2) / nrows
+    return min(1.0, max(blocks, mesh, 0.45))
 
 
 # ---- notebooks ----------------------------------------------------------------------------
