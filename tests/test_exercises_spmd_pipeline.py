@@ -229,7 +229,14 @@ def test_min_microbatches(capsys):
           ex.check_min_microbatches, 64, 64)                 # v left out of the formula
     fails("not a multiple of p=8", ex.check_min_microbatches, 64, 30)
     fails("at least one micro-batch", ex.check_min_microbatches, 0, 32)
-    fails("should be an int", ex.check_min_microbatches, 64.0, 32)
+    fails("should be a whole number", ex.check_min_microbatches, 64.5, 32)
+    fails("should be a whole number", ex.check_min_microbatches, True, 32)
+
+
+def test_min_microbatches_takes_a_whole_float(capsys):
+    # 06's and 11's checks of a count take 1.0 / 2.0; 07's refused 64.0 ("should be an int")
+    out = passes(capsys, ex.check_min_microbatches, 64.0, 32.0)
+    assert "64" in out
 
 
 # ---- 07: the zero-bubble saving -------------------------------------------------------------

@@ -36,8 +36,7 @@ from ..parallel.schedules import (Schedule, ScheduleError, interleaved_1f1b, one
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import get_profile
 from ..text_width import wrap
-from .checks import _number
-from .checks_strategies import _index
+from .checks import _number, _whole
 from .feedback import CheckError, exercise
 
 __all__ = ["check_mlp_plan", "check_cumsum_rule", "check_hand_schedule",
@@ -489,14 +488,14 @@ def check_hand_schedule(schedule, p: int = 3, m: int = 3, memory_limit: int = 2)
 
 def _int(name, value) -> int:
     """``value`` as an int: a Python, NumPy or torch integer (np.argmax over a table of
-    bubbles gives np.int64); not a bool, not a float (64.0 is said to be one)."""
-    got = _whole_int(value)
+    bubbles gives np.int64) or a float with no fraction (64.0, what ``math.ceil`` of a
+    NumPy float or a division gives, is 64, as 06's and 11's checks of a count take it);
+    not a bool, not 64.5."""
+    got = _whole(value)
     if got is None:
-        raise CheckError(f"{name} should be an int (a number of micro-batches), got {value!r}")
+        raise CheckError(f"{name} should be a whole number of micro-batches (an int), "
+                         f"got {value!r}")
     return got
-
-
-_whole_int = _index      # a Python, NumPy or torch integer; None for a bool or a float
 
 
 @exercise
