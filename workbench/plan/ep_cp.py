@@ -39,7 +39,7 @@ from . import costs as C
 from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
-__all__ = ["check_fields", "check_layout", "check_estimate", "applies",
+__all__ = ["check_fields", "check_layout", "check_estimate", "applies", "loss_waits",
            "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
@@ -136,6 +136,19 @@ def applies(model, lay) -> bool:
 def token_cfg(model, lay):
     """The model at the sequence one rank holds (s / cp)."""
     return X.token_cfg(model, lay.cp)
+
+
+def loss_waits(lay) -> bool:
+    """Whether this library's cross-entropy waits for ZeRO-3's backward prefetch: it
+    all-reduces its global target count once per mesh dim the targets are sharded on
+    (``parallel/ops_table/cross_entropy.py``, ``_cross_entropy_local``: dp, and cp), each
+    on that dim's group, and a group's collectives run in order on its own stream
+    (``sim_mesh/trace.py``), so the count queues behind the gathers only where one of
+    those groups is ZeRO's: dp alone or cp alone.  With dp > 1 and cp > 1 ZeRO runs on
+    the flattened dp x cp group (``recipes/context_parallel.py``, ``Zero3Stage`` over
+    ("dp", "cp")), another stream: the loss runs beside the gathers (``zero_cost``'s
+    ``lead``)."""
+    return lay.dp == 1 or lay.cp == 1
 
 
 def _groups(lay):
