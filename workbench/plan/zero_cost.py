@@ -65,6 +65,11 @@ class Block:
     parts: tuple = ()
     group: int = -1          # the layer it belongs to (recipe_blocks), -1: none
     remat: float = 0.0       # seconds of its forward re-run inside ``bwd`` (recompute)
+    # seconds its compute waits, after it, on collectives of other streams (its layer's
+    # exposed tensor-parallel collectives and ring K/V exchange: ``recipe_blocks``),
+    # forward and backward: the clock goes on, ZeRO's stream with it, no compute slowed
+    wait_fwd: float = 0.0
+    wait_bwd: float = 0.0
 
 
 class _Stream:
@@ -156,6 +161,7 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
             _prefetch(stream, gb, order, pos, t, budget)
         if g < 0:
             t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
+        t += blocks[i].wait_bwd if backward else blocks[i].wait_fwd
         if backward and bucket is None and blocks[i].parts:
             for k, n in enumerate(blocks[i].parts):     # one per parameter, as produced
                 stream.issue(("rs", i, k), n, t)
@@ -216,18 +222,19 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     if lf or lb:                # the loss leaves the last block: it runs as ``lead``
         last = blocks[-1]
         blocks = list(blocks[:-1]) + [Block(last.numel, last.fwd - lf, last.bwd - lb,
-                                            last.parts, last.group, last.remat)]
+                                            last.parts, last.group, last.remat,
+                                            last.wait_fwd, last.wait_bwd)]
     fwd = 0.0
     if zero == 3:
         s = _Stream(all_gather, reduce_scatter)
         end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
-        fwd = end - sum(b.fwd for b in blocks)
+        fwd = end - sum(b.fwd + b.wait_fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
                loss_waits, stay, regather and zero == 3, lf + lb)
     # the loss's own seconds are the blocks' (the stage's compute): only what it waits or
     # slows beside the gathers is exposed
-    return fwd, max(end, s.free) - sum(b.bwd for b in blocks) - lf - lb
+    return fwd, max(end, s.free) - sum(b.bwd + b.wait_bwd for b in blocks) - lf - lb
 
 
 def stage_blocks(cfg, lay, stage: int, layer, head, edge,
@@ -336,7 +343,8 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     for k in range(nl):
         out += [Block(sum(p), layer.fwd_compute * sum(p) / tot,
                       layer.bwd_compute * sum(p) / tot, p, k if j < rerun else -1,
-                      remat * sum(p) / rtot if j < rerun else 0.0)
+                      remat * sum(p) / rtot if j < rerun else 0.0,
+                      layer.fwd_comm * sum(p) / tot, layer.bwd_comm * sum(p) / tot)
                 for j, p in enumerate(mods)]
     if stage == pp - 1:
         norm = (h,) if llama else (h, h)
