@@ -70,6 +70,10 @@ def test_what_is_not_priced_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"zero=3 with cp=2 and dp=1 is not modeled.*use dp >= 2"):
         estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
     assert dry_run(LLAMA, lay, Cluster("a100", 2)).step_time > 0
+    # ZeRO-2 alike (was priced: measured dry run / estimate 1.08 at cp 2, 1.15 at cp 4)
+    with pytest.raises(ValueError, match=r"zero=2 with cp=4 and dp=1 is not modeled"):
+        estimate(LLAMA, Layout(dp=1, cp=4, zero=2, framework="workbench", global_batch=1),
+                 Cluster("a100", 4), attention="flash")
     # recompute: the dry run raises on meta tensors, so nothing holds the estimate to it
     lay = Layout(dp=2, cp=2, zero=3, recompute="full", framework="workbench", global_batch=4)
     with pytest.raises(ValueError, match=r"recompute='full' is not modeled.*recompute='none'"):
@@ -83,7 +87,8 @@ def test_what_is_not_priced_is_refused_with_the_fix():
 
 def test_search_tries_zero3_over_dp_x_cp():
     """``search``'s candidates with cp include ZeRO-3 (and ZeRO-2) as this library's
-    runtime runs them, dp >= 2 and no recompute; before, none with cp had zero >= 2."""
+    runtime runs them, dp >= 2 (ZeRO-3 without recompute); before, none with cp had
+    zero >= 2."""
     cfg = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
     cl = Cluster("a100", 16)
     got = list(ep_cp_search.candidates(cfg, cl, 16, 1, "flash", candidate_layouts))
@@ -91,6 +96,7 @@ def test_search_tries_zero3_over_dp_x_cp():
     assert z3 and all(l.framework == "workbench" and l.dp >= 2 and l.recompute == "none"
                       for l in z3)
     assert any(l.cp > 1 and l.zero == 2 for l in got)
+    assert all(l.dp >= 2 for l in got if l.cp > 1 and l.zero >= 2)
     lay = z3[0]
     est = estimate(cfg, lay, cl, attention="flash")     # priced, not refused
     assert est.step_time > 0

@@ -63,7 +63,7 @@ def check(model, lay) -> None:
                              f"{lay.recompute!r} is not run on the meta device (the "
                              f"recomputed attention under ZeRO-3 with context parallelism "
                              f"raises there), and the planner does not price it either "
-                             f"(plan/ep_cp.py check_zero3_cp); use recompute='none' or "
+                             f"(plan/ep_cp.py check_zero_cp); use recompute='none' or "
                              f"zero<=2")
         bad = [("pp", lay.pp)] if lay.pp != 1 else []
         if lay.ep > 1:

@@ -21,7 +21,8 @@ or across nodes as the ranks fall), plus ring attention beyond the causal block
 distributed optimizer on its data-parallel group with context parallel), and so does this
 library's runtime (``recipes/context_parallel.py``), which also runs ZeRO-2 over dp x cp:
 ``framework="workbench"`` prices it; and ZeRO-3 over dp x cp (FSDP over the flattened
-group, as torchtitan), with dp >= 2 and no recompute (``check_zero3_cp``).  Not modeled,
+group, as torchtitan), with dp >= 2 and no recompute, and ZeRO-2 with dp >= 2
+(``check_zero_cp``).  Not modeled,
 refused with the fix: ZeRO-2/3 with EP, ZeRO-2/3 with CP on another framework
 (Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
 MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
@@ -40,7 +41,8 @@ from . import costs as C
 from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
-__all__ = ["check_fields", "check_zero3_cp", "check_layout", "check_estimate", "applies", "loss_waits",
+__all__ = ["check_fields", "check_zero_cp", "check_layout", "check_estimate", "applies",
+           "loss_waits",
            "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
@@ -73,32 +75,33 @@ def check_fields(lay) -> None:
                          + ("" if lay.ep > 1 else ", or framework='workbench'"))
 
 
-def check_zero3_cp(lay) -> None:
-    """What ``estimate`` refuses of ZeRO-3 with cp (the layout itself stands: ``dry_run``
+def check_zero_cp(lay) -> None:
+    """What ``estimate`` refuses of ZeRO-2/3 with cp (the layout itself stands: ``dry_run``
     runs it).  ZeRO-3 over dp x cp (this library's runtime: ``ContextParallel(zero=3)``,
     FSDP over the flattened dp x cp group as torchtitan's "fsdp" mesh) is priced as the
-    runtime runs it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside the backward's
-    prefetch, ``loss_waits``) where the dry run holds the estimate to it: dp >= 2 and no
-    recompute.  Refused with the fix: dp = 1, where ZeRO's group is the cp group itself,
-    so the ring's K/V exchange (a collective on the cp group, ``parallel/strategies/
-    context_parallel_comm.py`` ``_record``; Ulysses' all-to-alls alike) queues behind
-    ZeRO's prefetched gathers on that group's one stream, a wait not modeled (measured
-    dry run / estimate on tests/test_zero3cp.py's blocks: 1.10x at cp 2 and 1.15x (Llama),
-    1.28x (GPT) at cp 4); recompute, which the dry run does not run (the recomputed
-    attention on meta tensors raises: ``NotImplementedError`` from the attention's row
-    mask), so the estimate would not be held to anything."""
-    if lay.cp == 1 or lay.zero != 3:
+    runtime runs it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside
+    the backward's prefetch, ``loss_waits``) where the dry run holds the estimate to it:
+    dp >= 2 and no recompute; ZeRO-2 likewise at dp >= 2.  Refused with the fix: dp = 1,
+    where ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on
+    the cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
+    all-to-alls alike) queues behind ZeRO's collectives on that group's one stream, a wait
+    not modeled (measured dry run / estimate on tests/test_zero3cp.py's blocks, ZeRO-3:
+    1.10x at cp 2, 1.15x (Llama) and 1.28x (GPT) at cp 4; ZeRO-2: 1.08x and 1.15x
+    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with recompute, which the dry run does not run
+    (the recomputed attention on meta tensors raises: ``NotImplementedError`` from the
+    attention's row mask), so the estimate would not be held to anything."""
+    if lay.cp == 1 or lay.zero < 2:
         return
     if lay.dp == 1:
-        raise ValueError(f"estimate: zero=3 with cp={lay.cp} and dp=1 is not modeled (ZeRO-3's "
-                         f"group is then the cp group, whose one stream the ring's K/V "
-                         f"exchange waits on behind ZeRO's prefetched gathers: "
-                         f"plan/ep_cp.py check_zero3_cp); use dp >= 2 or zero<=2")
-    if lay.recompute != "none":
+        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp} and dp=1 is not "
+                         f"modeled (ZeRO's group is then the cp group, whose one stream the "
+                         f"ring's K/V exchange waits on behind ZeRO's collectives: "
+                         f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
+    if lay.zero == 3 and lay.recompute != "none":
         raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute={lay.recompute!r} is "
                          f"not modeled (the dry run that holds the estimate to the runtime "
                          f"does not run a recompute under ZeRO-3 with context parallelism: "
-                         f"plan/ep_cp.py check_zero3_cp); use recompute='none' or zero<=2")
+                         f"plan/ep_cp.py check_zero_cp); use recompute='none' or zero<=2")
 
 
 def check_layout(model, lay) -> None:
@@ -144,7 +147,7 @@ def check_layout(model, lay) -> None:
 def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
     """What ``estimate`` refuses of ep and cp (module docstring)."""
     X.check_cp(model, lay.cp, attention, lay.cp_comm)
-    check_zero3_cp(lay)
+    check_zero_cp(lay)
     if M.moe_of(model) is not None:
         if fp8:
             raise ValueError("fp8=True with a MoE model is not modeled; use fp8=False")

@@ -36,8 +36,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
     every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
-    over dp x cp with framework='workbench', as its runtime shards; ZeRO-3 with dp >= 2
-    and no recompute, ``ep_cp.check_zero3_cp``), sequence parallelism with a MoE's TP."""
+    over dp x cp with framework='workbench', as its runtime shards, at dp >= 2; ZeRO-3
+    without recompute: ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -58,13 +58,13 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                 continue
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
-            if lay.zero >= 2 and cp > 1:    # what plan.ep_cp.check_layout accepts: this
-                # library's runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.
-                # context_parallel; ZeRO-3 with dp >= 2 and no recompute: ep_cp.
-                # check_zero3_cp), the only framework priced running them with cp: tried
-                # as framework="workbench" (table_notes says so); with ep, refused there
-                if moe is not None or lay.zero == 3 and (lay.dp == 1 or
-                                                         lay.recompute != "none"):
+            if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
+                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp >=
+                # 2, ZeRO-3 without recompute: ep_cp.check_zero_cp), the only framework
+                # priced running them with cp: tried as framework="workbench" (table_notes
+                # says so); with ep, refused there
+                if moe is not None or lay.dp == 1 or lay.zero == 3 and \
+                        lay.recompute != "none":
                     continue
                 lay = lay.replace(framework="workbench")
             elif lay.zero >= 2 and moe is not None:
