@@ -17,14 +17,16 @@
 Refused with the fix (the runtime does not run them, or not as the planner prices them):
 a MoE model with tp > 1 and sp (the planner prices Megatron-Core's experts split over
 tp with sequence parallelism; the runtime refuses ep with sp and keeps the MLP whole on
-every tp rank: no like-for-like comparison), cp with pp > 1,
-ZeRO-3 or ep > 1 (``ContextParallel`` does not build them; a MoE model under cp runs
+every tp rank: no like-for-like comparison), cp with pp > 1 or ep > 1
+(``ContextParallel`` does not build them; a MoE model under cp runs
 its experts with ep = 1, routed in sequence order: ``recipes.moe.keep_sequence_order``,
 measured on tests/test_dryrun_ep_cp.py's model at cp 2: 1.51x the step, the dense
 dispatch's cost below, 1.13x the memory total). cp with tp > 1 runs, with or without
 sp (measured on tests/test_dryrun_ep_cp.py's model, cp 2 tp 2: step 1.08x the estimate,
 memory total 1.005x; with sp: step 1.053x, activations 1.003x; sp was once dropped here,
-the recipe built without it: activations 1.103x).
+the recipe built without it: activations 1.103x).  cp with ZeRO-3 runs
+(``ContextParallel(zero=3)``: FSDP over dp x cp), but not with recompute: the recomputed
+attention raises on the meta device (refused; tests/test_zero3cp.py).
 
 A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
 buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner
@@ -53,16 +55,24 @@ def check(model, lay) -> None:
                          f"rank and refuses ep with sp; dry-run it with sp=False (estimate: "
                          f"framework='workbench', sp=False), or use wb.plan.estimate")
     if lay.cp > 1:
+        if lay.zero == 3 and lay.recompute != "none":
+            # the recomputed attention on meta tensors raises (NotImplementedError from
+            # the attention's row mask, parallel/ops_table/attention.py _row_keep: not on
+            # the ring there); the runtime on real tensors runs it
+            raise ValueError(f"dry_run: cp={lay.cp} with zero=3 and recompute="
+                             f"{lay.recompute!r} is not run on the meta device (the "
+                             f"recomputed attention under ZeRO-3 with context parallelism "
+                             f"raises there), and the planner does not price it either "
+                             f"(plan/ep_cp.py check_zero_cp); use recompute='none' or "
+                             f"zero<=2")
         bad = [("pp", lay.pp)] if lay.pp != 1 else []
-        if lay.zero == 3:
-            bad.append(("zero", 3))
         if lay.ep > 1:
             bad.append(("ep", lay.ep))
         if bad:
             n, v = bad[0]
             raise ValueError(f"dry_run: cp={lay.cp} with {n}={v} is not run by the context-"
                              f"parallel recipe (recipes.context_parallel: dp x cp x tp with or "
-                             f"without sp, no pp, ZeRO-3 or ep); change {n}, or use "
+                             f"without sp, ZeRO 0-3, no pp or ep); change {n}, or use "
                              f"wb.plan.estimate")
 
 

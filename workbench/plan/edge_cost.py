@@ -36,8 +36,9 @@ def _price(name, ins, outs, profile, dtype, **attrs) -> tuple[float, float]:
 
 @lru_cache(maxsize=None)
 def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
-    """{"first": (forward, backward), "last": (forward, backward)} seconds on one rank
-    for one micro-batch of ``b`` sequences (module docstring)."""
+    """{"first": (forward, backward), "last": (forward, backward), "loss": (forward,
+    backward)} seconds on one rank for one micro-batch of ``b`` sequences (module
+    docstring; "loss": the cast and cross-entropy of "last", without the final norm)."""
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     dt, f32, i64 = cfg.torch_dtype, torch.float32, torch.int64
     vt = V // tp if V % tp == 0 and tp > 1 else V          # vocabulary-parallel when it divides
@@ -67,7 +68,9 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     cast = _price("to", [logits], [logits32], profile, f32)
     ce = _loss(b * s, vt, profile)
     last = tuple(map(sum, zip(ln, cast, ce)))
-    return {"first": first, "last": last}
+    # "loss": the logits' cast and the cross-entropy alone (of "last"), what runs after
+    # the head's forward and before its backward (plan.zero_cost's ``lead``)
+    return {"first": first, "last": last, "loss": tuple(map(sum, zip(cast, ce)))}
 
 
 def _loss(rows: int, vocab: int, profile) -> tuple[float, float]:

@@ -20,9 +20,11 @@ or across nodes as the ranks fall), plus ring attention beyond the causal block
 (``context_cost``).  ZeRO-1 shards the optimizer states over dp x cp (Megatron-Core's
 distributed optimizer on its data-parallel group with context parallel), and so does this
 library's runtime (``recipes/context_parallel.py``), which also runs ZeRO-2 over dp x cp:
-``framework="workbench"`` prices it.  Not modeled, refused with the fix: ZeRO-2/3 with EP,
-ZeRO-3 with CP, ZeRO-2 with CP on another framework (Megatron-LM's distributed optimizer
-is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
+``framework="workbench"`` prices it; and ZeRO-3 over dp x cp (FSDP over the flattened
+group, as torchtitan), with dp >= 2 and no recompute, and ZeRO-2 with dp >= 2
+(``check_zero_cp``).  Not modeled,
+refused with the fix: ZeRO-2/3 with EP, ZeRO-2/3 with CP on another framework
+(Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
 MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
 A MoE with tp > 1 takes sp (Megatron-Core: experts split over tp), or
 ``framework="workbench"`` with sp=False (this library's runtime: the MoE MLP whole on
@@ -39,7 +41,8 @@ from . import costs as C
 from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
-__all__ = ["check_fields", "check_layout", "check_estimate", "applies",
+__all__ = ["check_fields", "check_zero_cp", "check_layout", "check_estimate", "applies",
+           "loss_waits",
            "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
@@ -63,18 +66,42 @@ def check_fields(lay) -> None:
         raise ValueError(f"Layout: ep={lay.ep} must divide dp={lay.dp}: the expert-parallel "
                          f"group is carved out of the data-parallel ranks; use an ep dividing "
                          f"{lay.dp} or a dp that is a multiple of {lay.ep}")
-    own = lay.zero == 2 and lay.ep == 1 and lay.framework == "workbench"
+    own = lay.zero in (2, 3) and lay.ep == 1 and lay.framework == "workbench"
     if (lay.ep > 1 or lay.cp > 1) and lay.zero >= 2 and not own:
-        # (ZeRO-3 with cp runs, ContextParallel(zero=3), but is not priced: its dry run
-        # gave 0.76-0.87x the estimate's step on tests/test_dryrun_ep_cp.py's blocks, dp 2
-        # x cp 2, memory 1.000x; the exposed gathers with s / cp tokens of compute to hide
-        # them behind are what differ)
         raise ValueError(f"Layout: zero={lay.zero} with ep={lay.ep}, cp={lay.cp} is not "
                          f"modeled (Megatron-LM's distributed optimizer, ZeRO-1, is what runs "
                          f"expert and context parallelism; this library's runtime runs ZeRO-2 "
-                         f"over dp x cp: framework='workbench'); use zero<=1"
-                         + ("" if lay.ep > 1 or lay.zero == 3 else
-                            ", or framework='workbench'"))
+                         f"and ZeRO-3 over dp x cp: framework='workbench'); use zero<=1"
+                         + ("" if lay.ep > 1 else ", or framework='workbench'"))
+
+
+def check_zero_cp(lay) -> None:
+    """What ``estimate`` refuses of ZeRO-2/3 with cp (the layout itself stands: ``dry_run``
+    runs it).  ZeRO-3 over dp x cp (this library's runtime: ``ContextParallel(zero=3)``,
+    FSDP over the flattened dp x cp group as torchtitan's "fsdp" mesh) is priced as the
+    runtime runs it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside
+    the backward's prefetch, ``loss_waits``) where the dry run holds the estimate to it:
+    dp >= 2 and no recompute; ZeRO-2 likewise at dp >= 2.  Refused with the fix: dp = 1,
+    where ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on
+    the cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
+    all-to-alls alike) queues behind ZeRO's collectives on that group's one stream, a wait
+    not modeled (measured dry run / estimate on tests/test_zero3cp.py's blocks, ZeRO-3:
+    1.10x at cp 2, 1.15x (Llama) and 1.28x (GPT) at cp 4; ZeRO-2: 1.08x and 1.15x
+    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with recompute, which the dry run does not run
+    (the recomputed attention on meta tensors raises: ``NotImplementedError`` from the
+    attention's row mask), so the estimate would not be held to anything."""
+    if lay.cp == 1 or lay.zero < 2:
+        return
+    if lay.dp == 1:
+        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp} and dp=1 is not "
+                         f"modeled (ZeRO's group is then the cp group, whose one stream the "
+                         f"ring's K/V exchange waits on behind ZeRO's collectives: "
+                         f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
+    if lay.zero == 3 and lay.recompute != "none":
+        raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute={lay.recompute!r} is "
+                         f"not modeled (the dry run that holds the estimate to the runtime "
+                         f"does not run a recompute under ZeRO-3 with context parallelism: "
+                         f"plan/ep_cp.py check_zero_cp); use recompute='none' or zero<=2")
 
 
 def check_layout(model, lay) -> None:
@@ -120,6 +147,7 @@ def check_layout(model, lay) -> None:
 def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
     """What ``estimate`` refuses of ep and cp (module docstring)."""
     X.check_cp(model, lay.cp, attention, lay.cp_comm)
+    check_zero_cp(lay)
     if M.moe_of(model) is not None:
         if fp8:
             raise ValueError("fp8=True with a MoE model is not modeled; use fp8=False")
@@ -136,6 +164,19 @@ def applies(model, lay) -> bool:
 def token_cfg(model, lay):
     """The model at the sequence one rank holds (s / cp)."""
     return X.token_cfg(model, lay.cp)
+
+
+def loss_waits(lay) -> bool:
+    """Whether this library's cross-entropy waits for ZeRO-3's backward prefetch: it
+    all-reduces its global target count once per mesh dim the targets are sharded on
+    (``parallel/ops_table/cross_entropy.py``, ``_cross_entropy_local``: dp, and cp), each
+    on that dim's group, and a group's collectives run in order on its own stream
+    (``sim_mesh/trace.py``), so the count queues behind the gathers only where one of
+    those groups is ZeRO's: dp alone or cp alone.  With dp > 1 and cp > 1 ZeRO runs on
+    the flattened dp x cp group (``recipes/context_parallel.py``, ``Zero3Stage`` over
+    ("dp", "cp")), another stream: the loss runs beside the gathers (``zero_cost``'s
+    ``lead``)."""
+    return lay.dp == 1 or lay.cp == 1
 
 
 def _groups(lay):

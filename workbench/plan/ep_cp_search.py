@@ -35,8 +35,9 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     sequence in 2 cp chunks, flash attention; the ring at least ``CP_MIN_TOKENS`` per rank,
     the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
-    every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 over dp x cp
-    with framework='workbench', as its runtime shards), sequence parallelism with a MoE's TP."""
+    every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
+    over dp x cp with framework='workbench', as its runtime shards, at dp >= 2; ZeRO-3
+    without recompute: ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -57,11 +58,17 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                 continue
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
-            if lay.zero >= 2:       # what plan.ep_cp.check_layout accepts: this library's
-                # runtime's ZeRO-2 over dp x cp (recipes.context_parallel); ZeRO-3 with cp
-                # and ZeRO-2 with ep are refused there
-                if not (lay.zero == 2 and moe is None and lay.framework == "workbench"):
+            if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
+                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp >=
+                # 2, ZeRO-3 without recompute: ep_cp.check_zero_cp), the only framework
+                # priced running them with cp: tried as framework="workbench" (table_notes
+                # says so); with ep, refused there
+                if moe is not None or lay.dp == 1 or lay.zero == 3 and \
+                        lay.recompute != "none":
                     continue
+                lay = lay.replace(framework="workbench")
+            elif lay.zero >= 2 and moe is not None:
+                continue
             comms = [m for m, ok in (("p2p", cp in ring), ("a2a", cp in a2a and (
                 hq // lay.tp) % cp == 0 and (hkv // lay.tp) % cp == 0)) if ok] \
                 if cp > 1 else ["p2p"]
@@ -106,12 +113,20 @@ def assumptions(model, lay) -> tuple:
 
 
 def table_notes(ranking) -> list:
-    """Lines ``Ranking`` prints under its table: the MFU caveat at long context."""
+    """Lines ``Ranking`` prints under its table: the MFU caveat at long context, and which
+    rows run ZeRO-2/3 with cp on this library's runtime (``candidates``)."""
     if not ranking:
         return []
     lay, est = ranking[0]
     note = next((a for a in est.assumptions() if a.startswith("MFU and HFU count")), None)
-    return [f"note: {note}"] if note else []
+    out = [f"note: {note}"] if note else []
+    own = [i for i, (l, _) in enumerate(ranking, 1) if l.cp > 1 and l.zero >= 2]
+    if own:
+        out.append(f"note: row{'s' if len(own) > 1 else ''} {', '.join(map(str, own))}: "
+                   f"ZeRO-{'/'.join(sorted({str(ranking[i - 1][0].zero) for i in own}))} "
+                   f"over dp x cp as this library's runtime runs it (framework='workbench', "
+                   f"recipes/context_parallel.py), the only one priced with cp")
+    return out
 
 
 def explain_lines(est) -> list:

@@ -254,7 +254,7 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
              overlap_grad_reduce: bool = False, grad_bytes: int = 2,
-             head_live: bool = True, side=None):
+             head_live: bool = True, side=None, lead=(0.0, 0.0)):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -269,7 +269,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
     ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n: the
     copies FSDP2 runs in series with them; the indices of the blocks kept gathered from
-    forward to backward), ``fsdp2_cost.stage_copies``."""
+    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: the loss's (forward,
+    backward) seconds, run beside ZeRO-3's backward prefetch where it does not wait for it
+    (this library's recipe: ``zero_cost.zero_exposed``'s ``lead``; ``ep_cp.loss_waits``
+    says when the loss waits)."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -307,17 +310,22 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if lay.zero == 1:
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
-        blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0) for b in blocks]
+        blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0, wait_fwd=0.0,
+                                      wait_bwd=0.0) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
+    # the recipe's loss waits for the backward's prefetch where its count's all-reduce is
+    # on ZeRO's group (ep_cp.loss_waits), else runs beside it (lead)
+    waits = lay.engine == "workbench" and not head_live and EC.loss_waits(lay)
+    recipe3 = lay.engine == "workbench" and lay.zero == 3 and not waits and overlap
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
-                              prefetch_numel=ahead,
-                              loss_waits=lay.engine == "workbench" and not head_live,
+                              prefetch_numel=ahead, loss_waits=waits,
                               stay=stay, regather=lay.engine == "workbench"
-                              and lay.recompute in ("full", "op"))
+                              and lay.recompute in ("full", "op"),
+                              lead=lead if recipe3 else (0.0, 0.0))
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         return m * bwd + p("all_gather", w), m * rs + ag
     again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
@@ -500,7 +508,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                                 head_live=cfg.tie_embeddings, side=side) \
+                                 head_live=cfg.tie_embeddings, side=side,
+                                 lead=edge["loss"] if s == pp - 1 else (0.0, 0.0)) \
             if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))

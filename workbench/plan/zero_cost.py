@@ -65,6 +65,11 @@ class Block:
     parts: tuple = ()
     group: int = -1          # the layer it belongs to (recipe_blocks), -1: none
     remat: float = 0.0       # seconds of its forward re-run inside ``bwd`` (recompute)
+    # seconds its compute waits, after it, on collectives of other streams (its layer's
+    # exposed tensor-parallel collectives and ring K/V exchange: ``recipe_blocks``),
+    # forward and backward: the clock goes on, ZeRO's stream with it, no compute slowed
+    wait_fwd: float = 0.0
+    wait_bwd: float = 0.0
 
 
 class _Stream:
@@ -113,7 +118,8 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
          rate: float = 1.0, bucket: "float | None" = None,
-         loss_waits: bool = False, stay=(), regather: bool = False) -> float:
+         loss_waits: bool = False, stay=(), regather: bool = False,
+         lead: float = 0.0) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
@@ -124,7 +130,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
     recompute, which gathers each of its modules as it re-runs them, in forward order,
     without prefetch (this library's recipe, ``strategies.zero3_clock``: a gather hook
     in a backward waits for its module, ``ahead=False``, and the module's backward then
-    reuses that copy and prefetches nothing)."""
+    reuses that copy and prefetches nothing).  ``lead``: seconds of compute the backward
+    runs first, from time 0 beside its prefetch (the loss, :func:`zero_exposed`)."""
     t, pending = 0.0, 0.0
     gb = [Block(0.0, b.fwd, b.bwd) if i in stay else b for i, b in enumerate(blocks)]
     groups, rerun = {}, set()
@@ -136,6 +143,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
         _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
             t = stream.free
+        elif lead:              # the loss beside them (zero_exposed's ``lead``)
+            t = stream.compute(t, lead, rate)
     for pos, i in enumerate(order):
         g = blocks[i].group if groups else -1
         if g >= 0:              # a recomputed layer (regather): no prefetch
@@ -152,6 +161,7 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
             _prefetch(stream, gb, order, pos, t, budget)
         if g < 0:
             t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
+        t += blocks[i].wait_bwd if backward else blocks[i].wait_fwd
         if backward and bucket is None and blocks[i].parts:
             for k, n in enumerate(blocks[i].parts):     # one per parameter, as produced
                 stream.issue(("rs", i, k), n, t)
@@ -170,8 +180,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
 def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
                  rate: float = 1.0, bucket: "float | None" = None,
-                 loss_waits: bool = False, stay=(), regather: bool = False
-                 ) -> tuple[float, float]:
+                 loss_waits: bool = False, stay=(), regather: bool = False,
+                 lead: tuple = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
@@ -188,23 +198,43 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     from their forward to their backward (FSDP2's root and torchtitan's last block,
     ``fsdp2_cost``), not gathered again for backward; ``regather``: ZeRO-3 with recompute
     as this library's recipe runs it (:func:`_run`; the blocks' ``group`` and ``remat``,
-    :func:`recipe_blocks`)."""
+    :func:`recipe_blocks`); ``lead``: (forward, backward) seconds of the last block's
+    ``fwd`` and ``bwd`` that run after the backward's prefetch is issued and before that
+    block's backward waits for its gather: this library's recipe issues the prefetch when
+    the forward's last module (the head) ends (``parallel/strategies/zero3_clock.py``,
+    ``_backward_hook`` calls ``_prefetch_backward``), so the loss's forward and backward
+    (the logits' cast and the cross-entropy) run beside those gathers, where the head's
+    backward waits for its own; moved from the forward to the backward's start, not added
+    (with ``loss_waits`` the loss waits for the gathers instead: give (0, 0))."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
         raise ValueError(f"rate={rate!r} must be in (0, 1]: the speed of compute beside "
                          "a collective, 1 when it runs as alone")
+    lf, lb = lead
+    if (lf or lb) and (zero != 3 or loss_waits or not blocks or lf < 0 or lb < 0
+                       or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
+        raise ValueError(f"lead={lead!r}: the loss's seconds run beside ZeRO-3's backward "
+                         f"prefetch, so zero=3, loss_waits=False and each within the last "
+                         f"block's own fwd / bwd (got zero={zero}, loss_waits={loss_waits})")
     order = list(range(len(blocks)))
+    if lf or lb:                # the loss leaves the last block: it runs as ``lead``
+        last = blocks[-1]
+        blocks = list(blocks[:-1]) + [Block(last.numel, last.fwd - lf, last.bwd - lb,
+                                            last.parts, last.group, last.remat,
+                                            last.wait_fwd, last.wait_bwd)]
     fwd = 0.0
     if zero == 3:
         s = _Stream(all_gather, reduce_scatter)
         end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
-        fwd = end - sum(b.fwd for b in blocks)
+        fwd = end - sum(b.fwd + b.wait_fwd for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
-               loss_waits, stay, regather and zero == 3)
-    return fwd, max(end, s.free) - sum(b.bwd for b in blocks)
+               loss_waits, stay, regather and zero == 3, lf + lb)
+    # the loss's own seconds are the blocks' (the stage's compute): only what it waits or
+    # slows beside the gathers is exposed
+    return fwd, max(end, s.free) - sum(b.bwd + b.wait_bwd for b in blocks) - lf - lb
 
 
 def stage_blocks(cfg, lay, stage: int, layer, head, edge,
@@ -313,7 +343,8 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     for k in range(nl):
         out += [Block(sum(p), layer.fwd_compute * sum(p) / tot,
                       layer.bwd_compute * sum(p) / tot, p, k if j < rerun else -1,
-                      remat * sum(p) / rtot if j < rerun else 0.0)
+                      remat * sum(p) / rtot if j < rerun else 0.0,
+                      layer.fwd_comm * sum(p) / tot, layer.bwd_comm * sum(p) / tot)
                 for j, p in enumerate(mods)]
     if stage == pp - 1:
         norm = (h,) if llama else (h, h)
