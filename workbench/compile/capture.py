@@ -4,9 +4,9 @@ Two ways in, tried in this order (``method="auto"``):
 
 * ``"export"``: ``torch.export.export`` (non-strict) of the function or module on meta
   inputs and meta parameters; its ATen graph is mapped onto the op table
-  (:mod:`.aten_map`).  Where an ATen op has no entry (export decomposes our fused
-  ``wb.ops`` calls into ATen pieces the table does not hold, e.g. flash attention's
-  meta kernel), capture goes on by tracing and says why in ``graph.notes``.
+  (:mod:`.export`; our fused ``wb.ops`` calls stay whole as custom operators,
+  :mod:`.export_ops`).  Where an ATen op has no entry, capture goes on by tracing and
+  says why in ``graph.notes``.
 * ``"trace"``: run the program once on meta tensors under a ``TorchFunctionMode`` that
   records every call the op table answers to, at the level the table speaks (``F.linear``,
   ``wb.ops.rms_norm``), as ``torch.fx.symbolic_trace`` records torch calls, but with
@@ -427,12 +427,15 @@ def _custom_functions_refused():
     the graph's gradient is the forward's, 8 where the Function says 40; tracing records its
     forward under no_grad, so no gradient at all).  ``torch.utils.checkpoint``'s reentrant
     Function is one.  workbench's own Functions (``wb.ops``: the exact gradient, held to a
-    reference by their tests) are the op table's business and pass."""
+    reference by their tests) are the op table's business and pass, as does the autograd
+    Function PyTorch generates for their custom operators under export (export_ops.py)."""
     base = torch.autograd.Function
     orig = base.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("workbench.") and any(
+        ours = cls.__module__.startswith("workbench.") or \
+            cls.__name__.startswith("GeneratedBackwardFor_workbench_")
+        if not ours and any(
                 isinstance(t, torch.Tensor) and t.device.type == "meta"
                 for t in _leaves((args, kwargs), [])):
             f, line, code = _user_frame()
