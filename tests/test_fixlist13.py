@@ -95,3 +95,45 @@ def test_a_slice_of_a_buffer_is_captured_by_export_and_reads_the_buffer_as_it_is
         m.table.mul_(3)
     torch.testing.assert_close(prog(x).full(), m(xp))
 
+
+# ---- 2. a plain tensor attribute is a constant of the exported graph -----------------------
+
+class _Attr(nn.Module):
+    """A linear scaled by a plain tensor attribute (not a registered buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(8, 8, generator=g) * 0.3)
+        self.scale = 1 + torch.rand(8, generator=g)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_plain_tensor_attribute_is_a_constant_under_export():
+    """Was: the attribute stayed a CPU tensor beside the meta parameters, export failed
+    (FakeTensorDeviceMismatchError) and capture traced. torch.export lifts such a tensor as
+    a constant (CONSTANT_TENSOR): swapped for a meta twin as buffers are, it is captured
+    by export, the graph holds the module's own tensor, and a call reads it as it is now
+    (updated in place, or assigned anew), as eager does."""
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    m = _Attr()
+    xp = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = wb.shard_tensor(xp, mesh, [S(0)])
+    attr = m.scale
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert prog.graph.method == "export", prog.graph.notes
+    assert not prog.graph.notes
+    assert m.scale is attr and not attr.is_meta                  # put back
+    [const] = prog.graph.consts.values()
+    assert const.data_ptr() == attr.data_ptr()
+    torch.testing.assert_close(prog(x).full(), m(xp))
+    with torch.no_grad():
+        m.scale.mul_(3)
+    torch.testing.assert_close(prog(x).full(), m(xp))
+    m.scale = torch.full((8,), 0.5)
+    torch.testing.assert_close(prog(x).full(), m(xp))
+

@@ -336,24 +336,34 @@ def meta_buffers(module):
     """Swap every buffer of ``module`` for a meta twin (a buffer registered twice shares
     one twin), as :func:`meta_twins` does the parameters: ``torch.export`` runs the program
     on fake tensors of the twins' device, and a CPU buffer beside meta parameters fails it
-    (FakeTensorDeviceMismatchError).  Yields {full name: original buffer} (every name);
-    puts the originals back after, whatever happens inside."""
-    saved, twins, originals = [], {}, {}
+    (FakeTensorDeviceMismatchError).  A plain tensor attribute (``self.scale = t``, not
+    registered) is swapped too: export lifts it as a constant of the graph, as it does a
+    buffer (torch.export's ``InputKind.CONSTANT_TENSOR``).  Yields {full name: original}
+    (every name); puts the originals back after, whatever happens inside."""
+    saved, twins, back, originals = [], {}, {}, {}
+
+    def swap(where, name, full):
+        t = back.get(id(where[name]), where[name])   # (a module met twice: twinned once)
+        tw = twins.get(id(t))
+        if tw is None:
+            tw = twins[id(t)] = _meta_like(t, False)
+            back[id(tw)] = t
+        if where[name] is t:
+            saved.append((where, name, t))
+            where[name] = tw
+        originals[full] = t
     try:
         for mname, mod in module.named_modules(remove_duplicate=False):
             for bname, b in list(mod._buffers.items()):
-                if b is None:
-                    continue
-                saved.append((mod, bname, b))
-                tw = twins.get(id(b))
-                if tw is None:
-                    tw = twins[id(b)] = _meta_like(b, False)
-                originals[f"{mname}.{bname}" if mname else bname] = b
-                mod._buffers[bname] = tw
+                if b is not None:
+                    swap(mod._buffers, bname, f"{mname}.{bname}" if mname else bname)
+            for aname, t in list(vars(mod).items()):
+                if type(t) is torch.Tensor and (not t.is_meta or id(t) in back):
+                    swap(mod.__dict__, aname, f"{mname}.{aname}" if mname else aname)
         yield originals
     finally:
-        for mod, bname, b in saved:
-            mod._buffers[bname] = b
+        for where, name, t in saved:
+            where[name] = t
 
 
 @contextlib.contextmanager
