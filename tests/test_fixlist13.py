@@ -137,3 +137,32 @@ def test_a_plain_tensor_attribute_is_a_constant_under_export():
     m.scale = torch.full((8,), 0.5)
     torch.testing.assert_close(prog(x).full(), m(xp))
 
+
+def test_a_submodule_registered_twice_gets_its_buffer_back():
+    """A submodule registered under two names (named_modules(remove_duplicate=False) meets
+    it twice). Was: meta_twins / meta_buffers recorded its slots twice, the second time
+    holding the meta twin, and restored them in that order: the parameters came back as
+    twins, which the state guard read as the forward setting module state (a graph break:
+    the module ran eagerly), and the buffer was left meta. Now captured by export, the
+    module's own tensors back, values as eager."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = _Table()
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    mesh = wb.Mesh.grid((2,), ("dp",))
+    m = Twice()
+    buf = m.a.table
+    xp = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = wb.shard_tensor(xp, mesh, [R()])
+    prog = wb.compile(m, x, profile=PROFILE)
+    assert not prog.breaks, prog.breaks
+    assert prog.graph.method == "export", prog.graph.notes
+    assert m.a.table is buf and not buf.is_meta
+    assert not any(p.is_meta for p in m.parameters())
+    torch.testing.assert_close(prog(x).full(), m(xp))
+

@@ -310,19 +310,24 @@ def meta_twins(module):
     """Swap every parameter of ``module`` for a meta twin (tied ones share one twin);
     yields [(full name, original, twin, first name of this twin?)]; puts the originals
     back after, whatever happens inside."""
-    saved, twins, rows = [], {}, []
+    saved, twins, rows, back = [], {}, [], {}
     try:
         for mname, mod in module.named_modules(remove_duplicate=False):
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                saved.append((mod, pname, p))
+                # (a module met twice, registered under two names: its slot already
+                # holds the twin; it is recorded and put back once, with the original)
+                p = back.get(id(p), p)
+                if mod._parameters[pname] is p:
+                    saved.append((mod, pname, p))
                 tw = twins.get(id(p))
                 first = tw is None
                 if first:
                     tw = twins[id(p)] = nn.Parameter(
                         _meta_like(p, p.requires_grad),
                         requires_grad=bool(p.requires_grad) and p.dtype.is_floating_point)
+                    back[id(tw)] = p
                 rows.append((f"{mname}.{pname}" if mname else pname, p, tw, first))
                 mod._parameters[pname] = tw
         yield rows
