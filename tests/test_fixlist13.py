@@ -166,3 +166,39 @@ def test_a_submodule_registered_twice_gets_its_buffer_back():
     assert not any(p.is_meta for p in m.parameters())
     torch.testing.assert_close(prog(x).full(), m(xp))
 
+
+# ---- 3. O0 prices what it runs for a gather repeated with a sliced plan ---------------------
+
+def test_o0_prices_no_backward_for_a_repeated_sliced_gather():
+    """tests/test_tdreshard4.py's case: x [R, S(0)] read by two matmuls with w [S(0), S(1)];
+    O0 keeps each reader's reshard (local_slice on dp, all_gather on tp). The run reads the
+    first copy for the second reader (lower.execute_program), so one way back: backward
+    [AR 512, RS 128, AG 128]. Was: the schedule and the greedy price added the second
+    copy's slice backward, priced [AR 512, AG 128, RS 128, AG 128]."""
+    from tests.test_tdreshard4 import SRC, WP, W, X, _op, _values
+
+    def fn(x, w1, w2):
+        return _op(x, w1, w2).sum()
+
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    runs = []
+    for level in (None, "O0"):
+        x = wb.shard_tensor(_values(X, 0), mesh, SRC).requires_grad_()
+        ws = [wb.shard_tensor(_values(W, k + 1), mesh, WP) for k in range(2)]
+        f = fn if level is None else wb.compile(fn, x, *ws, level=level, profile=PROFILE)
+        with wb.trace(PROFILE) as tr:
+            out = f(x, *ws)
+            n = len(tr.events)
+            out.backward()
+        runs.append(([(e.name, e.args["buffer_bytes"]) for e in tr.events[n:]
+                      if e.stream == "comm" and 0 in e.ranks], x.grad.full()))
+    (eager, e_grad), (ran, c_grad) = runs
+    priced = [(it.coll, it.nbytes) for it in f.schedule.items
+              if it.kind == "comm" and it.phase == "backward"]
+    assert ran == eager == priced == [("all_reduce", 512), ("reduce_scatter", 128),
+                                      ("all_gather", 128)], (eager, ran, priced)
+    assert f.greedy.time == pytest.approx(f.step().time, rel=1e-12, abs=0)
+    xs = _values(X, 0).requires_grad_()
+    _op(xs, _values(W, 1), _values(W, 2)).sum().backward()
+    torch.testing.assert_close(c_grad, xs.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(e_grad, xs.grad, rtol=1e-12, atol=1e-12)
