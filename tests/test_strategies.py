@@ -186,7 +186,10 @@ def test_sequence_parallel_sums_norm_gradients_once_per_step():
         h.optimizer_step(opts)
     step = [e for e in tr.collectives()[before:] if e.name == "all_reduce"]
     assert [e.label for e in step] == ["sequence-parallel norm grads"] * 2   # one per stage
-    # each stage sums all its norms' weights in that one message (fp32)
+    # each stage sums all its norms' weights in that one message (fp32); the last stage
+    # also its head, replicated over tp (vocabulary 75) after the final norm's sequence
+    # shards: a partial gradient too (fixlist13: it was all-reduced per micro-batch)
     n_norm = {0: cfg.n_layer // 2 * 2, 1: cfg.n_layer // 2 * 2 + 1}
+    head = {0: 0, 1: 4 * cfg.vocab_size * cfg.d_model}
     assert sorted(e.args["buffer_bytes"] for e in step) == sorted(
-        4 * cfg.d_model * n for n in n_norm.values())
+        4 * cfg.d_model * n + head[s] for s, n in n_norm.items())

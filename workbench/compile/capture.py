@@ -4,9 +4,9 @@ Two ways in, tried in this order (``method="auto"``):
 
 * ``"export"``: ``torch.export.export`` (non-strict) of the function or module on meta
   inputs and meta parameters; its ATen graph is mapped onto the op table
-  (:mod:`.aten_map`).  Where an ATen op has no entry (export decomposes our fused
-  ``wb.ops`` calls into ATen pieces the table does not hold, e.g. flash attention's
-  meta kernel), capture goes on by tracing and says why in ``graph.notes``.
+  (:mod:`.export`; our fused ``wb.ops`` calls stay whole as custom operators,
+  :mod:`.export_ops`).  Where an ATen op has no entry, capture goes on by tracing and
+  says why in ``graph.notes``.
 * ``"trace"``: run the program once on meta tensors under a ``TorchFunctionMode`` that
   records every call the op table answers to, at the level the table speaks (``F.linear``,
   ``wb.ops.rms_norm``), as ``torch.fx.symbolic_trace`` records torch calls, but with
@@ -310,19 +310,24 @@ def meta_twins(module):
     """Swap every parameter of ``module`` for a meta twin (tied ones share one twin);
     yields [(full name, original, twin, first name of this twin?)]; puts the originals
     back after, whatever happens inside."""
-    saved, twins, rows = [], {}, []
+    saved, twins, rows, back = [], {}, [], {}
     try:
         for mname, mod in module.named_modules(remove_duplicate=False):
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                saved.append((mod, pname, p))
+                # (a module met twice, registered under two names: its slot already
+                # holds the twin; it is recorded and put back once, with the original)
+                p = back.get(id(p), p)
+                if mod._parameters[pname] is p:
+                    saved.append((mod, pname, p))
                 tw = twins.get(id(p))
                 first = tw is None
                 if first:
                     tw = twins[id(p)] = nn.Parameter(
                         _meta_like(p, p.requires_grad),
                         requires_grad=bool(p.requires_grad) and p.dtype.is_floating_point)
+                    back[id(tw)] = p
                 rows.append((f"{mname}.{pname}" if mname else pname, p, tw, first))
                 mod._parameters[pname] = tw
         yield rows
@@ -336,24 +341,34 @@ def meta_buffers(module):
     """Swap every buffer of ``module`` for a meta twin (a buffer registered twice shares
     one twin), as :func:`meta_twins` does the parameters: ``torch.export`` runs the program
     on fake tensors of the twins' device, and a CPU buffer beside meta parameters fails it
-    (FakeTensorDeviceMismatchError).  Yields {full name: original buffer} (every name);
-    puts the originals back after, whatever happens inside."""
-    saved, twins, originals = [], {}, {}
+    (FakeTensorDeviceMismatchError).  A plain tensor attribute (``self.scale = t``, not
+    registered) is swapped too: export lifts it as a constant of the graph, as it does a
+    buffer (torch.export's ``InputKind.CONSTANT_TENSOR``).  Yields {full name: original}
+    (every name); puts the originals back after, whatever happens inside."""
+    saved, twins, back, originals = [], {}, {}, {}
+
+    def swap(where, name, full):
+        t = back.get(id(where[name]), where[name])   # (a module met twice: twinned once)
+        tw = twins.get(id(t))
+        if tw is None:
+            tw = twins[id(t)] = _meta_like(t, False)
+            back[id(tw)] = t
+        if where[name] is t:
+            saved.append((where, name, t))
+            where[name] = tw
+        originals[full] = t
     try:
         for mname, mod in module.named_modules(remove_duplicate=False):
             for bname, b in list(mod._buffers.items()):
-                if b is None:
-                    continue
-                saved.append((mod, bname, b))
-                tw = twins.get(id(b))
-                if tw is None:
-                    tw = twins[id(b)] = _meta_like(b, False)
-                originals[f"{mname}.{bname}" if mname else bname] = b
-                mod._buffers[bname] = tw
+                if b is not None:
+                    swap(mod._buffers, bname, f"{mname}.{bname}" if mname else bname)
+            for aname, t in list(vars(mod).items()):
+                if type(t) is torch.Tensor and (not t.is_meta or id(t) in back):
+                    swap(mod.__dict__, aname, f"{mname}.{aname}" if mname else aname)
         yield originals
     finally:
-        for mod, bname, b in saved:
-            mod._buffers[bname] = b
+        for where, name, t in saved:
+            where[name] = t
 
 
 @contextlib.contextmanager
@@ -427,12 +442,15 @@ def _custom_functions_refused():
     the graph's gradient is the forward's, 8 where the Function says 40; tracing records its
     forward under no_grad, so no gradient at all).  ``torch.utils.checkpoint``'s reentrant
     Function is one.  workbench's own Functions (``wb.ops``: the exact gradient, held to a
-    reference by their tests) are the op table's business and pass."""
+    reference by their tests) are the op table's business and pass, as does the autograd
+    Function PyTorch generates for their custom operators under export (export_ops.py)."""
     base = torch.autograd.Function
     orig = base.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("workbench.") and any(
+        ours = cls.__module__.startswith("workbench.") or \
+            cls.__name__.startswith("GeneratedBackwardFor_workbench_")
+        if not ours and any(
                 isinstance(t, torch.Tensor) and t.device.type == "meta"
                 for t in _leaves((args, kwargs), [])):
             f, line, code = _user_frame()

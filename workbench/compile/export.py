@@ -29,15 +29,13 @@ from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, Node, Ref
 from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_twins, \
     meta_buffers
+from .export_consts import Const, Env, node_args, view_of_const
+from .export_ops import ADAPT as _KEPT_WHOLE, Unmapped, kept_whole
 
 __all__ = ["capture_export", "Unmapped", "ADAPT"]
 
 aten = torch.ops.aten
 T = torch.Tensor
-
-
-class Unmapped(Exception):
-    """An ATen op of the exported graph has no op-table entry."""
 
 
 def _same(func):
@@ -52,6 +50,32 @@ def _embedding_kw(a, k):
     if got.get("padding_idx", -1) == -1:
         got.pop("padding_idx", None)
     return {n: v for n, v in got.items() if v or n == "padding_idx"}
+
+
+def _slice(a, k):
+    """aten.slice(x, dim=0, start=None, end=None, step=1) as ``x[..., start:end:step, ...]``
+    (a negative dim counted from the end: an Ellipsis before it)."""
+    names = ("dim", "start", "end", "step")
+    got = dict(zip(names, a[1:]), **{n: k[n] for n in names if n in k})
+    dim = got.get("dim", 0)
+    sl = slice(got.get("start"), got.get("end"), got.get("step", 1))
+    idx = (slice(None),) * dim + (sl,) if dim >= 0 else (Ellipsis, sl) + (slice(None),) * (-dim - 1)
+    return T.__getitem__, (a[0], idx), {}
+
+
+_REDUCTION = {0: "none", 1: "mean", 2: "sum"}    # at::Reduction (aten/src/ATen/core/Reduction.h)
+
+
+def _cross_entropy(a, k):
+    """aten.cross_entropy_loss(x, target, weight=None, reduction=1, ignore_index=-100,
+    label_smoothing=0.0) as F.cross_entropy's keywords."""
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    got = dict(zip(names, a[2:]), **{n: k[n] for n in names if n in k})
+    if got.pop("weight", None) is not None:
+        raise Unmapped("aten.cross_entropy_loss with class weights (tracing composes it)")
+    if "reduction" in got:
+        got["reduction"] = _REDUCTION[got["reduction"]]
+    return F.cross_entropy, a[:2], got
 
 
 # ATen overload -> (args, kwargs) -> (torch callable, args, kwargs)
@@ -95,10 +119,13 @@ ADAPT = {
     aten.masked_fill.Scalar: _same(torch.masked_fill),
     aten.chunk.default: _same(torch.chunk),
     aten.clone.default: _same(torch.clone),
+    aten.slice.Tensor: _slice,
+    aten.cross_entropy_loss.default: _cross_entropy,
     aten.dropout.default: lambda a, k: (F.dropout, (a[0], a[1], a[2]), {}),
     aten.scaled_dot_product_attention.default: _same(F.scaled_dot_product_attention),
 }
 ADAPT = {k: v for k, v in ADAPT.items() if v is not None}
+ADAPT.update(_KEPT_WHOLE)       # wb.ops kept whole: torch.ops.workbench.* (export_ops.py)
 
 
 @contextlib.contextmanager
@@ -135,7 +162,7 @@ def capture_export(fn, args):
     with meta_twins(module) as rows, meta_buffers(module) as buffers:
         by_name = {full: p for full, p, _, _ in rows}   # every name, tied ones too
         try:
-            with _quiet(), warnings.catch_warnings():
+            with _quiet(), warnings.catch_warnings(), kept_whole():
                 # export's own advice (e.g. "tensor attributes assigned during export"):
                 # capture reports what it does with such code itself (guards.py)
                 warnings.simplefilter("ignore", UserWarning)
@@ -147,61 +174,65 @@ def capture_export(fn, args):
             raise Unmapped(f"torch.export failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
     sig = ep.graph_signature
-    env = {}                     # fx node name -> Ref (or tuple of Refs)
+    env = Env()                 # fx node name -> Ref (or tuple of Refs)
     metas = {}                   # vid -> meta tensor
     buffer_vids = {}             # id(buffer) -> its const vid
     user_i = 0
     from torch.export.graph_signature import InputKind
     specs = {s.arg.name: s for s in sig.input_specs}
+    # values numbered as tracing numbers them: the inputs, the parameters, then each
+    # constant where it is first read (export lists parameters and buffers first)
+    first = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1}
+    holders = sorted((n for n in ep.graph.nodes if n.op == "placeholder"),
+                     key=lambda n: first.get(specs[n.name].kind, 2))
+    for node in holders:
+        s = specs[node.name]
+        val = node.meta.get("val")
+        if s.kind == InputKind.PARAMETER:
+            name = s.target
+            p = by_name[name]
+            vid = g.value(val.shape, val.dtype, "param", name,
+                          requires_grad=bool(p.requires_grad))
+            g.params[name] = vid
+            placements[vid] = (p.mesh, tuple(p.placements)) if isinstance(p, DistTensor) else p
+        elif s.kind == InputKind.USER_INPUT:
+            # export's user inputs are the arguments one by one (nested ones refused
+            # above); a Python value is a constant of the graph
+            a = args[user_i]
+            user_i += 1
+            if not isinstance(a, (DistTensor, torch.Tensor)):
+                env[node.name] = a
+                continue
+            vid = g.value(val.shape, val.dtype, "input", f"arg{user_i - 1}",
+                          requires_grad=bool(getattr(a, "requires_grad", False)))
+            g.inputs.append(vid)
+            placements[vid] = (a.mesh, tuple(a.placements)) if isinstance(a, DistTensor) else a
+        else:                   # buffers and constant tensors
+            # (a buffer was exported as its meta twin: the graph holds the module's
+            # own; one registered on two modules is one constant, as tracing makes it)
+            data = buffers[s.target].detach() if s.target in buffers else \
+                ep.state_dict.get(s.target) if s.target in ep.state_dict \
+                else ep.constants.get(s.target)
+            if not isinstance(data, torch.Tensor) or data.is_meta:
+                # (a torch.Generator the program draws from is lifted as a constant
+                # too: tracing then names the random draw)
+                raise Unmapped(f"constant {s.target!r} has no data" if data is None or
+                               isinstance(data, torch.Tensor) else
+                               f"constant {s.target!r} is a {type(data).__name__}")
+            key = id(buffers[s.target]) if s.target in buffers else None
+            env.later[node.name] = Const(g, metas, buffer_vids, data, s.target, key)
+            continue
+        env[node.name] = Ref(vid)
+        metas[vid] = torch.empty(val.shape, dtype=val.dtype, device="meta")
     for node in ep.graph.nodes:
         if node.op == "placeholder":
-            s = specs[node.name]
-            val = node.meta.get("val")
-            if s.kind == InputKind.PARAMETER:
-                name = s.target
-                p = by_name[name]
-                vid = g.value(val.shape, val.dtype, "param", name,
-                              requires_grad=bool(p.requires_grad))
-                g.params[name] = vid
-                placements[vid] = (p.mesh, tuple(p.placements)) if isinstance(p, DistTensor) else p
-            elif s.kind == InputKind.USER_INPUT:
-                # export's user inputs are the arguments one by one (nested ones refused
-                # above); a Python value is a constant of the graph
-                a = args[user_i]
-                user_i += 1
-                if not isinstance(a, (DistTensor, torch.Tensor)):
-                    env[node.name] = a
-                    continue
-                vid = g.value(val.shape, val.dtype, "input", f"arg{user_i - 1}",
-                              requires_grad=bool(getattr(a, "requires_grad", False)))
-                g.inputs.append(vid)
-                placements[vid] = (a.mesh, tuple(a.placements)) if isinstance(a, DistTensor) else a
-            else:                   # buffers and constant tensors
-                # (a buffer was exported as its meta twin: the graph holds the module's
-                # own; one registered on two modules is one constant, as tracing makes it)
-                if s.target in buffers and id(buffers[s.target]) in buffer_vids:
-                    env[node.name] = Ref(buffer_vids[id(buffers[s.target])])
-                    continue
-                data = buffers[s.target].detach() if s.target in buffers else \
-                    ep.state_dict.get(s.target) if s.target in ep.state_dict \
-                    else ep.constants.get(s.target)
-                if not isinstance(data, torch.Tensor) or data.is_meta:
-                    # (a torch.Generator the program draws from is lifted as a constant
-                    # too: tracing then names the random draw)
-                    raise Unmapped(f"constant {s.target!r} has no data" if data is None or
-                                   isinstance(data, torch.Tensor) else
-                                   f"constant {s.target!r} is a {type(data).__name__}")
-                vid = g.value(data.shape, data.dtype, "const", s.target)
-                g.consts[vid] = data
-                if s.target in buffers:
-                    buffer_vids[id(buffers[s.target])] = vid
-            env[node.name] = Ref(vid)
-            metas[vid] = torch.empty(val.shape, dtype=val.dtype, device="meta")
+            continue
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
                 continue
-            _map_node(g, node, env, metas)
+            if not view_of_const(g, node, env, metas, ADAPT):
+                _map_node(g, node, env, metas)
         elif node.op == "output":
             outs = node.args[0]
             kinds = {str(o.kind).rsplit(".", 1)[-1] for o in sig.output_specs}
@@ -219,15 +250,7 @@ def _map_node(g, node, env, metas):
     ad = ADAPT.get(node.target)
     if ad is None:
         raise Unmapped(f"{node.target} has no op-table entry")
-
-    def sub(x):
-        if hasattr(x, "name") and hasattr(x, "op"):      # an fx node
-            return env[x.name]
-        if isinstance(x, (list, tuple)):
-            return type(x)(sub(y) for y in x)
-        return x
-    args, kwargs = sub(tuple(node.args)), {k: sub(v) for k, v in node.kwargs.items()}
-    func, args, kwargs = ad(args, kwargs)
+    func, args, kwargs = ad(*node_args(node, env))
     hit = BY_FUNC.get(func)
     if hit is None:
         raise Unmapped(f"{node.target} maps to {func}, which has no op-table entry")

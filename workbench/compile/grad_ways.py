@@ -36,11 +36,28 @@ class GradWays:
         self.made_by = {}          # (vid, placements) -> the Reshard that made that copy
         self.groups = {}           # key -> dict(uses, readers, members, ins, vid, ps)
         self.of_node = {}          # nid -> [(key, pos, dims)]
+        self.held = {}             # (vid, placements) -> the copy the run holds there
+        self.marked = {}           # (vid, src, dst) -> (source copy, its marked copy)
 
-    def reshard(self, ins):
+    def reshard(self, ins) -> bool:
+        """Reshard ``ins`` (program order); False where the run reads an earlier copy
+        instead and runs this one's collectives without autograd (O0's gather repeated for
+        another reader, lower.execute_program): it has no backward of its own, its
+        readers' gradients go back through the first copy's."""
+        pinned = ins.why.startswith("pinned")
         # (a pinned copy is the value's own layout from then on: lower.py marks it not)
-        self.made_by[(ins.vid, tuple(ins.dst))] = None if ins.why.startswith("pinned") \
-            else ins
+        self.made_by[(ins.vid, tuple(ins.dst))] = None if pinned else ins
+        src, dst = tuple(ins.src), tuple(ins.dst)
+        key = (ins.vid, src, dst)
+        source = self.held.get((ins.vid, src), (ins.vid, src))    # (the input as bound)
+        again = self.marked.get(key)
+        if again is not None and again[0] == source and not pinned:
+            self.held[(ins.vid, dst)] = again[1]
+            return False
+        copy = self.held[(ins.vid, dst)] = ("copy", id(ins))
+        if not pinned and _gathers(ins) and self.g.values[ins.vid].requires_grad:
+            self.marked[key] = (source, copy)             # lower.py: reshard_backward.mark
+        return True
 
     def read(self, node, strategy):
         """Node ``node`` (forward order) reads its inputs laid out as ``strategy`` asks."""

@@ -162,9 +162,12 @@ class _Pricer:
         self._compute[key] = t
         return t
 
-    def backward_comm(self, node, specs, cand, reused=(), shared=()) -> float:
+    def backward_comm(self, node, specs, cand, reused=(), shared=(), repeated=()) -> float:
         """The transposes of the forward plans (but the ``reused`` positions': the
-        program runs their reshard once, for an earlier consumer), and the gradient
+        program runs their reshard once, for an earlier consumer; and the ``repeated``
+        ones': a gather run again for this reader, O0's, runs without autograd and its
+        gradient goes back through the first gather's copy, ``lower.execute_program``),
+        and the gradient
         reduction of each input read per rank, once per input copy: with its first reader
         in program order (not the ``reused`` positions, whose copy an earlier consumer's
         reshard made, nor the ``shared`` ones, a copy an earlier op read per rank), the
@@ -180,7 +183,7 @@ class _Pricer:
                                                          st.inputs)):
             if vid is None or not self.g.values[vid].requires_grad:
                 continue
-            if plan is not None and pos not in reused:
+            if plan is not None and pos not in reused and pos not in repeated:
                 for s in plan.steps:
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None:
@@ -189,7 +192,7 @@ class _Pricer:
                     t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
             dims = [i for i in diverge if req[i].is_replicate()]
-            if dims and pos not in reused and pos not in shared:
+            if dims and pos not in reused and pos not in shared and pos not in repeated:
                 t += self.grad_reduction(vid, plan, tuple(req), dims)
         return t
 
@@ -246,14 +249,15 @@ class _Pricer:
             made.add(key)
         return tuple(out)
 
-    def price(self, node, specs, cand, reused=(), shared=()) -> NodeCost:
+    def price(self, node, specs, cand, reused=(), shared=(), repeated=()) -> NodeCost:
         """``reused``: the input positions whose layout an earlier reshard (or a pin)
         already made: the program reads that copy (``passes/reshards.py``), so their
-        plan costs no communication, forward or backward, and no memory again."""
+        plan costs no communication, forward or backward, and no memory again;
+        ``repeated``: a gather run again (forward communication, no backward)."""
         reused = tuple(sorted(reused))
         fwd = cand.time if not reused else sum(
             p.total_time for k, p in enumerate(cand.plans) if p is not None and k not in reused)
-        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused, shared),
+        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused, shared, repeated),
                         self.compute(node, specs, cand), self.memory(node, specs, cand, reused),
                         reused)
 
@@ -361,8 +365,9 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         shared, first = pr.shared_reads(n, in_ps, c, seen)
         for vid, key in first:
             seen.setdefault(vid, set()).add(key)
-        shared += pr.repeated_gathers(n, in_ps, c, gathers)
-        choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c, shared=shared)
+        repeated = pr.repeated_gathers(n, in_ps, c, gathers)
+        choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c, shared=shared,
+                                                   repeated=repeated)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does

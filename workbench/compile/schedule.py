@@ -128,13 +128,13 @@ def build_schedule(prog) -> Schedule:
     attached = []                # the reshards the program runs for the next op's inputs
     for ins in prog.program:
         if isinstance(ins, Reshard):
-            ways.reshard(ins)
+            own = ways.reshard(ins)     # False: O0's gather repeated, no backward of its own
             for s in ins.plan.steps:
                 if s.kind in _COLL:
                     pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
                                         after=made.get(ins.vid, -1)))
-            if not ins.why.startswith("pinned"):
+            if not ins.why.startswith("pinned") and own:
                 attached.append(ins)
             if ins.why.startswith("pinned"):
                 pinned.setdefault(g.values[ins.vid].producer, []).append(ins)

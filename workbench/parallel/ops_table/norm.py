@@ -115,6 +115,45 @@ def _scale_shift(nd, y, w, b):
     return y
 
 
+class _PerRankAffine(torch.autograd.Function):
+    """``F.layer_norm(x) * w + b`` with ``w``, ``b`` broadcasting against x (the weight's
+    per-rank views, aligned to x's rows), keeping for backward what the fused kernel keeps
+    on a device: x, the row mean and 1/std (torch's ``native_layer_norm``) and the weight.
+    The composition ``F.layer_norm(x, ns) * w + b`` kept the normalized rows too, for w's
+    gradient: one activation-sized tensor more per LayerNorm than a device keeps (gpt-tiny
+    under ContextParallel(cp=2, dp=2), batch 4: 5 x 16,384 B a rank more than a torchrun
+    run counts).  Backward: torch's ``native_layer_norm_backward`` of ``g * w`` for x (what
+    autograd ran for the composition), ``sum(g * x_hat)`` and ``sum(g)`` to w's and b's
+    shapes."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, ns, eps):
+        y, mean, rstd = torch.native_layer_norm(x, ns, None, None, eps)
+        ctx.ns = ns
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.shapes = (None if w is None else w.shape, None if b is None else b.shape)
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, mean, rstd = ctx.saved_tensors
+        wshape, bshape = ctx.shapes
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.native_layer_norm_backward(
+                g if w is None else g * w, x, ctx.ns, mean, rstd, None, None,
+                [True, False, False])[0]
+        if w is not None and ctx.needs_input_grad[1]:
+            gw = (g * ((x - mean) * rstd)).sum_to_size(wshape)
+        if bshape is not None and ctx.needs_input_grad[2]:
+            gb = g.sum_to_size(bshape)
+        return gx, gw, gb, None, None
+
+
 def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
     ns = tuple(normalized_shape)
     wc, bc = _compact(w, nd, ns), _compact(b, nd, ns)
@@ -122,6 +161,11 @@ def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
         wc, bc = (None if t is None else t[(0,) * nd].reshape(ns) for t in (w, b))
     if (w is None or wc is not None) and (b is None or bc is not None):
         return F.layer_norm(x, ns, wc, bc, eps)                 # fused: one rank's view
+    wa = None if w is None else _align(nd, x, w)[1]
+    ba = None if b is None else _align(nd, x, b)[1]
+    shape = torch.broadcast_shapes(x.shape, *(t.shape for t in (wa, ba) if t is not None))
+    if tuple(shape) == tuple(x.shape) and not torch.is_autocast_enabled(x.device.type):
+        return _PerRankAffine.apply(x, wa, ba, ns, eps)   # saves what the fused kernel does
     return _scale_shift(nd, F.layer_norm(x, ns, None, None, eps), w, b)
 
 

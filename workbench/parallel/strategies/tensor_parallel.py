@@ -55,7 +55,8 @@ from ..ops_table import linear_regather as _regather
 from ..placement import Replicate, Shard
 from ..reshard import reshard
 
-__all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_parallel_norms"]
+__all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_parallel_norms",
+           "sequence_parallel_params"]
 
 
 def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
@@ -306,27 +307,33 @@ def sequence_parallel_norms(module, mesh, norm_classes, tp="tp") -> list:
                                    for c in norm_classes):
         raise TypeError(f"norm_classes={given!r}: give the model's norm layer classes "
                         "(nn.Module subclasses), e.g. model.norm_classes()")
+    return [p for mod in module.modules() if isinstance(mod, norm_classes)
+            for p in sequence_parallel_params(mod, mesh, tp)]
+
+
+def sequence_parallel_params(module, mesh, tp="tp") -> list:
+    """:func:`sequence_parallel_norms` for every parameter of ``module`` itself that is
+    replicated over tp (a module whose every use reads the rank's sequence shard, so its
+    gradient is a partial sum over tp: a norm, or a head replicated over tp after a
+    sequence-parallel norm); returns those it marked."""
     ax, n = mesh.dim(tp), mesh.shape[mesh.dim(tp)]
     dist = _B.is_distributed(mesh)
     out = []
-    for mod in module.modules():
-        if not isinstance(mod, norm_classes):
+    for p in getattr(module, "_wb_dist_params", {}).values():
+        if not p.placements[ax].is_replicate():
             continue
-        for p in getattr(mod, "_wb_dist_params", {}).values():
-            if not p.placements[ax].is_replicate():
-                continue
-            if dist:
-                # this process's copy is already its own: marked one copy per tp rank,
-                # C.expand_replicas inserts no all-reduce of its gradient in backward
-                if ax not in getattr(p._local, "_wb_replica_axes", ()):
-                    _B.tag(p._local, (ax,))
-                    out.append(p)
-                continue
-            if p._local.shape[ax] != 1:
-                continue
-            loc = p._local.detach()
-            shape = list(loc.shape)
-            shape[ax] = n
-            p._local = loc.expand(shape).clone().requires_grad_(p._local.requires_grad)
-            out.append(p)
+        if dist:
+            # this process's copy is already its own: marked one copy per tp rank,
+            # C.expand_replicas inserts no all-reduce of its gradient in backward
+            if ax not in getattr(p._local, "_wb_replica_axes", ()):
+                _B.tag(p._local, (ax,))
+                out.append(p)
+            continue
+        if p._local.shape[ax] != 1:
+            continue
+        loc = p._local.detach()
+        shape = list(loc.shape)
+        shape[ax] = n
+        p._local = loc.expand(shape).clone().requires_grad_(p._local.requires_grad)
+        out.append(p)
     return out
