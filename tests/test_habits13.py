@@ -1,0 +1,147 @@
+"""A PyTorch user's habits on the wrappers, round 13 (habits13): reads of views and
+detached copies of wrapped parameters.  Each case is held to plain PyTorch on one device
+and failed before its fix (or, where one device's answer cannot be given, now raises
+naming the fix).
+
+2. a reduction of a view of a wrapped parameter (``p.T.sum()``, ``p[0].norm()``,
+   ``p.transpose(0, 1).abs().max()``) read the storage (DDP: ``p.T.sum()`` -3.1153 for
+   -0.7788, ``p[0].norm()`` 1.5614 for 0.6138), silently: now it raises naming
+   ``p.full_tensor()``; the module's flat view ``p.view(-1)`` reads as one device;
+4. ``p.detach().requires_grad_()`` (a "functional copy") was a leaf of the storage, and
+   ``torch.autograd.grad`` over such a leaf (or over a view, or ``backward(inputs=)``)
+   gave None: now ``requires_grad_()`` of a storage alias raises naming
+   ``p.full_tensor()``, and an autograd input that is a view of the module's value gets
+   its gradient, as torch's.
+"""
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb  # noqa: F401
+
+from .test_habits6 import wrap
+from .test_habits11 import KINDS, close, model
+
+
+def _weights(w, ref):
+    """(wrapped, one device's) 2-d weights, in order."""
+    return [(p, q) for p, q in zip(w.parameters(), ref.parameters()) if q.dim() == 2]
+
+
+# ---- 2. reductions of views of the parameters ---------------------------------------------
+VIEW_READS = {
+    "T_sum": lambda p: p.T.sum(), "row_norm": lambda p: p[0].norm(),
+    "transpose_abs_max": lambda p: p.transpose(0, 1).abs().max(),
+    "narrow_sum": lambda p: p.narrow(0, 0, 1).sum(), "row_numel": lambda p: p[0].numel(),
+    "row_scaled_mean": lambda p: (2 * p[1]).mean(),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("read", list(VIEW_READS))
+def test_a_reduction_of_a_view_of_a_parameter_raises_naming_the_fix(kind, read):
+    """Before: the storage's elements (DDP's rows, FSDP's chunks), silently (p.T.sum()
+    -3.1153 for -0.7788 on DDP).  The fix it names (the view of p.full_tensor()) is one
+    device's read."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    for p, q in _weights(w, ref):
+        with torch.no_grad(), pytest.raises(RuntimeError,
+                                            match=r"view of a wrapped parameter.*full_tensor"):
+            VIEW_READS[read](p)
+        with torch.no_grad():
+            close(torch.as_tensor(VIEW_READS[read](p.full_tensor())).float(),
+                  torch.as_tensor(VIEW_READS[read](q)).float())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_module_flat_view_reads_as_one_device(kind):
+    """p.view(-1) is the module's flat parameter: its reductions and its views' are one
+    device's (a guard: they passed before)."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    for p, q in zip(w.parameters(), ref.parameters()):
+        with torch.no_grad():
+            close(p.view(-1).sum(), q.view(-1).sum())
+            close(p.view(-1)[:3].norm(), q.view(-1)[:3].norm())
+            close(p.view(-1).abs().max(), q.view(-1).abs().max())
+
+
+class Standardized(nn.Module):
+    """A forward that reduces its own weight (weight standardization)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        w = (self.w - self.w.mean(1, keepdim=True)) / self.w.std(1, keepdim=True)
+        return x @ w.T
+
+
+def test_a_forward_reducing_its_weight_on_ddp_is_one_devices():
+    """DDP runs each rank's forward on its row: the module's tensor there, so its
+    reductions are one device's (a guard for the views' rule: it passed before)."""
+    torch.manual_seed(0)
+    ref = Standardized()
+    import copy
+    mesh, w = wrap("ddp", copy.deepcopy(ref))
+    x = torch.randn(4, 4)
+    out = w(x)
+    out = out.full() if isinstance(out, wb.DistTensor) else out
+    close(out, ref(x))
+    out.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    close(next(w.parameters()).grad.norm(), ref.w.grad.norm())
+
+
+# ---- 4. a detached copy as a leaf ("functional copy") -------------------------------------
+LEAVES = {
+    "detach": lambda p: p.detach(), "data": lambda p: p.data,
+    "clone": lambda p: p.detach().clone(), "row": lambda p: p[0].detach(),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("leaf", list(LEAVES))
+def test_requires_grad_of_a_storage_alias_raises_naming_the_fix(kind, leaf):
+    """Before: a leaf of the storage (its gradient the rows' or the padded chunks'; with
+    torch.autograd.grad or backward(inputs=) None for the copy and the row).  The fix it
+    names (p.full_tensor().requires_grad_()) is one device's leaf."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    p, q = _weights(w, ref)[0]
+    with pytest.raises(RuntimeError, match=r"requires_grad_\(\).*p\.full_tensor\(\)"):
+        LEAVES[leaf](p).requires_grad_()
+    assert not p.grad_fn and p.requires_grad        # nothing changed
+    d = p.full_tensor().requires_grad_()
+    e = q.detach().clone().requires_grad_()
+    g, = torch.autograd.grad((d * d.sum(1, keepdim=True)).sum(), d)
+    h, = torch.autograd.grad((e * e.sum(1, keepdim=True)).sum(), e)
+    close(g, h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", ["grad", "inputs"])
+def test_a_view_of_the_module_value_as_an_autograd_input_gets_its_gradient(kind, how):
+    """Before: None (the input was handed to autograd as a fresh alias no loss went
+    through).  p.view(-1) and a leaf made of it, as torch's."""
+    ref = model()
+    mesh, w = wrap(kind, model())
+    p, q = _weights(w, ref)[0]
+    for make in (lambda t: t.view(-1), lambda t: t.view(-1).detach().requires_grad_()):
+        v, u = make(p), make(q)
+        got, want = [], []
+        for t, out in ((v, got), (u, want)):
+            loss = (t * t.detach().cumsum(0)).sum()
+            if how == "grad":
+                out.append(torch.autograd.grad(loss, [t])[0])
+            elif t.is_leaf:
+                loss.backward(inputs=[t])
+                out.append(t.grad)
+            else:
+                t.retain_grad()
+                loss.backward(inputs=[t])
+                out.append(t.grad)
+        assert got[0] is not None
+        close(got[0], want[0])
