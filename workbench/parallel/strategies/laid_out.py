@@ -63,6 +63,7 @@ from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
+from .laid_out_shape import module_shape_read, module_view
 from .laid_out_views import (gradient_edges, mark_module_view, read_value,
                              refuse_storage_leaf, refuse_storage_read)
 from .replaced_params import follow_successors
@@ -138,6 +139,12 @@ class LaidOutParameter(nn.Parameter):
             if isinstance(view, _LaidOutView):
                 mark_module_view(view)
             return view
+        done, shape = module_shape_read(func, args, _WHOLE_READS)
+        if done:                # a user's p.shape, p.size(), len(p): the module's (laid_out_shape)
+            return shape
+        done, out = module_view(func, args, kwargs, _WHOLE_READS)
+        if done:                # a user's p[i], p.T: views of the module's value (laid_out_shape)
+            return _guard_views(args[0], out, func, module=True)
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
@@ -252,10 +259,11 @@ _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
 _PARAMS = (LaidOutParameter, _LaidOutData)
 LaidOutValue.__torch_function__ = LaidOutParameter.__torch_function__
 _READS = _LAID_OUT + (LaidOutValue,)     # read as their module values (laid_out_reads)
+_WHOLE_READS = _PARAMS + (LaidOutValue,)  # shaped as their modules' (laid_out_shape)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 
-def _guard_views(src, out, func=None):
+def _guard_views(src, out, func=None, module=False):
     """``out`` (``func``'s result on ``src``) with each tensor that shares ``src``'s
     storage made a :class:`_LaidOutView` (also in a tuple or list: ``p.unbind()``,
     ``p.chunk(n)``, ``p.split(k)``), a reshape that had to copy a non-contiguous storage a
@@ -268,8 +276,8 @@ def _guard_views(src, out, func=None):
             view = t.as_subclass(_LaidOutView)
         view._wb_layout = src._wb_layout
         view._wb_param = _owner(src)
-        if getattr(src, "_wb_module_view", False):
-            mark_module_view(view)      # a view of p.view(-1): the module's (laid_out_views)
+        if module or getattr(src, "_wb_module_view", False):
+            mark_module_view(view)      # a view of the module's value (laid_out_views)
         return view
     return map_sharers(src, out, _LAID_OUT, wrap)
 

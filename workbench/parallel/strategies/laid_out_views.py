@@ -44,6 +44,7 @@ __all__ = ["StorageRead", "storage_view", "refuse_storage_read", "refuse_storage
 _T = torch.Tensor
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_OVERRIDES = _TORCH + "overrides.py"
 _MODELS = _WORKBENCH + "models" + os.sep      # the course's models: a user's code
 _REQUIRES_GRAD = {_T.requires_grad_, _T.requires_grad.__set__}
 
@@ -56,15 +57,30 @@ def _laid_out(p) -> bool:
         storage_shape(p) != getattr(p, "_wb_shape", None)
 
 
-def users_call() -> bool:
+def users_call(direct: bool = False) -> bool:
     """Is the call being served a user's (the first frame outside torch and this package's
-    ``laid_out*`` modules is not the wrappers' own code)?  The wrappers read their
-    storage's views on purpose (a rank's chunk gathered, a row's bytes counted); a user's
-    read of one is what the rules here are for."""
+    ``laid_out*`` modules is not the wrappers' own code; ``direct``: the caller of the torch
+    function itself is neither torch's code nor the wrappers')?  The
+    wrappers read their storage's views on purpose (a rank's chunk gathered, a row's bytes
+    counted); a user's read of one is what the rules here are for."""
+    if direct:      # users_call <- laid_out_shape's reader <- __torch_function__ <- caller
+        f = sys._getframe(3)
+        # len(p), for row in p: torch's Tensor.__len__ (through handle_torch_function) /
+        # __iter__ stand between the user and the call
+        while f is not None and (f.f_code.co_filename == _OVERRIDES or (
+                f.f_code.co_name in ("__iter__", "__len__") and
+                f.f_code.co_filename.startswith(_TORCH))):
+            f = f.f_back
+        if f is None:
+            return False
+        name = f.f_code.co_filename
+        return not name.startswith(_TORCH) and (
+            not name.startswith(_WORKBENCH) or name.startswith(_MODELS))
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith(_TORCH) and not os.path.basename(name).startswith("laid_out"):
+        if not os.path.basename(name).startswith("laid_out") and \
+                not name.startswith(_TORCH):
             return not name.startswith(_WORKBENCH) or name.startswith(_MODELS)
         f = f.f_back
     return True
