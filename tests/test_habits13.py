@@ -15,7 +15,10 @@ naming the fix).
    ``torch.autograd.grad`` over such a leaf (or over a view, or ``backward(inputs=)``)
    gave None: now ``requires_grad_()`` of a storage alias raises naming
    ``p.full_tensor()``, and an autograd input that is a view of the module's value gets
-   its gradient, as torch's.
+   its gradient, as torch's;
+5. under torch.distributed ``fully_shard`` over tensor parallelism read each process's
+   chunk for a gradient's (and a parameter's) numel and reductions other than the norm:
+   now the whole tensor's, gathered, as FSDP2's DTensor (one gloo launch, 2 x 2).
 """
 import pytest
 import torch
@@ -40,7 +43,8 @@ SHAPES = {
     "numel_is_prod_shape": lambda p: p.numel() == p.shape.numel(),
     "row_shape": lambda p: tuple(p[0].shape), "T_shape": lambda p: tuple(p.T.shape),
     "iter_rows": lambda p: [tuple(r.shape) for r in p],
-    "data_shape": lambda p: tuple(p.data.shape), "copy_shape": lambda p: tuple(p.detach().clone().shape),
+    "data_shape": lambda p: tuple(p.data.shape),
+    "copy_shape": lambda p: tuple(p.detach().clone().shape),
 }
 
 
@@ -203,3 +207,33 @@ def test_a_view_of_the_module_value_as_an_autograd_input_gets_its_gradient(kind,
                 out.append(t.grad)
         assert got[0] is not None
         close(got[0], want[0])
+
+
+# ---- 5. fully_shard over tensor parallelism under torch.distributed (gloo, 2 x 2) ----------
+def _flat(v):
+    return [x for e in v for x in _flat(e)] if isinstance(v, list) else [v]
+
+
+@pytest.mark.slow
+def test_fully_shard_over_tp_gradient_reads_on_gloo_are_fsdp2s(tmp_path_factory):
+    """4 gloo processes (dp x tp = 2 x 2), ``Sequential(Linear(3, 6), GELU, Linear(6, 3))``
+    colwise / rowwise (each (3, 3) local weight in dp chunks of 5 and 4, padded), against
+    torch's parallelize_module + FSDP2 fully_shard and one device.  Before (measured):
+    ``p.grad.numel()`` [5, 2, 5, 2] for [18, 6, 18, 3], ``sum`` / ``mean`` / ``std`` /
+    ``max`` / ``min`` / ``sum(0)`` / ``g.data.norm()`` (0.1949 for 0.3791) / ``clone``
+    this process's chunk's, ``get_total_norm`` of order 0 raised; the parameters' numel,
+    mean, shape ([1, 1, 5]) and dim (3) the chunk's too.  Now the whole tensor's, as FSDP2's
+    DTensor answers (only the norms were right before)."""
+    from tests.torchrun_support import json_rows, tp_2x2
+    out, text = tp_2x2(tmp_path_factory, "habits13_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["case"]: r for r in json_rows(text)}
+    assert rows["numel"]["wb"] == [18, 6, 18, 3]
+    assert rows["p_shape"]["wb"] == [[6, 3], [6], [3, 6], [3]]
+    assert len(rows) == 21
+    for c, r in rows.items():
+        one, theirs, mine = (_flat(r[k]) for k in ("one", "torch", "wb"))
+        assert all(isinstance(v, (int, float)) for v in mine), r      # no error text
+        assert len(mine) == len(one) == len(theirs), r
+        assert mine == pytest.approx(one, abs=1e-5), r
+        assert theirs == pytest.approx(one, abs=1e-5), r

@@ -206,7 +206,8 @@ def gradient_edges(func, args, kwargs, classes):
             kwargs = {**kwargs, "inputs": edges(kwargs["inputs"])}
         return args, kwargs
     # Tensor.backward(self, gradient, retain_graph, create_graph, inputs);
-    # torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+    # torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph,
+    #                         grad_variables, inputs)
     pos = 4 if func is _T.backward else 5
     if kwargs.get("inputs") is not None:
         kwargs = {**kwargs, "inputs": edges(kwargs["inputs"])}

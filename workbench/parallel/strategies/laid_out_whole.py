@@ -45,7 +45,7 @@ import math
 import torch
 
 __all__ = ["WHOLE", "NUMEL", "whole_reads", "module_dims", "module_flat_view", "check_view_as",
-           "storage_shape", "storage_numel"]
+           "storage", "storage_shape", "storage_numel"]
 
 _T = torch.Tensor
 _NAMES = ("sum", "nansum", "mean", "nanmean", "norm", "max", "min", "amax", "amin",
@@ -66,6 +66,14 @@ _COMPARE = {torch.equal, torch.allclose, _T.equal, _T.allclose, torch.dist, _T.d
 def storage_shape(t) -> tuple:
     with torch._C.DisableTorchFunctionSubclass():
         return tuple(t.shape)
+
+
+def storage(t) -> torch.Tensor:
+    """``t``'s whole storage as a plain tensor (every rank's row or chunk, the padding
+    too): the wrappers' own view of it, which a user's ``p[k]`` / ``p.shape`` no longer is
+    (:mod:`.laid_out_shape`); a write through it writes the storage as it is."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.view(t.shape)
 
 
 def storage_numel(t) -> int:
