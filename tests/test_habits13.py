@@ -16,6 +16,9 @@ naming the fix).
    gave None: now ``requires_grad_()`` of a storage alias raises naming
    ``p.full_tensor()``, and an autograd input that is a view of the module's value gets
    its gradient, as torch's;
+3. ``DistributedDataParallel`` over tensor-parallel DistTensors gave its replica storages
+   ``(dp, tp, *local)`` as plain tensors: ``sum(p.numel())`` 1376 for 688, ``p.dim()`` 4;
+   now a user's reads are the module's (views and penalties raise naming the fix);
 5. under torch.distributed ``fully_shard`` over tensor parallelism read each process's
    chunk for a gradient's (and a parameter's) numel and reductions other than the norm:
    now the whole tensor's, gathered, as FSDP2's DTensor (one gloo launch, 2 x 2).
@@ -154,6 +157,73 @@ def test_a_forward_reducing_its_weight_on_ddp_is_one_devices():
     out.pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
     close(next(w.parameters()).grad.norm(), ref.w.grad.norm())
+
+
+# ---- 3. DDP over tensor-parallel parameters -----------------------------------------------
+def _tp_ddp():
+    def mk():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 40), nn.ReLU(), nn.Linear(40, 8))     # 688
+    ref, m = mk(), mk()
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    wb.parallelize_module(m, mesh, {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
+    wb.parallelize(m, mesh)
+    return ref, mesh, wb.DistributedDataParallel(m, mesh, dim="dp")
+
+
+TP_READS = {
+    "numel": lambda p: p.numel(), "dim": lambda p: p.dim(), "shape": lambda p: tuple(p.shape),
+    "len": lambda p: len(p), "norm": lambda p: p.norm(), "sum": lambda p: p.sum(),
+    "mean": lambda p: p.mean(), "abs_max": lambda p: p.abs().max(),
+    "sum_dim0": lambda p: p.sum(0), "pow_sum": lambda p: p.pow(2).sum(),
+    "detach_norm": lambda p: p.detach().norm(), "data_sum": lambda p: p.data.sum(),
+    "clone_mean": lambda p: p.clone().mean(),
+}
+
+
+@pytest.mark.parametrize("read", list(TP_READS))
+def test_ddp_over_tensor_parallel_parameters_reads_one_device(read):
+    """Before: the replica storage (dp, tp, *local): sum(p.numel()) 1376 for 688, p.dim() 4
+    for 2, every replica's norm and sum (plain tensors, silently)."""
+    ref, mesh, ddp = _tp_ddp()
+    if read == "numel":
+        assert sum(p.numel() for p in ddp.parameters()) == 688
+    for p, q in zip(ddp.parameters(), ref.parameters()):
+        with torch.no_grad():
+            got, want = TP_READS[read](p), TP_READS[read](q)
+        if isinstance(want, torch.Tensor):
+            close(got, want)
+        else:
+            assert got == want
+
+
+def test_ddp_over_tensor_parallel_parameters_totals_and_training_are_one_devices():
+    """get_total_norm of the parameters (before: 5.9011 for 4.1727); clip_grad_norm_ and two
+    AdamW steps still train as one device; a view or a penalty in the loss raises naming
+    what to read instead."""
+    ref, mesh, ddp = _tp_ddp()
+    ps = list(ddp.parameters())
+    close(nn.utils.get_total_norm(ps), nn.utils.get_total_norm(list(ref.parameters())))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    opt = torch.optim.AdamW(ps, lr=1e-2)
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        ro.zero_grad()
+        out = ddp(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()]))
+        ((out.full() - y) ** 2).mean().backward()
+        ((ref(x) - y) ** 2).mean().backward()
+        close(nn.utils.clip_grad_norm_(ps, 1.0), nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        opt.step()
+        ro.step()
+    for p, q in zip(ps, ref.parameters()):
+        with torch.no_grad():
+            close(p.norm(), q.norm())
+    with pytest.raises(NotImplementedError, match=r"no view of it"):
+        ps[0][0]
+    with pytest.raises(NotImplementedError, match=r"autograd recording.*weight_decay"):
+        ps[0].pow(2).sum()
 
 
 # ---- 4. a detached copy as a leaf ("functional copy") -------------------------------------

@@ -46,6 +46,9 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _OVERRIDES = _TORCH + "overrides.py"
 _MODELS = _WORKBENCH + "models" + os.sep      # the course's models: a user's code
+# workbench's thin wrappers in torch's place (torch.nn.utils.get_total_norm /
+# clip_grad_norm_...: torch's own function for plain tensors), read as torch's frames
+_PASS = (_WORKBENCH + os.path.join("parallel", "clip_grad_torch.py"),)
 _REQUIRES_GRAD = {_T.requires_grad_, _T.requires_grad.__set__}
 
 
@@ -57,14 +60,15 @@ def _laid_out(p) -> bool:
         storage_shape(p) != getattr(p, "_wb_shape", None)
 
 
-def users_call(direct: bool = False) -> bool:
+def users_call(direct: bool = False, depth: int = 0) -> bool:
     """Is the call being served a user's (the first frame outside torch and this package's
     ``laid_out*`` modules is not the wrappers' own code; ``direct``: the caller of the torch
     function itself is neither torch's code nor the wrappers')?  The
     wrappers read their storage's views on purpose (a rank's chunk gathered, a row's bytes
-    counted); a user's read of one is what the rules here are for."""
+    counted); a user's read of one is what the rules here are for.  ``depth``: frames
+    between the caller's ``__torch_function__`` and this one, beyond the one reader."""
     if direct:      # users_call <- laid_out_shape's reader <- __torch_function__ <- caller
-        f = sys._getframe(3)
+        f = sys._getframe(3 + depth)
         # len(p), for row in p: torch's Tensor.__len__ (through handle_torch_function) /
         # __iter__ stand between the user and the call
         while f is not None and (f.f_code.co_filename == _OVERRIDES or (
@@ -80,7 +84,7 @@ def users_call(direct: bool = False) -> bool:
     while f is not None:
         name = f.f_code.co_filename
         if not os.path.basename(name).startswith("laid_out") and \
-                not name.startswith(_TORCH):
+                not name.startswith(_TORCH) and name not in _PASS:
             return not name.startswith(_WORKBENCH) or name.startswith(_MODELS)
         f = f.f_back
     return True
