@@ -245,9 +245,12 @@ class _LaidOutView(torch.Tensor):
     ``p`` (nothing written; ``nn.init.normal_`` too: a view is not the module's shape,
     so there is no one device's draw to give it), and an elementwise write
     (``zero_``, ``fill_``, ``mul_``, ``copy_``) writes the elements it views, as
-    torch's; on DDP's rows a write into rank ``broadcast_from``'s row (``p[0]``) is
-    copied into every row before anything reads them as replicas, a write into another
-    row alone raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  It carries no ``_wb_store``: a tensor of the
+    torch's; on DDP's rows a write into rank ``broadcast_from``'s row is copied into
+    every row before anything reads them as replicas, a write into another row alone
+    raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  A user's own
+    ``p[0]`` / ``p.T`` are views of the module's value (:mod:`.laid_out_shape`: DDP's
+    row ``broadcast_from``, FSDP's chunks before the padding; ``_wb_module_view``), the
+    wrappers' own of the storage.  It carries no ``_wb_store``: a tensor of the
     module's shape is not laid out for it (torch's broadcasting applies).  A new tensor
     computed from it (``p.view(-1) * 2``, ``.clone()``) is plain; it stays attached to
     autograd as torch's view (``Tensor.as_subclass``)."""

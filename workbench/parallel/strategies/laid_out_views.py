@@ -7,8 +7,10 @@ views of that storage (:class:`.laid_out._LaidOutView`).  The parameter's own re
 read the module's value (:mod:`.laid_out_whole`); a view's read the storage's elements,
 silently (habits13, measured on ``Sequential(Linear(4, 8), ReLU, Linear(8, 2))`` over 4 DDP
 ranks: ``p.T.sum()`` -3.1153 for -0.7788, ``p[0].norm()`` 1.5614 for 0.6138; over FSDP's
-chunks ``p[0].norm()`` 0.7675, chunk 0's).  No view of the storage is the module's view
-(``p[0]`` is rank 0's row or chunk, ``p.T`` reverses the rows' dims), so:
+chunks ``p[0].norm()`` 0.7675, chunk 0's).  A user's own views are now taken of the
+module's value (:mod:`.laid_out_shape`); a view of the storage (the wrappers' own, e.g.
+DDP's per-rank rows, or one taken inside torch's code) is no view of the module's tensor
+(``p[0]`` of the storage is rank 0's row or chunk), so, where a user's code reads one:
 
 * a reduction (:data:`.laid_out_whole.WHOLE`: ``sum``, ``norm``, ``max``, ``numel``...) of
   such a view, or of a value computed from it alone elementwise (``p.transpose(0, 1)

@@ -20,13 +20,14 @@ Here the functions of :data:`WHOLE` (``numel`` / ``nelement``, and the reduction
 ``count_nonzero``...; with or without ``dim``, whose dims are the module's) given such a
 storage run on its module value (``_wb_full``: DDP's rank ``broadcast_from`` row, FSDP's
 chunks joined and the padding dropped; differentiable, so a penalty in the loss gets one
-device's gradient), and the storage's ``shape`` stays the storage's (the wrapper's own code
-and torch's optimizers read it).  A unary pointwise op (``p.abs()``, ``p.square()``) keeps
-the layout (:mod:`.laid_out_reads`), so ``p.abs().mean()`` reads the module's values too.
+device's gradient), and the storage's ``shape`` stays the storage's for the wrappers' own
+code and torch's (a user's own ``p.shape`` is the module's: :mod:`.laid_out_shape`).  A
+unary pointwise op (``p.abs()``, ``p.square()``) keeps the layout (:mod:`.laid_out_reads`),
+so ``p.abs().mean()`` reads the module's values too.
 ``p.dim()`` / ``p.ndim`` are the module's too (nanoGPT's weight-decay groups,
 :func:`module_dims`) and ``p.view(-1)`` is the view of the module's flat parameter
-(``parameters_to_vector``, :func:`module_flat_view`); ``p.shape`` / ``len(p)`` / ``p[i]``
-stay the storage's.
+(``parameters_to_vector``, :func:`module_flat_view`); a user's ``p.shape`` / ``len(p)`` /
+``p[i]`` / ``p.T`` are the module's too (:mod:`.laid_out_shape`, habits13).
 
 Where this process holds every rank's storage (``_wb_here``: simulated ranks), and for
 ``fully_shard`` under torch.distributed (``_wb_gathers``: FSDP2's parameters are DTensors,
