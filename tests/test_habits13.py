@@ -62,6 +62,23 @@ def test_shape_size_len_are_the_module_parameters(kind, read):
         assert SHAPES[read](p) == SHAPES[read](q)
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
+def test_a_gradients_shape_and_views_are_the_parameters(kind):
+    """p.grad.shape / dim() / len / p.grad[0] / p.grad.T: the module's, as p's and as torch
+    DDP's / FSDP2's gradients (before: the rows' or chunks': p.grad.dim() 3 on DDP)."""
+    from .test_habits11 import _backward
+    ref, (mesh, w) = model(), wrap(kind, model())
+    _backward(ref)
+    _backward(w)
+    for p, q in _weights(w, ref):
+        g, h = p.grad, q.grad
+        assert tuple(g.shape) == tuple(h.shape) == tuple(p.shape)
+        assert (g.dim(), g.ndim, len(g), tuple(g.size())) == \
+            (h.dim(), h.ndim, len(h), tuple(h.size()))
+        close(g[1], h[1])
+        close(g.T.sum(0), h.T.sum(0))
+
+
 VIEW_READS = {
     "T_sum": lambda p: p.T.sum(), "row_norm": lambda p: p[0].norm(),
     "transpose_abs_max": lambda p: p.transpose(0, 1).abs().max(),

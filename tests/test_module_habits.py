@@ -177,12 +177,12 @@ def test_ddp_torch_clip_grad_norm_is_one_devices(norm_type, foreach):
     for (n, p), q in zip(ddp.named_parameters(), ref.parameters()):
         if q.grad is not None:
             for k in range(4):
-                close(p.grad[k], q.grad)
+                close(storage(p.grad)[k], q.grad)
     torch.nn.utils.clip_grad_value_(ddp.parameters(), 1e-3)
     torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
     for p, q in zip(ddp.parameters(), ref.parameters()):
         if q.grad is not None:
-            close(p.grad[1], q.grad)
+            close(storage(p.grad)[1], q.grad)
 
 
 @pytest.mark.parametrize("zero", [False, True])
@@ -292,7 +292,7 @@ def test_ddp_averages_the_ranks_sum_losses_as_torch_ddp():
     close(loss.full(), sum(ref(ids.chunk(n)[k], y.chunk(n)[k]) for k in range(n)).div(n).detach())
     for (name, p), q in zip(ddp.named_parameters(), ref.parameters()):
         if q.grad is not None:
-            close(p.grad[0], q.grad, 1e-5)
+            close(storage(p.grad)[0], q.grad, 1e-5)
 
 
 # ---- FullyShardedDataParallel ----------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_ddp_accumulates_gradients_over_backwards_as_torch_ddp(first_no_sync):
     for (n, p), q in zip(ddp.named_parameters(), ref.parameters()):
         if q.grad is not None:
             for k in range(4):
-                close(p.grad[k], q.grad)
+                close(storage(p.grad)[k], q.grad)
     close(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0),
           torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
 

@@ -15,7 +15,9 @@ optimizers, hooks and collectives read that shape) on a parameter stored otherwi
 module's shape (or on its ``.data`` / ``detach()`` alias, or a copy that keeps its layout)
 answers the module's:
 
-* ``p.shape`` / ``p.size()`` / ``p.size(d)`` / ``len(p)``: the module's shape;
+* ``p.shape`` / ``p.size()`` / ``p.size(d)`` / ``len(p)``: the module's shape; so is a
+  simulated DDP / FSDP gradient's (``p.grad.shape``, ``p.grad.dim()``, ``p.grad[0]``:
+  :mod:`.rank_grads`), as torch DDP's and FSDP2's ``p.grad`` are the parameter's shape;
 * a view (:data:`VIEWS`: ``p[i]``, ``p.T``, ``p.transpose``, ``p.narrow``, ``p.unbind()``,
   ``p.view(8, 4)``...) and ``p.tolist()``: taken of the module's value, itself a view of
   the storage on simulated ranks (DDP: rank ``broadcast_from``'s row, whose writes reach
@@ -31,7 +33,7 @@ import torch
 from .laid_out_views import users_call
 from .laid_out_whole import storage_shape
 
-__all__ = ["VIEWS", "module_shape_read", "module_view"]
+__all__ = ["VIEWS", "module_shape_read", "module_view", "module_ndim"]
 
 _T = torch.Tensor
 _SHAPE = _T.shape.__get__       # compared with ==: a fresh method-wrapper each time
@@ -69,6 +71,20 @@ def module_shape_read(func, args, classes):
     if func is _T.size and (len(args) > 1):
         return True, shape[args[1]]
     return True, shape
+
+
+_DIMS = (_T.dim, _T.ndimension)
+_NDIM = _T.ndim.__get__
+
+
+def module_ndim(func, args, classes):
+    """A user's ``g.dim()`` / ``g.ndim`` of a laid-out ``g`` (of ``classes``: the simulated
+    wrappers' gradients, whose ``numel()`` is already the module's): the module's, or
+    None.  (The parameters' answer to every caller: :func:`.laid_out_whole.module_dims`.)"""
+    if not args or not (func in _DIMS or func == _NDIM) or not _laid_out(args[0], classes) \
+            or not users_call(direct=True):
+        return None
+    return len(args[0]._wb_shape)
 
 
 def module_view(func, args, kwargs, classes):
