@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench.parallel.strategies.laid_out_whole import storage, storage_shape  # habits13
 from tests.dist_scripts.wrappers_model import data, loss_fn, make, one_device, wrapped
 
 
@@ -26,7 +27,8 @@ def test_parameters_are_the_modules_own_and_every_rank_has_a_copy():
     names = [n for n, _ in m.named_parameters()]
     ddp = wb.DistributedDataParallel(m, wb.Mesh.grid(4, ["dp"]))
     assert [n for n, _ in ddp.named_parameters()] == ["module." + n for n in names]   # torch's
-    assert all(isinstance(p, nn.Parameter) and p.shape[0] == 4 for p in ddp.parameters())
+    assert all(isinstance(p, nn.Parameter) and storage_shape(p)[0] == 4
+               for p in ddp.parameters())
     assert m.head.weight is m.emb.weight                # still tied
     assert not m.frozen.requires_grad
 
@@ -55,7 +57,7 @@ def test_gradients_are_all_reduced_once_each_asynchronously_and_averaged():
             assert p.grad is None, name
             continue
         for k in range(4):
-            torch.testing.assert_close(p.grad[k], q.grad, rtol=1e-6, atol=1e-7, msg=name)
+            torch.testing.assert_close(storage(p.grad)[k], q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_buckets_are_fewer_larger_messages():
@@ -82,7 +84,7 @@ def test_broadcast_from_gives_every_rank_that_ranks_weights():
         ddp = wb.DistributedDataParallel(make(), mesh, broadcast_from=1)
     assert tr.counts()["broadcast"] == 1
     for p in ddp.parameters():
-        assert torch.equal(p[0], p[1])
+        assert torch.equal(storage(p)[0], storage(p)[1])
 
 
 def test_no_sync_accumulates_then_reduces_the_sum():
@@ -95,8 +97,8 @@ def test_no_sync_accumulates_then_reduces_the_sum():
     loss_fn(ddp(sh(ids2)), sh(y2)).backward()
     ref = make()
     (loss_fn(ref(ids), y) + loss_fn(ref(ids2), y2)).backward()
-    torch.testing.assert_close(ddp.module.hid.weight.grad[1], ref.hid.weight.grad, rtol=1e-6,
-                               atol=1e-7)
+    torch.testing.assert_close(storage(ddp.module.hid.weight.grad)[1], ref.hid.weight.grad,
+                               rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(bucket_bytes=0), "bucket_bytes=0"),
@@ -123,6 +125,6 @@ def test_check_replicas_finds_a_rank_that_drifted():
     ddp = wb.DistributedDataParallel(make(), wb.Mesh.grid(2, ["dp"]))
     ddp.check_replicas()
     with torch.no_grad():
-        ddp.module.hid.bias[1, 0] += 1.0          # rank 1's copy only
+        storage(ddp.module.hid.bias)[1, 0] += 1.0     # rank 1's copy only
     with pytest.raises(RuntimeError, match="'hid.bias' differ"):
         ddp.check_replicas()

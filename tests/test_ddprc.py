@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import workbench as wb
+from workbench.parallel.strategies.laid_out_whole import storage, storage_shape  # habits13
 from workbench.models.config import ModelConfig, build_model
 
 V, T, B = 17, 8, 8
@@ -99,11 +100,12 @@ def test_ddp_recompute_uses_each_ranks_parameters(name, n):
         torch.testing.assert_close(loss.full(), ref_losses[s], rtol=1e-5, atol=1e-6)
         for pn, p in ddp.module.named_parameters():
             for k in range(n):      # every rank's row: the all-reduced mean
-                torch.testing.assert_close(p.grad[k], ref_grads[s][pn], rtol=1e-4,
+                torch.testing.assert_close(storage(p.grad)[k], ref_grads[s][pn], rtol=1e-4,
                                            atol=1e-6, msg=f"{pn} rank {k}")
         opt.step()
     # the module holds its stacked parameters again after backward
-    assert all(isinstance(p, nn.Parameter) and p.shape[0] == n for p in ddp.parameters())
+    assert all(isinstance(p, nn.Parameter) and storage_shape(p)[0] == n
+               for p in ddp.parameters())
 
 
 @pytest.mark.parametrize("name", ["llama-full", "user-nonreentrant"])
@@ -133,7 +135,7 @@ def test_ddp_reentrant_checkpoint_on_simulated_ranks_is_refused_by_name(n):
     ddp = wb.DistributedDataParallel(Checkpointed(True), mesh)
     with pytest.raises(NotImplementedError, match="use_reentrant=False"):
         ddp(*shard(mesh, *batch(0)))
-    assert all(p.shape[0] == n for p in ddp.parameters())     # the module is whole
+    assert all(storage_shape(p)[0] == n for p in ddp.parameters())     # the module is whole
 
 
 def test_module_without_checkpoint_gets_no_node_hooks():
@@ -255,9 +257,11 @@ def test_ddp_backward_that_raises_in_a_recompute_leaves_the_module_usable():
         loss.backward()
     ddp.zero_grad()
     _, loss = ddp(*shard(mesh, *batch(0)))        # the stacked parameters again
-    assert all(isinstance(p, nn.Parameter) and p.shape[0] == 2 for p in ddp.parameters())
+    assert all(isinstance(p, nn.Parameter) and storage_shape(p)[0] == 2
+               for p in ddp.parameters())
     loss.backward()
     ref_losses, ref_grads = one_device_steps(lambda: Checkpointed(False), steps=1)
     torch.testing.assert_close(loss.full(), ref_losses[0], rtol=1e-5, atol=1e-6)
     for pn, p in ddp.module.named_parameters():
-        torch.testing.assert_close(p.grad[1], ref_grads[0][pn], rtol=1e-4, atol=1e-6, msg=pn)
+        torch.testing.assert_close(storage(p.grad)[1], ref_grads[0][pn], rtol=1e-4, atol=1e-6,
+                                   msg=pn)

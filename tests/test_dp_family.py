@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench.parallel.strategies.laid_out_whole import storage_shape
 from workbench.parallel.strategies.data_parallel import DataParallel
 from workbench.parallel.strategies.ddp_dist import DistTensorDDP, GradReplicas
 
@@ -99,7 +100,8 @@ def test_the_replicas_are_the_optimizers_parameters_one_per_rank():
     assert names == ["module.0.weight", "module.0.bias", "module.2.weight",
                      "module.2.bias"]                       # torch DDP's names
     w = dict(ddp.named_parameters())["module.0.weight"]
-    assert w.is_leaf and w.requires_grad and w.shape == (2, 2, 16, 16)   # (dp, tp, 32/2, 16)
+    assert w.is_leaf and w.requires_grad and storage_shape(w) == (2, 2, 16, 16)  # dp, tp, 32/2, 16
+    assert w.shape == (32, 16)          # a user's: the module parameter's (habits13)
     assert type(wb.DistributedDataParallel(mlp(), wb.Mesh.grid(2, ["dp"]))) is \
         wb.DistributedDataParallel                  # a plain module: the per-rank wrapper
 

@@ -139,21 +139,22 @@ def test_pointwise_reads_keep_plain_what_was_plain():
     # a copy of the storage stays plain and storage-shaped (habits7), a scaled parameter
     # keeps the storage's values; beside the module's shape it is one device's value
     from tests.test_habits6 import mlp, wrap
+    from workbench.parallel.strategies.laid_out_whole import storage   # rank 0's row: [0]
     mesh, w = wrap("ddp", mlp())
     p = w.module[0].weight
     with torch.no_grad():
         # a copy keeps the storage's shape; its reductions read the module's (habits11)
         assert p.detach().clone().shape == p.shape
-        assert p.detach().clone().sum() == p.detach()[0].sum()
+        assert p.detach().clone().sum() == storage(p)[0].sum()
         # unary: the storage's shape, its layout kept (habits11: a reduction of it, e.g.
         # p.abs().mean(), reads the module's values)
-        assert (-p).shape == p.shape and (-p).sum() == -p.detach()[0].sum()
+        assert (-p).shape == p.shape and (-p).sum() == -storage(p)[0].sum()
         half = p * 0.5
         torch.testing.assert_close(half.as_subclass(torch.Tensor), p.detach() * 0.5)
         one = torch.ones(8, 6)
         got = half + one
         assert got.shape == (8, 6) and type(got) is torch.Tensor
-        torch.testing.assert_close(got, p.detach()[0] * 0.5 + 1)
+        torch.testing.assert_close(got, storage(p)[0] * 0.5 + 1)
 
 
 # ---- 4. ZeRO-1/2's clip: one all-reduce over every rank (Megatron-LM's distributed optimizer)

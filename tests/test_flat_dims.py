@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import workbench as wb
+from workbench.parallel.strategies.laid_out_whole import storage  # the replicas (habits13)
 from workbench.parallel.strategies.flat_dims import flatten_dims
 
 
@@ -35,7 +36,7 @@ def test_ddp_over_dp_and_cp_sums_once_and_checks_every_replica():
                 torch.testing.assert_close(got[i, j], want, rtol=1e-5, atol=1e-5)
     ddp.check_replicas()
     with torch.no_grad():
-        w[:, 1, 0, 0] += 1.0                    # cp rank 1 drifts on every dp rank
+        storage(w)[:, 1, 0, 0] += 1.0           # cp rank 1 drifts on every dp rank
     with pytest.raises(RuntimeError, match="replicas of 'weight' differ"):
         ddp.check_replicas()
 

@@ -63,9 +63,9 @@ def test_elementwise_writes_through_views_train_as_one_device(kind):
                     p.flatten().fill_(0.25)
                 else:
                     p.reshape(-1).mul_(1.5)
-        if kind == "ddp":       # a write into rank 0's row: every replica's (a handle's)
-            w.module[2].weight[0].mul_(2.0)
-            ref[2].weight.mul_(2.0)
+        if kind == "ddp":       # a write into row 0 of the weight: every replica's (a
+            w.module[2].weight[0].mul_(2.0)     # user's p[0] is the module's row: habits13)
+            ref[2].weight[0].mul_(2.0)
     train_as_one_device(kind, w, mesh, ref)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import workbench as wb
+from workbench.parallel.strategies.laid_out_whole import storage  # the replicas (habits13)
 
 
 def _x(*shape):
@@ -138,7 +139,7 @@ def test_ddp_replica_check_takes_equal_nans_as_equal():
     assert bool(ddp(x).full_tensor().isnan().all())
     ddp.check_replicas()
     with torch.no_grad():
-        next(iter(ddp.parameters()))[0].fill_(1.0)        # dp rank 0's copy only
+        storage(next(iter(ddp.parameters())))[0].fill_(1.0)  # dp rank 0's copy only
     with pytest.raises(RuntimeError, match="replicas of '0.weight' differ"):
         ddp(x)
 

@@ -81,7 +81,7 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
 # in its order and in the reverse order (task testspeed4).
 # The 2 x 2 dp x tp checks over tp_optim_model.py, 4 processes:
 TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
-          "habits4_clip_check.py"]
+          "habits4_clip_check.py", "habits13_check.py"]
 # 2-process checks without arguments that init and shut down through wb.distributed
 # (habits7_check and habits9_check call init_process_group / destroy_process_group
 # themselves: they keep their own launches)

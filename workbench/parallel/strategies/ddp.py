@@ -121,7 +121,7 @@ from torch import nn
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
-from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict
+from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict, rank_row
 from .replaced_params import check_named, mark_successor, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
@@ -198,8 +198,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         self._broadcast_state()
         params = list(module.parameters())
         trainable = [p for p in params if p.requires_grad]
-        sizes = [(p[0] if not g.distributed else p).numel() * p.element_size()
-                 for p in trainable]
+        with torch._C.DisableTorchFunctionSubclass():    # the storage's rows (laid_out_views)
+            sizes = [(p[0] if not g.distributed else p).numel() * p.element_size()
+                     for p in trainable]
         self._book = BucketBook(trainable, sizes, policy)
         self._unused = []                   # find_unused_parameters: unreached by the forward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
@@ -273,7 +274,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         close_open_scopes()     # a backward that raised in a recompute: stacked ones back
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
-        params = [{n: p[k] for n, p in named.items()} for k in range(g.n)]
+        # rank k's row of each parameter: the module's tensor on that rank (its forward's
+        # reductions of it are one device's, laid_out_views)
+        params = [{n: rank_row(p, k) for n, p in named.items()} for k in range(g.n)]
         out = run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
         book = self._book
         if book.recording and torch.is_grad_enabled():

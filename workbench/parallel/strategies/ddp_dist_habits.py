@@ -39,6 +39,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dist_tensor import DistTensor, shard_tensor
+from .laid_out_replicas import as_replica_storage
 
 __all__ = ["install", "check_written_replicas", "replicas_equal"]
 
@@ -81,6 +82,7 @@ def install(ddp) -> None:
             continue                    # one replica per process: none to tell apart
         loc._wb_replicas = (name, ddp.replicas.axes)
         _SEEN[loc] = loc._version
+        as_replica_storage(loc)         # a user's numel / dim / norm: the module's (habits13)
 
 
 def _refuse_late_unfreeze(ddp, p, name):

@@ -188,7 +188,11 @@ def _shard_norm_grad(fsdp, tmpl):
     partial norms torch's ``clip_grad_norm_`` reduces over every mesh dim's group in turn
     (FSDP2's ``_NormPartial`` of DTensor shards), a copy held on several ranks of a
     dim the parameter is replicated on (not dp) counted on that dim's rank 0 only.  It
-    raised ("not built for this mode")."""
+    raised ("not built for this mode").  ``fully_shard``'s (the shard's ``_wb_gathers``):
+    its other reads (``numel``, ``sum``, ``mean``, ``max``, a norm along a dim or of order
+    0...) are the whole gradient's, gathered over dp then tp (FSDP2's DTensor gradient's);
+    they were this process's chunk's (habits13: numel [5, 2, 5, 2] for [18, 6, 18, 3] on
+    2 x 2 gloo processes).  FSDP1's keep the chunk, as torch's flat parameter."""
     from ...sim_mesh import backends as _B
     mesh = fsdp.mesh
     coord = _B.coordinate(mesh)
@@ -197,7 +201,8 @@ def _shard_norm_grad(fsdp, tmpl):
     groups = tuple(_B.group(mesh, a)[0] for a in range(mesh.ndim))
 
     def hook(shard):
-        shard.grad = as_shard_grad(shard.grad, groups, skip)
+        # fully_shard's (_wb_gathers): its reads gather, as FSDP2's DTensor gradient's
+        shard.grad = as_shard_grad(shard.grad, groups, skip, param=shard)
     return hook
 
 

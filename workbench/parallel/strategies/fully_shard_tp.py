@@ -144,6 +144,11 @@ def built(m):
         from .fully_shard_attrs import install
         install(w)                  # module.weight: the shards' value now
         module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
+        for _, _, _, shard in w.entries:
+            # torch.distributed: numel() / dim() / shape / a reduction of a shard or of its
+            # gradient read the module's parameter, gathered over dp then tp (FSDP2's
+            # DTensor over the 2-d mesh: its full tensor's; .laid_out_whole, habits13)
+            shard._wb_gathers = not w.async_
         if w.async_:                # set_requires_gradient_sync(False): gradients held
             from .fully_shard_tp_units import install as sync_hooks
             sync_hooks(w)

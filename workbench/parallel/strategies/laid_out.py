@@ -63,11 +63,14 @@ from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
+from .laid_out_shape import module_shape_read, module_view
+from .laid_out_views import (gradient_edges, mark_module_view, read_value,
+                             refuse_storage_leaf, refuse_storage_read)
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
 
 __all__ = ["LaidOutParameter", "laid_out", "module_shaped", "module_shaped_state_dict", "Rows",
-           "Chunks"]
+           "Chunks", "rank_row"]
 
 _T = torch.Tensor
 _DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==: a fresh method-wrapper)
@@ -100,6 +103,10 @@ class LaidOutParameter(nn.Parameter):
         kwargs = kwargs or {}
         if func is torch.autograd.grad:
             _check_autograd_grad(args, kwargs)
+        # p.detach().requires_grad_(): a leaf of the storage (laid_out_views); p.T.sum(),
+        # p[0].norm(): a view's reduction reads the storage (laid_out_views)
+        refuse_storage_leaf(func, args, kwargs, (_LaidOutData, LaidOutValue), _LaidOutView)
+        refuse_storage_read(func, args, kwargs, _LaidOutView)
         target = None
         if func in _GUARDED:            # nn.init's overrides pass the tensor by keyword
             target = args[0] if args else kwargs.get("tensor")
@@ -128,7 +135,16 @@ class LaidOutParameter(nn.Parameter):
             return dims
         flat = module_flat_view(func, args, _PARAMS)
         if flat is not None:    # p.view(-1): the module's flat parameter (parameters_to_vector)
-            return _guard_views(args[0], flat, func)
+            view = _guard_views(args[0], flat, func)
+            if isinstance(view, _LaidOutView):
+                mark_module_view(view)
+            return view
+        done, shape = module_shape_read(func, args, _WHOLE_READS)
+        if done:                # a user's p.shape, p.size(), len(p): the module's (laid_out_shape)
+            return shape
+        done, out = module_view(func, args, kwargs, _WHOLE_READS)
+        if done:                # a user's p[i], p.T: views of the module's value (laid_out_shape)
+            return _guard_views(args[0], out, func, module=True)
         p = args[0] if args else kwargs.get("tensor")     # nn.init.constant_(tensor=p)
         if not isinstance(p, _LAID_OUT):   # an EMA's ema.copy_(p): p's module value
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
@@ -140,6 +156,9 @@ class LaidOutParameter(nn.Parameter):
             before_write(_owner(p))     # a write through one row's handle first (DDP)
             args = _module_shaped_operands(func, args) if args else args
         if func in _AUTOGRAD_RUNS:
+            # an autograd input as its gradient edge: the same node (a fresh alias of a
+            # leaf got None, laid_out_views)
+            args, kwargs = gradient_edges(func, args, kwargs, _READS)
             # backward / grad run user code (checkpoint's recomputed forward, hooks) that
             # needs torch-function dispatch of other subclasses (DistTensor): not under
             # DisableTorchFunctionSubclass; the views are read as plain tensors (the same
@@ -176,8 +195,10 @@ class LaidOutParameter(nn.Parameter):
                 after()
             return out
         if args and isinstance(args[0], _LAID_OUT) and not written:
-            return _guard_views(args[0], out, func)
-        return out
+            guarded = _guard_views(args[0], out, func)
+            if guarded is not out:
+                return guarded
+        return read_value(func, args, kwargs, out, _LaidOutView)   # p.T.abs(): a storage read
 
 
 def _check_autograd_grad(args, kwargs) -> None:
@@ -224,9 +245,12 @@ class _LaidOutView(torch.Tensor):
     ``p`` (nothing written; ``nn.init.normal_`` too: a view is not the module's shape,
     so there is no one device's draw to give it), and an elementwise write
     (``zero_``, ``fill_``, ``mul_``, ``copy_``) writes the elements it views, as
-    torch's; on DDP's rows a write into rank ``broadcast_from``'s row (``p[0]``) is
-    copied into every row before anything reads them as replicas, a write into another
-    row alone raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  It carries no ``_wb_store``: a tensor of the
+    torch's; on DDP's rows a write into rank ``broadcast_from``'s row is copied into
+    every row before anything reads them as replicas, a write into another row alone
+    raises there (:func:`.replica_writes.sync_rows`, as for a plain view).  A user's own
+    ``p[0]`` / ``p.T`` are views of the module's value (:mod:`.laid_out_shape`: DDP's
+    row ``broadcast_from``, FSDP's chunks before the padding; ``_wb_module_view``), the
+    wrappers' own of the storage.  It carries no ``_wb_store``: a tensor of the
     module's shape is not laid out for it (torch's broadcasting applies).  A new tensor
     computed from it (``p.view(-1) * 2``, ``.clone()``) is plain; it stays attached to
     autograd as torch's view (``Tensor.as_subclass``)."""
@@ -238,10 +262,11 @@ _LAID_OUT = (LaidOutParameter, _LaidOutData, _LaidOutView)
 _PARAMS = (LaidOutParameter, _LaidOutData)
 LaidOutValue.__torch_function__ = LaidOutParameter.__torch_function__
 _READS = _LAID_OUT + (LaidOutValue,)     # read as their module values (laid_out_reads)
+_WHOLE_READS = _PARAMS + (LaidOutValue,)  # shaped as their modules' (laid_out_shape)
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)
 
 
-def _guard_views(src, out, func=None):
+def _guard_views(src, out, func=None, module=False):
     """``out`` (``func``'s result on ``src``) with each tensor that shares ``src``'s
     storage made a :class:`_LaidOutView` (also in a tuple or list: ``p.unbind()``,
     ``p.chunk(n)``, ``p.split(k)``), a reshape that had to copy a non-contiguous storage a
@@ -254,12 +279,23 @@ def _guard_views(src, out, func=None):
             view = t.as_subclass(_LaidOutView)
         view._wb_layout = src._wb_layout
         view._wb_param = _owner(src)
+        if module or getattr(src, "_wb_module_view", False):
+            mark_module_view(view)      # a view of the module's value (laid_out_views)
         return view
     return map_sharers(src, out, _LAID_OUT, wrap)
 
 
 _ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
           "_wb_src", "_wb_view_note", "_wb_here", "_wb_gathers")
+
+
+def rank_row(p, k):
+    """``p[k]``: rank ``k``'s row of DDP's rows, the module's tensor on that rank (its
+    forward's reads of it are one device's: not a storage view, :mod:`.laid_out_views`)."""
+    row = p[k]
+    if isinstance(row, _LaidOutView):
+        mark_module_view(row)
+    return row
 
 
 def _data_alias(p, plain):

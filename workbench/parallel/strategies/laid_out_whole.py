@@ -20,13 +20,14 @@ Here the functions of :data:`WHOLE` (``numel`` / ``nelement``, and the reduction
 ``count_nonzero``...; with or without ``dim``, whose dims are the module's) given such a
 storage run on its module value (``_wb_full``: DDP's rank ``broadcast_from`` row, FSDP's
 chunks joined and the padding dropped; differentiable, so a penalty in the loss gets one
-device's gradient), and the storage's ``shape`` stays the storage's (the wrapper's own code
-and torch's optimizers read it).  A unary pointwise op (``p.abs()``, ``p.square()``) keeps
-the layout (:mod:`.laid_out_reads`), so ``p.abs().mean()`` reads the module's values too.
+device's gradient), and the storage's ``shape`` stays the storage's for the wrappers' own
+code and torch's (a user's own ``p.shape`` is the module's: :mod:`.laid_out_shape`).  A
+unary pointwise op (``p.abs()``, ``p.square()``) keeps the layout (:mod:`.laid_out_reads`),
+so ``p.abs().mean()`` reads the module's values too.
 ``p.dim()`` / ``p.ndim`` are the module's too (nanoGPT's weight-decay groups,
 :func:`module_dims`) and ``p.view(-1)`` is the view of the module's flat parameter
-(``parameters_to_vector``, :func:`module_flat_view`); ``p.shape`` / ``len(p)`` / ``p[i]``
-stay the storage's.
+(``parameters_to_vector``, :func:`module_flat_view`); a user's ``p.shape`` / ``len(p)`` /
+``p[i]`` / ``p.T`` are the module's too (:mod:`.laid_out_shape`, habits13).
 
 Where this process holds every rank's storage (``_wb_here``: simulated ranks), and for
 ``fully_shard`` under torch.distributed (``_wb_gathers``: FSDP2's parameters are DTensors,
@@ -45,7 +46,7 @@ import math
 import torch
 
 __all__ = ["WHOLE", "NUMEL", "whole_reads", "module_dims", "module_flat_view", "check_view_as",
-           "storage_shape", "storage_numel"]
+           "storage", "storage_shape", "storage_numel"]
 
 _T = torch.Tensor
 _NAMES = ("sum", "nansum", "mean", "nanmean", "norm", "max", "min", "amax", "amin",
@@ -66,6 +67,14 @@ _COMPARE = {torch.equal, torch.allclose, _T.equal, _T.allclose, torch.dist, _T.d
 def storage_shape(t) -> tuple:
     with torch._C.DisableTorchFunctionSubclass():
         return tuple(t.shape)
+
+
+def storage(t) -> torch.Tensor:
+    """``t``'s whole storage as a plain tensor (every rank's row or chunk, the padding
+    too): the wrappers' own view of it, which a user's ``p[k]`` / ``p.shape`` no longer is
+    (:mod:`.laid_out_shape`); a write through it writes the storage as it is."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.view(t.shape)
 
 
 def storage_numel(t) -> int:

@@ -44,6 +44,7 @@ __all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
            "as_rank_rows", "as_chunk_rows", "as_replica_grad", "as_shard_grad"]
 
 from .laid_out_reads import _is_pointwise
+from .laid_out_shape import module_ndim, module_shape_read, module_view
 from .laid_out_whole import WHOLE, storage_shape, whole_reads
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
@@ -81,6 +82,16 @@ class _NormedGrad(torch.Tensor):
         kwargs = kwargs or {}
         # ShardGrad: per gradient, where it gathers (fully_shard's: _wb_gathers)
         whole = getattr(cls, "_wb_here", False) or cls is ShardGrad
+        if whole:   # a user's g.shape / g.dim() / g[0]: the module's (laid_out_shape)
+            done, out = module_shape_read(func, args, _WHOLE_GRADS)
+            if done:
+                return out
+            dims = module_ndim(func, args, _WHOLE_GRADS)
+            if dims is not None:
+                return dims
+            done, out = module_view(func, args, kwargs, _WHOLE_GRADS)
+            if done:
+                return out
         parsed = _norm_args(func, args, kwargs) if func in _NORMS else None
         if func in WHOLE and whole and (func not in _NORMS or (
                 cls is ShardGrad and _gathered_norm(func, args, parsed))):

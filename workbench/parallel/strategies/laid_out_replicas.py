@@ -1,0 +1,142 @@
+"""DDP over tensor-parallel DistTensors: a user's reads of ``ddp.parameters()`` are the module's.
+
+``wb.DistributedDataParallel(model, mesh, "dp")`` over a module that ``wb.parallelize`` /
+``parallelize_module`` laid out on a 2-d mesh gives, as its ``parameters()``, each
+parameter's replica storage (:mod:`.ddp_dist`): on simulated ranks a plain tensor led by
+the mesh's dims, ``(dp, tp, *local)``.  Every read a user's loop takes of it read that
+storage as the parameter: measured on ``Sequential(Linear(8, 40), ReLU, Linear(40, 8))``
+colwise / rowwise on a 2 x 2 mesh, ``sum(p.numel())`` 1376 for 688 (every dp replica, and
+the tensor-parallel shards of a replicated bias twice over), ``p.dim()`` 4 for 2, the norms
+and sums of every replica.  torch's DDP keeps the module's parameters (and FSDP2, the 2-d
+answer, DTensors of the global shape).
+
+Here, on simulated ranks, the storage is a :class:`ReplicaStorage` (the same tensor, the
+optimizer's leaf, its class changed in place): a user's own ``numel()`` / ``dim()`` /
+``shape`` / ``size()`` / ``len()`` answer the module parameter's, and a reduction
+(:data:`.laid_out_whole.WHOLE`) reads the global tensor, gathered from the replica's
+tensor-parallel shards (``_wb_full``, no gradient: with autograd recording it raises, as a
+penalty in the loss would get none), and so do those of a value computed from it
+elementwise, or of its alias, copy or cast (``p.pow(2).sum()``, ``p.detach().norm()``); a
+user's view of it (``p[0]``, ``p.T``) raises (the
+module's tensor is a gathered copy, no view of the storage).  Everything else, and every
+call from the wrappers' or DistTensor's own code (:func:`.laid_out_views.users_call`), runs
+on the storage as before, a plain result.  Under torch.distributed each process's replica
+is its tensor-parallel shard ``(1, 1, *local)`` and stays as it is.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .laid_out_shape import VIEWS, _PROPS
+from .laid_out_views import users_call
+from .laid_out_reads import _CASTS, _is_pointwise
+from .laid_out_whole import NUMEL, WHOLE, storage_shape
+
+__all__ = ["ReplicaStorage", "as_replica_storage"]
+
+_T = torch.Tensor
+_DIMS = (_T.dim, _T.ndimension)
+_NDIM = _T.ndim.__get__
+_SHAPE = _T.shape.__get__
+
+
+def _is(func, fs) -> bool:
+    return any(func == f for f in fs)
+
+
+class ReplicaStorage(torch.Tensor):
+    """DDP's replica storage of a DistTensor parameter (module docstring); ``_wb_shape``:
+    the module parameter's shape, ``_wb_full``: its global tensor from the storage."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else None
+        if isinstance(t, ReplicaStorage):
+            shape = torch.Size(t._wb_shape)
+            if func in NUMEL and users_call(depth=-1):
+                return math.prod(shape)
+            if (func in _DIMS or func == _NDIM) and users_call(True, depth=-1):
+                return len(shape)
+            if func == _SHAPE and users_call(True, depth=-1):
+                return shape
+            if func is _T.size and users_call(True, depth=-1):
+                return shape[args[1]] if len(args) > 1 else shape
+            if func is _T.__len__ and users_call(True, depth=-1):
+                if not shape:
+                    raise TypeError("len() of a 0-d tensor")
+                return shape[0]
+            if (func in VIEWS or _is(func, _PROPS)) and users_call(True, depth=-1):
+                raise NotImplementedError(
+                    f"{getattr(func, '__name__', 'a view')} of DistributedDataParallel's "
+                    f"parameter over tensor-parallel DistTensors: its storage holds every "
+                    f"replica's shards (shape {tuple(t.as_subclass(_T).shape)}), and the "
+                    f"module's {tuple(shape)} tensor is gathered from them, so no view of it "
+                    "exists here.  Read the module's parameter (model.<name>.full(), or "
+                    "ddp.state_dict()) and take the view of that copy")
+        if func in WHOLE and func not in NUMEL and users_call(depth=-1):
+            done, out = _whole(func, args, kwargs)
+            if done:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return _keep(func, args, kwargs, out)
+
+
+_KEEP = {_T.detach, torch.detach, _T.data.__get__}
+
+
+def _keep(func, args, kwargs, out):
+    """``out`` as a :class:`ReplicaStorage` of the same layout where a user's ``func`` is
+    elementwise over one replica storage and numbers (``p.pow(2)``, ``p.abs()``,
+    ``2 * p``), or its alias, copy or cast (``p.detach()``, ``p.data``, ``p.clone()``,
+    ``p.double()``): so its reductions read the module's values too; else ``out``."""
+    if not isinstance(out, torch.Tensor) or isinstance(out, ReplicaStorage):
+        return out
+    flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    src = next((a for a in flat if isinstance(a, ReplicaStorage)), None)
+    if src is None or not all(a is src or a.dim() == 0 for a in flat) or \
+            storage_shape(out) != storage_shape(src) or \
+            not (_is_pointwise(func) or func in _CASTS or _is(func, _KEEP)) or \
+            not users_call(depth=-1):
+        return out
+    with torch._C.DisableTorchFunctionSubclass():
+        v = out.as_subclass(ReplicaStorage)
+    v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
+    return v
+
+
+def _whole(func, args, kwargs):
+    """``func`` with every :class:`ReplicaStorage` operand (also in a list) read as its
+    module's global tensor."""
+    hit = []
+
+    def one(a):
+        if not isinstance(a, ReplicaStorage):
+            return a
+        hit.append(a)
+        if torch.is_grad_enabled() and a.requires_grad:
+            raise NotImplementedError(
+                f"{getattr(func, '__name__', func)}() of DistributedDataParallel's parameter "
+                "over tensor-parallel DistTensors with autograd recording: its module value "
+                "is gathered from the replica's shards and the gather carries no gradient, "
+                "so a penalty built from it would get none.  Read it under torch.no_grad() "
+                "(or of p.detach()) for logging; for a penalty in the loss use the "
+                "optimizer's weight_decay")
+        with torch._C.DisableTorchFunctionSubclass():
+            return a._wb_full(a)
+    new = tuple([one(x) for x in a] if isinstance(a, (list, tuple)) else one(a) for a in args)
+    kw = {k: one(v) for k, v in kwargs.items()}
+    if not hit:
+        return False, None
+    with torch._C.DisableTorchFunctionSubclass():
+        return True, func(*new, **kw)
+
+
+def as_replica_storage(loc) -> None:
+    """``loc`` (a replica storage carrying ``_wb_shape`` / ``_wb_full``) a
+    :class:`ReplicaStorage`, in place (the same tensor: the optimizer's leaf, its hooks)."""
+    if type(loc) is torch.Tensor:
+        loc.__class__ = ReplicaStorage
