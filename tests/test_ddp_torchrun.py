@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job, two_proc
+from tests.torchrun_support import four_proc, json_rows, run_job, two_proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
@@ -38,10 +38,9 @@ def test_wrappers_on_gloo_give_one_devices_and_the_simulations_parameters(n, req
     if n == 2:
         out, texts = request.getfixturevalue("two_processes")
         text = texts["wrappers_check.py"]
-    else:
-        out = torchrun(n, "wrappers_check.py")
+    else:       # one launch: the 4-process parts (torchrun_support.FOUR_PROC)
+        out, text = four_proc(request.getfixturevalue("tmp_path_factory"), "wrappers_check.py")
         assert out.returncode == 0, out.stderr[-3000:]
-        text = out.stdout
     rows = json_rows(text)
     assert rows[-1] == {"drift_found": True}
     # FSDP with one unit per block: per process, root (emb + head) plus one block forward;

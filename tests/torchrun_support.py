@@ -88,10 +88,12 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
 TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
           "habits4_clip_check.py"]
 TRAIN = "-m workbench train --preset tiny --seed 0 --backend torch "
-# Every 4-process part (tests that launched 4 processes each: test_distributed_engine,
-# test_context_parallel_train, test_compile_dist, test_dropout_layouts,
-# test_device_mesh_torchrun, test_moe_cli, test_sp_norms_torchrun); the 2 x 2 checks first:
-FOUR_PROC = TP_2X2 + [
+# Every 4-process part (tests that launched 4 processes each: test_pipeline_clip_eval_
+# torchrun, test_distributed_engine, test_context_parallel_train, test_compile_dist,
+# test_dropout_layouts, test_device_mesh_torchrun, test_moe_cli, test_sp_norms_torchrun);
+# pipeline_clip_eval_check first (its simulated step before any real mesh), then the 2 x 2
+# checks:
+FOUR_PROC = ["pipeline_clip_eval_check.py {dir}"] + TP_2X2 + [
     TRAIN + "--steps 3 --dp 2 --tp 2 --sp", TRAIN + "--steps 3 --dp 4 --zero 3",
     TRAIN + "--steps 3 --tp 2 --pp 2 --schedule zb-h1", "interop_check.py",
     "-m workbench train --preset tiny --seed 0 --steps 2 --backend torch --cp 2 --tp 2",
@@ -99,7 +101,7 @@ FOUR_PROC = TP_2X2 + [
     "compile_check.py", "dropout_check.py", "device_mesh_slice_check.py",
     "-m workbench train --preset tiny --steps 2 --moe-experts 4 --moe-topk 2 --seed 0 "
     "--backend torch --ep 2 --tp 2",
-    "sp_norms_check.py {dir}/torchrun.pt"]
+    "sp_norms_check.py {dir}/torchrun.pt", "wrappers_check.py"]
 # The 8-process parts (test_tdreshard's programs and test_distributed_engine's dp 2 x tp 2
 # x pp 2 run):
 EIGHT_PROC = ["tdreshard_check.py {dir}",
@@ -120,7 +122,8 @@ TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "ha
             "--backend torch --cp 2",
             "-m workbench train --backend torch --preset tiny --seed 0 --steps 1 --pp 2",
             "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 3",
-            "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 2"]
+            "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 2",
+            "pipeline_clip_eval_check.py {dir}"]
 # (fixlist2_check and review_revI_check end in os._exit: they keep their own launches,
 # as test_distributed_engine's wrong process count and test_dist_faults' faults do)
 
