@@ -143,13 +143,17 @@ def part_dir(group: list[str], tmp_path_factory, part: str):
 
 def shared(group: list[str], tmp_path_factory, part: str):
     """The session's one launch of every part of ``group`` (:data:`FOUR_PROC`, 4 processes,
-    :data:`TWO_PROC`, 2, or :data:`EIGHT_PROC`, 8): the job and ``part``'s stdout ("" when the job failed)."""
+    :data:`TWO_PROC`, 2, or :data:`EIGHT_PROC`, 8): the job and ``part``'s stdout ("" when
+    the job failed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8}.get(id(group))
     if n is None:
         raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC or EIGHT_PROC "
                          "as group")
-    k = group.index(part)               # ValueError: the part is not in the group
+    if part not in group:
+        raise ValueError(f"shared: part {part!r} is not in the group; add it to the group's "
+                         "list in tests/torchrun_support.py (spelled the same)")
+    k = group.index(part)
     parts = []
     for p in group:
         if "{dir}" in p:
@@ -159,7 +163,9 @@ def shared(group: list[str], tmp_path_factory, part: str):
         if not p.startswith("-m "):
             p = os.path.join(root, "tests", "dist_scripts", p)
         parts.append(p)
-    out, texts = run_several(n, parts, tmp_path_factory, timeout=900, cwd=root,
+    # 500 s: under run_all's pytest --timeout 600 (the longest group, TWO_PROC, took 99 s
+    # of wall on 2 cores at load 14: task testspeed5)
+    out, texts = run_several(n, parts, tmp_path_factory, timeout=500, cwd=root,
                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
     return out, texts[k] if texts else ""
 
