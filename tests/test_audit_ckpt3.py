@@ -335,15 +335,16 @@ def test_ddp_a_write_of_every_parameter_then_a_load_in_place(tmp_path, write, lo
 
 
 @pytest.mark.slow
-def test_under_torchrun_the_helpers_move_a_run_between_wrappers_and_torchs_ddp(tmp_path):
+def test_under_torchrun_the_helpers_move_a_run_between_wrappers_and_torchs_ddp(
+        tmp_path_factory):
     """2 gloo processes: wb DDP, wb FSDP and torch's own DDP, each run's get_state_dict
     saved and loaded in place into another's, then set: one device's weights after five
     steps; these helpers give torch's own dicts on torch's DDP; a full state dict offloaded
     to the CPU stays on rank 0 alone, as torch's."""
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "state_dict_helpers_check.py", str(tmp_path), timeout=240)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "state_dict_helpers_check.py {dir}")   # one launch
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
+    rows = sorted(json_rows(text), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
         assert len(r["cases"]) == 4

@@ -401,19 +401,15 @@ def train_rows(flags):
     return [json.loads(r) for r in buf.getvalue().splitlines() if r.startswith("{")]
 
 
-def test_torchrun_cp_with_recompute_prints_one_devices_losses():
-    import os
-    import sys
-    from tests.torchrun_support import json_rows, run_job
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def test_torchrun_cp_with_recompute_prints_one_devices_losses(tmp_path_factory):
+    from tests.torchrun_support import json_rows, two_proc
     flags = ["train", "--preset", "tiny", "--seed", "0", "--steps", "2", "--recompute", "full"]
     want = [r["loss"] for r in train_rows(flags)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "workbench", *flags, "--backend", "torch", "--cp", "2"]
-    out = run_job(cmd, timeout=240, cwd=root,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    # one launch: the 2-process parts (torchrun_support.TWO_PROC)
+    out, text = two_proc(tmp_path_factory, " ".join(
+        ["-m", "workbench", *flags, "--backend", "torch", "--cp", "2"]))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [r["loss"] for r in json_rows(out.stdout)] == pytest.approx(want, rel=1e-6)
+    assert [r["loss"] for r in json_rows(text)] == pytest.approx(want, rel=1e-6)
 
 
 

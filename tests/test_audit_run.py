@@ -34,7 +34,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import workbench as wb
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import TWO_PROC, json_rows, part_dir, two_proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
@@ -93,15 +93,13 @@ def simulated_resume(path, n=2):
 
 
 @pytest.mark.slow
-def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", os.path.join(ROOT, "tests", "dist_scripts",
-                                              "audit_run_check.py"), str(tmp_path / "ck")]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+def test_the_same_program_on_torchrun_torchs_wrappers_and_simulated_ranks(tmp_path_factory):
+    part = "audit_run_check.py {dir}/ck"
+    out, text = two_proc(tmp_path_factory, part)      # one launch: the 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
-    assert [r["rank"] for r in rows] == [0, 1], out.stdout
+    tmp_path = part_dir(TWO_PROC, tmp_path_factory, part)
+    rows = sorted(json_rows(text), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], text
     for r in rows:
         # BatchNorm under DDP: every process's buffers after every forward (in and out of
         # no_sync), the eval outputs and the parameters are torch DDP's, bitwise

@@ -219,14 +219,14 @@ def test_bad_targets_are_clear_errors_and_leave_the_target_untouched(tmp_path):
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_the_format_is_dcps_both_ways(tmp_path):
+def test_on_torch_distributed_the_format_is_dcps_both_ways(tmp_path_factory):
     """2 gloo processes under torchrun: each writes its own shard; torch's dcp.load reads
     ours into DTensors, ours reads dcp.save's DTensors, each into another placement."""
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "checkpoint_check.py", str(tmp_path), timeout=180)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "checkpoint_check.py {dir}")   # one launch
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
-    assert [r["rank"] for r in rows] == [0, 1], out.stdout
+    rows = sorted(json_rows(text), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], text
     for r in rows:
         assert r["ours_to_ours"] and r["ours_to_dcp"] and r["dcp_to_ours"], r
         assert r["files"] == ["__0_g0.distcp", "__1_g0.distcp"]

@@ -138,14 +138,14 @@ def test_cli_refuses_a_resume_that_would_not_continue_the_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_resume_under_torchrun_on_another_layout(tmp_path):
+def test_resume_under_torchrun_on_another_layout(tmp_path_factory):
     """2 gloo processes: dp 2 (ZeRO-1) saved, resumed on tp 2; pp 2 (each process saves
     its stage) resumed on dp 2 with ZeRO-2; dp 2 (ZeRO-3) resumed on tp 2; all give the
     uninterrupted run's losses."""
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    out = torchrun(2, "resume_check.py", str(tmp_path), timeout=240)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "resume_check.py {dir}")   # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json_rows(out.stdout)
+    (row,) = json_rows(text)
     assert len(row["whole"]) == 4
     assert row["dp2_then_tp2"][:2] == row["whole"][:2]       # the same layout: bitwise
     for key in ("dp2_then_tp2", "pp2_then_zero2", "zero3_then_tp2"):

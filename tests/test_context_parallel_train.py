@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.torchrun_support import json_rows, run_several
+from tests.torchrun_support import four_proc, json_rows
 from workbench.cli import main
 from workbench.models.config import build_model, get_config
 from workbench.models.data import get_batch
@@ -85,14 +85,16 @@ TORCHRUN_CP = [("tiny", ["--tp", "2"]),
 
 @pytest.fixture(scope="module")
 def torchrun_cp(tmp_path_factory):
-    """Both 4-process runs in one torchrun launch (tests/dist_scripts/several.py: each
-    process's start-up, most of a launch's time, paid once): each run's stdout."""
-    parts = [" ".join(["-m", "workbench", "train", "--preset", preset, "--seed", "0",
-                       "--steps", "2", "--backend", "torch", "--cp", "2", *flags])
-             for preset, flags in TORCHRUN_CP]
-    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, cwd=ROOT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
+    """Both 4-process runs, in the session's one launch of every 4-process part
+    (torchrun_support.FOUR_PROC, tests/dist_scripts/several.py: each process's start-up,
+    most of a launch's time, paid once): each run's stdout."""
+    texts = []
+    for preset, flags in TORCHRUN_CP:
+        out, text = four_proc(tmp_path_factory, " ".join(
+            ["-m", "workbench", "train", "--preset", preset, "--seed", "0", "--steps", "2",
+             "--backend", "torch", "--cp", "2", *flags]))
+        assert out.returncode == 0, out.stderr[-3000:]
+        texts.append(text)
     return texts
 
 

@@ -15,7 +15,7 @@ from torch.nn.parallel.distributed import _BucketCapacityConfig
 import workbench as wb
 from workbench.parallel.strategies.ddp_buckets import (FIRST_BUCKET_BYTES, assign_by_size,
                                                        torch_policy)
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import json_rows, two_proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
@@ -64,15 +64,12 @@ def test_limits_are_torchs_config(cap, unused, static):
 
 
 @pytest.fixture(scope="module")
-def torch_rows():
-    """torch's DDP and wb's DDP(mesh=None) on 2 gloo processes, every case."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", os.path.join(ROOT, "tests", "dist_scripts",
-                                              "ddp_buckets_check.py")]
-    out = run_job(cmd, timeout=300, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+def torch_rows(tmp_path_factory):
+    """torch's DDP and wb's DDP(mesh=None) on 2 gloo processes, every case (one launch:
+    the 2-process parts, torchrun_support.TWO_PROC)."""
+    out, text = two_proc(tmp_path_factory, "ddp_buckets_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {json.dumps(r["case"]): r for r in json_rows(out.stdout)}
+    rows = {json.dumps(r["case"]): r for r in json_rows(text)}
     assert len(rows) == len(list(cases())) + len(list(dist_tensor_cases()))
     return rows
 

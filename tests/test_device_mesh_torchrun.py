@@ -3,15 +3,10 @@
 every process, so ranks 2 and 3 of a 2 x 2 mesh got ranks [0, 1] for "tp" and a
 collective over a group they are not in.  On simulated ranks it stays the sub-mesh
 through the first rank (there is no current rank)."""
-import os
-import sys
-
 import pytest
 
 import workbench as wb
-from tests.torchrun_support import json_rows, run_job
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.torchrun_support import four_proc, json_rows
 
 
 def test_sub_mesh_by_name_on_simulated_ranks_is_through_the_first_rank():
@@ -22,15 +17,13 @@ def test_sub_mesh_by_name_on_simulated_ranks_is_through_the_first_rank():
 
 
 @pytest.mark.slow
-def test_sub_mesh_by_name_under_torchrun_is_through_this_process_as_device_mesh():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=4",
-           os.path.join(ROOT, "tests", "dist_scripts", "device_mesh_slice_check.py")]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+def test_sub_mesh_by_name_under_torchrun_is_through_this_process_as_device_mesh(
+        tmp_path_factory):
+    # one launch: every 4-process part (torchrun_support.FOUR_PROC)
+    out, text = four_proc(tmp_path_factory, "device_mesh_slice_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = sorted(json_rows(out.stdout), key=lambda r: r["rank"])
-    assert [r["rank"] for r in rows] == [0, 1, 2, 3], out.stdout
+    rows = sorted(json_rows(text), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3], text
     for r in rows:
         for name in ("dp", "tp"):
             assert r[name] == r["torch_" + name], r            # DeviceMesh's sub-mesh

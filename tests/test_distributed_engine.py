@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job, run_several
+from tests.torchrun_support import eight_proc, four_proc, json_rows, run_job, two_proc
 from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
@@ -16,7 +16,6 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
 TRAIN = ["-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--backend", "torch"]
-INTEROP = os.path.join(ROOT, "tests", "dist_scripts", "interop_check.py")
 
 
 def torchrun(n, *args, timeout=240):
@@ -38,12 +37,16 @@ FOUR = [flags for n, flags, _ in CASES if n == 4]
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory):
-    """The 4-process training runs and the DTensor interop check in one launch
-    (tests/dist_scripts/several.py: each process's start-up, most of a launch's time, paid
-    once): the job and each part's stdout, the interop check's last."""
-    parts = [" ".join([*TRAIN, "--steps", "3", *flags]) for flags in FOUR] + [INTEROP]
-    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, env=ENV, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    """The 4-process training runs and the DTensor interop check, in the session's one
+    launch of every 4-process part (torchrun_support.FOUR_PROC, tests/dist_scripts/
+    several.py: each process's start-up, most of a launch's time, paid once): the job and
+    each part's stdout, the interop check's last."""
+    parts = [" ".join([*TRAIN, "--steps", "3", *flags]) for flags in FOUR] + ["interop_check.py"]
+    texts = []
+    for part in parts:
+        out, text = four_proc(tmp_path_factory, part)
+        assert out.returncode == 0, out.stderr[-3000:]
+        texts.append(text)
     return out, texts
 
 
@@ -52,10 +55,10 @@ def test_torchrun_processes_print_the_simulations_losses(n, flags, kw, request):
     if n == 4:
         out, texts = request.getfixturevalue("four_processes")
         text = texts[FOUR.index(flags)]
-    else:
-        out = torchrun(n, "--steps", "3", *flags)
+    else:       # one launch with test_tdreshard's 8-process programs (EIGHT_PROC)
+        out, text = eight_proc(request.getfixturevalue("tmp_path_factory"),
+                               " ".join([*TRAIN, "--steps", "3", *flags]))
         assert out.returncode == 0, out.stderr[-3000:]
-        text = out.stdout
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
     lines = json_rows(text)
     assert [r["step"] for r in lines] == [0, 1, 2]          # rank 0 prints, once per step
@@ -86,7 +89,7 @@ def test_dtensor_interop_on_the_real_process_group(four_processes):
     assert "interop ok" in four_processes[1][-1]
 
 
-def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
+def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2(tmp_path_factory):
     """One process is one rank, so what autograd saves in a process is exactly one rank's
     activations: equal to Korthikanti Table 2's TP and TP+SP rows plus the LayerNorm
     statistics the script explains (under SP each column-parallel linear keeps its input's
@@ -96,10 +99,10 @@ def test_activation_bytes_per_rank_under_tp_and_sp_match_table_2():
     gather it again too, with the fp32 run's collectives and one device's x gradient:
     before, autocast's cast dropped the mark (the gathered bf16 input kept, no re-gather)
     and the untagged cast was expanded again with a second 'linear input' all-reduce."""
-    out = run_job(TORCHRUN + ["--nproc-per-node=2", "-m", "workbench.tools.activation_check"],
-                  timeout=240, env=ENV, cwd=ROOT)
+    # one launch: the 2-process parts (torchrun_support.TWO_PROC)
+    out, text = two_proc(tmp_path_factory, "-m workbench.tools.activation_check")
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [s for s in out.stdout.splitlines() if " counted " in s]
-    assert len(lines) == 3 and all(s.endswith("equal True") for s in lines), out.stdout
-    auto = [s for s in out.stdout.splitlines() if "under bf16 autocast" in s]
-    assert len(auto) == 1 and auto[0].endswith("ok True"), out.stdout
+    lines = [s for s in text.splitlines() if " counted " in s]
+    assert len(lines) == 3 and all(s.endswith("equal True") for s in lines), text
+    auto = [s for s in text.splitlines() if "under bf16 autocast" in s]
+    assert len(auto) == 1 and auto[0].endswith("ok True"), text

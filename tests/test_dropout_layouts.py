@@ -71,10 +71,11 @@ def test_a_keyed_call_without_a_site_is_an_error():
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_too(one_device):
-    from tests.test_ddp_torchrun import torchrun
+def test_on_torch_distributed_too(one_device, tmp_path_factory):
     import json
-    out = torchrun(4, "dropout_check.py")
+
+    from tests.torchrun_support import four_proc
+    out, text = four_proc(tmp_path_factory, "dropout_check.py")   # one launch: 4-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(text.strip().splitlines()[-1])
     assert got == pytest.approx(one_device, rel=1e-6)

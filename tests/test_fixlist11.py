@@ -109,14 +109,13 @@ def test_split_backward_on_simulated_ranks_reduces_the_activation_once_per_micro
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """tests/dist_scripts/fixlist11_check.py on 2 gloo processes, one launch for the file:
-    {(rank, case): row}."""
-    from tests.test_ddp_torchrun import torchrun
-    from tests.torchrun_support import json_rows
-    out = torchrun(2, "fixlist11_check.py", timeout=300)
+def runs(tmp_path_factory):
+    """tests/dist_scripts/fixlist11_check.py on 2 gloo processes (one launch: the 2-process
+    parts, torchrun_support.TWO_PROC): {(rank, case): row}."""
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "fixlist11_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    rows = {(r["rank"], r["case"]): r for r in json_rows(text)}
     assert sorted(rows) == [(r, c) for r in (0, 1)
                             for c in ("split_gather", "whole_gather", "zero3_clip")]
     return rows

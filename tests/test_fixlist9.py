@@ -180,7 +180,7 @@ def test_zero_clip_records_one_all_reduce_over_every_rank(kw):
 
 # ---- 3 and 4 on torch.distributed: one gloo launch (tests/dist_scripts/fixlist9_check.py) --
 @pytest.mark.slow
-def test_torchrun_reports_and_clips_as_the_simulator():
+def test_torchrun_reports_and_clips_as_the_simulator(tmp_path_factory):
     """2 gloo processes.  report (tiny, pp 2, one step): every process's step_report is the
     simulator's record (the slowest rank's modeled step, the largest state bytes); was each
     process's own, rank 0's printed: state_bytes 930816 for the simulator's 931840 (stage 1
@@ -190,11 +190,10 @@ def test_torchrun_reports_and_clips_as_the_simulator():
     torchrun's 'clip_grad norm over dp x tp x pp'."""
     import importlib.util
     import os
-    from tests.test_ddp_torchrun import torchrun
-    from tests.torchrun_support import json_rows
-    out = torchrun(2, "fixlist9_check.py", timeout=300)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "fixlist9_check.py")    # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    rows = {(r["rank"], r["case"]): r for r in json_rows(text)}
     assert len(rows) == 6, sorted(rows)
     path = os.path.join(os.path.dirname(__file__), "dist_scripts", "fixlist9_check.py")
     spec = importlib.util.spec_from_file_location("fixlist9_check", path)

@@ -196,19 +196,12 @@ def test_refusals_name_the_argument():
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_processes():
+def test_on_torch_distributed_processes(tmp_path_factory):
     """The same reduction on gloo processes: each rank's fp32 shard is FSDP2's answer."""
-    import os
-    import sys
-
-    from tests.torchrun_support import json_rows, run_job
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(root, "tests", "dist_scripts", "fsdp_reduce_dtype_check.py")]
-    out = run_job(cmd, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root),
-                  cwd=root)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "fsdp_reduce_dtype_check.py")   # one launch
     assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json_rows(out.stdout)
+    (row,) = json_rows(text)
     assert row["diff"] == 0.0 and row["dtypes"] == ["torch.float32"], row
     assert row["rs_bytes"] == row["fp32_bytes"], row
 

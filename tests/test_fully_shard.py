@@ -480,20 +480,13 @@ def test_tensor_parallel_root_after_a_block_ran_is_refused():
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_processes():
+def test_on_torch_distributed_processes(tmp_path_factory):
     """The same API on gloo processes (mesh=None): one device's parameters, with and
     without gradient accumulation, one reduce-scatter per unit per step."""
-    import os
-    import sys
-
-    from tests.torchrun_support import json_rows, run_job
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(root, "tests", "dist_scripts", "fully_shard_check.py")]
-    out = run_job(cmd, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root),
-                  cwd=root)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "fully_shard_check.py")   # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert [r["micro"] for r in rows] == [1, 3]
     for r in rows:
         assert r["one_device"] < 1e-6 and r["reduce_scatters"] == [3, 3], r

@@ -248,9 +248,8 @@ def test_parameters_to_vector_is_one_devices(kind):
 
 
 # ---- 6. fully_shard under torch.distributed (one gloo launch) ------------------------------
-# the launch test_habits12 shares (its gradients' reads): one a session (run_several)
-GLOO_PARTS = [os.path.join(os.path.dirname(__file__), "dist_scripts", s)
-              for s in ("habits11_check.py", "habits12_check.py")]
+# the launch test_habits12 shares (its gradients' reads), one a session: the 2-process
+# parts (torchrun_support.TWO_PROC)
 
 
 @pytest.mark.slow
@@ -260,10 +259,10 @@ def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     means and the total norm of the chunk (1.3647 / 1.4802 for 2.0133), silently.  Now the
     module's (a gathered read); with autograd recording, or ``parameters_to_vector``, it
     raises naming what to call."""
-    from tests.torchrun_support import json_rows, run_several
-    out, texts = run_several(2, GLOO_PARTS, tmp_path_factory)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "habits11_check.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["case"]: r for r in json_rows(texts[0])}
+    rows = {r["case"]: r for r in json_rows(text)}
     for k in ["numel", "dims", "norm", "mean", "abs_max", "total_norm"]:
         r = rows[k]
         assert r["wb"] == pytest.approx(r["one"], abs=1e-6), r

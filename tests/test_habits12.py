@@ -9,7 +9,6 @@ import os
 
 import pytest
 
-from .test_habits11 import GLOO_PARTS
 
 CASES = ["numel", "nelement", "sum", "mean", "abs_mean", "pow_sum", "std", "max", "min",
          "zeros", "sum_dim0", "norm", "norm_inf", "norm_dim0", "data_norm", "clone_sum",
@@ -32,10 +31,10 @@ def test_fully_shard_gradient_reads_on_gloo_are_fsdp2s(tmp_path_factory):
     the full gradient's, as torch's FSDP2 and one device give; and a loop that clips and
     steps SGD with momentum (its buffer a clone of the gradient) still trains as one
     device (``sgd_clip_steps``: the parameters after two steps)."""
-    from tests.torchrun_support import json_rows, run_several
-    out, texts = run_several(2, GLOO_PARTS, tmp_path_factory)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "habits12_check.py")   # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["case"]: r for r in json_rows(texts[1])}
+    rows = {r["case"]: r for r in json_rows(text)}
     assert sorted(rows) == sorted(CASES)
     assert rows["numel"]["wb"] == [15, 5, 15, 3]
     for c in CASES:

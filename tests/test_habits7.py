@@ -243,14 +243,13 @@ def test_get_parameter_of_fully_shard_over_dist_tensors_is_named_parameters():
 
 
 @pytest.mark.slow
-def test_zero_step_with_a_closure_on_gloo_is_torchs():
+def test_zero_step_with_a_closure_on_gloo_is_torchs(tmp_path_factory):
     """The process-group path (one owner per process): the same parameters, losses and
     closure calls as torch's DDP + ZeroRedundancyOptimizer (raised NotImplementedError)."""
-    from tests.test_ddp_torchrun import torchrun
-    from tests.torchrun_support import json_rows
-    out = torchrun(2, "habits7_check.py")
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "habits7_check.py")   # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert len(rows) == 2 and not [r for r in rows if "raised" in r], rows
     for r in rows:
         assert r["params"] == 0.0 and r["losses_equal"] and r["calls"] == [3, 3], r

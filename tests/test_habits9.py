@@ -245,16 +245,15 @@ def test_fully_shard_held_gradients_outlive_zero_grad_as_fsdp2(how):
 
 
 @pytest.mark.slow
-def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs():
+def test_fully_shard_grad_sync_and_tie_on_gloo_as_torchs(tmp_path_factory):
     """2 gloo processes: wb.fully_shard's held gradients after a zero_grad are torch
     FSDP2's, bitwise; a tie after wrapping: torch DDP raises (its reducer), wb's DDP and
     fully_shard raise (torch FSDP2 follows the tie: not built here, .replaced_params); an
     optimizer built before wrapping trains as one device on wb's DDP and fully_shard."""
-    from tests.test_ddp_torchrun import torchrun
-    from tests.torchrun_support import json_rows
-    out = torchrun(2, "habits9_check.py")
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "habits9_check.py")   # one launch: 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["case"]: r for r in json_rows(out.stdout)}
+    rows = {r["case"]: r for r in json_rows(text)}
     assert len(rows) == 14, rows
     for how in ("none", "model", "optimizer", "set_to_none_false"):
         r = rows[f"grad_sync_{how}"]

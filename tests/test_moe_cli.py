@@ -1,12 +1,10 @@
 """`python -m workbench train --moe-experts E --moe-topk k --ep N`: one device's losses on
 simulated ranks and under torchrun (gloo, 4 processes); bad flags refused with the fix."""
 import json
-import os
-import sys
 
 import pytest
 
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import four_proc, json_rows
 from workbench.cli import main
 
 MOE = ["--preset", "tiny", "--steps", "2", "--moe-experts", "4", "--moe-topk", "2"]
@@ -38,10 +36,7 @@ def test_bad_moe_flags_are_refused_with_the_fix(flags, msg, capsys):
     assert err.startswith("error: ") and msg in err
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_torchrun_ep_prints_one_devices_losses(capsys):
+def test_torchrun_ep_prints_one_devices_losses(capsys, tmp_path_factory):
     """...and the simulated ranks' modeled step and bytes: under torchrun the expert GEMMs
     were missing from the modeled clock (each process knew its own rows only), 0.173 ms a
     step for the simulator's 0.193 (auditmoe); with tp, f's input-gradient all-reduce was
@@ -50,13 +45,12 @@ def test_torchrun_ep_prints_one_devices_losses(capsys):
     one = _losses(capsys)
     assert main(["train", *MOE, "--seed", "0", "--ep", "2", "--tp", "2"]) == 0
     sim = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "workbench", "train", *MOE, "--seed", "0", "--backend", "torch",
-           "--ep", "2", "--tp", "2"]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    # one launch: every 4-process part (torchrun_support.FOUR_PROC)
+    out, text = four_proc(tmp_path_factory, " ".join(
+        ["-m", "workbench", "train", *MOE, "--seed", "0", "--backend", "torch", "--ep", "2",
+         "--tp", "2"]))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json_rows(out.stdout)
+    rows = json_rows(text)
     assert [r["step"] for r in rows] == [0, 1]
     assert [r["loss"] for r in rows] == pytest.approx(one, rel=1e-6)
     for key in ("modeled_ms", "comm_bytes"):

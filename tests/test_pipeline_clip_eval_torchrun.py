@@ -4,18 +4,15 @@ clips and evaluates gives the simulated mesh's and one device's norms, parameter
 and logits (tests/dist_scripts/pipeline_clip_eval_check.py)."""
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
-from tests.torchrun_support import run_job
+from tests.torchrun_support import FOUR_PROC, TWO_PROC, part_dir, shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "pipeline_clip_eval_check.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-# PYTHONPATH: the processes import this checkout's workbench, not an installed one
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+PART = "pipeline_clip_eval_check.py {dir}"
 
 
 def _script():
@@ -27,10 +24,14 @@ def _script():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
-def test_clip_and_evaluate_under_torchrun_give_the_simulations_and_one_devices(n, tmp_path):
-    out = run_job(TORCHRUN + [f"--nproc-per-node={n}", SCRIPT, str(tmp_path)], timeout=300,
-                  env=ENV, cwd=ROOT)
+def test_clip_and_evaluate_under_torchrun_give_the_simulations_and_one_devices(
+        n, tmp_path_factory):
+    # one launch: the 2-process parts (TWO_PROC) or the 4-process ones (FOUR_PROC, this
+    # script first: its simulated step before any real mesh, as in a launch of its own)
+    group = {2: TWO_PROC, 4: FOUR_PROC}[n]
+    out, _ = shared(group, tmp_path_factory, PART)
     assert out.returncode == 0, out.stderr[-3000:]
+    tmp_path = part_dir(group, tmp_path_factory, PART)
     assert "FutureWarning" not in out.stderr and "deprecated" not in out.stderr
     ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(n)]
     mod = _script()

@@ -9,19 +9,15 @@ sp_norms_model.py, 2 micro-batches and a clip per step: 0.3147 ms for 0.2874, si
 'rms_norm input' all-reduces a step for one 'sequence-parallel norm grads').  And the
 simulated clip did not record Megatron's scalar all-reduce of the norm over the
 model-parallel group that torchrun's records (4.54 us at tp 2)."""
-import os
-import sys
-
 import pytest
 import torch
 
 import workbench as wb
 from tests.dist_scripts.sp_norms_model import MICRO, STEPS, run, run_no_sync
-from tests.torchrun_support import run_job
+from tests.torchrun_support import FOUR_PROC, four_proc, part_dir
 from workbench.recipes.hybrid import Hybrid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "sp_norms_check.py")
+PART = "sp_norms_check.py {dir}/torchrun.pt"
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +85,16 @@ def test_simulated_ddp_no_sync_accumulates_the_partial_norm_gradients(no_sync):
 
 
 @pytest.mark.slow
-def test_torchrun_runs_the_simulators_program(sim, one, no_sync, tmp_path):
+def test_torchrun_runs_the_simulators_program(sim, one, no_sync, tmp_path_factory):
     """4 gloo processes: the same gradients, norms and parameters as the simulated ranks
     and one device, the same collectives of rank 0, the same modeled step; and DDP's
     no_sync() accumulation (run_no_sync) the same on both.  Failed
     before: 6 'rms_norm input' all-reduces a step where the simulator has one
     'sequence-parallel norm grads'; 0.3147 ms for the simulator's 0.2874."""
-    path = tmp_path / "torchrun.pt"
-    out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=4", SCRIPT, str(path)], timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    # one launch: every 4-process part (torchrun_support.FOUR_PROC)
+    out, _ = four_proc(tmp_path_factory, PART)
     assert out.returncode == 0, out.stderr[-3000:]
+    path = part_dir(FOUR_PROC, tmp_path_factory, PART) / "torchrun.pt"
     got = torch.load(path)
     _held_to_one_device(got, one)
     assert got["norms"] == pytest.approx(sim["norms"], rel=1e-6)

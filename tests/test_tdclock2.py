@@ -2,15 +2,12 @@
 (task tdclock2).  A process's trace knows only its own clock: the pipeline's messages now
 carry the sender's modeled time (workbench/parallel/schedules/execute_dist.py), so a stage
 waits for its activations and gradients as the simulated ranks wait for them."""
-import os
-
 import pytest
 
-from tests.torchrun_support import json_rows, run_several
+from tests.torchrun_support import json_rows, two_proc
 from workbench.recipes.hybrid import Hybrid
 from workbench.train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--preset", "tiny", "--seed", "0", "--steps", "1"]
 TRAIN = "-m workbench train --backend torch "
 PARTS = {"pp": TRAIN + " ".join([*ARGS, "--pp", "2"]),
@@ -20,12 +17,14 @@ PARTS = {"pp": TRAIN + " ".join([*ARGS, "--pp", "2"]),
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """The three 2-process runs in one torchrun launch (tests/dist_scripts/several.py:
-    each process's start-up, most of a launch's time, paid once): each run's stdout."""
-    out, texts = run_several(2, list(PARTS.values()), tmp_path_factory, timeout=400, cwd=ROOT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(zip(PARTS, texts))
+    """The three 2-process runs, in the session's one launch of the 2-process parts
+    (torchrun_support.TWO_PROC; tests/dist_scripts/several.py: each process's start-up,
+    most of a launch's time, paid once): each run's stdout."""
+    texts = {}
+    for key, part in PARTS.items():
+        out, texts[key] = two_proc(tmp_path_factory, part)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return texts
 
 
 @pytest.mark.slow

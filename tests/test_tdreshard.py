@@ -3,8 +3,10 @@ with padded collectives on torch.distributed (sim_mesh/padded.py, as DTensor), s
 executors choose the same strategies; and an op's own gather of a sharded input gets one
 redistribution of the summed gradients back on both (parallel/gather_backward_dist.py).
 
-One gloo launch (8 processes) runs every case (tests/dist_scripts/tdreshard_check.py);
-the simulator runs the same programs here.  Held equal: the values and gradients (both
+One gloo launch (8 processes) runs every case (tests/dist_scripts/tdreshard_check.py,
+sharing the launch with test_distributed_engine's 8-process run: torchrun_support.
+EIGHT_PROC); the simulator runs the same programs here and holds the processes' saved
+parameter and gradient shards.  Held equal: the values and gradients (both
 against plain PyTorch), each rank's collectives (kind, bytes, group), and for tiny
 dp 2 x tp 2 x pp 2 sp the loss, the modeled step and every parameter and gradient shard.
 
@@ -37,7 +39,7 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.torchrun_support import json_rows, run_job
+from tests.torchrun_support import EIGHT_PROC, eight_proc, json_rows, part_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "tdreshard_check.py")
@@ -79,18 +81,31 @@ def _sim_train_zb():
     return recs, {r: prog.comm_of(tr, r) for r in range(8)}
 
 
+PART = "tdreshard_check.py {dir}"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     sim = _sim_programs()
     recs, comm, params, grads = _sim_train()
     sim["train_zb"] = _sim_train_zb()
-    path = tmp_path_factory.mktemp("tdreshard") / "sim_params.pt"
-    torch.save({"params": params, "grads": grads}, path)
-    out = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=8", SCRIPT, str(path)], timeout=400, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    # one launch: every 8-process part (torchrun_support.EIGHT_PROC: with
+    # test_distributed_engine's dp 2 x tp 2 x pp 2 run)
+    out, text = eight_proc(tmp_path_factory, PART)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(r["case"], r["rank"]): r for r in json_rows(out.stdout)}
+    rows = {(r["case"], r["rank"]): r for r in json_rows(text)}
+    shards = part_dir(EIGHT_PROC, tmp_path_factory, PART)
+    for r in range(8):           # each process's parameter and gradient shards, held here
+        got = rows[("train", r)]
+        if "raised" in got:
+            continue
+        diffs = {}
+        for name, (loc, bounds, grad) in torch.load(shards / f"train_rank{r}.pt").items():
+            sl = tuple(slice(s, s + n) for s, n in bounds)
+            diffs[name] = [prog._diff(loc, params[name][sl]),
+                           None if grad is None else prog._diff(grad, grads[name][sl])]
+        assert sorted(diffs) == got["params"], r
+        got["params"] = diffs
     return sim, (recs, comm, params, grads), rows
 
 

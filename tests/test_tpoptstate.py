@@ -37,11 +37,11 @@ def _kind_mesh(case):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from tests.test_ddp_torchrun import json_rows, torchrun
-    root = tmp_path_factory.mktemp("tpoptstate")
-    out = torchrun(2, "tp_optim_state_check.py", str(root), timeout=300)
+    from tests.torchrun_support import TWO_PROC, json_rows, part_dir, two_proc
+    part = "tp_optim_state_check.py {dir}"
+    out, text = two_proc(tmp_path_factory, part)      # one launch: the 2-process parts
     assert out.returncode == 0, out.stderr[-3000:]
-    return root, json_rows(out.stdout)
+    return part_dir(TWO_PROC, tmp_path_factory, part), json_rows(text)
 
 
 @pytest.fixture(scope="module")

@@ -75,38 +75,115 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
     return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
 
 
-# Scripts that share one launch a session (run_several), each test reading its own
-# script's rows: the first script's timeout_s is the process group's (120 s in both).
-# The rows of each script of TP_2X2 and of TWO_PROC were checked equal with the group run
-# in its order and in the reverse order (task testspeed4).
+# Parts that share one launch a session (run_several), each test reading its own part's
+# rows.  A part is a script of tests/dist_scripts with its arguments, or ``-m module args``;
+# ``{dir}`` in a part is that part's own directory for the session (made empty before the
+# launch; read it back with :func:`part_dir`).  The first part's timeout_s is the process
+# group's (120 s: pipeline_clip_eval_check's, zero_grads_check's, tdreshard_check's).
+# The rows of each script of TP_2X2 and of the first ten of TWO_PROC were checked equal
+# with the group run in its order and in the reverse order (task testspeed4); every part
+# task testspeed5 added, and the 2 x 2 checks behind pipeline_clip_eval_check, gave the
+# same rows (but measured wall times, "ms") in the group as in a launch of its own.
 # The 2 x 2 dp x tp checks over tp_optim_model.py, 4 processes:
 TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
           "habits4_clip_check.py", "habits13_check.py"]
-# 2-process checks without arguments that init and shut down through wb.distributed
-# (habits7_check and habits9_check call init_process_group / destroy_process_group
-# themselves: they keep their own launches)
+TRAIN = "-m workbench train --preset tiny --seed 0 --backend torch "
+# Every 4-process part (tests that launched 4 processes each: test_pipeline_clip_eval_
+# torchrun, test_distributed_engine, test_context_parallel_train, test_compile_dist,
+# test_dropout_layouts, test_device_mesh_torchrun, test_moe_cli, test_ddp_torchrun,
+# test_sp_norms_torchrun);
+# pipeline_clip_eval_check first (its simulated step before any real mesh), then the 2 x 2
+# checks:
+FOUR_PROC = ["pipeline_clip_eval_check.py {dir}"] + TP_2X2 + [
+    TRAIN + "--steps 3 --dp 2 --tp 2 --sp", TRAIN + "--steps 3 --dp 4 --zero 3",
+    TRAIN + "--steps 3 --tp 2 --pp 2 --schedule zb-h1", "interop_check.py",
+    "-m workbench train --preset tiny --seed 0 --steps 2 --backend torch --cp 2 --tp 2",
+    "-m workbench train --preset gpt-tiny --seed 0 --steps 2 --backend torch --cp 2 --dp 2",
+    "compile_check.py", "dropout_check.py", "device_mesh_slice_check.py",
+    "-m workbench train --preset tiny --steps 2 --moe-experts 4 --moe-topk 2 --seed 0 "
+    "--backend torch --ep 2 --tp 2",
+    "wrappers_check.py", "sp_norms_check.py {dir}/torchrun.pt"]
+# (wrappers_check not last: its 4-process job ended in TEARDOWN_ABORT about 1 in 6, and a
+# job that ends so is run again whole)
+# The 8-process parts (test_tdreshard's programs and test_distributed_engine's dp 2 x tp 2
+# x pp 2 run):
+EIGHT_PROC = ["tdreshard_check.py {dir}",
+              TRAIN + "--steps 3 --dp 2 --tp 2 --pp 2 --sp"]
+# 2-process checks that init and shut down through wb.distributed (or init only when
+# torch.distributed is not up and end with backends.shutdown: habits7/9/11/12_check)
 TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "habits_check.py",
             "habits6_check.py", "cnn_check.py", "datadep_check.py", "generate_check.py",
-            "engine_tp_check.py", "tp_styles_check.py"]
+            "engine_tp_check.py", "tp_styles_check.py",
+            # (task testspeed5: each of these had its own launch)
+            "ddp_buckets_check.py", "fixlist11_check.py", "fixlist9_check.py",
+            "fsdp_reduce_dtype_check.py", "fully_shard_check.py", "checkpoint_check.py {dir}",
+            "resume_check.py {dir}", "state_dict_helpers_check.py {dir}",
+            "audit_run_check.py {dir}/ck", "tp_optim_state_check.py {dir}",
+            "habits7_check.py", "habits9_check.py", "habits11_check.py", "habits12_check.py",
+            "-m workbench.tools.activation_check",
+            "-m workbench train --preset tiny --seed 0 --steps 2 --recompute full "
+            "--backend torch --cp 2",
+            "-m workbench train --backend torch --preset tiny --seed 0 --steps 1 --pp 2",
+            "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 3",
+            "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 2",
+            "pipeline_clip_eval_check.py {dir}"]
+# (fixlist2_check and review_revI_check end in os._exit: they keep their own launches,
+# as test_distributed_engine's wrong process count and test_dist_faults' faults do)
 
 
-def shared(group: list[str], tmp_path_factory, script: str):
-    """The session's one launch of every script in ``group`` (:data:`TP_2X2`, 4 processes,
-    or :data:`TWO_PROC`, 2): the job and ``script``'s stdout ("" when the job failed)."""
+def part_dir(group: list[str], tmp_path_factory, part: str):
+    """The directory ``{dir}`` names in ``part`` of ``group`` for this session (the same on
+    every pytest-xdist worker)."""
+    root = tmp_path_factory.getbasetemp()          # the session's; under xdist a worker's
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    key = hashlib.sha256(json.dumps(group).encode()).hexdigest()[:16]
+    return root / f"several-{key}-dirs" / f"part{group.index(part)}"
+
+
+def shared(group: list[str], tmp_path_factory, part: str):
+    """The session's one launch of every part of ``group`` (:data:`FOUR_PROC`, 4 processes,
+    :data:`TWO_PROC`, 2, or :data:`EIGHT_PROC`, 8): the job and ``part``'s stdout ("" when
+    the job failed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    n = 4 if group is TP_2X2 else 2
-    out, texts = run_several(n, [os.path.join(root, "tests", "dist_scripts", s) for s in group],
-                             tmp_path_factory, timeout=500, cwd=root,
+    n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8}.get(id(group))
+    if n is None:
+        raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC or EIGHT_PROC "
+                         "as group")
+    if part not in group:
+        raise ValueError(f"shared: part {part!r} is not in the group; add it to the group's "
+                         "list in tests/torchrun_support.py (spelled the same)")
+    k = group.index(part)
+    parts = []
+    for p in group:
+        if "{dir}" in p:
+            d = part_dir(group, tmp_path_factory, p)
+            d.mkdir(parents=True, exist_ok=True)
+            p = p.replace("{dir}", str(d))
+        if not p.startswith("-m "):
+            p = os.path.join(root, "tests", "dist_scripts", p)
+        parts.append(p)
+    # 500 s: under run_all's pytest --timeout 600 (the longest group, TWO_PROC, took 99 s
+    # of wall on 2 cores at load 14: task testspeed5)
+    out, texts = run_several(n, parts, tmp_path_factory, timeout=500, cwd=root,
                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
-    return out, texts[group.index(script)] if texts else ""
+    return out, texts[k] if texts else ""
 
 
 def tp_2x2(tmp_path_factory, script: str):
-    return shared(TP_2X2, tmp_path_factory, script)
+    return shared(FOUR_PROC, tmp_path_factory, script)
 
 
-def two_proc(tmp_path_factory, script: str):
-    return shared(TWO_PROC, tmp_path_factory, script)
+def four_proc(tmp_path_factory, part: str):
+    return shared(FOUR_PROC, tmp_path_factory, part)
+
+
+def two_proc(tmp_path_factory, part: str):
+    return shared(TWO_PROC, tmp_path_factory, part)
+
+
+def eight_proc(tmp_path_factory, part: str):
+    return shared(EIGHT_PROC, tmp_path_factory, part)
 
 
 def split_parts(stdout: str, n: int) -> list[str]:

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import workbench as wb  # noqa: E402
+from workbench.sim_mesh import backends  # noqa: E402
 from tests.test_habits6 import batches, mlp, mse  # noqa: E402
 from tests.test_habits9 import LM, lm_batches, lm_loss  # noqa: E402
 
@@ -170,7 +171,8 @@ def ema(wrapper):
 
 
 def main():
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
+        dist.init_process_group("gloo")
     rows = []
     want = one_device_both()
     for how in ("none", "model", "optimizer", "set_to_none_false"):
@@ -190,7 +192,7 @@ def main():
     if dist.get_rank() == 0:
         for r in rows:
             print(json.dumps(r), flush=True)
-    dist.destroy_process_group()
+    backends.shutdown()     # (several.py: its own, which keeps the group for the next part)
 
 
 if __name__ == "__main__":
