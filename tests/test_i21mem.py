@@ -243,9 +243,10 @@ def test_memory_audit_terms_against_their_sources():
     # fc2's bias hook: the previous gradient freed, fc2's input released, c10d's flat
     # copy of fc2's gradient (a whole parameter) live
     assert a["alt"] == pytest.approx(a["source"] - 2 * 3 * h * h + 2 * f * h - 2 * s * b * f)
-    # the source's peak is above the profile's usable memory: why the planner does not
-    # count it (the capacity, 80e9 B where the device has 80 GiB, is the suspect)
-    assert max(a["source"], a["alt"]) > a["usable"] > a["planner"]
+    # the source's peak fits the usable memory of the capacity CUDA reports (79.25 GiB,
+    # a100.json); with the datasheet's 80e9 B it did not (75.22 GB usable)
+    assert a["usable"] > max(a["source"], a["alt"]) > a["planner"]
+    assert max(a["source"], a["alt"]) > 80e9 * 0.95 - 0.78e9
 
 
 def test_tied_embedding_gradient_waits_in_autograd_measured():
