@@ -495,6 +495,6 @@ def memory_margin(prof) -> str:
     in the profile)."""
     rt = prof.runtime_memory
     if not rt:
-        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
-    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
+        return f"all {prof.memory_bytes / 1e9:.4g} GB of the device (no runtime margin given)"
+    return (f"{prof.memory_bytes / 1e9:.4g} GB less {rt['fragmentation']:.0%} fragmentation and "
             f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")
