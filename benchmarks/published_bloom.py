@@ -86,7 +86,7 @@ test_published_bloom.py`` guards the spread, never a target):
   the lowest (0.915 here), as fragmentation that grows with the activations would leave.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
-  fitting, 55.7 GiB live on its busiest rank of 69.2 usable; the same table's neighbours
+  fitting, 55.7 GiB live on its busiest rank of 73.8 usable; the same table's neighbours
   do not explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on
   stage 0 where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79
   GB; the planner prices the 203B's and the 206B's stage 0 alike (65.6 and 65.9 GiB
@@ -96,9 +96,10 @@ test_published_bloom.py`` guards the spread, never a target):
   Megatron-DeepSpeed or torch 1.11's caching allocator (whose cached segments are
   released before it reports out of memory, so they do not decide ``fits``) accounts
   for the difference; it is reported, not fitted (``tests/test_published_bloom.py``:
-  xfail, strict).  The 79 GB reading of a run that ran also says the card holds 80 GiB
-  (nvidia-smi's 81,920 MiB), where the profile's ``memory_bytes`` is the datasheet's 80
-  GB read as 8e10 bytes: left as it is (every A100 row reads it).
+  xfail, strict).  The 79 GB reading of a run that ran also says the card holds more
+  than the datasheet's 80 GB read as 8e10 bytes: the profile's ``memory_bytes`` is the
+  79.25 GiB CUDA reports (a100-jeanzay.json; usable 73.8 GiB, 69.2 with 8e10 B); the
+  closest OOM row, the 181B dp32-tp2-pp6-mb1, is 74.4 GiB live: not fitting either way.
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the

@@ -152,20 +152,20 @@ previous extra-large gradient, the tied embedding's gradient in autograd's buffe
 unreduced-gradient subtraction: 8.1 GB); c10d's flat buffer is real but not live at
 this row's peak (at micro-batch 2 and 1, 1,120 and 2,240 GPUs, it is: 47.6 and 31.5 GB
 at fc2's bias hook against 47.4 and 31.0 at its weight gradient).  So the audit does not
-support counting c10d's buffer alone, nor finds room for it: v0.3.13's peak, 78.3 GB
-(79.7 with fc2's input-gradient temporary, which the planner leaves out everywhere),
-is above the profile's usable 75.2 GB, which rests on memory_bytes = 80e9 B (a100.json
-:12) where the device holds 80 GiB (the profile's own note: 81920 MiB; usable 80.8 GB
-with the same 5% and 0.78 GB).  The planner's memory is left as it was: counting the
-source's terms would call this row, which ran, out of memory until the capacity is
-corrected (notebooks 11, 14 and 17 read it).  The peak is read at the step the clock
+support counting c10d's buffer alone: v0.3.13's peak, 78.3 GB (79.7 with fc2's
+input-gradient temporary, which the planner leaves out everywhere), is within the
+profile's usable 80.1 GB since memory_bytes is the 79.25 GiB CUDA reports (a100.json;
+it was the datasheet's 80e9 B, usable 75.2).  Since then the planner counts the
+source's terms (``zero3_2021.backward_peak_bytes``; the table's "plan." column is what
+it counted before): the larger of this instant and fc2's bias hook, 78.3 / 47.6 / 31.5
+GB at 640 / 1,120 / 2,240 GPUs (was 73.8 / 41.7 / 24.7).  The peak is read at the step the clock
 prices (``zero3_2021.COUNTER_STEP`` = 2); the live counter drifts down each step
 (``zero3_2021`` docstring): once the check opens before the matrices (step 80 at 530B)
 the module after the one running is prefetched too (as the planner's window counts,
 beside the held embedding it leaves out), and the source's peak rises by fc1's 3.36 GB,
 prefetched during fc2's backward.
 
-Nothing here feeds the planner.
+Nothing here feeds the planner (it reads the same source lines itself).
 """
 from __future__ import annotations
 
@@ -393,6 +393,17 @@ def memory_audit(name: str = "GPT 530B", devices: int = 640) -> dict:
              "ck:629-686; the planner subtracts the unreduced gradient, which fc2's "
              "wgrad allocates while all of them are live"),
     }
+    # the planner counts v0.3.13's terms since (zero3_2021.backward_peak_bytes): its side
+    # of each term, at fc2's weight gradient (stage_memory's total: the larger of this
+    # instant and fc2's bias hook, 'alt')
+    z = Z.backward_peak_bytes(cfg, lay, live * none - inp, head, 0.0)["terms"]
+    mine = {"reduce bucket": z["reduce buckets"], "gathered parameters": z["gathered"],
+            "the module's weight gradient": z["largest gradient"],
+            "the previous extra-large gradient": z["previous gradient"],
+            "the head's gradient of the tied embedding": z["tied head gradient"],
+            "head:": 0.0, "the chunk's recomputed layers": live * none - inp}
+    terms = {k: ((next((w for p_, w in mine.items() if k.startswith(p_)), v[0])), v[1], v[2])
+             for k, v in terms.items()}
     planner = sum(v[0] for v in terms.values())
     source = sum(v[1] for v in terms.values())
     # fc2's bias hook: reduce_ipg_grads frees the previous gradient (pp:848) and c10d
@@ -414,7 +425,8 @@ def print_memory(a: dict) -> None:
     print(f"  at fc2's bias hook (c10d's flat buffer live, the previous gradient and "
           f"fc2's input freed): {a['alt'] / 1e9:.2f}; gradient temporaries neither "
           f"counts (fc2's input gradient): {a['temporaries'] / 1e9:.2f}; usable "
-          f"{a['usable'] / 1e9:.2f} (a100.json: 80e9 B less 5% and 0.78 GB)")
+          f"{a['usable'] / 1e9:.2f} (a100.json: the 79.25 GiB CUDA reports, less 5% and "
+          f"0.78 GB)")
 
 
 if __name__ == "__main__":

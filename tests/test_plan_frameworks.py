@@ -68,7 +68,7 @@ def test_fits_leaves_the_context_and_fragmentation():
     import dataclasses
     from workbench.sim_mesh.profiles import get_profile
     a100 = get_profile("a100")
-    assert a100.usable_memory() == pytest.approx(80e9 * 0.95 - 0.78e9)
+    assert a100.usable_memory() == pytest.approx(a100.memory_bytes * 0.95 - 0.78e9)
     assert "ASSUMPTION" in a100.citations["runtime_memory.fragmentation"]
     cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 8)
     lay = P.Layout(dp=1, tp=8, sp=True, recompute="selective", micro_batch=4, global_batch=4)

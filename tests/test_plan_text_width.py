@@ -122,5 +122,5 @@ def test_none_fits_says_so_within_the_width(monkeypatch):
 def test_cluster_names_one_node_in_the_singular():
     """'8 x a100 (1 nodes of 8, ...)' read wrong (left by tablewidth)."""
     from workbench.plan.layout import Cluster
-    assert str(Cluster("a100", 8)) == "8 x a100 (1 node of 8, 80 GB each)"
+    assert str(Cluster("a100", 8)) == "8 x a100 (1 node of 8, 85.1 GB each)"
     assert str(Cluster("a100", 16)).startswith("16 x a100 (2 nodes of 8,")

@@ -150,7 +150,7 @@ def check_biggest_micro_batch(b, memory_gb: float | None = None, recompute: str 
                               global_batch: int = 1536) -> None:
     """The largest micro-batch dividing global_batch / dp with which GPT-3's first stage
     fits in ``memory_gb`` (:func:`gpt3_first_stage_gb`; default: an A100's usable memory,
-    75.2 of its 80 GB, as the planner counts it)."""
+    80.1 GB of the 85.1e9 bytes CUDA reports, as the planner counts it)."""
     if memory_gb is None:
         memory_gb = _usable_gb("a100")
     per_dp = global_batch // dp

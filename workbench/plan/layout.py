@@ -61,7 +61,7 @@ class Cluster:
     def __str__(self):
         nodes = f"{self.nodes} node{'' if self.nodes == 1 else 's'}"
         return (f"{self.devices} x {self.profile.name} ({nodes} of "
-                f"{self.profile.devices_per_node}, {self.memory_bytes / 1e9:g} GB each)")
+                f"{self.profile.devices_per_node}, {round(self.memory_bytes / 1e9, 1):g} GB each)")
 
 
 @dataclass(frozen=True)

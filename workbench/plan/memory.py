@@ -389,7 +389,10 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
             # module's last reduce-scatter), so the whole block is gathered at once
             layer = zero3_modules(cfg, lay.tp, 3, 1, lay.dp * lay.cp, 1)   # a middle layer
             gathered = max(gathered, sum(layer))
-        mem["buffers"] += 2 * gathered + 2 * (bucket + grads)
+        if lay.engine == "deepspeed-0.3":     # v0.3.13's own terms (zero3_2021), below
+            unreduced = 0.0
+        else:
+            mem["buffers"] += 2 * gathered + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:
         mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
     if profile is not None:
@@ -407,6 +410,22 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
     mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
+    if lay.engine == "deepspeed-0.3" and lay.zero == 3 and lay.dp > 1:
+        # DeepSpeed v0.3.13 (tp = pp = 1): the head's tensors are not live at the layers'
+        # backward peak; the recompute's, the gradients' and the gathered parameters' as
+        # its source holds them (zero3_2021.backward_peak_bytes)
+        from .zero3_2021 import backward_peak_bytes
+        edge = [_edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp,
+                                       held, n) for n in (1, 0)]
+        head = edge[0] - edge[1]          # pp = 1: the head's tensors of one micro-batch
+        loss = loss_extra_bytes(lay.engine, lay.tp) * cfg.seq_len * lay.micro_batch \
+            * cfg.vocab_size / lay.tp
+        remat = max(0.0, _remat_bytes(tcfg, lay, stage, attention)) \
+            if lay.recompute != "none" else 0.0
+        z = backward_peak_bytes(tcfg, lay, remat, head, loss)
+        mem["buffers"] += z["buffers"]
+        mem["activations"] = act - head
+        mem["workspace"] = z["workspace"]
     if _bf16.applies(cfg, lay):       # its fp32 cast of a gradient; its bf16 copy for the sync
         during, sync = _bf16.transient_bytes(psi, _bf16.largest_numel(cfg, lay.tp, lay.pp,
                                                                       stage, nl))
@@ -437,20 +456,26 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       among them).
     Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
     gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
-    b, tp, sp = lay.micro_batch, lay.tp, lay.sp
-    rc = lay.recompute
+    b = lay.micro_batch
     remat = 0.0
-    if rc != "none":
-        rg = _regather(cfg, lay)
-        k = lay.recompute_num_layers
-        live = 1 if k == 1 else _chunks.largest_chunk(
-            lay.stage_layers(cfg.n_layer)[stage], lay.v, k)
-        remat = max(0.0, live * layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
-                    - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg) - unreduced)
+    if lay.recompute != "none":
+        remat = max(0.0, _remat_bytes(cfg, lay, stage, attention) - unreduced)
     loss = 0.0
     if stage == lay.pp - 1:
-        loss = loss_extra_bytes(lay.engine, tp) * cfg.seq_len * b * cfg.vocab_size / tp
+        loss = loss_extra_bytes(lay.engine, lay.tp) * cfg.seq_len * b * cfg.vocab_size / lay.tp
     return max(remat, loss)
+
+
+def _remat_bytes(cfg, lay, stage: int, attention: str) -> float:
+    """What a recompute makes again beyond what it kept (:func:`workspace_bytes`): the
+    largest chunk's layers of activations, less the layer's kept part."""
+    b, tp, sp, rc = lay.micro_batch, lay.tp, lay.sp, lay.recompute
+    rg = _regather(cfg, lay)
+    k = lay.recompute_num_layers
+    live = 1 if k == 1 else _chunks.largest_chunk(
+        lay.stage_layers(cfg.n_layer)[stage], lay.v, k)
+    return (live * layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
+            - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg))
 
 
 def _zero3_unreduced_grad_numel(cfg, lay, mods) -> tuple[float, float]:
@@ -495,6 +520,6 @@ def memory_margin(prof) -> str:
     in the profile)."""
     rt = prof.runtime_memory
     if not rt:
-        return f"all {prof.memory_bytes / 1e9:g} GB of the device (no runtime margin given)"
-    return (f"{prof.memory_bytes / 1e9:g} GB less {rt['fragmentation']:.0%} fragmentation and "
+        return f"all {prof.memory_bytes / 1e9:.4g} GB of the device (no runtime margin given)"
+    return (f"{prof.memory_bytes / 1e9:.4g} GB less {rt['fragmentation']:.0%} fragmentation and "
             f"{rt['context_bytes'] / 1e9:.2f} GB context, ASSUMED")

@@ -227,7 +227,14 @@ class Profile:
     description: str
     peak_flops: Mapping[str, float] = field(hash=False)  # dtype -> dense FLOP/s
     memory_bandwidth: float           # bytes/s, device memory (HBM)
-    memory_bytes: int                 # device memory capacity
+    # Device memory capacity AS THE DEVICE'S RUNTIME REPORTS IT (CUDA: cudaMemGetInfo's total,
+    # torch.cuda.get_device_properties().total_memory, the 'total capacity' of PyTorch's
+    # out-of-memory message): what the caching allocator can ever hold, before the context and
+    # fragmentation (usable_memory). Not the datasheet's marketing figure ('80 GB'), which
+    # profiles keep in their notes: an A100 80GB reports 79.25 GiB = 85.1e9 B, 6% above 80e9,
+    # so the datasheet figure would call runs that fit out of memory. A profile without a
+    # device-reported figure says so (UNCERTAIN) in citations['memory_bytes'].
+    memory_bytes: int
     devices_per_node: int             # ranks r and q share a node iff r // d == q // d
     intra_node: Link                  # between devices of one node
     inter_node: Link                  # between nodes, per device
