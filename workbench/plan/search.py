@@ -188,8 +188,13 @@ class Ranking(list):
             return wrap(lines[0] + (f"\nnone fits: the least memory, {need / 1e9:.1f} GB on "
                                     f"the busiest rank, is {lay.short()}; add devices or "
                                     f"shrink the global batch or model"))
-        return wrap("\n".join(lines + [self.table(), *_ep_cp.table_notes(self),
-                                       *_zero_note(self), *self.explain()]))
+        return wrap("\n".join(lines + [self.table(), *self.notes(), *self.explain()]))
+
+    def notes(self) -> list:
+        """The lines printed under the table: the MFU caveat at long context, the rows that
+        run ZeRO-2/3 over dp x cp on this library's runtime, what zero 2 means without data
+        parallelism."""
+        return [*_ep_cp.table_notes(self), *_zero_note(self)]
 
 
 def _zero_note(ranking) -> list:
