@@ -98,11 +98,14 @@ class _Tagged(torch.Tensor):
     their own): what a backward may be started from."""
 
 
-def test_a_backward_from_a_tensor_subclass_recomputes_on_the_ring():
-    """Was: ``torch.autograd.backward`` from a tensor subclass inside ``context_parallel``
+@pytest.mark.parametrize("how", ["subclass", "tensor.backward"])
+def test_a_backward_from_a_local_tensor_recomputes_on_the_ring(how):
+    """Was: inside ``context_parallel``, ``torch.autograd.backward`` from a tensor subclass
+    (how="subclass") and ``Tensor.backward()`` on a plain tensor (how="tensor.backward")
     ran autograd with the ring off, so a checkpointed attention recomputed as plain
-    attention on ring-ordered rows (here: RuntimeError, the row-sharded attention's K/V
-    gathered, other tensors saved than the checkpoint's forward)."""
+    attention on ring-ordered rows (subclass: TypeError, DistTensor dispatch disabled by
+    torch's default handler; plain: CheckpointError, other tensors saved than in the
+    forward)."""
     mesh = wb.Mesh.grid((2,), ["cp"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g).requires_grad_() for _ in range(3))
@@ -115,13 +118,15 @@ def test_a_backward_from_a_tensor_subclass_recomputes_on_the_ring():
         out = checkpoint(lambda a, b, c: wb.ops.flash_attention(a, b, c, causal=True),
                          *dist, use_reentrant=False)
         loss = (out * out).sum()                      # Partial(sum) over cp
-        loc = loss._local.as_subclass(_Tagged)       # each rank's partial, a subclass
-        seed = torch.ones_like(loss._local).as_subclass(_Tagged)
         calls = []
         ring = cp.ring_attention
         cp.ring_attention = lambda *a, **kw: calls.append(1) or ring(*a, **kw)
         try:
-            torch.autograd.backward(loc, seed)
+            if how == "subclass":           # each rank's partial, as a subclass
+                torch.autograd.backward(loss._local.as_subclass(_Tagged),
+                                        torch.ones_like(loss._local).as_subclass(_Tagged))
+            else:                           # the partials summed: the same gradient
+                loss._local.sum().backward()
         finally:
             cp.ring_attention = ring
     assert calls == [1]                                 # the recompute ran on the ring

@@ -15,7 +15,7 @@ import torch
 
 from ..dist_tensor import DistTensor
 
-__all__ = ["autograd_in_context"]
+__all__ = ["autograd_in_context", "tensor_backward_args"]
 
 
 def autograd_in_context(mode, func, types, args, kwargs):
@@ -86,6 +86,20 @@ def autograd_in_context(mode, func, types, args, kwargs):
         res = tuple(r if r is not None else torch.zeros_like(t, requires_grad=create)
                     for r, t in zip(res, ins))
     return res
+
+
+def tensor_backward_args(args, kwargs) -> tuple:
+    """``Tensor.backward(self, gradient, retain_graph, create_graph, inputs)``'s arguments
+    as ``torch.autograd.backward``'s (args, kwargs), which it calls (torch 2.13
+    ``torch/_tensor.py``): the mode sees ``Tensor.backward`` first, and handing it on with
+    the mode off recomputed a checkpointed attention outside the ring (CheckpointError)."""
+    names = ("tensor", "gradient", "retain_graph", "create_graph", "inputs")
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    return (a["tensor"],), {"grad_tensors": a.get("gradient"),
+                            "retain_graph": a.get("retain_graph"),
+                            "create_graph": a.get("create_graph", False),
+                            "inputs": a.get("inputs")}
 
 
 def _plain(ts) -> tuple:
