@@ -145,8 +145,8 @@ GPT = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024, 
 def test_the_dry_run_runs_zero3_cp_with_recompute(cfg, recompute):
     """Was: refused ('is not run on the meta device'); with the refusal lifted alone the
     Llama raised NotImplementedError in the attention's row mask, the GPT a checkpoint
-    metadata mismatch.  The recomputed layer's activations: more than without recompute
-    is impossible, full recompute keeps less than selective."""
+    metadata mismatch.  With recompute the forward runs again (a longer step) and fewer
+    activations are kept than without."""
     from workbench.plan import Cluster, Layout, dry_run
     cl = Cluster("a100", 4)
     got = {rc: dry_run(cfg, Layout(dp=2, cp=2, zero=3, recompute=rc, framework="workbench",
