@@ -25,8 +25,10 @@ dispatch's cost below, 1.13x the memory total). cp with tp > 1 runs, with or wit
 sp (measured on tests/test_dryrun_ep_cp.py's model, cp 2 tp 2: step 1.08x the estimate,
 memory total 1.005x; with sp: step 1.053x, activations 1.003x; sp was once dropped here,
 the recipe built without it: activations 1.103x).  cp with ZeRO-3 runs
-(``ContextParallel(zero=3)``: FSDP over dp x cp), but not with recompute: the recomputed
-attention raises on the meta device (refused; tests/test_zero3cp.py).
+(``ContextParallel(zero=3)``: FSDP over dp x cp), with recompute too (was refused: the
+recomputed attention ran off the ring, raising on meta tensors, until
+``context_parallel_autograd`` ran a backward started from ZeRO-3's laid-out loss with the
+ring active; tests/test_cprecomp.py).
 
 A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
 buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner
@@ -55,16 +57,6 @@ def check(model, lay) -> None:
                          f"rank and refuses ep with sp; dry-run it with sp=False (estimate: "
                          f"framework='workbench', sp=False), or use wb.plan.estimate")
     if lay.cp > 1:
-        if lay.zero == 3 and lay.recompute != "none":
-            # the recomputed attention on meta tensors raises (NotImplementedError from
-            # the attention's row mask, parallel/ops_table/attention.py _row_keep: not on
-            # the ring there); the runtime on real tensors runs it
-            raise ValueError(f"dry_run: cp={lay.cp} with zero=3 and recompute="
-                             f"{lay.recompute!r} is not run on the meta device (the "
-                             f"recomputed attention under ZeRO-3 with context parallelism "
-                             f"raises there), and the planner does not price it either "
-                             f"(plan/ep_cp.py check_zero_cp); use recompute='none' or "
-                             f"zero<=2")
         bad = [("pp", lay.pp)] if lay.pp != 1 else []
         if lay.ep > 1:
             bad.append(("ep", lay.ep))

@@ -21,8 +21,8 @@ or across nodes as the ranks fall), plus ring attention beyond the causal block
 distributed optimizer on its data-parallel group with context parallel), and so does this
 library's runtime (``recipes/context_parallel.py``), which also runs ZeRO-2 over dp x cp:
 ``framework="workbench"`` prices it; and ZeRO-3 over dp x cp (FSDP over the flattened
-group, as torchtitan), with dp >= 2 and no recompute, and ZeRO-2 with dp >= 2
-(``check_zero_cp``).  Not modeled,
+group, as torchtitan), with dp >= 2, without recompute or with recompute "full" /
+"selective", and ZeRO-2 with dp >= 2 (``check_zero_cp``).  Not modeled,
 refused with the fix: ZeRO-2/3 with EP, ZeRO-2/3 with CP on another framework
 (Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
 MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
@@ -81,15 +81,21 @@ def check_zero_cp(lay) -> None:
     FSDP over the flattened dp x cp group as torchtitan's "fsdp" mesh) is priced as the
     runtime runs it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside
     the backward's prefetch, ``loss_waits``) where the dry run holds the estimate to it:
-    dp >= 2 and no recompute; ZeRO-2 likewise at dp >= 2.  Refused with the fix: dp = 1,
+    dp >= 2, without recompute or with recompute "full" / "selective" (measured dry run
+    / estimate on tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 1.005-1.059
+    (full), 0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017); ZeRO-2
+    likewise at dp >= 2.  Refused with the fix: dp = 1,
     where ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on
     the cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
     all-to-alls alike) queues behind ZeRO's collectives on that group's one stream, a wait
     not modeled (measured dry run / estimate on tests/test_zero3cp.py's blocks, ZeRO-3:
     1.10x at cp 2, 1.15x (Llama) and 1.28x (GPT) at cp 4; ZeRO-2: 1.08x and 1.15x
-    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with recompute, which the dry run does not run
-    (the recomputed attention on meta tensors raises: ``NotImplementedError`` from the
-    attention's row mask), so the estimate would not be held to anything."""
+    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with the Llama's recompute "op" (torchtitan's
+    op-level checkpointing), where the dry run runs it but the estimate is not within 10%
+    of it on every block (measured step 1.031-1.088, 1.103 at dp 2 cp 2 tp 2 sp).  (Full
+    recompute in chunks of k > 1 layers: ``Layout`` refuses it with framework='workbench'.)
+    (ZeRO-3 with any recompute was refused until the dry run ran it: the recomputed
+    attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
     if lay.dp == 1:
@@ -97,11 +103,12 @@ def check_zero_cp(lay) -> None:
                          f"modeled (ZeRO's group is then the cp group, whose one stream the "
                          f"ring's K/V exchange waits on behind ZeRO's collectives: "
                          f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
-    if lay.zero == 3 and lay.recompute != "none":
-        raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute={lay.recompute!r} is "
-                         f"not modeled (the dry run that holds the estimate to the runtime "
-                         f"does not run a recompute under ZeRO-3 with context parallelism: "
-                         f"plan/ep_cp.py check_zero_cp); use recompute='none' or zero<=2")
+    if lay.zero == 3 and lay.recompute == "op":
+        raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
+                         f"modeled (the dry run of this library's runtime measured up to "
+                         f"1.10x the estimate's step: plan/ep_cp.py check_zero_cp); use "
+                         f"recompute='full' or 'selective', or zero<=2")
+
 
 
 def check_layout(model, lay) -> None:

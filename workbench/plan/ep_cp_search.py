@@ -37,7 +37,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
     every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
     over dp x cp with framework='workbench', as its runtime shards, at dp >= 2; ZeRO-3
-    without recompute: ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
+    without recompute or with "full" / "selective" one layer per checkpoint:
+    ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -60,11 +61,12 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                                            if moe.experts % e == 0]
             if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
                 # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp >=
-                # 2, ZeRO-3 without recompute: ep_cp.check_zero_cp), the only framework
-                # priced running them with cp: tried as framework="workbench" (table_notes
-                # says so); with ep, refused there
-                if moe is not None or lay.dp == 1 or lay.zero == 3 and \
-                        lay.recompute != "none":
+                # 2, ZeRO-3 without recompute or with "full" / "selective" one layer per
+                # checkpoint: ep_cp.check_zero_cp), the only framework priced running them
+                # with cp: tried as framework="workbench" (table_notes says so; chunks
+                # of k > 1 layers it refuses: Layout); with ep, refused there
+                if moe is not None or lay.dp == 1 or lay.zero == 3 and (
+                        lay.recompute == "op" or lay.recompute_num_layers != 1):
                     continue
                 lay = lay.replace(framework="workbench")
             elif lay.zero >= 2 and moe is not None:

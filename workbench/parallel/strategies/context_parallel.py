@@ -52,7 +52,7 @@ from ..reshard import reshard
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
 from .. import storage
-from .context_parallel_autograd import autograd_in_context
+from .context_parallel_autograd import autograd_in_context, tensor_backward_args
 from .context_parallel_backward import ring_attention_function
 from .context_parallel_comm import ring_pass, wait
 from .context_parallel_a2a import CP_COMMS, ulysses_attention
@@ -265,6 +265,9 @@ class context_parallel(TorchFunctionMode):
             self._refuse_ring_ordered(func, q, args, kwargs)
         if func is torch.autograd.backward or func is torch.autograd.grad:
             return autograd_in_context(self, func, types, args, kwargs)
+        if func is torch.Tensor.backward:       # loss.backward() on a plain tensor
+            return autograd_in_context(self, torch.autograd.backward, types,
+                                       *tensor_backward_args(args, kwargs))
         if func is _router() and self.balanced and kwargs.get("capacity") is not None:
             logits = args[0] if args else kwargs.get("logits")
             if isinstance(logits, DistTensor) and logits.mesh == self.mesh \
