@@ -182,3 +182,15 @@ def test_usable_label_stays_inside_when_the_bars_run_far_past_the_device():
         box, edge = label.get_window_extent(canvas.get_renderer()), fig.axes[0].bbox
         assert edge.x0 <= box.x0 and box.x1 <= edge.x1, (rows, box, edge)
         assert "usable 60.0 GB" in label.get_text()
+
+
+def test_device_memory_reads_with_one_decimal_at_most():
+    """An A100 80GB's memory is what CUDA reports, 85.094e9 bytes: the bars' label and the
+    widget's line said '85.094 GB' where the notebooks' prose says 85.1 (student review of
+    notebook 11); round numbers stay whole (64 GB)."""
+    for limit, shown in ((85.094e9, "A100 85.1 GB"), (64e9, "A100 64 GB")):
+        fig = memory_bars({"a": {"params": 1e9}}, limit=limit, limit_label="A100")
+        (text,) = fig.findobj(lambda a: a.get_gid() == "limit_label")
+        assert text.get_text() == shown
+    w = memory_widget(GPT3, 1024, "a100", tp=8, pp=16, recompute="selective")
+    assert "(85.1 GB device)" in w.message, w.message

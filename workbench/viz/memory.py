@@ -100,9 +100,10 @@ def memory_bars(rows: dict, *, limit: float | None = None, limit_label: str = "d
         fixed, lines = [], [x / unit for x in (limit, usable) if x is not None]
         if limit is not None:
             ax.axvline(limit / unit, color="#333333", linestyle="--", linewidth=1.0, gid="limit")
+            # one decimal at most: CUDA's 85.094e9 bytes of an A100 80GB read 85.1 GB
             fixed.append(end_label(ax, limit / unit, -0.7,
-                                   f"{limit_label} {limit / unit:g} {unit_name}", fontsize=9,
-                                   gid="limit_label"))
+                                   f"{limit_label} {round(limit / unit, 1):g} {unit_name}",
+                                   fontsize=9, gid="limit_label"))
         usable_label = None
         if usable is not None:
             ax.axvline(usable / unit, color="#333333", linestyle=":", linewidth=1.2,
@@ -247,7 +248,7 @@ class MemoryExplorer:
             total = self.rows[busiest]["total"]
             self.message = (f"{lay.short()} (m = {lay.m} micro-batches): busiest {busiest}\n"
                             f"{total / 1e9:.1f} GB of the {usable / 1e9:.1f} GB usable "
-                            f"({limit / 1e9:g} GB device): "
+                            f"({round(limit / 1e9, 1):g} GB device): "
                             f"{'fits' if total <= usable else 'does NOT fit'}")
             self.figure = memory_bars(self.rows, limit=limit, usable=usable, dpi=self.dpi,
                                       title=f"{self.cluster.profile.name}: {lay.short()}")
