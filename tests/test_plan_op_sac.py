@@ -137,3 +137,16 @@ def test_dry_run_keeps_the_sequence_parallel_reduce_scatters():
     est = estimate(cfg, Layout(tp=2, sp=True, recompute="op", framework="workbench"), cl)
     assert runs["op"].memory["activations"] == pytest.approx(est.memory["activations"],
                                                              rel=0.03)
+
+
+def test_the_search_tables_legend_says_what_rc_op_is():
+    """Notebook 14's 128K Llama table showed rc 'op' with a legend naming only 'sel'."""
+    from workbench.plan.search import Ranking
+    cl = Cluster("h100", 8)
+    rows = [(lay, estimate(L8B, lay, cl)) for lay in
+            (Layout(dp=8, zero=3, recompute=rc, micro_batch=1, framework="fsdp")
+             for rc in ("op", "full"))]
+    def legend(r):
+        return " ".join(r.table().split())          # as one line: the legend wraps at 100
+    assert "op: op-level selective (torchtitan's)" in legend(Ranking(rows))
+    assert "op-level" not in legend(Ranking(rows[1:]))

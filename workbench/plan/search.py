@@ -136,6 +136,8 @@ class Ranking(list):
                   + "; ".join(f"{a}: {s}, v chunks per device" for s, a in _SCHED.items()
                               if s != a)
                   + "; rc: recompute, " + ", ".join(f"{a}: {r}" for r, a in _RC.items())
+                  + (", op: op-level selective (torchtitan's)"
+                     if any(lay.recompute == "op" for lay, _ in self) else "")
                   + ("; cp\u00a0Na: N ranks by all-to-all (cp_comm='a2a', DeepSpeed-Ulysses), a "
                      "bare N by the ring" if a2a else ""))
         return "\n".join(rows + [wrap(legend)])
