@@ -11,13 +11,12 @@ tries the layout; the head check names the tp-local heads and the fix; under tor
 tp > 1) raised NotImplementedError, ulysses_attention refused heads sharded on tp, dry_run
 refused the layout and search skipped it on the runtime's engine.
 """
-import os
 
 import pytest
 import torch
 
 import workbench as wb
-from tests.torchrun_support import json_rows, run_several
+from tests.torchrun_support import four_proc, json_rows
 from workbench.models.config import build_model, get_config
 from workbench.models.data import get_batch
 from workbench.ops.adamw import AdamW
@@ -30,8 +29,6 @@ from workbench.recipes.context_parallel import ContextParallel, cp_mesh
 from workbench.sim_mesh.cost import price
 from workbench.sim_mesh.profiles import get_profile
 from workbench.train import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _placements(mesh):
@@ -237,11 +234,14 @@ DIST = [["--cp", "2", "--tp", "2", "--cp-comm", "a2a"],
 
 @pytest.fixture(scope="module")
 def torchrun_a2a(tmp_path_factory):
-    parts = [" ".join(["-m", "workbench", "train", "--preset", "tiny", "--seed", "0",
-                       "--steps", "2", "--backend", "torch", *flags]) for flags in DIST]
-    out, texts = run_several(4, parts, tmp_path_factory, timeout=400, cwd=ROOT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
+    """Both runs, in the session's one launch of every 4-process part (FOUR_PROC)."""
+    texts = []
+    for flags in DIST:
+        out, text = four_proc(tmp_path_factory, " ".join(
+            ["-m", "workbench", "train", "--preset", "tiny", "--seed", "0", "--steps", "2",
+             "--backend", "torch", *flags]))
+        assert out.returncode == 0, out.stderr[-3000:]
+        texts.append(text)
     return texts
 
 

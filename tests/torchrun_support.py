@@ -91,7 +91,7 @@ TRAIN = "-m workbench train --preset tiny --seed 0 --backend torch "
 # Every 4-process part (tests that launched 4 processes each: test_pipeline_clip_eval_
 # torchrun, test_distributed_engine, test_context_parallel_train, test_compile_dist,
 # test_dropout_layouts, test_device_mesh_torchrun, test_moe_cli, test_ddp_torchrun,
-# test_sp_norms_torchrun);
+# test_sp_norms_torchrun, test_ulysses4);
 # pipeline_clip_eval_check first (its simulated step before any real mesh), then the 2 x 2
 # checks:
 FOUR_PROC = ["pipeline_clip_eval_check.py {dir}"] + TP_2X2 + [
@@ -102,6 +102,10 @@ FOUR_PROC = ["pipeline_clip_eval_check.py {dir}"] + TP_2X2 + [
     "compile_check.py", "dropout_check.py", "device_mesh_slice_check.py",
     "-m workbench train --preset tiny --steps 2 --moe-experts 4 --moe-topk 2 --seed 0 "
     "--backend torch --ep 2 --tp 2",
+    "-m workbench train --preset tiny --seed 0 --steps 2 --backend torch --cp 2 --tp 2 "
+    "--cp-comm a2a",
+    "-m workbench train --preset tiny --seed 0 --steps 2 --backend torch --cp 2 --tp 2 --sp "
+    "--cp-comm a2a",
     "wrappers_check.py", "sp_norms_check.py {dir}/torchrun.pt"]
 # (wrappers_check not last: its 4-process job ended in TEARDOWN_ABORT about 1 in 6, and a
 # job that ends so is run again whole)
