@@ -65,15 +65,21 @@ def test_tiny_llama_is_captured_by_export_and_runs_as_eager():
     assert len(grads) == len(dict(m.named_parameters()))
 
 
+def _seeded_linear(module):
+    """``module.lin``, an 8 x 8 linear with seeded weights; the generator, to seed the rest."""
+    g = torch.Generator().manual_seed(0)
+    module.lin = nn.Linear(8, 8)
+    with torch.no_grad():
+        module.lin.weight.copy_(torch.randn(8, 8, generator=g) * 0.3)
+    return g
+
+
 class _Table(nn.Module):
     """A linear scaled by the first rows of a buffer (as the rope tables are read)."""
 
     def __init__(self):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.lin = nn.Linear(8, 8)
-        with torch.no_grad():
-            self.lin.weight.copy_(torch.randn(8, 8, generator=g) * 0.3)
+        g = _seeded_linear(self)
         self.register_buffer("table", 1 + torch.rand(6, 8, generator=g), persistent=False)
 
     def forward(self, x):
@@ -103,10 +109,7 @@ class _Attr(nn.Module):
 
     def __init__(self):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.lin = nn.Linear(8, 8)
-        with torch.no_grad():
-            self.lin.weight.copy_(torch.randn(8, 8, generator=g) * 0.3)
+        g = _seeded_linear(self)
         self.scale = 1 + torch.rand(8, generator=g)
 
     def forward(self, x):
