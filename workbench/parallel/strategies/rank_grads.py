@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
-           "ReplicaStorageGrad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
+           "ReplicaStorageGrad", "GatheredGrad", "as_gathered_grad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
            "as_shard_grad"]
 
 from .laid_out_reads import _is_pointwise
@@ -82,7 +82,8 @@ class _NormedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # ShardGrad: per gradient, where it gathers (fully_shard's: _wb_gathers)
-        whole = getattr(cls, "_wb_here", False) or cls is ShardGrad
+        whole = getattr(cls, "_wb_here", False) or cls is ShardGrad or \
+            getattr(cls, "_wb_whole", False)
         if whole:   # a user's g.shape / g.dim() / g[0]: the module's (laid_out_shape)
             done, out = module_shape_read(func, args, _WHOLE_GRADS)
             if done:
@@ -262,6 +263,33 @@ def _replica_norm(t, ord_, dtype):
         return torch.linalg.vector_norm(t, ord_, dtype=dtype)
 
 
+def _users_module_read(t, func, args, what: str):
+    """``(True, answer)`` for a user's ``g.shape`` / ``g.size()`` / ``len(g)`` / ``g.dim()``
+    of ``t`` (a gradient whose module value is gathered, a copy: ``_wb_shape``): the
+    module's; a user's view of it raises naming ``g.full_tensor()``; else ``(False, None)``.
+    Called from a subclass's ``__torch_function__`` (the user two frames up)."""
+    from .laid_out_shape import VIEWS, _PROPS
+    from .laid_out_views import users_call
+    shape = torch.Size(t._wb_shape)
+    if (func in (_T.dim, _T.ndimension) or func == _T.ndim.__get__) and users_call(True):
+        return True, len(shape)
+    if func == _T.shape.__get__ and users_call(True):
+        return True, shape
+    if func is _T.size and users_call(True):
+        return True, (shape[args[1]] if len(args) > 1 else shape)
+    if func is _T.__len__ and users_call(True):
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return True, shape[0]
+    if (func in VIEWS or any(func == f for f in _PROPS)) and users_call(True):
+        raise NotImplementedError(
+            f"{getattr(func, '__name__', 'a view')} of the gradient of {what}: its storage "
+            f"(shape {tuple(t.as_subclass(torch.Tensor).shape)}) holds shards, and the "
+            f"module's {tuple(shape)} gradient is gathered from them, a copy, so no view of "
+            "it exists here.  Take the view of the gathered copy, p.grad.full_tensor()")
+    return False, None
+
+
 class ReplicaStorageGrad(ReplicaGrad):
     """The gradient of DDP's replica storage of a tensor-parallel DistTensor on simulated
     ranks (:class:`.laid_out_replicas.ReplicaStorage`, ``(dp, tp, *local)``): a user's
@@ -279,30 +307,14 @@ class ReplicaStorageGrad(ReplicaGrad):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .laid_out_shape import VIEWS, _PROPS
         from .laid_out_views import users_call
         t = args[0] if args else None
         if isinstance(t, ReplicaStorageGrad) and t.__dict__.get("_wb_param_full") is not None:
-            if (func in VIEWS or any(func == f for f in _PROPS)) and users_call():
-                raise NotImplementedError(
-                    f"{getattr(func, '__name__', 'a view')} of the gradient of "
-                    "DistributedDataParallel's parameter over tensor-parallel DistTensors: "
-                    f"its storage holds every replica's shards (shape "
-                    f"{tuple(t.as_subclass(torch.Tensor).shape)}), and the module's "
-                    f"{tuple(t._wb_shape)} gradient is gathered from them, so no view of it "
-                    "exists here.  Take the view of the gathered copy, p.grad.full_tensor()")
-            shape = torch.Size(t._wb_shape)
-            if (func in (_T.dim, _T.ndimension) or func == _T.ndim.__get__) and \
-                    users_call(True, depth=-1):
-                return len(shape)
-            if func == _T.shape.__get__ and users_call(True, depth=-1):
-                return shape
-            if func is _T.size and users_call(True, depth=-1):
-                return shape[args[1]] if len(args) > 1 else shape
-            if func is _T.__len__ and users_call(True, depth=-1):
-                if not shape:
-                    raise TypeError("len() of a 0-d tensor")
-                return shape[0]
+            done, out = _users_module_read(
+                t, func, args, "DistributedDataParallel's parameter over tensor-parallel "
+                "DistTensors")
+            if done:
+                return out
             if func in WHOLE and func not in _NORMS and not users_call():
                 return _plain(func, args, kwargs)       # the wrappers' reads: the storage's
             return super().__torch_function__(func, types, args, kwargs)
@@ -382,7 +394,54 @@ def _shard_norm(t, ord_, dtype):
     return out
 
 
-_WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad, ReplicaStorageGrad)   # ShardGrad: where _gathers
+class GatheredGrad(_NormedGrad):
+    """``fully_shard``'s gradient over tensor parallelism on simulated ranks: the shard's
+    storage (each tensor-parallel coordinate's dp chunks side by side, padded), whose
+    reads follow the rule :func:`as_shard_grad` gives torch.distributed's (habits13): a
+    user's ``numel()`` / ``dim()`` / ``shape`` / reductions are the module parameter's
+    gradient, gathered (``_wb_full``, a copy), as FSDP2's DTensor gradient answers its full
+    tensor's; a view raises naming ``p.grad.full_tensor()``.  Before (habits14, measured on
+    ``Linear(3, 6), GELU, Linear(6, 3)`` over 2 x 2): a plain tensor, ``p.grad.numel()``
+    [20, 8, 20, 4] for [18, 6, 18, 3], ``shape`` (2, 2, 5), ``abs().min()`` 0 (padding)."""
+    _wb_whole = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .laid_out_views import users_call
+        t = args[0] if args else None
+        if isinstance(t, GatheredGrad) and getattr(t, "_wb_full", None) is not None:
+            done, out = _users_module_read(
+                t, func, args, "a fully_shard parameter over tensor parallelism")
+            if done:
+                return out
+        if func in WHOLE and not users_call():
+            return _plain(func, args, kwargs)       # the wrappers' reads: the storage's
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(t._wb_full(t), ord_, dtype=dtype)
+
+    def full_tensor(self):
+        """The module parameter's gradient, a copy (DTensor's ``full_tensor()``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._wb_full(self)
+
+
+def as_gathered_grad(t, param):
+    """``t`` (the gradient of ``param``, a ``fully_shard`` shard over tensor parallelism on
+    simulated ranks whose reads gather) as a :class:`GatheredGrad` (the same storage)."""
+    if t is None or getattr(param, "_wb_full", None) is None:
+        return t
+    out = t if isinstance(t, GatheredGrad) else t.as_subclass(GatheredGrad)
+    out._wb_full, out._wb_shape = param._wb_full, param._wb_shape
+    out._wb_gathers, out._wb_layout = True, f"the gradient of {param._wb_layout}"
+    return out
+
+
+_WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad, ReplicaStorageGrad, GatheredGrad)
+# ShardGrad: where _gathers
 
 
 def _mixed():
