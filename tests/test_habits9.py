@@ -55,7 +55,10 @@ def _tp_fully_shard():
 
 @pytest.mark.parametrize("reshape", list(RESHAPES))
 def test_a_write_into_a_copying_reshape_of_a_non_contiguous_parameter_raises(reshape):
-    """Before: no error, the parameter unchanged (the copy took the draw)."""
+    """Before: no error, the parameter unchanged (the copy took the draw).  Since habits14
+    a user's reshape of fully_shard's parameter over tensor parallelism is the gathered
+    module value's (no view of the storage): it raises naming p.full_tensor(), except
+    contiguous() (the storage's copy, whose write still raises as before)."""
     m, ref, mesh = _tp_fully_shard()
     params = dict(m.named_parameters())
     p = params["blocks.0.up.weight"]
@@ -63,8 +66,9 @@ def test_a_write_into_a_copying_reshape_of_a_non_contiguous_parameter_raises(res
         assert not p.is_contiguous()            # the wrapper's layout, dp-minor chunks
     before = {n: q.detach().clone() for n, q in params.items()}
     for name, write in WRITES.items():
-        with pytest.raises(RuntimeError, match="into a copy of a wrapped parameter: .*not "
-                           "contiguous.*Write through the parameter itself"):
+        with pytest.raises(RuntimeError, match="(into a copy of a wrapped parameter: .*not "
+                           "contiguous.*Write through the parameter itself)|"
+                           r"no view of the whole parameter.*p\.full_tensor\(\)"):
             with torch.no_grad():
                 write(RESHAPES[reshape](p))
     for n, q in params.items():
@@ -74,11 +78,17 @@ def test_a_write_into_a_copying_reshape_of_a_non_contiguous_parameter_raises(res
 
 
 def test_a_copying_reshape_still_reads_and_backprops_as_torchs():
+    """Since habits14 a user's p.flatten() here raises (the module's value is gathered,
+    habits13's torchrun rule); the storage's copy, read through the storage, still
+    backprops as torch's."""
+    from workbench.parallel.strategies.laid_out_whole import storage
     m, _, _ = _tp_fully_shard()
     p = dict(m.named_parameters())["blocks.0.up.weight"]
+    with pytest.raises(NotImplementedError, match=r"p\.full_tensor\(\)"):
+        p.flatten()
     with torch._C.DisableTorchFunctionSubclass():
         want = p.detach().reshape(-1).clone()
-    f = p.flatten()
+    f = storage(p).flatten()
     assert torch.equal(f.detach().as_subclass(torch.Tensor), want)
     assert f.requires_grad and type(f * 2) is torch.Tensor and type(f.clone()) is torch.Tensor
     weights = torch.arange(f.numel(), dtype=f.dtype)

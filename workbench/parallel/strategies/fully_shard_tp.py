@@ -145,10 +145,15 @@ def built(m):
         install(w)                  # module.weight: the shards' value now
         module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
         for _, _, _, shard in w.entries:
-            # torch.distributed: numel() / dim() / shape / a reduction of a shard or of its
-            # gradient read the module's parameter, gathered over dp then tp (FSDP2's
-            # DTensor over the 2-d mesh: its full tensor's; .laid_out_whole, habits13)
-            shard._wb_gathers = not w.async_
+            # numel() / dim() / shape / a reduction of a shard or of its gradient read the
+            # module's parameter, gathered over dp then tp (FSDP2's DTensor over the 2-d
+            # mesh: its full tensor's; .laid_out_whole, habits13 under torch.distributed).
+            # Simulated ranks too (habits14; they were the storage's: numel 20 for 18,
+            # shape (2, 2, 5) for (6, 3)), the gradient a GatheredGrad
+            # ("users": the wrappers' own reads of the simulated storage stay its own)
+            shard._wb_gathers = "users" if w.async_ else True
+            if w.async_ and shard.requires_grad:
+                shard.register_post_accumulate_grad_hook(_gathered_grad)
         if w.async_:                # set_requires_gradient_sync(False): gradients held
             from .fully_shard_tp_units import install as sync_hooks
             sync_hooks(w)
@@ -159,6 +164,11 @@ def built(m):
             if s is not None and sub is not r:
                 s.owner = w
     return st.wrapper
+
+
+def _gathered_grad(shard) -> None:
+    from .rank_grads import as_gathered_grad
+    shard.grad = as_gathered_grad(shard.grad, shard)
 
 
 def build_above(module) -> None:

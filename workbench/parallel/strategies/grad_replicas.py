@@ -170,7 +170,7 @@ class GradReplicas:
                       "so this process's gradient is a shard and its norm not the model's; "
                       "call wb.clip_grad_norm_(model.parameters(), max_norm) (the "
                       "DistTensors: it combines the shards' norms)")
-        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse)
+        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse, p._local)
 
     def _before_grad(self, p):
         """Before backward adds to a gradient already summed (every copy the sum G): keep

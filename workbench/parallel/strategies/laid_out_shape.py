@@ -98,8 +98,9 @@ def module_view(func, args, kwargs, classes):
     name = getattr(func, "__name__", None) or "a view"
     if not getattr(p, "_wb_here", False):
         raise NotImplementedError(
-            f"{name} of a fully_shard parameter under torch.distributed: {p._wb_layout}, this "
-            "process's chunk, so it is no view of the whole parameter (FSDP2's DTensor gives "
+            f"{name} of a fully_shard parameter (under torch.distributed, or over tensor "
+            f"parallelism): {p._wb_layout}, its storage a chunk, so it is no view of the whole "
+            "parameter (FSDP2's DTensor gives "
             "one).  Take it of p.full_tensor() (the whole parameter, a copy, gathered: every "
             "process calls it)")
     with torch._C.DisableTorchFunctionSubclass():

@@ -87,8 +87,12 @@ def storage_numel(t) -> int:
 def _here(t, reads) -> bool:
     """Is ``t`` a storage laid out otherwise than its module shape whose reads are the
     module's: held whole here (``_wb_here``), or gathered (``_wb_gathers``)?"""
+    gathers = getattr(t, "_wb_gathers", False)
+    if gathers == "users":      # fully_shard over tp, simulated: a user's reads only
+        from .laid_out_views import users_call
+        gathers = users_call()
     return isinstance(t, reads) and getattr(t, "_wb_full", None) is not None and \
-        (getattr(t, "_wb_here", False) or getattr(t, "_wb_gathers", False)) and \
+        (getattr(t, "_wb_here", False) or gathers) and \
         storage_shape(t) != getattr(t, "_wb_shape", None)
 
 
@@ -101,8 +105,9 @@ def _module_value(t, reads):
         return None
     if not getattr(t, "_wb_here", False) and torch.is_grad_enabled() and t.requires_grad:
         raise NotImplementedError(
-            "a reduction of a fully_shard parameter under torch.distributed with autograd "
-            f"recording ({t._wb_layout}): its module value is gathered from every process, "
+            "a reduction of a fully_shard parameter (under torch.distributed, or over tensor "
+            f"parallelism) with autograd recording ({t._wb_layout}): its module value is "
+            "gathered from every rank's shard, "
             "and the gather carries no gradient, so a penalty built from it would get none. "
             "Read it under torch.no_grad() (or of p.detach()) for logging; for a penalty in "
             "the loss use the optimizer's weight_decay")

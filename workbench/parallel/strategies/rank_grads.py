@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
-           "as_rank_rows", "as_chunk_rows", "as_replica_grad", "as_shard_grad"]
+           "ReplicaStorageGrad", "GatheredGrad", "as_gathered_grad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
+           "as_shard_grad"]
 
 from .laid_out_reads import _is_pointwise
 from .laid_out_shape import module_ndim, module_shape_read, module_view
@@ -81,7 +82,8 @@ class _NormedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # ShardGrad: per gradient, where it gathers (fully_shard's: _wb_gathers)
-        whole = getattr(cls, "_wb_here", False) or cls is ShardGrad
+        whole = getattr(cls, "_wb_here", False) or cls is ShardGrad or \
+            getattr(cls, "_wb_whole", False)
         if whole:   # a user's g.shape / g.dim() / g[0]: the module's (laid_out_shape)
             done, out = module_shape_read(func, args, _WHOLE_GRADS)
             if done:
@@ -232,7 +234,8 @@ def as_chunk_rows(t, numel: int, shape=None):
 
 # the attributes a kept alias / copy carries (ShardGrad's: its group, how it gathers)
 _KEPT = ("_wb_numel", "_wb_shape", "_wb_pg", "_wb_norm_skip", "_wb_full", "_wb_gathers",
-         "_wb_layout")
+         "_wb_layout", "_wb_param_full", "_wb_pshape", "_wb_axes", "_wb_synced", "_wb_hint",
+         "_wb_refuse")
 
 
 class ReplicaGrad(_NormedGrad):
@@ -260,12 +263,101 @@ def _replica_norm(t, ord_, dtype):
         return torch.linalg.vector_norm(t, ord_, dtype=dtype)
 
 
-def as_replica_grad(t, axes, synced: bool, hint: str, refuse: str | None = None):
-    """``t`` (a replica's gradient) as a :class:`ReplicaGrad` (the same storage)."""
+def _users_module_read(t, func, args, what: str):
+    """``(True, answer)`` for a user's ``g.shape`` / ``g.size()`` / ``len(g)`` / ``g.dim()``
+    of ``t`` (a gradient whose module value is gathered, a copy: ``_wb_shape``): the
+    module's; a user's view of it raises naming ``g.full_tensor()``; else ``(False, None)``.
+    Called from a subclass's ``__torch_function__`` (the user two frames up)."""
+    from .laid_out_shape import VIEWS, _PROPS
+    from .laid_out_views import users_call
+    shape = torch.Size(t._wb_shape)
+    if (func in (_T.dim, _T.ndimension) or func == _T.ndim.__get__) and users_call(True):
+        return True, len(shape)
+    if func == _T.shape.__get__ and users_call(True):
+        return True, shape
+    if func is _T.size and users_call(True):
+        return True, (shape[args[1]] if len(args) > 1 else shape)
+    if func is _T.__len__ and users_call(True):
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return True, shape[0]
+    if (func in VIEWS or any(func == f for f in _PROPS)) and users_call(True):
+        raise NotImplementedError(
+            f"{getattr(func, '__name__', 'a view')} of the gradient of {what}: its storage "
+            f"(shape {tuple(t.as_subclass(torch.Tensor).shape)}) holds shards, and the "
+            f"module's {tuple(shape)} gradient is gathered from them, a copy, so no view of "
+            "it exists here.  Take the view of the gathered copy, p.grad.full_tensor()")
+    return False, None
+
+
+class ReplicaStorageGrad(ReplicaGrad):
+    """The gradient of DDP's replica storage of a tensor-parallel DistTensor on simulated
+    ranks (:class:`.laid_out_replicas.ReplicaStorage`, ``(dp, tp, *local)``): a user's
+    ``numel()`` / ``dim()`` / ``shape`` / reductions read the module parameter's gradient,
+    as the parameter's do (habits13) and as torch DDP's ``p.grad`` is the parameter's shape.
+    Before (habits14, measured on ``Linear(8, 40), ReLU, Linear(40, 8)`` over a 2 x 2
+    mesh): ``p.grad.numel()`` 640 for 320, ``p.grad.dim()`` 4, ``p.grad.sum()`` twice one
+    device's (every dp copy of the summed gradient).  ``_wb_param_full``: the parameter's
+    storage-to-global gather; the gradient's module value is read from the summed copies
+    only (``_wb_synced``), else it raises naming the fix.  A view (``p.grad[0]``) raises:
+    the global gradient is gathered from the tensor-parallel shards, a copy
+    (``p.grad.full_tensor()``, DTensor's name, gives it).  The wrappers' own reads of it
+    stay the storage's (:func:`.laid_out_views.users_call`)."""
+    _wb_here = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .laid_out_views import users_call
+        t = args[0] if args else None
+        if isinstance(t, ReplicaStorageGrad) and t.__dict__.get("_wb_param_full") is not None:
+            done, out = _users_module_read(
+                t, func, args, "DistributedDataParallel's parameter over tensor-parallel "
+                "DistTensors")
+            if done:
+                return out
+            if func in WHOLE and func not in _NORMS and not users_call():
+                return _plain(func, args, kwargs)       # the wrappers' reads: the storage's
+            return super().__torch_function__(func, types, args, kwargs)
+        return ReplicaGrad.__torch_function__.__func__(ReplicaGrad, func, types, args, kwargs)
+
+    @property
+    def _wb_shape(self):
+        return self.__dict__.get("_wb_pshape")
+
+    @staticmethod
+    def _wb_full(t):
+        """The module parameter's gradient, gathered from the summed copies."""
+        if not getattr(t, "_wb_synced", False):
+            raise RuntimeError(
+                "a read of the gradient of DistributedDataParallel's parameter over "
+                "tensor-parallel DistTensors before its data-parallel copies are summed "
+                "(inside no_sync(), or before the backward's synchronization): each rank's "
+                "gradient is its own.  " + (getattr(t, "_wb_hint", None) or
+                                            "Call finish_gradient_synchronization() first"))
+        with torch._C.DisableTorchFunctionSubclass():
+            return t.__dict__["_wb_param_full"](t.as_subclass(torch.Tensor))
+
+    def full_tensor(self):
+        """The module parameter's gradient, a copy (DTensor's ``full_tensor()``)."""
+        return self._wb_full(self)
+
+
+def as_replica_grad(t, axes, synced: bool, hint: str, refuse: str | None = None,
+                    param=None):
+    """``t`` (a replica's gradient) as a :class:`ReplicaGrad` (the same storage); ``param``:
+    the replica storage it is the gradient of, where that one reads as the module's
+    (:class:`.laid_out_replicas.ReplicaStorage`): then a :class:`ReplicaStorageGrad`."""
     if t is None:
         return None
-    out = t if isinstance(t, ReplicaGrad) else t.as_subclass(ReplicaGrad)
+    cls = ReplicaGrad
+    if param is not None and getattr(param, "_wb_full", None) is not None and \
+            type(param).__name__ == "ReplicaStorage":
+        cls = ReplicaStorageGrad
+    out = t if type(t) is cls else t.as_subclass(cls)
     out._wb_axes, out._wb_synced, out._wb_hint, out._wb_refuse = axes, synced, hint, refuse
+    if cls is ReplicaStorageGrad:
+        out.__dict__["_wb_param_full"] = param._wb_full
+        out.__dict__["_wb_pshape"] = tuple(param._wb_shape)
     return out
 
 
@@ -302,7 +394,54 @@ def _shard_norm(t, ord_, dtype):
     return out
 
 
-_WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad)     # ShardGrad: where _gathers
+class GatheredGrad(_NormedGrad):
+    """``fully_shard``'s gradient over tensor parallelism on simulated ranks: the shard's
+    storage (each tensor-parallel coordinate's dp chunks side by side, padded), whose
+    reads follow the rule :func:`as_shard_grad` gives torch.distributed's (habits13): a
+    user's ``numel()`` / ``dim()`` / ``shape`` / reductions are the module parameter's
+    gradient, gathered (``_wb_full``, a copy), as FSDP2's DTensor gradient answers its full
+    tensor's; a view raises naming ``p.grad.full_tensor()``.  Before (habits14, measured on
+    ``Linear(3, 6), GELU, Linear(6, 3)`` over 2 x 2): a plain tensor, ``p.grad.numel()``
+    [20, 8, 20, 4] for [18, 6, 18, 3], ``shape`` (2, 2, 5), ``abs().min()`` 0 (padding)."""
+    _wb_whole = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .laid_out_views import users_call
+        t = args[0] if args else None
+        if isinstance(t, GatheredGrad) and getattr(t, "_wb_full", None) is not None:
+            done, out = _users_module_read(
+                t, func, args, "a fully_shard parameter over tensor parallelism")
+            if done:
+                return out
+        if func in WHOLE and not users_call():
+            return _plain(func, args, kwargs)       # the wrappers' reads: the storage's
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @staticmethod
+    def _norm(t, ord_, dtype):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(t._wb_full(t), ord_, dtype=dtype)
+
+    def full_tensor(self):
+        """The module parameter's gradient, a copy (DTensor's ``full_tensor()``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._wb_full(self)
+
+
+def as_gathered_grad(t, param):
+    """``t`` (the gradient of ``param``, a ``fully_shard`` shard over tensor parallelism on
+    simulated ranks whose reads gather) as a :class:`GatheredGrad` (the same storage)."""
+    if t is None or getattr(param, "_wb_full", None) is None:
+        return t
+    out = t if isinstance(t, GatheredGrad) else t.as_subclass(GatheredGrad)
+    out._wb_full, out._wb_shape = param._wb_full, param._wb_shape
+    out._wb_gathers, out._wb_layout = True, f"the gradient of {param._wb_layout}"
+    return out
+
+
+_WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad, ReplicaStorageGrad, GatheredGrad)
+# ShardGrad: where _gathers
 
 
 def _mixed():
