@@ -268,8 +268,9 @@ def test_fully_shard_reads_on_gloo_are_fsdp2s(tmp_path_factory):
         assert r["wb"] == pytest.approx(r["one"], abs=1e-6), r
         assert r["torch"] == pytest.approx(r["one"], abs=1e-6), r
     assert rows["numel"]["wb"] == 58
-    assert "NotImplementedError: a reduction of a fully_shard parameter under " \
-        "torch.distributed with autograd recording" in rows["raises"]["grad_norm"]
+    assert "NotImplementedError: a reduction of a fully_shard parameter (under " \
+        "torch.distributed, or over tensor parallelism) with autograd recording" in \
+        rows["raises"]["grad_norm"]
     assert "p.full_tensor()" in rows["raises"]["p2v"]
 
 
