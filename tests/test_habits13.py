@@ -214,13 +214,11 @@ def test_ddp_over_tensor_parallel_parameters_reads_one_device(read):
             assert got == want
 
 
-def test_ddp_over_tensor_parallel_parameters_totals_and_training_are_one_devices():
-    """get_total_norm of the parameters (before: 5.9011 for 4.1727); clip_grad_norm_ and two
-    AdamW steps still train as one device; a view or a penalty in the loss raises naming
-    what to read instead."""
-    ref, mesh, ddp = _tp_ddp()
+def train_as_one_device(ref, mesh, ddp, after_clip=lambda ps, ref: None):
+    """Two AdamW steps of DDP over tensor parallelism (clip_grad_norm_ in each, equal to one
+    device's) beside one device's; ``after_clip(ps, ref)`` checks before each step; the
+    parameters' norms equal after."""
     ps = list(ddp.parameters())
-    close(nn.utils.get_total_norm(ps), nn.utils.get_total_norm(list(ref.parameters())))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     opt = torch.optim.AdamW(ps, lr=1e-2)
@@ -232,11 +230,23 @@ def test_ddp_over_tensor_parallel_parameters_totals_and_training_are_one_devices
         ((out.full() - y) ** 2).mean().backward()
         ((ref(x) - y) ** 2).mean().backward()
         close(nn.utils.clip_grad_norm_(ps, 1.0), nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        after_clip(ps, ref)
         opt.step()
         ro.step()
     for p, q in zip(ps, ref.parameters()):
         with torch.no_grad():
             close(p.norm(), q.norm())
+    return ps
+
+
+def test_ddp_over_tensor_parallel_parameters_totals_and_training_are_one_devices():
+    """get_total_norm of the parameters (before: 5.9011 for 4.1727); clip_grad_norm_ and two
+    AdamW steps still train as one device; a view or a penalty in the loss raises naming
+    what to read instead."""
+    ref, mesh, ddp = _tp_ddp()
+    ps = list(ddp.parameters())
+    close(nn.utils.get_total_norm(ps), nn.utils.get_total_norm(list(ref.parameters())))
+    train_as_one_device(ref, mesh, ddp)
     with pytest.raises(NotImplementedError, match=r"no view of it"):
         ps[0][0]
     with pytest.raises(NotImplementedError, match=r"autograd recording.*weight_decay"):

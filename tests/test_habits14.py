@@ -17,7 +17,7 @@ from torch import nn
 import workbench as wb  # noqa: F401
 
 from .test_habits11 import close
-from .test_habits13 import _tp_ddp
+from .test_habits13 import _tp_ddp, train_as_one_device
 
 GRAD_READS = {
     "numel": lambda g: g.numel(), "dim": lambda g: g.dim(), "ndim": lambda g: g.ndim,
@@ -62,25 +62,11 @@ def test_ddp_over_tensor_parallel_gradient_view_raises_and_training_is_one_devic
     """A view of the gathered gradient raises naming p.grad.full_tensor(); clip and two
     AdamW steps still train as one device (the wrappers' own reads stay the storage's)."""
     ref, mesh, ddp = _tp_ddp()
-    ps = list(ddp.parameters())
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    opt = torch.optim.AdamW(ps, lr=1e-2)
-    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for _ in range(2):
-        opt.zero_grad()
-        ro.zero_grad()
-        out = ddp(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()]))
-        ((out.full() - y) ** 2).mean().backward()
-        ((ref(x) - y) ** 2).mean().backward()
-        close(nn.utils.clip_grad_norm_(ps, 1.0), nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+
+    def grads_sum_as_one_devices(ps, ref):
         for p, q in zip(ps, ref.parameters()):
             close(p.grad.sum(), q.grad.sum())
-        opt.step()
-        ro.step()
-    for p, q in zip(ps, ref.parameters()):
-        with torch.no_grad():
-            close(p.norm(), q.norm())
+    ps = train_as_one_device(ref, mesh, ddp, grads_sum_as_one_devices)
     with pytest.raises(NotImplementedError, match=r"p\.grad\.full_tensor\(\)"):
         ps[0].grad[0]
     close(ps[0].grad.full_tensor()[0], next(ref.parameters()).grad[0])
