@@ -1,0 +1,222 @@
+"""What the planner's step for torchtitan's FSDP2 rows is made of, term by term.
+
+    PYTHONPATH=$PWD python benchmarks/torchtitan_breakdown.py            # ~2 s
+    PYTHONPATH=$PWD python benchmarks/torchtitan_breakdown.py --needed   # + ~10 s
+
+For each row of ``benchmarks/published_torchtitan.py`` (``ROWS``: Llama 3.1 8B on 8 and
+128 H100s, Llama 2 / 3 on 64 A100s, FSDP2 alone, eager) it prints, in seconds per step,
+the terms of ``wb.plan.estimate``'s step, each from the planner's own functions (as
+``benchmarks/h100_breakdown.py`` does for Megatron-LM's rows): the compute stream (the
+blocks' forward and backward with the op-level or full recompute and torchtitan's eager
+kernels, ``plan.titan_eager``; the output layer, final norm and loss; the embedding;
+FSDP2's copy-out and reduce-scatter copy-in, ``plan.fsdp2_cost``), FSDP2's collectives
+left exposed (forward and backward apart: ``zero_cost.zero_exposed`` over the stage's
+units with the root as one unit, ``plan.fsdp2_root``), the optimizer step; no pipeline,
+so no bubble.  Then the collectives of one unit (a transformer block; the root: the
+embedding, final norm and output layer) beside the compute that may hide them: the bf16
+all-gather and the fp32 reduce-scatter (torchtitan's ``MixedPrecisionPolicy(param_dtype=
+bf16, reduce_dtype=fp32)``, ``parallelize_llama.py:220-222`` at eb6aa6389) with the
+side-stream copies FSDP2 runs in series with them, a block's forward and backward.
+
+Bandwidth, needed against priced (the last table): ``priced`` is the bus bandwidth
+(nccl-tests' busbw, ``sim_mesh.cost.bus_bandwidth``) at which the clock runs a block's
+reduce-scatter over the row's FSDP group (NCCL's ring across the nodes' NICs, or NVLink
+inside one node); ``onset`` the bus bandwidth below which a block's all-gather of the
+next block plus its own reduce-scatter no longer fit in its backward (bytes on the wire
+over the backward's seconds; the forward's gather alone is the smaller need); ``--needed``
+adds ``gap``, the bus bandwidth at which the whole estimate would take the published step
+(the profile's link scaled, the estimate re-run, bisected): what the network would have
+had to be for it alone to explain the row.  Nothing here feeds the planner: a reading of
+where the gap could and could not be, not a fit (no parameter is set from ``gap``).
+
+``room``: the published step less the predicted compute and optimizer, i.e. what the
+measured run left for everything exposed beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import published as P  # noqa: E402
+import published_torchtitan as T  # noqa: E402
+import workbench as wb  # noqa: E402
+from workbench.plan import costs as C  # noqa: E402
+from workbench.plan import frameworks as F  # noqa: E402
+from workbench.plan import fsdp2_cost as FS  # noqa: E402
+from workbench.plan import fsdp2_root as FR  # noqa: E402
+from workbench.plan import zero_cost as Z  # noqa: E402
+from workbench.plan.edge_cost import edge_times  # noqa: E402
+from workbench.sim_mesh.cost import bus_bandwidth, overlap_rate  # noqa: E402
+from workbench.sim_mesh.topology import group_of  # noqa: E402
+
+
+def rows():
+    """torchtitan's rows of ``benchmarks/published.py`` (``published_torchtitan.ROWS``)."""
+    return list(T.ROWS)
+
+
+def _stream(cfg, lay, prof, layer, head, edge):
+    """The stage's FSDP2 units as ``estimate`` hands them to ``zero_cost.zero_exposed``
+    (one stage: the root unit first, then the blocks), the side-stream copies and the
+    collective prices per unit of n parameters."""
+    shards = lay.dp * lay.cp
+    copies = FS.stage_copies(Z.stage_blocks(cfg, lay, 0, layer, head, edge), cfg.n_layer,
+                             True, True, shards, lay.m, prof)
+    blocks, stay = FR.root_unit(copies["blocks"], copies["stay"], True, True, shards, prof)
+    ranks = tuple(lay.grad_ranks(0, 0))
+    g = F.grad_reduce_bytes(lay.engine, cfg.dtype)
+
+    def gather(n):
+        return C.group_price("all_gather", 2 * n, ranks, prof) + copies["gather_extra"](n)
+
+    def reduce(n):
+        return C.group_price("reduce_scatter", g * n, ranks, prof) + copies["reduce_extra"](n)
+
+    return dict(copies=copies, blocks=blocks, stay=stay, ranks=ranks, grad_bytes=g,
+                gather=gather, reduce=reduce)
+
+
+def breakdown(row) -> dict:
+    """The step's terms for one row (module docstring), seconds per step."""
+    cfg, lay, cl = P.build(row)
+    r = P.predict(row)
+    est = r["estimate"]
+    prof = FS.sdpa_profile(cl.profile)       # the attention kernel SDPA runs, as estimate
+    d = est.details
+    if lay.pp != 1 or lay.tp != 1 or lay.cp != 1 or lay.engine != "fsdp":
+        raise ValueError(f"breakdown: {row['name']!r} is {lay.short()}; this reads FSDP2 "
+                         f"alone (tp = pp = cp = 1), as torchtitan's rows run")
+    st = next(iter(d["stages"].values()))
+    m, n_layers = d["micro_batches"], cfg.n_layer
+    ly, hd = d["layer"], d["head"]
+    edge = edge_times(cfg, lay.micro_batch, 1, False, prof)
+    eager = d["torchtitan_eager"] or {"forward": 0.0, "backward": 0.0}
+    s = _stream(cfg, lay, prof, ly, hd, edge)
+    fwd_x, bwd_x = Z.zero_exposed(s["blocks"], 3, s["gather"], s["reduce"],
+                                  prefetch_numel=F.FSDP_PREFETCH_UNITS,
+                                  rate=overlap_rate(prof), stay=s["stay"])
+    blk = next(b for b in s["blocks"][1:] if b.numel)    # a transformer block
+    root = s["blocks"][0]
+    p, gb = len(s["ranks"]), s["grad_bytes"]
+    ag_b = C.group_price("all_gather", 2 * blk.numel, s["ranks"], prof)
+    rs_b = C.group_price("reduce_scatter", gb * blk.numel, s["ranks"], prof)
+    # torchtitan's TPS/GPU: local batch x sequence tokens per GPU per step
+    published = lay.micro_batch * m * cfg.seq_len / row["published"]
+    grp = group_of(s["ranks"], prof)
+    wire = (p - 1) / p * (2 + gb) * blk.numel        # a backward's gather + reduce-scatter
+    return dict(
+        name=row["name"], gpus=row["devices"], profile=row["profile"],
+        recompute=lay.recompute, mbs=lay.micro_batch, m=m, ratio=r["ratio"],
+        published=published, predicted=est.step_time,
+        compute=m * st["compute"],
+        blocks=m * n_layers * (ly.fwd_compute + ly.bwd_compute),
+        eager=m * n_layers * (eager["forward"] + eager["backward"]),
+        head_loss=m * (hd.fwd_compute + hd.bwd_compute + sum(edge["last"])),
+        embedding=m * sum(edge["first"]),
+        copies=m * (st["copies"]["forward"] + st["copies"]["backward"]),
+        grad_accumulation=m * st["grad_accumulation"],
+        exposed=st["dp"], exposed_forward=m * fwd_x, exposed_backward=m * bwd_x,
+        optimizer=d["optimizer"], bubble=est.breakdown["bubble"],
+        room=published - m * st["compute"] - d["optimizer"],
+        nodes=grp.nodes, per_node=grp.local, block_params=blk.numel,
+        root_params=root.numel,
+        block_fwd=blk.fwd, block_bwd=blk.bwd,
+        block_all_gather=ag_b, block_reduce_scatter=rs_b,
+        block_gather_side=s["gather"](blk.numel) - ag_b,
+        block_reduce_side=s["reduce"](blk.numel) - rs_b,
+        root_all_gather=s["gather"](root.numel), root_reduce_scatter=s["reduce"](root.numel),
+        busbw_priced=bus_bandwidth("reduce_scatter", gb * blk.numel, p, rs_b),
+        busbw_onset=wire / blk.bwd,
+        link="inter_node" if grp.nodes > 1 else "intra_node")
+
+
+def _scaled(profile, link: str, x: float):
+    """``profile`` with ``link``'s bandwidth times ``x`` (a probe, never a profile)."""
+    ln = getattr(profile, link)
+    return dataclasses.replace(profile, **{link: dataclasses.replace(
+        ln, bandwidth=ln.bandwidth * x)})
+
+
+def needed_scale(row, iters: int = 24) -> "float | None":
+    """The factor on the row's bounding link (inter-node across nodes, NVLink inside one)
+    at which ``estimate`` takes the published step (bisected on log scale in 1e-3 .. 1;
+    None if even a thousand times slower a network leaves the estimate faster)."""
+    cfg, lay, cl = P.build(row)
+    r = P.predict(row)
+    target = r["estimate"].step_time * r["ratio"]
+    link = "inter_node" if group_of(tuple(lay.grad_ranks(0, 0)), cl.profile).nodes > 1 \
+        else "intra_node"
+
+    def step(x):
+        c = wb.plan.Cluster(_scaled(cl.profile, link, x), row["devices"])
+        return wb.plan.estimate(cfg, lay, c, attention=row["attention"],
+                                **row["estimate_args"]).step_time
+
+    lo, hi = 1e-3, 1.0
+    if step(lo) < target:
+        return None
+    if step(hi) >= target:
+        return 1.0
+    for _ in range(iters):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if step(mid) >= target else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--needed", action="store_true",
+                    help="also bisect the bus bandwidth that would explain each row's gap")
+    args = ap.parse_args(argv)
+    out = [breakdown(row) for row in rows()]
+    print("torchtitan FSDP2 rows (benchmarks/published_torchtitan.py): the predicted step's "
+          "terms, seconds per step")
+    print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'ratio':>6}{'publ.':>7}{'pred.':>7}"
+          f"{'compute':>8}{'blocks':>7}{'eager':>6}{'head':>6}{'emb':>6}{'copies':>7}"
+          f"{'exp fwd':>8}{'exp bwd':>8}{'opt':>6}{'room':>7}")
+    for x in out:
+        print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}{x['ratio']:>6.3f}"
+              f"{x['published']:>7.3f}{x['predicted']:>7.3f}{x['compute']:>8.3f}"
+              f"{x['blocks']:>7.3f}{x['eager']:>6.3f}{x['head_loss']:>6.3f}"
+              f"{x['embedding']:>6.3f}{x['copies']:>7.3f}{x['exposed_forward']:>8.3f}"
+              f"{x['exposed_backward']:>8.3f}{x['optimizer']:>6.3f}{x['room']:>7.3f}")
+    print("  (blocks: with their recompute and eager kernels; eager: that part of blocks; "
+          "head: output layer, final norm, loss)")
+    print("  one unit's collectives (ms; + the side-stream copies FSDP2 runs in series) "
+          "beside a block's compute")
+    print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'nodes':>6}{'/node':>6}{'block':>7}"
+          f"{'AG bf16':>9}{'RS fp32':>9}{'+side':>7}{'fwd':>7}{'bwd':>7}{'root':>7}"
+          f"{'root AG':>8}{'root RS':>8}")
+    for x in out:
+        print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}{x['nodes']:>6}"
+              f"{x['per_node']:>6}{x['block_params'] / 1e6:>6.0f}M"
+              f"{1e3 * x['block_all_gather']:>9.2f}{1e3 * x['block_reduce_scatter']:>9.2f}"
+              f"{1e3 * (x['block_gather_side'] + x['block_reduce_side']):>7.2f}"
+              f"{1e3 * x['block_fwd']:>7.1f}{1e3 * x['block_bwd']:>7.1f}"
+              f"{x['root_params'] / 1e6:>6.0f}M{1e3 * x['root_all_gather']:>8.2f}"
+              f"{1e3 * x['root_reduce_scatter']:>8.2f}")
+    print("  bus bandwidth of the FSDP group (GB/s, nccl-tests' busbw): the clock's, and "
+          "the least that hides a block's backward collectives"
+          + ("; gap: what would make the estimate the published step" if args.needed else ""))
+    for x in out:
+        extra = ""
+        if args.needed:
+            k = needed_scale(next(r for r in rows() if r["name"] == x["name"]
+                                  and r["devices"] == x["gpus"]
+                                  and r["layout"]["recompute"] == x["recompute"]
+                                  and r["layout"]["micro_batch"] == x["mbs"]))
+            extra = ("  gap: beyond 1000x slower" if k is None else
+                     f"  gap {x['busbw_priced'] * k / 1e9:7.1f} (x{k:.3f} on {x['link']})")
+        print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}"
+              f"priced {x['busbw_priced'] / 1e9:7.1f}  onset {x['busbw_onset'] / 1e9:6.1f}"
+              f"{extra}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
