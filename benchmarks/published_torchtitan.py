@@ -38,6 +38,11 @@ its mirror (``git show <commit>:<path>``):
   the production cluster on RoCE), with per-GPU power caps of 400 W (RSC) and 350 W
   (production): which one ran these rows is not stated, and the profile's GEMM rate is a
   400 W card's (a 350 W cap would slow the GEMMs; not measured here, not priced).
+  RSC's fabric: DGX A100s on "an NVIDIA Quantum 200 Gb/s InfiniBand two-level Clos fabric
+  that has no oversubscription" (Meta, "Introducing the AI Research SuperCluster",
+  2022-01-24), i.e. the profile's eight HDR ports per node, where NVIDIA measures 192 GB/s
+  all-reduce bus bandwidth (NVIDIA/nccl #812, A. Ladd); the production cluster's NICs per
+  node are not published: the network is UNCERTAIN, not ASSUMED slower (below).
   eb6aa6389's table also reports the 70B at
   local batch 2 with selective op checkpointing "OOM" (``OOM_ROWS``).
 
@@ -80,6 +85,28 @@ What the comparison says (measured when this module was written; the band in
   spans NVL .. SXM datasheet figures, not a power-capped clock); eager mode's host
   launch overhead (about 1 us per kernel assumed; PyTorch's dispatcher in eager mode
   costs more per op, not measured here); the A100 cluster's network (not stated).
+- The network, read term by term (``benchmarks/torchtitan_breakdown.py``, 2026-11-28):
+  FSDP2's collectives of a step take 0.16-0.21 s (8B, H100), 0.36 (8B), 0.58 (13B) and
+  2.9-3.0 s (70B, A100) end to end, of which 0.03-0.50 s are exposed; a block's bf16
+  all-gather and fp32 reduce-scatter (torchtitan's ``reduce_dtype=torch.float32``,
+  ``parallelize_llama.py:220-222`` at eb6aa6389) hide behind its backward down to a bus
+  bandwidth of 24-59 GB/s, where the clock prices 175-187 (A100, 8 nodes) and 306-364
+  (H100).  For the network alone to explain a row, the FSDP group's bus bandwidth would
+  have to be 24-49 GB/s on the A100 rows (x0.13-0.26 of the priced one), 26 GB/s on the
+  H100 row at 16 nodes and 40 GB/s over NVLink for the one-node row (``--needed``); no
+  source gives such a network: RSC's fabric is the profile's (above), the H100 hosts have
+  "400 Gb/s per GPU" (the benchmark file; so do the Grand Teton nodes of Meta's 24K H100
+  clusters, eight 400G backend NICs, two per PCIe switch: G. Lockwood's notes on them, a
+  secondary source), the one-node row has no network.  The pattern does not fit one either: at the same local batch Llama 2 13B
+  without recompute (less compute to hide behind) reads 1.176, with op-level recompute
+  1.191 (a network gap would shrink with more compute; measured op - none 0.514 s, priced
+  0.391), and with no overlap at all (every collective in series with compute) the 8B
+  rows still read 1.036-1.082 while the 70B rows turn pessimistic (0.911-0.971).  So the
+  A100 network stays the profile's, UNCERTAIN in the rows' assumption line.  Measured
+  beside it, not used: an H100 RoCE cluster's ring all_gather of 2 GB at 32 nodes at 200
+  GB/s bus bandwidth, against 340 for all_reduce (NVIDIA/nccl #1218, 16 channels forced);
+  at that rate the 8B/128 row's root unit (gathered before the forward, reduced after the
+  backward, ``plan.fsdp2_root``) would be exposed about 13 ms longer, 0.5% of its step.
 - The single-GPU compute under these rows, held to component measurements (later): on
   the H100 the planner's one-GPU step of a 1.7B GPT is the measured one
   (``benchmarks/gpu_step.py --compare``: 0.3925 / 0.3927 s) and its Llama 3 8B layer 0.93
@@ -134,8 +161,11 @@ _H100_ASSUME = (f"{_FSDP}; sequence 8192 and op-level SAC from llama3_8b.toml (9
 _A100_ASSUME = (f"{_FSDP}; local batch and checkpointing from the doc's table, sequence and "
                 f"norm_type from the configs of its commit (the 70Bs' configs are 2D runs': "
                 f"their norm_type ASSUMED for the 1D rows); "
-                f"the A100 cluster's network ASSUMED as the a100 profile's DGX A100 (one "
-                f"200 Gb/s HDR port per GPU)")
+                f"the A100 cluster's network UNCERTAIN: priced as the a100 profile's DGX "
+                f"A100 (one 200 Gb/s HDR port per GPU, RSC's fabric; which of Meta's two "
+                f"A100 clusters ran the rows is not stated, both with 200 Gbps endpoints); "
+                f"benchmarks/torchtitan_breakdown.py --needed prints the bus bandwidth each "
+                f"row's gap would need beside the priced one")
 
 
 # torch 1963fc83a1 (2024-12-23, the H100 runs' own): SDPA's priority puts FlashAttention-2
@@ -186,8 +216,11 @@ NOTE = ("torchtitan's FSDP2 rows without torch.compile or Float8 (module "
         "published_torchtitan: what is left out and why); H100 rows on profile "
         "h100-hbm2e (96 GB HBM2e, 2.4 TB/s, 500 W; the compute peak between NVL and SXM: "
         "the midpoint ASSUMED, the range spans both; SDPA's FlashAttention-2 at both ends, "
-        "as torch 1963fc83a1 ran it), A100 rows on the a100 profile "
-        "(network ASSUMED); tokens per second per GPU as torchtitan logs them")
+        "as torch 1963fc83a1 ran it; 400 Gb/s RDMA per GPU as stated, the fabric not "
+        "named), A100 rows on the a100 profile (network UNCERTAIN: 200 Gb/s per GPU as "
+        "RSC's DGX A100s, the cluster not stated; the bus bandwidth each row's gap would "
+        "need: benchmarks/torchtitan_breakdown.py --needed); tokens per second per GPU as "
+        "torchtitan logs them")
 
 
 def estimate(row):

@@ -30,7 +30,19 @@ had to be for it alone to explain the row.  Nothing here feeds the planner: a re
 where the gap could and could not be, not a fit (no parameter is set from ``gap``).
 
 ``room``: the published step less the predicted compute and optimizer, i.e. what the
-measured run left for everything exposed beside them.
+measured run left for everything exposed beside them.  ``serial``: the step were no
+FSDP2 collective hidden (all of them end to end, their side copies included, in series
+with the compute): the most any overlap model at the priced bandwidth can add.
+
+What it said on 2026-11-28 (the network sources and the reading are in
+``published_torchtitan``'s docstring): the rows' FSDP2 collectives are hidden by 5-10x
+(the onset bus bandwidth 24-59 GB/s against the 175-364 priced), the needed bandwidth
+for a network explanation (24-49 GB/s on the A100 rows) has no source (RSC's DGX A100s:
+one 200 Gb/s HDR port per GPU on a non-blocking fabric, 192 GB/s all-reduce bus
+bandwidth measured by NVIDIA; the H100 hosts: 400 Gb/s per GPU), and with no overlap at
+all the 8B rows would still be optimistic and the 70B rows pessimistic.  The FSDP2
+kernels around the collectives (copy-in, copy-out, chunk-cat, AVG instead of divides)
+are those of the rows' releases (``plan.fsdp2_cost``) and priced.
 """
 from __future__ import annotations
 
@@ -106,6 +118,10 @@ def breakdown(row) -> dict:
     ag_b = C.group_price("all_gather", 2 * blk.numel, s["ranks"], prof)
     rs_b = C.group_price("reduce_scatter", gb * blk.numel, s["ranks"], prof)
     # torchtitan's TPS/GPU: local batch x sequence tokens per GPU per step
+    # every FSDP2 collective of the step (with its side-stream copies) end to end: each
+    # unit gathered for forward, again for backward unless kept (``stay``), reduced once
+    coll = m * sum(s["gather"](b.numel) * (1 + (i not in s["stay"])) + s["reduce"](b.numel)
+                   for i, b in enumerate(s["blocks"]) if b.numel)
     published = lay.micro_batch * m * cfg.seq_len / row["published"]
     grp = group_of(s["ranks"], prof)
     wire = (p - 1) / p * (2 + gb) * blk.numel        # a backward's gather + reduce-scatter
@@ -121,7 +137,8 @@ def breakdown(row) -> dict:
         copies=m * (st["copies"]["forward"] + st["copies"]["backward"]),
         grad_accumulation=m * st["grad_accumulation"],
         exposed=st["dp"], exposed_forward=m * fwd_x, exposed_backward=m * bwd_x,
-        optimizer=d["optimizer"], bubble=est.breakdown["bubble"],
+        optimizer=d["optimizer"], bubble=est.breakdown["bubble"], collectives=coll,
+        serial=m * st["compute"] + coll + d["optimizer"],
         room=published - m * st["compute"] - d["optimizer"],
         nodes=grp.nodes, per_node=grp.local, block_params=blk.numel,
         root_params=root.numel,
@@ -187,6 +204,14 @@ def main(argv=None):
               f"{x['exposed_backward']:>8.3f}{x['optimizer']:>6.3f}{x['room']:>7.3f}")
     print("  (blocks: with their recompute and eager kernels; eager: that part of blocks; "
           "head: output layer, final norm, loss)")
+    print("  FSDP2's collectives end to end (+ side copies) and the step were none of them "
+          "hidden: the bound on what any overlap model can add")
+    print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'coll.':>7}{'exposed':>8}{'serial':>8}"
+          f"{'publ.':>7}{'ratio if serial':>16}")
+    for x in out:
+        print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}{x['collectives']:>7.3f}"
+              f"{x['exposed']:>8.3f}{x['serial']:>8.3f}{x['published']:>7.3f}"
+              f"{x['published'] / x['serial']:>16.3f}")
     print("  one unit's collectives (ms; + the side-stream copies FSDP2 runs in series) "
           "beside a block's compute")
     print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'nodes':>6}{'/node':>6}{'block':>7}"

@@ -33,6 +33,9 @@ def test_the_terms_sum_to_the_estimate(terms):
         # the published step from the TPS/GPU: the predicted step x the ratio (of throughputs)
         assert x["published"] == pytest.approx(x["predicted"] * x["ratio"], rel=1e-9)
         assert x["room"] == pytest.approx(x["published"] - x["compute"] - x["optimizer"])
+        # what is exposed is part of the collectives' own seconds (slowed compute included)
+        assert 0 < x["exposed"] < x["collectives"], x["name"]
+        assert x["serial"] == pytest.approx(x["compute"] + x["collectives"] + x["optimizer"])
 
 
 def test_a_block_is_a_block_and_the_root_its_own_unit(terms):

@@ -28,9 +28,15 @@ parameters (torchtitan's default, ``frameworks``):
   the copy-in finishes can we free the gradients", then ``reduce_scatter_stream.
   wait_stream(current_stream)``; pytorch/pytorch#129721, 2024-06, moved it there; before,
   it ran on the reduce-scatter stream and the current stream waited for it,
-  ``current_stream.wait_stream(reduce_scatter_stream)``: on the critical path either way);
+  ``current_stream.wait_stream(reduce_scatter_stream)``: on the critical path either way;
+  ``_chunk_cat`` since pytorch/pytorch#122888, 2024-03-28, so in the April 2024 nightlies
+  of the A100 rows too: before it, ``torch.cat`` of padded views; #120678, which added
+  its CUDA path, measured bf16 in / fp32 out at 278 G elements/s on an H100, 1.67 TB/s
+  read + written, where ``COPY_RATE``'s measurement reads 1.84: within 10%);
 - after the reduce-scatter, on the reduce-scatter stream: no division (fp32 reduces with
-  NCCL's AVG, ``_get_gradient_divide_factors``), no cast (``reduce_dtype`` = the fp32
+  NCCL's AVG, ``_get_gradient_divide_factors``; since pytorch/pytorch#120919, 2024-02-29:
+  before it, a pre- and a post-divide ``div_``, the first over the whole fp32 input on the
+  critical path; neither in the rows' releases), no cast (``reduce_dtype`` = the fp32
   original dtype), the shard assigned as the gradient on the first micro-batch of a step
   and accumulated (``sharded_param.grad._local_tensor += new_sharded_grad``: read 4 + 4,
   write 4 bytes per shard element) on the later ones (torchtitan reduces every
