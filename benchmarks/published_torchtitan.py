@@ -97,10 +97,10 @@ What the comparison says (measured when this module was written; the band in
   source gives such a network: RSC's fabric is the profile's (above), the H100 hosts have
   "400 Gb/s per GPU" (the benchmark file; so do the Grand Teton nodes of Meta's 24K H100
   clusters, eight 400G backend NICs, two per PCIe switch: G. Lockwood's notes on them, a
-  secondary source), the one-node row has no network.  The pattern does not fit one either: at the same local batch Llama 2 13B
-  without recompute (less compute to hide behind) reads 1.176, with op-level recompute
-  1.191 (a network gap would shrink with more compute; measured op - none 0.514 s, priced
-  0.391), and with no overlap at all (every collective in series with compute) the 8B
+  secondary source), the one-node row has no network.  The pattern does not fit one
+  either: at the same local batch Llama 2 13B without recompute (less compute to hide
+  behind) reads 1.176, with op-level recompute 1.191 (a network gap would shrink with
+  more compute; measured op - none 0.514 s, priced 0.391), and with no overlap at all (every collective in series with compute) the 8B
   rows still read 1.036-1.082 while the 70B rows turn pessimistic (0.911-0.971).  So the
   A100 network stays the profile's, UNCERTAIN in the rows' assumption line.  Measured
   beside it, not used: an H100 RoCE cluster's ring all_gather of 2 GB at 32 nodes at 200

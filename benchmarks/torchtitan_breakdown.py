@@ -35,8 +35,8 @@ FSDP2 collective hidden (all of them end to end, their side copies included, in 
 with the compute): the most any overlap model at the priced bandwidth can add.
 
 What it said on 2026-11-28 (the network sources and the reading are in
-``published_torchtitan``'s docstring): the rows' FSDP2 collectives are hidden by 5-10x
-(the onset bus bandwidth 24-59 GB/s against the 175-364 priced), the needed bandwidth
+``published_torchtitan``'s docstring): the rows' FSDP2 collectives hide with 3-17x to
+spare (the onset bus bandwidth 24-59 GB/s against the 175-364 priced), the needed bandwidth
 for a network explanation (24-49 GB/s on the A100 rows) has no source (RSC's DGX A100s:
 one 200 Gb/s HDR port per GPU on a non-blocking fabric, 192 GB/s all-reduce bus
 bandwidth measured by NVIDIA; the H100 hosts: 400 Gb/s per GPU), and with no overlap at
