@@ -91,22 +91,23 @@ What the comparison says (measured when this module was written; the band in
   all-gather and fp32 reduce-scatter (torchtitan's ``reduce_dtype=torch.float32``,
   ``parallelize_llama.py:220-222`` at eb6aa6389) hide behind its backward down to a bus
   bandwidth of 24-59 GB/s, where the clock prices 175-187 (A100, 8 nodes) and 306-364
-  (H100).  For the network alone to explain a row, the FSDP group's bus bandwidth would
+  (H100). For the network alone to explain a row, the FSDP group's bus bandwidth would
   have to be 24-49 GB/s on the A100 rows (x0.13-0.26 of the priced one), 26 GB/s on the
   H100 row at 16 nodes and 40 GB/s over NVLink for the one-node row (``--needed``); no
-  source gives such a network: RSC's fabric is the profile's (above), the H100 hosts have
-  "400 Gb/s per GPU" (the benchmark file; so do the Grand Teton nodes of Meta's 24K H100
-  clusters, eight 400G backend NICs, two per PCIe switch: G. Lockwood's notes on them, a
-  secondary source), the one-node row has no network.  The pattern does not fit one
-  either: at the same local batch Llama 2 13B without recompute (less compute to hide
-  behind) reads 1.176, with op-level recompute 1.191 (a network gap would shrink with
-  more compute; measured op - none 0.514 s, priced 0.391), and with no overlap at all (every collective in series with compute) the 8B
-  rows still read 1.036-1.082 while the 70B rows turn pessimistic (0.911-0.971).  So the
-  A100 network stays the profile's, UNCERTAIN in the rows' assumption line.  Measured
-  beside it, not used: an H100 RoCE cluster's ring all_gather of 2 GB at 32 nodes at 200
-  GB/s bus bandwidth, against 340 for all_reduce (NVIDIA/nccl #1218, 16 channels forced);
-  at that rate the 8B/128 row's root unit (gathered before the forward, reduced after the
-  backward, ``plan.fsdp2_root``) would be exposed about 13 ms longer, 0.5% of its step.
+  source gives such a network: RSC's fabric is the profile's (above), the H100 hosts
+  have "400 Gb/s per GPU" (the benchmark file; so do the Grand Teton nodes of Meta's 24K
+  H100 clusters, eight 400G backend NICs, two per PCIe switch: G. Lockwood's notes on
+  them, a secondary source), the one-node row has no network. The pattern does not fit
+  one either: at the same local batch Llama 2 13B without recompute (less compute to
+  hide behind) reads 1.176, with op-level recompute 1.191 (a network gap would shrink
+  with more compute; measured op - none 0.514 s, priced 0.391), and with no overlap at
+  all (every collective in series with compute) the 8B rows still read 1.036-1.082 while
+  the 70B rows turn pessimistic (0.911-0.971). So the A100 network stays the profile's,
+  UNCERTAIN in the rows' assumption line. Measured beside it, not used: an H100 RoCE
+  cluster's ring all_gather of 2 GB at 32 nodes at 200 GB/s bus bandwidth, against 340
+  for all_reduce (NVIDIA/nccl #1218, 16 channels forced); at that rate the 8B/128 row's
+  root unit (gathered before the forward, reduced after the backward,
+  ``plan.fsdp2_root``) would be exposed about 13 ms longer, 0.5% of its step.
 - The single-GPU compute under these rows, held to component measurements (later): on
   the H100 the planner's one-GPU step of a 1.7B GPT is the measured one
   (``benchmarks/gpu_step.py --compare``: 0.3925 / 0.3927 s) and its Llama 3 8B layer 0.93
