@@ -32,8 +32,8 @@ its mirror (``git show <commit>:<path>``):
   local batch 16 / 8, full checkpointing, not the 1D rows; local batch and checkpointing
   are the tables'); op-level SAC as at 9dec370ad2 (``parallelize_llama.py``'s
   ``no_recompute_list`` and "every second mm").
-  The network of those A100s is not stated: ASSUMED the ``a100`` profile's DGX A100
-  (one 200 Gb/s HDR InfiniBand port per GPU); Meta's two A100 clusters of the time both
+  The network of those A100s is not stated: priced as the ``a100`` profile's DGX A100
+  (one 200 Gb/s HDR InfiniBand port per GPU), UNCERTAIN; Meta's two A100 clusters of the time both
   had 200 Gbps endpoints (Touvron et al. 2023, "Llama 2", sec. 2.2.1: RSC on InfiniBand,
   the production cluster on RoCE), with per-GPU power caps of 400 W (RSC) and 350 W
   (production): which one ran these rows is not stated, and the profile's GEMM rate is a

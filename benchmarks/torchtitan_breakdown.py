@@ -15,7 +15,9 @@ units with the root as one unit, ``plan.fsdp2_root``), the optimizer step; no pi
 so no bubble.  Then the collectives of one unit (a transformer block; the root: the
 embedding, final norm and output layer) beside the compute that may hide them: the bf16
 all-gather and the fp32 reduce-scatter (torchtitan's ``MixedPrecisionPolicy(param_dtype=
-bf16, reduce_dtype=fp32)``, ``parallelize_llama.py:220-222`` at eb6aa6389) with the
+bf16, reduce_dtype=fp32)``, ``parallelize_llama.py:220-222`` at eb6aa6389; at 9dec370ad2
+``config_manager.py:389-392``, ``--training.mixed_precision_reduce`` default "float32",
+its only choice) with the
 side-stream copies FSDP2 runs in series with them, a block's forward and backward.
 
 Bandwidth, needed against priced (the last table): ``priced`` is the bus bandwidth
