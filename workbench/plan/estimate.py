@@ -90,7 +90,8 @@ from . import layer_cost as LC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
-from .memory import _regather, memory_margin, stage_memory, stage_params
+from .memory import (_regather, memory_margin, stage_memory, stage_params,
+                     stage_workspace_terms)
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -523,6 +524,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
                             memory=mem,
+                            # the workspace's instants (the loss, the layers' backward)
+                            # and their terms (memory.workspace_terms)
+                            workspace_terms=stage_workspace_terms(cfg, lay, s, attention,
+                                                                  prof),
                             # what PyTorch's caching allocator keeps reserved beyond the
                             # pipeline phase's live peak (plan.allocator), and the
                             # reserved peak: nvidia-smi's reading less the context;
