@@ -323,3 +323,25 @@ def test_dry_run_workspace_follows_the_rules():
     assert a.dry_run.memory["workspace"] == t["workspace"] == a.estimate.memory["workspace"]
     for r in a.stage_ratios:
         assert abs(r - 1) <= MEMORY_RTOL
+
+
+def test_megatron_without_fusion_has_fresh_gradients():
+    """Megatron-LM before gradient accumulation fusion (Narayanan et al.'s 2021 code,
+    ``estimate(..., gradient_accumulation_fusion=False)``): autograd writes each weight
+    gradient, the DDP hook adds it into ``main_grad`` and frees it, so fc2's and (pp = 1,
+    tied) the head's are live at the recompute's peak; with the fusion neither."""
+    from workbench.plan.memory import workspace_terms
+    cfg = _cfg(V=512, tied=True)
+    lay = Layout(dp=8, recompute="full", micro_batch=2, global_batch=16,
+                 framework="megatron")
+    fused = workspace_terms(cfg, lay, 0)
+    old = workspace_terms(cfg, lay, 0, fusion=False)
+    assert fused["weight gradient"] == fused["tied head gradient"] == 0.0
+    assert old["weight gradient"] == 2 * (1024 * 256 + 256)
+    assert old["tied head gradient"] == 2 * 512 * 256
+    assert stage_memory(cfg, lay, 0, fusion=False)["workspace"] == old["workspace"]
+    est = estimate(cfg, lay, Cluster("a100", 8), gradient_accumulation_fusion=False)
+    assert est.memory["workspace"] == old["workspace"] > fused["workspace"]
+    assert est.details["stages"]["only"]["workspace_terms"]["tied head gradient"] == 2 * 512 * 256
+    with pytest.raises(ValueError, match="fusion"):
+        stage_memory(cfg, lay, 0, fusion="no")

@@ -518,7 +518,10 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = OS.step_seconds(opt_passes, psi, updated, prof,
                               M21.TENSORS_PER_LAYER * max(n_layers, 1))
-        mem = stage_memory(cfg, lay, s, attention, prof)
+        # Megatron-LM without gradient accumulation fusion: fresh 16-bit weight gradients
+        # (memory._fresh_gradients); None otherwise (the cached default)
+        mem_fusion = False if lay.engine == "megatron" and not fusion else None
+        mem = stage_memory(cfg, lay, s, attention, prof, mem_fusion)
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
@@ -527,7 +530,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                             # the workspace's instants (the loss, the layers' backward)
                             # and their terms (memory.workspace_terms)
                             workspace_terms=stage_workspace_terms(cfg, lay, s, attention,
-                                                                  prof),
+                                                                  prof, mem_fusion),
                             # what PyTorch's caching allocator keeps reserved beyond the
                             # pipeline phase's live peak (plan.allocator), and the
                             # reserved peak: nvidia-smi's reading less the context;

@@ -326,7 +326,7 @@ _LAST: list = [(None, None, None, None, {})]    # (cfg, layout, attention, profi
 
 
 def stage_memory(cfg, layout, stage: int, attention: "str | None" = None,
-                 profile=None) -> dict:
+                 profile=None, fusion: "bool | None" = None) -> dict:
     """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
     "workspace", "total"} bytes on a rank of ``stage`` of ``layout`` (a
     :class:`~workbench.plan.layout.Layout`): the first three ZeRO's partitioned model
@@ -336,24 +336,31 @@ def stage_memory(cfg, layout, stage: int, attention: "str | None" = None,
     ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
     it (:func:`workspace_bytes`) (module docstring).  ``attention``: as
     ``plan.estimate``'s (None: "materialized" for a GPT, "flash" for a Llama, whose
-    block is modeled with the fused kernel only); ``profile``: a Profile or its name."""
+    block is modeled with the fused kernel only); ``profile``: a Profile or its name;
+    ``fusion``: Megatron-LM's gradient accumulation fusion (``plan.megatron_2021``; None:
+    on, its default since 2022-02), which decides whether its weight gradients are fresh
+    tensors (:func:`_fresh_gradients`)."""
+    _check("stage_memory", "fusion", fusion, fusion is None or isinstance(fusion, bool),
+           "give True, False or None (Megatron-LM's default: on)")
     if isinstance(profile, str):         # a profile's name, as Cluster takes it
         profile = get_profile(profile)
     attention = attention_for(cfg, attention)    # a Llama's "materialized": refused
     if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
-        return _stage_memory(cfg, layout, stage, attention, profile)
+        return _stage_memory(cfg, layout, stage, attention, profile, fusion)
     last = _LAST[0]
     if not (last[1] is layout and last[0] is cfg and last[3] is profile
             and last[2] == attention):
         last = _LAST[0] = (cfg, layout, attention, profile, {})
-    mem = last[4].get(stage)
+    key = stage if fusion is None else (stage, fusion)
+    mem = last[4].get(key)
     if mem is None:
-        mem = last[4][stage] = _stage_memory(cfg, layout, stage, attention, profile)
+        mem = last[4][key] = _stage_memory(cfg, layout, stage, attention, profile, fusion)
+        last[4][("terms", key)] = _TERMS[0]      # stage_workspace_terms reads them
     return dict(mem)        # a copy: callers keep what they get
 
 
 def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
-                  profile=None) -> dict:
+                  profile=None, fusion: "bool | None" = None) -> dict:
     """:func:`stage_memory`, computed."""
     lay = layout
     _check("stage_memory", "layout", layout, isinstance(layout, Layout),
@@ -414,7 +421,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
-    terms = workspace_terms(tcfg, lay, stage, attention, unreduced)
+    terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)
     mem["workspace"] = terms["workspace"]
     if lay.engine == "deepspeed-0.3" and lay.zero == 3 and lay.dp > 1:
         # DeepSpeed v0.3.13 (tp = pp = 1): the head's tensors are not live at the layers'
@@ -447,19 +454,24 @@ _TERMS: list = [None]      # the workspace terms of the last stage _stage_memory
 
 
 def stage_workspace_terms(cfg, layout, stage: int, attention: "str | None" = None,
-                          profile=None) -> dict:
+                          profile=None, fusion: "bool | None" = None) -> dict:
     """:func:`workspace_terms` of a rank of ``stage`` of ``layout`` as
     :func:`stage_memory` counts it (its ``unreduced``: the gradients its ``buffers``
     hold); "workspace" is ``stage_memory``'s (where a framework's own term sets it:
     DeepSpeed v0.3's backward peak, BF16_Optimizer's copies, that figure)."""
     if isinstance(profile, str):
         profile = get_profile(profile)
-    mem = _stage_memory(cfg, layout, stage, attention_for(cfg, attention), profile)
-    return dict(_TERMS[0], workspace=mem["workspace"])
+    mem = stage_memory(cfg, layout, stage, attention, profile, fusion)   # checks; cached
+    key = ("terms", stage if fusion is None else (stage, fusion))
+    terms = _LAST[0][4].get(key) if _LAST[0][1] is layout else None
+    if terms is None:           # not cached (an argument stage_memory does not cache)
+        _stage_memory(cfg, layout, stage, attention_for(cfg, attention), profile, fusion)
+        terms = _TERMS[0]
+    return dict(terms, workspace=mem["workspace"])
 
 
 def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
-                    unreduced: float = 0.0) -> float:
+                    unreduced: float = 0.0, fusion: "bool | None" = None) -> float:
     """Transient bytes on a rank of ``stage`` at its peak beyond what is saved for
     backward (``activations``) and the ``buffers``: the larger of two instants
     (:func:`workspace_terms` names their terms), at least 0:
@@ -486,11 +498,11 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
     Not counted: a layer backward's activation-gradient temporaries (e.g. the MLP
     input's gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context
     assumption)."""
-    return workspace_terms(cfg, lay, stage, attention, unreduced)["workspace"]
+    return workspace_terms(cfg, lay, stage, attention, unreduced, fusion)["workspace"]
 
 
 def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
-                    unreduced: float = 0.0) -> dict:
+                    unreduced: float = 0.0, fusion: "bool | None" = None) -> dict:
     """The terms of :func:`workspace_bytes` (bytes): "recompute", the fresh
     "weight gradient", the "tied head gradient", FSDP2's "previous reduce-scatter
     input", "counted in buffers" (``unreduced``), "head freed", the two instants
@@ -499,7 +511,7 @@ def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
     remat = 0.0
     if lay.recompute != "none":
         remat = max(0.0, _remat_bytes(cfg, lay, stage, attention))
-    live = _live_gradient_bytes(cfg, lay, stage)
+    live = _live_gradient_bytes(cfg, lay, stage, fusion)
     first = live["weight gradient"]
     # the full (op-level, chunked) recompute re-runs the block as its backward starts, so
     # the first weight gradient is allocated with all of it live (measured: fc2's whole
@@ -520,22 +532,27 @@ def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
             "workspace": max(0.0, layers, loss)}
 
 
-def _fresh_gradients(lay) -> bool:
+def _fresh_gradients(lay, fusion: "bool | None" = None) -> bool:
     """Whether the weight gradient autograd computes is a tensor of its own beside the
     gradient states ``grads`` counts (and so live, whole, until the framework's hook or
     AccumulateGrad takes it):
-    - Megatron-LM: no; its linear layers accumulate their weight gradient into the
-      resident ``main_grad`` buffer (``gradient_accumulation_fusion``, on by default:
-      ``megatron/core/tensor_parallel/layers.py``, LinearWithGradAccumulationAndAsync
-      Communication.backward, ``wgrad_gemm_accum_fp32`` into ``weight.main_grad``), the
-      tied output layer's included;
+    - Megatron-LM with ``gradient_accumulation_fusion`` (``fusion`` None or True, its
+      default since 83b1e42f30, 2022-02: ``plan.megatron_2021``): no; its linear layers'
+      weight-gradient GEMM adds into the resident ``main_grad`` buffer
+      (``megatron/core/tensor_parallel/layers.py``, LinearWithGradAccumulationAndAsync
+      Communication.backward, ``wgrad_gemm_accum_fp32``), the tied output layer's
+      included (2e90a342f5 returns ``grad_weight = None``; f2e5db402c hands autograd a
+      dummy zeroed V h / t gradient for a tied head on the embedding's stage,
+      ``zero_out_wgrad``, ``plan.megatron_hook_add``: NOT counted, as there);
+      without it (``fusion=False``, Narayanan et al.'s 2021 code): yes, autograd's
+      16-bit gradient, which the DDP hook adds into ``main_grad`` and frees;
     - ZeRO-2/3 (DeepSpeed, this library's recipe) and FSDP2: yes, autograd's gradient,
       reduce-scattered and freed by the framework's hook after it is complete;
     - ZeRO-0/1 of the others: only when a micro-batch adds to the gradient the earlier
       ones left (PyTorch's AccumulateGrad adds the new tensor into ``.grad``; the first
       micro-batch's is stolen as ``.grad``): m > 1."""
     if lay.engine == "megatron":
-        return False
+        return fusion is False
     return lay.zero >= 2 or lay.engine == "fsdp" or lay.m > 1
 
 
@@ -548,7 +565,7 @@ def _first_weight_grad_numel(cfg, tp: int) -> float:
     return h * f / tp + (0 if cfg.arch == "llama" else h)
 
 
-def _live_gradient_bytes(cfg, lay, stage: int) -> dict:
+def _live_gradient_bytes(cfg, lay, stage: int, fusion: "bool | None" = None) -> dict:
     """16-bit gradients live at a layer's first weight gradient beyond the states
     (:func:`workspace_bytes`):
     - "weight gradient": that gradient, whole (:func:`_fresh_gradients`);
@@ -558,7 +575,7 @@ def _live_gradient_bytes(cfg, lay, stage: int) -> dict:
       uses: the engine runs AccumulateGrad once all its inputs arrived), all through
       the layers' backward (measured, tests/test_i21mem.py and test_i21mem3.py), V h / t;
       where fresh gradients are (Megatron-LM's fused accumulation writes the head's
-      into ``main_grad``);
+      into ``main_grad``: not);
     - "previous reduce-scatter input": FSDP2 keeps the previous unit's fp32
       reduce-scatter input (``FSDPCommContext.reduce_scatter_state(s)``) until the next
       unit's ``post_backward`` waits for it (torch/distributed/fsdp/_fully_shard/
@@ -569,7 +586,7 @@ def _live_gradient_bytes(cfg, lay, stage: int) -> dict:
       largest unit when m > 1: the previous micro-batch's last unit too)."""
     out = {"weight gradient": 0.0, "tied head gradient": 0.0,
            "previous reduce-scatter input": 0.0}
-    if not _fresh_gradients(lay):
+    if not _fresh_gradients(lay, fusion):
         return out
     out["weight gradient"] = 2 * _first_weight_grad_numel(cfg, lay.tp)
     if lay.pp == 1 and cfg.tie_embeddings:
