@@ -532,7 +532,7 @@ def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
             "workspace": max(0.0, layers, loss)}
 
 
-def _fresh_gradients(lay, fusion: "bool | None" = None) -> bool:
+def _fresh_gradients(cfg, lay, fusion: "bool | None" = None) -> bool:
     """Whether the weight gradient autograd computes is a tensor of its own beside the
     gradient states ``grads`` counts (and so live, whole, until the framework's hook or
     AccumulateGrad takes it):
@@ -548,11 +548,17 @@ def _fresh_gradients(lay, fusion: "bool | None" = None) -> bool:
       16-bit gradient, which the DDP hook adds into ``main_grad`` and frees;
     - ZeRO-2/3 (DeepSpeed, this library's recipe) and FSDP2: yes, autograd's gradient,
       reduce-scattered and freed by the framework's hook after it is complete;
+    - DeepSpeed's BF16_Optimizer (``plan.bf16_optimizer``): no; ``clear_lp_grads`` sets
+      the bf16 ``.grad`` to None before each micro-batch's backward, so AccumulateGrad
+      steals autograd's gradient as ``.grad``, which ``grads`` counts;
     - ZeRO-0/1 of the others: only when a micro-batch adds to the gradient the earlier
-      ones left (PyTorch's AccumulateGrad adds the new tensor into ``.grad``; the first
-      micro-batch's is stolen as ``.grad``): m > 1."""
+      ones left (PyTorch's AccumulateGrad adds the new tensor into ``.grad``,
+      ``variable_grad += new_grad``; the first micro-batch's is stolen as ``.grad``): m >
+      1 (DeepSpeed's fp16 pipeline engine, this library's recipe: ``plan.megatron_2021``)."""
     if lay.engine == "megatron":
         return fusion is False
+    if _bf16.applies(cfg, lay):
+        return False
     return lay.zero >= 2 or lay.engine == "fsdp" or lay.m > 1
 
 
@@ -586,7 +592,7 @@ def _live_gradient_bytes(cfg, lay, stage: int, fusion: "bool | None" = None) -> 
       largest unit when m > 1: the previous micro-batch's last unit too)."""
     out = {"weight gradient": 0.0, "tied head gradient": 0.0,
            "previous reduce-scatter input": 0.0}
-    if not _fresh_gradients(lay, fusion):
+    if not _fresh_gradients(cfg, lay, fusion):
         return out
     out["weight gradient"] = 2 * _first_weight_grad_numel(cfg, lay.tp)
     if lay.pp == 1 and cfg.tie_embeddings:
