@@ -345,3 +345,17 @@ def test_megatron_without_fusion_has_fresh_gradients():
     assert est.details["stages"]["only"]["workspace_terms"]["tied head gradient"] == 2 * 512 * 256
     with pytest.raises(ValueError, match="fusion"):
         stage_memory(cfg, lay, 0, fusion="no")
+
+
+def test_moe_first_weight_gradient_is_a_stated_assumption():
+    """A MoE layer's first weight gradient is counted as a dense MLP's (no source for its
+    experts' order): the estimate says so."""
+    cfg = wb.plan.presets.get_config("mixtral-8x7b", n_layer=2)
+    # ZeRO-1 with two micro-batches: the second adds its fresh gradients into .grad
+    lay = Layout(dp=8, zero=1, recompute="full", micro_batch=1, global_batch=16,
+                 framework="workbench")
+    est = estimate(cfg, lay, Cluster("h100", 8), attention="flash")
+    said = [a for a in est.assumptions() if a.startswith("workspace: a MoE layer")]
+    assert len(said) == 1 and "ASSUMPTION" in said[0]
+    dense = estimate(_cfg(), lay, Cluster("h100", 8))
+    assert not [a for a in dense.assumptions() if a.startswith("workspace: a MoE")]

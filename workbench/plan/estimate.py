@@ -91,7 +91,7 @@ from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
 from .memory import (_regather, memory_margin, stage_memory, stage_params,
-                     stage_workspace_terms)
+                     stage_workspace_terms, workspace_assumptions)
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -599,6 +599,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
         + ((AL.assumption(busiest["allocator_cache"]),) if busiest["allocator_cache"]
            else ())
+        + workspace_assumptions(cfg, busiest["workspace_terms"])
         + NT.scale_assumption(prof, _dp_nodes(lay, prof)) + NT.assumptions(prof),
         "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,

@@ -64,7 +64,7 @@ from .layout import SCHEDULES, Cluster, Layout, attention_for, check_layout
 from ..sim_mesh.profiles import get_profile
 
 __all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "workspace_terms",
-           "stage_workspace_terms",
+           "stage_workspace_terms", "workspace_assumptions",
            "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
@@ -560,6 +560,17 @@ def _fresh_gradients(cfg, lay, fusion: "bool | None" = None) -> bool:
     if _bf16.applies(cfg, lay):
         return False
     return lay.zero >= 2 or lay.engine == "fsdp" or lay.m > 1
+
+
+def workspace_assumptions(cfg, terms: dict) -> tuple:
+    """The line ``Estimate.assumptions`` carries for a workspace term without a source
+    (``terms``: :func:`workspace_terms`' of the busiest stage)."""
+    if getattr(cfg, "moe_experts", 0) and terms.get("weight gradient"):
+        return (f"workspace: a MoE layer's first weight gradient at the layers' backward "
+                f"counted as a dense MLP's output projection, d_ff x d_model / tp "
+                f"({terms['weight gradient'] / 1e9:.2f} GB, ASSUMPTION: its experts' own "
+                f"gradients not modeled apart; memory.workspace_terms)",)
+    return ()
 
 
 def _first_weight_grad_numel(cfg, tp: int) -> float:
