@@ -61,19 +61,26 @@ def test_workspace_is_the_larger_of_loss_and_recompute():
         remat = (layer_activation_bytes(CFG, b, 2, False, "none")
                  - layer_activation_bytes(CFG, b, 2, False, rc))
         loss = 2 * s * b * V / 2                       # Megatron (the default for zero 0)
+        # the last stage's recompute runs after the head's backward freed its saved
+        # tensors (final-LN and head inputs, 2 s b h each, fp32 logits 4 s b V / t):
+        # tests/test_i21mem3.py measures it
+        head = 4 * s * b * CFG.d_model + 4 * s * b * V / 2
         assert workspace_bytes(CFG, lay, 0) == remat   # no loss on the first stage
-        assert workspace_bytes(CFG, lay, 1) == max(remat, loss)
+        assert workspace_bytes(CFG, lay, 1) == max(remat - head, loss, 0)
         mem = stage_memory(CFG, lay, 1)
-        assert mem["workspace"] == max(remat, loss)
+        assert mem["workspace"] == max(remat - head, loss, 0)
         assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
     # full recompute keeps the layer's input; its backward re-saves the rest of it
     full = Layout(dp=1, tp=1, recompute="full", micro_batch=1, global_batch=1)
     none = layer_activation_bytes(CFG, 1, 1, False, "none")
+    head = 4 * s * CFG.d_model + 4 * s * V            # pp = 1: the head's, freed first
     assert workspace_bytes(CFG, full, 0, unreduced=0.0) == max(
-        none - 2 * s * CFG.d_model, 2 * s * V)
-    # ZeRO-3's whole gradients (in buffers) appear as the recomputed tensors are freed
-    assert workspace_bytes(CFG.replace(vocab_size=8), full, 0, unreduced=1e6) == \
-        none - 2 * s * CFG.d_model - 1e6
+        none - 2 * s * CFG.d_model - head, 2 * s * V)
+    # whole gradients the buffers count (ZeRO-3's) are not live at the recompute's peak
+    # beyond what workspace_terms says (Megatron: none: its fused accumulation)
+    small = CFG.replace(vocab_size=8)
+    assert workspace_bytes(small, full, 0, unreduced=1e6) == \
+        none - 2 * s * CFG.d_model - 1e6 - (4 * s * CFG.d_model + 4 * s * 8)
 
 
 def test_the_peak_decides_fits():

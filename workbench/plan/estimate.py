@@ -90,7 +90,8 @@ from . import layer_cost as LC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
-from .memory import _regather, memory_margin, stage_memory, stage_params
+from .memory import (_regather, memory_margin, stage_memory, stage_params,
+                     stage_workspace_terms, workspace_assumptions)
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -517,12 +518,19 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = OS.step_seconds(opt_passes, psi, updated, prof,
                               M21.TENSORS_PER_LAYER * max(n_layers, 1))
-        mem = stage_memory(cfg, lay, s, attention, prof)
+        # Megatron-LM without gradient accumulation fusion: fresh 16-bit weight gradients
+        # (memory._fresh_gradients); None otherwise (the cached default)
+        mem_fusion = False if lay.engine == "megatron" and not fusion else None
+        mem = stage_memory(cfg, lay, s, attention, prof, mem_fusion)
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
                             memory=mem,
+                            # the workspace's instants (the loss, the layers' backward)
+                            # and their terms (memory.workspace_terms)
+                            workspace_terms=stage_workspace_terms(cfg, lay, s, attention,
+                                                                  prof, mem_fusion),
                             # what PyTorch's caching allocator keeps reserved beyond the
                             # pipeline phase's live peak (plan.allocator), and the
                             # reserved peak: nvidia-smi's reading less the context;
@@ -591,6 +599,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
         + ((AL.assumption(busiest["allocator_cache"]),) if busiest["allocator_cache"]
            else ())
+        + workspace_assumptions(cfg, busiest["workspace_terms"])
         + NT.scale_assumption(prof, _dp_nodes(lay, prof)) + NT.assumptions(prof),
         "optimizer_passes": opt_passes,
         "comm_buffers": comm_mem,

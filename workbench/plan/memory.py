@@ -37,10 +37,12 @@ keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t
 the layout creates (NCCL's per channel and peer, HCCL's per communicator:
 ``comm_memory``), given the hardware's profile.
 
-``workspace``: what is live at a rank's peak beyond the saved activations
-(:func:`workspace_bytes`): the loss's fp32 working copies on the last stage, or the
-layer a recompute re-runs; ``total`` counts it, so ``fits`` asks for the peak, not
-only the resident states and saved tensors.
+``workspace``: what is live at a rank's peak beyond the saved activations and the
+buffers (:func:`workspace_bytes`, its terms :func:`workspace_terms`): the loss's fp32
+working copies on the last stage, or the layers' backward at a layer's first weight
+gradient (the layer a recompute re-runs, the gradients live then that the states do not
+hold, less the head's tensors its backward freed); ``total`` counts it, so ``fits`` asks
+for the peak, not only the resident states and saved tensors.
 
 A Llama (``arch="llama"``): its block's parameters and activations are
 ``llama_layer``'s (GQA's narrower k and v, SwiGLU's three matrices, no biases, RMSNorm
@@ -61,7 +63,9 @@ from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
 from .layout import SCHEDULES, Cluster, Layout, attention_for, check_layout
 from ..sim_mesh.profiles import get_profile
 
-__all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "zero3_gathered_numel",
+__all__ = ["memory_margin", "model_state_bytes", "workspace_bytes", "workspace_terms",
+           "stage_workspace_terms", "workspace_assumptions",
+           "zero3_gathered_numel",
            "zero3_modules", "stage_params", "layer_activation_bytes", "in_flight",
            "stage_memory", "K_ADAM"]
 
@@ -322,7 +326,7 @@ _LAST: list = [(None, None, None, None, {})]    # (cfg, layout, attention, profi
 
 
 def stage_memory(cfg, layout, stage: int, attention: "str | None" = None,
-                 profile=None) -> dict:
+                 profile=None, fusion: "bool | None" = None) -> dict:
     """{"params", "grads", "optimizer", "buffers", "comm_buffers", "activations",
     "workspace", "total"} bytes on a rank of ``stage`` of ``layout`` (a
     :class:`~workbench.plan.layout.Layout`): the first three ZeRO's partitioned model
@@ -332,24 +336,31 @@ def stage_memory(cfg, layout, stage: int, attention: "str | None" = None,
     ``activations`` what is saved for backward, ``workspace`` the transient peak beyond
     it (:func:`workspace_bytes`) (module docstring).  ``attention``: as
     ``plan.estimate``'s (None: "materialized" for a GPT, "flash" for a Llama, whose
-    block is modeled with the fused kernel only); ``profile``: a Profile or its name."""
+    block is modeled with the fused kernel only); ``profile``: a Profile or its name;
+    ``fusion``: Megatron-LM's gradient accumulation fusion (``plan.megatron_2021``; None:
+    on, its default since 2022-02), which decides whether its weight gradients are fresh
+    tensors (:func:`_fresh_gradients`)."""
+    _check("stage_memory", "fusion", fusion, fusion is None or isinstance(fusion, bool),
+           "give True, False or None (Megatron-LM's default: on)")
     if isinstance(profile, str):         # a profile's name, as Cluster takes it
         profile = get_profile(profile)
     attention = attention_for(cfg, attention)    # a Llama's "materialized": refused
     if type(stage) is not int or type(attention) is not str:    # _stage_memory says why
-        return _stage_memory(cfg, layout, stage, attention, profile)
+        return _stage_memory(cfg, layout, stage, attention, profile, fusion)
     last = _LAST[0]
     if not (last[1] is layout and last[0] is cfg and last[3] is profile
             and last[2] == attention):
         last = _LAST[0] = (cfg, layout, attention, profile, {})
-    mem = last[4].get(stage)
+    key = stage if fusion is None else (stage, fusion)
+    mem = last[4].get(key)
     if mem is None:
-        mem = last[4][stage] = _stage_memory(cfg, layout, stage, attention, profile)
+        mem = last[4][key] = _stage_memory(cfg, layout, stage, attention, profile, fusion)
+        last[4][("terms", key)] = _TERMS[0]      # stage_workspace_terms reads them
     return dict(mem)        # a copy: callers keep what they get
 
 
 def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
-                  profile=None) -> dict:
+                  profile=None, fusion: "bool | None" = None) -> dict:
     """:func:`stage_memory`, computed."""
     lay = layout
     _check("stage_memory", "layout", layout, isinstance(layout, Layout),
@@ -380,7 +391,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
         from .zero_cost import PREFETCH_NUMEL
         mods = zero3_modules(cfg, lay.tp, lay.pp, stage, lay.dp * lay.cp, nl)
         bucket, grads = _zero3_unreduced_grad_numel(cfg, lay, mods)
-        unreduced = 2 * grads       # appear in the backward; the bucket stays allocated
+        unreduced = 2 * grads       # transient whole gradients; the bucket stays allocated
         gathered = zero3_gathered_numel(mods, PREFETCH_NUMEL)
         if lay.engine == "workbench" and lay.recompute in ("full", "op") and nl:
             # this library's recipe: a recompute gathers each module of the block as it
@@ -394,7 +405,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
         else:
             mem["buffers"] += 2 * gathered + 2 * (bucket + grads)
     if lay.engine == "fsdp" and lay.dp > 1:
-        mem["buffers"] += _fsdp_buffers(cfg, lay, stage, nl)
+        fsdp, unreduced = _fsdp_buffers(cfg, lay, stage, nl)
+        mem["buffers"] += fsdp
     if profile is not None:
         mem["comm_buffers"] = comm_buffer_bytes(cfg, lay, stage, profile)["point"]
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
@@ -409,7 +421,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                   lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
-    mem["workspace"] = workspace_bytes(tcfg, lay, stage, attention, unreduced)
+    terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)
+    mem["workspace"] = terms["workspace"]
     if lay.engine == "deepspeed-0.3" and lay.zero == 3 and lay.dp > 1:
         # DeepSpeed v0.3.13 (tp = pp = 1): the head's tensors are not live at the layers'
         # backward peak; the recompute's, the gradients' and the gathered parameters' as
@@ -431,39 +444,176 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                                                       stage, nl))
         mem["workspace"] = max(mem["workspace"], during, sync - act)
     mem["total"] = sum(mem.values())
+    if mem["workspace"] != terms["workspace"]:      # a framework's own peak set it
+        terms = dict(terms, workspace=mem["workspace"])
+    _TERMS[0] = terms
     return mem
 
 
+_TERMS: list = [None]      # the workspace terms of the last stage _stage_memory computed
+
+
+def stage_workspace_terms(cfg, layout, stage: int, attention: "str | None" = None,
+                          profile=None, fusion: "bool | None" = None) -> dict:
+    """:func:`workspace_terms` of a rank of ``stage`` of ``layout`` as
+    :func:`stage_memory` counts it (its ``unreduced``: the gradients its ``buffers``
+    hold); "workspace" is ``stage_memory``'s (where a framework's own term sets it:
+    DeepSpeed v0.3's backward peak, BF16_Optimizer's copies, that figure)."""
+    if isinstance(profile, str):
+        profile = get_profile(profile)
+    mem = stage_memory(cfg, layout, stage, attention, profile, fusion)   # checks; cached
+    key = ("terms", stage if fusion is None else (stage, fusion))
+    terms = _LAST[0][4].get(key) if _LAST[0][1] is layout else None
+    if terms is None:           # not cached (an argument stage_memory does not cache)
+        _stage_memory(cfg, layout, stage, attention_for(cfg, attention), profile, fusion)
+        terms = _TERMS[0]
+    return dict(terms, workspace=mem["workspace"])
+
+
 def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
-                    unreduced: float = 0.0) -> float:
+                    unreduced: float = 0.0, fusion: "bool | None" = None) -> float:
     """Transient bytes on a rank of ``stage`` at its peak beyond what is saved for
-    backward (``activations``): the larger of
+    backward (``activations``) and the ``buffers``: the larger of two instants
+    (:func:`workspace_terms` names their terms), at least 0:
     - the loss, on the last stage: ``frameworks.loss_extra_bytes`` per logit of one
       micro-batch (s b V / t), the fp32 working copies the framework's cross-entropy
       holds beside the saved softmax (Megatron-LM's in-place kernel 2 bytes, PyTorch's
       ``F.cross_entropy`` on upcast logits 8);
-    - recomputation: a recomputed layer saves, during its backward, what it would have
-      kept without recompute (torch.utils.checkpoint and Megatron-LM's
-      ``CheckpointFunction`` re-run the forward with autograd on, one layer at a time:
-      ``--recompute-num-layers 1``, torchtitan's per-block checkpoint): with full
-      recompute one layer's activations beyond its kept input, with selective recompute
-      one layer's attention core (Korthikanti et al. 2022, sec. 5: the recomputed part);
-      with ``recompute_num_layers`` = k, the largest chunk's k layers of activations,
-      less the chunk's input that ``activations`` keeps (``recompute_chunks``);
-      less ``unreduced``, the whole gradients ZeRO-3's ``buffers`` already hold: they
-      appear as that backward frees the recomputed tensors, whose peak is at its start,
-      so the two peaks do not add up (DeepSpeed's reduce bucket, allocated once, is not
-      among them).
-    Not counted: the backward's gradient temporaries of a layer (e.g. the MLP input's
-    gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context assumption)."""
+    - the layers' backward, at a layer's first weight gradient (the MLP's output
+      projection, fc2 / w2): what a recompute made again (a recomputed layer saves,
+      during its backward, what it would have kept without recompute: torch.utils.
+      checkpoint and Megatron-LM's ``CheckpointFunction`` re-run the forward with
+      autograd on, one layer at a time: ``--recompute-num-layers 1``, torchtitan's
+      per-block checkpoint; full recompute: one layer's activations beyond its kept
+      input; ``recompute_num_layers`` = k: the largest chunk's k layers, less the
+      chunk's input that ``activations`` keeps, ``recompute_chunks``; selective: the
+      attention core, Korthikanti et al. 2022 sec. 5, re-run after the MLP's backward,
+      so beside no fresh weight gradient), plus the gradients live then that the
+      states do not hold (:func:`_live_gradient_bytes`: that weight gradient whole, a
+      tied head's gradient autograd holds, FSDP2's previous reduce-scatter input), less
+      ``unreduced`` (the whole gradients ``buffers`` already counts: live here only as
+      far as the terms before say), less the head's saved tensors of one micro-batch on
+      the last stage (final norm and head inputs, fp32 logits: the head's backward,
+      before any layer's, released them; measured, tests/test_i21mem3.py).
+    Not counted: a layer backward's activation-gradient temporaries (e.g. the MLP
+    input's gradient, 2 s b h), cuBLAS / cuDNN workspaces (part of the context
+    assumption)."""
+    return workspace_terms(cfg, lay, stage, attention, unreduced, fusion)["workspace"]
+
+
+def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
+                    unreduced: float = 0.0, fusion: "bool | None" = None) -> dict:
+    """The terms of :func:`workspace_bytes` (bytes): "recompute", the fresh
+    "weight gradient", the "tied head gradient", FSDP2's "previous reduce-scatter
+    input", "counted in buffers" (``unreduced``), "head freed", the two instants
+    "layers' backward" and "loss", and "workspace", the larger of them and 0."""
     b = lay.micro_batch
     remat = 0.0
     if lay.recompute != "none":
-        remat = max(0.0, _remat_bytes(cfg, lay, stage, attention) - unreduced)
+        remat = max(0.0, _remat_bytes(cfg, lay, stage, attention))
+    live = _live_gradient_bytes(cfg, lay, stage, fusion)
+    first = live["weight gradient"]
+    # the full (op-level, chunked) recompute re-runs the block as its backward starts, so
+    # the first weight gradient is allocated with all of it live (measured: fc2's whole
+    # gradient beside the recompute, tests/test_i21mem3.py); Megatron's selective
+    # recompute re-runs the attention core after the MLP's backward
+    core = max(remat, first) if lay.recompute == "selective" else remat + first
+    head = 0.0
+    if stage == lay.pp - 1:     # one micro-batch's head tensors, freed by the head's backward
+        head = (_edge_activation_bytes(cfg, b, lay.tp, lay.sp, stage, lay.pp, 0.0, 1)
+                - _edge_activation_bytes(cfg, b, lay.tp, lay.sp, stage, lay.pp, 0.0, 0))
+    layers = (core + live["tied head gradient"] + live["previous reduce-scatter input"]
+              - unreduced - head)
     loss = 0.0
     if stage == lay.pp - 1:
         loss = loss_extra_bytes(lay.engine, lay.tp) * cfg.seq_len * b * cfg.vocab_size / lay.tp
-    return max(remat, loss)
+    return {"recompute": remat, **live, "counted in buffers": float(unreduced),
+            "head freed": head, "layers' backward": layers, "loss": loss,
+            "workspace": max(0.0, layers, loss)}
+
+
+def _fresh_gradients(cfg, lay, fusion: "bool | None" = None) -> bool:
+    """Whether the weight gradient autograd computes is a tensor of its own beside the
+    gradient states ``grads`` counts (and so live, whole, until the framework's hook or
+    AccumulateGrad takes it):
+    - Megatron-LM with ``gradient_accumulation_fusion`` (``fusion`` None or True, its
+      default since 83b1e42f30, 2022-02: ``plan.megatron_2021``): no; its linear layers'
+      weight-gradient GEMM adds into the resident ``main_grad`` buffer
+      (``megatron/core/tensor_parallel/layers.py``, LinearWithGradAccumulationAndAsync
+      Communication.backward, ``wgrad_gemm_accum_fp32``), the tied output layer's
+      included (2e90a342f5 returns ``grad_weight = None``; f2e5db402c hands autograd a
+      dummy zeroed V h / t gradient for a tied head on the embedding's stage,
+      ``zero_out_wgrad``, ``plan.megatron_hook_add``: NOT counted, as there);
+      without it (``fusion=False``, Narayanan et al.'s 2021 code): yes, autograd's
+      16-bit gradient, which the DDP hook adds into ``main_grad`` and frees;
+    - ZeRO-2/3 (DeepSpeed, this library's recipe) and FSDP2: yes, autograd's gradient,
+      reduce-scattered and freed by the framework's hook after it is complete;
+    - DeepSpeed's BF16_Optimizer (``plan.bf16_optimizer``): no; ``clear_lp_grads`` sets
+      the bf16 ``.grad`` to None before each micro-batch's backward, so AccumulateGrad
+      steals autograd's gradient as ``.grad``, which ``grads`` counts;
+    - ZeRO-0/1 of the others: only when a micro-batch adds to the gradient the earlier
+      ones left (PyTorch's AccumulateGrad adds the new tensor into ``.grad``,
+      ``variable_grad += new_grad``; the first micro-batch's is stolen as ``.grad``): m >
+      1 (DeepSpeed's fp16 pipeline engine, this library's recipe: ``plan.megatron_2021``)."""
+    if lay.engine == "megatron":
+        return fusion is False
+    if _bf16.applies(cfg, lay):
+        return False
+    return lay.zero >= 2 or lay.engine == "fsdp" or lay.m > 1
+
+
+def workspace_assumptions(cfg, terms: dict) -> tuple:
+    """The line ``Estimate.assumptions`` carries for a workspace term without a source
+    (``terms``: :func:`workspace_terms`' of the busiest stage)."""
+    if getattr(cfg, "moe_experts", 0) and terms.get("weight gradient"):
+        return (f"workspace: a MoE layer's first weight gradient at the layers' backward "
+                f"counted as a dense MLP's output projection, d_ff x d_model / tp "
+                f"({terms['weight gradient'] / 1e9:.2f} GB, ASSUMPTION: its experts' own "
+                f"gradients not modeled apart; memory.workspace_terms)",)
+    return ()
+
+
+def _first_weight_grad_numel(cfg, tp: int) -> float:
+    """Elements of the first weight gradient a layer's backward allocates: the MLP's
+    output projection (GPT: fc2's weight and bias; Llama: w2), f h / t (a MoE: the same
+    with its ``d_ff``, an ASSUMPTION: its experts' first gradients are not modeled
+    apart)."""
+    h, f = cfg.d_model, cfg.d_ff
+    return h * f / tp + (0 if cfg.arch == "llama" else h)
+
+
+def _live_gradient_bytes(cfg, lay, stage: int, fusion: "bool | None" = None) -> dict:
+    """16-bit gradients live at a layer's first weight gradient beyond the states
+    (:func:`workspace_bytes`):
+    - "weight gradient": that gradient, whole (:func:`_fresh_gradients`);
+    - "tied head gradient": with the word embedding and its tied head on one stage
+      (pp = 1), the head's gradient of the shared weight waits in autograd's input
+      buffer of the leaf until the embedding's backward adds its own (one leaf, two
+      uses: the engine runs AccumulateGrad once all its inputs arrived), all through
+      the layers' backward (measured, tests/test_i21mem.py and test_i21mem3.py), V h / t;
+      where fresh gradients are (Megatron-LM's fused accumulation writes the head's
+      into ``main_grad``: not);
+    - "previous reduce-scatter input": FSDP2 keeps the previous unit's fp32
+      reduce-scatter input (``FSDPCommContext.reduce_scatter_state(s)``) until the next
+      unit's ``post_backward`` waits for it (torch/distributed/fsdp/_fully_shard/
+      _fsdp_param_group.py ``post_backward``: torch 2.5-2.7 ``reduce_scatter_state``,
+      2.13 ``reduce_scatter_states`` with ``reduce_scatter_max_input_buffers`` 1; measured
+      on a one-rank gloo group, tests/test_i21mem3.py): during a block's backward the
+      unit before it in backward order holds ``FSDP_REDUCE_BYTES`` per element (the
+      largest unit when m > 1: the previous micro-batch's last unit too)."""
+    out = {"weight gradient": 0.0, "tied head gradient": 0.0,
+           "previous reduce-scatter input": 0.0}
+    if not _fresh_gradients(cfg, lay, fusion):
+        return out
+    out["weight gradient"] = 2 * _first_weight_grad_numel(cfg, lay.tp)
+    if lay.pp == 1 and cfg.tie_embeddings:
+        out["tied head gradient"] = 2 * cfg.vocab_size * cfg.d_model / lay.tp
+    if lay.engine == "fsdp" and lay.dp > 1:
+        from .frameworks import FSDP_REDUCE_BYTES
+        units = _fsdp_units(cfg, lay, stage, lay.stage_layers(cfg.n_layer)[stage])
+        before = units if lay.m > 1 or stage > 0 else units[1:]
+        out["previous reduce-scatter input"] = FSDP_REDUCE_BYTES * max(before, default=0.0)
+    return out
 
 
 def _remat_bytes(cfg, lay, stage: int, attention: str) -> float:
@@ -495,14 +645,9 @@ def _zero3_unreduced_grad_numel(cfg, lay, mods) -> tuple[float, float]:
     return 0.0, float(layer_params(cfg, lay.tp))
 
 
-def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:
-    """FSDP2's working buffers on a rank (``frameworks``: one unit per block, the
-    embedding and the final norm with the head their own units): the gathered 16-bit
-    parameters of the unit computing and of the one prefetched (the peak over the
-    forward and backward orders, ``zero3_gathered_numel`` with one unit ahead), and the
-    unit's unsharded 16-bit gradient with its fp32 copy that the reduce-scatter reads
-    (``foreach_reduce`` casts to ``reduce_dtype`` into one flat input buffer)."""
-    from .frameworks import FSDP_PREFETCH_UNITS, FSDP_REDUCE_BYTES
+def _fsdp_units(cfg, lay, stage: int, nl: int) -> list:
+    """Parameters of FSDP2's units on a rank of ``stage``, forward order (``frameworks``:
+    one unit per block, the embedding and the final norm with the head their own)."""
     h, V, s, tp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp
     llama = cfg.arch == "llama"
     units = [V * h / tp + (0 if llama else s * h)
@@ -511,8 +656,21 @@ def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> float:
     if stage == lay.pp - 1:
         units.append((h if llama else 2 * h)
                      + (V * h / tp if lay.pp > 1 or not cfg.tie_embeddings else 0.0))
+    return units
+
+
+def _fsdp_buffers(cfg, lay, stage: int, nl: int) -> tuple[float, float]:
+    """(buffers, of which gradients): FSDP2's working buffers on a rank: the gathered
+    16-bit parameters of the unit computing and of the one prefetched (the peak over the
+    forward and backward orders, ``zero3_gathered_numel`` with one unit ahead), and the
+    unit's unsharded 16-bit gradient with its fp32 copy that the reduce-scatter reads
+    (``foreach_reduce`` casts to ``reduce_dtype`` into one flat input buffer), the
+    second figure (what :func:`workspace_bytes` takes as ``unreduced``)."""
+    from .frameworks import FSDP_PREFETCH_UNITS, FSDP_REDUCE_BYTES
+    units = _fsdp_units(cfg, lay, stage, nl)
     gathered = zero3_gathered_numel(units, FSDP_PREFETCH_UNITS)
-    return 2 * gathered + (2 + FSDP_REDUCE_BYTES) * max(units)
+    grads = (2 + FSDP_REDUCE_BYTES) * max(units)
+    return 2 * gathered + grads, grads
 
 
 def memory_margin(prof) -> str:
