@@ -3,6 +3,39 @@ efficiency per op class, launch cost and measured kernel bandwidths; the tile an
 quantization of GEMMs (``gemm_efficiency``); and a kernel sharing the SMs with a
 collective (``overlap``).  ``sim_mesh.cost`` re-exports these names: the clock's one
 place for prices is that module, this file holds its compute half.
+
+A kernel beside a collective: what is modeled is NCCL's SM share (``collective_sms``:
+one SM per channel, 24 channels inside an NVSwitch node of 8 A100 or H100, 16 across
+nodes of 8 NICs, 2 across Jean Zay's Omni-Path nodes, each from NCCL's own logs) and a
+GEMM's extra waves on the SMs left (``overlap``).  UNCERTAIN, not modeled, what the
+component measurements found say beyond that:
+
+- HBM contention.  NVIDIA/nccl issue #1428 (2024-09, A100-SXM4-80GB, a GPT training
+  under Nsight Systems, kernels beside an NCCL AllGather against the same kernels
+  alone): attention 0.18 -> 0.33 ms (1.83x), a GEMM 1.18 -> 2.08 ms (1.76x), an
+  elementwise kernel 0.02 -> 0.05 ms (2.5x); the maintainer (S. Jeaugey): "Very likely,
+  they're competing for memory bandwidth", NCCL's NVLink rate "needs to be multiplied by
+  at least 2x for memory bandwidth ... it can be 3x".  Message sizes, the group and the
+  GEMM's shape are not given.  The SM share at 24 SMs gives 1.29x; 2-3x the A100's
+  235 GB/s NVLink bus rate taken from its 2,039 GB/s HBM slows a memory-bound kernel
+  1.30-1.53x and a compute-bound GEMM not at all: neither reproduces those figures.
+  NVIDIA/nccl #338 (2020, V100, Horovod): batch-norm backward kernels 2 ms alone, 4-8 ms
+  beside a 25M-element fp16 all-reduce.  Lee et al., "Characterizing Compute-Communication
+  Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv:2507.03114, 2025), GPT and
+  LLaMA on 4 A100, H100, MI250 or MI210: compute 18.9% slower on average beside
+  communication, 40.0% at most (over all four GPUs; per kernel not in its abstract).
+  pytorch/pytorch PR #179937 (2026-04, 8 x H100 on NVLink, FSDP): "NCCL collectives use
+  SMs, which makes matmuls that are overlapped by them 30-40% slower" (a statement, no
+  table; 24 of 132 SMs give 1.22x).  Across nodes (the rows' data-parallel groups) the
+  collective's HBM traffic runs at the NICs' rate, 2-3 x 25-50 GB/s per GPU, 2-7% of HBM
+  by the same mechanism; inside a node it is 5-10 times that.
+- The collective slowed by the kernel beside it.  NVIDIA/nccl #1433 (2024-09): a
+  128-CTA CUTLASS GEMM on a 142-SM GPU beside ncclSend / ncclRecv (one CTA each): both
+  slower, the communication up to 2x; the maintainer: "You may not compete for SMs but
+  still compete for memory bandwidth".  No figure per collective and size.
+- NCCL's channels for a group with fewer ranks per node than the node's GPUs (a
+  data-parallel group beside tensor parallelism 8 has one per node): no log found;
+  ``collective_sms`` gives it the all-ranks figure (the profiles' citations: ASSUMPTION).
 """
 from __future__ import annotations
 
@@ -12,7 +45,7 @@ from typing import NamedTuple
 from .profiles import OP_CLASSES, dtype_name, get_profile, profile_memo
 
 __all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate",
-           "finish_beside", "AttentionShape"]
+           "collective_sms", "finish_beside", "AttentionShape"]
 
 
 class AttentionShape(NamedTuple):
@@ -238,14 +271,52 @@ def explain_compute(flops: float, bytes_moved: float, profile, dtype,
             "bound": max(terms, key=terms.get)}
 
 
-def overlap_rate(profile) -> float:
-    """The rate (1 = alone) at which compute kernels progress while a collective runs
-    beside them: (sm_count - collective_sms) / sm_count (NCCL's CTAs hold their SMs,
-    NVIDIA/nccl #689; ``overlap``); 1 for a profile without SM figures."""
+def collective_sms(profile, ranks=None) -> int:
+    """The SMs NCCL's kernel holds while a collective over ``ranks`` (global ranks; None:
+    not said) runs: one CTA per channel, each on an SM it does not share with compute
+    kernels (NVIDIA/nccl issue #689), and the kernel's grid is the collective's channels
+    (NCCL v2.12.7-1, 3c223c10, src/enqueue.cc:703-704), all of them once a ring message
+    passes nChannels x 512 threads x 64 B (enqueue.cc:441-462, comm.h:30-32; 786 KB at 24
+    channels, below every bucket the planner overlaps).  How many channels NCCL builds
+    depends on where the ranks are: its logs show 24 rings inside one NVSwitch node of
+    8 A100 (NVIDIA/nccl-tests issue #100) or 8 H100 (aws-samples/aws-do-eks nccl-test
+    README, one p5.48xlarge), 16 across nodes with 8 NICs each (nccl #689; nccl #1453 and
+    the same README on two H100 nodes), 2 across Jean Zay's Omni-Path nodes (bigscience
+    all_reduce_bench-a100-n4.txt).  So: a group inside one node (every rank r has the same
+    r // devices_per_node) gets ``topology.collective_sms_intra`` where the profile gives
+    it; a group spanning nodes, or ``ranks=None``, ``topology.collective_sms``; a group
+    of one rank 0 (NCCL launches no kernel for one rank: enqueue.cc:687-693)."""
+    prof = get_profile(profile)
+    t = prof.topology
+    if ranks is None:
+        return t.collective_sms
+    try:
+        group = list(ranks)
+    except TypeError:
+        group = None
+    if not group or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                        for r in group):
+        raise ValueError(f"ranks={ranks!r} must be the group's global ranks (ints >= 0, at "
+                         f"least one), or None when the group is not known")
+    if len(set(group)) == 1:
+        return 0
+    d = prof.devices_per_node
+    if t.collective_sms_intra and len({r // d for r in group}) == 1:
+        return t.collective_sms_intra
+    return t.collective_sms
+
+
+def overlap_rate(profile, ranks=None) -> float:
+    """The rate (1 = alone) at which compute kernels progress while a collective over
+    ``ranks`` runs beside them: (sm_count - sms) / sm_count with sms =
+    ``collective_sms(profile, ranks)`` (NCCL's CTAs hold their SMs, NVIDIA/nccl #689;
+    ``overlap``); ``ranks=None``: the profile's ``topology.collective_sms`` (a group
+    across nodes); 1 for a profile without SM figures."""
     t = get_profile(profile).topology
-    if not t.sm_count or not t.collective_sms:
+    sms = collective_sms(profile, ranks)
+    if not t.sm_count or not sms:
         return 1.0
-    return (t.sm_count - t.collective_sms) / t.sm_count
+    return (t.sm_count - sms) / t.sm_count
 
 
 def finish_beside(t: float, work: float, rate: float, busy) -> float:
@@ -272,13 +343,14 @@ def finish_beside(t: float, work: float, rate: float, busy) -> float:
 
 
 def overlap(compute_seconds: float, comm_seconds: float, profile,
-            gemm=None) -> tuple[float, float]:
+            gemm=None, ranks=None) -> tuple[float, float]:
     """A kernel and a collective running at the same time: (the kernel's stretched
     seconds, the collective's exposed seconds after the kernel ends).
 
-    The collective's kernel holds ``topology.collective_sms`` of the device's
+    The collective's kernel holds ``collective_sms(profile, ranks)`` of the device's
     ``topology.sm_count`` SMs while it runs (NCCL: one SM per channel, not shared
-    with compute kernels, NVIDIA/nccl #689), so the kernel progresses at
+    with compute kernels, NVIDIA/nccl #689; ``ranks``: the collective's group, None:
+    ``topology.collective_sms``), so the kernel progresses at
     r = (sm_count - collective_sms) / sm_count meanwhile (it is assumed to scale
     with SMs: a large GEMM does). With G the kernel alone and C the collective:
     r C >= G: the kernel ends at G / r, the collective shows C - G / r;
@@ -288,8 +360,10 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
     on the SMs left to that on all of them: its tiles then run in more, partly
     filled waves (the tail effect of a GEMM beside an NCCL kernel, NVIDIA Developer
     Forums, "Compute-Communication Overlap Causes Severe GEMM Performance
-    Degradation because of Tail Effect", 2025). Competition for HBM bandwidth
-    (NCCL's traffic crosses memory two or three times) is not modeled.
+    Degradation because of Tail Effect", 2025: a 132-tile GEMM beside an all-gather of
+    24 CTAs on an H100, 80% MFU alone and 47% beside it, 1.70x; this model: 2 waves,
+    2.0x). What else a collective costs the kernel beside it (HBM contention) is not
+    modeled: UNCERTAIN, the module docstring.
     """
     for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -297,13 +371,13 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
             raise ValueError(f"{name}={v!r} must be seconds >= 0")
     prof = get_profile(profile)
     t = prof.topology
-    if not t.sm_count or not t.collective_sms or comm_seconds == 0:
+    sms = collective_sms(prof, ranks)
+    if not t.sm_count or not sms or comm_seconds == 0:
         r = 1.0
     elif _gemm_shape(gemm) is None:
-        r = overlap_rate(prof)
+        r = overlap_rate(prof, ranks)
     else:
-        r = gemm_efficiency(gemm, prof, t.sm_count - t.collective_sms) / \
-            gemm_efficiency(gemm, prof)
+        r = gemm_efficiency(gemm, prof, t.sm_count - sms) / gemm_efficiency(gemm, prof)
     g, c = float(compute_seconds), float(comm_seconds)
     if r * c >= g:
         return g / r, c - g / r

@@ -147,7 +147,9 @@ class Topology:
     #  "all_reduce_bandwidth_factor"}; empty: one alpha-beta link (intra_node.latency)
     protocols: Mapping[str, Mapping[str, float]] = field(default_factory=dict, hash=False)
     sm_count: int = 0         # streaming multiprocessors per device (0: not modeled)
-    collective_sms: int = 0   # SMs a collective kernel holds while it runs
+    # SMs a collective kernel holds while it runs (NCCL: one CTA per channel): for a group
+    # spanning nodes, and for any collective whose group the caller does not give
+    collective_sms: int = 0
     # NCCL's protocols for rings and trees across nodes (``NET_PROTOCOL_KEYS``; the same
     # protocol names as ``protocols``, whose base_latency the ring shares); empty: the
     # alpha-beta ring and tree on the inter-node link
@@ -158,6 +160,9 @@ class Topology:
     # the NCCL release whose tuning model the two tables follow ("": not stated;
     # ``nccl_tuning.with_nccl`` derives them for another release)
     nccl_version: str = ""
+    # SMs it holds for a group inside one node (NCCL's channels on NVSwitch outnumber those
+    # across nodes; ``kernel_cost.collective_sms``); 0: collective_sms for every group
+    collective_sms_intra: int = 0
 
     def __post_init__(self):
         if not isinstance(self.nccl_version, str):
@@ -211,13 +216,15 @@ class Topology:
                                  f"must be bytes/s >= 0 (0: no cap)")
             net[name] = MappingProxyType(dict(v))
         object.__setattr__(self, "net_protocols", MappingProxyType(net))
-        for k in ("sm_count", "collective_sms"):
+        for k in ("sm_count", "collective_sms", "collective_sms_intra"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Topology: {k}={v!r} must be an int >= 0")
-        if self.collective_sms and not self.collective_sms < self.sm_count:
-            raise ValueError(f"Topology: collective_sms={self.collective_sms} must be fewer "
-                             f"than sm_count={self.sm_count} (give the device's SM count)")
+        for k in ("collective_sms", "collective_sms_intra"):
+            v = getattr(self, k)
+            if v and not v < self.sm_count:
+                raise ValueError(f"Topology: {k}={v} must be fewer than "
+                                 f"sm_count={self.sm_count} (give the device's SM count)")
 
 
 @dataclass(frozen=True)
@@ -369,7 +376,7 @@ class Profile:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
                 t.protocols, t.sm_count, t.collective_sms, t.net_protocols, t.ring_nics,
-                t.nccl_version))
+                t.nccl_version, t.collective_sms_intra))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -433,6 +440,8 @@ class Profile:
                              "intra_links": t.intra_links, "nics_per_node": t.nics_per_node,
                              "protocols": {k: dict(v) for k, v in t.protocols.items()},
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms,
+                             **({"collective_sms_intra": t.collective_sms_intra}
+                                if t.collective_sms_intra else {}),
                              "net_protocols": {k: dict(v)
                                                for k, v in t.net_protocols.items()},
                              **({} if t.ring_nics is None else {"ring_nics": t.ring_nics}),
