@@ -42,7 +42,7 @@ from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
 __all__ = ["check_fields", "check_zero_cp", "check_layout", "check_estimate", "applies",
-           "loss_waits",
+           "loss_waits", "shares_zero_stream", "ring_program",
            "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
@@ -98,11 +98,17 @@ def check_zero_cp(lay) -> None:
     attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
-    if lay.dp == 1:
+    if lay.dp == 1 and lay.recompute == "none":     # WIP: ring_program, not yet held
         raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp} and dp=1 is not "
                          f"modeled (ZeRO's group is then the cp group, whose one stream the "
                          f"ring's K/V exchange waits on behind ZeRO's collectives: "
                          f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
+    if lay.dp == 1 and lay.recompute != "none":
+        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
+                         f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
+                         f"group, whose one stream the recomputed attention's exchange waits "
+                         f"on behind ZeRO's collectives: plan/ep_cp.py check_zero_cp); use "
+                         f"recompute='none', dp >= 2 or zero<=1")
     if lay.zero == 3 and lay.recompute == "op":
         raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
                          f"modeled (the dry run of this library's runtime measured up to "
@@ -184,6 +190,90 @@ def loss_waits(lay) -> bool:
     ("dp", "cp")), another stream: the loss runs beside the gathers (``zero_cost``'s
     ``lead``)."""
     return lay.dp == 1 or lay.cp == 1
+
+
+def shares_zero_stream(lay) -> bool:
+    """Whether ZeRO's collectives and the attention's cp exchange run on one stream: ZeRO
+    (2 or 3) over dp x cp ranks with dp = 1 is over the cp group itself (``Layout.
+    grad_ranks``; ``recipes/context_parallel.py``), the group the ring's send/recvs
+    (``parallel/strategies/context_parallel_comm.py`` ``_record``) and Ulysses' all-to-alls
+    run on, and a group's collectives run in issue order on its one stream
+    (``sim_mesh/trace.py``, as ``ProcessGroupNCCL``'s one NCCL stream per group)."""
+    return lay.cp > 1 and lay.dp == 1 and lay.zero >= 2
+
+
+def ring_program(model, lay, prof, attention, fp8=False):
+    """The attention's cp exchange of one layer and micro-batch as the runtime orders it
+    on the stream it shares with ZeRO (``shares_zero_stream``), for
+    ``zero_cost.recipe_blocks(ring=)``: a dict of the forward and backward programs
+    (``zero_cost.run_program``) and the seconds of ``layer_cost`` they stand for
+    (``fwd_compute``, ``fwd_comm``, ``bwd_compute``, ``bwd_comm``); None where the
+    stream is not shared.
+
+    Ring ("p2p", ``strategies.context_parallel._ring_forward``): at each step but the
+    last the next K/V block is sent (async) before the step's block is computed, the
+    partial output merged, then the send waited for; step 0 is the causal block (the
+    layer's ``flash_attention``), steps 1 .. cp-1 half blocks (``context_cost``).
+    Backward (``context_parallel_backward``): each step waits for its K/V, sends it on
+    again (but the last), computes its block's gradients, waits for the dK/dV that
+    arrived, accumulates and sends the sum on; at the end it waits for its own block's.
+    Ulysses ("a2a", ``strategies.context_parallel_a2a``): q, k and v each resharded by a
+    blocking all-to-all, the kernel over the whole sequence, the output resharded back;
+    backward the output gradient's, the kernel's, then dq, dk and dv's.  Each collective
+    is queued behind whatever ZeRO's stream holds then (its gathers prefetched, its
+    reduce-scatters issued): the wait the dry run showed (module docstring of
+    tests/test_zerocp3.py)."""
+    if not shares_zero_stream(lay) or lay.engine != "workbench":
+        return None
+    if lay.recompute != "none":
+        raise ValueError(f"ring_program: recompute={lay.recompute!r} re-runs the exchange on "
+                         f"ZeRO's stream in backward, which is not modeled; use "
+                         f"recompute='none' (check_zero_cp refuses it with the fix)")
+    rows, _ = _layer(model, _mini(lay), prof, attention, fp8, _regathers(model, lay))
+
+    def row(name, phase):
+        got = [r[3] for r in rows if r[0] == name and r[1] == phase]
+        if len(got) != 1:
+            raise AssertionError(f"ring_program: {len(got)} rows {name!r} ({phase}) in the "
+                                 f"layer's cost, expected one")
+        return got[0]
+
+    cp = lay.cp
+    fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
+    if lay.cp_comm == "a2a":
+        ranks = X.ring_ranks(lay)
+        q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
+                      for n in X.a2a_times(model, lay, prof).blocks)
+        fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
+        bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
+        return dict(fwd=fwd, bwd=bwd, fwd_compute=fa,
+                    fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
+                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
+    rt = X.ring_times(model, lay, prof)
+    half_f, merge = rt.half_forward - rt.merge, rt.merge
+    half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
+    fwd, bwd = [], []
+    for t in range(cp):
+        if t < cp - 1:
+            fwd.append(("async", ("kv", t), rt.hop))
+        fwd += [("compute", fa)] if t == 0 else [("compute", half_f), ("compute", merge)]
+        if t < cp - 1:
+            fwd.append(("wait", ("kv", t)))
+    for t in range(cp):
+        if t > 0:
+            bwd.append(("wait", ("kv", t - 1)))
+        if t < cp - 1:
+            bwd.append(("async", ("kv", t), rt.hop))
+        bwd.append(("compute", fg if t == 0 else half_b))
+        if t > 0:
+            bwd.append(("wait", ("dkv", t - 1)))
+        bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
+    bwd.append(("wait", ("dkv", cp - 1)))
+    return dict(fwd=tuple(fwd), bwd=tuple(bwd),
+                fwd_compute=fa + row("cp_ring_attention", "forward"),
+                fwd_comm=row("cp_ring_kv_exposed", "forward"),
+                bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
+                bwd_comm=row("cp_ring_kv_grad_exposed", "backward"))
 
 
 def _groups(lay):

@@ -327,7 +327,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
                               and lay.recompute in ("full", "op"),
                               lead=lead if recipe3 else (0.0, 0.0))
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
-        return m * bwd + p("all_gather", w), m * rs + ag
+        # (fwd: the cp exchange's waits where it shares ZeRO's stream, else 0)
+        return m * (fwd + bwd) + p("all_gather", w), m * rs + ag
     again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
     return m * (fwd + bwd), m * (ag + again + rs)
 
@@ -492,7 +493,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         comp += acc             # after each backward (plan.megatron_2021, megatron_hook_add)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed",
-                                recipe=lay.engine == "workbench", remat=remat) \
+                                recipe=lay.engine == "workbench", remat=remat,
+                                ring=EC.ring_program(cfg, lay, prof, attention, fp8)) \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)
