@@ -249,16 +249,18 @@ def ring_program(model, lay, prof, attention, fp8=False):
         return dict(fwd=fwd, bwd=bwd, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
                     bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
-    rt = X.ring_times(model, lay, prof)
+    rt = X.ring_times(model, _mini(lay), prof)
     half_f, merge = rt.half_forward - rt.merge, rt.merge
     half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
     fwd, bwd = [], []
     for t in range(cp):
         if t < cp - 1:
             fwd.append(("async", ("kv", t), rt.hop))
-        fwd += [("compute", fa)] if t == 0 else [("compute", half_f), ("compute", merge)]
+        fwd += [("compute", fa), ("compute", rt.casts / 2)] if t == 0 else \
+            [("compute", half_f), ("compute", merge)]
         if t < cp - 1:
             fwd.append(("wait", ("kv", t)))
+    fwd.append(("compute", rt.casts / 2))          # the merged output cast back
     for t in range(cp):
         if t > 0:
             bwd.append(("wait", ("kv", t - 1)))

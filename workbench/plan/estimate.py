@@ -252,6 +252,22 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     return t, sent
 
 
+def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
+    """(forward, backward) seconds of the last stage that run beside ZeRO-3's backward
+    prefetch, which this library's recipe issues as the forward's last module ends
+    (``zero_cost.zero_exposed``'s ``lead``): the loss (the logits' cast and the
+    cross-entropy, forward and backward); where ZeRO's group is the cp group
+    (``ep_cp.shares_zero_stream``) the cross-entropy's count all-reduce on that group
+    (``parallel/ops_table/cross_entropy.py`` ``_cross_entropy_local``) queues behind the
+    prefetch, so only what runs before it: the cast, and a tied head's GEMM (its weight
+    is the embedding module's: the last module is the final norm), measured on the dry
+    run's trace (tests/test_zerocp3.py)."""
+    if lay.engine == "workbench" and EC.shares_zero_stream(lay):
+        tied = cfg.tie_embeddings and lay.pp == 1
+        return (edge["cast"][0] + (head.fwd_compute if tied else 0.0), 0.0)
+    return edge["loss"]
+
+
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
              overlap_grad_reduce: bool = False, grad_bytes: int = 2,
              head_live: bool = True, side=None, lead=(0.0, 0.0)):
@@ -317,8 +333,13 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
     # the recipe's loss waits for the backward's prefetch where its count's all-reduce is
     # on ZeRO's group (ep_cp.loss_waits), else runs beside it (lead)
-    waits = lay.engine == "workbench" and not head_live and EC.loss_waits(lay)
-    recipe3 = lay.engine == "workbench" and lay.zero == 3 and not waits and overlap
+    # (with a tied head too where ZeRO's group is the cp group: the backward's prefetch is
+    # issued as the head's forward ends, before the loss's count all-reduce on that group,
+    # ep_cp.shares_zero_stream; measured on the dry run's trace, tests/test_zerocp3.py)
+    shared = lay.engine == "workbench" and EC.shares_zero_stream(lay)
+    waits = lay.engine == "workbench" and (not head_live or shared) and EC.loss_waits(lay)
+    recipe3 = lay.engine == "workbench" and lay.zero == 3 and (not waits or shared) \
+        and overlap
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
@@ -511,7 +532,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
                                  head_live=cfg.tie_embeddings, side=side,
-                                 lead=edge["loss"] if s == pp - 1 else (0.0, 0.0)) \
+                                 lead=_loss_lead(cfg, lay, head, edge) if s == pp - 1
+                                 else (0.0, 0.0)) \
             if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))

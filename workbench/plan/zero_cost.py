@@ -178,7 +178,9 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
     if gather and backward:
         _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
-            t = stream.free
+            if lead:            # what runs before that collective, beside them
+                t = stream.compute(t, lead, rate)
+            t = max(t, stream.free)
         elif lead:              # the loss beside them (zero_exposed's ``lead``)
             t = stream.compute(t, lead, rate)
     for pos, i in enumerate(order):
@@ -245,7 +247,10 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     ``_backward_hook`` calls ``_prefetch_backward``), so the loss's forward and backward
     (the logits' cast and the cross-entropy) run beside those gathers, where the head's
     backward waits for its own; moved from the forward to the backward's start, not added
-    (with ``loss_waits`` the loss waits for the gathers instead: give (0, 0))."""
+    (with ``loss_waits`` the loss waits for the gathers instead: give (f, 0), f the
+    seconds that run before the loss's collective queued behind them, beside them: the
+    logits' cast, and a tied head's GEMM, whose module is the embedding, so the prefetch
+    starts as the final norm ends; ``estimate._dp_sync``)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -253,11 +258,12 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         raise ValueError(f"rate={rate!r} must be in (0, 1]: the speed of compute beside "
                          "a collective, 1 when it runs as alone")
     lf, lb = lead
-    if (lf or lb) and (zero != 3 or loss_waits or not blocks or lf < 0 or lb < 0
+    if (lf or lb) and (zero != 3 or (loss_waits and lb) or not blocks or lf < 0 or lb < 0
                        or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
         raise ValueError(f"lead={lead!r}: the loss's seconds run beside ZeRO-3's backward "
-                         f"prefetch, so zero=3, loss_waits=False and each within the last "
-                         f"block's own fwd / bwd (got zero={zero}, loss_waits={loss_waits})")
+                         f"prefetch, so zero=3, each within the last block's own fwd / bwd, "
+                         f"and with loss_waits=True no backward seconds (got zero={zero}, "
+                         f"loss_waits={loss_waits})")
     order = list(range(len(blocks)))
     if lf or lb:                # the loss leaves the last block: it runs as ``lead``
         last = blocks[-1]
