@@ -84,13 +84,15 @@ def check_zero_cp(lay) -> None:
     dp >= 2, without recompute or with recompute "full" / "selective" (measured dry run
     / estimate on tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 1.005-1.059
     (full), 0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017); ZeRO-2
-    likewise at dp >= 2.  Refused with the fix: dp = 1,
-    where ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on
-    the cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
-    all-to-alls alike) queues behind ZeRO's collectives on that group's one stream, a wait
-    not modeled (measured dry run / estimate on tests/test_zero3cp.py's blocks, ZeRO-3:
-    1.10x at cp 2, 1.15x (Llama) and 1.28x (GPT) at cp 4; ZeRO-2: 1.08x and 1.15x
-    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with the Llama's recompute "op" (torchtitan's
+    likewise at dp >= 2.  At dp = 1 ZeRO's group is the cp group itself, so the ring's
+    K/V exchange (a collective on the cp group, ``parallel/strategies/
+    context_parallel_comm.py`` ``_record``; Ulysses' all-to-alls alike) queues behind
+    ZeRO's collectives on that group's one stream: priced as the runtime orders them
+    (``ring_program``, ``zero_cost.run_program``; refused before, measured 1.04-1.35x;
+    now dry run / estimate step 0.969-1.025 on tests/test_zerocp3.py's 44 Llama and GPT
+    layouts, ZeRO-2 and 3, cp 2 and 4, tp 1 and 2, sp, ring and a2a; memory within
+    0.04%).  Refused with the fix: dp = 1 with recompute (the recomputed attention's
+    exchange on ZeRO's stream, not modeled); ZeRO-3 with the Llama's recompute "op" (torchtitan's
     op-level checkpointing), where the dry run runs it but the estimate is not within 10%
     of it on every block (measured step 1.031-1.088, 1.103 at dp 2 cp 2 tp 2 sp).  (Full
     recompute in chunks of k > 1 layers: ``Layout`` refuses it with framework='workbench'.)
@@ -98,11 +100,6 @@ def check_zero_cp(lay) -> None:
     attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
-    if lay.dp == 1 and lay.recompute == "none":     # WIP: ring_program, not yet held
-        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp} and dp=1 is not "
-                         f"modeled (ZeRO's group is then the cp group, whose one stream the "
-                         f"ring's K/V exchange waits on behind ZeRO's collectives: "
-                         f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
     if lay.dp == 1 and lay.recompute != "none":
         raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
                          f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
@@ -240,13 +237,22 @@ def ring_program(model, lay, prof, attention, fp8=False):
 
     cp = lay.cp
     fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
+    # the input's gradient gathered over cp before the embedding's backward: the recipe
+    # splits the embedded sequence over cp (``recipes/context_parallel.py``, ``to_ring_
+    # layout`` after a Replicate on cp), whose backward is a blocking all-gather of the
+    # whole b s h activation on the cp group (measured on the dry run's trace: 16.3 us at
+    # cp 2, 23.0 at cp 4, alike with tp and sp); not in the layer's cost (nor, on another
+    # stream, in the estimate of dp >= 2): here it queues behind ZeRO's reduce-scatters
+    e = _cost_itemsize(model)
+    grad_in = C.group_price("all_gather", lay.micro_batch * model.seq_len * model.d_model * e,
+                            X.ring_ranks(lay), prof)
     if lay.cp_comm == "a2a":
         ranks = X.ring_ranks(lay)
         q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
                       for n in X.a2a_times(model, lay, prof).blocks)
         fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
         bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
-        return dict(fwd=fwd, bwd=bwd, fwd_compute=fa,
+        return dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
                     bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
     rt = X.ring_times(model, _mini(lay), prof)
@@ -271,11 +277,15 @@ def ring_program(model, lay, prof, attention, fp8=False):
             bwd.append(("wait", ("dkv", t - 1)))
         bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
     bwd.append(("wait", ("dkv", cp - 1)))
-    return dict(fwd=tuple(fwd), bwd=tuple(bwd),
+    return dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
                 fwd_compute=fa + row("cp_ring_attention", "forward"),
                 fwd_comm=row("cp_ring_kv_exposed", "forward"),
                 bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
                 bwd_comm=row("cp_ring_kv_grad_exposed", "backward"))
+
+
+def _cost_itemsize(model) -> int:
+    return model.torch_dtype.itemsize
 
 
 def _groups(lay):

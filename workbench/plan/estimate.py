@@ -259,18 +259,20 @@ def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
     cross-entropy, forward and backward); where ZeRO's group is the cp group
     (``ep_cp.shares_zero_stream``) the cross-entropy's count all-reduce on that group
     (``parallel/ops_table/cross_entropy.py`` ``_cross_entropy_local``) queues behind the
-    prefetch, so only what runs before it: the cast, and a tied head's GEMM (its weight
-    is the embedding module's: the last module is the final norm), measured on the dry
-    run's trace (tests/test_zerocp3.py)."""
+    prefetch, so only what runs before it beside it: the cast, and a tied head's GEMM (its
+    weight is the embedding module's: the last module is the final norm, the prefetch
+    starts as it ends); the cross-entropy and the cast's backward then run before the
+    head's backward (its pre-backward hook prefetches on), measured on the dry run's
+    trace (tests/test_zerocp3.py).  Returns (lead, beside) for ``zero_exposed``."""
     if lay.engine == "workbench" and EC.shares_zero_stream(lay):
-        tied = cfg.tie_embeddings and lay.pp == 1
-        return (edge["cast"][0] + (head.fwd_compute if tied else 0.0), 0.0)
-    return edge["loss"]
+        head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
+        return (edge["loss"][0] + head_f, edge["loss"][1]), edge["cast"][0] + head_f
+    return edge["loss"], None
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
              overlap_grad_reduce: bool = False, grad_bytes: int = 2,
-             head_live: bool = True, side=None, lead=(0.0, 0.0)):
+             head_live: bool = True, side=None, lead=((0.0, 0.0), None)):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -285,10 +287,11 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
     ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n: the
     copies FSDP2 runs in series with them; the indices of the blocks kept gathered from
-    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: the loss's (forward,
+    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: ((the loss's forward,
     backward) seconds, run beside ZeRO-3's backward prefetch where it does not wait for it
     (this library's recipe: ``zero_cost.zero_exposed``'s ``lead``; ``ep_cp.loss_waits``
-    says when the loss waits)."""
+    says when the loss waits), the seconds of it before the loss's collective where that
+    waits and ZeRO's group is the cp group, else None) (``_loss_lead``)."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -346,7 +349,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
                               prefetch_numel=ahead, loss_waits=waits,
                               stay=stay, regather=lay.engine == "workbench"
                               and lay.recompute in ("full", "op"),
-                              lead=lead if recipe3 else (0.0, 0.0))
+                              lead=lead[0] if recipe3 else (0.0, 0.0),
+                              beside=lead[1] if recipe3 and waits else None)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
         # (fwd: the cp exchange's waits where it shares ZeRO's stream, else 0)
         return m * (fwd + bwd) + p("all_gather", w), m * rs + ag
@@ -533,7 +537,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
                                  head_live=cfg.tie_embeddings, side=side,
                                  lead=_loss_lead(cfg, lay, head, edge) if s == pp - 1
-                                 else (0.0, 0.0)) \
+                                 else ((0.0, 0.0), None)) \
             if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))

@@ -155,7 +155,7 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
          rate: float = 1.0, bucket: "float | None" = None,
          loss_waits: bool = False, stay=(), regather: bool = False,
-         lead: float = 0.0) -> float:
+         lead: float = 0.0, beside: float = 0.0) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
@@ -178,9 +178,9 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
     if gather and backward:
         _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
-            if lead:            # what runs before that collective, beside them
-                t = stream.compute(t, lead, rate)
+            t = stream.compute(t, beside, rate)      # what runs before it, beside them
             t = max(t, stream.free)
+            t = stream.compute(t, lead - beside, rate)   # the rest of the loss, after it
         elif lead:              # the loss beside them (zero_exposed's ``lead``)
             t = stream.compute(t, lead, rate)
     for pos, i in enumerate(order):
@@ -223,7 +223,8 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
                  rate: float = 1.0, bucket: "float | None" = None,
                  loss_waits: bool = False, stay=(), regather: bool = False,
-                 lead: tuple = (0.0, 0.0)) -> tuple[float, float]:
+                 lead: tuple = (0.0, 0.0), beside: "float | None" = None
+                 ) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
@@ -247,10 +248,13 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     ``_backward_hook`` calls ``_prefetch_backward``), so the loss's forward and backward
     (the logits' cast and the cross-entropy) run beside those gathers, where the head's
     backward waits for its own; moved from the forward to the backward's start, not added
-    (with ``loss_waits`` the loss waits for the gathers instead: give (f, 0), f the
-    seconds that run before the loss's collective queued behind them, beside them: the
-    logits' cast, and a tied head's GEMM, whose module is the embedding, so the prefetch
-    starts as the final norm ends; ``estimate._dp_sync``)."""
+    (with ``loss_waits`` the loss waits for the gathers instead: give (0, 0), or
+    ``beside``: the seconds of ``lead`` that run before the loss's collective queued
+    behind the gathers, beside them, the rest of ``lead`` running once it ends and
+    before the last block's backward starts its prefetch; where ZeRO's group is the cp
+    group: the logits' cast, and a tied head's GEMM, whose module is the embedding, so
+    that the prefetch starts as the final norm ends, beside; the cross-entropy forward
+    and backward and the cast's backward after, ``estimate._loss_lead``)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -258,12 +262,15 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         raise ValueError(f"rate={rate!r} must be in (0, 1]: the speed of compute beside "
                          "a collective, 1 when it runs as alone")
     lf, lb = lead
-    if (lf or lb) and (zero != 3 or (loss_waits and lb) or not blocks or lf < 0 or lb < 0
-                       or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
+    if (lf or lb) and (zero != 3 or (loss_waits and beside is None) or not blocks
+                       or lf < 0 or lb < 0 or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
         raise ValueError(f"lead={lead!r}: the loss's seconds run beside ZeRO-3's backward "
-                         f"prefetch, so zero=3, each within the last block's own fwd / bwd, "
-                         f"and with loss_waits=True no backward seconds (got zero={zero}, "
-                         f"loss_waits={loss_waits})")
+                         f"prefetch, so zero=3, loss_waits=False (or True with beside=, the "
+                         f"seconds before the loss's collective) and each within the last "
+                         f"block's own fwd / bwd (got zero={zero}, loss_waits={loss_waits})")
+    if beside is not None and not 0 <= beside <= lf + lb:
+        raise ValueError(f"beside={beside!r}: the seconds of lead={lead!r} run before the "
+                         f"loss's collective; give a number in [0, {lf + lb}]")
     order = list(range(len(blocks)))
     if lf or lb:                # the loss leaves the last block: it runs as ``lead``
         last = blocks[-1]
@@ -275,7 +282,7 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         fwd = end - sum(b.fwd + b.wait_fwd + b.shared[0] for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
-               loss_waits, stay, regather and zero == 3, lf + lb)
+               loss_waits, stay, regather and zero == 3, lf + lb, beside or 0.0)
     # the loss's own seconds are the blocks' (the stage's compute): only what it waits or
     # slows beside the gathers is exposed
     return fwd, max(end, s.free) - sum(b.bwd + b.wait_bwd + b.shared[1] for b in blocks) \
@@ -413,6 +420,11 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
                       remat * sum(p) / rtot if j < rerun else 0.0,
                       fw * sum(p) / tot, bw * sum(p) / tot, **prog.get(j, {}))
                 for j, p in enumerate(mods)]
+        if ring is not None and k == 0 and stage == 0 and ring.get("input_grad"):
+            # the input's gradient gathered over cp before the embedding's backward
+            # (ep_cp.ring_program): after the first module's backward, on ZeRO's stream
+            first = len(out) - len(mods)
+            out[first] = replace(out[first], after_bwd=(("sync", ring["input_grad"]),))
     if stage == pp - 1:
         norm = (h,) if llama else (h, h)
         fwd, bwd = head.fwd_compute + edge["last"][0], head.bwd_compute + edge["last"][1]
