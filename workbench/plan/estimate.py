@@ -330,7 +330,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
         blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0, wait_fwd=0.0,
-                                      wait_bwd=0.0) for b in blocks]
+                                      wait_bwd=0.0, after_fwd=(), after_bwd=(),
+                                      shared=(0.0, 0.0)) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
