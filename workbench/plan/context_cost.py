@@ -119,6 +119,29 @@ class RingTimes:
     merge: float                # of ``half_forward``: merging the step's output by its lse
     hop_grad: float = 0.0       # one float32 dK/dV block over the slowest hop (s)
     accumulate: float = 0.0     # of ``half_backward``: adding a step's dQ, dK, dV in fp32
+    casts: float = 0.0          # of ``forward``: step 0's output cast to float32 and the
+    #                             merged output's cast back (this library's ring, _merge_ops)
+
+
+def _merge_ops(b: int, ah: int, s_l: int, d: int, e: int, prof, dtype) -> tuple:
+    """(the merge of one step, step 0's cast and the final cast) as this library's ring
+    runs them, op by op (``parallel/strategies/context_parallel.py`` ``_ring_forward``:
+    each step's output cast to float32, ``o_t.to(acc)``; from step 1 the running output
+    merged by fifteen ops, ``maximum``, ``lse - m``, ``exp``, ``lse_t - m``, ``exp``,
+    ``+``, ``log``, ``m +``, ``lse - new``, ``exp``, ``out *``, ``lse_t - new``, ``exp``,
+    ``o_t *``, ``+``; the merged output cast back to the inputs' dtype at the end), each
+    priced as the op table prices an element-wise op (``ops_table/costs.py``: one FLOP an
+    output element, each input read and the output written, float32 lses and running
+    output) with its own launch, as the clock runs them; Megatron-LM's Transformer
+    Engine merges in one fused kernel (``ring_times``' ``merge`` otherwise)."""
+    L, nq = 4 * b * ah * s_l, 4 * b * ah * s_l * d      # float32 bytes: an lse, an output
+
+    def op(flops, nbytes):
+        return _cost.compute_time(flops, nbytes, prof, "float32", "elementwise")
+    lse_ops = [op(L // 4, 3 * L)] * 7 + [op(L // 4, 2 * L)] * 5   # binary: 3 L, unary: 2 L
+    out_ops = [op(nq // 4, 2 * nq + L)] * 2 + [op(nq // 4, 3 * nq)]  # the two *, the +
+    cast = op(nq // 4, nq + nq // 4 * e)
+    return sum(lse_ops) + sum(out_ops) + cast, 2 * cast
 
 
 @lru_cache(maxsize=None)
@@ -141,6 +164,9 @@ def ring_times(cfg, lay, prof) -> RingTimes:
     # merging the step's output into the running one by their log-sum-exps: read both
     # outputs and lses, write the output and lse (fp32 lses)
     merge = _cost.compute_time(6 * nq, 3 * e * nq + 3 * lse, prof, cfg.dtype, "elementwise")
+    casts = 0.0
+    if getattr(lay, "framework", None) == "workbench":    # op by op (_merge_ops)
+        merge, casts = _merge_ops(b, ah, s_l, d, e, prof, cfg.dtype)
     bwd = _cost.compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, prof, cfg.dtype,
                              "attention", gemm=_cost.AttentionShape(*shape, False, True))
     # a step's dQ, dK, dV added into float32 accumulators: read two, write one
@@ -168,12 +194,12 @@ def ring_times(cfg, lay, prof) -> RingTimes:
         backward = (k - 1) * (b_run + acc + b_out) + (l_run + acc + l_out) + acc + hop_g
     else:                                           # one rank: no ring
         b_exposed = backward = 0.0
-    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out), backward,
+    return RingTimes(k, hf, hb, hop, k * (f_run + merge + f_out) + bool(k) * casts, backward,
                      k * f_out, b_exposed,
                      k * wire_bytes("send_recv", n, 2),
                      k * wire_bytes("send_recv", n, 2)
                      + bool(k) * cp * wire_bytes("send_recv", ng, 2),
-                     pairs, merge, hop_g, acc)
+                     pairs, merge, hop_g, acc, bool(k) * casts)
 
 
 # ---- cp_comm="a2a": DeepSpeed-Ulysses (strategies.context_parallel_a2a) --------------------

@@ -70,7 +70,10 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     last = tuple(map(sum, zip(ln, cast, ce)))
     # "loss": the logits' cast and the cross-entropy alone (of "last"), what runs after
     # the head's forward and before its backward (plan.zero_cost's ``lead``)
-    return {"first": first, "last": last, "loss": tuple(map(sum, zip(cast, ce)))}
+    # "cast": the logits' cast alone (of "loss": what runs before the cross-entropy's
+    # count all-reduce, ``estimate._loss_lead``)
+    return {"first": first, "last": last, "loss": tuple(map(sum, zip(cast, ce))),
+            "cast": tuple(cast)}
 
 
 def _loss(rows: int, vocab: int, profile) -> tuple[float, float]:

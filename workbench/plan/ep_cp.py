@@ -42,7 +42,7 @@ from . import moe_cost as M
 from .ep_cp_search import CP_MIN_TOKENS, assumptions, candidates, explain_lines, table_notes
 
 __all__ = ["check_fields", "check_zero_cp", "check_layout", "check_estimate", "applies",
-           "loss_waits",
+           "loss_waits", "shares_zero_stream", "ring_program",
            "token_cfg", "layer_cost", "layer_detail", "expert_states", "expert_sync", "candidates",
            "assumptions", "explain_lines", "table_notes", "CP_MIN_TOKENS"]
 # candidates, assumptions, explain_lines, table_notes: plan/ep_cp_search.py
@@ -84,29 +84,37 @@ def check_zero_cp(lay) -> None:
     dp >= 2, without recompute or with recompute "full" / "selective" (measured dry run
     / estimate on tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 1.005-1.059
     (full), 0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017); ZeRO-2
-    likewise at dp >= 2.  Refused with the fix: dp = 1,
-    where ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on
-    the cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
-    all-to-alls alike) queues behind ZeRO's collectives on that group's one stream, a wait
-    not modeled (measured dry run / estimate on tests/test_zero3cp.py's blocks, ZeRO-3:
-    1.10x at cp 2, 1.15x (Llama) and 1.28x (GPT) at cp 4; ZeRO-2: 1.08x and 1.15x
-    (Llama), 1.04x and 1.13x (GPT)); ZeRO-3 with the Llama's recompute "op" (torchtitan's
-    op-level checkpointing), where the dry run runs it but the estimate is not within 10%
-    of it on every block (measured step 1.031-1.088, 1.103 at dp 2 cp 2 tp 2 sp).  (Full
+    likewise at dp >= 2.  At dp = 1 ZeRO's group is the cp group itself, so the ring's
+    K/V exchange (a collective on the cp group, ``parallel/strategies/
+    context_parallel_comm.py`` ``_record``; Ulysses' all-to-alls alike) queues behind
+    ZeRO's collectives on that group's one stream: priced as the runtime orders them
+    (``ring_program``, ``zero_cost.run_program``; refused before, measured 1.04-1.35x;
+    now dry run / estimate step 0.969-1.025 on tests/test_zerocp3.py's 44 Llama and GPT
+    layouts, ZeRO-2 and 3, cp 2 and 4, tp 1 and 2, sp, ring and a2a; memory within
+    0.04%).  Refused with the fix: dp = 1 with recompute (the recomputed attention's
+    exchange on ZeRO's stream, not modeled); ZeRO-3 with the Llama's recompute "op"
+    (torchtitan's op-level checkpointing), where the dry run runs it but the estimate is
+    not within 5% of it on every block: with the recomputed ring's sends and merges (or
+    Ulysses' all-to-alls) priced (``_op_sac_ring``, ``_a2a_rows``: 1.031-1.103 -> 1.031-
+    1.069) what is left is ZeRO-3's order in the block's backward: the dry run gathers w2
+    after the recompute, queued behind the head's reduce-scatter (~139 us exposed at dp 2
+    cp 2 on tests/test_zero3cp.py's Llama), where ``zero_cost``'s ``regather`` gathers w2
+    before the recompute.  (Full
     recompute in chunks of k > 1 layers: ``Layout`` refuses it with framework='workbench'.)
     (ZeRO-3 with any recompute was refused until the dry run ran it: the recomputed
     attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
-    if lay.dp == 1:
-        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp} and dp=1 is not "
-                         f"modeled (ZeRO's group is then the cp group, whose one stream the "
-                         f"ring's K/V exchange waits on behind ZeRO's collectives: "
-                         f"plan/ep_cp.py check_zero_cp); use dp >= 2 or zero<=1")
+    if lay.dp == 1 and lay.recompute != "none":
+        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
+                         f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
+                         f"group, whose one stream the recomputed attention's exchange waits "
+                         f"on behind ZeRO's collectives: plan/ep_cp.py check_zero_cp); use "
+                         f"recompute='none', dp >= 2 or zero<=1")
     if lay.zero == 3 and lay.recompute == "op":
         raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
                          f"modeled (the dry run of this library's runtime measured up to "
-                         f"1.10x the estimate's step: plan/ep_cp.py check_zero_cp); use "
+                         f"1.07x the estimate's step: plan/ep_cp.py check_zero_cp); use "
                          f"recompute='full' or 'selective', or zero<=2")
 
 
@@ -184,6 +192,105 @@ def loss_waits(lay) -> bool:
     ("dp", "cp")), another stream: the loss runs beside the gathers (``zero_cost``'s
     ``lead``)."""
     return lay.dp == 1 or lay.cp == 1
+
+
+def shares_zero_stream(lay) -> bool:
+    """Whether ZeRO's collectives and the attention's cp exchange run on one stream: ZeRO
+    (2 or 3) over dp x cp ranks with dp = 1 is over the cp group itself (``Layout.
+    grad_ranks``; ``recipes/context_parallel.py``), the group the ring's send/recvs
+    (``parallel/strategies/context_parallel_comm.py`` ``_record``) and Ulysses' all-to-alls
+    run on, and a group's collectives run in issue order on its one stream
+    (``sim_mesh/trace.py``, as ``ProcessGroupNCCL``'s one NCCL stream per group)."""
+    return lay.cp > 1 and lay.dp == 1 and lay.zero >= 2
+
+
+def ring_program(model, lay, prof, attention, fp8=False):
+    """The attention's cp exchange of one layer and micro-batch as the runtime orders it
+    on the stream it shares with ZeRO (``shares_zero_stream``), for
+    ``zero_cost.recipe_blocks(ring=)``: a dict of the forward and backward programs
+    (``zero_cost.run_program``) and the seconds of ``layer_cost`` they stand for
+    (``fwd_compute``, ``fwd_comm``, ``bwd_compute``, ``bwd_comm``); None where the
+    stream is not shared.
+
+    Ring ("p2p", ``strategies.context_parallel._ring_forward``): at each step but the
+    last the next K/V block is sent (async) before the step's block is computed, the
+    partial output merged, then the send waited for; step 0 is the causal block (the
+    layer's ``flash_attention``), steps 1 .. cp-1 half blocks (``context_cost``).
+    Backward (``context_parallel_backward``): each step waits for its K/V, sends it on
+    again (but the last), computes its block's gradients, waits for the dK/dV that
+    arrived, accumulates and sends the sum on; at the end it waits for its own block's.
+    Ulysses ("a2a", ``strategies.context_parallel_a2a``): q, k and v each resharded by a
+    blocking all-to-all, the kernel over the whole sequence, the output resharded back;
+    backward the output gradient's, the kernel's, then dq, dk and dv's.  Each collective
+    is queued behind whatever ZeRO's stream holds then (its gathers prefetched, its
+    reduce-scatters issued): the wait the dry run showed (module docstring of
+    tests/test_zerocp3.py)."""
+    if not shares_zero_stream(lay) or lay.engine != "workbench":
+        return None
+    if lay.recompute != "none":
+        raise ValueError(f"ring_program: recompute={lay.recompute!r} re-runs the exchange on "
+                         f"ZeRO's stream in backward, which is not modeled; use "
+                         f"recompute='none' (check_zero_cp refuses it with the fix)")
+    rows, _ = _layer(model, _mini(lay), prof, attention, fp8, _regathers(model, lay))
+
+    def row(name, phase):
+        got = [r[3] for r in rows if r[0] == name and r[1] == phase]
+        if len(got) != 1:
+            raise AssertionError(f"ring_program: {len(got)} rows {name!r} ({phase}) in the "
+                                 f"layer's cost, expected one")
+        return got[0]
+
+    cp = lay.cp
+    fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
+    # the input's gradient gathered over cp before the embedding's backward: the recipe
+    # splits the embedded sequence over cp (``recipes/context_parallel.py``, ``to_ring_
+    # layout`` after a Replicate on cp), whose backward is a blocking all-gather of the
+    # whole b s h activation on the cp group (measured on the dry run's trace: 16.3 us at
+    # cp 2, 23.0 at cp 4, alike with tp and sp); not in the layer's cost (nor, on another
+    # stream, in the estimate of dp >= 2): here it queues behind ZeRO's reduce-scatters
+    e = _cost_itemsize(model)
+    grad_in = C.group_price("all_gather", lay.micro_batch * model.seq_len * model.d_model * e,
+                            X.ring_ranks(lay), prof)
+    if lay.cp_comm == "a2a":
+        ranks = X.ring_ranks(lay)
+        q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
+                      for n in X.a2a_times(model, lay, prof).blocks)
+        fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
+        bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
+        return dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
+                    fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
+                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
+    rt = X.ring_times(model, _mini(lay), prof)
+    half_f, merge = rt.half_forward - rt.merge, rt.merge
+    half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
+    fwd, bwd = [], []
+    for t in range(cp):
+        if t < cp - 1:
+            fwd.append(("async", ("kv", t), rt.hop))
+        fwd += [("compute", fa), ("compute", rt.casts / 2)] if t == 0 else \
+            [("compute", half_f), ("compute", merge)]
+        if t < cp - 1:
+            fwd.append(("wait", ("kv", t)))
+    fwd.append(("compute", rt.casts / 2))          # the merged output cast back
+    for t in range(cp):
+        if t > 0:
+            bwd.append(("wait", ("kv", t - 1)))
+        if t < cp - 1:
+            bwd.append(("async", ("kv", t), rt.hop))
+        bwd.append(("compute", fg if t == 0 else half_b))
+        if t > 0:
+            bwd.append(("wait", ("dkv", t - 1)))
+        bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
+    bwd.append(("wait", ("dkv", cp - 1)))
+    return dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
+                fwd_compute=fa + row("cp_ring_attention", "forward"),
+                fwd_comm=row("cp_ring_kv_exposed", "forward"),
+                bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
+                bwd_comm=row("cp_ring_kv_grad_exposed", "backward"))
+
+
+def _cost_itemsize(model) -> int:
+    return model.torch_dtype.itemsize
 
 
 def _groups(lay):
@@ -274,7 +381,30 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
                      ring.backward - ring.backward_exposed_comm, 0, False))
         rows.append(("cp_ring_kv_grad_exposed", "backward", "send_recv",
                      ring.backward_exposed_comm, ring.sent_backward, True))
+        rows += _op_sac_ring(lay, ring, prof)
     return tuple(rows), ring
+
+
+def _op_sac_ring(lay, ring, prof) -> list:
+    """Recompute "op" on this library's ring: the policy saves the attention kernels'
+    outputs (``models.op_sac``: the ring's steps replay), but the ring's forward around
+    them runs again before the block's backward, its K/V sends and its merges
+    (``strategies.context_parallel._ring_forward``: each step but the last sends the next
+    block and waits for it; step 0's output cast beside the first send, each later
+    step's merge (``context_cost._merge_ops``) beside the next, the last alone, the
+    merged output cast back); measured on the dry run's trace (tests/test_zerocp3.py:
+    the sends and merge ops twice per layer, the steps once).  Other frameworks' rings:
+    not this evidence, left as they were."""
+    if lay.recompute != "op" or lay.framework != "workbench" or not ring.steps:
+        return []
+    c0 = ring.casts / 2
+    run0, out0 = _cost.overlap(c0, ring.hop, prof)
+    run_m, out_m = _cost.overlap(ring.merge, ring.hop, prof)
+    k = ring.steps
+    return [("cp_ring_merge_recompute", "recompute", "elementwise",
+             run0 + (k - 1) * run_m + ring.merge + c0, 0, False),
+            ("cp_ring_kv_recompute_exposed", "recompute", "send_recv",
+             out0 + (k - 1) * out_m, ring.sent_forward, True)]
 
 
 _ATTN = ("flash_attention", "flash_attention_grad", "recompute:flash_attention")
@@ -303,7 +433,14 @@ def _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows):
             r = (r[0], r[1], r[2], whole[key][i], r[4], r[5])
         out.append(r)
     a2a = X.a2a_times(model, lay, prof)
-    for phase in [o.phase for o in ops if o.name == "flash_attention"]:
+    phases = [o.phase for o in ops if o.name == "flash_attention"]
+    if lay.recompute == "op" and lay.framework == "workbench":
+        # recompute "op": the kernel's output saved (models.op_sac), the four
+        # all-to-alls around it run again before the block's backward (blocking
+        # collectives no policy saves: measured on the dry run's trace, three of q, k, v
+        # and one of the output more per layer, tests/test_zerocp3.py)
+        phases.append("recompute")
+    for phase in phases:
         out.append(("cp_a2a_qkv_o", phase, "all_to_all", a2a.forward, a2a.sent_forward, True))
     out.append(("cp_a2a_qkv_o_grad", "backward", "all_to_all", a2a.backward,
                 a2a.sent_backward, True))

@@ -36,8 +36,9 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
     every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
-    over dp x cp with framework='workbench', as its runtime shards, at dp >= 2; ZeRO-3
-    without recompute or with "full" / "selective" one layer per checkpoint:
+    over dp x cp with framework='workbench', as its runtime shards, at dp = 1 without
+    recompute; ZeRO-3 without recompute or with "full" / "selective" one layer per
+    checkpoint:
     ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
@@ -60,12 +61,14 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
             if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
-                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp >=
-                # 2, ZeRO-3 without recompute or with "full" / "selective" one layer per
-                # checkpoint: ep_cp.check_zero_cp), the only framework priced running them
+                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp =
+                # 1 without recompute, ZeRO-3 without recompute or with "full" /
+                # "selective" one layer per checkpoint: ep_cp.check_zero_cp), the only
+                # framework priced running them
                 # with cp: tried as framework="workbench" (table_notes says so; chunks
                 # of k > 1 layers it refuses: Layout); with ep, refused there
-                if moe is not None or lay.dp == 1 or lay.zero == 3 and (
+                if moe is not None or lay.dp == 1 and lay.recompute != "none" or \
+                        lay.zero == 3 and (
                         lay.recompute == "op" or lay.recompute_num_layers != 1):
                     continue
                 lay = lay.replace(framework="workbench")

@@ -253,9 +253,27 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     return t, sent
 
 
+def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
+    """(forward, backward) seconds of the last stage that run beside ZeRO-3's backward
+    prefetch, which this library's recipe issues as the forward's last module ends
+    (``zero_cost.zero_exposed``'s ``lead``): the loss (the logits' cast and the
+    cross-entropy, forward and backward); where ZeRO's group is the cp group
+    (``ep_cp.shares_zero_stream``) the cross-entropy's count all-reduce on that group
+    (``parallel/ops_table/cross_entropy.py`` ``_cross_entropy_local``) queues behind the
+    prefetch, so only what runs before it beside it: the cast, and a tied head's GEMM (its
+    weight is the embedding module's: the last module is the final norm, the prefetch
+    starts as it ends); the cross-entropy and the cast's backward then run before the
+    head's backward (its pre-backward hook prefetches on), measured on the dry run's
+    trace (tests/test_zerocp3.py).  Returns (lead, beside) for ``zero_exposed``."""
+    if lay.engine == "workbench" and EC.shares_zero_stream(lay):
+        head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
+        return (edge["loss"][0] + head_f, edge["loss"][1]), edge["cast"][0] + head_f
+    return edge["loss"], None
+
+
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
              overlap_grad_reduce: bool = False, grad_bytes: int = 2,
-             head_live: bool = True, side=None, lead=(0.0, 0.0)):
+             head_live: bool = True, side=None, lead=((0.0, 0.0), None)):
     """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
     (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
     ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
@@ -270,10 +288,11 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
     ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n: the
     copies FSDP2 runs in series with them; the indices of the blocks kept gathered from
-    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: the loss's (forward,
+    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: ((the loss's forward,
     backward) seconds, run beside ZeRO-3's backward prefetch where it does not wait for it
     (this library's recipe: ``zero_cost.zero_exposed``'s ``lead``; ``ep_cp.loss_waits``
-    says when the loss waits)."""
+    says when the loss waits), the seconds of it before the loss's collective where that
+    waits and ZeRO's group is the cp group, else None) (``_loss_lead``)."""
     if lay.dp * lay.cp == 1:
         return 0.0, 0.0
     ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
@@ -312,23 +331,31 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         return p("reduce_scatter") + p("all_gather", w), rs + ag
     if not overlap:
         blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0, wait_fwd=0.0,
-                                      wait_bwd=0.0) for b in blocks]
+                                      wait_bwd=0.0, after_fwd=(), after_bwd=(),
+                                      shared=(0.0, 0.0)) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
     # the recipe's loss waits for the backward's prefetch where its count's all-reduce is
     # on ZeRO's group (ep_cp.loss_waits), else runs beside it (lead)
-    waits = lay.engine == "workbench" and not head_live and EC.loss_waits(lay)
-    recipe3 = lay.engine == "workbench" and lay.zero == 3 and not waits and overlap
+    # (with a tied head too where ZeRO's group is the cp group: the backward's prefetch is
+    # issued as the head's forward ends, before the loss's count all-reduce on that group,
+    # ep_cp.shares_zero_stream; measured on the dry run's trace, tests/test_zerocp3.py)
+    shared = lay.engine == "workbench" and EC.shares_zero_stream(lay)
+    waits = lay.engine == "workbench" and (not head_live or shared) and EC.loss_waits(lay)
+    recipe3 = lay.engine == "workbench" and lay.zero == 3 and (not waits or shared) \
+        and overlap
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
                               rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
                               prefetch_numel=ahead, loss_waits=waits,
                               stay=stay, regather=lay.engine == "workbench"
                               and lay.recompute in ("full", "op"),
-                              lead=lead if recipe3 else (0.0, 0.0))
+                              lead=lead[0] if recipe3 else (0.0, 0.0),
+                              beside=lead[1] if recipe3 and waits else None)
     if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
-        return m * bwd + p("all_gather", w), m * rs + ag
+        # (fwd: the cp exchange's waits where it shares ZeRO's stream, else 0)
+        return m * (fwd + bwd) + p("all_gather", w), m * rs + ag
     again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
     return m * (fwd + bwd), m * (ag + again + rs)
 
@@ -493,7 +520,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         comp += acc             # after each backward (plan.megatron_2021, megatron_hook_add)
         blocks = Z.stage_blocks(cfg, lay, s, layer, head, edge,
                                 per_module=lay.zero == 3 and lay.engine == "deepspeed",
-                                recipe=lay.engine == "workbench", remat=remat) \
+                                recipe=lay.engine == "workbench", remat=remat,
+                                ring=EC.ring_program(cfg, lay, prof, attention, fp8)) \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)
@@ -510,7 +538,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
                                  head_live=cfg.tie_embeddings, side=side,
-                                 lead=edge["loss"] if s == pp - 1 else (0.0, 0.0)) \
+                                 lead=_loss_lead(cfg, lay, head, edge) if s == pp - 1
+                                 else ((0.0, 0.0), None)) \
             if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))

@@ -35,7 +35,7 @@ compute time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..parallel.strategies.zero3 import PREFETCH_NUMEL   # DeepSpeed's default, cited there
 from ..sim_mesh.cost import finish_beside
@@ -70,6 +70,15 @@ class Block:
     # forward and backward: the clock goes on, ZeRO's stream with it, no compute slowed
     wait_fwd: float = 0.0
     wait_bwd: float = 0.0
+    # what runs after its compute on ZeRO's own stream, forward and backward (its
+    # reduce-scatters issued first): a program of ``("compute", s)``, ``("async", name,
+    # s)`` (a collective of s seconds issued now, ``("wait", name)`` for it),
+    # ``("sync", s)`` (a blocking one), :func:`run_program`; the ring's exchange where
+    # ZeRO's group is the cp group (``ep_cp.ring_program``); ``shared``: the seconds the
+    # layer's cost counts for those programs (forward, backward)
+    after_fwd: tuple = ()
+    after_bwd: tuple = ()
+    shared: tuple = (0.0, 0.0)
 
 
 class _Stream:
@@ -81,12 +90,14 @@ class _Stream:
         self.busy = []          # (start, end) of each collective, in time order
         self.done = 0           # busy[:done] ended by the last compute's start
 
-    def issue(self, key, numel: float, ready: float) -> None:
-        if key in self.ends or numel <= 0:
+    def issue(self, key, numel: float, ready: float, seconds: "float | None" = None) -> None:
+        """Queue the gather (``key`` an int) or reduce-scatter (a tuple) of ``numel``
+        elements, or with ``seconds`` a collective of that duration, ready at ``ready``."""
+        if key in self.ends or (numel <= 0 and seconds is None):
             return
         cost = self.rs if isinstance(key, tuple) else self.ag
         start = max(self.free, ready)
-        self.free = start + cost(numel)
+        self.free = start + (cost(numel) if seconds is None else seconds)
         self.ends[key] = self.free
         if self.free > start:
             self.busy.append((start, self.free))
@@ -104,6 +115,31 @@ class _Stream:
         return finish_beside(t, work, rate, busy[k:] if k else busy)
 
 
+def run_program(stream, program, t: float, rate: float, tag) -> float:
+    """Run ``program`` (``Block.after_fwd`` / ``after_bwd``) from ``t`` on ``stream``:
+    compute at ``rate`` beside the stream's collectives; an async collective queued
+    behind the stream's (a group's collectives run in issue order on its one stream,
+    ``sim_mesh.trace``), waited for by ``("wait", name)``; a blocking one starts once
+    the stream is free and the compute waits for its end (``Trace.record_collective``).
+    Returns when the program's compute ends."""
+    for op in program:
+        kind = op[0]
+        if kind == "compute":
+            t = stream.compute(t, op[1], rate)
+        elif kind == "async":
+            stream.issue(("p", tag, op[1]), 0.0, t, seconds=op[2])
+        elif kind == "wait":
+            t = max(t, stream.ends[("p", tag, op[1])])
+        elif kind == "sync":
+            stream.issue(("p", tag, ("sync", len(stream.ends))), 0.0, t, seconds=op[1])
+            t = max(t, stream.free)
+        else:
+            raise ValueError(f"run_program: {op!r} is no step of a program; give "
+                             f"('compute', s), ('async', name, s), ('wait', name) or "
+                             f"('sync', s)")
+    return t
+
+
 def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> None:
     """Issue the gathers of the modules after position ``pos`` of ``order``, up to
     ``budget`` elements (at least one: DeepSpeed's coordinator, ``Zero3._wait``)."""
@@ -119,7 +155,7 @@ def _prefetch(stream, blocks, order, pos: int, now: float, budget: float) -> Non
 def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
          rate: float = 1.0, bucket: "float | None" = None,
          loss_waits: bool = False, stay=(), regather: bool = False,
-         lead: float = 0.0) -> float:
+         lead: float = 0.0, beside: float = 0.0) -> float:
     """Run ``blocks`` in ``order`` from time 0 and return the compute's end: with
     ``gather``, each waits for its parameters' gather (issued ahead); in ``backward``
     each module's gradient is reduce-scattered once it has run (``bucket``: once the
@@ -142,7 +178,9 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
     if gather and backward:
         _prefetch(stream, gb, order, -1, t, budget)
         if loss_waits:          # the loss's dp collective queued behind those gathers
-            t = stream.free
+            t = stream.compute(t, beside, rate)      # what runs before it, beside them
+            t = max(t, stream.free)
+            t = stream.compute(t, lead - beside, rate)   # the rest of the loss, after it
         elif lead:              # the loss beside them (zero_exposed's ``lead``)
             t = stream.compute(t, lead, rate)
     for pos, i in enumerate(order):
@@ -162,6 +200,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
         if g < 0:
             t = stream.compute(t, blocks[i].bwd if backward else blocks[i].fwd, rate)
         t += blocks[i].wait_bwd if backward else blocks[i].wait_fwd
+        if not backward and blocks[i].after_fwd:
+            t = run_program(stream, blocks[i].after_fwd, t, rate, ("f", pos))
         if backward and bucket is None and blocks[i].parts:
             for k, n in enumerate(blocks[i].parts):     # one per parameter, as produced
                 stream.issue(("rs", i, k), n, t)
@@ -172,6 +212,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
             if pending >= bucket:
                 stream.issue(("rs", i), pending, t)
                 pending = 0.0
+        if backward and blocks[i].after_bwd:    # after its gradients' reduce-scatters
+            t = run_program(stream, blocks[i].after_bwd, t, rate, ("b", pos))
     if pending:
         stream.issue(("rs", "rest"), pending, t)
     return t
@@ -181,7 +223,8 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
                  prefetch_numel: float = PREFETCH_NUMEL,
                  rate: float = 1.0, bucket: "float | None" = None,
                  loss_waits: bool = False, stay=(), regather: bool = False,
-                 lead: tuple = (0.0, 0.0)) -> tuple[float, float]:
+                 lead: tuple = (0.0, 0.0), beside: "float | None" = None
+                 ) -> tuple[float, float]:
     """(forward, backward) seconds that one micro-batch's ZeRO-``zero`` collectives add
     to its compute (module docstring).  ``blocks``: the stage's :class:`Block` s in
     forward order; ``all_gather(numel)`` / ``reduce_scatter(numel)``: seconds of that
@@ -205,7 +248,13 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
     ``_backward_hook`` calls ``_prefetch_backward``), so the loss's forward and backward
     (the logits' cast and the cross-entropy) run beside those gathers, where the head's
     backward waits for its own; moved from the forward to the backward's start, not added
-    (with ``loss_waits`` the loss waits for the gathers instead: give (0, 0))."""
+    (with ``loss_waits`` the loss waits for the gathers instead: give (0, 0), or
+    ``beside``: the seconds of ``lead`` that run before the loss's collective queued
+    behind the gathers, beside them, the rest of ``lead`` running once it ends and
+    before the last block's backward starts its prefetch; where ZeRO's group is the cp
+    group: the logits' cast, and a tied head's GEMM, whose module is the embedding, so
+    that the prefetch starts as the final norm ends, beside; the cross-entropy forward
+    and backward and the cast's backward after, ``estimate._loss_lead``)."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero!r}: the per-micro-batch collectives are ZeRO-2's "
                          "and ZeRO-3's; use 2 or 3")
@@ -213,33 +262,36 @@ def zero_exposed(blocks, zero: int, all_gather, reduce_scatter,
         raise ValueError(f"rate={rate!r} must be in (0, 1]: the speed of compute beside "
                          "a collective, 1 when it runs as alone")
     lf, lb = lead
-    if (lf or lb) and (zero != 3 or loss_waits or not blocks or lf < 0 or lb < 0
-                       or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
+    if (lf or lb) and (zero != 3 or (loss_waits and beside is None) or not blocks
+                       or lf < 0 or lb < 0 or lf > blocks[-1].fwd or lb > blocks[-1].bwd):
         raise ValueError(f"lead={lead!r}: the loss's seconds run beside ZeRO-3's backward "
-                         f"prefetch, so zero=3, loss_waits=False and each within the last "
+                         f"prefetch, so zero=3, loss_waits=False (or True with beside=, the "
+                         f"seconds before the loss's collective) and each within the last "
                          f"block's own fwd / bwd (got zero={zero}, loss_waits={loss_waits})")
+    if beside is not None and not 0 <= beside <= lf + lb:
+        raise ValueError(f"beside={beside!r}: the seconds of lead={lead!r} run before the "
+                         f"loss's collective; give a number in [0, {lf + lb}]")
     order = list(range(len(blocks)))
     if lf or lb:                # the loss leaves the last block: it runs as ``lead``
         last = blocks[-1]
-        blocks = list(blocks[:-1]) + [Block(last.numel, last.fwd - lf, last.bwd - lb,
-                                            last.parts, last.group, last.remat,
-                                            last.wait_fwd, last.wait_bwd)]
+        blocks = list(blocks[:-1]) + [replace(last, fwd=last.fwd - lf, bwd=last.bwd - lb)]
     fwd = 0.0
-    if zero == 3:
+    if zero == 3 or any(b.after_fwd for b in blocks):
         s = _Stream(all_gather, reduce_scatter)
-        end = _run(s, blocks, order, False, True, prefetch_numel, float(rate))
-        fwd = end - sum(b.fwd + b.wait_fwd for b in blocks)
+        end = _run(s, blocks, order, False, zero == 3, prefetch_numel, float(rate))
+        fwd = end - sum(b.fwd + b.wait_fwd + b.shared[0] for b in blocks)
     s = _Stream(all_gather, reduce_scatter)
     end = _run(s, blocks, order[::-1], True, zero == 3, prefetch_numel, float(rate), bucket,
-               loss_waits, stay, regather and zero == 3, lf + lb)
+               loss_waits, stay, regather and zero == 3, lf + lb, beside or 0.0)
     # the loss's own seconds are the blocks' (the stage's compute): only what it waits or
     # slows beside the gathers is exposed
-    return fwd, max(end, s.free) - sum(b.bwd + b.wait_bwd for b in blocks) - lf - lb
+    return fwd, max(end, s.free) - sum(b.bwd + b.wait_bwd + b.shared[1] for b in blocks) \
+        - lf - lb
 
 
 def stage_blocks(cfg, lay, stage: int, layer, head, edge,
                  per_module: bool = False, recipe: bool = False,
-                 remat: float = 0.0) -> list[Block]:
+                 remat: float = 0.0, ring=None) -> list[Block]:
     """The modules of pipeline ``stage`` of ``lay`` as :class:`Block` s, forward order:
     the embeddings (word V h / t, positions s h, ``embed_norm``'s 2 h) on the first
     stage, its layers (``costs.layer_cost``), the final norm and the head on the last
@@ -251,9 +303,13 @@ def stage_blocks(cfg, lay, stage: int, layer, head, edge,
     estimate agree within 4% on tests/test_dryrun.py's ZeRO layouts with TP).
     ``per_module``: DeepSpeed's granularity, each layer's four weight matrices their own
     blocks (biases and norms below ``PERSISTENCE_NUMEL`` left out: never gathered).
-    ``recipe``: this library's recipe's granularity (:func:`recipe_blocks`)."""
+    ``recipe``: this library's recipe's granularity (:func:`recipe_blocks`, with
+    ``ring``)."""
     if recipe:
-        return recipe_blocks(cfg, lay, stage, layer, head, edge, remat)
+        return recipe_blocks(cfg, lay, stage, layer, head, edge, remat, ring)
+    if ring is not None:
+        raise ValueError("stage_blocks: ring= (the cp exchange on ZeRO's stream) is priced "
+                         "for this library's recipe only; give recipe=True")
     from .memory import layer_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     out = []
@@ -305,8 +361,8 @@ def _recipe_modules(cfg, tp: int) -> list[tuple]:
             (f * h / tp, h)]
 
 
-def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
-                  ) -> list[Block]:
+def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
+                  ring=None) -> list[Block]:
     """The modules of pipeline ``stage`` as this library's recipe runs ZeRO-2/3
     (``parallel.strategies.fsdp_dist``: a pre-forward hook per module holding parameters
     gathers that module's, no persistence threshold, prefetching along the order the
@@ -319,7 +375,12 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     proportion to their parameters (as DeepSpeed's ``per_module`` blocks), the final
     norm's left in the head's block; so is ``remat``, the seconds of a layer's backward
     that re-run its forward (recompute), and each module is tagged with its layer
-    (``Block.group``) for ``zero_exposed(regather=True)``."""
+    (``Block.group``) for ``zero_exposed(regather=True)``.  ``ring``: the attention's
+    exchange over the cp group where that group is ZeRO's (``ep_cp.ring_program``: its
+    programs and the seconds of ``layer`` they stand for), run where the runtime runs it,
+    between the value projection and the output projection (the forward after v's
+    module, the backward after o's and its reduce-scatters), on ZeRO's stream; the
+    layer's other seconds shared among the modules as above."""
     from .memory import stage_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     llama = cfg.arch == "llama"
@@ -340,12 +401,30 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0
     # prefetch; a GPT block's fc2 re-runs (its dropout mask follows it)
     rerun = len(mods) - 1 if cfg.arch == "llama" and not cfg.dropout > 0 else len(mods)
     rtot = sum(sum(p) for p in mods[:rerun])
+    fc, fw, bc, bw = layer.fwd_compute, layer.fwd_comm, layer.bwd_compute, layer.bwd_comm
+    if ring is not None:
+        if remat:
+            raise ValueError("recipe_blocks: ring= with recompute is not modeled (the "
+                             "recompute's ring on ZeRO's stream); give remat=0")
+        fc, fw = fc - ring["fwd_compute"], fw - ring["fwd_comm"]
+        bc, bw = bc - ring["bwd_compute"], bw - ring["bwd_comm"]
+        # q, k, v, o are modules 1-4 of both models (_recipe_modules)
+        prog = {3: dict(after_fwd=ring["fwd"],
+                        shared=(ring["fwd_compute"] + ring["fwd_comm"], 0.0)),
+                4: dict(after_bwd=ring["bwd"],
+                        shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"]))}
+    else:
+        prog = {}
     for k in range(nl):
-        out += [Block(sum(p), layer.fwd_compute * sum(p) / tot,
-                      layer.bwd_compute * sum(p) / tot, p, k if j < rerun else -1,
+        out += [Block(sum(p), fc * sum(p) / tot, bc * sum(p) / tot, p, k if j < rerun else -1,
                       remat * sum(p) / rtot if j < rerun else 0.0,
-                      layer.fwd_comm * sum(p) / tot, layer.bwd_comm * sum(p) / tot)
+                      fw * sum(p) / tot, bw * sum(p) / tot, **prog.get(j, {}))
                 for j, p in enumerate(mods)]
+        if ring is not None and k == 0 and stage == 0 and ring.get("input_grad"):
+            # the input's gradient gathered over cp before the embedding's backward
+            # (ep_cp.ring_program): after the first module's backward, on ZeRO's stream
+            first = len(out) - len(mods)
+            out[first] = replace(out[first], after_bwd=(("sync", ring["input_grad"]),))
     if stage == pp - 1:
         norm = (h,) if llama else (h, h)
         fwd, bwd = head.fwd_compute + edge["last"][0], head.bwd_compute + edge["last"][1]
