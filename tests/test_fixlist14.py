@@ -61,3 +61,70 @@ def test_layer_norm_with_per_rank_weights_under_autocast_keeps_a_devices_tensors
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.full().double(), getattr(ref64, name).grad,
                                    rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---- 2. the head under ContextParallel with tp and sequence parallelism ---------------------
+
+def _cp_step(vocab):
+    """tiny at ``vocab`` (75: tp 2 does not divide it, the head replicated over tp; 76: the
+    head vocabulary-parallel), one AdamW step on one device and under ContextParallel(cp=2,
+    tp=2, sp=True): the trace, and the parameters after the step of both."""
+    from workbench.models.config import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.ops.adamw import AdamW
+    from workbench.parallel.module import dist_parameters
+    from workbench.recipes.context_parallel import ContextParallel
+    cfg = get_config("tiny").replace(vocab_size=vocab)
+    torch.manual_seed(0)
+    ref = build_model(cfg, seed=0).train()
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = get_batch(cfg, 4, 0, 0)
+    ref(x, y)[1].backward()
+    opt.step()
+    torch.manual_seed(0)
+    s = ContextParallel(cp=2, tp=2, sp=True)
+    s.check(cfg, 4)
+    model = s.build_model(cfg, 0)
+    opts = s.build_optimizer(model, 1e-2, 0.1)
+    with wb.trace(PROFILE) as tr:
+        s.forward_backward(model, x, y)
+        s.optimizer_step(opts)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    got = {n: p.full().detach() for n, p in dist_parameters(model)}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-5, msg=name)
+    return cfg, [(e.name, e.label, e.args["buffer_bytes"]) for e in tr.events
+                 if e.stream == "comm" and tuple(e.ranks) == (0, 1)]
+
+
+def test_cp_tp_sp_sums_the_replicated_heads_gradient_with_the_norms():
+    """Vocabulary 75: the untied head replicated over tp reads the final norm's sequence
+    shards, its weight's gradient a partial sum over tp. Was: all-reduced on its own in
+    backward (19,200 B, "grad of a replicated input"), beside the norms' once-per-step
+    all-reduce (1,280 B): fixlist13 marked the head for Hybrid's pipelines only. Now one
+    all-reduce over tp of the norms' and the head's gradients (Megatron-LM's
+    finalize_model_grads sums every sequence-parallel gradient in one buffer); parameters
+    after the step one device's."""
+    cfg, comm = _cp_step(75)
+    head = cfg.vocab_size * cfg.d_model * 4
+    norms = (2 * cfg.n_layer + 1) * cfg.d_model * 4
+    grads = [(lab, b) for name, lab, b in comm if name == "all_reduce"
+             and not lab.startswith(("P(sum)->R", "cross_entropy"))]    # (the loss, forward)
+    assert grads == [("sequence-parallel norm grads", head + norms)], grads
+
+
+def test_cp_tp_sp_vocabulary_parallel_head_takes_megatrons_f():
+    """Vocabulary 76 (tp divides it): the head is column-parallel. Was: no Megatron f on
+    its input under ContextParallel (Hybrid has it), so the dispatcher gathered the head's
+    weight over tp (S(0)->R, 19,456 B; its gradient reduce-scattered) and the loss read
+    whole-vocabulary logits. Now as Megatron's output layer with sequence parallelism:
+    the final norm's sequence shards all-gathered over tp (f), the weight stays sharded,
+    the cross-entropy vocabulary-parallel; parameters after the step one device's."""
+    cfg, comm = _cp_step(76)
+    weight = cfg.vocab_size * cfg.d_model * 4                   # the gathered head
+    assert not [c for c in comm if c[2] == weight], comm
+    assert [c[:2] for c in comm if c[1].startswith("cross_entropy")] == [
+        ("all_reduce", "cross_entropy: global max logit"),
+        ("all_reduce", "cross_entropy: sum of exp"),
+        ("all_reduce", "cross_entropy: target logit")], comm

@@ -151,9 +151,10 @@ class _PerRankAffine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, w, mean, rstd = ctx.saved_tensors
+        x, w, mean, rstd = ctx.saved_tensors       # (read once: checkpoint's unpack rule)
         wshape, bshape = ctx.shapes
-        low = x.dtype in _LOW
+        xdt = x.dtype
+        low = xdt in _LOW
         gx = gw = gb = None
         if low:
             x, g, mean, rstd = x.float(), g.float(), mean.float(), rstd.float()
@@ -161,7 +162,7 @@ class _PerRankAffine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = torch.ops.aten.native_layer_norm_backward(
                 g if w is None else g * wf, x, ctx.ns, mean, rstd, None, None,
-                [True, False, False])[0].to(ctx.saved_tensors[0].dtype)
+                [True, False, False])[0].to(xdt)
         if w is not None and ctx.needs_input_grad[1]:
             gw = (g * ((x - mean) * rstd)).sum_to_size(wshape).to(w.dtype)
         if bshape is not None and ctx.needs_input_grad[2]:
