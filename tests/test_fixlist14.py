@@ -128,3 +128,53 @@ def test_cp_tp_sp_vocabulary_parallel_head_takes_megatrons_f():
         ("all_reduce", "cross_entropy: global max logit"),
         ("all_reduce", "cross_entropy: sum of exp"),
         ("all_reduce", "cross_entropy: target logit")], comm
+
+
+# ---- 3. a wb.reshard result's gradient way on torch.distributed -----------------------------
+
+@pytest.fixture(scope="module")
+def torchrun_fixlist14(tmp_path_factory):
+    """tests/dist_scripts/fixlist14_check.py's rows (4 gloo processes; the shared
+    FOUR_PROC launch, tests/torchrun_support.py)."""
+    from tests.torchrun_support import four_proc, json_rows
+    out, text = four_proc(tmp_path_factory, "fixlist14_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json_rows(text)
+
+
+def _check_program(name):
+    from tests.dist_scripts import fixlist14_check as chk
+    return next(p for p in chk.PROGRAMS if p[0] == name)
+
+
+@pytest.mark.parametrize("name,level", [("resharded", "eager"), ("resharded", "O0"),
+                                        ("resharded", "O1"), ("sliced_o0", "O0")])
+def test_torchrun_sends_a_reshards_gradient_the_simulators_way(name, level,
+                                                                 torchrun_fixlist14):
+    """reshard_backward.mark returned early on torch.distributed, so a wb.reshard result
+    read per rank (x [S(0)] -> [R], two matmuls with column-sharded weights) had each
+    process all-reduce the gathered gradient ("grad of a replicated input", 192 B) and the
+    all-gather's backward slice it, where the simulator (and DTensor) reduce-scatter once;
+    and compiled O0's repeated-gather rule (lower.execute_program: the second reader reads
+    the first copy) is keyed on that mark, so under torchrun it did not apply. Now every
+    process records and runs the simulator's backward collectives; x's gradient is one
+    device's."""
+    _, shape, names, fn, _ = _check_program(name)
+    mesh = wb.Mesh.grid(shape, names)
+    sim_comm, sim_diff = fn(mesh, level)
+    rows = [r for r in torchrun_fixlist14 if r["case"] == name and r["level"] == level]
+    assert len(rows) == 4 and not [r for r in rows if "raised" in r], rows
+    assert sim_diff < 1e-12
+    for r in rows:
+        # kinds and bytes in order (sliced_o0's last step, the dp all-gather, is labelled
+        # "R->S(1) on dp" on the simulator, the slice's own backward, and "reshard backward
+        # S(1)->R on dp" here, the stand-in's one redistribution)
+        assert [c[:2] for c in r["comm"]] == [c[:2] for c in sim_comm], \
+            (r["rank"], r["comm"], sim_comm)
+        assert r["diff"] < 1e-12, r
+    if name == "resharded":
+        assert sim_comm == [["reduce_scatter", 192, "reshard backward P(sum)->S(0) on tp"]]
+        assert all(r["comm"] == sim_comm for r in rows)
+    else:                                         # test_fixlist13's O0 figure
+        assert [c[:2] for c in sim_comm] == [["all_reduce", 512], ["reduce_scatter", 128],
+                                             ["all_gather", 128]]

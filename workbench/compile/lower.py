@@ -141,8 +141,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
                 # copy is the value's layout from then on: reduced as such)
-                _rb.mark(out, ins.plan.src)
-                if _rb.KEY in getattr(out._local, "__dict__", {}):
+                _rb.mark(out, ins.plan.src, t)
+                if _rb.marked(out):
                     gathered[key] = (src, out)
             have[ins.dst] = out
             if ins.why.startswith("pinned"):

@@ -81,7 +81,7 @@ from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
 
-__all__ = ["mark", "convert", "gather", "KEY"]
+__all__ = ["mark", "marked", "convert", "gather", "KEY"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -127,12 +127,16 @@ def _merged(uses):
     return [tuple(out)]
 
 
-def mark(out: DistTensor, src) -> DistTensor:
-    """``out`` (a reshard's result from placements ``src`` on its own mesh) with its way
-    back, where it gathered some mesh dim and a gradient will pass (simulated, stacked)."""
+def mark(out: DistTensor, src, source: DistTensor | None = None) -> DistTensor:
+    """``out`` (a reshard's result from placements ``src`` on its own mesh, of ``source``)
+    with its way back, where it gathered some mesh dim and a gradient will pass
+    (simulated, stacked; on torch.distributed :func:`.gather_backward_dist.mark` notes
+    the source, so that the ops reading it per rank send their gradient the same way)."""
     loc = out._local
-    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
-            or _B.is_distributed(out.mesh):
+    if _B.is_distributed(out.mesh):
+        from . import gather_backward_dist
+        return gather_backward_dist.mark(out, source, src)
+    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled():
         return out
     dst = tuple(out.placements)
     if not any(a.is_shard() and b.is_replicate() for a, b in zip(src, dst)):
@@ -147,6 +151,14 @@ def mark(out: DistTensor, src) -> DistTensor:
     y.__dict__[KEY] = way
     out._local = y
     return out
+
+
+def marked(t: DistTensor) -> bool:
+    """True if ``t`` is a reshard's result that :func:`mark` gave a way back (simulated
+    or on torch.distributed)."""
+    from .gather_backward_dist import KEY as DIST_KEY
+    d = getattr(t._local, "__dict__", ())
+    return KEY in d or DIST_KEY in d
 
 
 def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):
