@@ -41,8 +41,12 @@ reduce-scattered over tp then all-reduced over dp at half the bytes (4.17 + 4.68
 2 x 4.82): the order of FSDP2's HSDP (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py:618-662), where DTensor's mesh-dim order all-reduces first.
 
-Not covered (each collective's own event, as before): torch.distributed meshes, results
-held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
+On torch.distributed :func:`mark` notes the source instead and the ops that give every
+rank a view of the gathered copy send their Partial gradients through
+:mod:`.gather_backward_dist`'s stand-in of it: the same one redistribution, run on the
+process groups (an op that slices the copy keeps the all-gather's own backward there).
+
+Not covered (each collective's own event, as before): results held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
 its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
 it Partial for that op's own backward rule to reduce); an input written in place between
