@@ -182,19 +182,21 @@ def test_torchrun_sends_a_reshards_gradient_the_simulators_way(name, level,
 
 # ---- 4. the course's MoE model is captured by torch.export ---------------------------------
 
-@pytest.mark.parametrize("level", ["O0", "O2"])
-def test_tiny_moe_is_captured_by_export_and_runs_as_eager(level):
+@pytest.mark.parametrize("preset,level", [("tiny", "O0"), ("tiny", "O2"), ("gpt-tiny", "O0")])
+def test_tiny_moe_is_captured_by_export_and_runs_as_eager(preset, level):
     """tiny with moe_experts=4, moe_topk=2 on dp 2 x tp 2. Was: the MoE layers' forward
     wrote module state (MoE._last / _batch, its last_stats), so the whole model ran
     eagerly ("the forward sets module state"); behind that, export stopped at the router's
     fp32 ``aten.promote_types`` and capture traced. Now the router, dispatch, combine and
     attach_aux_loss stay whole (torch.ops.workbench.*, the op table's ops), the layers'
     stats are handed to them by the program on each call (MoE.record_stats), and the
-    compiled loss, every gradient and last_stats are eager's."""
+    compiled loss, every gradient and last_stats are eager's. The GPT's MoE (GeLU experts)
+    also stopped at its positions' ``aten.arange.start`` (the dense GPT too): now a
+    constant of the graph, as tracing holds it."""
     from workbench.models import build_model, get_config
     from workbench.models.moe import moe_layers
     mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
-    cfg = get_config("tiny", moe_experts=4, moe_topk=2)
+    cfg = get_config(preset, moe_experts=4, moe_topk=2)
     g = torch.Generator().manual_seed(0)
     ids, targets = (torch.randint(0, cfg.vocab_size, (4, 32), generator=g) for _ in range(2))
     xi, yi = (wb.shard_tensor(t, mesh, [S(0), R()]) for t in (ids, targets))
