@@ -423,7 +423,9 @@ def capture(fn, args, method: str = "auto"):
     # capture runs with gradients on, whatever the caller's mode (compile under no_grad
     # captures the program, not the mode): a no_grad block inside the program is then
     # its nodes' ``grad=False``, and the run calls them so (as eager does)
-    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused():
+    from ..ops.moe import stats_sink
+    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused(), \
+            stats_sink() as layers:
         try:
             out = _capture(fn, args, method)
         except Broken:
@@ -432,6 +434,15 @@ def capture(fn, args, method: str = "auto"):
             raise
     if writes:
         raise _state_error(writes)
+    if layers:
+        # a mixture-of-experts layer keeps its last routing (MoE.last_stats): the program
+        # hands it its router_topk node's outputs on each call, one node per layer call
+        routers = [n for n in out[0].nodes if n.op == "router_topk"]
+        if len(routers) != len(layers):
+            raise CaptureError(f"the program calls router_topk {len(routers)} times and "
+                               f"MoE layers {len(layers)} times: which routing each layer "
+                               "reports (last_stats) is not known; the program runs eagerly")
+        out[0].stats_layers = list(layers)
     return out
 
 
@@ -483,6 +494,9 @@ def _capture(fn, args, method):
             if method == "export":
                 raise CaptureError(str(e)) from None
             notes.append(f"export: {e}; captured by tracing torch functions instead")
+        from ..ops.moe import stats_layers
+        if stats_layers() is not None:
+            stats_layers().clear()         # (the export run's layer calls)
     graph, placements = _capture_trace(fn, args)
     graph.notes = notes + graph.notes
     return graph, placements

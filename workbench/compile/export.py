@@ -231,7 +231,9 @@ def capture_export(fn, args):
             if node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
                 continue
-            if not view_of_const(g, node, env, metas, ADAPT):
+            if node.target in _FACTORIES and not node.all_input_nodes:
+                env.later[node.name] = _factory_const(g, node, metas)
+            elif not view_of_const(g, node, env, metas, ADAPT):
                 _map_node(g, node, env, metas)
         elif node.op == "output":
             outs = node.args[0]
@@ -244,6 +246,21 @@ def capture_export(fn, args):
             # structure (a dict, a list, a 1-tuple, nested), as eager returns it
             g.output = pytree.tree_unflatten(refs, ep.call_spec.out_spec)
     return g, placements
+
+
+# A tensor made from Python numbers alone (the GPT's ``torch.arange(S)`` positions): a
+# constant of the graph, as tracing holds it (the same values on every call)
+_FACTORIES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+
+
+def _factory_const(g, node, metas):
+    from .export_consts import Const
+    kwargs = dict(node.kwargs)
+    if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+        kwargs["device"] = "cpu"          # (made on the meta twins' device during export)
+    with torch.no_grad():
+        data = node.target(*node.args, **kwargs)
+    return Const(g, metas, {}, data, f"const ({node.name})")
 
 
 def _map_node(g, node, env, metas):

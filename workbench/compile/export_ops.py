@@ -81,6 +81,55 @@ def _(x, dim):
     return x.new_empty(shape)                       # half of dim: silu(gate) * up
 
 
+# The mixture of experts (models/moe.py): export splits the router into softmax / topk /
+# one_hot / cumsum (and stops at its fp32 ``torch.promote_types``), dispatch and combine
+# into index arithmetic and scatters, and runs attach_aux_loss's autograd Function inline
+# (its backward lost); kept whole they are the op table's router_topk, moe_dispatch,
+# moe_combine and attach_aux_loss, whose shapes depend on no data (capacity C is given)
+@torch.library.custom_op("workbench::router_topk", mutates_args=())
+def _router(logits: T, k: int, gating: str, capacity: int | None,
+            normalize: bool) -> tuple[T, T, T, T]:
+    return tuple(t.clone() for t in _ops.router_topk(logits, k, gating, capacity, normalize))
+
+
+@_router.register_fake
+def _(logits, k, gating, capacity, normalize):
+    G, S, _E = logits.shape
+    idx = logits.new_empty((G, S, k), dtype=torch.int64)
+    return (logits.new_empty((G, S, k)), idx, torch.empty_like(idx),
+            logits.new_empty((G,)))              # weights, experts, slots, aux (G,)
+
+
+@torch.library.custom_op("workbench::moe_dispatch", mutates_args=())
+def _dispatch(x: T, experts: T, slots: T, num_experts: int, capacity: int) -> T:
+    return _ops.moe_dispatch(x, experts, slots, num_experts, capacity)
+
+
+@_dispatch.register_fake
+def _(x, experts, slots, num_experts, capacity):
+    return x.new_empty((x.shape[0], num_experts, capacity, x.shape[2]))   # (G, E, C, h)
+
+
+@torch.library.custom_op("workbench::moe_combine", mutates_args=())
+def _combine(y: T, weights: T, experts: T, slots: T) -> T:
+    return _ops.moe_combine(y, weights, experts, slots)
+
+
+@_combine.register_fake
+def _(y, weights, experts, slots):
+    return y.new_empty((y.shape[0], weights.shape[1], y.shape[3]))       # (G, S, h)
+
+
+@torch.library.custom_op("workbench::attach_aux_loss", mutates_args=())
+def _attach(y: T, aux: T, scale: float) -> T:
+    return _ops.attach_aux_loss(y, aux, scale).clone()
+
+
+@_attach.register_fake
+def _(y, aux, scale):
+    return torch.empty_like(y)
+
+
 def _flash_call(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, tile_stats,
                 return_lse):
     if mask is not None and not isinstance(mask, torch.Tensor):
@@ -99,6 +148,12 @@ _ROUTE = {
     _ops.rotary_embedding: lambda x, cos, sin, mode: _rotary(x, cos, sin, mode),
     _ops.flash_attention: _flash_call,
     _ops.swiglu: lambda x, dim: _swiglu(x, dim),
+    _ops.router_topk: lambda logits, k, gating, capacity, normalize: _router(
+        logits, k, gating, capacity, normalize),
+    _ops.moe_dispatch: lambda x, experts, slots, num_experts, capacity: _dispatch(
+        x, experts, slots, num_experts, capacity),
+    _ops.moe_combine: lambda y, weights, experts, slots: _combine(y, weights, experts, slots),
+    _ops.attach_aux_loss: lambda y, aux, scale: _attach(y, aux, float(scale)),
 }
 _SIGNATURES = {f: inspect.signature(f) for f in _ROUTE}
 
@@ -128,4 +183,9 @@ ADAPT = {
     _wb.flash_attention.default: lambda a, k: (_ops.flash_attention, a[:3], dict(
         causal=a[3], mask=a[4], dropout_p=a[5], scale=a[6])),
     _wb.swiglu.default: lambda a, k: (_ops.swiglu, a[:1], {"dim": a[1]}),
+    _wb.router_topk.default: lambda a, k: (_ops.router_topk, a[:2], dict(
+        gating=a[2], capacity=a[3], normalize=a[4])),
+    _wb.moe_dispatch.default: lambda a, k: (_ops.moe_dispatch, a[:5], {}),
+    _wb.moe_combine.default: lambda a, k: (_ops.moe_combine, a[:4], {}),
+    _wb.attach_aux_loss.default: lambda a, k: (_ops.attach_aux_loss, a[:3], {}),
 }

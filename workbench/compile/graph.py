@@ -93,6 +93,9 @@ class Graph:
     notes: list = field(default_factory=list)       # what capture had to say
     held: dict = field(default_factory=dict)        # const vid -> (its value, why): what a
                                                     # pass relied on, checked on each call
+    stats_layers: list = field(default_factory=list)  # the layers given each router_topk
+                                                    # node's routing on each call, in order
+                                                    # (models.moe.MoE.record_stats)
 
     def value(self, shape, dtype, kind, name, producer=None, requires_grad=False) -> int:
         v = Value(len(self.values), torch.Size(shape), dtype, kind, name, producer,

@@ -108,7 +108,9 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
     """Run ``prog`` with ``bindings`` (vid -> DistTensor or plain tensor for the inputs,
     parameters and constants); returns the program's result.  ``grad_buckets``: a
     :class:`~.buckets.GradBuckets` that reduces the gradients of the inputs it names in
-    its buckets (O2)."""
+    its buckets (O2).  Each ``router_topk`` node's outputs go to the layer
+    ``graph.stats_layers`` names for it (``MoE.record_stats``: its ``last_stats``)."""
+    layers = iter(graph.stats_layers)
     avail = {}                       # vid -> {placements: tensor}
     for vid, x in bindings.items():
         if not isinstance(x, DistTensor):     # a plain tensor: replicated, as the
@@ -141,8 +143,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
                 # copy is the value's layout from then on: reduced as such)
-                _rb.mark(out, ins.plan.src)
-                if _rb.KEY in getattr(out._local, "__dict__", {}):
+                _rb.mark(out, ins.plan.src, t)
+                if _rb.marked(out):
                     gathered[key] = (src, out)
             have[ins.dst] = out
             if ins.why.startswith("pinned"):
@@ -171,6 +173,9 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         with force_candidate(_pick(n, st)), \
                 (torch.no_grad() if not n.grad else contextlib.nullcontext()):
             out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
+        if n.op == "router_topk" and graph.stats_layers:
+            w, e, slot, aux = out
+            next(layers).record_stats(e, slot, aux)
         found = []
         _match(n.out_tree, out, found)
         for vid, t in found:

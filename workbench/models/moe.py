@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe import (attach_aux_loss, batch_token, capacity, moe_combine, moe_dispatch,
-                       router_topk)
+                       router_topk, stats_layers)
 from .config import ModelConfig
 
 __all__ = ["MoE", "Experts", "SharedMLP", "aux_loss", "moe_layers"]
@@ -162,18 +162,18 @@ class MoE(nn.Module):
         w, e, slot, aux = router_topk(logits, k, self.gating,
                                       None if self.capacity_factor is None else C,
                                       normalize=self.norm_topk)
-        part, tok = (e, slot, aux.detach(), C), batch_token()
-        if torch._C._current_graph_task_id() != -1:
-            # an activation checkpoint's recompute in backward (torch.utils.checkpoint
+        sink = stats_layers()
+        if sink is not None:
+            # workbench.compile captures this forward: the compiled program records each
+            # call's routing (its router_topk node's) with record_stats, in this order
+            sink.append(self)
+        elif torch._C._current_graph_task_id() == -1:
+            # (not an activation checkpoint's recompute in backward: torch.utils.checkpoint
             # reruns this forward inside the autograd engine, where the graph task id is
-            # set; torch 2.13 torch/utils/checkpoint.py reads the same id): it routes the
+            # set, torch 2.13 torch/utils/checkpoint.py reads the same id; it routes the
             # same tokens again, one simulated rank at a time outside one_batch, so it
-            # would replace the batch's stats with one rank's rows; the forward's stand
-            pass
-        elif tok is not None and tok is self._batch:    # another simulated rank's rows
-            self._last.append(part)
-        else:
-            self._last, self._batch = [part], tok
+            # would replace the batch's stats with one rank's rows: the forward's stand)
+            self.record_stats(e, slot, aux)
         if self.training and self.aux_loss_coef > 0:
             # alpha * mean over the B sequences: d/d aux_b = alpha / B (x the recipe's 1/m);
             # attached to the gates, which the layer consumes, so that its output is a
@@ -187,6 +187,16 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def record_stats(self, e, slot, aux) -> None:
+        """Keep one forward's routing (``router_topk``'s experts, slots and aux) for
+        :attr:`last_stats`: another simulated rank's rows of the same batch are added."""
+        part, tok = (e, slot, aux.detach(), capacity(e.shape[1], self.num_experts, self.k,
+                                                     self.capacity_factor)), batch_token()
+        if tok is not None and tok is self._batch:      # another simulated rank's rows
+            self._last.append(part)
+        else:
+            self._last, self._batch = [part], tok
 
     @property
     def last_stats(self) -> dict:

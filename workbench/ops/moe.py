@@ -285,6 +285,28 @@ def one_batch():
         _BATCH.pop()
 
 
+_STATS_SINK = [None]   # while a program is captured: the MoE layers, in call order
+
+
+@contextlib.contextmanager
+def stats_sink():
+    """While ``workbench.compile`` captures a program: a layer that reports statistics of
+    its last forward (``models.moe.MoE.last_stats``) appends itself to the yielded list
+    instead of keeping the capture's (meta) routing, and the compiled program hands each
+    such layer the routing of its ``router_topk`` node on every call, in call order (a
+    captured graph would not repeat a write to the module)."""
+    _STATS_SINK.append([])
+    try:
+        yield _STATS_SINK[-1]
+    finally:
+        _STATS_SINK.pop()
+
+
+def stats_layers():
+    """The list a capture collects the reporting layers in (:func:`stats_sink`), or None."""
+    return _STATS_SINK[-1]
+
+
 def batch_token():
     """An object naming the batch whose per-rank forwards now run (:func:`one_batch`), or
     None outside a simulated data-parallel forward."""

@@ -403,9 +403,14 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
         elif axes and type(x) is DistTensor:
             # the op gives every rank a view of one copy (gathered by its own reshard, or
             # replicated): the gradient's way back recorded once per input, as DTensor's
-            # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather)
-            loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
-                t, plan, axes, mesh, even, f"{opdef.name} input")
+            # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather,
+            # and .use_marked for a wb.reshard result, as _rb.convert above)
+            loc = None
+            if storage.holds_own(mesh) and _gbd.KEY in getattr(t._local, "__dict__", ()):
+                loc = _gbd.use_marked(t, plan, axes, mesh, even, f"{opdef.name} input")
+            if loc is None:
+                loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
+                    t, plan, axes, mesh, even, f"{opdef.name} input")
             if loc is not None:
                 locs.append(loc)
                 continue

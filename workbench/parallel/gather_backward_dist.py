@@ -46,10 +46,13 @@ from .dist_tensor import DistTensor
 from .placement import Partial
 from .spec import TensorSpec
 
-__all__ = ["gather"]
+__all__ = ["gather", "mark", "use_marked", "KEY"]
+
+KEY = "_wb_reshard_src"   # on a wb.reshard result's gathered local: (source, its local, version, src)
 
 LABEL = "grad of a gathered input"     # the simulator's labels (reshard_backward.gather)
 LABEL_REPLICATED = "grad of a replicated input"
+LABEL_RESHARD = "reshard backward"     # reshard_backward.mark's
 
 
 class _Way:
@@ -136,7 +139,7 @@ def _stand_in(t, axes, gathered_shape, label=LABEL, grad=None):
         hit = _STAND_INS[key] = (weakref.ref(t, gone), {})
     ways = hit[1]
     loc = t._local
-    k = (axes, tuple(t.placements), grad)
+    k = (axes, tuple(t.placements), grad, label)
     got = ways.get(k)
     if got is not None and got[0] is loc and got[1] == loc._version and \
             tuple(got[2].shape) == tuple(gathered_shape):
@@ -194,6 +197,65 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
         gathered = loc.detach()            # replicated: the one copy, as it is
     kind = LABEL if any(src[i].is_shard() for i in axes) else LABEL_REPLICATED
     out = _Use.apply(_stand_in(t, axes, gathered.shape, kind, grad), gathered)
+    _B.tag(out, had + axes)
+    rest = [i for i in expand if i not in axes and i not in had]
+    if rest:                               # Partial dims: their own all-reduce, as before
+        out = C.expand_replicas(out, mesh, rest, label=label)
+    return out
+
+
+# ---- wb.reshard's own result (reshard_backward.mark, on torch.distributed) ----------------
+
+def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
+    """``out``, ``wb.reshard(t, ...)``'s result from placements ``src`` that gathered some
+    mesh dim (``S(d) -> R``), noted with its source, so that the ops giving every rank a
+    view of it (:func:`use_marked`) send their gradient the simulator's way
+    (:func:`.reshard_backward.mark`): their Partial sums meet on a stand-in of ``t``'s
+    gathered copy and one redistribution takes them back (``P -> S(d)``: one
+    reduce-scatter, as DTensor's ``Redistribute.backward``).  Before (fixlist14, measured
+    on 2 gloo processes: x ``[S(0)]`` resharded to ``[R]`` and read by two matmuls with
+    column-sharded weights) each process all-reduced the gathered gradient (96 B) and the
+    all-gather's backward sliced it, where the simulator records one reduce-scatter.
+    Other uses (the one copy used as it is, or resharded further by the op) keep the
+    ordinary path, the all-gather's own backward (the simulator merges an op's slice into
+    the one redistribution: not covered here)."""
+    loc = out._local
+    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
+            or not _B.is_distributed(out.mesh) or t is None or t is out or \
+            not (t.mesh is out.mesh or t.mesh == out.mesh):
+        return out
+    tl = t._local
+    if type(tl) is not torch.Tensor or not tl.requires_grad or \
+            tuple(src) != tuple(t.placements) or \
+            not layout.is_even(t.shape, t.mesh, t.placements) or \
+            not any(a.is_shard() and b.is_replicate() for a, b in zip(src, out.placements)):
+        return out
+    loc.__dict__[KEY] = (t, tl, tl._version, tuple(src))
+    return out
+
+
+def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
+    """The local an op runs on, for ``x`` (:func:`mark`'s) that it gives every rank a view
+    of along ``expand`` with no further reshard: the gathered copy on the stand-in of its
+    source, the gradient's way back one redistribution from the readers' Partial sum
+    (label "reshard backward", the simulator's).  None where that is not the case (the
+    caller runs the ordinary path)."""
+    t, tl, ver, src = x._local.__dict__[KEY]
+    if plan is not None and plan.steps or not even or not torch.is_grad_enabled() or \
+            t._local is not tl or tl._version != ver or \
+            not (x.mesh is mesh or x.mesh == mesh):
+        return None
+    dst = tuple(x.placements)
+    had = tuple(getattr(x._local, "_wb_replica_axes", ()))
+    # the dims held as one copy that the op gives every rank a view of: gathered ones, and
+    # replicated ones (their Partial sums all-reduced, as the simulator's way does)
+    axes = tuple(i for i in expand if dst[i].is_replicate() and i not in had and
+                 not src[i].is_partial())
+    if not any(src[i].is_shard() for i in axes):
+        return None
+    grad = tuple(Partial() if i in axes else p for i, p in enumerate(dst))
+    out = _Use.apply(_stand_in(t, axes, x._local.shape, LABEL_RESHARD, grad),
+                     x._local.detach())
     _B.tag(out, had + axes)
     rest = [i for i in expand if i not in axes and i not in had]
     if rest:                               # Partial dims: their own all-reduce, as before

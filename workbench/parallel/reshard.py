@@ -281,7 +281,7 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
         # Shard._replicate_to_shard clones), so that writing into it leaves t alone
         out._local = storage.map_tensors(out._local, torch.clone)
     if out is not t and out.mesh is t.mesh:
-        _rb.mark(out, plan.src)      # its gradient's way back: reshard_backward.py
+        _rb.mark(out, plan.src, t)   # its gradient's way back: reshard_backward.py
     return out
 
 

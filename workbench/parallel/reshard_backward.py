@@ -41,8 +41,12 @@ reduce-scattered over tp then all-reduced over dp at half the bytes (4.17 + 4.68
 2 x 4.82): the order of FSDP2's HSDP (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py:618-662), where DTensor's mesh-dim order all-reduces first.
 
-Not covered (each collective's own event, as before): torch.distributed meshes, results
-held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
+On torch.distributed :func:`mark` notes the source instead and the ops that give every
+rank a view of the gathered copy send their Partial gradients through
+:mod:`.gather_backward_dist`'s stand-in of it: the same one redistribution, run on the
+process groups (an op that slices the copy keeps the all-gather's own backward there).
+
+Not covered (each collective's own event, as before): results held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
 its local backward from the whole gradient, design (b) of the DESIGN note; DTensor leaves
 it Partial for that op's own backward rule to reduce); an input written in place between
@@ -81,7 +85,7 @@ from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
 
-__all__ = ["mark", "convert", "gather", "KEY"]
+__all__ = ["mark", "marked", "convert", "gather", "KEY"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -127,12 +131,16 @@ def _merged(uses):
     return [tuple(out)]
 
 
-def mark(out: DistTensor, src) -> DistTensor:
-    """``out`` (a reshard's result from placements ``src`` on its own mesh) with its way
-    back, where it gathered some mesh dim and a gradient will pass (simulated, stacked)."""
+def mark(out: DistTensor, src, source: DistTensor | None = None) -> DistTensor:
+    """``out`` (a reshard's result from placements ``src`` on its own mesh, of ``source``)
+    with its way back, where it gathered some mesh dim and a gradient will pass
+    (simulated, stacked; on torch.distributed :func:`.gather_backward_dist.mark` notes
+    the source, so that the ops reading it per rank send their gradient the same way)."""
     loc = out._local
-    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
-            or _B.is_distributed(out.mesh):
+    if _B.is_distributed(out.mesh):
+        from . import gather_backward_dist
+        return gather_backward_dist.mark(out, source, src)
+    if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled():
         return out
     dst = tuple(out.placements)
     if not any(a.is_shard() and b.is_replicate() for a, b in zip(src, dst)):
@@ -147,6 +155,14 @@ def mark(out: DistTensor, src) -> DistTensor:
     y.__dict__[KEY] = way
     out._local = y
     return out
+
+
+def marked(t: DistTensor) -> bool:
+    """True if ``t`` is a reshard's result that :func:`mark` gave a way back (simulated
+    or on torch.distributed)."""
+    from .gather_backward_dist import KEY as DIST_KEY
+    d = getattr(t._local, "__dict__", ())
+    return KEY in d or DIST_KEY in d
 
 
 def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):

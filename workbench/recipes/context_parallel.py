@@ -65,7 +65,8 @@ from ..parallel.strategies.context_parallel import (check_ring, context_parallel
 from ..parallel.strategies.context_parallel_a2a import CP_COMMS, check_ulysses_heads
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.reshard import reshard
-from ..parallel.strategies.tensor_parallel import (sequence_parallel_norms,
+from ..parallel.strategies.tensor_parallel import (megatron_f, sequence_parallel_norms,
+                                                   sequence_parallel_params,
                                                    tensor_parallel_region)
 from ..sim_mesh.mesh import Mesh
 from ..train_checks import check_world
@@ -178,6 +179,26 @@ class ContextParallel(Hybrid):
         # per use, as Hybrid's, the gathered copies' reduce-scatter sums them over dp x cp)
         self._sp_norms = {0: sequence_parallel_norms(model, mesh, model.norm_classes())
                           if self.sp and self.zero != 3 else []}
+        plan = model.tp_plan(self.tp)
+        if self.sp and self.zero != 3 and self.tp > 1 and \
+                "lm_head" in self.stages[0]["modules"] and "lm_head" not in plan:
+            # SP, an untied head replicated over tp (a vocabulary tp does not divide) after
+            # the final norm's sequence shards: its gradient is a partial sum over tp, as a
+            # norm's, summed with them once per step (Hybrid's; Megatron-LM's
+            # finalize_model_grads). Was a separate all-reduce in backward (fixlist14)
+            self._sp_norms[0] += sequence_parallel_params(model.lm_head, mesh)
+        if self.sp and self.tp > 1 and "lm_head" in plan:
+            # SP, vocabulary-parallel head: Megatron's output layer, a ColumnParallelLinear
+            # with sequence_parallel, all-gathers the final norm's sequence shards (within
+            # the cp rank's tokens) and leaves the logits vocabulary-sharded for the
+            # vocab-parallel cross-entropy; Megatron's f on the head's input, as Hybrid's.
+            # Was (fixlist14): the dispatcher's plan gathered the head's weight over tp
+            # (and reduce-scattered its gradient) and the loss read whole-vocabulary logits
+            ax = mesh.dim("tp")
+            model.get_submodule("norm").register_forward_hook(
+                lambda mod, args, out, ax=ax: megatron_f(
+                    out, ax, True, seq_dim=1, regather=self.regather,
+                    origin=type(self).__name__))
         # MoE layers: route in sequence order, hand the ring its layout back (recipes/moe.py)
         keep_sequence_order(model, "cp", self.balanced)
         return model

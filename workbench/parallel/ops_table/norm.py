@@ -124,34 +124,53 @@ class _PerRankAffine(torch.autograd.Function):
     under ContextParallel(cp=2, dp=2), batch 4: 5 x 16,384 B a rank more than a torchrun
     run counts).  Backward: torch's ``native_layer_norm_backward`` of ``g * w`` for x (what
     autograd ran for the composition), ``sum(g * x_hat)`` and ``sum(g)`` to w's and b's
-    shapes."""
+    shapes.
+
+    A lower-precision x (bfloat16 / float16: under autocast, a linear's output) is
+    computed as torch's CPU kernel computes it (aten/src/ATen/native/cpu/
+    layer_norm_kernel.cpp, torch 2.13: float accumulation, the affine in float, one
+    rounding to x's dtype; mean and 1/std kept in float32 where the weight is float32,
+    the "mixed type" case, else in x's dtype).  The composition gave float32 out where
+    a device gives x's dtype, and kept the normalized rows as well (fixlist14)."""
 
     @staticmethod
     def forward(ctx, x, w, b, ns, eps):
-        y, mean, rstd = torch.native_layer_norm(x, ns, None, None, eps)
+        low = x.dtype in _LOW
+        y, mean, rstd = torch.native_layer_norm(x.float() if low else x, ns, None, None, eps)
+        if low and not any(t is not None and t.dtype == torch.float32 for t in (w, b)):
+            mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)      # (not the mixed type)
         ctx.ns = ns
         ctx.save_for_backward(x, w, mean, rstd)
         ctx.shapes = (None if w is None else w.shape, None if b is None else b.shape)
+        ctx.b_dtype = None if b is None else b.dtype
         if w is not None:
-            y = y * w
+            y = y * (w.float() if low else w)
         if b is not None:
-            y = y + b
-        return y
+            y = y + (b.float() if low else b)
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x, w, mean, rstd = ctx.saved_tensors
+        x, w, mean, rstd = ctx.saved_tensors       # (read once: checkpoint's unpack rule)
         wshape, bshape = ctx.shapes
+        xdt = x.dtype
+        low = xdt in _LOW
         gx = gw = gb = None
+        if low:
+            x, g, mean, rstd = x.float(), g.float(), mean.float(), rstd.float()
+        wf = None if w is None else w.float() if low else w
         if ctx.needs_input_grad[0]:
             gx = torch.ops.aten.native_layer_norm_backward(
-                g if w is None else g * w, x, ctx.ns, mean, rstd, None, None,
-                [True, False, False])[0]
+                g if w is None else g * wf, x, ctx.ns, mean, rstd, None, None,
+                [True, False, False])[0].to(xdt)
         if w is not None and ctx.needs_input_grad[1]:
-            gw = (g * ((x - mean) * rstd)).sum_to_size(wshape)
+            gw = (g * ((x - mean) * rstd)).sum_to_size(wshape).to(w.dtype)
         if bshape is not None and ctx.needs_input_grad[2]:
-            gb = g.sum_to_size(bshape)
+            gb = g.sum_to_size(bshape).to(ctx.b_dtype)
         return gx, gw, gb, None, None
+
+
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
@@ -164,8 +183,12 @@ def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
     wa = None if w is None else _align(nd, x, w)[1]
     ba = None if b is None else _align(nd, x, b)[1]
     shape = torch.broadcast_shapes(x.shape, *(t.shape for t in (wa, ba) if t is not None))
-    if tuple(shape) == tuple(x.shape) and not torch.is_autocast_enabled(x.device.type):
-        return _PerRankAffine.apply(x, wa, ba, ns, eps)   # saves what the fused kernel does
+    dts = {t.dtype for t in (wa, ba) if t is not None}
+    if tuple(shape) == tuple(x.shape) and \
+            (dts <= {x.dtype} or x.dtype in _LOW and dts == {torch.float32}):
+        # saves what the fused kernel does (also under autocast, and for a bfloat16 x with
+        # float32 weights: torch's mixed type); other dtype mixes: the composition
+        return _PerRankAffine.apply(x, wa, ba, ns, eps)
     return _scale_shift(nd, F.layer_norm(x, ns, None, None, eps), w, b)
 
 
