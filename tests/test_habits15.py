@@ -25,6 +25,14 @@ parallelism): ``p.grad`` stays None between the micro-batches, as FSDP2's sharde
 reshards and keeps the unsharded gradient in ``unsharded_param.grad`` /
 ``unsharded_accumulated_grad``, off ``model.parameters()``); after the syncing backward it
 is one device's accumulated gradient (a guard: it passed before).
+
+Under torch.distributed (gloo, 2 x 2), ``DistributedDataParallel`` over tensor parallelism:
+a user's ``p`` / ``p.grad`` reads were this process's tensor-parallel shard ``(1, 1, 3, 3)``
+(measured, ``Linear(3, 6), GELU, Linear(6, 3)``: ``numel`` [9, 3, 9, 3] for [18, 6, 18,
+3], ``shape`` [1, 1, 3, 3], ``dim`` 4, the weight's ``p.sum()`` -0.2671 for -0.9782,
+``p.grad.sum()`` 0.4200 for 0.2003, ``p[0]`` a storage row), and ``p.grad.norm()`` /
+``clip_grad_norm_`` raised: now the module's, gathered over tp, as on simulated ranks
+(habits13, habits14); a view raises naming the copy to take it of.
 """
 import copy
 import io
@@ -389,3 +397,29 @@ def test_fsdp_over_tp_parameter_and_gradient_reads_are_one_devices(kind, read):
                 close(got, want)
             else:
                 assert got == want
+
+
+# ---- DDP over tensor parallelism under torch.distributed (gloo, 2 x 2) ---------------------
+@pytest.mark.slow
+def test_ddp_over_tp_reads_on_gloo_are_one_devices(tmp_path_factory):
+    """tests/dist_scripts/habits15_check.py (a part of the shared 4-process launch): every
+    read of the parameters and of their gradients after one backward, and the clipped
+    total norm, are one device's; ``p[0]`` / ``p.grad[0]`` raise naming the copy.  Before:
+    this process's shard's (numel [9, 3, 9, 3] for [18, 6, 18, 3], p.sum() -0.2671 for
+    -0.9782 ...), the gradient norms raised."""
+    from tests.torchrun_support import json_rows, tp_2x2
+    from .test_habits13 import _flat
+    out, text = tp_2x2(tmp_path_factory, "habits15_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["case"]: r for r in json_rows(text)}
+    assert rows["p_numel"]["wb"] == rows["g_numel"]["wb"] == [18, 6, 18, 3]
+    assert rows["p_shape"]["wb"] == [[6, 3], [6], [3, 6], [3]]
+    assert "p.grad.full_tensor()" in rows["g_row"]["wb"]
+    assert "model.<name>.full()" in rows["p_row"]["wb"]
+    assert len(rows) == 33
+    for c, r in rows.items():
+        if c in ("p_row", "g_row"):
+            continue
+        one, mine = _flat(r["one"]), _flat(r["wb"])
+        assert all(isinstance(v, (int, float)) for v in mine), r      # no error text
+        assert mine == pytest.approx(one, abs=1e-5), r
