@@ -2,8 +2,8 @@
 composed wrappers, each held to one device's plain PyTorch (or a raise naming the fix).
 
 The sweep: {DDP, FSDP, fully_shard, DDP + ZeroRedundancyOptimizer} on 4 simulated dp
-ranks and {DDP, FSDP, fully_shard, ZeroRedundancyOptimizer(partition="chunks") (ZeRO-1/2),
-Zero3} over tensor parallelism on 2 x 2, times the habits: ``zero_grad`` (both
+ranks and {DDP, FSDP, fully_shard, ZeroRedundancyOptimizer(partition="chunks") (ZeRO-1, and
+ZeRO-2 with ``overlap_comm``), Zero3} over tensor parallelism on 2 x 2, times the habits: ``zero_grad`` (both
 ``set_to_none``), ``clip_grad_norm_``, gradient accumulation (plain, ``no_sync`` /
 ``set_requires_gradient_sync(False)``), ``state_dict`` -> ``torch.save`` -> ``load_state_dict``
 into a fresh model, the optimizer's ``state_dict`` round trip, in-place init, freezing a
@@ -47,7 +47,7 @@ from workbench.parallel.strategies.zero3 import Zero3
 from .test_habits11 import close
 
 PLAIN = ["ddp", "fsdp", "fully_shard", "zero"]
-OVER_TP = ["ddp_tp", "fsdp_tp", "fully_shard_tp", "zero_tp", "zero3_tp"]
+OVER_TP = ["ddp_tp", "fsdp_tp", "fully_shard_tp", "zero_tp", "zero2_tp", "zero3_tp"]
 KINDS = PLAIN + OVER_TP
 TP_PLAN = {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()}
 
@@ -65,7 +65,6 @@ class Wrapped:
     def __init__(self, kind, m=None):
         m = mk() if m is None else m
         self.kind, self.m = kind, m
-        self.zero = kind in ("zero", "zero_tp")
         if kind in OVER_TP:
             self.mesh = mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
             wb.parallelize_module(m, mesh, TP_PLAN)
@@ -83,11 +82,12 @@ class Wrapped:
             "fsdp_tp": lambda: wb.FullyShardedDataParallel(m, mesh, "dp"),
             "fully_shard_tp": lambda: wb.fully_shard(m, mesh=mesh["dp"]),
             "zero_tp": lambda: m,
+            "zero2_tp": lambda: m,
             "zero3_tp": lambda: Zero3(m, mesh, "dp"),
         }[kind]()
 
     def params(self):
-        if self.kind == "zero_tp":
+        if self.kind in ("zero_tp", "zero2_tp"):
             return [p for _, p in wb.dist_parameters(self.m)]
         return list(self.w.parameters())
 
@@ -95,9 +95,10 @@ class Wrapped:
         params = self.params() if params is None else params
         if self.kind == "zero":
             return wb.ZeroRedundancyOptimizer(params, torch.optim.AdamW, self.mesh, lr=1e-2)
-        if self.kind == "zero_tp":
+        if self.kind in ("zero_tp", "zero2_tp"):       # ZeRO-1, ZeRO-2 (overlap_comm)
             return wb.ZeroRedundancyOptimizer(params, torch.optim.AdamW, self.mesh, "dp",
-                                              partition="chunks", lr=1e-2)
+                                              partition="chunks", lr=1e-2,
+                                              overlap_comm=self.kind == "zero2_tp")
         return torch.optim.AdamW(params, lr=1e-2)
 
     def inp(self, x):
@@ -167,7 +168,7 @@ def clip_as_one_device(wr, opt, ref, max_norm=0.1):
     (ZeRO-1/2 over DistTensors, whose gradients are reduce-scattered inside step()) a raise
     naming the optimizer's own clip, which gives it."""
     want = nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-    if wr.kind == "zero_tp":
+    if wr.kind in ("zero_tp", "zero2_tp"):
         with pytest.raises(RuntimeError, match=r"inside step\(\).*opt\.clip_grad_norm_"):
             nn.utils.clip_grad_norm_(wr.params(), max_norm)
         close(opt.clip_grad_norm_(max_norm), want)
@@ -220,7 +221,7 @@ def test_gradient_accumulation_is_one_devices(kind, how):
                 with wr.no_sync():
                     pass
             return
-        if how == "no_sync" and kind == "zero_tp":
+        if how == "no_sync" and kind in ("zero_tp", "zero2_tp"):
             assert not hasattr(wr.w, "no_sync")
             return
         if how == "no_sync":
