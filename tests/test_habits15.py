@@ -404,8 +404,9 @@ def test_fsdp_over_tp_parameter_and_gradient_reads_are_one_devices(kind, read):
 @pytest.mark.slow
 def test_ddp_over_tp_reads_on_gloo_are_one_devices(tmp_path_factory):
     """tests/dist_scripts/habits15_check.py (a part of the shared 4-process launch): every
-    read of the parameters and of their gradients after one backward, and the clipped
-    total norm, are one device's; ``p[0]`` / ``p.grad[0]`` raise naming the copy.  Before:
+    read of the parameters and of their gradients after one backward, the clipped total
+    norm and a user's loop (``loop``: its clip norms and the weights after a state dict
+    round trip) are one device's; ``p[0]`` / ``p.grad[0]`` raise naming the copy.  Before:
     this process's shard's (numel [9, 3, 9, 3] for [18, 6, 18, 3], p.sum() -0.2671 for
     -0.9782 ...), the gradient norms raised."""
     from tests.torchrun_support import json_rows, tp_2x2
@@ -417,7 +418,8 @@ def test_ddp_over_tp_reads_on_gloo_are_one_devices(tmp_path_factory):
     assert rows["p_shape"]["wb"] == [[6, 3], [6], [3, 6], [3]]
     assert "p.grad.full_tensor()" in rows["g_row"]["wb"]
     assert "model.<name>.full()" in rows["p_row"]["wb"]
-    assert len(rows) == 33
+    assert len(rows) == 34          # 33 reads, and a user's loop (zero_grad(False), torch's
+    #                                 clip, two AdamW steps, the state dict round trip)
     for c, r in rows.items():
         if c in ("p_row", "g_row"):
             continue

@@ -4,7 +4,8 @@
 ``numel`` / ``shape`` / ``dim`` / reductions after one step's backward, against one
 device (a list over the parameters), as on simulated ranks (habits13, habits14); rank 0
 prints one JSON line per read (an error's text where a read raises), then the totals
-(``clip_grad_norm_``) and a view of a parameter (what it raises)."""
+(``clip_grad_norm_``), a view of a parameter (what it raises) and a user's loop
+(``loop``: zero_grad, clip, AdamW, state_dict round trip)."""
 import json
 import math
 import os
@@ -62,6 +63,38 @@ def reads(ps):
     return out
 
 
+def loop(w, mesh, m):
+    """A user's loop: zero_grad(set_to_none=False), torch's clip_grad_norm_ (its total
+    norms), two AdamW steps, then the state dict loaded into a fresh model: the weights'
+    sums (a list: clip norms, then each parameter's sum after the round trip)."""
+    ps = list(w.parameters())
+    opt = torch.optim.AdamW(ps, lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(2):
+        x, y = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad(set_to_none=False)
+        if mesh is None:
+            pred = w(x)
+        else:
+            pred = w(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()])).full()
+        ((pred - y) ** 2).mean().backward()
+        out.append(float(nn.utils.clip_grad_norm_(ps, 0.1)))
+        opt.step()
+    sd = w.state_dict()
+    fresh = mlp()
+    if mesh is not None:
+        torch.manual_seed(5)
+        fresh = nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3))
+        wb.parallelize_module(fresh, mesh, PLAN)
+        wb.parallelize(fresh, mesh)
+        fresh = wb.DistributedDataParallel(fresh, mesh, dim="dp")
+    fresh.load_state_dict(sd)
+    with torch.no_grad():
+        out += [float(p.sum()) for p in fresh.parameters()]
+    return out
+
+
 def main():
     if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
         wb.distributed.init(timeout_s=120)
@@ -80,6 +113,7 @@ def main():
     out = ddp(wb.shard_tensor(x, mesh, pl))
     ((out.full() - y) ** 2).mean().backward()
     mine = reads(list(ddp.parameters()))
+    one["loop"], mine["loop"] = loop(ref, None, None), loop(ddp, mesh, m)
     if rank == 0:
         for c in one:
             print(json.dumps({"case": c, "one": one[c], "wb": mine[c]}))
