@@ -277,29 +277,37 @@ def test_uneven_tensor_parallel_shards_raise_naming_the_parameter():
         wb.FullyShardedDataParallel(model, mesh, "dp")
 
 
-def test_vector_to_parameters_over_the_shards_reaches_the_modules_parameters():
-    # torch's vector_to_parameters assigns each shard's .data a contiguous view of the
-    # vector (new storage, dp-major): the template follows (relinked, laid out again)
+def test_new_storage_for_the_shards_reaches_the_modules_parameters():
+    # p.data = a tensor of the shard's storage (what vector_to_parameters did before
+    # habits15: new storage, dp-major): the template follows (relinked, laid out again)
     model, w, opt, mesh, pl = wrapped("fsdp")
-    shards = list(w.parameters())
-    vec = torch.cat([p.detach().reshape(-1) for p in shards]) * 2
-    torch.nn.utils.vector_to_parameters(vec, shards)
+    for p in w.parameters():
+        p.data = p.detach() * 2
     ref = mlp()
     with torch.no_grad():
         for q in ref.parameters():
             q.mul_(2)
-    assert_reads(model, ref, "after vector_to_parameters")
+    assert_reads(model, ref, "after new .data")
     assert all(is_view(e[2], e[3]) for e in w.entries)
 
 
 def test_a_view_the_shards_storage_cannot_give_says_why_and_what_to_use():
-    # the shards are stored dp-minor (the module's parameters view them): torch's
-    # parameters_to_vector (p.view(-1)) raises naming the way round, which works
+    # the shards read as the module's parameters (habits15; the storage's before:
+    # p.numel() with the padding), and their storage is no view of them: torch's
+    # parameters_to_vector (p.view(-1)) and vector_to_parameters raise naming
+    # p.full_tensor(), which gives one device's flat vector; nothing changed
     model, w, opt, mesh, pl = wrapped("fsdp")
-    with pytest.raises(RuntimeError, match=r"view size .*flat dp shard.*p\.reshape\(-1\)"):
+    before = [p.full_tensor() for p in w.parameters()]
+    with pytest.raises(NotImplementedError, match=r"p\.view\(-1\).*p\.full_tensor\(\)"):
         torch.nn.utils.parameters_to_vector(w.parameters())
-    vec = torch.cat([p.reshape(-1) for p in w.parameters()])
-    assert vec.numel() == sum(p.numel() for p in w.parameters())
+    vec = torch.cat([p.full_tensor().reshape(-1) for p in w.parameters()])
+    assert vec.numel() == sum(p.numel() for p in w.parameters()) == \
+        sum(p.numel() for p in mlp().parameters())
+    torch.testing.assert_close(vec, torch.nn.utils.parameters_to_vector(mlp().parameters()))
+    with pytest.raises(RuntimeError, match=r"view_as"):
+        torch.nn.utils.vector_to_parameters(vec * 2, w.parameters())
+    for p, b in zip(w.parameters(), before):
+        assert torch.equal(p.full_tensor(), b)
 
 
 def test_a_loss_term_on_a_weight_outside_forward_reaches_the_shard_or_raises():

@@ -74,7 +74,8 @@ def dist_tensor_run(name, kw, n):
         out = ddp(wb.shard_tensor(batch(name, step), mesh, [wb.Shard(0)]))
         buckets.append(ddp.bucket_names)
         loss(out).backward()        # summed when backward returns, as torch DDP (habits5)
-    return buckets, {k[len("module."):]: p.grad.reshape(p.shape[1:])   # torch DDP's names
+    # torch DDP's names; the module's gradient (p.shape is the module's: habits15)
+    return buckets, {k[len("module."):]: p.grad.full_tensor()
                      for k, p in ddp.named_parameters()}
 
 

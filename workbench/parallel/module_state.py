@@ -233,8 +233,10 @@ class ParallelModule:
                 clear_grad(t, set_to_none)
         for m in self.modules():        # wrapped by FullyShardedDataParallel: its shards
             for t in _shards(m).values():
-                if t.grad is not None:
-                    t.grad = None if set_to_none else t.grad.detach_().zero_()
+                # torch's rule (clear_grad): a gradient without history is not detached in
+                # place (fully_shard over tensor parallelism hands out an alias of it, which
+                # detach_() refused: "Can't detach views in-place", habits15)
+                clear_grad(t, set_to_none)
         for fn in self.__dict__.get("_wb_zero_grad_hooks", ()):    # e.g. DualPipe's copy 1
             fn(set_to_none)
 

@@ -78,11 +78,12 @@ def install(ddp) -> None:
         loc, how = p._local, _Replicas(p)
         loc._wb_shape, loc._wb_full = how.shape, how.full
         loc._wb_store = lambda v, loc=loc, how=how: how.store(v, loc)
-        if ddp.replicas.distributed:
-            continue                    # one replica per process: none to tell apart
-        loc._wb_replicas = (name, ddp.replicas.axes)
-        _SEEN[loc] = loc._version
-        as_replica_storage(loc)         # a user's numel / dim / norm: the module's (habits13)
+        if not ddp.replicas.distributed:    # (one replica per process: none to tell apart)
+            loc._wb_replicas = (name, ddp.replicas.axes)
+            _SEEN[loc] = loc._version
+        # a user's numel / dim / norm: the module's (habits13); under torch.distributed too,
+        # gathered over tp (habits15: this process's shard's, numel 9 for 18, silently)
+        as_replica_storage(loc)
 
 
 def _refuse_late_unfreeze(ddp, p, name):

@@ -67,7 +67,7 @@ from .flat_dims import flatten_dims
 from .flat_shards import flat_padded, tensor_places, unflat
 from .replaced_params import check_dist_places
 from .fsdp_dist_views import dp_minor, view_template
-from .fsdp_dist_habits import install_habits
+from .fsdp_dist_habits import install_habits, users_read_the_module
 from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
 from .ranks import RankGroup, check_module
@@ -213,6 +213,7 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
             # layout's optimizer takes); Zero3's stage optimizers keep the storage's
             from .fsdp_dist_habits import module_shaped_optimizer_states
             module_shaped_optimizer_states(self)
+        users_read_the_module(self)     # simulated ranks: a user's p.numel(), p.grad.mean()
 
     def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:
         """Each dp rank's chunk of a template's local storage ``loc`` (flattened, padded;
@@ -311,6 +312,13 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         full = full.expand(tuple(lead) + local)
         if full.dtype != compute:
             full = full.to(compute)              # per copy: its gradient cast back first
+        if type(full) is not torch.Tensor:
+            # the wrappers' own view of the shards (the module's values, one copy per dp
+            # rank) as a plain tensor, the same autograd graph: a user's read of
+            # module.weight after a forward is no storage read (laid_out_views refused
+            # torch.equal(model[2].bias.full(), ...) once the shards read as the module's)
+            with torch._C.DisableTorchFunctionSubclass():
+                full = full.as_subclass(torch.Tensor)
         full._wb_stale = self._gathered_message()
         # module.weight.requires_grad_(False) after a forward (the attribute is this copy
         # until the next one): the parameter frozen, and through its hook the shard the

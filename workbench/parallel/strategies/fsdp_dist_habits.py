@@ -61,7 +61,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import flush, mark
 from .flat_shards import unflat
 from .fsdp_dist_views import VIEW_NOTE, GradOf, relink, wrapper_names
-from .rank_grads import as_shard_grad
+from .rank_grads import as_gathered_grad, as_shard_grad
 
 __all__ = ["install_habits", "gathered", "module_shaped_optimizer_states"]
 
@@ -137,6 +137,33 @@ def module_shaped_optimizer_states(fsdp) -> None:
             how = _TPChunks(fsdp, i)
             shard._wb_shape, shard._wb_full, shard._wb_store = \
                 tuple(tmpl.shape), how.full, how.store
+
+
+def users_read_the_module(fsdp) -> None:
+    """Simulated ranks: a user's ``numel()`` / ``shape`` / reductions of a shard (and of
+    its gradient, a :class:`.rank_grads.GatheredGrad`) read the module parameter's global
+    tensor, gathered (the rule habits14 gave ``fully_shard`` over tensor parallelism; the
+    wrappers' own reads stay the storage's).  Before (habits15, ``Linear(3, 6), GELU,
+    Linear(6, 3)`` on 2 x 2): ``FullyShardedDataParallel`` / ``Zero3`` over DistTensors read
+    every rank's flat chunks, padding included: ``sum(p.numel())`` 52 for 45, the weight's
+    ``p.mean()`` -0.0489 for -0.0543, ``p.grad.abs().min()`` 0.  ``Zero3``'s shards get
+    no ``_wb_store``: its stage optimizers keep the storage's states.  Under
+    torch.distributed FSDP1's shards stay this process's flat piece (torch's
+    FlatParameter), ``fully_shard``'s gather (:mod:`.fully_shard_tp`)."""
+    if not fsdp.async_:
+        return
+    for i, (_, _, tmpl, shard) in enumerate(fsdp.entries):
+        if not isinstance(tmpl._local, torch.Tensor):
+            continue
+        if getattr(shard, "_wb_full", None) is None:
+            shard._wb_shape, shard._wb_full = tuple(tmpl.shape), _TPChunks(fsdp, i).full
+        shard._wb_gathers = "users"
+        if shard.requires_grad:
+            shard.register_post_accumulate_grad_hook(_gathered_grad)
+
+
+def _gathered_grad(shard) -> None:
+    shard.grad = as_gathered_grad(shard.grad, shard)
 
 
 def install_habits(fsdp) -> None:

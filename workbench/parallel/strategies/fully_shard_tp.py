@@ -144,16 +144,14 @@ def built(m):
         from .fully_shard_attrs import install
         install(w)                  # module.weight: the shards' value now
         module_shaped_optimizer_states(w)    # the optimizer's states: one device's shapes
-        for _, _, _, shard in w.entries:
-            # numel() / dim() / shape / a reduction of a shard or of its gradient read the
-            # module's parameter, gathered over dp then tp (FSDP2's DTensor over the 2-d
-            # mesh: its full tensor's; .laid_out_whole, habits13 under torch.distributed).
-            # Simulated ranks too (habits14; they were the storage's: numel 20 for 18,
-            # shape (2, 2, 5) for (6, 3)), the gradient a GatheredGrad
-            # ("users": the wrappers' own reads of the simulated storage stay its own)
-            shard._wb_gathers = "users" if w.async_ else True
-            if w.async_ and shard.requires_grad:
-                shard.register_post_accumulate_grad_hook(_gathered_grad)
+        if not w.async_:
+            for _, _, _, shard in w.entries:
+                # numel() / dim() / shape / a reduction of a shard or of its gradient read
+                # the module's parameter, gathered over dp then tp (FSDP2's DTensor over the
+                # 2-d mesh: its full tensor's; .laid_out_whole, habits13).  Simulated ranks:
+                # every DistTensorFSDP's shards, a user's reads (habits14, habits15:
+                # .fsdp_dist_habits.users_read_the_module)
+                shard._wb_gathers = True
         if w.async_:                # set_requires_gradient_sync(False): gradients held
             from .fully_shard_tp_units import install as sync_hooks
             sync_hooks(w)
@@ -164,11 +162,6 @@ def built(m):
             if s is not None and sub is not r:
                 s.owner = w
     return st.wrapper
-
-
-def _gathered_grad(shard) -> None:
-    from .rank_grads import as_gathered_grad
-    shard.grad = as_gathered_grad(shard.grad, shard)
 
 
 def build_above(module) -> None:

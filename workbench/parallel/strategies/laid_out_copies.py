@@ -80,10 +80,12 @@ def map_sharers(src, out, skip, wrap):
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
         got = [map_sharers(src, o, skip, wrap) for o in out]
         return type(out)(got) if type(out) in (tuple, list) else out
-    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, skip) or \
-            out.numel() == 0:
+    if not isinstance(out, torch.Tensor) or out is src or isinstance(out, skip):
         return out
     with torch._C.DisableTorchFunctionSubclass():
+        # the storage's numel: a subclass's numel() would be a user's read (laid_out_whole)
+        if out.numel() == 0:
+            return out
         shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
     return wrap(out, shares)
 

@@ -21,7 +21,10 @@ user's view of it (``p[0]``, ``p.T``) raises (the
 module's tensor is a gathered copy, no view of the storage).  Everything else, and every
 call from the wrappers' or DistTensor's own code (:func:`.laid_out_views.users_call`), runs
 on the storage as before, a plain result.  Under torch.distributed each process's replica
-is its tensor-parallel shard ``(1, 1, *local)`` and stays as it is.
+is its tensor-parallel shard ``(1, 1, *local)``, read the same way (habits15: a user's reads
+were that shard's, ``numel()`` 9 for 18, silently): the global tensor is gathered over tp,
+a collective every process of the mesh joins, so every process takes the same reads (as
+FSDP2's DTensor ``full_tensor()``).
 """
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ def module_view(func, args, kwargs, classes):
     if not getattr(p, "_wb_here", False):
         raise NotImplementedError(
             f"{name} of a fully_shard parameter (under torch.distributed, or over tensor "
-            f"parallelism): {p._wb_layout}, its storage a chunk, so it is no view of the whole "
+            "parallelism; FullyShardedDataParallel's and Zero3's over tensor parallelism too): "
+            f"{p._wb_layout}, its storage a chunk, so it is no view of the whole "
             "parameter (FSDP2's DTensor gives "
             "one).  Take it of p.full_tensor() (the whole parameter, a copy, gathered: every "
             "process calls it)")

@@ -145,11 +145,12 @@ def module_flat_view(func, args, params):
         return None
     if not getattr(p, "_wb_here", False):
         raise NotImplementedError(
-            f"p.view(-1) of a fully_shard parameter under torch.distributed: {p._wb_layout}, "
-            "this process's chunk, so it is no view of the whole parameter (FSDP2's DTensor "
-            "gives one; parameters_to_vector over the chunks would join each process's "
-            "own).  Read the whole parameter with p.full_tensor() (a copy, gathered: every "
-            "process calls it)")
+            "p.view(-1) of a fully_shard parameter (under torch.distributed, or over tensor "
+            "parallelism; FullyShardedDataParallel's and Zero3's over tensor parallelism "
+            f"too): {p._wb_layout}, its storage a chunk, so it is no view of the whole "
+            "parameter (FSDP2's DTensor gives one; parameters_to_vector over the chunks would "
+            "join the chunks, not the parameter).  Read the whole parameter with "
+            "p.full_tensor() (a copy, gathered: every process calls it)")
     with torch._C.DisableTorchFunctionSubclass():
         if not p.is_contiguous():
             return None

@@ -325,6 +325,19 @@ class ReplicaStorageGrad(ReplicaGrad):
         return self.__dict__.get("_wb_pshape")
 
     @staticmethod
+    def _norm(t, ord_, dtype):
+        """Under torch.distributed (each process's replica its tensor-parallel shard, whose
+        norm is no parameter's: ``_wb_refuse``) the norm of the gathered gradient, the same
+        on every process (each takes it, as each clips); it raised naming
+        ``wb.clip_grad_norm_`` (habits15: ``p.grad.norm()`` too).  Simulated ranks: one
+        copy's norm, as :class:`ReplicaGrad`'s."""
+        if getattr(t, "_wb_refuse", None) and t.__dict__.get("_wb_param_full") is not None:
+            full = ReplicaStorageGrad._wb_full(t)
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.linalg.vector_norm(full, ord_, dtype=dtype)
+        return _replica_norm(t, ord_, dtype)
+
+    @staticmethod
     def _wb_full(t):
         """The module parameter's gradient, gathered from the summed copies."""
         if not getattr(t, "_wb_synced", False):
