@@ -83,3 +83,29 @@ def test_linear_with_no_input_features_is_the_bias(xps, wps):
         got = F.linear(distribute(xs, MESH, xps if xs.dim() > 1 else [Replicate()], seed=2),
                        distribute(w, MESH, wps, seed=3), distribute(b, MESH, [Shard(0)]))
         torch.testing.assert_close(got.full(), F.linear(xs, w, b))
+
+
+@pytest.mark.parametrize("op", ["neg", "abs"])
+def test_a_unary_out_of_another_dtype_raises_as_torch(op):
+    # seed 941975: torch.neg(float64, out=float32 DistTensor) wrote a cast result where
+    # torch raises RuntimeError ("Found dtype Float but expected Double")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    f = getattr(torch, op)
+    with pytest.raises(RuntimeError):
+        f(x, out=torch.zeros(4, 3, dtype=torch.float32))
+    d = wb.shard_tensor(x, MESH, [Shard(0)])
+    z = wb.shard_tensor(torch.zeros(4, 3, dtype=torch.float32), MESH, [Shard(0)])
+    with pytest.raises(RuntimeError):
+        f(d, out=z)
+    assert torch.equal(z.full(), torch.zeros(4, 3)), "the refused write changed out"
+
+
+@pytest.mark.parametrize("op", ["add", "exp"])
+def test_a_binary_or_float_out_still_casts_as_torch(op):
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    f = (lambda a, out: torch.add(a, y, out=out)) if op == "add" else torch.exp
+    want = torch.zeros(4, 3, dtype=torch.float32)
+    f(x, out=want)
+    z = wb.shard_tensor(torch.zeros(4, 3, dtype=torch.float32), MESH, [Shard(0)])
+    f(wb.shard_tensor(x, MESH, [Shard(0)]), out=z)
+    torch.testing.assert_close(z.full(), want)

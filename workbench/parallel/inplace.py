@@ -28,6 +28,8 @@ from its own generator: seed them alike (``torch.manual_seed``), as torchrun scr
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import storage
@@ -377,6 +379,7 @@ def out_call(func, args, kwargs):
         raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
                            "automatic differentiation, but one of the arguments requires "
                            "grad; assign the result instead (y = op(...))")
+    _out_dtype_check(func, args, kwargs, out)
     res = func(*args, **kwargs)
     if not isinstance(res, (DistTensor, torch.Tensor)):
         raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
@@ -389,6 +392,36 @@ def out_call(func, args, kwargs):
         raise RuntimeError(f"{name}(out=...): result type {res.dtype} can't be cast to the "
                            f"desired output type {out.dtype}")
     return assign(out, res, name)
+
+
+def _empty_like(v):
+    """A zero-element CPU stand-in of a (Dist)Tensor: same dtype and number of dims."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_empty_like(u) for u in v)
+    if isinstance(v, (DistTensor, torch.Tensor)):
+        return torch.empty((0,) * v.dim(), dtype=v.dtype)
+    return v
+
+
+def _out_dtype_check(func, args, kwargs, out):
+    """Torch's dtype rule for ``out=``: most unary ops (neg, abs...) want the input's dtype
+    ("Found dtype Float but expected Double": TensorIterator's same-dtype check), float
+    ones and binary ops cast to an out they can cast to.  The meta kernels skip the check
+    for some ops (torch.neg on meta accepts a float32 out of a float64 input), so torch runs
+    it on zero-element CPU stand-ins; only its dtype errors are taken (shapes are judged on
+    the real result below)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            func(*_empty_like(tuple(args)), **{k: _empty_like(v) for k, v in kwargs.items()},
+                 out=torch.empty((0,) * out.dim(), dtype=out.dtype))
+    except RuntimeError as e:
+        if "dtype" in str(e) or "can't be cast" in str(e):
+            raise RuntimeError(f"{getattr(func, '__name__', func)}(out=...): {e} (torch's "
+                               "out= dtype rule). Fix: give an out of the result's dtype, "
+                               "or assign the result and cast it") from None
+    except Exception:            # noqa: BLE001 - the stand-ins' own errors: judged below
+        pass
 
 
 def inplace_kwarg(func, args, kwargs):
