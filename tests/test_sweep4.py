@@ -109,3 +109,25 @@ def test_a_binary_or_float_out_still_casts_as_torch(op):
     z = wb.shard_tensor(torch.zeros(4, 3, dtype=torch.float32), MESH, [Shard(0)])
     f(wb.shard_tensor(x, MESH, [Shard(0)]), out=z)
     torch.testing.assert_close(z.full(), want)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["copy_", "view_copy_"])
+@pytest.mark.parametrize("ps", [[Shard(0)], [Replicate()]], ids=str)
+def test_copy_of_a_tracked_value_over_a_tracked_result_gives_zero_grads(whole, ps):
+    # seed 941030: v = f(x).clone(); v.copy_(y) with y requiring grad: torch gives x a
+    # zero gradient (CopyBackwards); here x's history was dropped and x.grad was None
+    x, y = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    g = torch.randn(5, dtype=torch.float64)
+
+    def run(a, b):
+        v = (a.exp() * 2).clone()
+        v.copy_(b) if whole else v[1:].copy_(b[1:])
+        (v * g).sum().backward()
+    r, ry = x.clone().requires_grad_(), y.clone().requires_grad_()
+    run(r, ry)
+    d = wb.shard_tensor(x, MESH, ps).requires_grad_()
+    dy = wb.shard_tensor(y, MESH, [Replicate()]).requires_grad_()
+    run(d, dy)
+    assert d.grad is not None and dy.grad is not None
+    torch.testing.assert_close(d.grad.full(), r.grad)
+    torch.testing.assert_close(dy.grad.full(), ry.grad)

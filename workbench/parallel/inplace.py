@@ -133,7 +133,8 @@ def _like(y_loc, x_loc, nd: int):
 
 class _Overwrite(torch.autograd.Function):
     """``value`` written over ``old`` (a tensor with history): the result is ``value``
-    and requires grad as torch's in-place result does; ``old`` gets a zero gradient."""
+    and requires grad as torch's in-place result does; ``old`` gets a zero gradient, and
+    ``value`` (when it requires grad: x.copy_(y)) the result's."""
 
     @staticmethod
     def forward(ctx, value, old):
@@ -143,7 +144,8 @@ class _Overwrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape, dtype, device = ctx.old
-        return None, torch.zeros(shape, dtype=dtype, device=device)
+        return (grad if ctx.needs_input_grad[0] else None,
+                torch.zeros(shape, dtype=dtype, device=device))
 
 
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
@@ -189,9 +191,11 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
-        if x.requires_grad and not y.requires_grad:
-            # a constant written over a value with history (y.zero_(), y.fill_(v),
-            # y.copy_(plain)): x still requires grad, its old values get none, as torch
+        if x.requires_grad:
+            # a value written over a value with history (y.zero_(), y.fill_(v),
+            # y.copy_(plain), y.copy_(z) with z tracked): x still requires grad, its old
+            # values get a zero gradient, as torch's CopyBackwards gives (seed 941030: with
+            # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
             anchor = storage.tensors(x._local)[0]
             y = DistTensor(storage.map_tensors(y._local, lambda t: _Overwrite.apply(t, anchor)),
                            y.mesh, y.placements, y.shape, y.dtype, y.names)
