@@ -42,6 +42,7 @@ KNOWN = ()
 SLOW = ("slow_planning",)
 BINARY = ("add", "sub", "mul", "div", "maximum", "matmul", "cat", "stack")
 
+LOW = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 CLEAR = (ValueError, NotImplementedError)      # refusals with a message: not raw
 
 
@@ -74,6 +75,7 @@ class _Prog:
     def __init__(self, rng, avoid):
         self.rng, self.avoid = rng, set(avoid)
         self.lines, self.leaves, self.n, self.kind = [], [], 0, ""
+        self.low = False        # a step ran below float64 (the gradients' tolerance)
 
     def name(self):
         self.n += 1
@@ -120,6 +122,7 @@ class _Prog:
         held = d.full().detach()
         _close(held, x, "the leaf's held value", loose=True)
         r = held.clone().requires_grad_(grad)
+        self.low |= dtype in LOW
         nm = self.name()
         self.lines.append(f"{nm} = distribute(torch.tensor({x.tolist()}, dtype={dtype}), "
                           f"mesh, {[str(p) for p in ps]}, seed={seed}).requires_grad_({grad})")
@@ -294,9 +297,14 @@ def _refuses_as_torch(p, cur, txt, f, err):
     except type(err):
         pass
     except CLEAR as e:
+        p.lines.append(f"{txt}  # torch raises {type(err).__name__}")
         raise _Refused(f"{txt}: torch raised {type(err).__name__}, here "
                        f"{type(e).__name__}") from e
+    except Exception:
+        p.lines.append(f"{txt}  # torch raises {type(err).__name__}: {str(err)[:100]}")
+        raise
     else:
+        p.lines.append(f"{txt}  # torch raises {type(err).__name__}")
         raise _Wrong(f"{txt}: torch raised {type(err).__name__} ({str(err)[:120]}), "
                      f"here a result")
     for (nm, t), b in zip(tensors, before):
@@ -335,6 +343,7 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
                     continue
                 nm = p.name()
                 p.lines.append(f"{nm} = {txt}")
+                p.low |= ref.dtype in LOW
                 cur = (nm, f(cur[1]), ref)
                 _close(cur[1].full().detach(), ref.detach(), nm)
                 _close_locals(cur[1], ref.detach(), nm)
@@ -357,7 +366,9 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
                     continue
                 want = lr.grad if lr.grad is not None else torch.zeros_like(lr)
                 got = ld.grad.full() if ld.grad is not None else torch.zeros_like(lr)
-                _close(got, want, f"{ln}.grad")
+                # a gradient that went through a float32 step: a float32 sum's order
+                # shows in it (seed 941820: 6e-8 in a float64 0-d leaf's gradient)
+                _close(got, want, f"{ln}.grad", loose=p.low)
     except _Wrong as e:
         return Outcome("wrong", "\n".join(p.lines), str(e), kind=p.kind)
     except _Refused as e:       # torch's error, here a clear refusal of another type

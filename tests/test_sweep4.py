@@ -131,3 +131,17 @@ def test_copy_of_a_tracked_value_over_a_tracked_result_gives_zero_grads(whole, p
     assert d.grad is not None and dy.grad is not None
     torch.testing.assert_close(d.grad.full(), r.grad)
     torch.testing.assert_close(dy.grad.full(), ry.grad)
+
+
+@pytest.mark.parametrize("ps", [[Shard(0)], [Replicate()], [Partial("sum")]], ids=str)
+def test_setitem_of_a_tracked_float_into_an_int_tensor_is_torchs(ps):
+    # seed 941145: x_int[4:5] = y (float64, requires grad) raised a raw RuntimeError
+    # ("Autograd not support dtype: Long"); torch writes the truncated value
+    x = torch.arange(12).reshape(6, 2)
+    y = torch.tensor(2.75, dtype=torch.float64, requires_grad=True)
+    want = x.clone()
+    want[4:5] = y
+    d = distribute(x, MESH, ps, seed=5)
+    d[4:5] = wb.shard_tensor(y.detach(), MESH, [Replicate()]).requires_grad_()
+    assert d.dtype == torch.int64 and not d.requires_grad
+    assert torch.equal(d.full(), want)

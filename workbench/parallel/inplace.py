@@ -320,6 +320,10 @@ def setitem(x: DistTensor, index, value) -> None:
     from .placement import Replicate
     idx = _full_args(index if isinstance(index, tuple) else (index,))
     val = value.full() if isinstance(value, DistTensor) else value
+    if isinstance(val, torch.Tensor) and val.requires_grad and \
+            not (x.dtype.is_floating_point or x.dtype.is_complex):
+        val = val.detach()      # an integer x holds no gradient: torch writes the values
+        # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
 
     def judge():
         m = _meta_self(x)
