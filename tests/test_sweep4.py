@@ -145,3 +145,19 @@ def test_setitem_of_a_tracked_float_into_an_int_tensor_is_torchs(ps):
     d[4:5] = wb.shard_tensor(y.detach(), MESH, [Replicate()]).requires_grad_()
     assert d.dtype == torch.int64 and not d.requires_grad
     assert torch.equal(d.full(), want)
+
+
+def test_inplace_add_of_a_partial_into_a_slice_of_a_sharded_copy():
+    # the case tests/test_sweep4_dtensor.py does not hold to DTensor: every rank's local
+    # is its chunk of the one-device value
+    g = torch.Generator().manual_seed(18)
+    x = torch.randint(-4, 5, (5, 4), generator=g).double()
+    y = torch.randint(-4, 5, (4,), generator=g).double()
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    v = wb.shard_tensor(x, mesh, [Shard(0), Replicate()]).clone()
+    v[1:].add_(distribute(y, mesh, [Partial("sum"), Replicate()], seed=2))
+    w = x.clone()
+    w[1:].add_(y)
+    assert tuple(v.placements) == (Shard(0), Replicate())
+    for r, rows in ((0, w[:3]), (1, w[:3]), (2, w[3:]), (3, w[3:])):
+        torch.testing.assert_close(v.local(r), rows)
