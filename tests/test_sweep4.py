@@ -161,3 +161,19 @@ def test_inplace_add_of_a_partial_into_a_slice_of_a_sharded_copy():
     assert tuple(v.placements) == (Shard(0), Replicate())
     for r, rows in ((0, w[:3]), (1, w[:3]), (2, w[3:]), (3, w[3:])):
         torch.testing.assert_close(v.local(r), rows)
+
+
+def test_copy_over_an_uneven_tracked_result_keeps_every_cells_gradient():
+    # seed 941030: 5 rows on 3 ranks (cells of 2, 2, 1): only the first cell's old history
+    # got torch's gradient (logit's nan out of its domain); the others got zeros
+    mesh = wb.Mesh([2, 1, 0])
+    x = torch.tensor([-1.2, 0.65, -1.08, -0.31, 0.5], dtype=torch.float64)
+    y, g = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+
+    def run(a, b):
+        ((torch.logit(a) * 2).clone().copy_(b) * g).sum().backward()
+    r = x.clone().requires_grad_()
+    run(r, y.clone().requires_grad_())
+    d = wb.shard_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    run(d, wb.shard_tensor(y, mesh, [Replicate()]).requires_grad_())
+    torch.testing.assert_close(d.grad.full(), r.grad, equal_nan=True)

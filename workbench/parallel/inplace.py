@@ -137,15 +137,14 @@ class _Overwrite(torch.autograd.Function):
     ``value`` (when it requires grad: x.copy_(y)) the result's."""
 
     @staticmethod
-    def forward(ctx, value, old):
-        ctx.old = (old.shape, old.dtype, old.device)
+    def forward(ctx, value, *olds):       # every tensor of x's storage (uneven: per cell)
+        ctx.olds = [(o.shape, o.dtype, o.device) for o in olds]
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dtype, device = ctx.old
         return (grad if ctx.needs_input_grad[0] else None,
-                torch.zeros(shape, dtype=dtype, device=device))
+                *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.olds))
 
 
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
@@ -196,8 +195,14 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             # y.copy_(plain), y.copy_(z) with z tracked): x still requires grad, its old
             # values get a zero gradient, as torch's CopyBackwards gives (seed 941030: with
             # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
-            anchor = storage.tensors(x._local)[0]
-            y = DistTensor(storage.map_tensors(y._local, lambda t: _Overwrite.apply(t, anchor)),
+            olds, done = storage.tensors(x._local), []
+
+            def anchor(t):          # the first tensor of y carries every old one
+                if done:
+                    return t
+                done.append(t)
+                return _Overwrite.apply(t, *olds)
+            y = DistTensor(storage.map_tensors(y._local, anchor),
                            y.mesh, y.placements, y.shape, y.dtype, y.names)
         x._local = y._local
         if x._view is not None:
