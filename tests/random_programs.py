@@ -5,7 +5,9 @@ tensor (0-4 dims, sizes 0-9, float64) laid out by random placements (nested shar
 Partial of every reduce op, from unequal parts), then a chain of ops drawn from
 :data:`OPS` (new leaves join binary ops), running each op on the DistTensors and on
 plain tensors side by side (the kinds of tests/random_programs_more.py too: most of the
-op table, float32 / int64 / 0-d operands, in-place writes and views written in place);
+op table, float32 / int64 / 0-d operands, in-place writes and views written in place, and
+tests/random_programs_habits.py's: in-place ops on views, out=, calls torch refuses, which
+must raise torch's exception type here too with the program's tensors untouched);
 every intermediate result is gathered and compared, and so is every rank's local shard
 with its nested ``torch.chunk`` of the one-device value (DTensor's layout), then
 ``(out * g).sum()`` is backpropagated on both sides and the leaves' gradients compared.
