@@ -177,3 +177,14 @@ def test_copy_over_an_uneven_tracked_result_keeps_every_cells_gradient():
     d = wb.shard_tensor(x, mesh, [Shard(0)]).requires_grad_()
     run(d, wb.shard_tensor(y, mesh, [Replicate()]).requires_grad_())
     torch.testing.assert_close(d.grad.full(), r.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_max_of_an_empty_tensor_raises_torchs_error_type(kind):
+    # seeds 940195 and 6 more: x.max() of an empty DistTensor raised amax's IndexError
+    # where torch raises RuntimeError
+    x = torch.zeros(3, 0)
+    with pytest.raises(RuntimeError):
+        getattr(x, kind)()
+    with pytest.raises(RuntimeError):
+        getattr(wb.shard_tensor(x, MESH, [Shard(0)]), kind)()
