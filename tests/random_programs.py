@@ -256,6 +256,7 @@ def _close(got, want, what, loose=False):
     if got.dtype != want.dtype:
         raise _Wrong(f"{what}: dtype {got.dtype}, one device {want.dtype}")
     rtol, atol = 1e-6, 1e-8
+    loose = loose and (want.dtype.is_floating_point or want.dtype.is_complex)
     if loose or want.dtype in (torch.float32, torch.complex64):   # a float32 sum's order
         rtol, atol = 1e-4, 1e-5 * max(1.0, float(want.abs().nan_to_num(0, 0, 0).max())
                                       if want.numel() else 1.0)
@@ -278,7 +279,7 @@ def _chunk_local(x, mesh_shape, placements, coord):
     return t
 
 
-def _close_locals(d, want, what):
+def _close_locals(d, want, what, loose=False):
     """Every rank's local shard of ``d`` (no Partial) is its chunk of the one-device value."""
     if any(q.is_partial() for q in d.placements):
         return
@@ -286,7 +287,8 @@ def _close_locals(d, want, what):
     for coord in itertools.product(*[range(n) for n in ranks.shape]):
         _close(d.local(int(ranks[coord])).detach(),
                _chunk_local(want, tuple(ranks.shape), d.placements, coord),
-               f"{what} local shard at mesh {coord} ({[str(q) for q in d.placements]})")
+               f"{what} local shard at mesh {coord} ({[str(q) for q in d.placements]})",
+               loose)
 
 
 def _refuses_as_torch(p, cur, txt, f, err):
@@ -347,8 +349,10 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
                 p.lines.append(f"{nm} = {txt}")
                 p.low |= ref.dtype in LOW
                 cur = (nm, f(cur[1]), ref)
-                _close(cur[1].full().detach(), ref.detach(), nm)
-                _close_locals(cur[1], ref.detach(), nm)
+                # after a float32 step, its rounding shows in a float64 value too (seed
+                # 970803: a float32 P(sum) sum stacked with a float64 tensor, 1.2e-7)
+                _close(cur[1].full().detach(), ref.detach(), nm, loose=p.low)
+                _close_locals(cur[1], ref.detach(), nm, loose=p.low)
                 break
         nm, d, r = cur
         if r.requires_grad and r.is_floating_point():

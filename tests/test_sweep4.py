@@ -188,3 +188,15 @@ def test_max_of_an_empty_tensor_raises_torchs_error_type(kind):
         getattr(x, kind)()
     with pytest.raises(RuntimeError):
         getattr(wb.shard_tensor(x, MESH, [Shard(0)]), kind)()
+
+
+@pytest.mark.parametrize("ps", [[Shard(0)], [Shard(1)], [Replicate()]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_cross_entropy_of_integer_logits_raises_as_torch(dtype, ps):
+    # seed 970628: F.cross_entropy(x.sort(0)[1], t) (int64 logits) returned a loss where
+    # torch raises NotImplementedError (no integer log_softmax kernel)
+    x, t = torch.ones(4, 2, dtype=dtype), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(NotImplementedError):
+        F.cross_entropy(x, t)
+    with pytest.raises(NotImplementedError):
+        F.cross_entropy(wb.shard_tensor(x, MESH, ps), t)
