@@ -200,3 +200,18 @@ def test_cross_entropy_of_integer_logits_raises_as_torch(dtype, ps):
         F.cross_entropy(x, t)
     with pytest.raises(NotImplementedError):
         F.cross_entropy(wb.shard_tensor(x, MESH, ps), t)
+
+
+@pytest.mark.parametrize("ps", [[Shard(0)], [Replicate()], [Shard(2)]], ids=str)
+def test_view_of_a_non_contiguous_dist_tensor_raises_as_torch(ps):
+    # seed 970294: x.permute(2, 1, 0).view(-1) returned a result where torch raises
+    x = torch.randn(4, 3, 4)
+    for f in (lambda t: t.permute(2, 1, 0).view(-1), lambda t: t.transpose(0, 1).view(12, 4)):
+        with pytest.raises(RuntimeError):
+            f(x)
+        with pytest.raises(RuntimeError):
+            f(wb.shard_tensor(x, MESH, ps))
+    for f in (lambda t: t.view(12, 4), lambda t: t.transpose(0, 1).reshape(-1),
+              lambda t: t.permute(2, 1, 0).contiguous().view(-1),
+              lambda t: t.transpose(1, 2).view(4, 4, 3)):
+        torch.testing.assert_close(f(wb.shard_tensor(x, MESH, ps)).full(), f(x))
