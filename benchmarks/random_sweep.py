@@ -8,7 +8,8 @@ generator of the property test (tests/test_random_programs.py), here with none o
 known bugs kept off (``--avoid`` names generator guards to keep, e.g. ``slow_planning``:
 no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  Outcomes:
 
-* wrong: the result or a gradient differs from one device, and nothing was raised;
+* wrong: the result or a gradient differs from one device, and nothing was raised (or
+  torch raised for the call and the DistTensor call returned a result);
 * raised: an exception other than ValueError / NotImplementedError (a raw IndexError,
   TypeError, RuntimeError... from inside workbench, where a clear error is due);
 * refused: a ValueError / NotImplementedError (listed, not counted as bugs).

@@ -1,8 +1,11 @@
 """Random SPMD programs (tests/random_programs.py) equal one device, forward and backward:
 random meshes (1-3 dims, up to 8 ranks, random rank order), tensors (0-4 dims), nested
-shards and Partial of every reduce op, chains drawn from 33 op kinds and the 201 more of
-tests/random_programs_more.py (type promotion, in-place writes, views written in place);
-every step's gathered value and every rank's local shard are held to one device.  The generator keeps off
+shards and Partial of every reduce op, chains drawn from 33 op kinds, the 201 more of
+tests/random_programs_more.py (type promotion, in-place writes, views written in place) and
+the 62 habits of tests/random_programs_habits.py (in-place ops on views, out=, promotion,
+broadcast masks, several index tensors, calls torch refuses); every step's gathered value
+and every rank's local shard are held to one device, and a call torch refuses must raise
+torch's exception type and leave the program's tensors as they were.  The generator keeps off
 nothing for correctness (the bugs of issue 10 it once avoided are fixed and each is
 reproduced below).  benchmarks/random_sweep.py runs 2,000 of
 these programs with nothing kept off."""

@@ -67,9 +67,15 @@ def _cases(n=48, seed=3):
 
 @pytest.mark.parametrize("name,mesh_shape,ins,seed", _cases())
 def test_locals_equal_dtensors(oracle, name, mesh_shape, ins, seed):  # noqa: F811
-    fn = OPS[name][0]
     g = torch.Generator().manual_seed(seed)
     xs = [(torch.randint(-4, 5, shape, generator=g).to(torch.float64), ps) for shape, ps in ins]
+    hold_to_dtensor(oracle, OPS[name][0], mesh_shape, xs)
+
+
+def hold_to_dtensor(oracle, fn, mesh_shape, xs):  # noqa: F811
+    """``fn`` of the ``(tensor, placements)`` inputs ``xs``: our result equals one device,
+    and every rank's local equals DTensor's redistributed to our output placements (the
+    full value when ours is left Partial); skips what DTensor cannot run."""
     world = math.prod(mesh_shape)
     wmesh = wb.Mesh(torch.arange(world).reshape(mesh_shape).tolist())
     ours = fn(*[_ours(x, wmesh, mesh_shape, ps) for x, ps in xs])

@@ -251,6 +251,10 @@ def _extremum(kind):
         if dim is None:
             if keepdim:
                 raise TypeError(f"{kind}(keepdim=True) needs a dim")
+            if input.numel() == 0:          # torch's error (amax's would be an IndexError)
+                raise RuntimeError(f"{kind}(): Expected reduction dim to be specified for "
+                                   "input.numel() == 0. Specify the reduction dim with the "
+                                   "'dim' argument.")
             return dispatch(red, (input, tuple(range(input.ndim))), None)
         if type(dim) is not int:
             raise TypeError(f"{kind}(dim={dim!r}): give an int dim")

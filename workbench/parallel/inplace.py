@@ -28,6 +28,8 @@ from its own generator: seed them alike (``torch.manual_seed``), as torchrun scr
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import storage
@@ -131,17 +133,18 @@ def _like(y_loc, x_loc, nd: int):
 
 class _Overwrite(torch.autograd.Function):
     """``value`` written over ``old`` (a tensor with history): the result is ``value``
-    and requires grad as torch's in-place result does; ``old`` gets a zero gradient."""
+    and requires grad as torch's in-place result does; ``old`` gets a zero gradient, and
+    ``value`` (when it requires grad: x.copy_(y)) the result's."""
 
     @staticmethod
-    def forward(ctx, value, old):
-        ctx.old = (old.shape, old.dtype, old.device)
+    def forward(ctx, value, *olds):       # every tensor of x's storage (uneven: per cell)
+        ctx.olds = [(o.shape, o.dtype, o.device) for o in olds]
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dtype, device = ctx.old
-        return None, torch.zeros(shape, dtype=dtype, device=device)
+        return (grad if ctx.needs_input_grad[0] else None,
+                *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.olds))
 
 
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
@@ -187,11 +190,19 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
-        if x.requires_grad and not y.requires_grad:
-            # a constant written over a value with history (y.zero_(), y.fill_(v),
-            # y.copy_(plain)): x still requires grad, its old values get none, as torch
-            anchor = storage.tensors(x._local)[0]
-            y = DistTensor(storage.map_tensors(y._local, lambda t: _Overwrite.apply(t, anchor)),
+        if x.requires_grad:
+            # a value written over a value with history (y.zero_(), y.fill_(v),
+            # y.copy_(plain), y.copy_(z) with z tracked): x still requires grad, its old
+            # values get a zero gradient, as torch's CopyBackwards gives (seed 941030: with
+            # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
+            olds, done = storage.tensors(x._local), []
+
+            def anchor(t):          # the first tensor of y carries every old one
+                if done:
+                    return t
+                done.append(t)
+                return _Overwrite.apply(t, *olds)
+            y = DistTensor(storage.map_tensors(y._local, anchor),
                            y.mesh, y.placements, y.shape, y.dtype, y.names)
         x._local = y._local
         if x._view is not None:
@@ -314,6 +325,10 @@ def setitem(x: DistTensor, index, value) -> None:
     from .placement import Replicate
     idx = _full_args(index if isinstance(index, tuple) else (index,))
     val = value.full() if isinstance(value, DistTensor) else value
+    if isinstance(val, torch.Tensor) and val.requires_grad and \
+            not (x.dtype.is_floating_point or x.dtype.is_complex):
+        val = val.detach()      # an integer x holds no gradient: torch writes the values
+        # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
 
     def judge():
         m = _meta_self(x)
@@ -377,6 +392,7 @@ def out_call(func, args, kwargs):
         raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
                            "automatic differentiation, but one of the arguments requires "
                            "grad; assign the result instead (y = op(...))")
+    _out_dtype_check(func, args, kwargs, out)
     res = func(*args, **kwargs)
     if not isinstance(res, (DistTensor, torch.Tensor)):
         raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
@@ -389,6 +405,36 @@ def out_call(func, args, kwargs):
         raise RuntimeError(f"{name}(out=...): result type {res.dtype} can't be cast to the "
                            f"desired output type {out.dtype}")
     return assign(out, res, name)
+
+
+def _empty_like(v):
+    """A zero-element CPU stand-in of a (Dist)Tensor: same dtype and number of dims."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_empty_like(u) for u in v)
+    if isinstance(v, (DistTensor, torch.Tensor)):
+        return torch.empty((0,) * v.dim(), dtype=v.dtype)
+    return v
+
+
+def _out_dtype_check(func, args, kwargs, out):
+    """Torch's dtype rule for ``out=``: most unary ops (neg, abs...) want the input's dtype
+    ("Found dtype Float but expected Double": TensorIterator's same-dtype check), float
+    ones and binary ops cast to an out they can cast to.  The meta kernels skip the check
+    for some ops (torch.neg on meta accepts a float32 out of a float64 input), so torch runs
+    it on zero-element CPU stand-ins; only its dtype errors are taken (shapes are judged on
+    the real result below)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            func(*_empty_like(tuple(args)), **{k: _empty_like(v) for k, v in kwargs.items()},
+                 out=torch.empty((0,) * out.dim(), dtype=out.dtype))
+    except RuntimeError as e:
+        if "dtype" in str(e) or "can't be cast" in str(e):
+            raise RuntimeError(f"{getattr(func, '__name__', func)}(out=...): {e} (torch's "
+                               "out= dtype rule). Fix: give an out of the result's dtype, "
+                               "or assign the result and cast it") from None
+    except Exception:            # noqa: BLE001 - the stand-ins' own errors: judged below
+        pass
 
 
 def inplace_kwarg(func, args, kwargs):

@@ -231,6 +231,14 @@ def _cross_entropy_parse(x, t, weight=None, size_average=None, ignore_index=-100
     if weight is not None:
         raise NotImplementedError("cross_entropy on DistTensors: class weights (weight=) are "
                                   "not supported; leave weight=None")
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        # torch's log_softmax has no integer kernel (the meta check does not see it): an
+        # integer input raised there and returned a loss here (seed 970628)
+        name = {torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool"}.get(
+            x.dtype, str(x.dtype))
+        raise NotImplementedError(f'"log_softmax_lastdim_kernel_impl" not implemented for '
+                                  f"'{name}': cross_entropy takes float logits. Fix: "
+                                  "x.float() (or x.to(torch.float32)) first")
     if t.dtype.is_floating_point:
         raise NotImplementedError("cross_entropy on DistTensors: class-probability targets "
                                   "are not supported; give class indices (int64)")

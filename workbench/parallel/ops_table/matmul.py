@@ -17,6 +17,7 @@ Rules for every mesh dim are combined (:func:`strategy.combine`).
 """
 from __future__ import annotations
 
+import math
 import string
 
 import torch
@@ -115,11 +116,26 @@ def matmul_rule(a, b):
     return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
 
 
+def same_dtype(name, *ts):
+    """torch's products do not promote: matmul / mm / bmm / linear / einsum of a float32 and
+    a float64 operand raise RuntimeError ("expected m1 and m2 to have the same dtype, but
+    got: float != double", ATen's mm / addmm checks).  Their meta kernels do not check it, so
+    the op table's meta check let it through: the local product promoted or raised by the
+    local layout (a zero-size shard: a float64 result, silently)."""
+    ds = [t.dtype for t in ts if getattr(t, "dtype", None) is not None]   # (Dist)Tensors
+    if len(set(ds)) > 1:
+        names = " != ".join(str(d).replace("torch.", "") for d in ds)
+        raise RuntimeError(f"{name}: expected m1 and m2 to have the same dtype, but got: "
+                           f"{names} (torch does not promote in a product, nor does autocast "
+                           f"cast float64). Fix: cast one operand, e.g. b.to(a.dtype)")
+
+
 def _matmul_parse(a, b):
     if a.dim() == 0 or b.dim() == 0:
         raise RuntimeError(f"both arguments to matmul need to be at least 1D, but they are "
                            f"{a.dim()}D and {b.dim()}D. Fix: use * (torch.mul) to scale by a "
                            "0-d tensor")
+    same_dtype("matmul", a, b)
     return (a, b), {}
 
 
@@ -128,6 +144,7 @@ def _mm_parse(name, ndim):
         if a.dim() != ndim or b.dim() != ndim:
             raise RuntimeError(f"{name}: expected {ndim}-D tensors, got {a.dim()}-D and "
                                f"{b.dim()}-D; torch.matmul broadcasts any shapes")
+        same_dtype(name, a, b)
         return (a, b), {}
     return parse
 
@@ -283,7 +300,7 @@ def _linear_plain(nd, ctx, x, w, b=None):
         # x's per-rank views (their traced all-reduce).
         x0 = x.select(0, 0) if nd == 1 else x[(0,) * nd]                    # (*batch, k)
         n, k = w.shape[-2], w.shape[-1]
-        y = F.linear(x0, w.reshape(-1, k))                                  # (*batch, L*n)
+        y = F.linear(x0, w.reshape(math.prod(w.shape[:-1]), k))    # (*batch, L*n); k may be 0
         nb = y.dim() - 1
         y = y.view(y.shape[:-1] + tuple(w.shape[:nd]) + (n,))               # (*batch, *lead, n)
         if nd == 1:
@@ -317,6 +334,7 @@ def _linear_parse(x, w, b=None):
     if w.dim() != 2 or x.dim() == 0:
         raise RuntimeError(f"linear: weight must be 2-D (out, in) and input at least 1-D; "
                            f"got input {tuple(x.shape)}, weight {tuple(w.shape)}")
+    same_dtype("linear", x, w, b)
     return (x, w, b), {}
 
 
@@ -340,6 +358,7 @@ def _einsum_parse(eq, *ops):
     if len(ops) not in (1, 2):
         raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
                                   "two-operand einsums (the rule is for one operand or two)")
+    same_dtype("einsum", *ops)
     eq = eq.replace(" ", "")
     if "..." in eq or "->" not in eq:
         torch.einsum(eq, *[torch.empty(tuple(o.shape), dtype=o.dtype, device="meta")
