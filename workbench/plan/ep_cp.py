@@ -204,6 +204,21 @@ def shares_zero_stream(lay) -> bool:
     return lay.cp > 1 and lay.dp == 1 and lay.zero >= 2
 
 
+def input_grad_gather(model, lay, prof) -> tuple:
+    """(seconds, bytes sent) per micro-batch of the input gradient's all-gather over cp in
+    this library's recipe: it splits the embedded sequence over cp (``recipes/
+    context_parallel.py``, ``to_ring_layout`` after a Replicate on cp), whose backward is
+    a blocking all-gather of the whole b s h activation on the cp group before the
+    embedding's backward (measured on the dry run's trace: 16.3 us at cp 2, 23.0 at cp 4,
+    alike with tp and sp, and at dp >= 2); (0, 0) at cp = 1 or another framework
+    (Megatron-LM and torchtitan slice the batch over cp before the embedding)."""
+    if lay.cp == 1 or lay.engine != "workbench":
+        return 0.0, 0.0
+    n = lay.micro_batch * model.seq_len * model.d_model * _cost_itemsize(model)
+    return (C.group_price("all_gather", n, X.ring_ranks(lay), prof),
+            wire_bytes("all_gather", n, lay.cp))
+
+
 def ring_program(model, lay, prof, attention, fp8=False):
     """The attention's cp exchange of one layer and micro-batch as the runtime orders it
     on the stream it shares with ZeRO (``shares_zero_stream``), for
@@ -242,15 +257,9 @@ def ring_program(model, lay, prof, attention, fp8=False):
 
     cp = lay.cp
     fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
-    # the input's gradient gathered over cp before the embedding's backward: the recipe
-    # splits the embedded sequence over cp (``recipes/context_parallel.py``, ``to_ring_
-    # layout`` after a Replicate on cp), whose backward is a blocking all-gather of the
-    # whole b s h activation on the cp group (measured on the dry run's trace: 16.3 us at
-    # cp 2, 23.0 at cp 4, alike with tp and sp); not in the layer's cost (nor, on another
-    # stream, in the estimate of dp >= 2): here it queues behind ZeRO's reduce-scatters
-    e = _cost_itemsize(model)
-    grad_in = C.group_price("all_gather", lay.micro_batch * model.seq_len * model.d_model * e,
-                            X.ring_ranks(lay), prof)
+    # the input's gradient gathered over cp (``input_grad_gather``): here it queues
+    # behind ZeRO's reduce-scatters on the stream they share
+    grad_in = input_grad_gather(model, lay, prof)[0]
     if lay.cp_comm == "a2a":
         ranks = X.ring_ranks(lay)
         q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
