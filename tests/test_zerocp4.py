@@ -10,7 +10,9 @@ source): step ratios dry run / estimate across small GPT / Llama layouts.
 - the input gradient's blocking all-gather over cp before the embedding's backward
   (16-23 us per micro-batch on the trace) was priced only where ZeRO's program on the cp
   group runs it (dp = 1, ZeRO-2/3): now at dp >= 2 and ZeRO-0/1 too
-  (``ep_cp.input_grad_gather``)."""
+  (``ep_cp.input_grad_gather``).
+- Ulysses' four index_select reorders around the attention kernel (balanced layout)
+  were unpriced in every a2a layout (``ep_cp._a2a_reorder``)."""
 import pytest
 
 from workbench.models.config import get_config
@@ -52,3 +54,12 @@ def test_input_gradient_gather_is_the_recipes_alone():
     assert t > 0 and sent == wire_bytes("all_gather", 1024 * 1024 * 2, 2)
     for other in (lay.replace(cp=1, dp=4), lay.replace(framework="megatron")):
         assert ep_cp.input_grad_gather(LLAMA, other, prof) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, cp=2, zero=0), dict(dp=1, cp=2, zero=1),
+                                dict(dp=2, cp=2, zero=1, recompute="op")],
+                         ids=["dp2-cp2-zero0", "dp1-cp2-zero1", "dp2-cp2-zero1-op"])
+def test_ulysses_reorders_are_priced(kw):
+    """Ulysses' four index_selects (load-balanced order <-> sequence order) around the
+    attention kernel, forward, recompute and backward (``ep_cp._a2a_reorder``)."""
+    assert _ratio(LLAMA, cp_comm="a2a", **kw) == pytest.approx(1.0, abs=0.01)

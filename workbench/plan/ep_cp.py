@@ -453,7 +453,33 @@ def _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows):
         out.append(("cp_a2a_qkv_o", phase, "all_to_all", a2a.forward, a2a.sent_forward, True))
     out.append(("cp_a2a_qkv_o_grad", "backward", "all_to_all", a2a.backward,
                 a2a.sent_backward, True))
+    reorder = _a2a_reorder(model, lay, prof)
+    if reorder:
+        for phase in phases:
+            out.append(("cp_a2a_reorder", phase, "data_movement", reorder, 0, False))
+        out.append(("cp_a2a_reorder_grad", "backward", "data_movement", reorder, 0, False))
     return out
+
+
+def _a2a_reorder(model, lay, prof) -> float:
+    """Seconds of the four reorders this library's Ulysses runs around the attention
+    kernel with the ring's load-balanced layout (``strategies/context_parallel_a2a.py``
+    ``ulysses_attention``: q, k, v put back in sequence order by ``torch.index_select``
+    after their all-to-alls, the output into ring order before its own; the recipe's
+    ``balanced=True``, ``recipes/context_parallel.py``), each priced as the op table
+    prices ``index_select`` (``ops_table/indexing.py``: ``costs.movement``, the input
+    and the int64 index read, the output written, one kernel, op class
+    "data_movement"); backward alike (index_select's backward reads the output's
+    gradient and the index, writes the input's).  0 for other frameworks (Megatron-LM's
+    and torchtitan's all-to-all layouts are not priced with this runtime's reorders)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.framework != "workbench":
+        return 0.0
+    e, b, S, d = _cost_itemsize(model), lay.micro_batch, model.seq_len, model.head_dim
+    ah = model.n_head // lay.tp // lay.cp
+    gh = (getattr(model, "n_kv_head", None) or model.n_head) // lay.tp // lay.cp
+    idx = 8 * S
+    return sum(_cost.compute_time(0, 2 * b * h * S * d * e + idx, prof, model.dtype,
+                                  "data_movement") for h in (ah, gh, gh, ah))
 
 
 def layer_cost(model, lay, prof, attention, fp8=False) -> "C.LayerCost":
