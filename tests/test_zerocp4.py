@@ -12,7 +12,11 @@ source): step ratios dry run / estimate across small GPT / Llama layouts.
   group runs it (dp = 1, ZeRO-2/3): now at dp >= 2 and ZeRO-0/1 too
   (``ep_cp.input_grad_gather``).
 - Ulysses' four index_select reorders around the attention kernel (balanced layout)
-  were unpriced in every a2a layout (``ep_cp._a2a_reorder``)."""
+  were unpriced in every a2a layout (``ep_cp._a2a_reorder``).
+- dp = 1 ZeRO-2/3 + cp with recompute was refused: the recomputed attention's exchange
+  now runs again on ZeRO's stream before the block's backward (``ep_cp._recomputed``);
+  ZeRO-2 "full" / "selective" and ZeRO-3 "selective" lifted (0.965-1.017 on
+  tests/test_zerocp3.py's 12 layouts each), ZeRO-3 "full" and "op" still refused."""
 import pytest
 
 from workbench.models.config import get_config
@@ -63,3 +67,28 @@ def test_ulysses_reorders_are_priced(kw):
     """Ulysses' four index_selects (load-balanced order <-> sequence order) around the
     attention kernel, forward, recompute and backward (``ep_cp._a2a_reorder``)."""
     assert _ratio(LLAMA, cp_comm="a2a", **kw) == pytest.approx(1.0, abs=0.01)
+
+
+RECOMPUTED = [(LLAMA, dict(zero=2, cp=4, recompute="full")),
+              (GPT, dict(zero=2, cp=2, cp_comm="a2a", recompute="full")),
+              (LLAMA, dict(zero=3, cp=4, cp_comm="a2a", recompute="selective")),
+              (GPT, dict(zero=3, cp=2, tp=2, cp_comm="a2a", recompute="selective")),
+              (GPT, dict(zero=2, cp=4, tp=2, recompute="selective"))]
+
+
+@pytest.mark.parametrize("cfg,kw", RECOMPUTED, ids=lambda x: x.arch if hasattr(x, "arch")
+                         else "-".join(f"{k}{v}" for k, v in x.items()))
+def test_dp1_zero_cp_with_recompute_agrees_with_the_dry_run(cfg, kw):
+    """Was: estimate raised "... dp=1 and recompute=... is not modeled"."""
+    lay = Layout(dp=1, framework="workbench", global_batch=2, **kw)
+    cl = Cluster("a100", lay.world)
+    dr, est = dry_run(cfg, lay, cl), estimate(cfg, lay, cl, attention="flash")
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.05)
+    for k in ("params", "grads", "optimizer", "buffers", "activations", "total"):
+        assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
+
+
+def test_dp1_zero3_cp_full_recompute_is_still_refused():
+    lay = Layout(dp=1, cp=2, zero=3, recompute="full", framework="workbench", global_batch=2)
+    with pytest.raises(ValueError, match=r"recompute='full' is not modeled"):
+        estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")

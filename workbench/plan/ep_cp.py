@@ -91,8 +91,12 @@ def check_zero_cp(lay) -> None:
     (``ring_program``, ``zero_cost.run_program``; refused before, measured 1.04-1.35x;
     now dry run / estimate step 0.969-1.025 on tests/test_zerocp3.py's 44 Llama and GPT
     layouts, ZeRO-2 and 3, cp 2 and 4, tp 1 and 2, sp, ring and a2a; memory within
-    0.04%).  Refused with the fix: dp = 1 with recompute (the recomputed attention's
-    exchange on ZeRO's stream, not modeled); ZeRO-3 with the Llama's recompute "op"
+    0.04%).  With recompute at dp = 1 the recomputed attention's exchange runs again
+    before the block's backward on that stream (``_recomputed``): ZeRO-2 with "full" or
+    "selective", ZeRO-3 with "selective", dry run / estimate 0.965-1.017 on those 24
+    layouts (tests/test_zerocp4.py).  Refused: dp = 1 with "op", and ZeRO-3 with "full"
+    (its re-gathered blocks, ``zero_cost.recipe_blocks``, do not take the ring program);
+    ZeRO-3 with the Llama's recompute "op"
     (torchtitan's op-level checkpointing), where the dry run runs it but the estimate is
     not within 5% of it on every block: with the recomputed ring's sends and merges (or
     Ulysses' all-to-alls) priced (``_op_sac_ring``, ``_a2a_rows``: 1.031-1.103 -> 1.031-
@@ -105,12 +109,12 @@ def check_zero_cp(lay) -> None:
     attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
-    if lay.dp == 1 and lay.recompute != "none":
+    if lay.dp == 1 and (lay.recompute == "op" or (lay.recompute == "full" and lay.zero == 3)):
         raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
                          f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
                          f"group, whose one stream the recomputed attention's exchange waits "
                          f"on behind ZeRO's collectives: plan/ep_cp.py check_zero_cp); use "
-                         f"recompute='none', dp >= 2 or zero<=1")
+                         f"recompute='none', dp >= 2 or zero<=1 (or recompute='selective')")
     if lay.zero == 3 and lay.recompute == "op":
         raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
                          f"modeled (the dry run of this library's runtime measured up to "
@@ -242,7 +246,7 @@ def ring_program(model, lay, prof, attention, fp8=False):
     tests/test_zerocp3.py)."""
     if not shares_zero_stream(lay) or lay.engine != "workbench":
         return None
-    if lay.recompute != "none":
+    if lay.recompute not in ("none", "full", "selective"):
         raise ValueError(f"ring_program: recompute={lay.recompute!r} re-runs the exchange on "
                          f"ZeRO's stream in backward, which is not modeled; use "
                          f"recompute='none' (check_zero_cp refuses it with the fix)")
@@ -266,9 +270,10 @@ def ring_program(model, lay, prof, attention, fp8=False):
                       for n in X.a2a_times(model, lay, prof).blocks)
         fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
         bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
-        return dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
+        return _recomputed(rows, dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
-                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
+                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward")),
+                    ("flash_attention",), ("cp_a2a_qkv_o",))
     rt = X.ring_times(model, _mini(lay), prof)
     half_f, merge = rt.half_forward - rt.merge, rt.merge
     half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
@@ -291,11 +296,24 @@ def ring_program(model, lay, prof, attention, fp8=False):
             bwd.append(("wait", ("dkv", t - 1)))
         bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
     bwd.append(("wait", ("dkv", cp - 1)))
-    return dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
+    return _recomputed(rows, dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
                 fwd_compute=fa + row("cp_ring_attention", "forward"),
                 fwd_comm=row("cp_ring_kv_exposed", "forward"),
                 bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
-                bwd_comm=row("cp_ring_kv_grad_exposed", "backward"))
+                bwd_comm=row("cp_ring_kv_grad_exposed", "backward")),
+                ("flash_attention", "cp_ring_attention"), ("cp_ring_kv_exposed",))
+
+
+def _recomputed(rows, prog, compute, comm):
+    """``ring_program``'s program with recompute: where the layer's cost re-runs the
+    attention (its rows of phase "recompute"), the forward program runs again before the
+    backward's, on the same stream."""
+    rc = [r for r in rows if r[1] == "recompute" and r[0] in compute + comm]
+    if not rc:
+        return prog
+    return dict(prog, bwd=tuple(prog["fwd"]) + tuple(prog["bwd"]),
+                bwd_compute=prog["bwd_compute"] + sum(r[3] for r in rc if r[0] in compute),
+                bwd_comm=prog["bwd_comm"] + sum(r[3] for r in rc if r[0] in comm))
 
 
 def _cost_itemsize(model) -> int:
