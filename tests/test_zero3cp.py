@@ -72,10 +72,12 @@ def test_what_is_not_priced_is_refused_with_the_fix():
                                          r"not modeled.*use recompute='none', dp >= 2"):
         estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
     assert dry_run(LLAMA, lay, Cluster("a100", 2)).step_time > 0
-    with pytest.raises(ValueError, match=r"zero=2 with cp=4, dp=1 and recompute='selective'"):
-        estimate(LLAMA, Layout(dp=1, cp=4, zero=2, recompute="selective",
+    with pytest.raises(ValueError, match=r"zero=3 with cp=4, dp=1 and recompute='op'"):
+        estimate(LLAMA, Layout(dp=1, cp=4, zero=3, recompute="op",
                                framework="workbench", global_batch=1),
                  Cluster("a100", 4), attention="flash")
+    # (dp = 1 ZeRO-2 with "full" / "selective", ZeRO-3 with "selective": priced since,
+    # tests/test_zerocp4.py)
     # recompute "op": the dry run runs it, the estimate measured up to 1.10x off (sp);
     # recompute "full" / "selective" are priced and held to the dry run (test_cprecomp.py)
     lay = Layout(dp=2, cp=2, zero=3, recompute="op", framework="workbench", global_batch=4)

@@ -59,8 +59,10 @@ def test_dp1_estimate_agrees_with_the_dry_run(cfg, kw):
 
 
 def test_dp1_with_recompute_is_still_refused_with_the_fix():
-    lay = Layout(dp=1, cp=2, zero=2, recompute="full", framework="workbench", global_batch=2)
-    with pytest.raises(ValueError, match=r"zero=2 with cp=2, dp=1 and recompute='full' is "
+    # (ZeRO-2 with "full" / "selective" and ZeRO-3 with "selective": priced since,
+    # tests/test_zerocp4.py)
+    lay = Layout(dp=1, cp=2, zero=3, recompute="full", framework="workbench", global_batch=2)
+    with pytest.raises(ValueError, match=r"zero=3 with cp=2, dp=1 and recompute='full' is "
                                          r"not modeled.*use recompute='none'"):
         estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
 

@@ -91,8 +91,12 @@ def check_zero_cp(lay) -> None:
     (``ring_program``, ``zero_cost.run_program``; refused before, measured 1.04-1.35x;
     now dry run / estimate step 0.969-1.025 on tests/test_zerocp3.py's 44 Llama and GPT
     layouts, ZeRO-2 and 3, cp 2 and 4, tp 1 and 2, sp, ring and a2a; memory within
-    0.04%).  Refused with the fix: dp = 1 with recompute (the recomputed attention's
-    exchange on ZeRO's stream, not modeled); ZeRO-3 with the Llama's recompute "op"
+    0.04%).  With recompute at dp = 1 the recomputed attention's exchange runs again
+    before the block's backward on that stream (``_recomputed``): ZeRO-2 with "full" or
+    "selective", ZeRO-3 with "selective", dry run / estimate 0.965-1.017 on those 24
+    layouts (tests/test_zerocp4.py).  Refused: dp = 1 with "op", and ZeRO-3 with "full"
+    (its re-gathered blocks, ``zero_cost.recipe_blocks``, do not take the ring program);
+    ZeRO-3 with the Llama's recompute "op"
     (torchtitan's op-level checkpointing), where the dry run runs it but the estimate is
     not within 5% of it on every block: with the recomputed ring's sends and merges (or
     Ulysses' all-to-alls) priced (``_op_sac_ring``, ``_a2a_rows``: 1.031-1.103 -> 1.031-
@@ -105,12 +109,12 @@ def check_zero_cp(lay) -> None:
     attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
     if lay.cp == 1 or lay.zero < 2:
         return
-    if lay.dp == 1 and lay.recompute != "none":
+    if lay.dp == 1 and (lay.recompute == "op" or (lay.recompute == "full" and lay.zero == 3)):
         raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
                          f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
                          f"group, whose one stream the recomputed attention's exchange waits "
                          f"on behind ZeRO's collectives: plan/ep_cp.py check_zero_cp); use "
-                         f"recompute='none', dp >= 2 or zero<=1")
+                         f"recompute='none', dp >= 2 or zero<=1 (or recompute='selective')")
     if lay.zero == 3 and lay.recompute == "op":
         raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
                          f"modeled (the dry run of this library's runtime measured up to "
@@ -204,6 +208,21 @@ def shares_zero_stream(lay) -> bool:
     return lay.cp > 1 and lay.dp == 1 and lay.zero >= 2
 
 
+def input_grad_gather(model, lay, prof) -> tuple:
+    """(seconds, bytes sent) per micro-batch of the input gradient's all-gather over cp in
+    this library's recipe: it splits the embedded sequence over cp (``recipes/
+    context_parallel.py``, ``to_ring_layout`` after a Replicate on cp), whose backward is
+    a blocking all-gather of the whole b s h activation on the cp group before the
+    embedding's backward (measured on the dry run's trace: 16.3 us at cp 2, 23.0 at cp 4,
+    alike with tp and sp, and at dp >= 2); (0, 0) at cp = 1 or another framework
+    (Megatron-LM and torchtitan slice the batch over cp before the embedding)."""
+    if lay.cp == 1 or lay.engine != "workbench":
+        return 0.0, 0.0
+    n = lay.micro_batch * model.seq_len * model.d_model * _cost_itemsize(model)
+    return (C.group_price("all_gather", n, X.ring_ranks(lay), prof),
+            wire_bytes("all_gather", n, lay.cp))
+
+
 def ring_program(model, lay, prof, attention, fp8=False):
     """The attention's cp exchange of one layer and micro-batch as the runtime orders it
     on the stream it shares with ZeRO (``shares_zero_stream``), for
@@ -227,7 +246,7 @@ def ring_program(model, lay, prof, attention, fp8=False):
     tests/test_zerocp3.py)."""
     if not shares_zero_stream(lay) or lay.engine != "workbench":
         return None
-    if lay.recompute != "none":
+    if lay.recompute not in ("none", "full", "selective"):
         raise ValueError(f"ring_program: recompute={lay.recompute!r} re-runs the exchange on "
                          f"ZeRO's stream in backward, which is not modeled; use "
                          f"recompute='none' (check_zero_cp refuses it with the fix)")
@@ -242,24 +261,19 @@ def ring_program(model, lay, prof, attention, fp8=False):
 
     cp = lay.cp
     fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
-    # the input's gradient gathered over cp before the embedding's backward: the recipe
-    # splits the embedded sequence over cp (``recipes/context_parallel.py``, ``to_ring_
-    # layout`` after a Replicate on cp), whose backward is a blocking all-gather of the
-    # whole b s h activation on the cp group (measured on the dry run's trace: 16.3 us at
-    # cp 2, 23.0 at cp 4, alike with tp and sp); not in the layer's cost (nor, on another
-    # stream, in the estimate of dp >= 2): here it queues behind ZeRO's reduce-scatters
-    e = _cost_itemsize(model)
-    grad_in = C.group_price("all_gather", lay.micro_batch * model.seq_len * model.d_model * e,
-                            X.ring_ranks(lay), prof)
+    # the input's gradient gathered over cp (``input_grad_gather``): here it queues
+    # behind ZeRO's reduce-scatters on the stream they share
+    grad_in = input_grad_gather(model, lay, prof)[0]
     if lay.cp_comm == "a2a":
         ranks = X.ring_ranks(lay)
         q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
                       for n in X.a2a_times(model, lay, prof).blocks)
         fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
         bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
-        return dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
+        return _recomputed(rows, dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
-                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward"))
+                    bwd_comm=row("cp_a2a_qkv_o_grad", "backward")),
+                    ("flash_attention",), ("cp_a2a_qkv_o",))
     rt = X.ring_times(model, _mini(lay), prof)
     half_f, merge = rt.half_forward - rt.merge, rt.merge
     half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
@@ -282,11 +296,24 @@ def ring_program(model, lay, prof, attention, fp8=False):
             bwd.append(("wait", ("dkv", t - 1)))
         bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
     bwd.append(("wait", ("dkv", cp - 1)))
-    return dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
+    return _recomputed(rows, dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
                 fwd_compute=fa + row("cp_ring_attention", "forward"),
                 fwd_comm=row("cp_ring_kv_exposed", "forward"),
                 bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
-                bwd_comm=row("cp_ring_kv_grad_exposed", "backward"))
+                bwd_comm=row("cp_ring_kv_grad_exposed", "backward")),
+                ("flash_attention", "cp_ring_attention"), ("cp_ring_kv_exposed",))
+
+
+def _recomputed(rows, prog, compute, comm):
+    """``ring_program``'s program with recompute: where the layer's cost re-runs the
+    attention (its rows of phase "recompute"), the forward program runs again before the
+    backward's, on the same stream."""
+    rc = [r for r in rows if r[1] == "recompute" and r[0] in compute + comm]
+    if not rc:
+        return prog
+    return dict(prog, bwd=tuple(prog["fwd"]) + tuple(prog["bwd"]),
+                bwd_compute=prog["bwd_compute"] + sum(r[3] for r in rc if r[0] in compute),
+                bwd_comm=prog["bwd_comm"] + sum(r[3] for r in rc if r[0] in comm))
 
 
 def _cost_itemsize(model) -> int:
@@ -444,7 +471,33 @@ def _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows):
         out.append(("cp_a2a_qkv_o", phase, "all_to_all", a2a.forward, a2a.sent_forward, True))
     out.append(("cp_a2a_qkv_o_grad", "backward", "all_to_all", a2a.backward,
                 a2a.sent_backward, True))
+    reorder = _a2a_reorder(model, lay, prof)
+    if reorder:
+        for phase in phases:
+            out.append(("cp_a2a_reorder", phase, "data_movement", reorder, 0, False))
+        out.append(("cp_a2a_reorder_grad", "backward", "data_movement", reorder, 0, False))
     return out
+
+
+def _a2a_reorder(model, lay, prof) -> float:
+    """Seconds of the four reorders this library's Ulysses runs around the attention
+    kernel with the ring's load-balanced layout (``strategies/context_parallel_a2a.py``
+    ``ulysses_attention``: q, k, v put back in sequence order by ``torch.index_select``
+    after their all-to-alls, the output into ring order before its own; the recipe's
+    ``balanced=True``, ``recipes/context_parallel.py``), each priced as the op table
+    prices ``index_select`` (``ops_table/indexing.py``: ``costs.movement``, the input
+    and the int64 index read, the output written, one kernel, op class
+    "data_movement"); backward alike (index_select's backward reads the output's
+    gradient and the index, writes the input's).  0 for other frameworks (Megatron-LM's
+    and torchtitan's all-to-all layouts are not priced with this runtime's reorders)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.framework != "workbench":
+        return 0.0
+    e, b, S, d = _cost_itemsize(model), lay.micro_batch, model.seq_len, model.head_dim
+    ah = model.n_head // lay.tp // lay.cp
+    gh = (getattr(model, "n_kv_head", None) or model.n_head) // lay.tp // lay.cp
+    idx = 8 * S
+    return sum(_cost.compute_time(0, 2 * b * h * S * d * e + idx, prof, model.dtype,
+                                  "data_movement") for h in (ah, gh, gh, ah))
 
 
 def layer_cost(model, lay, prof, attention, fp8=False) -> "C.LayerCost":

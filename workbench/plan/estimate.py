@@ -265,10 +265,26 @@ def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
     starts as it ends); the cross-entropy and the cast's backward then run before the
     head's backward (its pre-backward hook prefetches on), measured on the dry run's
     trace (tests/test_zerocp3.py).  Returns (lead, beside) for ``zero_exposed``."""
-    if lay.engine == "workbench" and EC.shares_zero_stream(lay):
+    if _loss_queues(lay, cfg.tie_embeddings):
         head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
         return (edge["loss"][0] + head_f, edge["loss"][1]), edge["cast"][0] + head_f
     return edge["loss"], None
+
+
+def _loss_queues(lay: Layout, tied: bool) -> bool:
+    """Whether this library's loss splits around ZeRO's backward prefetch (``_loss_lead``'s
+    ``beside``): its count all-reduce queues behind the prefetch on ZeRO's stream while
+    the ops before it run beside.  Where ZeRO's group is the cp group
+    (``ep_cp.shares_zero_stream``); and with a tied head on one stage at ZeRO-3 where the
+    count's group is ZeRO's (``ep_cp.loss_waits``: dp alone): the head's GEMM belongs to
+    the embedding module, so the last module to end is the final norm and the prefetch is
+    issued then (``parallel/strategies/zero3_clock.py``), before the cross-entropy's
+    all-reduce (dry run's trace, GPT dp 2 ZeRO-3: the prefetch from 674 us, the
+    all-reduce at 1350 us behind it; tests/test_zerocp4.py)."""
+    if lay.engine != "workbench":
+        return False
+    return EC.shares_zero_stream(lay) or (tied and lay.pp == 1 and lay.zero == 3
+                                          and EC.loss_waits(lay))
 
 
 def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
@@ -340,8 +356,10 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     # on ZeRO's group (ep_cp.loss_waits), else runs beside it (lead)
     # (with a tied head too where ZeRO's group is the cp group: the backward's prefetch is
     # issued as the head's forward ends, before the loss's count all-reduce on that group,
-    # ep_cp.shares_zero_stream; measured on the dry run's trace, tests/test_zerocp3.py)
-    shared = lay.engine == "workbench" and EC.shares_zero_stream(lay)
+    # ep_cp.shares_zero_stream; measured on the dry run's trace, tests/test_zerocp3.py;
+    # and at ZeRO-3 with dp alone, the prefetch issued as the final norm ends:
+    # _loss_queues, tests/test_zerocp4.py)
+    shared = _loss_queues(lay, head_live)
     waits = lay.engine == "workbench" and (not head_live or shared) and EC.loss_waits(lay)
     recipe3 = lay.engine == "workbench" and lay.zero == 3 and (not waits or shared) \
         and overlap
@@ -508,6 +526,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
             comp, fwd = comp + sum(edge["first"]), fwd + edge["first"][0]
+            # the input gradient's blocking all-gather over cp before the embedding's
+            # backward (this library's recipe, ep_cp.input_grad_gather), where ZeRO's
+            # program on the cp group's stream does not run it (zero_cost.recipe_blocks)
+            if not (EC.shares_zero_stream(lay) and overlap):
+                g_t, g_sent = EC.input_grad_gather(cfg, lay, prof)
+                comm, sent = comm + g_t, sent + g_sent
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm
