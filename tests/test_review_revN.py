@@ -67,7 +67,7 @@ def test_fsdp_buffers_count_the_embedding_layernorm_in_the_root_unit():
     on, off = (_big(e, vocab_size=1_024_000) for e in (True, False))
     lay = wb.plan.Layout(dp=8, zero=3, recompute="full", micro_batch=1, global_batch=8,
                          framework="fsdp")
-    diff = MEM._fsdp_buffers(on, lay, 0, 8) - MEM._fsdp_buffers(off, lay, 0, 8)
+    diff = MEM._fsdp_buffers(on, lay, 0, 8)[0] - MEM._fsdp_buffers(off, lay, 0, 8)[0]
     assert diff == pytest.approx((2 + 2 + FSDP_REDUCE_BYTES) * 2 * on.d_model, rel=1e-9)
 
 
