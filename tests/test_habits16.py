@@ -6,6 +6,8 @@ held to one device's plain PyTorch (or a raise naming the fix), on simulated ran
    parameters read ``requires_grad`` True still (fully_shard's agreed): now the shard's.
 2. The DDP-over-TP view error said "every replica's shards" under torch.distributed too,
    where the storage is this process's tensor-parallel shard: worded for each case.
+3. ``nn.init.normal_`` on Zero3's shards over tensor parallelism raised (FSDP's gave one
+   device's draw): now one device's draw too (``_wb_draw_store``, laid_out._one_draw).
 """
 import pytest
 import torch
@@ -49,3 +51,32 @@ def test_ddp_over_tp_view_error_names_the_processs_shard_when_distributed():
     assert p._wb_distributed is False
     with torch.no_grad():
         assert p.detach()._wb_distributed is False
+
+
+@pytest.mark.parametrize("kind", ["fsdp_tp", "zero3_tp"])
+def test_normal_init_of_the_optimizers_parameters_is_one_devices_draw(kind):
+    """``nn.init.normal_`` on FSDP's / Zero3's shards over tensor parallelism (and on
+    ``p.data``): one device's draw of the module's shape, as torch's fully_shard-then-init;
+    the forward and a step after it one device's.  Before: Zero3 raised "in-place init of a
+    parameter after wrapping" (FSDP's a guard)."""
+    from .test_habits15 import assert_same_model, batches, mk, ref_backward
+    from .test_habits11 import close
+    ref, wr = mk(), Wrapped(kind)
+    ref.eval()
+    wr.w.eval()
+    ps = wr.params()
+    for draw in (ref, None):
+        torch.manual_seed(3)
+        with torch.no_grad():
+            torch.nn.init.normal_(ref[0].weight if draw is ref else ps[0], 0.0, 0.02)
+            torch.nn.init.normal_(ref[2].weight.data if draw is ref else ps[2].data, 1.0, 0.5)
+    assert_same_model(wr, ref)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        close(wr.out(x), ref(x))
+    opt, ro = wr.optimizer(), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wr.backward(x, y)
+    ref_backward(ref, x, y)
+    opt.step()
+    ro.step()
+    assert_same_model(wr, ref)

@@ -157,6 +157,10 @@ def users_read_the_module(fsdp) -> None:
             continue
         if getattr(shard, "_wb_full", None) is None:
             shard._wb_shape, shard._wb_full = tuple(tmpl.shape), _TPChunks(fsdp, i).full
+        if getattr(shard, "_wb_store", None) is None:
+            # Zero3's (no _wb_store): nn.init.normal_(p) one device's draw cut into the
+            # chunks, as FSDP's (laid_out._one_draw; it raised, habits16)
+            shard._wb_draw_store = _TPChunks(fsdp, i).store
         shard._wb_gathers = "users"
         if shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_gathered_grad)
