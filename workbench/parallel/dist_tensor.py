@@ -175,6 +175,13 @@ class DistTensor:
     # ---- autograd ----------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
+        ts = storage.tensors(self._local)
+        # FSDP / Zero3 over DistTensors: the template's flag is its shard's, the leaf the
+        # optimizer steps (fsdp_dist_habits: frozen through opt's parameter, the module's
+        # read True, habits16)
+        of = ts[0].__dict__.get("_wb_requires_grad_of")
+        if of is not None:
+            return of.requires_grad
         return storage.requires_grad(self._local)
 
     @property

@@ -78,6 +78,7 @@ def install(ddp) -> None:
         loc, how = p._local, _Replicas(p)
         loc._wb_shape, loc._wb_full = how.shape, how.full
         loc._wb_store = lambda v, loc=loc, how=how: how.store(v, loc)
+        loc._wb_distributed = ddp.replicas.distributed     # (a view's error says so)
         if not ddp.replicas.distributed:    # (one replica per process: none to tell apart)
             loc._wb_replicas = (name, ddp.replicas.axes)
             _SEEN[loc] = loc._version

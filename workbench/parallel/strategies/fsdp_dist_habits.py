@@ -157,6 +157,10 @@ def users_read_the_module(fsdp) -> None:
             continue
         if getattr(shard, "_wb_full", None) is None:
             shard._wb_shape, shard._wb_full = tuple(tmpl.shape), _TPChunks(fsdp, i).full
+        if getattr(shard, "_wb_store", None) is None:
+            # Zero3's (no _wb_store): nn.init.normal_(p) one device's draw cut into the
+            # chunks, as FSDP's (laid_out._one_draw; it raised, habits16)
+            shard._wb_draw_store = _TPChunks(fsdp, i).store
         shard._wb_gathers = "users"
         if shard.requires_grad:
             shard.register_post_accumulate_grad_hook(_gathered_grad)
@@ -184,6 +188,9 @@ def install_habits(fsdp) -> None:
             # its shard, the leaf the optimizer steps, frozen too (it was not: the
             # frozen parameter went on training)
             t._wb_on_requires_grad = shard.requires_grad_
+            # and the reverse: opt's parameter (the shard) frozen, the module's reads so
+            # (DistTensor.requires_grad reads the shard's flag; it read its own, True)
+            t._wb_requires_grad_of = shard
             if not fsdp.async_:         # its own storage: a write through .data would not
                 t._wb_data_stale = True     # reach the shards (habits._get_data refuses)
         if not fsdp.async_ and shard.requires_grad:
@@ -315,6 +322,8 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
                     b._wb_clip_refuse = a._wb_clip_refuse
                 if getattr(a, "_wb_clip_shard", None) is not None:
                     b._wb_clip_shard = a._wb_clip_shard
+                if getattr(a, "_wb_requires_grad_of", None) is not None:
+                    b._wb_requires_grad_of = a._wb_requires_grad_of
             for mod, attr in fsdp._places[i]:   # wb.dist_parameters: the attributes
                 object.__setattr__(mod, attr, fresh)
 

@@ -42,7 +42,8 @@ VIEW_NOTE = ("this parameter is a flat dp shard of ZeRO-3 over DistTensors, stor
              "fsdp.parameters()]) for torch.nn.utils.parameters_to_vector")
 
 # what a template's storage tensors carry for the habits (fsdp_dist_habits.install_habits)
-_MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of", "_wb_clip_shard")
+_MARKS = ("_wb_stale", "_wb_clip_refuse", "_wb_grad_of", "_wb_clip_shard",
+          "_wb_requires_grad_of")
 
 
 def _moves(axis) -> tuple:

@@ -113,7 +113,7 @@ class LaidOutParameter(nn.Parameter):
         elif func is torch.eye:
             target = kwargs.get("out")
         if func is init.normal_ and isinstance(target, _LAID_OUT) and \
-                getattr(target, "_wb_store", None) is not None:
+                _draw_store(target) is not None:
             before_write(_owner(target))
             out = _one_draw(func, target, args, kwargs)
             after_write(_owner(target))     # every row the draw (DDP): what is seen now
@@ -285,7 +285,8 @@ def _guard_views(src, out, func=None, module=False):
     return map_sharers(src, out, _LAID_OUT, wrap)
 
 
-_ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_same_draw", "_wb_rows",
+_ATTRS = ("_wb_layout", "_wb_shape", "_wb_full", "_wb_store", "_wb_draw_store",
+          "_wb_same_draw", "_wb_rows",
           "_wb_src", "_wb_view_note", "_wb_here", "_wb_gathers")
 
 
@@ -329,8 +330,16 @@ def _one_draw(func, p, args, kwargs):
         if getattr(p, "_wb_same_draw", None) is not None:
             p._wb_same_draw(fresh)      # torch.distributed: rank 0's draw on every process
         with torch.no_grad():
-            p.copy_(p._wb_store(fresh))
+            p.copy_(_draw_store(p)(fresh))
     return p
+
+
+def _draw_store(p):
+    """How a module-shaped value goes into ``p``'s storage for :func:`_one_draw`: its
+    ``_wb_store``, or (Zero3 over DistTensors, whose shards keep the storage's optimizer
+    states, so carry no ``_wb_store``) ``_wb_draw_store``; None: no draw here."""
+    store = getattr(p, "_wb_store", None)
+    return store if store is not None else getattr(p, "_wb_draw_store", None)
 
 
 def _module_shaped_operands(func, args):

@@ -72,13 +72,9 @@ class ReplicaStorage(torch.Tensor):
                     raise TypeError("len() of a 0-d tensor")
                 return shape[0]
             if (func in VIEWS or _is(func, _PROPS)) and users_call(True, depth=-1):
-                raise NotImplementedError(
-                    f"{getattr(func, '__name__', 'a view')} of DistributedDataParallel's "
-                    f"parameter over tensor-parallel DistTensors: its storage holds every "
-                    f"replica's shards (shape {tuple(t.as_subclass(_T).shape)}), and the "
-                    f"module's {tuple(shape)} tensor is gathered from them, so no view of it "
-                    "exists here.  Read the module's parameter (model.<name>.full(), or "
-                    "ddp.state_dict()) and take the view of that copy")
+                raise NotImplementedError(view_refusal(
+                    getattr(func, '__name__', 'a view'), tuple(t.as_subclass(_T).shape),
+                    tuple(shape), getattr(t, "_wb_distributed", False)))
         if func in WHOLE and func not in NUMEL and users_call(depth=-1):
             done, out = _whole(func, args, kwargs)
             if done:
@@ -86,6 +82,22 @@ class ReplicaStorage(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return _keep(func, args, kwargs, out)
+
+
+def view_refusal(what: str, stored: tuple, shape: tuple, distributed: bool) -> str:
+    """Why a user's view (``what``) of a :class:`ReplicaStorage` raises: on simulated ranks
+    the storage holds every replica's shards; under torch.distributed (``distributed``)
+    this process's own tensor-parallel shard, the rest on the other processes (it said
+    "every replica's shards" there too, habits16)."""
+    held = (f"this process's tensor-parallel shard (shape {stored}), and the module's "
+            f"{shape} tensor is gathered from every tensor-parallel process's shard"
+            if distributed else
+            f"every replica's shards (shape {stored}), and the module's {shape} tensor is "
+            "gathered from them")
+    return (f"{what} of DistributedDataParallel's parameter over tensor-parallel "
+            f"DistTensors: its storage holds {held}, so no view of it exists here.  Read "
+            "the module's parameter (model.<name>.full(), or ddp.state_dict()) and take "
+            "the view of that copy")
 
 
 _KEEP = {_T.detach, torch.detach, _T.data.__get__}
@@ -108,6 +120,7 @@ def _keep(func, args, kwargs, out):
     with torch._C.DisableTorchFunctionSubclass():
         v = out.as_subclass(ReplicaStorage)
     v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
+    v._wb_distributed = getattr(src, "_wb_distributed", False)
     return v
 
 

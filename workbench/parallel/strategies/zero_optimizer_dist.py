@@ -443,7 +443,16 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         """Reduce-scatter the gradients (ZeRO-2: wait for those launched in backward),
         step the shards with ``optimizer``, all-gather them back into every replica; the
         replicas' gradients are then cleared.  ``closure`` runs first, once, with grad
-        enabled, and its loss is returned (as torch's ``step(closure)``)."""
+        enabled, and its loss is returned (as torch's ``step(closure)``).
+
+        Unlike torch's ``ZeroRedundancyOptimizer``, which keeps ``p.grad`` until
+        ``zero_grad`` (there DDP all-reduced it in backward: every rank holds the averaged
+        gradient), this one clears it: each replica's ``p.grad`` is its own rank's
+        un-reduced gradient (only the reduce-scattered shard is averaged; ZeRO-2 frees the
+        replica's in backward), so keeping it would hand a user's gradient-norm log one
+        rank's gradient, not one device's, and making it one device's would cost an
+        all-gather of the gradients that torch's ZeRO does not run (habits16).  Read the
+        norm with :meth:`clip_grad_norm_` before ``step()``."""
         loss = run_closure(self.optimizer_class, closure)   # once, grad enabled: torch's
         nd = self.mesh.ndim
         live = self.live()
